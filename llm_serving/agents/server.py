@@ -1,0 +1,285 @@
+"""The agent process: a TCP server whose commands go through a priority queue to one model worker.
+
+Threads: an acceptor, one reader per connection (frames -> queue), and the main thread, which pops the
+queue (control before prefill before decode, FIFO within a class) and runs each command. A watchdog
+exits the process when the master that started it is gone. The agent reports to its parent through a
+pipe, one JSON line per event: `listening` (with the bound port), `ready` (with the facts the master
+needs) or `failed` (with the traceback's last line).
+
+Run by the master as `python -m llm_serving.agents.server`; see AgentGroup for the environment it gets.
+"""
+from __future__ import annotations
+
+import hmac
+import itertools
+import json
+import logging
+import os
+import queue
+import socket
+import sys
+import threading
+import time
+import traceback
+
+import psutil
+
+from llm_serving.agents import protocol as proto
+from llm_serving.config import config_from_dict
+
+logger = logging.getLogger("llm_serving.agent")
+
+ENV_CONFIG = "LLM_SERVING_AGENT_CONFIG"    # JSON: {"config": {...}, "model_dir": str, "rank": int}
+ENV_TOKEN = "LLM_SERVING_AGENT_TOKEN"      # per-launch secret; never logged
+ENV_STATUS_FD = "LLM_SERVING_AGENT_STATUS_FD"
+
+
+class CommandQueue:
+    """Commands waiting for the worker: control before prefill before decode, FIFO within a class."""
+
+    def __init__(self):
+        self._queue: queue.PriorityQueue = queue.PriorityQueue()
+        self._order = itertools.count()
+
+    def put(self, frame: proto.Frame, conn=None, priority: int | None = None) -> None:
+        if priority is None:
+            priority = proto.PRIORITY.get(frame.command, 0)
+        self._queue.put((priority, next(self._order), frame, conn))
+
+    def get(self, timeout: float | None = None):
+        """Block (without spinning) until a command is there; returns (frame, conn)."""
+        _, _, frame, conn = self._queue.get(timeout=timeout)
+        return frame, conn
+
+    def __len__(self) -> int:
+        return self._queue.qsize()
+
+
+class Connection:
+    """One client socket; `authorized` after a '#' carrying the launch token."""
+
+    def __init__(self, sock: socket.socket, peer):
+        self.sock = sock
+        self.peer = peer
+        self.authorized = False
+        self.owns_shm = False
+        self._send_lock = threading.Lock()
+        self.closed = False
+
+    def send(self, data: bytes) -> None:
+        with self._send_lock:
+            if self.closed:
+                return
+            try:
+                self.sock.sendall(data)
+            except OSError:
+                self.close()
+
+    def close(self) -> None:
+        self.closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+class AgentServer:
+    def __init__(self, config, model_dir: str, rank: int, token: str, status_fd: int | None):
+        self.config = config
+        self.rank = rank
+        self.device_id = config.serving_config.start_device_id + rank
+        self.model_dir = model_dir
+        self._token = token
+        self._status_fd = status_fd
+        self._queue = CommandQueue()
+        self._stop = threading.Event()
+        self.worker = None
+        self.init_socket()
+        self.init_worker()
+        self.init_watchdog()
+
+    # --- start-up ----------------------------------------------------------------------------------
+
+    def init_socket(self) -> None:
+        sc = self.config.serving_config
+        self.listener = socket.create_server((sc.agent_ip, sc.agent_ports[self.rank]), reuse_port=False)
+        self.port = self.listener.getsockname()[1]
+        self.report("listening", port=self.port, pid=os.getpid())
+
+    def init_worker(self) -> None:
+        from llm_serving.agents.worker import Worker
+
+        t0 = time.perf_counter()
+        self.worker = Worker(self.config, self.model_dir, self.rank, self.device_id)
+        logger.info("agent %d: model loaded in %.1f s; compiling buckets", self.rank, time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        self.worker.warmup()
+        logger.info("agent %d: warmup done in %.1f s", self.rank, time.perf_counter() - t0)
+
+    def init_watchdog(self) -> None:
+        self._parent_pid = os.getppid()
+        threading.Thread(target=self._watch_parent, name="parent-watchdog", daemon=True).start()
+
+    def report(self, event: str, **fields) -> None:
+        if self._status_fd is None:
+            return
+        line = json.dumps({"event": event, **fields}) + "\n"
+        try:
+            os.write(self._status_fd, line.encode())
+        except OSError:
+            pass
+
+    # --- threads -----------------------------------------------------------------------------------
+
+    def _watch_parent(self) -> None:
+        while not self._stop.wait(0.5):
+            if os.getppid() != self._parent_pid or not psutil.pid_exists(self._parent_pid):
+                logger.warning("agent %d: master (pid %d) is gone; exiting", self.rank, self._parent_pid)
+                self._queue.put(proto.Frame(proto.EXIT, {"seq": None}), None, priority=-1)
+                if not self._stop.wait(5.0):  # the main thread is stuck in a step: leave anyway
+                    os._exit(1)
+                return
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                sock, peer = self.listener.accept()
+            except OSError:
+                return
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = Connection(sock, peer)
+            threading.Thread(target=self._read_loop, args=(conn,), name=f"conn-{peer}", daemon=True).start()
+
+    def _read_loop(self, conn: Connection) -> None:
+        while not conn.closed:
+            try:
+                frame = proto.recv_frame(conn.sock)
+            except proto.ProtocolError as exc:
+                logger.warning("agent %d: rejected frame from %s: %s", self.rank, conn.peer, exc)
+                conn.send(proto.reply(None, ok=False, error=f"rejected frame: {exc}"))
+                conn.close()  # framing is lost after a bad frame; the client must reconnect
+                break
+            except (ConnectionError, OSError):
+                conn.close()
+                break
+            if frame.command == proto.REPLY:
+                conn.send(proto.reply(frame.seq, ok=False, error="'R' is a reply, not a command"))
+                continue
+            if not conn.authorized and frame.command != proto.CONNECT:
+                logger.warning("agent %d: %r from %s before connect refused", self.rank, frame.command, conn.peer)
+                conn.send(proto.reply(frame.seq, ok=False, error="not connected: send '#' with the token first"))
+                conn.close()
+                break
+            if frame.command == proto.CONNECT and not self._token_ok(frame.payload.get("token")):
+                logger.warning("agent %d: connect with a wrong token from %s refused", self.rank, conn.peer)
+                conn.send(proto.reply(frame.seq, ok=False, error="connect refused: wrong token"))
+                conn.close()
+                break
+            conn.authorized = True  # the token is what authorizes; '#' itself is queued as control
+            self._queue.put(frame, conn)
+        if conn.owns_shm:
+            # the master's connection dropped: its buffers may be unlinked any moment
+            self._queue.put(proto.Frame("_detach", {"seq": None}), conn, priority=0)
+
+    def _token_ok(self, token) -> bool:
+        return isinstance(token, str) and hmac.compare_digest(token.encode(), self._token.encode())
+
+    # --- command handlers (main thread) ----------------------------------------------------------
+
+    def on_connect(self, frame, conn) -> dict:
+        names = frame.payload.get("shm")
+        if names is not None:
+            if not isinstance(names, dict):
+                raise ValueError("shm must be a mapping of array name to segment name")
+            self.worker.attach(names)
+            conn.owns_shm = True
+        cfg = self.worker.runner.config
+        return {"rank": self.rank, "pid": os.getpid(), "device_id": self.device_id,
+                "num_blocks": self.config.pa_config.num_blocks, "block_size": self.config.pa_config.block_size,
+                "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_position_embeddings}
+
+    def on_step(self, frame, conn) -> dict:
+        p = frame.payload
+        n = p.get("n")
+        s = p.get("s", 1) if frame.command == proto.PREFILL else 1
+        if not isinstance(n, int) or not isinstance(s, int):
+            raise ValueError("step needs integer n (rows) and s (tokens per row)")
+        self.worker.step(n, s)
+        return {"step": p.get("step")}
+
+    def on_health(self, frame, conn) -> dict:
+        return {"pid": os.getpid(), "rank": self.rank, "device_id": self.device_id,
+                "steps": self.worker.num_steps, "attached": self.worker.buffers is not None}
+
+    def on_reset(self, frame, conn) -> dict:
+        self.worker.reset()
+        return {}
+
+    def on_exit(self, frame, conn) -> dict:
+        self._stop.set()
+        return {}
+
+    def on_detach(self, frame, conn) -> dict:
+        self.worker.detach()
+        return {}
+
+    HANDLERS = {proto.CONNECT: on_connect, proto.PREFILL: on_step, proto.DECODE: on_step,
+                proto.HEALTH: on_health, proto.RESET: on_reset, proto.EXIT: on_exit, "_detach": on_detach}
+
+    def event_loop(self) -> None:
+        threading.Thread(target=self._accept_loop, name="acceptor", daemon=True).start()
+        self.report("ready", port=self.port, pid=os.getpid(), num_blocks=self.config.pa_config.num_blocks)
+        logger.info("agent %d ready on %s:%d (device %d)", self.rank, self.config.serving_config.agent_ip,
+                    self.port, self.device_id)
+        while not self._stop.is_set():
+            frame, conn = self._queue.get()
+            handler = self.HANDLERS[frame.command]
+            try:
+                out = proto.reply(frame.seq, ok=True, **handler(self, frame, conn))
+            except Exception as exc:  # a failed command fails only itself; the agent keeps serving
+                logger.error("agent %d: %r failed: %s", self.rank, frame.command, exc,
+                             exc_info=not isinstance(exc, ValueError))
+                out = proto.reply(frame.seq, ok=False, error=f"{type(exc).__name__}: {exc}")
+            if conn is not None:
+                conn.send(out)
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        try:
+            self.listener.close()
+        except OSError:
+            pass
+        if self.worker is not None:
+            self.worker.detach()
+
+
+def run_agent_process() -> int:
+    """Entry point of an agent process; tells the parent through the status pipe if start-up fails."""
+    logging.basicConfig(level=os.environ.get("LLM_SERVING_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    status_fd = int(os.environ[ENV_STATUS_FD]) if os.environ.get(ENV_STATUS_FD) else None
+    server = None
+    try:
+        spec = json.loads(os.environ[ENV_CONFIG])
+        token = os.environ.pop(ENV_TOKEN)
+        config = config_from_dict(spec["config"])
+        server = AgentServer(config, spec["model_dir"], int(spec["rank"]), token, status_fd)
+        server.event_loop()
+        return 0
+    except BaseException as exc:  # noqa: BLE001 - report anything, including KeyboardInterrupt
+        logger.error("agent failed: %s", traceback.format_exc())
+        if status_fd is not None:
+            line = json.dumps({"event": "failed", "error": f"{type(exc).__name__}: {exc}"}) + "\n"
+            try:
+                os.write(status_fd, line.encode())
+            except OSError:
+                pass
+        if server is not None:
+            server.shutdown()
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(run_agent_process())

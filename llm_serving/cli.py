@@ -1,0 +1,174 @@
+"""`llm-serving` command line: start | agent-ctl."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+logger = logging.getLogger("llm_serving")
+
+
+def _add_start(sub) -> None:
+    p = sub.add_parser("start", help="start the master, its agents and the HTTP server (foreground)")
+    p.add_argument("--config", help="YAML config file (default: built-in defaults)")
+    p.add_argument("--model", help="HuggingFace LLaMA directory to serve (config.json + safetensors + "
+                                   "tokenizer.model); served under the directory's name")
+    p.add_argument("--tokenizer", help="sentencepiece tokenizer.model (default: the model directory's)")
+    p.add_argument("--host", help="HTTP bind address (default serving_config.server_ip = 127.0.0.1)")
+    p.add_argument("--port", type=int, help="HTTP port (default serving_config.server_port = 8000)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a config key; the value is YAML, e.g. pa_config.num_blocks=64")
+    p.set_defaults(func=cmd_start)
+
+
+def _add_agent_ctl(sub) -> None:
+    p = sub.add_parser("agent-ctl", help="send a control command to a running agent")
+    p.add_argument("--port", type=int, required=True, help="the agent's TCP port")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--token", help="launch token (default: read from the runtime dir the master wrote it to)")
+    p.add_argument("command", choices=["health", "reset", "exit"])
+    p.set_defaults(func=cmd_agent_ctl)
+
+
+def build_config(args):
+    from llm_serving.config import load_config
+
+    overrides = list(args.set)
+    extra = []
+    if args.model:
+        extra.append(("model_config", "model_path", args.model))
+    if args.tokenizer:
+        extra.append(("tokenizer", "vocab_file", args.tokenizer))
+    if args.host:
+        extra.append(("serving_config", "server_ip", args.host))
+    if args.port is not None:
+        extra.append(("serving_config", "server_port", args.port))
+    return load_config(args.config, tuple(overrides) + tuple(extra))
+
+
+def resolve_model(config) -> tuple:
+    """(model directory, served name, tokenizer file), creating the default model when none is given."""
+    from llm_serving.config import ConfigError
+    from llm_serving.models.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+
+    mc = config.model_config
+    if mc.model_path is None:
+        model_dir = ensure_default_model()
+        name = mc.model_name or DEFAULT_MODEL_NAME
+    else:
+        model_dir = Path(mc.model_path).expanduser()
+        if not model_dir.is_dir() or not (model_dir / "config.json").is_file():
+            raise ConfigError(f"model_config.model_path={mc.model_path!r}: expected a HuggingFace LLaMA "
+                              "directory with config.json and *.safetensors")
+        name = mc.model_name or model_dir.resolve().name
+    vocab = config.tokenizer.vocab_file or str(model_dir / "tokenizer.model")
+    if not Path(vocab).is_file():
+        raise ConfigError(f"tokenizer.vocab_file={vocab!r}: no sentencepiece model there "
+                          "(pass --tokenizer or set tokenizer.vocab_file)")
+    return str(model_dir.resolve()), name, vocab
+
+
+async def serve(config, model_dir: str, model_name: str, vocab_file: str) -> None:
+    from aiohttp import web
+
+    from llm_serving.master.engine import Engine
+    from llm_serving.server.app import create_app
+    from llm_serving.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(vocab_file)
+    engine = Engine(config, tokenizer, model_dir, model_name)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    runner = None
+    try:
+        start = asyncio.create_task(engine.start())
+        waiter = asyncio.create_task(stop.wait())
+        await asyncio.wait({start, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        if not start.done():
+            start.cancel()
+            logger.info("stopped during start-up")
+            return
+        waiter.cancel()
+        start.result()
+        sc = config.serving_config
+        runner = web.AppRunner(create_app(engine), handler_cancellation=True, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, sc.server_ip, sc.server_port)
+        await site.start()
+        for sock in site._server.sockets:  # report the real port when 0 was asked for
+            host, port = sock.getsockname()[:2]
+            logger.info("serving model %r on http://%s:%d", model_name, host, port)
+        await stop.wait()
+        logger.info("shutting down")
+    finally:
+        if runner is not None:
+            await runner.cleanup()
+        await engine.stop()
+
+
+def cmd_start(args) -> int:
+    from llm_serving.config import ConfigError
+
+    try:
+        config = build_config(args)
+        model_dir, model_name, vocab_file = resolve_model(config)
+    except ConfigError as exc:
+        print(f"llm-serving: config error: {exc}", file=sys.stderr)
+        return 2
+    logger.info("model %r from %s", model_name, model_dir)
+    try:
+        asyncio.run(serve(config, model_dir, model_name, vocab_file))
+    except Exception as exc:  # start-up failures: say what failed, exit non-zero, leave nothing behind
+        logger.error("llm-serving failed: %s", exc)
+        return 1
+    return 0
+
+
+def cmd_agent_ctl(args) -> int:
+    from llm_serving.agents import protocol as proto
+    from llm_serving.master.agent_group import token_file
+
+    token = args.token
+    if token is None:
+        path = token_file(args.port)
+        if not path.is_file():
+            print(f"llm-serving agent-ctl: no token for port {args.port} at {path}; pass --token",
+                  file=sys.stderr)
+            return 2
+        token = path.read_text().strip()
+    letter = {"health": proto.HEALTH, "reset": proto.RESET, "exit": proto.EXIT}[args.command]
+    try:
+        with socket.create_connection((args.host, args.port), timeout=30) as sock:
+            proto.send_frame(sock, proto.CONNECT, {"seq": 0, "token": token, "shm": None})
+            answer = proto.recv_frame(sock).payload
+            if answer.get("ok"):
+                proto.send_frame(sock, letter, {"seq": 1})
+                answer = proto.recv_frame(sock).payload
+    except (OSError, ConnectionError, proto.ProtocolError) as exc:
+        print(f"llm-serving agent-ctl: cannot reach agent on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(answer))
+    return 0 if answer.get("ok") else 1
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=os.environ.get("LLM_SERVING_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser = argparse.ArgumentParser(prog="llm-serving", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    _add_start(sub)
+    _add_agent_ctl(sub)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,278 @@
+"""One configuration tree, loaded once from YAML (plus `--set section.key=value` overrides) and passed down.
+
+Section and key names follow MindSpore llm-serving's YAML where they mean the same thing
+(`model_config`, `serving_config`, `pa_config`, `tokenizer`; `agent_ports`, `start_device_id`,
+`server_ip`, `server_port`, `num_blocks`, `block_size`, `end_token`, `pad_token_id`, `vocab_file`,
+`seq_length`, `prefill_batch_size`, `decode_batch_size`, ...). Unknown keys are an error. A few
+llm-serving keys that describe its MindIR/Lite pipeline have no meaning here; they are accepted so
+that existing files load, and a warning says they are ignored.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import yaml
+
+logger = logging.getLogger(__name__)
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or out of range; the message names the key."""
+
+
+def _check(cond: bool, key: str, value: Any, why: str) -> None:
+    if not cond:
+        raise ConfigError(f"{key}={value!r}: {why}")
+
+
+def _check_int_list(key: str, value: Any, *, min_value: int = 1) -> list[int]:
+    _check(isinstance(value, list) and len(value) > 0, key, value, "must be a non-empty list of integers")
+    for v in value:
+        _check(isinstance(v, int) and not isinstance(v, bool) and v >= min_value, key, value,
+               f"every entry must be an integer >= {min_value}")
+    _check(len(set(value)) == len(value), key, value, "entries must be distinct")
+    return sorted(value)
+
+
+def _check_int(key: str, value: Any, *, min_value: int = 1) -> None:
+    _check(isinstance(value, int) and not isinstance(value, bool) and value >= min_value, key, value,
+           f"must be an integer >= {min_value}")
+
+
+@dataclass
+class ModelConfig:
+    """`model_config`: what model to serve and the static shapes its graphs are compiled for."""
+
+    model_path: Optional[str] = None          # HF LLaMA directory; None = the built-in default model
+    model_name: Optional[str] = None          # served name; default: the model directory's name
+    max_generate_length: int = 512            # prompt + generated tokens, per request
+    end_token: Union[int, list, None] = None  # stop token id(s); default: the tokenizer's EOS
+    pad_token_id: int = 0
+    vocab_size: Optional[int] = None          # if given, must match the checkpoint
+    seq_length: list = field(default_factory=lambda: [32, 128, 512])     # prefill tokens-per-row buckets
+    prefill_batch_size: list = field(default_factory=lambda: [1, 4])     # prefill rows buckets
+    decode_batch_size: list = field(default_factory=lambda: [1, 4, 8, 16, 32])
+    device_target: str = "CPU"
+    num_threads: Optional[int] = None         # MindSpore CPU threads per agent; None = MindSpore's default
+    model_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        _check_int("model_config.max_generate_length", self.max_generate_length, min_value=2)
+        _check_int("model_config.pad_token_id", self.pad_token_id, min_value=0)
+        if self.end_token is not None:
+            ids = self.end_token if isinstance(self.end_token, list) else [self.end_token]
+            _check_int_list("model_config.end_token", ids, min_value=0)
+        if self.vocab_size is not None:
+            _check_int("model_config.vocab_size", self.vocab_size)
+        self.seq_length = _check_int_list("model_config.seq_length", self.seq_length)
+        self.prefill_batch_size = _check_int_list("model_config.prefill_batch_size", self.prefill_batch_size)
+        self.decode_batch_size = _check_int_list("model_config.decode_batch_size", self.decode_batch_size)
+        _check(self.device_target in ("CPU", "Ascend"), "model_config.device_target", self.device_target,
+               "must be 'CPU' or 'Ascend'")
+        if self.num_threads is not None:
+            _check_int("model_config.num_threads", self.num_threads)
+        _check(self.model_dtype in ("float32", "DataType.FLOAT32"), "model_config.model_dtype",
+               self.model_dtype, "only float32 is supported on this build")
+        for key in ("model_path", "model_name"):
+            value = getattr(self, key)
+            _check(value is None or (isinstance(value, str) and value), f"model_config.{key}", value,
+                   "must be a non-empty string")
+
+    @property
+    def end_token_ids(self) -> Optional[list]:
+        if self.end_token is None:
+            return None
+        return list(self.end_token) if isinstance(self.end_token, list) else [self.end_token]
+
+
+@dataclass
+class ServingConfig:
+    """`serving_config`: processes, ports and the scheduler's budgets."""
+
+    server_ip: str = "127.0.0.1"
+    server_port: int = 8000
+    agent_ip: str = "127.0.0.1"
+    agent_ports: list = field(default_factory=lambda: [16002])
+    start_device_id: int = 0
+    max_num_seqs: int = 32                    # running sequences at once (<= largest decode bucket)
+    max_num_batched_tokens: int = 2048        # prompt tokens in one prefill step
+    max_waiting_requests: int = 1024          # queue bound; past it requests get 429
+    step_timeout_s: float = 120.0             # an agent that does not answer a step in time is dead
+    agent_start_timeout_s: float = 900.0      # load + compile every bucket
+    max_body_bytes: int = 1 << 20             # HTTP request body limit
+
+    def __post_init__(self) -> None:
+        for key in ("server_ip", "agent_ip"):
+            _check(isinstance(getattr(self, key), str) and getattr(self, key), f"serving_config.{key}",
+                   getattr(self, key), "must be a host name or address")
+        _check_int("serving_config.server_port", self.server_port, min_value=0)
+        _check(self.server_port <= 65535, "serving_config.server_port", self.server_port, "must be <= 65535")
+        ports = self.agent_ports
+        _check(isinstance(ports, list) and ports, "serving_config.agent_ports", ports,
+               "must be a non-empty list of TCP ports")
+        for p in ports:
+            _check(isinstance(p, int) and not isinstance(p, bool) and 0 <= p <= 65535,
+                   "serving_config.agent_ports", ports, "every entry must be a port number 0..65535 (0 = any free)")
+        nonzero = [p for p in ports if p]
+        _check(len(set(nonzero)) == len(nonzero), "serving_config.agent_ports", ports, "ports must be distinct")
+        _check_int("serving_config.start_device_id", self.start_device_id, min_value=0)
+        _check_int("serving_config.max_num_seqs", self.max_num_seqs)
+        _check_int("serving_config.max_num_batched_tokens", self.max_num_batched_tokens)
+        _check_int("serving_config.max_waiting_requests", self.max_waiting_requests)
+        _check_int("serving_config.max_body_bytes", self.max_body_bytes, min_value=1024)
+        for key in ("step_timeout_s", "agent_start_timeout_s"):
+            value = getattr(self, key)
+            _check(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
+                   f"serving_config.{key}", value, "must be a positive number of seconds")
+
+
+@dataclass
+class PAConfig:
+    """`pa_config`: the paged KV cache."""
+
+    num_blocks: int = 512
+    block_size: int = 16
+    decode_seq_length: Optional[int] = None   # longest sequence a block table must hold; default max_generate_length
+
+    def __post_init__(self) -> None:
+        _check_int("pa_config.num_blocks", self.num_blocks)
+        _check_int("pa_config.block_size", self.block_size)
+        if self.decode_seq_length is not None:
+            _check_int("pa_config.decode_seq_length", self.decode_seq_length)
+
+
+@dataclass
+class TokenizerConfig:
+    """`tokenizer`: a sentencepiece LLaMA tokenizer."""
+
+    type: str = "LlamaTokenizer"
+    vocab_file: Optional[str] = None          # default: tokenizer.model in the model directory
+
+    def __post_init__(self) -> None:
+        _check(self.type == "LlamaTokenizer", "tokenizer.type", self.type, "only LlamaTokenizer is supported")
+        _check(self.vocab_file is None or (isinstance(self.vocab_file, str) and self.vocab_file),
+               "tokenizer.vocab_file", self.vocab_file, "must be a path to a sentencepiece .model file")
+
+
+# llm-serving keys that describe its MindIR / MindSpore-Lite pipeline; accepted, warned about, unused.
+IGNORED_KEYS = {
+    "model_config": {"zactivate_len", "model_type", "seq_type", "batch_waiting_time",
+                     "decode_batch_waiting_time", "batching_strategy", "current_index", "page_attention",
+                     "backend", "model_cfg_path"},
+    "tokenizer": set(),
+    "serving_config": set(),
+    "pa_config": set(),
+}
+IGNORED_SECTIONS = {"model_path", "basic_inputs", "extra_inputs", "warmup_inputs", "post_model_batch_size"}
+
+
+@dataclass
+class Config:
+    """The whole configuration. Derived limits (`max_model_len`, `max_blocks_per_seq`) live here too."""
+
+    model_config: ModelConfig = field(default_factory=ModelConfig)
+    serving_config: ServingConfig = field(default_factory=ServingConfig)
+    pa_config: PAConfig = field(default_factory=PAConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+
+    def __post_init__(self) -> None:
+        mc, sc, pa = self.model_config, self.serving_config, self.pa_config
+        _check(sc.max_num_seqs <= mc.decode_batch_size[-1], "serving_config.max_num_seqs", sc.max_num_seqs,
+               f"must be <= the largest model_config.decode_batch_size ({mc.decode_batch_size[-1]})")
+        _check(pa.num_blocks >= self.max_blocks_per_seq, "pa_config.num_blocks", pa.num_blocks,
+               f"must hold at least one longest sequence ({self.max_blocks_per_seq} blocks of "
+               f"{pa.block_size} tokens for {self.max_model_len} tokens)")
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest sequence (prompt + output) a request may reach: a prompt is prefilled in one step, and a
+        preempted request is recomputed in one step, so it is bounded by the largest prefill bucket too."""
+        return min(self.model_config.max_generate_length, self.model_config.seq_length[-1])
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        length = self.pa_config.decode_seq_length or self.max_model_len
+        return math.ceil(max(length, self.max_model_len) / self.pa_config.block_size)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+_SECTION_CLASSES = {"model_config": ModelConfig, "serving_config": ServingConfig, "pa_config": PAConfig,
+                    "tokenizer": TokenizerConfig}
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """`section.key=value` -> (section, key, value parsed as YAML)."""
+    if "=" not in text or "." not in text.split("=", 1)[0]:
+        raise ConfigError(f"--set {text!r}: expected SECTION.KEY=VALUE, e.g. pa_config.num_blocks=64")
+    path, raw = text.split("=", 1)
+    section, key = path.split(".", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {text!r}: value is not valid YAML ({exc})") from None
+    return section.strip(), key.strip(), value
+
+
+def config_from_dict(raw: Optional[dict], overrides: tuple = ()) -> Config:
+    """Build and validate a Config from a nested dict plus `section.key=value` overrides."""
+    raw = {} if raw is None else raw
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config must be a mapping of sections, got {type(raw).__name__}")
+    merged: dict = {}
+    for section, values in raw.items():
+        if section in IGNORED_SECTIONS:
+            logger.warning("config section %r is llm-serving's MindIR setting and is ignored here", section)
+            continue
+        if section not in _SECTION_CLASSES:
+            raise ConfigError(f"unknown config section {section!r} (known: {', '.join(_SECTION_CLASSES)})")
+        if values is None:
+            values = {}
+        if not isinstance(values, dict):
+            raise ConfigError(f"config section {section!r} must be a mapping, got {values!r}")
+        merged[section] = dict(values)
+    for text in overrides:
+        section, key, value = parse_override(text) if isinstance(text, str) else text
+        if section not in _SECTION_CLASSES:
+            raise ConfigError(f"--set {section}.{key}: unknown section {section!r} "
+                              f"(known: {', '.join(_SECTION_CLASSES)})")
+        merged.setdefault(section, {})[key] = value
+    built = {}
+    for section, cls in _SECTION_CLASSES.items():
+        values = merged.get(section, {})
+        known = {f.name for f in fields(cls)}
+        kwargs = {}
+        for key, value in values.items():
+            if key in IGNORED_KEYS.get(section, ()):
+                logger.warning("config key %s.%s is llm-serving's MindIR setting and is ignored here",
+                               section, key)
+            elif key not in known:
+                raise ConfigError(f"unknown config key {section}.{key} (known keys of {section}: "
+                                  f"{', '.join(sorted(known))})")
+            else:
+                kwargs[key] = value
+        try:
+            built[section] = cls(**kwargs)
+        except TypeError as exc:  # pragma: no cover - guarded by the key check above
+            raise ConfigError(f"{section}: {exc}") from None
+    return Config(**built)
+
+
+def load_config(path: Optional[str] = None, overrides: tuple = ()) -> Config:
+    """Load a YAML config file (or the defaults when `path` is None) and apply overrides."""
+    raw: Optional[dict] = None
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {path!r} does not exist")
+        try:
+            raw = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path!r} is not valid YAML: {exc}") from None
+    return config_from_dict(raw, overrides)

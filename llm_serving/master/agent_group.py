@@ -1,0 +1,220 @@
+"""The master's side of the agents: spawn one process per `agent_ports` entry, wait until each has
+compiled its graphs, connect over TCP with the launch token and the shared-memory names, then send
+every step to every agent and wait for all replies.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import os
+import secrets
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+from llm_serving.agents import protocol as proto
+from llm_serving.agents.server import ENV_CONFIG, ENV_STATUS_FD, ENV_TOKEN
+from llm_serving.shm.buffers import StepBuffers
+from llm_serving.shm.layout import StepLayout
+
+logger = logging.getLogger(__name__)
+
+
+class AgentError(RuntimeError):
+    """An agent failed a command, died, or did not answer in time."""
+
+
+def runtime_dir() -> Path:
+    """Where per-launch agent tokens are kept for `llm-serving agent-ctl` (mode 0700)."""
+    base = os.environ.get("LLM_SERVING_RUNTIME_DIR") or os.path.join(
+        os.environ.get("XDG_RUNTIME_DIR") or os.path.expanduser("~/.cache/llm-serving"), "run")
+    path = Path(base)
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return path
+
+
+def token_file(port: int) -> Path:
+    return runtime_dir() / f"agent-{port}.token"
+
+
+class AgentClient:
+    """One agent: its process, its status pipe, and a framed TCP connection with replies matched by seq."""
+
+    def __init__(self, rank: int, process: subprocess.Popen, status_reader: asyncio.StreamReader):
+        self.rank = rank
+        self.process = process
+        self.status_reader = status_reader
+        self.port: Optional[int] = None
+        self.info: dict = {}
+        self._reader: Optional[asyncio.StreamReader] = None
+        self._writer: Optional[asyncio.StreamWriter] = None
+        self._pending: dict = {}
+        self._seq = itertools.count()
+        self._reader_task: Optional[asyncio.Task] = None
+        self.dead_reason: Optional[str] = None
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        """Read the agent's status lines until `ready`; fail on `failed`, process exit or timeout."""
+        async def _wait():
+            while True:
+                line = await self.status_reader.readline()
+                if not line:
+                    code = await asyncio.get_running_loop().run_in_executor(None, self.process.wait)
+                    raise AgentError(f"agent {self.rank} exited with code {code} during start-up")
+                event = json.loads(line)
+                if event["event"] == "listening":
+                    self.port = event["port"]
+                elif event["event"] == "ready":
+                    self.port = event["port"]
+                    return
+                elif event["event"] == "failed":
+                    raise AgentError(f"agent {self.rank} failed to start: {event.get('error')}")
+        try:
+            await asyncio.wait_for(_wait(), timeout_s)
+        except asyncio.TimeoutError:
+            raise AgentError(f"agent {self.rank} not ready after {timeout_s:.0f} s "
+                             "(serving_config.agent_start_timeout_s)") from None
+
+    async def connect(self, host: str, token: str, shm_names: dict) -> None:
+        self._reader, self._writer = await asyncio.open_connection(host, self.port)
+        self._reader_task = asyncio.create_task(self._read_replies())
+        self.info = await self.request(proto.CONNECT, {"token": token, "shm": shm_names}, timeout_s=60)
+
+    async def _read_replies(self) -> None:
+        try:
+            while True:
+                frame = await proto.read_frame_async(self._reader)
+                fut = self._pending.pop(frame.seq, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(frame.payload)
+        except (asyncio.IncompleteReadError, ConnectionError, proto.ProtocolError, OSError) as exc:
+            self.dead_reason = f"agent {self.rank} connection lost ({type(exc).__name__})"
+        finally:
+            for fut in self._pending.values():
+                if not fut.done():
+                    fut.set_exception(AgentError(self.dead_reason or f"agent {self.rank} connection closed"))
+            self._pending.clear()
+
+    async def request(self, command: str, payload: dict, timeout_s: float) -> dict:
+        if self._writer is None or self.dead_reason:
+            raise AgentError(self.dead_reason or f"agent {self.rank} is not connected")
+        seq = next(self._seq)
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[seq] = fut
+        self._writer.write(proto.encode_frame(command, {"seq": seq, **payload}))
+        try:
+            reply = await asyncio.wait_for(fut, timeout_s)
+        except asyncio.TimeoutError:
+            self._pending.pop(seq, None)
+            raise AgentError(f"agent {self.rank} did not answer {command!r} within {timeout_s:.0f} s") from None
+        if not reply.get("ok"):
+            raise AgentError(f"agent {self.rank}: {reply.get('error', 'failed')}")
+        return reply
+
+    async def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            try:
+                await self._writer.wait_closed()
+            except (ConnectionError, OSError):
+                pass
+        if self._reader_task is not None:
+            self._reader_task.cancel()
+
+
+class AgentGroup:
+    """All agents of one model. Every step goes to every agent; rank 0 writes the outputs."""
+
+    def __init__(self, config, model_dir: str):
+        self.config = config
+        self.model_dir = model_dir
+        self.layout = StepLayout.from_config(config)
+        self.buffers: Optional[StepBuffers] = None
+        self.agents: list = []
+        self._token = secrets.token_urlsafe(32)
+        self._token_files: list = []
+
+    async def start(self) -> None:
+        sc = self.config.serving_config
+        self.buffers = StepBuffers.create(self.layout)
+        try:
+            for rank in range(len(sc.agent_ports)):
+                self.agents.append(await self._spawn(rank))
+            await asyncio.gather(*(a.wait_ready(sc.agent_start_timeout_s) for a in self.agents))
+            for agent in self.agents:
+                await agent.connect(sc.agent_ip, self._token, self.buffers.names)
+                self._write_token_file(agent.port)
+                logger.info("agent %d (pid %d) connected on port %d", agent.rank, agent.process.pid, agent.port)
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _spawn(self, rank: int) -> AgentClient:
+        read_fd, write_fd = os.pipe()
+        env = dict(os.environ)
+        env[ENV_CONFIG] = json.dumps({"config": self.config.to_dict(), "model_dir": self.model_dir, "rank": rank})
+        env[ENV_TOKEN] = self._token
+        env[ENV_STATUS_FD] = str(write_fd)
+        # a session of its own: a terminal's Ctrl-C reaches the master, which then stops agents in order
+        process = subprocess.Popen([sys.executable, "-m", "llm_serving.agents.server"], env=env,
+                                   pass_fds=(write_fd,), start_new_session=True)
+        os.close(write_fd)
+        reader = asyncio.StreamReader()
+        loop = asyncio.get_running_loop()
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(read_fd, "rb"))
+        return AgentClient(rank, process, reader)
+
+    def _write_token_file(self, port: int) -> None:
+        path = token_file(port)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self._token)
+        self._token_files.append(path)
+
+    async def step(self, command: str, step_id: int, n: int, s: int) -> None:
+        """Run one step on every agent; raises AgentError if any fails, dies or times out."""
+        timeout = self.config.serving_config.step_timeout_s
+        payload = {"step": step_id, "n": n, "s": s}
+        results = await asyncio.gather(*(a.request(command, payload, timeout) for a in self.agents),
+                                       return_exceptions=True)
+        errors = [str(r) for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise AgentError("; ".join(errors))
+
+    def dead_agents(self) -> list:
+        """Reasons for every agent that is not alive and connected (empty when all are well)."""
+        reasons = []
+        for a in self.agents:
+            code = a.process.poll()
+            if code is not None:
+                reasons.append(f"agent {a.rank} exited with code {code}")
+            elif a.dead_reason:
+                reasons.append(a.dead_reason)
+        return reasons
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """Ask every agent to exit, kill those that do not, close connections and unlink shared memory."""
+        for a in self.agents:
+            if a.process.poll() is None and a.dead_reason is None and a._writer is not None:
+                try:
+                    await a.request(proto.EXIT, {}, timeout_s=grace_s)
+                except AgentError:
+                    pass
+        loop = asyncio.get_running_loop()
+        for a in self.agents:
+            try:
+                await asyncio.wait_for(loop.run_in_executor(None, a.process.wait), grace_s)
+            except asyncio.TimeoutError:
+                a.process.kill()
+                await loop.run_in_executor(None, a.process.wait)
+            await a.close()
+        self.agents = []
+        for path in self._token_files:
+            path.unlink(missing_ok=True)
+        self._token_files = []
+        if self.buffers is not None:
+            self.buffers.close()
+            self.buffers = None

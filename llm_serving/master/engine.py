@@ -1,0 +1,208 @@
+"""The master's step loop: schedule, write the step into shared memory, run it on the agents, read the
+sampled tokens back, detokenize and stream them. Runs as one task on the HTTP server's event loop and
+never blocks it (the agent round-trip is awaited on a socket)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from typing import Optional
+
+import numpy as np
+
+from llm_serving.agents import protocol as proto
+from llm_serving.master.agent_group import AgentError, AgentGroup
+from llm_serving.master.block_manager import BlockManager
+from llm_serving.master.request import Request, SamplingParams, TokenEvent
+from llm_serving.master.scheduler import ScheduledBatch, Scheduler
+from llm_serving.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine is not running (starting, stopped, or its agents are down)."""
+
+
+class Engine:
+    def __init__(self, config, tokenizer: Tokenizer, model_dir: str, model_name: str):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = config.max_model_len
+        pa, sc, mc = config.pa_config, config.serving_config, config.model_config
+        self.block_manager = BlockManager(pa.num_blocks, pa.block_size)
+        self.scheduler = Scheduler(block_manager=self.block_manager, max_num_seqs=sc.max_num_seqs,
+                                   max_num_batched_tokens=sc.max_num_batched_tokens,
+                                   max_prefill_rows=mc.prefill_batch_size[-1],
+                                   max_waiting_requests=sc.max_waiting_requests)
+        self.stop_token_ids = frozenset(mc.end_token_ids or [tokenizer.eos_id])
+        self.agents = AgentGroup(config, model_dir)
+        self.requests: dict = {}
+        self._detok: dict = {}
+        self._wakeup = asyncio.Event()
+        self._loop_task: Optional[asyncio.Task] = None
+        self.running = False
+        self.num_steps = 0
+        self.step_time_s: Counter = Counter()     # kind -> total seconds spent in agent steps
+        self.num_generated_tokens = 0
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        t0 = time.perf_counter()
+        await self.agents.start()
+        self.running = True
+        self._loop_task = asyncio.create_task(self._step_loop(), name="engine-step-loop")
+        logger.info("engine ready in %.1f s: %d agent(s), %d KV blocks of %d tokens, max %d tokens per request",
+                    time.perf_counter() - t0, len(self.agents.agents), self.block_manager.num_blocks,
+                    self.block_manager.block_size, self.max_model_len)
+
+    async def stop(self) -> None:
+        self.running = False
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            try:
+                await self._loop_task
+            except (asyncio.CancelledError, Exception):
+                pass
+        for req in list(self.requests.values()):
+            self._finish(req, "abort", error="server shutting down")
+        await self.agents.stop()
+
+    # --- requests ----------------------------------------------------------------------------------
+
+    def submit(self, prompt_ids: list, sampling: SamplingParams) -> Request:
+        """Queue a validated request (see server/schemas.py); raises QueueFullError past the bound."""
+        if not self.running:
+            raise EngineStoppedError("engine is not running")
+        req = Request(prompt_ids, sampling, self.stop_token_ids)
+        self.scheduler.add(req)
+        self.requests[req.req_id] = req
+        self._detok[req.req_id] = IncrementalDetokenizer(self.tokenizer, prompt_ids=prompt_ids)
+        self._wakeup.set()
+        return req
+
+    def abort(self, req_id: str) -> bool:
+        """Stop a request now (client gone, or asked); its KV blocks are free for the next step."""
+        req = self.requests.get(req_id)
+        if req is None or req.finished:
+            return False
+        self._finish(req, "abort")
+        return True
+
+    def _finish(self, req: Request, reason: str, error: Optional[str] = None,
+                last: Optional[TokenEvent] = None) -> None:
+        """Free req's blocks and send its final event: the last token (if any) carrying the finish reason."""
+        self.scheduler.finish(req, reason)
+        self.requests.pop(req.req_id, None)
+        detok = self._detok.pop(req.req_id, None)
+        tail = detok.flush() if detok is not None else ""
+        event = last or TokenEvent(-1, "", 0.0, True)
+        event.text += tail
+        event.finish_reason, event.error = reason, error
+        req.events.put_nowait(event)
+
+    # --- the step loop -----------------------------------------------------------------------------
+
+    async def _step_loop(self) -> None:
+        while self.running:
+            batch = self.scheduler.schedule()
+            if batch is None:
+                if not self.scheduler.has_work:
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                continue
+            await self._run_step(batch)
+            await asyncio.sleep(0)  # let HTTP handlers run between steps
+
+    async def _run_step(self, batch: ScheduledBatch) -> None:
+        n, s = batch.num_rows, (batch.max_query_len if batch.is_prefill else 1)
+        self._write_inputs(batch, s)
+        t0 = time.perf_counter()
+        try:
+            await self.agents.step(proto.PREFILL if batch.is_prefill else proto.DECODE, self.num_steps, n, s)
+        except AgentError as exc:
+            logger.error("step %d failed: %s", self.num_steps, exc)
+            for req in batch.requests:
+                if not req.finished:
+                    self._finish(req, "error", error=str(exc))
+            return
+        finally:
+            self.num_steps += 1
+            self.step_time_s["prefill" if batch.is_prefill else "decode"] += time.perf_counter() - t0
+        self._read_outputs(batch)
+
+    def _write_inputs(self, batch: ScheduledBatch, s: int) -> None:
+        b = self.agents.buffers
+        n = batch.num_rows
+        bs = self.block_manager.block_size
+        b.input_ids[:n, :s] = 0
+        b.positions[:n, :s] = 0
+        b.slot_mapping[:n, :s] = -1
+        b.block_tables[:n] = 0
+        for i, req in enumerate(batch.requests):
+            start, stop = req.num_computed_tokens, req.num_tokens
+            q = stop - start
+            table = self.block_manager.block_tables[req.req_id]
+            b.input_ids[i, :q] = req.tokens(start, stop)
+            pos = np.arange(start, stop, dtype=np.int32)
+            b.positions[i, :q] = pos
+            b.block_tables[i, :len(table)] = table
+            b.slot_mapping[i, :q] = b.block_tables[i, pos // bs] * bs + pos % bs
+            b.context_lens[i] = stop
+            b.query_lens[i] = q
+            sp = req.sampling
+            b.temperature[i] = sp.temperature
+            b.top_k[i] = sp.top_k
+            b.top_p[i] = sp.top_p
+            b.random_u[i] = 0.0 if sp.greedy else req.random_u()
+
+    def _read_outputs(self, batch: ScheduledBatch) -> None:
+        b = self.agents.buffers
+        n = batch.num_rows
+        token_ids = b.out_token_ids[:n].tolist()
+        logprobs = b.out_logprobs[:n].tolist()
+        now = time.monotonic()
+        for req, token_id, logprob in zip(batch.requests, token_ids, logprobs):
+            if req.finished:  # aborted while the step ran
+                continue
+            req.num_computed_tokens = req.num_tokens
+            req.output_ids.append(token_id)
+            req.output_logprobs.append(logprob)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            self.num_generated_tokens += 1
+            reason = self._stop_reason(req, token_id)
+            special = token_id in req.stop_token_ids or self.tokenizer.is_special(token_id)
+            text = "" if reason == "stop" else self._detok[req.req_id].push(token_id)
+            event = TokenEvent(token_id, text, logprob, special)
+            if reason is None:
+                req.events.put_nowait(event)
+            else:
+                self._finish(req, reason, last=event)
+
+    def _stop_reason(self, req: Request, token_id: int) -> Optional[str]:
+        if token_id in req.stop_token_ids:
+            return "stop"
+        if len(req.output_ids) >= req.sampling.max_new_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    # --- observability -----------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        sched = self.scheduler
+        return {
+            "num_steps": self.num_steps,
+            "num_running": len(sched.running),
+            "num_waiting": len(sched.waiting),
+            "num_free_blocks": self.block_manager.num_free_blocks,
+            "num_blocks": self.block_manager.num_blocks,
+            "num_preemptions": sched.num_preemptions,
+            "num_generated_tokens": self.num_generated_tokens,
+            "step_time_s": dict(self.step_time_s),
+            "batch_sizes": {kind: {str(rows): count for (k, rows), count in sorted(sched.batch_sizes.items())
+                                   if k == kind} for kind in ("prefill", "decode")},
+        }

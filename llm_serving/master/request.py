@@ -1,0 +1,96 @@
+"""A request's state as the master sees it: tokens, progress through the KV cache, sampling, stream."""
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+_req_counter = itertools.count()
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"      # queued, or preempted and waiting to be recomputed
+    RUNNING = "running"      # has KV blocks and takes part in steps
+    FINISHED = "finished"
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 64
+    temperature: float = 0.0           # 0 = greedy
+    top_k: int = 0                     # 0 = off
+    top_p: float = 1.0                 # 1 = off
+    seed: Optional[int] = None
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class TokenEvent:
+    """One generated token as streamed to the client; `finish_reason` is set on the last one."""
+
+    token_id: int
+    text: str
+    logprob: float
+    special: bool
+    finish_reason: Optional[str] = None
+    error: Optional[str] = None
+
+
+class Request:
+    """Tokens so far are prompt_ids + output_ids (num_tokens); the first num_computed_tokens are in the
+    KV cache. Every step feeds tokens [num_computed_tokens, num_tokens) and samples one new token, so a
+    fresh prompt, a decode and a preempted request's recompute are the same operation."""
+
+    def __init__(self, prompt_ids: list, sampling: SamplingParams, stop_token_ids: frozenset,
+                 req_id: Optional[str] = None):
+        self.req_id = req_id or f"req-{next(_req_counter)}"
+        self.prompt_ids = list(prompt_ids)
+        self.output_ids: list = []
+        self.output_logprobs: list = []
+        self.sampling = sampling
+        self.stop_token_ids = frozenset() if sampling.ignore_eos else stop_token_ids
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.finish_reason: Optional[str] = None
+        self.arrival_time = time.monotonic()
+        self.first_token_time: Optional[float] = None
+        self.num_preemptions = 0
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.seed = sampling.seed if sampling.seed is not None else int(np.random.SeedSequence().entropy % (1 << 63))
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_new_tokens(self) -> int:
+        """Tokens this request feeds in its next step."""
+        return self.num_tokens - self.num_computed_tokens
+
+    def token_at(self, index: int) -> int:
+        p = len(self.prompt_ids)
+        return self.prompt_ids[index] if index < p else self.output_ids[index - p]
+
+    def tokens(self, start: int, stop: int) -> list:
+        p = len(self.prompt_ids)
+        if stop <= p:
+            return self.prompt_ids[start:stop]
+        return (self.prompt_ids[start:] if start < p else []) + self.output_ids[max(start - p, 0):stop - p]
+
+    def random_u(self) -> float:
+        """The uniform number that samples output token number len(output_ids): a function of the seed and
+        the index only, so seeded output does not depend on batching, bucket or preemption."""
+        return float(np.random.default_rng((self.seed, len(self.output_ids))).random())
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

@@ -1,0 +1,72 @@
+"""The HTTP application: `create_app(engine)` wires routes and maps errors to status codes in one place."""
+from __future__ import annotations
+
+import logging
+
+from aiohttp import web
+
+from llm_serving.master.engine import EngineStoppedError
+from llm_serving.master.scheduler import QueueFullError
+from llm_serving.server import routes_llm_serving, streaming
+from llm_serving.server.keys import ENGINE
+from llm_serving.server.schemas import ModelNotFoundError, ValidationError
+
+logger = logging.getLogger(__name__)
+
+# exception type -> (HTTP status, error_type); the only place errors become status codes
+ERROR_STATUS = {
+    ValidationError: (400, "validation"),
+    ModelNotFoundError: (404, "not_found"),
+    QueueFullError: (429, "overloaded"),
+    EngineStoppedError: (503, "unavailable"),
+}
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return web.json_response(streaming.error_body(exc.reason, "http"), status=exc.status)
+    except tuple(ERROR_STATUS) as exc:
+        status, kind = next(v for t, v in ERROR_STATUS.items() if isinstance(exc, t))
+        return web.json_response(streaming.error_body(str(exc), kind), status=status)
+
+
+async def health(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    dead = engine.agents.dead_agents() if engine.running else ["engine is not running"]
+    body = {"status": "ok" if not dead else "unavailable", "model": engine.model_name,
+            "agents": len(engine.agents.agents)}
+    if dead:
+        body["reason"] = "; ".join(dead)
+    return web.json_response(body, status=200 if not dead else 503)
+
+
+async def model_info(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    model = request.match_info.get("model", engine.model_name)
+    if model != engine.model_name:
+        raise ModelNotFoundError(f"model {model!r} is not served here; this server serves {engine.model_name!r}")
+    mc = engine.config.model_config
+    return web.json_response({"model_id": engine.model_name, "max_total_tokens": engine.max_model_len,
+                              "max_num_seqs": engine.config.serving_config.max_num_seqs,
+                              "device_target": mc.device_target, "vocab_size": engine.tokenizer.vocab_size})
+
+
+async def stats(request: web.Request) -> web.Response:
+    return web.json_response(request.app[ENGINE].stats())
+
+
+def create_app(engine) -> web.Application:
+    app = web.Application(middlewares=[error_middleware],
+                          client_max_size=engine.config.serving_config.max_body_bytes)
+    app[ENGINE] = engine
+    app.router.add_get("/health", health)
+    app.router.add_get("/stats", stats)
+    app.router.add_get("/info", model_info)
+    app.router.add_get("/models/{model}", model_info)
+    routes_llm_serving.add_routes(app)
+    return app

@@ -1,0 +1,4 @@
+"""Typed keys for state shared through the aiohttp application."""
+from aiohttp import web
+
+ENGINE = web.AppKey("engine", object)

@@ -1,0 +1,83 @@
+"""llm-serving / TGI generate routes: `/models/{model}/generate[_stream]`, `/generate[_stream]`."""
+from __future__ import annotations
+
+import logging
+
+from aiohttp import web
+
+from llm_serving.server import schemas, streaming
+from llm_serving.server.keys import ENGINE
+
+logger = logging.getLogger(__name__)
+
+
+async def _read_request(request: web.Request, stream_default: bool):
+    engine = request.app[ENGINE]
+    model = request.match_info.get("model")
+    if model is not None and model != engine.model_name:
+        raise schemas.ModelNotFoundError(f"model {model!r} is not served here; this server serves "
+                                         f"{engine.model_name!r}")
+    body = schemas.parse_json_body(await request.read())
+    gen = schemas.parse_generate(body, stream_default=stream_default)
+    prompt_ids = engine.tokenizer.encode(gen.inputs, add_bos=True)
+    schemas.check_lengths(gen, len(prompt_ids), engine.max_model_len)
+    return engine, gen, prompt_ids
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    engine, gen, prompt_ids = await _read_request(request, stream_default=False)
+    req = engine.submit(prompt_ids, gen.sampling)
+    try:
+        if gen.stream:
+            return await _stream(request, req, gen)
+        text = []
+        while True:
+            event = await req.events.get()
+            text.append(event.text)
+            if event.finish_reason is not None:
+                break
+        if event.finish_reason == "error":
+            return web.json_response(streaming.error_body(event.error or "generation failed", "generation"),
+                                     status=500)
+        generated = "".join(text)
+        if gen.return_full_text:
+            generated = gen.inputs + generated
+        return web.json_response({"generated_text": generated,
+                                  "details": streaming.details(req, event.finish_reason)})
+    finally:
+        engine.abort(req.req_id)  # no-op when finished; frees the blocks of a client that went away
+
+
+async def generate_stream(request: web.Request) -> web.StreamResponse:
+    engine, gen, prompt_ids = await _read_request(request, stream_default=True)
+    gen.stream = True
+    req = engine.submit(prompt_ids, gen.sampling)
+    try:
+        return await _stream(request, req, gen)
+    finally:
+        engine.abort(req.req_id)
+
+
+async def _stream(request: web.Request, req, gen) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    text = [gen.inputs] if gen.return_full_text else []
+    while True:
+        event = await req.events.get()
+        text.append(event.text)
+        if event.finish_reason == "error":
+            await response.write(streaming.sse(streaming.error_body(event.error or "generation failed",
+                                                                    "generation")))
+            break
+        await response.write(streaming.sse(streaming.token_event(event, "".join(text), req)))
+        if event.finish_reason is not None:
+            break
+    await response.write_eof()
+    return response
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/models/{model}/generate", generate)
+    app.router.add_post("/models/{model}/generate_stream", generate_stream)
+    app.router.add_post("/generate", generate)
+    app.router.add_post("/generate_stream", generate_stream)

@@ -1,0 +1,151 @@
+"""Validation of generate requests: every bad input becomes a ValidationError naming the field, before
+anything reaches the engine."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from llm_serving.master.request import SamplingParams
+
+DEFAULT_MAX_NEW_TOKENS = 64
+
+
+class ValidationError(ValueError):
+    """The request is malformed; answered with 400 and this message."""
+
+
+class ModelNotFoundError(LookupError):
+    """The path names a model this server does not serve; answered with 404."""
+
+
+@dataclass
+class GenerateRequest:
+    inputs: str
+    sampling: SamplingParams
+    stream: bool
+    return_full_text: bool
+    details: bool
+    max_new_tokens_given: bool
+
+
+# Known TGI / llm-serving parameters that this version does not implement yet: accepted only when null
+# or at their neutral value, so clients that always send them keep working.
+NEUTRAL_PARAMETERS = {"repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+                      "stop": [], "top_n_tokens": 0, "truncate": None, "typical_p": None,
+                      "watermark": False, "decoder_input_details": False, "best_of": 1}
+KNOWN_PARAMETERS = {"max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed",
+                    "return_full_text", "ignore_eos", "details"} | set(NEUTRAL_PARAMETERS)
+
+
+def parse_json_body(raw: bytes) -> dict:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValidationError(f"request body is not valid UTF-8 (byte {exc.start})") from None
+    if not text.strip():
+        raise ValidationError("request body is empty; expected a JSON object with 'inputs'")
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValidationError(f"request body is not valid JSON: {exc.msg} at line {exc.lineno} "
+                              f"column {exc.colno}") from None
+    if not isinstance(body, dict):
+        raise ValidationError(f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _bool(params: dict, key: str, default: bool) -> bool:
+    value = params.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ValidationError(f"parameters.{key} must be true or false, got {value!r}")
+    return value
+
+
+def _int(params: dict, key: str, default, lo: int, hi: int):
+    value = params.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValidationError(f"parameters.{key} must be an integer, got {value!r}")
+    if not lo <= value <= hi:
+        raise ValidationError(f"parameters.{key} must be between {lo} and {hi}, got {value}")
+    return value
+
+
+def _float(params: dict, key: str, default, lo: float, hi: float, lo_open: bool = False):
+    value = params.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValidationError(f"parameters.{key} must be a number, got {value!r}")
+    if value < lo or value > hi or (lo_open and value == lo):
+        raise ValidationError(f"parameters.{key} must be in {'(' if lo_open else '['}{lo}, {hi}], got {value}")
+    return float(value)
+
+
+def parse_generate(body: dict, *, stream_default: bool = False) -> GenerateRequest:
+    """Check a llm-serving / TGI generate body: {"inputs": str, "parameters": {...}, "stream": bool}."""
+    unknown = set(body) - {"inputs", "parameters", "stream"}
+    if unknown:
+        raise ValidationError(f"unknown field(s) in request body: {', '.join(sorted(unknown))} "
+                              "(expected inputs, parameters, stream)")
+    inputs = body.get("inputs")
+    if inputs is None:
+        raise ValidationError("missing field 'inputs' (the prompt text)")
+    if not isinstance(inputs, str):
+        raise ValidationError(f"'inputs' must be a string, got {type(inputs).__name__}")
+    if not inputs.strip():
+        raise ValidationError("'inputs' is empty; give a non-empty prompt")
+    stream = body.get("stream", stream_default)
+    if not isinstance(stream, bool):
+        raise ValidationError(f"'stream' must be true or false, got {stream!r}")
+    params = body.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise ValidationError(f"'parameters' must be an object, got {type(params).__name__}")
+    unknown = set(params) - KNOWN_PARAMETERS
+    if unknown:
+        raise ValidationError(f"unknown parameter(s): {', '.join(sorted(unknown))} "
+                              f"(known: {', '.join(sorted(KNOWN_PARAMETERS))})")
+    for key, neutral in NEUTRAL_PARAMETERS.items():
+        if params.get(key) is not None and params[key] != neutral:
+            raise ValidationError(f"parameters.{key} is not supported by this server yet "
+                                  f"(send null or {json.dumps(neutral)})")
+
+    max_new_tokens = _int(params, "max_new_tokens", None, 1, 1 << 20)
+    do_sample = _bool(params, "do_sample", False)
+    temperature = _float(params, "temperature", None, 0.0, 100.0)
+    top_k = _int(params, "top_k", 0, 0, 1 << 20)
+    top_p = _float(params, "top_p", 1.0, 0.0, 1.0, lo_open=True)
+    seed = _int(params, "seed", None, 0, (1 << 63) - 1)
+    # TGI's rule: sampling is on when asked for, or when any sampling knob is set away from neutral.
+    sample = do_sample or (temperature is not None and temperature not in (0.0, 1.0)) or top_k > 0 or top_p < 1.0
+    if temperature == 0.0:
+        sample = False
+    sampling = SamplingParams(
+        max_new_tokens=max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
+        temperature=(temperature if temperature is not None else 1.0) if sample else 0.0,
+        top_k=top_k if sample else 0, top_p=top_p if sample else 1.0, seed=seed,
+        ignore_eos=_bool(params, "ignore_eos", False))
+    return GenerateRequest(inputs=inputs, sampling=sampling, stream=stream,
+                           return_full_text=_bool(params, "return_full_text", False),
+                           details=_bool(params, "details", False),
+                           max_new_tokens_given=max_new_tokens is not None)
+
+
+def check_lengths(req: GenerateRequest, num_prompt_tokens: int, max_model_len: int) -> None:
+    """Reject prompts the model cannot take; fit an unspecified max_new_tokens into what is left."""
+    if num_prompt_tokens >= max_model_len:
+        raise ValidationError(f"prompt has {num_prompt_tokens} tokens; this model accepts at most "
+                              f"{max_model_len - 1} prompt tokens ({max_model_len} tokens per request, "
+                              "prompt + new tokens)")
+    room = max_model_len - num_prompt_tokens
+    if not req.max_new_tokens_given:
+        req.sampling.max_new_tokens = min(req.sampling.max_new_tokens, room)
+    elif req.sampling.max_new_tokens > room:
+        raise ValidationError(f"prompt ({num_prompt_tokens} tokens) + max_new_tokens "
+                              f"({req.sampling.max_new_tokens}) exceeds the model's {max_model_len}-token "
+                              f"limit; ask for at most {room} new tokens")

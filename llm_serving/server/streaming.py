@@ -1,0 +1,31 @@
+"""Response shapes (TGI's, which llm-serving clients also read): one SSE `data:` event per token, and a
+final event carrying the whole text and the details."""
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+from llm_serving.master.request import Request, TokenEvent
+
+
+def sse(payload: dict) -> bytes:
+    return b"data: " + json.dumps(payload, ensure_ascii=False).encode("utf-8") + b"\n\n"
+
+
+def details(req: Request, finish_reason: Optional[str]) -> dict:
+    return {"finish_reason": finish_reason, "generated_tokens": len(req.output_ids),
+            "prompt_tokens": len(req.prompt_ids), "seed": req.seed if not req.sampling.greedy else None}
+
+
+def token_event(event: TokenEvent, generated_text: Optional[str], req: Request) -> dict:
+    token = None
+    if event.token_id >= 0:
+        token = {"id": event.token_id, "text": event.text, "logprob": event.logprob, "special": event.special}
+    final = event.finish_reason is not None
+    return {"token": token,
+            "generated_text": generated_text if final else None,
+            "details": details(req, event.finish_reason) if final else None}
+
+
+def error_body(message: str, error_type: str) -> dict:
+    return {"error": message, "error_type": error_type}

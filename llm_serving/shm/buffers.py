@@ -1,0 +1,91 @@
+"""Create, attach and unlink the POSIX shared-memory segments of a StepLayout.
+
+The master creates one segment per array with a random name (mode 0600, Python's default for
+shm_open) and passes the names to agents in the connect command; agents attach by name. Only the
+creator unlinks. Python 3.11's resource tracker would also unlink a segment when an *attaching*
+process exits, so attachers unregister from it; the creator stays registered, which is what cleans
+up after a master killed with SIGKILL.
+"""
+from __future__ import annotations
+
+import secrets
+from multiprocessing import resource_tracker, shared_memory
+
+import numpy as np
+
+from llm_serving.shm.layout import StepLayout
+
+SEGMENT_PREFIX = "llmsrv_"
+
+
+class StepBuffers:
+    """numpy views (attribute per array name) over the shared segments of one layout."""
+
+    def __init__(self, layout: StepLayout, segments: dict, owner: bool):
+        self.layout = layout
+        self.owner = owner
+        self._segments = segments
+        self.arrays = {}
+        for spec in layout.arrays():
+            seg = segments[spec.name]
+            self.arrays[spec.name] = np.ndarray(spec.shape, dtype=spec.dtype, buffer=seg.buf)
+        self.__dict__.update(self.arrays)
+
+    @property
+    def names(self) -> dict:
+        """{array name: segment name}, sent to agents in the connect command."""
+        return {name: seg.name for name, seg in self._segments.items()}
+
+    @classmethod
+    def create(cls, layout: StepLayout) -> "StepBuffers":
+        tag = secrets.token_hex(6)
+        segments = {}
+        try:
+            for spec in layout.arrays():
+                segments[spec.name] = shared_memory.SharedMemory(
+                    name=f"{SEGMENT_PREFIX}{tag}_{spec.name}", create=True, size=max(spec.nbytes, 1))
+        except BaseException:
+            for seg in segments.values():
+                seg.close()
+                seg.unlink()
+            raise
+        buffers = cls(layout, segments, owner=True)
+        for arr in buffers.arrays.values():
+            arr.fill(0)
+        return buffers
+
+    @classmethod
+    def attach(cls, layout: StepLayout, names: dict) -> "StepBuffers":
+        missing = [spec.name for spec in layout.arrays() if spec.name not in names]
+        if missing:
+            raise ValueError(f"connect is missing shared-memory names for: {', '.join(missing)}")
+        segments = {}
+        try:
+            for spec in layout.arrays():
+                seg = shared_memory.SharedMemory(name=names[spec.name], create=False)
+                resource_tracker.unregister(seg._name, "shared_memory")  # the master owns it
+                segments[spec.name] = seg
+                if seg.size < spec.nbytes:
+                    raise ValueError(f"segment for {spec.name} has {seg.size} bytes, layout needs {spec.nbytes}")
+        except BaseException:
+            for seg in segments.values():
+                seg.close()
+            raise
+        return cls(layout, segments, owner=False)
+
+    def close(self) -> None:
+        """Drop the views, close the mappings and, in the creating process, unlink the segments."""
+        self.arrays.clear()
+        for spec in self.layout.arrays():
+            self.__dict__.pop(spec.name, None)
+        for seg in self._segments.values():
+            try:
+                seg.close()
+            except BufferError:
+                pass  # a view is still alive somewhere; the mapping goes with the process
+            if self.owner:
+                try:
+                    seg.unlink()
+                except FileNotFoundError:
+                    pass
+        self._segments = {}

@@ -1,0 +1,67 @@
+"""Every array the master and agents share for a step: name, dtype and shape, fixed at start from the config.
+
+Rows are sequences in the step (row i of every array belongs to the same sequence); `max_rows` is the
+largest batch any graph takes and `max_tokens` the largest prefill bucket's tokens per row. Nothing is
+allocated per step: the master writes rows 0..n-1 (and, per row, tokens 0..s-1) and the step frame
+says n and s.
+
+  name           dtype    shape                              written by  meaning
+  input_ids      int32    (max_rows, max_tokens)             master      new tokens per row, left-aligned
+  positions      int32    (max_rows, max_tokens)             master      absolute position of each new token
+  slot_mapping   int32    (max_rows, max_tokens)             master      KV slot per new token, -1 = padding
+  block_tables   int32    (max_rows, max_blocks_per_seq)     master      KV block ids per row, in order
+  context_lens   int32    (max_rows,)                        master      tokens in the cache after this step
+  query_lens     int32    (max_rows,)                        master      valid new tokens per row (>= 1)
+  temperature    float32  (max_rows,)                        master      0 = greedy
+  top_k          int32    (max_rows,)                        master      0 = off
+  top_p          float32  (max_rows,)                        master      1 = off
+  random_u       float32  (max_rows,)                        master      uniform [0, 1) for sampling rows
+  out_token_ids  int32    (max_rows,)                        agent 0     sampled next token per row
+  out_logprobs   float32  (max_rows,)                        agent 0     its log-probability
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    name: str
+    dtype: type
+    shape: tuple
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    max_rows: int
+    max_tokens: int
+    max_blocks_per_seq: int
+
+    @classmethod
+    def from_config(cls, config) -> "StepLayout":
+        mc = config.model_config
+        return cls(max_rows=max(mc.decode_batch_size[-1], mc.prefill_batch_size[-1]),
+                   max_tokens=mc.seq_length[-1], max_blocks_per_seq=config.max_blocks_per_seq)
+
+    def arrays(self) -> list:
+        r, t, w = self.max_rows, self.max_tokens, self.max_blocks_per_seq
+        return [
+            ArraySpec("input_ids", np.int32, (r, t)),
+            ArraySpec("positions", np.int32, (r, t)),
+            ArraySpec("slot_mapping", np.int32, (r, t)),
+            ArraySpec("block_tables", np.int32, (r, w)),
+            ArraySpec("context_lens", np.int32, (r,)),
+            ArraySpec("query_lens", np.int32, (r,)),
+            ArraySpec("temperature", np.float32, (r,)),
+            ArraySpec("top_k", np.int32, (r,)),
+            ArraySpec("top_p", np.float32, (r,)),
+            ArraySpec("random_u", np.float32, (r,)),
+            ArraySpec("out_token_ids", np.int32, (r,)),
+            ArraySpec("out_logprobs", np.float32, (r,)),
+        ]

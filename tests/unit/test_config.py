@@ -1,0 +1,111 @@
+import pytest
+
+from llm_serving.config import ConfigError, config_from_dict, load_config, parse_override
+
+
+def test_defaults_are_valid_and_bind_loopback():
+    cfg = config_from_dict({})
+    assert cfg.serving_config.server_ip == "127.0.0.1"
+    assert cfg.serving_config.agent_ip == "127.0.0.1"
+    assert cfg.max_model_len == 512
+    assert cfg.max_blocks_per_seq == 512 // 16
+
+
+def test_llm_serving_section_and_key_names_are_accepted(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("""
+model_config:
+    model_name: 'llama_7b'
+    max_generate_length: 256
+    end_token: 2
+    seq_length: [64, 256]
+    vocab_size: 32000
+    prefill_batch_size: [1]
+    decode_batch_size: [1, 4, 8]
+    pad_token_id: 0
+    zactivate_len: [512, 1024]
+    backend: 'kbk'
+serving_config:
+    agent_ports: [16002, 16003]
+    start_device_id: 2
+    server_ip: 'localhost'
+    server_port: 8835
+    max_num_seqs: 8
+pa_config:
+    num_blocks: 224
+    block_size: 128
+    decode_seq_length: 4096
+tokenizer:
+    type: LlamaTokenizer
+    vocab_file: '/path/tokenizer.model'
+model_path:
+    prefill_model: ["/x.mindir"]
+""")
+    cfg = load_config(str(path))
+    assert cfg.model_config.model_name == "llama_7b"
+    assert cfg.model_config.end_token_ids == [2]
+    assert cfg.serving_config.agent_ports == [16002, 16003]
+    assert cfg.serving_config.start_device_id == 2
+    assert cfg.pa_config.block_size == 128
+    assert cfg.max_model_len == 256
+    assert cfg.max_blocks_per_seq == 4096 // 128
+    assert cfg.tokenizer.vocab_file == "/path/tokenizer.model"
+
+
+@pytest.mark.parametrize("raw, needle", [
+    ({"serving_config": {"agent_portz": [1]}}, "serving_config.agent_portz"),
+    ({"nonsense": {}}, "nonsense"),
+    ({"pa_config": {"num_blocks": 0}}, "pa_config.num_blocks=0"),
+    ({"pa_config": {"block_size": "16"}}, "pa_config.block_size='16'"),
+    ({"model_config": {"decode_batch_size": []}}, "model_config.decode_batch_size"),
+    ({"model_config": {"decode_batch_size": [1, 1]}}, "distinct"),
+    ({"model_config": {"device_target": "GPU"}}, "model_config.device_target='GPU'"),
+    ({"serving_config": {"server_port": 70000}}, "serving_config.server_port=70000"),
+    ({"serving_config": {"max_num_seqs": 64}}, "serving_config.max_num_seqs=64"),
+    ({"pa_config": {"num_blocks": 4}}, "pa_config.num_blocks=4"),
+    ({"model_config": {"end_token": [-1]}}, "model_config.end_token"),
+    ({"tokenizer": {"type": "BertTokenizer"}}, "tokenizer.type"),
+])
+def test_bad_values_name_key_and_value(raw, needle):
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(raw)
+    assert needle in str(err.value)
+
+
+def test_overrides_parse_yaml_values_and_win_over_file():
+    cfg = config_from_dict({"pa_config": {"num_blocks": 100}},
+                           ("pa_config.num_blocks=64", "serving_config.agent_ports=[16002,16003]",
+                            "model_config.end_token=[1,2]"))
+    assert cfg.pa_config.num_blocks == 64
+    assert cfg.serving_config.agent_ports == [16002, 16003]
+    assert cfg.model_config.end_token_ids == [1, 2]
+
+
+@pytest.mark.parametrize("text", ["num_blocks=3", "pa_config.num_blocks", "pa_config.num_blocks=[1,"])
+def test_malformed_override_is_an_error(text):
+    with pytest.raises(ConfigError) as err:
+        parse_override(text)
+    assert text in str(err.value)
+
+
+def test_unknown_override_key_is_an_error():
+    with pytest.raises(ConfigError, match="pa_config.nblocks"):
+        config_from_dict({}, ("pa_config.nblocks=3",))
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(str(tmp_path / "nope.yaml"))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model_config: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(str(bad))
+
+
+def test_shipped_configs_load():
+    from pathlib import Path
+
+    configs = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
+    assert configs, "configs/ holds the example configs"
+    for path in configs:
+        load_config(str(path))
