@@ -1,0 +1,198 @@
+"""The sentencepiece LLaMA tokenizer and incremental detokenization for streaming.
+
+Three sentencepiece decoding rules shape the detokenizer (tests/unit/test_tokenizer.py checks the
+result against whole-sequence decoding):
+
+- Start of text: the first text piece of a `decode()` call drops its leading "▁" (the dummy-prefix
+  space), so "▁world" decoded alone is "world" although mid-text it is " world". Models with
+  `remove_extra_whitespaces` (e.g. stories260K's tok512) keep dropping "▁" until some text has
+  come out, so the rule can reach past pieces that decode to nothing. Control pieces (<s>, </s>)
+  never end the start of text.
+- Byte fallback: consecutive byte pieces (<0xE4><0xB8><0xAD> = "中") are joined and decoded as
+  UTF-8; each byte that does not belong to a valid character becomes one U+FFFD. So text decoded
+  from a shorter sequence is only a prefix of the longer one's text when it does not end partway
+  through a character.
+- Everything else is per piece: a piece's text does not depend on its neighbours.
+"""
+from __future__ import annotations
+
+import codecs
+from pathlib import Path
+from typing import Iterable, Optional, Union
+
+import sentencepiece as spm
+
+# A UTF-8 character is at most 4 bytes, so at most 3 pending bytes can still be completed.
+_MAX_PARTIAL_CHAR_BYTES = 3
+
+
+class Tokenizer:
+    """A sentencepiece LLaMA tokenizer.
+
+    Special tokens are the control pieces (<s>, </s>, and a pad piece if the model has one) and
+    <unk>, as in HuggingFace's LlamaTokenizer; `decode` leaves them out by default. `pad_id` is
+    the model's pad piece, or 0 when it has none (LLaMA's tokenizers have none, so it is <unk>).
+    """
+
+    def __init__(self, model_file: Union[str, Path]):
+        if not Path(model_file).is_file():
+            raise FileNotFoundError(f"sentencepiece tokenizer model not found: {model_file}")
+        self._sp = spm.SentencePieceProcessor(model_file=str(model_file))
+        sp = self._sp
+        self.vocab_size: int = sp.get_piece_size()
+        self.bos_id: int = sp.bos_id()
+        self.eos_id: int = sp.eos_id()
+        self.pad_id: int = sp.pad_id() if sp.pad_id() >= 0 else 0
+        self._special_ids = frozenset(
+            i for i in range(self.vocab_size) if sp.is_control(i) or sp.is_unknown(i))
+        # byte-fallback piece id -> the byte it stands for; those pieces look like "<0xE4>"
+        self._byte_values = {i: int(sp.id_to_piece(i)[3:5], 16)
+                             for i in range(self.vocab_size) if sp.is_byte(i)}
+        self._anchor_id, self._anchor_text = self._find_anchor()
+
+    def _find_anchor(self) -> tuple[int, str]:
+        """A plain piece with non-empty text: decoded first, it ends the start of text, and as it is
+        not a byte piece it does not join the bytes after it. See `decode_continuation`."""
+        for i in range(self.vocab_size):
+            if i in self._special_ids or i in self._byte_values or self._sp.is_unused(i):
+                continue
+            text = self._sp.decode([i])
+            if text:
+                return i, text
+        raise ValueError("the tokenizer has no piece that decodes to text")
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        return self._sp.encode(text, add_bos=add_bos)
+
+    def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
+        """Text of `ids`. Special tokens are dropped, as if absent; with `skip_special=False` they
+        appear as their piece text ("</s>") and the text between them is decoded piece by piece
+        as separate texts (each starts a text, as in HuggingFace's slow LlamaTokenizer)."""
+        if skip_special:
+            return self._sp.decode(self._without_special(ids))
+        parts, segment = [], []
+        for token_id in map(int, ids):
+            if token_id in self._special_ids:
+                parts += [self._sp.decode(segment), self._sp.id_to_piece(token_id)]
+                segment = []
+            else:
+                segment.append(token_id)
+        parts.append(self._sp.decode(segment))
+        return "".join(parts)
+
+    def decode_continuation(self, ids: Iterable[int]) -> str:
+        """Text of `ids` as it appears after some earlier text: "▁world" gives " world".
+
+        This is `decode(earlier + ids)[len(decode(earlier)):]` for any `earlier` with text that
+        does not end partway through a character, without decoding `earlier`. Useful for the
+        text of one generated token (streaming, logprobs). Special tokens are dropped.
+        """
+        text = self._sp.decode([self._anchor_id] + self._without_special(ids))
+        return text[len(self._anchor_text):]
+
+    def id_to_piece(self, token_id: int) -> str:
+        return self._sp.id_to_piece(int(token_id))
+
+    def is_special(self, token_id: int) -> bool:
+        return int(token_id) in self._special_ids
+
+    def byte_value(self, token_id: int) -> Optional[int]:
+        """The byte a byte-fallback piece such as <0xE4> stands for; None for any other piece."""
+        return self._byte_values.get(int(token_id))
+
+    def _without_special(self, ids: Iterable[int]) -> list[int]:
+        return [i for i in map(int, ids) if i not in self._special_ids]
+
+
+class IncrementalDetokenizer:
+    """Turns a growing stream of token ids into text deltas for streaming.
+
+    Invariant: the deltas of `push` followed by `flush()` concatenate to `tokenizer.decode(ids)`
+    (same `skip_special`) when the stream starts the text, and to
+    `decode(prompt_ids + ids)[len(decode(prompt_ids)):]` after a prompt, which must end on a
+    character boundary as every `encode` result does. So a generated token that starts a word
+    keeps its leading space.
+
+    Work per token is O(1): only the pending tokens are decoded, at most 4 of them (byte pieces
+    that may still complete a character are held back; a character is at most 4 bytes). Once the
+    text has started they are decoded with `decode_continuation`; before that, with `decode`.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Optional[Iterable[int]] = None,
+                 skip_special: bool = True):
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special
+        # `_pending`: tokens pushed but not yet emitted. `_started`: whether the text so far is
+        # non-empty, i.e. sentencepiece's start-of-text rule no longer applies.
+        self._pending: list[int] = []
+        self._started = False
+        segment = []  # the prompt's text tokens since the last special token shown as text
+        for token_id in map(int, prompt_ids or ()):
+            if not tokenizer.is_special(token_id):
+                segment.append(token_id)
+            elif not skip_special:
+                segment = []
+        self._started = tokenizer.decode(segment) != ""
+        self._pending = [] if self._started else segment[-1:]
+        self._chunks: list[str] = []
+        self._flushed = False
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far."""
+        if len(self._chunks) > 1:
+            self._chunks[:] = ["".join(self._chunks)]
+        return self._chunks[0] if self._chunks else ""
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text that became safe to emit ("" if held back)."""
+        if self._flushed:
+            raise RuntimeError("push() after flush(): the stream has ended")
+        token_id = int(token_id)
+        if self._tokenizer.is_special(token_id):
+            if self._skip_special:
+                return ""
+            # Shown as text; the text after it is decoded as a new text, as `decode` does.
+            delta = self._emit_pending() + self._tokenizer.id_to_piece(token_id)
+            self._pending, self._started = [], False
+            return self._record(delta)
+        self._pending.append(token_id)
+        if self._ends_inside_character():
+            return ""
+        return self._record(self._emit_pending())
+
+    def flush(self) -> str:
+        """End the stream and return what is left; unfinished characters come out as U+FFFD."""
+        if self._flushed:
+            return ""
+        self._flushed = True
+        return self._record(self._emit_pending())
+
+    def _emit_pending(self) -> str:
+        if self._started:
+            delta = self._tokenizer.decode_continuation(self._pending)
+            self._pending = []
+            return delta
+        delta = self._tokenizer.decode(self._pending)
+        self._started = delta != ""
+        # Pieces that decoded to nothing can still decide whether the next piece's "▁" is
+        # dropped; the last one carries that state, so it stays (it adds no text when re-decoded).
+        self._pending = [] if self._started else self._pending[-1:]
+        return delta
+
+    def _ends_inside_character(self) -> bool:
+        """Whether the trailing byte pieces could still be completed into a UTF-8 character."""
+        tail = bytearray()
+        for token_id in reversed(self._pending[-_MAX_PARTIAL_CHAR_BYTES:]):
+            value = self._tokenizer.byte_value(token_id)
+            if value is None:
+                break
+            tail.insert(0, value)
+        # An incremental UTF-8 decoder leaves unconsumed exactly a trailing partial character.
+        _, num_consumed = codecs.utf_8_decode(bytes(tail), "replace", False)
+        return num_consumed < len(tail)
+
+    def _record(self, delta: str) -> str:
+        if delta:
+            self._chunks.append(delta)
+        return delta
