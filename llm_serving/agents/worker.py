@@ -29,7 +29,7 @@ class Worker:
             device_target=mc.device_target, device_id=device_id, num_threads=mc.num_threads)
 
     def warmup(self) -> None:
-        self.runner.warmup(progress=lambda msg: logger.info("agent %d warmup: %s", self.rank, msg))
+        self.runner.warmup()  # logs one line per compiled bucket
 
     def attach(self, names: dict) -> None:
         self.detach()

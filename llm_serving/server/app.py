@@ -39,7 +39,7 @@ async def health(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     dead = engine.agents.dead_agents() if engine.running else ["engine is not running"]
     body = {"status": "ok" if not dead else "unavailable", "model": engine.model_name,
-            "agents": len(engine.agents.agents)}
+            "agents": [{"rank": a.rank, "pid": a.process.pid, "port": a.port} for a in engine.agents.agents]}
     if dead:
         body["reason"] = "; ".join(dead)
     return web.json_response(body, status=200 if not dead else 503)

@@ -1,0 +1,177 @@
+"""The serving path end to end: HTTP -> master -> shm + TCP -> agent process -> MindSpore -> back."""
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+
+import aiohttp
+import pytest
+
+from llm_serving.agents import protocol as proto
+from tests.integration.server_harness import REPO, http, parse_sse
+
+STORY_PROMPTS = ["Once upon a time", "Tom had a red ball", "The cat sat", "Lily wanted to", "One day, a boy",
+                 "The sun was", "A little bird", "Sam and Mia", "There was a big", "The dog ran",
+                 "Mom said", "In the park", "Ben liked to", "The tree was tall", "Anna found a",
+                 "It was a sunny day", "The little fish", "Max was sad", "A girl named Sue", "The box was",
+                 "They played with", "Tim saw a", "The car went", "Her friend", "At school,",
+                 "The big bear", "Lucy had a", "He wanted", "The moon", "A small frog", "Jack and Jill",
+                 "The princess"]
+
+
+def generate(url, prompt, **params):
+    return http("POST", f"{url}/models/hf/generate", {"inputs": prompt, "parameters": params})
+
+
+def test_greedy_output_reproduces_the_reference_implementation(stories_server, shared_dir):
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(shared_dir / "models/stories260K/tok512.model"))
+    cases = json.loads((shared_dir / "models/stories260K/greedy_reference.json").read_text())
+    for i, case in enumerate(cases):
+        num_prompt = 1 + len(sp.encode(case["prompt"]))          # BOS + prompt, as run.c counts
+        # run.c forwards `steps` positions (BOS, prompt, outputs) and prints the token sampled at each,
+        # so the last printed token is sampled at position steps - 1 and never forwarded itself
+        params = {"max_new_tokens": case["steps_total_incl_prompt_and_bos"] - (num_prompt - 1),
+                  "return_full_text": True}
+        if i % 2 == 0:
+            status, body = generate(stories_server.url, case["prompt"], **params)
+            assert status == 200, body
+            text = body["generated_text"]
+        else:  # the same through the streaming route
+            status, events = http("POST", f"{stories_server.url}/models/hf/generate_stream",
+                                  {"inputs": case["prompt"], "parameters": params})
+            assert status == 200
+            events = parse_sse(events)
+            text = events[-1]["generated_text"]
+            assert case["prompt"] + "".join(e["token"]["text"] for e in events) == text
+        assert text + "\n" == case["greedy_text"]                   # run.c prints a final newline
+
+
+async def _stream_all(url, prompts, max_new_tokens):
+    async def one(session, prompt):
+        body = {"inputs": prompt, "parameters": {"max_new_tokens": max_new_tokens, "ignore_eos": True},
+                "stream": True}
+        events = []
+        async with session.post(f"{url}/models/hf/generate", json=body) as resp:
+            assert resp.status == 200
+            assert resp.headers["Content-Type"].startswith("text/event-stream")
+            async for line in resp.content:
+                if line.startswith(b"data: "):
+                    events.append(json.loads(line[6:]))
+        return events
+
+    timeout = aiohttp.ClientTimeout(total=300)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        return await asyncio.gather(*(one(session, p) for p in prompts))
+
+
+def test_32_concurrent_streams_batch_together_and_match_sequential_output(stories_server):
+    url = stories_server.url
+    before = http("GET", url + "/stats")[1]
+    results = asyncio.run(_stream_all(url, STORY_PROMPTS, max_new_tokens=48))
+    after = http("GET", url + "/stats")[1]
+    concurrent_text = []
+    for events in results:
+        assert len(events) == 48                                    # one event per token, ignore_eos
+        final = events[-1]
+        assert final["details"]["finish_reason"] == "length"
+        assert final["details"]["generated_tokens"] == 48
+        assert "".join(e["token"]["text"] for e in events) == final["generated_text"]
+        concurrent_text.append(final["generated_text"])
+    decode_sizes = {int(k): v - before["batch_sizes"]["decode"].get(k, 0)
+                    for k, v in after["batch_sizes"]["decode"].items()}
+    assert max(k for k, v in decode_sizes.items() if v > 0) > 1, decode_sizes
+    print("decode batch sizes run (rows: steps):", decode_sizes)
+
+    for prompt, expected in zip(STORY_PROMPTS, concurrent_text):
+        status, body = generate(url, prompt, max_new_tokens=48, ignore_eos=True)
+        assert status == 200
+        assert body["generated_text"] == expected, prompt
+    stats = http("GET", url + "/stats")[1]
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+    assert stats["num_free_blocks"] == stats["num_blocks"]          # every block came back
+
+
+@pytest.mark.parametrize("raw, status, needle", [
+    (b"{not json", 400, "not valid JSON"),
+    (b"\xff\xfe{}", 400, "UTF-8"),
+    (b"[1, 2]", 400, "JSON object"),
+    (b"{}", 400, "missing field 'inputs'"),
+    (json.dumps({"inputs": 5}).encode(), 400, "'inputs' must be a string"),
+    (json.dumps({"inputs": "   "}).encode(), 400, "'inputs' is empty"),
+    (json.dumps({"inputs": "hi", "parameters": {"max_new_tokens": "5"}}).encode(), 400,
+     "parameters.max_new_tokens must be an integer"),
+    (json.dumps({"inputs": "hi", "parameters": {"max_new_tokens": 0}}).encode(), 400, "max_new_tokens"),
+    (json.dumps({"inputs": "hi", "parameters": {"top_p": 1.5}}).encode(), 400, "parameters.top_p"),
+    (json.dumps({"inputs": "hi", "parameters": {"temperature": -1}}).encode(), 400, "parameters.temperature"),
+    (json.dumps({"inputs": "hi", "parameters": {"bogus": 1}}).encode(), 400, "unknown parameter(s): bogus"),
+    (json.dumps({"inputs": "hi", "stream": "yes"}).encode(), 400, "'stream' must be true or false"),
+    (json.dumps({"inputs": "hi", "parameters": {"max_new_tokens": 100000}}).encode(), 400, "exceeds"),
+    (json.dumps({"inputs": "Once upon a time " * 200}).encode(), 400, "prompt has"),
+])
+def test_bad_requests_get_a_4xx_naming_the_problem(stories_server, raw, status, needle):
+    got, body = http("POST", f"{stories_server.url}/models/hf/generate", raw=raw)
+    assert got == status, body
+    assert needle in body["error"], body
+    assert generate(stories_server.url, "Once upon a time", max_new_tokens=2)[0] == 200
+
+
+def test_unknown_model_and_model_info(stories_server):
+    status, body = http("POST", f"{stories_server.url}/models/gpt-9/generate", {"inputs": "hi"})
+    assert status == 404 and "gpt-9" in body["error"]
+    status, info = http("GET", f"{stories_server.url}/models/hf")
+    assert status == 200 and info["model_id"] == "hf" and info["max_total_tokens"] == 256
+
+
+def test_health_lists_live_agents(stories_server):
+    status, body = http("GET", stories_server.url + "/health")
+    assert status == 200 and body["status"] == "ok"
+    assert [a["pid"] for a in body["agents"]] == stories_server.agent_pids()
+
+
+def _agent_port(server) -> int:
+    return http("GET", server.url + "/health")[1]["agents"][0]["port"]
+
+
+def test_agent_ctl_health_and_reset(stories_server):
+    port = _agent_port(stories_server)
+    out = subprocess.run([sys.executable, "-m", "llm_serving.cli", "agent-ctl", "--port", str(port), "health"],
+                         capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    health = json.loads(out.stdout)
+    assert health["ok"] and health["rank"] == 0 and health["steps"] > 0
+    out = subprocess.run([sys.executable, "-m", "llm_serving.cli", "agent-ctl", "--port", str(port), "reset"],
+                         capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert out.returncode == 0 and json.loads(out.stdout)["ok"]
+    # the master still serves after a reset (new requests write the KV they read)
+    status, body = generate(stories_server.url, "Once upon a time", max_new_tokens=8)
+    assert status == 200 and body["generated_text"].startswith(",")
+
+
+def test_agent_refuses_commands_before_connect_and_bad_tokens_and_bad_frames(stories_server):
+    port = _agent_port(stories_server)
+
+    def exchange(frames: list) -> list:
+        replies = []
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+            for f in frames:
+                sock.sendall(f)
+            try:
+                while True:
+                    replies.append(proto.recv_frame(sock).payload)
+            except (ConnectionError, OSError):
+                pass
+        return replies
+
+    replies = exchange([proto.encode_frame(proto.DECODE, {"seq": 1, "step": 0, "n": 1})])
+    assert len(replies) == 1 and not replies[0]["ok"] and "not connected" in replies[0]["error"]
+    replies = exchange([proto.encode_frame(proto.CONNECT, {"seq": 1, "token": "guess", "shm": None})])
+    assert not replies[0]["ok"] and "wrong token" in replies[0]["error"]
+    replies = exchange([proto.HEADER.pack(12) + b"Zgarbage!!!!"])
+    assert not replies[0]["ok"] and "unknown command" in replies[0]["error"]
+    replies = exchange([proto.HEADER.pack(proto.MAX_FRAME_BYTES + 1)])
+    assert not replies[0]["ok"] and "frame length" in replies[0]["error"]
+    # none of that disturbed the master's connection
+    assert generate(stories_server.url, "Tom had a red ball", max_new_tokens=4)[0] == 200
