@@ -17,6 +17,7 @@ from typing import Optional
 
 from llm_serving.agents import protocol as proto
 from llm_serving.agents.server import ENV_CONFIG, ENV_STATUS_FD, ENV_TOKEN
+from llm_serving.models.default_model import default_cache_dir
 from llm_serving.shm.buffers import StepBuffers
 from llm_serving.shm.layout import StepLayout
 
@@ -159,7 +160,12 @@ class AgentGroup:
         env[ENV_TOKEN] = self._token
         env[ENV_STATUS_FD] = str(write_fd)
         # a session of its own: a terminal's Ctrl-C reaches the master, which then stops agents in order
-        process = subprocess.Popen([sys.executable, "-m", "llm_serving.agents.server"], env=env,
+        # MindSpore writes kernel build files into the working directory: keep them out of the user's
+        workdir = default_cache_dir() / "agent-workdir"
+        workdir.mkdir(parents=True, exist_ok=True)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
+                                                          env.get("PYTHONPATH")]))
+        process = subprocess.Popen([sys.executable, "-m", "llm_serving.agents.server"], env=env, cwd=workdir,
                                    pass_fds=(write_fd,), start_new_session=True)
         os.close(write_fd)
         reader = asyncio.StreamReader()

@@ -1,0 +1,104 @@
+"""Paged attention: the one place that writes new K/V into the cache and attends over it.
+
+Cache layout (per layer): key and value Parameters holding [num_slots, kv_heads, head_dim] float32 in
+row-major order, where slot = block_id * block_size + offset. They are *stored* flat as
+[num_slots * kv_heads, head_dim] (same memory, same element order): on MindSpore 2.10 CPU a reshape of
+a Parameter inside the graph copies the whole cache (per layer, per step), so the graph must work on
+the flat view directly.
+
+Each row of a step brings S new tokens; their K/V are written to `slot_mapping`, then the row's
+keys/values are gathered back through its block table (width W, so L = W * block_size keys per row)
+and the row's queries attend to them under the mask built once per step by `paged_metadata` (key j
+is visible to a query at position p iff j <= p and j < context_len). The same code serves decode
+(S=1), batched prefill, and prefills whose first positions are already cached (chunked prefill /
+prefix caching).
+
+CPU path (measured on MindSpore 2.10 CPU):
+- write: `ops.ScatterUpdate` on the flat Parameter, rows slot * KVH + h; cost ~ rows written
+  (ScatterNdUpdate on a 4-D [blocks, block_size, KVH, D] cache costs ~ the whole cache).
+- read: one `ops.gather` with indices (B, KVH, L), which lands keys directly in the (B, KVH, L, D)
+  layout the batched matmuls want (gathering (B, L, KVH, D) and transposing was the most expensive
+  kernel of a decode step; GatherNd on the 3-D view is ~10x slower than Gather).
+"""
+from __future__ import annotations
+
+import numpy as np
+import mindspore as ms
+from mindspore import Parameter, Tensor, nn, ops
+
+__all__ = ["MASK_VALUE", "PagedAttention", "paged_metadata"]
+
+# Large negative instead of -inf: a query whose keys are all masked still gets finite weights (no NaN).
+MASK_VALUE = -1e9
+
+
+def paged_metadata(block_tables, positions, slot_mapping, context_lens, block_size: int, num_kv_heads: int):
+    """Per-step values shared by all layers.
+
+    block_tables (B, W), positions (B, S), slot_mapping (B, S), context_lens (B,) int32 ->
+      write_idx (B*S*KVH,) int32: flat cache row of head h of each new token (slot * KVH + h)
+      gather_idx (B, KVH, L) int32: flat cache row of head h of the row's key j
+      mask (B, 1, S, 1, L) float32: 0 where key j is visible to the query, else MASK_VALUE
+    """
+    b, w = block_tables.shape
+    s = positions.shape[1]
+    kvh = num_kv_heads
+    n_keys = w * block_size
+    heads = ops.arange(0, kvh, dtype=ms.int32)                                               # (KVH,)
+    write_idx = (slot_mapping.reshape(b * s, 1) * kvh + heads.reshape(1, kvh)).reshape(-1)   # (B*S*KVH,)
+    offsets = ops.arange(0, block_size, dtype=ms.int32).reshape(1, 1, block_size)           # (1, 1, bs)
+    slots = (block_tables.reshape(b, w, 1) * block_size + offsets).reshape(b, 1, n_keys)      # (B, 1, L)
+    gather_idx = slots * kvh + heads.reshape(1, kvh, 1)                                      # (B, KVH, L)
+    key_pos = ops.arange(0, n_keys, dtype=ms.int32).reshape(1, 1, n_keys)                    # (1, 1, L)
+    visible = ops.logical_and(key_pos <= positions.reshape(b, s, 1),                         # (B, S, L)
+                              key_pos < context_lens.reshape(b, 1, 1))
+    zeros = ops.zeros((b, s, n_keys), ms.float32)
+    mask = ops.select(visible, zeros, zeros + MASK_VALUE)                                    # (B, S, L)
+    return write_idx, gather_idx, mask.reshape(b, 1, s, 1, n_keys)                           # (B, 1, S, 1, L)
+
+
+class PagedAttention(nn.Cell):
+    """Writes this step's K/V into the layer's cache and computes attention for the new queries."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, num_slots: int, *,
+                 layer_id: int, device_target: str = "CPU"):
+        super().__init__()
+        self.num_kv_heads = num_kv_heads
+        self.group = num_heads // num_kv_heads
+        self.head_dim = head_dim
+        zeros = np.zeros((num_slots * num_kv_heads, head_dim), np.float32)   # flat [num_slots, KVH, D]
+        self.key_cache = Parameter(Tensor(zeros), name=f"key_cache.{layer_id}", requires_grad=False)
+        self.value_cache = Parameter(Tensor(zeros), name=f"value_cache.{layer_id}", requires_grad=False)
+        if device_target == "Ascend":
+            # TODO(Ascend): use the fused kernels instead of scatter + gather + softmax below:
+            #   ops.ReshapeAndCache(key, value, key_cache, value_cache, slot_mapping) to write the cache, and
+            #   ops.PagedAttention(query, key_cache, value_cache, block_tables, context_lens) for decode
+            #   (cache viewed as [num_blocks, block_size, KVH, D]); prefill keeps this path or uses
+            #   FlashAttentionScore. They are not registered on CPU, so nothing here is tested on Ascend.
+            raise NotImplementedError("PagedAttention: the Ascend ReshapeAndCache/PagedAttention path is not "
+                                      "implemented yet; use device_target='CPU'")
+        self.scatter = ops.ScatterUpdate()
+        self.bmm = ops.BatchMatMul()
+        self.bmm_t = ops.BatchMatMul(transpose_b=True)
+        self.softmax = ops.Softmax(-1)
+
+    def construct(self, q, k, v, write_idx, gather_idx, mask):
+        # q (B*S, NH, D), already scaled by 1/sqrt(D); k, v (B*S, KVH, D)
+        # write_idx (B*S*KVH,); gather_idx (B, KVH, L); mask (B, 1, S, 1, L)
+        b, s = mask.shape[0], mask.shape[2]
+        kvh, g, d = self.num_kv_heads, self.group, self.head_dim
+        key_cache = self.scatter(self.key_cache, write_idx, k.reshape(-1, d))      # (N*KVH, D), in place
+        value_cache = self.scatter(self.value_cache, write_idx, v.reshape(-1, d))  # (N*KVH, D)
+        keys = ops.gather(key_cache, gather_idx, 0)                                # (B, KVH, L, D)
+        values = ops.gather(value_cache, gather_idx, 0)                            # (B, KVH, L, D)
+        if s == 1:
+            q = q.reshape(b, kvh, g, d)                                      # (B, KVH, G, D)
+        else:
+            q = q.reshape(b, s, kvh, g, d).transpose(0, 2, 1, 3, 4).reshape(b, kvh, s * g, d)  # (B, KVH, S*G, D)
+        scores = self.bmm_t(q, keys)                                         # (B, KVH, S*G, L); q pre-scaled
+        scores = scores.reshape(b, kvh, s, g, -1) + mask                     # (B, KVH, S, G, L)
+        probs = self.softmax(scores).reshape(b, kvh, s * g, -1)              # (B, KVH, S*G, L)
+        out = self.bmm(probs, values)                                        # (B, KVH, S*G, D)
+        if s == 1:
+            return out.reshape(b, kvh * g * d)                               # (B*S, NH*D)
+        return out.reshape(b, kvh, s, g, d).transpose(0, 2, 1, 3, 4).reshape(b * s, kvh * g * d)  # (B*S, NH*D)

@@ -1,0 +1,131 @@
+"""LLaMA for static-shape graph-mode serving over a paged KV cache.
+
+One call = one step over B rows of S new tokens each (T = B*S tokens); returns per row the greedy next
+token and its log-probability, plus the logits for the sampling graph (sampler.py).
+
+Load-time rewrites (each removes per-token kernels; on CPU a decode step is dominated by per-kernel
+overhead, ~10-15 us each):
+- q/k/v fused into one [out, in] weight, gate/up into another (one MatMul each, transpose_b);
+- RMSNorm gains folded into the weight of the MatMul that follows (input_norm -> qkv,
+  post_norm -> gate_up, final norm -> lm_head), so a norm is x * rsqrt(mean(x^2) + eps);
+- RoPE in HF rotate_half layout applied to the whole fused qkv tensor: per step, tables
+  cos/sin of shape (T, NH+2KVH, D) are built once (v heads get cos=1, sin=0, and the attention
+  scale 1/sqrt(D) is folded into the q heads), then per layer rope = qkv*cos + swap_halves(qkv)*sin.
+"""
+from __future__ import annotations
+
+import numpy as np
+import mindspore as ms
+from mindspore import Parameter, Tensor, nn, ops
+
+from .attention import PagedAttention, paged_metadata
+from .sampler import greedy_pick
+from .weights import LlamaConfig
+
+__all__ = ["LlamaForCausalLM", "rope_tables"]
+
+
+def rope_tables(cfg: LlamaConfig, max_positions: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos and signed sin, each (max_positions, head_dim), for the HF rotate_half layout:
+    rope(x) = x * cos + swap_halves(x) * sin_signed, with sin_signed = [-sin, sin]."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))   # (D/2,)
+    angles = np.arange(max_positions, dtype=np.float64)[:, None] * inv_freq[None, :]   # (P, D/2)
+    cos = np.concatenate([np.cos(angles), np.cos(angles)], axis=-1)                    # (P, D)
+    sin_signed = np.concatenate([-np.sin(angles), np.sin(angles)], axis=-1)            # (P, D)
+    return cos.astype(np.float32), sin_signed.astype(np.float32)
+
+
+def _param(array: np.ndarray, name: str) -> Parameter:
+    return Parameter(Tensor(np.ascontiguousarray(array, dtype=np.float32)), name=name, requires_grad=False)
+
+
+def _rms_normalize(x, eps: float):
+    # x (T, H) -> x / sqrt(mean(x^2) + eps); the gain is folded into the next MatMul's weight
+    return x * ops.rsqrt(ops.mean(x * x, -1, keep_dims=True) + eps)    # (T, H)
+
+
+class LlamaDecoderLayer(nn.Cell):
+    def __init__(self, cfg: LlamaConfig, w: dict, i: int, num_slots: int, device_target: str):
+        super().__init__()
+        p = f"model.layers.{i}."
+        self.nh, self.kvh, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.inter = cfg.intermediate_size
+        self.eps = cfg.rms_norm_eps
+        qkv = np.concatenate([w[p + "self_attn.q_proj.weight"], w[p + "self_attn.k_proj.weight"],
+                              w[p + "self_attn.v_proj.weight"]], axis=0)
+        qkv = qkv * w[p + "input_layernorm.weight"][None, :]
+        self.qkv_w = _param(qkv, f"layers.{i}.qkv")                                   # ((NH+2KVH)*D, H)
+        self.o_w = _param(w[p + "self_attn.o_proj.weight"], f"layers.{i}.o")          # (H, NH*D)
+        gate_up = np.concatenate([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]], axis=0)
+        gate_up = gate_up * w[p + "post_attention_layernorm.weight"][None, :]
+        self.gate_up_w = _param(gate_up, f"layers.{i}.gate_up")                       # (2I, H)
+        self.down_w = _param(w[p + "mlp.down_proj.weight"], f"layers.{i}.down")       # (H, I)
+        self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, num_slots,
+                                   layer_id=i, device_target=device_target)
+        self.matmul_t = ops.MatMul(transpose_b=True)
+
+    def construct(self, x, cos, sin, write_idx, gather_idx, mask):
+        # x (T, H); cos, sin (T, NH+2KVH, D)
+        t = x.shape[0]
+        nh, kvh, d = self.nh, self.kvh, self.d
+        qkv = self.matmul_t(_rms_normalize(x, self.eps), self.qkv_w).reshape(t, nh + 2 * kvh, d)  # (T, NH+2KVH, D)
+        swapped = ops.flip(qkv.reshape(t, nh + 2 * kvh, 2, d // 2), (2,)).reshape(t, -1, d)      # (T, NH+2KVH, D)
+        qkv = qkv * cos + swapped * sin                                                   # (T, NH+2KVH, D)
+        q, k, v = ops.split(qkv, (nh, kvh, kvh), 1)                                       # (T, NH|KVH|KVH, D)
+        attn = self.attn(q, k, v, write_idx, gather_idx, mask)                            # (T, NH*D)
+        x = x + self.matmul_t(attn, self.o_w)                                             # (T, H)
+        gate_up = self.matmul_t(_rms_normalize(x, self.eps), self.gate_up_w)              # (T, 2I)
+        gate, up = ops.split(gate_up, self.inter, 1)                                      # (T, I) each
+        return x + self.matmul_t(ops.silu(gate) * up, self.down_w)                        # (T, H)
+
+
+class LlamaForCausalLM(nn.Cell):
+    """construct(input_ids, positions, slot_mapping, block_tables, context_lens, query_lens)
+    -> (greedy_token (B,) int32, its logprob (B,) float32, logits (B, V) float32).
+    Argument meanings are those of ModelRunner.execute (after the runner's padding). The logits are
+    only for `Sampler` (a second graph, run when some row samples); they are not copied to the host."""
+
+    def __init__(self, cfg: LlamaConfig, weights: dict, *, num_slots: int, block_size: int,
+                 max_positions: int, device_target: str = "CPU"):
+        super().__init__()
+        self.block_size = block_size
+        self.kvh = cfg.num_kv_heads
+        self.eps = cfg.rms_norm_eps
+        self.embed = _param(weights["model.embed_tokens.weight"], "embed")            # (V, H)
+        self.layers = nn.CellList([LlamaDecoderLayer(cfg, weights, i, num_slots, device_target)
+                                   for i in range(cfg.num_layers)])
+        lm_head = weights["lm_head.weight"] * weights["model.norm.weight"][None, :]
+        self.lm_head = _param(lm_head, "lm_head")                                       # (V, H)
+        cos, sin = rope_tables(cfg, max_positions)
+        self.cos_table = _param(cos, "rope_cos")                                        # (P, D)
+        self.sin_table = _param(sin, "rope_sin")                                        # (P, D)
+        # Per-head multipliers for the fused qkv: q heads carry the attention scale, v heads no rotation.
+        nh, kvh = cfg.num_heads, cfg.num_kv_heads
+        scale = 1.0 / np.sqrt(cfg.head_dim)
+        rot = np.array([scale] * nh + [1.0] * kvh + [0.0] * kvh, np.float32).reshape(1, -1, 1)
+        keep = np.array([0.0] * (nh + kvh) + [1.0] * kvh, np.float32).reshape(1, -1, 1)
+        self.head_rot = _param(rot, "rope_head_rot")                                    # (1, NH+2KVH, 1)
+        self.head_keep = _param(keep, "rope_head_keep")                                 # (1, NH+2KVH, 1)
+        self.matmul_t = ops.MatMul(transpose_b=True)
+
+    def construct(self, input_ids, positions, slot_mapping, block_tables, context_lens, query_lens):
+        # input_ids, positions, slot_mapping (B, S) int32; block_tables (B, W) int32; context/query_lens (B,)
+        b, s = input_ids.shape
+        x = ops.gather(self.embed, input_ids.reshape(-1), 0)                            # (T, H)
+        flat_pos = positions.reshape(-1)                                                 # (T,)
+        d = self.cos_table.shape[1]
+        cos = ops.gather(self.cos_table, flat_pos, 0).reshape(b * s, 1, d)               # (T, 1, D)
+        sin = ops.gather(self.sin_table, flat_pos, 0).reshape(b * s, 1, d)               # (T, 1, D)
+        cos = cos * self.head_rot + self.head_keep                                       # (T, NH+2KVH, D)
+        sin = sin * self.head_rot                                                        # (T, NH+2KVH, D)
+        write_idx, gather_idx, mask = paged_metadata(block_tables, positions, slot_mapping, context_lens,
+                                                     self.block_size, self.kvh)
+        for layer in self.layers:
+            x = layer(x, cos, sin, write_idx, gather_idx, mask)                          # (T, H)
+        if s > 1:
+            last = ops.arange(0, b, dtype=ms.int32) * s + query_lens - 1                 # (B,)
+            x = ops.gather(x, last, 0)                                                   # (B, H)
+        logits = self.matmul_t(_rms_normalize(x, self.eps), self.lm_head)                # (B, V)
+        token, logprob = greedy_pick(logits)                                             # (B,), (B,)
+        return token, logprob, logits

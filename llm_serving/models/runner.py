@@ -1,0 +1,286 @@
+"""ModelRunner: numpy in, numpy out, over static-shape MindSpore graphs (one per (batch, seq) bucket).
+
+The KV cache lives in the model's Parameters: per layer, key and value holding
+[(num_blocks + 1) * block_size, num_kv_heads, head_dim] float32 (stored flat as
+[slots * num_kv_heads, head_dim], same memory order; see attention.py). The last block is scratch:
+padding tokens (slot -1) and padding rows write there, so real blocks are never touched by padding.
+
+Process-wide MindSpore setup done here: GRAPH_MODE, the device, the CPU kernel thread count
+(`num_threads`, settable once per process), and MindSpore's graph compile cache under
+<cache>/ms_compile/<model+geometry+source hash>/<graph>_<shape>/, where <cache> is $LLM_SERVING_CACHE
+or ~/.cache/llm-serving (set LLM_SERVING_COMPILE_CACHE=0 to disable). MindSpore names cached graphs by compile order, not by input
+shape, so each graph shape gets its own directory: a graph cached for one shape is never loaded for
+another (which otherwise happens when buckets are first used in a different order).
+
+Graphs: the model, one per (batch, seq) bucket, returning greedy ids/logprobs and the logits Tensor;
+the sampler, one per batch size (two variants: with and without top-k/top-p), run on those logits
+only when some row has temperature > 0.
+"""
+from __future__ import annotations
+
+import bisect
+import hashlib
+import logging
+import os
+import time
+from typing import Callable, Optional
+
+import numpy as np
+
+from .weights import LlamaConfig, load_llama_weights
+from .default_model import default_cache_dir
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ModelRunner"]
+
+
+
+def _model_source_digest() -> str:
+    """Hash of the graph-defining sources and the MindSpore version (part of the compile-cache key)."""
+    import mindspore as ms
+
+    h = hashlib.sha1(ms.__version__.encode())
+    here = os.path.dirname(os.path.abspath(__file__))
+    for name in ("llama.py", "attention.py", "sampler.py"):
+        with open(os.path.join(here, name), "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()
+
+
+def _setup_mindspore(device_target: str, device_id: int, num_threads: Optional[int], cache_key: str):
+    """Process-wide MindSpore setup; safe to call again with the same arguments."""
+    import mindspore as ms
+
+    cache_dir = None
+    if os.environ.get("LLM_SERVING_COMPILE_CACHE", "1") == "1":
+        # Keyed by model/cache geometry and graph sources so graphs of another model are never picked up.
+        cache_dir = os.path.join(str(default_cache_dir()), "ms_compile", cache_key)
+        try:
+            os.makedirs(cache_dir, exist_ok=True)
+        except OSError as e:
+            logger.warning("compile cache disabled: cannot create %s (%s)", cache_dir, e)
+            cache_dir = None
+    if cache_dir is not None:
+        os.environ["MS_COMPILER_CACHE_ENABLE"] = "1"
+        os.environ["MS_COMPILER_CACHE_PATH"] = cache_dir
+    elif os.environ.get("MS_COMPILER_CACHE_ENABLE") == "1" and "MS_COMPILER_CACHE_PATH" in os.environ:
+        os.environ["MS_COMPILER_CACHE_ENABLE"] = "0"   # don't keep using another runner's directory
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        ms.set_device(device_target, device_id)
+    except RuntimeError as e:  # already set by an earlier runner in this process
+        logger.debug("ms.set_device: %s", e)
+    if num_threads is not None:
+        from mindspore._c_expression import RuntimeConf
+        if RuntimeConf.get_instance().is_op_threads_num_configured():
+            logger.info("MindSpore CPU thread count is set once per process; ignoring num_threads=%s", num_threads)
+        else:
+            ms.device_context.cpu.op_tuning.threads_num(int(num_threads))
+    return cache_dir
+
+
+class ModelRunner:
+    """Runs the LLaMA in `model_dir` over a paged KV cache; see `execute` for one step.
+
+    Attributes: config (LlamaConfig), num_blocks, block_size, max_blocks_per_seq, the bucket lists (sorted),
+    num_slots ((num_blocks + 1) * block_size), max_context (max_blocks_per_seq * block_size).
+    """
+
+    def __init__(self, model_dir: str, *, num_blocks: int, block_size: int, max_blocks_per_seq: int,
+                 decode_batch_sizes: list[int], prefill_batch_sizes: list[int], prefill_seq_lens: list[int],
+                 device_target: str = "CPU", device_id: int = 0, num_threads: Optional[int] = None):
+        for key, val in (("num_blocks", num_blocks), ("block_size", block_size),
+                         ("max_blocks_per_seq", max_blocks_per_seq)):
+            if not isinstance(val, (int, np.integer)) or val < 1:
+                raise ValueError(f"ModelRunner: {key} must be a positive integer, got {val!r}")
+        for key, val in (("decode_batch_sizes", decode_batch_sizes), ("prefill_batch_sizes", prefill_batch_sizes),
+                         ("prefill_seq_lens", prefill_seq_lens)):
+            if not val or any((not isinstance(v, (int, np.integer))) or v < 1 for v in val):
+                raise ValueError(f"ModelRunner: {key} must be a non-empty list of positive integers, got {val!r}")
+        if not any(s >= 2 for s in prefill_seq_lens):
+            raise ValueError(f"ModelRunner: prefill_seq_lens needs a length >= 2 (s=1 always uses the decode "
+                             f"graph), got {prefill_seq_lens!r}")
+        self.num_blocks = int(num_blocks)
+        self.block_size = int(block_size)
+        self.max_blocks_per_seq = int(max_blocks_per_seq)
+        self.decode_batch_sizes = sorted(set(int(b) for b in decode_batch_sizes))
+        self.prefill_batch_sizes = sorted(set(int(b) for b in prefill_batch_sizes))
+        self.prefill_seq_lens = sorted(set(int(s) for s in prefill_seq_lens if s >= 2))
+        self.device_target = device_target
+        self.num_slots = (self.num_blocks + 1) * self.block_size
+        self.scratch_slot = self.num_blocks * self.block_size     # first slot of the scratch block
+        self.max_context = self.max_blocks_per_seq * self.block_size
+
+        self.config, weights = load_llama_weights(model_dir)
+        cfg: LlamaConfig = self.config
+        key_src = repr((cfg, self.num_blocks, self.block_size, self.max_blocks_per_seq, device_target,
+                        _model_source_digest()))
+        self._seen_buckets: set[tuple] = set()
+        self._cache_dir = _setup_mindspore(device_target, device_id, num_threads,
+                                           hashlib.sha1(key_src.encode()).hexdigest()[:16])
+
+        import mindspore as ms
+        from .llama import LlamaForCausalLM
+        from .sampler import Sampler
+        self._ms = ms
+        self.model = LlamaForCausalLM(cfg, weights, num_slots=self.num_slots, block_size=self.block_size,
+                                      max_positions=self.max_context, device_target=device_target)
+        self.model.set_train(False)
+        self.sampler = Sampler(cfg.vocab_size, filters=True)          # some sampling row uses top-k/top-p
+        self.plain_sampler = Sampler(cfg.vocab_size, filters=False)   # temperature only
+        self.sampler.set_train(False)
+        self.plain_sampler.set_train(False)
+        self._caches = [p for layer in self.model.layers for p in (layer.attn.key_cache, layer.attn.value_cache)]
+
+    # ------------------------------------------------------------------ buckets
+    def _bucket(self, n: int, s: int) -> tuple[int, int]:
+        if s == 1:
+            sizes, seq = self.decode_batch_sizes, 1
+        else:
+            i = bisect.bisect_left(self.prefill_seq_lens, s)
+            if i == len(self.prefill_seq_lens):
+                raise ValueError(f"ModelRunner.execute: query length {s} exceeds the largest prefill bucket "
+                                 f"{self.prefill_seq_lens[-1]} (prefill_seq_lens={self.prefill_seq_lens})")
+            sizes, seq = self.prefill_batch_sizes, self.prefill_seq_lens[i]
+        j = bisect.bisect_left(sizes, n)
+        if j == len(sizes):
+            kind = "decode_batch_sizes" if s == 1 else "prefill_batch_sizes"
+            raise ValueError(f"ModelRunner.execute: batch of {n} rows exceeds the largest {kind} bucket "
+                             f"{sizes[-1]} ({kind}={sizes})")
+        return sizes[j], seq
+
+    # ------------------------------------------------------------------ execution
+    def execute(self, input_ids, positions, slot_mapping, block_tables, context_lens, query_lens,
+                temperature, top_k, top_p, random_u) -> tuple[np.ndarray, np.ndarray]:
+        """One step over n sequences; returns (next_token_ids int32 (n,), logprobs float32 (n,)).
+
+        input_ids, positions, slot_mapping: int32 (n, s), new tokens left-aligned (padding: id 0, position 0,
+        slot -1). block_tables int32 (n, w <= max_blocks_per_seq), padded with 0. context_lens (n,): tokens
+        in the cache after this step's are written; query_lens (n,): valid new tokens (the sampled token
+        follows token query_lens-1). temperature (0 = greedy), top_k (0 = off), top_p (1 = off),
+        random_u (uniform [0, 1) per row). n is padded to the smallest batch bucket >= n, s to 1 (decode)
+        or the smallest prefill_seq_len >= s, w to max_blocks_per_seq. ValueError if no bucket fits or an
+        argument is malformed.
+        """
+        input_ids = np.asarray(input_ids, np.int32)
+        if input_ids.ndim != 2 or input_ids.shape[0] < 1 or input_ids.shape[1] < 1:
+            raise ValueError(f"ModelRunner.execute: input_ids must be (n, s) with n, s >= 1, got {input_ids.shape}")
+        n, s = input_ids.shape
+        positions = np.asarray(positions, np.int32)
+        slot_mapping = np.asarray(slot_mapping, np.int32)
+        block_tables = np.asarray(block_tables, np.int32)
+        if block_tables.ndim == 1:
+            block_tables = block_tables.reshape(n, -1)
+        per_row = {"context_lens": np.asarray(context_lens, np.int32), "query_lens": np.asarray(query_lens, np.int32),
+                   "temperature": np.asarray(temperature, np.float32), "top_k": np.asarray(top_k, np.int32),
+                   "top_p": np.asarray(top_p, np.float32), "random_u": np.asarray(random_u, np.float32)}
+        for name, arr in (("positions", positions), ("slot_mapping", slot_mapping)):
+            if arr.shape != (n, s):
+                raise ValueError(f"ModelRunner.execute: {name} has shape {arr.shape}, expected {(n, s)}")
+        if (block_tables.ndim != 2 or block_tables.shape[0] != n
+                or not 1 <= block_tables.shape[1] <= self.max_blocks_per_seq):
+            raise ValueError(f"ModelRunner.execute: block_tables has shape {block_tables.shape}, expected ({n}, w) "
+                             f"with 1 <= w <= max_blocks_per_seq={self.max_blocks_per_seq}")
+        for name, arr in per_row.items():
+            if arr.shape != (n,):
+                raise ValueError(f"ModelRunner.execute: {name} has shape {arr.shape}, expected ({n},)")
+        ql, cl = per_row["query_lens"], per_row["context_lens"]
+        if ql.min() < 1 or ql.max() > s:
+            raise ValueError(f"ModelRunner.execute: query_lens must be in [1, {s}], got {ql.tolist()}")
+        if cl.min() < 1 or cl.max() > self.max_context:
+            raise ValueError(f"ModelRunner.execute: context_lens must be in [1, {self.max_context}], got {cl.tolist()}")
+        if positions.min() < 0 or positions.max() >= self.max_context:
+            raise ValueError(f"ModelRunner.execute: positions must be in [0, {self.max_context}), "
+                             f"got range [{positions.min()}, {positions.max()}]")
+        if slot_mapping.min() < -1 or slot_mapping.max() >= self.scratch_slot:
+            raise ValueError(f"ModelRunner.execute: slot_mapping must be -1 or in [0, {self.scratch_slot}), "
+                             f"got range [{slot_mapping.min()}, {slot_mapping.max()}]")
+        if input_ids.min() < 0 or input_ids.max() >= self.config.vocab_size:
+            raise ValueError(f"ModelRunner.execute: token ids must be in [0, {self.config.vocab_size}), "
+                             f"got range [{input_ids.min()}, {input_ids.max()}]")
+        if block_tables.min() < 0 or block_tables.max() >= self.num_blocks:
+            raise ValueError(f"ModelRunner.execute: block ids must be in [0, {self.num_blocks}), "
+                             f"got range [{block_tables.min()}, {block_tables.max()}]")
+
+        nb, sb = self._bucket(n, s)
+        w = self.max_blocks_per_seq
+        scratch = self.scratch_slot + (np.arange(nb * sb, dtype=np.int32) % self.block_size).reshape(nb, sb)
+        ids_p = np.zeros((nb, sb), np.int32)
+        pos_p = np.zeros((nb, sb), np.int32)
+        slot_p = scratch.copy()
+        bt_p = np.zeros((nb, w), np.int32)
+        ids_p[:n, :s] = input_ids
+        pos_p[:n, :s] = positions
+        slot_p[:n, :s] = np.where(slot_mapping < 0, scratch[:n, :s], slot_mapping)
+        bt_p[:n, :block_tables.shape[1]] = block_tables
+
+        def pad(arr, fill):
+            out = np.full((nb,), fill, arr.dtype)
+            out[:n] = arr
+            return out
+
+        T = self._ms.Tensor
+        token, logprob, logits = self._call("model", (nb, sb), self.model, T(ids_p), T(pos_p), T(slot_p), T(bt_p),
+                                            T(pad(cl, 1)), T(pad(ql, 1)))
+        temperature, top_k, top_p = per_row["temperature"], per_row["top_k"], per_row["top_p"]
+        sampling = temperature > 0
+        if sampling.any():   # run a sampling graph on the logits (which stay in MindSpore memory)
+            filters = ((top_k[sampling] > 0) & (top_k[sampling] < self.config.vocab_size)).any() \
+                or (top_p[sampling] < 1.0).any()
+            kind, cell = ("sampler", self.sampler) if filters else ("plain_sampler", self.plain_sampler)
+            token, logprob = self._call(kind, (nb,), cell, logits, T(pad(temperature, 0.0)), T(pad(top_k, 0)),
+                                        T(pad(top_p, 1.0)), T(pad(per_row["random_u"], 0.0)))
+        return token.asnumpy()[:n].astype(np.int32), logprob.asnumpy()[:n].astype(np.float32)
+
+    def _call(self, kind: str, shape: tuple, cell, *args):
+        """Run a graph; on the first call of a shape, point the compile cache at that shape's directory."""
+        key = (kind,) + shape
+        if key in self._seen_buckets:
+            return cell(*args)
+        self._select_compile_cache(kind + "_" + "x".join(str(d) for d in shape))
+        out = cell(*args)
+        self._seen_buckets.add(key)
+        return out
+
+    def _select_compile_cache(self, name: str) -> None:
+        if self._cache_dir is None:
+            return
+        path = os.path.join(self._cache_dir, name)
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as e:
+            logger.warning("compile cache disabled: cannot create %s (%s)", path, e)
+            self._cache_dir = None
+            os.environ["MS_COMPILER_CACHE_ENABLE"] = "0"
+            return
+        os.environ["MS_COMPILER_CACHE_ENABLE"] = "1"
+        os.environ["MS_COMPILER_CACHE_PATH"] = path
+
+    def _run_dummy(self, b: int, s: int, temperature: float, top_k: int) -> None:
+        """One step of bucket (b, s) that writes only to the scratch block."""
+        pos = np.minimum(np.arange(s, dtype=np.int32), self.max_context - 1)
+        self.execute(np.zeros((b, s), np.int32), np.tile(pos, (b, 1)), np.full((b, s), -1, np.int32),
+                     np.zeros((b, 1), np.int32), np.full((b,), pos[-1] + 1, np.int32), np.full((b,), s, np.int32),
+                     np.full((b,), temperature, np.float32), np.full((b,), top_k, np.int32),
+                     np.ones((b,), np.float32), np.full((b,), 0.5, np.float32))
+
+    def warmup(self, progress: Optional[Callable[[str], None]] = None) -> None:
+        """Compile and run once every bucket (the KV cache is left as it was, apart from the scratch block)."""
+        buckets = [(b, 1) for b in self.decode_batch_sizes]
+        buckets += [(b, s) for b in self.prefill_batch_sizes for s in self.prefill_seq_lens]
+        for i, (b, s) in enumerate(buckets):
+            t0 = time.perf_counter()
+            self._run_dummy(b, s, 0.0, 0)    # the model graph (greedy)
+            self._run_dummy(b, s, 1.0, 0)    # + the temperature-only sampler for this batch size
+            self._run_dummy(b, s, 1.0, 5)    # + the top-k/top-p sampler
+            msg = (f"warmup {i + 1}/{len(buckets)}: {'decode' if s == 1 else 'prefill'} bucket (B={b}, S={s}) "
+                   f"ready in {time.perf_counter() - t0:.1f}s")
+            logger.info(msg)
+            if progress is not None:
+                progress(msg)
+
+    def reset(self) -> None:
+        """Zero the KV cache."""
+        for p in self._caches:
+            p.set_data(self._ms.Tensor(np.zeros(p.shape, np.float32)))

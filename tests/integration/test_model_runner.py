@@ -1,0 +1,366 @@
+"""ModelRunner on the real stories260K checkpoint: greedy reproduction of llama2.c, paged-cache
+layout independence, chunked prefill, in-graph sampling and log-probabilities; plus the weight loader."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from llm_serving.models.weights import LlamaConfig, WeightLoadError, load_llama_weights
+
+SHARED = Path(__file__).resolve().parents[3] / "shared"
+STORIES = SHARED / "models" / "stories260K"
+MODEL_DIR = STORIES / "hf"
+BOS = 1
+TOTAL_STEPS = 200     # llama2.c `steps`: forwards at positions 0..199, BOS and prompt included
+
+
+def _need_model():
+    if not (MODEL_DIR / "model.safetensors").exists():
+        pytest.skip(f"pretrained stories260K not found at {MODEL_DIR} (shared dir missing)")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    _need_model()
+    spm = pytest.importorskip("sentencepiece")
+    return spm.SentencePieceProcessor(model_file=str(STORIES / "tok512.model"))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    _need_model()
+    return json.loads((STORIES / "greedy_reference.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def runner():
+    pytest.importorskip("mindspore")
+    _need_model()
+    from llm_serving.models.runner import ModelRunner
+    return ModelRunner(str(MODEL_DIR), num_blocks=64, block_size=16, max_blocks_per_seq=13,
+                       decode_batch_sizes=[1, 2], prefill_batch_sizes=[1, 2], prefill_seq_lens=[16, 32],
+                       num_threads=2)
+
+
+@pytest.fixture(scope="module")
+def small_block_runner():
+    pytest.importorskip("mindspore")
+    _need_model()
+    from llm_serving.models.runner import ModelRunner
+    return ModelRunner(str(MODEL_DIR), num_blocks=128, block_size=4, max_blocks_per_seq=52,
+                       decode_batch_sizes=[1], prefill_batch_sizes=[1], prefill_seq_lens=[16], num_threads=2)
+
+
+# ----------------------------------------------------------------------------------------------- driver
+class Seq:
+    """A sequence with its own blocks; tracks how many of its tokens are in the cache."""
+
+    def __init__(self, blocks):
+        self.blocks = list(blocks)
+        self.cached = 0
+
+
+def step(runner, seqs, new_tokens, *, temperature=None, top_k=None, top_p=None, random_u=None):
+    """One execute() over `seqs`, each getting its list of new tokens (left-aligned, padded)."""
+    n, s = len(seqs), max(len(t) for t in new_tokens)
+    bs, w = runner.block_size, max(len(q.blocks) for q in seqs)
+    ids = np.zeros((n, s), np.int32)
+    pos = np.zeros((n, s), np.int32)
+    slots = np.full((n, s), -1, np.int32)
+    tables = np.zeros((n, w), np.int32)
+    ctx = np.zeros(n, np.int32)
+    qlen = np.zeros(n, np.int32)
+    for i, (seq, toks) in enumerate(zip(seqs, new_tokens)):
+        p = np.arange(seq.cached, seq.cached + len(toks))
+        ids[i, :len(toks)] = toks
+        pos[i, :len(toks)] = p
+        slots[i, :len(toks)] = np.asarray(seq.blocks)[p // bs] * bs + p % bs
+        tables[i, :len(seq.blocks)] = seq.blocks
+        ctx[i] = seq.cached + len(toks)
+        qlen[i] = len(toks)
+        seq.cached += len(toks)
+    f = lambda v, d, dt: np.full(n, d, dt) if v is None else np.asarray(v, dt)  # noqa: E731
+    return runner.execute(ids, pos, slots, tables, ctx, qlen, f(temperature, 0.0, np.float32),
+                          f(top_k, 0, np.int32), f(top_p, 1.0, np.float32), f(random_u, 0.0, np.float32))
+
+
+def generate(runner, prompts, block_lists, *, max_len=TOTAL_STEPS + 1, max_steps=None):
+    """Greedy, llama2.c stopping rule: prefill all prompts in one call, then decode the still-active ones
+    together; a sequence stops on BOS or when it holds max_len tokens. Returns (tokens, logprobs) lists."""
+    seqs = [Seq(b) for b in block_lists]
+    out = [list(p) for p in prompts]
+    lps = [[] for _ in prompts]
+    nxt, lp = step(runner, seqs, prompts)
+    active = list(range(len(prompts)))
+    steps = 0
+    while active:
+        still = []
+        for j, i in enumerate(active):
+            if nxt[j] == BOS:
+                continue
+            out[i].append(int(nxt[j]))
+            lps[i].append(float(lp[j]))
+            if len(out[i]) < max_len:
+                still.append(i)
+        active = still
+        steps += 1
+        if not active or (max_steps is not None and steps >= max_steps):
+            break
+        nxt, lp = step(runner, [seqs[i] for i in active], [[out[i][-1]] for i in active])
+    return out, lps
+
+
+def blocks_for(seq_index, n_blocks):
+    return list(range(seq_index * n_blocks, (seq_index + 1) * n_blocks))
+
+
+# ------------------------------------------------------------------------------------- numpy reference
+def np_forward_last_logits(cfg: LlamaConfig, w: dict, tokens) -> np.ndarray:
+    """Plain float64 HF-LLaMA forward over `tokens`; logits of the last position."""
+    w = {k: v.astype(np.float64) for k, v in w.items()}
+    t, d, nh, kvh = len(tokens), cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+
+    def norm(x, g):
+        return g * x / np.sqrt((x * x).mean(-1, keepdims=True) + cfg.rms_norm_eps)
+
+    inv = 1.0 / cfg.rope_theta ** (np.arange(0, d, 2) / d)
+    ang = np.arange(t)[:, None] * inv[None]
+    cos, sin = np.cos(np.concatenate([ang, ang], -1))[:, None], np.sin(np.concatenate([ang, ang], -1))[:, None]
+
+    def rope(x):  # (T, heads, D)
+        rot = np.concatenate([-x[..., d // 2:], x[..., :d // 2]], -1)
+        return x * cos + rot * sin
+
+    x = w["model.embed_tokens.weight"][tokens]
+    causal = np.tril(np.ones((t, t), bool))
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        h = norm(x, w[p + "input_layernorm.weight"])
+        q = rope((h @ w[p + "self_attn.q_proj.weight"].T).reshape(t, nh, d))
+        k = rope((h @ w[p + "self_attn.k_proj.weight"].T).reshape(t, kvh, d))
+        v = (h @ w[p + "self_attn.v_proj.weight"].T).reshape(t, kvh, d)
+        k, v = np.repeat(k, nh // kvh, axis=1), np.repeat(v, nh // kvh, axis=1)
+        att = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(d)
+        att = np.where(causal[None], att, -np.inf)
+        att = np.exp(att - att.max(-1, keepdims=True))
+        att /= att.sum(-1, keepdims=True)
+        x = x + np.einsum("hqk,khd->qhd", att, v).reshape(t, nh * d) @ w[p + "self_attn.o_proj.weight"].T
+        h = norm(x, w[p + "post_attention_layernorm.weight"])
+        g, u = h @ w[p + "mlp.gate_proj.weight"].T, h @ w[p + "mlp.up_proj.weight"].T
+        x = x + (g / (1 + np.exp(-g)) * u) @ w[p + "mlp.down_proj.weight"].T
+    return norm(x[-1], w["model.norm.weight"]) @ w["lm_head.weight"].T
+
+
+def np_log_softmax(z):
+    z = z - z.max()
+    return z - np.log(np.exp(z).sum())
+
+
+def np_sample(logits, temperature, top_k, top_p, u):
+    """The sampling rule of sampler.py, in numpy float64."""
+    v = len(logits)
+    if temperature <= 0:
+        return int(np.argmax(logits))
+    z = logits.astype(np.float64) / temperature
+    if (top_k <= 0 or top_k >= v) and top_p >= 1.0:
+        probs = np.exp(z - z.max())
+        cdf = np.cumsum(probs)
+        return int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), v - 1))
+    order = np.argsort(-z, kind="stable")
+    zs = z[order]
+    k = top_k if top_k > 0 else v
+    keep = np.arange(v) < k
+    probs = np.where(keep, np.exp(zs - zs.max()), 0.0)
+    probs /= probs.sum()
+    before = np.cumsum(probs) - probs
+    keep &= (before < top_p) | (top_p >= 1.0)
+    keep[0] = True
+    kept = np.where(keep, probs, 0.0)
+    cdf = np.cumsum(kept)
+    pick = min(np.searchsorted(cdf, u * cdf[-1], side="right"), int(keep.sum()) - 1)
+    return int(order[pick])
+
+
+# ------------------------------------------------------------------------------------------------ tests
+def test_greedy_reproduces_llama2c(runner, tokenizer, reference):
+    progress = []
+    runner.warmup(progress.append)
+    assert len(progress) == 2 + 2 * 2 and all("ready" in m for m in progress)
+    runner.reset()
+    singles = []
+    for item in reference:
+        assert item["steps_total_incl_prompt_and_bos"] == TOTAL_STEPS
+        prompt = [BOS] + tokenizer.encode(item["prompt"])
+        (tokens,), _ = generate(runner, [prompt], [blocks_for(0, 13)])
+        text = tokenizer.decode(tokens[1:]) + "\n"
+        assert text == item["greedy_text"], item["prompt"]
+        singles.append(tokens)
+    # Both prompts as one batch: prefill together (different lengths, padded), then decode together.
+    runner.reset()
+    prompts = [[BOS] + tokenizer.encode(item["prompt"]) for item in reference]
+    batched, _ = generate(runner, prompts, [blocks_for(0, 13), blocks_for(1, 13)])
+    assert batched == singles
+
+
+def test_logprob_matches_numpy_forward(runner, tokenizer, reference):
+    cfg, weights = load_llama_weights(str(MODEL_DIR))
+    for item in reference:
+        prompt = [BOS] + tokenizer.encode(item["prompt"])
+        logits = np_forward_last_logits(cfg, weights, prompt)
+        runner.reset()
+        tok, lp = step(runner, [Seq(blocks_for(0, 13))], [prompt])
+        assert tok[0] == int(np.argmax(logits))
+        expected = np_log_softmax(logits)[tok[0]]
+        assert lp[0] <= 0.0 and lp.dtype == np.float32 and tok.dtype == np.int32
+        assert abs(lp[0] - expected) <= 1e-3 * abs(expected) + 1e-6
+        assert np.isclose(np.exp(lp[0]), np.exp(np_log_softmax(logits)).max(), rtol=1e-3)
+
+
+def test_paged_cache_is_layout_independent(small_block_runner, tokenizer, reference):
+    runner = small_block_runner
+    prompt = [BOS] + tokenizer.encode(reference[0]["prompt"])
+    runner.reset()
+    (contiguous,), (lp_contiguous,) = generate(runner, [prompt], [list(range(52))], max_len=60)
+    shuffled_ids = [int(b) for b in np.random.default_rng(7).permutation(128)[:52]]
+    assert shuffled_ids != sorted(shuffled_ids)
+    runner.reset()
+    (shuffled,), (lp_shuffled,) = generate(runner, [prompt], [shuffled_ids], max_len=60)
+    assert shuffled == contiguous
+    np.testing.assert_allclose(lp_shuffled, lp_contiguous, rtol=1e-5, atol=1e-6)
+    assert reference[0]["greedy_text"].startswith(tokenizer.decode(contiguous[1:]))
+
+
+def test_chunked_prefill_matches_one_shot(small_block_runner, tokenizer, reference):
+    """A prefill whose first positions are already cached (prefix caching / chunked prefill)."""
+    runner = small_block_runner
+    prompt = [BOS] + tokenizer.encode(reference[1]["prompt"])   # 9 tokens
+    blocks = [int(b) for b in np.random.default_rng(3).permutation(128)[:52]]
+    runner.reset()
+    one_tok, one_lp = step(runner, [Seq(blocks)], [prompt])
+    runner.reset()
+    seq = Seq(blocks)
+    step(runner, [seq], [prompt[:5]])
+    two_tok, two_lp = step(runner, [seq], [prompt[5:]])
+    assert two_tok[0] == one_tok[0]
+    np.testing.assert_allclose(two_lp, one_lp, rtol=1e-4)
+
+
+def test_sampling(runner, tokenizer, reference):
+    prompts = [[BOS] + tokenizer.encode(item["prompt"]) for item in reference]
+    tables = [blocks_for(0, 13), blocks_for(1, 13)]
+    runner.reset()
+    greedy_tok, greedy_lp = step(runner, [Seq(t) for t in tables], prompts)
+
+    def run(**kw):
+        runner.reset()
+        return step(runner, [Seq(t) for t in tables], prompts, **kw)
+
+    # Reproducible from the host's random numbers.
+    kw = dict(temperature=[0.9, 1.3], top_k=[0, 40], top_p=[1.0, 0.9], random_u=[0.37, 0.81])
+    a, b = run(**kw), run(**kw)
+    np.testing.assert_array_equal(a[0], b[0])
+    np.testing.assert_array_equal(a[1], b[1])
+    # top_k=1 is greedy whatever u; so is a tiny top_p.
+    for u in (0.0, 0.5, 0.999):
+        tok, lp = run(temperature=[1.0, 0.7], top_k=[1, 1], top_p=[1.0, 1.0], random_u=[u, u])
+        np.testing.assert_array_equal(tok, greedy_tok)
+        np.testing.assert_allclose(lp, greedy_lp, rtol=1e-6)
+        tok, _ = run(temperature=[1.0, 0.7], top_k=[0, 0], top_p=[1e-6, 1e-6], random_u=[u, u])
+        np.testing.assert_array_equal(tok, greedy_tok)
+    # A greedy row next to a sampling row is unaffected; the logprob is of the raw logits.
+    tok, lp = run(temperature=[0.0, 5.0], random_u=[0.9, 0.999])
+    assert tok[0] == greedy_tok[0] and lp[0] == pytest.approx(greedy_lp[0], rel=1e-6)
+    # The sampled token and its logprob agree with a numpy forward + numpy sampling rule.
+    cfg, weights = load_llama_weights(str(MODEL_DIR))
+    logits = np_forward_last_logits(cfg, weights, prompts[1])
+    for t, k, p, u in [(1.0, 0, 1.0, 0.3), (1.0, 0, 1.0, 0.93), (0.8, 50, 1.0, 0.6), (1.2, 0, 0.8, 0.75),
+                       (0.5, 10, 0.9, 0.2), (2.0, 0, 1.0, 0.5)]:
+        tok, lp = run(temperature=[0.0, t], top_k=[0, k], top_p=[1.0, p], random_u=[0.0, u])
+        assert tok[1] == np_sample(logits, t, k, p, u), (t, k, p, u)
+        assert lp[1] == pytest.approx(np_log_softmax(logits)[tok[1]], rel=1e-3, abs=1e-5)
+
+
+def test_execute_rejects_what_no_bucket_fits(runner):
+    one = dict(temperature=np.zeros(3, np.float32), top_k=np.zeros(3, np.int32),
+               top_p=np.ones(3, np.float32), random_u=np.zeros(3, np.float32))
+    with pytest.raises(ValueError, match="decode_batch_sizes"):
+        runner.execute(np.ones((3, 1), np.int32), np.zeros((3, 1), np.int32), np.zeros((3, 1), np.int32),
+                       np.zeros((3, 1), np.int32), np.ones(3, np.int32), np.ones(3, np.int32), **one)
+    one = {k: v[:1] for k, v in one.items()}
+    with pytest.raises(ValueError, match="prefill_seq_lens"):
+        runner.execute(np.ones((1, 40), np.int32), np.arange(40, dtype=np.int32)[None], np.full((1, 40), -1, np.int32),
+                       np.zeros((1, 3), np.int32), np.array([40], np.int32), np.array([40], np.int32), **one)
+    with pytest.raises(ValueError, match="max_blocks_per_seq"):
+        runner.execute(np.ones((1, 1), np.int32), np.zeros((1, 1), np.int32), np.zeros((1, 1), np.int32),
+                       np.zeros((1, 14), np.int32), np.ones(1, np.int32), np.ones(1, np.int32), **one)
+
+
+def test_reset_zeroes_the_cache(runner):
+    step(runner, [Seq([5])], [[BOS, 20, 30]])
+    assert any(np.abs(p.asnumpy()).max() > 0 for p in runner._caches)
+    runner.reset()
+    assert all(np.abs(p.asnumpy()).max() == 0 for p in runner._caches)
+
+
+# ------------------------------------------------------------------------------------- weight loading
+def _write_checkpoint(root: Path, *, tied: bool, sharded: bool, drop=None, reshape=None) -> Path:
+    from safetensors.numpy import save_file
+
+    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=8, intermediate_size=12,
+               num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, vocab_size=16,
+               max_position_embeddings=32, rms_norm_eps=1e-5, rope_theta=10000.0, hidden_act="silu",
+               tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(cfg))
+    rng = np.random.default_rng(0)
+    shapes = {"model.embed_tokens.weight": (16, 8), "model.norm.weight": (8,)}
+    for i in range(2):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (8,), p + "post_attention_layernorm.weight": (8,),
+                       p + "self_attn.q_proj.weight": (8, 8), p + "self_attn.k_proj.weight": (4, 8),
+                       p + "self_attn.v_proj.weight": (4, 8), p + "self_attn.o_proj.weight": (8, 8),
+                       p + "mlp.gate_proj.weight": (12, 8), p + "mlp.up_proj.weight": (12, 8),
+                       p + "mlp.down_proj.weight": (8, 12)})
+    if not tied:
+        shapes["lm_head.weight"] = (16, 8)
+    if reshape:
+        shapes[reshape[0]] = reshape[1]
+    tensors = {k: rng.standard_normal(s).astype(np.float16 if "norm" in k else np.float32)
+               for k, s in shapes.items() if k != drop}
+    if sharded:
+        names = sorted(tensors)
+        parts = [names[: len(names) // 2], names[len(names) // 2:]]
+        weight_map = {}
+        for j, part in enumerate(parts):
+            fname = f"model-{j + 1:05d}-of-00002.safetensors"
+            save_file({k: tensors[k] for k in part}, str(root / fname))
+            weight_map.update({k: fname for k in part})
+        (root / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    else:
+        save_file(tensors, str(root / "model.safetensors"))
+    return root
+
+
+def test_weights_sharded_untied_and_tied(tmp_path):
+    cfg, w = load_llama_weights(str(_write_checkpoint(tmp_path / "a", tied=False, sharded=True)))
+    assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (2, 2, 1, 4)
+    assert cfg.bos_token_id == 1 and cfg.eos_token_id == 2
+    assert all(v.dtype == np.float32 for v in w.values())
+    assert not np.array_equal(w["lm_head.weight"], w["model.embed_tokens.weight"])
+    cfg, w = load_llama_weights(str(_write_checkpoint(tmp_path / "b", tied=True, sharded=False)))
+    assert cfg.tie_word_embeddings
+    np.testing.assert_array_equal(w["lm_head.weight"], w["model.embed_tokens.weight"])
+
+
+def test_weights_missing_or_misshapen_tensor_is_named(tmp_path):
+    bad = _write_checkpoint(tmp_path / "c", tied=True, sharded=False, drop="model.layers.1.mlp.up_proj.weight")
+    with pytest.raises(WeightLoadError, match=r"model\.layers\.1\.mlp\.up_proj\.weight.*\(12, 8\)"):
+        load_llama_weights(str(bad))
+    bad = _write_checkpoint(tmp_path / "d", tied=False, sharded=True,
+                            reshape=("model.layers.0.self_attn.k_proj.weight", (8, 8)))
+    with pytest.raises(WeightLoadError, match=r"k_proj\.weight.*\(8, 8\).*\(4, 8\)"):
+        load_llama_weights(str(bad))
+    assert issubclass(WeightLoadError, ValueError)
