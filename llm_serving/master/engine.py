@@ -46,6 +46,7 @@ class Engine:
         self.running = False
         self.num_steps = 0
         self.step_time_s: Counter = Counter()     # kind -> total seconds spent in agent steps
+        self.step_time_by_batch: Counter = Counter()  # (kind, rows) -> total seconds, for benchmarks
         self.num_generated_tokens = 0
 
     # --- lifecycle ---------------------------------------------------------------------------------
@@ -131,7 +132,9 @@ class Engine:
             return
         finally:
             self.num_steps += 1
-            self.step_time_s["prefill" if batch.is_prefill else "decode"] += time.perf_counter() - t0
+            kind, elapsed = ("prefill" if batch.is_prefill else "decode"), time.perf_counter() - t0
+            self.step_time_s[kind] += elapsed
+            self.step_time_by_batch[(kind, n)] += elapsed
         self._read_outputs(batch)
 
     def _write_inputs(self, batch: ScheduledBatch, s: int) -> None:
@@ -203,6 +206,12 @@ class Engine:
             "num_preemptions": sched.num_preemptions,
             "num_generated_tokens": self.num_generated_tokens,
             "step_time_s": dict(self.step_time_s),
-            "batch_sizes": {kind: {str(rows): count for (k, rows), count in sorted(sched.batch_sizes.items())
-                                   if k == kind} for kind in ("prefill", "decode")},
+            "batch_sizes": _by_kind(sched.batch_sizes),
+            "step_time_s_by_batch": _by_kind(self.step_time_by_batch),
         }
+
+
+def _by_kind(counter: Counter) -> dict:
+    """{(kind, rows): v} -> {"prefill": {"rows": v}, "decode": {...}} (JSON keys are strings)."""
+    return {kind: {str(rows): v for (k, rows), v in sorted(counter.items()) if k == kind}
+            for kind in ("prefill", "decode")}

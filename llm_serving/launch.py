@@ -1,0 +1,109 @@
+"""Run `llm-serving start` as a child process on loopback: free ports, wait for /health, stop with SIGTERM.
+
+Used by the benchmarks under tools/ and by the integration tests; agent ports are picked by the OS.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import psutil
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(method: str, url: str, body=None, timeout: float = 60.0, raw: bytes | None = None):
+    """(status, parsed JSON or text) for one request; never raises on HTTP error statuses."""
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            status, text = resp.status, resp.read().decode()
+    except urllib.error.HTTPError as err:
+        status, text = err.code, err.read().decode()
+    try:
+        return status, json.loads(text)
+    except json.JSONDecodeError:
+        return status, text
+
+
+def parse_sse(text: str) -> list:
+    return [json.loads(line[len("data: "):]) for line in text.splitlines() if line.startswith("data: ")]
+
+
+class ServerProcess:
+    """`llm-serving start --port <free> --set serving_config.agent_ports=[0] *args`, output to `log_path`.
+
+    Later `--set serving_config.agent_ports=...` in `args` wins (e.g. `[0,0]` for two agents)."""
+
+    def __init__(self, args: list, log_path: Path, env: dict | None = None, cwd: str | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        cmd = [sys.executable, "-m", "llm_serving.cli", "start", "--port", str(self.port),
+               "--set", "serving_config.agent_ports=[0]", *args]
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(cmd, cwd=cwd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
+        self.children: list = []
+
+    def wait_ready(self, timeout_s: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                status, _ = http("GET", self.url + "/health", timeout=2)
+                if status == 200:
+                    self.children = psutil.Process(self.proc.pid).children(recursive=True)
+                    return
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"server not ready after {timeout_s} s:\n{self.log()}")
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+    def agent_pids(self) -> list:
+        """The agent processes among the master's children (the others are Python's resource trackers)."""
+        return [p.pid for p in self.children if "llm_serving.agents.server" in " ".join(p.cmdline())]
+
+    def stop(self, sig=signal.SIGTERM, timeout_s: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        # whatever happens above, leave nothing running
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+                                                   for p in self.children):
+            time.sleep(0.1)
+        for p in self.children:
+            if p.is_running():
+                p.kill()
+        self._log.close()
+        return self.proc.returncode
+
+    def __enter__(self) -> "ServerProcess":
+        self.wait_ready()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
