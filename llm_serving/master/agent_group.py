@@ -159,6 +159,7 @@ class AgentGroup:
         env[ENV_CONFIG] = json.dumps({"config": self.config.to_dict(), "model_dir": self.model_dir, "rank": rank})
         env[ENV_TOKEN] = self._token
         env[ENV_STATUS_FD] = str(write_fd)
+        env.setdefault("GLOG_v", "3")  # MindSpore's C++ log: errors only (it warns on every cached graph)
         # a session of its own: a terminal's Ctrl-C reaches the master, which then stops agents in order
         # MindSpore writes kernel build files into the working directory: keep them out of the user's
         workdir = default_cache_dir() / "agent-workdir"
