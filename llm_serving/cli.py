@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import sys
 from pathlib import Path
 
@@ -32,7 +31,11 @@ def _add_agent_ctl(sub) -> None:
     p.add_argument("--port", type=int, required=True, help="the agent's TCP port")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--token", help="launch token (default: read from the runtime dir the master wrote it to)")
-    p.add_argument("command", choices=["health", "reset", "exit"])
+    p.add_argument("command", choices=["health", "reset", "capture", "exit"],
+                   help="capture: write every step's inputs and logits to --dir (rank 0), until --off")
+    p.add_argument("--dir", help="capture: directory for step_NNNNNNNN.npz files")
+    p.add_argument("--off", action="store_true", help="capture: stop capturing")
+    p.add_argument("--max-steps", type=int, default=100_000, help="capture: stop by itself after this many steps")
     p.set_defaults(func=cmd_agent_ctl)
 
 
@@ -134,29 +137,24 @@ def cmd_start(args) -> int:
 
 def cmd_agent_ctl(args) -> int:
     from llm_serving.agents import protocol as proto
-    from llm_serving.master.agent_group import token_file
+    from llm_serving.agents.control import ControlClient, ControlError
 
-    token = args.token
-    if token is None:
-        path = token_file(args.port)
-        if not path.is_file():
-            print(f"llm-serving agent-ctl: no token for port {args.port} at {path}; pass --token",
-                  file=sys.stderr)
+    if args.command == "capture":
+        if (args.dir is None) == (not args.off):
+            print("llm-serving agent-ctl: capture needs exactly one of --dir DIR or --off", file=sys.stderr)
             return 2
-        token = path.read_text().strip()
-    letter = {"health": proto.HEALTH, "reset": proto.RESET, "exit": proto.EXIT}[args.command]
+        letter, payload = proto.CAPTURE, {"dir": None if args.off else os.path.abspath(args.dir),
+                                          "max_steps": args.max_steps}
+    else:
+        letter, payload = {"health": proto.HEALTH, "reset": proto.RESET, "exit": proto.EXIT}[args.command], {}
     try:
-        with socket.create_connection((args.host, args.port), timeout=30) as sock:
-            proto.send_frame(sock, proto.CONNECT, {"seq": 0, "token": token, "shm": None})
-            answer = proto.recv_frame(sock).payload
-            if answer.get("ok"):
-                proto.send_frame(sock, letter, {"seq": 1})
-                answer = proto.recv_frame(sock).payload
-    except (OSError, ConnectionError, proto.ProtocolError) as exc:
-        print(f"llm-serving agent-ctl: cannot reach agent on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        with ControlClient(args.port, args.host, args.token) as client:
+            answer = client.request(letter, **payload)
+    except ControlError as exc:
+        print(f"llm-serving agent-ctl: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(answer))
-    return 0 if answer.get("ok") else 1
+    return 0
 
 
 def main(argv=None) -> int:

@@ -11,6 +11,9 @@ Commands (llm-serving's letters), payload keys, and the reply payload on success
   'a' decode    {seq, step, n}      rows 0..n-1, one token per row -> {step}
   'h' health    {seq}                                              -> {pid, device_id, steps, connected}
   'r' reset     {seq}               drop all KV state              -> {}
+  'c' capture   {seq, dir: path | null, max_steps: int}            -> {dir, steps}
+                logits capture (rank 0): every step's inputs and full logits go to dir/step_NNNNNNNN.npz
+                (see agents/worker.py) until max_steps or a capture with dir null, which stops it
   'e' exit      {seq}               reply, then the agent exits    -> {}
 Reply: command 'R', payload {seq, ok: bool, error: str (when not ok), ...}. `seq` echoes the request's,
 so replies may come back out of order (the agent serves control before prefill before decode).
@@ -26,11 +29,11 @@ from typing import Any
 HEADER = struct.Struct(">I")          # uint32 frame length
 MAX_FRAME_BYTES = 1 << 20             # 1 MiB: commands are small, bulk data is in shm
 
-CONNECT, PREFILL, DECODE, HEALTH, RESET, EXIT, REPLY = "#", "*", "a", "h", "r", "e", "R"
-COMMANDS = {CONNECT, PREFILL, DECODE, HEALTH, RESET, EXIT}
+CONNECT, PREFILL, DECODE, HEALTH, RESET, EXIT, CAPTURE, REPLY = "#", "*", "a", "h", "r", "e", "c", "R"
+COMMANDS = {CONNECT, PREFILL, DECODE, HEALTH, RESET, EXIT, CAPTURE}
 
 # Lower runs first. Control before prefill (new requests' first token) before decode.
-PRIORITY = {EXIT: 0, RESET: 0, HEALTH: 0, CONNECT: 0, PREFILL: 1, DECODE: 2}
+PRIORITY = {EXIT: 0, RESET: 0, HEALTH: 0, CONNECT: 0, CAPTURE: 0, PREFILL: 1, DECODE: 2}
 
 
 class ProtocolError(ValueError):

@@ -216,6 +216,14 @@ class AgentServer:
         self.worker.reset()
         return {}
 
+    def on_capture(self, frame, conn) -> dict:
+        directory, max_steps = frame.payload.get("dir"), frame.payload.get("max_steps", 100_000)
+        if directory is not None and not isinstance(directory, str):
+            raise ValueError("capture: dir must be a path or null")
+        if not isinstance(max_steps, int) or max_steps < 1:
+            raise ValueError("capture: max_steps must be a positive integer")
+        return self.worker.set_capture(directory, max_steps)
+
     def on_exit(self, frame, conn) -> dict:
         self._stop.set()
         return {}
@@ -225,7 +233,8 @@ class AgentServer:
         return {}
 
     HANDLERS = {proto.CONNECT: on_connect, proto.PREFILL: on_step, proto.DECODE: on_step,
-                proto.HEALTH: on_health, proto.RESET: on_reset, proto.EXIT: on_exit, "_detach": on_detach}
+                proto.HEALTH: on_health, proto.RESET: on_reset, proto.EXIT: on_exit,
+                proto.CAPTURE: on_capture, "_detach": on_detach}
 
     def event_loop(self) -> None:
         threading.Thread(target=self._accept_loop, name="acceptor", daemon=True).start()

@@ -1,7 +1,15 @@
-"""One agent's model work: read a step's inputs from shared memory, run the model, write the outputs."""
+"""One agent's model work: read a step's inputs from shared memory, run the model, write the outputs.
+
+Logits capture (the `c` command, rank 0 only): while on, every step also writes
+<dir>/step_<NNNNNNNN>.npz (written to a temporary name, then renamed, so a reader never sees half a file)
+holding, for rows 0..n-1: request_ids (n,) int64, input_ids / positions (n, s) int32, query_lens,
+context_lens (n,) int32, token_ids (n,) int32, and logits (n, vocab) float32 at each row's last new
+token. `tools/precision.py` replays these through a float64 reference.
+"""
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 
@@ -22,6 +30,9 @@ class Worker:
         self.layout = StepLayout.from_config(config)
         self.buffers = None
         self.num_steps = 0
+        self.capture_dir: str | None = None
+        self.capture_left = 0
+        self.captured = 0
         self.runner = ModelRunner(
             model_dir, num_blocks=pa.num_blocks, block_size=pa.block_size,
             max_blocks_per_seq=config.max_blocks_per_seq, decode_batch_sizes=mc.decode_batch_size,
@@ -48,14 +59,42 @@ class Worker:
         if not (1 <= n <= self.layout.max_rows and 1 <= s <= self.layout.max_tokens):
             raise ValueError(f"step shape n={n}, s={s} outside 1..{self.layout.max_rows} x "
                              f"1..{self.layout.max_tokens}")
-        token_ids, logprobs = self.runner.execute(
+        capture = self.capture_dir is not None and self.rank == 0
+        token_ids, logprobs, *logits = self.runner.execute(
             b.input_ids[:n, :s], b.positions[:n, :s], b.slot_mapping[:n, :s], b.block_tables[:n],
             b.context_lens[:n], b.query_lens[:n], b.temperature[:n], b.top_k[:n], b.top_p[:n],
-            b.random_u[:n])
+            b.random_u[:n], return_logits=capture)
         if self.rank == 0:
             b.out_token_ids[:n] = np.asarray(token_ids, dtype=np.int32)
             b.out_logprobs[:n] = np.asarray(logprobs, dtype=np.float32)
+        if capture:
+            self._write_capture(n, s, token_ids, logits[0])
         self.num_steps += 1
+
+    def set_capture(self, directory: str | None, max_steps: int) -> dict:
+        """Start (directory) or stop (None) logits capture; returns what was captured so far."""
+        if directory is not None:
+            if self.rank != 0:
+                raise ValueError("logits capture runs on rank 0 only")
+            os.makedirs(directory, mode=0o700, exist_ok=True)
+            self.captured = 0
+        self.capture_dir, self.capture_left = directory, (max_steps if directory is not None else 0)
+        return {"dir": directory, "steps": self.captured}
+
+    def _write_capture(self, n: int, s: int, token_ids, logits) -> None:
+        b = self.buffers
+        path = os.path.join(self.capture_dir, f"step_{self.num_steps:08d}.npz")
+        with open(path + ".tmp", "wb") as f:
+            np.savez(f, request_ids=b.request_ids[:n], input_ids=b.input_ids[:n, :s],
+                     positions=b.positions[:n, :s], query_lens=b.query_lens[:n], context_lens=b.context_lens[:n],
+                     token_ids=np.asarray(token_ids, np.int32), logits=np.asarray(logits, np.float32))
+        os.replace(path + ".tmp", path)
+        self.captured += 1
+        self.capture_left -= 1
+        if self.capture_left <= 0:
+            logger.info("logits capture: %d steps written to %s; stopping (max_steps reached)",
+                        self.captured, self.capture_dir)
+            self.capture_dir = None
 
     def reset(self) -> None:
         self.runner.reset()

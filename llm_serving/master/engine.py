@@ -30,6 +30,7 @@ class Engine:
         self.config = config
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.model_path = model_dir
         self.max_model_len = config.max_model_len
         pa, sc, mc = config.pa_config, config.serving_config, config.model_config
         self.block_manager = BlockManager(pa.num_blocks, pa.block_size)
@@ -161,6 +162,7 @@ class Engine:
             b.top_k[i] = sp.top_k
             b.top_p[i] = sp.top_p
             b.random_u[i] = 0.0 if sp.greedy else req.random_u()
+            b.request_ids[i] = req.number
 
     def _read_outputs(self, batch: ScheduledBatch) -> None:
         b = self.agents.buffers

@@ -52,7 +52,8 @@ class Request:
 
     def __init__(self, prompt_ids: list, sampling: SamplingParams, stop_token_ids: frozenset,
                  req_id: Optional[str] = None):
-        self.req_id = req_id or f"req-{next(_req_counter)}"
+        self.number = next(_req_counter)     # unique in this master; written to shm per row (request_ids)
+        self.req_id = req_id or f"req-{self.number}"
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list = []
         self.output_logprobs: list = []

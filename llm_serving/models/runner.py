@@ -152,8 +152,10 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ execution
     def execute(self, input_ids, positions, slot_mapping, block_tables, context_lens, query_lens,
-                temperature, top_k, top_p, random_u) -> tuple[np.ndarray, np.ndarray]:
-        """One step over n sequences; returns (next_token_ids int32 (n,), logprobs float32 (n,)).
+                temperature, top_k, top_p, random_u, return_logits: bool = False):
+        """One step over n sequences; returns (next_token_ids int32 (n,), logprobs float32 (n,)), and with
+        return_logits also the model's logits float32 (n, vocab) at each row's last new token (before
+        temperature; copied to the host only when asked, for logits capture).
 
         input_ids, positions, slot_mapping: int32 (n, s), new tokens left-aligned (padding: id 0, position 0,
         slot -1). block_tables int32 (n, w <= max_blocks_per_seq), padded with 0. context_lens (n,): tokens
@@ -231,7 +233,8 @@ class ModelRunner:
             kind, cell = ("sampler", self.sampler) if filters else ("plain_sampler", self.plain_sampler)
             token, logprob = self._call(kind, (nb,), cell, logits, T(pad(temperature, 0.0)), T(pad(top_k, 0)),
                                         T(pad(top_p, 1.0)), T(pad(per_row["random_u"], 0.0)))
-        return token.asnumpy()[:n].astype(np.int32), logprob.asnumpy()[:n].astype(np.float32)
+        out = token.asnumpy()[:n].astype(np.int32), logprob.asnumpy()[:n].astype(np.float32)
+        return (*out, logits.asnumpy()[:n]) if return_logits else out
 
     def _call(self, kind: str, shape: tuple, cell, *args):
         """Run a graph; on the first call of a shape, point the compile cache at that shape's directory."""

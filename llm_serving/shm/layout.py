@@ -16,6 +16,8 @@ says n and s.
   top_k          int32    (max_rows,)                        master      0 = off
   top_p          float32  (max_rows,)                        master      1 = off
   random_u       float32  (max_rows,)                        master      uniform [0, 1) for sampling rows
+  request_ids    int64    (max_rows,)                        master      request number per row (tracing,
+                                                                         logits capture; not used by the model)
   out_token_ids  int32    (max_rows,)                        agent 0     sampled next token per row
   out_logprobs   float32  (max_rows,)                        agent 0     its log-probability
 """
@@ -62,6 +64,7 @@ class StepLayout:
             ArraySpec("top_k", np.int32, (r,)),
             ArraySpec("top_p", np.float32, (r,)),
             ArraySpec("random_u", np.float32, (r,)),
+            ArraySpec("request_ids", np.int64, (r,)),
             ArraySpec("out_token_ids", np.int32, (r,)),
             ArraySpec("out_logprobs", np.float32, (r,)),
         ]
