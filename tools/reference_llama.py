@@ -1,0 +1,103 @@
+"""A float64 numpy LLaMA forward: the yardstick the served logits are checked against.
+
+Written on its own, sharing nothing with llm_serving/models/ except the checkpoint loader (so both read
+the same weights): plain per-sequence attention with a growing K/V list, RMSNorm with its gain, RoPE in
+the HuggingFace rotate-half layout, grouped-query attention, SwiGLU, untied or tied lm_head.
+
+    ref = ReferenceLlama("../shared/models/stories260K/hf")
+    seq = ref.new_sequence()
+    logits = ref.forward(seq, token_ids, start=0)      # (len(token_ids), vocab) float64
+    logits = ref.forward(seq, [next_id], start=len(token_ids))
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from llm_serving.models.weights import load_llama_weights
+
+
+class ReferenceSequence:
+    """One sequence's cached keys and values: per layer, (positions, kv_heads, head_dim) float64."""
+
+    def __init__(self, num_layers: int):
+        self.keys = [None] * num_layers
+        self.values = [None] * num_layers
+        self.length = 0
+
+    def truncate(self, length: int) -> None:
+        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+            if k is not None:
+                self.keys[i], self.values[i] = k[:length], v[:length]
+        self.length = min(self.length, length)
+
+
+class ReferenceLlama:
+    def __init__(self, model_path: str):
+        self.config, weights = load_llama_weights(model_path)
+        self.w = {name: np.asarray(t, dtype=np.float64) for name, t in weights.items()}
+        c = self.config
+        self.inv_freq = 1.0 / (c.rope_theta ** (np.arange(0, c.head_dim, 2, dtype=np.float64) / c.head_dim))
+
+    def new_sequence(self) -> ReferenceSequence:
+        return ReferenceSequence(self.config.num_layers)
+
+    def _norm(self, x: np.ndarray, gain: np.ndarray) -> np.ndarray:
+        return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + self.config.rms_norm_eps) * gain
+
+    def _rope(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        # x (T, heads, D): pairs (i, i + D/2) rotate by angle position * inv_freq[i]
+        half = x.shape[-1] // 2
+        angle = positions[:, None, None] * self.inv_freq[None, None, :]        # (T, 1, D/2)
+        cos, sin = np.cos(angle), np.sin(angle)
+        x1, x2 = x[..., :half], x[..., half:]
+        return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+    def forward(self, seq: ReferenceSequence, token_ids, start: int) -> np.ndarray:
+        """Feed token_ids at positions start, start+1, ...; keys cached beyond `start` are dropped first
+        (a recomputed prefill). Returns logits (len(token_ids), vocab) float64."""
+        c, w = self.config, self.w
+        if start > seq.length:
+            raise ValueError(f"reference: tokens start at position {start} but only {seq.length} are cached")
+        seq.truncate(start)
+        ids = np.asarray(token_ids, dtype=np.int64)
+        t = len(ids)
+        positions = np.arange(start, start + t, dtype=np.float64)
+        nh, kvh, d = c.num_heads, c.num_kv_heads, c.head_dim
+        group = nh // kvh
+        x = w["model.embed_tokens.weight"][ids]                                 # (T, H)
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            h = self._norm(x, w[p + "input_layernorm.weight"])
+            q = (h @ w[p + "self_attn.q_proj.weight"].T).reshape(t, nh, d)
+            k = (h @ w[p + "self_attn.k_proj.weight"].T).reshape(t, kvh, d)
+            v = (h @ w[p + "self_attn.v_proj.weight"].T).reshape(t, kvh, d)
+            q, k = self._rope(q, positions), self._rope(k, positions)
+            keys = k if seq.keys[i] is None else np.concatenate([seq.keys[i], k])      # (start+T, KVH, D)
+            values = v if seq.values[i] is None else np.concatenate([seq.values[i], v])
+            seq.keys[i], seq.values[i] = keys, values
+            out = np.empty((t, nh, d))
+            key_pos = np.arange(start + t)
+            for head in range(nh):
+                kv = head // group
+                scores = q[:, head, :] @ keys[:, kv, :].T / np.sqrt(d)                  # (T, start+T)
+                scores = np.where(key_pos[None, :] <= positions[:, None], scores, -np.inf)
+                scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
+                out[:, head, :] = (scores / scores.sum(axis=-1, keepdims=True)) @ values[:, kv, :]
+            x = x + out.reshape(t, nh * d) @ w[p + "self_attn.o_proj.weight"].T
+            h = self._norm(x, w[p + "post_attention_layernorm.weight"])
+            gate = h @ w[p + "mlp.gate_proj.weight"].T
+            up = h @ w[p + "mlp.up_proj.weight"].T
+            x = x + (gate / (1.0 + np.exp(-gate)) * up) @ w[p + "mlp.down_proj.weight"].T
+        seq.length = start + t
+        return self._norm(x, w["model.norm.weight"]) @ w["lm_head.weight"].T
+
+    def generate_greedy(self, token_ids, num_positions: int) -> list:
+        """Greedy continuation until `num_positions` tokens are fed (prompt included); returns new ids."""
+        seq = self.new_sequence()
+        logits = self.forward(seq, token_ids, 0)
+        out = []
+        while True:
+            out.append(int(np.argmax(logits[-1])))
+            if len(token_ids) + len(out) > num_positions:
+                return out
+            logits = self.forward(seq, [out[-1]], seq.length)
