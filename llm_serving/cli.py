@@ -16,9 +16,10 @@ logger = logging.getLogger("llm_serving")
 def _add_start(sub) -> None:
     p = sub.add_parser("start", help="start the master, its agents and the HTTP server (foreground)")
     p.add_argument("--config", help="YAML config file (default: built-in defaults)")
-    p.add_argument("--model", help="HuggingFace LLaMA directory to serve (config.json + safetensors + "
-                                   "tokenizer.model); served under the directory's name")
-    p.add_argument("--tokenizer", help="sentencepiece tokenizer.model (default: the model directory's)")
+    p.add_argument("--model", help="LLaMA checkpoint to serve: a HuggingFace directory (config.json + "
+                                   "safetensors), a MindFormers directory (*.ckpt + config.json or *.yaml) or "
+                                   "a llama2.c .bin file; served under its directory or file name")
+    p.add_argument("--tokenizer", help="sentencepiece tokenizer.model (default: tokenizer.model, or the only *.model, next to the model)")
     p.add_argument("--host", help="HTTP bind address (default serving_config.server_ip = 127.0.0.1)")
     p.add_argument("--port", type=int, help="HTTP port (default serving_config.server_port = 8000)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -56,25 +57,29 @@ def build_config(args):
 
 
 def resolve_model(config) -> tuple:
-    """(model directory, served name, tokenizer file), creating the default model when none is given."""
+    """(model path, served name, tokenizer file), creating the default model when none is given. The path is a
+    HuggingFace or MindFormers directory or a llama2.c .bin file (see models/weights.py)."""
     from llm_serving.config import ConfigError
     from llm_serving.models.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+    from llm_serving.models.weights import WeightLoadError, detect_format, tokenizer_next_to
 
     mc = config.model_config
     if mc.model_path is None:
-        model_dir = ensure_default_model()
+        model_path = ensure_default_model()
         name = mc.model_name or DEFAULT_MODEL_NAME
     else:
-        model_dir = Path(mc.model_path).expanduser()
-        if not model_dir.is_dir() or not (model_dir / "config.json").is_file():
-            raise ConfigError(f"model_config.model_path={mc.model_path!r}: expected a HuggingFace LLaMA "
-                              "directory with config.json and *.safetensors")
-        name = mc.model_name or model_dir.resolve().name
-    vocab = config.tokenizer.vocab_file or str(model_dir / "tokenizer.model")
-    if not Path(vocab).is_file():
+        model_path = Path(mc.model_path).expanduser().resolve()
+        try:
+            detect_format(str(model_path))
+        except WeightLoadError as e:
+            raise ConfigError(f"model_config.model_path={mc.model_path!r}: {e}") from None
+        name = mc.model_name or (model_path.stem if model_path.is_file() else model_path.name)
+    vocab = config.tokenizer.vocab_file or tokenizer_next_to(str(model_path))
+    if vocab is None or not Path(vocab).is_file():
         raise ConfigError(f"tokenizer.vocab_file={vocab!r}: no sentencepiece model there "
-                          "(pass --tokenizer or set tokenizer.vocab_file)")
-    return str(model_dir.resolve()), name, vocab
+                          "(pass --tokenizer or set tokenizer.vocab_file)" if vocab else
+                          f"no tokenizer.model (or single *.model) next to {model_path}; pass --tokenizer FILE")
+    return str(Path(model_path).resolve()), name, vocab
 
 
 async def serve(config, model_dir: str, model_name: str, vocab_file: str) -> None:

@@ -48,7 +48,7 @@ def _check_int(key: str, value: Any, *, min_value: int = 1) -> None:
 class ModelConfig:
     """`model_config`: what model to serve and the static shapes its graphs are compiled for."""
 
-    model_path: Optional[str] = None          # HF LLaMA directory; None = the built-in default model
+    model_path: Optional[str] = None          # HF/MindFormers dir or llama2.c .bin; None = built-in model
     model_name: Optional[str] = None          # served name; default: the model directory's name
     max_generate_length: int = 512            # prompt + generated tokens, per request
     end_token: Union[int, list, None] = None  # stop token id(s); default: the tokenizer's EOS

@@ -1,16 +1,28 @@
-"""Load a HuggingFace LLaMA checkpoint directory into numpy float32 arrays.
+"""Load a LLaMA checkpoint into numpy float32 arrays under HuggingFace tensor names.
 
-Supported layouts: `config.json` plus either `model.safetensors` or sharded
-`model-0000x-of-0000y.safetensors` files listed in `model.safetensors.index.json`.
-Embeddings may be tied (`tie_word_embeddings: true`, or simply no `lm_head.weight`).
-Tensors stored as F32/F16/F64 are read with `safetensors`; BF16 (which numpy cannot
-represent) is widened to float32 by hand.
+Three formats, told apart by `detect_format`:
 
-Returned names are the HF names with the `model.` prefix kept, e.g.
-`model.layers.0.self_attn.q_proj.weight`; `lm_head.weight` is always present.
+- **hf**: a HuggingFace directory, `config.json` plus `model.safetensors` or shards listed in
+  `model.safetensors.index.json`; embeddings tied (`tie_word_embeddings`, or no `lm_head.weight`)
+  or not. F16/F32/F64 read with `safetensors`; BF16 (no numpy dtype) widened to float32 by hand.
+- **llama2c**: a llama2.c `.bin` file, legacy (v0) export: seven int32 header fields (dim, hidden_dim,
+  n_layers, n_heads, n_kv_heads, vocab_size, seq_len; a negative vocab_size means the classifier is
+  stored separately), then float32 tensors in a fixed order. llama2.c rotates interleaved pairs
+  (x[2i], x[2i+1]) while the model here rotates halves (x[i], x[i+D/2]), so wq/wk rows are permuted
+  per head at load; this is the only place the RoPE layout differs between formats.
+- **mindformers**: a directory with one MindFormers `*.ckpt` (read with `mindspore.load_checkpoint`;
+  names like `model.layers.0.attention.wq.weight`, optionally fused `attention.w_qkv` and
+  `feed_forward.w_gate_hidden`) and either a `config.json` or a MindFormers `*.yaml`
+  (`model.model_config`). MindFormers keeps HF's rotate-half layout, so no permutation.
+
+Every loader returns HF names (`model.layers.0.self_attn.q_proj.weight`, ...; `lm_head.weight` always
+present) and the result is checked once against `expected_shapes`: a missing tensor, a wrong shape or a
+non-float dtype fails with a `WeightLoadError` naming the tensor. The model concatenates Q/K/V and
+gate/up itself when it builds its parameters (`llama.py`).
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
 import struct
@@ -19,7 +31,8 @@ from typing import Optional
 
 import numpy as np
 
-__all__ = ["LlamaConfig", "WeightLoadError", "load_config", "load_llama_weights", "expected_shapes"]
+__all__ = ["LlamaConfig", "WeightLoadError", "detect_format", "load_config", "load_llama_weights",
+           "expected_shapes", "tokenizer_next_to"]
 
 
 class WeightLoadError(ValueError):
@@ -148,16 +161,19 @@ def _read_bf16(fpath: str, name: str) -> np.ndarray:
     return (raw.astype(np.uint32) << 16).view(np.float32).reshape(info["shape"])
 
 
-def _load_all(files: dict[str, str], wanted: set[str]) -> dict[str, np.ndarray]:
+_FLOAT_SAFETENSORS = ("F16", "BF16", "F32", "F64")
+
+
+def _load_safetensors(files: dict[str, str], wanted: set[str]) -> dict[str, np.ndarray]:
     from safetensors import safe_open
 
-    by_file: dict[str, list[str]] = {}
+    by_file: dict[str, Optional[list[str]]] = {}
     if "" in files:  # single file: take whatever it holds
-        by_file[files[""]] = None  # type: ignore[assignment]
+        by_file[files[""]] = None
     else:
         for name, fpath in files.items():
             if name in wanted:
-                by_file.setdefault(fpath, []).append(name)
+                by_file.setdefault(fpath, []).append(name)  # type: ignore[union-attr]
     out: dict[str, np.ndarray] = {}
     for fpath, names in by_file.items():
         try:
@@ -166,10 +182,11 @@ def _load_all(files: dict[str, str], wanted: set[str]) -> dict[str, np.ndarray]:
                 for name in keys:
                     if name not in wanted:
                         continue
-                    if f.get_slice(name).get_dtype() == "BF16":
-                        arr = _read_bf16(fpath, name)
-                    else:
-                        arr = f.get_tensor(name)
+                    dtype = f.get_slice(name).get_dtype()
+                    if dtype not in _FLOAT_SAFETENSORS:
+                        raise WeightLoadError(f"tensor {name!r} in {fpath} has dtype {dtype}; expected a float "
+                                              f"type ({', '.join(_FLOAT_SAFETENSORS)})")
+                    arr = _read_bf16(fpath, name) if dtype == "BF16" else f.get_tensor(name)
                     out[name] = np.ascontiguousarray(arr, dtype=np.float32)
         except WeightLoadError:
             raise
@@ -178,18 +195,238 @@ def _load_all(files: dict[str, str], wanted: set[str]) -> dict[str, np.ndarray]:
     return out
 
 
-def load_llama_weights(model_dir: str) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
-    """Return (config, {hf_name: float32 array}) with shapes checked; `lm_head.weight` filled if tied."""
+def _load_hf(model_dir: str) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
     cfg = load_config(model_dir)
-    shapes = expected_shapes(cfg)
-    tensors = _load_all(_shard_files(model_dir), set(shapes))
+    return cfg, _load_safetensors(_shard_files(model_dir), set(expected_shapes(cfg)))
+
+
+# ------------------------------------------------------------------------------------------ llama2.c
+_LLAMA2C_MAGIC = 0x616B3432   # "ak42": the header of llama2.c's version 1 and 2 exports
+
+
+def _rotate_half_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Reorder each head's rows from interleaved pairs (0,1),(2,3),... to halves (0..D/2-1 | D/2..D-1)."""
+    rows, cols = w.shape
+    d = rows // n_heads
+    return np.ascontiguousarray(w.reshape(n_heads, d // 2, 2, cols).transpose(0, 2, 1, 3).reshape(rows, cols))
+
+
+def _load_llama2c(path: str) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        header = f.read(28)
+    if len(header) < 28:
+        raise WeightLoadError(f"{path}: {size} bytes is too short for a llama2.c checkpoint header")
+    if struct.unpack("<I", header[:4])[0] == _LLAMA2C_MAGIC:
+        version = struct.unpack("<i", header[4:8])[0]
+        raise WeightLoadError(f"{path}: llama2.c export version {version} is not supported; export the legacy "
+                              "format (export.py --version 0) or convert to a HuggingFace directory")
+    dim, hidden, n_layers, n_heads, n_kv_heads, vocab, seq_len = struct.unpack("<7i", header)
+    shared, vocab = vocab > 0, abs(vocab)
+    fields = dict(dim=dim, hidden_dim=hidden, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                  vocab_size=vocab, seq_len=seq_len)
+    if min(fields.values()) <= 0 or dim % n_heads or n_heads % n_kv_heads or (dim // n_heads) % 2:
+        raise WeightLoadError(f"{path}: not a llama2.c v0 checkpoint (header {fields} is inconsistent)")
+    d = dim // n_heads
+    kv = n_kv_heads * d
+    L = n_layers
+    layout = [("tok", (vocab, dim)), ("rms_att", (L, dim)), ("wq", (L, dim, dim)), ("wk", (L, kv, dim)),
+              ("wv", (L, kv, dim)), ("wo", (L, dim, dim)), ("rms_ffn", (L, dim)), ("w1", (L, hidden, dim)),
+              ("w2", (L, dim, hidden)), ("w3", (L, hidden, dim)), ("rms_final", (dim,)),
+              ("freq_cis_real", (seq_len, d // 2)), ("freq_cis_imag", (seq_len, d // 2))]
+    if not shared:
+        layout.append(("wcls", (vocab, dim)))
+    expected = 28 + 4 * sum(int(np.prod(shape)) for _, shape in layout)
+    if size != expected:
+        raise WeightLoadError(f"{path}: {size} bytes, but a llama2.c v0 checkpoint with header {fields} "
+                              f"({'shared' if shared else 'separate'} classifier) has {expected}; "
+                              "the file is truncated or not this format")
+    flat = np.fromfile(path, dtype="<f4", offset=28)
+    raw, at = {}, 0
+    for name, shape in layout:
+        n = int(np.prod(shape))
+        raw[name] = flat[at: at + n].reshape(shape)
+        at += n
+    # The rotary tables must be the standard ones (theta 10000) that the model computes itself.
+    angles = np.outer(np.arange(seq_len), 10000.0 ** (-np.arange(0, d, 2) / d))
+    if not (np.allclose(raw["freq_cis_real"], np.cos(angles), atol=1e-4)
+            and np.allclose(raw["freq_cis_imag"], np.sin(angles), atol=1e-4)):
+        raise WeightLoadError(f"{path}: freq_cis tables are not standard RoPE with theta 10000; not supported")
+
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=dim, intermediate_size=hidden, num_layers=L,
+                      num_heads=n_heads, num_kv_heads=n_kv_heads, head_dim=d, rms_norm_eps=1e-5,
+                      rope_theta=10000.0, max_position_embeddings=seq_len, bos_token_id=1, eos_token_id=2,
+                      tie_word_embeddings=shared)
+    out = {"model.embed_tokens.weight": raw["tok"], "model.norm.weight": raw["rms_final"],
+           "lm_head.weight": raw["tok"] if shared else raw["wcls"]}
+    for i in range(L):
+        p = f"model.layers.{i}."
+        out[p + "input_layernorm.weight"] = raw["rms_att"][i]
+        out[p + "post_attention_layernorm.weight"] = raw["rms_ffn"][i]
+        out[p + "self_attn.q_proj.weight"] = _rotate_half_rows(raw["wq"][i], n_heads)
+        out[p + "self_attn.k_proj.weight"] = _rotate_half_rows(raw["wk"][i], n_kv_heads)
+        out[p + "self_attn.v_proj.weight"] = raw["wv"][i]
+        out[p + "self_attn.o_proj.weight"] = raw["wo"][i]
+        out[p + "mlp.gate_proj.weight"] = raw["w1"][i]
+        out[p + "mlp.up_proj.weight"] = raw["w3"][i]
+        out[p + "mlp.down_proj.weight"] = raw["w2"][i]
+    return cfg, {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in out.items()}
+
+
+# ---------------------------------------------------------------------------------------- MindFormers
+_MF_RENAMES = (  # MindFormers name fragment -> HF fragment, applied in order
+    ("model.tok_embeddings.embedding_weight", "model.embed_tokens.weight"),
+    ("model.norm_out.", "model.norm."),
+    (".attention.wq.", ".self_attn.q_proj."), (".attention.wk.", ".self_attn.k_proj."),
+    (".attention.wv.", ".self_attn.v_proj."), (".attention.wo.", ".self_attn.o_proj."),
+    (".attention_norm.", ".input_layernorm."), (".ffn_norm.", ".post_attention_layernorm."),
+    (".feed_forward.w1.", ".mlp.gate_proj."), (".feed_forward.w3.", ".mlp.up_proj."),
+    (".feed_forward.w2.", ".mlp.down_proj."),
+)
+
+
+def _mindformers_config(path: str) -> LlamaConfig:
+    """LlamaConfig from a MindFormers yaml's `model.model_config` section."""
+    import yaml
+
+    try:
+        with open(path, "r", encoding="utf-8") as f:
+            raw = (yaml.safe_load(f) or {}).get("model", {}).get("model_config")
+    except (yaml.YAMLError, AttributeError) as e:
+        raise WeightLoadError(f"{path}: not a MindFormers model yaml ({e})") from None
+    if not isinstance(raw, dict):
+        raise WeightLoadError(f"{path}: no model.model_config section")
+
+    def need(key):
+        if raw.get(key) is None:
+            raise WeightLoadError(f"{path}: model.model_config.{key} is missing")
+        return int(raw[key])
+
+    hidden, heads = need("hidden_size"), need("num_heads")
+    kv_heads = int(raw.get("n_kv_heads") or heads)
+    inter = raw.get("intermediate_size")
+    if inter is None:   # LLaMA's rule: 2/3 of 4*hidden, times ffn_dim_multiplier, rounded up to multiple_of
+        multiple_of = int(raw.get("multiple_of", 256))
+        inter = int(2 * 4 * hidden / 3)
+        if raw.get("ffn_dim_multiplier") is not None:
+            inter = int(float(raw["ffn_dim_multiplier"]) * inter)
+        inter = multiple_of * ((inter + multiple_of - 1) // multiple_of)
+    if heads % kv_heads or (hidden // heads) % 2:
+        raise WeightLoadError(f"{path}: num_heads={heads}, n_kv_heads={kv_heads}, hidden_size={hidden} "
+                              "are inconsistent")
+    return LlamaConfig(vocab_size=need("vocab_size"), hidden_size=hidden, intermediate_size=int(inter),
+                       num_layers=need("num_layers"), num_heads=heads, num_kv_heads=kv_heads,
+                       head_dim=hidden // heads, rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
+                       rope_theta=float(raw.get("theta", 10000.0)),
+                       max_position_embeddings=int(raw.get("max_position_embedding") or raw.get("seq_length")
+                                                   or 2048),
+                       bos_token_id=_first_id(raw.get("bos_token_id", 1)),
+                       eos_token_id=_first_id(raw.get("eos_token_id", 2)),
+                       tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)))
+
+
+def _one(pattern: str, what: str) -> Optional[str]:
+    found = sorted(glob.glob(pattern))
+    if len(found) > 1:
+        raise WeightLoadError(f"{os.path.dirname(pattern)}: {len(found)} {what} files ({', '.join(map(os.path.basename, found))}); "
+                              "expected one")
+    return found[0] if found else None
+
+
+def _load_mindformers(path: str) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
+    model_dir = path if os.path.isdir(path) else os.path.dirname(path)
+    ckpt = path if os.path.isfile(path) else _one(os.path.join(model_dir, "*.ckpt"), "checkpoint (*.ckpt)")
+    if os.path.exists(os.path.join(model_dir, "config.json")):
+        cfg = load_config(model_dir)
+    else:
+        yaml_path = _one(os.path.join(model_dir, "*.yaml"), "yaml") or _one(os.path.join(model_dir, "*.yml"), "yaml")
+        if yaml_path is None:
+            raise WeightLoadError(f"{model_dir}: a MindFormers checkpoint needs a config.json or a MindFormers "
+                                  "*.yaml next to it")
+        cfg = _mindformers_config(yaml_path)
+    import mindspore as ms
+
+    try:
+        params = ms.load_checkpoint(ckpt)
+    except Exception as e:
+        raise WeightLoadError(f"{ckpt}: cannot read MindSpore checkpoint: {e}") from e
+    floats = (ms.float16, ms.float32, ms.float64, ms.bfloat16)
+    out: dict[str, np.ndarray] = {}
+    for name, param in params.items():
+        if not (name.startswith("model.") or name.startswith("lm_head.")):
+            continue   # optimizer state, step counters, ...
+        if param.dtype not in floats:
+            raise WeightLoadError(f"tensor {name!r} in {ckpt} has dtype {param.dtype}; expected a float type")
+        arr = (ms.ops.cast(param, ms.float32) if param.dtype == ms.bfloat16 else param).asnumpy()
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        hf = name
+        for old, new in _MF_RENAMES:
+            hf = hf.replace(old, new)
+        out[hf] = arr
+    d, nh, kvh, inter = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
+    for i in range(cfg.num_layers):   # fused projections (qkv_concat) are split back into HF tensors
+        p = f"model.layers.{i}."
+        fused = out.pop(p + "attention.w_qkv.weight", None)
+        if fused is not None:
+            _check_shape(p + "attention.w_qkv.weight", fused,
+                         ((nh + 2 * kvh) * d, cfg.hidden_size))
+            q, k, v = np.split(fused, [nh * d, (nh + kvh) * d])
+            out.update({p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k,
+                        p + "self_attn.v_proj.weight": v})
+        fused = out.pop(p + "feed_forward.w_gate_hidden.weight", None)
+        if fused is not None:
+            _check_shape(p + "feed_forward.w_gate_hidden.weight", fused, (2 * inter, cfg.hidden_size))
+            out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = np.split(fused, [inter])
+    return cfg, {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
+# ------------------------------------------------------------------------------------------- entry
+def detect_format(path: str) -> str:
+    """'hf', 'llama2c' or 'mindformers' for a checkpoint path; WeightLoadError if it is none of them."""
+    if os.path.isfile(path):
+        if path.endswith(".bin"):
+            return "llama2c"
+        if path.endswith(".ckpt"):
+            return "mindformers"
+        raise WeightLoadError(f"{path}: a model file must be a llama2.c .bin or a MindFormers .ckpt")
+    if not os.path.isdir(path):
+        raise WeightLoadError(f"{path}: no such file or directory")
+    if (os.path.exists(os.path.join(path, "model.safetensors"))
+            or os.path.exists(os.path.join(path, "model.safetensors.index.json"))):
+        return "hf"
+    if glob.glob(os.path.join(path, "*.ckpt")):
+        return "mindformers"
+    raise WeightLoadError(f"{path}: not a model directory: expected config.json with model.safetensors (or "
+                          "a safetensors index), or a MindFormers *.ckpt; or pass a llama2.c .bin file")
+
+
+def tokenizer_next_to(path: str) -> Optional[str]:
+    """The sentencepiece model that ships with a checkpoint: tokenizer.model, else the only *.model."""
+    model_dir = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    preferred = os.path.join(model_dir, "tokenizer.model")
+    if os.path.isfile(preferred):
+        return preferred
+    found = glob.glob(os.path.join(model_dir, "*.model"))
+    return found[0] if len(found) == 1 else None
+
+
+def _check_shape(name: str, arr: np.ndarray, shape: tuple) -> None:
+    if tuple(arr.shape) != tuple(shape):
+        raise WeightLoadError(f"tensor {name!r} has shape {tuple(arr.shape)}, expected {tuple(shape)}")
+
+
+def load_llama_weights(path: str) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
+    """Return (config, {hf_name: float32 array}) for any supported checkpoint, with every tensor checked."""
+    path = os.fspath(path)
+    fmt = detect_format(path)
+    cfg, tensors = {"hf": _load_hf, "llama2c": _load_llama2c, "mindformers": _load_mindformers}[fmt](path)
     if "lm_head.weight" not in tensors or cfg.tie_word_embeddings:
         if "model.embed_tokens.weight" in tensors:
             tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    shapes = expected_shapes(cfg)
     for name, shape in shapes.items():
         if name not in tensors:
-            raise WeightLoadError(f"tensor {name!r} is missing from the checkpoint in {model_dir} "
+            raise WeightLoadError(f"tensor {name!r} is missing from the checkpoint in {path} "
                                   f"(expected shape {shape})")
-        if tuple(tensors[name].shape) != shape:
-            raise WeightLoadError(f"tensor {name!r} has shape {tuple(tensors[name].shape)}, expected {shape}")
-    return cfg, tensors
+        _check_shape(name, tensors[name], shape)
+    return cfg, {k: v for k, v in tensors.items() if k in shapes}
