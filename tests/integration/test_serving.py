@@ -24,11 +24,13 @@ def generate(url, prompt, **params):
     return http("POST", f"{url}/models/hf/generate", {"inputs": prompt, "parameters": params})
 
 
-def test_greedy_output_reproduces_the_reference_implementation(stories_server, shared_dir):
+def assert_greedy_reference(url, model, shared_dir):
+    """Greedy text served for greedy_reference.json's prompts equals llama2.c's (JSON route, then SSE)."""
     import sentencepiece as spm
 
     sp = spm.SentencePieceProcessor(model_file=str(shared_dir / "models/stories260K/tok512.model"))
     cases = json.loads((shared_dir / "models/stories260K/greedy_reference.json").read_text())
+    assert len(cases) >= 2
     for i, case in enumerate(cases):
         num_prompt = 1 + len(sp.encode(case["prompt"]))          # BOS + prompt, as run.c counts
         # run.c forwards `steps` positions (BOS, prompt, outputs) and prints the token sampled at each,
@@ -36,17 +38,22 @@ def test_greedy_output_reproduces_the_reference_implementation(stories_server, s
         params = {"max_new_tokens": case["steps_total_incl_prompt_and_bos"] - (num_prompt - 1),
                   "return_full_text": True}
         if i % 2 == 0:
-            status, body = generate(stories_server.url, case["prompt"], **params)
+            status, body = http("POST", f"{url}/models/{model}/generate",
+                                {"inputs": case["prompt"], "parameters": params})
             assert status == 200, body
             text = body["generated_text"]
         else:  # the same through the streaming route
-            status, events = http("POST", f"{stories_server.url}/models/hf/generate_stream",
+            status, events = http("POST", f"{url}/models/{model}/generate_stream",
                                   {"inputs": case["prompt"], "parameters": params})
             assert status == 200
             events = parse_sse(events)
             text = events[-1]["generated_text"]
             assert case["prompt"] + "".join(e["token"]["text"] for e in events) == text
         assert text + "\n" == case["greedy_text"]                   # run.c prints a final newline
+
+
+def test_greedy_output_reproduces_the_reference_implementation(stories_server, shared_dir):
+    assert_greedy_reference(stories_server.url, "hf", shared_dir)
 
 
 async def _stream_all(url, prompts, max_new_tokens):

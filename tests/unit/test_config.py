@@ -109,3 +109,28 @@ def test_shipped_configs_load():
     assert configs, "configs/ holds the example configs"
     for path in configs:
         load_config(str(path))
+
+
+def test_model_path_may_be_a_directory_or_a_llama2c_file(tmp_path):
+    from llm_serving.cli import resolve_model
+
+    hf = tmp_path / "my-llama"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "model.safetensors").write_bytes(b"")
+    (hf / "tokenizer.model").write_bytes(b"")
+    path, name, vocab = resolve_model(config_from_dict({"model_config": {"model_path": str(hf)}}))
+    assert (path, name, vocab) == (str(hf), "my-llama", str(hf / "tokenizer.model"))
+
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    (flat / "stories15M.bin").write_bytes(b"")
+    (flat / "tok512.model").write_bytes(b"")   # the only sentencepiece model there
+    path, name, vocab = resolve_model(config_from_dict({"model_config": {"model_path": str(flat / "stories15M.bin")}}))
+    assert (path, name, vocab) == (str(flat / "stories15M.bin"), "stories15M", str(flat / "tok512.model"))
+    (flat / "other.model").write_bytes(b"")    # two candidates: the user must choose
+    with pytest.raises(ConfigError, match="--tokenizer"):
+        resolve_model(config_from_dict({"model_config": {"model_path": str(flat / "stories15M.bin")}}))
+
+    with pytest.raises(ConfigError, match="not a model directory"):
+        resolve_model(config_from_dict({"model_config": {"model_path": str(tmp_path)}}))
