@@ -17,7 +17,8 @@ setup(
         "psutil",
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "hypothesis"],
+        "bench": ["matplotlib", "tqdm"],
+        "test": ["pytest", "pytest-timeout", "hypothesis", "matplotlib", "tqdm"],
         "ascend": ["mindformers"],
     },
     entry_points={"console_scripts": ["llm-serving=llm_serving.cli:main"]},

@@ -40,6 +40,21 @@ def _add_agent_ctl(sub) -> None:
     p.set_defaults(func=cmd_agent_ctl)
 
 
+def _add_bench(sub) -> None:
+    from llm_serving.bench.client import add_arguments
+
+    p = sub.add_parser("bench", help="replay a dataset against a running server and measure it "
+                                     "(TTFT, TPOT, ITL, E2EL, throughput, goodput)")
+    add_arguments(p)
+    p.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args) -> int:
+    from llm_serving.bench.client import run
+
+    return run(args)[1]
+
+
 def build_config(args):
     from llm_serving.config import load_config
 
@@ -169,6 +184,7 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     _add_start(sub)
     _add_agent_ctl(sub)
+    _add_bench(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -38,6 +38,7 @@ class Tokenizer:
         if not Path(model_file).is_file():
             raise FileNotFoundError(f"sentencepiece tokenizer model not found: {model_file}")
         self._sp = spm.SentencePieceProcessor(model_file=str(model_file))
+        self.model_file = str(Path(model_file).resolve())
         sp = self._sp
         self.vocab_size: int = sp.get_piece_size()
         self.bos_id: int = sp.bos_id()
