@@ -48,13 +48,21 @@ def _model_source_digest() -> str:
     return h.hexdigest()
 
 
-def _setup_mindspore(device_target: str, device_id: int, num_threads: Optional[int], cache_key: str):
-    """Process-wide MindSpore setup; safe to call again with the same arguments."""
+_runners_in_process = 0   # MindSpore's compile cache is process-wide; see ModelRunner's compile_cache
+
+
+def _setup_mindspore(device_target: str, device_id: int, num_threads: Optional[int], cache_key: Optional[str]):
+    """Process-wide MindSpore setup; safe to call again with the same arguments.
+
+    MindSpore 2.10 reads MS_COMPILER_CACHE_PATH once, at the process's first compile, and names cached
+    graphs by their compile index in the process (compile_cache_N.mindir) with no shape check. A cache is
+    only safe when the same sequence of graphs is compiled in the same order every time: one runner per
+    process, warmed up bucket by bucket, with every input of that sequence in `cache_key`.
+    """
     import mindspore as ms
 
     cache_dir = None
-    if os.environ.get("LLM_SERVING_COMPILE_CACHE", "1") == "1":
-        # Keyed by model/cache geometry and graph sources so graphs of another model are never picked up.
+    if cache_key is not None and os.environ.get("LLM_SERVING_COMPILE_CACHE", "1") == "1":
         cache_dir = os.path.join(str(default_cache_dir()), "ms_compile", cache_key)
         try:
             os.makedirs(cache_dir, exist_ok=True)
@@ -64,8 +72,8 @@ def _setup_mindspore(device_target: str, device_id: int, num_threads: Optional[i
     if cache_dir is not None:
         os.environ["MS_COMPILER_CACHE_ENABLE"] = "1"
         os.environ["MS_COMPILER_CACHE_PATH"] = cache_dir
-    elif os.environ.get("MS_COMPILER_CACHE_ENABLE") == "1" and "MS_COMPILER_CACHE_PATH" in os.environ:
-        os.environ["MS_COMPILER_CACHE_ENABLE"] = "0"   # don't keep using another runner's directory
+    else:
+        os.environ["MS_COMPILER_CACHE_ENABLE"] = "0"
     ms.set_context(mode=ms.GRAPH_MODE)
     try:
         ms.set_device(device_target, device_id)
@@ -85,11 +93,15 @@ class ModelRunner:
 
     Attributes: config (LlamaConfig), num_blocks, block_size, max_blocks_per_seq, the bucket lists (sorted),
     num_slots ((num_blocks + 1) * block_size), max_context (max_blocks_per_seq * block_size).
+
+    compile_cache=True (the agent's runner) keeps compiled graphs under the project cache dir, keyed by
+    everything that decides warmup's compile sequence; only the first runner of a process can use it.
     """
 
     def __init__(self, model_dir: str, *, num_blocks: int, block_size: int, max_blocks_per_seq: int,
                  decode_batch_sizes: list[int], prefill_batch_sizes: list[int], prefill_seq_lens: list[int],
-                 device_target: str = "CPU", device_id: int = 0, num_threads: Optional[int] = None):
+                 device_target: str = "CPU", device_id: int = 0, num_threads: Optional[int] = None,
+                 compile_cache: bool = False):
         for key, val in (("num_blocks", num_blocks), ("block_size", block_size),
                          ("max_blocks_per_seq", max_blocks_per_seq)):
             if not isinstance(val, (int, np.integer)) or val < 1:
@@ -114,11 +126,17 @@ class ModelRunner:
 
         self.config, weights = load_llama_weights(model_dir)
         cfg: LlamaConfig = self.config
-        key_src = repr((cfg, self.num_blocks, self.block_size, self.max_blocks_per_seq, device_target,
-                        _model_source_digest()))
-        self._seen_buckets: set[tuple] = set()
-        self._cache_dir = _setup_mindspore(device_target, device_id, num_threads,
-                                           hashlib.sha1(key_src.encode()).hexdigest()[:16])
+        global _runners_in_process
+        _runners_in_process += 1
+        cache_key = None
+        if compile_cache and _runners_in_process == 1:
+            # everything that decides which graphs warmup() compiles, and in which order
+            key_src = repr((cfg, self.num_blocks, self.block_size, self.max_blocks_per_seq, self.decode_batch_sizes,
+                            self.prefill_batch_sizes, self.prefill_seq_lens, device_target, _model_source_digest()))
+            cache_key = hashlib.sha1(key_src.encode()).hexdigest()[:16]
+        elif compile_cache:
+            logger.warning("compile cache off: another ModelRunner already exists in this process")
+        self._cache_dir = _setup_mindspore(device_target, device_id, num_threads, cache_key)
 
         import mindspore as ms
         from .llama import LlamaForCausalLM
@@ -237,28 +255,8 @@ class ModelRunner:
         return (*out, logits.asnumpy()[:n]) if return_logits else out
 
     def _call(self, kind: str, shape: tuple, cell, *args):
-        """Run a graph; on the first call of a shape, point the compile cache at that shape's directory."""
-        key = (kind,) + shape
-        if key in self._seen_buckets:
-            return cell(*args)
-        self._select_compile_cache(kind + "_" + "x".join(str(d) for d in shape))
-        out = cell(*args)
-        self._seen_buckets.add(key)
-        return out
-
-    def _select_compile_cache(self, name: str) -> None:
-        if self._cache_dir is None:
-            return
-        path = os.path.join(self._cache_dir, name)
-        try:
-            os.makedirs(path, exist_ok=True)
-        except OSError as e:
-            logger.warning("compile cache disabled: cannot create %s (%s)", path, e)
-            self._cache_dir = None
-            os.environ["MS_COMPILER_CACHE_ENABLE"] = "0"
-            return
-        os.environ["MS_COMPILER_CACHE_ENABLE"] = "1"
-        os.environ["MS_COMPILER_CACHE_PATH"] = path
+        """Run a graph (kind and bucket shape name it in logs and errors)."""
+        return cell(*args)
 
     def _run_dummy(self, b: int, s: int, temperature: float, top_k: int) -> None:
         """One step of bucket (b, s) that writes only to the scratch block."""

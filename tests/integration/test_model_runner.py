@@ -364,3 +364,50 @@ def test_weights_missing_or_misshapen_tensor_is_named(tmp_path):
     with pytest.raises(WeightLoadError, match=r"k_proj\.weight.*\(8, 8\).*\(4, 8\)"):
         load_llama_weights(str(bad))
     assert issubclass(WeightLoadError, ValueError)
+
+
+_CACHED_RUN = r"""
+import json, sys
+import numpy as np
+from llm_serving.models.runner import ModelRunner
+decode = json.loads(sys.argv[2])
+r = ModelRunner(sys.argv[1], num_blocks=8, block_size=16, max_blocks_per_seq=2, decode_batch_sizes=decode,
+                prefill_batch_sizes=[1], prefill_seq_lens=[16], num_threads=2, compile_cache=True)
+r.warmup()
+ids = [1, 403, 407, 261, 378]
+_, _, logits = r.execute([ids], [list(range(5))], [list(range(5))], [[0]], [5], [5], [0.0], [0], [1.0], [0.0],
+                         return_logits=True)
+out = [logits[0]]
+for b in decode:   # a decode step at every batch bucket (row 0 real, the rest scratch)
+    tok = int(np.argmax(out[-1]))
+    _, _, lg = r.execute([[tok]] * b, [[5]] * b, [[5]] + [[-1]] * (b - 1), [[0]] * b, [6] * b, [1] * b,
+                         [0.0] * b, [0] * b, [1.0] * b, [0.0] * b, return_logits=True)
+    out.append(lg[0])
+np.save(sys.argv[3], np.stack(out))
+"""
+
+
+def test_compile_cache_survives_a_change_of_buckets(tmp_path):
+    """Agents keep compiled graphs on disk. MindSpore names them by compile order, so a server restarted
+    with other buckets must not pick up the graphs of the old ones (it once did, and crashed)."""
+    pytest.importorskip("mindspore")
+    _need_model()
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "LLM_SERVING_CACHE": str(tmp_path / "cache"), "GLOG_v": "3"}
+    script = tmp_path / "cached_run.py"      # MindSpore hashes the entry script into the cache's key
+    script.write_text(_CACHED_RUN)
+    results = []
+    for i, decode in enumerate(([1], [1, 2], [1])):
+        out = tmp_path / f"run{i}.npy"
+        proc = subprocess.run([sys.executable, str(script), str(MODEL_DIR), json.dumps(decode), str(out)],
+                              env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results.append(np.load(out))
+    caches = list((tmp_path / "cache" / "ms_compile").iterdir())
+    assert len(caches) == 2                                     # one per bucket set; run 2 reused run 0's
+    assert all(any(c.rglob("*.mindir")) for c in caches)
+    np.testing.assert_array_equal(results[0], results[2])      # loaded from the cache: same graphs
+    np.testing.assert_allclose(results[1][:2], results[0], rtol=1e-5, atol=1e-5)
