@@ -147,6 +147,35 @@ class PAConfig:
 
 
 @dataclass
+class SchedulerConfig:
+    """`scheduler_config`: how steps are composed (the budgets stay in serving_config, where llm-serving
+    configs have them). See llm_serving/master/scheduler.py for what each policy does."""
+
+    policy: str = "prefill_first"             # prefill_first | longest_output_first | fcfs
+    chunked_prefill: bool = False             # split long prompts across steps
+    max_chunk_tokens: Optional[int] = None    # tokens per chunk; default: the largest seq_length bucket
+    enable_prefix_caching: bool = True        # share the KV of identical prompt prefixes (full blocks)
+    max_decode_wait_steps: int = 8            # starvation bound: steps a running request may be left out
+    max_waiting_tokens: Optional[int] = None  # queue bound in tokens (with serving_config.max_waiting_requests)
+    kv_watermark: float = 0.01                # share of KV blocks admission leaves free for running requests
+
+    def __post_init__(self) -> None:
+        from llm_serving.master.scheduler import POLICIES
+        _check(self.policy in POLICIES, "scheduler_config.policy", self.policy, f"must be one of {', '.join(POLICIES)}")
+        for key in ("chunked_prefill", "enable_prefix_caching"):
+            _check(isinstance(getattr(self, key), bool), f"scheduler_config.{key}", getattr(self, key),
+                   "must be true or false")
+        if self.max_chunk_tokens is not None:
+            _check_int("scheduler_config.max_chunk_tokens", self.max_chunk_tokens, min_value=2)
+        _check_int("scheduler_config.max_decode_wait_steps", self.max_decode_wait_steps)
+        if self.max_waiting_tokens is not None:
+            _check_int("scheduler_config.max_waiting_tokens", self.max_waiting_tokens)
+        w = self.kv_watermark
+        _check(isinstance(w, (int, float)) and not isinstance(w, bool) and 0 <= w < 0.5, "scheduler_config.kv_watermark",
+               w, "must be a fraction in [0, 0.5)")
+
+
+@dataclass
 class TokenizerConfig:
     """`tokenizer`: a sentencepiece LLaMA tokenizer."""
 
@@ -167,6 +196,7 @@ IGNORED_KEYS = {
     "tokenizer": set(),
     "serving_config": set(),
     "pa_config": set(),
+    "scheduler_config": set(),
 }
 IGNORED_SECTIONS = {"model_path", "basic_inputs", "extra_inputs", "warmup_inputs", "post_model_batch_size"}
 
@@ -179,9 +209,19 @@ class Config:
     serving_config: ServingConfig = field(default_factory=ServingConfig)
     pa_config: PAConfig = field(default_factory=PAConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
-        mc, sc, pa = self.model_config, self.serving_config, self.pa_config
+        mc, sc, pa, sched = self.model_config, self.serving_config, self.pa_config, self.scheduler_config
+        _check(sc.max_num_batched_tokens >= sc.max_num_seqs, "serving_config.max_num_batched_tokens",
+               sc.max_num_batched_tokens, f"must be >= serving_config.max_num_seqs ({sc.max_num_seqs}) so that "
+               "one decode step can take every running request")
+        if sched.max_chunk_tokens is not None:
+            _check(sched.max_chunk_tokens <= mc.seq_length[-1], "scheduler_config.max_chunk_tokens",
+                   sched.max_chunk_tokens, f"must be <= the largest model_config.seq_length ({mc.seq_length[-1]})")
+        if sched.max_waiting_tokens is not None:
+            _check(sched.max_waiting_tokens >= self.max_model_len, "scheduler_config.max_waiting_tokens",
+                   sched.max_waiting_tokens, f"must be >= the longest request ({self.max_model_len} tokens)")
         _check(sc.max_num_seqs <= mc.decode_batch_size[-1], "serving_config.max_num_seqs", sc.max_num_seqs,
                f"must be <= the largest model_config.decode_batch_size ({mc.decode_batch_size[-1]})")
         _check(pa.num_blocks >= self.max_blocks_per_seq, "pa_config.num_blocks", pa.num_blocks,
@@ -190,9 +230,15 @@ class Config:
 
     @property
     def max_model_len(self) -> int:
-        """Longest sequence (prompt + output) a request may reach: a prompt is prefilled in one step, and a
-        preempted request is recomputed in one step, so it is bounded by the largest prefill bucket too."""
+        """Longest sequence (prompt + output) a request may reach. Without chunked prefill a prompt (or a
+        preempted request's recompute) is fed in one step, so the largest prefill bucket bounds it too."""
+        if self.scheduler_config.chunked_prefill:
+            return self.model_config.max_generate_length
         return min(self.model_config.max_generate_length, self.model_config.seq_length[-1])
+
+    @property
+    def max_chunk_tokens(self) -> int:
+        return self.scheduler_config.max_chunk_tokens or self.model_config.seq_length[-1]
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -204,7 +250,7 @@ class Config:
 
 
 _SECTION_CLASSES = {"model_config": ModelConfig, "serving_config": ServingConfig, "pa_config": PAConfig,
-                    "tokenizer": TokenizerConfig}
+                    "tokenizer": TokenizerConfig, "scheduler_config": SchedulerConfig}
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:

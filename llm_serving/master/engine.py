@@ -25,6 +25,10 @@ class EngineStoppedError(RuntimeError):
     """The engine is not running (starting, stopped, or its agents are down)."""
 
 
+class DuplicateRequestError(ValueError):
+    """A client-chosen request id is already in use; the HTTP layer answers 409."""
+
+
 class Engine:
     def __init__(self, config, tokenizer: Tokenizer, model_dir: str, model_name: str):
         self.config = config
@@ -32,12 +36,10 @@ class Engine:
         self.model_name = model_name
         self.model_path = model_dir
         self.max_model_len = config.max_model_len
-        pa, sc, mc = config.pa_config, config.serving_config, config.model_config
-        self.block_manager = BlockManager(pa.num_blocks, pa.block_size)
-        self.scheduler = Scheduler(block_manager=self.block_manager, max_num_seqs=sc.max_num_seqs,
-                                   max_num_batched_tokens=sc.max_num_batched_tokens,
-                                   max_prefill_rows=mc.prefill_batch_size[-1],
-                                   max_waiting_requests=sc.max_waiting_requests)
+        self.block_manager = BlockManager(config.pa_config.num_blocks, config.pa_config.block_size,
+                                          enable_prefix_caching=config.scheduler_config.enable_prefix_caching)
+        self.scheduler = make_scheduler(config, self.block_manager)
+        mc = config.model_config
         self.stop_token_ids = frozenset(mc.end_token_ids or [tokenizer.eos_id])
         self.agents = AgentGroup(config, model_dir)
         self.requests: dict = {}
@@ -75,24 +77,33 @@ class Engine:
 
     # --- requests ----------------------------------------------------------------------------------
 
-    def submit(self, prompt_ids: list, sampling: SamplingParams) -> Request:
-        """Queue a validated request (see server/schemas.py); raises QueueFullError past the bound."""
+    def submit(self, prompt_ids: list, sampling: SamplingParams, req_id: Optional[str] = None) -> Request:
+        """Queue a validated request (see server/schemas.py). Raises QueueFullError past the queue bounds,
+        DuplicateRequestError when req_id names a request still in flight."""
         if not self.running:
             raise EngineStoppedError("engine is not running")
-        req = Request(prompt_ids, sampling, self.stop_token_ids)
+        if req_id is not None and req_id in self.requests:
+            raise DuplicateRequestError(f"request id {req_id!r} is already in use by a request in flight")
+        req = Request(prompt_ids, sampling, self.stop_token_ids, req_id=req_id)
         self.scheduler.add(req)
         self.requests[req.req_id] = req
         self._detok[req.req_id] = IncrementalDetokenizer(self.tokenizer, prompt_ids=prompt_ids)
         self._wakeup.set()
         return req
 
-    def abort(self, req_id: str) -> bool:
-        """Stop a request now (client gone, or asked); its KV blocks are free for the next step."""
+    def abort(self, req_id: str, reason: str = "client aborted the request") -> bool:
+        """Stop a request now (asked by id); its KV blocks are free for the next step. False if no such
+        request is in flight."""
         req = self.requests.get(req_id)
         if req is None or req.finished:
             return False
-        self._finish(req, "abort")
+        self._finish(req, "abort", error=reason)
         return True
+
+    def release(self, req: Request) -> None:
+        """The client of req is gone (or done): abort it if it is still in flight (no-op otherwise)."""
+        if self.requests.get(req.req_id) is req and not req.finished:
+            self._finish(req, "abort", error="client disconnected")
 
     def _finish(self, req: Request, reason: str, error: Optional[str] = None,
                 last: Optional[TokenEvent] = None) -> None:
@@ -120,7 +131,7 @@ class Engine:
             await asyncio.sleep(0)  # let HTTP handlers run between steps
 
     async def _run_step(self, batch: ScheduledBatch) -> None:
-        n, s = batch.num_rows, (batch.max_query_len if batch.is_prefill else 1)
+        n, s = batch.num_rows, batch.max_query_len
         self._write_inputs(batch, s)
         t0 = time.perf_counter()
         try:
@@ -146,9 +157,9 @@ class Engine:
         b.positions[:n, :s] = 0
         b.slot_mapping[:n, :s] = -1
         b.block_tables[:n] = 0
-        for i, req in enumerate(batch.requests):
-            start, stop = req.num_computed_tokens, req.num_tokens
-            q = stop - start
+        for i, (req, q) in enumerate(zip(batch.requests, batch.num_new_tokens)):
+            start = req.num_computed_tokens
+            stop = start + q
             table = self.block_manager.block_tables[req.req_id]
             b.input_ids[i, :q] = req.tokens(start, stop)
             pos = np.arange(start, stop, dtype=np.int32)
@@ -167,13 +178,11 @@ class Engine:
     def _read_outputs(self, batch: ScheduledBatch) -> None:
         b = self.agents.buffers
         n = batch.num_rows
-        token_ids = b.out_token_ids[:n].tolist()
         logprobs = b.out_logprobs[:n].tolist()
+        row_of = {id(req): i for i, req in enumerate(batch.requests)}
         now = time.monotonic()
-        for req, token_id, logprob in zip(batch.requests, token_ids, logprobs):
-            if req.finished:  # aborted while the step ran
-                continue
-            req.num_computed_tokens = req.num_tokens
+        for req, token_id in self.scheduler.complete_step(batch, b.out_token_ids[:n].tolist()):
+            logprob = logprobs[row_of[id(req)]]
             req.output_ids.append(token_id)
             req.output_logprobs.append(logprob)
             if req.first_token_time is None:
@@ -206,11 +215,28 @@ class Engine:
             "num_free_blocks": self.block_manager.num_free_blocks,
             "num_blocks": self.block_manager.num_blocks,
             "num_preemptions": sched.num_preemptions,
+            "policy": sched.policy,
+            "chunked_prefill": sched.chunked_prefill,
+            "prefix_caching": self.block_manager.enable_prefix_caching,
+            "prefix_cache_hit_rate": sched.prefix_cache_hit_rate if self.block_manager.enable_prefix_caching else None,
+            "num_cached_prompt_tokens": sched.num_cached_tokens,
             "num_generated_tokens": self.num_generated_tokens,
             "step_time_s": dict(self.step_time_s),
             "batch_sizes": _by_kind(sched.batch_sizes),
             "step_time_s_by_batch": _by_kind(self.step_time_by_batch),
         }
+
+
+def make_scheduler(config, block_manager: BlockManager) -> Scheduler:
+    """The scheduler a config describes (its budgets come from serving_config and the graph buckets)."""
+    sc, mc, sched = config.serving_config, config.model_config, config.scheduler_config
+    return Scheduler(block_manager=block_manager, max_num_seqs=sc.max_num_seqs,
+                     max_num_batched_tokens=sc.max_num_batched_tokens,
+                     max_prefill_rows=mc.prefill_batch_size[-1], max_decode_rows=mc.decode_batch_size[-1],
+                     max_waiting_requests=sc.max_waiting_requests, max_waiting_tokens=sched.max_waiting_tokens,
+                     policy=sched.policy, chunked_prefill=sched.chunked_prefill,
+                     max_chunk_tokens=config.max_chunk_tokens, max_decode_wait_steps=sched.max_decode_wait_steps,
+                     watermark_blocks=int(sched.kv_watermark * config.pa_config.num_blocks))
 
 
 def _by_kind(counter: Counter) -> dict:

@@ -47,8 +47,9 @@ class TokenEvent:
 
 class Request:
     """Tokens so far are prompt_ids + output_ids (num_tokens); the first num_computed_tokens are in the
-    KV cache. Every step feeds tokens [num_computed_tokens, num_tokens) and samples one new token, so a
-    fresh prompt, a decode and a preempted request's recompute are the same operation."""
+    KV cache. A step feeds some of tokens [num_computed_tokens, num_tokens) (all of them unless a long
+    prompt is chunked) and samples one new token when it reaches the end, so a fresh prompt, a chunk, a
+    decode and a preempted request's recompute are the same operation."""
 
     def __init__(self, prompt_ids: list, sampling: SamplingParams, stop_token_ids: frozenset,
                  req_id: Optional[str] = None):
@@ -60,6 +61,7 @@ class Request:
         self.sampling = sampling
         self.stop_token_ids = frozenset() if sampling.ignore_eos else stop_token_ids
         self.num_computed_tokens = 0
+        self.num_cached_tokens = 0           # tokens whose KV came from the prefix cache (summed over admissions)
         self.status = RequestStatus.WAITING
         self.finish_reason: Optional[str] = None
         self.arrival_time = time.monotonic()

@@ -1,21 +1,42 @@
-"""Continuous batching: which requests run in the next step, and how many tokens each feeds.
+"""Continuous batching: which requests run in the next step, and how many tokens each one feeds.
 
-Every step is either a prefill step (rows that feed several tokens: new prompts, or preempted requests
-being recomputed) or a decode step (every running request feeds its one newest token). Prefill goes
-first whenever a waiting request fits, so new requests join the running batch at the next step and
-their first token comes early; the decode step then carries everyone together. Finished requests free
-their blocks at once. When the cache cannot hold the next token of every running request, the most
-recently admitted request is preempted: its blocks are freed and it waits at the head of the queue to
-be recomputed (prompt + output so far, in one prefill), so nothing is dropped.
+A request has `num_tokens` (prompt + output so far) of which the first `num_computed_tokens` are in the KV
+cache. A step feeds each of its rows some of the rest, and samples a token for every row that reaches the
+end; a new prompt, a chunk of a long prompt, a decode and a preempted request's recompute are all that
+one operation. Every step keeps to the budgets: `max_num_seqs` running requests, `max_num_batched_tokens`
+fed tokens, and the rows of the graph bucket it runs in (a step where some row feeds more than one token
+runs in a prefill graph, at most `max_prefill_rows` rows; a decode step at most `max_decode_rows`).
+
+Policies (`scheduler_config.policy`), each one ordering plus one step rule:
+- `prefill_first` (the contest entry's priority): waiting prompts run in prefill steps, several per step,
+  before any decode step, so new requests join the running batch at once. The starvation bound: once
+  running requests have been left out of `max_decode_wait_steps` steps in a row, the next step decodes.
+- `longest_output_first` (the contest winner's ordering): prefill_first with the queue ordered by
+  `max_new_tokens`, longest first, so the longest jobs start early and the run has no long tail.
+- `fcfs`: the queue in arrival order and no priority. Each step serves the running requests and, when the
+  rows fit one prefill bucket, admits waiting ones into the same step (prefill and decode rows together,
+  ORCA's selective batching); when they do not, decode and prefill steps take turns.
+With `chunked_prefill`, a prompt longer than what is left of the step's token budget is split across
+steps (at most `max_chunk_tokens` per step); without it a prompt is fed whole.
+
+Memory: a row is in a step only once its KV blocks are allocated; admission never takes the blocks that
+running requests are about to need (`watermark_blocks`). When a running request needs a block and none
+is left, the lowest-priority running request (the one the queue would serve last) is preempted: its
+blocks are freed and it goes back to the queue, keeping its outputs, to be recomputed later (prompt +
+outputs, as one prefill); nothing is dropped. With prefix caching, admission first adopts the cached
+blocks of the longest matching prefix and feeds only the rest.
 """
 from __future__ import annotations
 
-from collections import Counter, deque
-from dataclasses import dataclass
+import bisect
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Optional
 
 from llm_serving.master.block_manager import BlockManager
 from llm_serving.master.request import Request, RequestStatus
+
+POLICIES = ("prefill_first", "longest_output_first", "fcfs")
 
 
 class QueueFullError(RuntimeError):
@@ -24,8 +45,10 @@ class QueueFullError(RuntimeError):
 
 @dataclass
 class ScheduledBatch:
-    is_prefill: bool
+    """One step: its rows, and how many tokens each row feeds (from its num_computed_tokens on)."""
+
     requests: list
+    num_new_tokens: list = field(default_factory=list)
 
     @property
     def num_rows(self) -> int:
@@ -33,39 +56,80 @@ class ScheduledBatch:
 
     @property
     def max_query_len(self) -> int:
-        return max(r.num_new_tokens for r in self.requests)
+        return max(self.num_new_tokens)
+
+    @property
+    def is_prefill(self) -> bool:
+        """Runs in a prefill graph (some row feeds more than one token)."""
+        return self.max_query_len > 1
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
 
 
 class Scheduler:
     def __init__(self, *, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_prefill_rows: int, max_waiting_requests: int):
+                 max_prefill_rows: int, max_waiting_requests: int, max_decode_rows: Optional[int] = None,
+                 max_waiting_tokens: Optional[int] = None, policy: str = "prefill_first",
+                 chunked_prefill: bool = False, max_chunk_tokens: Optional[int] = None,
+                 max_decode_wait_steps: int = 8, watermark_blocks: int = 0):
+        if policy not in POLICIES:
+            raise ValueError(f"unknown scheduling policy {policy!r}; one of {', '.join(POLICIES)}")
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prefill_rows = max_prefill_rows
+        self.max_decode_rows = max_decode_rows or max_num_seqs
         self.max_waiting_requests = max_waiting_requests
-        self.waiting: deque = deque()
-        self.running: list = []          # in admission order; the last is preempted first
+        self.max_waiting_tokens = max_waiting_tokens
+        self.policy = policy
+        self.chunked_prefill = chunked_prefill
+        self.max_chunk_tokens = max_chunk_tokens or max_num_batched_tokens
+        self.max_decode_wait_steps = max_decode_wait_steps
+        self.watermark_blocks = watermark_blocks
+        self.waiting: list = []          # in policy order (see _key): waiting[0] is served next
+        self.running: list = []          # in admission order
+        self.num_waiting_tokens = 0
+        self.decode_wait = 0             # steps in a row that left a decode-ready running request out
+        self._last_was_decode = False    # fcfs: whose turn it is when decode and prefill cannot share a step
         self.num_preemptions = 0
+        self.num_admitted_tokens = 0     # tokens of admitted requests, and of those, tokens found in the
+        self.num_cached_tokens = 0       # prefix cache (the prefix-cache hit rate is their ratio)
         self.batch_sizes: Counter = Counter()   # (kind, rows) -> steps, for stats and tests
 
     # --- requests in and out -----------------------------------------------------------------------
 
+    def _key(self, req: Request) -> tuple:
+        """Priority: smaller is served first (and preempted last)."""
+        if self.policy == "longest_output_first":
+            return (-req.sampling.max_new_tokens, req.number)
+        return (req.number,)
+
+    def _enqueue(self, req: Request) -> None:
+        bisect.insort(self.waiting, req, key=self._key)
+        self.num_waiting_tokens += req.num_tokens
+
     def add(self, req: Request) -> None:
+        """Queue a new request; QueueFullError past either bound (nothing is changed then)."""
         if len(self.waiting) >= self.max_waiting_requests:
             raise QueueFullError(f"server overloaded: {len(self.waiting)} requests already waiting "
-                                 f"(serving_config.max_waiting_requests={self.max_waiting_requests})")
-        self.waiting.append(req)
+                                 f"(serving_config.max_waiting_requests={self.max_waiting_requests}); retry later")
+        if self.max_waiting_tokens is not None and self.num_waiting_tokens + req.num_tokens > self.max_waiting_tokens:
+            raise QueueFullError(f"server overloaded: {self.num_waiting_tokens} prompt tokens already waiting "
+                                 f"(scheduler_config.max_waiting_tokens={self.max_waiting_tokens}); retry later")
+        self._enqueue(req)
+
+    def _unqueue(self, req: Request) -> None:
+        self.waiting.remove(req)
+        self.num_waiting_tokens -= req.num_tokens
 
     def finish(self, req: Request, reason: str) -> None:
         """Mark req finished and free its blocks now (they are reusable in the very next step)."""
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
-        elif req.status is RequestStatus.WAITING:
-            try:
-                self.waiting.remove(req)
-            except ValueError:
-                pass
+        elif req.status is RequestStatus.WAITING and req in self.waiting:
+            self._unqueue(req)
         self.bm.free(req.req_id)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
@@ -77,46 +141,139 @@ class Scheduler:
     # --- the step ----------------------------------------------------------------------------------
 
     def schedule(self) -> Optional[ScheduledBatch]:
-        batch = self._schedule_prefill() or self._schedule_decode()
-        if batch is not None:
-            self.batch_sizes[("prefill" if batch.is_prefill else "decode", batch.num_rows)] += 1
+        """The next step, or None when there is nothing to run."""
+        if self.policy == "fcfs":
+            batch = self._fcfs_step()
+        else:
+            starving = (self.decode_wait >= self.max_decode_wait_steps
+                        and any(r.num_new_tokens == 1 for r in self.running))
+            batch = None if starving else self._prefill_step()
+            if batch is None:
+                batch = self._decode_step()
+        if batch is None:
+            return None
+        in_step = set(map(id, batch.requests))
+        left_out = any(r.num_new_tokens == 1 and id(r) not in in_step for r in self.running)
+        self.decode_wait = self.decode_wait + 1 if left_out else 0
+        self._last_was_decode = not batch.is_prefill
+        self.batch_sizes[("prefill" if batch.is_prefill else "decode", batch.num_rows)] += 1
         return batch
 
-    def _schedule_prefill(self) -> Optional[ScheduledBatch]:
-        rows: list = []
-        num_tokens = 0
-        while (self.waiting and len(rows) < self.max_prefill_rows
-               and len(self.running) + len(rows) < self.max_num_seqs):
-            req = self.waiting[0]
-            need = req.num_new_tokens
-            if rows and num_tokens + need > self.max_num_batched_tokens:
-                break
-            if not self.bm.can_allocate(req.req_id, req.num_tokens):
-                break
-            self.bm.allocate(req.req_id, req.num_tokens)
-            self.waiting.popleft()
-            req.status = RequestStatus.RUNNING
-            rows.append(req)
-            num_tokens += need
-        if not rows:
-            return None
-        self.running.extend(rows)
-        return ScheduledBatch(is_prefill=True, requests=rows)
+    def complete_step(self, batch: ScheduledBatch, token_ids) -> list:
+        """After a step: advance every row by the tokens it fed, register newly full blocks for prefix
+        caching, and return [(request, sampled token)] for the rows that reached their end (a chunk that
+        stops inside the prompt samples nothing). Rows finished while the step ran are skipped. The caller
+        appends each token to its request (or finishes it)."""
+        produced = []
+        for req, fed, token in zip(batch.requests, batch.num_new_tokens, token_ids):
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            req.num_computed_tokens += fed
+            self.bm.cache_full_blocks(req.req_id, req.tokens, req.num_computed_tokens)
+            if req.num_computed_tokens == req.num_tokens:
+                produced.append((req, int(token)))
+        return produced
 
-    def _schedule_decode(self) -> Optional[ScheduledBatch]:
-        rows: list = []
-        candidates = deque(self.running)
-        while candidates:
-            req = candidates.popleft()
-            while not self.bm.can_allocate(req.req_id, req.num_tokens):
-                victim = candidates.pop() if candidates else req
-                self._preempt(victim)
-                if victim is req:
-                    break
-            else:
-                self.bm.allocate(req.req_id, req.num_tokens)
-                rows.append(req)
-        return ScheduledBatch(is_prefill=False, requests=rows) if rows else None
+    # --- step kinds --------------------------------------------------------------------------------
+
+    def _prefill_step(self) -> Optional[ScheduledBatch]:
+        """Prompt work only: running requests' next chunks first, then waiting requests."""
+        rows, counts = [], []
+        budget = self._add_running(rows, counts, self.max_num_batched_tokens, self.max_prefill_rows, prompts=True)
+        self._admit(rows, counts, budget, self.max_prefill_rows)
+        return ScheduledBatch(rows, counts) if rows else None
+
+    def _decode_step(self) -> Optional[ScheduledBatch]:
+        rows, counts = [], []
+        self._add_running(rows, counts, self.max_num_batched_tokens, self.max_decode_rows, prompts=False)
+        return ScheduledBatch(rows, counts) if rows else None
+
+    def _fcfs_step(self) -> Optional[ScheduledBatch]:
+        """Everything in one step when the rows fit a prefill bucket; else decode and prefill take turns."""
+        pending = len(self.running) + (1 if self.waiting else 0)
+        if pending <= self.max_prefill_rows:
+            rows, counts = [], []
+            budget = self._add_running(rows, counts, self.max_num_batched_tokens, self.max_prefill_rows,
+                                       prompts=None)
+            if len(rows) == len(self.running):          # nothing running was left out: admit behind it
+                self._admit(rows, counts, budget, self.max_prefill_rows)
+            return ScheduledBatch(rows, counts) if rows else None
+        has_decode = any(r.num_new_tokens == 1 for r in self.running)
+        if self._last_was_decode or not has_decode:
+            batch = self._prefill_step()
+            if batch is not None:
+                return batch
+        return self._decode_step()
+
+    # --- composing a step --------------------------------------------------------------------------
+
+    def _chunk(self, need: int, budget: int, first_row: bool) -> int:
+        """Tokens a row needing `need` may feed with `budget` left (0 = it does not fit this step)."""
+        if need == 1:
+            return 1 if budget >= 1 else 0
+        if self.chunked_prefill:
+            return max(min(need, budget, self.max_chunk_tokens), 0)
+        if need <= budget or first_row:     # a whole prompt; a lone long one may exceed the budget
+            return need
+        return 0
+
+    def _add_running(self, rows: list, counts: list, budget: int, max_rows: int, prompts: Optional[bool]) -> int:
+        """Add running requests in admission order: those with prompt work (prompts=True), decode-ready
+        ones (False) or both (None), each with the blocks for what it feeds, preempting the
+        lowest-priority running request when blocks run out. Returns the token budget left."""
+        for req in list(self.running):
+            if req.status is not RequestStatus.RUNNING or len(rows) >= max_rows:
+                continue
+            need = req.num_new_tokens
+            if prompts is not None and (need > 1) != prompts:
+                continue
+            q = self._chunk(need, budget, first_row=not rows)
+            if q == 0:
+                break
+            if not self._reserve(req, req.num_computed_tokens + q, rows, counts):
+                continue                                   # req itself was preempted
+            rows.append(req)
+            counts.append(q)
+            budget -= q
+        return budget
+
+    def _reserve(self, req: Request, num_tokens: int, rows: list, counts: list) -> bool:
+        """Allocate req's blocks for num_tokens, preempting from the lowest priority up until they exist;
+        False if req itself had to go. A preempted request already in this step leaves it."""
+        while not self.bm.can_allocate(req.req_id, num_tokens):
+            victim = max(self.running, key=self._key)
+            if victim in rows:
+                i = rows.index(victim)
+                del rows[i], counts[i]
+            self._preempt(victim)
+            if victim is req:
+                return False
+        self.bm.allocate(req.req_id, num_tokens)
+        return True
+
+    def _admit(self, rows: list, counts: list, budget: int, max_rows: int) -> int:
+        """Move waiting requests into the step in queue order while they fit (the head blocks the rest,
+        so nothing overtakes it); returns the budget left."""
+        while self.waiting and len(rows) < max_rows and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            prefix = self.bm.match_prefix(req.tokens(0, req.num_tokens))
+            cached = len(prefix) * self.bm.block_size
+            q = self._chunk(req.num_tokens - cached, budget, first_row=not rows)
+            reserve = self.watermark_blocks if self.running else 0
+            if q == 0 or not self.bm.can_allocate(req.req_id, cached + q, prefix, reserve=reserve):
+                break
+            self.bm.allocate(req.req_id, cached + q, prefix)
+            self._unqueue(req)
+            req.num_computed_tokens = cached
+            req.num_cached_tokens += cached
+            self.num_admitted_tokens += req.num_tokens
+            self.num_cached_tokens += cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            rows.append(req)
+            counts.append(q)
+            budget -= q
+        return budget
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -125,4 +282,11 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self._enqueue(req)
+
+    # --- observability -----------------------------------------------------------------------------
+
+    @property
+    def prefix_cache_hit_rate(self) -> Optional[float]:
+        """Share of admitted tokens whose KV came from the prefix cache."""
+        return self.num_cached_tokens / self.num_admitted_tokens if self.num_admitted_tokens else None

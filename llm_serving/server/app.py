@@ -5,7 +5,7 @@ import logging
 
 from aiohttp import web
 
-from llm_serving.master.engine import EngineStoppedError
+from llm_serving.master.engine import DuplicateRequestError, EngineStoppedError
 from llm_serving.master.scheduler import QueueFullError
 from llm_serving.server import routes_llm_serving, streaming
 from llm_serving.server.keys import ENGINE
@@ -17,6 +17,7 @@ logger = logging.getLogger(__name__)
 ERROR_STATUS = {
     ValidationError: (400, "validation"),
     ModelNotFoundError: (404, "not_found"),
+    DuplicateRequestError: (409, "conflict"),
     QueueFullError: (429, "overloaded"),
     EngineStoppedError: (503, "unavailable"),
 }

@@ -8,6 +8,9 @@ from aiohttp import web
 from llm_serving.server import schemas, streaming
 from llm_serving.server.keys import ENGINE
 
+# Clients may name their request (to abort it by id); the server echoes the id it used in responses.
+REQUEST_ID_HEADER = "X-Request-Id"
+
 logger = logging.getLogger(__name__)
 
 
@@ -21,12 +24,13 @@ async def _read_request(request: web.Request, stream_default: bool):
     gen = schemas.parse_generate(body, stream_default=stream_default)
     prompt_ids = engine.tokenizer.encode(gen.inputs, add_bos=True)
     schemas.check_lengths(gen, len(prompt_ids), engine.max_model_len)
-    return engine, gen, prompt_ids
+    req_id = schemas.parse_request_id(request.headers.get(REQUEST_ID_HEADER))
+    return engine, gen, prompt_ids, req_id
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
-    engine, gen, prompt_ids = await _read_request(request, stream_default=False)
-    req = engine.submit(prompt_ids, gen.sampling)
+    engine, gen, prompt_ids, req_id = await _read_request(request, stream_default=False)
+    req = engine.submit(prompt_ids, gen.sampling, req_id=req_id)
     try:
         if gen.stream:
             return await _stream(request, req, gen)
@@ -43,23 +47,33 @@ async def generate(request: web.Request) -> web.StreamResponse:
         if gen.return_full_text:
             generated = gen.inputs + generated
         return web.json_response({"generated_text": generated,
-                                  "details": streaming.details(req, event.finish_reason)})
+                                  "details": streaming.details(req, event.finish_reason)},
+                                 headers={REQUEST_ID_HEADER: req.req_id})
     finally:
-        engine.abort(req.req_id)  # no-op when finished; frees the blocks of a client that went away
+        engine.release(req)  # no-op when finished; frees the blocks of a client that went away
 
 
 async def generate_stream(request: web.Request) -> web.StreamResponse:
-    engine, gen, prompt_ids = await _read_request(request, stream_default=True)
+    engine, gen, prompt_ids, req_id = await _read_request(request, stream_default=True)
     gen.stream = True
-    req = engine.submit(prompt_ids, gen.sampling)
+    req = engine.submit(prompt_ids, gen.sampling, req_id=req_id)
     try:
         return await _stream(request, req, gen)
     finally:
-        engine.abort(req.req_id)
+        engine.release(req)
+
+
+async def abort(request: web.Request) -> web.Response:
+    """POST /abort/{request_id}: end a request in flight (its client gets finish_reason "abort")."""
+    req_id = request.match_info["request_id"]
+    if not request.app[ENGINE].abort(req_id, reason="aborted through /abort"):
+        return web.json_response(streaming.error_body(f"no request {req_id!r} in flight", "not_found"), status=404)
+    return web.json_response({"request_id": req_id, "aborted": True})
 
 
 async def _stream(request: web.Request, req, gen) -> web.StreamResponse:
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           REQUEST_ID_HEADER: req.req_id})
     await response.prepare(request)
     text = [gen.inputs] if gen.return_full_text else []
     while True:
@@ -81,3 +95,4 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/models/{model}/generate_stream", generate_stream)
     app.router.add_post("/generate", generate)
     app.router.add_post("/generate_stream", generate_stream)
+    app.router.add_post("/abort/{request_id}", abort)

@@ -135,6 +135,15 @@ def parse_generate(body: dict, *, stream_default: bool = False) -> GenerateReque
                            max_new_tokens_given=max_new_tokens is not None)
 
 
+def parse_request_id(value):
+    """A client-chosen request id (header X-Request-Id): 1-128 visible ASCII characters, or None."""
+    if value is None:
+        return None
+    if not 1 <= len(value) <= 128 or not all(33 <= ord(c) <= 126 for c in value):
+        raise ValidationError("header X-Request-Id must be 1 to 128 visible ASCII characters (no spaces)")
+    return value
+
+
 def check_lengths(req: GenerateRequest, num_prompt_tokens: int, max_model_len: int) -> None:
     """Reject prompts the model cannot take; fit an unspecified max_new_tokens into what is left."""
     if num_prompt_tokens >= max_model_len:

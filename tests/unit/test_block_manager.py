@@ -31,3 +31,59 @@ def test_never_over_commits():
     with pytest.raises(MemoryError, match="needs 4 more"):
         bm.allocate("a", 7)
     assert bm.num_free_blocks == 3 and "a" not in bm.block_tables
+
+
+def tokens_of(seq):
+    return lambda start, stop: seq[start:stop]
+
+
+def test_prefix_match_is_exact_chained_and_block_aligned():
+    bm = BlockManager(num_blocks=8, block_size=2, enable_prefix_caching=True)
+    seq = [5, 6, 7, 8, 9]
+    bm.allocate("a", 5)
+    bm.cache_full_blocks("a", tokens_of(seq), 5)       # blocks [5,6] and [7,8] are full
+    a = bm.block_tables["a"]
+    assert bm.match_prefix([5, 6, 7, 8, 1]) == (a[0], a[1])
+    assert bm.match_prefix([5, 6, 7, 8]) == (a[0],)    # the last token's block is never matched
+    assert bm.match_prefix([5, 6, 0, 8, 1]) == (a[0],)
+    assert bm.match_prefix([7, 8, 5, 6, 1]) == ()      # same block content after another parent: no hit
+    bm.check_invariants()
+
+
+def test_adopting_a_prefix_counts_references_and_cached_blocks_count_as_free():
+    bm = BlockManager(num_blocks=6, block_size=2, enable_prefix_caching=True)
+    seq = [1, 2, 3, 4, 5]
+    bm.allocate("a", 5)
+    bm.cache_full_blocks("a", tokens_of(seq), 5)
+    prefix = bm.match_prefix(seq)
+    assert bm.can_allocate("b", 5, prefix) and not bm.can_allocate("b", 5, prefix, reserve=3)
+    bm.allocate("b", 5, prefix)
+    assert [bm.ref_counts[b] for b in prefix] == [2, 2]
+    assert bm.block_tables["b"][:2] == list(prefix) and bm.num_free_blocks == 2
+    bm.free("a")
+    bm.free("b")
+    bm.check_invariants()
+    assert bm.num_free_blocks == 6 and set(prefix) <= set(bm.evictable)
+    # adopting evictable blocks takes them out of the free count
+    assert bm.can_allocate("c", 12, bm.match_prefix(seq)) and not bm.can_allocate("c", 13, bm.match_prefix(seq))
+
+
+def test_without_prefix_caching_nothing_is_cached():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    bm.allocate("a", 4)
+    bm.cache_full_blocks("a", tokens_of([1, 2, 3, 4]), 4)
+    bm.free("a")
+    assert bm.match_prefix([1, 2, 3, 4, 5]) == () and not bm.evictable and bm.num_free_blocks == 4
+
+
+def test_invariant_check_catches_a_lost_block_and_a_wrong_reference_count():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    bm.allocate("a", 3)
+    bm.check_invariants()
+    bm.ref_counts[bm.block_tables["a"][0]] = 2
+    with pytest.raises(AssertionError, match="reference counts"):
+        bm.check_invariants()
+    bm.ref_counts[bm.block_tables["a"][0]] = 1
+    bm.free_block_ids.pop()
+    with pytest.raises(AssertionError, match="lost"):
+        bm.check_invariants()

@@ -65,11 +65,30 @@ model_path:
     ({"pa_config": {"num_blocks": 4}}, "pa_config.num_blocks=4"),
     ({"model_config": {"end_token": [-1]}}, "model_config.end_token"),
     ({"tokenizer": {"type": "BertTokenizer"}}, "tokenizer.type"),
+    ({"scheduler_config": {"policy": "sjf"}}, "scheduler_config.policy='sjf'"),
+    ({"scheduler_config": {"chunked_prefill": "yes"}}, "scheduler_config.chunked_prefill='yes'"),
+    ({"scheduler_config": {"max_chunk_tokens": 1024}}, "scheduler_config.max_chunk_tokens=1024"),
+    ({"scheduler_config": {"max_decode_wait_steps": 0}}, "scheduler_config.max_decode_wait_steps=0"),
+    ({"scheduler_config": {"max_waiting_tokens": 100}}, "scheduler_config.max_waiting_tokens=100"),
+    ({"scheduler_config": {"kv_watermark": 0.7}}, "scheduler_config.kv_watermark=0.7"),
+    ({"serving_config": {"max_num_batched_tokens": 16}}, "serving_config.max_num_batched_tokens=16"),
 ])
 def test_bad_values_name_key_and_value(raw, needle):
     with pytest.raises(ConfigError) as err:
         config_from_dict(raw)
     assert needle in str(err.value)
+
+
+def test_scheduler_config_defaults_and_chunked_prefill_lifts_the_length_limit():
+    cfg = config_from_dict({"model_config": {"max_generate_length": 2048}})
+    sched = cfg.scheduler_config
+    assert (sched.policy, sched.chunked_prefill, sched.enable_prefix_caching) == ("prefill_first", False, True)
+    assert cfg.max_model_len == 512 and cfg.max_chunk_tokens == 512      # whole prompts: the largest bucket
+    cfg = config_from_dict({"model_config": {"max_generate_length": 2048}, "pa_config": {"num_blocks": 512}},
+                           ("scheduler_config.chunked_prefill=true", "scheduler_config.max_chunk_tokens=128",
+                            "scheduler_config.policy=longest_output_first"))
+    assert cfg.max_model_len == 2048 and cfg.max_chunk_tokens == 128 and cfg.max_blocks_per_seq == 128
+    assert cfg.scheduler_config.policy == "longest_output_first"
 
 
 def test_overrides_parse_yaml_values_and_win_over_file():

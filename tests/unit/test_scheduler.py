@@ -1,73 +1,206 @@
-"""Scheduler tests with factories and a fake runner: no MindSpore, no processes."""
+"""Scheduler tests with factories and a fake runner: no MindSpore, no processes.
+
+The fake runner keeps a fake KV cache (slot -> token) written through the block tables exactly as the
+agents write theirs, and "samples" a token that is a function of what it reads back through the row's
+block table. A scheduling or block-management bug (a shared block overwritten, a wrong prefix adopted,
+KV lost on preemption, a token fed twice or skipped) changes what is read back, so the outputs differ
+from `reference_output`, which runs the same function over the true token sequence.
+"""
 import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from llm_serving.master.block_manager import BlockManager
 from llm_serving.master.request import Request, RequestStatus, SamplingParams
-from llm_serving.master.scheduler import QueueFullError, Scheduler
-
-import pytest
+from llm_serving.master.scheduler import POLICIES, QueueFullError, Scheduler
 
 
-def make_scheduler(*, num_blocks=64, block_size=4, **overrides):
+def make_scheduler(*, num_blocks=64, block_size=4, prefix_caching=False, **overrides):
     kwargs = dict(max_num_seqs=8, max_num_batched_tokens=64, max_prefill_rows=4, max_waiting_requests=100)
     kwargs.update(overrides)
-    return Scheduler(block_manager=BlockManager(num_blocks, block_size), **kwargs)
+    return Scheduler(block_manager=BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching),
+                     **kwargs)
 
 
-def make_requests(n, prompt_len=5, max_new_tokens=4):
-    return [Request(list(range(1, prompt_len + 1)), SamplingParams(max_new_tokens=max_new_tokens), frozenset(),
-                    req_id=f"r{i}") for i in range(n)]
+def make_requests(n, prompt_len=5, max_new_tokens=4, *, prefix=(), name="r"):
+    """n requests; prompt = prefix + distinct tokens (so only `prefix` is shared between them)."""
+    lens = prompt_len if isinstance(prompt_len, list) else [prompt_len] * n
+    outs = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * n
+    return [Request(list(prefix) + [100 + 17 * i + j for j in range(lens[i])], SamplingParams(max_new_tokens=outs[i]),
+                    frozenset(), req_id=f"{name}{i}") for i in range(n)]
 
 
-def fake_step(sched, batch, token=7):
-    """What the engine does after a step: every row gets one new token; finished rows leave."""
-    for req in batch.requests:
-        req.num_computed_tokens = req.num_tokens
-        req.output_ids.append(token)
-        if len(req.output_ids) >= req.sampling.max_new_tokens:
-            sched.finish(req, "length")
+def next_token(seen):
+    return (sum((i + 1) * (t if t is not None else 1000) for i, t in enumerate(seen)) % 97) + 3
 
 
-def test_new_requests_prefill_together_then_decode_together():
+def reference_output(req):
+    seq = list(req.prompt_ids)
+    for _ in range(req.sampling.max_new_tokens):
+        seq.append(next_token(seq))
+    return seq[len(req.prompt_ids):]
+
+
+class FakeRunner:
+    def __init__(self, sched):
+        self.sched, self.kv, self.finished = sched, {}, []
+
+    def step(self, batch):
+        self.complete(batch, self.compute(batch))
+
+    def compute(self, batch):
+        """What the agents do with a step: write its K/V, sample from what the block tables read back."""
+        bm, bs = self.sched.bm, self.sched.bm.block_size
+        tokens = []
+        for req, q in zip(batch.requests, batch.num_new_tokens):
+            c, table = req.num_computed_tokens, bm.block_tables[req.req_id]
+            assert len(table) * bs >= c + q, f"{req.req_id}: blocks do not cover the step"
+            for p in range(c, c + q):
+                block = table[p // bs]
+                assert bm.ref_counts[block] == 1, f"{req.req_id} writes shared block {block}"
+                assert block not in bm._key_of, f"{req.req_id} writes cached block {block}"
+                self.kv[block * bs + p % bs] = req.token_at(p)
+            tokens.append(next_token([self.kv.get(table[p // bs] * bs + p % bs) for p in range(c + q)]))
+        return tokens
+
+    def complete(self, batch, tokens):
+        """What the engine does with the step's outputs."""
+        for req, token in self.sched.complete_step(batch, tokens):
+            req.output_ids.append(token)
+            if len(req.output_ids) >= req.sampling.max_new_tokens:
+                self.sched.finish(req, "length")
+                self.finished.append(req)
+
+    def run(self, max_steps=1000):
+        batches = []
+        for _ in range(max_steps):
+            batch = self.sched.schedule()
+            if batch is None:
+                break
+            batches.append(batch)
+            self.step(batch)
+        return batches
+
+
+def ids(reqs):
+    return [r.req_id for r in reqs]
+
+
+# --- admission and step composition ------------------------------------------------------------------
+
+def test_prefill_first_batches_new_prompts_then_decodes_them_together():
     sched = make_scheduler()
     for r in make_requests(3):
         sched.add(r)
     batch = sched.schedule()
-    assert batch.is_prefill and [r.req_id for r in batch.requests] == ["r0", "r1", "r2"]
-    assert batch.max_query_len == 5
-    fake_step(sched, batch)
+    assert batch.is_prefill and ids(batch.requests) == ["r0", "r1", "r2"] and batch.num_new_tokens == [5, 5, 5]
+    FakeRunner(sched).step(batch)
     batch = sched.schedule()
-    assert not batch.is_prefill and batch.num_rows == 3
-    assert all(r.num_new_tokens == 1 for r in batch.requests)
+    assert not batch.is_prefill and ids(batch.requests) == ["r0", "r1", "r2"] and batch.num_new_tokens == [1, 1, 1]
 
 
-def test_a_new_request_joins_the_running_batch_at_the_next_step():
+def test_prefill_first_runs_a_new_prompt_before_the_running_decodes():
     sched = make_scheduler()
-    first = make_requests(2)
-    for r in first:
+    runner = FakeRunner(sched)
+    for r in make_requests(2):
         sched.add(r)
-    fake_step(sched, sched.schedule())
-    fake_step(sched, sched.schedule())                 # one decode
-    late = Request([9, 9], SamplingParams(max_new_tokens=4), frozenset(), req_id="late")
+    runner.step(sched.schedule())
+    runner.step(sched.schedule())                      # one decode
+    late = make_requests(1, prompt_len=2, name="late")[0]
     sched.add(late)
     batch = sched.schedule()
     assert batch.is_prefill and batch.requests == [late]
-    fake_step(sched, batch)
-    batch = sched.schedule()
-    assert [r.req_id for r in batch.requests] == ["r0", "r1", "late"]
+    runner.step(batch)
+    assert ids(sched.schedule().requests) == ["r0", "r1", "late0"]
 
 
-def test_prefill_respects_token_budget_rows_and_max_num_seqs():
+def test_longest_output_first_admits_the_longest_jobs_first():
+    sched = make_scheduler(policy="longest_output_first", max_prefill_rows=2)
+    for r in make_requests(4, max_new_tokens=[3, 9, 1, 9]):
+        sched.add(r)
+    assert ids(sched.waiting) == ["r1", "r3", "r0", "r2"]    # ties keep arrival order
+    assert ids(sched.schedule().requests) == ["r1", "r3"]
+
+
+def test_fcfs_serves_running_requests_first_and_admits_new_ones_in_the_same_step():
+    sched = make_scheduler(policy="fcfs")
+    runner = FakeRunner(sched)
+    for r in make_requests(2):
+        sched.add(r)
+    runner.step(sched.schedule())
+    late = make_requests(1, prompt_len=6, name="late")[0]
+    sched.add(late)
+    batch = sched.schedule()                            # selective batching: 2 decodes + 1 prompt
+    assert ids(batch.requests) == ["r0", "r1", "late0"] and batch.num_new_tokens == [1, 1, 6]
+
+
+def test_fcfs_alternates_decode_and_prefill_steps_when_they_cannot_share_one():
+    sched = make_scheduler(policy="fcfs", max_prefill_rows=2)
+    runner = FakeRunner(sched)
+    reqs = make_requests(4, max_new_tokens=10)
+    for r in reqs:
+        sched.add(r)
+    kinds = []
+    for _ in range(6):
+        batch = sched.schedule()
+        kinds.append(("P" if batch.is_prefill else "D") + str(batch.num_rows))
+        runner.step(batch)
+    # 2 prompts fill the first step; then running (2) + waiting (2) exceed a prefill bucket's 2 rows
+    assert kinds[:4] == ["P2", "D2", "P2", "D4"]
+
+
+def test_budgets_rows_tokens_and_max_num_seqs():
     sched = make_scheduler(max_num_batched_tokens=12, max_prefill_rows=4, max_num_seqs=3)
+    runner = FakeRunner(sched)
     for r in make_requests(5, prompt_len=5):
         sched.add(r)
     b1 = sched.schedule()
-    assert b1.num_rows == 2                            # 5 + 5 <= 12 < 15
-    fake_step(sched, b1)
+    assert b1.num_rows == 2 and b1.num_tokens == 10     # 5 + 5 <= 12 < 15
+    runner.step(b1)
     b2 = sched.schedule()
-    assert b2.is_prefill and b2.num_rows == 1          # max_num_seqs = 3
-    fake_step(sched, b2)
-    assert sched.schedule().is_prefill is False
+    assert b2.is_prefill and b2.num_rows == 1           # max_num_seqs = 3
+    runner.step(b2)
+    b3 = sched.schedule()
+    assert not b3.is_prefill and b3.num_rows == 3
+
+
+def test_a_lone_prompt_longer_than_the_token_budget_still_runs_whole():
+    sched = make_scheduler(max_num_batched_tokens=8)
+    sched.add(make_requests(1, prompt_len=20)[0])
+    batch = sched.schedule()
+    assert batch.num_new_tokens == [20]
+
+
+def test_chunked_prefill_splits_a_long_prompt_and_samples_only_at_its_end():
+    sched = make_scheduler(chunked_prefill=True, max_num_batched_tokens=8, max_chunk_tokens=6)
+    runner = FakeRunner(sched)
+    (req,) = make_requests(1, prompt_len=15, max_new_tokens=3)
+    sched.add(req)
+    fed = []
+    while len(req.output_ids) == 0:
+        batch = sched.schedule()
+        fed.append(batch.num_new_tokens[0])
+        runner.step(batch)
+    assert fed == [6, 6, 3]
+    runner.run()
+    assert req.output_ids == reference_output(req)
+
+
+def test_chunked_prefill_shares_the_budget_with_running_decodes():
+    sched = make_scheduler(policy="fcfs", chunked_prefill=True, max_num_batched_tokens=8)
+    runner = FakeRunner(sched)
+    short = make_requests(2, prompt_len=3, max_new_tokens=20)
+    for r in short:
+        sched.add(r)
+    runner.step(sched.schedule())
+    (long,) = make_requests(1, prompt_len=30, name="long")
+    sched.add(long)
+    batch = sched.schedule()
+    assert ids(batch.requests) == ["r0", "r1", "long0"] and batch.num_new_tokens == [1, 1, 6]
+    runner.run()
+    assert all(r.output_ids == reference_output(r) for r in short + [long])
 
 
 def test_finished_requests_free_their_blocks_at_once():
@@ -75,73 +208,260 @@ def test_finished_requests_free_their_blocks_at_once():
     reqs = make_requests(2, prompt_len=4, max_new_tokens=1)
     for r in reqs:
         sched.add(r)
-    fake_step(sched, sched.schedule())
+    FakeRunner(sched).step(sched.schedule())
     assert all(r.status is RequestStatus.FINISHED for r in reqs)
     assert sched.bm.num_free_blocks == 16 and not sched.has_work
 
 
-def test_queue_bound():
+def test_abort_while_a_step_runs_frees_blocks_and_the_step_result_is_dropped():
+    sched = make_scheduler(num_blocks=16)
+    runner = FakeRunner(sched)
+    a, b = make_requests(2)
+    sched.add(a)
+    sched.add(b)
+    batch = sched.schedule()
+    tokens = runner.compute(batch)
+    sched.finish(a, "abort")                             # the client left while the agents computed
+    assert "r0" not in sched.bm.block_tables and sched.bm.num_free_blocks == 16 - 2
+    runner.complete(batch, tokens)
+    assert a.output_ids == [] and len(b.output_ids) == 1
+    assert ids(sched.schedule().requests) == ["r1"]
+
+
+def test_queue_bounds_in_requests_and_tokens():
     sched = make_scheduler(max_waiting_requests=2)
     a, b, c = make_requests(3)
     sched.add(a)
     sched.add(b)
     with pytest.raises(QueueFullError, match="max_waiting_requests=2"):
         sched.add(c)
+    sched = make_scheduler(max_waiting_tokens=12)
+    a, b = make_requests(2, prompt_len=6)
+    sched.add(a)
+    sched.add(b)
+    (c,) = make_requests(1, prompt_len=1, name="c")
+    with pytest.raises(QueueFullError, match="max_waiting_tokens=12"):
+        sched.add(c)
+    assert ids(sched.waiting) == ["r0", "r1"] and sched.num_waiting_tokens == 12
+    FakeRunner(sched).step(sched.schedule())             # admitted requests no longer count
+    assert sched.num_waiting_tokens == 0
+    sched.add(c)
 
 
-def test_preemption_frees_the_newest_and_recomputes_it_later():
-    # 6 blocks of 4 tokens; three prompts of 7 tokens take 2 blocks each, the next token needs a third
+# --- memory: preemption ------------------------------------------------------------------------------
+
+def test_preemption_frees_the_lowest_priority_request_and_recomputes_it_exactly():
+    # 6 blocks of 4 tokens; three prompts of 7 tokens take 2 blocks each, the 9th token needs a third
     sched = make_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=100)
+    runner = FakeRunner(sched)
     reqs = make_requests(3, prompt_len=7, max_new_tokens=6)
     for r in reqs:
         sched.add(r)
-    fake_step(sched, sched.schedule())                 # prefill all three; 8 tokens each now
-    batch = sched.schedule()                           # decode needs positions 0..7: still 2 blocks each
+    runner.step(sched.schedule())                      # prefill all three; 8 tokens each now
+    batch = sched.schedule()                           # decode writes position 7: still 2 blocks each
     assert batch.num_rows == 3
-    fake_step(sched, batch)                            # 9 tokens each: a third block each, only 0 free
-    batch = sched.schedule()                           # preempting r2 frees 2 blocks: r0 and r1 go on
-    assert [r.req_id for r in batch.requests] == ["r0", "r1"]
-    assert sched.num_preemptions == 1
-    assert [r.req_id for r in sched.waiting] == ["r2"]
+    runner.step(batch)                                 # 9 tokens each: each needs a third block, 0 free
+    batch = sched.schedule()
+    assert ids(batch.requests) == ["r0", "r1"] and sched.num_preemptions == 1
     victim = reqs[2]
-    assert victim.num_computed_tokens == 0 and victim.status is RequestStatus.WAITING
-    assert victim.output_ids == [7, 7]                 # outputs are kept ...
+    assert ids(sched.waiting) == ["r2"] and victim.status is RequestStatus.WAITING
+    assert victim.num_computed_tokens == 0 and len(victim.output_ids) == 2   # outputs kept ...
     assert victim.num_new_tokens == 9                  # ... and recomputed with the prompt in one prefill
-    assert sched.bm.num_free_blocks == 0
-    fake_step(sched, batch)
-    for _ in range(4):                                 # r0, r1 finish; r2 comes back as a prefill
+    runner.step(batch)
+    batches = runner.run()
+    assert any(b.is_prefill and b.requests == [victim] and b.num_new_tokens == [9] for b in batches)
+    assert all(r.output_ids == reference_output(r) for r in reqs)
+    assert sched.bm.num_free_blocks == 6
+
+
+def test_longest_output_first_preempts_the_shortest_job():
+    sched = make_scheduler(policy="longest_output_first", num_blocks=6, block_size=4)
+    runner = FakeRunner(sched)
+    reqs = make_requests(3, prompt_len=7, max_new_tokens=[8, 5, 12])
+    for r in reqs:
+        sched.add(r)
+    runner.step(sched.schedule())
+    runner.step(sched.schedule())
+    sched.schedule()
+    assert ids(sched.waiting) == ["r1"]                # fewest max_new_tokens = lowest priority
+    runner.run()
+    assert all(r.output_ids == reference_output(r) for r in reqs)
+
+
+def test_admission_leaves_the_watermark_free_while_requests_run():
+    sched = make_scheduler(num_blocks=10, block_size=4, watermark_blocks=2)
+    runner = FakeRunner(sched)
+    a, b, c = make_requests(3, prompt_len=12)         # 3 blocks each
+    for r in (a, b, c):
+        sched.add(r)
+    batch = sched.schedule()
+    assert ids(batch.requests) == ["r0", "r1"]        # c would leave 10 - 9 = 1 < 2 blocks free
+    assert sched.bm.num_free_blocks == 4
+    runner.run()
+    assert all(r.output_ids == reference_output(r) for r in (a, b, c))
+
+
+# --- prefix caching ----------------------------------------------------------------------------------
+
+def test_prefix_cache_hit_skips_the_shared_prefix_and_shares_blocks_by_reference():
+    sched = make_scheduler(prefix_caching=True, block_size=4)
+    runner = FakeRunner(sched)
+    system = list(range(1, 11))                        # 10 tokens: 2 full blocks + 2
+    first, second = make_requests(2, prompt_len=3, max_new_tokens=5, prefix=system)
+    sched.add(first)
+    runner.step(sched.schedule())                      # first computes everything
+    sched.add(second)
+    batch = sched.schedule()
+    assert batch.requests == [second] and batch.num_new_tokens == [13 - 8]
+    assert second.num_computed_tokens == 8 and second.num_cached_tokens == 8
+    shared = sched.bm.block_tables["r0"][:2]
+    assert sched.bm.block_tables["r1"][:2] == shared
+    assert [sched.bm.ref_counts[b] for b in shared] == [2, 2]
+    runner.run()
+    assert first.output_ids == reference_output(first) and second.output_ids == reference_output(second)
+    assert [sched.bm.ref_counts[b] for b in shared] == [0, 0]
+    assert set(shared) <= set(sched.bm.evictable)      # cached, reusable, and counted as free
+    assert sched.bm.num_free_blocks == sched.bm.num_blocks
+    assert sched.prefix_cache_hit_rate == pytest.approx(8 / 26)
+
+
+def test_prefix_cache_never_covers_the_token_that_must_be_sampled():
+    sched = make_scheduler(prefix_caching=True, block_size=4)
+    runner = FakeRunner(sched)
+    (a,) = make_requests(1, prompt_len=0, prefix=list(range(1, 9)), max_new_tokens=2)   # exactly 2 blocks
+    sched.add(a)
+    runner.run()
+    (b,) = make_requests(1, prompt_len=0, prefix=list(range(1, 9)), max_new_tokens=2, name="b")
+    sched.add(b)
+    batch = sched.schedule()
+    assert batch.num_new_tokens == [4]                 # block 2 holds the last prompt token: recomputed
+    runner.step(batch)
+    runner.run()
+    assert b.output_ids == a.output_ids == reference_output(a)
+
+
+def test_a_preempted_request_finds_its_own_blocks_in_the_prefix_cache():
+    sched = make_scheduler(prefix_caching=True, num_blocks=7, block_size=4)
+    runner = FakeRunner(sched)
+    reqs = make_requests(3, prompt_len=7, max_new_tokens=[3, 3, 6])
+    for r in reqs:
+        sched.add(r)
+    runner.step(sched.schedule())
+    runner.step(sched.schedule())                      # 9 tokens each, two full blocks each cached
+    runner.step(sched.schedule())                      # r0 takes the last free block, r1 preempts r2
+    victim = reqs[2]
+    assert victim.status is RequestStatus.WAITING and victim.num_preemptions == 1
+    runner.run()
+    assert victim.num_cached_tokens == 4               # its head block survived in the cache
+    assert all(r.output_ids == reference_output(r) for r in reqs)
+
+
+def test_cached_blocks_are_evicted_least_recently_used_first_and_tails_before_heads():
+    bm = BlockManager(num_blocks=6, block_size=2, enable_prefix_caching=True)
+    tokens_a, tokens_b = [1, 2, 3, 4, 5], [9, 8, 7, 6, 5]
+    for req_id, toks in (("a", tokens_a), ("b", tokens_b)):
+        bm.allocate(req_id, 5)
+        bm.cache_full_blocks(req_id, lambda s, e, t=toks: t[s:e], 4)
+    a_blocks, b_blocks = bm.block_tables["a"][:2], bm.block_tables["b"][:2]
+    bm.free("a")                                       # a's blocks are the oldest cached ones
+    bm.free("b")
+    bm.check_invariants()
+    assert list(bm.evictable) == [a_blocks[1], a_blocks[0], b_blocks[1], b_blocks[0]]
+    assert bm.match_prefix(tokens_a) == tuple(a_blocks)
+    bm.allocate("c", 2 * 2 + 2 * 2)                    # 2 free blocks + 2 evicted: a's tail, then a's head
+    bm.check_invariants()
+    assert bm.match_prefix(tokens_a) == () and bm.match_prefix(tokens_b) == tuple(b_blocks)
+
+
+# --- starvation bound --------------------------------------------------------------------------------
+
+def test_a_running_request_waits_at_most_max_decode_wait_steps_under_a_flood_of_prompts():
+    k = 3
+    sched = make_scheduler(max_decode_wait_steps=k, max_prefill_rows=1, max_num_seqs=64, num_blocks=400,
+                           max_waiting_requests=1000)
+    runner = FakeRunner(sched)
+    (first,) = make_requests(1, max_new_tokens=50, name="first")
+    sched.add(first)
+    runner.step(sched.schedule())
+    flood = make_requests(40, max_new_tokens=50)
+    for r in flood:
+        sched.add(r)
+    gaps, since = [], 0
+    for _ in range(30):
         batch = sched.schedule()
-        fake_step(sched, batch)
-        if batch.is_prefill:
+        since += 1
+        if first in batch.requests:
+            gaps.append(since)
+            since = 0
+        runner.step(batch)
+    assert gaps and max(gaps) <= k + 1
+
+
+# --- everything at once --------------------------------------------------------------------------------
+
+def run_random_load(seed, policy, chunked, prefix_caching, steps=1000):
+    rng = random.Random(seed)
+    num_blocks, bs = rng.choice([(12, 4), (24, 4), (40, 2)])
+    budget, max_seqs, prefill_rows = rng.choice([16, 32, 64]), rng.choice([2, 4, 6]), rng.choice([1, 2, 4])
+    sched = make_scheduler(num_blocks=num_blocks, block_size=bs, prefix_caching=prefix_caching, policy=policy,
+                           chunked_prefill=chunked, max_num_batched_tokens=budget, max_num_seqs=max_seqs,
+                           max_prefill_rows=prefill_rows, max_decode_rows=max_seqs, max_chunk_tokens=8,
+                           max_decode_wait_steps=rng.choice([1, 4]), watermark_blocks=rng.choice([0, 1]),
+                           max_waiting_requests=10_000)
+    runner = FakeRunner(sched)
+    max_len = 24 if chunked else min(num_blocks * bs, 16)
+    prefixes = [[], [7] * 5, [7] * 5 + [8] * 4]
+    pending = []
+    num_requests = steps // 4
+    for i in range(num_requests):
+        prompt = rng.choice(prefixes) + [rng.randrange(3, 90) for _ in range(rng.randint(1, 8))]
+        prompt = prompt[:max_len - 1]
+        pending.append(Request(prompt, SamplingParams(max_new_tokens=rng.randint(1, max_len - len(prompt))),
+                               frozenset(), req_id=f"q{i}"))
+    aborted = []
+    for step in range(steps + 5000):                    # `steps` of arrivals and aborts, then drain
+        if step >= steps and not pending and not sched.has_work:
             break
-    assert batch.is_prefill and batch.requests == [victim]
-
-
-def test_randomized_load_conserves_blocks_and_finishes_everything():
-    rng = random.Random(0)
-    sched = make_scheduler(num_blocks=20, block_size=4, max_num_batched_tokens=32, max_num_seqs=6)
-    pending = [Request(list(range(rng.randint(1, 14))) or [1], SamplingParams(max_new_tokens=rng.randint(1, 12)),
-                       frozenset(), req_id=f"q{i}") for i in range(60)]
-    finished = []
-    for _ in range(2000):
-        if pending and rng.random() < 0.3:
-            sched.add(pending.pop())
+        if pending and rng.random() < 0.1:              # bursts of arrivals, ~0.25 requests per step
+            for _ in range(min(rng.randint(1, 4), len(pending))):
+                sched.add(pending.pop())
+        if step < steps and sched.running and rng.random() < 0.02:   # a client goes away
+            victim = rng.choice(sched.running)
+            sched.finish(victim, "abort")
+            aborted.append(victim)
         batch = sched.schedule()
-        used = sum(len(t) for t in sched.bm.block_tables.values())
-        assert used + sched.bm.num_free_blocks == 20
+        sched.bm.check_invariants()
         if batch is None:
-            if not pending and not sched.has_work:
-                break
+            assert not sched.has_work, "work left but nothing scheduled"
             continue
-        if batch.is_prefill:
-            assert sum(r.num_new_tokens for r in batch.requests) <= 32 or batch.num_rows == 1
-        assert len(sched.running) <= 6
-        for r in batch.requests:
-            assert sched.bm.num_blocks_for(r.num_tokens) <= len(sched.bm.block_tables[r.req_id])
-        done_before = {r.req_id for r in batch.requests if r.finished}
-        fake_step(sched, batch)
-        finished += [r for r in batch.requests if r.finished and r.req_id not in done_before]
-    assert not pending and not sched.has_work
-    assert len(finished) == 60
-    assert all(len(r.output_ids) == r.sampling.max_new_tokens for r in finished)
-    assert sched.bm.num_free_blocks == 20
+        assert len(set(map(id, batch.requests))) == batch.num_rows, "a request twice in one step"
+        assert all(r.status is RequestStatus.RUNNING for r in batch.requests)
+        assert len(sched.running) <= max_seqs
+        assert batch.num_rows <= (prefill_rows if batch.is_prefill else max_seqs)
+        assert batch.num_tokens <= budget or (batch.num_rows == 1 and not chunked)
+        if chunked:
+            assert batch.max_query_len <= 8
+        runner.step(batch)
+        sched.bm.check_invariants()
+    assert not pending and not sched.has_work, "requests left after the run"
+    assert len(runner.finished) + len(aborted) == num_requests
+    for r in runner.finished:
+        assert r.output_ids == reference_output(r), f"{r.req_id}: outputs differ from the reference"
+    assert sched.bm.num_free_blocks == num_blocks
+    return sched
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_random_load_keeps_every_invariant(policy, chunked, prefix_caching):
+    sched = run_random_load(0, policy, chunked, prefix_caching, steps=2000)
+    assert sum(sched.batch_sizes.values()) >= 1000
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2 ** 32 - 1), policy=st.sampled_from(POLICIES), chunked=st.booleans(),
+       prefix_caching=st.booleans())
+def test_property_random_1000_step_runs_conserve_blocks_and_finish_every_request(seed, policy, chunked,
+                                                                                 prefix_caching):
+    run_random_load(seed, policy, chunked, prefix_caching, steps=1000)
