@@ -26,6 +26,7 @@ from llm_serving.bench.workload import arrival_offsets  # noqa: E402
 from llm_serving.launch import ServerProcess  # noqa: E402
 
 BASELINE = ["model_config.prefill_batch_size=[1]", "model_config.decode_batch_size=[1]",
+            "scheduler_config.policy=fcfs", "scheduler_config.enable_prefix_caching=false",
             "serving_config.max_num_seqs=1"]
 
 

@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from llm_serving.agents import protocol as proto  # noqa: E402
 from llm_serving.agents.control import ControlClient  # noqa: E402
 from llm_serving.launch import http  # noqa: E402
+from llm_serving.tokenizer import Tokenizer  # noqa: E402
 from tools.reference_llama import ReferenceLlama  # noqa: E402
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "datasets" / "alpaca_5000.json"
@@ -66,9 +67,10 @@ def load_prompts(path: str, n: int) -> list:
 class Comparator:
     """Consumes capture files in step order, keeping one reference sequence per request number."""
 
-    def __init__(self, reference: ReferenceLlama, directory: str):
+    def __init__(self, reference: ReferenceLlama, directory: str, prompt_ids: list = ()):
         self.ref = reference
         self.dir = directory
+        self.prompt_ids = [list(p) for p in prompt_ids]   # the replayed prompts, tokenized as the server does
         self.sequences: dict = {}
         self.errors: list = []          # relative error per captured row
         self.agree = 0                  # rows whose served greedy token is the reference's argmax
@@ -91,10 +93,21 @@ class Comparator:
             q = int(step["query_lens"][i])
             positions = step["positions"][i, :q]
             seq = self.sequences.setdefault(rid, self.ref.new_sequence())
-            ref = self.ref.forward(seq, step["input_ids"][i, :q], int(positions[0]))[-1]
+            tokens = step["input_ids"][i, :q].tolist()
+            if int(positions[0]) > seq.length:      # the server took the prefix from its prefix cache
+                self.ref.forward(seq, self._prefix_of(tokens, int(positions[0])), 0)
+            ref = self.ref.forward(seq, tokens, int(positions[0]))[-1]
             served = step["logits"][i].astype(np.float64)
             self.errors.append(float(np.max(np.abs(served - ref)) / np.max(np.abs(ref))))
             self.agree += int(int(step["token_ids"][i]) == int(np.argmax(ref)))
+
+    def _prefix_of(self, tokens: list, start: int) -> list:
+        """The first `start` tokens of the replayed prompt that has `tokens` at positions start... (a
+        prompt whose first row starts past 0 shares its head with a prompt served earlier)."""
+        for ids in self.prompt_ids:
+            if ids[start:start + len(tokens)] == tokens:
+                return ids[:start]
+        raise ValueError(f"precision: a row starts at position {start} and matches no replayed prompt")
 
     def run_until(self, stop: threading.Event) -> None:
         try:
@@ -129,10 +142,12 @@ def run(args) -> dict:
     port = next(a["port"] for a in health["agents"] if a["rank"] == 0)
     reference = ReferenceLlama(args.model or info["model_path"])
     prompts = load_prompts(args.prompts, args.num_prompts)
+    tokenizer = Tokenizer(info["tokenizer_path"])
+    prompt_ids = [tokenizer.encode(p, add_bos=True) for p in prompts]
 
     with tempfile.TemporaryDirectory(prefix="llm-serving-capture-") as capture_dir, \
             ControlClient(port) as agent:
-        comparator = Comparator(reference, capture_dir)
+        comparator = Comparator(reference, capture_dir, prompt_ids)
         stop = threading.Event()
         worker = threading.Thread(target=comparator.run_until, args=(stop,), daemon=True)
         agent.request(proto.CAPTURE, dir=capture_dir, max_steps=args.max_steps)

