@@ -57,6 +57,8 @@ class ModelConfig:
     seq_length: list = field(default_factory=lambda: [32, 128, 512])     # prefill tokens-per-row buckets
     prefill_batch_size: list = field(default_factory=lambda: [1, 4])     # prefill rows buckets
     decode_batch_size: list = field(default_factory=lambda: [1, 4, 8, 16, 32])
+    zactivate_len: Optional[list] = None      # decode KV-length buckets (tokens), as llm-serving names them;
+                                              # null = a quarter, half and all of the longest request
     device_target: str = "CPU"
     num_threads: Optional[int] = None         # MindSpore CPU threads per agent; None = MindSpore's default
     model_dtype: str = "float32"
@@ -72,6 +74,8 @@ class ModelConfig:
         self.seq_length = _check_int_list("model_config.seq_length", self.seq_length)
         self.prefill_batch_size = _check_int_list("model_config.prefill_batch_size", self.prefill_batch_size)
         self.decode_batch_size = _check_int_list("model_config.decode_batch_size", self.decode_batch_size)
+        if self.zactivate_len is not None:
+            self.zactivate_len = _check_int_list("model_config.zactivate_len", self.zactivate_len)
         _check(self.device_target in ("CPU", "Ascend"), "model_config.device_target", self.device_target,
                "must be 'CPU' or 'Ascend'")
         if self.num_threads is not None:
@@ -190,7 +194,7 @@ class TokenizerConfig:
 
 # llm-serving keys that describe its MindIR / MindSpore-Lite pipeline; accepted, warned about, unused.
 IGNORED_KEYS = {
-    "model_config": {"zactivate_len", "model_type", "seq_type", "batch_waiting_time",
+    "model_config": {"model_type", "seq_type", "batch_waiting_time",
                      "decode_batch_waiting_time", "batching_strategy", "current_index", "page_attention",
                      "backend", "model_cfg_path"},
     "tokenizer": set(),
@@ -244,6 +248,14 @@ class Config:
     def max_blocks_per_seq(self) -> int:
         length = self.pa_config.decode_seq_length or self.max_model_len
         return math.ceil(max(length, self.max_model_len) / self.pa_config.block_size)
+
+    @property
+    def decode_block_widths(self) -> list:
+        """Block-table widths of the decode graphs: a decode step gathers keys for the smallest width that
+        holds its longest row, so short contexts do not pay for the longest one."""
+        w, bs = self.max_blocks_per_seq, self.pa_config.block_size
+        lens = self.model_config.zactivate_len or [w * bs // 4, w * bs // 2]
+        return sorted({min(max(math.ceil(n / bs), 1), w) for n in lens} | {w})
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -100,6 +100,7 @@ class ModelRunner:
 
     def __init__(self, model_dir: str, *, num_blocks: int, block_size: int, max_blocks_per_seq: int,
                  decode_batch_sizes: list[int], prefill_batch_sizes: list[int], prefill_seq_lens: list[int],
+                 decode_block_widths: Optional[list[int]] = None,
                  device_target: str = "CPU", device_id: int = 0, num_threads: Optional[int] = None,
                  compile_cache: bool = False):
         for key, val in (("num_blocks", num_blocks), ("block_size", block_size),
@@ -119,6 +120,12 @@ class ModelRunner:
         self.decode_batch_sizes = sorted(set(int(b) for b in decode_batch_sizes))
         self.prefill_batch_sizes = sorted(set(int(b) for b in prefill_batch_sizes))
         self.prefill_seq_lens = sorted(set(int(s) for s in prefill_seq_lens if s >= 2))
+        widths = decode_block_widths or [self.max_blocks_per_seq]
+        if any((not isinstance(v, (int, np.integer))) or not 1 <= v <= self.max_blocks_per_seq for v in widths):
+            raise ValueError(f"ModelRunner: decode_block_widths must be integers in [1, max_blocks_per_seq="
+                             f"{self.max_blocks_per_seq}], got {widths!r}")
+        # decode graphs exist per (batch, block-table width): a step gathers only the keys its rows can have
+        self.decode_block_widths = sorted(set(int(v) for v in widths) | {self.max_blocks_per_seq})
         self.device_target = device_target
         self.num_slots = (self.num_blocks + 1) * self.block_size
         self.scratch_slot = self.num_blocks * self.block_size     # first slot of the scratch block
@@ -132,7 +139,8 @@ class ModelRunner:
         if compile_cache and _runners_in_process == 1:
             # everything that decides which graphs warmup() compiles, and in which order
             key_src = repr((cfg, self.num_blocks, self.block_size, self.max_blocks_per_seq, self.decode_batch_sizes,
-                            self.prefill_batch_sizes, self.prefill_seq_lens, device_target, _model_source_digest()))
+                            self.decode_block_widths, self.prefill_batch_sizes, self.prefill_seq_lens, device_target,
+                            _model_source_digest()))
             cache_key = hashlib.sha1(key_src.encode()).hexdigest()[:16]
         elif compile_cache:
             logger.warning("compile cache off: another ModelRunner already exists in this process")
@@ -152,6 +160,12 @@ class ModelRunner:
         self._caches = [p for layer in self.model.layers for p in (layer.attn.key_cache, layer.attn.value_cache)]
 
     # ------------------------------------------------------------------ buckets
+    def _width(self, s: int, needed: int) -> int:
+        """Block-table width of the graph for a step whose longest row has `needed` blocks."""
+        if s > 1:
+            return self.max_blocks_per_seq
+        return self.decode_block_widths[bisect.bisect_left(self.decode_block_widths, needed)]
+
     def _bucket(self, n: int, s: int) -> tuple[int, int]:
         if s == 1:
             sizes, seq = self.decode_batch_sizes, 1
@@ -224,7 +238,7 @@ class ModelRunner:
                              f"got range [{block_tables.min()}, {block_tables.max()}]")
 
         nb, sb = self._bucket(n, s)
-        w = self.max_blocks_per_seq
+        w = self._width(sb, -(-int(cl.max()) // self.block_size))
         scratch = self.scratch_slot + (np.arange(nb * sb, dtype=np.int32) % self.block_size).reshape(nb, sb)
         ids_p = np.zeros((nb, sb), np.int32)
         pos_p = np.zeros((nb, sb), np.int32)
@@ -233,7 +247,8 @@ class ModelRunner:
         ids_p[:n, :s] = input_ids
         pos_p[:n, :s] = positions
         slot_p[:n, :s] = np.where(slot_mapping < 0, scratch[:n, :s], slot_mapping)
-        bt_p[:n, :block_tables.shape[1]] = block_tables
+        used = min(block_tables.shape[1], w)          # entries past the longest row's blocks are padding
+        bt_p[:n, :used] = block_tables[:, :used]
 
         def pad(arr, fill):
             out = np.full((nb,), fill, arr.dtype)
@@ -258,24 +273,26 @@ class ModelRunner:
         """Run a graph (kind and bucket shape name it in logs and errors)."""
         return cell(*args)
 
-    def _run_dummy(self, b: int, s: int, temperature: float, top_k: int) -> None:
-        """One step of bucket (b, s) that writes only to the scratch block."""
+    def _run_dummy(self, b: int, s: int, temperature: float, top_k: int, width: Optional[int] = None) -> None:
+        """One step of bucket (b, s) [and decode width] that writes only to the scratch block."""
         pos = np.minimum(np.arange(s, dtype=np.int32), self.max_context - 1)
+        context = pos[-1] + 1 if width is None else width * self.block_size
         self.execute(np.zeros((b, s), np.int32), np.tile(pos, (b, 1)), np.full((b, s), -1, np.int32),
-                     np.zeros((b, 1), np.int32), np.full((b,), pos[-1] + 1, np.int32), np.full((b,), s, np.int32),
+                     np.zeros((b, 1), np.int32), np.full((b,), context, np.int32), np.full((b,), s, np.int32),
                      np.full((b,), temperature, np.float32), np.full((b,), top_k, np.int32),
                      np.ones((b,), np.float32), np.full((b,), 0.5, np.float32))
 
     def warmup(self, progress: Optional[Callable[[str], None]] = None) -> None:
         """Compile and run once every bucket (the KV cache is left as it was, apart from the scratch block)."""
-        buckets = [(b, 1) for b in self.decode_batch_sizes]
-        buckets += [(b, s) for b in self.prefill_batch_sizes for s in self.prefill_seq_lens]
-        for i, (b, s) in enumerate(buckets):
+        buckets = [(b, 1, w) for b in self.decode_batch_sizes for w in self.decode_block_widths]
+        buckets += [(b, s, None) for b in self.prefill_batch_sizes for s in self.prefill_seq_lens]
+        for i, (b, s, w) in enumerate(buckets):
             t0 = time.perf_counter()
-            self._run_dummy(b, s, 0.0, 0)    # the model graph (greedy)
-            self._run_dummy(b, s, 1.0, 0)    # + the temperature-only sampler for this batch size
-            self._run_dummy(b, s, 1.0, 5)    # + the top-k/top-p sampler
-            msg = (f"warmup {i + 1}/{len(buckets)}: {'decode' if s == 1 else 'prefill'} bucket (B={b}, S={s}) "
+            self._run_dummy(b, s, 0.0, 0, w)    # the model graph (greedy)
+            self._run_dummy(b, s, 1.0, 0, w)    # + the temperature-only sampler for this batch size
+            self._run_dummy(b, s, 1.0, 5, w)    # + the top-k/top-p sampler
+            shape = f"B={b}, S={s}" + (f", W={w}" if w is not None else "")
+            msg = (f"warmup {i + 1}/{len(buckets)}: {'decode' if s == 1 else 'prefill'} bucket ({shape}) "
                    f"ready in {time.perf_counter() - t0:.1f}s")
             logger.info(msg)
             if progress is not None:

@@ -205,6 +205,24 @@ def test_greedy_reproduces_llama2c(runner, tokenizer, reference):
     assert batched == singles
 
 
+def test_decode_block_width_buckets_give_the_same_text(tokenizer, reference):
+    from llm_serving.models.runner import ModelRunner
+    narrow = ModelRunner(str(MODEL_DIR), num_blocks=64, block_size=16, max_blocks_per_seq=13,
+                         decode_batch_sizes=[1], prefill_batch_sizes=[1], prefill_seq_lens=[16, 32],
+                         decode_block_widths=[2, 5], num_threads=2)
+    assert narrow.decode_block_widths == [2, 5, 13]
+    assert [narrow._width(1, n) for n in (1, 2, 3, 5, 6, 13)] == [2, 2, 5, 5, 13, 13]
+    assert narrow._width(16, 1) == 13                    # prefill graphs keep the full width
+    with pytest.raises(ValueError, match="decode_block_widths"):
+        ModelRunner(str(MODEL_DIR), num_blocks=64, block_size=16, max_blocks_per_seq=13, decode_batch_sizes=[1],
+                    prefill_batch_sizes=[1], prefill_seq_lens=[16], decode_block_widths=[20])
+    for item in reference:                               # 200 positions: the run crosses all three widths
+        prompt = [BOS] + tokenizer.encode(item["prompt"])
+        narrow.reset()
+        (tokens,), _ = generate(narrow, [prompt], [blocks_for(0, 13)])
+        assert tokenizer.decode(tokens[1:]) + "\n" == item["greedy_text"], item["prompt"]
+
+
 def test_logprob_matches_numpy_forward(runner, tokenizer, reference):
     cfg, weights = load_llama_weights(str(MODEL_DIR))
     for item in reference:

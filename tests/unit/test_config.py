@@ -9,6 +9,7 @@ def test_defaults_are_valid_and_bind_loopback():
     assert cfg.serving_config.agent_ip == "127.0.0.1"
     assert cfg.max_model_len == 512
     assert cfg.max_blocks_per_seq == 512 // 16
+    assert cfg.decode_block_widths == [8, 16, 32]        # decode graphs for 128, 256 and 512 keys
 
 
 def test_llm_serving_section_and_key_names_are_accepted(tmp_path):
@@ -49,6 +50,7 @@ model_path:
     assert cfg.pa_config.block_size == 128
     assert cfg.max_model_len == 256
     assert cfg.max_blocks_per_seq == 4096 // 128
+    assert cfg.decode_block_widths == [4, 8, 32]         # zactivate_len: llm-serving's decode KV lengths
     assert cfg.tokenizer.vocab_file == "/path/tokenizer.model"
 
 
