@@ -44,6 +44,7 @@ class ProtocolError(ValueError):
 class Frame:
     command: str
     payload: dict
+    received: float = 0.0     # time.perf_counter() when the agent read it (for the step profile)
 
     @property
     def seq(self) -> Any:

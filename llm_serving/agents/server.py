@@ -177,6 +177,7 @@ class AgentServer:
                 conn.close()
                 break
             conn.authorized = True  # the token is what authorizes; '#' itself is queued as control
+            frame.received = time.perf_counter()
             self._queue.put(frame, conn)
         if conn.owns_shm:
             # the master's connection dropped: its buffers may be unlinked any moment
@@ -205,8 +206,9 @@ class AgentServer:
         s = p.get("s", 1) if frame.command == proto.PREFILL else 1
         if not isinstance(n, int) or not isinstance(s, int):
             raise ValueError("step needs integer n (rows) and s (tokens per row)")
-        self.worker.step(n, s)
-        return {"step": p.get("step")}
+        model_s = self.worker.step(n, s)
+        agent_s = time.perf_counter() - frame.received
+        return {"step": p.get("step"), "model_ms": round(model_s * 1e3, 4), "agent_ms": round(agent_s * 1e3, 4)}
 
     def on_health(self, frame, conn) -> dict:
         return {"pid": os.getpid(), "rank": self.rank, "device_id": self.device_id,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import numpy as np
 
@@ -52,8 +53,9 @@ class Worker:
             self.buffers.close()
             self.buffers = None
 
-    def step(self, n: int, s: int) -> None:
-        """Run rows 0..n-1 with s new tokens per row (s = 1 for decode)."""
+    def step(self, n: int, s: int) -> float:
+        """Run rows 0..n-1 with s new tokens per row (s = 1 for decode); returns the seconds spent in the
+        model (ModelRunner.execute: padding, graphs, copying ids back)."""
         b = self.buffers
         if b is None:
             raise RuntimeError("no shared memory attached: connect with shm names first")
@@ -61,16 +63,19 @@ class Worker:
             raise ValueError(f"step shape n={n}, s={s} outside 1..{self.layout.max_rows} x "
                              f"1..{self.layout.max_tokens}")
         capture = self.capture_dir is not None and self.rank == 0
+        t0 = time.perf_counter()
         token_ids, logprobs, *logits = self.runner.execute(
             b.input_ids[:n, :s], b.positions[:n, :s], b.slot_mapping[:n, :s], b.block_tables[:n],
             b.context_lens[:n], b.query_lens[:n], b.temperature[:n], b.top_k[:n], b.top_p[:n],
             b.random_u[:n], return_logits=capture)
+        model_s = time.perf_counter() - t0
         if self.rank == 0:
             b.out_token_ids[:n] = np.asarray(token_ids, dtype=np.int32)
             b.out_logprobs[:n] = np.asarray(logprobs, dtype=np.float32)
         if capture:
             self._write_capture(n, s, token_ids, logits[0])
         self.num_steps += 1
+        return model_s
 
     def set_capture(self, directory: str | None, max_steps: int) -> dict:
         """Start (directory) or stop (None) logits capture; returns what was captured so far."""

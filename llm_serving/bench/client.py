@@ -23,6 +23,8 @@ from typing import Optional
 
 import aiohttp
 
+from llm_serving.launch import http
+
 from .backends import BACKENDS, RequestResult, send
 from .metrics import format_table, parse_slos, summarize
 from .plots import timeline, write_plots
@@ -59,6 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--percentiles", default="90,99", help="comma-separated percentiles to report")
     g = p.add_argument_group("output")
     g.add_argument("--result-file", help="JSON result (default bench_results/serving-<backend>-<time>.json)")
+    g.add_argument("--profile", action="store_true",
+                   help="llm-serving backend: print where each step's time went on the server during the run")
     g.add_argument("--no-plots", dest="plots", action="store_false")
     g.add_argument("--no-progress", dest="progress", action="store_false")
 
@@ -192,6 +196,7 @@ def run(args) -> tuple:
     model = args.model or facts.get("model") or "unknown"
     result.update(model=model, tokenizer=tokenizer, token_counts="exact" if counter.exact else "words (estimate)",
                   num_requests=len(samples), skipped_too_long=skipped)
+    before = _server_stats(args.url) if args.profile else None
     results, duration = asyncio.run(benchmark(args.url, args.backend, model, samples, offsets,
                                               max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos,
                                               progress=args.progress, request_timeout=args.request_timeout))
@@ -203,10 +208,52 @@ def run(args) -> tuple:
         result["plots"] = write_plots(results, duration, path.with_suffix(""))
     _write(path, result)
     print(format_table(summary))
+    if before is not None:
+        result["step_profile"] = step_profile(before, _server_stats(args.url))
+        print(format_profile(result["step_profile"]))
     if facts.get("error") and summary["completed"] == 0:
         print(f"every request failed; {facts['error']}")
     print(f"wrote {path}" + "".join(f", {p}" for p in result.get("plots", [])))
     return result, (0 if summary["failed"] == 0 else 1)
+
+
+def _server_stats(url: str) -> Optional[dict]:
+    try:
+        status, body = http("GET", url.rstrip("/") + "/stats", timeout=10)
+    except OSError:
+        return None
+    return body if status == 200 and isinstance(body, dict) and "step_profile_total_s" in body else None
+
+
+PROFILE_PHASES = [("schedule", "scheduler"), ("shm_write", "shm write (master)"),
+                  ("round_trip", "frames + master loop latency"), ("agent_other", "agent queue + shm in/out"),
+                  ("model", "model (ModelRunner.execute)"),
+                  ("output", "output read, requests, events"), ("detokenize", "  of which detokenize"),
+                  ("stream", "HTTP SSE writes (overlaps the model)"), ("loop", "step loop wall time")]
+
+
+def step_profile(before: Optional[dict], after: Optional[dict]) -> dict:
+    """Mean ms per step of each phase over the run, from two /stats snapshots of an llm-serving server."""
+    if before is None or after is None:
+        return {"error": "the server does not report a step profile (not llm-serving, or unreachable)"}
+    steps = after["num_steps"] - before["num_steps"]
+    t0, t1 = before["step_profile_total_s"], after["step_profile_total_s"]
+    per_step = {k: (t1.get(k, 0.0) - t0.get(k, 0.0)) * 1e3 / max(steps, 1) for k, _ in PROFILE_PHASES}
+    return {"steps": steps, "ms_per_step": per_step}
+
+
+def format_profile(profile: dict) -> str:
+    if "error" in profile:
+        return f"step profile: {profile['error']}"
+    ms = profile["ms_per_step"]
+    loop = ms.get("loop") or 1e-9
+    lines = [f"{' Step profile (' + str(profile['steps']) + ' steps, mean ms per step) ':=^60}"]
+    for key, label in PROFILE_PHASES:
+        share = "" if key in ("loop", "stream", "detokenize") else f"{ms[key] / loop:>7.1%}"
+        lines.append(f"{label:<42}{ms[key]:>9.3f}{share}")
+    other = loop - sum(ms[k] for k in ("schedule", "shm_write", "round_trip", "agent_other", "model", "output"))
+    lines.append(f"{'other (HTTP handlers between steps)':<42}{other:>9.3f}{other / loop:>7.1%}")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:

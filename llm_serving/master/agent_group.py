@@ -181,8 +181,9 @@ class AgentGroup:
             f.write(self._token)
         self._token_files.append(path)
 
-    async def step(self, command: str, step_id: int, n: int, s: int) -> None:
-        """Run one step on every agent; raises AgentError if any fails, dies or times out."""
+    async def step(self, command: str, step_id: int, n: int, s: int) -> list:
+        """Run one step on every agent; returns their replies (rank order); raises AgentError if any fails,
+        dies or times out."""
         timeout = self.config.serving_config.step_timeout_s
         payload = {"step": step_id, "n": n, "s": s}
         results = await asyncio.gather(*(a.request(command, payload, timeout) for a in self.agents),
@@ -190,6 +191,7 @@ class AgentGroup:
         errors = [str(r) for r in results if isinstance(r, BaseException)]
         if errors:
             raise AgentError("; ".join(errors))
+        return results
 
     def dead_agents(self) -> list:
         """Reasons for every agent that is not alive and connected (empty when all are well)."""

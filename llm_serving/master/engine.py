@@ -51,6 +51,10 @@ class Engine:
         self.step_time_s: Counter = Counter()     # kind -> total seconds spent in agent steps
         self.step_time_by_batch: Counter = Counter()  # (kind, rows) -> total seconds, for benchmarks
         self.num_generated_tokens = 0
+        # seconds per phase of the step loop, summed over steps (see step_profile in stats())
+        self.profile: Counter = Counter()
+        self._rows: list = []                 # per shm row: [request, its block table, entries written]
+        self._rows_buffers = None
 
     # --- lifecycle ---------------------------------------------------------------------------------
 
@@ -120,22 +124,38 @@ class Engine:
     # --- the step loop -----------------------------------------------------------------------------
 
     async def _step_loop(self) -> None:
+        prof = self.profile
         while self.running:
+            t0 = time.perf_counter()
             batch = self.scheduler.schedule()
+            prof["schedule"] += time.perf_counter() - t0
             if batch is None:
-                if not self.scheduler.has_work:
+                if self.scheduler.has_work:       # cannot happen (the scheduler always makes progress),
+                    await asyncio.sleep(0.001)    # but never spin the event loop if it did
+                else:
                     self._wakeup.clear()
                     await self._wakeup.wait()
                 continue
+            # No yield between steps: the HTTP handlers stream step N's tokens while the agents compute
+            # step N+1 (they run whenever the loop awaits the agents' reply).
             await self._run_step(batch)
-            await asyncio.sleep(0)  # let HTTP handlers run between steps
+            prof["loop"] += time.perf_counter() - t0
 
     async def _run_step(self, batch: ScheduledBatch) -> None:
         n, s = batch.num_rows, batch.max_query_len
+        prof = self.profile
+        t_write = time.perf_counter()
         self._write_inputs(batch, s)
         t0 = time.perf_counter()
+        prof["shm_write"] += t0 - t_write
         try:
-            await self.agents.step(proto.PREFILL if batch.is_prefill else proto.DECODE, self.num_steps, n, s)
+            replies = await self.agents.step(proto.PREFILL if batch.is_prefill else proto.DECODE, self.num_steps,
+                                             n, s)
+            model_s = replies[0].get("model_ms", 0.0) / 1e3
+            agent_s = replies[0].get("agent_ms", 0.0) / 1e3
+            prof["model"] += model_s
+            prof["agent_other"] += agent_s - model_s
+            prof["round_trip"] += time.perf_counter() - t0 - agent_s
         except AgentError as exc:
             logger.error("step %d failed: %s", self.num_steps, exc)
             for req in batch.requests:
@@ -147,33 +167,72 @@ class Engine:
             kind, elapsed = ("prefill" if batch.is_prefill else "decode"), time.perf_counter() - t0
             self.step_time_s[kind] += elapsed
             self.step_time_by_batch[(kind, n)] += elapsed
+        t_read = time.perf_counter()
         self._read_outputs(batch)
+        prof["output"] += time.perf_counter() - t_read
 
     def _write_inputs(self, batch: ScheduledBatch, s: int) -> None:
+        """Write the step's inputs into shared memory. Per-row state that rarely changes (block table,
+        sampling parameters, request id) is rewritten only when the row's request or table changed since
+        the last step; a decode step writes one id, position and slot per row."""
         b = self.agents.buffers
+        if self._rows_buffers is not b:           # new buffers (first step, or agents restarted)
+            self._rows, self._rows_buffers = [], b
+        bm, bs = self.block_manager, self.block_manager.block_size
         n = batch.num_rows
-        bs = self.block_manager.block_size
-        b.input_ids[:n, :s] = 0
-        b.positions[:n, :s] = 0
-        b.slot_mapping[:n, :s] = -1
-        b.block_tables[:n] = 0
-        for i, (req, q) in enumerate(zip(batch.requests, batch.num_new_tokens)):
-            start = req.num_computed_tokens
-            stop = start + q
-            table = self.block_manager.block_tables[req.req_id]
-            b.input_ids[i, :q] = req.tokens(start, stop)
-            pos = np.arange(start, stop, dtype=np.int32)
-            b.positions[i, :q] = pos
-            b.block_tables[i, :len(table)] = table
-            b.slot_mapping[i, :q] = b.block_tables[i, pos // bs] * bs + pos % bs
-            b.context_lens[i] = stop
-            b.query_lens[i] = q
-            sp = req.sampling
-            b.temperature[i] = sp.temperature
-            b.top_k[i] = sp.top_k
-            b.top_p[i] = sp.top_p
-            b.random_u[i] = 0.0 if sp.greedy else req.random_u()
-            b.request_ids[i] = req.number
+        tables = bm.block_tables
+        if s == 1:                                # decode: token i feeds position num_computed_tokens
+            ids, pos, slots = [], [], []
+            for i, req in enumerate(batch.requests):
+                p = req.num_computed_tokens
+                table = tables[req.req_id]
+                ids.append(req.token_at(p))
+                pos.append(p)
+                slots.append(table[p // bs] * bs + p % bs)
+                self._write_row_state(b, i, req, table)
+            b.input_ids[:n, 0] = ids
+            b.positions[:n, 0] = pos
+            b.slot_mapping[:n, 0] = slots
+            b.context_lens[:n] = b.positions[:n, 0] + 1
+            b.query_lens[:n] = 1
+        else:
+            b.input_ids[:n, :s] = 0
+            b.positions[:n, :s] = 0
+            b.slot_mapping[:n, :s] = -1
+            for i, (req, q) in enumerate(zip(batch.requests, batch.num_new_tokens)):
+                start = req.num_computed_tokens
+                stop = start + q
+                table = tables[req.req_id]
+                self._write_row_state(b, i, req, table)
+                b.input_ids[i, :q] = req.tokens(start, stop)
+                positions = np.arange(start, stop, dtype=np.int32)
+                b.positions[i, :q] = positions
+                b.slot_mapping[i, :q] = b.block_tables[i, positions // bs] * bs + positions % bs
+                b.context_lens[i] = stop
+                b.query_lens[i] = q
+        for i, req in enumerate(batch.requests):
+            if not req.sampling.greedy:
+                b.random_u[i] = req.random_u()
+
+    def _write_row_state(self, b, i: int, req: Request, table: list) -> None:
+        rows = self._rows
+        if i == len(rows):
+            rows.append(None)
+        state = rows[i]
+        if state is not None and state[0] is req and state[1] is table:
+            if state[2] != len(table):            # tables only grow while a request holds them
+                b.block_tables[i, state[2]:len(table)] = table[state[2]:]
+                state[2] = len(table)
+            return
+        b.block_tables[i] = 0
+        b.block_tables[i, :len(table)] = table
+        sp = req.sampling
+        b.temperature[i] = sp.temperature
+        b.top_k[i] = sp.top_k
+        b.top_p[i] = sp.top_p
+        b.random_u[i] = 0.0
+        b.request_ids[i] = req.number
+        rows[i] = [req, table, len(table)]
 
     def _read_outputs(self, batch: ScheduledBatch) -> None:
         b = self.agents.buffers
@@ -190,7 +249,9 @@ class Engine:
             self.num_generated_tokens += 1
             reason = self._stop_reason(req, token_id)
             special = token_id in req.stop_token_ids or self.tokenizer.is_special(token_id)
+            t_detok = time.perf_counter()
             text = "" if reason == "stop" else self._detok[req.req_id].push(token_id)
+            self.profile["detokenize"] += time.perf_counter() - t_detok
             event = TokenEvent(token_id, text, logprob, special)
             if reason is None:
                 req.events.put_nowait(event)
@@ -205,6 +266,16 @@ class Engine:
         return None
 
     # --- observability -----------------------------------------------------------------------------
+
+    def step_profile(self) -> dict:
+        """Mean milliseconds per step of each phase: schedule, shm_write (master writes the inputs),
+        model (the agent's ModelRunner.execute), agent_other (the agent's queueing, shm reads and output
+        writes around the model), round_trip (frames to and from the agent, and the master's event loop
+        getting to the reply), output (read ids, advance requests, events; includes
+        detokenize), stream (HTTP handlers writing SSE, which mostly runs while the agent computes), loop
+        (wall time of the whole step loop iteration)."""
+        steps = max(self.num_steps, 1)
+        return {k: round(v * 1e3 / steps, 4) for k, v in sorted(self.profile.items())}
 
     def stats(self) -> dict:
         sched = self.scheduler
@@ -222,6 +293,8 @@ class Engine:
             "num_cached_prompt_tokens": sched.num_cached_tokens,
             "num_generated_tokens": self.num_generated_tokens,
             "step_time_s": dict(self.step_time_s),
+            "step_profile_ms": self.step_profile(),
+            "step_profile_total_s": {k: round(v, 6) for k, v in sorted(self.profile.items())},
             "batch_sizes": _by_kind(sched.batch_sizes),
             "step_time_s_by_batch": _by_kind(self.step_time_by_batch),
         }

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 from aiohttp import web
 
@@ -76,15 +77,19 @@ async def _stream(request: web.Request, req, gen) -> web.StreamResponse:
                                            REQUEST_ID_HEADER: req.req_id})
     await response.prepare(request)
     text = [gen.inputs] if gen.return_full_text else []
+    profile = request.app[ENGINE].profile
     while True:
         event = await req.events.get()
+        t0 = time.perf_counter()
         text.append(event.text)
         if event.finish_reason == "error":
             await response.write(streaming.sse(streaming.error_body(event.error or "generation failed",
                                                                     "generation")))
             break
-        await response.write(streaming.sse(streaming.token_event(event, "".join(text), req)))
-        if event.finish_reason is not None:
+        final = event.finish_reason is not None
+        await response.write(streaming.sse(streaming.token_event(event, "".join(text) if final else None, req)))
+        profile["stream"] += time.perf_counter() - t0
+        if final:
             break
     await response.write_eof()
     return response
