@@ -202,14 +202,15 @@ def run(args) -> tuple:
                                               progress=args.progress, request_timeout=args.request_timeout))
     summary = summarize(results, duration, percentiles, slos)
     result["summary"] = summary
+    if args.profile:
+        result["step_profile"] = step_profile(before, _server_stats(args.url) if before is not None else None)
     result["timeline"] = timeline(results, duration)
     result["requests"] = [r.to_dict() for r in results]
     if args.plots:
         result["plots"] = write_plots(results, duration, path.with_suffix(""))
     _write(path, result)
     print(format_table(summary))
-    if before is not None:
-        result["step_profile"] = step_profile(before, _server_stats(args.url))
+    if args.profile:
         print(format_profile(result["step_profile"]))
     if facts.get("error") and summary["completed"] == 0:
         print(f"every request failed; {facts['error']}")

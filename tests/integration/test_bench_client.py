@@ -202,9 +202,17 @@ def test_missing_dataset_and_bad_arguments_exit_2_with_a_message(tmp_path, stand
 def test_against_this_project_with_alpaca(stories_server, shared_dir, tmp_path):
     proc, result = _bench(tmp_path, "--url", stories_server.url, "--dataset", "alpaca",
                           "--dataset-path", str(shared_dir / "datasets" / "alpaca_5000.json"),
-                          "--request-rate", "8", "--duration", "1", "--max-new-tokens", "24")
+                          "--request-rate", "8", "--duration", "1", "--max-new-tokens", "24", "--profile")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert result["model"] == "hf" and result["token_counts"] == "exact"    # tokenizer from /info
+    # --profile: where the server's steps spent their time during this run
+    profile = result["step_profile"]
+    assert profile["steps"] >= 24 - 1                                     # at least the longest request's steps
+    ms = profile["ms_per_step"]
+    assert ms["model"] > 0 and ms["loop"] > ms["model"]
+    assert ms["loop"] >= sum(ms[k] for k in ("schedule", "shm_write", "round_trip", "agent_other", "model",
+                                             "output")) * 0.99
+    assert "Step profile" in proc.stdout and "model (ModelRunner.execute)" in proc.stdout
     s = result["summary"]
     assert s["completed"] == 8 and s["failed"] == 0
     expected = sum(min(r["max_new_tokens"], 24) for r in result["requests"])
