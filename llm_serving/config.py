@@ -162,6 +162,7 @@ class SchedulerConfig:
     max_decode_wait_steps: int = 8            # starvation bound: steps a running request may be left out
     max_waiting_tokens: Optional[int] = None  # queue bound in tokens (with serving_config.max_waiting_requests)
     kv_watermark: float = 0.01                # share of KV blocks admission leaves free for running requests
+    prefill_wait_ms: float = 0.0              # prefill_first: let prompts gather this long while others decode
 
     def __post_init__(self) -> None:
         from llm_serving.master.scheduler import POLICIES
@@ -174,6 +175,9 @@ class SchedulerConfig:
         _check_int("scheduler_config.max_decode_wait_steps", self.max_decode_wait_steps)
         if self.max_waiting_tokens is not None:
             _check_int("scheduler_config.max_waiting_tokens", self.max_waiting_tokens)
+        pw = self.prefill_wait_ms
+        _check(isinstance(pw, (int, float)) and not isinstance(pw, bool) and 0 <= pw <= 10_000,
+               "scheduler_config.prefill_wait_ms", pw, "must be a number of milliseconds in [0, 10000]")
         w = self.kv_watermark
         _check(isinstance(w, (int, float)) and not isinstance(w, bool) and 0 <= w < 0.5, "scheduler_config.kv_watermark",
                w, "must be a fraction in [0, 0.5)")

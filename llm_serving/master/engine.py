@@ -309,7 +309,8 @@ def make_scheduler(config, block_manager: BlockManager) -> Scheduler:
                      max_waiting_requests=sc.max_waiting_requests, max_waiting_tokens=sched.max_waiting_tokens,
                      policy=sched.policy, chunked_prefill=sched.chunked_prefill,
                      max_chunk_tokens=config.max_chunk_tokens, max_decode_wait_steps=sched.max_decode_wait_steps,
-                     watermark_blocks=int(sched.kv_watermark * config.pa_config.num_blocks))
+                     watermark_blocks=int(sched.kv_watermark * config.pa_config.num_blocks),
+                     prefill_wait_s=sched.prefill_wait_ms / 1e3)
 
 
 def _by_kind(counter: Counter) -> dict:

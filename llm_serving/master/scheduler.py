@@ -11,6 +11,8 @@ Policies (`scheduler_config.policy`), each one ordering plus one step rule:
 - `prefill_first` (the contest entry's priority): waiting prompts run in prefill steps, several per step,
   before any decode step, so new requests join the running batch at once. The starvation bound: once
   running requests have been left out of `max_decode_wait_steps` steps in a row, the next step decodes.
+  With `prefill_wait_ms`, prompts that arrive while requests decode wait up to that long (or until a
+  prefill bucket's rows are waiting) so that prefill steps come fuller and rarer.
 - `longest_output_first` (the contest winner's ordering): prefill_first with the queue ordered by
   `max_new_tokens`, longest first, so the longest jobs start early and the run has no long tail.
 - `fcfs`: the queue in arrival order and no priority. Each step serves the running requests and, when the
@@ -29,6 +31,7 @@ blocks of the longest matching prefix and feeds only the rest.
 from __future__ import annotations
 
 import bisect
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional
@@ -73,7 +76,8 @@ class Scheduler:
                  max_prefill_rows: int, max_waiting_requests: int, max_decode_rows: Optional[int] = None,
                  max_waiting_tokens: Optional[int] = None, policy: str = "prefill_first",
                  chunked_prefill: bool = False, max_chunk_tokens: Optional[int] = None,
-                 max_decode_wait_steps: int = 8, watermark_blocks: int = 0):
+                 max_decode_wait_steps: int = 8, watermark_blocks: int = 0, prefill_wait_s: float = 0.0,
+                 clock=time.monotonic):
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}; one of {', '.join(POLICIES)}")
         self.bm = block_manager
@@ -88,6 +92,8 @@ class Scheduler:
         self.max_chunk_tokens = max_chunk_tokens or max_num_batched_tokens
         self.max_decode_wait_steps = max_decode_wait_steps
         self.watermark_blocks = watermark_blocks
+        self.prefill_wait_s = prefill_wait_s
+        self.clock = clock
         self.waiting: list = []          # in policy order (see _key): waiting[0] is served next
         self.running: list = []          # in admission order
         self.num_waiting_tokens = 0
@@ -145,9 +151,9 @@ class Scheduler:
         if self.policy == "fcfs":
             batch = self._fcfs_step()
         else:
-            starving = (self.decode_wait >= self.max_decode_wait_steps
-                        and any(r.num_new_tokens == 1 for r in self.running))
-            batch = None if starving else self._prefill_step()
+            decoding = any(r.num_new_tokens == 1 for r in self.running)
+            starving = decoding and self.decode_wait >= self.max_decode_wait_steps
+            batch = None if starving or (decoding and self._hold_prefill()) else self._prefill_step()
             if batch is None:
                 batch = self._decode_step()
         if batch is None:
@@ -187,6 +193,17 @@ class Scheduler:
         rows, counts = [], []
         self._add_running(rows, counts, self.max_num_batched_tokens, self.max_decode_rows, prompts=False)
         return ScheduledBatch(rows, counts) if rows else None
+
+    def _hold_prefill(self) -> bool:
+        """prefill_wait_s > 0: while requests are decoding, let new prompts gather into fuller prefill
+        steps (llm-serving's batch_waiting_time): no prefill step until a prefill bucket's rows are waiting
+        or the oldest has waited prefill_wait_s. Prompts being chunked are never held."""
+        if self.prefill_wait_s <= 0 or any(r.num_new_tokens > 1 for r in self.running):
+            return False
+        if len(self.waiting) >= self.max_prefill_rows or not self.waiting:
+            return False
+        oldest = min(r.arrival_time for r in self.waiting)
+        return self.clock() - oldest < self.prefill_wait_s
 
     def _fcfs_step(self) -> Optional[ScheduledBatch]:
         """Everything in one step when the rows fit a prefill bucket; else decode and prefill take turns."""

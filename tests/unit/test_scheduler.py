@@ -465,3 +465,30 @@ def test_random_load_keeps_every_invariant(policy, chunked, prefix_caching):
 def test_property_random_1000_step_runs_conserve_blocks_and_finish_every_request(seed, policy, chunked,
                                                                                  prefix_caching):
     run_random_load(seed, policy, chunked, prefix_caching, steps=1000)
+
+
+def test_prefill_wait_gathers_prompts_while_others_decode():
+    now = [0.0]
+    sched = make_scheduler(prefill_wait_s=0.05, max_prefill_rows=3, clock=lambda: now[0])
+    runner = FakeRunner(sched)
+    (first,) = make_requests(1, max_new_tokens=20, name="first")
+    sched.add(first)
+    batch = sched.schedule()
+    assert batch.requests == [first]                     # nothing decodes yet: never held
+    runner.step(batch)
+    late = make_requests(2, name="late")
+    for r in late:
+        r.arrival_time = now[0]
+        sched.add(r)
+    batch = sched.schedule()
+    assert not batch.is_prefill                          # held: 2 < 3 rows waiting, 0 ms waited
+    runner.step(batch)
+    now[0] += 0.06
+    batch = sched.schedule()
+    assert batch.is_prefill and batch.requests == late   # the oldest waited 60 ms >= 50 ms
+    runner.step(batch)
+    more = make_requests(3, name="more")
+    for r in more:
+        r.arrival_time = now[0]
+        sched.add(r)
+    assert sched.schedule().requests == more             # a full prefill bucket is never held
