@@ -13,6 +13,9 @@ is visible to a query at position p iff j <= p and j < context_len). The same co
 (S=1), batched prefill, and prefills whose first positions are already cached (chunked prefill /
 prefix caching).
 
+One switch, `device_target` in PagedAttention: on Ascend the cache is written by ReshapeAndCache and decode
+attends through the fused PagedAttention kernel (no gather of the keys); everything else is shared.
+
 CPU path (measured on MindSpore 2.10 CPU):
 - write: `ops.ScatterUpdate` on the flat Parameter, rows slot * KVH + h; cost ~ rows written
   (ScatterNdUpdate on a 4-D [blocks, block_size, KVH, D] cache costs ~ the whole cache).
@@ -39,6 +42,7 @@ def paged_metadata(block_tables, positions, slot_mapping, context_lens, block_si
       write_idx (B*S*KVH,) int32: flat cache row of head h of each new token (slot * KVH + h)
       gather_idx (B, KVH, L) int32: flat cache row of head h of the row's key j
       mask (B, 1, S, 1, L) float32: 0 where key j is visible to the query, else MASK_VALUE
+      and slot_mapping flattened (B*S,), block_tables, context_lens as given (for the Ascend path)
     """
     b, w = block_tables.shape
     s = positions.shape[1]
@@ -54,41 +58,65 @@ def paged_metadata(block_tables, positions, slot_mapping, context_lens, block_si
                               key_pos < context_lens.reshape(b, 1, 1))
     zeros = ops.zeros((b, s, n_keys), ms.float32)
     mask = ops.select(visible, zeros, zeros + MASK_VALUE)                                    # (B, S, L)
-    return write_idx, gather_idx, mask.reshape(b, 1, s, 1, n_keys)                           # (B, 1, S, 1, L)
+    # the raw step tensors ride along for the Ascend kernels (ReshapeAndCache / PagedAttention)
+    return (write_idx, gather_idx, mask.reshape(b, 1, s, 1, n_keys),                        # (B, 1, S, 1, L)
+            slot_mapping.reshape(-1), block_tables, context_lens)
 
 
 class PagedAttention(nn.Cell):
     """Writes this step's K/V into the layer's cache and computes attention for the new queries."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, num_slots: int, *,
-                 layer_id: int, device_target: str = "CPU"):
+                 layer_id: int, device_target: str = "CPU", block_size: int = 16):
         super().__init__()
         self.num_kv_heads = num_kv_heads
         self.group = num_heads // num_kv_heads
         self.head_dim = head_dim
-        zeros = np.zeros((num_slots * num_kv_heads, head_dim), np.float32)   # flat [num_slots, KVH, D]
+        self.on_ascend = device_target == "Ascend"
+        if self.on_ascend:
+            # Ascend 910B: the fused kernels own the cache, [num_blocks, block_size, KVH, D] float16 (the same
+            # element order as the CPU's flat view). ReshapeAndCache writes the step's K/V by slot;
+            # PagedAttention attends a decode query over its row's blocks without copying them; prefill
+            # reads the cache through the same gather + mask as the CPU (it also covers cached prefixes).
+            # Not registered on CPU: tests/integration/test_ascend_path.py checks on the CPU that MindSpore's
+            # shape and dtype inference accepts this path; it runs only on Ascend.
+            from mindspore.ops.operations.nn_ops import PagedAttention as AscendPagedAttention
+            from mindspore.ops.operations.nn_ops import ReshapeAndCache
+            zeros = np.zeros((num_slots // block_size, block_size, num_kv_heads, head_dim), np.float16)
+            self.reshape_and_cache = ReshapeAndCache()
+            self.paged_attention = AscendPagedAttention(num_heads, 1.0, num_kv_heads)   # q is pre-scaled
+        else:
+            zeros = np.zeros((num_slots * num_kv_heads, head_dim), np.float32)   # flat [num_slots, KVH, D]
         self.key_cache = Parameter(Tensor(zeros), name=f"key_cache.{layer_id}", requires_grad=False)
         self.value_cache = Parameter(Tensor(zeros), name=f"value_cache.{layer_id}", requires_grad=False)
-        if device_target == "Ascend":
-            # TODO(Ascend): use the fused kernels instead of scatter + gather + softmax below:
-            #   ops.ReshapeAndCache(key, value, key_cache, value_cache, slot_mapping) to write the cache, and
-            #   ops.PagedAttention(query, key_cache, value_cache, block_tables, context_lens) for decode
-            #   (cache viewed as [num_blocks, block_size, KVH, D]); prefill keeps this path or uses
-            #   FlashAttentionScore. They are not registered on CPU, so nothing here is tested on Ascend.
-            raise NotImplementedError("PagedAttention: the Ascend ReshapeAndCache/PagedAttention path is not "
-                                      "implemented yet; use device_target='CPU'")
         self.scatter = ops.ScatterUpdate()
         self.bmm = ops.BatchMatMul()
         self.bmm_t = ops.BatchMatMul(transpose_b=True)
         self.softmax = ops.Softmax(-1)
 
-    def construct(self, q, k, v, write_idx, gather_idx, mask):
-        # q (B*S, NH, D), already scaled by 1/sqrt(D); k, v (B*S, KVH, D)
-        # write_idx (B*S*KVH,); gather_idx (B, KVH, L); mask (B, 1, S, 1, L)
+    def construct(self, q, k, v, meta):
+        # q (B*S, NH, D), already scaled by 1/sqrt(D); k, v (B*S, KVH, D); meta from paged_metadata:
+        # write_idx (B*S*KVH,); gather_idx (B, KVH, L); mask (B, 1, S, 1, L); slots (B*S,); block_tables; context_lens
+        write_idx, gather_idx, mask, slots, block_tables, context_lens = meta
         b, s = mask.shape[0], mask.shape[2]
+        d = self.head_dim
+        if self.on_ascend:
+            t = k.shape[0]
+            self.reshape_and_cache(k.reshape(t, -1).astype(ms.float16), v.reshape(t, -1).astype(ms.float16),
+                                   self.key_cache, self.value_cache, slots)                 # k, v (T, KVH*D)
+            if s == 1:
+                out = self.paged_attention(q.reshape(b, 1, -1).astype(ms.float16), self.key_cache,
+                                           self.value_cache, block_tables, context_lens)   # (B, 1, NH*D)
+                return out.astype(ms.float32).reshape(b, -1)                             # (B, NH*D)
+            key_cache = self.key_cache.reshape(-1, d).astype(ms.float32)                 # (N*KVH, D)
+            value_cache = self.value_cache.reshape(-1, d).astype(ms.float32)
+        else:
+            key_cache = self.scatter(self.key_cache, write_idx, k.reshape(-1, d))      # (N*KVH, D), in place
+            value_cache = self.scatter(self.value_cache, write_idx, v.reshape(-1, d))  # (N*KVH, D)
+        return self._attend(q, key_cache, value_cache, gather_idx, mask, b, s)
+
+    def _attend(self, q, key_cache, value_cache, gather_idx, mask, b, s):
         kvh, g, d = self.num_kv_heads, self.group, self.head_dim
-        key_cache = self.scatter(self.key_cache, write_idx, k.reshape(-1, d))      # (N*KVH, D), in place
-        value_cache = self.scatter(self.value_cache, write_idx, v.reshape(-1, d))  # (N*KVH, D)
         keys = ops.gather(key_cache, gather_idx, 0)                                # (B, KVH, L, D)
         values = ops.gather(value_cache, gather_idx, 0)                            # (B, KVH, L, D)
         if s == 1:

@@ -46,7 +46,7 @@ def _rms_normalize(x, eps: float):
 
 
 class LlamaDecoderLayer(nn.Cell):
-    def __init__(self, cfg: LlamaConfig, w: dict, i: int, num_slots: int, device_target: str):
+    def __init__(self, cfg: LlamaConfig, w: dict, i: int, num_slots: int, device_target: str, block_size: int):
         super().__init__()
         p = f"model.layers.{i}."
         self.nh, self.kvh, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -62,18 +62,18 @@ class LlamaDecoderLayer(nn.Cell):
         self.gate_up_w = _param(gate_up, f"layers.{i}.gate_up")                       # (2I, H)
         self.down_w = _param(w[p + "mlp.down_proj.weight"], f"layers.{i}.down")       # (H, I)
         self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, num_slots,
-                                   layer_id=i, device_target=device_target)
+                                   layer_id=i, device_target=device_target, block_size=block_size)
         self.matmul_t = ops.MatMul(transpose_b=True)
 
-    def construct(self, x, cos, sin, write_idx, gather_idx, mask):
-        # x (T, H); cos, sin (T, NH+2KVH, D)
+    def construct(self, x, cos, sin, meta):
+        # x (T, H); cos, sin (T, NH+2KVH, D); meta: paged_metadata's tuple
         t = x.shape[0]
         nh, kvh, d = self.nh, self.kvh, self.d
         qkv = self.matmul_t(_rms_normalize(x, self.eps), self.qkv_w).reshape(t, nh + 2 * kvh, d)  # (T, NH+2KVH, D)
         swapped = ops.flip(qkv.reshape(t, nh + 2 * kvh, 2, d // 2), (2,)).reshape(t, -1, d)      # (T, NH+2KVH, D)
         qkv = qkv * cos + swapped * sin                                                   # (T, NH+2KVH, D)
         q, k, v = ops.split(qkv, (nh, kvh, kvh), 1)                                       # (T, NH|KVH|KVH, D)
-        attn = self.attn(q, k, v, write_idx, gather_idx, mask)                            # (T, NH*D)
+        attn = self.attn(q, k, v, meta)                                                   # (T, NH*D)
         x = x + self.matmul_t(attn, self.o_w)                                             # (T, H)
         gate_up = self.matmul_t(_rms_normalize(x, self.eps), self.gate_up_w)              # (T, 2I)
         gate, up = ops.split(gate_up, self.inter, 1)                                      # (T, I) each
@@ -93,7 +93,7 @@ class LlamaForCausalLM(nn.Cell):
         self.kvh = cfg.num_kv_heads
         self.eps = cfg.rms_norm_eps
         self.embed = _param(weights["model.embed_tokens.weight"], "embed")            # (V, H)
-        self.layers = nn.CellList([LlamaDecoderLayer(cfg, weights, i, num_slots, device_target)
+        self.layers = nn.CellList([LlamaDecoderLayer(cfg, weights, i, num_slots, device_target, block_size)
                                    for i in range(cfg.num_layers)])
         lm_head = weights["lm_head.weight"] * weights["model.norm.weight"][None, :]
         self.lm_head = _param(lm_head, "lm_head")                                       # (V, H)
@@ -119,10 +119,9 @@ class LlamaForCausalLM(nn.Cell):
         sin = ops.gather(self.sin_table, flat_pos, 0).reshape(b * s, 1, d)               # (T, 1, D)
         cos = cos * self.head_rot + self.head_keep                                       # (T, NH+2KVH, D)
         sin = sin * self.head_rot                                                        # (T, NH+2KVH, D)
-        write_idx, gather_idx, mask = paged_metadata(block_tables, positions, slot_mapping, context_lens,
-                                                     self.block_size, self.kvh)
+        meta = paged_metadata(block_tables, positions, slot_mapping, context_lens, self.block_size, self.kvh)
         for layer in self.layers:
-            x = layer(x, cos, sin, write_idx, gather_idx, mask)                          # (T, H)
+            x = layer(x, cos, sin, meta)                                                 # (T, H)
         if s > 1:
             last = ops.arange(0, b, dtype=ms.int32) * s + query_lens - 1                 # (B,)
             x = ops.gather(x, last, 0)                                                   # (B, H)

@@ -301,4 +301,4 @@ class ModelRunner:
     def reset(self) -> None:
         """Zero the KV cache."""
         for p in self._caches:
-            p.set_data(self._ms.Tensor(np.zeros(p.shape, np.float32)))
+            p.set_data(self._ms.Tensor(np.zeros(p.shape, np.float32)).astype(p.dtype))
