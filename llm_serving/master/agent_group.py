@@ -99,13 +99,21 @@ class AgentClient:
                     fut.set_exception(AgentError(self.dead_reason or f"agent {self.rank} connection closed"))
             self._pending.clear()
 
-    async def request(self, command: str, payload: dict, timeout_s: float) -> dict:
+    def send(self, command: str, payload: dict) -> tuple:
+        """Write a command frame now (no await: it leaves before any other task runs); returns
+        (seq, future of the reply payload)."""
         if self._writer is None or self.dead_reason:
             raise AgentError(self.dead_reason or f"agent {self.rank} is not connected")
         seq = next(self._seq)
         fut = asyncio.get_running_loop().create_future()
         self._pending[seq] = fut
         self._writer.write(proto.encode_frame(command, {"seq": seq, **payload}))
+        return seq, fut
+
+    async def request(self, command: str, payload: dict, timeout_s: float) -> dict:
+        return await self.wait_reply(command, *self.send(command, payload), timeout_s)
+
+    async def wait_reply(self, command: str, seq: int, fut, timeout_s: float) -> dict:
         try:
             reply = await asyncio.wait_for(fut, timeout_s)
         except asyncio.TimeoutError:
@@ -124,6 +132,10 @@ class AgentClient:
                 pass
         if self._reader_task is not None:
             self._reader_task.cancel()
+
+
+async def _fail(exc: BaseException):
+    raise exc
 
 
 class AgentGroup:
@@ -186,8 +198,16 @@ class AgentGroup:
         dies or times out."""
         timeout = self.config.serving_config.step_timeout_s
         payload = {"step": step_id, "n": n, "s": s}
-        results = await asyncio.gather(*(a.request(command, payload, timeout) for a in self.agents),
-                                       return_exceptions=True)
+        # Frames go out before this coroutine yields: HTTP handlers woken by the previous step then run
+        # while the agents compute, instead of delaying the next step's start.
+        sent = []
+        for a in self.agents:
+            try:
+                sent.append(a.send(command, payload))
+            except AgentError as exc:
+                sent.append(exc)
+        results = await asyncio.gather(*(a.wait_reply(command, *x, timeout) if isinstance(x, tuple) else _fail(x)
+                                         for a, x in zip(self.agents, sent)), return_exceptions=True)
         errors = [str(r) for r in results if isinstance(r, BaseException)]
         if errors:
             raise AgentError("; ".join(errors))

@@ -103,7 +103,9 @@ def test_overload_gets_429_and_impossible_requests_400(shared_dir, tmp_path):
                "model_config.decode_batch_size=[1]") as server:
         results = asyncio.run(_generate_all(server.url, STORY_PROMPTS[:12], max_new_tokens=16))
         codes = [status for status, _ in results]
-        assert codes.count(200) >= 3 and codes.count(429) >= 1, codes
+        # all 12 arrive at once: the 2 queue places (plus the running one, if the engine admitted a request
+        # before the rest arrived) are served, the others refused
+        assert 2 <= codes.count(200) <= 3 and codes.count(429) == 12 - codes.count(200), codes
         assert set(codes) <= {200, 429}
         for status, body in results:
             if status == 429:
