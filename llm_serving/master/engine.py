@@ -237,11 +237,11 @@ class Engine:
     def _read_outputs(self, batch: ScheduledBatch) -> None:
         b = self.agents.buffers
         n = batch.num_rows
+        token_ids = b.out_token_ids[:n].tolist()
         logprobs = b.out_logprobs[:n].tolist()
-        row_of = {id(req): i for i, req in enumerate(batch.requests)}
         now = time.monotonic()
-        for req, token_id in self.scheduler.complete_step(batch, b.out_token_ids[:n].tolist()):
-            logprob = logprobs[row_of[id(req)]]
+        for row, req in self.scheduler.complete_step(batch):
+            token_id, logprob = token_ids[row], logprobs[row]
             req.output_ids.append(token_id)
             req.output_logprobs.append(logprob)
             if req.first_token_time is None:

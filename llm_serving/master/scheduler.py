@@ -165,19 +165,19 @@ class Scheduler:
         self.batch_sizes[("prefill" if batch.is_prefill else "decode", batch.num_rows)] += 1
         return batch
 
-    def complete_step(self, batch: ScheduledBatch, token_ids) -> list:
+    def complete_step(self, batch: ScheduledBatch) -> list:
         """After a step: advance every row by the tokens it fed, register newly full blocks for prefix
-        caching, and return [(request, sampled token)] for the rows that reached their end (a chunk that
-        stops inside the prompt samples nothing). Rows finished while the step ran are skipped. The caller
-        appends each token to its request (or finishes it)."""
+        caching, and return [(row, request)] for the rows whose sampled token counts (they reached their
+        end; a chunk that stops inside the prompt samples nothing). Rows finished while the step ran are
+        skipped. The caller appends each row's token to its request (or finishes it)."""
         produced = []
-        for req, fed, token in zip(batch.requests, batch.num_new_tokens, token_ids):
+        for row, (req, fed) in enumerate(zip(batch.requests, batch.num_new_tokens)):
             if req.status is not RequestStatus.RUNNING:
                 continue
             req.num_computed_tokens += fed
             self.bm.cache_full_blocks(req.req_id, req.tokens, req.num_computed_tokens)
             if req.num_computed_tokens == req.num_tokens:
-                produced.append((req, int(token)))
+                produced.append((row, req))
         return produced
 
     # --- step kinds --------------------------------------------------------------------------------

@@ -289,8 +289,9 @@ class ModelRunner:
         for i, (b, s, w) in enumerate(buckets):
             t0 = time.perf_counter()
             self._run_dummy(b, s, 0.0, 0, w)    # the model graph (greedy)
-            self._run_dummy(b, s, 1.0, 0, w)    # + the temperature-only sampler for this batch size
-            self._run_dummy(b, s, 1.0, 5, w)    # + the top-k/top-p sampler
+            if w is None or w == self.decode_block_widths[0]:   # the samplers depend on the batch size only
+                self._run_dummy(b, s, 1.0, 0, w)    # + the temperature-only sampler for this batch size
+                self._run_dummy(b, s, 1.0, 5, w)    # + the top-k/top-p sampler
             shape = f"B={b}, S={s}" + (f", W={w}" if w is not None else "")
             msg = (f"warmup {i + 1}/{len(buckets)}: {'decode' if s == 1 else 'prefill'} bucket ({shape}) "
                    f"ready in {time.perf_counter() - t0:.1f}s")

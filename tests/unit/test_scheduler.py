@@ -67,7 +67,8 @@ class FakeRunner:
 
     def complete(self, batch, tokens):
         """What the engine does with the step's outputs."""
-        for req, token in self.sched.complete_step(batch, tokens):
+        for row, req in self.sched.complete_step(batch):
+            token = tokens[row]
             req.output_ids.append(token)
             if len(req.output_ids) >= req.sampling.max_new_tokens:
                 self.sched.finish(req, "length")
