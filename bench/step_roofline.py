@@ -5,7 +5,10 @@
 The matmul is X (B, H) @ W (H, P/H), P = every weight the decode step multiplies by (layers + lm_head), so
 it does the step's 2*B*P matmul FLOPs and reads the same weight bytes; attention over the context
 (4*B*ctx*layers*heads*head_dim FLOPs) is added to the step's FLOP count but not to the matmul. The ratio
-step / matmul says how far the MindSpore graph is from what the BLAS does with the same arithmetic.
+step / matmul says how far the MindSpore graph is from what the BLAS does with the same arithmetic, and
+"% peak" compares the step's FLOP/s with one large numpy matmul (4096^3 by default, --peak-size), this
+CPU's float32 ceiling, measured in the same run. --attention-kernel auto,off times the CPU paged-attention
+kernel and the key-gather path side by side.
 
     python bench/step_roofline.py                                   # built-in model
     python bench/step_roofline.py --model ../shared/models/stories260K/hf --batches 1,8,32
@@ -45,6 +48,22 @@ def time_matmul(batch: int, hidden: int, params: int, iters: int) -> float:
     return float(np.median(times))
 
 
+def time_peak(n: int, iters: int = 3) -> float:
+    """GFLOP/s of one n x n x n float32 numpy matmul (best of `iters`)."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((n, n), dtype=np.float32)
+    b = rng.standard_normal((n, n), dtype=np.float32)
+    a @ b
+    best = min(_timed(lambda: a @ b) for _ in range(iters))
+    return 2 * n ** 3 / best / 1e9
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", help="model path (default: the built-in model)")
@@ -52,6 +71,9 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=128, help="tokens already in each row's KV cache")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--threads", type=int, default=2, help="MindSpore CPU threads (numpy uses its BLAS default)")
+    p.add_argument("--attention-kernel", default="auto", type=lambda s: s.split(","),
+                   help="comma list of model_config.attention_kernel settings to time (auto, on, off)")
+    p.add_argument("--peak-size", type=int, default=4096, help="n of the n^3 numpy matmul that measures the peak")
     p.add_argument("--out", default="bench_results/step_roofline.json")
     args = p.parse_args(argv)
 
@@ -61,27 +83,35 @@ def main(argv=None) -> int:
     model = args.model or str(ensure_default_model())
     block = 16
     per_row = -(-(args.context + 1) // block)
-    runner = ModelRunner(model, num_blocks=max(args.batches) * per_row, block_size=block,
-                         max_blocks_per_seq=per_row, decode_batch_sizes=args.batches, prefill_batch_sizes=[1],
-                         prefill_seq_lens=[16], num_threads=args.threads)
-    cfg = runner.config
-    params = matmul_params(cfg)
-    attn_flops = 4 * args.context * cfg.num_layers * cfg.num_heads * cfg.head_dim
+    peak = time_peak(args.peak_size)
+    print(f"numpy peak: {peak:.1f} GFLOP/s ({args.peak_size}^3 float32 matmul)", flush=True)
     rows = []
-    for b in args.batches:
-        step = time_decode_steps(runner, b, args.context, args.iters)
-        mm = time_matmul(b, cfg.hidden_size, params, args.iters)
-        flops = b * (2 * params + attn_flops)
-        rows.append({"batch": b, "step_ms": step * 1e3, "matmul_ms": mm * 1e3, "ratio": step / mm,
-                     "step_gflops": flops / step / 1e9, "matmul_gflops": 2 * b * params / mm / 1e9,
-                     "step_tok_s": b / step})
-        print(f"batch {b}: step {step * 1e3:.3f} ms, matmul {mm * 1e3:.3f} ms", flush=True)
-    print(f"\nstep roofline: {Path(model).name}, {params / 1e6:.2f} M matmul weights, context {args.context}")
-    print(table(rows, [("batch", "batch", "{}"), ("step_ms", "step ms", "{:.3f}"), ("matmul_ms", "BLAS ms", "{:.3f}"),
-                       ("ratio", "step/BLAS", "{:.1f}x"), ("step_gflops", "step GFLOP/s", "{:.2f}"),
-                       ("matmul_gflops", "BLAS GFLOP/s", "{:.2f}"), ("step_tok_s", "step tok/s", "{:.0f}")]))
-    write_json(args.out, {"scenario": "step_roofline", "machine": machine(), "model": model,
-                          "matmul_params": params, "context": args.context, "threads": args.threads, "rows": rows})
+    for mode in args.attention_kernel:
+        runner = ModelRunner(model, num_blocks=max(args.batches) * per_row, block_size=block,
+                             max_blocks_per_seq=per_row, decode_batch_sizes=args.batches, prefill_batch_sizes=[1],
+                             prefill_seq_lens=[16], num_threads=args.threads, attention_kernel=mode)
+        attention = "kernel" if runner.decode_kernel else "gather"
+        cfg = runner.config
+        params = matmul_params(cfg)
+        attn_flops = 4 * args.context * cfg.num_layers * cfg.num_heads * cfg.head_dim
+        for b in args.batches:
+            step = time_decode_steps(runner, b, args.context, args.iters)
+            mm = time_matmul(b, cfg.hidden_size, params, args.iters)
+            flops = b * (2 * params + attn_flops)
+            rows.append({"attention": attention, "batch": b, "step_ms": step * 1e3, "matmul_ms": mm * 1e3,
+                         "ratio": step / mm, "step_gflops": flops / step / 1e9, "matmul_gflops": 2 * b * params / mm / 1e9,
+                         "peak_pct": 100 * flops / step / 1e9 / peak, "step_tok_s": b / step})
+            print(f"{attention} batch {b}: step {step * 1e3:.3f} ms, matmul {mm * 1e3:.3f} ms", flush=True)
+        del runner
+    print(f"\nstep roofline: {Path(model).name}, {params / 1e6:.2f} M matmul weights, context {args.context}, "
+          f"numpy peak {peak:.1f} GFLOP/s")
+    print(table(rows, [("attention", "attention", "{}"), ("batch", "batch", "{}"), ("step_ms", "step ms", "{:.3f}"),
+                       ("matmul_ms", "BLAS ms", "{:.3f}"), ("ratio", "step/BLAS", "{:.1f}x"),
+                       ("step_gflops", "step GFLOP/s", "{:.2f}"), ("matmul_gflops", "BLAS GFLOP/s", "{:.2f}"),
+                       ("peak_pct", "% peak", "{:.0f}%"), ("step_tok_s", "step tok/s", "{:.0f}")]))
+    write_json(args.out, {"scenario": "step_roofline", "machine": machine(), "model": model, "matmul_params": params,
+                          "context": args.context, "threads": args.threads, "peak_gflops": peak,
+                          "peak_size": args.peak_size, "rows": rows})
     return 0
 
 

@@ -61,6 +61,8 @@ class ModelConfig:
                                               # null = a quarter, half and all of the longest request
     device_target: str = "CPU"
     num_threads: Optional[int] = None         # MindSpore CPU threads per agent; None = MindSpore's default
+    attention_kernel: str = "auto"            # CPU decode attention: the C++ paged kernel ('on'), the key gather
+                                              # ('off'), or the kernel when a C++ compiler builds it ('auto')
     model_dtype: str = "float32"
 
     def __post_init__(self) -> None:
@@ -80,6 +82,8 @@ class ModelConfig:
                "must be 'CPU' or 'Ascend'")
         if self.num_threads is not None:
             _check_int("model_config.num_threads", self.num_threads)
+        _check(self.attention_kernel in ("auto", "on", "off"), "model_config.attention_kernel",
+               self.attention_kernel, "must be 'auto', 'on' or 'off'")
         _check(self.model_dtype in ("float32", "DataType.FLOAT32"), "model_config.model_dtype",
                self.model_dtype, "only float32 is supported on this build")
         for key in ("model_path", "model_name"):

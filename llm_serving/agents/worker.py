@@ -38,7 +38,8 @@ class Worker:
             model_dir, num_blocks=pa.num_blocks, block_size=pa.block_size,
             max_blocks_per_seq=config.max_blocks_per_seq, decode_batch_sizes=mc.decode_batch_size,
             prefill_batch_sizes=mc.prefill_batch_size, prefill_seq_lens=mc.seq_length,
-            decode_block_widths=config.decode_block_widths, device_target=mc.device_target, device_id=device_id, num_threads=mc.num_threads,
+            decode_block_widths=config.decode_block_widths, device_target=mc.device_target, device_id=device_id,
+            num_threads=mc.num_threads, attention_kernel=mc.attention_kernel,
             compile_cache=True)   # one runner per agent process, warmed up in a fixed order
 
     def warmup(self) -> None:

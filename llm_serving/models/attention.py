@@ -14,16 +14,23 @@ is visible to a query at position p iff j <= p and j < context_len). The same co
 prefix caching).
 
 One switch, `device_target` in PagedAttention: on Ascend the cache is written by ReshapeAndCache and decode
-attends through the fused PagedAttention kernel (no gather of the keys); everything else is shared.
+attends through the fused PagedAttention kernel (no gather of the keys); everything else is shared. Its
+CPU twin, `decode_kernel` (kernels/paged_attention_cpu.cc, an `ops.Custom` AOT kernel the runner builds
+with the machine's C++ compiler), does the same for CPU decode steps: it reads each row's keys and values
+in place through the block table, so a decode step's attention costs ~ the row's real context instead
+of gathering W * block_size keys per row (B=128, 9 blocks: 25 -> ~4 ms per layer). Without a compiler
+the gather path below serves decode too.
 
 CPU path (measured on MindSpore 2.10 CPU):
 - write: `ops.ScatterUpdate` on the flat Parameter, rows slot * KVH + h; cost ~ rows written
   (ScatterNdUpdate on a 4-D [blocks, block_size, KVH, D] cache costs ~ the whole cache).
-- read: one `ops.gather` with indices (B, KVH, L), which lands keys directly in the (B, KVH, L, D)
+- read (prefill, and decode without the kernel): one `ops.gather` with indices (B, KVH, L), which lands keys directly in the (B, KVH, L, D)
   layout the batched matmuls want (gathering (B, L, KVH, D) and transposing was the most expensive
   kernel of a decode step; GatherNd on the 3-D view is ~10x slower than Gather).
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import numpy as np
 import mindspore as ms
@@ -67,7 +74,8 @@ class PagedAttention(nn.Cell):
     """Writes this step's K/V into the layer's cache and computes attention for the new queries."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, num_slots: int, *,
-                 layer_id: int, device_target: str = "CPU", block_size: int = 16):
+                 layer_id: int, device_target: str = "CPU", block_size: int = 16,
+                 decode_kernel: Optional[str] = None, kernel_threads: int = 1):
         super().__init__()
         self.num_kv_heads = num_kv_heads
         self.group = num_heads // num_kv_heads
@@ -89,6 +97,12 @@ class PagedAttention(nn.Cell):
             zeros = np.zeros((num_slots * num_kv_heads, head_dim), np.float32)   # flat [num_slots, KVH, D]
         self.key_cache = Parameter(Tensor(zeros), name=f"key_cache.{layer_id}", requires_grad=False)
         self.value_cache = Parameter(Tensor(zeros), name=f"value_cache.{layer_id}", requires_grad=False)
+        self.decode_kernel = None
+        if decode_kernel is not None and not self.on_ascend:
+            # "path.so:PagedDecodeAttention"; out = q's shape and dtype: (B, KVH, G, D) float32
+            self.decode_kernel = ops.Custom(decode_kernel, out_shape=lambda q, *_: q, out_dtype=lambda q, *_: q,
+                                            func_type="aot")
+            self.kernel_config = Tensor(np.array([block_size, kernel_threads], np.int32))   # read by the kernel
         self.scatter = ops.ScatterUpdate()
         self.bmm = ops.BatchMatMul()
         self.bmm_t = ops.BatchMatMul(transpose_b=True)
@@ -113,6 +127,10 @@ class PagedAttention(nn.Cell):
         else:
             key_cache = self.scatter(self.key_cache, write_idx, k.reshape(-1, d))      # (N*KVH, D), in place
             value_cache = self.scatter(self.value_cache, write_idx, v.reshape(-1, d))  # (N*KVH, D)
+            if s == 1 and self.decode_kernel is not None:
+                out = self.decode_kernel(q.reshape(b, self.num_kv_heads, self.group, d), key_cache, value_cache,
+                                         block_tables, context_lens, self.kernel_config)     # (B, KVH, G, D)
+                return out.reshape(b, -1)                                                # (B, NH*D)
         return self._attend(q, key_cache, value_cache, gather_idx, mask, b, s)
 
     def _attend(self, q, key_cache, value_cache, gather_idx, mask, b, s):

@@ -14,6 +14,8 @@ overhead, ~10-15 us each):
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
@@ -46,7 +48,8 @@ def _rms_normalize(x, eps: float):
 
 
 class LlamaDecoderLayer(nn.Cell):
-    def __init__(self, cfg: LlamaConfig, w: dict, i: int, num_slots: int, device_target: str, block_size: int):
+    def __init__(self, cfg: LlamaConfig, w: dict, i: int, num_slots: int, device_target: str, block_size: int,
+                 decode_kernel: Optional[str], kernel_threads: int):
         super().__init__()
         p = f"model.layers.{i}."
         self.nh, self.kvh, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -62,7 +65,8 @@ class LlamaDecoderLayer(nn.Cell):
         self.gate_up_w = _param(gate_up, f"layers.{i}.gate_up")                       # (2I, H)
         self.down_w = _param(w[p + "mlp.down_proj.weight"], f"layers.{i}.down")       # (H, I)
         self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, num_slots,
-                                   layer_id=i, device_target=device_target, block_size=block_size)
+                                   layer_id=i, device_target=device_target, block_size=block_size,
+                                   decode_kernel=decode_kernel, kernel_threads=kernel_threads)
         self.matmul_t = ops.MatMul(transpose_b=True)
 
     def construct(self, x, cos, sin, meta):
@@ -87,13 +91,15 @@ class LlamaForCausalLM(nn.Cell):
     only for `Sampler` (a second graph, run when some row samples); they are not copied to the host."""
 
     def __init__(self, cfg: LlamaConfig, weights: dict, *, num_slots: int, block_size: int,
-                 max_positions: int, device_target: str = "CPU"):
+                 max_positions: int, device_target: str = "CPU", decode_kernel: Optional[str] = None,
+                 kernel_threads: int = 1):
         super().__init__()
         self.block_size = block_size
         self.kvh = cfg.num_kv_heads
         self.eps = cfg.rms_norm_eps
         self.embed = _param(weights["model.embed_tokens.weight"], "embed")            # (V, H)
-        self.layers = nn.CellList([LlamaDecoderLayer(cfg, weights, i, num_slots, device_target, block_size)
+        self.layers = nn.CellList([LlamaDecoderLayer(cfg, weights, i, num_slots, device_target, block_size,
+                                                     decode_kernel, kernel_threads)
                                    for i in range(cfg.num_layers)])
         lm_head = weights["lm_head.weight"] * weights["model.norm.weight"][None, :]
         self.lm_head = _param(lm_head, "lm_head")                                       # (V, H)

@@ -102,7 +102,7 @@ class ModelRunner:
                  decode_batch_sizes: list[int], prefill_batch_sizes: list[int], prefill_seq_lens: list[int],
                  decode_block_widths: Optional[list[int]] = None,
                  device_target: str = "CPU", device_id: int = 0, num_threads: Optional[int] = None,
-                 compile_cache: bool = False):
+                 compile_cache: bool = False, attention_kernel: str = "auto"):
         for key, val in (("num_blocks", num_blocks), ("block_size", block_size),
                          ("max_blocks_per_seq", max_blocks_per_seq)):
             if not isinstance(val, (int, np.integer)) or val < 1:
@@ -124,7 +124,23 @@ class ModelRunner:
         if any((not isinstance(v, (int, np.integer))) or not 1 <= v <= self.max_blocks_per_seq for v in widths):
             raise ValueError(f"ModelRunner: decode_block_widths must be integers in [1, max_blocks_per_seq="
                              f"{self.max_blocks_per_seq}], got {widths!r}")
-        # decode graphs exist per (batch, block-table width): a step gathers only the keys its rows can have
+        if attention_kernel not in ("auto", "on", "off"):
+            raise ValueError(f"ModelRunner: attention_kernel must be 'auto', 'on' or 'off', got {attention_kernel!r}")
+        # CPU decode attends through the paged-attention kernel (kernels/) when it builds; 'auto' falls back
+        # to gathering the keys (attention.py) when there is no C++ compiler, 'on' makes that an error
+        self.decode_kernel = None
+        if device_target == "CPU" and attention_kernel != "off":
+            from .kernels import KernelBuildError, build_kernel
+            try:
+                self.decode_kernel = build_kernel("paged_attention_cpu", "PagedDecodeAttention")
+            except KernelBuildError as e:
+                if attention_kernel == "on":
+                    raise
+                logger.warning("CPU paged-attention kernel unavailable; decode steps gather keys instead: %s", e)
+        # Decode graphs that gather keys exist per (batch, block-table width): a step gathers only the keys its
+        # rows can have. Kernels that read the cache through the block table (CPU kernel, Ascend) need one width.
+        if self.decode_kernel is not None or device_target == "Ascend":
+            widths = [self.max_blocks_per_seq]
         self.decode_block_widths = sorted(set(int(v) for v in widths) | {self.max_blocks_per_seq})
         self.device_target = device_target
         self.num_slots = (self.num_blocks + 1) * self.block_size
@@ -140,7 +156,7 @@ class ModelRunner:
             # everything that decides which graphs warmup() compiles, and in which order
             key_src = repr((cfg, self.num_blocks, self.block_size, self.max_blocks_per_seq, self.decode_batch_sizes,
                             self.decode_block_widths, self.prefill_batch_sizes, self.prefill_seq_lens, device_target,
-                            _model_source_digest()))
+                            self.decode_kernel, _model_source_digest()))
             cache_key = hashlib.sha1(key_src.encode()).hexdigest()[:16]
         elif compile_cache:
             logger.warning("compile cache off: another ModelRunner already exists in this process")
@@ -151,7 +167,9 @@ class ModelRunner:
         from .sampler import Sampler
         self._ms = ms
         self.model = LlamaForCausalLM(cfg, weights, num_slots=self.num_slots, block_size=self.block_size,
-                                      max_positions=self.max_context, device_target=device_target)
+                                      max_positions=self.max_context, device_target=device_target,
+                                      decode_kernel=self.decode_kernel,
+                                      kernel_threads=num_threads or len(os.sched_getaffinity(0)))
         self.model.set_train(False)
         self.sampler = Sampler(cfg.vocab_size, filters=True)          # some sampling row uses top-k/top-p
         self.plain_sampler = Sampler(cfg.vocab_size, filters=False)   # temperature only

@@ -205,11 +205,53 @@ def test_greedy_reproduces_llama2c(runner, tokenizer, reference):
     assert batched == singles
 
 
+def test_paged_attention_kernel_matches_the_gather_path(runner, tokenizer, reference):
+    """Decode through the C++ kernel (the fixture's runner: g++ is on every machine here) and through the
+    key gather give the same tokens and log-probabilities, for a batch of rows with different contexts
+    whose blocks are scattered over the cache."""
+    from llm_serving.models.runner import ModelRunner
+    assert runner.decode_kernel is not None and runner.decode_kernel.endswith(":PagedDecodeAttention")
+    assert runner.decode_block_widths == [13]            # the kernel reads real context only: one width
+    gather = ModelRunner(str(MODEL_DIR), num_blocks=64, block_size=16, max_blocks_per_seq=13,
+                         decode_batch_sizes=[1, 2], prefill_batch_sizes=[1, 2], prefill_seq_lens=[16, 32],
+                         num_threads=2, attention_kernel="off")
+    assert gather.decode_kernel is None
+    prompts = [[BOS] + tokenizer.encode(item["prompt"]) for item in reference]
+    tables = [[int(b) for b in perm] for perm in np.random.default_rng(5).permutation(64)[:26].reshape(2, 13)]
+    results = []
+    for r in (runner, gather):
+        r.reset()
+        results.append(generate(r, prompts, tables, max_len=120))
+    (tok_k, lp_k), (tok_g, lp_g) = results
+    assert tok_k == tok_g and min(len(t) for t in tok_k) > 60
+    for a, b in zip(lp_k, lp_g):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    small = dict(num_blocks=8, block_size=16, max_blocks_per_seq=4, decode_batch_sizes=[1], prefill_batch_sizes=[1],
+                 prefill_seq_lens=[16], decode_block_widths=[2])
+    with pytest.raises(ValueError, match="attention_kernel"):
+        ModelRunner(str(MODEL_DIR), **small, attention_kernel="fast")
+
+
+def test_without_a_compiler_auto_falls_back_and_on_fails(monkeypatch, tmp_path, caplog):
+    from llm_serving.models.kernels import KernelBuildError
+    from llm_serving.models.runner import ModelRunner
+    monkeypatch.setenv("CXX", str(tmp_path / "missing-g++"))
+    monkeypatch.setenv("LLM_SERVING_CACHE", str(tmp_path))
+    small = dict(num_blocks=8, block_size=16, max_blocks_per_seq=4, decode_batch_sizes=[1], prefill_batch_sizes=[1],
+                 prefill_seq_lens=[16], decode_block_widths=[2])
+    with caplog.at_level("WARNING", logger="llm_serving.models.runner"):
+        fallback = ModelRunner(str(MODEL_DIR), **small, attention_kernel="auto")
+    assert fallback.decode_kernel is None and fallback.decode_block_widths == [2, 4]
+    assert "missing-g++" in caplog.text and "gather keys instead" in caplog.text
+    with pytest.raises(KernelBuildError, match="missing-g"):
+        ModelRunner(str(MODEL_DIR), **small, attention_kernel="on")
+
+
 def test_decode_block_width_buckets_give_the_same_text(tokenizer, reference):
     from llm_serving.models.runner import ModelRunner
     narrow = ModelRunner(str(MODEL_DIR), num_blocks=64, block_size=16, max_blocks_per_seq=13,
                          decode_batch_sizes=[1], prefill_batch_sizes=[1], prefill_seq_lens=[16, 32],
-                         decode_block_widths=[2, 5], num_threads=2)
+                         decode_block_widths=[2, 5], num_threads=2, attention_kernel="off")
     assert narrow.decode_block_widths == [2, 5, 13]
     assert [narrow._width(1, n) for n in (1, 2, 3, 5, 6, 13)] == [2, 2, 5, 5, 13, 13]
     assert narrow._width(16, 1) == 13                    # prefill graphs keep the full width

@@ -1,0 +1,93 @@
+"""CPU kernels MindSpore loads as `ops.Custom(func_type="aot")` operators, built here on first use.
+
+Each kernel is a C++ file next to this module. `build_kernel(name, func)` compiles it once per
+(source, compiler, flags, CPU) into `<cache>/kernels/<name>-<digest>.so` (<cache> is $LLM_SERVING_CACHE or
+~/.cache/llm-serving) and returns the "path.so:func" string `ops.Custom` takes. `-march=native` is safe
+because the CPU's identity is part of the digest. The build goes to a temporary file that is renamed into
+place, so agents starting together never load a half-written library.
+
+Flags: -O3 plus the floating-point relaxations that let the compiler vectorise the dot products
+(reassociation, no errno, no signed zeros, no traps), but not -ffast-math: linking a shared library
+with it sets flush-to-zero for the whole process, which would change every other kernel's results.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+__all__ = ["KernelBuildError", "build_kernel"]
+
+logger = logging.getLogger(__name__)
+
+_HERE = Path(__file__).resolve().parent
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
+         "-fno-trapping-math", "-std=c++17", "-shared", "-fPIC", "-pthread"]
+
+
+class KernelBuildError(RuntimeError):
+    """The kernel could not be compiled (no C++ compiler, or the compiler failed)."""
+
+
+def _cpu_identity() -> str:
+    """The CPU model and feature flags (what -march=native compiles for)."""
+    ident = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "flags", "Features")):
+                    ident += line
+                if line.strip() == "":
+                    break            # the first processor is enough
+    except OSError:
+        pass
+    return ident
+
+
+def _compiler() -> Optional[str]:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+
+
+def build_kernel(name: str, func: str, cache_dir: Optional[Path] = None) -> str:
+    """Compile kernels/<name>.cc (once) and return "<path>.so:<func>" for ops.Custom; KernelBuildError if it
+    cannot be built."""
+    from ..default_model import default_cache_dir
+
+    source = _HERE / f"{name}.cc"
+    cxx = _compiler()
+    if cxx is None:
+        raise KernelBuildError(f"no C++ compiler found (looked for $CXX, g++, c++, clang++) to build {source.name}")
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelBuildError(f"cannot run the C++ compiler {cxx}: {e}") from e
+    digest = hashlib.sha1()
+    for part in (source.read_bytes(), version.encode(), " ".join(FLAGS).encode(), _cpu_identity().encode()):
+        digest.update(part)
+    out_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir() / "kernels"
+    target = out_dir / f"{name}-{digest.hexdigest()[:16]}.so"
+    if not target.exists():
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", prefix=f".{name}-", dir=out_dir)
+            os.close(fd)
+        except OSError as e:
+            raise KernelBuildError(f"cannot write the kernel library under {out_dir}: {e}") from e
+        try:
+            proc = subprocess.run([cxx, *FLAGS, "-o", tmp, str(source)], capture_output=True, text=True, timeout=300)
+            if proc.returncode != 0:
+                raise KernelBuildError(f"{cxx} failed to build {source.name}:\n{proc.stderr.strip()[-2000:]}")
+            os.replace(tmp, target)
+            logger.info("built CPU kernel %s -> %s", source.name, target)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise KernelBuildError(f"building {source.name} with {cxx} failed: {e}") from e
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return f"{target}:{func}"

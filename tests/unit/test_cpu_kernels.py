@@ -1,0 +1,104 @@
+"""The CPU paged-attention kernel, called through ctypes exactly as MindSpore's AOT Custom op calls it
+(nparam, params, ndims, shapes, dtypes), against a numpy softmax attention; and its build/cache rules.
+No MindSpore needed."""
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from llm_serving.models.kernels import KernelBuildError, build_kernel
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None and not os.environ.get("CXX"),
+                                reason="no C++ compiler on this machine (the runner falls back to the key gather)")
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    spec = build_kernel("paged_attention_cpu", "PagedDecodeAttention", tmp_path_factory.mktemp("kernels"))
+    path, func = spec.rsplit(":", 1)
+    return getattr(ctypes.CDLL(path), func)
+
+
+def call(kernel, q, key_cache, value_cache, block_tables, context_lens, block_size, threads):
+    """Invoke like MindSpore: inputs then the output, each with its rank, shape and dtype name."""
+    cfg = np.array([block_size, threads], np.int32)
+    out = np.full_like(q, np.nan)
+    arrays = [q, key_cache, value_cache, block_tables, context_lens, cfg, out]
+    n = len(arrays)
+    params = (ctypes.c_void_p * n)(*[a.ctypes.data for a in arrays])
+    ndims = (ctypes.c_int * n)(*[a.ndim for a in arrays])
+    shape_arrays = [(ctypes.c_int64 * a.ndim)(*a.shape) for a in arrays]
+    shapes = (ctypes.POINTER(ctypes.c_int64) * n)(*[ctypes.cast(s, ctypes.POINTER(ctypes.c_int64))
+                                                    for s in shape_arrays])
+    dtypes = (ctypes.c_char_p * n)(*[str(a.dtype).encode() for a in arrays])
+    rc = kernel(ctypes.c_int(n), params, ndims, shapes, dtypes, None, None)
+    return rc, out
+
+
+def reference(q, key_cache, value_cache, block_tables, context_lens, block_size):
+    b, kvh, g, d = q.shape
+    keys = key_cache.reshape(-1, kvh, d)
+    values = value_cache.reshape(-1, kvh, d)
+    out = np.zeros_like(q, dtype=np.float64)
+    for r in range(b):
+        slots = (block_tables[r][:, None] * block_size + np.arange(block_size)).reshape(-1)[:context_lens[r]]
+        for h in range(kvh):
+            k, v = keys[slots, h].astype(np.float64), values[slots, h].astype(np.float64)
+            s = q[r, h].astype(np.float64) @ k.T                       # (G, n)
+            p = np.exp(s - s.max(-1, keepdims=True))
+            out[r, h] = (p / p.sum(-1, keepdims=True)) @ v
+    return out
+
+
+@pytest.mark.parametrize("kvh,g,block_size,threads", [(4, 2, 16, 1), (4, 2, 16, 3), (8, 1, 4, 2), (2, 4, 8, 2)])
+def test_kernel_matches_softmax_attention(kernel, kvh, g, block_size, threads):
+    rng = np.random.default_rng(kvh * 100 + g * 10 + threads)
+    b, d, w, num_blocks = 7, 16, 5, 60
+    q = (rng.standard_normal((b, kvh, g, d)) / np.sqrt(d)).astype(np.float32)
+    key_cache = rng.standard_normal((num_blocks * block_size * kvh, d)).astype(np.float32)
+    value_cache = rng.standard_normal((num_blocks * block_size * kvh, d)).astype(np.float32)
+    block_tables = rng.permutation(num_blocks)[:b * w].reshape(b, w).astype(np.int32)   # scattered blocks
+    context_lens = np.array([1, 2, block_size, block_size + 1, 3 * block_size - 1, w * block_size, 5], np.int32)
+    rc, out = call(kernel, q, key_cache, value_cache, block_tables, context_lens, block_size, threads)
+    assert rc == 0
+    np.testing.assert_allclose(out, reference(q, key_cache, value_cache, block_tables, context_lens, block_size),
+                               rtol=1e-5, atol=1e-6)
+    # a key past context_len never matters: poison every slot a row cannot see
+    poisoned_k, poisoned_v = key_cache.copy(), value_cache.copy()
+    for r in range(b):
+        slots = (block_tables[r][:, None] * block_size + np.arange(block_size)).reshape(-1)[context_lens[r]:]
+        rows = (slots[:, None] * kvh + np.arange(kvh)).reshape(-1)
+        poisoned_k[rows] = 1e4
+        poisoned_v[rows] = np.nan
+    shared = set(block_tables.reshape(-1).tolist())
+    assert len(shared) == b * w                                # no block is visible to one row, hidden to another
+    rc, again = call(kernel, q, poisoned_k, poisoned_v, block_tables, context_lens, block_size, threads)
+    assert rc == 0
+    np.testing.assert_array_equal(again, out)
+
+
+def test_kernel_rejects_wrong_ranks(kernel):
+    q = np.zeros((2, 2, 1, 8), np.float32)
+    cache = np.zeros((32, 8), np.float32)
+    rc, _ = call(kernel, q.reshape(2, 2, 8), cache, cache, np.zeros((2, 2), np.int32), np.ones(2, np.int32), 4, 1)
+    assert rc != 0                                             # MindSpore raises on a non-zero return
+
+
+def test_build_is_cached_and_reports_compiler_failures(tmp_path, monkeypatch):
+    first = build_kernel("paged_attention_cpu", "PagedDecodeAttention", tmp_path)
+    path = first.rsplit(":", 1)[0]
+    mtime = os.stat(path).st_mtime_ns
+    assert build_kernel("paged_attention_cpu", "PagedDecodeAttention", tmp_path) == first
+    assert os.stat(path).st_mtime_ns == mtime                  # reused, not rebuilt
+    assert [p.name for p in tmp_path.iterdir()] == [os.path.basename(path)]   # no temporary left behind
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    with pytest.raises(KernelBuildError, match="no-such-compiler"):
+        build_kernel("paged_attention_cpu", "PagedDecodeAttention", tmp_path / "other")
+    monkeypatch.setenv("CXX", shutil.which("false") or "/bin/false")
+    with pytest.raises(KernelBuildError, match="failed to build"):
+        build_kernel("paged_attention_cpu", "PagedDecodeAttention", tmp_path / "other")
+    assert not any((tmp_path / "other").glob("*.so"))
