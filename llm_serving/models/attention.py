@@ -18,14 +18,14 @@ attends through the fused PagedAttention kernel (no gather of the keys); everyth
 CPU twin, `decode_kernel` (kernels/paged_attention_cpu.cc, an `ops.Custom` AOT kernel the runner builds
 with the machine's C++ compiler), does the same for CPU decode steps: it reads each row's keys and values
 in place through the block table, so a decode step's attention costs ~ the row's real context instead
-of gathering W * block_size keys per row (B=128, 9 blocks: 25 -> ~4 ms per layer). Without a compiler
+of gathering W * block_size keys per row (B=128, 9 blocks: ~25 -> ~5 ms per layer). Without a compiler
 the gather path below serves decode too.
 
 CPU path (measured on MindSpore 2.10 CPU):
 - write: `ops.ScatterUpdate` on the flat Parameter, rows slot * KVH + h; cost ~ rows written
   (ScatterNdUpdate on a 4-D [blocks, block_size, KVH, D] cache costs ~ the whole cache).
-- read (prefill, and decode without the kernel): one `ops.gather` with indices (B, KVH, L), which lands keys directly in the (B, KVH, L, D)
-  layout the batched matmuls want (gathering (B, L, KVH, D) and transposing was the most expensive
+- read (prefill, and decode without the kernel): one `ops.gather` with indices (B, KVH, L), which lands
+  keys directly in the (B, KVH, L, D) layout the batched matmuls want (gathering (B, L, KVH, D) and transposing was the most expensive
   kernel of a decode step; GatherNd on the 3-D view is ~10x slower than Gather).
 """
 from __future__ import annotations
