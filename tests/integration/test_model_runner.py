@@ -205,6 +205,11 @@ def test_greedy_reproduces_llama2c(runner, tokenizer, reference):
     assert batched == singles
 
 
+# a runner that is cheap to construct (no graph is compiled until it executes)
+SMALL_RUNNER = dict(num_blocks=8, block_size=16, max_blocks_per_seq=4, decode_batch_sizes=[1],
+                    prefill_batch_sizes=[1], prefill_seq_lens=[16], decode_block_widths=[2])
+
+
 def test_paged_attention_kernel_matches_the_gather_path(runner, tokenizer, reference):
     """Decode through the C++ kernel (the fixture's runner: g++ is on every machine here) and through the
     key gather give the same tokens and log-probabilities, for a batch of rows with different contexts
@@ -226,10 +231,8 @@ def test_paged_attention_kernel_matches_the_gather_path(runner, tokenizer, refer
     assert tok_k == tok_g and min(len(t) for t in tok_k) > 60
     for a, b in zip(lp_k, lp_g):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
-    small = dict(num_blocks=8, block_size=16, max_blocks_per_seq=4, decode_batch_sizes=[1], prefill_batch_sizes=[1],
-                 prefill_seq_lens=[16], decode_block_widths=[2])
     with pytest.raises(ValueError, match="attention_kernel"):
-        ModelRunner(str(MODEL_DIR), **small, attention_kernel="fast")
+        ModelRunner(str(MODEL_DIR), **SMALL_RUNNER, attention_kernel="fast")
 
 
 def test_without_a_compiler_auto_falls_back_and_on_fails(monkeypatch, tmp_path, caplog):
@@ -237,14 +240,12 @@ def test_without_a_compiler_auto_falls_back_and_on_fails(monkeypatch, tmp_path, 
     from llm_serving.models.runner import ModelRunner
     monkeypatch.setenv("CXX", str(tmp_path / "missing-g++"))
     monkeypatch.setenv("LLM_SERVING_CACHE", str(tmp_path))
-    small = dict(num_blocks=8, block_size=16, max_blocks_per_seq=4, decode_batch_sizes=[1], prefill_batch_sizes=[1],
-                 prefill_seq_lens=[16], decode_block_widths=[2])
     with caplog.at_level("WARNING", logger="llm_serving.models.runner"):
-        fallback = ModelRunner(str(MODEL_DIR), **small, attention_kernel="auto")
+        fallback = ModelRunner(str(MODEL_DIR), **SMALL_RUNNER, attention_kernel="auto")
     assert fallback.decode_kernel is None and fallback.decode_block_widths == [2, 4]
     assert "missing-g++" in caplog.text and "gather keys instead" in caplog.text
     with pytest.raises(KernelBuildError, match="missing-g"):
-        ModelRunner(str(MODEL_DIR), **small, attention_kernel="on")
+        ModelRunner(str(MODEL_DIR), **SMALL_RUNNER, attention_kernel="on")
 
 
 def test_decode_block_width_buckets_give_the_same_text(tokenizer, reference):
