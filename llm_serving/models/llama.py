@@ -74,7 +74,8 @@ class LlamaDecoderLayer(nn.Cell):
         t = x.shape[0]
         nh, kvh, d = self.nh, self.kvh, self.d
         qkv = self.matmul_t(_rms_normalize(x, self.eps), self.qkv_w).reshape(t, nh + 2 * kvh, d)  # (T, NH+2KVH, D)
-        swapped = ops.flip(qkv.reshape(t, nh + 2 * kvh, 2, d // 2), (2,)).reshape(t, -1, d)      # (T, NH+2KVH, D)
+        first, second = ops.split(qkv, d // 2, 2)                                         # (T, NH+2KVH, D/2) each
+        swapped = ops.cat((second, first), 2)         # (T, NH+2KVH, D); flip/ReverseV2: 4.5 ms/layer at B=128 on CPU
         qkv = qkv * cos + swapped * sin                                                   # (T, NH+2KVH, D)
         q, k, v = ops.split(qkv, (nh, kvh, kvh), 1)                                       # (T, NH|KVH|KVH, D)
         attn = self.attn(q, k, v, meta)                                                   # (T, NH*D)
