@@ -104,6 +104,25 @@ def time_decode_steps(runner, batch: int, context: int, iters: int) -> float:
     return float(np.median(times))
 
 
+def time_prefill_step(runner, rows: int, tokens: int, iters: int) -> float:
+    """Median seconds of one bare prefill step of `rows` fresh prompts of `tokens` tokens each."""
+    bs = runner.block_size
+    blocks = -(-tokens // bs)
+    tables = np.arange(rows * blocks, dtype=np.int32).reshape(rows, blocks)
+    pos = np.tile(np.arange(tokens, dtype=np.int32), (rows, 1))
+    slots = (tables[:, pos[0] // bs] * bs + pos % bs).astype(np.int32)
+    args = (np.full((rows, tokens), 5, np.int32), pos, slots, tables, np.full(rows, tokens, np.int32),
+            np.full(rows, tokens, np.int32), np.zeros(rows, np.float32), np.zeros(rows, np.int32),
+            np.ones(rows, np.float32), np.zeros(rows, np.float32))
+    runner.execute(*args)       # compile / warm
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        runner.execute(*args)
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
 def table(rows: list, cols: list) -> str:
     """Plain-text table; cols = [(key, header, format)]."""
     head = "  ".join(f"{h:>{max(len(h), 10)}}" for _, h, _ in cols)

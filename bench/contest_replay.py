@@ -1,7 +1,9 @@
 #!/usr/bin/env python
 """The inference contest's replay: the first N alpaca prompts at a fixed rate, greedy, against a
 *baseline* server (one request at a time: prefill batch 1, decode batch 1, FCFS) and the *best* config,
-in one run; prints both total times and their ratio.
+in one run; prints both total times and their ratio, and the machine's batching ceiling for this model —
+the bare decode step's per-token time at batch 1 over its per-token time at the best config's largest decode
+batch (ModelRunner in this process, mean context of the replay) — with the ratio's share of it.
 
     python bench/contest_replay.py                      # built-in model, N=300 at 10 req/s
     python bench/contest_replay.py -n 1500 --rate 5 --model ../shared/models/stories260K/hf \
@@ -17,10 +19,12 @@ import argparse
 import sys
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import (ALPACA, alpaca, info, log_dir, machine, replay, server_args, table,  # noqa: E402
-                          write_json)
+                          time_decode_steps, write_json)
 from llm_serving.bench.plots import write_plots  # noqa: E402
 from llm_serving.bench.workload import arrival_offsets  # noqa: E402
 from llm_serving.launch import ServerProcess  # noqa: E402
@@ -62,6 +66,7 @@ def main(argv=None) -> int:
         print(f"{name}: {summary['duration_s']:.1f} s total, {summary['completed']} completed, "
               f"{summary['failed']} failed", flush=True)
     ratio = rows[0]["total_s"] / rows[1]["total_s"]
+    ceiling = batching_ceiling(facts["model_path"], args.config, args.set, samples)
     print(f"\ncontest replay: {len(samples)} alpaca prompts at {args.rate:g} req/s, "
           f"{sum(s.max_new_tokens for s in samples)} output tokens, model {facts['model_id']}")
     print(table(rows, [("setup", "setup", "{}"), ("total_s", "total s", "{:.1f}"), ("completed", "done", "{}"),
@@ -69,10 +74,31 @@ def main(argv=None) -> int:
                        ("ttft_p50", "TTFT p50 ms", "{:.0f}"), ("ttft_p99", "TTFT p99 ms", "{:.0f}"),
                        ("tpot_p50", "TPOT p50 ms", "{:.1f}"), ("e2el_p50", "E2EL p50 ms", "{:.0f}")]))
     print(f"total time baseline / best: {ratio:.2f}x")
+    print(f"batching ceiling (bare decode, context {ceiling['context']}): {ceiling['step_ms'][1]:.2f} ms/token at "
+          f"batch 1 / {ceiling['step_ms'][ceiling['batch']] / ceiling['batch']:.3f} ms/token at batch "
+          f"{ceiling['batch']} = {ceiling['ceiling']:.2f}x; the replay reached {ratio / ceiling['ceiling']:.0%} of it")
     write_json(args.out, {"scenario": "contest_replay", "machine": machine(), "model": facts["model_id"],
                           "num_prompts": len(samples), "rate": args.rate, "max_new_tokens": args.max_new_tokens,
-                          "rows": rows, "ratio_total_time": ratio, "runs": runs})
+                          "rows": rows, "ratio_total_time": ratio, "batching_ceiling": ceiling,
+                          "share_of_ceiling": ratio / ceiling["ceiling"], "runs": runs})
     return 0 if all(r["failed"] == 0 for r in rows) else 1
+
+
+def batching_ceiling(model_path: str, config: str, overrides: list, samples) -> dict:
+    """Bare decode step (ModelRunner, this process) at batch 1 and at the best config's largest decode batch."""
+    from llm_serving.config import load_config
+    from llm_serving.models.runner import ModelRunner
+
+    mc = load_config(config, tuple(overrides)).model_config
+    batch = max(mc.decode_batch_size)
+    context = int(np.mean([s.prompt_len + s.max_new_tokens / 2 for s in samples]))
+    block = 16
+    per_row = -(-(context + 1) // block)
+    runner = ModelRunner(model_path, num_blocks=batch * per_row, block_size=block, max_blocks_per_seq=per_row,
+                         decode_batch_sizes=[1, batch], prefill_batch_sizes=[1], prefill_seq_lens=[16],
+                         num_threads=mc.num_threads, attention_kernel=mc.attention_kernel)
+    step = {b: time_decode_steps(runner, b, context, 20) * 1e3 for b in (1, batch)}
+    return {"batch": batch, "context": context, "step_ms": step, "ceiling": step[1] / (step[batch] / batch)}
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ it does the step's 2*B*P matmul FLOPs and reads the same weight bytes; attention
 step / matmul says how far the MindSpore graph is from what the BLAS does with the same arithmetic, and
 "% peak" compares the step's FLOP/s with one large numpy matmul (4096^3 by default, --peak-size), this
 CPU's float32 ceiling, measured in the same run. --attention-kernel auto,off times the CPU paged-attention
-kernel and the key-gather path side by side.
+kernel and the key-gather path side by side; --prefill times prefill steps (rows x prompt tokens) the same
+way: with the kernel they run packed (real tokens only), without it padded to (batch, seq) buckets.
 
     python bench/step_roofline.py                                   # built-in model
     python bench/step_roofline.py --model ../shared/models/stories260K/hf --batches 1,8,32
@@ -26,7 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import machine, table, time_decode_steps, write_json  # noqa: E402
+from bench.common import machine, table, time_decode_steps, time_prefill_step, write_json  # noqa: E402
 
 
 def matmul_params(cfg) -> int:
@@ -73,6 +74,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2, help="MindSpore CPU threads (numpy uses its BLAS default)")
     p.add_argument("--attention-kernel", default="auto", type=lambda s: s.split(","),
                    help="comma list of model_config.attention_kernel settings to time (auto, on, off)")
+    p.add_argument("--prefill", default="", type=lambda s: [tuple(int(v) for v in x.split("x")) for x in s.split(",") if x],
+                   help="comma list of ROWSxTOKENS prefill steps to time, e.g. 16x17,4x100")
     p.add_argument("--peak-size", type=int, default=4096, help="n of the n^3 numpy matmul that measures the peak")
     p.add_argument("--out", default="bench_results/step_roofline.json")
     args = p.parse_args(argv)
@@ -85,11 +88,15 @@ def main(argv=None) -> int:
     per_row = -(-(args.context + 1) // block)
     peak = time_peak(args.peak_size)
     print(f"numpy peak: {peak:.1f} GFLOP/s ({args.peak_size}^3 float32 matmul)", flush=True)
-    rows = []
+    rows, prefill_rows = [], []
+    prefill_batches = sorted({r for r, _ in args.prefill} | {1})
+    prefill_lens = sorted({-(-t // 16) * 16 for _, t in args.prefill} | {16})
+    per_row = max([per_row] + [-(-t // block) for _, t in args.prefill])
     for mode in args.attention_kernel:
-        runner = ModelRunner(model, num_blocks=max(args.batches) * per_row, block_size=block,
-                             max_blocks_per_seq=per_row, decode_batch_sizes=args.batches, prefill_batch_sizes=[1],
-                             prefill_seq_lens=[16], num_threads=args.threads, attention_kernel=mode)
+        runner = ModelRunner(model, num_blocks=max(max(args.batches), *prefill_batches) * per_row, block_size=block,
+                             max_blocks_per_seq=per_row, decode_batch_sizes=args.batches,
+                             prefill_batch_sizes=prefill_batches, prefill_seq_lens=prefill_lens,
+                             num_threads=args.threads, attention_kernel=mode)
         attention = "kernel" if runner.decode_kernel else "gather"
         cfg = runner.config
         params = matmul_params(cfg)
@@ -102,6 +109,16 @@ def main(argv=None) -> int:
                          "ratio": step / mm, "step_gflops": flops / step / 1e9, "matmul_gflops": 2 * b * params / mm / 1e9,
                          "peak_pct": 100 * flops / step / 1e9 / peak, "step_tok_s": b / step})
             print(f"{attention} batch {b}: step {step * 1e3:.3f} ms, matmul {mm * 1e3:.3f} ms", flush=True)
+        layer_params = params - cfg.vocab_size * cfg.hidden_size
+        for r, t in args.prefill:
+            step = time_prefill_step(runner, r, t, args.iters)
+            # useful FLOPs: the layers for every real token, causal attention, lm_head for each row's last token
+            flops = r * (2 * layer_params * t + 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * t * (t + 1)
+                         + 2 * cfg.vocab_size * cfg.hidden_size)
+            prefill_rows.append({"prefill": "packed" if runner.packed_prefill else "padded", "rows": r, "tokens": t,
+                                 "step_ms": step * 1e3, "ms_per_token": step * 1e3 / (r * t),
+                                 "gflops": flops / step / 1e9, "peak_pct": 100 * flops / step / 1e9 / peak})
+            print(f"{attention} prefill {r}x{t}: {step * 1e3:.3f} ms", flush=True)
         del runner
     print(f"\nstep roofline: {Path(model).name}, {params / 1e6:.2f} M matmul weights, context {args.context}, "
           f"numpy peak {peak:.1f} GFLOP/s")
@@ -109,9 +126,14 @@ def main(argv=None) -> int:
                        ("matmul_ms", "BLAS ms", "{:.3f}"), ("ratio", "step/BLAS", "{:.1f}x"),
                        ("step_gflops", "step GFLOP/s", "{:.2f}"), ("matmul_gflops", "BLAS GFLOP/s", "{:.2f}"),
                        ("peak_pct", "% peak", "{:.0f}%"), ("step_tok_s", "step tok/s", "{:.0f}")]))
+    if prefill_rows:
+        print("\nprefill steps (useful FLOPs: real tokens only)")
+        print(table(prefill_rows, [("prefill", "prefill", "{}"), ("rows", "rows", "{}"), ("tokens", "tokens", "{}"),
+                                   ("step_ms", "step ms", "{:.3f}"), ("ms_per_token", "ms/token", "{:.3f}"),
+                                   ("gflops", "GFLOP/s", "{:.2f}"), ("peak_pct", "% peak", "{:.0f}%")]))
     write_json(args.out, {"scenario": "step_roofline", "machine": machine(), "model": model, "matmul_params": params,
                           "context": args.context, "threads": args.threads, "peak_gflops": peak,
-                          "peak_size": args.peak_size, "rows": rows})
+                          "peak_size": args.peak_size, "rows": rows, "prefill_rows": prefill_rows})
     return 0
 
 

@@ -86,8 +86,8 @@ class LlamaDecoderLayer(nn.Cell):
 
 
 class LlamaForCausalLM(nn.Cell):
-    """construct(input_ids, positions, slot_mapping, block_tables, context_lens, query_lens)
-    -> (greedy_token (B,) int32, its logprob (B,) float32, logits (B, V) float32).
+    """construct(input_ids, positions, slot_mapping, block_tables, context_lens, query_lens, sample_index)
+    -> (greedy_token (R,) int32, its logprob (R,) float32, logits (R, V) float32), R = B unless packed.
     Argument meanings are those of ModelRunner.execute (after the runner's padding). The logits are
     only for `Sampler` (a second graph, run when some row samples); they are not copied to the host."""
 
@@ -116,8 +116,10 @@ class LlamaForCausalLM(nn.Cell):
         self.head_keep = _param(keep, "rope_head_keep")                                 # (1, NH+2KVH, 1)
         self.matmul_t = ops.MatMul(transpose_b=True)
 
-    def construct(self, input_ids, positions, slot_mapping, block_tables, context_lens, query_lens):
-        # input_ids, positions, slot_mapping (B, S) int32; block_tables (B, W) int32; context/query_lens (B,)
+    def construct(self, input_ids, positions, slot_mapping, block_tables, context_lens, query_lens, sample_index):
+        # input_ids, positions, slot_mapping (B, S) int32; block_tables (B, W) int32; context/query_lens (B,);
+        # sample_index (R,) int32: the tokens to sample from when S == 1 and R < B (packed prefill: B is then
+        # the step's tokens, each with its own block-table row and context; see ModelRunner)
         b, s = input_ids.shape
         x = ops.gather(self.embed, input_ids.reshape(-1), 0)                            # (T, H)
         flat_pos = positions.reshape(-1)                                                 # (T,)
@@ -132,6 +134,8 @@ class LlamaForCausalLM(nn.Cell):
         if s > 1:
             last = ops.arange(0, b, dtype=ms.int32) * s + query_lens - 1                 # (B,)
             x = ops.gather(x, last, 0)                                                   # (B, H)
+        elif sample_index.shape[0] != b:
+            x = ops.gather(x, sample_index, 0)                                           # (R, H)
         logits = self.matmul_t(_rms_normalize(x, self.eps), self.lm_head)                # (B, V)
         token, logprob = greedy_pick(logits)                                             # (B,), (B,)
         return token, logprob, logits

@@ -5,6 +5,8 @@ import sys
 
 import pytest
 
+from llm_serving.config import load_config
+
 from tests.integration.server_harness import REPO
 
 
@@ -30,13 +32,27 @@ def test_contest_replay_compares_baseline_and_best(shared_dir, tmp_path):
     # the baseline really ran one request at a time
     assert result["runs"]["baseline"]["server_args"][-1] == "serving_config.max_num_seqs=1"
     assert all(p.endswith(".png") for r in result["runs"].values() for p in r["plots"])
+    # the ceiling: bare decode at batch 1 vs the best config's largest decode batch (stories260K.yaml's)
+    ceiling = result["batching_ceiling"]
+    assert ceiling["batch"] == max(load_config(str(REPO / "configs/stories260K.yaml")).model_config.decode_batch_size)
+    step = {int(b): ms for b, ms in ceiling["step_ms"].items()}
+    assert ceiling["ceiling"] == pytest.approx(step[1] / (step[ceiling["batch"]] / ceiling["batch"]))
+    assert result["share_of_ceiling"] == pytest.approx(result["ratio_total_time"] / ceiling["ceiling"])
+    assert "batching ceiling" in stdout
 
 
 def test_step_roofline_times_the_bare_step_next_to_blas(shared_dir, tmp_path):
     pytest.importorskip("mindspore")
     stdout, result = _run("step_roofline.py", tmp_path, "--model", str(shared_dir / "models/stories260K/hf"),
-                          "--batches", "1,4", "--iters", "3", "--context", "20")
-    assert [r["batch"] for r in result["rows"]] == [1, 4]
+                          "--batches", "1,4", "--iters", "3", "--context", "20",
+                          "--attention-kernel", "auto,off", "--prefill", "3x9")
+    assert [(r["attention"], r["batch"]) for r in result["rows"]] == [("kernel", 1), ("kernel", 4),
+                                                                       ("gather", 1), ("gather", 4)]
+    # the kernel runner packs the prefill step's 27 tokens; the gather runner pads 3 rows to 16 tokens
+    assert [(r["prefill"], r["rows"], r["tokens"]) for r in result["prefill_rows"]] == [("packed", 3, 9),
+                                                                                         ("padded", 3, 9)]
+    assert all(r["ms_per_token"] == pytest.approx(r["step_ms"] / 27) for r in result["prefill_rows"])
+    assert "prefill steps" in stdout
     # stories260K: 5 layers x (64*(8+8)*8 + 64*64 + 3*64*172) + 512*64 matmul weights
     assert result["matmul_params"] == 5 * (64 * 16 * 8 + 64 * 64 + 3 * 64 * 172) + 512 * 64
     assert all(r["step_ms"] > 0 and r["ratio"] == pytest.approx(r["step_ms"] / r["matmul_ms"])

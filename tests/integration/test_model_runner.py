@@ -188,7 +188,10 @@ def np_sample(logits, temperature, top_k, top_p, u):
 def test_greedy_reproduces_llama2c(runner, tokenizer, reference):
     progress = []
     runner.warmup(progress.append)
-    assert len(progress) == 2 + 2 * 2 and all("ready" in m for m in progress)
+    # 2 decode batches (one width: the kernel), packed prefill token buckets 16, 32, 64 (= 2 rows x 32)
+    assert runner.prefill_token_sizes == [16, 32, 64]
+    assert len(progress) == 2 + 3 and all("ready" in m for m in progress)
+    assert "prefill bucket (T=64 tokens, 2 rows)" in progress[-1]
     runner.reset()
     singles = []
     for item in reference:
@@ -231,6 +234,16 @@ def test_paged_attention_kernel_matches_the_gather_path(runner, tokenizer, refer
     assert tok_k == tok_g and min(len(t) for t in tok_k) > 60
     for a, b in zip(lp_k, lp_g):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    # one packed prefill step (kernel) vs one padded step (gather): a row feeding a single token next to a
+    # row whose chunk continues a cached prefix, over scattered blocks
+    mixed = []
+    for r in (runner, gather):
+        r.reset()
+        rows = [Seq(tables[0]), Seq(tables[1])]
+        step(r, rows, [prompts[0][:3], prompts[1][:2]])
+        mixed.append(step(r, rows, [prompts[0][3:4], prompts[1][2:]]))
+    assert mixed[0][0].tolist() == mixed[1][0].tolist()
+    np.testing.assert_allclose(mixed[0][1], mixed[1][1], rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="attention_kernel"):
         ModelRunner(str(MODEL_DIR), **SMALL_RUNNER, attention_kernel="fast")
 
