@@ -85,7 +85,7 @@ def main(argv=None) -> int:
 
     model = args.model or str(ensure_default_model())
     block = 16
-    per_row = -(-(args.context + 1) // block)
+    per_row = decode_width = -(-(args.context + 1) // block)     # the gather path's decode graphs use this width
     peak = time_peak(args.peak_size)
     print(f"numpy peak: {peak:.1f} GFLOP/s ({args.peak_size}^3 float32 matmul)", flush=True)
     rows, prefill_rows = [], []
@@ -96,6 +96,7 @@ def main(argv=None) -> int:
         runner = ModelRunner(model, num_blocks=max(max(args.batches), *prefill_batches) * per_row, block_size=block,
                              max_blocks_per_seq=per_row, decode_batch_sizes=args.batches,
                              prefill_batch_sizes=prefill_batches, prefill_seq_lens=prefill_lens,
+                             decode_block_widths=[decode_width],
                              num_threads=args.threads, attention_kernel=mode)
         attention = "kernel" if runner.decode_kernel else "gather"
         cfg = runner.config

@@ -18,8 +18,8 @@ only when some row has temperature > 0. With the CPU paged-attention kernel, pre
 the step's real tokens side by side, padded to a token bucket (powers of two from the smallest
 prefill_seq_len to max prefill batch x max seq len), each token attending through its own row's block
 table like a decode row, and max(prefill_batch_sizes) rows sampled; a prompt of 17 tokens then costs 17
-tokens, not a 32-token row (bench model, 4 x 100-token rows: 573 -> 500 ms; serving 64 streams: TTFT p50
-797 -> 437 ms). Without the kernel (no compiler, or Ascend) prefill runs per (batch, seq) bucket.
+tokens, not a 32-token row (bench model, 16 prompts of 17 tokens: 625 -> 459 ms; serving 64 streams:
+TTFT p50 797 -> 437 ms). Without the kernel (no compiler, or Ascend) prefill runs per (batch, seq) bucket.
 """
 from __future__ import annotations
 
@@ -320,32 +320,65 @@ class ModelRunner:
     def _execute_packed(self, input_ids, positions, slot_mapping, block_tables, cl, ql, per_row, return_logits):
         """A prefill step as its real tokens side by side: token k of row i is a 'row' of a decode-shaped
         graph (S=1) with row i's block table and context (keys 0 .. its position), which the paged-attention
-        kernel attends through; the K/V of all the step's tokens are written before any layer attends, so a
-        token sees the earlier tokens of its own row. Padding tokens write to the scratch block and attend
-        to nothing; the graph samples at each row's last token (sample_index)."""
+        kernel attends through; the K/V of all of a graph call's tokens are written before any layer attends,
+        so a token sees the earlier tokens of its own row. The tokens run as one or more graph calls, in
+        order (`_token_pieces`); each call samples the rows whose last token it holds (sample_index).
+        Padding tokens write to the scratch block and attend to nothing."""
         n = input_ids.shape[0]
         t = int(ql.sum())
-        tb = self.prefill_token_sizes[bisect.bisect_left(self.prefill_token_sizes, t)]
-        rows = self.prefill_batch_sizes[-1]
         valid = np.arange(input_ids.shape[1])[None, :] < ql[:, None]                  # (n, s), row-major order
         row_of = np.repeat(np.arange(n), ql)                                           # (t,)
-        scratch = self.scratch_slot + (np.arange(tb, dtype=np.int32) % self.block_size)
-        ids = np.zeros(tb, np.int32)
-        pos = np.zeros(tb, np.int32)
-        slots = scratch.copy()
-        tables = np.zeros((tb, self.max_blocks_per_seq), np.int32)
-        context = np.zeros(tb, np.int32)           # keys a token sees; 0 = padding (the kernel writes zeros)
-        ids[:t] = input_ids[valid]
-        pos[:t] = positions[valid]
-        real = slot_mapping[valid]
-        slots[:t] = np.where(real < 0, scratch[:t], real)
+        ids, pos = input_ids[valid], positions[valid]
+        slots = slot_mapping[valid]
         used = min(block_tables.shape[1], self.max_blocks_per_seq)
-        tables[:t, :used] = block_tables[row_of, :used]
-        context[:t] = (cl - ql)[row_of] + (np.nonzero(valid)[1] + 1)
-        sample_index = np.zeros(rows, np.int32)
-        sample_index[:n] = np.cumsum(ql) - 1
-        return self._finish(self._run_packed(tb, ids, pos, slots, tables, context, sample_index),
-                            n, rows, per_row, return_logits)
+        tables = np.zeros((t, self.max_blocks_per_seq), np.int32)
+        tables[:, :used] = block_tables[row_of, :used]
+        context = ((cl - ql)[row_of] + np.nonzero(valid)[1] + 1).astype(np.int32)   # keys each token sees
+        last = np.cumsum(ql) - 1                                                       # (n,) each row's last token
+        rows = self.prefill_batch_sizes[-1]
+        results = []
+        start = 0
+        for tb in self._token_pieces(t):
+            stop = min(start + tb, t)
+            mine = np.nonzero((last >= start) & (last < stop))[0]                      # rows sampled by this call
+            scratch = self.scratch_slot + (np.arange(tb, dtype=np.int32) % self.block_size)
+            k = stop - start
+            piece = {"ids": np.zeros(tb, np.int32), "pos": np.zeros(tb, np.int32), "slots": scratch.copy(),
+                     "tables": np.zeros((tb, self.max_blocks_per_seq), np.int32),
+                     "context": np.zeros(tb, np.int32)}          # context 0: padding, the kernel writes zeros
+            piece["ids"][:k], piece["pos"][:k], piece["context"][:k] = ids[start:stop], pos[start:stop], \
+                context[start:stop]
+            piece["slots"][:k] = np.where(slots[start:stop] < 0, scratch[:k], slots[start:stop])
+            piece["tables"][:k] = tables[start:stop]
+            sample_index = _pad((last[mine] - start).astype(np.int32), rows, 0)
+            outputs = self._run_packed(tb, piece["ids"], piece["pos"], piece["slots"], piece["tables"],
+                                       piece["context"], sample_index)
+            sub = {key: arr[mine] for key, arr in per_row.items()}
+            results.append((mine, self._finish(outputs, len(mine), rows, sub, return_logits)))
+            start = stop
+        out = [np.zeros(n, np.int32), np.zeros(n, np.float32)]
+        if return_logits:
+            out.append(np.zeros((n, self.config.vocab_size), np.float32))
+        for mine, res in results:
+            for arr, part in zip(out, res):
+                arr[mine] = part
+        return tuple(out)
+
+    def _token_pieces(self, t: int) -> list[int]:
+        """Token buckets whose sum covers t tokens: the smallest bucket that holds them, unless that would
+        pad more than the smallest bucket's worth of tokens — then the largest bucket that fits runs first
+        and the rest is split the same way (272 tokens with buckets ..., 256, 512: 256 + 32, not 512)."""
+        sizes = self.prefill_token_sizes
+        pieces = []
+        while t > 0:
+            fit = sizes[bisect.bisect_left(sizes, t)]
+            below = sizes[bisect.bisect_right(sizes, t) - 1] if t >= sizes[0] else None
+            if below is None or fit - t <= sizes[0]:
+                pieces.append(fit)
+                break
+            pieces.append(below)
+            t -= below
+        return pieces
 
     def _run_packed(self, tb, ids, pos, slots, tables, context, sample_index):
         T = self._ms.Tensor

@@ -244,6 +244,17 @@ def test_paged_attention_kernel_matches_the_gather_path(runner, tokenizer, refer
         mixed.append(step(r, rows, [prompts[0][3:4], prompts[1][2:]]))
     assert mixed[0][0].tolist() == mixed[1][0].tolist()
     np.testing.assert_allclose(mixed[0][1], mixed[1][1], rtol=1e-4, atol=1e-5)
+    # 25 + 15 tokens run as two packed graph calls (32 + 16 tokens, not one of 64): row 0 ends in the first
+    # call, row 1 straddles both; the result is the padded path's
+    assert runner._token_pieces(40) == [32, 16]
+    assert [runner._token_pieces(t) for t in (1, 16, 17, 33, 48, 64)] == [[16], [16], [32], [32, 16], [64], [64]]
+    long_rows = [list(np.random.default_rng(11).integers(3, 500, size=k)) for k in (25, 15)]
+    split = []
+    for r in (runner, gather):
+        r.reset()
+        split.append(step(r, [Seq(tables[0]), Seq(tables[1])], long_rows))
+    assert split[0][0].tolist() == split[1][0].tolist()
+    np.testing.assert_allclose(split[0][1], split[1][1], rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="attention_kernel"):
         ModelRunner(str(MODEL_DIR), **SMALL_RUNNER, attention_kernel="fast")
 
