@@ -84,6 +84,17 @@ def replay(url: str, model: str, samples: list, offsets: list, *, backend: str =
     return summarize(results, duration, [50, 90, 99]), results
 
 
+def _median_execute(runner, args: tuple, iters: int) -> float:
+    """Median seconds of runner.execute(*args) over `iters` calls, after one that compiles / warms."""
+    runner.execute(*args)
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        runner.execute(*args)
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
 def time_decode_steps(runner, batch: int, context: int, iters: int) -> float:
     """Median seconds of one bare decode step of `batch` rows, each `context` tokens long."""
     bs = runner.block_size
@@ -95,13 +106,7 @@ def time_decode_steps(runner, batch: int, context: int, iters: int) -> float:
     args = (ids, pos, slots.astype(np.int32), tables, np.full(batch, context + 1, np.int32), np.ones(batch, np.int32),
             np.zeros(batch, np.float32), np.zeros(batch, np.int32), np.ones(batch, np.float32),
             np.zeros(batch, np.float32))
-    runner.execute(*args)       # compile / warm
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        runner.execute(*args)
-        times.append(time.perf_counter() - t)
-    return float(np.median(times))
+    return _median_execute(runner, args, iters)
 
 
 def time_prefill_step(runner, rows: int, tokens: int, iters: int) -> float:
@@ -114,13 +119,7 @@ def time_prefill_step(runner, rows: int, tokens: int, iters: int) -> float:
     args = (np.full((rows, tokens), 5, np.int32), pos, slots, tables, np.full(rows, tokens, np.int32),
             np.full(rows, tokens, np.int32), np.zeros(rows, np.float32), np.zeros(rows, np.int32),
             np.ones(rows, np.float32), np.zeros(rows, np.float32))
-    runner.execute(*args)       # compile / warm
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        runner.execute(*args)
-        times.append(time.perf_counter() - t)
-    return float(np.median(times))
+    return _median_execute(runner, args, iters)
 
 
 def table(rows: list, cols: list) -> str:

@@ -15,11 +15,12 @@ another (which otherwise happens when buckets are first used in a different orde
 Graphs: the model, one per (batch, seq) bucket, returning greedy ids/logprobs and the logits Tensor;
 the sampler, one per batch size (two variants: with and without top-k/top-p), run on those logits
 only when some row has temperature > 0. With the CPU paged-attention kernel, prefill steps are *packed*:
-the step's real tokens side by side, padded to a token bucket (powers of two from the smallest
+the step's real tokens side by side, in token buckets (powers of two from the smallest
 prefill_seq_len to max prefill batch x max seq len), each token attending through its own row's block
 table like a decode row, and max(prefill_batch_sizes) rows sampled; a prompt of 17 tokens then costs 17
-tokens, not a 32-token row (bench model, 16 prompts of 17 tokens: 625 -> 459 ms; serving 64 streams:
-TTFT p50 797 -> 437 ms). Without the kernel (no compiler, or Ascend) prefill runs per (batch, seq) bucket.
+tokens, not a 32-token row, and a step that would pad a bucket badly runs as several calls (bench model,
+16 prompts of 17 tokens: 647 -> 304 ms; serving 64 streams: TTFT p50 797 -> 397 ms). Without the kernel
+(no compiler, or Ascend) prefill runs per (batch, seq) bucket.
 """
 from __future__ import annotations
 
