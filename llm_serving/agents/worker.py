@@ -40,6 +40,7 @@ class Worker:
             prefill_batch_sizes=mc.prefill_batch_size, prefill_seq_lens=mc.seq_length,
             decode_block_widths=config.decode_block_widths, device_target=mc.device_target, device_id=device_id,
             num_threads=mc.num_threads, attention_kernel=mc.attention_kernel,
+            max_step_tokens=config.serving_config.max_num_batched_tokens,
             compile_cache=True)   # one runner per agent process, warmed up in a fixed order
 
     def warmup(self) -> None:

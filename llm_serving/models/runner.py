@@ -15,9 +15,9 @@ another (which otherwise happens when buckets are first used in a different orde
 Graphs: the model, one per (batch, seq) bucket, returning greedy ids/logprobs and the logits Tensor;
 the sampler, one per batch size (two variants: with and without top-k/top-p), run on those logits
 only when some row has temperature > 0. With the CPU paged-attention kernel, prefill steps are *packed*:
-the step's real tokens side by side, in token buckets (powers of two from the smallest
-prefill_seq_len to max prefill batch x max seq len), each token attending through its own row's block
-table like a decode row, and max(prefill_batch_sizes) rows sampled; a prompt of 17 tokens then costs 17
+the step's real tokens side by side, in token buckets (powers of two from the smallest prefill_seq_len
+to max prefill batch x max seq len, or max_step_tokens if smaller), each token attending through its own
+row's block table like a decode row, and max(prefill_batch_sizes) rows sampled; a prompt of 17 tokens costs 17
 tokens, not a 32-token row, and a step that would pad a bucket badly runs as several calls (bench model,
 16 prompts of 17 tokens: 647 -> 304 ms; serving 64 streams: TTFT p50 797 -> 397 ms). Without the kernel
 (no compiler, or Ascend) prefill runs per (batch, seq) bucket.
@@ -123,7 +123,8 @@ class ModelRunner:
                  decode_batch_sizes: list[int], prefill_batch_sizes: list[int], prefill_seq_lens: list[int],
                  decode_block_widths: Optional[list[int]] = None,
                  device_target: str = "CPU", device_id: int = 0, num_threads: Optional[int] = None,
-                 compile_cache: bool = False, attention_kernel: str = "auto"):
+                 compile_cache: bool = False, attention_kernel: str = "auto",
+                 max_step_tokens: Optional[int] = None):
         for key, val in (("num_blocks", num_blocks), ("block_size", block_size),
                          ("max_blocks_per_seq", max_blocks_per_seq)):
             if not isinstance(val, (int, np.integer)) or val < 1:
@@ -167,8 +168,11 @@ class ModelRunner:
         # seq bucket), each attending through its own row's block table, padded to a token bucket; one graph
         # per token bucket, all sampling max(prefill_batch_sizes) rows.
         self.packed_prefill = self.decode_kernel is not None
-        self.prefill_token_sizes = _token_buckets(self.prefill_seq_lens[0],
-                                                  self.prefill_batch_sizes[-1] * self.prefill_seq_lens[-1])
+        # (the scheduler never puts more than max_step_tokens = max_num_batched_tokens in a step)
+        most = self.prefill_batch_sizes[-1] * self.prefill_seq_lens[-1]
+        if max_step_tokens is not None:
+            most = max(min(most, int(max_step_tokens)), self.prefill_seq_lens[-1])
+        self.prefill_token_sizes = _token_buckets(self.prefill_seq_lens[0], most)
         self.device_target = device_target
         self.num_slots = (self.num_blocks + 1) * self.block_size
         self.scratch_slot = self.num_blocks * self.block_size     # first slot of the scratch block
@@ -182,7 +186,8 @@ class ModelRunner:
         if compile_cache and _runners_in_process == 1:
             # everything that decides which graphs warmup() compiles, and in which order
             key_src = repr((cfg, self.num_blocks, self.block_size, self.max_blocks_per_seq, self.decode_batch_sizes,
-                            self.decode_block_widths, self.prefill_batch_sizes, self.prefill_seq_lens, device_target,
+                            self.decode_block_widths, self.prefill_batch_sizes, self.prefill_seq_lens,
+                            self.prefill_token_sizes, device_target,
                             self.decode_kernel, _model_source_digest()))
             cache_key = hashlib.sha1(key_src.encode()).hexdigest()[:16]
         elif compile_cache:
@@ -368,11 +373,17 @@ class ModelRunner:
     def _token_pieces(self, t: int) -> list[int]:
         """Token buckets whose sum covers t tokens: the smallest bucket that holds them, unless that would
         pad more than the smallest bucket's worth of tokens — then the largest bucket that fits runs first
-        and the rest is split the same way (272 tokens with buckets ..., 256, 512: 256 + 32, not 512)."""
+        and the rest is split the same way (272 tokens with buckets ..., 256, 512: 256 + 32, not 512);
+        more tokens than the largest bucket fill it as often as needed."""
         sizes = self.prefill_token_sizes
         pieces = []
         while t > 0:
-            fit = sizes[bisect.bisect_left(sizes, t)]
+            i = bisect.bisect_left(sizes, t)
+            if i == len(sizes):                  # more than the largest bucket (max_step_tokens): fill it
+                pieces.append(sizes[-1])
+                t -= sizes[-1]
+                continue
+            fit = sizes[i]
             below = sizes[bisect.bisect_right(sizes, t) - 1] if t >= sizes[0] else None
             if below is None or fit - t <= sizes[0]:
                 pieces.append(fit)

@@ -259,6 +259,16 @@ def test_paged_attention_kernel_matches_the_gather_path(runner, tokenizer, refer
         ModelRunner(str(MODEL_DIR), **SMALL_RUNNER, attention_kernel="fast")
 
 
+def test_packed_token_buckets_follow_the_prefill_buckets_and_the_step_budget():
+    from llm_serving.models.runner import ModelRunner
+    args = {**SMALL_RUNNER, "prefill_batch_sizes": [1, 4], "prefill_seq_lens": [16, 32]}
+    assert ModelRunner(str(MODEL_DIR), **args).prefill_token_sizes == [16, 32, 64, 128]     # up to 4 x 32
+    capped = ModelRunner(str(MODEL_DIR), **args, max_step_tokens=64)                       # the scheduler's budget
+    assert capped.prefill_token_sizes == [16, 32, 64]
+    assert capped._token_pieces(200) == [64, 64, 64, 16]
+    assert ModelRunner(str(MODEL_DIR), **args, max_step_tokens=8).prefill_token_sizes == [16, 32]  # >= one row
+
+
 def test_without_a_compiler_auto_falls_back_and_on_fails(monkeypatch, tmp_path, caplog):
     from llm_serving.models.kernels import KernelBuildError
     from llm_serving.models.runner import ModelRunner
