@@ -347,18 +347,16 @@ class ModelRunner:
         for tb in self._token_pieces(t):
             stop = min(start + tb, t)
             mine = np.nonzero((last >= start) & (last < stop))[0]                      # rows sampled by this call
-            scratch = self.scratch_slot + (np.arange(tb, dtype=np.int32) % self.block_size)
             k = stop - start
-            piece = {"ids": np.zeros(tb, np.int32), "pos": np.zeros(tb, np.int32), "slots": scratch.copy(),
-                     "tables": np.zeros((tb, self.max_blocks_per_seq), np.int32),
-                     "context": np.zeros(tb, np.int32)}          # context 0: padding, the kernel writes zeros
-            piece["ids"][:k], piece["pos"][:k], piece["context"][:k] = ids[start:stop], pos[start:stop], \
-                context[start:stop]
-            piece["slots"][:k] = np.where(slots[start:stop] < 0, scratch[:k], slots[start:stop])
-            piece["tables"][:k] = tables[start:stop]
+            scratch = self.scratch_slot + (np.arange(tb, dtype=np.int32) % self.block_size)
+            piece_slots = scratch.copy()
+            piece_slots[:k] = np.where(slots[start:stop] < 0, scratch[:k], slots[start:stop])
+            piece_tables = np.zeros((tb, self.max_blocks_per_seq), np.int32)
+            piece_tables[:k] = tables[start:stop]
             sample_index = _pad((last[mine] - start).astype(np.int32), rows, 0)
-            outputs = self._run_packed(tb, piece["ids"], piece["pos"], piece["slots"], piece["tables"],
-                                       piece["context"], sample_index)
+            outputs = self._run_packed(tb, _pad(ids[start:stop], tb, 0), _pad(pos[start:stop], tb, 0), piece_slots,
+                                       piece_tables, _pad(context[start:stop], tb, 0),   # context 0: padding
+                                       sample_index)
             sub = {key: arr[mine] for key, arr in per_row.items()}
             results.append((mine, self._finish(outputs, len(mine), rows, sub, return_logits)))
             start = stop
