@@ -85,13 +85,13 @@ def main(argv=None) -> int:
 
     model = args.model or str(ensure_default_model())
     block = 16
-    per_row = decode_width = -(-(args.context + 1) // block)     # the gather path's decode graphs use this width
+    decode_width = -(-(args.context + 1) // block)     # the gather path's decode graphs use this width
     peak = time_peak(args.peak_size)
     print(f"numpy peak: {peak:.1f} GFLOP/s ({args.peak_size}^3 float32 matmul)", flush=True)
     rows, prefill_rows = [], []
     prefill_batches = sorted({r for r, _ in args.prefill} | {1})
-    prefill_lens = sorted({-(-t // 16) * 16 for _, t in args.prefill} | {16})
-    per_row = max([per_row] + [-(-t // block) for _, t in args.prefill])
+    prefill_lens = sorted({-(-t // block) * block for _, t in args.prefill} | {block})
+    per_row = max([decode_width] + [-(-t // block) for _, t in args.prefill])
     for mode in args.attention_kernel:
         runner = ModelRunner(model, num_blocks=max(max(args.batches), *prefill_batches) * per_row, block_size=block,
                              max_blocks_per_seq=per_row, decode_batch_sizes=args.batches,

@@ -136,6 +136,6 @@ class LlamaForCausalLM(nn.Cell):
             x = ops.gather(x, last, 0)                                                   # (B, H)
         elif sample_index.shape[0] != b:
             x = ops.gather(x, sample_index, 0)                                           # (R, H)
-        logits = self.matmul_t(_rms_normalize(x, self.eps), self.lm_head)                # (B, V)
-        token, logprob = greedy_pick(logits)                                             # (B,), (B,)
+        logits = self.matmul_t(_rms_normalize(x, self.eps), self.lm_head)                # (R, V)
+        token, logprob = greedy_pick(logits)                                             # (R,), (R,)
         return token, logprob, logits

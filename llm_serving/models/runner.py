@@ -337,8 +337,6 @@ class ModelRunner:
         ids, pos = input_ids[valid], positions[valid]
         slots = slot_mapping[valid]
         used = min(block_tables.shape[1], self.max_blocks_per_seq)
-        tables = np.zeros((t, self.max_blocks_per_seq), np.int32)
-        tables[:, :used] = block_tables[row_of, :used]
         context = ((cl - ql)[row_of] + np.nonzero(valid)[1] + 1).astype(np.int32)   # keys each token sees
         last = np.cumsum(ql) - 1                                                       # (n,) each row's last token
         rows = self.prefill_batch_sizes[-1]
@@ -352,7 +350,7 @@ class ModelRunner:
             piece_slots = scratch.copy()
             piece_slots[:k] = np.where(slots[start:stop] < 0, scratch[:k], slots[start:stop])
             piece_tables = np.zeros((tb, self.max_blocks_per_seq), np.int32)
-            piece_tables[:k] = tables[start:stop]
+            piece_tables[:k, :used] = block_tables[row_of[start:stop], :used]     # each token: its row's table
             sample_index = _pad((last[mine] - start).astype(np.int32), rows, 0)
             outputs = self._run_packed(tb, _pad(ids[start:stop], tb, 0), _pad(pos[start:stop], tb, 0), piece_slots,
                                        piece_tables, _pad(context[start:stop], tb, 0),   # context 0: padding
