@@ -3,14 +3,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import json
 import logging
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 logger = logging.getLogger("llm_serving")
+
+API_KEY_ENV = "LLM_SERVING_API_KEY"
 
 
 def _add_start(sub) -> None:
@@ -68,6 +72,8 @@ def build_config(args):
         extra.append(("serving_config", "server_ip", args.host))
     if args.port is not None:
         extra.append(("serving_config", "server_port", args.port))
+    if os.environ.get(API_KEY_ENV):     # the environment keeps the key out of files and `ps`
+        extra.append(("serving_config", "api_key", os.environ[API_KEY_ENV]))
     return load_config(args.config, tuple(overrides) + tuple(extra))
 
 
@@ -106,10 +112,18 @@ async def serve(config, model_dir: str, model_name: str, vocab_file: str) -> Non
 
     tokenizer = Tokenizer(vocab_file)
     engine = Engine(config, tokenizer, model_dir, model_name)
-    stop = asyncio.Event()
+    stop, force = asyncio.Event(), asyncio.Event()   # first SIGTERM/SIGINT drains, a second one aborts now
     loop = asyncio.get_running_loop()
+
+    def on_signal(signame: str) -> None:
+        if stop.is_set():
+            logger.warning("%s again: aborting the requests in flight now", signame)
+            force.set()
+        else:
+            logger.info("%s: shutting down", signame)
+        stop.set()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig.name)
     runner = None
     try:
         start = asyncio.create_task(engine.start())
@@ -129,12 +143,34 @@ async def serve(config, model_dir: str, model_name: str, vocab_file: str) -> Non
         for sock in site._server.sockets:  # report the real port when 0 was asked for
             host, port = sock.getsockname()[:2]
             logger.info("serving model %r on http://%s:%d", model_name, host, port)
+        if not sc.api_key and not _is_loopback(sc.server_ip):
+            logger.warning("the HTTP API listens on %s without an API key: anyone who can reach it may use it "
+                           "(set LLM_SERVING_API_KEY or serving_config.api_key)", sc.server_ip)
         await stop.wait()
-        logger.info("shutting down")
+        await drain(engine, sc.shutdown_grace_s, force)
     finally:
         if runner is not None:
             await runner.cleanup()
         await engine.stop()
+
+
+async def drain(engine, grace_s: float, force: asyncio.Event) -> None:
+    """Graceful shutdown: refuse new requests (503), let those in flight finish for up to grace_s (or until
+    `force`), then abort the rest with the reason; their clients get a final event saying so."""
+    engine.drain(f"server shutting down: no new requests; those in flight may finish within {grace_s:g} s")
+    deadline = time.monotonic() + grace_s
+    while engine.requests and not force.is_set() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    aborted = engine.abort_all("server shutting down: " + ("aborted by a second signal" if force.is_set() else
+                               f"the {grace_s:g} s grace period (serving_config.shutdown_grace_s) ended"))
+    logger.info("shut down: %d request(s) aborted", aborted)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def cmd_start(args) -> int:

@@ -113,6 +113,16 @@ class ServingConfig:
     step_timeout_s: float = 120.0             # an agent that does not answer a step in time is dead
     agent_start_timeout_s: float = 900.0      # load + compile every bucket
     max_body_bytes: int = 1 << 20             # HTTP request body limit
+    # supervision: a dead or hung agent fails the requests it was running, then the group restarts after
+    # a back-off that doubles per failure; more than max_agent_restarts failures within
+    # agent_restart_window_s and the server stops restarting (health 503, reason given)
+    max_agent_restarts: int = 5
+    agent_restart_window_s: float = 600.0
+    agent_restart_backoff_s: float = 1.0
+    shutdown_grace_s: float = 30.0            # SIGTERM: requests in flight may finish for this long
+    # HTTP API key (clients send `Authorization: Bearer KEY` or `X-API-Key: KEY`); null = no key. The
+    # environment variable LLM_SERVING_API_KEY sets it without writing it into a file or a command line.
+    api_key: Optional[str] = None
 
     def __post_init__(self) -> None:
         for key in ("server_ip", "agent_ip"):
@@ -133,10 +143,19 @@ class ServingConfig:
         _check_int("serving_config.max_num_batched_tokens", self.max_num_batched_tokens)
         _check_int("serving_config.max_waiting_requests", self.max_waiting_requests)
         _check_int("serving_config.max_body_bytes", self.max_body_bytes, min_value=1024)
-        for key in ("step_timeout_s", "agent_start_timeout_s"):
+        for key in ("step_timeout_s", "agent_start_timeout_s", "agent_restart_window_s"):
             value = getattr(self, key)
             _check(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
                    f"serving_config.{key}", value, "must be a positive number of seconds")
+        for key in ("agent_restart_backoff_s", "shutdown_grace_s"):
+            value = getattr(self, key)
+            _check(isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0,
+                   f"serving_config.{key}", value, "must be a number of seconds >= 0")
+        _check_int("serving_config.max_agent_restarts", self.max_agent_restarts, min_value=0)
+        if self.api_key is not None:   # the message never shows the key itself
+            _check(isinstance(self.api_key, str) and len(self.api_key) >= 8 and self.api_key.isprintable()
+                   and not any(c.isspace() for c in self.api_key), "serving_config.api_key", "<hidden>",
+                   "must be a string of at least 8 printable characters without spaces")
 
 
 @dataclass

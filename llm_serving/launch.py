@@ -24,10 +24,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def http(method: str, url: str, body=None, timeout: float = 60.0, raw: bytes | None = None):
+def http(method: str, url: str, body=None, timeout: float = 60.0, raw: bytes | None = None,
+         headers: dict | None = None):
     """(status, parsed JSON or text) for one request; never raises on HTTP error statuses."""
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             status, text = resp.status, resp.read().decode()
@@ -48,8 +50,9 @@ class ServerProcess:
 
     Later `--set serving_config.agent_ports=...` in `args` wins (e.g. `[0,0]` for two agents)."""
 
-    def __init__(self, args: list, log_path: Path, env: dict | None = None, cwd: str | None = None):
-        self.port = free_port()
+    def __init__(self, args: list, log_path: Path, env: dict | None = None, cwd: str | None = None,
+                 port: int | None = None):
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         cmd = [sys.executable, "-m", "llm_serving.cli", "start", "--port", str(self.port),
@@ -78,11 +81,25 @@ class ServerProcess:
         self._log.flush()
         return self.log_path.read_text(errors="replace")[-6000:]
 
+    def refresh_children(self) -> list:
+        """Re-read the master's child processes (agents restarted since wait_ready are new processes); the
+        ones seen before stay listed so that stop() and leak checks still cover them."""
+        if self.proc.poll() is None:
+            try:
+                seen = {p.pid for p in self.children}
+                self.children += [p for p in psutil.Process(self.proc.pid).children(recursive=True)
+                                  if p.pid not in seen]
+            except psutil.NoSuchProcess:
+                pass
+        return self.children
+
     def agent_pids(self) -> list:
         """The agent processes among the master's children (the others are Python's resource trackers)."""
-        return [p.pid for p in self.children if "llm_serving.agents.server" in " ".join(p.cmdline())]
+        return [p.pid for p in self.children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+                and "llm_serving.agents.server" in " ".join(p.cmdline())]
 
     def stop(self, sig=signal.SIGTERM, timeout_s: float = 30.0) -> int:
+        self.refresh_children()
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
             try:

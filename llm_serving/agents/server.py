@@ -137,7 +137,7 @@ class AgentServer:
             if os.getppid() != self._parent_pid or not psutil.pid_exists(self._parent_pid):
                 logger.warning("agent %d: master (pid %d) is gone; exiting", self.rank, self._parent_pid)
                 self._queue.put(proto.Frame(proto.EXIT, {"seq": None}), None, priority=-1)
-                if not self._stop.wait(5.0):  # the main thread is stuck in a step: leave anyway
+                if not self._stop.wait(2.0):  # the main thread is stuck in a step: leave anyway
                     os._exit(1)
                 return
 

@@ -44,8 +44,10 @@ def token_file(port: int) -> Path:
 class AgentClient:
     """One agent: its process, its status pipe, and a framed TCP connection with replies matched by seq."""
 
-    def __init__(self, rank: int, process: subprocess.Popen, status_reader: asyncio.StreamReader):
+    def __init__(self, rank: int, process: subprocess.Popen, status_reader: asyncio.StreamReader,
+                 on_lost=None):
         self.rank = rank
+        self.on_lost = on_lost                  # called with the reason when the connection drops unasked
         self.process = process
         self.status_reader = status_reader
         self.port: Optional[int] = None
@@ -56,6 +58,7 @@ class AgentClient:
         self._seq = itertools.count()
         self._reader_task: Optional[asyncio.Task] = None
         self.dead_reason: Optional[str] = None
+        self.closing = False
 
     async def wait_ready(self, timeout_s: float) -> None:
         """Read the agent's status lines until `ready`; fail on `failed`, process exit or timeout."""
@@ -94,10 +97,15 @@ class AgentClient:
         except (asyncio.IncompleteReadError, ConnectionError, proto.ProtocolError, OSError) as exc:
             self.dead_reason = f"agent {self.rank} connection lost ({type(exc).__name__})"
         finally:
+            if self.dead_reason is None:
+                self.dead_reason = f"agent {self.rank} connection closed"
             for fut in self._pending.values():
                 if not fut.done():
-                    fut.set_exception(AgentError(self.dead_reason or f"agent {self.rank} connection closed"))
+                    fut.set_exception(AgentError(self.dead_reason))
             self._pending.clear()
+            if not self.closing and self.on_lost is not None:
+                code = self.process.poll()
+                self.on_lost(self.dead_reason if code is None else f"agent {self.rank} exited with code {code}")
 
     def send(self, command: str, payload: dict) -> tuple:
         """Write a command frame now (no await: it leaves before any other task runs); returns
@@ -124,6 +132,7 @@ class AgentClient:
         return reply
 
     async def close(self) -> None:
+        self.closing = True
         if self._writer is not None:
             self._writer.close()
             try:
@@ -141,8 +150,9 @@ async def _fail(exc: BaseException):
 class AgentGroup:
     """All agents of one model. Every step goes to every agent; rank 0 writes the outputs."""
 
-    def __init__(self, config, model_dir: str):
+    def __init__(self, config, model_dir: str, on_lost=None):
         self.config = config
+        self.on_lost = on_lost    # called (with a reason) when an agent's connection drops while serving
         self.model_dir = model_dir
         self.layout = StepLayout.from_config(config)
         self.buffers: Optional[StepBuffers] = None
@@ -168,7 +178,9 @@ class AgentGroup:
     async def _spawn(self, rank: int) -> AgentClient:
         read_fd, write_fd = os.pipe()
         env = dict(os.environ)
-        env[ENV_CONFIG] = json.dumps({"config": self.config.to_dict(), "model_dir": self.model_dir, "rank": rank})
+        config = self.config.to_dict()
+        config["serving_config"]["api_key"] = None       # agents never see the HTTP API key
+        env[ENV_CONFIG] = json.dumps({"config": config, "model_dir": self.model_dir, "rank": rank})
         env[ENV_TOKEN] = self._token
         env[ENV_STATUS_FD] = str(write_fd)
         env.setdefault("GLOG_v", "3")  # MindSpore's C++ log: errors only (it warns on every cached graph)
@@ -184,7 +196,7 @@ class AgentGroup:
         reader = asyncio.StreamReader()
         loop = asyncio.get_running_loop()
         await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(read_fd, "rb"))
-        return AgentClient(rank, process, reader)
+        return AgentClient(rank, process, reader, on_lost=self.on_lost)
 
     def _write_token_file(self, port: int) -> None:
         path = token_file(port)
@@ -224,10 +236,14 @@ class AgentGroup:
                 reasons.append(a.dead_reason)
         return reasons
 
-    async def stop(self, grace_s: float = 5.0) -> None:
-        """Ask every agent to exit, kill those that do not, close connections and unlink shared memory."""
+    async def stop(self, grace_s: float = 5.0, kill: bool = False) -> None:
+        """Ask every agent to exit (or, with kill, SIGKILL them at once: after a failure their state is
+        worthless and one may hang), kill those that do not, close connections and unlink shared memory."""
         for a in self.agents:
-            if a.process.poll() is None and a.dead_reason is None and a._writer is not None:
+            a.closing = True
+            if kill and a.process.poll() is None:
+                a.process.kill()
+            elif a.process.poll() is None and a.dead_reason is None and a._writer is not None:
                 try:
                     await a.request(proto.EXIT, {}, timeout_s=grace_s)
                 except AgentError:

@@ -107,6 +107,20 @@ class BlockManager:
                     self.free_block_ids.append(b)
         return len(table)
 
+    def forget_cached(self) -> int:
+        """The cache's contents are gone (its agents restarted): every cached block becomes free and no prefix
+        matches any more. Only blocks no request uses are cached, so tables in use are untouched. Returns how
+        many cached blocks were dropped."""
+        dropped = len(self.evictable)
+        for b in self.evictable:
+            self.free_block_ids.append(b)
+        self.evictable.clear()
+        self._key_of.clear()
+        self._block_of.clear()
+        self._identity.clear()
+        self._registered.clear()
+        return dropped
+
     def slot(self, req_id: str, position: int) -> int:
         table = self.block_tables[req_id]
         return table[position // self.block_size] * self.block_size + position % self.block_size

@@ -1,12 +1,20 @@
 """The master's step loop: schedule, write the step into shared memory, run it on the agents, read the
 sampled tokens back, detokenize and stream them. Runs as one task on the HTTP server's event loop and
-never blocks it (the agent round-trip is awaited on a socket)."""
+never blocks it (the agent round-trip is awaited on a socket).
+
+Supervision lives here too. An agent that dies (its connection drops), fails a step or does not answer
+one within `step_timeout_s` takes down the step: every running request ends at once with finish_reason
+"error" and the reason, waiting requests stay queued, and the agent group is killed and started again
+(fresh KV cache, every block free, prefix cache forgotten) after a back-off that doubles per failure.
+More than `max_agent_restarts` failures within `agent_restart_window_s` and the engine gives up: it
+fails what is queued, refuses new requests and says why on /health. While agents are down /health
+answers 503 with the reason; new requests queue (up to the usual bounds) and run once they are back."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from typing import Optional
 
 import numpy as np
@@ -41,7 +49,7 @@ class Engine:
         self.scheduler = make_scheduler(config, self.block_manager)
         mc = config.model_config
         self.stop_token_ids = frozenset(mc.end_token_ids or [tokenizer.eos_id])
-        self.agents = AgentGroup(config, model_dir)
+        self.agents = AgentGroup(config, model_dir, on_lost=self._on_agent_lost)
         self.requests: dict = {}
         self._detok: dict = {}
         self._wakeup = asyncio.Event()
@@ -55,6 +63,13 @@ class Engine:
         self.profile: Counter = Counter()
         self._rows: list = []                 # per shm row: [request, its block table, entries written]
         self._rows_buffers = None
+        # supervision (see the module docstring)
+        self._agent_failure: Optional[str] = None   # set when an agent failed; the step loop recovers
+        self.down_reason: Optional[str] = None      # agents down (restarting) and why
+        self.failed_reason: Optional[str] = None    # gave up restarting: the engine serves nothing more
+        self.draining_reason: Optional[str] = None  # shutting down: no new requests
+        self.agent_failures: deque = deque()        # monotonic times of recent agent failures
+        self.num_agent_restarts = 0
 
     # --- lifecycle ---------------------------------------------------------------------------------
 
@@ -67,7 +82,7 @@ class Engine:
                     time.perf_counter() - t0, len(self.agents.agents), self.block_manager.num_blocks,
                     self.block_manager.block_size, self.max_model_len)
 
-    async def stop(self) -> None:
+    async def stop(self, reason: str = "server shutting down") -> None:
         self.running = False
         if self._loop_task is not None:
             self._loop_task.cancel()
@@ -75,17 +90,41 @@ class Engine:
                 await self._loop_task
             except (asyncio.CancelledError, Exception):
                 pass
-        for req in list(self.requests.values()):
-            self._finish(req, "abort", error="server shutting down")
+        self.abort_all(reason)
         await self.agents.stop()
+
+    def drain(self, reason: str) -> None:
+        """Stop admitting requests (they get 503 with reason); those in flight go on."""
+        self.draining_reason = reason
+        logger.info("draining: %s; %d request(s) in flight", reason, len(self.requests))
+
+    def abort_all(self, reason: str) -> int:
+        """End every request in flight with finish_reason "abort" and reason; returns how many."""
+        reqs = list(self.requests.values())
+        for req in reqs:
+            self._finish(req, "abort", error=reason)
+        return len(reqs)
+
+    def unavailable_reason(self) -> Optional[str]:
+        """Why the engine cannot serve right now (/health answers 503 with it), or None when it can."""
+        if self.failed_reason:
+            return self.failed_reason
+        if self.draining_reason:
+            return self.draining_reason
+        if not self.running:
+            return "engine is not running"
+        if self.down_reason:
+            return f"agents restarting after a failure: {self.down_reason}"
+        dead = self.agents.dead_agents()
+        return "; ".join(dead) if dead else None
 
     # --- requests ----------------------------------------------------------------------------------
 
     def submit(self, prompt_ids: list, sampling: SamplingParams, req_id: Optional[str] = None) -> Request:
         """Queue a validated request (see server/schemas.py). Raises QueueFullError past the queue bounds,
         DuplicateRequestError when req_id names a request still in flight."""
-        if not self.running:
-            raise EngineStoppedError("engine is not running")
+        if self.failed_reason or self.draining_reason or not self.running:
+            raise EngineStoppedError(self.failed_reason or self.draining_reason or "engine is not running")
         if req_id is not None and req_id in self.requests:
             raise DuplicateRequestError(f"request id {req_id!r} is already in use by a request in flight")
         req = Request(prompt_ids, sampling, self.stop_token_ids, req_id=req_id)
@@ -126,6 +165,10 @@ class Engine:
     async def _step_loop(self) -> None:
         prof = self.profile
         while self.running:
+            if self._agent_failure is not None:
+                if not await self._recover():
+                    return
+                continue
             t0 = time.perf_counter()
             batch = self.scheduler.schedule()
             prof["schedule"] += time.perf_counter() - t0
@@ -158,9 +201,7 @@ class Engine:
             prof["round_trip"] += time.perf_counter() - t0 - agent_s
         except AgentError as exc:
             logger.error("step %d failed: %s", self.num_steps, exc)
-            for req in batch.requests:
-                if not req.finished:
-                    self._finish(req, "error", error=str(exc))
+            self._agent_failure = self._agent_failure or str(exc)
             return
         finally:
             self.num_steps += 1
@@ -170,6 +211,62 @@ class Engine:
         t_read = time.perf_counter()
         self._read_outputs(batch)
         prof["output"] += time.perf_counter() - t_read
+
+    # --- supervision -------------------------------------------------------------------------------
+
+    def _on_agent_lost(self, reason: str) -> None:
+        """An agent's connection dropped while serving (called from its reader task)."""
+        if self._agent_failure is None:
+            logger.error("%s", reason)
+            self._agent_failure = reason
+        self._wakeup.set()
+
+    async def _recover(self) -> bool:
+        """Fail the running requests, kill and restart the agents (with back-off); False when giving up."""
+        sc = self.config.serving_config
+        reason, self.down_reason = self._agent_failure, self._agent_failure
+        while True:
+            running = list(self.scheduler.running)
+            for req in running:
+                self._finish(req, "error", error=f"agent failure: {reason}")
+            dropped = self.block_manager.forget_cached()
+            now = time.monotonic()
+            self.agent_failures.append(now)
+            while self.agent_failures and now - self.agent_failures[0] > sc.agent_restart_window_s:
+                self.agent_failures.popleft()
+            failures = len(self.agent_failures)
+            logger.error("agent failure (%s): %d running request(s) failed, %d waiting kept, %d cached "
+                         "block(s) dropped", reason, len(running), len(self.scheduler.waiting), dropped)
+            await self.agents.stop(grace_s=5.0, kill=True)
+            if failures > sc.max_agent_restarts:
+                self.failed_reason = (f"agents failed {failures} times within {sc.agent_restart_window_s:g} s "
+                                      f"(serving_config.max_agent_restarts={sc.max_agent_restarts}); not "
+                                      f"restarting. Last failure: {reason}")
+                logger.error("%s", self.failed_reason)
+                for req in list(self.requests.values()):
+                    self._finish(req, "error", error=self.failed_reason)
+                self.down_reason = None
+                return False
+            delay = sc.agent_restart_backoff_s * 2 ** (failures - 1)
+            logger.warning("restarting the agents in %.1f s (failure %d of at most %d within %g s)", delay,
+                           failures, sc.max_agent_restarts, sc.agent_restart_window_s)
+            await asyncio.sleep(delay)
+            self._agent_failure = None
+            t0 = time.perf_counter()
+            try:
+                await self.agents.start()
+            except (AgentError, OSError) as exc:
+                reason = self.down_reason = f"restart failed: {exc}"
+                logger.error("%s", reason)
+                continue
+            if self._agent_failure is not None:     # died again while starting
+                reason = self.down_reason = self._agent_failure
+                continue
+            self.num_agent_restarts += 1
+            self.down_reason = None
+            logger.info("agents restarted in %.1f s; serving again (%d waiting)", time.perf_counter() - t0,
+                        len(self.scheduler.waiting))
+            return True
 
     def _write_inputs(self, batch: ScheduledBatch, s: int) -> None:
         """Write the step's inputs into shared memory. Per-row state that rarely changes (block table,
@@ -286,6 +383,8 @@ class Engine:
             "num_free_blocks": self.block_manager.num_free_blocks,
             "num_blocks": self.block_manager.num_blocks,
             "num_preemptions": sched.num_preemptions,
+            "num_agent_restarts": self.num_agent_restarts,
+            "unavailable_reason": self.unavailable_reason(),
             "policy": sched.policy,
             "chunked_prefill": sched.chunked_prefill,
             "prefix_caching": self.block_manager.enable_prefix_caching,

@@ -1,6 +1,7 @@
 """The HTTP application: `create_app(engine)` wires routes and maps errors to status codes in one place."""
 from __future__ import annotations
 
+import hmac
 import logging
 
 from aiohttp import web
@@ -36,14 +37,36 @@ async def error_middleware(request: web.Request, handler):
         return web.json_response(streaming.error_body(str(exc), kind), status=status)
 
 
+# Routes anyone may call even when an API key is set: load balancers probe /health without credentials.
+OPEN_PATHS = frozenset({"/health"})
+
+
+def api_key_middleware(key: str):
+    """Requests must carry `Authorization: Bearer KEY` or `X-API-Key: KEY` (compared in constant time)."""
+    expected = key.encode()
+
+    @web.middleware
+    async def check_key(request: web.Request, handler):
+        if request.path not in OPEN_PATHS:
+            auth = request.headers.get("Authorization", "")
+            given = auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("X-API-Key", "")
+            if not hmac.compare_digest(given.encode("utf-8", "replace"), expected):
+                return web.json_response(streaming.error_body(
+                    "missing or wrong API key: send 'Authorization: Bearer <key>' or 'X-API-Key: <key>'",
+                    "unauthorized"), status=401, headers={"WWW-Authenticate": "Bearer"})
+        return await handler(request)
+    return check_key
+
+
 async def health(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
-    dead = engine.agents.dead_agents() if engine.running else ["engine is not running"]
-    body = {"status": "ok" if not dead else "unavailable", "model": engine.model_name,
-            "agents": [{"rank": a.rank, "pid": a.process.pid, "port": a.port} for a in engine.agents.agents]}
-    if dead:
-        body["reason"] = "; ".join(dead)
-    return web.json_response(body, status=200 if not dead else 503)
+    reason = engine.unavailable_reason()
+    body = {"status": "ok" if reason is None else "unavailable", "model": engine.model_name,
+            "agents": [{"rank": a.rank, "pid": a.process.pid, "port": a.port} for a in engine.agents.agents],
+            "agent_restarts": engine.num_agent_restarts}
+    if reason is not None:
+        body["reason"] = reason
+    return web.json_response(body, status=200 if reason is None else 503)
 
 
 async def model_info(request: web.Request) -> web.Response:
@@ -63,8 +86,9 @@ async def stats(request: web.Request) -> web.Response:
 
 
 def create_app(engine) -> web.Application:
-    app = web.Application(middlewares=[error_middleware],
-                          client_max_size=engine.config.serving_config.max_body_bytes)
+    sc = engine.config.serving_config
+    middlewares = [error_middleware] + ([api_key_middleware(sc.api_key)] if sc.api_key else [])
+    app = web.Application(middlewares=middlewares, client_max_size=sc.max_body_bytes)
     app[ENGINE] = engine
     app.router.add_get("/health", health)
     app.router.add_get("/stats", stats)

@@ -42,8 +42,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
             if event.finish_reason is not None:
                 break
         if event.finish_reason == "error":
-            return web.json_response(streaming.error_body(event.error or "generation failed", "generation"),
-                                     status=500)
+            return web.json_response(streaming.failed_body(req, event.error or "generation failed"), status=500,
+                                     headers={REQUEST_ID_HEADER: req.req_id})
         generated = "".join(text)
         if gen.return_full_text:
             generated = gen.inputs + generated
@@ -83,8 +83,7 @@ async def _stream(request: web.Request, req, gen) -> web.StreamResponse:
         t0 = time.perf_counter()
         text.append(event.text)
         if event.finish_reason == "error":
-            await response.write(streaming.sse(streaming.error_body(event.error or "generation failed",
-                                                                    "generation")))
+            await response.write(streaming.sse(streaming.failed_body(req, event.error or "generation failed")))
             break
         final = event.finish_reason is not None
         await response.write(streaming.sse(streaming.token_event(event, "".join(text) if final else None, req)))

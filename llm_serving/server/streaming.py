@@ -29,3 +29,9 @@ def token_event(event: TokenEvent, generated_text: Optional[str], req: Request) 
 
 def error_body(message: str, error_type: str) -> dict:
     return {"error": message, "error_type": error_type}
+
+
+def failed_body(req: Request, message: str) -> dict:
+    """A request that ended with finish_reason "error" (its agent failed): TGI's error shape plus the details,
+    so clients that read either see why and how far it got."""
+    return {**error_body(message, "generation"), "details": details(req, "error")}

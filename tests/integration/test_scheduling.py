@@ -146,6 +146,8 @@ async def _abort_scenarios(url):
             assert bad.status == 400 and "X-Request-Id" in (await bad.json())["error"]
 
         # a client that disconnects mid-stream: its request ends and its blocks are freed
+        async with session.get(f"{url}/stats") as r:
+            steps_before = (await r.json())["num_steps"]
         resp = await session.post(f"{url}/models/hf/generate", json=body)
         seen = 0
         async for line in resp.content:
@@ -160,6 +162,12 @@ async def _abort_scenarios(url):
             if stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]:
                 break
             await asyncio.sleep(0.05)
+        # no work goes on for the client that left: far fewer steps than its 200 tokens, and none after
+        await asyncio.sleep(0.3)
+        async with session.get(f"{url}/stats") as r:
+            later = await r.json()
+        assert later["num_steps"] == stats["num_steps"] and stats["num_steps"] - steps_before < 100, \
+            (steps_before, stats["num_steps"], later["num_steps"])
         return stats
 
 

@@ -68,6 +68,27 @@ def test_adopting_a_prefix_counts_references_and_cached_blocks_count_as_free():
     assert bm.can_allocate("c", 12, bm.match_prefix(seq)) and not bm.can_allocate("c", 13, bm.match_prefix(seq))
 
 
+def test_forgetting_the_cache_frees_cached_blocks_and_keeps_tables_in_use():
+    bm = BlockManager(num_blocks=8, block_size=2, enable_prefix_caching=True)
+    old, live = [1, 2, 3, 4, 5], [7, 7, 8, 8, 9]
+    for req, seq in (("old", old), ("live", live)):
+        bm.allocate(req, 5)
+        bm.cache_full_blocks(req, tokens_of(seq), 5)
+    bm.free("old")
+    live_table = list(bm.block_tables["live"])
+    assert len(bm.evictable) == 2 and bm.match_prefix(old) and bm.match_prefix(live)
+    assert bm.forget_cached() == 2                  # the agents restarted: no KV content survives
+    bm.check_invariants()
+    assert not bm.evictable and bm.match_prefix(old) == () and bm.match_prefix(live) == ()
+    assert bm.block_tables["live"] == live_table and len(bm.free_block_ids) == 5
+    # the live request registers its blocks again as it goes on, and freeing it caches nothing stale
+    bm.cache_full_blocks("live", tokens_of(live), 5)
+    assert bm.match_prefix(live) == tuple(live_table[:2])
+    bm.free("live")
+    bm.check_invariants()
+    assert bm.num_free_blocks == 8
+
+
 def test_without_prefix_caching_nothing_is_cached():
     bm = BlockManager(num_blocks=4, block_size=2)
     bm.allocate("a", 4)

@@ -74,6 +74,11 @@ model_path:
     ({"scheduler_config": {"max_waiting_tokens": 100}}, "scheduler_config.max_waiting_tokens=100"),
     ({"scheduler_config": {"kv_watermark": 0.7}}, "scheduler_config.kv_watermark=0.7"),
     ({"serving_config": {"max_num_batched_tokens": 16}}, "serving_config.max_num_batched_tokens=16"),
+    ({"serving_config": {"max_agent_restarts": -1}}, "serving_config.max_agent_restarts=-1"),
+    ({"serving_config": {"agent_restart_window_s": 0}}, "serving_config.agent_restart_window_s=0"),
+    ({"serving_config": {"shutdown_grace_s": -1}}, "serving_config.shutdown_grace_s=-1"),
+    ({"serving_config": {"api_key": "short"}}, "serving_config.api_key='<hidden>'"),
+    ({"serving_config": {"api_key": "has a space in it"}}, "without spaces"),
 ])
 def test_bad_values_name_key_and_value(raw, needle):
     with pytest.raises(ConfigError) as err:
@@ -155,3 +160,10 @@ def test_model_path_may_be_a_directory_or_a_llama2c_file(tmp_path):
 
     with pytest.raises(ConfigError, match="not a model directory"):
         resolve_model(config_from_dict({"model_config": {"model_path": str(tmp_path)}}))
+
+
+def test_api_key_error_never_shows_the_key():
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({"serving_config": {"api_key": "secret\tkey-that-is-long"}})
+    assert "secret" not in str(err.value)
+    assert config_from_dict({"serving_config": {"api_key": "a-long-enough-key"}}).serving_config.api_key
