@@ -160,7 +160,9 @@ class AgentServer:
                 conn.send(proto.reply(None, ok=False, error=f"rejected frame: {exc}"))
                 conn.close()  # framing is lost after a bad frame; the client must reconnect
                 break
-            except (ConnectionError, OSError):
+            except (ConnectionError, OSError) as exc:
+                if "mid-frame" in str(exc):
+                    logger.warning("agent %d: truncated frame from %s dropped (%s)", self.rank, conn.peer, exc)
                 conn.close()
                 break
             if frame.command == proto.REPLY:

@@ -216,7 +216,9 @@ def _tagged_processes(tag: str) -> list:
     return found
 
 
-def test_master_killed_leaves_no_process_and_no_shared_memory(server_factory):
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["SIGKILL", "SIGINT"])
+def test_master_killed_leaves_no_process_and_no_shared_memory(server_factory, sig):
+    """SIGKILL: the agents notice their parent is gone; SIGINT (Ctrl-C): the master drains and stops them."""
     tag = uuid.uuid4().hex
     shm_before = set(project_shm_segments())
     server = server_factory(env={"LLM_SERVING_TEST_TAG": tag})
@@ -227,14 +229,16 @@ def test_master_killed_leaves_no_process_and_no_shared_memory(server_factory):
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
             task = asyncio.create_task(_stream(session, server.url, "Once upon a time", 200))
             await asyncio.sleep(0.2)
-            server.proc.kill()
+            server.proc.send_signal(sig)
             try:
-                await task
-            except aiohttp.ClientError:
-                pass
+                status, events = await task
+            except aiohttp.ClientError:             # SIGKILL: the stream is cut
+                assert sig == signal.SIGKILL
+            else:                                   # SIGINT: the request in flight was let finish
+                assert sig == signal.SIGINT and events[-1]["details"]["finish_reason"] == "length"
     asyncio.run(kill_mid_stream())
+    server.proc.wait(60)
     t0 = time.monotonic()
-    server.proc.wait()
     while time.monotonic() - t0 < 5 and (_tagged_processes(tag) or set(project_shm_segments()) - shm_before):
         time.sleep(0.05)
     assert _tagged_processes(tag) == [] and set(project_shm_segments()) - shm_before == set(), \

@@ -1,6 +1,7 @@
 """The serving path end to end: HTTP -> master -> shm + TCP -> agent process -> MindSpore -> back."""
 import asyncio
 import json
+import random
 import socket
 import subprocess
 import sys
@@ -165,6 +166,7 @@ def test_agent_refuses_commands_before_connect_and_bad_tokens_and_bad_frames(sto
         with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
             for f in frames:
                 sock.sendall(f)
+            sock.shutdown(socket.SHUT_WR)     # a truncated frame must not leave the agent waiting for the rest
             try:
                 while True:
                     replies.append(proto.recv_frame(sock).payload)
@@ -180,5 +182,14 @@ def test_agent_refuses_commands_before_connect_and_bad_tokens_and_bad_frames(sto
     assert not replies[0]["ok"] and "unknown command" in replies[0]["error"]
     replies = exchange([proto.HEADER.pack(proto.MAX_FRAME_BYTES + 1)])
     assert not replies[0]["ok"] and "frame length" in replies[0]["error"]
+    assert exchange([proto.HEADER.pack(100) + b'*{"seq": 1']) == []       # truncated: dropped, logged
+    # random bytes (a port scanner, a confused client): refused or dropped, never a crash
+    rng = random.Random(7)
+    for _ in range(100):
+        blob = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64)))
+        replies = exchange([blob])
+        assert all(r["ok"] is False for r in replies), (blob, replies)
+    log = stories_server.log_path.read_text(errors="replace")
+    assert "truncated frame" in log and "rejected frame" in log and "before connect refused" in log
     # none of that disturbed the master's connection
     assert generate(stories_server.url, "Tom had a red ball", max_new_tokens=4)[0] == 200
