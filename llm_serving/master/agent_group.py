@@ -25,7 +25,12 @@ logger = logging.getLogger(__name__)
 
 
 class AgentError(RuntimeError):
-    """An agent failed a command, died, or did not answer in time."""
+    """An agent failed a command, died, or did not answer in time. `fatal` when the agent itself is lost
+    (dead, disconnected or hung), not just the one command it answered with a failure."""
+
+    def __init__(self, message: str, fatal: bool = True):
+        super().__init__(message)
+        self.fatal = fatal
 
 
 def runtime_dir() -> Path:
@@ -128,7 +133,7 @@ class AgentClient:
             self._pending.pop(seq, None)
             raise AgentError(f"agent {self.rank} did not answer {command!r} within {timeout_s:.0f} s") from None
         if not reply.get("ok"):
-            raise AgentError(f"agent {self.rank}: {reply.get('error', 'failed')}")
+            raise AgentError(f"agent {self.rank}: {reply.get('error', 'failed')}", fatal=False)
         return reply
 
     async def close(self) -> None:
@@ -220,9 +225,9 @@ class AgentGroup:
                 sent.append(exc)
         results = await asyncio.gather(*(a.wait_reply(command, *x, timeout) if isinstance(x, tuple) else _fail(x)
                                          for a, x in zip(self.agents, sent)), return_exceptions=True)
-        errors = [str(r) for r in results if isinstance(r, BaseException)]
+        errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
-            raise AgentError("; ".join(errors))
+            raise AgentError("; ".join(map(str, errors)), fatal=any(getattr(e, "fatal", True) for e in errors))
         return results
 
     def dead_agents(self) -> list:

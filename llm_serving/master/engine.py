@@ -2,8 +2,9 @@
 sampled tokens back, detokenize and stream them. Runs as one task on the HTTP server's event loop and
 never blocks it (the agent round-trip is awaited on a socket).
 
-Supervision lives here too. An agent that dies (its connection drops), fails a step or does not answer
-one within `step_timeout_s` takes down the step: every running request ends at once with finish_reason
+Supervision lives here too. A step an agent answers with a failure ends exactly the requests in it. An
+agent that dies (its connection drops) or does not answer a step within `step_timeout_s` takes down the
+step: every running request ends at once with finish_reason
 "error" and the reason, waiting requests stay queued, and the agent group is killed and started again
 (fresh KV cache, every block free, prefix cache forgotten) after a back-off that doubles per failure.
 More than `max_agent_restarts` failures within `agent_restart_window_s` and the engine gives up: it
@@ -201,7 +202,12 @@ class Engine:
             prof["round_trip"] += time.perf_counter() - t0 - agent_s
         except AgentError as exc:
             logger.error("step %d failed: %s", self.num_steps, exc)
-            self._agent_failure = self._agent_failure or str(exc)
+            if exc.fatal:                         # the agent is lost: _recover fails every running request
+                self._agent_failure = self._agent_failure or str(exc)
+            else:                                 # the agent answered "failed": only this step's requests end
+                for req in batch.requests:
+                    if not req.finished:
+                        self._finish(req, "error", error=str(exc))
             return
         finally:
             self.num_steps += 1

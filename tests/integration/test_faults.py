@@ -323,3 +323,28 @@ def test_logs_never_show_the_agent_token_or_the_api_key(server_factory):
     server.stop()
     text = server.log_path.read_text()
     assert len(token) >= 32 and token not in text and key not in text
+
+
+def test_a_step_the_agent_answers_with_a_failure_ends_only_its_requests(server_factory, tmp_path):
+    """Logits capture into a directory that then disappears: the agent is alive but fails every step. Those
+    steps' requests end with the reason; no restart; once capture is off the same agent serves again."""
+    from llm_serving.agents import protocol as proto
+    from llm_serving.agents.control import ControlClient
+
+    server = server_factory()
+    [agent] = server.agent_pids()
+    port = http("GET", server.url + "/health")[1]["agents"][0]["port"]
+    body = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 8}}
+    with ControlClient(port) as ctl:
+        ctl.request(proto.CAPTURE, dir=str(tmp_path / "cap"), max_steps=1000)
+        (tmp_path / "cap").rmdir()
+        status, answer = http("POST", server.url + "/generate", body)
+        assert status == 500 and answer["details"]["finish_reason"] == "error", answer
+        assert "FileNotFoundError" in answer["error"] and answer["details"]["generated_tokens"] == 0
+        assert http("GET", server.url + "/health")[0] == 200             # the agent itself is fine
+        ctl.request(proto.CAPTURE, dir=None)
+    status, answer = http("POST", server.url + "/generate", body)
+    assert status == 200 and answer["generated_text"] == ", there was a little girl"
+    stats = http("GET", server.url + "/stats")[1]
+    assert stats["num_agent_restarts"] == 0 and server.agent_pids() == [agent]
+    assert stats["num_free_blocks"] == stats["num_blocks"]
