@@ -3,13 +3,13 @@ sampled tokens back, detokenize and stream them. Runs as one task on the HTTP se
 never blocks it (the agent round-trip is awaited on a socket).
 
 Supervision lives here too. A step an agent answers with a failure ends exactly the requests in it. An
-agent that dies (its connection drops) or does not answer a step within `step_timeout_s` takes down the
-step: every running request ends at once with finish_reason
-"error" and the reason, waiting requests stay queued, and the agent group is killed and started again
-(fresh KV cache, every block free, prefix cache forgotten) after a back-off that doubles per failure.
-More than `max_agent_restarts` failures within `agent_restart_window_s` and the engine gives up: it
-fails what is queued, refuses new requests and says why on /health. While agents are down /health
-answers 503 with the reason; new requests queue (up to the usual bounds) and run once they are back."""
+agent that dies (its connection drops) or does not answer a step within `step_timeout_s` is lost, and
+so is its KV cache: every running request ends at once with finish_reason "error" and the reason,
+waiting requests stay queued, and the agent group is killed and started again (fresh KV cache, every
+block free, prefix cache forgotten) after a back-off that doubles per failure. More than
+`max_agent_restarts` failures within `agent_restart_window_s` and the engine gives up: it fails what is
+queued, refuses new requests and says why on /health. While agents are down /health answers 503 with
+the reason; new requests queue (up to the usual bounds) and run once they are back."""
 from __future__ import annotations
 
 import asyncio
@@ -84,6 +84,7 @@ class Engine:
                     self.block_manager.block_size, self.max_model_len)
 
     async def stop(self, reason: str = "server shutting down") -> None:
+        """Stop the step loop, abort what is in flight with reason, stop the agents."""
         self.running = False
         if self._loop_task is not None:
             self._loop_task.cancel()
