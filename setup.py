@@ -15,6 +15,7 @@ setup(
         "pyyaml",
         "aiohttp",
         "psutil",
+        "prometheus_client",
     ],
     extras_require={
         "bench": ["matplotlib", "tqdm"],

@@ -60,6 +60,9 @@ class Engine:
         self.step_time_s: Counter = Counter()     # kind -> total seconds spent in agent steps
         self.step_time_by_batch: Counter = Counter()  # (kind, rows) -> total seconds, for benchmarks
         self.num_generated_tokens = 0
+        self.num_prompt_tokens = 0                # of every admitted request
+        self.num_finished: Counter = Counter()    # finish_reason -> requests
+        self.finish_listeners: list = []          # callables(request), called as each request ends (metrics)
         # seconds per phase of the step loop, summed over steps (see step_profile in stats())
         self.profile: Counter = Counter()
         self._rows: list = []                 # per shm row: [request, its block table, entries written]
@@ -131,6 +134,7 @@ class Engine:
             raise DuplicateRequestError(f"request id {req_id!r} is already in use by a request in flight")
         req = Request(prompt_ids, sampling, self.stop_token_ids, req_id=req_id)
         self.scheduler.add(req)
+        self.num_prompt_tokens += len(req.prompt_ids)
         self.requests[req.req_id] = req
         self._detok[req.req_id] = IncrementalDetokenizer(self.tokenizer, prompt_ids=prompt_ids)
         self._wakeup.set()
@@ -161,6 +165,10 @@ class Engine:
         event.text += tail
         event.finish_reason, event.error = reason, error
         req.events.put_nowait(event)
+        req.finish_time = time.monotonic()
+        self.num_finished[reason] += 1
+        for listener in self.finish_listeners:
+            listener(req)
 
     # --- the step loop -----------------------------------------------------------------------------
 

@@ -66,6 +66,7 @@ class Request:
         self.finish_reason: Optional[str] = None
         self.arrival_time = time.monotonic()
         self.first_token_time: Optional[float] = None
+        self.finish_time: Optional[float] = None
         self.num_preemptions = 0
         self.events: asyncio.Queue = asyncio.Queue()
         self.seed = sampling.seed if sampling.seed is not None else int(np.random.SeedSequence().entropy % (1 << 63))

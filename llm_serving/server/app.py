@@ -8,7 +8,7 @@ from aiohttp import web
 
 from llm_serving.master.engine import DuplicateRequestError, EngineStoppedError
 from llm_serving.master.scheduler import QueueFullError
-from llm_serving.server import routes_llm_serving, streaming
+from llm_serving.server import metrics, routes_llm_serving, streaming
 from llm_serving.server.keys import ENGINE
 from llm_serving.server.schemas import ModelNotFoundError, ValidationError
 
@@ -95,4 +95,5 @@ def create_app(engine) -> web.Application:
     app.router.add_get("/info", model_info)
     app.router.add_get("/models/{model}", model_info)
     routes_llm_serving.add_routes(app)
+    metrics.add_routes(app, engine)
     return app

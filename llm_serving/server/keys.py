@@ -2,3 +2,4 @@
 from aiohttp import web
 
 ENGINE = web.AppKey("engine", object)
+METRICS = web.AppKey("metrics", object)

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import threading
+import urllib.request
 
 import pytest
 from aiohttp import web
@@ -199,10 +200,34 @@ def test_missing_dataset_and_bad_arguments_exit_2_with_a_message(tmp_path, stand
     assert proc.returncode == 2 and "--goodput" in proc.stderr
 
 
+def scrape(url: str) -> dict:
+    """/metrics as {(name, ((label, value), ...)): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        assert resp.headers["Content-Type"].startswith("text/plain")
+        text = resp.read().decode()
+    return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model"))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
 def test_against_this_project_with_alpaca(stories_server, shared_dir, tmp_path):
-    proc, result = _bench(tmp_path, "--url", stories_server.url, "--dataset", "alpaca",
-                          "--dataset-path", str(shared_dir / "datasets" / "alpaca_5000.json"),
-                          "--request-rate", "8", "--duration", "1", "--max-new-tokens", "24", "--profile")
+    before = scrape(stories_server.url)
+    during, done = [], threading.Event()
+
+    def watch():                       # /metrics scraped while the load runs
+        while not done.wait(0.05):
+            during.append(scrape(stories_server.url))
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        proc, result = _bench(tmp_path, "--url", stories_server.url, "--dataset", "alpaca",
+                              "--dataset-path", str(shared_dir / "datasets" / "alpaca_5000.json"),
+                              "--request-rate", "8", "--duration", "1", "--max-new-tokens", "24", "--profile")
+    finally:
+        done.set()
+        watcher.join()
+    after = scrape(stories_server.url)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert result["model"] == "hf" and result["token_counts"] == "exact"    # tokenizer from /info
     # --profile: where the server's steps spent their time during this run
@@ -217,4 +242,18 @@ def test_against_this_project_with_alpaca(stories_server, shared_dir, tmp_path):
     assert s["completed"] == 8 and s["failed"] == 0
     expected = sum(min(r["max_new_tokens"], 24) for r in result["requests"])
     assert s["total_output_tokens"] == expected                            # ignore_eos: exact lengths
+
+    # the server's /metrics agree with the load client's totals
+    def delta(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after[key] - before.get(key, 0.0)
+    assert delta("llm_serving_generation_tokens_total") == s["total_output_tokens"]
+    assert delta("llm_serving_prompt_tokens_total") == s["total_input_tokens"] + s["completed"]   # + BOS each
+    assert delta("llm_serving_requests_finished_total", finish_reason="length") == s["completed"] == 8
+    for hist in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds"):
+        assert delta(f"llm_serving_{hist}_count") == 8
+    assert 0 < delta("llm_serving_time_to_first_token_seconds_sum") < delta("llm_serving_e2e_request_latency_seconds_sum")
+    assert max(m[("llm_serving_num_requests_running", ())] for m in during) >= 1
+    assert max(m[("llm_serving_kv_blocks_used", ())] for m in during) >= 1
+    assert after[("llm_serving_kv_blocks_used", ())] == 0 and after[("llm_serving_up", ())] == 1
     assert s["ttft_ms"]["median"] > 0 and s["tpot_ms"]["median"] > 0
