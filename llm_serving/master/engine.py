@@ -161,6 +161,8 @@ class Engine:
         self.requests.pop(req.req_id, None)
         detok = self._detok.pop(req.req_id, None)
         tail = detok.flush() if detok is not None else ""
+        if req.stop_strings is not None:          # release what was held back (never a stop string)
+            tail = req.stop_strings.push(tail) + req.stop_strings.flush()
         event = last or TokenEvent(-1, "", 0.0, True)
         event.text += tail
         event.finish_reason, event.error = reason, error
@@ -363,6 +365,10 @@ class Engine:
             special = token_id in req.stop_token_ids or self.tokenizer.is_special(token_id)
             t_detok = time.perf_counter()
             text = "" if reason == "stop" else self._detok[req.req_id].push(token_id)
+            if req.stop_strings is not None:
+                text = req.stop_strings.push(text)
+                if req.stop_strings.stopped:
+                    reason = "stop"
             self.profile["detokenize"] += time.perf_counter() - t_detok
             event = TokenEvent(token_id, text, logprob, special)
             if reason is None:

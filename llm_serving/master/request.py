@@ -10,6 +10,8 @@ from typing import Optional
 
 import numpy as np
 
+from llm_serving.master.stop import StopStrings
+
 _req_counter = itertools.count()
 
 
@@ -26,7 +28,9 @@ class SamplingParams:
     top_k: int = 0                     # 0 = off
     top_p: float = 1.0                 # 1 = off
     seed: Optional[int] = None
-    ignore_eos: bool = False
+    ignore_eos: bool = False            # EOS does not end the request (stop_token_ids still do)
+    stop: tuple = ()                    # stop strings: the text ends before the first one that appears
+    stop_token_ids: tuple = ()          # more tokens that end the request, on top of the model's EOS
 
     @property
     def greedy(self) -> bool:
@@ -59,7 +63,8 @@ class Request:
         self.output_ids: list = []
         self.output_logprobs: list = []
         self.sampling = sampling
-        self.stop_token_ids = frozenset() if sampling.ignore_eos else stop_token_ids
+        self.stop_token_ids = (frozenset() if sampling.ignore_eos else stop_token_ids) | set(sampling.stop_token_ids)
+        self.stop_strings = StopStrings(sampling.stop) if sampling.stop else None
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0           # tokens whose KV came from the prefix cache (summed over admissions)
         self.status = RequestStatus.WAITING

@@ -22,7 +22,7 @@ async def _read_request(request: web.Request, stream_default: bool):
         raise schemas.ModelNotFoundError(f"model {model!r} is not served here; this server serves "
                                          f"{engine.model_name!r}")
     body = schemas.parse_json_body(await request.read())
-    gen = schemas.parse_generate(body, stream_default=stream_default)
+    gen = schemas.parse_generate(body, stream_default=stream_default, vocab_size=engine.tokenizer.vocab_size)
     prompt_ids = engine.tokenizer.encode(gen.inputs, add_bos=True)
     schemas.check_lengths(gen, len(prompt_ids), engine.max_model_len)
     req_id = schemas.parse_request_id(request.headers.get(REQUEST_ID_HEADER))

@@ -32,10 +32,11 @@ class GenerateRequest:
 # Known TGI / llm-serving parameters that this version does not implement yet: accepted only when null
 # or at their neutral value, so clients that always send them keep working.
 NEUTRAL_PARAMETERS = {"repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
-                      "stop": [], "top_n_tokens": 0, "truncate": None, "typical_p": None,
+                      "top_n_tokens": 0, "truncate": None, "typical_p": None,
                       "watermark": False, "decoder_input_details": False, "best_of": 1}
 KNOWN_PARAMETERS = {"max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed",
-                    "return_full_text", "ignore_eos", "details"} | set(NEUTRAL_PARAMETERS)
+                    "return_full_text", "ignore_eos", "details", "stop", "stop_token_ids"} | set(NEUTRAL_PARAMETERS)
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
 
 
 def parse_json_body(raw: bytes) -> dict:
@@ -86,7 +87,32 @@ def _float(params: dict, key: str, default, lo: float, hi: float, lo_open: bool 
     return float(value)
 
 
-def parse_generate(body: dict, *, stream_default: bool = False) -> GenerateRequest:
+def parse_stop(value, field: str) -> tuple:
+    """Stop strings: a string or a list of them (null = none), each 1..MAX_STOP_CHARS characters."""
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or len(items) > MAX_STOP_STRINGS or not all(isinstance(v, str) for v in items):
+        raise ValidationError(f"{field} must be a string or a list of at most {MAX_STOP_STRINGS} strings, "
+                              f"got {value!r}")
+    for v in items:
+        if not 1 <= len(v) <= MAX_STOP_CHARS:
+            raise ValidationError(f"{field}: every stop string must have 1 to {MAX_STOP_CHARS} characters, "
+                                  f"got {v!r}")
+    return tuple(dict.fromkeys(items))
+
+
+def parse_stop_token_ids(value, field: str, vocab_size: int) -> tuple:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or len(value) > MAX_STOP_STRINGS or not all(
+            isinstance(v, int) and not isinstance(v, bool) and 0 <= v < vocab_size for v in value):
+        raise ValidationError(f"{field} must be a list of at most {MAX_STOP_STRINGS} token ids in "
+                              f"0..{vocab_size - 1}, got {value!r}")
+    return tuple(value)
+
+
+def parse_generate(body: dict, *, stream_default: bool = False, vocab_size: int = 1 << 31) -> GenerateRequest:
     """Check a llm-serving / TGI generate body: {"inputs": str, "parameters": {...}, "stream": bool}."""
     unknown = set(body) - {"inputs", "parameters", "stream"}
     if unknown:
@@ -128,7 +154,8 @@ def parse_generate(body: dict, *, stream_default: bool = False) -> GenerateReque
         max_new_tokens=max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
         temperature=(temperature if temperature is not None else 1.0) if sample else 0.0,
         top_k=top_k if sample else 0, top_p=top_p if sample else 1.0, seed=seed,
-        ignore_eos=_bool(params, "ignore_eos", False))
+        ignore_eos=_bool(params, "ignore_eos", False), stop=parse_stop(params.get("stop"), "parameters.stop"),
+        stop_token_ids=parse_stop_token_ids(params.get("stop_token_ids"), "parameters.stop_token_ids", vocab_size))
     return GenerateRequest(inputs=inputs, sampling=sampling, stream=stream,
                            return_full_text=_bool(params, "return_full_text", False),
                            details=_bool(params, "details", False),

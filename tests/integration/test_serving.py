@@ -118,6 +118,9 @@ def test_32_concurrent_streams_batch_together_and_match_sequential_output(storie
     (json.dumps({"inputs": "hi", "stream": "yes"}).encode(), 400, "'stream' must be true or false"),
     (json.dumps({"inputs": "hi", "parameters": {"max_new_tokens": 100000}}).encode(), 400, "exceeds"),
     (json.dumps({"inputs": "Once upon a time " * 200}).encode(), 400, "prompt has"),
+    (json.dumps({"inputs": "hi", "parameters": {"stop": [""]}}).encode(), 400, "parameters.stop: every stop"),
+    (json.dumps({"inputs": "hi", "parameters": {"stop": 5}}).encode(), 400, "parameters.stop must be"),
+    (json.dumps({"inputs": "hi", "parameters": {"stop_token_ids": [512]}}).encode(), 400, "0..511"),
 ])
 def test_bad_requests_get_a_4xx_naming_the_problem(stories_server, raw, status, needle):
     got, body = http("POST", f"{stories_server.url}/models/hf/generate", raw=raw)
@@ -193,3 +196,30 @@ def test_agent_refuses_commands_before_connect_and_bad_tokens_and_bad_frames(sto
     assert "truncated frame" in log and "rejected frame" in log and "before connect refused" in log
     # none of that disturbed the master's connection
     assert generate(stories_server.url, "Tom had a red ball", max_new_tokens=4)[0] == 200
+
+
+def test_stop_strings_across_token_boundaries_and_stop_token_ids(stories_server):
+    url = stories_server.url
+    # greedy: ", there was a little girl named Lily. She loved to play outside in the park."
+    for stream in (False, True):
+        status, body = http("POST", f"{url}/generate", {"inputs": "Once upon a time", "stream": stream,
+                                                         "parameters": {"max_new_tokens": 40,
+                                                                        "stop": [" named Li", "zzz"]}})
+        assert status == 200
+        if stream:
+            events = parse_sse(body)
+            shown = "".join(e["token"]["text"] for e in events if e["token"])
+            body = events[-1]
+            assert shown == body["generated_text"]               # nothing of the stop string was streamed
+        assert body["generated_text"] == ", there was a little girl"
+        assert body["details"]["finish_reason"] == "stop" and body["details"]["generated_tokens"] < 40
+
+    status, body = http("POST", f"{url}/generate_stream", {"inputs": "Once upon a time",
+                                                            "parameters": {"max_new_tokens": 8}})
+    tokens = [e["token"] for e in parse_sse(body) if e["token"]]
+    stop_id = tokens[3]["id"]
+    first = next(i for i, t in enumerate(tokens) if t["id"] == stop_id)
+    status, body = generate(url, "Once upon a time", max_new_tokens=8, stop_token_ids=[stop_id])
+    assert status == 200 and body["details"]["finish_reason"] == "stop"
+    assert body["details"]["generated_tokens"] == first + 1
+    assert body["generated_text"] == "".join(t["text"] for t in tokens[:first])
