@@ -19,7 +19,7 @@ setup(
     ],
     extras_require={
         "bench": ["matplotlib", "tqdm"],
-        "test": ["pytest", "pytest-timeout", "hypothesis", "matplotlib", "tqdm"],
+        "test": ["pytest", "pytest-timeout", "hypothesis", "matplotlib", "tqdm", "openai"],
         "ascend": ["mindformers"],
     },
     entry_points={"console_scripts": ["llm-serving=llm_serving.cli:main"]},

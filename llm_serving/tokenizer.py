@@ -65,6 +65,38 @@ class Tokenizer:
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         return self._sp.encode(text, add_bos=add_bos)
 
+    def encode_chat(self, messages: list) -> list[int]:
+        """LLaMA-2 chat format: `[{"role": "system"|"user"|"assistant", "content": str}]` ->
+        `<s>[INST] <<SYS>>\n{system}\n<</SYS>>\n\n{user} [/INST] {assistant} </s><s>[INST] {user} [/INST]`,
+        each turn pair encoded on its own between BOS and EOS ids (never from text, so a message cannot
+        forge them). A trailing assistant message is a prefix the reply continues (no EOS after it).
+        Roles must alternate user/assistant after an optional first system message (ValueError)."""
+        system = None
+        if messages and messages[0]["role"] == "system":
+            system, messages = messages[0]["content"], messages[1:]
+        ids: list[int] = []
+        for i in range(0, len(messages), 2):
+            pair = messages[i:i + 2]
+            roles = [m["role"] for m in pair]
+            if roles not in (["user"], ["user", "assistant"]):
+                raise ValueError("messages must alternate user and assistant turns after an optional first "
+                                 f"system message; got {roles} at message {i + (system is not None)}")
+            user = pair[0]["content"].strip()
+            if system is not None and i == 0:
+                user = f"<<SYS>>\n{system.strip()}\n<</SYS>>\n\n{user}"
+            text = f"[INST] {user} [/INST]"
+            if len(pair) == 2:
+                reply = pair[1]["content"].strip()
+                last = i + 2 == len(messages)
+                ids += [self.bos_id] + self._sp.encode(f"{text} {reply}" if last else f"{text} {reply} ")
+                if not last:
+                    ids.append(self.eos_id)
+            else:
+                ids += [self.bos_id] + self._sp.encode(text)
+        if not ids:
+            raise ValueError("messages need at least one user message")
+        return ids
+
     def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
         """Text of `ids`. Special tokens are dropped, as if absent; with `skip_special=False` they
         appear as their piece text ("</s>") and the text between them is decoded piece by piece

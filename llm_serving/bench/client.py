@@ -80,8 +80,14 @@ async def server_facts(backend: str, url: str) -> dict:
     base = url.rstrip("/")
     try:
         if backend == "openai":
-            models = await _get_json(base + "/v1/models")
-            return {"model": models["data"][0]["id"]}
+            model = (await _get_json(base + "/v1/models"))["data"][0]
+            facts = {"model": model["id"], "max_total_tokens": model.get("max_model_len")}
+            try:        # servers that also speak TGI's /info (this one) name their tokenizer there
+                info = await _get_json(base + "/info")
+                facts["tokenizer"] = info.get("tokenizer_path")
+            except Exception:
+                pass
+            return facts
         info = await _get_json(base + "/info")
         return {"model": info.get("model_id"), "tokenizer": info.get("tokenizer_path"),
                 "max_total_tokens": info.get("max_total_tokens")}

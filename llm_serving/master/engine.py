@@ -56,6 +56,7 @@ class Engine:
         self._wakeup = asyncio.Event()
         self._loop_task: Optional[asyncio.Task] = None
         self.running = False
+        self.start_time = time.time()
         self.num_steps = 0
         self.step_time_s: Counter = Counter()     # kind -> total seconds spent in agent steps
         self.step_time_by_batch: Counter = Counter()  # (kind, rows) -> total seconds, for benchmarks

@@ -8,20 +8,40 @@ from aiohttp import web
 
 from llm_serving.master.engine import DuplicateRequestError, EngineStoppedError
 from llm_serving.master.scheduler import QueueFullError
-from llm_serving.server import metrics, routes_llm_serving, streaming
+from llm_serving.server import metrics, routes_llm_serving, routes_openai, streaming
 from llm_serving.server.keys import ENGINE
 from llm_serving.server.schemas import ModelNotFoundError, ValidationError
 
 logger = logging.getLogger(__name__)
 
+class UnauthorizedError(PermissionError):
+    """Missing or wrong API key; answered with 401."""
+
+
 # exception type -> (HTTP status, error_type); the only place errors become status codes
 ERROR_STATUS = {
     ValidationError: (400, "validation"),
+    UnauthorizedError: (401, "unauthorized"),
     ModelNotFoundError: (404, "not_found"),
     DuplicateRequestError: (409, "conflict"),
     QueueFullError: (429, "overloaded"),
     EngineStoppedError: (503, "unavailable"),
 }
+# OpenAI's error `type` for a status (its clients read error.type and error.code)
+OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+                409: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+                503: "service_unavailable"}
+
+
+def error_response(request: web.Request, status: int, message: str, kind: str, param=None) -> web.Response:
+    """The error body of the API the path belongs to: OpenAI's under /v1/, llm-serving / TGI's elsewhere."""
+    if request.path.startswith("/v1/"):
+        body = {"error": {"message": message, "type": OPENAI_TYPES.get(status, "invalid_request_error"),
+                          "param": param, "code": "model_not_found" if kind == "not_found" else None}}
+    else:
+        body = streaming.error_body(message, kind)
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return web.json_response(body, status=status, headers=headers)
 
 
 @web.middleware
@@ -31,10 +51,10 @@ async def error_middleware(request: web.Request, handler):
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return web.json_response(streaming.error_body(exc.reason, "http"), status=exc.status)
+        return error_response(request, exc.status, exc.reason, "http")
     except tuple(ERROR_STATUS) as exc:
         status, kind = next(v for t, v in ERROR_STATUS.items() if isinstance(exc, t))
-        return web.json_response(streaming.error_body(str(exc), kind), status=status)
+        return error_response(request, status, str(exc), kind, getattr(exc, "param", None))
 
 
 # Routes anyone may call even when an API key is set: load balancers probe /health without credentials.
@@ -51,9 +71,8 @@ def api_key_middleware(key: str):
             auth = request.headers.get("Authorization", "")
             given = auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("X-API-Key", "")
             if not hmac.compare_digest(given.encode("utf-8", "replace"), expected):
-                return web.json_response(streaming.error_body(
-                    "missing or wrong API key: send 'Authorization: Bearer <key>' or 'X-API-Key: <key>'",
-                    "unauthorized"), status=401, headers={"WWW-Authenticate": "Bearer"})
+                raise UnauthorizedError("missing or wrong API key: send 'Authorization: Bearer <key>' or "
+                                        "'X-API-Key: <key>'")
         return await handler(request)
     return check_key
 
@@ -95,5 +114,6 @@ def create_app(engine) -> web.Application:
     app.router.add_get("/info", model_info)
     app.router.add_get("/models/{model}", model_info)
     routes_llm_serving.add_routes(app)
+    routes_openai.add_routes(app)
     metrics.add_routes(app, engine)
     return app

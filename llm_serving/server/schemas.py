@@ -12,7 +12,11 @@ DEFAULT_MAX_NEW_TOKENS = 64
 
 
 class ValidationError(ValueError):
-    """The request is malformed; answered with 400 and this message."""
+    """The request is malformed; answered with 400 and this message (`param`: the field, when known)."""
+
+    def __init__(self, message: str, param=None):
+        super().__init__(message)
+        self.param = param
 
 
 class ModelNotFoundError(LookupError):
@@ -56,34 +60,36 @@ def parse_json_body(raw: bytes) -> dict:
     return body
 
 
-def _bool(params: dict, key: str, default: bool) -> bool:
+def _bool(params: dict, key: str, default: bool, prefix: str = "parameters.") -> bool:
     value = params.get(key, default)
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise ValidationError(f"parameters.{key} must be true or false, got {value!r}")
+        raise ValidationError(f"{prefix}{key} must be true or false, got {value!r}", param=key)
     return value
 
 
-def _int(params: dict, key: str, default, lo: int, hi: int):
+def _int(params: dict, key: str, default, lo: int, hi: int, prefix: str = "parameters."):
     value = params.get(key, default)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValidationError(f"parameters.{key} must be an integer, got {value!r}")
+        raise ValidationError(f"{prefix}{key} must be an integer, got {value!r}", param=key)
     if not lo <= value <= hi:
-        raise ValidationError(f"parameters.{key} must be between {lo} and {hi}, got {value}")
+        raise ValidationError(f"{prefix}{key} must be between {lo} and {hi}, got {value}", param=key)
     return value
 
 
-def _float(params: dict, key: str, default, lo: float, hi: float, lo_open: bool = False):
+def _float(params: dict, key: str, default, lo: float, hi: float, lo_open: bool = False,
+           prefix: str = "parameters."):
     value = params.get(key, default)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValidationError(f"parameters.{key} must be a number, got {value!r}")
+        raise ValidationError(f"{prefix}{key} must be a number, got {value!r}", param=key)
     if value < lo or value > hi or (lo_open and value == lo):
-        raise ValidationError(f"parameters.{key} must be in {'(' if lo_open else '['}{lo}, {hi}], got {value}")
+        raise ValidationError(f"{prefix}{key} must be in {'(' if lo_open else '['}{lo}, {hi}], got {value}",
+                              param=key)
     return float(value)
 
 
@@ -171,7 +177,7 @@ def parse_request_id(value):
     return value
 
 
-def check_lengths(req: GenerateRequest, num_prompt_tokens: int, max_model_len: int) -> None:
+def check_lengths(req, num_prompt_tokens: int, max_model_len: int, field: str = "max_new_tokens") -> None:
     """Reject prompts the model cannot take; fit an unspecified max_new_tokens into what is left."""
     if num_prompt_tokens >= max_model_len:
         raise ValidationError(f"prompt has {num_prompt_tokens} tokens; this model accepts at most "
@@ -181,6 +187,6 @@ def check_lengths(req: GenerateRequest, num_prompt_tokens: int, max_model_len: i
     if not req.max_new_tokens_given:
         req.sampling.max_new_tokens = min(req.sampling.max_new_tokens, room)
     elif req.sampling.max_new_tokens > room:
-        raise ValidationError(f"prompt ({num_prompt_tokens} tokens) + max_new_tokens "
+        raise ValidationError(f"prompt ({num_prompt_tokens} tokens) + {field} "
                               f"({req.sampling.max_new_tokens}) exceeds the model's {max_model_len}-token "
-                              f"limit; ask for at most {room} new tokens")
+                              f"limit; ask for at most {room} new tokens", param=field)

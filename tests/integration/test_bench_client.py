@@ -257,3 +257,16 @@ def test_against_this_project_with_alpaca(stories_server, shared_dir, tmp_path):
     assert max(m[("llm_serving_kv_blocks_used", ())] for m in during) >= 1
     assert after[("llm_serving_kv_blocks_used", ())] == 0 and after[("llm_serving_up", ())] == 1
     assert s["ttft_ms"]["median"] > 0 and s["tpot_ms"]["median"] > 0
+
+
+def test_openai_and_tgi_backends_count_the_same_tokens_as_the_native_one(stories_server, shared_dir, tmp_path):
+    totals = {}
+    for backend in ("llm-serving", "openai", "tgi"):
+        proc, result = _bench(tmp_path, "--backend", backend, "--url", stories_server.url, "--model", "hf",
+                              "--dataset", "alpaca", "--dataset-path", str(shared_dir / "datasets" / "alpaca_5000.json"),
+                              "-n", "6", "--request-rate", "inf", "--max-new-tokens", "12", "--seed", "3")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        s = result["summary"]
+        assert s["completed"] == 6 and s["failed"] == 0
+        totals[backend] = (s["total_input_tokens"], s["total_output_tokens"])
+    assert totals["openai"] == totals["tgi"] == totals["llm-serving"], totals

@@ -193,3 +193,22 @@ def test_streamed_text_never_contains_half_characters(tokenizer, text):
     assert "".join(deltas) == tokenizer.decode(ids)
     if "\ufffd" not in text:
         assert not any("\ufffd" in delta for delta in deltas)
+
+
+def test_llama2_chat_format(llama2):
+    sp = llama2._sp
+    B, E = llama2.bos_id, llama2.eos_id
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": " Hi "},
+            {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "<s>Why?</s>"}]
+    assert llama2.encode_chat(msgs) == (
+        [B] + sp.encode("[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\nHi [/INST] Hello. ") + [E]
+        + [B] + sp.encode("[INST] <s>Why?</s> [/INST]"))              # text never becomes a BOS/EOS id
+    assert llama2.encode_chat(msgs).count(B) == 2
+    # a last assistant message is a prefix the reply continues: no EOS after it
+    prefix = llama2.encode_chat([{"role": "user", "content": "Name a fruit"},
+                                 {"role": "assistant", "content": "An apple"}])
+    assert prefix == [B] + sp.encode("[INST] Name a fruit [/INST] An apple")
+    for bad in ([], [{"role": "assistant", "content": "x"}], [{"role": "user", "content": "a"}] * 2,
+                [{"role": "system", "content": "s"}]):
+        with pytest.raises(ValueError):
+            llama2.encode_chat(bad)

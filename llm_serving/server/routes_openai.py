@@ -1,0 +1,319 @@
+"""OpenAI-compatible routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`.
+
+Streaming and not, `n` choices (each its own request; with a seed, choice i uses seed + i),
+`stream_options.include_usage`, `usage`, `logprobs` of the chosen tokens, `stop`, `seed`, `max_tokens`
+(`max_completion_tokens` for chat), `temperature` (OpenAI's default 1.0: sampling unless set to 0),
+`top_p`, and the extensions vLLM clients send (`top_k`, `ignore_eos`, `stop_token_ids`). Errors are
+OpenAI-shaped (see app.error_middleware). Chat prompts use the LLaMA-2 chat format
+(Tokenizer.encode_chat); a last assistant message is a prefix the reply continues.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+from aiohttp import web
+
+from llm_serving.master.request import SamplingParams
+from llm_serving.server import schemas
+from llm_serving.server.keys import ENGINE
+from llm_serving.server.schemas import ValidationError
+
+V = ""     # OpenAI fields are named bare in messages ("max_tokens", not "parameters.max_tokens")
+
+# fields accepted only at OpenAI's neutral value (or null) until they are implemented
+NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "best_of": 1, "logit_bias": {}, "echo": False,
+           "suffix": None, "top_logprobs": 0, "parallel_tool_calls": None, "tools": None, "tool_choice": None,
+           "response_format": None, "functions": None, "function_call": None}
+COMMON = {"model", "stream", "stream_options", "n", "stop", "seed", "temperature", "top_p", "top_k", "ignore_eos",
+          "stop_token_ids", "user", "logprobs", "max_tokens"} | set(NEUTRAL)
+COMPLETION_FIELDS = COMMON | {"prompt"}
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens"}
+MAX_N = 16
+
+
+def _check_fields(body: dict, known: set) -> None:
+    unknown = set(body) - known
+    if unknown:
+        raise ValidationError(f"unknown field(s): {', '.join(sorted(unknown))}", param=sorted(unknown)[0])
+    for key, neutral in NEUTRAL.items():
+        if body.get(key) is not None and body[key] != neutral:
+            raise ValidationError(f"{key} is not supported by this server yet (send null or {json.dumps(neutral)})",
+                                  param=key)
+
+
+def _model(engine, body: dict) -> str:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise ValidationError("'model' is required: the served model's id (GET /v1/models)", param="model")
+    if model != engine.model_name:
+        raise schemas.ModelNotFoundError(f"the model {model!r} does not exist; this server serves "
+                                         f"{engine.model_name!r}")
+    return model
+
+
+def _sampling(body: dict, max_tokens_key: str, default_max: int, vocab_size: int):
+    """(SamplingParams, max_tokens given, n, stream, include_usage, logprobs)."""
+    max_tokens = schemas._int(body, max_tokens_key, None, 1, 1 << 20, prefix=V)
+    if max_tokens_key != "max_tokens" and max_tokens is None:
+        max_tokens = schemas._int(body, "max_tokens", None, 1, 1 << 20, prefix=V)
+    temperature = schemas._float(body, "temperature", 1.0, 0.0, 2.0, prefix=V)
+    top_p = schemas._float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True, prefix=V)
+    top_k = schemas._int(body, "top_k", 0, -1, 1 << 20, prefix=V)
+    seed = schemas._int(body, "seed", None, -(1 << 63), (1 << 64) - 1, prefix=V)
+    n = schemas._int(body, "n", 1, 1, MAX_N, prefix=V)
+    stream = schemas._bool(body, "stream", False, prefix=V)
+    options = body.get("stream_options")
+    if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}):
+        raise ValidationError("stream_options must be an object with only include_usage", param="stream_options")
+    include_usage = schemas._bool(options or {}, "include_usage", False, prefix="stream_options.")
+    if options is not None and not stream:
+        raise ValidationError("stream_options is only allowed with stream: true", param="stream_options")
+    greedy = temperature == 0.0
+    sampling = SamplingParams(
+        max_new_tokens=max_tokens or default_max, temperature=temperature,
+        top_k=0 if greedy or top_k == -1 else top_k, top_p=1.0 if greedy else top_p,
+        seed=None if seed is None else seed % (1 << 63), ignore_eos=schemas._bool(body, "ignore_eos", False, prefix=V),
+        stop=schemas.parse_stop(body.get("stop"), "stop"),
+        stop_token_ids=schemas.parse_stop_token_ids(body.get("stop_token_ids"), "stop_token_ids", vocab_size))
+    return sampling, max_tokens is not None, n, stream, include_usage
+
+
+def _prompt_ids(engine, prompt) -> tuple:
+    """(text, token ids) of a completions prompt: a string, a list of one string, or a list of token ids."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValidationError("'prompt' is empty", param="prompt")
+        return prompt, engine.tokenizer.encode(prompt, add_bos=True)
+    vocab = engine.tokenizer.vocab_size
+    if (isinstance(prompt, list) and prompt
+            and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt)):
+        return engine.tokenizer.decode(prompt), list(prompt)
+    raise ValidationError(f"'prompt' must be a non-empty string, a list of one string, or a list of token ids in "
+                          f"0..{vocab - 1} (one prompt per request)", param="prompt")
+
+
+def _messages(messages) -> list:
+    if not isinstance(messages, list) or not messages:
+        raise ValidationError("'messages' must be a non-empty list of {role, content}", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant"):
+            raise ValidationError(f"messages[{i}] must be an object with role system, user or assistant",
+                                  param="messages")
+        content = m.get("content")
+        if isinstance(content, list):     # [{"type": "text", "text": ...}, ...]
+            if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str)
+                       for c in content):
+                raise ValidationError(f"messages[{i}].content: only text parts are supported", param="messages")
+            content = "".join(c["text"] for c in content)
+        if not isinstance(content, str):
+            raise ValidationError(f"messages[{i}].content must be a string", param="messages")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+async def _read(request: web.Request, known: set):
+    engine = request.app[ENGINE]
+    body = schemas.parse_json_body(await request.read())
+    _check_fields(body, known)
+    model = _model(engine, body)
+    logprobs = body.get("logprobs")
+    return engine, body, model, logprobs
+
+
+def _submit(engine, prompt_ids, sampling, n) -> list:
+    reqs = []
+    try:
+        for i in range(n):
+            sp = sampling if i == 0 else SamplingParams(**{**vars(sampling), "seed": None if sampling.seed is None
+                                                           else (sampling.seed + i) % (1 << 63)})
+            reqs.append(engine.submit(prompt_ids, sp))
+    except BaseException:
+        for req in reqs:
+            engine.release(req)
+        raise
+    return reqs
+
+
+async def _events(reqs):
+    """(choice index, event) from every request as they come, until each has its final event."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, req):
+        while True:
+            event = await req.events.get()
+            await queue.put((i, event))
+            if event.finish_reason is not None:
+                return
+    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(reqs)]
+    try:
+        for _ in range(len(reqs)):
+            while True:
+                i, event = await queue.get()
+                yield i, event
+                if event.finish_reason is not None:
+                    break
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def _usage(reqs) -> dict:
+    prompt = len(reqs[0].prompt_ids)
+    completion = sum(len(r.output_ids) for r in reqs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _finish_reason(event):
+    return {"abort": "abort", "error": "error"}.get(event.finish_reason, event.finish_reason)
+
+
+def _sse(payload) -> bytes:
+    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+
+
+async def _respond(request, engine, reqs, *, chat: bool, model: str, stream: bool, include_usage: bool,
+                   logprobs: bool):
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    created = int(time.time())
+    obj = "chat.completion" if chat else "text_completion"
+
+    def lp_entry(event):
+        if chat:
+            return {"token": event.text, "logprob": event.logprob, "bytes": list(event.text.encode()),
+                    "top_logprobs": []}
+        return event
+
+    try:
+        if not stream:
+            texts, lps, finals = [[] for _ in reqs], [[] for _ in reqs], [None] * len(reqs)
+            async for i, event in _events(reqs):
+                texts[i].append(event.text)
+                if event.token_id >= 0:
+                    lps[i].append(event)
+                if event.finish_reason is not None:
+                    finals[i] = event
+            errors = [f for f in finals if f.finish_reason == "error"]
+            if errors:
+                return web.json_response({"error": {"message": errors[0].error or "generation failed",
+                                                    "type": "server_error", "param": None, "code": None}}, status=500)
+            choices = []
+            for i, final in enumerate(finals):
+                text = "".join(texts[i])
+                choice = {"index": i, "finish_reason": _finish_reason(final)}
+                if chat:
+                    choice["message"] = {"role": "assistant", "content": text}
+                    choice["logprobs"] = {"content": [lp_entry(e) for e in lps[i]]} if logprobs else None
+                else:
+                    choice["text"] = text
+                    choice["logprobs"] = _completion_logprobs(lps[i]) if logprobs else None
+                choices.append(choice)
+            return web.json_response({"id": rid, "object": obj, "created": created, "model": model,
+                                      "choices": choices, "usage": _usage(reqs)})
+
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(choices, usage=None):
+            payload = {"id": rid, "object": chunk_obj, "created": created, "model": model, "choices": choices}
+            if include_usage:
+                payload["usage"] = usage
+            return _sse(payload)
+        if chat:
+            for i in range(len(reqs)):
+                await response.write(chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                             "logprobs": None, "finish_reason": None}]))
+        async for i, event in _events(reqs):
+            if event.finish_reason == "error":
+                await response.write(_sse({"error": {"message": event.error or "generation failed",
+                                                     "type": "server_error", "param": None, "code": None}}))
+                break
+            reason = _finish_reason(event) if event.finish_reason else None
+            if not event.text and reason is None:
+                continue                         # held back (stop strings) or a special token: nothing to send
+            lp = None
+            if logprobs and event.token_id >= 0:
+                lp = {"content": [lp_entry(event)]} if chat else _completion_logprobs([event])
+            if chat:
+                delta = {"content": event.text} if event.text else {}
+                choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}
+            else:
+                choice = {"index": i, "text": event.text, "logprobs": lp, "finish_reason": reason}
+            await response.write(chunk([choice]))
+        else:
+            if include_usage:
+                await response.write(chunk([], _usage(reqs)))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+    finally:
+        for req in reqs:
+            engine.release(req)
+
+
+def _completion_logprobs(events) -> dict:
+    offsets, pos = [], 0
+    for e in events:
+        offsets.append(pos)
+        pos += len(e.text)
+    return {"tokens": [e.text for e in events], "token_logprobs": [e.logprob for e in events],
+            "top_logprobs": None, "text_offset": offsets}
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    engine, body, model, logprobs = await _read(request, COMPLETION_FIELDS)
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                 or not 0 <= logprobs <= 1):
+        raise ValidationError("logprobs must be 0 or 1 here: the chosen token's log-probability (top "
+                              "alternatives are not supported yet)", param="logprobs")
+    if "prompt" not in body:
+        raise ValidationError("'prompt' is required", param="prompt")
+    text, prompt_ids = _prompt_ids(engine, body["prompt"])
+    sampling, given, n, stream, include_usage = _sampling(body, "max_tokens", 16, engine.tokenizer.vocab_size)
+    _fit(engine, sampling, given, prompt_ids, "max_tokens")
+    reqs = _submit(engine, prompt_ids, sampling, n)
+    return await _respond(request, engine, reqs, chat=False, model=model, stream=stream,
+                          include_usage=include_usage, logprobs=logprobs is not None)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    engine, body, model, logprobs = await _read(request, CHAT_FIELDS)
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise ValidationError("logprobs must be true or false", param="logprobs")
+    messages = _messages(body.get("messages"))
+    try:
+        prompt_ids = engine.tokenizer.encode_chat(messages)
+    except ValueError as exc:
+        raise ValidationError(str(exc), param="messages") from None
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    sampling, given, n, stream, include_usage = _sampling(body, key, engine.max_model_len,
+                                                          engine.tokenizer.vocab_size)
+    _fit(engine, sampling, given, prompt_ids, key)
+    reqs = _submit(engine, prompt_ids, sampling, n)
+    return await _respond(request, engine, reqs, chat=True, model=model, stream=stream,
+                          include_usage=include_usage, logprobs=bool(logprobs))
+
+
+def _fit(engine, sampling, given: bool, prompt_ids: list, field: str) -> None:
+    gen = schemas.GenerateRequest(inputs="", sampling=sampling, stream=False, return_full_text=False, details=False,
+                                  max_new_tokens_given=given)
+    schemas.check_lengths(gen, len(prompt_ids), engine.max_model_len, field=field)
+
+
+async def models(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    return web.json_response({"object": "list", "data": [
+        {"id": engine.model_name, "object": "model", "created": int(engine.start_time), "owned_by": "llm-serving",
+         "max_model_len": engine.max_model_len}]})
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
