@@ -65,6 +65,12 @@ class Tokenizer:
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         return self._sp.encode(text, add_bos=add_bos)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's own text, as shown next to its log-probability: its piece with sentencepiece's word
+        marker as a space (a byte piece stays as its `<0x..>` name)."""
+        piece = self._sp.id_to_piece(int(token_id))
+        return piece if self._sp.is_byte(int(token_id)) else piece.replace("\u2581", " ")
+
     def encode_chat(self, messages: list) -> list[int]:
         """LLaMA-2 chat format: `[{"role": "system"|"user"|"assistant", "content": str}]` ->
         `<s>[INST] <<SYS>>\n{system}\n<</SYS>>\n\n{user} [/INST] {assistant} </s><s>[INST] {user} [/INST]`,

@@ -66,16 +66,23 @@ class Worker:
                              f"1..{self.layout.max_tokens}")
         capture = self.capture_dir is not None and self.rank == 0
         t0 = time.perf_counter()
-        token_ids, logprobs, *logits = self.runner.execute(
+        top_n = b.top_n[:n]
+        token_ids, logprobs, *more = self.runner.execute(
             b.input_ids[:n, :s], b.positions[:n, :s], b.slot_mapping[:n, :s], b.block_tables[:n],
             b.context_lens[:n], b.query_lens[:n], b.temperature[:n], b.top_k[:n], b.top_p[:n],
-            b.random_u[:n], return_logits=capture)
+            b.random_u[:n], return_logits=capture, top_n=top_n)
         model_s = time.perf_counter() - t0
+        logits = more.pop(0) if capture else None
         if self.rank == 0:
             b.out_token_ids[:n] = np.asarray(token_ids, dtype=np.int32)
             b.out_logprobs[:n] = np.asarray(logprobs, dtype=np.float32)
+            if more:                  # some row asked for top log-probabilities
+                top_ids, top_lps = more
+                k = top_ids.shape[1]
+                b.out_top_ids[:n, :k] = top_ids
+                b.out_top_logprobs[:n, :k] = top_lps
         if capture:
-            self._write_capture(n, s, token_ids, logits[0])
+            self._write_capture(n, s, token_ids, logits)
         self.num_steps += 1
         return model_s
 

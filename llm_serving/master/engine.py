@@ -346,6 +346,7 @@ class Engine:
         b.top_k[i] = sp.top_k
         b.top_p[i] = sp.top_p
         b.random_u[i] = 0.0
+        b.top_n[i] = sp.top_logprobs
         b.request_ids[i] = req.number
         rows[i] = [req, table, len(table)]
 
@@ -354,6 +355,7 @@ class Engine:
         n = batch.num_rows
         token_ids = b.out_token_ids[:n].tolist()
         logprobs = b.out_logprobs[:n].tolist()
+        wants_top = bool(b.top_n[:n].any())
         now = time.monotonic()
         for row, req in self.scheduler.complete_step(batch):
             token_id, logprob = token_ids[row], logprobs[row]
@@ -372,6 +374,9 @@ class Engine:
                     reason = "stop"
             self.profile["detokenize"] += time.perf_counter() - t_detok
             event = TokenEvent(token_id, text, logprob, special)
+            if wants_top and req.sampling.top_logprobs:
+                k = req.sampling.top_logprobs
+                event.top = list(zip(b.out_top_ids[row, :k].tolist(), b.out_top_logprobs[row, :k].tolist()))
             if reason is None:
                 req.events.put_nowait(event)
             else:

@@ -31,6 +31,7 @@ class SamplingParams:
     ignore_eos: bool = False            # EOS does not end the request (stop_token_ids still do)
     stop: tuple = ()                    # stop strings: the text ends before the first one that appears
     stop_token_ids: tuple = ()          # more tokens that end the request, on top of the model's EOS
+    top_logprobs: int = 0               # also return this many most likely tokens per step (<= TOP_LOGPROBS)
 
     @property
     def greedy(self) -> bool:
@@ -47,6 +48,7 @@ class TokenEvent:
     special: bool
     finish_reason: Optional[str] = None
     error: Optional[str] = None
+    top: Optional[list] = None          # [(token id, logprob)], most likely first, when the request asked
 
 
 class Request:

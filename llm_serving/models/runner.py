@@ -33,6 +33,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from llm_serving.shm.layout import TOP_LOGPROBS
+
 from .weights import LlamaConfig, load_llama_weights
 from .default_model import default_cache_dir
 
@@ -196,7 +198,7 @@ class ModelRunner:
 
         import mindspore as ms
         from .llama import LlamaForCausalLM
-        from .sampler import Sampler
+        from .sampler import Sampler, TopLogprobs
         self._ms = ms
         self.model = LlamaForCausalLM(cfg, weights, num_slots=self.num_slots, block_size=self.block_size,
                                       max_positions=self.max_context, device_target=device_target,
@@ -207,6 +209,9 @@ class ModelRunner:
         self.plain_sampler = Sampler(cfg.vocab_size, filters=False)   # temperature only
         self.sampler.set_train(False)
         self.plain_sampler.set_train(False)
+        self.top_k_logprobs = min(TOP_LOGPROBS, cfg.vocab_size)
+        self.top_logprobs = TopLogprobs(self.top_k_logprobs)             # some row asks for top logprobs
+        self.top_logprobs.set_train(False)
         self._caches = [p for layer in self.model.layers for p in (layer.attn.key_cache, layer.attn.value_cache)]
 
     # ------------------------------------------------------------------ buckets
@@ -234,10 +239,12 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ execution
     def execute(self, input_ids, positions, slot_mapping, block_tables, context_lens, query_lens,
-                temperature, top_k, top_p, random_u, return_logits: bool = False):
+                temperature, top_k, top_p, random_u, return_logits: bool = False, top_n=None):
         """One step over n sequences; returns (next_token_ids int32 (n,), logprobs float32 (n,)), and with
         return_logits also the model's logits float32 (n, vocab) at each row's last new token (before
-        temperature; copied to the host only when asked, for logits capture).
+        temperature; copied to the host only when asked, for logits capture), and when some row of top_n
+        (n,) is > 0 also (top_ids int32 (n, K), top_logprobs float32 (n, K)): each row's K = min(TOP_LOGPROBS,
+        vocab) most likely tokens under log_softmax(logits), most likely first.
 
         input_ids, positions, slot_mapping: int32 (n, s), new tokens left-aligned (padding: id 0, position 0,
         slot -1). block_tables int32 (n, w <= max_blocks_per_seq), padded with 0. context_lens (n,): tokens
@@ -258,7 +265,8 @@ class ModelRunner:
             block_tables = block_tables.reshape(n, -1)
         per_row = {"context_lens": np.asarray(context_lens, np.int32), "query_lens": np.asarray(query_lens, np.int32),
                    "temperature": np.asarray(temperature, np.float32), "top_k": np.asarray(top_k, np.int32),
-                   "top_p": np.asarray(top_p, np.float32), "random_u": np.asarray(random_u, np.float32)}
+                   "top_p": np.asarray(top_p, np.float32), "random_u": np.asarray(random_u, np.float32),
+                   "top_n": np.zeros(n, np.int32) if top_n is None else np.asarray(top_n, np.int32)}
         for name, arr in (("positions", positions), ("slot_mapping", slot_mapping)):
             if arr.shape != (n, s):
                 raise ValueError(f"ModelRunner.execute: {name} has shape {arr.shape}, expected {(n, s)}")
@@ -320,8 +328,13 @@ class ModelRunner:
             token, logprob = self._call(kind, (rows,), cell, logits, T(_pad(temperature, rows, 0.0)),
                                         T(_pad(top_k, rows, 0)), T(_pad(top_p, rows, 1.0)),
                                         T(_pad(per_row["random_u"], rows, 0.0)))
-        out = token.asnumpy()[:n].astype(np.int32), logprob.asnumpy()[:n].astype(np.float32)
-        return (*out, logits.asnumpy()[:n]) if return_logits else out
+        out = [token.asnumpy()[:n].astype(np.int32), logprob.asnumpy()[:n].astype(np.float32)]
+        if return_logits:
+            out.append(logits.asnumpy()[:n])
+        if (per_row["top_n"] > 0).any():
+            top_ids, top_lps = self._call("top_logprobs", (rows,), self.top_logprobs, logits)
+            out += [top_ids.asnumpy()[:n], top_lps.asnumpy()[:n]]
+        return tuple(out)
 
     def _execute_packed(self, input_ids, positions, slot_mapping, block_tables, cl, ql, per_row, return_logits):
         """A prefill step as its real tokens side by side: token k of row i is a 'row' of a decode-shaped
@@ -361,6 +374,9 @@ class ModelRunner:
         out = [np.zeros(n, np.int32), np.zeros(n, np.float32)]
         if return_logits:
             out.append(np.zeros((n, self.config.vocab_size), np.float32))
+        if (per_row["top_n"] > 0).any():    # calls without such a row return no top arrays: left zero
+            k = self.top_k_logprobs
+            out += [np.zeros((n, k), np.int32), np.zeros((n, k), np.float32)]
         for mine, res in results:
             for arr, part in zip(out, res):
                 arr[mine] = part
@@ -398,14 +414,15 @@ class ModelRunner:
         """Run a graph (kind and bucket shape name it in logs and errors)."""
         return cell(*args)
 
-    def _run_dummy(self, b: int, s: int, temperature: float, top_k: int, width: Optional[int] = None) -> None:
+    def _run_dummy(self, b: int, s: int, temperature: float, top_k: int, width: Optional[int] = None,
+                   top_n: int = 0) -> None:
         """One step of bucket (b, s) [and decode width] that writes only to the scratch block."""
         pos = np.minimum(np.arange(s, dtype=np.int32), self.max_context - 1)
         context = pos[-1] + 1 if width is None else width * self.block_size
         self.execute(np.zeros((b, s), np.int32), np.tile(pos, (b, 1)), np.full((b, s), -1, np.int32),
                      np.zeros((b, 1), np.int32), np.full((b,), context, np.int32), np.full((b,), s, np.int32),
                      np.full((b,), temperature, np.float32), np.full((b,), top_k, np.int32),
-                     np.ones((b,), np.float32), np.full((b,), 0.5, np.float32))
+                     np.ones((b,), np.float32), np.full((b,), 0.5, np.float32), top_n=np.full((b,), top_n, np.int32))
 
     def _run_dummy_packed(self, tokens: int, temperature: float, top_k: int) -> None:
         """One packed prefill step of `tokens` padding tokens (scratch block only, nothing attended)."""
@@ -415,7 +432,8 @@ class ModelRunner:
         outputs = self._run_packed(tokens, zeros, zeros, scratch, np.zeros((tokens, self.max_blocks_per_seq),
                                    np.int32), zeros, np.zeros(rows, np.int32))
         per_row = {"temperature": np.full(rows, temperature, np.float32), "top_k": np.full(rows, top_k, np.int32),
-                   "top_p": np.ones(rows, np.float32), "random_u": np.full(rows, 0.5, np.float32)}
+                   "top_p": np.ones(rows, np.float32), "random_u": np.full(rows, 0.5, np.float32),
+                   "top_n": np.full(rows, 1 if top_k else 0, np.int32)}   # the top-logprobs graph with the last
         self._finish(outputs, rows, rows, per_row, False)
 
     def graph_buckets(self) -> list[tuple]:
@@ -437,7 +455,7 @@ class ModelRunner:
                 self._run_dummy(b, s, 0.0, 0, w)    # the model graph (greedy)
                 if w is None or w == self.decode_block_widths[0]:   # the samplers depend on the batch size only
                     self._run_dummy(b, s, 1.0, 0, w)    # + the temperature-only sampler for this batch size
-                    self._run_dummy(b, s, 1.0, 5, w)    # + the top-k/top-p sampler
+                    self._run_dummy(b, s, 1.0, 5, w, top_n=1)   # + the top-k/top-p sampler, top logprobs
             shape = (f"T={b} tokens, {self.prefill_batch_sizes[-1]} rows" if kind == "packed"
                      else f"B={b}, S={s}" + (f", W={w}" if w is not None else ""))
             msg = (f"warmup {i + 1}/{len(buckets)}: {'decode' if kind == 'decode' else 'prefill'} bucket ({shape}) "

@@ -26,7 +26,7 @@ from mindspore import nn, ops
 
 from .attention import MASK_VALUE
 
-__all__ = ["MAX_CANDIDATES", "Sampler", "greedy_pick", "token_logprob"]
+__all__ = ["MAX_CANDIDATES", "Sampler", "TopLogprobs", "greedy_pick", "token_logprob"]
 
 MAX_CANDIDATES = 1024
 
@@ -97,6 +97,20 @@ class Sampler(nn.Cell):
         ok = ops.gather_elements(probs, 1, token.reshape(b, 1)).reshape(b) > 0.0         # (B,)
         token = ops.select(ops.logical_and(ok, do_sample), token, greedy)                 # (B,)
         return token, token_logprob(logits, token)
+
+
+class TopLogprobs(nn.Cell):
+    """construct(logits (B, V)) -> (ids (B, K) int32, log-probabilities (B, K) float32), most likely first.
+    Its own small graph, run by the runner only in steps where some row asks for top log-probabilities."""
+
+    def __init__(self, k: int):
+        super().__init__()
+        self.k = k
+        self.topk = ops.TopK(sorted=True)
+
+    def construct(self, logits):
+        values, ids = self.topk(ops.log_softmax(logits, -1), self.k)
+        return ids.astype(ms.int32), values
 
 
 def token_logprob(logits, token):

@@ -35,10 +35,12 @@ async def generate(request: web.Request) -> web.StreamResponse:
     try:
         if gen.stream:
             return await _stream(request, req, gen)
-        text = []
+        text, tops = [], []
         while True:
             event = await req.events.get()
             text.append(event.text)
+            if event.token_id >= 0 and gen.sampling.top_logprobs:
+                tops.append(streaming.top_tokens(event, engine.tokenizer))
             if event.finish_reason is not None:
                 break
         if event.finish_reason == "error":
@@ -47,8 +49,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
         generated = "".join(text)
         if gen.return_full_text:
             generated = gen.inputs + generated
-        return web.json_response({"generated_text": generated,
-                                  "details": streaming.details(req, event.finish_reason)},
+        details = streaming.details(req, event.finish_reason)
+        if gen.sampling.top_logprobs:
+            details["top_tokens"] = tops          # per generated token, as TGI
+        return web.json_response({"generated_text": generated, "details": details},
                                  headers={REQUEST_ID_HEADER: req.req_id})
     finally:
         engine.release(req)  # no-op when finished; frees the blocks of a client that went away
@@ -86,7 +90,8 @@ async def _stream(request: web.Request, req, gen) -> web.StreamResponse:
             await response.write(streaming.sse(streaming.failed_body(req, event.error or "generation failed")))
             break
         final = event.finish_reason is not None
-        await response.write(streaming.sse(streaming.token_event(event, "".join(text) if final else None, req)))
+        await response.write(streaming.sse(streaming.token_event(event, "".join(text) if final else None, req,
+                                                                 request.app[ENGINE].tokenizer)))
         profile["stream"] += time.perf_counter() - t0
         if final:
             break

@@ -20,17 +20,19 @@ from llm_serving.master.request import SamplingParams
 from llm_serving.server import schemas
 from llm_serving.server.keys import ENGINE
 from llm_serving.server.schemas import ValidationError
+from llm_serving.shm.layout import TOP_LOGPROBS
 
 V = ""     # OpenAI fields are named bare in messages ("max_tokens", not "parameters.max_tokens")
 
 # fields accepted only at OpenAI's neutral value (or null) until they are implemented
 NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "best_of": 1, "logit_bias": {}, "echo": False,
-           "suffix": None, "top_logprobs": 0, "parallel_tool_calls": None, "tools": None, "tool_choice": None,
+           "suffix": None, "parallel_tool_calls": None, "tools": None, "tool_choice": None,
            "response_format": None, "functions": None, "function_call": None}
 COMMON = {"model", "stream", "stream_options", "n", "stop", "seed", "temperature", "top_p", "top_k", "ignore_eos",
           "stop_token_ids", "user", "logprobs", "max_tokens"} | set(NEUTRAL)
+MAX_COMPLETION_LOGPROBS = 5     # OpenAI's limits: completions logprobs 0..5, chat top_logprobs 0..20
 COMPLETION_FIELDS = COMMON | {"prompt"}
-CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens"}
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
 MAX_N = 16
 
 
@@ -183,10 +185,13 @@ async def _respond(request, engine, reqs, *, chat: bool, model: str, stream: boo
     created = int(time.time())
     obj = "chat.completion" if chat else "text_completion"
 
+    tok = engine.tokenizer
+
     def lp_entry(event):
         if chat:
             return {"token": event.text, "logprob": event.logprob, "bytes": list(event.text.encode()),
-                    "top_logprobs": []}
+                    "top_logprobs": [{"token": tok.token_text(i), "logprob": lp,
+                                      "bytes": list(tok.token_text(i).encode())} for i, lp in event.top or ()]}
         return event
 
     try:
@@ -211,7 +216,7 @@ async def _respond(request, engine, reqs, *, chat: bool, model: str, stream: boo
                     choice["logprobs"] = {"content": [lp_entry(e) for e in lps[i]]} if logprobs else None
                 else:
                     choice["text"] = text
-                    choice["logprobs"] = _completion_logprobs(lps[i]) if logprobs else None
+                    choice["logprobs"] = _completion_logprobs(lps[i], tok) if logprobs else None
                 choices.append(choice)
             return web.json_response({"id": rid, "object": obj, "created": created, "model": model,
                                       "choices": choices, "usage": _usage(reqs)})
@@ -239,7 +244,7 @@ async def _respond(request, engine, reqs, *, chat: bool, model: str, stream: boo
                 continue                         # held back (stop strings) or a special token: nothing to send
             lp = None
             if logprobs and event.token_id >= 0:
-                lp = {"content": [lp_entry(event)]} if chat else _completion_logprobs([event])
+                lp = {"content": [lp_entry(event)]} if chat else _completion_logprobs([event], tok)
             if chat:
                 delta = {"content": event.text} if event.text else {}
                 choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}
@@ -257,25 +262,34 @@ async def _respond(request, engine, reqs, *, chat: bool, model: str, stream: boo
             engine.release(req)
 
 
-def _completion_logprobs(events) -> dict:
+def _completion_logprobs(events, tokenizer) -> dict:
     offsets, pos = [], 0
     for e in events:
         offsets.append(pos)
         pos += len(e.text)
+    top = None
+    if any(e.top for e in events):      # {token text: logprob} per step, most likely first
+        top = []
+        for e in events:
+            step: dict = {}
+            for i, lp in e.top or ():
+                step.setdefault(tokenizer.token_text(i), lp)     # two tokens with one text: the likelier
+            top.append(step)
     return {"tokens": [e.text for e in events], "token_logprobs": [e.logprob for e in events],
-            "top_logprobs": None, "text_offset": offsets}
+            "top_logprobs": top, "text_offset": offsets}
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     engine, body, model, logprobs = await _read(request, COMPLETION_FIELDS)
     if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
-                                 or not 0 <= logprobs <= 1):
-        raise ValidationError("logprobs must be 0 or 1 here: the chosen token's log-probability (top "
-                              "alternatives are not supported yet)", param="logprobs")
+                                 or not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS):
+        raise ValidationError(f"logprobs must be an integer in 0..{MAX_COMPLETION_LOGPROBS} (how many most likely "
+                              "tokens to list besides the chosen one)", param="logprobs")
     if "prompt" not in body:
         raise ValidationError("'prompt' is required", param="prompt")
     text, prompt_ids = _prompt_ids(engine, body["prompt"])
     sampling, given, n, stream, include_usage = _sampling(body, "max_tokens", 16, engine.tokenizer.vocab_size)
+    sampling.top_logprobs = logprobs or 0
     _fit(engine, sampling, given, prompt_ids, "max_tokens")
     reqs = _submit(engine, prompt_ids, sampling, n)
     return await _respond(request, engine, reqs, chat=False, model=model, stream=stream,
@@ -286,6 +300,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     engine, body, model, logprobs = await _read(request, CHAT_FIELDS)
     if logprobs is not None and not isinstance(logprobs, bool):
         raise ValidationError("logprobs must be true or false", param="logprobs")
+    top = schemas._int(body, "top_logprobs", 0, 0, TOP_LOGPROBS, prefix=V)
+    if top and not logprobs:
+        raise ValidationError("top_logprobs needs logprobs: true", param="top_logprobs")
     messages = _messages(body.get("messages"))
     try:
         prompt_ids = engine.tokenizer.encode_chat(messages)
@@ -294,6 +311,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     sampling, given, n, stream, include_usage = _sampling(body, key, engine.max_model_len,
                                                           engine.tokenizer.vocab_size)
+    sampling.top_logprobs = top
     _fit(engine, sampling, given, prompt_ids, key)
     reqs = _submit(engine, prompt_ids, sampling, n)
     return await _respond(request, engine, reqs, chat=True, model=model, stream=stream,

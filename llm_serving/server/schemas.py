@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 
 from llm_serving.master.request import SamplingParams
+from llm_serving.shm.layout import TOP_LOGPROBS
 
 DEFAULT_MAX_NEW_TOKENS = 64
 
@@ -36,10 +37,10 @@ class GenerateRequest:
 # Known TGI / llm-serving parameters that this version does not implement yet: accepted only when null
 # or at their neutral value, so clients that always send them keep working.
 NEUTRAL_PARAMETERS = {"repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
-                      "top_n_tokens": 0, "truncate": None, "typical_p": None,
+                      "truncate": None, "typical_p": None,
                       "watermark": False, "decoder_input_details": False, "best_of": 1}
 KNOWN_PARAMETERS = {"max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed",
-                    "return_full_text", "ignore_eos", "details", "stop", "stop_token_ids"} | set(NEUTRAL_PARAMETERS)
+                    "return_full_text", "ignore_eos", "details", "stop", "stop_token_ids", "top_n_tokens"} | set(NEUTRAL_PARAMETERS)
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
 
 
@@ -161,7 +162,8 @@ def parse_generate(body: dict, *, stream_default: bool = False, vocab_size: int 
         temperature=(temperature if temperature is not None else 1.0) if sample else 0.0,
         top_k=top_k if sample else 0, top_p=top_p if sample else 1.0, seed=seed,
         ignore_eos=_bool(params, "ignore_eos", False), stop=parse_stop(params.get("stop"), "parameters.stop"),
-        stop_token_ids=parse_stop_token_ids(params.get("stop_token_ids"), "parameters.stop_token_ids", vocab_size))
+        stop_token_ids=parse_stop_token_ids(params.get("stop_token_ids"), "parameters.stop_token_ids", vocab_size),
+        top_logprobs=_int(params, "top_n_tokens", 0, 0, TOP_LOGPROBS))
     return GenerateRequest(inputs=inputs, sampling=sampling, stream=stream,
                            return_full_text=_bool(params, "return_full_text", False),
                            details=_bool(params, "details", False),

@@ -17,14 +17,23 @@ def details(req: Request, finish_reason: Optional[str]) -> dict:
             "prompt_tokens": len(req.prompt_ids), "seed": req.seed if not req.sampling.greedy else None}
 
 
-def token_event(event: TokenEvent, generated_text: Optional[str], req: Request) -> dict:
+def top_tokens(event: TokenEvent, tokenizer) -> list:
+    """TGI's `top_tokens` of one step: the most likely tokens, most likely first."""
+    return [{"id": i, "text": tokenizer.token_text(i), "logprob": lp, "special": tokenizer.is_special(i)}
+            for i, lp in event.top or ()]
+
+
+def token_event(event: TokenEvent, generated_text: Optional[str], req: Request, tokenizer=None) -> dict:
     token = None
     if event.token_id >= 0:
         token = {"id": event.token_id, "text": event.text, "logprob": event.logprob, "special": event.special}
     final = event.finish_reason is not None
-    return {"token": token,
-            "generated_text": generated_text if final else None,
-            "details": details(req, event.finish_reason) if final else None}
+    out = {"token": token,
+           "generated_text": generated_text if final else None,
+           "details": details(req, event.finish_reason) if final else None}
+    if req.sampling.top_logprobs and tokenizer is not None:
+        out["top_tokens"] = top_tokens(event, tokenizer)
+    return out
 
 
 def error_body(message: str, error_type: str) -> dict:

@@ -16,16 +16,23 @@ says n and s.
   top_k          int32    (max_rows,)                        master      0 = off
   top_p          float32  (max_rows,)                        master      1 = off
   random_u       float32  (max_rows,)                        master      uniform [0, 1) for sampling rows
+  top_n          int32    (max_rows,)                        master      top log-probabilities wanted (0 = none)
   request_ids    int64    (max_rows,)                        master      request number per row (tracing,
                                                                          logits capture; not used by the model)
   out_token_ids  int32    (max_rows,)                        agent 0     sampled next token per row
   out_logprobs   float32  (max_rows,)                        agent 0     its log-probability
+  out_top_ids    int32    (max_rows, TOP_LOGPROBS)           agent 0     most likely tokens, most likely first
+  out_top_logprobs float32 (max_rows, TOP_LOGPROBS)          agent 0     their log-probabilities
+                                                                         (written only in steps where a row
+                                                                         has top_n > 0)
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
+
+TOP_LOGPROBS = 20        # most top log-probabilities a request may ask for (OpenAI's limit)
 
 
 @dataclass(frozen=True)
@@ -64,7 +71,10 @@ class StepLayout:
             ArraySpec("top_k", np.int32, (r,)),
             ArraySpec("top_p", np.float32, (r,)),
             ArraySpec("random_u", np.float32, (r,)),
+            ArraySpec("top_n", np.int32, (r,)),
             ArraySpec("request_ids", np.int64, (r,)),
             ArraySpec("out_token_ids", np.int32, (r,)),
             ArraySpec("out_logprobs", np.float32, (r,)),
+            ArraySpec("out_top_ids", np.int32, (r, TOP_LOGPROBS)),
+            ArraySpec("out_top_logprobs", np.float32, (r, TOP_LOGPROBS)),
         ]

@@ -63,7 +63,7 @@ class Seq:
         self.cached = 0
 
 
-def step(runner, seqs, new_tokens, *, temperature=None, top_k=None, top_p=None, random_u=None):
+def step(runner, seqs, new_tokens, *, temperature=None, top_k=None, top_p=None, random_u=None, top_n=None):
     """One execute() over `seqs`, each getting its list of new tokens (left-aligned, padded)."""
     n, s = len(seqs), max(len(t) for t in new_tokens)
     bs, w = runner.block_size, max(len(q.blocks) for q in seqs)
@@ -84,7 +84,8 @@ def step(runner, seqs, new_tokens, *, temperature=None, top_k=None, top_p=None, 
         seq.cached += len(toks)
     f = lambda v, d, dt: np.full(n, d, dt) if v is None else np.asarray(v, dt)  # noqa: E731
     return runner.execute(ids, pos, slots, tables, ctx, qlen, f(temperature, 0.0, np.float32),
-                          f(top_k, 0, np.int32), f(top_p, 1.0, np.float32), f(random_u, 0.0, np.float32))
+                          f(top_k, 0, np.int32), f(top_p, 1.0, np.float32), f(random_u, 0.0, np.float32),
+                          top_n=None if top_n is None else f(top_n, 0, np.int32))
 
 
 def generate(runner, prompts, block_lists, *, max_len=TOTAL_STEPS + 1, max_steps=None):
@@ -312,6 +313,17 @@ def test_logprob_matches_numpy_forward(runner, tokenizer, reference):
         assert lp[0] <= 0.0 and lp.dtype == np.float32 and tok.dtype == np.int32
         assert abs(lp[0] - expected) <= 1e-3 * abs(expected) + 1e-6
         assert np.isclose(np.exp(lp[0]), np.exp(np_log_softmax(logits)).max(), rtol=1e-3)
+        # top log-probabilities: the reference's most likely tokens, in order, with their values; a row that
+        # did not ask (top_n 0) shares the step
+        runner.reset()
+        seqs = [Seq(blocks_for(0, 13)), Seq(blocks_for(1, 13))]
+        tok, lp, top_ids, top_lps = step(runner, seqs, [prompt, prompt], top_n=[5, 0])
+        ref = np_log_softmax(logits)
+        order = np.argsort(-ref, kind="stable")[:top_ids.shape[1]]
+        assert top_ids.shape == (2, 20) and top_ids[0, 0] == tok[0] and top_lps[0, 0] == pytest.approx(lp[0])
+        assert top_ids[0, :5].tolist() == order[:5].tolist()
+        np.testing.assert_allclose(top_lps[0], ref[order], rtol=1e-3, atol=1e-5)
+        assert (np.diff(top_lps[0]) <= 0).all()
 
 
 def test_paged_cache_is_layout_independent(small_block_runner, tokenizer, reference):

@@ -93,3 +93,30 @@ def test_errors_are_openai_shaped(client, stories_server):
     assert err.value.body["param"] == "max_tokens"
     status, body = http("POST", stories_server.url + "/v1/completions", raw=b"{nope")
     assert status == 400 and body["error"]["type"] == "invalid_request_error"
+
+
+def test_top_logprobs_on_every_api(client, stories_server):
+    text, logprobs, _ = native(stories_server.url, PROMPT, 6)
+    out = client.completions.create(model="hf", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3,
+                                    extra_body={"ignore_eos": True})
+    lp = out.choices[0].logprobs
+    for chosen, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(top) <= 3 and max(top.values()) == pytest.approx(value, abs=1e-4)   # greedy: the top one
+        assert sorted(top.values(), reverse=True) == list(top.values())
+    chat = client.chat.completions.create(model="hf", messages=[{"role": "user", "content": "A cat"}], max_tokens=6,
+                                          temperature=0, logprobs=True, top_logprobs=4)
+    for entry in chat.choices[0].logprobs.content:
+        assert len(entry.top_logprobs) == 4 and entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-4)
+        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="hf", messages=[{"role": "user", "content": "A"}], top_logprobs=2)
+    # TGI: top_n_tokens, streaming and not
+    status, body = http("POST", stories_server.url + "/generate_stream", {"inputs": PROMPT, "parameters": {
+        "max_new_tokens": 6, "ignore_eos": True, "top_n_tokens": 2}})
+    events = parse_sse(body)
+    assert all(len(e["top_tokens"]) == 2 and e["top_tokens"][0]["id"] == e["token"]["id"]
+               and e["top_tokens"][0]["logprob"] >= e["top_tokens"][1]["logprob"] for e in events)
+    status, body = http("POST", stories_server.url + "/generate", {"inputs": PROMPT, "parameters": {
+        "max_new_tokens": 6, "ignore_eos": True, "top_n_tokens": 2}})
+    assert status == 200 and len(body["details"]["top_tokens"]) == 6
+    assert [t[0]["logprob"] for t in body["details"]["top_tokens"]] == pytest.approx(logprobs, abs=1e-4)
