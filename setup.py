@@ -16,6 +16,7 @@ setup(
         "aiohttp",
         "psutil",
         "prometheus_client",
+        "jinja2",
     ],
     extras_require={
         "bench": ["matplotlib", "tqdm"],

@@ -212,9 +212,15 @@ class TokenizerConfig:
 
     type: str = "LlamaTokenizer"
     vocab_file: Optional[str] = None          # default: tokenizer.model in the model directory
+    # chat format of /v1/chat/completions: "llama2" (built in), a Jinja template (HF's chat_template
+    # convention) as text or a path to a file; null = the model directory's tokenizer_config.json
+    # chat_template if it has one, else llama2
+    chat_template: Optional[str] = None
 
     def __post_init__(self) -> None:
         _check(self.type == "LlamaTokenizer", "tokenizer.type", self.type, "only LlamaTokenizer is supported")
+        _check(self.chat_template is None or (isinstance(self.chat_template, str) and self.chat_template.strip()),
+               "tokenizer.chat_template", self.chat_template, "must be llama2, a Jinja template or a path to one")
         _check(self.vocab_file is None or (isinstance(self.vocab_file, str) and self.vocab_file),
                "tokenizer.vocab_file", self.vocab_file, "must be a path to a sentencepiece .model file")
 

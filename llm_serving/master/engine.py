@@ -21,6 +21,7 @@ from typing import Optional
 import numpy as np
 
 from llm_serving.agents import protocol as proto
+from llm_serving.chat import load_chat_template
 from llm_serving.master.agent_group import AgentError, AgentGroup
 from llm_serving.master.block_manager import BlockManager
 from llm_serving.master.request import Request, SamplingParams, TokenEvent
@@ -51,6 +52,7 @@ class Engine:
         mc = config.model_config
         self.stop_token_ids = frozenset(mc.end_token_ids or [tokenizer.eos_id])
         self.agents = AgentGroup(config, model_dir, on_lost=self._on_agent_lost)
+        self.chat_template = load_chat_template(config.tokenizer.chat_template, model_dir, tokenizer)
         self.requests: dict = {}
         self._detok: dict = {}
         self._wakeup = asyncio.Event()
@@ -83,9 +85,10 @@ class Engine:
         await self.agents.start()
         self.running = True
         self._loop_task = asyncio.create_task(self._step_loop(), name="engine-step-loop")
-        logger.info("engine ready in %.1f s: %d agent(s), %d KV blocks of %d tokens, max %d tokens per request",
-                    time.perf_counter() - t0, len(self.agents.agents), self.block_manager.num_blocks,
-                    self.block_manager.block_size, self.max_model_len)
+        logger.info("engine ready in %.1f s: %d agent(s), %d KV blocks of %d tokens, max %d tokens per request; "
+                    "chat template: %s", time.perf_counter() - t0, len(self.agents.agents),
+                    self.block_manager.num_blocks, self.block_manager.block_size, self.max_model_len,
+                    self.chat_template.source)
 
     async def stop(self, reason: str = "server shutting down") -> None:
         """Stop the step loop, abort what is in flight with reason, stop the agents."""

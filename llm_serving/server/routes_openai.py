@@ -4,8 +4,9 @@ Streaming and not, `n` choices (each its own request; with a seed, choice i uses
 `stream_options.include_usage`, `usage`, `logprobs` of the chosen tokens, `stop`, `seed`, `max_tokens`
 (`max_completion_tokens` for chat), `temperature` (OpenAI's default 1.0: sampling unless set to 0),
 `top_p`, and the extensions vLLM clients send (`top_k`, `ignore_eos`, `stop_token_ids`). Errors are
-OpenAI-shaped (see app.error_middleware). Chat prompts use the LLaMA-2 chat format
-(Tokenizer.encode_chat); a last assistant message is a prefix the reply continues.
+OpenAI-shaped (see app.error_middleware). Chat prompts go through the engine's chat template
+(llm_serving/chat.py: LLaMA-2 built in, or a Jinja template); a last assistant message is a prefix the
+reply continues.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import uuid
 
 from aiohttp import web
 
+from llm_serving.chat import ChatTemplateError
 from llm_serving.master.request import SamplingParams
 from llm_serving.server import schemas
 from llm_serving.server.keys import ENGINE
@@ -305,8 +307,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         raise ValidationError("top_logprobs needs logprobs: true", param="top_logprobs")
     messages = _messages(body.get("messages"))
     try:
-        prompt_ids = engine.tokenizer.encode_chat(messages)
-    except ValueError as exc:
+        prompt_ids = engine.chat_template.encode(messages)
+    except ChatTemplateError as exc:
         raise ValidationError(str(exc), param="messages") from None
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     sampling, given, n, stream, include_usage = _sampling(body, key, engine.max_model_len,

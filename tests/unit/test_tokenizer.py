@@ -5,6 +5,7 @@ removes extra whitespace, so sentencepiece's start-of-text rule reaches further)
 tiny model's tokenizer (built in a temp dir, needs nothing from ../shared).
 """
 import functools
+import json
 from pathlib import Path
 
 import numpy as np
@@ -212,3 +213,42 @@ def test_llama2_chat_format(llama2):
                 [{"role": "system", "content": "s"}]):
         with pytest.raises(ValueError):
             llama2.encode_chat(bad)
+
+
+# A LLaMA-2 chat template in the Jinja convention of HF's tokenizer_config.json (written for this test).
+LLAMA2_JINJA = (
+    "{% if messages[0]['role'] == 'system' %}{% set sys = '<<SYS>>\\n' + messages[0]['content'].strip()"
+    " + '\\n<</SYS>>\\n\\n' %}{% set msgs = messages[1:] %}{% else %}{% set sys = '' %}{% set msgs = messages %}"
+    "{% endif %}"
+    "{% for m in msgs %}"
+    "{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}{{ raise_exception('roles must alternate') }}{% endif %}"
+    "{% if m['role'] == 'user' %}{{ bos_token }}[INST] {{ (sys if loop.first else '') + m['content'].strip() }} [/INST]"
+    "{% elif loop.last %} {{ m['content'].strip() }}"
+    "{% else %} {{ m['content'].strip() }} {{ eos_token }}{% endif %}"
+    "{% endfor %}")
+
+
+def test_jinja_chat_template_matches_the_builtin_llama2_format(llama2, tmp_path):
+    from llm_serving.chat import ChatTemplate, ChatTemplateError, load_chat_template
+
+    jinja = ChatTemplate(llama2, LLAMA2_JINJA, source="test")
+    conversations = [
+        [{"role": "user", "content": "Hi"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": " Hi "},
+         {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Why?"}],
+        [{"role": "user", "content": "Name a fruit"}, {"role": "assistant", "content": "An apple"}]]
+    for messages in conversations:
+        assert jinja.encode(messages) == llama2.encode_chat(messages)
+    with pytest.raises(ChatTemplateError, match="alternate"):
+        jinja.encode([{"role": "assistant", "content": "x"}])
+    # where the template comes from: the model directory, a file, the built-in name; bad ones are named
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": LLAMA2_JINJA}))
+    assert load_chat_template(None, str(tmp_path), llama2).source.endswith("tokenizer_config.json")
+    assert load_chat_template(None, str(tmp_path / "nothing"), llama2).source == "llama2"
+    (tmp_path / "t.jinja").write_text("{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert load_chat_template(str(tmp_path / "t.jinja"), "", llama2).encode([{"role": "user", "content": "ab"}]) \
+        == [llama2.bos_id] + llama2.encode("ab", add_bos=False)
+    with pytest.raises(ValueError, match="no such file"):
+        load_chat_template("missing.jinja", "", llama2)
+    with pytest.raises(ValueError, match="not valid Jinja"):
+        load_chat_template("{% if %}", "", llama2)
