@@ -67,10 +67,16 @@ class Worker:
         capture = self.capture_dir is not None and self.rank == 0
         t0 = time.perf_counter()
         top_n = b.top_n[:n]
+        penalties = None
+        if b.history_len[:n].any():    # the master keeps a history only for rows with a penalty
+            width = int(b.history_len[:n].max())
+            penalties = {"history": b.history[:n, :width], "history_len": b.history_len[:n],
+                         "prompt_len": b.prompt_len[:n], "repetition": b.repetition_penalty[:n],
+                         "presence": b.presence_penalty[:n], "frequency": b.frequency_penalty[:n]}
         token_ids, logprobs, *more = self.runner.execute(
             b.input_ids[:n, :s], b.positions[:n, :s], b.slot_mapping[:n, :s], b.block_tables[:n],
             b.context_lens[:n], b.query_lens[:n], b.temperature[:n], b.top_k[:n], b.top_p[:n],
-            b.random_u[:n], return_logits=capture, top_n=top_n)
+            b.random_u[:n], return_logits=capture, top_n=top_n, penalties=penalties)
         model_s = time.perf_counter() - t0
         logits = more.pop(0) if capture else None
         if self.rank == 0:

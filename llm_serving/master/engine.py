@@ -68,7 +68,8 @@ class Engine:
         self.finish_listeners: list = []          # callables(request), called as each request ends (metrics)
         # seconds per phase of the step loop, summed over steps (see step_profile in stats())
         self.profile: Counter = Counter()
-        self._rows: list = []                 # per shm row: [request, its block table, entries written]
+        self._rows: list = []                 # per shm row: [request, its block table, entries written,
+        #                                       history tokens written]
         self._rows_buffers = None
         # supervision (see the module docstring)
         self._agent_failure: Optional[str] = None   # set when an agent failed; the step loop recovers
@@ -331,6 +332,12 @@ class Engine:
         for i, req in enumerate(batch.requests):
             if not req.sampling.greedy:
                 b.random_u[i] = req.random_u()
+            if req.sampling.penalized:            # the tokens the penalties count, appended as they come
+                state = self._rows[i]
+                have, total = state[3], req.num_tokens
+                if have < total:
+                    b.history[i, have:total] = req.tokens(have, total)
+                    b.history_len[i] = state[3] = total
 
     def _write_row_state(self, b, i: int, req: Request, table: list) -> None:
         rows = self._rows
@@ -350,8 +357,13 @@ class Engine:
         b.top_p[i] = sp.top_p
         b.random_u[i] = 0.0
         b.top_n[i] = sp.top_logprobs
+        b.repetition_penalty[i] = sp.repetition_penalty
+        b.presence_penalty[i] = sp.presence_penalty
+        b.frequency_penalty[i] = sp.frequency_penalty
+        b.history_len[i] = 0                      # written per step for rows with a penalty
+        b.prompt_len[i] = len(req.prompt_ids)
         b.request_ids[i] = req.number
-        rows[i] = [req, table, len(table)]
+        rows[i] = [req, table, len(table), 0]
 
     def _read_outputs(self, batch: ScheduledBatch) -> None:
         b = self.agents.buffers

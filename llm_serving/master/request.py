@@ -32,6 +32,13 @@ class SamplingParams:
     stop: tuple = ()                    # stop strings: the text ends before the first one that appears
     stop_token_ids: tuple = ()          # more tokens that end the request, on top of the model's EOS
     top_logprobs: int = 0               # also return this many most likely tokens per step (<= TOP_LOGPROBS)
+    repetition_penalty: float = 1.0     # HF/TGI: >1 discourages every token already in prompt or output
+    presence_penalty: float = 0.0       # OpenAI: subtracted once from tokens present in the output
+    frequency_penalty: float = 0.0      # OpenAI: subtracted per occurrence in the output
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
     def greedy(self) -> bool:

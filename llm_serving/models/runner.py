@@ -65,8 +65,8 @@ def _token_buckets(smallest: int, largest: int) -> list[int]:
 
 
 def _pad(arr: np.ndarray, size: int, fill) -> np.ndarray:
-    """arr (n,) padded with `fill` to (size,)."""
-    out = np.full((size,), fill, arr.dtype)
+    """arr (n, ...) padded with `fill` to (size, ...)."""
+    out = np.full((size,) + arr.shape[1:], fill, arr.dtype)
     out[:len(arr)] = arr
     return out
 
@@ -198,7 +198,7 @@ class ModelRunner:
 
         import mindspore as ms
         from .llama import LlamaForCausalLM
-        from .sampler import Sampler, TopLogprobs
+        from .sampler import Penalizer, Sampler, TopLogprobs
         self._ms = ms
         self.model = LlamaForCausalLM(cfg, weights, num_slots=self.num_slots, block_size=self.block_size,
                                       max_positions=self.max_context, device_target=device_target,
@@ -212,6 +212,8 @@ class ModelRunner:
         self.top_k_logprobs = min(TOP_LOGPROBS, cfg.vocab_size)
         self.top_logprobs = TopLogprobs(self.top_k_logprobs)             # some row asks for top logprobs
         self.top_logprobs.set_train(False)
+        self.penalizer = Penalizer()                                    # some row has a sampling penalty
+        self.penalizer.set_train(False)
         self._caches = [p for layer in self.model.layers for p in (layer.attn.key_cache, layer.attn.value_cache)]
 
     # ------------------------------------------------------------------ buckets
@@ -239,12 +241,15 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ execution
     def execute(self, input_ids, positions, slot_mapping, block_tables, context_lens, query_lens,
-                temperature, top_k, top_p, random_u, return_logits: bool = False, top_n=None):
+                temperature, top_k, top_p, random_u, return_logits: bool = False, top_n=None, penalties=None):
         """One step over n sequences; returns (next_token_ids int32 (n,), logprobs float32 (n,)), and with
         return_logits also the model's logits float32 (n, vocab) at each row's last new token (before
         temperature; copied to the host only when asked, for logits capture), and when some row of top_n
         (n,) is > 0 also (top_ids int32 (n, K), top_logprobs float32 (n, K)): each row's K = min(TOP_LOGPROBS,
-        vocab) most likely tokens under log_softmax(logits), most likely first.
+        vocab) most likely tokens under log_softmax(logits), most likely first. penalties: None, or a dict of
+        per-row arrays (see Penalizer): history int32 (n, <= max_context), history_len, prompt_len (n,),
+        repetition, presence, frequency (n,); rows with a penalty then choose from (and report the logprobs
+        and top logprobs of) the penalized logits.
 
         input_ids, positions, slot_mapping: int32 (n, s), new tokens left-aligned (padding: id 0, position 0,
         slot -1). block_tables int32 (n, w <= max_blocks_per_seq), padded with 0. context_lens (n,): tokens
@@ -267,6 +272,18 @@ class ModelRunner:
                    "temperature": np.asarray(temperature, np.float32), "top_k": np.asarray(top_k, np.int32),
                    "top_p": np.asarray(top_p, np.float32), "random_u": np.asarray(random_u, np.float32),
                    "top_n": np.zeros(n, np.int32) if top_n is None else np.asarray(top_n, np.int32)}
+        if penalties is not None:
+            pen = {k: np.asarray(penalties[k], np.float32) for k in ("repetition", "presence", "frequency")}
+            if ((pen["repetition"] != 1.0) | (pen["presence"] != 0.0) | (pen["frequency"] != 0.0)).any():
+                history = np.asarray(penalties["history"], np.int32)
+                if history.ndim != 2 or history.shape[0] != n or history.shape[1] > self.max_context:
+                    raise ValueError(f"ModelRunner.execute: penalties history has shape {history.shape}, "
+                                     f"expected ({n}, <= {self.max_context})")
+                full = np.zeros((n, self.max_context), np.int32)
+                full[:, :history.shape[1]] = np.clip(history, 0, self.config.vocab_size - 1)
+                per_row.update(pen, history=full,
+                               history_len=np.minimum(np.asarray(penalties["history_len"], np.int32), history.shape[1]),
+                               prompt_len=np.asarray(penalties["prompt_len"], np.int32))
         for name, arr in (("positions", positions), ("slot_mapping", slot_mapping)):
             if arr.shape != (n, s):
                 raise ValueError(f"ModelRunner.execute: {name} has shape {arr.shape}, expected {(n, s)}")
@@ -275,7 +292,7 @@ class ModelRunner:
             raise ValueError(f"ModelRunner.execute: block_tables has shape {block_tables.shape}, expected ({n}, w) "
                              f"with 1 <= w <= max_blocks_per_seq={self.max_blocks_per_seq}")
         for name, arr in per_row.items():
-            if arr.shape != (n,):
+            if name != "history" and arr.shape != (n,):
                 raise ValueError(f"ModelRunner.execute: {name} has shape {arr.shape}, expected ({n},)")
         ql, cl = per_row["query_lens"], per_row["context_lens"]
         if ql.min() < 1 or ql.max() > s:
@@ -321,7 +338,13 @@ class ModelRunner:
         T = self._ms.Tensor
         temperature, top_k, top_p = per_row["temperature"], per_row["top_k"], per_row["top_p"]
         sampling = temperature > 0
-        if sampling.any():   # run a sampling graph on the logits (which stay in MindSpore memory)
+        penalized = "history" in per_row
+        if penalized:        # penalties change the logits every row's choice comes from (greedy rows too)
+            logits = self._call("penalizer", (rows,), self.penalizer, logits, T(_pad(per_row["history"], rows, 0)),
+                                T(_pad(per_row["history_len"], rows, 0)), T(_pad(per_row["prompt_len"], rows, 0)),
+                                T(_pad(per_row["repetition"], rows, 1.0)), T(_pad(per_row["presence"], rows, 0.0)),
+                                T(_pad(per_row["frequency"], rows, 0.0)))
+        if sampling.any() or penalized:   # a sampling graph on the logits (which stay in MindSpore memory)
             filters = ((top_k[sampling] > 0) & (top_k[sampling] < self.config.vocab_size)).any() \
                 or (top_p[sampling] < 1.0).any()
             kind, cell = ("sampler", self.sampler) if filters else ("plain_sampler", self.plain_sampler)
@@ -415,14 +438,20 @@ class ModelRunner:
         return cell(*args)
 
     def _run_dummy(self, b: int, s: int, temperature: float, top_k: int, width: Optional[int] = None,
-                   top_n: int = 0) -> None:
+                   top_n: int = 0, penalty: bool = False) -> None:
         """One step of bucket (b, s) [and decode width] that writes only to the scratch block."""
         pos = np.minimum(np.arange(s, dtype=np.int32), self.max_context - 1)
         context = pos[-1] + 1 if width is None else width * self.block_size
         self.execute(np.zeros((b, s), np.int32), np.tile(pos, (b, 1)), np.full((b, s), -1, np.int32),
                      np.zeros((b, 1), np.int32), np.full((b,), context, np.int32), np.full((b,), s, np.int32),
                      np.full((b,), temperature, np.float32), np.full((b,), top_k, np.int32),
-                     np.ones((b,), np.float32), np.full((b,), 0.5, np.float32), top_n=np.full((b,), top_n, np.int32))
+                     np.ones((b,), np.float32), np.full((b,), 0.5, np.float32), top_n=np.full((b,), top_n, np.int32),
+                     penalties=self._dummy_penalties(b) if penalty else None)
+
+    def _dummy_penalties(self, rows: int) -> dict:
+        return {"history": np.zeros((rows, 1), np.int32), "history_len": np.ones(rows, np.int32),
+                "prompt_len": np.zeros(rows, np.int32), "repetition": np.full(rows, 1.1, np.float32),
+                "presence": np.zeros(rows, np.float32), "frequency": np.zeros(rows, np.float32)}
 
     def _run_dummy_packed(self, tokens: int, temperature: float, top_k: int) -> None:
         """One packed prefill step of `tokens` padding tokens (scratch block only, nothing attended)."""
@@ -434,6 +463,10 @@ class ModelRunner:
         per_row = {"temperature": np.full(rows, temperature, np.float32), "top_k": np.full(rows, top_k, np.int32),
                    "top_p": np.ones(rows, np.float32), "random_u": np.full(rows, 0.5, np.float32),
                    "top_n": np.full(rows, 1 if top_k else 0, np.int32)}   # the top-logprobs graph with the last
+        if top_k:                                                                  # and the penalizer
+            pen = self._dummy_penalties(rows)
+            full = np.zeros((rows, self.max_context), np.int32)
+            per_row.update({k: v for k, v in pen.items() if k != "history"}, history=full)
         self._finish(outputs, rows, rows, per_row, False)
 
     def graph_buckets(self) -> list[tuple]:
@@ -455,7 +488,8 @@ class ModelRunner:
                 self._run_dummy(b, s, 0.0, 0, w)    # the model graph (greedy)
                 if w is None or w == self.decode_block_widths[0]:   # the samplers depend on the batch size only
                     self._run_dummy(b, s, 1.0, 0, w)    # + the temperature-only sampler for this batch size
-                    self._run_dummy(b, s, 1.0, 5, w, top_n=1)   # + the top-k/top-p sampler, top logprobs
+                    self._run_dummy(b, s, 1.0, 5, w, top_n=1, penalty=True)   # + top-k/top-p sampler, top
+                    #                                                             logprobs, penalties
             shape = (f"T={b} tokens, {self.prefill_batch_sizes[-1]} rows" if kind == "packed"
                      else f"B={b}, S={s}" + (f", W={w}" if w is not None else ""))
             msg = (f"warmup {i + 1}/{len(buckets)}: {'decode' if kind == 'decode' else 'prefill'} bucket ({shape}) "

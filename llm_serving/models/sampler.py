@@ -26,7 +26,7 @@ from mindspore import nn, ops
 
 from .attention import MASK_VALUE
 
-__all__ = ["MAX_CANDIDATES", "Sampler", "TopLogprobs", "greedy_pick", "token_logprob"]
+__all__ = ["MAX_CANDIDATES", "Penalizer", "Sampler", "TopLogprobs", "greedy_pick", "token_logprob"]
 
 MAX_CANDIDATES = 1024
 
@@ -97,6 +97,32 @@ class Sampler(nn.Cell):
         ok = ops.gather_elements(probs, 1, token.reshape(b, 1)).reshape(b) > 0.0         # (B,)
         token = ops.select(ops.logical_and(ok, do_sample), token, greedy)                 # (B,)
         return token, token_logprob(logits, token)
+
+
+class Penalizer(nn.Cell):
+    """construct(logits (B, V), history (B, H) int32, history_len, prompt_len (B,) int32, repetition, presence,
+    frequency (B,) float32) -> penalized logits (B, V). Its own small graph, run only in steps where some
+    row has a penalty; the sampler then picks from its output (greedy rows too).
+
+    - repetition (HF / TGI, 1 = off): a token anywhere in the row's history (prompt + output) has its logit
+      divided by the penalty when positive, multiplied when negative;
+    - presence and frequency (OpenAI, 0 = off): a token's logit loses presence once if it occurs in the
+      output, and frequency per occurrence there.
+    Counts come from one scatter-add of the history over the vocabulary."""
+
+    def construct(self, logits, history, history_len, prompt_len, repetition, presence, frequency):
+        b, h = history.shape
+        pos = ops.arange(0, h, dtype=ms.int32).reshape(1, h)                              # (1, H)
+        valid = pos < history_len.reshape(b, 1)                                           # (B, H)
+        output = ops.logical_and(valid, pos >= prompt_len.reshape(b, 1))                  # (B, H)
+        ids = ops.select(valid, history, ops.zeros_like(history))                         # (B, H)
+        zeros = ops.zeros_like(logits)                                                    # (B, V)
+        seen = ops.tensor_scatter_elements(zeros, ids, valid.astype(ms.float32), axis=1, reduction="add")
+        count = ops.tensor_scatter_elements(zeros, ids, output.astype(ms.float32), axis=1, reduction="add")
+        rep = repetition.reshape(b, 1)                                                    # (B, 1)
+        logits = ops.select(seen > 0.0, ops.select(logits > 0.0, logits / rep, logits * rep), logits)
+        return (logits - frequency.reshape(b, 1) * count
+                - presence.reshape(b, 1) * (count > 0.0).astype(ms.float32))
 
 
 class TopLogprobs(nn.Cell):

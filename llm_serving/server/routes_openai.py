@@ -3,7 +3,8 @@
 Streaming and not, `n` choices (each its own request; with a seed, choice i uses seed + i),
 `stream_options.include_usage`, `usage`, `logprobs` of the chosen tokens, `stop`, `seed`, `max_tokens`
 (`max_completion_tokens` for chat), `temperature` (OpenAI's default 1.0: sampling unless set to 0),
-`top_p`, and the extensions vLLM clients send (`top_k`, `ignore_eos`, `stop_token_ids`). Errors are
+`top_p`, `presence_penalty`, `frequency_penalty`, and the extensions vLLM clients send (`top_k`,
+`ignore_eos`, `stop_token_ids`, `repetition_penalty`). Errors are
 OpenAI-shaped (see app.error_middleware). Chat prompts go through the engine's chat template
 (llm_serving/chat.py: LLaMA-2 built in, or a Jinja template); a last assistant message is a prefix the
 reply continues.
@@ -27,11 +28,12 @@ from llm_serving.shm.layout import TOP_LOGPROBS
 V = ""     # OpenAI fields are named bare in messages ("max_tokens", not "parameters.max_tokens")
 
 # fields accepted only at OpenAI's neutral value (or null) until they are implemented
-NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "best_of": 1, "logit_bias": {}, "echo": False,
+NEUTRAL = {"best_of": 1, "logit_bias": {}, "echo": False,
            "suffix": None, "parallel_tool_calls": None, "tools": None, "tool_choice": None,
            "response_format": None, "functions": None, "function_call": None}
 COMMON = {"model", "stream", "stream_options", "n", "stop", "seed", "temperature", "top_p", "top_k", "ignore_eos",
-          "stop_token_ids", "user", "logprobs", "max_tokens"} | set(NEUTRAL)
+          "stop_token_ids", "user", "logprobs", "max_tokens", "frequency_penalty", "presence_penalty",
+          "repetition_penalty"} | set(NEUTRAL)
 MAX_COMPLETION_LOGPROBS = 5     # OpenAI's limits: completions logprobs 0..5, chat top_logprobs 0..20
 COMPLETION_FIELDS = COMMON | {"prompt"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
@@ -81,7 +83,8 @@ def _sampling(body: dict, max_tokens_key: str, default_max: int, vocab_size: int
         top_k=0 if greedy or top_k == -1 else top_k, top_p=1.0 if greedy else top_p,
         seed=None if seed is None else seed % (1 << 63), ignore_eos=schemas._bool(body, "ignore_eos", False, prefix=V),
         stop=schemas.parse_stop(body.get("stop"), "stop"),
-        stop_token_ids=schemas.parse_stop_token_ids(body.get("stop_token_ids"), "stop_token_ids", vocab_size))
+        stop_token_ids=schemas.parse_stop_token_ids(body.get("stop_token_ids"), "stop_token_ids", vocab_size),
+        **schemas.parse_penalties(body, prefix=V))
     return sampling, max_tokens is not None, n, stream, include_usage
 
 

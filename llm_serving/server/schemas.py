@@ -36,11 +36,11 @@ class GenerateRequest:
 
 # Known TGI / llm-serving parameters that this version does not implement yet: accepted only when null
 # or at their neutral value, so clients that always send them keep working.
-NEUTRAL_PARAMETERS = {"repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
-                      "truncate": None, "typical_p": None,
+NEUTRAL_PARAMETERS = {"truncate": None, "typical_p": None,
                       "watermark": False, "decoder_input_details": False, "best_of": 1}
 KNOWN_PARAMETERS = {"max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed",
-                    "return_full_text", "ignore_eos", "details", "stop", "stop_token_ids", "top_n_tokens"} | set(NEUTRAL_PARAMETERS)
+                    "return_full_text", "ignore_eos", "details", "stop", "stop_token_ids", "top_n_tokens",
+                    "repetition_penalty", "frequency_penalty", "presence_penalty"} | set(NEUTRAL_PARAMETERS)
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
 
 
@@ -92,6 +92,13 @@ def _float(params: dict, key: str, default, lo: float, hi: float, lo_open: bool 
         raise ValidationError(f"{prefix}{key} must be in {'(' if lo_open else '['}{lo}, {hi}], got {value}",
                               param=key)
     return float(value)
+
+
+def parse_penalties(params: dict, prefix: str = "parameters.") -> dict:
+    """repetition_penalty in (0, 10] (1 = off), presence_penalty and frequency_penalty in [-2, 2] (0 = off)."""
+    return {"repetition_penalty": _float(params, "repetition_penalty", 1.0, 0.0, 10.0, lo_open=True, prefix=prefix),
+            "presence_penalty": _float(params, "presence_penalty", 0.0, -2.0, 2.0, prefix=prefix),
+            "frequency_penalty": _float(params, "frequency_penalty", 0.0, -2.0, 2.0, prefix=prefix)}
 
 
 def parse_stop(value, field: str) -> tuple:
@@ -163,7 +170,7 @@ def parse_generate(body: dict, *, stream_default: bool = False, vocab_size: int 
         top_k=top_k if sample else 0, top_p=top_p if sample else 1.0, seed=seed,
         ignore_eos=_bool(params, "ignore_eos", False), stop=parse_stop(params.get("stop"), "parameters.stop"),
         stop_token_ids=parse_stop_token_ids(params.get("stop_token_ids"), "parameters.stop_token_ids", vocab_size),
-        top_logprobs=_int(params, "top_n_tokens", 0, 0, TOP_LOGPROBS))
+        top_logprobs=_int(params, "top_n_tokens", 0, 0, TOP_LOGPROBS), **parse_penalties(params))
     return GenerateRequest(inputs=inputs, sampling=sampling, stream=stream,
                            return_full_text=_bool(params, "return_full_text", False),
                            details=_bool(params, "details", False),

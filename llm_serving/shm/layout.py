@@ -17,6 +17,14 @@ says n and s.
   top_p          float32  (max_rows,)                        master      1 = off
   random_u       float32  (max_rows,)                        master      uniform [0, 1) for sampling rows
   top_n          int32    (max_rows,)                        master      top log-probabilities wanted (0 = none)
+  repetition_penalty float32 (max_rows,)                     master      1 = off; >1 discourages seen tokens
+  presence_penalty   float32 (max_rows,)                     master      0 = off; per generated token seen
+  frequency_penalty  float32 (max_rows,)                     master      0 = off; per occurrence in the output
+  history        int32    (max_rows, max_context)            master      the row's tokens so far (prompt +
+                                                                         output), kept only for rows with a
+                                                                         penalty
+  history_len    int32    (max_rows,)                        master      valid entries of history (0 = none)
+  prompt_len     int32    (max_rows,)                        master      history[prompt_len:] is the output
   request_ids    int64    (max_rows,)                        master      request number per row (tracing,
                                                                          logits capture; not used by the model)
   out_token_ids  int32    (max_rows,)                        agent 0     sampled next token per row
@@ -51,15 +59,17 @@ class StepLayout:
     max_rows: int
     max_tokens: int
     max_blocks_per_seq: int
+    max_context: int = 0            # tokens a sequence may reach (history width)
 
     @classmethod
     def from_config(cls, config) -> "StepLayout":
         mc = config.model_config
         return cls(max_rows=max(mc.decode_batch_size[-1], mc.prefill_batch_size[-1]),
-                   max_tokens=mc.seq_length[-1], max_blocks_per_seq=config.max_blocks_per_seq)
+                   max_tokens=mc.seq_length[-1], max_blocks_per_seq=config.max_blocks_per_seq,
+                   max_context=config.max_blocks_per_seq * config.pa_config.block_size)
 
     def arrays(self) -> list:
-        r, t, w = self.max_rows, self.max_tokens, self.max_blocks_per_seq
+        r, t, w, c = self.max_rows, self.max_tokens, self.max_blocks_per_seq, max(self.max_context, 1)
         return [
             ArraySpec("input_ids", np.int32, (r, t)),
             ArraySpec("positions", np.int32, (r, t)),
@@ -72,6 +82,12 @@ class StepLayout:
             ArraySpec("top_p", np.float32, (r,)),
             ArraySpec("random_u", np.float32, (r,)),
             ArraySpec("top_n", np.int32, (r,)),
+            ArraySpec("repetition_penalty", np.float32, (r,)),
+            ArraySpec("presence_penalty", np.float32, (r,)),
+            ArraySpec("frequency_penalty", np.float32, (r,)),
+            ArraySpec("history", np.int32, (r, c)),
+            ArraySpec("history_len", np.int32, (r,)),
+            ArraySpec("prompt_len", np.int32, (r,)),
             ArraySpec("request_ids", np.int64, (r,)),
             ArraySpec("out_token_ids", np.int32, (r,)),
             ArraySpec("out_logprobs", np.float32, (r,)),

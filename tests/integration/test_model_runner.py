@@ -65,6 +65,12 @@ class Seq:
 
 def step(runner, seqs, new_tokens, *, temperature=None, top_k=None, top_p=None, random_u=None, top_n=None):
     """One execute() over `seqs`, each getting its list of new tokens (left-aligned, padded)."""
+    return runner.execute(*step_args(runner, seqs, new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                     random_u=random_u), top_n=None if top_n is None else np.asarray(top_n, np.int32))
+
+
+def step_args(runner, seqs, new_tokens, *, temperature=None, top_k=None, top_p=None, random_u=None):
+    """execute()'s positional arguments for `seqs` (advancing each seq's cached count)."""
     n, s = len(seqs), max(len(t) for t in new_tokens)
     bs, w = runner.block_size, max(len(q.blocks) for q in seqs)
     ids = np.zeros((n, s), np.int32)
@@ -83,9 +89,8 @@ def step(runner, seqs, new_tokens, *, temperature=None, top_k=None, top_p=None, 
         qlen[i] = len(toks)
         seq.cached += len(toks)
     f = lambda v, d, dt: np.full(n, d, dt) if v is None else np.asarray(v, dt)  # noqa: E731
-    return runner.execute(ids, pos, slots, tables, ctx, qlen, f(temperature, 0.0, np.float32),
-                          f(top_k, 0, np.int32), f(top_p, 1.0, np.float32), f(random_u, 0.0, np.float32),
-                          top_n=None if top_n is None else f(top_n, 0, np.int32))
+    return (ids, pos, slots, tables, ctx, qlen, f(temperature, 0.0, np.float32), f(top_k, 0, np.int32),
+            f(top_p, 1.0, np.float32), f(random_u, 0.0, np.float32))
 
 
 def generate(runner, prompts, block_lists, *, max_len=TOTAL_STEPS + 1, max_steps=None):
@@ -324,6 +329,34 @@ def test_logprob_matches_numpy_forward(runner, tokenizer, reference):
         assert top_ids[0, :5].tolist() == order[:5].tolist()
         np.testing.assert_allclose(top_lps[0], ref[order], rtol=1e-3, atol=1e-5)
         assert (np.diff(top_lps[0]) <= 0).all()
+
+
+def np_penalize(logits, history, prompt_len, repetition, presence, frequency):
+    out = logits.astype(np.float64).copy()
+    seen = np.unique(history)
+    out[seen] = np.where(out[seen] > 0, out[seen] / repetition, out[seen] * repetition)
+    counts = np.bincount(history[prompt_len:], minlength=len(out))
+    return out - frequency * counts - presence * (counts > 0)
+
+
+def test_penalties_match_numpy_and_leave_other_rows_alone(runner, tokenizer, reference):
+    cfg, weights = load_llama_weights(str(MODEL_DIR))
+    prompt = [BOS] + tokenizer.encode(reference[0]["prompt"])
+    logits = np_forward_last_logits(cfg, weights, prompt)
+    greedy = int(np.argmax(logits))
+    history = np.asarray(prompt + [greedy, greedy], np.int32)   # as if the greedy token had come out twice
+    plen = len(prompt) - 1                  # ... after the prompt's last token, also counted as output
+    runner.reset()
+    seqs = [Seq(blocks_for(0, 13)), Seq(blocks_for(1, 13))]
+    pen = {"history": np.stack([history, history]), "history_len": [len(history), 0], "prompt_len": [plen, 0],
+           "repetition": [1.3, 1.0], "presence": [0.4, 0.0], "frequency": [0.3, 0.0]}
+    tok, lp, top_ids, top_lps = runner.execute(*step_args(runner, seqs, [prompt, prompt]), top_n=np.array([3, 0]),
+                                               penalties=pen)
+    ref = np_log_softmax(np_penalize(logits, history, plen, 1.3, 0.4, 0.3))
+    assert tok[0] == int(np.argmax(ref)) != greedy                      # the penalty changed the choice
+    assert lp[0] == pytest.approx(ref[tok[0]], rel=1e-3)
+    assert top_ids[0, :3].tolist() == np.argsort(-ref)[:3].tolist()
+    assert tok[1] == greedy                                             # the row without penalty: plain greedy
 
 
 def test_paged_cache_is_layout_independent(small_block_runner, tokenizer, reference):

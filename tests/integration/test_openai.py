@@ -120,3 +120,25 @@ def test_top_logprobs_on_every_api(client, stories_server):
         "max_new_tokens": 6, "ignore_eos": True, "top_n_tokens": 2}})
     assert status == 200 and len(body["details"]["top_tokens"]) == 6
     assert [t[0]["logprob"] for t in body["details"]["top_tokens"]] == pytest.approx(logprobs, abs=1e-4)
+
+
+def test_penalties_discourage_repetition_and_neutral_values_change_nothing(client, stories_server):
+    def tgi(**params):
+        """(text, token ids) of a greedy 120-token request through /generate_stream."""
+        status, body = http("POST", stories_server.url + "/generate_stream", {"inputs": PROMPT, "parameters": {
+            "max_new_tokens": 120, "ignore_eos": True, **params}})
+        assert status == 200, body
+        events = parse_sse(body)
+        return events[-1]["generated_text"], [e["token"]["id"] for e in events if e["token"]]
+    plain, plain_ids = tgi()
+    assert tgi(repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)[0] == plain
+    # a strong penalty on every repeat: more distinct tokens than plain greedy (whose stories repeat)
+    for params in ({"repetition_penalty": 2.0}, {"frequency_penalty": 2.0}, {"presence_penalty": 2.0}):
+        text, ids = tgi(**params)
+        assert text != plain and len(set(ids)) > len(set(plain_ids)), (params, len(set(ids)), len(set(plain_ids)))
+        assert tgi(**params)[0] == text                                       # greedy: deterministic
+    ask = dict(model="hf", prompt=PROMPT, max_tokens=120, temperature=0, extra_body={"ignore_eos": True})
+    assert client.completions.create(frequency_penalty=2.0, **ask).choices[0].text == tgi(frequency_penalty=2.0)[0]
+    assert client.completions.create(presence_penalty=0.0, frequency_penalty=0.0, **ask).choices[0].text == plain
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(frequency_penalty=3.0, **ask)
