@@ -75,9 +75,10 @@ MIXED = ["Once upon a time", "Tom had a red ball and a big blue kite that he lik
          "A dog", "Sam was sad because"]
 
 
-async def _token_ids(session, url, prompt, max_new_tokens, delay=0.0):
+async def _token_ids(session, url, prompt, max_new_tokens, delay=0.0, **params):
     await asyncio.sleep(delay)
-    body = {"inputs": prompt, "parameters": {"max_new_tokens": max_new_tokens, "ignore_eos": True}, "stream": True}
+    body = {"inputs": prompt, "parameters": {"max_new_tokens": max_new_tokens, "ignore_eos": True, **params},
+            "stream": True}
     ids = []
     async with session.post(f"{url}/models/hf/generate", json=body) as resp:
         assert resp.status == 200
@@ -114,3 +115,27 @@ def test_greedy_tokens_do_not_depend_on_the_batch(stories_server):
     assert time.monotonic() - t0 < 120
     decode = {k: v - before["batch_sizes"]["decode"].get(k, 0) for k, v in after["batch_sizes"]["decode"].items()}
     assert any(int(k) >= 6 and v > 0 for k, v in decode.items()), decode   # the mixed batch really ran together
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(stories_server):
+    """The same seed gives the same tokens alone, and amid other sampling and penalized requests."""
+    url = stories_server.url
+    seeded = dict(do_sample=True, temperature=0.9, top_p=0.95, seed=20261123)
+
+    async def run(batch: bool):
+        async with aiohttp.ClientSession() as s:
+            mine = _token_ids(s, url, "Once upon a time", 40, **seeded)
+            if not batch:
+                return await mine
+            others = [_token_ids(s, url, p, 40, do_sample=True, temperature=1.1, seed=i, repetition_penalty=1.2)
+                      for i, p in enumerate(MIXED)]
+            return (await asyncio.gather(mine, *others))[0]
+    alone = asyncio.run(run(False))
+    assert asyncio.run(run(True)) == alone and asyncio.run(run(False)) == alone
+    greedy = asyncio.run(_greedy(url))
+    assert alone != greedy                                   # it did sample
+
+
+async def _greedy(url):
+    async with aiohttp.ClientSession() as s:
+        return await _token_ids(s, url, "Once upon a time", 40)
