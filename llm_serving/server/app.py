@@ -36,8 +36,8 @@ OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: 
 def error_response(request: web.Request, status: int, message: str, kind: str, param=None) -> web.Response:
     """The error body of the API the path belongs to: OpenAI's under /v1/, llm-serving / TGI's elsewhere."""
     if request.path.startswith("/v1/"):
-        body = {"error": {"message": message, "type": OPENAI_TYPES.get(status, "invalid_request_error"),
-                          "param": param, "code": "model_not_found" if kind == "not_found" else None}}
+        body = streaming.openai_error_body(message, OPENAI_TYPES.get(status, "invalid_request_error"), param,
+                                           "model_not_found" if kind == "not_found" else None)
     else:
         body = streaming.error_body(message, kind)
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None

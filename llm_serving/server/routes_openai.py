@@ -20,7 +20,7 @@ from aiohttp import web
 
 from llm_serving.chat import ChatTemplateError
 from llm_serving.master.request import SamplingParams
-from llm_serving.server import schemas
+from llm_serving.server import schemas, streaming
 from llm_serving.server.keys import ENGINE
 from llm_serving.server.schemas import ValidationError
 from llm_serving.shm.layout import TOP_LOGPROBS
@@ -62,26 +62,26 @@ def _model(engine, body: dict) -> str:
 
 def _sampling(body: dict, max_tokens_key: str, default_max: int, vocab_size: int):
     """(SamplingParams, max_tokens given, n, stream, include_usage, logprobs)."""
-    max_tokens = schemas._int(body, max_tokens_key, None, 1, 1 << 20, prefix=V)
+    max_tokens = schemas.int_field(body, max_tokens_key, None, 1, 1 << 20, prefix=V)
     if max_tokens_key != "max_tokens" and max_tokens is None:
-        max_tokens = schemas._int(body, "max_tokens", None, 1, 1 << 20, prefix=V)
-    temperature = schemas._float(body, "temperature", 1.0, 0.0, 2.0, prefix=V)
-    top_p = schemas._float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True, prefix=V)
-    top_k = schemas._int(body, "top_k", 0, -1, 1 << 20, prefix=V)
-    seed = schemas._int(body, "seed", None, -(1 << 63), (1 << 64) - 1, prefix=V)
-    n = schemas._int(body, "n", 1, 1, MAX_N, prefix=V)
-    stream = schemas._bool(body, "stream", False, prefix=V)
+        max_tokens = schemas.int_field(body, "max_tokens", None, 1, 1 << 20, prefix=V)
+    temperature = schemas.float_field(body, "temperature", 1.0, 0.0, 2.0, prefix=V)
+    top_p = schemas.float_field(body, "top_p", 1.0, 0.0, 1.0, lo_open=True, prefix=V)
+    top_k = schemas.int_field(body, "top_k", 0, -1, 1 << 20, prefix=V)
+    seed = schemas.int_field(body, "seed", None, -(1 << 63), (1 << 64) - 1, prefix=V)
+    n = schemas.int_field(body, "n", 1, 1, MAX_N, prefix=V)
+    stream = schemas.bool_field(body, "stream", False, prefix=V)
     options = body.get("stream_options")
     if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}):
         raise ValidationError("stream_options must be an object with only include_usage", param="stream_options")
-    include_usage = schemas._bool(options or {}, "include_usage", False, prefix="stream_options.")
+    include_usage = schemas.bool_field(options or {}, "include_usage", False, prefix="stream_options.")
     if options is not None and not stream:
         raise ValidationError("stream_options is only allowed with stream: true", param="stream_options")
     greedy = temperature == 0.0
     sampling = SamplingParams(
         max_new_tokens=max_tokens or default_max, temperature=temperature,
         top_k=0 if greedy or top_k == -1 else top_k, top_p=1.0 if greedy else top_p,
-        seed=None if seed is None else seed % (1 << 63), ignore_eos=schemas._bool(body, "ignore_eos", False, prefix=V),
+        seed=None if seed is None else seed % (1 << 63), ignore_eos=schemas.bool_field(body, "ignore_eos", False, prefix=V),
         stop=schemas.parse_stop(body.get("stop"), "stop"),
         stop_token_ids=schemas.parse_stop_token_ids(body.get("stop_token_ids"), "stop_token_ids", vocab_size),
         **schemas.parse_penalties(body, prefix=V))
@@ -149,6 +149,12 @@ def _submit(engine, prompt_ids, sampling, n) -> list:
 
 async def _events(reqs):
     """(choice index, event) from every request as they come, until each has its final event."""
+    if len(reqs) == 1:                  # the common case: no merging task on the per-token path
+        while True:
+            event = await reqs[0].events.get()
+            yield 0, event
+            if event.finish_reason is not None:
+                return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i, req):
@@ -180,10 +186,6 @@ def _finish_reason(event):
     return {"abort": "abort", "error": "error"}.get(event.finish_reason, event.finish_reason)
 
 
-def _sse(payload) -> bytes:
-    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
-
-
 async def _respond(request, engine, reqs, *, chat: bool, model: str, stream: bool, include_usage: bool,
                    logprobs: bool):
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -210,8 +212,8 @@ async def _respond(request, engine, reqs, *, chat: bool, model: str, stream: boo
                     finals[i] = event
             errors = [f for f in finals if f.finish_reason == "error"]
             if errors:
-                return web.json_response({"error": {"message": errors[0].error or "generation failed",
-                                                    "type": "server_error", "param": None, "code": None}}, status=500)
+                return web.json_response(streaming.openai_error_body(errors[0].error or "generation failed",
+                                                                     "server_error"), status=500)
             choices = []
             for i, final in enumerate(finals):
                 text = "".join(texts[i])
@@ -234,15 +236,15 @@ async def _respond(request, engine, reqs, *, chat: bool, model: str, stream: boo
             payload = {"id": rid, "object": chunk_obj, "created": created, "model": model, "choices": choices}
             if include_usage:
                 payload["usage"] = usage
-            return _sse(payload)
+            return streaming.sse(payload)
         if chat:
             for i in range(len(reqs)):
                 await response.write(chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                                              "logprobs": None, "finish_reason": None}]))
         async for i, event in _events(reqs):
             if event.finish_reason == "error":
-                await response.write(_sse({"error": {"message": event.error or "generation failed",
-                                                     "type": "server_error", "param": None, "code": None}}))
+                await response.write(streaming.sse(streaming.openai_error_body(event.error or "generation failed",
+                                                                               "server_error")))
                 break
             reason = _finish_reason(event) if event.finish_reason else None
             if not event.text and reason is None:
@@ -256,7 +258,7 @@ async def _respond(request, engine, reqs, *, chat: bool, model: str, stream: boo
             else:
                 choice = {"index": i, "text": event.text, "logprobs": lp, "finish_reason": reason}
             await response.write(chunk([choice]))
-        else:
+        else:                                    # every choice ended without an error
             if include_usage:
                 await response.write(chunk([], _usage(reqs)))
         await response.write(b"data: [DONE]\n\n")
@@ -305,7 +307,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     engine, body, model, logprobs = await _read(request, CHAT_FIELDS)
     if logprobs is not None and not isinstance(logprobs, bool):
         raise ValidationError("logprobs must be true or false", param="logprobs")
-    top = schemas._int(body, "top_logprobs", 0, 0, TOP_LOGPROBS, prefix=V)
+    top = schemas.int_field(body, "top_logprobs", 0, 0, TOP_LOGPROBS, prefix=V)
     if top and not logprobs:
         raise ValidationError("top_logprobs needs logprobs: true", param="top_logprobs")
     messages = _messages(body.get("messages"))

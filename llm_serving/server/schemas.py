@@ -61,7 +61,7 @@ def parse_json_body(raw: bytes) -> dict:
     return body
 
 
-def _bool(params: dict, key: str, default: bool, prefix: str = "parameters.") -> bool:
+def bool_field(params: dict, key: str, default: bool, prefix: str = "parameters.") -> bool:
     value = params.get(key, default)
     if value is None:
         return default
@@ -70,7 +70,7 @@ def _bool(params: dict, key: str, default: bool, prefix: str = "parameters.") ->
     return value
 
 
-def _int(params: dict, key: str, default, lo: int, hi: int, prefix: str = "parameters."):
+def int_field(params: dict, key: str, default, lo: int, hi: int, prefix: str = "parameters."):
     value = params.get(key, default)
     if value is None:
         return default
@@ -81,7 +81,7 @@ def _int(params: dict, key: str, default, lo: int, hi: int, prefix: str = "param
     return value
 
 
-def _float(params: dict, key: str, default, lo: float, hi: float, lo_open: bool = False,
+def float_field(params: dict, key: str, default, lo: float, hi: float, lo_open: bool = False,
            prefix: str = "parameters."):
     value = params.get(key, default)
     if value is None:
@@ -96,9 +96,9 @@ def _float(params: dict, key: str, default, lo: float, hi: float, lo_open: bool 
 
 def parse_penalties(params: dict, prefix: str = "parameters.") -> dict:
     """repetition_penalty in (0, 10] (1 = off), presence_penalty and frequency_penalty in [-2, 2] (0 = off)."""
-    return {"repetition_penalty": _float(params, "repetition_penalty", 1.0, 0.0, 10.0, lo_open=True, prefix=prefix),
-            "presence_penalty": _float(params, "presence_penalty", 0.0, -2.0, 2.0, prefix=prefix),
-            "frequency_penalty": _float(params, "frequency_penalty", 0.0, -2.0, 2.0, prefix=prefix)}
+    return {"repetition_penalty": float_field(params, "repetition_penalty", 1.0, 0.0, 10.0, lo_open=True, prefix=prefix),
+            "presence_penalty": float_field(params, "presence_penalty", 0.0, -2.0, 2.0, prefix=prefix),
+            "frequency_penalty": float_field(params, "frequency_penalty", 0.0, -2.0, 2.0, prefix=prefix)}
 
 
 def parse_stop(value, field: str) -> tuple:
@@ -154,12 +154,12 @@ def parse_generate(body: dict, *, stream_default: bool = False, vocab_size: int 
             raise ValidationError(f"parameters.{key} is not supported by this server yet "
                                   f"(send null or {json.dumps(neutral)})")
 
-    max_new_tokens = _int(params, "max_new_tokens", None, 1, 1 << 20)
-    do_sample = _bool(params, "do_sample", False)
-    temperature = _float(params, "temperature", None, 0.0, 100.0)
-    top_k = _int(params, "top_k", 0, 0, 1 << 20)
-    top_p = _float(params, "top_p", 1.0, 0.0, 1.0, lo_open=True)
-    seed = _int(params, "seed", None, 0, (1 << 63) - 1)
+    max_new_tokens = int_field(params, "max_new_tokens", None, 1, 1 << 20)
+    do_sample = bool_field(params, "do_sample", False)
+    temperature = float_field(params, "temperature", None, 0.0, 100.0)
+    top_k = int_field(params, "top_k", 0, 0, 1 << 20)
+    top_p = float_field(params, "top_p", 1.0, 0.0, 1.0, lo_open=True)
+    seed = int_field(params, "seed", None, 0, (1 << 63) - 1)
     # TGI's rule: sampling is on when asked for, or when any sampling knob is set away from neutral.
     sample = do_sample or (temperature is not None and temperature not in (0.0, 1.0)) or top_k > 0 or top_p < 1.0
     if temperature == 0.0:
@@ -168,12 +168,12 @@ def parse_generate(body: dict, *, stream_default: bool = False, vocab_size: int 
         max_new_tokens=max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
         temperature=(temperature if temperature is not None else 1.0) if sample else 0.0,
         top_k=top_k if sample else 0, top_p=top_p if sample else 1.0, seed=seed,
-        ignore_eos=_bool(params, "ignore_eos", False), stop=parse_stop(params.get("stop"), "parameters.stop"),
+        ignore_eos=bool_field(params, "ignore_eos", False), stop=parse_stop(params.get("stop"), "parameters.stop"),
         stop_token_ids=parse_stop_token_ids(params.get("stop_token_ids"), "parameters.stop_token_ids", vocab_size),
-        top_logprobs=_int(params, "top_n_tokens", 0, 0, TOP_LOGPROBS), **parse_penalties(params))
+        top_logprobs=int_field(params, "top_n_tokens", 0, 0, TOP_LOGPROBS), **parse_penalties(params))
     return GenerateRequest(inputs=inputs, sampling=sampling, stream=stream,
-                           return_full_text=_bool(params, "return_full_text", False),
-                           details=_bool(params, "details", False),
+                           return_full_text=bool_field(params, "return_full_text", False),
+                           details=bool_field(params, "details", False),
                            max_new_tokens_given=max_new_tokens is not None)
 
 

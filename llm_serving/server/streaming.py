@@ -44,3 +44,8 @@ def failed_body(req: Request, message: str) -> dict:
     """A request that ended with finish_reason "error" (its agent failed): TGI's error shape plus the details,
     so clients that read either see why and how far it got."""
     return {**error_body(message, "generation"), "details": details(req, "error")}
+
+
+def openai_error_body(message: str, error_type: str, param=None, code=None) -> dict:
+    """OpenAI's error shape (its clients read error.type, error.param and error.code)."""
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
