@@ -91,8 +91,8 @@ class Engine:
                     self.block_manager.num_blocks, self.block_manager.block_size, self.max_model_len,
                     self.chat_template.source)
 
-    async def stop(self, reason: str = "server shutting down") -> None:
-        """Stop the step loop, abort what is in flight with reason, stop the agents."""
+    async def stop(self) -> None:
+        """Stop the step loop, abort what is still in flight, stop the agents."""
         self.running = False
         if self._loop_task is not None:
             self._loop_task.cancel()
@@ -100,7 +100,7 @@ class Engine:
                 await self._loop_task
             except (asyncio.CancelledError, Exception):
                 pass
-        self.abort_all(reason)
+        self.abort_all("server shutting down")
         await self.agents.stop()
 
     def drain(self, reason: str) -> None:

@@ -4,8 +4,8 @@ arrives split across tokens.
 Streaming must not show characters that may turn out to begin a stop string, so the longest tail of the
 text that is the beginning of some stop string is held back until the next token shows whether it is
 (or the request ends for another reason and `flush` releases it). A match can only end in the newest
-piece, so each push searches only where such a match could start: O((piece + longest stop) x stops)
-per token.
+piece, so each push searches only where such a match could start, and the held-back tail is looked up
+among the stops' prefixes that end in the text's last character.
 """
 from __future__ import annotations
 
@@ -14,6 +14,11 @@ class StopStrings:
     def __init__(self, stops):
         self.stops = tuple(s for s in stops if s)
         self.hold = max(map(len, self.stops), default=1) - 1
+        # proper prefixes of the stops by their last character, longest first: the text's tail can only be
+        # one of those that end in the text's last character
+        self._prefixes: dict = {}
+        for p in sorted({s[:k] for s in self.stops for k in range(1, len(s))}, key=len, reverse=True):
+            self._prefixes.setdefault(p[-1], []).append(p)
         self.text = ""          # everything pushed, up to the stop string once one matched
         self.sent = 0           # characters of text already released
         self.stopped = False
@@ -34,11 +39,9 @@ class StopStrings:
 
     def _open_prefix(self) -> int:
         """Length of the longest tail of text that begins some stop string (and may still complete it)."""
-        for k in range(min(self.hold, len(self.text)), 0, -1):
-            tail = self.text[-k:]
-            if any(s.startswith(tail) for s in self.stops):
-                return k
-        return 0
+        if not self.text:
+            return 0
+        return next((len(p) for p in self._prefixes.get(self.text[-1], ()) if self.text.endswith(p)), 0)
 
     def flush(self) -> str:
         """The request ended for another reason: release what was held back."""

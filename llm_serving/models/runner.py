@@ -449,7 +449,7 @@ class ModelRunner:
                      penalties=self._dummy_penalties(b) if penalty else None)
 
     def _dummy_penalties(self, rows: int) -> dict:
-        return {"history": np.zeros((rows, 1), np.int32), "history_len": np.ones(rows, np.int32),
+        return {"history": np.zeros((rows, self.max_context), np.int32), "history_len": np.ones(rows, np.int32),
                 "prompt_len": np.zeros(rows, np.int32), "repetition": np.full(rows, 1.1, np.float32),
                 "presence": np.zeros(rows, np.float32), "frequency": np.zeros(rows, np.float32)}
 
@@ -464,9 +464,7 @@ class ModelRunner:
                    "top_p": np.ones(rows, np.float32), "random_u": np.full(rows, 0.5, np.float32),
                    "top_n": np.full(rows, 1 if top_k else 0, np.int32)}   # the top-logprobs graph with the last
         if top_k:                                                                  # and the penalizer
-            pen = self._dummy_penalties(rows)
-            full = np.zeros((rows, self.max_context), np.int32)
-            per_row.update({k: v for k, v in pen.items() if k != "history"}, history=full)
+            per_row.update(self._dummy_penalties(rows))
         self._finish(outputs, rows, rows, per_row, False)
 
     def graph_buckets(self) -> list[tuple]:

@@ -12,6 +12,7 @@ reply continues.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -61,7 +62,7 @@ def _model(engine, body: dict) -> str:
 
 
 def _sampling(body: dict, max_tokens_key: str, default_max: int, vocab_size: int):
-    """(SamplingParams, max_tokens given, n, stream, include_usage, logprobs)."""
+    """(SamplingParams, whether max_tokens was given, n, stream, include_usage)."""
     max_tokens = schemas.int_field(body, max_tokens_key, None, 1, 1 << 20, prefix=V)
     if max_tokens_key != "max_tokens" and max_tokens is None:
         max_tokens = schemas.int_field(body, "max_tokens", None, 1, 1 << 20, prefix=V)
@@ -88,18 +89,18 @@ def _sampling(body: dict, max_tokens_key: str, default_max: int, vocab_size: int
     return sampling, max_tokens is not None, n, stream, include_usage
 
 
-def _prompt_ids(engine, prompt) -> tuple:
-    """(text, token ids) of a completions prompt: a string, a list of one string, or a list of token ids."""
+def _prompt_ids(engine, prompt) -> list:
+    """Token ids of a completions prompt: a string, a list of one string, or a list of token ids."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
         if not prompt:
             raise ValidationError("'prompt' is empty", param="prompt")
-        return prompt, engine.tokenizer.encode(prompt, add_bos=True)
+        return engine.tokenizer.encode(prompt, add_bos=True)
     vocab = engine.tokenizer.vocab_size
     if (isinstance(prompt, list) and prompt
             and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt)):
-        return engine.tokenizer.decode(prompt), list(prompt)
+        return list(prompt)
     raise ValidationError(f"'prompt' must be a non-empty string, a list of one string, or a list of token ids in "
                           f"0..{vocab - 1} (one prompt per request)", param="prompt")
 
@@ -137,8 +138,8 @@ def _submit(engine, prompt_ids, sampling, n) -> list:
     reqs = []
     try:
         for i in range(n):
-            sp = sampling if i == 0 else SamplingParams(**{**vars(sampling), "seed": None if sampling.seed is None
-                                                           else (sampling.seed + i) % (1 << 63)})
+            sp = sampling if i == 0 or sampling.seed is None else \
+                dataclasses.replace(sampling, seed=(sampling.seed + i) % (1 << 63))
             reqs.append(engine.submit(prompt_ids, sp))
     except BaseException:
         for req in reqs:
@@ -194,12 +195,10 @@ async def _respond(request, engine, reqs, *, chat: bool, model: str, stream: boo
 
     tok = engine.tokenizer
 
-    def lp_entry(event):
-        if chat:
-            return {"token": event.text, "logprob": event.logprob, "bytes": list(event.text.encode()),
-                    "top_logprobs": [{"token": tok.token_text(i), "logprob": lp,
-                                      "bytes": list(tok.token_text(i).encode())} for i, lp in event.top or ()]}
-        return event
+    def chat_logprob(event):
+        return {"token": event.text, "logprob": event.logprob, "bytes": list(event.text.encode()),
+                "top_logprobs": [{"token": tok.token_text(i), "logprob": lp,
+                                  "bytes": list(tok.token_text(i).encode())} for i, lp in event.top or ()]}
 
     try:
         if not stream:
@@ -220,7 +219,7 @@ async def _respond(request, engine, reqs, *, chat: bool, model: str, stream: boo
                 choice = {"index": i, "finish_reason": _finish_reason(final)}
                 if chat:
                     choice["message"] = {"role": "assistant", "content": text}
-                    choice["logprobs"] = {"content": [lp_entry(e) for e in lps[i]]} if logprobs else None
+                    choice["logprobs"] = {"content": [chat_logprob(e) for e in lps[i]]} if logprobs else None
                 else:
                     choice["text"] = text
                     choice["logprobs"] = _completion_logprobs(lps[i], tok) if logprobs else None
@@ -251,7 +250,7 @@ async def _respond(request, engine, reqs, *, chat: bool, model: str, stream: boo
                 continue                         # held back (stop strings) or a special token: nothing to send
             lp = None
             if logprobs and event.token_id >= 0:
-                lp = {"content": [lp_entry(event)]} if chat else _completion_logprobs([event], tok)
+                lp = {"content": [chat_logprob(event)]} if chat else _completion_logprobs([event], tok)
             if chat:
                 delta = {"content": event.text} if event.text else {}
                 choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}
@@ -294,7 +293,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
                               "tokens to list besides the chosen one)", param="logprobs")
     if "prompt" not in body:
         raise ValidationError("'prompt' is required", param="prompt")
-    text, prompt_ids = _prompt_ids(engine, body["prompt"])
+    prompt_ids = _prompt_ids(engine, body["prompt"])
     sampling, given, n, stream, include_usage = _sampling(body, "max_tokens", 16, engine.tokenizer.vocab_size)
     sampling.top_logprobs = logprobs or 0
     _fit(engine, sampling, given, prompt_ids, "max_tokens")
