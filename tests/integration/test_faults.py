@@ -141,7 +141,9 @@ def test_agent_killed_mid_load_fails_its_requests_then_serves_again(server_facto
     # restart, and so did those that had finished before: every one of those has all its tokens
     assert 1 <= len(failed) <= 32                           # at most max_num_seqs were running
     for f in failed:
-        assert f["error_type"] == "generation" and "agent failure" in f["error"] and "exited" in f["error"], f
+        # the reason names the agent: its exit code, or the dropped connection when that is noticed first
+        assert f["error_type"] == "generation" and "agent failure: agent 0" in f["error"], f
+        assert "exited with code -9" in f["error"] or "connection lost" in f["error"], f
         assert f["details"]["generated_tokens"] < max_new
     assert all(f["details"]["generated_tokens"] == max_new for f in finished)
     assert len(finished) > 40                                # queued requests survived the restart
