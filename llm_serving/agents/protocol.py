@@ -15,8 +15,13 @@ Commands (llm-serving's letters), payload keys, and the reply payload on success
                 logits capture (rank 0): every step's inputs and full logits go to dir/step_NNNNNNNN.npz
                 (see agents/worker.py) until max_steps or a capture with dir null, which stops it
   'e' exit      {seq}               reply, then the agent exits    -> {}
-Reply: command 'R', payload {seq, ok: bool, error: str (when not ok), ...}. `seq` echoes the request's,
-so replies may come back out of order (the agent serves control before prefill before decode).
+Reply: command 'R', payload {seq, ok: bool, error: str (when not ok), fatal: true (when not ok because the
+agent can serve no more steps: its tensor-parallel group is out of step), ...}. `seq` echoes the
+request's, so replies may come back out of order (the agent serves control before prefill before decode).
+
+Tensor parallelism adds nothing to the wire: every agent of the group gets the same step frames (and
+reads the same shared-memory inputs); rank 0 writes the outputs; the ranks exchange partial sums among
+themselves (models/parallel.py), never through the master.
 """
 from __future__ import annotations
 

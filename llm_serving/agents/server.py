@@ -29,7 +29,8 @@ from llm_serving.config import config_from_dict
 
 logger = logging.getLogger("llm_serving.agent")
 
-ENV_CONFIG = "LLM_SERVING_AGENT_CONFIG"    # JSON: {"config": {...}, "model_dir": str, "rank": int}
+ENV_CONFIG = "LLM_SERVING_AGENT_CONFIG"    # JSON: {"config": {...}, "model_dir": str, "rank": int,
+#                                                 "tp_comm": CPU tensor-parallel segment name | null}
 ENV_TOKEN = "LLM_SERVING_AGENT_TOKEN"      # per-launch secret; never logged
 ENV_STATUS_FD = "LLM_SERVING_AGENT_STATUS_FD"
 
@@ -85,9 +86,11 @@ class Connection:
 
 
 class AgentServer:
-    def __init__(self, config, model_dir: str, rank: int, token: str, status_fd: int | None):
+    def __init__(self, config, model_dir: str, rank: int, token: str, status_fd: int | None,
+                 tp_comm: str | None = None):
         self.config = config
         self.rank = rank
+        self.tp_comm = tp_comm
         self.device_id = config.serving_config.start_device_id + rank
         self.model_dir = model_dir
         self._token = token
@@ -111,7 +114,7 @@ class AgentServer:
         from llm_serving.agents.worker import Worker
 
         t0 = time.perf_counter()
-        self.worker = Worker(self.config, self.model_dir, self.rank, self.device_id)
+        self.worker = Worker(self.config, self.model_dir, self.rank, self.device_id, self.tp_comm)
         logger.info("agent %d: model loaded in %.1f s; compiling buckets", self.rank, time.perf_counter() - t0)
         t0 = time.perf_counter()
         self.worker.warmup()
@@ -245,11 +248,16 @@ class AgentServer:
         self.report("ready", port=self.port, pid=os.getpid(), num_blocks=self.config.pa_config.num_blocks)
         logger.info("agent %d ready on %s:%d (device %d)", self.rank, self.config.serving_config.agent_ip,
                     self.port, self.device_id)
+        from llm_serving.models.parallel import TensorParallelError
+
         while not self._stop.is_set():
             frame, conn = self._queue.get()
             handler = self.HANDLERS[frame.command]
             try:
                 out = proto.reply(frame.seq, ok=True, **handler(self, frame, conn))
+            except TensorParallelError as exc:   # the group is out of step: only a restart of all of it helps
+                logger.error("agent %d: %r failed: %s", self.rank, frame.command, exc)
+                out = proto.reply(frame.seq, ok=False, error=f"{type(exc).__name__}: {exc}", fatal=True)
             except Exception as exc:  # a failed command fails only itself; the agent keeps serving
                 logger.error("agent %d: %r failed: %s", self.rank, frame.command, exc,
                              exc_info=not isinstance(exc, ValueError))
@@ -278,7 +286,7 @@ def run_agent_process() -> int:
         spec = json.loads(os.environ[ENV_CONFIG])
         token = os.environ.pop(ENV_TOKEN)
         config = config_from_dict(spec["config"])
-        server = AgentServer(config, spec["model_dir"], int(spec["rank"]), token, status_fd)
+        server = AgentServer(config, spec["model_dir"], int(spec["rank"]), token, status_fd, spec.get("tp_comm"))
         server.event_loop()
         return 0
     except BaseException as exc:  # noqa: BLE001 - report anything, including KeyboardInterrupt

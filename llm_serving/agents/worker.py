@@ -23,11 +23,18 @@ logger = logging.getLogger(__name__)
 class Worker:
     """Owns the ModelRunner (MindSpore graphs + paged KV cache) and the attached step buffers."""
 
-    def __init__(self, config, model_dir: str, rank: int, device_id: int):
+    def __init__(self, config, model_dir: str, rank: int, device_id: int, tp_comm: str | None = None):
+        from llm_serving.models.parallel import TensorParallel, pin_cpu_cores
         from llm_serving.models.runner import ModelRunner  # MindSpore is imported only in agents
 
-        mc, pa = config.model_config, config.pa_config
+        mc, pa, sc = config.model_config, config.pa_config, config.serving_config
         self.rank = rank
+        self.tp = TensorParallel(rank, len(sc.agent_ports), tp_comm)
+        num_threads = mc.num_threads
+        if self.tp.world > 1 and mc.device_target == "CPU":
+            cores = pin_cpu_cores(rank, self.tp.world)      # the CPU's 'devices': a share of the cores each
+            if num_threads is None:
+                num_threads = cores or 1
         self.layout = StepLayout.from_config(config)
         self.buffers = None
         self.num_steps = 0
@@ -39,12 +46,14 @@ class Worker:
             max_blocks_per_seq=config.max_blocks_per_seq, decode_batch_sizes=mc.decode_batch_size,
             prefill_batch_sizes=mc.prefill_batch_size, prefill_seq_lens=mc.seq_length,
             decode_block_widths=config.decode_block_widths, device_target=mc.device_target, device_id=device_id,
-            num_threads=mc.num_threads, attention_kernel=mc.attention_kernel,
-            max_step_tokens=config.serving_config.max_num_batched_tokens,
+            num_threads=num_threads, attention_kernel=mc.attention_kernel,
+            max_step_tokens=sc.max_num_batched_tokens, tp=self.tp, tp_timeout_s=sc.step_timeout_s,
             compile_cache=True)   # one runner per agent process, warmed up in a fixed order
+        self._start_timeout_s = sc.agent_start_timeout_s
 
     def warmup(self) -> None:
-        self.runner.warmup()  # logs one line per compiled bucket
+        # logs one line per compiled bucket; tensor-parallel peers may still be loading: wait as long as start-up
+        self.runner.warmup(peer_timeout_s=self._start_timeout_s)
 
     def attach(self, names: dict) -> None:
         self.detach()
@@ -79,7 +88,7 @@ class Worker:
             b.random_u[:n], return_logits=capture, top_n=top_n, penalties=penalties)
         model_s = time.perf_counter() - t0
         logits = more.pop(0) if capture else None
-        if self.rank == 0:
+        if self.tp.writes_outputs:
             b.out_token_ids[:n] = np.asarray(token_ids, dtype=np.int32)
             b.out_logprobs[:n] = np.asarray(logprobs, dtype=np.float32)
             if more:                  # some row asked for top log-probabilities

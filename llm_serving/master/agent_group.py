@@ -1,6 +1,11 @@
 """The master's side of the agents: spawn one process per `agent_ports` entry, wait until each has
 compiled its graphs, connect over TCP with the launch token and the shared-memory names, then send
 every step to every agent and wait for all replies.
+
+Several agents are one tensor-parallel group (models/parallel.py): each holds a shard, every step goes to
+all, rank 0 writes the outputs, and the step succeeds only if every rank's does. On the CPU the master
+also creates the group's all-reduce segment (shm/comm.py) before spawning, since the ranks all-reduce
+during warmup; a restart gets a fresh segment.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from llm_serving.agents import protocol as proto
 from llm_serving.agents.server import ENV_CONFIG, ENV_STATUS_FD, ENV_TOKEN
 from llm_serving.models.default_model import default_cache_dir
 from llm_serving.shm.buffers import StepBuffers
+from llm_serving.shm.comm import CommSegment
 from llm_serving.shm.layout import StepLayout
 
 logger = logging.getLogger(__name__)
@@ -133,7 +139,7 @@ class AgentClient:
             self._pending.pop(seq, None)
             raise AgentError(f"agent {self.rank} did not answer {command!r} within {timeout_s:.0f} s") from None
         if not reply.get("ok"):
-            raise AgentError(f"agent {self.rank}: {reply.get('error', 'failed')}", fatal=False)
+            raise AgentError(f"agent {self.rank}: {reply.get('error', 'failed')}", fatal=bool(reply.get("fatal")))
         return reply
 
     async def close(self) -> None:
@@ -161,6 +167,7 @@ class AgentGroup:
         self.model_dir = model_dir
         self.layout = StepLayout.from_config(config)
         self.buffers: Optional[StepBuffers] = None
+        self.comm: Optional[CommSegment] = None     # CPU tensor parallelism's all-reduce segment
         self.agents: list = []
         self._token = secrets.token_urlsafe(32)
         self._token_files: list = []
@@ -169,6 +176,8 @@ class AgentGroup:
         sc = self.config.serving_config
         self.buffers = StepBuffers.create(self.layout)
         try:
+            if len(sc.agent_ports) > 1 and self.config.model_config.device_target == "CPU":
+                self.comm = CommSegment.create(len(sc.agent_ports))
             for rank in range(len(sc.agent_ports)):
                 self.agents.append(await self._spawn(rank))
             await asyncio.gather(*(a.wait_ready(sc.agent_start_timeout_s) for a in self.agents))
@@ -185,7 +194,8 @@ class AgentGroup:
         env = dict(os.environ)
         config = self.config.to_dict()
         config["serving_config"]["api_key"] = None       # agents never see the HTTP API key
-        env[ENV_CONFIG] = json.dumps({"config": config, "model_dir": self.model_dir, "rank": rank})
+        env[ENV_CONFIG] = json.dumps({"config": config, "model_dir": self.model_dir, "rank": rank,
+                                      "tp_comm": self.comm.name if self.comm is not None else None})
         env[ENV_TOKEN] = self._token
         env[ENV_STATUS_FD] = str(write_fd)
         env.setdefault("GLOG_v", "3")  # MindSpore's C++ log: errors only (it warns on every cached graph)
@@ -227,7 +237,10 @@ class AgentGroup:
                                          for a, x in zip(self.agents, sent)), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
-            raise AgentError("; ".join(map(str, errors)), fatal=any(getattr(e, "fatal", True) for e in errors))
+            # Ranks that disagree (some ran the step, some did not) are out of step for good: fatal. Ranks that
+            # all refused the step (bad input, checked before any graph runs) are still in step.
+            fatal = any(getattr(e, "fatal", True) for e in errors) or len(errors) < len(results)
+            raise AgentError("; ".join(map(str, errors)), fatal=fatal)
         return results
 
     def dead_agents(self) -> list:
@@ -268,3 +281,6 @@ class AgentGroup:
         if self.buffers is not None:
             self.buffers.close()
             self.buffers = None
+        if self.comm is not None:
+            self.comm.close()
+            self.comm = None

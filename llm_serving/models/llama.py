@@ -21,6 +21,7 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
 from .attention import PagedAttention, paged_metadata
+from .parallel import TensorParallel, shard
 from .sampler import greedy_pick
 from .weights import LlamaConfig
 
@@ -49,25 +50,31 @@ def _rms_normalize(x, eps: float):
 
 class LlamaDecoderLayer(nn.Cell):
     def __init__(self, cfg: LlamaConfig, w: dict, i: int, num_slots: int, device_target: str, block_size: int,
-                 decode_kernel: Optional[str], kernel_threads: int):
+                 decode_kernel: Optional[str], kernel_threads: int, tp: TensorParallel, all_reduce):
         super().__init__()
         p = f"model.layers.{i}."
-        self.nh, self.kvh, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.inter = cfg.intermediate_size
+        r, world = tp.rank, tp.world
+        # this rank's heads and MLP units (all of them when world == 1; see parallel.py)
+        self.nh, self.kvh, self.d = cfg.num_heads // world, cfg.num_kv_heads // world, cfg.head_dim
+        self.inter = cfg.intermediate_size // world
         self.eps = cfg.rms_norm_eps
-        qkv = np.concatenate([w[p + "self_attn.q_proj.weight"], w[p + "self_attn.k_proj.weight"],
-                              w[p + "self_attn.v_proj.weight"]], axis=0)
+        qkv = np.concatenate([shard(w[p + "self_attn.q_proj.weight"], 0, r, world),
+                              shard(w[p + "self_attn.k_proj.weight"], 0, r, world),
+                              shard(w[p + "self_attn.v_proj.weight"], 0, r, world)], axis=0)
         qkv = qkv * w[p + "input_layernorm.weight"][None, :]
         self.qkv_w = _param(qkv, f"layers.{i}.qkv")                                   # ((NH+2KVH)*D, H)
-        self.o_w = _param(w[p + "self_attn.o_proj.weight"], f"layers.{i}.o")          # (H, NH*D)
-        gate_up = np.concatenate([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]], axis=0)
+        self.o_w = _param(shard(w[p + "self_attn.o_proj.weight"], 1, r, world), f"layers.{i}.o")   # (H, NH*D)
+        gate_up = np.concatenate([shard(w[p + "mlp.gate_proj.weight"], 0, r, world),
+                                  shard(w[p + "mlp.up_proj.weight"], 0, r, world)], axis=0)
         gate_up = gate_up * w[p + "post_attention_layernorm.weight"][None, :]
         self.gate_up_w = _param(gate_up, f"layers.{i}.gate_up")                       # (2I, H)
-        self.down_w = _param(w[p + "mlp.down_proj.weight"], f"layers.{i}.down")       # (H, I)
-        self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, num_slots,
+        self.down_w = _param(shard(w[p + "mlp.down_proj.weight"], 1, r, world), f"layers.{i}.down")  # (H, I)
+        self.attn = PagedAttention(self.nh, self.kvh, cfg.head_dim, num_slots,
                                    layer_id=i, device_target=device_target, block_size=block_size,
                                    decode_kernel=decode_kernel, kernel_threads=kernel_threads)
         self.matmul_t = ops.MatMul(transpose_b=True)
+        self.parallel = all_reduce is not None            # o_proj and down_proj outputs are partial sums
+        self.all_reduce = all_reduce.op if self.parallel else None
 
     def construct(self, x, cos, sin, meta):
         # x (T, H); cos, sin (T, NH+2KVH, D); meta: paged_metadata's tuple
@@ -79,28 +86,40 @@ class LlamaDecoderLayer(nn.Cell):
         qkv = qkv * cos + swapped * sin                                                   # (T, NH+2KVH, D)
         q, k, v = ops.split(qkv, (nh, kvh, kvh), 1)                                       # (T, NH|KVH|KVH, D)
         attn = self.attn(q, k, v, meta)                                                   # (T, NH*D)
-        x = x + self.matmul_t(attn, self.o_w)                                             # (T, H)
+        o = self.matmul_t(attn, self.o_w)                                                 # (T, H)
+        if self.parallel:
+            o = self.all_reduce(o)                                                        # (T, H) summed over ranks
+        x = x + o
         gate_up = self.matmul_t(_rms_normalize(x, self.eps), self.gate_up_w)              # (T, 2I)
         gate, up = ops.split(gate_up, self.inter, 1)                                      # (T, I) each
-        return x + self.matmul_t(ops.silu(gate) * up, self.down_w)                        # (T, H)
+        down = self.matmul_t(ops.silu(gate) * up, self.down_w)                            # (T, H)
+        if self.parallel:
+            down = self.all_reduce(down)                                                  # (T, H) summed over ranks
+        return x + down                                                                   # (T, H)
 
 
 class LlamaForCausalLM(nn.Cell):
     """construct(input_ids, positions, slot_mapping, block_tables, context_lens, query_lens, sample_index)
     -> (greedy_token (R,) int32, its logprob (R,) float32, logits (R, V) float32), R = B unless packed.
     Argument meanings are those of ModelRunner.execute (after the runner's padding). The logits are
-    only for `Sampler` (a second graph, run when some row samples); they are not copied to the host."""
+    only for `Sampler` (a second graph, run when some row samples); they are not copied to the host.
+    Under tensor parallelism (`tp`, `all_reduce`: see parallel.py) this is rank tp.rank's shard; ranks
+    other than 0 return only the final hidden state (R, H), which nothing reads."""
 
     def __init__(self, cfg: LlamaConfig, weights: dict, *, num_slots: int, block_size: int,
                  max_positions: int, device_target: str = "CPU", decode_kernel: Optional[str] = None,
-                 kernel_threads: int = 1):
+                 kernel_threads: int = 1, tp: TensorParallel = TensorParallel(), all_reduce=None):
         super().__init__()
+        tp.check(cfg)
+        if (tp.world > 1) != (all_reduce is not None):
+            raise ValueError("LlamaForCausalLM: an all-reduce is needed exactly when tp.world > 1")
         self.block_size = block_size
-        self.kvh = cfg.num_kv_heads
+        self.kvh = cfg.num_kv_heads // tp.world
         self.eps = cfg.rms_norm_eps
+        self.writes_outputs = tp.writes_outputs
         self.embed = _param(weights["model.embed_tokens.weight"], "embed")            # (V, H)
         self.layers = nn.CellList([LlamaDecoderLayer(cfg, weights, i, num_slots, device_target, block_size,
-                                                     decode_kernel, kernel_threads)
+                                                     decode_kernel, kernel_threads, tp, all_reduce)
                                    for i in range(cfg.num_layers)])
         lm_head = weights["lm_head.weight"] * weights["model.norm.weight"][None, :]
         self.lm_head = _param(lm_head, "lm_head")                                       # (V, H)
@@ -108,7 +127,7 @@ class LlamaForCausalLM(nn.Cell):
         self.cos_table = _param(cos, "rope_cos")                                        # (P, D)
         self.sin_table = _param(sin, "rope_sin")                                        # (P, D)
         # Per-head multipliers for the fused qkv: q heads carry the attention scale, v heads no rotation.
-        nh, kvh = cfg.num_heads, cfg.num_kv_heads
+        nh, kvh = cfg.num_heads // tp.world, cfg.num_kv_heads // tp.world
         scale = 1.0 / np.sqrt(cfg.head_dim)
         rot = np.array([scale] * nh + [1.0] * kvh + [0.0] * kvh, np.float32).reshape(1, -1, 1)
         keep = np.array([0.0] * (nh + kvh) + [1.0] * kvh, np.float32).reshape(1, -1, 1)
@@ -136,6 +155,8 @@ class LlamaForCausalLM(nn.Cell):
             x = ops.gather(x, last, 0)                                                   # (B, H)
         elif sample_index.shape[0] != b:
             x = ops.gather(x, sample_index, 0)                                           # (R, H)
+        if not self.writes_outputs:
+            return x                                                                     # (R, H)
         logits = self.matmul_t(_rms_normalize(x, self.eps), self.lm_head)                # (R, V)
         token, logprob = greedy_pick(logits)                                             # (R,), (R,)
         return token, logprob, logits

@@ -35,6 +35,7 @@ import numpy as np
 
 from llm_serving.shm.layout import TOP_LOGPROBS
 
+from .parallel import TensorParallel, TensorParallelError, make_all_reduce
 from .weights import LlamaConfig, load_llama_weights
 from .default_model import default_cache_dir
 
@@ -126,7 +127,8 @@ class ModelRunner:
                  decode_block_widths: Optional[list[int]] = None,
                  device_target: str = "CPU", device_id: int = 0, num_threads: Optional[int] = None,
                  compile_cache: bool = False, attention_kernel: str = "auto",
-                 max_step_tokens: Optional[int] = None):
+                 max_step_tokens: Optional[int] = None, tp: Optional["TensorParallel"] = None,
+                 tp_timeout_s: float = 120.0):
         for key, val in (("num_blocks", num_blocks), ("block_size", block_size),
                          ("max_blocks_per_seq", max_blocks_per_seq)):
             if not isinstance(val, (int, np.integer)) or val < 1:
@@ -180,8 +182,10 @@ class ModelRunner:
         self.scratch_slot = self.num_blocks * self.block_size     # first slot of the scratch block
         self.max_context = self.max_blocks_per_seq * self.block_size
 
+        self.tp = tp if tp is not None else TensorParallel()
         self.config, weights = load_llama_weights(model_dir)
         cfg: LlamaConfig = self.config
+        self.tp.check(cfg)
         global _runners_in_process
         _runners_in_process += 1
         cache_key = None
@@ -189,7 +193,7 @@ class ModelRunner:
             # everything that decides which graphs warmup() compiles, and in which order
             key_src = repr((cfg, self.num_blocks, self.block_size, self.max_blocks_per_seq, self.decode_batch_sizes,
                             self.decode_block_widths, self.prefill_batch_sizes, self.prefill_seq_lens,
-                            self.prefill_token_sizes, device_target,
+                            self.prefill_token_sizes, device_target, self.tp.rank, self.tp.world,
                             self.decode_kernel, _model_source_digest()))
             cache_key = hashlib.sha1(key_src.encode()).hexdigest()[:16]
         elif compile_cache:
@@ -200,10 +204,14 @@ class ModelRunner:
         from .llama import LlamaForCausalLM
         from .sampler import Penalizer, Sampler, TopLogprobs
         self._ms = ms
+        # the group's all-reduce (None for one agent); its wait for peers is start-up-sized until warmup ends
+        self.all_reduce = make_all_reduce(self.tp, device_target, timeout_s=tp_timeout_s)
+        self.tp_timeout_s = tp_timeout_s
         self.model = LlamaForCausalLM(cfg, weights, num_slots=self.num_slots, block_size=self.block_size,
                                       max_positions=self.max_context, device_target=device_target,
                                       decode_kernel=self.decode_kernel,
-                                      kernel_threads=num_threads or len(os.sched_getaffinity(0)))
+                                      kernel_threads=num_threads or len(os.sched_getaffinity(0)),
+                                      tp=self.tp, all_reduce=self.all_reduce)
         self.model.set_train(False)
         self.sampler = Sampler(cfg.vocab_size, filters=True)          # some sampling row uses top-k/top-p
         self.plain_sampler = Sampler(cfg.vocab_size, filters=False)   # temperature only
@@ -333,7 +341,15 @@ class ModelRunner:
         return self._finish(outputs, n, nb, per_row, return_logits)
 
     def _finish(self, outputs, n: int, rows: int, per_row: dict, return_logits: bool):
-        """Greedy results of the model graph, or a sampling graph's when some row samples; first n rows."""
+        """Greedy results of the model graph, or a sampling graph's when some row samples; first n rows.
+        A tensor-parallel rank other than 0 has no logits (its graph stops at the hidden state): zeros."""
+        if not self.tp.writes_outputs:
+            out = [np.zeros(n, np.int32), np.zeros(n, np.float32)]
+            if return_logits:
+                out.append(np.zeros((n, self.config.vocab_size), np.float32))
+            if (per_row["top_n"] > 0).any():
+                out += [np.zeros((n, self.top_k_logprobs), np.int32), np.zeros((n, self.top_k_logprobs), np.float32)]
+            return tuple(out)
         token, logprob, logits = outputs
         T = self._ms.Tensor
         temperature, top_k, top_p = per_row["temperature"], per_row["top_k"], per_row["top_p"]
@@ -434,8 +450,17 @@ class ModelRunner:
                           T(np.ones(tb, np.int32)), T(sample_index))
 
     def _call(self, kind: str, shape: tuple, cell, *args):
-        """Run a graph (kind and bucket shape name it in logs and errors)."""
-        return cell(*args)
+        """Run a graph (kind and bucket shape name it in logs and errors). A failure the group's all-reduce
+        caused becomes TensorParallelError, which says why (MindSpore only says the kernel failed)."""
+        if self.all_reduce is None:
+            return cell(*args)
+        try:
+            return cell(*args)
+        except RuntimeError as exc:
+            why = self.all_reduce.error()
+            if why:
+                raise TensorParallelError(f"{kind} graph {shape}: {why}") from exc
+            raise
 
     def _run_dummy(self, b: int, s: int, temperature: float, top_k: int, width: Optional[int] = None,
                    top_n: int = 0, penalty: bool = False) -> None:
@@ -474,8 +499,20 @@ class ModelRunner:
             return buckets + [("packed", t, None, None) for t in self.prefill_token_sizes]
         return buckets + [("prefill", b, s, None) for b in self.prefill_batch_sizes for s in self.prefill_seq_lens]
 
-    def warmup(self, progress: Optional[Callable[[str], None]] = None) -> None:
-        """Compile and run once every bucket (the KV cache is left as it was, apart from the scratch block)."""
+    def warmup(self, progress: Optional[Callable[[str], None]] = None, peer_timeout_s: Optional[float] = None) -> None:
+        """Compile and run once every bucket (the KV cache is left as it was, apart from the scratch block).
+        Under tensor parallelism every rank warms up the same buckets in the same order, each graph's
+        all-reduces meeting the peers' (which may still be loading or compiling: they wait up to
+        peer_timeout_s, then the step timeout again)."""
+        if self.all_reduce is not None and peer_timeout_s is not None:
+            self.all_reduce.set_timeout(peer_timeout_s)
+        try:
+            self._warmup(progress)
+        finally:
+            if self.all_reduce is not None:
+                self.all_reduce.set_timeout(self.tp_timeout_s)
+
+    def _warmup(self, progress: Optional[Callable[[str], None]]) -> None:
         buckets = self.graph_buckets()
         for i, (kind, b, s, w) in enumerate(buckets):
             t0 = time.perf_counter()

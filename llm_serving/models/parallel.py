@@ -1,0 +1,155 @@
+"""Tensor parallelism: how a rank's shard of the model is cut, and the one all-reduce it needs.
+
+`serving_config.agent_ports: [p0, p1, ...]` starts that many agents, rank r pinned to device
+start_device_id + r; together they hold one model (Megatron-style, two all-reduces per layer):
+
+- attention: rank r keeps query heads [r*NH/W, (r+1)*NH/W) and KV heads [r*KVH/W, (r+1)*KVH/W) (the q/k/v
+  rows of its heads, and its KV cache holds only its KV heads), and the o_proj columns of its query heads;
+  its o_proj output is a partial sum, all-reduced before the residual add;
+- MLP: rank r keeps intermediate units [r*I/W, (r+1)*I/W) (gate/up rows, down_proj columns); the
+  down_proj output is all-reduced likewise;
+- replicated on every rank: the embedding, the norms, RoPE, and lm_head (the final hidden state is the
+  same on every rank after the last all-reduce). Only rank 0 computes logits and samples; the others
+  stop at the hidden state (the model graph still returns it, so no all-reduce is pruned from the graph).
+  A vocab-parallel embedding and lm_head would save V*H per rank; at LLaMA-7B that is 2 x 0.26 GB in
+  float16 next to 13 GB of layers, so the simpler replication was kept.
+
+NH, KVH and I must divide by W (checked at load, with the numbers in the message).
+
+The all-reduce, chosen by device here and nowhere else (`make_all_reduce`): on Ascend MindSpore's
+`ops.AllReduce` over HCCL (the agents' environment must set up MindSpore's communication, e.g. msrun);
+on the CPU an `ops.Custom` kernel summing through a shared-memory segment (kernels/shm_allreduce_cpu.cc,
+shm/comm.py), since MindSpore's CPU collectives are not a given. Both run inside the graph, so a step is
+still one graph call per bucket.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["TensorParallel", "TensorParallelError", "shard", "make_all_reduce", "pin_cpu_cores"]
+
+
+class TensorParallelError(RuntimeError):
+    """The group's all-reduce failed (a peer is dead, hung or out of step): the group must restart."""
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This process's place in its group: rank of world, and (CPU) the all-reduce segment's name."""
+
+    rank: int = 0
+    world: int = 1
+    comm: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.world, int) and self.world >= 1 and isinstance(self.rank, int)
+                and 0 <= self.rank < self.world):
+            raise ValueError(f"tensor parallel: rank {self.rank!r} of world {self.world!r} is not valid")
+
+    @property
+    def writes_outputs(self) -> bool:
+        return self.rank == 0
+
+    def check(self, cfg) -> None:
+        """Raise ValueError unless the model's heads and MLP width split evenly over the ranks."""
+        w = self.world
+        bad = [f"{name}={val}" for name, val in (("num_heads", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads),
+                                                 ("intermediate_size", cfg.intermediate_size)) if val % w]
+        if bad:
+            raise ValueError(f"tensor parallel over {w} agents (serving_config.agent_ports) needs num_heads, "
+                             f"num_kv_heads and intermediate_size divisible by {w}; this model has "
+                             f"{', '.join(bad)}")
+
+
+def shard(array: np.ndarray, axis: int, rank: int, world: int) -> np.ndarray:
+    """Rank's contiguous 1/world of `array` along `axis` (world must divide that length)."""
+    size = array.shape[axis]
+    if size % world:
+        raise ValueError(f"cannot split length {size} into {world} equal shards")
+    step = size // world
+    index = [slice(None)] * array.ndim
+    index[axis] = slice(rank * step, (rank + 1) * step)
+    return array[tuple(index)]
+
+
+def pin_cpu_cores(rank: int, world: int) -> Optional[int]:
+    """CPU 'device' pinning: give each of `world` agents its own share of this process's cores (rank r gets
+    the r-th share) so the ranks of a group never contend for a core while one waits in the all-reduce.
+    Returns the cores kept, or None (cores left alone) when there are fewer cores than ranks."""
+    cores = sorted(os.sched_getaffinity(0))
+    if world < 2 or len(cores) < world:
+        return None
+    per = len(cores) // world
+    mine = cores[rank * per:(rank + 1) * per]
+    os.sched_setaffinity(0, mine)
+    logger.info("tensor-parallel rank %d of %d pinned to CPU cores %s", rank, world, mine)
+    return len(mine)
+
+
+class _ShmAllReduceLibrary:
+    """The CPU kernel's library, loaded through ctypes from the same file MindSpore loads (so both see one
+    set of globals), attached to the group's segment once per process."""
+
+    def __init__(self, func: str, tp: TensorParallel, timeout_s: float):
+        path = func.rsplit(":", 1)[0]
+        self.lib = ctypes.CDLL(path)
+        self.lib.TpAttach.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_double]
+        self.lib.TpSetTimeout.argtypes = [ctypes.c_double]
+        self.lib.TpLastError.restype = ctypes.c_char_p
+        self.lib.TpCalls.restype = ctypes.c_uint64
+        name = tp.comm if tp.comm.startswith("/") else "/" + tp.comm      # shm_open wants the leading slash
+        if self.lib.TpAttach(name.encode(), tp.rank, tp.world, float(timeout_s)) != 0:
+            raise TensorParallelError(self.last_error())
+
+    def last_error(self) -> str:
+        return self.lib.TpLastError().decode(errors="replace")
+
+
+class AllReduce:
+    """Sum a float32 tensor over the group, inside a MindSpore graph. `op` is the graph operator; the
+    rest is for the runner: `set_timeout` (how long a rank waits for its peers) and `error` (why the
+    last failure happened, when the all-reduce was the cause)."""
+
+    def __init__(self, tp: TensorParallel, device_target: str, timeout_s: float):
+        from mindspore import ops
+
+        self.tp = tp
+        self._lib = None
+        if device_target == "Ascend":
+            from mindspore.communication import init
+            init("hccl")                                  # the environment (msrun) says who the peers are
+            self.op = ops.AllReduce()                     # sum over the world group
+        else:
+            if tp.comm is None:
+                raise ValueError("tensor parallel on the CPU needs the group's shared-memory segment name")
+            from .kernels import build_kernel
+            func = build_kernel("shm_allreduce_cpu", "ShmAllReduce")
+            self._lib = _ShmAllReduceLibrary(func, tp, timeout_s)
+            self.op = ops.Custom(func, out_shape=lambda x: x, out_dtype=lambda x: x, func_type="aot")
+
+    def set_timeout(self, seconds: float) -> None:
+        if self._lib is not None:
+            self._lib.lib.TpSetTimeout(float(seconds))
+
+    def error(self) -> Optional[str]:
+        if self._lib is None:
+            return None
+        return self._lib.last_error() or None
+
+    def calls(self) -> int:
+        return int(self._lib.lib.TpCalls()) if self._lib is not None else 0
+
+
+def make_all_reduce(tp: TensorParallel, device_target: str, timeout_s: float = 120.0) -> Optional[AllReduce]:
+    """The group's all-reduce for this device, or None for a single agent (nothing to reduce)."""
+    if tp.world == 1:
+        return None
+    return AllReduce(tp, device_target, timeout_s)
