@@ -233,14 +233,24 @@ class AgentGroup:
                 sent.append(a.send(command, payload))
             except AgentError as exc:
                 sent.append(exc)
-        results = await asyncio.gather(*(a.wait_reply(command, *x, timeout) if isinstance(x, tuple) else _fail(x)
-                                         for a, x in zip(self.agents, sent)), return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
+        tasks = [asyncio.ensure_future(a.wait_reply(command, *x, timeout) if isinstance(x, tuple) else _fail(x))
+                 for a, x in zip(self.agents, sent)]
+        pending = set(tasks)
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+            if pending and any(t.exception() is not None and getattr(t.exception(), "fatal", True) for t in done):
+                # a lost rank: the others may wait for it in the all-reduce until the step timeout; the group
+                # restarts anyway, so do not wait for them
+                for t in pending:    # (cancelled on the loop's next turn: not done yet)
+                    t.cancel()
+                break
+        errors = [t.exception() for t in tasks if t.done() and not t.cancelled() and t.exception() is not None]
         if errors:
             # Ranks that disagree (some ran the step, some did not) are out of step for good: fatal. Ranks that
             # all refused the step (bad input, checked before any graph runs) are still in step.
-            fatal = any(getattr(e, "fatal", True) for e in errors) or len(errors) < len(results)
+            fatal = any(getattr(e, "fatal", True) for e in errors) or len(errors) < len(tasks)
             raise AgentError("; ".join(map(str, errors)), fatal=fatal)
+        results = [t.result() for t in tasks]
         return results
 
     def dead_agents(self) -> list:

@@ -86,6 +86,7 @@ class Engine:
         await self.agents.start()
         self.running = True
         self._loop_task = asyncio.create_task(self._step_loop(), name="engine-step-loop")
+        self._loop_task.add_done_callback(self._step_loop_ended)
         logger.info("engine ready in %.1f s: %d agent(s), %d KV blocks of %d tokens, max %d tokens per request; "
                     "chat template: %s", time.perf_counter() - t0, len(self.agents.agents),
                     self.block_manager.num_blocks, self.block_manager.block_size, self.max_model_len,
@@ -102,6 +103,16 @@ class Engine:
                 pass
         self.abort_all("server shutting down")
         await self.agents.stop()
+
+    def _step_loop_ended(self, task: asyncio.Task) -> None:
+        """A bug that ends the step loop must not leave requests hanging and /health green: say so, end them."""
+        if task.cancelled() or task.exception() is None:
+            return
+        exc = task.exception()
+        logger.error("engine step loop crashed", exc_info=(type(exc), exc, exc.__traceback__))
+        self.failed_reason = f"engine step loop crashed: {type(exc).__name__}: {exc}"
+        for req in list(self.requests.values()):
+            self._finish(req, "error", error=self.failed_reason)
 
     def drain(self, reason: str) -> None:
         """Stop admitting requests (they get 503 with reason); those in flight go on."""

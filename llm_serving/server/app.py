@@ -97,6 +97,7 @@ async def model_info(request: web.Request) -> web.Response:
     return web.json_response({"model_id": engine.model_name, "max_total_tokens": engine.max_model_len,
                               "max_num_seqs": engine.config.serving_config.max_num_seqs,
                               "device_target": mc.device_target, "vocab_size": engine.tokenizer.vocab_size,
+                              "tensor_parallel_size": len(engine.config.serving_config.agent_ports),
                               "model_path": engine.model_path, "tokenizer_path": engine.tokenizer.model_file})
 
 

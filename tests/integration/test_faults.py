@@ -87,10 +87,13 @@ async def _watch_health(url, stop: asyncio.Event) -> list:
 
 # --- agent supervision -------------------------------------------------------------------------------
 
-async def _kill_agent_under_load(server, num_requests: int, max_new_tokens: int):
-    """Stream num_requests requests at once; SIGKILL the agent once some have finished and others are
-    running and waiting. Returns (results, health states, killed pid)."""
-    [agent] = server.agent_pids()
+async def _kill_agent_under_load(server, num_requests: int, max_new_tokens: int, agent_pid=None,
+                                 after_done: int = 40):
+    """Stream num_requests requests at once; SIGKILL the agent (the only one, or agent_pid) once after_done
+    have finished and others are running and waiting. Returns (results, health states, killed pid)."""
+    if agent_pid is None:
+        [agent_pid] = server.agent_pids()
+    agent = agent_pid
     done, tokens = [0], [0]
     stop_health = asyncio.Event()
     health = asyncio.create_task(_watch_health(server.url, stop_health))
@@ -109,7 +112,7 @@ async def _kill_agent_under_load(server, num_requests: int, max_new_tokens: int)
             return events
 
         async def killer():
-            while done[0] < 40:                       # some finished, the next ones running, the rest queued
+            while done[0] < after_done:               # some finished, the next ones running, the rest queued
                 await asyncio.sleep(0.005)
             seen = tokens[0]
             while tokens[0] < seen + 64:              # ... and the running ones well under way

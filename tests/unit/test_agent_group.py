@@ -1,0 +1,87 @@
+"""How the master combines one step's replies from a tensor-parallel group (AgentGroup.step), with
+stand-in agents that answer, fail or never answer on cue (no processes: the combining rule alone)."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import pytest
+
+from llm_serving.config import config_from_dict
+from llm_serving.master.agent_group import AgentError, AgentGroup
+
+
+class ScriptedAgent:
+    """send()/wait_reply() like AgentClient; the reply is `outcome`: a dict, an AgentError, or None (never)."""
+
+    def __init__(self, rank: int, outcome):
+        self.rank, self.outcome = rank, outcome
+        self._seq = itertools.count()
+        self.cancelled = False
+
+    def send(self, command, payload):
+        if isinstance(self.outcome, AgentError) and "not connected" in str(self.outcome):
+            raise self.outcome
+        return next(self._seq), None
+
+    async def wait_reply(self, command, seq, fut, timeout_s):
+        if self.outcome is None:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                self.cancelled = True
+                raise
+        await asyncio.sleep(0.01 * self.rank)
+        if isinstance(self.outcome, AgentError):
+            raise self.outcome
+        return {**self.outcome, "rank": self.rank}
+
+
+def _step(*outcomes):
+    group = AgentGroup(config_from_dict({}), "unused")
+    group.agents = [ScriptedAgent(r, o) for r, o in enumerate(outcomes)]
+    return group, asyncio.run
+
+
+def test_every_rank_answering_gives_the_replies_in_rank_order():
+    group, run = _step({"ok": True}, {"ok": True})
+    replies = run(group.step("a", 1, 1, 1))
+    assert [r["rank"] for r in replies] == [0, 1]
+
+
+def test_a_lost_rank_fails_the_step_at_once_without_waiting_for_the_others():
+    group, run = _step(None, AgentError("agent 1 connection lost (ConnectionResetError)"))
+
+    async def bounded():
+        return await asyncio.wait_for(group.step("a", 1, 1, 1), 5)    # rank 0 would wait forever
+    with pytest.raises(AgentError, match="agent 1 connection lost") as err:
+        run(bounded())
+    assert err.value.fatal
+    assert group.agents[0].cancelled
+
+
+def test_a_rank_that_cannot_even_be_sent_to_is_fatal():
+    group, run = _step({"ok": True}, AgentError("agent 1 is not connected"))
+    with pytest.raises(AgentError, match="not connected") as err:
+        run(group.step("a", 1, 1, 1))
+    assert err.value.fatal
+
+
+def test_every_rank_refusing_the_step_is_not_fatal_but_ranks_that_disagree_are():
+    refused = AgentError("agent 0: ValueError: bad step", fatal=False)
+    group, run = _step(refused, AgentError("agent 1: ValueError: bad step", fatal=False))
+    with pytest.raises(AgentError) as err:
+        run(group.step("a", 1, 1, 1))
+    assert not err.value.fatal and "agent 0" in str(err.value) and "agent 1" in str(err.value)
+
+    group, run = _step({"ok": True}, AgentError("agent 1: RuntimeError: out of memory", fatal=False))
+    with pytest.raises(AgentError, match="out of memory") as err:
+        run(group.step("a", 1, 1, 1))
+    assert err.value.fatal            # rank 0 ran the step, rank 1 did not: the group is out of step
+
+
+def test_a_single_agent_refusing_a_step_is_not_fatal():
+    group, run = _step(AgentError("agent 0: ValueError: bad step", fatal=False))
+    with pytest.raises(AgentError) as err:
+        run(group.step("a", 1, 1, 1))
+    assert not err.value.fatal

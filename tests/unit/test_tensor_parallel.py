@@ -1,0 +1,216 @@
+"""Tensor parallelism without MindSpore: the shared-memory all-reduce kernel called through ctypes exactly as
+MindSpore's AOT Custom op calls it, from real processes over a real segment; and how weights are cut."""
+from __future__ import annotations
+
+import ctypes
+import multiprocessing as mp
+import os
+import shutil
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from llm_serving.models.kernels import build_kernel
+from llm_serving.models.parallel import TensorParallel, shard
+from llm_serving.shm.comm import CommSegment, segment_bytes
+
+needs_compiler = pytest.mark.skipif(shutil.which("g++") is None and not os.environ.get("CXX"),
+                                    reason="no C++ compiler on this machine (CPU tensor parallelism needs one)")
+
+
+def _call(lib, x: np.ndarray) -> tuple:
+    """ShmAllReduce(x) as MindSpore invokes it: (return code, output)."""
+    out = np.full_like(x, np.nan)
+    arrays = [x, out]
+    params = (ctypes.c_void_p * 2)(*[a.ctypes.data for a in arrays])
+    ndims = (ctypes.c_int * 2)(*[a.ndim for a in arrays])
+    shape_arrays = [(ctypes.c_int64 * a.ndim)(*a.shape) for a in arrays]
+    shapes = (ctypes.POINTER(ctypes.c_int64) * 2)(*[ctypes.cast(s, ctypes.POINTER(ctypes.c_int64))
+                                                    for s in shape_arrays])
+    dtypes = (ctypes.c_char_p * 2)(*[str(a.dtype).encode() for a in arrays])
+    return lib.ShmAllReduce(ctypes.c_int(2), params, ndims, shapes, dtypes, None, None), out
+
+
+def _load(path: str):
+    lib = ctypes.CDLL(path)
+    lib.TpAttach.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_double]
+    lib.TpLastError.restype = ctypes.c_char_p
+    lib.TpCalls.restype = ctypes.c_uint64
+    return lib
+
+
+def _rank_main(path: str, segment: str, rank: int, world: int, shapes: list, results) -> None:
+    """One rank: attach, then all-reduce one array per shape (rank-dependent values)."""
+    lib = _load(path)
+    rc = lib.TpAttach(("/" + segment).encode(), rank, world, 30.0)
+    outs = []
+    for i, shape in enumerate(shapes):
+        x = np.random.default_rng(100 * i + rank).standard_normal(shape).astype(np.float32)
+        code, out = _call(lib, x)
+        outs.append((code, out))
+    results.put((rank, rc, outs, int(lib.TpCalls())))
+
+
+@pytest.fixture(scope="module")
+def kernel_path(tmp_path_factory):
+    return build_kernel("shm_allreduce_cpu", "ShmAllReduce", tmp_path_factory.mktemp("kernels")).rsplit(":", 1)[0]
+
+
+@needs_compiler
+@pytest.mark.parametrize("world", [2, 3])
+def test_all_reduce_sums_across_processes_identically_on_every_rank(kernel_path, world):
+    slot = 256                          # 64 floats per slot: the larger arrays go as several calls
+    seg = CommSegment.create(world, slot_bytes=slot)
+    shapes = [(1, 8), (7, 33), (64,), (5, 64), (1, 8)]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(kernel_path, seg.name, r, world, shapes, results))
+             for r in range(world)]
+    try:
+        for p in procs:
+            p.start()
+        got = sorted((results.get(timeout=60) for _ in procs), key=lambda r: r[0])
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+        seg.close()
+    calls = sum(-(-int(np.prod(s)) // (slot // 4)) for s in shapes)
+    for rank, rc, outs, n_calls in got:
+        assert rc == 0 and n_calls == calls
+        for i, (shape, (code, out)) in enumerate(zip(shapes, outs)):
+            expected = sum(np.random.default_rng(100 * i + r).standard_normal(shape).astype(np.float32)
+                           for r in range(world))
+            assert code == 0
+            np.testing.assert_allclose(out, expected, rtol=1e-6, atol=1e-6)
+            assert np.array_equal(out, got[0][2][i][1])          # the same bits on every rank
+
+
+@needs_compiler
+def test_a_missing_peer_times_out_with_a_reason_and_poisons_the_group(kernel_path, tmp_path):
+    seg = CommSegment.create(2)
+    try:
+        # a fresh process per check: the kernel's state is per process, like an agent's
+        ctx = mp.get_context("spawn")
+        results = ctx.Queue()
+        p = ctx.Process(target=_lonely_rank, args=(kernel_path, seg.name, results))
+        p.start()
+        out = results.get(timeout=60)
+        p.join(timeout=30)
+    finally:
+        seg.close()
+    assert out["attach"] == 0
+    assert out["first"] == 3 and 0.15 <= out["waited_s"] < 10
+    assert "rank 0 waited" in out["error"] and "rank 1" in out["error"]
+    assert out["second"] == 2 and out["error_after"] == out["error"]     # poisoned: fails at once, same reason
+    assert out["again"] != 0 and "already attached" in out["again_error"]    # one group per process
+
+
+def _lonely_rank(path, segment, results):
+    import time
+    lib = _load(path)
+    attach = lib.TpAttach(("/" + segment).encode(), 0, 2, 0.2)
+    t0 = time.monotonic()
+    first, _ = _call(lib, np.ones((2, 4), np.float32))
+    waited = time.monotonic() - t0
+    error = lib.TpLastError().decode()
+    second, _ = _call(lib, np.ones((2, 4), np.float32))
+    error_after = lib.TpLastError().decode()
+    lib2 = _load(path)     # same library, same process: already attached
+    again = lib2.TpAttach(("/" + segment).encode(), 0, 2, 0.2)
+    results.put({"attach": attach, "first": first, "waited_s": waited, "error": error, "second": second,
+                 "error_after": error_after, "again": again, "again_error": lib2.TpLastError().decode()})
+
+
+@needs_compiler
+def test_attach_refuses_a_segment_of_another_world_size(kernel_path):
+    seg = CommSegment.create(2)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    try:
+        p = ctx.Process(target=_attach_as, args=(kernel_path, seg.name, 1, 3, results))
+        p.start()
+        rc, error = results.get(timeout=60)
+        p.join(timeout=30)
+    finally:
+        seg.close()
+    assert rc != 0 and "not a segment for rank 1 of 3" in error
+
+
+def _attach_as(path, segment, rank, world, results):
+    lib = _load(path)
+    rc = lib.TpAttach(("/" + segment).encode(), rank, world, 1.0)
+    results.put((rc, lib.TpLastError().decode()))
+
+
+def test_segment_is_created_private_and_unlinked_on_close():
+    seg = CommSegment.create(2, slot_bytes=128)
+    path = f"/dev/shm/{seg.name.lstrip('/')}"
+    assert os.stat(path).st_mode & 0o077 == 0
+    assert os.stat(path).st_size >= segment_bytes(2, 128)
+    seg.close()
+    assert not os.path.exists(path)
+    with pytest.raises(ValueError, match="at least 2 ranks"):
+        CommSegment.create(1)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        CommSegment.create(2, slot_bytes=100)
+
+
+# --- how a layer is cut -----------------------------------------------------------------------------
+
+def test_shard_takes_the_ranks_contiguous_part_and_refuses_uneven_splits():
+    a = np.arange(24).reshape(4, 6)
+    assert np.array_equal(shard(a, 0, 1, 2), a[2:])
+    assert np.array_equal(shard(a, 1, 2, 3), a[:, 4:])
+    assert np.array_equal(np.concatenate([shard(a, 1, r, 3) for r in range(3)], axis=1), a)
+    with pytest.raises(ValueError, match="cannot split length 4 into 3"):
+        shard(a, 0, 0, 3)
+
+
+def test_megatron_split_of_a_layer_sums_to_the_whole_layer():
+    """The cut llama.py makes (q/k/v/gate/up by output rows, o/down by input columns), in numpy: the partial
+    outputs of the ranks, summed (the all-reduce), equal the unsplit attention-projection and MLP."""
+    rng = np.random.default_rng(0)
+    h, nh, kvh, d, inter, t = 32, 4, 2, 8, 48, 5
+    q_w, k_w, v_w = (rng.standard_normal((n * d, h)) for n in (nh, kvh, kvh))
+    o_w = rng.standard_normal((h, nh * d))
+    gate, up, down = rng.standard_normal((inter, h)), rng.standard_normal((inter, h)), rng.standard_normal((h, inter))
+    x = rng.standard_normal((t, h))
+
+    def attention_out(q_w, k_w, v_w, o_w, nh, kvh):
+        q = (x @ q_w.T).reshape(t, nh, d)
+        k, v = (x @ k_w.T).reshape(t, kvh, d), (x @ v_w.T).reshape(t, kvh, d)
+        k, v = np.repeat(k, nh // kvh, axis=1), np.repeat(v, nh // kvh, axis=1)   # GQA
+        scores = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(d)
+        scores += np.triu(np.full((t, t), -1e9), 1)
+        p = np.exp(scores - scores.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        return np.einsum("hqk,khd->qhd", p, v).reshape(t, nh * d) @ o_w.T
+
+    def mlp(gate, up, down):
+        g = x @ gate.T
+        return (g / (1 + np.exp(-g)) * (x @ up.T)) @ down.T
+
+    for world in (2, 4 if kvh % 4 == 0 else 2):
+        attn = sum(attention_out(shard(q_w, 0, r, world), shard(k_w, 0, r, world), shard(v_w, 0, r, world),
+                                 shard(o_w, 1, r, world), nh // world, kvh // world) for r in range(world))
+        np.testing.assert_allclose(attn, attention_out(q_w, k_w, v_w, o_w, nh, kvh), rtol=1e-10, atol=1e-10)
+        ffn = sum(mlp(shard(gate, 0, r, world), shard(up, 0, r, world), shard(down, 1, r, world))
+                  for r in range(world))
+        np.testing.assert_allclose(ffn, mlp(gate, up, down), rtol=1e-10, atol=1e-10)
+
+
+def test_group_check_names_what_does_not_divide():
+    cfg = SimpleNamespace(num_heads=8, num_kv_heads=4, intermediate_size=172)
+    TensorParallel(1, 2).check(cfg)
+    TensorParallel(0, 4).check(cfg)
+    with pytest.raises(ValueError, match=r"divisible by 3; this model has num_heads=8, num_kv_heads=4, "
+                                         r"intermediate_size=172"):
+        TensorParallel(0, 3).check(cfg)
+    with pytest.raises(ValueError, match="num_kv_heads=4"):
+        TensorParallel(0, 8).check(cfg)
+    with pytest.raises(ValueError, match="rank 2 of world 2"):
+        TensorParallel(2, 2)
+    assert TensorParallel(0, 2).writes_outputs and not TensorParallel(1, 2).writes_outputs
