@@ -1,0 +1,131 @@
+#!/usr/bin/env python
+"""Tensor parallelism: the same model and config served by 1 agent and by TP agents (shards of heads and
+MLP units, all-reducing through shared memory on the CPU), compared in one run for
+
+- correctness: greedy text of the same alpaca prompts, token for token against TP=1 (and the precision
+  gate, tools/precision.py, on every server: logits against the float64 reference, 0.5%);
+- cost: output tokens/s, TPOT and TTFT through the whole server at a fixed concurrency, the ratio to
+  TP=1, and the time to start.
+
+    python bench/tensor_parallel.py --model ../shared/models/stories260K/hf --config configs/stories260K.yaml
+    python tools/make_random_llama.py --out /tmp/llama-8x512 --tokenizer ../shared/tokenizers/llama2/tokenizer.model
+    python bench/tensor_parallel.py --model /tmp/llama-8x512 --out bench_results/tensor_parallel_8x512.json
+
+On a 2-core CPU, TP=2 gives each rank one core (instead of both for one agent) and adds two all-reduces
+per layer: expect it slower. The point here is that it is correct; its speed is for multi-device Ascend.
+Writes JSON (default bench_results/tensor_parallel.json); exit 1 if any server failed a request, the
+greedy text differed, or a precision gate failed.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import (ALPACA, REPO, alpaca, info, log_dir, machine, replay, server_args, table,  # noqa: E402
+                          write_json)
+from llm_serving.launch import ServerProcess  # noqa: E402
+
+
+async def _greedy(url: str, model: str, prompts: list, max_new_tokens: int, concurrency: int) -> list:
+    """Generated text of each prompt (greedy, exactly max_new_tokens tokens), `concurrency` at a time."""
+    gate = asyncio.Semaphore(concurrency)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        async def one(prompt):
+            async with gate:
+                body = {"inputs": prompt, "parameters": {"max_new_tokens": max_new_tokens, "ignore_eos": True}}
+                async with session.post(f"{url}/models/{model}/generate", json=body) as resp:
+                    out = await resp.json()
+                    return out.get("generated_text") if resp.status == 200 else None
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+
+def _precision(url: str, n: int, max_new_tokens: int, dataset: Path) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "precision.json"
+        proc = subprocess.run([sys.executable, str(REPO / "tools" / "precision.py"), "--url", url, "--out", str(out),
+                               "-n", str(n), "--max-new-tokens", str(max_new_tokens), "--rate", "40",
+                               "--prompts", str(dataset)], capture_output=True, text=True, timeout=1800)
+        if not out.exists():
+            return {"passed": False, "error": (proc.stdout + proc.stderr)[-2000:]}
+        return json.loads(out.read_text())
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", help="model path (default: the built-in model)")
+    p.add_argument("--config", help="YAML config")
+    p.add_argument("--set", action="append", default=[])
+    p.add_argument("--tp", default="1,2", type=lambda s: [int(x) for x in s.split(",")],
+                   help="group sizes to compare; the first is the baseline")
+    p.add_argument("-n", "--num-prompts", type=int, default=64, help="alpaca prompts of the throughput run")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--greedy-prompts", type=int, default=32, help="prompts compared token for token")
+    p.add_argument("--precision-prompts", type=int, default=12)
+    p.add_argument("--dataset-path", default=str(ALPACA))
+    p.add_argument("--out", default="bench_results/tensor_parallel.json")
+    args = p.parse_args(argv)
+
+    runs = {}
+    for tp in args.tp:
+        sets = args.set + [f"serving_config.agent_ports={[0] * tp}".replace(" ", "")]
+        t0 = time.monotonic()
+        with ServerProcess(server_args(args.model, args.config, sets), log_dir() / f"tensor_parallel_tp{tp}.log",
+                           ) as server:
+            start_s = time.monotonic() - t0
+            facts = info(server)
+            room = facts["max_total_tokens"]
+            samples = alpaca(max(args.num_prompts, args.greedy_prompts), facts["tokenizer_path"],
+                             args.max_new_tokens, Path(args.dataset_path), room=room)
+            prompts = [s.prompt for s in samples[:args.greedy_prompts]]
+            greedy_len = min(args.max_new_tokens, min(s.max_new_tokens for s in samples[:args.greedy_prompts]))
+            texts = asyncio.run(_greedy(server.url, facts["model_id"], prompts, greedy_len, args.concurrency))
+            work = samples[:args.num_prompts]
+            replay(server.url, facts["model_id"], work[:args.concurrency], [0.0] * args.concurrency,
+                   max_concurrency=args.concurrency)                                               # warm
+            summary, _ = replay(server.url, facts["model_id"], work, [0.0] * len(work),
+                                max_concurrency=args.concurrency)
+            precision = _precision(server.url, args.precision_prompts, 16, Path(args.dataset_path))
+        runs[tp] = {"start_s": start_s, "summary": summary, "texts": texts, "precision": precision,
+                    "tensor_parallel_size": facts["tensor_parallel_size"]}
+        print(f"TP={tp}: ready in {start_s:.1f} s, {summary['output_throughput']:.1f} output tok/s at concurrency "
+              f"{args.concurrency}, precision max rel error {precision.get('max_rel_error', float('nan')):.2e}",
+              flush=True)
+
+    base = runs[args.tp[0]]
+    rows = []
+    for tp, r in runs.items():
+        s = r["summary"]
+        same = sum(a is not None and a == b for a, b in zip(r["texts"], base["texts"]))
+        rows.append({"tp": tp, "tok_s": s["output_throughput"], "ratio": s["output_throughput"]
+                     / base["summary"]["output_throughput"], "tpot_p50": s["tpot_ms"]["median"],
+                     "ttft_p50": s["ttft_ms"]["median"], "start_s": r["start_s"], "failed": s["failed"],
+                     "greedy_same": same, "greedy_total": len(r["texts"]),
+                     "precision_max": r["precision"].get("max_rel_error"),
+                     "precision_passed": bool(r["precision"].get("passed"))})
+    print(f"\ntensor parallel: {facts['model_id']}, {args.num_prompts} alpaca prompts, <= {args.max_new_tokens} "
+          f"output tokens, concurrency {args.concurrency}; greedy compared on {args.greedy_prompts} prompts")
+    print(table(rows, [("tp", "TP", "{}"), ("tok_s", "output tok/s", "{:.1f}"), ("ratio", f"vs TP={args.tp[0]}",
+                                                                                    "{:.2f}"),
+                       ("tpot_p50", "TPOT p50 ms", "{:.2f}"), ("ttft_p50", "TTFT p50 ms", "{:.0f}"),
+                       ("start_s", "start s", "{:.1f}"), ("greedy_same", "greedy same", "{}"),
+                       ("precision_max", "max rel err", "{:.2e}"), ("failed", "failed", "{}")]))
+    write_json(args.out, {"scenario": "tensor_parallel", "machine": machine(), "model": facts["model_id"],
+                          "concurrency": args.concurrency, "max_new_tokens": args.max_new_tokens, "rows": rows,
+                          "runs": {str(tp): {k: v for k, v in r.items() if k != "texts"} for tp, r in runs.items()}})
+    ok = all(r["failed"] == 0 and r["greedy_same"] == r["greedy_total"] and r["precision_passed"] for r in rows)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
