@@ -63,6 +63,8 @@ class ModelConfig:
     num_threads: Optional[int] = None         # MindSpore CPU threads per agent; None = MindSpore's default
     attention_kernel: str = "auto"            # CPU decode attention: the C++ paged kernel ('on'), the key gather
                                               # ('off'), or the kernel when a C++ compiler builds it ('auto')
+    all_reduce: str = "auto"                  # tensor parallelism's all-reduce: 'shm' (CPU shared memory),
+                                              # 'mindspore' (MindSpore's collectives: HCCL on Ascend), 'auto' = by device
     model_dtype: str = "float32"
 
     def __post_init__(self) -> None:
@@ -84,6 +86,10 @@ class ModelConfig:
             _check_int("model_config.num_threads", self.num_threads)
         _check(self.attention_kernel in ("auto", "on", "off"), "model_config.attention_kernel",
                self.attention_kernel, "must be 'auto', 'on' or 'off'")
+        _check(self.all_reduce in ("auto", "shm", "mindspore"), "model_config.all_reduce", self.all_reduce,
+               "must be 'auto', 'shm' or 'mindspore'")
+        _check(not (self.all_reduce == "shm" and self.device_target != "CPU"), "model_config.all_reduce",
+               self.all_reduce, "'shm' is the CPU all-reduce; on Ascend use 'mindspore' (HCCL) or 'auto'")
         _check(self.model_dtype in ("float32", "DataType.FLOAT32"), "model_config.model_dtype",
                self.model_dtype, "only float32 is supported on this build")
         for key in ("model_path", "model_name"):

@@ -24,12 +24,12 @@ class Worker:
     """Owns the ModelRunner (MindSpore graphs + paged KV cache) and the attached step buffers."""
 
     def __init__(self, config, model_dir: str, rank: int, device_id: int, tp_comm: str | None = None):
-        from llm_serving.models.parallel import TensorParallel, pin_cpu_cores
+        from llm_serving.models.parallel import TensorParallel, all_reduce_backend, pin_cpu_cores
         from llm_serving.models.runner import ModelRunner  # MindSpore is imported only in agents
 
         mc, pa, sc = config.model_config, config.pa_config, config.serving_config
         self.rank = rank
-        self.tp = TensorParallel(rank, len(sc.agent_ports), tp_comm)
+        self.tp = TensorParallel(rank, len(sc.agent_ports), tp_comm, all_reduce_backend(mc.device_target, mc.all_reduce))
         num_threads = mc.num_threads
         if self.tp.world > 1 and mc.device_target == "CPU":
             cores = pin_cpu_cores(rank, self.tp.world)      # the CPU's 'devices': a share of the cores each

@@ -3,9 +3,10 @@ compiled its graphs, connect over TCP with the launch token and the shared-memor
 every step to every agent and wait for all replies.
 
 Several agents are one tensor-parallel group (models/parallel.py): each holds a shard, every step goes to
-all, rank 0 writes the outputs, and the step succeeds only if every rank's does. On the CPU the master
-also creates the group's all-reduce segment (shm/comm.py) before spawning, since the ranks all-reduce
-during warmup; a restart gets a fresh segment.
+all, rank 0 writes the outputs, and the step succeeds only if every rank's does. Before spawning, the master
+sets up what the ranks' all-reduce needs (they all-reduce during warmup): the shared-memory segment
+(shm/comm.py) for the CPU's 'shm' all-reduce, or for 'mindspore' (HCCL on Ascend) the scheduler process of a
+MindSpore dynamic cluster and each rank's MS_* environment, as msrun would. A restart gets fresh ones.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import json
 import logging
 import os
 import secrets
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +25,7 @@ from typing import Optional
 from llm_serving.agents import protocol as proto
 from llm_serving.agents.server import ENV_CONFIG, ENV_STATUS_FD, ENV_TOKEN
 from llm_serving.models.default_model import default_cache_dir
+from llm_serving.models.parallel import all_reduce_backend, cluster_env
 from llm_serving.shm.buffers import StepBuffers
 from llm_serving.shm.comm import CommSegment
 from llm_serving.shm.layout import StepLayout
@@ -167,7 +170,9 @@ class AgentGroup:
         self.model_dir = model_dir
         self.layout = StepLayout.from_config(config)
         self.buffers: Optional[StepBuffers] = None
-        self.comm: Optional[CommSegment] = None     # CPU tensor parallelism's all-reduce segment
+        self.comm: Optional[CommSegment] = None     # tensor parallelism's 'shm' all-reduce segment
+        self.scheduler: Optional[subprocess.Popen] = None   # 'mindspore' all-reduce: the cluster's scheduler
+        self._cluster_port: Optional[int] = None
         self.agents: list = []
         self._token = secrets.token_urlsafe(32)
         self._token_files: list = []
@@ -176,8 +181,13 @@ class AgentGroup:
         sc = self.config.serving_config
         self.buffers = StepBuffers.create(self.layout)
         try:
-            if len(sc.agent_ports) > 1 and self.config.model_config.device_target == "CPU":
-                self.comm = CommSegment.create(len(sc.agent_ports))
+            world = len(sc.agent_ports)
+            mc = self.config.model_config
+            backend = all_reduce_backend(mc.device_target, mc.all_reduce) if world > 1 else None
+            if backend == "shm":
+                self.comm = CommSegment.create(world)
+            elif backend == "mindspore":
+                self._spawn_scheduler(world)
             for rank in range(len(sc.agent_ports)):
                 self.agents.append(await self._spawn(rank))
             await asyncio.gather(*(a.wait_ready(sc.agent_start_timeout_s) for a in self.agents))
@@ -189,9 +199,24 @@ class AgentGroup:
             await self.stop()
             raise
 
+    def _spawn_scheduler(self, world: int) -> None:
+        with socket.socket() as s:                          # a free port (the scheduler binds it a moment later)
+            s.bind(("127.0.0.1", 0))
+            self._cluster_port = s.getsockname()[1]
+        env = {**os.environ, **cluster_env(world, self._cluster_port), "GLOG_v": os.environ.get("GLOG_v", "3")}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
+                                                          env.get("PYTHONPATH")]))
+        workdir = default_cache_dir() / "agent-workdir"
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.scheduler = subprocess.Popen([sys.executable, "-m", "llm_serving.models.parallel"], env=env,
+                                          cwd=workdir, start_new_session=True)
+        logger.info("tensor-parallel cluster scheduler (pid %d) on port %d", self.scheduler.pid, self._cluster_port)
+
     async def _spawn(self, rank: int) -> AgentClient:
         read_fd, write_fd = os.pipe()
         env = dict(os.environ)
+        if self.scheduler is not None:
+            env.update(cluster_env(len(self.config.serving_config.agent_ports), self._cluster_port, rank))
         config = self.config.to_dict()
         config["serving_config"]["api_key"] = None       # agents never see the HTTP API key
         env[ENV_CONFIG] = json.dumps({"config": config, "model_dir": self.model_dir, "rank": rank,
@@ -262,6 +287,8 @@ class AgentGroup:
                 reasons.append(f"agent {a.rank} exited with code {code}")
             elif a.dead_reason:
                 reasons.append(a.dead_reason)
+        if self.scheduler is not None and self.scheduler.poll() is not None:
+            reasons.append(f"the tensor-parallel cluster scheduler exited with code {self.scheduler.returncode}")
         return reasons
 
     async def stop(self, grace_s: float = 5.0, kill: bool = False) -> None:
@@ -294,3 +321,8 @@ class AgentGroup:
         if self.comm is not None:
             self.comm.close()
             self.comm = None
+        if self.scheduler is not None:       # its ranks are gone: nothing left to schedule
+            if self.scheduler.poll() is None:
+                self.scheduler.kill()
+            await loop.run_in_executor(None, self.scheduler.wait)
+            self.scheduler = None

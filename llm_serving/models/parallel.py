@@ -16,11 +16,17 @@ start_device_id + r; together they hold one model (Megatron-style, two all-reduc
 
 NH, KVH and I must divide by W (checked at load, with the numbers in the message).
 
-The all-reduce, chosen by device here and nowhere else (`make_all_reduce`): on Ascend MindSpore's
-`ops.AllReduce` over HCCL (the agents' environment must set up MindSpore's communication, e.g. msrun);
-on the CPU an `ops.Custom` kernel summing through a shared-memory segment (kernels/shm_allreduce_cpu.cc,
-shm/comm.py), since MindSpore's CPU collectives are not a given. Both run inside the graph, so a step is
-still one graph call per bucket.
+The all-reduce, chosen here and nowhere else (`all_reduce_backend`, `make_all_reduce`), both inside the
+graph, so a step is still one graph call per bucket:
+
+- 'mindspore' (the default on Ascend): `ops.AllReduce` over MindSpore's communication, HCCL on Ascend. The
+  ranks form a MindSpore dynamic cluster, the environment msrun would set (`cluster_env`): the master
+  starts the cluster's scheduler process (`python -m llm_serving.models.parallel`) and gives rank r
+  MS_ROLE=MS_WORKER, MS_NODE_ID=r. On the CPU the same path runs over MindSpore's CPU collectives, which is
+  how it is tested here (about 1 ms per call on this machine, so it is not the CPU default).
+- 'shm' (the default on the CPU): an `ops.Custom` kernel summing through a shared-memory segment that the
+  master creates (kernels/shm_allreduce_cpu.cc, shm/comm.py); microseconds per call, a bounded wait for
+  peers, and no dependency on MindSpore's CPU collectives.
 """
 from __future__ import annotations
 
@@ -34,7 +40,8 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TensorParallel", "TensorParallelError", "shard", "make_all_reduce", "pin_cpu_cores"]
+__all__ = ["TensorParallel", "TensorParallelError", "shard", "make_all_reduce", "all_reduce_backend", "cluster_env",
+           "pin_cpu_cores"]
 
 
 class TensorParallelError(RuntimeError):
@@ -43,11 +50,13 @@ class TensorParallelError(RuntimeError):
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """This process's place in its group: rank of world, and (CPU) the all-reduce segment's name."""
+    """This process's place in its group: rank of world, the all-reduce backend ('shm' or 'mindspore'), and
+    for 'shm' the segment's name."""
 
     rank: int = 0
     world: int = 1
     comm: Optional[str] = None
+    backend: str = "shm"
 
     def __post_init__(self) -> None:
         if not (isinstance(self.world, int) and self.world >= 1 and isinstance(self.rank, int)
@@ -94,6 +103,26 @@ def pin_cpu_cores(rank: int, world: int) -> Optional[int]:
     return len(mine)
 
 
+def all_reduce_backend(device_target: str, setting: str = "auto") -> str:
+    """model_config.all_reduce resolved for a device: 'auto' is HCCL through MindSpore on Ascend, shared
+    memory on the CPU."""
+    if setting == "auto":
+        return "mindspore" if device_target == "Ascend" else "shm"
+    if setting not in ("shm", "mindspore") or (setting == "shm" and device_target != "CPU"):
+        raise ValueError(f"all-reduce {setting!r} is not available on {device_target}")
+    return setting
+
+
+def cluster_env(world: int, port: int, rank: Optional[int] = None, host: str = "127.0.0.1") -> dict:
+    """Environment of one process of a MindSpore dynamic cluster (what msrun sets for each process it
+    starts): the scheduler when rank is None, else worker `rank` (its rank id, as MS_NODE_ID is numeric)."""
+    env = {"MS_WORKER_NUM": str(world), "MS_SCHED_HOST": host, "MS_SCHED_PORT": str(port),
+           "MS_ROLE": "MS_SCHED" if rank is None else "MS_WORKER"}
+    if rank is not None:
+        env["MS_NODE_ID"] = str(rank)
+    return env
+
+
 class _ShmAllReduceLibrary:
     """The CPU kernel's library, loaded through ctypes from the same file MindSpore loads (so both see one
     set of globals), attached to the group's segment once per process."""
@@ -123,9 +152,12 @@ class AllReduce:
 
         self.tp = tp
         self._lib = None
-        if device_target == "Ascend":
-            from mindspore.communication import init
-            init("hccl")                                  # the environment (msrun) says who the peers are
+        if tp.backend == "mindspore":
+            from mindspore.communication import get_group_size, get_rank, init
+            init("hccl" if device_target == "Ascend" else None)    # the environment (cluster_env) names the peers
+            if (get_rank(), get_group_size()) != (tp.rank, tp.world):
+                raise TensorParallelError(f"MindSpore's cluster made this agent rank {get_rank()} of "
+                                          f"{get_group_size()}, expected {tp.rank} of {tp.world}")
             self.op = ops.AllReduce()                     # sum over the world group
         else:
             if tp.comm is None:
@@ -149,7 +181,32 @@ class AllReduce:
 
 
 def make_all_reduce(tp: TensorParallel, device_target: str, timeout_s: float = 120.0) -> Optional[AllReduce]:
-    """The group's all-reduce for this device, or None for a single agent (nothing to reduce)."""
+    """The group's all-reduce (tp.backend) on this device, or None for a single agent (nothing to reduce)."""
     if tp.world == 1:
         return None
     return AllReduce(tp, device_target, timeout_s)
+
+
+def _run_cluster_scheduler() -> None:
+    """The scheduler of a MindSpore dynamic cluster (started by the master with cluster_env(world, port)):
+    serves the ranks' registration until they leave, and exits when the master that started it is gone."""
+    import threading
+    import time
+
+    import psutil
+
+    parent = os.getppid()
+
+    def watch():
+        while psutil.pid_exists(parent) and os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+    threading.Thread(target=watch, daemon=True).start()
+    import mindspore as ms
+    from mindspore.communication import init
+    ms.set_context(mode=ms.GRAPH_MODE)
+    init()
+
+
+if __name__ == "__main__":
+    _run_cluster_scheduler()

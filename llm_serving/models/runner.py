@@ -193,7 +193,7 @@ class ModelRunner:
             # everything that decides which graphs warmup() compiles, and in which order
             key_src = repr((cfg, self.num_blocks, self.block_size, self.max_blocks_per_seq, self.decode_batch_sizes,
                             self.decode_block_widths, self.prefill_batch_sizes, self.prefill_seq_lens,
-                            self.prefill_token_sizes, device_target, self.tp.rank, self.tp.world,
+                            self.prefill_token_sizes, device_target, self.tp.rank, self.tp.world, self.tp.backend,
                             self.decode_kernel, _model_source_digest()))
             cache_key = hashlib.sha1(key_src.encode()).hexdigest()[:16]
         elif compile_cache:

@@ -1,7 +1,10 @@
 """Tensor parallelism through the real server: two agents, each holding half of stories260K's heads and
 MLP units, all-reducing through shared memory inside their MindSpore graphs. Greedy output must be the
 reference implementation's and TP=1's, logits must pass the precision gate, and losing one rank under
-load must behave like losing the only agent (its requests fail with the reason, the group restarts)."""
+load must behave like losing the only agent (its requests fail with the reason, the group restarts).
+The same group over MindSpore's own collectives (`all_reduce: mindspore`, the Ascend path with HCCL; here
+its CPU backend), in a MindSpore dynamic cluster the master sets up, is held to the reference and to
+the same supervision."""
 import asyncio
 import json
 import os
@@ -10,6 +13,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 from tests.integration.server_harness import REPO, ServerProcess, http, leftovers, project_shm_segments
@@ -145,4 +149,50 @@ def test_a_model_that_does_not_split_evenly_is_refused_at_start(shared_dir, tmp_
     deadline = time.monotonic() + 5          # the master's resource tracker unlinks a moment after its exit
     while time.monotonic() < deadline and set(project_shm_segments()) - shm_before:
         time.sleep(0.1)
+    assert set(project_shm_segments()) - shm_before == set()
+
+
+# the smallest bucket set: MindSpore's CPU all-reduce is ~1 ms a call, this server only has to be right
+MS_TP2 = ["serving_config.agent_ports=[0,0]", "model_config.all_reduce=mindspore", "model_config.decode_batch_size=[1,8]",
+          "model_config.prefill_batch_size=[1]", "serving_config.max_num_seqs=8",
+          "serving_config.agent_restart_backoff_s=0.2"]
+
+
+def _schedulers(server) -> list:
+    return [p.pid for p in server.refresh_children() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+            and "llm_serving.models.parallel" in " ".join(p.cmdline())]
+
+
+def test_mindspore_collectives_serve_the_reference_and_survive_losing_a_rank(shared_dir, tmp_path):
+    pytest.importorskip("mindspore")
+    shm_before = set(project_shm_segments())
+    server = ServerProcess(_args(shared_dir, MS_TP2), tmp_path / "server.log")
+    try:
+        server.wait_ready()
+        info = http("GET", server.url + "/info")[1]
+        assert info["tensor_parallel_size"] == 2 and info["tensor_parallel_all_reduce"] == "mindspore"
+        assert set(_tp_segments()) - shm_before == set()          # no shared-memory all-reduce in this group
+        [scheduler] = _schedulers(server)
+        assert_greedy_reference(server.url, "hf", shared_dir)
+
+        health = http("GET", server.url + "/health")[1]
+        rank1 = next(a["pid"] for a in health["agents"] if a["rank"] == 1)
+        n, max_new = 24, 24
+        results, states, killed = asyncio.run(_kill_agent_under_load(server, n, max_new, agent_pid=rank1,
+                                                                     after_done=4))
+        finals = [_final_event(events) for events in results]
+        failed = [f for f in finals if f.get("details", {}).get("finish_reason") == "error"]
+        finished = [f for f in finals if f.get("details", {}).get("finish_reason") == "length"]
+        assert len(failed) + len(finished) == n and 1 <= len(failed) <= 8
+        assert all("agent failure: agent 1" in f["error"] for f in failed), failed[:2]
+        assert all(f["details"]["generated_tokens"] == max_new for f in finished)
+        assert [s for s, _ in states][-1] == 200
+        # a new group: both ranks and the cluster's scheduler replaced (the old cluster lost a member)
+        new = http("GET", server.url + "/health")[1]["agents"]
+        assert {a["pid"] for a in new}.isdisjoint({a["pid"] for a in health["agents"]})
+        assert len(_schedulers(server)) == 1 and _schedulers(server) != [scheduler]
+        assert_greedy_reference(server.url, "hf", shared_dir)
+    finally:
+        server.stop()
+    assert leftovers(server) == [], server.log()[-3000:]
     assert set(project_shm_segments()) - shm_before == set()

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from llm_serving.models.kernels import build_kernel
-from llm_serving.models.parallel import TensorParallel, shard
+from llm_serving.config import ConfigError, load_config
+from llm_serving.models.parallel import TensorParallel, all_reduce_backend, cluster_env, shard
 from llm_serving.shm.comm import CommSegment, segment_bytes
 
 needs_compiler = pytest.mark.skipif(shutil.which("g++") is None and not os.environ.get("CXX"),
@@ -214,3 +215,23 @@ def test_group_check_names_what_does_not_divide():
     with pytest.raises(ValueError, match="rank 2 of world 2"):
         TensorParallel(2, 2)
     assert TensorParallel(0, 2).writes_outputs and not TensorParallel(1, 2).writes_outputs
+
+
+def test_all_reduce_backend_is_chosen_by_device_and_checked_in_the_config():
+    assert all_reduce_backend("CPU") == "shm" and all_reduce_backend("Ascend") == "mindspore"
+    assert all_reduce_backend("CPU", "mindspore") == "mindspore"
+    with pytest.raises(ValueError, match="'shm' is not available on Ascend"):
+        all_reduce_backend("Ascend", "shm")
+    assert load_config(overrides=["model_config.all_reduce=mindspore"]).model_config.all_reduce == "mindspore"
+    with pytest.raises(ConfigError, match="model_config.all_reduce.*'auto', 'shm' or 'mindspore'"):
+        load_config(overrides=["model_config.all_reduce=nccl"])
+    with pytest.raises(ConfigError, match="'shm' is the CPU all-reduce"):
+        load_config(overrides=["model_config.device_target=Ascend", "model_config.all_reduce=shm"])
+
+
+def test_cluster_env_is_what_msrun_gives_the_scheduler_and_each_worker():
+    sched = cluster_env(2, 8118)
+    assert sched == {"MS_ROLE": "MS_SCHED", "MS_WORKER_NUM": "2", "MS_SCHED_HOST": "127.0.0.1", "MS_SCHED_PORT": "8118"}
+    worker = cluster_env(16, 8118, rank=9, host="10.0.0.1")
+    assert worker["MS_ROLE"] == "MS_WORKER" and worker["MS_NODE_ID"] == "9" and worker["MS_WORKER_NUM"] == "16"
+    assert worker["MS_SCHED_HOST"] == "10.0.0.1"
