@@ -7,7 +7,8 @@ MLP units, all-reducing through shared memory on the CPU), compared in one run f
 - cost: output tokens/s, TPOT and TTFT through the whole server at a fixed concurrency, the ratio to
   TP=1, and the time to start.
 
-    python bench/tensor_parallel.py --model ../shared/models/stories260K/hf --config configs/stories260K.yaml
+    python bench/tensor_parallel.py --model ../shared/models/stories260K/hf --config configs/stories260K.yaml \
+        --tp 1,2,2:mindspore --out bench_results/tensor_parallel_stories260K.json
     python tools/make_random_llama.py --out /tmp/llama-8x512 --tokenizer ../shared/tokenizers/llama2/tokenizer.model
     python bench/tensor_parallel.py --model /tmp/llama-8x512 --out bench_results/tensor_parallel_8x512.json
 
@@ -65,8 +66,9 @@ def main(argv=None) -> int:
     p.add_argument("--model", help="model path (default: the built-in model)")
     p.add_argument("--config", help="YAML config")
     p.add_argument("--set", action="append", default=[])
-    p.add_argument("--tp", default="1,2", type=lambda s: [int(x) for x in s.split(",")],
-                   help="group sizes to compare; the first is the baseline")
+    p.add_argument("--tp", default="1,2", type=lambda s: s.split(","),
+                   help="groups to compare, the first is the baseline: N (default all-reduce) or N:BACKEND, "
+                        "e.g. 1,2,2:mindspore")
     p.add_argument("-n", "--num-prompts", type=int, default=64, help="alpaca prompts of the throughput run")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=16)
@@ -78,10 +80,13 @@ def main(argv=None) -> int:
 
     runs = {}
     for tp in args.tp:
-        sets = args.set + [f"serving_config.agent_ports={[0] * tp}".replace(" ", "")]
+        size, _, backend = tp.partition(":")
+        sets = args.set + [f"serving_config.agent_ports={[0] * int(size)}".replace(" ", "")]
+        if backend:
+            sets.append(f"model_config.all_reduce={backend}")
         t0 = time.monotonic()
-        with ServerProcess(server_args(args.model, args.config, sets), log_dir() / f"tensor_parallel_tp{tp}.log",
-                           ) as server:
+        log = log_dir() / f"tensor_parallel_tp{tp.replace(':', '_')}.log"
+        with ServerProcess(server_args(args.model, args.config, sets), log) as server:
             start_s = time.monotonic() - t0
             facts = info(server)
             room = facts["max_total_tokens"]
@@ -97,7 +102,8 @@ def main(argv=None) -> int:
                                 max_concurrency=args.concurrency)
             precision = _precision(server.url, args.precision_prompts, 16, Path(args.dataset_path))
         runs[tp] = {"start_s": start_s, "summary": summary, "texts": texts, "precision": precision,
-                    "tensor_parallel_size": facts["tensor_parallel_size"]}
+                    "tensor_parallel_size": facts["tensor_parallel_size"],
+                    "all_reduce": facts.get("tensor_parallel_all_reduce")}
         print(f"TP={tp}: ready in {start_s:.1f} s, {summary['output_throughput']:.1f} output tok/s at concurrency "
               f"{args.concurrency}, precision max rel error {precision.get('max_rel_error', float('nan')):.2e}",
               flush=True)
@@ -107,7 +113,8 @@ def main(argv=None) -> int:
     for tp, r in runs.items():
         s = r["summary"]
         same = sum(a is not None and a == b for a, b in zip(r["texts"], base["texts"]))
-        rows.append({"tp": tp, "tok_s": s["output_throughput"], "ratio": s["output_throughput"]
+        rows.append({"tp": tp if r["all_reduce"] is None else f"{r['tensor_parallel_size']}:{r['all_reduce']}",
+                     "tok_s": s["output_throughput"], "ratio": s["output_throughput"]
                      / base["summary"]["output_throughput"], "tpot_p50": s["tpot_ms"]["median"],
                      "ttft_p50": s["ttft_ms"]["median"], "start_s": r["start_s"], "failed": s["failed"],
                      "greedy_same": same, "greedy_total": len(r["texts"]),
@@ -115,7 +122,7 @@ def main(argv=None) -> int:
                      "precision_passed": bool(r["precision"].get("passed"))})
     print(f"\ntensor parallel: {facts['model_id']}, {args.num_prompts} alpaca prompts, <= {args.max_new_tokens} "
           f"output tokens, concurrency {args.concurrency}; greedy compared on {args.greedy_prompts} prompts")
-    print(table(rows, [("tp", "TP", "{}"), ("tok_s", "output tok/s", "{:.1f}"), ("ratio", f"vs TP={args.tp[0]}",
+    print(table(rows, [("tp", "TP:all-reduce", "{}"), ("tok_s", "output tok/s", "{:.1f}"), ("ratio", f"vs TP={args.tp[0]}",
                                                                                     "{:.2f}"),
                        ("tpot_p50", "TPOT p50 ms", "{:.2f}"), ("ttft_p50", "TTFT p50 ms", "{:.0f}"),
                        ("start_s", "start s", "{:.1f}"), ("greedy_same", "greedy same", "{}"),

@@ -64,7 +64,7 @@ class ModelConfig:
     attention_kernel: str = "auto"            # CPU decode attention: the C++ paged kernel ('on'), the key gather
                                               # ('off'), or the kernel when a C++ compiler builds it ('auto')
     all_reduce: str = "auto"                  # tensor parallelism's all-reduce: 'shm' (CPU shared memory),
-                                              # 'mindspore' (MindSpore's collectives: HCCL on Ascend), 'auto' = by device
+                                              # 'mindspore' (MindSpore's: HCCL on Ascend), 'auto' = by device
     model_dtype: str = "float32"
 
     def __post_init__(self) -> None:

@@ -29,7 +29,8 @@ class Worker:
 
         mc, pa, sc = config.model_config, config.pa_config, config.serving_config
         self.rank = rank
-        self.tp = TensorParallel(rank, len(sc.agent_ports), tp_comm, all_reduce_backend(mc.device_target, mc.all_reduce))
+        self.tp = TensorParallel(rank, len(sc.agent_ports), tp_comm,
+                                 all_reduce_backend(mc.device_target, mc.all_reduce))
         num_threads = mc.num_threads
         if self.tp.world > 1 and mc.device_target == "CPU":
             cores = pin_cpu_cores(rank, self.tp.world)      # the CPU's 'devices': a share of the cores each

@@ -153,8 +153,8 @@ def test_a_model_that_does_not_split_evenly_is_refused_at_start(shared_dir, tmp_
 
 
 # the smallest bucket set: MindSpore's CPU all-reduce is ~1 ms a call, this server only has to be right
-MS_TP2 = ["serving_config.agent_ports=[0,0]", "model_config.all_reduce=mindspore", "model_config.decode_batch_size=[1,8]",
-          "model_config.prefill_batch_size=[1]", "serving_config.max_num_seqs=8",
+MS_TP2 = ["serving_config.agent_ports=[0,0]", "model_config.all_reduce=mindspore",
+          "model_config.decode_batch_size=[1,8]", "model_config.prefill_batch_size=[1]", "serving_config.max_num_seqs=8",
           "serving_config.agent_restart_backoff_s=0.2"]
 
 
