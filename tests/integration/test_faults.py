@@ -55,8 +55,9 @@ def _final_event(events: list) -> dict:
     return events[-1]
 
 
-async def _stream(session, url, prompt, max_new_tokens, headers=None):
-    """(HTTP status, [SSE events]) of one streaming request."""
+async def _stream(session, url, prompt, max_new_tokens, headers=None, on_first_token=None):
+    """(HTTP status, [SSE events]) of one streaming request; on_first_token() is called as the first token
+    arrives (a fault injected there lands mid-stream however fast the machine is)."""
     body = {"inputs": prompt, "parameters": {"max_new_tokens": max_new_tokens, "ignore_eos": True}, "stream": True}
     events = []
     async with session.post(f"{url}/models/hf/generate", json=body, headers=headers) as resp:
@@ -65,6 +66,8 @@ async def _stream(session, url, prompt, max_new_tokens, headers=None):
         async for line in resp.content:
             if line.startswith(b"data: "):
                 events.append(json.loads(line[6:]))
+                if len(events) == 1 and on_first_token is not None:
+                    on_first_token()
     return 200, events
 
 
@@ -170,13 +173,14 @@ def test_hung_agent_times_out_and_a_crash_loop_is_given_up(server_factory):
                             "serving_config.agent_restart_backoff_s=0.1")
 
     async def stream_while(fault):
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
-            task = asyncio.create_task(_stream(session, server.url, "Once upon a time", 200))
-            await asyncio.sleep(0.3)
-            t0 = time.monotonic()
+        t0 = []
+
+        def inject():
+            t0.append(time.monotonic())
             fault()
-            status, events = await task
-            return status, events, time.monotonic() - t0
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+            status, events = await _stream(session, server.url, "Once upon a time", 200, on_first_token=inject)
+            return status, events, time.monotonic() - t0[0]
 
     # 1. the agent stops answering (SIGSTOP): the step times out, the stream ends with the reason, the hung
     #    agent is killed and replaced
@@ -242,11 +246,9 @@ def test_master_killed_leaves_no_process_and_no_shared_memory(server_factory, si
 
     async def kill_mid_stream():
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
-            task = asyncio.create_task(_stream(session, server.url, "Once upon a time", 200))
-            await asyncio.sleep(0.2)
-            server.proc.send_signal(sig)
             try:
-                status, events = await task
+                status, events = await _stream(session, server.url, "Once upon a time", 200,
+                                               on_first_token=lambda: server.proc.send_signal(sig))
             except aiohttp.ClientError:             # SIGKILL: the stream is cut
                 assert sig == signal.SIGKILL
             else:                                   # SIGINT: the request in flight was let finish
