@@ -7,8 +7,8 @@ and how many rows and tokens per row to read.
 
 Commands (llm-serving's letters), payload keys, and the reply payload on success:
   '#' connect   {seq, token, shm: {array: segment name} | null}  -> {num_blocks, block_size, vocab_size, ...}
-  '*' prefill   {seq, step, n, s}   rows 0..n-1, s tokens per row -> {step}
-  'a' decode    {seq, step, n}      rows 0..n-1, one token per row -> {step}
+  '*' prefill   {seq, step, n, s}   rows 0..n-1, s tokens per row -> {step, model_ms, agent_ms}
+  'a' decode    {seq, step, n}      rows 0..n-1, one token per row -> {step, model_ms, agent_ms}
   'h' health    {seq}                                              -> {pid, device_id, steps, connected}
   'r' reset     {seq}               drop all KV state              -> {}
   'c' capture   {seq, dir: path | null, max_steps: int}            -> {dir, steps}
@@ -19,9 +19,11 @@ Reply: command 'R', payload {seq, ok: bool, error: str (when not ok), fatal: tru
 agent can serve no more steps: its tensor-parallel group is out of step), ...}. `seq` echoes the
 request's, so replies may come back out of order (the agent serves control before prefill before decode).
 
-Tensor parallelism adds nothing to the wire: every agent of the group gets the same step frames (and
-reads the same shared-memory inputs); rank 0 writes the outputs; the ranks exchange partial sums among
-themselves (models/parallel.py), never through the master.
+Tensor parallelism adds one reply field: every agent of the group gets the same step frames (and reads the
+same shared-memory inputs); rank 0 writes the outputs; the ranks exchange partial sums among themselves
+(models/parallel.py), never through the master. Each rank's step reply, ok or failed, carries
+`collective_calls`, the all-reducing graph calls it has completed: when a step fails on some ranks only,
+equal counts tell the master the group is still in step (master/agent_group.py).
 """
 from __future__ import annotations
 

@@ -213,7 +213,15 @@ class AgentServer:
             raise ValueError("step needs integer n (rows) and s (tokens per row)")
         model_s = self.worker.step(n, s)
         agent_s = time.perf_counter() - frame.received
-        return {"step": p.get("step"), "model_ms": round(model_s * 1e3, 4), "agent_ms": round(agent_s * 1e3, 4)}
+        return {"step": p.get("step"), "model_ms": round(model_s * 1e3, 4), "agent_ms": round(agent_s * 1e3, 4),
+                **self._group_state(frame)}
+
+    def _group_state(self, frame) -> dict:
+        """What a tensor-parallel rank's step reply (ok or failed) tells the master about the group: the
+        collective graph calls it has completed (the master compares them across ranks)."""
+        if frame.command not in (proto.PREFILL, proto.DECODE) or self.worker.tp.world == 1:
+            return {}
+        return {"collective_calls": self.worker.runner.collective_calls}
 
     def on_health(self, frame, conn) -> dict:
         return {"pid": os.getpid(), "rank": self.rank, "device_id": self.device_id,
@@ -261,7 +269,8 @@ class AgentServer:
             except Exception as exc:  # a failed command fails only itself; the agent keeps serving
                 logger.error("agent %d: %r failed: %s", self.rank, frame.command, exc,
                              exc_info=not isinstance(exc, ValueError))
-                out = proto.reply(frame.seq, ok=False, error=f"{type(exc).__name__}: {exc}")
+                out = proto.reply(frame.seq, ok=False, error=f"{type(exc).__name__}: {exc}",
+                                  **self._group_state(frame))
             if conn is not None:
                 conn.send(out)
         self.shutdown()

@@ -37,9 +37,10 @@ class AgentError(RuntimeError):
     """An agent failed a command, died, or did not answer in time. `fatal` when the agent itself is lost
     (dead, disconnected or hung), not just the one command it answered with a failure."""
 
-    def __init__(self, message: str, fatal: bool = True):
+    def __init__(self, message: str, fatal: bool = True, reply: Optional[dict] = None):
         super().__init__(message)
         self.fatal = fatal
+        self.reply = reply or {}          # the agent's failure reply, when it answered
 
 
 def runtime_dir() -> Path:
@@ -142,7 +143,8 @@ class AgentClient:
             self._pending.pop(seq, None)
             raise AgentError(f"agent {self.rank} did not answer {command!r} within {timeout_s:.0f} s") from None
         if not reply.get("ok"):
-            raise AgentError(f"agent {self.rank}: {reply.get('error', 'failed')}", fatal=bool(reply.get("fatal")))
+            raise AgentError(f"agent {self.rank}: {reply.get('error', 'failed')}", fatal=bool(reply.get("fatal")),
+                             reply=reply)
         return reply
 
     async def close(self) -> None:
@@ -161,6 +163,21 @@ async def _fail(exc: BaseException):
     raise exc
 
 
+def _in_step(tasks: list) -> bool:
+    """Whether the ranks are still in step after a step that some failed without being lost. Tensor-parallel
+    ranks report how many collective (all-reducing) graph calls they have completed: equal counts mean each
+    ran the step's graphs or none did (a rank-0-only failure, such as a sampler or logits capture, or a
+    step every rank refused), so only that step's requests fail. Without counts (a single agent), the
+    ranks are in step when they all failed."""
+    if not all(t.done() and not t.cancelled() for t in tasks):
+        return False
+    replies = [t.result() if t.exception() is None else getattr(t.exception(), "reply", {}) for t in tasks]
+    counts = {r.get("collective_calls") for r in replies}
+    if None in counts:
+        return all(t.exception() is not None for t in tasks)
+    return len(counts) == 1
+
+
 class AgentGroup:
     """All agents of one model. Every step goes to every agent; rank 0 writes the outputs."""
 
@@ -176,9 +193,11 @@ class AgentGroup:
         self.agents: list = []
         self._token = secrets.token_urlsafe(32)
         self._token_files: list = []
+        self._closing = False                      # stop() under way: a scheduler's exit is expected
 
     async def start(self) -> None:
         sc = self.config.serving_config
+        self._closing = False
         self.buffers = StepBuffers.create(self.layout)
         try:
             world = len(sc.agent_ports)
@@ -190,7 +209,7 @@ class AgentGroup:
                 self._spawn_scheduler(world)
             for rank in range(len(sc.agent_ports)):
                 self.agents.append(await self._spawn(rank))
-            await asyncio.gather(*(a.wait_ready(sc.agent_start_timeout_s) for a in self.agents))
+            await self._wait_ready(sc.agent_start_timeout_s)
             for agent in self.agents:
                 await agent.connect(sc.agent_ip, self._token, self.buffers.names)
                 self._write_token_file(agent.port)
@@ -198,6 +217,33 @@ class AgentGroup:
         except BaseException:
             await self.stop()
             raise
+
+    async def _wait_ready(self, timeout_s: float) -> None:
+        """Every agent ready; with a cluster scheduler, its exit fails the start at once (its ranks would wait
+        for it until the timeout), and afterwards it counts as a lost agent (on_lost)."""
+        ready = asyncio.ensure_future(asyncio.gather(*(a.wait_ready(timeout_s) for a in self.agents)))
+        if self.scheduler is None:
+            return await ready
+        watch = asyncio.ensure_future(self._scheduler_exit(self.scheduler))
+        try:
+            await asyncio.wait({ready, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not ready.done():
+                ready.cancel()
+        if not ready.done() or ready.cancelled():
+            raise AgentError(f"{watch.result()} while the agents were starting")
+        ready.result()                                    # an agent's start-up failure, if any
+        scheduler = self.scheduler
+        watch.add_done_callback(lambda w: self._on_scheduler_exit(scheduler, w))
+
+    async def _scheduler_exit(self, scheduler: subprocess.Popen) -> str:
+        code = await asyncio.get_running_loop().run_in_executor(None, scheduler.wait)
+        return f"the tensor-parallel cluster scheduler exited with code {code}"
+
+    def _on_scheduler_exit(self, scheduler: subprocess.Popen, watch: asyncio.Future) -> None:
+        """(An exit the group's own stop() caused, or an earlier group's scheduler's, is no failure.)"""
+        if scheduler is self.scheduler and not self._closing and not watch.cancelled() and self.on_lost:
+            self.on_lost(watch.result())
 
     def _spawn_scheduler(self, world: int) -> None:
         with socket.socket() as s:                          # a free port (the scheduler binds it a moment later)
@@ -247,7 +293,7 @@ class AgentGroup:
 
     async def step(self, command: str, step_id: int, n: int, s: int) -> list:
         """Run one step on every agent; returns their replies (rank order); raises AgentError if any fails,
-        dies or times out."""
+        dies or times out (`fatal` when the group cannot go on: see _in_step)."""
         timeout = self.config.serving_config.step_timeout_s
         payload = {"step": step_id, "n": n, "s": s}
         # Frames go out before this coroutine yields: HTTP handlers woken by the previous step then run
@@ -260,23 +306,22 @@ class AgentGroup:
                 sent.append(exc)
         tasks = [asyncio.ensure_future(a.wait_reply(command, *x, timeout) if isinstance(x, tuple) else _fail(x))
                  for a, x in zip(self.agents, sent)]
-        pending = set(tasks)
-        while pending:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
-            if pending and any(t.exception() is not None and getattr(t.exception(), "fatal", True) for t in done):
-                # a lost rank: the others may wait for it in the all-reduce until the step timeout; the group
-                # restarts anyway, so do not wait for them
-                for t in pending:    # (cancelled on the loop's next turn: not done yet)
-                    t.cancel()
-                break
+        try:
+            pending = set(tasks)
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+                if pending and any(t.exception() is not None and getattr(t.exception(), "fatal", True) for t in done):
+                    # a lost rank: the others may wait for it in the all-reduce until the step timeout; the
+                    # group restarts anyway, so do not wait for them
+                    break
+        finally:                 # (also when this step is cancelled: no rank's wait outlives it)
+            for t in tasks:
+                t.cancel()
         errors = [t.exception() for t in tasks if t.done() and not t.cancelled() and t.exception() is not None]
         if errors:
-            # Ranks that disagree (some ran the step, some did not) are out of step for good: fatal. Ranks that
-            # all refused the step (bad input, checked before any graph runs) are still in step.
-            fatal = any(getattr(e, "fatal", True) for e in errors) or len(errors) < len(tasks)
+            fatal = any(getattr(e, "fatal", True) for e in errors) or not _in_step(tasks)
             raise AgentError("; ".join(map(str, errors)), fatal=fatal)
-        results = [t.result() for t in tasks]
-        return results
+        return [t.result() for t in tasks]
 
     def dead_agents(self) -> list:
         """Reasons for every agent that is not alive and connected (empty when all are well)."""
@@ -294,6 +339,7 @@ class AgentGroup:
     async def stop(self, grace_s: float = 5.0, kill: bool = False) -> None:
         """Ask every agent to exit (or, with kill, SIGKILL them at once: after a failure their state is
         worthless and one may hang), kill those that do not, close connections and unlink shared memory."""
+        self._closing = True
         for a in self.agents:
             a.closing = True
             if kill and a.process.poll() is None:

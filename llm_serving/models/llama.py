@@ -21,7 +21,7 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
 from .attention import PagedAttention, paged_metadata
-from .parallel import TensorParallel, shard
+from .parallel import TensorParallel
 from .sampler import greedy_pick
 from .weights import LlamaConfig
 
@@ -53,22 +53,21 @@ class LlamaDecoderLayer(nn.Cell):
                  decode_kernel: Optional[str], kernel_threads: int, tp: TensorParallel, all_reduce):
         super().__init__()
         p = f"model.layers.{i}."
-        r, world = tp.rank, tp.world
-        # this rank's heads and MLP units (all of them when world == 1; see parallel.py)
+        world = tp.world
+        # this rank's heads and MLP units (all of them when world == 1): `w` holds only this rank's part of
+        # each split tensor (weights.load_llama_weights(path, tp); the split is parallel.SPLIT_AXIS)
         self.nh, self.kvh, self.d = cfg.num_heads // world, cfg.num_kv_heads // world, cfg.head_dim
         self.inter = cfg.intermediate_size // world
         self.eps = cfg.rms_norm_eps
-        qkv = np.concatenate([shard(w[p + "self_attn.q_proj.weight"], 0, r, world),
-                              shard(w[p + "self_attn.k_proj.weight"], 0, r, world),
-                              shard(w[p + "self_attn.v_proj.weight"], 0, r, world)], axis=0)
+        qkv = np.concatenate([w[p + "self_attn.q_proj.weight"], w[p + "self_attn.k_proj.weight"],
+                              w[p + "self_attn.v_proj.weight"]], axis=0)
         qkv = qkv * w[p + "input_layernorm.weight"][None, :]
         self.qkv_w = _param(qkv, f"layers.{i}.qkv")                                   # ((NH+2KVH)*D, H)
-        self.o_w = _param(shard(w[p + "self_attn.o_proj.weight"], 1, r, world), f"layers.{i}.o")   # (H, NH*D)
-        gate_up = np.concatenate([shard(w[p + "mlp.gate_proj.weight"], 0, r, world),
-                                  shard(w[p + "mlp.up_proj.weight"], 0, r, world)], axis=0)
+        self.o_w = _param(w[p + "self_attn.o_proj.weight"], f"layers.{i}.o")         # (H, NH*D)
+        gate_up = np.concatenate([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]], axis=0)
         gate_up = gate_up * w[p + "post_attention_layernorm.weight"][None, :]
         self.gate_up_w = _param(gate_up, f"layers.{i}.gate_up")                       # (2I, H)
-        self.down_w = _param(shard(w[p + "mlp.down_proj.weight"], 1, r, world), f"layers.{i}.down")  # (H, I)
+        self.down_w = _param(w[p + "mlp.down_proj.weight"], f"layers.{i}.down")      # (H, I)
         self.attn = PagedAttention(self.nh, self.kvh, cfg.head_dim, num_slots,
                                    layer_id=i, device_target=device_target, block_size=block_size,
                                    decode_kernel=decode_kernel, kernel_threads=kernel_threads)
@@ -103,8 +102,9 @@ class LlamaForCausalLM(nn.Cell):
     -> (greedy_token (R,) int32, its logprob (R,) float32, logits (R, V) float32), R = B unless packed.
     Argument meanings are those of ModelRunner.execute (after the runner's padding). The logits are
     only for `Sampler` (a second graph, run when some row samples); they are not copied to the host.
-    Under tensor parallelism (`tp`, `all_reduce`: see parallel.py) this is rank tp.rank's shard; ranks
-    other than 0 return only the final hidden state (R, H), which nothing reads."""
+    Under tensor parallelism (`tp`, `all_reduce`: see parallel.py) this is rank tp.rank's shard, built from
+    `weights` that hold only that rank's part (load_llama_weights(path, tp)); ranks other than 0 have no
+    lm_head and return only the final hidden state (R, H)."""
 
     def __init__(self, cfg: LlamaConfig, weights: dict, *, num_slots: int, block_size: int,
                  max_positions: int, device_target: str = "CPU", decode_kernel: Optional[str] = None,
@@ -113,6 +113,11 @@ class LlamaForCausalLM(nn.Cell):
         tp.check(cfg)
         if (tp.world > 1) != (all_reduce is not None):
             raise ValueError("LlamaForCausalLM: an all-reduce is needed exactly when tp.world > 1")
+        q_rows = weights["model.layers.0.self_attn.q_proj.weight"].shape[0]
+        if q_rows != cfg.num_heads // tp.world * cfg.head_dim:
+            raise ValueError(f"LlamaForCausalLM: weights hold {q_rows} q_proj rows, rank {tp.rank} of {tp.world} "
+                             f"needs its {cfg.num_heads // tp.world * cfg.head_dim}: load them with "
+                             "load_llama_weights(path, tp)")
         self.block_size = block_size
         self.kvh = cfg.num_kv_heads // tp.world
         self.eps = cfg.rms_norm_eps
@@ -121,8 +126,9 @@ class LlamaForCausalLM(nn.Cell):
         self.layers = nn.CellList([LlamaDecoderLayer(cfg, weights, i, num_slots, device_target, block_size,
                                                      decode_kernel, kernel_threads, tp, all_reduce)
                                    for i in range(cfg.num_layers)])
-        lm_head = weights["lm_head.weight"] * weights["model.norm.weight"][None, :]
-        self.lm_head = _param(lm_head, "lm_head")                                       # (V, H)
+        if self.writes_outputs:                    # (the logits' tensors are loaded on rank 0 only)
+            lm_head = weights["lm_head.weight"] * weights["model.norm.weight"][None, :]
+            self.lm_head = _param(lm_head, "lm_head")                                   # (V, H)
         cos, sin = rope_tables(cfg, max_positions)
         self.cos_table = _param(cos, "rope_cos")                                        # (P, D)
         self.sin_table = _param(sin, "rope_sin")                                        # (P, D)

@@ -8,11 +8,14 @@ start_device_id + r; together they hold one model (Megatron-style, two all-reduc
   its o_proj output is a partial sum, all-reduced before the residual add;
 - MLP: rank r keeps intermediate units [r*I/W, (r+1)*I/W) (gate/up rows, down_proj columns); the
   down_proj output is all-reduced likewise;
-- replicated on every rank: the embedding, the norms, RoPE, and lm_head (the final hidden state is the
-  same on every rank after the last all-reduce). Only rank 0 computes logits and samples; the others
-  stop at the hidden state (the model graph still returns it, so no all-reduce is pruned from the graph).
-  A vocab-parallel embedding and lm_head would save V*H per rank; at LLaMA-7B that is 2 x 0.26 GB in
-  float16 next to 13 GB of layers, so the simpler replication was kept.
+- replicated: the embedding, the layer norms and RoPE on every rank; the final norm and lm_head on rank 0
+  only, since only rank 0 computes logits and samples (the final hidden state is the same on every rank
+  after the last all-reduce; the others stop there, and their graph returns it so that no all-reduce is
+  pruned). A vocab-parallel embedding would save (1 - 1/W) V*H per rank: at LLaMA-2-7B 0.5 GB (float32)
+  next to 26 GB of layers, so the simpler replication was kept.
+
+Each rank reads only its part of the checkpoint (`weights.load_llama_weights(path, tp)`, by SPLIT_AXIS and
+`TensorParallel.part`): a rank's host memory holds 1/W of the layers, not the whole model and then a cut.
 
 NH, KVH and I must divide by W (checked at load, with the numbers in the message).
 
@@ -40,12 +43,13 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TensorParallel", "TensorParallelError", "shard", "make_all_reduce", "all_reduce_backend", "cluster_env",
+__all__ = ["TensorParallel", "TensorParallelError", "SPLIT_AXIS", "split_axis", "shard_index", "make_all_reduce", "all_reduce_kernel", "all_reduce_backend", "cluster_env",
            "pin_cpu_cores"]
 
 
 class TensorParallelError(RuntimeError):
-    """The group's all-reduce failed (a peer is dead, hung or out of step): the group must restart."""
+    """The group is out of step (its all-reduce failed: a peer is dead, hung or out of step; or this rank's
+    model graph failed, leaving its peers in an all-reduce it never reaches): the group must restart."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,14 @@ class TensorParallel:
     def writes_outputs(self) -> bool:
         return self.rank == 0
 
+    def needs(self, name: str) -> bool:
+        """Whether this rank uses checkpoint tensor `name` at all (the logits' tensors only on rank 0)."""
+        return self.writes_outputs or name not in OUTPUT_ONLY
+
+    def part(self, name: str, shape: tuple) -> tuple:
+        """The index of the part of tensor `name` (of full `shape`) that this rank holds."""
+        return shard_index(shape, split_axis(name) if self.world > 1 else None, self.rank, self.world)
+
     def check(self, cfg) -> None:
         """Raise ValueError unless the model's heads and MLP width split evenly over the ranks."""
         w = self.world
@@ -78,15 +90,32 @@ class TensorParallel:
                              f"{', '.join(bad)}")
 
 
-def shard(array: np.ndarray, axis: int, rank: int, world: int) -> np.ndarray:
-    """Rank's contiguous 1/world of `array` along `axis` (world must divide that length)."""
-    size = array.shape[axis]
-    if size % world:
-        raise ValueError(f"cannot split length {size} into {world} equal shards")
-    step = size // world
-    index = [slice(None)] * array.ndim
-    index[axis] = slice(rank * step, (rank + 1) * step)
-    return array[tuple(index)]
+# The Megatron split, by a layer tensor's HF name: the axis of which a rank holds 1/world (q/k/v and gate/up by
+# output rows, o_proj and down_proj by input columns). Every other tensor is replicated.
+SPLIT_AXIS = {"self_attn.q_proj.weight": 0, "self_attn.k_proj.weight": 0, "self_attn.v_proj.weight": 0,
+              "self_attn.o_proj.weight": 1, "mlp.gate_proj.weight": 0, "mlp.up_proj.weight": 0,
+              "mlp.down_proj.weight": 1}
+OUTPUT_ONLY = ("lm_head.weight", "model.norm.weight")     # used only for logits, which rank 0 alone computes
+
+
+def split_axis(name: str) -> Optional[int]:
+    """The axis tensor `name` (HF naming) is split on across ranks, or None when every rank holds all of it."""
+    if not name.startswith("model.layers."):
+        return None
+    return SPLIT_AXIS.get(name.split(".", 3)[3])
+
+
+def shard_index(shape: tuple, axis: Optional[int], rank: int, world: int) -> tuple:
+    """The index (a tuple of slices) of rank's contiguous 1/world of a tensor of `shape` along `axis`
+    (everything when axis is None)."""
+    index = [slice(None)] * len(shape)
+    if axis is not None:
+        size = shape[axis]
+        if size % world:
+            raise ValueError(f"cannot split length {size} into {world} equal shards")
+        step = size // world
+        index[axis] = slice(rank * step, (rank + 1) * step)
+    return tuple(index)
 
 
 def pin_cpu_cores(rank: int, world: int) -> Optional[int]:
@@ -147,7 +176,7 @@ class AllReduce:
     rest is for the runner: `set_timeout` (how long a rank waits for its peers) and `error` (why the
     last failure happened, when the all-reduce was the cause)."""
 
-    def __init__(self, tp: TensorParallel, device_target: str, timeout_s: float):
+    def __init__(self, tp: TensorParallel, device_target: str, timeout_s: float, kernel: Optional[str] = None):
         from mindspore import ops
 
         self.tp = tp
@@ -162,8 +191,7 @@ class AllReduce:
         else:
             if tp.comm is None:
                 raise ValueError("tensor parallel on the CPU needs the group's shared-memory segment name")
-            from .kernels import build_kernel
-            func = build_kernel("shm_allreduce_cpu", "ShmAllReduce")
+            func = kernel or all_reduce_kernel(tp, device_target)
             self._lib = _ShmAllReduceLibrary(func, tp, timeout_s)
             self.op = ops.Custom(func, out_shape=lambda x: x, out_dtype=lambda x: x, func_type="aot")
 
@@ -180,11 +208,22 @@ class AllReduce:
         return int(self._lib.lib.TpCalls()) if self._lib is not None else 0
 
 
-def make_all_reduce(tp: TensorParallel, device_target: str, timeout_s: float = 120.0) -> Optional[AllReduce]:
-    """The group's all-reduce (tp.backend) on this device, or None for a single agent (nothing to reduce)."""
+def all_reduce_kernel(tp: TensorParallel, device_target: str) -> Optional[str]:
+    """The "path.so:func" of the CPU all-reduce kernel when this group uses it (built on first use), else None.
+    Part of the compile-cache key: a cached graph names the library it calls."""
+    if tp.world == 1 or tp.backend != "shm":
+        return None
+    from .kernels import build_kernel
+    return build_kernel("shm_allreduce_cpu", "ShmAllReduce")
+
+
+def make_all_reduce(tp: TensorParallel, device_target: str, timeout_s: float = 120.0,
+                    kernel: Optional[str] = None) -> Optional[AllReduce]:
+    """The group's all-reduce (tp.backend) on this device, or None for a single agent (nothing to reduce);
+    `kernel`: all_reduce_kernel's result, when already built."""
     if tp.world == 1:
         return None
-    return AllReduce(tp, device_target, timeout_s)
+    return AllReduce(tp, device_target, timeout_s, kernel)
 
 
 def _run_cluster_scheduler() -> None:

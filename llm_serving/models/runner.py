@@ -36,6 +36,7 @@ import numpy as np
 from llm_serving.shm.layout import TOP_LOGPROBS
 
 from .parallel import TensorParallel, TensorParallelError, make_all_reduce
+from .parallel import all_reduce_kernel as all_reduce_kernel_for
 from .weights import LlamaConfig, load_llama_weights
 from .default_model import default_cache_dir
 
@@ -183,18 +184,20 @@ class ModelRunner:
         self.max_context = self.max_blocks_per_seq * self.block_size
 
         self.tp = tp if tp is not None else TensorParallel()
-        self.config, weights = load_llama_weights(model_dir)
+        self.config, weights = load_llama_weights(model_dir, self.tp)    # this rank's part only
         cfg: LlamaConfig = self.config
-        self.tp.check(cfg)
         global _runners_in_process
         _runners_in_process += 1
+        all_reduce_kernel = all_reduce_kernel_for(self.tp, device_target)
         cache_key = None
         if compile_cache and _runners_in_process == 1:
-            # everything that decides which graphs warmup() compiles, and in which order
+            # everything that decides which graphs warmup() compiles, and in which order, and the kernel
+            # libraries the graphs name
             key_src = repr((cfg, self.num_blocks, self.block_size, self.max_blocks_per_seq, self.decode_batch_sizes,
                             self.decode_block_widths, self.prefill_batch_sizes, self.prefill_seq_lens,
-                            self.prefill_token_sizes, device_target, self.tp.rank, self.tp.world, self.tp.backend,
-                            self.decode_kernel, _model_source_digest()))
+                            self.prefill_token_sizes, device_target,
+                            (self.tp.rank, self.tp.world, self.tp.backend) if self.tp.world > 1 else None,
+                            self.decode_kernel, all_reduce_kernel, _model_source_digest()))
             cache_key = hashlib.sha1(key_src.encode()).hexdigest()[:16]
         elif compile_cache:
             logger.warning("compile cache off: another ModelRunner already exists in this process")
@@ -205,8 +208,9 @@ class ModelRunner:
         from .sampler import Penalizer, Sampler, TopLogprobs
         self._ms = ms
         # the group's all-reduce (None for one agent); its wait for peers is start-up-sized until warmup ends
-        self.all_reduce = make_all_reduce(self.tp, device_target, timeout_s=tp_timeout_s)
+        self.all_reduce = make_all_reduce(self.tp, device_target, timeout_s=tp_timeout_s, kernel=all_reduce_kernel)
         self.tp_timeout_s = tp_timeout_s
+        self.collective_calls = 0        # model graph calls completed (all-reduces made with the peers)
         self.model = LlamaForCausalLM(cfg, weights, num_slots=self.num_slots, block_size=self.block_size,
                                       max_positions=self.max_context, device_target=device_target,
                                       decode_kernel=self.decode_kernel,
@@ -450,17 +454,25 @@ class ModelRunner:
                           T(np.ones(tb, np.int32)), T(sample_index))
 
     def _call(self, kind: str, shape: tuple, cell, *args):
-        """Run a graph (kind and bucket shape name it in logs and errors). A failure the group's all-reduce
-        caused becomes TensorParallelError, which says why (MindSpore only says the kernel failed)."""
-        if self.all_reduce is None:
+        """Run a graph (kind and bucket shape name it in logs and errors).
+
+        Under tensor parallelism the model graph all-reduces with the peers, so its failure on this rank, for
+        whatever reason, leaves the group out of step (the peers wait in an all-reduce this rank never
+        reaches, or the counts of calls no longer agree): it becomes a TensorParallelError, fatal for the
+        group, saying why (the all-reduce's own reason when it was the cause; MindSpore only says that a
+        kernel failed). The graph is waited for here (a device may run it asynchronously), so that a
+        failure surfaces in this step, and every completed one is counted in `collective_calls`, which
+        each step's reply carries: ranks that report the same count are in step."""
+        if self.all_reduce is None or cell is not self.model:
             return cell(*args)
         try:
-            return cell(*args)
-        except RuntimeError as exc:
-            why = self.all_reduce.error()
-            if why:
-                raise TensorParallelError(f"{kind} graph {shape}: {why}") from exc
-            raise
+            out = cell(*args)
+            self._ms.runtime.synchronize()
+        except Exception as exc:                  # noqa: BLE001 - any failure here is the group's
+            why = self.all_reduce.error() or f"{type(exc).__name__}: {exc}"
+            raise TensorParallelError(f"{kind} graph {shape}: {why}") from exc
+        self.collective_calls += 1
+        return out
 
     def _run_dummy(self, b: int, s: int, temperature: float, top_k: int, width: Optional[int] = None,
                    top_n: int = 0, penalty: bool = False) -> None:

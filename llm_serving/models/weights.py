@@ -1,4 +1,5 @@
-"""Load a LLaMA checkpoint into numpy float32 arrays under HuggingFace tensor names.
+"""Load a LLaMA checkpoint into numpy float32 arrays under HuggingFace tensor names, all of it or one
+tensor-parallel rank's part (`load_llama_weights(path, tp)`).
 
 Three formats, told apart by `detect_format`:
 
@@ -16,8 +17,10 @@ Three formats, told apart by `detect_format`:
   (`model.model_config`). MindFormers keeps HF's rotate-half layout, so no permutation.
 
 Every loader returns HF names (`model.layers.0.self_attn.q_proj.weight`, ...; `lm_head.weight` always
-present) and the result is checked once against `expected_shapes`: a missing tensor, a wrong shape or a
-non-float dtype fails with a `WeightLoadError` naming the tensor. The model concatenates Q/K/V and
+present), each a `StoredTensor` not read yet (safetensors slices and memory-mapped llama2.c files read only
+the part asked for; a MindSpore checkpoint is read whole by MindSpore), checked once against
+`expected_shapes` before anything is read: a missing tensor, a wrong shape or a non-float dtype fails with
+a `WeightLoadError` naming the tensor. The model concatenates Q/K/V and
 gate/up itself when it builds its parameters (`llama.py`).
 """
 from __future__ import annotations
@@ -27,16 +30,30 @@ import json
 import os
 import struct
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
-__all__ = ["LlamaConfig", "WeightLoadError", "detect_format", "load_config", "load_llama_weights",
+__all__ = ["LlamaConfig", "StoredTensor", "WeightLoadError", "detect_format", "load_config", "load_llama_weights",
            "expected_shapes", "tokenizer_next_to"]
 
 
 class WeightLoadError(ValueError):
     """A checkpoint file or tensor is missing, unreadable or has the wrong shape; the message names it."""
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """A checkpoint tensor that is not read yet: its full shape, and `read(index)`, which reads only the part
+    `index` (a tuple of slices) selects, as float32. A tensor-parallel rank reads just its shard this way."""
+
+    shape: tuple
+    read: Callable[[tuple], np.ndarray]
+
+    @classmethod
+    def of(cls, array: np.ndarray) -> "StoredTensor":
+        """A tensor already in memory (a format whose reader loads everything)."""
+        return cls(tuple(array.shape), lambda index: array[index])
 
 
 @dataclass(frozen=True)
@@ -149,22 +166,23 @@ def _shard_files(model_dir: str) -> dict[str, str]:
     raise WeightLoadError(f"{model_dir}: neither model.safetensors nor model.safetensors.index.json found")
 
 
-def _read_bf16(fpath: str, name: str) -> np.ndarray:
-    """Read one BF16 tensor straight from the safetensors layout and widen it to float32."""
+def _bf16_reader(fpath: str, name: str) -> Callable[[tuple], np.ndarray]:
+    """read(index) of one BF16 tensor (numpy has no bfloat16): the file is memory-mapped as uint16 and only
+    the selected part is widened to float32 (a bfloat16 is the top half of a float32)."""
     with open(fpath, "rb") as f:
         (header_len,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(header_len))
-        info = header[name]
-        start, end = info["data_offsets"]
-        f.seek(8 + header_len + start)
-        raw = np.frombuffer(f.read(end - start), dtype="<u2")
-    return (raw.astype(np.uint32) << 16).view(np.float32).reshape(info["shape"])
+        info = json.loads(f.read(header_len))[name]
+    start, end = info["data_offsets"]
+    raw = np.memmap(fpath, dtype="<u2", mode="r", offset=8 + header_len + start, shape=tuple(info["shape"]))
+    return lambda index: (np.asarray(raw[index]).astype(np.uint32) << 16).view(np.float32)
 
 
 _FLOAT_SAFETENSORS = ("F16", "BF16", "F32", "F64")
 
 
-def _load_safetensors(files: dict[str, str], wanted: set[str]) -> dict[str, np.ndarray]:
+def _stored_safetensors(files: dict[str, str], wanted: set[str]) -> dict[str, StoredTensor]:
+    """Every wanted tensor of the files, unread: `safetensors` slices (reading only the part asked for),
+    BF16 through a memory map. A non-float dtype fails here, before anything is read."""
     from safetensors import safe_open
 
     by_file: dict[str, Optional[list[str]]] = {}
@@ -174,20 +192,20 @@ def _load_safetensors(files: dict[str, str], wanted: set[str]) -> dict[str, np.n
         for name, fpath in files.items():
             if name in wanted:
                 by_file.setdefault(fpath, []).append(name)  # type: ignore[union-attr]
-    out: dict[str, np.ndarray] = {}
+    out: dict[str, StoredTensor] = {}
     for fpath, names in by_file.items():
         try:
-            with safe_open(fpath, framework="np") as f:
-                keys = list(f.keys()) if names is None else names
-                for name in keys:
-                    if name not in wanted:
-                        continue
-                    dtype = f.get_slice(name).get_dtype()
-                    if dtype not in _FLOAT_SAFETENSORS:
-                        raise WeightLoadError(f"tensor {name!r} in {fpath} has dtype {dtype}; expected a float "
-                                              f"type ({', '.join(_FLOAT_SAFETENSORS)})")
-                    arr = _read_bf16(fpath, name) if dtype == "BF16" else f.get_tensor(name)
-                    out[name] = np.ascontiguousarray(arr, dtype=np.float32)
+            f = safe_open(fpath, framework="np")      # the slices keep the file open until they are dropped
+            for name in (f.keys() if names is None else names):
+                if name not in wanted:
+                    continue
+                part = f.get_slice(name)
+                dtype = part.get_dtype()
+                if dtype not in _FLOAT_SAFETENSORS:
+                    raise WeightLoadError(f"tensor {name!r} in {fpath} has dtype {dtype}; expected a float "
+                                          f"type ({', '.join(_FLOAT_SAFETENSORS)})")
+                read = _bf16_reader(fpath, name) if dtype == "BF16" else (lambda index, part=part: part[index])
+                out[name] = StoredTensor(tuple(part.get_shape()), read)
         except WeightLoadError:
             raise
         except Exception as e:  # corrupt / unreadable file
@@ -195,9 +213,9 @@ def _load_safetensors(files: dict[str, str], wanted: set[str]) -> dict[str, np.n
     return out
 
 
-def _load_hf(model_dir: str) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
+def _load_hf(model_dir: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
     cfg = load_config(model_dir)
-    return cfg, _load_safetensors(_shard_files(model_dir), set(expected_shapes(cfg)))
+    return cfg, _stored_safetensors(_shard_files(model_dir), set(expected_shapes(cfg)))
 
 
 # ------------------------------------------------------------------------------------------ llama2.c
@@ -211,7 +229,7 @@ def _rotate_half_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return np.ascontiguousarray(w.reshape(n_heads, d // 2, 2, cols).transpose(0, 2, 1, 3).reshape(rows, cols))
 
 
-def _load_llama2c(path: str) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
+def _load_llama2c(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         header = f.read(28)
@@ -241,7 +259,7 @@ def _load_llama2c(path: str) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
         raise WeightLoadError(f"{path}: {size} bytes, but a llama2.c v0 checkpoint with header {fields} "
                               f"({'shared' if shared else 'separate'} classifier) has {expected}; "
                               "the file is truncated or not this format")
-    flat = np.fromfile(path, dtype="<f4", offset=28)
+    flat = np.memmap(path, dtype="<f4", mode="r", offset=28)     # read as tensors (or their parts) are used
     raw, at = {}, 0
     for name, shape in layout:
         n = int(np.prod(shape))
@@ -263,14 +281,30 @@ def _load_llama2c(path: str) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
         p = f"model.layers.{i}."
         out[p + "input_layernorm.weight"] = raw["rms_att"][i]
         out[p + "post_attention_layernorm.weight"] = raw["rms_ffn"][i]
-        out[p + "self_attn.q_proj.weight"] = _rotate_half_rows(raw["wq"][i], n_heads)
-        out[p + "self_attn.k_proj.weight"] = _rotate_half_rows(raw["wk"][i], n_kv_heads)
         out[p + "self_attn.v_proj.weight"] = raw["wv"][i]
         out[p + "self_attn.o_proj.weight"] = raw["wo"][i]
         out[p + "mlp.gate_proj.weight"] = raw["w1"][i]
         out[p + "mlp.up_proj.weight"] = raw["w3"][i]
         out[p + "mlp.down_proj.weight"] = raw["w2"][i]
-    return cfg, {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in out.items()}
+    stored = {k: StoredTensor(v.shape, lambda index, v=v: np.asarray(v[index], dtype=np.float32))
+              for k, v in out.items()}
+    for i in range(L):
+        p = f"model.layers.{i}."
+        stored[p + "self_attn.q_proj.weight"] = _stored_rotated(raw["wq"][i], d)
+        stored[p + "self_attn.k_proj.weight"] = _stored_rotated(raw["wk"][i], d)
+    return cfg, stored
+
+
+def _stored_rotated(w: np.ndarray, head_dim: int) -> StoredTensor:
+    """A llama2.c wq/wk, its rows permuted to rotate-half when read; the permutation is within a head, so a
+    part of whole heads (a tensor-parallel shard) is permuted on its own."""
+    def read(index: tuple) -> np.ndarray:
+        part = np.asarray(w[index], dtype=np.float32)
+        first = index[0].indices(w.shape[0])[0] if index and isinstance(index[0], slice) else 0
+        if part.shape[1] != w.shape[1] or part.shape[0] % head_dim or first % head_dim:
+            raise ValueError(f"a llama2.c q/k tensor is read in whole heads of {head_dim} rows, not {index}")
+        return _rotate_half_rows(part, part.shape[0] // head_dim)
+    return StoredTensor(w.shape, read)
 
 
 # ---------------------------------------------------------------------------------------- MindFormers
@@ -333,7 +367,8 @@ def _one(pattern: str, what: str) -> Optional[str]:
     return found[0] if found else None
 
 
-def _load_mindformers(path: str) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
+def _load_mindformers(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
+    """(MindSpore's load_checkpoint reads the whole file: a tensor-parallel rank cuts its part afterwards.)"""
     model_dir = path if os.path.isdir(path) else os.path.dirname(path)
     ckpt = path if os.path.isfile(path) else _one(os.path.join(model_dir, "*.ckpt"), "checkpoint (*.ckpt)")
     if os.path.exists(os.path.join(model_dir, "config.json")):
@@ -377,7 +412,7 @@ def _load_mindformers(path: str) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
         if fused is not None:
             _check_shape(p + "feed_forward.w_gate_hidden.weight", fused, (2 * inter, cfg.hidden_size))
             out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = np.split(fused, [inter])
-    return cfg, {k: np.ascontiguousarray(v) for k, v in out.items()}
+    return cfg, {k: StoredTensor.of(v) for k, v in out.items()}
 
 
 # ------------------------------------------------------------------------------------------- entry
@@ -410,23 +445,41 @@ def tokenizer_next_to(path: str) -> Optional[str]:
     return found[0] if len(found) == 1 else None
 
 
-def _check_shape(name: str, arr: np.ndarray, shape: tuple) -> None:
+def _check_shape(name: str, arr, shape: tuple) -> None:
     if tuple(arr.shape) != tuple(shape):
         raise WeightLoadError(f"tensor {name!r} has shape {tuple(arr.shape)}, expected {tuple(shape)}")
 
 
-def load_llama_weights(path: str) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
-    """Return (config, {hf_name: float32 array}) for any supported checkpoint, with every tensor checked."""
+def load_llama_weights(path: str, tp=None) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
+    """Return (config, {hf_name: float32 array}) for any supported checkpoint, with every tensor checked.
+
+    tp (a parallel.TensorParallel): read only what that rank holds, each tensor's shard (its
+    `TensorParallel.part`) and no logits tensors on ranks other than 0; a model whose heads or MLP units
+    do not split over tp.world fails before anything is read (ValueError naming them)."""
     path = os.fspath(path)
     fmt = detect_format(path)
-    cfg, tensors = {"hf": _load_hf, "llama2c": _load_llama2c, "mindformers": _load_mindformers}[fmt](path)
-    if "lm_head.weight" not in tensors or cfg.tie_word_embeddings:
-        if "model.embed_tokens.weight" in tensors:
-            tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    cfg, stored = {"hf": _load_hf, "llama2c": _load_llama2c, "mindformers": _load_mindformers}[fmt](path)
+    if "lm_head.weight" not in stored or cfg.tie_word_embeddings:
+        if "model.embed_tokens.weight" in stored:
+            stored["lm_head.weight"] = stored["model.embed_tokens.weight"]
     shapes = expected_shapes(cfg)
     for name, shape in shapes.items():
-        if name not in tensors:
+        if name not in stored:
             raise WeightLoadError(f"tensor {name!r} is missing from the checkpoint in {path} "
                                   f"(expected shape {shape})")
-        _check_shape(name, tensors[name], shape)
-    return cfg, {k: v for k, v in tensors.items() if k in shapes}
+        _check_shape(name, stored[name], shape)
+    if tp is not None:
+        tp.check(cfg)
+    out, done = {}, {}
+    for name, shape in shapes.items():
+        if tp is not None and not tp.needs(name):
+            continue
+        index = tp.part(name, shape) if tp is not None else tuple(slice(None) for _ in shape)
+        key = (id(stored[name]), repr(index))       # tied embeddings: one tensor under two names, read once
+        if key not in done:
+            try:
+                done[key] = np.ascontiguousarray(stored[name].read(index), dtype=np.float32)
+            except (OSError, ValueError) as e:      # a file that shrank or went bad since its header was read
+                raise WeightLoadError(f"tensor {name!r} in {path}: cannot read it: {e}") from e
+        out[name] = done[key]
+    return cfg, out

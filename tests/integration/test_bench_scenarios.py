@@ -80,3 +80,24 @@ def test_scheduler_policies_compares_policies_and_prefix_caching(shared_dir, tmp
     # 8 requests share 48 system tokens: all but the first find (48 // 16) blocks cached
     assert on["prefix_cache_hit_rate"] > 0.2
     assert "prefix cache on vs off" in stdout
+
+
+def test_tensor_parallel_compares_one_and_two_ranks(shared_dir, tmp_path):
+    pytest.importorskip("mindspore")
+    from tests.integration.test_tensor_parallel import TP2
+
+    sets = [x for s in TP2 if not s.startswith("serving_config.agent_ports") for x in ("--set", s)]
+    stdout, result = _run("tensor_parallel.py", tmp_path, "--tp", "1,2", "-n", "8", "--concurrency", "4",
+                          "--max-new-tokens", "12", "--greedy-prompts", "4", "--precision-prompts", "2",
+                          "--model", str(shared_dir / "models/stories260K/hf"),
+                          "--config", str(REPO / "configs/stories260K.yaml"), *sets)
+    one, two = result["rows"]
+    assert (one["tp"], two["tp"]) == ("1", "2:shm") and one["ratio"] == 1.0
+    assert two["ratio"] == pytest.approx(two["tok_s"] / one["tok_s"])
+    assert two["greedy_same"] == two["greedy_total"] == 4 and one["failed"] == two["failed"] == 0
+    assert one["precision_passed"] and two["precision_passed"]
+    # the loader's figures: rank 0 of 2 holds its half of the layers, the whole embedding and lm_head
+    load1, load2 = result["runs"]["1"]["load"], result["runs"]["2"]["load"]
+    assert len(load1) == 1 and len(load2) == 2
+    assert load2[1]["held_mb"] < load2[0]["held_mb"] < load1[0]["held_mb"]
+    assert len(result["runs"]["2"]["agent_peak_rss_mb"]) == 2 and "greedy same" in stdout

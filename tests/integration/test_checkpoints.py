@@ -237,3 +237,103 @@ def test_unrecognised_paths_say_what_is_expected(tmp_path):
     (tmp_path / "weights.pt").write_bytes(b"x")
     with pytest.raises(WeightLoadError, match=r"\.bin or a MindFormers \.ckpt"):
         load_llama_weights(str(tmp_path / "weights.pt"))
+
+
+# ------------------------------------------------------------------------- a tensor-parallel rank's part
+def _save_bf16(path: Path, tensors: dict) -> dict:
+    """A safetensors file of BF16 tensors (numpy has no bfloat16: the layout written by hand, each float32
+    truncated to its top 16 bits); returns the float32 values a reader must give back."""
+    header, blobs, at, exact = {}, [], 0, {}
+    for name, value in tensors.items():
+        top = (np.ascontiguousarray(value, np.float32).view(np.uint32) >> 16).astype("<u2")
+        exact[name] = (top.astype(np.uint32) << 16).view(np.float32)
+        header[name] = {"dtype": "BF16", "shape": list(value.shape), "data_offsets": [at, at + top.nbytes]}
+        blobs.append(top.tobytes())
+        at += top.nbytes
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+    return exact
+
+
+def _checkpoint(kind: str, root: Path) -> tuple[Path, dict]:
+    """A checkpoint of the small test model in one format, and the float32 tensors it must load to."""
+    from safetensors.numpy import save_file
+
+    tied = kind in ("llama2c-shared", "mindformers-fused")
+    t = _random_hf_tensors(tied=tied, seed=3)
+    root.mkdir(parents=True, exist_ok=True)
+    if kind.startswith("llama2c"):
+        return _write_llama2c(root / "m.bin", t, shared=tied), t
+    if kind.startswith("mindformers"):
+        pytest.importorskip("mindspore")
+        return _write_mindformers(root, _to_mindformers(t, fused=True), yaml_config=False, tied=tied), t
+    (root / "config.json").write_text(json.dumps(dict(CFG, tie_word_embeddings=tied)))
+    if kind == "hf-bf16":
+        return root, _save_bf16(root / "model.safetensors", t)
+    names = sorted(t)                              # hf-f16: two shards and an index, float16 tensors
+    halves = {f"model-0000{j + 1}-of-00002.safetensors": names[j::2] for j in range(2)}
+    for fname, part in halves.items():
+        save_file({k: t[k].astype(np.float16) for k in part}, str(root / fname))
+    (root / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {k: f for f, part in halves.items() for k in part}}))
+    return root, {k: v.astype(np.float16).astype(np.float32) for k, v in t.items()}
+
+
+@pytest.mark.parametrize("kind", ["hf-f16", "hf-bf16", "llama2c-shared", "llama2c-separate", "mindformers-fused"])
+def test_each_rank_loads_exactly_its_part_of_every_format(tmp_path, kind):
+    from llm_serving.models.parallel import TensorParallel, split_axis
+
+    path, expected = _checkpoint(kind, tmp_path / kind)
+    cfg, full = load_llama_weights(str(path))
+    if "lm_head.weight" not in expected:
+        expected["lm_head.weight"] = expected["model.embed_tokens.weight"]
+    assert set(full) == set(expected)
+    for name, value in expected.items():
+        np.testing.assert_array_equal(full[name], value, err_msg=name)
+    ranks = [load_llama_weights(str(path), TensorParallel(r, 2))[1] for r in range(2)]
+    assert "lm_head.weight" in ranks[0] and "model.norm.weight" in ranks[0]
+    assert set(ranks[1]) == set(full) - {"lm_head.weight", "model.norm.weight"}     # no logits on rank 1
+    for name, value in full.items():
+        axis = split_axis(name)
+        if axis is None:
+            np.testing.assert_array_equal(ranks[1].get(name, value), value, err_msg=name)
+            continue
+        assert ranks[0][name].shape[axis] == value.shape[axis] // 2, name
+        np.testing.assert_array_equal(np.concatenate([ranks[0][name], ranks[1][name]], axis=axis), value,
+                                      err_msg=name)
+    with pytest.raises(ValueError, match="tensor parallel over 4 agents.*num_kv_heads=2"):
+        load_llama_weights(str(path), TensorParallel(0, 4))
+
+
+def test_a_rank_reads_only_its_part_of_the_checkpoint(tmp_path):
+    """Host memory while loading: a rank of two allocates about half of what loading the whole model does
+    (the safetensors slices and the llama2.c memory map read only the rows and columns asked for)."""
+    import tracemalloc
+    from safetensors.numpy import save_file
+
+    from llm_serving.models.parallel import TensorParallel
+    from llm_serving.models.weights import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=32, hidden_size=128, intermediate_size=512, num_layers=4, num_heads=4,
+                      num_kv_heads=2, head_dim=32)
+    rng = np.random.default_rng(0)
+    t = {k: rng.standard_normal(s).astype(np.float32) for k, s in expected_shapes(cfg).items()}
+    root = tmp_path / "hf"
+    root.mkdir()
+    (root / "config.json").write_text(json.dumps(dict(
+        CFG, hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2)))
+    save_file(t, str(root / "model.safetensors"))
+
+    def peak(tp) -> int:
+        tracemalloc.start()
+        try:
+            load_llama_weights(str(root), tp)
+            return tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    whole = sum(v.nbytes for v in t.values())
+    full, half = peak(None), peak(TensorParallel(1, 2))
+    assert full >= whole                      # every tensor, in float32
+    assert half < 0.6 * full, (half, full)    # its half of the layers (embedding and norms are replicated)

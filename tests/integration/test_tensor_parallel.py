@@ -94,6 +94,31 @@ def test_two_ranks_pass_the_precision_gate(tp_server, tmp_path):
     assert result["rows"] == result["generated_tokens"] > 0
 
 
+def test_a_failure_on_rank_0_alone_after_the_model_graph_ends_only_its_step(tp_server, shared_dir, tmp_path):
+    """Logits capture (rank 0 only) into a directory that then disappears: rank 0 fails each step after its
+    model graph, rank 1 succeeds. Both made the same all-reduces (collective_calls), so the group is in
+    step: those requests fail with the reason, nothing restarts, and once capture is off it serves again."""
+    from llm_serving.agents import protocol as proto
+    from llm_serving.agents.control import ControlClient
+
+    health = http("GET", tp_server.url + "/health")[1]
+    restarts = http("GET", tp_server.url + "/stats")[1]["num_agent_restarts"]
+    rank0 = next(a for a in health["agents"] if a["rank"] == 0)
+    body = {"inputs": STORY_PROMPTS[0], "parameters": {"max_new_tokens": 8}}
+    with ControlClient(rank0["port"]) as ctl:
+        ctl.request(proto.CAPTURE, dir=str(tmp_path / "cap"), max_steps=1000)
+        (tmp_path / "cap").rmdir()
+        status, answer = http("POST", tp_server.url + "/models/hf/generate", body)
+        assert status == 500 and answer["details"]["finish_reason"] == "error", answer
+        assert "agent 0" in answer["error"] and "FileNotFoundError" in answer["error"], answer
+        assert http("GET", tp_server.url + "/health")[0] == 200
+        ctl.request(proto.CAPTURE, dir=None)
+    assert_greedy_reference(tp_server.url, "hf", shared_dir)
+    stats = http("GET", tp_server.url + "/stats")[1]
+    assert stats["num_agent_restarts"] == restarts and stats["num_free_blocks"] == stats["num_blocks"]
+    assert http("GET", tp_server.url + "/health")[1]["agents"] == health["agents"]     # the same processes
+
+
 def test_killing_one_rank_under_load_fails_its_requests_and_restarts_the_group(tp_server, shared_dir):
     # the group's segment: private to the user, one per group
     [segment] = _tp_segments()
@@ -190,6 +215,26 @@ def test_mindspore_collectives_serve_the_reference_and_survive_losing_a_rank(sha
         # a new group: both ranks and the cluster's scheduler replaced (the old cluster lost a member)
         new = http("GET", server.url + "/health")[1]["agents"]
         assert {a["pid"] for a in new}.isdisjoint({a["pid"] for a in health["agents"]})
+        assert len(_schedulers(server)) == 1 and _schedulers(server) != [scheduler]
+        assert_greedy_reference(server.url, "hf", shared_dir)
+
+        # the cluster's scheduler is part of the group: its death, with both ranks alive, restarts the group
+        [scheduler] = _schedulers(server)
+        agents = {a["pid"] for a in http("GET", server.url + "/health")[1]["agents"]}
+        os.kill(scheduler, 9)
+        reasons, deadline = set(), time.monotonic() + 120
+        while time.monotonic() < deadline:
+            status, health = http("GET", server.url + "/health")
+            if status == 503:
+                reasons.add(health["reason"])
+            elif reasons:
+                break
+            time.sleep(0.05)
+        # (noticed as the scheduler's exit, not later as a rank's, when its MindSpore gives up on the cluster)
+        assert "agents restarting after a failure: the tensor-parallel cluster scheduler exited with code -9" \
+            in reasons, reasons
+        assert http("GET", server.url + "/stats")[1]["num_agent_restarts"] == 2
+        assert {a["pid"] for a in health["agents"]}.isdisjoint(agents)
         assert len(_schedulers(server)) == 1 and _schedulers(server) != [scheduler]
         assert_greedy_reference(server.url, "hf", shared_dir)
     finally:

@@ -53,11 +53,26 @@ def test_a_lost_rank_fails_the_step_at_once_without_waiting_for_the_others():
     group, run = _step(None, AgentError("agent 1 connection lost (ConnectionResetError)"))
 
     async def bounded():
-        return await asyncio.wait_for(group.step("a", 1, 1, 1), 5)    # rank 0 would wait forever
-    with pytest.raises(AgentError, match="agent 1 connection lost") as err:
-        run(bounded())
-    assert err.value.fatal
-    assert group.agents[0].cancelled
+        with pytest.raises(AgentError, match="agent 1 connection lost") as err:
+            await asyncio.wait_for(group.step("a", 1, 1, 1), 5)    # rank 0 would wait forever
+        await asyncio.sleep(0)                                      # (a cancellation lands on the next turn)
+        return err.value, group.agents[0].cancelled                 # read before asyncio.run cancels leftovers
+    error, rank0_cancelled = run(bounded())
+    assert error.fatal and rank0_cancelled
+
+
+def test_a_cancelled_step_leaves_no_rank_waiting():
+    group, run = _step(None, None)
+
+    async def cancel_midway():
+        task = asyncio.ensure_future(group.step("a", 1, 1, 1))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0)
+        return [a.cancelled for a in group.agents]
+    assert run(cancel_midway()) == [True, True]
 
 
 def test_a_rank_that_cannot_even_be_sent_to_is_fatal():
@@ -85,3 +100,29 @@ def test_a_single_agent_refusing_a_step_is_not_fatal():
     with pytest.raises(AgentError) as err:
         run(group.step("a", 1, 1, 1))
     assert not err.value.fatal
+
+
+def _failed(rank: int, why: str, calls=None) -> AgentError:
+    reply = {"ok": False, "error": why} if calls is None else {"ok": False, "error": why, "collective_calls": calls}
+    return AgentError(f"agent {rank}: {why}", fatal=False, reply=reply)
+
+
+def test_ranks_that_made_the_same_collective_calls_are_in_step_whatever_else_failed():
+    # rank 0 ran the model graph with its peer, then its own sampler or logits capture failed: the step's
+    # requests fail, the group goes on
+    group, run = _step(_failed(0, "OSError: capture dir gone", calls=7), {"ok": True, "collective_calls": 7})
+    with pytest.raises(AgentError, match="capture dir gone") as err:
+        run(group.step("a", 1, 1, 1))
+    assert not err.value.fatal
+    # every rank refused the step before any graph: in step too
+    group, run = _step(_failed(0, "ValueError: bad step", calls=3), _failed(1, "ValueError: bad step", calls=3))
+    with pytest.raises(AgentError) as err:
+        run(group.step("a", 1, 1, 1))
+    assert not err.value.fatal
+
+
+def test_ranks_whose_collective_calls_differ_are_out_of_step():
+    group, run = _step({"ok": True, "collective_calls": 8}, _failed(1, "RuntimeError: no memory", calls=7))
+    with pytest.raises(AgentError, match="no memory") as err:
+        run(group.step("a", 1, 1, 1))
+    assert err.value.fatal

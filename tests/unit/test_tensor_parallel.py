@@ -13,7 +13,8 @@ import pytest
 
 from llm_serving.models.kernels import build_kernel
 from llm_serving.config import ConfigError, load_config
-from llm_serving.models.parallel import TensorParallel, all_reduce_backend, cluster_env, shard
+from llm_serving.models.parallel import (SPLIT_AXIS, TensorParallel, TensorParallelError, all_reduce_backend,
+                                         cluster_env, shard_index, split_axis)
 from llm_serving.shm.comm import CommSegment, segment_bytes
 
 needs_compiler = pytest.mark.skipif(shutil.which("g++") is None and not os.environ.get("CXX"),
@@ -161,46 +162,70 @@ def test_segment_is_created_private_and_unlinked_on_close():
 
 # --- how a layer is cut -----------------------------------------------------------------------------
 
-def test_shard_takes_the_ranks_contiguous_part_and_refuses_uneven_splits():
+def test_shard_index_takes_the_ranks_contiguous_part_and_refuses_uneven_splits():
     a = np.arange(24).reshape(4, 6)
-    assert np.array_equal(shard(a, 0, 1, 2), a[2:])
-    assert np.array_equal(shard(a, 1, 2, 3), a[:, 4:])
-    assert np.array_equal(np.concatenate([shard(a, 1, r, 3) for r in range(3)], axis=1), a)
+    assert np.array_equal(a[shard_index(a.shape, 0, 1, 2)], a[2:])
+    assert np.array_equal(a[shard_index(a.shape, 1, 2, 3)], a[:, 4:])
+    assert np.array_equal(np.concatenate([a[shard_index(a.shape, 1, r, 3)] for r in range(3)], axis=1), a)
+    assert np.array_equal(a[shard_index(a.shape, None, 1, 3)], a)
     with pytest.raises(ValueError, match="cannot split length 4 into 3"):
-        shard(a, 0, 0, 3)
+        shard_index(a.shape, 0, 0, 3)
 
 
-def test_megatron_split_of_a_layer_sums_to_the_whole_layer():
-    """The cut llama.py makes (q/k/v/gate/up by output rows, o/down by input columns), in numpy: the partial
-    outputs of the ranks, summed (the all-reduce), equal the unsplit attention-projection and MLP."""
+@pytest.mark.parametrize("world", [2, 4])
+def test_megatron_split_of_a_layer_sums_to_the_whole_layer(world):
+    """The cut every rank loads (TensorParallel.part, by SPLIT_AXIS), applied to a GQA layer in numpy: the
+    ranks' partial attention-projection and MLP outputs, summed (the all-reduce), equal the unsplit layer."""
     rng = np.random.default_rng(0)
-    h, nh, kvh, d, inter, t = 32, 4, 2, 8, 48, 5
-    q_w, k_w, v_w = (rng.standard_normal((n * d, h)) for n in (nh, kvh, kvh))
-    o_w = rng.standard_normal((h, nh * d))
-    gate, up, down = rng.standard_normal((inter, h)), rng.standard_normal((inter, h)), rng.standard_normal((h, inter))
+    h, nh, kvh, d, inter, t = 32, 8, 4, 8, 48, 5
+    p = "model.layers.0."
+    w = {p + "self_attn.q_proj.weight": rng.standard_normal((nh * d, h)),
+         p + "self_attn.k_proj.weight": rng.standard_normal((kvh * d, h)),
+         p + "self_attn.v_proj.weight": rng.standard_normal((kvh * d, h)),
+         p + "self_attn.o_proj.weight": rng.standard_normal((h, nh * d)),
+         p + "mlp.gate_proj.weight": rng.standard_normal((inter, h)),
+         p + "mlp.up_proj.weight": rng.standard_normal((inter, h)),
+         p + "mlp.down_proj.weight": rng.standard_normal((h, inter))}
+    assert {k[len(p):] for k in w} == set(SPLIT_AXIS)
     x = rng.standard_normal((t, h))
 
-    def attention_out(q_w, k_w, v_w, o_w, nh, kvh):
-        q = (x @ q_w.T).reshape(t, nh, d)
-        k, v = (x @ k_w.T).reshape(t, kvh, d), (x @ v_w.T).reshape(t, kvh, d)
-        k, v = np.repeat(k, nh // kvh, axis=1), np.repeat(v, nh // kvh, axis=1)   # GQA
+    def attention_out(w, nh, kvh):
+        q = (x @ w[p + "self_attn.q_proj.weight"].T).reshape(t, nh, d)
+        k = (x @ w[p + "self_attn.k_proj.weight"].T).reshape(t, kvh, d)
+        v = (x @ w[p + "self_attn.v_proj.weight"].T).reshape(t, kvh, d)
+        k, v = np.repeat(k, nh // kvh, axis=1), np.repeat(v, nh // kvh, axis=1)   # GQA: query head j uses j // g
         scores = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(d)
         scores += np.triu(np.full((t, t), -1e9), 1)
-        p = np.exp(scores - scores.max(-1, keepdims=True))
-        p /= p.sum(-1, keepdims=True)
-        return np.einsum("hqk,khd->qhd", p, v).reshape(t, nh * d) @ o_w.T
+        prob = np.exp(scores - scores.max(-1, keepdims=True))
+        prob /= prob.sum(-1, keepdims=True)
+        return np.einsum("hqk,khd->qhd", prob, v).reshape(t, nh * d) @ w[p + "self_attn.o_proj.weight"].T
 
-    def mlp(gate, up, down):
-        g = x @ gate.T
-        return (g / (1 + np.exp(-g)) * (x @ up.T)) @ down.T
+    def mlp(w):
+        g = x @ w[p + "mlp.gate_proj.weight"].T
+        return (g / (1 + np.exp(-g)) * (x @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
 
-    for world in (2, 4 if kvh % 4 == 0 else 2):
-        attn = sum(attention_out(shard(q_w, 0, r, world), shard(k_w, 0, r, world), shard(v_w, 0, r, world),
-                                 shard(o_w, 1, r, world), nh // world, kvh // world) for r in range(world))
-        np.testing.assert_allclose(attn, attention_out(q_w, k_w, v_w, o_w, nh, kvh), rtol=1e-10, atol=1e-10)
-        ffn = sum(mlp(shard(gate, 0, r, world), shard(up, 0, r, world), shard(down, 1, r, world))
-                  for r in range(world))
-        np.testing.assert_allclose(ffn, mlp(gate, up, down), rtol=1e-10, atol=1e-10)
+    parts = []
+    for r in range(world):
+        tp = TensorParallel(r, world)
+        parts.append({k: v[tp.part(k, v.shape)] for k, v in w.items()})
+        assert parts[-1][p + "self_attn.k_proj.weight"].shape == (kvh // world * d, h)
+        assert parts[-1][p + "self_attn.o_proj.weight"].shape == (h, nh // world * d)
+    attn = sum(attention_out(part, nh // world, kvh // world) for part in parts)
+    np.testing.assert_allclose(attn, attention_out(w, nh, kvh), rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(sum(mlp(part) for part in parts), mlp(w), rtol=1e-10, atol=1e-10)
+
+
+def test_only_rank_0_loads_the_logits_tensors_and_replicated_tensors_are_whole():
+    rank0, rank1 = TensorParallel(0, 2), TensorParallel(1, 2)
+    for name in ("lm_head.weight", "model.norm.weight"):
+        assert rank0.needs(name) and not rank1.needs(name) and TensorParallel().needs(name)
+    assert rank1.needs("model.embed_tokens.weight") and rank1.needs("model.layers.3.input_layernorm.weight")
+    assert split_axis("model.embed_tokens.weight") is None
+    assert split_axis("model.layers.3.input_layernorm.weight") is None
+    assert split_axis("model.layers.12.mlp.down_proj.weight") == 1
+    assert rank1.part("model.embed_tokens.weight", (32, 16)) == (slice(None), slice(None))
+    assert rank1.part("model.layers.0.mlp.up_proj.weight", (24, 16)) == (slice(12, 24), slice(None))
+    assert TensorParallel().part("model.layers.0.mlp.up_proj.weight", (24, 16)) == (slice(None), slice(None))
 
 
 def test_group_check_names_what_does_not_divide():
@@ -235,3 +260,33 @@ def test_cluster_env_is_what_msrun_gives_the_scheduler_and_each_worker():
     worker = cluster_env(16, 8118, rank=9, host="10.0.0.1")
     assert worker["MS_ROLE"] == "MS_WORKER" and worker["MS_NODE_ID"] == "9" and worker["MS_WORKER_NUM"] == "16"
     assert worker["MS_SCHED_HOST"] == "10.0.0.1"
+
+
+# --- which graph failures are the group's ------------------------------------------------------------------
+
+def test_a_failed_model_graph_under_tensor_parallelism_is_fatal_and_completed_ones_are_counted():
+    """ModelRunner._call with stand-in graphs (no MindSpore): the model graph all-reduces with the peers, so
+    its failure, whatever the cause, is a TensorParallelError (the group restarts); a rank-0-only graph
+    (sampler) fails as itself; every completed model graph counts in collective_calls."""
+    from llm_serving.models.runner import ModelRunner
+
+    def broken(*args):
+        raise RuntimeError("Launch kernel failed: MatMul")
+
+    runner = object.__new__(ModelRunner)
+    runner.all_reduce = SimpleNamespace(error=lambda: None)
+    runner._ms = SimpleNamespace(runtime=SimpleNamespace(synchronize=lambda: None))
+    runner.collective_calls = 0
+    runner.model = lambda *args: ("token", "logprob", "logits")
+    assert runner._call("model", (8, 1), runner.model, 1, 2) == ("token", "logprob", "logits")
+    assert runner._call("packed", (64, 4), runner.model) and runner.collective_calls == 2
+    with pytest.raises(RuntimeError, match="Launch kernel failed") as err:
+        runner._call("sampler", (8,), broken)
+    assert not isinstance(err.value, TensorParallelError)
+    runner.model = broken
+    with pytest.raises(TensorParallelError, match=r"model graph \(8, 1\): RuntimeError: Launch kernel failed"):
+        runner._call("model", (8, 1), runner.model)
+    runner.all_reduce = SimpleNamespace(error=lambda: "rank 0 waited 120 s for rank 1")
+    with pytest.raises(TensorParallelError, match="waited 120 s for rank 1"):
+        runner._call("model", (8, 1), runner.model)
+    assert runner.collective_calls == 2

@@ -146,6 +146,7 @@ extern "C" int ShmAllReduce(int nparam, void** params, int* ndims, int64_t** sha
     return 1;
   }
   if (g.broken) return 2;   // g.error still says why
+  g.error[0] = '\0';        // a reason only ever describes the call that failed
   if (nparam != 2 || std::strcmp(dtypes[0], "float32") != 0) {
     std::snprintf(g.error, sizeof g.error, "tensor-parallel all-reduce: expected one float32 input");
     return 1;
