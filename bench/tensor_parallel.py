@@ -5,7 +5,10 @@ MLP units, all-reducing through shared memory on the CPU), compared in one run f
 - correctness: greedy text of the same alpaca prompts, token for token against TP=1 (and the precision
   gate, tools/precision.py, on every server: logits against the float64 reference, 0.5%);
 - cost: output tokens/s, TPOT and TTFT through the whole server at a fixed concurrency, the ratio to
-  TP=1, and the time to start.
+  TP=1, and the time to start;
+- memory: the weights each rank holds after loading its part of the checkpoint and how much its peak
+  resident memory grew while loading (each rank in a fresh process), and each agent's peak resident memory
+  once serving (Linux VmHWM: weights, compiled graphs, KV cache and the MindSpore runtime).
 
     python bench/tensor_parallel.py --model ../shared/models/stories260K/hf --config configs/stories260K.yaml \
         --tp 1,2,2:mindspore --out bench_results/tensor_parallel_stories260K.json
@@ -34,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import (ALPACA, REPO, alpaca, info, log_dir, machine, replay, server_args, table,  # noqa: E402
                           write_json)
-from llm_serving.launch import ServerProcess  # noqa: E402
+from llm_serving.launch import ServerProcess, http  # noqa: E402
 
 
 async def _greedy(url: str, model: str, prompts: list, max_new_tokens: int, concurrency: int) -> list:
@@ -59,6 +62,42 @@ def _precision(url: str, n: int, max_new_tokens: int, dataset: Path) -> dict:
         if not out.exists():
             return {"passed": False, "error": (proc.stdout + proc.stderr)[-2000:]}
         return json.loads(out.read_text())
+
+
+def _agents_peak_rss_mb(url: str) -> list:
+    """Each agent's peak resident memory so far (Linux VmHWM), in MB, rank order: weights, graphs, KV cache
+    and the MindSpore runtime."""
+    agents = sorted(http("GET", url + "/health")[1]["agents"], key=lambda a: a["rank"])
+    peaks = []
+    for a in agents:
+        with open(f"/proc/{a['pid']}/status") as f:
+            kb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+        peaks.append(kb / 1024)
+    return peaks
+
+
+_LOAD_PEAK = """
+import json, resource, sys
+from llm_serving.models.parallel import TensorParallel
+from llm_serving.models.weights import load_llama_weights
+rank, world = int(sys.argv[2]), int(sys.argv[3])
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+_, weights = load_llama_weights(sys.argv[1], TensorParallel(rank, world) if world > 1 else None)
+grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+held = sum(v.nbytes for v in {id(v): v for v in weights.values()}.values())
+print(json.dumps({"held_mb": held / 2**20, "peak_growth_mb": grown / 1024}))
+"""
+
+
+def _load_memory(model_path: str, world: int) -> list:
+    """Per rank, in a fresh process each: the float32 weights the rank holds after loading its part of the
+    checkpoint, and how much its peak resident memory grew while loading (MB)."""
+    out = []
+    for rank in range(world):
+        proc = subprocess.run([sys.executable, "-c", _LOAD_PEAK, model_path, str(rank), str(world)], cwd=REPO,
+                              capture_output=True, text=True, timeout=600, check=True)
+        out.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    return out
 
 
 def main(argv=None) -> int:
@@ -89,6 +128,7 @@ def main(argv=None) -> int:
         with ServerProcess(server_args(args.model, args.config, sets), log) as server:
             start_s = time.monotonic() - t0
             facts = info(server)
+            peak_mb = _agents_peak_rss_mb(server.url)      # after load and warmup, before any traffic
             room = facts["max_total_tokens"]
             samples = alpaca(max(args.num_prompts, args.greedy_prompts), facts["tokenizer_path"],
                              args.max_new_tokens, Path(args.dataset_path), room=room)
@@ -102,6 +142,7 @@ def main(argv=None) -> int:
                                 max_concurrency=args.concurrency)
             precision = _precision(server.url, args.precision_prompts, 16, Path(args.dataset_path))
         runs[tp] = {"start_s": start_s, "summary": summary, "texts": texts, "precision": precision,
+                    "agent_peak_rss_mb": peak_mb, "load": _load_memory(facts["model_path"], int(size)),
                     "tensor_parallel_size": facts["tensor_parallel_size"],
                     "all_reduce": facts.get("tensor_parallel_all_reduce")}
         print(f"TP={tp}: ready in {start_s:.1f} s, {summary['output_throughput']:.1f} output tok/s at concurrency "
@@ -119,13 +160,19 @@ def main(argv=None) -> int:
                      "ttft_p50": s["ttft_ms"]["median"], "start_s": r["start_s"], "failed": s["failed"],
                      "greedy_same": same, "greedy_total": len(r["texts"]),
                      "precision_max": r["precision"].get("max_rel_error"),
+                     "peak_rss_mb": max(r["agent_peak_rss_mb"]), "sum_rss_mb": sum(r["agent_peak_rss_mb"]),
+                     "load_held_mb": max(x["held_mb"] for x in r["load"]),
+                     "load_peak_mb": max(x["peak_growth_mb"] for x in r["load"]),
                      "precision_passed": bool(r["precision"].get("passed"))})
     print(f"\ntensor parallel: {facts['model_id']}, {args.num_prompts} alpaca prompts, <= {args.max_new_tokens} "
           f"output tokens, concurrency {args.concurrency}; greedy compared on {args.greedy_prompts} prompts")
     print(table(rows, [("tp", "TP:all-reduce", "{}"), ("tok_s", "output tok/s", "{:.1f}"), ("ratio", f"vs TP={args.tp[0]}",
                                                                                     "{:.2f}"),
                        ("tpot_p50", "TPOT p50 ms", "{:.2f}"), ("ttft_p50", "TTFT p50 ms", "{:.0f}"),
-                       ("start_s", "start s", "{:.1f}"), ("greedy_same", "greedy same", "{}"),
+                       ("start_s", "start s", "{:.1f}"), ("load_held_mb", "weights MB/rank", "{:.0f}"),
+                       ("load_peak_mb", "load peak MB/rank", "{:.0f}"), ("peak_rss_mb", "agent peak MB/rank",
+                                                                        "{:.0f}"),
+                       ("sum_rss_mb", "agents MB", "{:.0f}"), ("greedy_same", "greedy same", "{}"),
                        ("precision_max", "max rel err", "{:.2e}"), ("failed", "failed", "{}")]))
     write_json(args.out, {"scenario": "tensor_parallel", "machine": machine(), "model": facts["model_id"],
                           "concurrency": args.concurrency, "max_new_tokens": args.max_new_tokens, "rows": rows,
