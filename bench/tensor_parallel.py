@@ -8,7 +8,8 @@ MLP units, all-reducing through shared memory on the CPU), compared in one run f
   TP=1, and the time to start;
 - memory: the weights each rank holds after loading its part of the checkpoint and how much its peak
   resident memory grew while loading (each rank in a fresh process), and each agent's peak resident memory
-  once serving (Linux VmHWM: weights, compiled graphs, KV cache and the MindSpore runtime).
+  once started, before any traffic (Linux VmHWM: weights, compiled graphs, what warmup touched of the KV
+  cache, and the MindSpore runtime).
 
     python bench/tensor_parallel.py --model ../shared/models/stories260K/hf --config configs/stories260K.yaml \
         --tp 1,2,2:mindspore --out bench_results/tensor_parallel_stories260K.json
@@ -65,8 +66,8 @@ def _precision(url: str, n: int, max_new_tokens: int, dataset: Path) -> dict:
 
 
 def _agents_peak_rss_mb(url: str) -> list:
-    """Each agent's peak resident memory so far (Linux VmHWM), in MB, rank order: weights, graphs, KV cache
-    and the MindSpore runtime."""
+    """Each agent's peak resident memory so far (Linux VmHWM), in MB, rank order: weights, graphs, what
+    warmup touched of the KV cache, and the MindSpore runtime."""
     agents = sorted(http("GET", url + "/health")[1]["agents"], key=lambda a: a["rank"])
     peaks = []
     for a in agents:

@@ -265,7 +265,8 @@ class AgentServer:
                 out = proto.reply(frame.seq, ok=True, **handler(self, frame, conn))
             except TensorParallelError as exc:   # the group is out of step: only a restart of all of it helps
                 logger.error("agent %d: %r failed: %s", self.rank, frame.command, exc)
-                out = proto.reply(frame.seq, ok=False, error=f"{type(exc).__name__}: {exc}", fatal=True)
+                out = proto.reply(frame.seq, ok=False, error=f"{type(exc).__name__}: {exc}", fatal=True,
+                                  **self._group_state(frame))
             except Exception as exc:  # a failed command fails only itself; the agent keeps serving
                 logger.error("agent %d: %r failed: %s", self.rank, frame.command, exc,
                              exc_info=not isinstance(exc, ValueError))

@@ -233,6 +233,8 @@ class AgentGroup:
         if not ready.done() or ready.cancelled():
             raise AgentError(f"{watch.result()} while the agents were starting")
         ready.result()                                    # an agent's start-up failure, if any
+        if watch.done():                                  # gone in the same turn as the last agent got ready
+            raise AgentError(f"{watch.result()} while the agents were starting")
         scheduler = self.scheduler
         watch.add_done_callback(lambda w: self._on_scheduler_exit(scheduler, w))
 

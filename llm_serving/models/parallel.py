@@ -11,11 +11,12 @@ start_device_id + r; together they hold one model (Megatron-style, two all-reduc
 - replicated: the embedding, the layer norms and RoPE on every rank; the final norm and lm_head on rank 0
   only, since only rank 0 computes logits and samples (the final hidden state is the same on every rank
   after the last all-reduce; the others stop there, and their graph returns it so that no all-reduce is
-  pruned). A vocab-parallel embedding would save (1 - 1/W) V*H per rank: at LLaMA-2-7B 0.5 GB (float32)
-  next to 26 GB of layers, so the simpler replication was kept.
+  pruned). A vocab-parallel embedding would save (1 - 1/W) V*H per rank: at LLaMA-2-7B (float32) 0.26 GB
+  at W=2, next to 26 GB of layers, so the simpler replication was kept.
 
 Each rank reads only its part of the checkpoint (`weights.load_llama_weights(path, tp)`, by SPLIT_AXIS and
-`TensorParallel.part`): a rank's host memory holds 1/W of the layers, not the whole model and then a cut.
+`TensorParallel.part`): its float32 arrays are 1/W of the layers plus the replicated tensors, never the
+whole model and then a cut.
 
 NH, KVH and I must divide by W (checked at load, with the numbers in the message).
 

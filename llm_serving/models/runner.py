@@ -397,6 +397,7 @@ class ModelRunner:
         last = np.cumsum(ql) - 1                                                       # (n,) each row's last token
         rows = self.prefill_batch_sizes[-1]
         results = []
+        failure = None
         start = 0
         for tb in self._token_pieces(t):
             stop = min(start + tb, t)
@@ -411,9 +412,20 @@ class ModelRunner:
             outputs = self._run_packed(tb, _pad(ids[start:stop], tb, 0), _pad(pos[start:stop], tb, 0), piece_slots,
                                        piece_tables, _pad(context[start:stop], tb, 0),   # context 0: padding
                                        sample_index)
-            sub = {key: arr[mine] for key, arr in per_row.items()}
-            results.append((mine, self._finish(outputs, len(mine), rows, sub, return_logits)))
             start = stop
+            if failure is not None:
+                continue
+            sub = {key: arr[mine] for key, arr in per_row.items()}
+            try:
+                results.append((mine, self._finish(outputs, len(mine), rows, sub, return_logits)))
+            except Exception as exc:      # noqa: BLE001 - re-raised below
+                if self.all_reduce is None:
+                    raise
+                # rank 0's sampling failed (it has no all-reduce); the peers are already in the next piece's
+                # all-reduces: run the remaining model pieces with them, then fail the step, in step
+                failure = exc
+        if failure is not None:
+            raise failure
         out = [np.zeros(n, np.int32), np.zeros(n, np.float32)]
         if return_logits:
             out.append(np.zeros((n, self.config.vocab_size), np.float32))

@@ -166,15 +166,21 @@ def _shard_files(model_dir: str) -> dict[str, str]:
     raise WeightLoadError(f"{model_dir}: neither model.safetensors nor model.safetensors.index.json found")
 
 
-def _bf16_reader(fpath: str, name: str) -> Callable[[tuple], np.ndarray]:
-    """read(index) of one BF16 tensor (numpy has no bfloat16): the file is memory-mapped as uint16 and only
-    the selected part is widened to float32 (a bfloat16 is the top half of a float32)."""
+def _safetensors_header(fpath: str) -> tuple[int, dict]:
+    """(header length, header) of a safetensors file: each tensor's dtype, shape and data offsets."""
     with open(fpath, "rb") as f:
         (header_len,) = struct.unpack("<Q", f.read(8))
-        info = json.loads(f.read(header_len))[name]
-    start, end = info["data_offsets"]
-    raw = np.memmap(fpath, dtype="<u2", mode="r", offset=8 + header_len + start, shape=tuple(info["shape"]))
-    return lambda index: (np.asarray(raw[index]).astype(np.uint32) << 16).view(np.float32)
+        return header_len, json.loads(f.read(header_len))
+
+
+def _bf16_reader(fpath: str, header_len: int, info: dict) -> Callable[[tuple], np.ndarray]:
+    """read(index) of one BF16 tensor (numpy has no bfloat16): the file is memory-mapped as uint16 for the
+    read only, and just the selected part is widened to float32 (a bfloat16 is the top half of a float32)."""
+    def read(index: tuple) -> np.ndarray:
+        start, end = info["data_offsets"]
+        raw = np.memmap(fpath, dtype="<u2", mode="r", offset=8 + header_len + start, shape=tuple(info["shape"]))
+        return (np.asarray(raw[index]).astype(np.uint32) << 16).view(np.float32)
+    return read
 
 
 _FLOAT_SAFETENSORS = ("F16", "BF16", "F32", "F64")
@@ -196,6 +202,7 @@ def _stored_safetensors(files: dict[str, str], wanted: set[str]) -> dict[str, St
     for fpath, names in by_file.items():
         try:
             f = safe_open(fpath, framework="np")      # the slices keep the file open until they are dropped
+            header = None
             for name in (f.keys() if names is None else names):
                 if name not in wanted:
                     continue
@@ -204,7 +211,11 @@ def _stored_safetensors(files: dict[str, str], wanted: set[str]) -> dict[str, St
                 if dtype not in _FLOAT_SAFETENSORS:
                     raise WeightLoadError(f"tensor {name!r} in {fpath} has dtype {dtype}; expected a float "
                                           f"type ({', '.join(_FLOAT_SAFETENSORS)})")
-                read = _bf16_reader(fpath, name) if dtype == "BF16" else (lambda index, part=part: part[index])
+                if dtype == "BF16":
+                    header = header or _safetensors_header(fpath)
+                    read = _bf16_reader(fpath, header[0], header[1][name])
+                else:
+                    read = lambda index, part=part: part[index]         # noqa: E731
                 out[name] = StoredTensor(tuple(part.get_shape()), read)
         except WeightLoadError:
             raise
@@ -286,7 +297,8 @@ def _load_llama2c(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
         out[p + "mlp.gate_proj.weight"] = raw["w1"][i]
         out[p + "mlp.up_proj.weight"] = raw["w3"][i]
         out[p + "mlp.down_proj.weight"] = raw["w2"][i]
-    stored = {k: StoredTensor(v.shape, lambda index, v=v: np.asarray(v[index], dtype=np.float32))
+    # (copies: no array outlives the load as a view of the memory map)
+    stored = {k: StoredTensor(v.shape, lambda index, v=v: np.array(v[index], dtype=np.float32))
               for k, v in out.items()}
     for i in range(L):
         p = f"model.layers.{i}."
@@ -299,7 +311,7 @@ def _stored_rotated(w: np.ndarray, head_dim: int) -> StoredTensor:
     """A llama2.c wq/wk, its rows permuted to rotate-half when read; the permutation is within a head, so a
     part of whole heads (a tensor-parallel shard) is permuted on its own."""
     def read(index: tuple) -> np.ndarray:
-        part = np.asarray(w[index], dtype=np.float32)
+        part = np.array(w[index], dtype=np.float32)
         first = index[0].indices(w.shape[0])[0] if index and isinstance(index[0], slice) else 0
         if part.shape[1] != w.shape[1] or part.shape[0] % head_dim or first % head_dim:
             raise ValueError(f"a llama2.c q/k tensor is read in whole heads of {head_dim} rows, not {index}")
@@ -479,7 +491,7 @@ def load_llama_weights(path: str, tp=None) -> tuple[LlamaConfig, dict[str, np.nd
         if key not in done:
             try:
                 done[key] = np.ascontiguousarray(stored[name].read(index), dtype=np.float32)
-            except (OSError, ValueError) as e:      # a file that shrank or went bad since its header was read
+            except (OSError, ValueError) as e:      # data its header promised but the file does not hold
                 raise WeightLoadError(f"tensor {name!r} in {path}: cannot read it: {e}") from e
         out[name] = done[key]
     return cfg, out

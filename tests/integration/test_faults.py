@@ -180,6 +180,7 @@ def test_hung_agent_times_out_and_a_crash_loop_is_given_up(server_factory):
             fault()
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
             status, events = await _stream(session, server.url, "Once upon a time", 200, on_first_token=inject)
+            assert t0, (status, events)                    # the stream gave no token: the fault never ran
             return status, events, time.monotonic() - t0[0]
 
     # 1. the agent stops answering (SIGSTOP): the step times out, the stream ends with the reason, the hung

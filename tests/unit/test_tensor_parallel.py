@@ -290,3 +290,36 @@ def test_a_failed_model_graph_under_tensor_parallelism_is_fatal_and_completed_on
     with pytest.raises(TensorParallelError, match="waited 120 s for rank 1"):
         runner._call("model", (8, 1), runner.model)
     assert runner.collective_calls == 2
+
+
+def test_a_sampling_failure_on_rank_0_still_runs_the_remaining_packed_pieces_with_the_peers():
+    """A packed prefill of 12 tokens runs as two model calls (8 + 4 tokens); rank 0 samples after each. When
+    its sampling fails after the first, the peers are already waiting in the second call's all-reduces:
+    rank 0 runs that call too, then fails the step (so the ranks' collective_calls still agree). A single
+    agent fails at once."""
+    from llm_serving.models.runner import ModelRunner
+
+    def packed_runner(all_reduce):
+        runner = object.__new__(ModelRunner)
+        runner.all_reduce, runner.prefill_batch_sizes, runner.prefill_token_sizes = all_reduce, [2], [4, 8]
+        runner.scratch_slot, runner.block_size, runner.max_blocks_per_seq = 64, 16, 4
+        runner.calls = []
+        runner._run_packed = lambda tb, *args: runner.calls.append(tb)
+
+        def finish(*args):
+            raise OSError("sampler failed")
+        runner._finish = finish
+        return runner
+
+    n, s = 2, 6
+    args = (np.ones((n, s), np.int32), np.tile(np.arange(s, dtype=np.int32), (n, 1)),
+            np.arange(n * s, dtype=np.int32).reshape(n, s), np.array([[0], [1]], np.int32),
+            np.full(n, s, np.int32), np.full(n, s, np.int32), {"temperature": np.zeros(n, np.float32)}, False)
+    rank0 = packed_runner(SimpleNamespace(error=lambda: None))
+    with pytest.raises(OSError, match="sampler failed"):
+        rank0._execute_packed(*args)
+    assert rank0.calls == [8, 4]
+    alone = packed_runner(None)
+    with pytest.raises(OSError, match="sampler failed"):
+        alone._execute_packed(*args)
+    assert alone.calls == [8]
