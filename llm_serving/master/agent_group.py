@@ -230,11 +230,11 @@ class AgentGroup:
         finally:
             if not ready.done():
                 ready.cancel()
-        if not ready.done() or ready.cancelled():
+        if watch.done():             # the scheduler is gone (before, or as, the last agent got ready): the cause
+            if ready.done() and not ready.cancelled():
+                ready.exception()    # (retrieved: any agent failure follows from the scheduler's exit)
             raise AgentError(f"{watch.result()} while the agents were starting")
         ready.result()                                    # an agent's start-up failure, if any
-        if watch.done():                                  # gone in the same turn as the last agent got ready
-            raise AgentError(f"{watch.result()} while the agents were starting")
         scheduler = self.scheduler
         watch.add_done_callback(lambda w: self._on_scheduler_exit(scheduler, w))
 

@@ -44,8 +44,8 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TensorParallel", "TensorParallelError", "SPLIT_AXIS", "split_axis", "shard_index", "make_all_reduce", "all_reduce_kernel", "all_reduce_backend", "cluster_env",
-           "pin_cpu_cores"]
+__all__ = ["TensorParallel", "TensorParallelError", "SPLIT_AXIS", "split_axis", "shard_index", "make_all_reduce",
+           "all_reduce_kernel", "all_reduce_backend", "cluster_env", "pin_cpu_cores"]
 
 
 class TensorParallelError(RuntimeError):

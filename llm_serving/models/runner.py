@@ -35,8 +35,7 @@ import numpy as np
 
 from llm_serving.shm.layout import TOP_LOGPROBS
 
-from .parallel import TensorParallel, TensorParallelError, make_all_reduce
-from .parallel import all_reduce_kernel as all_reduce_kernel_for
+from .parallel import TensorParallel, TensorParallelError, all_reduce_kernel, make_all_reduce
 from .weights import LlamaConfig, load_llama_weights
 from .default_model import default_cache_dir
 
@@ -188,7 +187,7 @@ class ModelRunner:
         cfg: LlamaConfig = self.config
         global _runners_in_process
         _runners_in_process += 1
-        all_reduce_kernel = all_reduce_kernel_for(self.tp, device_target)
+        reduce_kernel = all_reduce_kernel(self.tp, device_target)
         cache_key = None
         if compile_cache and _runners_in_process == 1:
             # everything that decides which graphs warmup() compiles, and in which order, and the kernel
@@ -197,7 +196,7 @@ class ModelRunner:
                             self.decode_block_widths, self.prefill_batch_sizes, self.prefill_seq_lens,
                             self.prefill_token_sizes, device_target,
                             (self.tp.rank, self.tp.world, self.tp.backend) if self.tp.world > 1 else None,
-                            self.decode_kernel, all_reduce_kernel, _model_source_digest()))
+                            self.decode_kernel, reduce_kernel, _model_source_digest()))
             cache_key = hashlib.sha1(key_src.encode()).hexdigest()[:16]
         elif compile_cache:
             logger.warning("compile cache off: another ModelRunner already exists in this process")
@@ -208,7 +207,7 @@ class ModelRunner:
         from .sampler import Penalizer, Sampler, TopLogprobs
         self._ms = ms
         # the group's all-reduce (None for one agent); its wait for peers is start-up-sized until warmup ends
-        self.all_reduce = make_all_reduce(self.tp, device_target, timeout_s=tp_timeout_s, kernel=all_reduce_kernel)
+        self.all_reduce = make_all_reduce(self.tp, device_target, timeout_s=tp_timeout_s, kernel=reduce_kernel)
         self.tp_timeout_s = tp_timeout_s
         self.collective_calls = 0        # model graph calls completed (all-reduces made with the peers)
         self.model = LlamaForCausalLM(cfg, weights, num_slots=self.num_slots, block_size=self.block_size,

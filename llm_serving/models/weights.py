@@ -34,6 +34,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from .parallel import TensorParallel
+
 __all__ = ["LlamaConfig", "StoredTensor", "WeightLoadError", "detect_format", "load_config", "load_llama_weights",
            "expected_shapes", "tokenizer_next_to"]
 
@@ -177,8 +179,8 @@ def _bf16_reader(fpath: str, header_len: int, info: dict) -> Callable[[tuple], n
     """read(index) of one BF16 tensor (numpy has no bfloat16): the file is memory-mapped as uint16 for the
     read only, and just the selected part is widened to float32 (a bfloat16 is the top half of a float32)."""
     def read(index: tuple) -> np.ndarray:
-        start, end = info["data_offsets"]
-        raw = np.memmap(fpath, dtype="<u2", mode="r", offset=8 + header_len + start, shape=tuple(info["shape"]))
+        offset = 8 + header_len + info["data_offsets"][0]
+        raw = np.memmap(fpath, dtype="<u2", mode="r", offset=offset, shape=tuple(info["shape"]))
         return (np.asarray(raw[index]).astype(np.uint32) << 16).view(np.float32)
     return read
 
@@ -462,12 +464,12 @@ def _check_shape(name: str, arr, shape: tuple) -> None:
         raise WeightLoadError(f"tensor {name!r} has shape {tuple(arr.shape)}, expected {tuple(shape)}")
 
 
-def load_llama_weights(path: str, tp=None) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
+def load_llama_weights(path: str, tp: Optional[TensorParallel] = None) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
     """Return (config, {hf_name: float32 array}) for any supported checkpoint, with every tensor checked.
 
-    tp (a parallel.TensorParallel): read only what that rank holds, each tensor's shard (its
-    `TensorParallel.part`) and no logits tensors on ranks other than 0; a model whose heads or MLP units
-    do not split over tp.world fails before anything is read (ValueError naming them)."""
+    tp: read only what that tensor-parallel rank holds (default: one agent, which holds everything): each
+    tensor's shard (`TensorParallel.part`), and no logits tensors on ranks other than 0. A model whose heads
+    or MLP units do not split over tp.world fails before anything is read (ValueError naming them)."""
     path = os.fspath(path)
     fmt = detect_format(path)
     cfg, stored = {"hf": _load_hf, "llama2c": _load_llama2c, "mindformers": _load_mindformers}[fmt](path)
@@ -480,13 +482,13 @@ def load_llama_weights(path: str, tp=None) -> tuple[LlamaConfig, dict[str, np.nd
             raise WeightLoadError(f"tensor {name!r} is missing from the checkpoint in {path} "
                                   f"(expected shape {shape})")
         _check_shape(name, stored[name], shape)
-    if tp is not None:
-        tp.check(cfg)
+    tp = tp if tp is not None else TensorParallel()        # one agent: every tensor, whole
+    tp.check(cfg)
     out, done = {}, {}
     for name, shape in shapes.items():
-        if tp is not None and not tp.needs(name):
+        if not tp.needs(name):
             continue
-        index = tp.part(name, shape) if tp is not None else tuple(slice(None) for _ in shape)
+        index = tp.part(name, shape)
         key = (id(stored[name]), repr(index))       # tied embeddings: one tensor under two names, read once
         if key not in done:
             try:
