@@ -2,7 +2,8 @@
 
 Written on its own, sharing nothing with llm_serving/models/ except the checkpoint loader (so both read
 the same weights): plain per-sequence attention with a growing K/V list, RMSNorm with its gain, RoPE in
-the HuggingFace rotate-half layout, grouped-query attention, SwiGLU, untied or tied lm_head.
+the HuggingFace rotate-half layout (Llama-3.1's frequency scaling computed here from config.json), q/k/v biases
+when the checkpoint has them (Qwen2), grouped-query attention, SwiGLU, untied or tied lm_head.
 
     ref = ReferenceLlama("../shared/models/stories260K/hf")
     seq = ref.new_sequence()
@@ -11,9 +12,42 @@ the HuggingFace rotate-half layout, grouped-query attention, SwiGLU, untied or t
 """
 from __future__ import annotations
 
+import json
+import os
+
 import numpy as np
 
 from llm_serving.models.weights import load_llama_weights
+
+
+def _hf_rope_scaling(model_path: str):
+    """A HuggingFace config.json's llama3 RoPE scaling (4.x `rope_scaling` or 5.x `rope_parameters`), or None."""
+    path = os.path.join(model_path, "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        raw = json.load(f)
+    scaling = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    return scaling if (scaling.get("rope_type") or scaling.get("type")) == "llama3" else None
+
+
+def _llama3_inv_freq(inv_freq: np.ndarray, s: dict) -> np.ndarray:
+    """Llama-3.1 frequency scaling, per frequency: wavelengths longer than original/low_freq_factor are divided
+    by `factor`, shorter than original/high_freq_factor kept, and those between interpolated linearly in
+    original/wavelength."""
+    factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+    original = float(s["original_max_position_embeddings"])
+    out = []
+    for f in inv_freq:
+        wavelength = 2 * np.pi / f
+        if wavelength < original / high:
+            out.append(f)
+        elif wavelength > original / low:
+            out.append(f / factor)
+        else:
+            t = (original / wavelength - low) / (high - low)
+            out.append((1 - t) * f / factor + t * f)
+    return np.array(out)
 
 
 class ReferenceSequence:
@@ -37,6 +71,11 @@ class ReferenceLlama:
         self.w = {name: np.asarray(t, dtype=np.float64) for name, t in weights.items()}
         c = self.config
         self.inv_freq = 1.0 / (c.rope_theta ** (np.arange(0, c.head_dim, 2, dtype=np.float64) / c.head_dim))
+        scaling = _hf_rope_scaling(model_path)
+        if scaling is not None:               # computed here from config.json, independently of the loader
+            self.inv_freq = _llama3_inv_freq(self.inv_freq, scaling)
+        elif c.rope_freq_factors is not None:     # a GGUF's rope_freqs tensor: the divisors themselves
+            self.inv_freq = self.inv_freq / np.asarray(c.rope_freq_factors, np.float64)
 
     def new_sequence(self) -> ReferenceSequence:
         return ReferenceSequence(self.config.num_layers)
@@ -68,9 +107,9 @@ class ReferenceLlama:
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             h = self._norm(x, w[p + "input_layernorm.weight"])
-            q = (h @ w[p + "self_attn.q_proj.weight"].T).reshape(t, nh, d)
-            k = (h @ w[p + "self_attn.k_proj.weight"].T).reshape(t, kvh, d)
-            v = (h @ w[p + "self_attn.v_proj.weight"].T).reshape(t, kvh, d)
+            q = (h @ w[p + "self_attn.q_proj.weight"].T + w.get(p + "self_attn.q_proj.bias", 0.0)).reshape(t, nh, d)
+            k = (h @ w[p + "self_attn.k_proj.weight"].T + w.get(p + "self_attn.k_proj.bias", 0.0)).reshape(t, kvh, d)
+            v = (h @ w[p + "self_attn.v_proj.weight"].T + w.get(p + "self_attn.v_proj.bias", 0.0)).reshape(t, kvh, d)
             q, k = self._rope(q, positions), self._rope(k, positions)
             keys = k if seq.keys[i] is None else np.concatenate([seq.keys[i], k])      # (start+T, KVH, D)
             values = v if seq.values[i] is None else np.concatenate([seq.values[i], v])

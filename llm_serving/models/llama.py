@@ -5,7 +5,8 @@ token and its log-probability, plus the logits for the sampling graph (sampler.p
 
 Load-time rewrites (each removes per-token kernels; on CPU a decode step is dominated by per-kernel
 overhead, ~10-15 us each):
-- q/k/v fused into one [out, in] weight, gate/up into another (one MatMul each, transpose_b);
+- q/k/v fused into one [out, in] weight (and one bias where the model has them: Qwen2), gate/up into another
+  (one MatMul each, transpose_b);
 - RMSNorm gains folded into the weight of the MatMul that follows (input_norm -> qkv,
   post_norm -> gate_up, final norm -> lm_head), so a norm is x * rsqrt(mean(x^2) + eps);
 - RoPE in HF rotate_half layout applied to the whole fused qkv tensor: per step, tables
@@ -33,6 +34,8 @@ def rope_tables(cfg: LlamaConfig, max_positions: int) -> tuple[np.ndarray, np.nd
     rope(x) = x * cos + swap_halves(x) * sin_signed, with sin_signed = [-sin, sin]."""
     d = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))   # (D/2,)
+    if cfg.rope_freq_factors is not None:                       # RoPE scaling (Llama-3.1): a divisor per frequency
+        inv_freq = inv_freq / np.asarray(cfg.rope_freq_factors, np.float64)           # (D/2,)
     angles = np.arange(max_positions, dtype=np.float64)[:, None] * inv_freq[None, :]   # (P, D/2)
     cos = np.concatenate([np.cos(angles), np.cos(angles)], axis=-1)                    # (P, D)
     sin_signed = np.concatenate([-np.sin(angles), np.sin(angles)], axis=-1)            # (P, D)
@@ -63,6 +66,11 @@ class LlamaDecoderLayer(nn.Cell):
                               w[p + "self_attn.v_proj.weight"]], axis=0)
         qkv = qkv * w[p + "input_layernorm.weight"][None, :]
         self.qkv_w = _param(qkv, f"layers.{i}.qkv")                                   # ((NH+2KVH)*D, H)
+        self.qkv_bias = None
+        if cfg.attention_bias:                                   # Qwen2: q/k/v biases (not touched by the norm fold)
+            bias = np.concatenate([w[p + "self_attn.q_proj.bias"], w[p + "self_attn.k_proj.bias"],
+                                   w[p + "self_attn.v_proj.bias"]])
+            self.qkv_bias = _param(bias, f"layers.{i}.qkv_bias")                      # ((NH+2KVH)*D,)
         self.o_w = _param(w[p + "self_attn.o_proj.weight"], f"layers.{i}.o")         # (H, NH*D)
         gate_up = np.concatenate([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]], axis=0)
         gate_up = gate_up * w[p + "post_attention_layernorm.weight"][None, :]
@@ -79,7 +87,10 @@ class LlamaDecoderLayer(nn.Cell):
         # x (T, H); cos, sin (T, NH+2KVH, D); meta: paged_metadata's tuple
         t = x.shape[0]
         nh, kvh, d = self.nh, self.kvh, self.d
-        qkv = self.matmul_t(_rms_normalize(x, self.eps), self.qkv_w).reshape(t, nh + 2 * kvh, d)  # (T, NH+2KVH, D)
+        qkv = self.matmul_t(_rms_normalize(x, self.eps), self.qkv_w)                    # (T, (NH+2KVH)*D)
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias                                                     # (T, (NH+2KVH)*D)
+        qkv = qkv.reshape(t, nh + 2 * kvh, d)                                             # (T, NH+2KVH, D)
         first, second = ops.split(qkv, d // 2, 2)                                         # (T, NH+2KVH, D/2) each
         swapped = ops.cat((second, first), 2)         # (T, NH+2KVH, D); flip/ReverseV2: 4.5 ms/layer at B=128 on CPU
         qkv = qkv * cos + swapped * sin                                                   # (T, NH+2KVH, D)

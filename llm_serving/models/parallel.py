@@ -94,6 +94,7 @@ class TensorParallel:
 # The Megatron split, by a layer tensor's HF name: the axis of which a rank holds 1/world (q/k/v and gate/up by
 # output rows, o_proj and down_proj by input columns). Every other tensor is replicated.
 SPLIT_AXIS = {"self_attn.q_proj.weight": 0, "self_attn.k_proj.weight": 0, "self_attn.v_proj.weight": 0,
+              "self_attn.q_proj.bias": 0, "self_attn.k_proj.bias": 0, "self_attn.v_proj.bias": 0,
               "self_attn.o_proj.weight": 1, "mlp.gate_proj.weight": 0, "mlp.up_proj.weight": 0,
               "mlp.down_proj.weight": 1}
 OUTPUT_ONLY = ("lm_head.weight", "model.norm.weight")     # used only for logits, which rank 0 alone computes

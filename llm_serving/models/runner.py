@@ -185,6 +185,7 @@ class ModelRunner:
         self.tp = tp if tp is not None else TensorParallel()
         self.config, weights = load_llama_weights(model_dir, self.tp)    # this rank's part only
         cfg: LlamaConfig = self.config
+        cfg.check_context(self.max_context)       # e.g. a sliding window the longest request would outgrow
         global _runners_in_process
         _runners_in_process += 1
         reduce_kernel = all_reduce_kernel(self.tp, device_target)

@@ -60,6 +60,11 @@ class StoredTensor:
 
 @dataclass(frozen=True)
 class LlamaConfig:
+    """A LLaMA-family model's shape and the few things in which the family's members differ, as data (one model
+    file serves them all): `attention_bias` (Qwen2: q/k/v have biases), `rope_freq_factors` (Llama-3.1's RoPE
+    scaling, or any per-frequency divisors: inv_freq[i] / factor[i]), `sliding_window` (Mistral v0.1: a
+    request must not outgrow it, see `check_context`)."""
+
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -73,6 +78,20 @@ class LlamaConfig:
     bos_token_id: Optional[int] = 1
     eos_token_id: Optional[int] = 2
     tie_word_embeddings: bool = False
+    architecture: str = "llama"
+    attention_bias: bool = False
+    rope_freq_factors: Optional[tuple] = None
+    sliding_window: Optional[int] = None
+
+    def check_context(self, max_context: int) -> None:
+        """WeightLoadError when a sequence of `max_context` tokens would need attention this server does not
+        compute (sliding-window attention reaching past its window): refused rather than served wrong."""
+        if self.sliding_window is not None and max_context > self.sliding_window:
+            raise WeightLoadError(
+                f"this {self.architecture} model uses sliding-window attention (sliding_window={self.sliding_window}),"
+                f" which this server does not implement; sequences of up to {max_context} tokens would attend past "
+                f"the window. Serve it with model_config.max_generate_length <= {self.sliding_window} (and "
+                f"pa_config.decode_seq_length unset or <= {self.sliding_window}).")
 
 
 def _first_id(value) -> Optional[int]:
@@ -81,7 +100,53 @@ def _first_id(value) -> Optional[int]:
     return None if value is None else int(value)
 
 
+# config.json "architectures" entry -> the family member's name; each is this one model with data differences
+_HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
+
+
+def llama3_rope_factors(head_dim: int, theta: float, factor: float, low_freq_factor: float,
+                        high_freq_factor: float, original_max_position_embeddings: int) -> tuple:
+    """Llama-3.1's RoPE scaling as a divisor per frequency: long wavelengths are slowed by `factor`, short ones
+    kept, the band between blended smoothly (transformers' `rope_type: llama3`, llama.cpp's rope_freqs)."""
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)      # (D/2,)
+    wavelen = 2 * np.pi / inv_freq
+    low_wavelen = original_max_position_embeddings / low_freq_factor
+    high_wavelen = original_max_position_embeddings / high_freq_factor
+    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    divisor = 1.0 / ((1.0 - smooth) / factor + smooth)                                     # blended band
+    divisor = np.where(wavelen > low_wavelen, factor, divisor)                               # slowed
+    divisor = np.where(wavelen < high_wavelen, 1.0, divisor)                                 # kept
+    return tuple(float(v) for v in divisor)
+
+
+def _rope_settings(raw: dict, path: str, head_dim: int) -> tuple[float, Optional[tuple]]:
+    """(rope_theta, rope_freq_factors) from a config.json as transformers 4.x writes it (`rope_theta`,
+    `rope_scaling`) or 5.x (`rope_parameters` with `rope_type` and `rope_theta`)."""
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:    # 5.x per-layer-type form
+        params = params["full_attention"]
+    scaling = params if isinstance(params, dict) else raw.get("rope_scaling")
+    theta = float((params or {}).get("rope_theta") or raw.get("rope_theta") or 10000.0)
+    if not scaling:
+        return theta, None
+    kind = scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind == "default":
+        return theta, None
+    if kind == "linear":
+        return theta, (float(scaling["factor"]),) * (head_dim // 2)
+    if kind == "llama3":
+        try:
+            return theta, llama3_rope_factors(head_dim, theta, float(scaling["factor"]),
+                                              float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"]),
+                                              int(scaling["original_max_position_embeddings"]))
+        except KeyError as e:
+            raise WeightLoadError(f"{path}: llama3 RoPE scaling needs {e.args[0]!r}") from None
+    raise WeightLoadError(f"{path}: RoPE scaling type {kind!r} is not supported (supported: llama3, linear)")
+
+
 def load_config(model_dir: str) -> LlamaConfig:
+    """The LlamaConfig of a HuggingFace directory's config.json: LlamaForCausalLM (Llama-1/2/3, SmolLM2, ...),
+    Qwen2ForCausalLM (q/k/v biases), MistralForCausalLM. Anything else fails naming the architecture."""
     path = os.path.join(model_dir, "config.json")
     try:
         with open(path, "r", encoding="utf-8") as f:
@@ -96,6 +161,11 @@ def load_config(model_dir: str) -> LlamaConfig:
             raise WeightLoadError(f"{path}: missing key {key!r}")
         return raw[key]
 
+    names = raw.get("architectures") or ["LlamaForCausalLM"]
+    arch = _HF_ARCHITECTURES.get(names[0])
+    if arch is None:
+        raise WeightLoadError(f"{path}: architecture {names[0]!r} is not supported (supported: "
+                              f"{', '.join(_HF_ARCHITECTURES)})")
     hidden = int(need("hidden_size"))
     heads = int(need("num_attention_heads"))
     kv_heads = int(raw.get("num_key_value_heads") or heads)
@@ -107,9 +177,13 @@ def load_config(model_dir: str) -> LlamaConfig:
     act = raw.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise WeightLoadError(f"{path}: hidden_act={act!r} is not supported (only silu)")
-    rope_scaling = raw.get("rope_scaling")
-    if rope_scaling not in (None, {}):
-        raise WeightLoadError(f"{path}: rope_scaling={rope_scaling!r} is not supported")
+    if arch == "llama" and (raw.get("attention_bias") or raw.get("mlp_bias")):
+        raise WeightLoadError(f"{path}: a LLaMA with attention_bias/mlp_bias (o_proj or MLP biases) is not "
+                              "supported; only Qwen2's q/k/v biases are")
+    theta, factors = _rope_settings(raw, path, head_dim)
+    window = raw.get("sliding_window")
+    if arch == "qwen2" and not raw.get("use_sliding_window", False):
+        window = None                       # Qwen2 configs name a window they do not use
     return LlamaConfig(
         vocab_size=int(need("vocab_size")),
         hidden_size=hidden,
@@ -119,11 +193,15 @@ def load_config(model_dir: str) -> LlamaConfig:
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(raw.get("rope_theta", 10000.0)),
+        rope_theta=theta,
         max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
         bos_token_id=_first_id(raw.get("bos_token_id", 1)),
         eos_token_id=_first_id(raw.get("eos_token_id", 2)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        architecture=arch,
+        attention_bias=arch == "qwen2",
+        rope_freq_factors=factors,
+        sliding_window=int(window) if window else None,
     )
 
 
@@ -140,6 +218,10 @@ def expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
         shapes[p + "self_attn.k_proj.weight"] = (cfg.num_kv_heads * d, h)
         shapes[p + "self_attn.v_proj.weight"] = (cfg.num_kv_heads * d, h)
         shapes[p + "self_attn.o_proj.weight"] = (h, cfg.num_heads * d)
+        if cfg.attention_bias:
+            shapes[p + "self_attn.q_proj.bias"] = (cfg.num_heads * d,)
+            shapes[p + "self_attn.k_proj.bias"] = (cfg.num_kv_heads * d,)
+            shapes[p + "self_attn.v_proj.bias"] = (cfg.num_kv_heads * d,)
         shapes[p + "mlp.gate_proj.weight"] = (cfg.intermediate_size, h)
         shapes[p + "mlp.up_proj.weight"] = (cfg.intermediate_size, h)
         shapes[p + "mlp.down_proj.weight"] = (h, cfg.intermediate_size)
@@ -429,15 +511,139 @@ def _load_mindformers(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
     return cfg, {k: StoredTensor.of(v) for k, v in out.items()}
 
 
+# ---------------------------------------------------------------------------------------------- GGUF
+# GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.")
+_GGUF_LAYER_NAMES = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+                     "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+                     "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+                     "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+                     "attn_v.bias": "self_attn.v_proj.bias", "ffn_gate.weight": "mlp.gate_proj.weight",
+                     "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight"}
+_GGUF_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+               "output.weight": "lm_head.weight"}
+_GGUF_ARCHITECTURES = ("llama", "qwen2")
+_gguf_types_checked: dict = {}
+
+
+def _gguf_dequantizes(qtype) -> bool:
+    """Whether the `gguf` package can dequantize tensor type `qtype` (tried once on a zero block)."""
+    if qtype not in _gguf_types_checked:
+        from gguf import GGML_QUANT_SIZES
+        from gguf.quants import dequantize
+
+        try:
+            block, size = GGML_QUANT_SIZES[qtype]
+            dequantize(np.zeros((1, size), np.uint8), qtype)
+            _gguf_types_checked[qtype] = True
+        except (NotImplementedError, KeyError, ValueError):
+            _gguf_types_checked[qtype] = False
+    return _gguf_types_checked[qtype]
+
+
+def _gguf_reader(tensor) -> Callable[[tuple], np.ndarray]:
+    """read(index) of one GGUF tensor (its data is a view of the file's memory map), dequantized to float32 by
+    the `gguf` package. Quantized blocks run along a row, so a slice of whole rows is cut before dequantizing."""
+    from gguf.quants import dequantize
+
+    def read(index: tuple) -> np.ndarray:
+        data = tensor.data
+        rows_only = len(index) > 1 and all(i == slice(None) for i in index[1:])
+        if rows_only or len(index) == 1:
+            return np.asarray(dequantize(np.asarray(data[index[0]]), tensor.tensor_type), np.float32)
+        return np.asarray(dequantize(np.asarray(data), tensor.tensor_type), np.float32)[index]
+    return read
+
+
+def _load_gguf(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
+    """A GGUF file (llama.cpp's format): hyperparameters from `<arch>.*` metadata, tensors renamed to HF names
+    and dequantized as they are read. llama.cpp's converter interleaves the rotary pairs of a llama model's
+    q/k rows (as llama2.c does); that is undone here. qwen2 files keep HF's layout."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:          # not GGUF, truncated, unknown version
+        raise WeightLoadError(f"{path}: cannot read GGUF file: {e}") from e
+
+    def meta(key, default=None, required=True):
+        field = reader.fields.get(key)
+        if field is None:
+            if required and default is None:
+                raise WeightLoadError(f"{path}: GGUF metadata {key!r} is missing")
+            return default
+        return field.contents()
+
+    arch = meta("general.architecture")
+    if arch not in _GGUF_ARCHITECTURES:
+        raise WeightLoadError(f"{path}: GGUF architecture {arch!r} is not supported (supported: "
+                              f"{', '.join(_GGUF_ARCHITECTURES)})")
+    tensors = {t.name: t for t in reader.tensors}
+    hidden, heads = int(meta(f"{arch}.embedding_length")), int(meta(f"{arch}.attention.head_count"))
+    kv_heads = int(meta(f"{arch}.attention.head_count_kv", heads))
+    head_dim = int(meta(f"{arch}.attention.key_length", hidden // heads))
+    if "token_embd.weight" not in tensors:
+        raise WeightLoadError(f"{path}: GGUF tensor 'token_embd.weight' is missing")
+    vocab = int(meta(f"{arch}.vocab_size", tensors["token_embd.weight"].shape[-1]))
+    factors = None
+    if "rope_freqs.weight" in tensors:      # Llama-3.1's RoPE scaling, as llama.cpp stores it: a divisor per frequency
+        factors = tuple(float(v) for v in _gguf_reader(tensors["rope_freqs.weight"])((slice(None),)))
+    window = meta(f"{arch}.attention.sliding_window", required=False)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=int(meta(f"{arch}.feed_forward_length")),
+                      num_layers=int(meta(f"{arch}.block_count")), num_heads=heads, num_kv_heads=kv_heads,
+                      head_dim=head_dim, rms_norm_eps=float(meta(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+                      rope_theta=float(meta(f"{arch}.rope.freq_base", 10000.0)),
+                      max_position_embeddings=int(meta(f"{arch}.context_length", 2048)),
+                      bos_token_id=meta("tokenizer.ggml.bos_token_id", required=False),
+                      eos_token_id=meta("tokenizer.ggml.eos_token_id", required=False),
+                      tie_word_embeddings="output.weight" not in tensors, architecture=arch,
+                      attention_bias="blk.0.attn_q.bias" in tensors, rope_freq_factors=factors,
+                      sliding_window=int(window) if window else None)
+    if heads % kv_heads or head_dim % 2:
+        raise WeightLoadError(f"{path}: head_count={heads}, head_count_kv={kv_heads}, head_dim={head_dim} are "
+                              "inconsistent")
+    out: dict[str, StoredTensor] = {}
+    for name, tensor in tensors.items():
+        if name.startswith("blk."):
+            _, layer, rest = name.split(".", 2)
+            hf = _GGUF_LAYER_NAMES.get(rest)
+            hf = hf and f"model.layers.{layer}.{hf}"
+        else:
+            hf = _GGUF_NAMES.get(name)
+        if hf is None:
+            continue                        # rope_freqs (read above), or tensors this model has no use for
+        if not _gguf_dequantizes(tensor.tensor_type):
+            raise WeightLoadError(f"{path}: tensor {name!r} has type {tensor.tensor_type.name}, which the gguf "
+                                  "package cannot dequantize (supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, "
+                                  "Q8_0, the K-quants, ...)")
+        shape = tuple(int(n) for n in reversed(tensor.shape))      # GGUF lists dimensions innermost first
+        read = _gguf_reader(tensor)
+        if arch == "llama" and hf.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
+            read = _interleaved_to_halves(read, head_dim)
+        out[hf] = StoredTensor(shape, read)
+    return cfg, out
+
+
+def _interleaved_to_halves(read: Callable[[tuple], np.ndarray], head_dim: int) -> Callable[[tuple], np.ndarray]:
+    """A q/k reader whose rows come back in rotate-half order (see `_rotate_half_rows`); read in whole heads."""
+    def rotated(index: tuple) -> np.ndarray:
+        part = read(index)
+        if part.ndim != 2 or part.shape[0] % head_dim:
+            raise ValueError(f"a GGUF q/k tensor is read in whole heads of {head_dim} rows, not {index}")
+        return _rotate_half_rows(part, part.shape[0] // head_dim)
+    return rotated
+
+
 # ------------------------------------------------------------------------------------------- entry
 def detect_format(path: str) -> str:
-    """'hf', 'llama2c' or 'mindformers' for a checkpoint path; WeightLoadError if it is none of them."""
+    """'hf', 'gguf', 'llama2c' or 'mindformers' for a checkpoint path; WeightLoadError if it is none of them."""
     if os.path.isfile(path):
         if path.endswith(".bin"):
             return "llama2c"
         if path.endswith(".ckpt"):
             return "mindformers"
-        raise WeightLoadError(f"{path}: a model file must be a llama2.c .bin or a MindFormers .ckpt")
+        if path.endswith(".gguf"):
+            return "gguf"
+        raise WeightLoadError(f"{path}: a model file must be a GGUF .gguf, a llama2.c .bin or a MindFormers .ckpt")
     if not os.path.isdir(path):
         raise WeightLoadError(f"{path}: no such file or directory")
     if (os.path.exists(os.path.join(path, "model.safetensors"))
@@ -472,7 +678,8 @@ def load_llama_weights(path: str, tp: Optional[TensorParallel] = None) -> tuple[
     or MLP units do not split over tp.world fails before anything is read (ValueError naming them)."""
     path = os.fspath(path)
     fmt = detect_format(path)
-    cfg, stored = {"hf": _load_hf, "llama2c": _load_llama2c, "mindformers": _load_mindformers}[fmt](path)
+    cfg, stored = {"hf": _load_hf, "llama2c": _load_llama2c, "mindformers": _load_mindformers,
+                   "gguf": _load_gguf}[fmt](path)
     if "lm_head.weight" not in stored or cfg.tie_word_embeddings:
         if "model.embed_tokens.weight" in stored:
             stored["lm_head.weight"] = stored["model.embed_tokens.weight"]
