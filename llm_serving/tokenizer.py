@@ -1,4 +1,11 @@
-"""The sentencepiece LLaMA tokenizer and incremental detokenization for streaming.
+"""Tokenizers: which one a model uses (`find_tokenizer_file`, `load_tokenizer`), the sentencepiece LLaMA
+tokenizer, and its incremental detokenization for streaming.
+
+Three kinds share one interface (encode, decode, token_text, is_special, id_to_piece, special_text,
+encode_chat, detokenizer; vocab_size, bos_id, eos_id, eos_ids, pad_id, add_bos, chat_template, model_file):
+this file's sentencepiece `Tokenizer` (tokenizer.model, and a GGUF `llama` vocabulary rebuilt as one),
+tokenizer_hf.py's `HFTokenizer` (tokenizer.json through the `tokenizers` library) and the byte-level BPE that
+tokenizer_gguf.py builds from a GGUF `gpt2` vocabulary.
 
 Three sentencepiece decoding rules shape the detokenizer (tests/unit/test_tokenizer.py checks the
 result against whole-sequence decoding):
@@ -17,8 +24,11 @@ result against whole-sequence decoding):
 from __future__ import annotations
 
 import codecs
+import glob
+import json
+import os
 from pathlib import Path
-from typing import Iterable, Optional, Union
+from typing import Callable, Iterable, Optional, Union
 
 import sentencepiece as spm
 
@@ -34,16 +44,27 @@ class Tokenizer:
     the model's pad piece, or 0 when it has none (LLaMA's tokenizers have none, so it is <unk>).
     """
 
-    def __init__(self, model_file: Union[str, Path]):
-        if not Path(model_file).is_file():
-            raise FileNotFoundError(f"sentencepiece tokenizer model not found: {model_file}")
-        self._sp = spm.SentencePieceProcessor(model_file=str(model_file))
-        self.model_file = str(Path(model_file).resolve())
+    def __init__(self, model_file: Union[str, Path, None] = None, *, model_proto: Optional[bytes] = None,
+                 source: Optional[str] = None, add_bos: bool = True, eos_ids: Iterable[int] = (),
+                 chat_template: Optional[str] = None):
+        """From a .model file, or from a serialized model (`model_proto`, e.g. rebuilt from a GGUF vocabulary,
+        named by `source`). add_bos: whether prompts start with BOS; eos_ids: more ids that end generation."""
+        if model_proto is not None:
+            self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
+            self.model_file = str(source or "<model proto>")
+        else:
+            if not Path(model_file).is_file():
+                raise FileNotFoundError(f"sentencepiece tokenizer model not found: {model_file}")
+            self._sp = spm.SentencePieceProcessor(model_file=str(model_file))
+            self.model_file = str(Path(model_file).resolve())
         sp = self._sp
         self.vocab_size: int = sp.get_piece_size()
         self.bos_id: int = sp.bos_id()
         self.eos_id: int = sp.eos_id()
+        self.eos_ids: list = list(dict.fromkeys([self.eos_id, *map(int, eos_ids)]))
         self.pad_id: int = sp.pad_id() if sp.pad_id() >= 0 else 0
+        self.add_bos = bool(add_bos and self.bos_id >= 0)
+        self.chat_template = chat_template
         self._special_ids = frozenset(
             i for i in range(self.vocab_size) if sp.is_control(i) or sp.is_unknown(i))
         # byte-fallback piece id -> the byte it stands for; those pieces look like "<0xE4>"
@@ -63,7 +84,15 @@ class Tokenizer:
         raise ValueError("the tokenizer has no piece that decodes to text")
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        return self._sp.encode(text, add_bos=add_bos)
+        """Token ids of `text`, after a BOS when add_bos and the model starts prompts with one."""
+        return self._sp.encode(text, add_bos=add_bos and self.add_bos)
+
+    def special_text(self, token_id: int) -> str:
+        """The text that stands for a special token in a rendered chat template ("<s>")."""
+        return self._sp.id_to_piece(int(token_id))
+
+    def detokenizer(self, prompt_ids: Optional[Iterable[int]] = None, skip_special: bool = True):
+        return IncrementalDetokenizer(self, prompt_ids, skip_special)
 
     def token_text(self, token_id: int) -> str:
         """One token's own text, as shown next to its log-probability: its piece with sentencepiece's word
@@ -72,36 +101,8 @@ class Tokenizer:
         return piece if self._sp.is_byte(int(token_id)) else piece.replace("\u2581", " ")
 
     def encode_chat(self, messages: list) -> list[int]:
-        """LLaMA-2 chat format: `[{"role": "system"|"user"|"assistant", "content": str}]` ->
-        `<s>[INST] <<SYS>>\n{system}\n<</SYS>>\n\n{user} [/INST] {assistant} </s><s>[INST] {user} [/INST]`,
-        each turn pair encoded on its own between BOS and EOS ids (never from text, so a message cannot
-        forge them). A trailing assistant message is a prefix the reply continues (no EOS after it).
-        Roles must alternate user/assistant after an optional first system message (ValueError)."""
-        system = None
-        if messages and messages[0]["role"] == "system":
-            system, messages = messages[0]["content"], messages[1:]
-        ids: list[int] = []
-        for i in range(0, len(messages), 2):
-            pair = messages[i:i + 2]
-            roles = [m["role"] for m in pair]
-            if roles not in (["user"], ["user", "assistant"]):
-                raise ValueError("messages must alternate user and assistant turns after an optional first "
-                                 f"system message; got {roles} at message {i + (system is not None)}")
-            user = pair[0]["content"].strip()
-            if system is not None and i == 0:
-                user = f"<<SYS>>\n{system.strip()}\n<</SYS>>\n\n{user}"
-            text = f"[INST] {user} [/INST]"
-            if len(pair) == 2:
-                reply = pair[1]["content"].strip()
-                last = i + 2 == len(messages)
-                ids += [self.bos_id] + self._sp.encode(f"{text} {reply}" if last else f"{text} {reply} ")
-                if not last:
-                    ids.append(self.eos_id)
-            else:
-                ids += [self.bos_id] + self._sp.encode(text)
-        if not ids:
-            raise ValueError("messages need at least one user message")
-        return ids
+        """The built-in LLaMA-2 chat format; see `llama2_chat_ids`."""
+        return llama2_chat_ids(messages, self._sp.encode, self.bos_id, self.eos_id)
 
     def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
         """Text of `ids`. Special tokens are dropped, as if absent; with `skip_special=False` they
@@ -141,6 +142,94 @@ class Tokenizer:
 
     def _without_special(self, ids: Iterable[int]) -> list[int]:
         return [i for i in map(int, ids) if i not in self._special_ids]
+
+
+def llama2_chat_ids(messages: list, encode: Callable[[str], list], bos_id: int, eos_id: int) -> list[int]:
+    """LLaMA-2 chat format: `[{"role": "system"|"user"|"assistant", "content": str}]` ->
+    `<s>[INST] <<SYS>>\n{system}\n<</SYS>>\n\n{user} [/INST] {assistant} </s><s>[INST] {user} [/INST]`,
+    each turn pair encoded on its own (`encode`, no BOS) between BOS and EOS ids (never from text, so a message
+    cannot forge them). A trailing assistant message is a prefix the reply continues (no EOS after it).
+    Roles must alternate user/assistant after an optional first system message (ValueError)."""
+    system = None
+    if messages and messages[0]["role"] == "system":
+        system, messages = messages[0]["content"], messages[1:]
+    ids: list[int] = []
+    for i in range(0, len(messages), 2):
+        pair = messages[i:i + 2]
+        roles = [m["role"] for m in pair]
+        if roles not in (["user"], ["user", "assistant"]):
+            raise ValueError("messages must alternate user and assistant turns after an optional first "
+                             f"system message; got {roles} at message {i + (system is not None)}")
+        user = pair[0]["content"].strip()
+        if system is not None and i == 0:
+            user = f"<<SYS>>\n{system.strip()}\n<</SYS>>\n\n{user}"
+        text = f"[INST] {user} [/INST]"
+        if len(pair) == 2:
+            reply = pair[1]["content"].strip()
+            last = i + 2 == len(messages)
+            ids += [bos_id] + encode(f"{text} {reply}" if last else f"{text} {reply} ")
+            if not last:
+                ids.append(eos_id)
+        else:
+            ids += [bos_id] + encode(text)
+    if not ids:
+        raise ValueError("messages need at least one user message")
+    return ids
+
+
+def find_tokenizer_file(model_path: str, vocab_file: Optional[str] = None) -> str:
+    """The file a model's tokenizer is read from: `vocab_file` when given (a sentencepiece .model, a
+    tokenizer.json or a directory holding one, a .gguf); else a GGUF model's own file; else, in the model's
+    directory, tokenizer.model, tokenizer.json, or the only *.model. FileNotFoundError saying what was looked
+    for otherwise."""
+    if vocab_file:
+        path = Path(vocab_file).expanduser()
+        if path.is_dir() and (path / "tokenizer.json").is_file():
+            return str((path / "tokenizer.json").resolve())
+        if not path.is_file():
+            raise FileNotFoundError(f"tokenizer.vocab_file={vocab_file!r}: no such file (expected a sentencepiece "
+                                    ".model, a tokenizer.json or a .gguf)")
+        return str(path.resolve())
+    model_path = os.fspath(model_path)
+    if model_path.endswith(".gguf") and os.path.isfile(model_path):
+        return str(Path(model_path).resolve())
+    folder = Path(model_path if os.path.isdir(model_path) else os.path.dirname(os.path.abspath(model_path)))
+    for name in ("tokenizer.model", "tokenizer.json"):
+        if (folder / name).is_file():
+            return str((folder / name).resolve())
+    found = glob.glob(str(folder / "*.model"))
+    if len(found) == 1:
+        return str(Path(found[0]).resolve())
+    raise FileNotFoundError(f"no tokenizer.model, tokenizer.json or single *.model next to {model_path}"
+                            + (f" ({len(found)} *.model files)" if found else "") + "; pass --tokenizer FILE")
+
+
+def load_tokenizer(model_path: str, vocab_file: Optional[str] = None):
+    """The tokenizer of a model (see `find_tokenizer_file` for which file): sentencepiece `Tokenizer`,
+    `HFTokenizer` (tokenizer.json), or a GGUF's own vocabulary. Beside a sentencepiece model, a
+    tokenizer_config.json's chat template and a generation_config.json's EOS ids are read too."""
+    path = find_tokenizer_file(model_path, vocab_file)
+    if path.endswith(".gguf"):
+        from llm_serving.tokenizer_gguf import load_gguf_tokenizer
+        return load_gguf_tokenizer(path)
+    if path.endswith(".json"):
+        from llm_serving.tokenizer_hf import HFTokenizer
+        return HFTokenizer.from_directory(os.path.dirname(path), path)
+    folder = Path(path).parent
+    eos_ids: list = []
+    gen = folder / "generation_config.json"
+    if gen.is_file():
+        value = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id")
+        eos_ids = value if isinstance(value, list) else [] if value is None else [value]
+    add_bos, template = True, None
+    config = folder / "tokenizer_config.json"
+    if config.is_file():
+        raw = json.loads(config.read_text(encoding="utf-8"))
+        add_bos = raw.get("add_bos_token", True) is not False
+        template = raw.get("chat_template")
+        if isinstance(template, list):
+            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    return Tokenizer(path, add_bos=add_bos, eos_ids=eos_ids, chat_template=template or None)
 
 
 class IncrementalDetokenizer:

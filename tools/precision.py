@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from llm_serving.agents import protocol as proto  # noqa: E402
 from llm_serving.agents.control import ControlClient  # noqa: E402
 from llm_serving.launch import http  # noqa: E402
-from llm_serving.tokenizer import Tokenizer  # noqa: E402
+from llm_serving.tokenizer import load_tokenizer  # noqa: E402
 from tools.reference_llama import ReferenceLlama  # noqa: E402
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "datasets" / "alpaca_5000.json"
@@ -142,7 +142,7 @@ def run(args) -> dict:
     port = next(a["port"] for a in health["agents"] if a["rank"] == 0)
     reference = ReferenceLlama(args.model or info["model_path"])
     prompts = load_prompts(args.prompts, args.num_prompts)
-    tokenizer = Tokenizer(info["tokenizer_path"])
+    tokenizer = load_tokenizer(info["model_path"], info["tokenizer_path"])
     prompt_ids = [tokenizer.encode(p, add_bos=True) for p in prompts]
 
     with tempfile.TemporaryDirectory(prefix="llm-serving-capture-") as capture_dir, \

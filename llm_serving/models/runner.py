@@ -112,6 +112,12 @@ def _setup_mindspore(device_target: str, device_id: int, num_threads: Optional[i
     return cache_dir
 
 
+def _close_compile_cache() -> None:
+    """Graphs compiled from now on are neither loaded from nor written to the compile cache (MindSpore reads
+    MS_COMPILER_CACHE_ENABLE at each compile): their order is not fixed, so their compile index names nothing."""
+    os.environ["MS_COMPILER_CACHE_ENABLE"] = "0"
+
+
 class ModelRunner:
     """Runs the LLaMA in `model_dir` over a paged KV cache; see `execute` for one step.
 
@@ -459,11 +465,13 @@ class ModelRunner:
             t -= below
         return pieces
 
-    def _run_packed(self, tb, ids, pos, slots, tables, context, sample_index):
+    def _run_packed(self, tb, ids, pos, slots, tables, context, sample_index, compile_only: bool = False):
         T = self._ms.Tensor
-        return self._call("packed", (tb, sample_index.shape[0]), self.model, T(ids.reshape(tb, 1)),
-                          T(pos.reshape(tb, 1)), T(slots.reshape(tb, 1)), T(tables), T(context),
-                          T(np.ones(tb, np.int32)), T(sample_index))
+        args = (T(ids.reshape(tb, 1)), T(pos.reshape(tb, 1)), T(slots.reshape(tb, 1)), T(tables), T(context),
+                T(np.ones(tb, np.int32)), T(sample_index))
+        if compile_only:                 # warmup: compiled (or loaded from the compile cache), not run
+            return self.model.compile(*args)
+        return self._call("packed", (tb, sample_index.shape[0]), self.model, *args)
 
     def _call(self, kind: str, shape: tuple, cell, *args):
         """Run a graph (kind and bucket shape name it in logs and errors).
@@ -486,34 +494,28 @@ class ModelRunner:
         self.collective_calls += 1
         return out
 
-    def _run_dummy(self, b: int, s: int, temperature: float, top_k: int, width: Optional[int] = None,
-                   top_n: int = 0, penalty: bool = False) -> None:
+    def _run_dummy(self, b: int, s: int, temperature: float, width: Optional[int] = None) -> None:
         """One step of bucket (b, s) [and decode width] that writes only to the scratch block."""
         pos = np.minimum(np.arange(s, dtype=np.int32), self.max_context - 1)
         context = pos[-1] + 1 if width is None else width * self.block_size
         self.execute(np.zeros((b, s), np.int32), np.tile(pos, (b, 1)), np.full((b, s), -1, np.int32),
                      np.zeros((b, 1), np.int32), np.full((b,), context, np.int32), np.full((b,), s, np.int32),
-                     np.full((b,), temperature, np.float32), np.full((b,), top_k, np.int32),
-                     np.ones((b,), np.float32), np.full((b,), 0.5, np.float32), top_n=np.full((b,), top_n, np.int32),
-                     penalties=self._dummy_penalties(b) if penalty else None)
+                     np.full((b,), temperature, np.float32), np.zeros((b,), np.int32),
+                     np.ones((b,), np.float32), np.full((b,), 0.5, np.float32))
 
-    def _dummy_penalties(self, rows: int) -> dict:
-        return {"history": np.zeros((rows, self.max_context), np.int32), "history_len": np.ones(rows, np.int32),
-                "prompt_len": np.zeros(rows, np.int32), "repetition": np.full(rows, 1.1, np.float32),
-                "presence": np.zeros(rows, np.float32), "frequency": np.zeros(rows, np.float32)}
-
-    def _run_dummy_packed(self, tokens: int, temperature: float, top_k: int) -> None:
-        """One packed prefill step of `tokens` padding tokens (scratch block only, nothing attended)."""
+    def _run_dummy_packed(self, tokens: int, temperature: float, compile_only: bool = False) -> None:
+        """One packed prefill step of `tokens` padding tokens (scratch block only, nothing attended); with
+        compile_only its model graph is only compiled."""
         rows = self.prefill_batch_sizes[-1]
         scratch = self.scratch_slot + (np.arange(tokens, dtype=np.int32) % self.block_size)
         zeros = np.zeros(tokens, np.int32)
         outputs = self._run_packed(tokens, zeros, zeros, scratch, np.zeros((tokens, self.max_blocks_per_seq),
-                                   np.int32), zeros, np.zeros(rows, np.int32))
-        per_row = {"temperature": np.full(rows, temperature, np.float32), "top_k": np.full(rows, top_k, np.int32),
+                                   np.int32), zeros, np.zeros(rows, np.int32), compile_only=compile_only)
+        if compile_only:
+            return
+        per_row = {"temperature": np.full(rows, temperature, np.float32), "top_k": np.zeros(rows, np.int32),
                    "top_p": np.ones(rows, np.float32), "random_u": np.full(rows, 0.5, np.float32),
-                   "top_n": np.full(rows, 1 if top_k else 0, np.int32)}   # the top-logprobs graph with the last
-        if top_k:                                                                  # and the penalizer
-            per_row.update(self._dummy_penalties(rows))
+                   "top_n": np.zeros(rows, np.int32)}
         self._finish(outputs, rows, rows, per_row, False)
 
     def graph_buckets(self) -> list[tuple]:
@@ -537,18 +539,30 @@ class ModelRunner:
                 self.all_reduce.set_timeout(self.tp_timeout_s)
 
     def _warmup(self, progress: Optional[Callable[[str], None]]) -> None:
+        """Every model graph, and the temperature sampler of every row count, compiled in a fixed order (the
+        compile cache's condition, see _setup_mindspore); the graphs only some requests need (top-k/top-p
+        sampler, top logprobs, penalties: four small graphs per row count, 5.5 s of a 20 s warm start of
+        SmolLM2) compile on first use, outside the cache (their order depends on the traffic), ~0.5 s each."""
+        try:
+            self._warmup_buckets(progress)
+        finally:
+            _close_compile_cache()
+
+    def _warmup_buckets(self, progress: Optional[Callable[[str], None]]) -> None:
         buckets = self.graph_buckets()
         for i, (kind, b, s, w) in enumerate(buckets):
             t0 = time.perf_counter()
-            if kind == "packed":
-                for temperature, top_k in ((0.0, 0), (1.0, 0), (1.0, 5)):   # greedy, then the two samplers
-                    self._run_dummy_packed(b, temperature, top_k)
+            if kind == "packed" and b != self.prefill_token_sizes[0]:
+                # a larger bucket's model graph is compiled (or loaded from the cache) but not run: running the
+                # 2,048-token bucket of a 30-layer model took 4 s a time
+                self._run_dummy_packed(b, 0.0, compile_only=True)
+            elif kind == "packed":
+                for temperature in (0.0, 1.0):          # greedy, then the temperature sampler for its rows
+                    self._run_dummy_packed(b, temperature)
             else:
-                self._run_dummy(b, s, 0.0, 0, w)    # the model graph (greedy)
-                if w is None or w == self.decode_block_widths[0]:   # the samplers depend on the batch size only
-                    self._run_dummy(b, s, 1.0, 0, w)    # + the temperature-only sampler for this batch size
-                    self._run_dummy(b, s, 1.0, 5, w, top_n=1, penalty=True)   # + top-k/top-p sampler, top
-                    #                                                             logprobs, penalties
+                self._run_dummy(b, s, 0.0, w)       # the model graph (greedy)
+                if w is None or w == self.decode_block_widths[0]:   # the sampler depends on the batch size only
+                    self._run_dummy(b, s, 1.0, w)   # + the temperature-only sampler for this batch size
             shape = (f"T={b} tokens, {self.prefill_batch_sizes[-1]} rows" if kind == "packed"
                      else f"B={b}, S={s}" + (f", W={w}" if w is not None else ""))
             msg = (f"warmup {i + 1}/{len(buckets)}: {'decode' if kind == 'decode' else 'prefill'} bucket ({shape}) "

@@ -558,10 +558,10 @@ def _load_gguf(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
     """A GGUF file (llama.cpp's format): hyperparameters from `<arch>.*` metadata, tensors renamed to HF names
     and dequantized as they are read. llama.cpp's converter interleaves the rotary pairs of a llama model's
     q/k rows (as llama2.c does); that is undone here. qwen2 files keep HF's layout."""
-    import gguf
+    from llm_serving.gguf_file import open_gguf
 
     try:
-        reader = gguf.GGUFReader(path)
+        reader = open_gguf(path)
     except Exception as e:          # not GGUF, truncated, unknown version
         raise WeightLoadError(f"{path}: cannot read GGUF file: {e}") from e
 

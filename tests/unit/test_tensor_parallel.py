@@ -174,8 +174,9 @@ def test_shard_index_takes_the_ranks_contiguous_part_and_refuses_uneven_splits()
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_megatron_split_of_a_layer_sums_to_the_whole_layer(world):
-    """The cut every rank loads (TensorParallel.part, by SPLIT_AXIS), applied to a GQA layer in numpy: the
-    ranks' partial attention-projection and MLP outputs, summed (the all-reduce), equal the unsplit layer."""
+    """The cut every rank loads (TensorParallel.part, by SPLIT_AXIS), applied to a GQA layer with Qwen2's q/k/v
+    biases in numpy: the ranks' partial attention-projection and MLP outputs, summed (the all-reduce), equal the
+    unsplit layer."""
     rng = np.random.default_rng(0)
     h, nh, kvh, d, inter, t = 32, 8, 4, 8, 48, 5
     p = "model.layers.0."
@@ -185,14 +186,17 @@ def test_megatron_split_of_a_layer_sums_to_the_whole_layer(world):
          p + "self_attn.o_proj.weight": rng.standard_normal((h, nh * d)),
          p + "mlp.gate_proj.weight": rng.standard_normal((inter, h)),
          p + "mlp.up_proj.weight": rng.standard_normal((inter, h)),
-         p + "mlp.down_proj.weight": rng.standard_normal((h, inter))}
+         p + "mlp.down_proj.weight": rng.standard_normal((h, inter)),
+         p + "self_attn.q_proj.bias": rng.standard_normal(nh * d),
+         p + "self_attn.k_proj.bias": rng.standard_normal(kvh * d),
+         p + "self_attn.v_proj.bias": rng.standard_normal(kvh * d)}
     assert {k[len(p):] for k in w} == set(SPLIT_AXIS)
     x = rng.standard_normal((t, h))
 
     def attention_out(w, nh, kvh):
-        q = (x @ w[p + "self_attn.q_proj.weight"].T).reshape(t, nh, d)
-        k = (x @ w[p + "self_attn.k_proj.weight"].T).reshape(t, kvh, d)
-        v = (x @ w[p + "self_attn.v_proj.weight"].T).reshape(t, kvh, d)
+        q = (x @ w[p + "self_attn.q_proj.weight"].T + w[p + "self_attn.q_proj.bias"]).reshape(t, nh, d)
+        k = (x @ w[p + "self_attn.k_proj.weight"].T + w[p + "self_attn.k_proj.bias"]).reshape(t, kvh, d)
+        v = (x @ w[p + "self_attn.v_proj.weight"].T + w[p + "self_attn.v_proj.bias"]).reshape(t, kvh, d)
         k, v = np.repeat(k, nh // kvh, axis=1), np.repeat(v, nh // kvh, axis=1)   # GQA: query head j uses j // g
         scores = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(d)
         scores += np.triu(np.full((t, t), -1e9), 1)
