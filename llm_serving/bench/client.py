@@ -36,7 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=BACKENDS, default="llm-serving")
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
     p.add_argument("--model", help="served model name (default: asked from the server)")
-    p.add_argument("--tokenizer", help="sentencepiece model to count tokens (default: the server's, from /info)")
+    p.add_argument("--tokenizer", help="tokenizer to count tokens: a sentencepiece .model, a tokenizer.json or a .gguf "
+                                       "(default: the server's, from /info)")
     g = p.add_argument_group("dataset")
     g.add_argument("--dataset", choices=("alpaca", "sharegpt", "synthetic"), default="alpaca")
     g.add_argument("--dataset-path", help="alpaca or ShareGPT json")

@@ -40,39 +40,47 @@ class Sample:
 
 
 class TokenCounter:
-    """Counts tokens with a sentencepiece model; without one, words (an estimate, said so in results)."""
+    """Counts tokens with the server's tokenizer (a sentencepiece .model, a tokenizer.json or a .gguf, read as the
+    server reads it: llm_serving.tokenizer.load_tokenizer); without one, words (an estimate, said so in results).
+    Counts leave out BOS."""
 
     def __init__(self, model_file: Optional[str]):
         self.model_file = model_file
-        self._sp = None
+        self._tok = None
         if model_file:
-            if not os.path.isfile(model_file):
+            if not os.path.exists(model_file):
                 raise WorkloadError(f"tokenizer {model_file!r} not found")
-            import sentencepiece as spm
+            from llm_serving.tokenizer import load_tokenizer
 
-            self._sp = spm.SentencePieceProcessor(model_file=model_file)
+            try:
+                self._tok = load_tokenizer(model_file, model_file)
+            except (OSError, ValueError) as exc:
+                raise WorkloadError(f"tokenizer {model_file!r}: {exc}") from None
 
     @property
     def exact(self) -> bool:
-        return self._sp is not None
+        return self._tok is not None
 
     def count(self, text: str) -> int:
-        return len(self._sp.encode(text)) if self._sp is not None else len(text.split())
+        return len(self._tok.encode(text, add_bos=False)) if self._tok is not None else len(text.split())
 
     def encode(self, text: str) -> list:
-        return self._sp.encode(text)
+        return self._tok.encode(text, add_bos=False)
 
     def decode(self, ids: list) -> str:
-        return self._sp.decode(ids)
+        return self._tok.decode(ids)
 
     @property
     def vocab_size(self) -> int:
-        return self._sp.get_piece_size()
+        return self._tok.vocab_size
 
     def is_plain(self, i: int) -> bool:
-        """A piece that is ordinary text (not control, unknown or a raw byte)."""
-        sp = self._sp
-        return not (sp.is_control(i) or sp.is_unknown(i) or sp.is_byte(i) or sp.is_unused(i))
+        """A token that is ordinary text on its own: not special, and printable whole characters (not a
+        sentencepiece byte or unused piece, not part of a UTF-8 character)."""
+        if self._tok.is_special(i):
+            return False
+        text = self._tok.token_text(i)
+        return bool(text.strip()) and text.isprintable() and "\ufffd" not in text and not text.startswith("<0x")
 
 
 def _read_json(path: str):
