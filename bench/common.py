@@ -6,6 +6,8 @@ import asyncio
 import json
 import os
 import platform
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,6 +35,49 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+class PeerServer:
+    """Another project's server (vLLM, llama.cpp's llama-server) as a child process on loopback, in its own session:
+    started with `cmd` (whose port is `port`), ready when GET `ready_path` answers 200, stopped with SIGTERM (then
+    SIGKILL) with everything it started."""
+
+    def __init__(self, name: str, cmd: list, port: int, log_path: Path, env: Optional[dict] = None,
+                 ready_path: str = "/health"):
+        self.name, self.port, self.ready_path = name, port, ready_path
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = open(log_path, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def wait_ready(self, timeout_s: float = 1200) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see {self.log.name}")
+            try:
+                if http("GET", self.url + self.ready_path, timeout=2)[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{self.name} not ready after {timeout_s} s; see {self.log.name}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+    def __enter__(self) -> "PeerServer":
+        self.wait_ready()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
 
 def machine() -> dict:

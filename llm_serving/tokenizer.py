@@ -232,7 +232,31 @@ def load_tokenizer(model_path: str, vocab_file: Optional[str] = None):
     return Tokenizer(path, add_bos=add_bos, eos_ids=eos_ids, chat_template=template or None)
 
 
-class IncrementalDetokenizer:
+class DetokenizerBase:
+    """What every incremental detokenizer shares: the text emitted so far (`text`), and no push after `flush`."""
+
+    def __init__(self):
+        self._chunks: list[str] = []
+        self._flushed = False
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far."""
+        if len(self._chunks) > 1:
+            self._chunks[:] = ["".join(self._chunks)]
+        return self._chunks[0] if self._chunks else ""
+
+    def _record(self, delta: str) -> str:
+        if delta:
+            self._chunks.append(delta)
+        return delta
+
+    def _check_open(self) -> None:
+        if self._flushed:
+            raise RuntimeError("push() after flush(): the stream has ended")
+
+
+class IncrementalDetokenizer(DetokenizerBase):
     """Turns a growing stream of token ids into text deltas for streaming.
 
     Invariant: the deltas of `push` followed by `flush()` concatenate to `tokenizer.decode(ids)`
@@ -248,6 +272,7 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Optional[Iterable[int]] = None,
                  skip_special: bool = True):
+        super().__init__()
         self._tokenizer = tokenizer
         self._skip_special = skip_special
         # `_pending`: tokens pushed but not yet emitted. `_started`: whether the text so far is
@@ -262,20 +287,10 @@ class IncrementalDetokenizer:
                 segment = []
         self._started = tokenizer.decode(segment) != ""
         self._pending = [] if self._started else segment[-1:]
-        self._chunks: list[str] = []
-        self._flushed = False
-
-    @property
-    def text(self) -> str:
-        """All text emitted so far."""
-        if len(self._chunks) > 1:
-            self._chunks[:] = ["".join(self._chunks)]
-        return self._chunks[0] if self._chunks else ""
 
     def push(self, token_id: int) -> str:
         """Add one token; return the text that became safe to emit ("" if held back)."""
-        if self._flushed:
-            raise RuntimeError("push() after flush(): the stream has ended")
+        self._check_open()
         token_id = int(token_id)
         if self._tokenizer.is_special(token_id):
             if self._skip_special:
@@ -319,8 +334,3 @@ class IncrementalDetokenizer:
         # An incremental UTF-8 decoder leaves unconsumed exactly a trailing partial character.
         _, num_consumed = codecs.utf_8_decode(bytes(tail), "replace", False)
         return num_consumed < len(tail)
-
-    def _record(self, delta: str) -> str:
-        if delta:
-            self._chunks.append(delta)
-        return delta

