@@ -115,7 +115,7 @@ class ServingConfig:
     agent_ports: list = field(default_factory=lambda: [16002])
     start_device_id: int = 0
     max_num_seqs: int = 32                    # running sequences at once (<= largest decode bucket)
-    max_num_batched_tokens: int = 2048        # prompt tokens in one prefill step
+    max_num_batched_tokens: int = 1024        # prompt tokens in one prefill step (and the largest packed bucket)
     max_waiting_requests: int = 1024          # queue bound; past it requests get 429
     step_timeout_s: float = 120.0             # an agent that does not answer a step in time is dead
     agent_start_timeout_s: float = 900.0      # load + compile every bucket

@@ -135,16 +135,21 @@ def gguf_gpt2(byte_level_dir, tmp_path_factory):
     return path
 
 
-def test_gguf_byte_level_vocabulary_encodes_like_its_tokenizer_json(byte_level_dir, gguf_gpt2):
+def test_gguf_byte_level_vocabulary_encodes_like_its_tokenizer_json(byte_level_dir, gguf_gpt2, tmp_path,
+                                                                   monkeypatch):
+    monkeypatch.setenv("LLM_SERVING_CACHE", str(tmp_path))
     ref = load_tokenizer(str(byte_level_dir))
-    tok = load_tokenizer(str(gguf_gpt2))
-    assert tok.model_file == str(gguf_gpt2) and tok.vocab_size == ref.vocab_size
-    assert not tok.add_bos and tok.eos_ids == [1]
-    for text in TEXTS + ["<|im_start|>user\n2+2=4<|im_end|>"]:
-        assert tok.encode(text) == ref.encode(text, add_bos=False), text
-        assert tok.decode(tok.encode(text), skip_special=False) == text
-    assert all(tok.is_special(i) for i in range(4)) and not tok.is_special(4)
-    assert tok.chat_template == CHATML
+    built = load_tokenizer(str(gguf_gpt2))
+    assert len(list((tmp_path / "tokenizers").iterdir())) == 1
+    cached = load_tokenizer(str(gguf_gpt2))              # the second load reads what the first one cached
+    for tok in (built, cached):
+        assert tok.model_file == str(gguf_gpt2) and tok.vocab_size == ref.vocab_size
+        assert not tok.add_bos and tok.eos_ids == [1]
+        for text in TEXTS + ["<|im_start|>user\n2+2=4<|im_end|>"]:
+            assert tok.encode(text) == ref.encode(text, add_bos=False), text
+            assert tok.decode(tok.encode(text), skip_special=False) == text
+        assert all(tok.is_special(i) for i in range(4)) and not tok.is_special(4)
+        assert tok.chat_template == CHATML
 
 
 def _spm_as_gguf(model_file, path):
@@ -174,15 +179,17 @@ def _spm_as_gguf(model_file, path):
 
 
 @pytest.mark.parametrize("model", ["models/stories260K/tok512.model", "tokenizers/llama2/tokenizer.model"])
-def test_gguf_llama_vocabulary_is_the_sentencepiece_model(shared_dir, tmp_path, model):
+def test_gguf_llama_vocabulary_is_the_sentencepiece_model(shared_dir, tmp_path, model, monkeypatch):
     pytest.importorskip("gguf")
+    monkeypatch.setenv("LLM_SERVING_CACHE", str(tmp_path / "cache"))
     ref = Tokenizer(shared_dir / model)
-    tok = load_tokenizer(str(_spm_as_gguf(shared_dir / model, tmp_path / "vocab.gguf")))
-    assert isinstance(tok, Tokenizer) and tok.add_bos
-    assert (tok.vocab_size, tok.bos_id, tok.eos_id) == (ref.vocab_size, ref.bos_id, ref.eos_id)
-    for text in ["Once upon a time, there was a little dog.", "中文 🙂 bytes", "x = 1; y = 22"]:
-        assert tok.encode(text) == ref.encode(text), text
-        assert tok.decode(tok.encode(text)) == ref.decode(ref.encode(text))
+    path = _spm_as_gguf(shared_dir / model, tmp_path / "vocab.gguf")
+    for tok in (load_tokenizer(str(path)), load_tokenizer(str(path))):    # built, then from the cache
+        assert isinstance(tok, Tokenizer) and tok.add_bos
+        assert (tok.vocab_size, tok.bos_id, tok.eos_id) == (ref.vocab_size, ref.bos_id, ref.eos_id)
+        for text in ["Once upon a time, there was a little dog.", "中文 🙂 bytes", "x = 1; y = 22"]:
+            assert tok.encode(text) == ref.encode(text), text
+            assert tok.decode(tok.encode(text)) == ref.decode(ref.encode(text))
 
 
 def test_chat_template_through_byte_level_tokens(byte_level_dir):
