@@ -16,6 +16,13 @@ from llm_serving.models.weights import WeightLoadError, llama3_rope_factors, loa
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
 
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    """GGUF loads cache their float32 tensors under LLM_SERVING_CACHE: a directory of this test's own."""
+    monkeypatch.setenv("LLM_SERVING_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
 SHAPE = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
              max_position_embeddings=128)
 HEAD_DIM = 16
@@ -238,3 +245,26 @@ def test_loading_a_quantized_gguf_peaks_under_twice_the_float32_model(tmp_path):
     tracemalloc.stop()
     assert sum(a.nbytes for a in got.values()) == size
     assert peak < 2 * size, (peak, size)
+
+
+def test_a_gguf_is_dequantized_once_then_read_from_the_float32_cache(tmp_path, private_cache, monkeypatch):
+    _, (_, ref) = _hf(tmp_path, hidden_size=256, intermediate_size=256)
+    path = write_gguf(tmp_path / "m.gguf", ref, qtype=Q.Q8_0, rope_freqs=np.linspace(1, 4, 8))
+    cfg, first = load_llama_weights(path)
+    [entry] = (private_cache / "gguf").iterdir()
+    assert (entry / "config.json").is_file() and len(list(entry.glob("*.npy"))) == len(first)
+    from llm_serving.models import weights
+    monkeypatch.setattr(weights, "_load_gguf", lambda p: pytest.fail("the GGUF was read again"))
+    cfg2, again = load_llama_weights(path)
+    assert cfg2 == cfg
+    for name in first:
+        np.testing.assert_array_equal(again[name], first[name], err_msg=name)
+    monkeypatch.setenv("LLM_SERVING_GGUF_CACHE", "0")                   # switched off: the file itself is read
+    with pytest.raises(pytest.fail.Exception, match="read again"):
+        load_llama_weights(path)
+    monkeypatch.delenv("LLM_SERVING_GGUF_CACHE")
+    path.touch()                                                         # a changed file is a new cache entry
+    monkeypatch.undo()
+    monkeypatch.setenv("LLM_SERVING_CACHE", str(private_cache))
+    load_llama_weights(path)
+    assert len(list((private_cache / "gguf").iterdir())) == 2
