@@ -35,8 +35,10 @@ def llama_cpp_server(binary: str, model: str, name: str, slots: int, ctx_per_slo
                      log_path) -> PeerServer:
     """`llama-server` on loopback with `slots` parallel sequences of `ctx_per_slot` tokens each."""
     port = free_port()
+    # an HTTP thread per slot and some, so that no stream waits for a thread
     return PeerServer("llama-server", [binary, "-m", model, "--alias", name, "--host", "127.0.0.1", "--port",
-                                       str(port), "-t", str(threads), "-np", str(slots), "-c", str(slots * ctx_per_slot)],
+                                       str(port), "-t", str(threads), "-np", str(slots), "-c", str(slots * ctx_per_slot),
+                                       "--threads-http", str(slots + 4)],
                       port, log_path)
 
 

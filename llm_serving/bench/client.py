@@ -108,7 +108,10 @@ async def benchmark(url: str, backend: str, model: Optional[str], samples: list,
         except ImportError:
             bar = None
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    connector = aiohttp.TCPConnector(limit=0)
+    # a connection per request, as vLLM's benchmark client opens one: reusing kept-alive connections failed a
+    # quarter of llama-server's requests at 64 streams (it closes them after a few requests: "Can not write
+    # request body"), and a loopback connect costs well under a millisecond
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
     timeout = aiohttp.ClientTimeout(total=request_timeout)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         t0 = time.perf_counter()

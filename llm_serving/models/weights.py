@@ -1,16 +1,19 @@
 """Load a LLaMA checkpoint into numpy float32 arrays under HuggingFace tensor names, all of it or one
 tensor-parallel rank's part (`load_llama_weights(path, tp)`).
 
-Three formats, told apart by `detect_format`:
+Four formats, told apart by `detect_format` (GGUF's reader lives in weights_gguf.py):
 
 - **hf**: a HuggingFace directory, `config.json` plus `model.safetensors` or shards listed in
   `model.safetensors.index.json`; embeddings tied (`tie_word_embeddings`, or no `lm_head.weight`)
   or not. F16/F32/F64 read with `safetensors`; BF16 (no numpy dtype) widened to float32 by hand.
+  `LlamaForCausalLM`, `Qwen2ForCausalLM` (q/k/v biases) and `MistralForCausalLM`, their differences kept
+  as data in `LlamaConfig` (`load_config`).
+- **gguf**: a llama.cpp `.gguf` file (weights_gguf.py): `llama` and `qwen2`, dequantized per tensor.
 - **llama2c**: a llama2.c `.bin` file, legacy (v0) export: seven int32 header fields (dim, hidden_dim,
   n_layers, n_heads, n_kv_heads, vocab_size, seq_len; a negative vocab_size means the classifier is
   stored separately), then float32 tensors in a fixed order. llama2.c rotates interleaved pairs
   (x[2i], x[2i+1]) while the model here rotates halves (x[i], x[i+D/2]), so wq/wk rows are permuted
-  per head at load; this is the only place the RoPE layout differs between formats.
+  per head at load (llama.cpp's GGUF converter interleaves them the same way, undone the same way).
 - **mindformers**: a directory with one MindFormers `*.ckpt` (read with `mindspore.load_checkpoint`;
   names like `model.layers.0.attention.wq.weight`, optionally fused `attention.w_qkv` and
   `feed_forward.w_gate_hidden`) and either a `config.json` or a MindFormers `*.yaml`
@@ -26,13 +29,9 @@ gate/up itself when it builds its parameters (`llama.py`).
 from __future__ import annotations
 
 import glob
-import hashlib
 import json
-import logging
 import os
-import shutil
 import struct
-import tempfile
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -40,10 +39,8 @@ import numpy as np
 
 from .parallel import TensorParallel
 
-logger = logging.getLogger(__name__)
-
 __all__ = ["LlamaConfig", "StoredTensor", "WeightLoadError", "detect_format", "load_config", "load_llama_weights",
-           "expected_shapes", "tokenizer_next_to"]
+           "expected_shapes"]
 
 
 class WeightLoadError(ValueError):
@@ -517,176 +514,6 @@ def _load_mindformers(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
     return cfg, {k: StoredTensor.of(v) for k, v in out.items()}
 
 
-# ---------------------------------------------------------------------------------------------- GGUF
-# GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.")
-_GGUF_LAYER_NAMES = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
-                     "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
-                     "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
-                     "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
-                     "attn_v.bias": "self_attn.v_proj.bias", "ffn_gate.weight": "mlp.gate_proj.weight",
-                     "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight"}
-_GGUF_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-               "output.weight": "lm_head.weight"}
-_GGUF_ARCHITECTURES = ("llama", "qwen2")
-_gguf_types_checked: dict = {}
-
-
-def _gguf_dequantizes(qtype) -> bool:
-    """Whether the `gguf` package can dequantize tensor type `qtype` (tried once on a zero block)."""
-    if qtype not in _gguf_types_checked:
-        from gguf import GGML_QUANT_SIZES
-        from gguf.quants import dequantize
-
-        try:
-            block, size = GGML_QUANT_SIZES[qtype]
-            dequantize(np.zeros((1, size), np.uint8), qtype)
-            _gguf_types_checked[qtype] = True
-        except (NotImplementedError, KeyError, ValueError):
-            _gguf_types_checked[qtype] = False
-    return _gguf_types_checked[qtype]
-
-
-def _gguf_reader(tensor) -> Callable[[tuple], np.ndarray]:
-    """read(index) of one GGUF tensor (its data is a view of the file's memory map), dequantized to float32 by
-    the `gguf` package. Quantized blocks run along a row, so a slice of whole rows is cut before dequantizing."""
-    from gguf.quants import dequantize
-
-    def read(index: tuple) -> np.ndarray:
-        data = tensor.data
-        rows_only = len(index) > 1 and all(i == slice(None) for i in index[1:])
-        if rows_only or len(index) == 1:
-            return np.asarray(dequantize(np.asarray(data[index[0]]), tensor.tensor_type), np.float32)
-        return np.asarray(dequantize(np.asarray(data), tensor.tensor_type), np.float32)[index]
-    return read
-
-
-def _load_gguf(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
-    """A GGUF file (llama.cpp's format): hyperparameters from `<arch>.*` metadata, tensors renamed to HF names
-    and dequantized as they are read. llama.cpp's converter interleaves the rotary pairs of a llama model's
-    q/k rows (as llama2.c does); that is undone here. qwen2 files keep HF's layout."""
-    from llm_serving.gguf_file import open_gguf
-
-    try:
-        reader = open_gguf(path)
-    except Exception as e:          # not GGUF, truncated, unknown version
-        raise WeightLoadError(f"{path}: cannot read GGUF file: {e}") from e
-
-    def meta(key, default=None, required=True):
-        field = reader.fields.get(key)
-        if field is None:
-            if required and default is None:
-                raise WeightLoadError(f"{path}: GGUF metadata {key!r} is missing")
-            return default
-        return field.contents()
-
-    arch = meta("general.architecture")
-    if arch not in _GGUF_ARCHITECTURES:
-        raise WeightLoadError(f"{path}: GGUF architecture {arch!r} is not supported (supported: "
-                              f"{', '.join(_GGUF_ARCHITECTURES)})")
-    tensors = {t.name: t for t in reader.tensors}
-    hidden, heads = int(meta(f"{arch}.embedding_length")), int(meta(f"{arch}.attention.head_count"))
-    kv_heads = int(meta(f"{arch}.attention.head_count_kv", heads))
-    head_dim = int(meta(f"{arch}.attention.key_length", hidden // heads))
-    if "token_embd.weight" not in tensors:
-        raise WeightLoadError(f"{path}: GGUF tensor 'token_embd.weight' is missing")
-    vocab = int(meta(f"{arch}.vocab_size", tensors["token_embd.weight"].shape[-1]))
-    factors = None
-    if "rope_freqs.weight" in tensors:      # Llama-3.1's RoPE scaling, as llama.cpp stores it: a divisor per frequency
-        factors = tuple(float(v) for v in _gguf_reader(tensors["rope_freqs.weight"])((slice(None),)))
-    window = meta(f"{arch}.attention.sliding_window", required=False)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=int(meta(f"{arch}.feed_forward_length")),
-                      num_layers=int(meta(f"{arch}.block_count")), num_heads=heads, num_kv_heads=kv_heads,
-                      head_dim=head_dim, rms_norm_eps=float(meta(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-                      rope_theta=float(meta(f"{arch}.rope.freq_base", 10000.0)),
-                      max_position_embeddings=int(meta(f"{arch}.context_length", 2048)),
-                      bos_token_id=meta("tokenizer.ggml.bos_token_id", required=False),
-                      eos_token_id=meta("tokenizer.ggml.eos_token_id", required=False),
-                      tie_word_embeddings="output.weight" not in tensors, architecture=arch,
-                      attention_bias="blk.0.attn_q.bias" in tensors, rope_freq_factors=factors,
-                      sliding_window=int(window) if window else None)
-    if heads % kv_heads or head_dim % 2:
-        raise WeightLoadError(f"{path}: head_count={heads}, head_count_kv={kv_heads}, head_dim={head_dim} are "
-                              "inconsistent")
-    out: dict[str, StoredTensor] = {}
-    for name, tensor in tensors.items():
-        if name.startswith("blk."):
-            _, layer, rest = name.split(".", 2)
-            hf = _GGUF_LAYER_NAMES.get(rest)
-            hf = hf and f"model.layers.{layer}.{hf}"
-        else:
-            hf = _GGUF_NAMES.get(name)
-        if hf is None:
-            continue                        # rope_freqs (read above), or tensors this model has no use for
-        if not _gguf_dequantizes(tensor.tensor_type):
-            raise WeightLoadError(f"{path}: tensor {name!r} has type {tensor.tensor_type.name}, which the gguf "
-                                  "package cannot dequantize (supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, "
-                                  "Q8_0, the K-quants, ...)")
-        shape = tuple(int(n) for n in reversed(tensor.shape))      # GGUF lists dimensions innermost first
-        read = _gguf_reader(tensor)
-        if arch == "llama" and hf.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
-            read = _interleaved_to_halves(read, head_dim)
-        out[hf] = StoredTensor(shape, read)
-    return cfg, out
-
-
-def _interleaved_to_halves(read: Callable[[tuple], np.ndarray], head_dim: int) -> Callable[[tuple], np.ndarray]:
-    """A q/k reader whose rows come back in rotate-half order (see `_rotate_half_rows`); read in whole heads."""
-    def rotated(index: tuple) -> np.ndarray:
-        part = read(index)
-        if part.ndim != 2 or part.shape[0] % head_dim:
-            raise ValueError(f"a GGUF q/k tensor is read in whole heads of {head_dim} rows, not {index}")
-        return _rotate_half_rows(part, part.shape[0] // head_dim)
-    return rotated
-
-
-GGUF_CACHE_ENV = "LLM_SERVING_GGUF_CACHE"     # "0": dequantize the GGUF at every start instead
-
-
-def _load_gguf_cached(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
-    """`_load_gguf` through a cache of its float32 result: reading a GGUF's metadata and dequantizing its tensors
-    took 2.7 s of each SmolLM2 start; memory-mapping the float32 arrays it produced last time takes ~0.1 s. The
-    cache is `<cache>/gguf/<key>/` (key: the file's path, size and modification time): `config.json` and one
-    `.npy` per tensor, written tensor by tensor into a temporary directory that is then renamed into place."""
-    from dataclasses import asdict
-
-    from .default_model import default_cache_dir
-
-    if os.environ.get(GGUF_CACHE_ENV, "1") == "0":
-        return _load_gguf(path)
-    st = os.stat(path)
-    key = hashlib.sha1(repr((os.path.abspath(path), st.st_size, st.st_mtime_ns, 1)).encode()).hexdigest()[:16]
-    folder = default_cache_dir() / "gguf" / key
-    if not (folder / "config.json").is_file():
-        cfg, stored = _load_gguf(path)
-        try:
-            folder.parent.mkdir(parents=True, exist_ok=True)
-            tmp = tempfile.mkdtemp(prefix=".tmp-", dir=folder.parent)
-            try:
-                for name, tensor in stored.items():
-                    np.save(os.path.join(tmp, name + ".npy"),
-                            np.ascontiguousarray(tensor.read((slice(None),) * len(tensor.shape)), np.float32))
-                with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
-                    json.dump(asdict(cfg), f)
-                os.rename(tmp, folder)
-            except OSError:
-                shutil.rmtree(tmp, ignore_errors=True)
-                if not (folder / "config.json").is_file():     # not another process's copy, just in place
-                    raise
-        except OSError as e:
-            logger.warning("GGUF not cached as float32 (%s): it is dequantized at every start", e)
-            return cfg, stored
-    with open(folder / "config.json", encoding="utf-8") as f:
-        raw = json.load(f)
-    if raw.get("rope_freq_factors") is not None:
-        raw["rope_freq_factors"] = tuple(raw["rope_freq_factors"])
-    cfg = LlamaConfig(**raw)
-    stored = {}
-    for npy in folder.glob("*.npy"):
-        array = np.load(npy, mmap_mode="r")
-        stored[npy.name[:-len(".npy")]] = StoredTensor(array.shape, lambda index, a=array: np.array(a[index]))
-    return cfg, stored
-
-
 # ------------------------------------------------------------------------------------------- entry
 def detect_format(path: str) -> str:
     """'hf', 'gguf', 'llama2c' or 'mindformers' for a checkpoint path; WeightLoadError if it is none of them."""
@@ -709,16 +536,6 @@ def detect_format(path: str) -> str:
                           "a safetensors index), or a MindFormers *.ckpt; or pass a llama2.c .bin file")
 
 
-def tokenizer_next_to(path: str) -> Optional[str]:
-    """The sentencepiece model that ships with a checkpoint: tokenizer.model, else the only *.model."""
-    model_dir = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
-    preferred = os.path.join(model_dir, "tokenizer.model")
-    if os.path.isfile(preferred):
-        return preferred
-    found = glob.glob(os.path.join(model_dir, "*.model"))
-    return found[0] if len(found) == 1 else None
-
-
 def _check_shape(name: str, arr, shape: tuple) -> None:
     if tuple(arr.shape) != tuple(shape):
         raise WeightLoadError(f"tensor {name!r} has shape {tuple(arr.shape)}, expected {tuple(shape)}")
@@ -732,8 +549,11 @@ def load_llama_weights(path: str, tp: Optional[TensorParallel] = None) -> tuple[
     or MLP units do not split over tp.world fails before anything is read (ValueError naming them)."""
     path = os.fspath(path)
     fmt = detect_format(path)
-    cfg, stored = {"hf": _load_hf, "llama2c": _load_llama2c, "mindformers": _load_mindformers,
-                   "gguf": _load_gguf_cached}[fmt](path)
+    if fmt == "gguf":
+        from .weights_gguf import load_gguf
+        cfg, stored = load_gguf(path)
+    else:
+        cfg, stored = {"hf": _load_hf, "llama2c": _load_llama2c, "mindformers": _load_mindformers}[fmt](path)
     if "lm_head.weight" not in stored or cfg.tie_word_embeddings:
         if "model.embed_tokens.weight" in stored:
             stored["lm_head.weight"] = stored["model.embed_tokens.weight"]

@@ -147,8 +147,8 @@ def test_unsupported_gguf_architecture_and_tensor_type_are_refused(tmp_path, mon
     with pytest.raises(WeightLoadError, match="GGUF architecture 'gemma' is not supported"):
         load_llama_weights(write_gguf(tmp_path / "g.gguf", ref, arch="gemma"))
     # every type this gguf version stores it can also dequantize; stand in a package that cannot do Q8_0
-    from llm_serving.models import weights
-    monkeypatch.setattr(weights, "_gguf_dequantizes", lambda qtype: qtype != Q.Q8_0)
+    from llm_serving.models import weights_gguf
+    monkeypatch.setattr(weights_gguf, "_gguf_dequantizes", lambda qtype: qtype != Q.Q8_0)
     with pytest.raises(WeightLoadError, match="tensor 'token_embd.weight' has type Q8_0, which the gguf package "
                                               "cannot dequantize"):
         load_llama_weights(write_gguf(tmp_path / "q.gguf", ref, qtype=Q.Q8_0))
@@ -253,8 +253,8 @@ def test_a_gguf_is_dequantized_once_then_read_from_the_float32_cache(tmp_path, p
     cfg, first = load_llama_weights(path)
     [entry] = (private_cache / "gguf").iterdir()
     assert (entry / "config.json").is_file() and len(list(entry.glob("*.npy"))) == len(first)
-    from llm_serving.models import weights
-    monkeypatch.setattr(weights, "_load_gguf", lambda p: pytest.fail("the GGUF was read again"))
+    from llm_serving.models import weights_gguf
+    monkeypatch.setattr(weights_gguf, "_load_gguf", lambda p: pytest.fail("the GGUF was read again"))
     cfg2, again = load_llama_weights(path)
     assert cfg2 == cfg
     for name in first:

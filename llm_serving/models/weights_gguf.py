@@ -1,0 +1,194 @@
+"""GGUF checkpoints (llama.cpp's format) for `weights.load_llama_weights`, read through the `gguf` package.
+
+Architectures `llama` and `qwen2`; hyperparameters from the `<arch>.*` metadata; tensors renamed to HF names and
+dequantized to float32 by `gguf.quants.dequantize` as they are read (F32, F16, BF16, Q4_0/1, Q5_0/1, Q8_0, the
+K-quants and whatever else that package dequantizes; a tensor-parallel rank's rows are cut before). llama.cpp's
+converter interleaves the rotary pairs of a llama model's q/k rows (as llama2.c does): undone here. A Llama-3.1
+file's `rope_freqs` tensor becomes `LlamaConfig.rope_freq_factors`. An unsupported architecture or tensor type is
+a WeightLoadError naming it. `load_gguf` keeps the float32 result in the cache directory for the next start.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from typing import Callable
+
+import numpy as np
+
+from .weights import LlamaConfig, StoredTensor, WeightLoadError, _rotate_half_rows
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["load_gguf", "GGUF_CACHE_ENV"]
+
+# GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.")
+_GGUF_LAYER_NAMES = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+                     "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+                     "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+                     "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+                     "attn_v.bias": "self_attn.v_proj.bias", "ffn_gate.weight": "mlp.gate_proj.weight",
+                     "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight"}
+_GGUF_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+               "output.weight": "lm_head.weight"}
+_GGUF_ARCHITECTURES = ("llama", "qwen2")
+_gguf_types_checked: dict = {}
+
+
+def _gguf_dequantizes(qtype) -> bool:
+    """Whether the `gguf` package can dequantize tensor type `qtype` (tried once on a zero block)."""
+    if qtype not in _gguf_types_checked:
+        from gguf import GGML_QUANT_SIZES
+        from gguf.quants import dequantize
+
+        try:
+            block, size = GGML_QUANT_SIZES[qtype]
+            dequantize(np.zeros((1, size), np.uint8), qtype)
+            _gguf_types_checked[qtype] = True
+        except (NotImplementedError, KeyError, ValueError):
+            _gguf_types_checked[qtype] = False
+    return _gguf_types_checked[qtype]
+
+
+def _gguf_reader(tensor) -> Callable[[tuple], np.ndarray]:
+    """read(index) of one GGUF tensor (its data is a view of the file's memory map), dequantized to float32 by
+    the `gguf` package. Quantized blocks run along a row, so a slice of whole rows is cut before dequantizing."""
+    from gguf.quants import dequantize
+
+    def read(index: tuple) -> np.ndarray:
+        data = tensor.data
+        rows_only = len(index) > 1 and all(i == slice(None) for i in index[1:])
+        if rows_only or len(index) == 1:
+            return np.asarray(dequantize(np.asarray(data[index[0]]), tensor.tensor_type), np.float32)
+        return np.asarray(dequantize(np.asarray(data), tensor.tensor_type), np.float32)[index]
+    return read
+
+
+def _load_gguf(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
+    """A GGUF file (llama.cpp's format): hyperparameters from `<arch>.*` metadata, tensors renamed to HF names
+    and dequantized as they are read. llama.cpp's converter interleaves the rotary pairs of a llama model's
+    q/k rows (as llama2.c does); that is undone here. qwen2 files keep HF's layout."""
+    from llm_serving.gguf_file import open_gguf
+
+    try:
+        reader = open_gguf(path)
+    except Exception as e:          # not GGUF, truncated, unknown version
+        raise WeightLoadError(f"{path}: cannot read GGUF file: {e}") from e
+
+    def meta(key, default=None, required=True):
+        field = reader.fields.get(key)
+        if field is None:
+            if required and default is None:
+                raise WeightLoadError(f"{path}: GGUF metadata {key!r} is missing")
+            return default
+        return field.contents()
+
+    arch = meta("general.architecture")
+    if arch not in _GGUF_ARCHITECTURES:
+        raise WeightLoadError(f"{path}: GGUF architecture {arch!r} is not supported (supported: "
+                              f"{', '.join(_GGUF_ARCHITECTURES)})")
+    tensors = {t.name: t for t in reader.tensors}
+    hidden, heads = int(meta(f"{arch}.embedding_length")), int(meta(f"{arch}.attention.head_count"))
+    kv_heads = int(meta(f"{arch}.attention.head_count_kv", heads))
+    head_dim = int(meta(f"{arch}.attention.key_length", hidden // heads))
+    if "token_embd.weight" not in tensors:
+        raise WeightLoadError(f"{path}: GGUF tensor 'token_embd.weight' is missing")
+    vocab = int(meta(f"{arch}.vocab_size", tensors["token_embd.weight"].shape[-1]))
+    factors = None
+    if "rope_freqs.weight" in tensors:      # Llama-3.1's RoPE scaling, as llama.cpp stores it: a divisor per frequency
+        factors = tuple(float(v) for v in _gguf_reader(tensors["rope_freqs.weight"])((slice(None),)))
+    window = meta(f"{arch}.attention.sliding_window", required=False)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=int(meta(f"{arch}.feed_forward_length")),
+                      num_layers=int(meta(f"{arch}.block_count")), num_heads=heads, num_kv_heads=kv_heads,
+                      head_dim=head_dim, rms_norm_eps=float(meta(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+                      rope_theta=float(meta(f"{arch}.rope.freq_base", 10000.0)),
+                      max_position_embeddings=int(meta(f"{arch}.context_length", 2048)),
+                      bos_token_id=meta("tokenizer.ggml.bos_token_id", required=False),
+                      eos_token_id=meta("tokenizer.ggml.eos_token_id", required=False),
+                      tie_word_embeddings="output.weight" not in tensors, architecture=arch,
+                      attention_bias="blk.0.attn_q.bias" in tensors, rope_freq_factors=factors,
+                      sliding_window=int(window) if window else None)
+    if heads % kv_heads or head_dim % 2:
+        raise WeightLoadError(f"{path}: head_count={heads}, head_count_kv={kv_heads}, head_dim={head_dim} are "
+                              "inconsistent")
+    out: dict[str, StoredTensor] = {}
+    for name, tensor in tensors.items():
+        if name.startswith("blk."):
+            _, layer, rest = name.split(".", 2)
+            hf = _GGUF_LAYER_NAMES.get(rest)
+            hf = hf and f"model.layers.{layer}.{hf}"
+        else:
+            hf = _GGUF_NAMES.get(name)
+        if hf is None:
+            continue                        # rope_freqs (read above), or tensors this model has no use for
+        if not _gguf_dequantizes(tensor.tensor_type):
+            raise WeightLoadError(f"{path}: tensor {name!r} has type {tensor.tensor_type.name}, which the gguf "
+                                  "package cannot dequantize (supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, "
+                                  "Q8_0, the K-quants, ...)")
+        shape = tuple(int(n) for n in reversed(tensor.shape))      # GGUF lists dimensions innermost first
+        read = _gguf_reader(tensor)
+        if arch == "llama" and hf.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
+            read = _interleaved_to_halves(read, head_dim)
+        out[hf] = StoredTensor(shape, read)
+    return cfg, out
+
+
+def _interleaved_to_halves(read: Callable[[tuple], np.ndarray], head_dim: int) -> Callable[[tuple], np.ndarray]:
+    """A q/k reader whose rows come back in rotate-half order (see `_rotate_half_rows`); read in whole heads."""
+    def rotated(index: tuple) -> np.ndarray:
+        part = read(index)
+        if part.ndim != 2 or part.shape[0] % head_dim:
+            raise ValueError(f"a GGUF q/k tensor is read in whole heads of {head_dim} rows, not {index}")
+        return _rotate_half_rows(part, part.shape[0] // head_dim)
+    return rotated
+
+
+GGUF_CACHE_ENV = "LLM_SERVING_GGUF_CACHE"     # "0": dequantize the GGUF at every start instead
+
+
+def load_gguf(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
+    """`_load_gguf` through a cache of its float32 result: reading a GGUF's metadata and dequantizing its tensors
+    took 2.7 s of each SmolLM2 start; memory-mapping the float32 arrays it produced last time takes ~0.1 s. The
+    cache is `<cache>/gguf/<key>/` (key: the file's path, size and modification time): `config.json` and one
+    `.npy` per tensor, written tensor by tensor into a temporary directory that is then renamed into place."""
+    from dataclasses import asdict
+
+    from .default_model import default_cache_dir
+
+    if os.environ.get(GGUF_CACHE_ENV, "1") == "0":
+        return _load_gguf(path)
+    st = os.stat(path)
+    key = hashlib.sha1(repr((os.path.abspath(path), st.st_size, st.st_mtime_ns, 1)).encode()).hexdigest()[:16]
+    folder = default_cache_dir() / "gguf" / key
+    if not (folder / "config.json").is_file():
+        cfg, stored = _load_gguf(path)
+        try:
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            tmp = tempfile.mkdtemp(prefix=".tmp-", dir=folder.parent)
+            try:
+                for name, tensor in stored.items():
+                    np.save(os.path.join(tmp, name + ".npy"),
+                            np.ascontiguousarray(tensor.read((slice(None),) * len(tensor.shape)), np.float32))
+                with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
+                    json.dump(asdict(cfg), f)
+                os.rename(tmp, folder)
+            except OSError:
+                shutil.rmtree(tmp, ignore_errors=True)
+                if not (folder / "config.json").is_file():     # not another process's copy, just in place
+                    raise
+        except OSError as e:
+            logger.warning("GGUF not cached as float32 (%s): it is dequantized at every start", e)
+            return cfg, stored
+    with open(folder / "config.json", encoding="utf-8") as f:
+        raw = json.load(f)
+    if raw.get("rope_freq_factors") is not None:
+        raw["rope_freq_factors"] = tuple(raw["rope_freq_factors"])
+    cfg = LlamaConfig(**raw)
+    stored = {}
+    for npy in folder.glob("*.npy"):
+        array = np.load(npy, mmap_mode="r")
+        stored[npy.name[:-len(".npy")]] = StoredTensor(array.shape, lambda index, a=array: np.array(a[index]))
+    return cfg, stored
