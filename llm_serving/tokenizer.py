@@ -1,11 +1,12 @@
 """Tokenizers: which one a model uses (`find_tokenizer_file`, `load_tokenizer`), the sentencepiece LLaMA
 tokenizer, and its incremental detokenization for streaming.
 
-Three kinds share one interface (encode, decode, token_text, is_special, id_to_piece, special_text,
-encode_chat, detokenizer; vocab_size, bos_id, eos_id, eos_ids, pad_id, add_bos, chat_template, model_file):
-this file's sentencepiece `Tokenizer` (tokenizer.model, and a GGUF `llama` vocabulary rebuilt as one),
-tokenizer_hf.py's `HFTokenizer` (tokenizer.json through the `tokenizers` library) and the byte-level BPE that
-tokenizer_gguf.py builds from a GGUF `gpt2` vocabulary.
+The master process turns prompts into ids and generated ids into streamed text; models ship their vocabulary
+in one of three forms, so three kinds share one interface (encode, decode, token_text, is_special,
+id_to_piece, special_text, encode_chat, detokenizer; vocab_size, bos_id, eos_id, eos_ids, pad_id, add_bos,
+chat_template, model_file): this file's sentencepiece `Tokenizer` (tokenizer.model, and a GGUF `llama`
+vocabulary rebuilt as one), tokenizer_hf.py's `HFTokenizer` (tokenizer.json through the `tokenizers`
+library) and the byte-level BPE that tokenizer_gguf.py builds from a GGUF `gpt2` vocabulary.
 
 Three sentencepiece decoding rules shape the detokenizer (tests/unit/test_tokenizer.py checks the
 result against whole-sequence decoding):
@@ -42,6 +43,7 @@ class Tokenizer:
     Special tokens are the control pieces (<s>, </s>, and a pad piece if the model has one) and
     <unk>, as in HuggingFace's LlamaTokenizer; `decode` leaves them out by default. `pad_id` is
     the model's pad piece, or 0 when it has none (LLaMA's tokenizers have none, so it is <unk>).
+    `bos_id` is None for a model without a BOS piece.
     """
 
     def __init__(self, model_file: Union[str, Path, None] = None, *, model_proto: Optional[bytes] = None,
@@ -55,15 +57,18 @@ class Tokenizer:
         else:
             if not Path(model_file).is_file():
                 raise FileNotFoundError(f"sentencepiece tokenizer model not found: {model_file}")
-            self._sp = spm.SentencePieceProcessor(model_file=str(model_file))
+            try:
+                self._sp = spm.SentencePieceProcessor(model_file=str(model_file))
+            except RuntimeError as exc:       # sentencepiece reports a bad file as "INTERNAL: ..."
+                raise ValueError(f"{model_file}: not a sentencepiece tokenizer model ({exc})") from None
             self.model_file = str(Path(model_file).resolve())
         sp = self._sp
         self.vocab_size: int = sp.get_piece_size()
-        self.bos_id: int = sp.bos_id()
+        self.bos_id: Optional[int] = sp.bos_id() if sp.bos_id() >= 0 else None
         self.eos_id: int = sp.eos_id()
         self.eos_ids: list = list(dict.fromkeys([self.eos_id, *map(int, eos_ids)]))
         self.pad_id: int = sp.pad_id() if sp.pad_id() >= 0 else 0
-        self.add_bos = bool(add_bos and self.bos_id >= 0)
+        self.add_bos = bool(add_bos and self.bos_id is not None)
         self.chat_template = chat_template
         self._special_ids = frozenset(
             i for i in range(self.vocab_size) if sp.is_control(i) or sp.is_unknown(i))
@@ -144,12 +149,16 @@ class Tokenizer:
         return [i for i in map(int, ids) if i not in self._special_ids]
 
 
-def llama2_chat_ids(messages: list, encode: Callable[[str], list], bos_id: int, eos_id: int) -> list[int]:
+def llama2_chat_ids(messages: list, encode: Callable[[str], list], bos_id: Optional[int], eos_id: int) -> list[int]:
     """LLaMA-2 chat format: `[{"role": "system"|"user"|"assistant", "content": str}]` ->
     `<s>[INST] <<SYS>>\n{system}\n<</SYS>>\n\n{user} [/INST] {assistant} </s><s>[INST] {user} [/INST]`,
     each turn pair encoded on its own (`encode`, no BOS) between BOS and EOS ids (never from text, so a message
     cannot forge them). A trailing assistant message is a prefix the reply continues (no EOS after it).
-    Roles must alternate user/assistant after an optional first system message (ValueError)."""
+    Roles must alternate user/assistant after an optional first system message (ValueError); a vocabulary
+    without BOS cannot express the format (ValueError)."""
+    if bos_id is None:
+        raise ValueError("the tokenizer has no BOS token, which the built-in LLaMA-2 chat format needs; "
+                         "set tokenizer.chat_template")
     system = None
     if messages and messages[0]["role"] == "system":
         system, messages = messages[0]["content"], messages[1:]
@@ -184,8 +193,11 @@ def find_tokenizer_file(model_path: str, vocab_file: Optional[str] = None) -> st
     for otherwise."""
     if vocab_file:
         path = Path(vocab_file).expanduser()
-        if path.is_dir() and (path / "tokenizer.json").is_file():
-            return str((path / "tokenizer.json").resolve())
+        if path.is_dir():
+            if (path / "tokenizer.json").is_file():
+                return str((path / "tokenizer.json").resolve())
+            raise FileNotFoundError(f"tokenizer.vocab_file={vocab_file!r} is a directory without tokenizer.json "
+                                    "(pass the tokenizer file itself: a .model, tokenizer.json or .gguf)")
         if not path.is_file():
             raise FileNotFoundError(f"tokenizer.vocab_file={vocab_file!r}: no such file (expected a sentencepiece "
                                     ".model, a tokenizer.json or a .gguf)")
@@ -226,10 +238,18 @@ def load_tokenizer(model_path: str, vocab_file: Optional[str] = None):
     if config.is_file():
         raw = json.loads(config.read_text(encoding="utf-8"))
         add_bos = raw.get("add_bos_token", True) is not False
-        template = raw.get("chat_template")
-        if isinstance(template, list):
-            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
-    return Tokenizer(path, add_bos=add_bos, eos_ids=eos_ids, chat_template=template or None)
+        template = config_chat_template(raw)
+    return Tokenizer(path, add_bos=add_bos, eos_ids=eos_ids, chat_template=template)
+
+
+def config_chat_template(config: dict) -> Optional[str]:
+    """The chat template of a tokenizer_config.json: its `chat_template` string, or of a list of named
+    templates ([{"name", "template"}]) the one named `default`; None when there is none."""
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                        None)
+    return template if isinstance(template, str) and template.strip() else None
 
 
 class DetokenizerBase:

@@ -2,6 +2,11 @@
 Llama-3, Qwen2, SmolLM2, GPT-2; or Metaspace/sentencepiece-style as in Mistral's), and the byte-level BPE that
 tokenizer_gguf.py builds from a GGUF vocabulary. Same interface as the sentencepiece `Tokenizer` (tokenizer.py).
 
+Most current models ship only a tokenizer.json, whose encoding (pre-tokenizer regexes, merges, added tokens) is
+the library's to get right, so it is used as is: nothing here re-implements BPE. What the library leaves to
+transformers is done here from the files beside it: BOS/EOS/pad ids and the BOS rule (tokenizer_config.json,
+else the post-processor), every id that ends generation (generation_config.json) and the chat template.
+
 Incremental detokenization, two ways:
 - byte-level BPE decodes by concatenating each token's bytes (its characters mapped back through GPT-2's
   byte-to-character table; an added token's bytes are its UTF-8 text), so a stream is each token's bytes fed to
@@ -19,7 +24,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Iterable, Optional
 
-from llm_serving.tokenizer import DetokenizerBase, llama2_chat_ids
+from llm_serving.tokenizer import DetokenizerBase, config_chat_template, llama2_chat_ids
 
 __all__ = ["HFTokenizer", "ByteLevelDetokenizer", "WindowDetokenizer", "byte_decoder"]
 
@@ -56,7 +61,9 @@ class HFTokenizer:
     """A `tokenizers.Tokenizer` with the model's BOS/EOS, BOS rule and chat template.
 
     `encode` never lets the library's post-processor add tokens: BOS is added here, when the model wants it
-    (`add_bos`). Special-token strings in the text are recognised as their ids, as the library does."""
+    (`add_bos`). Special-token strings in the text are recognised as their ids, as the library does.
+    `vocab_size` is the largest id (model vocabulary or added token) + 1; `pad_id` is the EOS id when the
+    model names no pad token."""
 
     def __init__(self, tok, *, model_file: str, bos_id: Optional[int], eos_id: int, eos_ids: Iterable[int] = (),
                  pad_id: Optional[int] = None, add_bos: bool = False, chat_template: Optional[str] = None):
@@ -65,7 +72,7 @@ class HFTokenizer:
         added = tok.get_added_tokens_decoder()                        # id -> AddedToken
         self._added = {i: t.content for i, t in added.items()}
         self._special_ids = frozenset(i for i, t in added.items() if t.special)
-        self.vocab_size: int = max([tok.get_vocab_size(with_added_tokens=True) - 1, *added]) + 1
+        self.vocab_size: int = max(tok.get_vocab(with_added_tokens=True).values()) + 1
         self.bos_id = bos_id
         self.eos_id = eos_id
         self.eos_ids = list(dict.fromkeys([eos_id, *eos_ids]))
@@ -110,14 +117,9 @@ class HFTokenizer:
                                  "generation_config.json / config.json)")
             eos = gen_eos[0]
         add_bos = cfg.get("add_bos_token")
-        if add_bos is None:            # Llama-3 style: the post-processor's template starts with BOS
-            post = json.loads(tok.to_str()).get("post_processor") or {}
-            single = post.get("single") or []
-            add_bos = bool(single and "SpecialToken" in single[0] and bos is not None
-                           and tok.token_to_id(single[0]["SpecialToken"]["id"]) == bos)
-        template = cfg.get("chat_template")
-        if isinstance(template, list):       # named templates: the default one
-            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+        if add_bos is None:
+            add_bos = bos is not None and _post_processor_starts_with(tok, bos)
+        template = config_chat_template(cfg)
         jinja = folder / "chat_template.jinja"
         if not template and jinja.is_file():
             template = jinja.read_text(encoding="utf-8")
@@ -151,23 +153,41 @@ class HFTokenizer:
         return bytes(self._bytes.get(c, 0x3F) for c in piece)
 
     def token_text(self, token_id: int) -> str:
-        """One token's own text, as shown next to its log-probability. For byte-level BPE, its bytes as UTF-8; a
-        token that holds only part of a character shows U+FFFD for it."""
+        """One token's own text, as shown next to its log-probability, with the space it starts with.
+
+        Byte-level BPE: its bytes as UTF-8, the bytes of a character split over tokens each shown as U+FFFD
+        (what the token adds to the text, without making up a character). Otherwise: an added token's text,
+        or the piece with sentencepiece's word marker as a space ("▁world" -> " world"; a byte-fallback piece
+        stays "<0xE4>"), as the sentencepiece `Tokenizer` shows it; decoding the token alone would drop the
+        space a word starts with."""
+        token_id = int(token_id)
         if self.byte_level:
             return self.token_bytes(token_id).decode("utf-8", errors="replace")
-        return self._tok.decode([int(token_id)], skip_special_tokens=False)
+        if token_id in self._added:
+            return self._added[token_id]
+        return self.id_to_piece(token_id).replace("\u2581", " ")
 
     def encode_chat(self, messages: list) -> list:
         """The built-in LLaMA-2 chat format (tokenizer.py's) through this vocabulary; BOS/EOS as ids."""
-        if self.bos_id is None:
-            raise ValueError("this tokenizer has no BOS token for the built-in LLaMA-2 chat format; "
-                             "set tokenizer.chat_template")
         return llama2_chat_ids(messages, lambda text: self.encode(text, add_bos=False), self.bos_id, self.eos_id)
 
     def detokenizer(self, prompt_ids: Optional[Iterable[int]] = None, skip_special: bool = True):
         if self.byte_level:
             return ByteLevelDetokenizer(self, skip_special)
         return WindowDetokenizer(self, prompt_ids, skip_special)
+
+
+def _post_processor_starts_with(tok, token_id: int) -> bool:
+    """Whether the tokenizer.json post-processor puts `token_id` in front of a single text (a TemplateProcessing
+    such as "<|begin_of_text|> $A", alone or inside a Sequence as in Llama-3's): what the model was trained on
+    when tokenizer_config.json does not say `add_bos_token`."""
+    post = json.loads(tok.to_str()).get("post_processor") or {}
+    steps = post.get("processors", []) if post.get("type") == "Sequence" else [post]
+    for step in steps:
+        if step.get("type") == "TemplateProcessing":
+            first = (step.get("single") or [{}])[0]
+            return "SpecialToken" in first and tok.token_to_id(first["SpecialToken"]["id"]) == token_id
+    return False
 
 
 class ByteLevelDetokenizer(DetokenizerBase):
@@ -195,7 +215,13 @@ class ByteLevelDetokenizer(DetokenizerBase):
 class WindowDetokenizer(DetokenizerBase):
     """Any other decoder: text(window + new tokens) - text(window), emitted when it does not end in U+FFFD.
     The window starts at the last few prompt tokens (their context decides, e.g., a leading space) and moves
-    to the emitted tokens, so each push decodes a few tokens, never the whole text."""
+    to the emitted tokens, so each push decodes a few tokens, never the whole text. Skipped special tokens
+    never enter it (decode drops them anyway), so a run of them cannot make the window grow.
+
+    One departure from `decode`: the library's ByteFallback decoder turns a whole run of byte tokens that is
+    not valid UTF-8 into one U+FFFD per byte, even the characters in it that were complete, while the stream
+    has already sent those characters; so for invalid byte runs (garbage output) the streamed text keeps them
+    where `decode` shows U+FFFD. For valid text the deltas add up to `decode` exactly."""
 
     _CONTEXT = 5
 
@@ -203,14 +229,19 @@ class WindowDetokenizer(DetokenizerBase):
         super().__init__()
         self._tokenizer = tokenizer
         self._skip_special = skip_special
-        self._ids = [int(i) for i in (prompt_ids or ())][-self._CONTEXT:]
+        self._ids = [i for i in map(int, prompt_ids or ()) if not self._skipped(i)][-self._CONTEXT:]
         self._prefix = 0                       # window start
         self._read = len(self._ids)            # tokens before this are emitted
 
     def push(self, token_id: int) -> str:
         self._check_open()
+        if self._skipped(int(token_id)):
+            return ""
         self._ids.append(int(token_id))
         return self._record(self._emit(final=False))
+
+    def _skipped(self, token_id: int) -> bool:
+        return self._skip_special and self._tokenizer.is_special(token_id)
 
     def flush(self) -> str:
         if self._flushed:
