@@ -1,9 +1,9 @@
 """The LLaMA family's members through the MindSpore model: a Qwen2-style checkpoint (q/k/v biases, tied
 embeddings, rope_theta 1e6), a Llama-3.1-style one (llama3 RoPE scaling that changes the frequencies within the
-test's positions, untied) and that Llama-3.1 model's GGUF twin (rope_freqs tensor, q/k rows permuted as llama.cpp
-writes them). Each generates greedily through ModelRunner; the logits of every step are within the precision
+test's positions, untied) and that Llama-3.1 model's GGUF twins (rope_freqs tensor, q/k rows permuted as llama.cpp
+writes them; F32, and Q8_0 as llama.cpp quantizes). Each generates greedily through ModelRunner; the logits of every step are within the precision
 gate's 0.5% of the float64 reference (tools/reference_llama.py, which computes the llama3 scaling itself from
-config.json), the greedy tokens equal the reference's, and the GGUF twin's text equals the HF form's."""
+config.json), the greedy tokens equal the reference's, and the F32 GGUF twin's text equals the HF form's."""
 from __future__ import annotations
 
 import functools
@@ -50,7 +50,17 @@ def _checkpoint(path, *, config: dict, tie: bool, biases: bool, scale: float):
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
+    """The checkpoints, and for the module's length a cache directory of its own: a GGUF load writes its float32
+    tensors there (models/weights_gguf.py), which would otherwise be ~/.cache/llm-serving, one entry a run."""
     root = tmp_path_factory.mktemp("archs")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("LLM_SERVING_CACHE", str(root / "cache"))
+        yield _write_models(root)
+
+
+def _write_models(root) -> dict:
+    import gguf
+
     qwen2 = _checkpoint(root / "qwen2", tie=True, biases=True, scale=20.0,
                         config={"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "rope_theta": 1e6,
                                 "use_sliding_window": False, "sliding_window": 4096})
@@ -59,9 +69,11 @@ def models(tmp_path_factory):
     from llm_serving.models.weights import load_llama_weights
     from tests.unit.test_weights_formats import write_gguf
     cfg, weights = load_llama_weights(llama3)
-    twin = write_gguf(root / "llama3.gguf", weights, theta=500000.0, heads=SHAPE["num_heads"],
-                      kv_heads=SHAPE["num_kv_heads"], rope_freqs=cfg.rope_freq_factors)
-    return {"qwen2": str(qwen2), "llama3": str(llama3), "llama3-gguf": str(twin)}
+    twin = dict(theta=500000.0, heads=SHAPE["num_heads"], kv_heads=SHAPE["num_kv_heads"],
+                rope_freqs=cfg.rope_freq_factors)
+    f32 = write_gguf(root / "llama3.gguf", weights, **twin)
+    q8 = write_gguf(root / "llama3.Q8_0.gguf", weights, qtype=gguf.GGMLQuantizationType.Q8_0, **twin)
+    return {"qwen2": str(qwen2), "llama3": str(llama3), "llama3-gguf": str(f32), "llama3-gguf-q8_0": str(q8)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -91,7 +103,7 @@ def _reference(path: str, tokens: list) -> np.ndarray:
     return np.array(out)
 
 
-@pytest.mark.parametrize("name", ["qwen2", "llama3", "llama3-gguf"])
+@pytest.mark.parametrize("name", ["qwen2", "llama3", "llama3-gguf", "llama3-gguf-q8_0"])
 def test_greedy_tokens_and_logits_match_the_float64_reference(models, name):
     tokens, logits = _generate(models[name])
     ref = _reference(models[name], tokens)
@@ -127,3 +139,51 @@ def test_rope_scaling_and_biases_matter(models):
     for k in [k for k in qwen.w if k.endswith("_proj.bias")]:
         qwen.w[k] = np.zeros_like(qwen.w[k])
     assert np.abs(qwen.forward(qwen.new_sequence(), PROMPT, 0) - with_bias).max() > 0.01 * np.abs(with_bias).max()
+
+
+def test_a_qwen2_directory_with_tokenizer_json_serves(tmp_path):
+    """`llm-serving start --model DIR` for a HuggingFace Qwen2 directory whose tokenizer is a byte-level BPE
+    tokenizer.json with a ChatML template: TGI and OpenAI chat requests are answered, and the stream adds up."""
+    from tokenizers import Tokenizer as HFTok, decoders, models as tok_models, pre_tokenizers, trainers
+
+    from tests.integration.server_harness import http, parse_sse, serving
+
+    words = "the quick brown fox jumps over the lazy dog 中文 🙂 2024".split()
+    tok = HFTok(tok_models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([" ".join(words[i:] + words[:i]) for i in range(len(words))] * 20,
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>",
+                                                                                "<|im_end|>"],
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    model = tmp_path / "tiny-qwen2"
+    write_hf_llama(model, seed=3, tie_word_embeddings=True, **{**SHAPE, "vocab_size": tok.get_vocab_size()})
+    raw = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**raw, "architectures": ["Qwen2ForCausalLM"], "rope_theta": 1e6}))
+    from safetensors.numpy import load_file, save_file
+    weights = load_file(str(model / "model.safetensors"))
+    for i in range(SHAPE["num_layers"]):
+        for part, rows in (("q", 64), ("k", 32), ("v", 32)):
+            weights[f"model.layers.{i}.self_attn.{part}_proj.bias"] = np.zeros(rows, np.float32)
+    save_file(weights, str(model / "model.safetensors"))
+    tok.save(str(model / "tokenizer.json"))
+    template = ("{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}"
+                "{% endfor %}{% if add_generation_prompt %}{{'<|im_start|>assistant\n'}}{% endif %}")
+    (model / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "chat_template": template}))
+    small = ["--model", str(model), "--set", "model_config.seq_length=[32]", "--set", "model_config.prefill_batch_size=[1]",
+             "--set", "model_config.decode_batch_size=[1]", "--set", "model_config.max_generate_length=32",
+             "--set", "serving_config.max_num_seqs=1", "--set", "pa_config.num_blocks=8"]
+    with serving(small, tmp_path / "server.log") as server:
+        status, info = http("GET", server.url + "/info")
+        assert info["model_id"] == "tiny-qwen2" and info["tokenizer_path"].endswith("tokenizer.json")
+        params = {"max_new_tokens": 8, "ignore_eos": True}
+        status, body = http("POST", server.url + "/generate", {"inputs": "the quick 中文", "parameters": params})
+        assert status == 200 and body["details"]["generated_tokens"] == 8, body
+        assert body["details"]["prompt_tokens"] == len(tok.encode("the quick 中文").ids)     # no BOS: none wanted
+        status, text = http("POST", server.url + "/generate_stream", {"inputs": "the quick 中文", "parameters": params})
+        assert "".join(e["token"]["text"] for e in parse_sse(text)) == body["generated_text"]
+        status, chat = http("POST", server.url + "/v1/chat/completions", {
+            "model": "tiny-qwen2", "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": "hi"}]})
+        assert status == 200, chat
+        expected = tok.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n").ids
+        assert chat["usage"]["prompt_tokens"] == len(expected) and expected.count(1) == 2     # ChatML as ids
