@@ -1,21 +1,26 @@
-"""Chat prompts to token ids: the built-in LLaMA-2 format, or a Jinja template (the `chat_template` of a
-HuggingFace tokenizer_config.json, or one given in the config).
+"""Chat prompts to token ids: the built-in LLaMA-2 format, or a Jinja chat template (the model's own, from its
+GGUF metadata, tokenizer_config.json or chat_template.jinja, or one given in the config).
 
-A template renders `messages`, `bos_token`, `eos_token` and `add_generation_prompt` (false when the last
-message is the assistant's, which the reply then continues) to text, in a sandbox; `raise_exception(msg)`
-in a template rejects the conversation with that message. The rendered text is split at the BOS and EOS
-piece strings ("<s>", "</s>"), which become those token ids; the rest is encoded without adding a BOS (a
-tokenizer.json or GGUF byte-level vocabulary also turns its other special tokens, e.g. ChatML's
-"<|im_start|>", into their ids).
+Each model is trained on one conversation format, so a chat request is only answered well when its messages
+are laid out exactly as the model's template says; HuggingFace and llama.cpp models carry that template as
+Jinja, which is rendered here as transformers' `apply_chat_template` does: in an immutable sandbox, with
+`messages`, `bos_token`, `eos_token`, `add_generation_prompt` (false when the last message is the assistant's,
+which the reply then continues), `raise_exception(msg)` (rejects the conversation with that message),
+`strftime_now(fmt)`, a `tojson` that keeps non-ASCII text, and `{% break %}`/`{% continue %}`.
+
+The rendered text is split at the BOS and EOS strings (`tokenizer.special_text`, e.g. "<s>", "</s>"), which
+become those token ids; the rest is encoded without adding a BOS. A tokenizer.json or GGUF byte-level
+vocabulary also turns its other special tokens in the text (ChatML's "<|im_start|>") into their ids.
 """
 from __future__ import annotations
 
 import json
 import re
+from datetime import datetime
 from pathlib import Path
 from typing import Optional
 
-from llm_serving.tokenizer import Tokenizer
+from llm_serving.tokenizer import config_chat_template
 
 BUILTIN = "llama2"
 
@@ -24,45 +29,53 @@ class ChatTemplateError(ValueError):
     """The conversation does not fit the template (the message says why)."""
 
 
+def _environment():
+    """A sandbox like transformers' for chat templates."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise ChatTemplateError(message)
+
+    def tojson(value, indent=None, separators=None, sort_keys=False):
+        return json.dumps(value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
 class ChatTemplate:
-    def __init__(self, tokenizer: Tokenizer, template: Optional[str] = None, source: str = BUILTIN):
+    """Turns a conversation into prompt ids with one tokenizer and one template (None: the built-in LLaMA-2
+    format of `tokenizer.encode_chat`). `source` says where the template came from, for the start-up log."""
+
+    def __init__(self, tokenizer, template: Optional[str] = None, source: str = BUILTIN):
         self.tokenizer = tokenizer
-        self.source = source            # where the template came from, for the start-up log
+        self.source = source
         self._template = None
         if template is not None:
             from jinja2 import TemplateError
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-            def raise_exception(message):
-                raise ChatTemplateError(message)
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = raise_exception
             try:
-                self._template = env.from_string(template)
+                self._template = _environment().from_string(template)
             except TemplateError as exc:
                 raise ValueError(f"chat template from {source} is not valid Jinja: {exc}") from None
             self._specials = {tokenizer.special_text(i): i for i in (tokenizer.bos_id, tokenizer.eos_id)
-                              if i is not None}
-            self._split = re.compile("(" + "|".join(map(re.escape, self._specials)) + ")")
+                              if i is not None and tokenizer.special_text(i)}
+            self._split = re.compile("(" + "|".join(map(re.escape, self._specials)) + ")") if self._specials else None
 
     def encode(self, messages: list) -> list:
         """Token ids of a conversation ([{"role", "content"}]); ChatTemplateError if it does not fit."""
+        if not messages:
+            raise ChatTemplateError("messages must not be empty")
         if self._template is None:
             try:
                 return self.tokenizer.encode_chat(messages)
             except ValueError as exc:
                 raise ChatTemplateError(str(exc)) from None
-        from jinja2 import TemplateError
-
-        bos, eos = (self.tokenizer.special_text(i) if i is not None else ""
-                    for i in (self.tokenizer.bos_id, self.tokenizer.eos_id))
-        try:
-            text = self._template.render(messages=messages, bos_token=bos, eos_token=eos,
-                                         add_generation_prompt=messages[-1]["role"] != "assistant")
-        except TemplateError as exc:
-            raise ChatTemplateError(f"chat template failed: {exc}") from None
         ids: list = []
-        for part in self._split.split(text):
+        for part in (self._split.split(self.render(messages)) if self._split else [self.render(messages)]):
             if part in self._specials:
                 ids.append(self._specials[part])
             elif part:
@@ -71,8 +84,22 @@ class ChatTemplate:
             raise ChatTemplateError("the chat template rendered nothing for these messages")
         return ids
 
+    def render(self, messages: list) -> str:
+        """The template's text for a conversation (Jinja templates only)."""
+        from jinja2 import TemplateError
 
-def load_chat_template(setting: Optional[str], model_dir: str, tokenizer: Tokenizer) -> ChatTemplate:
+        if self._template is None:
+            raise ValueError("the built-in LLaMA-2 format has no text form; it is encoded directly")
+        bos, eos = (self.tokenizer.special_text(i) if i is not None else ""
+                    for i in (self.tokenizer.bos_id, self.tokenizer.eos_id))
+        try:
+            return self._template.render(messages=messages, bos_token=bos, eos_token=eos,
+                                         add_generation_prompt=messages[-1]["role"] != "assistant")
+        except TemplateError as exc:
+            raise ChatTemplateError(f"chat template failed: {exc}") from None
+
+
+def load_chat_template(setting: Optional[str], model_dir: str, tokenizer) -> ChatTemplate:
     """The chat template a config asks for (see TokenizerConfig.chat_template). ValueError if unusable. Unset:
     the tokenizer's own (a GGUF's tokenizer.chat_template, tokenizer_config.json's, chat_template.jinja), else
     the model directory's tokenizer_config.json's, else the built-in LLaMA-2 format."""
@@ -80,13 +107,8 @@ def load_chat_template(setting: Optional[str], model_dir: str, tokenizer: Tokeni
         return ChatTemplate(tokenizer, tokenizer.chat_template, source=tokenizer.model_file)
     if setting is None:
         path = Path(model_dir) / "tokenizer_config.json"
-        if path.is_file():
-            template = json.loads(path.read_text()).get("chat_template")
-            if isinstance(template, list):    # named templates: the default one
-                template = next((t.get("template") for t in template if t.get("name") == "default"), None)
-            if isinstance(template, str) and template.strip():
-                return ChatTemplate(tokenizer, template, source=str(path))
-        return ChatTemplate(tokenizer)
+        template = config_chat_template(json.loads(path.read_text(encoding="utf-8"))) if path.is_file() else None
+        return ChatTemplate(tokenizer, template, source=str(path)) if template else ChatTemplate(tokenizer)
     if setting == BUILTIN:
         return ChatTemplate(tokenizer)
     if "{" not in setting:
@@ -94,5 +116,5 @@ def load_chat_template(setting: Optional[str], model_dir: str, tokenizer: Tokeni
         if not path.is_file():
             raise ValueError(f"tokenizer.chat_template={setting!r}: not {BUILTIN!r}, not a Jinja template and "
                              "no such file")
-        return ChatTemplate(tokenizer, path.read_text(), source=str(path))
+        return ChatTemplate(tokenizer, path.read_text(encoding="utf-8"), source=str(path))
     return ChatTemplate(tokenizer, setting, source="tokenizer.chat_template")

@@ -51,17 +51,14 @@ class Tokenizer:
                  chat_template: Optional[str] = None):
         """From a .model file, or from a serialized model (`model_proto`, e.g. rebuilt from a GGUF vocabulary,
         named by `source`). add_bos: whether prompts start with BOS; eos_ids: more ids that end generation."""
-        if model_proto is not None:
-            self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
-            self.model_file = str(source or "<model proto>")
-        else:
-            if not Path(model_file).is_file():
-                raise FileNotFoundError(f"sentencepiece tokenizer model not found: {model_file}")
-            try:
-                self._sp = spm.SentencePieceProcessor(model_file=str(model_file))
-            except RuntimeError as exc:       # sentencepiece reports a bad file as "INTERNAL: ..."
-                raise ValueError(f"{model_file}: not a sentencepiece tokenizer model ({exc})") from None
-            self.model_file = str(Path(model_file).resolve())
+        if model_proto is None and not Path(model_file).is_file():
+            raise FileNotFoundError(f"sentencepiece tokenizer model not found: {model_file}")
+        self.model_file = str(source or "<model proto>") if model_proto is not None else str(Path(model_file).resolve())
+        try:
+            self._sp = (spm.SentencePieceProcessor(model_proto=model_proto) if model_proto is not None
+                        else spm.SentencePieceProcessor(model_file=str(model_file)))
+        except RuntimeError as exc:       # sentencepiece reports a bad model as "INTERNAL: ..."
+            raise ValueError(f"{self.model_file}: not a usable sentencepiece tokenizer model ({exc})") from None
         sp = self._sp
         self.vocab_size: int = sp.get_piece_size()
         self.bos_id: Optional[int] = sp.bos_id() if sp.bos_id() >= 0 else None

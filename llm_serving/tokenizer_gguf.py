@@ -1,10 +1,17 @@
 """A GGUF file's own vocabulary as a tokenizer (llama.cpp's `tokenizer.ggml.*` metadata).
 
+A GGUF file is the whole model, vocabulary included, and often ships without any tokenizer file beside it, so
+the vocabulary is rebuilt from the metadata into one of the two tokenizers the rest of the code knows, with
+the libraries that do the real work (no BPE written here):
+
 - `gpt2` (byte-level BPE: SmolLM2, Llama-3, Qwen2, ...): a `tokenizers` BPE from the tokens and merges, with
   the pre-tokenizer that `tokenizer.ggml.pre` names (its split rules are the model's, so a wrong one changes
-  the ids); control tokens (type 3) become special added tokens, user-defined ones (4) added tokens.
-- `llama` (sentencepiece BPE: LLaMA-1/2, Mistral): a sentencepiece model rebuilt from the pieces, scores and
-  types (the types mean the same in both formats), so the sentencepiece `Tokenizer` and its detokenizer apply.
+  the ids; an unknown name logs a warning and splits as GPT-2 does); control tokens (type 3) become special
+  added tokens, user-defined ones (4) added tokens.
+- `llama` (sentencepiece BPE: LLaMA-1/2, Mistral, Gemma): a sentencepiece model rebuilt from the pieces, scores
+  and types (the types mean the same in both formats), so the sentencepiece `Tokenizer` and its detokenizer
+  apply. Like llama.cpp it keeps repeated spaces (no extra-whitespace removal) unless the metadata says
+  `tokenizer.ggml.remove_extra_whitespaces`.
 
 BOS/EOS/pad ids, `add_bos_token` (default: yes for `llama`, no for `gpt2`), end-of-turn ids and the chat
 template come from the same metadata.
@@ -29,13 +36,22 @@ logger = logging.getLogger(__name__)
 __all__ = ["load_gguf_tokenizer", "PRE_TOKENIZER_SPLITS"]
 
 # tokenizer.ggml.pre -> the regular expression its model splits text with before BPE (None: GPT-2's, built into
-# the ByteLevel pre-tokenizer)
+# the ByteLevel pre-tokenizer; "digits": each digit alone, then GPT-2's). Names as llama.cpp's llama-vocab.cpp
+# groups them.
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                  r"\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                 r"\s*[\r\n]+|\s+(?!\S)|\s+")
-PRE_TOKENIZER_SPLITS = {"default": None, "gpt-2": None, "gpt2": None, "smollm": "digits",
-                        "llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}
+PRE_TOKENIZER_SPLITS = {"default": None, "gpt-2": None, "gpt2": None,
+                        "smollm": "digits", "starcoder": "digits", "refact": "digits",
+                        "llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT,
+                        "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT, "falcon3": _LLAMA3_SPLIT,
+                        "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
+# Llama-3's tokenizer (and llama.cpp for it) takes a split word that is itself a token as that token, merges or
+# not ("ignore_merges" in its tokenizer.json); the ids differ without it.
+_IGNORE_MERGES = {"llama-bpe", "llama3", "llama-v3", "smaug-bpe", "dbrx", "falcon3"}
+# Qwen2's tokenizer.json normalizes text to NFC before splitting.
+_NFC = {"qwen2", "deepseek-r1-qwen"}
 
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
 
@@ -57,14 +73,21 @@ def _pre_tokenizer(pre: str, path: str):
 
 
 def _byte_level(path: str, meta, tokens: list, types: list):
-    from tokenizers import AddedToken, Tokenizer, decoders, models
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
 
     merges = meta("tokenizer.ggml.merges")
     if merges is None:
         raise ValueError(f"{path}: a gpt2 GGUF vocabulary needs tokenizer.ggml.merges")
+    pairs = [tuple(m.split(" ", 1)) if isinstance(m, str) else () for m in merges]
+    bad = next((m for m, pair in zip(merges, pairs) if len(pair) != 2), None)
+    if bad is not None:
+        raise ValueError(f"{path}: tokenizer.ggml.merges holds {bad!r}, not a merge such as 'a b'")
+    pre = meta("tokenizer.ggml.pre") or "default"
     vocab = {tok: i for i, tok in enumerate(tokens)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges]))
-    tok.pre_tokenizer = _pre_tokenizer(meta("tokenizer.ggml.pre") or "default", path)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=pre in _IGNORE_MERGES))
+    if pre in _NFC:
+        tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = _pre_tokenizer(pre, path)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                             for t, k in zip(tokens, types) if k == _CONTROL])
@@ -82,14 +105,21 @@ def _sentencepiece_proto(meta, tokens: list, types: list) -> bytes:
     spec.model_type = pb.TrainerSpec.BPE
     spec.vocab_size = len(tokens)
     spec.byte_fallback = _BYTE in types
-    spec.unk_id = int(meta("tokenizer.ggml.unknown_token_id", 0))
-    spec.bos_id = int(meta("tokenizer.ggml.bos_token_id", -1))
-    spec.eos_id = int(meta("tokenizer.ggml.eos_token_id", -1))
-    spec.pad_id = int(meta("tokenizer.ggml.padding_token_id", -1))
+    unk = meta("tokenizer.ggml.unknown_token_id", types.index(_UNKNOWN) if _UNKNOWN in types else 0)
+    # sentencepiece finds BOS/EOS/pad/unk by piece name (bos_id() looks up `bos_piece`), so the names must be
+    # this vocabulary's ("<bos>" in Gemma's), not the default "<s>".
+    for name, token_id in (("unk", unk), ("bos", meta("tokenizer.ggml.bos_token_id")),
+                           ("eos", meta("tokenizer.ggml.eos_token_id")),
+                           ("pad", meta("tokenizer.ggml.padding_token_id"))):
+        if token_id is not None and 0 <= int(token_id) < len(tokens):
+            setattr(spec, f"{name}_id", int(token_id))
+            setattr(spec, f"{name}_piece", tokens[int(token_id)])
+        elif name != "unk":
+            setattr(spec, f"{name}_id", -1)
     norm = proto.normalizer_spec
     norm.name = "identity"
     norm.add_dummy_prefix = bool(meta("tokenizer.ggml.add_space_prefix", True))
-    norm.remove_extra_whitespaces = False
+    norm.remove_extra_whitespaces = bool(meta("tokenizer.ggml.remove_extra_whitespaces", False))
     norm.escape_whitespaces = True
     for text, score, kind in zip(tokens, scores, types):
         piece = proto.pieces.add()
@@ -120,7 +150,8 @@ def _cache_dir(path: str) -> Optional[Path]:
         st = os.stat(path)
     except OSError:
         return None
-    key = hashlib.sha1(repr((os.path.abspath(path), st.st_size, st.st_mtime_ns, 1)).encode()).hexdigest()[:16]
+    # the last item is the build's version: bumped whenever building changes, so older caches are not reused
+    key = hashlib.sha1(repr((os.path.abspath(path), st.st_size, st.st_mtime_ns, 2)).encode()).hexdigest()[:16]
     return default_cache_dir() / "tokenizers" / key
 
 

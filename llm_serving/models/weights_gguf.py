@@ -100,6 +100,12 @@ def _load_gguf(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
     factors = None
     if "rope_freqs.weight" in tensors:      # Llama-3.1's RoPE scaling, as llama.cpp stores it: a divisor per frequency
         factors = tuple(float(v) for v in _gguf_reader(tensors["rope_freqs.weight"])((slice(None),)))
+    scaling = meta(f"{arch}.rope.scaling.type", required=False)
+    if scaling == "linear":                 # every frequency slowed by the same factor, as HF's "linear"
+        factors = (float(meta(f"{arch}.rope.scaling.factor")),) * (head_dim // 2)
+    elif scaling not in (None, "none"):
+        raise WeightLoadError(f"{path}: GGUF RoPE scaling {scaling!r} is not supported (supported: linear, and "
+                              "Llama-3.1's rope_freqs)")
     window = meta(f"{arch}.attention.sliding_window", required=False)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=int(meta(f"{arch}.feed_forward_length")),
                       num_layers=int(meta(f"{arch}.block_count")), num_heads=heads, num_kv_heads=kv_heads,

@@ -96,6 +96,12 @@ def test_decode_continuation_keeps_the_leading_space(llama2):
 def test_missing_model_file_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="tokenizer model not found"):
         Tokenizer(tmp_path / "nope.model")
+    (tmp_path / "junk.model").write_bytes(b"not a model")
+    with pytest.raises(ValueError, match="not a usable sentencepiece tokenizer model"):
+        Tokenizer(tmp_path / "junk.model")
+    from llm_serving.tokenizer import load_tokenizer
+    with pytest.raises(FileNotFoundError, match="directory without tokenizer.json"):
+        load_tokenizer(str(tmp_path / "junk.model"), vocab_file=str(tmp_path))
 
 
 # ------------------------------------------------------------------------------ IncrementalDetokenizer
