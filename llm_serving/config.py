@@ -21,6 +21,10 @@ import yaml
 logger = logging.getLogger(__name__)
 
 
+SCHEDULING_POLICIES = ("prefill_first", "longest_output_first", "fcfs")   # see master/scheduler.py
+ATTENTION_KERNELS = ("auto", "on", "off")      # CPU decode attention; see models/runner.py
+
+
 class ConfigError(ValueError):
     """A configuration value is missing, unknown or out of range; the message names the key."""
 
@@ -85,8 +89,8 @@ class ModelConfig:
                "must be 'CPU' or 'Ascend'")
         if self.num_threads is not None:
             _check_int("model_config.num_threads", self.num_threads)
-        _check(self.attention_kernel in ("auto", "on", "off"), "model_config.attention_kernel",
-               self.attention_kernel, "must be 'auto', 'on' or 'off'")
+        _check(self.attention_kernel in ATTENTION_KERNELS, "model_config.attention_kernel",
+               self.attention_kernel, f"must be one of {', '.join(ATTENTION_KERNELS)}")
         _check(self.all_reduce in ("auto", "shm", "mindspore"), "model_config.all_reduce", self.all_reduce,
                "must be 'auto', 'shm' or 'mindspore'")
         _check(not (self.all_reduce == "shm" and self.device_target != "CPU"), "model_config.all_reduce",
@@ -195,8 +199,8 @@ class SchedulerConfig:
     prefill_wait_ms: float = 0.0              # prefill_first: let prompts gather this long while others decode
 
     def __post_init__(self) -> None:
-        from llm_serving.master.scheduler import POLICIES
-        _check(self.policy in POLICIES, "scheduler_config.policy", self.policy, f"must be one of {', '.join(POLICIES)}")
+        _check(self.policy in SCHEDULING_POLICIES, "scheduler_config.policy", self.policy,
+               f"must be one of {', '.join(SCHEDULING_POLICIES)}")
         for key in ("chunked_prefill", "enable_prefix_caching"):
             _check(isinstance(getattr(self, key), bool), f"scheduler_config.{key}", getattr(self, key),
                    "must be true or false")

@@ -40,8 +40,6 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-import numpy as np
-
 logger = logging.getLogger(__name__)
 
 __all__ = ["TensorParallel", "TensorParallelError", "SPLIT_AXIS", "split_axis", "shard_index", "make_all_reduce",

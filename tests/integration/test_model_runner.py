@@ -252,8 +252,8 @@ def test_paged_attention_kernel_matches_the_gather_path(runner, tokenizer, refer
     np.testing.assert_allclose(mixed[0][1], mixed[1][1], rtol=1e-4, atol=1e-5)
     # 25 + 15 tokens run as two packed graph calls (32 + 16 tokens, not one of 64): row 0 ends in the first
     # call, row 1 straddles both; the result is the padded path's
-    assert runner._token_pieces(40) == [32, 16]
-    assert [runner._token_pieces(t) for t in (1, 16, 17, 33, 48, 64)] == [[16], [16], [32], [32, 16], [64], [64]]
+    assert runner.buckets.token_pieces(40) == [32, 16]
+    assert [runner.buckets.token_pieces(t) for t in (1, 16, 17, 33, 48, 64)] == [[16], [16], [32], [32, 16], [64], [64]]
     long_rows = [list(np.random.default_rng(11).integers(3, 500, size=k)) for k in (25, 15)]
     split = []
     for r in (runner, gather):
@@ -263,16 +263,6 @@ def test_paged_attention_kernel_matches_the_gather_path(runner, tokenizer, refer
     np.testing.assert_allclose(split[0][1], split[1][1], rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="attention_kernel"):
         ModelRunner(str(MODEL_DIR), **SMALL_RUNNER, attention_kernel="fast")
-
-
-def test_packed_token_buckets_follow_the_prefill_buckets_and_the_step_budget():
-    from llm_serving.models.runner import ModelRunner
-    args = {**SMALL_RUNNER, "prefill_batch_sizes": [1, 4], "prefill_seq_lens": [16, 32]}
-    assert ModelRunner(str(MODEL_DIR), **args).prefill_token_sizes == [16, 32, 64, 128]     # up to 4 x 32
-    capped = ModelRunner(str(MODEL_DIR), **args, max_step_tokens=64)                       # the scheduler's budget
-    assert capped.prefill_token_sizes == [16, 32, 64]
-    assert capped._token_pieces(200) == [64, 64, 64, 16]
-    assert ModelRunner(str(MODEL_DIR), **args, max_step_tokens=8).prefill_token_sizes == [16, 32]  # >= one row
 
 
 def test_without_a_compiler_auto_falls_back_and_on_fails(monkeypatch, tmp_path, caplog):
@@ -294,8 +284,8 @@ def test_decode_block_width_buckets_give_the_same_text(tokenizer, reference):
                          decode_batch_sizes=[1], prefill_batch_sizes=[1], prefill_seq_lens=[16, 32],
                          decode_block_widths=[2, 5], num_threads=2, attention_kernel="off")
     assert narrow.decode_block_widths == [2, 5, 13]
-    assert [narrow._width(1, n) for n in (1, 2, 3, 5, 6, 13)] == [2, 2, 5, 5, 13, 13]
-    assert narrow._width(16, 1) == 13                    # prefill graphs keep the full width
+    assert [narrow.buckets.width(1, n) for n in (1, 2, 3, 5, 6, 13)] == [2, 2, 5, 5, 13, 13]
+    assert narrow.buckets.width(16, 1) == 13                    # prefill graphs keep the full width
     with pytest.raises(ValueError, match="decode_block_widths"):
         ModelRunner(str(MODEL_DIR), num_blocks=64, block_size=16, max_blocks_per_seq=13, decode_batch_sizes=[1],
                     prefill_batch_sizes=[1], prefill_seq_lens=[16], decode_block_widths=[20])

@@ -301,11 +301,15 @@ def test_a_sampling_failure_on_rank_0_still_runs_the_remaining_packed_pieces_wit
     its sampling fails after the first, the peers are already waiting in the second call's all-reduces:
     rank 0 runs that call too, then fails the step (so the ranks' collective_calls still agree). A single
     agent fails at once."""
+    from llm_serving.models.buckets import Buckets
     from llm_serving.models.runner import ModelRunner
+    from llm_serving.models.step_inputs import StepInputs
 
     def packed_runner(all_reduce):
         runner = object.__new__(ModelRunner)
-        runner.all_reduce, runner.prefill_batch_sizes, runner.prefill_token_sizes = all_reduce, [2], [4, 8]
+        runner.all_reduce = all_reduce
+        runner.buckets = Buckets(decode_batch_sizes=[1], decode_block_widths=[4], prefill_batch_sizes=[2],
+                                 prefill_seq_lens=[4], prefill_token_sizes=[4, 8], max_blocks_per_seq=4, packed=True)
         runner.scratch_slot, runner.block_size, runner.max_blocks_per_seq = 64, 16, 4
         runner.calls = []
         runner._run_packed = lambda tb, *args: runner.calls.append(tb)
@@ -316,9 +320,10 @@ def test_a_sampling_failure_on_rank_0_still_runs_the_remaining_packed_pieces_wit
         return runner
 
     n, s = 2, 6
-    args = (np.ones((n, s), np.int32), np.tile(np.arange(s, dtype=np.int32), (n, 1)),
-            np.arange(n * s, dtype=np.int32).reshape(n, s), np.array([[0], [1]], np.int32),
-            np.full(n, s, np.int32), np.full(n, s, np.int32), {"temperature": np.zeros(n, np.float32)}, False)
+    args = (StepInputs(np.ones((n, s), np.int32), np.tile(np.arange(s, dtype=np.int32), (n, 1)),
+                       np.arange(n * s, dtype=np.int32).reshape(n, s), np.array([[0], [1]], np.int32),
+                       np.full(n, s, np.int32), np.full(n, s, np.int32), {"temperature": np.zeros(n, np.float32)}),
+            False)
     rank0 = packed_runner(SimpleNamespace(error=lambda: None))
     with pytest.raises(OSError, match="sampler failed"):
         rank0._execute_packed(*args)

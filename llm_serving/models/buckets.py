@@ -1,0 +1,123 @@
+"""Graph buckets: the static shapes the model is compiled for, and which one a step of a given size runs in.
+
+MindSpore graphs have static shapes, so a step is padded up to a bucket:
+  - decode: (batch, 1) for every decode batch size, and per block-table width when the graph gathers keys
+    (a step gathers only the keys its rows can have); kernels that read the cache through the block table
+    (the CPU paged-attention kernel, Ascend) need one width, the widest;
+  - prefill, unpacked: (batch, seq) for every prefill batch size and seq length;
+  - prefill, packed (with the CPU kernel): the step's real tokens side by side, padded to a token bucket
+    (powers of two from the smallest prefill seq length up to max prefill batch x max seq length, or the
+    scheduler's step budget if smaller): a prompt of 17 tokens costs 17 tokens, not a 32-token row.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+
+def token_buckets(smallest: int, largest: int) -> list:
+    """Powers of two from `smallest` up, then `largest`: padding a packed step wastes < half its tokens."""
+    sizes = [smallest]
+    while sizes[-1] * 2 < largest:
+        sizes.append(sizes[-1] * 2)
+    return sorted(set(sizes) | {largest})
+
+
+def _positive_ints(name: str, values) -> list:
+    if not values or any((not isinstance(v, (int, np.integer))) or v < 1 for v in values):
+        raise ValueError(f"ModelRunner: {name} must be a non-empty list of positive integers, got {values!r}")
+    return sorted(set(int(v) for v in values))
+
+
+@dataclass(frozen=True)
+class Buckets:
+    decode_batch_sizes: list
+    decode_block_widths: list       # block-table widths of the decode graphs (the widest is max_blocks_per_seq)
+    prefill_batch_sizes: list
+    prefill_seq_lens: list          # all >= 2 (a one-token step always runs in a decode graph)
+    prefill_token_sizes: list       # packed prefill token buckets (used when `packed`)
+    max_blocks_per_seq: int
+    packed: bool
+
+    @classmethod
+    def make(cls, *, decode_batch_sizes, prefill_batch_sizes, prefill_seq_lens, max_blocks_per_seq: int,
+             decode_block_widths=None, packed: bool, one_width: bool,
+             max_step_tokens: Optional[int] = None) -> "Buckets":
+        """The buckets of a configuration, checked. one_width: the decode kernel reads the cache through the
+        block table (one decode graph per batch size); max_step_tokens caps the packed token buckets."""
+        decode = _positive_ints("decode_batch_sizes", decode_batch_sizes)
+        prefill = _positive_ints("prefill_batch_sizes", prefill_batch_sizes)
+        seq_lens = _positive_ints("prefill_seq_lens", prefill_seq_lens)
+        if seq_lens[-1] < 2:
+            raise ValueError(f"ModelRunner: prefill_seq_lens needs a length >= 2 (s=1 always uses the decode "
+                             f"graph), got {prefill_seq_lens!r}")
+        seq_lens = [s for s in seq_lens if s >= 2]
+        widths = decode_block_widths or [max_blocks_per_seq]
+        if any((not isinstance(v, (int, np.integer))) or not 1 <= v <= max_blocks_per_seq for v in widths):
+            raise ValueError(f"ModelRunner: decode_block_widths must be integers in [1, max_blocks_per_seq="
+                             f"{max_blocks_per_seq}], got {widths!r}")
+        if one_width:
+            widths = [max_blocks_per_seq]
+        most = prefill[-1] * seq_lens[-1]
+        if max_step_tokens is not None:          # the scheduler never puts more tokens in a step
+            most = max(min(most, int(max_step_tokens)), seq_lens[-1])
+        return cls(decode_batch_sizes=decode, decode_block_widths=sorted(set(int(v) for v in widths)
+                                                                         | {max_blocks_per_seq}),
+                   prefill_batch_sizes=prefill, prefill_seq_lens=seq_lens,
+                   prefill_token_sizes=token_buckets(seq_lens[0], most), max_blocks_per_seq=max_blocks_per_seq,
+                   packed=packed)
+
+    def bucket(self, n: int, s: int) -> tuple:
+        """(batch, seq) of the graph a step of n rows and s tokens per row runs in; ValueError if none fits."""
+        if s == 1:
+            sizes, seq = self.decode_batch_sizes, 1
+        else:
+            i = bisect.bisect_left(self.prefill_seq_lens, s)
+            if i == len(self.prefill_seq_lens):
+                raise ValueError(f"ModelRunner.execute: query length {s} exceeds the largest prefill bucket "
+                                 f"{self.prefill_seq_lens[-1]} (prefill_seq_lens={self.prefill_seq_lens})")
+            sizes, seq = self.prefill_batch_sizes, self.prefill_seq_lens[i]
+        j = bisect.bisect_left(sizes, n)
+        if j == len(sizes):
+            kind = "decode_batch_sizes" if s == 1 else "prefill_batch_sizes"
+            raise ValueError(f"ModelRunner.execute: batch of {n} rows exceeds the largest {kind} bucket "
+                             f"{sizes[-1]} ({kind}={sizes})")
+        return sizes[j], seq
+
+    def width(self, s: int, needed: int) -> int:
+        """Block-table width of the graph for a step whose longest row has `needed` blocks."""
+        if s > 1:
+            return self.max_blocks_per_seq
+        return self.decode_block_widths[bisect.bisect_left(self.decode_block_widths, needed)]
+
+    def token_pieces(self, t: int) -> list:
+        """Token buckets whose sum covers t tokens: the smallest bucket that holds them, unless that would
+        pad more than the smallest bucket's worth of tokens — then the largest bucket that fits runs first
+        and the rest is split the same way (272 tokens with buckets ..., 256, 512: 256 + 32, not 512);
+        more tokens than the largest bucket fill it as often as needed."""
+        sizes = self.prefill_token_sizes
+        pieces = []
+        while t > 0:
+            i = bisect.bisect_left(sizes, t)
+            if i == len(sizes):                  # more than the largest bucket (max_step_tokens): fill it
+                pieces.append(sizes[-1])
+                t -= sizes[-1]
+                continue
+            fit = sizes[i]
+            below = sizes[bisect.bisect_right(sizes, t) - 1] if t >= sizes[0] else None
+            if below is None or fit - t <= sizes[0]:
+                pieces.append(fit)
+                break
+            pieces.append(below)
+            t -= below
+        return pieces
+
+    def graphs(self) -> list:
+        """(kind, batch, seq, decode width) of every model graph warmup compiles, in order."""
+        out = [("decode", b, 1, w) for b in self.decode_batch_sizes for w in self.decode_block_widths]
+        if self.packed:
+            return out + [("packed", t, None, None) for t in self.prefill_token_sizes]
+        return out + [("prefill", b, s, None) for b in self.prefill_batch_sizes for s in self.prefill_seq_lens]

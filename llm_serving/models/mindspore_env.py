@@ -1,0 +1,90 @@
+"""Process-wide MindSpore set-up: graph mode, the device, the CPU kernel thread count, and the graph
+compile cache.
+
+The compile cache lives under <cache>/ms_compile/<key>/, where <cache> is $LLM_SERVING_CACHE or
+~/.cache/llm-serving (LLM_SERVING_COMPILE_CACHE=0 turns it off) and <key> hashes everything that decides
+which graphs warmup compiles and in which order. MindSpore 2.10 reads MS_COMPILER_CACHE_PATH once, at the
+process's first compile, and names cached graphs by their compile index in the process
+(compile_cache_N.mindir) with no shape check. A cache is therefore only safe when the same sequence of
+graphs is compiled in the same order every time: one runner per process (the first one claims the cache,
+`claim_compile_cache`), warmed up bucket by bucket, with every input of that sequence in the key; graphs
+compiled after warmup (whose order depends on the traffic) bypass it (`close_compile_cache`).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from typing import Optional
+
+from .default_model import default_cache_dir
+
+logger = logging.getLogger(__name__)
+
+_GRAPH_SOURCES = ("llama.py", "attention.py", "sampler.py")
+_runners_made = 0               # in this process: only the first can use the compile cache
+
+
+def model_source_digest() -> str:
+    """Hash of the graph-defining sources and the MindSpore version (part of the compile-cache key)."""
+    import mindspore as ms
+
+    h = hashlib.sha1(ms.__version__.encode())
+    here = os.path.dirname(os.path.abspath(__file__))
+    for name in _GRAPH_SOURCES:
+        with open(os.path.join(here, name), "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()
+
+
+def claim_compile_cache(key_parts: Optional[tuple]) -> Optional[str]:
+    """Every runner calls this once, with the description of its warmup sequence when it wants the compile
+    cache (None when not). Returns the cache key, or None: not wanted, or another runner of this process
+    came first (its graphs took the first compile indices)."""
+    global _runners_made
+    _runners_made += 1
+    if key_parts is None:
+        return None
+    if _runners_made > 1:
+        logger.warning("compile cache off: another ModelRunner already exists in this process")
+        return None
+    return hashlib.sha1(repr(key_parts + (model_source_digest(),)).encode()).hexdigest()[:16]
+
+
+def setup_mindspore(device_target: str, device_id: int, num_threads: Optional[int],
+                    cache_key: Optional[str]) -> Optional[str]:
+    """Set MindSpore up for this process (safe to call again with the same arguments); returns the compile
+    cache directory in use, if any."""
+    import mindspore as ms
+
+    cache_dir = None
+    if cache_key is not None and os.environ.get("LLM_SERVING_COMPILE_CACHE", "1") == "1":
+        cache_dir = os.path.join(str(default_cache_dir()), "ms_compile", cache_key)
+        try:
+            os.makedirs(cache_dir, exist_ok=True)
+        except OSError as e:
+            logger.warning("compile cache disabled: cannot create %s (%s)", cache_dir, e)
+            cache_dir = None
+    if cache_dir is not None:
+        os.environ["MS_COMPILER_CACHE_ENABLE"] = "1"
+        os.environ["MS_COMPILER_CACHE_PATH"] = cache_dir
+    else:
+        os.environ["MS_COMPILER_CACHE_ENABLE"] = "0"
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        ms.set_device(device_target, device_id)
+    except RuntimeError as e:  # already set by an earlier runner in this process
+        logger.debug("ms.set_device: %s", e)
+    if num_threads is not None:
+        from mindspore._c_expression import RuntimeConf
+        if RuntimeConf.get_instance().is_op_threads_num_configured():
+            logger.info("MindSpore CPU thread count is set once per process; ignoring num_threads=%s", num_threads)
+        else:
+            ms.device_context.cpu.op_tuning.threads_num(int(num_threads))
+    return cache_dir
+
+
+def close_compile_cache() -> None:
+    """Graphs compiled from now on are neither loaded from nor written to the compile cache (MindSpore reads
+    MS_COMPILER_CACHE_ENABLE at each compile): their order is not fixed, so their compile index names nothing."""
+    os.environ["MS_COMPILER_CACHE_ENABLE"] = "0"

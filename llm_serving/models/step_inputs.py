@@ -1,0 +1,118 @@
+"""One step's inputs to the ModelRunner, converted and checked in one place (`StepInputs.make`).
+
+Shapes: n rows, s new tokens per row at most, w block-table entries per row.
+  input_ids, positions, slot_mapping  int32 (n, s): new tokens left-aligned (padding: id 0, position 0, slot -1)
+  block_tables                        int32 (n, w <= max_blocks_per_seq), padded with 0
+  context_lens                        int32 (n,): tokens in the cache once this step's are written
+  query_lens                          int32 (n,): valid new tokens; the sampled token follows token query_lens-1
+  temperature (0 = greedy), top_k (0 = off), top_p (1 = off), random_u (uniform [0, 1)), top_n (top
+  log-probabilities wanted, 0 = none): per row
+  penalties: None, or per row history int32 (n, <= max_context), history_len, prompt_len, and the
+  repetition, presence and frequency penalties (see sampler.Penalizer)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class StepLimits:
+    """What a runner accepts: ids below vocab_size, positions and contexts within max_context, block ids
+    below num_blocks, slots below scratch_slot (the scratch block is the runner's own)."""
+    vocab_size: int
+    max_context: int
+    num_blocks: int
+    max_blocks_per_seq: int
+    scratch_slot: int
+
+
+def _fail(what: str) -> None:
+    raise ValueError(f"ModelRunner.execute: {what}")
+
+
+@dataclass
+class StepInputs:
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    block_tables: np.ndarray
+    context_lens: np.ndarray
+    query_lens: np.ndarray
+    per_row: dict                 # sampling arrays (n,) by name, and the penalty arrays when some row has one
+
+    @property
+    def n(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def s(self) -> int:
+        return self.input_ids.shape[1]
+
+    @property
+    def penalized(self) -> bool:
+        return "history" in self.per_row
+
+    @property
+    def wants_top(self) -> bool:
+        return bool((self.per_row["top_n"] > 0).any())
+
+    @classmethod
+    def make(cls, limits: StepLimits, input_ids, positions, slot_mapping, block_tables, context_lens, query_lens,
+             temperature, top_k, top_p, random_u, top_n=None, penalties: Optional[dict] = None) -> "StepInputs":
+        """Arrays (or nested lists) converted to their dtypes and checked against each other and `limits`;
+        ValueError naming the first that is malformed."""
+        input_ids = np.asarray(input_ids, np.int32)
+        if input_ids.ndim != 2 or input_ids.shape[0] < 1 or input_ids.shape[1] < 1:
+            _fail(f"input_ids must be (n, s) with n, s >= 1, got {input_ids.shape}")
+        n, s = input_ids.shape
+        positions = np.asarray(positions, np.int32)
+        slot_mapping = np.asarray(slot_mapping, np.int32)
+        block_tables = np.asarray(block_tables, np.int32)
+        if block_tables.ndim == 1:
+            block_tables = block_tables.reshape(n, -1)
+        cl, ql = np.asarray(context_lens, np.int32), np.asarray(query_lens, np.int32)
+        per_row = {"temperature": np.asarray(temperature, np.float32), "top_k": np.asarray(top_k, np.int32),
+                   "top_p": np.asarray(top_p, np.float32), "random_u": np.asarray(random_u, np.float32),
+                   "top_n": np.zeros(n, np.int32) if top_n is None else np.asarray(top_n, np.int32)}
+        if penalties is not None:
+            per_row.update(_penalty_rows(limits, n, penalties))
+        for name, arr in (("positions", positions), ("slot_mapping", slot_mapping)):
+            if arr.shape != (n, s):
+                _fail(f"{name} has shape {arr.shape}, expected {(n, s)}")
+        if (block_tables.ndim != 2 or block_tables.shape[0] != n
+                or not 1 <= block_tables.shape[1] <= limits.max_blocks_per_seq):
+            _fail(f"block_tables has shape {block_tables.shape}, expected ({n}, w) with 1 <= w <= "
+                  f"max_blocks_per_seq={limits.max_blocks_per_seq}")
+        for name, arr in (("context_lens", cl), ("query_lens", ql), *per_row.items()):
+            if name != "history" and arr.shape != (n,):
+                _fail(f"{name} has shape {arr.shape}, expected ({n},)")
+        if ql.min() < 1 or ql.max() > s:
+            _fail(f"query_lens must be in [1, {s}], got {ql.tolist()}")
+        if cl.min() < 1 or cl.max() > limits.max_context:
+            _fail(f"context_lens must be in [1, {limits.max_context}], got {cl.tolist()}")
+        for name, arr, low, high in (("positions", positions, 0, limits.max_context),
+                                     ("slot_mapping", slot_mapping, -1, limits.scratch_slot),
+                                     ("token ids", input_ids, 0, limits.vocab_size),
+                                     ("block ids", block_tables, 0, limits.num_blocks)):
+            if arr.min() < low or arr.max() >= high:
+                _fail(f"{name} must be in [{low}, {high}){' or -1' if low == -1 else ''}, "
+                      f"got range [{arr.min()}, {arr.max()}]")
+        return cls(input_ids, positions, slot_mapping, block_tables, cl, ql, per_row)
+
+
+def _penalty_rows(limits: StepLimits, n: int, penalties: dict) -> dict:
+    """The penalty arrays, with the history widened to max_context; none when no row has a penalty."""
+    pen = {k: np.asarray(penalties[k], np.float32) for k in ("repetition", "presence", "frequency")}
+    if not ((pen["repetition"] != 1.0) | (pen["presence"] != 0.0) | (pen["frequency"] != 0.0)).any():
+        return {}
+    history = np.asarray(penalties["history"], np.int32)
+    if history.ndim != 2 or history.shape[0] != n or history.shape[1] > limits.max_context:
+        _fail(f"penalties history has shape {history.shape}, expected ({n}, <= {limits.max_context})")
+    full = np.zeros((n, limits.max_context), np.int32)
+    full[:, :history.shape[1]] = np.clip(history, 0, limits.vocab_size - 1)
+    return {**pen, "history": full,
+            "history_len": np.minimum(np.asarray(penalties["history_len"], np.int32), history.shape[1]),
+            "prompt_len": np.asarray(penalties["prompt_len"], np.int32)}

@@ -1,0 +1,107 @@
+"""Graph buckets (models/buckets.py) and step-input checks (models/step_inputs.py): pure numpy, no MindSpore."""
+import sys
+
+import numpy as np
+import pytest
+
+from llm_serving.models.buckets import Buckets, token_buckets
+from llm_serving.models.step_inputs import StepInputs, StepLimits
+
+
+def make(**kw) -> Buckets:
+    args = dict(decode_batch_sizes=[1], prefill_batch_sizes=[1, 4], prefill_seq_lens=[16, 32], max_blocks_per_seq=4,
+                packed=True, one_width=True)
+    return Buckets.make(**{**args, **kw})
+
+
+def test_packed_token_buckets_follow_the_prefill_buckets_and_the_step_budget():
+    assert make().prefill_token_sizes == [16, 32, 64, 128]                     # up to 4 rows x 32 tokens
+    capped = make(max_step_tokens=64)                                         # the scheduler's budget
+    assert capped.prefill_token_sizes == [16, 32, 64]
+    assert capped.token_pieces(200) == [64, 64, 64, 16]
+    assert make(max_step_tokens=8).prefill_token_sizes == [16, 32]             # never below one row's bucket
+    assert token_buckets(16, 100) == [16, 32, 64, 100]
+
+
+def test_a_step_is_split_into_pieces_that_pad_less_than_the_smallest_bucket():
+    b = make(prefill_batch_sizes=[1], prefill_seq_lens=[16, 64])
+    assert b.prefill_token_sizes == [16, 32, 64]
+    assert [b.token_pieces(t) for t in (1, 16, 17, 33, 40, 48, 64)] == [[16], [16], [32], [32, 16], [32, 16],
+                                                                      [64], [64]]
+    for t in range(1, 300):
+        pieces = b.token_pieces(t)
+        assert sum(pieces) >= t and sum(pieces) - t <= 16, t
+
+
+def test_bucket_and_width_pick_the_smallest_that_fits_and_say_what_does_not_fit():
+    b = make(decode_batch_sizes=[2, 8], decode_block_widths=[1, 2], one_width=False, packed=False,
+             max_blocks_per_seq=6)
+    assert b.decode_block_widths == [1, 2, 6]
+    assert b.bucket(1, 1) == (2, 1) and b.bucket(3, 1) == (8, 1) and b.bucket(3, 20) == (4, 32)
+    assert [b.width(1, k) for k in (1, 2, 3, 6)] == [1, 2, 6, 6] and b.width(16, 1) == 6
+    with pytest.raises(ValueError, match="decode_batch_sizes"):
+        b.bucket(9, 1)
+    with pytest.raises(ValueError, match="prefill_seq_lens"):
+        b.bucket(1, 33)
+    assert [g[0] for g in b.graphs()] == ["decode"] * 6 + ["prefill"] * 4
+    assert make().decode_block_widths == [4]                  # one width when the kernel reads the block table
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(decode_batch_sizes=[]), "decode_batch_sizes"),
+    (dict(prefill_seq_lens=[1]), "prefill_seq_lens needs a length >= 2"),
+    (dict(prefill_batch_sizes=[0]), "prefill_batch_sizes"),
+    (dict(decode_block_widths=[5]), "decode_block_widths"),
+])
+def test_bad_bucket_lists_are_refused(kw, message):
+    with pytest.raises(ValueError, match=message):
+        make(**kw)
+
+
+LIMITS = StepLimits(vocab_size=100, max_context=64, num_blocks=4, max_blocks_per_seq=4, scratch_slot=64)
+
+
+def step(**over):
+    n, s = 2, 3
+    args = dict(input_ids=np.ones((n, s)), positions=np.zeros((n, s)), slot_mapping=np.zeros((n, s)),
+                block_tables=np.zeros((n, 2)), context_lens=[3, 3], query_lens=[3, 3], temperature=[0, 0],
+                top_k=[0, 0], top_p=[1, 1], random_u=[0, 0])
+    return StepInputs.make(LIMITS, **{**args, **over})
+
+
+def test_step_inputs_are_converted_to_their_dtypes():
+    st = step()
+    assert (st.n, st.s) == (2, 3) and st.input_ids.dtype == np.int32 and st.per_row["top_p"].dtype == np.float32
+    assert not st.penalized and not st.wants_top
+    pen = dict(history=[[1, 2]] * 2, history_len=[2, 2], prompt_len=[1, 1], repetition=[1.0, 1.2],
+               presence=[0, 0], frequency=[0, 0])
+    st = step(penalties=pen, top_n=[0, 2])
+    assert st.penalized and st.wants_top and st.per_row["history"].shape == (2, 64)
+    assert not step(penalties={**pen, "repetition": [1.0, 1.0]}).penalized    # no row has a penalty
+
+
+@pytest.mark.parametrize("over, message", [
+    (dict(input_ids=np.ones(3)), "input_ids must be"),
+    (dict(positions=np.zeros((2, 2))), "positions has shape"),
+    (dict(block_tables=np.zeros((2, 5))), "max_blocks_per_seq=4"),
+    (dict(top_k=[0]), "top_k has shape"),
+    (dict(query_lens=[0, 3]), "query_lens must be in"),
+    (dict(context_lens=[3, 65]), "context_lens must be in"),
+    (dict(positions=np.full((2, 3), 64)), "positions must be in"),
+    (dict(slot_mapping=np.full((2, 3), 64)), "slot_mapping must be in"),
+    (dict(input_ids=np.full((2, 3), 100)), "token ids must be in"),
+    (dict(block_tables=np.full((2, 2), 4)), "block ids must be in"),
+    (dict(penalties=dict(history=np.zeros((2, 65)), history_len=[0, 0], prompt_len=[0, 0], repetition=[1.1, 1],
+                         presence=[0, 0], frequency=[0, 0])), "history has shape"),
+])
+def test_malformed_step_inputs_are_refused_naming_the_array(over, message):
+    with pytest.raises(ValueError, match=message):
+        step(**over)
+
+
+def test_shape_logic_needs_no_mindspore():
+    import subprocess
+    out = subprocess.run([sys.executable, "-c", "import sys, llm_serving.models.buckets, "
+                          "llm_serving.models.step_inputs; print('mindspore' in sys.modules)"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr
