@@ -214,17 +214,16 @@ def cmd_agent_ctl(args) -> int:
         if (args.dir is None) == (not args.off):
             print("llm-serving agent-ctl: capture needs exactly one of --dir DIR or --off", file=sys.stderr)
             return 2
-        letter, payload = proto.CAPTURE, {"dir": None if args.off else os.path.abspath(args.dir),
-                                          "max_steps": args.max_steps}
+        command = proto.Capture(dir=None if args.off else os.path.abspath(args.dir), max_steps=args.max_steps)
     else:
-        letter, payload = {"health": proto.HEALTH, "reset": proto.RESET, "exit": proto.EXIT}[args.command], {}
+        command = {"health": proto.Health, "reset": proto.Reset, "exit": proto.Exit}[args.command]()
     try:
         with ControlClient(args.port, args.host, args.token) as client:
-            answer = client.request(letter, **payload)
+            answer = client.request(command)
     except ControlError as exc:
         print(f"llm-serving agent-ctl: {exc}", file=sys.stderr)
         return 1
-    print(json.dumps(answer))
+    print(json.dumps(answer.payload()))
     return 0
 
 

@@ -150,13 +150,13 @@ def run(args) -> dict:
         comparator = Comparator(reference, capture_dir, prompt_ids)
         stop = threading.Event()
         worker = threading.Thread(target=comparator.run_until, args=(stop,), daemon=True)
-        agent.request(proto.CAPTURE, dir=capture_dir, max_steps=args.max_steps)
+        agent.request(proto.Capture(dir=capture_dir, max_steps=args.max_steps))
         t0 = time.perf_counter()
         try:
             worker.start()
             generated = asyncio.run(replay(args.url, info["model_id"], prompts, args.max_new_tokens, args.rate))
         finally:
-            captured = agent.request(proto.CAPTURE, dir=None)["steps"]
+            captured = agent.request(proto.Capture(dir=None)).steps
             stop.set()
             worker.join()
         wall = time.perf_counter() - t0

@@ -2,7 +2,7 @@
 
 It connects without shared memory (`shm: null`), so it can talk to an agent while the master drives it:
 control commands go ahead of queued steps. The token is the master's per-launch token, read from the
-runtime dir (see master/agent_group.token_file) unless given.
+runtime dir (`protocol.token_file`, written by the master when it connects the agent) unless given.
 """
 from __future__ import annotations
 
@@ -20,9 +20,7 @@ class ControlError(RuntimeError):
 class ControlClient:
     def __init__(self, port: int, host: str = "127.0.0.1", token: Optional[str] = None, timeout_s: float = 30.0):
         if token is None:
-            from llm_serving.master.agent_group import token_file
-
-            path = token_file(port)
+            path = proto.token_file(port)
             if not path.is_file():
                 raise ControlError(f"no token for agent port {port} at {path}; pass the token explicitly")
             token = path.read_text().strip()
@@ -32,21 +30,20 @@ class ControlClient:
         except OSError as exc:
             raise ControlError(f"cannot reach agent on {host}:{port}: {exc}") from exc
         try:
-            self.info = self.request(proto.CONNECT, token=token, shm=None)
+            self.info = self.request(proto.Connect(token=token, shm=None))
         except ControlError:
             self.close()
             raise
 
-    def request(self, command: str, **payload) -> dict:
-        """Send one command and return the agent's reply payload; ControlError if it says failed."""
-        seq = next(self._seq)
+    def request(self, command: proto.Message) -> proto.Reply:
+        """Send one command and return the agent's typed reply; ControlError if it says failed."""
         try:
-            proto.send_frame(self._sock, command, {"seq": seq, **payload})
-            answer = proto.recv_frame(self._sock).payload
+            self._sock.sendall(proto.encode(next(self._seq), command))
+            answer = proto.read_reply(proto.recv_frame(self._sock).payload, command)
         except (OSError, ConnectionError, proto.ProtocolError) as exc:
-            raise ControlError(f"agent connection failed during {command!r}: {exc}") from exc
-        if not answer.get("ok"):
-            raise ControlError(answer.get("error") or f"command {command!r} failed")
+            raise ControlError(f"agent connection failed during {command.COMMAND!r}: {exc}") from exc
+        if isinstance(answer, proto.Failed):
+            raise ControlError(answer.error)
         return answer
 
     def close(self) -> None:

@@ -5,19 +5,25 @@ Frame (both directions):   | length: uint32 big-endian | command: 1 byte ASCII |
 travels here: it is in shared memory (see llm_serving/shm/layout.py); a step frame only says which step
 and how many rows and tokens per row to read.
 
-Commands (llm-serving's letters), payload keys, and the reply payload on success:
-  '#' connect   {seq, token, shm: {array: segment name} | null}  -> {num_blocks, block_size, vocab_size, ...}
-  '*' prefill   {seq, step, n, s}   rows 0..n-1, s tokens per row -> {step, model_ms, agent_ms}
-  'a' decode    {seq, step, n}      rows 0..n-1, one token per row -> {step, model_ms, agent_ms}
-  'h' health    {seq}                                              -> {pid, device_id, steps, connected}
-  'r' reset     {seq}               drop all KV state              -> {}
-  'c' capture   {seq, dir: path | null, max_steps: int}            -> {dir, steps}
-                logits capture (rank 0): every step's inputs and full logits go to dir/step_NNNNNNNN.npz
-                (see agents/worker.py) until max_steps or a capture with dir null, which stops it
-  'e' exit      {seq}               reply, then the agent exits    -> {}
-Reply: command 'R', payload {seq, ok: bool, error: str (when not ok), fatal: true (when not ok because the
-agent can serve no more steps: its tensor-parallel group is out of step), ...}. `seq` echoes the
-request's, so replies may come back out of order (the agent serves control before prefill before decode).
+Commands (llm-serving's letters) and their messages, the dataclasses below (one per command and reply;
+`encode` writes any of them, `Message.from_payload` reads and checks one):
+  '#' Connect      token, shm: {array: segment name} | null      -> ConnectReply (geometry, cache_epoch)
+  '*' PrefillStep  step, num_rows, max_query_len                 -> StepReply (model_ms, agent_ms, ...)
+  'a' DecodeStep   step, num_rows (one new token per row)        -> StepReply
+  'h' Health                                                     -> HealthReply (pid, rank, steps, attached)
+  'r' Reset        zero the KV cache                             -> ResetReply (the new cache_epoch)
+  'c' Capture      dir: path | null, max_steps                   -> CaptureReply (dir, steps)
+                   logits capture (rank 0): every step's inputs and full logits go to dir/step_NNNNNNNN.npz
+                   (see agents/worker.py) until max_steps or a capture with dir null, which stops it
+  'e' Exit         reply, then the agent exits                   -> Done
+A step reads rows 0..num_rows-1 of the step buffers, max_query_len tokens per row at most. Every reply's
+payload carries `seq` (the command's, so replies may come back out of order: the agent serves control
+before prefill before decode) and `ok`. A command that failed gets Failed: `error`, and `fatal` when the
+agent can serve no more steps (its tensor-parallel group is out of step).
+
+`cache_epoch` counts the agent's KV-cache resets: a reset (by `llm-serving agent-ctl reset`, say) zeroes
+the blocks the master's prefix cache and running requests point at, and the next step reply tells the
+master, which then recomputes what it had (master/engine.py).
 
 Tensor parallelism adds one reply field: every agent of the group gets the same step frames (and reads the
 same shared-memory inputs); rank 0 writes the outputs; the ranks exchange partial sums among themselves
@@ -28,10 +34,13 @@ equal counts tell the master the group is still in step (master/agent_group.py).
 from __future__ import annotations
 
 import json
+import os
 import socket
 import struct
-from dataclasses import dataclass
-from typing import Any
+import typing
+from dataclasses import MISSING, asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, ClassVar, Optional
 
 HEADER = struct.Struct(">I")          # uint32 frame length
 MAX_FRAME_BYTES = 1 << 20             # 1 MiB: commands are small, bulk data is in shm
@@ -41,6 +50,27 @@ COMMANDS = {CONNECT, PREFILL, DECODE, HEALTH, RESET, EXIT, CAPTURE}
 
 # Lower runs first. Control before prefill (new requests' first token) before decode.
 PRIORITY = {EXIT: 0, RESET: 0, HEALTH: 0, CONNECT: 0, CAPTURE: 0, PREFILL: 1, DECODE: 2}
+
+
+# --- launch: how the master starts an agent process (python -m llm_serving.agents.server) ---------------
+ENV_CONFIG = "LLM_SERVING_AGENT_CONFIG"    # JSON: {"config": {...}, "model_dir": str, "rank": int,
+#                                                 "tp_comm": CPU tensor-parallel segment name | null}
+ENV_TOKEN = "LLM_SERVING_AGENT_TOKEN"      # per-launch secret every connect must carry; never logged
+ENV_STATUS_FD = "LLM_SERVING_AGENT_STATUS_FD"   # pipe for the agent's status lines (listening/ready/failed)
+
+
+def runtime_dir() -> Path:
+    """Where the master leaves each agent's launch token for `llm-serving agent-ctl` (mode 0700)."""
+    base = os.environ.get("LLM_SERVING_RUNTIME_DIR") or os.path.join(
+        os.environ.get("XDG_RUNTIME_DIR") or os.path.expanduser("~/.cache/llm-serving"), "run")
+    path = Path(base)
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return path
+
+
+def token_file(port: int) -> Path:
+    """The file (mode 0600) holding the launch token of the agent listening on `port`."""
+    return runtime_dir() / f"agent-{port}.token"
 
 
 class ProtocolError(ValueError):
@@ -88,11 +118,181 @@ def check_length(length: int) -> None:
         raise ProtocolError(f"frame length {length} outside 1..{MAX_FRAME_BYTES}")
 
 
-def reply(seq: Any, ok: bool = True, error: str = "", **fields: Any) -> bytes:
-    payload = {"seq": seq, "ok": ok, **fields}
-    if not ok:
-        payload["error"] = error
-    return encode_frame(REPLY, payload)
+# --- messages --------------------------------------------------------------------------------------
+
+class Message:
+    """A command or reply: a dataclass whose fields are its payload's keys (besides `seq`)."""
+    COMMAND: ClassVar[str]
+
+    def payload(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_payload(cls, payload: dict):
+        """The message a payload holds; ProtocolError naming the key that is missing or of the wrong type
+        (unknown keys are ignored: a newer peer may send more)."""
+        hints = typing.get_type_hints(cls)
+        values = {}
+        for f in fields(cls):
+            if f.name not in payload:
+                if f.default is MISSING and f.default_factory is MISSING:
+                    raise ProtocolError(f"{cls.__name__} ({cls.COMMAND!r}) needs {f.name!r}")
+                continue
+            value = payload[f.name]
+            if not _has_type(value, hints[f.name]):
+                raise ProtocolError(f"{cls.__name__} ({cls.COMMAND!r}): {f.name!r} must be "
+                                    f"{_type_name(hints[f.name])}, got {value!r}")
+            values[f.name] = value
+        return cls(**values)
+
+
+def _has_type(value, hint) -> bool:
+    if typing.get_origin(hint) is typing.Union:
+        return any(_has_type(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, typing.get_origin(hint) or hint)
+
+
+def _type_name(hint) -> str:
+    if typing.get_origin(hint) is typing.Union:
+        return " or ".join(_type_name(h) for h in typing.get_args(hint))
+    return "null" if hint is type(None) else getattr(typing.get_origin(hint) or hint, "__name__", str(hint))
+
+
+def encode(seq: Any, message: Message) -> bytes:
+    """The frame of a command or reply message."""
+    return encode_frame(message.COMMAND, {"seq": seq, **message.payload()})
+
+
+@dataclass(frozen=True)
+class Connect(Message):
+    COMMAND: ClassVar[str] = CONNECT
+    token: str
+    shm: Optional[dict] = None      # array name -> segment name; null for a control connection (agent-ctl)
+
+
+@dataclass(frozen=True)
+class PrefillStep(Message):
+    COMMAND: ClassVar[str] = PREFILL
+    step: int
+    num_rows: int
+    max_query_len: int
+
+
+@dataclass(frozen=True)
+class DecodeStep(Message):
+    COMMAND: ClassVar[str] = DECODE
+    step: int
+    num_rows: int
+    max_query_len: ClassVar[int] = 1
+
+
+@dataclass(frozen=True)
+class Health(Message):
+    COMMAND: ClassVar[str] = HEALTH
+
+
+@dataclass(frozen=True)
+class Reset(Message):
+    COMMAND: ClassVar[str] = RESET
+
+
+@dataclass(frozen=True)
+class Capture(Message):
+    COMMAND: ClassVar[str] = CAPTURE
+    dir: Optional[str] = None       # start capturing into this directory; null stops
+    max_steps: int = 100_000
+
+
+@dataclass(frozen=True)
+class Exit(Message):
+    COMMAND: ClassVar[str] = EXIT
+
+
+COMMAND_MESSAGES = {m.COMMAND: m for m in (Connect, PrefillStep, DecodeStep, Health, Reset, Capture, Exit)}
+
+
+def read_command(frame: Frame) -> Message:
+    """The typed command a frame carries; ProtocolError if its payload does not fit."""
+    return COMMAND_MESSAGES[frame.command].from_payload(frame.payload)
+
+
+@dataclass(frozen=True)
+class Reply(Message):
+    COMMAND: ClassVar[str] = REPLY
+    ok: ClassVar[bool] = True
+
+    def payload(self) -> dict:
+        return {"ok": self.ok, **asdict(self)}
+
+
+@dataclass(frozen=True)
+class Done(Reply):
+    """Success with nothing to say (exit)."""
+
+
+@dataclass(frozen=True)
+class ConnectReply(Reply):
+    rank: int
+    pid: int
+    device_id: int
+    num_blocks: int
+    block_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    cache_epoch: int
+
+
+@dataclass(frozen=True)
+class StepReply(Reply):
+    step: int
+    model_ms: float                 # in ModelRunner.execute
+    agent_ms: float                 # from reading the frame to the reply (queueing, shm reads and writes)
+    cache_epoch: int
+    collective_calls: Optional[int] = None     # tensor parallelism only
+
+
+@dataclass(frozen=True)
+class HealthReply(Reply):
+    pid: int
+    rank: int
+    device_id: int
+    steps: int
+    attached: bool                  # the master's step buffers are attached
+    cache_epoch: int
+
+
+@dataclass(frozen=True)
+class ResetReply(Reply):
+    cache_epoch: int
+
+
+@dataclass(frozen=True)
+class CaptureReply(Reply):
+    dir: Optional[str]
+    steps: int
+
+
+@dataclass(frozen=True)
+class Failed(Reply):
+    ok: ClassVar[bool] = False
+    error: str
+    fatal: bool = False
+    collective_calls: Optional[int] = None
+
+
+REPLY_OF = {Connect: ConnectReply, PrefillStep: StepReply, DecodeStep: StepReply, Health: HealthReply,
+            Reset: ResetReply, Capture: CaptureReply, Exit: Done}     # each command's reply on success
+
+
+def read_reply(payload: dict, command: Message) -> Reply:
+    """The typed reply to `command` a payload holds (Failed when not ok); ProtocolError if it does not fit."""
+    return (REPLY_OF[type(command)] if payload.get("ok") else Failed).from_payload(payload)
 
 
 # --- blocking socket helpers (agent side and agent-ctl) ---------------------------------------------

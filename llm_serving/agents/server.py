@@ -6,7 +6,7 @@ exits the process when the master that started it is gone. The agent reports to 
 pipe, one JSON line per event: `listening` (with the bound port), `ready` (with the facts the master
 needs) or `failed` (with the traceback's last line).
 
-Run by the master as `python -m llm_serving.agents.server`; see AgentGroup for the environment it gets.
+Run by the master as `python -m llm_serving.agents.server` with the environment protocol.py names (ENV_*).
 """
 from __future__ import annotations
 
@@ -29,10 +29,7 @@ from llm_serving.config import config_from_dict
 
 logger = logging.getLogger("llm_serving.agent")
 
-ENV_CONFIG = "LLM_SERVING_AGENT_CONFIG"    # JSON: {"config": {...}, "model_dir": str, "rank": int,
-#                                                 "tp_comm": CPU tensor-parallel segment name | null}
-ENV_TOKEN = "LLM_SERVING_AGENT_TOKEN"      # per-launch secret; never logged
-ENV_STATUS_FD = "LLM_SERVING_AGENT_STATUS_FD"
+_DETACH = "_detach"     # queued by a reader thread (not a wire command): the master's connection dropped
 
 
 class CommandQueue:
@@ -160,7 +157,7 @@ class AgentServer:
                 frame = proto.recv_frame(conn.sock)
             except proto.ProtocolError as exc:
                 logger.warning("agent %d: rejected frame from %s: %s", self.rank, conn.peer, exc)
-                conn.send(proto.reply(None, ok=False, error=f"rejected frame: {exc}"))
+                conn.send(proto.encode(None, proto.Failed(error=f"rejected frame: {exc}")))
                 conn.close()  # framing is lost after a bad frame; the client must reconnect
                 break
             except (ConnectionError, OSError) as exc:
@@ -169,16 +166,16 @@ class AgentServer:
                 conn.close()
                 break
             if frame.command == proto.REPLY:
-                conn.send(proto.reply(frame.seq, ok=False, error="'R' is a reply, not a command"))
+                conn.send(proto.encode(frame.seq, proto.Failed(error="'R' is a reply, not a command")))
                 continue
             if not conn.authorized and frame.command != proto.CONNECT:
                 logger.warning("agent %d: %r from %s before connect refused", self.rank, frame.command, conn.peer)
-                conn.send(proto.reply(frame.seq, ok=False, error="not connected: send '#' with the token first"))
+                conn.send(proto.encode(frame.seq, proto.Failed(error="not connected: send '#' with the token first")))
                 conn.close()
                 break
             if frame.command == proto.CONNECT and not self._token_ok(frame.payload.get("token")):
                 logger.warning("agent %d: connect with a wrong token from %s refused", self.rank, conn.peer)
-                conn.send(proto.reply(frame.seq, ok=False, error="connect refused: wrong token"))
+                conn.send(proto.encode(frame.seq, proto.Failed(error="connect refused: wrong token")))
                 conn.close()
                 break
             conn.authorized = True  # the token is what authorizes; '#' itself is queued as control
@@ -186,70 +183,57 @@ class AgentServer:
             self._queue.put(frame, conn)
         if conn.owns_shm:
             # the master's connection dropped: its buffers may be unlinked any moment
-            self._queue.put(proto.Frame("_detach", {"seq": None}), conn, priority=0)
+            self._queue.put(proto.Frame(_DETACH, {"seq": None}), conn, priority=0)
 
     def _token_ok(self, token) -> bool:
         return isinstance(token, str) and hmac.compare_digest(token.encode(), self._token.encode())
 
-    # --- command handlers (main thread) ----------------------------------------------------------
+    # --- command handlers (main thread): (message, frame, connection) -> reply message --------------
 
-    def on_connect(self, frame, conn) -> dict:
-        names = frame.payload.get("shm")
-        if names is not None:
-            if not isinstance(names, dict):
-                raise ValueError("shm must be a mapping of array name to segment name")
-            self.worker.attach(names)
+    def on_connect(self, msg: proto.Connect, frame, conn) -> proto.ConnectReply:
+        if msg.shm is not None:
+            self.worker.attach(msg.shm)
             conn.owns_shm = True
         cfg = self.worker.runner.config
-        return {"rank": self.rank, "pid": os.getpid(), "device_id": self.device_id,
-                "num_blocks": self.config.pa_config.num_blocks, "block_size": self.config.pa_config.block_size,
-                "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_position_embeddings}
+        return proto.ConnectReply(rank=self.rank, pid=os.getpid(), device_id=self.device_id,
+                                  num_blocks=self.config.pa_config.num_blocks,
+                                  block_size=self.config.pa_config.block_size, vocab_size=cfg.vocab_size,
+                                  max_position_embeddings=cfg.max_position_embeddings,
+                                  cache_epoch=self.worker.cache_epoch)
 
-    def on_step(self, frame, conn) -> dict:
-        p = frame.payload
-        n = p.get("n")
-        s = p.get("s", 1) if frame.command == proto.PREFILL else 1
-        if not isinstance(n, int) or not isinstance(s, int):
-            raise ValueError("step needs integer n (rows) and s (tokens per row)")
-        model_s = self.worker.step(n, s)
+    def on_step(self, msg, frame, conn) -> proto.StepReply:
+        model_s = self.worker.step(msg.num_rows, msg.max_query_len)
         agent_s = time.perf_counter() - frame.received
-        return {"step": p.get("step"), "model_ms": round(model_s * 1e3, 4), "agent_ms": round(agent_s * 1e3, 4),
-                **self._group_state(frame)}
+        return proto.StepReply(step=msg.step, model_ms=round(model_s * 1e3, 4), agent_ms=round(agent_s * 1e3, 4),
+                               cache_epoch=self.worker.cache_epoch, collective_calls=self._collective_calls(msg))
 
-    def _group_state(self, frame) -> dict:
+    def _collective_calls(self, msg) -> int | None:
         """What a tensor-parallel rank's step reply (ok or failed) tells the master about the group: the
         collective graph calls it has completed (the master compares them across ranks)."""
-        if frame.command not in (proto.PREFILL, proto.DECODE) or self.worker.tp.world == 1:
-            return {}
-        return {"collective_calls": self.worker.runner.collective_calls}
+        if not isinstance(msg, (proto.PrefillStep, proto.DecodeStep)) or self.worker.tp.world == 1:
+            return None
+        return self.worker.runner.collective_calls
 
-    def on_health(self, frame, conn) -> dict:
-        return {"pid": os.getpid(), "rank": self.rank, "device_id": self.device_id,
-                "steps": self.worker.num_steps, "attached": self.worker.buffers is not None}
+    def on_health(self, msg, frame, conn) -> proto.HealthReply:
+        return proto.HealthReply(pid=os.getpid(), rank=self.rank, device_id=self.device_id,
+                                 steps=self.worker.num_steps, attached=self.worker.buffers is not None,
+                                 cache_epoch=self.worker.cache_epoch)
 
-    def on_reset(self, frame, conn) -> dict:
+    def on_reset(self, msg, frame, conn) -> proto.ResetReply:
         self.worker.reset()
-        return {}
+        return proto.ResetReply(cache_epoch=self.worker.cache_epoch)
 
-    def on_capture(self, frame, conn) -> dict:
-        directory, max_steps = frame.payload.get("dir"), frame.payload.get("max_steps", 100_000)
-        if directory is not None and not isinstance(directory, str):
-            raise ValueError("capture: dir must be a path or null")
-        if not isinstance(max_steps, int) or max_steps < 1:
+    def on_capture(self, msg: proto.Capture, frame, conn) -> proto.CaptureReply:
+        if msg.max_steps < 1:
             raise ValueError("capture: max_steps must be a positive integer")
-        return self.worker.set_capture(directory, max_steps)
+        return proto.CaptureReply(**self.worker.set_capture(msg.dir, msg.max_steps))
 
-    def on_exit(self, frame, conn) -> dict:
+    def on_exit(self, msg, frame, conn) -> proto.Done:
         self._stop.set()
-        return {}
+        return proto.Done()
 
-    def on_detach(self, frame, conn) -> dict:
-        self.worker.detach()
-        return {}
-
-    HANDLERS = {proto.CONNECT: on_connect, proto.PREFILL: on_step, proto.DECODE: on_step,
-                proto.HEALTH: on_health, proto.RESET: on_reset, proto.EXIT: on_exit,
-                proto.CAPTURE: on_capture, "_detach": on_detach}
+    HANDLERS = {proto.Connect: on_connect, proto.PrefillStep: on_step, proto.DecodeStep: on_step,
+                proto.Health: on_health, proto.Reset: on_reset, proto.Exit: on_exit, proto.Capture: on_capture}
 
     def event_loop(self) -> None:
         threading.Thread(target=self._accept_loop, name="acceptor", daemon=True).start()
@@ -260,20 +244,23 @@ class AgentServer:
 
         while not self._stop.is_set():
             frame, conn = self._queue.get()
-            handler = self.HANDLERS[frame.command]
+            if frame.command == _DETACH:          # the master's connection dropped
+                self.worker.detach()
+                continue
+            msg = None
             try:
-                out = proto.reply(frame.seq, ok=True, **handler(self, frame, conn))
+                msg = proto.read_command(frame)
+                out = self.HANDLERS[type(msg)](self, msg, frame, conn)
             except TensorParallelError as exc:   # the group is out of step: only a restart of all of it helps
                 logger.error("agent %d: %r failed: %s", self.rank, frame.command, exc)
-                out = proto.reply(frame.seq, ok=False, error=f"{type(exc).__name__}: {exc}", fatal=True,
-                                  **self._group_state(frame))
+                out = proto.Failed(error=f"{type(exc).__name__}: {exc}", fatal=True,
+                                   collective_calls=self._collective_calls(msg))
             except Exception as exc:  # a failed command fails only itself; the agent keeps serving
                 logger.error("agent %d: %r failed: %s", self.rank, frame.command, exc,
-                             exc_info=not isinstance(exc, ValueError))
-                out = proto.reply(frame.seq, ok=False, error=f"{type(exc).__name__}: {exc}",
-                                  **self._group_state(frame))
+                             exc_info=not isinstance(exc, (ValueError, proto.ProtocolError)))
+                out = proto.Failed(error=f"{type(exc).__name__}: {exc}", collective_calls=self._collective_calls(msg))
             if conn is not None:
-                conn.send(out)
+                conn.send(proto.encode(frame.seq, out))
         self.shutdown()
 
     def shutdown(self) -> None:
@@ -290,11 +277,11 @@ def run_agent_process() -> int:
     """Entry point of an agent process; tells the parent through the status pipe if start-up fails."""
     logging.basicConfig(level=os.environ.get("LLM_SERVING_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    status_fd = int(os.environ[ENV_STATUS_FD]) if os.environ.get(ENV_STATUS_FD) else None
+    status_fd = int(os.environ[proto.ENV_STATUS_FD]) if os.environ.get(proto.ENV_STATUS_FD) else None
     server = None
     try:
-        spec = json.loads(os.environ[ENV_CONFIG])
-        token = os.environ.pop(ENV_TOKEN)
+        spec = json.loads(os.environ[proto.ENV_CONFIG])
+        token = os.environ.pop(proto.ENV_TOKEN)
         config = config_from_dict(spec["config"])
         server = AgentServer(config, spec["model_dir"], int(spec["rank"]), token, status_fd, spec.get("tp_comm"))
         server.event_loop()

@@ -39,6 +39,7 @@ class Worker:
         self.layout = StepLayout.from_config(config)
         self.buffers = None
         self.num_steps = 0
+        self.cache_epoch = 0       # KV-cache resets so far; every step reply carries it (see protocol.py)
         self.capture_dir: str | None = None
         self.capture_left = 0
         self.captured = 0
@@ -128,4 +129,6 @@ class Worker:
             self.capture_dir = None
 
     def reset(self) -> None:
+        """Zero the KV cache: whatever the master's blocks held is gone, which the next step reply says."""
         self.runner.reset()
+        self.cache_epoch += 1

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Optional
 
 from llm_serving.agents import protocol as proto
-from llm_serving.agents.server import ENV_CONFIG, ENV_STATUS_FD, ENV_TOKEN
 from llm_serving.models.default_model import default_cache_dir
 from llm_serving.models.parallel import all_reduce_backend, cluster_env
 from llm_serving.shm.buffers import StepBuffers
@@ -37,23 +36,10 @@ class AgentError(RuntimeError):
     """An agent failed a command, died, or did not answer in time. `fatal` when the agent itself is lost
     (dead, disconnected or hung), not just the one command it answered with a failure."""
 
-    def __init__(self, message: str, fatal: bool = True, reply: Optional[dict] = None):
+    def __init__(self, message: str, fatal: bool = True, reply: Optional[proto.Failed] = None):
         super().__init__(message)
         self.fatal = fatal
-        self.reply = reply or {}          # the agent's failure reply, when it answered
-
-
-def runtime_dir() -> Path:
-    """Where per-launch agent tokens are kept for `llm-serving agent-ctl` (mode 0700)."""
-    base = os.environ.get("LLM_SERVING_RUNTIME_DIR") or os.path.join(
-        os.environ.get("XDG_RUNTIME_DIR") or os.path.expanduser("~/.cache/llm-serving"), "run")
-    path = Path(base)
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    return path
-
-
-def token_file(port: int) -> Path:
-    return runtime_dir() / f"agent-{port}.token"
+        self.reply = reply                # the agent's failure reply, when it answered
 
 
 class AgentClient:
@@ -66,7 +52,8 @@ class AgentClient:
         self.process = process
         self.status_reader = status_reader
         self.port: Optional[int] = None
-        self.info: dict = {}
+        self.info: Optional[proto.ConnectReply] = None
+        self.cache_epoch = 0                    # the agent's KV-cache resets this client knows of
         self._reader: Optional[asyncio.StreamReader] = None
         self._writer: Optional[asyncio.StreamWriter] = None
         self._pending: dict = {}
@@ -100,21 +87,25 @@ class AgentClient:
     async def connect(self, host: str, token: str, shm_names: dict) -> None:
         self._reader, self._writer = await asyncio.open_connection(host, self.port)
         self._reader_task = asyncio.create_task(self._read_replies())
-        self.info = await self.request(proto.CONNECT, {"token": token, "shm": shm_names}, timeout_s=60)
+        self.info = await self.request(proto.Connect(token=token, shm=shm_names), timeout_s=60)
+        self.cache_epoch = self.info.cache_epoch
 
     async def _read_replies(self) -> None:
         try:
             while True:
                 frame = await proto.read_frame_async(self._reader)
-                fut = self._pending.pop(frame.seq, None)
+                command, fut = self._pending.pop(frame.seq, (None, None))
                 if fut is not None and not fut.done():
-                    fut.set_result(frame.payload)
+                    try:
+                        fut.set_result(proto.read_reply(frame.payload, command))
+                    except proto.ProtocolError as exc:      # an agent of another version: this command fails
+                        fut.set_result(proto.Failed(error=f"unreadable reply: {exc}"))
         except (asyncio.IncompleteReadError, ConnectionError, proto.ProtocolError, OSError) as exc:
             self.dead_reason = f"agent {self.rank} connection lost ({type(exc).__name__})"
         finally:
             if self.dead_reason is None:
                 self.dead_reason = f"agent {self.rank} connection closed"
-            for fut in self._pending.values():
+            for _, fut in self._pending.values():
                 if not fut.done():
                     fut.set_exception(AgentError(self.dead_reason))
             self._pending.clear()
@@ -122,29 +113,34 @@ class AgentClient:
                 code = self.process.poll()
                 self.on_lost(self.dead_reason if code is None else f"agent {self.rank} exited with code {code}")
 
-    def send(self, command: str, payload: dict) -> tuple:
+    @property
+    def connected(self) -> bool:
+        """Connected and not lost: commands can be sent."""
+        return self._writer is not None and self.dead_reason is None
+
+    def send(self, command: proto.Message) -> tuple:
         """Write a command frame now (no await: it leaves before any other task runs); returns
-        (seq, future of the reply payload)."""
+        (seq, command, future of the typed reply)."""
         if self._writer is None or self.dead_reason:
             raise AgentError(self.dead_reason or f"agent {self.rank} is not connected")
         seq = next(self._seq)
         fut = asyncio.get_running_loop().create_future()
-        self._pending[seq] = fut
-        self._writer.write(proto.encode_frame(command, {"seq": seq, **payload}))
-        return seq, fut
+        self._pending[seq] = (command, fut)
+        self._writer.write(proto.encode(seq, command))
+        return seq, command, fut
 
-    async def request(self, command: str, payload: dict, timeout_s: float) -> dict:
-        return await self.wait_reply(command, *self.send(command, payload), timeout_s)
+    async def request(self, command: proto.Message, timeout_s: float) -> proto.Reply:
+        return await self.wait_reply(*self.send(command), timeout_s)
 
-    async def wait_reply(self, command: str, seq: int, fut, timeout_s: float) -> dict:
+    async def wait_reply(self, seq: int, command: proto.Message, fut, timeout_s: float) -> proto.Reply:
         try:
             reply = await asyncio.wait_for(fut, timeout_s)
         except asyncio.TimeoutError:
             self._pending.pop(seq, None)
-            raise AgentError(f"agent {self.rank} did not answer {command!r} within {timeout_s:.0f} s") from None
-        if not reply.get("ok"):
-            raise AgentError(f"agent {self.rank}: {reply.get('error', 'failed')}", fatal=bool(reply.get("fatal")),
-                             reply=reply)
+            raise AgentError(f"agent {self.rank} did not answer {command.COMMAND!r} within {timeout_s:.0f} s") \
+                from None
+        if isinstance(reply, proto.Failed):
+            raise AgentError(f"agent {self.rank}: {reply.error}", fatal=reply.fatal, reply=reply)
         return reply
 
     async def close(self) -> None:
@@ -159,6 +155,19 @@ class AgentClient:
             self._reader_task.cancel()
 
 
+def _child_env(extra: dict) -> tuple:
+    """(environment, working directory) of a process the group starts (agent or cluster scheduler): this
+    package importable, MindSpore's C++ log at errors only (it warns on every cached graph), and a working
+    directory of its own, since MindSpore writes kernel build files into it."""
+    env = {**os.environ, **extra}
+    env.setdefault("GLOG_v", "3")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
+                                                      env.get("PYTHONPATH")]))
+    workdir = default_cache_dir() / "agent-workdir"
+    workdir.mkdir(parents=True, exist_ok=True)
+    return env, workdir
+
+
 async def _fail(exc: BaseException):
     raise exc
 
@@ -171,8 +180,8 @@ def _in_step(tasks: list) -> bool:
     ranks are in step when they all failed."""
     if not all(t.done() and not t.cancelled() for t in tasks):
         return False
-    replies = [t.result() if t.exception() is None else getattr(t.exception(), "reply", {}) for t in tasks]
-    counts = {r.get("collective_calls") for r in replies}
+    replies = [t.result() if t.exception() is None else getattr(t.exception(), "reply", None) for t in tasks]
+    counts = {getattr(r, "collective_calls", None) for r in replies}
     if None in counts:
         return all(t.exception() is not None for t in tasks)
     return len(counts) == 1
@@ -194,6 +203,10 @@ class AgentGroup:
         self._token = secrets.token_urlsafe(32)
         self._token_files: list = []
         self._closing = False                      # stop() under way: a scheduler's exit is expected
+        mc = config.model_config
+        # the group's all-reduce: 'shm' or 'mindspore' for several agents, None for one
+        self.all_reduce = (all_reduce_backend(mc.device_target, mc.all_reduce)
+                           if len(config.serving_config.agent_ports) > 1 else None)
 
     async def start(self) -> None:
         sc = self.config.serving_config
@@ -201,8 +214,7 @@ class AgentGroup:
         self.buffers = StepBuffers.create(self.layout)
         try:
             world = len(sc.agent_ports)
-            mc = self.config.model_config
-            backend = all_reduce_backend(mc.device_target, mc.all_reduce) if world > 1 else None
+            backend = self.all_reduce
             if backend == "shm":
                 self.comm = CommSegment.create(world)
             elif backend == "mindspore":
@@ -251,33 +263,22 @@ class AgentGroup:
         with socket.socket() as s:                          # a free port (the scheduler binds it a moment later)
             s.bind(("127.0.0.1", 0))
             self._cluster_port = s.getsockname()[1]
-        env = {**os.environ, **cluster_env(world, self._cluster_port), "GLOG_v": os.environ.get("GLOG_v", "3")}
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
-                                                          env.get("PYTHONPATH")]))
-        workdir = default_cache_dir() / "agent-workdir"
-        workdir.mkdir(parents=True, exist_ok=True)
+        env, workdir = _child_env(cluster_env(world, self._cluster_port))
         self.scheduler = subprocess.Popen([sys.executable, "-m", "llm_serving.models.parallel"], env=env,
                                           cwd=workdir, start_new_session=True)
         logger.info("tensor-parallel cluster scheduler (pid %d) on port %d", self.scheduler.pid, self._cluster_port)
 
     async def _spawn(self, rank: int) -> AgentClient:
         read_fd, write_fd = os.pipe()
-        env = dict(os.environ)
-        if self.scheduler is not None:
-            env.update(cluster_env(len(self.config.serving_config.agent_ports), self._cluster_port, rank))
         config = self.config.to_dict()
         config["serving_config"]["api_key"] = None       # agents never see the HTTP API key
-        env[ENV_CONFIG] = json.dumps({"config": config, "model_dir": self.model_dir, "rank": rank,
-                                      "tp_comm": self.comm.name if self.comm is not None else None})
-        env[ENV_TOKEN] = self._token
-        env[ENV_STATUS_FD] = str(write_fd)
-        env.setdefault("GLOG_v", "3")  # MindSpore's C++ log: errors only (it warns on every cached graph)
+        env, workdir = _child_env({
+            **(cluster_env(len(self.config.serving_config.agent_ports), self._cluster_port, rank)
+               if self.scheduler is not None else {}),
+            proto.ENV_CONFIG: json.dumps({"config": config, "model_dir": self.model_dir, "rank": rank,
+                                          "tp_comm": self.comm.name if self.comm is not None else None}),
+            proto.ENV_TOKEN: self._token, proto.ENV_STATUS_FD: str(write_fd)})
         # a session of its own: a terminal's Ctrl-C reaches the master, which then stops agents in order
-        # MindSpore writes kernel build files into the working directory: keep them out of the user's
-        workdir = default_cache_dir() / "agent-workdir"
-        workdir.mkdir(parents=True, exist_ok=True)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
-                                                          env.get("PYTHONPATH")]))
         process = subprocess.Popen([sys.executable, "-m", "llm_serving.agents.server"], env=env, cwd=workdir,
                                    pass_fds=(write_fd,), start_new_session=True)
         os.close(write_fd)
@@ -287,26 +288,26 @@ class AgentGroup:
         return AgentClient(rank, process, reader, on_lost=self.on_lost)
 
     def _write_token_file(self, port: int) -> None:
-        path = token_file(port)
+        path = proto.token_file(port)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(self._token)
         self._token_files.append(path)
 
-    async def step(self, command: str, step_id: int, n: int, s: int) -> list:
-        """Run one step on every agent; returns their replies (rank order); raises AgentError if any fails,
-        dies or times out (`fatal` when the group cannot go on: see _in_step)."""
+    async def step(self, command) -> tuple:
+        """Run one step (a PrefillStep or DecodeStep) on every agent; returns (their StepReplies in rank
+        order, whether some agent's KV cache was reset since the last step: its contents are gone). Raises
+        AgentError if any fails, dies or times out (`fatal` when the group cannot go on: see _in_step)."""
         timeout = self.config.serving_config.step_timeout_s
-        payload = {"step": step_id, "n": n, "s": s}
         # Frames go out before this coroutine yields: HTTP handlers woken by the previous step then run
         # while the agents compute, instead of delaying the next step's start.
         sent = []
         for a in self.agents:
             try:
-                sent.append(a.send(command, payload))
+                sent.append(a.send(command))
             except AgentError as exc:
                 sent.append(exc)
-        tasks = [asyncio.ensure_future(a.wait_reply(command, *x, timeout) if isinstance(x, tuple) else _fail(x))
+        tasks = [asyncio.ensure_future(a.wait_reply(*x, timeout) if isinstance(x, tuple) else _fail(x))
                  for a, x in zip(self.agents, sent)]
         try:
             pending = set(tasks)
@@ -323,7 +324,16 @@ class AgentGroup:
         if errors:
             fatal = any(getattr(e, "fatal", True) for e in errors) or not _in_step(tasks)
             raise AgentError("; ".join(map(str, errors)), fatal=fatal)
-        return [t.result() for t in tasks]
+        replies = [t.result() for t in tasks]
+        cache_reset = False
+        for a, r in zip(self.agents, replies):
+            if r.cache_epoch != a.cache_epoch:
+                a.cache_epoch, cache_reset = r.cache_epoch, True
+        return replies, cache_reset
+
+    def describe(self) -> list:
+        """rank, pid and port of every agent started."""
+        return [{"rank": a.rank, "pid": a.process.pid, "port": a.port} for a in self.agents]
 
     def dead_agents(self) -> list:
         """Reasons for every agent that is not alive and connected (empty when all are well)."""
@@ -346,9 +356,9 @@ class AgentGroup:
             a.closing = True
             if kill and a.process.poll() is None:
                 a.process.kill()
-            elif a.process.poll() is None and a.dead_reason is None and a._writer is not None:
+            elif a.process.poll() is None and a.connected:
                 try:
-                    await a.request(proto.EXIT, {}, timeout_s=grace_s)
+                    await a.request(proto.Exit(), timeout_s=grace_s)
                 except AgentError:
                     pass
         loop = asyncio.get_running_loop()

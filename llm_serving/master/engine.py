@@ -2,23 +2,19 @@
 sampled tokens back, detokenize and stream them. Runs as one task on the HTTP server's event loop and
 never blocks it (the agent round-trip is awaited on a socket).
 
-Supervision lives here too. A step an agent answers with a failure ends exactly the requests in it. An
-agent that dies (its connection drops) or does not answer a step within `step_timeout_s` is lost, and
-so is its KV cache: every running request ends at once with finish_reason "error" and the reason,
-waiting requests stay queued, and the agent group is killed and started again (fresh KV cache, every
-block free, prefix cache forgotten) after a back-off that doubles per failure. More than
-`max_agent_restarts` failures within `agent_restart_window_s` and the engine gives up: it fails what is
-queued, refuses new requests and says why on /health. While agents are down /health answers 503 with
-the reason; new requests queue (up to the usual bounds) and run once they are back."""
+The engine owns the requests and the step loop; its helpers own the rest: the Scheduler (which rows run
+next, master/scheduler.py), StepIO (the step buffers, master/step_io.py), the AgentGroup (the agent
+processes, master/agent_group.py) and the Supervisor (restarts after an agent is lost,
+master/supervisor.py). A step an agent answers with a failure ends exactly the requests in it; a reply
+saying an agent's KV cache was reset behind the master's back (agent-ctl reset) discards the step and
+computes every running request again from its tokens, with the prefix cache forgotten."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from collections import Counter, deque
+from collections import Counter
 from typing import Optional
-
-import numpy as np
 
 from llm_serving.agents import protocol as proto
 from llm_serving.chat import load_chat_template
@@ -26,6 +22,8 @@ from llm_serving.master.agent_group import AgentError, AgentGroup
 from llm_serving.master.block_manager import BlockManager
 from llm_serving.master.request import Request, SamplingParams, TokenEvent
 from llm_serving.master.scheduler import ScheduledBatch, Scheduler
+from llm_serving.master.step_io import StepIO, StepOutputs
+from llm_serving.master.supervisor import Supervisor
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +49,8 @@ class Engine:
         mc = config.model_config
         self.stop_token_ids = frozenset(mc.end_token_ids or tokenizer.eos_ids)
         self.agents = AgentGroup(config, model_dir, on_lost=self._on_agent_lost)
+        self.supervisor = Supervisor(config.serving_config, self.agents)
+        self.step_io = StepIO(self.block_manager)
         self.chat_template = load_chat_template(config.tokenizer.chat_template, model_dir, tokenizer)
         self.requests: dict = {}
         self._detok: dict = {}
@@ -67,16 +67,9 @@ class Engine:
         self.finish_listeners: list = []          # callables(request), called as each request ends (metrics)
         # seconds per phase of the step loop, summed over steps (see step_profile in stats())
         self.profile: Counter = Counter()
-        self._rows: list = []                 # per shm row: [request, its block table, entries written,
-        #                                       history tokens written]
-        self._rows_buffers = None
-        # supervision (see the module docstring)
-        self._agent_failure: Optional[str] = None   # set when an agent failed; the step loop recovers
-        self.down_reason: Optional[str] = None      # agents down (restarting) and why
-        self.failed_reason: Optional[str] = None    # gave up restarting: the engine serves nothing more
+        self.num_cache_resets = 0                   # agents' KV caches reset behind the master's back
+        self.failed_reason: Optional[str] = None    # the engine serves nothing more (agents given up, a bug)
         self.draining_reason: Optional[str] = None  # shutting down: no new requests
-        self.agent_failures: deque = deque()        # monotonic times of recent agent failures
-        self.num_agent_restarts = 0
 
     # --- lifecycle ---------------------------------------------------------------------------------
 
@@ -133,10 +126,23 @@ class Engine:
             return self.draining_reason
         if not self.running:
             return "engine is not running"
-        if self.down_reason:
-            return f"agents restarting after a failure: {self.down_reason}"
+        if self.supervisor.down_reason:
+            return f"agents restarting after a failure: {self.supervisor.down_reason}"
         dead = self.agents.dead_agents()
         return "; ".join(dead) if dead else None
+
+    @property
+    def num_agent_restarts(self) -> int:
+        return self.supervisor.num_restarts
+
+    def agent_info(self) -> list:
+        """rank, pid and port of every agent (for /health)."""
+        return self.agents.describe()
+
+    @property
+    def tensor_parallel(self) -> dict:
+        """The agent group's size and all-reduce ('shm' or 'mindspore'; None for one agent)."""
+        return {"size": len(self.config.serving_config.agent_ports), "all_reduce": self.agents.all_reduce}
 
     # --- requests ----------------------------------------------------------------------------------
 
@@ -192,8 +198,9 @@ class Engine:
     async def _step_loop(self) -> None:
         prof = self.profile
         while self.running:
-            if self._agent_failure is not None:
-                if not await self._recover():
+            if self.supervisor.failure is not None:
+                if not await self.supervisor.recover(self._lose_running, self._fail_all):
+                    self.failed_reason = self.supervisor.failed_reason
                     return
                 continue
             t0 = time.perf_counter()
@@ -212,24 +219,24 @@ class Engine:
             prof["loop"] += time.perf_counter() - t0
 
     async def _run_step(self, batch: ScheduledBatch) -> None:
-        n, s = batch.num_rows, batch.max_query_len
+        n = batch.num_rows
         prof = self.profile
         t_write = time.perf_counter()
-        self._write_inputs(batch, s)
+        self.step_io.write_inputs(self.agents.buffers, batch)
         t0 = time.perf_counter()
         prof["shm_write"] += t0 - t_write
+        command = (proto.PrefillStep(self.num_steps, n, batch.max_query_len) if batch.is_prefill
+                   else proto.DecodeStep(self.num_steps, n))
         try:
-            replies = await self.agents.step(proto.PREFILL if batch.is_prefill else proto.DECODE, self.num_steps,
-                                             n, s)
-            model_s = replies[0].get("model_ms", 0.0) / 1e3
-            agent_s = replies[0].get("agent_ms", 0.0) / 1e3
+            replies, cache_reset = await self.agents.step(command)
+            model_s, agent_s = replies[0].model_ms / 1e3, replies[0].agent_ms / 1e3
             prof["model"] += model_s
             prof["agent_other"] += agent_s - model_s
             prof["round_trip"] += time.perf_counter() - t0 - agent_s
         except AgentError as exc:
             logger.error("step %d failed: %s", self.num_steps, exc)
-            if exc.fatal:                         # the agent is lost: _recover fails every running request
-                self._agent_failure = self._agent_failure or str(exc)
+            if exc.fatal:                         # the agent is lost: the supervisor fails every running request
+                self.supervisor.agent_lost(str(exc))
             else:                                 # the agent answered "failed": only this step's requests end
                 for req in batch.requests:
                     if not req.finished:
@@ -240,150 +247,51 @@ class Engine:
             kind, elapsed = ("prefill" if batch.is_prefill else "decode"), time.perf_counter() - t0
             self.step_time_s[kind] += elapsed
             self.step_time_by_batch[(kind, n)] += elapsed
+        if cache_reset:
+            self._cache_was_reset(command.step)
+            return
         t_read = time.perf_counter()
-        self._read_outputs(batch)
+        self._apply_outputs(batch, self.step_io.read_outputs(self.agents.buffers, n))
         prof["output"] += time.perf_counter() - t_read
 
-    # --- supervision -------------------------------------------------------------------------------
+    # --- when the KV cache is gone -----------------------------------------------------------------
 
     def _on_agent_lost(self, reason: str) -> None:
         """An agent's connection dropped while serving (called from its reader task)."""
-        if self._agent_failure is None:
-            logger.error("%s", reason)
-            self._agent_failure = reason
+        self.supervisor.agent_lost(reason)
         self._wakeup.set()
 
-    async def _recover(self) -> bool:
-        """Fail the running requests, kill and restart the agents (with back-off); False when giving up."""
-        sc = self.config.serving_config
-        reason, self.down_reason = self._agent_failure, self._agent_failure
-        while True:
-            running = list(self.scheduler.running)
-            for req in running:
-                self._finish(req, "error", error=f"agent failure: {reason}")
-            dropped = self.block_manager.forget_cached()
-            now = time.monotonic()
-            self.agent_failures.append(now)
-            while self.agent_failures and now - self.agent_failures[0] > sc.agent_restart_window_s:
-                self.agent_failures.popleft()
-            failures = len(self.agent_failures)
-            logger.error("agent failure (%s): %d running request(s) failed, %d waiting kept, %d cached "
-                         "block(s) dropped", reason, len(running), len(self.scheduler.waiting), dropped)
-            await self.agents.stop(grace_s=5.0, kill=True)
-            if failures > sc.max_agent_restarts:
-                self.failed_reason = (f"agents failed {failures} times within {sc.agent_restart_window_s:g} s "
-                                      f"(serving_config.max_agent_restarts={sc.max_agent_restarts}); not "
-                                      f"restarting. Last failure: {reason}")
-                logger.error("%s", self.failed_reason)
-                for req in list(self.requests.values()):
-                    self._finish(req, "error", error=self.failed_reason)
-                self.down_reason = None
-                return False
-            delay = sc.agent_restart_backoff_s * 2 ** (failures - 1)
-            logger.warning("restarting the agents in %.1f s (failure %d of at most %d within %g s)", delay,
-                           failures, sc.max_agent_restarts, sc.agent_restart_window_s)
-            await asyncio.sleep(delay)
-            self._agent_failure = None
-            t0 = time.perf_counter()
-            try:
-                await self.agents.start()
-            except (AgentError, OSError) as exc:
-                reason = self.down_reason = f"restart failed: {exc}"
-                logger.error("%s", reason)
-                continue
-            if self._agent_failure is not None:     # died again while starting
-                reason = self.down_reason = self._agent_failure
-                continue
-            self.num_agent_restarts += 1
-            self.down_reason = None
-            logger.info("agents restarted in %.1f s; serving again (%d waiting)", time.perf_counter() - t0,
-                        len(self.scheduler.waiting))
-            return True
+    def _lose_running(self, reason: str) -> int:
+        """The agents are lost with their KV cache: end the running requests, forget the prefix cache."""
+        running = list(self.scheduler.running)
+        for req in running:
+            self._finish(req, "error", error=reason)
+        dropped = self.block_manager.forget_cached()
+        logger.error("%d running request(s) failed, %d waiting kept, %d cached block(s) dropped", len(running),
+                     len(self.scheduler.waiting), dropped)
+        return len(running)
 
-    def _write_inputs(self, batch: ScheduledBatch, s: int) -> None:
-        """Write the step's inputs into shared memory. Per-row state that rarely changes (block table,
-        sampling parameters, request id) is rewritten only when the row's request or table changed since
-        the last step; a decode step writes one id, position and slot per row."""
-        b = self.agents.buffers
-        if self._rows_buffers is not b:           # new buffers (first step, or agents restarted)
-            self._rows, self._rows_buffers = [], b
-        bm, bs = self.block_manager, self.block_manager.block_size
-        n = batch.num_rows
-        tables = bm.block_tables
-        if s == 1:                                # decode: token i feeds position num_computed_tokens
-            ids, pos, slots = [], [], []
-            for i, req in enumerate(batch.requests):
-                p = req.num_computed_tokens
-                table = tables[req.req_id]
-                ids.append(req.token_at(p))
-                pos.append(p)
-                slots.append(table[p // bs] * bs + p % bs)
-                self._write_row_state(b, i, req, table)
-            b.input_ids[:n, 0] = ids
-            b.positions[:n, 0] = pos
-            b.slot_mapping[:n, 0] = slots
-            b.context_lens[:n] = b.positions[:n, 0] + 1
-            b.query_lens[:n] = 1
-        else:
-            b.input_ids[:n, :s] = 0
-            b.positions[:n, :s] = 0
-            b.slot_mapping[:n, :s] = -1
-            for i, (req, q) in enumerate(zip(batch.requests, batch.num_new_tokens)):
-                start = req.num_computed_tokens
-                stop = start + q
-                table = tables[req.req_id]
-                self._write_row_state(b, i, req, table)
-                b.input_ids[i, :q] = req.tokens(start, stop)
-                positions = np.arange(start, stop, dtype=np.int32)
-                b.positions[i, :q] = positions
-                b.slot_mapping[i, :q] = b.block_tables[i, positions // bs] * bs + positions % bs
-                b.context_lens[i] = stop
-                b.query_lens[i] = q
-        for i, req in enumerate(batch.requests):
-            if not req.sampling.greedy:
-                b.random_u[i] = req.random_u()
-            if req.sampling.penalized:            # the tokens the penalties count, appended as they come
-                state = self._rows[i]
-                have, total = state[3], req.num_tokens
-                if have < total:
-                    b.history[i, have:total] = req.tokens(have, total)
-                    b.history_len[i] = state[3] = total
+    def _fail_all(self, reason: str) -> None:
+        for req in list(self.requests.values()):
+            self._finish(req, "error", error=reason)
 
-    def _write_row_state(self, b, i: int, req: Request, table: list) -> None:
-        rows = self._rows
-        if i == len(rows):
-            rows.append(None)
-        state = rows[i]
-        if state is not None and state[0] is req and state[1] is table:
-            if state[2] != len(table):            # tables only grow while a request holds them
-                b.block_tables[i, state[2]:len(table)] = table[state[2]:]
-                state[2] = len(table)
-            return
-        b.block_tables[i] = 0
-        b.block_tables[i, :len(table)] = table
-        sp = req.sampling
-        b.temperature[i] = sp.temperature
-        b.top_k[i] = sp.top_k
-        b.top_p[i] = sp.top_p
-        b.random_u[i] = 0.0
-        b.top_n[i] = sp.top_logprobs
-        b.repetition_penalty[i] = sp.repetition_penalty
-        b.presence_penalty[i] = sp.presence_penalty
-        b.frequency_penalty[i] = sp.frequency_penalty
-        b.history_len[i] = 0                      # written per step for rows with a penalty
-        b.prompt_len[i] = len(req.prompt_ids)
-        b.request_ids[i] = req.number
-        rows[i] = [req, table, len(table), 0]
+    def _cache_was_reset(self, step: int) -> None:
+        """An agent's KV cache was zeroed behind the master's back (agent-ctl reset) before or during this
+        step: its outputs may come from zeros. Discard them; every running request computes its KV again
+        from its tokens (as after a preemption) and the prefix cache forgets every block."""
+        self.num_cache_resets += 1
+        recomputed = self.scheduler.recompute_all()
+        dropped = self.block_manager.forget_cached()
+        logger.warning("an agent's KV cache was reset: step %d discarded, %d running request(s) computed again, "
+                       "%d cached block(s) forgotten", step, recomputed, dropped)
 
-    def _read_outputs(self, batch: ScheduledBatch) -> None:
-        b = self.agents.buffers
-        n = batch.num_rows
-        token_ids = b.out_token_ids[:n].tolist()
-        logprobs = b.out_logprobs[:n].tolist()
-        wants_top = bool(b.top_n[:n].any())
+    # --- outputs -----------------------------------------------------------------------------------
+
+    def _apply_outputs(self, batch: ScheduledBatch, out: StepOutputs) -> None:
+        """Each row that sampled a token: append it to its request, detokenize, stream it or finish."""
         now = time.monotonic()
         for row, req in self.scheduler.complete_step(batch):
-            token_id, logprob = token_ids[row], logprobs[row]
+            token_id, logprob = out.token_ids[row], out.logprobs[row]
             req.output_ids.append(token_id)
             req.output_logprobs.append(logprob)
             if req.first_token_time is None:
@@ -399,9 +307,8 @@ class Engine:
                     reason = "stop"
             self.profile["detokenize"] += time.perf_counter() - t_detok
             event = TokenEvent(token_id, text, logprob, special)
-            if wants_top and req.sampling.top_logprobs:
-                k = req.sampling.top_logprobs
-                event.top = list(zip(b.out_top_ids[row, :k].tolist(), b.out_top_logprobs[row, :k].tolist()))
+            if out.top_ids is not None and req.sampling.top_logprobs:
+                event.top = out.top(row, req.sampling.top_logprobs)
             if reason is None:
                 req.events.put_nowait(event)
             else:
@@ -436,6 +343,7 @@ class Engine:
             "num_blocks": self.block_manager.num_blocks,
             "num_preemptions": sched.num_preemptions,
             "num_agent_restarts": self.num_agent_restarts,
+            "num_cache_resets": self.num_cache_resets,
             "unavailable_reason": self.unavailable_reason(),
             "policy": sched.policy,
             "chunked_prefill": sched.chunked_prefill,

@@ -36,10 +36,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional
 
+from llm_serving.config import SCHEDULING_POLICIES
 from llm_serving.master.block_manager import BlockManager
 from llm_serving.master.request import Request, RequestStatus
 
-POLICIES = ("prefill_first", "longest_output_first", "fcfs")
+POLICIES = SCHEDULING_POLICIES      # named in config.py, which validates scheduler_config.policy
 
 
 class QueueFullError(RuntimeError):
@@ -291,6 +292,14 @@ class Scheduler:
             counts.append(q)
             budget -= q
         return budget
+
+    def recompute_all(self) -> int:
+        """The KV cache's contents are gone (an agent's cache was reset): every running request goes back to
+        the queue to compute its KV again from its tokens, as a preempted one does. Returns how many."""
+        running = list(self.running)
+        for req in running:
+            self._preempt(req)
+        return len(running)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

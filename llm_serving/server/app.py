@@ -8,7 +8,6 @@ from aiohttp import web
 
 from llm_serving.master.engine import DuplicateRequestError, EngineStoppedError
 from llm_serving.master.scheduler import QueueFullError
-from llm_serving.models.parallel import all_reduce_backend
 from llm_serving.server import metrics, routes_llm_serving, routes_openai, streaming
 from llm_serving.server.keys import ENGINE
 from llm_serving.server.schemas import ModelNotFoundError, ValidationError
@@ -82,7 +81,7 @@ async def health(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     reason = engine.unavailable_reason()
     body = {"status": "ok" if reason is None else "unavailable", "model": engine.model_name,
-            "agents": [{"rank": a.rank, "pid": a.process.pid, "port": a.port} for a in engine.agents.agents],
+            "agents": engine.agent_info(),
             "agent_restarts": engine.num_agent_restarts}
     if reason is not None:
         body["reason"] = reason
@@ -95,13 +94,11 @@ async def model_info(request: web.Request) -> web.Response:
     if model != engine.model_name:
         raise ModelNotFoundError(f"model {model!r} is not served here; this server serves {engine.model_name!r}")
     mc = engine.config.model_config
-    world = len(engine.config.serving_config.agent_ports)
+    tp = engine.tensor_parallel
     return web.json_response({"model_id": engine.model_name, "max_total_tokens": engine.max_model_len,
                               "max_num_seqs": engine.config.serving_config.max_num_seqs,
                               "device_target": mc.device_target, "vocab_size": engine.tokenizer.vocab_size,
-                              "tensor_parallel_size": world,
-                              "tensor_parallel_all_reduce": all_reduce_backend(mc.device_target, mc.all_reduce)
-                              if world > 1 else None,
+                              "tensor_parallel_size": tp["size"], "tensor_parallel_all_reduce": tp["all_reduce"],
                               "model_path": engine.model_path, "tokenizer_path": engine.tokenizer.model_file})
 
 

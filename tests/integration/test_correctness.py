@@ -54,12 +54,12 @@ def test_capture_command_validates_and_stops_by_itself(stories_server, tmp_path)
     port = http("GET", stories_server.url + "/health")[1]["agents"][0]["port"]
     with ControlClient(port) as agent:
         with pytest.raises(ControlError, match="max_steps"):
-            agent.request(proto.CAPTURE, dir=str(tmp_path), max_steps=0)
-        agent.request(proto.CAPTURE, dir=str(tmp_path / "cap"), max_steps=3)
+            agent.request(proto.Capture(dir=str(tmp_path), max_steps=0))
+        agent.request(proto.Capture(dir=str(tmp_path / "cap"), max_steps=3))
         status, _ = http("POST", stories_server.url + "/models/hf/generate",
                          {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 6}})
         assert status == 200
-        assert agent.request(proto.CAPTURE, dir=None)["steps"] == 3     # stopped after max_steps
+        assert agent.request(proto.Capture(dir=None)).steps == 3     # stopped after max_steps
     files = sorted((tmp_path / "cap").iterdir())
     assert len(files) == 3
     with np.load(files[0]) as step:                                     # the prefill of the prompt

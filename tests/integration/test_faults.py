@@ -13,7 +13,7 @@ import aiohttp
 import psutil
 import pytest
 
-from llm_serving.master.agent_group import token_file
+from llm_serving.agents.protocol import token_file
 from tests.integration.server_harness import REPO, ServerProcess, http, leftovers, project_shm_segments
 from tests.integration.test_serving import STORY_PROMPTS, assert_greedy_reference
 
@@ -352,13 +352,13 @@ def test_a_step_the_agent_answers_with_a_failure_ends_only_its_requests(server_f
     port = http("GET", server.url + "/health")[1]["agents"][0]["port"]
     body = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 8}}
     with ControlClient(port) as ctl:
-        ctl.request(proto.CAPTURE, dir=str(tmp_path / "cap"), max_steps=1000)
+        ctl.request(proto.Capture(dir=str(tmp_path / "cap"), max_steps=1000))
         (tmp_path / "cap").rmdir()
         status, answer = http("POST", server.url + "/generate", body)
         assert status == 500 and answer["details"]["finish_reason"] == "error", answer
         assert "FileNotFoundError" in answer["error"] and answer["details"]["generated_tokens"] == 0
         assert http("GET", server.url + "/health")[0] == 200             # the agent itself is fine
-        ctl.request(proto.CAPTURE, dir=None)
+        ctl.request(proto.Capture(dir=None))
     status, answer = http("POST", server.url + "/generate", body)
     assert status == 200 and answer["generated_text"] == ", there was a little girl"
     stats = http("GET", server.url + "/stats")[1]

@@ -5,6 +5,7 @@ import random
 import socket
 import subprocess
 import sys
+import time
 
 import aiohttp
 import pytest
@@ -155,10 +156,45 @@ def test_agent_ctl_health_and_reset(stories_server):
     assert health["ok"] and health["rank"] == 0 and health["steps"] > 0
     out = subprocess.run([sys.executable, "-m", "llm_serving.cli", "agent-ctl", "--port", str(port), "reset"],
                          capture_output=True, text=True, timeout=60, cwd=REPO)
-    assert out.returncode == 0 and json.loads(out.stdout)["ok"]
+    reset = json.loads(out.stdout)
+    assert reset["ok"] and reset["cache_epoch"] >= 1
     # the master still serves after a reset (new requests write the KV they read)
     status, body = generate(stories_server.url, "Once upon a time", max_new_tokens=8)
     assert status == 200 and body["generated_text"].startswith(",")
+
+
+def test_a_reset_behind_the_masters_back_loses_no_cached_prefix_and_no_running_request(stories_server):
+    """agent-ctl reset zeroes the KV cache the master's prefix cache and running requests point at: the
+    master learns it from the next step reply, discards that step and computes again what it had, so
+    greedy text is the same as without the reset."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from llm_serving.agents.control import ControlClient
+
+    url = stories_server.url
+    prefix = " ".join(STORY_PROMPTS[:12])           # > 3 blocks of 16 tokens: cached after the first request
+    stats0 = http("GET", url + "/stats")[1]
+    status, first = generate(url, prefix, max_new_tokens=60)
+    assert status == 200
+    assert generate(url, prefix, max_new_tokens=60)[1] == first          # served from the prefix cache
+    stats1 = http("GET", url + "/stats")[1]
+    assert stats1["num_cached_prompt_tokens"] - stats0["num_cached_prompt_tokens"] >= 48
+    with ControlClient(_agent_port(stories_server)) as ctl:
+        assert ctl.request(proto.Reset()).cache_epoch == ctl.info.cache_epoch + 1
+    assert generate(url, prefix, max_new_tokens=60)[1] == first          # the cached blocks held zeros
+    stats2 = http("GET", url + "/stats")[1]
+    assert stats2["num_cache_resets"] == stats1["num_cache_resets"] + 1
+    # a reset while requests are running: they recompute their KV and finish with the same text
+    with ThreadPoolExecutor(4) as pool:
+        runs = [pool.submit(generate, url, p, max_new_tokens=200) for p in STORY_PROMPTS[:4]]
+        with ControlClient(_agent_port(stories_server)) as ctl:
+            while http("GET", url + "/stats")[1]["num_running"] == 0 and not all(r.done() for r in runs):
+                time.sleep(0.005)
+            ctl.request(proto.Reset())
+        during = [r.result(timeout=120) for r in runs]
+    alone = [generate(url, p, max_new_tokens=200) for p in STORY_PROMPTS[:4]]
+    assert [d[0] for d in during] == [200] * 4 and during == alone
+    assert http("GET", url + "/stats")[1]["num_cache_resets"] == stats2["num_cache_resets"] + 1
 
 
 def test_agent_refuses_commands_before_connect_and_bad_tokens_and_bad_frames(stories_server):
@@ -177,9 +213,9 @@ def test_agent_refuses_commands_before_connect_and_bad_tokens_and_bad_frames(sto
                 pass
         return replies
 
-    replies = exchange([proto.encode_frame(proto.DECODE, {"seq": 1, "step": 0, "n": 1})])
+    replies = exchange([proto.encode(1, proto.DecodeStep(step=0, num_rows=1))])
     assert len(replies) == 1 and not replies[0]["ok"] and "not connected" in replies[0]["error"]
-    replies = exchange([proto.encode_frame(proto.CONNECT, {"seq": 1, "token": "guess", "shm": None})])
+    replies = exchange([proto.encode(1, proto.Connect(token="guess"))])
     assert not replies[0]["ok"] and "wrong token" in replies[0]["error"]
     replies = exchange([proto.HEADER.pack(12) + b"Zgarbage!!!!"])
     assert not replies[0]["ok"] and "unknown command" in replies[0]["error"]

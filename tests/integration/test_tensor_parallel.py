@@ -106,13 +106,13 @@ def test_a_failure_on_rank_0_alone_after_the_model_graph_ends_only_its_step(tp_s
     rank0 = next(a for a in health["agents"] if a["rank"] == 0)
     body = {"inputs": STORY_PROMPTS[0], "parameters": {"max_new_tokens": 8}}
     with ControlClient(rank0["port"]) as ctl:
-        ctl.request(proto.CAPTURE, dir=str(tmp_path / "cap"), max_steps=1000)
+        ctl.request(proto.Capture(dir=str(tmp_path / "cap"), max_steps=1000))
         (tmp_path / "cap").rmdir()
         status, answer = http("POST", tp_server.url + "/models/hf/generate", body)
         assert status == 500 and answer["details"]["finish_reason"] == "error", answer
         assert "agent 0" in answer["error"] and "FileNotFoundError" in answer["error"], answer
         assert http("GET", tp_server.url + "/health")[0] == 200
-        ctl.request(proto.CAPTURE, dir=None)
+        ctl.request(proto.Capture(dir=None))
     assert_greedy_reference(tp_server.url, "hf", shared_dir)
     stats = http("GET", tp_server.url + "/stats")[1]
     assert stats["num_agent_restarts"] == restarts and stats["num_free_blocks"] == stats["num_blocks"]

@@ -7,24 +7,27 @@ import itertools
 
 import pytest
 
+from llm_serving.agents import protocol as proto
 from llm_serving.config import config_from_dict
 from llm_serving.master.agent_group import AgentError, AgentGroup
 
 
 class ScriptedAgent:
-    """send()/wait_reply() like AgentClient; the reply is `outcome`: a dict, an AgentError, or None (never)."""
+    """send()/wait_reply() like AgentClient; the reply is `outcome`: a StepReply, an AgentError, or None
+    (never)."""
 
     def __init__(self, rank: int, outcome):
         self.rank, self.outcome = rank, outcome
         self._seq = itertools.count()
         self.cancelled = False
+        self.cache_epoch = 0
 
-    def send(self, command, payload):
+    def send(self, command):
         if isinstance(self.outcome, AgentError) and "not connected" in str(self.outcome):
             raise self.outcome
-        return next(self._seq), None
+        return next(self._seq), command, None
 
-    async def wait_reply(self, command, seq, fut, timeout_s):
+    async def wait_reply(self, seq, command, fut, timeout_s):
         if self.outcome is None:
             try:
                 await asyncio.sleep(3600)
@@ -34,7 +37,14 @@ class ScriptedAgent:
         await asyncio.sleep(0.01 * self.rank)
         if isinstance(self.outcome, AgentError):
             raise self.outcome
-        return {**self.outcome, "rank": self.rank}
+        return self.outcome
+
+
+def _ok(calls=None, epoch=0) -> proto.StepReply:
+    return proto.StepReply(step=1, model_ms=1.0, agent_ms=2.0, cache_epoch=epoch, collective_calls=calls)
+
+
+STEP = proto.DecodeStep(step=1, num_rows=1)
 
 
 def _step(*outcomes):
@@ -44,9 +54,17 @@ def _step(*outcomes):
 
 
 def test_every_rank_answering_gives_the_replies_in_rank_order():
-    group, run = _step({"ok": True}, {"ok": True})
-    replies = run(group.step("a", 1, 1, 1))
-    assert [r["rank"] for r in replies] == [0, 1]
+    first, second = _ok(epoch=0), _ok(epoch=0)
+    group, run = _step(first, second)
+    replies, cache_reset = run(group.step(STEP))
+    assert replies[0] is first and replies[1] is second and not cache_reset
+
+
+def test_a_reply_with_a_new_cache_epoch_says_the_kv_cache_was_reset_once():
+    group, run = _step(_ok(epoch=0), _ok(epoch=1))          # rank 1 was reset (agent-ctl reset)
+    assert run(group.step(STEP))[1] is True
+    assert [a.cache_epoch for a in group.agents] == [0, 1]
+    assert run(group.step(STEP))[1] is False                 # known from now on
 
 
 def test_a_lost_rank_fails_the_step_at_once_without_waiting_for_the_others():
@@ -54,7 +72,7 @@ def test_a_lost_rank_fails_the_step_at_once_without_waiting_for_the_others():
 
     async def bounded():
         with pytest.raises(AgentError, match="agent 1 connection lost") as err:
-            await asyncio.wait_for(group.step("a", 1, 1, 1), 5)    # rank 0 would wait forever
+            await asyncio.wait_for(group.step(STEP), 5)    # rank 0 would wait forever
         await asyncio.sleep(0)                                      # (a cancellation lands on the next turn)
         return err.value, group.agents[0].cancelled                 # read before asyncio.run cancels leftovers
     error, rank0_cancelled = run(bounded())
@@ -65,7 +83,7 @@ def test_a_cancelled_step_leaves_no_rank_waiting():
     group, run = _step(None, None)
 
     async def cancel_midway():
-        task = asyncio.ensure_future(group.step("a", 1, 1, 1))
+        task = asyncio.ensure_future(group.step(STEP))
         await asyncio.sleep(0.05)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -76,9 +94,9 @@ def test_a_cancelled_step_leaves_no_rank_waiting():
 
 
 def test_a_rank_that_cannot_even_be_sent_to_is_fatal():
-    group, run = _step({"ok": True}, AgentError("agent 1 is not connected"))
+    group, run = _step(_ok(), AgentError("agent 1 is not connected"))
     with pytest.raises(AgentError, match="not connected") as err:
-        run(group.step("a", 1, 1, 1))
+        run(group.step(STEP))
     assert err.value.fatal
 
 
@@ -86,43 +104,42 @@ def test_every_rank_refusing_the_step_is_not_fatal_but_ranks_that_disagree_are()
     refused = AgentError("agent 0: ValueError: bad step", fatal=False)
     group, run = _step(refused, AgentError("agent 1: ValueError: bad step", fatal=False))
     with pytest.raises(AgentError) as err:
-        run(group.step("a", 1, 1, 1))
+        run(group.step(STEP))
     assert not err.value.fatal and "agent 0" in str(err.value) and "agent 1" in str(err.value)
 
-    group, run = _step({"ok": True}, AgentError("agent 1: RuntimeError: out of memory", fatal=False))
+    group, run = _step(_ok(), AgentError("agent 1: RuntimeError: out of memory", fatal=False))
     with pytest.raises(AgentError, match="out of memory") as err:
-        run(group.step("a", 1, 1, 1))
+        run(group.step(STEP))
     assert err.value.fatal            # rank 0 ran the step, rank 1 did not: the group is out of step
 
 
 def test_a_single_agent_refusing_a_step_is_not_fatal():
     group, run = _step(AgentError("agent 0: ValueError: bad step", fatal=False))
     with pytest.raises(AgentError) as err:
-        run(group.step("a", 1, 1, 1))
+        run(group.step(STEP))
     assert not err.value.fatal
 
 
 def _failed(rank: int, why: str, calls=None) -> AgentError:
-    reply = {"ok": False, "error": why} if calls is None else {"ok": False, "error": why, "collective_calls": calls}
-    return AgentError(f"agent {rank}: {why}", fatal=False, reply=reply)
+    return AgentError(f"agent {rank}: {why}", fatal=False, reply=proto.Failed(error=why, collective_calls=calls))
 
 
 def test_ranks_that_made_the_same_collective_calls_are_in_step_whatever_else_failed():
     # rank 0 ran the model graph with its peer, then its own sampler or logits capture failed: the step's
     # requests fail, the group goes on
-    group, run = _step(_failed(0, "OSError: capture dir gone", calls=7), {"ok": True, "collective_calls": 7})
+    group, run = _step(_failed(0, "OSError: capture dir gone", calls=7), _ok(calls=7))
     with pytest.raises(AgentError, match="capture dir gone") as err:
-        run(group.step("a", 1, 1, 1))
+        run(group.step(STEP))
     assert not err.value.fatal
     # every rank refused the step before any graph: in step too
     group, run = _step(_failed(0, "ValueError: bad step", calls=3), _failed(1, "ValueError: bad step", calls=3))
     with pytest.raises(AgentError) as err:
-        run(group.step("a", 1, 1, 1))
+        run(group.step(STEP))
     assert not err.value.fatal
 
 
 def test_ranks_whose_collective_calls_differ_are_out_of_step():
-    group, run = _step({"ok": True, "collective_calls": 8}, _failed(1, "RuntimeError: no memory", calls=7))
+    group, run = _step(_ok(calls=8), _failed(1, "RuntimeError: no memory", calls=7))
     with pytest.raises(AgentError, match="no memory") as err:
-        run(group.step("a", 1, 1, 1))
+        run(group.step(STEP))
     assert err.value.fatal

@@ -11,11 +11,47 @@ from llm_serving.agents.server import CommandQueue
 def test_frame_round_trip_over_a_socket():
     a, b = socket.socketpair()
     with a, b:
-        proto.send_frame(a, proto.DECODE, {"seq": 7, "step": 3, "n": 32})
+        a.sendall(proto.encode(7, proto.DecodeStep(step=3, num_rows=32)))
         frame = proto.recv_frame(b)
     assert frame.command == proto.DECODE
-    assert frame.payload == {"seq": 7, "step": 3, "n": 32}
+    assert frame.payload == {"seq": 7, "step": 3, "num_rows": 32}
     assert frame.seq == 7
+    assert proto.read_command(frame) == proto.DecodeStep(step=3, num_rows=32)
+
+
+@pytest.mark.parametrize("message", [
+    proto.Connect(token="t", shm={"input_ids": "llmsrv_x"}), proto.Connect(token="t"),
+    proto.PrefillStep(step=1, num_rows=4, max_query_len=32), proto.DecodeStep(step=2, num_rows=1),
+    proto.Health(), proto.Reset(), proto.Capture(dir="/tmp/c", max_steps=3), proto.Capture(), proto.Exit()])
+def test_every_command_round_trips_as_its_typed_message(message):
+    frame = proto.decode_body(proto.encode(5, message)[proto.HEADER.size:])
+    assert frame.command == message.COMMAND and frame.seq == 5
+    assert proto.read_command(frame) == message
+
+
+@pytest.mark.parametrize("command, payload, message", [
+    (proto.PREFILL, {"step": 1, "num_rows": 2}, "needs 'max_query_len'"),
+    (proto.DECODE, {"step": 1, "num_rows": "2"}, "'num_rows' must be int"),
+    (proto.DECODE, {"step": 1, "num_rows": True}, "'num_rows' must be int"),
+    (proto.CONNECT, {"token": 3}, "'token' must be str"),
+    (proto.CONNECT, {"token": "t", "shm": [1]}, "'shm' must be dict or null"),
+    (proto.CAPTURE, {"dir": 5}, "'dir' must be str or null"),
+])
+def test_a_payload_that_does_not_fit_its_command_names_the_key(command, payload, message):
+    with pytest.raises(proto.ProtocolError, match=message):
+        proto.read_command(proto.Frame(command, {"seq": 1, **payload}))
+
+
+def test_replies_are_read_as_the_commands_reply_or_as_a_failure():
+    step = proto.DecodeStep(step=1, num_rows=1)
+    ok = proto.StepReply(step=1, model_ms=2.5, agent_ms=3, cache_epoch=0)
+    frame = proto.decode_body(proto.encode(9, ok)[proto.HEADER.size:])
+    assert frame.command == proto.REPLY and frame.payload["ok"] is True
+    assert proto.read_reply(frame.payload, step) == ok
+    failed = proto.decode_body(proto.encode(9, proto.Failed(error="boom", fatal=True))[proto.HEADER.size:])
+    assert proto.read_reply(failed.payload, step) == proto.Failed(error="boom", fatal=True)
+    with pytest.raises(proto.ProtocolError, match="cache_epoch"):       # a reply of an older agent
+        proto.read_reply({"seq": 9, "ok": True, "step": 1, "model_ms": 1.0, "agent_ms": 1.0}, step)
 
 
 def test_frame_layout_is_length_prefixed():
