@@ -1,4 +1,4 @@
-"""`llm-serving` command line: start | agent-ctl."""
+"""`llm-serving` command line: start | agent-ctl | bench | precision | make-model."""
 from __future__ import annotations
 
 import argparse
@@ -55,6 +55,61 @@ def _add_bench(sub) -> None:
                                      "(TTFT, TPOT, ITL, E2EL, throughput, goodput)")
     add_arguments(p)
     p.set_defaults(func=cmd_bench)
+
+
+def _add_precision(sub) -> None:
+    from llm_serving.precision import add_arguments
+
+    p = sub.add_parser("precision", help="check a running server's logits against a float64 reference "
+                                         "(the 0.5%% precision gate)")
+    add_arguments(p)
+    p.set_defaults(func=cmd_precision)
+
+
+def cmd_precision(args) -> int:
+    from llm_serving.precision import run_cli
+
+    return run_cli(args)
+
+
+def _add_make_model(sub) -> None:
+    p = sub.add_parser("make-model", help="write a randomly initialised LLaMA (HuggingFace layout) for tests "
+                                          "and benchmarks")
+    p.add_argument("--out", required=True, help="directory to write (created)")
+    p.add_argument("--tokenizer", help="sentencepiece .model to copy as tokenizer.model (its size is the vocab); "
+                                       "default: the built-in model's story tokenizer")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--intermediate", type=int, default=1376)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--max-positions", type=int, default=2048)
+    p.add_argument("--tied", action="store_true", help="tie lm_head to the embedding")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_make_model)
+
+
+def cmd_make_model(args) -> int:
+    import sentencepiece as spm
+
+    from llm_serving.models.default_model import builtin_tokenizer_bytes, write_hf_llama
+
+    try:
+        tok_bytes = Path(args.tokenizer).read_bytes() if args.tokenizer else builtin_tokenizer_bytes()
+        vocab = spm.SentencePieceProcessor(model_proto=tok_bytes).vocab_size()
+    except (OSError, RuntimeError) as exc:
+        print(f"llm-serving make-model: cannot read the tokenizer {args.tokenizer}: {exc}", file=sys.stderr)
+        return 2
+    if args.hidden % args.heads or args.heads % args.kv_heads:
+        print(f"llm-serving make-model: --hidden {args.hidden} must split into --heads {args.heads}, which must "
+              f"be a multiple of --kv-heads {args.kv_heads}", file=sys.stderr)
+        return 2
+    out = write_hf_llama(args.out, vocab_size=vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                         num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads,
+                         max_position_embeddings=args.max_positions, seed=args.seed,
+                         tokenizer_model_bytes=tok_bytes, tie_word_embeddings=args.tied)
+    print(f"wrote {out}: {args.layers} layers, hidden {args.hidden}, vocab {vocab}")
+    return 0
 
 
 def cmd_bench(args) -> int:
@@ -235,6 +290,8 @@ def main(argv=None) -> int:
     _add_start(sub)
     _add_agent_ctl(sub)
     _add_bench(sub)
+    _add_precision(sub)
+    _add_make_model(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -273,10 +273,16 @@ def default_model_dir_name() -> str:
     return f"{DEFAULT_MODEL_NAME}-{digest[:10]}"
 
 
+def builtin_tokenizer_bytes() -> bytes:
+    """The built-in model's sentencepiece tokenizer, trained on its generated story corpus (deterministic)."""
+    corpus, tok = _SPEC["corpus"], _SPEC["tokenizer"]
+    return train_tokenizer(generate_story_lines(corpus["num_lines"], corpus["seed"]), tok["vocab_size"],
+                           tok["model_type"])
+
+
 def _build_default_model(out_dir: Path) -> None:
-    corpus, tok, model = _SPEC["corpus"], _SPEC["tokenizer"], _SPEC["model"]
-    tokenizer_bytes = train_tokenizer(generate_story_lines(corpus["num_lines"], corpus["seed"]),
-                                      tok["vocab_size"], tok["model_type"])
+    model = _SPEC["model"]
+    tokenizer_bytes = builtin_tokenizer_bytes()
     vocab_size = spm.SentencePieceProcessor(model_proto=tokenizer_bytes).get_piece_size()
     write_hf_llama(out_dir, vocab_size=vocab_size, tokenizer_model_bytes=tokenizer_bytes, **model)
     # mkdtemp makes the directory private; a cache is readable like any other model directory.

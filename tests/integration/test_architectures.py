@@ -2,7 +2,7 @@
 embeddings, rope_theta 1e6), a Llama-3.1-style one (llama3 RoPE scaling that changes the frequencies within the
 test's positions, untied) and that Llama-3.1 model's GGUF twins (rope_freqs tensor, q/k rows permuted as llama.cpp
 writes them; F32, and Q8_0 as llama.cpp quantizes). Each generates greedily through ModelRunner; the logits of every step are within the precision
-gate's 0.5% of the float64 reference (tools/reference_llama.py, which computes the llama3 scaling itself from
+gate's 0.5% of the float64 reference (llm_serving/reference_llama.py, which computes the llama3 scaling itself from
 config.json), the greedy tokens equal the reference's, and the F32 GGUF twin's text equals the HF form's."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 
 from llm_serving.models.default_model import write_hf_llama
 from tests.integration.test_model_runner import Seq, step_args
-from tools.reference_llama import ReferenceLlama
+from llm_serving.reference_llama import ReferenceLlama
 
 pytest.importorskip("mindspore")
 

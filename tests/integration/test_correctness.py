@@ -17,10 +17,12 @@ from llm_serving.agents.control import ControlClient, ControlError
 from tests.integration.server_harness import REPO, http
 
 
-def _precision(url, tmp_path, *extra):
+def _precision(url, tmp_path, *extra, cli=True):
+    """`llm-serving precision` (or, cli=False, its script wrapper tools/precision.py) against url."""
     out = tmp_path / "precision.json"
-    proc = subprocess.run([sys.executable, str(REPO / "tools" / "precision.py"), "--url", url,
-                           "--out", str(out), *extra], capture_output=True, text=True, timeout=600)
+    command = ["-m", "llm_serving.cli", "precision"] if cli else [str(REPO / "tools" / "precision.py")]
+    proc = subprocess.run([sys.executable, *command, "--url", url, "--out", str(out), *extra],
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
     return proc, (json.loads(out.read_text()) if out.exists() else None)
 
 
@@ -45,7 +47,7 @@ def test_precision_gate_fails_when_the_weights_differ(stories_server, shared_dir
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Once upon a time\nThe dog ran to the park\n")
     proc, result = _precision(stories_server.url, tmp_path, "-n", "2", "--max-new-tokens", "8",
-                              "--prompts", str(prompts), "--model", str(model))
+                              "--prompts", str(prompts), "--model", str(model), cli=False)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "FAIL" in proc.stdout and result["max_rel_error"] > 0.005
 

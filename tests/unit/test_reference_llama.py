@@ -1,11 +1,11 @@
-"""The float64 reference (tools/reference_llama.py) is checked against run.c's greedy text, so the
+"""The float64 reference (llm_serving/reference_llama.py) is checked against run.c's greedy text, so the
 precision gate's yardstick is itself anchored to an implementation outside this project."""
 import json
 
 import numpy as np
 import sentencepiece as spm
 
-from tools.reference_llama import ReferenceLlama
+from llm_serving.reference_llama import ReferenceLlama
 
 
 def test_reference_reproduces_the_c_implementation_greedy_text(shared_dir):

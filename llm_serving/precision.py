@@ -1,0 +1,199 @@
+"""Precision gate (`llm-serving precision`): replay prompts through a running server with logits capture
+on, and compare every captured step with a float64 numpy reference (reference_llama.py). Passes at 0.5%,
+like the inference contest's check.
+
+    llm-serving start --model DIR &                       # any server; agent 0 does the capture
+    llm-serving precision --url http://127.0.0.1:8000 -n 200 --max-new-tokens 32
+
+What happens: the tool reads the agent ports from GET /health, tells agent 0 over its control socket
+(`c` command, with the launch token from the runtime dir) to write each step's inputs and full logits
+to a temporary directory, sends the prompts over HTTP (greedy, `--rate` requests per second), and
+meanwhile replays each captured row through the reference: per request (rows carry the request
+number) the reference keeps its own float64 K/V, so a decode row costs one token and a recomputed
+prefill (preemption) restarts from its first position. Per row:
+
+    relative error = max_v |logits[v] - ref[v]| / max_v |ref[v]|
+
+and the run passes when the largest over all rows is <= --threshold (default 0.005). Prints
+max / mean / p99 relative error and the greedy-token agreement; writes JSON (--out); exit 0 on pass,
+1 on fail. The weights the reference loads are the server's (/info model_path) unless --model is given.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+
+from llm_serving.agents import protocol as proto
+from llm_serving.agents.control import ControlClient
+from llm_serving.launch import http
+from llm_serving.reference_llama import ReferenceLlama
+from llm_serving.tokenizer import load_tokenizer
+
+DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "datasets" / "alpaca_5000.json"
+
+
+def load_prompts(path: str, n: int) -> list:
+    """Alpaca records (instruction + input), a JSONL of {"prompt"|"text"|"turns"}, or plain text lines."""
+    text = Path(path).read_text(encoding="utf-8")
+    if path.endswith(".json"):
+        records = json.loads(text)
+        prompts = [r["instruction"] + ("\n\n" + r["input"] if r.get("input") else "") for r in records]
+    elif path.endswith(".jsonl"):
+        prompts = []
+        for line in text.splitlines():
+            if line.strip():
+                r = json.loads(line)
+                prompts.append(r.get("prompt") or r.get("text") or r["turns"][0])
+    else:
+        prompts = [line for line in text.splitlines() if line.strip()]
+    if len(prompts) < n:
+        raise SystemExit(f"precision: {path} has {len(prompts)} prompts, {n} asked for")
+    return prompts[:n]
+
+
+class Comparator:
+    """Consumes capture files in step order, keeping one reference sequence per request number."""
+
+    def __init__(self, reference: ReferenceLlama, directory: str, prompt_ids: list = ()):
+        self.ref = reference
+        self.dir = directory
+        self.prompt_ids = [list(p) for p in prompt_ids]   # the replayed prompts, tokenized as the server does
+        self.sequences: dict = {}
+        self.errors: list = []          # relative error per captured row
+        self.agree = 0                  # rows whose served greedy token is the reference's argmax
+        self.files = 0
+        self.failure: BaseException | None = None
+
+    def consume_ready(self) -> int:
+        done = 0
+        for name in sorted(f for f in os.listdir(self.dir) if f.endswith(".npz")):
+            path = os.path.join(self.dir, name)
+            with np.load(path) as step:
+                self._compare(step)
+            os.unlink(path)
+            done += 1
+        self.files += done
+        return done
+
+    def _compare(self, step) -> None:
+        for i, rid in enumerate(step["request_ids"].tolist()):
+            q = int(step["query_lens"][i])
+            positions = step["positions"][i, :q]
+            seq = self.sequences.setdefault(rid, self.ref.new_sequence())
+            tokens = step["input_ids"][i, :q].tolist()
+            if int(positions[0]) > seq.length:      # the server took the prefix from its prefix cache
+                self.ref.forward(seq, self._prefix_of(tokens, int(positions[0])), 0)
+            ref = self.ref.forward(seq, tokens, int(positions[0]))[-1]
+            served = step["logits"][i].astype(np.float64)
+            self.errors.append(float(np.max(np.abs(served - ref)) / np.max(np.abs(ref))))
+            self.agree += int(int(step["token_ids"][i]) == int(np.argmax(ref)))
+
+    def _prefix_of(self, tokens: list, start: int) -> list:
+        """The first `start` tokens of the replayed prompt that has `tokens` at positions start... (a
+        prompt whose first row starts past 0 shares its head with a prompt served earlier)."""
+        for ids in self.prompt_ids:
+            if ids[start:start + len(tokens)] == tokens:
+                return ids[:start]
+        raise ValueError(f"precision: a row starts at position {start} and matches no replayed prompt")
+
+    def run_until(self, stop: threading.Event) -> None:
+        try:
+            while not stop.is_set():
+                if not self.consume_ready():
+                    time.sleep(0.05)
+            self.consume_ready()
+        except BaseException as exc:   # reported by the main thread
+            self.failure = exc
+
+
+async def replay(url: str, model: str, prompts: list, max_new_tokens: int, rate: float) -> list:
+    async def one(session, i, prompt):
+        if rate > 0:
+            await asyncio.sleep(i / rate)
+        body = {"inputs": prompt, "parameters": {"max_new_tokens": max_new_tokens}}
+        async with session.post(f"{url}/models/{model}/generate", json=body) as resp:
+            answer = await resp.json()
+            if resp.status != 200:
+                raise RuntimeError(f"request {i} failed with HTTP {resp.status}: {answer}")
+            return answer["details"]["generated_tokens"]
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
+        return await asyncio.gather(*[one(session, i, p) for i, p in enumerate(prompts)])
+
+
+def run(args) -> dict:
+    status, health = http("GET", args.url + "/health")
+    if status != 200:
+        raise SystemExit(f"precision: server at {args.url} is not healthy: {health}")
+    _, info = http("GET", args.url + "/info")
+    port = next(a["port"] for a in health["agents"] if a["rank"] == 0)
+    reference = ReferenceLlama(args.model or info["model_path"])
+    prompts = load_prompts(args.prompts, args.num_prompts)
+    tokenizer = load_tokenizer(info["model_path"], info["tokenizer_path"])
+    prompt_ids = [tokenizer.encode(p, add_bos=True) for p in prompts]
+
+    with tempfile.TemporaryDirectory(prefix="llm-serving-capture-") as capture_dir, \
+            ControlClient(port) as agent:
+        comparator = Comparator(reference, capture_dir, prompt_ids)
+        stop = threading.Event()
+        worker = threading.Thread(target=comparator.run_until, args=(stop,), daemon=True)
+        agent.request(proto.Capture(dir=capture_dir, max_steps=args.max_steps))
+        t0 = time.perf_counter()
+        try:
+            worker.start()
+            generated = asyncio.run(replay(args.url, info["model_id"], prompts, args.max_new_tokens, args.rate))
+        finally:
+            captured = agent.request(proto.Capture(dir=None)).steps
+            stop.set()
+            worker.join()
+        wall = time.perf_counter() - t0
+    if comparator.failure is not None:
+        raise comparator.failure
+    errors = np.array(comparator.errors)
+    if comparator.files != captured or errors.size == 0:
+        raise SystemExit(f"precision: agent captured {captured} steps, {comparator.files} compared")
+    return {
+        "model": info["model_id"], "model_path": args.model or info["model_path"],
+        "prompts": len(prompts), "generated_tokens": int(sum(generated)), "steps": captured,
+        "rows": int(errors.size), "max_rel_error": float(errors.max()), "mean_rel_error": float(errors.mean()),
+        "p99_rel_error": float(np.percentile(errors, 99)),
+        "greedy_agreement": comparator.agree / errors.size, "threshold": args.threshold,
+        "passed": bool(errors.max() <= args.threshold), "wall_s": round(wall, 1),
+    }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", default="http://127.0.0.1:8000")
+    parser.add_argument("--model", help="weights for the reference (default: the server's, from /info)")
+    parser.add_argument("--prompts", default=str(DEFAULT_PROMPTS),
+                        help="alpaca .json, .jsonl, or text lines (default: ../shared alpaca_5000.json)")
+    parser.add_argument("-n", "--num-prompts", type=int, default=200)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--rate", type=float, default=0.0, help="requests per second (0: all at once)")
+    parser.add_argument("--threshold", type=float, default=0.005)
+    parser.add_argument("--max-steps", type=int, default=100_000, help="capture stops by itself after this")
+    parser.add_argument("--out", default="bench_results/precision.json")
+
+
+def run_cli(args) -> int:
+    """Run the gate, print the figures, write the JSON; exit code 0 on pass, 1 on fail."""
+    result = run(args)
+    print(f"model {result['model']}: {result['prompts']} prompts, {result['generated_tokens']} tokens, "
+          f"{result['steps']} steps, {result['rows']} rows compared in {result['wall_s']} s")
+    print(f"relative error  max {result['max_rel_error']:.3e}  mean {result['mean_rel_error']:.3e}  "
+          f"p99 {result['p99_rel_error']:.3e}  (threshold {args.threshold})")
+    print(f"greedy token agreement {100 * result['greedy_agreement']:.2f}%")
+    print("PASS" if result["passed"] else "FAIL")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    return 0 if result["passed"] else 1
