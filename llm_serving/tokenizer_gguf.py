@@ -16,9 +16,10 @@ the libraries that do the real work (no BPE written here):
 BOS/EOS/pad ids, `add_bos_token` (default: yes for `llama`, no for `gpt2`), end-of-turn ids and the chat
 template come from the same metadata.
 
-Reading a 49k-token vocabulary's metadata and building its BPE takes ~2 s of every start (before the agents are
+Reading a large vocabulary's metadata and building its BPE costs seconds of every start (before the agents are
 even started), so the result is kept in the cache directory (`<cache>/tokenizers/`, keyed by the file's path,
-size and modification time) as the `tokenizers` library's own JSON or the sentencepiece model, read in ~0.2 s.
+size and modification time) as the `tokenizers` library's own JSON or the sentencepiece model, which read
+ten times faster (docs/BENCHMARKS.md, start-up).
 """
 from __future__ import annotations
 

@@ -81,7 +81,7 @@ class HFTokenizer:
         self.chat_template = chat_template
         from tokenizers import decoders
 
-        # (the decoder object, not the tokenizer's JSON: serializing a 49k vocabulary costs 0.1 s of each start)
+        # (the decoder object, not the tokenizer's JSON: serializing a large vocabulary is a cost of every start)
         self.byte_level = isinstance(tok.decoder, decoders.ByteLevel)
         self._bytes = byte_decoder()
 

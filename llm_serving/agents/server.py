@@ -122,13 +122,7 @@ class AgentServer:
         threading.Thread(target=self._watch_parent, name="parent-watchdog", daemon=True).start()
 
     def report(self, event: str, **fields) -> None:
-        if self._status_fd is None:
-            return
-        line = json.dumps({"event": event, **fields}) + "\n"
-        try:
-            os.write(self._status_fd, line.encode())
-        except OSError:
-            pass
+        report_status(self._status_fd, event, **fields)
 
     # --- threads -----------------------------------------------------------------------------------
 
@@ -273,6 +267,16 @@ class AgentServer:
             self.worker.detach()
 
 
+def report_status(status_fd: int | None, event: str, **fields) -> None:
+    """One JSON line to the master's status pipe (`listening`, `ready` or `failed`); nothing without one."""
+    if status_fd is None:
+        return
+    try:
+        os.write(status_fd, (json.dumps({"event": event, **fields}) + "\n").encode())
+    except OSError:
+        pass
+
+
 def run_agent_process() -> int:
     """Entry point of an agent process; tells the parent through the status pipe if start-up fails."""
     logging.basicConfig(level=os.environ.get("LLM_SERVING_LOG_LEVEL", "INFO"),
@@ -288,12 +292,7 @@ def run_agent_process() -> int:
         return 0
     except BaseException as exc:  # noqa: BLE001 - report anything, including KeyboardInterrupt
         logger.error("agent failed: %s", traceback.format_exc())
-        if status_fd is not None:
-            line = json.dumps({"event": "failed", "error": f"{type(exc).__name__}: {exc}"}) + "\n"
-            try:
-                os.write(status_fd, line.encode())
-            except OSError:
-                pass
+        report_status(status_fd, "failed", error=f"{type(exc).__name__}: {exc}")
         if server is not None:
             server.shutdown()
         return 1

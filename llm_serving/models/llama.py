@@ -43,7 +43,7 @@ def rope_tables(cfg: LlamaConfig, max_positions: int) -> tuple[np.ndarray, np.nd
 
 
 def _param(array: np.ndarray, name: str) -> Parameter:
-    # from_numpy shares the array's memory instead of copying it (SmolLM2's 186 weights: 1.3 s -> 0.4 s of each start)
+    # from_numpy shares the array's memory instead of copying it: no second copy of the weights at start
     return Parameter(Tensor.from_numpy(np.ascontiguousarray(array, dtype=np.float32)), name=name, requires_grad=False)
 
 

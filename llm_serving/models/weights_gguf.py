@@ -157,7 +157,7 @@ GGUF_CACHE_ENV = "LLM_SERVING_GGUF_CACHE"     # "0": dequantize the GGUF at ever
 
 def load_gguf(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
     """`_load_gguf` through a cache of its float32 result: reading a GGUF's metadata and dequantizing its tensors
-    took 2.7 s of each SmolLM2 start; memory-mapping the float32 arrays it produced last time takes ~0.1 s. The
+    costs seconds of every start, memory-mapping the float32 arrays it produced last time almost nothing. The
     cache is `<cache>/gguf/<key>/` (key: the file's path, size and modification time): `config.json` and one
     `.npy` per tensor, written tensor by tensor into a temporary directory that is then renamed into place."""
     from dataclasses import asdict
