@@ -49,7 +49,7 @@ def _post(url: str, raw: bytes, headers: dict):
         return err.code, err.headers.get("Content-Type", ""), err.read()
 
 
-@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)
 @given(path=PATHS, raw=RAW, headers=HEADERS)
 def _fuzz(url, path, raw, headers):
     status, ctype, body = _post(url + path, raw, headers)
