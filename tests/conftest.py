@@ -7,6 +7,13 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 
+# This test process's mark, inherited by every server and agent it starts: its shared-memory segments are
+# named with it and its processes carry it, so the leak checks below see only this process's (with
+# pytest-xdist, each worker is such a process and the workers' checks do not see each other's servers).
+SESSION_TAG = f"t{os.getpid()}"
+os.environ["LLM_SERVING_SHM_TAG"] = SESSION_TAG
+os.environ["LLM_SERVING_TEST_SESSION"] = SESSION_TAG
+
 
 @pytest.fixture(scope="session")
 def shared_dir() -> Path:
@@ -23,13 +30,18 @@ def _project_processes(since: float) -> list:
         cmd = " ".join(p.info["cmdline"] or [])
         if p.info["create_time"] >= since and p.pid != os.getpid() and (
                 "llm_serving.agents.server" in cmd or "llm_serving.cli" in cmd or "llm-serving" in cmd):
-            found.append(f"{p.pid}: {cmd[:120]}")
+            try:
+                mine = p.environ().get("LLM_SERVING_TEST_SESSION") == SESSION_TAG
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+            if mine:
+                found.append(f"{p.pid}: {cmd[:120]}")
     return found
 
 
 def _project_shm() -> set:
     try:
-        return {n for n in os.listdir("/dev/shm") if n.startswith("llmsrv_")}
+        return {n for n in os.listdir("/dev/shm") if n.startswith(f"llmsrv_{SESSION_TAG}_")}
     except FileNotFoundError:
         return set()
 

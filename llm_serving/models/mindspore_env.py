@@ -8,13 +8,20 @@ process's first compile, and names cached graphs by their compile index in the p
 (compile_cache_N.mindir) with no shape check. A cache is therefore only safe when the same sequence of
 graphs is compiled in the same order every time: one runner per process (the first one claims the cache,
 `claim_compile_cache`), warmed up bucket by bucket, with every input of that sequence in the key; graphs
-compiled after warmup (whose order depends on the traffic) bypass it (`close_compile_cache`).
+compiled after warmup (whose order depends on the traffic) bypass it (`close_compile_cache`). Processes
+that share a cache directory (servers of the same model and configuration starting together) never use it
+at the same time: each holds an exclusive lock on it from set-up to the end of its warmup. A single agent
+waits for the lock (then reads what the other wrote); a tensor-parallel rank does not wait (its warmup
+meets its peers' in every all-reduce, and a peer may be waiting on another group's lock): it compiles
+without the cache instead.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
+import time
 from typing import Optional
 
 from .default_model import default_cache_dir
@@ -23,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 _GRAPH_SOURCES = ("llama.py", "attention.py", "sampler.py")
 _runners_made = 0               # in this process: only the first can use the compile cache
+_cache_lock = None              # the open lock file of the cache directory in use, until warmup ends
 
 
 def model_source_digest() -> str:
@@ -52,9 +60,9 @@ def claim_compile_cache(key_parts: Optional[tuple]) -> Optional[str]:
 
 
 def setup_mindspore(device_target: str, device_id: int, num_threads: Optional[int],
-                    cache_key: Optional[str]) -> Optional[str]:
+                    cache_key: Optional[str], wait_for_cache: bool = True) -> Optional[str]:
     """Set MindSpore up for this process (safe to call again with the same arguments); returns the compile
-    cache directory in use, if any."""
+    cache directory in use, if any (wait_for_cache: see the module docstring)."""
     import mindspore as ms
 
     cache_dir = None
@@ -65,6 +73,8 @@ def setup_mindspore(device_target: str, device_id: int, num_threads: Optional[in
         except OSError as e:
             logger.warning("compile cache disabled: cannot create %s (%s)", cache_dir, e)
             cache_dir = None
+    if cache_dir is not None and not _lock_cache(cache_dir, wait_for_cache):
+        cache_dir = None
     if cache_dir is not None:
         os.environ["MS_COMPILER_CACHE_ENABLE"] = "1"
         os.environ["MS_COMPILER_CACHE_PATH"] = cache_dir
@@ -84,7 +94,31 @@ def setup_mindspore(device_target: str, device_id: int, num_threads: Optional[in
     return cache_dir
 
 
+def _lock_cache(cache_dir: str, wait: bool) -> bool:
+    """Take (and hold) the cache directory's lock, waiting for it or not; whether this process has it."""
+    global _cache_lock
+    lock = open(os.path.join(cache_dir, ".lock"), "a")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        if not wait:
+            lock.close()
+            logger.warning("compile cache %s is in use by another process; compiling without it", cache_dir)
+            return False
+        logger.info("compile cache %s is in use by another process; waiting for it", cache_dir)
+        t0 = time.perf_counter()
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        logger.info("compile cache free after %.1f s", time.perf_counter() - t0)
+    _cache_lock = lock
+    return True
+
+
 def close_compile_cache() -> None:
     """Graphs compiled from now on are neither loaded from nor written to the compile cache (MindSpore reads
-    MS_COMPILER_CACHE_ENABLE at each compile): their order is not fixed, so their compile index names nothing."""
+    MS_COMPILER_CACHE_ENABLE at each compile): their order is not fixed, so their compile index names nothing.
+    The cache directory's lock is released for the next process."""
+    global _cache_lock
     os.environ["MS_COMPILER_CACHE_ENABLE"] = "0"
+    if _cache_lock is not None:
+        _cache_lock.close()         # (closing the file releases the lock)
+        _cache_lock = None

@@ -96,7 +96,8 @@ class ModelRunner:
             (cfg, self.num_blocks, self.block_size, self.buckets, device_target,
              (self.tp.rank, self.tp.world, self.tp.backend) if self.tp.world > 1 else None,
              self.decode_kernel, reduce_kernel) if compile_cache else None)
-        self._cache_dir = setup_mindspore(device_target, device_id, num_threads, cache_key)
+        self._cache_dir = setup_mindspore(device_target, device_id, num_threads, cache_key,
+                                          wait_for_cache=self.tp.world == 1)
         self._build_graphs(weights, num_threads, reduce_kernel, tp_timeout_s)
 
     @staticmethod

@@ -5,9 +5,14 @@ shm_open) and passes the names to agents in the connect command; agents attach b
 creator unlinks. Python 3.11's resource tracker would also unlink a segment when an *attaching*
 process exits, so attachers unregister from it; the creator stays registered, which is what cleans
 up after a master killed with SIGKILL.
+
+Segment names are `llmsrv_[<LLM_SERVING_SHM_TAG>_]<random>_<array>`: the optional tag (letters and digits,
+at most 16) tells apart the segments of several deployments (or test runs) on one host.
 """
 from __future__ import annotations
 
+import os
+import re
 import secrets
 from multiprocessing import resource_tracker, shared_memory
 
@@ -15,7 +20,13 @@ import numpy as np
 
 from llm_serving.shm.layout import StepLayout
 
-SEGMENT_PREFIX = "llmsrv_"
+def segment_prefix() -> str:
+    """The prefix of this process's segment names (see the module docstring)."""
+    tag = re.sub(r"[^A-Za-z0-9]", "", os.environ.get("LLM_SERVING_SHM_TAG", ""))[:16]
+    return f"llmsrv_{tag}_" if tag else "llmsrv_"
+
+
+SEGMENT_PREFIX = segment_prefix()
 
 
 class StepBuffers:

@@ -10,17 +10,17 @@ from pathlib import Path
 import psutil
 
 from llm_serving.launch import ServerProcess, free_port, http, parse_sse
+from llm_serving.shm.buffers import segment_prefix
 
 __all__ = ["REPO", "ServerProcess", "free_port", "http", "leftovers", "parse_sse", "project_shm_segments",
            "serving"]
 
 REPO = Path(__file__).resolve().parents[2]
-SHM_PREFIX = "llmsrv_"
-
-
 def project_shm_segments() -> list:
+    """This test process's segments (named with its LLM_SERVING_SHM_TAG, see tests/conftest.py)."""
+    prefix = segment_prefix()
     try:
-        return sorted(n for n in os.listdir("/dev/shm") if n.startswith(SHM_PREFIX))
+        return sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix))
     except FileNotFoundError:
         return []
 
