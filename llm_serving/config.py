@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 
 SCHEDULING_POLICIES = ("prefill_first", "longest_output_first", "fcfs")   # see master/scheduler.py
 ATTENTION_KERNELS = ("auto", "on", "off")      # CPU decode attention; see models/runner.py
+SPEC_METHODS = ("off", "ngram")                # speculative decoding proposers; see master/speculative.py
 
 
 class ConfigError(ValueError):
@@ -218,6 +219,39 @@ class SchedulerConfig:
 
 
 @dataclass
+class SpecConfig:
+    """`spec_config`: speculative decoding (master/speculative.py). A proposer guesses the next tokens of a
+    decoding request; the target model checks them all in one step and keeps the longest run it agrees
+    with, plus its own next token, so the output is the one plain decoding gives."""
+
+    method: str = "ngram"                     # off | ngram (prompt lookup: no model)
+    num_speculative_tokens: int = 4           # tokens proposed per request and step
+    ngram_max: int = 3                        # longest suffix looked up in the request's own tokens
+    ngram_min: int = 1                        # shortest suffix that counts as a match
+    max_batch_size: int = 4                   # speculate only in decode steps of at most this many rows
+                                              # (larger steps are compute-bound: checking guesses costs more)
+
+    def __post_init__(self) -> None:
+        _check(self.method in SPEC_METHODS, "spec_config.method", self.method,
+               f"must be one of {', '.join(SPEC_METHODS)}")
+        for key in ("num_speculative_tokens", "ngram_max", "ngram_min", "max_batch_size"):
+            _check_int(f"spec_config.{key}", getattr(self, key))
+        _check(self.num_speculative_tokens <= 16, "spec_config.num_speculative_tokens", self.num_speculative_tokens,
+               "must be <= 16")
+        _check(self.ngram_min <= self.ngram_max, "spec_config.ngram_min", self.ngram_min,
+               f"must be <= spec_config.ngram_max ({self.ngram_max})")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "off"
+
+    @property
+    def tokens_per_row(self) -> int:
+        """Tokens a speculating row feeds in one step: its last token and the proposals (1 when off)."""
+        return 1 + self.num_speculative_tokens if self.enabled else 1
+
+
+@dataclass
 class TokenizerConfig:
     """`tokenizer`: which tokenizer file (its kind is told by the file: a sentencepiece .model, a HuggingFace
     tokenizer.json, or a GGUF's own vocabulary) and the chat format."""
@@ -249,6 +283,7 @@ IGNORED_KEYS = {
     "serving_config": set(),
     "pa_config": set(),
     "scheduler_config": set(),
+    "spec_config": set(),
 }
 IGNORED_SECTIONS = {"model_path", "basic_inputs", "extra_inputs", "warmup_inputs", "post_model_batch_size"}
 
@@ -262,6 +297,7 @@ class Config:
     pa_config: PAConfig = field(default_factory=PAConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    spec_config: SpecConfig = field(default_factory=SpecConfig)
 
     def __post_init__(self) -> None:
         mc, sc, pa, sched = self.model_config, self.serving_config, self.pa_config, self.scheduler_config
@@ -310,7 +346,7 @@ class Config:
 
 
 _SECTION_CLASSES = {"model_config": ModelConfig, "serving_config": ServingConfig, "pa_config": PAConfig,
-                    "tokenizer": TokenizerConfig, "scheduler_config": SchedulerConfig}
+                    "tokenizer": TokenizerConfig, "scheduler_config": SchedulerConfig, "spec_config": SpecConfig}
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:

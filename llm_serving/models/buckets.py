@@ -7,7 +7,10 @@ MindSpore graphs have static shapes, so a step is padded up to a bucket:
   - prefill, unpacked: (batch, seq) for every prefill batch size and seq length;
   - prefill, packed (with the CPU kernel): the step's real tokens side by side, padded to a token bucket
     (powers of two from the smallest prefill seq length up to max prefill batch x max seq length, or the
-    scheduler's step budget if smaller): a prompt of 17 tokens costs 17 tokens, not a 32-token row.
+    scheduler's step budget if smaller): a prompt of 17 tokens costs 17 tokens, not a 32-token row;
+  - verify (speculative decoding: every new token sampled), when the config speculates: packed, token
+    buckets of 1, 2, 4, ... speculating rows' worth of tokens (a row feeds `verify_width` tokens); unpacked,
+    (batch, verify_width) for the decode batch sizes up to `verify_rows`.
 """
 from __future__ import annotations
 
@@ -41,13 +44,16 @@ class Buckets:
     prefill_token_sizes: list       # packed prefill token buckets (used when `packed`)
     max_blocks_per_seq: int
     packed: bool
+    verify_width: int = 1           # tokens a speculating row feeds (1: the config does not speculate)
+    verify_sizes: tuple = ()        # packed: verify token buckets; unpacked: verify batch buckets
 
     @classmethod
     def make(cls, *, decode_batch_sizes, prefill_batch_sizes, prefill_seq_lens, max_blocks_per_seq: int,
              decode_block_widths=None, packed: bool, one_width: bool,
-             max_step_tokens: Optional[int] = None) -> "Buckets":
+             max_step_tokens: Optional[int] = None, verify_width: int = 1, verify_rows: int = 0) -> "Buckets":
         """The buckets of a configuration, checked. one_width: the decode kernel reads the cache through the
-        block table (one decode graph per batch size); max_step_tokens caps the packed token buckets."""
+        block table (one decode graph per batch size); max_step_tokens caps the packed token buckets;
+        verify_width > 1 and verify_rows > 0: verify steps of up to verify_rows speculating rows."""
         decode = _positive_ints("decode_batch_sizes", decode_batch_sizes)
         prefill = _positive_ints("prefill_batch_sizes", prefill_batch_sizes)
         seq_lens = _positive_ints("prefill_seq_lens", prefill_seq_lens)
@@ -64,11 +70,18 @@ class Buckets:
         most = prefill[-1] * seq_lens[-1]
         if max_step_tokens is not None:          # the scheduler never puts more tokens in a step
             most = max(min(most, int(max_step_tokens)), seq_lens[-1])
+        verify: tuple = ()
+        if verify_width > 1 and verify_rows > 0:
+            rows = min(int(verify_rows), decode[-1])
+            if packed:
+                verify = tuple(verify_width * r for r in token_buckets(1, rows))
+            else:
+                verify = tuple(b for b in decode if b < rows) + (decode[bisect.bisect_left(decode, rows)],)
         return cls(decode_batch_sizes=decode, decode_block_widths=sorted(set(int(v) for v in widths)
                                                                          | {max_blocks_per_seq}),
                    prefill_batch_sizes=prefill, prefill_seq_lens=seq_lens,
                    prefill_token_sizes=token_buckets(seq_lens[0], most), max_blocks_per_seq=max_blocks_per_seq,
-                   packed=packed)
+                   packed=packed, verify_width=int(verify_width) if verify else 1, verify_sizes=verify)
 
     def bucket(self, n: int, s: int) -> tuple:
         """(batch, seq) of the graph a step of n rows and s tokens per row runs in; ValueError if none fits."""
@@ -86,6 +99,16 @@ class Buckets:
             raise ValueError(f"ModelRunner.execute: batch of {n} rows exceeds the largest {kind} bucket "
                              f"{sizes[-1]} ({kind}={sizes})")
         return sizes[j], seq
+
+    def verify_bucket(self, n: int, t: int) -> int:
+        """The verify graph of a step of n rows and t new tokens in all: its tokens (packed) or rows
+        (unpacked); ValueError when the configuration has none that holds it."""
+        need = t if self.packed else n
+        i = bisect.bisect_left(self.verify_sizes, need)
+        if i == len(self.verify_sizes):
+            raise ValueError(f"ModelRunner.execute: a verify step of {n} rows and {t} tokens exceeds the largest "
+                             f"verify bucket ({'tokens' if self.packed else 'rows'}: {list(self.verify_sizes)})")
+        return self.verify_sizes[i]
 
     def width(self, s: int, needed: int) -> int:
         """Block-table width of the graph for a step whose longest row has `needed` blocks."""
@@ -119,5 +142,7 @@ class Buckets:
         """(kind, batch, seq, decode width) of every model graph warmup compiles, in order."""
         out = [("decode", b, 1, w) for b in self.decode_batch_sizes for w in self.decode_block_widths]
         if self.packed:
-            return out + [("packed", t, None, None) for t in self.prefill_token_sizes]
-        return out + [("prefill", b, s, None) for b in self.prefill_batch_sizes for s in self.prefill_seq_lens]
+            out += [("packed", t, None, None) for t in self.prefill_token_sizes]
+            return out + [("verify", t, None, None) for t in self.verify_sizes]
+        out += [("prefill", b, s, None) for b in self.prefill_batch_sizes for s in self.prefill_seq_lens]
+        return out + [("verify", b, self.verify_width, None) for b in self.verify_sizes]

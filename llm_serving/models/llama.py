@@ -111,7 +111,8 @@ class LlamaDecoderLayer(nn.Cell):
 
 class LlamaForCausalLM(nn.Cell):
     """construct(input_ids, positions, slot_mapping, block_tables, context_lens, query_lens, sample_index)
-    -> (greedy_token (R,) int32, its logprob (R,) float32, logits (R, V) float32), R = B unless packed.
+    -> (greedy_token (R,) int32, its logprob (R,) float32, logits (R, V) float32), R = B unless packed or
+    verifying (R = B*S).
     Argument meanings are those of ModelRunner.execute (after the runner's padding). The logits are
     only for `Sampler` (a second graph, run when some row samples); they are not copied to the host.
     Under tensor parallelism (`tp`, `all_reduce`: see parallel.py) this is rank tp.rank's shard, built from
@@ -156,7 +157,8 @@ class LlamaForCausalLM(nn.Cell):
     def construct(self, input_ids, positions, slot_mapping, block_tables, context_lens, query_lens, sample_index):
         # input_ids, positions, slot_mapping (B, S) int32; block_tables (B, W) int32; context/query_lens (B,);
         # sample_index (R,) int32: the tokens to sample from when S == 1 and R < B (packed prefill: B is then
-        # the step's tokens, each with its own block-table row and context; see ModelRunner)
+        # the step's tokens, each with its own block-table row and context; see ModelRunner); R = B*S: every
+        # token (a verify step, speculative decoding)
         b, s = input_ids.shape
         x = ops.gather(self.embed, input_ids.reshape(-1), 0)                            # (T, H)
         flat_pos = positions.reshape(-1)                                                 # (T,)
@@ -168,10 +170,10 @@ class LlamaForCausalLM(nn.Cell):
         meta = paged_metadata(block_tables, positions, slot_mapping, context_lens, self.block_size, self.kvh)
         for layer in self.layers:
             x = layer(x, cos, sin, meta)                                                 # (T, H)
-        if s > 1:
+        if s > 1 and sample_index.shape[0] == b:       # each row's last new token (else every token: verify)
             last = ops.arange(0, b, dtype=ms.int32) * s + query_lens - 1                 # (B,)
             x = ops.gather(x, last, 0)                                                   # (B, H)
-        elif sample_index.shape[0] != b:
+        elif s == 1 and sample_index.shape[0] != b:
             x = ops.gather(x, sample_index, 0)                                           # (R, H)
         if not self.writes_outputs:
             return x                                                                     # (R, H)

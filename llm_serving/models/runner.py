@@ -61,7 +61,7 @@ class ModelRunner:
                  device_target: str = "CPU", device_id: int = 0, num_threads: Optional[int] = None,
                  compile_cache: bool = False, attention_kernel: str = "auto",
                  max_step_tokens: Optional[int] = None, tp: Optional["TensorParallel"] = None,
-                 tp_timeout_s: float = 120.0):
+                 tp_timeout_s: float = 120.0, verify_width: int = 1, verify_rows: int = 0):
         for key, val in (("num_blocks", num_blocks), ("block_size", block_size),
                          ("max_blocks_per_seq", max_blocks_per_seq)):
             if not isinstance(val, (int, np.integer)) or val < 1:
@@ -79,6 +79,7 @@ class ModelRunner:
         self.buckets = Buckets.make(decode_batch_sizes=decode_batch_sizes, prefill_batch_sizes=prefill_batch_sizes,
                                     prefill_seq_lens=prefill_seq_lens, max_blocks_per_seq=self.max_blocks_per_seq,
                                     decode_block_widths=decode_block_widths, max_step_tokens=max_step_tokens,
+                                    verify_width=verify_width, verify_rows=verify_rows,
                                     packed=self.decode_kernel is not None,
                                     one_width=self.decode_kernel is not None or device_target == "Ascend")
 
@@ -150,7 +151,8 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ execution
     def execute(self, input_ids, positions, slot_mapping, block_tables, context_lens, query_lens,
-                temperature, top_k, top_p, random_u, return_logits: bool = False, top_n=None, penalties=None):
+                temperature, top_k, top_p, random_u, return_logits: bool = False, top_n=None, penalties=None,
+                verify_u=None):
         """One step over n sequences (the arguments are described in step_inputs.py); returns
         (next_token_ids int32 (n,), logprobs float32 (n,)), and with return_logits also the model's logits
         float32 (n, vocab) at each row's last new token (before temperature; copied to the host only when
@@ -160,9 +162,16 @@ class ModelRunner:
         top logprobs of) the penalized logits. n is padded to the smallest batch bucket >= n, s to 1
         (decode) or the smallest prefill_seq_len >= s, w to the graph's block-table width. ValueError if no
         bucket fits or an argument is malformed.
+
+        verify_u float32 (n, s) makes it a verify step (speculative decoding): a token is sampled after every
+        new token of every row, token j of row i with uniform verify_u[i, j] (random_u is unused); returns
+        (token_ids int32 (n, s), logprobs float32 (n, s)), zero past each row's query length. Rows must not
+        ask for top log-probabilities or penalties (the master does not speculate for them).
         """
         step = StepInputs.make(self.limits, input_ids, positions, slot_mapping, block_tables, context_lens,
-                               query_lens, temperature, top_k, top_p, random_u, top_n, penalties)
+                               query_lens, temperature, top_k, top_p, random_u, top_n, penalties, verify_u)
+        if step.verify_u is not None:
+            return self._execute_verify(step)
         nb, sb = self.buckets.bucket(step.n, step.s)
         if step.s > 1 and self.buckets.packed:
             return self._execute_packed(step, return_logits)
@@ -171,6 +180,12 @@ class ModelRunner:
     def _execute_padded(self, step: StepInputs, nb: int, sb: int, return_logits: bool):
         """The step padded to its (batch, seq) bucket and block-table width: padding rows and tokens write to
         the scratch block."""
+        outputs = self._call_padded(step, nb, sb, all_tokens=False)
+        return self._finish(outputs, step.n, nb, step.per_row, return_logits)
+
+    def _call_padded(self, step: StepInputs, nb: int, sb: int, all_tokens: bool):
+        """The model graph on the step padded to (nb, sb): outputs at each row's last new token, or with
+        all_tokens at every token (nb * sb rows, row-major)."""
         n, s = step.n, step.s
         cl, ql = step.context_lens, step.query_lens
         w = self.buckets.width(sb, -(-int(cl.max()) // self.block_size))
@@ -185,9 +200,38 @@ class ModelRunner:
         used = min(step.block_tables.shape[1], w)          # entries past the longest row's blocks are padding
         bt_p[:n, :used] = step.block_tables[:, :used]
         T = self._ms.Tensor
-        outputs = self._call("model", (nb, sb), self.model, T(ids_p), T(pos_p), T(slot_p), T(bt_p),
-                             T(_pad(cl, nb, 1)), T(_pad(ql, nb, 1)), T(np.arange(nb, dtype=np.int32)))
-        return self._finish(outputs, n, nb, step.per_row, return_logits)
+        sample_index = np.arange(nb * sb if all_tokens else nb, dtype=np.int32)
+        return self._call("verify" if all_tokens else "model", (nb, sb), self.model, T(ids_p), T(pos_p), T(slot_p),
+                          T(bt_p), T(_pad(cl, nb, 1)), T(_pad(ql, nb, 1)), T(sample_index))
+
+    def _execute_verify(self, step: StepInputs):
+        """A verify step: the rows' new tokens run as in a prefill step (packed, or padded to (batch,
+        verify_width)), and the sampler sees every token's logits, each token with its row's sampling
+        parameters and its own uniform number."""
+        n, s, ql = step.n, step.s, step.query_lens
+        valid = np.arange(s)[None, :] < ql[:, None]                                     # (n, s)
+        row_of = np.repeat(np.arange(n), ql)                                             # (t,)
+        t = len(row_of)
+        size = self.buckets.verify_bucket(n, t)
+        per_token = {key: arr[row_of] for key, arr in step.per_row.items() if key != "random_u"}
+        per_token["random_u"] = step.verify_u[valid]                                     # (t,) each
+        if self.buckets.packed:
+            rows, flat = size, np.arange(t)
+            outputs = self._call_packed(step, valid, row_of, 0, t, size, np.arange(size, dtype=np.int32))
+        else:
+            sb = self.buckets.verify_width
+            if s > sb:
+                raise ValueError(f"ModelRunner.execute: a verify row feeds at most {sb} tokens, got {s}")
+            rows, flat = size * sb, (np.arange(n)[:, None] * sb + np.arange(s)[None, :])[valid]   # (t,)
+            outputs = self._call_padded(step, size, sb, all_tokens=True)
+        padded = {key: np.zeros(rows, arr.dtype) for key, arr in per_token.items()}
+        padded["top_p"][:] = 1.0
+        for key, arr in per_token.items():
+            padded[key][flat] = arr
+        token, logprob = self._finish(outputs, rows, rows, padded, False)
+        ids, lps = np.zeros((n, s), np.int32), np.zeros((n, s), np.float32)
+        ids[valid], lps[valid] = token[flat], logprob[flat]
+        return ids, lps
 
     def _no_outputs(self, n: int, return_logits: bool, wants_top: bool) -> list:
         """All-zero outputs for n rows, shaped as execute returns them."""
@@ -235,16 +279,11 @@ class ModelRunner:
         so a token sees the earlier tokens of its own row. The tokens run as one or more graph calls, in
         order (`_token_pieces`); each call samples the rows whose last token it holds (sample_index).
         Padding tokens write to the scratch block and attend to nothing."""
-        input_ids, block_tables, cl, ql, per_row = (step.input_ids, step.block_tables, step.context_lens,
-                                                    step.query_lens, step.per_row)
+        ql, per_row = step.query_lens, step.per_row
         n = step.n
         t = int(ql.sum())
-        valid = np.arange(input_ids.shape[1])[None, :] < ql[:, None]                  # (n, s), row-major order
+        valid = np.arange(step.s)[None, :] < ql[:, None]                               # (n, s), row-major order
         row_of = np.repeat(np.arange(n), ql)                                           # (t,)
-        ids, pos = input_ids[valid], step.positions[valid]
-        slots = step.slot_mapping[valid]
-        used = min(block_tables.shape[1], self.max_blocks_per_seq)
-        context = ((cl - ql)[row_of] + np.nonzero(valid)[1] + 1).astype(np.int32)   # keys each token sees
         last = np.cumsum(ql) - 1                                                       # (n,) each row's last token
         rows = self.prefill_batch_sizes[-1]
         results = []
@@ -253,16 +292,8 @@ class ModelRunner:
         for tb in self.buckets.token_pieces(t):
             stop = min(start + tb, t)
             mine = np.nonzero((last >= start) & (last < stop))[0]                      # rows sampled by this call
-            k = stop - start
-            scratch = self.scratch_slot + (np.arange(tb, dtype=np.int32) % self.block_size)
-            piece_slots = scratch.copy()
-            piece_slots[:k] = np.where(slots[start:stop] < 0, scratch[:k], slots[start:stop])
-            piece_tables = np.zeros((tb, self.max_blocks_per_seq), np.int32)
-            piece_tables[:k, :used] = block_tables[row_of[start:stop], :used]     # each token: its row's table
             sample_index = _pad((last[mine] - start).astype(np.int32), rows, 0)
-            outputs = self._run_packed(tb, _pad(ids[start:stop], tb, 0), _pad(pos[start:stop], tb, 0), piece_slots,
-                                       piece_tables, _pad(context[start:stop], tb, 0),   # context 0: padding
-                                       sample_index)
+            outputs = self._call_packed(step, valid, row_of, start, stop, tb, sample_index)
             start = stop
             if failure is not None:
                 continue
@@ -282,6 +313,21 @@ class ModelRunner:
             for arr, part in zip(out, res):
                 arr[mine] = part
         return tuple(out)
+
+    def _call_packed(self, step: StepInputs, valid, row_of, start: int, stop: int, tb: int, sample_index):
+        """The model graph of `tb` tokens on the step's real tokens start..stop-1 (in row-major order; `valid`
+        (n, s) marks them, `row_of` (t,) is each one's row), padding after them."""
+        k = stop - start
+        ids, pos, slots = (arr[valid][start:stop] for arr in (step.input_ids, step.positions, step.slot_mapping))
+        context = ((step.context_lens - step.query_lens)[row_of] + np.nonzero(valid)[1] + 1)[start:stop]
+        scratch = self.scratch_slot + (np.arange(tb, dtype=np.int32) % self.block_size)
+        piece_slots = scratch.copy()
+        piece_slots[:k] = np.where(slots < 0, scratch[:k], slots)
+        used = min(step.block_tables.shape[1], self.max_blocks_per_seq)
+        piece_tables = np.zeros((tb, self.max_blocks_per_seq), np.int32)
+        piece_tables[:k, :used] = step.block_tables[row_of[start:stop], :used]     # each token: its row's table
+        return self._run_packed(tb, _pad(ids, tb, 0), _pad(pos, tb, 0), piece_slots, piece_tables,
+                                _pad(context.astype(np.int32), tb, 0), sample_index)   # context 0: padding
 
     def _run_packed(self, tb, ids, pos, slots, tables, context, sample_index, compile_only: bool = False):
         T = self._ms.Tensor
@@ -336,6 +382,17 @@ class ModelRunner:
                    "top_n": np.zeros(rows, np.int32)}
         self._finish(outputs, rows, rows, per_row, False)
 
+    def _run_dummy_verify(self, size: int, temperature: float) -> None:
+        """One verify step filling verify bucket `size` (its tokens packed, its rows unpacked) with padding
+        tokens (scratch block only)."""
+        s = self.buckets.verify_width
+        n = size // s if self.buckets.packed else size
+        pos = np.tile(np.arange(s, dtype=np.int32), (n, 1))
+        self.execute(np.zeros((n, s), np.int32), pos, np.full((n, s), -1, np.int32), np.zeros((n, 1), np.int32),
+                     np.full((n,), s, np.int32), np.full((n,), s, np.int32), np.full((n,), temperature, np.float32),
+                     np.zeros((n,), np.int32), np.ones((n,), np.float32), np.zeros((n,), np.float32),
+                     verify_u=np.full((n, s), 0.5, np.float32))
+
     def graph_buckets(self) -> list:
         """(kind, batch, seq, decode width) of every model graph warmup compiles, in order."""
         return self.buckets.graphs()
@@ -374,13 +431,18 @@ class ModelRunner:
             elif kind == "packed":
                 for temperature in (0.0, 1.0):          # greedy, then the temperature sampler for its rows
                     self._run_dummy_packed(b, temperature)
+            elif kind == "verify":
+                for temperature in (0.0, 1.0):
+                    self._run_dummy_verify(b, temperature)
             else:
                 self._run_dummy(b, s, 0.0, w)       # the model graph (greedy)
                 if w is None or w == self.decode_block_widths[0]:   # the sampler depends on the batch size only
                     self._run_dummy(b, s, 1.0, w)   # + the temperature-only sampler for this batch size
             shape = (f"T={b} tokens, {self.prefill_batch_sizes[-1]} rows" if kind == "packed"
+                     else f"T={b} tokens" if kind == "verify" and s is None
                      else f"B={b}, S={s}" + (f", W={w}" if w is not None else ""))
-            msg = (f"warmup {i + 1}/{len(buckets)}: {'decode' if kind == 'decode' else 'prefill'} bucket ({shape}) "
+            name = kind if kind in ("decode", "verify") else "prefill"
+            msg = (f"warmup {i + 1}/{len(buckets)}: {name} bucket ({shape}) "
                    f"ready in {time.perf_counter() - t0:.1f}s")
             logger.info(msg)
             if progress is not None:

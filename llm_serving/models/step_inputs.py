@@ -9,6 +9,8 @@ Shapes: n rows, s new tokens per row at most, w block-table entries per row.
   log-probabilities wanted, 0 = none): per row
   penalties: None, or per row history int32 (n, <= max_context), history_len, prompt_len, and the
   repetition, presence and frequency penalties (see sampler.Penalizer)
+  verify_u                            float32 (n, s) or None: a verify step's uniform number per new token
+                                      (speculative decoding; such a step has no top_n and no penalties)
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ class StepInputs:
     context_lens: np.ndarray
     query_lens: np.ndarray
     per_row: dict                 # sampling arrays (n,) by name, and the penalty arrays when some row has one
+    verify_u: Optional[np.ndarray] = None     # (n, s): a verify step
 
     @property
     def n(self) -> int:
@@ -61,7 +64,8 @@ class StepInputs:
 
     @classmethod
     def make(cls, limits: StepLimits, input_ids, positions, slot_mapping, block_tables, context_lens, query_lens,
-             temperature, top_k, top_p, random_u, top_n=None, penalties: Optional[dict] = None) -> "StepInputs":
+             temperature, top_k, top_p, random_u, top_n=None, penalties: Optional[dict] = None,
+             verify_u=None) -> "StepInputs":
         """Arrays (or nested lists) converted to their dtypes and checked against each other and `limits`;
         ValueError naming the first that is malformed."""
         input_ids = np.asarray(input_ids, np.int32)
@@ -100,7 +104,13 @@ class StepInputs:
             if arr.min() < low or arr.max() >= high:
                 _fail(f"{name} must be in [{low}, {high}){' or -1' if low == -1 else ''}, "
                       f"got range [{arr.min()}, {arr.max()}]")
-        return cls(input_ids, positions, slot_mapping, block_tables, cl, ql, per_row)
+        if verify_u is not None:
+            verify_u = np.asarray(verify_u, np.float32)
+            if verify_u.shape != (n, s):
+                _fail(f"verify_u has shape {verify_u.shape}, expected {(n, s)}")
+            if "history" in per_row or (per_row["top_n"] > 0).any():
+                _fail("a verify step cannot have rows with top log-probabilities or sampling penalties")
+        return cls(input_ids, positions, slot_mapping, block_tables, cl, ql, per_row, verify_u)
 
 
 def _penalty_rows(limits: StepLimits, n: int, penalties: dict) -> dict:

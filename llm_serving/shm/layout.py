@@ -33,6 +33,12 @@ says n and s.
   out_top_logprobs float32 (max_rows, TOP_LOGPROBS)          agent 0     their log-probabilities
                                                                          (written only in steps where a row
                                                                          has top_n > 0)
+Verify steps (speculative decoding, master/speculative.py) sample after every new token of a row, not
+only after its last; `max_verify` is the most tokens a speculating row feeds (1 + proposals):
+  verify_random_u  float32 (max_rows, max_verify)            master      uniform [0, 1) per new token of a
+                                                                         sampling row
+  out_verify_ids   int32    (max_rows, max_verify)           agent 0     the token sampled after each new token
+  out_verify_logprobs float32 (max_rows, max_verify)         agent 0     its log-probability
 """
 from __future__ import annotations
 
@@ -60,13 +66,15 @@ class StepLayout:
     max_tokens: int
     max_blocks_per_seq: int
     max_context: int = 0            # tokens a sequence may reach (history width)
+    max_verify: int = 1             # tokens a speculating row feeds in a verify step
 
     @classmethod
     def from_config(cls, config) -> "StepLayout":
         mc = config.model_config
         return cls(max_rows=max(mc.decode_batch_size[-1], mc.prefill_batch_size[-1]),
                    max_tokens=mc.seq_length[-1], max_blocks_per_seq=config.max_blocks_per_seq,
-                   max_context=config.max_blocks_per_seq * config.pa_config.block_size)
+                   max_context=config.max_blocks_per_seq * config.pa_config.block_size,
+                   max_verify=config.spec_config.tokens_per_row)
 
     def arrays(self) -> list:
         r, t, w, c = self.max_rows, self.max_tokens, self.max_blocks_per_seq, max(self.max_context, 1)
@@ -93,4 +101,7 @@ class StepLayout:
             ArraySpec("out_logprobs", np.float32, (r,)),
             ArraySpec("out_top_ids", np.int32, (r, TOP_LOGPROBS)),
             ArraySpec("out_top_logprobs", np.float32, (r, TOP_LOGPROBS)),
+            ArraySpec("verify_random_u", np.float32, (r, self.max_verify)),
+            ArraySpec("out_verify_ids", np.int32, (r, self.max_verify)),
+            ArraySpec("out_verify_logprobs", np.float32, (r, self.max_verify)),
         ]

@@ -1,0 +1,103 @@
+"""ModelRunner verify steps (speculative decoding) on the real stories260K checkpoint: the token sampled after
+each new token of a row is the one plain decoding samples at that position (greedy and seeded sampling),
+on the packed (CPU kernel) and the padded (key-gather) paths, with rows of different lengths side by side."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.integration.test_model_runner import MODEL_DIR, Seq, _need_model, step, step_args
+
+PROMPTS = [[1, 403, 407, 261, 378, 436, 261, 271, 280], [1, 67, 86, 427, 261, 407, 368]]
+WIDTH = 5          # a speculating row feeds its last token and 4 proposals
+
+
+@pytest.fixture(scope="module", params=["on", "off"], ids=["packed", "padded"])
+def runner(request):
+    pytest.importorskip("mindspore")
+    _need_model()
+    from llm_serving.models.runner import ModelRunner
+    r = ModelRunner(str(MODEL_DIR), num_blocks=64, block_size=16, max_blocks_per_seq=8,
+                    decode_batch_sizes=[1, 2, 4], prefill_batch_sizes=[1, 2], prefill_seq_lens=[16, 32],
+                    num_threads=2, attention_kernel=request.param, verify_width=WIDTH, verify_rows=4)
+    assert r.buckets.packed == (request.param == "on")
+    return r
+
+
+def decode_reference(runner, prompt, blocks, n, temperature=0.0, seed=0):
+    """Plain decoding: prompt, then n tokens one step at a time (token i sampled with uniform u[i])."""
+    u = np.random.default_rng(seed).random(n).astype(np.float32)
+    seq = Seq(blocks)
+    out = []
+    tok, _ = step(runner, [seq], [prompt], temperature=[temperature], random_u=[u[0]])
+    out.append(int(tok[0]))
+    for i in range(1, n):
+        tok, _ = step(runner, [seq], [[out[-1]]], temperature=[temperature], random_u=[u[i]])
+        out.append(int(tok[0]))
+    return out, u
+
+
+def verify(runner, seqs, new_tokens, temperature, verify_u):
+    args = step_args(runner, seqs, new_tokens, temperature=temperature)
+    n, s = args[0].shape
+    vu = np.zeros((n, s), np.float32)
+    for i, row in enumerate(verify_u):
+        vu[i, :len(row)] = row
+    return runner.execute(*args, verify_u=vu)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_verify_samples_what_decoding_samples(runner, temperature):
+    """Row 0 proposes its true continuation (all accepted), row 1 a wrong token as proposal 2: every verify
+    token that sees no wrong proposal equals plain decoding's; a one-token row rides along as a plain
+    decode row."""
+    n = 7
+    ref = [decode_reference(runner, p, list(range(8 * i, 8 * i + 8)), n, temperature, seed=i)
+           for i, p in enumerate(PROMPTS)]
+    # fresh blocks: prefill each prompt and its first token's sampling, then verify the next 5 positions
+    seqs = [Seq(list(range(16 + 8 * i, 24 + 8 * i))) for i in range(3)]
+    first, _ = step(runner, seqs[:2], PROMPTS, temperature=[temperature] * 2,
+                    random_u=[ref[0][1][0], ref[1][1][0]])
+    assert first.tolist() == [ref[0][0][0], ref[1][0][0]]
+    step(runner, seqs[2:], [PROMPTS[0]])
+    good = ref[0][0][:WIDTH]                                    # last token + 4 right proposals
+    bad = list(ref[1][0][:WIDTH])
+    bad[2] = (bad[2] + 1) % 512                                 # proposal 2 is wrong
+    ids, lps = verify(runner, seqs, [good, bad, [ref[0][0][0]]], [temperature] * 3,
+                      [ref[0][1][1:WIDTH + 1], ref[1][1][1:WIDTH + 1], ref[0][1][1:2]])
+    assert ids.shape == (3, WIDTH) and lps.shape == (3, WIDTH)
+    assert ids[0].tolist() == ref[0][0][1:WIDTH + 1]            # all 4 accepted, plus the next token
+    assert ids[1, :2].tolist() == ref[1][0][1:3]                # up to the wrong proposal: decoding's tokens
+    assert ids[1, 1] != bad[2]                                  # (which is where acceptance stops)
+    assert ids[2, 0] == ref[0][0][1] and (ids[2, 1:] == 0).all()
+    assert np.isfinite(lps[:, 0]).all() and (lps[0] <= 0).all() and (lps[0] < 0).any()
+
+
+def test_verify_step_log_probabilities_match_decoding(runner):
+    seq_a, seq_b = Seq(list(range(0, 8))), Seq(list(range(8, 16)))
+    tok, _ = step(runner, [seq_a], [PROMPTS[0]])
+    cont = [int(tok[0])]
+    lps = []
+    for _ in range(WIDTH):
+        tok, lp = step(runner, [seq_a], [[cont[-1]]])
+        cont.append(int(tok[0]))
+        lps.append(float(lp[0]))
+    step(runner, [seq_b], [PROMPTS[0]])
+    ids, vlps = verify(runner, [seq_b], [cont[:WIDTH]], [0.0], [np.zeros(WIDTH)])
+    assert ids[0].tolist() == cont[1:WIDTH + 1]
+    np.testing.assert_allclose(vlps[0], lps, rtol=1e-4, atol=1e-4)
+
+
+def test_verify_step_refuses_what_it_cannot_do(runner):
+    seq = Seq(list(range(40, 48)))
+    step(runner, [seq], [PROMPTS[0]])
+    with pytest.raises(ValueError, match="top log-probabilities or sampling penalties"):
+        args = step_args(runner, [Seq(list(range(40, 48)))], [[5, 6]])
+        runner.execute(*args, top_n=np.ones(1, np.int32), verify_u=np.zeros((1, 2), np.float32))
+    with pytest.raises(ValueError, match="verify_u has shape"):
+        args = step_args(runner, [Seq(list(range(40, 48)))], [[5, 6]])
+        runner.execute(*args, verify_u=np.zeros((1, 3), np.float32))
+    with pytest.raises(ValueError, match="verify"):
+        seqs = [Seq(list(range(8 * i, 8 * i + 8))) for i in range(5)]
+        args = step_args(runner, seqs, [[5] * WIDTH] * 5)      # 5 speculating rows; the buckets hold 4
+        runner.execute(*args, verify_u=np.zeros((5, WIDTH), np.float32))
