@@ -312,6 +312,10 @@ class Config:
                    sched.max_waiting_tokens, f"must be >= the longest request ({self.max_model_len} tokens)")
         _check(sc.max_num_seqs <= mc.decode_batch_size[-1], "serving_config.max_num_seqs", sc.max_num_seqs,
                f"must be <= the largest model_config.decode_batch_size ({mc.decode_batch_size[-1]})")
+        spec = self.spec_config
+        if spec.enabled:
+            _check(spec.tokens_per_row <= mc.seq_length[-1], "spec_config.num_speculative_tokens",
+                   spec.num_speculative_tokens, f"must be < the largest model_config.seq_length ({mc.seq_length[-1]})")
         _check(pa.num_blocks >= self.max_blocks_per_seq, "pa_config.num_blocks", pa.num_blocks,
                f"must hold at least one longest sequence ({self.max_blocks_per_seq} blocks of "
                f"{pa.block_size} tokens for {self.max_model_len} tokens)")

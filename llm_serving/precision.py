@@ -119,7 +119,9 @@ async def replay(url: str, model: str, prompts: list, max_new_tokens: int, rate:
     async def one(session, i, prompt):
         if rate > 0:
             await asyncio.sleep(i / rate)
-        body = {"inputs": prompt, "parameters": {"max_new_tokens": max_new_tokens}}
+        # no speculative decoding: a verify step is not captured (agents/worker.py), and the gate follows each
+        # request step by step
+        body = {"inputs": prompt, "parameters": {"max_new_tokens": max_new_tokens, "speculative": False}}
         async with session.post(f"{url}/models/{model}/generate", json=body) as resp:
             answer = await resp.json()
             if resp.status != 200:

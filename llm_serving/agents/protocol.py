@@ -10,6 +10,8 @@ Commands (llm-serving's letters) and their messages, the dataclasses below (one 
   '#' Connect      token, shm: {array: segment name} | null      -> ConnectReply (geometry, cache_epoch)
   '*' PrefillStep  step, num_rows, max_query_len                 -> StepReply (model_ms, agent_ms, ...)
   'a' DecodeStep   step, num_rows (one new token per row)        -> StepReply
+  'v' VerifyStep   step, num_rows, max_query_len                 -> StepReply
+                   speculative decoding: a token is sampled after every new token of a row, not only its last
   'h' Health                                                     -> HealthReply (pid, rank, steps, attached)
   'r' Reset        zero the KV cache                             -> ResetReply (the new cache_epoch)
   'c' Capture      dir: path | null, max_steps                   -> CaptureReply (dir, steps)
@@ -45,11 +47,12 @@ from typing import Any, ClassVar, Optional
 HEADER = struct.Struct(">I")          # uint32 frame length
 MAX_FRAME_BYTES = 1 << 20             # 1 MiB: commands are small, bulk data is in shm
 
-CONNECT, PREFILL, DECODE, HEALTH, RESET, EXIT, CAPTURE, REPLY = "#", "*", "a", "h", "r", "e", "c", "R"
-COMMANDS = {CONNECT, PREFILL, DECODE, HEALTH, RESET, EXIT, CAPTURE}
+CONNECT, PREFILL, DECODE, VERIFY, HEALTH, RESET, EXIT, CAPTURE, REPLY = "#", "*", "a", "v", "h", "r", "e", "c", "R"
+COMMANDS = {CONNECT, PREFILL, DECODE, VERIFY, HEALTH, RESET, EXIT, CAPTURE}
 
 # Lower runs first. Control before prefill (new requests' first token) before decode.
-PRIORITY = {EXIT: 0, RESET: 0, HEALTH: 0, CONNECT: 0, CAPTURE: 0, PREFILL: 1, DECODE: 2}
+# A verify step is the decode step of speculating requests.
+PRIORITY = {EXIT: 0, RESET: 0, HEALTH: 0, CONNECT: 0, CAPTURE: 0, PREFILL: 1, DECODE: 2, VERIFY: 2}
 
 
 # --- launch: how the master starts an agent process (python -m llm_serving.agents.server) ---------------
@@ -193,6 +196,17 @@ class DecodeStep(Message):
 
 
 @dataclass(frozen=True)
+class VerifyStep(Message):
+    COMMAND: ClassVar[str] = VERIFY
+    step: int
+    num_rows: int
+    max_query_len: int
+
+
+STEPS = (PrefillStep, DecodeStep, VerifyStep)
+
+
+@dataclass(frozen=True)
 class Health(Message):
     COMMAND: ClassVar[str] = HEALTH
 
@@ -214,7 +228,7 @@ class Exit(Message):
     COMMAND: ClassVar[str] = EXIT
 
 
-COMMAND_MESSAGES = {m.COMMAND: m for m in (Connect, PrefillStep, DecodeStep, Health, Reset, Capture, Exit)}
+COMMAND_MESSAGES = {m.COMMAND: m for m in (Connect, *STEPS, Health, Reset, Capture, Exit)}
 
 
 def read_command(frame: Frame) -> Message:
@@ -286,8 +300,8 @@ class Failed(Reply):
     collective_calls: Optional[int] = None
 
 
-REPLY_OF = {Connect: ConnectReply, PrefillStep: StepReply, DecodeStep: StepReply, Health: HealthReply,
-            Reset: ResetReply, Capture: CaptureReply, Exit: Done}     # each command's reply on success
+REPLY_OF = {Connect: ConnectReply, PrefillStep: StepReply, DecodeStep: StepReply, VerifyStep: StepReply,
+            Health: HealthReply, Reset: ResetReply, Capture: CaptureReply, Exit: Done}     # each command's reply on success
 
 
 def read_reply(payload: dict, command: Message) -> Reply:

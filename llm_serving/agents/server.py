@@ -196,7 +196,7 @@ class AgentServer:
                                   cache_epoch=self.worker.cache_epoch)
 
     def on_step(self, msg, frame, conn) -> proto.StepReply:
-        model_s = self.worker.step(msg.num_rows, msg.max_query_len)
+        model_s = self.worker.step(msg.num_rows, msg.max_query_len, verify=isinstance(msg, proto.VerifyStep))
         agent_s = time.perf_counter() - frame.received
         return proto.StepReply(step=msg.step, model_ms=round(model_s * 1e3, 4), agent_ms=round(agent_s * 1e3, 4),
                                cache_epoch=self.worker.cache_epoch, collective_calls=self._collective_calls(msg))
@@ -204,7 +204,7 @@ class AgentServer:
     def _collective_calls(self, msg) -> int | None:
         """What a tensor-parallel rank's step reply (ok or failed) tells the master about the group: the
         collective graph calls it has completed (the master compares them across ranks)."""
-        if not isinstance(msg, (proto.PrefillStep, proto.DecodeStep)) or self.worker.tp.world == 1:
+        if not isinstance(msg, proto.STEPS) or self.worker.tp.world == 1:
             return None
         return self.worker.runner.collective_calls
 
@@ -226,7 +226,7 @@ class AgentServer:
         self._stop.set()
         return proto.Done()
 
-    HANDLERS = {proto.Connect: on_connect, proto.PrefillStep: on_step, proto.DecodeStep: on_step,
+    HANDLERS = {proto.Connect: on_connect, proto.PrefillStep: on_step, proto.DecodeStep: on_step, proto.VerifyStep: on_step,
                 proto.Health: on_health, proto.Reset: on_reset, proto.Exit: on_exit, proto.Capture: on_capture}
 
     def event_loop(self) -> None:

@@ -4,7 +4,8 @@ Logits capture (the `c` command, rank 0 only): while on, every step also writes
 <dir>/step_<NNNNNNNN>.npz (written to a temporary name, then renamed, so a reader never sees half a file)
 holding, for rows 0..n-1: request_ids (n,) int64, input_ids / positions (n, s) int32, query_lens,
 context_lens (n,) int32, token_ids (n,) int32, and logits (n, vocab) float32 at each row's last new
-token. `tools/precision.py` replays these through a float64 reference.
+token. `llm-serving precision` replays these through a float64 reference. Verify steps (speculative
+decoding) are not captured: precision's requests do not speculate.
 """
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ class Worker:
             decode_block_widths=config.decode_block_widths, device_target=mc.device_target, device_id=device_id,
             num_threads=num_threads, attention_kernel=mc.attention_kernel,
             max_step_tokens=sc.max_num_batched_tokens, tp=self.tp, tp_timeout_s=sc.step_timeout_s,
+            verify_width=config.spec_config.tokens_per_row, verify_rows=config.spec_config.max_batch_size,
             compile_cache=True)   # one runner per agent process, warmed up in a fixed order
         self._start_timeout_s = sc.agent_start_timeout_s
 
@@ -66,15 +68,20 @@ class Worker:
             self.buffers.close()
             self.buffers = None
 
-    def step(self, n: int, s: int) -> float:
+    def step(self, n: int, s: int, verify: bool = False) -> float:
         """Run rows 0..n-1 with s new tokens per row (s = 1 for decode); returns the seconds spent in the
-        model (ModelRunner.execute: padding, graphs, copying ids back)."""
+        model (ModelRunner.execute: padding, graphs, copying ids back). A verify step samples after every new
+        token (out_verify_ids, out_verify_logprobs)."""
         b = self.buffers
         if b is None:
             raise RuntimeError("no shared memory attached: connect with shm names first")
         if not (1 <= n <= self.layout.max_rows and 1 <= s <= self.layout.max_tokens):
             raise ValueError(f"step shape n={n}, s={s} outside 1..{self.layout.max_rows} x "
                              f"1..{self.layout.max_tokens}")
+        if verify:
+            if s > self.layout.max_verify:
+                raise ValueError(f"verify step with {s} tokens per row; the buffers hold {self.layout.max_verify}")
+            return self._verify_step(n, s)
         capture = self.capture_dir is not None and self.rank == 0
         t0 = time.perf_counter()
         top_n = b.top_n[:n]
@@ -100,6 +107,20 @@ class Worker:
                 b.out_top_logprobs[:n, :k] = top_lps
         if capture:
             self._write_capture(n, s, token_ids, logits)
+        self.num_steps += 1
+        return model_s
+
+    def _verify_step(self, n: int, s: int) -> float:
+        b = self.buffers
+        t0 = time.perf_counter()
+        token_ids, logprobs = self.runner.execute(
+            b.input_ids[:n, :s], b.positions[:n, :s], b.slot_mapping[:n, :s], b.block_tables[:n],
+            b.context_lens[:n], b.query_lens[:n], b.temperature[:n], b.top_k[:n], b.top_p[:n],
+            b.random_u[:n], top_n=b.top_n[:n], verify_u=b.verify_random_u[:n, :s])
+        model_s = time.perf_counter() - t0
+        if self.tp.writes_outputs:
+            b.out_verify_ids[:n, :s] = token_ids
+            b.out_verify_logprobs[:n, :s] = logprobs
         self.num_steps += 1
         return model_s
 

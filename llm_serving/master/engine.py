@@ -22,6 +22,7 @@ from llm_serving.master.agent_group import AgentError, AgentGroup
 from llm_serving.master.block_manager import BlockManager
 from llm_serving.master.request import Request, SamplingParams, TokenEvent
 from llm_serving.master.scheduler import ScheduledBatch, Scheduler
+from llm_serving.master.speculative import NgramProposer, SpecStats, accepted_prefix
 from llm_serving.master.step_io import StepIO, StepOutputs
 from llm_serving.master.supervisor import Supervisor
 
@@ -46,6 +47,7 @@ class Engine:
         self.block_manager = BlockManager(config.pa_config.num_blocks, config.pa_config.block_size,
                                           enable_prefix_caching=config.scheduler_config.enable_prefix_caching)
         self.scheduler = make_scheduler(config, self.block_manager)
+        self.spec_stats = SpecStats(config.spec_config.num_speculative_tokens)
         mc = config.model_config
         self.stop_token_ids = frozenset(mc.end_token_ids or tokenizer.eos_ids)
         self.agents = AgentGroup(config, model_dir, on_lost=self._on_agent_lost)
@@ -225,7 +227,8 @@ class Engine:
         self.step_io.write_inputs(self.agents.buffers, batch)
         t0 = time.perf_counter()
         prof["shm_write"] += t0 - t_write
-        command = (proto.PrefillStep(self.num_steps, n, batch.max_query_len) if batch.is_prefill
+        command = (proto.VerifyStep(self.num_steps, n, batch.max_query_len) if batch.is_verify
+                   else proto.PrefillStep(self.num_steps, n, batch.max_query_len) if batch.is_prefill
                    else proto.DecodeStep(self.num_steps, n))
         try:
             replies, cache_reset = await self.agents.step(command)
@@ -244,14 +247,18 @@ class Engine:
             return
         finally:
             self.num_steps += 1
-            kind, elapsed = ("prefill" if batch.is_prefill else "decode"), time.perf_counter() - t0
+            kind, elapsed = batch.kind, time.perf_counter() - t0
             self.step_time_s[kind] += elapsed
             self.step_time_by_batch[(kind, n)] += elapsed
         if cache_reset:
             self._cache_was_reset(command.step)
             return
         t_read = time.perf_counter()
-        self._apply_outputs(batch, self.step_io.read_outputs(self.agents.buffers, n))
+        if batch.is_verify:
+            self.spec_stats.verify_steps += 1
+            self._apply_verified(batch, self.step_io.read_outputs(self.agents.buffers, n, batch.max_query_len))
+        else:
+            self._apply_outputs(batch, self.step_io.read_outputs(self.agents.buffers, n))
         prof["output"] += time.perf_counter() - t_read
 
     # --- when the KV cache is gone -----------------------------------------------------------------
@@ -291,28 +298,49 @@ class Engine:
         """Each row that sampled a token: append it to its request, detokenize, stream it or finish."""
         now = time.monotonic()
         for row, req in self.scheduler.complete_step(batch):
-            token_id, logprob = out.token_ids[row], out.logprobs[row]
-            req.output_ids.append(token_id)
-            req.output_logprobs.append(logprob)
-            if req.first_token_time is None:
-                req.first_token_time = now
-            self.num_generated_tokens += 1
-            reason = self._stop_reason(req, token_id)
-            special = token_id in req.stop_token_ids or self.tokenizer.is_special(token_id)
-            t_detok = time.perf_counter()
-            text = "" if reason == "stop" else self._detok[req.req_id].push(token_id)
-            if req.stop_strings is not None:
-                text = req.stop_strings.push(text)
-                if req.stop_strings.stopped:
-                    reason = "stop"
-            self.profile["detokenize"] += time.perf_counter() - t_detok
-            event = TokenEvent(token_id, text, logprob, special)
-            if out.top_ids is not None and req.sampling.top_logprobs:
-                event.top = out.top(row, req.sampling.top_logprobs)
-            if reason is None:
-                req.events.put_nowait(event)
+            top = out.top(row, req.sampling.top_logprobs) if out.top_ids is not None and req.sampling.top_logprobs \
+                else None
+            self._emit(req, out.token_ids[row], out.logprobs[row], top, now)
+
+    def _apply_verified(self, batch: ScheduledBatch, out: StepOutputs) -> None:
+        """A verify step: each row keeps its proposals up to the first the target disagrees with, and the
+        target's token after them (speculative.py); tokens stream one by one, and a stop (token, string or
+        length) inside the run ends the request there."""
+        now = time.monotonic()
+        for row, req in self.scheduler.complete_step(batch):
+            proposal = batch.proposals[row]
+            targets, logprobs = out.token_ids[row], out.logprobs[row]
+            accepted = accepted_prefix(proposal, targets)
+            if proposal:
+                self.spec_stats.record(len(proposal), accepted)
+            for j in range(accepted + 1):
+                if self._emit(req, targets[j], logprobs[j], None, now):
+                    break
             else:
-                self._finish(req, reason, last=event)
+                self.scheduler.accept(req, accepted)
+
+    def _emit(self, req: Request, token_id: int, logprob: float, top: Optional[list], now: float) -> bool:
+        """Append one sampled token to req, detokenize, stream it or finish req; True when req finished."""
+        req.output_ids.append(token_id)
+        req.output_logprobs.append(logprob)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        self.num_generated_tokens += 1
+        reason = self._stop_reason(req, token_id)
+        special = token_id in req.stop_token_ids or self.tokenizer.is_special(token_id)
+        t_detok = time.perf_counter()
+        text = "" if reason == "stop" else self._detok[req.req_id].push(token_id)
+        if req.stop_strings is not None:
+            text = req.stop_strings.push(text)
+            if req.stop_strings.stopped:
+                reason = "stop"
+        self.profile["detokenize"] += time.perf_counter() - t_detok
+        event = TokenEvent(token_id, text, logprob, special, top=top)
+        if reason is None:
+            req.events.put_nowait(event)
+            return False
+        self._finish(req, reason, last=event)
+        return True
 
     def _stop_reason(self, req: Request, token_id: int) -> Optional[str]:
         if token_id in req.stop_token_ids:
@@ -354,6 +382,7 @@ class Engine:
             "step_time_s": dict(self.step_time_s),
             "step_profile_ms": self.step_profile(),
             "step_profile_total_s": {k: round(v, 6) for k, v in sorted(self.profile.items())},
+            "speculative": {"method": self.config.spec_config.method, **self.spec_stats.as_dict()},
             "batch_sizes": _by_kind(sched.batch_sizes),
             "step_time_s_by_batch": _by_kind(self.step_time_by_batch),
         }
@@ -361,7 +390,8 @@ class Engine:
 
 def make_scheduler(config, block_manager: BlockManager) -> Scheduler:
     """The scheduler a config describes (its budgets come from serving_config and the graph buckets)."""
-    sc, mc, sched = config.serving_config, config.model_config, config.scheduler_config
+    sc, mc, sched, spec = config.serving_config, config.model_config, config.scheduler_config, config.spec_config
+    proposer = NgramProposer(spec.num_speculative_tokens, spec.ngram_max, spec.ngram_min) if spec.enabled else None
     return Scheduler(block_manager=block_manager, max_num_seqs=sc.max_num_seqs,
                      max_num_batched_tokens=sc.max_num_batched_tokens,
                      max_prefill_rows=mc.prefill_batch_size[-1], max_decode_rows=mc.decode_batch_size[-1],
@@ -369,10 +399,11 @@ def make_scheduler(config, block_manager: BlockManager) -> Scheduler:
                      policy=sched.policy, chunked_prefill=sched.chunked_prefill,
                      max_chunk_tokens=config.max_chunk_tokens, max_decode_wait_steps=sched.max_decode_wait_steps,
                      watermark_blocks=int(sched.kv_watermark * config.pa_config.num_blocks),
-                     prefill_wait_s=sched.prefill_wait_ms / 1e3)
+                     prefill_wait_s=sched.prefill_wait_ms / 1e3, proposer=proposer,
+                     spec_max_rows=spec.max_batch_size, max_model_len=config.max_model_len)
 
 
 def _by_kind(counter: Counter) -> dict:
-    """{(kind, rows): v} -> {"prefill": {"rows": v}, "decode": {...}} (JSON keys are strings)."""
+    """{(kind, rows): v} -> {"prefill": {"rows": v}, "decode": {...}, "verify": {...}} (JSON keys are strings)."""
     return {kind: {str(rows): v for (k, rows), v in sorted(counter.items()) if k == kind}
-            for kind in ("prefill", "decode")}
+            for kind in ("prefill", "decode", "verify")}

@@ -35,6 +35,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0     # HF/TGI: >1 discourages every token already in prompt or output
     presence_penalty: float = 0.0       # OpenAI: subtracted once from tokens present in the output
     frequency_penalty: float = 0.0      # OpenAI: subtracted per occurrence in the output
+    speculative: bool = True            # may decode speculatively when the server does (spec_config)
 
     @property
     def penalized(self) -> bool:
@@ -104,10 +105,10 @@ class Request:
             return self.prompt_ids[start:stop]
         return (self.prompt_ids[start:] if start < p else []) + self.output_ids[max(start - p, 0):stop - p]
 
-    def random_u(self) -> float:
-        """The uniform number that samples output token number len(output_ids): a function of the seed and
-        the index only, so seeded output does not depend on batching, bucket or preemption."""
-        return float(np.random.default_rng((self.seed, len(self.output_ids))).random())
+    def random_u(self, ahead: int = 0) -> float:
+        """The uniform number that samples output token number len(output_ids) + ahead: a function of the seed
+        and the index only, so seeded output does not depend on batching, bucket, preemption or speculation."""
+        return float(np.random.default_rng((self.seed, len(self.output_ids) + ahead)).random())
 
     @property
     def finished(self) -> bool:

@@ -21,6 +21,11 @@ Policies (`scheduler_config.policy`), each one ordering plus one step rule:
 With `chunked_prefill`, a prompt longer than what is left of the step's token budget is split across
 steps (at most `max_chunk_tokens` per step); without it a prompt is fed whole.
 
+Speculative decoding (a `proposer`, see speculative.py): a decode step of at most `spec_max_rows` rows
+becomes a verify step, where each request that may speculate also feeds the tokens proposed for it (when
+their blocks are free: proposals never preempt anyone). `complete_step` counts only the request's own token
+as computed; the engine then keeps the accepted proposals (`accept`).
+
 Memory: a row is in a step only once its KV blocks are allocated; admission never takes the blocks that
 running requests are about to need (`watermark_blocks`). When a running request needs a block and none
 is left, the lowest-priority running request (the one the queue would serve last) is preempted: its
@@ -39,6 +44,7 @@ from typing import Optional
 from llm_serving.config import SCHEDULING_POLICIES
 from llm_serving.master.block_manager import BlockManager
 from llm_serving.master.request import Request, RequestStatus
+from llm_serving.master.speculative import can_speculate
 
 POLICIES = SCHEDULING_POLICIES      # named in config.py, which validates scheduler_config.policy
 
@@ -52,7 +58,8 @@ class ScheduledBatch:
     """One step: its rows, and how many tokens each row feeds (from its num_computed_tokens on)."""
 
     requests: list
-    num_new_tokens: list = field(default_factory=list)
+    num_new_tokens: list = field(default_factory=list)     # fed tokens per row, proposals included
+    proposals: list = field(default_factory=list)          # a verify step: the tokens proposed per row ([]: none)
 
     @property
     def num_rows(self) -> int:
@@ -63,9 +70,18 @@ class ScheduledBatch:
         return max(self.num_new_tokens)
 
     @property
+    def is_verify(self) -> bool:
+        """Some row checks proposed tokens (every new token is sampled after)."""
+        return any(self.proposals)
+
+    @property
     def is_prefill(self) -> bool:
-        """Runs in a prefill graph (some row feeds more than one token)."""
-        return self.max_query_len > 1
+        """Runs in a prefill graph (some row feeds more than one token of its own)."""
+        return self.max_query_len > 1 and not self.is_verify
+
+    @property
+    def kind(self) -> str:
+        return "verify" if self.is_verify else "prefill" if self.is_prefill else "decode"
 
     @property
     def num_tokens(self) -> int:
@@ -78,6 +94,7 @@ class Scheduler:
                  max_waiting_tokens: Optional[int] = None, policy: str = "prefill_first",
                  chunked_prefill: bool = False, max_chunk_tokens: Optional[int] = None,
                  max_decode_wait_steps: int = 8, watermark_blocks: int = 0, prefill_wait_s: float = 0.0,
+                 proposer=None, spec_max_rows: int = 0, max_model_len: Optional[int] = None,
                  clock=time.monotonic):
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}; one of {', '.join(POLICIES)}")
@@ -94,6 +111,9 @@ class Scheduler:
         self.max_decode_wait_steps = max_decode_wait_steps
         self.watermark_blocks = watermark_blocks
         self.prefill_wait_s = prefill_wait_s
+        self.proposer = proposer            # speculative.NgramProposer or None
+        self.spec_max_rows = spec_max_rows
+        self.max_model_len = max_model_len
         self.clock = clock
         self.waiting: list = []          # in policy order (see _key): waiting[0] is served next
         self.running: list = []          # in admission order
@@ -163,23 +183,33 @@ class Scheduler:
         left_out = any(r.num_new_tokens == 1 and id(r) not in in_step for r in self.running)
         self.decode_wait = self.decode_wait + 1 if left_out else 0
         self._last_was_decode = not batch.is_prefill
-        self.batch_sizes[("prefill" if batch.is_prefill else "decode", batch.num_rows)] += 1
+        self.batch_sizes[(batch.kind, batch.num_rows)] += 1
         return batch
 
     def complete_step(self, batch: ScheduledBatch) -> list:
         """After a step: advance every row by the tokens it fed, register newly full blocks for prefix
         caching, and return [(row, request)] for the rows whose sampled token counts (they reached their
         end; a chunk that stops inside the prompt samples nothing). Rows finished while the step ran are
-        skipped. The caller appends each row's token to its request (or finishes it)."""
+        skipped. The caller appends each row's token to its request (or finishes it). A verify row's
+        proposals do not count here: the caller `accept`s those it keeps."""
         produced = []
         for row, (req, fed) in enumerate(zip(batch.requests, batch.num_new_tokens)):
             if req.status is not RequestStatus.RUNNING:
                 continue
+            if batch.proposals:
+                fed -= len(batch.proposals[row])
             req.num_computed_tokens += fed
             self.bm.cache_full_blocks(req.req_id, req.tokens, req.num_computed_tokens)
             if req.num_computed_tokens == req.num_tokens:
                 produced.append((row, req))
         return produced
+
+    def accept(self, req: Request, num_tokens: int) -> None:
+        """num_tokens proposals of req's verify step were kept (the caller appended them to its output, then
+        the target's own next token): their KV, written in that step, now counts as computed."""
+        if num_tokens and req.status is RequestStatus.RUNNING:
+            req.num_computed_tokens += num_tokens
+            self.bm.cache_full_blocks(req.req_id, req.tokens, req.num_computed_tokens)
 
     # --- step kinds --------------------------------------------------------------------------------
 
@@ -192,8 +222,35 @@ class Scheduler:
 
     def _decode_step(self) -> Optional[ScheduledBatch]:
         rows, counts = [], []
-        self._add_running(rows, counts, self.max_num_batched_tokens, self.max_decode_rows, prompts=False)
-        return ScheduledBatch(rows, counts) if rows else None
+        budget = self._add_running(rows, counts, self.max_num_batched_tokens, self.max_decode_rows, prompts=False)
+        if not rows:
+            return None
+        batch = ScheduledBatch(rows, counts)
+        if self.proposer is not None and len(rows) <= self.spec_max_rows:
+            self._speculate(batch, budget)
+        return batch
+
+    def _speculate(self, batch: ScheduledBatch, budget: int) -> None:
+        """Make a decode step a verify step: each row that may speculate feeds the tokens proposed for it,
+        as many as fit its max_new_tokens, the model length, the step's token budget and the free blocks.
+        A row needing top log-probabilities or penalties keeps the whole step a plain decode step."""
+        if any(r.sampling.top_logprobs or r.sampling.penalized for r in batch.requests):
+            return
+        proposals = []
+        for i, req in enumerate(batch.requests):
+            k = min(budget, req.sampling.max_new_tokens - len(req.output_ids) - 1)
+            if self.max_model_len is not None:
+                k = min(k, self.max_model_len - req.num_tokens - 1)
+            proposal = self.proposer.propose(req.tokens(0, req.num_tokens), k) if k > 0 and can_speculate(req) else []
+            if proposal and not self.bm.can_allocate(req.req_id, req.num_tokens + len(proposal)):
+                proposal = []
+            if proposal:
+                self.bm.allocate(req.req_id, req.num_tokens + len(proposal))
+                batch.num_new_tokens[i] += len(proposal)
+                budget -= len(proposal)
+            proposals.append(proposal)
+        if any(proposals):
+            batch.proposals = proposals
 
     def _hold_prefill(self) -> bool:
         """prefill_wait_s > 0: while requests are decoding, let new prompts gather into fuller prefill

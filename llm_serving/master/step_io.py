@@ -29,7 +29,8 @@ class RowState:
 @dataclass
 class StepOutputs:
     """One step's outputs for rows 0..n-1, as Python lists (token_ids, logprobs) and, when some row asked
-    for top log-probabilities, the (n, TOP_LOGPROBS) arrays."""
+    for top log-probabilities, the (n, TOP_LOGPROBS) arrays. In a verify step token_ids[row] and
+    logprobs[row] are lists: the token sampled after each of the row's new tokens."""
     token_ids: list
     logprobs: list
     top_ids: Optional[np.ndarray] = None
@@ -70,19 +71,23 @@ class StepIO:
             b.input_ids[:n, :s] = 0
             b.positions[:n, :s] = 0
             b.slot_mapping[:n, :s] = -1
-            for i, (req, q) in enumerate(zip(batch.requests, batch.num_new_tokens)):
+            proposals = batch.proposals or [()] * n
+            for i, (req, q, proposal) in enumerate(zip(batch.requests, batch.num_new_tokens, proposals)):
                 start = req.num_computed_tokens
                 stop = start + q
                 self._write_row_state(b, i, req, tables[req.req_id])
-                b.input_ids[i, :q] = req.tokens(start, stop)
+                b.input_ids[i, :q] = req.tokens(start, stop - len(proposal)) + list(proposal)
                 positions = np.arange(start, stop, dtype=np.int32)
                 b.positions[i, :q] = positions
                 # BlockManager.slot for every position at once, through the row's table just written
                 b.slot_mapping[i, :q] = b.block_tables[i, positions // bs] * bs + positions % bs
                 b.context_lens[i] = stop
                 b.query_lens[i] = q
-        for i, req in enumerate(batch.requests):
-            if not req.sampling.greedy:
+        verify = batch.is_verify
+        for i, (req, q) in enumerate(zip(batch.requests, batch.num_new_tokens)):
+            if verify and not req.sampling.greedy:       # output index len(output_ids) + j after new token j
+                b.verify_random_u[i, :q] = [req.random_u(j) for j in range(q)]
+            elif not req.sampling.greedy:
                 b.random_u[i] = req.random_u()
             if req.sampling.penalized:              # the tokens the penalties count, appended as they come
                 row = self._rows[i]
@@ -118,7 +123,11 @@ class StepIO:
         rows[i] = RowState(req, table, len(table))
 
     @staticmethod
-    def read_outputs(b: StepBuffers, n: int) -> StepOutputs:
+    def read_outputs(b: StepBuffers, n: int, verify_width: int = 0) -> StepOutputs:
+        """Rows 0..n-1's outputs; a verify step's (verify_width tokens per row) as per-row lists of tokens."""
+        if verify_width:
+            return StepOutputs(b.out_verify_ids[:n, :verify_width].tolist(),
+                               b.out_verify_logprobs[:n, :verify_width].tolist())
         out = StepOutputs(b.out_token_ids[:n].tolist(), b.out_logprobs[:n].tolist())
         if b.top_n[:n].any():
             out.top_ids, out.top_logprobs = b.out_top_ids[:n], b.out_top_logprobs[:n]

@@ -53,6 +53,16 @@ class _EngineCollector:
         yield counter("preemptions", "Running requests preempted for KV space (recomputed later)",
                       sched.num_preemptions)
         yield counter("agent_restarts", "Times the agent group was restarted after a failure", e.num_agent_restarts)
+        spec = e.spec_stats
+        yield counter("spec_verify_steps", "Verify steps run (speculative decoding)", spec.verify_steps)
+        yield counter("spec_proposed_tokens", "Tokens proposed for speculating requests", spec.proposed)
+        yield counter("spec_accepted_tokens", "Proposed tokens the target model kept", spec.accepted)
+        yield counter("spec_rounds", "Rows that speculated in a verify step", spec.rounds)
+        by_pos = GaugeMetricFamily(f"{NS}_spec_acceptance_by_position", "Share of speculating rows whose proposal "
+                                   "at this position (1-based) was kept", labels=labels + ["position"])
+        for pos, rate in spec.as_dict()["acceptance_by_position"].items():
+            by_pos.add_metric(model + [pos], rate)
+        yield by_pos
         finished = CounterMetricFamily(f"{NS}_requests_finished", "Requests ended, by finish reason",
                                        labels=labels + ["finish_reason"])
         for reason in ("stop", "length", "abort", "error"):

@@ -35,10 +35,12 @@ async def generate(request: web.Request) -> web.StreamResponse:
     try:
         if gen.stream:
             return await _stream(request, req, gen)
-        text, tops = [], []
+        text, tops, tokens = [], [], []
         while True:
             event = await req.events.get()
             text.append(event.text)
+            if event.token_id >= 0 and gen.details:
+                tokens.append(streaming.token_details(event, engine.tokenizer))
             if event.token_id >= 0 and gen.sampling.top_logprobs:
                 tops.append(streaming.top_tokens(event, engine.tokenizer))
             if event.finish_reason is not None:
@@ -50,6 +52,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
         if gen.return_full_text:
             generated = gen.inputs + generated
         details = streaming.details(req, event.finish_reason)
+        if gen.details:
+            details["tokens"] = tokens            # per generated token, as TGI
         if gen.sampling.top_logprobs:
             details["top_tokens"] = tops          # per generated token, as TGI
         return web.json_response({"generated_text": generated, "details": details},

@@ -4,7 +4,8 @@ Streaming and not, `n` choices (each its own request; with a seed, choice i uses
 `stream_options.include_usage`, `usage`, `logprobs` of the chosen tokens, `stop`, `seed`, `max_tokens`
 (`max_completion_tokens` for chat), `temperature` (OpenAI's default 1.0: sampling unless set to 0),
 `top_p`, `presence_penalty`, `frequency_penalty`, and the extensions vLLM clients send (`top_k`,
-`ignore_eos`, `stop_token_ids`, `repetition_penalty`). Errors are
+`ignore_eos`, `stop_token_ids`, `repetition_penalty`; and `speculative`: false keeps a request out of
+speculative decoding). Errors are
 OpenAI-shaped (see app.error_middleware). Chat prompts go through the engine's chat template
 (llm_serving/chat.py: LLaMA-2 built in, or a Jinja template); a last assistant message is a prefix the
 reply continues.
@@ -34,7 +35,7 @@ NEUTRAL = {"best_of": 1, "logit_bias": {}, "echo": False,
            "response_format": None, "functions": None, "function_call": None}
 COMMON = {"model", "stream", "stream_options", "n", "stop", "seed", "temperature", "top_p", "top_k", "ignore_eos",
           "stop_token_ids", "user", "logprobs", "max_tokens", "frequency_penalty", "presence_penalty",
-          "repetition_penalty"} | set(NEUTRAL)
+          "repetition_penalty", "speculative"} | set(NEUTRAL)
 MAX_COMPLETION_LOGPROBS = 5     # OpenAI's limits: completions logprobs 0..5, chat top_logprobs 0..20
 COMPLETION_FIELDS = COMMON | {"prompt"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
@@ -85,7 +86,7 @@ def _sampling(body: dict, max_tokens_key: str, default_max: int, vocab_size: int
         seed=None if seed is None else seed % (1 << 63), ignore_eos=schemas.bool_field(body, "ignore_eos", False, prefix=V),
         stop=schemas.parse_stop(body.get("stop"), "stop"),
         stop_token_ids=schemas.parse_stop_token_ids(body.get("stop_token_ids"), "stop_token_ids", vocab_size),
-        **schemas.parse_penalties(body, prefix=V))
+        **schemas.parse_penalties(body, prefix=V), speculative=schemas.bool_field(body, "speculative", True, prefix=V))
     return sampling, max_tokens is not None, n, stream, include_usage
 
 

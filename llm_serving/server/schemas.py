@@ -40,7 +40,7 @@ NEUTRAL_PARAMETERS = {"truncate": None, "typical_p": None,
                       "watermark": False, "decoder_input_details": False, "best_of": 1}
 KNOWN_PARAMETERS = {"max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed",
                     "return_full_text", "ignore_eos", "details", "stop", "stop_token_ids", "top_n_tokens",
-                    "repetition_penalty", "frequency_penalty", "presence_penalty"} | set(NEUTRAL_PARAMETERS)
+                    "repetition_penalty", "frequency_penalty", "presence_penalty", "speculative"} | set(NEUTRAL_PARAMETERS)
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
 
 
@@ -170,7 +170,8 @@ def parse_generate(body: dict, *, stream_default: bool = False, vocab_size: int 
         top_k=top_k if sample else 0, top_p=top_p if sample else 1.0, seed=seed,
         ignore_eos=bool_field(params, "ignore_eos", False), stop=parse_stop(params.get("stop"), "parameters.stop"),
         stop_token_ids=parse_stop_token_ids(params.get("stop_token_ids"), "parameters.stop_token_ids", vocab_size),
-        top_logprobs=int_field(params, "top_n_tokens", 0, 0, TOP_LOGPROBS), **parse_penalties(params))
+        top_logprobs=int_field(params, "top_n_tokens", 0, 0, TOP_LOGPROBS), **parse_penalties(params),
+        speculative=bool_field(params, "speculative", True))
     return GenerateRequest(inputs=inputs, sampling=sampling, stream=stream,
                            return_full_text=bool_field(params, "return_full_text", False),
                            details=bool_field(params, "details", False),

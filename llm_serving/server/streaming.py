@@ -17,6 +17,12 @@ def details(req: Request, finish_reason: Optional[str]) -> dict:
             "prompt_tokens": len(req.prompt_ids), "seed": req.seed if not req.sampling.greedy else None}
 
 
+def token_details(event: TokenEvent, tokenizer) -> dict:
+    """TGI's entry of one generated token in `details.tokens`."""
+    return {"id": event.token_id, "text": tokenizer.token_text(event.token_id), "logprob": event.logprob,
+            "special": event.special}
+
+
 def top_tokens(event: TokenEvent, tokenizer) -> list:
     """TGI's `top_tokens` of one step: the most likely tokens, most likely first."""
     return [{"id": i, "text": tokenizer.token_text(i), "logprob": lp, "special": tokenizer.is_special(i)}

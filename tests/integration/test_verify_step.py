@@ -101,3 +101,39 @@ def test_verify_step_refuses_what_it_cannot_do(runner):
         seqs = [Seq(list(range(8 * i, 8 * i + 8))) for i in range(5)]
         args = step_args(runner, seqs, [[5] * WIDTH] * 5)      # 5 speculating rows; the buckets hold 4
         runner.execute(*args, verify_u=np.zeros((5, WIDTH), np.float32))
+
+
+def test_speculative_sampling_keeps_the_target_distribution(runner):
+    """400 rounds of one proposal x (the target's second most likely token) after the prompt, verified with
+    temperature 1: the first emitted token follows p(. | prompt) exactly (chi-square against the model's own
+    probabilities), x is kept with probability p(x), and the token after a kept x follows p(. | prompt, x)."""
+    from llm_serving.master.speculative import accepted_prefix
+    from tests.integration.test_speculative import gof_p
+
+    prompt = PROMPTS[1]
+    seq = Seq(list(range(0, 8)))
+    *_, logits = runner.execute(*step_args(runner, [seq], [prompt]), return_logits=True)
+    p0 = np.exp(logits[0] - logits[0].max())
+    p0 /= p0.sum()
+    x = int(np.argsort(-p0)[1])
+    step(runner, [seq], [[x]])
+    *_, logits = runner.execute(*step_args(runner, [Seq(list(range(0, 8)))], [prompt + [x]]), return_logits=True)
+    p1 = np.exp(logits[0] - logits[0].max())
+    p1 /= p1.sum()
+    rng = np.random.default_rng(0)
+    first, after_x = [], []
+    for _ in range(100):                                    # 4 rows per verify step, each its own blocks
+        seqs = [Seq(list(range(8 + 8 * i, 16 + 8 * i))) for i in range(4)]
+        step(runner, seqs[:2], [prompt[:-1]] * 2)
+        step(runner, seqs[2:], [prompt[:-1]] * 2)
+        ids, _ = verify(runner, seqs, [[prompt[-1], x]] * 4, [1.0] * 4, rng.random((4, 2)))
+        for row in ids:
+            kept = accepted_prefix([x], row)
+            first.append(int(row[0]))
+            if kept:
+                after_x.append(int(row[1]))
+
+    assert gof_p(first, p0) > 1e-3
+    rate, n = len(after_x) / len(first), len(first)
+    assert abs(rate - p0[x]) < 4 * np.sqrt(p0[x] * (1 - p0[x]) / n) + 1e-9, (rate, p0[x])
+    assert len(after_x) >= 20 and gof_p(after_x, p1) > 1e-3

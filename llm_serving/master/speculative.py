@@ -1,0 +1,111 @@
+"""Speculative decoding, the master's part: proposing tokens for decoding requests and keeping the ones the
+target model agrees with.
+
+A speculating request feeds, in one *verify* step, its last token and k proposed tokens x1..xk; the agent
+samples the target's token y0..yk after each of them (ModelRunner verify steps, each token with the
+request's sampling parameters and the uniform number plain decoding would have used at that output
+index). The request keeps y0..ya, where a is the number of leading proposals with y(j-1) == xj: its
+proposals up to the first one the target disagrees with, and the target's own token after them.
+
+Why this is exact: y(j) is the token plain decoding samples at that position whenever x1..xj were accepted
+(same context, same parameters, same uniform number), so greedy output and seeded sampled output are the
+same with speculation on and off. For sampled requests this is speculative (rejection) sampling with a
+proposal that puts all its mass on one token x: accept x with probability p(x), else sample from p
+without x, renormalised — which is what "sample y from p, accept when y == x" does.
+
+Proposers (spec_config.method):
+- `ngram`: prompt lookup. The request's last n tokens (n from ngram_max down to ngram_min) are looked up
+  in its own earlier tokens (prompt and output); the k tokens that followed the latest match are the
+  proposal. No model; it pays when the output copies from the input (summaries, rewrites, code edits).
+
+The scheduler speculates only in decode steps of at most spec_config.max_batch_size rows (larger steps are
+compute-bound, and checking guesses costs more than it saves) and only for requests that allow it (a
+request's `speculative` parameter) and need no top log-probabilities or sampling penalties (those come
+from the last token's logits only).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Optional
+
+import numpy as np
+
+from llm_serving.master.request import Request
+
+
+class NgramProposer:
+    """Prompt lookup: propose what followed the latest earlier occurrence of the request's last n tokens."""
+
+    def __init__(self, num_tokens: int, ngram_max: int, ngram_min: int = 1):
+        if not 1 <= ngram_min <= ngram_max or num_tokens < 1:
+            raise ValueError(f"NgramProposer: need 1 <= ngram_min <= ngram_max and num_tokens >= 1, got "
+                             f"{ngram_min}, {ngram_max}, {num_tokens}")
+        self.num_tokens, self.ngram_max, self.ngram_min = num_tokens, ngram_max, ngram_min
+
+    def propose(self, tokens, k: Optional[int] = None) -> list:
+        """Up to k (default num_tokens) tokens to follow `tokens`; [] when no suffix recurs."""
+        k = self.num_tokens if k is None else min(k, self.num_tokens)
+        seq = np.asarray(tokens, np.int64)
+        total = len(seq)
+        if k < 1 or total < self.ngram_min + 1:
+            return []
+        for n in range(min(self.ngram_max, total - 1), self.ngram_min - 1, -1):
+            suffix = seq[total - n:]
+            # start positions i < total - n where seq[i:i+n] == suffix (the suffix itself excluded)
+            windows = np.lib.stride_tricks.sliding_window_view(seq[:total - 1], n)     # (total - n, n)
+            hits = np.nonzero((windows == suffix).all(axis=1))[0]
+            if len(hits):
+                start = int(hits[-1]) + n          # the latest match: what followed it
+                return seq[start:start + k].tolist()
+        return []
+
+
+class SpecStats:
+    """What speculation did: rounds (a row speculating in a verify step), tokens proposed and accepted, and
+    how often the proposal at each position was accepted."""
+
+    def __init__(self, num_tokens: int):
+        self.num_tokens = num_tokens
+        self.rounds = 0
+        self.proposed = 0
+        self.accepted = 0
+        self.accepted_at: Counter = Counter()       # position (1-based) -> rounds that accepted it
+        self.verify_steps = 0
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.rounds += 1
+        self.proposed += proposed
+        self.accepted += accepted
+        for j in range(1, accepted + 1):
+            self.accepted_at[j] += 1
+
+    def as_dict(self) -> dict:
+        rounds = max(self.rounds, 1)
+        return {
+            "verify_steps": self.verify_steps,
+            "rounds": self.rounds,
+            "proposed_tokens": self.proposed,
+            "accepted_tokens": self.accepted,
+            "acceptance_rate": round(self.accepted / self.proposed, 4) if self.proposed else None,
+            # tokens a speculating row gained per verify step: its accepted proposals plus the target's own
+            "mean_tokens_per_round": round((self.accepted + self.rounds) / rounds, 4) if self.rounds else None,
+            "acceptance_by_position": {str(j): round(self.accepted_at[j] / rounds, 4)
+                                       for j in range(1, self.num_tokens + 1)} if self.rounds else {},
+        }
+
+
+def accepted_prefix(proposal: list, targets) -> int:
+    """How many leading proposals the target agrees with: targets[j] is its token after the row's token j
+    (its last real token, then the proposals), so proposal j is accepted while targets[j] == proposal[j]."""
+    a = 0
+    for x, y in zip(proposal, targets):
+        if int(y) != x:
+            break
+        a += 1
+    return a
+
+
+def can_speculate(req: Request) -> bool:
+    """The request may speculate: it asks for it and needs nothing only its last token's logits give."""
+    sp = req.sampling
+    return sp.speculative and not sp.top_logprobs and not sp.penalized

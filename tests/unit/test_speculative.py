@@ -1,0 +1,188 @@
+"""Speculative decoding, the master's part: n-gram prompt lookup, acceptance, and verify steps composed by the
+scheduler — checked with test_scheduler's fake KV cache, so a proposal's KV that is kept when it should not
+be (or lost when it should be kept) changes the outputs."""
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from llm_serving.master.request import Request, SamplingParams
+from llm_serving.master.speculative import NgramProposer, SpecStats, accepted_prefix, can_speculate
+from tests.unit.test_scheduler import FakeRunner, make_requests, make_scheduler, next_token, reference_output
+
+
+# --- the proposer ------------------------------------------------------------------------------------
+
+def test_ngram_lookup_proposes_what_followed_the_latest_match_of_the_longest_suffix():
+    p = NgramProposer(num_tokens=3, ngram_max=3, ngram_min=1)
+    #                 0  1  2  3  4  5  6  7  8  9
+    assert p.propose([5, 6, 7, 8, 9, 5, 6, 7, 1, 5, 6, 7]) == [1, 5, 6]      # "5 6 7": the latest match wins
+    assert p.propose([5, 6, 7, 8, 9, 6, 7]) == [8, 9, 6]                      # "6 7" (no earlier "9 6 7")
+    assert p.propose([5, 6, 7, 8, 9, 7]) == [8, 9, 7]                         # one token, at its last match
+    assert p.propose([1, 2, 3, 4]) == []                                      # nothing recurs
+    assert p.propose([4, 4]) == [4]                                           # what follows stops at the end
+    assert p.propose([5, 6, 7, 8, 9, 5, 6], k=1) == [7]
+    assert p.propose([7], k=2) == [] and p.propose([], k=2) == []
+    assert NgramProposer(num_tokens=2, ngram_max=3, ngram_min=2).propose([5, 6, 7, 8, 9, 7]) == []
+
+
+def test_ngram_lookup_is_refused_with_impossible_settings():
+    with pytest.raises(ValueError):
+        NgramProposer(num_tokens=3, ngram_max=1, ngram_min=2)
+    with pytest.raises(ValueError):
+        NgramProposer(num_tokens=0, ngram_max=2)
+
+
+def test_acceptance_stops_at_the_first_disagreement_and_stats_count_positions():
+    assert accepted_prefix([4, 5, 6], [4, 5, 6, 7]) == 3
+    assert accepted_prefix([4, 5, 6], [4, 9, 6, 7]) == 1
+    assert accepted_prefix([4, 5, 6], [1, 5, 6, 7]) == 0
+    assert accepted_prefix([], [3]) == 0
+    stats = SpecStats(3)
+    stats.record(3, 3)
+    stats.record(3, 1)
+    d = stats.as_dict()
+    assert (d["proposed_tokens"], d["accepted_tokens"], d["rounds"]) == (6, 4, 2)
+    assert d["acceptance_rate"] == round(4 / 6, 4) and d["mean_tokens_per_round"] == 3.0
+    assert d["acceptance_by_position"] == {"1": 1.0, "2": 0.5, "3": 0.5}
+
+
+def test_requests_needing_last_token_logits_do_not_speculate():
+    base = dict(max_new_tokens=8)
+    assert can_speculate(Request([1], SamplingParams(**base), frozenset()))
+    for extra in ({"speculative": False}, {"top_logprobs": 2}, {"repetition_penalty": 1.2}):
+        assert not can_speculate(Request([1], SamplingParams(**base, **extra), frozenset()))
+
+
+# --- verify steps through the scheduler and the fake KV cache ----------------------------------------
+
+class OracleProposer:
+    """Proposes a request's true next tokens (reference_output), with each one wrong with probability
+    `wrong` — so rows accept anything from none to all of their proposals."""
+
+    def __init__(self, num_tokens: int, wrong: float, seed: int = 0):
+        self.num_tokens, self.wrong, self.rng = num_tokens, wrong, random.Random(seed)
+        self.outputs: dict = {}
+
+    def propose(self, tokens, k=None):
+        k = self.num_tokens if k is None else min(k, self.num_tokens)
+        seq = list(tokens)
+        out = []
+        for _ in range(max(k, 0)):
+            t = next_token(seq)
+            if self.rng.random() < self.wrong:
+                t = (t + 1) % 97 + 3
+            out.append(t)
+            seq.append(t)
+        return out
+
+
+class SpecFakeRunner(FakeRunner):
+    """FakeRunner that also runs verify steps: the proposals' K/V are written like any token's, a token is
+    'sampled' after each of them, and the engine's rule (accepted_prefix) keeps the agreeing run."""
+
+    def step(self, batch):
+        if not batch.is_verify:
+            return super().step(batch)
+        bm, bs = self.sched.bm, self.sched.bm.block_size
+        targets = []
+        for req, q, proposal in zip(batch.requests, batch.num_new_tokens, batch.proposals):
+            c, table = req.num_computed_tokens, bm.block_tables[req.req_id]
+            assert len(table) * bs >= c + q, f"{req.req_id}: blocks do not cover the verify step"
+            fed = req.tokens(c, c + q - len(proposal)) + list(proposal)
+            row = []
+            for j, p in enumerate(range(c, c + q)):
+                block = table[p // bs]
+                assert bm.ref_counts[block] == 1 and block not in bm._key_of, f"{req.req_id} writes a shared block"
+                self.kv[block * bs + p % bs] = fed[j]
+                row.append(next_token([self.kv.get(table[i // bs] * bs + i % bs) for i in range(p + 1)]))
+            targets.append(row)
+        for row, req in self.sched.complete_step(batch):
+            proposal = batch.proposals[row]
+            a = accepted_prefix(proposal, targets[row])
+            for j in range(a + 1):
+                req.output_ids.append(targets[row][j])
+                if len(req.output_ids) >= req.sampling.max_new_tokens:
+                    self.sched.finish(req, "length")
+                    self.finished.append(req)
+                    break
+            else:
+                self.sched.accept(req, a)
+
+
+def test_a_small_decode_step_becomes_a_verify_step_within_every_limit():
+    sched = make_scheduler(proposer=OracleProposer(4, wrong=0.0), spec_max_rows=2, max_model_len=14)
+    reqs = make_requests(3, prompt_len=5, max_new_tokens=[3, 20, 20])
+    for r in reqs:
+        sched.add(r)
+    runner = SpecFakeRunner(sched)
+    runner.step(sched.schedule())                               # prefill: one token each
+    batch = sched.schedule()
+    assert not batch.is_verify and batch.num_rows == 3         # 3 rows > spec_max_rows: plain decode
+    runner.step(batch)
+    assert reqs[0].finished is False
+    runner.step(sched.schedule())                               # r0 ends (3 tokens)
+    batch = sched.schedule()
+    assert batch.is_verify and batch.kind == "verify" and not batch.is_prefill
+    # r1, r2 hold 5 + 3 tokens: max_model_len 14 leaves room for 14 - 8 - 1 = 5 > 4 proposals
+    assert batch.num_new_tokens == [5, 5] and [len(p) for p in batch.proposals] == [4, 4]
+    runner.step(batch)
+    assert [len(r.output_ids) for r in reqs[1:]] == [8, 8]     # all 4 kept + the target's own token
+    batch = sched.schedule()
+    # 13 tokens now: no room for a proposal under max_model_len 14 (the target's own token fills it)
+    assert not batch.is_verify
+
+
+def test_proposals_never_preempt_and_never_exceed_max_new_tokens():
+    sched = make_scheduler(num_blocks=4, block_size=4, proposer=OracleProposer(8, wrong=0.0), spec_max_rows=4)
+    (req,) = make_requests(1, prompt_len=6, max_new_tokens=5)
+    sched.add(req)
+    runner = SpecFakeRunner(sched)
+    runner.step(sched.schedule())
+    batch = sched.schedule()
+    assert batch.proposals == [batch.proposals[0]] and len(batch.proposals[0]) == 3   # 5 - 1 output - 1
+    runner.run()
+    assert req.output_ids == reference_output(req) and sched.num_preemptions == 0
+
+    sched = make_scheduler(num_blocks=2, block_size=4, proposer=OracleProposer(4, wrong=0.0), spec_max_rows=4)
+    (req,) = make_requests(1, prompt_len=7, max_new_tokens=1 + 4)
+    sched.add(req)
+    runner = SpecFakeRunner(sched)
+    runner.step(sched.schedule())                               # 8 tokens fill both blocks
+    batch = sched.schedule()
+    assert not batch.is_verify and sched.num_preemptions == 0  # no free block for proposals: plain decode
+
+
+def test_rows_with_top_logprobs_keep_the_step_plain():
+    sched = make_scheduler(proposer=OracleProposer(4, wrong=0.0), spec_max_rows=4)
+    plain, special = make_requests(2, prompt_len=5, max_new_tokens=10)
+    special.sampling = SamplingParams(max_new_tokens=10, top_logprobs=3)
+    for r in (plain, special):
+        sched.add(r)
+    runner = SpecFakeRunner(sched)
+    runner.step(sched.schedule())
+    assert not sched.schedule().is_verify
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(1, 6), wrong=st.sampled_from([0.0, 0.3, 0.7, 1.0]), k=st.integers(1, 5),
+       num_blocks=st.integers(12, 40), prefix_caching=st.booleans(), budget=st.integers(8, 40),
+       policy=st.sampled_from(["prefill_first", "fcfs", "longest_output_first"]), seed=st.integers(0, 1000))
+def test_outputs_equal_plain_decoding_whatever_is_accepted(n, wrong, k, num_blocks, prefix_caching, budget, policy,
+                                                            seed):
+    """Requests sharing a prefix, under block pressure (preemption, recompute), with proposals that are
+    right or wrong at random: every request's output is exactly plain decoding's."""
+    rng = random.Random(seed)
+    sched = make_scheduler(num_blocks=num_blocks, block_size=4, prefix_caching=prefix_caching,
+                           max_num_batched_tokens=budget, policy=policy, chunked_prefill=True, max_chunk_tokens=8,
+                           proposer=OracleProposer(k, wrong, seed), spec_max_rows=rng.randint(1, 6))
+    reqs = make_requests(n, prompt_len=[rng.randint(1, 12) for _ in range(n)],
+                         max_new_tokens=[rng.randint(1, 14) for _ in range(n)], prefix=(7, 8, 9, 10, 11))
+    for r in reqs:
+        sched.add(r)
+    runner = SpecFakeRunner(sched)
+    runner.run(max_steps=2000)
+    assert not sched.has_work
+    for r in reqs:
+        assert r.output_ids == reference_output(r), r.req_id
