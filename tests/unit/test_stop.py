@@ -34,8 +34,16 @@ def test_earliest_of_several_stops_wins_and_no_stops_changes_nothing():
 @given(st.lists(st.text(alphabet="ab.\n", max_size=4), max_size=12),
        st.lists(st.text(alphabet="ab.\n", min_size=1, max_size=3), min_size=1, max_size=3))
 def test_shown_text_is_the_text_cut_before_the_first_stop(pieces, stops):
-    full = "".join(pieces)
-    cut = min((i for i in (full.find(s) for s in stops) if i >= 0), default=None)
+    """In stream order: the first piece after which some stop appears ends the text, cut before the
+    earliest-starting stop in the text so far (generation ends there: a stop that would only be completed by
+    later pieces, though it starts earlier, never comes)."""
+    full, cut = "", None
+    for piece in pieces:
+        full += piece
+        found = [i for i in (full.find(s) for s in stops) if i >= 0]
+        if found:
+            cut = min(found)
+            break
     shown, stopped = run(stops, pieces)
     assert stopped == (cut is not None)
     assert shown == (full if cut is None else full[:cut])
