@@ -232,6 +232,8 @@ class SpecConfig:
                                               # (larger steps are compute-bound: checking guesses costs more)
 
     def __post_init__(self) -> None:
+        if self.method is False:                   # YAML reads a bare `off` as false
+            self.method = "off"
         _check(self.method in SPEC_METHODS, "spec_config.method", self.method,
                f"must be one of {', '.join(SPEC_METHODS)}")
         for key in ("num_speculative_tokens", "ngram_max", "ngram_min", "max_batch_size"):

@@ -196,3 +196,20 @@ def test_api_key_error_never_shows_the_key():
         config_from_dict({"serving_config": {"api_key": "secret\tkey-that-is-long"}})
     assert "secret" not in str(err.value)
     assert config_from_dict({"serving_config": {"api_key": "a-long-enough-key"}}).serving_config.api_key
+
+
+def test_spec_config_defaults_checks_and_a_bare_off():
+    from llm_serving.config import ConfigError, config_from_dict
+
+    cfg = config_from_dict({})
+    assert cfg.spec_config.method == "ngram" and cfg.spec_config.tokens_per_row == 5
+    off = config_from_dict({}, ["spec_config.method=off"])          # YAML's `off` is false
+    assert off.spec_config.method == "off" and off.spec_config.tokens_per_row == 1
+    for bad, needle in (("spec_config.method=medusa", "must be one of"),
+                        ("spec_config.num_speculative_tokens=0", "integer >= 1"),
+                        ("spec_config.num_speculative_tokens=17", "<= 16"),
+                        ("spec_config.max_batch_size=true", "integer >= 1")):
+        with pytest.raises(ConfigError, match=needle):
+            config_from_dict({}, [bad])
+    with pytest.raises(ConfigError, match="ngram_min"):
+        config_from_dict({}, ["spec_config.ngram_min=4", "spec_config.ngram_max=2"])
