@@ -83,3 +83,23 @@ def test_smollm2_passes_the_precision_gate(smollm2_server, shared_dir, tmp_path)
     result = json.loads(out.read_text())
     assert result["passed"] and result["max_rel_error"] <= 0.005, result
     assert result["rows"] == 4 * 6
+
+
+def test_greedy_chat_replies_are_the_same_with_and_without_speculation(smollm2_server):
+    """A rewrite (its answer copies from the prompt: prompt lookup proposes, the model keeps some) and a
+    question, greedy, with speculation on and off: the same tokens."""
+    url = smollm2_server.url
+    _, before = http("GET", url + "/stats")
+    for content in ("Rewrite this sentence without changing it: The quick brown fox jumps over the lazy dog, "
+                    "and the lazy dog sleeps in the warm sun all day long.",
+                    "Name three colours of the rainbow."):
+        replies = []
+        for speculative in (True, False):
+            status, body = http("POST", url + "/v1/chat/completions", {
+                "model": SMOLLM2_NAME, "temperature": 0, "max_tokens": 48, "speculative": speculative,
+                "messages": [{"role": "user", "content": content}]})
+            assert status == 200, body
+            replies.append((body["choices"][0]["message"]["content"], body["usage"]["completion_tokens"]))
+        assert replies[0] == replies[1], replies
+    _, after = http("GET", url + "/stats")
+    assert after["speculative"]["accepted_tokens"] > before["speculative"]["accepted_tokens"]
