@@ -91,10 +91,8 @@ class Worker:
             penalties = {"history": b.history[:n, :width], "history_len": b.history_len[:n],
                          "prompt_len": b.prompt_len[:n], "repetition": b.repetition_penalty[:n],
                          "presence": b.presence_penalty[:n], "frequency": b.frequency_penalty[:n]}
-        token_ids, logprobs, *more = self.runner.execute(
-            b.input_ids[:n, :s], b.positions[:n, :s], b.slot_mapping[:n, :s], b.block_tables[:n],
-            b.context_lens[:n], b.query_lens[:n], b.temperature[:n], b.top_k[:n], b.top_p[:n],
-            b.random_u[:n], return_logits=capture, top_n=top_n, penalties=penalties)
+        token_ids, logprobs, *more = self.runner.execute(*self._inputs(n, s), return_logits=capture, top_n=top_n,
+                                                         penalties=penalties)
         model_s = time.perf_counter() - t0
         logits = more.pop(0) if capture else None
         if self.tp.writes_outputs:
@@ -110,13 +108,17 @@ class Worker:
         self.num_steps += 1
         return model_s
 
+    def _inputs(self, n: int, s: int) -> tuple:
+        """ModelRunner.execute's positional arguments: rows 0..n-1, s tokens each, of the step buffers."""
+        b = self.buffers
+        return (b.input_ids[:n, :s], b.positions[:n, :s], b.slot_mapping[:n, :s], b.block_tables[:n],
+                b.context_lens[:n], b.query_lens[:n], b.temperature[:n], b.top_k[:n], b.top_p[:n], b.random_u[:n])
+
     def _verify_step(self, n: int, s: int) -> float:
         b = self.buffers
         t0 = time.perf_counter()
-        token_ids, logprobs = self.runner.execute(
-            b.input_ids[:n, :s], b.positions[:n, :s], b.slot_mapping[:n, :s], b.block_tables[:n],
-            b.context_lens[:n], b.query_lens[:n], b.temperature[:n], b.top_k[:n], b.top_p[:n],
-            b.random_u[:n], top_n=b.top_n[:n], verify_u=b.verify_random_u[:n, :s])
+        token_ids, logprobs = self.runner.execute(*self._inputs(n, s), top_n=b.top_n[:n],
+                                                  verify_u=b.verify_random_u[:n, :s])
         model_s = time.perf_counter() - t0
         if self.tp.writes_outputs:
             b.out_verify_ids[:n, :s] = token_ids

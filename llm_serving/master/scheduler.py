@@ -242,12 +242,12 @@ class Scheduler:
             if self.max_model_len is not None:
                 k = min(k, self.max_model_len - req.num_tokens - 1)
             proposal = self.proposer.propose(req.tokens(0, req.num_tokens), k) if k > 0 and can_speculate(req) else []
-            if proposal and not self.bm.can_allocate(req.req_id, req.num_tokens + len(proposal)):
-                proposal = []
-            if proposal:
+            if proposal and self.bm.can_allocate(req.req_id, req.num_tokens + len(proposal)):
                 self.bm.allocate(req.req_id, req.num_tokens + len(proposal))
                 batch.num_new_tokens[i] += len(proposal)
                 budget -= len(proposal)
+            else:
+                proposal = []
             proposals.append(proposal)
         if any(proposals):
             batch.proposals = proposals

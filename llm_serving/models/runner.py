@@ -208,16 +208,16 @@ class ModelRunner:
         """A verify step: the rows' new tokens run as in a prefill step (packed, or padded to (batch,
         verify_width)), and the sampler sees every token's logits, each token with its row's sampling
         parameters and its own uniform number."""
-        n, s, ql = step.n, step.s, step.query_lens
-        valid = np.arange(s)[None, :] < ql[:, None]                                     # (n, s)
-        row_of = np.repeat(np.arange(n), ql)                                             # (t,)
+        n, s = step.n, step.s
+        tokens = self._flat_tokens(step)
+        valid, row_of = tokens[:2]                                                      # (n, s), (t,)
         t = len(row_of)
         size = self.buckets.verify_bucket(n, t)
         per_token = {key: arr[row_of] for key, arr in step.per_row.items() if key != "random_u"}
         per_token["random_u"] = step.verify_u[valid]                                     # (t,) each
         if self.buckets.packed:
             rows, flat = size, np.arange(t)
-            outputs = self._call_packed(step, valid, row_of, 0, t, size, np.arange(size, dtype=np.int32))
+            outputs = self._call_packed(step, tokens, 0, t, size, np.arange(size, dtype=np.int32))
         else:
             sb = self.buckets.verify_width
             if s > sb:
@@ -282,8 +282,7 @@ class ModelRunner:
         ql, per_row = step.query_lens, step.per_row
         n = step.n
         t = int(ql.sum())
-        valid = np.arange(step.s)[None, :] < ql[:, None]                               # (n, s), row-major order
-        row_of = np.repeat(np.arange(n), ql)                                           # (t,)
+        flat = self._flat_tokens(step)
         last = np.cumsum(ql) - 1                                                       # (n,) each row's last token
         rows = self.prefill_batch_sizes[-1]
         results = []
@@ -293,7 +292,7 @@ class ModelRunner:
             stop = min(start + tb, t)
             mine = np.nonzero((last >= start) & (last < stop))[0]                      # rows sampled by this call
             sample_index = _pad((last[mine] - start).astype(np.int32), rows, 0)
-            outputs = self._call_packed(step, valid, row_of, start, stop, tb, sample_index)
+            outputs = self._call_packed(step, flat, start, stop, tb, sample_index)
             start = stop
             if failure is not None:
                 continue
@@ -314,20 +313,28 @@ class ModelRunner:
                 arr[mine] = part
         return tuple(out)
 
-    def _call_packed(self, step: StepInputs, valid, row_of, start: int, stop: int, tb: int, sample_index):
-        """The model graph of `tb` tokens on the step's real tokens start..stop-1 (in row-major order; `valid`
-        (n, s) marks them, `row_of` (t,) is each one's row), padding after them."""
+    @staticmethod
+    def _flat_tokens(step: StepInputs) -> tuple:
+        """The step's real tokens in row-major order: valid (n, s) marks them; row_of, ids, positions, slots and
+        context (keys each token sees), (t,) each."""
+        valid = np.arange(step.s)[None, :] < step.query_lens[:, None]                  # (n, s)
+        row_of = np.repeat(np.arange(step.n), step.query_lens)                          # (t,)
+        context = ((step.context_lens - step.query_lens)[row_of] + np.nonzero(valid)[1] + 1).astype(np.int32)
+        return valid, row_of, step.input_ids[valid], step.positions[valid], step.slot_mapping[valid], context
+
+    def _call_packed(self, step: StepInputs, flat: tuple, start: int, stop: int, tb: int, sample_index):
+        """The model graph of `tb` tokens on the step's real tokens start..stop-1 (`flat`: _flat_tokens(step)),
+        padding after them."""
         k = stop - start
-        ids, pos, slots = (arr[valid][start:stop] for arr in (step.input_ids, step.positions, step.slot_mapping))
-        context = ((step.context_lens - step.query_lens)[row_of] + np.nonzero(valid)[1] + 1)[start:stop]
+        row_of, ids, pos, slots, context = (a[start:stop] for a in flat[1:])
         scratch = self.scratch_slot + (np.arange(tb, dtype=np.int32) % self.block_size)
         piece_slots = scratch.copy()
         piece_slots[:k] = np.where(slots < 0, scratch[:k], slots)
         used = min(step.block_tables.shape[1], self.max_blocks_per_seq)
         piece_tables = np.zeros((tb, self.max_blocks_per_seq), np.int32)
-        piece_tables[:k, :used] = step.block_tables[row_of[start:stop], :used]     # each token: its row's table
+        piece_tables[:k, :used] = step.block_tables[row_of, :used]                 # each token: its row's table
         return self._run_packed(tb, _pad(ids, tb, 0), _pad(pos, tb, 0), piece_slots, piece_tables,
-                                _pad(context.astype(np.int32), tb, 0), sample_index)   # context 0: padding
+                                _pad(context, tb, 0), sample_index)               # context 0: padding
 
     def _run_packed(self, tb, ids, pos, slots, tables, context, sample_index, compile_only: bool = False):
         T = self._ms.Tensor
