@@ -166,6 +166,14 @@ def resolve_model(config) -> tuple:
             raise ConfigError(f"model_config.model_path={mc.model_path!r}: {e}") from None
         name = model_path.stem if model_path.is_file() else model_path.name
     name = mc.model_name or name
+    spec = config.spec_config
+    if spec.method == "draft" and spec.draft_model is not None:     # checked now, not when its agent starts
+        draft = Path(spec.draft_model).expanduser().resolve()
+        try:
+            detect_format(str(draft))
+        except WeightLoadError as e:
+            raise ConfigError(f"spec_config.draft_model={spec.draft_model!r}: {e}") from None
+        spec.draft_model = str(draft)
     try:
         vocab = find_tokenizer_file(str(model_path), config.tokenizer.vocab_file)
     except FileNotFoundError as e:

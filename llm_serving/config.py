@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 SCHEDULING_POLICIES = ("prefill_first", "longest_output_first", "fcfs")   # see master/scheduler.py
 ATTENTION_KERNELS = ("auto", "on", "off")      # CPU decode attention; see models/runner.py
-SPEC_METHODS = ("off", "ngram")                # speculative decoding proposers; see master/speculative.py
+SPEC_METHODS = ("off", "ngram", "draft")       # speculative decoding proposers; see master/speculative.py
 
 
 class ConfigError(ValueError):
@@ -72,8 +72,12 @@ class ModelConfig:
     all_reduce: str = "auto"                  # tensor parallelism's all-reduce: 'shm' (CPU shared memory),
                                               # 'mindspore' (MindSpore's: HCCL on Ascend), 'auto' = by device
     model_dtype: str = "float32"
+    num_layers: Optional[int] = None          # serve only the checkpoint's first N layers (with its final norm
+                                              # and head): a cheap draft model cut from a model; None = all
 
     def __post_init__(self) -> None:
+        if self.num_layers is not None:
+            _check_int("model_config.num_layers", self.num_layers)
         _check_int("model_config.max_generate_length", self.max_generate_length, min_value=2)
         _check_int("model_config.pad_token_id", self.pad_token_id, min_value=0)
         if self.end_token is not None:
@@ -224,12 +228,16 @@ class SpecConfig:
     decoding request; the target model checks them all in one step and keeps the longest run it agrees
     with, plus its own next token, so the output is the one plain decoding gives."""
 
-    method: str = "ngram"                     # off | ngram (prompt lookup: no model)
+    method: str = "ngram"                     # off | ngram (prompt lookup: no model) | draft (a draft model)
     num_speculative_tokens: int = 4           # tokens proposed per request and step
     ngram_max: int = 3                        # longest suffix looked up in the request's own tokens
     ngram_min: int = 1                        # shortest suffix that counts as a match
     max_batch_size: int = 4                   # speculate only in decode steps of at most this many rows
                                               # (larger steps are compute-bound: checking guesses costs more)
+    # method draft: a smaller model of the same vocabulary, served by an agent process of its own
+    draft_model: Optional[str] = None         # its checkpoint (any format model_path takes); None = the target's
+    draft_num_layers: Optional[int] = None    # use only its first N layers (with its final norm and head)
+    draft_agent_port: int = 0                 # the draft agent's TCP port (0 = any free port)
 
     def __post_init__(self) -> None:
         if self.method is False:                   # YAML reads a bare `off` as false
@@ -242,6 +250,13 @@ class SpecConfig:
                "must be <= 16")
         _check(self.ngram_min <= self.ngram_max, "spec_config.ngram_min", self.ngram_min,
                f"must be <= spec_config.ngram_max ({self.ngram_max})")
+        _check(self.draft_model is None or (isinstance(self.draft_model, str) and self.draft_model),
+               "spec_config.draft_model", self.draft_model, "must be a path to a checkpoint (null: the target's)")
+        if self.draft_num_layers is not None:
+            _check_int("spec_config.draft_num_layers", self.draft_num_layers)
+        _check(isinstance(self.draft_agent_port, int) and not isinstance(self.draft_agent_port, bool)
+               and 0 <= self.draft_agent_port <= 65535, "spec_config.draft_agent_port", self.draft_agent_port,
+               "must be a port number 0..65535 (0 = any free)")
 
     @property
     def enabled(self) -> bool:
@@ -318,6 +333,10 @@ class Config:
         if spec.enabled:
             _check(spec.tokens_per_row <= mc.seq_length[-1], "spec_config.num_speculative_tokens",
                    spec.num_speculative_tokens, f"must be < the largest model_config.seq_length ({mc.seq_length[-1]})")
+        if spec.method == "draft":
+            _check(not spec.draft_agent_port or spec.draft_agent_port not in sc.agent_ports,
+                   "spec_config.draft_agent_port", spec.draft_agent_port,
+                   f"must differ from serving_config.agent_ports ({sc.agent_ports})")
         _check(pa.num_blocks >= self.max_blocks_per_seq, "pa_config.num_blocks", pa.num_blocks,
                f"must hold at least one longest sequence ({self.max_blocks_per_seq} blocks of "
                f"{pa.block_size} tokens for {self.max_model_len} tokens)")
@@ -349,6 +368,26 @@ class Config:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def draft_config(self, model_path: Optional[str] = None) -> "Config":
+        """The configuration of the draft model's agent (spec_config.method draft): this one, with the draft's
+        checkpoint (model_path: resolved; default the target's) and layer cut, one agent on
+        spec_config.draft_agent_port, decode buckets up to the speculating rows, and no speculation of its own.
+        Its KV cache has the target's blocks: the master gives the draft the target's block tables."""
+        spec = self.spec_config
+        raw = self.to_dict()
+        mc, sc = raw["model_config"], raw["serving_config"]
+        mc["model_path"] = model_path or spec.draft_model or mc["model_path"]
+        mc["num_layers"] = spec.draft_num_layers
+        decode = mc["decode_batch_size"]
+        wide = [b for b in decode if b >= spec.max_batch_size]
+        mc["decode_batch_size"] = [b for b in decode if b < spec.max_batch_size] + [wide[0] if wide else decode[-1]]
+        if mc["prefill_batch_size"][-1] < spec.max_batch_size:    # every speculating row catches up in one step
+            mc["prefill_batch_size"] = mc["prefill_batch_size"] + [spec.max_batch_size]
+        sc["agent_ports"] = [spec.draft_agent_port]
+        sc["max_num_seqs"] = min(sc["max_num_seqs"], mc["decode_batch_size"][-1])
+        raw["spec_config"] = {"method": "off"}
+        return config_from_dict(raw)
 
 
 _SECTION_CLASSES = {"model_config": ModelConfig, "serving_config": ServingConfig, "pa_config": PAConfig,

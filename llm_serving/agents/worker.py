@@ -52,7 +52,7 @@ class Worker:
             num_threads=num_threads, attention_kernel=mc.attention_kernel,
             max_step_tokens=sc.max_num_batched_tokens, tp=self.tp, tp_timeout_s=sc.step_timeout_s,
             verify_width=config.spec_config.tokens_per_row, verify_rows=config.spec_config.max_batch_size,
-            compile_cache=True)   # one runner per agent process, warmed up in a fixed order
+            num_layers=mc.num_layers, compile_cache=True)   # one runner per agent process, warmed up in a fixed order
         self._start_timeout_s = sc.agent_start_timeout_s
 
     def warmup(self) -> None:

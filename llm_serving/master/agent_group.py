@@ -46,8 +46,9 @@ class AgentClient:
     """One agent: its process, its status pipe, and a framed TCP connection with replies matched by seq."""
 
     def __init__(self, rank: int, process: subprocess.Popen, status_reader: asyncio.StreamReader,
-                 on_lost=None):
+                 on_lost=None, role: str = "agent"):
         self.rank = rank
+        self.name = f"{role} {rank}"            # in messages: "agent 0", "draft agent 0"
         self.on_lost = on_lost                  # called with the reason when the connection drops unasked
         self.process = process
         self.status_reader = status_reader
@@ -69,7 +70,7 @@ class AgentClient:
                 line = await self.status_reader.readline()
                 if not line:
                     code = await asyncio.get_running_loop().run_in_executor(None, self.process.wait)
-                    raise AgentError(f"agent {self.rank} exited with code {code} during start-up")
+                    raise AgentError(f"{self.name} exited with code {code} during start-up")
                 event = json.loads(line)
                 if event["event"] == "listening":
                     self.port = event["port"]
@@ -77,11 +78,11 @@ class AgentClient:
                     self.port = event["port"]
                     return
                 elif event["event"] == "failed":
-                    raise AgentError(f"agent {self.rank} failed to start: {event.get('error')}")
+                    raise AgentError(f"{self.name} failed to start: {event.get('error')}")
         try:
             await asyncio.wait_for(_wait(), timeout_s)
         except asyncio.TimeoutError:
-            raise AgentError(f"agent {self.rank} not ready after {timeout_s:.0f} s "
+            raise AgentError(f"{self.name} not ready after {timeout_s:.0f} s "
                              "(serving_config.agent_start_timeout_s)") from None
 
     async def connect(self, host: str, token: str, shm_names: dict) -> None:
@@ -101,17 +102,17 @@ class AgentClient:
                     except proto.ProtocolError as exc:      # an agent of another version: this command fails
                         fut.set_result(proto.Failed(error=f"unreadable reply: {exc}"))
         except (asyncio.IncompleteReadError, ConnectionError, proto.ProtocolError, OSError) as exc:
-            self.dead_reason = f"agent {self.rank} connection lost ({type(exc).__name__})"
+            self.dead_reason = f"{self.name} connection lost ({type(exc).__name__})"
         finally:
             if self.dead_reason is None:
-                self.dead_reason = f"agent {self.rank} connection closed"
+                self.dead_reason = f"{self.name} connection closed"
             for _, fut in self._pending.values():
                 if not fut.done():
                     fut.set_exception(AgentError(self.dead_reason))
             self._pending.clear()
             if not self.closing and self.on_lost is not None:
                 code = self.process.poll()
-                self.on_lost(self.dead_reason if code is None else f"agent {self.rank} exited with code {code}")
+                self.on_lost(self.dead_reason if code is None else f"{self.name} exited with code {code}")
 
     @property
     def connected(self) -> bool:
@@ -122,7 +123,7 @@ class AgentClient:
         """Write a command frame now (no await: it leaves before any other task runs); returns
         (seq, command, future of the typed reply)."""
         if self._writer is None or self.dead_reason:
-            raise AgentError(self.dead_reason or f"agent {self.rank} is not connected")
+            raise AgentError(self.dead_reason or f"{self.name} is not connected")
         seq = next(self._seq)
         fut = asyncio.get_running_loop().create_future()
         self._pending[seq] = (command, fut)
@@ -137,10 +138,10 @@ class AgentClient:
             reply = await asyncio.wait_for(fut, timeout_s)
         except asyncio.TimeoutError:
             self._pending.pop(seq, None)
-            raise AgentError(f"agent {self.rank} did not answer {command.COMMAND!r} within {timeout_s:.0f} s") \
+            raise AgentError(f"{self.name} did not answer {command.COMMAND!r} within {timeout_s:.0f} s") \
                 from None
         if isinstance(reply, proto.Failed):
-            raise AgentError(f"agent {self.rank}: {reply.error}", fatal=reply.fatal, reply=reply)
+            raise AgentError(f"{self.name}: {reply.error}", fatal=reply.fatal, reply=reply)
         return reply
 
     async def close(self) -> None:
@@ -190,8 +191,9 @@ def _in_step(tasks: list) -> bool:
 class AgentGroup:
     """All agents of one model. Every step goes to every agent; rank 0 writes the outputs."""
 
-    def __init__(self, config, model_dir: str, on_lost=None):
+    def __init__(self, config, model_dir: str, on_lost=None, role: str = "agent"):
         self.config = config
+        self.role = role          # "agent", or "draft agent" (speculative decoding's draft model)
         self.on_lost = on_lost    # called (with a reason) when an agent's connection drops while serving
         self.model_dir = model_dir
         self.layout = StepLayout.from_config(config)
@@ -285,7 +287,7 @@ class AgentGroup:
         reader = asyncio.StreamReader()
         loop = asyncio.get_running_loop()
         await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(read_fd, "rb"))
-        return AgentClient(rank, process, reader, on_lost=self.on_lost)
+        return AgentClient(rank, process, reader, on_lost=self.on_lost, role=self.role)
 
     def _write_token_file(self, port: int) -> None:
         path = proto.token_file(port)
@@ -341,7 +343,7 @@ class AgentGroup:
         for a in self.agents:
             code = a.process.poll()
             if code is not None:
-                reasons.append(f"agent {a.rank} exited with code {code}")
+                reasons.append(f"{a.name} exited with code {code}")
             elif a.dead_reason:
                 reasons.append(a.dead_reason)
         if self.scheduler is not None and self.scheduler.poll() is not None:

@@ -20,6 +20,7 @@ from llm_serving.agents import protocol as proto
 from llm_serving.chat import load_chat_template
 from llm_serving.master.agent_group import AgentError, AgentGroup
 from llm_serving.master.block_manager import BlockManager
+from llm_serving.master.draft import DraftProposer
 from llm_serving.master.request import Request, SamplingParams, TokenEvent
 from llm_serving.master.scheduler import ScheduledBatch, Scheduler
 from llm_serving.master.speculative import NgramProposer, SpecStats, accepted_prefix
@@ -53,6 +54,11 @@ class Engine:
         self.agents = AgentGroup(config, model_dir, on_lost=self._on_agent_lost)
         self.supervisor = Supervisor(config.serving_config, self.agents)
         self.step_io = StepIO(self.block_manager)
+        self.drafter: Optional[DraftProposer] = None     # spec_config.method draft: the draft model's agent
+        if config.spec_config.method == "draft":
+            draft_dir = config.spec_config.draft_model or model_dir
+            self.drafter = DraftProposer(config.draft_config(draft_dir), draft_dir, self.block_manager,
+                                         self._forget_draft)
         self.chat_template = load_chat_template(config.tokenizer.chat_template, model_dir, tokenizer)
         self.requests: dict = {}
         self._detok: dict = {}
@@ -77,7 +83,17 @@ class Engine:
 
     async def start(self) -> None:
         t0 = time.perf_counter()
-        await self.agents.start()
+        groups = [self.agents] + ([self.drafter] if self.drafter is not None else [])
+        started = await asyncio.gather(*(g.start() for g in groups), return_exceptions=True)
+        failed = [r for r in started if isinstance(r, BaseException)]
+        if not failed and self.drafter is not None and self.drafter.vocab_size != self.agents.agents[0].info.vocab_size:
+            failed = [ValueError(f"spec_config.draft_model: the draft's vocabulary ({self.drafter.vocab_size} "
+                                 f"tokens) is not the target's ({self.agents.agents[0].info.vocab_size}); a draft "
+                                 "model must share the target's tokenizer")]
+        if failed:
+            for g in groups:
+                await g.stop()
+            raise failed[0]
         self.running = True
         self._loop_task = asyncio.create_task(self._step_loop(), name="engine-step-loop")
         self._loop_task.add_done_callback(self._step_loop_ended)
@@ -97,6 +113,8 @@ class Engine:
                 pass
         self.abort_all("server shutting down")
         await self.agents.stop()
+        if self.drafter is not None:
+            await self.drafter.stop()
 
     def _step_loop_ended(self, task: asyncio.Task) -> None:
         """A bug that ends the step loop must not leave requests hanging and /health green: say so, end them."""
@@ -140,6 +158,10 @@ class Engine:
     def agent_info(self) -> list:
         """rank, pid and port of every agent (for /health)."""
         return self.agents.describe()
+
+    def draft_agent_info(self) -> list:
+        """The draft model's agent (spec_config.method draft), as agent_info; [] without one."""
+        return self.drafter.describe() if self.drafter is not None else []
 
     @property
     def tensor_parallel(self) -> dict:
@@ -215,6 +237,10 @@ class Engine:
                     self._wakeup.clear()
                     await self._wakeup.wait()
                 continue
+            if batch.spec_limits and self.drafter is not None:
+                batch = await self._draft(batch)
+                if not batch.requests:
+                    continue
             # No yield between steps: the HTTP handlers stream step N's tokens while the agents compute
             # step N+1 (they run whenever the loop awaits the agents' reply).
             await self._run_step(batch)
@@ -260,6 +286,24 @@ class Engine:
         else:
             self._apply_outputs(batch, self.step_io.read_outputs(self.agents.buffers, n))
         prof["output"] += time.perf_counter() - t_read
+
+    async def _draft(self, batch: ScheduledBatch) -> ScheduledBatch:
+        """A draft model proposes for the step's speculating rows (draft.py); requests that ended meanwhile
+        leave the step."""
+        t0 = time.perf_counter()
+        proposals = await self.drafter.propose(batch.requests, batch.spec_limits)
+        elapsed = time.perf_counter() - t0
+        self.profile["draft"] += elapsed
+        self.step_time_s["draft"] += elapsed
+        running = [not r.finished for r in batch.requests]
+        batch = batch.drop_finished()
+        self.scheduler.attach_proposals(batch, [p for p, keep in zip(proposals, running) if keep])
+        return batch
+
+    def _forget_draft(self) -> None:
+        """The draft model's KV cache is gone (restarted, reset): every request catches up from scratch."""
+        for req in self.scheduler.running:
+            req.num_draft_computed = 0
 
     # --- when the KV cache is gone -----------------------------------------------------------------
 
@@ -382,7 +426,8 @@ class Engine:
             "step_time_s": dict(self.step_time_s),
             "step_profile_ms": self.step_profile(),
             "step_profile_total_s": {k: round(v, 6) for k, v in sorted(self.profile.items())},
-            "speculative": {"method": self.config.spec_config.method, **self.spec_stats.as_dict()},
+            "speculative": {"method": self.config.spec_config.method, **self.spec_stats.as_dict(),
+                            **({"draft": self.drafter.stats()} if self.drafter is not None else {})},
             "batch_sizes": _by_kind(sched.batch_sizes),
             "step_time_s_by_batch": _by_kind(self.step_time_by_batch),
         }
@@ -391,7 +436,8 @@ class Engine:
 def make_scheduler(config, block_manager: BlockManager) -> Scheduler:
     """The scheduler a config describes (its budgets come from serving_config and the graph buckets)."""
     sc, mc, sched, spec = config.serving_config, config.model_config, config.scheduler_config, config.spec_config
-    proposer = NgramProposer(spec.num_speculative_tokens, spec.ngram_max, spec.ngram_min) if spec.enabled else None
+    proposer = NgramProposer(spec.num_speculative_tokens, spec.ngram_max, spec.ngram_min) \
+        if spec.method == "ngram" else None
     return Scheduler(block_manager=block_manager, max_num_seqs=sc.max_num_seqs,
                      max_num_batched_tokens=sc.max_num_batched_tokens,
                      max_prefill_rows=mc.prefill_batch_size[-1], max_decode_rows=mc.decode_batch_size[-1],
@@ -400,6 +446,7 @@ def make_scheduler(config, block_manager: BlockManager) -> Scheduler:
                      max_chunk_tokens=config.max_chunk_tokens, max_decode_wait_steps=sched.max_decode_wait_steps,
                      watermark_blocks=int(sched.kv_watermark * config.pa_config.num_blocks),
                      prefill_wait_s=sched.prefill_wait_ms / 1e3, proposer=proposer,
+                     propose_later=spec.method == "draft", spec_tokens=spec.num_speculative_tokens,
                      spec_max_rows=spec.max_batch_size, max_model_len=config.max_model_len)
 
 

@@ -77,6 +77,7 @@ class Request:
         self.stop_strings = StopStrings(sampling.stop) if sampling.stop else None
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0           # tokens whose KV came from the prefix cache (summed over admissions)
+        self.num_draft_computed = 0          # tokens in the draft model's KV cache (speculative decoding)
         self.status = RequestStatus.WAITING
         self.finish_reason: Optional[str] = None
         self.arrival_time = time.monotonic()

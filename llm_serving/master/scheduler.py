@@ -21,10 +21,13 @@ Policies (`scheduler_config.policy`), each one ordering plus one step rule:
 With `chunked_prefill`, a prompt longer than what is left of the step's token budget is split across
 steps (at most `max_chunk_tokens` per step); without it a prompt is fed whole.
 
-Speculative decoding (a `proposer`, see speculative.py): a decode step of at most `spec_max_rows` rows
-becomes a verify step, where each request that may speculate also feeds the tokens proposed for it (when
-their blocks are free: proposals never preempt anyone). `complete_step` counts only the request's own token
-as computed; the engine then keeps the accepted proposals (`accept`).
+Speculative decoding (see speculative.py): a decode step of at most `spec_max_rows` rows may become a
+verify step, where each request that may speculate also feeds the tokens proposed for it (when their
+blocks are free: proposals never preempt anyone). The step carries how many tokens each row may propose
+(`spec_limits`); an n-gram `proposer` fills them in at once, or, with `propose_later` (a draft model, whose
+agent the engine drives), the blocks for them are reserved and the engine `attach_proposals` once the draft
+has run. `complete_step` counts only the request's own token as computed; the engine then keeps the
+accepted proposals (`accept`).
 
 Memory: a row is in a step only once its KV blocks are allocated; admission never takes the blocks that
 running requests are about to need (`watermark_blocks`). When a running request needs a block and none
@@ -60,6 +63,7 @@ class ScheduledBatch:
     requests: list
     num_new_tokens: list = field(default_factory=list)     # fed tokens per row, proposals included
     proposals: list = field(default_factory=list)          # a verify step: the tokens proposed per row ([]: none)
+    spec_limits: list = field(default_factory=list)        # tokens each row may propose (empty: none may)
 
     @property
     def num_rows(self) -> int:
@@ -87,6 +91,16 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
+    def drop_finished(self) -> "ScheduledBatch":
+        """This step without the rows whose request ended since it was scheduled (e.g. aborted while a draft
+        model proposed for it: its blocks are already free)."""
+        keep = [i for i, r in enumerate(self.requests) if r.status is RequestStatus.RUNNING]
+        if len(keep) == len(self.requests):
+            return self
+        pick = lambda xs: [xs[i] for i in keep] if xs else []     # noqa: E731
+        return ScheduledBatch(pick(self.requests), pick(self.num_new_tokens), pick(self.proposals),
+                              pick(self.spec_limits))
+
 
 class Scheduler:
     def __init__(self, *, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
@@ -94,8 +108,8 @@ class Scheduler:
                  max_waiting_tokens: Optional[int] = None, policy: str = "prefill_first",
                  chunked_prefill: bool = False, max_chunk_tokens: Optional[int] = None,
                  max_decode_wait_steps: int = 8, watermark_blocks: int = 0, prefill_wait_s: float = 0.0,
-                 proposer=None, spec_max_rows: int = 0, max_model_len: Optional[int] = None,
-                 clock=time.monotonic):
+                 proposer=None, propose_later: bool = False, spec_tokens: Optional[int] = None, spec_max_rows: int = 0,
+                 max_model_len: Optional[int] = None, clock=time.monotonic):
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}; one of {', '.join(POLICIES)}")
         self.bm = block_manager
@@ -112,6 +126,8 @@ class Scheduler:
         self.watermark_blocks = watermark_blocks
         self.prefill_wait_s = prefill_wait_s
         self.proposer = proposer            # speculative.NgramProposer or None
+        self.propose_later = propose_later  # the engine proposes after schedule() (a draft model)
+        self.spec_tokens = spec_tokens or (proposer.num_tokens if proposer is not None else 0)  # per row and step
         self.spec_max_rows = spec_max_rows
         self.max_model_len = max_model_len
         self.clock = clock
@@ -123,7 +139,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_admitted_tokens = 0     # tokens of admitted requests, and of those, tokens found in the
         self.num_cached_tokens = 0       # prefix cache (the prefix-cache hit rate is their ratio)
-        self.batch_sizes: Counter = Counter()   # (kind, rows) -> steps, for stats and tests
+        self.batch_sizes: Counter = Counter()   # (kind, rows) -> steps completed, for stats and tests
 
     # --- requests in and out -----------------------------------------------------------------------
 
@@ -183,7 +199,6 @@ class Scheduler:
         left_out = any(r.num_new_tokens == 1 and id(r) not in in_step for r in self.running)
         self.decode_wait = self.decode_wait + 1 if left_out else 0
         self._last_was_decode = not batch.is_prefill
-        self.batch_sizes[(batch.kind, batch.num_rows)] += 1
         return batch
 
     def complete_step(self, batch: ScheduledBatch) -> list:
@@ -192,13 +207,15 @@ class Scheduler:
         end; a chunk that stops inside the prompt samples nothing). Rows finished while the step ran are
         skipped. The caller appends each row's token to its request (or finishes it). A verify row's
         proposals do not count here: the caller `accept`s those it keeps."""
+        self.batch_sizes[(batch.kind, batch.num_rows)] += 1
         produced = []
         for row, (req, fed) in enumerate(zip(batch.requests, batch.num_new_tokens)):
             if req.status is not RequestStatus.RUNNING:
                 continue
-            if batch.proposals:
-                fed -= len(batch.proposals[row])
-            req.num_computed_tokens += fed
+            proposed = len(batch.proposals[row]) if batch.proposals else 0
+            req.num_computed_tokens += fed - proposed
+            # the draft model's KV (draft.py) holds at most what the target may keep
+            req.num_draft_computed = min(req.num_draft_computed, req.num_computed_tokens + proposed)
             self.bm.cache_full_blocks(req.req_id, req.tokens, req.num_computed_tokens)
             if req.num_computed_tokens == req.num_tokens:
                 produced.append((row, req))
@@ -207,9 +224,13 @@ class Scheduler:
     def accept(self, req: Request, num_tokens: int) -> None:
         """num_tokens proposals of req's verify step were kept (the caller appended them to its output, then
         the target's own next token): their KV, written in that step, now counts as computed."""
-        if num_tokens and req.status is RequestStatus.RUNNING:
+        if req.status is not RequestStatus.RUNNING:
+            return
+        if num_tokens:
             req.num_computed_tokens += num_tokens
             self.bm.cache_full_blocks(req.req_id, req.tokens, req.num_computed_tokens)
+        # a draft model's KV of the rejected proposals is stale: only what the target kept stays valid
+        req.num_draft_computed = min(req.num_draft_computed, req.num_computed_tokens)
 
     # --- step kinds --------------------------------------------------------------------------------
 
@@ -226,31 +247,53 @@ class Scheduler:
         if not rows:
             return None
         batch = ScheduledBatch(rows, counts)
-        if self.proposer is not None and len(rows) <= self.spec_max_rows:
+        if (self.proposer is not None or self.propose_later) and len(rows) <= self.spec_max_rows:
             self._speculate(batch, budget)
         return batch
 
     def _speculate(self, batch: ScheduledBatch, budget: int) -> None:
-        """Make a decode step a verify step: each row that may speculate feeds the tokens proposed for it,
-        as many as fit its max_new_tokens, the model length, the step's token budget and the free blocks.
-        A row needing top log-probabilities or penalties keeps the whole step a plain decode step."""
+        """How many tokens each row of a decode step may propose (`spec_limits`): as many as fit its
+        max_new_tokens, the model length and the step's token budget, 0 for a request that may not speculate.
+        A row needing top log-probabilities or penalties keeps the whole step a plain decode step. The
+        n-gram proposer proposes at once; for a draft model (propose_later) the blocks for the proposals are
+        reserved now (the draft writes its KV there) and the engine attaches them after the draft ran."""
         if any(r.sampling.top_logprobs or r.sampling.penalized for r in batch.requests):
             return
-        proposals = []
-        for i, req in enumerate(batch.requests):
-            k = min(budget, req.sampling.max_new_tokens - len(req.output_ids) - 1)
+        limits = []
+        for req in batch.requests:
+            k = min(self.spec_tokens, budget, req.sampling.max_new_tokens - len(req.output_ids) - 1) \
+                if can_speculate(req) else 0
             if self.max_model_len is not None:
                 k = min(k, self.max_model_len - req.num_tokens - 1)
-            proposal = self.proposer.propose(req.tokens(0, req.num_tokens), k) if k > 0 and can_speculate(req) else []
+            k = max(k, 0)
+            if k and self.propose_later:            # as many as the free blocks allow, never preempting
+                if self.bm.can_allocate(req.req_id, req.num_tokens + k):
+                    self.bm.allocate(req.req_id, req.num_tokens + k)
+                else:
+                    k = max(min(k, len(self.bm.block_tables[req.req_id]) * self.bm.block_size - req.num_tokens), 0)
+            budget -= k
+            limits.append(k)
+        if not any(limits):
+            return
+        batch.spec_limits = limits
+        if self.proposer is not None:
+            self.attach_proposals(batch, [self.proposer.propose(req.tokens(0, req.num_tokens), k) if k else []
+                                          for req, k in zip(batch.requests, limits)])
+
+    def attach_proposals(self, batch: ScheduledBatch, proposals: list) -> None:
+        """Make a decode step a verify step: row i also feeds proposals[i] (at most spec_limits[i] tokens;
+        those whose blocks cannot be had without preempting are dropped)."""
+        kept = []
+        for i, (req, proposal, k) in enumerate(zip(batch.requests, proposals, batch.spec_limits)):
+            proposal = list(proposal[:k])
             if proposal and self.bm.can_allocate(req.req_id, req.num_tokens + len(proposal)):
                 self.bm.allocate(req.req_id, req.num_tokens + len(proposal))
                 batch.num_new_tokens[i] += len(proposal)
-                budget -= len(proposal)
             else:
                 proposal = []
-            proposals.append(proposal)
-        if any(proposals):
-            batch.proposals = proposals
+            kept.append(proposal)
+        if any(kept):
+            batch.proposals = kept
 
     def _hold_prefill(self) -> bool:
         """prefill_wait_s > 0: while requests are decoding, let new prompts gather into fuller prefill
@@ -361,7 +404,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.bm.free(req.req_id)
-        req.num_computed_tokens = 0
+        req.num_computed_tokens = req.num_draft_computed = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1

@@ -23,9 +23,10 @@ logger = logging.getLogger(__name__)
 
 
 class Supervisor:
-    def __init__(self, serving_config, agents: AgentGroup):
+    def __init__(self, serving_config, agents: AgentGroup, what: str = "agents"):
         self.config = serving_config
         self.agents = agents
+        self.what = what                            # for the log: "agents", "draft agent"
         self.failure: Optional[str] = None          # an agent was lost and why; the step loop recovers
         self.down_reason: Optional[str] = None      # agents down (restarting) and why
         self.failed_reason: Optional[str] = None    # gave up restarting: the engine serves nothing more
@@ -38,9 +39,9 @@ class Supervisor:
             logger.error("%s", reason)
             self.failure = reason
 
-    async def recover(self, lose_running: Callable[[str], int], fail_all: Callable[[str], None]) -> bool:
+    async def recover(self, lose_running: Callable[[str], Optional[int]], fail_all: Callable[[str], None]) -> bool:
         """Restart the agent group after a loss, with back-off. lose_running(reason) ends the running
-        requests (their KV is gone) and returns how many; fail_all(reason) ends every request when giving up.
+        requests (their KV is gone) and returns how many (None: no request fails, as for a draft model); fail_all(reason) ends every request when giving up.
         Returns True when the agents serve again, False when the supervisor gave up."""
         sc = self.config
         reason = self.down_reason = self.failure
@@ -51,10 +52,11 @@ class Supervisor:
             while self.recent_failures and now - self.recent_failures[0] > sc.agent_restart_window_s:
                 self.recent_failures.popleft()
             failures = len(self.recent_failures)
-            logger.error("agent failure (%s): %d running request(s) failed", reason, lost)
+            logger.error("%s failure (%s)%s", self.what, reason,
+                         "" if lost is None else f": {lost} running request(s) failed")
             await self.agents.stop(grace_s=5.0, kill=True)
             if failures > sc.max_agent_restarts:
-                self.failed_reason = (f"agents failed {failures} times within {sc.agent_restart_window_s:g} s "
+                self.failed_reason = (f"{self.what} failed {failures} times within {sc.agent_restart_window_s:g} s "
                                       f"(serving_config.max_agent_restarts={sc.max_agent_restarts}); not "
                                       f"restarting. Last failure: {reason}")
                 logger.error("%s", self.failed_reason)
@@ -62,7 +64,7 @@ class Supervisor:
                 self.down_reason = None
                 return False
             delay = sc.agent_restart_backoff_s * 2 ** (failures - 1)
-            logger.warning("restarting the agents in %.1f s (failure %d of at most %d within %g s)", delay,
+            logger.warning("restarting the %s in %.1f s (failure %d of at most %d within %g s)", self.what, delay,
                            failures, sc.max_agent_restarts, sc.agent_restart_window_s)
             await asyncio.sleep(delay)
             self.failure = None
@@ -78,5 +80,5 @@ class Supervisor:
                 continue
             self.num_restarts += 1
             self.down_reason = None
-            logger.info("agents restarted in %.1f s; serving again", time.perf_counter() - t0)
+            logger.info("%s restarted in %.1f s; serving again", self.what, time.perf_counter() - t0)
             return True

@@ -51,6 +51,9 @@ class ModelRunner:
     Attributes: config (LlamaConfig), buckets (Buckets), num_blocks, block_size, max_blocks_per_seq,
     num_slots ((num_blocks + 1) * block_size), max_context (max_blocks_per_seq * block_size).
 
+    num_layers: run only the checkpoint's first N layers with its final norm and head (a draft model cut
+    from it; see weights.load_llama_weights).
+
     compile_cache=True (the agent's runner) keeps compiled graphs under the project cache dir, keyed by
     everything that decides warmup's compile sequence; only the first runner of a process can use it.
     """
@@ -61,7 +64,8 @@ class ModelRunner:
                  device_target: str = "CPU", device_id: int = 0, num_threads: Optional[int] = None,
                  compile_cache: bool = False, attention_kernel: str = "auto",
                  max_step_tokens: Optional[int] = None, tp: Optional["TensorParallel"] = None,
-                 tp_timeout_s: float = 120.0, verify_width: int = 1, verify_rows: int = 0):
+                 tp_timeout_s: float = 120.0, verify_width: int = 1, verify_rows: int = 0,
+                 num_layers: Optional[int] = None):
         for key, val in (("num_blocks", num_blocks), ("block_size", block_size),
                          ("max_blocks_per_seq", max_blocks_per_seq)):
             if not isinstance(val, (int, np.integer)) or val < 1:
@@ -84,7 +88,7 @@ class ModelRunner:
                                     one_width=self.decode_kernel is not None or device_target == "Ascend")
 
         self.tp = tp if tp is not None else TensorParallel()
-        self.config, weights = load_llama_weights(model_dir, self.tp)    # this rank's part only
+        self.config, weights = load_llama_weights(model_dir, self.tp, num_layers)   # this rank's part only
         cfg: LlamaConfig = self.config
         cfg.check_context(self.max_context)       # e.g. a sliding window the longest request would outgrow
         self.limits = StepLimits(vocab_size=cfg.vocab_size, max_context=self.max_context,

@@ -28,6 +28,7 @@ gate/up itself when it builds its parameters (`llama.py`).
 """
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -541,8 +542,12 @@ def _check_shape(name: str, arr, shape: tuple) -> None:
         raise WeightLoadError(f"tensor {name!r} has shape {tuple(arr.shape)}, expected {tuple(shape)}")
 
 
-def load_llama_weights(path: str, tp: Optional[TensorParallel] = None) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
+def load_llama_weights(path: str, tp: Optional[TensorParallel] = None,
+                       num_layers: Optional[int] = None) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
     """Return (config, {hf_name: float32 array}) for any supported checkpoint, with every tensor checked.
+
+    num_layers: keep only the first N decoder layers (with the final norm and head): a draft model cut from
+    the checkpoint (speculative decoding); the other layers are not read.
 
     tp: read only what that tensor-parallel rank holds (default: one agent, which holds everything): each
     tensor's shard (`TensorParallel.part`), and no logits tensors on ranks other than 0. A model whose heads
@@ -554,6 +559,10 @@ def load_llama_weights(path: str, tp: Optional[TensorParallel] = None) -> tuple[
         cfg, stored = load_gguf(path)
     else:
         cfg, stored = {"hf": _load_hf, "llama2c": _load_llama2c, "mindformers": _load_mindformers}[fmt](path)
+    if num_layers is not None:
+        if not 1 <= num_layers <= cfg.num_layers:
+            raise WeightLoadError(f"cannot keep the first {num_layers} layers of {path}: it has {cfg.num_layers}")
+        cfg = dataclasses.replace(cfg, num_layers=num_layers)
     if "lm_head.weight" not in stored or cfg.tie_word_embeddings:
         if "model.embed_tokens.weight" in stored:
             stored["lm_head.weight"] = stored["model.embed_tokens.weight"]

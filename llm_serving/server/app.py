@@ -83,6 +83,9 @@ async def health(request: web.Request) -> web.Response:
     body = {"status": "ok" if reason is None else "unavailable", "model": engine.model_name,
             "agents": engine.agent_info(),
             "agent_restarts": engine.num_agent_restarts}
+    draft = engine.draft_agent_info()
+    if draft:          # a draft model's agent (speculative decoding); its failures cost speed, not health
+        body["draft_agents"] = draft
     if reason is not None:
         body["reason"] = reason
     return web.json_response(body, status=200 if reason is None else 503)

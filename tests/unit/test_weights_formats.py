@@ -398,3 +398,20 @@ def test_a_gguf_is_dequantized_once_then_read_from_the_float32_cache(tmp_path, p
     monkeypatch.setenv("LLM_SERVING_CACHE", str(private_cache))
     load_llama_weights(path)
     assert len(list((private_cache / "gguf").iterdir())) == 2
+
+
+@pytest.mark.parametrize("fmt", ["hf", "llama2c"])
+def test_a_layer_cut_keeps_the_first_layers_the_final_norm_and_the_head(shared_dir, fmt):
+    """model_config.num_layers (a draft model cut from a checkpoint): the first N layers' tensors, exactly as
+    the whole model has them, plus the embedding, final norm and head; deeper layers are not read."""
+    path = shared_dir / "models" / "stories260K" / ("hf" if fmt == "hf" else "stories260K.bin")
+    cfg, whole = load_llama_weights(str(path))
+    cut_cfg, cut = load_llama_weights(str(path), num_layers=2)
+    assert cfg.num_layers == 5 and cut_cfg.num_layers == 2
+    assert {k for k in cut if ".layers." in k} == {k for k in whole if k.startswith(("model.layers.0.", "model.layers.1."))}
+    for name in cut:
+        np.testing.assert_array_equal(cut[name], whole[name])
+    for name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+        assert name in cut
+    with pytest.raises(WeightLoadError, match="first 6 layers .* it has 5"):
+        load_llama_weights(str(path), num_layers=6)

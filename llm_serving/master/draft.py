@@ -1,0 +1,215 @@
+"""Draft-model speculation (spec_config.method draft): a smaller model proposes each speculating request's
+next k tokens, greedily; the target then checks them in one verify step (speculative.py says why that keeps
+the target's output exactly).
+
+The draft is served by an agent process of its own (the same agent code, its own AgentGroup, shared-memory
+step buffers and supervision), loaded once, as NSL-Spec found it must be: passing a model per iteration
+makes the messages the bottleneck. Its KV cache has the target's blocks, and the master gives it the
+target's block tables: the draft's KV of position p sits in the same slot as the target's, so no second
+block manager and no second allocation exist, and a request's blocks hold both models' KV.
+
+Per round, for the rows of a decode step that may speculate (Scheduler.spec_limits, blocks reserved):
+- one *catch-up* step feeds each row the tokens the draft has not seen (`Request.num_draft_computed` up
+  to the request's last token: the whole prompt on the first round, chunked to the step budget; one or
+  two tokens afterwards) and samples the draft's token after the last: proposal 1;
+- then k-1 decode steps feed proposal j and sample proposal j+1, rows leaving as their limit is reached.
+The draft wrote KV for its proposals; after verification only the positions the target agreed with stay
+valid (the scheduler lowers num_draft_computed to the request's computed tokens), and the next catch-up
+overwrites the rest. A request that is preempted or recomputed starts again at 0 (prefix-cache blocks
+are written again with the same values: harmless).
+
+A draft that fails costs speed, never output: its round proposes nothing (plain decoding goes on), a
+lost draft agent is restarted in the background with the target's back-off rules, and a draft whose KV
+cache was reset behind the master's back (agent-ctl reset) makes every request catch up from scratch.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Callable, Optional
+
+import numpy as np
+
+from llm_serving.agents import protocol as proto
+from llm_serving.master.agent_group import AgentError, AgentGroup
+from llm_serving.master.block_manager import BlockManager
+from llm_serving.master.supervisor import Supervisor
+from llm_serving.shm.buffers import StepBuffers
+
+logger = logging.getLogger(__name__)
+
+
+class DraftProposer:
+    """The draft model's agent and the rounds it runs. `propose` never raises: on any failure a round
+    proposes nothing."""
+
+    def __init__(self, draft_config, model_dir: str, block_manager: BlockManager,
+                 forget_all: Callable[[], None]):
+        self.config = draft_config
+        self.model_dir = model_dir
+        self.bm = block_manager
+        self.forget_all = forget_all      # every request's draft KV is gone (sets num_draft_computed = 0)
+        self.agents = AgentGroup(draft_config, model_dir, on_lost=self._lost, role="draft agent")
+        self.supervisor = Supervisor(draft_config.serving_config, self.agents, what="draft agent")
+        self.max_step_tokens = draft_config.serving_config.max_num_batched_tokens
+        self.max_chunk = draft_config.max_chunk_tokens
+        self._recovery: Optional[asyncio.Task] = None
+        self.num_steps = 0
+        self.step_time_s = 0.0            # in draft steps, summed
+        self.num_cache_resets = 0
+        self.num_failed_rounds = 0
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.agents.start()
+
+    async def stop(self) -> None:
+        if self._recovery is not None:
+            self._recovery.cancel()
+            try:
+                await self._recovery
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._recovery = None
+        await self.agents.stop()
+
+    @property
+    def vocab_size(self) -> Optional[int]:
+        agents = self.agents.agents
+        return agents[0].info.vocab_size if agents and agents[0].info is not None else None
+
+    @property
+    def unavailable_reason(self) -> Optional[str]:
+        """Why the draft proposes nothing right now (restarting, given up), or None."""
+        sup = self.supervisor
+        if sup.failed_reason:
+            return sup.failed_reason
+        if sup.failure or sup.down_reason:
+            return f"draft agent restarting after a failure: {sup.down_reason or sup.failure}"
+        dead = self.agents.dead_agents()
+        return "; ".join(dead) if dead else (None if self.agents.agents else "draft agent not started")
+
+    def describe(self) -> list:
+        return [{**a, "role": "draft"} for a in self.agents.describe()]
+
+    def stats(self) -> dict:
+        return {"model": self.model_dir, "num_layers": self.config.model_config.num_layers,
+                "steps": self.num_steps, "step_time_s": round(self.step_time_s, 6),
+                "restarts": self.supervisor.num_restarts, "cache_resets": self.num_cache_resets,
+                "failed_rounds": self.num_failed_rounds, "unavailable_reason": self.unavailable_reason}
+
+    def _lost(self, reason: str) -> None:
+        """The draft agent is gone: restart it in the background (the target serves on, without proposals)."""
+        self.supervisor.agent_lost(reason)
+        if self._recovery is None or self._recovery.done():
+            self._recovery = asyncio.ensure_future(self._recover())
+
+    async def _recover(self) -> None:
+        def lose_running(_reason: str) -> None:      # no request fails: they decode on without proposals
+            self.forget_all()
+        if await self.supervisor.recover(lose_running, lambda _reason: None):
+            self.forget_all()           # fresh KV cache
+
+    # --- a round -----------------------------------------------------------------------------------
+
+    async def propose(self, requests: list, limits: list) -> list:
+        """Up to limits[i] greedy draft tokens to follow each request i ([] where 0, or on any failure)."""
+        empty = [[] for _ in requests]
+        if self.unavailable_reason is not None or not any(limits):
+            return empty
+        try:
+            return await self._round(requests, limits)
+        except AgentError as exc:
+            self.num_failed_rounds += 1
+            if exc.fatal:
+                self._lost(str(exc))
+            else:
+                logger.warning("draft step failed (this round proposes nothing): %s", exc)
+            return empty
+        except _CacheReset:
+            return empty
+
+    async def _round(self, requests: list, limits: list) -> list:
+        proposals = [[] for _ in requests]
+        budget = self.max_step_tokens
+        feed = []                                   # (row of the request, first position fed, stop)
+        for i, (req, k) in enumerate(zip(requests, limits)):
+            if k <= 0:
+                continue
+            end = req.num_tokens
+            start = min(req.num_draft_computed, end - 1)
+            q = min(end - start, budget, self.max_chunk)
+            if q <= 0:
+                break
+            feed.append((i, start, start + q))
+            budget -= q
+        if not feed:
+            return proposals
+        b = self.agents.buffers
+        for r, (i, start, stop) in enumerate(feed):
+            self._write_row(b, r, requests[i], requests[i].tokens(start, stop), start)
+        n, s = len(feed), max(stop - start for _, start, stop in feed)
+        out = await self._step(proto.PrefillStep(self.num_steps, n, s) if s > 1 else proto.DecodeStep(self.num_steps, n))
+        live = []
+        for r, (i, start, stop) in enumerate(feed):
+            req = requests[i]
+            req.num_draft_computed = stop
+            if stop == req.num_tokens:              # caught up: the draft's next token is proposal 1
+                proposals[i].append(out[r])
+                live.append(i)
+        for j in range(1, max(limits)):
+            live = [i for i in live if limits[i] > j]
+            if not live:
+                break
+            for r, i in enumerate(live):            # feed proposal j at the position after the last one
+                req = requests[i]
+                self._write_row(b, r, req, [proposals[i][-1]], req.num_tokens + j - 1)
+            out = await self._step(proto.DecodeStep(self.num_steps, len(live)))
+            for r, i in enumerate(live):
+                proposals[i].append(out[r])
+                requests[i].num_draft_computed = requests[i].num_tokens + j
+        return proposals
+
+    def _write_row(self, b: StepBuffers, r: int, req, tokens: list, start: int) -> None:
+        """Row r feeds `tokens` at positions start.. through req's block table, sampling greedily."""
+        q = len(tokens)
+        table = self.bm.block_tables[req.req_id]
+        bs = self.bm.block_size
+        b.block_tables[r] = 0
+        b.block_tables[r, :len(table)] = table
+        positions = np.arange(start, start + q, dtype=np.int32)
+        b.input_ids[r, :q] = tokens
+        b.positions[r, :q] = positions
+        b.slot_mapping[r, :q] = b.block_tables[r, positions // bs] * bs + positions % bs
+        if q < b.input_ids.shape[1]:
+            b.input_ids[r, q:] = 0
+            b.positions[r, q:] = 0
+            b.slot_mapping[r, q:] = -1
+        b.context_lens[r] = start + q
+        b.query_lens[r] = q
+        b.temperature[r] = 0.0                      # the draft proposes its most likely token
+        b.top_k[r], b.top_p[r], b.random_u[r], b.top_n[r] = 0, 1.0, 0.0, 0
+        b.repetition_penalty[r], b.presence_penalty[r], b.frequency_penalty[r] = 1.0, 0.0, 0.0
+        b.history_len[r] = 0
+        b.prompt_len[r] = len(req.prompt_ids)
+        b.request_ids[r] = req.number
+
+    async def _step(self, command) -> list:
+        t0 = time.perf_counter()
+        try:
+            _, cache_reset = await self.agents.step(command)
+        finally:
+            self.num_steps += 1
+            self.step_time_s += time.perf_counter() - t0
+        if cache_reset:
+            self.num_cache_resets += 1
+            logger.warning("the draft agent's KV cache was reset: every request's draft catches up from scratch")
+            self.forget_all()
+            raise _CacheReset()
+        return self.agents.buffers.out_token_ids[:command.num_rows].tolist()
+
+
+class _CacheReset(Exception):
+    """The draft's KV cache was reset during a round: its proposals are worthless."""

@@ -1,0 +1,198 @@
+"""Draft-model speculation, the master's part (master/draft.py): the rounds a DraftProposer runs and the draft
+KV bookkeeping, with a fake draft agent that keeps its KV by slot and refuses to read a position whose KV is
+stale — so a `num_draft_computed` that claims more than the draft's cache holds fails the test, and one that
+claims less shows as the draft re-feeding tokens (counted)."""
+import asyncio
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from llm_serving.agents import protocol as proto
+from llm_serving.config import ConfigError, config_from_dict
+from llm_serving.master.draft import DraftProposer
+from tests.unit.test_scheduler import make_requests, make_scheduler, next_token, reference_output
+from tests.unit.test_speculative import SpecFakeRunner
+
+
+class FakeDraftAgents:
+    """What a draft agent does with a step, on the step buffers' arrays: write each fed token's KV at its
+    slot, read the row's context back through its block table, and 'sample' the true next token of what it
+    read (wrong with probability `wrong`)."""
+
+    def __init__(self, requests, bm, rows=8, tokens=64, width=64, wrong=0.0, seed=0):
+        z = lambda *shape, dtype=np.int32: np.zeros(shape, dtype)      # noqa: E731
+        self.buffers = SimpleNamespace(
+            input_ids=z(rows, tokens), positions=z(rows, tokens), slot_mapping=z(rows, tokens),
+            block_tables=z(rows, width), context_lens=z(rows), query_lens=z(rows),
+            temperature=z(rows, dtype=np.float32) + 1, top_k=z(rows), top_p=z(rows, dtype=np.float32),
+            random_u=z(rows, dtype=np.float32), top_n=z(rows), repetition_penalty=z(rows, dtype=np.float32),
+            presence_penalty=z(rows, dtype=np.float32), frequency_penalty=z(rows, dtype=np.float32),
+            history_len=z(rows), prompt_len=z(rows), request_ids=z(rows, dtype=np.int64), out_token_ids=z(rows))
+        self.requests = {r.number: r for r in requests}
+        self.bm, self.bs, self.wrong, self.rng = bm, bm.block_size, wrong, random.Random(seed)
+        self.kv: dict = {}
+        self.agents = [object()]
+        self.fed_tokens = 0
+        self.commands: list = []
+        self.reset_next = False
+
+    def dead_agents(self):
+        return []
+
+    async def step(self, command):
+        b, bs = self.buffers, self.bs
+        self.commands.append(command)
+        # a block no request holds may have been written by anyone since: forget what it held
+        held = {blk for table in self.bm.block_tables.values() for blk in table}
+        self.kv = {slot: t for slot, t in self.kv.items() if slot // bs in held}
+        s = command.max_query_len if isinstance(command, proto.PrefillStep) else 1
+        assert isinstance(command, (proto.PrefillStep, proto.DecodeStep))
+        for r in range(command.num_rows):
+            req = self.requests[int(b.request_ids[r])]
+            q, ctx = int(b.query_lens[r]), int(b.context_lens[r])
+            assert 1 <= q <= s and b.temperature[r] == 0 and b.top_n[r] == 0
+            assert list(b.positions[r, :q]) == list(range(ctx - q, ctx))
+            for j in range(q):
+                self.kv[int(b.slot_mapping[r, j])] = int(b.input_ids[r, j])
+            self.fed_tokens += q
+            seen = [self.kv.get(int(b.block_tables[r, p // bs]) * bs + p % bs) for p in range(ctx)]
+            for p in range(min(ctx, req.num_tokens)):
+                assert seen[p] == req.token_at(p), f"{req.req_id}: the draft reads stale KV at position {p}"
+            t = next_token(seen)
+            b.out_token_ids[r] = (t + 1) % 97 + 3 if self.rng.random() < self.wrong else t
+        reset, self.reset_next = self.reset_next, False
+        return [None], reset
+
+
+def make_drafter(sched, requests, wrong=0.0, seed=0):
+    config = config_from_dict({"spec_config": {"method": "draft"}})
+    forgotten = []
+
+    def forget_all():
+        forgotten.append(1)
+        for r in sched.running:
+            r.num_draft_computed = 0
+    drafter = DraftProposer(config.draft_config("/nonexistent"), "/nonexistent", sched.bm, forget_all)
+    drafter.agents = FakeDraftAgents(requests, sched.bm, wrong=wrong, seed=seed)
+    drafter.max_step_tokens, drafter.max_chunk = sched.max_num_batched_tokens, 8
+    return drafter, forgotten
+
+
+async def serve(sched, runner, drafter, max_steps=2000):
+    """The engine's loop: schedule, let the draft propose for a speculating step, attach, run the step."""
+    for _ in range(max_steps):
+        batch = sched.schedule()
+        if batch is None:
+            return
+        if batch.spec_limits:
+            proposals = await drafter.propose(batch.requests, batch.spec_limits)
+            assert all(len(p) <= k for p, k in zip(proposals, batch.spec_limits))
+            sched.attach_proposals(batch, proposals)
+        runner.step(batch)
+
+
+def test_a_perfect_draft_is_accepted_whole_and_feeds_each_token_once():
+    sched = make_scheduler(propose_later=True, spec_tokens=4, spec_max_rows=4, max_num_batched_tokens=64)
+    reqs = make_requests(2, prompt_len=[6, 9], max_new_tokens=21)
+    for r in reqs:
+        sched.add(r)
+    drafter, _ = make_drafter(sched, reqs)
+    drafter.max_chunk = 64                                # each prompt caught up in one step
+    runner = SpecFakeRunner(sched)
+    asyncio.run(serve(sched, runner, drafter))
+    assert [r.output_ids for r in reqs] == [reference_output(r) for r in reqs]
+    # prefill gives token 1; each round then proposes 4 and the target adds its own: 20 tokens in 4 rounds
+    assert sched.batch_sizes[("verify", 2)] == 4 and sched.batch_sizes[("decode", 2)] == 0
+    # every round: one catch-up step (the prompt on the first, then the target's bonus token and the last
+    # proposal, whose KV the draft never wrote) and 3 decode steps
+    kinds = [type(c).__name__ for c in drafter.agents.commands]
+    assert kinds == ["PrefillStep", "DecodeStep", "DecodeStep", "DecodeStep"] * 4
+    # per row: its prompt and first token, 3 proposals, then 3 rounds of 2 catch-up tokens and 3 proposals
+    assert drafter.agents.fed_tokens == sum(len(r.prompt_ids) + 1 + 3 + 3 * (2 + 3) for r in reqs)
+
+
+def test_rows_propose_within_their_limits_and_a_cache_reset_proposes_nothing():
+    sched = make_scheduler(propose_later=True, spec_tokens=4, spec_max_rows=4)
+    reqs = make_requests(2, prompt_len=5, max_new_tokens=[3, 30])
+    for r in reqs:
+        sched.add(r)
+    drafter, forgotten = make_drafter(sched, reqs)
+    runner = SpecFakeRunner(sched)
+    runner.step(sched.schedule())                         # prefill
+    batch = sched.schedule()
+    assert batch.spec_limits == [1, 4]                    # 3 - 1 output - 1 for the target's own token
+    proposals = asyncio.run(drafter.propose(batch.requests, batch.spec_limits))
+    assert [len(p) for p in proposals] == [1, 4]
+    assert [p[0] for p in proposals] == [next_token(r.tokens(0, r.num_tokens)) for r in reqs]
+    drafter.agents.reset_next = True
+    assert asyncio.run(drafter.propose(batch.requests, batch.spec_limits)) == [[], []]
+    assert forgotten and drafter.num_cache_resets == 1
+    assert all(r.num_draft_computed == 0 for r in reqs)
+
+
+def test_a_request_that_ended_during_the_draft_leaves_the_step():
+    sched = make_scheduler(propose_later=True, spec_tokens=3, spec_max_rows=4)
+    reqs = make_requests(3, prompt_len=5, max_new_tokens=20)
+    for r in reqs:
+        sched.add(r)
+    drafter, _ = make_drafter(sched, reqs)
+    runner = SpecFakeRunner(sched)
+    runner.step(sched.schedule())
+    batch = sched.schedule()
+    proposals = asyncio.run(drafter.propose(batch.requests, batch.spec_limits))
+    sched.finish(reqs[1], "abort")                        # the client left while the draft ran
+    running = [not r.finished for r in batch.requests]
+    batch = batch.drop_finished()
+    sched.attach_proposals(batch, [p for p, keep in zip(proposals, running) if keep])
+    assert batch.requests == [reqs[0], reqs[2]] and batch.num_new_tokens == [4, 4]
+    runner.step(batch)
+    assert [len(r.output_ids) for r in (reqs[0], reqs[2])] == [5, 5]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(1, 6), wrong=st.sampled_from([0.0, 0.3, 1.0]), k=st.integers(1, 5),
+       num_blocks=st.integers(12, 40), prefix_caching=st.booleans(), budget=st.integers(8, 40),
+       policy=st.sampled_from(["prefill_first", "fcfs", "longest_output_first"]), seed=st.integers(0, 1000))
+def test_draft_kv_stays_valid_and_outputs_equal_plain_decoding(n, wrong, k, num_blocks, prefix_caching, budget,
+                                                               policy, seed):
+    """Requests sharing a prefix, under block pressure (preemption, recompute) and chunking, with a draft
+    that is right or wrong at random: the draft never reads stale KV (FakeDraftAgents checks), and every
+    output is exactly plain decoding's."""
+    rng = random.Random(seed)
+    sched = make_scheduler(num_blocks=num_blocks, block_size=4, prefix_caching=prefix_caching,
+                           max_num_batched_tokens=budget, policy=policy, chunked_prefill=True, max_chunk_tokens=8,
+                           propose_later=True, spec_tokens=k, spec_max_rows=rng.randint(1, 6))
+    reqs = make_requests(n, prompt_len=[rng.randint(1, 12) for _ in range(n)],
+                         max_new_tokens=[rng.randint(1, 14) for _ in range(n)], prefix=(7, 8, 9, 10, 11))
+    for r in reqs:
+        sched.add(r)
+    drafter, _ = make_drafter(sched, reqs, wrong=wrong, seed=seed)
+    runner = SpecFakeRunner(sched)
+    asyncio.run(serve(sched, runner, drafter))
+    assert not sched.has_work
+    for r in reqs:
+        assert r.output_ids == reference_output(r), r.req_id
+
+
+def test_draft_config_is_the_targets_with_the_drafts_model_and_one_agent():
+    config = config_from_dict({"model_config": {"decode_batch_size": [1, 2, 8, 16], "prefill_batch_size": [1, 2]},
+                               "serving_config": {"agent_ports": [16002, 16003], "max_num_seqs": 16},
+                               "spec_config": {"method": "draft", "draft_num_layers": 2, "max_batch_size": 4,
+                                               "draft_agent_port": 16010}})
+    draft = config.draft_config("/models/draft")
+    assert draft.model_config.model_path == "/models/draft" and draft.model_config.num_layers == 2
+    assert draft.serving_config.agent_ports == [16010]
+    assert draft.model_config.decode_batch_size == [1, 2, 8] and draft.serving_config.max_num_seqs == 8
+    assert draft.model_config.prefill_batch_size == [1, 2, 4]          # every speculating row catches up at once
+    assert not draft.spec_config.enabled
+    assert draft.pa_config == config.pa_config and draft.max_blocks_per_seq == config.max_blocks_per_seq
+    with pytest.raises(ConfigError, match="draft_agent_port"):
+        config_from_dict({"serving_config": {"agent_ports": [16002]},
+                          "spec_config": {"method": "draft", "draft_agent_port": 16002}})
+    for bad in ({"draft_num_layers": 0}, {"draft_agent_port": 70000}, {"draft_model": ""}, {"method": "medusa"}):
+        with pytest.raises(ConfigError):
+            config_from_dict({"spec_config": bad})
