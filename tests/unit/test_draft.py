@@ -65,7 +65,7 @@ class FakeDraftAgents:
             t = next_token(seen)
             b.out_token_ids[r] = (t + 1) % 97 + 3 if self.rng.random() < self.wrong else t
         reset, self.reset_next = self.reset_next, False
-        return [None], reset
+        return [SimpleNamespace(model_ms=0.5)], reset
 
 
 def make_drafter(sched, requests, wrong=0.0, seed=0):
@@ -188,6 +188,7 @@ def test_draft_config_is_the_targets_with_the_drafts_model_and_one_agent():
     assert draft.serving_config.agent_ports == [16010]
     assert draft.model_config.decode_batch_size == [1, 2, 8] and draft.serving_config.max_num_seqs == 8
     assert draft.model_config.prefill_batch_size == [1, 2, 4]          # every speculating row catches up at once
+    assert draft.model_config.seq_length == [2] + config.model_config.seq_length   # catch-ups are 1-2 tokens
     assert not draft.spec_config.enabled
     assert draft.pa_config == config.pa_config and draft.max_blocks_per_seq == config.max_blocks_per_seq
     with pytest.raises(ConfigError, match="draft_agent_port"):
