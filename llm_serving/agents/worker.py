@@ -118,7 +118,8 @@ class Worker:
         b = self.buffers
         t0 = time.perf_counter()
         token_ids, logprobs = self.runner.execute(*self._inputs(n, s), top_n=b.top_n[:n],
-                                                  verify_u=b.verify_random_u[:n, :s])
+                                                  verify_u=b.verify_random_u[:n, :s],
+                                                  verify_parent=b.verify_parent[:n, :s])
         model_s = time.perf_counter() - t0
         if self.tp.writes_outputs:
             b.out_verify_ids[:n, :s] = token_ids

@@ -45,14 +45,17 @@ __all__ = ["MASK_VALUE", "PagedAttention", "paged_metadata"]
 MASK_VALUE = -1e9
 
 
-def paged_metadata(block_tables, positions, slot_mapping, context_lens, block_size: int, num_kv_heads: int):
+def paged_metadata(block_tables, positions, slot_mapping, context_lens, block_size: int, num_kv_heads: int,
+                   tree_bits=None):
     """Per-step values shared by all layers.
 
-    block_tables (B, W), positions (B, S), slot_mapping (B, S), context_lens (B,) int32 ->
+    block_tables (B, W), positions (B, S), slot_mapping (B, S), context_lens (B,) int32, tree_bits (B,) int32
+    (decode kernel only: which of each token's last 32 keys it sees, see kernels/paged_attention_cpu.cc;
+    None = all) ->
       write_idx (B*S*KVH,) int32: flat cache row of head h of each new token (slot * KVH + h)
       gather_idx (B, KVH, L) int32: flat cache row of head h of the row's key j
       mask (B, 1, S, 1, L) float32: 0 where key j is visible to the query, else MASK_VALUE
-      and slot_mapping flattened (B*S,), block_tables, context_lens as given (for the Ascend path)
+      and slot_mapping flattened (B*S,), block_tables, context_lens as given (for the Ascend path), tree_bits
     """
     b, w = block_tables.shape
     s = positions.shape[1]
@@ -69,8 +72,10 @@ def paged_metadata(block_tables, positions, slot_mapping, context_lens, block_si
     zeros = ops.zeros((b, s, n_keys), ms.float32)
     mask = ops.select(visible, zeros, zeros + MASK_VALUE)                                    # (B, S, L)
     # the raw step tensors ride along for the Ascend kernels (ReshapeAndCache / PagedAttention)
+    if tree_bits is None:
+        tree_bits = ops.full((b,), -1, dtype=ms.int32)                                        # (B,) all visible
     return (write_idx, gather_idx, mask.reshape(b, 1, s, 1, n_keys),                        # (B, 1, S, 1, L)
-            slot_mapping.reshape(-1), block_tables, context_lens)
+            slot_mapping.reshape(-1), block_tables, context_lens, tree_bits)
 
 
 class PagedAttention(nn.Cell):
@@ -116,8 +121,9 @@ class PagedAttention(nn.Cell):
 
     def construct(self, q, k, v, meta):
         # q (B*S, NH, D), already scaled by 1/sqrt(D); k, v (B*S, KVH, D); meta from paged_metadata:
-        # write_idx (B*S*KVH,); gather_idx (B, KVH, L); mask (B, 1, S, 1, L); slots (B*S,); block_tables; context_lens
-        write_idx, gather_idx, mask, slots, block_tables, context_lens = meta
+        # write_idx (B*S*KVH,); gather_idx (B, KVH, L); mask (B, 1, S, 1, L); slots (B*S,); block_tables;
+        # context_lens; tree_bits (B,)
+        write_idx, gather_idx, mask, slots, block_tables, context_lens, tree_bits = meta
         b, s = mask.shape[0], mask.shape[2]
         d = self.head_dim
         if self.on_ascend:
@@ -135,7 +141,7 @@ class PagedAttention(nn.Cell):
             value_cache = self.scatter(self.value_cache, write_idx, v.reshape(-1, d))  # (N*KVH, D)
             if s == 1 and self.decode_kernel is not None:
                 out = self.decode_kernel(q.reshape(b, self.num_kv_heads, self.group, d), key_cache, value_cache,
-                                         block_tables, context_lens, self.kernel_config)     # (B, KVH, G, D)
+                                         block_tables, context_lens, tree_bits, self.kernel_config)  # (B, KVH, G, D)
                 return out.reshape(b, -1)                                                # (B, NH*D)
         return self._attend(q, key_cache, value_cache, gather_idx, mask, b, s)
 

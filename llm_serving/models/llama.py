@@ -110,7 +110,7 @@ class LlamaDecoderLayer(nn.Cell):
 
 
 class LlamaForCausalLM(nn.Cell):
-    """construct(input_ids, positions, slot_mapping, block_tables, context_lens, query_lens, sample_index)
+    """construct(input_ids, positions, slot_mapping, block_tables, context_lens, query_lens, sample_index, tree_bits)
     -> (greedy_token (R,) int32, its logprob (R,) float32, logits (R, V) float32), R = B unless packed or
     verifying (R = B*S).
     Argument meanings are those of ModelRunner.execute (after the runner's padding). The logits are
@@ -154,11 +154,13 @@ class LlamaForCausalLM(nn.Cell):
         self.head_keep = _param(keep, "rope_head_keep")                                 # (1, NH+2KVH, 1)
         self.matmul_t = ops.MatMul(transpose_b=True)
 
-    def construct(self, input_ids, positions, slot_mapping, block_tables, context_lens, query_lens, sample_index):
+    def construct(self, input_ids, positions, slot_mapping, block_tables, context_lens, query_lens, sample_index,
+                  tree_bits):
         # input_ids, positions, slot_mapping (B, S) int32; block_tables (B, W) int32; context/query_lens (B,);
         # sample_index (R,) int32: the tokens to sample from when S == 1 and R < B (packed prefill: B is then
         # the step's tokens, each with its own block-table row and context; see ModelRunner); R = B*S: every
-        # token (a verify step, speculative decoding)
+        # token (a verify step, speculative decoding); tree_bits (B,) int32: the keys a token of a speculative
+        # token tree sees (the CPU decode kernel's, see attention.paged_metadata; -1 = all, as for every other token)
         b, s = input_ids.shape
         x = ops.gather(self.embed, input_ids.reshape(-1), 0)                            # (T, H)
         flat_pos = positions.reshape(-1)                                                 # (T,)
@@ -167,7 +169,8 @@ class LlamaForCausalLM(nn.Cell):
         sin = ops.gather(self.sin_table, flat_pos, 0).reshape(b * s, 1, d)               # (T, 1, D)
         cos = cos * self.head_rot + self.head_keep                                       # (T, NH+2KVH, D)
         sin = sin * self.head_rot                                                        # (T, NH+2KVH, D)
-        meta = paged_metadata(block_tables, positions, slot_mapping, context_lens, self.block_size, self.kvh)
+        meta = paged_metadata(block_tables, positions, slot_mapping, context_lens, self.block_size, self.kvh,
+                              tree_bits)
         for layer in self.layers:
             x = layer(x, cos, sin, meta)                                                 # (T, H)
         if s > 1 and sample_index.shape[0] == b:       # each row's last new token (else every token: verify)

@@ -156,7 +156,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ execution
     def execute(self, input_ids, positions, slot_mapping, block_tables, context_lens, query_lens,
                 temperature, top_k, top_p, random_u, return_logits: bool = False, top_n=None, penalties=None,
-                verify_u=None):
+                verify_u=None, verify_parent=None):
         """One step over n sequences (the arguments are described in step_inputs.py); returns
         (next_token_ids int32 (n,), logprobs float32 (n,)), and with return_logits also the model's logits
         float32 (n, vocab) at each row's last new token (before temperature; copied to the host only when
@@ -170,10 +170,14 @@ class ModelRunner:
         verify_u float32 (n, s) makes it a verify step (speculative decoding): a token is sampled after every
         new token of every row, token j of row i with uniform verify_u[i, j] (random_u is unused); returns
         (token_ids int32 (n, s), logprobs float32 (n, s)), zero past each row's query length. Rows must not
-        ask for top log-probabilities or penalties (the master does not speculate for them).
+        ask for top log-probabilities or penalties (the master does not speculate for them). verify_parent
+        int32 (n, s) makes each row's new tokens a token tree (speculative decoding with several candidates):
+        token j attends to the committed keys, its ancestors and itself (its position is its depth's, its slot
+        its own); the CPU kernel's packed path only.
         """
         step = StepInputs.make(self.limits, input_ids, positions, slot_mapping, block_tables, context_lens,
-                               query_lens, temperature, top_k, top_p, random_u, top_n, penalties, verify_u)
+                               query_lens, temperature, top_k, top_p, random_u, top_n, penalties, verify_u,
+                               verify_parent)
         if step.verify_u is not None:
             return self._execute_verify(step)
         nb, sb = self.buckets.bucket(step.n, step.s)
@@ -206,7 +210,8 @@ class ModelRunner:
         T = self._ms.Tensor
         sample_index = np.arange(nb * sb if all_tokens else nb, dtype=np.int32)
         return self._call("verify" if all_tokens else "model", (nb, sb), self.model, T(ids_p), T(pos_p), T(slot_p),
-                          T(bt_p), T(_pad(cl, nb, 1)), T(_pad(ql, nb, 1)), T(sample_index))
+                          T(bt_p), T(_pad(cl, nb, 1)), T(_pad(ql, nb, 1)), T(sample_index),
+                          T(np.full(nb, -1, np.int32)))
 
     def _execute_verify(self, step: StepInputs):
         """A verify step: the rows' new tokens run as in a prefill step (packed, or padded to (batch,
@@ -221,7 +226,11 @@ class ModelRunner:
         per_token["random_u"] = step.verify_u[valid]                                     # (t,) each
         if self.buckets.packed:
             rows, flat = size, np.arange(t)
-            outputs = self._call_packed(step, tokens, 0, t, size, np.arange(size, dtype=np.int32))
+            bits = step.tree_bits() if step.verify_parent is not None else None
+            outputs = self._call_packed(step, tokens, 0, t, size, np.arange(size, dtype=np.int32), bits)
+        elif step.verify_parent is not None:
+            raise ValueError("ModelRunner.execute: token trees need the CPU paged-attention kernel (packed verify "
+                             "steps); this runner pads verify steps (attention_kernel off, or Ascend)")
         else:
             sb = self.buckets.verify_width
             if s > sb:
@@ -326,9 +335,10 @@ class ModelRunner:
         context = ((step.context_lens - step.query_lens)[row_of] + np.nonzero(valid)[1] + 1).astype(np.int32)
         return valid, row_of, step.input_ids[valid], step.positions[valid], step.slot_mapping[valid], context
 
-    def _call_packed(self, step: StepInputs, flat: tuple, start: int, stop: int, tb: int, sample_index):
+    def _call_packed(self, step: StepInputs, flat: tuple, start: int, stop: int, tb: int, sample_index,
+                     tree_bits: Optional[np.ndarray] = None):
         """The model graph of `tb` tokens on the step's real tokens start..stop-1 (`flat`: _flat_tokens(step)),
-        padding after them."""
+        padding after them; tree_bits: each real token's visible keys (a token tree's nodes; default all)."""
         k = stop - start
         row_of, ids, pos, slots, context = (a[start:stop] for a in flat[1:])
         scratch = self.scratch_slot + (np.arange(tb, dtype=np.int32) % self.block_size)
@@ -337,13 +347,18 @@ class ModelRunner:
         used = min(step.block_tables.shape[1], self.max_blocks_per_seq)
         piece_tables = np.zeros((tb, self.max_blocks_per_seq), np.int32)
         piece_tables[:k, :used] = step.block_tables[row_of, :used]                 # each token: its row's table
+        bits = np.full(tb, -1, np.int32)
+        if tree_bits is not None:
+            bits[:k] = tree_bits[start:stop]
         return self._run_packed(tb, _pad(ids, tb, 0), _pad(pos, tb, 0), piece_slots, piece_tables,
-                                _pad(context, tb, 0), sample_index)               # context 0: padding
+                                _pad(context, tb, 0), sample_index, bits)         # context 0: padding
 
-    def _run_packed(self, tb, ids, pos, slots, tables, context, sample_index, compile_only: bool = False):
+    def _run_packed(self, tb, ids, pos, slots, tables, context, sample_index, tree_bits=None,
+                    compile_only: bool = False):
         T = self._ms.Tensor
+        bits = np.full(tb, -1, np.int32) if tree_bits is None else tree_bits
         args = (T(ids.reshape(tb, 1)), T(pos.reshape(tb, 1)), T(slots.reshape(tb, 1)), T(tables), T(context),
-                T(np.ones(tb, np.int32)), T(sample_index))
+                T(np.ones(tb, np.int32)), T(sample_index), T(bits))
         if compile_only:                 # warmup: compiled (or loaded from the compile cache), not run
             return self.model.compile(*args)
         return self._call("packed", (tb, sample_index.shape[0]), self.model, *args)

@@ -11,6 +11,9 @@ Shapes: n rows, s new tokens per row at most, w block-table entries per row.
   repetition, presence and frequency penalties (see sampler.Penalizer)
   verify_u                            float32 (n, s) or None: a verify step's uniform number per new token
                                       (speculative decoding; such a step has no top_n and no penalties)
+  verify_parent                       int32 (n, s) or None: a verify step's token tree — each new token's parent
+                                      among its row's new tokens (-1 for the first; None or j-1 everywhere: a
+                                      chain). A node attends to the committed keys, its ancestors and itself.
 """
 from __future__ import annotations
 
@@ -45,6 +48,7 @@ class StepInputs:
     query_lens: np.ndarray
     per_row: dict                 # sampling arrays (n,) by name, and the penalty arrays when some row has one
     verify_u: Optional[np.ndarray] = None     # (n, s): a verify step
+    verify_parent: Optional[np.ndarray] = None    # (n, s): a verify step's token trees (None: chains)
 
     @property
     def n(self) -> int:
@@ -65,7 +69,7 @@ class StepInputs:
     @classmethod
     def make(cls, limits: StepLimits, input_ids, positions, slot_mapping, block_tables, context_lens, query_lens,
              temperature, top_k, top_p, random_u, top_n=None, penalties: Optional[dict] = None,
-             verify_u=None) -> "StepInputs":
+             verify_u=None, verify_parent=None) -> "StepInputs":
         """Arrays (or nested lists) converted to their dtypes and checked against each other and `limits`;
         ValueError naming the first that is malformed."""
         input_ids = np.asarray(input_ids, np.int32)
@@ -110,7 +114,40 @@ class StepInputs:
                 _fail(f"verify_u has shape {verify_u.shape}, expected {(n, s)}")
             if "history" in per_row or (per_row["top_n"] > 0).any():
                 _fail("a verify step cannot have rows with top log-probabilities or sampling penalties")
-        return cls(input_ids, positions, slot_mapping, block_tables, cl, ql, per_row, verify_u)
+        if verify_parent is not None:
+            if verify_u is None:
+                _fail("verify_parent is given for a step that is not a verify step")
+            verify_parent = np.asarray(verify_parent, np.int32)
+            if verify_parent.shape != (n, s):
+                _fail(f"verify_parent has shape {verify_parent.shape}, expected {(n, s)}")
+            j = np.arange(s)[None, :]
+            valid = j < ql[:, None]
+            ok = np.where(j == 0, verify_parent == -1, (verify_parent >= 0) & (verify_parent < j))
+            if not ok[valid].all():
+                _fail("verify_parent must be -1 for a row's first new token and in [0, j) for token j")
+            if (verify_parent[valid] == (j - 1).repeat(n, 0)[valid]).all():
+                verify_parent = None                  # every row a chain: plain causal attention
+        return cls(input_ids, positions, slot_mapping, block_tables, cl, ql, per_row, verify_u, verify_parent)
+
+    def tree_bits(self) -> np.ndarray:
+        """(t,) int32 for the step's real tokens in row-major order: which of its last 32 keys each token sees
+        (the CPU kernel's tree_bits; bit m = the key m places before the token): all set except, for a tree
+        node, the row's earlier nodes that are not its ancestors."""
+        n, s = self.n, self.s
+        out = []
+        for i in range(n):
+            parent = self.verify_parent[i] if self.verify_parent is not None else np.arange(-1, s - 1)
+            for j in range(int(self.query_lens[i])):
+                ancestors, a = set(), j
+                while a >= 0:
+                    ancestors.add(a)
+                    a = int(parent[a])
+                bits = -1
+                for m in range(1, j + 1):
+                    if j - m not in ancestors:
+                        bits &= ~(1 << m)
+                out.append(bits)
+        return np.asarray(out, np.int64).astype(np.int32)
 
 
 def _penalty_rows(limits: StepLimits, n: int, penalties: dict) -> dict:

@@ -37,6 +37,9 @@ Verify steps (speculative decoding, master/speculative.py) sample after every ne
 only after its last; `max_verify` is the most tokens a speculating row feeds (1 + proposals):
   verify_random_u  float32 (max_rows, max_verify)            master      uniform [0, 1) per new token of a
                                                                          sampling row
+  verify_parent    int32    (max_rows, max_verify)           master      each new token's parent among its
+                                                                         row's new tokens (-1 first; j-1: a
+                                                                         chain; else a token tree)
   out_verify_ids   int32    (max_rows, max_verify)           agent 0     the token sampled after each new token
   out_verify_logprobs float32 (max_rows, max_verify)         agent 0     its log-probability
 """
@@ -102,6 +105,7 @@ class StepLayout:
             ArraySpec("out_top_ids", np.int32, (r, TOP_LOGPROBS)),
             ArraySpec("out_top_logprobs", np.float32, (r, TOP_LOGPROBS)),
             ArraySpec("verify_random_u", np.float32, (r, self.max_verify)),
+            ArraySpec("verify_parent", np.int32, (r, self.max_verify)),
             ArraySpec("out_verify_ids", np.int32, (r, self.max_verify)),
             ArraySpec("out_verify_logprobs", np.float32, (r, self.max_verify)),
         ]

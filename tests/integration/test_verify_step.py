@@ -137,3 +137,38 @@ def test_speculative_sampling_keeps_the_target_distribution(runner):
     rate, n = len(after_x) / len(first), len(first)
     assert abs(rate - p0[x]) < 4 * np.sqrt(p0[x] * (1 - p0[x]) / n) + 1e-9, (rate, p0[x])
     assert len(after_x) >= 20 and gof_p(after_x, p1) > 1e-3
+
+
+def test_a_token_tree_verifies_every_branch_as_its_own_chain(runner):
+    """One row feeds a token tree: its last token, then two branches of two tokens (parents -1, 0, 1, 0, 3),
+    each node at its depth's position and in a slot of its own. The token sampled after each node is the one
+    plain decoding samples after that node's own path — the other branch is invisible to it. The padded
+    path (no kernel) refuses trees."""
+    prompt = PROMPTS[0]
+    ref, _ = decode_reference(runner, prompt, list(range(0, 8)), 4)          # t0, then its continuation
+    t0, a1, a2 = ref[0], ref[1], ref[2]
+    b1 = (a1 + 7) % 512                                                      # a second candidate for depth 1
+    side = Seq(list(range(8, 16)))
+    step(runner, [side], [prompt])
+    c, _ = step(runner, [side], [[t0, b1]])                                  # decoding after t0, b1
+    b2 = int(c[0])
+    d, _ = step(runner, [side], [[b2]])
+    tree, parents, depths = [t0, a1, a2, b1, b2], [-1, 0, 1, 0, 3], [0, 1, 2, 1, 2]
+    seq = Seq(list(range(16, 24)))
+    step(runner, [seq], [prompt])
+    args = list(step_args(runner, [seq], [tree]))
+    args[1] = np.asarray([[len(prompt) + dep for dep in depths]], np.int32)  # positions: by depth
+    vu = np.zeros((1, len(tree)), np.float32)
+    if not runner.buckets.packed:
+        with pytest.raises(ValueError, match="token trees need"):
+            runner.execute(*args, verify_u=vu, verify_parent=[parents])
+        return
+    ids, _ = runner.execute(*args, verify_u=vu, verify_parent=[parents])
+    assert ids[0].tolist() == [a1, a2, ref[3], b2, int(d[0])]
+    # the same tokens as a chain (no parents): the first branch, which sees only its ancestors either way, agrees
+    seq2 = Seq(list(range(24, 32)))
+    step(runner, [seq2], [prompt])
+    args2 = list(step_args(runner, [seq2], [tree]))
+    args2[1] = args[1]
+    chain, _ = runner.execute(*args2, verify_u=vu)
+    assert chain[0, :3].tolist() == [a1, a2, ref[3]]

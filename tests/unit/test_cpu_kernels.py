@@ -23,11 +23,12 @@ def kernel(tmp_path_factory):
     return getattr(ctypes.CDLL(path), func)
 
 
-def call(kernel, q, key_cache, value_cache, block_tables, context_lens, block_size, threads):
+def call(kernel, q, key_cache, value_cache, block_tables, context_lens, block_size, threads, tree_bits=None):
     """Invoke like MindSpore: inputs then the output, each with its rank, shape and dtype name."""
     cfg = np.array([block_size, threads], np.int32)
     out = np.full_like(q, np.nan)
-    arrays = [q, key_cache, value_cache, block_tables, context_lens, cfg, out]
+    bits = np.full(len(q), -1, np.int32) if tree_bits is None else np.asarray(tree_bits, np.int32)
+    arrays = [q, key_cache, value_cache, block_tables, context_lens, bits, cfg, out]
     n = len(arrays)
     params = (ctypes.c_void_p * n)(*[a.ctypes.data for a in arrays])
     ndims = (ctypes.c_int * n)(*[a.ndim for a in arrays])
@@ -39,13 +40,16 @@ def call(kernel, q, key_cache, value_cache, block_tables, context_lens, block_si
     return rc, out
 
 
-def reference(q, key_cache, value_cache, block_tables, context_lens, block_size):
+def reference(q, key_cache, value_cache, block_tables, context_lens, block_size, visible=None):
+    """visible[r]: the key indices row r attends to (default all of 0..context_len-1)."""
     b, kvh, g, d = q.shape
     keys = key_cache.reshape(-1, kvh, d)
     values = value_cache.reshape(-1, kvh, d)
     out = np.zeros_like(q, dtype=np.float64)
     for r in range(b):
         slots = (block_tables[r][:, None] * block_size + np.arange(block_size)).reshape(-1)[:context_lens[r]]
+        if visible is not None:
+            slots = slots[visible[r]]
         for h in range(kvh):
             k, v = keys[slots, h].astype(np.float64), values[slots, h].astype(np.float64)
             s = q[r, h].astype(np.float64) @ k.T                       # (G, n)
@@ -79,6 +83,40 @@ def test_kernel_matches_softmax_attention(kernel, kvh, g, block_size, threads):
     rc, again = call(kernel, q, poisoned_k, poisoned_v, block_tables, context_lens, block_size, threads)
     assert rc == 0
     np.testing.assert_array_equal(again, out)
+
+
+def test_tree_bits_hide_the_keys_of_other_branches(kernel):
+    """A speculative token tree: root r at key index c-1... each node sees the committed keys, itself and its
+    ancestors only. Nodes 0..4 of one row (parents -1, 0, 1, 0, 3: two branches below the root) as five
+    query rows sharing a block table, each with context up to itself."""
+    rng = np.random.default_rng(5)
+    kvh, g, d, bs, w, nb = 2, 2, 8, 4, 6, 12
+    committed, parents = 9, [-1, 0, 1, 0, 3]
+    nodes = len(parents)
+    table = rng.permutation(nb)[:w].astype(np.int32)
+    q = (rng.standard_normal((nodes, kvh, g, d)) / np.sqrt(d)).astype(np.float32)
+    key_cache = rng.standard_normal((nb * bs * kvh, d)).astype(np.float32)
+    value_cache = rng.standard_normal((nb * bs * kvh, d)).astype(np.float32)
+    context = np.array([committed + j + 1 for j in range(nodes)], np.int32)
+    bits, visible = [], []
+    for j in range(nodes):
+        ancestors, a = set(), j
+        while a >= 0:
+            ancestors.add(a)
+            a = parents[a]
+        mask = -1
+        for m in range(1, j + 1):                  # key j - m of the row's nodes, m places before node j
+            if j - m not in ancestors:
+                mask &= ~(1 << m)
+        bits.append(mask)
+        visible.append(list(range(committed)) + [committed + a for a in sorted(ancestors)])
+    rc, out = call(kernel, q, key_cache, value_cache, np.tile(table, (nodes, 1)), context, bs, 2, bits)
+    assert rc == 0
+    np.testing.assert_allclose(out, reference(q, key_cache, value_cache, np.tile(table, (nodes, 1)), context, bs,
+                                              visible), rtol=1e-5, atol=1e-6)
+    # the chain's bits (all set) are plain causal attention, and differ from the tree's for branch nodes
+    rc, chain = call(kernel, q, key_cache, value_cache, np.tile(table, (nodes, 1)), context, bs, 2)
+    assert rc == 0 and np.allclose(chain[:3], out[:3]) and not np.allclose(chain[3:], out[3:])
 
 
 def test_kernel_rejects_wrong_ranks(kernel):

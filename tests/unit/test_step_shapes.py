@@ -105,3 +105,17 @@ def test_shape_logic_needs_no_mindspore():
                           "llm_serving.models.step_inputs; print('mindspore' in sys.modules)"],
                          capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_verify_parents_make_tree_bits_and_chains_need_none():
+    vu = np.zeros((2, 3), np.float32)
+    assert step(verify_u=vu, verify_parent=[[-1, 0, 1], [-1, 0, 0]]).verify_parent is not None
+    assert step(verify_u=vu, verify_parent=[[-1, 0, 1], [-1, 0, 1]]).verify_parent is None    # all chains
+    # row 1 is a root with two children: its third token must not see the second (bit 1: one key back)
+    tree = step(verify_u=vu, verify_parent=[[-1, 0, 1], [-1, 0, 0]], query_lens=[2, 3])
+    assert tree.tree_bits().tolist() == [-1, -1, -1, -1, -1 & ~(1 << 1)]
+    for parents in ([[0, 0, 1], [-1, 0, 1]], [[-1, 1, 1], [-1, 0, 1]], [[-1, 0, 2], [-1, 0, 1]]):
+        with pytest.raises(ValueError, match="verify_parent must be"):
+            step(verify_u=vu, verify_parent=parents)
+    with pytest.raises(ValueError, match="not a verify step"):
+        step(verify_parent=[[-1, 0, 1], [-1, 0, 1]])

@@ -10,6 +10,10 @@
 //   value_cache  (N*KVH, D)     float32
 //   block_tables (B, W)         int32
 //   context_lens (B,)           int32    keys 0 .. context_len-1 are visible (the new token included)
+//   tree_bits    (B,)           int32    of the row's last 32 keys, which are visible: bit m set = the key m
+//                                        places before the last (m = 0: the query's own); keys further back
+//                                        are always visible. -1 (all set) for an ordinary token; a node of a
+//                                        speculative token tree sees only itself and its ancestors.
 //   config       (2,)           int32    [block_size, threads]
 // Output:
 //   out          (B, KVH, G, D) float32
@@ -56,7 +60,7 @@ inline float exp_nonpositive(float x) {
 }
 
 void attend(const float* q, const float* kc, const float* vc, const int32_t* bt, const int32_t* cl,
-            float* out, const Shapes& sh, int64_t rows, std::atomic<int64_t>* next_row) {
+            const int32_t* tree, float* out, const Shapes& sh, int64_t rows, std::atomic<int64_t>* next_row) {
   const int64_t kvh = sh.kvh, g = sh.g, d = sh.d, w = sh.w, bs = sh.bs;
   const int64_t nh = kvh * g, row = kvh * d;          // query heads; floats per cache slot
   std::vector<float> scores(static_cast<size_t>(nh * w * bs));
@@ -65,7 +69,16 @@ void attend(const float* q, const float* kc, const float* vc, const int32_t* bt,
     float* ob = out + b * nh * d;
     const int64_t n = std::max<int64_t>(0, std::min<int64_t>(cl[b], w * bs));
     const int32_t* table = bt + b * w;
+    const uint32_t bits = static_cast<uint32_t>(tree[b]);
+    auto hidden = [&](int64_t j) {                          // key j masked out by the token tree
+      const int64_t m = n - 1 - j;
+      return m < 32 && !((bits >> m) & 1u);
+    };
     for (int64_t j = 0; j < n; ++j) {                       // scores[head][j] = q_head . k_j (KV head of head)
+      if (hidden(j)) {
+        for (int64_t hq = 0; hq < nh; ++hq) scores[hq * n + j] = -INFINITY;
+        continue;
+      }
       const float* kj = kc + (static_cast<int64_t>(table[j / bs]) * bs + j % bs) * row;
       for (int64_t hq = 0; hq < nh; ++hq) {
         const float* qh = qb + hq * d;
@@ -81,7 +94,7 @@ void attend(const float* q, const float* kc, const float* vc, const int32_t* bt,
       for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[j]);
       float sum = 0.f;
       for (int64_t j = 0; j < n; ++j) {
-        s[j] = exp_nonpositive(s[j] - mx);
+        s[j] = s[j] == -INFINITY ? 0.f : exp_nonpositive(s[j] - mx);
         sum += s[j];
       }
       const float inv = sum > 0.f ? 1.f / sum : 0.f;
@@ -89,6 +102,7 @@ void attend(const float* q, const float* kc, const float* vc, const int32_t* bt,
     }
     std::fill(ob, ob + nh * d, 0.f);
     for (int64_t j = 0; j < n; ++j) {                       // out[head] = sum_j p[head][j] v_j
+      if (hidden(j)) continue;
       const float* vj = vc + (static_cast<int64_t>(table[j / bs]) * bs + j % bs) * row;
       for (int64_t hq = 0; hq < nh; ++hq) {
         const float p = scores[hq * n + j];
@@ -106,7 +120,8 @@ extern "C" int PagedDecodeAttention(int nparam, void** params, int* ndims, int64
                                     const char** dtypes, void* stream, void* extra) {
   (void)stream;
   (void)extra;
-  if (nparam != 7 || ndims[0] != 4 || ndims[1] != 2 || ndims[3] != 2 || ndims[4] != 1 || ndims[6] != 4 ||
+  if (nparam != 8 || ndims[0] != 4 || ndims[1] != 2 || ndims[3] != 2 || ndims[4] != 1 || ndims[5] != 1 ||
+      ndims[7] != 4 ||
       std::strcmp(dtypes[0], "float32") != 0 || std::strcmp(dtypes[1], "float32") != 0) {
     return 1;
   }
@@ -115,16 +130,17 @@ extern "C" int PagedDecodeAttention(int nparam, void** params, int* ndims, int64
   const auto* vc = static_cast<const float*>(params[2]);
   const auto* bt = static_cast<const int32_t*>(params[3]);
   const auto* cl = static_cast<const int32_t*>(params[4]);
-  const auto* cfg = static_cast<const int32_t*>(params[5]);
-  auto* out = static_cast<float*>(params[6]);
+  const auto* tree = static_cast<const int32_t*>(params[5]);
+  const auto* cfg = static_cast<const int32_t*>(params[6]);
+  auto* out = static_cast<float*>(params[7]);
   const Shapes sh{shapes[0][1], shapes[0][2], shapes[0][3], shapes[3][1], cfg[0]};
-  if (sh.bs < 1 || shapes[1][1] != sh.d || shapes[3][0] != shapes[0][0]) return 2;
+  if (sh.bs < 1 || shapes[1][1] != sh.d || shapes[3][0] != shapes[0][0] || shapes[5][0] != shapes[0][0]) return 2;
   const int64_t rows = shapes[0][0];
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(cfg[1], rows));
   std::atomic<int64_t> next_row{0};
   std::vector<std::thread> pool;
-  for (int64_t t = 1; t < threads; ++t) pool.emplace_back(attend, q, kc, vc, bt, cl, out, sh, rows, &next_row);
-  attend(q, kc, vc, bt, cl, out, sh, rows, &next_row);
+  for (int64_t t = 1; t < threads; ++t) pool.emplace_back(attend, q, kc, vc, bt, cl, tree, out, sh, rows, &next_row);
+  attend(q, kc, vc, bt, cl, tree, out, sh, rows, &next_row);
   for (auto& th : pool) th.join();
   return 0;
 }
