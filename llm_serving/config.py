@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 SCHEDULING_POLICIES = ("prefill_first", "longest_output_first", "fcfs")   # see master/scheduler.py
 ATTENTION_KERNELS = ("auto", "on", "off")      # CPU decode attention; see models/runner.py
-SPEC_METHODS = ("off", "ngram", "draft")       # speculative decoding proposers; see master/speculative.py
+SPEC_METHODS = ("off", "ngram", "draft", "tree")   # speculative decoding proposers; see master/speculative.py
 
 
 class ConfigError(ValueError):
@@ -229,7 +229,9 @@ class SpecConfig:
     with, plus its own next token, so the output is the one plain decoding gives."""
 
     method: str = "ngram"                     # off | ngram (prompt lookup: no model) | draft (a draft model)
-    num_speculative_tokens: int = 4           # tokens proposed per request and step
+                                              # | tree (prompt lookup's several continuations as a token tree)
+    num_speculative_tokens: int = 4           # tokens proposed per request and step (tree: per branch)
+    tree_width: int = 2                       # tree: most continuations (branches) per request and step
     ngram_max: int = 3                        # longest suffix looked up in the request's own tokens
     ngram_min: int = 1                        # shortest suffix that counts as a match
     max_batch_size: int = 4                   # speculate only in decode steps of at most this many rows
@@ -244,10 +246,11 @@ class SpecConfig:
             self.method = "off"
         _check(self.method in SPEC_METHODS, "spec_config.method", self.method,
                f"must be one of {', '.join(SPEC_METHODS)}")
-        for key in ("num_speculative_tokens", "ngram_max", "ngram_min", "max_batch_size"):
+        for key in ("num_speculative_tokens", "ngram_max", "ngram_min", "max_batch_size", "tree_width"):
             _check_int(f"spec_config.{key}", getattr(self, key))
         _check(self.num_speculative_tokens <= 16, "spec_config.num_speculative_tokens", self.num_speculative_tokens,
                "must be <= 16")
+        _check(self.tree_width <= 4, "spec_config.tree_width", self.tree_width, "must be <= 4")
         _check(self.ngram_min <= self.ngram_max, "spec_config.ngram_min", self.ngram_min,
                f"must be <= spec_config.ngram_max ({self.ngram_max})")
         _check(self.draft_model is None or (isinstance(self.draft_model, str) and self.draft_model),
@@ -265,7 +268,14 @@ class SpecConfig:
     @property
     def tokens_per_row(self) -> int:
         """Tokens a speculating row feeds in one step: its last token and the proposals (1 when off)."""
-        return 1 + self.num_speculative_tokens if self.enabled else 1
+        if not self.enabled:
+            return 1
+        return 1 + self.num_speculative_tokens * (self.tree_width if self.method == "tree" else 1)
+
+    @property
+    def max_proposed(self) -> int:
+        """Most proposed tokens (tree nodes) per row and step."""
+        return self.tokens_per_row - 1
 
 
 @dataclass
@@ -333,6 +343,9 @@ class Config:
         if spec.enabled:
             _check(spec.tokens_per_row <= mc.seq_length[-1], "spec_config.num_speculative_tokens",
                    spec.num_speculative_tokens, f"must be < the largest model_config.seq_length ({mc.seq_length[-1]})")
+        if spec.method == "tree":     # the CPU kernel masks a tree node's view among the last 32 keys
+            _check(spec.tokens_per_row <= 32, "spec_config.tree_width", spec.tree_width,
+                   f"1 + num_speculative_tokens x tree_width must be <= 32, got {spec.tokens_per_row}")
         if spec.method == "draft":
             _check(not spec.draft_agent_port or spec.draft_agent_port not in sc.agent_ports,
                    "spec_config.draft_agent_port", spec.draft_agent_port,

@@ -23,7 +23,7 @@ from llm_serving.master.block_manager import BlockManager
 from llm_serving.master.draft import DraftProposer
 from llm_serving.master.request import Request, SamplingParams, TokenEvent
 from llm_serving.master.scheduler import ScheduledBatch, Scheduler
-from llm_serving.master.speculative import NgramProposer, SpecStats, accepted_prefix
+from llm_serving.master.speculative import NgramProposer, SpecStats, accepted_prefix, tree_walk
 from llm_serving.master.step_io import StepIO, StepOutputs
 from llm_serving.master.supervisor import Supervisor
 
@@ -354,14 +354,22 @@ class Engine:
         for row, req in self.scheduler.complete_step(batch):
             proposal = batch.proposals[row]
             targets, logprobs = out.token_ids[row], out.logprobs[row]
-            accepted = accepted_prefix(proposal, targets)
+            if batch.parents and proposal:      # a token tree: the path whose tokens the target sampled
+                path = tree_walk(proposal, batch.parents[row], targets)
+                # new token j + 1 is node j; the target's token after each kept node, and after the last
+                after = [0] + [j + 1 for j in path]
+                # nodes are in slots in depth-first order: only the first-child chain's KV is in place
+                in_place = next((n for n, j in enumerate(path) if j != n), len(path))
+            else:
+                accepted = accepted_prefix(proposal, targets)
+                path, after, in_place = list(range(accepted)), list(range(accepted + 1)), accepted
             if proposal:
-                self.spec_stats.record(len(proposal), accepted)
-            for j in range(accepted + 1):
+                self.spec_stats.record(len(proposal), len(path), other_branch=in_place < len(path))
+            for j in after:
                 if self._emit(req, targets[j], logprobs[j], None, now):
                     break
-            else:
-                self.scheduler.accept(req, accepted)
+            else:       # kept nodes past the in-place chain are fed again (their KV is in other slots)
+                self.scheduler.accept(req, in_place)
 
     def _emit(self, req: Request, token_id: int, logprob: float, top: Optional[list], now: float) -> bool:
         """Append one sampled token to req, detokenize, stream it or finish req; True when req finished."""
@@ -437,7 +445,7 @@ def make_scheduler(config, block_manager: BlockManager) -> Scheduler:
     """The scheduler a config describes (its budgets come from serving_config and the graph buckets)."""
     sc, mc, sched, spec = config.serving_config, config.model_config, config.scheduler_config, config.spec_config
     proposer = NgramProposer(spec.num_speculative_tokens, spec.ngram_max, spec.ngram_min) \
-        if spec.method == "ngram" else None
+        if spec.method in ("ngram", "tree") else None
     return Scheduler(block_manager=block_manager, max_num_seqs=sc.max_num_seqs,
                      max_num_batched_tokens=sc.max_num_batched_tokens,
                      max_prefill_rows=mc.prefill_batch_size[-1], max_decode_rows=mc.decode_batch_size[-1],
@@ -447,6 +455,7 @@ def make_scheduler(config, block_manager: BlockManager) -> Scheduler:
                      watermark_blocks=int(sched.kv_watermark * config.pa_config.num_blocks),
                      prefill_wait_s=sched.prefill_wait_ms / 1e3, proposer=proposer,
                      propose_later=spec.method == "draft", spec_tokens=spec.num_speculative_tokens,
+                     tree_width=spec.tree_width if spec.method == "tree" else 0,
                      spec_max_rows=spec.max_batch_size, max_model_len=config.max_model_len)
 
 

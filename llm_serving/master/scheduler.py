@@ -64,6 +64,8 @@ class ScheduledBatch:
     num_new_tokens: list = field(default_factory=list)     # fed tokens per row, proposals included
     proposals: list = field(default_factory=list)          # a verify step: the tokens proposed per row ([]: none)
     spec_limits: list = field(default_factory=list)        # tokens each row may propose (empty: none may)
+    parents: list = field(default_factory=list)            # token trees: per row, each proposal's parent among
+                                                           # the row's proposals (-1: its last token); [] = chains
 
     @property
     def num_rows(self) -> int:
@@ -99,7 +101,7 @@ class ScheduledBatch:
             return self
         pick = lambda xs: [xs[i] for i in keep] if xs else []     # noqa: E731
         return ScheduledBatch(pick(self.requests), pick(self.num_new_tokens), pick(self.proposals),
-                              pick(self.spec_limits))
+                              pick(self.spec_limits), pick(self.parents))
 
 
 class Scheduler:
@@ -109,6 +111,7 @@ class Scheduler:
                  chunked_prefill: bool = False, max_chunk_tokens: Optional[int] = None,
                  max_decode_wait_steps: int = 8, watermark_blocks: int = 0, prefill_wait_s: float = 0.0,
                  proposer=None, propose_later: bool = False, spec_tokens: Optional[int] = None, spec_max_rows: int = 0,
+                 tree_width: int = 0,
                  max_model_len: Optional[int] = None, clock=time.monotonic):
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}; one of {', '.join(POLICIES)}")
@@ -128,6 +131,7 @@ class Scheduler:
         self.proposer = proposer            # speculative.NgramProposer or None
         self.propose_later = propose_later  # the engine proposes after schedule() (a draft model)
         self.spec_tokens = spec_tokens or (proposer.num_tokens if proposer is not None else 0)  # per row and step
+        self.tree_width = tree_width        # > 0: the proposer's continuations form a token tree (method tree)
         self.spec_max_rows = spec_max_rows
         self.max_model_len = max_model_len
         self.clock = clock
@@ -276,24 +280,45 @@ class Scheduler:
         if not any(limits):
             return
         batch.spec_limits = limits
-        if self.proposer is not None:
+        if self.proposer is not None and self.tree_width:
+            trees = [self.proposer.propose_tree(req.tokens(0, req.num_tokens), k, self.tree_width) if k else ([], [])
+                     for req, k in zip(batch.requests, limits)]
+            self.attach_proposals(batch, [t[0] for t in trees], [t[1] for t in trees])
+        elif self.proposer is not None:
             self.attach_proposals(batch, [self.proposer.propose(req.tokens(0, req.num_tokens), k) if k else []
                                           for req, k in zip(batch.requests, limits)])
 
-    def attach_proposals(self, batch: ScheduledBatch, proposals: list) -> None:
-        """Make a decode step a verify step: row i also feeds proposals[i] (at most spec_limits[i] tokens;
-        those whose blocks cannot be had without preempting are dropped)."""
-        kept = []
+    def attach_proposals(self, batch: ScheduledBatch, proposals: list, parents: Optional[list] = None) -> None:
+        """Make a decode step a verify step: row i also feeds proposals[i] (a chain, or with parents[i] a token
+        tree: depth at most spec_limits[i], nodes at most spec_limits[i] x tree_width and what the model
+        length leaves; those whose blocks cannot be had without preempting are dropped)."""
+        kept, kept_parents = [], []
         for i, (req, proposal, k) in enumerate(zip(batch.requests, proposals, batch.spec_limits)):
-            proposal = list(proposal[:k])
+            tree = parents[i] if parents is not None else None
+            if tree is None:
+                proposal, tree = list(proposal[:k]), list(range(-1, min(len(proposal), k) - 1))
+            else:              # keep the nodes within depth k (depth-first order keeps every kept node's parent)
+                depth, room = [], k * max(self.tree_width, 1)
+                if self.max_model_len is not None:      # a node's slot is the row's next free one
+                    room = min(room, self.max_model_len - req.num_tokens - 1)
+                keep = []
+                for j, p in enumerate(tree):
+                    depth.append(1 if p < 0 else depth[p] + 1)
+                    if depth[j] <= k and (p < 0 or p in keep) and len(keep) < room:
+                        keep.append(j)
+                index = {j: n for n, j in enumerate(keep)}
+                proposal, tree = [proposal[j] for j in keep], [index.get(tree[j], -1) for j in keep]
             if proposal and self.bm.can_allocate(req.req_id, req.num_tokens + len(proposal)):
                 self.bm.allocate(req.req_id, req.num_tokens + len(proposal))
                 batch.num_new_tokens[i] += len(proposal)
             else:
-                proposal = []
+                proposal, tree = [], []
             kept.append(proposal)
+            kept_parents.append(tree)
         if any(kept):
             batch.proposals = kept
+            if parents is not None:
+                batch.parents = kept_parents
 
     def _hold_prefill(self) -> bool:
         """prefill_wait_s > 0: while requests are decoding, let new prompts gather into fuller prefill

@@ -18,6 +18,13 @@ Proposers (spec_config.method):
   in its own earlier tokens (prompt and output); the k tokens that followed the latest match are the
   proposal. No model; it pays when the output copies from the input (summaries, rewrites, code edits).
 
+- `tree`: prompt lookup's several continuations (matches of the longest suffixes, latest first, up to
+  tree_width distinct ones) merged into a token tree, serialised depth-first with the best continuation as
+  the first-child chain. The verify step runs every node with a tree mask (a node sees its ancestors only;
+  ModelRunner's verify_parent); the request walks from its last token to the child whose token is the
+  target's sample there, and keeps that path plus the target's token after it (`tree_walk`). Exact for the
+  same reason as a chain: each kept token is the target's sample after the path actually taken.
+
 The scheduler speculates only in decode steps of at most spec_config.max_batch_size rows (larger steps are
 compute-bound, and checking guesses costs more than it saves) and only for requests that allow it (a
 request's `speculative` parameter) and need no top log-probabilities or sampling penalties (those come
@@ -60,6 +67,76 @@ class NgramProposer:
         return []
 
 
+    def propose_tree(self, tokens, k: Optional[int] = None, width: int = 2) -> tuple:
+        """A token tree of up to `width` continuations of up to k tokens each (k default num_tokens): (nodes,
+        parents), nodes in depth-first order, parents[j] the index of node j's parent (-1: the request's last
+        token). The first continuation found (longest suffix, latest match) is the first-child chain."""
+        k = self.num_tokens if k is None else min(k, self.num_tokens)
+        seq = np.asarray(tokens, np.int64)
+        total = len(seq)
+        found: list = []
+        if k >= 1 and total >= self.ngram_min + 1:
+            for n in range(min(self.ngram_max, total - 1), self.ngram_min - 1, -1):
+                suffix = seq[total - n:]
+                windows = np.lib.stride_tricks.sliding_window_view(seq[:total - 1], n)
+                for hit in np.nonzero((windows == suffix).all(axis=1))[0][::-1]:
+                    cont = tuple(seq[int(hit) + n:int(hit) + n + k].tolist())
+                    if cont and not any(f[:len(cont)] == cont for f in found):
+                        found.append(cont)
+                        if len(found) == width:
+                            break
+                if len(found) == width:
+                    break
+        return tree_from_paths(found)
+
+
+def tree_from_paths(paths: list) -> tuple:
+    """(nodes, parents) of the trie of `paths` (shared prefixes merged), depth-first, children in the order
+    their paths came: the first path is the first-child chain."""
+    children: dict = {}                    # (parent node or -1, token) -> node, in creation order
+    order: dict = {-1: []}
+    for path in paths:
+        parent = -1
+        for tok in path:
+            key = (parent, tok)
+            if key not in children:
+                children[key] = len(children)
+                order[parent].append((tok, children[key]))
+                order[children[key]] = []
+            parent = children[key]
+    nodes, parents = [], []
+
+    def visit(node: int, index: int) -> None:
+        for tok, child in order[node]:
+            nodes.append(tok)
+            parents.append(index)
+            visit(child, len(nodes) - 1)
+    visit(-1, -1)
+    return nodes, parents
+
+
+def tree_walk(nodes: list, parents: list, targets) -> list:
+    """The path a verify step keeps: targets[0] is the target's token after the request's last token,
+    targets[j + 1] after node j. From the last token, move to the child whose token is the target's there,
+    while one is; returns the kept nodes' indices (the target's token after the last of them comes next)."""
+    path, at = [], -1
+    while True:
+        y = int(targets[at + 1])
+        nxt = next((j for j in range(len(nodes)) if parents[j] == at and nodes[j] == y), None)
+        if nxt is None:
+            return path
+        path.append(nxt)
+        at = nxt
+
+
+def node_depths(parents: list) -> list:
+    """Depth of each node (1 for the children of the request's last token)."""
+    depth = []
+    for p in parents:
+        depth.append(1 if p < 0 else depth[p] + 1)
+    return depth
+
+
 class SpecStats:
     """What speculation did: rounds (a row speculating in a verify step), tokens proposed and accepted, and
     how often the proposal at each position was accepted."""
@@ -71,9 +148,11 @@ class SpecStats:
         self.accepted = 0
         self.accepted_at: Counter = Counter()       # position (1-based) -> rounds that accepted it
         self.verify_steps = 0
+        self.other_branch_rounds = 0                # token trees: rounds that kept a path off the first branch
 
-    def record(self, proposed: int, accepted: int) -> None:
+    def record(self, proposed: int, accepted: int, other_branch: bool = False) -> None:
         self.rounds += 1
+        self.other_branch_rounds += other_branch
         self.proposed += proposed
         self.accepted += accepted
         for j in range(1, accepted + 1):
@@ -86,6 +165,7 @@ class SpecStats:
             "rounds": self.rounds,
             "proposed_tokens": self.proposed,
             "accepted_tokens": self.accepted,
+            "other_branch_rounds": self.other_branch_rounds,
             "acceptance_rate": round(self.accepted / self.proposed, 4) if self.proposed else None,
             # tokens a speculating row gained per verify step: its accepted proposals plus the target's own
             "mean_tokens_per_round": round((self.accepted + self.rounds) / rounds, 4) if self.rounds else None,

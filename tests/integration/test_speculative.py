@@ -208,3 +208,28 @@ def test_bad_speculative_parameter_is_a_400(stories_server):
     status, body = http("POST", f"{stories_server.url}/v1/completions",
                         {"model": MODEL, "prompt": "Hi", "speculative": 1})
     assert status == 400 and "speculative" in str(body)
+
+
+def test_token_trees_keep_the_output_and_take_the_other_branch(shared_dir, tmp_path):
+    """spec_config.method tree: prompt lookup's two latest continuations as a token tree, verified in one
+    step with the tree mask. Greedy and seeded output are plain decoding's (llama2.c's greedy reference
+    too), rows keep a second branch at times (counted as accepted), and none of it changes a token."""
+    pytest.importorskip("mindspore")
+    from tests.integration.server_harness import REPO, serving
+    with serving(["--config", str(REPO / "configs" / "stories260K.yaml"),
+                  "--model", str(shared_dir / "models" / "stories260K" / "hf"),
+                  "--set", "spec_config.method=tree", "--set", "spec_config.tree_width=2"],
+                 tmp_path / "server.log") as server:
+        url = server.url
+        for prompt in STORY_PROMPTS[:6]:
+            for params in ({"max_new_tokens": 120},
+                           {"max_new_tokens": 60, "do_sample": True, "temperature": 0.8, "top_k": 40, "seed": 11}):
+                on, off = _gen(url, prompt, **params), _gen(url, prompt, speculative=False, **params)
+                assert _tokens(on) == _tokens(off), (prompt, params)
+                np.testing.assert_allclose([t["logprob"] for t in on["details"]["tokens"]],
+                                           [t["logprob"] for t in off["details"]["tokens"]], atol=2e-3)
+        spec = _spec(url)
+        assert spec["method"] == "tree" and spec["verify_steps"] > 0
+        assert spec["mean_tokens_per_round"] > 1 and spec["accepted_tokens"] > 0
+        assert spec["other_branch_rounds"] > 0          # the second continuation was the right one at times
+        assert_greedy_reference(url, MODEL, shared_dir)

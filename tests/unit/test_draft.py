@@ -194,6 +194,10 @@ def test_draft_config_is_the_targets_with_the_drafts_model_and_one_agent():
     with pytest.raises(ConfigError, match="draft_agent_port"):
         config_from_dict({"serving_config": {"agent_ports": [16002]},
                           "spec_config": {"method": "draft", "draft_agent_port": 16002}})
-    for bad in ({"draft_num_layers": 0}, {"draft_agent_port": 70000}, {"draft_model": ""}, {"method": "medusa"}):
+    assert config_from_dict({"spec_config": {"method": "tree", "tree_width": 3}}).spec_config.tokens_per_row == 13
+    with pytest.raises(ConfigError, match="<= 32"):
+        config_from_dict({"spec_config": {"method": "tree", "tree_width": 4, "num_speculative_tokens": 8}})
+    for bad in ({"draft_num_layers": 0}, {"draft_agent_port": 70000}, {"draft_model": ""}, {"method": "medusa"},
+                {"tree_width": 0}, {"tree_width": 5}):
         with pytest.raises(ConfigError):
             config_from_dict({"spec_config": bad})

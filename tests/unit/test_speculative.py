@@ -186,3 +186,104 @@ def test_outputs_equal_plain_decoding_whatever_is_accepted(n, wrong, k, num_bloc
     assert not sched.has_work
     for r in reqs:
         assert r.output_ids == reference_output(r), r.req_id
+
+
+# --- token trees (method tree) -------------------------------------------------------------------------
+
+def test_prompt_lookup_trees_merge_distinct_continuations_depth_first():
+    from llm_serving.master.speculative import node_depths, tree_from_paths, tree_walk
+    p = NgramProposer(num_tokens=3, ngram_max=3, ngram_min=1)
+    #          "5 6 7" follows 0 (-> 8 9 5) and 5 (-> 8 2 5): the latest first, sharing the 8
+    assert p.propose_tree([5, 6, 7, 8, 9, 5, 6, 7, 8, 2, 5, 6, 7], width=2) == ([8, 2, 5, 9, 5], [-1, 0, 1, 0, 3])
+    assert p.propose_tree([5, 6, 7, 8, 9, 5, 6, 7, 8, 2, 5, 6, 7], width=1) == ([8, 2, 5], [-1, 0, 1])
+    assert p.propose_tree([1, 2, 3], width=2) == ([], [])
+    assert tree_from_paths([(1, 2), (3,), (1, 4)]) == ([1, 2, 4, 3], [-1, 0, 0, -1])
+    assert node_depths([-1, 0, 0, -1, 3]) == [1, 2, 2, 1, 2]
+    nodes, parents = [1, 2, 4, 3], [-1, 0, 0, -1]
+    assert tree_walk(nodes, parents, [1, 4, 0, 0, 0]) == [0, 2]       # 1, then 4 (the second child)
+    assert tree_walk(nodes, parents, [3, 0, 0, 0, 9]) == [3]
+    assert tree_walk(nodes, parents, [7, 0, 0, 0, 0]) == []
+
+
+class TreeFakeRunner(SpecFakeRunner):
+    """Runs token-tree verify steps as the agents do: node j's K/V goes to the row's slot start + j, and the
+    token after it is the one after its own path (committed tokens, then its ancestors); the engine's rule
+    (tree_walk, only the in-place first-child chain counted as computed) keeps the agreeing path."""
+
+    def step(self, batch):
+        from llm_serving.master.speculative import tree_walk
+        if not (batch.is_verify and batch.parents):
+            return super().step(batch)
+        bm, bs = self.sched.bm, self.sched.bm.block_size
+        targets = []
+        for req, q, nodes, parents in zip(batch.requests, batch.num_new_tokens, batch.proposals, batch.parents):
+            c, table = req.num_computed_tokens, bm.block_tables[req.req_id]
+            assert len(table) * bs >= c + q
+            own = q - len(nodes)
+            fed = req.tokens(c, c + own) + list(nodes)
+            for j, slot_pos in enumerate(range(c, c + q)):
+                block = table[slot_pos // bs]
+                assert bm.ref_counts[block] == 1 and block not in bm._key_of
+                self.kv[block * bs + slot_pos % bs] = fed[j]
+            committed = [self.kv.get(table[i // bs] * bs + i % bs) for i in range(c + own)]
+            row = [next_token(committed)]
+            for j in range(len(nodes)):
+                path, a = [], j
+                while a >= 0:
+                    path.append(nodes[a])
+                    a = parents[a]
+                row.append(next_token(committed + path[::-1]))
+            targets.append(row)
+        for row, req in self.sched.complete_step(batch):
+            nodes = batch.proposals[row]
+            if nodes:
+                path = tree_walk(nodes, batch.parents[row], targets[row])
+                after = [0] + [j + 1 for j in path]
+                in_place = next((n for n, j in enumerate(path) if j != n), len(path))
+            else:
+                after, in_place = [0], 0
+            for j in after:
+                req.output_ids.append(targets[row][j])
+                if len(req.output_ids) >= req.sampling.max_new_tokens:
+                    self.sched.finish(req, "length")
+                    self.finished.append(req)
+                    break
+            else:
+                self.sched.accept(req, in_place)
+
+
+class TreeOracleProposer(OracleProposer):
+    """Two continuations: the oracle's (wrong at random) and a wrong-first one, in random order — so the
+    kept path is sometimes the second branch (off the in-place chain)."""
+
+    def propose_tree(self, tokens, k=None, width=2):
+        from llm_serving.master.speculative import tree_from_paths
+        a = self.propose(tokens, k)
+        if not a:
+            return [], []
+        b = [(a[0] + 5) % 97 + 3] + self.propose(list(tokens) + [(a[0] + 5) % 97 + 3], len(a) - 1) if len(a) > 1 \
+            else [(a[0] + 5) % 97 + 3]
+        paths = [a, b] if self.rng.random() < 0.5 else [b, a]
+        return tree_from_paths(paths[:width])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(1, 5), wrong=st.sampled_from([0.0, 0.3, 1.0]), k=st.integers(1, 4),
+       num_blocks=st.integers(14, 40), prefix_caching=st.booleans(), policy=st.sampled_from(["prefill_first", "fcfs"]),
+       seed=st.integers(0, 1000))
+def test_tree_outputs_equal_plain_decoding_whatever_branch_is_kept(n, wrong, k, num_blocks, prefix_caching, policy,
+                                                                   seed):
+    rng = random.Random(seed)
+    sched = make_scheduler(num_blocks=num_blocks, block_size=4, prefix_caching=prefix_caching,
+                           max_num_batched_tokens=40, policy=policy, chunked_prefill=True, max_chunk_tokens=8,
+                           proposer=TreeOracleProposer(k, wrong, seed), spec_max_rows=rng.randint(1, 5),
+                           tree_width=2, max_model_len=40)
+    reqs = make_requests(n, prompt_len=[rng.randint(1, 10) for _ in range(n)],
+                         max_new_tokens=[rng.randint(1, 14) for _ in range(n)], prefix=(7, 8, 9, 10, 11))
+    for r in reqs:
+        sched.add(r)
+    runner = TreeFakeRunner(sched)
+    runner.run(max_steps=2000)
+    assert not sched.has_work
+    for r in reqs:
+        assert r.output_ids == reference_output(r), r.req_id
