@@ -272,11 +272,6 @@ class SpecConfig:
             return 1
         return 1 + self.num_speculative_tokens * (self.tree_width if self.method == "tree" else 1)
 
-    @property
-    def max_proposed(self) -> int:
-        """Most proposed tokens (tree nodes) per row and step."""
-        return self.tokens_per_row - 1
-
 
 @dataclass
 class TokenizerConfig:

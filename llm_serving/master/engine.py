@@ -23,7 +23,7 @@ from llm_serving.master.block_manager import BlockManager
 from llm_serving.master.draft import DraftProposer
 from llm_serving.master.request import Request, SamplingParams, TokenEvent
 from llm_serving.master.scheduler import ScheduledBatch, Scheduler
-from llm_serving.master.speculative import NgramProposer, SpecStats, accepted_prefix, tree_walk
+from llm_serving.master.speculative import NgramProposer, SpecStats, tree_walk
 from llm_serving.master.step_io import StepIO, StepOutputs
 from llm_serving.master.supervisor import Supervisor
 
@@ -354,15 +354,12 @@ class Engine:
         for row, req in self.scheduler.complete_step(batch):
             proposal = batch.proposals[row]
             targets, logprobs = out.token_ids[row], out.logprobs[row]
-            if batch.parents and proposal:      # a token tree: the path whose tokens the target sampled
-                path = tree_walk(proposal, batch.parents[row], targets)
-                # new token j + 1 is node j; the target's token after each kept node, and after the last
-                after = [0] + [j + 1 for j in path]
-                # nodes are in slots in depth-first order: only the first-child chain's KV is in place
-                in_place = next((n for n, j in enumerate(path) if j != n), len(path))
-            else:
-                accepted = accepted_prefix(proposal, targets)
-                path, after, in_place = list(range(accepted)), list(range(accepted + 1)), accepted
+            # the path whose tokens the target sampled (a chain is a tree with one branch)
+            path = tree_walk(proposal, batch.parents[row], targets)
+            # new token j + 1 is node j; the target's token after each kept node, and after the last
+            after = [0] + [j + 1 for j in path]
+            # nodes are in slots in depth-first order: only the first-child chain's KV is in place
+            in_place = next((n for n, j in enumerate(path) if j != n), len(path))
             if proposal:
                 self.spec_stats.record(len(proposal), len(path), other_branch=in_place < len(path))
             for j in after:

@@ -64,8 +64,9 @@ class ScheduledBatch:
     num_new_tokens: list = field(default_factory=list)     # fed tokens per row, proposals included
     proposals: list = field(default_factory=list)          # a verify step: the tokens proposed per row ([]: none)
     spec_limits: list = field(default_factory=list)        # tokens each row may propose (empty: none may)
-    parents: list = field(default_factory=list)            # token trees: per row, each proposal's parent among
-                                                           # the row's proposals (-1: its last token); [] = chains
+    parents: list = field(default_factory=list)            # a verify step: per row, each proposal's parent among
+                                                           # the row's proposals (-1: its last token); a chain
+                                                           # is the tree [-1, 0, 1, ...]
 
     @property
     def num_rows(self) -> int:
@@ -316,9 +317,7 @@ class Scheduler:
             kept.append(proposal)
             kept_parents.append(tree)
         if any(kept):
-            batch.proposals = kept
-            if parents is not None:
-                batch.parents = kept_parents
+            batch.proposals, batch.parents = kept, kept_parents
 
     def _hold_prefill(self) -> bool:
         """prefill_wait_s > 0: while requests are decoding, let new prompts gather into fuller prefill

@@ -175,14 +175,9 @@ class SpecStats:
 
 
 def accepted_prefix(proposal: list, targets) -> int:
-    """How many leading proposals the target agrees with: targets[j] is its token after the row's token j
-    (its last real token, then the proposals), so proposal j is accepted while targets[j] == proposal[j]."""
-    a = 0
-    for x, y in zip(proposal, targets):
-        if int(y) != x:
-            break
-        a += 1
-    return a
+    """A chain's rule (tree_walk on a tree with one branch): how many leading proposals the target agrees with;
+    targets[j] is its token after the row's token j (its last real token, then the proposals)."""
+    return len(tree_walk(proposal, list(range(-1, len(proposal) - 1)), targets))
 
 
 def can_speculate(req: Request) -> bool:

@@ -82,22 +82,21 @@ class StepIO:
                 # BlockManager.slot for every token at once, through the row's table just written
                 b.slot_mapping[i, :q] = b.block_tables[i, slots // bs] * bs + slots % bs
                 b.positions[i, :q] = slots
-                if batch.parents and proposal:      # a token tree: each node's position is its depth's
+                if proposal:                        # each node's position is its depth's (a chain's: its slot's)
                     own = q - len(proposal)             # the row's own tokens, then the nodes
                     b.positions[i, own:q] = stop - len(proposal) - 1 + np.asarray(node_depths(batch.parents[i]))
                 b.context_lens[i] = stop
                 b.query_lens[i] = q
         verify = batch.is_verify
-        if verify:                                  # chains: each new token's parent is the one before it
+        if verify:                                  # the row's own tokens: each one's parent is the one before
             b.verify_parent[:n, :s] = np.arange(-1, s - 1, dtype=np.int32)
         for i, (req, q) in enumerate(zip(batch.requests, batch.num_new_tokens)):
-            tree = batch.parents[i] if verify and batch.parents and batch.proposals[i] else None
-            if tree is not None:                    # node j's parent, as an index among the row's new tokens
-                own = q - len(tree)
-                b.verify_parent[i, own:q] = [own - 1 + p + 1 if p >= 0 else own - 1 for p in tree]
-            if verify and not req.sampling.greedy:       # output index len(output_ids) + j after new token j
-                ahead = list(range(q)) if tree is None else list(range(q - len(tree))) + \
-                    [q - len(tree) - 1 + d for d in node_depths(tree)]      # a tree node: after its depth
+            tree = batch.parents[i] if verify else []
+            own = q - len(tree)
+            if tree:                                # node j's parent, as an index among the row's new tokens
+                b.verify_parent[i, own:q] = [own + p for p in tree]
+            if verify and not req.sampling.greedy:  # sampled after new token j: output index len(output_ids) + j,
+                ahead = list(range(own)) + [own - 1 + d for d in node_depths(tree)]    # after a node: its depth
                 b.verify_random_u[i, :q] = [req.random_u(j) for j in ahead]
             elif not req.sampling.greedy:
                 b.random_u[i] = req.random_u()

@@ -18,8 +18,7 @@ import pytest
 
 from tests.integration.server_harness import REPO, http, serving
 from tests.integration.test_serving import STORY_PROMPTS, assert_greedy_reference
-
-MODEL = "hf"
+from tests.integration.test_speculative import MODEL, _gen, _spec, _tokens
 
 
 @pytest.fixture(scope="module")
@@ -31,21 +30,6 @@ def draft_server(shared_dir, tmp_path_factory):
                   "--set", "spec_config.method=draft", "--set", "serving_config.agent_restart_backoff_s=0.2"],
                  tmp_path_factory.mktemp("draft") / "server.log") as server:
         yield server
-
-
-def _gen(url, prompt, **params):
-    status, body = http("POST", f"{url}/models/{MODEL}/generate",
-                        {"inputs": prompt, "parameters": {"details": True, **params}})
-    assert status == 200, body
-    return body
-
-
-def _tokens(body) -> list:
-    return [t["id"] for t in body["details"]["tokens"]]
-
-
-def _spec(url) -> dict:
-    return http("GET", url + "/stats")[1]["speculative"]
 
 
 def test_the_target_as_its_own_draft_is_accepted_whole_and_changes_nothing(draft_server, shared_dir):

@@ -99,16 +99,19 @@ class SpecFakeRunner(FakeRunner):
                 row.append(next_token([self.kv.get(table[i // bs] * bs + i % bs) for i in range(p + 1)]))
             targets.append(row)
         for row, req in self.sched.complete_step(batch):
-            proposal = batch.proposals[row]
-            a = accepted_prefix(proposal, targets[row])
-            for j in range(a + 1):
-                req.output_ids.append(targets[row][j])
-                if len(req.output_ids) >= req.sampling.max_new_tokens:
-                    self.sched.finish(req, "length")
-                    self.finished.append(req)
-                    break
-            else:
-                self.sched.accept(req, a)
+            a = accepted_prefix(batch.proposals[row], targets[row])
+            self.keep(req, targets[row][:a + 1], a)
+
+    def keep(self, req, tokens, computed):
+        """What the engine does with a verify row: append the kept tokens (finishing at max_new_tokens), and
+        count `computed` of them as in the KV cache."""
+        for t in tokens:
+            req.output_ids.append(t)
+            if len(req.output_ids) >= req.sampling.max_new_tokens:
+                self.sched.finish(req, "length")
+                self.finished.append(req)
+                return
+        self.sched.accept(req, computed)
 
 
 def test_a_small_decode_step_becomes_a_verify_step_within_every_limit():
@@ -235,21 +238,9 @@ class TreeFakeRunner(SpecFakeRunner):
                 row.append(next_token(committed + path[::-1]))
             targets.append(row)
         for row, req in self.sched.complete_step(batch):
-            nodes = batch.proposals[row]
-            if nodes:
-                path = tree_walk(nodes, batch.parents[row], targets[row])
-                after = [0] + [j + 1 for j in path]
-                in_place = next((n for n, j in enumerate(path) if j != n), len(path))
-            else:
-                after, in_place = [0], 0
-            for j in after:
-                req.output_ids.append(targets[row][j])
-                if len(req.output_ids) >= req.sampling.max_new_tokens:
-                    self.sched.finish(req, "length")
-                    self.finished.append(req)
-                    break
-            else:
-                self.sched.accept(req, in_place)
+            path = tree_walk(batch.proposals[row], batch.parents[row], targets[row])
+            in_place = next((n for n, j in enumerate(path) if j != n), len(path))
+            self.keep(req, [targets[row][j] for j in [0] + [j + 1 for j in path]], in_place)
 
 
 class TreeOracleProposer(OracleProposer):
