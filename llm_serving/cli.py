@@ -167,7 +167,7 @@ def resolve_model(config) -> tuple:
         name = model_path.stem if model_path.is_file() else model_path.name
     name = mc.model_name or name
     spec = config.spec_config
-    if spec.method == "draft" and spec.draft_model is not None:     # checked now, not when its agent starts
+    if spec.uses_draft and spec.draft_model is not None:     # checked now, not when its agent starts
         draft = Path(spec.draft_model).expanduser().resolve()
         try:
             detect_format(str(draft))

@@ -23,11 +23,17 @@ logger = logging.getLogger(__name__)
 
 SCHEDULING_POLICIES = ("prefill_first", "longest_output_first", "fcfs")   # see master/scheduler.py
 ATTENTION_KERNELS = ("auto", "on", "off")      # CPU decode attention; see models/runner.py
-SPEC_METHODS = ("off", "ngram", "draft", "tree")   # speculative decoding proposers; see master/speculative.py
+SPEC_METHODS = ("off", "ngram", "draft", "tree", "draft_tree")   # speculative decoding proposers; see
+                                                                 # master/speculative.py and master/draft.py
 
 
 class ConfigError(ValueError):
     """A configuration value is missing, unknown or out of range; the message names the key."""
+
+
+def _yaml_switch(value):
+    """YAML 1.1 reads a bare on / off as true / false: give such a setting its word back."""
+    return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
 
 def _check(cond: bool, key: str, value: Any, why: str) -> None:
@@ -94,6 +100,7 @@ class ModelConfig:
                "must be 'CPU' or 'Ascend'")
         if self.num_threads is not None:
             _check_int("model_config.num_threads", self.num_threads)
+        self.attention_kernel = _yaml_switch(self.attention_kernel)
         _check(self.attention_kernel in ATTENTION_KERNELS, "model_config.attention_kernel",
                self.attention_kernel, f"must be one of {', '.join(ATTENTION_KERNELS)}")
         _check(self.all_reduce in ("auto", "shm", "mindspore"), "model_config.all_reduce", self.all_reduce,
@@ -230,8 +237,10 @@ class SpecConfig:
 
     method: str = "ngram"                     # off | ngram (prompt lookup: no model) | draft (a draft model)
                                               # | tree (prompt lookup's several continuations as a token tree)
+                                              # | draft_tree (a draft's top tree_width first tokens, each
+                                              #   continued greedily, as a token tree)
     num_speculative_tokens: int = 4           # tokens proposed per request and step (tree: per branch)
-    tree_width: int = 2                       # tree: most continuations (branches) per request and step
+    tree_width: int = 2                       # tree, draft_tree: most branches per request and step
     ngram_max: int = 3                        # longest suffix looked up in the request's own tokens
     ngram_min: int = 1                        # shortest suffix that counts as a match
     max_batch_size: int = 4                   # speculate only in decode steps of at most this many rows
@@ -242,8 +251,7 @@ class SpecConfig:
     draft_agent_port: int = 0                 # the draft agent's TCP port (0 = any free port)
 
     def __post_init__(self) -> None:
-        if self.method is False:                   # YAML reads a bare `off` as false
-            self.method = "off"
+        self.method = _yaml_switch(self.method)
         _check(self.method in SPEC_METHODS, "spec_config.method", self.method,
                f"must be one of {', '.join(SPEC_METHODS)}")
         for key in ("num_speculative_tokens", "ngram_max", "ngram_min", "max_batch_size", "tree_width"):
@@ -266,11 +274,21 @@ class SpecConfig:
         return self.method != "off"
 
     @property
+    def uses_draft(self) -> bool:
+        """A draft model, served by an agent process of its own, proposes (master/draft.py)."""
+        return self.method in ("draft", "draft_tree")
+
+    @property
+    def is_tree(self) -> bool:
+        """Proposals are token trees of up to tree_width branches, not chains."""
+        return self.method in ("tree", "draft_tree")
+
+    @property
     def tokens_per_row(self) -> int:
         """Tokens a speculating row feeds in one step: its last token and the proposals (1 when off)."""
         if not self.enabled:
             return 1
-        return 1 + self.num_speculative_tokens * (self.tree_width if self.method == "tree" else 1)
+        return 1 + self.num_speculative_tokens * (self.tree_width if self.is_tree else 1)
 
 
 @dataclass
@@ -338,10 +356,10 @@ class Config:
         if spec.enabled:
             _check(spec.tokens_per_row <= mc.seq_length[-1], "spec_config.num_speculative_tokens",
                    spec.num_speculative_tokens, f"must be < the largest model_config.seq_length ({mc.seq_length[-1]})")
-        if spec.method == "tree":     # the CPU kernel masks a tree node's view among the last 32 keys
+        if spec.is_tree:              # the CPU kernel masks a tree node's view among the last 32 keys
             _check(spec.tokens_per_row <= 32, "spec_config.tree_width", spec.tree_width,
                    f"1 + num_speculative_tokens x tree_width must be <= 32, got {spec.tokens_per_row}")
-        if spec.method == "draft":
+        if spec.uses_draft:
             _check(not spec.draft_agent_port or spec.draft_agent_port not in sc.agent_ports,
                    "spec_config.draft_agent_port", spec.draft_agent_port,
                    f"must differ from serving_config.agent_ports ({sc.agent_ports})")

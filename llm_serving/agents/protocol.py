@@ -260,6 +260,7 @@ class ConnectReply(Reply):
     vocab_size: int
     max_position_embeddings: int
     cache_epoch: int
+    token_trees: bool = True        # verify steps may be token trees (packed verify steps: the CPU kernel path)
 
 
 @dataclass(frozen=True)

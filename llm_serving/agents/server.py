@@ -193,7 +193,8 @@ class AgentServer:
                                   num_blocks=self.config.pa_config.num_blocks,
                                   block_size=self.config.pa_config.block_size, vocab_size=cfg.vocab_size,
                                   max_position_embeddings=cfg.max_position_embeddings,
-                                  cache_epoch=self.worker.cache_epoch)
+                                  cache_epoch=self.worker.cache_epoch,
+                                  token_trees=self.worker.runner.buckets.packed)
 
     def on_step(self, msg, frame, conn) -> proto.StepReply:
         model_s = self.worker.step(msg.num_rows, msg.max_query_len, verify=isinstance(msg, proto.VerifyStep))

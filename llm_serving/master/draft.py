@@ -13,6 +13,11 @@ Per round, for the rows of a decode step that may speculate (Scheduler.spec_limi
   to the request's last token: the whole prompt on the first round, chunked to the step budget; one or
   two tokens afterwards) and samples the draft's token after the last: proposal 1;
 - then k-1 decode steps feed proposal j and sample proposal j+1, rows leaving as their limit is reached.
+With spec_config.method draft_tree (width w > 1) the catch-up step also returns the draft's w most likely
+tokens; each starts a branch that decode steps continue greedily, branches one after another (they share
+positions, so the same slots), the most likely last. The branches, merged by `tree_from_paths` with the
+most likely as the first-child chain, are verified as one token tree (SpecInfer's top-k tree, expanded at
+the first depth only: the depth where a draft is least sure of its own choice pays most for a second one).
 The draft wrote KV for its proposals; after verification only the positions the target agreed with stay
 valid (the scheduler lowers num_draft_computed to the request's computed tokens), and the next catch-up
 overwrites the rest. A request that is preempted or recomputed starts again at 0 (prefix-cache blocks
@@ -46,8 +51,9 @@ class DraftProposer:
     proposes nothing."""
 
     def __init__(self, draft_config, model_dir: str, block_manager: BlockManager,
-                 forget_all: Callable[[], None]):
+                 forget_all: Callable[[], None], width: int = 1):
         self.config = draft_config
+        self.width = width                # branches per request: the draft's `width` most likely first tokens
         self.model_dir = model_dir
         self.bm = block_manager
         self.forget_all = forget_all      # every request's draft KV is gone (sets num_draft_computed = 0)
@@ -120,7 +126,9 @@ class DraftProposer:
     # --- a round -----------------------------------------------------------------------------------
 
     async def propose(self, requests: list, limits: list) -> list:
-        """Up to limits[i] greedy draft tokens to follow each request i ([] where 0, or on any failure)."""
+        """Each request i's proposals: a list of branches, each up to limits[i] greedy draft tokens, the first
+        the draft's most likely continuation (width 1: that one only). [] where limits[i] is 0, or on any
+        failure."""
         empty = [[] for _ in requests]
         if self.unavailable_reason is not None or not any(limits):
             return empty
@@ -137,7 +145,7 @@ class DraftProposer:
             return empty
 
     async def _round(self, requests: list, limits: list) -> list:
-        proposals = [[] for _ in requests]
+        branches = [[] for _ in requests]
         budget = self.max_step_tokens
         feed = []                                   # (row of the request, first position fed, stop)
         for i, (req, k) in enumerate(zip(requests, limits)):
@@ -151,34 +159,46 @@ class DraftProposer:
             feed.append((i, start, start + q))
             budget -= q
         if not feed:
-            return proposals
+            return branches
         b = self.agents.buffers
         for r, (i, start, stop) in enumerate(feed):
-            self._write_row(b, r, requests[i], requests[i].tokens(start, stop), start)
+            req = requests[i]
+            top = self.width if self.width > 1 and stop == req.num_tokens else 0
+            self._write_row(b, r, req, req.tokens(start, stop), start, top_n=top)
         n, s = len(feed), max(stop - start for _, start, stop in feed)
         out = await self._step(proto.PrefillStep(self.num_steps, n, s) if s > 1 else proto.DecodeStep(self.num_steps, n))
-        live = []
+        top_ids = b.out_top_ids[:n, :self.width].tolist() if self.width > 1 else None
+        caught_up = []
         for r, (i, start, stop) in enumerate(feed):
             req = requests[i]
             req.num_draft_computed = stop
             if stop == req.num_tokens:              # caught up: the draft's next token is proposal 1
-                proposals[i].append(out[r])
-                live.append(i)
-        for j in range(1, max(limits)):
-            live = [i for i in live if limits[i] > j]
-            if not live:
-                break
-            for r, i in enumerate(live):            # feed proposal j at the position after the last one
-                req = requests[i]
-                self._write_row(b, r, req, [proposals[i][-1]], req.num_tokens + j - 1)
-            out = await self._step(proto.DecodeStep(self.num_steps, len(live)))
-            for r, i in enumerate(live):
-                proposals[i].append(out[r])
-                requests[i].num_draft_computed = requests[i].num_tokens + j
-        return proposals
+                firsts = [out[r]] + ([t for t in top_ids[r] if t != out[r]][:self.width - 1] if top_ids else [])
+                branches[i] = [[t] for t in firsts]
+                caught_up.append(i)
+        # Each branch continues greedily, one decode step per depth. Branches share positions (the same slots
+        # of the request's blocks), so they run one after another, the first (most likely) last: its KV is
+        # what stays, and after the target's verify step the kept nodes of the first branch are exactly the
+        # ones whose KV the target kept in place, so the scheduler's clamp of num_draft_computed holds.
+        for branch in list(range(1, self.width)) + [0]:
+            live = [i for i in caught_up if len(branches[i]) > branch]
+            for j in range(1, max(limits)):
+                live = [i for i in live if limits[i] > j]
+                if not live:
+                    break
+                for r, i in enumerate(live):        # feed token j of the branch at the position after the last
+                    req = requests[i]
+                    self._write_row(b, r, req, [branches[i][branch][-1]], req.num_tokens + j - 1)
+                out = await self._step(proto.DecodeStep(self.num_steps, len(live)))
+                for r, i in enumerate(live):
+                    branches[i][branch].append(out[r])
+                    if branch == 0:                 # other branches' KV is overwritten by the first's
+                        requests[i].num_draft_computed = requests[i].num_tokens + j
+        return branches
 
-    def _write_row(self, b: StepBuffers, r: int, req, tokens: list, start: int) -> None:
-        """Row r feeds `tokens` at positions start.. through req's block table, sampling greedily."""
+    def _write_row(self, b: StepBuffers, r: int, req, tokens: list, start: int, top_n: int = 0) -> None:
+        """Row r feeds `tokens` at positions start.. through req's block table, sampling greedily (and
+        returning the top_n most likely tokens after the last)."""
         q = len(tokens)
         table = self.bm.block_tables[req.req_id]
         bs = self.bm.block_size
@@ -195,7 +215,7 @@ class DraftProposer:
         b.context_lens[r] = start + q
         b.query_lens[r] = q
         b.temperature[r] = 0.0                      # the draft proposes its most likely token
-        b.top_k[r], b.top_p[r], b.random_u[r], b.top_n[r] = 0, 1.0, 0.0, 0
+        b.top_k[r], b.top_p[r], b.random_u[r], b.top_n[r] = 0, 1.0, 0.0, top_n
         b.repetition_penalty[r], b.presence_penalty[r], b.frequency_penalty[r] = 1.0, 0.0, 0.0
         b.history_len[r] = 0
         b.prompt_len[r] = len(req.prompt_ids)

@@ -23,7 +23,7 @@ from llm_serving.master.block_manager import BlockManager
 from llm_serving.master.draft import DraftProposer
 from llm_serving.master.request import Request, SamplingParams, TokenEvent
 from llm_serving.master.scheduler import ScheduledBatch, Scheduler
-from llm_serving.master.speculative import NgramProposer, SpecStats, tree_walk
+from llm_serving.master.speculative import NgramProposer, SpecStats, tree_from_paths, tree_walk
 from llm_serving.master.step_io import StepIO, StepOutputs
 from llm_serving.master.supervisor import Supervisor
 
@@ -55,10 +55,11 @@ class Engine:
         self.supervisor = Supervisor(config.serving_config, self.agents)
         self.step_io = StepIO(self.block_manager)
         self.drafter: Optional[DraftProposer] = None     # spec_config.method draft: the draft model's agent
-        if config.spec_config.method == "draft":
+        if config.spec_config.uses_draft:
             draft_dir = config.spec_config.draft_model or model_dir
+            width = config.spec_config.tree_width if config.spec_config.method == "draft_tree" else 1
             self.drafter = DraftProposer(config.draft_config(draft_dir), draft_dir, self.block_manager,
-                                         self._forget_draft)
+                                         self._forget_draft, width=width)
         self.chat_template = load_chat_template(config.tokenizer.chat_template, model_dir, tokenizer)
         self.requests: dict = {}
         self._detok: dict = {}
@@ -90,6 +91,10 @@ class Engine:
             failed = [ValueError(f"spec_config.draft_model: the draft's vocabulary ({self.drafter.vocab_size} "
                                  f"tokens) is not the target's ({self.agents.agents[0].info.vocab_size}); a draft "
                                  "model must share the target's tokenizer")]
+        if not failed and self.config.spec_config.is_tree and not self.agents.agents[0].info.token_trees:
+            failed = [ValueError(f"spec_config.method {self.config.spec_config.method}: token trees need the CPU "
+                                 "paged-attention kernel (model_config.attention_kernel on, and a C++ compiler); "
+                                 "these agents pad verify steps — use method ngram or draft (chains)")]
         if failed:
             for g in groups:
                 await g.stop()
@@ -291,13 +296,13 @@ class Engine:
         """A draft model proposes for the step's speculating rows (draft.py); requests that ended meanwhile
         leave the step."""
         t0 = time.perf_counter()
-        proposals = await self.drafter.propose(batch.requests, batch.spec_limits)
+        branches = await self.drafter.propose(batch.requests, batch.spec_limits)
         elapsed = time.perf_counter() - t0
         self.profile["draft"] += elapsed
         self.step_time_s["draft"] += elapsed
-        running = [not r.finished for r in batch.requests]
+        trees = [tree_from_paths(paths) for paths, req in zip(branches, batch.requests) if not req.finished]
         batch = batch.drop_finished()
-        self.scheduler.attach_proposals(batch, [p for p, keep in zip(proposals, running) if keep])
+        self.scheduler.attach_proposals(batch, [nodes for nodes, _ in trees], [parents for _, parents in trees])
         return batch
 
     def _forget_draft(self) -> None:
@@ -451,8 +456,8 @@ def make_scheduler(config, block_manager: BlockManager) -> Scheduler:
                      max_chunk_tokens=config.max_chunk_tokens, max_decode_wait_steps=sched.max_decode_wait_steps,
                      watermark_blocks=int(sched.kv_watermark * config.pa_config.num_blocks),
                      prefill_wait_s=sched.prefill_wait_ms / 1e3, proposer=proposer,
-                     propose_later=spec.method == "draft", spec_tokens=spec.num_speculative_tokens,
-                     tree_width=spec.tree_width if spec.method == "tree" else 0,
+                     propose_later=spec.uses_draft, spec_tokens=spec.num_speculative_tokens,
+                     tree_width=spec.tree_width if spec.is_tree else 0,
                      spec_max_rows=spec.max_batch_size, max_model_len=config.max_model_len)
 
 

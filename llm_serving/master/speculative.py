@@ -24,6 +24,8 @@ Proposers (spec_config.method):
   ModelRunner's verify_parent); the request walks from its last token to the child whose token is the
   target's sample there, and keeps that path plus the target's token after it (`tree_walk`). Exact for the
   same reason as a chain: each kept token is the target's sample after the path actually taken.
+- `draft`, `draft_tree`: a draft model in an agent process of its own proposes greedily (draft.py); a draft
+  tree has its tree_width most likely first tokens as branches, each continued greedily.
 
 The scheduler speculates only in decode steps of at most spec_config.max_batch_size rows (larger steps are
 compute-bound, and checking guesses costs more than it saves) and only for requests that allow it (a

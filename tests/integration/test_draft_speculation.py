@@ -160,3 +160,28 @@ def test_a_draft_cut_to_the_targets_first_layers(shared_dir, tmp_path):
                           "--set", "spec_config.method=draft", "--set", "spec_config.draft_num_layers=9"],
                          capture_output=True, text=True, timeout=300, cwd=REPO)
     assert out.returncode != 0 and "first 9 layers" in out.stderr and "it has 5" in out.stderr
+
+
+def test_a_draft_tree_from_a_cut_drafts_top_tokens(shared_dir, tmp_path):
+    """spec_config.method draft_tree: the cut draft's 3 most likely first tokens, each continued greedily, are
+    verified as one token tree. Output unchanged (greedy and seeded sampling), and some rounds keep a path
+    off the draft's first choice — what a tree adds over a chain."""
+    pytest.importorskip("mindspore")
+    hf = str(shared_dir / "models" / "stories260K" / "hf")
+    with serving(["--config", str(REPO / "configs" / "stories260K.yaml"), "--model", hf,
+                  "--set", "spec_config.method=draft_tree", "--set", "spec_config.draft_num_layers=2",
+                  "--set", "spec_config.tree_width=3", "--set", "spec_config.num_speculative_tokens=3"],
+                 tmp_path / "server.log") as server:
+        for prompt in STORY_PROMPTS[:4]:
+            on, off = _gen(server.url, prompt, max_new_tokens=60), \
+                _gen(server.url, prompt, max_new_tokens=60, speculative=False)
+            assert _tokens(on) == _tokens(off) and on["generated_text"] == off["generated_text"]
+        params = {"do_sample": True, "temperature": 0.9, "top_k": 40, "seed": 11}
+        on, off = _gen(server.url, "Once upon a time", max_new_tokens=60, **params), \
+            _gen(server.url, "Once upon a time", max_new_tokens=60, speculative=False, **params)
+        assert _tokens(on) == _tokens(off)
+        spec = _spec(server.url)
+        assert spec["method"] == "draft_tree" and spec["draft"]["num_layers"] == 2
+        assert spec["other_branch_rounds"] > 0 and spec["accepted_tokens"] > 0
+        # a round proposes up to 3 branches of up to 3 tokens: more than a chain's 3 on average
+        assert spec["proposed_tokens"] > 3 * spec["rounds"]

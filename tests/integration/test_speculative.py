@@ -233,3 +233,19 @@ def test_token_trees_keep_the_output_and_take_the_other_branch(shared_dir, tmp_p
         assert spec["mean_tokens_per_round"] > 1 and spec["accepted_tokens"] > 0
         assert spec["other_branch_rounds"] > 0          # the second continuation was the right one at times
         assert_greedy_reference(url, MODEL, shared_dir)
+
+
+def test_token_trees_without_the_cpu_kernel_are_refused_at_start(shared_dir):
+    """The padded verify path (no CPU kernel; Ascend) has no tree mask: asking for trees there fails the start
+    with the reason and what to use instead, instead of failing every verify step."""
+    pytest.importorskip("mindspore")
+    import subprocess
+    import sys
+    from tests.integration.server_harness import REPO
+    out = subprocess.run([sys.executable, "-m", "llm_serving.cli", "start", "--config",
+                          str(REPO / "configs" / "stories260K.yaml"),
+                          "--model", str(shared_dir / "models" / "stories260K" / "hf"), "--port", "0",
+                          "--set", "spec_config.method=tree", "--set", "model_config.attention_kernel=off"],
+                         capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode != 0
+    assert "token trees need the CPU paged-attention kernel" in out.stderr and "method ngram or draft" in out.stderr

@@ -205,6 +205,11 @@ def test_spec_config_defaults_checks_and_a_bare_off():
     assert cfg.spec_config.method == "ngram" and cfg.spec_config.tokens_per_row == 5
     off = config_from_dict({}, ["spec_config.method=off"])          # YAML's `off` is false
     assert off.spec_config.method == "off" and off.spec_config.tokens_per_row == 1
+    switches = config_from_dict({}, ["model_config.attention_kernel=off"]).model_config.attention_kernel, \
+        config_from_dict({}, ["model_config.attention_kernel=on"]).model_config.attention_kernel
+    assert switches == ("off", "on")                                 # and `on` true
+    tree = config_from_dict({}, ["spec_config.method=draft_tree", "spec_config.tree_width=3"]).spec_config
+    assert tree.uses_draft and tree.is_tree and tree.tokens_per_row == 13
     for bad, needle in (("spec_config.method=medusa", "must be one of"),
                         ("spec_config.num_speculative_tokens=0", "integer >= 1"),
                         ("spec_config.num_speculative_tokens=17", "<= 16"),

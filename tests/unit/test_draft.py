@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 from llm_serving.agents import protocol as proto
 from llm_serving.config import ConfigError, config_from_dict
 from llm_serving.master.draft import DraftProposer
+from llm_serving.master.speculative import tree_from_paths
 from tests.unit.test_scheduler import make_requests, make_scheduler, next_token, reference_output
-from tests.unit.test_speculative import SpecFakeRunner
+from tests.unit.test_speculative import SpecFakeRunner, TreeFakeRunner
 
 
 class FakeDraftAgents:
@@ -23,7 +24,7 @@ class FakeDraftAgents:
     slot, read the row's context back through its block table, and 'sample' the true next token of what it
     read (wrong with probability `wrong`)."""
 
-    def __init__(self, requests, bm, rows=8, tokens=64, width=64, wrong=0.0, seed=0):
+    def __init__(self, requests, bm, rows=8, tokens=64, width=64, wrong=0.0, seed=0, top_n=0):
         z = lambda *shape, dtype=np.int32: np.zeros(shape, dtype)      # noqa: E731
         self.buffers = SimpleNamespace(
             input_ids=z(rows, tokens), positions=z(rows, tokens), slot_mapping=z(rows, tokens),
@@ -31,10 +32,12 @@ class FakeDraftAgents:
             temperature=z(rows, dtype=np.float32) + 1, top_k=z(rows), top_p=z(rows, dtype=np.float32),
             random_u=z(rows, dtype=np.float32), top_n=z(rows), repetition_penalty=z(rows, dtype=np.float32),
             presence_penalty=z(rows, dtype=np.float32), frequency_penalty=z(rows, dtype=np.float32),
-            history_len=z(rows), prompt_len=z(rows), request_ids=z(rows, dtype=np.int64), out_token_ids=z(rows))
+            history_len=z(rows), prompt_len=z(rows), request_ids=z(rows, dtype=np.int64), out_token_ids=z(rows),
+            out_top_ids=z(rows, 20))
         self.requests = {r.number: r for r in requests}
         self.bm, self.bs, self.wrong, self.rng = bm, bm.block_size, wrong, random.Random(seed)
         self.kv: dict = {}
+        self.top_n = top_n                 # what a catch-up row may ask for (the drafter's width; 0 = nothing)
         self.agents = [object()]
         self.fed_tokens = 0
         self.commands: list = []
@@ -54,7 +57,7 @@ class FakeDraftAgents:
         for r in range(command.num_rows):
             req = self.requests[int(b.request_ids[r])]
             q, ctx = int(b.query_lens[r]), int(b.context_lens[r])
-            assert 1 <= q <= s and b.temperature[r] == 0 and b.top_n[r] == 0
+            assert 1 <= q <= s and b.temperature[r] == 0 and b.top_n[r] in (0, self.top_n)
             assert list(b.positions[r, :q]) == list(range(ctx - q, ctx))
             for j in range(q):
                 self.kv[int(b.slot_mapping[r, j])] = int(b.input_ids[r, j])
@@ -63,12 +66,15 @@ class FakeDraftAgents:
             for p in range(min(ctx, req.num_tokens)):
                 assert seen[p] == req.token_at(p), f"{req.req_id}: the draft reads stale KV at position {p}"
             t = next_token(seen)
-            b.out_token_ids[r] = (t + 1) % 97 + 3 if self.rng.random() < self.wrong else t
+            b.out_token_ids[r] = out = (t + 1) % 97 + 3 if self.rng.random() < self.wrong else t
+            if b.top_n[r]:        # the runners-up: the true token among them when the most likely is wrong
+                alts = [a for a in (t, (t + 11) % 97 + 3, (t + 23) % 97 + 3, (t + 37) % 97 + 3) if a != out]
+                b.out_top_ids[r, :b.top_n[r]] = [out] + alts[:b.top_n[r] - 1]
         reset, self.reset_next = self.reset_next, False
         return [SimpleNamespace(model_ms=0.5)], reset
 
 
-def make_drafter(sched, requests, wrong=0.0, seed=0):
+def make_drafter(sched, requests, wrong=0.0, seed=0, width=1):
     config = config_from_dict({"spec_config": {"method": "draft"}})
     forgotten = []
 
@@ -76,8 +82,8 @@ def make_drafter(sched, requests, wrong=0.0, seed=0):
         forgotten.append(1)
         for r in sched.running:
             r.num_draft_computed = 0
-    drafter = DraftProposer(config.draft_config("/nonexistent"), "/nonexistent", sched.bm, forget_all)
-    drafter.agents = FakeDraftAgents(requests, sched.bm, wrong=wrong, seed=seed)
+    drafter = DraftProposer(config.draft_config("/nonexistent"), "/nonexistent", sched.bm, forget_all, width=width)
+    drafter.agents = FakeDraftAgents(requests, sched.bm, wrong=wrong, seed=seed, top_n=width if width > 1 else 0)
     drafter.max_step_tokens, drafter.max_chunk = sched.max_num_batched_tokens, 8
     return drafter, forgotten
 
@@ -89,9 +95,11 @@ async def serve(sched, runner, drafter, max_steps=2000):
         if batch is None:
             return
         if batch.spec_limits:
-            proposals = await drafter.propose(batch.requests, batch.spec_limits)
-            assert all(len(p) <= k for p, k in zip(proposals, batch.spec_limits))
-            sched.attach_proposals(batch, proposals)
+            branches = await drafter.propose(batch.requests, batch.spec_limits)
+            assert all(len(p) <= k for paths, k in zip(branches, batch.spec_limits) for p in paths)
+            assert all(len(paths) <= drafter.width for paths in branches)
+            trees = [tree_from_paths(paths) for paths in branches]
+            sched.attach_proposals(batch, [t[0] for t in trees], [t[1] for t in trees])
         runner.step(batch)
 
 
@@ -125,7 +133,7 @@ def test_rows_propose_within_their_limits_and_a_cache_reset_proposes_nothing():
     runner.step(sched.schedule())                         # prefill
     batch = sched.schedule()
     assert batch.spec_limits == [1, 4]                    # 3 - 1 output - 1 for the target's own token
-    proposals = asyncio.run(drafter.propose(batch.requests, batch.spec_limits))
+    proposals = [paths[0] for paths in asyncio.run(drafter.propose(batch.requests, batch.spec_limits))]
     assert [len(p) for p in proposals] == [1, 4]
     assert [p[0] for p in proposals] == [next_token(r.tokens(0, r.num_tokens)) for r in reqs]
     drafter.agents.reset_next = True
@@ -143,7 +151,7 @@ def test_a_request_that_ended_during_the_draft_leaves_the_step():
     runner = SpecFakeRunner(sched)
     runner.step(sched.schedule())
     batch = sched.schedule()
-    proposals = asyncio.run(drafter.propose(batch.requests, batch.spec_limits))
+    proposals = [paths[0] for paths in asyncio.run(drafter.propose(batch.requests, batch.spec_limits))]
     sched.finish(reqs[1], "abort")                        # the client left while the draft ran
     running = [not r.finished for r in batch.requests]
     batch = batch.drop_finished()
@@ -153,25 +161,28 @@ def test_a_request_that_ended_during_the_draft_leaves_the_step():
     assert [len(r.output_ids) for r in (reqs[0], reqs[2])] == [5, 5]
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(n=st.integers(1, 6), wrong=st.sampled_from([0.0, 0.3, 1.0]), k=st.integers(1, 5),
        num_blocks=st.integers(12, 40), prefix_caching=st.booleans(), budget=st.integers(8, 40),
-       policy=st.sampled_from(["prefill_first", "fcfs", "longest_output_first"]), seed=st.integers(0, 1000))
+       policy=st.sampled_from(["prefill_first", "fcfs", "longest_output_first"]), width=st.integers(1, 3),
+       seed=st.integers(0, 1000))
 def test_draft_kv_stays_valid_and_outputs_equal_plain_decoding(n, wrong, k, num_blocks, prefix_caching, budget,
-                                                               policy, seed):
+                                                               policy, width, seed):
     """Requests sharing a prefix, under block pressure (preemption, recompute) and chunking, with a draft
-    that is right or wrong at random: the draft never reads stale KV (FakeDraftAgents checks), and every
-    output is exactly plain decoding's."""
+    that is right or wrong at random, proposing chains or (width > 1) trees whose kept path is often off the
+    first branch: the draft never reads stale KV (FakeDraftAgents checks), and every output is exactly plain
+    decoding's."""
     rng = random.Random(seed)
     sched = make_scheduler(num_blocks=num_blocks, block_size=4, prefix_caching=prefix_caching,
                            max_num_batched_tokens=budget, policy=policy, chunked_prefill=True, max_chunk_tokens=8,
-                           propose_later=True, spec_tokens=k, spec_max_rows=rng.randint(1, 6))
+                           propose_later=True, spec_tokens=k, spec_max_rows=rng.randint(1, 6),
+                           tree_width=width if width > 1 else 0)
     reqs = make_requests(n, prompt_len=[rng.randint(1, 12) for _ in range(n)],
                          max_new_tokens=[rng.randint(1, 14) for _ in range(n)], prefix=(7, 8, 9, 10, 11))
     for r in reqs:
         sched.add(r)
-    drafter, _ = make_drafter(sched, reqs, wrong=wrong, seed=seed)
-    runner = SpecFakeRunner(sched)
+    drafter, _ = make_drafter(sched, reqs, wrong=wrong, seed=seed, width=width)
+    runner = TreeFakeRunner(sched)
     asyncio.run(serve(sched, runner, drafter))
     assert not sched.has_work
     for r in reqs:
@@ -201,3 +212,25 @@ def test_draft_config_is_the_targets_with_the_drafts_model_and_one_agent():
                 {"tree_width": 0}, {"tree_width": 5}):
         with pytest.raises(ConfigError):
             config_from_dict({"spec_config": bad})
+
+
+@pytest.mark.parametrize("width", [1, 2])
+def test_a_draft_tree_keeps_the_runner_up_when_the_drafts_first_choice_is_wrong(width):
+    """A draft whose most likely token is always wrong but whose runner-up is right: as a chain it gains
+    nothing (one token a round, the target's); as a 2-branch tree each round keeps the runner-up too, whose
+    KV the draft overwrote with its first branch's — and it still never reads stale KV."""
+    sched = make_scheduler(propose_later=True, spec_tokens=3, spec_max_rows=4, max_num_batched_tokens=64,
+                           tree_width=width if width > 1 else 0)
+    reqs = make_requests(2, prompt_len=[6, 9], max_new_tokens=21)
+    for r in reqs:
+        sched.add(r)
+    drafter, _ = make_drafter(sched, reqs, wrong=1.0, width=width)
+    asyncio.run(serve(sched, TreeFakeRunner(sched), drafter))
+    assert [r.output_ids for r in reqs] == [reference_output(r) for r in reqs]
+    # 20 tokens after the prefill. A chain gains one a round; a tree keeps the runner-up and the target's token
+    # after it, which (off the in-place first branch) are fed again with the next step, sampling a third
+    verify = sched.batch_sizes[("verify", 2)]
+    assert verify == 19 if width == 1 else verify <= 8
+    # each round: a catch-up step, then 2 decode steps per branch (the runner-up's first, the first's last)
+    kinds = [type(c).__name__ for c in drafter.agents.commands]
+    assert kinds[:1 + 2 * width] == ["PrefillStep"] + ["DecodeStep"] * 2 * width
