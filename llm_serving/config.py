@@ -128,7 +128,7 @@ class ServingConfig:
     server_ip: str = "127.0.0.1"
     server_port: int = 8000
     agent_ip: str = "127.0.0.1"
-    agent_ports: list = field(default_factory=lambda: [16002])
+    agent_ports: list = field(default_factory=lambda: [0])
     start_device_id: int = 0
     max_num_seqs: int = 32                    # running sequences at once (<= largest decode bucket)
     max_num_batched_tokens: int = 1024        # prompt tokens in one prefill step (and the largest packed bucket)
