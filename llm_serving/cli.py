@@ -253,10 +253,12 @@ def _is_loopback(host: str) -> bool:
 
 def cmd_start(args) -> int:
     from llm_serving.config import ConfigError
+    from llm_serving.master.kv_memory import size_kv_cache
 
     try:
         config = build_config(args)
         model_dir, model_name, vocab_file = resolve_model(config)
+        config = size_kv_cache(config, model_dir)
     except ConfigError as exc:
         print(f"llm-serving: config error: {exc}", file=sys.stderr)
         return 2

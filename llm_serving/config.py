@@ -21,6 +21,7 @@ import yaml
 logger = logging.getLogger(__name__)
 
 
+DEFAULT_MAX_NUM_SEQS = 64    # running sequences when neither max_num_seqs nor decode buckets are given
 SCHEDULING_POLICIES = ("prefill_first", "longest_output_first", "fcfs")   # see master/scheduler.py
 ATTENTION_KERNELS = ("auto", "on", "off")      # CPU decode attention; see models/runner.py
 SPEC_METHODS = ("off", "ngram", "draft", "tree", "draft_tree")   # speculative decoding proposers; see
@@ -29,6 +30,16 @@ SPEC_METHODS = ("off", "ngram", "draft", "tree", "draft_tree")   # speculative d
 
 class ConfigError(ValueError):
     """A configuration value is missing, unknown or out of range; the message names the key."""
+
+
+def decode_buckets_for(max_num_seqs: int) -> list:
+    """Default decode buckets (rows per decode graph): 1, then 4, 8, 16, ... and max_num_seqs itself. A step pads
+    to the next bucket, wasting less than half of it; a small step is bound by reading the weights, so padding
+    2 or 3 rows to 4 costs little, and each bucket is a graph to compile at start."""
+    sizes = [1]
+    while sizes[-1] < max_num_seqs:
+        sizes.append(min(max(sizes[-1] * 2, 4), max_num_seqs))
+    return sizes
 
 
 def _yaml_switch(value):
@@ -68,7 +79,8 @@ class ModelConfig:
     vocab_size: Optional[int] = None          # if given, must match the checkpoint
     seq_length: list = field(default_factory=lambda: [32, 128, 512])     # prefill tokens-per-row buckets
     prefill_batch_size: list = field(default_factory=lambda: [1, 4])     # prefill rows buckets
-    decode_batch_size: list = field(default_factory=lambda: [1, 4, 8, 16, 32])
+    decode_batch_size: Optional[list] = None  # decode buckets (rows); null = 1, then 4, 8, 16, ... up to
+                                              # serving_config.max_num_seqs (see decode_buckets_for)
     zactivate_len: Optional[list] = None      # decode KV-length buckets (tokens), as llm-serving names them;
                                               # null = a quarter, half and all of the longest request
     device_target: str = "CPU"
@@ -93,7 +105,8 @@ class ModelConfig:
             _check_int("model_config.vocab_size", self.vocab_size)
         self.seq_length = _check_int_list("model_config.seq_length", self.seq_length)
         self.prefill_batch_size = _check_int_list("model_config.prefill_batch_size", self.prefill_batch_size)
-        self.decode_batch_size = _check_int_list("model_config.decode_batch_size", self.decode_batch_size)
+        if self.decode_batch_size is not None:
+            self.decode_batch_size = _check_int_list("model_config.decode_batch_size", self.decode_batch_size)
         if self.zactivate_len is not None:
             self.zactivate_len = _check_int_list("model_config.zactivate_len", self.zactivate_len)
         _check(self.device_target in ("CPU", "Ascend"), "model_config.device_target", self.device_target,
@@ -130,7 +143,8 @@ class ServingConfig:
     agent_ip: str = "127.0.0.1"
     agent_ports: list = field(default_factory=lambda: [0])
     start_device_id: int = 0
-    max_num_seqs: int = 32                    # running sequences at once (<= largest decode bucket)
+    max_num_seqs: Optional[int] = None        # running sequences at once (<= largest decode bucket); null = the
+                                              # largest model_config.decode_batch_size, or DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = 1024        # prompt tokens in one prefill step (and the largest packed bucket)
     max_waiting_requests: int = 1024          # queue bound; past it requests get 429
     step_timeout_s: float = 120.0             # an agent that does not answer a step in time is dead
@@ -162,7 +176,8 @@ class ServingConfig:
         nonzero = [p for p in ports if p]
         _check(len(set(nonzero)) == len(nonzero), "serving_config.agent_ports", ports, "ports must be distinct")
         _check_int("serving_config.start_device_id", self.start_device_id, min_value=0)
-        _check_int("serving_config.max_num_seqs", self.max_num_seqs)
+        if self.max_num_seqs is not None:
+            _check_int("serving_config.max_num_seqs", self.max_num_seqs)
         _check_int("serving_config.max_num_batched_tokens", self.max_num_batched_tokens)
         _check_int("serving_config.max_waiting_requests", self.max_waiting_requests)
         _check_int("serving_config.max_body_bytes", self.max_body_bytes, min_value=1024)
@@ -185,12 +200,19 @@ class ServingConfig:
 class PAConfig:
     """`pa_config`: the paged KV cache."""
 
-    num_blocks: int = 512
+    num_blocks: Union[int, str] = "auto"      # KV cache blocks; auto = sized at start from free memory (see
+                                              # master/kv_memory.py): enough for max_num_seqs longest requests,
+                                              # within kv_memory_fraction of the memory available then
     block_size: int = 16
     decode_seq_length: Optional[int] = None   # longest sequence a block table must hold; default max_generate_length
+    kv_memory_fraction: float = 0.3           # num_blocks auto: the most of the available memory the KV cache takes
 
     def __post_init__(self) -> None:
-        _check_int("pa_config.num_blocks", self.num_blocks)
+        if self.num_blocks != "auto":
+            _check_int("pa_config.num_blocks", self.num_blocks)
+        f = self.kv_memory_fraction
+        _check(isinstance(f, (int, float)) and not isinstance(f, bool) and 0 < f <= 0.9,
+               "pa_config.kv_memory_fraction", f, "must be a fraction in (0, 0.9]")
         _check_int("pa_config.block_size", self.block_size)
         if self.decode_seq_length is not None:
             _check_int("pa_config.decode_seq_length", self.decode_seq_length)
@@ -202,7 +224,8 @@ class SchedulerConfig:
     configs have them). See llm_serving/master/scheduler.py for what each policy does."""
 
     policy: str = "prefill_first"             # prefill_first | longest_output_first | fcfs
-    chunked_prefill: bool = False             # split long prompts across steps
+    chunked_prefill: bool = True              # split long prompts across steps (off: a request is also bounded
+                                              # by the largest seq_length bucket)
     max_chunk_tokens: Optional[int] = None    # tokens per chunk; default: the largest seq_length bucket
     enable_prefix_caching: bool = True        # share the KV of identical prompt prefixes (full blocks)
     max_decode_wait_steps: int = 8            # starvation bound: steps a running request may be left out
@@ -341,6 +364,10 @@ class Config:
 
     def __post_init__(self) -> None:
         mc, sc, pa, sched = self.model_config, self.serving_config, self.pa_config, self.scheduler_config
+        if sc.max_num_seqs is None:
+            sc.max_num_seqs = mc.decode_batch_size[-1] if mc.decode_batch_size else DEFAULT_MAX_NUM_SEQS
+        if mc.decode_batch_size is None:
+            mc.decode_batch_size = decode_buckets_for(sc.max_num_seqs)
         _check(sc.max_num_batched_tokens >= sc.max_num_seqs, "serving_config.max_num_batched_tokens",
                sc.max_num_batched_tokens, f"must be >= serving_config.max_num_seqs ({sc.max_num_seqs}) so that "
                "one decode step can take every running request")
@@ -363,9 +390,10 @@ class Config:
             _check(not spec.draft_agent_port or spec.draft_agent_port not in sc.agent_ports,
                    "spec_config.draft_agent_port", spec.draft_agent_port,
                    f"must differ from serving_config.agent_ports ({sc.agent_ports})")
-        _check(pa.num_blocks >= self.max_blocks_per_seq, "pa_config.num_blocks", pa.num_blocks,
-               f"must hold at least one longest sequence ({self.max_blocks_per_seq} blocks of "
-               f"{pa.block_size} tokens for {self.max_model_len} tokens)")
+        if pa.num_blocks != "auto":
+            _check(pa.num_blocks >= self.max_blocks_per_seq, "pa_config.num_blocks", pa.num_blocks,
+                   f"must hold at least one longest sequence ({self.max_blocks_per_seq} blocks of "
+                   f"{pa.block_size} tokens for {self.max_model_len} tokens)")
 
     @property
     def max_model_len(self) -> int:
@@ -394,6 +422,12 @@ class Config:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def with_num_blocks(self, num_blocks: int) -> "Config":
+        """This configuration with `pa_config.num_blocks` decided (num_blocks auto, sized at start), checked again."""
+        raw = self.to_dict()
+        raw["pa_config"]["num_blocks"] = num_blocks
+        return config_from_dict(raw)
 
     def draft_config(self, model_path: Optional[str] = None) -> "Config":
         """The configuration of the draft model's agent (spec_config.method draft): this one, with the draft's

@@ -467,18 +467,21 @@ def _one(pattern: str, what: str) -> Optional[str]:
     return found[0] if found else None
 
 
+def _mindformers_dir_config(model_dir: str) -> LlamaConfig:
+    if os.path.exists(os.path.join(model_dir, "config.json")):
+        return load_config(model_dir)
+    yaml_path = _one(os.path.join(model_dir, "*.yaml"), "yaml") or _one(os.path.join(model_dir, "*.yml"), "yaml")
+    if yaml_path is None:
+        raise WeightLoadError(f"{model_dir}: a MindFormers checkpoint needs a config.json or a MindFormers "
+                              "*.yaml next to it")
+    return _mindformers_config(yaml_path)
+
+
 def _load_mindformers(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
     """(MindSpore's load_checkpoint reads the whole file: a tensor-parallel rank cuts its part afterwards.)"""
     model_dir = path if os.path.isdir(path) else os.path.dirname(path)
     ckpt = path if os.path.isfile(path) else _one(os.path.join(model_dir, "*.ckpt"), "checkpoint (*.ckpt)")
-    if os.path.exists(os.path.join(model_dir, "config.json")):
-        cfg = load_config(model_dir)
-    else:
-        yaml_path = _one(os.path.join(model_dir, "*.yaml"), "yaml") or _one(os.path.join(model_dir, "*.yml"), "yaml")
-        if yaml_path is None:
-            raise WeightLoadError(f"{model_dir}: a MindFormers checkpoint needs a config.json or a MindFormers "
-                                  "*.yaml next to it")
-        cfg = _mindformers_config(yaml_path)
+    cfg = _mindformers_dir_config(model_dir)
     import mindspore as ms
 
     try:
@@ -535,6 +538,19 @@ def detect_format(path: str) -> str:
         return "mindformers"
     raise WeightLoadError(f"{path}: not a model directory: expected config.json with model.safetensors (or "
                           "a safetensors index), or a MindFormers *.ckpt; or pass a llama2.c .bin file")
+
+
+def model_shape(path: str) -> LlamaConfig:
+    """The LlamaConfig of any supported checkpoint without reading its tensors (sizing the KV cache before the
+    agents load it). A GGUF goes through `load_gguf`'s cache, which this fills on a first start."""
+    path = os.fspath(path)
+    fmt = detect_format(path)
+    if fmt == "gguf":
+        from .weights_gguf import load_gguf
+        return load_gguf(path)[0]
+    if fmt == "mindformers":
+        return _mindformers_dir_config(path if os.path.isdir(path) else os.path.dirname(path))
+    return {"hf": _load_hf, "llama2c": _load_llama2c}[fmt](path)[0]
 
 
 def _check_shape(name: str, arr, shape: tuple) -> None:

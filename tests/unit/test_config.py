@@ -63,7 +63,10 @@ model_path:
     ({"model_config": {"decode_batch_size": [1, 1]}}, "distinct"),
     ({"model_config": {"device_target": "GPU"}}, "model_config.device_target='GPU'"),
     ({"serving_config": {"server_port": 70000}}, "serving_config.server_port=70000"),
-    ({"serving_config": {"max_num_seqs": 64}}, "serving_config.max_num_seqs=64"),
+    ({"serving_config": {"max_num_seqs": 64}, "model_config": {"decode_batch_size": [1, 32]}},
+     "serving_config.max_num_seqs=64"),
+    ({"pa_config": {"num_blocks": "lots"}}, "pa_config.num_blocks='lots'"),
+    ({"pa_config": {"kv_memory_fraction": 0.95}}, "pa_config.kv_memory_fraction=0.95"),
     ({"pa_config": {"num_blocks": 4}}, "pa_config.num_blocks=4"),
     ({"model_config": {"end_token": [-1]}}, "model_config.end_token"),
     ({"tokenizer": {"type": "BertTokenizer"}}, "tokenizer.type"),
@@ -89,13 +92,37 @@ def test_bad_values_name_key_and_value(raw, needle):
 def test_scheduler_config_defaults_and_chunked_prefill_lifts_the_length_limit():
     cfg = config_from_dict({"model_config": {"max_generate_length": 2048}})
     sched = cfg.scheduler_config
-    assert (sched.policy, sched.chunked_prefill, sched.enable_prefix_caching) == ("prefill_first", False, True)
-    assert cfg.max_model_len == 512 and cfg.max_chunk_tokens == 512      # whole prompts: the largest bucket
+    assert (sched.policy, sched.chunked_prefill, sched.enable_prefix_caching) == ("prefill_first", True, True)
+    assert cfg.max_model_len == 2048 and cfg.max_chunk_tokens == 512      # chunks of the largest bucket
     cfg = config_from_dict({"model_config": {"max_generate_length": 2048}, "pa_config": {"num_blocks": 512}},
-                           ("scheduler_config.chunked_prefill=true", "scheduler_config.max_chunk_tokens=128",
-                            "scheduler_config.policy=longest_output_first"))
+                           ("scheduler_config.chunked_prefill=false",))
+    assert cfg.max_model_len == 512                                        # whole prompts: the largest bucket
+    cfg = config_from_dict({"model_config": {"max_generate_length": 2048}, "pa_config": {"num_blocks": 512}},
+                           ("scheduler_config.max_chunk_tokens=128", "scheduler_config.policy=longest_output_first"))
     assert cfg.max_model_len == 2048 and cfg.max_chunk_tokens == 128 and cfg.max_blocks_per_seq == 128
     assert cfg.scheduler_config.policy == "longest_output_first"
+
+
+def test_decode_buckets_and_max_num_seqs_derive_from_each_other():
+    cfg = config_from_dict({})
+    assert cfg.serving_config.max_num_seqs == 64
+    assert cfg.model_config.decode_batch_size == [1, 4, 8, 16, 32, 64]
+    cfg = config_from_dict({}, ("serving_config.max_num_seqs=100",))
+    assert cfg.model_config.decode_batch_size == [1, 4, 8, 16, 32, 64, 100]     # the last bucket fits exactly
+    cfg = config_from_dict({}, ("serving_config.max_num_seqs=3",))
+    assert cfg.model_config.decode_batch_size == [1, 3]
+    cfg = config_from_dict({}, ("model_config.decode_batch_size=[1,2,24]",))   # buckets given: they bound it
+    assert cfg.serving_config.max_num_seqs == 24
+    cfg = config_from_dict({}, ("model_config.decode_batch_size=[1,2,24]", "serving_config.max_num_seqs=10"))
+    assert (cfg.serving_config.max_num_seqs, cfg.model_config.decode_batch_size) == (10, [1, 2, 24])
+
+
+def test_num_blocks_auto_is_decided_later_and_then_checked():
+    cfg = config_from_dict({"model_config": {"max_generate_length": 1024}})
+    assert cfg.pa_config.num_blocks == "auto" and cfg.pa_config.kv_memory_fraction == 0.3
+    assert cfg.with_num_blocks(64).pa_config.num_blocks == 64
+    with pytest.raises(ConfigError, match="pa_config.num_blocks=63"):    # 1,024 tokens need 64 blocks of 16
+        cfg.with_num_blocks(63)
 
 
 def test_overrides_parse_yaml_values_and_win_over_file():

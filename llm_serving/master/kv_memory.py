@@ -1,0 +1,85 @@
+"""How many KV-cache blocks to allocate when `pa_config.num_blocks` is `auto` (the default).
+
+Every agent allocates the same number of blocks (the master's block tables index them all); a block holds
+`block_size` tokens of keys and values for every layer and KV head, float32:
+
+    bytes per block = 2 (K, V) x layers x kv_heads x head_dim x block_size x 4
+
+summed over the models that keep a cache with the target's block tables (the target, and a draft model when
+spec_config uses one). Tensor parallelism splits the KV heads over the agents, so the sum is the same.
+
+The number is the smaller of
+  - what `max_num_seqs` requests of the longest length need (`max_blocks_per_seq` each): more blocks than that
+    serve only the prefix cache, and memory is better left to the machine;
+  - `pa_config.kv_memory_fraction` of the memory available when the server starts (like vLLM's KV-cache space
+    setting), so a small machine gets a smaller cache rather than an out-of-memory kill.
+It must hold one longest request; if even that does not fit the server does not start, and says what to lower.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import psutil
+
+from llm_serving.config import Config, ConfigError
+from llm_serving.models.weights import model_shape
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    num_blocks: int
+    bytes_per_block: int
+    wanted_blocks: int          # max_num_seqs longest requests
+    budget_bytes: int           # kv_memory_fraction of the available memory
+
+    def describe(self) -> str:
+        limit = "max_num_seqs longest requests" if self.num_blocks == self.wanted_blocks else "the memory budget"
+        return (f"{self.num_blocks} KV blocks ({self.num_blocks * self.bytes_per_block / 2**20:.0f} MiB, "
+                f"{self.bytes_per_block / 2**10:.0f} KiB each; bound by {limit}: "
+                f"{self.wanted_blocks} blocks wanted, budget {self.budget_bytes / 2**20:.0f} MiB)")
+
+
+def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int) -> int:
+    return 2 * num_layers * num_kv_heads * head_dim * block_size * 4
+
+
+def plan_blocks(config: Config, layer_bytes: int, available_bytes: int) -> KVPlan:
+    """The block count for a cache of `layer_bytes` per token summed over layers and models (K and V, float32),
+    given `available_bytes` of free memory. ConfigError if one longest request does not fit."""
+    pa, sc = config.pa_config, config.serving_config
+    per_block = layer_bytes * pa.block_size
+    wanted = sc.max_num_seqs * config.max_blocks_per_seq
+    budget = int(available_bytes * pa.kv_memory_fraction)
+    num = min(wanted, budget // per_block)
+    if num < config.max_blocks_per_seq:
+        need = config.max_blocks_per_seq * per_block
+        raise ConfigError(
+            f"pa_config.num_blocks=auto: one request of {config.max_model_len} tokens needs "
+            f"{config.max_blocks_per_seq} KV blocks ({need / 2**20:.0f} MiB), more than pa_config.kv_memory_fraction="
+            f"{pa.kv_memory_fraction:g} of the {available_bytes / 2**20:.0f} MiB available; lower "
+            "model_config.max_generate_length, raise the fraction, or set pa_config.num_blocks")
+    return KVPlan(num_blocks=num, bytes_per_block=per_block, wanted_blocks=wanted, budget_bytes=budget)
+
+
+def size_kv_cache(config: Config, model_path: str, available_bytes: Optional[int] = None) -> Config:
+    """`config` with `pa_config.num_blocks` decided when it is `auto` (the model's shape read from its
+    checkpoint, the draft's too), else `config` itself."""
+    if config.pa_config.num_blocks != "auto":
+        return config
+    shape = model_shape(model_path)
+    per_token = bytes_per_block(shape.num_layers, shape.num_kv_heads, shape.head_dim, 1)
+    spec = config.spec_config
+    if spec.uses_draft:
+        draft = shape if spec.draft_model is None else model_shape(spec.draft_model)
+        layers = spec.draft_num_layers or draft.num_layers
+        per_token += bytes_per_block(layers, draft.num_kv_heads, draft.head_dim, 1)
+    if available_bytes is None:
+        available_bytes = psutil.virtual_memory().available
+    plan = plan_blocks(config, per_token, available_bytes)
+    logger.info("pa_config.num_blocks=auto: %s", plan.describe())
+    return config.with_num_blocks(plan.num_blocks)

@@ -1,0 +1,69 @@
+"""pa_config.num_blocks auto: the KV cache sized from the model's shape and the memory available at start."""
+import pytest
+
+from llm_serving.cli import main
+from llm_serving.config import ConfigError, config_from_dict
+from llm_serving.master.kv_memory import bytes_per_block, plan_blocks, size_kv_cache
+
+
+@pytest.fixture(scope="module")
+def stories_hf(shared_dir) -> str:
+    return str(shared_dir / "models/stories260K/hf")
+
+MiB = 2 ** 20
+# stories260K: 5 layers, 4 KV heads of 8 dims: 2 x 5 x 4 x 8 x 4 bytes = 1,280 bytes per token
+STORIES_TOKEN_BYTES = 2 * 5 * 4 * 8 * 4
+
+
+def test_a_block_holds_keys_and_values_of_every_layer_in_float32():
+    assert bytes_per_block(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16) == 2 * 30 * 3 * 64 * 16 * 4
+
+
+def test_enough_memory_gives_every_running_request_its_longest_length():
+    cfg = config_from_dict({"model_config": {"max_generate_length": 512}}, ("serving_config.max_num_seqs=64",))
+    plan = plan_blocks(cfg, layer_bytes=1000, available_bytes=10_000 * MiB)
+    assert plan.num_blocks == plan.wanted_blocks == 64 * 32
+    assert "bound by max_num_seqs" in plan.describe()
+
+
+def test_little_memory_gives_the_share_of_it_that_the_fraction_allows():
+    cfg = config_from_dict({}, ("pa_config.kv_memory_fraction=0.5",))
+    plan = plan_blocks(cfg, layer_bytes=1000, available_bytes=16 * MiB)    # 8 MiB for blocks of 16,000 bytes
+    assert plan.num_blocks == 8 * MiB // 16_000 < plan.wanted_blocks
+    assert "bound by the memory budget" in plan.describe()
+
+
+def test_not_even_one_longest_request_fitting_is_a_config_error_saying_what_to_lower():
+    cfg = config_from_dict({"model_config": {"max_generate_length": 4096}})
+    with pytest.raises(ConfigError, match="max_generate_length") as err:
+        plan_blocks(cfg, layer_bytes=100_000, available_bytes=100 * MiB)     # 30 MiB: 19 blocks, 256 needed
+    assert "pa_config.num_blocks=auto" in str(err.value)
+
+
+def test_the_model_shape_is_read_from_the_checkpoint_and_a_draft_adds_its_layers(stories_hf):
+    cfg = config_from_dict({"model_config": {"max_generate_length": 256}},
+                           ("serving_config.max_num_seqs=4", "spec_config.method=off"))
+    sized = size_kv_cache(cfg, stories_hf, available_bytes=1000 * MiB)
+    assert sized.pa_config.num_blocks == 4 * 16               # bound by 4 requests of 256 tokens
+    tight = config_from_dict({"model_config": {"max_generate_length": 64}},
+                             ("serving_config.max_num_seqs=64", "spec_config.method=off",
+                              "pa_config.kv_memory_fraction=0.5"))
+    available = 2 * 100 * STORIES_TOKEN_BYTES * 16           # half of it: 100 blocks of the target alone
+    assert size_kv_cache(tight, stories_hf, available_bytes=available).pa_config.num_blocks == 100
+    drafted = config_from_dict({"model_config": {"max_generate_length": 64}},
+                               ("serving_config.max_num_seqs=64", "spec_config.method=draft",
+                                "spec_config.draft_num_layers=3", "pa_config.kv_memory_fraction=0.5"))
+    # the draft keeps 3 of the 5 layers with the same block tables: 8 layers' worth per block
+    assert size_kv_cache(drafted, stories_hf, available_bytes=available).pa_config.num_blocks == 100 * 5 // 8
+
+
+def test_a_given_block_count_is_kept():
+    cfg = config_from_dict({}, ("pa_config.num_blocks=100",))
+    assert size_kv_cache(cfg, "/nonexistent", available_bytes=0) is cfg
+
+
+def test_start_refuses_a_cache_that_cannot_hold_one_request(stories_hf, capsys):
+    code = main(["start", "--model", stories_hf, "--set", "pa_config.kv_memory_fraction=0.0000001",
+                 "--set", "model_config.max_generate_length=100000"])
+    assert code == 2
+    assert "pa_config.num_blocks=auto" in capsys.readouterr().err
