@@ -9,19 +9,32 @@ shm, TCP, agent, streaming) at a fixed concurrency C, divided by the bare model 
 
 1.0 would be a server that costs nothing beyond the model step; prefill steps count against the
 server here (they produce no decode tokens), so short prompts and long outputs are used by default.
+
+It also reports issue 23's definition of the serving overhead, which the client's cores do not blur: the
+master process's CPU seconds (user + system, from the OS) over the agents' model seconds (the engine's
+`step_profile_total_s["model"]` in /stats), both taken around the measured run (goal: <= 5% at 64 streams).
 Writes JSON (default bench_results/serving_overhead.json).
 """
 from __future__ import annotations
 
 import argparse
 import sys
+
+import psutil
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import (info, log_dir, machine, replay, server_args, synthetic_samples, table,  # noqa: E402
                           time_decode_steps, write_json)
-from llm_serving.launch import ServerProcess  # noqa: E402
+from llm_serving.launch import ServerProcess, http  # noqa: E402
+
+
+def master_cpu_and_model_s(server: ServerProcess) -> tuple:
+    """(the master's CPU seconds so far, the agents' model seconds so far)."""
+    t = psutil.Process(server.proc.pid).cpu_times()
+    model_s = http("GET", server.url + "/stats")[1]["step_profile_total_s"].get("model", 0.0)
+    return t.user + t.system, model_s
 
 
 def main(argv=None) -> int:
@@ -39,14 +52,17 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     cli = server_args(args.model, args.config, args.set)
-    e2e = {}
+    e2e, master = {}, {}
     with ServerProcess(cli, log_dir() / "serving_overhead.log") as server:
         facts = info(server)
         for c in args.concurrency:
             samples = synthetic_samples(args.rounds * c, facts["tokenizer_path"], args.input_len, args.output_len)
             replay(server.url, facts["model_id"], samples[:c], [0.0] * c, max_concurrency=c)   # warm
+            cpu0, model0 = master_cpu_and_model_s(server)
             summary, _ = replay(server.url, facts["model_id"], samples, [0.0] * len(samples), max_concurrency=c)
+            cpu1, model1 = master_cpu_and_model_s(server)
             e2e[c] = summary
+            master[c] = (cpu1 - cpu0) / (model1 - model0) if model1 > model0 else None
             print(f"C={c}: {summary['output_throughput']:.1f} output tok/s end to end "
                   f"({summary['failed']} failed)", flush=True)
         model_path = facts["model_path"]
@@ -68,13 +84,15 @@ def main(argv=None) -> int:
         s = e2e[c]
         rows.append({"concurrency": c, "e2e_tok_s": s["output_throughput"], "bare_tok_s": c / step,
                      "ratio": s["output_throughput"] / (c / step), "bare_step_ms": step * 1e3,
-                     "tpot_p50": s["tpot_ms"]["median"], "ttft_p50": s["ttft_ms"]["median"], "failed": s["failed"]})
+                     "tpot_p50": s["tpot_ms"]["median"], "ttft_p50": s["ttft_ms"]["median"], "failed": s["failed"],
+                     "master_cpu_over_model": master[c]})
     print(f"\nserving overhead: {facts['model_id']}, prompts ~{args.input_len} tokens, {args.output_len} output "
           f"tokens, {args.rounds} rounds per concurrency")
     print(table(rows, [("concurrency", "C", "{}"), ("e2e_tok_s", "e2e tok/s", "{:.1f}"),
                        ("bare_tok_s", "bare step tok/s", "{:.1f}"), ("ratio", "e2e/bare", "{:.2f}"),
                        ("bare_step_ms", "bare step ms", "{:.2f}"), ("tpot_p50", "TPOT p50 ms", "{:.2f}"),
-                       ("ttft_p50", "TTFT p50 ms", "{:.0f}")]))
+                       ("ttft_p50", "TTFT p50 ms", "{:.0f}"),
+                       ("master_cpu_over_model", "master CPU/model", "{:.1%}")]))
     write_json(args.out, {"scenario": "serving_overhead", "machine": machine(), "model": facts["model_id"],
                           "input_len": args.input_len, "output_len": args.output_len, "rows": rows,
                           "runs": {str(c): s for c, s in e2e.items()}})
