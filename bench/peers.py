@@ -97,10 +97,9 @@ def f32_gguf(model_dir: str, vllm_python) -> tuple:
     if not script.is_file() or vllm_python is None:
         return None, f"converting {model_dir} to GGUF needs {script} and the vLLM python (its torch)"
     out.parent.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": str(script.parent / "gguf-py"), "NO_LOCAL_GGUF": ""}
-    tmp = out.with_suffix(".tmp")
+    tmp = out.with_suffix(".tmp")      # (the script puts its own gguf-py, beside it, on the path)
     done = subprocess.run([vllm_python, str(script), model_dir, "--outtype", "f32", "--outfile", str(tmp)],
-                          capture_output=True, text=True, env=env)
+                          capture_output=True, text=True)
     if done.returncode != 0:
         return None, f"convert_hf_to_gguf.py failed: {done.stderr.strip().splitlines()[-3:]}"
     tmp.rename(out)

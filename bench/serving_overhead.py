@@ -13,15 +13,16 @@ server here (they produce no decode tokens), so short prompts and long outputs a
 It also reports issue 23's definition of the serving overhead, which the client's cores do not blur: the
 master process's CPU seconds (user + system, from the OS) over the agents' model seconds (the engine's
 `step_profile_total_s["model"]` in /stats), both taken around the measured run (goal: <= 5% at 64 streams).
+
 Writes JSON (default bench_results/serving_overhead.json).
 """
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import psutil
-from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 

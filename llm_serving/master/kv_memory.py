@@ -18,14 +18,13 @@ It must hold one longest request; if even that does not fit the server does not 
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 from typing import Optional
 
 import psutil
 
 from llm_serving.config import Config, ConfigError
-from llm_serving.models.weights import model_shape
+from llm_serving.models.weights import WeightLoadError, model_shape
 
 logger = logging.getLogger(__name__)
 
@@ -48,11 +47,11 @@ def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_siz
     return 2 * num_layers * num_kv_heads * head_dim * block_size * 4
 
 
-def plan_blocks(config: Config, layer_bytes: int, available_bytes: int) -> KVPlan:
-    """The block count for a cache of `layer_bytes` per token summed over layers and models (K and V, float32),
+def plan_blocks(config: Config, token_bytes: int, available_bytes: int) -> KVPlan:
+    """The block count for a cache of `token_bytes` per token (K and V of every layer of every model, float32),
     given `available_bytes` of free memory. ConfigError if one longest request does not fit."""
     pa, sc = config.pa_config, config.serving_config
-    per_block = layer_bytes * pa.block_size
+    per_block = token_bytes * pa.block_size
     wanted = sc.max_num_seqs * config.max_blocks_per_seq
     budget = int(available_bytes * pa.kv_memory_fraction)
     num = min(wanted, budget // per_block)
@@ -71,13 +70,16 @@ def size_kv_cache(config: Config, model_path: str, available_bytes: Optional[int
     checkpoint, the draft's too), else `config` itself."""
     if config.pa_config.num_blocks != "auto":
         return config
-    shape = model_shape(model_path)
-    per_token = bytes_per_block(shape.num_layers, shape.num_kv_heads, shape.head_dim, 1)
     spec = config.spec_config
+    try:
+        shape = model_shape(model_path)
+        draft = model_shape(spec.draft_model) if spec.uses_draft and spec.draft_model is not None else shape
+    except WeightLoadError as e:
+        raise ConfigError(f"pa_config.num_blocks=auto cannot read the model's shape: {e}") from None
+    layers = config.model_config.num_layers or shape.num_layers       # a served cut keeps only its layers
+    per_token = bytes_per_block(layers, shape.num_kv_heads, shape.head_dim, 1)
     if spec.uses_draft:
-        draft = shape if spec.draft_model is None else model_shape(spec.draft_model)
-        layers = spec.draft_num_layers or draft.num_layers
-        per_token += bytes_per_block(layers, draft.num_kv_heads, draft.head_dim, 1)
+        per_token += bytes_per_block(spec.draft_num_layers or draft.num_layers, draft.num_kv_heads, draft.head_dim, 1)
     if available_bytes is None:
         available_bytes = psutil.virtual_memory().available
     plan = plan_blocks(config, per_token, available_bytes)

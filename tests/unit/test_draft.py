@@ -16,7 +16,8 @@ from llm_serving.config import ConfigError, config_from_dict
 from llm_serving.master.draft import DraftProposer
 from llm_serving.master.speculative import tree_from_paths
 from tests.unit.test_scheduler import make_requests, make_scheduler, next_token, reference_output
-from tests.unit.test_speculative import SpecFakeRunner, TreeFakeRunner
+from tests.unit.test_speculative import (SpecFakeRunner, TreeFakeRunner, add_random_requests,
+                                        assert_outputs_are_plain_decodings)
 
 
 class FakeDraftAgents:
@@ -177,16 +178,10 @@ def test_draft_kv_stays_valid_and_outputs_equal_plain_decoding(n, wrong, k, num_
                            max_num_batched_tokens=budget, policy=policy, chunked_prefill=True, max_chunk_tokens=8,
                            propose_later=True, spec_tokens=k, spec_max_rows=rng.randint(1, 6),
                            tree_width=width if width > 1 else 0)
-    reqs = make_requests(n, prompt_len=[rng.randint(1, 12) for _ in range(n)],
-                         max_new_tokens=[rng.randint(1, 14) for _ in range(n)], prefix=(7, 8, 9, 10, 11))
-    for r in reqs:
-        sched.add(r)
+    reqs = add_random_requests(sched, rng, n, 12)
     drafter, _ = make_drafter(sched, reqs, wrong=wrong, seed=seed, width=width)
-    runner = TreeFakeRunner(sched)
-    asyncio.run(serve(sched, runner, drafter))
-    assert not sched.has_work
-    for r in reqs:
-        assert r.output_ids == reference_output(r), r.req_id
+    asyncio.run(serve(sched, TreeFakeRunner(sched), drafter))
+    assert_outputs_are_plain_decodings(sched, reqs)
 
 
 def test_draft_config_is_the_targets_with_the_drafts_model_and_one_agent():

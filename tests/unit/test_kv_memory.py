@@ -21,14 +21,14 @@ def test_a_block_holds_keys_and_values_of_every_layer_in_float32():
 
 def test_enough_memory_gives_every_running_request_its_longest_length():
     cfg = config_from_dict({"model_config": {"max_generate_length": 512}}, ("serving_config.max_num_seqs=64",))
-    plan = plan_blocks(cfg, layer_bytes=1000, available_bytes=10_000 * MiB)
+    plan = plan_blocks(cfg, token_bytes=1000, available_bytes=10_000 * MiB)
     assert plan.num_blocks == plan.wanted_blocks == 64 * 32
     assert "bound by max_num_seqs" in plan.describe()
 
 
 def test_little_memory_gives_the_share_of_it_that_the_fraction_allows():
     cfg = config_from_dict({}, ("pa_config.kv_memory_fraction=0.5",))
-    plan = plan_blocks(cfg, layer_bytes=1000, available_bytes=16 * MiB)    # 8 MiB for blocks of 16,000 bytes
+    plan = plan_blocks(cfg, token_bytes=1000, available_bytes=16 * MiB)    # 8 MiB for blocks of 16,000 bytes
     assert plan.num_blocks == 8 * MiB // 16_000 < plan.wanted_blocks
     assert "bound by the memory budget" in plan.describe()
 
@@ -36,7 +36,7 @@ def test_little_memory_gives_the_share_of_it_that_the_fraction_allows():
 def test_not_even_one_longest_request_fitting_is_a_config_error_saying_what_to_lower():
     cfg = config_from_dict({"model_config": {"max_generate_length": 4096}})
     with pytest.raises(ConfigError, match="max_generate_length") as err:
-        plan_blocks(cfg, layer_bytes=100_000, available_bytes=100 * MiB)     # 30 MiB: 19 blocks, 256 needed
+        plan_blocks(cfg, token_bytes=100_000, available_bytes=100 * MiB)     # 30 MiB: 19 blocks, 256 needed
     assert "pa_config.num_blocks=auto" in str(err.value)
 
 
@@ -67,3 +67,17 @@ def test_start_refuses_a_cache_that_cannot_hold_one_request(stories_hf, capsys):
                  "--set", "model_config.max_generate_length=100000"])
     assert code == 2
     assert "pa_config.num_blocks=auto" in capsys.readouterr().err
+
+
+def test_a_served_layer_cut_counts_only_its_layers_and_an_unreadable_shape_is_a_config_error(stories_hf, tmp_path):
+    cut = config_from_dict({"model_config": {"max_generate_length": 64, "num_layers": 2}},
+                           ("serving_config.max_num_seqs=64", "spec_config.method=off",
+                            "pa_config.kv_memory_fraction=0.5"))
+    available = 2 * 100 * STORIES_TOKEN_BYTES * 16           # 100 blocks of all 5 layers, 250 of 2
+    assert size_kv_cache(cut, stories_hf, available_bytes=available).pa_config.num_blocks == 250
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "model.safetensors").write_bytes(b"")
+    (broken / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="cannot read the model's shape"):
+        size_kv_cache(config_from_dict({}), str(broken), available_bytes=available)

@@ -78,6 +78,21 @@ class OracleProposer:
         return out
 
 
+def add_random_requests(sched, rng, n, max_prompt_len):
+    """n requests sharing a 5-token prefix, random prompt (1..max_prompt_len) and output (1..14) lengths, added."""
+    reqs = make_requests(n, prompt_len=[rng.randint(1, max_prompt_len) for _ in range(n)],
+                         max_new_tokens=[rng.randint(1, 14) for _ in range(n)], prefix=(7, 8, 9, 10, 11))
+    for r in reqs:
+        sched.add(r)
+    return reqs
+
+
+def assert_outputs_are_plain_decodings(sched, reqs):
+    assert not sched.has_work
+    for r in reqs:
+        assert r.output_ids == reference_output(r), r.req_id
+
+
 class SpecFakeRunner(FakeRunner):
     """FakeRunner that also runs verify steps: the proposals' K/V are written like any token's, a token is
     'sampled' after each of them, and the engine's rule (accepted_prefix) keeps the agreeing run."""
@@ -180,15 +195,9 @@ def test_outputs_equal_plain_decoding_whatever_is_accepted(n, wrong, k, num_bloc
     sched = make_scheduler(num_blocks=num_blocks, block_size=4, prefix_caching=prefix_caching,
                            max_num_batched_tokens=budget, policy=policy, chunked_prefill=True, max_chunk_tokens=8,
                            proposer=OracleProposer(k, wrong, seed), spec_max_rows=rng.randint(1, 6))
-    reqs = make_requests(n, prompt_len=[rng.randint(1, 12) for _ in range(n)],
-                         max_new_tokens=[rng.randint(1, 14) for _ in range(n)], prefix=(7, 8, 9, 10, 11))
-    for r in reqs:
-        sched.add(r)
-    runner = SpecFakeRunner(sched)
-    runner.run(max_steps=2000)
-    assert not sched.has_work
-    for r in reqs:
-        assert r.output_ids == reference_output(r), r.req_id
+    reqs = add_random_requests(sched, rng, n, 12)
+    SpecFakeRunner(sched).run(max_steps=2000)
+    assert_outputs_are_plain_decodings(sched, reqs)
 
 
 # --- token trees (method tree) -------------------------------------------------------------------------
@@ -269,12 +278,6 @@ def test_tree_outputs_equal_plain_decoding_whatever_branch_is_kept(n, wrong, k, 
                            max_num_batched_tokens=40, policy=policy, chunked_prefill=True, max_chunk_tokens=8,
                            proposer=TreeOracleProposer(k, wrong, seed), spec_max_rows=rng.randint(1, 5),
                            tree_width=2, max_model_len=40)
-    reqs = make_requests(n, prompt_len=[rng.randint(1, 10) for _ in range(n)],
-                         max_new_tokens=[rng.randint(1, 14) for _ in range(n)], prefix=(7, 8, 9, 10, 11))
-    for r in reqs:
-        sched.add(r)
-    runner = TreeFakeRunner(sched)
-    runner.run(max_steps=2000)
-    assert not sched.has_work
-    for r in reqs:
-        assert r.output_ids == reference_output(r), r.req_id
+    reqs = add_random_requests(sched, rng, n, 10)
+    TreeFakeRunner(sched).run(max_steps=2000)
+    assert_outputs_are_plain_decodings(sched, reqs)
