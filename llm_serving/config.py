@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_NUM_SEQS = 64    # running sequences when neither max_num_seqs nor decode buckets are given
 SCHEDULING_POLICIES = ("prefill_first", "longest_output_first", "fcfs")   # see master/scheduler.py
-ATTENTION_KERNELS = ("auto", "on", "off")      # CPU decode attention; see models/runner.py
+ATTENTION_KERNELS = ("auto", "on", "off")      # CPU kernel switches (attention, layer); see models/runner.py
 SPEC_METHODS = ("off", "ngram", "draft", "tree", "draft_tree")   # speculative decoding proposers; see
                                                                  # master/speculative.py and master/draft.py
 
@@ -87,6 +87,11 @@ class ModelConfig:
     num_threads: Optional[int] = None         # MindSpore CPU threads per agent; None = MindSpore's default
     attention_kernel: str = "auto"            # CPU decode attention: the C++ paged kernel ('on'), the key gather
                                               # ('off'), or the kernel when a C++ compiler builds it ('auto')
+    layer_kernel: str = "auto"                # CPU steps of few tokens: each decoder layer as one C++ kernel
+                                              # ('on'), layer by layer in MindSpore ops ('off'), 'auto' = the
+                                              # kernel when it builds, on one agent with the attention kernel
+    layer_kernel_max_tokens: int = 64         # steps of up to this many tokens (decode rows, packed prefill or
+                                              # verify tokens) take the layer kernel; larger ones MindSpore's GEMMs
     all_reduce: str = "auto"                  # tensor parallelism's all-reduce: 'shm' (CPU shared memory),
                                               # 'mindspore' (MindSpore's: HCCL on Ascend), 'auto' = by device
     model_dtype: str = "float32"
@@ -116,6 +121,12 @@ class ModelConfig:
         self.attention_kernel = _yaml_switch(self.attention_kernel)
         _check(self.attention_kernel in ATTENTION_KERNELS, "model_config.attention_kernel",
                self.attention_kernel, f"must be one of {', '.join(ATTENTION_KERNELS)}")
+        self.layer_kernel = _yaml_switch(self.layer_kernel)
+        _check(self.layer_kernel in ATTENTION_KERNELS, "model_config.layer_kernel", self.layer_kernel,
+               f"must be one of {', '.join(ATTENTION_KERNELS)}")
+        _check_int("model_config.layer_kernel_max_tokens", self.layer_kernel_max_tokens)
+        _check(not (self.layer_kernel == "on" and self.attention_kernel == "off"), "model_config.layer_kernel",
+               self.layer_kernel, "'on' needs the paged-attention kernel (model_config.attention_kernel auto or on)")
         _check(self.all_reduce in ("auto", "shm", "mindspore"), "model_config.all_reduce", self.all_reduce,
                "must be 'auto', 'shm' or 'mindspore'")
         _check(not (self.all_reduce == "shm" and self.device_target != "CPU"), "model_config.all_reduce",

@@ -54,7 +54,8 @@ def _rms_normalize(x, eps: float):
 
 class LlamaDecoderLayer(nn.Cell):
     def __init__(self, cfg: LlamaConfig, w: dict, i: int, num_slots: int, device_target: str, block_size: int,
-                 decode_kernel: Optional[str], kernel_threads: int, tp: TensorParallel, all_reduce):
+                 decode_kernel: Optional[str], kernel_threads: int, tp: TensorParallel, all_reduce,
+                 layer_kernel: Optional[str] = None):
         super().__init__()
         p = f"model.layers.{i}."
         world = tp.world
@@ -83,6 +84,24 @@ class LlamaDecoderLayer(nn.Cell):
         self.matmul_t = ops.MatMul(transpose_b=True)
         self.parallel = all_reduce is not None            # o_proj and down_proj outputs are partial sums
         self.all_reduce = all_reduce.op if self.parallel else None
+        self.layer_kernel = None
+        if layer_kernel is not None:
+            # the whole layer as one CPU kernel (kernels/decoder_layer_cpu.cc) for small decode-shaped steps
+            self.layer_kernel = ops.Custom(f"{layer_kernel}:DecoderLayer", out_shape=lambda x, *_: x,
+                                           out_dtype=lambda x, *_: x, func_type="aot")
+            if self.qkv_bias is None:
+                self.qkv_bias_or_zero = _param(np.zeros(qkv.shape[0], np.float32), f"layers.{i}.qkv_bias0")
+            else:
+                self.qkv_bias_or_zero = self.qkv_bias
+            self.kernel_icfg = Tensor(np.array([block_size, self.nh, self.kvh, kernel_threads], np.int32))
+            self.kernel_fcfg = Tensor(np.array([self.eps], np.float32))
+
+    def fused(self, x, positions, slots, block_tables, context_lens, tree_bits, cos_table, sin_table):
+        # x (T, H); positions, slots, context_lens, tree_bits (T,); block_tables (T, W); cos/sin tables (P, D)
+        return self.layer_kernel(x, positions, slots, block_tables, context_lens, tree_bits, cos_table, sin_table,
+                                 self.qkv_w, self.qkv_bias_or_zero, self.o_w, self.gate_up_w, self.down_w,
+                                 self.attn.key_cache, self.attn.value_cache, self.kernel_icfg,
+                                 self.kernel_fcfg)                                        # (T, H)
 
     def construct(self, x, cos, sin, meta):
         # x (T, H); cos, sin (T, NH+2KVH, D); meta: paged_metadata's tuple
@@ -121,9 +140,12 @@ class LlamaForCausalLM(nn.Cell):
 
     def __init__(self, cfg: LlamaConfig, weights: dict, *, num_slots: int, block_size: int,
                  max_positions: int, device_target: str = "CPU", decode_kernel: Optional[str] = None,
-                 kernel_threads: int = 1, tp: TensorParallel = TensorParallel(), all_reduce=None):
+                 kernel_threads: int = 1, tp: TensorParallel = TensorParallel(), all_reduce=None,
+                 layer_kernel: Optional[str] = None, layer_kernel_rows: int = 0):
         super().__init__()
         tp.check(cfg)
+        if layer_kernel is not None and (tp.world > 1 or device_target != "CPU"):
+            raise ValueError("LlamaForCausalLM: the CPU layer kernel serves one CPU agent (no tensor parallelism)")
         if (tp.world > 1) != (all_reduce is not None):
             raise ValueError("LlamaForCausalLM: an all-reduce is needed exactly when tp.world > 1")
         q_rows = weights["model.layers.0.self_attn.q_proj.weight"].shape[0]
@@ -137,11 +159,19 @@ class LlamaForCausalLM(nn.Cell):
         self.writes_outputs = tp.writes_outputs
         self.embed = _param(weights["model.embed_tokens.weight"], "embed")            # (V, H)
         self.layers = nn.CellList([LlamaDecoderLayer(cfg, weights, i, num_slots, device_target, block_size,
-                                                     decode_kernel, kernel_threads, tp, all_reduce)
+                                                     decode_kernel, kernel_threads, tp, all_reduce,
+                                                     layer_kernel)
                                    for i in range(cfg.num_layers)])
+        self.layer_kernel_rows = layer_kernel_rows if layer_kernel is not None else 0
         if self.writes_outputs:                    # (the logits' tensors are loaded on rank 0 only)
             lm_head = weights["lm_head.weight"] * weights["model.norm.weight"][None, :]
             self.lm_head = _param(lm_head, "lm_head")                                   # (V, H)
+            if layer_kernel is not None:
+                self.final_logits = ops.Custom(f"{layer_kernel}:FinalLogits",
+                                               out_shape=lambda x, w, *_: ((x[0], w[0]), (x[0],), (x[0],)),
+                                               out_dtype=lambda x, *_: (x, ms.int32, x), func_type="aot")
+                self.logits_icfg = Tensor(np.array([kernel_threads], np.int32))
+                self.logits_fcfg = Tensor(np.array([cfg.rms_norm_eps], np.float32))
         cos, sin = rope_tables(cfg, max_positions)
         self.cos_table = _param(cos, "rope_cos")                                        # (P, D)
         self.sin_table = _param(sin, "rope_sin")                                        # (P, D)
@@ -164,15 +194,22 @@ class LlamaForCausalLM(nn.Cell):
         b, s = input_ids.shape
         x = ops.gather(self.embed, input_ids.reshape(-1), 0)                            # (T, H)
         flat_pos = positions.reshape(-1)                                                 # (T,)
-        d = self.cos_table.shape[1]
-        cos = ops.gather(self.cos_table, flat_pos, 0).reshape(b * s, 1, d)               # (T, 1, D)
-        sin = ops.gather(self.sin_table, flat_pos, 0).reshape(b * s, 1, d)               # (T, 1, D)
-        cos = cos * self.head_rot + self.head_keep                                       # (T, NH+2KVH, D)
-        sin = sin * self.head_rot                                                        # (T, NH+2KVH, D)
-        meta = paged_metadata(block_tables, positions, slot_mapping, context_lens, self.block_size, self.kvh,
-                              tree_bits)
-        for layer in self.layers:
-            x = layer(x, cos, sin, meta)                                                 # (T, H)
+        fused = s == 1 and b <= self.layer_kernel_rows          # small decode-shaped steps: one kernel per layer
+        if fused:
+            slots = slot_mapping.reshape(-1)                                             # (T,)
+            for layer in self.layers:
+                x = layer.fused(x, flat_pos, slots, block_tables, context_lens, tree_bits, self.cos_table,
+                                self.sin_table)                                          # (T, H)
+        else:
+            d = self.cos_table.shape[1]
+            cos = ops.gather(self.cos_table, flat_pos, 0).reshape(b * s, 1, d)           # (T, 1, D)
+            sin = ops.gather(self.sin_table, flat_pos, 0).reshape(b * s, 1, d)           # (T, 1, D)
+            cos = cos * self.head_rot + self.head_keep                                   # (T, NH+2KVH, D)
+            sin = sin * self.head_rot                                                    # (T, NH+2KVH, D)
+            meta = paged_metadata(block_tables, positions, slot_mapping, context_lens, self.block_size, self.kvh,
+                                  tree_bits)
+            for layer in self.layers:
+                x = layer(x, cos, sin, meta)                                             # (T, H)
         if s > 1 and sample_index.shape[0] == b:       # each row's last new token (else every token: verify)
             last = ops.arange(0, b, dtype=ms.int32) * s + query_lens - 1                 # (B,)
             x = ops.gather(x, last, 0)                                                   # (B, H)
@@ -180,6 +217,9 @@ class LlamaForCausalLM(nn.Cell):
             x = ops.gather(x, sample_index, 0)                                           # (R, H)
         if not self.writes_outputs:
             return x                                                                     # (R, H)
+        if fused:                   # (R, V), (R,), (R,)
+            logits, token, logprob = self.final_logits(x, self.lm_head, self.logits_icfg, self.logits_fcfg)
+            return token, logprob, logits
         logits = self.matmul_t(_rms_normalize(x, self.eps), self.lm_head)                # (R, V)
         token, logprob = greedy_pick(logits)                                             # (R,), (R,)
         return token, logprob, logits

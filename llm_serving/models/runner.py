@@ -65,7 +65,7 @@ class ModelRunner:
                  compile_cache: bool = False, attention_kernel: str = "auto",
                  max_step_tokens: Optional[int] = None, tp: Optional["TensorParallel"] = None,
                  tp_timeout_s: float = 120.0, verify_width: int = 1, verify_rows: int = 0,
-                 num_layers: Optional[int] = None):
+                 num_layers: Optional[int] = None, layer_kernel: str = "auto", layer_kernel_rows: int = 64):
         for key, val in (("num_blocks", num_blocks), ("block_size", block_size),
                          ("max_blocks_per_seq", max_blocks_per_seq)):
             if not isinstance(val, (int, np.integer)) or val < 1:
@@ -80,6 +80,9 @@ class ModelRunner:
         self.scratch_slot = self.num_blocks * self.block_size     # first slot of the scratch block
         self.max_context = self.max_blocks_per_seq * self.block_size
         self.decode_kernel = self._build_decode_kernel(device_target, attention_kernel)
+        self.tp = tp if tp is not None else TensorParallel()
+        self.layer_kernel = self._build_layer_kernel(device_target, layer_kernel, self.tp, self.decode_kernel)
+        self.layer_kernel_rows = int(layer_kernel_rows) if self.layer_kernel is not None else 0
         self.buckets = Buckets.make(decode_batch_sizes=decode_batch_sizes, prefill_batch_sizes=prefill_batch_sizes,
                                     prefill_seq_lens=prefill_seq_lens, max_blocks_per_seq=self.max_blocks_per_seq,
                                     decode_block_widths=decode_block_widths, max_step_tokens=max_step_tokens,
@@ -87,7 +90,6 @@ class ModelRunner:
                                     packed=self.decode_kernel is not None,
                                     one_width=self.decode_kernel is not None or device_target == "Ascend")
 
-        self.tp = tp if tp is not None else TensorParallel()
         self.config, weights = load_llama_weights(model_dir, self.tp, num_layers)   # this rank's part only
         cfg: LlamaConfig = self.config
         cfg.check_context(self.max_context)       # e.g. a sliding window the longest request would outgrow
@@ -100,7 +102,7 @@ class ModelRunner:
         cache_key = claim_compile_cache(
             (cfg, self.num_blocks, self.block_size, self.buckets, device_target,
              (self.tp.rank, self.tp.world, self.tp.backend) if self.tp.world > 1 else None,
-             self.decode_kernel, reduce_kernel) if compile_cache else None)
+             self.decode_kernel, reduce_kernel, self.layer_kernel, self.layer_kernel_rows) if compile_cache else None)
         self._cache_dir = setup_mindspore(device_target, device_id, num_threads, cache_key,
                                           wait_for_cache=self.tp.world == 1)
         self._build_graphs(weights, num_threads, reduce_kernel, tp_timeout_s)
@@ -120,6 +122,26 @@ class ModelRunner:
             logger.warning("CPU paged-attention kernel unavailable; decode steps gather keys instead: %s", e)
             return None
 
+    @staticmethod
+    def _build_layer_kernel(device_target: str, layer_kernel: str, tp: TensorParallel,
+                            decode_kernel: Optional[str]) -> Optional[str]:
+        """The library of the whole-layer CPU kernel (kernels/decoder_layer_cpu.cc) that serves decode-shaped
+        steps of up to layer_kernel_rows tokens, or None: 'off', not a CPU, tensor parallel (its all-reduces sit
+        inside the layer), no paged-attention kernel (the padded path), or it does not build ('auto')."""
+        if layer_kernel == "off" or device_target != "CPU" or tp.world > 1 or decode_kernel is None:
+            if layer_kernel == "on":
+                raise ValueError("ModelRunner: layer_kernel 'on' needs a CPU agent without tensor parallelism "
+                                 "and the paged-attention kernel")
+            return None
+        from .kernels import KernelBuildError, build_kernel
+        try:
+            return build_kernel("decoder_layer_cpu", "DecoderLayer").rsplit(":", 1)[0]
+        except KernelBuildError as e:
+            if layer_kernel == "on":
+                raise
+            logger.warning("CPU layer kernel unavailable; small decode steps run layer by layer: %s", e)
+            return None
+
     def _build_graphs(self, weights, num_threads: Optional[int], reduce_kernel, tp_timeout_s: float) -> None:
         import mindspore as ms
         from .llama import LlamaForCausalLM
@@ -135,7 +157,8 @@ class ModelRunner:
                                       max_positions=self.max_context, device_target=self.device_target,
                                       decode_kernel=self.decode_kernel,
                                       kernel_threads=num_threads or len(os.sched_getaffinity(0)),
-                                      tp=self.tp, all_reduce=self.all_reduce)
+                                      tp=self.tp, all_reduce=self.all_reduce, layer_kernel=self.layer_kernel,
+                                      layer_kernel_rows=self.layer_kernel_rows)
         self.sampler = Sampler(cfg.vocab_size, filters=True)          # some sampling row uses top-k/top-p
         self.plain_sampler = Sampler(cfg.vocab_size, filters=False)   # temperature only
         self.top_k_logprobs = min(TOP_LOGPROBS, cfg.vocab_size)

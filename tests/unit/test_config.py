@@ -248,3 +248,18 @@ def test_spec_config_defaults_checks_and_a_bare_off():
             config_from_dict({}, [bad])
     with pytest.raises(ConfigError, match="ngram_min"):
         config_from_dict({}, ["spec_config.ngram_min=4", "spec_config.ngram_max=2"])
+
+
+def test_layer_kernel_switch_and_limit():
+    from llm_serving.config import ConfigError, config_from_dict
+
+    mc = config_from_dict({}).model_config
+    assert (mc.layer_kernel, mc.layer_kernel_max_tokens) == ("auto", 64)
+    off = config_from_dict({}, ["model_config.layer_kernel=off", "model_config.layer_kernel_max_tokens=16"])
+    assert (off.model_config.layer_kernel, off.model_config.layer_kernel_max_tokens) == ("off", 16)
+    for bad, needle in (("model_config.layer_kernel=fast", "must be one of"),
+                        ("model_config.layer_kernel_max_tokens=0", "integer >= 1")):
+        with pytest.raises(ConfigError, match=needle):
+            config_from_dict({}, [bad])
+    with pytest.raises(ConfigError, match="needs the paged-attention kernel"):
+        config_from_dict({}, ["model_config.layer_kernel=on", "model_config.attention_kernel=off"])

@@ -1,7 +1,7 @@
 """CPU kernels MindSpore loads as `ops.Custom(func_type="aot")` operators, built here on first use.
 
-Each kernel is a C++ file next to this module. `build_kernel(name, func)` compiles it once per
-(source, compiler, flags, CPU) into `<cache>/kernels/<name>-<digest>.so` (<cache> is $LLM_SERVING_CACHE or
+Each kernel is a C++ file next to this module (the headers beside it are shared). `build_kernel(name, func)`
+compiles it once per (source and headers, compiler, flags, CPU) into `<cache>/kernels/<name>-<digest>.so` (<cache> is $LLM_SERVING_CACHE or
 ~/.cache/llm-serving) and returns the "path.so:func" string `ops.Custom` takes. `-march=native` is safe
 because the CPU's identity is part of the digest. The build goes to a temporary file that is renamed into
 place, so agents starting together never load a half-written library.
@@ -68,7 +68,9 @@ def build_kernel(name: str, func: str, cache_dir: Optional[Path] = None) -> str:
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelBuildError(f"cannot run the C++ compiler {cxx}: {e}") from e
     digest = hashlib.sha1()
-    for part in (source.read_bytes(), version.encode(), " ".join(FLAGS).encode(), _cpu_identity().encode()):
+    headers = [h.read_bytes() for h in sorted(_HERE.glob("*.h"))]          # what the sources may include
+    for part in (source.read_bytes(), *headers, version.encode(), " ".join(FLAGS).encode(),
+                 _cpu_identity().encode()):
         digest.update(part)
     out_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir() / "kernels"
     target = out_dir / f"{name}-{digest.hexdigest()[:16]}.so"

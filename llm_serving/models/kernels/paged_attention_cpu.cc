@@ -27,90 +27,24 @@
 // measured the same, so the cache stays float32.
 #include <algorithm>
 #include <atomic>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <thread>
 #include <vector>
 
+#include "cpu_kernel_common.h"
+
 namespace {
 
-struct Shapes {
-  int64_t kvh, g, d, w, bs;
-};
-
-// e^x for x <= 0 (a score minus the row's maximum), in plain arithmetic the compiler vectorises (std::exp is
-// a scalar library call: ~2 ms per layer at B=128, 8 heads, 129 keys). Cody-Waite reduction x = n ln2 + r,
-// |r| <= ln2/2, then Cephes' degree-6 polynomial for e^r: relative error ~1e-7. Below -87, e^x -> 0.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;   // 2^n, n in [-126, 0]
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
+using llm_serving::AttentionShape;
 
 void attend(const float* q, const float* kc, const float* vc, const int32_t* bt, const int32_t* cl,
-            const int32_t* tree, float* out, const Shapes& sh, int64_t rows, std::atomic<int64_t>* next_row) {
-  const int64_t kvh = sh.kvh, g = sh.g, d = sh.d, w = sh.w, bs = sh.bs;
-  const int64_t nh = kvh * g, row = kvh * d;          // query heads; floats per cache slot
-  std::vector<float> scores(static_cast<size_t>(nh * w * bs));
+            const int32_t* tree, float* out, const AttentionShape& sh, int64_t rows, std::atomic<int64_t>* next_row) {
+  const int64_t nh = sh.kvh * sh.g, d = sh.d;
+  std::vector<float> scores(static_cast<size_t>(nh * sh.w * sh.bs));
   for (int64_t b = next_row->fetch_add(1); b < rows; b = next_row->fetch_add(1)) {
-    const float* qb = q + b * nh * d;
-    float* ob = out + b * nh * d;
-    const int64_t n = std::max<int64_t>(0, std::min<int64_t>(cl[b], w * bs));
-    const int32_t* table = bt + b * w;
-    const uint32_t bits = static_cast<uint32_t>(tree[b]);
-    auto hidden = [&](int64_t j) {                          // key j masked out by the token tree
-      const int64_t m = n - 1 - j;
-      return m < 32 && !((bits >> m) & 1u);
-    };
-    for (int64_t j = 0; j < n; ++j) {                       // scores[head][j] = q_head . k_j (KV head of head)
-      if (hidden(j)) {
-        for (int64_t hq = 0; hq < nh; ++hq) scores[hq * n + j] = -INFINITY;
-        continue;
-      }
-      const float* kj = kc + (static_cast<int64_t>(table[j / bs]) * bs + j % bs) * row;
-      for (int64_t hq = 0; hq < nh; ++hq) {
-        const float* qh = qb + hq * d;
-        const float* kh = kj + (hq / g) * d;
-        float dot = 0.f;
-        for (int64_t e = 0; e < d; ++e) dot += qh[e] * kh[e];
-        scores[hq * n + j] = dot;
-      }
-    }
-    for (int64_t hq = 0; hq < nh; ++hq) {                   // softmax over the row's keys, per head
-      float* s = scores.data() + hq * n;
-      float mx = -INFINITY;
-      for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[j]);
-      float sum = 0.f;
-      for (int64_t j = 0; j < n; ++j) {
-        s[j] = s[j] == -INFINITY ? 0.f : exp_nonpositive(s[j] - mx);
-        sum += s[j];
-      }
-      const float inv = sum > 0.f ? 1.f / sum : 0.f;
-      for (int64_t j = 0; j < n; ++j) s[j] *= inv;
-    }
-    std::fill(ob, ob + nh * d, 0.f);
-    for (int64_t j = 0; j < n; ++j) {                       // out[head] = sum_j p[head][j] v_j
-      if (hidden(j)) continue;
-      const float* vj = vc + (static_cast<int64_t>(table[j / bs]) * bs + j % bs) * row;
-      for (int64_t hq = 0; hq < nh; ++hq) {
-        const float p = scores[hq * n + j];
-        const float* vh = vj + (hq / g) * d;
-        float* o = ob + hq * d;
-        for (int64_t e = 0; e < d; ++e) o[e] += p * vh[e];
-      }
-    }
+    llm_serving::attend_row(q + b * nh * d, kc, vc, bt + b * sh.w, cl[b], static_cast<uint32_t>(tree[b]),
+                            out + b * nh * d, sh, scores.data());
   }
 }
 
@@ -133,7 +67,7 @@ extern "C" int PagedDecodeAttention(int nparam, void** params, int* ndims, int64
   const auto* tree = static_cast<const int32_t*>(params[5]);
   const auto* cfg = static_cast<const int32_t*>(params[6]);
   auto* out = static_cast<float*>(params[7]);
-  const Shapes sh{shapes[0][1], shapes[0][2], shapes[0][3], shapes[3][1], cfg[0]};
+  const AttentionShape sh{shapes[0][1], shapes[0][2], shapes[0][3], shapes[3][1], cfg[0]};
   if (sh.bs < 1 || shapes[1][1] != sh.d || shapes[3][0] != shapes[0][0] || shapes[5][0] != shapes[0][0]) return 2;
   const int64_t rows = shapes[0][0];
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(cfg[1], rows));

@@ -1,0 +1,549 @@
+// A whole LLaMA decoder layer, and the final norm + lm_head, as single CPU kernels for small decode batches.
+//
+// At batch 1..16 a decode step is a chain of matrix-vector products (the weights are read once per step,
+// the rows of the batch are few), and MindSpore's kernel-by-kernel CPU runtime spends more time between
+// its ~30 kernels per layer than in them (docs/BENCHMARKS.md: 3.1 ms of runtime in an 11.9 ms step of the
+// bench model). Here one kernel per layer does all of it: RMSNorm, the fused q/k/v product (+ bias),
+// RoPE, the K/V write into the paged cache, paged attention (cpu_kernel_common.h, as the decode kernel),
+// o_proj + residual, RMSNorm, gate/up with SiLU, down_proj + residual. The work is split over a
+// persistent pool of threads (the calling thread and `threads - 1` workers) that stay between kernels:
+// each kernel is one dispatch and a few spin barriers, not a thread start per call.
+//
+// Loaded by MindSpore as `ops.Custom(func_type="aot")` kernels (inputs then the output in `params`); built
+// and cached by kernels/__init__.py. The weights are llama.py's load-time forms: q/k/v fused with the input
+// norm's gain folded in, gate/up fused with the post-attention norm's gain, lm_head with the final norm's.
+//
+// DecoderLayer(x, positions, slots, block_tables, context_lens, tree_bits, cos, sin, qkv_w, qkv_bias, o_w,
+//              gate_up_w, down_w, key_cache, value_cache, iconfig, fconfig) -> out
+//   x            (B, H)                 float32  the layer's input hidden states, one decode token per row
+//   positions    (B,)                   int32    each token's position (< P)
+//   slots        (B,)                   int32    the cache slot its K/V go to
+//   block_tables (B, W)                 int32    as the decode kernel takes them
+//   context_lens (B,)                   int32    keys 0 .. context_len-1 visible (the new token included)
+//   tree_bits    (B,)                   int32    token-tree visibility of the last 32 keys (-1: all)
+//   cos, sin     (P, D)                 float32  rope tables, rotate_half layout, sin signed [-sin, sin]
+//   qkv_w        ((NH+2KVH)*D, H)       float32  qkv_bias ((NH+2KVH)*D,): zeros for models without one
+//   o_w          (H, NH*D)              float32
+//   gate_up_w    (2I, H)                float32  down_w (H, I)
+//   key_cache, value_cache (N*KVH, D)   float32  flat [slots, KVH, D]; this step's K/V are written in place
+//   iconfig      (4,)                   int32    [block_size, num_heads, num_kv_heads, threads]
+//   fconfig      (1,)                   float32  [rms_norm_eps]
+//   out          (B, H)                 float32
+// FinalLogits(x (R, H), lm_head (V, H), iconfig [threads], fconfig [eps]) -> logits (R, V), the greedy token
+//   (R,) int32 (the first index of the largest logit) and its log-probability (R,) float32
+//
+// Return codes (MindSpore reports a nonzero one as the kernel's failure): 1 bad arity/ranks/dtypes, 2 shapes
+// that do not agree, 3 a position, slot or block id out of range.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "cpu_kernel_common.h"
+
+namespace {
+
+// ------------------------------------------------------------------------------------------- thread pool
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+// How long an idle worker spins for the next kernel before it sleeps: the kernels of one step follow each
+// other within tens of microseconds; between steps the worker sleeps (and leaves the core to the master).
+int64_t spin_microseconds() {
+  const char* env = std::getenv("LLM_SERVING_KERNEL_SPIN_US");
+  return env != nullptr ? std::max<int64_t>(0, std::atoll(env)) : 300;
+}
+
+class Barrier {
+ public:
+  explicit Barrier(int n) : n_(n) {}
+  void wait() {
+    if (n_ == 1) return;
+    const int phase = phase_.load(std::memory_order_acquire);
+    if (count_.fetch_add(1, std::memory_order_acq_rel) == n_ - 1) {
+      count_.store(0, std::memory_order_relaxed);
+      phase_.store(phase + 1, std::memory_order_release);
+    } else {
+      while (phase_.load(std::memory_order_acquire) == phase) cpu_relax();
+    }
+  }
+
+ private:
+  const int n_;
+  std::atomic<int> count_{0};
+  std::atomic<int> phase_{0};
+};
+
+// A pool's scratch space, reused from call to call (grown on demand); guarded by the pool's call mutex.
+struct Scratch {
+  std::vector<float> qkv, attn, act, normed, scores;
+  static float* sized(std::vector<float>& v, size_t n) {
+    if (v.size() < n) v.resize(n);
+    return v.data();
+  }
+};
+
+// The calling thread is thread 0; workers 1..n-1 run the same job with their own index. run() returns when
+// every thread has finished the job. One job at a time (a mutex), so kernels called from several threads
+// take turns.
+class Pool {
+ public:
+  explicit Pool(int threads) : threads_(std::max(1, threads)), spin_us_(spin_microseconds()) {
+    for (int t = 1; t < threads_; ++t) workers_.emplace_back([this, t] { work(t, 0); });
+  }
+  int threads() const { return threads_; }
+  std::mutex& call_mutex() { return call_; }
+  Scratch& scratch() { return scratch_; }
+
+  // job(tid, nthreads); the caller holds call_mutex()
+  void run(const std::function<void(int, int)>& job) {
+    if (threads_ == 1) {
+      job(0, 1);
+      return;
+    }
+    job_ = &job;
+    done_.store(0, std::memory_order_relaxed);
+    generation_.fetch_add(1, std::memory_order_seq_cst);
+    if (sleepers_.load(std::memory_order_seq_cst) > 0) {
+      std::lock_guard<std::mutex> lock(sleep_);
+      wake_.notify_all();
+    }
+    job(0, threads_);
+    while (done_.load(std::memory_order_acquire) != threads_ - 1) cpu_relax();
+  }
+
+ private:
+  // `seen` is the generation the worker was created at (0: the pool's first), so a job dispatched before the
+  // worker first looks is not missed.
+  void work(int tid, uint64_t seen) {
+    for (;;) {
+      const auto start = std::chrono::steady_clock::now();
+      int64_t spins = 0;
+      while (generation_.load(std::memory_order_acquire) == seen) {
+        cpu_relax();
+        if ((++spins & 255) == 0 &&
+            std::chrono::steady_clock::now() - start > std::chrono::microseconds(spin_us_)) {
+          std::unique_lock<std::mutex> lock(sleep_);
+          sleepers_.fetch_add(1, std::memory_order_seq_cst);
+          wake_.wait(lock, [&] { return generation_.load(std::memory_order_seq_cst) != seen; });
+          sleepers_.fetch_sub(1, std::memory_order_relaxed);
+          break;
+        }
+      }
+      seen = generation_.load(std::memory_order_acquire);
+      (*job_)(tid, threads_);
+      done_.fetch_add(1, std::memory_order_acq_rel);
+    }
+  }
+
+  const int threads_;
+  const int64_t spin_us_;
+  std::vector<std::thread> workers_;
+  std::mutex call_;
+  Scratch scratch_;
+  std::mutex sleep_;
+  std::condition_variable wake_;
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<int> sleepers_{0};
+  std::atomic<int> done_{0};
+  const std::function<void(int, int)>* job_ = nullptr;
+};
+
+// One pool per thread count in the process (a server uses one), made by the first call that asks for it and
+// never destroyed: its workers sleep until the process exits.
+Pool& pool(int threads) {
+  static std::mutex made_mutex;
+  static std::vector<Pool*>* made = new std::vector<Pool*>();
+  std::lock_guard<std::mutex> lock(made_mutex);
+  for (Pool* p : *made) {
+    if (p->threads() == threads) return *p;
+  }
+  made->push_back(new Pool(threads));
+  return *made->back();
+}
+
+// ------------------------------------------------------------------------------------- matrix products
+
+typedef float v16 __attribute__((vector_size(64)));
+
+inline v16 load16(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// One level of a tree reduction: x and y each hold groups of `w` partial sums; the result holds twice as many
+// groups of w/2 (each group's two halves added), x's and y's groups interleaved.
+inline v16 fold16(v16 x, v16 y) {    // 1 group of 16 -> 2 groups of 8: [x | y]
+  return __builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+         __builtin_shufflevector(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+inline v16 fold8(v16 x, v16 y) {     // 2 groups of 8 -> 4 groups of 4: [x0 y0 x1 y1]
+  return __builtin_shufflevector(x, y, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+         __builtin_shufflevector(x, y, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+}
+inline v16 fold4(v16 x, v16 y) {     // 4 groups of 4 -> 8 groups of 2
+  return __builtin_shufflevector(x, y, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+         __builtin_shufflevector(x, y, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+}
+inline v16 fold2(v16 x, v16 y) {     // 8 groups of 2 -> 16 sums
+  return __builtin_shufflevector(x, y, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+         __builtin_shufflevector(x, y, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+}
+
+// The 16 horizontal sums of v[0..15] in one vector (15 shuffle-adds instead of 16 scalar reductions); lane
+// lane_of()[i] holds the sum of v[i].
+inline v16 reduce16(const v16 v[16]) {
+  v16 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i) a[i] = fold16(v[2 * i], v[2 * i + 1]);
+  for (int i = 0; i < 4; ++i) b[i] = fold8(a[2 * i], a[2 * i + 1]);
+  for (int i = 0; i < 2; ++i) c[i] = fold4(b[2 * i], b[2 * i + 1]);
+  return fold2(c[0], c[1]);
+}
+
+const int* lane_of() {               // found once by reducing vectors whose every lane is their index
+  static const int* table = [] {
+    static int lanes[16];
+    v16 v[16];
+    for (int i = 0; i < 16; ++i)
+      for (int l = 0; l < 16; ++l) v[i][l] = static_cast<float>(i);
+    const v16 sums = reduce16(v);
+    for (int l = 0; l < 16; ++l) lanes[static_cast<int>(sums[l] / 16.f + 0.5f)] = l;
+    return lanes;
+  }();
+  return table;
+}
+
+inline float hsum(v16 v) {
+  float s = 0.f;
+  for (int i = 0; i < 16; ++i) s += v[i];
+  return s;
+}
+
+// out[r][b] = w[r] . x[b] for RB consecutive weight rows (row length k) and BB rows of x (stride ldx).
+template <int RB, int BB>
+inline void dot_tile(const float* w, int64_t k, const float* x, int64_t ldx, float out[4][4]) {
+  v16 acc[RB][BB];
+  for (int r = 0; r < RB; ++r)
+    for (int b = 0; b < BB; ++b) acc[r][b] = v16{};
+  int64_t e = 0;
+  for (; e + 16 <= k; e += 16) {
+    v16 xv[BB];
+    for (int b = 0; b < BB; ++b) xv[b] = load16(x + b * ldx + e);
+    for (int r = 0; r < RB; ++r) {
+      const v16 wv = load16(w + r * k + e);
+      for (int b = 0; b < BB; ++b) acc[r][b] += wv * xv[b];
+    }
+  }
+  if (RB == 4 && BB == 4) {
+    const v16 sums = reduce16(&acc[0][0]);
+    const int* lane = lane_of();
+    for (int r = 0; r < RB; ++r)
+      for (int b = 0; b < BB; ++b) out[r][b] = sums[lane[r * BB + b]];
+  } else {
+    for (int r = 0; r < RB; ++r)
+      for (int b = 0; b < BB; ++b) out[r][b] = hsum(acc[r][b]);
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int b = 0; b < BB; ++b)
+      for (int64_t t = e; t < k; ++t) out[r][b] += w[r * k + t] * x[b * ldx + t];
+}
+
+template <int RB>
+inline void dot_rows(const float* w, int64_t k, const float* x, int64_t ldx, int bb, float out[4][4]) {
+  switch (bb) {
+    case 1: dot_tile<RB, 1>(w, k, x, ldx, out); break;
+    case 2: dot_tile<RB, 2>(w, k, x, ldx, out); break;
+    case 3: dot_tile<RB, 3>(w, k, x, ldx, out); break;
+    default: dot_tile<RB, 4>(w, k, x, ldx, out); break;
+  }
+}
+
+// For weight rows [r0, r1) of w (rows of length k) and every row b of x (B, k): emit(b, r, w[r] . x[b]).
+template <typename Emit>
+void matvec(const float* w, int64_t k, const float* x, int64_t batch, int64_t r0, int64_t r1, Emit emit) {
+  // weight rows outer: a tile of 4 rows (4 k floats) stays in L1 while every row of x passes over it, so the
+  // weights are read from memory once per call whatever the batch
+  float out[4][4];
+  for (int64_t r = r0; r < r1; r += 4) {
+    const int rb = static_cast<int>(std::min<int64_t>(4, r1 - r));
+    for (int64_t b0 = 0; b0 < batch; b0 += 4) {
+      const int bb = static_cast<int>(std::min<int64_t>(4, batch - b0));
+      if (rb == 4) {
+        dot_rows<4>(w + r * k, k, x + b0 * k, k, bb, out);
+      } else {
+        for (int i = 0; i < rb; ++i) dot_rows<1>(w + (r + i) * k, k, x + b0 * k, k, bb, out + i);
+      }
+      for (int i = 0; i < rb; ++i)
+        for (int b = 0; b < bb; ++b) emit(b0 + b, r + i, out[i][b]);
+    }
+  }
+}
+
+// Thread tid's share [begin, end) of n rows, in multiples of 4 (whole tiles).
+inline void share(int64_t n, int tid, int threads, int64_t* begin, int64_t* end) {
+  const int64_t tiles = (n + 3) / 4;
+  *begin = std::min(n, tiles * tid / threads * 4);
+  *end = std::min(n, tiles * (tid + 1) / threads * 4);
+}
+
+// y[b] = x[b] / sqrt(mean(x[b]^2) + eps) for rows b of x (B, h)
+void rms_normalize(const float* x, int64_t batch, int64_t h, float eps, float* y) {
+  for (int64_t b = 0; b < batch; ++b) {
+    const float* xb = x + b * h;
+    float ss = 0.f;
+    for (int64_t e = 0; e < h; ++e) ss += xb[e] * xb[e];
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
+    for (int64_t e = 0; e < h; ++e) y[b * h + e] = xb[e] * inv;
+  }
+}
+
+// silu(g) * u, with the exponential of a non-positive argument only
+inline float silu_times(float g, float u) {
+  const float e = llm_serving::exp_nonpositive(-std::fabs(g));     // e^-|g|
+  const float sigmoid = g >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
+  return g * sigmoid * u;
+}
+
+bool is(const char* dtype, const char* want) { return std::strcmp(dtype, want) == 0; }
+
+}  // namespace
+
+// Wall time spent in each kernel since the library was loaded, in nanoseconds: [DecoderLayer, FinalLogits]
+// (benchmarks read it through ctypes to split a step into kernel time and everything else).
+extern "C" {
+std::atomic<int64_t> llm_serving_kernel_ns[2];
+}
+
+namespace {
+struct Timed {
+  explicit Timed(int which) : which_(which), start_(std::chrono::steady_clock::now()) {}
+  ~Timed() {
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start_);
+    llm_serving_kernel_ns[which_].fetch_add(ns.count(), std::memory_order_relaxed);
+  }
+  const int which_;
+  const std::chrono::steady_clock::time_point start_;
+};
+}  // namespace
+
+extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
+                            void* stream, void* extra) {
+  (void)stream;
+  (void)extra;
+  static const int want_ndims[18] = {2, 1, 1, 2, 1, 1, 2, 2, 2, 1, 2, 2, 2, 2, 2, 1, 1, 2};
+  if (nparam != 18) return 1;
+  for (int i = 0; i < 18; ++i) {
+    if (ndims[i] != want_ndims[i]) return 1;
+    const bool ints = (i >= 1 && i <= 5) || i == 15;
+    if (!is(dtypes[i], ints ? "int32" : "float32")) return 1;
+  }
+  const auto* x = static_cast<const float*>(params[0]);
+  const auto* positions = static_cast<const int32_t*>(params[1]);
+  const auto* slots = static_cast<const int32_t*>(params[2]);
+  const auto* tables = static_cast<const int32_t*>(params[3]);
+  const auto* context = static_cast<const int32_t*>(params[4]);
+  const auto* tree = static_cast<const int32_t*>(params[5]);
+  const auto* cos = static_cast<const float*>(params[6]);
+  const auto* sin = static_cast<const float*>(params[7]);
+  const auto* qkv_w = static_cast<const float*>(params[8]);
+  const auto* qkv_b = static_cast<const float*>(params[9]);
+  const auto* o_w = static_cast<const float*>(params[10]);
+  const auto* gate_up_w = static_cast<const float*>(params[11]);
+  const auto* down_w = static_cast<const float*>(params[12]);
+  auto* key_cache = static_cast<float*>(params[13]);
+  auto* value_cache = static_cast<float*>(params[14]);
+  const auto* icfg = static_cast<const int32_t*>(params[15]);
+  const float eps = static_cast<const float*>(params[16])[0];
+  auto* out = static_cast<float*>(params[17]);
+
+  const int64_t batch = shapes[0][0], h = shapes[0][1];
+  const int64_t bs = icfg[0], nh = icfg[1], kvh = icfg[2];
+  const int64_t d = shapes[6][1], max_pos = shapes[6][0], width = shapes[3][1];
+  const int64_t nqkv = (nh + 2 * kvh) * d, inter = shapes[12][1];
+  const int64_t cache_rows = shapes[13][0];
+  if (bs < 1 || nh < 1 || kvh < 1 || nh % kvh != 0 || d % 2 != 0 || shapes[13][1] != d ||
+      shapes[14][0] != cache_rows || shapes[14][1] != d || cache_rows % (kvh * bs) != 0 ||
+      shapes[1][0] != batch || shapes[2][0] != batch || shapes[3][0] != batch || shapes[4][0] != batch ||
+      shapes[5][0] != batch || shapes[7][0] != max_pos || shapes[7][1] != d || shapes[8][0] != nqkv ||
+      shapes[8][1] != h || shapes[9][0] != nqkv || shapes[10][0] != h || shapes[10][1] != nh * d ||
+      shapes[11][0] != 2 * inter || shapes[11][1] != h || shapes[12][0] != h || shapes[17][0] != batch ||
+      shapes[17][1] != h) {
+    return 2;
+  }
+  const int64_t num_slots = cache_rows / kvh, num_blocks = num_slots / bs;
+  for (int64_t b = 0; b < batch; ++b) {
+    if (positions[b] < 0 || positions[b] >= max_pos || slots[b] < 0 || slots[b] >= num_slots) return 3;
+    const int64_t used = std::min<int64_t>(width, (std::max(0, context[b]) + bs - 1) / bs);
+    for (int64_t j = 0; j < used; ++j) {
+      if (tables[b * width + j] < 0 || tables[b * width + j] >= num_blocks) return 3;
+    }
+  }
+
+  const Timed timed(0);
+  Pool& p = pool(std::max(1, icfg[3]));
+  std::lock_guard<std::mutex> lock(p.call_mutex());
+  const int threads = p.threads();
+  Scratch& s = p.scratch();
+  float* qkv = Scratch::sized(s.qkv, batch * nqkv);
+  float* attn = Scratch::sized(s.attn, batch * nh * d);
+  float* act = Scratch::sized(s.act, batch * inter);
+  float* normed = Scratch::sized(s.normed, threads * batch * std::max(h, d));
+  float* scores = Scratch::sized(s.scores, threads * nh * width * bs);
+  const llm_serving::AttentionShape ash{kvh, nh / kvh, d, width, bs};
+  const float q_scale = 1.f / std::sqrt(static_cast<float>(d));
+  Barrier barrier(threads);
+  std::atomic<int64_t> next_row{0};
+
+  p.run([&](int tid, int nthreads) {
+    float* xn = normed + tid * batch * std::max(h, d);
+    int64_t r0, r1;
+    // 1. q/k/v of every row (each thread normalizes the inputs itself: no barrier for it)
+    rms_normalize(x, batch, h, eps, xn);
+    share(nqkv, tid, nthreads, &r0, &r1);
+    matvec(qkv_w, h, xn, batch, r0, r1, [&](int64_t b, int64_t r, float v) { qkv[b * nqkv + r] = v + qkv_b[r]; });
+    barrier.wait();
+    // 2. RoPE on q and k (q also scaled by 1/sqrt(D)), then k and v into the cache at the token's slot
+    for (int64_t b = tid; b < batch; b += nthreads) {
+      const float* c = cos + positions[b] * d;
+      const float* sn = sin + positions[b] * d;
+      float* rot = xn;                                  // (D,) scratch: this row is done with xn
+      for (int64_t head = 0; head < nh + kvh; ++head) {
+        float* v = qkv + b * nqkv + head * d;
+        const float scale = head < nh ? q_scale : 1.f;
+        for (int64_t e = 0; e < d; ++e) rot[e] = (v[e] * c[e] + v[(e + d / 2) % d] * sn[e]) * scale;
+        std::memcpy(v, rot, d * sizeof(float));
+      }
+      std::memcpy(key_cache + slots[b] * kvh * d, qkv + b * nqkv + nh * d, kvh * d * sizeof(float));
+      std::memcpy(value_cache + slots[b] * kvh * d, qkv + b * nqkv + (nh + kvh) * d, kvh * d * sizeof(float));
+    }
+    barrier.wait();
+    // 3. attention: items taken one at a time, a row each, or a (row, KV head) each when rows are fewer than
+    // threads (a single decode row would leave the other threads waiting)
+    const int64_t parts = batch < nthreads ? kvh : 1;
+    for (int64_t i = next_row.fetch_add(1); i < batch * parts; i = next_row.fetch_add(1)) {
+      const int64_t b = i / parts, k0 = i % parts * kvh / parts, k1 = (i % parts + 1) * kvh / parts;
+      llm_serving::attend_row(qkv + b * nqkv, key_cache, value_cache, tables + b * width, context[b],
+                              static_cast<uint32_t>(tree[b]), attn + b * nh * d, ash,
+                              scores + tid * nh * width * bs, k0, k1);
+    }
+    barrier.wait();
+    // 4. out = x + attn . o_w^T
+    share(h, tid, nthreads, &r0, &r1);
+    matvec(o_w, nh * d, attn, batch, r0, r1, [&](int64_t b, int64_t r, float v) { out[b * h + r] = x[b * h + r] + v; });
+    barrier.wait();
+    // 5. act = silu(gate) * up, each thread its units j (gate row j, up row I + j)
+    rms_normalize(out, batch, h, eps, xn);
+    share(inter, tid, nthreads, &r0, &r1);
+    for (int64_t j = r0; j < r1; j += 4) {
+      const int64_t n = std::min<int64_t>(4, r1 - j);
+      float gate[4][4], up[4][4];
+      for (int64_t b0 = 0; b0 < batch; b0 += 4) {
+        const int bb = static_cast<int>(std::min<int64_t>(4, batch - b0));
+        if (n == 4) {
+          dot_rows<4>(gate_up_w + j * h, h, xn + b0 * h, h, bb, gate);
+          dot_rows<4>(gate_up_w + (inter + j) * h, h, xn + b0 * h, h, bb, up);
+        } else {
+          for (int64_t i = 0; i < n; ++i) {
+            dot_rows<1>(gate_up_w + (j + i) * h, h, xn + b0 * h, h, bb, gate + i);
+            dot_rows<1>(gate_up_w + (inter + j + i) * h, h, xn + b0 * h, h, bb, up + i);
+          }
+        }
+        for (int64_t i = 0; i < n; ++i)
+          for (int b = 0; b < bb; ++b) act[(b0 + b) * inter + j + i] = silu_times(gate[i][b], up[i][b]);
+      }
+    }
+    barrier.wait();
+    // 6. out += act . down_w^T
+    share(h, tid, nthreads, &r0, &r1);
+    matvec(down_w, inter, act, batch, r0, r1, [&](int64_t b, int64_t r, float v) { out[b * h + r] += v; });
+  });
+  return 0;
+}
+
+extern "C" int FinalLogits(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
+                           void* stream, void* extra) {
+  (void)stream;
+  (void)extra;
+  if (nparam != 7 || ndims[0] != 2 || ndims[1] != 2 || ndims[2] != 1 || ndims[3] != 1 || ndims[4] != 2 ||
+      ndims[5] != 1 || ndims[6] != 1 || !is(dtypes[0], "float32") || !is(dtypes[1], "float32") ||
+      !is(dtypes[2], "int32") || !is(dtypes[3], "float32") || !is(dtypes[4], "float32") ||
+      !is(dtypes[5], "int32") || !is(dtypes[6], "float32")) {
+    return 1;
+  }
+  const int64_t rows = shapes[0][0], h = shapes[0][1], vocab = shapes[1][0];
+  if (shapes[1][1] != h || shapes[4][0] != rows || shapes[4][1] != vocab || shapes[5][0] != rows ||
+      shapes[6][0] != rows || vocab < 1) {
+    return 2;
+  }
+  const auto* x = static_cast<const float*>(params[0]);
+  const auto* w = static_cast<const float*>(params[1]);
+  const int threads = std::max(1, static_cast<const int32_t*>(params[2])[0]);
+  const float eps = static_cast<const float*>(params[3])[0];
+  auto* logits = static_cast<float*>(params[4]);
+  auto* token = static_cast<int32_t*>(params[5]);
+  auto* logprob = static_cast<float*>(params[6]);
+  const Timed timed(1);
+  Pool& p = pool(threads);
+  std::lock_guard<std::mutex> lock(p.call_mutex());
+  Scratch& s = p.scratch();
+  float* normed = Scratch::sized(s.normed, p.threads() * rows * h);
+  // per thread and row, over the thread's share of the vocabulary: [max, its index, sum of e^(logit - max)]
+  float* partial = Scratch::sized(s.scores, p.threads() * rows * 3);
+  Barrier barrier(p.threads());
+  p.run([&](int tid, int nthreads) {
+    float* xn = normed + tid * rows * h;
+    rms_normalize(x, rows, h, eps, xn);
+    int64_t r0, r1;
+    share(vocab, tid, nthreads, &r0, &r1);
+    matvec(w, h, xn, rows, r0, r1, [&](int64_t b, int64_t r, float v) { logits[b * vocab + r] = v; });
+    for (int64_t b = 0; b < rows; ++b) {            // the share's max, first index of it, and sum of exps
+      const float* l = logits + b * vocab;
+      float mx = -INFINITY;
+      int64_t at = r0;
+      for (int64_t r = r0; r < r1; ++r) {
+        if (l[r] > mx) {
+          mx = l[r];
+          at = r;
+        }
+      }
+      float sum = 0.f;
+      for (int64_t r = r0; r < r1; ++r) sum += llm_serving::exp_nonpositive(l[r] - mx);
+      float* part = partial + (tid * rows + b) * 3;
+      part[0] = r1 > r0 ? mx : -INFINITY;
+      part[1] = static_cast<float>(at);
+      part[2] = r1 > r0 ? sum : 0.f;
+    }
+    barrier.wait();
+    for (int64_t b = tid; b < rows; b += nthreads) {  // greedy token = the first index of the largest logit
+      float mx = -INFINITY, at = 0.f;
+      for (int t = 0; t < nthreads; ++t) {
+        const float* part = partial + (t * rows + b) * 3;
+        if (part[0] > mx) {
+          mx = part[0];
+          at = part[1];
+        }
+      }
+      float sum = 0.f;
+      for (int t = 0; t < nthreads; ++t) {
+        const float* part = partial + (t * rows + b) * 3;
+        if (part[2] > 0.f) sum += part[2] * llm_serving::exp_nonpositive(part[0] - mx);
+      }
+      token[b] = static_cast<int32_t>(at);
+      logprob[b] = -std::log(sum);                    // log_softmax at the max: 0 - log(sum e^(l - max))
+    }
+  });
+  return 0;
+}

@@ -1,0 +1,191 @@
+"""The whole-layer CPU kernels (kernels/decoder_layer_cpu.cc), called through ctypes exactly as MindSpore's AOT
+Custom op calls them, against a float64 numpy LLaMA layer and lm_head: outputs, the K/V written into the paged
+cache (and nothing else), greedy token and log-probability, and the refusals. No MindSpore needed."""
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from llm_serving.models.kernels import build_kernel
+
+from .test_cpu_kernels import reference as attention_reference
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None and not os.environ.get("CXX"),
+                                reason="no C++ compiler on this machine (the runner runs layers op by op)")
+
+
+@pytest.fixture(scope="module")
+def library(tmp_path_factory):
+    path = build_kernel("decoder_layer_cpu", "DecoderLayer", tmp_path_factory.mktemp("kernels")).rsplit(":", 1)[0]
+    return ctypes.CDLL(path)
+
+
+def invoke(func, arrays) -> int:
+    n = len(arrays)
+    params = (ctypes.c_void_p * n)(*[a.ctypes.data for a in arrays])
+    ndims = (ctypes.c_int * n)(*[a.ndim for a in arrays])
+    shape_arrays = [(ctypes.c_int64 * max(a.ndim, 1))(*a.shape) for a in arrays]
+    shapes = (ctypes.POINTER(ctypes.c_int64) * n)(*[ctypes.cast(s, ctypes.POINTER(ctypes.c_int64))
+                                                    for s in shape_arrays])
+    dtypes = (ctypes.c_char_p * n)(*[str(a.dtype).encode() for a in arrays])
+    return func(ctypes.c_int(n), params, ndims, shapes, dtypes, None, None)
+
+
+def rms(x):
+    x = x.astype(np.float64)
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-5)
+
+
+class Layer:
+    """Random weights, cache and a step of `batch` decode rows for one layer of the given shape."""
+
+    def __init__(self, rng, *, hidden, heads, kv_heads, head_dim, inter, batch, block_size=4, num_blocks=60,
+                 width=6, bias=True):
+        f32 = lambda *s: (rng.standard_normal(s) * 0.2).astype(np.float32)          # noqa: E731
+        self.h, self.nh, self.kvh, self.d, self.i, self.b, self.bs = hidden, heads, kv_heads, head_dim, inter, \
+            batch, block_size
+        nq = (heads + 2 * kv_heads) * head_dim
+        self.x = f32(batch, hidden)
+        self.qkv_w, self.o_w = f32(nq, hidden), f32(hidden, heads * head_dim)
+        self.qkv_b = f32(nq) if bias else np.zeros(nq, np.float32)
+        self.gate_up_w, self.down_w = f32(2 * inter, hidden), f32(hidden, inter)
+        self.key_cache = f32(num_blocks * block_size * kv_heads, head_dim)
+        self.value_cache = f32(num_blocks * block_size * kv_heads, head_dim)
+        # every row its own blocks (scattered), a context of 1 .. width*block_size keys, the new token last
+        blocks = rng.permutation(num_blocks)[:batch * width].reshape(batch, width)
+        self.tables = blocks.astype(np.int32)
+        self.context = rng.integers(1, width * block_size + 1, batch).astype(np.int32)
+        self.positions = (self.context - 1).astype(np.int32)
+        self.slots = (self.tables[np.arange(batch), self.positions // block_size] * block_size
+                      + self.positions % block_size).astype(np.int32)
+        self.tree = np.full(batch, -1, np.int32)
+        p = 64
+        angles = np.arange(p)[:, None] / 10000.0 ** (np.arange(0, head_dim, 2) / head_dim)[None, :]
+        self.cos = np.concatenate([np.cos(angles)] * 2, -1).astype(np.float32)
+        self.sin = np.concatenate([-np.sin(angles), np.sin(angles)], -1).astype(np.float32)
+
+    def arrays(self, threads, out=None):
+        icfg = np.array([self.bs, self.nh, self.kvh, threads], np.int32)
+        out = np.full_like(self.x, np.nan) if out is None else out
+        return [self.x, self.positions, self.slots, self.tables, self.context, self.tree, self.cos, self.sin,
+                self.qkv_w, self.qkv_b, self.o_w, self.gate_up_w, self.down_w, self.key_cache, self.value_cache,
+                icfg, np.array([1e-5], np.float32), out]
+
+    def reference(self):
+        """(output, key cache, value cache) in float64, from the caches as they are now."""
+        b, nh, kvh, d = self.b, self.nh, self.kvh, self.d
+        qkv = (rms(self.x) @ self.qkv_w.T.astype(np.float64) + self.qkv_b).reshape(b, nh + 2 * kvh, d)
+        swapped = np.concatenate([qkv[..., d // 2:], qkv[..., :d // 2]], -1)
+        roped = qkv * self.cos[self.positions][:, None] + swapped * self.sin[self.positions][:, None]
+        q = roped[:, :nh] / np.sqrt(d)
+        k, v = roped[:, nh:nh + kvh], qkv[:, nh + kvh:]
+        keys, values = self.key_cache.astype(np.float64), self.value_cache.astype(np.float64)
+        keys.reshape(-1, kvh, d)[self.slots] = k
+        values.reshape(-1, kvh, d)[self.slots] = v
+        attn = attention_reference(q.reshape(b, kvh, nh // kvh, d), keys, values, self.tables, self.context,
+                                   self.bs).reshape(b, -1)
+        x1 = self.x + attn @ self.o_w.T
+        gate_up = rms(x1) @ self.gate_up_w.T
+        gate, up = gate_up[:, :self.i], gate_up[:, self.i:]
+        return x1 + (gate / (1 + np.exp(-gate)) * up) @ self.down_w.T, keys, values
+
+
+# hidden sizes and MLP widths that are not multiples of the 16-float vectors, batches not multiples of the
+# 4-row tiles, grouped and plain attention, with and without a q/k/v bias, 1-3 threads
+@pytest.mark.parametrize("hidden,heads,kv_heads,head_dim,inter,batch,bias,threads", [
+    (64, 8, 4, 8, 172, 1, False, 1),
+    (64, 8, 4, 8, 172, 3, True, 2),
+    (72, 6, 2, 12, 100, 9, True, 3),
+    (128, 4, 4, 32, 256, 6, False, 2),
+    (48, 3, 1, 16, 40, 1, True, 2),
+])
+def test_layer_matches_numpy(library, hidden, heads, kv_heads, head_dim, inter, batch, bias, threads):
+    rng = np.random.default_rng(hidden + batch + threads)
+    layer = Layer(rng, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, inter=inter, batch=batch,
+                  bias=bias)
+    want, keys, values = layer.reference()
+    arrays = layer.arrays(threads)
+    assert invoke(library.DecoderLayer, arrays) == 0
+    np.testing.assert_allclose(arrays[-1], want, rtol=1e-4, atol=1e-4)
+    # the step's K/V are in the cache at their slots, and no other slot changed
+    np.testing.assert_allclose(layer.key_cache, keys, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(layer.value_cache, values, rtol=1e-5, atol=1e-5)
+
+
+def test_thread_counts_agree(library):
+    """The same step split over 1, 2 and 4 threads (each count its own pool) gives the same output."""
+    outs = []
+    for threads in (1, 2, 4):
+        layer = Layer(np.random.default_rng(3), hidden=64, heads=8, kv_heads=4, head_dim=8, inter=172, batch=5)
+        arrays = layer.arrays(threads)
+        assert invoke(library.DecoderLayer, arrays) == 0
+        outs.append(arrays[-1])
+    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(outs[2], outs[0], rtol=1e-5, atol=1e-6)
+
+
+def test_token_tree_bits_reach_the_attention(library):
+    """A row whose tree bits hide its previous key attends differently from the same row with all keys."""
+    layer = Layer(np.random.default_rng(8), hidden=64, heads=8, kv_heads=4, head_dim=8, inter=64, batch=2)
+    layer.context[:] = 10
+    layer.positions[:] = 9
+    layer.slots = (layer.tables[:, 2] * layer.bs + 1).astype(np.int32)
+    base = layer.arrays(2)
+    k0, v0 = layer.key_cache.copy(), layer.value_cache.copy()
+    assert invoke(library.DecoderLayer, base) == 0
+    layer.key_cache[:], layer.value_cache[:] = k0, v0
+    layer.tree[:] = [-1, ~0b10]                                     # row 1 does not see the key before its own
+    tree = layer.arrays(2)
+    assert invoke(library.DecoderLayer, tree) == 0
+    np.testing.assert_array_equal(tree[-1][0], base[-1][0])
+    assert not np.allclose(tree[-1][1], base[-1][1])
+
+
+def test_refusals(library):
+    layer = Layer(np.random.default_rng(1), hidden=64, heads=8, kv_heads=4, head_dim=8, inter=64, batch=2)
+    arrays = layer.arrays(1)
+    assert invoke(library.DecoderLayer, arrays[:-1]) == 1                        # an input missing
+    wrong_rank = list(arrays)
+    wrong_rank[0] = layer.x.reshape(-1)
+    assert invoke(library.DecoderLayer, wrong_rank) == 1
+    wrong_shape = list(arrays)
+    wrong_shape[10] = layer.o_w[:, :-8].copy()                                   # o_proj for fewer heads
+    assert invoke(library.DecoderLayer, wrong_shape) == 2
+    for name, bad in (("positions", 64), ("slots", len(layer.key_cache) // layer.kvh), ("tables", 60)):
+        step = Layer(np.random.default_rng(1), hidden=64, heads=8, kv_heads=4, head_dim=8, inter=64, batch=2)
+        getattr(step, name)[0] = bad                                              # one past the end
+        if name == "tables":
+            step.tables[0, :] = bad
+        before = step.key_cache.copy()
+        assert invoke(library.DecoderLayer, step.arrays(1)) == 3, name
+        np.testing.assert_array_equal(step.key_cache, before)                     # refused before any write
+
+
+@pytest.mark.parametrize("vocab,rows,threads", [(512, 1, 1), (500, 3, 2), (1000, 5, 3)])
+def test_final_logits_token_and_logprob(library, vocab, rows, threads):
+    rng = np.random.default_rng(vocab + rows)
+    x = rng.standard_normal((rows, 48)).astype(np.float32)
+    w = rng.standard_normal((vocab, 48)).astype(np.float32)
+    w[7] = w[3]                  # tokens 3 and 7 always tie: the greedy token is never 7 (first index wins)
+    logits, token = np.empty((rows, vocab), np.float32), np.empty(rows, np.int32)
+    logprob = np.empty(rows, np.float32)
+    assert invoke(library.FinalLogits, [x, w, np.array([threads], np.int32), np.array([1e-5], np.float32),
+                                        logits, token, logprob]) == 0
+    want = rms(x) @ w.T.astype(np.float64)
+    np.testing.assert_allclose(logits, want, rtol=1e-4, atol=1e-4)
+    assert token.tolist() == np.argmax(logits, -1).tolist() and 7 not in token.tolist()
+    log_softmax = want - want.max(-1, keepdims=True)
+    log_softmax -= np.log(np.exp(log_softmax).sum(-1, keepdims=True))
+    np.testing.assert_allclose(logprob, log_softmax[np.arange(rows), token], rtol=1e-5, atol=1e-6)
+    # a tie at the top, across the threads' shares of the vocabulary: the first index is the greedy token
+    x[0] = 0
+    x[0, 0] = 1
+    w[:, 0] = 0
+    w[[vocab - 2, 4], 0] = 5.0
+    assert invoke(library.FinalLogits, [x, w, np.array([threads], np.int32), np.array([1e-5], np.float32),
+                                        logits, token, logprob]) == 0
+    assert token[0] == 4 and logits[0, 4] == logits[0, vocab - 2]
