@@ -8,7 +8,8 @@ it does the step's 2*B*P matmul FLOPs and reads the same weight bytes; attention
 step / matmul says how far the MindSpore graph is from what the BLAS does with the same arithmetic, and
 "% peak" compares the step's FLOP/s with one large numpy matmul (4096^3 by default, --peak-size), this
 CPU's float32 ceiling, measured in the same run. --attention-kernel auto,off times the CPU paged-attention
-kernel and the key-gather path side by side; --prefill times prefill steps (rows x prompt tokens) the same
+kernel and the key-gather path side by side, --layer-kernel auto,off the whole-layer kernel
+(kernels/decoder_layer_cpu.cc) against MindSpore's ops, layer by layer; --prefill times prefill steps (rows x prompt tokens) the same
 way: with the kernel they run packed (real tokens only), without it padded to (batch, seq) buckets.
 
     python bench/step_roofline.py                                   # built-in model
@@ -74,6 +75,10 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2, help="MindSpore CPU threads (numpy uses its BLAS default)")
     p.add_argument("--attention-kernel", default="auto", type=lambda s: s.split(","),
                    help="comma list of model_config.attention_kernel settings to time (auto, on, off)")
+    p.add_argument("--layer-kernel", default="auto", type=lambda s: s.split(","),
+                   help="comma list of model_config.layer_kernel settings to time (auto, on, off)")
+    p.add_argument("--layer-kernel-max-tokens", type=int, default=128,
+                   help="model_config.layer_kernel_max_tokens (decode batches up to it take the layer kernel)")
     p.add_argument("--prefill", default="", type=lambda s: [tuple(int(v) for v in x.split("x")) for x in s.split(",") if x],
                    help="comma list of ROWSxTOKENS prefill steps to time, e.g. 16x17,4x100")
     p.add_argument("--peak-size", type=int, default=4096, help="n of the n^3 numpy matmul that measures the peak")
@@ -92,17 +97,23 @@ def main(argv=None) -> int:
     prefill_batches = sorted({r for r, _ in args.prefill} | {1})
     prefill_lens = sorted({-(-t // block) * block for _, t in args.prefill} | {block})
     per_row = max([decode_width] + [-(-t // block) for _, t in args.prefill])
-    for mode in args.attention_kernel:
+    # without the attention kernel there is no layer kernel either: that path is timed once
+    runs = list(dict.fromkeys((a, "off" if a == "off" else lk) for a in args.attention_kernel for lk in args.layer_kernel))
+    for mode, layer_mode in runs:
         runner = ModelRunner(model, num_blocks=max(max(args.batches), *prefill_batches) * per_row, block_size=block,
                              max_blocks_per_seq=per_row, decode_batch_sizes=args.batches,
                              prefill_batch_sizes=prefill_batches, prefill_seq_lens=prefill_lens,
                              decode_block_widths=[decode_width],
-                             num_threads=args.threads, attention_kernel=mode)
-        attention = "kernel" if runner.decode_kernel else "gather"
+                             num_threads=args.threads, attention_kernel=mode, layer_kernel=layer_mode,
+                             layer_kernel_rows=args.layer_kernel_max_tokens)
+        attention = ("layer kernel" if runner.layer_kernel else "attn kernel" if runner.decode_kernel
+                     else "gather")
         cfg = runner.config
         params = matmul_params(cfg)
         attn_flops = 4 * args.context * cfg.num_layers * cfg.num_heads * cfg.head_dim
         for b in args.batches:
+            if runner.layer_kernel and b > runner.layer_kernel_rows:
+                continue                                 # the same graph as without the layer kernel
             step = time_decode_steps(runner, b, args.context, args.iters)
             mm = time_matmul(b, cfg.hidden_size, params, args.iters)
             flops = b * (2 * params + attn_flops)
@@ -112,18 +123,21 @@ def main(argv=None) -> int:
             print(f"{attention} batch {b}: step {step * 1e3:.3f} ms, matmul {mm * 1e3:.3f} ms", flush=True)
         layer_params = params - cfg.vocab_size * cfg.hidden_size
         for r, t in args.prefill:
+            if runner.layer_kernel and r * t > runner.layer_kernel_rows:
+                continue
             step = time_prefill_step(runner, r, t, args.iters)
             # useful FLOPs: the layers for every real token, causal attention, lm_head for each row's last token
             flops = r * (2 * layer_params * t + 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * t * (t + 1)
                          + 2 * cfg.vocab_size * cfg.hidden_size)
-            prefill_rows.append({"prefill": "packed" if runner.packed_prefill else "padded", "rows": r, "tokens": t,
+            prefill_rows.append({"prefill": ("layer kernel" if runner.layer_kernel else
+                                             "packed" if runner.packed_prefill else "padded"), "rows": r, "tokens": t,
                                  "step_ms": step * 1e3, "ms_per_token": step * 1e3 / (r * t),
                                  "gflops": flops / step / 1e9, "peak_pct": 100 * flops / step / 1e9 / peak})
             print(f"{attention} prefill {r}x{t}: {step * 1e3:.3f} ms", flush=True)
         del runner
     print(f"\nstep roofline: {Path(model).name}, {params / 1e6:.2f} M matmul weights, context {args.context}, "
           f"numpy peak {peak:.1f} GFLOP/s")
-    print(table(rows, [("attention", "attention", "{}"), ("batch", "batch", "{}"), ("step_ms", "step ms", "{:.3f}"),
+    print(table(rows, [("attention", "path", "{}"), ("batch", "batch", "{}"), ("step_ms", "step ms", "{:.3f}"),
                        ("matmul_ms", "BLAS ms", "{:.3f}"), ("ratio", "step/BLAS", "{:.1f}x"),
                        ("step_gflops", "step GFLOP/s", "{:.2f}"), ("matmul_gflops", "BLAS GFLOP/s", "{:.2f}"),
                        ("peak_pct", "% peak", "{:.0f}%"), ("step_tok_s", "step tok/s", "{:.0f}")]))

@@ -45,12 +45,13 @@ def test_step_roofline_times_the_bare_step_next_to_blas(shared_dir, tmp_path):
     pytest.importorskip("mindspore")
     stdout, result = _run("step_roofline.py", tmp_path, "--model", str(shared_dir / "models/stories260K/hf"),
                           "--batches", "1,4", "--iters", "3", "--context", "20",
-                          "--attention-kernel", "auto,off", "--prefill", "3x9")
-    assert [(r["attention"], r["batch"]) for r in result["rows"]] == [("kernel", 1), ("kernel", 4),
-                                                                       ("gather", 1), ("gather", 4)]
-    # the kernel runner packs the prefill step's 27 tokens; the gather runner pads 3 rows to 16 tokens
-    assert [(r["prefill"], r["rows"], r["tokens"]) for r in result["prefill_rows"]] == [("packed", 3, 9),
-                                                                                         ("padded", 3, 9)]
+                          "--attention-kernel", "auto,off", "--layer-kernel", "auto,off", "--prefill", "3x9")
+    assert [(r["attention"], r["batch"]) for r in result["rows"]] == [
+        ("layer kernel", 1), ("layer kernel", 4), ("attn kernel", 1), ("attn kernel", 4), ("gather", 1), ("gather", 4)]
+    # the kernel runners pack the prefill step's 27 tokens (the layer kernel takes them all: <= 128); the gather
+    # runner pads 3 rows to 16 tokens
+    assert [(r["prefill"], r["rows"], r["tokens"]) for r in result["prefill_rows"]] == [
+        ("layer kernel", 3, 9), ("packed", 3, 9), ("padded", 3, 9)]
     assert all(r["ms_per_token"] == pytest.approx(r["step_ms"] / 27) for r in result["prefill_rows"])
     assert "prefill steps" in stdout
     # stories260K: 5 layers x (64*(8+8)*8 + 64*64 + 3*64*172) + 512*64 matmul weights
