@@ -9,8 +9,8 @@ step / matmul says how far the MindSpore graph is from what the BLAS does with t
 "% peak" compares the step's FLOP/s with one large numpy matmul (4096^3 by default, --peak-size), this
 CPU's float32 ceiling, measured in the same run. --attention-kernel auto,off times the CPU paged-attention
 kernel and the key-gather path side by side, --layer-kernel auto,off the whole-layer kernel
-(kernels/decoder_layer_cpu.cc) against MindSpore's ops, layer by layer; --prefill times prefill steps (rows x prompt tokens) the same
-way: with the kernel they run packed (real tokens only), without it padded to (batch, seq) buckets.
+(kernels/decoder_layer_cpu.cc) against MindSpore's ops, layer by layer; --prefill times prefill steps
+(rows x prompt tokens) the same way: with the kernel they run packed (real tokens only), without it padded to (batch, seq) buckets.
 
     python bench/step_roofline.py                                   # built-in model
     python bench/step_roofline.py --model ../shared/models/stories260K/hf --batches 1,8,32
@@ -98,7 +98,8 @@ def main(argv=None) -> int:
     prefill_lens = sorted({-(-t // block) * block for _, t in args.prefill} | {block})
     per_row = max([decode_width] + [-(-t // block) for _, t in args.prefill])
     # without the attention kernel there is no layer kernel either: that path is timed once
-    runs = list(dict.fromkeys((a, "off" if a == "off" else lk) for a in args.attention_kernel for lk in args.layer_kernel))
+    runs = list(dict.fromkeys((a, "off" if a == "off" else lk)
+                              for a in args.attention_kernel for lk in args.layer_kernel))
     for mode, layer_mode in runs:
         runner = ModelRunner(model, num_blocks=max(max(args.batches), *prefill_batches) * per_row, block_size=block,
                              max_blocks_per_seq=per_row, decode_batch_sizes=args.batches,

@@ -1,9 +1,9 @@
 """CPU kernels MindSpore loads as `ops.Custom(func_type="aot")` operators, built here on first use.
 
 Each kernel is a C++ file next to this module (the headers beside it are shared). `build_kernel(name, func)`
-compiles it once per (source and headers, compiler, flags, CPU) into `<cache>/kernels/<name>-<digest>.so` (<cache> is $LLM_SERVING_CACHE or
-~/.cache/llm-serving) and returns the "path.so:func" string `ops.Custom` takes. `-march=native` is safe
-because the CPU's identity is part of the digest. The build goes to a temporary file that is renamed into
+compiles it once per (source and headers, compiler, flags, CPU) into `<cache>/kernels/<name>-<digest>.so`
+(<cache> is $LLM_SERVING_CACHE or ~/.cache/llm-serving) and returns the "path.so:func" string `ops.Custom`
+takes. `-march=native` is safe because the CPU's identity is part of the digest. The build goes to a temporary file that is renamed into
 place, so agents starting together never load a half-written library.
 
 Flags: -O3 plus the floating-point relaxations that let the compiler vectorise the dot products
