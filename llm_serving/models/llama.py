@@ -12,6 +12,11 @@ overhead, ~10-15 us each):
 - RoPE in HF rotate_half layout applied to the whole fused qkv tensor: per step, tables
   cos/sin of shape (T, NH+2KVH, D) are built once (v heads get cos=1, sin=0, and the attention
   scale 1/sqrt(D) is folded into the q heads), then per layer rope = qkv*cos + swap_halves(qkv)*sin.
+
+On one CPU agent, a graph of S=1 and at most `layer_kernel_rows` tokens (decode, packed prefill pieces, verify
+steps) runs each layer as one C++ kernel on these same weights (kernels/decoder_layer_cpu.cc: it applies RoPE
+from the raw tables and writes the same paged cache), and the final norm, lm_head and greedy pick as another;
+the choice is made from the graph's static shape when it is compiled.
 """
 from __future__ import annotations
 

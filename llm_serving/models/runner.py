@@ -12,8 +12,9 @@ per batch size (two variants: with and without top-k/top-p), run on those logits
 temperature > 0; top log-probabilities and penalties, each one per batch size, when some row asks. With
 the CPU paged-attention kernel, prefill steps are *packed* (buckets.py): the step's real tokens side by
 side, each attending through its own row's block table like a decode row, max(prefill_batch_sizes) rows
-sampled. Without the kernel (no compiler, or Ascend) prefill runs per (batch, seq) bucket. Figures for
-both are in docs/BENCHMARKS.md.
+sampled. Without the kernel (no compiler, or Ascend) prefill runs per (batch, seq) bucket. On one CPU agent,
+model graphs of up to `layer_kernel_rows` tokens run each decoder layer as one C++ kernel
+(kernels/decoder_layer_cpu.cc; see llama.py). Figures for all of these are in docs/BENCHMARKS.md.
 """
 from __future__ import annotations
 
@@ -70,9 +71,9 @@ class ModelRunner:
                          ("max_blocks_per_seq", max_blocks_per_seq)):
             if not isinstance(val, (int, np.integer)) or val < 1:
                 raise ValueError(f"ModelRunner: {key} must be a positive integer, got {val!r}")
-        if attention_kernel not in ATTENTION_KERNELS:
-            raise ValueError(f"ModelRunner: attention_kernel must be one of {ATTENTION_KERNELS}, "
-                             f"got {attention_kernel!r}")
+        for key, val in (("attention_kernel", attention_kernel), ("layer_kernel", layer_kernel)):
+            if val not in ATTENTION_KERNELS:
+                raise ValueError(f"ModelRunner: {key} must be one of {ATTENTION_KERNELS}, got {val!r}")
         self.num_blocks, self.block_size = int(num_blocks), int(block_size)
         self.max_blocks_per_seq = int(max_blocks_per_seq)
         self.device_target = device_target

@@ -263,6 +263,8 @@ def test_paged_attention_kernel_matches_the_gather_path(runner, tokenizer, refer
     np.testing.assert_allclose(split[0][1], split[1][1], rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="attention_kernel"):
         ModelRunner(str(MODEL_DIR), **SMALL_RUNNER, attention_kernel="fast")
+    with pytest.raises(ValueError, match="layer_kernel"):
+        ModelRunner(str(MODEL_DIR), **SMALL_RUNNER, layer_kernel="fast")
 
 
 def test_layer_kernel_matches_mindspore_ops_and_is_used_up_to_its_limit(runner, tokenizer, reference):

@@ -6,6 +6,8 @@ from __future__ import annotations
 import ctypes
 import os
 import shutil
+import signal
+import time
 
 import numpy as np
 import pytest
@@ -126,6 +128,26 @@ def test_thread_counts_agree(library):
         outs.append(arrays[-1])
     np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(outs[2], outs[0], rtol=1e-5, atol=1e-6)
+
+
+def test_a_forked_child_gets_its_own_workers(library):
+    """A process forked after the kernel made its thread pool (whose workers the child does not have) still runs
+    the kernel on two threads instead of waiting forever for the parent's workers."""
+    layer = Layer(np.random.default_rng(4), hidden=64, heads=8, kv_heads=4, head_dim=8, inter=64, batch=3)
+    assert invoke(library.DecoderLayer, layer.arrays(2)) == 0
+    pid = os.fork()
+    if pid == 0:                                                  # the child: exit code = the kernel's
+        os._exit(invoke(library.DecoderLayer, layer.arrays(2)))
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child's kernel call did not return within 30 s")
 
 
 def test_token_tree_bits_reach_the_attention(library):

@@ -44,6 +44,7 @@
 #include <cstring>
 #include <functional>
 #include <mutex>
+#include <pthread.h>
 #include <thread>
 #include <vector>
 
@@ -162,16 +163,26 @@ class Pool {
 };
 
 // One pool per thread count in the process (a server uses one), made by the first call that asks for it and
-// never destroyed: its workers sleep until the process exits.
+// never destroyed: its workers sleep until the process exits. A child forked from a process that has pools
+// has none of their workers, so it starts with no pools (the parent's are forgotten, never run).
+std::mutex* pools_mutex = new std::mutex();
+std::vector<Pool*>* pools = new std::vector<Pool*>();
+
 Pool& pool(int threads) {
-  static std::mutex made_mutex;
-  static std::vector<Pool*>* made = new std::vector<Pool*>();
-  std::lock_guard<std::mutex> lock(made_mutex);
-  for (Pool* p : *made) {
+  static const bool fork_handler = [] {
+    pthread_atfork(nullptr, nullptr, [] {
+      pools_mutex = new std::mutex();
+      pools = new std::vector<Pool*>();
+    });
+    return true;
+  }();
+  (void)fork_handler;
+  std::lock_guard<std::mutex> lock(*pools_mutex);
+  for (Pool* p : *pools) {
     if (p->threads() == threads) return *p;
   }
-  made->push_back(new Pool(threads));
-  return *made->back();
+  pools->push_back(new Pool(threads));
+  return *pools->back();
 }
 
 // ------------------------------------------------------------------------------------- matrix products
