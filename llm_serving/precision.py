@@ -70,6 +70,7 @@ class Comparator:
         self.sequences: dict = {}
         self.errors: list = []          # relative error per captured row
         self.agree = 0                  # rows whose served greedy token is the reference's argmax
+        self.sampled = 0                # rows that reach the end of their prompt (a chunk inside it samples nothing)
         self.files = 0
         self.failure: BaseException | None = None
 
@@ -96,6 +97,7 @@ class Comparator:
             served = step["logits"][i].astype(np.float64)
             self.errors.append(float(np.max(np.abs(served - ref)) / np.max(np.abs(ref))))
             self.agree += int(int(step["token_ids"][i]) == int(np.argmax(ref)))
+            self.sampled += int(int(positions[-1]) + 1 >= int(step["prompt_lens"][i]))
 
     def _prefix_of(self, tokens: list, start: int) -> list:
         """The first `start` tokens of the replayed prompt that has `tokens` at positions start... (a
@@ -166,7 +168,7 @@ def run(args) -> dict:
     return {
         "model": info["model_id"], "model_path": args.model or info["model_path"],
         "prompts": len(prompts), "generated_tokens": int(sum(generated)), "steps": captured,
-        "rows": int(errors.size), "max_rel_error": float(errors.max()), "mean_rel_error": float(errors.mean()),
+        "rows": int(errors.size), "sampled_rows": comparator.sampled, "max_rel_error": float(errors.max()), "mean_rel_error": float(errors.mean()),
         "p99_rel_error": float(np.percentile(errors, 99)),
         "greedy_agreement": comparator.agree / errors.size, "threshold": args.threshold,
         "passed": bool(errors.max() <= args.threshold), "wall_s": round(wall, 1),
@@ -190,7 +192,7 @@ def run_cli(args) -> int:
     """Run the gate, print the figures, write the JSON; exit code 0 on pass, 1 on fail."""
     result = run(args)
     print(f"model {result['model']}: {result['prompts']} prompts, {result['generated_tokens']} tokens, "
-          f"{result['steps']} steps, {result['rows']} rows compared in {result['wall_s']} s")
+          f"{result['steps']} steps, {result['rows']} rows compared ({result['sampled_rows']} sampled) in {result['wall_s']} s")
     print(f"relative error  max {result['max_rel_error']:.3e}  mean {result['mean_rel_error']:.3e}  "
           f"p99 {result['p99_rel_error']:.3e}  (threshold {args.threshold})")
     print(f"greedy token agreement {100 * result['greedy_agreement']:.2f}%")

@@ -2,8 +2,11 @@
 no process, port or shared-memory segment behind."""
 from __future__ import annotations
 
+import json
 import os
 import socket
+import subprocess
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -12,10 +15,21 @@ import psutil
 from llm_serving.launch import ServerProcess, free_port, http, parse_sse
 from llm_serving.shm.buffers import segment_prefix
 
-__all__ = ["REPO", "ServerProcess", "free_port", "http", "leftovers", "parse_sse", "project_shm_segments",
-           "serving"]
+__all__ = ["REPO", "ServerProcess", "free_port", "http", "leftovers", "parse_sse", "precision_gate",
+           "project_shm_segments", "serving"]
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def precision_gate(url, tmp_path, *extra, cli=True):
+    """`llm-serving precision` (or, cli=False, its script wrapper tools/precision.py) against url:
+    (the finished process, its JSON result or None)."""
+    out = tmp_path / "precision.json"
+    command = ["-m", "llm_serving.cli", "precision"] if cli else [str(REPO / "tools" / "precision.py")]
+    proc = subprocess.run([sys.executable, *command, "--url", url, "--out", str(out), *extra],
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    return proc, (json.loads(out.read_text()) if out.exists() else None)
+
 def project_shm_segments() -> list:
     """This test process's segments (named with its LLM_SERVING_SHM_TAG, see tests/conftest.py)."""
     prefix = segment_prefix()

@@ -7,7 +7,7 @@ import time
 import aiohttp
 import pytest
 
-from tests.integration.server_harness import REPO, ServerProcess, http, leftovers, parse_sse
+from tests.integration.server_harness import REPO, ServerProcess, http, leftovers, parse_sse, precision_gate
 from tests.conftest import SHARED
 from tests.integration.test_serving import STORY_PROMPTS
 
@@ -90,6 +90,12 @@ def test_chunked_prefill_fcfs_and_longest_output_first_give_the_same_output(refe
     with serve(tmp_path, "chunked", "scheduler_config.policy=fcfs", "scheduler_config.chunked_prefill=true",
                "scheduler_config.max_chunk_tokens=16", "serving_config.max_num_batched_tokens=40") as server:
         stats = run_and_compare(server, reference_texts)
+        # the precision gate under chunking: a chunk inside a prompt is compared too, but samples nothing
+        proc, result = precision_gate(server.url, tmp_path, "-n", "3", "--max-new-tokens", "4",
+                                      "--prompts", str(SHARED / "datasets" / "alpaca_5000.json"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert result["sampled_rows"] == result["generated_tokens"] == 3 * 4 < result["rows"]
+    assert result["greedy_agreement"] == 1.0
     assert stats["policy"] == "fcfs" and stats["chunked_prefill"] is True
     assert stats["prefix_cache_hit_rate"] > 0.05
     with serve(tmp_path, "lof", "scheduler_config.policy=longest_output_first",
