@@ -29,7 +29,7 @@ from llm_serving.config import ATTENTION_KERNELS
 from llm_serving.shm.layout import TOP_LOGPROBS
 
 from .buckets import Buckets
-from .mindspore_env import claim_compile_cache, close_compile_cache, setup_mindspore
+from .mindspore_env import GraphCalls, claim_compile_cache, close_compile_cache, setup_mindspore
 from .parallel import TensorParallel, TensorParallelError, all_reduce_kernel, make_all_reduce
 from .step_inputs import StepInputs, StepLimits
 from .weights import LlamaConfig, load_llama_weights
@@ -168,6 +168,7 @@ class ModelRunner:
         for cell in (self.model, self.sampler, self.plain_sampler, self.top_logprobs, self.penalizer):
             cell.set_train(False)
         self._caches = [p for layer in self.model.layers for p in (layer.attn.key_cache, layer.attn.value_cache)]
+        self._graphs = GraphCalls()     # a compiled graph runs without Cell.__call__'s per-call Python
 
     # the bucket lists, as the runner's own (tests and tools read them)
     decode_batch_sizes = property(lambda self: self.buckets.decode_batch_sizes)
@@ -398,9 +399,9 @@ class ModelRunner:
         failure surfaces in this step, and every completed one is counted in `collective_calls`, which
         each step's reply carries: ranks that report the same count are in step."""
         if self.all_reduce is None or cell is not self.model:
-            return cell(*args)
+            return self._graphs(cell, *args)
         try:
-            out = cell(*args)
+            out = self._graphs(cell, *args)
             self._ms.runtime.synchronize()
         except Exception as exc:                  # noqa: BLE001 - any failure here is the group's
             why = self.all_reduce.error() or f"{type(exc).__name__}: {exc}"

@@ -304,6 +304,33 @@ def test_layer_kernel_matches_mindspore_ops_and_is_used_up_to_its_limit(runner, 
         ModelRunner(str(MODEL_DIR), **SMALL_RUNNER, attention_kernel="off", layer_kernel="on")
 
 
+def test_graph_calls_skip_cell_call_once_a_shape_is_compiled(runner, monkeypatch):
+    """GraphCalls: the first call of a shape compiles through Cell.__call__, later ones of that shape go to the
+    compiled graph directly (Cell.__call__ is not reached), a new shape goes through Cell.__call__ again; the
+    runner's steps use it."""
+    from mindspore import Tensor, nn
+    from llm_serving.models.mindspore_env import GraphCalls
+
+    class Scale(nn.Cell):
+        def construct(self, x, y):
+            return x * 2 + y
+
+    cell, calls = Scale(), GraphCalls()
+    x, y = Tensor(np.arange(4, dtype=np.float32)), Tensor(np.ones(4, np.float32))
+    assert calls(cell, x, y).asnumpy().tolist() == [1, 3, 5, 7]
+
+    def refuse(*_):
+        raise AssertionError("Cell.__call__ reached")
+    monkeypatch.setattr(Scale, "__call__", refuse)
+    assert calls(cell, y, x).asnumpy().tolist() == [2, 3, 4, 5]          # same shapes: the compiled graph
+    with pytest.raises(AssertionError, match="reached"):
+        calls(cell, Tensor(np.ones(5, np.float32)), Tensor(np.ones(5, np.float32)))
+    monkeypatch.undo()
+    runner._run_dummy(1, 1, 0.0)
+    runner._run_dummy(1, 1, 0.0)
+    assert runner._graphs._phases                                           # the runner's graphs, called directly
+
+
 def test_without_a_compiler_auto_falls_back_and_on_fails(monkeypatch, tmp_path, caplog):
     from llm_serving.models.kernels import KernelBuildError
     from llm_serving.models.runner import ModelRunner
