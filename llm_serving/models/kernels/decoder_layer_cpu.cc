@@ -108,13 +108,16 @@ class Pool {
   std::mutex& call_mutex() { return call_; }
   Scratch& scratch() { return scratch_; }
 
-  // job(tid, nthreads); the caller holds call_mutex()
-  void run(const std::function<void(int, int)>& job) {
+  // job(tid, nthreads); the caller holds call_mutex(). last_of_step: no kernel follows soon (the step's
+  // last), so the workers sleep as soon as they finish instead of spinning: the cores go to the processes
+  // that handle the step's results (the agent's own Python, the master).
+  void run(const std::function<void(int, int)>& job, bool last_of_step = false) {
     if (threads_ == 1) {
       job(0, 1);
       return;
     }
     job_ = &job;
+    spin_next_us_ = last_of_step ? 0 : spin_us_;
     done_.store(0, std::memory_order_relaxed);
     generation_.fetch_add(1, std::memory_order_seq_cst);
     if (sleepers_.load(std::memory_order_seq_cst) > 0) {
@@ -129,13 +132,14 @@ class Pool {
   // `seen` is the generation the worker was created at (0: the pool's first), so a job dispatched before the
   // worker first looks is not missed.
   void work(int tid, uint64_t seen) {
+    int64_t spin_us = spin_us_;
     for (;;) {
       const auto start = std::chrono::steady_clock::now();
       int64_t spins = 0;
       while (generation_.load(std::memory_order_acquire) == seen) {
         cpu_relax();
         if ((++spins & 255) == 0 &&
-            std::chrono::steady_clock::now() - start > std::chrono::microseconds(spin_us_)) {
+            std::chrono::steady_clock::now() - start > std::chrono::microseconds(spin_us)) {
           std::unique_lock<std::mutex> lock(sleep_);
           sleepers_.fetch_add(1, std::memory_order_seq_cst);
           wake_.wait(lock, [&] { return generation_.load(std::memory_order_seq_cst) != seen; });
@@ -144,6 +148,7 @@ class Pool {
         }
       }
       seen = generation_.load(std::memory_order_acquire);
+      spin_us = spin_next_us_;                      // written before the generation was published
       (*job_)(tid, threads_);
       done_.fetch_add(1, std::memory_order_acq_rel);
     }
@@ -160,6 +165,7 @@ class Pool {
   std::atomic<int> sleepers_{0};
   std::atomic<int> done_{0};
   const std::function<void(int, int)>* job_ = nullptr;
+  int64_t spin_next_us_ = 0;          // how long workers spin after the current job
 };
 
 // One pool per thread count in the process (a server uses one), made by the first call that asks for it and
@@ -555,6 +561,6 @@ extern "C" int FinalLogits(int nparam, void** params, int* ndims, int64_t** shap
       token[b] = static_cast<int32_t>(at);
       logprob[b] = -std::log(sum);                    // log_softmax at the max: 0 - log(sum e^(l - max))
     }
-  });
+  }, /*last_of_step=*/true);
   return 0;
 }
