@@ -228,3 +228,33 @@ class LlamaForCausalLM(nn.Cell):
         logits = self.matmul_t(_rms_normalize(x, self.eps), self.lm_head)                # (R, V)
         token, logprob = greedy_pick(logits)                                             # (R,), (R,)
         return token, logprob, logits
+
+
+class DecodeRun(nn.Cell):
+    """construct(input_ids (B,), positions (K, B), slot_mapping (K, B), block_tables (B, W), context_lens (K, B),
+    tree_bits (B,)) -> (tokens (K, B) int32, logprobs (K, B) float32): K greedy decode steps of `model` in one
+    graph, each step's tokens fed to the next (step i feeds positions[i], writes its K/V at slot_mapping[i] and
+    sees context_lens[i] keys). It runs the layer kernel and FinalLogits (model must have them), so B is at most
+    the model's layer_kernel_rows. The master's round trip and the graph launch are paid once per K tokens
+    instead of once per token: at one row of a small model they are ~20% of a step (docs/BENCHMARKS.md)."""
+
+    def __init__(self, model: LlamaForCausalLM, steps: int):
+        super().__init__(auto_prefix=False)       # model's parameters keep their names (they are shared)
+        if model.layer_kernel_rows < 1 or not model.writes_outputs:
+            raise ValueError("DecodeRun needs a model with the CPU layer kernel and the lm_head")
+        self.model = model
+        self.steps = steps
+
+    def construct(self, input_ids, positions, slot_mapping, block_tables, context_lens, tree_bits):
+        m = self.model
+        ids = input_ids
+        tokens, logprobs = (), ()
+        for i in range(self.steps):
+            x = ops.gather(m.embed, ids, 0)                                              # (B, H)
+            for layer in m.layers:
+                x = layer.fused(x, positions[i], slot_mapping[i], block_tables, context_lens[i], tree_bits,
+                                m.cos_table, m.sin_table)                                # (B, H)
+            _, ids, logprob = m.final_logits(x, m.lm_head, m.logits_icfg, m.logits_fcfg)  # (B,) each
+            tokens += (ids,)
+            logprobs += (logprob,)
+        return ops.stack(tokens), ops.stack(logprobs)                                    # (K, B) each

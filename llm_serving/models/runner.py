@@ -18,6 +18,7 @@ model graphs of up to `layer_kernel_rows` tokens run each decoder layer as one C
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import time
@@ -66,7 +67,8 @@ class ModelRunner:
                  compile_cache: bool = False, attention_kernel: str = "auto",
                  max_step_tokens: Optional[int] = None, tp: Optional["TensorParallel"] = None,
                  tp_timeout_s: float = 120.0, verify_width: int = 1, verify_rows: int = 0,
-                 num_layers: Optional[int] = None, layer_kernel: str = "auto", layer_kernel_rows: int = 64):
+                 num_layers: Optional[int] = None, layer_kernel: str = "auto", layer_kernel_rows: int = 64,
+                 decode_run_steps: int = 1, decode_run_rows: int = 0):
         for key, val in (("num_blocks", num_blocks), ("block_size", block_size),
                          ("max_blocks_per_seq", max_blocks_per_seq)):
             if not isinstance(val, (int, np.integer)) or val < 1:
@@ -84,6 +86,10 @@ class ModelRunner:
         self.tp = tp if tp is not None else TensorParallel()
         self.layer_kernel = self._build_layer_kernel(device_target, layer_kernel, self.tp, self.decode_kernel)
         self.layer_kernel_rows = int(layer_kernel_rows) if self.layer_kernel is not None else 0
+        # decode runs (execute_decode_run): K greedy steps in one graph, for batches of up to decode_run_rows
+        runs = self.layer_kernel is not None and decode_run_steps > 1 and decode_run_rows >= 1
+        self.decode_run_steps = int(decode_run_steps) if runs else 1
+        self.decode_run_rows = min(int(decode_run_rows), self.layer_kernel_rows) if runs else 0
         self.buckets = Buckets.make(decode_batch_sizes=decode_batch_sizes, prefill_batch_sizes=prefill_batch_sizes,
                                     prefill_seq_lens=prefill_seq_lens, max_blocks_per_seq=self.max_blocks_per_seq,
                                     decode_block_widths=decode_block_widths, max_step_tokens=max_step_tokens,
@@ -103,7 +109,8 @@ class ModelRunner:
         cache_key = claim_compile_cache(
             (cfg, self.num_blocks, self.block_size, self.buckets, device_target,
              (self.tp.rank, self.tp.world, self.tp.backend) if self.tp.world > 1 else None,
-             self.decode_kernel, reduce_kernel, self.layer_kernel, self.layer_kernel_rows) if compile_cache else None)
+             self.decode_kernel, reduce_kernel, self.layer_kernel, self.layer_kernel_rows, self.decode_run_steps,
+             self.decode_run_rows) if compile_cache else None)
         self._cache_dir = setup_mindspore(device_target, device_id, num_threads, cache_key,
                                           wait_for_cache=self.tp.world == 1)
         self._build_graphs(weights, num_threads, reduce_kernel, tp_timeout_s)
@@ -145,7 +152,7 @@ class ModelRunner:
 
     def _build_graphs(self, weights, num_threads: Optional[int], reduce_kernel, tp_timeout_s: float) -> None:
         import mindspore as ms
-        from .llama import LlamaForCausalLM
+        from .llama import DecodeRun, LlamaForCausalLM
         from .sampler import Penalizer, Sampler, TopLogprobs
 
         cfg = self.config
@@ -160,6 +167,7 @@ class ModelRunner:
                                       kernel_threads=num_threads or len(os.sched_getaffinity(0)),
                                       tp=self.tp, all_reduce=self.all_reduce, layer_kernel=self.layer_kernel,
                                       layer_kernel_rows=self.layer_kernel_rows)
+        self.decode_run = DecodeRun(self.model, self.decode_run_steps) if self.decode_run_steps > 1 else None
         self.sampler = Sampler(cfg.vocab_size, filters=True)          # some sampling row uses top-k/top-p
         self.plain_sampler = Sampler(cfg.vocab_size, filters=False)   # temperature only
         self.top_k_logprobs = min(TOP_LOGPROBS, cfg.vocab_size)
@@ -209,6 +217,70 @@ class ModelRunner:
         if step.s > 1 and self.buckets.packed:
             return self._execute_packed(step, return_logits)
         return self._execute_padded(step, nb, sb, return_logits)
+
+    def decode_run_batch_sizes(self) -> list:
+        """The decode batch buckets decode runs have graphs for (empty: no decode runs)."""
+        if self.decode_run is None:
+            return []
+        sizes = self.decode_batch_sizes
+        return sizes[:bisect.bisect_left(sizes, self.decode_run_rows) + 1]
+
+    def execute_decode_run(self, input_ids, positions, slot_mapping, block_tables, context_lens):
+        """K = decode_run_steps greedy decode steps of n rows in one graph call: row i feeds input_ids[i] at
+        positions[i] (context_lens[i] keys visible, itself included), then the token it gets at positions[i] + 1,
+        and so on; step j writes row i's K/V at slot_mapping[i, j] (n, K). Returns (token_ids int32 (n, K),
+        logprobs float32 (n, K)): each step's greedy token (the first index of the largest logit) and its
+        log-probability, as K single decode steps would give. ValueError if runs are off, n is more than a
+        run's largest bucket, or an argument is malformed."""
+        k = self.decode_run_steps
+        n = len(np.asarray(input_ids).reshape(-1))
+        if self.decode_run is None:
+            raise ValueError("ModelRunner.execute_decode_run: this runner has no decode runs (decode_run_steps "
+                             "<= 1, decode_run_rows 0, or no layer kernel)")
+        sizes = self.decode_run_batch_sizes()
+        if not 1 <= n <= sizes[-1]:
+            raise ValueError(f"ModelRunner.execute_decode_run: {n} rows; runs take 1..{sizes[-1]}")
+        slot_mapping = np.asarray(slot_mapping, np.int32)
+        if slot_mapping.shape != (n, k):
+            raise ValueError(f"ModelRunner.execute_decode_run: slot_mapping has shape {slot_mapping.shape}, "
+                             f"expected {(n, k)}")
+        zeros = np.zeros(n, np.float32)
+        step = StepInputs.make(self.limits, np.asarray(input_ids).reshape(n, 1), np.asarray(positions).reshape(n, 1),
+                               slot_mapping[:, :1], block_tables, context_lens, np.ones(n, np.int32), zeros,
+                               np.zeros(n, np.int32), np.ones(n, np.float32), zeros)
+        last = self.limits.max_context - k
+        if step.positions.max() > last or step.context_lens.max() > last + 1 or slot_mapping.min() < 0 \
+                or slot_mapping.max() >= self.limits.scratch_slot:
+            raise ValueError(f"ModelRunner.execute_decode_run: a run of {k} steps needs positions <= {last}, "
+                             f"context_lens <= {last + 1} and slots in [0, {self.limits.scratch_slot})")
+        nb = sizes[bisect.bisect_left(sizes, n)]
+        tokens, logprobs = self._run_decode_run(nb, step, slot_mapping)
+        return tokens[:, :n].T.astype(np.int32), logprobs[:, :n].T.astype(np.float32)
+
+    def _run_decode_run(self, nb: int, step: Optional[StepInputs], slot_mapping) -> tuple:
+        """The decode-run graph of nb rows on step's rows (None: padding only, for warmup); (K, nb) outputs.
+        Padding rows write to the scratch block and attend to their own keys only."""
+        k = self.decode_run_steps
+        n = 0 if step is None else step.n
+        need = 1 if step is None else int(step.context_lens.max()) + k - 1
+        w = self.buckets.width(1, -(-need // self.block_size))
+        offsets = np.arange(k, dtype=np.int32)[:, None]
+        pos = np.zeros((k, nb), np.int32) + offsets
+        slots = np.full((k, nb), self.scratch_slot, np.int32) + offsets % self.block_size
+        context = np.ones((k, nb), np.int32) + offsets
+        ids = np.zeros(nb, np.int32)
+        tables = np.zeros((nb, w), np.int32)
+        if step is not None:
+            pos[:, :n] = step.positions[:, 0] + offsets
+            slots[:, :n] = slot_mapping.T
+            context[:, :n] = step.context_lens + offsets
+            ids[:n] = step.input_ids[:, 0]
+            used = min(step.block_tables.shape[1], w)
+            tables[:n, :used] = step.block_tables[:, :used]
+        T = self._ms.Tensor
+        tokens, logprobs = self._call("decode_run", (nb, k), self.decode_run, T(ids), T(pos), T(slots), T(tables),
+                                      T(context), T(np.full(nb, -1, np.int32)))
+        return tokens.asnumpy(), logprobs.asnumpy()
 
     def _execute_padded(self, step: StepInputs, nb: int, sb: int, return_logits: bool):
         """The step padded to its (batch, seq) bucket and block-table width: padding rows and tokens write to
@@ -495,6 +567,14 @@ class ModelRunner:
             name = kind if kind in ("decode", "verify") else "prefill"
             msg = (f"warmup {i + 1}/{len(buckets)}: {name} bucket ({shape}) "
                    f"ready in {time.perf_counter() - t0:.1f}s")
+            logger.info(msg)
+            if progress is not None:
+                progress(msg)
+        for b in self.decode_run_batch_sizes():
+            t0 = time.perf_counter()
+            self._run_decode_run(b, None, None)
+            msg = (f"warmup: decode run ({self.decode_run_steps} steps, B={b}) ready in "
+                   f"{time.perf_counter() - t0:.1f}s")
             logger.info(msg)
             if progress is not None:
                 progress(msg)

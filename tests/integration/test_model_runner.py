@@ -304,6 +304,46 @@ def test_layer_kernel_matches_mindspore_ops_and_is_used_up_to_its_limit(runner, 
         ModelRunner(str(MODEL_DIR), **SMALL_RUNNER, attention_kernel="off", layer_kernel="on")
 
 
+def test_decode_run_gives_the_tokens_of_single_steps(runner, tokenizer, reference):
+    """execute_decode_run (K greedy steps in one graph) against the fixture's single decode steps: two rows with
+    different contexts, continued from the same cache state, give the same tokens (llama2.c's text) and
+    log-probabilities; malformed runs are refused."""
+    from llm_serving.models.runner import ModelRunner
+    k = 4
+    runs = ModelRunner(str(MODEL_DIR), num_blocks=64, block_size=16, max_blocks_per_seq=13,
+                       decode_batch_sizes=[1, 2], prefill_batch_sizes=[1, 2], prefill_seq_lens=[16, 32],
+                       num_threads=2, decode_run_steps=k, decode_run_rows=2)
+    assert runs.decode_run_batch_sizes() == [1, 2] and runner.decode_run_batch_sizes() == []
+    prompts = [[BOS] + tokenizer.encode(item["prompt"]) for item in reference]
+    tables = [blocks_for(0, 13), blocks_for(1, 13)]
+    seqs = [Seq(t) for t in tables]
+    first, _ = step(runs, seqs, prompts)                        # the prompts' K/V, and each row's first token
+    pos = np.array([s.cached for s in seqs])
+    bs = runs.block_size
+    slots = np.array([[t[(p + j) // bs] * bs + (p + j) % bs for j in range(k)] for t, p in zip(tables, pos)])
+    tokens, logprobs = runs.execute_decode_run(first, pos, slots, np.array(tables), pos + 1)
+    assert tokens.shape == logprobs.shape == (2, k)
+    single, single_lps, cur = [], [], list(first)
+    for _ in range(k):                                           # the same K steps one by one (same cache state)
+        cur, lp = step(runs, seqs, [[t] for t in cur])
+        single.append(cur)
+        single_lps.append(lp)
+    assert tokens.tolist() == np.array(single).T.tolist()
+    np.testing.assert_allclose(logprobs, np.array(single_lps).T, rtol=1e-5, atol=1e-6)
+    for row, item in enumerate(reference):                     # llama2.c's greedy text goes on the same way
+        assert item["greedy_text"].startswith(tokenizer.decode(prompts[row][1:] + [int(first[row])] +
+                                                               tokens[row].tolist()))
+    with pytest.raises(ValueError, match="runs take 1..2"):
+        runs.execute_decode_run([5] * 3, [3] * 3, slots[[0, 0, 0]], np.array(tables)[[0, 0, 0]], [4] * 3)
+    with pytest.raises(ValueError, match="slot_mapping has shape"):
+        runs.execute_decode_run(first, pos, slots[:, :2], np.array(tables), pos + 1)
+    last = runs.max_context - k
+    with pytest.raises(ValueError, match=f"positions <= {last}"):
+        runs.execute_decode_run(first[:1], [last + 1], slots[:1], np.array(tables)[:1], [last + 2])
+    with pytest.raises(ValueError, match="no decode runs"):
+        runner.execute_decode_run(first, pos, slots, np.array(tables), pos + 1)
+
+
 def test_graph_calls_skip_cell_call_once_a_shape_is_compiled(runner, monkeypatch):
     """GraphCalls: the first call of a shape compiles through Cell.__call__, later ones of that shape go to the
     compiled graph directly (Cell.__call__ is not reached), a new shape goes through Cell.__call__ again; the
