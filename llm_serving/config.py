@@ -243,6 +243,9 @@ class SchedulerConfig:
     max_waiting_tokens: Optional[int] = None  # queue bound in tokens (with serving_config.max_waiting_requests)
     kv_watermark: float = 0.01                # share of KV blocks admission leaves free for running requests
     prefill_wait_ms: float = 0.0              # prefill_first: let prompts gather this long while others decode
+    decode_steps: int = 8                     # greedy decode steps per agent call while no request waits (a
+                                              # decode run: one graph, one round trip; needs the layer kernel)
+    decode_steps_max_rows: int = 4            # decode runs for steps of at most this many rows (1 = off: 1)
 
     def __post_init__(self) -> None:
         _check(self.policy in SCHEDULING_POLICIES, "scheduler_config.policy", self.policy,
@@ -253,6 +256,9 @@ class SchedulerConfig:
         if self.max_chunk_tokens is not None:
             _check_int("scheduler_config.max_chunk_tokens", self.max_chunk_tokens, min_value=2)
         _check_int("scheduler_config.max_decode_wait_steps", self.max_decode_wait_steps)
+        _check_int("scheduler_config.decode_steps", self.decode_steps)
+        _check(self.decode_steps <= 64, "scheduler_config.decode_steps", self.decode_steps, "must be <= 64")
+        _check_int("scheduler_config.decode_steps_max_rows", self.decode_steps_max_rows)
         if self.max_waiting_tokens is not None:
             _check_int("scheduler_config.max_waiting_tokens", self.max_waiting_tokens)
         pw = self.prefill_wait_ms

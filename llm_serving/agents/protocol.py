@@ -193,6 +193,7 @@ class DecodeStep(Message):
     step: int
     num_rows: int
     max_query_len: ClassVar[int] = 1
+    steps: int = 1                  # > 1: a decode run, each row's greedy token fed to the next of `steps` steps
 
 
 @dataclass(frozen=True)
@@ -261,6 +262,7 @@ class ConnectReply(Reply):
     max_position_embeddings: int
     cache_epoch: int
     token_trees: bool = True        # verify steps may be token trees (packed verify steps: the CPU kernel path)
+    decode_steps: int = 1           # steps a decode run may have (1: the agent runs no decode runs)
 
 
 @dataclass(frozen=True)

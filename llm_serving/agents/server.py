@@ -194,10 +194,12 @@ class AgentServer:
                                   block_size=self.config.pa_config.block_size, vocab_size=cfg.vocab_size,
                                   max_position_embeddings=cfg.max_position_embeddings,
                                   cache_epoch=self.worker.cache_epoch,
-                                  token_trees=self.worker.runner.buckets.packed)
+                                  token_trees=self.worker.runner.buckets.packed,
+                                  decode_steps=self.worker.runner.decode_run_steps)
 
     def on_step(self, msg, frame, conn) -> proto.StepReply:
-        model_s = self.worker.step(msg.num_rows, msg.max_query_len, verify=isinstance(msg, proto.VerifyStep))
+        model_s = self.worker.step(msg.num_rows, msg.max_query_len, verify=isinstance(msg, proto.VerifyStep),
+                                   steps=getattr(msg, "steps", 1))
         agent_s = time.perf_counter() - frame.received
         return proto.StepReply(step=msg.step, model_ms=round(model_s * 1e3, 4), agent_ms=round(agent_s * 1e3, 4),
                                cache_epoch=self.worker.cache_epoch, collective_calls=self._collective_calls(msg))

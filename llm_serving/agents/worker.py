@@ -3,9 +3,10 @@
 Logits capture (the `c` command, rank 0 only): while on, every step also writes
 <dir>/step_<NNNNNNNN>.npz (written to a temporary name, then renamed, so a reader never sees half a file)
 holding, for rows 0..n-1: request_ids (n,) int64, input_ids / positions (n, s) int32, query_lens,
-context_lens (n,) int32, token_ids (n,) int32, and logits (n, vocab) float32 at each row's last new
-token. `llm-serving precision` replays these through a float64 reference. Verify steps (speculative
-decoding) are not captured: precision's requests do not speculate.
+context_lens, prompt_lens (n,) int32, token_ids (n,) int32, and logits (n, vocab) float32 at each row's last
+new token. `llm-serving precision` replays these through a float64 reference. Verify steps (speculative
+decoding) are not captured: precision's requests do not speculate. A decode run is captured step by step (the
+agent runs its steps one at a time while capturing).
 """
 from __future__ import annotations
 
@@ -53,7 +54,9 @@ class Worker:
             layer_kernel_rows=mc.layer_kernel_max_tokens,
             max_step_tokens=sc.max_num_batched_tokens, tp=self.tp, tp_timeout_s=sc.step_timeout_s,
             verify_width=config.spec_config.tokens_per_row, verify_rows=config.spec_config.max_batch_size,
-            num_layers=mc.num_layers, compile_cache=True)   # one runner per agent process, warmed up in a fixed order
+            num_layers=mc.num_layers, decode_run_steps=config.scheduler_config.decode_steps,
+            decode_run_rows=config.scheduler_config.decode_steps_max_rows,
+            compile_cache=True)   # one runner per agent process, warmed up in a fixed order
         self._start_timeout_s = sc.agent_start_timeout_s
 
     def warmup(self) -> None:
@@ -69,16 +72,22 @@ class Worker:
             self.buffers.close()
             self.buffers = None
 
-    def step(self, n: int, s: int, verify: bool = False) -> float:
+    def step(self, n: int, s: int, verify: bool = False, steps: int = 1) -> float:
         """Run rows 0..n-1 with s new tokens per row (s = 1 for decode); returns the seconds spent in the
         model (ModelRunner.execute: padding, graphs, copying ids back). A verify step samples after every new
-        token (out_verify_ids, out_verify_logprobs)."""
+        token (out_verify_ids, out_verify_logprobs); a decode run (steps > 1) puts each step's greedy token
+        there."""
         b = self.buffers
         if b is None:
             raise RuntimeError("no shared memory attached: connect with shm names first")
         if not (1 <= n <= self.layout.max_rows and 1 <= s <= self.layout.max_tokens):
             raise ValueError(f"step shape n={n}, s={s} outside 1..{self.layout.max_rows} x "
                              f"1..{self.layout.max_tokens}")
+        if steps > 1:
+            if s != 1 or verify or steps != self.runner.decode_run_steps:
+                raise ValueError(f"a decode run has {self.runner.decode_run_steps} steps of one token per row "
+                                 f"on this agent, got steps={steps}, s={s}")
+            return self._decode_run(n, steps)
         if verify:
             if s > self.layout.max_verify:
                 raise ValueError(f"verify step with {s} tokens per row; the buffers hold {self.layout.max_verify}")
@@ -114,6 +123,41 @@ class Worker:
         b = self.buffers
         return (b.input_ids[:n, :s], b.positions[:n, :s], b.slot_mapping[:n, :s], b.block_tables[:n],
                 b.context_lens[:n], b.query_lens[:n], b.temperature[:n], b.top_k[:n], b.top_p[:n], b.random_u[:n])
+
+    def _decode_run(self, n: int, k: int) -> float:
+        """A decode run of k steps: in one graph, or, while logits are captured, as k single steps (one capture
+        file each), the agent feeding each step's tokens to the next itself."""
+        b = self.buffers
+        t0 = time.perf_counter()
+        if self.capture_dir is not None and self.rank == 0:
+            tokens, logprobs = self._decode_run_stepwise(n, k)
+        else:
+            tokens, logprobs = self.runner.execute_decode_run(b.input_ids[:n, 0], b.positions[:n, 0],
+                                                              b.slot_mapping[:n, :k], b.block_tables[:n],
+                                                              b.context_lens[:n])
+            self.num_steps += 1
+        model_s = time.perf_counter() - t0
+        if self.tp.writes_outputs:
+            b.out_verify_ids[:n, :k] = tokens
+            b.out_verify_logprobs[:n, :k] = logprobs
+        return model_s
+
+    def _decode_run_stepwise(self, n: int, k: int) -> tuple:
+        b = self.buffers
+        slots = b.slot_mapping[:n, :k].copy()
+        tokens, logprobs = np.zeros((n, k), np.int32), np.zeros((n, k), np.float32)
+        for j in range(k):
+            if j:                       # step j: the previous step's tokens, one position on
+                b.input_ids[:n, 0] = tokens[:, j - 1]
+                b.positions[:n, 0] += 1
+                b.context_lens[:n] += 1
+            b.slot_mapping[:n, 0] = slots[:, j]
+            token_ids, lps, logits = self.runner.execute(*self._inputs(n, 1), return_logits=True)
+            tokens[:, j], logprobs[:, j] = token_ids, lps
+            if self.capture_dir is not None:
+                self._write_capture(n, 1, token_ids, logits)
+            self.num_steps += 1
+        return tokens, logprobs
 
     def _verify_step(self, n: int, s: int) -> float:
         b = self.buffers

@@ -99,6 +99,10 @@ class Engine:
             for g in groups:
                 await g.stop()
             raise failed[0]
+        if self.scheduler.decode_steps != self.agents.agents[0].info.decode_steps:
+            logger.info("decode runs off: the agents run %d step(s) per decode call (they need the CPU layer "
+                        "kernel)", self.agents.agents[0].info.decode_steps)
+            self.scheduler.decode_steps = 1
         self.running = True
         self._loop_task = asyncio.create_task(self._step_loop(), name="engine-step-loop")
         self._loop_task.add_done_callback(self._step_loop_ended)
@@ -260,7 +264,7 @@ class Engine:
         prof["shm_write"] += t0 - t_write
         command = (proto.VerifyStep(self.num_steps, n, batch.max_query_len) if batch.is_verify
                    else proto.PrefillStep(self.num_steps, n, batch.max_query_len) if batch.is_prefill
-                   else proto.DecodeStep(self.num_steps, n))
+                   else proto.DecodeStep(self.num_steps, n, steps=batch.steps))
         try:
             replies, cache_reset = await self.agents.step(command)
             model_s, agent_s = replies[0].model_ms / 1e3, replies[0].agent_ms / 1e3
@@ -288,6 +292,8 @@ class Engine:
         if batch.is_verify:
             self.spec_stats.verify_steps += 1
             self._apply_verified(batch, self.step_io.read_outputs(self.agents.buffers, n, batch.max_query_len))
+        elif batch.steps > 1:
+            self._apply_run(batch, self.step_io.read_outputs(self.agents.buffers, n, batch.steps))
         else:
             self._apply_outputs(batch, self.step_io.read_outputs(self.agents.buffers, n))
         prof["output"] += time.perf_counter() - t_read
@@ -350,6 +356,17 @@ class Engine:
             top = out.top(row, req.sampling.top_logprobs) if out.top_ids is not None and req.sampling.top_logprobs \
                 else None
             self._emit(req, out.token_ids[row], out.logprobs[row], top, now)
+
+    def _apply_run(self, batch: ScheduledBatch, out: StepOutputs) -> None:
+        """A decode run: each row's tokens stream one by one until the request stops; a request that goes on
+        has the KV of all but the last (the agent fed them back) counted as computed."""
+        now = time.monotonic()
+        for row, req in self.scheduler.complete_step(batch):
+            for token_id, logprob in zip(out.token_ids[row], out.logprobs[row]):
+                if self._emit(req, token_id, logprob, None, now):
+                    break
+            else:
+                self.scheduler.accept(req, batch.steps - 1)
 
     def _apply_verified(self, batch: ScheduledBatch, out: StepOutputs) -> None:
         """A verify step: each row keeps its proposals up to the first the target disagrees with, and the
@@ -433,6 +450,8 @@ class Engine:
             "prefix_cache_hit_rate": sched.prefix_cache_hit_rate if self.block_manager.enable_prefix_caching else None,
             "num_cached_prompt_tokens": sched.num_cached_tokens,
             "num_generated_tokens": self.num_generated_tokens,
+            "decode_runs": {"steps": sched.decode_steps, "max_rows": sched.decode_steps_max_rows,
+                            "runs": sched.num_decode_runs},
             "step_time_s": dict(self.step_time_s),
             "step_profile_ms": self.step_profile(),
             "step_profile_total_s": {k: round(v, 6) for k, v in sorted(self.profile.items())},
@@ -458,7 +477,8 @@ def make_scheduler(config, block_manager: BlockManager) -> Scheduler:
                      prefill_wait_s=sched.prefill_wait_ms / 1e3, proposer=proposer,
                      propose_later=spec.uses_draft, spec_tokens=spec.num_speculative_tokens,
                      tree_width=spec.tree_width if spec.is_tree else 0,
-                     spec_max_rows=spec.max_batch_size, max_model_len=config.max_model_len)
+                     spec_max_rows=spec.max_batch_size, decode_steps=sched.decode_steps,
+                     decode_steps_max_rows=sched.decode_steps_max_rows, max_model_len=config.max_model_len)
 
 
 def _by_kind(counter: Counter) -> dict:

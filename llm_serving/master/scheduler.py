@@ -29,6 +29,10 @@ agent the engine drives), the blocks for them are reserved and the engine `attac
 has run. `complete_step` counts only the request's own token as computed; the engine then keeps the
 accepted proposals (`accept`).
 
+Decode runs: while no request waits, a decode step of at most `decode_steps_max_rows` greedy rows becomes a
+run of `decode_steps` steps that the agent does in one call, feeding each row's token to the next step
+itself (one round trip and one graph launch per K tokens instead of per token; see `_make_run`).
+
 Memory: a row is in a step only once its KV blocks are allocated; admission never takes the blocks that
 running requests are about to need (`watermark_blocks`). When a running request needs a block and none
 is left, the lowest-priority running request (the one the queue would serve last) is preempted: its
@@ -67,6 +71,8 @@ class ScheduledBatch:
     parents: list = field(default_factory=list)            # a verify step: per row, each proposal's parent among
                                                            # the row's proposals (-1: its last token); a chain
                                                            # is the tree [-1, 0, 1, ...]
+    steps: int = 1                                         # > 1: a decode run (each row's greedy token is fed
+                                                           # to the next of `steps` steps on the agent)
 
     @property
     def num_rows(self) -> int:
@@ -102,7 +108,7 @@ class ScheduledBatch:
             return self
         pick = lambda xs: [xs[i] for i in keep] if xs else []     # noqa: E731
         return ScheduledBatch(pick(self.requests), pick(self.num_new_tokens), pick(self.proposals),
-                              pick(self.spec_limits), pick(self.parents))
+                              pick(self.spec_limits), pick(self.parents), self.steps)
 
 
 class Scheduler:
@@ -112,7 +118,7 @@ class Scheduler:
                  chunked_prefill: bool = False, max_chunk_tokens: Optional[int] = None,
                  max_decode_wait_steps: int = 8, watermark_blocks: int = 0, prefill_wait_s: float = 0.0,
                  proposer=None, propose_later: bool = False, spec_tokens: Optional[int] = None, spec_max_rows: int = 0,
-                 tree_width: int = 0,
+                 tree_width: int = 0, decode_steps: int = 1, decode_steps_max_rows: int = 0,
                  max_model_len: Optional[int] = None, clock=time.monotonic):
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}; one of {', '.join(POLICIES)}")
@@ -134,6 +140,9 @@ class Scheduler:
         self.spec_tokens = spec_tokens or (proposer.num_tokens if proposer is not None else 0)  # per row and step
         self.tree_width = tree_width        # > 0: the proposer's continuations form a token tree (method tree)
         self.spec_max_rows = spec_max_rows
+        self.decode_steps = decode_steps    # steps of a decode run (1: none); the engine lowers it to the agents'
+        self.decode_steps_max_rows = decode_steps_max_rows
+        self.num_decode_runs = 0
         self.max_model_len = max_model_len
         self.clock = clock
         self.waiting: list = []          # in policy order (see _key): waiting[0] is served next
@@ -228,7 +237,8 @@ class Scheduler:
 
     def accept(self, req: Request, num_tokens: int) -> None:
         """num_tokens proposals of req's verify step were kept (the caller appended them to its output, then
-        the target's own next token): their KV, written in that step, now counts as computed."""
+        the target's own next token), or a decode run fed num_tokens of its tokens back: their KV, written in
+        that step, now counts as computed."""
         if req.status is not RequestStatus.RUNNING:
             return
         if num_tokens:
@@ -254,7 +264,32 @@ class Scheduler:
         batch = ScheduledBatch(rows, counts)
         if (self.proposer is not None or self.propose_later) and len(rows) <= self.spec_max_rows:
             self._speculate(batch, budget)
+        # a plain decode step (no proposals: none found, or none may be made) may be a decode run; with a draft
+        # model the proposals come later, so a step that may have them is left as it is
+        if self.decode_steps > 1 and len(rows) <= self.decode_steps_max_rows and not self.waiting \
+                and not batch.proposals and not (self.propose_later and batch.spec_limits):
+            self._make_run(batch)
         return batch
+
+    def _make_run(self, batch: ScheduledBatch) -> None:
+        """Make a decode step a decode run of decode_steps steps when every row may have them: greedy, no top
+        log-probabilities or penalties, at least that many tokens left before max_new_tokens and the model
+        length, and blocks for their K/V (taken only when free: a run never preempts anyone). A token after
+        a row's stop is computed and dropped; a request that arrives waits for the run to end."""
+        k = self.decode_steps
+        for req in batch.requests:
+            sp = req.sampling
+            if not sp.greedy or sp.top_logprobs or sp.penalized or sp.max_new_tokens - len(req.output_ids) < k:
+                return
+            if self.max_model_len is not None and req.num_tokens + k > self.max_model_len:
+                return
+        for req in batch.requests:      # K/V of the run's k tokens: positions num_tokens - 1 .. num_tokens + k - 2
+            if not self.bm.can_allocate(req.req_id, req.num_tokens + k - 1):
+                return                  # (blocks already taken stay with their request: it needs them next)
+            self.bm.allocate(req.req_id, req.num_tokens + k - 1)
+        batch.steps = k
+        batch.spec_limits = []
+        self.num_decode_runs += 1
 
     def _speculate(self, batch: ScheduledBatch, budget: int) -> None:
         """How many tokens each row of a decode step may propose (`spec_limits`): as many as fit its

@@ -66,6 +66,8 @@ class StepIO:
             b.input_ids[:n, 0] = ids
             b.positions[:n, 0] = pos
             b.slot_mapping[:n, 0] = slots
+            for j in range(1, batch.steps):         # a decode run: the slots of its later steps
+                b.slot_mapping[:n, j] = [bm.slot(req.req_id, p + j) for req, p in zip(batch.requests, pos)]
             b.context_lens[:n] = b.positions[:n, 0] + 1
             b.query_lens[:n] = 1
         else:
@@ -135,7 +137,8 @@ class StepIO:
 
     @staticmethod
     def read_outputs(b: StepBuffers, n: int, verify_width: int = 0) -> StepOutputs:
-        """Rows 0..n-1's outputs; a verify step's (verify_width tokens per row) as per-row lists of tokens."""
+        """Rows 0..n-1's outputs; a verify step's or a decode run's (verify_width tokens per row) as per-row
+        lists of tokens."""
         if verify_width:
             return StepOutputs(b.out_verify_ids[:n, :verify_width].tolist(),
                                b.out_verify_logprobs[:n, :verify_width].tolist())

@@ -34,13 +34,15 @@ says n and s.
                                                                          (written only in steps where a row
                                                                          has top_n > 0)
 Verify steps (speculative decoding, master/speculative.py) sample after every new token of a row, not
-only after its last; `max_verify` is the most tokens a speculating row feeds (1 + proposals):
+only after its last; `max_verify` is the most tokens a speculating row feeds (1 + proposals), or the steps
+of a decode run (scheduler_config.decode_steps, whose tokens come back in out_verify_*):
   verify_random_u  float32 (max_rows, max_verify)            master      uniform [0, 1) per new token of a
                                                                          sampling row
   verify_parent    int32    (max_rows, max_verify)           master      each new token's parent among its
                                                                          row's new tokens (-1 first; j-1: a
                                                                          chain; else a token tree)
   out_verify_ids   int32    (max_rows, max_verify)           agent 0     the token sampled after each new token
+                                                                         (a decode run: each step's token)
   out_verify_logprobs float32 (max_rows, max_verify)         agent 0     its log-probability
 """
 from __future__ import annotations
@@ -69,7 +71,7 @@ class StepLayout:
     max_tokens: int
     max_blocks_per_seq: int
     max_context: int = 0            # tokens a sequence may reach (history width)
-    max_verify: int = 1             # tokens a speculating row feeds in a verify step
+    max_verify: int = 1             # tokens a speculating row feeds in a verify step, or steps of a decode run
 
     @classmethod
     def from_config(cls, config) -> "StepLayout":
@@ -77,7 +79,7 @@ class StepLayout:
         return cls(max_rows=max(mc.decode_batch_size[-1], mc.prefill_batch_size[-1]),
                    max_tokens=mc.seq_length[-1], max_blocks_per_seq=config.max_blocks_per_seq,
                    max_context=config.max_blocks_per_seq * config.pa_config.block_size,
-                   max_verify=config.spec_config.tokens_per_row)
+                   max_verify=max(config.spec_config.tokens_per_row, config.scheduler_config.decode_steps))
 
     def arrays(self) -> list:
         r, t, w, c = self.max_rows, self.max_tokens, self.max_blocks_per_seq, max(self.max_context, 1)

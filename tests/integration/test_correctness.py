@@ -24,6 +24,13 @@ def test_precision_gate_passes_on_an_alpaca_replay(stories_server, shared_dir, t
     # one captured row per generated token, plus one per chunk of a prompt split across steps (it samples nothing)
     assert result["sampled_rows"] == result["generated_tokens"] and result["rows"] >= result["sampled_rows"]
     assert result["max_rel_error"] < 1e-4 and result["greedy_agreement"] == 1.0
+    # one request alone decodes in runs of 8 steps; under capture the agent runs them step by step
+    runs_before = http("GET", stories_server.url + "/stats")[1]["decode_runs"]["runs"]
+    proc, result = precision_gate(stories_server.url, tmp_path, "-n", "1", "--max-new-tokens", "20",
+                                  "--prompts", str(shared_dir / "datasets" / "alpaca_5000.json"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert result["sampled_rows"] == result["generated_tokens"] == 20 and result["max_rel_error"] < 1e-4
+    assert http("GET", stories_server.url + "/stats")[1]["decode_runs"]["runs"] >= runs_before + 2
 
 
 def test_precision_gate_fails_when_the_weights_differ(stories_server, shared_dir, tmp_path):

@@ -104,6 +104,38 @@ def test_chunked_prefill_fcfs_and_longest_output_first_give_the_same_output(refe
     assert stats["prefix_cache_hit_rate"] is None
 
 
+def test_decode_runs_give_the_text_of_single_steps(tmp_path):
+    """Requests one at a time (nothing waits, so greedy decode steps become runs of 8 on the runs server):
+    the texts, token counts and finish reasons of single steps, with a request's end (a stop string, a stop
+    token) falling inside a run and its last tokens (fewer than a run) in single steps; sampled and
+    top-logprob requests take single steps."""
+    requests = [{"inputs": p, "parameters": {"max_new_tokens": n, **extra}} for p, n, extra in [
+        ("Once upon a time", 37, {"stop": ["Lily"]}), ("The cat sat", 150, {"stop_token_ids": [388]}),
+        ("Tom had a red ball", 29, {}),
+        ("Lily wanted to", 20, {"ignore_eos": True}), ("The dog ran", 12, {"top_n_tokens": 2}),
+        ("Sam and Mia", 16, {"do_sample": True, "temperature": 0.8, "seed": 5})]]
+
+    def run(server):
+        out = []
+        for body in requests:
+            status, answer = http("POST", server.url + "/models/hf/generate", body)
+            assert status == 200, answer
+            out.append((answer["generated_text"], answer["details"]["generated_tokens"],
+                        answer["details"]["finish_reason"]))
+        return out, http("GET", server.url + "/stats")[1]
+
+    with serve(tmp_path, "single", "scheduler_config.decode_steps=1") as server:
+        single, single_stats = run(server)
+    with serve(tmp_path, "runs") as server:
+        runs, stats = run(server)
+    assert runs == single
+    assert [reason for _, _, reason in single] == ["stop", "stop", "length", "length", "length", "length"]
+    assert [n for _, n, _ in single] == [10, 32, 29, 20, 12, 16]          # both stops fall inside a run
+    assert single_stats["decode_runs"]["runs"] == 0
+    assert stats["decode_runs"]["steps"] == 8 and stats["decode_runs"]["runs"] >= 5     # (n-gram verify steps too)
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
 def test_overload_gets_429_and_impossible_requests_400(shared_dir, tmp_path):
     with serve(tmp_path, "small-queue", "serving_config.max_num_seqs=1", "serving_config.max_waiting_requests=2",
                "model_config.decode_batch_size=[1]") as server:
@@ -168,12 +200,17 @@ async def _abort_scenarios(url):
             if stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]:
                 break
             await asyncio.sleep(0.05)
-        # no work goes on for the client that left: far fewer steps than its 200 tokens, and none after
+        # no work goes on for the client that left: far fewer steps than its 200 tokens, and none after the
+        # one that was running when it left (a decode run may still have been on the agent)
+        await asyncio.sleep(0.3)
+        async with session.get(f"{url}/stats") as r:
+            settled = await r.json()
         await asyncio.sleep(0.3)
         async with session.get(f"{url}/stats") as r:
             later = await r.json()
-        assert later["num_steps"] == stats["num_steps"] and stats["num_steps"] - steps_before < 100, \
-            (steps_before, stats["num_steps"], later["num_steps"])
+        assert later["num_steps"] == settled["num_steps"] <= stats["num_steps"] + 1 \
+            and stats["num_steps"] - steps_before < 100, \
+            (steps_before, stats["num_steps"], settled["num_steps"], later["num_steps"])
         return stats
 
 

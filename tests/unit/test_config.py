@@ -263,3 +263,19 @@ def test_layer_kernel_switch_and_limit():
             config_from_dict({}, [bad])
     with pytest.raises(ConfigError, match="needs the paged-attention kernel"):
         config_from_dict({}, ["model_config.layer_kernel=on", "model_config.attention_kernel=off"])
+
+
+def test_decode_runs_settings_and_the_output_width_they_need():
+    from llm_serving.config import ConfigError, config_from_dict
+    from llm_serving.shm.layout import StepLayout
+
+    cfg = config_from_dict({}, ["spec_config.method=off"])
+    assert (cfg.scheduler_config.decode_steps, cfg.scheduler_config.decode_steps_max_rows) == (8, 4)
+    assert StepLayout.from_config(cfg).max_verify == 8           # a run's tokens come back in the verify outputs
+    cfg = config_from_dict({}, ["spec_config.method=off", "scheduler_config.decode_steps=1"])
+    assert StepLayout.from_config(cfg).max_verify == 1
+    for bad, needle in (("scheduler_config.decode_steps=0", "integer >= 1"),
+                        ("scheduler_config.decode_steps=65", "<= 64"),
+                        ("scheduler_config.decode_steps_max_rows=0", "integer >= 1")):
+        with pytest.raises(ConfigError, match=needle):
+            config_from_dict({}, [bad])

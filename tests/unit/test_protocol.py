@@ -14,15 +14,17 @@ def test_frame_round_trip_over_a_socket():
         a.sendall(proto.encode(7, proto.DecodeStep(step=3, num_rows=32)))
         frame = proto.recv_frame(b)
     assert frame.command == proto.DECODE
-    assert frame.payload == {"seq": 7, "step": 3, "num_rows": 32}
+    assert frame.payload == {"seq": 7, "step": 3, "num_rows": 32, "steps": 1}
     assert frame.seq == 7
     assert proto.read_command(frame) == proto.DecodeStep(step=3, num_rows=32)
+    # a master that does not know decode runs sends no "steps": one step
+    assert proto.read_command(proto.Frame(proto.DECODE, {"seq": 1, "step": 3, "num_rows": 2})).steps == 1
 
 
 @pytest.mark.parametrize("message", [
     proto.Connect(token="t", shm={"input_ids": "llmsrv_x"}), proto.Connect(token="t"),
     proto.PrefillStep(step=1, num_rows=4, max_query_len=32), proto.DecodeStep(step=2, num_rows=1),
-    proto.Health(), proto.Reset(), proto.Capture(dir="/tmp/c", max_steps=3), proto.Capture(), proto.Exit()])
+    proto.DecodeStep(step=2, num_rows=3, steps=8), proto.Health(), proto.Reset(), proto.Capture(dir="/tmp/c", max_steps=3), proto.Capture(), proto.Exit()])
 def test_every_command_round_trips_as_its_typed_message(message):
     frame = proto.decode_body(proto.encode(5, message)[proto.HEADER.size:])
     assert frame.command == message.COMMAND and frame.seq == 5

@@ -56,23 +56,32 @@ class FakeRunner:
         tokens = []
         for req, q in zip(batch.requests, batch.num_new_tokens):
             c, table = req.num_computed_tokens, bm.block_tables[req.req_id]
-            assert len(table) * bs >= c + q, f"{req.req_id}: blocks do not cover the step"
-            for p in range(c, c + q):
-                block = table[p // bs]
-                assert bm.ref_counts[block] == 1, f"{req.req_id} writes shared block {block}"
-                assert block not in bm._key_of, f"{req.req_id} writes cached block {block}"
-                self.kv[block * bs + p % bs] = req.token_at(p)
-            tokens.append(next_token([self.kv.get(table[p // bs] * bs + p % bs) for p in range(c + q)]))
+            assert len(table) * bs >= c + q + batch.steps - 1, f"{req.req_id}: blocks do not cover the step"
+            fed = [req.token_at(p) for p in range(c, c + q)]
+            row = []
+            for _ in range(batch.steps):        # a decode run (steps > 1) feeds each token to the next step
+                for p, token in zip(range(c, c + len(fed)), fed):
+                    block = table[p // bs]
+                    assert bm.ref_counts[block] == 1, f"{req.req_id} writes shared block {block}"
+                    assert block not in bm._key_of, f"{req.req_id} writes cached block {block}"
+                    self.kv[block * bs + p % bs] = token
+                c += len(fed)
+                row.append(next_token([self.kv.get(table[p // bs] * bs + p % bs) for p in range(c)]))
+                fed = row[-1:]
+            tokens.append(row)
         return tokens
 
     def complete(self, batch, tokens):
         """What the engine does with the step's outputs."""
         for row, req in self.sched.complete_step(batch):
-            token = tokens[row]
-            req.output_ids.append(token)
-            if len(req.output_ids) >= req.sampling.max_new_tokens:
-                self.sched.finish(req, "length")
-                self.finished.append(req)
+            for token in tokens[row]:
+                req.output_ids.append(token)
+                if len(req.output_ids) >= req.sampling.max_new_tokens:
+                    self.sched.finish(req, "length")
+                    self.finished.append(req)
+                    break
+            else:
+                self.sched.accept(req, batch.steps - 1)
 
     def run(self, max_steps=1000):
         batches = []
@@ -408,7 +417,8 @@ def run_random_load(seed, policy, chunked, prefix_caching, steps=1000):
                            chunked_prefill=chunked, max_num_batched_tokens=budget, max_num_seqs=max_seqs,
                            max_prefill_rows=prefill_rows, max_decode_rows=max_seqs, max_chunk_tokens=8,
                            max_decode_wait_steps=rng.choice([1, 4]), watermark_blocks=rng.choice([0, 1]),
-                           max_waiting_requests=10_000)
+                           max_waiting_requests=10_000, decode_steps=rng.choice([1, 3]),
+                           decode_steps_max_rows=rng.choice([1, 4]))
     runner = FakeRunner(sched)
     max_len = 24 if chunked else min(num_blocks * bs, 16)
     prefixes = [[], [7] * 5, [7] * 5 + [8] * 4]
@@ -466,6 +476,43 @@ def test_random_load_keeps_every_invariant(policy, chunked, prefix_caching):
 def test_property_random_1000_step_runs_conserve_blocks_and_finish_every_request(seed, policy, chunked,
                                                                                  prefix_caching):
     run_random_load(seed, policy, chunked, prefix_caching, steps=1000)
+
+
+def test_decode_runs_only_while_nothing_waits_and_every_row_may_have_them():
+    sched = make_scheduler(decode_steps=4, decode_steps_max_rows=2)
+    runner = FakeRunner(sched)
+    a, b = make_requests(2, max_new_tokens=10)
+    for r in (a, b):
+        sched.add(r)
+    runner.step(sched.schedule())                           # the two prompts
+    batch = sched.schedule()
+    assert ids(batch.requests) == ["r0", "r1"] and batch.steps == 4 and batch.num_new_tokens == [1, 1]
+    # the K/V of the run's 4 tokens of each row: positions 5..8, so 9 tokens' blocks (block size 4: 3 blocks)
+    assert len(sched.bm.block_tables["r0"]) == 3
+    runner.step(batch)
+    assert len(a.output_ids) == 5 and a.num_computed_tokens == a.num_tokens - 1
+    waiting = make_requests(1, name="w")[0]
+    sched.add(waiting)
+    assert sched.schedule().steps == 1                      # a prompt waits: a plain (prefill) step
+    runner.run()
+    for r in (a, b, waiting):
+        assert r.output_ids == reference_output(r)
+    assert sched.num_decode_runs == 1                      # then three rows: more than decode_steps_max_rows
+
+
+@pytest.mark.parametrize("why", ["sampled", "top_logprobs", "too_few_tokens_left", "too_many_rows"])
+def test_a_decode_step_stays_single_when_some_row_may_not_run(why):
+    sched = make_scheduler(decode_steps=4, decode_steps_max_rows=1 if why == "too_many_rows" else 2)
+    reqs = make_requests(2, max_new_tokens=4 if why == "too_few_tokens_left" else 10)
+    if why == "sampled":
+        reqs[1].sampling = SamplingParams(max_new_tokens=10, temperature=0.7)
+    elif why == "top_logprobs":
+        reqs[1].sampling = SamplingParams(max_new_tokens=10, top_logprobs=2)
+    for r in reqs:
+        sched.add(r)
+    FakeRunner(sched).step(sched.schedule())
+    batch = sched.schedule()
+    assert batch.num_rows == 2 and batch.steps == 1
 
 
 def test_prefill_wait_gathers_prompts_while_others_decode():

@@ -281,6 +281,7 @@ def test_a_failed_model_graph_under_tensor_parallelism_is_fatal_and_completed_on
     runner.all_reduce = SimpleNamespace(error=lambda: None)
     runner._ms = SimpleNamespace(runtime=SimpleNamespace(synchronize=lambda: None))
     runner.collective_calls = 0
+    runner._graphs = lambda cell, *args: cell(*args)       # (GraphCalls needs Tensors)
     runner.model = lambda *args: ("token", "logprob", "logits")
     assert runner._call("model", (8, 1), runner.model, 1, 2) == ("token", "logprob", "logits")
     assert runner._call("packed", (64, 4), runner.model) and runner.collective_calls == 2
