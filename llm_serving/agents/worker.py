@@ -188,7 +188,8 @@ class Worker:
         with open(path + ".tmp", "wb") as f:
             np.savez(f, request_ids=b.request_ids[:n], input_ids=b.input_ids[:n, :s],
                      positions=b.positions[:n, :s], query_lens=b.query_lens[:n], context_lens=b.context_lens[:n],
-                     prompt_lens=b.prompt_len[:n], token_ids=np.asarray(token_ids, np.int32), logits=np.asarray(logits, np.float32))
+                     prompt_lens=b.prompt_len[:n], token_ids=np.asarray(token_ids, np.int32),
+                     logits=np.asarray(logits, np.float32))
         os.replace(path + ".tmp", path)
         self.captured += 1
         self.capture_left -= 1

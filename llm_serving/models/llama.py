@@ -201,10 +201,8 @@ class LlamaForCausalLM(nn.Cell):
         flat_pos = positions.reshape(-1)                                                 # (T,)
         fused = s == 1 and b <= self.layer_kernel_rows          # small decode-shaped steps: one kernel per layer
         if fused:
-            slots = slot_mapping.reshape(-1)                                             # (T,)
-            for layer in self.layers:
-                x = layer.fused(x, flat_pos, slots, block_tables, context_lens, tree_bits, self.cos_table,
-                                self.sin_table)                                          # (T, H)
+            x = self.fused_layers(x, flat_pos, slot_mapping.reshape(-1), block_tables, context_lens,
+                                  tree_bits)                                             # (T, H)
         else:
             d = self.cos_table.shape[1]
             cos = ops.gather(self.cos_table, flat_pos, 0).reshape(b * s, 1, d)           # (T, 1, D)
@@ -222,12 +220,24 @@ class LlamaForCausalLM(nn.Cell):
             x = ops.gather(x, sample_index, 0)                                           # (R, H)
         if not self.writes_outputs:
             return x                                                                     # (R, H)
-        if fused:                   # (R, V), (R,), (R,)
-            logits, token, logprob = self.final_logits(x, self.lm_head, self.logits_icfg, self.logits_fcfg)
+        if fused:
+            logits, token, logprob = self.fused_logits(x)                                # (R, V), (R,), (R,)
             return token, logprob, logits
         logits = self.matmul_t(_rms_normalize(x, self.eps), self.lm_head)                # (R, V)
         token, logprob = greedy_pick(logits)                                             # (R,), (R,)
         return token, logprob, logits
+
+    def fused_layers(self, x, positions, slots, block_tables, context_lens, tree_bits):
+        """Every decoder layer as the layer kernel, on T decode-shaped tokens (x (T, H); the rest (T,), tables
+        (T, W)); (T, H)."""
+        for layer in self.layers:
+            x = layer.fused(x, positions, slots, block_tables, context_lens, tree_bits, self.cos_table,
+                            self.sin_table)
+        return x
+
+    def fused_logits(self, x):
+        """Final norm, lm_head and the greedy pick as one kernel: (logits (R, V), token (R,), logprob (R,))."""
+        return self.final_logits(x, self.lm_head, self.logits_icfg, self.logits_fcfg)
 
 
 class DecodeRun(nn.Cell):
@@ -250,11 +260,9 @@ class DecodeRun(nn.Cell):
         ids = input_ids
         tokens, logprobs = (), ()
         for i in range(self.steps):
-            x = ops.gather(m.embed, ids, 0)                                              # (B, H)
-            for layer in m.layers:
-                x = layer.fused(x, positions[i], slot_mapping[i], block_tables, context_lens[i], tree_bits,
-                                m.cos_table, m.sin_table)                                # (B, H)
-            _, ids, logprob = m.final_logits(x, m.lm_head, m.logits_icfg, m.logits_fcfg)  # (B,) each
+            x = m.fused_layers(ops.gather(m.embed, ids, 0), positions[i], slot_mapping[i], block_tables,
+                               context_lens[i], tree_bits)                               # (B, H)
+            _, ids, logprob = m.fused_logits(x)                                          # (B,) each
             tokens += (ids,)
             logprobs += (logprob,)
         return ops.stack(tokens), ops.stack(logprobs)                                    # (K, B) each

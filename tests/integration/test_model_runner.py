@@ -15,6 +15,9 @@ STORIES = SHARED / "models" / "stories260K"
 MODEL_DIR = STORIES / "hf"
 BOS = 1
 TOTAL_STEPS = 200     # llama2.c `steps`: forwards at positions 0..199, BOS and prompt included
+# the runner the module's tests build (the fixture's, and the others with one setting changed)
+STORIES_RUNNER = dict(num_blocks=64, block_size=16, max_blocks_per_seq=13, decode_batch_sizes=[1, 2],
+                      prefill_batch_sizes=[1, 2], prefill_seq_lens=[16, 32], num_threads=2)
 
 
 def _need_model():
@@ -40,9 +43,7 @@ def runner():
     pytest.importorskip("mindspore")
     _need_model()
     from llm_serving.models.runner import ModelRunner
-    return ModelRunner(str(MODEL_DIR), num_blocks=64, block_size=16, max_blocks_per_seq=13,
-                       decode_batch_sizes=[1, 2], prefill_batch_sizes=[1, 2], prefill_seq_lens=[16, 32],
-                       num_threads=2)
+    return ModelRunner(str(MODEL_DIR), **STORIES_RUNNER)
 
 
 @pytest.fixture(scope="module")
@@ -226,9 +227,7 @@ def test_paged_attention_kernel_matches_the_gather_path(runner, tokenizer, refer
     from llm_serving.models.runner import ModelRunner
     assert runner.decode_kernel is not None and runner.decode_kernel.endswith(":PagedDecodeAttention")
     assert runner.decode_block_widths == [13]            # the kernel reads real context only: one width
-    gather = ModelRunner(str(MODEL_DIR), num_blocks=64, block_size=16, max_blocks_per_seq=13,
-                         decode_batch_sizes=[1, 2], prefill_batch_sizes=[1, 2], prefill_seq_lens=[16, 32],
-                         num_threads=2, attention_kernel="off")
+    gather = ModelRunner(str(MODEL_DIR), **STORIES_RUNNER, attention_kernel="off")
     assert gather.decode_kernel is None
     prompts = [[BOS] + tokenizer.encode(item["prompt"]) for item in reference]
     tables = [[int(b) for b in perm] for perm in np.random.default_rng(5).permutation(64)[:26].reshape(2, 13)]
@@ -274,9 +273,7 @@ def test_layer_kernel_matches_mindspore_ops_and_is_used_up_to_its_limit(runner, 
     ops) next to smaller ones (the kernel); 'on' without the attention kernel is refused."""
     from llm_serving.models.runner import ModelRunner
     assert runner.layer_kernel is not None and runner.layer_kernel_rows == 64
-    ops_runner = ModelRunner(str(MODEL_DIR), num_blocks=64, block_size=16, max_blocks_per_seq=13,
-                             decode_batch_sizes=[1, 2], prefill_batch_sizes=[1, 2], prefill_seq_lens=[16, 32],
-                             num_threads=2, layer_kernel="off")
+    ops_runner = ModelRunner(str(MODEL_DIR), **STORIES_RUNNER, layer_kernel="off")
     assert ops_runner.layer_kernel is None and ops_runner.decode_kernel is not None
     prompts = [[BOS] + tokenizer.encode(item["prompt"]) for item in reference]
     tables = [blocks_for(0, 13), blocks_for(1, 13)]
@@ -290,9 +287,7 @@ def test_layer_kernel_matches_mindspore_ops_and_is_used_up_to_its_limit(runner, 
         assert tokenizer.decode(tokens[1:]) + "\n" == item["greedy_text"]
     for a, b in zip(lp_k, lp_o):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
-    small = ModelRunner(str(MODEL_DIR), num_blocks=64, block_size=16, max_blocks_per_seq=13,
-                        decode_batch_sizes=[1, 2], prefill_batch_sizes=[1, 2], prefill_seq_lens=[16, 32],
-                        num_threads=2, layer_kernel="on", layer_kernel_rows=16)
+    small = ModelRunner(str(MODEL_DIR), **STORIES_RUNNER, layer_kernel="on", layer_kernel_rows=16)
     long_rows = [list(np.random.default_rng(12).integers(3, 500, size=k)) for k in (30, 9)]   # pieces 32 + 16
     outs = []
     for r in (small, ops_runner):
@@ -310,9 +305,7 @@ def test_decode_run_gives_the_tokens_of_single_steps(runner, tokenizer, referenc
     log-probabilities; malformed runs are refused."""
     from llm_serving.models.runner import ModelRunner
     k = 4
-    runs = ModelRunner(str(MODEL_DIR), num_blocks=64, block_size=16, max_blocks_per_seq=13,
-                       decode_batch_sizes=[1, 2], prefill_batch_sizes=[1, 2], prefill_seq_lens=[16, 32],
-                       num_threads=2, decode_run_steps=k, decode_run_rows=2)
+    runs = ModelRunner(str(MODEL_DIR), **STORIES_RUNNER, decode_run_steps=k, decode_run_rows=2)
     assert runs.decode_run_batch_sizes() == [1, 2] and runner.decode_run_batch_sizes() == []
     prompts = [[BOS] + tokenizer.encode(item["prompt"]) for item in reference]
     tables = [blocks_for(0, 13), blocks_for(1, 13)]
