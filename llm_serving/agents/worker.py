@@ -114,7 +114,7 @@ class Worker:
                 b.out_top_ids[:n, :k] = top_ids
                 b.out_top_logprobs[:n, :k] = top_lps
         if capture:
-            self._write_capture(n, s, token_ids, logits)
+            self._write_capture(slice(None, n), s, token_ids, logits)
         self.num_steps += 1
         return model_s
 
@@ -143,19 +143,24 @@ class Worker:
         return model_s
 
     def _decode_run_stepwise(self, n: int, k: int) -> tuple:
+        """The run as single steps of the rows still in it (slot >= 0), as execute_decode_run's outputs."""
         b = self.buffers
         slots = b.slot_mapping[:n, :k].copy()
-        tokens, logprobs = np.zeros((n, k), np.int32), np.zeros((n, k), np.float32)
+        tokens, logprobs = np.full((n, k), -1, np.int32), np.zeros((n, k), np.float32)
         for j in range(k):
+            rows = np.flatnonzero(slots[:, j] >= 0)
+            if rows.size == 0:
+                break
             if j:                       # step j: the previous step's tokens, one position on
                 b.input_ids[:n, 0] = tokens[:, j - 1]
                 b.positions[:n, 0] += 1
                 b.context_lens[:n] += 1
             b.slot_mapping[:n, 0] = slots[:, j]
-            token_ids, lps, logits = self.runner.execute(*self._inputs(n, 1), return_logits=True)
-            tokens[:, j], logprobs[:, j] = token_ids, lps
+            token_ids, lps, logits = self.runner.execute(*(a[rows] for a in self._inputs(n, 1)),
+                                                         return_logits=True)
+            tokens[rows, j], logprobs[rows, j] = token_ids, lps
             if self.capture_dir is not None:
-                self._write_capture(n, 1, token_ids, logits)
+                self._write_capture(rows, 1, token_ids, logits)
             self.num_steps += 1
         return tokens, logprobs
 
@@ -182,13 +187,15 @@ class Worker:
         self.capture_dir, self.capture_left = directory, (max_steps if directory is not None else 0)
         return {"dir": directory, "steps": self.captured}
 
-    def _write_capture(self, n: int, s: int, token_ids, logits) -> None:
+    def _write_capture(self, rows, s: int, token_ids, logits) -> None:
+        """One capture file: the step's rows (a slice or index array of shm rows), s tokens each."""
         b = self.buffers
         path = os.path.join(self.capture_dir, f"step_{self.num_steps:08d}.npz")
         with open(path + ".tmp", "wb") as f:
-            np.savez(f, request_ids=b.request_ids[:n], input_ids=b.input_ids[:n, :s],
-                     positions=b.positions[:n, :s], query_lens=b.query_lens[:n], context_lens=b.context_lens[:n],
-                     prompt_lens=b.prompt_len[:n], token_ids=np.asarray(token_ids, np.int32),
+            np.savez(f, request_ids=b.request_ids[rows], input_ids=b.input_ids[rows, :s],
+                     positions=b.positions[rows, :s], query_lens=b.query_lens[rows],
+                     context_lens=b.context_lens[rows], prompt_lens=b.prompt_len[rows],
+                     token_ids=np.asarray(token_ids, np.int32),
                      logits=np.asarray(logits, np.float32))
         os.replace(path + ".tmp", path)
         self.captured += 1

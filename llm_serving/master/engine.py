@@ -358,15 +358,17 @@ class Engine:
             self._emit(req, out.token_ids[row], out.logprobs[row], top, now)
 
     def _apply_run(self, batch: ScheduledBatch, out: StepOutputs) -> None:
-        """A decode run: each row's tokens stream one by one until the request stops; a request that goes on
-        has the KV of all but the last (the agent fed them back) counted as computed."""
+        """A decode run: each row's tokens (as many as its steps in the run) stream one by one until the request
+        stops; a request that goes on has the KV of all but the last (the agent fed them back) counted as
+        computed."""
         now = time.monotonic()
         for row, req in self.scheduler.complete_step(batch):
-            for token_id, logprob in zip(out.token_ids[row], out.logprobs[row]):
+            steps = batch.run_lens[row]
+            for token_id, logprob in zip(out.token_ids[row][:steps], out.logprobs[row][:steps]):
                 if self._emit(req, token_id, logprob, None, now):
                     break
             else:
-                self.scheduler.accept(req, batch.steps - 1)
+                self.scheduler.accept(req, steps - 1)
 
     def _apply_verified(self, batch: ScheduledBatch, out: StepOutputs) -> None:
         """A verify step: each row keeps its proposals up to the first the target disagrees with, and the

@@ -73,6 +73,8 @@ class ScheduledBatch:
                                                            # is the tree [-1, 0, 1, ...]
     steps: int = 1                                         # > 1: a decode run (each row's greedy token is fed
                                                            # to the next of `steps` steps on the agent)
+    run_lens: list = field(default_factory=list)           # a decode run: the steps each row takes (1..steps;
+                                                           # a row that ends sooner sits the rest out)
 
     @property
     def num_rows(self) -> int:
@@ -108,7 +110,7 @@ class ScheduledBatch:
             return self
         pick = lambda xs: [xs[i] for i in keep] if xs else []     # noqa: E731
         return ScheduledBatch(pick(self.requests), pick(self.num_new_tokens), pick(self.proposals),
-                              pick(self.spec_limits), pick(self.parents), self.steps)
+                              pick(self.spec_limits), pick(self.parents), self.steps, pick(self.run_lens))
 
 
 class Scheduler:
@@ -272,22 +274,30 @@ class Scheduler:
         return batch
 
     def _make_run(self, batch: ScheduledBatch) -> None:
-        """Make a decode step a decode run of decode_steps steps when every row may have them: greedy, no top
-        log-probabilities or penalties, at least that many tokens left before max_new_tokens and the model
-        length, and blocks for their K/V (taken only when free: a run never preempts anyone). A token after
-        a row's stop is computed and dropped; a request that arrives waits for the run to end."""
+        """Make a decode step a decode run of decode_steps (K) steps when every row is greedy, with no top
+        log-probabilities or penalties, and some row has 2 or more tokens left. Each row takes as many of the K
+        steps as max_new_tokens and the model length leave it (`run_lens`; it sits the rest out, and a run
+        every row has left ends there at almost no cost), with blocks for their K/V taken only when free: a run
+        never preempts anyone. A token after a row's stop is computed and dropped; a request that arrives
+        waits for the run to end."""
         k = self.decode_steps
+        lens = []
         for req in batch.requests:
             sp = req.sampling
-            if not sp.greedy or sp.top_logprobs or sp.penalized or sp.max_new_tokens - len(req.output_ids) < k:
+            if not sp.greedy or sp.top_logprobs or sp.penalized:
                 return
-            if self.max_model_len is not None and req.num_tokens + k > self.max_model_len:
-                return
-        for req in batch.requests:      # K/V of the run's k tokens: positions num_tokens - 1 .. num_tokens + k - 2
-            if not self.bm.can_allocate(req.req_id, req.num_tokens + k - 1):
+            n = min(k, sp.max_new_tokens - len(req.output_ids))
+            if self.max_model_len is not None:
+                n = min(n, self.max_model_len - req.num_tokens)
+            lens.append(max(n, 1))
+        if max(lens) < 2:
+            return
+        for req, n in zip(batch.requests, lens):    # K/V of its n tokens: positions num_tokens - 1 .. + n - 2
+            if not self.bm.can_allocate(req.req_id, req.num_tokens + n - 1):
                 return                  # (blocks already taken stay with their request: it needs them next)
-            self.bm.allocate(req.req_id, req.num_tokens + k - 1)
+            self.bm.allocate(req.req_id, req.num_tokens + n - 1)
         batch.steps = k
+        batch.run_lens = lens
         batch.spec_limits = []
         self.num_decode_runs += 1
 

@@ -66,8 +66,9 @@ class StepIO:
             b.input_ids[:n, 0] = ids
             b.positions[:n, 0] = pos
             b.slot_mapping[:n, 0] = slots
-            for j in range(1, batch.steps):         # a decode run: the slots of its later steps
-                b.slot_mapping[:n, j] = [bm.slot(req.req_id, p + j) for req, p in zip(batch.requests, pos)]
+            for j in range(1, batch.steps):         # a decode run: the slots of its later steps (-1: sat out)
+                b.slot_mapping[:n, j] = [bm.slot(req.req_id, p + j) if j < steps else -1
+                                         for req, p, steps in zip(batch.requests, pos, batch.run_lens)]
             b.context_lens[:n] = b.positions[:n, 0] + 1
             b.query_lens[:n] = 1
         else:

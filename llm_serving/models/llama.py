@@ -200,9 +200,9 @@ class LlamaForCausalLM(nn.Cell):
         x = ops.gather(self.embed, input_ids.reshape(-1), 0)                            # (T, H)
         flat_pos = positions.reshape(-1)                                                 # (T,)
         fused = s == 1 and b <= self.layer_kernel_rows          # small decode-shaped steps: one kernel per layer
+        flat_slots = slot_mapping.reshape(-1)                                            # (T,)
         if fused:
-            x = self.fused_layers(x, flat_pos, slot_mapping.reshape(-1), block_tables, context_lens,
-                                  tree_bits)                                             # (T, H)
+            x = self.fused_layers(x, flat_pos, flat_slots, block_tables, context_lens, tree_bits)  # (T, H)
         else:
             d = self.cos_table.shape[1]
             cos = ops.gather(self.cos_table, flat_pos, 0).reshape(b * s, 1, d)           # (T, 1, D)
@@ -218,10 +218,11 @@ class LlamaForCausalLM(nn.Cell):
             x = ops.gather(x, last, 0)                                                   # (B, H)
         elif s == 1 and sample_index.shape[0] != b:
             x = ops.gather(x, sample_index, 0)                                           # (R, H)
+            flat_slots = ops.gather(flat_slots, sample_index, 0)                         # (R,)
         if not self.writes_outputs:
             return x                                                                     # (R, H)
         if fused:
-            logits, token, logprob = self.fused_logits(x)                                # (R, V), (R,), (R,)
+            logits, token, logprob = self.fused_logits(x, flat_slots)                    # (R, V), (R,), (R,)
             return token, logprob, logits
         logits = self.matmul_t(_rms_normalize(x, self.eps), self.lm_head)                # (R, V)
         token, logprob = greedy_pick(logits)                                             # (R,), (R,)
@@ -235,16 +236,19 @@ class LlamaForCausalLM(nn.Cell):
                             self.sin_table)
         return x
 
-    def fused_logits(self, x):
-        """Final norm, lm_head and the greedy pick as one kernel: (logits (R, V), token (R,), logprob (R,))."""
-        return self.final_logits(x, self.lm_head, self.logits_icfg, self.logits_fcfg)
+    def fused_logits(self, x, slots):
+        """Final norm, lm_head and the greedy pick as one kernel: (logits (R, V), token (R,), logprob (R,)); slots
+        (R,) the rows' K/V slots (all < 0: nothing to compute, tokens 0)."""
+        return self.final_logits(x, self.lm_head, slots, self.logits_icfg, self.logits_fcfg)
 
 
 class DecodeRun(nn.Cell):
     """construct(input_ids (B,), positions (K, B), slot_mapping (K, B), block_tables (B, W), context_lens (K, B),
     tree_bits (B,)) -> (tokens (K, B) int32, logprobs (K, B) float32): K greedy decode steps of `model` in one
     graph, each step's tokens fed to the next (step i feeds positions[i], writes its K/V at slot_mapping[i] and
-    sees context_lens[i] keys). It runs the layer kernel and FinalLogits (model must have them), so B is at most
+    sees context_lens[i] keys). A row whose slot is < 0 sits the step out (its outputs there mean nothing), and a
+    step all of whose rows sit out costs almost nothing: a run can end early for every row (the kernels skip
+    it). It runs the layer kernel and FinalLogits (model must have them), so B is at most
     the model's layer_kernel_rows. The master's round trip and the graph launch are paid once per K tokens
     instead of once per token: at one row of a small model they are ~20% of a step (docs/BENCHMARKS.md)."""
 
@@ -262,7 +266,7 @@ class DecodeRun(nn.Cell):
         for i in range(self.steps):
             x = m.fused_layers(ops.gather(m.embed, ids, 0), positions[i], slot_mapping[i], block_tables,
                                context_lens[i], tree_bits)                               # (B, H)
-            _, ids, logprob = m.fused_logits(x)                                          # (B,) each
+            _, ids, logprob = m.fused_logits(x, slot_mapping[i])                         # (B,) each
             tokens += (ids,)
             logprobs += (logprob,)
         return ops.stack(tokens), ops.stack(logprobs)                                    # (K, B) each

@@ -228,10 +228,12 @@ class ModelRunner:
     def execute_decode_run(self, input_ids, positions, slot_mapping, block_tables, context_lens):
         """K = decode_run_steps greedy decode steps of n rows in one graph call: row i feeds input_ids[i] at
         positions[i] (context_lens[i] keys visible, itself included), then the token it gets at positions[i] + 1,
-        and so on; step j writes row i's K/V at slot_mapping[i, j] (n, K). Returns (token_ids int32 (n, K),
-        logprobs float32 (n, K)): each step's greedy token (the first index of the largest logit) and its
-        log-probability, as K single decode steps would give. ValueError if runs are off, n is more than a
-        run's largest bucket, or an argument is malformed."""
+        and so on; step j writes row i's K/V at slot_mapping[i, j] (n, K). A row may end before the run does:
+        its slots are -1 from some step j >= 1 on, and it sits out those steps (a step every row sits out costs
+        almost nothing, so a run of fewer than K steps is a run of K whose last slots are -1). Returns
+        (token_ids int32 (n, K), logprobs float32 (n, K)): each step's greedy token (the first index of the
+        largest logit) and its log-probability, as K single decode steps would give; -1 and 0 where the row sat
+        out. ValueError if runs are off, n is more than a run's largest bucket, or an argument is malformed."""
         k = self.decode_run_steps
         n = len(np.asarray(input_ids).reshape(-1))
         if self.decode_run is None:
@@ -244,22 +246,31 @@ class ModelRunner:
         if slot_mapping.shape != (n, k):
             raise ValueError(f"ModelRunner.execute_decode_run: slot_mapping has shape {slot_mapping.shape}, "
                              f"expected {(n, k)}")
+        active = slot_mapping >= 0
+        if not active[:, 0].all() or (active[:, 1:] > active[:, :-1]).any():
+            raise ValueError("ModelRunner.execute_decode_run: each row's slots are >= 0 for its first steps (at "
+                             "least one) and -1 for the rest of the run")
         zeros = np.zeros(n, np.float32)
         step = StepInputs.make(self.limits, np.asarray(input_ids).reshape(n, 1), np.asarray(positions).reshape(n, 1),
                                slot_mapping[:, :1], block_tables, context_lens, np.ones(n, np.int32), zeros,
                                np.zeros(n, np.int32), np.ones(n, np.float32), zeros)
-        last = self.limits.max_context - k
-        if step.positions.max() > last or step.context_lens.max() > last + 1 or slot_mapping.min() < 0 \
+        steps = active.sum(1)                                                   # (n,) each row's steps
+        last = self.limits.max_context - steps
+        if (step.positions > last).any() or (step.context_lens > last + 1).any() \
                 or slot_mapping.max() >= self.limits.scratch_slot:
-            raise ValueError(f"ModelRunner.execute_decode_run: a run of {k} steps needs positions <= {last}, "
-                             f"context_lens <= {last + 1} and slots in [0, {self.limits.scratch_slot})")
+            raise ValueError(f"ModelRunner.execute_decode_run: a row of s steps needs positions <= "
+                             f"{self.limits.max_context} - s, context_lens one more, and slots in "
+                             f"[0, {self.limits.scratch_slot})")
         nb = sizes[bisect.bisect_left(sizes, n)]
         tokens, logprobs = self._run_decode_run(nb, step, slot_mapping)
-        return tokens[:, :n].T.astype(np.int32), logprobs[:, :n].T.astype(np.float32)
+        tokens, logprobs = tokens[:, :n].T.astype(np.int32), logprobs[:, :n].T.astype(np.float32)
+        tokens[~active], logprobs[~active] = -1, 0.0
+        return tokens, logprobs
 
     def _run_decode_run(self, nb: int, step: Optional[StepInputs], slot_mapping) -> tuple:
         """The decode-run graph of nb rows on step's rows (None: padding only, for warmup); (K, nb) outputs.
-        Padding rows write to the scratch block and attend to their own keys only."""
+        Padding rows sit the run out (slots -1), except at warmup, where they write to the scratch block and
+        attend to their own keys only (so that warmup runs the kernels)."""
         k = self.decode_run_steps
         n = 0 if step is None else step.n
         need = 1 if step is None else int(step.context_lens.max()) + k - 1
@@ -271,9 +282,12 @@ class ModelRunner:
         ids = np.zeros(nb, np.int32)
         tables = np.zeros((nb, w), np.int32)
         if step is not None:
-            pos[:, :n] = step.positions[:, 0] + offsets
+            slots[:] = -1
             slots[:, :n] = slot_mapping.T
+            sat_out = slots < 0                 # positions and contexts of steps sat out stay in range
+            pos[:, :n] = step.positions[:, 0] + offsets
             context[:, :n] = step.context_lens + offsets
+            pos[sat_out], context[sat_out] = 0, 1
             ids[:n] = step.input_ids[:, 0]
             used = min(step.block_tables.shape[1], w)
             tables[:n, :used] = step.block_tables[:, :used]

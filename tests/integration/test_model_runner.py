@@ -326,13 +326,27 @@ def test_decode_run_gives_the_tokens_of_single_steps(runner, tokenizer, referenc
     for row, item in enumerate(reference):                     # llama2.c's greedy text goes on the same way
         assert item["greedy_text"].startswith(tokenizer.decode(prompts[row][1:] + [int(first[row])] +
                                                                tokens[row].tolist()))
+    # a run whose rows end early (slots -1 from then on): 2 and 3 of its k steps, the rest sat out
+    pos, lens = np.array([s.cached for s in seqs]), [2, 3]
+    slots = np.array([[t[(p + j) // bs] * bs + (p + j) % bs if j < n else -1 for j in range(k)]
+                      for t, p, n in zip(tables, pos, lens)])
+    tokens, logprobs = runs.execute_decode_run(cur, pos, slots, np.array(tables), pos + 1)
+    single = []
+    for _ in range(3):
+        cur, _ = step(runs, seqs, [[t] for t in cur])
+        single.append(cur)
+    single = np.array(single).T
+    assert tokens.tolist() == [single[0, :2].tolist() + [-1] * (k - 2), single[1].tolist() + [-1] * (k - 3)]
+    assert (logprobs[0, 2:] == 0).all() and (logprobs[0, :2] < 0).all()
+    with pytest.raises(ValueError, match="each row's slots"):
+        runs.execute_decode_run(cur, pos, slots[:, ::-1].copy(), np.array(tables), pos + 1)
     with pytest.raises(ValueError, match="runs take 1..2"):
         runs.execute_decode_run([5] * 3, [3] * 3, slots[[0, 0, 0]], np.array(tables)[[0, 0, 0]], [4] * 3)
     with pytest.raises(ValueError, match="slot_mapping has shape"):
         runs.execute_decode_run(first, pos, slots[:, :2], np.array(tables), pos + 1)
-    last = runs.max_context - k
-    with pytest.raises(ValueError, match=f"positions <= {last}"):
-        runs.execute_decode_run(first[:1], [last + 1], slots[:1], np.array(tables)[:1], [last + 2])
+    last = runs.max_context - 1                   # row 0's 2 steps would need position max_context
+    with pytest.raises(ValueError, match="positions <="):
+        runs.execute_decode_run(first[:1], [last], slots[:1], np.array(tables)[:1], [last + 1])
     with pytest.raises(ValueError, match="no decode runs"):
         runner.execute_decode_run(first, pos, slots, np.array(tables), pos + 1)
 

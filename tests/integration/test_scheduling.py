@@ -107,7 +107,7 @@ def test_chunked_prefill_fcfs_and_longest_output_first_give_the_same_output(refe
 def test_decode_runs_give_the_text_of_single_steps(tmp_path):
     """Requests one at a time (nothing waits, so greedy decode steps become runs of 8 on the runs server):
     the texts, token counts and finish reasons of single steps, with a request's end (a stop string, a stop
-    token) falling inside a run and its last tokens (fewer than a run) in single steps; sampled and
+    token) falling inside a run and its last tokens (fewer than a run) in a run that ends early; sampled and
     top-logprob requests take single steps."""
     requests = [{"inputs": p, "parameters": {"max_new_tokens": n, **extra}} for p, n, extra in [
         ("Once upon a time", 37, {"stop": ["Lily"]}), ("The cat sat", 150, {"stop_token_ids": [388]}),

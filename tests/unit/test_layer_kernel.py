@@ -118,6 +118,34 @@ def test_layer_matches_numpy(library, hidden, heads, kv_heads, head_dim, inter, 
     np.testing.assert_allclose(layer.value_cache, values, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rows_with_slot_minus_one_sit_the_step_out(library, threads):
+    """A row whose slot is -1 writes no K/V and leaves the other rows' outputs as a step without it gives
+    them; a step every row sits out returns its input and touches nothing."""
+    layer = Layer(np.random.default_rng(5), hidden=64, heads=8, kv_heads=4, head_dim=8, inter=96, batch=3)
+    keys0, values0 = layer.key_cache.copy(), layer.value_cache.copy()
+    want, keys, values = layer.reference()
+    gone = layer.slots[1]
+    layer.slots[1] = -1
+    layer.positions[1] = 10_000                  # out of range: not looked at for a row sitting out
+    arrays = layer.arrays(threads)
+    assert invoke(library.DecoderLayer, arrays) == 0
+    np.testing.assert_allclose(arrays[-1][[0, 2]], want[[0, 2]], rtol=1e-4, atol=1e-4)
+    # rows 0 and 2 wrote their K/V; row 1's slot (in the reference's caches) did not change
+    skipped = np.zeros(len(keys0) // layer.kvh, bool)
+    skipped[gone] = True
+    kept = np.repeat(~skipped, layer.kvh)
+    np.testing.assert_allclose(layer.key_cache[kept], keys.reshape(-1, 8)[kept], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(layer.key_cache[~kept], keys0[~kept])
+    np.testing.assert_array_equal(layer.value_cache[~kept], values0[~kept])
+    layer.slots[:] = -1
+    before = layer.key_cache.copy()
+    arrays = layer.arrays(threads)
+    assert invoke(library.DecoderLayer, arrays) == 0
+    np.testing.assert_array_equal(arrays[-1], layer.x)
+    np.testing.assert_array_equal(layer.key_cache, before)
+
+
 def test_thread_counts_agree(library):
     """The same step split over 1, 2 and 4 threads (each count its own pool) gives the same output."""
     outs = []
@@ -195,8 +223,10 @@ def test_final_logits_token_and_logprob(library, vocab, rows, threads):
     w[7] = w[3]                  # tokens 3 and 7 always tie: the greedy token is never 7 (first index wins)
     logits, token = np.empty((rows, vocab), np.float32), np.empty(rows, np.int32)
     logprob = np.empty(rows, np.float32)
-    assert invoke(library.FinalLogits, [x, w, np.array([threads], np.int32), np.array([1e-5], np.float32),
-                                        logits, token, logprob]) == 0
+    slots = np.arange(rows, dtype=np.int32)
+    slots[0] = -1 if rows > 1 else 0       # a row sitting out is computed as any other while some row is in
+    cfg = [np.array([threads], np.int32), np.array([1e-5], np.float32)]
+    assert invoke(library.FinalLogits, [x, w, slots, *cfg, logits, token, logprob]) == 0
     want = rms(x) @ w.T.astype(np.float64)
     np.testing.assert_allclose(logits, want, rtol=1e-4, atol=1e-4)
     assert token.tolist() == np.argmax(logits, -1).tolist() and 7 not in token.tolist()
@@ -208,6 +238,10 @@ def test_final_logits_token_and_logprob(library, vocab, rows, threads):
     x[0, 0] = 1
     w[:, 0] = 0
     w[[vocab - 2, 4], 0] = 5.0
-    assert invoke(library.FinalLogits, [x, w, np.array([threads], np.int32), np.array([1e-5], np.float32),
-                                        logits, token, logprob]) == 0
+    assert invoke(library.FinalLogits, [x, w, slots, *cfg, logits, token, logprob]) == 0
     assert token[0] == 4 and logits[0, 4] == logits[0, vocab - 2]
+    # every row sitting out (a decode run's step after all its rows ended): nothing computed, tokens 0
+    logits[:] = np.nan
+    assert invoke(library.FinalLogits, [x, w, np.full(rows, -1, np.int32), *cfg, logits, token, logprob]) == 0
+    assert np.isnan(logits).all() and token.tolist() == [0] * rows and logprob.tolist() == [0.0] * rows
+    assert invoke(library.FinalLogits, [x, w, slots[:-1].copy(), *cfg, logits, token, logprob]) == 2

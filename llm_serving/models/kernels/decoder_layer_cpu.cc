@@ -17,7 +17,9 @@
 //              gate_up_w, down_w, key_cache, value_cache, iconfig, fconfig) -> out
 //   x            (B, H)                 float32  the layer's input hidden states, one decode token per row
 //   positions    (B,)                   int32    each token's position (< P)
-//   slots        (B,)                   int32    the cache slot its K/V go to
+//   slots        (B,)                   int32    the cache slot its K/V go to; < 0: the row sits this step out
+//                                                (no K/V written, no attention; its output is not meaningful),
+//                                                and a step whose rows all sit out costs a copy of x
 //   block_tables (B, W)                 int32    as the decode kernel takes them
 //   context_lens (B,)                   int32    keys 0 .. context_len-1 visible (the new token included)
 //   tree_bits    (B,)                   int32    token-tree visibility of the last 32 keys (-1: all)
@@ -29,8 +31,10 @@
 //   iconfig      (4,)                   int32    [block_size, num_heads, num_kv_heads, threads]
 //   fconfig      (1,)                   float32  [rms_norm_eps]
 //   out          (B, H)                 float32
-// FinalLogits(x (R, H), lm_head (V, H), iconfig [threads], fconfig [eps]) -> logits (R, V), the greedy token
-//   (R,) int32 (the first index of the largest logit) and its log-probability (R,) float32
+// FinalLogits(x (R, H), lm_head (V, H), slots (R,), iconfig [threads], fconfig [eps]) -> logits (R, V), the
+//   greedy token (R,) int32 (the first index of the largest logit) and its log-probability (R,) float32;
+//   when every row's slot is < 0 (a decode run's step after all its rows ended) nothing is computed: tokens
+//   and log-probabilities are 0, the logits are left as they are
 //
 // Return codes (MindSpore reports a nonzero one as the kernel's failure): 1 bad arity/ranks/dtypes, 2 shapes
 // that do not agree, 3 a position, slot or block id out of range.
@@ -401,12 +405,19 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
     return 2;
   }
   const int64_t num_slots = cache_rows / kvh, num_blocks = num_slots / bs;
+  int64_t active = 0;
   for (int64_t b = 0; b < batch; ++b) {
+    if (slots[b] < 0) continue;                       // sits this step out
+    ++active;
     if (positions[b] < 0 || positions[b] >= max_pos || slots[b] < 0 || slots[b] >= num_slots) return 3;
     const int64_t used = std::min<int64_t>(width, (std::max(0, context[b]) + bs - 1) / bs);
     for (int64_t j = 0; j < used; ++j) {
       if (tables[b * width + j] < 0 || tables[b * width + j] >= num_blocks) return 3;
     }
+  }
+  if (active == 0) {                                  // a decode run's step after all its rows ended
+    std::memcpy(out, x, batch * h * sizeof(float));
+    return 0;
   }
 
   const Timed timed(0);
@@ -434,6 +445,10 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
     barrier.wait();
     // 2. RoPE on q and k (q also scaled by 1/sqrt(D)), then k and v into the cache at the token's slot
     for (int64_t b = tid; b < batch; b += nthreads) {
+      if (slots[b] < 0) {
+        std::memset(attn + b * nh * d, 0, nh * d * sizeof(float));
+        continue;
+      }
       const float* c = cos + positions[b] * d;
       const float* sn = sin + positions[b] * d;
       float* rot = xn;                                  // (D,) scratch: this row is done with xn
@@ -452,6 +467,7 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
     const int64_t parts = batch < nthreads ? kvh : 1;
     for (int64_t i = next_row.fetch_add(1); i < batch * parts; i = next_row.fetch_add(1)) {
       const int64_t b = i / parts, k0 = i % parts * kvh / parts, k1 = (i % parts + 1) * kvh / parts;
+      if (slots[b] < 0) continue;
       llm_serving::attend_row(qkv + b * nqkv, key_cache, value_cache, tables + b * width, context[b],
                               static_cast<uint32_t>(tree[b]), attn + b * nh * d, ash,
                               scores + tid * nh * width * bs, k0, k1);
@@ -494,24 +510,31 @@ extern "C" int FinalLogits(int nparam, void** params, int* ndims, int64_t** shap
                            void* stream, void* extra) {
   (void)stream;
   (void)extra;
-  if (nparam != 7 || ndims[0] != 2 || ndims[1] != 2 || ndims[2] != 1 || ndims[3] != 1 || ndims[4] != 2 ||
-      ndims[5] != 1 || ndims[6] != 1 || !is(dtypes[0], "float32") || !is(dtypes[1], "float32") ||
-      !is(dtypes[2], "int32") || !is(dtypes[3], "float32") || !is(dtypes[4], "float32") ||
-      !is(dtypes[5], "int32") || !is(dtypes[6], "float32")) {
+  if (nparam != 8 || ndims[0] != 2 || ndims[1] != 2 || ndims[2] != 1 || ndims[3] != 1 || ndims[4] != 1 ||
+      ndims[5] != 2 || ndims[6] != 1 || ndims[7] != 1 || !is(dtypes[0], "float32") ||
+      !is(dtypes[1], "float32") || !is(dtypes[2], "int32") || !is(dtypes[3], "int32") ||
+      !is(dtypes[4], "float32") || !is(dtypes[5], "float32") || !is(dtypes[6], "int32") ||
+      !is(dtypes[7], "float32")) {
     return 1;
   }
   const int64_t rows = shapes[0][0], h = shapes[0][1], vocab = shapes[1][0];
-  if (shapes[1][1] != h || shapes[4][0] != rows || shapes[4][1] != vocab || shapes[5][0] != rows ||
-      shapes[6][0] != rows || vocab < 1) {
+  if (shapes[1][1] != h || shapes[2][0] != rows || shapes[5][0] != rows || shapes[5][1] != vocab ||
+      shapes[6][0] != rows || shapes[7][0] != rows || vocab < 1) {
     return 2;
   }
   const auto* x = static_cast<const float*>(params[0]);
   const auto* w = static_cast<const float*>(params[1]);
-  const int threads = std::max(1, static_cast<const int32_t*>(params[2])[0]);
-  const float eps = static_cast<const float*>(params[3])[0];
-  auto* logits = static_cast<float*>(params[4]);
-  auto* token = static_cast<int32_t*>(params[5]);
-  auto* logprob = static_cast<float*>(params[6]);
+  const auto* slots = static_cast<const int32_t*>(params[2]);
+  const int threads = std::max(1, static_cast<const int32_t*>(params[3])[0]);
+  const float eps = static_cast<const float*>(params[4])[0];
+  auto* logits = static_cast<float*>(params[5]);
+  auto* token = static_cast<int32_t*>(params[6]);
+  auto* logprob = static_cast<float*>(params[7]);
+  if (std::all_of(slots, slots + rows, [](int32_t slot) { return slot < 0; })) {
+    std::fill(token, token + rows, 0);
+    std::fill(logprob, logprob + rows, 0.f);
+    return 0;
+  }
   const Timed timed(1);
   Pool& p = pool(threads);
   std::lock_guard<std::mutex> lock(p.call_mutex());
