@@ -16,6 +16,7 @@ from typing import Optional
 import numpy as np
 import psutil
 
+from llm_serving.agents.protocol import with_huge_pages
 from llm_serving.bench.client import benchmark
 from llm_serving.bench.metrics import summarize
 from llm_serving.bench.workload import TokenCounter, load_alpaca, synthetic
@@ -24,6 +25,16 @@ from llm_serving.launch import ServerProcess, http
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 ALPACA = SHARED / "datasets" / "alpaca_5000.json"
+
+
+def memory_like_agents() -> None:
+    """Run this script again, at once, with the memory setting that agents get (huge pages,
+    serving_config.agent_huge_pages) when this process lacks it, so that bare steps timed here stream their
+    weights from the same kind of pages as a served model's."""
+    env = with_huge_pages(dict(os.environ))
+    if env.get("GLIBC_TUNABLES") != os.environ.get("GLIBC_TUNABLES"):
+        sys.stdout.flush()
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
 
 
 def _cpu_model() -> str:

@@ -23,8 +23,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import (ALPACA, alpaca, info, log_dir, machine, replay, server_args, table,  # noqa: E402
-                          time_decode_steps, write_json)
+from bench.common import (ALPACA, alpaca, info, log_dir, machine, memory_like_agents, replay,  # noqa: E402
+                          server_args, table, time_decode_steps, write_json)
 from llm_serving.bench.plots import write_plots  # noqa: E402
 from llm_serving.bench.workload import arrival_offsets  # noqa: E402
 from llm_serving.launch import ServerProcess  # noqa: E402
@@ -102,4 +102,5 @@ def batching_ceiling(model_path: str, config: str, overrides: list, samples) -> 
 
 
 if __name__ == "__main__":
+    memory_like_agents()
     sys.exit(main())

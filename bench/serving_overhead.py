@@ -26,8 +26,8 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import (info, log_dir, machine, replay, server_args, synthetic_samples, table,  # noqa: E402
-                          time_decode_steps, write_json)
+from bench.common import (info, log_dir, machine, memory_like_agents, replay, server_args,  # noqa: E402
+                          synthetic_samples, table, time_decode_steps, write_json)
 from llm_serving.launch import ServerProcess, http  # noqa: E402
 
 
@@ -101,4 +101,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    memory_like_agents()
     sys.exit(main())

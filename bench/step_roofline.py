@@ -28,7 +28,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import machine, table, time_decode_steps, time_prefill_step, write_json  # noqa: E402
+from bench.common import (machine, memory_like_agents, table, time_decode_steps, time_prefill_step,  # noqa: E402
+                          write_json)
 
 
 def matmul_params(cfg) -> int:
@@ -154,4 +155,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    memory_like_agents()
     sys.exit(main())

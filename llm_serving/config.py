@@ -160,6 +160,10 @@ class ServingConfig:
     max_waiting_requests: int = 1024          # queue bound; past it requests get 429
     step_timeout_s: float = 120.0             # an agent that does not answer a step in time is dead
     agent_start_timeout_s: float = 900.0      # load + compile every bucket
+    # agents back their large allocations (weights, KV cache) with transparent huge pages (glibc's
+    # malloc.hugetlb tunable in their environment): a decode step streams every weight, and 4 KiB pages
+    # cost it ~20% on this machine's CPU (docs/BENCHMARKS.md); no effect where THP is off or glibc is old
+    agent_huge_pages: bool = True
     max_body_bytes: int = 1 << 20             # HTTP request body limit
     # supervision: a dead or hung agent fails the requests it was running, then the group restarts after
     # a back-off that doubles per failure; more than max_agent_restarts failures within
@@ -201,6 +205,8 @@ class ServingConfig:
             _check(isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0,
                    f"serving_config.{key}", value, "must be a number of seconds >= 0")
         _check_int("serving_config.max_agent_restarts", self.max_agent_restarts, min_value=0)
+        _check(isinstance(self.agent_huge_pages, bool), "serving_config.agent_huge_pages", self.agent_huge_pages,
+               "must be true or false")
         if self.api_key is not None:   # the message never shows the key itself
             _check(isinstance(self.api_key, str) and len(self.api_key) >= 8 and self.api_key.isprintable()
                    and not any(c.isspace() for c in self.api_key), "serving_config.api_key", "<hidden>",

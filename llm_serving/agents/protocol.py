@@ -60,6 +60,17 @@ ENV_CONFIG = "LLM_SERVING_AGENT_CONFIG"    # JSON: {"config": {...}, "model_dir"
 #                                                 "tp_comm": CPU tensor-parallel segment name | null}
 ENV_TOKEN = "LLM_SERVING_AGENT_TOKEN"      # per-launch secret every connect must carry; never logged
 ENV_STATUS_FD = "LLM_SERVING_AGENT_STATUS_FD"   # pipe for the agent's status lines (listening/ready/failed)
+# glibc >= 2.35: malloc asks for transparent huge pages (madvise) on the memory it maps, which is where MindSpore's
+# CPU tensors live; weight streaming reads 2 MiB pages instead of 4 KiB ones (serving_config.agent_huge_pages)
+HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
+
+
+def with_huge_pages(env: dict) -> dict:
+    """env with HUGE_PAGES_TUNABLE added to GLIBC_TUNABLES (kept as it is when that already sets hugetlb)."""
+    tunables = env.get("GLIBC_TUNABLES", "")
+    if "glibc.malloc.hugetlb=" in tunables:
+        return env
+    return {**env, "GLIBC_TUNABLES": ":".join(filter(None, [tunables, HUGE_PAGES_TUNABLE]))}
 
 
 def runtime_dir() -> Path:

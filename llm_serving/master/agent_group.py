@@ -156,11 +156,14 @@ class AgentClient:
             self._reader_task.cancel()
 
 
-def _child_env(extra: dict) -> tuple:
+def _child_env(extra: dict, huge_pages: bool = False) -> tuple:
     """(environment, working directory) of a process the group starts (agent or cluster scheduler): this
-    package importable, MindSpore's C++ log at errors only (it warns on every cached graph), and a working
-    directory of its own, since MindSpore writes kernel build files into it."""
+    package importable, MindSpore's C++ log at errors only (it warns on every cached graph), its memory in
+    huge pages if asked (protocol.with_huge_pages), and a working directory of its own, since MindSpore writes
+    kernel build files into it."""
     env = {**os.environ, **extra}
+    if huge_pages:
+        env = proto.with_huge_pages(env)
     env.setdefault("GLOG_v", "3")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
                                                       env.get("PYTHONPATH")]))
@@ -279,7 +282,8 @@ class AgentGroup:
                if self.scheduler is not None else {}),
             proto.ENV_CONFIG: json.dumps({"config": config, "model_dir": self.model_dir, "rank": rank,
                                           "tp_comm": self.comm.name if self.comm is not None else None}),
-            proto.ENV_TOKEN: self._token, proto.ENV_STATUS_FD: str(write_fd)})
+            proto.ENV_TOKEN: self._token, proto.ENV_STATUS_FD: str(write_fd)},
+            huge_pages=self.config.serving_config.agent_huge_pages)
         # a session of its own: a terminal's Ctrl-C reaches the master, which then stops agents in order
         process = subprocess.Popen([sys.executable, "-m", "llm_serving.agents.server"], env=env, cwd=workdir,
                                    pass_fds=(write_fd,), start_new_session=True)

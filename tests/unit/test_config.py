@@ -80,6 +80,7 @@ model_path:
     ({"serving_config": {"max_agent_restarts": -1}}, "serving_config.max_agent_restarts=-1"),
     ({"serving_config": {"agent_restart_window_s": 0}}, "serving_config.agent_restart_window_s=0"),
     ({"serving_config": {"shutdown_grace_s": -1}}, "serving_config.shutdown_grace_s=-1"),
+    ({"serving_config": {"agent_huge_pages": "on"}}, "serving_config.agent_huge_pages='on'"),
     ({"serving_config": {"api_key": "short"}}, "serving_config.api_key='<hidden>'"),
     ({"serving_config": {"api_key": "has a space in it"}}, "without spaces"),
 ])
