@@ -251,7 +251,8 @@ class SchedulerConfig:
     prefill_wait_ms: float = 0.0              # prefill_first: let prompts gather this long while others decode
     decode_steps: int = 8                     # greedy decode steps per agent call while no request waits (a
                                               # decode run: one graph, one round trip; needs the layer kernel)
-    decode_steps_max_rows: int = 4            # decode runs for steps of at most this many rows (1 = off: 1)
+    decode_steps_max_rows: Optional[int] = None   # decode runs for steps of at most this many rows; null = every
+                                              # decode batch the layer kernel takes (model_config.layer_kernel_max_tokens)
 
     def __post_init__(self) -> None:
         _check(self.policy in SCHEDULING_POLICIES, "scheduler_config.policy", self.policy,
@@ -264,7 +265,8 @@ class SchedulerConfig:
         _check_int("scheduler_config.max_decode_wait_steps", self.max_decode_wait_steps)
         _check_int("scheduler_config.decode_steps", self.decode_steps)
         _check(self.decode_steps <= 64, "scheduler_config.decode_steps", self.decode_steps, "must be <= 64")
-        _check_int("scheduler_config.decode_steps_max_rows", self.decode_steps_max_rows)
+        if self.decode_steps_max_rows is not None:
+            _check_int("scheduler_config.decode_steps_max_rows", self.decode_steps_max_rows)
         if self.max_waiting_tokens is not None:
             _check_int("scheduler_config.max_waiting_tokens", self.max_waiting_tokens)
         pw = self.prefill_wait_ms

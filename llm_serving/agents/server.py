@@ -195,7 +195,8 @@ class AgentServer:
                                   max_position_embeddings=cfg.max_position_embeddings,
                                   cache_epoch=self.worker.cache_epoch,
                                   token_trees=self.worker.runner.buckets.packed,
-                                  decode_steps=self.worker.runner.decode_run_steps)
+                                  decode_steps=self.worker.runner.decode_run_steps,
+                                  decode_run_rows=self.worker.runner.decode_run_max_rows())
 
     def on_step(self, msg, frame, conn) -> proto.StepReply:
         model_s = self.worker.step(msg.num_rows, msg.max_query_len, verify=isinstance(msg, proto.VerifyStep),

@@ -99,10 +99,12 @@ class Engine:
             for g in groups:
                 await g.stop()
             raise failed[0]
-        if self.scheduler.decode_steps != self.agents.agents[0].info.decode_steps:
+        info = self.agents.agents[0].info
+        if self.scheduler.decode_steps != info.decode_steps or info.decode_run_rows < 1:
             logger.info("decode runs off: the agents run %d step(s) per decode call (they need the CPU layer "
-                        "kernel)", self.agents.agents[0].info.decode_steps)
+                        "kernel)", info.decode_steps)
             self.scheduler.decode_steps = 1
+        self.scheduler.decode_steps_max_rows = min(self.scheduler.decode_steps_max_rows, info.decode_run_rows)
         self.running = True
         self._loop_task = asyncio.create_task(self._step_loop(), name="engine-step-loop")
         self._loop_task.add_done_callback(self._step_loop_ended)
@@ -480,7 +482,8 @@ def make_scheduler(config, block_manager: BlockManager) -> Scheduler:
                      propose_later=spec.uses_draft, spec_tokens=spec.num_speculative_tokens,
                      tree_width=spec.tree_width if spec.is_tree else 0,
                      spec_max_rows=spec.max_batch_size, decode_steps=sched.decode_steps,
-                     decode_steps_max_rows=sched.decode_steps_max_rows, max_model_len=config.max_model_len)
+                     decode_steps_max_rows=sched.decode_steps_max_rows or mc.decode_batch_size[-1],
+                     max_model_len=config.max_model_len)
 
 
 def _by_kind(counter: Counter) -> dict:

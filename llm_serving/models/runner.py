@@ -68,7 +68,7 @@ class ModelRunner:
                  max_step_tokens: Optional[int] = None, tp: Optional["TensorParallel"] = None,
                  tp_timeout_s: float = 120.0, verify_width: int = 1, verify_rows: int = 0,
                  num_layers: Optional[int] = None, layer_kernel: str = "auto", layer_kernel_rows: int = 64,
-                 decode_run_steps: int = 1, decode_run_rows: int = 0):
+                 decode_run_steps: int = 1, decode_run_rows: Optional[int] = 0):
         for key, val in (("num_blocks", num_blocks), ("block_size", block_size),
                          ("max_blocks_per_seq", max_blocks_per_seq)):
             if not isinstance(val, (int, np.integer)) or val < 1:
@@ -87,6 +87,9 @@ class ModelRunner:
         self.layer_kernel = self._build_layer_kernel(device_target, layer_kernel, self.tp, self.decode_kernel)
         self.layer_kernel_rows = int(layer_kernel_rows) if self.layer_kernel is not None else 0
         # decode runs (execute_decode_run): K greedy steps in one graph, for batches of up to decode_run_rows
+        # (None: every batch the layer kernel takes)
+        if decode_run_rows is None:
+            decode_run_rows = self.layer_kernel_rows
         runs = self.layer_kernel is not None and decode_run_steps > 1 and decode_run_rows >= 1
         self.decode_run_steps = int(decode_run_steps) if runs else 1
         self.decode_run_rows = min(int(decode_run_rows), self.layer_kernel_rows) if runs else 0
@@ -219,11 +222,17 @@ class ModelRunner:
         return self._execute_padded(step, nb, sb, return_logits)
 
     def decode_run_batch_sizes(self) -> list:
-        """The decode batch buckets decode runs have graphs for (empty: no decode runs)."""
+        """The decode batch buckets decode runs have graphs for (empty: no decode runs): those the layer kernel
+        takes, up to the first that holds decode_run_rows rows."""
         if self.decode_run is None:
             return []
-        sizes = self.decode_batch_sizes
+        sizes = [s for s in self.decode_batch_sizes if s <= self.layer_kernel_rows]
         return sizes[:bisect.bisect_left(sizes, self.decode_run_rows) + 1]
+
+    def decode_run_max_rows(self) -> int:
+        """The most rows a decode run takes (0: no decode runs)."""
+        sizes = self.decode_run_batch_sizes()
+        return min(self.decode_run_rows, sizes[-1]) if sizes else 0
 
     def execute_decode_run(self, input_ids, positions, slot_mapping, block_tables, context_lens):
         """K = decode_run_steps greedy decode steps of n rows in one graph call: row i feeds input_ids[i] at

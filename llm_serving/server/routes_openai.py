@@ -150,11 +150,14 @@ def _submit(engine, prompt_ids, sampling, n) -> list:
 
 
 async def _events(reqs):
-    """(choice index, event) from every request as they come, until each has its final event."""
+    """(choice index, event, more) from every request as they come, until each has its final event; `more`:
+    another event is already queued (a decode run or a verify step gives several at once), so a stream can
+    write them together."""
     if len(reqs) == 1:                  # the common case: no merging task on the per-token path
+        events = reqs[0].events
         while True:
-            event = await reqs[0].events.get()
-            yield 0, event
+            event = await events.get()
+            yield 0, event, not events.empty()
             if event.finish_reason is not None:
                 return
     queue: asyncio.Queue = asyncio.Queue()
@@ -170,7 +173,7 @@ async def _events(reqs):
         for _ in range(len(reqs)):
             while True:
                 i, event = await queue.get()
-                yield i, event
+                yield i, event, not queue.empty()
                 if event.finish_reason is not None:
                     break
     finally:
@@ -204,7 +207,7 @@ async def _respond(request, engine, reqs, *, chat: bool, model: str, stream: boo
     try:
         if not stream:
             texts, lps, finals = [[] for _ in reqs], [[] for _ in reqs], [None] * len(reqs)
-            async for i, event in _events(reqs):
+            async for i, event, _ in _events(reqs):
                 texts[i].append(event.text)
                 if event.token_id >= 0:
                     lps[i].append(event)
@@ -241,13 +244,17 @@ async def _respond(request, engine, reqs, *, chat: bool, model: str, stream: boo
             for i in range(len(reqs)):
                 await response.write(chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                                              "logprobs": None, "finish_reason": None}]))
-        async for i, event in _events(reqs):
+        pending = []                             # chunks of events that came together, written at once
+        async for i, event, more in _events(reqs):
             if event.finish_reason == "error":
-                await response.write(streaming.sse(streaming.openai_error_body(event.error or "generation failed",
-                                                                               "server_error")))
+                pending.append(streaming.sse(streaming.openai_error_body(event.error or "generation failed",
+                                                                         "server_error")))
                 break
             reason = _finish_reason(event) if event.finish_reason else None
             if not event.text and reason is None:
+                if pending and not more:
+                    await response.write(b"".join(pending))
+                    pending.clear()
                 continue                         # held back (stop strings) or a special token: nothing to send
             lp = None
             if logprobs and event.token_id >= 0:
@@ -257,11 +264,15 @@ async def _respond(request, engine, reqs, *, chat: bool, model: str, stream: boo
                 choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}
             else:
                 choice = {"index": i, "text": event.text, "logprobs": lp, "finish_reason": reason}
-            await response.write(chunk([choice]))
+            pending.append(chunk([choice]))
+            if not more:
+                await response.write(b"".join(pending))
+                pending.clear()
         else:                                    # every choice ended without an error
             if include_usage:
-                await response.write(chunk([], _usage(reqs)))
-        await response.write(b"data: [DONE]\n\n")
+                pending.append(chunk([], _usage(reqs)))
+        pending.append(b"data: [DONE]\n\n")
+        await response.write(b"".join(pending))
         await response.write_eof()
         return response
     finally:

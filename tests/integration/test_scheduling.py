@@ -133,6 +133,8 @@ def test_decode_runs_give_the_text_of_single_steps(tmp_path):
     assert [n for _, n, _ in single] == [10, 32, 29, 20, 12, 16]          # both stops fall inside a run
     assert single_stats["decode_runs"]["runs"] == 0
     assert stats["decode_runs"]["steps"] == 8 and stats["decode_runs"]["runs"] >= 5     # (n-gram verify steps too)
+    # by default runs take every decode batch the layer kernel does: up to the config's largest bucket (32)
+    assert stats["decode_runs"]["max_rows"] == 32
     assert stats["num_free_blocks"] == stats["num_blocks"]
 
 

@@ -271,7 +271,7 @@ def test_decode_runs_settings_and_the_output_width_they_need():
     from llm_serving.shm.layout import StepLayout
 
     cfg = config_from_dict({}, ["spec_config.method=off"])
-    assert (cfg.scheduler_config.decode_steps, cfg.scheduler_config.decode_steps_max_rows) == (8, 4)
+    assert (cfg.scheduler_config.decode_steps, cfg.scheduler_config.decode_steps_max_rows) == (8, None)
     assert StepLayout.from_config(cfg).max_verify == 8           # a run's tokens come back in the verify outputs
     cfg = config_from_dict({}, ["spec_config.method=off", "scheduler_config.decode_steps=1"])
     assert StepLayout.from_config(cfg).max_verify == 1
