@@ -277,25 +277,23 @@ class ModelRunner:
         return tokens, logprobs
 
     def _run_decode_run(self, nb: int, step: Optional[StepInputs], slot_mapping) -> tuple:
-        """The decode-run graph of nb rows on step's rows (None: padding only, for warmup); (K, nb) outputs.
-        Padding rows sit the run out (slots -1), except at warmup, where they write to the scratch block and
-        attend to their own keys only (so that warmup runs the kernels)."""
+        """The decode-run graph of nb rows on step's rows (None: none, for warmup); (K, nb) outputs. Padding rows
+        sit the run out (slots -1), so a warmup call compiles the graph and computes nothing."""
         k = self.decode_run_steps
         n = 0 if step is None else step.n
         need = 1 if step is None else int(step.context_lens.max()) + k - 1
         w = self.buckets.width(1, -(-need // self.block_size))
-        offsets = np.arange(k, dtype=np.int32)[:, None]
-        pos = np.zeros((k, nb), np.int32) + offsets
-        slots = np.full((k, nb), self.scratch_slot, np.int32) + offsets % self.block_size
-        context = np.ones((k, nb), np.int32) + offsets
+        slots = np.full((k, nb), -1, np.int32)
+        pos = np.zeros((k, nb), np.int32)
+        context = np.ones((k, nb), np.int32)
         ids = np.zeros(nb, np.int32)
         tables = np.zeros((nb, w), np.int32)
         if step is not None:
-            slots[:] = -1
+            offsets = np.arange(k, dtype=np.int32)[:, None]
             slots[:, :n] = slot_mapping.T
-            sat_out = slots < 0                 # positions and contexts of steps sat out stay in range
             pos[:, :n] = step.positions[:, 0] + offsets
             context[:, :n] = step.context_lens + offsets
+            sat_out = slots < 0                 # positions and contexts of steps sat out stay in range
             pos[sat_out], context[sat_out] = 0, 1
             ids[:n] = step.input_ids[:, 0]
             used = min(step.block_tables.shape[1], w)
