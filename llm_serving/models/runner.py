@@ -318,7 +318,7 @@ class ModelRunner:
         scratch = self.scratch_slot + (np.arange(nb * sb, dtype=np.int32) % self.block_size).reshape(nb, sb)
         ids_p = np.zeros((nb, sb), np.int32)
         pos_p = np.zeros((nb, sb), np.int32)
-        slot_p = scratch.copy()
+        slot_p = np.full((nb, sb), -1, np.int32) if sb == 1 and self._layer_kernel_runs(nb) else scratch.copy()
         bt_p = np.zeros((nb, w), np.int32)
         ids_p[:n, :s] = step.input_ids
         pos_p[:n, :s] = step.positions
@@ -460,7 +460,7 @@ class ModelRunner:
         k = stop - start
         row_of, ids, pos, slots, context = (a[start:stop] for a in flat[1:])
         scratch = self.scratch_slot + (np.arange(tb, dtype=np.int32) % self.block_size)
-        piece_slots = scratch.copy()
+        piece_slots = np.full(tb, -1, np.int32) if self._layer_kernel_runs(tb) else scratch.copy()
         piece_slots[:k] = np.where(slots < 0, scratch[:k], slots)
         used = min(step.block_tables.shape[1], self.max_blocks_per_seq)
         piece_tables = np.zeros((tb, self.max_blocks_per_seq), np.int32)
@@ -480,6 +480,11 @@ class ModelRunner:
         if compile_only:                 # warmup: compiled (or loaded from the compile cache), not run
             return self.model.compile(*args)
         return self._call("packed", (tb, sample_index.shape[0]), self.model, *args)
+
+    def _layer_kernel_runs(self, tokens: int) -> bool:
+        """Whether a one-token-per-row step of `tokens` rows runs the layer kernel (LlamaForCausalLM's `fused`),
+        whose padding rows sit out (slot -1) and cost nothing; MindSpore's ops need them in the scratch block."""
+        return self.layer_kernel is not None and tokens <= self.layer_kernel_rows
 
     def _call(self, kind: str, shape: tuple, cell, *args):
         """Run a graph (kind and bucket shape name it in logs and errors).

@@ -125,7 +125,7 @@ def test_rows_with_slot_minus_one_sit_the_step_out(library, threads):
     layer = Layer(np.random.default_rng(5), hidden=64, heads=8, kv_heads=4, head_dim=8, inter=96, batch=3)
     keys0, values0 = layer.key_cache.copy(), layer.value_cache.copy()
     want, keys, values = layer.reference()
-    gone = layer.slots[1]
+    gone, position = layer.slots[1], layer.positions[1]
     layer.slots[1] = -1
     layer.positions[1] = 10_000                  # out of range: not looked at for a row sitting out
     arrays = layer.arrays(threads)
@@ -138,6 +138,12 @@ def test_rows_with_slot_minus_one_sit_the_step_out(library, threads):
     np.testing.assert_allclose(layer.key_cache[kept], keys.reshape(-1, 8)[kept], rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(layer.key_cache[~kept], keys0[~kept])
     np.testing.assert_array_equal(layer.value_cache[~kept], values0[~kept])
+    # rows sitting out at the end of the batch (padding) are not computed: their output is their input
+    layer.slots[1], layer.positions[1], layer.slots[2] = gone, position, -1
+    arrays = layer.arrays(threads)
+    assert invoke(library.DecoderLayer, arrays) == 0
+    np.testing.assert_allclose(arrays[-1][:2], want[:2], rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(arrays[-1][2], layer.x[2])
     layer.slots[:] = -1
     before = layer.key_cache.copy()
     arrays = layer.arrays(threads)
@@ -240,6 +246,14 @@ def test_final_logits_token_and_logprob(library, vocab, rows, threads):
     w[[vocab - 2, 4], 0] = 5.0
     assert invoke(library.FinalLogits, [x, w, slots, *cfg, logits, token, logprob]) == 0
     assert token[0] == 4 and logits[0, 4] == logits[0, vocab - 2]
+    # a row sitting out at the end (padding) is not computed: token 0, log-probability 0
+    if rows > 1:
+        tail = slots.copy()
+        tail[-1] = -1
+        first_tokens, first_logprobs = token.copy(), logprob.copy()
+        assert invoke(library.FinalLogits, [x, w, tail, *cfg, logits, token, logprob]) == 0
+        assert token[:-1].tolist() == first_tokens[:-1].tolist() and token[-1] == 0 and logprob[-1] == 0
+        np.testing.assert_array_equal(logprob[:-1], first_logprobs[:-1])
     # every row sitting out (a decode run's step after all its rows ended): nothing computed, tokens 0
     logits[:] = np.nan
     assert invoke(library.FinalLogits, [x, w, np.full(rows, -1, np.int32), *cfg, logits, token, logprob]) == 0

@@ -18,8 +18,9 @@
 //   x            (B, H)                 float32  the layer's input hidden states, one decode token per row
 //   positions    (B,)                   int32    each token's position (< P)
 //   slots        (B,)                   int32    the cache slot its K/V go to; < 0: the row sits this step out
-//                                                (no K/V written, no attention; its output is not meaningful),
-//                                                and a step whose rows all sit out costs a copy of x
+//                                                (no K/V written, no attention; its output is not meaningful);
+//                                                such rows at the end of the batch are not computed at all
+//                                                (out = x there), so padding costs nothing
 //   block_tables (B, W)                 int32    as the decode kernel takes them
 //   context_lens (B,)                   int32    keys 0 .. context_len-1 visible (the new token included)
 //   tree_bits    (B,)                   int32    token-tree visibility of the last 32 keys (-1: all)
@@ -33,8 +34,8 @@
 //   out          (B, H)                 float32
 // FinalLogits(x (R, H), lm_head (V, H), slots (R,), iconfig [threads], fconfig [eps]) -> logits (R, V), the
 //   greedy token (R,) int32 (the first index of the largest logit) and its log-probability (R,) float32;
-//   when every row's slot is < 0 (a decode run's step after all its rows ended) nothing is computed: tokens
-//   and log-probabilities are 0, the logits are left as they are
+//   rows whose slot is < 0 at the end of the batch (padding; a decode run's rows that ended) are not computed:
+//   tokens and log-probabilities 0, logits left as they are
 //
 // Return codes (MindSpore reports a nonzero one as the kernel's failure): 1 bad arity/ranks/dtypes, 2 shapes
 // that do not agree, 3 a position, slot or block id out of range.
@@ -405,30 +406,30 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
     return 2;
   }
   const int64_t num_slots = cache_rows / kvh, num_blocks = num_slots / bs;
-  int64_t active = 0;
   for (int64_t b = 0; b < batch; ++b) {
     if (slots[b] < 0) continue;                       // sits this step out
-    ++active;
-    if (positions[b] < 0 || positions[b] >= max_pos || slots[b] < 0 || slots[b] >= num_slots) return 3;
+    if (positions[b] < 0 || positions[b] >= max_pos || slots[b] >= num_slots) return 3;
     const int64_t used = std::min<int64_t>(width, (std::max(0, context[b]) + bs - 1) / bs);
     for (int64_t j = 0; j < used; ++j) {
       if (tables[b * width + j] < 0 || tables[b * width + j] >= num_blocks) return 3;
     }
   }
-  if (active == 0) {                                  // a decode run's step after all its rows ended
-    std::memcpy(out, x, batch * h * sizeof(float));
-    return 0;
-  }
+  // rows that sit out at the end of the batch (a bucket's padding, a decode run's finished rows) are not
+  // computed at all: at 64 rows the products are compute-bound, and a padding row costs as much as a real one
+  int64_t rows = batch;
+  while (rows > 0 && slots[rows - 1] < 0) --rows;
+  if (rows < batch) std::memcpy(out + rows * h, x + rows * h, (batch - rows) * h * sizeof(float));
+  if (rows == 0) return 0;                            // a decode run's step after all its rows ended
 
   const Timed timed(0);
   Pool& p = pool(std::max(1, icfg[3]));
   std::lock_guard<std::mutex> lock(p.call_mutex());
   const int threads = p.threads();
   Scratch& s = p.scratch();
-  float* qkv = Scratch::sized(s.qkv, batch * nqkv);
-  float* attn = Scratch::sized(s.attn, batch * nh * d);
-  float* act = Scratch::sized(s.act, batch * inter);
-  float* normed = Scratch::sized(s.normed, threads * batch * std::max(h, d));
+  float* qkv = Scratch::sized(s.qkv, rows * nqkv);
+  float* attn = Scratch::sized(s.attn, rows * nh * d);
+  float* act = Scratch::sized(s.act, rows * inter);
+  float* normed = Scratch::sized(s.normed, threads * rows * std::max(h, d));
   float* scores = Scratch::sized(s.scores, threads * nh * width * bs);
   const llm_serving::AttentionShape ash{kvh, nh / kvh, d, width, bs};
   const float q_scale = 1.f / std::sqrt(static_cast<float>(d));
@@ -436,15 +437,15 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
   std::atomic<int64_t> next_row{0};
 
   p.run([&](int tid, int nthreads) {
-    float* xn = normed + tid * batch * std::max(h, d);
+    float* xn = normed + tid * rows * std::max(h, d);
     int64_t r0, r1;
     // 1. q/k/v of every row (each thread normalizes the inputs itself: no barrier for it)
-    rms_normalize(x, batch, h, eps, xn);
+    rms_normalize(x, rows, h, eps, xn);
     share(nqkv, tid, nthreads, &r0, &r1);
-    matvec(qkv_w, h, xn, batch, r0, r1, [&](int64_t b, int64_t r, float v) { qkv[b * nqkv + r] = v + qkv_b[r]; });
+    matvec(qkv_w, h, xn, rows, r0, r1, [&](int64_t b, int64_t r, float v) { qkv[b * nqkv + r] = v + qkv_b[r]; });
     barrier.wait();
     // 2. RoPE on q and k (q also scaled by 1/sqrt(D)), then k and v into the cache at the token's slot
-    for (int64_t b = tid; b < batch; b += nthreads) {
+    for (int64_t b = tid; b < rows; b += nthreads) {
       if (slots[b] < 0) {
         std::memset(attn + b * nh * d, 0, nh * d * sizeof(float));
         continue;
@@ -464,8 +465,8 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
     barrier.wait();
     // 3. attention: items taken one at a time, a row each, or a (row, KV head) each when rows are fewer than
     // threads (a single decode row would leave the other threads waiting)
-    const int64_t parts = batch < nthreads ? kvh : 1;
-    for (int64_t i = next_row.fetch_add(1); i < batch * parts; i = next_row.fetch_add(1)) {
+    const int64_t parts = rows < nthreads ? kvh : 1;
+    for (int64_t i = next_row.fetch_add(1); i < rows * parts; i = next_row.fetch_add(1)) {
       const int64_t b = i / parts, k0 = i % parts * kvh / parts, k1 = (i % parts + 1) * kvh / parts;
       if (slots[b] < 0) continue;
       llm_serving::attend_row(qkv + b * nqkv, key_cache, value_cache, tables + b * width, context[b],
@@ -475,16 +476,16 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
     barrier.wait();
     // 4. out = x + attn . o_w^T
     share(h, tid, nthreads, &r0, &r1);
-    matvec(o_w, nh * d, attn, batch, r0, r1, [&](int64_t b, int64_t r, float v) { out[b * h + r] = x[b * h + r] + v; });
+    matvec(o_w, nh * d, attn, rows, r0, r1, [&](int64_t b, int64_t r, float v) { out[b * h + r] = x[b * h + r] + v; });
     barrier.wait();
     // 5. act = silu(gate) * up, each thread its units j (gate row j, up row I + j)
-    rms_normalize(out, batch, h, eps, xn);
+    rms_normalize(out, rows, h, eps, xn);
     share(inter, tid, nthreads, &r0, &r1);
     for (int64_t j = r0; j < r1; j += 4) {
       const int64_t n = std::min<int64_t>(4, r1 - j);
       float gate[4][4], up[4][4];
-      for (int64_t b0 = 0; b0 < batch; b0 += 4) {
-        const int bb = static_cast<int>(std::min<int64_t>(4, batch - b0));
+      for (int64_t b0 = 0; b0 < rows; b0 += 4) {
+        const int bb = static_cast<int>(std::min<int64_t>(4, rows - b0));
         if (n == 4) {
           dot_rows<4>(gate_up_w + j * h, h, xn + b0 * h, h, bb, gate);
           dot_rows<4>(gate_up_w + (inter + j) * h, h, xn + b0 * h, h, bb, up);
@@ -501,7 +502,7 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
     barrier.wait();
     // 6. out += act . down_w^T
     share(h, tid, nthreads, &r0, &r1);
-    matvec(down_w, inter, act, batch, r0, r1, [&](int64_t b, int64_t r, float v) { out[b * h + r] += v; });
+    matvec(down_w, inter, act, rows, r0, r1, [&](int64_t b, int64_t r, float v) { out[b * h + r] += v; });
   });
   return 0;
 }
@@ -530,26 +531,27 @@ extern "C" int FinalLogits(int nparam, void** params, int* ndims, int64_t** shap
   auto* logits = static_cast<float*>(params[5]);
   auto* token = static_cast<int32_t*>(params[6]);
   auto* logprob = static_cast<float*>(params[7]);
-  if (std::all_of(slots, slots + rows, [](int32_t slot) { return slot < 0; })) {
-    std::fill(token, token + rows, 0);
-    std::fill(logprob, logprob + rows, 0.f);
-    return 0;
-  }
+  // rows that sit out at the end (padding, a decode run's finished rows) are not computed: token 0, logprob 0
+  int64_t live = rows;
+  while (live > 0 && slots[live - 1] < 0) --live;
+  std::fill(token + live, token + rows, 0);
+  std::fill(logprob + live, logprob + rows, 0.f);
+  if (live == 0) return 0;                        // a decode run's step after all its rows ended
   const Timed timed(1);
   Pool& p = pool(threads);
   std::lock_guard<std::mutex> lock(p.call_mutex());
   Scratch& s = p.scratch();
-  float* normed = Scratch::sized(s.normed, p.threads() * rows * h);
+  float* normed = Scratch::sized(s.normed, p.threads() * live * h);
   // per thread and row, over the thread's share of the vocabulary: [max, its index, sum of e^(logit - max)]
-  float* partial = Scratch::sized(s.scores, p.threads() * rows * 3);
+  float* partial = Scratch::sized(s.scores, p.threads() * live * 3);
   Barrier barrier(p.threads());
   p.run([&](int tid, int nthreads) {
-    float* xn = normed + tid * rows * h;
-    rms_normalize(x, rows, h, eps, xn);
+    float* xn = normed + tid * live * h;
+    rms_normalize(x, live, h, eps, xn);
     int64_t r0, r1;
     share(vocab, tid, nthreads, &r0, &r1);
-    matvec(w, h, xn, rows, r0, r1, [&](int64_t b, int64_t r, float v) { logits[b * vocab + r] = v; });
-    for (int64_t b = 0; b < rows; ++b) {            // the share's max, first index of it, and sum of exps
+    matvec(w, h, xn, live, r0, r1, [&](int64_t b, int64_t r, float v) { logits[b * vocab + r] = v; });
+    for (int64_t b = 0; b < live; ++b) {            // the share's max, first index of it, and sum of exps
       const float* l = logits + b * vocab;
       float mx = -INFINITY;
       int64_t at = r0;
@@ -561,16 +563,16 @@ extern "C" int FinalLogits(int nparam, void** params, int* ndims, int64_t** shap
       }
       float sum = 0.f;
       for (int64_t r = r0; r < r1; ++r) sum += llm_serving::exp_nonpositive(l[r] - mx);
-      float* part = partial + (tid * rows + b) * 3;
+      float* part = partial + (tid * live + b) * 3;
       part[0] = r1 > r0 ? mx : -INFINITY;
       part[1] = static_cast<float>(at);
       part[2] = r1 > r0 ? sum : 0.f;
     }
     barrier.wait();
-    for (int64_t b = tid; b < rows; b += nthreads) {  // greedy token = the first index of the largest logit
+    for (int64_t b = tid; b < live; b += nthreads) {  // greedy token = the first index of the largest logit
       float mx = -INFINITY, at = 0.f;
       for (int t = 0; t < nthreads; ++t) {
-        const float* part = partial + (t * rows + b) * 3;
+        const float* part = partial + (t * live + b) * 3;
         if (part[0] > mx) {
           mx = part[0];
           at = part[1];
@@ -578,7 +580,7 @@ extern "C" int FinalLogits(int nparam, void** params, int* ndims, int64_t** shap
       }
       float sum = 0.f;
       for (int t = 0; t < nthreads; ++t) {
-        const float* part = partial + (t * rows + b) * 3;
+        const float* part = partial + (t * live + b) * 3;
         if (part[2] > 0.f) sum += part[2] * llm_serving::exp_nonpositive(part[0] - mx);
       }
       token[b] = static_cast<int32_t>(at);
