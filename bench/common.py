@@ -165,6 +165,25 @@ def time_decode_steps(runner, batch: int, context: int, iters: int) -> float:
     return _median_execute(runner, args, iters)
 
 
+def time_decode_run(runner, batch: int, context: int, iters: int) -> float:
+    """Median seconds per step of a bare decode run (runner.decode_run_steps steps) of `batch` rows, each
+    `context` tokens long when it starts."""
+    k, bs = runner.decode_run_steps, runner.block_size
+    blocks = -(-(context + k) // bs)
+    tables = np.arange(batch * blocks, dtype=np.int32).reshape(batch, blocks)
+    pos = np.arange(context, context + k)
+    slots = (tables[:, pos // bs] * bs + pos % bs).astype(np.int32)                   # (batch, k)
+    args = (np.full(batch, 5, np.int32), np.full(batch, context, np.int32), slots, tables,
+            np.full(batch, context + 1, np.int32))
+    times = []
+    for i in range(iters + 2):
+        t0 = time.perf_counter()
+        runner.execute_decode_run(*args)
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    return float(np.median(times)) / k
+
+
 def time_prefill_step(runner, rows: int, tokens: int, iters: int) -> float:
     """Median seconds of one bare prefill step of `rows` fresh prompts of `tokens` tokens each."""
     bs = runner.block_size

@@ -5,6 +5,10 @@ in one run; prints both total times and their ratio, and the machine's batching 
 the bare decode step's per-token time at batch 1 over its per-token time at the best config's largest decode
 batch (ModelRunner in this process, mean context of the replay) — with the ratio's share of it.
 
+It also prints the best config's total time over the replay's lower bound (issue 23; goal <= 1.15):
+max(arrival span, sum of prompt tokens / best bare packed-prefill tokens/s + sum of output tokens / best
+bare decode tokens/s at the largest decode batch, single steps or decode runs), rates measured in this process.
+
     python bench/contest_replay.py                      # built-in model, N=300 at 10 req/s
     python bench/contest_replay.py -n 1500 --rate 5 --model ../shared/models/stories260K/hf \
         --config configs/stories260K.yaml
@@ -24,7 +28,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import (ALPACA, alpaca, info, log_dir, machine, memory_like_agents, replay,  # noqa: E402
-                          server_args, table, time_decode_steps, write_json)
+                          server_args, table, time_decode_run, time_decode_steps, time_prefill_step, write_json)
 from llm_serving.bench.plots import write_plots  # noqa: E402
 from llm_serving.bench.workload import arrival_offsets  # noqa: E402
 from llm_serving.launch import ServerProcess  # noqa: E402
@@ -43,11 +47,12 @@ def main(argv=None) -> int:
     p.add_argument("--rate", type=float, default=10.0, help="requests/s, fixed spacing (the contest's -X)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--dataset-path", default=str(ALPACA))
+    p.add_argument("--best-only", action="store_true", help="skip the baseline server (no ratio)")
     p.add_argument("--out", default="bench_results/contest_replay.json")
     args = p.parse_args(argv)
 
-    setups = [("baseline", server_args(args.model, args.config, BASELINE)),
-              ("best", server_args(args.model, args.config, args.set))]
+    setups = [("baseline", server_args(args.model, args.config, BASELINE))] if not args.best_only else []
+    setups.append(("best", server_args(args.model, args.config, args.set)))
     rows, runs = [], {}
     for name, cli in setups:
         print(f"--- {name}: llm-serving start {' '.join(cli)}", flush=True)
@@ -65,40 +70,78 @@ def main(argv=None) -> int:
                      "tpot_p50": summary["tpot_ms"]["median"], "e2el_p50": summary["e2el_ms"]["median"]})
         print(f"{name}: {summary['duration_s']:.1f} s total, {summary['completed']} completed, "
               f"{summary['failed']} failed", flush=True)
-    ratio = rows[0]["total_s"] / rows[1]["total_s"]
+    ratio = rows[0]["total_s"] / rows[-1]["total_s"] if not args.best_only else None
     ceiling = batching_ceiling(facts["model_path"], args.config, args.set, samples)
+    bound = replay_bound(ceiling, samples, offsets)
     print(f"\ncontest replay: {len(samples)} alpaca prompts at {args.rate:g} req/s, "
           f"{sum(s.max_new_tokens for s in samples)} output tokens, model {facts['model_id']}")
     print(table(rows, [("setup", "setup", "{}"), ("total_s", "total s", "{:.1f}"), ("completed", "done", "{}"),
                        ("failed", "failed", "{}"), ("tok_s", "out tok/s", "{:.1f}"),
                        ("ttft_p50", "TTFT p50 ms", "{:.0f}"), ("ttft_p99", "TTFT p99 ms", "{:.0f}"),
                        ("tpot_p50", "TPOT p50 ms", "{:.1f}"), ("e2el_p50", "E2EL p50 ms", "{:.0f}")]))
-    print(f"total time baseline / best: {ratio:.2f}x")
+    if ratio is not None:
+        print(f"total time baseline / best: {ratio:.2f}x")
     print(f"batching ceiling (bare decode, context {ceiling['context']}): {ceiling['step_ms'][1]:.2f} ms/token at "
           f"batch 1 / {ceiling['step_ms'][ceiling['batch']] / ceiling['batch']:.3f} ms/token at batch "
-          f"{ceiling['batch']} = {ceiling['ceiling']:.2f}x; the replay reached {ratio / ceiling['ceiling']:.0%} of it")
+          f"{ceiling['batch']} = {ceiling['ceiling']:.2f}x"
+          + (f"; the replay reached {ratio / ceiling['ceiling']:.0%} of it" if ratio is not None else ""))
+    best_over_bound = rows[-1]["total_s"] / bound["bound_s"]
+    print(f"replay bound: max(arrivals {bound['arrival_span_s']:.1f} s, {bound['prompt_tokens']} prompt tokens at "
+          f"{bound['prefill_tok_s']:.0f} tok/s + {bound['output_tokens']} output tokens at {bound['decode_tok_s']:.0f} "
+          f"tok/s = {bound['compute_s']:.1f} s) = {bound['bound_s']:.1f} s; best / bound = {best_over_bound:.2f}x "
+          f"(goal <= 1.15)")
     write_json(args.out, {"scenario": "contest_replay", "machine": machine(), "model": facts["model_id"],
                           "num_prompts": len(samples), "rate": args.rate, "max_new_tokens": args.max_new_tokens,
                           "rows": rows, "ratio_total_time": ratio, "batching_ceiling": ceiling,
-                          "share_of_ceiling": ratio / ceiling["ceiling"], "runs": runs})
+                          "share_of_ceiling": ratio / ceiling["ceiling"] if ratio is not None else None,
+                          "bound": bound, "best_over_bound": best_over_bound, "runs": runs})
     return 0 if all(r["failed"] == 0 for r in rows) else 1
 
 
 def batching_ceiling(model_path: str, config: str, overrides: list, samples) -> dict:
-    """Bare decode step (ModelRunner, this process) at batch 1 and at the best config's largest decode batch."""
+    """Bare steps (ModelRunner, this process, the best config's model settings): decode at batch 1 and at the
+    largest decode batch (single steps, and decode runs when the config has them), and packed prefill of the
+    largest prefill batch of prompts of the replay's mean length and of 128 and 256 tokens."""
     from llm_serving.config import load_config
     from llm_serving.models.runner import ModelRunner
 
-    mc = load_config(config, tuple(overrides)).model_config
+    cfg = load_config(config, tuple(overrides))
+    mc, sched = cfg.model_config, cfg.scheduler_config
     batch = max(mc.decode_batch_size)
     context = int(np.mean([s.prompt_len + s.max_new_tokens / 2 for s in samples]))
+    rows = max(mc.prefill_batch_size)
+    lengths = sorted({int(np.mean([s.prompt_len for s in samples])), 128, 256})
+    lengths = [t for t in lengths if rows * t <= cfg.serving_config.max_num_batched_tokens] or lengths[:1]
     block = 16
-    per_row = -(-(context + 1) // block)
-    runner = ModelRunner(model_path, num_blocks=batch * per_row, block_size=block, max_blocks_per_seq=per_row,
-                         decode_batch_sizes=[1, batch], prefill_batch_sizes=[1], prefill_seq_lens=[16],
-                         num_threads=mc.num_threads, attention_kernel=mc.attention_kernel)
+    per_row = -(-(max(context + sched.decode_steps, *lengths) + 1) // block)
+    runner = ModelRunner(model_path, num_blocks=max(batch, rows) * per_row, block_size=block,
+                         max_blocks_per_seq=per_row, decode_batch_sizes=[1, batch], prefill_batch_sizes=[rows],
+                         prefill_seq_lens=sorted({-(-t // block) * block for t in lengths}),
+                         max_step_tokens=cfg.serving_config.max_num_batched_tokens, num_threads=mc.num_threads,
+                         attention_kernel=mc.attention_kernel, layer_kernel=mc.layer_kernel,
+                         layer_kernel_rows=mc.layer_kernel_max_tokens, decode_run_steps=sched.decode_steps,
+                         decode_run_rows=sched.decode_steps_max_rows)
     step = {b: time_decode_steps(runner, b, context, 20) * 1e3 for b in (1, batch)}
-    return {"batch": batch, "context": context, "step_ms": step, "ceiling": step[1] / (step[batch] / batch)}
+    decode_tok_s = batch / step[batch] * 1e3
+    run_ms = None
+    if runner.decode_run_max_rows() >= batch:
+        run_ms = time_decode_run(runner, batch, context, 5) * 1e3
+        decode_tok_s = max(decode_tok_s, batch / run_ms * 1e3)
+    prefill = {t: rows * t / time_prefill_step(runner, rows, t, 5) for t in lengths}
+    return {"batch": batch, "context": context, "step_ms": step, "run_step_ms": run_ms,
+            "ceiling": step[1] / (step[batch] / batch), "decode_tok_s": decode_tok_s,
+            "prefill_rows": rows, "prefill_tok_s_by_length": prefill, "prefill_tok_s": max(prefill.values())}
+
+
+def replay_bound(ceiling: dict, samples: list, offsets: list) -> dict:
+    """Issue 23's lower bound of a replay's total time (see the module docstring)."""
+    prompt = sum(s.prompt_len + 1 for s in samples)                  # + BOS
+    output = sum(s.max_new_tokens for s in samples)
+    compute = prompt / ceiling["prefill_tok_s"] + output / ceiling["decode_tok_s"]
+    span = float(offsets[-1]) if len(offsets) else 0.0
+    return {"arrival_span_s": span, "prompt_tokens": prompt, "output_tokens": output,
+            "prefill_tok_s": ceiling["prefill_tok_s"], "decode_tok_s": ceiling["decode_tok_s"],
+            "compute_s": compute, "bound_s": max(span, compute)}
 
 
 if __name__ == "__main__":
