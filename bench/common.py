@@ -140,13 +140,15 @@ def replay(url: str, model: str, samples: list, offsets: list, *, backend: str =
     return summarize(results, duration, [50, 90, 99]), results
 
 
-def _median_execute(runner, args: tuple, iters: int) -> float:
-    """Median seconds of runner.execute(*args) over `iters` calls, after one that compiles / warms."""
-    runner.execute(*args)
+def _median_execute(runner, args: tuple, iters: int, call=None) -> float:
+    """Median seconds of runner.execute(*args) (or call(*args)) over `iters` calls, after one that compiles /
+    warms."""
+    call = call or runner.execute
+    call(*args)
     times = []
     for _ in range(iters):
         t = time.perf_counter()
-        runner.execute(*args)
+        call(*args)
         times.append(time.perf_counter() - t)
     return float(np.median(times))
 
@@ -175,13 +177,7 @@ def time_decode_run(runner, batch: int, context: int, iters: int) -> float:
     slots = (tables[:, pos // bs] * bs + pos % bs).astype(np.int32)                   # (batch, k)
     args = (np.full(batch, 5, np.int32), np.full(batch, context, np.int32), slots, tables,
             np.full(batch, context + 1, np.int32))
-    times = []
-    for i in range(iters + 2):
-        t0 = time.perf_counter()
-        runner.execute_decode_run(*args)
-        if i >= 2:
-            times.append(time.perf_counter() - t0)
-    return float(np.median(times)) / k
+    return _median_execute(runner, args, iters, call=runner.execute_decode_run) / k
 
 
 def time_prefill_step(runner, rows: int, tokens: int, iters: int) -> float:

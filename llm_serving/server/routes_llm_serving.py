@@ -87,23 +87,21 @@ async def _stream(request: web.Request, req, gen) -> web.StreamResponse:
     text = [gen.inputs] if gen.return_full_text else []
     profile = request.app[ENGINE].profile
     pending = []                  # events that came together (a decode run, a verify step): one write
-    while True:
+    final = False
+    while not final:
         event = await req.events.get()
         t0 = time.perf_counter()
         text.append(event.text)
-        if event.finish_reason == "error":
-            pending.append(streaming.sse(streaming.failed_body(req, event.error or "generation failed")))
-            break
         final = event.finish_reason is not None
-        pending.append(streaming.sse(streaming.token_event(event, "".join(text) if final else None, req,
-                                                           request.app[ENGINE].tokenizer)))
-        if final:
-            break
-        if req.events.empty():
+        if event.finish_reason == "error":
+            body = streaming.failed_body(req, event.error or "generation failed")
+        else:
+            body = streaming.token_event(event, "".join(text) if final else None, req, request.app[ENGINE].tokenizer)
+        pending.append(streaming.sse(body))
+        if final or req.events.empty():
             await response.write(b"".join(pending))
             pending.clear()
         profile["stream"] += time.perf_counter() - t0
-    await response.write(b"".join(pending))
     await response.write_eof()
     return response
 

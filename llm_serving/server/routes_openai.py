@@ -251,21 +251,17 @@ async def _respond(request, engine, reqs, *, chat: bool, model: str, stream: boo
                                                                          "server_error")))
                 break
             reason = _finish_reason(event) if event.finish_reason else None
-            if not event.text and reason is None:
-                if pending and not more:
-                    await response.write(b"".join(pending))
-                    pending.clear()
-                continue                         # held back (stop strings) or a special token: nothing to send
-            lp = None
-            if logprobs and event.token_id >= 0:
-                lp = {"content": [chat_logprob(event)]} if chat else _completion_logprobs([event], tok)
-            if chat:
-                delta = {"content": event.text} if event.text else {}
-                choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}
-            else:
-                choice = {"index": i, "text": event.text, "logprobs": lp, "finish_reason": reason}
-            pending.append(chunk([choice]))
-            if not more:
+            if event.text or reason is not None:  # (else held back by stop strings, or a special token)
+                lp = None
+                if logprobs and event.token_id >= 0:
+                    lp = {"content": [chat_logprob(event)]} if chat else _completion_logprobs([event], tok)
+                if chat:
+                    delta = {"content": event.text} if event.text else {}
+                    choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}
+                else:
+                    choice = {"index": i, "text": event.text, "logprobs": lp, "finish_reason": reason}
+                pending.append(chunk([choice]))
+            if pending and not more:
                 await response.write(b"".join(pending))
                 pending.clear()
         else:                                    # every choice ended without an error
