@@ -16,7 +16,10 @@ overhead, ~10-15 us each):
 On one CPU agent, a graph of S=1 and at most `layer_kernel_rows` tokens (decode, packed prefill pieces, verify
 steps) runs each layer as one C++ kernel on these same weights (kernels/decoder_layer_cpu.cc: it applies RoPE
 from the raw tables and writes the same paged cache), and the final norm, lm_head and greedy pick as another;
-the choice is made from the graph's static shape when it is compiled.
+the choice is made from the graph's static shape when it is compiled. Where the checkpoint stores a matrix
+block-quantized (a GGUF's Q4_0/Q4_1/Q8_0/F16: `quantized`, from weights.load_quantized), the kernels read those
+stored rows instead of the float32 copy (a decode step of few rows streams every weight once, so its bytes are
+its time); their norm gains are applied to the activations instead of folded in.
 """
 from __future__ import annotations
 
@@ -52,6 +55,20 @@ def _param(array: np.ndarray, name: str) -> Parameter:
     return Parameter(Tensor.from_numpy(np.ascontiguousarray(array, dtype=np.float32)), name=name, requires_grad=False)
 
 
+def _stored_param(array: np.ndarray, name: str) -> Parameter:
+    """A quantized matrix's stored bytes (uint8), as the layer kernel reads them."""
+    return Parameter(Tensor.from_numpy(np.ascontiguousarray(array, dtype=np.uint8)), name=name, requires_grad=False)
+
+
+def _kept_quantized(quantized: dict, names: list) -> Optional[tuple[np.ndarray, int]]:
+    """The named matrices' stored rows, concatenated, and their type, when every one is stored quantized with
+    the same type; else None (the kernel reads the float32 copy)."""
+    parts = [quantized.get(n) for n in names]
+    if any(t is None for t in parts) or len({t.qtype for t in parts}) != 1:
+        return None
+    return np.concatenate([t.data for t in parts]), parts[0].qtype
+
+
 def _rms_normalize(x, eps: float):
     # x (T, H) -> x / sqrt(mean(x^2) + eps); the gain is folded into the next MatMul's weight
     return x * ops.rsqrt(ops.mean(x * x, -1, keep_dims=True) + eps)    # (T, H)
@@ -60,7 +77,7 @@ def _rms_normalize(x, eps: float):
 class LlamaDecoderLayer(nn.Cell):
     def __init__(self, cfg: LlamaConfig, w: dict, i: int, num_slots: int, device_target: str, block_size: int,
                  decode_kernel: Optional[str], kernel_threads: int, tp: TensorParallel, all_reduce,
-                 layer_kernel: Optional[str] = None):
+                 layer_kernel: Optional[str] = None, quantized: Optional[dict] = None):
         super().__init__()
         p = f"model.layers.{i}."
         world = tp.world
@@ -98,15 +115,38 @@ class LlamaDecoderLayer(nn.Cell):
                 self.qkv_bias_or_zero = _param(np.zeros(qkv.shape[0], np.float32), f"layers.{i}.qkv_bias0")
             else:
                 self.qkv_bias_or_zero = self.qkv_bias
-            self.kernel_icfg = Tensor(np.array([block_size, self.nh, self.kvh, kernel_threads], np.int32))
+            # each matrix as stored quantized when it is (with its norm's gain beside it), else the float32 one
+            quantized = quantized or {}
+            one = np.ones(cfg.hidden_size, np.float32)
+            kernel, types = {}, []
+            for key, names, gain, f32 in (
+                    ("qkv", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], "input_layernorm",
+                     self.qkv_w),
+                    ("o", ["self_attn.o_proj"], None, self.o_w),
+                    ("gate_up", ["mlp.gate_proj", "mlp.up_proj"], "post_attention_layernorm", self.gate_up_w),
+                    ("down", ["mlp.down_proj"], None, self.down_w)):
+                kept = _kept_quantized(quantized, [f"{p}{n}.weight" for n in names])
+                if kept is None:
+                    kernel[key], kernel[f"{key}_gain"] = f32, one
+                    types.append(0)
+                else:
+                    kernel[key] = _stored_param(kept[0], f"layers.{i}.{key}_stored")
+                    kernel[f"{key}_gain"] = w[f"{p}{gain}.weight"] if gain else one
+                    types.append(kept[1])
+            self.kernel_qkv, self.kernel_o = kernel["qkv"], kernel["o"]
+            self.kernel_gate_up, self.kernel_down = kernel["gate_up"], kernel["down"]
+            self.kernel_in_gain = _param(kernel["qkv_gain"], f"layers.{i}.kernel_input_gain")           # (H,)
+            self.kernel_post_gain = _param(kernel["gate_up_gain"], f"layers.{i}.kernel_post_gain")      # (H,)
+            self.kernel_types = tuple(types)          # GGML type codes of qkv, o, gate_up, down (0: float32)
+            self.kernel_icfg = Tensor(np.array([block_size, self.nh, self.kvh, kernel_threads, *types], np.int32))
             self.kernel_fcfg = Tensor(np.array([self.eps], np.float32))
 
     def fused(self, x, positions, slots, block_tables, context_lens, tree_bits, cos_table, sin_table):
         # x (T, H); positions, slots, context_lens, tree_bits (T,); block_tables (T, W); cos/sin tables (P, D)
         return self.layer_kernel(x, positions, slots, block_tables, context_lens, tree_bits, cos_table, sin_table,
-                                 self.qkv_w, self.qkv_bias_or_zero, self.o_w, self.gate_up_w, self.down_w,
-                                 self.attn.key_cache, self.attn.value_cache, self.kernel_icfg,
-                                 self.kernel_fcfg)                                        # (T, H)
+                                 self.kernel_qkv, self.qkv_bias_or_zero, self.kernel_o, self.kernel_gate_up,
+                                 self.kernel_down, self.kernel_in_gain, self.kernel_post_gain, self.attn.key_cache,
+                                 self.attn.value_cache, self.kernel_icfg, self.kernel_fcfg)          # (T, H)
 
     def construct(self, x, cos, sin, meta):
         # x (T, H); cos, sin (T, NH+2KVH, D); meta: paged_metadata's tuple
@@ -141,12 +181,14 @@ class LlamaForCausalLM(nn.Cell):
     only for `Sampler` (a second graph, run when some row samples); they are not copied to the host.
     Under tensor parallelism (`tp`, `all_reduce`: see parallel.py) this is rank tp.rank's shard, built from
     `weights` that hold only that rank's part (load_llama_weights(path, tp)); ranks other than 0 have no
-    lm_head and return only the final hidden state (R, H)."""
+    lm_head and return only the final hidden state (R, H). `quantized` (weights.load_quantized's, one agent): the
+    matrices the CPU kernels read as the checkpoint stores them."""
 
     def __init__(self, cfg: LlamaConfig, weights: dict, *, num_slots: int, block_size: int,
                  max_positions: int, device_target: str = "CPU", decode_kernel: Optional[str] = None,
                  kernel_threads: int = 1, tp: TensorParallel = TensorParallel(), all_reduce=None,
-                 layer_kernel: Optional[str] = None, layer_kernel_rows: int = 0):
+                 layer_kernel: Optional[str] = None, layer_kernel_rows: int = 0,
+                 quantized: Optional[dict] = None):
         super().__init__()
         tp.check(cfg)
         if layer_kernel is not None and (tp.world > 1 or device_target != "CPU"):
@@ -165,7 +207,7 @@ class LlamaForCausalLM(nn.Cell):
         self.embed = _param(weights["model.embed_tokens.weight"], "embed")            # (V, H)
         self.layers = nn.CellList([LlamaDecoderLayer(cfg, weights, i, num_slots, device_target, block_size,
                                                      decode_kernel, kernel_threads, tp, all_reduce,
-                                                     layer_kernel)
+                                                     layer_kernel, quantized)
                                    for i in range(cfg.num_layers)])
         self.layer_kernel_rows = layer_kernel_rows if layer_kernel is not None else 0
         if self.writes_outputs:                    # (the logits' tensors are loaded on rank 0 only)
@@ -175,7 +217,15 @@ class LlamaForCausalLM(nn.Cell):
                 self.final_logits = ops.Custom(f"{layer_kernel}:FinalLogits",
                                                out_shape=lambda x, w, *_: ((x[0], w[0]), (x[0],), (x[0],)),
                                                out_dtype=lambda x, *_: (x, ms.int32, x), func_type="aot")
-                self.logits_icfg = Tensor(np.array([kernel_threads], np.int32))
+                kept = _kept_quantized(quantized or {}, ["lm_head.weight"])
+                if kept is None:
+                    self.kernel_lm_head, gain, lm_type = self.lm_head, np.ones(cfg.hidden_size, np.float32), 0
+                else:
+                    self.kernel_lm_head = _stored_param(kept[0], "lm_head_stored")
+                    gain, lm_type = weights["model.norm.weight"], kept[1]
+                self.kernel_norm_gain = _param(gain, "kernel_final_norm_gain")                 # (H,)
+                self.kernel_lm_type = lm_type
+                self.logits_icfg = Tensor(np.array([kernel_threads, lm_type], np.int32))
                 self.logits_fcfg = Tensor(np.array([cfg.rms_norm_eps], np.float32))
         cos, sin = rope_tables(cfg, max_positions)
         self.cos_table = _param(cos, "rope_cos")                                        # (P, D)
@@ -239,7 +289,8 @@ class LlamaForCausalLM(nn.Cell):
     def fused_logits(self, x, slots):
         """Final norm, lm_head and the greedy pick as one kernel: (logits (R, V), token (R,), logprob (R,)); slots
         (R,) the rows' K/V slots (all < 0: nothing to compute, tokens 0)."""
-        return self.final_logits(x, self.lm_head, slots, self.logits_icfg, self.logits_fcfg)
+        return self.final_logits(x, self.kernel_lm_head, self.kernel_norm_gain, slots, self.logits_icfg,
+                                 self.logits_fcfg)
 
 
 class DecodeRun(nn.Cell):

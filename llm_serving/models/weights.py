@@ -25,6 +25,9 @@ the part asked for; a MindSpore checkpoint is read whole by MindSpore), checked 
 `expected_shapes` before anything is read: a missing tensor, a wrong shape or a non-float dtype fails with
 a `WeightLoadError` naming the tensor. The model concatenates Q/K/V and
 gate/up itself when it builds its parameters (`llama.py`).
+
+A GGUF's block-quantized matrices are also available as the file stores them (`load_quantized`): the CPU layer
+kernel reads those rows directly, 4.5-8.5 bits per weight instead of float32's 32 (docs/BENCHMARKS.md).
 """
 from __future__ import annotations
 
@@ -40,8 +43,8 @@ import numpy as np
 
 from .parallel import TensorParallel
 
-__all__ = ["LlamaConfig", "StoredTensor", "WeightLoadError", "detect_format", "load_config", "load_llama_weights",
-           "expected_shapes"]
+__all__ = ["LlamaConfig", "QuantizedTensor", "StoredTensor", "WeightLoadError", "detect_format", "load_config",
+           "load_llama_weights", "load_quantized", "expected_shapes"]
 
 
 class WeightLoadError(ValueError):
@@ -55,11 +58,26 @@ class StoredTensor:
 
     shape: tuple
     read: Callable[[tuple], np.ndarray]
+    # a matrix the checkpoint stores block-quantized (GGUF): its GGML type code and read_blocks(rows slice) ->
+    # uint8 (rows, bytes per row), the stored bytes of those rows (see load_quantized)
+    qtype: Optional[int] = None
+    read_blocks: Optional[Callable[[slice], np.ndarray]] = None
 
     @classmethod
     def of(cls, array: np.ndarray) -> "StoredTensor":
         """A tensor already in memory (a format whose reader loads everything)."""
         return cls(tuple(array.shape), lambda index: array[index])
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """A (rows, cols) weight matrix in a checkpoint's block-quantized form: `data` uint8 (rows, bytes per row),
+    each row `cols` weights in blocks of GGML type `qtype` (2 Q4_0, 3 Q4_1, 8 Q8_0, 1 F16), rows in the order
+    the float32 loader gives them (a GGUF llama's q/k rows permuted as theirs are)."""
+
+    qtype: int
+    shape: tuple
+    data: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -558,17 +576,8 @@ def _check_shape(name: str, arr, shape: tuple) -> None:
         raise WeightLoadError(f"tensor {name!r} has shape {tuple(arr.shape)}, expected {tuple(shape)}")
 
 
-def load_llama_weights(path: str, tp: Optional[TensorParallel] = None,
-                       num_layers: Optional[int] = None) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
-    """Return (config, {hf_name: float32 array}) for any supported checkpoint, with every tensor checked.
-
-    num_layers: keep only the first N decoder layers (with the final norm and head): a draft model cut from
-    the checkpoint (speculative decoding); the other layers are not read.
-
-    tp: read only what that tensor-parallel rank holds (default: one agent, which holds everything): each
-    tensor's shard (`TensorParallel.part`), and no logits tensors on ranks other than 0. A model whose heads
-    or MLP units do not split over tp.world fails before anything is read (ValueError naming them)."""
-    path = os.fspath(path)
+def _checked_stored(path: str, num_layers: Optional[int]) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
+    """The checkpoint's config and tensors (not read yet), `lm_head.weight` present, every shape checked."""
     fmt = detect_format(path)
     if fmt == "gguf":
         from .weights_gguf import load_gguf
@@ -582,12 +591,27 @@ def load_llama_weights(path: str, tp: Optional[TensorParallel] = None,
     if "lm_head.weight" not in stored or cfg.tie_word_embeddings:
         if "model.embed_tokens.weight" in stored:
             stored["lm_head.weight"] = stored["model.embed_tokens.weight"]
-    shapes = expected_shapes(cfg)
-    for name, shape in shapes.items():
+    for name, shape in expected_shapes(cfg).items():
         if name not in stored:
             raise WeightLoadError(f"tensor {name!r} is missing from the checkpoint in {path} "
                                   f"(expected shape {shape})")
         _check_shape(name, stored[name], shape)
+    return cfg, stored
+
+
+def load_llama_weights(path: str, tp: Optional[TensorParallel] = None,
+                       num_layers: Optional[int] = None) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
+    """Return (config, {hf_name: float32 array}) for any supported checkpoint, with every tensor checked.
+
+    num_layers: keep only the first N decoder layers (with the final norm and head): a draft model cut from
+    the checkpoint (speculative decoding); the other layers are not read.
+
+    tp: read only what that tensor-parallel rank holds (default: one agent, which holds everything): each
+    tensor's shard (`TensorParallel.part`), and no logits tensors on ranks other than 0. A model whose heads
+    or MLP units do not split over tp.world fails before anything is read (ValueError naming them)."""
+    path = os.fspath(path)
+    cfg, stored = _checked_stored(path, num_layers)
+    shapes = expected_shapes(cfg)
     tp = tp if tp is not None else TensorParallel()        # one agent: every tensor, whole
     tp.check(cfg)
     out, done = {}, {}
@@ -603,3 +627,27 @@ def load_llama_weights(path: str, tp: Optional[TensorParallel] = None,
                 raise WeightLoadError(f"tensor {name!r} in {path}: cannot read it: {e}") from e
         out[name] = done[key]
     return cfg, out
+
+
+def load_quantized(path: str, num_layers: Optional[int] = None) -> dict[str, QuantizedTensor]:
+    """{hf_name: QuantizedTensor} of the model's 2-D weight matrices that the checkpoint stores block-quantized
+    (a GGUF's Q4_0, Q4_1, Q8_0 and F16 tensors; see weights_gguf.KEPT_QUANTIZED), whole (one agent); {} for a
+    checkpoint that has none. Not the embedding (a row gather, served from float32); a tied lm_head is the
+    embedding's stored tensor."""
+    path = os.fspath(path)
+    cfg, stored = _checked_stored(path, num_layers)
+    out, done = {}, {}
+    for name, shape in expected_shapes(cfg).items():
+        tensor = stored[name]
+        if tensor.read_blocks is None or len(shape) != 2 or name == "model.embed_tokens.weight":
+            continue
+        if id(tensor) not in done:
+            try:
+                data = np.ascontiguousarray(tensor.read_blocks(slice(None)), dtype=np.uint8)
+            except (OSError, ValueError) as e:
+                raise WeightLoadError(f"tensor {name!r} in {path}: cannot read its blocks: {e}") from e
+            if data.ndim != 2 or data.shape[0] != shape[0]:
+                raise WeightLoadError(f"tensor {name!r} in {path}: its blocks are {data.shape}, not {shape[0]} rows")
+            done[id(tensor)] = QuantizedTensor(tensor.qtype, tuple(shape), data)
+        out[name] = done[id(tensor)]
+    return out

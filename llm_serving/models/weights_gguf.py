@@ -6,6 +6,10 @@ K-quants and whatever else that package dequantizes; a tensor-parallel rank's ro
 converter interleaves the rotary pairs of a llama model's q/k rows (as llama2.c does): undone here. A Llama-3.1
 file's `rope_freqs` tensor becomes `LlamaConfig.rope_freq_factors`. An unsupported architecture or tensor type is
 a WeightLoadError naming it. `load_gguf` keeps the float32 result in the cache directory for the next start.
+
+Matrices stored as F16, Q4_0, Q4_1 or Q8_0 (KEPT_QUANTIZED: the block formats the CPU layer kernel reads) also
+offer their stored bytes (`StoredTensor.read_blocks`, rows permuted as the float32 rows are), which the cache
+keeps beside the float32 copy.
 """
 from __future__ import annotations
 
@@ -23,7 +27,9 @@ from .weights import LlamaConfig, StoredTensor, WeightLoadError, _rotate_half_ro
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["load_gguf", "GGUF_CACHE_ENV"]
+__all__ = ["load_gguf", "GGUF_CACHE_ENV", "KEPT_QUANTIZED"]
+
+KEPT_QUANTIZED = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 8}     # GGML type name -> code
 
 # GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.")
 _GGUF_LAYER_NAMES = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -64,6 +70,14 @@ def _gguf_reader(tensor) -> Callable[[tuple], np.ndarray]:
         if rows_only or len(index) == 1:
             return np.asarray(dequantize(np.asarray(data[index[0]]), tensor.tensor_type), np.float32)
         return np.asarray(dequantize(np.asarray(data), tensor.tensor_type), np.float32)[index]
+    return read
+
+
+def _block_reader(tensor) -> Callable[[slice], np.ndarray]:
+    """read_blocks(rows) of one GGUF matrix: the stored bytes of those rows, uint8 (rows, bytes per row)."""
+    def read(rows: slice) -> np.ndarray:
+        part = np.asarray(tensor.data[rows])
+        return np.ascontiguousarray(part).view(np.uint8).reshape(part.shape[0], -1)
     return read
 
 
@@ -136,9 +150,13 @@ def _load_gguf(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
                                   "Q8_0, the K-quants, ...)")
         shape = tuple(int(n) for n in reversed(tensor.shape))      # GGUF lists dimensions innermost first
         read = _gguf_reader(tensor)
+        qtype = KEPT_QUANTIZED.get(tensor.tensor_type.name) if len(shape) == 2 else None
+        blocks = _block_reader(tensor) if qtype is not None else None
         if arch == "llama" and hf.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
             read = _interleaved_to_halves(read, head_dim)
-        out[hf] = StoredTensor(shape, read)
+            if blocks is not None:
+                blocks = _interleaved_to_halves_rows(blocks, head_dim)
+        out[hf] = StoredTensor(shape, read, qtype, blocks)
     return cfg, out
 
 
@@ -152,14 +170,21 @@ def _interleaved_to_halves(read: Callable[[tuple], np.ndarray], head_dim: int) -
     return rotated
 
 
+def _interleaved_to_halves_rows(read_blocks: Callable[[slice], np.ndarray], head_dim: int):
+    """read_blocks of a q/k matrix whose rows come back in rotate-half order, as `_interleaved_to_halves`'s."""
+    rotated = _interleaved_to_halves(lambda index: read_blocks(index[0]), head_dim)
+    return lambda rows: rotated((rows,))
+
+
 GGUF_CACHE_ENV = "LLM_SERVING_GGUF_CACHE"     # "0": dequantize the GGUF at every start instead
 
 
 def load_gguf(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
     """`_load_gguf` through a cache of its float32 result: reading a GGUF's metadata and dequantizing its tensors
     costs seconds of every start, memory-mapping the float32 arrays it produced last time almost nothing. The
-    cache is `<cache>/gguf/<key>/` (key: the file's path, size and modification time): `config.json` and one
-    `.npy` per tensor, written tensor by tensor into a temporary directory that is then renamed into place."""
+    cache is `<cache>/gguf/<key>/` (key: the file's path, size and modification time): `config.json`, one
+    `.npy` per tensor, and for the matrices kept quantized their stored bytes (`<name>.blocks.npy`, types in
+    `quantized.json`), written into a temporary directory that is then renamed into place."""
     from dataclasses import asdict
 
     from .default_model import default_cache_dir
@@ -167,7 +192,7 @@ def load_gguf(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
     if os.environ.get(GGUF_CACHE_ENV, "1") == "0":
         return _load_gguf(path)
     st = os.stat(path)
-    key = hashlib.sha1(repr((os.path.abspath(path), st.st_size, st.st_mtime_ns, 1)).encode()).hexdigest()[:16]
+    key = hashlib.sha1(repr((os.path.abspath(path), st.st_size, st.st_mtime_ns, 2)).encode()).hexdigest()[:16]
     folder = default_cache_dir() / "gguf" / key
     if not (folder / "config.json").is_file():
         cfg, stored = _load_gguf(path)
@@ -178,6 +203,10 @@ def load_gguf(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
                 for name, tensor in stored.items():
                     np.save(os.path.join(tmp, name + ".npy"),
                             np.ascontiguousarray(tensor.read((slice(None),) * len(tensor.shape)), np.float32))
+                    if tensor.read_blocks is not None:
+                        np.save(os.path.join(tmp, name + ".blocks.npy"), tensor.read_blocks(slice(None)))
+                with open(os.path.join(tmp, "quantized.json"), "w", encoding="utf-8") as f:
+                    json.dump({n: t.qtype for n, t in stored.items() if t.read_blocks is not None}, f)
                 with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
                     json.dump(asdict(cfg), f)
                 os.rename(tmp, folder)
@@ -193,8 +222,17 @@ def load_gguf(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
     if raw.get("rope_freq_factors") is not None:
         raw["rope_freq_factors"] = tuple(raw["rope_freq_factors"])
     cfg = LlamaConfig(**raw)
+    with open(folder / "quantized.json", encoding="utf-8") as f:
+        qtypes = json.load(f)
     stored = {}
     for npy in folder.glob("*.npy"):
+        name = npy.name[:-len(".npy")]
+        if name.endswith(".blocks"):
+            continue
         array = np.load(npy, mmap_mode="r")
-        stored[npy.name[:-len(".npy")]] = StoredTensor(array.shape, lambda index, a=array: np.array(a[index]))
+        qtype, read_blocks = qtypes.get(name), None
+        if qtype is not None:
+            blocks = np.load(folder / f"{name}.blocks.npy", mmap_mode="r")
+            read_blocks = lambda rows, b=blocks: np.array(b[rows])               # noqa: E731
+        stored[name] = StoredTensor(array.shape, lambda index, a=array: np.array(a[index]), qtype, read_blocks)
     return cfg, stored

@@ -55,6 +55,9 @@ class Layer:
         self.qkv_w, self.o_w = f32(nq, hidden), f32(hidden, heads * head_dim)
         self.qkv_b = f32(nq) if bias else np.zeros(nq, np.float32)
         self.gate_up_w, self.down_w = f32(2 * inter, hidden), f32(hidden, inter)
+        self.in_gain, self.post_gain = np.ones(hidden, np.float32), np.ones(hidden, np.float32)
+        # the weights as the kernel gets them: name -> (array, GGML type code); float32 unless quantize() ran
+        self.kernel_weights = {n: (getattr(self, n), 0) for n in ("qkv_w", "o_w", "gate_up_w", "down_w")}
         self.key_cache = f32(num_blocks * block_size * kv_heads, head_dim)
         self.value_cache = f32(num_blocks * block_size * kv_heads, head_dim)
         # every row its own blocks (scattered), a context of 1 .. width*block_size keys, the new token last
@@ -70,17 +73,31 @@ class Layer:
         self.cos = np.concatenate([np.cos(angles)] * 2, -1).astype(np.float32)
         self.sin = np.concatenate([-np.sin(angles), np.sin(angles)], -1).astype(np.float32)
 
+    def quantize(self, types: dict, rng):
+        """Give the kernel the named matrices in GGUF's quantized forms (name -> gguf type), and the norms random
+        gains (not folded into quantized rows); the reference then uses the dequantized weights."""
+        from gguf.quants import dequantize, quantize
+
+        self.in_gain = (1 + 0.3 * rng.standard_normal(self.h)).astype(np.float32)
+        self.post_gain = (1 + 0.3 * rng.standard_normal(self.h)).astype(np.float32)
+        for name, qtype in types.items():
+            raw = quantize(getattr(self, name), qtype)
+            setattr(self, name, dequantize(raw, qtype).astype(np.float32))
+            self.kernel_weights[name] = (raw.view(np.uint8), int(qtype))
+
     def arrays(self, threads, out=None):
-        icfg = np.array([self.bs, self.nh, self.kvh, threads], np.int32)
+        w = self.kernel_weights
+        icfg = np.array([self.bs, self.nh, self.kvh, threads] + [w[n][1] for n in ("qkv_w", "o_w", "gate_up_w",
+                                                                                 "down_w")], np.int32)
         out = np.full_like(self.x, np.nan) if out is None else out
         return [self.x, self.positions, self.slots, self.tables, self.context, self.tree, self.cos, self.sin,
-                self.qkv_w, self.qkv_b, self.o_w, self.gate_up_w, self.down_w, self.key_cache, self.value_cache,
-                icfg, np.array([1e-5], np.float32), out]
+                w["qkv_w"][0], self.qkv_b, w["o_w"][0], w["gate_up_w"][0], w["down_w"][0], self.in_gain,
+                self.post_gain, self.key_cache, self.value_cache, icfg, np.array([1e-5], np.float32), out]
 
     def reference(self):
         """(output, key cache, value cache) in float64, from the caches as they are now."""
         b, nh, kvh, d = self.b, self.nh, self.kvh, self.d
-        qkv = (rms(self.x) @ self.qkv_w.T.astype(np.float64) + self.qkv_b).reshape(b, nh + 2 * kvh, d)
+        qkv = (rms(self.x) * self.in_gain @ self.qkv_w.T.astype(np.float64) + self.qkv_b).reshape(b, nh + 2 * kvh, d)
         swapped = np.concatenate([qkv[..., d // 2:], qkv[..., :d // 2]], -1)
         roped = qkv * self.cos[self.positions][:, None] + swapped * self.sin[self.positions][:, None]
         q = roped[:, :nh] / np.sqrt(d)
@@ -91,7 +108,7 @@ class Layer:
         attn = attention_reference(q.reshape(b, kvh, nh // kvh, d), keys, values, self.tables, self.context,
                                    self.bs).reshape(b, -1)
         x1 = self.x + attn @ self.o_w.T
-        gate_up = rms(x1) @ self.gate_up_w.T
+        gate_up = rms(x1) * self.post_gain @ self.gate_up_w.T
         gate, up = gate_up[:, :self.i], gate_up[:, self.i:]
         return x1 + (gate / (1 + np.exp(-gate)) * up) @ self.down_w.T, keys, values
 
@@ -231,8 +248,9 @@ def test_final_logits_token_and_logprob(library, vocab, rows, threads):
     logprob = np.empty(rows, np.float32)
     slots = np.arange(rows, dtype=np.int32)
     slots[0] = -1 if rows > 1 else 0       # a row sitting out is computed as any other while some row is in
-    cfg = [np.array([threads], np.int32), np.array([1e-5], np.float32)]
-    assert invoke(library.FinalLogits, [x, w, slots, *cfg, logits, token, logprob]) == 0
+    gain = np.ones(48, np.float32)
+    cfg = [np.array([threads, 0], np.int32), np.array([1e-5], np.float32)]
+    assert invoke(library.FinalLogits, [x, w, gain, slots, *cfg, logits, token, logprob]) == 0
     want = rms(x) @ w.T.astype(np.float64)
     np.testing.assert_allclose(logits, want, rtol=1e-4, atol=1e-4)
     assert token.tolist() == np.argmax(logits, -1).tolist() and 7 not in token.tolist()
@@ -244,18 +262,99 @@ def test_final_logits_token_and_logprob(library, vocab, rows, threads):
     x[0, 0] = 1
     w[:, 0] = 0
     w[[vocab - 2, 4], 0] = 5.0
-    assert invoke(library.FinalLogits, [x, w, slots, *cfg, logits, token, logprob]) == 0
+    assert invoke(library.FinalLogits, [x, w, gain, slots, *cfg, logits, token, logprob]) == 0
     assert token[0] == 4 and logits[0, 4] == logits[0, vocab - 2]
     # a row sitting out at the end (padding) is not computed: token 0, log-probability 0
     if rows > 1:
         tail = slots.copy()
         tail[-1] = -1
         first_tokens, first_logprobs = token.copy(), logprob.copy()
-        assert invoke(library.FinalLogits, [x, w, tail, *cfg, logits, token, logprob]) == 0
+        assert invoke(library.FinalLogits, [x, w, gain, tail, *cfg, logits, token, logprob]) == 0
         assert token[:-1].tolist() == first_tokens[:-1].tolist() and token[-1] == 0 and logprob[-1] == 0
         np.testing.assert_array_equal(logprob[:-1], first_logprobs[:-1])
     # every row sitting out (a decode run's step after all its rows ended): nothing computed, tokens 0
     logits[:] = np.nan
-    assert invoke(library.FinalLogits, [x, w, np.full(rows, -1, np.int32), *cfg, logits, token, logprob]) == 0
+    assert invoke(library.FinalLogits, [x, w, gain, np.full(rows, -1, np.int32), *cfg, logits, token, logprob]) == 0
     assert np.isnan(logits).all() and token.tolist() == [0] * rows and logprob.tolist() == [0.0] * rows
-    assert invoke(library.FinalLogits, [x, w, slots[:-1].copy(), *cfg, logits, token, logprob]) == 2
+    assert invoke(library.FinalLogits, [x, w, gain, slots[:-1].copy(), *cfg, logits, token, logprob]) == 2
+
+
+GGUF_TYPES = pytest.importorskip("gguf").GGMLQuantizationType
+
+
+@pytest.mark.parametrize("qtype,threads,batch", [
+    (GGUF_TYPES.Q4_1, 2, 1), (GGUF_TYPES.Q4_1, 1, 6), (GGUF_TYPES.Q4_0, 2, 3), (GGUF_TYPES.Q4_0, 1, 2),
+    (GGUF_TYPES.Q8_0, 3, 5), (GGUF_TYPES.Q8_0, 2, 1), (GGUF_TYPES.F16, 2, 2), (GGUF_TYPES.F16, 1, 7)])
+def test_layer_reads_quantized_weights(library, qtype, threads, batch):
+    """GGUF's own blocks in (as the file holds them): the layer equals the float64 layer on the dequantized
+    weights, with the norms' gains applied to the activations instead of folded into the rows. One or two rows
+    decode the blocks in registers, more share a dequantized tile: both ways for every type."""
+    rng = np.random.default_rng(int(qtype) + batch)
+    layer = Layer(rng, hidden=64, heads=4, kv_heads=2, head_dim=16, inter=96, batch=batch)
+    layer.quantize({n: qtype for n in ("qkv_w", "o_w", "gate_up_w", "down_w")}, rng)
+    want, keys, values = layer.reference()
+    arrays = layer.arrays(threads)
+    assert arrays[8].dtype == np.uint8 and arrays[-3].tolist()[4:] == [int(qtype)] * 4
+    assert invoke(library.DecoderLayer, arrays) == 0
+    np.testing.assert_allclose(arrays[-1], want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(layer.key_cache, keys, rtol=1e-5, atol=1e-5)
+
+
+def test_layer_mixes_weight_types(library):
+    """Each matrix has its own type (a GGUF may keep some in higher precision), float32 ones among them."""
+    rng = np.random.default_rng(11)
+    layer = Layer(rng, hidden=64, heads=4, kv_heads=2, head_dim=16, inter=96, batch=4)
+    layer.quantize({"qkv_w": GGUF_TYPES.Q8_0, "gate_up_w": GGUF_TYPES.Q4_1}, rng)
+    want, _, _ = layer.reference()
+    arrays = layer.arrays(2)
+    assert arrays[-3].tolist()[4:] == [8, 0, 3, 0]
+    assert invoke(library.DecoderLayer, arrays) == 0
+    np.testing.assert_allclose(arrays[-1], want, rtol=1e-4, atol=1e-4)
+
+
+def test_quantized_weights_refusals(library):
+    rng = np.random.default_rng(12)
+    layer = Layer(rng, hidden=64, heads=4, kv_heads=2, head_dim=16, inter=96, batch=2)
+    layer.quantize({"o_w": GGUF_TYPES.Q4_1}, rng)
+    good = layer.arrays(1)
+    raw = good[10]
+    for bad_w, types in ((raw[:, :-1].copy(), None),                     # rows a byte short of 2 blocks
+                         (raw, [0, 0, 0, 0]),                            # uint8 rows called float32
+                         (raw, [0, 2, 0, 0]),                            # Q4_0's row length is not Q4_1's
+                         (raw, [0, 5, 0, 0]),                            # a type the kernel does not read
+                         (layer.o_w, [0, 3, 0, 0])):                     # float32 rows called Q4_1
+        arrays = list(good)
+        arrays[10] = bad_w
+        if types is not None:
+            arrays[-3] = np.array(list(good[-3][:4]) + types, np.int32)
+        assert invoke(library.DecoderLayer, arrays) == 2
+    arrays = list(good)
+    arrays[-3] = good[-3][:4].copy()                                     # the types missing from iconfig
+    assert invoke(library.DecoderLayer, arrays) == 2
+    # a width that is not whole 32-weight blocks cannot be quantized rows
+    odd = Layer(rng, hidden=48, heads=3, kv_heads=1, head_dim=16, inter=40, batch=1)
+    arrays = odd.arrays(1)
+    arrays[12] = np.zeros((48, 40 // 32 * 20 + 20), np.uint8)
+    arrays[-3] = np.array(list(arrays[-3][:7]) + [3], np.int32)
+    assert invoke(library.DecoderLayer, arrays) == 2
+
+
+@pytest.mark.parametrize("qtype,rows", [(GGUF_TYPES.Q8_0, 3), (GGUF_TYPES.Q8_0, 1), (GGUF_TYPES.Q4_1, 2)])
+def test_final_logits_reads_a_quantized_lm_head(library, qtype, rows):
+    from gguf.quants import dequantize, quantize
+
+    rng = np.random.default_rng(int(qtype) + rows)
+    vocab, h = 300, 64
+    x = rng.standard_normal((rows, h)).astype(np.float32)
+    raw = quantize(rng.standard_normal((vocab, h)).astype(np.float32), qtype)
+    w = dequantize(raw, qtype)
+    gain = (1 + 0.3 * rng.standard_normal(h)).astype(np.float32)
+    logits, token, logprob = np.empty((rows, vocab), np.float32), np.empty(rows, np.int32), np.empty(rows, np.float32)
+    cfg = [np.array([2, int(qtype)], np.int32), np.array([1e-5], np.float32)]
+    slots = np.arange(rows, dtype=np.int32)
+    assert invoke(library.FinalLogits, [x, raw, gain, slots, *cfg, logits, token, logprob]) == 0
+    want = rms(x) * gain @ w.T.astype(np.float64)
+    np.testing.assert_allclose(logits, want, rtol=1e-4, atol=1e-4)
+    assert token.tolist() == np.argmax(want, -1).tolist()
+    cfg[0] = np.array([2, 0], np.int32)                                     # the same bytes called float32
+    assert invoke(library.FinalLogits, [x, raw, gain, slots, *cfg, logits, token, logprob]) == 2

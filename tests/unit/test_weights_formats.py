@@ -13,7 +13,8 @@ import pytest
 
 from llm_serving.models.default_model import write_hf_llama
 from llm_serving.models.parallel import TensorParallel
-from llm_serving.models.weights import WeightLoadError, llama3_rope_factors, load_config, load_llama_weights
+from llm_serving.models.weights import (WeightLoadError, llama3_rope_factors, load_config, load_llama_weights,
+                                        load_quantized)
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
@@ -207,6 +208,40 @@ def test_k_quant_tensors_are_read_in_place(tmp_path, monkeypatch):
         np.testing.assert_array_equal(arr, _rank1_of_2(name, expected[name]), err_msg=name)
 
 
+KEPT = [(Q.Q4_0, 2), (Q.Q4_1, 3), (Q.Q8_0, 8), (Q.F16, 1)]
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["from-file", "from-cache"])
+@pytest.mark.parametrize("qtype,code", KEPT, ids=[q.name for q, _ in KEPT])
+def test_quantized_matrices_are_kept_as_stored(tmp_path, monkeypatch, qtype, code, cached):
+    """load_quantized: every 2-D matrix but the embedding, as the file's blocks, rows in the float32 loader's
+    order (q/k un-permuted), so that dequantizing them gives exactly load_llama_weights' rows; the same from the
+    float32 cache; a tied lm_head is the embedding's blocks; num_layers drops the other layers."""
+    if not cached:
+        monkeypatch.setenv("LLM_SERVING_GGUF_CACHE", "0")
+    _, (_, ref) = _hf(tmp_path, tie=True, **WIDE)
+    path = write_gguf(tmp_path / "m.gguf", {k: v for k, v in ref.items() if k != "lm_head.weight"}, qtype=qtype)
+    _, f32 = load_llama_weights(path)                     # (writes the cache when it is on)
+    kept = load_quantized(path)
+    assert set(kept) == {n for n, a in ref.items() if a.ndim == 2 and n != "model.embed_tokens.weight"}
+    for name, t in kept.items():
+        assert (t.qtype, t.shape, t.data.dtype) == (code, ref[name].shape, np.uint8), name
+        rows = gguf.quants.dequantize(t.data, qtype).reshape(t.shape)
+        np.testing.assert_array_equal(rows, f32[name], err_msg=name)
+    assert set(load_quantized(path, num_layers=1)) == {n for n in kept if not n.startswith("model.layers.1.")}
+
+
+def test_only_the_kernels_block_types_are_kept(tmp_path):
+    """F32 matrices, K-quants (which the layer kernel does not read) and other checkpoint formats: not kept."""
+    hf, (_, ref) = _hf(tmp_path, **WIDE)
+    assert load_quantized(write_gguf(tmp_path / "f32.gguf", ref)) == {}
+    assert load_quantized(hf) == {}
+    raw = {"blk.0.attn_q.weight": (_random_k_blocks(256, 256, Q.Q4_K, np.random.default_rng(1)), Q.Q4_K)}
+    kept = load_quantized(write_gguf(tmp_path / "mixed.gguf", ref, qtype=Q.Q8_0, raw=raw))
+    assert "model.layers.0.self_attn.q_proj.weight" not in kept
+    assert "model.layers.1.self_attn.q_proj.weight" in kept and "lm_head.weight" in kept
+
+
 def test_qwen2_gguf_keeps_hf_layout_and_biases(tmp_path):
     hf, (_, ref) = _hf(tmp_path)
     rng = np.random.default_rng(0)
@@ -382,7 +417,9 @@ def test_a_gguf_is_dequantized_once_then_read_from_the_float32_cache(tmp_path, p
     path = write_gguf(tmp_path / "m.gguf", ref, qtype=Q.Q8_0, rope_freqs=np.linspace(1, 4, 8))
     cfg, first = load_llama_weights(path)
     [entry] = (private_cache / "gguf").iterdir()
-    assert (entry / "config.json").is_file() and len(list(entry.glob("*.npy"))) == len(first)
+    assert (entry / "config.json").is_file()
+    assert {p.name for p in entry.glob("*.npy")} == \
+        {f"{n}.npy" for n in first} | {f"{n}.blocks.npy" for n, a in first.items() if a.ndim == 2}  # Q8_0 kept
     from llm_serving.models import weights_gguf
     monkeypatch.setattr(weights_gguf, "_load_gguf", lambda p: pytest.fail("the GGUF was read again"))
     cfg2, again = load_llama_weights(path)

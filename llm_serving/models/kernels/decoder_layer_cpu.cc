@@ -10,11 +10,17 @@
 // each kernel is one dispatch and a few spin barriers, not a thread start per call.
 //
 // Loaded by MindSpore as `ops.Custom(func_type="aot")` kernels (inputs then the output in `params`); built
-// and cached by kernels/__init__.py. The weights are llama.py's load-time forms: q/k/v fused with the input
-// norm's gain folded in, gate/up fused with the post-attention norm's gain, lm_head with the final norm's.
+// and cached by kernels/__init__.py. The weights are llama.py's load-time forms: q/k/v fused, gate/up fused.
+//
+// Weight matrices come in two forms, chosen per matrix by a type code in iconfig (GGML's numbering):
+//   0 (F32)   float32 (rows, K), the MindSpore graphs' own tensors (norm gains folded in: the gains passed are 1)
+//   1 (F16), 2 (Q4_0), 3 (Q4_1), 8 (Q8_0)   a GGUF tensor's own bytes, uint8 (rows, row_bytes): each row K weights
+//             in blocks of 32 (F16: K halves), dequantized a tile of rows at a time into a thread's scratch, so
+//             a decode step reads 4.5-8.5 bits per weight from memory instead of 32. Gains are not folded into
+//             quantized rows: the normalized activations are multiplied by them instead (the same product).
 //
 // DecoderLayer(x, positions, slots, block_tables, context_lens, tree_bits, cos, sin, qkv_w, qkv_bias, o_w,
-//              gate_up_w, down_w, key_cache, value_cache, iconfig, fconfig) -> out
+//              gate_up_w, down_w, input_gain, post_gain, key_cache, value_cache, iconfig, fconfig) -> out
 //   x            (B, H)                 float32  the layer's input hidden states, one decode token per row
 //   positions    (B,)                   int32    each token's position (< P)
 //   slots        (B,)                   int32    the cache slot its K/V go to; < 0: the row sits this step out
@@ -25,17 +31,19 @@
 //   context_lens (B,)                   int32    keys 0 .. context_len-1 visible (the new token included)
 //   tree_bits    (B,)                   int32    token-tree visibility of the last 32 keys (-1: all)
 //   cos, sin     (P, D)                 float32  rope tables, rotate_half layout, sin signed [-sin, sin]
-//   qkv_w        ((NH+2KVH)*D, H)       float32  qkv_bias ((NH+2KVH)*D,): zeros for models without one
-//   o_w          (H, NH*D)              float32
-//   gate_up_w    (2I, H)                float32  down_w (H, I)
+//   qkv_w        ((NH+2KVH)*D, H)                qkv_bias ((NH+2KVH)*D,) float32: zeros for models without one
+//   o_w          (H, NH*D)
+//   gate_up_w    (2I, H)                         down_w (H, I)    (weights: float32, or uint8 rows as above)
+//   input_gain, post_gain (H,)          float32  the norms' gains for q/k/v and for gate/up (1 where folded)
 //   key_cache, value_cache (N*KVH, D)   float32  flat [slots, KVH, D]; this step's K/V are written in place
-//   iconfig      (4,)                   int32    [block_size, num_heads, num_kv_heads, threads]
+//   iconfig      (8,)                   int32    [block_size, num_heads, num_kv_heads, threads,
+//                                                 qkv type, o type, gate_up type, down type]
 //   fconfig      (1,)                   float32  [rms_norm_eps]
 //   out          (B, H)                 float32
-// FinalLogits(x (R, H), lm_head (V, H), slots (R,), iconfig [threads], fconfig [eps]) -> logits (R, V), the
-//   greedy token (R,) int32 (the first index of the largest logit) and its log-probability (R,) float32;
-//   rows whose slot is < 0 at the end of the batch (padding; a decode run's rows that ended) are not computed:
-//   tokens and log-probabilities 0, logits left as they are
+// FinalLogits(x (R, H), lm_head (V, H), gain (H,), slots (R,), iconfig [threads, lm_head type], fconfig [eps])
+//   -> logits (R, V), the greedy token (R,) int32 (the first index of the largest logit) and its
+//   log-probability (R,) float32; rows whose slot is < 0 at the end of the batch (padding; a decode run's rows
+//   that ended) are not computed: tokens and log-probabilities 0, logits left as they are
 //
 // Return codes (MindSpore reports a nonzero one as the kernel's failure): 1 bad arity/ranks/dtypes, 2 shapes
 // that do not agree, 3 a position, slot or block id out of range.
@@ -52,6 +60,10 @@
 #include <pthread.h>
 #include <thread>
 #include <vector>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 #include "cpu_kernel_common.h"
 
@@ -94,7 +106,7 @@ class Barrier {
 
 // A pool's scratch space, reused from call to call (grown on demand); guarded by the pool's call mutex.
 struct Scratch {
-  std::vector<float> qkv, attn, act, normed, scores;
+  std::vector<float> qkv, attn, act, normed, scores, tiles;
   static float* sized(std::vector<float>& v, size_t n) {
     if (v.size() < n) v.resize(n);
     return v.data();
@@ -254,6 +266,20 @@ inline float hsum(v16 v) {
   return s;
 }
 
+// out[r][b] = the sum of acc[r][b]'s lanes
+template <int RB, int BB>
+inline void sum_lanes(v16 acc[RB][BB], float out[4][4]) {
+  if (RB == 4 && BB == 4) {
+    const v16 sums = reduce16(&acc[0][0]);
+    const int* lane = lane_of();
+    for (int r = 0; r < RB; ++r)
+      for (int b = 0; b < BB; ++b) out[r][b] = sums[lane[r * BB + b]];
+  } else {
+    for (int r = 0; r < RB; ++r)
+      for (int b = 0; b < BB; ++b) out[r][b] = hsum(acc[r][b]);
+  }
+}
+
 // out[r][b] = w[r] . x[b] for RB consecutive weight rows (row length k) and BB rows of x (stride ldx).
 template <int RB, int BB>
 inline void dot_tile(const float* w, int64_t k, const float* x, int64_t ldx, float out[4][4]) {
@@ -269,15 +295,7 @@ inline void dot_tile(const float* w, int64_t k, const float* x, int64_t ldx, flo
       for (int b = 0; b < BB; ++b) acc[r][b] += wv * xv[b];
     }
   }
-  if (RB == 4 && BB == 4) {
-    const v16 sums = reduce16(&acc[0][0]);
-    const int* lane = lane_of();
-    for (int r = 0; r < RB; ++r)
-      for (int b = 0; b < BB; ++b) out[r][b] = sums[lane[r * BB + b]];
-  } else {
-    for (int r = 0; r < RB; ++r)
-      for (int b = 0; b < BB; ++b) out[r][b] = hsum(acc[r][b]);
-  }
+  sum_lanes<RB, BB>(acc, out);
   for (int r = 0; r < RB; ++r)
     for (int b = 0; b < BB; ++b)
       for (int64_t t = e; t < k; ++t) out[r][b] += w[r * k + t] * x[b * ldx + t];
@@ -293,20 +311,270 @@ inline void dot_rows(const float* w, int64_t k, const float* x, int64_t ldx, int
   }
 }
 
-// For weight rows [r0, r1) of w (rows of length k) and every row b of x (B, k): emit(b, r, w[r] . x[b]).
+// ----------------------------------------------------------------------------------------- weight formats
+
+enum WeightType : int32_t { kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };
+
+// Bytes of one row of k weights of `type`, or -1: a type these kernels do not read, or k not whole blocks.
+int64_t row_bytes_of(int32_t type, int64_t k) {
+  switch (type) {
+    case kF32: return 4 * k;
+    case kF16: return 2 * k;
+    case kQ4_0: return k % 32 ? -1 : k / 32 * 18;      // f16 scale, 16 bytes of nibbles
+    case kQ4_1: return k % 32 ? -1 : k / 32 * 20;      // f16 scale, f16 minimum, 16 bytes of nibbles
+    case kQ8_0: return k % 32 ? -1 : k / 32 * 34;      // f16 scale, 32 signed bytes
+    default: return -1;
+  }
+}
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (man << 13);                     // inf, nan
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);             // normal
+  } else if (man == 0) {
+    bits = sign;                                                 // zero
+  } else {                                                       // subnormal: renormalize
+    int e = -1;
+    uint32_t m = man;
+    do { ++e; m <<= 1; } while ((m & 0x400u) == 0);
+    bits = sign | ((112 - e) << 23) | ((m & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
+// 16 bytes at p as 16 floats: the low nibbles, the high nibbles, or signed bytes (GCC's generic vector
+// conversions go through scalar code here, so the x86 widening instructions are named where they exist)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+inline v16 low_nibbles(const uint8_t* p) {
+  const __m128i q = _mm_and_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), _mm_set1_epi8(15));
+  return (v16)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q));
+}
+inline v16 high_nibbles(const uint8_t* p) {
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return (v16)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(15))));
+}
+inline v16 signed_bytes(const uint8_t* p) {
+  return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline v16 halves(const uint8_t* p) {
+  return (v16)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#else
+inline v16 low_nibbles(const uint8_t* p) {
+  v16 v;
+  for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(p[i] & 15);
+  return v;
+}
+inline v16 high_nibbles(const uint8_t* p) {
+  v16 v;
+  for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(p[i] >> 4);
+  return v;
+}
+inline v16 signed_bytes(const uint8_t* p) {
+  v16 v;
+  for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(static_cast<int8_t>(p[i]));
+  return v;
+}
+inline v16 halves(const uint8_t* p) {
+  v16 v;
+  for (int i = 0; i < 16; ++i) v[i] = half_to_float(p + 2 * i);
+  return v;
+}
+#endif
+
+inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
+
+// One block of 32 weights of type T (F16: 32 halves) at p as two vectors: weights 0..15 and 16..31.
+template <int32_t T>
+constexpr int64_t block_bytes() {
+  return T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : T == kQ8_0 ? 34 : 64;
+}
+
+template <int32_t T>
+inline void decode_block(const uint8_t* p, v16* lo, v16* hi) {
+  if constexpr (T == kQ4_0) {                                   // f16 d, 16 bytes of nibbles: w = d * (q - 8)
+    const float d = half_to_float(p);
+    *lo = (low_nibbles(p + 2) - 8.f) * d;                       // the low nibbles are weights 0..15
+    *hi = (high_nibbles(p + 2) - 8.f) * d;                      // the high ones 16..31
+  } else if constexpr (T == kQ4_1) {                            // f16 d, f16 m, 16 bytes: w = d * q + m
+    const float d = half_to_float(p), m = half_to_float(p + 2);
+    *lo = low_nibbles(p + 4) * d + m;
+    *hi = high_nibbles(p + 4) * d + m;
+  } else if constexpr (T == kQ8_0) {                            // f16 d, 32 signed bytes: w = d * q
+    const float d = half_to_float(p);
+    *lo = signed_bytes(p + 2) * d;
+    *hi = signed_bytes(p + 18) * d;
+  } else {                                                      // F16
+    *lo = halves(p);
+    *hi = halves(p + 32);
+  }
+}
+
+// (GCC deletes a loop of nothing but __builtin_prefetch; an asm statement it keeps)
+inline void prefetch_line(const uint8_t* p) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm volatile("prefetcht0 %0" : : "m"(*p));
+#else
+  __builtin_prefetch(p);
+#endif
+}
+
+// A weight matrix as the kernels read it: `rows` rows of k weights of `type`, row_bytes bytes each.
+struct Matrix {
+  const uint8_t* data;
+  int32_t type;
+  int64_t rows, k, row_bytes;
+
+  // Asks for quantized rows [r, r + n) to be brought into the cache, a tile ahead of tile_rows(r, n): with the
+  // hardware prefetchers alone a stream of quantized rows was dequantized at a third of the rate it is with
+  // them in cache (bench on a Xeon, 2 vCPUs). Float32 rows are left to the hardware (prefetching them by hand
+  // made their products slower).
+  void prefetch(int64_t r, int64_t n) const {
+    if (type == kF32 || n <= 0) return;
+    const uint8_t* p = data + r * row_bytes;
+    for (int64_t off = 0; off < n * row_bytes; off += 64) prefetch_line(p + off);
+  }
+
+  // Rows [r, r + n) as float32, n <= 4: float32 rows are read in place, others dequantized into tile (n*k).
+  const float* tile_rows(int64_t r, int64_t n, float* tile) const {
+    if (type == kF32) return reinterpret_cast<const float*>(data) + r * k;
+    for (int64_t i = 0; i < n; ++i) dequantize_row(data + (r + i) * row_bytes, tile + i * k);
+    return tile;
+  }
+
+  void dequantize_row(const uint8_t* row, float* dst) const {
+    switch (type) {
+      case kQ4_0: dequantize_blocks<kQ4_0>(row, dst); break;
+      case kQ4_1: dequantize_blocks<kQ4_1>(row, dst); break;
+      case kQ8_0: dequantize_blocks<kQ8_0>(row, dst); break;
+      case kF16: dequantize_blocks<kF16>(row, dst); break;
+      default: break;                                                  // refused before any call
+    }
+  }
+
+  template <int32_t T>
+  void dequantize_blocks(const uint8_t* row, float* dst) const {
+    for (int64_t e = 0; e < k; e += 32, row += block_bytes<T>(), dst += 32) {
+      v16 lo, hi;
+      decode_block<T>(row, &lo, &hi);
+      store16(dst, lo);
+      store16(dst + 16, hi);
+    }
+  }
+};
+
+// out[r][b] = w[r] . x[b] for RB consecutive quantized rows from `rows` (row_bytes apart) and BB rows of x
+// (stride ldx), each block decoded in registers and used at once: for a few rows of x, cheaper than
+// dequantizing the tile to memory and reading it back.
+template <int32_t T, int RB, int BB>
+inline void qdot_tile(const uint8_t* rows, int64_t row_bytes, int64_t k, const float* x, int64_t ldx,
+                      float out[4][4]) {
+  v16 acc[RB][BB];
+  for (int r = 0; r < RB; ++r)
+    for (int b = 0; b < BB; ++b) acc[r][b] = v16{};
+  const uint8_t* blk = rows;
+  for (int64_t e = 0; e < k; e += 32, blk += block_bytes<T>()) {
+    v16 x0[BB], x1[BB];
+    for (int b = 0; b < BB; ++b) {
+      x0[b] = load16(x + b * ldx + e);
+      x1[b] = load16(x + b * ldx + e + 16);
+    }
+    for (int r = 0; r < RB; ++r) {
+      v16 lo, hi;
+      decode_block<T>(blk + r * row_bytes, &lo, &hi);
+      for (int b = 0; b < BB; ++b) acc[r][b] += lo * x0[b] + hi * x1[b];
+    }
+  }
+  sum_lanes<RB, BB>(acc, out);
+}
+
+template <int32_t T, int RB>
+inline void qdot_rows(const uint8_t* rows, int64_t row_bytes, int64_t k, const float* x, int64_t ldx, int bb,
+                      float out[4][4]) {
+  switch (bb) {
+    case 1: qdot_tile<T, RB, 1>(rows, row_bytes, k, x, ldx, out); break;
+    case 2: qdot_tile<T, RB, 2>(rows, row_bytes, k, x, ldx, out); break;
+    case 3: qdot_tile<T, RB, 3>(rows, row_bytes, k, x, ldx, out); break;
+    default: qdot_tile<T, RB, 4>(rows, row_bytes, k, x, ldx, out); break;
+  }
+}
+
+// out[i][b] = w[r + i] . x[b0 + b] for i < rb (<= 4) and b < bb (<= 4), straight from quantized rows
+template <int32_t T>
+inline void qdot_typed(const Matrix& w, int64_t r, int rb, const float* x, int bb, float out[4][4]) {
+  const uint8_t* rows = w.data + r * w.row_bytes;
+  if (rb == 4) {
+    qdot_rows<T, 4>(rows, w.row_bytes, w.k, x, w.k, bb, out);
+  } else {
+    for (int i = 0; i < rb; ++i) qdot_rows<T, 1>(rows + i * w.row_bytes, w.row_bytes, w.k, x, w.k, bb, out + i);
+  }
+}
+
+inline void qdot(const Matrix& w, int64_t r, int rb, const float* x, int bb, float out[4][4]) {
+  switch (w.type) {
+    case kQ4_0: qdot_typed<kQ4_0>(w, r, rb, x, bb, out); break;
+    case kQ4_1: qdot_typed<kQ4_1>(w, r, rb, x, bb, out); break;
+    case kQ8_0: qdot_typed<kQ8_0>(w, r, rb, x, bb, out); break;
+    default: qdot_typed<kF16>(w, r, rb, x, bb, out); break;
+  }
+}
+
+// Up to this many rows of x, quantized weights are decoded in registers per use (qdot); more rows share one
+// dequantized tile in memory.
+constexpr int64_t kFusedRows = 2;
+
+// The Matrix of a kernel parameter: float32 (rows, k) when type is F32, else uint8 (rows, row_bytes_of(type,
+// k)); false if the dtype, type or shape does not fit.
+bool as_matrix(const void* data, const char* dtype, const int64_t* shape, int32_t type, int64_t rows, int64_t k,
+               Matrix* m) {
+  const int64_t bytes = row_bytes_of(type, k);
+  if (bytes < 0 || shape[0] != rows) return false;
+  if (type == kF32 ? (std::strcmp(dtype, "float32") != 0 || shape[1] != k)
+                   : (std::strcmp(dtype, "uint8") != 0 || shape[1] != bytes)) {
+    return false;
+  }
+  *m = Matrix{static_cast<const uint8_t*>(data), type, rows, k, bytes};
+  return true;
+}
+
+// For weight rows [r0, r1) of w and every row b of x (B, w.k): emit(b, r, w[r] . x[b]). tile: 4*k floats of
+// the calling thread's own (quantized rows are dequantized there, a tile of 4 at a time).
 template <typename Emit>
-void matvec(const float* w, int64_t k, const float* x, int64_t batch, int64_t r0, int64_t r1, Emit emit) {
+void matvec(const Matrix& w, const float* x, int64_t batch, int64_t r0, int64_t r1, float* tile, Emit emit) {
   // weight rows outer: a tile of 4 rows (4 k floats) stays in L1 while every row of x passes over it, so the
-  // weights are read from memory once per call whatever the batch
+  // weights are read from memory (and dequantized) once per call whatever the batch
+  const int64_t k = w.k;
   float out[4][4];
   for (int64_t r = r0; r < r1; r += 4) {
     const int rb = static_cast<int>(std::min<int64_t>(4, r1 - r));
+    w.prefetch(r + 4, std::min<int64_t>(4, r1 - r - 4));
+    if (w.type != kF32 && batch <= kFusedRows) {
+      for (int64_t b0 = 0; b0 < batch; b0 += 4) {
+        const int bb = static_cast<int>(std::min<int64_t>(4, batch - b0));
+        qdot(w, r, rb, x + b0 * k, bb, out);
+        for (int i = 0; i < rb; ++i)
+          for (int b = 0; b < bb; ++b) emit(b0 + b, r + i, out[i][b]);
+      }
+      continue;
+    }
+    const float* rows = w.tile_rows(r, rb, tile);
     for (int64_t b0 = 0; b0 < batch; b0 += 4) {
       const int bb = static_cast<int>(std::min<int64_t>(4, batch - b0));
       if (rb == 4) {
-        dot_rows<4>(w + r * k, k, x + b0 * k, k, bb, out);
+        dot_rows<4>(rows, k, x + b0 * k, k, bb, out);
       } else {
-        for (int i = 0; i < rb; ++i) dot_rows<1>(w + (r + i) * k, k, x + b0 * k, k, bb, out + i);
+        for (int i = 0; i < rb; ++i) dot_rows<1>(rows + i * k, k, x + b0 * k, k, bb, out + i);
       }
       for (int i = 0; i < rb; ++i)
         for (int b = 0; b < bb; ++b) emit(b0 + b, r + i, out[i][b]);
@@ -321,14 +589,14 @@ inline void share(int64_t n, int tid, int threads, int64_t* begin, int64_t* end)
   *end = std::min(n, tiles * (tid + 1) / threads * 4);
 }
 
-// y[b] = x[b] / sqrt(mean(x[b]^2) + eps) for rows b of x (B, h)
-void rms_normalize(const float* x, int64_t batch, int64_t h, float eps, float* y) {
+// y[b] = x[b] / sqrt(mean(x[b]^2) + eps) * gain for rows b of x (B, h)
+void rms_normalize(const float* x, int64_t batch, int64_t h, float eps, const float* gain, float* y) {
   for (int64_t b = 0; b < batch; ++b) {
     const float* xb = x + b * h;
     float ss = 0.f;
     for (int64_t e = 0; e < h; ++e) ss += xb[e] * xb[e];
     const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
-    for (int64_t e = 0; e < h; ++e) y[b * h + e] = xb[e] * inv;
+    for (int64_t e = 0; e < h; ++e) y[b * h + e] = xb[e] * inv * gain[e];
   }
 }
 
@@ -365,44 +633,50 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
                             void* stream, void* extra) {
   (void)stream;
   (void)extra;
-  static const int want_ndims[18] = {2, 1, 1, 2, 1, 1, 2, 2, 2, 1, 2, 2, 2, 2, 2, 1, 1, 2};
-  if (nparam != 18) return 1;
-  for (int i = 0; i < 18; ++i) {
+  enum { X, POS, SLOTS, TABLES, CONTEXT, TREE, COS, SIN, QKV_W, QKV_B, O_W, GATE_UP_W, DOWN_W, IN_GAIN, POST_GAIN,
+         KEYS, VALUES, ICFG, FCFG, OUT, NPARAM };
+  static const int want_ndims[NPARAM] = {2, 1, 1, 2, 1, 1, 2, 2, 2, 1, 2, 2, 2, 1, 1, 2, 2, 1, 1, 2};
+  if (nparam != NPARAM) return 1;
+  for (int i = 0; i < NPARAM; ++i) {
     if (ndims[i] != want_ndims[i]) return 1;
-    const bool ints = (i >= 1 && i <= 5) || i == 15;
+    if (i == QKV_W || i == O_W || i == GATE_UP_W || i == DOWN_W) continue;      // checked with their type
+    const bool ints = (i >= POS && i <= TREE) || i == ICFG;
     if (!is(dtypes[i], ints ? "int32" : "float32")) return 1;
   }
-  const auto* x = static_cast<const float*>(params[0]);
-  const auto* positions = static_cast<const int32_t*>(params[1]);
-  const auto* slots = static_cast<const int32_t*>(params[2]);
-  const auto* tables = static_cast<const int32_t*>(params[3]);
-  const auto* context = static_cast<const int32_t*>(params[4]);
-  const auto* tree = static_cast<const int32_t*>(params[5]);
-  const auto* cos = static_cast<const float*>(params[6]);
-  const auto* sin = static_cast<const float*>(params[7]);
-  const auto* qkv_w = static_cast<const float*>(params[8]);
-  const auto* qkv_b = static_cast<const float*>(params[9]);
-  const auto* o_w = static_cast<const float*>(params[10]);
-  const auto* gate_up_w = static_cast<const float*>(params[11]);
-  const auto* down_w = static_cast<const float*>(params[12]);
-  auto* key_cache = static_cast<float*>(params[13]);
-  auto* value_cache = static_cast<float*>(params[14]);
-  const auto* icfg = static_cast<const int32_t*>(params[15]);
-  const float eps = static_cast<const float*>(params[16])[0];
-  auto* out = static_cast<float*>(params[17]);
+  if (shapes[ICFG][0] != 8) return 2;
+  const auto* x = static_cast<const float*>(params[X]);
+  const auto* positions = static_cast<const int32_t*>(params[POS]);
+  const auto* slots = static_cast<const int32_t*>(params[SLOTS]);
+  const auto* tables = static_cast<const int32_t*>(params[TABLES]);
+  const auto* context = static_cast<const int32_t*>(params[CONTEXT]);
+  const auto* tree = static_cast<const int32_t*>(params[TREE]);
+  const auto* cos = static_cast<const float*>(params[COS]);
+  const auto* sin = static_cast<const float*>(params[SIN]);
+  const auto* qkv_b = static_cast<const float*>(params[QKV_B]);
+  const auto* in_gain = static_cast<const float*>(params[IN_GAIN]);
+  const auto* post_gain = static_cast<const float*>(params[POST_GAIN]);
+  auto* key_cache = static_cast<float*>(params[KEYS]);
+  auto* value_cache = static_cast<float*>(params[VALUES]);
+  const auto* icfg = static_cast<const int32_t*>(params[ICFG]);
+  const float eps = static_cast<const float*>(params[FCFG])[0];
+  auto* out = static_cast<float*>(params[OUT]);
 
-  const int64_t batch = shapes[0][0], h = shapes[0][1];
+  const int64_t batch = shapes[X][0], h = shapes[X][1];
   const int64_t bs = icfg[0], nh = icfg[1], kvh = icfg[2];
-  const int64_t d = shapes[6][1], max_pos = shapes[6][0], width = shapes[3][1];
-  const int64_t nqkv = (nh + 2 * kvh) * d, inter = shapes[12][1];
-  const int64_t cache_rows = shapes[13][0];
-  if (bs < 1 || nh < 1 || kvh < 1 || nh % kvh != 0 || d % 2 != 0 || shapes[13][1] != d ||
-      shapes[14][0] != cache_rows || shapes[14][1] != d || cache_rows % (kvh * bs) != 0 ||
-      shapes[1][0] != batch || shapes[2][0] != batch || shapes[3][0] != batch || shapes[4][0] != batch ||
-      shapes[5][0] != batch || shapes[7][0] != max_pos || shapes[7][1] != d || shapes[8][0] != nqkv ||
-      shapes[8][1] != h || shapes[9][0] != nqkv || shapes[10][0] != h || shapes[10][1] != nh * d ||
-      shapes[11][0] != 2 * inter || shapes[11][1] != h || shapes[12][0] != h || shapes[17][0] != batch ||
-      shapes[17][1] != h) {
+  const int64_t d = shapes[COS][1], max_pos = shapes[COS][0], width = shapes[TABLES][1];
+  const int64_t nqkv = (nh + 2 * kvh) * d, inter = shapes[GATE_UP_W][0] / 2;
+  const int64_t cache_rows = shapes[KEYS][0];
+  Matrix qkv_w, o_w, gate_up_w, down_w;
+  if (bs < 1 || nh < 1 || kvh < 1 || nh % kvh != 0 || d % 2 != 0 || shapes[KEYS][1] != d ||
+      shapes[VALUES][0] != cache_rows || shapes[VALUES][1] != d || cache_rows % (kvh * bs) != 0 ||
+      shapes[POS][0] != batch || shapes[SLOTS][0] != batch || shapes[TABLES][0] != batch ||
+      shapes[CONTEXT][0] != batch || shapes[TREE][0] != batch || shapes[SIN][0] != max_pos ||
+      shapes[SIN][1] != d || shapes[QKV_B][0] != nqkv || shapes[IN_GAIN][0] != h || shapes[POST_GAIN][0] != h ||
+      !as_matrix(params[QKV_W], dtypes[QKV_W], shapes[QKV_W], icfg[4], nqkv, h, &qkv_w) ||
+      !as_matrix(params[O_W], dtypes[O_W], shapes[O_W], icfg[5], h, nh * d, &o_w) ||
+      !as_matrix(params[GATE_UP_W], dtypes[GATE_UP_W], shapes[GATE_UP_W], icfg[6], 2 * inter, h, &gate_up_w) ||
+      !as_matrix(params[DOWN_W], dtypes[DOWN_W], shapes[DOWN_W], icfg[7], h, inter, &down_w) ||
+      shapes[OUT][0] != batch || shapes[OUT][1] != h) {
     return 2;
   }
   const int64_t num_slots = cache_rows / kvh, num_blocks = num_slots / bs;
@@ -431,6 +705,8 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
   float* act = Scratch::sized(s.act, rows * inter);
   float* normed = Scratch::sized(s.normed, threads * rows * std::max(h, d));
   float* scores = Scratch::sized(s.scores, threads * nh * width * bs);
+  const int64_t kmax = std::max(std::max(h, inter), nh * d);
+  float* tiles = Scratch::sized(s.tiles, threads * 8 * kmax);        // per thread: gate's and up's tiles
   const llm_serving::AttentionShape ash{kvh, nh / kvh, d, width, bs};
   const float q_scale = 1.f / std::sqrt(static_cast<float>(d));
   Barrier barrier(threads);
@@ -438,11 +714,12 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
 
   p.run([&](int tid, int nthreads) {
     float* xn = normed + tid * rows * std::max(h, d);
+    float* tile = tiles + tid * 8 * kmax;
     int64_t r0, r1;
     // 1. q/k/v of every row (each thread normalizes the inputs itself: no barrier for it)
-    rms_normalize(x, rows, h, eps, xn);
+    rms_normalize(x, rows, h, eps, in_gain, xn);
     share(nqkv, tid, nthreads, &r0, &r1);
-    matvec(qkv_w, h, xn, rows, r0, r1, [&](int64_t b, int64_t r, float v) { qkv[b * nqkv + r] = v + qkv_b[r]; });
+    matvec(qkv_w, xn, rows, r0, r1, tile, [&](int64_t b, int64_t r, float v) { qkv[b * nqkv + r] = v + qkv_b[r]; });
     barrier.wait();
     // 2. RoPE on q and k (q also scaled by 1/sqrt(D)), then k and v into the cache at the token's slot
     for (int64_t b = tid; b < rows; b += nthreads) {
@@ -476,23 +753,31 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
     barrier.wait();
     // 4. out = x + attn . o_w^T
     share(h, tid, nthreads, &r0, &r1);
-    matvec(o_w, nh * d, attn, rows, r0, r1, [&](int64_t b, int64_t r, float v) { out[b * h + r] = x[b * h + r] + v; });
+    matvec(o_w, attn, rows, r0, r1, tile, [&](int64_t b, int64_t r, float v) { out[b * h + r] = x[b * h + r] + v; });
     barrier.wait();
     // 5. act = silu(gate) * up, each thread its units j (gate row j, up row I + j)
-    rms_normalize(out, rows, h, eps, xn);
+    rms_normalize(out, rows, h, eps, post_gain, xn);
     share(inter, tid, nthreads, &r0, &r1);
     for (int64_t j = r0; j < r1; j += 4) {
       const int64_t n = std::min<int64_t>(4, r1 - j);
+      gate_up_w.prefetch(j + 4, std::min<int64_t>(4, r1 - j - 4));
+      gate_up_w.prefetch(inter + j + 4, std::min<int64_t>(4, r1 - j - 4));
+      const bool fused = gate_up_w.type != kF32 && rows <= kFusedRows;
+      const float* gate_rows = fused ? nullptr : gate_up_w.tile_rows(j, n, tile);
+      const float* up_rows = fused ? nullptr : gate_up_w.tile_rows(inter + j, n, tile + 4 * kmax);
       float gate[4][4], up[4][4];
       for (int64_t b0 = 0; b0 < rows; b0 += 4) {
         const int bb = static_cast<int>(std::min<int64_t>(4, rows - b0));
-        if (n == 4) {
-          dot_rows<4>(gate_up_w + j * h, h, xn + b0 * h, h, bb, gate);
-          dot_rows<4>(gate_up_w + (inter + j) * h, h, xn + b0 * h, h, bb, up);
+        if (fused) {
+          qdot(gate_up_w, j, static_cast<int>(n), xn + b0 * h, bb, gate);
+          qdot(gate_up_w, inter + j, static_cast<int>(n), xn + b0 * h, bb, up);
+        } else if (n == 4) {
+          dot_rows<4>(gate_rows, h, xn + b0 * h, h, bb, gate);
+          dot_rows<4>(up_rows, h, xn + b0 * h, h, bb, up);
         } else {
           for (int64_t i = 0; i < n; ++i) {
-            dot_rows<1>(gate_up_w + (j + i) * h, h, xn + b0 * h, h, bb, gate + i);
-            dot_rows<1>(gate_up_w + (inter + j + i) * h, h, xn + b0 * h, h, bb, up + i);
+            dot_rows<1>(gate_rows + i * h, h, xn + b0 * h, h, bb, gate + i);
+            dot_rows<1>(up_rows + i * h, h, xn + b0 * h, h, bb, up + i);
           }
         }
         for (int64_t i = 0; i < n; ++i)
@@ -502,7 +787,7 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
     barrier.wait();
     // 6. out += act . down_w^T
     share(h, tid, nthreads, &r0, &r1);
-    matvec(down_w, inter, act, rows, r0, r1, [&](int64_t b, int64_t r, float v) { out[b * h + r] += v; });
+    matvec(down_w, act, rows, r0, r1, tile, [&](int64_t b, int64_t r, float v) { out[b * h + r] += v; });
   });
   return 0;
 }
@@ -511,26 +796,30 @@ extern "C" int FinalLogits(int nparam, void** params, int* ndims, int64_t** shap
                            void* stream, void* extra) {
   (void)stream;
   (void)extra;
-  if (nparam != 8 || ndims[0] != 2 || ndims[1] != 2 || ndims[2] != 1 || ndims[3] != 1 || ndims[4] != 1 ||
-      ndims[5] != 2 || ndims[6] != 1 || ndims[7] != 1 || !is(dtypes[0], "float32") ||
-      !is(dtypes[1], "float32") || !is(dtypes[2], "int32") || !is(dtypes[3], "int32") ||
-      !is(dtypes[4], "float32") || !is(dtypes[5], "float32") || !is(dtypes[6], "int32") ||
-      !is(dtypes[7], "float32")) {
+  enum { X, W, GAIN, SLOTS, ICFG, FCFG, LOGITS, TOKEN, LOGPROB, NPARAM };
+  if (nparam != NPARAM || ndims[X] != 2 || ndims[W] != 2 || ndims[GAIN] != 1 || ndims[SLOTS] != 1 ||
+      ndims[ICFG] != 1 || ndims[FCFG] != 1 || ndims[LOGITS] != 2 || ndims[TOKEN] != 1 || ndims[LOGPROB] != 1 ||
+      !is(dtypes[X], "float32") || !is(dtypes[GAIN], "float32") || !is(dtypes[SLOTS], "int32") ||
+      !is(dtypes[ICFG], "int32") || !is(dtypes[FCFG], "float32") || !is(dtypes[LOGITS], "float32") ||
+      !is(dtypes[TOKEN], "int32") || !is(dtypes[LOGPROB], "float32")) {
     return 1;
   }
-  const int64_t rows = shapes[0][0], h = shapes[0][1], vocab = shapes[1][0];
-  if (shapes[1][1] != h || shapes[2][0] != rows || shapes[5][0] != rows || shapes[5][1] != vocab ||
-      shapes[6][0] != rows || shapes[7][0] != rows || vocab < 1) {
+  const int64_t rows = shapes[X][0], h = shapes[X][1], vocab = shapes[W][0];
+  const auto* icfg = static_cast<const int32_t*>(params[ICFG]);
+  Matrix w;
+  if (shapes[ICFG][0] != 2 || !as_matrix(params[W], dtypes[W], shapes[W], icfg[1], vocab, h, &w) ||
+      shapes[GAIN][0] != h || shapes[SLOTS][0] != rows || shapes[LOGITS][0] != rows ||
+      shapes[LOGITS][1] != vocab || shapes[TOKEN][0] != rows || shapes[LOGPROB][0] != rows || vocab < 1) {
     return 2;
   }
-  const auto* x = static_cast<const float*>(params[0]);
-  const auto* w = static_cast<const float*>(params[1]);
-  const auto* slots = static_cast<const int32_t*>(params[2]);
-  const int threads = std::max(1, static_cast<const int32_t*>(params[3])[0]);
-  const float eps = static_cast<const float*>(params[4])[0];
-  auto* logits = static_cast<float*>(params[5]);
-  auto* token = static_cast<int32_t*>(params[6]);
-  auto* logprob = static_cast<float*>(params[7]);
+  const auto* x = static_cast<const float*>(params[X]);
+  const auto* gain = static_cast<const float*>(params[GAIN]);
+  const auto* slots = static_cast<const int32_t*>(params[SLOTS]);
+  const int threads = std::max(1, icfg[0]);
+  const float eps = static_cast<const float*>(params[FCFG])[0];
+  auto* logits = static_cast<float*>(params[LOGITS]);
+  auto* token = static_cast<int32_t*>(params[TOKEN]);
+  auto* logprob = static_cast<float*>(params[LOGPROB]);
   // rows that sit out at the end (padding, a decode run's finished rows) are not computed: token 0, logprob 0
   int64_t live = rows;
   while (live > 0 && slots[live - 1] < 0) --live;
@@ -544,13 +833,14 @@ extern "C" int FinalLogits(int nparam, void** params, int* ndims, int64_t** shap
   float* normed = Scratch::sized(s.normed, p.threads() * live * h);
   // per thread and row, over the thread's share of the vocabulary: [max, its index, sum of e^(logit - max)]
   float* partial = Scratch::sized(s.scores, p.threads() * live * 3);
+  float* tiles = Scratch::sized(s.tiles, p.threads() * 4 * h);
   Barrier barrier(p.threads());
   p.run([&](int tid, int nthreads) {
     float* xn = normed + tid * live * h;
-    rms_normalize(x, live, h, eps, xn);
+    rms_normalize(x, live, h, eps, gain, xn);
     int64_t r0, r1;
     share(vocab, tid, nthreads, &r0, &r1);
-    matvec(w, h, xn, live, r0, r1, [&](int64_t b, int64_t r, float v) { logits[b * vocab + r] = v; });
+    matvec(w, xn, live, r0, r1, tiles + tid * 4 * h, [&](int64_t b, int64_t r, float v) { logits[b * vocab + r] = v; });
     for (int64_t b = 0; b < live; ++b) {            // the share's max, first index of it, and sum of exps
       const float* l = logits + b * vocab;
       float mx = -INFINITY;
