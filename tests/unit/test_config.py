@@ -266,6 +266,15 @@ def test_layer_kernel_switch_and_limit():
         config_from_dict({}, ["model_config.layer_kernel=on", "model_config.attention_kernel=off"])
 
 
+def test_keep_quantized_switch():
+    from llm_serving.config import ConfigError, config_from_dict
+
+    assert config_from_dict({}).model_config.keep_quantized is True
+    assert config_from_dict({}, ["model_config.keep_quantized=false"]).model_config.keep_quantized is False
+    with pytest.raises(ConfigError, match="keep_quantized.*must be true or false"):
+        config_from_dict({"model_config": {"keep_quantized": "sometimes"}})
+
+
 def test_decode_runs_settings_and_the_output_width_they_need():
     from llm_serving.config import ConfigError, config_from_dict
     from llm_serving.shm.layout import StepLayout
