@@ -4,7 +4,8 @@ after the other in one run, at several concurrencies: output tokens/s, TTFT and 
 
     bench/setup_peers.sh             # once: builds llama-server, installs vLLM CPU (outside the repo, ~15 min)
     python bench/peers.py            # the bench model (8 layers, 512 wide, GQA 8/4, FFN 1408, 32k vocab), 1/16/64
-    python bench/peers.py --model X.gguf                     # a GGUF: llama-server on the file itself (no vLLM)
+    python bench/peers.py --model X.gguf     # a GGUF: llama-server on the file itself (no vLLM), and when its
+                                             # matrices are quantized also on an f32 copy (the better build counts)
     python bench/peers.py --model HF_DIR --streams 1,8       # an HF directory: llama-server on its f32 GGUF
 
 The peers live in `$LLM_SERVING_PEERS` (default `~/.cache/llm-serving/peers`), where bench/setup_peers.sh puts
@@ -106,6 +107,54 @@ def f32_gguf(model_dir: str, vllm_python) -> tuple:
     return str(out), None
 
 
+PEERS = ("llama-server", "llama-server f32", "vLLM")
+
+
+def quantized_gguf(path: str) -> bool:
+    """Whether a GGUF holds quantized matrices (anything but F32/F16/BF16)."""
+    from llm_serving.gguf_file import open_gguf
+
+    return any(t.tensor_type.name not in ("F32", "F16", "BF16") for t in open_gguf(path).tensors)
+
+
+def dequantized_gguf(path: str) -> str:
+    """An F32 copy of a GGUF whose matrices are quantized (its metadata, every tensor dequantized by the `gguf`
+    package), written once under the peers directory: llama-server on it is the other build the SmolLM2 goal of
+    issue 23 names ("the better llama-server build at every level")."""
+    import gguf
+    import numpy as np
+    from gguf.quants import dequantize
+
+    from llm_serving.gguf_file import open_gguf
+
+    st = os.stat(path)
+    key = hashlib.sha1(repr((str(Path(path).resolve()), st.st_size, st.st_mtime_ns)).encode()).hexdigest()[:10]
+    out = peers_dir() / "gguf" / f"{Path(path).stem}-{key}.f32.gguf"
+    if out.is_file():
+        return str(out)
+    reader = open_gguf(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    writer = gguf.GGUFWriter(str(tmp), arch=reader.fields["general.architecture"].contents())
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name in ("general.architecture", "general.file_type"):
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), vtype, sub_type=sub)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    for t in reader.tensors:
+        shape = tuple(int(n) for n in reversed(t.shape))          # GGUF lists dimensions innermost first
+        data = np.asarray(dequantize(np.asarray(t.data), t.tensor_type), np.float32).reshape(shape)
+        writer.add_tensor(t.name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tmp.rename(out)
+    return str(out)
+
+
 def hf_copy_for_vllm(model_dir: str, tmp: str) -> str:
     """vLLM reads tokenizers through transformers, which wants a tokenizer_config.json next to a bare
     sentencepiece tokenizer.model; add one to a copy (the weights are symlinked, not copied)."""
@@ -129,17 +178,30 @@ def measure(url: str, model: str, samples_by_streams: dict, backend: str = "open
     return runs
 
 
-def run_llama_server(binary, gguf, name, samples, ctx, threads) -> dict:
-    runs = {}
+def run_llama_server(binary, gguf, name, samples, ctx, threads) -> tuple[dict, list]:
+    """Output of `measure` per level, and the extra flags llama-server needed on this host. A build made with
+    GGML_NATIVE on a CPU with AMX runs AMX tile instructions for quantized weights (its weight repacking), which a
+    host may not allow (SIGILL at the first matrix product, as on this project's CI machines); then every level
+    runs with `--no-repack`, and the output says so."""
+    runs, extra = {}, []
     for s, batch in samples.items():      # a server per level: -np S slots of ctx tokens each
-        port = free_port()
-        peer = PeerServer("llama-server", [binary, "-m", gguf, "--alias", name, "--host", "127.0.0.1", "--port",
-                                           str(port), "-t", str(threads), "-np", str(s), "-c", str(s * ctx),
-                                           "--threads-http", str(s + 4)],
-                          port, log_dir() / f"peers_llama_server_{s}.log")
-        with peer:
-            runs.update(measure(peer.url, name, {s: batch}))
-    return runs
+        for attempt in range(2):
+            port = free_port()
+            peer = PeerServer("llama-server", [binary, "-m", gguf, "--alias", name, "--host", "127.0.0.1", "--port",
+                                               str(port), "-t", str(threads), "-np", str(s), "-c", str(s * ctx),
+                                               "--threads-http", str(s + 4), *extra],
+                              port, log_dir() / f"peers_llama_server_{s}.log")
+            try:
+                with peer:
+                    runs.update(measure(peer.url, name, {s: batch}))
+                break
+            except RuntimeError as e:
+                peer.stop()
+                if extra or attempt or peer.proc.returncode is None or peer.proc.returncode >= 0:
+                    raise
+                print(f"llama-server died at start ({e}); running it with --no-repack", flush=True)
+                extra = ["--no-repack"]
+    return runs, extra
 
 
 def run_vllm(python, model_dir, name, samples, ctx, threads) -> dict:
@@ -196,7 +258,7 @@ def main(argv=None) -> int:
     streams = [int(s) for s in args.streams.split(",")]
     ctx = args.input_len + args.output_len + 16
 
-    runs = {}
+    runs, llama_flags = {}, []
     ours = ["--model", model] + sum((["--set", s] for s in args.set), [])
     with ServerProcess(ours, log_dir() / "peers_llm_serving.log") as srv:
         facts = info(srv)
@@ -205,7 +267,12 @@ def main(argv=None) -> int:
                                         args.output_len) for s in streams}
         runs["llm-serving"] = measure(srv.url, name, samples)
     if "llama-server" not in skipped:
-        runs["llama-server"] = run_llama_server(llama, gguf, name, samples, ctx, args.threads)
+        builds = {"llama-server": gguf}
+        if is_gguf and quantized_gguf(gguf):         # and llama-server on the same weights in f32
+            builds["llama-server f32"] = dequantized_gguf(gguf)
+        for label, path in builds.items():
+            runs[label], flags = run_llama_server(llama, path, name, samples, ctx, args.threads)
+            llama_flags = sorted(set(llama_flags) | set(flags))
     if "vLLM" not in skipped:
         runs["vLLM"] = run_vllm(vllm_py, hf_dir, name, samples, ctx, args.threads)
 
@@ -217,22 +284,26 @@ def main(argv=None) -> int:
             row[server] = r["output_throughput"]
             row[f"{server} TPOT"] = r["tpot_ms"]["median"]
             row[f"{server} failed"] = r["failed"]
-        for peer in ("llama-server", "vLLM"):
+        for peer in PEERS:
             if peer in runs and row[peer]:
                 row[f"/ {peer}"] = row["llm-serving"] / row[peer]
+        if "llama-server f32" in runs:              # the goal's measure: the better llama-server build
+            row["/ best llama-server"] = row["llm-serving"] / max(row["llama-server"], row["llama-server f32"])
         rows.append(row)
     cols = [("streams", "streams", "{}")]
     for server in runs:
         cols += [(server, f"{server} tok/s", "{:.1f}"), (f"{server} TPOT", f"{server} TPOT ms", "{:.2f}")]
-    cols += [(f"/ {peer}", f"this / {peer}", "{:.2f}") for peer in ("llama-server", "vLLM") if peer in runs]
+    cols += [(f"/ {peer}", f"this / {peer}", "{:.2f}") for peer in PEERS if peer in runs]
+    if "llama-server f32" in runs:
+        cols.append(("/ best llama-server", "this / better llama-server", "{:.2f}"))
     print(f"\npeers: {Path(model).name}, {args.input_len} -> {args.output_len} tokens, {args.threads} threads; "
-          f"llama-server {llama_version if llama else '-'}, vLLM {vllm_version if vllm_py else '-'}")
+          f"llama-server {llama_version if llama else '-'} {' '.join(llama_flags)}, vLLM {vllm_version if vllm_py else '-'}")
     print(table(rows, cols))
     for peer, why in skipped.items():
         print(f"{peer}: left out ({why}); see {SETUP}")
     failed = sum(r[f"{srv} failed"] for r in rows for srv in runs)
     write_json(args.out, {"scenario": "peers", "machine": machine(), "model": model, "gguf": gguf,
-                          "llama_server": llama_version if llama else None,
+                          "llama_server": llama_version if llama else None, "llama_server_flags": llama_flags,
                           "vllm": vllm_version if vllm_py else None, "skipped": skipped, "sets": args.set,
                           "rows": rows, "runs": {k: {str(s): r for s, r in v.items()} for k, v in runs.items()}})
     return 0 if failed == 0 else 1
