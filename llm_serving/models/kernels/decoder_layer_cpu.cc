@@ -7,7 +7,10 @@
 // RoPE, the K/V write into the paged cache, paged attention (cpu_kernel_common.h, as the decode kernel),
 // o_proj + residual, RMSNorm, gate/up with SiLU, down_proj + residual. The work is split over a
 // persistent pool of threads (the calling thread and `threads - 1` workers) that stay between kernels:
-// each kernel is one dispatch and a few spin barriers, not a thread start per call.
+// each kernel is one dispatch and a few spin barriers, not a thread start per call. A product's output rows are
+// handed out in chunks to whichever thread is free (`claim_rows`), and a barrier's waiter yields its core after
+// a short spin: on two cores shared with the master and a load client, one thread losing its core for a while
+// then delays a step by a chunk, not by half of every product.
 //
 // Loaded by MindSpore as `ops.Custom(func_type="aot")` kernels (inputs then the output in `params`); built
 // and cached by kernels/__init__.py. The weights are llama.py's load-time forms: q/k/v fused, gate/up fused.
@@ -94,7 +97,15 @@ class Barrier {
       count_.store(0, std::memory_order_relaxed);
       phase_.store(phase + 1, std::memory_order_release);
     } else {
-      while (phase_.load(std::memory_order_acquire) == phase) cpu_relax();
+      // spin, then give the core away between looks: on a machine where other processes run too (the master,
+      // a load client) the thread being waited for may be the one without a core
+      for (int spins = 0; phase_.load(std::memory_order_acquire) == phase; ++spins) {
+        if (spins < 4096) {
+          cpu_relax();
+        } else {
+          std::this_thread::yield();
+        }
+      }
     }
   }
 
@@ -582,11 +593,13 @@ void matvec(const Matrix& w, const float* x, int64_t batch, int64_t r0, int64_t 
   }
 }
 
-// Thread tid's share [begin, end) of n rows, in multiples of 4 (whole tiles).
-inline void share(int64_t n, int tid, int threads, int64_t* begin, int64_t* end) {
-  const int64_t tiles = (n + 3) / 4;
-  *begin = std::min(n, tiles * tid / threads * 4);
-  *end = std::min(n, tiles * (tid + 1) / threads * 4);
+// Rows [0, n) of a product handed out in chunks of whole tiles (about 8 per thread) to whichever thread asks
+// next: fn(begin, end) per chunk. A thread that runs slower (its core shared with the master or a client) takes
+// fewer chunks, so the barrier after waits for one chunk of it, not for the rest of a fixed half.
+template <typename F>
+void claim_rows(std::atomic<int64_t>& next, int64_t n, int threads, F&& fn) {
+  const int64_t chunk = threads == 1 ? n : std::max<int64_t>(16, (n / (8 * threads) + 3) / 4 * 4);
+  for (int64_t r0 = next.fetch_add(chunk); r0 < n; r0 = next.fetch_add(chunk)) fn(r0, std::min(n, r0 + chunk));
 }
 
 // y[b] = x[b] / sqrt(mean(x[b]^2) + eps) * gain for rows b of x (B, h)
@@ -711,15 +724,16 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
   const float q_scale = 1.f / std::sqrt(static_cast<float>(d));
   Barrier barrier(threads);
   std::atomic<int64_t> next_row{0};
+  std::atomic<int64_t> next_qkv{0}, next_o{0}, next_unit{0}, next_down{0};     // each product's rows handed out
 
   p.run([&](int tid, int nthreads) {
     float* xn = normed + tid * rows * std::max(h, d);
     float* tile = tiles + tid * 8 * kmax;
-    int64_t r0, r1;
     // 1. q/k/v of every row (each thread normalizes the inputs itself: no barrier for it)
     rms_normalize(x, rows, h, eps, in_gain, xn);
-    share(nqkv, tid, nthreads, &r0, &r1);
-    matvec(qkv_w, xn, rows, r0, r1, tile, [&](int64_t b, int64_t r, float v) { qkv[b * nqkv + r] = v + qkv_b[r]; });
+    claim_rows(next_qkv, nqkv, nthreads, [&](int64_t r0, int64_t r1) {
+      matvec(qkv_w, xn, rows, r0, r1, tile, [&](int64_t b, int64_t r, float v) { qkv[b * nqkv + r] = v + qkv_b[r]; });
+    });
     barrier.wait();
     // 2. RoPE on q and k (q also scaled by 1/sqrt(D)), then k and v into the cache at the token's slot
     for (int64_t b = tid; b < rows; b += nthreads) {
@@ -752,42 +766,45 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
     }
     barrier.wait();
     // 4. out = x + attn . o_w^T
-    share(h, tid, nthreads, &r0, &r1);
-    matvec(o_w, attn, rows, r0, r1, tile, [&](int64_t b, int64_t r, float v) { out[b * h + r] = x[b * h + r] + v; });
+    claim_rows(next_o, h, nthreads, [&](int64_t r0, int64_t r1) {
+      matvec(o_w, attn, rows, r0, r1, tile, [&](int64_t b, int64_t r, float v) { out[b * h + r] = x[b * h + r] + v; });
+    });
     barrier.wait();
-    // 5. act = silu(gate) * up, each thread its units j (gate row j, up row I + j)
+    // 5. act = silu(gate) * up, each chunk of units j (gate row j, up row I + j) by one thread
     rms_normalize(out, rows, h, eps, post_gain, xn);
-    share(inter, tid, nthreads, &r0, &r1);
-    for (int64_t j = r0; j < r1; j += 4) {
-      const int64_t n = std::min<int64_t>(4, r1 - j);
-      gate_up_w.prefetch(j + 4, std::min<int64_t>(4, r1 - j - 4));
-      gate_up_w.prefetch(inter + j + 4, std::min<int64_t>(4, r1 - j - 4));
-      const bool fused = gate_up_w.type != kF32 && rows <= kFusedRows;
-      const float* gate_rows = fused ? nullptr : gate_up_w.tile_rows(j, n, tile);
-      const float* up_rows = fused ? nullptr : gate_up_w.tile_rows(inter + j, n, tile + 4 * kmax);
-      float gate[4][4], up[4][4];
-      for (int64_t b0 = 0; b0 < rows; b0 += 4) {
-        const int bb = static_cast<int>(std::min<int64_t>(4, rows - b0));
-        if (fused) {
-          qdot(gate_up_w, j, static_cast<int>(n), xn + b0 * h, bb, gate);
-          qdot(gate_up_w, inter + j, static_cast<int>(n), xn + b0 * h, bb, up);
-        } else if (n == 4) {
-          dot_rows<4>(gate_rows, h, xn + b0 * h, h, bb, gate);
-          dot_rows<4>(up_rows, h, xn + b0 * h, h, bb, up);
-        } else {
-          for (int64_t i = 0; i < n; ++i) {
-            dot_rows<1>(gate_rows + i * h, h, xn + b0 * h, h, bb, gate + i);
-            dot_rows<1>(up_rows + i * h, h, xn + b0 * h, h, bb, up + i);
+    claim_rows(next_unit, inter, nthreads, [&](int64_t r0, int64_t r1) {
+      for (int64_t j = r0; j < r1; j += 4) {
+        const int64_t n = std::min<int64_t>(4, r1 - j);
+        gate_up_w.prefetch(j + 4, std::min<int64_t>(4, r1 - j - 4));
+        gate_up_w.prefetch(inter + j + 4, std::min<int64_t>(4, r1 - j - 4));
+        const bool fused = gate_up_w.type != kF32 && rows <= kFusedRows;
+        const float* gate_rows = fused ? nullptr : gate_up_w.tile_rows(j, n, tile);
+        const float* up_rows = fused ? nullptr : gate_up_w.tile_rows(inter + j, n, tile + 4 * kmax);
+        float gate[4][4], up[4][4];
+        for (int64_t b0 = 0; b0 < rows; b0 += 4) {
+          const int bb = static_cast<int>(std::min<int64_t>(4, rows - b0));
+          if (fused) {
+            qdot(gate_up_w, j, static_cast<int>(n), xn + b0 * h, bb, gate);
+            qdot(gate_up_w, inter + j, static_cast<int>(n), xn + b0 * h, bb, up);
+          } else if (n == 4) {
+            dot_rows<4>(gate_rows, h, xn + b0 * h, h, bb, gate);
+            dot_rows<4>(up_rows, h, xn + b0 * h, h, bb, up);
+          } else {
+            for (int64_t i = 0; i < n; ++i) {
+              dot_rows<1>(gate_rows + i * h, h, xn + b0 * h, h, bb, gate + i);
+              dot_rows<1>(up_rows + i * h, h, xn + b0 * h, h, bb, up + i);
+            }
           }
+          for (int64_t i = 0; i < n; ++i)
+            for (int b = 0; b < bb; ++b) act[(b0 + b) * inter + j + i] = silu_times(gate[i][b], up[i][b]);
         }
-        for (int64_t i = 0; i < n; ++i)
-          for (int b = 0; b < bb; ++b) act[(b0 + b) * inter + j + i] = silu_times(gate[i][b], up[i][b]);
       }
-    }
+    });
     barrier.wait();
     // 6. out += act . down_w^T
-    share(h, tid, nthreads, &r0, &r1);
-    matvec(down_w, act, rows, r0, r1, tile, [&](int64_t b, int64_t r, float v) { out[b * h + r] += v; });
+    claim_rows(next_down, h, nthreads, [&](int64_t r0, int64_t r1) {
+      matvec(down_w, act, rows, r0, r1, tile, [&](int64_t b, int64_t r, float v) { out[b * h + r] += v; });
+    });
   });
   return 0;
 }
@@ -831,39 +848,52 @@ extern "C" int FinalLogits(int nparam, void** params, int* ndims, int64_t** shap
   std::lock_guard<std::mutex> lock(p.call_mutex());
   Scratch& s = p.scratch();
   float* normed = Scratch::sized(s.normed, p.threads() * live * h);
-  // per thread and row, over the thread's share of the vocabulary: [max, its index, sum of e^(logit - max)]
+  // per thread and row, over the vocabulary chunks the thread took: [max, its first index, sum of e^(logit - max)]
   float* partial = Scratch::sized(s.scores, p.threads() * live * 3);
   float* tiles = Scratch::sized(s.tiles, p.threads() * 4 * h);
   Barrier barrier(p.threads());
+  std::atomic<int64_t> next_vocab{0};
   p.run([&](int tid, int nthreads) {
     float* xn = normed + tid * live * h;
     rms_normalize(x, live, h, eps, gain, xn);
-    int64_t r0, r1;
-    share(vocab, tid, nthreads, &r0, &r1);
-    matvec(w, xn, live, r0, r1, tiles + tid * 4 * h, [&](int64_t b, int64_t r, float v) { logits[b * vocab + r] = v; });
-    for (int64_t b = 0; b < live; ++b) {            // the share's max, first index of it, and sum of exps
-      const float* l = logits + b * vocab;
-      float mx = -INFINITY;
-      int64_t at = r0;
-      for (int64_t r = r0; r < r1; ++r) {
-        if (l[r] > mx) {
-          mx = l[r];
-          at = r;
+    for (int64_t b = 0; b < live; ++b) {
+      float* part = partial + (tid * live + b) * 3;
+      part[0] = -INFINITY;
+      part[1] = 0.f;
+      part[2] = 0.f;
+    }
+    claim_rows(next_vocab, vocab, nthreads, [&](int64_t r0, int64_t r1) {
+      matvec(w, xn, live, r0, r1, tiles + tid * 4 * h,
+             [&](int64_t b, int64_t r, float v) { logits[b * vocab + r] = v; });
+      for (int64_t b = 0; b < live; ++b) {          // the chunk's max, first index of it, and sum of exps, merged
+        const float* l = logits + b * vocab;
+        float mx = -INFINITY;
+        int64_t at = r0;
+        for (int64_t r = r0; r < r1; ++r) {
+          if (l[r] > mx) {
+            mx = l[r];
+            at = r;
+          }
+        }
+        float sum = 0.f;
+        for (int64_t r = r0; r < r1; ++r) sum += llm_serving::exp_nonpositive(l[r] - mx);
+        float* part = partial + (tid * live + b) * 3;
+        if (part[2] == 0.f || mx > part[0]) {       // (chunks come in any order: ties go to the lower index)
+          part[2] = sum + (part[2] > 0.f ? part[2] * llm_serving::exp_nonpositive(part[0] - mx) : 0.f);
+          part[0] = mx;
+          part[1] = static_cast<float>(at);
+        } else {
+          part[2] += sum * llm_serving::exp_nonpositive(mx - part[0]);
+          if (mx == part[0] && static_cast<float>(at) < part[1]) part[1] = static_cast<float>(at);
         }
       }
-      float sum = 0.f;
-      for (int64_t r = r0; r < r1; ++r) sum += llm_serving::exp_nonpositive(l[r] - mx);
-      float* part = partial + (tid * live + b) * 3;
-      part[0] = r1 > r0 ? mx : -INFINITY;
-      part[1] = static_cast<float>(at);
-      part[2] = r1 > r0 ? sum : 0.f;
-    }
+    });
     barrier.wait();
     for (int64_t b = tid; b < live; b += nthreads) {  // greedy token = the first index of the largest logit
       float mx = -INFINITY, at = 0.f;
       for (int t = 0; t < nthreads; ++t) {
         const float* part = partial + (t * live + b) * 3;
-        if (part[0] > mx) {
+        if (part[2] > 0.f && (part[0] > mx || (part[0] == mx && part[1] < at))) {
           mx = part[0];
           at = part[1];
         }
