@@ -596,9 +596,13 @@ void matvec(const Matrix& w, const float* x, int64_t batch, int64_t r0, int64_t 
 // Rows [0, n) of a product handed out in chunks of whole tiles (about 8 per thread) to whichever thread asks
 // next: fn(begin, end) per chunk. A thread that runs slower (its core shared with the master or a client) takes
 // fewer chunks, so the barrier after waits for one chunk of it, not for the rest of a fixed half.
+inline int64_t chunk_rows(int64_t n, int threads) {
+  return threads == 1 ? n : std::max<int64_t>(16, (n / (8 * threads) + 3) / 4 * 4);
+}
+
 template <typename F>
 void claim_rows(std::atomic<int64_t>& next, int64_t n, int threads, F&& fn) {
-  const int64_t chunk = threads == 1 ? n : std::max<int64_t>(16, (n / (8 * threads) + 3) / 4 * 4);
+  const int64_t chunk = chunk_rows(n, threads);
   for (int64_t r0 = next.fetch_add(chunk); r0 < n; r0 = next.fetch_add(chunk)) fn(r0, std::min(n, r0 + chunk));
 }
 
@@ -848,24 +852,20 @@ extern "C" int FinalLogits(int nparam, void** params, int* ndims, int64_t** shap
   std::lock_guard<std::mutex> lock(p.call_mutex());
   Scratch& s = p.scratch();
   float* normed = Scratch::sized(s.normed, p.threads() * live * h);
-  // per thread and row, over the vocabulary chunks the thread took: [max, its first index, sum of e^(logit - max)]
-  float* partial = Scratch::sized(s.scores, p.threads() * live * 3);
+  // per chunk of the vocabulary and row: [max, its first index, sum of e^(logit - max)], merged in chunk order
+  // after (whichever thread took a chunk, the result is the same to the bit)
+  const int64_t chunk = chunk_rows(vocab, p.threads()), chunks = (vocab + chunk - 1) / chunk;
+  float* partial = Scratch::sized(s.scores, chunks * live * 3);
   float* tiles = Scratch::sized(s.tiles, p.threads() * 4 * h);
   Barrier barrier(p.threads());
   std::atomic<int64_t> next_vocab{0};
   p.run([&](int tid, int nthreads) {
     float* xn = normed + tid * live * h;
     rms_normalize(x, live, h, eps, gain, xn);
-    for (int64_t b = 0; b < live; ++b) {
-      float* part = partial + (tid * live + b) * 3;
-      part[0] = -INFINITY;
-      part[1] = 0.f;
-      part[2] = 0.f;
-    }
     claim_rows(next_vocab, vocab, nthreads, [&](int64_t r0, int64_t r1) {
       matvec(w, xn, live, r0, r1, tiles + tid * 4 * h,
              [&](int64_t b, int64_t r, float v) { logits[b * vocab + r] = v; });
-      for (int64_t b = 0; b < live; ++b) {          // the chunk's max, first index of it, and sum of exps, merged
+      for (int64_t b = 0; b < live; ++b) {          // the chunk's max, first index of it, and sum of exps
         const float* l = logits + b * vocab;
         float mx = -INFINITY;
         int64_t at = r0;
@@ -877,31 +877,26 @@ extern "C" int FinalLogits(int nparam, void** params, int* ndims, int64_t** shap
         }
         float sum = 0.f;
         for (int64_t r = r0; r < r1; ++r) sum += llm_serving::exp_nonpositive(l[r] - mx);
-        float* part = partial + (tid * live + b) * 3;
-        if (part[2] == 0.f || mx > part[0]) {       // (chunks come in any order: ties go to the lower index)
-          part[2] = sum + (part[2] > 0.f ? part[2] * llm_serving::exp_nonpositive(part[0] - mx) : 0.f);
-          part[0] = mx;
-          part[1] = static_cast<float>(at);
-        } else {
-          part[2] += sum * llm_serving::exp_nonpositive(mx - part[0]);
-          if (mx == part[0] && static_cast<float>(at) < part[1]) part[1] = static_cast<float>(at);
-        }
+        float* part = partial + ((r0 / chunk) * live + b) * 3;
+        part[0] = mx;
+        part[1] = static_cast<float>(at);
+        part[2] = sum;
       }
     });
     barrier.wait();
     for (int64_t b = tid; b < live; b += nthreads) {  // greedy token = the first index of the largest logit
       float mx = -INFINITY, at = 0.f;
-      for (int t = 0; t < nthreads; ++t) {
-        const float* part = partial + (t * live + b) * 3;
-        if (part[2] > 0.f && (part[0] > mx || (part[0] == mx && part[1] < at))) {
+      for (int64_t c = 0; c < chunks; ++c) {
+        const float* part = partial + (c * live + b) * 3;
+        if (part[0] > mx) {
           mx = part[0];
           at = part[1];
         }
       }
       float sum = 0.f;
-      for (int t = 0; t < nthreads; ++t) {
-        const float* part = partial + (t * live + b) * 3;
-        if (part[2] > 0.f) sum += part[2] * llm_serving::exp_nonpositive(part[0] - mx);
+      for (int64_t c = 0; c < chunks; ++c) {
+        const float* part = partial + (c * live + b) * 3;
+        sum += part[2] * llm_serving::exp_nonpositive(part[0] - mx);
       }
       token[b] = static_cast<int32_t>(at);
       logprob[b] = -std::log(sum);                    // log_softmax at the max: 0 - log(sum e^(l - max))
