@@ -139,14 +139,26 @@ class LlamaDecoderLayer(nn.Cell):
             self.kernel_post_gain = _param(kernel["gate_up_gain"], f"layers.{i}.kernel_post_gain")      # (H,)
             self.kernel_types = tuple(types)          # GGML type codes of qkv, o, gate_up, down (0: float32)
             self.kernel_icfg = Tensor(np.array([block_size, self.nh, self.kvh, kernel_threads, *types], np.int32))
+            # LoRA adapters stacked by slot, as the kernel takes them (A (S, parts*R, K), B (S, N, R)); slot 0 is
+            # the base model. No adapter slots are served yet (models/lora.py reads adapters; issue 24): one
+            # all-zero slot of rank 1, which the kernel skips
+            nqkv, inter = (self.nh + 2 * self.kvh) * cfg.head_dim, cfg.intermediate_size // world
+            self.lora_weights = ms.ParameterTuple([
+                _param(np.zeros(shape, np.float32), f"layers.{i}.lora_{name}")
+                for name, shape in (("qkv_a", (1, 3, cfg.hidden_size)), ("qkv_b", (1, nqkv, 1)),
+                                    ("o_a", (1, 1, self.nh * cfg.head_dim)), ("o_b", (1, cfg.hidden_size, 1)),
+                                    ("gate_up_a", (1, 2, cfg.hidden_size)), ("gate_up_b", (1, 2 * inter, 1)),
+                                    ("down_a", (1, 1, inter)), ("down_b", (1, cfg.hidden_size, 1)))])
             self.kernel_fcfg = Tensor(np.array([self.eps], np.float32))
 
-    def fused(self, x, positions, slots, block_tables, context_lens, tree_bits, cos_table, sin_table):
-        # x (T, H); positions, slots, context_lens, tree_bits (T,); block_tables (T, W); cos/sin tables (P, D)
+    def fused(self, x, positions, slots, block_tables, context_lens, tree_bits, cos_table, sin_table, lora):
+        # x (T, H); positions, slots, context_lens, tree_bits, lora (T,); block_tables (T, W); cos/sin tables (P, D)
+        la = self.lora_weights
         return self.layer_kernel(x, positions, slots, block_tables, context_lens, tree_bits, cos_table, sin_table,
                                  self.kernel_qkv, self.qkv_bias_or_zero, self.kernel_o, self.kernel_gate_up,
                                  self.kernel_down, self.kernel_in_gain, self.kernel_post_gain, self.attn.key_cache,
-                                 self.attn.value_cache, self.kernel_icfg, self.kernel_fcfg)          # (T, H)
+                                 self.attn.value_cache, lora, la[0], la[1], la[2], la[3], la[4], la[5], la[6], la[7],
+                                 self.kernel_icfg, self.kernel_fcfg)                                  # (T, H)
 
     def construct(self, x, cos, sin, meta):
         # x (T, H); cos, sin (T, NH+2KVH, D); meta: paged_metadata's tuple
@@ -281,9 +293,10 @@ class LlamaForCausalLM(nn.Cell):
     def fused_layers(self, x, positions, slots, block_tables, context_lens, tree_bits):
         """Every decoder layer as the layer kernel, on T decode-shaped tokens (x (T, H); the rest (T,), tables
         (T, W)); (T, H)."""
+        lora = ops.zeros_like(slots)                  # every token on the base model (no adapter slots yet)
         for layer in self.layers:
             x = layer.fused(x, positions, slots, block_tables, context_lens, tree_bits, self.cos_table,
-                            self.sin_table)
+                            self.sin_table, lora)
         return x
 
     def fused_logits(self, x, slots):

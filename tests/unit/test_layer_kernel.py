@@ -56,6 +56,10 @@ class Layer:
         self.qkv_b = f32(nq) if bias else np.zeros(nq, np.float32)
         self.gate_up_w, self.down_w = f32(2 * inter, hidden), f32(hidden, inter)
         self.in_gain, self.post_gain = np.ones(hidden, np.float32), np.ones(hidden, np.float32)
+        # LoRA: no adapter (one all-zero slot of rank 1) unless with_lora() ran
+        self.lora = np.zeros(batch, np.int32)
+        self.lora_a = {n: np.zeros((1, p, k), np.float32) for n, p, k in self._lora_shapes(1)}
+        self.lora_b = {n: np.zeros((1, o, 1), np.float32) for n, o in self._lora_outs()}
         # the weights as the kernel gets them: name -> (array, GGML type code); float32 unless quantize() ran
         self.kernel_weights = {n: (getattr(self, n), 0) for n in ("qkv_w", "o_w", "gate_up_w", "down_w")}
         self.key_cache = f32(num_blocks * block_size * kv_heads, head_dim)
@@ -72,6 +76,35 @@ class Layer:
         angles = np.arange(p)[:, None] / 10000.0 ** (np.arange(0, head_dim, 2) / head_dim)[None, :]
         self.cos = np.concatenate([np.cos(angles)] * 2, -1).astype(np.float32)
         self.sin = np.concatenate([-np.sin(angles), np.sin(angles)], -1).astype(np.float32)
+
+    def _lora_shapes(self, r):
+        return (("qkv", 3 * r, self.h), ("o", r, self.nh * self.d), ("gate_up", 2 * r, self.h), ("down", r, self.i))
+
+    def _lora_outs(self):
+        return (("qkv", (self.nh + 2 * self.kvh) * self.d), ("o", self.h), ("gate_up", 2 * self.i), ("down", self.h))
+
+    def with_lora(self, slots: int, rank: int, row_slots, rng):
+        """`slots` adapter slots of rank `rank` (slot 0 all zeros: the base model), random in the others; each
+        row of the step uses row_slots[row]."""
+        self.lora = np.asarray(row_slots, np.int32)
+        self.lora_a = {n: (rng.standard_normal((slots, p, k)) * 0.3).astype(np.float32)
+                       for n, p, k in self._lora_shapes(rank)}
+        self.lora_b = {n: (rng.standard_normal((slots, o, rank)) * 0.3).astype(np.float32)
+                       for n, o in self._lora_outs()}
+        for arrays in (self.lora_a, self.lora_b):
+            for arr in arrays.values():
+                arr[0] = 0
+
+    def _lora_delta(self, name, x, parts_bounds):
+        """(B, N) float64: each row's B[slot] . (A[slot] x) per output row, each reading its part's slice."""
+        a, b = self.lora_a[name].astype(np.float64), self.lora_b[name].astype(np.float64)
+        r = b.shape[2]
+        out = np.zeros((len(x), b.shape[1]))
+        for row, slot in enumerate(self.lora):
+            u = a[slot] @ x[row]
+            for p, (lo, hi) in enumerate(parts_bounds):
+                out[row, lo:hi] = b[slot, lo:hi] @ u[p * r:(p + 1) * r]
+        return out
 
     def quantize(self, types: dict, rng):
         """Give the kernel the named matrices in GGUF's quantized forms (name -> gguf type), and the norms random
@@ -92,12 +125,17 @@ class Layer:
         out = np.full_like(self.x, np.nan) if out is None else out
         return [self.x, self.positions, self.slots, self.tables, self.context, self.tree, self.cos, self.sin,
                 w["qkv_w"][0], self.qkv_b, w["o_w"][0], w["gate_up_w"][0], w["down_w"][0], self.in_gain,
-                self.post_gain, self.key_cache, self.value_cache, icfg, np.array([1e-5], np.float32), out]
+                self.post_gain, self.key_cache, self.value_cache, self.lora,
+                *[arr for n in ("qkv", "o", "gate_up", "down") for arr in (self.lora_a[n], self.lora_b[n])],
+                icfg, np.array([1e-5], np.float32), out]
 
     def reference(self):
         """(output, key cache, value cache) in float64, from the caches as they are now."""
         b, nh, kvh, d = self.b, self.nh, self.kvh, self.d
-        qkv = (rms(self.x) * self.in_gain @ self.qkv_w.T.astype(np.float64) + self.qkv_b).reshape(b, nh + 2 * kvh, d)
+        xn = rms(self.x) * self.in_gain
+        nq, nk = nh * d, (nh + kvh) * d
+        qkv = xn @ self.qkv_w.T.astype(np.float64) + self.qkv_b
+        qkv = (qkv + self._lora_delta("qkv", xn, ((0, nq), (nq, nk), (nk, nk + kvh * d)))).reshape(b, nh + 2 * kvh, d)
         swapped = np.concatenate([qkv[..., d // 2:], qkv[..., :d // 2]], -1)
         roped = qkv * self.cos[self.positions][:, None] + swapped * self.sin[self.positions][:, None]
         q = roped[:, :nh] / np.sqrt(d)
@@ -107,10 +145,12 @@ class Layer:
         values.reshape(-1, kvh, d)[self.slots] = v
         attn = attention_reference(q.reshape(b, kvh, nh // kvh, d), keys, values, self.tables, self.context,
                                    self.bs).reshape(b, -1)
-        x1 = self.x + attn @ self.o_w.T
-        gate_up = rms(x1) * self.post_gain @ self.gate_up_w.T
+        x1 = self.x + attn @ self.o_w.T + self._lora_delta("o", attn, ((0, self.h),))
+        xn1 = rms(x1) * self.post_gain
+        gate_up = xn1 @ self.gate_up_w.T + self._lora_delta("gate_up", xn1, ((0, self.i), (self.i, 2 * self.i)))
         gate, up = gate_up[:, :self.i], gate_up[:, self.i:]
-        return x1 + (gate / (1 + np.exp(-gate)) * up) @ self.down_w.T, keys, values
+        act = gate / (1 + np.exp(-gate)) * up
+        return x1 + act @ self.down_w.T + self._lora_delta("down", act, ((0, self.h),)), keys, values
 
 
 # hidden sizes and MLP widths that are not multiples of the 16-float vectors, batches not multiples of the
@@ -358,3 +398,49 @@ def test_final_logits_reads_a_quantized_lm_head(library, qtype, rows):
     assert token.tolist() == np.argmax(want, -1).tolist()
     cfg[0] = np.array([2, 0], np.int32)                                     # the same bytes called float32
     assert invoke(library.FinalLogits, [x, raw, gain, slots, *cfg, logits, token, logprob]) == 2
+
+
+@pytest.mark.parametrize("threads,row_slots,qtype", [
+    (1, [2], None), (2, [0, 3], None), (2, [1, 0, 2, 3, 1, 0, 2], None), (3, [3, 3, 1, 0, 2], None),
+    (2, [1, 2], GGUF_TYPES.Q4_1), (2, [0, 1, 2, 1, 3], GGUF_TYPES.Q8_0)])
+def test_each_row_gets_its_own_lora_adapter(library, threads, row_slots, qtype):
+    """Rows of one step under different adapters (slot 0: none): each row's q/k/v, o, gate/up and down products
+    get B[slot] (A[slot] x), the fused products each part from its own slice of A x; with float32 and quantized
+    base weights, in register-decoded (1-2 rows) and tiled batches."""
+    rng = np.random.default_rng(len(row_slots) * 7 + threads)
+    layer = Layer(rng, hidden=64, heads=4, kv_heads=2, head_dim=16, inter=96, batch=len(row_slots))
+    if qtype is not None:
+        layer.quantize({n: qtype for n in ("qkv_w", "o_w", "gate_up_w", "down_w")}, rng)
+    layer.with_lora(slots=4, rank=3, row_slots=row_slots, rng=rng)
+    want, keys, _ = layer.reference()
+    arrays = layer.arrays(threads)
+    assert invoke(library.DecoderLayer, arrays) == 0
+    np.testing.assert_allclose(arrays[-1], want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(layer.key_cache, keys, rtol=1e-5, atol=1e-5)
+    # and the adapters matter: the same step without them differs on every adapted row, not on the others
+    plain = Layer(np.random.default_rng(len(row_slots) * 7 + threads), hidden=64, heads=4, kv_heads=2, head_dim=16,
+                  inter=96, batch=len(row_slots))
+    if qtype is not None:
+        plain.quantize({n: qtype for n in ("qkv_w", "o_w", "gate_up_w", "down_w")},
+                       np.random.default_rng(0))
+    base_rows = np.array(row_slots) == 0
+    if qtype is None:
+        base_out = plain.arrays(threads)
+        assert invoke(library.DecoderLayer, base_out) == 0
+        np.testing.assert_array_equal(base_out[-1][base_rows], arrays[-1][base_rows])
+        assert not np.isclose(base_out[-1][~base_rows], arrays[-1][~base_rows], rtol=1e-3).all(axis=1).any()
+
+
+def test_lora_refusals(library):
+    rng = np.random.default_rng(3)
+    layer = Layer(rng, hidden=64, heads=4, kv_heads=2, head_dim=16, inter=96, batch=2)
+    layer.with_lora(slots=3, rank=2, row_slots=[1, 3], rng=rng)
+    assert invoke(library.DecoderLayer, layer.arrays(1)) == 3                  # slot 3 of 3 slots
+    layer.lora[:] = [1, -1]
+    assert invoke(library.DecoderLayer, layer.arrays(1)) == 3
+    layer.lora[:] = [1, 2]
+    layer.lora_b["o"] = layer.lora_b["o"][:, :, :1].copy()                      # B's rank differs from A's
+    assert invoke(library.DecoderLayer, layer.arrays(1)) == 2
+    layer.with_lora(slots=3, rank=2, row_slots=[1, 2], rng=rng)
+    layer.lora_a["down"] = layer.lora_a["down"][:2].copy()                      # fewer slots than the others
+    assert invoke(library.DecoderLayer, layer.arrays(1)) == 2

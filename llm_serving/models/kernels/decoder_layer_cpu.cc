@@ -23,7 +23,8 @@
 //             quantized rows: the normalized activations are multiplied by them instead (the same product).
 //
 // DecoderLayer(x, positions, slots, block_tables, context_lens, tree_bits, cos, sin, qkv_w, qkv_bias, o_w,
-//              gate_up_w, down_w, input_gain, post_gain, key_cache, value_cache, iconfig, fconfig) -> out
+//              gate_up_w, down_w, input_gain, post_gain, key_cache, value_cache, lora, lora_qkv_a, lora_qkv_b,
+//              lora_o_a, lora_o_b, lora_gate_up_a, lora_gate_up_b, lora_down_a, lora_down_b, iconfig, fconfig) -> out
 //   x            (B, H)                 float32  the layer's input hidden states, one decode token per row
 //   positions    (B,)                   int32    each token's position (< P)
 //   slots        (B,)                   int32    the cache slot its K/V go to; < 0: the row sits this step out
@@ -39,6 +40,12 @@
 //   gate_up_w    (2I, H)                         down_w (H, I)    (weights: float32, or uint8 rows as above)
 //   input_gain, post_gain (H,)          float32  the norms' gains for q/k/v and for gate/up (1 where folded)
 //   key_cache, value_cache (N*KVH, D)   float32  flat [slots, KVH, D]; this step's K/V are written in place
+//   lora         (B,)                   int32    each row's LoRA adapter slot (0: none; < S)
+//   lora_*_a     (S, P*R, K)            float32  per slot, the product's A matrices of its P parts (q/k/v: 3,
+//                                                gate/up: 2, o and down: 1) stacked; K its input width
+//   lora_*_b     (S, N, R)              float32  per slot, B (scale folded in) for each of the product's N output
+//                                                rows, each reading its part's R-wide slice of A x (slot 0 and
+//                                                modules an adapter leaves alone: zeros)
 //   iconfig      (8,)                   int32    [block_size, num_heads, num_kv_heads, threads,
 //                                                 qkv type, o type, gate_up type, down type]
 //   fconfig      (1,)                   float32  [rms_norm_eps]
@@ -117,7 +124,7 @@ class Barrier {
 
 // A pool's scratch space, reused from call to call (grown on demand); guarded by the pool's call mutex.
 struct Scratch {
-  std::vector<float> qkv, attn, act, normed, scores, tiles;
+  std::vector<float> qkv, attn, act, normed, scores, tiles, lora;
   static float* sized(std::vector<float>& v, size_t n) {
     if (v.size() < n) v.resize(n);
     return v.data();
@@ -617,6 +624,45 @@ void rms_normalize(const float* x, int64_t batch, int64_t h, float eps, const fl
   }
 }
 
+// One product's LoRA adapters, stacked by slot: A (S, parts*R, K) and B (S, N, R), the scale folded into B.
+// Output row j belongs to part part_of(j) (q/k/v of the q/k/v product, gate/up of gate_up; one part for o and
+// down), whose R-wide slice of u = A[slot] x it reads: out[j] += B[slot][j] . u[part]. Slot 0 is the base model
+// (no adapter): its rows are not touched, and a step whose rows are all slot 0 costs nothing more.
+struct LoraProduct {
+  const float* a = nullptr;
+  const float* b = nullptr;
+  int64_t slots = 0, parts = 1, r = 0, k = 0, n = 0;
+  int64_t bound1 = 0, bound2 = 0;             // first output row of parts 1 and 2
+
+  bool set(void* a_ptr, const int64_t* a_shape, void* b_ptr, const int64_t* b_shape, int64_t nparts, int64_t rows,
+           int64_t cols, int64_t first1, int64_t first2) {
+    a = static_cast<const float*>(a_ptr);
+    b = static_cast<const float*>(b_ptr);
+    slots = a_shape[0], parts = nparts, k = cols, n = rows, r = b_shape[2];
+    bound1 = first1, bound2 = first2;
+    return slots >= 1 && r >= 1 && a_shape[1] == parts * r && a_shape[2] == k && b_shape[0] == slots &&
+           b_shape[1] == n;
+  }
+  int64_t part_of(int64_t j) const { return j < bound1 ? 0 : j < bound2 ? 1 : 2; }
+
+  // u (rows, parts*R): A[slot_b] x_b for the rows with an adapter
+  void project(const float* x, const int32_t* lora, int64_t rows, float* u) const {
+    for (int64_t row = 0; row < rows; ++row) {
+      if (lora[row] <= 0) continue;
+      const float* ab = a + lora[row] * parts * r * k;
+      for (int64_t i = 0; i < parts * r; ++i) u[row * parts * r + i] = dot(ab + i * k, x + row * k, k);
+    }
+  }
+  float delta(int32_t slot, int64_t j, const float* u_row) const {
+    return dot(b + (slot * n + j) * r, u_row + part_of(j) * r, r);
+  }
+  static float dot(const float* p, const float* q, int64_t len) {
+    float acc = 0.f;
+    for (int64_t e = 0; e < len; ++e) acc += p[e] * q[e];
+    return acc;
+  }
+};
+
 // silu(g) * u, with the exponential of a non-positive argument only
 inline float silu_times(float g, float u) {
   const float e = llm_serving::exp_nonpositive(-std::fabs(g));     // e^-|g|
@@ -651,13 +697,15 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
   (void)stream;
   (void)extra;
   enum { X, POS, SLOTS, TABLES, CONTEXT, TREE, COS, SIN, QKV_W, QKV_B, O_W, GATE_UP_W, DOWN_W, IN_GAIN, POST_GAIN,
-         KEYS, VALUES, ICFG, FCFG, OUT, NPARAM };
-  static const int want_ndims[NPARAM] = {2, 1, 1, 2, 1, 1, 2, 2, 2, 1, 2, 2, 2, 1, 1, 2, 2, 1, 1, 2};
+         KEYS, VALUES, LORA, LORA_QKV_A, LORA_QKV_B, LORA_O_A, LORA_O_B, LORA_GATE_UP_A, LORA_GATE_UP_B, LORA_DOWN_A,
+         LORA_DOWN_B, ICFG, FCFG, OUT, NPARAM };
+  static const int want_ndims[NPARAM] = {2, 1, 1, 2, 1, 1, 2, 2, 2, 1, 2, 2, 2, 1, 1, 2, 2, 1, 3, 3, 3, 3, 3, 3, 3, 3,
+                                         1, 1, 2};
   if (nparam != NPARAM) return 1;
   for (int i = 0; i < NPARAM; ++i) {
     if (ndims[i] != want_ndims[i]) return 1;
     if (i == QKV_W || i == O_W || i == GATE_UP_W || i == DOWN_W) continue;      // checked with their type
-    const bool ints = (i >= POS && i <= TREE) || i == ICFG;
+    const bool ints = (i >= POS && i <= TREE) || i == ICFG || i == LORA;
     if (!is(dtypes[i], ints ? "int32" : "float32")) return 1;
   }
   if (shapes[ICFG][0] != 8) return 2;
@@ -674,6 +722,7 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
   const auto* post_gain = static_cast<const float*>(params[POST_GAIN]);
   auto* key_cache = static_cast<float*>(params[KEYS]);
   auto* value_cache = static_cast<float*>(params[VALUES]);
+  const auto* lora = static_cast<const int32_t*>(params[LORA]);
   const auto* icfg = static_cast<const int32_t*>(params[ICFG]);
   const float eps = static_cast<const float*>(params[FCFG])[0];
   auto* out = static_cast<float*>(params[OUT]);
@@ -693,13 +742,25 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
       !as_matrix(params[O_W], dtypes[O_W], shapes[O_W], icfg[5], h, nh * d, &o_w) ||
       !as_matrix(params[GATE_UP_W], dtypes[GATE_UP_W], shapes[GATE_UP_W], icfg[6], 2 * inter, h, &gate_up_w) ||
       !as_matrix(params[DOWN_W], dtypes[DOWN_W], shapes[DOWN_W], icfg[7], h, inter, &down_w) ||
-      shapes[OUT][0] != batch || shapes[OUT][1] != h) {
+      shapes[OUT][0] != batch || shapes[OUT][1] != h || shapes[LORA][0] != batch) {
+    return 2;
+  }
+  LoraProduct lora_qkv, lora_o, lora_gate_up, lora_down;
+  if (!lora_qkv.set(params[LORA_QKV_A], shapes[LORA_QKV_A], params[LORA_QKV_B], shapes[LORA_QKV_B], 3, nqkv, h,
+                    nh * d, (nh + kvh) * d) ||
+      !lora_o.set(params[LORA_O_A], shapes[LORA_O_A], params[LORA_O_B], shapes[LORA_O_B], 1, h, nh * d, h, h) ||
+      !lora_gate_up.set(params[LORA_GATE_UP_A], shapes[LORA_GATE_UP_A], params[LORA_GATE_UP_B],
+                        shapes[LORA_GATE_UP_B], 2, 2 * inter, h, inter, 2 * inter) ||
+      !lora_down.set(params[LORA_DOWN_A], shapes[LORA_DOWN_A], params[LORA_DOWN_B], shapes[LORA_DOWN_B], 1, h, inter,
+                     h, h) ||
+      lora_o.slots != lora_qkv.slots || lora_gate_up.slots != lora_qkv.slots || lora_down.slots != lora_qkv.slots) {
     return 2;
   }
   const int64_t num_slots = cache_rows / kvh, num_blocks = num_slots / bs;
   for (int64_t b = 0; b < batch; ++b) {
     if (slots[b] < 0) continue;                       // sits this step out
     if (positions[b] < 0 || positions[b] >= max_pos || slots[b] >= num_slots) return 3;
+    if (lora[b] < 0 || lora[b] >= lora_qkv.slots) return 3;
     const int64_t used = std::min<int64_t>(width, (std::max(0, context[b]) + bs - 1) / bs);
     for (int64_t j = 0; j < used; ++j) {
       if (tables[b * width + j] < 0 || tables[b * width + j] >= num_blocks) return 3;
@@ -724,6 +785,10 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
   float* scores = Scratch::sized(s.scores, threads * nh * width * bs);
   const int64_t kmax = std::max(std::max(h, inter), nh * d);
   float* tiles = Scratch::sized(s.tiles, threads * 8 * kmax);        // per thread: gate's and up's tiles
+  bool adapted = false;                              // some computed row has a LoRA adapter
+  for (int64_t b = 0; b < rows; ++b) adapted = adapted || (slots[b] >= 0 && lora[b] > 0);
+  const int64_t lora_width = 3 * lora_qkv.r;        // the widest u (q/k/v: 3 R)
+  float* lora_u = adapted ? Scratch::sized(s.lora, threads * rows * lora_width) : nullptr;
   const llm_serving::AttentionShape ash{kvh, nh / kvh, d, width, bs};
   const float q_scale = 1.f / std::sqrt(static_cast<float>(d));
   Barrier barrier(threads);
@@ -734,9 +799,19 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
     float* xn = normed + tid * rows * std::max(h, d);
     float* tile = tiles + tid * 8 * kmax;
     // 1. q/k/v of every row (each thread normalizes the inputs itself: no barrier for it)
+    float* u = adapted ? lora_u + tid * rows * lora_width : nullptr;   // this thread's A x of adapted rows
+    // out[b, r0..r1) += the adapted rows' LoRA deltas
+    auto add_lora = [&](const LoraProduct& lp, float* y, int64_t stride, int64_t r0, int64_t r1) {
+      for (int64_t b = 0; adapted && b < rows; ++b) {
+        if (lora[b] <= 0 || slots[b] < 0) continue;
+        for (int64_t j = r0; j < r1; ++j) y[b * stride + j] += lp.delta(lora[b], j, u + b * lp.parts * lp.r);
+      }
+    };
     rms_normalize(x, rows, h, eps, in_gain, xn);
+    if (adapted) lora_qkv.project(xn, lora, rows, u);
     claim_rows(next_qkv, nqkv, nthreads, [&](int64_t r0, int64_t r1) {
       matvec(qkv_w, xn, rows, r0, r1, tile, [&](int64_t b, int64_t r, float v) { qkv[b * nqkv + r] = v + qkv_b[r]; });
+      add_lora(lora_qkv, qkv, nqkv, r0, r1);
     });
     barrier.wait();
     // 2. RoPE on q and k (q also scaled by 1/sqrt(D)), then k and v into the cache at the token's slot
@@ -770,12 +845,15 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
     }
     barrier.wait();
     // 4. out = x + attn . o_w^T
+    if (adapted) lora_o.project(attn, lora, rows, u);
     claim_rows(next_o, h, nthreads, [&](int64_t r0, int64_t r1) {
       matvec(o_w, attn, rows, r0, r1, tile, [&](int64_t b, int64_t r, float v) { out[b * h + r] = x[b * h + r] + v; });
+      add_lora(lora_o, out, h, r0, r1);
     });
     barrier.wait();
     // 5. act = silu(gate) * up, each chunk of units j (gate row j, up row I + j) by one thread
     rms_normalize(out, rows, h, eps, post_gain, xn);
+    if (adapted) lora_gate_up.project(xn, lora, rows, u);
     claim_rows(next_unit, inter, nthreads, [&](int64_t r0, int64_t r1) {
       for (int64_t j = r0; j < r1; j += 4) {
         const int64_t n = std::min<int64_t>(4, r1 - j);
@@ -799,6 +877,15 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
               dot_rows<1>(up_rows + i * h, h, xn + b0 * h, h, bb, up + i);
             }
           }
+          for (int b = 0; adapted && b < bb; ++b) {
+            const int64_t row = b0 + b;
+            if (lora[row] <= 0 || slots[row] < 0) continue;
+            const float* ur = u + row * 2 * lora_gate_up.r;
+            for (int64_t i = 0; i < n; ++i) {
+              gate[i][b] += lora_gate_up.delta(lora[row], j + i, ur);
+              up[i][b] += lora_gate_up.delta(lora[row], inter + j + i, ur);
+            }
+          }
           for (int64_t i = 0; i < n; ++i)
             for (int b = 0; b < bb; ++b) act[(b0 + b) * inter + j + i] = silu_times(gate[i][b], up[i][b]);
         }
@@ -806,8 +893,10 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
     });
     barrier.wait();
     // 6. out += act . down_w^T
+    if (adapted) lora_down.project(act, lora, rows, u);
     claim_rows(next_down, h, nthreads, [&](int64_t r0, int64_t r1) {
       matvec(down_w, act, rows, r0, r1, tile, [&](int64_t b, int64_t r, float v) { out[b * h + r] += v; });
+      add_lora(lora_down, out, h, r0, r1);
     });
   });
   return 0;
