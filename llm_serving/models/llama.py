@@ -60,6 +60,12 @@ def _stored_param(array: np.ndarray, name: str) -> Parameter:
     return Parameter(Tensor.from_numpy(np.ascontiguousarray(array, dtype=np.uint8)), name=name, requires_grad=False)
 
 
+def _lora_param(array: np.ndarray, name: str) -> Parameter:
+    """A Parameter initialized from `array` (float32, contiguous), which refresh_lora gives it again after a write."""
+    assert array.dtype == np.float32 and array.flags["C_CONTIGUOUS"]
+    return Parameter(Tensor(array.copy()), name=name, requires_grad=False)
+
+
 def _kept_quantized(quantized: dict, names: list) -> Optional[tuple[np.ndarray, int]]:
     """The named matrices' stored rows, concatenated, and their type, when every one is stored quantized with
     the same type; else None (the kernel reads the float32 copy)."""
@@ -74,10 +80,53 @@ def _rms_normalize(x, eps: float):
     return x * ops.rsqrt(ops.mean(x * x, -1, keep_dims=True) + eps)    # (T, H)
 
 
+# a decoder layer's products that LoRA adapts: name -> (its parts, in the order of its output rows)
+LORA_PRODUCTS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
+                 "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
+
+
+class LoraStack:
+    """One product's LoRA adapters stacked by slot (slot 0: the base model, zeros), in the two forms the layer
+    runs them in (`write` fills a slot; the layer's Parameters take the arrays again, with no recompile):
+      the layer kernel's: A (S, P*R, K) and B (S, N, R), the scale folded into B;
+      MindSpore's ops': A (S*P*R, K) and B (N, S*P*R), each output row's block of B nonzero only in its own
+      part's columns, so that delta = ((x A^T) * one_hot(slot)) B^T for a whole batch of mixed slots.
+    `gain`: the norm gain the product's float32 weight has folded in (q/k/v, gate/up), folded into the ops' A
+    and into the kernel's A when `kernel_folded` (the kernel then normalizes without the gain)."""
+
+    def __init__(self, slots: int, rank: int, parts: list, k: int, gain: Optional[np.ndarray], kernel_folded: bool):
+        self.slots, self.rank, self.parts, self.k = slots, rank, parts, k       # parts: [(out rows of part p)]
+        self.gain, self.kernel_folded = gain, kernel_folded
+        n, width = sum(parts), len(parts) * rank
+        self.kernel_a = np.zeros((slots, width, k), np.float32)
+        self.kernel_b = np.zeros((slots, n, rank), np.float32)
+        self.ops_a = np.zeros((slots * width, k), np.float32)
+        self.ops_b = np.zeros((n, slots * width), np.float32)
+        self.col_slot = np.repeat(np.arange(slots, dtype=np.int32), width)   # (S*P*R,) the slot of each column
+
+    def write(self, slot: int, deltas: list) -> None:
+        """Slot `slot` holds these per-part deltas (LoraDelta or None for a part the adapter leaves alone)."""
+        r, width = self.rank, len(self.parts) * self.rank
+        for arr in (self.kernel_a[slot], self.kernel_b[slot], self.ops_a[slot * width:(slot + 1) * width],
+                    self.ops_b[:, slot * width:(slot + 1) * width]):
+            arr[...] = 0
+        row = 0
+        for p, (rows, d) in enumerate(zip(self.parts, deltas)):
+            if d is not None:
+                a = d.a * self.gain[None, :] if self.gain is not None else d.a          # (r, K)
+                b = d.b * np.float32(d.scale)                                          # (rows, r)
+                self.kernel_a[slot, p * r:p * r + d.rank] = a if self.kernel_folded else d.a
+                self.kernel_b[slot, row:row + rows, :d.rank] = b
+                self.ops_a[slot * width + p * r:slot * width + p * r + d.rank] = a
+                self.ops_b[row:row + rows, slot * width + p * r:slot * width + p * r + d.rank] = b
+            row += rows
+
+
 class LlamaDecoderLayer(nn.Cell):
     def __init__(self, cfg: LlamaConfig, w: dict, i: int, num_slots: int, device_target: str, block_size: int,
                  decode_kernel: Optional[str], kernel_threads: int, tp: TensorParallel, all_reduce,
-                 layer_kernel: Optional[str] = None, quantized: Optional[dict] = None):
+                 layer_kernel: Optional[str] = None, quantized: Optional[dict] = None, lora_slots: int = 0,
+                 lora_rank: int = 0):
         super().__init__()
         p = f"model.layers.{i}."
         world = tp.world
@@ -100,6 +149,29 @@ class LlamaDecoderLayer(nn.Cell):
         gate_up = gate_up * w[p + "post_attention_layernorm.weight"][None, :]
         self.gate_up_w = _param(gate_up, f"layers.{i}.gate_up")                       # (2I, H)
         self.down_w = _param(w[p + "mlp.down_proj.weight"], f"layers.{i}.down")      # (H, I)
+        # LoRA adapters (lora_slots > 0): S = lora_slots + 1 slots of rank lora_rank per product; the kernel's
+        # view is filled below (with an all-zero slot of rank 1 when there are none, which it skips)
+        self.lora_stacks = {}
+        self.has_lora = lora_slots > 0
+        if lora_slots > 0:
+            if world > 1:
+                raise ValueError("LoRA adapters are served on one agent (tensor parallelism does not shard them)")
+            d, h = cfg.head_dim, cfg.hidden_size
+            shapes = {"qkv": ([self.nh * d, self.kvh * d, self.kvh * d], h, "input_layernorm"),
+                      "o": ([h], self.nh * d, None), "gate_up": ([self.inter, self.inter], h, "post_attention_layernorm"),
+                      "down": ([h], self.inter, None)}
+            types = {}
+            if layer_kernel is not None:
+                for key, names in LORA_PRODUCTS.items():
+                    types[key] = _kept_quantized(quantized or {}, [f"{p}{n}.weight" for n in names]) is None
+            for key, (parts, k, gain) in shapes.items():
+                self.lora_stacks[key] = LoraStack(lora_slots + 1, lora_rank, parts, k, w[f"{p}{gain}.weight"] if gain else None,
+                                           kernel_folded=types.get(key, True))
+            self.lora_ops_a = ms.ParameterTuple([_lora_param(st.ops_a, f"layers.{i}.lora_ops_a_{key}")
+                                                 for key, st in self.lora_stacks.items()])      # (S*P*R, K) each
+            self.lora_ops_b = ms.ParameterTuple([_lora_param(st.ops_b, f"layers.{i}.lora_ops_b_{key}")
+                                                 for key, st in self.lora_stacks.items()])      # (N, S*P*R) each
+            self.lora_cols = tuple(Tensor(st.col_slot.reshape(1, -1)) for st in self.lora_stacks.values())   # (1, S*P*R)
         self.attn = PagedAttention(self.nh, self.kvh, cfg.head_dim, num_slots,
                                    layer_id=i, device_target=device_target, block_size=block_size,
                                    decode_kernel=decode_kernel, kernel_threads=kernel_threads)
@@ -140,16 +212,30 @@ class LlamaDecoderLayer(nn.Cell):
             self.kernel_types = tuple(types)          # GGML type codes of qkv, o, gate_up, down (0: float32)
             self.kernel_icfg = Tensor(np.array([block_size, self.nh, self.kvh, kernel_threads, *types], np.int32))
             # LoRA adapters stacked by slot, as the kernel takes them (A (S, parts*R, K), B (S, N, R)); slot 0 is
-            # the base model. No adapter slots are served yet (models/lora.py reads adapters; issue 24): one
-            # all-zero slot of rank 1, which the kernel skips
-            nqkv, inter = (self.nh + 2 * self.kvh) * cfg.head_dim, cfg.intermediate_size // world
-            self.lora_weights = ms.ParameterTuple([
-                _param(np.zeros(shape, np.float32), f"layers.{i}.lora_{name}")
-                for name, shape in (("qkv_a", (1, 3, cfg.hidden_size)), ("qkv_b", (1, nqkv, 1)),
-                                    ("o_a", (1, 1, self.nh * cfg.head_dim)), ("o_b", (1, cfg.hidden_size, 1)),
-                                    ("gate_up_a", (1, 2, cfg.hidden_size)), ("gate_up_b", (1, 2 * inter, 1)),
-                                    ("down_a", (1, 1, inter)), ("down_b", (1, cfg.hidden_size, 1)))])
+            # the base model. Without adapter slots: one all-zero slot of rank 1, which the kernel skips
+            if self.has_lora:
+                arrays = [a for st in self.lora_stacks.values() for a in (st.kernel_a, st.kernel_b)]
+            else:
+                nqkv, h = (self.nh + 2 * self.kvh) * cfg.head_dim, cfg.hidden_size
+                arrays = [np.zeros(shape, np.float32) for shape in (
+                    (1, 3, h), (1, nqkv, 1), (1, 1, self.nh * cfg.head_dim), (1, h, 1), (1, 2, h),
+                    (1, 2 * self.inter, 1), (1, 1, self.inter), (1, h, 1))]
+            self.lora_weights = ms.ParameterTuple([_lora_param(a, f"layers.{i}.lora_kernel_{j}")
+                                                   for j, a in enumerate(arrays)])
             self.kernel_fcfg = Tensor(np.array([self.eps], np.float32))
+
+    def refresh_lora(self) -> None:
+        """The LoRA Parameters take their stacks' arrays again (after LoraStack.write): a compiled graph reads
+        the new values at its next run."""
+        if not self.has_lora:
+            return
+        stacks = list(self.lora_stacks.values())
+        pairs = [(p, a) for p, a in zip(self.lora_ops_a, (st.ops_a for st in stacks))]
+        pairs += [(p, b) for p, b in zip(self.lora_ops_b, (st.ops_b for st in stacks))]
+        if self.layer_kernel is not None:
+            pairs += list(zip(self.lora_weights, (a for st in stacks for a in (st.kernel_a, st.kernel_b))))
+        for param, array in pairs:
+            param.set_data(Tensor(array.copy()))
 
     def fused(self, x, positions, slots, block_tables, context_lens, tree_bits, cos_table, sin_table, lora):
         # x (T, H); positions, slots, context_lens, tree_bits, lora (T,); block_tables (T, W); cos/sin tables (P, D)
@@ -160,11 +246,21 @@ class LlamaDecoderLayer(nn.Cell):
                                  self.attn.value_cache, lora, la[0], la[1], la[2], la[3], la[4], la[5], la[6], la[7],
                                  self.kernel_icfg, self.kernel_fcfg)                                  # (T, H)
 
-    def construct(self, x, cos, sin, meta):
-        # x (T, H); cos, sin (T, NH+2KVH, D); meta: paged_metadata's tuple
+    def lora_delta(self, j: int, x, lora):
+        """Product j's LoRA deltas for a batch of mixed adapters: x (T, K), lora (T, 1) each token's slot ->
+        (T, N): only each token's own slot's columns of x A^T survive the mask."""
+        u = self.matmul_t(x, self.lora_ops_a[j])                                         # (T, S*P*R)
+        u = u * ops.equal(lora, self.lora_cols[j]).astype(u.dtype)                       # (T, S*P*R)
+        return self.matmul_t(u, self.lora_ops_b[j])                                      # (T, N)
+
+    def construct(self, x, cos, sin, meta, lora):
+        # x (T, H); cos, sin (T, NH+2KVH, D); meta: paged_metadata's tuple; lora (T, 1) each token's adapter slot
         t = x.shape[0]
         nh, kvh, d = self.nh, self.kvh, self.d
-        qkv = self.matmul_t(_rms_normalize(x, self.eps), self.qkv_w)                    # (T, (NH+2KVH)*D)
+        xn = _rms_normalize(x, self.eps)                                                  # (T, H)
+        qkv = self.matmul_t(xn, self.qkv_w)                                               # (T, (NH+2KVH)*D)
+        if self.has_lora:
+            qkv = qkv + self.lora_delta(0, xn, lora)
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias                                                     # (T, (NH+2KVH)*D)
         qkv = qkv.reshape(t, nh + 2 * kvh, d)                                             # (T, NH+2KVH, D)
@@ -174,20 +270,28 @@ class LlamaDecoderLayer(nn.Cell):
         q, k, v = ops.split(qkv, (nh, kvh, kvh), 1)                                       # (T, NH|KVH|KVH, D)
         attn = self.attn(q, k, v, meta)                                                   # (T, NH*D)
         o = self.matmul_t(attn, self.o_w)                                                 # (T, H)
+        if self.has_lora:
+            o = o + self.lora_delta(1, attn, lora)
         if self.parallel:
             o = self.all_reduce(o)                                                        # (T, H) summed over ranks
         x = x + o
-        gate_up = self.matmul_t(_rms_normalize(x, self.eps), self.gate_up_w)              # (T, 2I)
+        xn = _rms_normalize(x, self.eps)                                                  # (T, H)
+        gate_up = self.matmul_t(xn, self.gate_up_w)                                       # (T, 2I)
+        if self.has_lora:
+            gate_up = gate_up + self.lora_delta(2, xn, lora)
         gate, up = ops.split(gate_up, self.inter, 1)                                      # (T, I) each
-        down = self.matmul_t(ops.silu(gate) * up, self.down_w)                            # (T, H)
+        act = ops.silu(gate) * up                                                         # (T, I)
+        down = self.matmul_t(act, self.down_w)                                            # (T, H)
+        if self.has_lora:
+            down = down + self.lora_delta(3, act, lora)
         if self.parallel:
             down = self.all_reduce(down)                                                  # (T, H) summed over ranks
         return x + down                                                                   # (T, H)
 
 
 class LlamaForCausalLM(nn.Cell):
-    """construct(input_ids, positions, slot_mapping, block_tables, context_lens, query_lens, sample_index, tree_bits)
-    -> (greedy_token (R,) int32, its logprob (R,) float32, logits (R, V) float32), R = B unless packed or
+    """construct(input_ids, positions, slot_mapping, block_tables, context_lens, query_lens, sample_index, tree_bits,
+    lora) -> (greedy_token (R,) int32, its logprob (R,) float32, logits (R, V) float32), R = B unless packed or
     verifying (R = B*S).
     Argument meanings are those of ModelRunner.execute (after the runner's padding). The logits are
     only for `Sampler` (a second graph, run when some row samples); they are not copied to the host.
@@ -200,7 +304,7 @@ class LlamaForCausalLM(nn.Cell):
                  max_positions: int, device_target: str = "CPU", decode_kernel: Optional[str] = None,
                  kernel_threads: int = 1, tp: TensorParallel = TensorParallel(), all_reduce=None,
                  layer_kernel: Optional[str] = None, layer_kernel_rows: int = 0,
-                 quantized: Optional[dict] = None):
+                 quantized: Optional[dict] = None, lora_slots: int = 0, lora_rank: int = 0):
         super().__init__()
         tp.check(cfg)
         if layer_kernel is not None and (tp.world > 1 or device_target != "CPU"):
@@ -219,7 +323,7 @@ class LlamaForCausalLM(nn.Cell):
         self.embed = _param(weights["model.embed_tokens.weight"], "embed")            # (V, H)
         self.layers = nn.CellList([LlamaDecoderLayer(cfg, weights, i, num_slots, device_target, block_size,
                                                      decode_kernel, kernel_threads, tp, all_reduce,
-                                                     layer_kernel, quantized)
+                                                     layer_kernel, quantized, lora_slots, lora_rank)
                                    for i in range(cfg.num_layers)])
         self.layer_kernel_rows = layer_kernel_rows if layer_kernel is not None else 0
         if self.writes_outputs:                    # (the logits' tensors are loaded on rank 0 only)
@@ -252,19 +356,20 @@ class LlamaForCausalLM(nn.Cell):
         self.matmul_t = ops.MatMul(transpose_b=True)
 
     def construct(self, input_ids, positions, slot_mapping, block_tables, context_lens, query_lens, sample_index,
-                  tree_bits):
+                  tree_bits, lora):
         # input_ids, positions, slot_mapping (B, S) int32; block_tables (B, W) int32; context/query_lens (B,);
         # sample_index (R,) int32: the tokens to sample from when S == 1 and R < B (packed prefill: B is then
         # the step's tokens, each with its own block-table row and context; see ModelRunner); R = B*S: every
         # token (a verify step, speculative decoding); tree_bits (B,) int32: the keys a token of a speculative
-        # token tree sees (the CPU decode kernel's, see attention.paged_metadata; -1 = all, as for every other token)
+        # token tree sees (the CPU decode kernel's, see attention.paged_metadata; -1 = all, as for every other token);
+        # lora (B,) int32: each row's LoRA adapter slot (0: none)
         b, s = input_ids.shape
         x = ops.gather(self.embed, input_ids.reshape(-1), 0)                            # (T, H)
         flat_pos = positions.reshape(-1)                                                 # (T,)
         fused = s == 1 and b <= self.layer_kernel_rows          # small decode-shaped steps: one kernel per layer
         flat_slots = slot_mapping.reshape(-1)                                            # (T,)
         if fused:
-            x = self.fused_layers(x, flat_pos, flat_slots, block_tables, context_lens, tree_bits)  # (T, H)
+            x = self.fused_layers(x, flat_pos, flat_slots, block_tables, context_lens, tree_bits, lora)  # (T, H)
         else:
             d = self.cos_table.shape[1]
             cos = ops.gather(self.cos_table, flat_pos, 0).reshape(b * s, 1, d)           # (T, 1, D)
@@ -273,8 +378,9 @@ class LlamaForCausalLM(nn.Cell):
             sin = sin * self.head_rot                                                    # (T, NH+2KVH, D)
             meta = paged_metadata(block_tables, positions, slot_mapping, context_lens, self.block_size, self.kvh,
                                   tree_bits)
+            lora_tok = ops.broadcast_to(lora.reshape(b, 1), (b, s)).reshape(b * s, 1)     # (T, 1)
             for layer in self.layers:
-                x = layer(x, cos, sin, meta)                                             # (T, H)
+                x = layer(x, cos, sin, meta, lora_tok)                                   # (T, H)
         if s > 1 and sample_index.shape[0] == b:       # each row's last new token (else every token: verify)
             last = ops.arange(0, b, dtype=ms.int32) * s + query_lens - 1                 # (B,)
             x = ops.gather(x, last, 0)                                                   # (B, H)
@@ -290,14 +396,23 @@ class LlamaForCausalLM(nn.Cell):
         token, logprob = greedy_pick(logits)                                             # (R,), (R,)
         return token, logprob, logits
 
-    def fused_layers(self, x, positions, slots, block_tables, context_lens, tree_bits):
+    def fused_layers(self, x, positions, slots, block_tables, context_lens, tree_bits, lora):
         """Every decoder layer as the layer kernel, on T decode-shaped tokens (x (T, H); the rest (T,), tables
         (T, W)); (T, H)."""
-        lora = ops.zeros_like(slots)                  # every token on the base model (no adapter slots yet)
         for layer in self.layers:
             x = layer.fused(x, positions, slots, block_tables, context_lens, tree_bits, self.cos_table,
                             self.sin_table, lora)
         return x
+
+    def write_lora(self, slot: int, adapter) -> None:
+        """Adapter slot `slot` (1..lora_slots) now holds `adapter` (models/lora.py's LoraAdapter), or nothing (None):
+        written into the stacks' memory in place, so the next step computes with it (no recompile). Its rank
+        must be at most the model's lora_rank."""
+        for i, layer in enumerate(self.layers):
+            for key, stack in layer.lora_stacks.items():
+                names = [f"model.layers.{i}.{n}.weight" for n in LORA_PRODUCTS[key]]
+                stack.write(slot, [None if adapter is None else adapter.deltas.get(n) for n in names])
+            layer.refresh_lora()
 
     def fused_logits(self, x, slots):
         """Final norm, lm_head and the greedy pick as one kernel: (logits (R, V), token (R,), logprob (R,)); slots
@@ -308,7 +423,7 @@ class LlamaForCausalLM(nn.Cell):
 
 class DecodeRun(nn.Cell):
     """construct(input_ids (B,), positions (K, B), slot_mapping (K, B), block_tables (B, W), context_lens (K, B),
-    tree_bits (B,)) -> (tokens (K, B) int32, logprobs (K, B) float32): K greedy decode steps of `model` in one
+    tree_bits (B,), lora (B,)) -> (tokens (K, B) int32, logprobs (K, B) float32): K greedy decode steps of `model` in one
     graph, each step's tokens fed to the next (step i feeds positions[i], writes its K/V at slot_mapping[i] and
     sees context_lens[i] keys). A row whose slot is < 0 sits the step out (its outputs there mean nothing), and a
     step all of whose rows sit out costs almost nothing: a run can end early for every row (the kernels skip
@@ -323,13 +438,13 @@ class DecodeRun(nn.Cell):
         self.model = model
         self.steps = steps
 
-    def construct(self, input_ids, positions, slot_mapping, block_tables, context_lens, tree_bits):
+    def construct(self, input_ids, positions, slot_mapping, block_tables, context_lens, tree_bits, lora):
         m = self.model
         ids = input_ids
         tokens, logprobs = (), ()
         for i in range(self.steps):
             x = m.fused_layers(ops.gather(m.embed, ids, 0), positions[i], slot_mapping[i], block_tables,
-                               context_lens[i], tree_bits)                               # (B, H)
+                               context_lens[i], tree_bits, lora)                         # (B, H)
             _, ids, logprob = m.fused_logits(x, slot_mapping[i])                         # (B,) each
             tokens += (ids,)
             logprobs += (logprob,)

@@ -86,7 +86,8 @@ class ModelRunner:
                  max_step_tokens: Optional[int] = None, tp: Optional["TensorParallel"] = None,
                  tp_timeout_s: float = 120.0, verify_width: int = 1, verify_rows: int = 0,
                  num_layers: Optional[int] = None, layer_kernel: str = "auto", layer_kernel_rows: int = 64,
-                 decode_run_steps: int = 1, decode_run_rows: Optional[int] = 0, keep_quantized: bool = True):
+                 decode_run_steps: int = 1, decode_run_rows: Optional[int] = 0, keep_quantized: bool = True,
+                 lora_slots: int = 0, lora_rank: int = 16):
         for key, val in (("num_blocks", num_blocks), ("block_size", block_size),
                          ("max_blocks_per_seq", max_blocks_per_seq)):
             if not isinstance(val, (int, np.integer)) or val < 1:
@@ -118,6 +119,13 @@ class ModelRunner:
                                     packed=self.decode_kernel is not None,
                                     one_width=self.decode_kernel is not None or device_target == "Ascend")
 
+        for key, val in (("lora_slots", lora_slots), ("lora_rank", lora_rank)):
+            if not isinstance(val, (int, np.integer)) or val < (0 if key == "lora_slots" else 1):
+                raise ValueError(f"ModelRunner: {key} must be an integer >= {0 if key == 'lora_slots' else 1}, "
+                                 f"got {val!r}")
+        if lora_slots and self.tp.world > 1:
+            raise ValueError("ModelRunner: LoRA adapters are served on one agent (no tensor parallelism yet)")
+        self.lora_slots, self.lora_rank = int(lora_slots), int(lora_rank)
         self.config, weights = load_llama_weights(model_dir, self.tp, num_layers)   # this rank's part only
         cfg: LlamaConfig = self.config
         # the layer kernel reads a GGUF's quantized matrices as stored (llama.py); MindSpore's graphs the float32
@@ -129,7 +137,7 @@ class ModelRunner:
         cfg.check_context(self.max_context)       # e.g. a sliding window the longest request would outgrow
         self.limits = StepLimits(vocab_size=cfg.vocab_size, max_context=self.max_context,
                                  num_blocks=self.num_blocks, max_blocks_per_seq=self.max_blocks_per_seq,
-                                 scratch_slot=self.scratch_slot)
+                                 scratch_slot=self.scratch_slot, lora_slots=self.lora_slots)
         reduce_kernel = all_reduce_kernel(self.tp, device_target)
         # everything that decides which graphs warmup() compiles, and in which order, and the kernel
         # libraries the graphs name
@@ -137,7 +145,8 @@ class ModelRunner:
             (cfg, self.num_blocks, self.block_size, self.buckets, device_target,
              (self.tp.rank, self.tp.world, self.tp.backend) if self.tp.world > 1 else None,
              self.decode_kernel, reduce_kernel, self.layer_kernel, self.layer_kernel_rows, self.decode_run_steps,
-             self.decode_run_rows, self.quantized_matrices) if compile_cache else None)
+             self.decode_run_rows, self.quantized_matrices, self.lora_slots, self.lora_rank)
+            if compile_cache else None)
         self._cache_dir = setup_mindspore(device_target, device_id, num_threads, cache_key,
                                           wait_for_cache=self.tp.world == 1)
         self._build_graphs(weights, quantized, num_threads, reduce_kernel, tp_timeout_s)
@@ -194,7 +203,8 @@ class ModelRunner:
                                       decode_kernel=self.decode_kernel,
                                       kernel_threads=num_threads or len(os.sched_getaffinity(0)),
                                       tp=self.tp, all_reduce=self.all_reduce, layer_kernel=self.layer_kernel,
-                                      layer_kernel_rows=self.layer_kernel_rows, quantized=quantized)
+                                      layer_kernel_rows=self.layer_kernel_rows, quantized=quantized,
+                                      lora_slots=self.lora_slots, lora_rank=self.lora_rank)
         self.decode_run = DecodeRun(self.model, self.decode_run_steps) if self.decode_run_steps > 1 else None
         self.sampler = Sampler(cfg.vocab_size, filters=True)          # some sampling row uses top-k/top-p
         self.plain_sampler = Sampler(cfg.vocab_size, filters=False)   # temperature only
@@ -217,7 +227,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ execution
     def execute(self, input_ids, positions, slot_mapping, block_tables, context_lens, query_lens,
                 temperature, top_k, top_p, random_u, return_logits: bool = False, top_n=None, penalties=None,
-                verify_u=None, verify_parent=None):
+                verify_u=None, verify_parent=None, lora=None):
         """One step over n sequences (the arguments are described in step_inputs.py); returns
         (next_token_ids int32 (n,), logprobs float32 (n,)), and with return_logits also the model's logits
         float32 (n, vocab) at each row's last new token (before temperature; copied to the host only when
@@ -238,13 +248,30 @@ class ModelRunner:
         """
         step = StepInputs.make(self.limits, input_ids, positions, slot_mapping, block_tables, context_lens,
                                query_lens, temperature, top_k, top_p, random_u, top_n, penalties, verify_u,
-                               verify_parent)
+                               verify_parent, lora)
         if step.verify_u is not None:
             return self._execute_verify(step)
         nb, sb = self.buckets.bucket(step.n, step.s)
         if step.s > 1 and self.buckets.packed:
             return self._execute_packed(step, return_logits)
         return self._execute_padded(step, nb, sb, return_logits)
+
+    def set_lora(self, slot: int, adapter) -> None:
+        """LoRA adapter slot `slot` (1..lora_slots) now holds `adapter` (lora.load_lora_adapter's, checked
+        against this model), or nothing (None): rows of later steps whose `lora` is `slot` run with it. The
+        stacks are written in place (no graph is compiled again); the caller makes sure no step in flight uses
+        the slot. ValueError for a slot out of range or an adapter of a rank above lora_rank."""
+        if not isinstance(slot, (int, np.integer)) or not 1 <= slot <= self.lora_slots:
+            raise ValueError(f"ModelRunner.set_lora: slot must be in 1..{self.lora_slots}, got {slot!r}")
+        if adapter is not None:
+            if adapter.rank > self.lora_rank:
+                raise ValueError(f"ModelRunner.set_lora: adapter {adapter.name!r} has rank {adapter.rank}, above "
+                                 f"this runner's lora_rank {self.lora_rank}")
+            unknown = [n for n in adapter.deltas if int(n.split(".")[2]) >= self.config.num_layers]
+            if unknown:
+                raise ValueError(f"ModelRunner.set_lora: adapter {adapter.name!r} adapts {unknown[0]}, a layer this "
+                                 f"model does not have")
+        self.model.write_lora(int(slot), adapter)
 
     def decode_run_batch_sizes(self) -> list:
         """The decode batch buckets decode runs have graphs for (empty: no decode runs): those the layer kernel
@@ -259,7 +286,7 @@ class ModelRunner:
         sizes = self.decode_run_batch_sizes()
         return min(self.decode_run_rows, sizes[-1]) if sizes else 0
 
-    def execute_decode_run(self, input_ids, positions, slot_mapping, block_tables, context_lens):
+    def execute_decode_run(self, input_ids, positions, slot_mapping, block_tables, context_lens, lora=None):
         """K = decode_run_steps greedy decode steps of n rows in one graph call: row i feeds input_ids[i] at
         positions[i] (context_lens[i] keys visible, itself included), then the token it gets at positions[i] + 1,
         and so on; step j writes row i's K/V at slot_mapping[i, j] (n, K). A row may end before the run does:
@@ -287,7 +314,7 @@ class ModelRunner:
         zeros = np.zeros(n, np.float32)
         step = StepInputs.make(self.limits, np.asarray(input_ids).reshape(n, 1), np.asarray(positions).reshape(n, 1),
                                slot_mapping[:, :1], block_tables, context_lens, np.ones(n, np.int32), zeros,
-                               np.zeros(n, np.int32), np.ones(n, np.float32), zeros)
+                               np.zeros(n, np.int32), np.ones(n, np.float32), zeros, lora=lora)
         steps = active.sum(1)                                                   # (n,) each row's steps
         last = self.limits.max_context - steps
         if (step.positions > last).any() or (step.context_lens > last + 1).any() \
@@ -313,7 +340,9 @@ class ModelRunner:
         context = np.ones((k, nb), np.int32)
         ids = np.zeros(nb, np.int32)
         tables = np.zeros((nb, w), np.int32)
+        lora = np.zeros(nb, np.int32)
         if step is not None:
+            lora[:n] = step.lora
             offsets = np.arange(k, dtype=np.int32)[:, None]
             slots[:, :n] = slot_mapping.T
             pos[:, :n] = step.positions[:, 0] + offsets
@@ -325,7 +354,7 @@ class ModelRunner:
             tables[:n, :used] = step.block_tables[:, :used]
         T = self._ms.Tensor
         tokens, logprobs = self._call("decode_run", (nb, k), self.decode_run, T(ids), T(pos), T(slots), T(tables),
-                                      T(context), T(np.full(nb, -1, np.int32)))
+                                      T(context), T(np.full(nb, -1, np.int32)), T(lora))
         return tokens.asnumpy(), logprobs.asnumpy()
 
     def _execute_padded(self, step: StepInputs, nb: int, sb: int, return_logits: bool):
@@ -354,7 +383,7 @@ class ModelRunner:
         sample_index = np.arange(nb * sb if all_tokens else nb, dtype=np.int32)
         return self._call("verify" if all_tokens else "model", (nb, sb), self.model, T(ids_p), T(pos_p), T(slot_p),
                           T(bt_p), T(_pad(cl, nb, 1)), T(_pad(ql, nb, 1)), T(sample_index),
-                          T(np.full(nb, -1, np.int32)))
+                          T(np.full(nb, -1, np.int32)), T(_pad(step.lora, nb, 0)))
 
     def _execute_verify(self, step: StepInputs):
         """A verify step: the rows' new tokens run as in a prefill step (packed, or padded to (batch,
@@ -494,14 +523,16 @@ class ModelRunner:
         if tree_bits is not None:
             bits[:k] = tree_bits[start:stop]
         return self._run_packed(tb, _pad(ids, tb, 0), _pad(pos, tb, 0), piece_slots, piece_tables,
-                                _pad(context, tb, 0), sample_index, bits)         # context 0: padding
+                                _pad(context, tb, 0), sample_index, bits,          # context 0: padding
+                                _pad(step.lora[row_of], tb, 0))                    # each token its row's adapter
 
-    def _run_packed(self, tb, ids, pos, slots, tables, context, sample_index, tree_bits=None,
+    def _run_packed(self, tb, ids, pos, slots, tables, context, sample_index, tree_bits=None, lora=None,
                     compile_only: bool = False):
         T = self._ms.Tensor
         bits = np.full(tb, -1, np.int32) if tree_bits is None else tree_bits
+        lora = np.zeros(tb, np.int32) if lora is None else lora
         args = (T(ids.reshape(tb, 1)), T(pos.reshape(tb, 1)), T(slots.reshape(tb, 1)), T(tables), T(context),
-                T(np.ones(tb, np.int32)), T(sample_index), T(bits))
+                T(np.ones(tb, np.int32)), T(sample_index), T(bits), T(lora))
         if compile_only:                 # warmup: compiled (or loaded from the compile cache), not run
             return self.model.compile(*args)
         return self._call("packed", (tb, sample_index.shape[0]), self.model, *args)

@@ -14,6 +14,8 @@ Shapes: n rows, s new tokens per row at most, w block-table entries per row.
   verify_parent                       int32 (n, s) or None: a verify step's token tree — each new token's parent
                                       among its row's new tokens (-1 for the first; None or j-1 everywhere: a
                                       chain). A node attends to the committed keys, its ancestors and itself.
+  lora                                int32 (n,) or None: each row's LoRA adapter slot (0 or None: the base model;
+                                      at most the runner's lora_slots)
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ class StepLimits:
     num_blocks: int
     max_blocks_per_seq: int
     scratch_slot: int
+    lora_slots: int = 0
 
 
 def _fail(what: str) -> None:
@@ -49,6 +52,11 @@ class StepInputs:
     per_row: dict                 # sampling arrays (n,) by name, and the penalty arrays when some row has one
     verify_u: Optional[np.ndarray] = None     # (n, s): a verify step
     verify_parent: Optional[np.ndarray] = None    # (n, s): a verify step's token trees (None: chains)
+    lora: Optional[np.ndarray] = None         # (n,): each row's LoRA adapter slot (None: all 0, no adapter)
+
+    def __post_init__(self) -> None:
+        if self.lora is None:
+            self.lora = np.zeros(self.input_ids.shape[0], np.int32)
 
     @property
     def n(self) -> int:
@@ -69,7 +77,7 @@ class StepInputs:
     @classmethod
     def make(cls, limits: StepLimits, input_ids, positions, slot_mapping, block_tables, context_lens, query_lens,
              temperature, top_k, top_p, random_u, top_n=None, penalties: Optional[dict] = None,
-             verify_u=None, verify_parent=None) -> "StepInputs":
+             verify_u=None, verify_parent=None, lora=None) -> "StepInputs":
         """Arrays (or nested lists) converted to their dtypes and checked against each other and `limits`;
         ValueError naming the first that is malformed."""
         input_ids = np.asarray(input_ids, np.int32)
@@ -127,7 +135,12 @@ class StepInputs:
                 _fail("verify_parent must be -1 for a row's first new token and in [0, j) for token j")
             if (verify_parent[valid] == (j - 1).repeat(n, 0)[valid]).all():
                 verify_parent = None                  # every row a chain: plain causal attention
-        return cls(input_ids, positions, slot_mapping, block_tables, cl, ql, per_row, verify_u, verify_parent)
+        lora = np.zeros(n, np.int32) if lora is None else np.asarray(lora, np.int32)
+        if lora.shape != (n,):
+            _fail(f"lora has shape {lora.shape}, expected ({n},)")
+        if lora.min() < 0 or lora.max() > limits.lora_slots:
+            _fail(f"lora (adapter slots) must be in [0, {limits.lora_slots}], got {lora.tolist()}")
+        return cls(input_ids, positions, slot_mapping, block_tables, cl, ql, per_row, verify_u, verify_parent, lora)
 
     def tree_bits(self) -> np.ndarray:
         """(t,) int32 for the step's real tokens in row-major order: which of its last 32 keys each token sees
