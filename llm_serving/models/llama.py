@@ -88,7 +88,7 @@ LORA_PRODUCTS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_pr
 class LoraStack:
     """One product's LoRA adapters stacked by slot (slot 0: the base model, zeros), in the two forms the layer
     runs them in (`write` fills a slot; the layer's Parameters take the arrays again, with no recompile):
-      the layer kernel's: A (S, P*R, K) and B (S, N, R), the scale folded into B;
+      the layer kernel's: A (S, P*R, K) and B transposed, (S, R, N), the scale folded into B;
       MindSpore's ops': A (S*P*R, K) and B (N, S*P*R), each output row's block of B nonzero only in its own
       part's columns, so that delta = ((x A^T) * one_hot(slot)) B^T for a whole batch of mixed slots.
     `gain`: the norm gain the product's float32 weight has folded in (q/k/v, gate/up), folded into the ops' A
@@ -99,7 +99,7 @@ class LoraStack:
         self.gain, self.kernel_folded = gain, kernel_folded
         n, width = sum(parts), len(parts) * rank
         self.kernel_a = np.zeros((slots, width, k), np.float32)
-        self.kernel_b = np.zeros((slots, n, rank), np.float32)
+        self.kernel_b = np.zeros((slots, rank, n), np.float32)
         self.ops_a = np.zeros((slots * width, k), np.float32)
         self.ops_b = np.zeros((n, slots * width), np.float32)
         self.col_slot = np.repeat(np.arange(slots, dtype=np.int32), width)   # (S*P*R,) the slot of each column
@@ -116,7 +116,7 @@ class LoraStack:
                 a = d.a * self.gain[None, :] if self.gain is not None else d.a          # (r, K)
                 b = d.b * np.float32(d.scale)                                          # (rows, r)
                 self.kernel_a[slot, p * r:p * r + d.rank] = a if self.kernel_folded else d.a
-                self.kernel_b[slot, row:row + rows, :d.rank] = b
+                self.kernel_b[slot, :d.rank, row:row + rows] = b.T
                 self.ops_a[slot * width + p * r:slot * width + p * r + d.rank] = a
                 self.ops_b[row:row + rows, slot * width + p * r:slot * width + p * r + d.rank] = b
             row += rows
@@ -211,15 +211,15 @@ class LlamaDecoderLayer(nn.Cell):
             self.kernel_post_gain = _param(kernel["gate_up_gain"], f"layers.{i}.kernel_post_gain")      # (H,)
             self.kernel_types = tuple(types)          # GGML type codes of qkv, o, gate_up, down (0: float32)
             self.kernel_icfg = Tensor(np.array([block_size, self.nh, self.kvh, kernel_threads, *types], np.int32))
-            # LoRA adapters stacked by slot, as the kernel takes them (A (S, parts*R, K), B (S, N, R)); slot 0 is
+            # LoRA adapters stacked by slot, as the kernel takes them (A (S, parts*R, K), B (S, R, N)); slot 0 is
             # the base model. Without adapter slots: one all-zero slot of rank 1, which the kernel skips
             if self.has_lora:
                 arrays = [a for st in self.lora_stacks.values() for a in (st.kernel_a, st.kernel_b)]
             else:
                 nqkv, h = (self.nh + 2 * self.kvh) * cfg.head_dim, cfg.hidden_size
                 arrays = [np.zeros(shape, np.float32) for shape in (
-                    (1, 3, h), (1, nqkv, 1), (1, 1, self.nh * cfg.head_dim), (1, h, 1), (1, 2, h),
-                    (1, 2 * self.inter, 1), (1, 1, self.inter), (1, h, 1))]
+                    (1, 3, h), (1, 1, nqkv), (1, 1, self.nh * cfg.head_dim), (1, 1, h), (1, 2, h),
+                    (1, 1, 2 * self.inter), (1, 1, self.inter), (1, 1, h))]
             self.lora_weights = ms.ParameterTuple([_lora_param(a, f"layers.{i}.lora_kernel_{j}")
                                                    for j, a in enumerate(arrays)])
             self.kernel_fcfg = Tensor(np.array([self.eps], np.float32))

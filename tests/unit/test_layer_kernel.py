@@ -59,7 +59,8 @@ class Layer:
         # LoRA: no adapter (one all-zero slot of rank 1) unless with_lora() ran
         self.lora = np.zeros(batch, np.int32)
         self.lora_a = {n: np.zeros((1, p, k), np.float32) for n, p, k in self._lora_shapes(1)}
-        self.lora_b = {n: np.zeros((1, o, 1), np.float32) for n, o in self._lora_outs()}
+        self.lora_b = {n: np.zeros((1, o, 1), np.float32) for n, o in self._lora_outs()}    # (S, N, R); the
+        # kernel takes them transposed, (S, R, N)
         # the weights as the kernel gets them: name -> (array, GGML type code); float32 unless quantize() ran
         self.kernel_weights = {n: (getattr(self, n), 0) for n in ("qkv_w", "o_w", "gate_up_w", "down_w")}
         self.key_cache = f32(num_blocks * block_size * kv_heads, head_dim)
@@ -126,7 +127,8 @@ class Layer:
         return [self.x, self.positions, self.slots, self.tables, self.context, self.tree, self.cos, self.sin,
                 w["qkv_w"][0], self.qkv_b, w["o_w"][0], w["gate_up_w"][0], w["down_w"][0], self.in_gain,
                 self.post_gain, self.key_cache, self.value_cache, self.lora,
-                *[arr for n in ("qkv", "o", "gate_up", "down") for arr in (self.lora_a[n], self.lora_b[n])],
+                *[arr for n in ("qkv", "o", "gate_up", "down")
+                  for arr in (self.lora_a[n], np.ascontiguousarray(self.lora_b[n].transpose(0, 2, 1)))],
                 icfg, np.array([1e-5], np.float32), out]
 
     def reference(self):

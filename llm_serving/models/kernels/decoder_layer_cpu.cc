@@ -43,8 +43,8 @@
 //   lora         (B,)                   int32    each row's LoRA adapter slot (0: none; < S)
 //   lora_*_a     (S, P*R, K)            float32  per slot, the product's A matrices of its P parts (q/k/v: 3,
 //                                                gate/up: 2, o and down: 1) stacked; K its input width
-//   lora_*_b     (S, N, R)              float32  per slot, B (scale folded in) for each of the product's N output
-//                                                rows, each reading its part's R-wide slice of A x (slot 0 and
+//   lora_*_b     (S, R, N)              float32  per slot, B transposed (scale folded in): column j for output
+//                                                row j, which reads its part's R-wide slice of A x (slot 0 and
 //                                                modules an adapter leaves alone: zeros)
 //   iconfig      (8,)                   int32    [block_size, num_heads, num_kv_heads, threads,
 //                                                 qkv type, o type, gate_up type, down type]
@@ -124,7 +124,7 @@ class Barrier {
 
 // A pool's scratch space, reused from call to call (grown on demand); guarded by the pool's call mutex.
 struct Scratch {
-  std::vector<float> qkv, attn, act, normed, scores, tiles, lora;
+  std::vector<float> qkv, attn, act, normed, scores, tiles, lora, lora_gate_up;
   static float* sized(std::vector<float>& v, size_t n) {
     if (v.size() < n) v.resize(n);
     return v.data();
@@ -624,10 +624,11 @@ void rms_normalize(const float* x, int64_t batch, int64_t h, float eps, const fl
   }
 }
 
-// One product's LoRA adapters, stacked by slot: A (S, parts*R, K) and B (S, N, R), the scale folded into B.
-// Output row j belongs to part part_of(j) (q/k/v of the q/k/v product, gate/up of gate_up; one part for o and
-// down), whose R-wide slice of u = A[slot] x it reads: out[j] += B[slot][j] . u[part]. Slot 0 is the base model
-// (no adapter): its rows are not touched, and a step whose rows are all slot 0 costs nothing more.
+// One product's LoRA adapters, stacked by slot: A (S, parts*R, K) and B transposed, (S, R, N), the scale folded
+// into B. Output row j belongs to part part_of(j) (q/k/v of the q/k/v product, gate/up of gate_up; one part for
+// o and down), whose R-wide slice of u = A[slot] x it reads: out[j] += sum_k u[part][k] B[slot][k][j], summed
+// across outputs (16 at a time) rather than along R. Slot 0 is the base model (no adapter): its rows are not
+// touched, and a step whose rows are all slot 0 costs nothing more.
 struct LoraProduct {
   const float* a = nullptr;
   const float* b = nullptr;
@@ -638,29 +639,59 @@ struct LoraProduct {
            int64_t cols, int64_t first1, int64_t first2) {
     a = static_cast<const float*>(a_ptr);
     b = static_cast<const float*>(b_ptr);
-    slots = a_shape[0], parts = nparts, k = cols, n = rows, r = b_shape[2];
+    slots = a_shape[0], parts = nparts, k = cols, n = rows, r = b_shape[1];
     bound1 = first1, bound2 = first2;
     return slots >= 1 && r >= 1 && a_shape[1] == parts * r && a_shape[2] == k && b_shape[0] == slots &&
-           b_shape[1] == n;
+           b_shape[2] == n;
   }
   int64_t part_of(int64_t j) const { return j < bound1 ? 0 : j < bound2 ? 1 : 2; }
 
-  // u (rows, parts*R): A[slot_b] x_b for the rows with an adapter
-  void project(const float* x, const int32_t* lora, int64_t rows, float* u) const {
-    for (int64_t row = 0; row < rows; ++row) {
-      if (lora[row] <= 0) continue;
-      const float* ab = a + lora[row] * parts * r * k;
-      for (int64_t i = 0; i < parts * r; ++i) u[row * parts * r + i] = dot(ab + i * k, x + row * k, k);
+  // u[row] (parts*R, at u + row * ldu) = A[slot] x[row] for rows[0..count) that all use `slot`: each tile of
+  // A's rows is read once for all of them
+  void project(int32_t slot, const int64_t* rows_of, int64_t count, const float* x, int64_t ldx, float* u,
+               int64_t ldu) const {
+    const int64_t w = parts * r;
+    const float* ab = a + slot * w * k;
+    for (int64_t i = 0; i < w; i += 4)
+      for (int64_t at = 0; at < count; ++at)
+        dot4(ab + i * k, std::min<int64_t>(4, w - i), x + rows_of[at] * ldx, u + rows_of[at] * ldu + i);
+  }
+  // y[row][j] += B[slot][j] . u[row][part(j)] for every output j of rows[0..count) (all using `slot`): each row
+  // of B^T is read once for all of them, and the runs over j are long (vectorized)
+  void add(int32_t slot, const int64_t* rows_of, int64_t count, const float* u, int64_t ldu, float* y,
+           int64_t ldy) const {
+    const float* bt = b + slot * r * n;
+    const int64_t ends[3] = {bound1, bound2, n};
+    for (int64_t part = 0, j0 = 0; part < parts; j0 = ends[part], ++part) {
+      for (int64_t at = 0; at < count; ++at) {
+        const float* ur = u + rows_of[at] * ldu + part * r;
+        float* yr = y + rows_of[at] * ldy;
+        int64_t j = j0;
+        for (; j + 16 <= ends[part]; j += 16) {      // 16 outputs in a register across all R
+          v16 acc = load16(yr + j);
+          for (int64_t kk = 0; kk < r; ++kk) acc += ur[kk] * load16(bt + kk * n + j);
+          std::memcpy(yr + j, &acc, sizeof(acc));
+        }
+        for (; j < ends[part]; ++j)
+          for (int64_t kk = 0; kk < r; ++kk) yr[j] += ur[kk] * bt[kk * n + j];
+      }
     }
   }
-  float delta(int32_t slot, int64_t j, const float* u_row) const {
-    return dot(b + (slot * n + j) * r, u_row + part_of(j) * r, r);
+  // out[i] = A row i . x for the n (<= 4) rows of A from `rows` on: four accumulators, x read once
+  void dot4(const float* rows, int64_t n, const float* x, float* out) const {
+    v16 acc[4] = {};
+    int64_t e = 0;
+    for (; e + 16 <= k; e += 16) {
+      const v16 xv = load16(x + e);
+      for (int64_t i = 0; i < n; ++i) acc[i] += load16(rows + i * k + e) * xv;
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      float tail = 0.f;
+      for (int64_t t = e; t < k; ++t) tail += rows[i * k + t] * x[t];
+      out[i] = hsum(acc[i]) + tail;
+    }
   }
-  static float dot(const float* p, const float* q, int64_t len) {
-    float acc = 0.f;
-    for (int64_t e = 0; e < len; ++e) acc += p[e] * q[e];
-    return acc;
-  }
+
 };
 
 // silu(g) * u, with the exponential of a non-positive argument only
@@ -785,10 +816,16 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
   float* scores = Scratch::sized(s.scores, threads * nh * width * bs);
   const int64_t kmax = std::max(std::max(h, inter), nh * d);
   float* tiles = Scratch::sized(s.tiles, threads * 8 * kmax);        // per thread: gate's and up's tiles
-  bool adapted = false;                              // some computed row has a LoRA adapter
-  for (int64_t b = 0; b < rows; ++b) adapted = adapted || (slots[b] >= 0 && lora[b] > 0);
+  // the computed rows that have a LoRA adapter, sorted by slot; thread t takes a contiguous share of them, so
+  // that each slot's matrices are read once per thread and product however many rows use it
+  std::vector<int64_t> lora_rows;
+  for (int64_t b = 0; b < rows; ++b)
+    if (slots[b] >= 0 && lora[b] > 0) lora_rows.push_back(b);
+  std::stable_sort(lora_rows.begin(), lora_rows.end(), [&](int64_t p, int64_t q) { return lora[p] < lora[q]; });
+  const bool adapted = !lora_rows.empty();
   const int64_t lora_width = 3 * lora_qkv.r;        // the widest u (q/k/v: 3 R)
-  float* lora_u = adapted ? Scratch::sized(s.lora, threads * rows * lora_width) : nullptr;
+  float* lora_u = adapted ? Scratch::sized(s.lora, rows * lora_width) : nullptr;    // A x of adapted rows
+  float* lora_gu = adapted ? Scratch::sized(s.lora_gate_up, rows * 2 * inter) : nullptr;    // gate/up deltas
   const llm_serving::AttentionShape ash{kvh, nh / kvh, d, width, bs};
   const float q_scale = 1.f / std::sqrt(static_cast<float>(d));
   Barrier barrier(threads);
@@ -799,21 +836,34 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
     float* xn = normed + tid * rows * std::max(h, d);
     float* tile = tiles + tid * 8 * kmax;
     // 1. q/k/v of every row (each thread normalizes the inputs itself: no barrier for it)
-    float* u = adapted ? lora_u + tid * rows * lora_width : nullptr;   // this thread's A x of adapted rows
-    // out[b, r0..r1) += the adapted rows' LoRA deltas
-    auto add_lora = [&](const LoraProduct& lp, float* y, int64_t stride, int64_t r0, int64_t r1) {
-      for (int64_t b = 0; adapted && b < rows; ++b) {
-        if (lora[b] <= 0 || slots[b] < 0) continue;
-        for (int64_t j = r0; j < r1; ++j) y[b * stride + j] += lp.delta(lora[b], j, u + b * lp.parts * lp.r);
+    // LoRA: this thread's share of the adapted rows computes their u = A x (before a product) and adds their
+    // B u (after it, once every thread's part of the product is written), a run of rows of one slot at a time
+    const int64_t mine0 = static_cast<int64_t>(lora_rows.size()) * tid / nthreads;
+    const int64_t mine1 = static_cast<int64_t>(lora_rows.size()) * (tid + 1) / nthreads;
+    auto by_slot = [&](auto&& fn) {
+      for (int64_t at = mine0, end; at < mine1; at = end) {
+        for (end = at + 1; end < mine1 && lora[lora_rows[end]] == lora[lora_rows[at]];) ++end;
+        fn(lora[lora_rows[at]], lora_rows.data() + at, end - at);
       }
     };
+    auto project = [&](const LoraProduct& lp, const float* in, int64_t k_in) {
+      by_slot([&](int32_t slot, const int64_t* rs, int64_t count) {
+        lp.project(slot, rs, count, in, k_in, lora_u, lora_width);
+      });
+    };
+    auto add_rows = [&](const LoraProduct& lp, float* y, int64_t stride) {
+      by_slot([&](int32_t slot, const int64_t* rs, int64_t count) { lp.add(slot, rs, count, lora_u, lora_width, y, stride); });
+    };
     rms_normalize(x, rows, h, eps, in_gain, xn);
-    if (adapted) lora_qkv.project(xn, lora, rows, u);
+    project(lora_qkv, xn, h);
     claim_rows(next_qkv, nqkv, nthreads, [&](int64_t r0, int64_t r1) {
       matvec(qkv_w, xn, rows, r0, r1, tile, [&](int64_t b, int64_t r, float v) { qkv[b * nqkv + r] = v + qkv_b[r]; });
-      add_lora(lora_qkv, qkv, nqkv, r0, r1);
     });
     barrier.wait();
+    if (adapted) {
+      add_rows(lora_qkv, qkv, nqkv);
+      barrier.wait();
+    }
     // 2. RoPE on q and k (q also scaled by 1/sqrt(D)), then k and v into the cache at the token's slot
     for (int64_t b = tid; b < rows; b += nthreads) {
       if (slots[b] < 0) {
@@ -845,15 +895,25 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
     }
     barrier.wait();
     // 4. out = x + attn . o_w^T
-    if (adapted) lora_o.project(attn, lora, rows, u);
+    project(lora_o, attn, nh * d);
     claim_rows(next_o, h, nthreads, [&](int64_t r0, int64_t r1) {
       matvec(o_w, attn, rows, r0, r1, tile, [&](int64_t b, int64_t r, float v) { out[b * h + r] = x[b * h + r] + v; });
-      add_lora(lora_o, out, h, r0, r1);
     });
     barrier.wait();
+    if (adapted) {
+      add_rows(lora_o, out, h);
+      barrier.wait();
+    }
     // 5. act = silu(gate) * up, each chunk of units j (gate row j, up row I + j) by one thread
     rms_normalize(out, rows, h, eps, post_gain, xn);
-    if (adapted) lora_gate_up.project(xn, lora, rows, u);
+    if (adapted) {                                  // each adapted row's gate/up deltas, whole, before the tiles
+      project(lora_gate_up, xn, h);
+      by_slot([&](int32_t, const int64_t* rs, int64_t count) {
+        for (int64_t at = 0; at < count; ++at) std::fill(lora_gu + rs[at] * 2 * inter, lora_gu + (rs[at] + 1) * 2 * inter, 0.f);
+      });
+      add_rows(lora_gate_up, lora_gu, 2 * inter);
+      barrier.wait();
+    }
     claim_rows(next_unit, inter, nthreads, [&](int64_t r0, int64_t r1) {
       for (int64_t j = r0; j < r1; j += 4) {
         const int64_t n = std::min<int64_t>(4, r1 - j);
@@ -880,10 +940,10 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
           for (int b = 0; adapted && b < bb; ++b) {
             const int64_t row = b0 + b;
             if (lora[row] <= 0 || slots[row] < 0) continue;
-            const float* ur = u + row * 2 * lora_gate_up.r;
+            const float* g = lora_gu + row * 2 * inter + j;
             for (int64_t i = 0; i < n; ++i) {
-              gate[i][b] += lora_gate_up.delta(lora[row], j + i, ur);
-              up[i][b] += lora_gate_up.delta(lora[row], inter + j + i, ur);
+              gate[i][b] += g[i];
+              up[i][b] += g[inter + i];
             }
           }
           for (int64_t i = 0; i < n; ++i)
@@ -893,11 +953,14 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
     });
     barrier.wait();
     // 6. out += act . down_w^T
-    if (adapted) lora_down.project(act, lora, rows, u);
+    project(lora_down, act, inter);
     claim_rows(next_down, h, nthreads, [&](int64_t r0, int64_t r1) {
       matvec(down_w, act, rows, r0, r1, tile, [&](int64_t b, int64_t r, float v) { out[b * h + r] += v; });
-      add_lora(lora_down, out, h, r0, r1);
     });
+    if (adapted) {
+      barrier.wait();
+      add_rows(lora_down, out, h);
+    }
   });
   return 0;
 }
