@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -366,6 +367,36 @@ class TokenizerConfig:
                "must be a path to a sentencepiece .model, a tokenizer.json or a .gguf file")
 
 
+LORA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")     # an adapter's name: a URL path segment
+
+
+@dataclass
+class LoraConfig:
+    """`lora_config`: LoRA adapters of the served model (PEFT directories, models/lora.py), each selected per
+    request by its name (the OpenAI `model` field, TGI's `adapter_id`, /models/{name}/generate). Requests of
+    different adapters share a step: each adapter sits in one of `max_loras` slots of the agents' stacked
+    adapter weights (one agent; no tensor parallelism yet)."""
+
+    adapters: dict = field(default_factory=dict)   # {name: adapter directory}, loaded at start into slots
+                                              # 1, 2, ... in this order
+    max_loras: int = 4                        # adapter slots on the agents (besides slot 0, the base model);
+                                              # at least as many as adapters
+    max_lora_rank: int = 16                   # adapters of a higher rank are refused
+
+    def __post_init__(self) -> None:
+        if self.adapters is None:
+            self.adapters = {}
+        _check(isinstance(self.adapters, dict), "lora_config.adapters", self.adapters,
+               "must be a mapping of adapter name to adapter directory")
+        for name, path in self.adapters.items():
+            _check(isinstance(name, str) and LORA_NAME.fullmatch(name) is not None, "lora_config.adapters",
+                   name, "an adapter name is 1-128 letters, digits, '.', '_' or '-' (it appears in URL paths)")
+            _check(isinstance(path, str) and path != "", f"lora_config.adapters.{name}", path,
+                   "must be the path of a PEFT adapter directory")
+        _check_int("lora_config.max_loras", self.max_loras)
+        _check_int("lora_config.max_lora_rank", self.max_lora_rank)
+
+
 # llm-serving keys that describe its MindIR / MindSpore-Lite pipeline; accepted, warned about, unused.
 IGNORED_KEYS = {
     "model_config": {"model_type", "seq_type", "batch_waiting_time",
@@ -376,6 +407,7 @@ IGNORED_KEYS = {
     "pa_config": set(),
     "scheduler_config": set(),
     "spec_config": set(),
+    "lora_config": set(),
 }
 IGNORED_SECTIONS = {"model_path", "basic_inputs", "extra_inputs", "warmup_inputs", "post_model_batch_size"}
 
@@ -390,6 +422,7 @@ class Config:
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec_config: SpecConfig = field(default_factory=SpecConfig)
+    lora_config: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
         mc, sc, pa, sched = self.model_config, self.serving_config, self.pa_config, self.scheduler_config
@@ -419,6 +452,16 @@ class Config:
             _check(not spec.draft_agent_port or spec.draft_agent_port not in sc.agent_ports,
                    "spec_config.draft_agent_port", spec.draft_agent_port,
                    f"must differ from serving_config.agent_ports ({sc.agent_ports})")
+        lora = self.lora_config
+        if lora.adapters:
+            _check(len(lora.adapters) <= lora.max_loras, "lora_config.adapters", sorted(lora.adapters),
+                   f"{len(lora.adapters)} adapters need as many slots: set lora_config.max_loras >= "
+                   f"{len(lora.adapters)} (it is {lora.max_loras})")
+            _check(len(sc.agent_ports) == 1, "lora_config.adapters", sorted(lora.adapters),
+                   "LoRA adapters are served by one agent (serving_config.agent_ports has "
+                   f"{len(sc.agent_ports)}: tensor parallelism does not shard adapters yet)")
+            _check(mc.model_name not in lora.adapters, "lora_config.adapters", mc.model_name,
+                   "an adapter cannot have the served model's own name")
         if pa.num_blocks != "auto":
             _check(pa.num_blocks >= self.max_blocks_per_seq, "pa_config.num_blocks", pa.num_blocks,
                    f"must hold at least one longest sequence ({self.max_blocks_per_seq} blocks of "
@@ -468,6 +511,7 @@ class Config:
         mc, sc = raw["model_config"], raw["serving_config"]
         mc["model_path"] = model_path or spec.draft_model or mc["model_path"]
         mc["num_layers"] = spec.draft_num_layers
+        raw["lora_config"]["adapters"] = {}       # the draft proposes from its own (base) weights
         decode = mc["decode_batch_size"]
         wide = [b for b in decode if b >= spec.max_batch_size]
         mc["decode_batch_size"] = [b for b in decode if b < spec.max_batch_size] + [wide[0] if wide else decode[-1]]
@@ -483,7 +527,8 @@ class Config:
 
 
 _SECTION_CLASSES = {"model_config": ModelConfig, "serving_config": ServingConfig, "pa_config": PAConfig,
-                    "tokenizer": TokenizerConfig, "scheduler_config": SchedulerConfig, "spec_config": SpecConfig}
+                    "tokenizer": TokenizerConfig, "scheduler_config": SchedulerConfig, "spec_config": SpecConfig,
+                    "lora_config": LoraConfig}
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:

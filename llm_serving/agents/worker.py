@@ -27,6 +27,7 @@ class Worker:
 
     def __init__(self, config, model_dir: str, rank: int, device_id: int, tp_comm: str | None = None):
         from llm_serving.models.parallel import TensorParallel, all_reduce_backend, pin_cpu_cores
+        from llm_serving.models.lora import load_lora_adapter
         from llm_serving.models.runner import ModelRunner  # MindSpore is imported only in agents
 
         mc, pa, sc = config.model_config, config.pa_config, config.serving_config
@@ -52,11 +53,18 @@ class Worker:
             decode_block_widths=config.decode_block_widths, device_target=mc.device_target, device_id=device_id,
             num_threads=num_threads, attention_kernel=mc.attention_kernel, layer_kernel=mc.layer_kernel,
             layer_kernel_rows=mc.layer_kernel_max_tokens, keep_quantized=mc.keep_quantized,
+            lora_slots=config.lora_config.max_loras if config.lora_config.adapters else 0,
+            lora_rank=config.lora_config.max_lora_rank,
             max_step_tokens=sc.max_num_batched_tokens, tp=self.tp, tp_timeout_s=sc.step_timeout_s,
             verify_width=config.spec_config.tokens_per_row, verify_rows=config.spec_config.max_batch_size,
             num_layers=mc.num_layers, decode_run_steps=config.scheduler_config.decode_steps,
             decode_run_rows=config.scheduler_config.decode_steps_max_rows,
             compile_cache=True)   # one runner per agent process, warmed up in a fixed order
+        for slot, (name, path) in enumerate(config.lora_config.adapters.items(), start=1):
+            adapter = load_lora_adapter(name, path, self.runner.config, config.lora_config.max_lora_rank)
+            self.runner.set_lora(slot, adapter)
+            logger.info("LoRA adapter %r (rank %d, %s) in slot %d: %.1f MB", name, adapter.rank,
+                        "/".join(adapter.target_modules), slot, adapter.nbytes / 1e6)
         self._start_timeout_s = sc.agent_start_timeout_s
 
     def warmup(self) -> None:
@@ -102,7 +110,7 @@ class Worker:
                          "prompt_len": b.prompt_len[:n], "repetition": b.repetition_penalty[:n],
                          "presence": b.presence_penalty[:n], "frequency": b.frequency_penalty[:n]}
         token_ids, logprobs, *more = self.runner.execute(*self._inputs(n, s), return_logits=capture, top_n=top_n,
-                                                         penalties=penalties)
+                                                         penalties=penalties, lora=b.lora[:n])
         model_s = time.perf_counter() - t0
         logits = more.pop(0) if capture else None
         if self.tp.writes_outputs:
@@ -134,7 +142,7 @@ class Worker:
         else:
             tokens, logprobs = self.runner.execute_decode_run(b.input_ids[:n, 0], b.positions[:n, 0],
                                                               b.slot_mapping[:n, :k], b.block_tables[:n],
-                                                              b.context_lens[:n])
+                                                              b.context_lens[:n], lora=b.lora[:n])
             self.num_steps += 1
         model_s = time.perf_counter() - t0
         if self.tp.writes_outputs:
@@ -157,7 +165,7 @@ class Worker:
                 b.context_lens[:n] += 1
             b.slot_mapping[:n, 0] = slots[:, j]
             token_ids, lps, logits = self.runner.execute(*(a[rows] for a in self._inputs(n, 1)),
-                                                         return_logits=True)
+                                                         return_logits=True, lora=b.lora[:n][rows])
             tokens[rows, j], logprobs[rows, j] = token_ids, lps
             if self.capture_dir is not None:
                 self._write_capture(rows, 1, token_ids, logits)
@@ -169,7 +177,7 @@ class Worker:
         t0 = time.perf_counter()
         token_ids, logprobs = self.runner.execute(*self._inputs(n, s), top_n=b.top_n[:n],
                                                   verify_u=b.verify_random_u[:n, :s],
-                                                  verify_parent=b.verify_parent[:n, :s])
+                                                  verify_parent=b.verify_parent[:n, :s], lora=b.lora[:n])
         model_s = time.perf_counter() - t0
         if self.tp.writes_outputs:
             b.out_verify_ids[:n, :s] = token_ids

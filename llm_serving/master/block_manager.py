@@ -86,7 +86,8 @@ class BlockManager:
                     del self.evictable[b]
                 self.ref_counts[b] += 1
                 table.append(b)
-            self._registered[req_id] = (len(prefix), self._identity[prefix[-1]] if prefix else 0)
+            if prefix:                   # (without one, cache_full_blocks starts the chain at the request's root)
+                self._registered[req_id] = (len(prefix), self._identity[prefix[-1]])
         elif prefix:
             raise ValueError(f"{req_id} already has blocks; a prefix can only start a table")
         for _ in range(self.num_missing_blocks(req_id, num_tokens)):
@@ -127,13 +128,15 @@ class BlockManager:
 
     # --- prefix caching ----------------------------------------------------------------------------
 
-    def match_prefix(self, token_ids: list) -> tuple:
+    def match_prefix(self, token_ids: list, root: int = 0) -> tuple:
         """The cached blocks that hold the longest prefix of token_ids, stopping before the block that
-        holds the last token (it must be computed to sample the next one)."""
+        holds the last token (it must be computed to sample the next one). `root` starts the chain of block
+        keys: requests whose KV differs for the same tokens (a LoRA adapter's) share blocks only among
+        themselves (0: the base model; see cache_full_blocks)."""
         if not self.enable_prefix_caching:
             return ()
         bs = self.block_size
-        parent, blocks = 0, []
+        parent, blocks = -root if root else 0, []
         for i in range((len(token_ids) - 1) // bs):
             block = self._block_of.get((parent, tuple(token_ids[i * bs:(i + 1) * bs])))
             if block is None:
@@ -142,13 +145,15 @@ class BlockManager:
             parent = self._identity[block]
         return tuple(blocks)
 
-    def cache_full_blocks(self, req_id: str, tokens: Callable[[int, int], list], num_computed_tokens: int) -> None:
+    def cache_full_blocks(self, req_id: str, tokens: Callable[[int, int], list], num_computed_tokens: int,
+                          root: int = 0) -> None:
         """Register req_id's blocks that are now full of computed tokens, so later requests can share them;
-        tokens(start, stop) gives the request's tokens (read only for blocks that just filled)."""
+        tokens(start, stop) gives the request's tokens (read only for blocks that just filled). `root` (>= 0):
+        as match_prefix's; block identities are positive, so a root of -root never meets one."""
         if not self.enable_prefix_caching or req_id not in self.block_tables:
             return
         bs, table = self.block_size, self.block_tables[req_id]
-        done, parent = self._registered.get(req_id, (0, 0))
+        done, parent = self._registered.get(req_id, (0, -root if root else 0))
         if num_computed_tokens // bs <= done:
             return
         for i in range(done, num_computed_tokens // bs):

@@ -44,6 +44,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.model_path = model_dir
+        # LoRA adapters served on the base model: name -> the agent's slot (lora_config order, from 1)
+        self.lora_slots = {name: slot for slot, name in enumerate(config.lora_config.adapters, start=1)}
         self.max_model_len = config.max_model_len
         self.block_manager = BlockManager(config.pa_config.num_blocks, config.pa_config.block_size,
                                           enable_prefix_caching=config.scheduler_config.enable_prefix_caching)
@@ -181,14 +183,21 @@ class Engine:
 
     # --- requests ----------------------------------------------------------------------------------
 
-    def submit(self, prompt_ids: list, sampling: SamplingParams, req_id: Optional[str] = None) -> Request:
-        """Queue a validated request (see server/schemas.py). Raises QueueFullError past the queue bounds,
-        DuplicateRequestError when req_id names a request still in flight."""
+    def submit(self, prompt_ids: list, sampling: SamplingParams, req_id: Optional[str] = None,
+               adapter: Optional[str] = None) -> Request:
+        """Queue a validated request (see server/schemas.py), on the base model or LoRA adapter `adapter` (a
+        name in self.lora_slots). Raises QueueFullError past the queue bounds, DuplicateRequestError when req_id
+        names a request still in flight, KeyError for an adapter not served here."""
         if self.failed_reason or self.draining_reason or not self.running:
             raise EngineStoppedError(self.failed_reason or self.draining_reason or "engine is not running")
         if req_id is not None and req_id in self.requests:
             raise DuplicateRequestError(f"request id {req_id!r} is already in use by a request in flight")
-        req = Request(prompt_ids, sampling, self.stop_token_ids, req_id=req_id)
+        slot = 0
+        if adapter is not None:
+            if adapter not in self.lora_slots:
+                raise KeyError(f"LoRA adapter {adapter!r} is not served here")
+            slot = self.lora_slots[adapter]
+        req = Request(prompt_ids, sampling, self.stop_token_ids, req_id=req_id, lora_slot=slot)
         self.scheduler.add(req)
         self.num_prompt_tokens += len(req.prompt_ids)
         self.requests[req.req_id] = req

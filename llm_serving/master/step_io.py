@@ -134,6 +134,7 @@ class StepIO:
         b.history_len[i] = 0                        # written per step for rows with a penalty
         b.prompt_len[i] = len(req.prompt_ids)
         b.request_ids[i] = req.number
+        b.lora[i] = req.lora_slot
         rows[i] = RowState(req, table, len(table))
 
     @staticmethod

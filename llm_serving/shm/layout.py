@@ -25,6 +25,7 @@ says n and s.
                                                                          penalty
   history_len    int32    (max_rows,)                        master      valid entries of history (0 = none)
   prompt_len     int32    (max_rows,)                        master      history[prompt_len:] is the output
+  lora           int32    (max_rows,)                        master      LoRA adapter slot per row (0 = none)
   request_ids    int64    (max_rows,)                        master      request number per row (tracing,
                                                                          logits capture; not used by the model)
   out_token_ids  int32    (max_rows,)                        agent 0     sampled next token per row
@@ -101,6 +102,7 @@ class StepLayout:
             ArraySpec("history", np.int32, (r, c)),
             ArraySpec("history_len", np.int32, (r,)),
             ArraySpec("prompt_len", np.int32, (r,)),
+            ArraySpec("lora", np.int32, (r,)),
             ArraySpec("request_ids", np.int64, (r,)),
             ArraySpec("out_token_ids", np.int32, (r,)),
             ArraySpec("out_logprobs", np.float32, (r,)),

@@ -108,3 +108,19 @@ def test_invariant_check_catches_a_lost_block_and_a_wrong_reference_count():
     bm.free_block_ids.pop()
     with pytest.raises(AssertionError, match="lost"):
         bm.check_invariants()
+
+
+def test_prefixes_are_shared_only_under_the_same_root():
+    """A LoRA adapter's KV differs from the base model's for the same tokens: a request's root (its adapter
+    slot) starts its chain of block keys, so blocks are shared among requests of one root only."""
+    bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    tokens = list(range(1, 14))                                  # 3 full blocks + 1 token
+    for req, root in (("base", 0), ("lora2", 2)):
+        bm.allocate(req, len(tokens), bm.match_prefix(tokens, root))
+        bm.cache_full_blocks(req, lambda a, b: tokens[a:b], len(tokens), root)
+    assert len(bm.match_prefix(tokens, 0)) == 3 and len(bm.match_prefix(tokens, 2)) == 3
+    assert set(bm.match_prefix(tokens, 0)).isdisjoint(bm.match_prefix(tokens, 2))
+    assert bm.match_prefix(tokens, 0) == tuple(bm.block_tables["base"][:3])
+    assert bm.match_prefix(tokens, 2) == tuple(bm.block_tables["lora2"][:3])
+    assert bm.match_prefix(tokens, 1) == ()                       # another adapter: nothing cached yet
+    bm.check_invariants()

@@ -289,3 +289,26 @@ def test_decode_runs_settings_and_the_output_width_they_need():
                         ("scheduler_config.decode_steps_max_rows=0", "integer >= 1")):
         with pytest.raises(ConfigError, match=needle):
             config_from_dict({}, [bad])
+
+
+def test_lora_config_names_slots_and_rank():
+    from llm_serving.config import ConfigError, config_from_dict
+
+    lc = config_from_dict({}).lora_config
+    assert (lc.adapters, lc.max_loras, lc.max_lora_rank) == ({}, 4, 16)
+    lc = config_from_dict({"lora_config": {"adapters": {"sql-v2": "/a", "chat_1": "/b"}}},
+                          ["lora_config.max_loras=2", "lora_config.max_lora_rank=64"]).lora_config
+    assert (lc.adapters, lc.max_loras, lc.max_lora_rank) == ({"sql-v2": "/a", "chat_1": "/b"}, 2, 64)
+    for bad, needle in (({"adapters": ["/a"]}, "mapping of adapter name"),
+                        ({"adapters": {"a/b": "/a"}}, "URL paths"),
+                        ({"adapters": {"a": ""}}, "PEFT adapter directory"),
+                        ({"max_loras": 0}, "integer >= 1"), ({"max_lora_rank": "big"}, "integer >= 1"),
+                        ({"rank": 8}, "unknown config key lora_config.rank")):
+        with pytest.raises(ConfigError, match=needle):
+            config_from_dict({"lora_config": bad})
+    with pytest.raises(ConfigError, match="max_loras >= 3"):
+        config_from_dict({"lora_config": {"adapters": {"a": "/a", "b": "/b", "c": "/c"}, "max_loras": 2}})
+    with pytest.raises(ConfigError, match="served by one agent"):
+        config_from_dict({"lora_config": {"adapters": {"a": "/a"}}}, ["serving_config.agent_ports=[0,0]"])
+    with pytest.raises(ConfigError, match="served model's own name"):
+        config_from_dict({"lora_config": {"adapters": {"m": "/a"}}}, ["model_config.model_name=m"])
