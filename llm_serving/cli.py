@@ -174,11 +174,37 @@ def resolve_model(config) -> tuple:
         except WeightLoadError as e:
             raise ConfigError(f"spec_config.draft_model={spec.draft_model!r}: {e}") from None
         spec.draft_model = str(draft)
+    _check_lora_adapters(config, str(model_path), name)
     try:
         vocab = find_tokenizer_file(str(model_path), config.tokenizer.vocab_file)
     except FileNotFoundError as e:
         raise ConfigError(str(e)) from None
     return str(Path(model_path).resolve()), name, vocab
+
+
+def _check_lora_adapters(config, model_path: str, model_name: str) -> None:
+    """Every lora_config adapter read and checked against the base model now, before any agent starts (a
+    ConfigError naming the adapter and the tensor or key that does not fit), its path made absolute."""
+    from llm_serving.config import ConfigError
+    from llm_serving.models.lora import LoraError, load_lora_adapter
+    from llm_serving.models.weights import checkpoint_config
+
+    lora = config.lora_config
+    if not lora.adapters:
+        return
+    if model_name in lora.adapters:
+        raise ConfigError(f"lora_config.adapters: {model_name!r} is the served model's name; name the adapter "
+                          "otherwise")
+    cfg = checkpoint_config(model_path)
+    for name, path in list(lora.adapters.items()):
+        resolved = str(Path(path).expanduser().resolve())
+        try:
+            adapter = load_lora_adapter(name, resolved, cfg, lora.max_lora_rank)
+        except LoraError as e:
+            raise ConfigError(f"lora_config.adapters.{name}: {e}") from None
+        lora.adapters[name] = resolved
+        logger.info("LoRA adapter %r: rank %d on %s (%.1f MB)", name, adapter.rank, "/".join(adapter.target_modules),
+                    adapter.nbytes / 1e6)
 
 
 async def serve(config, model_dir: str, model_name: str, vocab_file: str) -> None:

@@ -43,8 +43,8 @@ import numpy as np
 
 from .parallel import TensorParallel
 
-__all__ = ["LlamaConfig", "QuantizedTensor", "StoredTensor", "WeightLoadError", "detect_format", "load_config",
-           "load_llama_weights", "load_quantized", "expected_shapes"]
+__all__ = ["LlamaConfig", "QuantizedTensor", "StoredTensor", "WeightLoadError", "checkpoint_config", "detect_format",
+           "load_config", "load_llama_weights", "load_quantized", "expected_shapes"]
 
 
 class WeightLoadError(ValueError):
@@ -597,6 +597,11 @@ def _checked_stored(path: str, num_layers: Optional[int]) -> tuple[LlamaConfig, 
                                   f"(expected shape {shape})")
         _check_shape(name, stored[name], shape)
     return cfg, stored
+
+
+def checkpoint_config(path: str) -> LlamaConfig:
+    """The LlamaConfig of any supported checkpoint (its tensors checked but not read)."""
+    return _checked_stored(os.fspath(path), None)[0]
 
 
 def load_llama_weights(path: str, tp: Optional[TensorParallel] = None,

@@ -15,23 +15,38 @@ REQUEST_ID_HEADER = "X-Request-Id"
 logger = logging.getLogger(__name__)
 
 
+def served_models(engine) -> str:
+    return ", ".join(repr(m) for m in (engine.model_name, *engine.lora_slots))
+
+
 async def _read_request(request: web.Request, stream_default: bool):
+    """(engine, request, prompt ids, request id, LoRA adapter or None): the path's model (the base model or an
+    adapter's name) or TGI's parameters.adapter_id picks the adapter."""
     engine = request.app[ENGINE]
     model = request.match_info.get("model")
-    if model is not None and model != engine.model_name:
+    if model is not None and model != engine.model_name and model not in engine.lora_slots:
         raise schemas.ModelNotFoundError(f"model {model!r} is not served here; this server serves "
-                                         f"{engine.model_name!r}")
+                                         f"{served_models(engine)}")
     body = schemas.parse_json_body(await request.read())
     gen = schemas.parse_generate(body, stream_default=stream_default, vocab_size=engine.tokenizer.vocab_size)
+    adapter = model if model is not None and model != engine.model_name else None
+    if gen.adapter_id is not None:
+        if gen.adapter_id not in engine.lora_slots:
+            raise schemas.ModelNotFoundError(f"LoRA adapter {gen.adapter_id!r} (parameters.adapter_id) is not "
+                                             f"served here; adapters: {', '.join(map(repr, engine.lora_slots)) or 'none'}")
+        if adapter is not None and adapter != gen.adapter_id:
+            raise schemas.ValidationError(f"parameters.adapter_id {gen.adapter_id!r} differs from the path's "
+                                          f"model {adapter!r}")
+        adapter = gen.adapter_id
     prompt_ids = engine.tokenizer.encode(gen.inputs, add_bos=True)
     schemas.check_lengths(gen, len(prompt_ids), engine.max_model_len)
     req_id = schemas.parse_request_id(request.headers.get(REQUEST_ID_HEADER))
-    return engine, gen, prompt_ids, req_id
+    return engine, gen, prompt_ids, req_id, adapter
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
-    engine, gen, prompt_ids, req_id = await _read_request(request, stream_default=False)
-    req = engine.submit(prompt_ids, gen.sampling, req_id=req_id)
+    engine, gen, prompt_ids, req_id, adapter = await _read_request(request, stream_default=False)
+    req = engine.submit(prompt_ids, gen.sampling, req_id=req_id, adapter=adapter)
     try:
         if gen.stream:
             return await _stream(request, req, gen)
@@ -63,9 +78,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
 
 async def generate_stream(request: web.Request) -> web.StreamResponse:
-    engine, gen, prompt_ids, req_id = await _read_request(request, stream_default=True)
+    engine, gen, prompt_ids, req_id, adapter = await _read_request(request, stream_default=True)
     gen.stream = True
-    req = engine.submit(prompt_ids, gen.sampling, req_id=req_id)
+    req = engine.submit(prompt_ids, gen.sampling, req_id=req_id, adapter=adapter)
     try:
         return await _stream(request, req, gen)
     finally:

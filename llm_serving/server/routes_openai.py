@@ -56,9 +56,9 @@ def _model(engine, body: dict) -> str:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise ValidationError("'model' is required: the served model's id (GET /v1/models)", param="model")
-    if model != engine.model_name:
-        raise schemas.ModelNotFoundError(f"the model {model!r} does not exist; this server serves "
-                                         f"{engine.model_name!r}")
+    if model != engine.model_name and model not in engine.lora_slots:
+        served = ", ".join(repr(m) for m in (engine.model_name, *engine.lora_slots))
+        raise schemas.ModelNotFoundError(f"the model {model!r} does not exist; this server serves {served}")
     return model
 
 
@@ -135,13 +135,15 @@ async def _read(request: web.Request, known: set):
     return engine, body, model, logprobs
 
 
-def _submit(engine, prompt_ids, sampling, n) -> list:
+def _submit(engine, prompt_ids, sampling, n, model: str) -> list:
+    """n requests of the prompt on `model`: the base model, or a LoRA adapter by its name."""
+    adapter = model if model != engine.model_name else None
     reqs = []
     try:
         for i in range(n):
             sp = sampling if i == 0 or sampling.seed is None else \
                 dataclasses.replace(sampling, seed=(sampling.seed + i) % (1 << 63))
-            reqs.append(engine.submit(prompt_ids, sp))
+            reqs.append(engine.submit(prompt_ids, sp, adapter=adapter))
     except BaseException:
         for req in reqs:
             engine.release(req)
@@ -305,7 +307,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     sampling, given, n, stream, include_usage = _sampling(body, "max_tokens", 16, engine.tokenizer.vocab_size)
     sampling.top_logprobs = logprobs or 0
     _fit(engine, sampling, given, prompt_ids, "max_tokens")
-    reqs = _submit(engine, prompt_ids, sampling, n)
+    reqs = _submit(engine, prompt_ids, sampling, n, model)
     return await _respond(request, engine, reqs, chat=False, model=model, stream=stream,
                           include_usage=include_usage, logprobs=logprobs is not None)
 
@@ -327,7 +329,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                                                           engine.tokenizer.vocab_size)
     sampling.top_logprobs = top
     _fit(engine, sampling, given, prompt_ids, key)
-    reqs = _submit(engine, prompt_ids, sampling, n)
+    reqs = _submit(engine, prompt_ids, sampling, n, model)
     return await _respond(request, engine, reqs, chat=True, model=model, stream=stream,
                           include_usage=include_usage, logprobs=bool(logprobs))
 
@@ -340,9 +342,11 @@ def _fit(engine, sampling, given: bool, prompt_ids: list, field: str) -> None:
 
 async def models(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
-    return web.json_response({"object": "list", "data": [
-        {"id": engine.model_name, "object": "model", "created": int(engine.start_time), "owned_by": "llm-serving",
-         "max_model_len": engine.max_model_len}]})
+    base = {"id": engine.model_name, "object": "model", "created": int(engine.start_time), "owned_by": "llm-serving",
+            "max_model_len": engine.max_model_len}
+    adapters = [{**base, "id": name, "parent": engine.model_name, "root": engine.model_name}
+                for name in engine.lora_slots]                  # LoRA adapters, as vLLM lists them
+    return web.json_response({"object": "list", "data": [base, *adapters]})
 
 
 def add_routes(app: web.Application) -> None:

@@ -32,6 +32,7 @@ class GenerateRequest:
     return_full_text: bool
     details: bool
     max_new_tokens_given: bool
+    adapter_id: "str | None" = None       # TGI's parameters.adapter_id: a LoRA adapter served here
 
 
 # Known TGI / llm-serving parameters that this version does not implement yet: accepted only when null
@@ -40,7 +41,8 @@ NEUTRAL_PARAMETERS = {"truncate": None, "typical_p": None,
                       "watermark": False, "decoder_input_details": False, "best_of": 1}
 KNOWN_PARAMETERS = {"max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed",
                     "return_full_text", "ignore_eos", "details", "stop", "stop_token_ids", "top_n_tokens",
-                    "repetition_penalty", "frequency_penalty", "presence_penalty", "speculative"} | set(NEUTRAL_PARAMETERS)
+                    "repetition_penalty", "frequency_penalty", "presence_penalty", "speculative",
+                    "adapter_id"} | set(NEUTRAL_PARAMETERS)
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
 
 
@@ -175,7 +177,15 @@ def parse_generate(body: dict, *, stream_default: bool = False, vocab_size: int 
     return GenerateRequest(inputs=inputs, sampling=sampling, stream=stream,
                            return_full_text=bool_field(params, "return_full_text", False),
                            details=bool_field(params, "details", False),
-                           max_new_tokens_given=max_new_tokens is not None)
+                           max_new_tokens_given=max_new_tokens is not None,
+                           adapter_id=_adapter_id(params.get("adapter_id")))
+
+
+def _adapter_id(value) -> "str | None":
+    if value is None or (isinstance(value, str) and value):
+        return value
+    raise ValidationError(f"parameters.adapter_id must be the name of a LoRA adapter served here (GET /v1/models), "
+                          f"got {value!r}")
 
 
 def parse_request_id(value):

@@ -1,0 +1,144 @@
+"""LoRA adapters served end to end: stories260K with two random PEFT adapters (lora_config.adapters), against a
+second server whose model is the merged W + scale * B A of one of them. An adapter is picked by the OpenAI
+`model` field, by /models/{adapter}/generate and by TGI's parameters.adapter_id; requests of the base model and
+both adapters share steps; unknown adapters are 404s; an adapter that does not fit refuses the start."""
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+
+import aiohttp
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from llm_serving.models.lora import load_lora_adapter, merge_lora, random_lora_tensors, write_peft_adapter
+from llm_serving.models.weights import load_llama_weights
+from tests.integration.server_harness import REPO, ServerProcess, http, leftovers, serving
+
+PROMPTS = ["Once upon a time", "Tom had a red ball", "The little bird"]
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _stories_args(model_dir, *sets):
+    args = ["--config", str(REPO / "configs" / "stories260K.yaml"), "--model", str(model_dir)]
+    for s in sets:
+        args += ["--set", s]
+    return args
+
+
+@pytest.fixture(scope="module")
+def adapters(shared_dir, tmp_path_factory):
+    """Two adapters (all projections, rank 4; q/v/down, rank 8 with rsLoRA) and the merged model of the first."""
+    pytest.importorskip("mindspore")
+    hf = shared_dir / "models" / "stories260K" / "hf"
+    cfg, weights = load_llama_weights(str(hf))
+    tmp = tmp_path_factory.mktemp("lora")
+    a = write_peft_adapter(tmp / "tales", random_lora_tensors(cfg, 4, ALL, seed=1, std=0.2), r=4, lora_alpha=8)
+    b = write_peft_adapter(tmp / "fables", random_lora_tensors(cfg, 8, ("q_proj", "v_proj", "down_proj"), seed=2,
+                                                                std=0.2), r=8, lora_alpha=8, use_rslora=True)
+    merged_dir = tmp / "merged"
+    merged_dir.mkdir()
+    for name in ("config.json", "tokenizer.model"):
+        shutil.copy(hf / name, merged_dir / name)
+    merged = merge_lora(weights, load_lora_adapter("tales", a, cfg))
+    save_file({k: np.ascontiguousarray(v) for k, v in merged.items()}, str(merged_dir / "model.safetensors"),
+              metadata={"format": "pt"})
+    return hf, {"tales": a, "fables": b}, merged_dir
+
+
+@pytest.fixture(scope="module")
+def lora_server(adapters, tmp_path_factory):
+    hf, paths, _ = adapters
+    spec = json.dumps(paths)
+    with serving(_stories_args(hf, f"lora_config.adapters={spec}"),
+                 tmp_path_factory.mktemp("lora_server") / "server.log") as server:
+        yield server
+
+
+def _greedy(url, model, prompt, n=24, route="openai"):
+    if route == "openai":
+        status, body = http("POST", url + "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": n,
+                                                              "temperature": 0, "ignore_eos": True})
+        assert status == 200, body
+        return body["choices"][0]["text"]
+    path, params = (f"/models/{model}/generate", {}) if route == "path" else ("/generate", {"adapter_id": model})
+    status, body = http("POST", url + path, {"inputs": prompt, "parameters": {"max_new_tokens": n,
+                                                                               "ignore_eos": True, **params}})
+    assert status == 200, body
+    return body["generated_text"]
+
+
+def test_adapters_are_listed_as_models_of_the_base(lora_server):
+    status, body = http("GET", lora_server.url + "/v1/models")
+    assert status == 200
+    assert [(m["id"], m.get("parent")) for m in body["data"]] == [("hf", None), ("tales", "hf"), ("fables", "hf")]
+    assert "LoRA adapter 'tales' (rank 4" in lora_server.log()
+
+
+def test_an_adapter_gives_the_merged_models_greedy_text(lora_server, adapters, tmp_path):
+    _, _, merged_dir = adapters
+    with serving(_stories_args(merged_dir), tmp_path / "merged.log") as merged:
+        want = [_greedy(merged.url, "merged", p) for p in PROMPTS]
+    for prompt, text in zip(PROMPTS, want):
+        assert _greedy(lora_server.url, "tales", prompt) == text
+        assert _greedy(lora_server.url, "tales", prompt, route="path") == text
+        assert _greedy(lora_server.url, "tales", prompt, route="adapter_id") == text
+    base = [_greedy(lora_server.url, "hf", p) for p in PROMPTS]
+    assert base != want                                   # the adapter changes what the model says
+
+
+def test_base_and_adapters_share_steps_each_row_its_own(lora_server):
+    """Six requests at once (base, tales, fables twice over): each gets the text it gets alone."""
+    url = lora_server.url
+    jobs = [(m, p) for p in PROMPTS[:2] for m in ("hf", "tales", "fables")]
+    alone = {job: _greedy(url, *job, n=32) for job in jobs}
+    assert len({alone[("hf", p)] for p in PROMPTS[:2]} | {alone[("fables", p)] for p in PROMPTS[:2]}) == 4
+
+    async def together():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+            async def one(model, prompt):
+                async with session.post(url + "/v1/completions", json={
+                        "model": model, "prompt": prompt, "max_tokens": 32, "temperature": 0,
+                        "ignore_eos": True}) as r:
+                    return (await r.json())["choices"][0]["text"]
+            return await asyncio.gather(*(one(*job) for job in jobs))
+
+    _, before = http("GET", url + "/stats")
+    texts = asyncio.run(together())
+    assert dict(zip(jobs, texts)) == alone
+    _, after = http("GET", url + "/stats")
+    shared = {int(k) for k, v in after["batch_sizes"].get("decode", {}).items()
+              if v > before["batch_sizes"].get("decode", {}).get(k, 0)}
+    assert max(shared) >= 3, after["batch_sizes"]           # rows of different adapters decoded together
+
+
+def test_unknown_adapters_are_404_in_each_api(lora_server):
+    url = lora_server.url
+    status, body = http("POST", url + "/v1/completions", {"model": "nope", "prompt": "Hi", "max_tokens": 2})
+    assert status == 404 and "'nope' does not exist" in body["error"]["message"] and "'tales'" in body["error"]["message"]
+    status, body = http("POST", url + "/models/nope/generate", {"inputs": "Hi"})
+    assert status == 404 and "'nope'" in body["error"]
+    status, body = http("POST", url + "/generate", {"inputs": "Hi", "parameters": {"adapter_id": "nope"}})
+    assert status == 404 and "adapter_id" in body["error"]
+    status, body = http("POST", url + "/models/tales/generate", {"inputs": "Hi",
+                                                                  "parameters": {"adapter_id": "fables"}})
+    assert status in (400, 422) and "differs from the path" in body["error"], body
+
+
+def test_an_adapter_that_does_not_fit_refuses_the_start(adapters, tmp_path):
+    hf, _, _ = adapters
+    cfg, _ = load_llama_weights(str(hf))
+    tensors = random_lora_tensors(cfg, 4, ("o_proj",), seed=3)
+    name = "base_model.model.model.layers.1.self_attn.o_proj.lora_A.weight"
+    tensors[name] = np.zeros((4, cfg.hidden_size + 8), np.float32)
+    bad = write_peft_adapter(tmp_path / "bad", tensors, r=4, lora_alpha=4)
+    server = ServerProcess(_stories_args(hf, f"lora_config.adapters={{odd: {bad}}}"), tmp_path / "bad.log")
+    try:
+        assert server.proc.wait(120) == 2
+    finally:
+        server.stop()
+    log = server.log()
+    assert "lora_config.adapters.odd" in log and name in log and f"(r, {cfg.hidden_size})" in log, log
+    assert leftovers(server) == []
