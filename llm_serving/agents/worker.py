@@ -63,8 +63,9 @@ class Worker:
         for slot, (name, path) in enumerate(config.lora_config.adapters.items(), start=1):
             adapter = load_lora_adapter(name, path, self.runner.config, config.lora_config.max_lora_rank)
             self.runner.set_lora(slot, adapter)
-            logger.info("LoRA adapter %r (rank %d, %s) in slot %d: %.1f MB", name, adapter.rank,
-                        "/".join(adapter.target_modules), slot, adapter.nbytes / 1e6)
+            logger.info("LoRA adapter %r (rank %d, %s) in slot %d: %.1f MB as read, %.1f MB per slot of rank %d",
+                        name, adapter.rank, "/".join(adapter.target_modules), slot, adapter.nbytes / 1e6,
+                        self.runner.lora_slot_bytes / 1e6, self.runner.lora_rank)
         self._start_timeout_s = sc.agent_start_timeout_s
 
     def warmup(self) -> None:

@@ -80,7 +80,7 @@ async def send(session: aiohttp.ClientSession, backend: str, url: str, model: Op
                *, ignore_eos: bool, t0: float) -> RequestResult:
     """Send one request; never raises for server or network failures (they land in `error`)."""
     res = RequestResult(sample.prompt_len, sample.max_new_tokens)
-    path, body = _payload(backend, model, sample, ignore_eos)
+    path, body = _payload(backend, sample.model or model, sample, ignore_eos)
     start = time.perf_counter()
     res.send_time = start - t0
     last = None

@@ -37,6 +37,7 @@ class Sample:
     prompt: str
     prompt_len: int          # tokens, as the client's tokenizer counts them (no BOS)
     max_new_tokens: int
+    model: Optional[str] = None   # the served model (or LoRA adapter) this request names; None: the run's model
 
 
 class TokenCounter:

@@ -104,6 +104,11 @@ class LoraStack:
         self.ops_b = np.zeros((n, slots * width), np.float32)
         self.col_slot = np.repeat(np.arange(slots, dtype=np.int32), width)   # (S*P*R,) the slot of each column
 
+    @property
+    def slot_nbytes(self) -> int:
+        """Bytes one slot takes in both forms."""
+        return (self.kernel_a.nbytes + self.kernel_b.nbytes + self.ops_a.nbytes + self.ops_b.nbytes) // self.slots
+
     def write(self, slot: int, deltas: list) -> None:
         """Slot `slot` holds these per-part deltas (LoraDelta or None for a part the adapter leaves alone)."""
         r, width = self.rank, len(self.parts) * self.rank

@@ -256,6 +256,12 @@ class ModelRunner:
             return self._execute_packed(step, return_logits)
         return self._execute_padded(step, nb, sb, return_logits)
 
+    @property
+    def lora_slot_bytes(self) -> int:
+        """Memory one LoRA adapter slot takes on this agent (the layer kernel's and MindSpore's forms, every
+        layer, at lora_rank); 0 without slots."""
+        return sum(st.slot_nbytes for layer in self.model.layers for st in layer.lora_stacks.values())
+
     def set_lora(self, slot: int, adapter) -> None:
         """LoRA adapter slot `slot` (1..lora_slots) now holds `adapter` (lora.load_lora_adapter's, checked
         against this model), or nothing (None): rows of later steps whose `lora` is `slot` run with it. The
