@@ -377,11 +377,25 @@ class LoraConfig:
     different adapters share a step: each adapter sits in one of `max_loras` slots of the agents' stacked
     adapter weights (one agent; no tensor parallelism yet)."""
 
+    enable_lora: bool = False                 # adapter slots on the agent even with no adapters at start (for
+                                              # POST /v1/load_lora_adapter); on whenever adapters are given
     adapters: dict = field(default_factory=dict)   # {name: adapter directory}, loaded at start into slots
                                               # 1, 2, ... in this order
     max_loras: int = 4                        # adapter slots on the agents (besides slot 0, the base model);
                                               # at least as many as adapters
     max_lora_rank: int = 16                   # adapters of a higher rank are refused
+    slots: Optional[dict] = None              # {name: slot}: kept by the master as adapters are loaded and
+                                              # unloaded at run time; null = 1, 2, ... in the order of adapters
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.enable_lora or self.adapters)
+
+    def slot_of(self) -> dict:
+        """{adapter name: its slot on the agents}."""
+        if self.slots is not None:
+            return dict(self.slots)
+        return {name: slot for slot, name in enumerate(self.adapters, start=1)}
 
     def __post_init__(self) -> None:
         if self.adapters is None:
@@ -395,6 +409,12 @@ class LoraConfig:
                    "must be the path of a PEFT adapter directory")
         _check_int("lora_config.max_loras", self.max_loras)
         _check_int("lora_config.max_lora_rank", self.max_lora_rank)
+        _check(isinstance(self.enable_lora, bool), "lora_config.enable_lora", self.enable_lora, "must be true or false")
+        if self.slots is not None:
+            _check(isinstance(self.slots, dict) and set(self.slots) == set(self.adapters)
+                   and all(isinstance(v, int) and 1 <= v <= self.max_loras for v in self.slots.values())
+                   and len(set(self.slots.values())) == len(self.slots), "lora_config.slots", self.slots,
+                   "must give each adapter its own slot in 1..max_loras")
 
 
 # llm-serving keys that describe its MindIR / MindSpore-Lite pipeline; accepted, warned about, unused.
@@ -453,11 +473,11 @@ class Config:
                    "spec_config.draft_agent_port", spec.draft_agent_port,
                    f"must differ from serving_config.agent_ports ({sc.agent_ports})")
         lora = self.lora_config
-        if lora.adapters:
+        if lora.enabled:
             _check(len(lora.adapters) <= lora.max_loras, "lora_config.adapters", sorted(lora.adapters),
                    f"{len(lora.adapters)} adapters need as many slots: set lora_config.max_loras >= "
                    f"{len(lora.adapters)} (it is {lora.max_loras})")
-            _check(len(sc.agent_ports) == 1, "lora_config.adapters", sorted(lora.adapters),
+            _check(len(sc.agent_ports) == 1, "lora_config", sorted(lora.adapters),
                    "LoRA adapters are served by one agent (serving_config.agent_ports has "
                    f"{len(sc.agent_ports)}: tensor parallelism does not shard adapters yet)")
             _check(mc.model_name not in lora.adapters, "lora_config.adapters", mc.model_name,
@@ -511,7 +531,7 @@ class Config:
         mc, sc = raw["model_config"], raw["serving_config"]
         mc["model_path"] = model_path or spec.draft_model or mc["model_path"]
         mc["num_layers"] = spec.draft_num_layers
-        raw["lora_config"]["adapters"] = {}       # the draft proposes from its own (base) weights
+        raw["lora_config"].update(adapters={}, slots=None, enable_lora=False)   # the draft proposes from its base weights
         decode = mc["decode_batch_size"]
         wide = [b for b in decode if b >= spec.max_batch_size]
         mc["decode_batch_size"] = [b for b in decode if b < spec.max_batch_size] + [wide[0] if wide else decode[-1]]

@@ -17,6 +17,9 @@ Commands (llm-serving's letters) and their messages, the dataclasses below (one 
   'c' Capture      dir: path | null, max_steps                   -> CaptureReply (dir, steps)
                    logits capture (rank 0): every step's inputs and full logits go to dir/step_NNNNNNNN.npz
                    (see agents/worker.py) until max_steps or a capture with dir null, which stops it
+  'l' LoadLora     slot, name, path | null                       -> LoraReply (slot, name, rank, slot_mb)
+                   LoRA adapter slot `slot` now holds the PEFT adapter at `path` (checked against the model),
+                   or nothing (path null); the master sends it only while no step in flight uses the slot
   'e' Exit         reply, then the agent exits                   -> Done
 A step reads rows 0..num_rows-1 of the step buffers, max_query_len tokens per row at most. Every reply's
 payload carries `seq` (the command's, so replies may come back out of order: the agent serves control
@@ -48,12 +51,13 @@ from typing import Any, ClassVar, Optional
 HEADER = struct.Struct(">I")          # uint32 frame length
 MAX_FRAME_BYTES = 1 << 20             # 1 MiB: commands are small, bulk data is in shm
 
-CONNECT, PREFILL, DECODE, VERIFY, HEALTH, RESET, EXIT, CAPTURE, REPLY = "#", "*", "a", "v", "h", "r", "e", "c", "R"
-COMMANDS = {CONNECT, PREFILL, DECODE, VERIFY, HEALTH, RESET, EXIT, CAPTURE}
+CONNECT, PREFILL, DECODE, VERIFY, HEALTH, RESET, EXIT, CAPTURE, LOAD_LORA, REPLY = \
+    "#", "*", "a", "v", "h", "r", "e", "c", "l", "R"
+COMMANDS = {CONNECT, PREFILL, DECODE, VERIFY, HEALTH, RESET, EXIT, CAPTURE, LOAD_LORA}
 
 # Lower runs first. Control before prefill (new requests' first token) before decode.
 # A verify step is the decode step of speculating requests.
-PRIORITY = {EXIT: 0, RESET: 0, HEALTH: 0, CONNECT: 0, CAPTURE: 0, PREFILL: 1, DECODE: 2, VERIFY: 2}
+PRIORITY = {EXIT: 0, RESET: 0, HEALTH: 0, CONNECT: 0, CAPTURE: 0, LOAD_LORA: 0, PREFILL: 1, DECODE: 2, VERIFY: 2}
 
 
 # --- launch: how the master starts an agent process (python -m llm_serving.agents.server) ---------------
@@ -243,11 +247,19 @@ class Capture(Message):
 
 
 @dataclass(frozen=True)
+class LoadLora(Message):
+    COMMAND: ClassVar[str] = LOAD_LORA
+    slot: int
+    name: Optional[str] = None      # the adapter's served name (logs)
+    path: Optional[str] = None      # its PEFT directory; null empties the slot
+
+
+@dataclass(frozen=True)
 class Exit(Message):
     COMMAND: ClassVar[str] = EXIT
 
 
-COMMAND_MESSAGES = {m.COMMAND: m for m in (Connect, *STEPS, Health, Reset, Capture, Exit)}
+COMMAND_MESSAGES = {m.COMMAND: m for m in (Connect, *STEPS, Health, Reset, Capture, LoadLora, Exit)}
 
 
 def read_command(frame: Frame) -> Message:
@@ -315,6 +327,14 @@ class CaptureReply(Reply):
 
 
 @dataclass(frozen=True)
+class LoraReply(Reply):
+    slot: int
+    name: Optional[str]
+    rank: int                       # 0: the slot is empty
+    slot_mb: float                  # memory one slot takes on this agent
+
+
+@dataclass(frozen=True)
 class Failed(Reply):
     ok: ClassVar[bool] = False
     error: str
@@ -323,7 +343,7 @@ class Failed(Reply):
 
 
 REPLY_OF = {Connect: ConnectReply, PrefillStep: StepReply, DecodeStep: StepReply, VerifyStep: StepReply,
-            Health: HealthReply, Reset: ResetReply, Capture: CaptureReply, Exit: Done}     # each command's reply on success
+            Health: HealthReply, Reset: ResetReply, Capture: CaptureReply, LoadLora: LoraReply, Exit: Done}     # each command's reply on success
 
 
 def read_reply(payload: dict, command: Message) -> Reply:

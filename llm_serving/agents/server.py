@@ -226,12 +226,16 @@ class AgentServer:
             raise ValueError("capture: max_steps must be a positive integer")
         return proto.CaptureReply(**self.worker.set_capture(msg.dir, msg.max_steps))
 
+    def on_load_lora(self, msg: proto.LoadLora, frame, conn) -> proto.LoraReply:
+        return proto.LoraReply(**self.worker.load_lora(msg.slot, msg.name, msg.path))
+
     def on_exit(self, msg, frame, conn) -> proto.Done:
         self._stop.set()
         return proto.Done()
 
     HANDLERS = {proto.Connect: on_connect, proto.PrefillStep: on_step, proto.DecodeStep: on_step, proto.VerifyStep: on_step,
-                proto.Health: on_health, proto.Reset: on_reset, proto.Exit: on_exit, proto.Capture: on_capture}
+                proto.Health: on_health, proto.Reset: on_reset, proto.Exit: on_exit, proto.Capture: on_capture,
+                proto.LoadLora: on_load_lora}
 
     def event_loop(self) -> None:
         threading.Thread(target=self._accept_loop, name="acceptor", daemon=True).start()

@@ -53,19 +53,16 @@ class Worker:
             decode_block_widths=config.decode_block_widths, device_target=mc.device_target, device_id=device_id,
             num_threads=num_threads, attention_kernel=mc.attention_kernel, layer_kernel=mc.layer_kernel,
             layer_kernel_rows=mc.layer_kernel_max_tokens, keep_quantized=mc.keep_quantized,
-            lora_slots=config.lora_config.max_loras if config.lora_config.adapters else 0,
+            lora_slots=config.lora_config.max_loras if config.lora_config.enabled else 0,
             lora_rank=config.lora_config.max_lora_rank,
             max_step_tokens=sc.max_num_batched_tokens, tp=self.tp, tp_timeout_s=sc.step_timeout_s,
             verify_width=config.spec_config.tokens_per_row, verify_rows=config.spec_config.max_batch_size,
             num_layers=mc.num_layers, decode_run_steps=config.scheduler_config.decode_steps,
             decode_run_rows=config.scheduler_config.decode_steps_max_rows,
             compile_cache=True)   # one runner per agent process, warmed up in a fixed order
-        for slot, (name, path) in enumerate(config.lora_config.adapters.items(), start=1):
-            adapter = load_lora_adapter(name, path, self.runner.config, config.lora_config.max_lora_rank)
-            self.runner.set_lora(slot, adapter)
-            logger.info("LoRA adapter %r (rank %d, %s) in slot %d: %.1f MB as read, %.1f MB per slot of rank %d",
-                        name, adapter.rank, "/".join(adapter.target_modules), slot, adapter.nbytes / 1e6,
-                        self.runner.lora_slot_bytes / 1e6, self.runner.lora_rank)
+        self._load_lora_adapter = load_lora_adapter
+        for name, slot in config.lora_config.slot_of().items():
+            self.load_lora(slot, name, config.lora_config.adapters[name])
         self._start_timeout_s = sc.agent_start_timeout_s
 
     def warmup(self) -> None:
@@ -185,6 +182,24 @@ class Worker:
             b.out_verify_logprobs[:n, :s] = logprobs
         self.num_steps += 1
         return model_s
+
+    def load_lora(self, slot: int, name: str | None, path: str | None) -> dict:
+        """LoRA slot `slot` holds the adapter at `path` (read and checked against the model: LoraError, and the
+        slot unchanged, if it does not fit), or nothing (path None)."""
+        if self.runner.lora_slots == 0:
+            raise ValueError("this agent has no LoRA adapter slots (start the server with lora_config.enable_lora)")
+        adapter = None
+        if path is not None:
+            adapter = self._load_lora_adapter(name or path, path, self.runner.config, self.runner.lora_rank)
+        self.runner.set_lora(slot, adapter)
+        slot_mb = self.runner.lora_slot_bytes / 1e6
+        if adapter is not None:
+            logger.info("LoRA adapter %r (rank %d, %s) in slot %d: %.1f MB as read, %.1f MB per slot of rank %d",
+                        name, adapter.rank, "/".join(adapter.target_modules), slot, adapter.nbytes / 1e6, slot_mb,
+                        self.runner.lora_rank)
+        else:
+            logger.info("LoRA slot %d emptied (%s)", slot, name)
+        return {"slot": slot, "name": name, "rank": adapter.rank if adapter else 0, "slot_mb": slot_mb}
 
     def set_capture(self, directory: str | None, max_steps: int) -> dict:
         """Start (directory) or stop (None) logits capture; returns what was captured so far."""

@@ -337,6 +337,16 @@ class AgentGroup:
                 a.cache_epoch, cache_reset = r.cache_epoch, True
         return replies, cache_reset
 
+    async def control(self, command: proto.Message) -> list:
+        """A control command (say LoadLora) to every agent; their replies in rank order. AgentError (not fatal
+        unless the agent is gone) with the agents' reasons when some fail."""
+        timeout = self.config.serving_config.step_timeout_s
+        results = await asyncio.gather(*(a.request(command, timeout) for a in self.agents), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise AgentError("; ".join(map(str, errors)), fatal=any(getattr(e, "fatal", True) for e in errors))
+        return results
+
     def describe(self) -> list:
         """rank, pid and port of every agent started."""
         return [{"rank": a.rank, "pid": a.process.pid, "port": a.port} for a in self.agents]

@@ -11,8 +11,10 @@ computes every running request again from its tokens, with the prefix cache forg
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
+from pathlib import Path
 from collections import Counter
 from typing import Optional
 
@@ -34,6 +36,15 @@ class EngineStoppedError(RuntimeError):
     """The engine is not running (starting, stopped, or its agents are down)."""
 
 
+class LoraConflictError(RuntimeError):
+    """A LoRA adapter cannot be loaded or unloaded now (its name is taken, every slot is used, requests in flight
+    use it); answered with 409."""
+
+
+class LoraRefusedError(ValueError):
+    """A LoRA adapter that does not fit the served model (or LoRA serving is off); answered with 400."""
+
+
 class DuplicateRequestError(ValueError):
     """A client-chosen request id is already in use; the HTTP layer answers 409."""
 
@@ -44,8 +55,13 @@ class Engine:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.model_path = model_dir
-        # LoRA adapters served on the base model: name -> the agent's slot (lora_config order, from 1)
-        self.lora_slots = {name: slot for slot, name in enumerate(config.lora_config.adapters, start=1)}
+        # LoRA adapters served on the base model: name -> the agent's slot; name -> its prefix-cache root, unique
+        # per load (a slot loaded again holds other weights: the KV its old adapter cached must not be reused)
+        self.lora_slots = config.lora_config.slot_of()
+        self._lora_roots = dict(self.lora_slots)
+        self._next_lora_root = itertools.count(config.lora_config.max_loras + 1)
+        self._lora_pending: set = set()               # slots being loaded
+        self._lora_base_config = None                 # the served model's LlamaConfig, read at the first load
         self.max_model_len = config.max_model_len
         self.block_manager = BlockManager(config.pa_config.num_blocks, config.pa_config.block_size,
                                           enable_prefix_caching=config.scheduler_config.enable_prefix_caching)
@@ -197,13 +213,78 @@ class Engine:
             if adapter not in self.lora_slots:
                 raise KeyError(f"LoRA adapter {adapter!r} is not served here")
             slot = self.lora_slots[adapter]
-        req = Request(prompt_ids, sampling, self.stop_token_ids, req_id=req_id, lora_slot=slot)
+        req = Request(prompt_ids, sampling, self.stop_token_ids, req_id=req_id, lora_slot=slot,
+                      lora_root=self._lora_roots.get(adapter, 0) if adapter is not None else 0)
         self.scheduler.add(req)
         self.num_prompt_tokens += len(req.prompt_ids)
         self.requests[req.req_id] = req
         self._detok[req.req_id] = self.tokenizer.detokenizer(prompt_ids)
         self._wakeup.set()
         return req
+
+    async def load_lora(self, name: str, path: str) -> dict:
+        """Serve the PEFT adapter at `path` as model `name` from now on: checked against the served model here,
+        then loaded by the agents into a free slot. LoraRefusedError if it does not fit (nothing changes),
+        LoraConflictError if the name is taken or no slot is free."""
+        from llm_serving.config import LORA_NAME
+        from llm_serving.models.lora import LoraError, load_lora_adapter
+        from llm_serving.models.weights import checkpoint_config
+
+        lc = self.config.lora_config
+        if not lc.enabled:
+            raise LoraRefusedError("LoRA serving is off: start the server with lora_config.enable_lora (or "
+                                   "lora_config.adapters)")
+        if not isinstance(name, str) or LORA_NAME.fullmatch(name) is None:
+            raise LoraRefusedError(f"lora_name {name!r}: an adapter name is 1-128 letters, digits, '.', '_' or "
+                                   "'-' (it appears in URL paths)")
+        if name == self.model_name or name in self.lora_slots:
+            raise LoraConflictError(f"the name {name!r} is already served; unload it first or pick another")
+        free = sorted(set(range(1, lc.max_loras + 1)) - set(self.lora_slots.values()) - self._lora_pending)
+        if not free:
+            raise LoraConflictError(f"all {lc.max_loras} adapter slots (lora_config.max_loras) hold adapters; "
+                                    "unload one first")
+        slot = free[0]
+        self._lora_pending.add(slot)
+        try:
+            path = str(Path(path).expanduser().resolve())
+            loop = asyncio.get_running_loop()
+            try:
+                if self._lora_base_config is None:
+                    self._lora_base_config = await loop.run_in_executor(None, checkpoint_config, self.model_path)
+                adapter = await loop.run_in_executor(None, load_lora_adapter, name, path, self._lora_base_config,
+                                                     lc.max_lora_rank)
+            except LoraError as e:
+                raise LoraRefusedError(str(e)) from None
+            try:
+                replies = await self.agents.control(proto.LoadLora(slot=slot, name=name, path=path))
+            except AgentError as e:
+                raise LoraRefusedError(f"the agent could not load adapter {name!r}: {e}") from None
+        finally:
+            self._lora_pending.discard(slot)
+        self.lora_slots[name] = slot
+        self._lora_roots[name] = next(self._next_lora_root)
+        lc.adapters[name] = path                  # an agent restarted later loads it again (agent_group spawns
+        lc.slots = dict(self.lora_slots)          # agents from this config)
+        logger.info("LoRA adapter %r loaded into slot %d (rank %d)", name, slot, adapter.rank)
+        return {"lora_name": name, "slot": slot, "rank": adapter.rank, "slot_mb": replies[0].slot_mb}
+
+    async def unload_lora(self, name: str) -> None:
+        """Stop serving adapter `name`: KeyError if it is not served, LoraConflictError while requests use it."""
+        if name not in self.lora_slots:
+            raise KeyError(name)
+        slot = self.lora_slots[name]
+        busy = sum(1 for r in self.requests.values() if not r.finished and r.lora_slot == slot)
+        if busy:
+            raise LoraConflictError(f"{busy} request(s) in flight use adapter {name!r}; unload it when they end")
+        del self.lora_slots[name], self._lora_roots[name]
+        lc = self.config.lora_config
+        lc.adapters.pop(name, None)
+        lc.slots = dict(self.lora_slots)
+        try:                                      # (new requests cannot name it any more: the slot is free)
+            await self.agents.control(proto.LoadLora(slot=slot, name=name, path=None))
+        except AgentError as e:
+            logger.warning("LoRA slot %d (%s) was not emptied on every agent: %s", slot, name, e)
+        logger.info("LoRA adapter %r unloaded from slot %d", name, slot)
 
     def abort(self, req_id: str, reason: str = "client aborted the request") -> bool:
         """Stop a request now (asked by id); its KV blocks are free for the next step. False if no such

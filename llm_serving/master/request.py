@@ -66,7 +66,7 @@ class Request:
     decode and a preempted request's recompute are the same operation."""
 
     def __init__(self, prompt_ids: list, sampling: SamplingParams, stop_token_ids: frozenset,
-                 req_id: Optional[str] = None, lora_slot: int = 0):
+                 req_id: Optional[str] = None, lora_slot: int = 0, lora_root: int = 0):
         self.number = next(_req_counter)     # unique in this master; written to shm per row (request_ids)
         self.req_id = req_id or f"req-{self.number}"
         self.prompt_ids = list(prompt_ids)
@@ -74,6 +74,7 @@ class Request:
         self.output_logprobs: list = []
         self.sampling = sampling
         self.lora_slot = lora_slot           # the agents' LoRA adapter slot its rows use (0: the base model)
+        self.lora_root = lora_root           # its adapter's prefix-cache root (unique per load; 0: the base model)
         self.stop_token_ids = (frozenset() if sampling.ignore_eos else stop_token_ids) | set(sampling.stop_token_ids)
         self.stop_strings = StopStrings(sampling.stop) if sampling.stop else None
         self.num_computed_tokens = 0

@@ -232,7 +232,7 @@ class Scheduler:
             req.num_computed_tokens += fed - proposed
             # the draft model's KV (draft.py) holds at most what the target may keep
             req.num_draft_computed = min(req.num_draft_computed, req.num_computed_tokens + proposed)
-            self.bm.cache_full_blocks(req.req_id, req.tokens, req.num_computed_tokens, req.lora_slot)
+            self.bm.cache_full_blocks(req.req_id, req.tokens, req.num_computed_tokens, req.lora_root)
             if req.num_computed_tokens == req.num_tokens:
                 produced.append((row, req))
         return produced
@@ -245,7 +245,7 @@ class Scheduler:
             return
         if num_tokens:
             req.num_computed_tokens += num_tokens
-            self.bm.cache_full_blocks(req.req_id, req.tokens, req.num_computed_tokens, req.lora_slot)
+            self.bm.cache_full_blocks(req.req_id, req.tokens, req.num_computed_tokens, req.lora_root)
         # a draft model's KV of the rejected proposals is stale: only what the target kept stays valid
         req.num_draft_computed = min(req.num_draft_computed, req.num_computed_tokens)
 
@@ -443,7 +443,7 @@ class Scheduler:
         so nothing overtakes it); returns the budget left."""
         while self.waiting and len(rows) < max_rows and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            prefix = self.bm.match_prefix(req.tokens(0, req.num_tokens), req.lora_slot)
+            prefix = self.bm.match_prefix(req.tokens(0, req.num_tokens), req.lora_root)
             cached = len(prefix) * self.bm.block_size
             q = self._chunk(req.num_tokens - cached, budget, first_row=not rows)
             reserve = self.watermark_blocks if self.running else 0

@@ -349,7 +349,38 @@ async def models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": [base, *adapters]})
 
 
+def _string_field(body: dict, key: str) -> str:
+    value = body.get(key)
+    if not isinstance(value, str) or not value:
+        raise ValidationError(f"'{key}' is required (a non-empty string)", param=key)
+    return value
+
+
+async def load_lora_adapter(request: web.Request) -> web.Response:
+    """vLLM's route: {"lora_name", "lora_path"} -> the adapter is served as model lora_name."""
+    engine = request.app[ENGINE]
+    body = schemas.parse_json_body(await request.read())
+    _check_fields(body, {"lora_name", "lora_path", "load_inplace"})
+    loaded = await engine.load_lora(_string_field(body, "lora_name"), _string_field(body, "lora_path"))
+    return web.json_response({"object": "lora_adapter", "id": loaded["lora_name"], "parent": engine.model_name,
+                              **loaded})
+
+
+async def unload_lora_adapter(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    body = schemas.parse_json_body(await request.read())
+    _check_fields(body, {"lora_name", "lora_int_id"})
+    name = _string_field(body, "lora_name")
+    try:
+        await engine.unload_lora(name)
+    except KeyError:
+        raise schemas.ModelNotFoundError(f"LoRA adapter {name!r} is not served here") from None
+    return web.json_response({"object": "lora_adapter", "id": name, "deleted": True})
+
+
 def add_routes(app: web.Application) -> None:
     app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
+    app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)

@@ -142,3 +142,46 @@ def test_an_adapter_that_does_not_fit_refuses_the_start(adapters, tmp_path):
     log = server.log()
     assert "lora_config.adapters.odd" in log and name in log and f"(r, {cfg.hidden_size})" in log, log
     assert leftovers(server) == []
+
+
+def test_adapters_load_and_unload_at_run_time(lora_server, adapters, tmp_path):
+    """vLLM's routes: an adapter loaded into a free slot is served at once (and listed), names and slots are
+    not double-booked, one that does not fit changes nothing; an unloaded one is gone, and the adapter loaded
+    next into its slot does not reuse the KV its prompts left in the prefix cache."""
+    url = lora_server.url
+    hf, paths, _ = adapters
+    prompt = "Once upon a time there was a little girl named Lily. She liked to play in the park with"
+
+    def load(name, path):
+        return http("POST", url + "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+
+    def unload(name):
+        return http("POST", url + "/v1/unload_lora_adapter", {"lora_name": name})
+
+    status, body = load("tales2", paths["tales"])
+    assert status == 200 and body["slot"] == 3 and body["rank"] == 4, body
+    assert "tales2" in [m["id"] for m in http("GET", url + "/v1/models")[1]["data"]]
+    tales_text = _greedy(url, "tales", prompt)
+    assert _greedy(url, "tales2", prompt) == tales_text
+    assert load("tales2", paths["fables"])[0] == 409 and load("hf", paths["fables"])[0] == 409
+
+    cfg, _ = load_llama_weights(str(hf))
+    tensors = random_lora_tensors(cfg, 4, ("q_proj",), seed=4)
+    bad_name = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+    tensors[bad_name] = np.zeros((cfg.hidden_size - 8, 4), np.float32)
+    status, body = load("odd", write_peft_adapter(tmp_path / "odd", tensors, r=4, lora_alpha=4))
+    assert status == 400 and bad_name in body["error"]["message"], body
+    status, body = load("odd", tmp_path / "missing")
+    assert status == 400 and "not a directory" in body["error"]["message"], body
+
+    assert load("x", paths["fables"])[0] == 200                               # slot 4: every slot is used now
+    status, body = load("y", paths["fables"])
+    assert status == 409 and "all 4 adapter slots" in body["error"]["message"], body
+
+    assert unload("tales2")[0] == 200 and unload("tales2")[0] == 404
+    assert http("POST", url + "/v1/completions", {"model": "tales2", "prompt": "Hi", "max_tokens": 2})[0] == 404
+    status, body = load("z", paths["fables"])                                  # into slot 3, tales2's
+    assert status == 200 and body["slot"] == 3
+    assert _greedy(url, "z", prompt) == _greedy(url, "fables", prompt) != tales_text
+    assert unload("x")[0] == 200 and unload("z")[0] == 200
+    assert [m["id"] for m in http("GET", url + "/v1/models")[1]["data"]] == ["hf", "tales", "fables"]

@@ -310,5 +310,14 @@ def test_lora_config_names_slots_and_rank():
         config_from_dict({"lora_config": {"adapters": {"a": "/a", "b": "/b", "c": "/c"}, "max_loras": 2}})
     with pytest.raises(ConfigError, match="served by one agent"):
         config_from_dict({"lora_config": {"adapters": {"a": "/a"}}}, ["serving_config.agent_ports=[0,0]"])
+    lc = config_from_dict({"lora_config": {"adapters": {"a": "/a", "b": "/b"}}}).lora_config
+    assert lc.enabled and lc.slot_of() == {"a": 1, "b": 2}
+    lc = config_from_dict({"lora_config": {"adapters": {"a": "/a"}, "slots": {"a": 3}}}).lora_config
+    assert lc.slot_of() == {"a": 3}
+    assert not config_from_dict({}).lora_config.enabled
+    assert config_from_dict({}, ["lora_config.enable_lora=true"]).lora_config.enabled
+    for slots in ({"a": 5}, {"b": 1}, {"a": 0}):
+        with pytest.raises(ConfigError, match="its own slot in 1..max_loras"):
+            config_from_dict({"lora_config": {"adapters": {"a": "/a"}, "slots": slots}})
     with pytest.raises(ConfigError, match="served model's own name"):
         config_from_dict({"lora_config": {"adapters": {"m": "/a"}}}, ["model_config.model_name=m"])
