@@ -185,3 +185,30 @@ def test_adapters_load_and_unload_at_run_time(lora_server, adapters, tmp_path):
     assert _greedy(url, "z", prompt) == _greedy(url, "fables", prompt) != tales_text
     assert unload("x")[0] == 200 and unload("z")[0] == 200
     assert [m["id"] for m in http("GET", url + "/v1/models")[1]["data"]] == ["hf", "tales", "fables"]
+
+
+def test_a_restarted_agent_serves_the_adapters_loaded_at_run_time(lora_server, adapters):
+    """The supervisor starts a new agent from the master's config, which follows the adapters loaded since."""
+    import os
+    import signal
+    import time
+
+    url = lora_server.url
+    _, paths, _ = adapters
+    status, body = http("POST", url + "/v1/load_lora_adapter", {"lora_name": "late", "lora_path": paths["fables"]})
+    assert status == 200, body
+    want = _greedy(url, "late", PROMPTS[0])
+    assert want == _greedy(url, "fables", PROMPTS[0])
+    [agent] = lora_server.agent_pids()
+    os.kill(agent, signal.SIGKILL)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        status, stats = http("GET", url + "/stats")
+        if status == 200 and stats["num_agent_restarts"] == 1 and stats["unavailable_reason"] is None:
+            break
+        time.sleep(0.5)
+    else:
+        raise AssertionError(f"the agent did not come back: {stats}")
+    assert _greedy(url, "late", PROMPTS[0]) == want
+    assert _greedy(url, "tales", PROMPTS[0]) != want
+    assert http("POST", url + "/v1/unload_lora_adapter", {"lora_name": "late"})[0] == 200
