@@ -379,13 +379,14 @@ class LoraConfig:
 
     enable_lora: bool = False                 # adapter slots on the agent even with no adapters at start (for
                                               # POST /v1/load_lora_adapter); on whenever adapters are given
-    adapters: dict = field(default_factory=dict)   # {name: adapter directory}, loaded at start into slots
-                                              # 1, 2, ... in this order
-    max_loras: int = 4                        # adapter slots on the agents (besides slot 0, the base model);
-                                              # at least as many as adapters
+    adapters: dict = field(default_factory=dict)   # {name: adapter directory}: served under these names; the
+                                              # first max_loras are loaded at start into slots 1, 2, ...
+    max_loras: int = 4                        # adapter slots on the agents (besides slot 0, the base model); with
+                                              # more adapters, one is loaded when a request needs it, into the
+                                              # slot of the adapter used longest ago that no running request uses
     max_lora_rank: int = 16                   # adapters of a higher rank are refused
-    slots: Optional[dict] = None              # {name: slot}: kept by the master as adapters are loaded and
-                                              # unloaded at run time; null = 1, 2, ... in the order of adapters
+    slots: Optional[dict] = None              # {name: slot} of the adapters in slots, kept by the master as they
+                                              # come and go; null = the first max_loras, in order
 
     @property
     def enabled(self) -> bool:
@@ -395,7 +396,7 @@ class LoraConfig:
         """{adapter name: its slot on the agents}."""
         if self.slots is not None:
             return dict(self.slots)
-        return {name: slot for slot, name in enumerate(self.adapters, start=1)}
+        return {name: slot for slot, name in enumerate(list(self.adapters)[:self.max_loras], start=1)}
 
     def __post_init__(self) -> None:
         if self.adapters is None:
@@ -411,7 +412,7 @@ class LoraConfig:
         _check_int("lora_config.max_lora_rank", self.max_lora_rank)
         _check(isinstance(self.enable_lora, bool), "lora_config.enable_lora", self.enable_lora, "must be true or false")
         if self.slots is not None:
-            _check(isinstance(self.slots, dict) and set(self.slots) == set(self.adapters)
+            _check(isinstance(self.slots, dict) and set(self.slots) <= set(self.adapters)
                    and all(isinstance(v, int) and 1 <= v <= self.max_loras for v in self.slots.values())
                    and len(set(self.slots.values())) == len(self.slots), "lora_config.slots", self.slots,
                    "must give each adapter its own slot in 1..max_loras")
@@ -474,9 +475,6 @@ class Config:
                    f"must differ from serving_config.agent_ports ({sc.agent_ports})")
         lora = self.lora_config
         if lora.enabled:
-            _check(len(lora.adapters) <= lora.max_loras, "lora_config.adapters", sorted(lora.adapters),
-                   f"{len(lora.adapters)} adapters need as many slots: set lora_config.max_loras >= "
-                   f"{len(lora.adapters)} (it is {lora.max_loras})")
             _check(len(sc.agent_ports) == 1, "lora_config", sorted(lora.adapters),
                    "LoRA adapters are served by one agent (serving_config.agent_ports has "
                    f"{len(sc.agent_ports)}: tensor parallelism does not shard adapters yet)")

@@ -55,12 +55,16 @@ class Engine:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.model_path = model_dir
-        # LoRA adapters served on the base model: name -> the agent's slot; name -> its prefix-cache root, unique
-        # per load (a slot loaded again holds other weights: the KV its old adapter cached must not be reused)
+        # LoRA adapters served on the base model: name -> directory (every one served); name -> the agents' slot
+        # (those in a slot now); name -> its prefix-cache root, unique per load (a slot loaded again holds other
+        # weights: the KV its old adapter cached must not be reused); name -> when a request last named it
+        self.lora_paths = dict(config.lora_config.adapters)
         self.lora_slots = config.lora_config.slot_of()
         self._lora_roots = dict(self.lora_slots)
         self._next_lora_root = itertools.count(config.lora_config.max_loras + 1)
+        self._lora_last_used: dict = {}
         self._lora_pending: set = set()               # slots being loaded
+        self._lora_unresolved = False                 # some waiting request's adapter is in no slot
         self._lora_base_config = None                 # the served model's LlamaConfig, read at the first load
         self.max_model_len = config.max_model_len
         self.block_manager = BlockManager(config.pa_config.num_blocks, config.pa_config.block_size,
@@ -210,11 +214,14 @@ class Engine:
             raise DuplicateRequestError(f"request id {req_id!r} is already in use by a request in flight")
         slot = 0
         if adapter is not None:
-            if adapter not in self.lora_slots:
+            if adapter not in self.lora_paths:
                 raise KeyError(f"LoRA adapter {adapter!r} is not served here")
-            slot = self.lora_slots[adapter]
+            slot = self.lora_slots.get(adapter, -1)          # -1: loaded into a slot before it is admitted
+            self._lora_last_used[adapter] = time.monotonic()
         req = Request(prompt_ids, sampling, self.stop_token_ids, req_id=req_id, lora_slot=slot,
-                      lora_root=self._lora_roots.get(adapter, 0) if adapter is not None else 0)
+                      lora_root=self._lora_roots.get(adapter, 0) if slot > 0 else 0, lora_adapter=adapter)
+        if slot < 0:
+            self._lora_unresolved = True
         self.scheduler.add(req)
         self.num_prompt_tokens += len(req.prompt_ids)
         self.requests[req.req_id] = req
@@ -237,54 +244,120 @@ class Engine:
         if not isinstance(name, str) or LORA_NAME.fullmatch(name) is None:
             raise LoraRefusedError(f"lora_name {name!r}: an adapter name is 1-128 letters, digits, '.', '_' or "
                                    "'-' (it appears in URL paths)")
-        if name == self.model_name or name in self.lora_slots:
+        if name == self.model_name or name in self.lora_paths:
+            raise LoraConflictError(f"the name {name!r} is already served; unload it first or pick another")
+        path = str(Path(path).expanduser().resolve())
+        loop = asyncio.get_running_loop()
+        try:
+            if self._lora_base_config is None:
+                self._lora_base_config = await loop.run_in_executor(None, checkpoint_config, self.model_path)
+            adapter = await loop.run_in_executor(None, load_lora_adapter, name, path, self._lora_base_config,
+                                                 lc.max_lora_rank)
+        except LoraError as e:
+            raise LoraRefusedError(str(e)) from None
+        if name in self.lora_paths:               # (named meanwhile by a concurrent load)
             raise LoraConflictError(f"the name {name!r} is already served; unload it first or pick another")
         free = sorted(set(range(1, lc.max_loras + 1)) - set(self.lora_slots.values()) - self._lora_pending)
-        if not free:
-            raise LoraConflictError(f"all {lc.max_loras} adapter slots (lora_config.max_loras) hold adapters; "
-                                    "unload one first")
-        slot = free[0]
-        self._lora_pending.add(slot)
-        try:
-            path = str(Path(path).expanduser().resolve())
-            loop = asyncio.get_running_loop()
-            try:
-                if self._lora_base_config is None:
-                    self._lora_base_config = await loop.run_in_executor(None, checkpoint_config, self.model_path)
-                adapter = await loop.run_in_executor(None, load_lora_adapter, name, path, self._lora_base_config,
-                                                     lc.max_lora_rank)
-            except LoraError as e:
-                raise LoraRefusedError(str(e)) from None
+        slot_mb = None
+        if free:                                  # else it is loaded when a request needs it (_make_resident)
+            slot = free[0]
+            self._lora_pending.add(slot)
             try:
                 replies = await self.agents.control(proto.LoadLora(slot=slot, name=name, path=path))
             except AgentError as e:
                 raise LoraRefusedError(f"the agent could not load adapter {name!r}: {e}") from None
-        finally:
-            self._lora_pending.discard(slot)
-        self.lora_slots[name] = slot
-        self._lora_roots[name] = next(self._next_lora_root)
-        lc.adapters[name] = path                  # an agent restarted later loads it again (agent_group spawns
-        lc.slots = dict(self.lora_slots)          # agents from this config)
-        logger.info("LoRA adapter %r loaded into slot %d (rank %d)", name, slot, adapter.rank)
-        return {"lora_name": name, "slot": slot, "rank": adapter.rank, "slot_mb": replies[0].slot_mb}
+            finally:
+                self._lora_pending.discard(slot)
+            self._in_slot(name, slot)
+            slot_mb = replies[0].slot_mb
+        self.lora_paths[name] = path
+        self._sync_lora_config()
+        logger.info("LoRA adapter %r registered (rank %d)%s", name, adapter.rank,
+                    f", in slot {self.lora_slots[name]}" if name in self.lora_slots else ", loaded on first use")
+        return {"lora_name": name, "slot": self.lora_slots.get(name), "rank": adapter.rank, "slot_mb": slot_mb}
+
+    def _sync_lora_config(self) -> None:
+        """The config agents are (re)started from names the adapters served and those in slots now."""
+        lc = self.config.lora_config
+        lc.adapters = dict(self.lora_paths)
+        lc.slots = dict(self.lora_slots)
+
+    def _in_slot(self, name: str, slot: int) -> None:
+        """Adapter `name` is in `slot` now (with a prefix-cache root of its own); its waiting requests take it."""
+        root = next(self._next_lora_root)
+        self.lora_slots[name], self._lora_roots[name] = slot, root
+        for req in self.scheduler.waiting:
+            if req.lora_adapter == name:
+                req.lora_slot, req.lora_root = slot, root
+
+    def _lora_slot_for_load(self) -> Optional[int]:
+        """A slot to load an adapter into: a free one, else that of the adapter named longest ago among those no
+        running request uses (its waiting requests wait for it to be loaded again); None if every slot serves
+        running requests."""
+        lc = self.config.lora_config
+        free = sorted(set(range(1, lc.max_loras + 1)) - set(self.lora_slots.values()) - self._lora_pending)
+        if free:
+            return free[0]
+        busy = {r.lora_slot for r in self.scheduler.running}
+        idle = [n for n, s in self.lora_slots.items() if s not in busy and s not in self._lora_pending]
+        if not idle:
+            return None
+        victim = min(idle, key=lambda n: self._lora_last_used.get(n, 0.0))
+        slot = self.lora_slots.pop(victim)
+        self._lora_roots.pop(victim, None)
+        for req in self.scheduler.waiting:
+            if req.lora_adapter == victim:
+                req.lora_slot, req.lora_root = -1, 0
+                self._lora_unresolved = True
+        logger.info("LoRA adapter %r leaves slot %d (used longest ago)", victim, slot)
+        return slot
+
+    async def _make_resident(self) -> None:
+        """Load the adapters that waiting requests name but no slot holds, in queue order, while slots can be
+        had; a load that fails ends the requests that wait for it."""
+        self._lora_unresolved = False
+        wanted = []
+        for req in self.scheduler.waiting:
+            if req.lora_slot < 0 and req.lora_adapter not in wanted:
+                wanted.append(req.lora_adapter)
+        for name in wanted:
+            if name in self.lora_slots:           # (loaded meanwhile)
+                self._in_slot(name, self.lora_slots[name])
+                continue
+            slot = self._lora_slot_for_load()
+            if slot is None:                      # every slot serves running requests: try after the next step
+                self._lora_unresolved = True
+                return
+            self._lora_pending.add(slot)
+            try:
+                await self.agents.control(proto.LoadLora(slot=slot, name=name, path=self.lora_paths[name]))
+            except AgentError as e:
+                for req in [r for r in self.scheduler.waiting if r.lora_adapter == name]:
+                    self._finish(req, "error", error=f"LoRA adapter {name!r} could not be loaded: {e}")
+                continue
+            finally:
+                self._lora_pending.discard(slot)
+            self._in_slot(name, slot)
+            self._sync_lora_config()
 
     async def unload_lora(self, name: str) -> None:
         """Stop serving adapter `name`: KeyError if it is not served, LoraConflictError while requests use it."""
-        if name not in self.lora_slots:
+        if name not in self.lora_paths:
             raise KeyError(name)
-        slot = self.lora_slots[name]
-        busy = sum(1 for r in self.requests.values() if not r.finished and r.lora_slot == slot)
+        busy = sum(1 for r in self.requests.values() if not r.finished and r.lora_adapter == name)
         if busy:
             raise LoraConflictError(f"{busy} request(s) in flight use adapter {name!r}; unload it when they end")
-        del self.lora_slots[name], self._lora_roots[name]
-        lc = self.config.lora_config
-        lc.adapters.pop(name, None)
-        lc.slots = dict(self.lora_slots)
-        try:                                      # (new requests cannot name it any more: the slot is free)
-            await self.agents.control(proto.LoadLora(slot=slot, name=name, path=None))
-        except AgentError as e:
-            logger.warning("LoRA slot %d (%s) was not emptied on every agent: %s", slot, name, e)
-        logger.info("LoRA adapter %r unloaded from slot %d", name, slot)
+        del self.lora_paths[name]
+        self._lora_roots.pop(name, None)
+        self._lora_last_used.pop(name, None)
+        slot = self.lora_slots.pop(name, None)
+        self._sync_lora_config()
+        if slot is not None:                      # (new requests cannot name it any more: the slot is free)
+            try:
+                await self.agents.control(proto.LoadLora(slot=slot, name=name, path=None))
+            except AgentError as e:
+                logger.warning("LoRA slot %d (%s) was not emptied on every agent: %s", slot, name, e)
+        logger.info("LoRA adapter %r unloaded%s", name, f" from slot {slot}" if slot is not None else "")
 
     def abort(self, req_id: str, reason: str = "client aborted the request") -> bool:
         """Stop a request now (asked by id); its KV blocks are free for the next step. False if no such
@@ -328,6 +401,8 @@ class Engine:
                     self.failed_reason = self.supervisor.failed_reason
                     return
                 continue
+            if self._lora_unresolved:
+                await self._make_resident()
             t0 = time.perf_counter()
             batch = self.scheduler.schedule()
             prof["schedule"] += time.perf_counter() - t0

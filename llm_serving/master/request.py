@@ -66,14 +66,17 @@ class Request:
     decode and a preempted request's recompute are the same operation."""
 
     def __init__(self, prompt_ids: list, sampling: SamplingParams, stop_token_ids: frozenset,
-                 req_id: Optional[str] = None, lora_slot: int = 0, lora_root: int = 0):
+                 req_id: Optional[str] = None, lora_slot: int = 0, lora_root: int = 0,
+                 lora_adapter: Optional[str] = None):
         self.number = next(_req_counter)     # unique in this master; written to shm per row (request_ids)
         self.req_id = req_id or f"req-{self.number}"
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list = []
         self.output_logprobs: list = []
         self.sampling = sampling
-        self.lora_slot = lora_slot           # the agents' LoRA adapter slot its rows use (0: the base model)
+        self.lora_adapter = lora_adapter     # its LoRA adapter's name (None: the base model)
+        self.lora_slot = lora_slot           # the agents' slot of that adapter (0: the base model; -1: not
+                                             # loaded yet: the request is not admitted until it is)
         self.lora_root = lora_root           # its adapter's prefix-cache root (unique per load; 0: the base model)
         self.stop_token_ids = (frozenset() if sampling.ignore_eos else stop_token_ids) | set(sampling.stop_token_ids)
         self.stop_strings = StopStrings(sampling.stop) if sampling.stop else None

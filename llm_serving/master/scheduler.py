@@ -443,6 +443,8 @@ class Scheduler:
         so nothing overtakes it); returns the budget left."""
         while self.waiting and len(rows) < max_rows and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if req.lora_slot < 0:          # its LoRA adapter is not in a slot yet (the engine loads it)
+                break
             prefix = self.bm.match_prefix(req.tokens(0, req.num_tokens), req.lora_root)
             cached = len(prefix) * self.bm.block_size
             q = self._chunk(req.num_tokens - cached, budget, first_row=not rows)

@@ -16,7 +16,7 @@ logger = logging.getLogger(__name__)
 
 
 def served_models(engine) -> str:
-    return ", ".join(repr(m) for m in (engine.model_name, *engine.lora_slots))
+    return ", ".join(repr(m) for m in (engine.model_name, *engine.lora_paths))
 
 
 async def _read_request(request: web.Request, stream_default: bool):
@@ -24,16 +24,16 @@ async def _read_request(request: web.Request, stream_default: bool):
     adapter's name) or TGI's parameters.adapter_id picks the adapter."""
     engine = request.app[ENGINE]
     model = request.match_info.get("model")
-    if model is not None and model != engine.model_name and model not in engine.lora_slots:
+    if model is not None and model != engine.model_name and model not in engine.lora_paths:
         raise schemas.ModelNotFoundError(f"model {model!r} is not served here; this server serves "
                                          f"{served_models(engine)}")
     body = schemas.parse_json_body(await request.read())
     gen = schemas.parse_generate(body, stream_default=stream_default, vocab_size=engine.tokenizer.vocab_size)
     adapter = model if model is not None and model != engine.model_name else None
     if gen.adapter_id is not None:
-        if gen.adapter_id not in engine.lora_slots:
+        if gen.adapter_id not in engine.lora_paths:
             raise schemas.ModelNotFoundError(f"LoRA adapter {gen.adapter_id!r} (parameters.adapter_id) is not "
-                                             f"served here; adapters: {', '.join(map(repr, engine.lora_slots)) or 'none'}")
+                                             f"served here; adapters: {', '.join(map(repr, engine.lora_paths)) or 'none'}")
         if adapter is not None and adapter != gen.adapter_id:
             raise schemas.ValidationError(f"parameters.adapter_id {gen.adapter_id!r} differs from the path's "
                                           f"model {adapter!r}")

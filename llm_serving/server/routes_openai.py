@@ -56,8 +56,8 @@ def _model(engine, body: dict) -> str:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise ValidationError("'model' is required: the served model's id (GET /v1/models)", param="model")
-    if model != engine.model_name and model not in engine.lora_slots:
-        served = ", ".join(repr(m) for m in (engine.model_name, *engine.lora_slots))
+    if model != engine.model_name and model not in engine.lora_paths:
+        served = ", ".join(repr(m) for m in (engine.model_name, *engine.lora_paths))
         raise schemas.ModelNotFoundError(f"the model {model!r} does not exist; this server serves {served}")
     return model
 
@@ -345,7 +345,7 @@ async def models(request: web.Request) -> web.Response:
     base = {"id": engine.model_name, "object": "model", "created": int(engine.start_time), "owned_by": "llm-serving",
             "max_model_len": engine.max_model_len}
     adapters = [{**base, "id": name, "parent": engine.model_name, "root": engine.model_name}
-                for name in engine.lora_slots]                  # LoRA adapters, as vLLM lists them
+                for name in engine.lora_paths]                  # LoRA adapters, as vLLM lists them
     return web.json_response({"object": "list", "data": [base, *adapters]})
 
 

@@ -175,16 +175,46 @@ def test_adapters_load_and_unload_at_run_time(lora_server, adapters, tmp_path):
     assert status == 400 and "not a directory" in body["error"]["message"], body
 
     assert load("x", paths["fables"])[0] == 200                               # slot 4: every slot is used now
-    status, body = load("y", paths["fables"])
-    assert status == 409 and "all 4 adapter slots" in body["error"]["message"], body
+    status, body = load("y", paths["tales"])                                   # served, loaded on first use
+    assert status == 200 and body["slot"] is None, body
+    assert _greedy(url, "y", prompt) == tales_text                             # into the slot used longest ago
+    assert unload("y")[0] == 200
 
     assert unload("tales2")[0] == 200 and unload("tales2")[0] == 404
     assert http("POST", url + "/v1/completions", {"model": "tales2", "prompt": "Hi", "max_tokens": 2})[0] == 404
-    status, body = load("z", paths["fables"])                                  # into slot 3, tales2's
-    assert status == 200 and body["slot"] == 3
+    status, body = load("z", paths["fables"])                                  # into the slot tales2 left
+    assert status == 200 and body["slot"] is not None
     assert _greedy(url, "z", prompt) == _greedy(url, "fables", prompt) != tales_text
     assert unload("x")[0] == 200 and unload("z")[0] == 200
     assert [m["id"] for m in http("GET", url + "/v1/models")[1]["data"]] == ["hf", "tales", "fables"]
+
+
+def test_more_adapters_than_slots_take_turns_in_one_slot(adapters, tmp_path):
+    """max_loras 1 and two adapters: a request whose adapter is in no slot waits until the slot's adapter has no
+    running request, then it is loaded there (the longest unused goes); every request gets its own text, alone
+    or all at once, and the prefix cache never gives one adapter's KV to the other."""
+    hf, paths, _ = adapters
+    with serving(_stories_args(hf, f"lora_config.adapters={json.dumps(paths)}", "lora_config.max_loras=1"),
+                 tmp_path / "server.log") as server:
+        url = server.url
+        prompt = "Once upon a time there was a little girl named Lily. She liked to play in the park with"
+        alone = {m: _greedy(url, m, prompt, n=20) for m in ("tales", "fables", "hf", "tales")}
+        assert len(set(alone.values())) == 3
+        jobs = [m for _ in range(3) for m in ("tales", "fables", "hf")]
+
+        async def together():
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+                async def one(model):
+                    async with session.post(url + "/v1/completions", json={
+                            "model": model, "prompt": prompt, "max_tokens": 20, "temperature": 0,
+                            "ignore_eos": True}) as r:
+                        return (await r.json())["choices"][0]["text"]
+                return await asyncio.gather(*(one(m) for m in jobs))
+
+        assert asyncio.run(together()) == [alone[m] for m in jobs]
+        log = server.log()
+        assert "LoRA adapter 'tales' leaves slot 1 (used longest ago)" in log, log
+        assert "LoRA adapter 'fables' (rank 8, q_proj/v_proj/down_proj) in slot 1" in log, log
 
 
 def test_a_restarted_agent_serves_the_adapters_loaded_at_run_time(lora_server, adapters):

@@ -306,8 +306,8 @@ def test_lora_config_names_slots_and_rank():
                         ({"rank": 8}, "unknown config key lora_config.rank")):
         with pytest.raises(ConfigError, match=needle):
             config_from_dict({"lora_config": bad})
-    with pytest.raises(ConfigError, match="max_loras >= 3"):
-        config_from_dict({"lora_config": {"adapters": {"a": "/a", "b": "/b", "c": "/c"}, "max_loras": 2}})
+    lc = config_from_dict({"lora_config": {"adapters": {"a": "/a", "b": "/b", "c": "/c"}, "max_loras": 2}}).lora_config
+    assert lc.slot_of() == {"a": 1, "b": 2}                  # c is loaded when a request needs it
     with pytest.raises(ConfigError, match="served by one agent"):
         config_from_dict({"lora_config": {"adapters": {"a": "/a"}}}, ["serving_config.agent_ports=[0,0]"])
     lc = config_from_dict({"lora_config": {"adapters": {"a": "/a", "b": "/b"}}}).lora_config
@@ -316,8 +316,8 @@ def test_lora_config_names_slots_and_rank():
     assert lc.slot_of() == {"a": 3}
     assert not config_from_dict({}).lora_config.enabled
     assert config_from_dict({}, ["lora_config.enable_lora=true"]).lora_config.enabled
-    for slots in ({"a": 5}, {"b": 1}, {"a": 0}):
+    for slots in ({"a": 5}, {"c": 1}, {"a": 0}, {"a": 1, "b": 1}):
         with pytest.raises(ConfigError, match="its own slot in 1..max_loras"):
-            config_from_dict({"lora_config": {"adapters": {"a": "/a"}, "slots": slots}})
+            config_from_dict({"lora_config": {"adapters": {"a": "/a", "b": "/b"}, "slots": slots}})
     with pytest.raises(ConfigError, match="served model's own name"):
         config_from_dict({"lora_config": {"adapters": {"m": "/a"}}}, ["model_config.model_name=m"])

@@ -568,3 +568,21 @@ def test_prefill_wait_gathers_prompts_while_others_decode():
         r.arrival_time = now[0]
         sched.add(r)
     assert sched.schedule().requests == more             # a full prefill bucket is never held
+
+
+def test_a_request_whose_lora_adapter_is_in_no_slot_waits_at_the_head():
+    """lora_slot -1 (its adapter not loaded yet): not admitted, and nothing behind it overtakes it; once the engine
+    gives it a slot it runs. Requests of different adapters share steps."""
+    s = make_scheduler()
+    a, b, c = make_requests(3)
+    a.lora_slot, b.lora_slot, c.lora_slot = 1, -1, 0
+    for r in (a, b, c):
+        s.add(r)
+    batch = s.schedule()
+    assert batch.requests == [a] and s.waiting == [b, c]
+    for _, req in s.complete_step(batch):
+        req.output_ids.append(7)
+    b.lora_slot = 2
+    batch = s.schedule()
+    assert [b, c] == [r for r in batch.requests if r is not a]
+    assert {r.lora_slot for r in s.running} == {0, 1, 2}
