@@ -375,7 +375,7 @@ class LoraConfig:
     """`lora_config`: LoRA adapters of the served model (PEFT directories, models/lora.py), each selected per
     request by its name (the OpenAI `model` field, TGI's `adapter_id`, /models/{name}/generate). Requests of
     different adapters share a step: each adapter sits in one of `max_loras` slots of the agents' stacked
-    adapter weights (one agent; no tensor parallelism yet)."""
+    adapter weights (models/lora.py, the LoraStack of models/llama.py)."""
 
     enable_lora: bool = False                 # adapter slots on the agent even with no adapters at start (for
                                               # POST /v1/load_lora_adapter); on whenever adapters are given
@@ -475,9 +475,6 @@ class Config:
                    f"must differ from serving_config.agent_ports ({sc.agent_ports})")
         lora = self.lora_config
         if lora.enabled:
-            _check(len(sc.agent_ports) == 1, "lora_config", sorted(lora.adapters),
-                   "LoRA adapters are served by one agent (serving_config.agent_ports has "
-                   f"{len(sc.agent_ports)}: tensor parallelism does not shard adapters yet)")
             _check(mc.model_name not in lora.adapters, "lora_config.adapters", mc.model_name,
                    "an adapter cannot have the served model's own name")
         if pa.num_blocks != "auto":

@@ -92,11 +92,17 @@ class LoraStack:
       MindSpore's ops': A (S*P*R, K) and B (N, S*P*R), each output row's block of B nonzero only in its own
       part's columns, so that delta = ((x A^T) * one_hot(slot)) B^T for a whole batch of mixed slots.
     `gain`: the norm gain the product's float32 weight has folded in (q/k/v, gate/up), folded into the ops' A
-    and into the kernel's A when `kernel_folded` (the kernel then normalizes without the gain)."""
+    and into the kernel's A when `kernel_folded` (the kernel then normalizes without the gain).
+    Under tensor parallelism (`tp`) a rank holds what matches its part of the base weight: B's rows of its heads
+    or MLP units for the column-parallel q/k/v and gate/up (A whole: their input is whole on every rank), A's
+    columns of its part of the input for the row-parallel o and down (B whole: the ranks' partial deltas are
+    summed by the all-reduce that sums their products)."""
 
-    def __init__(self, slots: int, rank: int, parts: list, k: int, gain: Optional[np.ndarray], kernel_folded: bool):
+    def __init__(self, slots: int, rank: int, parts: list, k: int, gain: Optional[np.ndarray], kernel_folded: bool,
+                 tp: TensorParallel = TensorParallel(), row_parallel: bool = False):
         self.slots, self.rank, self.parts, self.k = slots, rank, parts, k       # parts: [(out rows of part p)]
         self.gain, self.kernel_folded = gain, kernel_folded
+        self.tp, self.row_parallel = tp, row_parallel
         n, width = sum(parts), len(parts) * rank
         self.kernel_a = np.zeros((slots, width, k), np.float32)
         self.kernel_b = np.zeros((slots, rank, n), np.float32)
@@ -109,18 +115,25 @@ class LoraStack:
         """Bytes one slot takes in both forms."""
         return (self.kernel_a.nbytes + self.kernel_b.nbytes + self.ops_a.nbytes + self.ops_b.nbytes) // self.slots
 
-    def write(self, slot: int, deltas: list) -> None:
-        """Slot `slot` holds these per-part deltas (LoraDelta or None for a part the adapter leaves alone)."""
+    def write(self, slot: int, deltas: list, names: list) -> None:
+        """Slot `slot` holds these per-part deltas (LoraDelta or None for a part the adapter leaves alone) of the
+        base weights `names` (HF names, whole: this rank's part is cut here)."""
         r, width = self.rank, len(self.parts) * self.rank
         for arr in (self.kernel_a[slot], self.kernel_b[slot], self.ops_a[slot * width:(slot + 1) * width],
                     self.ops_b[:, slot * width:(slot + 1) * width]):
             arr[...] = 0
         row = 0
-        for p, (rows, d) in enumerate(zip(self.parts, deltas)):
+        for p, (rows, d, name) in enumerate(zip(self.parts, deltas, names)):
             if d is not None:
-                a = d.a * self.gain[None, :] if self.gain is not None else d.a          # (r, K)
-                b = d.b * np.float32(d.scale)                                          # (rows, r)
-                self.kernel_a[slot, p * r:p * r + d.rank] = a if self.kernel_folded else d.a
+                a, b = d.a, d.b                                                        # (r, K), (rows, r) whole
+                if self.tp.world > 1 and self.row_parallel:
+                    a = a[self.tp.part(name, a.shape)]                                 # this rank's input columns
+                elif self.tp.world > 1:
+                    b = b[self.tp.part(name, b.shape)]                                 # this rank's output rows
+                raw_a = a
+                a = a * self.gain[None, :] if self.gain is not None else a
+                b = b * np.float32(d.scale)
+                self.kernel_a[slot, p * r:p * r + d.rank] = a if self.kernel_folded else raw_a
                 self.kernel_b[slot, :d.rank, row:row + rows] = b.T
                 self.ops_a[slot * width + p * r:slot * width + p * r + d.rank] = a
                 self.ops_b[row:row + rows, slot * width + p * r:slot * width + p * r + d.rank] = b
@@ -159,8 +172,6 @@ class LlamaDecoderLayer(nn.Cell):
         self.lora_stacks = {}
         self.has_lora = lora_slots > 0
         if lora_slots > 0:
-            if world > 1:
-                raise ValueError("LoRA adapters are served on one agent (tensor parallelism does not shard them)")
             d, h = cfg.head_dim, cfg.hidden_size
             shapes = {"qkv": ([self.nh * d, self.kvh * d, self.kvh * d], h, "input_layernorm"),
                       "o": ([h], self.nh * d, None), "gate_up": ([self.inter, self.inter], h, "post_attention_layernorm"),
@@ -170,8 +181,10 @@ class LlamaDecoderLayer(nn.Cell):
                 for key, names in LORA_PRODUCTS.items():
                     types[key] = _kept_quantized(quantized or {}, [f"{p}{n}.weight" for n in names]) is None
             for key, (parts, k, gain) in shapes.items():
-                self.lora_stacks[key] = LoraStack(lora_slots + 1, lora_rank, parts, k, w[f"{p}{gain}.weight"] if gain else None,
-                                           kernel_folded=types.get(key, True))
+                self.lora_stacks[key] = LoraStack(lora_slots + 1, lora_rank, parts, k,
+                                                  w[f"{p}{gain}.weight"] if gain else None,
+                                                  kernel_folded=types.get(key, True), tp=tp,
+                                                  row_parallel=key in ("o", "down"))
             self.lora_ops_a = ms.ParameterTuple([_lora_param(st.ops_a, f"layers.{i}.lora_ops_a_{key}")
                                                  for key, st in self.lora_stacks.items()])      # (S*P*R, K) each
             self.lora_ops_b = ms.ParameterTuple([_lora_param(st.ops_b, f"layers.{i}.lora_ops_b_{key}")
@@ -416,7 +429,7 @@ class LlamaForCausalLM(nn.Cell):
         for i, layer in enumerate(self.layers):
             for key, stack in layer.lora_stacks.items():
                 names = [f"model.layers.{i}.{n}.weight" for n in LORA_PRODUCTS[key]]
-                stack.write(slot, [None if adapter is None else adapter.deltas.get(n) for n in names])
+                stack.write(slot, [None if adapter is None else adapter.deltas.get(n) for n in names], names)
             layer.refresh_lora()
 
     def fused_logits(self, x, slots):

@@ -123,8 +123,6 @@ class ModelRunner:
             if not isinstance(val, (int, np.integer)) or val < (0 if key == "lora_slots" else 1):
                 raise ValueError(f"ModelRunner: {key} must be an integer >= {0 if key == 'lora_slots' else 1}, "
                                  f"got {val!r}")
-        if lora_slots and self.tp.world > 1:
-            raise ValueError("ModelRunner: LoRA adapters are served on one agent (no tensor parallelism yet)")
         self.lora_slots, self.lora_rank = int(lora_slots), int(lora_rank)
         self.config, weights = load_llama_weights(model_dir, self.tp, num_layers)   # this rank's part only
         cfg: LlamaConfig = self.config

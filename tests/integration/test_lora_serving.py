@@ -242,3 +242,15 @@ def test_a_restarted_agent_serves_the_adapters_loaded_at_run_time(lora_server, a
     assert _greedy(url, "late", PROMPTS[0]) == want
     assert _greedy(url, "tales", PROMPTS[0]) != want
     assert http("POST", url + "/v1/unload_lora_adapter", {"lora_name": "late"})[0] == 200
+
+
+def test_two_tensor_parallel_ranks_serve_the_adapters_as_one_agent_does(lora_server, adapters, tmp_path):
+    """Each rank holds B's rows of its heads and units for q/k/v and gate/up and A's columns of its input for o
+    and down; the greedy text under every adapter is the one agent's."""
+    hf, paths, _ = adapters
+    want = {(m, p): _greedy(lora_server.url, m, p) for m in ("tales", "fables", "hf") for p in PROMPTS[:2]}
+    tp2 = ["serving_config.agent_ports=[0,0]", "model_config.decode_batch_size=[1,8,16]",
+           "serving_config.max_num_seqs=16", f"lora_config.adapters={json.dumps(paths)}"]
+    with serving(_stories_args(hf, *tp2), tmp_path / "tp.log") as tp:
+        got = {(m, p): _greedy(tp.url, m, p) for m in ("tales", "fables", "hf") for p in PROMPTS[:2]}
+    assert got == want

@@ -308,8 +308,6 @@ def test_lora_config_names_slots_and_rank():
             config_from_dict({"lora_config": bad})
     lc = config_from_dict({"lora_config": {"adapters": {"a": "/a", "b": "/b", "c": "/c"}, "max_loras": 2}}).lora_config
     assert lc.slot_of() == {"a": 1, "b": 2}                  # c is loaded when a request needs it
-    with pytest.raises(ConfigError, match="served by one agent"):
-        config_from_dict({"lora_config": {"adapters": {"a": "/a"}}}, ["serving_config.agent_ports=[0,0]"])
     lc = config_from_dict({"lora_config": {"adapters": {"a": "/a", "b": "/b"}}}).lora_config
     assert lc.enabled and lc.slot_of() == {"a": 1, "b": 2}
     lc = config_from_dict({"lora_config": {"adapters": {"a": "/a"}, "slots": {"a": 3}}}).lora_config
