@@ -25,7 +25,8 @@ setup(
     # so it cannot be an extra here).
     extras_require={
         "bench": ["matplotlib", "tqdm"],
-        "test": ["pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "matplotlib", "tqdm", "openai"],
+        "test": ["pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "matplotlib", "tqdm", "openai",
+                 "huggingface_hub"],
         "ascend": ["mindformers"],
     },
     entry_points={"console_scripts": ["llm-serving=llm_serving.cli:main"]},

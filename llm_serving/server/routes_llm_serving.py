@@ -1,4 +1,4 @@
-"""llm-serving / TGI generate routes: `/models/{model}/generate[_stream]`, `/generate[_stream]`."""
+"""llm-serving / TGI generate routes: `/models/{model}/generate[_stream]`, `/generate[_stream]`, and TGI's `POST /`."""
 from __future__ import annotations
 
 import logging
@@ -122,6 +122,7 @@ async def _stream(request: web.Request, req, gen) -> web.StreamResponse:
 
 
 def add_routes(app: web.Application) -> None:
+    app.router.add_post("/", generate)         # TGI's compatibility route: generate, or a stream with "stream": true
     app.router.add_post("/models/{model}/generate", generate)
     app.router.add_post("/models/{model}/generate_stream", generate_stream)
     app.router.add_post("/generate", generate)

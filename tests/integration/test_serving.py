@@ -137,6 +137,22 @@ def test_unknown_model_and_model_info(stories_server):
     assert status == 200 and info["model_id"] == "hf" and info["max_total_tokens"] == 256
 
 
+def test_tgi_compat_route_serves_huggingface_hubs_client(stories_server):
+    """TGI's `POST /` (generate, or a token stream with "stream": true), as huggingface_hub's InferenceClient posts
+    it: the same greedy text as /generate, with details, and token by token."""
+    huggingface_hub = pytest.importorskip("huggingface_hub")
+    client = huggingface_hub.InferenceClient(base_url=stories_server.url, timeout=60)
+    status, want = http("POST", stories_server.url + "/generate", {"inputs": "Once upon a time",
+                                                                  "parameters": {"max_new_tokens": 10}})
+    assert status == 200
+    assert client.text_generation("Once upon a time", max_new_tokens=10) == want["generated_text"]
+    out = client.text_generation("Once upon a time", max_new_tokens=10, details=True)
+    assert out.generated_text == want["generated_text"] and len(out.details.tokens) == 10
+    tokens = [t.token.text for t in client.text_generation("Once upon a time", max_new_tokens=10, stream=True,
+                                                           details=True)]
+    assert len(tokens) == 10 and "".join(tokens) == want["generated_text"]
+
+
 def test_health_lists_live_agents(stories_server):
     status, body = http("GET", stories_server.url + "/health")
     assert status == 200 and body["status"] == "ok"
