@@ -5,7 +5,7 @@ setup(
     version="0.1.0",
     description="Continuous-batching LLaMA serving over a paged KV cache, with MindSpore agents",
     packages=find_packages(include=["llm_serving", "llm_serving.*"]),
-    package_data={"llm_serving": ["configs/*.yaml", "models/kernels/*.cc"]},
+    package_data={"llm_serving": ["configs/*.yaml", "models/kernels/*.cc", "server/static/*"]},
     python_requires=">=3.9",
     install_requires=[
         "numpy<2",
@@ -26,7 +26,7 @@ setup(
     extras_require={
         "bench": ["matplotlib", "tqdm"],
         "test": ["pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "matplotlib", "tqdm", "openai",
-                 "huggingface_hub"],
+                 "huggingface_hub", "selenium"],
         "ascend": ["mindformers"],
     },
     entry_points={"console_scripts": ["llm-serving=llm_serving.cli:main"]},

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+from pathlib import Path
 
 from aiohttp import web
 
@@ -60,7 +61,8 @@ async def error_middleware(request: web.Request, handler):
 
 
 # Routes anyone may call even when an API key is set: load balancers probe /health without credentials.
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/dashboard"})
+OPEN_PREFIXES = ("/static/",)          # the pages' files (they ask for the key themselves; GET / is below)
 
 
 def api_key_middleware(key: str):
@@ -69,7 +71,9 @@ def api_key_middleware(key: str):
 
     @web.middleware
     async def check_key(request: web.Request, handler):
-        if request.path not in OPEN_PATHS:
+        page = request.method == "GET" and (request.path == "/" or request.path in OPEN_PATHS
+                                            or request.path.startswith(OPEN_PREFIXES))
+        if request.path not in OPEN_PATHS and not page:
             auth = request.headers.get("Authorization", "")
             given = auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("X-API-Key", "")
             if not hmac.compare_digest(given.encode("utf-8", "replace"), expected):
@@ -77,6 +81,19 @@ def api_key_middleware(key: str):
                                         "'X-API-Key: <key>'")
         return await handler(request)
     return check_key
+
+
+STATIC = Path(__file__).resolve().parent / "static"     # the web pages: plain files, nothing fetched from outside
+
+
+async def playground(request: web.Request) -> web.FileResponse:
+    """GET /: a chat page over the OpenAI routes (static/playground.js)."""
+    return web.FileResponse(STATIC / "index.html")
+
+
+async def dashboard(request: web.Request) -> web.FileResponse:
+    """GET /dashboard: live charts of /stats, /health and /metrics (static/dashboard.js)."""
+    return web.FileResponse(STATIC / "dashboard.html")
 
 
 async def health(request: web.Request) -> web.Response:
@@ -116,6 +133,9 @@ def create_app(engine) -> web.Application:
     middlewares = [error_middleware] + ([api_key_middleware(sc.api_key)] if sc.api_key else [])
     app = web.Application(middlewares=middlewares, client_max_size=sc.max_body_bytes)
     app[ENGINE] = engine
+    app.router.add_get("/", playground)
+    app.router.add_get("/dashboard", dashboard)
+    app.router.add_static("/static/", STATIC, show_index=False)
     app.router.add_get("/health", health)
     app.router.add_get("/stats", stats)
     app.router.add_get("/info", model_info)

@@ -1,0 +1,130 @@
+// The playground: chat (or plain completion) with the served model through the server's OpenAI routes, streamed.
+"use strict";
+const $ = (id) => document.getElementById(id);
+let messages = [];          // the conversation: [{role, content}]
+let controller = null;      // the request in flight (stop aborts it: the server frees its blocks)
+
+// Markdown, safely: the model's text only ever becomes text nodes (code fences -> <pre><code>, `code`, **bold**)
+function renderMarkdown(container, text) {
+  container.replaceChildren();
+  const parts = text.split("```");
+  parts.forEach((part, i) => {
+    if (i % 2 === 1) {
+      const newline = part.indexOf("\n");
+      const body = newline >= 0 ? part.slice(newline + 1) : part;
+      container.append(el("pre", {}, el("code", {text: body})));
+      return;
+    }
+    for (const para of part.split(/\n{2,}/)) {
+      if (!para) continue;
+      const p = el("p");
+      for (const piece of para.split(/(`[^`\n]+`|\*\*[^*\n]+\*\*)/)) {
+        if (piece.startsWith("`") && piece.endsWith("`") && piece.length > 1) p.append(el("code", {text: piece.slice(1, -1)}));
+        else if (piece.startsWith("**") && piece.endsWith("**") && piece.length > 3) p.append(el("strong", {text: piece.slice(2, -2)}));
+        else if (piece) p.append(document.createTextNode(piece));
+      }
+      container.append(p);
+    }
+  });
+}
+
+function bubble(role, text) {
+  const body = el("div", {class: "body"});
+  const node = el("div", {class: "msg " + role}, body);
+  renderMarkdown(body, text);
+  $("log").append(node);
+  $("log").scrollTop = $("log").scrollHeight;
+  return node;
+}
+
+async function loadModels() {
+  const response = await api("/v1/models");
+  const data = (await response.json()).data || [];
+  $("model").replaceChildren(...data.map((m) => el("option", {value: m.id, text: m.parent ? `${m.id} (adapter of ${m.parent})` : m.id})));
+}
+
+function settings() {
+  const body = {model: $("model").value, stream: true, temperature: Number($("temperature").value),
+                top_p: Number($("top_p").value), max_tokens: Number($("max_tokens").value),
+                stream_options: {include_usage: true}};
+  const stop = $("stop").value.split("\n").filter((s) => s.length);
+  if (stop.length) body.stop = stop;
+  if ($("seed").value !== "") body.seed = Number($("seed").value);
+  return body;
+}
+
+async function send() {
+  const text = $("input").value;
+  if (!text.trim() || controller) return;
+  $("input").value = "";
+  const completion = $("completion").checked;
+  bubble("user", text);
+  const reply = bubble("assistant", "");
+  const body = reply.querySelector(".body");
+  const stats = el("div", {class: "stats"});
+  reply.append(stats);
+  const request = settings();
+  let path;
+  if (completion) {
+    path = "/v1/completions";
+    Object.assign(request, {prompt: text, logprobs: 5});
+  } else {
+    path = "/v1/chat/completions";
+    messages.push({role: "user", content: text});
+    const system = $("system").value.trim();
+    request.messages = (system ? [{role: "system", content: system}] : []).concat(messages);
+  }
+  controller = new AbortController();
+  $("send").disabled = true;
+  $("stop-button").disabled = false;
+  $("status").textContent = "generating...";
+  const t0 = performance.now();
+  let first = null, tokens = 0, full = "", finish = null;
+  try {
+    const response = await api(path, {method: "POST", headers: {"Content-Type": "application/json"},
+                                       body: JSON.stringify(request), signal: controller.signal});
+    if (!response.ok) {
+      const error = await response.json().catch(() => ({}));
+      throw new Error((error.error && error.error.message) || response.statusText);
+    }
+    await readEvents(response, (event) => {
+      if (event.usage) tokens = event.usage.completion_tokens;
+      const choice = (event.choices || [])[0];
+      if (!choice) return;
+      if (choice.finish_reason) finish = choice.finish_reason;
+      const piece = completion ? choice.text : (choice.delta && choice.delta.content);
+      if (!piece) return;
+      if (first === null) first = performance.now();
+      full += piece;
+      if (!event.usage) tokens += 1;
+      if (completion) {
+        const top = (choice.logprobs && choice.logprobs.top_logprobs && choice.logprobs.top_logprobs[0]) || {};
+        const title = Object.entries(top).map(([t, lp]) => `${JSON.stringify(t)}  ${Math.exp(lp).toPrecision(3)}`).join("\n");
+        body.append(el("span", {class: "tok", title, text: piece}));
+      } else {
+        renderMarkdown(body, full);
+      }
+      $("log").scrollTop = $("log").scrollHeight;
+    });
+    if (!completion) messages.push({role: "assistant", content: full});
+  } catch (err) {
+    if (err.name === "AbortError") finish = "stopped";
+    else body.append(el("div", {class: "bad", text: "error: " + err.message}));
+  } finally {
+    const seconds = (performance.now() - t0) / 1000;
+    const ttft = first === null ? "-" : Math.round(first - t0) + " ms";
+    const rate = first === null ? 0 : tokens / Math.max((performance.now() - first) / 1000, 1e-3);
+    stats.textContent = `${tokens} tokens · TTFT ${ttft} · ${rate.toFixed(1)} tok/s · ${seconds.toFixed(1)} s` +
+      (finish ? ` · ${finish}` : "");
+    controller = null;
+    $("send").disabled = false;
+    $("stop-button").disabled = true;
+    $("status").textContent = "";
+  }
+}
+
+$("send").addEventListener("click", send);
+$("input").addEventListener("keydown", (e) => { if (e.key === "Enter" && e.ctrlKey) send(); });
+$("stop-button").addEventListener("click", () => { if (controller) controller.abort(); });
+$("clear").addEventListener("click", () => { messages = []; $("log").replaceChildren(); });
+loadModels().catch((err) => { $("status").textContent = "cannot list models: " + err.message; });

@@ -1,0 +1,195 @@
+"""The playground (GET /) and the dashboard (GET /dashboard) in a real headless Chromium driven by Selenium, against
+the stories260K server: the pages load with no console error, a chat reply streams into the page, stop aborts the
+request (the server's running count returns to zero), completion mode shows top log-probabilities, the model's
+text never becomes HTML, and the dashboard's numbers move under load. Skipped where Chromium, its driver or
+selenium is missing (.ci/run installs them)."""
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+
+import pytest
+
+from tests.integration.server_harness import http
+
+selenium = pytest.importorskip("selenium", reason="selenium is not installed (pip install selenium)")
+CHROMIUM, DRIVER = shutil.which("chromium") or shutil.which("chromium-browser"), shutil.which("chromedriver")
+pytestmark = pytest.mark.skipif(CHROMIUM is None or DRIVER is None,
+                                reason="no Chromium or chromedriver on this machine (Debian: apt-get install "
+                                       "chromium chromium-driver; .ci/run does)")
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                "--window-size=1280,900", "--no-first-run"):
+        options.add_argument(arg)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(DRIVER), options=options)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def _wait(driver, condition, timeout=30, what="condition"):
+    from selenium.webdriver.support.ui import WebDriverWait
+    return WebDriverWait(driver, timeout, poll_frequency=0.1).until(lambda d: condition(d), message=what)
+
+
+def _errors(driver) -> list:
+    return [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+
+
+def _open_playground(driver, url):
+    from selenium.webdriver.common.by import By
+    driver.get(url + "/")
+    _wait(driver, lambda d: d.find_elements(By.CSS_SELECTOR, "#model option"), what="the model list")
+    driver.find_element(By.ID, "clear").click()
+
+
+def _set(driver, element_id, value):
+    from selenium.webdriver.common.by import By
+    field = driver.find_element(By.ID, element_id)
+    field.clear()
+    field.send_keys(str(value))
+
+
+def test_a_chat_reply_streams_into_the_page(browser, stories_server):
+    from selenium.webdriver.common.by import By
+    _open_playground(browser, stories_server.url)
+    assert [o.get_attribute("value") for o in browser.find_elements(By.CSS_SELECTOR, "#model option")] == ["hf"]
+    _set(browser, "temperature", 0)
+    _set(browser, "max_tokens", 24)
+    _set(browser, "input", "Tell me a story about a cat.")
+    browser.find_element(By.ID, "send").click()
+    stats = _wait(browser, lambda d: [s.text for s in d.find_elements(By.CSS_SELECTOR, ".msg.assistant .stats")
+                                      if "tokens" in s.text], what="the reply's statistics")[0]
+    reply = browser.find_element(By.CSS_SELECTOR, ".msg.assistant .body").text
+    n = int(stats.split()[0])
+    assert 1 <= n <= 24 and reply.strip() and "TTFT" in stats and "tok/s" in stats, stats
+    assert _errors(browser) == []
+
+
+def test_stop_aborts_the_request_and_the_server_frees_it(browser, stories_server):
+    from selenium.webdriver.common.by import By
+    _open_playground(browser, stories_server.url)
+    _set(browser, "temperature", 0.8)
+    _set(browser, "max_tokens", 230)
+    _set(browser, "stop", "")
+    _set(browser, "input", "Once upon a time")
+    browser.find_element(By.ID, "completion").click()            # plain completion: no end-of-turn to stop it early
+    browser.find_element(By.ID, "send").click()
+    _wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.assistant .tok"), what="the first token")
+    browser.find_element(By.ID, "stop-button").click()
+    stats = _wait(browser, lambda d: [s.text for s in d.find_elements(By.CSS_SELECTOR, ".msg.assistant .stats")
+                                      if s.text], what="the reply's statistics")[0]
+    assert "stopped" in stats and int(stats.split()[0]) < 230, stats
+    deadline = time.monotonic() + 10
+    while http("GET", stories_server.url + "/stats")[1]["num_running"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert http("GET", stories_server.url + "/stats")[1]["num_running"] == 0
+    browser.find_element(By.ID, "completion").click()
+    assert _errors(browser) == []
+
+
+def test_completion_mode_shows_top_logprobs_on_hover(browser, stories_server):
+    from selenium.webdriver.common.by import By
+    _open_playground(browser, stories_server.url)
+    browser.find_element(By.ID, "completion").click()
+    _set(browser, "temperature", 0)
+    _set(browser, "max_tokens", 8)
+    _set(browser, "input", "Once upon a time")
+    browser.find_element(By.ID, "send").click()
+    _wait(browser, lambda d: any("tokens" in s.text for s in d.find_elements(By.CSS_SELECTOR, ".stats")))
+    tokens = browser.find_elements(By.CSS_SELECTOR, ".msg.assistant .tok")
+    assert len(tokens) == 8
+    title = tokens[0].get_attribute("title")
+    lines = title.splitlines()
+    assert len(lines) == 5 and all(0 < float(line.split()[-1]) <= 1 for line in lines), title
+    status, want = http("POST", stories_server.url + "/v1/completions", {
+        "model": "hf", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0})
+    body = browser.find_element(By.CSS_SELECTOR, ".msg.assistant .body").get_attribute("textContent")
+    assert body == want["choices"][0]["text"]
+    browser.find_element(By.ID, "completion").click()
+
+
+def test_the_models_text_never_becomes_html(browser, stories_server):
+    browser.get(stories_server.url + "/")
+    found = browser.execute_script("""
+        const d = document.createElement('div');
+        renderMarkdown(d, arguments[0]);
+        return [d.querySelectorAll('img, script, a').length, d.querySelector('pre code').textContent,
+                d.querySelector('strong').textContent, d.querySelectorAll('p code').length, d.textContent];""",
+        "<img src=x onerror=alert(1)> **bold** and `x<y`\n\n```python\nif a < b:\n    print('<b>')\n```\n<script>1</script>")
+    assert found[0] == 0
+    assert found[1] == "if a < b:\n    print('<b>')\n" and found[2] == "bold" and found[3] == 1
+    assert "<img src=x onerror=alert(1)>" in found[4] and "<script>1</script>" in found[4]
+
+
+def test_the_dashboard_moves_under_load(browser, stories_server):
+    from selenium.webdriver.common.by import By
+    browser.get(stories_server.url + "/dashboard")
+    _wait(browser, lambda d: d.find_element(By.ID, "health").text == "healthy", what="the health line")
+    assert browser.find_element(By.ID, "v-agents").text == "1"
+
+    def load():
+        for _ in range(4):
+            http("POST", stories_server.url + "/generate", {"inputs": "Once upon a time",
+                                                           "parameters": {"max_new_tokens": 120, "ignore_eos": True}})
+    threads = [threading.Thread(target=load) for _ in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        _wait(browser, lambda d: float(d.find_element(By.ID, "v-tok_s").text.replace("-", "0") or 0) > 0,
+              what="output tokens/s above zero")
+        _wait(browser, lambda d: d.find_element(By.ID, "v-ttft_p50").text != "-", what="a TTFT percentile")
+    finally:
+        for t in threads:
+            t.join(120)
+    assert int(browser.find_element(By.ID, "v-kv_used").text) >= 0
+    assert _errors(browser) == []
+
+
+def test_with_an_api_key_the_page_asks_for_it_once(browser, shared_dir, tmp_path):
+    """The pages load without the key; the first API call that gets a 401 asks for it (window.prompt), and it is
+    kept for the tab (sessionStorage), so the model list and a reply come through."""
+    import uuid
+
+    from selenium.webdriver.common.by import By
+
+    from tests.integration.server_harness import REPO, serving
+
+    key = "ui-" + uuid.uuid4().hex
+    args = ["--config", str(REPO / "configs" / "stories260K.yaml"),
+            "--model", str(shared_dir / "models" / "stories260K" / "hf")]
+    with serving(args, tmp_path / "server.log", env={"LLM_SERVING_API_KEY": key}) as server:
+        assert http("GET", server.url + "/")[0] == 200 and http("GET", server.url + "/static/playground.js")[0] == 200
+        assert http("GET", server.url + "/v1/models")[0] == 401
+        browser.get(server.url + "/")
+        alert = _wait(browser, lambda d: _alert(d), what="the API key prompt")
+        alert.send_keys(key)
+        alert.accept()
+        _wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#model option"), what="the model list")
+        _set(browser, "max_tokens", 6)
+        _set(browser, "input", "Hello")
+        browser.find_element(By.ID, "send").click()
+        _wait(browser, lambda d: any("tokens" in s.text for s in d.find_elements(By.CSS_SELECTOR, ".stats")))
+        assert browser.execute_script("return sessionStorage.getItem('llm-serving-api-key')") == key
+        browser.execute_script("sessionStorage.clear()")
+
+
+def _alert(driver):
+    from selenium.common.exceptions import NoAlertPresentException
+    try:
+        alert = driver.switch_to.alert
+        alert.text                              # noqa: B018 - raises when there is none
+        return alert
+    except NoAlertPresentException:
+        return None
