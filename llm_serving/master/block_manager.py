@@ -46,6 +46,11 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self.free_block_ids) + len(self.evictable)
 
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks the prefix cache holds (in use or free to evict)."""
+        return len(self._key_of)
+
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

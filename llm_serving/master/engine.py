@@ -609,6 +609,7 @@ class Engine:
             "num_waiting": len(sched.waiting),
             "num_free_blocks": self.block_manager.num_free_blocks,
             "num_blocks": self.block_manager.num_blocks,
+            "num_cached_blocks": self.block_manager.num_cached_blocks,
             "num_preemptions": sched.num_preemptions,
             "num_agent_restarts": self.num_agent_restarts,
             "num_cache_resets": self.num_cache_resets,

@@ -153,7 +153,10 @@ def test_the_dashboard_moves_under_load(browser, stories_server):
     finally:
         for t in threads:
             t.join(120)
-    assert int(browser.find_element(By.ID, "v-kv_used").text) >= 0
+    stats = http("GET", stories_server.url + "/stats")[1]
+    _wait(browser, lambda d: d.find_element(By.ID, "v-kv_cached").text == str(stats["num_cached_blocks"]),
+          what="the prefix cache's blocks")
+    assert stats["num_cached_blocks"] > 0                   # the load's shared prompt is cached
     assert _errors(browser) == []
 
 

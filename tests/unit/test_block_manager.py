@@ -123,4 +123,5 @@ def test_prefixes_are_shared_only_under_the_same_root():
     assert bm.match_prefix(tokens, 0) == tuple(bm.block_tables["base"][:3])
     assert bm.match_prefix(tokens, 2) == tuple(bm.block_tables["lora2"][:3])
     assert bm.match_prefix(tokens, 1) == ()                       # another adapter: nothing cached yet
+    assert bm.num_cached_blocks == 6
     bm.check_invariants()

@@ -3,7 +3,7 @@
 const HISTORY = 120;
 const CARDS = [
   ["tok_s", "output tokens/s"], ["running", "running requests"], ["waiting", "waiting requests"],
-  ["kv_used", "KV blocks used"], ["kv_cached", "cached prompt tokens (total)"], ["hit_rate", "prefix-cache hit rate"],
+  ["kv_used", "KV blocks used"], ["kv_cached", "KV blocks in the prefix cache"], ["hit_rate", "prefix-cache hit rate"],
   ["step_ms", "mean step time (ms)"], ["batch", "mean rows per step"], ["ttft_p50", "TTFT p50 (ms)"],
   ["ttft_p90", "TTFT p90 (ms)"], ["tpot_p50", "TPOT p50 (ms)"], ["tpot_p90", "TPOT p90 (ms)"],
   ["agents", "live agents"], ["restarts", "agent restarts"], ["spec", "speculative acceptance rate"],
@@ -83,7 +83,7 @@ async function poll() {
     show("running", stats.num_running);
     show("waiting", stats.num_waiting);
     show("kv_used", stats.num_blocks - stats.num_free_blocks);
-    show("kv_cached", stats.num_cached_prompt_tokens);
+    show("kv_cached", stats.num_cached_blocks);
     show("hit_rate", stats.prefix_cache_hit_rate, 3);
     show("ttft_p50", quantile(metrics, "llm_serving_time_to_first_token_seconds", 0.5), 0);
     show("ttft_p90", quantile(metrics, "llm_serving_time_to_first_token_seconds", 0.9), 0);
