@@ -126,11 +126,15 @@ def test_the_models_text_never_becomes_html(browser, stories_server):
         const d = document.createElement('div');
         renderMarkdown(d, arguments[0]);
         return [d.querySelectorAll('img, script, a').length, d.querySelector('pre code').textContent,
-                d.querySelector('strong').textContent, d.querySelectorAll('p code').length, d.textContent];""",
-        "<img src=x onerror=alert(1)> **bold** and `x<y`\n\n```python\nif a < b:\n    print('<b>')\n```\n<script>1</script>")
+                d.querySelector('strong').textContent, d.querySelectorAll('p code').length, d.textContent,
+                [...d.querySelectorAll('ul li')].map(li => li.textContent), d.querySelectorAll('ol li').length,
+                d.querySelector('h3') && d.querySelector('h3').textContent];""",
+        "# Title <b>\n<img src=x onerror=alert(1)> **bold** and `x<y`\n\n```python\nif a < b:\n    print('<b>')\n```\n"
+        "- one <i>\n- two\n1. first\n2. second\n<script>1</script>")
     assert found[0] == 0
     assert found[1] == "if a < b:\n    print('<b>')\n" and found[2] == "bold" and found[3] == 1
     assert "<img src=x onerror=alert(1)>" in found[4] and "<script>1</script>" in found[4]
+    assert found[5] == ["one <i>", "two"] and found[6] == 2 and found[7] == "Title <b>"
 
 
 def test_the_dashboard_moves_under_load(browser, stories_server):

@@ -4,7 +4,8 @@ const $ = (id) => document.getElementById(id);
 let messages = [];          // the conversation: [{role, content}]
 let controller = null;      // the request in flight (stop aborts it: the server frees its blocks)
 
-// Markdown, safely: the model's text only ever becomes text nodes (code fences -> <pre><code>, `code`, **bold**)
+// Markdown, safely: the model's text only ever becomes text nodes (code fences -> <pre><code>, lists, headings,
+// `code`, **bold**)
 function renderMarkdown(container, text) {
   container.replaceChildren();
   const parts = text.split("```");
@@ -15,17 +16,30 @@ function renderMarkdown(container, text) {
       container.append(el("pre", {}, el("code", {text: body})));
       return;
     }
-    for (const para of part.split(/\n{2,}/)) {
-      if (!para) continue;
-      const p = el("p");
-      for (const piece of para.split(/(`[^`\n]+`|\*\*[^*\n]+\*\*)/)) {
-        if (piece.startsWith("`") && piece.endsWith("`") && piece.length > 1) p.append(el("code", {text: piece.slice(1, -1)}));
-        else if (piece.startsWith("**") && piece.endsWith("**") && piece.length > 3) p.append(el("strong", {text: piece.slice(2, -2)}));
-        else if (piece) p.append(document.createTextNode(piece));
+    let list = null;                        // the <ul>/<ol> that consecutive item lines go into
+    for (const line of part.split("\n")) {
+      const item = /^\s*(?:([-*+])|(\d+)[.)])\s+(.*)$/.exec(line), heading = /^(#{1,6})\s+(.*)$/.exec(line);
+      if (item) {
+        const tag = item[1] ? "ul" : "ol";
+        if (!list || list.tagName.toLowerCase() !== tag) container.append(list = el(tag));
+        list.append(inline(el("li"), item[3]));
+        continue;
       }
-      container.append(p);
+      list = null;
+      if (heading) container.append(inline(el("h" + Math.min(heading[1].length + 2, 6)), heading[2]));
+      else if (line.trim()) container.append(inline(el("p"), line));
     }
   });
+}
+
+// `code` and **bold** inside a line, the rest as text nodes
+function inline(node, text) {
+  for (const piece of text.split(/(`[^`\n]+`|\*\*[^*\n]+\*\*)/)) {
+    if (piece.startsWith("`") && piece.endsWith("`") && piece.length > 1) node.append(el("code", {text: piece.slice(1, -1)}));
+    else if (piece.startsWith("**") && piece.endsWith("**") && piece.length > 3) node.append(el("strong", {text: piece.slice(2, -2)}));
+    else if (piece) node.append(document.createTextNode(piece));
+  }
+  return node;
 }
 
 function bubble(role, text) {
