@@ -26,7 +26,7 @@ setup(
     extras_require={
         "bench": ["matplotlib", "tqdm"],
         "test": ["pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "matplotlib", "tqdm", "openai",
-                 "huggingface_hub", "selenium"],
+                 "huggingface_hub", "selenium", "kubernetes-validate"],
         "ascend": ["mindformers"],
     },
     entry_points={"console_scripts": ["llm-serving=llm_serving.cli:main"]},
