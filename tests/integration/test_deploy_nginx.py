@@ -1,4 +1,4 @@
-"""deploy/nginx/llm-serving.conf with real nginx (the OS package) in front of three real stories260K replicas:
+"""deploy/nginx/llm-serving.conf with real nginx (the OS package, run as bench/replicas.py runs it) in front of three real stories260K replicas:
 with one replica draining on SIGTERM and, after, one whose agent is gone for good (max_agent_restarts=0: it
 answers 503 with its reason), every new request through nginx succeeds, streaming or not, and no request in
 flight on the draining replica is cut. Skipped where nginx is not installed (.ci/run installs it)."""
@@ -6,17 +6,15 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import signal
-import socket
-import subprocess
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from bench.replicas import Nginx, nginx_config
 from tests.integration.server_harness import REPO, ServerProcess, free_port, http, leftovers, parse_sse
 
 NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
@@ -30,33 +28,6 @@ def _stories(shared_dir, *sets):
     for s in sets:
         args += ["--set", s]
     return args
-
-
-def _nginx_conf(tmp_path, ports, listen):
-    """The shipped config with these replicas and port, in a minimal nginx.conf of its own (temp paths under
-    tmp_path, so it needs no system directory)."""
-    site = (REPO / "deploy" / "nginx" / "llm-serving.conf").read_text()
-    servers = "".join(f"    server 127.0.0.1:{p} max_fails=1 fail_timeout=10s;\n" for p in ports)
-    site = re.sub(r"(upstream llm_serving \{\n)(?:    server [^\n]*\n)+", lambda m: m.group(1) + servers, site)
-    site = site.replace("listen 8000;", f"listen 127.0.0.1:{listen};")
-    temp = tmp_path / "nginx"
-    temp.mkdir()
-    conf = temp / "nginx.conf"
-    conf.write_text(f"""worker_processes 1;
-pid {temp}/nginx.pid;
-error_log {temp}/error.log warn;
-events {{ worker_connections 256; }}
-http {{
-    access_log {temp}/access.log;
-    client_body_temp_path {temp}/body;
-    proxy_temp_path {temp}/proxy;
-    fastcgi_temp_path {temp}/fastcgi;
-    uwsgi_temp_path {temp}/uwsgi;
-    scgi_temp_path {temp}/scgi;
-{site}
-}}
-""")
-    return conf
 
 
 def _request(url, i):
@@ -80,16 +51,7 @@ def test_requests_through_nginx_survive_a_draining_and_a_failed_replica(shared_d
             r.wait_ready()
         a, b, c = replicas
         listen = free_port()
-        conf = _nginx_conf(tmp_path, [r.port for r in replicas], listen)
-        nginx = subprocess.Popen([NGINX, "-c", str(conf), "-g", "daemon off;"], stderr=subprocess.PIPE)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", listen), timeout=1).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline and nginx.poll() is None, nginx.stderr.read()
-                time.sleep(0.1)
+        nginx = Nginx(NGINX, nginx_config([r.port for r in replicas], listen, tmp_path / "nginx"), listen).__enter__()
         url = f"http://127.0.0.1:{listen}"
         with ThreadPoolExecutor(8) as pool:
             assert all(ok for ok, _ in pool.map(lambda i: _request(url, i), range(12)))
@@ -125,8 +87,7 @@ def test_requests_through_nginx_survive_a_draining_and_a_failed_replica(shared_d
             assert resp.status == 200 and resp.headers["X-Request-Id"] == "through-nginx-1"
     finally:
         if nginx is not None:
-            nginx.terminate()
-            nginx.wait(10)
+            nginx.__exit__(None, None, None)
         for r in replicas:
             r.stop()
     for r in replicas:
