@@ -21,20 +21,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import info, log_dir, machine, replay, synthetic_samples, table, write_json  # noqa: E402
-from bench.peers import bench_model  # noqa: E402
+from bench.common import info, log_dir, machine, synthetic_samples, table, write_json  # noqa: E402
+from bench.peers import bench_model, measure  # noqa: E402
 from llm_serving.launch import ServerProcess  # noqa: E402
 from llm_serving.models.lora import TARGET_MODULES, random_lora_tensors, write_peft_adapter  # noqa: E402
 from llm_serving.models.weights import checkpoint_config  # noqa: E402
-
-
-def measure(url: str, samples_by_streams: dict) -> dict:
-    runs = {}
-    for streams, samples in samples_by_streams.items():
-        replay(url, None, samples[:streams], [0.0] * streams, backend="openai")          # warm every path
-        runs[streams], _ = replay(url, None, samples, [0.0] * len(samples), backend="openai",
-                                  max_concurrency=streams)
-    return runs
 
 
 def main(argv=None) -> int:
@@ -60,7 +51,7 @@ def main(argv=None) -> int:
                                                                                      seed=i), r=args.rank,
                                             lora_alpha=args.rank)
              for i in range(max(counts))}
-    per_adapter_mb = sum(f.stat().st_size for f in (Path(paths["lora0"]) / "adapter_model.safetensors",)) / 1e6
+    per_adapter_mb = (Path(paths["lora0"]) / "adapter_model.safetensors").stat().st_size / 1e6
 
     setups = [("base", 0)] + [(f"{c} adapter{'s' if c > 1 else ''}", c) for c in counts]
     runs, facts = {}, None
@@ -82,7 +73,7 @@ def main(argv=None) -> int:
                 for i, sample in enumerate(batch):
                     sample.model = names[i % len(names)]
                 samples[s] = batch
-            runs[label] = measure(srv.url, samples)
+            runs[label] = measure(srv.url, None, samples)     # (each sample names its adapter)
             print(f"{label}: " + ", ".join(f"{s} streams {runs[label][s]['output_throughput']:.1f} tok/s"
                                            for s in streams), flush=True)
 

@@ -23,7 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import REPO, SHARED, info, log_dir, machine, replay, synthetic_samples, table, write_json  # noqa: E402
+from bench.common import REPO, SHARED, info, log_dir, machine, synthetic_samples, table, write_json  # noqa: E402
+from bench.peers import measure as measure_levels  # noqa: E402
 from llm_serving.launch import ServerProcess, free_port  # noqa: E402
 
 
@@ -96,13 +97,11 @@ def main(argv=None) -> int:
         facts = info(servers[0])
         model = facts["model_id"]
 
+        samples = {s: synthetic_samples(args.rounds * s, facts["tokenizer_path"], args.input_len, args.output_len)
+                   for s in streams}
+
         def measure(url):
-            out = {}
-            for s in streams:
-                samples = synthetic_samples(args.rounds * s, facts["tokenizer_path"], args.input_len, args.output_len)
-                replay(url, model, samples[:s], [0.0] * s)                        # warm
-                out[s], _ = replay(url, model, samples, [0.0] * len(samples), max_concurrency=s)
-            return out
+            return measure_levels(url, model, samples, backend="llm-serving")
 
         runs["1 replica, direct"] = measure(servers[0].url)
         work = Path(tempfile.mkdtemp(prefix="nginx-bench-"))

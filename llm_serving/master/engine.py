@@ -14,8 +14,8 @@ import asyncio
 import itertools
 import logging
 import time
-from pathlib import Path
 from collections import Counter
+from pathlib import Path
 from typing import Optional
 
 from llm_serving.agents import protocol as proto
@@ -229,6 +229,10 @@ class Engine:
         self._wakeup.set()
         return req
 
+    def served_models(self) -> list:
+        """The names requests may give: the model's, then its LoRA adapters'."""
+        return [self.model_name, *self.lora_paths]
+
     async def load_lora(self, name: str, path: str) -> dict:
         """Serve the PEFT adapter at `path` as model `name` from now on: checked against the served model here,
         then loaded by the agents into a free slot. LoraRefusedError if it does not fit (nothing changes),
@@ -257,19 +261,13 @@ class Engine:
             raise LoraRefusedError(str(e)) from None
         if name in self.lora_paths:               # (named meanwhile by a concurrent load)
             raise LoraConflictError(f"the name {name!r} is already served; unload it first or pick another")
-        free = sorted(set(range(1, lc.max_loras + 1)) - set(self.lora_slots.values()) - self._lora_pending)
+        free = self._free_lora_slots()
         slot_mb = None
         if free:                                  # else it is loaded when a request needs it (_make_resident)
-            slot = free[0]
-            self._lora_pending.add(slot)
             try:
-                replies = await self.agents.control(proto.LoadLora(slot=slot, name=name, path=path))
+                slot_mb = await self._load_into(free[0], name, path)
             except AgentError as e:
                 raise LoraRefusedError(f"the agent could not load adapter {name!r}: {e}") from None
-            finally:
-                self._lora_pending.discard(slot)
-            self._in_slot(name, slot)
-            slot_mb = replies[0].slot_mb
         self.lora_paths[name] = path
         self._sync_lora_config()
         logger.info("LoRA adapter %r registered (rank %d)%s", name, adapter.rank,
@@ -281,6 +279,21 @@ class Engine:
         lc = self.config.lora_config
         lc.adapters = dict(self.lora_paths)
         lc.slots = dict(self.lora_slots)
+
+    def _free_lora_slots(self) -> list:
+        lc = self.config.lora_config
+        return sorted(set(range(1, lc.max_loras + 1)) - set(self.lora_slots.values()) - self._lora_pending)
+
+    async def _load_into(self, slot: int, name: str, path: str) -> float:
+        """The agents load adapter `name` into `slot` (AgentError if one cannot), which it then holds; the MB a
+        slot takes on the agents."""
+        self._lora_pending.add(slot)
+        try:
+            replies = await self.agents.control(proto.LoadLora(slot=slot, name=name, path=path))
+        finally:
+            self._lora_pending.discard(slot)
+        self._in_slot(name, slot)
+        return replies[0].slot_mb
 
     def _in_slot(self, name: str, slot: int) -> None:
         """Adapter `name` is in `slot` now (with a prefix-cache root of its own); its waiting requests take it."""
@@ -294,8 +307,7 @@ class Engine:
         """A slot to load an adapter into: a free one, else that of the adapter named longest ago among those no
         running request uses (its waiting requests wait for it to be loaded again); None if every slot serves
         running requests."""
-        lc = self.config.lora_config
-        free = sorted(set(range(1, lc.max_loras + 1)) - set(self.lora_slots.values()) - self._lora_pending)
+        free = self._free_lora_slots()
         if free:
             return free[0]
         busy = {r.lora_slot for r in self.scheduler.running}
@@ -328,16 +340,12 @@ class Engine:
             if slot is None:                      # every slot serves running requests: try after the next step
                 self._lora_unresolved = True
                 return
-            self._lora_pending.add(slot)
             try:
-                await self.agents.control(proto.LoadLora(slot=slot, name=name, path=self.lora_paths[name]))
+                await self._load_into(slot, name, self.lora_paths[name])
             except AgentError as e:
                 for req in [r for r in self.scheduler.waiting if r.lora_adapter == name]:
                     self._finish(req, "error", error=f"LoRA adapter {name!r} could not be loaded: {e}")
                 continue
-            finally:
-                self._lora_pending.discard(slot)
-            self._in_slot(name, slot)
             self._sync_lora_config()
 
     async def unload_lora(self, name: str) -> None:

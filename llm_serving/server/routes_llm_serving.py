@@ -15,18 +15,14 @@ REQUEST_ID_HEADER = "X-Request-Id"
 logger = logging.getLogger(__name__)
 
 
-def served_models(engine) -> str:
-    return ", ".join(repr(m) for m in (engine.model_name, *engine.lora_paths))
-
-
 async def _read_request(request: web.Request, stream_default: bool):
     """(engine, request, prompt ids, request id, LoRA adapter or None): the path's model (the base model or an
     adapter's name) or TGI's parameters.adapter_id picks the adapter."""
     engine = request.app[ENGINE]
     model = request.match_info.get("model")
-    if model is not None and model != engine.model_name and model not in engine.lora_paths:
+    if model is not None and model not in engine.served_models():
         raise schemas.ModelNotFoundError(f"model {model!r} is not served here; this server serves "
-                                         f"{served_models(engine)}")
+                                         f"{', '.join(map(repr, engine.served_models()))}")
     body = schemas.parse_json_body(await request.read())
     gen = schemas.parse_generate(body, stream_default=stream_default, vocab_size=engine.tokenizer.vocab_size)
     adapter = model if model is not None and model != engine.model_name else None

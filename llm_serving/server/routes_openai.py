@@ -56,9 +56,9 @@ def _model(engine, body: dict) -> str:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise ValidationError("'model' is required: the served model's id (GET /v1/models)", param="model")
-    if model != engine.model_name and model not in engine.lora_paths:
-        served = ", ".join(repr(m) for m in (engine.model_name, *engine.lora_paths))
-        raise schemas.ModelNotFoundError(f"the model {model!r} does not exist; this server serves {served}")
+    if model not in engine.served_models():
+        raise schemas.ModelNotFoundError(f"the model {model!r} does not exist; this server serves "
+                                         f"{', '.join(map(repr, engine.served_models()))}")
     return model
 
 
