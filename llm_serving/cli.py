@@ -1,9 +1,8 @@
-"""`llm-serving` command line: start | agent-ctl | bench | precision | make-model."""
+"""`llm-serving` command line: start | agent | agent-ctl | bench | precision | make-model."""
 from __future__ import annotations
 
 import argparse
 import asyncio
-import ipaddress
 import json
 import logging
 import os
@@ -33,6 +32,51 @@ def _add_start(sub) -> None:
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a config key; the value is YAML, e.g. pa_config.num_blocks=64")
     p.set_defaults(func=cmd_start)
+
+
+def _add_agent(sub) -> None:
+    p = sub.add_parser("agent", help="start this node's agents of a tensor-parallel group that spans nodes "
+                                     "(docs/TENSOR_PARALLEL.md); they join the master's group and serve its steps")
+    p.add_argument("--config", help="the master's YAML config (the same file and --set options on every node)")
+    p.add_argument("--model", help="the model, as given to `llm-serving start` (this node's copy)")
+    p.add_argument("--ranks", required=True, help="this node's ranks, e.g. 1 or 8-15 or 2,3")
+    p.add_argument("--host", help="the address this node's agents listen on for the master (default "
+                                  "serving_config.agent_ip)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a config key, as for `start`")
+    p.set_defaults(func=cmd_agent, tokenizer=None, port=None)
+
+
+def parse_ranks(text: str) -> list:
+    """'1', '8-15', '2,3' -> sorted distinct ranks; ValueError otherwise."""
+    ranks = set()
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()) or (hi and int(hi) < int(lo)):
+            raise ValueError(f"--ranks {text!r}: use a rank, a range lo-hi, or a comma-separated list")
+        ranks.update(range(int(lo), int(hi or lo) + 1))
+    return sorted(ranks)
+
+
+def cmd_agent(args) -> int:
+    from llm_serving.agents import protocol as proto
+    from llm_serving.agents.node import check_ranks, run_node
+    from llm_serving.config import ConfigError
+
+    host = args.host
+    args.host = None                      # --host is the agents' address here, not the HTTP server's
+    try:
+        config = build_config(args)
+        if host:
+            config.serving_config.agent_ip = host
+        model_dir, _, _ = resolve_model(config)
+        ranks = parse_ranks(args.ranks)
+        check_ranks(config, ranks)
+        token = proto.read_token_file(config.serving_config.agent_token_file)
+    except (ConfigError, ValueError) as exc:
+        print(f"llm-serving agent: config error: {exc}", file=sys.stderr)
+        return 2
+    return run_node(config, model_dir, ranks, token)
 
 
 def _add_agent_ctl(sub) -> None:
@@ -210,6 +254,7 @@ def _check_lora_adapters(config, model_path: str, model_name: str) -> None:
 async def serve(config, model_dir: str, model_name: str, vocab_file: str) -> None:
     from aiohttp import web
 
+    from llm_serving.config import is_loopback
     from llm_serving.master.engine import Engine
     from llm_serving.server.app import create_app
     from llm_serving.tokenizer import load_tokenizer
@@ -247,7 +292,7 @@ async def serve(config, model_dir: str, model_name: str, vocab_file: str) -> Non
         for sock in site._server.sockets:  # report the real port when 0 was asked for
             host, port = sock.getsockname()[:2]
             logger.info("serving model %r on http://%s:%d", model_name, host, port)
-        if not sc.api_key and not _is_loopback(sc.server_ip):
+        if not sc.api_key and not is_loopback(sc.server_ip):
             logger.warning("the HTTP API listens on %s without an API key: anyone who can reach it may use it "
                            "(set LLM_SERVING_API_KEY or serving_config.api_key)", sc.server_ip)
         await stop.wait()
@@ -270,22 +315,19 @@ async def drain(engine, grace_s: float, force: asyncio.Event) -> None:
     logger.info("shut down: %d request(s) aborted", aborted)
 
 
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
-
-
 def cmd_start(args) -> int:
     from llm_serving.config import ConfigError
     from llm_serving.master.kv_memory import size_kv_cache
+
+    from llm_serving.agents import protocol as proto
 
     try:
         config = build_config(args)
         model_dir, model_name, vocab_file = resolve_model(config)
         config = size_kv_cache(config, model_dir)
-    except ConfigError as exc:
+        if config.serving_config.agent_token_file:
+            proto.read_token_file(config.serving_config.agent_token_file)
+    except (ConfigError, ValueError) as exc:
         print(f"llm-serving: config error: {exc}", file=sys.stderr)
         return 2
     logger.info("model %r from %s", model_name, model_dir)
@@ -324,6 +366,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="llm-serving", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     _add_start(sub)
+    _add_agent(sub)
     _add_agent_ctl(sub)
     _add_bench(sub)
     _add_precision(sub)

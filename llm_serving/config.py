@@ -10,6 +10,7 @@ that existing files load, and a warning says they are ignored.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import logging
 import math
 import re
@@ -27,6 +28,14 @@ SCHEDULING_POLICIES = ("prefill_first", "longest_output_first", "fcfs")   # see 
 ATTENTION_KERNELS = ("auto", "on", "off")      # CPU kernel switches (attention, layer); see models/runner.py
 SPEC_METHODS = ("off", "ngram", "draft", "tree", "draft_tree")   # speculative decoding proposers; see
                                                                  # master/speculative.py and master/draft.py
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address or 'localhost') is this machine's loopback."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 class ConfigError(ValueError):
@@ -158,6 +167,18 @@ class ServingConfig:
     server_port: int = 8000
     agent_ip: str = "127.0.0.1"
     agent_ports: list = field(default_factory=lambda: [0])
+    # tensor parallel across nodes (docs/TENSOR_PARALLEL.md): per rank, null = spawned by this master on its
+    # host, or the host of an agent that `llm-serving agent` started on another node (the master connects to
+    # it at agent_ports[rank]); [] = every rank here. Rank 0 is always the master's own (it reads the step's
+    # inputs from shared memory and broadcasts them to the others over the group's collectives).
+    agent_hosts: list = field(default_factory=list)
+    # the MindSpore cluster's scheduler (all_reduce 'mindspore'), which the master starts: the address the
+    # ranks on every node reach it at, and its port (0 = a free one, only when every rank is on this host)
+    cluster_host: str = "127.0.0.1"
+    cluster_port: int = 0
+    # the launch token agents accept connections with: null = a fresh random one per start (agents spawned
+    # here); with agents on other nodes, a file (mode 0600) holding the token, the same file on every node
+    agent_token_file: Optional[str] = None
     start_device_id: int = 0
     max_num_seqs: Optional[int] = None        # running sequences at once (<= largest decode bucket); null = the
                                               # largest model_config.decode_batch_size, or DEFAULT_MAX_NUM_SEQS
@@ -195,6 +216,25 @@ class ServingConfig:
                    "serving_config.agent_ports", ports, "every entry must be a port number 0..65535 (0 = any free)")
         nonzero = [p for p in ports if p]
         _check(len(set(nonzero)) == len(nonzero), "serving_config.agent_ports", ports, "ports must be distinct")
+        hosts = self.agent_hosts
+        _check(isinstance(hosts, list) and (not hosts or len(hosts) == len(ports)), "serving_config.agent_hosts",
+               hosts, f"must be [] or one entry per agent_ports entry ({len(ports)})")
+        _check(all(h is None or (isinstance(h, str) and h) for h in hosts), "serving_config.agent_hosts", hosts,
+               "every entry must be null (this host) or a host name or address")
+        _check(not hosts or hosts[0] is None, "serving_config.agent_hosts", hosts,
+               "rank 0 runs beside the master (null): it reads the step's inputs from shared memory")
+        remote = self.remote_ranks
+        _check(not remote or all(ports[r] for r in remote), "serving_config.agent_ports", ports,
+               "an agent on another node (agent_hosts) needs a fixed port, not 0")
+        _check(isinstance(self.cluster_host, str) and self.cluster_host, "serving_config.cluster_host",
+               self.cluster_host, "must be a host name or address")
+        _check(isinstance(self.cluster_port, int) and not isinstance(self.cluster_port, bool)
+               and 0 <= self.cluster_port <= 65535, "serving_config.cluster_port", self.cluster_port,
+               "must be a port number 0..65535 (0 = any free)")
+        _check(not remote or self.cluster_port, "serving_config.cluster_port", self.cluster_port,
+               "agents on other nodes (agent_hosts) join the cluster at a fixed port: set one")
+        _check(not remote or self.agent_token_file, "serving_config.agent_token_file", self.agent_token_file,
+               "agents on other nodes (agent_hosts) share the launch token through a file: set one")
         _check_int("serving_config.start_device_id", self.start_device_id, min_value=0)
         if self.max_num_seqs is not None:
             _check_int("serving_config.max_num_seqs", self.max_num_seqs)
@@ -216,6 +256,23 @@ class ServingConfig:
             _check(isinstance(self.api_key, str) and len(self.api_key) >= 8 and self.api_key.isprintable()
                    and not any(c.isspace() for c in self.api_key), "serving_config.api_key", "<hidden>",
                    "must be a string of at least 8 printable characters without spaces")
+
+    @property
+    def remote_ranks(self) -> list:
+        """Ranks of agents on other nodes (agent_hosts), which the master connects to instead of spawning."""
+        return [r for r, h in enumerate(self.agent_hosts) if h is not None]
+
+    def node_of(self, rank: int) -> str:
+        """The node rank runs on: its agent_hosts entry, or the master's host (loopback addresses count as the
+        master's host: an agent started there with `llm-serving agent` shares its cores and devices)."""
+        host = self.agent_hosts[rank] if self.agent_hosts else None
+        return "" if host is None or is_loopback(host) else host
+
+    def local_rank(self, rank: int) -> tuple:
+        """(rank's index among the ranks of its node, how many ranks that node has): its device is
+        start_device_id + the index."""
+        mine = [r for r in range(len(self.agent_ports)) if self.node_of(r) == self.node_of(rank)]
+        return mine.index(rank), len(mine)
 
 
 @dataclass
@@ -477,6 +534,13 @@ class Config:
         if lora.enabled:
             _check(mc.model_name not in lora.adapters, "lora_config.adapters", mc.model_name,
                    "an adapter cannot have the served model's own name")
+        if sc.remote_ranks:
+            _check(mc.all_reduce != "shm", "model_config.all_reduce", mc.all_reduce,
+                   "agents on other nodes (serving_config.agent_hosts) all-reduce over MindSpore's collectives: "
+                   "use 'mindspore' or 'auto'")
+            _check(pa.num_blocks != "auto", "pa_config.num_blocks", pa.num_blocks,
+                   "agents on other nodes (serving_config.agent_hosts) need the same KV cache on every rank: set "
+                   "a number (the master's log of a one-node start says what 'auto' chose)")
         if pa.num_blocks != "auto":
             _check(pa.num_blocks >= self.max_blocks_per_seq, "pa_config.num_blocks", pa.num_blocks,
                    f"must hold at least one longest sequence ({self.max_blocks_per_seq} blocks of "
@@ -536,6 +600,7 @@ class Config:
         if mc["prefill_batch_size"][-1] < spec.max_batch_size:    # every speculating row catches up in one step
             mc["prefill_batch_size"] = mc["prefill_batch_size"] + [spec.max_batch_size]
         sc["agent_ports"] = [spec.draft_agent_port]
+        sc["agent_hosts"] = []                     # the draft is one agent beside the master
         sc["max_num_seqs"] = min(sc["max_num_seqs"], mc["decode_batch_size"][-1])
         raw["spec_config"] = {"method": "off"}
         return config_from_dict(raw)

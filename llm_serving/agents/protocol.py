@@ -62,7 +62,8 @@ PRIORITY = {EXIT: 0, RESET: 0, HEALTH: 0, CONNECT: 0, CAPTURE: 0, LOAD_LORA: 0, 
 
 # --- launch: how the master starts an agent process (python -m llm_serving.agents.server) ---------------
 ENV_CONFIG = "LLM_SERVING_AGENT_CONFIG"    # JSON: {"config": {...}, "model_dir": str, "rank": int,
-#                                                 "tp_comm": CPU tensor-parallel segment name | null}
+#                                                 "tp_comm": CPU tensor-parallel segment name | null,
+#                                                 "remote": started on another node by `llm-serving agent`}
 ENV_TOKEN = "LLM_SERVING_AGENT_TOKEN"      # per-launch secret every connect must carry; never logged
 ENV_STATUS_FD = "LLM_SERVING_AGENT_STATUS_FD"   # pipe for the agent's status lines (listening/ready/failed)
 # glibc >= 2.35: malloc asks for transparent huge pages (madvise) on the memory it maps, which is where MindSpore's
@@ -85,6 +86,23 @@ def runtime_dir() -> Path:
     path = Path(base)
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     return path
+
+
+def read_token_file(path: str) -> str:
+    """The launch token a group shares across nodes (serving_config.agent_token_file): the file's first word.
+    ValueError when others than its owner may read the file, or it holds no token of 16 characters or more."""
+    p = Path(path).expanduser()
+    try:
+        mode = p.stat().st_mode
+        words = p.read_text().split()
+    except OSError as exc:
+        raise ValueError(f"serving_config.agent_token_file {path!r}: {exc.strerror}") from None
+    if mode & 0o077:
+        raise ValueError(f"serving_config.agent_token_file {path!r} may be read by others (mode {mode & 0o777:o}): "
+                         "chmod 600 it")
+    if not words or len(words[0]) < 16:
+        raise ValueError(f"serving_config.agent_token_file {path!r} must hold a token of at least 16 characters")
+    return words[0]
 
 
 def token_file(port: int) -> Path:
@@ -198,7 +216,10 @@ def encode(seq: Any, message: Message) -> bytes:
 class Connect(Message):
     COMMAND: ClassVar[str] = CONNECT
     token: str
-    shm: Optional[dict] = None      # array name -> segment name; null for a control connection (agent-ctl)
+    shm: Optional[dict] = None      # array name -> segment name; null for a control connection (agent-ctl), or
+                                    # for a rank on another node than the master (its inputs come from rank 0)
+    master: bool = False            # the group's master (not agent-ctl): an agent on another node exits when
+                                    # this connection drops, as its group's collectives are gone with the master
 
 
 @dataclass(frozen=True)

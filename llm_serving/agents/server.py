@@ -61,6 +61,7 @@ class Connection:
         self.peer = peer
         self.authorized = False
         self.owns_shm = False
+        self.is_master = False
         self._send_lock = threading.Lock()
         self.closed = False
 
@@ -84,11 +85,12 @@ class Connection:
 
 class AgentServer:
     def __init__(self, config, model_dir: str, rank: int, token: str, status_fd: int | None,
-                 tp_comm: str | None = None):
+                 tp_comm: str | None = None, remote: bool = False):
         self.config = config
         self.rank = rank
         self.tp_comm = tp_comm
-        self.device_id = config.serving_config.start_device_id + rank
+        self.remote = remote            # started on another node than the master (`llm-serving agent`)
+        self.device_id = config.serving_config.start_device_id + config.serving_config.local_rank(rank)[0]
         self.model_dir = model_dir
         self._token = token
         self._status_fd = status_fd
@@ -129,11 +131,16 @@ class AgentServer:
     def _watch_parent(self) -> None:
         while not self._stop.wait(0.5):
             if os.getppid() != self._parent_pid or not psutil.pid_exists(self._parent_pid):
-                logger.warning("agent %d: master (pid %d) is gone; exiting", self.rank, self._parent_pid)
-                self._queue.put(proto.Frame(proto.EXIT, {"seq": None}), None, priority=-1)
-                if not self._stop.wait(2.0):  # the main thread is stuck in a step: leave anyway
-                    os._exit(1)
+                logger.warning("agent %d: its parent (pid %d) is gone; exiting", self.rank, self._parent_pid)
+                self._exit_soon()
                 return
+
+    def _exit_soon(self) -> None:
+        """Exit ahead of any queued command; if the main thread is stuck in a step (a peer gone in a collective),
+        leave anyway after 2 s."""
+        self._queue.put(proto.Frame(proto.EXIT, {"seq": None}), None, priority=-1)
+        if not self._stop.wait(2.0):
+            os._exit(1)
 
     def _accept_loop(self) -> None:
         while not self._stop.is_set():
@@ -178,6 +185,11 @@ class AgentServer:
         if conn.owns_shm:
             # the master's connection dropped: its buffers may be unlinked any moment
             self._queue.put(proto.Frame(_DETACH, {"seq": None}), conn, priority=0)
+        if conn.is_master and self.remote:
+            # an agent on another node: its group's collectives went with the master (or the master restarts the
+            # group); exit, so that its node's launcher starts it afresh to join the next cluster
+            logger.warning("agent %d: the master's connection dropped; exiting to rejoin", self.rank)
+            self._exit_soon()
 
     def _token_ok(self, token) -> bool:
         return isinstance(token, str) and hmac.compare_digest(token.encode(), self._token.encode())
@@ -188,6 +200,7 @@ class AgentServer:
         if msg.shm is not None:
             self.worker.attach(msg.shm)
             conn.owns_shm = True
+        conn.is_master = msg.master
         cfg = self.worker.runner.config
         return proto.ConnectReply(rank=self.rank, pid=os.getpid(), device_id=self.device_id,
                                   num_blocks=self.config.pa_config.num_blocks,
@@ -295,7 +308,8 @@ def run_agent_process() -> int:
         spec = json.loads(os.environ[proto.ENV_CONFIG])
         token = os.environ.pop(proto.ENV_TOKEN)
         config = config_from_dict(spec["config"])
-        server = AgentServer(config, spec["model_dir"], int(spec["rank"]), token, status_fd, spec.get("tp_comm"))
+        server = AgentServer(config, spec["model_dir"], int(spec["rank"]), token, status_fd, spec.get("tp_comm"),
+                             remote=bool(spec.get("remote")))
         server.event_loop()
         return 0
     except BaseException as exc:  # noqa: BLE001 - report anything, including KeyboardInterrupt

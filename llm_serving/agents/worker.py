@@ -26,17 +26,19 @@ class Worker:
     """Owns the ModelRunner (MindSpore graphs + paged KV cache) and the attached step buffers."""
 
     def __init__(self, config, model_dir: str, rank: int, device_id: int, tp_comm: str | None = None):
-        from llm_serving.models.parallel import TensorParallel, all_reduce_backend, pin_cpu_cores
+        from llm_serving.models.parallel import StepInputBroadcast, TensorParallel, all_reduce_backend, pin_cpu_cores
         from llm_serving.models.lora import load_lora_adapter
         from llm_serving.models.runner import ModelRunner  # MindSpore is imported only in agents
 
         mc, pa, sc = config.model_config, config.pa_config, config.serving_config
         self.rank = rank
+        self.config = config
         self.tp = TensorParallel(rank, len(sc.agent_ports), tp_comm,
-                                 all_reduce_backend(mc.device_target, mc.all_reduce))
+                                 all_reduce_backend(mc.device_target, mc.all_reduce, bool(sc.remote_ranks)),
+                                 across_nodes=bool(sc.remote_ranks))
         num_threads = mc.num_threads
         if self.tp.world > 1 and mc.device_target == "CPU":
-            cores = pin_cpu_cores(rank, self.tp.world)      # the CPU's 'devices': a share of the cores each
+            cores = pin_cpu_cores(*sc.local_rank(rank))     # the CPU's 'devices': a share of its node's cores each
             if num_threads is None:
                 num_threads = cores or 1
         self.layout = StepLayout.from_config(config)
@@ -64,19 +66,57 @@ class Worker:
         for name, slot in config.lora_config.slot_of().items():
             self.load_lora(slot, name, config.lora_config.adapters[name])
         self._start_timeout_s = sc.agent_start_timeout_s
+        # a group across nodes: rank 0 alone reads the master's shared memory and broadcasts each step's inputs;
+        # the other ranks keep them in buffers of their own
+        self.broadcast = (StepInputBroadcast(self.tp, self.layout.max_step_inputs_size)
+                          if self.tp.across_nodes else None)
+        if self.broadcast is not None and rank != 0:
+            self.buffers = StepBuffers.private(self.layout)
 
     def warmup(self) -> None:
+        if self.broadcast is not None:     # before the first all-reduce: the ranks' graphs must be the same
+            self.broadcast.check_same(self.group_sections())
         # logs one line per compiled bucket; tensor-parallel peers may still be loading: wait as long as start-up
         self.runner.warmup(peer_timeout_s=self._start_timeout_s)
+        if self.broadcast is not None:
+            times = self.broadcast.warmup()
+            logger.info("step-input broadcast from rank 0 (words: ms): %s",
+                        ", ".join(f"{w}: {t * 1e3:.2f}" for w, t in times.items()))
+
+    # serving_config keys that shape every rank's graphs and steps (the rest are the master's or each node's own)
+    GROUP_SERVING_KEYS = ("agent_ports", "agent_hosts", "max_num_seqs", "max_num_batched_tokens")
+
+    def group_sections(self) -> dict:
+        """What must be the same on every rank of a group, by section: the configuration but for what is the
+        master's or each node's own (addresses, paths, the API key, budgets), and the model's shape as loaded."""
+        raw = self.config.to_dict()
+        raw["serving_config"] = {k: raw["serving_config"][k] for k in self.GROUP_SERVING_KEYS}
+        raw["model_config"]["model_path"] = None
+        raw.pop("tokenizer", None)
+        raw["lora_config"]["adapters"] = sorted(raw["lora_config"].get("adapters") or {})
+        raw["model"] = repr(self.runner.config)
+        return raw
 
     def attach(self, names: dict) -> None:
+        if self.broadcast is not None and self.rank != 0:
+            raise ValueError(f"rank {self.rank} of a group across nodes takes its step inputs from rank 0's "
+                             "broadcast, not from shared memory")
         self.detach()
         self.buffers = StepBuffers.attach(self.layout, names)
 
     def detach(self) -> None:
-        if self.buffers is not None:
+        if self.buffers is not None and self.buffers.shared:
             self.buffers.close()
             self.buffers = None
+
+    def _share_inputs(self, n: int, s: int, verify: bool, steps: int) -> None:
+        """Rank 0 broadcasts the step's inputs from shared memory; the other ranks write them into their own
+        buffers, so that the step below reads the same values on every rank."""
+        size = self.layout.step_inputs_size(n, s, verify, steps)
+        if self.rank == 0:
+            self.broadcast(self.buffers.pack_inputs(n, s, verify, steps), size)
+        else:
+            self.buffers.unpack_inputs(self.broadcast(None, size), n, s, verify, steps)
 
     def step(self, n: int, s: int, verify: bool = False, steps: int = 1) -> float:
         """Run rows 0..n-1 with s new tokens per row (s = 1 for decode); returns the seconds spent in the
@@ -89,20 +129,30 @@ class Worker:
         if not (1 <= n <= self.layout.max_rows and 1 <= s <= self.layout.max_tokens):
             raise ValueError(f"step shape n={n}, s={s} outside 1..{self.layout.max_rows} x "
                              f"1..{self.layout.max_tokens}")
+        if verify and s > self.layout.max_verify:
+            raise ValueError(f"verify step with {s} tokens per row; the buffers hold {self.layout.max_verify}")
+        if steps > 1 and (s != 1 or verify or steps != self.runner.decode_run_steps):
+            raise ValueError(f"a decode run has {self.runner.decode_run_steps} steps of one token per row "
+                             f"on this agent, got steps={steps}, s={s}")
+        shared_s = 0.0
+        if self.broadcast is not None:      # (after the checks above, which every rank makes alike from the frame)
+            t0 = time.perf_counter()
+            self._share_inputs(n, s, verify, steps)
+            shared_s = time.perf_counter() - t0
         if steps > 1:
-            if s != 1 or verify or steps != self.runner.decode_run_steps:
-                raise ValueError(f"a decode run has {self.runner.decode_run_steps} steps of one token per row "
-                                 f"on this agent, got steps={steps}, s={s}")
-            return self._decode_run(n, steps)
+            return shared_s + self._decode_run(n, steps)
         if verify:
-            if s > self.layout.max_verify:
-                raise ValueError(f"verify step with {s} tokens per row; the buffers hold {self.layout.max_verify}")
-            return self._verify_step(n, s)
+            return shared_s + self._verify_step(n, s)
+        return shared_s + self._step(n, s)
+
+    def _step(self, n: int, s: int) -> float:
+        b = self.buffers
         capture = self.capture_dir is not None and self.rank == 0
         t0 = time.perf_counter()
         top_n = b.top_n[:n]
         penalties = None
-        if b.history_len[:n].any():    # the master keeps a history only for rows with a penalty
+        if self.tp.writes_outputs and b.history_len[:n].any():   # a history only for rows with a penalty (the
+            # sampler's, rank 0's alone)
             width = int(b.history_len[:n].max())
             penalties = {"history": b.history[:n, :width], "history_len": b.history_len[:n],
                          "prompt_len": b.prompt_len[:n], "repetition": b.repetition_penalty[:n],

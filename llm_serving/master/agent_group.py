@@ -85,11 +85,48 @@ class AgentClient:
             raise AgentError(f"{self.name} not ready after {timeout_s:.0f} s "
                              "(serving_config.agent_start_timeout_s)") from None
 
-    async def connect(self, host: str, token: str, shm_names: dict) -> None:
+    async def connect(self, host: str, token: str, shm_names: Optional[dict], timeout_s: float = 60) -> None:
         self._reader, self._writer = await asyncio.open_connection(host, self.port)
         self._reader_task = asyncio.create_task(self._read_replies())
-        self.info = await self.request(proto.Connect(token=token, shm=shm_names), timeout_s=60)
+        self.info = await self.request(proto.Connect(token=token, shm=shm_names, master=True), timeout_s=timeout_s)
         self.cache_epoch = self.info.cache_epoch
+
+    async def connect_remote(self, host: str, token: str, timeout_s: float, not_pid: Optional[int] = None) -> None:
+        """Connect to an agent on another node (RemoteProcess), retrying until it accepts and answers, which it
+        does once it has joined the group and compiled its graphs. `not_pid`: the process of the group's last
+        start, which is on its way out and must not be taken for the new one."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        on_lost, self.on_lost = self.on_lost, None       # a try that drops is no lost agent
+        try:
+            await self._connect_remote(host, token, loop, deadline, not_pid)
+        finally:
+            self.on_lost = on_lost
+
+    async def _connect_remote(self, host, token, loop, deadline, not_pid) -> None:
+        last = "no answer"
+        while loop.time() < deadline:
+            self.dead_reason, self._pending = None, {}
+            try:
+                await self.connect(host, token, None, timeout_s=max(1.0, deadline - loop.time()))
+            except (OSError, AgentError) as exc:
+                last = str(exc)
+                if "wrong token" in last:
+                    raise AgentError(f"{self.name} on {host}:{self.port} refused the master's token: the same "
+                                     "serving_config.agent_token_file on every node") from None
+                await self.close()
+                self.closing = False
+                await asyncio.sleep(0.5)
+                continue
+            if self.info.pid == not_pid:
+                await self.close()
+                self.closing = False
+                await asyncio.sleep(0.5)
+                continue
+            self.process.pid = self.info.pid
+            return
+        raise AgentError(f"{self.name} on {host}:{self.port} not ready in time "
+                         f"(serving_config.agent_start_timeout_s; start it there with `llm-serving agent`): {last}")
 
     async def _read_replies(self) -> None:
         try:
@@ -156,6 +193,26 @@ class AgentClient:
             self._reader_task.cancel()
 
 
+class RemoteProcess:
+    """Stands in for the process of an agent on another node, which `llm-serving agent` started there: the
+    master neither starts nor kills it. It exits when the master's connection drops, and its node's launcher
+    starts it again to join the group's next start."""
+
+    def __init__(self, host: str):
+        self.host = host
+        self.pid: Optional[int] = None        # from its connect reply
+        self.returncode = None
+
+    def poll(self):
+        return None                           # not known here: a lost connection says it
+
+    def wait(self, timeout=None):
+        return None
+
+    def kill(self) -> None:
+        pass                                  # closing the connection is what stops it
+
+
 def _child_env(extra: dict, huge_pages: bool = False) -> tuple:
     """(environment, working directory) of a process the group starts (agent or cluster scheduler): this
     package importable, MindSpore's C++ log at errors only (it warns on every cached graph), its memory in
@@ -205,13 +262,15 @@ class AgentGroup:
         self.scheduler: Optional[subprocess.Popen] = None   # 'mindspore' all-reduce: the cluster's scheduler
         self._cluster_port: Optional[int] = None
         self.agents: list = []
-        self._token = secrets.token_urlsafe(32)
+        sc, mc = config.serving_config, config.model_config
+        self.remote_ranks = set(sc.remote_ranks)    # agents on other nodes: connected to, not spawned
+        self._token = proto.read_token_file(sc.agent_token_file) if sc.agent_token_file else secrets.token_urlsafe(32)
         self._token_files: list = []
+        self._remote_pids: dict = {}               # rank -> pid of the remote agent of the last start
         self._closing = False                      # stop() under way: a scheduler's exit is expected
-        mc = config.model_config
         # the group's all-reduce: 'shm' or 'mindspore' for several agents, None for one
-        self.all_reduce = (all_reduce_backend(mc.device_target, mc.all_reduce)
-                           if len(config.serving_config.agent_ports) > 1 else None)
+        self.all_reduce = (all_reduce_backend(mc.device_target, mc.all_reduce, bool(self.remote_ranks))
+                           if len(sc.agent_ports) > 1 else None)
 
     async def start(self) -> None:
         sc = self.config.serving_config
@@ -225,10 +284,28 @@ class AgentGroup:
             elif backend == "mindspore":
                 self._spawn_scheduler(world)
             for rank in range(len(sc.agent_ports)):
-                self.agents.append(await self._spawn(rank))
-            await self._wait_ready(sc.agent_start_timeout_s)
+                if rank in self.remote_ranks:
+                    agent = AgentClient(rank, RemoteProcess(sc.agent_hosts[rank]), None, on_lost=self.on_lost,
+                                        role=self.role)
+                    agent.port = sc.agent_ports[rank]
+                    self.agents.append(agent)
+                else:
+                    self.agents.append(await self._spawn(rank))
+            # the agents here report ready through their pipes; those on other nodes answer a connect once they
+            # have joined the group and compiled (they warm up together, so wait for all at once)
+            remote = [a for a in self.agents if a.rank in self.remote_ranks]
+            connecting = [a.connect_remote(a.process.host, self._token, sc.agent_start_timeout_s,
+                                           self._remote_pids.get(a.rank)) for a in remote]
+            await asyncio.gather(self._wait_ready(sc.agent_start_timeout_s), *connecting)
             for agent in self.agents:
-                await agent.connect(sc.agent_ip, self._token, self.buffers.names)
+                if agent.rank in self.remote_ranks:
+                    self._remote_pids[agent.rank] = agent.info.pid
+                    logger.info("agent %d (pid %d on %s) connected on port %d", agent.rank, agent.info.pid,
+                                agent.process.host, agent.port)
+                    continue
+                # ranks on other nodes take their inputs from rank 0's broadcast: only rank 0 reads shared memory
+                await agent.connect(sc.agent_ip, self._token,
+                                    self.buffers.names if agent.rank == 0 or not self.remote_ranks else None)
                 self._write_token_file(agent.port)
                 logger.info("agent %d (pid %d) connected on port %d", agent.rank, agent.process.pid, agent.port)
         except BaseException:
@@ -238,7 +315,8 @@ class AgentGroup:
     async def _wait_ready(self, timeout_s: float) -> None:
         """Every agent ready; with a cluster scheduler, its exit fails the start at once (its ranks would wait
         for it until the timeout), and afterwards it counts as a lost agent (on_lost)."""
-        ready = asyncio.ensure_future(asyncio.gather(*(a.wait_ready(timeout_s) for a in self.agents)))
+        ready = asyncio.ensure_future(asyncio.gather(*(a.wait_ready(timeout_s) for a in self.agents
+                                                      if a.rank not in self.remote_ranks)))
         if self.scheduler is None:
             return await ready
         watch = asyncio.ensure_future(self._scheduler_exit(self.scheduler))
@@ -265,20 +343,25 @@ class AgentGroup:
             self.on_lost(watch.result())
 
     def _spawn_scheduler(self, world: int) -> None:
-        with socket.socket() as s:                          # a free port (the scheduler binds it a moment later)
-            s.bind(("127.0.0.1", 0))
-            self._cluster_port = s.getsockname()[1]
-        env, workdir = _child_env(cluster_env(world, self._cluster_port))
+        sc = self.config.serving_config
+        self._cluster_port = sc.cluster_port
+        if not self._cluster_port:
+            with socket.socket() as s:                      # a free port (the scheduler binds it a moment later)
+                s.bind((sc.cluster_host, 0))
+                self._cluster_port = s.getsockname()[1]
+        env, workdir = _child_env(cluster_env(world, self._cluster_port, host=sc.cluster_host))
         self.scheduler = subprocess.Popen([sys.executable, "-m", "llm_serving.models.parallel"], env=env,
                                           cwd=workdir, start_new_session=True)
-        logger.info("tensor-parallel cluster scheduler (pid %d) on port %d", self.scheduler.pid, self._cluster_port)
+        logger.info("tensor-parallel cluster scheduler (pid %d) on %s:%d", self.scheduler.pid, sc.cluster_host,
+                    self._cluster_port)
 
     async def _spawn(self, rank: int) -> AgentClient:
         read_fd, write_fd = os.pipe()
         config = self.config.to_dict()
         config["serving_config"]["api_key"] = None       # agents never see the HTTP API key
         env, workdir = _child_env({
-            **(cluster_env(len(self.config.serving_config.agent_ports), self._cluster_port, rank)
+            **(cluster_env(len(self.config.serving_config.agent_ports), self._cluster_port, rank,
+                           host=self.config.serving_config.cluster_host)
                if self.scheduler is not None else {}),
             proto.ENV_CONFIG: json.dumps({"config": config, "model_dir": self.model_dir, "rank": rank,
                                           "tp_comm": self.comm.name if self.comm is not None else None}),
@@ -349,7 +432,8 @@ class AgentGroup:
 
     def describe(self) -> list:
         """rank, pid and port of every agent started."""
-        return [{"rank": a.rank, "pid": a.process.pid, "port": a.port} for a in self.agents]
+        return [{"rank": a.rank, "pid": a.process.pid, "port": a.port,
+                 **({"host": a.process.host} if isinstance(a.process, RemoteProcess) else {})} for a in self.agents]
 
     def dead_agents(self) -> list:
         """Reasons for every agent that is not alive and connected (empty when all are well)."""
@@ -400,3 +484,4 @@ class AgentGroup:
                 self.scheduler.kill()
             await loop.run_in_executor(None, self.scheduler.wait)
             self.scheduler = None
+

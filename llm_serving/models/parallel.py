@@ -37,13 +37,16 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Optional
+
+import numpy as np
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["TensorParallel", "TensorParallelError", "SPLIT_AXIS", "split_axis", "shard_index", "make_all_reduce",
-           "all_reduce_kernel", "all_reduce_backend", "cluster_env", "pin_cpu_cores"]
+           "StepInputBroadcast", "all_reduce_kernel", "all_reduce_backend", "cluster_env", "pin_cpu_cores"]
 
 
 class TensorParallelError(RuntimeError):
@@ -53,13 +56,14 @@ class TensorParallelError(RuntimeError):
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """This process's place in its group: rank of world, the all-reduce backend ('shm' or 'mindspore'), and
-    for 'shm' the segment's name."""
+    """This process's place in its group: rank of world, the all-reduce backend ('shm' or 'mindspore'), for
+    'shm' the segment's name, and whether the group spans nodes."""
 
     rank: int = 0
     world: int = 1
     comm: Optional[str] = None
     backend: str = "shm"
+    across_nodes: bool = False      # rank 0 broadcasts the step inputs (StepInputBroadcast), which only it reads
 
     def __post_init__(self) -> None:
         if not (isinstance(self.world, int) and self.world >= 1 and isinstance(self.rank, int)
@@ -132,13 +136,14 @@ def pin_cpu_cores(rank: int, world: int) -> Optional[int]:
     return len(mine)
 
 
-def all_reduce_backend(device_target: str, setting: str = "auto") -> str:
+def all_reduce_backend(device_target: str, setting: str = "auto", across_nodes: bool = False) -> str:
     """model_config.all_reduce resolved for a device: 'auto' is HCCL through MindSpore on Ascend, shared
-    memory on the CPU."""
+    memory on the CPU unless the group spans nodes (a shared-memory segment is one host's)."""
     if setting == "auto":
-        return "mindspore" if device_target == "Ascend" else "shm"
-    if setting not in ("shm", "mindspore") or (setting == "shm" and device_target != "CPU"):
-        raise ValueError(f"all-reduce {setting!r} is not available on {device_target}")
+        return "mindspore" if device_target == "Ascend" or across_nodes else "shm"
+    if setting not in ("shm", "mindspore") or (setting == "shm" and (device_target != "CPU" or across_nodes)):
+        raise ValueError(f"all-reduce {setting!r} is not available on {device_target}"
+                         + (" across nodes" if across_nodes else ""))
     return setting
 
 
@@ -206,6 +211,121 @@ class AllReduce:
 
     def calls(self) -> int:
         return int(self._lib.lib.TpCalls()) if self._lib is not None else 0
+
+
+class StepInputBroadcast:
+    """Rank 0's step inputs to every rank, over the group's MindSpore collectives (HCCL on Ascend), for groups
+    that span nodes: only rank 0 runs beside the master and reads its shared memory.
+
+    A step's inputs are one int32 array (StepBuffers.pack_inputs: token ids, positions, slots, block tables,
+    per-row lengths and sampling parameters; a few KB for a decode step). Every rank knows the array's length
+    from the step frame (rows, tokens per row, kind), so one broadcast moves it: rank 0 sends, the others
+    receive. It is padded to a power of two (at least MIN_WORDS), so the graphs are a handful, compiled by
+    `warmup`. It runs on the host before the model graph, not inside it, because each rank chooses that graph
+    (its bucket, the decode block width, the LoRA rows) from these values.
+
+    `check_same(sections)` all-gathers digests of each rank's configuration before the first model collective:
+    ranks started from different configs would otherwise compile different graphs and hang in their first
+    all-reduce."""
+
+    MIN_WORDS = 1024
+
+    def __init__(self, tp: TensorParallel, max_words: int):
+        import mindspore as ms
+        from mindspore import nn, ops
+
+        if tp.backend != "mindspore":
+            raise ValueError("the step-input broadcast runs over MindSpore's collectives (all_reduce 'mindspore')")
+        self.tp = tp
+        self._ms = ms
+        self.max_words = max_words
+
+        class _Broadcast(nn.Cell):
+            def __init__(self):
+                super().__init__()
+                self.op = ops.Broadcast(0)
+
+            def construct(self, x):
+                return self.op((x,))[0]
+
+        class _AllGather(nn.Cell):
+            def __init__(self):
+                super().__init__()
+                self.op = ops.AllGather()
+
+            def construct(self, x):
+                return self.op(x)
+
+        self._broadcast, self._gather = _Broadcast(), _AllGather()
+        self._staging = {}                   # words -> this rank's padded int32 buffer
+        self.calls = 0
+        self.seconds = 0.0                   # spent broadcasting (the step's cost of spanning nodes)
+
+    def bucket(self, words: int) -> int:
+        if words > self.max_words:
+            raise ValueError(f"step inputs of {words} words exceed the most a step takes ({self.max_words})")
+        return max(self.MIN_WORDS, 1 << max(0, words - 1).bit_length())
+
+    def buckets(self) -> list:
+        sizes, size = [], self.MIN_WORDS
+        while True:
+            sizes.append(size)
+            if size >= self.max_words:
+                return sizes
+            size *= 2
+
+    def __call__(self, words: Optional[np.ndarray], size: int) -> np.ndarray:
+        """Rank 0: broadcast `words` (int32, `size` of them); other ranks: pass None and get rank 0's `size`
+        words. TensorParallelError when the collective fails (a peer is gone): the group must restart."""
+        padded = self.bucket(size)
+        buf = self._staging.get(padded)
+        if buf is None:
+            buf = self._staging[padded] = np.zeros(padded, np.int32)
+        if words is not None:
+            buf[:size] = words
+        t0 = time.perf_counter()
+        try:
+            out = self._broadcast(self._ms.Tensor(buf)).asnumpy()
+        except Exception as exc:                 # noqa: BLE001 - any failure here is the group's
+            raise TensorParallelError(f"step-input broadcast of {size} words: {type(exc).__name__}: {exc}") \
+                from exc
+        self.seconds += time.perf_counter() - t0
+        self.calls += 1
+        return out[:size]
+
+    def warmup(self) -> dict:
+        """Compile (and time, as each rank sees it) the broadcast of every bucket; {words: seconds}."""
+        times = {}
+        for padded in self.buckets():
+            size = min(padded, self.max_words)
+            words = None if self.tp.rank else np.zeros(size, np.int32)
+            self(words, size)
+            t0 = time.perf_counter()
+            self(words, size)
+            times[padded] = time.perf_counter() - t0
+        self.calls, self.seconds = 0, 0.0
+        return times
+
+    def check_same(self, sections: dict) -> None:
+        """Raise TensorParallelError on every rank, naming the sections, unless every rank's `sections` (name ->
+        JSON-able value) are rank 0's: a digest of each is all-gathered."""
+        import hashlib
+        import json
+
+        names = sorted(sections)
+        mine = np.concatenate([np.frombuffer(hashlib.sha256(json.dumps(sections[k], sort_keys=True, default=str)
+                                                             .encode()).digest()[:16], np.int32) for k in names])
+        try:
+            every = self._gather(self._ms.Tensor(mine.copy())).asnumpy().reshape(self.tp.world, len(names), 4)
+        except Exception as exc:                 # noqa: BLE001
+            raise TensorParallelError(f"comparing the ranks' configurations: {type(exc).__name__}: {exc}") from exc
+        differ = {r: [k for i, k in enumerate(names) if not np.array_equal(every[r, i], every[0, i])]
+                  for r in range(1, self.tp.world)}
+        differ = {r: keys for r, keys in differ.items() if keys}
+        if differ:
+            raise TensorParallelError("the ranks of this group started differently: " + "; ".join(
+                f"rank {r}'s {', '.join(keys)} differ{'s' if len(keys) == 1 else ''} from rank 0's"
+                for r, keys in differ.items()) + " (use the same YAML, --set options and model on every node)")
 
 
 def all_reduce_kernel(tp: TensorParallel, device_target: str) -> Optional[str]:

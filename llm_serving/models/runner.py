@@ -141,7 +141,7 @@ class ModelRunner:
         # libraries the graphs name
         cache_key = claim_compile_cache(
             (cfg, self.num_blocks, self.block_size, self.buckets, device_target,
-             (self.tp.rank, self.tp.world, self.tp.backend) if self.tp.world > 1 else None,
+             (self.tp.rank, self.tp.world, self.tp.backend, self.tp.across_nodes) if self.tp.world > 1 else None,
              self.decode_kernel, reduce_kernel, self.layer_kernel, self.layer_kernel_rows, self.decode_run_steps,
              self.decode_run_rows, self.quantized_matrices, self.lora_slots, self.lora_rank)
             if compile_cache else None)

@@ -38,8 +38,9 @@ class StepBuffers:
         self._segments = segments
         self.arrays = {}
         for spec in layout.arrays():
-            seg = segments[spec.name]
-            self.arrays[spec.name] = np.ndarray(spec.shape, dtype=spec.dtype, buffer=seg.buf)
+            seg = segments.get(spec.name)
+            self.arrays[spec.name] = (np.ndarray(spec.shape, dtype=spec.dtype, buffer=seg.buf) if seg is not None
+                                      else np.zeros(spec.shape, spec.dtype))
         self.__dict__.update(self.arrays)
 
     @property
@@ -64,6 +65,31 @@ class StepBuffers:
         for arr in buffers.arrays.values():
             arr.fill(0)
         return buffers
+
+    @classmethod
+    def private(cls, layout: StepLayout) -> "StepBuffers":
+        """The same arrays in this process's own memory (no segment): a tensor-parallel rank on another node
+        than the master fills them from rank 0's broadcast (pack_inputs / unpack_inputs)."""
+        return cls(layout, {}, owner=False)
+
+    @property
+    def shared(self) -> bool:
+        return bool(self._segments)
+
+    def pack_inputs(self, n: int, s: int, verify: bool = False, run_steps: int = 1) -> np.ndarray:
+        """The step's inputs (layout.step_inputs) as one int32 array of layout.step_inputs_size words."""
+        parts = [self.arrays[name][index].view(np.int32).reshape(-1)
+                 for name, index in self.layout.step_inputs(n, s, verify, run_steps)]
+        return np.concatenate(parts)
+
+    def unpack_inputs(self, words: np.ndarray, n: int, s: int, verify: bool = False, run_steps: int = 1) -> None:
+        """Write pack_inputs's words (at least step_inputs_size of them) back into the same places."""
+        at = 0
+        for name, index in self.layout.step_inputs(n, s, verify, run_steps):
+            target = self.arrays[name][index]
+            size = target.size
+            target[...] = words[at:at + size].view(target.dtype).reshape(target.shape)
+            at += size
 
     @classmethod
     def attach(cls, layout: StepLayout, names: dict) -> "StepBuffers":

@@ -113,3 +113,33 @@ class StepLayout:
             ArraySpec("out_verify_ids", np.int32, (r, self.max_verify)),
             ArraySpec("out_verify_logprobs", np.float32, (r, self.max_verify)),
         ]
+
+    # The arrays a step's model work reads (what every tensor-parallel rank needs; only rank 0's sampler reads
+    # the penalty arrays, only its logits capture the request ids): token arrays, per-row arrays, and a verify step's arrays.
+    TOKEN_INPUTS = ("input_ids", "positions", "slot_mapping")
+    ROW_INPUTS = ("context_lens", "query_lens", "temperature", "top_k", "top_p", "random_u", "top_n", "lora")
+    VERIFY_INPUTS = ("verify_random_u", "verify_parent")
+
+    def step_inputs(self, n: int, s: int, verify: bool = False, run_steps: int = 1) -> list:
+        """(array name, index) of every part of the buffers a step of n rows and s new tokens per row (a
+        verify step, or a decode run of run_steps steps) reads for its model work, in a fixed order: what
+        rank 0 broadcasts to ranks on other nodes (models/parallel.py). All are 4-byte types."""
+        width = max(s, run_steps)                 # a decode run's slot_mapping holds a slot per step
+        parts = [(name, (slice(0, n), slice(0, width))) for name in self.TOKEN_INPUTS]
+        parts.append(("block_tables", (slice(0, n), slice(None))))
+        parts += [(name, (slice(0, n),)) for name in self.ROW_INPUTS]
+        if verify:
+            parts += [(name, (slice(0, n), slice(0, s))) for name in self.VERIFY_INPUTS]
+        return parts
+
+    def step_inputs_size(self, n: int, s: int, verify: bool = False, run_steps: int = 1) -> int:
+        """4-byte words in step_inputs(...)'s parts together."""
+        width = max(s, run_steps)
+        return n * (3 * width + self.max_blocks_per_seq + len(self.ROW_INPUTS) + (2 * s if verify else 0))
+
+    @property
+    def max_step_inputs_size(self) -> int:
+        """The most words any step's inputs take."""
+        return max(self.step_inputs_size(self.max_rows, self.max_tokens),
+                   self.step_inputs_size(self.max_rows, self.max_verify, verify=True),
+                   self.step_inputs_size(self.max_rows, 1, run_steps=self.max_verify))
