@@ -1,0 +1,160 @@
+"""Tensor parallel across nodes, without MindSpore: the config rules for ranks on other nodes, which parts of
+the step buffers rank 0 broadcasts and how they come back, the `llm-serving agent` launcher's ranks, token
+file and environment."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from llm_serving.agents import protocol as proto
+from llm_serving.agents.node import agent_environment, check_ranks
+from llm_serving.cli import parse_ranks
+from llm_serving.config import ConfigError, load_config
+from llm_serving.models.parallel import all_reduce_backend
+from llm_serving.shm.buffers import StepBuffers
+from llm_serving.shm.layout import StepLayout
+
+ACROSS = ("serving_config.agent_ports=[16002,16003,16004]", "serving_config.agent_hosts=[null,null,10.0.0.2]",
+          "serving_config.cluster_port=8118", "serving_config.agent_token_file=/etc/llm-serving/token",
+          "pa_config.num_blocks=64")
+
+
+def _config(*overrides):
+    return load_config(None, tuple(overrides))
+
+
+def test_a_group_across_nodes_is_described_per_rank():
+    sc = _config(*ACROSS).serving_config
+    assert sc.remote_ranks == [2]
+    assert [sc.node_of(r) for r in range(3)] == ["", "", "10.0.0.2"]
+    assert [sc.local_rank(r) for r in range(3)] == [(0, 2), (1, 2), (0, 1)]   # devices start again per node
+    # a loopback "other node" is this host: its rank shares this host's cores and devices
+    sc = _config(*ACROSS[:1], "serving_config.agent_hosts=[null,null,127.0.0.1]", *ACROSS[2:]).serving_config
+    assert sc.remote_ranks == [2] and sc.local_rank(2) == (2, 3)
+    assert _config().serving_config.remote_ranks == [] and _config().serving_config.local_rank(0) == (0, 1)
+
+
+@pytest.mark.parametrize("override, key, words", [
+    ("serving_config.agent_hosts=[null,10.0.0.2]", "agent_hosts", "one entry per agent_ports entry"),
+    ("serving_config.agent_hosts=[10.0.0.2,null,null]", "agent_hosts", "rank 0 runs beside the master"),
+    ("serving_config.agent_hosts=[null,null,'']", "agent_hosts", "null (this host) or a host"),
+    ("serving_config.agent_ports=[16002,16003,0]", "agent_ports", "needs a fixed port"),
+    ("serving_config.cluster_port=0", "cluster_port", "fixed port"),
+    ("serving_config.agent_token_file=null", "agent_token_file", "through a file"),
+    ("pa_config.num_blocks=auto", "num_blocks", "same KV cache on every rank"),
+    ("model_config.all_reduce=shm", "all_reduce", "MindSpore's collectives"),
+])
+def test_a_group_across_nodes_is_refused_without_what_it_needs(override, key, words):
+    with pytest.raises(ConfigError) as err:
+        _config(*ACROSS, override)
+    assert key in str(err.value) and words in str(err.value)
+
+
+def test_auto_all_reduce_is_mindspore_across_nodes():
+    assert all_reduce_backend("CPU", "auto") == "shm"
+    assert all_reduce_backend("CPU", "auto", across_nodes=True) == "mindspore"
+    with pytest.raises(ValueError, match="across nodes"):
+        all_reduce_backend("CPU", "shm", across_nodes=True)
+
+
+def test_the_draft_agent_stays_beside_the_master():
+    cfg = _config(*ACROSS, "spec_config.method=draft", "spec_config.draft_model=builtin:tiny-llama")
+    draft = cfg.draft_config()
+    assert draft.serving_config.agent_hosts == [] and draft.serving_config.remote_ranks == []
+
+
+LAYOUT = StepLayout(max_rows=4, max_tokens=8, max_blocks_per_seq=3, max_context=48, max_verify=5)
+
+
+def _filled(layout):
+    buffers = StepBuffers.private(layout)
+    rng = np.random.default_rng(0)
+    for name, arr in buffers.arrays.items():
+        if arr.dtype == np.float32:
+            arr[...] = rng.random(arr.shape, np.float32)
+        else:
+            arr[...] = rng.integers(-5, 1000, arr.shape)
+    return buffers
+
+
+@pytest.mark.parametrize("n, s, verify, run", [(1, 1, False, 1), (3, 8, False, 1), (4, 5, True, 1),
+                                               (2, 1, False, 4), (4, 1, False, 5)])
+def test_a_steps_inputs_arrive_whole_and_nothing_else_is_touched(n, s, verify, run):
+    src = _filled(LAYOUT)
+    words = src.pack_inputs(n, s, verify, run)
+    assert words.dtype == np.int32 and words.size == LAYOUT.step_inputs_size(n, s, verify, run)
+    assert words.size <= LAYOUT.max_step_inputs_size
+    dst = StepBuffers.private(LAYOUT)
+    dst.unpack_inputs(words, n, s, verify, run)
+    width = max(s, run)
+    for name in ("input_ids", "positions", "slot_mapping"):
+        np.testing.assert_array_equal(dst.arrays[name][:n, :width], src.arrays[name][:n, :width])
+        assert not dst.arrays[name][n:].any() and not dst.arrays[name][:, width:].any()
+    np.testing.assert_array_equal(dst.block_tables[:n], src.block_tables[:n])
+    for name in StepLayout.ROW_INPUTS:      # float32 arrays travel bit for bit
+        assert dst.arrays[name][:n].tobytes() == src.arrays[name][:n].tobytes()
+        assert not dst.arrays[name][n:].any()
+    for name in StepLayout.VERIFY_INPUTS:
+        if verify:
+            assert dst.arrays[name][:n, :s].tobytes() == src.arrays[name][:n, :s].tobytes()
+        else:
+            assert not dst.arrays[name].any()
+    # what only rank 0 reads (the sampler's penalties, capture's request ids) and the outputs never travel
+    for name in ("history", "history_len", "repetition_penalty", "request_ids", "out_token_ids", "out_verify_ids"):
+        assert not dst.arrays[name].any(), name
+    dst.close()        # a private buffer has no segment to close or unlink
+
+
+def test_private_buffers_are_not_shared_memory():
+    buffers = StepBuffers.private(LAYOUT)
+    assert not buffers.shared and buffers.names == {}
+    shared = StepBuffers.create(LAYOUT)
+    try:
+        assert shared.shared
+    finally:
+        shared.close()
+
+
+def test_ranks_parse_and_must_be_on_another_node():
+    assert parse_ranks("1") == [1] and parse_ranks("8-11") == [8, 9, 10, 11] and parse_ranks("3,2,3") == [2, 3]
+    for bad in ("", "a", "3-1", "1,,2", "-1"):
+        with pytest.raises(ValueError, match="--ranks"):
+            parse_ranks(bad)
+    cfg = _config(*ACROSS)
+    check_ranks(cfg, [2])
+    with pytest.raises(ValueError, match=r"--ranks \[1\].*ranks on other nodes: \[2\]"):
+        check_ranks(cfg, [1, 2])
+    with pytest.raises(ValueError, match="none"):
+        check_ranks(_config(), [0])
+
+
+def test_the_token_file_must_be_private_and_hold_a_token(tmp_path):
+    path = tmp_path / "token"
+    path.write_text("s3cret-token-of-enough-length\n")
+    path.chmod(0o600)
+    assert proto.read_token_file(str(path)) == "s3cret-token-of-enough-length"
+    path.chmod(0o644)
+    with pytest.raises(ValueError, match="chmod 600"):
+        proto.read_token_file(str(path))
+    path.write_text("short")
+    path.chmod(0o600)
+    with pytest.raises(ValueError, match="at least 16"):
+        proto.read_token_file(str(path))
+    with pytest.raises(ValueError, match="No such file"):
+        proto.read_token_file(str(tmp_path / "missing"))
+
+
+def test_a_node_agent_gets_msruns_environment_and_no_shared_memory():
+    cfg = _config(*ACROSS, "serving_config.cluster_host=10.0.0.1", "serving_config.api_key=abcdefgh12")
+    env = agent_environment(cfg, "/models/x", 2, "tok" * 6)
+    assert (env["MS_ROLE"], env["MS_NODE_ID"], env["MS_WORKER_NUM"]) == ("MS_WORKER", "2", "3")
+    assert (env["MS_SCHED_HOST"], env["MS_SCHED_PORT"]) == ("10.0.0.1", "8118")
+    spec = json.loads(env[proto.ENV_CONFIG])
+    assert spec["rank"] == 2 and spec["remote"] is True and spec["tp_comm"] is None
+    assert spec["config"]["serving_config"]["api_key"] is None          # agents never see the HTTP key
+    assert env[proto.ENV_TOKEN] == "tok" * 6 and proto.ENV_STATUS_FD not in env
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(Path(__file__).resolve().parents[2])  # this package
