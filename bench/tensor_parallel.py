@@ -25,12 +25,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
+import secrets
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import aiohttp
 
@@ -38,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import (ALPACA, REPO, alpaca, info, log_dir, machine, replay, server_args, table,  # noqa: E402
                           write_json)
-from llm_serving.launch import ServerProcess, http  # noqa: E402
+from llm_serving.launch import ServerProcess, free_port, http  # noqa: E402
 
 
 async def _greedy(url: str, model: str, prompts: list, max_new_tokens: int, concurrency: int) -> list:
@@ -101,6 +106,57 @@ def _load_memory(model_path: str, world: int) -> list:
     return out
 
 
+def _across_nodes_sets(sets: list, size: int) -> tuple:
+    """(--set options of a group whose ranks 1..size-1 are "another node", the token) on loopback."""
+    tmp = Path(tempfile.mkdtemp(prefix="tp-nodes-"))
+    token = secrets.token_urlsafe(24)
+    (tmp / "token").write_text(token)
+    (tmp / "token").chmod(0o600)
+    ports = [free_port() for _ in range(size)]
+    hosts = ["null"] + ["127.0.0.1"] * (size - 1)
+    return sets + [f"serving_config.agent_ports=[{','.join(map(str, ports))}]",
+                   f"serving_config.agent_hosts=[{','.join(hosts)}]", f"serving_config.cluster_port={free_port()}",
+                   f"serving_config.agent_token_file={tmp / 'token'}"], token
+
+
+def _start_node(args: list, size: int, tp: str) -> subprocess.Popen:
+    """`llm-serving agent` for ranks 1..size-1, as another node would run it."""
+    log = open(log_dir() / f"tensor_parallel_tp{tp.replace(':', '_')}_node1.log", "wb")
+    return subprocess.Popen([sys.executable, "-m", "llm_serving.cli", "agent", "--ranks", f"1-{size - 1}",
+                             *[a for a in args if a not in ("--port",)]], cwd=REPO, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+@contextlib.contextmanager
+def _stopping(node: Optional[subprocess.Popen]):
+    try:
+        yield
+    finally:
+        if node is not None:
+            node.send_signal(signal.SIGTERM)
+            try:
+                node.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(node.pid, signal.SIGKILL)
+                node.wait()
+
+
+def _broadcast_cost(url: str, token: str) -> dict:
+    """Rank 0's step-input broadcasts so far (agent health over the control protocol) and its model time."""
+    from llm_serving.agents.control import ControlClient
+    from llm_serving.agents import protocol as proto
+
+    agent = next(a for a in http("GET", url + "/health")[1]["agents"] if a["rank"] == 0)
+    with ControlClient(agent["port"], token=token) as client:
+        health = client.request(proto.Health())
+    stats = http("GET", url + "/stats")[1]
+    steps = health.input_broadcasts or 1
+    model_ms = stats["step_profile_total_s"]["model"] * 1e3      # rank 0's step time, its broadcasts included
+    return {"steps": health.input_broadcasts, "ms_total": health.input_broadcast_ms,
+            "ms_per_step": health.input_broadcast_ms / steps, "model_ms_per_step": model_ms / max(1, stats["num_steps"]),
+            "share_of_model_time": health.input_broadcast_ms / model_ms if model_ms else None}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", help="model path (default: the built-in model)")
@@ -108,7 +164,8 @@ def main(argv=None) -> int:
     p.add_argument("--set", action="append", default=[])
     p.add_argument("--tp", default="1,2", type=lambda s: s.split(","),
                    help="groups to compare, the first is the baseline: N (default all-reduce) or N:BACKEND, "
-                        "e.g. 1,2,2:mindspore")
+                        "e.g. 1,2,2:mindspore; N:nodes = ranks 1..N-1 as another node's (`llm-serving agent` on "
+                        "loopback, step inputs broadcast from rank 0)")
     p.add_argument("-n", "--num-prompts", type=int, default=64, help="alpaca prompts of the throughput run")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=16)
@@ -122,11 +179,15 @@ def main(argv=None) -> int:
     for tp in args.tp:
         size, _, backend = tp.partition(":")
         sets = args.set + [f"serving_config.agent_ports={[0] * int(size)}".replace(" ", "")]
-        if backend:
+        node = None
+        if backend == "nodes":
+            sets, token = _across_nodes_sets(args.set, int(size))
+            node = _start_node(server_args(args.model, args.config, sets), int(size), tp)
+        elif backend:
             sets.append(f"model_config.all_reduce={backend}")
         t0 = time.monotonic()
         log = log_dir() / f"tensor_parallel_tp{tp.replace(':', '_')}.log"
-        with ServerProcess(server_args(args.model, args.config, sets), log) as server:
+        with ServerProcess(server_args(args.model, args.config, sets), log) as server, _stopping(node):
             start_s = time.monotonic() - t0
             facts = info(server)
             peak_mb = _agents_peak_rss_mb(server.url)      # after load and warmup, before any traffic
@@ -141,21 +202,28 @@ def main(argv=None) -> int:
                    max_concurrency=args.concurrency)                                               # warm
             summary, _ = replay(server.url, facts["model_id"], work, [0.0] * len(work),
                                 max_concurrency=args.concurrency)
+            broadcast = _broadcast_cost(server.url, token) if node is not None else None
             precision = _precision(server.url, args.precision_prompts, 16, Path(args.dataset_path))
-        runs[tp] = {"start_s": start_s, "summary": summary, "texts": texts, "precision": precision,
+        runs[tp] = {"input_broadcast": broadcast, "start_s": start_s, "summary": summary, "texts": texts, "precision": precision,
                     "agent_peak_rss_mb": peak_mb, "load": _load_memory(facts["model_path"], int(size)),
                     "tensor_parallel_size": facts["tensor_parallel_size"],
                     "all_reduce": facts.get("tensor_parallel_all_reduce")}
         print(f"TP={tp}: ready in {start_s:.1f} s, {summary['output_throughput']:.1f} output tok/s at concurrency "
               f"{args.concurrency}, precision max rel error {precision.get('max_rel_error', float('nan')):.2e}",
               flush=True)
+        if broadcast:
+            print(f"TP={tp}: step-input broadcast {broadcast['ms_per_step']:.3f} ms per step on rank 0 over "
+                  f"{broadcast['steps']} steps, {100 * broadcast['share_of_model_time']:.1f}% of its step time "
+                  f"({broadcast['model_ms_per_step']:.3f} ms per step)", flush=True)
 
     base = runs[args.tp[0]]
     rows = []
     for tp, r in runs.items():
         s = r["summary"]
         same = sum(a is not None and a == b for a, b in zip(r["texts"], base["texts"]))
-        rows.append({"tp": tp if r["all_reduce"] is None else f"{r['tensor_parallel_size']}:{r['all_reduce']}",
+        label = tp if r["all_reduce"] is None else f"{r['tensor_parallel_size']}:{r['all_reduce']}"
+        rows.append({"tp": label + (" 2 nodes" if r["input_broadcast"] else ""),
+                     "bcast_ms": (f"{r['input_broadcast']['ms_per_step']:.3f}" if r["input_broadcast"] else "-"),
                      "tok_s": s["output_throughput"], "ratio": s["output_throughput"]
                      / base["summary"]["output_throughput"], "tpot_p50": s["tpot_ms"]["median"],
                      "ttft_p50": s["ttft_ms"]["median"], "start_s": r["start_s"], "failed": s["failed"],
@@ -170,6 +238,7 @@ def main(argv=None) -> int:
     print(table(rows, [("tp", "TP:all-reduce", "{}"), ("tok_s", "output tok/s", "{:.1f}"), ("ratio", f"vs TP={args.tp[0]}",
                                                                                     "{:.2f}"),
                        ("tpot_p50", "TPOT p50 ms", "{:.2f}"), ("ttft_p50", "TTFT p50 ms", "{:.0f}"),
+                       ("bcast_ms", "input bcast ms/step", "{}"),
                        ("start_s", "start s", "{:.1f}"), ("load_held_mb", "weights MB/rank", "{:.0f}"),
                        ("load_peak_mb", "load peak MB/rank", "{:.0f}"), ("peak_rss_mb", "agent peak MB/rank",
                                                                         "{:.0f}"),

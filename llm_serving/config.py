@@ -214,8 +214,6 @@ class ServingConfig:
         for p in ports:
             _check(isinstance(p, int) and not isinstance(p, bool) and 0 <= p <= 65535,
                    "serving_config.agent_ports", ports, "every entry must be a port number 0..65535 (0 = any free)")
-        nonzero = [p for p in ports if p]
-        _check(len(set(nonzero)) == len(nonzero), "serving_config.agent_ports", ports, "ports must be distinct")
         hosts = self.agent_hosts
         _check(isinstance(hosts, list) and (not hosts or len(hosts) == len(ports)), "serving_config.agent_hosts",
                hosts, f"must be [] or one entry per agent_ports entry ({len(ports)})")
@@ -223,6 +221,10 @@ class ServingConfig:
                "every entry must be null (this host) or a host name or address")
         _check(not hosts or hosts[0] is None, "serving_config.agent_hosts", hosts,
                "rank 0 runs beside the master (null): it reads the step's inputs from shared memory")
+        for node in {self.node_of(r) for r in range(len(ports)) if not hosts or len(hosts) == len(ports)}:
+            mine = [p for r, p in enumerate(ports) if p and self.node_of(r) == node]
+            _check(len(set(mine)) == len(mine), "serving_config.agent_ports", ports,
+                   "ports must be distinct (on each node)")
         remote = self.remote_ranks
         _check(not remote or all(ports[r] for r in remote), "serving_config.agent_ports", ports,
                "an agent on another node (agent_hosts) needs a fixed port, not 0")

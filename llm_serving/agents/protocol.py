@@ -332,8 +332,10 @@ class HealthReply(Reply):
     rank: int
     device_id: int
     steps: int
-    attached: bool                  # the master's step buffers are attached
+    attached: bool                  # the master's step buffers are attached (or, on another node, its own)
     cache_epoch: int
+    input_broadcasts: Optional[int] = None     # a group across nodes: step-input broadcasts so far
+    input_broadcast_ms: Optional[float] = None  # and the milliseconds they took on this rank
 
 
 @dataclass(frozen=True)

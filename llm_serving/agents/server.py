@@ -226,9 +226,12 @@ class AgentServer:
         return self.worker.runner.collective_calls
 
     def on_health(self, msg, frame, conn) -> proto.HealthReply:
+        bc = self.worker.broadcast
         return proto.HealthReply(pid=os.getpid(), rank=self.rank, device_id=self.device_id,
                                  steps=self.worker.num_steps, attached=self.worker.buffers is not None,
-                                 cache_epoch=self.worker.cache_epoch)
+                                 cache_epoch=self.worker.cache_epoch,
+                                 input_broadcasts=bc.calls if bc is not None else None,
+                                 input_broadcast_ms=round(bc.seconds * 1e3, 3) if bc is not None else None)
 
     def on_reset(self, msg, frame, conn) -> proto.ResetReply:
         self.worker.reset()

@@ -38,6 +38,17 @@ def test_a_group_across_nodes_is_described_per_rank():
     assert _config().serving_config.remote_ranks == [] and _config().serving_config.local_rank(0) == (0, 1)
 
 
+def test_ports_are_distinct_per_node_not_across_nodes():
+    sc = _config("serving_config.agent_ports=[16002,16003,16002,16003]",
+                 "serving_config.agent_hosts=[null,null,10.0.0.2,10.0.0.2]", *ACROSS[2:]).serving_config
+    assert sc.remote_ranks == [2, 3] and sc.local_rank(3) == (1, 2)
+    with pytest.raises(ConfigError, match="distinct"):
+        _config("serving_config.agent_ports=[16002,16003,16004,16004]",
+                "serving_config.agent_hosts=[null,null,10.0.0.2,10.0.0.2]", *ACROSS[2:])
+    with pytest.raises(ConfigError, match="distinct"):
+        _config("serving_config.agent_ports=[16002,16002]")
+
+
 @pytest.mark.parametrize("override, key, words", [
     ("serving_config.agent_hosts=[null,10.0.0.2]", "agent_hosts", "one entry per agent_ports entry"),
     ("serving_config.agent_hosts=[10.0.0.2,null,null]", "agent_hosts", "rank 0 runs beside the master"),
