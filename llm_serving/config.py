@@ -233,6 +233,9 @@ class ServingConfig:
         _check(isinstance(self.cluster_port, int) and not isinstance(self.cluster_port, bool)
                and 0 <= self.cluster_port <= 65535, "serving_config.cluster_port", self.cluster_port,
                "must be a port number 0..65535 (0 = any free)")
+        _check(all(is_loopback(hosts[r]) for r in remote) or not is_loopback(self.cluster_host),
+               "serving_config.cluster_host", self.cluster_host, "ranks on other machines (agent_hosts) must reach "
+               "the cluster's scheduler: set the master's node's address")
         _check(not remote or self.cluster_port, "serving_config.cluster_port", self.cluster_port,
                "agents on other nodes (agent_hosts) join the cluster at a fixed port: set one")
         _check(not remote or self.agent_token_file, "serving_config.agent_token_file", self.agent_token_file,

@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 
 from llm_serving.agents import protocol as proto
+from llm_serving.agents.server import EXIT_PEERS_GONE
+from llm_serving.config import is_loopback
 from llm_serving.models.default_model import default_cache_dir
 from llm_serving.models.parallel import cluster_env
 
@@ -34,7 +36,8 @@ STABLE_S = 60.0            # an agent that ran this long restarts with the short
 
 
 def check_ranks(config, ranks: list) -> None:
-    """ValueError unless every rank is one the master expects on another node."""
+    """ValueError unless every rank is one the master expects on another node, and the agents listen where the
+    master can reach them."""
     sc = config.serving_config
     remote = set(sc.remote_ranks)
     if not ranks:
@@ -44,6 +47,9 @@ def check_ranks(config, ranks: list) -> None:
         raise ValueError(f"--ranks {bad}: serving_config.agent_hosts ({sc.agent_hosts}) does not put "
                          f"{'them' if len(bad) > 1 else 'it'} on another node than the master (ranks on other "
                          f"nodes: {sorted(remote) or 'none'})")
+    if is_loopback(sc.agent_ip) and not all(is_loopback(sc.agent_hosts[r]) for r in ranks):
+        raise ValueError(f"the agents would listen on {sc.agent_ip}, which the master on another machine cannot "
+                         "reach: pass --host (this node's address, or 0.0.0.0)")
 
 
 def agent_environment(config, model_dir: str, rank: int, token: str) -> dict:
@@ -96,7 +102,8 @@ class NodeLauncher:
             for rank, (process, started) in list(self.processes.items()):
                 if rank in due or process.poll() is None:
                     continue
-                if now - started >= STABLE_S or process.returncode == 0:   # long-lived, or asked to exit
+                if now - started >= STABLE_S or process.returncode in (0, EXIT_PEERS_GONE):
+                    # long-lived, asked to exit, or left with its master: no crash of its own
                     backoff[rank] = 1.0
                 logger.warning("agent %d (pid %d) exited with code %d; starting it again in %.0f s", rank,
                                process.pid, process.returncode, backoff[rank])

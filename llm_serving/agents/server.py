@@ -30,6 +30,7 @@ from llm_serving.config import config_from_dict
 logger = logging.getLogger("llm_serving.agent")
 
 _DETACH = "_detach"     # queued by a reader thread (not a wire command): the master's connection dropped
+EXIT_PEERS_GONE = 3     # exit code: left while stuck in a step whose peers or master are gone (no crash of its own)
 
 
 class CommandQueue:
@@ -140,7 +141,7 @@ class AgentServer:
         leave anyway after 2 s."""
         self._queue.put(proto.Frame(proto.EXIT, {"seq": None}), None, priority=-1)
         if not self._stop.wait(2.0):
-            os._exit(1)
+            os._exit(EXIT_PEERS_GONE)
 
     def _accept_loop(self) -> None:
         while not self._stop.is_set():
@@ -180,6 +181,8 @@ class AgentServer:
                 conn.close()
                 break
             conn.authorized = True  # the token is what authorizes; '#' itself is queued as control
+            if frame.command == proto.CONNECT:   # known here, not when the queued '#' runs: the connection may
+                conn.is_master = bool(frame.payload.get("master"))   # drop while warmup still holds the queue
             frame.received = time.perf_counter()
             self._queue.put(frame, conn)
         if conn.owns_shm:
@@ -197,10 +200,11 @@ class AgentServer:
     # --- command handlers (main thread): (message, frame, connection) -> reply message --------------
 
     def on_connect(self, msg: proto.Connect, frame, conn) -> proto.ConnectReply:
+        if self.remote and msg.master and conn.closed:
+            raise ConnectionError("the master's connection dropped before its connect ran")
         if msg.shm is not None:
             self.worker.attach(msg.shm)
             conn.owns_shm = True
-        conn.is_master = msg.master
         cfg = self.worker.runner.config
         return proto.ConnectReply(rank=self.rank, pid=os.getpid(), device_id=self.device_id,
                                   num_blocks=self.config.pa_config.num_blocks,
@@ -314,6 +318,9 @@ def run_agent_process() -> int:
         server = AgentServer(config, spec["model_dir"], int(spec["rank"]), token, status_fd, spec.get("tp_comm"),
                              remote=bool(spec.get("remote")))
         server.event_loop()
+        if server.remote:      # MindSpore's teardown may wait for a cluster that is gone: its launcher waits for us
+            logging.shutdown()
+            os._exit(0)
         return 0
     except BaseException as exc:  # noqa: BLE001 - report anything, including KeyboardInterrupt
         logger.error("agent failed: %s", traceback.format_exc())

@@ -88,13 +88,20 @@ class Worker:
 
     def group_sections(self) -> dict:
         """What must be the same on every rank of a group, by section: the configuration but for what is the
-        master's or each node's own (addresses, paths, the API key, budgets), and the model's shape as loaded."""
+        master's or each node's own (addresses, paths, the API key, budgets, the LoRA registry), the model's
+        shape as loaded, and the graphs built."""
         raw = self.config.to_dict()
         raw["serving_config"] = {k: raw["serving_config"][k] for k in self.GROUP_SERVING_KEYS}
         raw["model_config"]["model_path"] = None
         raw.pop("tokenizer", None)
-        raw["lora_config"]["adapters"] = sorted(raw["lora_config"].get("adapters") or {})
+        raw["spec_config"].pop("draft_model", None)        # the master's draft agent's, not the group's
+        # which adapter is in which slot is the master's (it loads them into every rank after each start)
+        raw["lora_config"] = {k: v for k, v in raw["lora_config"].items() if k not in ("adapters", "slots")}
         raw["model"] = repr(self.runner.config)
+        r = self.runner       # the graphs this rank built (a kernel that did not build here changes them)
+        raw["graphs"] = repr((r.graph_buckets(), r.buckets.packed, r.decode_kernel is not None,
+                              r.layer_kernel is not None, r.decode_run_steps, r.decode_run_max_rows(), r.lora_slots,
+                              r.lora_rank))
         return raw
 
     def attach(self, names: dict) -> None:

@@ -100,6 +100,9 @@ class AgentClient:
         on_lost, self.on_lost = self.on_lost, None       # a try that drops is no lost agent
         try:
             await self._connect_remote(host, token, loop, deadline, not_pid)
+        except BaseException:                            # (cancelled too: the start failed elsewhere)
+            await self.close()
+            raise
         finally:
             self.on_lost = on_lost
 
@@ -108,9 +111,10 @@ class AgentClient:
         while loop.time() < deadline:
             self.dead_reason, self._pending = None, {}
             try:
-                await self.connect(host, token, None, timeout_s=max(1.0, deadline - loop.time()))
-            except (OSError, AgentError) as exc:
-                last = str(exc)
+                await asyncio.wait_for(self.connect(host, token, None, timeout_s=max(1.0, deadline - loop.time())),
+                                       max(1.0, deadline - loop.time()))
+            except (OSError, AgentError, asyncio.TimeoutError) as exc:
+                last = str(exc) or type(exc).__name__
                 if "wrong token" in last:
                     raise AgentError(f"{self.name} on {host}:{self.port} refused the master's token: the same "
                                      "serving_config.agent_token_file on every node") from None
@@ -294,9 +298,25 @@ class AgentGroup:
             # the agents here report ready through their pipes; those on other nodes answer a connect once they
             # have joined the group and compiled (they warm up together, so wait for all at once)
             remote = [a for a in self.agents if a.rank in self.remote_ranks]
-            connecting = [a.connect_remote(a.process.host, self._token, sc.agent_start_timeout_s,
-                                           self._remote_pids.get(a.rank)) for a in remote]
-            await asyncio.gather(self._wait_ready(sc.agent_start_timeout_s), *connecting)
+            waits = [asyncio.ensure_future(self._wait_ready(sc.agent_start_timeout_s))]
+            waits += [asyncio.ensure_future(a.connect_remote(a.process.host, self._token, sc.agent_start_timeout_s,
+                                                             self._remote_pids.get(a.rank))) for a in remote]
+            try:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_EXCEPTION)
+            finally:                     # the first failure is the start's: no other wait outlives it
+                for w in waits:
+                    w.cancel()
+                await asyncio.gather(*waits, return_exceptions=True)
+            failed = [w.exception() for w in waits if w.done() and not w.cancelled() and w.exception() is not None]
+            if failed:
+                missing = [a for a in remote if a.info is None]
+                if missing and not any(isinstance(e, AgentError) and "refused" in str(e) for e in failed):
+                    # the ranks here wait for them in MindSpore's cluster: they are the likelier cause
+                    where = ", ".join(f"agent {a.rank} ({a.process.host}:{a.port})" for a in missing)
+                    raise AgentError(f"{failed[0]}; never answered: {where} on other nodes; start them there with "
+                                     f"`llm-serving agent --ranks {','.join(str(a.rank) for a in missing)}`") \
+                        from failed[0]
+                raise failed[0]
             for agent in self.agents:
                 if agent.rank in self.remote_ranks:
                     self._remote_pids[agent.rank] = agent.info.pid
@@ -308,9 +328,25 @@ class AgentGroup:
                                     self.buffers.names if agent.rank == 0 or not self.remote_ranks else None)
                 self._write_token_file(agent.port)
                 logger.info("agent %d (pid %d) connected on port %d", agent.rank, agent.process.pid, agent.port)
+            await self._sync_remote_lora()
         except BaseException:
             await self.stop()
             raise
+
+    async def _sync_remote_lora(self) -> None:
+        """Agents on other nodes start from their node's YAML, not from the adapters loaded since (the master's
+        registry, in its config): load each slot's adapter into them, and empty the others."""
+        lc = self.config.lora_config
+        remote = [a for a in self.agents if a.rank in self.remote_ranks]
+        if not remote or not lc.enabled:
+            return
+        held = {slot: name for name, slot in lc.slot_of().items()}
+        timeout = self.config.serving_config.step_timeout_s
+        for slot in range(1, lc.max_loras + 1):
+            name = held.get(slot)
+            command = proto.LoadLora(slot=slot, name=name, path=lc.adapters[name] if name else None)
+            for agent in remote:
+                await agent.request(command, timeout)
 
     async def _wait_ready(self, timeout_s: float) -> None:
         """Every agent ready; with a cluster scheduler, its exit fails the start at once (its ranks would wait

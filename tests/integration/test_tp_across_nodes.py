@@ -148,5 +148,26 @@ def test_a_rank_started_with_another_config_is_refused_before_serving(shared_dir
         server.stop()
         alive = node1.stop()
     log = server.log()
-    assert "rank 1's model_config differs from rank 0's" in log, log[-3000:]
+    assert "rank 1's graphs, model_config differ from rank 0's" in log, log[-3000:]
     assert leftovers(server) == [] and alive == []
+
+
+def test_a_missing_node_fails_the_start_in_time_and_leaves_nothing(shared_dir, tmp_path):
+    """No `llm-serving agent` on node 1: the start fails after agent_start_timeout_s, saying which agent and how
+    to start it, and the master's own rank and the cluster's scheduler are gone with it."""
+    pytest.importorskip("mindspore")
+    shm_before = set(project_shm_segments())
+    server = ServerProcess(_args(shared_dir, _group_sets(tmp_path) + ["serving_config.agent_start_timeout_s=20"]),
+                           tmp_path / "server.log")
+    try:
+        assert server.proc.wait(120) == 1
+    finally:
+        server.stop()
+    log = server.log()
+    assert "never answered: agent 1 (127.0.0.1:" in log and "start them there with `llm-serving agent --ranks 1`" \
+        in log, log[-3000:]
+    assert leftovers(server) == []
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and set(project_shm_segments()) - shm_before:
+        time.sleep(0.1)
+    assert set(project_shm_segments()) - shm_before == set()

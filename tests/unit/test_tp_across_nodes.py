@@ -19,7 +19,7 @@ from llm_serving.shm.buffers import StepBuffers
 from llm_serving.shm.layout import StepLayout
 
 ACROSS = ("serving_config.agent_ports=[16002,16003,16004]", "serving_config.agent_hosts=[null,null,10.0.0.2]",
-          "serving_config.cluster_port=8118", "serving_config.agent_token_file=/etc/llm-serving/token",
+          "serving_config.cluster_port=8118", "serving_config.cluster_host=10.0.0.1", "serving_config.agent_token_file=/etc/llm-serving/token",
           "pa_config.num_blocks=64")
 
 
@@ -57,6 +57,7 @@ def test_ports_are_distinct_per_node_not_across_nodes():
     ("serving_config.cluster_port=0", "cluster_port", "fixed port"),
     ("serving_config.agent_token_file=null", "agent_token_file", "through a file"),
     ("pa_config.num_blocks=auto", "num_blocks", "same KV cache on every rank"),
+    ("serving_config.cluster_host=127.0.0.1", "cluster_host", "must reach the cluster's scheduler"),
     ("model_config.all_reduce=shm", "all_reduce", "MindSpore's collectives"),
 ])
 def test_a_group_across_nodes_is_refused_without_what_it_needs(override, key, words):
@@ -135,8 +136,10 @@ def test_ranks_parse_and_must_be_on_another_node():
     for bad in ("", "a", "3-1", "1,,2", "-1"):
         with pytest.raises(ValueError, match="--ranks"):
             parse_ranks(bad)
-    cfg = _config(*ACROSS)
+    cfg = _config(*ACROSS, "serving_config.agent_ip=0.0.0.0")
     check_ranks(cfg, [2])
+    with pytest.raises(ValueError, match="pass --host"):             # the master could not reach 127.0.0.1
+        check_ranks(_config(*ACROSS), [2])
     with pytest.raises(ValueError, match=r"--ranks \[1\].*ranks on other nodes: \[2\]"):
         check_ranks(cfg, [1, 2])
     with pytest.raises(ValueError, match="none"):
@@ -160,7 +163,7 @@ def test_the_token_file_must_be_private_and_hold_a_token(tmp_path):
 
 
 def test_a_node_agent_gets_msruns_environment_and_no_shared_memory():
-    cfg = _config(*ACROSS, "serving_config.cluster_host=10.0.0.1", "serving_config.api_key=abcdefgh12")
+    cfg = _config(*ACROSS, "serving_config.api_key=abcdefgh12")
     env = agent_environment(cfg, "/models/x", 2, "tok" * 6)
     assert (env["MS_ROLE"], env["MS_NODE_ID"], env["MS_WORKER_NUM"]) == ("MS_WORKER", "2", "3")
     assert (env["MS_SCHED_HOST"], env["MS_SCHED_PORT"]) == ("10.0.0.1", "8118")
@@ -169,3 +172,33 @@ def test_a_node_agent_gets_msruns_environment_and_no_shared_memory():
     assert spec["config"]["serving_config"]["api_key"] is None          # agents never see the HTTP key
     assert env[proto.ENV_TOKEN] == "tok" * 6 and proto.ENV_STATUS_FD not in env
     assert env["PYTHONPATH"].split(os.pathsep)[0] == str(Path(__file__).resolve().parents[2])  # this package
+
+
+def test_after_each_start_the_master_loads_its_lora_registry_into_the_other_nodes_ranks(tmp_path):
+    """Agents on other nodes start from their node's YAML; adapters loaded at run time live in the master's
+    config (its registry), which it replays into them: each slot's adapter, and the other slots emptied."""
+    import asyncio
+
+    from llm_serving.master.agent_group import AgentGroup
+
+    token = tmp_path / "token"
+    token.write_text("t" * 20)
+    token.chmod(0o600)
+    cfg = _config(*ACROSS[:-2], f"serving_config.agent_token_file={token}", "pa_config.num_blocks=64",
+                  "lora_config.enable_lora=true", "lora_config.max_loras=3")
+    cfg.lora_config.adapters = {"sql": "/adapters/sql", "poem": "/adapters/poem"}   # as Engine._sync_lora_config
+    cfg.lora_config.slots = {"sql": 3, "poem": 1}
+    group = AgentGroup(cfg, "/models/x")
+    assert group.all_reduce == "mindspore" and group.remote_ranks == {2}
+    sent = {}
+
+    class Agent:
+        def __init__(self, rank):
+            self.rank = rank
+
+        async def request(self, command, timeout_s):
+            sent.setdefault(self.rank, []).append((command.slot, command.name, command.path))
+
+    group.agents = [Agent(0), Agent(1), Agent(2)]
+    asyncio.run(group._sync_remote_lora())
+    assert sent == {2: [(1, "poem", "/adapters/poem"), (2, None, None), (3, "sql", "/adapters/sql")]}
