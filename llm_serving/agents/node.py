@@ -57,7 +57,9 @@ def agent_environment(config, model_dir: str, rank: int, token: str) -> dict:
     sc = config.serving_config
     raw = config.to_dict()
     raw["serving_config"]["api_key"] = None              # agents never see the HTTP API key
+    device = sc.start_device_id + sc.local_rank(rank)[0]
     env = {**os.environ, **cluster_env(len(sc.agent_ports), sc.cluster_port, rank, host=sc.cluster_host),
+           "RANK_ID": str(rank), "DEVICE_ID": str(device),     # (msrun exports these too)
            proto.ENV_CONFIG: json.dumps({"config": raw, "model_dir": model_dir, "rank": rank, "tp_comm": None,
                                          "remote": True}),
            proto.ENV_TOKEN: token}
@@ -102,11 +104,12 @@ class NodeLauncher:
             for rank, (process, started) in list(self.processes.items()):
                 if rank in due or process.poll() is None:
                     continue
-                if now - started >= STABLE_S or process.returncode in (0, EXIT_PEERS_GONE):
-                    # long-lived, asked to exit, or left with its master: no crash of its own
+                crashed = process.returncode not in (0, EXIT_PEERS_GONE)   # not asked to exit, nor left with
+                if now - started >= STABLE_S or not crashed:                # its master
                     backoff[rank] = 1.0
-                logger.warning("agent %d (pid %d) exited with code %d; starting it again in %.0f s", rank,
-                               process.pid, process.returncode, backoff[rank])
+                logger.log(logging.WARNING if crashed else logging.INFO,
+                           "agent %d (pid %d) exited with code %d; starting it again in %.0f s", rank, process.pid,
+                           process.returncode, backoff[rank])
                 due[rank] = now + backoff[rank]
                 backoff[rank] = min(MAX_BACKOFF_S, backoff[rank] * 2)
             for rank, when in list(due.items()):

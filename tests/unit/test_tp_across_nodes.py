@@ -167,6 +167,7 @@ def test_a_node_agent_gets_msruns_environment_and_no_shared_memory():
     env = agent_environment(cfg, "/models/x", 2, "tok" * 6)
     assert (env["MS_ROLE"], env["MS_NODE_ID"], env["MS_WORKER_NUM"]) == ("MS_WORKER", "2", "3")
     assert (env["MS_SCHED_HOST"], env["MS_SCHED_PORT"]) == ("10.0.0.1", "8118")
+    assert (env["RANK_ID"], env["DEVICE_ID"]) == ("2", "0")        # the first rank on its node: device 0
     spec = json.loads(env[proto.ENV_CONFIG])
     assert spec["rank"] == 2 and spec["remote"] is True and spec["tp_comm"] is None
     assert spec["config"]["serving_config"]["api_key"] is None          # agents never see the HTTP key
