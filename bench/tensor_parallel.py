@@ -123,7 +123,7 @@ def _start_node(args: list, size: int, tp: str) -> subprocess.Popen:
     """`llm-serving agent` for ranks 1..size-1, as another node would run it."""
     log = open(log_dir() / f"tensor_parallel_tp{tp.replace(':', '_')}_node1.log", "wb")
     return subprocess.Popen([sys.executable, "-m", "llm_serving.cli", "agent", "--ranks", f"1-{size - 1}",
-                             *[a for a in args if a not in ("--port",)]], cwd=REPO, stdout=log,
+                             *args], cwd=REPO, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 

@@ -316,10 +316,9 @@ async def drain(engine, grace_s: float, force: asyncio.Event) -> None:
 
 
 def cmd_start(args) -> int:
+    from llm_serving.agents import protocol as proto
     from llm_serving.config import ConfigError
     from llm_serving.master.kv_memory import size_kv_cache
-
-    from llm_serving.agents import protocol as proto
 
     try:
         config = build_config(args)

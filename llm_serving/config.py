@@ -221,7 +221,7 @@ class ServingConfig:
                "every entry must be null (this host) or a host name or address")
         _check(not hosts or hosts[0] is None, "serving_config.agent_hosts", hosts,
                "rank 0 runs beside the master (null): it reads the step's inputs from shared memory")
-        for node in {self.node_of(r) for r in range(len(ports)) if not hosts or len(hosts) == len(ports)}:
+        for node in {self.node_of(r) for r in range(len(ports))}:
             mine = [p for r, p in enumerate(ports) if p and self.node_of(r) == node]
             _check(len(set(mine)) == len(mine), "serving_config.agent_ports", ports,
                    "ports must be distinct (on each node)")

@@ -15,18 +15,15 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 from llm_serving.agents import protocol as proto
 from llm_serving.agents.server import EXIT_PEERS_GONE
 from llm_serving.config import is_loopback
-from llm_serving.models.default_model import default_cache_dir
 from llm_serving.models.parallel import cluster_env
 
 logger = logging.getLogger("llm_serving.node")
@@ -52,24 +49,21 @@ def check_ranks(config, ranks: list) -> None:
                          "reach: pass --host (this node's address, or 0.0.0.0)")
 
 
-def agent_environment(config, model_dir: str, rank: int, token: str) -> dict:
-    """The environment of rank's agent process: what msrun would set for it, and what the agent reads."""
+def agent_environment(config, model_dir: str, rank: int, token: str) -> tuple:
+    """(environment, working directory) of rank's agent process: what msrun would set for it, and what the agent
+    reads."""
     sc = config.serving_config
     raw = config.to_dict()
     raw["serving_config"]["api_key"] = None              # agents never see the HTTP API key
     device = sc.start_device_id + sc.local_rank(rank)[0]
-    env = {**os.environ, **cluster_env(len(sc.agent_ports), sc.cluster_port, rank, host=sc.cluster_host),
-           "RANK_ID": str(rank), "DEVICE_ID": str(device),     # (msrun exports these too)
-           proto.ENV_CONFIG: json.dumps({"config": raw, "model_dir": model_dir, "rank": rank, "tp_comm": None,
-                                         "remote": True}),
-           proto.ENV_TOKEN: token}
+    env, workdir = proto.child_env({
+        **cluster_env(len(sc.agent_ports), sc.cluster_port, rank, host=sc.cluster_host),
+        "RANK_ID": str(rank), "DEVICE_ID": str(device),     # (msrun exports these too)
+        proto.ENV_CONFIG: json.dumps({"config": raw, "model_dir": model_dir, "rank": rank, "tp_comm": None,
+                                      "remote": True}),
+        proto.ENV_TOKEN: token}, huge_pages=sc.agent_huge_pages)
     env.pop(proto.ENV_STATUS_FD, None)
-    if sc.agent_huge_pages:
-        env = proto.with_huge_pages(env)
-    env.setdefault("GLOG_v", "3")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
-                                                      env.get("PYTHONPATH")]))
-    return env
+    return env, workdir
 
 
 class NodeLauncher:
@@ -78,18 +72,14 @@ class NodeLauncher:
     def __init__(self, config, model_dir: str, ranks: list, token: str):
         check_ranks(config, ranks)
         self.config, self.model_dir, self.ranks, self.token = config, model_dir, ranks, token
-        self.processes: dict = {}
-        self.starts: dict = {r: 0 for r in ranks}
+        self.processes: dict = {}              # rank -> (process, when it started)
         self._stop = threading.Event()
 
     def _start(self, rank: int) -> None:
-        workdir = default_cache_dir() / "agent-workdir"
-        workdir.mkdir(parents=True, exist_ok=True)
-        process = subprocess.Popen([sys.executable, "-m", "llm_serving.agents.server"],
-                                   env=agent_environment(self.config, self.model_dir, rank, self.token),
-                                   cwd=workdir, start_new_session=True)
+        env, workdir = agent_environment(self.config, self.model_dir, rank, self.token)
+        process = subprocess.Popen([sys.executable, "-m", "llm_serving.agents.server"], env=env, cwd=workdir,
+                                   start_new_session=True)
         self.processes[rank] = (process, time.monotonic())
-        self.starts[rank] += 1
         sc = self.config.serving_config
         logger.info("agent %d (pid %d) started: port %d, cluster scheduler %s:%d", rank, process.pid,
                     sc.agent_ports[rank], sc.cluster_host, sc.cluster_port)

@@ -88,6 +88,24 @@ def runtime_dir() -> Path:
     return path
 
 
+def child_env(extra: dict, huge_pages: bool = False) -> tuple:
+    """(environment, working directory) of an agent or cluster-scheduler process (the master's, or another
+    node's `llm-serving agent`'s): this package importable, MindSpore's C++ log at errors only (it warns on every
+    cached graph), its memory in huge pages if asked (with_huge_pages), and a working directory of its own, since
+    MindSpore writes kernel build files into it."""
+    from llm_serving.models.default_model import default_cache_dir
+
+    env = {**os.environ, **extra}
+    if huge_pages:
+        env = with_huge_pages(env)
+    env.setdefault("GLOG_v", "3")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
+                                                      env.get("PYTHONPATH")]))
+    workdir = default_cache_dir() / "agent-workdir"
+    workdir.mkdir(parents=True, exist_ok=True)
+    return env, workdir
+
+
 def read_token_file(path: str) -> str:
     """The launch token a group shares across nodes (serving_config.agent_token_file): the file's first word.
     ValueError when others than its owner may read the file, or it holds no token of 16 characters or more."""

@@ -19,11 +19,9 @@ import secrets
 import socket
 import subprocess
 import sys
-from pathlib import Path
 from typing import Optional
 
 from llm_serving.agents import protocol as proto
-from llm_serving.models.default_model import default_cache_dir
 from llm_serving.models.parallel import all_reduce_backend, cluster_env
 from llm_serving.shm.buffers import StepBuffers
 from llm_serving.shm.comm import CommSegment
@@ -217,22 +215,6 @@ class RemoteProcess:
         pass                                  # closing the connection is what stops it
 
 
-def _child_env(extra: dict, huge_pages: bool = False) -> tuple:
-    """(environment, working directory) of a process the group starts (agent or cluster scheduler): this
-    package importable, MindSpore's C++ log at errors only (it warns on every cached graph), its memory in
-    huge pages if asked (protocol.with_huge_pages), and a working directory of its own, since MindSpore writes
-    kernel build files into it."""
-    env = {**os.environ, **extra}
-    if huge_pages:
-        env = proto.with_huge_pages(env)
-    env.setdefault("GLOG_v", "3")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
-                                                      env.get("PYTHONPATH")]))
-    workdir = default_cache_dir() / "agent-workdir"
-    workdir.mkdir(parents=True, exist_ok=True)
-    return env, workdir
-
-
 async def _fail(exc: BaseException):
     raise exc
 
@@ -385,7 +367,7 @@ class AgentGroup:
             with socket.socket() as s:                      # a free port (the scheduler binds it a moment later)
                 s.bind((sc.cluster_host, 0))
                 self._cluster_port = s.getsockname()[1]
-        env, workdir = _child_env(cluster_env(world, self._cluster_port, host=sc.cluster_host))
+        env, workdir = proto.child_env(cluster_env(world, self._cluster_port, host=sc.cluster_host))
         self.scheduler = subprocess.Popen([sys.executable, "-m", "llm_serving.models.parallel"], env=env,
                                           cwd=workdir, start_new_session=True)
         logger.info("tensor-parallel cluster scheduler (pid %d) on %s:%d", self.scheduler.pid, sc.cluster_host,
@@ -395,7 +377,7 @@ class AgentGroup:
         read_fd, write_fd = os.pipe()
         config = self.config.to_dict()
         config["serving_config"]["api_key"] = None       # agents never see the HTTP API key
-        env, workdir = _child_env({
+        env, workdir = proto.child_env({
             **(cluster_env(len(self.config.serving_config.agent_ports), self._cluster_port, rank,
                            host=self.config.serving_config.cluster_host)
                if self.scheduler is not None else {}),

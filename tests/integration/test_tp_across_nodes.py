@@ -17,9 +17,9 @@ import pytest
 
 from llm_serving.shm.buffers import segment_prefix
 from tests.integration.server_harness import REPO, ServerProcess, free_port, http, leftovers, project_shm_segments
-from tests.integration.test_faults import _final_event, _kill_agent_under_load
+from tests.integration.test_faults import _kill_agent_under_load
 from tests.integration.test_serving import STORY_PROMPTS, assert_greedy_reference
-from tests.integration.test_tensor_parallel import _greedy_texts
+from tests.integration.test_tensor_parallel import _greedy_texts, assert_rank_1_loss
 
 MODEL_ARGS = ["--config", str(REPO / "configs" / "stories260K.yaml")]
 # the smallest bucket set (MindSpore's CPU collectives are ~1 ms a call): this group only has to be right
@@ -116,13 +116,7 @@ def test_rank_1_on_node_1_serves_the_reference_without_the_shared_memory(shared_
         results, states, killed = asyncio.run(_kill_agent_under_load(server, n, max_new, agent_pid=rank1["pid"],
                                                                      after_done=4))
         assert killed == rank1["pid"]
-        finals = [_final_event(events) for events in results]
-        failed = [f for f in finals if f.get("details", {}).get("finish_reason") == "error"]
-        finished = [f for f in finals if f.get("details", {}).get("finish_reason") == "length"]
-        assert len(failed) + len(finished) == n and 1 <= len(failed) <= 8
-        assert all("agent failure: agent 1" in f["error"] for f in failed), failed[:2]
-        assert all(f["details"]["generated_tokens"] == max_new for f in finished)
-        assert [s for s, _ in states][-1] == 200
+        assert_rank_1_loss(results, states, n, max_new, max_running=8)
         new = http("GET", server.url + "/health")[1]["agents"]
         assert {a["pid"] for a in new}.isdisjoint({a["pid"] for a in agents})
         assert [p.pid for p in node1.agents()] == [new[1]["pid"]]

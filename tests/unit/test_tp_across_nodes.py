@@ -164,7 +164,8 @@ def test_the_token_file_must_be_private_and_hold_a_token(tmp_path):
 
 def test_a_node_agent_gets_msruns_environment_and_no_shared_memory():
     cfg = _config(*ACROSS, "serving_config.api_key=abcdefgh12")
-    env = agent_environment(cfg, "/models/x", 2, "tok" * 6)
+    env, workdir = agent_environment(cfg, "/models/x", 2, "tok" * 6)
+    assert workdir.is_dir()
     assert (env["MS_ROLE"], env["MS_NODE_ID"], env["MS_WORKER_NUM"]) == ("MS_WORKER", "2", "3")
     assert (env["MS_SCHED_HOST"], env["MS_SCHED_PORT"]) == ("10.0.0.1", "8118")
     assert (env["RANK_ID"], env["DEVICE_ID"]) == ("2", "0")        # the first rank on its node: device 0
