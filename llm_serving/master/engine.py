@@ -22,7 +22,8 @@ from llm_serving.chat import load_chat_template
 from llm_serving.master.agent_group import AgentError, AgentGroup
 from llm_serving.master.block_manager import BlockManager
 from llm_serving.master.draft import DraftProposer
-from llm_serving.master.lora_registry import LoraConflictError, LoraRefusedError, LoraRegistry
+from llm_serving.master.lora_registry import (LoraConflictError, LoraRefusedError,  # noqa: F401 (server/app.py's)
+                                             LoraRegistry)
 from llm_serving.master.request import Request, SamplingParams, TokenEvent
 from llm_serving.master.scheduler import ScheduledBatch, Scheduler
 from llm_serving.master.speculative import NgramProposer, SpecStats, tree_from_paths, tree_walk
@@ -220,7 +221,6 @@ class Engine:
         """Serve the PEFT adapter at `path` as model `name` from now on: checked against the served model here,
         then loaded by the agents into a free slot. LoraRefusedError if it does not fit (nothing changes),
         LoraConflictError if the name is taken or no slot is free."""
-        from llm_serving.config import LORA_NAME
         from llm_serving.models.lora import LoraError, load_lora_adapter
         from llm_serving.models.weights import checkpoint_config
 
@@ -228,11 +228,7 @@ class Engine:
         if not lc.enabled:
             raise LoraRefusedError("LoRA serving is off: start the server with lora_config.enable_lora (or "
                                    "lora_config.adapters)")
-        if not isinstance(name, str) or LORA_NAME.fullmatch(name) is None:
-            raise LoraRefusedError(f"lora_name {name!r}: an adapter name is 1-128 letters, digits, '.', '_' or "
-                                   "'-' (it appears in URL paths)")
-        if name == self.model_name or self.lora.taken(name):
-            raise LoraConflictError(f"the name {name!r} is already served; unload it first or pick another")
+        self.lora.check_new(name, self.model_name)
         path = str(Path(path).expanduser().resolve())
         loop = asyncio.get_running_loop()
         try:
@@ -242,8 +238,7 @@ class Engine:
                                                  lc.max_lora_rank)
         except LoraError as e:
             raise LoraRefusedError(str(e)) from None
-        if self.lora.taken(name):                 # (named meanwhile by a concurrent load)
-            raise LoraConflictError(f"the name {name!r} is already served; unload it first or pick another")
+        self.lora.check_new(name, self.model_name)        # (named meanwhile by a concurrent load)
         slot, slot_mb = self.lora.free_slot(), None
         if slot is not None:                      # else it is loaded when a request needs it (_make_resident)
             self.lora.begin_load(name, slot)

@@ -10,8 +10,11 @@ uses, whose waiting requests then wait for it in turn."""
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional
+
+from llm_serving.config import LORA_NAME
 
 
 class LoraConflictError(RuntimeError):
@@ -48,7 +51,7 @@ class LoraRegistry:
         self._next_root = itertools.count(max_loras + 1)
         self._clock = itertools.count(1)
         self._last_named: dict = {}                # name -> tick of the last request that named it
-        self._in_flight: dict = {}                 # name -> requests in flight that use it
+        self._in_flight: Counter = Counter()       # name -> requests in flight that use it
         self._loading: dict = {}                   # slot -> name being loaded into it
         self.wants_loads = False                   # some waiting request may name an adapter in no slot
 
@@ -70,24 +73,31 @@ class LoraRegistry:
 
     def hold(self, name: str) -> None:
         """A request using adapter `name` is in flight (queued)."""
-        self._in_flight[name] = self._in_flight.get(name, 0) + 1
+        self._in_flight[name] += 1
 
     def release(self, name: str) -> None:
         """A request using adapter `name` ended."""
-        left = self._in_flight.get(name, 0) - 1
-        if left > 0:
-            self._in_flight[name] = left
-        else:
-            self._in_flight.pop(name, None)
+        self._in_flight[name] -= 1
+        if self._in_flight[name] <= 0:
+            del self._in_flight[name]
 
     def in_flight(self, name: str) -> int:
-        return self._in_flight.get(name, 0)
+        return self._in_flight[name]
 
     # --- loading and unloading ---------------------------------------------------------------------
 
     def taken(self, name: str) -> bool:
         """Whether `name` is served, or being loaded under that name."""
         return name in self.paths or name in self._loading.values()
+
+    def check_new(self, name, model_name: str) -> None:
+        """`name` is free for a new adapter: LoraRefusedError when it is no adapter name, LoraConflictError when
+        it is the served model's or taken."""
+        if not isinstance(name, str) or LORA_NAME.fullmatch(name) is None:
+            raise LoraRefusedError(f"lora_name {name!r}: an adapter name is 1-128 letters, digits, '.', '_' or "
+                                   "'-' (it appears in URL paths)")
+        if name == model_name or self.taken(name):
+            raise LoraConflictError(f"the name {name!r} is already served; unload it first or pick another")
 
     def free_slot(self) -> Optional[int]:
         """The lowest slot that holds no adapter and is not being loaded; None when there is none."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from llm_serving.master.lora_registry import LoraConflictError, LoraRegistry
+from llm_serving.master.lora_registry import LoraConflictError, LoraRefusedError, LoraRegistry
 
 PATHS = {"a": "/lora/a", "b": "/lora/b", "c": "/lora/c", "d": "/lora/d"}
 
@@ -134,3 +134,18 @@ def test_the_snapshot_names_each_slots_adapter_and_path():
     reg.loaded("d", plan.loads[0][1])
     reg.remove("a")
     assert reg.snapshot() == {2: ("b", "/lora/b"), 3: ("d", "/lora/d")}
+
+
+def test_a_new_adapters_name_is_a_url_segment_not_taken():
+    reg = _registry()
+    reg.check_new("sql-v2.1_x", model_name="base")
+    with pytest.raises(LoraRefusedError, match="an adapter name is 1-128 letters"):
+        reg.check_new("a/b", model_name="base")
+    with pytest.raises(LoraRefusedError, match="lora_name 7"):
+        reg.check_new(7, model_name="base")
+    for taken in ("base", "c"):                                        # the served model's; an adapter in no slot
+        with pytest.raises(LoraConflictError, match=f"the name '{taken}' is already served"):
+            reg.check_new(taken, model_name="base")
+    reg.begin_load("new", 3)
+    with pytest.raises(LoraConflictError):                             # being loaded under that name
+        reg.check_new("new", model_name="base")
