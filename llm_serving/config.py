@@ -447,8 +447,8 @@ class LoraConfig:
                                               # more adapters, one is loaded when a request needs it, into the
                                               # slot of the adapter used longest ago that no running request uses
     max_lora_rank: int = 16                   # adapters of a higher rank are refused
-    slots: Optional[dict] = None              # {name: slot} of the adapters in slots, kept by the master as they
-                                              # come and go; null = the first max_loras, in order
+    slots: Optional[dict] = None              # {name: slot} of the adapters loaded at start (an agent's copy holds
+                                              # the master's LoraRegistry.snapshot); null = the first max_loras
 
     @property
     def enabled(self) -> bool:

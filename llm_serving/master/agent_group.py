@@ -237,10 +237,13 @@ def _in_step(tasks: list) -> bool:
 class AgentGroup:
     """All agents of one model. Every step goes to every agent; rank 0 writes the outputs."""
 
-    def __init__(self, config, model_dir: str, on_lost=None, role: str = "agent"):
+    def __init__(self, config, model_dir: str, on_lost=None, role: str = "agent", lora_snapshot=None):
         self.config = config
         self.role = role          # "agent", or "draft agent" (speculative decoding's draft model)
         self.on_lost = on_lost    # called (with a reason) when an agent's connection drops while serving
+        # () -> {slot: (name, path)}: the LoRA adapters agents (re)started now load (the master's registry,
+        # LoraRegistry.snapshot); None: those of the config
+        self.lora_snapshot = lora_snapshot
         self.model_dir = model_dir
         self.layout = StepLayout.from_config(config)
         self.buffers: Optional[StepBuffers] = None
@@ -315,18 +318,37 @@ class AgentGroup:
             await self.stop()
             raise
 
+    def _lora_slots(self) -> dict:
+        """{slot: (name, path)} of the LoRA adapters agents started now load."""
+        if self.lora_snapshot is not None:
+            return self.lora_snapshot()
+        lc = self.config.lora_config
+        return {slot: (name, lc.adapters[name]) for name, slot in lc.slot_of().items()}
+
+    def agent_config(self) -> dict:
+        """The configuration an agent started here is given: a copy of the master's, without the HTTP API key
+        and with the LoRA adapters in slots now (the YAML's start-up adapters still named, so that the ranks'
+        lora_config compares equal across nodes)."""
+        config = self.config.to_dict()
+        config["serving_config"]["api_key"] = None       # agents never see the HTTP API key
+        held = self._lora_slots()
+        lora = config["lora_config"]
+        lora["adapters"] = {**lora["adapters"], **{name: path for name, path in held.values()}}
+        lora["slots"] = {name: slot for slot, (name, _) in held.items()}
+        return config
+
     async def _sync_remote_lora(self) -> None:
         """Agents on other nodes start from their node's YAML, not from the adapters loaded since (the master's
-        registry, in its config): load each slot's adapter into them, and empty the others."""
+        registry): load each slot's adapter into them, and empty the others."""
         lc = self.config.lora_config
         remote = [a for a in self.agents if a.rank in self.remote_ranks]
         if not remote or not lc.enabled:
             return
-        held = {slot: name for name, slot in lc.slot_of().items()}
+        held = self._lora_slots()
         timeout = self.config.serving_config.step_timeout_s
         for slot in range(1, lc.max_loras + 1):
-            name = held.get(slot)
-            command = proto.LoadLora(slot=slot, name=name, path=lc.adapters[name] if name else None)
+            name, path = held.get(slot, (None, None))
+            command = proto.LoadLora(slot=slot, name=name, path=path)
             for agent in remote:
                 await agent.request(command, timeout)
 
@@ -375,8 +397,7 @@ class AgentGroup:
 
     async def _spawn(self, rank: int) -> AgentClient:
         read_fd, write_fd = os.pipe()
-        config = self.config.to_dict()
-        config["serving_config"]["api_key"] = None       # agents never see the HTTP API key
+        config = self.agent_config()
         env, workdir = proto.child_env({
             **(cluster_env(len(self.config.serving_config.agent_ports), self._cluster_port, rank,
                            host=self.config.serving_config.cluster_host)

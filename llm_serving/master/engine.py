@@ -11,7 +11,6 @@ computes every running request again from its tokens, with the prefix cache forg
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 from collections import Counter
@@ -23,6 +22,8 @@ from llm_serving.chat import load_chat_template
 from llm_serving.master.agent_group import AgentError, AgentGroup
 from llm_serving.master.block_manager import BlockManager
 from llm_serving.master.draft import DraftProposer
+from llm_serving.master.lora_registry import (LoraConflictError, LoraRefusedError,  # noqa: F401 (server/app.py's)
+                                             LoraRegistry)
 from llm_serving.master.request import Request, SamplingParams, TokenEvent
 from llm_serving.master.scheduler import ScheduledBatch, Scheduler
 from llm_serving.master.speculative import NgramProposer, SpecStats, tree_from_paths, tree_walk
@@ -36,15 +37,6 @@ class EngineStoppedError(RuntimeError):
     """The engine is not running (starting, stopped, or its agents are down)."""
 
 
-class LoraConflictError(RuntimeError):
-    """A LoRA adapter cannot be loaded or unloaded now (its name is taken, every slot is used, requests in flight
-    use it); answered with 409."""
-
-
-class LoraRefusedError(ValueError):
-    """A LoRA adapter that does not fit the served model (or LoRA serving is off); answered with 400."""
-
-
 class DuplicateRequestError(ValueError):
     """A client-chosen request id is already in use; the HTTP layer answers 409."""
 
@@ -55,16 +47,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.model_path = model_dir
-        # LoRA adapters served on the base model: name -> directory (every one served); name -> the agents' slot
-        # (those in a slot now); name -> its prefix-cache root, unique per load (a slot loaded again holds other
-        # weights: the KV its old adapter cached must not be reused); name -> when a request last named it
-        self.lora_paths = dict(config.lora_config.adapters)
-        self.lora_slots = config.lora_config.slot_of()
-        self._lora_roots = dict(self.lora_slots)
-        self._next_lora_root = itertools.count(config.lora_config.max_loras + 1)
-        self._lora_last_used: dict = {}
-        self._lora_pending: set = set()               # slots being loaded
-        self._lora_unresolved = False                 # some waiting request's adapter is in no slot
+        lc = config.lora_config
+        self.lora = LoraRegistry(lc.adapters, lc.slot_of(), lc.max_loras)   # the LoRA adapters served
         self._lora_base_config = None                 # the served model's LlamaConfig, read at the first load
         self.max_model_len = config.max_model_len
         self.block_manager = BlockManager(config.pa_config.num_blocks, config.pa_config.block_size,
@@ -73,7 +57,7 @@ class Engine:
         self.spec_stats = SpecStats(config.spec_config.num_speculative_tokens)
         mc = config.model_config
         self.stop_token_ids = frozenset(mc.end_token_ids or tokenizer.eos_ids)
-        self.agents = AgentGroup(config, model_dir, on_lost=self._on_agent_lost)
+        self.agents = AgentGroup(config, model_dir, on_lost=self._on_agent_lost, lora_snapshot=self.lora.snapshot)
         self.supervisor = Supervisor(config.serving_config, self.agents)
         self.step_io = StepIO(self.block_manager)
         self.drafter: Optional[DraftProposer] = None     # spec_config.method draft: the draft model's agent
@@ -206,23 +190,18 @@ class Engine:
     def submit(self, prompt_ids: list, sampling: SamplingParams, req_id: Optional[str] = None,
                adapter: Optional[str] = None) -> Request:
         """Queue a validated request (see server/schemas.py), on the base model or LoRA adapter `adapter` (a
-        name in self.lora_slots). Raises QueueFullError past the queue bounds, DuplicateRequestError when req_id
+        name in self.lora_paths). Raises QueueFullError past the queue bounds, DuplicateRequestError when req_id
         names a request still in flight, KeyError for an adapter not served here."""
         if self.failed_reason or self.draining_reason or not self.running:
             raise EngineStoppedError(self.failed_reason or self.draining_reason or "engine is not running")
         if req_id is not None and req_id in self.requests:
             raise DuplicateRequestError(f"request id {req_id!r} is already in use by a request in flight")
-        slot = 0
-        if adapter is not None:
-            if adapter not in self.lora_paths:
-                raise KeyError(f"LoRA adapter {adapter!r} is not served here")
-            slot = self.lora_slots.get(adapter, -1)          # -1: loaded into a slot before it is admitted
-            self._lora_last_used[adapter] = time.monotonic()
-        req = Request(prompt_ids, sampling, self.stop_token_ids, req_id=req_id, lora_slot=slot,
-                      lora_root=self._lora_roots.get(adapter, 0) if slot > 0 else 0, lora_adapter=adapter)
-        if slot < 0:
-            self._lora_unresolved = True
+        slot, root = self.lora.place(adapter) if adapter is not None else (0, 0)   # slot -1: loaded before admitted
+        req = Request(prompt_ids, sampling, self.stop_token_ids, req_id=req_id, lora_slot=slot, lora_root=root,
+                      lora_adapter=adapter)
         self.scheduler.add(req)
+        if adapter is not None:
+            self.lora.hold(adapter)
         self.num_prompt_tokens += len(req.prompt_ids)
         self.requests[req.req_id] = req
         self._detok[req.req_id] = self.tokenizer.detokenizer(prompt_ids)
@@ -233,11 +212,15 @@ class Engine:
         """The names requests may give: the model's, then its LoRA adapters'."""
         return [self.model_name, *self.lora_paths]
 
+    @property
+    def lora_paths(self) -> dict:
+        """Every LoRA adapter served: name -> its directory."""
+        return self.lora.paths
+
     async def load_lora(self, name: str, path: str) -> dict:
         """Serve the PEFT adapter at `path` as model `name` from now on: checked against the served model here,
         then loaded by the agents into a free slot. LoraRefusedError if it does not fit (nothing changes),
         LoraConflictError if the name is taken or no slot is free."""
-        from llm_serving.config import LORA_NAME
         from llm_serving.models.lora import LoraError, load_lora_adapter
         from llm_serving.models.weights import checkpoint_config
 
@@ -245,11 +228,7 @@ class Engine:
         if not lc.enabled:
             raise LoraRefusedError("LoRA serving is off: start the server with lora_config.enable_lora (or "
                                    "lora_config.adapters)")
-        if not isinstance(name, str) or LORA_NAME.fullmatch(name) is None:
-            raise LoraRefusedError(f"lora_name {name!r}: an adapter name is 1-128 letters, digits, '.', '_' or "
-                                   "'-' (it appears in URL paths)")
-        if name == self.model_name or name in self.lora_paths:
-            raise LoraConflictError(f"the name {name!r} is already served; unload it first or pick another")
+        self.lora.check_new(name, self.model_name)
         path = str(Path(path).expanduser().resolve())
         loop = asyncio.get_running_loop()
         try:
@@ -259,107 +238,59 @@ class Engine:
                                                  lc.max_lora_rank)
         except LoraError as e:
             raise LoraRefusedError(str(e)) from None
-        if name in self.lora_paths:               # (named meanwhile by a concurrent load)
-            raise LoraConflictError(f"the name {name!r} is already served; unload it first or pick another")
-        free = self._free_lora_slots()
-        slot_mb = None
-        if free:                                  # else it is loaded when a request needs it (_make_resident)
+        self.lora.check_new(name, self.model_name)        # (named meanwhile by a concurrent load)
+        slot, slot_mb = self.lora.free_slot(), None
+        if slot is not None:                      # else it is loaded when a request needs it (_make_resident)
+            self.lora.begin_load(name, slot)
             try:
-                slot_mb = await self._load_into(free[0], name, path)
+                slot_mb = await self._load_into(slot, name, path)
             except AgentError as e:
                 raise LoraRefusedError(f"the agent could not load adapter {name!r}: {e}") from None
-        self.lora_paths[name] = path
-        self._sync_lora_config()
+        self.lora.add(name, path)
+        if slot is not None:
+            self.lora.loaded(name, slot)
         logger.info("LoRA adapter %r registered (rank %d)%s", name, adapter.rank,
-                    f", in slot {self.lora_slots[name]}" if name in self.lora_slots else ", loaded on first use")
-        return {"lora_name": name, "slot": self.lora_slots.get(name), "rank": adapter.rank, "slot_mb": slot_mb}
-
-    def _sync_lora_config(self) -> None:
-        """The config agents are (re)started from names the adapters served and those in slots now."""
-        lc = self.config.lora_config
-        lc.adapters = dict(self.lora_paths)
-        lc.slots = dict(self.lora_slots)
-
-    def _free_lora_slots(self) -> list:
-        lc = self.config.lora_config
-        return sorted(set(range(1, lc.max_loras + 1)) - set(self.lora_slots.values()) - self._lora_pending)
+                    f", in slot {slot}" if slot is not None else ", loaded on first use")
+        return {"lora_name": name, "slot": slot, "rank": adapter.rank, "slot_mb": slot_mb}
 
     async def _load_into(self, slot: int, name: str, path: str) -> float:
-        """The agents load adapter `name` into `slot` (AgentError if one cannot), which it then holds; the MB a
-        slot takes on the agents."""
-        self._lora_pending.add(slot)
+        """The agents load adapter `name` into `slot`, which the registry holds for it (AgentError if one cannot:
+        the slot is free again); the MB a slot takes on the agents. The caller then says it is loaded."""
         try:
             replies = await self.agents.control(proto.LoadLora(slot=slot, name=name, path=path))
-        finally:
-            self._lora_pending.discard(slot)
-        self._in_slot(name, slot)
+        except BaseException:
+            self.lora.load_failed(slot)
+            raise
         return replies[0].slot_mb
-
-    def _in_slot(self, name: str, slot: int) -> None:
-        """Adapter `name` is in `slot` now (with a prefix-cache root of its own); its waiting requests take it."""
-        root = next(self._next_lora_root)
-        self.lora_slots[name], self._lora_roots[name] = slot, root
-        for req in self.scheduler.waiting:
-            if req.lora_adapter == name:
-                req.lora_slot, req.lora_root = slot, root
-
-    def _lora_slot_for_load(self) -> Optional[int]:
-        """A slot to load an adapter into: a free one, else that of the adapter named longest ago among those no
-        running request uses (its waiting requests wait for it to be loaded again); None if every slot serves
-        running requests."""
-        free = self._free_lora_slots()
-        if free:
-            return free[0]
-        busy = {r.lora_slot for r in self.scheduler.running}
-        idle = [n for n, s in self.lora_slots.items() if s not in busy and s not in self._lora_pending]
-        if not idle:
-            return None
-        victim = min(idle, key=lambda n: self._lora_last_used.get(n, 0.0))
-        slot = self.lora_slots.pop(victim)
-        self._lora_roots.pop(victim, None)
-        for req in self.scheduler.waiting:
-            if req.lora_adapter == victim:
-                req.lora_slot, req.lora_root = -1, 0
-                self._lora_unresolved = True
-        logger.info("LoRA adapter %r leaves slot %d (used longest ago)", victim, slot)
-        return slot
 
     async def _make_resident(self) -> None:
         """Load the adapters that waiting requests name but no slot holds, in queue order, while slots can be
-        had; a load that fails ends the requests that wait for it."""
-        self._lora_unresolved = False
-        wanted = []
-        for req in self.scheduler.waiting:
-            if req.lora_slot < 0 and req.lora_adapter not in wanted:
-                wanted.append(req.lora_adapter)
-        for name in wanted:
-            if name in self.lora_slots:           # (loaded meanwhile)
-                self._in_slot(name, self.lora_slots[name])
-                continue
-            slot = self._lora_slot_for_load()
-            if slot is None:                      # every slot serves running requests: try after the next step
-                self._lora_unresolved = True
-                return
+        had (the registry's plan); a load that fails ends the requests that wait for it."""
+        wanted = [r.lora_adapter for r in self.scheduler.waiting if r.lora_slot < 0]
+        plan = self.lora.plan(wanted, {r.lora_adapter for r in self.scheduler.running})
+        for name, slot in plan.evicted:
+            self.scheduler.set_lora(name, -1, 0)
+            logger.info("LoRA adapter %r leaves slot %d (used longest ago)", name, slot)
+        for name in plan.placed:                  # (loaded meanwhile)
+            self.scheduler.set_lora(name, self.lora.slots[name], self.lora.roots[name])
+        for i, (name, slot, path) in enumerate(plan.loads):
             try:
-                await self._load_into(slot, name, self.lora_paths[name])
+                await self._load_into(slot, name, path)
             except AgentError as e:
                 for req in [r for r in self.scheduler.waiting if r.lora_adapter == name]:
                     self._finish(req, "error", error=f"LoRA adapter {name!r} could not be loaded: {e}")
                 continue
-            self._sync_lora_config()
+            except BaseException:                 # (cancelled: the engine stops) the plan's other slots are free
+                for _, left, _ in plan.loads[i + 1:]:
+                    self.lora.load_failed(left)
+                raise
+            root = self.lora.loaded(name, slot)
+            if root is not None:
+                self.scheduler.set_lora(name, slot, root)
 
     async def unload_lora(self, name: str) -> None:
         """Stop serving adapter `name`: KeyError if it is not served, LoraConflictError while requests use it."""
-        if name not in self.lora_paths:
-            raise KeyError(name)
-        busy = sum(1 for r in self.requests.values() if not r.finished and r.lora_adapter == name)
-        if busy:
-            raise LoraConflictError(f"{busy} request(s) in flight use adapter {name!r}; unload it when they end")
-        del self.lora_paths[name]
-        self._lora_roots.pop(name, None)
-        self._lora_last_used.pop(name, None)
-        slot = self.lora_slots.pop(name, None)
-        self._sync_lora_config()
+        slot = self.lora.remove(name)
         if slot is not None:                      # (new requests cannot name it any more: the slot is free)
             try:
                 await self.agents.control(proto.LoadLora(slot=slot, name=name, path=None))
@@ -385,7 +316,8 @@ class Engine:
                 last: Optional[TokenEvent] = None) -> None:
         """Free req's blocks and send its final event: the last token (if any) carrying the finish reason."""
         self.scheduler.finish(req, reason)
-        self.requests.pop(req.req_id, None)
+        if self.requests.pop(req.req_id, None) is req and req.lora_adapter is not None:
+            self.lora.release(req.lora_adapter)
         detok = self._detok.pop(req.req_id, None)
         tail = detok.flush() if detok is not None else ""
         if req.stop_strings is not None:          # release what was held back (never a stop string)
@@ -409,7 +341,7 @@ class Engine:
                     self.failed_reason = self.supervisor.failed_reason
                     return
                 continue
-            if self._lora_unresolved:
+            if self.lora.wants_loads:
                 await self._make_resident()
             t0 = time.perf_counter()
             batch = self.scheduler.schedule()

@@ -193,6 +193,13 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
 
+    def set_lora(self, adapter: str, slot: int, root: int) -> None:
+        """The waiting requests of LoRA adapter `adapter` run in the agents' `slot` with prefix-cache root
+        `root` (slot -1: it is in no slot now, and they are not admitted until the engine loads it again)."""
+        for req in self.waiting:
+            if req.lora_adapter == adapter:
+                req.lora_slot, req.lora_root = slot, root
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

@@ -226,7 +226,7 @@ def test_more_adapters_than_slots_take_turns_in_one_slot(adapters, tmp_path):
 
 
 def test_a_restarted_agent_serves_the_adapters_loaded_at_run_time(lora_server, adapters):
-    """The supervisor starts a new agent from the master's config, which follows the adapters loaded since."""
+    """The supervisor starts a new agent from the LoRA registry's snapshot, which holds the adapters loaded since."""
     import os
     import signal
     import time

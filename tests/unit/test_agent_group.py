@@ -143,3 +143,21 @@ def test_ranks_whose_collective_calls_differ_are_out_of_step():
     with pytest.raises(AgentError, match="no memory") as err:
         run(group.step(STEP))
     assert err.value.fatal
+
+
+def test_an_agent_is_started_with_a_copy_of_the_config_holding_the_lora_registrys_snapshot():
+    """The master's registry (its snapshot when the agents start) decides which adapter each slot holds; the
+    YAML's start-up adapters stay named, and the master's own config is never changed."""
+    cfg = config_from_dict({"lora_config": {"adapters": {"a": "/a", "b": "/b"}, "max_loras": 3},
+                            "serving_config": {"api_key": "k" * 12}})
+    held = {2: ("late", "/late"), 3: ("a", "/a2")}
+    group = AgentGroup(cfg, "unused", lora_snapshot=lambda: held)
+    lora = group.agent_config()["lora_config"]
+    assert lora["adapters"] == {"a": "/a2", "b": "/b", "late": "/late"} and lora["slots"] == {"late": 2, "a": 3}
+    assert config_from_dict(group.agent_config()).lora_config.slot_of() == {"late": 2, "a": 3}   # as an agent reads it
+    assert group.agent_config()["serving_config"]["api_key"] is None
+    assert (cfg.lora_config.adapters, cfg.lora_config.slots) == ({"a": "/a", "b": "/b"}, None)
+    held.clear()                                         # every adapter unloaded since: the next start loads none
+    assert config_from_dict(group.agent_config()).lora_config.slot_of() == {}
+    # without a registry (the draft model's agent), the config's own start-up slots
+    assert AgentGroup(cfg, "unused").agent_config()["lora_config"]["slots"] == {"a": 1, "b": 2}

@@ -178,7 +178,7 @@ def test_a_node_agent_gets_msruns_environment_and_no_shared_memory():
 
 def test_after_each_start_the_master_loads_its_lora_registry_into_the_other_nodes_ranks(tmp_path):
     """Agents on other nodes start from their node's YAML; adapters loaded at run time live in the master's
-    config (its registry), which it replays into them: each slot's adapter, and the other slots emptied."""
+    registry (its snapshot), which it replays into them: each slot's adapter, and the other slots emptied."""
     import asyncio
 
     from llm_serving.master.agent_group import AgentGroup
@@ -188,9 +188,8 @@ def test_after_each_start_the_master_loads_its_lora_registry_into_the_other_node
     token.chmod(0o600)
     cfg = _config(*ACROSS[:-2], f"serving_config.agent_token_file={token}", "pa_config.num_blocks=64",
                   "lora_config.enable_lora=true", "lora_config.max_loras=3")
-    cfg.lora_config.adapters = {"sql": "/adapters/sql", "poem": "/adapters/poem"}   # as Engine._sync_lora_config
-    cfg.lora_config.slots = {"sql": 3, "poem": 1}
-    group = AgentGroup(cfg, "/models/x")
+    snapshot = {3: ("sql", "/adapters/sql"), 1: ("poem", "/adapters/poem")}        # as LoraRegistry.snapshot
+    group = AgentGroup(cfg, "/models/x", lora_snapshot=lambda: snapshot)
     assert group.all_reduce == "mindspore" and group.remote_ranks == {2}
     sent = {}
 
