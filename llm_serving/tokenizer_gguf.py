@@ -145,7 +145,7 @@ def load_gguf_tokenizer(path: str):
 
 
 def _cache_dir(path: str) -> Optional[Path]:
-    from llm_serving.models.default_model import default_cache_dir
+    from llm_serving.cache_dir import default_cache_dir
 
     try:
         st = os.stat(path)

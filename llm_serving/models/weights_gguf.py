@@ -187,7 +187,7 @@ def load_gguf(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
     `quantized.json`), written into a temporary directory that is then renamed into place."""
     from dataclasses import asdict
 
-    from .default_model import default_cache_dir
+    from llm_serving.cache_dir import default_cache_dir
 
     if os.environ.get(GGUF_CACHE_ENV, "1") == "0":
         return _load_gguf(path)

@@ -9,8 +9,8 @@ import pytest
 from safetensors.numpy import load_file
 
 from llm_serving.models import default_model
-from llm_serving.models.default_model import (DEFAULT_MODEL_NAME, default_cache_dir,
-                                              ensure_default_model, generate_story_lines,
+from llm_serving.cache_dir import default_cache_dir
+from llm_serving.models.default_model import (DEFAULT_MODEL_NAME, ensure_default_model, generate_story_lines,
                                               write_hf_llama)
 from llm_serving.tokenizer import Tokenizer
 
