@@ -93,7 +93,7 @@ def _add_agent_ctl(sub) -> None:
 
 
 def _add_bench(sub) -> None:
-    from llm_serving.bench.client import add_arguments
+    from llm_serving.loadgen.client import add_arguments
 
     p = sub.add_parser("bench", help="replay a dataset against a running server and measure it "
                                      "(TTFT, TPOT, ITL, E2EL, throughput, goodput)")
@@ -157,7 +157,7 @@ def cmd_make_model(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from llm_serving.bench.client import run
+    from llm_serving.loadgen.client import run
 
     return run(args)[1]
 
