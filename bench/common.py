@@ -17,9 +17,9 @@ import numpy as np
 import psutil
 
 from llm_serving.agents.protocol import with_huge_pages
-from llm_serving.bench.client import benchmark
-from llm_serving.bench.metrics import summarize
-from llm_serving.bench.workload import TokenCounter, load_alpaca, synthetic
+from llm_serving.loadgen.client import benchmark
+from llm_serving.loadgen.metrics import summarize
+from llm_serving.loadgen.workload import TokenCounter, load_alpaca, synthetic
 from llm_serving.launch import ServerProcess, http
 
 REPO = Path(__file__).resolve().parents[1]

@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import (ALPACA, alpaca, info, log_dir, machine, memory_like_agents, replay,  # noqa: E402
                           server_args, table, time_decode_run, time_decode_steps, time_prefill_step, write_json)
-from llm_serving.bench.plots import write_plots  # noqa: E402
-from llm_serving.bench.workload import arrival_offsets  # noqa: E402
+from llm_serving.loadgen.plots import write_plots  # noqa: E402
+from llm_serving.loadgen.workload import arrival_offsets  # noqa: E402
 from llm_serving.launch import ServerProcess  # noqa: E402
 
 BASELINE = ["model_config.prefill_batch_size=[1]", "model_config.decode_batch_size=[1]",

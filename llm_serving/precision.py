@@ -36,7 +36,7 @@ from llm_serving.agents import protocol as proto
 from llm_serving.agents.control import ControlClient
 from llm_serving.launch import http
 from llm_serving.reference_llama import ReferenceLlama
-from llm_serving.tokenizer import load_tokenizer
+from llm_serving.tokenization import load_tokenizer
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "datasets" / "alpaca_5000.json"
 

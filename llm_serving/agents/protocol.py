@@ -93,7 +93,7 @@ def child_env(extra: dict, huge_pages: bool = False) -> tuple:
     node's `llm-serving agent`'s): this package importable, MindSpore's C++ log at errors only (it warns on every
     cached graph), its memory in huge pages if asked (with_huge_pages), and a working directory of its own, since
     MindSpore writes kernel build files into it."""
-    from llm_serving.models.default_model import default_cache_dir
+    from llm_serving.cache_dir import default_cache_dir
 
     env = {**os.environ, **extra}
     if huge_pages:

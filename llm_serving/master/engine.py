@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from llm_serving.agents import protocol as proto
-from llm_serving.chat import load_chat_template
+from llm_serving.tokenization import load_chat_template
 from llm_serving.master.agent_group import AgentError, AgentGroup
 from llm_serving.master.block_manager import BlockManager
 from llm_serving.master.draft import DraftProposer

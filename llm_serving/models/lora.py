@@ -24,7 +24,7 @@ from typing import Optional
 
 import numpy as np
 
-from .weights import LlamaConfig, WeightLoadError, _stored_safetensors
+from .weights import LlamaConfig, WeightLoadError, stored_safetensors
 
 __all__ = ["LoraAdapter", "LoraDelta", "LoraError", "TARGET_MODULES", "load_lora_adapter", "merge_lora",
            "module_shape", "random_lora_tensors", "write_peft_adapter"]
@@ -168,7 +168,7 @@ def load_lora_adapter(name: str, path: str, cfg: LlamaConfig, max_rank: Optional
                 if other else "")
         raise LoraError(f"{weights_path}: missing{hint}")
     try:
-        stored = _stored_safetensors({"": weights_path}, _TensorNames())
+        stored = stored_safetensors({"": weights_path}, _TensorNames())
     except WeightLoadError as e:
         raise LoraError(str(e)) from None
 
@@ -225,7 +225,7 @@ def load_lora_adapter(name: str, path: str, cfg: LlamaConfig, max_rank: Optional
 
 
 class _TensorNames(set):
-    """`wanted` for _stored_safetensors that takes every tensor of the file (each is checked by name after)."""
+    """`wanted` for stored_safetensors that takes every tensor of the file (each is checked by name after)."""
 
     def __contains__(self, name) -> bool:
         return True

@@ -24,7 +24,7 @@ import os
 import time
 from typing import Optional
 
-from .default_model import default_cache_dir
+from llm_serving.cache_dir import default_cache_dir
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ Streaming and not, `n` choices (each its own request; with a seed, choice i uses
 `ignore_eos`, `stop_token_ids`, `repetition_penalty`; and `speculative`: false keeps a request out of
 speculative decoding). Errors are
 OpenAI-shaped (see app.error_middleware). Chat prompts go through the engine's chat template
-(llm_serving/chat.py: LLaMA-2 built in, or a Jinja template); a last assistant message is a prefix the
+(llm_serving/tokenization/chat_template.py: LLaMA-2 built in, or a Jinja template); a last assistant message is a prefix the
 reply continues.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ import uuid
 
 from aiohttp import web
 
-from llm_serving.chat import ChatTemplateError
+from llm_serving.tokenization import ChatTemplateError
 from llm_serving.master.request import SamplingParams
 from llm_serving.server import schemas, streaming
 from llm_serving.server.keys import ENGINE

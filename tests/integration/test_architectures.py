@@ -51,7 +51,7 @@ def _checkpoint(path, *, config: dict, tie: bool, biases: bool, scale: float):
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """The checkpoints, and for the module's length a cache directory of its own: a GGUF load writes its float32
-    tensors there (models/weights_gguf.py), which would otherwise be ~/.cache/llm-serving, one entry a run."""
+    tensors there (models/weights/gguf.py), which would otherwise be ~/.cache/llm-serving, one entry a run."""
     root = tmp_path_factory.mktemp("archs")
     with pytest.MonkeyPatch.context() as env:
         env.setenv("LLM_SERVING_CACHE", str(root / "cache"))

@@ -3,7 +3,7 @@ logprobs, n, seed, stop, errors. Greedy text is checked against the llm-serving 
 import openai
 import pytest
 
-from llm_serving.tokenizer import Tokenizer
+from llm_serving.tokenization import SentencePieceTokenizer
 from tests.integration.server_harness import http, parse_sse
 
 PROMPT = "Once upon a time"
@@ -16,7 +16,7 @@ def client(stories_server):
 
 @pytest.fixture(scope="module")
 def tokenizer(shared_dir):
-    return Tokenizer(str(shared_dir / "models" / "stories260K" / "hf" / "tokenizer.model"))
+    return SentencePieceTokenizer(str(shared_dir / "models" / "stories260K" / "hf" / "tokenizer.model"))
 
 
 def native(url, prompt, n_tokens):

@@ -5,10 +5,10 @@ import math
 import numpy as np
 import pytest
 
-from llm_serving.bench.backends import RequestResult
-from llm_serving.bench.metrics import format_table, parse_slos, summarize
-from llm_serving.bench.plots import timeline
-from llm_serving.bench.workload import (TokenCounter, WorkloadError, arrival_offsets, load_alpaca, load_sharegpt,
+from llm_serving.loadgen.backends import RequestResult
+from llm_serving.loadgen.metrics import format_table, parse_slos, summarize
+from llm_serving.loadgen.plots import timeline
+from llm_serving.loadgen.workload import (TokenCounter, WorkloadError, arrival_offsets, load_alpaca, load_sharegpt,
                                         synthetic)
 
 

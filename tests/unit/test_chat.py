@@ -1,6 +1,6 @@
-"""Chat templates (chat.py) through every kind of tokenizer: the model's own template is found, rendered with
-the Jinja features HuggingFace templates use, and its special-token strings become their ids. The LLaMA-2
-format itself (built-in and as Jinja) is tested in test_tokenizer.py. No MindSpore.
+"""Chat templates (tokenization/chat_template.py) through every kind of tokenizer: the model's own template is
+found, rendered with the Jinja features HuggingFace templates use, and its special-token strings become their ids.
+The LLaMA-2 format itself (built-in and as Jinja) is tested in test_tokenizer.py. No MindSpore.
 """
 import json
 import shutil
@@ -8,8 +8,7 @@ from datetime import datetime
 
 import pytest
 
-from llm_serving.chat import ChatTemplateError, load_chat_template
-from llm_serving.tokenizer import load_tokenizer
+from llm_serving.tokenization import ChatTemplateError, load_chat_template, load_tokenizer
 from tests.unit.test_tokenizer_hf import train_byte_level
 
 SMOLLM2_TEMPLATE = (

@@ -9,10 +9,10 @@ import pytest
 from safetensors.numpy import load_file
 
 from llm_serving.models import default_model
-from llm_serving.models.default_model import (DEFAULT_MODEL_NAME, default_cache_dir,
-                                              ensure_default_model, generate_story_lines,
+from llm_serving.cache_dir import default_cache_dir
+from llm_serving.models.default_model import (DEFAULT_MODEL_NAME, ensure_default_model, generate_story_lines,
                                               write_hf_llama)
-from llm_serving.tokenizer import Tokenizer
+from llm_serving.tokenization import SentencePieceTokenizer
 
 SHARED = Path(__file__).resolve().parents[2].parent / "shared"
 TOK512 = SHARED / "models" / "stories260K" / "tok512.model"
@@ -71,7 +71,7 @@ def test_weights_have_huggingface_names_and_shapes(model_dir):
 
 
 def test_tokenizer_is_llama_style_and_round_trips_story_text(model_dir):
-    tok = Tokenizer(model_dir / "tokenizer.model")
+    tok = SentencePieceTokenizer(model_dir / "tokenizer.model")
     assert (tok.vocab_size, tok.bos_id, tok.eos_id, tok.pad_id) == (1024, 1, 2, 0)
     assert tok.is_special(0) and tok.id_to_piece(0) == "<unk>"
     stories = list(generate_story_lines(20, seed=99))  # not the training seed

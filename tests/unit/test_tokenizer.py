@@ -1,4 +1,4 @@
-"""Tokenizer and IncrementalDetokenizer: streamed deltas always add up to whole-sequence decoding.
+"""SentencePieceTokenizer and IncrementalDetokenizer: streamed deltas always add up to whole-sequence decoding.
 
 Runs on the LLaMA-2 tokenizer (32k pieces, byte fallback), stories260K's tok512 (which also
 removes extra whitespace, so sentencepiece's start-of-text rule reaches further) and the default
@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llm_serving.models.default_model import ensure_default_model
-from llm_serving.tokenizer import IncrementalDetokenizer, Tokenizer
+from llm_serving.tokenization import IncrementalDetokenizer, SentencePieceTokenizer
 
 SHARED = Path(__file__).resolve().parents[2].parent / "shared"
 LLAMA2_TOKENIZER = SHARED / "tokenizers" / "llama2" / "tokenizer.model"
@@ -26,24 +26,24 @@ PROPERTY_SETTINGS = settings(max_examples=150, deadline=None,
                              suppress_health_check=[HealthCheck.too_slow])
 
 
-def _load(path: Path) -> Tokenizer:
+def _load(path: Path) -> SentencePieceTokenizer:
     if not path.is_file():
         pytest.skip(f"{path} not found: tests need the read-only ../shared directory next to the repo")
-    return Tokenizer(path)
+    return SentencePieceTokenizer(path)
 
 
 @pytest.fixture(scope="module")
-def llama2() -> Tokenizer:
+def llama2() -> SentencePieceTokenizer:
     return _load(LLAMA2_TOKENIZER)
 
 
 @pytest.fixture(scope="module", params=["llama2", "tok512", "default"])
-def tokenizer(request, tmp_path_factory) -> Tokenizer:
+def tokenizer(request, tmp_path_factory) -> SentencePieceTokenizer:
     if request.param == "llama2":
         return _load(LLAMA2_TOKENIZER)
     if request.param == "tok512":
         return _load(TOK512)
-    return Tokenizer(ensure_default_model(tmp_path_factory.mktemp("cache")) / "tokenizer.model")
+    return SentencePieceTokenizer(ensure_default_model(tmp_path_factory.mktemp("cache")) / "tokenizer.model")
 
 
 def stream(detok: IncrementalDetokenizer, ids) -> list[str]:
@@ -52,7 +52,7 @@ def stream(detok: IncrementalDetokenizer, ids) -> list[str]:
 
 
 @functools.lru_cache(maxsize=None)
-def token_ids(tok: Tokenizer) -> st.SearchStrategy[int]:
+def token_ids(tok: SentencePieceTokenizer) -> st.SearchStrategy[int]:
     """Token ids weighted towards the awkward ones: byte pieces, whitespace-only pieces, specials."""
     byte_ids = [i for i in range(tok.vocab_size) if tok.byte_value(i) is not None]
     utf8_lead_bytes = [i for i in byte_ids if tok.byte_value(i) >= 0xC0]
@@ -63,7 +63,7 @@ def token_ids(tok: Tokenizer) -> st.SearchStrategy[int]:
                      st.sampled_from(special_ids))
 
 
-# ------------------------------------------------------------------------------ Tokenizer
+# ------------------------------------------------------------------------------ SentencePieceTokenizer
 
 
 def test_llama2_ids_and_special_tokens(llama2):
@@ -95,11 +95,11 @@ def test_decode_continuation_keeps_the_leading_space(llama2):
 
 def test_missing_model_file_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="tokenizer model not found"):
-        Tokenizer(tmp_path / "nope.model")
+        SentencePieceTokenizer(tmp_path / "nope.model")
     (tmp_path / "junk.model").write_bytes(b"not a model")
     with pytest.raises(ValueError, match="not a usable sentencepiece tokenizer model"):
-        Tokenizer(tmp_path / "junk.model")
-    from llm_serving.tokenizer import load_tokenizer
+        SentencePieceTokenizer(tmp_path / "junk.model")
+    from llm_serving.tokenization import load_tokenizer
     with pytest.raises(FileNotFoundError, match="directory without tokenizer.json"):
         load_tokenizer(str(tmp_path / "junk.model"), vocab_file=str(tmp_path))
 
@@ -235,7 +235,7 @@ LLAMA2_JINJA = (
 
 
 def test_jinja_chat_template_matches_the_builtin_llama2_format(llama2, tmp_path):
-    from llm_serving.chat import ChatTemplate, ChatTemplateError, load_chat_template
+    from llm_serving.tokenization import ChatTemplate, ChatTemplateError, load_chat_template
 
     jinja = ChatTemplate(llama2, LLAMA2_JINJA, source="test")
     conversations = [

@@ -7,8 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from llm_serving.chat import load_chat_template
-from llm_serving.tokenizer import Tokenizer, find_tokenizer_file, load_tokenizer
+from llm_serving.tokenization import SentencePieceTokenizer, find_tokenizer_file, load_chat_template, load_tokenizer
 
 TEXTS = ["Hello world", "The year 2024 had 366 days.", "  leading and   inner  spaces\n\ttab",
          "中文字符和日本語のテキスト", "emoji 🙂👍🏽 and accents: café naïve", "digits 123456789"]
@@ -182,10 +181,10 @@ def _spm_as_gguf(model_file, path):
 def test_gguf_llama_vocabulary_is_the_sentencepiece_model(shared_dir, tmp_path, model, monkeypatch):
     pytest.importorskip("gguf")
     monkeypatch.setenv("LLM_SERVING_CACHE", str(tmp_path / "cache"))
-    ref = Tokenizer(shared_dir / model)
+    ref = SentencePieceTokenizer(shared_dir / model)
     path = _spm_as_gguf(shared_dir / model, tmp_path / "vocab.gguf")
     for tok in (load_tokenizer(str(path)), load_tokenizer(str(path))):    # built, then from the cache
-        assert isinstance(tok, Tokenizer) and tok.add_bos
+        assert isinstance(tok, SentencePieceTokenizer) and tok.add_bos
         assert (tok.vocab_size, tok.bos_id, tok.eos_id) == (ref.vocab_size, ref.bos_id, ref.eos_id)
         for text in ["Once upon a time, there was a little dog.", "中文 🙂 bytes", "x = 1; y = 22"]:
             assert tok.encode(text) == ref.encode(text), text

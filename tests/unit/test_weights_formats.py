@@ -1,4 +1,4 @@
-"""GGUF checkpoints and the LLaMA family's config.json variants, read by models/weights.py (no MindSpore).
+"""GGUF checkpoints and the LLaMA family's config.json variants, read by models/weights/ (no MindSpore).
 
 The GGUF files are written here with the `gguf` package the way llama.cpp's converter writes them (metadata under
 the architecture's name, tensors renamed, a llama model's q/k rows permuted for llama.cpp's RoPE), from random HF
@@ -420,8 +420,8 @@ def test_a_gguf_is_dequantized_once_then_read_from_the_float32_cache(tmp_path, p
     assert (entry / "config.json").is_file()
     assert {p.name for p in entry.glob("*.npy")} == \
         {f"{n}.npy" for n in first} | {f"{n}.blocks.npy" for n, a in first.items() if a.ndim == 2}  # Q8_0 kept
-    from llm_serving.models import weights_gguf
-    monkeypatch.setattr(weights_gguf, "_load_gguf", lambda p: pytest.fail("the GGUF was read again"))
+    from llm_serving.models.weights import gguf as gguf_weights
+    monkeypatch.setattr(gguf_weights, "_load_gguf", lambda p: pytest.fail("the GGUF was read again"))
     cfg2, again = load_llama_weights(path)
     assert cfg2 == cfg
     for name in first:

@@ -57,7 +57,7 @@ def _compiler() -> Optional[str]:
 def build_kernel(name: str, func: str, cache_dir: Optional[Path] = None) -> str:
     """Compile kernels/<name>.cc (once) and return "<path>.so:<func>" for ops.Custom; KernelBuildError if it
     cannot be built."""
-    from ..default_model import default_cache_dir
+    from llm_serving.cache_dir import default_cache_dir
 
     source = _HERE / f"{name}.cc"
     cxx = _compiler()

@@ -20,7 +20,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Optional
 
-from llm_serving.tokenizer import config_chat_template
+from .base import config_chat_template
 
 BUILTIN = "llama2"
 

@@ -1,4 +1,4 @@
-"""GGUF checkpoints (llama.cpp's format) for `weights.load_llama_weights`, read through the `gguf` package.
+"""GGUF checkpoints (llama.cpp's format) for `load_llama_weights` (loader.py), read through the `gguf` package.
 
 Architectures `llama` and `qwen2`; hyperparameters from the `<arch>.*` metadata; tensors renamed to HF names and
 dequantized to float32 by `gguf.quants.dequantize` as they are read (F32, F16, BF16, Q4_0/1, Q5_0/1, Q8_0, the
@@ -23,7 +23,7 @@ from typing import Callable
 
 import numpy as np
 
-from .weights import LlamaConfig, StoredTensor, WeightLoadError, _rotate_half_rows
+from .common import LlamaConfig, StoredTensor, WeightLoadError, rotate_half_rows
 
 logger = logging.getLogger(__name__)
 
@@ -161,12 +161,12 @@ def _load_gguf(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
 
 
 def _interleaved_to_halves(read: Callable[[tuple], np.ndarray], head_dim: int) -> Callable[[tuple], np.ndarray]:
-    """A q/k reader whose rows come back in rotate-half order (see `_rotate_half_rows`); read in whole heads."""
+    """A q/k reader whose rows come back in rotate-half order (see `rotate_half_rows`); read in whole heads."""
     def rotated(index: tuple) -> np.ndarray:
         part = read(index)
         if part.ndim != 2 or part.shape[0] % head_dim:
             raise ValueError(f"a GGUF q/k tensor is read in whole heads of {head_dim} rows, not {index}")
-        return _rotate_half_rows(part, part.shape[0] // head_dim)
+        return rotate_half_rows(part, part.shape[0] // head_dim)
     return rotated
 
 
@@ -187,7 +187,7 @@ def load_gguf(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
     `quantized.json`), written into a temporary directory that is then renamed into place."""
     from dataclasses import asdict
 
-    from .default_model import default_cache_dir
+    from llm_serving.cache_dir import default_cache_dir
 
     if os.environ.get(GGUF_CACHE_ENV, "1") == "0":
         return _load_gguf(path)

@@ -1,12 +1,5 @@
-"""Tokenizers: which one a model uses (`find_tokenizer_file`, `load_tokenizer`), the sentencepiece LLaMA
-tokenizer, and its incremental detokenization for streaming.
-
-The master process turns prompts into ids and generated ids into streamed text; models ship their vocabulary
-in one of three forms, so three kinds share one interface (encode, decode, token_text, is_special,
-id_to_piece, special_text, encode_chat, detokenizer; vocab_size, bos_id, eos_id, eos_ids, pad_id, add_bos,
-chat_template, model_file): this file's sentencepiece `Tokenizer` (tokenizer.model, and a GGUF `llama`
-vocabulary rebuilt as one), tokenizer_hf.py's `HFTokenizer` (tokenizer.json through the `tokenizers`
-library) and the byte-level BPE that tokenizer_gguf.py builds from a GGUF `gpt2` vocabulary.
+"""The sentencepiece LLaMA tokenizer (`SentencePieceTokenizer`: tokenizer.model, and a GGUF `llama` vocabulary
+rebuilt as one) and its incremental detokenization for streaming (`IncrementalDetokenizer`).
 
 Three sentencepiece decoding rules shape the detokenizer (tests/unit/test_tokenizer.py checks the
 result against whole-sequence decoding):
@@ -25,19 +18,21 @@ result against whole-sequence decoding):
 from __future__ import annotations
 
 import codecs
-import glob
 import json
-import os
 from pathlib import Path
-from typing import Callable, Iterable, Optional, Union
+from typing import Iterable, Optional, Union
 
 import sentencepiece as spm
+
+from .base import DetokenizerBase, config_chat_template, llama2_chat_ids
+
+__all__ = ["IncrementalDetokenizer", "SentencePieceTokenizer"]
 
 # A UTF-8 character is at most 4 bytes, so at most 3 pending bytes can still be completed.
 _MAX_PARTIAL_CHAR_BYTES = 3
 
 
-class Tokenizer:
+class SentencePieceTokenizer:
     """A sentencepiece LLaMA tokenizer.
 
     Special tokens are the control pieces (<s>, </s>, and a pad piece if the model has one) and
@@ -73,6 +68,24 @@ class Tokenizer:
         self._byte_values = {i: int(sp.id_to_piece(i)[3:5], 16)
                              for i in range(self.vocab_size) if sp.is_byte(i)}
         self._anchor_id, self._anchor_text = self._find_anchor()
+
+    @classmethod
+    def from_file(cls, path: str) -> "SentencePieceTokenizer":
+        """A tokenizer.model with, beside it, a tokenizer_config.json's BOS rule and chat template and a
+        generation_config.json's EOS ids."""
+        folder = Path(path).parent
+        eos_ids: list = []
+        gen = folder / "generation_config.json"
+        if gen.is_file():
+            value = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id")
+            eos_ids = value if isinstance(value, list) else [] if value is None else [value]
+        add_bos, template = True, None
+        config = folder / "tokenizer_config.json"
+        if config.is_file():
+            raw = json.loads(config.read_text(encoding="utf-8"))
+            add_bos = raw.get("add_bos_token", True) is not False
+            template = config_chat_template(raw)
+        return cls(path, add_bos=add_bos, eos_ids=eos_ids, chat_template=template)
 
     def _find_anchor(self) -> tuple[int, str]:
         """A plain piece with non-empty text: decoded first, it ends the start of text, and as it is
@@ -146,133 +159,6 @@ class Tokenizer:
         return [i for i in map(int, ids) if i not in self._special_ids]
 
 
-def llama2_chat_ids(messages: list, encode: Callable[[str], list], bos_id: Optional[int], eos_id: int) -> list[int]:
-    """LLaMA-2 chat format: `[{"role": "system"|"user"|"assistant", "content": str}]` ->
-    `<s>[INST] <<SYS>>\n{system}\n<</SYS>>\n\n{user} [/INST] {assistant} </s><s>[INST] {user} [/INST]`,
-    each turn pair encoded on its own (`encode`, no BOS) between BOS and EOS ids (never from text, so a message
-    cannot forge them). A trailing assistant message is a prefix the reply continues (no EOS after it).
-    Roles must alternate user/assistant after an optional first system message (ValueError); a vocabulary
-    without BOS cannot express the format (ValueError)."""
-    if bos_id is None:
-        raise ValueError("the tokenizer has no BOS token, which the built-in LLaMA-2 chat format needs; "
-                         "set tokenizer.chat_template")
-    system = None
-    if messages and messages[0]["role"] == "system":
-        system, messages = messages[0]["content"], messages[1:]
-    ids: list[int] = []
-    for i in range(0, len(messages), 2):
-        pair = messages[i:i + 2]
-        roles = [m["role"] for m in pair]
-        if roles not in (["user"], ["user", "assistant"]):
-            raise ValueError("messages must alternate user and assistant turns after an optional first "
-                             f"system message; got {roles} at message {i + (system is not None)}")
-        user = pair[0]["content"].strip()
-        if system is not None and i == 0:
-            user = f"<<SYS>>\n{system.strip()}\n<</SYS>>\n\n{user}"
-        text = f"[INST] {user} [/INST]"
-        if len(pair) == 2:
-            reply = pair[1]["content"].strip()
-            last = i + 2 == len(messages)
-            ids += [bos_id] + encode(f"{text} {reply}" if last else f"{text} {reply} ")
-            if not last:
-                ids.append(eos_id)
-        else:
-            ids += [bos_id] + encode(text)
-    if not ids:
-        raise ValueError("messages need at least one user message")
-    return ids
-
-
-def find_tokenizer_file(model_path: str, vocab_file: Optional[str] = None) -> str:
-    """The file a model's tokenizer is read from: `vocab_file` when given (a sentencepiece .model, a
-    tokenizer.json or a directory holding one, a .gguf); else a GGUF model's own file; else, in the model's
-    directory, tokenizer.model, tokenizer.json, or the only *.model. FileNotFoundError saying what was looked
-    for otherwise."""
-    if vocab_file:
-        path = Path(vocab_file).expanduser()
-        if path.is_dir():
-            if (path / "tokenizer.json").is_file():
-                return str((path / "tokenizer.json").resolve())
-            raise FileNotFoundError(f"tokenizer.vocab_file={vocab_file!r} is a directory without tokenizer.json "
-                                    "(pass the tokenizer file itself: a .model, tokenizer.json or .gguf)")
-        if not path.is_file():
-            raise FileNotFoundError(f"tokenizer.vocab_file={vocab_file!r}: no such file (expected a sentencepiece "
-                                    ".model, a tokenizer.json or a .gguf)")
-        return str(path.resolve())
-    model_path = os.fspath(model_path)
-    if model_path.endswith(".gguf") and os.path.isfile(model_path):
-        return str(Path(model_path).resolve())
-    folder = Path(model_path if os.path.isdir(model_path) else os.path.dirname(os.path.abspath(model_path)))
-    for name in ("tokenizer.model", "tokenizer.json"):
-        if (folder / name).is_file():
-            return str((folder / name).resolve())
-    found = glob.glob(str(folder / "*.model"))
-    if len(found) == 1:
-        return str(Path(found[0]).resolve())
-    raise FileNotFoundError(f"no tokenizer.model, tokenizer.json or single *.model next to {model_path}"
-                            + (f" ({len(found)} *.model files)" if found else "") + "; pass --tokenizer FILE")
-
-
-def load_tokenizer(model_path: str, vocab_file: Optional[str] = None):
-    """The tokenizer of a model (see `find_tokenizer_file` for which file): sentencepiece `Tokenizer`,
-    `HFTokenizer` (tokenizer.json), or a GGUF's own vocabulary. Beside a sentencepiece model, a
-    tokenizer_config.json's chat template and a generation_config.json's EOS ids are read too."""
-    path = find_tokenizer_file(model_path, vocab_file)
-    if path.endswith(".gguf"):
-        from llm_serving.tokenizer_gguf import load_gguf_tokenizer
-        return load_gguf_tokenizer(path)
-    if path.endswith(".json"):
-        from llm_serving.tokenizer_hf import HFTokenizer
-        return HFTokenizer.from_directory(os.path.dirname(path), path)
-    folder = Path(path).parent
-    eos_ids: list = []
-    gen = folder / "generation_config.json"
-    if gen.is_file():
-        value = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id")
-        eos_ids = value if isinstance(value, list) else [] if value is None else [value]
-    add_bos, template = True, None
-    config = folder / "tokenizer_config.json"
-    if config.is_file():
-        raw = json.loads(config.read_text(encoding="utf-8"))
-        add_bos = raw.get("add_bos_token", True) is not False
-        template = config_chat_template(raw)
-    return Tokenizer(path, add_bos=add_bos, eos_ids=eos_ids, chat_template=template)
-
-
-def config_chat_template(config: dict) -> Optional[str]:
-    """The chat template of a tokenizer_config.json: its `chat_template` string, or of a list of named
-    templates ([{"name", "template"}]) the one named `default`; None when there is none."""
-    template = config.get("chat_template")
-    if isinstance(template, list):
-        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
-                        None)
-    return template if isinstance(template, str) and template.strip() else None
-
-
-class DetokenizerBase:
-    """What every incremental detokenizer shares: the text emitted so far (`text`), and no push after `flush`."""
-
-    def __init__(self):
-        self._chunks: list[str] = []
-        self._flushed = False
-
-    @property
-    def text(self) -> str:
-        """All text emitted so far."""
-        if len(self._chunks) > 1:
-            self._chunks[:] = ["".join(self._chunks)]
-        return self._chunks[0] if self._chunks else ""
-
-    def _record(self, delta: str) -> str:
-        if delta:
-            self._chunks.append(delta)
-        return delta
-
-    def _check_open(self) -> None:
-        if self._flushed:
-            raise RuntimeError("push() after flush(): the stream has ended")
-
-
 class IncrementalDetokenizer(DetokenizerBase):
     """Turns a growing stream of token ids into text deltas for streaming.
 
@@ -287,7 +173,7 @@ class IncrementalDetokenizer(DetokenizerBase):
     text has started they are decoded with `decode_continuation`; before that, with `decode`.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Optional[Iterable[int]] = None,
+    def __init__(self, tokenizer: SentencePieceTokenizer, prompt_ids: Optional[Iterable[int]] = None,
                  skip_special: bool = True):
         super().__init__()
         self._tokenizer = tokenizer

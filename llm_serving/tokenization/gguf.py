@@ -1,15 +1,15 @@
 """A GGUF file's own vocabulary as a tokenizer (llama.cpp's `tokenizer.ggml.*` metadata).
 
 A GGUF file is the whole model, vocabulary included, and often ships without any tokenizer file beside it, so
-the vocabulary is rebuilt from the metadata into one of the two tokenizers the rest of the code knows, with
-the libraries that do the real work (no BPE written here):
+the vocabulary is rebuilt from the metadata into what one of the two other readers takes (`load_gguf_vocabulary`;
+loader.py makes the tokenizer of it), with the libraries that do the real work (no BPE written here):
 
 - `gpt2` (byte-level BPE: SmolLM2, Llama-3, Qwen2, ...): a `tokenizers` BPE from the tokens and merges, with
   the pre-tokenizer that `tokenizer.ggml.pre` names (its split rules are the model's, so a wrong one changes
   the ids; an unknown name logs a warning and splits as GPT-2 does); control tokens (type 3) become special
-  added tokens, user-defined ones (4) added tokens.
+  added tokens, user-defined ones (4) added tokens, for `HFTokenizer` (hf.py).
 - `llama` (sentencepiece BPE: LLaMA-1/2, Mistral, Gemma): a sentencepiece model rebuilt from the pieces, scores
-  and types (the types mean the same in both formats), so the sentencepiece `Tokenizer` and its detokenizer
+  and types (the types mean the same in both formats), so `SentencePieceTokenizer` and its detokenizer
   apply. Like llama.cpp it keeps repeated spaces (no extra-whitespace removal) unless the metadata says
   `tokenizer.ggml.remove_extra_whitespaces`.
 
@@ -29,12 +29,18 @@ import logging
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional, TypeVar
+
+from llm_serving.cache_dir import default_cache_dir
+from llm_serving.gguf_file import open_gguf
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["load_gguf_tokenizer", "PRE_TOKENIZER_SPLITS"]
+__all__ = ["GGUFVocabulary", "PRE_TOKENIZER_SPLITS", "load_gguf_vocabulary"]
+
+T = TypeVar("T")
 
 # tokenizer.ggml.pre -> the regular expression its model splits text with before BPE (None: GPT-2's, built into
 # the ByteLevel pre-tokenizer; "digits": each digit alone, then GPT-2's). Names as llama.cpp's llama-vocab.cpp
@@ -129,24 +135,34 @@ def _sentencepiece_proto(meta, tokens: list, types: list) -> bytes:
     return proto.SerializeToString()
 
 
-def load_gguf_tokenizer(path: str):
-    """The tokenizer of a GGUF file's metadata (ValueError naming what is missing or unsupported), from the cache
-    when this file's was built before."""
+@dataclass(frozen=True)
+class GGUFVocabulary:
+    """A GGUF file's vocabulary, rebuilt: `kind` "gpt2" with `built` a `tokenizers.Tokenizer`, or "llama" with
+    `built` a serialized sentencepiece model; `facts`: bos, eos, end_ids (more ids that end generation), pad,
+    chat_template, add_bos, as the metadata says them."""
+
+    kind: str
+    built: object
+    facts: dict
+
+
+def load_gguf_vocabulary(path: str, make: Callable[[str, GGUFVocabulary], T]) -> T:
+    """`make(path, vocabulary)` (the tokenizer loader.py makes of it) of a GGUF file's vocabulary (ValueError
+    naming what is missing or unsupported): from the cache when this file's was built before (a cached one that
+    cannot be read or made is rebuilt), else rebuilt from the metadata and cached."""
     cached = _cache_dir(path)
     if cached is not None and (cached / "meta.json").is_file():
         try:
-            return _from_cache(path, cached)
+            return make(path, _from_cache(cached))
         except (OSError, ValueError, KeyError) as exc:
             logger.warning("cached tokenizer %s unusable (%s): rebuilding it", cached, exc)
-    kind, built, meta = _build(path)
+    vocab = _build(path)
     if cached is not None:
-        _save(cached, kind, built, meta)
-    return _make(path, kind, built, meta)
+        _save(cached, vocab)
+    return make(path, vocab)
 
 
 def _cache_dir(path: str) -> Optional[Path]:
-    from llm_serving.models.default_model import default_cache_dir
-
     try:
         st = os.stat(path)
     except OSError:
@@ -156,10 +172,8 @@ def _cache_dir(path: str) -> Optional[Path]:
     return default_cache_dir() / "tokenizers" / key
 
 
-def _build(path: str) -> tuple:
-    """(kind, tokenizers.Tokenizer or sentencepiece model bytes, the facts beside it) from the GGUF metadata."""
-    from llm_serving.gguf_file import open_gguf
-
+def _build(path: str) -> GGUFVocabulary:
+    """The vocabulary rebuilt from the GGUF metadata."""
     try:
         reader = open_gguf(path)
     except Exception as exc:      # not GGUF, truncated, unknown version
@@ -184,33 +198,20 @@ def _build(path: str) -> tuple:
     if kind == "gpt2":
         if facts["eos"] is None:
             raise ValueError(f"{path}: tokenizer.ggml.eos_token_id is missing")
-        return kind, _byte_level(path, meta, tokens, types), facts
-    return kind, _sentencepiece_proto(meta, tokens, types), facts
+        return GGUFVocabulary(kind, _byte_level(path, meta, tokens, types), facts)
+    return GGUFVocabulary(kind, _sentencepiece_proto(meta, tokens, types), facts)
 
 
-def _make(path: str, kind: str, built, facts: dict):
-    if kind == "gpt2":
-        from llm_serving.tokenizer_hf import HFTokenizer
-
-        return HFTokenizer(built, model_file=path, bos_id=facts["bos"], eos_id=int(facts["eos"]),
-                           eos_ids=facts["end_ids"], pad_id=facts["pad"], add_bos=facts["add_bos"],
-                           chat_template=facts["chat_template"])
-    from llm_serving.tokenizer import Tokenizer
-
-    return Tokenizer(model_proto=built, source=path, add_bos=facts["add_bos"], eos_ids=facts["end_ids"],
-                     chat_template=facts["chat_template"])
-
-
-def _save(folder: Path, kind: str, built, facts: dict) -> None:
+def _save(folder: Path, vocab: GGUFVocabulary) -> None:
     """Write the built tokenizer next to its facts, whole or not at all (a temporary directory renamed)."""
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=folder.parent))
-        if kind == "gpt2":
-            built.save(str(tmp / "tokenizer.json"))
+        if vocab.kind == "gpt2":
+            vocab.built.save(str(tmp / "tokenizer.json"))
         else:
-            (tmp / "tokenizer.model").write_bytes(built)
-        (tmp / "meta.json").write_text(json.dumps({"kind": kind, **facts}))
+            (tmp / "tokenizer.model").write_bytes(vocab.built)
+        (tmp / "meta.json").write_text(json.dumps({"kind": vocab.kind, **vocab.facts}))
         try:
             os.rename(tmp, folder)
         except OSError:               # another process cached it first
@@ -219,7 +220,7 @@ def _save(folder: Path, kind: str, built, facts: dict) -> None:
         logger.warning("cannot cache the GGUF tokenizer in %s: %s", folder, exc)
 
 
-def _from_cache(path: str, folder: Path):
+def _from_cache(folder: Path) -> GGUFVocabulary:
     facts = json.loads((folder / "meta.json").read_text())
     kind = facts.pop("kind")
     if kind == "gpt2":
@@ -228,4 +229,4 @@ def _from_cache(path: str, folder: Path):
         built = Tokenizer.from_file(str(folder / "tokenizer.json"))
     else:
         built = (folder / "tokenizer.model").read_bytes()
-    return _make(path, kind, built, facts)
+    return GGUFVocabulary(kind, built, facts)

@@ -1,6 +1,6 @@
 """Tokenizers of the HuggingFace `tokenizers` library: a model directory's `tokenizer.json` (byte-level BPE as in
 Llama-3, Qwen2, SmolLM2, GPT-2; or Metaspace/sentencepiece-style as in Mistral's), and the byte-level BPE that
-tokenizer_gguf.py builds from a GGUF vocabulary. Same interface as the sentencepiece `Tokenizer` (tokenizer.py).
+gguf.py builds from a GGUF vocabulary. The `Tokenizer` interface (base.py), as `SentencePieceTokenizer` has it.
 
 Most current models ship only a tokenizer.json, whose encoding (pre-tokenizer regexes, merges, added tokens) is
 the library's to get right, so it is used as is: nothing here re-implements BPE. What the library leaves to
@@ -24,7 +24,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Iterable, Optional
 
-from llm_serving.tokenizer import DetokenizerBase, config_chat_template, llama2_chat_ids
+from .base import DetokenizerBase, config_chat_template, llama2_chat_ids
 
 __all__ = ["HFTokenizer", "ByteLevelDetokenizer", "WindowDetokenizer", "byte_decoder"]
 
@@ -160,7 +160,7 @@ class HFTokenizer:
         Byte-level BPE: its bytes as UTF-8, the bytes of a character split over tokens each shown as U+FFFD
         (what the token adds to the text, without making up a character). Otherwise: an added token's text,
         or the piece with sentencepiece's word marker as a space ("▁world" -> " world"; a byte-fallback piece
-        stays "<0xE4>"), as the sentencepiece `Tokenizer` shows it; decoding the token alone would drop the
+        stays "<0xE4>"), as `SentencePieceTokenizer` shows it; decoding the token alone would drop the
         space a word starts with."""
         token_id = int(token_id)
         if self.byte_level:
@@ -170,7 +170,7 @@ class HFTokenizer:
         return self.id_to_piece(token_id).replace("\u2581", " ")
 
     def encode_chat(self, messages: list) -> list:
-        """The built-in LLaMA-2 chat format (tokenizer.py's) through this vocabulary; BOS/EOS as ids."""
+        """The built-in LLaMA-2 chat format (`llama2_chat_ids`) through this vocabulary; BOS/EOS as ids."""
         return llama2_chat_ids(messages, lambda text: self.encode(text, add_bos=False), self.bos_id, self.eos_id)
 
     def detokenizer(self, prompt_ids: Optional[Iterable[int]] = None, skip_special: bool = True):

@@ -42,7 +42,7 @@ class Sample:
 
 class TokenCounter:
     """Counts tokens with the server's tokenizer (a sentencepiece .model, a tokenizer.json or a .gguf, read as the
-    server reads it: llm_serving.tokenizer.load_tokenizer); without one, words (an estimate, said so in results).
+    server reads it: llm_serving.tokenization.load_tokenizer); without one, words (an estimate, said so in results).
     Counts leave out BOS."""
 
     def __init__(self, model_file: Optional[str]):
@@ -51,7 +51,7 @@ class TokenCounter:
         if model_file:
             if not os.path.exists(model_file):
                 raise WorkloadError(f"tokenizer {model_file!r} not found")
-            from llm_serving.tokenizer import load_tokenizer
+            from llm_serving.tokenization import load_tokenizer
 
             try:
                 self._tok = load_tokenizer(model_file, model_file)

@@ -1,0 +1,133 @@
+"""Which reader a checkpoint needs (`detect_format`, `READERS`) and what every reader's result goes through: the
+shapes checked (`expected_shapes`), a draft's first layers kept, a tensor-parallel rank's part read
+(`load_llama_weights`), or the matrices kept as stored (`load_quantized`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+from typing import Callable, Optional
+
+import numpy as np
+
+from ..parallel import TensorParallel
+from .common import LlamaConfig, QuantizedTensor, StoredTensor, WeightLoadError, check_shape, expected_shapes
+from .gguf import load_gguf
+from .hf import load_hf
+from .llama2c import load_llama2c
+from .mindformers import load_mindformers, mindformers_dir_config
+
+__all__ = ["READERS", "checkpoint_config", "detect_format", "load_llama_weights", "load_quantized", "model_shape"]
+
+# detect_format's name -> the reader of that format: path -> (config, {HF name: StoredTensor}), not read yet
+READERS: dict[str, Callable[[str], tuple[LlamaConfig, dict[str, StoredTensor]]]] = {
+    "hf": load_hf, "gguf": load_gguf, "llama2c": load_llama2c, "mindformers": load_mindformers}
+
+
+def detect_format(path: str) -> str:
+    """'hf', 'gguf', 'llama2c' or 'mindformers' for a checkpoint path; WeightLoadError if it is none of them."""
+    if os.path.isfile(path):
+        if path.endswith(".bin"):
+            return "llama2c"
+        if path.endswith(".ckpt"):
+            return "mindformers"
+        if path.endswith(".gguf"):
+            return "gguf"
+        raise WeightLoadError(f"{path}: a model file must be a GGUF .gguf, a llama2.c .bin or a MindFormers .ckpt")
+    if not os.path.isdir(path):
+        raise WeightLoadError(f"{path}: no such file or directory")
+    if (os.path.exists(os.path.join(path, "model.safetensors"))
+            or os.path.exists(os.path.join(path, "model.safetensors.index.json"))):
+        return "hf"
+    if glob.glob(os.path.join(path, "*.ckpt")):
+        return "mindformers"
+    raise WeightLoadError(f"{path}: not a model directory: expected config.json with model.safetensors (or "
+                          "a safetensors index), or a MindFormers *.ckpt; or pass a llama2.c .bin file")
+
+
+def model_shape(path: str) -> LlamaConfig:
+    """The LlamaConfig of any supported checkpoint without reading its tensors (sizing the KV cache before the
+    agents load it). A GGUF goes through `load_gguf`'s cache, which this fills on a first start."""
+    path = os.fspath(path)
+    fmt = detect_format(path)
+    if fmt == "mindformers":        # (its reader loads the whole checkpoint)
+        return mindformers_dir_config(path if os.path.isdir(path) else os.path.dirname(path))
+    return READERS[fmt](path)[0]
+
+
+def _checked_stored(path: str, num_layers: Optional[int]) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
+    """The checkpoint's config and tensors (not read yet), `lm_head.weight` present, every shape checked."""
+    cfg, stored = READERS[detect_format(path)](path)
+    if num_layers is not None:
+        if not 1 <= num_layers <= cfg.num_layers:
+            raise WeightLoadError(f"cannot keep the first {num_layers} layers of {path}: it has {cfg.num_layers}")
+        cfg = dataclasses.replace(cfg, num_layers=num_layers)
+    if "lm_head.weight" not in stored or cfg.tie_word_embeddings:
+        if "model.embed_tokens.weight" in stored:
+            stored["lm_head.weight"] = stored["model.embed_tokens.weight"]
+    for name, shape in expected_shapes(cfg).items():
+        if name not in stored:
+            raise WeightLoadError(f"tensor {name!r} is missing from the checkpoint in {path} "
+                                  f"(expected shape {shape})")
+        check_shape(name, stored[name], shape)
+    return cfg, stored
+
+
+def checkpoint_config(path: str) -> LlamaConfig:
+    """The LlamaConfig of any supported checkpoint (its tensors checked but not read)."""
+    return _checked_stored(os.fspath(path), None)[0]
+
+
+def load_llama_weights(path: str, tp: Optional[TensorParallel] = None,
+                       num_layers: Optional[int] = None) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
+    """Return (config, {hf_name: float32 array}) for any supported checkpoint, with every tensor checked.
+
+    num_layers: keep only the first N decoder layers (with the final norm and head): a draft model cut from
+    the checkpoint (speculative decoding); the other layers are not read.
+
+    tp: read only what that tensor-parallel rank holds (default: one agent, which holds everything): each
+    tensor's shard (`TensorParallel.part`), and no logits tensors on ranks other than 0. A model whose heads
+    or MLP units do not split over tp.world fails before anything is read (ValueError naming them)."""
+    path = os.fspath(path)
+    cfg, stored = _checked_stored(path, num_layers)
+    shapes = expected_shapes(cfg)
+    tp = tp if tp is not None else TensorParallel()        # one agent: every tensor, whole
+    tp.check(cfg)
+    out, done = {}, {}
+    for name, shape in shapes.items():
+        if not tp.needs(name):
+            continue
+        index = tp.part(name, shape)
+        key = (id(stored[name]), repr(index))       # tied embeddings: one tensor under two names, read once
+        if key not in done:
+            try:
+                done[key] = np.ascontiguousarray(stored[name].read(index), dtype=np.float32)
+            except (OSError, ValueError) as e:      # data its header promised but the file does not hold
+                raise WeightLoadError(f"tensor {name!r} in {path}: cannot read it: {e}") from e
+        out[name] = done[key]
+    return cfg, out
+
+
+def load_quantized(path: str, num_layers: Optional[int] = None) -> dict[str, QuantizedTensor]:
+    """{hf_name: QuantizedTensor} of the model's 2-D weight matrices that the checkpoint stores block-quantized
+    (a GGUF's Q4_0, Q4_1, Q8_0 and F16 tensors; see gguf.KEPT_QUANTIZED), whole (one agent); {} for a
+    checkpoint that has none. Not the embedding (a row gather, served from float32); a tied lm_head is the
+    embedding's stored tensor."""
+    path = os.fspath(path)
+    cfg, stored = _checked_stored(path, num_layers)
+    out, done = {}, {}
+    for name, shape in expected_shapes(cfg).items():
+        tensor = stored[name]
+        if tensor.read_blocks is None or len(shape) != 2 or name == "model.embed_tokens.weight":
+            continue
+        if id(tensor) not in done:
+            try:
+                data = np.ascontiguousarray(tensor.read_blocks(slice(None)), dtype=np.uint8)
+            except (OSError, ValueError) as e:
+                raise WeightLoadError(f"tensor {name!r} in {path}: cannot read its blocks: {e}") from e
+            if data.ndim != 2 or data.shape[0] != shape[0]:
+                raise WeightLoadError(f"tensor {name!r} in {path}: its blocks are {data.shape}, not {shape[0]} rows")
+            done[id(tensor)] = QuantizedTensor(tensor.qtype, tuple(shape), data)
+        out[name] = done[id(tensor)]
+    return out
