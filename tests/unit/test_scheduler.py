@@ -6,7 +6,9 @@ block table. A scheduling or block-management bug (a shared block overwritten, a
 KV lost on preemption, a token fed twice or skipped) changes what is read back, so the outputs differ
 from `reference_output`, which runs the same function over the true token sequence.
 """
+import dataclasses
 import random
+import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -14,14 +16,15 @@ from hypothesis import strategies as st
 
 from llm_serving.master.block_manager import BlockManager
 from llm_serving.master.request import Request, RequestStatus, SamplingParams
-from llm_serving.master.scheduler import POLICIES, QueueFullError, Scheduler
+from llm_serving.master.scheduler import POLICIES, QueueFullError, Scheduler, SchedulerSpec
+
+DEFAULT_SPEC = SchedulerSpec(max_num_seqs=8, max_num_batched_tokens=64, max_prefill_rows=4, max_waiting_requests=100)
 
 
-def make_scheduler(*, num_blocks=64, block_size=4, prefix_caching=False, **overrides):
-    kwargs = dict(max_num_seqs=8, max_num_batched_tokens=64, max_prefill_rows=4, max_waiting_requests=100)
-    kwargs.update(overrides)
-    return Scheduler(block_manager=BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching),
-                     **kwargs)
+def make_scheduler(*, num_blocks=64, block_size=4, prefix_caching=False, clock=time.monotonic, **overrides):
+    """A scheduler of DEFAULT_SPEC with `overrides` (SchedulerSpec fields) over a fresh block manager."""
+    return Scheduler(dataclasses.replace(DEFAULT_SPEC, **overrides),
+                     BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching), clock=clock)
 
 
 def make_requests(n, prompt_len=5, max_new_tokens=4, *, prefix=(), name="r"):
@@ -79,17 +82,21 @@ class FakeRunner:
             for token in tokens[row]:
                 req.output_ids.append(token)
                 if len(req.output_ids) >= req.sampling.max_new_tokens or \
-                        (self.sched.max_model_len is not None and req.num_tokens >= self.sched.max_model_len):
+                        (self.sched.spec.max_model_len is not None and req.num_tokens >= self.sched.spec.max_model_len):
                     self.sched.finish(req, "length")
                     self.finished.append(req)
                     break
             else:
                 self.sched.accept(req, len(tokens[row]) - 1)
 
+    def schedule(self):
+        """The engine's planning of the next step (here: the scheduler's alone)."""
+        return self.sched.schedule()
+
     def run(self, max_steps=1000):
         batches = []
         for _ in range(max_steps):
-            batch = self.sched.schedule()
+            batch = self.schedule()
             if batch is None:
                 break
             batches.append(batch)
