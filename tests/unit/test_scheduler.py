@@ -593,3 +593,21 @@ def test_a_request_whose_lora_adapter_is_in_no_slot_waits_at_the_head():
     batch = s.schedule()
     assert [b, c] == [r for r in batch.requests if r is not a]
     assert {r.lora_slot for r in s.running} == {0, 1, 2}
+
+
+def test_the_scheduler_spec_is_read_from_the_config_in_one_place():
+    from llm_serving.config import config_from_dict
+    config = config_from_dict({"model_config": {"decode_batch_size": [1, 8, 16], "prefill_batch_size": [1, 4]},
+                               "serving_config": {"max_num_seqs": 16, "max_num_batched_tokens": 256},
+                               "scheduler_config": {"policy": "fcfs", "prefill_wait_ms": 20, "decode_steps": 4},
+                               "pa_config": {"num_blocks": 200},
+                               "spec_config": {"method": "ngram", "max_batch_size": 2}})
+    spec = SchedulerSpec.from_config(config)
+    assert (spec.max_num_seqs, spec.max_num_batched_tokens, spec.max_prefill_rows, spec.max_decode_rows) == \
+        (16, 256, 4, 16)
+    assert (spec.policy, spec.prefill_wait_s, spec.decode_steps, spec.decode_steps_max_rows) == ("fcfs", 0.02, 4, 16)
+    assert spec.watermark_blocks == 2 and spec.spec_max_rows == 2 and spec.max_model_len == config.max_model_len
+    config.spec_config.method = "off"
+    assert SchedulerSpec.from_config(config).spec_max_rows == 0     # no decode step is left to speculation
+    with pytest.raises(ValueError, match="policy"):
+        dataclasses.replace(spec, policy="random")

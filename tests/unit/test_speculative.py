@@ -310,3 +310,61 @@ def test_tree_outputs_equal_plain_decoding_whatever_branch_is_kept(n, wrong, k, 
     reqs = add_random_requests(sched, rng, n, 10)
     TreeFakeRunner(sched, planner).run(max_steps=2000)
     assert_outputs_are_plain_decodings(sched, reqs)
+
+
+# --- the speculative room's planning (spec_decode.py) ----------------------------------------------------
+
+def test_trimming_a_tree_keeps_nodes_within_depth_and_room_with_their_parents():
+    nodes, parents = [1, 2, 3, 4, 5], [-1, 0, 1, -1, 3]          # two branches: 1 2 3 and 4 5
+    assert trim_tree(nodes, parents, depth=3, room=5) == (nodes, parents)
+    assert trim_tree(nodes, parents, depth=2, room=5) == ([1, 2, 4, 5], [-1, 0, -1, 2])
+    assert trim_tree(nodes, parents, depth=3, room=2) == ([1, 2], [-1, 0])
+    assert trim_tree(nodes, parents, depth=1, room=5) == ([1, 4], [-1, -1])
+    assert trim_tree([], [], depth=3, room=3) == ([], [])
+
+
+class EmptyProposer:
+    """Proposes nothing; reserves blocks first or not, as a draft model or a lookup does."""
+
+    def __init__(self, reserves_blocks):
+        self.reserves_blocks, self.agent_step_kind, self.calls = reserves_blocks, None, []
+
+    async def propose(self, requests, limits):
+        self.calls.append(list(limits))
+        return [([], []) for _ in requests]
+
+
+@pytest.mark.parametrize("reserves_blocks", [False, True])
+def test_a_step_left_without_proposals_is_a_decode_run_only_when_no_blocks_were_reserved(reserves_blocks):
+    """A lookup that finds nothing leaves a plain decode step, which may be a decode run; a draft model that
+    proposed nothing leaves its step as it is (its blocks reserved: requests may have arrived meanwhile)."""
+    proposer = EmptyProposer(reserves_blocks)
+    sched, planner = make_speculating(proposer, spec_tokens=3, spec_max_rows=4, decode_steps=4,
+                                      decode_steps_max_rows=4)
+    reqs = make_requests(2, prompt_len=5, max_new_tokens=10)
+    for r in reqs:
+        sched.add(r)
+    runner = SpecFakeRunner(sched, planner)
+    runner.step(runner.schedule())                               # prefill: 6 tokens each, 2 blocks of 4
+    batch = sched.schedule()
+    assert batch.may_speculate and batch.steps == 1              # the scheduler leaves the run to the planner
+    batch = run_now(planner.speculate(batch))
+    assert proposer.calls == [[3, 3]] and not batch.is_verify
+    if reserves_blocks:                                          # 6 + 3 tokens' blocks, held for the draft's KV
+        assert batch.steps == 1 and batch.spec_limits == [3, 3]
+        assert [len(sched.bm.block_tables[r.req_id]) for r in reqs] == [3, 3]
+    else:                                                        # a run of 4: K/V of 6 + 3 tokens
+        assert batch.steps == 4 and batch.run_lens == [4, 4] and sched.num_decode_runs == 1
+    runner.step(batch)
+    runner.run()
+    assert_outputs_are_plain_decodings(sched, reqs)
+
+
+def test_a_lookup_proposes_chains_or_trees_per_row_within_its_limit():
+    p = NgramProposer(num_tokens=3, ngram_max=3, ngram_min=1)
+    reqs = [Request([5, 6, 7, 8, 9, 5, 6, 7, 8, 2, 5, 6, 7], SamplingParams(max_new_tokens=4), frozenset()),
+            Request([1, 2, 3], SamplingParams(max_new_tokens=4), frozenset())]
+    assert run_now(p.propose(reqs, [2, 3])) == [([8, 2], [-1, 0]), ([], [])]
+    assert run_now(p.propose(reqs, [0, 3])) == [([], []), ([], [])]
+    tree = NgramProposer(num_tokens=3, ngram_max=3, ngram_min=1, tree_width=2)
+    assert run_now(tree.propose(reqs, [3, 3])) == [([8, 2, 5, 9, 5], [-1, 0, 1, 0, 3]), ([], [])]
