@@ -80,17 +80,17 @@ class Engine:
         self.step_io = StepIO(self.block_manager)
         self.drafter: Optional[DraftProposer] = None     # spec_config.method draft: the draft model's agent
         self.speculation: Optional[SpeculativePlanner] = None
-        spec = config.spec_config
-        if spec.enabled:
-            spec_spec = SpeculativeSpec.from_config(config)
-            if spec.uses_draft:
-                draft_dir = spec.draft_model or model_dir
+        sc = config.spec_config
+        if sc.enabled:                                   # one proposer, n-gram lookup or a draft model
+            spec = SpeculativeSpec.from_config(config)
+            if sc.uses_draft:
+                draft_dir = sc.draft_model or model_dir
                 self.drafter = proposer = DraftProposer(config.draft_config(draft_dir), draft_dir, self.block_manager,
-                                                        self._forget_draft, width=spec_spec.tree_width or 1)
+                                                        self._forget_draft, width=spec.tree_width or 1)
             else:
-                proposer = NgramProposer(spec.num_speculative_tokens, spec.ngram_max, spec.ngram_min,
-                                         tree_width=spec_spec.tree_width)
-            self.speculation = SpeculativePlanner(spec_spec, proposer, self.scheduler)
+                proposer = NgramProposer(sc.num_speculative_tokens, sc.ngram_max, sc.ngram_min,
+                                         tree_width=spec.tree_width)
+            self.speculation = SpeculativePlanner(spec, proposer, self.scheduler)
         self.chat_template = load_chat_template(config.tokenizer.chat_template, model_dir, tokenizer)
         self.requests: dict = {}
         self._detok: dict = {}
@@ -130,14 +130,14 @@ class Engine:
             for g in groups:
                 await g.stop()
             raise failed[0]
-        info, sched = self.agents.agents[0].info, self.scheduler.spec
-        decode_steps = sched.decode_steps
+        info, spec = self.agents.agents[0].info, self.scheduler.spec
+        decode_steps = spec.decode_steps
         if decode_steps != info.decode_steps or info.decode_run_rows < 1:
             logger.info("decode runs off: the agents run %d step(s) per decode call (they need the CPU layer "
                         "kernel)", info.decode_steps)
             decode_steps = 1
-        self.scheduler.spec = dataclasses.replace(sched, decode_steps=decode_steps, decode_steps_max_rows=min(
-            sched.decode_steps_max_rows, info.decode_run_rows))
+        self.scheduler.spec = dataclasses.replace(spec, decode_steps=decode_steps, decode_steps_max_rows=min(
+            spec.decode_steps_max_rows, info.decode_run_rows))
         self.running = True
         self._loop_task = asyncio.create_task(self._step_loop(), name="engine-step-loop")
         self._loop_task.add_done_callback(self._step_loop_ended)
@@ -490,7 +490,8 @@ class Engine:
         t0 = time.perf_counter()
         batch = await self.speculation.speculate(batch)
         elapsed = time.perf_counter() - t0
-        kind = self.speculation.proposer.agent_step_kind
+        # a proposer's round is an agent step when it runs one (a draft model); planning alone is scheduling
+        kind = self.speculation.proposer.agent_step_kind if batch.spec_limits else None
         self.profile[kind or "schedule"] += elapsed
         if kind is not None:
             self.step_time_s[kind] += elapsed
