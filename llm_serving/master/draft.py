@@ -8,7 +8,8 @@ makes the messages the bottleneck. Its KV cache has the target's blocks, and the
 target's block tables: the draft's KV of position p sits in the same slot as the target's, so no second
 block manager and no second allocation exist, and a request's blocks hold both models' KV.
 
-Per round, for the rows of a decode step that may speculate (Scheduler.spec_limits, blocks reserved):
+Per round, for the rows of a decode step that may speculate (limits planned and blocks reserved by
+spec_decode.SpeculativePlanner):
 - one *catch-up* step feeds each row the tokens the draft has not seen (`Request.num_draft_computed` up
   to the request's last token: the whole prompt on the first round, chunked to the step budget; one or
   two tokens afterwards) and samples the draft's token after the last: proposal 1;
@@ -40,6 +41,7 @@ import numpy as np
 from llm_serving.agents import protocol as proto
 from llm_serving.master.agent_group import AgentError, AgentGroup
 from llm_serving.master.block_manager import BlockManager
+from llm_serving.master.speculative import tree_from_paths
 from llm_serving.master.supervisor import Supervisor
 from llm_serving.shm.buffers import StepBuffers
 
@@ -47,8 +49,11 @@ logger = logging.getLogger(__name__)
 
 
 class DraftProposer:
-    """The draft model's agent and the rounds it runs. `propose` never raises: on any failure a round
-    proposes nothing."""
+    """The draft model's agent and the rounds it runs: spec_decode's Proposer for a draft model. `propose` never
+    raises: on any failure a round proposes nothing."""
+
+    reserves_blocks = True            # the draft writes its proposals' KV into the target's blocks: reserved first
+    agent_step_kind = "draft"         # its rounds are agent steps (the engine's step_time_s["draft"])
 
     def __init__(self, draft_config, model_dir: str, block_manager: BlockManager,
                  forget_all: Callable[[], None], width: int = 1):
@@ -126,6 +131,11 @@ class DraftProposer:
     # --- a round -----------------------------------------------------------------------------------
 
     async def propose(self, requests: list, limits: list) -> list:
+        """Each request i's proposals as a token tree (nodes, parents): its branches (`propose_branches`) merged,
+        the most likely the first-child chain."""
+        return [tree_from_paths(paths) for paths in await self.propose_branches(requests, limits)]
+
+    async def propose_branches(self, requests: list, limits: list) -> list:
         """Each request i's proposals: a list of branches, each up to limits[i] greedy draft tokens, the first
         the draft's most likely continuation (width 1: that one only). [] where limits[i] is 0, or on any
         failure."""

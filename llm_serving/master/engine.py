@@ -11,6 +11,7 @@ computes every running request again from its tokens, with the prefix cache forg
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import Counter
@@ -25,8 +26,9 @@ from llm_serving.master.draft import DraftProposer
 from llm_serving.master.lora_registry import (LoraConflictError, LoraRefusedError,  # noqa: F401 (server/app.py's)
                                              LoraRegistry)
 from llm_serving.master.request import Request, SamplingParams, TokenEvent
-from llm_serving.master.scheduler import ScheduledBatch, Scheduler
-from llm_serving.master.speculative import NgramProposer, SpecStats, tree_from_paths, tree_walk
+from llm_serving.master.scheduler import ScheduledBatch, Scheduler, SchedulerSpec
+from llm_serving.master.spec_decode import SpeculativePlanner, SpeculativeSpec
+from llm_serving.master.speculative import NgramProposer, SpecStats, tree_walk
 from llm_serving.master.step_io import StepIO, StepOutputs
 from llm_serving.master.supervisor import Supervisor
 
@@ -53,7 +55,7 @@ class Engine:
         self.max_model_len = config.max_model_len
         self.block_manager = BlockManager(config.pa_config.num_blocks, config.pa_config.block_size,
                                           enable_prefix_caching=config.scheduler_config.enable_prefix_caching)
-        self.scheduler = make_scheduler(config, self.block_manager)
+        self.scheduler = Scheduler(SchedulerSpec.from_config(config), self.block_manager)
         self.spec_stats = SpecStats(config.spec_config.num_speculative_tokens)
         mc = config.model_config
         self.stop_token_ids = frozenset(mc.end_token_ids or tokenizer.eos_ids)
@@ -61,11 +63,18 @@ class Engine:
         self.supervisor = Supervisor(config.serving_config, self.agents)
         self.step_io = StepIO(self.block_manager)
         self.drafter: Optional[DraftProposer] = None     # spec_config.method draft: the draft model's agent
-        if config.spec_config.uses_draft:
-            draft_dir = config.spec_config.draft_model or model_dir
-            width = config.spec_config.tree_width if config.spec_config.method == "draft_tree" else 1
-            self.drafter = DraftProposer(config.draft_config(draft_dir), draft_dir, self.block_manager,
-                                         self._forget_draft, width=width)
+        self.speculation: Optional[SpeculativePlanner] = None
+        sc = config.spec_config
+        if sc.enabled:                                   # one proposer, n-gram lookup or a draft model
+            spec = SpeculativeSpec.from_config(config)
+            if sc.uses_draft:
+                draft_dir = sc.draft_model or model_dir
+                self.drafter = proposer = DraftProposer(config.draft_config(draft_dir), draft_dir, self.block_manager,
+                                                        self._forget_draft, width=spec.tree_width or 1)
+            else:
+                proposer = NgramProposer(sc.num_speculative_tokens, sc.ngram_max, sc.ngram_min,
+                                         tree_width=spec.tree_width)
+            self.speculation = SpeculativePlanner(spec, proposer, self.scheduler)
         self.chat_template = load_chat_template(config.tokenizer.chat_template, model_dir, tokenizer)
         self.requests: dict = {}
         self._detok: dict = {}
@@ -105,12 +114,14 @@ class Engine:
             for g in groups:
                 await g.stop()
             raise failed[0]
-        info = self.agents.agents[0].info
-        if self.scheduler.decode_steps != info.decode_steps or info.decode_run_rows < 1:
+        info, spec = self.agents.agents[0].info, self.scheduler.spec
+        decode_steps = spec.decode_steps
+        if decode_steps != info.decode_steps or info.decode_run_rows < 1:
             logger.info("decode runs off: the agents run %d step(s) per decode call (they need the CPU layer "
                         "kernel)", info.decode_steps)
-            self.scheduler.decode_steps = 1
-        self.scheduler.decode_steps_max_rows = min(self.scheduler.decode_steps_max_rows, info.decode_run_rows)
+            decode_steps = 1
+        self.scheduler.spec = dataclasses.replace(spec, decode_steps=decode_steps, decode_steps_max_rows=min(
+            spec.decode_steps_max_rows, info.decode_run_rows))
         self.running = True
         self._loop_task = asyncio.create_task(self._step_loop(), name="engine-step-loop")
         self._loop_task.add_done_callback(self._step_loop_ended)
@@ -353,8 +364,8 @@ class Engine:
                     self._wakeup.clear()
                     await self._wakeup.wait()
                 continue
-            if batch.spec_limits and self.drafter is not None:
-                batch = await self._draft(batch)
+            if batch.may_speculate:
+                batch = await self._speculate(batch)
                 if not batch.requests:
                     continue
             # No yield between steps: the HTTP handlers stream step N's tokens while the agents compute
@@ -405,17 +416,17 @@ class Engine:
             self._apply_outputs(batch, self.step_io.read_outputs(self.agents.buffers, n))
         prof["output"] += time.perf_counter() - t_read
 
-    async def _draft(self, batch: ScheduledBatch) -> ScheduledBatch:
-        """A draft model proposes for the step's speculating rows (draft.py); requests that ended meanwhile
-        leave the step."""
+    async def _speculate(self, batch: ScheduledBatch) -> ScheduledBatch:
+        """The speculative room plans the step, its proposer proposes (a draft model runs its round), and the
+        proposals are attached (spec_decode.py); requests that ended meanwhile leave the step."""
         t0 = time.perf_counter()
-        branches = await self.drafter.propose(batch.requests, batch.spec_limits)
+        batch = await self.speculation.speculate(batch)
         elapsed = time.perf_counter() - t0
-        self.profile["draft"] += elapsed
-        self.step_time_s["draft"] += elapsed
-        trees = [tree_from_paths(paths) for paths, req in zip(branches, batch.requests) if not req.finished]
-        batch = batch.drop_finished()
-        self.scheduler.attach_proposals(batch, [nodes for nodes, _ in trees], [parents for _, parents in trees])
+        # a proposer's round is an agent step when it runs one (a draft model); planning alone is scheduling
+        kind = self.speculation.proposer.agent_step_kind if batch.spec_limits else None
+        self.profile[kind or "schedule"] += elapsed
+        if kind is not None:
+            self.step_time_s[kind] += elapsed
         return batch
 
     def _forget_draft(self) -> None:
@@ -554,13 +565,13 @@ class Engine:
             "num_agent_restarts": self.num_agent_restarts,
             "num_cache_resets": self.num_cache_resets,
             "unavailable_reason": self.unavailable_reason(),
-            "policy": sched.policy,
-            "chunked_prefill": sched.chunked_prefill,
+            "policy": sched.spec.policy,
+            "chunked_prefill": sched.spec.chunked_prefill,
             "prefix_caching": self.block_manager.enable_prefix_caching,
             "prefix_cache_hit_rate": sched.prefix_cache_hit_rate if self.block_manager.enable_prefix_caching else None,
             "num_cached_prompt_tokens": sched.num_cached_tokens,
             "num_generated_tokens": self.num_generated_tokens,
-            "decode_runs": {"steps": sched.decode_steps, "max_rows": sched.decode_steps_max_rows,
+            "decode_runs": {"steps": sched.spec.decode_steps, "max_rows": sched.spec.decode_steps_max_rows,
                             "runs": sched.num_decode_runs},
             "step_time_s": dict(self.step_time_s),
             "step_profile_ms": self.step_profile(),
@@ -570,26 +581,6 @@ class Engine:
             "batch_sizes": _by_kind(sched.batch_sizes),
             "step_time_s_by_batch": _by_kind(self.step_time_by_batch),
         }
-
-
-def make_scheduler(config, block_manager: BlockManager) -> Scheduler:
-    """The scheduler a config describes (its budgets come from serving_config and the graph buckets)."""
-    sc, mc, sched, spec = config.serving_config, config.model_config, config.scheduler_config, config.spec_config
-    proposer = NgramProposer(spec.num_speculative_tokens, spec.ngram_max, spec.ngram_min) \
-        if spec.method in ("ngram", "tree") else None
-    return Scheduler(block_manager=block_manager, max_num_seqs=sc.max_num_seqs,
-                     max_num_batched_tokens=sc.max_num_batched_tokens,
-                     max_prefill_rows=mc.prefill_batch_size[-1], max_decode_rows=mc.decode_batch_size[-1],
-                     max_waiting_requests=sc.max_waiting_requests, max_waiting_tokens=sched.max_waiting_tokens,
-                     policy=sched.policy, chunked_prefill=sched.chunked_prefill,
-                     max_chunk_tokens=config.max_chunk_tokens, max_decode_wait_steps=sched.max_decode_wait_steps,
-                     watermark_blocks=int(sched.kv_watermark * config.pa_config.num_blocks),
-                     prefill_wait_s=sched.prefill_wait_ms / 1e3, proposer=proposer,
-                     propose_later=spec.uses_draft, spec_tokens=spec.num_speculative_tokens,
-                     tree_width=spec.tree_width if spec.is_tree else 0,
-                     spec_max_rows=spec.max_batch_size, decode_steps=sched.decode_steps,
-                     decode_steps_max_rows=sched.decode_steps_max_rows or mc.decode_batch_size[-1],
-                     max_model_len=config.max_model_len)
 
 
 def _by_kind(counter: Counter) -> dict:

@@ -21,17 +21,17 @@ Policies (`scheduler_config.policy`), each one ordering plus one step rule:
 With `chunked_prefill`, a prompt longer than what is left of the step's token budget is split across
 steps (at most `max_chunk_tokens` per step); without it a prompt is fed whole.
 
-Speculative decoding (see speculative.py): a decode step of at most `spec_max_rows` rows may become a
-verify step, where each request that may speculate also feeds the tokens proposed for it (when their
-blocks are free: proposals never preempt anyone). The step carries how many tokens each row may propose
-(`spec_limits`); an n-gram `proposer` fills them in at once, or, with `propose_later` (a draft model, whose
-agent the engine drives), the blocks for them are reserved and the engine `attach_proposals` once the draft
-has run. `complete_step` counts only the request's own token as computed; the engine then keeps the
-accepted proposals (`accept`).
+Speculative decoding is planned by the speculative room (spec_decode.py): a decode step of at most
+`spec_max_rows` rows is marked `may_speculate` and left as it is; that room makes it a verify step (proposals
+attached), a decode run (`make_run`, when nothing was proposed) or leaves it plain. `complete_step` counts only
+the request's own token as computed; the engine then keeps the accepted proposals (`accept`).
 
 Decode runs: while no request waits, a decode step of at most `decode_steps_max_rows` greedy rows becomes a
 run of `decode_steps` steps that the agent does in one call, feeding each row's token to the next step
-itself (one round trip and one graph launch per K tokens instead of per token; see `_make_run`).
+itself (one round trip and one graph launch per K tokens instead of per token; see `make_run`).
+
+The budgets and rules are one frozen `SchedulerSpec`, built from the config in one place
+(`SchedulerSpec.from_config`).
 
 Memory: a row is in a step only once its KV blocks are allocated; admission never takes the blocks that
 running requests are about to need (`watermark_blocks`). When a running request needs a block and none
@@ -43,6 +43,7 @@ blocks of the longest matching prefix and feeds only the rest.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -51,7 +52,6 @@ from typing import Optional
 from llm_serving.config import SCHEDULING_POLICIES
 from llm_serving.master.block_manager import BlockManager
 from llm_serving.master.request import Request, RequestStatus
-from llm_serving.master.speculative import can_speculate
 
 POLICIES = SCHEDULING_POLICIES      # named in config.py, which validates scheduler_config.policy
 
@@ -75,6 +75,8 @@ class ScheduledBatch:
                                                            # to the next of `steps` steps on the agent)
     run_lens: list = field(default_factory=list)           # a decode run: the steps each row takes (1..steps;
                                                            # a row that ends sooner sits the rest out)
+    may_speculate: bool = False                            # a decode step left to the speculative room
+                                                           # (spec_decode.py): a verify step, a run, or as it is
 
     @property
     def num_rows(self) -> int:
@@ -109,44 +111,61 @@ class ScheduledBatch:
         if len(keep) == len(self.requests):
             return self
         pick = lambda xs: [xs[i] for i in keep] if xs else []     # noqa: E731
-        return ScheduledBatch(pick(self.requests), pick(self.num_new_tokens), pick(self.proposals),
-                              pick(self.spec_limits), pick(self.parents), self.steps, pick(self.run_lens))
+        return dataclasses.replace(self, requests=pick(self.requests), num_new_tokens=pick(self.num_new_tokens),
+                                   proposals=pick(self.proposals), spec_limits=pick(self.spec_limits),
+                                   parents=pick(self.parents), run_lens=pick(self.run_lens))
+
+
+@dataclass(frozen=True)
+class SchedulerSpec:
+    """What the scheduler keeps to: the budgets, the policy and the step rules (see the module docstring).
+    Built from the config in one place (`from_config`); tests build one and `dataclasses.replace` fields."""
+
+    max_num_seqs: int                        # running requests
+    max_num_batched_tokens: int              # fed tokens per step
+    max_prefill_rows: int                    # rows of the largest prefill graph
+    max_waiting_requests: int                # queue bound (QueueFullError past it)
+    max_decode_rows: Optional[int] = None    # rows of the largest decode graph (None: max_num_seqs)
+    max_waiting_tokens: Optional[int] = None     # queue bound in prompt tokens (None: none)
+    policy: str = "prefill_first"            # one of POLICIES
+    chunked_prefill: bool = False
+    max_chunk_tokens: Optional[int] = None   # tokens per chunk (None: max_num_batched_tokens)
+    max_decode_wait_steps: int = 8           # starvation bound
+    watermark_blocks: int = 0                # blocks admission leaves free for running requests
+    prefill_wait_s: float = 0.0              # prefill_first: let prompts gather this long while others decode
+    spec_max_rows: int = 0                   # decode steps of at most this many rows are left to the speculative
+                                             # room (0: speculation off)
+    decode_steps: int = 1                    # steps of a decode run (1: none); the engine lowers it to the agents'
+    decode_steps_max_rows: int = 0           # decode runs for steps of at most this many rows
+    max_model_len: Optional[int] = None      # tokens a request may hold
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown scheduling policy {self.policy!r}; one of {', '.join(POLICIES)}")
+
+    @classmethod
+    def from_config(cls, config) -> "SchedulerSpec":
+        """The scheduler a config describes: budgets from serving_config and the graph buckets, rules from
+        scheduler_config, and which decode steps speculation may take from spec_config."""
+        sc, mc, sched, spec = config.serving_config, config.model_config, config.scheduler_config, config.spec_config
+        return cls(max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
+                   max_prefill_rows=mc.prefill_batch_size[-1], max_waiting_requests=sc.max_waiting_requests,
+                   max_decode_rows=mc.decode_batch_size[-1], max_waiting_tokens=sched.max_waiting_tokens,
+                   policy=sched.policy, chunked_prefill=sched.chunked_prefill,
+                   max_chunk_tokens=config.max_chunk_tokens, max_decode_wait_steps=sched.max_decode_wait_steps,
+                   watermark_blocks=int(sched.kv_watermark * config.pa_config.num_blocks),
+                   prefill_wait_s=sched.prefill_wait_ms / 1e3,
+                   spec_max_rows=spec.max_batch_size if spec.enabled else 0, decode_steps=sched.decode_steps,
+                   decode_steps_max_rows=sched.decode_steps_max_rows or mc.decode_batch_size[-1],
+                   max_model_len=config.max_model_len)
 
 
 class Scheduler:
-    def __init__(self, *, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_prefill_rows: int, max_waiting_requests: int, max_decode_rows: Optional[int] = None,
-                 max_waiting_tokens: Optional[int] = None, policy: str = "prefill_first",
-                 chunked_prefill: bool = False, max_chunk_tokens: Optional[int] = None,
-                 max_decode_wait_steps: int = 8, watermark_blocks: int = 0, prefill_wait_s: float = 0.0,
-                 proposer=None, propose_later: bool = False, spec_tokens: Optional[int] = None, spec_max_rows: int = 0,
-                 tree_width: int = 0, decode_steps: int = 1, decode_steps_max_rows: int = 0,
-                 max_model_len: Optional[int] = None, clock=time.monotonic):
-        if policy not in POLICIES:
-            raise ValueError(f"unknown scheduling policy {policy!r}; one of {', '.join(POLICIES)}")
+    def __init__(self, spec: SchedulerSpec, block_manager: BlockManager, clock=time.monotonic):
+        self.spec = spec                 # replaced, not edited (the engine lowers decode runs to the agents')
         self.bm = block_manager
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_prefill_rows = max_prefill_rows
-        self.max_decode_rows = max_decode_rows or max_num_seqs
-        self.max_waiting_requests = max_waiting_requests
-        self.max_waiting_tokens = max_waiting_tokens
-        self.policy = policy
-        self.chunked_prefill = chunked_prefill
-        self.max_chunk_tokens = max_chunk_tokens or max_num_batched_tokens
-        self.max_decode_wait_steps = max_decode_wait_steps
-        self.watermark_blocks = watermark_blocks
-        self.prefill_wait_s = prefill_wait_s
-        self.proposer = proposer            # speculative.NgramProposer or None
-        self.propose_later = propose_later  # the engine proposes after schedule() (a draft model)
-        self.spec_tokens = spec_tokens or (proposer.num_tokens if proposer is not None else 0)  # per row and step
-        self.tree_width = tree_width        # > 0: the proposer's continuations form a token tree (method tree)
-        self.spec_max_rows = spec_max_rows
-        self.decode_steps = decode_steps    # steps of a decode run (1: none); the engine lowers it to the agents'
-        self.decode_steps_max_rows = decode_steps_max_rows
-        self.num_decode_runs = 0
-        self.max_model_len = max_model_len
         self.clock = clock
+        self.num_decode_runs = 0
         self.waiting: list = []          # in policy order (see _key): waiting[0] is served next
         self.running: list = []          # in admission order
         self.num_waiting_tokens = 0
@@ -161,7 +180,7 @@ class Scheduler:
 
     def _key(self, req: Request) -> tuple:
         """Priority: smaller is served first (and preempted last)."""
-        if self.policy == "longest_output_first":
+        if self.spec.policy == "longest_output_first":
             return (-req.sampling.max_new_tokens, req.number)
         return (req.number,)
 
@@ -171,12 +190,13 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         """Queue a new request; QueueFullError past either bound (nothing is changed then)."""
-        if len(self.waiting) >= self.max_waiting_requests:
+        if len(self.waiting) >= self.spec.max_waiting_requests:
             raise QueueFullError(f"server overloaded: {len(self.waiting)} requests already waiting "
-                                 f"(serving_config.max_waiting_requests={self.max_waiting_requests}); retry later")
-        if self.max_waiting_tokens is not None and self.num_waiting_tokens + req.num_tokens > self.max_waiting_tokens:
+                                 f"(serving_config.max_waiting_requests={self.spec.max_waiting_requests}); retry later")
+        max_tokens = self.spec.max_waiting_tokens
+        if max_tokens is not None and self.num_waiting_tokens + req.num_tokens > max_tokens:
             raise QueueFullError(f"server overloaded: {self.num_waiting_tokens} prompt tokens already waiting "
-                                 f"(scheduler_config.max_waiting_tokens={self.max_waiting_tokens}); retry later")
+                                 f"(scheduler_config.max_waiting_tokens={max_tokens}); retry later")
         self._enqueue(req)
 
     def _unqueue(self, req: Request) -> None:
@@ -208,11 +228,11 @@ class Scheduler:
 
     def schedule(self) -> Optional[ScheduledBatch]:
         """The next step, or None when there is nothing to run."""
-        if self.policy == "fcfs":
+        if self.spec.policy == "fcfs":
             batch = self._fcfs_step()
         else:
             decoding = any(r.num_new_tokens == 1 for r in self.running)
-            starving = decoding and self.decode_wait >= self.max_decode_wait_steps
+            starving = decoding and self.decode_wait >= self.spec.max_decode_wait_steps
             batch = None if starving or (decoding and self._hold_prefill()) else self._prefill_step()
             if batch is None:
                 batch = self._decode_step()
@@ -261,41 +281,46 @@ class Scheduler:
     def _prefill_step(self) -> Optional[ScheduledBatch]:
         """Prompt work only: running requests' next chunks first, then waiting requests."""
         rows, counts = [], []
-        budget = self._add_running(rows, counts, self.max_num_batched_tokens, self.max_prefill_rows, prompts=True)
-        self._admit(rows, counts, budget, self.max_prefill_rows)
+        max_rows = self.spec.max_prefill_rows
+        budget = self._add_running(rows, counts, self.spec.max_num_batched_tokens, max_rows, prompts=True)
+        self._admit(rows, counts, budget, max_rows)
         return ScheduledBatch(rows, counts) if rows else None
 
     def _decode_step(self) -> Optional[ScheduledBatch]:
         rows, counts = [], []
-        budget = self._add_running(rows, counts, self.max_num_batched_tokens, self.max_decode_rows, prompts=False)
+        max_rows = self.spec.max_decode_rows or self.spec.max_num_seqs
+        self._add_running(rows, counts, self.spec.max_num_batched_tokens, max_rows, prompts=False)
         if not rows:
             return None
         batch = ScheduledBatch(rows, counts)
-        if (self.proposer is not None or self.propose_later) and len(rows) <= self.spec_max_rows:
-            self._speculate(batch, budget)
-        # a plain decode step (no proposals: none found, or none may be made) may be a decode run; with a draft
-        # model the proposals come later, so a step that may have them is left as it is
-        if self.decode_steps > 1 and len(rows) <= self.decode_steps_max_rows and not self.waiting \
-                and not batch.proposals and not (self.propose_later and batch.spec_limits):
-            self._make_run(batch)
+        if len(rows) <= self.spec.spec_max_rows:
+            batch.may_speculate = True      # the speculative room decides: a verify step, a run, or as it is
+        else:
+            self.make_run(batch)
         return batch
 
-    def _make_run(self, batch: ScheduledBatch) -> None:
-        """Make a decode step a decode run of decode_steps (K) steps when every row is greedy, with no top
-        log-probabilities or penalties, and some row has 2 or more tokens left. Each row takes as many of the K
-        steps as max_new_tokens and the model length leave it (`run_lens`; it sits the rest out, and a run
-        every row has left ends there at almost no cost), with blocks for their K/V taken only when free: a run
-        never preempts anyone. A token after a row's stop is computed and dropped; a request that arrives
-        waits for the run to end."""
-        k = self.decode_steps
+    def token_budget_left(self, batch: ScheduledBatch) -> int:
+        """Tokens a step may still feed (what proposals may take)."""
+        return self.spec.max_num_batched_tokens - batch.num_tokens
+
+    def make_run(self, batch: ScheduledBatch) -> None:
+        """While nothing waits, make a plain decode step of at most decode_steps_max_rows rows a decode run of
+        decode_steps (K) steps when every row is greedy, with no top log-probabilities or penalties, and some row
+        has 2 or more tokens left. Each row takes as many of the K steps as max_new_tokens and the model length
+        leave it (`run_lens`; it sits the rest out, and a run every row has left ends there at almost no cost),
+        with blocks for their K/V taken only when free: a run never preempts anyone. A token after a row's stop
+        is computed and dropped; a request that arrives waits for the run to end."""
+        k = self.spec.decode_steps
+        if k <= 1 or batch.num_rows > self.spec.decode_steps_max_rows or self.waiting or batch.proposals:
+            return
         lens = []
         for req in batch.requests:
             sp = req.sampling
             if not sp.greedy or sp.top_logprobs or sp.penalized:
                 return
             n = min(k, sp.max_new_tokens - len(req.output_ids))
-            if self.max_model_len is not None:
-                n = min(n, self.max_model_len - req.num_tokens)
+            if self.spec.max_model_len is not None:
+                n = min(n, self.spec.max_model_len - req.num_tokens)
             lens.append(max(n, 1))
         if max(lens) < 2:
             return
@@ -308,89 +333,26 @@ class Scheduler:
         batch.spec_limits = []
         self.num_decode_runs += 1
 
-    def _speculate(self, batch: ScheduledBatch, budget: int) -> None:
-        """How many tokens each row of a decode step may propose (`spec_limits`): as many as fit its
-        max_new_tokens, the model length and the step's token budget, 0 for a request that may not speculate.
-        A row needing top log-probabilities or penalties keeps the whole step a plain decode step. The
-        n-gram proposer proposes at once; for a draft model (propose_later) the blocks for the proposals are
-        reserved now (the draft writes its KV there) and the engine attaches them after the draft ran."""
-        if any(r.sampling.top_logprobs or r.sampling.penalized for r in batch.requests):
-            return
-        limits = []
-        for req in batch.requests:
-            k = min(self.spec_tokens, budget, req.sampling.max_new_tokens - len(req.output_ids) - 1) \
-                if can_speculate(req) else 0
-            if self.max_model_len is not None:
-                k = min(k, self.max_model_len - req.num_tokens - 1)
-            k = max(k, 0)
-            if k and self.propose_later:            # as many as the free blocks allow, never preempting
-                if self.bm.can_allocate(req.req_id, req.num_tokens + k):
-                    self.bm.allocate(req.req_id, req.num_tokens + k)
-                else:
-                    k = max(min(k, len(self.bm.block_tables[req.req_id]) * self.bm.block_size - req.num_tokens), 0)
-            budget -= k
-            limits.append(k)
-        if not any(limits):
-            return
-        batch.spec_limits = limits
-        if self.proposer is not None and self.tree_width:
-            trees = [self.proposer.propose_tree(req.tokens(0, req.num_tokens), k, self.tree_width) if k else ([], [])
-                     for req, k in zip(batch.requests, limits)]
-            self.attach_proposals(batch, [t[0] for t in trees], [t[1] for t in trees])
-        elif self.proposer is not None:
-            self.attach_proposals(batch, [self.proposer.propose(req.tokens(0, req.num_tokens), k) if k else []
-                                          for req, k in zip(batch.requests, limits)])
-
-    def attach_proposals(self, batch: ScheduledBatch, proposals: list, parents: Optional[list] = None) -> None:
-        """Make a decode step a verify step: row i also feeds proposals[i] (a chain, or with parents[i] a token
-        tree: depth at most spec_limits[i], nodes at most spec_limits[i] x tree_width and what the model
-        length leaves; those whose blocks cannot be had without preempting are dropped)."""
-        kept, kept_parents = [], []
-        for i, (req, proposal, k) in enumerate(zip(batch.requests, proposals, batch.spec_limits)):
-            tree = parents[i] if parents is not None else None
-            if tree is None:
-                proposal, tree = list(proposal[:k]), list(range(-1, min(len(proposal), k) - 1))
-            else:              # keep the nodes within depth k (depth-first order keeps every kept node's parent)
-                depth, room = [], k * max(self.tree_width, 1)
-                if self.max_model_len is not None:      # a node's slot is the row's next free one
-                    room = min(room, self.max_model_len - req.num_tokens - 1)
-                keep = []
-                for j, p in enumerate(tree):
-                    depth.append(1 if p < 0 else depth[p] + 1)
-                    if depth[j] <= k and (p < 0 or p in keep) and len(keep) < room:
-                        keep.append(j)
-                index = {j: n for n, j in enumerate(keep)}
-                proposal, tree = [proposal[j] for j in keep], [index.get(tree[j], -1) for j in keep]
-            if proposal and self.bm.can_allocate(req.req_id, req.num_tokens + len(proposal)):
-                self.bm.allocate(req.req_id, req.num_tokens + len(proposal))
-                batch.num_new_tokens[i] += len(proposal)
-            else:
-                proposal, tree = [], []
-            kept.append(proposal)
-            kept_parents.append(tree)
-        if any(kept):
-            batch.proposals, batch.parents = kept, kept_parents
-
     def _hold_prefill(self) -> bool:
         """prefill_wait_s > 0: while requests are decoding, let new prompts gather into fuller prefill
         steps (llm-serving's batch_waiting_time): no prefill step until a prefill bucket's rows are waiting
         or the oldest has waited prefill_wait_s. Prompts being chunked are never held."""
-        if self.prefill_wait_s <= 0 or any(r.num_new_tokens > 1 for r in self.running):
+        if self.spec.prefill_wait_s <= 0 or any(r.num_new_tokens > 1 for r in self.running):
             return False
-        if len(self.waiting) >= self.max_prefill_rows or not self.waiting:
+        if len(self.waiting) >= self.spec.max_prefill_rows or not self.waiting:
             return False
         oldest = min(r.arrival_time for r in self.waiting)
-        return self.clock() - oldest < self.prefill_wait_s
+        return self.clock() - oldest < self.spec.prefill_wait_s
 
     def _fcfs_step(self) -> Optional[ScheduledBatch]:
         """Everything in one step when the rows fit a prefill bucket; else decode and prefill take turns."""
         pending = len(self.running) + (1 if self.waiting else 0)
-        if pending <= self.max_prefill_rows:
+        if pending <= self.spec.max_prefill_rows:
             rows, counts = [], []
-            budget = self._add_running(rows, counts, self.max_num_batched_tokens, self.max_prefill_rows,
+            budget = self._add_running(rows, counts, self.spec.max_num_batched_tokens, self.spec.max_prefill_rows,
                                        prompts=None)
             if len(rows) == len(self.running):          # nothing running was left out: admit behind it
-                self._admit(rows, counts, budget, self.max_prefill_rows)
+                self._admit(rows, counts, budget, self.spec.max_prefill_rows)
             return ScheduledBatch(rows, counts) if rows else None
         has_decode = any(r.num_new_tokens == 1 for r in self.running)
         if self._last_was_decode or not has_decode:
@@ -405,8 +367,8 @@ class Scheduler:
         """Tokens a row needing `need` may feed with `budget` left (0 = it does not fit this step)."""
         if need == 1:
             return 1 if budget >= 1 else 0
-        if self.chunked_prefill:
-            return max(min(need, budget, self.max_chunk_tokens), 0)
+        if self.spec.chunked_prefill:
+            return max(min(need, budget, self.spec.max_chunk_tokens or self.spec.max_num_batched_tokens), 0)
         if need <= budget or first_row:     # a whole prompt; a lone long one may exceed the budget
             return need
         return 0
@@ -448,14 +410,14 @@ class Scheduler:
     def _admit(self, rows: list, counts: list, budget: int, max_rows: int) -> int:
         """Move waiting requests into the step in queue order while they fit (the head blocks the rest,
         so nothing overtakes it); returns the budget left."""
-        while self.waiting and len(rows) < max_rows and len(self.running) < self.max_num_seqs:
+        while self.waiting and len(rows) < max_rows and len(self.running) < self.spec.max_num_seqs:
             req = self.waiting[0]
             if req.lora_slot < 0:          # its LoRA adapter is not in a slot yet (the engine loads it)
                 break
             prefix = self.bm.match_prefix(req.tokens(0, req.num_tokens), req.lora_root)
             cached = len(prefix) * self.bm.block_size
             q = self._chunk(req.num_tokens - cached, budget, first_row=not rows)
-            reserve = self.watermark_blocks if self.running else 0
+            reserve = self.spec.watermark_blocks if self.running else 0
             if q == 0 or not self.bm.can_allocate(req.req_id, cached + q, prefix, reserve=reserve):
                 break
             self.bm.allocate(req.req_id, cached + q, prefix)

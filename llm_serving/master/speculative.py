@@ -27,10 +27,10 @@ Proposers (spec_config.method):
 - `draft`, `draft_tree`: a draft model in an agent process of its own proposes greedily (draft.py); a draft
   tree has its tree_width most likely first tokens as branches, each continued greedily.
 
-The scheduler speculates only in decode steps of at most spec_config.max_batch_size rows (larger steps are
+Speculation happens only in decode steps of at most spec_config.max_batch_size rows (larger steps are
 compute-bound, and checking guesses costs more than it saves) and only for requests that allow it (a
 request's `speculative` parameter) and need no top log-probabilities or sampling penalties (those come
-from the last token's logits only).
+from the last token's logits only). spec_decode.py plans those steps (limits, blocks, attaching proposals).
 """
 from __future__ import annotations
 
@@ -42,16 +42,47 @@ import numpy as np
 from llm_serving.master.request import Request
 
 
-class NgramProposer:
+class LookupProposer:
+    """A proposer that looks into each request's own tokens on the master, at once (no model, no blocks before
+    proposing): spec_decode's Proposer for lookups. A subclass says what follows a token sequence: `lookup` (a
+    chain) and, for token trees (tree_width > 0), `lookup_tree`."""
+
+    reserves_blocks = False             # its proposals take blocks only once kept (spec_decode.attach)
+    agent_step_kind = None              # it runs no agent steps: its time is the schedule phase's
+
+    def __init__(self, num_tokens: int, tree_width: int = 0):
+        self.num_tokens = num_tokens    # most tokens proposed per row (a tree: its depth)
+        self.tree_width = tree_width    # > 0: up to this many continuations per row, as a token tree
+
+    async def propose(self, requests: list, limits: list) -> list:
+        """(nodes, parents) per row: up to limits[i] tokens deep ([], [] where limits[i] is 0)."""
+        return [self._propose_row(req.tokens(0, req.num_tokens), k) if k else ([], [])
+                for req, k in zip(requests, limits)]
+
+    def _propose_row(self, tokens, k: int) -> tuple:
+        if self.tree_width:
+            return self.lookup_tree(tokens, k, self.tree_width)
+        nodes = self.lookup(tokens, k)
+        return nodes, list(range(-1, len(nodes) - 1))
+
+    def lookup(self, tokens, k: Optional[int] = None) -> list:
+        raise NotImplementedError
+
+    def lookup_tree(self, tokens, k: Optional[int] = None, width: int = 2) -> tuple:
+        raise NotImplementedError
+
+
+class NgramProposer(LookupProposer):
     """Prompt lookup: propose what followed the latest earlier occurrence of the request's last n tokens."""
 
-    def __init__(self, num_tokens: int, ngram_max: int, ngram_min: int = 1):
+    def __init__(self, num_tokens: int, ngram_max: int, ngram_min: int = 1, tree_width: int = 0):
         if not 1 <= ngram_min <= ngram_max or num_tokens < 1:
             raise ValueError(f"NgramProposer: need 1 <= ngram_min <= ngram_max and num_tokens >= 1, got "
                              f"{ngram_min}, {ngram_max}, {num_tokens}")
-        self.num_tokens, self.ngram_max, self.ngram_min = num_tokens, ngram_max, ngram_min
+        super().__init__(num_tokens, tree_width)
+        self.ngram_max, self.ngram_min = ngram_max, ngram_min
 
-    def propose(self, tokens, k: Optional[int] = None) -> list:
+    def lookup(self, tokens, k: Optional[int] = None) -> list:
         """Up to k (default num_tokens) tokens to follow `tokens`; [] when no suffix recurs."""
         k = self.num_tokens if k is None else min(k, self.num_tokens)
         seq = np.asarray(tokens, np.int64)
@@ -68,8 +99,7 @@ class NgramProposer:
                 return seq[start:start + k].tolist()
         return []
 
-
-    def propose_tree(self, tokens, k: Optional[int] = None, width: int = 2) -> tuple:
+    def lookup_tree(self, tokens, k: Optional[int] = None, width: int = 2) -> tuple:
         """A token tree of up to `width` continuations of up to k tokens each (k default num_tokens): (nodes,
         parents), nodes in depth-first order, parents[j] the index of node j's parent (-1: the request's last
         token). The first continuation found (longest suffix, latest match) is the first-child chain."""

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from llm_serving.agents import protocol as proto
 from llm_serving.config import ConfigError, config_from_dict
 from llm_serving.master.draft import DraftProposer
-from llm_serving.master.speculative import tree_from_paths
+from llm_serving.master.spec_decode import SpeculativePlanner, SpeculativeSpec
 from tests.unit.test_scheduler import make_requests, make_scheduler, next_token, reference_output
 from tests.unit.test_speculative import (SpecFakeRunner, TreeFakeRunner, add_random_requests,
                                         assert_outputs_are_plain_decodings)
@@ -75,7 +75,9 @@ class FakeDraftAgents:
         return [SimpleNamespace(model_ms=0.5)], reset
 
 
-def make_drafter(sched, requests, wrong=0.0, seed=0, width=1):
+def make_drafter(sched, requests, spec_tokens, wrong=0.0, seed=0, width=1):
+    """A DraftProposer on fake draft agents, its forget_all calls, and a speculative planner of it for sched
+    (proposing spec_tokens per row; trees when width > 1)."""
     config = config_from_dict({"spec_config": {"method": "draft"}})
     forgotten = []
 
@@ -85,34 +87,41 @@ def make_drafter(sched, requests, wrong=0.0, seed=0, width=1):
             r.num_draft_computed = 0
     drafter = DraftProposer(config.draft_config("/nonexistent"), "/nonexistent", sched.bm, forget_all, width=width)
     drafter.agents = FakeDraftAgents(requests, sched.bm, wrong=wrong, seed=seed, top_n=width if width > 1 else 0)
-    drafter.max_step_tokens, drafter.max_chunk = sched.max_num_batched_tokens, 8
-    return drafter, forgotten
+    drafter.max_step_tokens, drafter.max_chunk = sched.spec.max_num_batched_tokens, 8
+    planner = SpeculativePlanner(SpeculativeSpec(spec_tokens, width if width > 1 else 0), drafter, sched)
+    return drafter, forgotten, planner
 
 
-async def serve(sched, runner, drafter, max_steps=2000):
-    """The engine's loop: schedule, let the draft propose for a speculating step, attach, run the step."""
+async def serve(sched, runner, planner, max_steps=2000):
+    """The engine's loop: schedule, let the speculative room plan a speculating step (the draft proposes), run
+    the step."""
+    drafter = planner.proposer
+    propose_branches = drafter.propose_branches
+
+    async def checked(requests, limits):
+        branches = await propose_branches(requests, limits)
+        assert all(len(p) <= k for paths, k in zip(branches, limits) for p in paths)
+        assert all(len(paths) <= drafter.width for paths in branches)
+        return branches
+    drafter.propose_branches = checked
     for _ in range(max_steps):
         batch = sched.schedule()
         if batch is None:
             return
-        if batch.spec_limits:
-            branches = await drafter.propose(batch.requests, batch.spec_limits)
-            assert all(len(p) <= k for paths, k in zip(branches, batch.spec_limits) for p in paths)
-            assert all(len(paths) <= drafter.width for paths in branches)
-            trees = [tree_from_paths(paths) for paths in branches]
-            sched.attach_proposals(batch, [t[0] for t in trees], [t[1] for t in trees])
+        if batch.may_speculate:
+            batch = await planner.speculate(batch)
         runner.step(batch)
 
 
 def test_a_perfect_draft_is_accepted_whole_and_feeds_each_token_once():
-    sched = make_scheduler(propose_later=True, spec_tokens=4, spec_max_rows=4, max_num_batched_tokens=64)
+    sched = make_scheduler(spec_max_rows=4, max_num_batched_tokens=64)
     reqs = make_requests(2, prompt_len=[6, 9], max_new_tokens=21)
     for r in reqs:
         sched.add(r)
-    drafter, _ = make_drafter(sched, reqs)
+    drafter, _, planner = make_drafter(sched, reqs, spec_tokens=4)
     drafter.max_chunk = 64                                # each prompt caught up in one step
     runner = SpecFakeRunner(sched)
-    asyncio.run(serve(sched, runner, drafter))
+    asyncio.run(serve(sched, runner, planner))
     assert [r.output_ids for r in reqs] == [reference_output(r) for r in reqs]
     # prefill gives token 1; each round then proposes 4 and the target adds its own: 20 tokens in 4 rounds
     assert sched.batch_sizes[("verify", 2)] == 4 and sched.batch_sizes[("decode", 2)] == 0
@@ -125,38 +134,41 @@ def test_a_perfect_draft_is_accepted_whole_and_feeds_each_token_once():
 
 
 def test_rows_propose_within_their_limits_and_a_cache_reset_proposes_nothing():
-    sched = make_scheduler(propose_later=True, spec_tokens=4, spec_max_rows=4)
+    sched = make_scheduler(spec_max_rows=4)
     reqs = make_requests(2, prompt_len=5, max_new_tokens=[3, 30])
     for r in reqs:
         sched.add(r)
-    drafter, forgotten = make_drafter(sched, reqs)
+    drafter, forgotten, planner = make_drafter(sched, reqs, spec_tokens=4)
     runner = SpecFakeRunner(sched)
     runner.step(sched.schedule())                         # prefill
     batch = sched.schedule()
-    assert batch.spec_limits == [1, 4]                    # 3 - 1 output - 1 for the target's own token
-    proposals = [paths[0] for paths in asyncio.run(drafter.propose(batch.requests, batch.spec_limits))]
+    limits = planner.plan(batch)
+    assert limits == [1, 4]                               # 3 - 1 output - 1 for the target's own token
+    proposals = [paths[0] for paths in asyncio.run(drafter.propose_branches(batch.requests, limits))]
     assert [len(p) for p in proposals] == [1, 4]
     assert [p[0] for p in proposals] == [next_token(r.tokens(0, r.num_tokens)) for r in reqs]
     drafter.agents.reset_next = True
-    assert asyncio.run(drafter.propose(batch.requests, batch.spec_limits)) == [[], []]
+    assert asyncio.run(drafter.propose_branches(batch.requests, limits)) == [[], []]
     assert forgotten and drafter.num_cache_resets == 1
     assert all(r.num_draft_computed == 0 for r in reqs)
 
 
 def test_a_request_that_ended_during_the_draft_leaves_the_step():
-    sched = make_scheduler(propose_later=True, spec_tokens=3, spec_max_rows=4)
+    sched = make_scheduler(spec_max_rows=4)
     reqs = make_requests(3, prompt_len=5, max_new_tokens=20)
     for r in reqs:
         sched.add(r)
-    drafter, _ = make_drafter(sched, reqs)
+    drafter, _, planner = make_drafter(sched, reqs, spec_tokens=3)
     runner = SpecFakeRunner(sched)
     runner.step(sched.schedule())
-    batch = sched.schedule()
-    proposals = [paths[0] for paths in asyncio.run(drafter.propose(batch.requests, batch.spec_limits))]
-    sched.finish(reqs[1], "abort")                        # the client left while the draft ran
-    running = [not r.finished for r in batch.requests]
-    batch = batch.drop_finished()
-    sched.attach_proposals(batch, [p for p, keep in zip(proposals, running) if keep])
+    draft_propose = drafter.propose
+
+    async def propose_then_abort(requests, limits):
+        trees = await draft_propose(requests, limits)
+        sched.finish(reqs[1], "abort")                    # the client left while the draft ran
+        return trees
+    drafter.propose = propose_then_abort
+    batch = asyncio.run(planner.speculate(sched.schedule()))
     assert batch.requests == [reqs[0], reqs[2]] and batch.num_new_tokens == [4, 4]
     runner.step(batch)
     assert [len(r.output_ids) for r in (reqs[0], reqs[2])] == [5, 5]
@@ -176,11 +188,10 @@ def test_draft_kv_stays_valid_and_outputs_equal_plain_decoding(n, wrong, k, num_
     rng = random.Random(seed)
     sched = make_scheduler(num_blocks=num_blocks, block_size=4, prefix_caching=prefix_caching,
                            max_num_batched_tokens=budget, policy=policy, chunked_prefill=True, max_chunk_tokens=8,
-                           propose_later=True, spec_tokens=k, spec_max_rows=rng.randint(1, 6),
-                           tree_width=width if width > 1 else 0)
+                           spec_max_rows=rng.randint(1, 6))
     reqs = add_random_requests(sched, rng, n, 12)
-    drafter, _ = make_drafter(sched, reqs, wrong=wrong, seed=seed, width=width)
-    asyncio.run(serve(sched, TreeFakeRunner(sched), drafter))
+    _, _, planner = make_drafter(sched, reqs, spec_tokens=k, wrong=wrong, seed=seed, width=width)
+    asyncio.run(serve(sched, TreeFakeRunner(sched), planner))
     assert_outputs_are_plain_decodings(sched, reqs)
 
 
@@ -214,13 +225,12 @@ def test_a_draft_tree_keeps_the_runner_up_when_the_drafts_first_choice_is_wrong(
     """A draft whose most likely token is always wrong but whose runner-up is right: as a chain it gains
     nothing (one token a round, the target's); as a 2-branch tree each round keeps the runner-up too, whose
     KV the draft overwrote with its first branch's — and it still never reads stale KV."""
-    sched = make_scheduler(propose_later=True, spec_tokens=3, spec_max_rows=4, max_num_batched_tokens=64,
-                           tree_width=width if width > 1 else 0)
+    sched = make_scheduler(spec_max_rows=4, max_num_batched_tokens=64)
     reqs = make_requests(2, prompt_len=[6, 9], max_new_tokens=21)
     for r in reqs:
         sched.add(r)
-    drafter, _ = make_drafter(sched, reqs, wrong=1.0, width=width)
-    asyncio.run(serve(sched, TreeFakeRunner(sched), drafter))
+    drafter, _, planner = make_drafter(sched, reqs, spec_tokens=3, wrong=1.0, width=width)
+    asyncio.run(serve(sched, TreeFakeRunner(sched), planner))
     assert [r.output_ids for r in reqs] == [reference_output(r) for r in reqs]
     # 20 tokens after the prefill. A chain gains one a round; a tree keeps the runner-up and the target's token
     # after it, which (off the in-place first branch) are fed again with the next step, sampling a third

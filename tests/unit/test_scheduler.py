@@ -6,7 +6,9 @@ block table. A scheduling or block-management bug (a shared block overwritten, a
 KV lost on preemption, a token fed twice or skipped) changes what is read back, so the outputs differ
 from `reference_output`, which runs the same function over the true token sequence.
 """
+import dataclasses
 import random
+import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -14,14 +16,15 @@ from hypothesis import strategies as st
 
 from llm_serving.master.block_manager import BlockManager
 from llm_serving.master.request import Request, RequestStatus, SamplingParams
-from llm_serving.master.scheduler import POLICIES, QueueFullError, Scheduler
+from llm_serving.master.scheduler import POLICIES, QueueFullError, Scheduler, SchedulerSpec
+
+DEFAULT_SPEC = SchedulerSpec(max_num_seqs=8, max_num_batched_tokens=64, max_prefill_rows=4, max_waiting_requests=100)
 
 
-def make_scheduler(*, num_blocks=64, block_size=4, prefix_caching=False, **overrides):
-    kwargs = dict(max_num_seqs=8, max_num_batched_tokens=64, max_prefill_rows=4, max_waiting_requests=100)
-    kwargs.update(overrides)
-    return Scheduler(block_manager=BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching),
-                     **kwargs)
+def make_scheduler(*, num_blocks=64, block_size=4, prefix_caching=False, clock=time.monotonic, **overrides):
+    """A scheduler of DEFAULT_SPEC with `overrides` (SchedulerSpec fields) over a fresh block manager."""
+    return Scheduler(dataclasses.replace(DEFAULT_SPEC, **overrides),
+                     BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching), clock=clock)
 
 
 def make_requests(n, prompt_len=5, max_new_tokens=4, *, prefix=(), name="r"):
@@ -79,17 +82,21 @@ class FakeRunner:
             for token in tokens[row]:
                 req.output_ids.append(token)
                 if len(req.output_ids) >= req.sampling.max_new_tokens or \
-                        (self.sched.max_model_len is not None and req.num_tokens >= self.sched.max_model_len):
+                        (self.sched.spec.max_model_len is not None and req.num_tokens >= self.sched.spec.max_model_len):
                     self.sched.finish(req, "length")
                     self.finished.append(req)
                     break
             else:
                 self.sched.accept(req, len(tokens[row]) - 1)
 
+    def schedule(self):
+        """The engine's planning of the next step (here: the scheduler's alone)."""
+        return self.sched.schedule()
+
     def run(self, max_steps=1000):
         batches = []
         for _ in range(max_steps):
-            batch = self.sched.schedule()
+            batch = self.schedule()
             if batch is None:
                 break
             batches.append(batch)
@@ -586,3 +593,21 @@ def test_a_request_whose_lora_adapter_is_in_no_slot_waits_at_the_head():
     batch = s.schedule()
     assert [b, c] == [r for r in batch.requests if r is not a]
     assert {r.lora_slot for r in s.running} == {0, 1, 2}
+
+
+def test_the_scheduler_spec_is_read_from_the_config_in_one_place():
+    from llm_serving.config import config_from_dict
+    config = config_from_dict({"model_config": {"decode_batch_size": [1, 8, 16], "prefill_batch_size": [1, 4]},
+                               "serving_config": {"max_num_seqs": 16, "max_num_batched_tokens": 256},
+                               "scheduler_config": {"policy": "fcfs", "prefill_wait_ms": 20, "decode_steps": 4},
+                               "pa_config": {"num_blocks": 200},
+                               "spec_config": {"method": "ngram", "max_batch_size": 2}})
+    spec = SchedulerSpec.from_config(config)
+    assert (spec.max_num_seqs, spec.max_num_batched_tokens, spec.max_prefill_rows, spec.max_decode_rows) == \
+        (16, 256, 4, 16)
+    assert (spec.policy, spec.prefill_wait_s, spec.decode_steps, spec.decode_steps_max_rows) == ("fcfs", 0.02, 4, 16)
+    assert spec.watermark_blocks == 2 and spec.spec_max_rows == 2 and spec.max_model_len == config.max_model_len
+    config.spec_config.method = "off"
+    assert SchedulerSpec.from_config(config).spec_max_rows == 0     # no decode step is left to speculation
+    with pytest.raises(ValueError, match="policy"):
+        dataclasses.replace(spec, policy="random")

@@ -8,7 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llm_serving.master.request import Request, SamplingParams
-from llm_serving.master.speculative import NgramProposer, SpecStats, accepted_prefix, can_speculate
+from llm_serving.master.spec_decode import SpeculativePlanner, SpeculativeSpec, trim_tree
+from llm_serving.master.speculative import LookupProposer, NgramProposer, SpecStats, accepted_prefix, can_speculate
 from tests.unit.test_scheduler import FakeRunner, make_requests, make_scheduler, next_token, reference_output
 
 
@@ -17,14 +18,14 @@ from tests.unit.test_scheduler import FakeRunner, make_requests, make_scheduler,
 def test_ngram_lookup_proposes_what_followed_the_latest_match_of_the_longest_suffix():
     p = NgramProposer(num_tokens=3, ngram_max=3, ngram_min=1)
     #                 0  1  2  3  4  5  6  7  8  9
-    assert p.propose([5, 6, 7, 8, 9, 5, 6, 7, 1, 5, 6, 7]) == [1, 5, 6]      # "5 6 7": the latest match wins
-    assert p.propose([5, 6, 7, 8, 9, 6, 7]) == [8, 9, 6]                      # "6 7" (no earlier "9 6 7")
-    assert p.propose([5, 6, 7, 8, 9, 7]) == [8, 9, 7]                         # one token, at its last match
-    assert p.propose([1, 2, 3, 4]) == []                                      # nothing recurs
-    assert p.propose([4, 4]) == [4]                                           # what follows stops at the end
-    assert p.propose([5, 6, 7, 8, 9, 5, 6], k=1) == [7]
-    assert p.propose([7], k=2) == [] and p.propose([], k=2) == []
-    assert NgramProposer(num_tokens=2, ngram_max=3, ngram_min=2).propose([5, 6, 7, 8, 9, 7]) == []
+    assert p.lookup([5, 6, 7, 8, 9, 5, 6, 7, 1, 5, 6, 7]) == [1, 5, 6]      # "5 6 7": the latest match wins
+    assert p.lookup([5, 6, 7, 8, 9, 6, 7]) == [8, 9, 6]                      # "6 7" (no earlier "9 6 7")
+    assert p.lookup([5, 6, 7, 8, 9, 7]) == [8, 9, 7]                         # one token, at its last match
+    assert p.lookup([1, 2, 3, 4]) == []                                      # nothing recurs
+    assert p.lookup([4, 4]) == [4]                                           # what follows stops at the end
+    assert p.lookup([5, 6, 7, 8, 9, 5, 6], k=1) == [7]
+    assert p.lookup([7], k=2) == [] and p.lookup([], k=2) == []
+    assert NgramProposer(num_tokens=2, ngram_max=3, ngram_min=2).lookup([5, 6, 7, 8, 9, 7]) == []
 
 
 def test_ngram_lookup_is_refused_with_impossible_settings():
@@ -57,15 +58,15 @@ def test_requests_needing_last_token_logits_do_not_speculate():
 
 # --- verify steps through the scheduler and the fake KV cache ----------------------------------------
 
-class OracleProposer:
+class OracleProposer(LookupProposer):
     """Proposes a request's true next tokens (reference_output), with each one wrong with probability
     `wrong` — so rows accept anything from none to all of their proposals."""
 
-    def __init__(self, num_tokens: int, wrong: float, seed: int = 0):
-        self.num_tokens, self.wrong, self.rng = num_tokens, wrong, random.Random(seed)
-        self.outputs: dict = {}
+    def __init__(self, num_tokens: int, wrong: float, seed: int = 0, tree_width: int = 0):
+        super().__init__(num_tokens, tree_width)
+        self.wrong, self.rng = wrong, random.Random(seed)
 
-    def propose(self, tokens, k=None):
+    def lookup(self, tokens, k=None):
         k = self.num_tokens if k is None else min(k, self.num_tokens)
         seq = list(tokens)
         out = []
@@ -93,9 +94,37 @@ def assert_outputs_are_plain_decodings(sched, reqs):
         assert r.output_ids == reference_output(r), r.req_id
 
 
+def make_speculating(proposer, *, spec_tokens=None, tree_width=0, **overrides):
+    """A scheduler (make_scheduler with `overrides`, spec_max_rows among them) and a speculative planner of
+    `proposer` for it."""
+    sched = make_scheduler(**overrides)
+    spec = SpeculativeSpec(spec_tokens or proposer.num_tokens, tree_width)
+    return sched, SpeculativePlanner(spec, proposer, sched)
+
+
+def run_now(coroutine):
+    """The result of a coroutine that never waits (a lookup proposer's round)."""
+    try:
+        coroutine.send(None)
+    except StopIteration as done:
+        return done.value
+    raise AssertionError("the coroutine waited")
+
+
 class SpecFakeRunner(FakeRunner):
     """FakeRunner that also runs verify steps: the proposals' K/V are written like any token's, a token is
-    'sampled' after each of them, and the engine's rule (accepted_prefix) keeps the agreeing run."""
+    'sampled' after each of them, and the engine's rule (accepted_prefix) keeps the agreeing run. With a planner,
+    steps are planned as the engine's loop does: schedule, then the speculative room (a lookup: no waiting)."""
+
+    def __init__(self, sched, planner=None):
+        super().__init__(sched)
+        self.planner = planner
+
+    def schedule(self):
+        batch = self.sched.schedule()
+        if batch is not None and batch.may_speculate and self.planner is not None:
+            batch = run_now(self.planner.speculate(batch))
+        return batch
 
     def step(self, batch):
         if not batch.is_verify:
@@ -130,57 +159,57 @@ class SpecFakeRunner(FakeRunner):
 
 
 def test_a_small_decode_step_becomes_a_verify_step_within_every_limit():
-    sched = make_scheduler(proposer=OracleProposer(4, wrong=0.0), spec_max_rows=2, max_model_len=14)
+    sched, planner = make_speculating(OracleProposer(4, wrong=0.0), spec_max_rows=2, max_model_len=14)
     reqs = make_requests(3, prompt_len=5, max_new_tokens=[3, 20, 20])
     for r in reqs:
         sched.add(r)
-    runner = SpecFakeRunner(sched)
-    runner.step(sched.schedule())                               # prefill: one token each
-    batch = sched.schedule()
+    runner = SpecFakeRunner(sched, planner)
+    runner.step(runner.schedule())                              # prefill: one token each
+    batch = runner.schedule()
     assert not batch.is_verify and batch.num_rows == 3         # 3 rows > spec_max_rows: plain decode
     runner.step(batch)
     assert reqs[0].finished is False
-    runner.step(sched.schedule())                               # r0 ends (3 tokens)
-    batch = sched.schedule()
+    runner.step(runner.schedule())                              # r0 ends (3 tokens)
+    batch = runner.schedule()
     assert batch.is_verify and batch.kind == "verify" and not batch.is_prefill
     # r1, r2 hold 5 + 3 tokens: max_model_len 14 leaves room for 14 - 8 - 1 = 5 > 4 proposals
     assert batch.num_new_tokens == [5, 5] and [len(p) for p in batch.proposals] == [4, 4]
     runner.step(batch)
     assert [len(r.output_ids) for r in reqs[1:]] == [8, 8]     # all 4 kept + the target's own token
-    batch = sched.schedule()
+    batch = runner.schedule()
     # 13 tokens now: no room for a proposal under max_model_len 14 (the target's own token fills it)
     assert not batch.is_verify
 
 
 def test_proposals_never_preempt_and_never_exceed_max_new_tokens():
-    sched = make_scheduler(num_blocks=4, block_size=4, proposer=OracleProposer(8, wrong=0.0), spec_max_rows=4)
+    sched, planner = make_speculating(OracleProposer(8, wrong=0.0), num_blocks=4, block_size=4, spec_max_rows=4)
     (req,) = make_requests(1, prompt_len=6, max_new_tokens=5)
     sched.add(req)
-    runner = SpecFakeRunner(sched)
-    runner.step(sched.schedule())
-    batch = sched.schedule()
+    runner = SpecFakeRunner(sched, planner)
+    runner.step(runner.schedule())
+    batch = runner.schedule()
     assert batch.proposals == [batch.proposals[0]] and len(batch.proposals[0]) == 3   # 5 - 1 output - 1
     runner.run()
     assert req.output_ids == reference_output(req) and sched.num_preemptions == 0
 
-    sched = make_scheduler(num_blocks=2, block_size=4, proposer=OracleProposer(4, wrong=0.0), spec_max_rows=4)
+    sched, planner = make_speculating(OracleProposer(4, wrong=0.0), num_blocks=2, block_size=4, spec_max_rows=4)
     (req,) = make_requests(1, prompt_len=7, max_new_tokens=1 + 4)
     sched.add(req)
-    runner = SpecFakeRunner(sched)
-    runner.step(sched.schedule())                               # 8 tokens fill both blocks
-    batch = sched.schedule()
+    runner = SpecFakeRunner(sched, planner)
+    runner.step(runner.schedule())                              # 8 tokens fill both blocks
+    batch = runner.schedule()
     assert not batch.is_verify and sched.num_preemptions == 0  # no free block for proposals: plain decode
 
 
 def test_rows_with_top_logprobs_keep_the_step_plain():
-    sched = make_scheduler(proposer=OracleProposer(4, wrong=0.0), spec_max_rows=4)
+    sched, planner = make_speculating(OracleProposer(4, wrong=0.0), spec_max_rows=4)
     plain, special = make_requests(2, prompt_len=5, max_new_tokens=10)
     special.sampling = SamplingParams(max_new_tokens=10, top_logprobs=3)
     for r in (plain, special):
         sched.add(r)
-    runner = SpecFakeRunner(sched)
-    runner.step(sched.schedule())
-    assert not sched.schedule().is_verify
+    runner = SpecFakeRunner(sched, planner)
+    runner.step(runner.schedule())
+    assert not runner.schedule().is_verify
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -192,11 +221,11 @@ def test_outputs_equal_plain_decoding_whatever_is_accepted(n, wrong, k, num_bloc
     """Requests sharing a prefix, under block pressure (preemption, recompute), with proposals that are
     right or wrong at random: every request's output is exactly plain decoding's."""
     rng = random.Random(seed)
-    sched = make_scheduler(num_blocks=num_blocks, block_size=4, prefix_caching=prefix_caching,
-                           max_num_batched_tokens=budget, policy=policy, chunked_prefill=True, max_chunk_tokens=8,
-                           proposer=OracleProposer(k, wrong, seed), spec_max_rows=rng.randint(1, 6))
+    sched, planner = make_speculating(OracleProposer(k, wrong, seed), num_blocks=num_blocks, block_size=4,
+                                      prefix_caching=prefix_caching, max_num_batched_tokens=budget, policy=policy,
+                                      chunked_prefill=True, max_chunk_tokens=8, spec_max_rows=rng.randint(1, 6))
     reqs = add_random_requests(sched, rng, n, 12)
-    SpecFakeRunner(sched).run(max_steps=2000)
+    SpecFakeRunner(sched, planner).run(max_steps=2000)
     assert_outputs_are_plain_decodings(sched, reqs)
 
 
@@ -206,9 +235,9 @@ def test_prompt_lookup_trees_merge_distinct_continuations_depth_first():
     from llm_serving.master.speculative import node_depths, tree_from_paths, tree_walk
     p = NgramProposer(num_tokens=3, ngram_max=3, ngram_min=1)
     #          "5 6 7" follows 0 (-> 8 9 5) and 5 (-> 8 2 5): the latest first, sharing the 8
-    assert p.propose_tree([5, 6, 7, 8, 9, 5, 6, 7, 8, 2, 5, 6, 7], width=2) == ([8, 2, 5, 9, 5], [-1, 0, 1, 0, 3])
-    assert p.propose_tree([5, 6, 7, 8, 9, 5, 6, 7, 8, 2, 5, 6, 7], width=1) == ([8, 2, 5], [-1, 0, 1])
-    assert p.propose_tree([1, 2, 3], width=2) == ([], [])
+    assert p.lookup_tree([5, 6, 7, 8, 9, 5, 6, 7, 8, 2, 5, 6, 7], width=2) == ([8, 2, 5, 9, 5], [-1, 0, 1, 0, 3])
+    assert p.lookup_tree([5, 6, 7, 8, 9, 5, 6, 7, 8, 2, 5, 6, 7], width=1) == ([8, 2, 5], [-1, 0, 1])
+    assert p.lookup_tree([1, 2, 3], width=2) == ([], [])
     assert tree_from_paths([(1, 2), (3,), (1, 4)]) == ([1, 2, 4, 3], [-1, 0, 0, -1])
     assert node_depths([-1, 0, 0, -1, 3]) == [1, 2, 2, 1, 2]
     nodes, parents = [1, 2, 4, 3], [-1, 0, 0, -1]
@@ -256,12 +285,12 @@ class TreeOracleProposer(OracleProposer):
     """Two continuations: the oracle's (wrong at random) and a wrong-first one, in random order — so the
     kept path is sometimes the second branch (off the in-place chain)."""
 
-    def propose_tree(self, tokens, k=None, width=2):
+    def lookup_tree(self, tokens, k=None, width=2):
         from llm_serving.master.speculative import tree_from_paths
-        a = self.propose(tokens, k)
+        a = self.lookup(tokens, k)
         if not a:
             return [], []
-        b = [(a[0] + 5) % 97 + 3] + self.propose(list(tokens) + [(a[0] + 5) % 97 + 3], len(a) - 1) if len(a) > 1 \
+        b = [(a[0] + 5) % 97 + 3] + self.lookup(list(tokens) + [(a[0] + 5) % 97 + 3], len(a) - 1) if len(a) > 1 \
             else [(a[0] + 5) % 97 + 3]
         paths = [a, b] if self.rng.random() < 0.5 else [b, a]
         return tree_from_paths(paths[:width])
@@ -274,10 +303,68 @@ class TreeOracleProposer(OracleProposer):
 def test_tree_outputs_equal_plain_decoding_whatever_branch_is_kept(n, wrong, k, num_blocks, prefix_caching, policy,
                                                                    seed):
     rng = random.Random(seed)
-    sched = make_scheduler(num_blocks=num_blocks, block_size=4, prefix_caching=prefix_caching,
-                           max_num_batched_tokens=40, policy=policy, chunked_prefill=True, max_chunk_tokens=8,
-                           proposer=TreeOracleProposer(k, wrong, seed), spec_max_rows=rng.randint(1, 5),
-                           tree_width=2, max_model_len=40)
+    sched, planner = make_speculating(TreeOracleProposer(k, wrong, seed, tree_width=2), tree_width=2,
+                                      num_blocks=num_blocks, block_size=4, prefix_caching=prefix_caching,
+                                      max_num_batched_tokens=40, policy=policy, chunked_prefill=True,
+                                      max_chunk_tokens=8, spec_max_rows=rng.randint(1, 5), max_model_len=40)
     reqs = add_random_requests(sched, rng, n, 10)
-    TreeFakeRunner(sched).run(max_steps=2000)
+    TreeFakeRunner(sched, planner).run(max_steps=2000)
     assert_outputs_are_plain_decodings(sched, reqs)
+
+
+# --- the speculative room's planning (spec_decode.py) ----------------------------------------------------
+
+def test_trimming_a_tree_keeps_nodes_within_depth_and_room_with_their_parents():
+    nodes, parents = [1, 2, 3, 4, 5], [-1, 0, 1, -1, 3]          # two branches: 1 2 3 and 4 5
+    assert trim_tree(nodes, parents, depth=3, room=5) == (nodes, parents)
+    assert trim_tree(nodes, parents, depth=2, room=5) == ([1, 2, 4, 5], [-1, 0, -1, 2])
+    assert trim_tree(nodes, parents, depth=3, room=2) == ([1, 2], [-1, 0])
+    assert trim_tree(nodes, parents, depth=1, room=5) == ([1, 4], [-1, -1])
+    assert trim_tree([], [], depth=3, room=3) == ([], [])
+
+
+class EmptyProposer:
+    """Proposes nothing; reserves blocks first or not, as a draft model or a lookup does."""
+
+    def __init__(self, reserves_blocks):
+        self.reserves_blocks, self.agent_step_kind, self.calls = reserves_blocks, None, []
+
+    async def propose(self, requests, limits):
+        self.calls.append(list(limits))
+        return [([], []) for _ in requests]
+
+
+@pytest.mark.parametrize("reserves_blocks", [False, True])
+def test_a_step_left_without_proposals_is_a_decode_run_only_when_no_blocks_were_reserved(reserves_blocks):
+    """A lookup that finds nothing leaves a plain decode step, which may be a decode run; a draft model that
+    proposed nothing leaves its step as it is (its blocks reserved: requests may have arrived meanwhile)."""
+    proposer = EmptyProposer(reserves_blocks)
+    sched, planner = make_speculating(proposer, spec_tokens=3, spec_max_rows=4, decode_steps=4,
+                                      decode_steps_max_rows=4)
+    reqs = make_requests(2, prompt_len=5, max_new_tokens=10)
+    for r in reqs:
+        sched.add(r)
+    runner = SpecFakeRunner(sched, planner)
+    runner.step(runner.schedule())                               # prefill: 6 tokens each, 2 blocks of 4
+    batch = sched.schedule()
+    assert batch.may_speculate and batch.steps == 1              # the scheduler leaves the run to the planner
+    batch = run_now(planner.speculate(batch))
+    assert proposer.calls == [[3, 3]] and not batch.is_verify
+    if reserves_blocks:                                          # 6 + 3 tokens' blocks, held for the draft's KV
+        assert batch.steps == 1 and batch.spec_limits == [3, 3]
+        assert [len(sched.bm.block_tables[r.req_id]) for r in reqs] == [3, 3]
+    else:                                                        # a run of 4: K/V of 6 + 3 tokens
+        assert batch.steps == 4 and batch.run_lens == [4, 4] and sched.num_decode_runs == 1
+    runner.step(batch)
+    runner.run()
+    assert_outputs_are_plain_decodings(sched, reqs)
+
+
+def test_a_lookup_proposes_chains_or_trees_per_row_within_its_limit():
+    p = NgramProposer(num_tokens=3, ngram_max=3, ngram_min=1)
+    reqs = [Request([5, 6, 7, 8, 9, 5, 6, 7, 8, 2, 5, 6, 7], SamplingParams(max_new_tokens=4), frozenset()),
+            Request([1, 2, 3], SamplingParams(max_new_tokens=4), frozenset())]
+    assert run_now(p.propose(reqs, [2, 3])) == [([8, 2], [-1, 0]), ([], [])]
+    assert run_now(p.propose(reqs, [0, 3])) == [([], []), ([], [])]
+    tree = NgramProposer(num_tokens=3, ngram_max=3, ngram_min=1, tree_width=2)
+    assert run_now(tree.propose(reqs, [3, 3])) == [([8, 2, 5, 9, 5], [-1, 0, 1, 0, 3]), ([], [])]
