@@ -12,8 +12,9 @@
 // a short spin: on two cores shared with the master and a load client, one thread losing its core for a while
 // then delays a step by a chunk, not by half of every product.
 //
-// Loaded by MindSpore as `ops.Custom(func_type="aot")` kernels (inputs then the output in `params`); built
-// and cached by kernels/__init__.py. The weights are llama.py's load-time forms: q/k/v fused, gate/up fused.
+// Loaded by MindSpore as `ops.Custom(func_type="aot")` kernels (inputs then the output in `params`, in the order
+// of DECODER_LAYER_PARAMS / FINAL_LOGITS_PARAMS below, which kernels/signatures.py declares again by name and
+// the build checks); built and cached by kernels/__init__.py. The weights are llama.py's load-time forms: q/k/v fused, gate/up fused.
 //
 // Weight matrices come in two forms, chosen per matrix by a type code in iconfig (GGML's numbering):
 //   0 (F32)   float32 (rows, K), the MindSpore graphs' own tensors (norm gains folded in: the gains passed are 1)
@@ -76,6 +77,7 @@
 #endif
 
 #include "cpu_kernel_common.h"
+#include "kernel_params.h"
 
 namespace {
 
@@ -701,9 +703,41 @@ inline float silu_times(float g, float u) {
   return g * sigmoid * u;
 }
 
-bool is(const char* dtype, const char* want) { return std::strcmp(dtype, want) == 0; }
-
 }  // namespace
+
+// The kernels' parameters in the order ops.Custom passes them (inputs, then outputs): (index, name, rank, dtype).
+// kernels/signatures.py declares the same lists (llama.py builds each call from it by name) and the build checks
+// the two against each other through DecoderLayerParams() and FinalLogitsParams() below (kernel_params.h).
+#define DECODER_LAYER_PARAMS(P)                                                                                  \
+  P(X, "x", 2, "float32") P(POS, "positions", 1, "int32") P(SLOTS, "slots", 1, "int32")                          \
+  P(TABLES, "block_tables", 2, "int32") P(CONTEXT, "context_lens", 1, "int32") P(TREE, "tree_bits", 1, "int32")  \
+  P(COS, "cos", 2, "float32") P(SIN, "sin", 2, "float32") P(QKV_W, "qkv_w", 2, "weight")                         \
+  P(QKV_B, "qkv_bias", 1, "float32") P(O_W, "o_w", 2, "weight") P(GATE_UP_W, "gate_up_w", 2, "weight")           \
+  P(DOWN_W, "down_w", 2, "weight") P(IN_GAIN, "input_gain", 1, "float32") P(POST_GAIN, "post_gain", 1, "float32") \
+  P(KEYS, "key_cache", 2, "float32") P(VALUES, "value_cache", 2, "float32") P(LORA, "lora", 1, "int32")          \
+  P(LORA_QKV_A, "lora_qkv_a", 3, "float32") P(LORA_QKV_B, "lora_qkv_b", 3, "float32")                            \
+  P(LORA_O_A, "lora_o_a", 3, "float32") P(LORA_O_B, "lora_o_b", 3, "float32")                                    \
+  P(LORA_GATE_UP_A, "lora_gate_up_a", 3, "float32") P(LORA_GATE_UP_B, "lora_gate_up_b", 3, "float32")            \
+  P(LORA_DOWN_A, "lora_down_a", 3, "float32") P(LORA_DOWN_B, "lora_down_b", 3, "float32")                        \
+  P(ICFG, "iconfig", 1, "int32") P(FCFG, "fconfig", 1, "float32")                                                \
+  P(OUT, "out", 2, "float32")
+#define FINAL_LOGITS_PARAMS(P)                                                                                   \
+  P(X, "x", 2, "float32") P(W, "lm_head", 2, "weight") P(GAIN, "gain", 1, "float32") P(SLOTS, "slots", 1, "int32") \
+  P(ICFG, "iconfig", 1, "int32") P(FCFG, "fconfig", 1, "float32")                                                \
+  P(LOGITS, "logits", 2, "float32") P(TOKEN, "token", 1, "int32") P(LOGPROB, "logprob", 1, "float32")
+
+namespace {
+const llm_serving::ParamSpec kDecoderLayerParams[] = {DECODER_LAYER_PARAMS(LLM_SERVING_PARAM_SPEC)};
+const llm_serving::ParamSpec kFinalLogitsParams[] = {FINAL_LOGITS_PARAMS(LLM_SERVING_PARAM_SPEC)};
+template <size_t N>
+const char* described(const llm_serving::ParamSpec (&spec)[N]) {
+  static const std::string text = llm_serving::describe_params(spec, N);   // one per kernel (N differs)
+  return text.c_str();
+}
+}  // namespace
+
+extern "C" const char* DecoderLayerParams() { return described(kDecoderLayerParams); }
+extern "C" const char* FinalLogitsParams() { return described(kFinalLogitsParams); }
 
 // Wall time spent in each kernel since the library was loaded, in nanoseconds: [DecoderLayer, FinalLogits]
 // (benchmarks read it through ctypes to split a step into kernel time and everything else).
@@ -727,18 +761,8 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
                             void* stream, void* extra) {
   (void)stream;
   (void)extra;
-  enum { X, POS, SLOTS, TABLES, CONTEXT, TREE, COS, SIN, QKV_W, QKV_B, O_W, GATE_UP_W, DOWN_W, IN_GAIN, POST_GAIN,
-         KEYS, VALUES, LORA, LORA_QKV_A, LORA_QKV_B, LORA_O_A, LORA_O_B, LORA_GATE_UP_A, LORA_GATE_UP_B, LORA_DOWN_A,
-         LORA_DOWN_B, ICFG, FCFG, OUT, NPARAM };
-  static const int want_ndims[NPARAM] = {2, 1, 1, 2, 1, 1, 2, 2, 2, 1, 2, 2, 2, 1, 1, 2, 2, 1, 3, 3, 3, 3, 3, 3, 3, 3,
-                                         1, 1, 2};
-  if (nparam != NPARAM) return 1;
-  for (int i = 0; i < NPARAM; ++i) {
-    if (ndims[i] != want_ndims[i]) return 1;
-    if (i == QKV_W || i == O_W || i == GATE_UP_W || i == DOWN_W) continue;      // checked with their type
-    const bool ints = (i >= POS && i <= TREE) || i == ICFG || i == LORA;
-    if (!is(dtypes[i], ints ? "int32" : "float32")) return 1;
-  }
+  enum { DECODER_LAYER_PARAMS(LLM_SERVING_PARAM_ENUM) NPARAM };
+  if (!llm_serving::params_match(kDecoderLayerParams, NPARAM, nparam, ndims, dtypes)) return 1;
   if (shapes[ICFG][0] != 8) return 2;
   const auto* x = static_cast<const float*>(params[X]);
   const auto* positions = static_cast<const int32_t*>(params[POS]);
@@ -969,14 +993,8 @@ extern "C" int FinalLogits(int nparam, void** params, int* ndims, int64_t** shap
                            void* stream, void* extra) {
   (void)stream;
   (void)extra;
-  enum { X, W, GAIN, SLOTS, ICFG, FCFG, LOGITS, TOKEN, LOGPROB, NPARAM };
-  if (nparam != NPARAM || ndims[X] != 2 || ndims[W] != 2 || ndims[GAIN] != 1 || ndims[SLOTS] != 1 ||
-      ndims[ICFG] != 1 || ndims[FCFG] != 1 || ndims[LOGITS] != 2 || ndims[TOKEN] != 1 || ndims[LOGPROB] != 1 ||
-      !is(dtypes[X], "float32") || !is(dtypes[GAIN], "float32") || !is(dtypes[SLOTS], "int32") ||
-      !is(dtypes[ICFG], "int32") || !is(dtypes[FCFG], "float32") || !is(dtypes[LOGITS], "float32") ||
-      !is(dtypes[TOKEN], "int32") || !is(dtypes[LOGPROB], "float32")) {
-    return 1;
-  }
+  enum { FINAL_LOGITS_PARAMS(LLM_SERVING_PARAM_ENUM) NPARAM };
+  if (!llm_serving::params_match(kFinalLogitsParams, NPARAM, nparam, ndims, dtypes)) return 1;
   const int64_t rows = shapes[X][0], h = shapes[X][1], vocab = shapes[W][0];
   const auto* icfg = static_cast<const int32_t*>(params[ICFG]);
   Matrix w;
