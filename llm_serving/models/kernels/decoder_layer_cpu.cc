@@ -14,7 +14,8 @@
 //
 // Loaded by MindSpore as `ops.Custom(func_type="aot")` kernels (inputs then the output in `params`, in the order
 // of DECODER_LAYER_PARAMS / FINAL_LOGITS_PARAMS below, which kernels/signatures.py declares again by name and
-// the build checks); built and cached by kernels/__init__.py. The weights are llama.py's load-time forms: q/k/v fused, gate/up fused.
+// the build checks); built and cached by kernels/__init__.py. The weights are layer_weights.py's load-time
+// forms: q/k/v fused, gate/up fused.
 //
 // Weight matrices come in two forms, chosen per matrix by a type code in iconfig (GGML's numbering):
 //   0 (F32)   float32 (rows, K), the MindSpore graphs' own tensors (norm gains folded in: the gains passed are 1)
