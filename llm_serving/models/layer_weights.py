@@ -145,7 +145,9 @@ class LayerWeights:
 
 
 def _fused(w: dict, prefix: str, parts, suffix: str = "weight") -> np.ndarray:
-    return np.concatenate([w[f"{prefix}{part}.{suffix}"] for part in parts], axis=0)
+    """The parts' tensors stacked by rows; a single part is the checkpoint's array itself (no copy)."""
+    arrays = [w[f"{prefix}{part}.{suffix}"] for part in parts]
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=0)
 
 
 def prepare_layer(cfg: LlamaConfig, w: dict, i: int, *, tp: TensorParallel = TensorParallel(),

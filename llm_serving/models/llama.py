@@ -32,7 +32,8 @@ from mindspore import Parameter, Tensor, nn, ops
 
 from .attention import PagedAttention, paged_metadata
 from .kernels.signatures import DECODER_LAYER, FINAL_LOGITS
-from .layer_weights import LORA_PRODUCTS, LayerKernelConfig, kernel_lora_arrays, prepare_head, prepare_layer
+from .layer_weights import (LORA_PRODUCTS, KernelInputs, LayerKernelConfig, kernel_lora_arrays, prepare_head,
+                            prepare_layer)
 from .parallel import TensorParallel
 from .sampler import greedy_pick
 from .weights import LlamaConfig
@@ -67,6 +68,12 @@ def _lora_param(array: np.ndarray, name: str) -> Parameter:
     """A Parameter initialized from `array` (float32, contiguous), which refresh_lora gives it again after a write."""
     assert array.dtype == np.float32 and array.flags["C_CONTIGUOUS"]
     return Parameter(Tensor(array.copy()), name=name, requires_grad=False)
+
+
+def _final_logits_shapes(*shapes):
+    # FinalLogits' output shapes from its inputs': logits (R, V), token (R,), logprob (R,)
+    rows, vocab = shapes[FINAL_LOGITS.index("x")][0], shapes[FINAL_LOGITS.index("lm_head")][0]
+    return (rows, vocab), (rows,), (rows,)
 
 
 def _rms_normalize(x, eps: float):
@@ -117,16 +124,17 @@ class LlamaDecoderLayer(nn.Cell):
             self.layer_kernel = ops.Custom(f"{layer_kernel}:DecoderLayer", out_shape=lambda x, *_: x,
                                            out_dtype=lambda x, *_: x, func_type="aot")
             self._hold_kernel_inputs(prepared.kernel, i)
+            DECODER_LAYER.check_call(self.fused)
 
-    def _hold_kernel_inputs(self, k, i: int) -> None:
+    def _hold_kernel_inputs(self, k: KernelInputs, i: int) -> None:
         """The layer kernel's inputs the layer holds (layer_weights.KernelInputs), as `kernel_<input name>`: a
         matrix the kernel reads in float32 is the graphs' own Parameter, stored rows get their own."""
         f32 = {"qkv_w": self.qkv_w, "o_w": self.o_w, "gate_up_w": self.gate_up_w, "down_w": self.down_w}
         for (name, array), qtype in zip(k.matrices.items(), k.types):
             setattr(self, f"kernel_{name}", f32[name] if qtype == 0 else
-                    _stored_param(array, f"layers.{i}.{name[:-len('_w')]}_stored"))
-        self.qkv_bias_or_zero = self.qkv_bias if self.qkv_bias is not None else _param(k.qkv_bias,
-                                                                                       f"layers.{i}.qkv_bias0")
+                    _stored_param(array, f"layers.{i}.{name.removesuffix('_w')}_stored"))
+        self.kernel_qkv_bias = self.qkv_bias if self.qkv_bias is not None else _param(k.qkv_bias,
+                                                                                      f"layers.{i}.qkv_bias0")
         self.kernel_input_gain = _param(k.gains["input_gain"], f"layers.{i}.kernel_input_gain")       # (H,)
         self.kernel_post_gain = _param(k.gains["post_gain"], f"layers.{i}.kernel_post_gain")         # (H,)
         # LoRA adapters stacked by slot, as the kernel takes them (A (S, parts*R, K), B (S, R, N)); slot 0 is the
@@ -136,6 +144,13 @@ class LlamaDecoderLayer(nn.Cell):
         self.kernel_types = k.types           # GGML type codes of qkv, o, gate_up, down (0: float32)
         self.kernel_iconfig = Tensor(k.iconfig)                                       # (8,) int32
         self.kernel_fconfig = Tensor(k.fconfig)                                       # (1,) float32 [eps]
+        # the same objects in the kernel's order, which `fused` passes after the step's inputs
+        self.kernel_held = DECODER_LAYER.held(
+            qkv_w=self.kernel_qkv_w, qkv_bias=self.kernel_qkv_bias, o_w=self.kernel_o_w,
+            gate_up_w=self.kernel_gate_up_w, down_w=self.kernel_down_w, input_gain=self.kernel_input_gain,
+            post_gain=self.kernel_post_gain, key_cache=self.attn.key_cache, value_cache=self.attn.value_cache,
+            iconfig=self.kernel_iconfig, fconfig=self.kernel_fconfig,
+            **{name: getattr(self, f"kernel_{name}") for name in k.lora})
 
     def refresh_lora(self) -> None:
         """The LoRA Parameters take their stacks' arrays again (after LoraStack.write): a compiled graph reads
@@ -151,20 +166,12 @@ class LlamaDecoderLayer(nn.Cell):
         for param, array in pairs:
             param.set_data(Tensor(array.copy()))
 
-    def fused(self, x, positions, slots, block_tables, context_lens, tree_bits, cos_table, sin_table, lora):
-        # x (T, H); positions, slots, context_lens, tree_bits, lora (T,); block_tables (T, W); cos/sin tables (P, D)
-        return self.layer_kernel(*DECODER_LAYER.args(
-            x=x, positions=positions, slots=slots, block_tables=block_tables, context_lens=context_lens,
-            tree_bits=tree_bits, cos=cos_table, sin=sin_table, lora=lora,
-            key_cache=self.attn.key_cache, value_cache=self.attn.value_cache,
-            qkv_w=self.kernel_qkv_w, qkv_bias=self.qkv_bias_or_zero, o_w=self.kernel_o_w,
-            gate_up_w=self.kernel_gate_up_w, down_w=self.kernel_down_w,
-            input_gain=self.kernel_input_gain, post_gain=self.kernel_post_gain,
-            lora_qkv_a=self.kernel_lora_qkv_a, lora_qkv_b=self.kernel_lora_qkv_b, lora_o_a=self.kernel_lora_o_a,
-            lora_o_b=self.kernel_lora_o_b, lora_gate_up_a=self.kernel_lora_gate_up_a,
-            lora_gate_up_b=self.kernel_lora_gate_up_b, lora_down_a=self.kernel_lora_down_a,
-            lora_down_b=self.kernel_lora_down_b,
-            iconfig=self.kernel_iconfig, fconfig=self.kernel_fconfig))                          # (T, H)
+    def fused(self, x, positions, slots, block_tables, context_lens, tree_bits, cos, sin, lora):
+        """The layer as its kernel (kernels/decoder_layer_cpu.cc): the step's inputs (DECODER_LAYER's call inputs,
+        by name and in order: checked when the layer is built), then what the layer holds. x (T, H); positions,
+        slots, context_lens, tree_bits, lora (T,); block_tables (T, W); cos/sin tables (P, D) -> (T, H)."""
+        return self.layer_kernel(x, positions, slots, block_tables, context_lens, tree_bits, cos, sin, lora,
+                                 *self.kernel_held)                                                    # (T, H)
 
     def lora_delta(self, j: int, x, lora):
         """Product j's LoRA deltas for a batch of mixed adapters: x (T, K), lora (T, 1) each token's slot ->
@@ -252,7 +259,7 @@ class LlamaForCausalLM(nn.Cell):
             self.lm_head = _param(head.lm_head, "lm_head")                              # (V, H)
             if layer_kernel is not None:
                 self.final_logits = ops.Custom(f"{layer_kernel}:FinalLogits",
-                                               out_shape=lambda x, w, *_: ((x[0], w[0]), (x[0],), (x[0],)),
+                                               out_shape=_final_logits_shapes,
                                                out_dtype=lambda x, *_: (x, ms.int32, x), func_type="aot")
                 self.kernel_lm_head = self.lm_head if head.kernel_type == 0 else \
                     _stored_param(head.kernel_lm_head, "lm_head_stored")
@@ -260,6 +267,9 @@ class LlamaForCausalLM(nn.Cell):
                 self.kernel_lm_type = head.kernel_type
                 self.logits_icfg = Tensor(head.iconfig)                                      # (2,) int32
                 self.logits_fcfg = Tensor(head.fconfig)                                      # (1,) float32
+                self.logits_held = FINAL_LOGITS.held(lm_head=self.kernel_lm_head, gain=self.kernel_norm_gain,
+                                                     iconfig=self.logits_icfg, fconfig=self.logits_fcfg)
+                FINAL_LOGITS.check_call(self.fused_logits)
         cos, sin = rope_tables(cfg, max_positions)
         self.cos_table = _param(cos, "rope_cos")                                        # (P, D)
         self.sin_table = _param(sin, "rope_sin")                                        # (P, D)
@@ -334,8 +344,7 @@ class LlamaForCausalLM(nn.Cell):
     def fused_logits(self, x, slots):
         """Final norm, lm_head and the greedy pick as one kernel: (logits (R, V), token (R,), logprob (R,)); slots
         (R,) the rows' K/V slots (all < 0: nothing to compute, tokens 0)."""
-        return self.final_logits(*FINAL_LOGITS.args(x=x, lm_head=self.kernel_lm_head, gain=self.kernel_norm_gain,
-                                                    slots=slots, iconfig=self.logits_icfg, fconfig=self.logits_fcfg))
+        return self.final_logits(x, slots, *self.logits_held)
 
 
 class DecodeRun(nn.Cell):

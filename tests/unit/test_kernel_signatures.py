@@ -23,7 +23,9 @@ def exported(signature) -> str:
 
 
 def with_inputs(signature, inputs):
-    return dataclasses.replace(signature, inputs=tuple(inputs))
+    """The signature with these inputs (the first as many as it has call inputs are those)."""
+    n = len(signature.call_inputs)
+    return dataclasses.replace(signature, call_inputs=tuple(inputs[:n]), held_inputs=tuple(inputs[n:]))
 
 
 def test_a_matching_list_passes():
@@ -33,8 +35,9 @@ def test_a_matching_list_passes():
 
 def test_two_inputs_swapped_are_named():
     p = list(DECODER_LAYER.inputs)
-    p[10], p[11] = p[11], p[10]                                   # o_w <-> gate_up_w on the Python side
-    with pytest.raises(KernelSignatureError, match=r"parameter 10 is 'o_w' in the C\+\+ list but 'gate_up_w'"):
+    i, j = DECODER_LAYER.index("o_w"), DECODER_LAYER.index("gate_up_w")
+    p[i], p[j] = p[j], p[i]                                       # o_w <-> gate_up_w on the Python side
+    with pytest.raises(KernelSignatureError, match=rf"parameter {i} is 'o_w' in the C\+\+ list but 'gate_up_w'"):
         check_params(with_inputs(DECODER_LAYER, p), exported(DECODER_LAYER), "decoder_layer_cpu.cc")
 
 
@@ -58,6 +61,31 @@ def test_a_rank_or_dtype_difference_is_named():
     with pytest.raises(KernelSignatureError, match=r"parameter 3 is 'block_tables:2:int32' in the C\+\+ list but "
                                                    r"'block_tables:1:int32'"):
         check_params(with_inputs(DECODER_LAYER, p), exported(DECODER_LAYER))
+
+
+def test_the_held_inputs_are_ordered_by_name_and_the_call_checked():
+    held = {p.name: p.name for p in reversed(FINAL_LOGITS.held_inputs)}
+    assert FINAL_LOGITS.held(**held) == ("lm_head", "gain", "iconfig", "fconfig")
+    with pytest.raises(TypeError, match="no value for its input 'gain'"):
+        FINAL_LOGITS.held(lm_head=1, iconfig=2, fconfig=3)
+    with pytest.raises(TypeError, match="no input named 'x' here"):
+        FINAL_LOGITS.held(**held, x=0)
+
+    class Model:
+        def fused_logits(self, x, slots):
+            pass
+
+        def swapped(self, slots, x):
+            pass
+
+        def short(self, x):
+            pass
+
+    FINAL_LOGITS.check_call(Model().fused_logits)
+    with pytest.raises(TypeError, match="argument 0 should be 'x', not 'slots'"):
+        FINAL_LOGITS.check_call(Model().swapped)
+    with pytest.raises(TypeError, match="argument 1 should be 'slots', not None"):
+        FINAL_LOGITS.check_call(Model.short)
 
 
 def test_args_put_each_named_value_in_its_place():

@@ -51,6 +51,12 @@ def invoke(func, arrays) -> int:
     return func(ctypes.c_int(n), params, ndims, shapes, dtypes, None, None)
 
 
+def logits_args(x, lm_head, gain, slots, cfg, *outputs) -> list:
+    """FinalLogits' parameters by name: its inputs (cfg: iconfig, fconfig), then the outputs."""
+    return [*FINAL_LOGITS.args(x=x, lm_head=lm_head, gain=gain, slots=slots, iconfig=cfg[0], fconfig=cfg[1]),
+            *outputs]
+
+
 def rms(x):
     x = x.astype(np.float64)
     return x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-5)
@@ -308,7 +314,7 @@ def test_final_logits_token_and_logprob(library, vocab, rows, threads):
     slots[0] = -1 if rows > 1 else 0       # a row sitting out is computed as any other while some row is in
     gain = np.ones(48, np.float32)
     cfg = [np.array([threads, 0], np.int32), np.array([1e-5], np.float32)]
-    assert invoke(library.FinalLogits, [x, w, gain, slots, *cfg, logits, token, logprob]) == 0
+    assert invoke(library.FinalLogits, logits_args(x, w, gain, slots, cfg, logits, token, logprob)) == 0
     want = rms(x) @ w.T.astype(np.float64)
     np.testing.assert_allclose(logits, want, rtol=1e-4, atol=1e-4)
     assert token.tolist() == np.argmax(logits, -1).tolist() and 7 not in token.tolist()
@@ -320,21 +326,22 @@ def test_final_logits_token_and_logprob(library, vocab, rows, threads):
     x[0, 0] = 1
     w[:, 0] = 0
     w[[vocab - 2, 4], 0] = 5.0
-    assert invoke(library.FinalLogits, [x, w, gain, slots, *cfg, logits, token, logprob]) == 0
+    assert invoke(library.FinalLogits, logits_args(x, w, gain, slots, cfg, logits, token, logprob)) == 0
     assert token[0] == 4 and logits[0, 4] == logits[0, vocab - 2]
     # a row sitting out at the end (padding) is not computed: token 0, log-probability 0
     if rows > 1:
         tail = slots.copy()
         tail[-1] = -1
         first_tokens, first_logprobs = token.copy(), logprob.copy()
-        assert invoke(library.FinalLogits, [x, w, gain, tail, *cfg, logits, token, logprob]) == 0
+        assert invoke(library.FinalLogits, logits_args(x, w, gain, tail, cfg, logits, token, logprob)) == 0
         assert token[:-1].tolist() == first_tokens[:-1].tolist() and token[-1] == 0 and logprob[-1] == 0
         np.testing.assert_array_equal(logprob[:-1], first_logprobs[:-1])
     # every row sitting out (a decode run's step after all its rows ended): nothing computed, tokens 0
     logits[:] = np.nan
-    assert invoke(library.FinalLogits, [x, w, gain, np.full(rows, -1, np.int32), *cfg, logits, token, logprob]) == 0
+    none = np.full(rows, -1, np.int32)
+    assert invoke(library.FinalLogits, logits_args(x, w, gain, none, cfg, logits, token, logprob)) == 0
     assert np.isnan(logits).all() and token.tolist() == [0] * rows and logprob.tolist() == [0.0] * rows
-    assert invoke(library.FinalLogits, [x, w, gain, slots[:-1].copy(), *cfg, logits, token, logprob]) == 2
+    assert invoke(library.FinalLogits, logits_args(x, w, gain, slots[:-1].copy(), cfg, logits, token, logprob)) == 2
 
 
 GGUF_TYPES = pytest.importorskip("gguf").GGMLQuantizationType
@@ -410,12 +417,12 @@ def test_final_logits_reads_a_quantized_lm_head(library, qtype, rows):
     logits, token, logprob = np.empty((rows, vocab), np.float32), np.empty(rows, np.int32), np.empty(rows, np.float32)
     cfg = [np.array([2, int(qtype)], np.int32), np.array([1e-5], np.float32)]
     slots = np.arange(rows, dtype=np.int32)
-    assert invoke(library.FinalLogits, [x, raw, gain, slots, *cfg, logits, token, logprob]) == 0
+    assert invoke(library.FinalLogits, logits_args(x, raw, gain, slots, cfg, logits, token, logprob)) == 0
     want = rms(x) * gain @ w.T.astype(np.float64)
     np.testing.assert_allclose(logits, want, rtol=1e-4, atol=1e-4)
     assert token.tolist() == np.argmax(want, -1).tolist()
     cfg[0] = np.array([2, 0], np.int32)                                     # the same bytes called float32
-    assert invoke(library.FinalLogits, [x, raw, gain, slots, *cfg, logits, token, logprob]) == 2
+    assert invoke(library.FinalLogits, logits_args(x, raw, gain, slots, cfg, logits, token, logprob)) == 2
 
 
 @pytest.mark.parametrize("threads,row_slots,qtype", [

@@ -55,8 +55,8 @@ def test_qkv_and_gate_up_are_fused_with_their_norm_gains_folded_in():
     np.testing.assert_array_equal(layer.qkv[nq + nkv:], w[P + "self_attn.v_proj.weight"] * g_in)
     np.testing.assert_array_equal(layer.gate_up[CFG.intermediate_size:], w[P + "mlp.up_proj.weight"] * g_post)
     np.testing.assert_array_equal(layer.qkv_bias, np.concatenate([w[P + f"self_attn.{m}_proj.bias"] for m in "qkv"]))
-    np.testing.assert_array_equal(layer.o, w[P + "self_attn.o_proj.weight"])          # no norm before o, down
-    np.testing.assert_array_equal(layer.down, w[P + "mlp.down_proj.weight"])
+    # no norm before o and down: the checkpoint's arrays themselves (no copy of the largest matrices)
+    assert layer.o is w[P + "self_attn.o_proj.weight"] and layer.down is w[P + "mlp.down_proj.weight"]
     # the folded product is the unfolded one: (x g) W^T = x (W g)^T
     x = np.random.default_rng(1).standard_normal((5, CFG.hidden_size))
     unfolded = np.concatenate([(x * g_post) @ w[P + f"mlp.{m}_proj.weight"].T.astype(np.float64)
@@ -90,17 +90,16 @@ def test_the_kernel_reads_stored_rows_untouched_and_the_gain_beside_them():
 
 
 def test_the_kernel_inputs_are_named_and_shaped_as_the_kernel_declares_them():
-    """Every input the layer holds has a name of DECODER_LAYER's, with its rank; without adapter slots the LoRA
-    inputs are one all-zero slot of rank 1."""
+    """Every input the layer holds has a name of DECODER_LAYER's held inputs, with its rank; without adapter
+    slots the LoRA inputs are one all-zero slot of rank 1."""
     layer = prepare_layer(CFG, checkpoint(), 1, kernel=LayerKernelConfig(block_size=4, threads=1))
     k = layer.kernel
     held = {**k.matrices, **k.gains, **k.lora, "qkv_bias": k.qkv_bias, "iconfig": k.iconfig, "fconfig": k.fconfig}
     params = {p.name: p for p in DECODER_LAYER.inputs}
     for name, array in held.items():
         assert array.ndim == params[name].ndims, name
-    step = {"x", "positions", "slots", "block_tables", "context_lens", "tree_bits", "cos", "sin", "lora",
-            "key_cache", "value_cache"}
-    assert set(held) | step == set(DECODER_LAYER.input_names)
+    caches = {"key_cache", "value_cache"}                             # the attention's, held by the layer too
+    assert set(held) | caches == {p.name for p in DECODER_LAYER.held_inputs}
     assert all(not a.any() and a.shape[0] == 1 for a in k.lora.values())
     assert k.lora["lora_qkv_a"].shape == (1, 3, CFG.hidden_size) and k.lora["lora_down_b"].shape == (1, 1, 16)
 

@@ -24,8 +24,8 @@
 //             a decode step reads 4.5-8.5 bits per weight from memory instead of 32. Gains are not folded into
 //             quantized rows: the normalized activations are multiplied by them instead (the same product).
 //
-// DecoderLayer(x, positions, slots, block_tables, context_lens, tree_bits, cos, sin, qkv_w, qkv_bias, o_w,
-//              gate_up_w, down_w, input_gain, post_gain, key_cache, value_cache, lora, lora_qkv_a, lora_qkv_b,
+// DecoderLayer(x, positions, slots, block_tables, context_lens, tree_bits, cos, sin, lora, qkv_w, qkv_bias, o_w,
+//              gate_up_w, down_w, input_gain, post_gain, key_cache, value_cache, lora_qkv_a, lora_qkv_b,
 //              lora_o_a, lora_o_b, lora_gate_up_a, lora_gate_up_b, lora_down_a, lora_down_b, iconfig, fconfig) -> out
 //   x            (B, H)                 float32  the layer's input hidden states, one decode token per row
 //   positions    (B,)                   int32    each token's position (< P)
@@ -37,12 +37,12 @@
 //   context_lens (B,)                   int32    keys 0 .. context_len-1 visible (the new token included)
 //   tree_bits    (B,)                   int32    token-tree visibility of the last 32 keys (-1: all)
 //   cos, sin     (P, D)                 float32  rope tables, rotate_half layout, sin signed [-sin, sin]
+//   lora         (B,)                   int32    each row's LoRA adapter slot (0: none; < S)
 //   qkv_w        ((NH+2KVH)*D, H)                qkv_bias ((NH+2KVH)*D,) float32: zeros for models without one
 //   o_w          (H, NH*D)
 //   gate_up_w    (2I, H)                         down_w (H, I)    (weights: float32, or uint8 rows as above)
 //   input_gain, post_gain (H,)          float32  the norms' gains for q/k/v and for gate/up (1 where folded)
 //   key_cache, value_cache (N*KVH, D)   float32  flat [slots, KVH, D]; this step's K/V are written in place
-//   lora         (B,)                   int32    each row's LoRA adapter slot (0: none; < S)
 //   lora_*_a     (S, P*R, K)            float32  per slot, the product's A matrices of its P parts (q/k/v: 3,
 //                                                gate/up: 2, o and down: 1) stacked; K its input width
 //   lora_*_b     (S, R, N)              float32  per slot, B transposed (scale folded in): column j for output
@@ -52,7 +52,7 @@
 //                                                 qkv type, o type, gate_up type, down type]
 //   fconfig      (1,)                   float32  [rms_norm_eps]
 //   out          (B, H)                 float32
-// FinalLogits(x (R, H), lm_head (V, H), gain (H,), slots (R,), iconfig [threads, lm_head type], fconfig [eps])
+// FinalLogits(x (R, H), slots (R,), lm_head (V, H), gain (H,), iconfig [threads, lm_head type], fconfig [eps])
 //   -> logits (R, V), the greedy token (R,) int32 (the first index of the largest logit) and its
 //   log-probability (R,) float32; rows whose slot is < 0 at the end of the batch (padding; a decode run's rows
 //   that ended) are not computed: tokens and log-probabilities 0, logits left as they are
@@ -707,15 +707,16 @@ inline float silu_times(float g, float u) {
 }  // namespace
 
 // The kernels' parameters in the order ops.Custom passes them (inputs, then outputs): (index, name, rank, dtype).
-// kernels/signatures.py declares the same lists (llama.py builds each call from it by name) and the build checks
-// the two against each other through DecoderLayerParams() and FinalLogitsParams() below (kernel_params.h).
+// The inputs a step gives come first, then those the model holds (weights, caches, config). kernels/signatures.py
+// declares the same lists (llama.py calls the kernels by them) and the build checks the two against each other
+// through DecoderLayerParams() and FinalLogitsParams() below (kernel_params.h).
 #define DECODER_LAYER_PARAMS(P)                                                                                  \
   P(X, "x", 2, "float32") P(POS, "positions", 1, "int32") P(SLOTS, "slots", 1, "int32")                          \
   P(TABLES, "block_tables", 2, "int32") P(CONTEXT, "context_lens", 1, "int32") P(TREE, "tree_bits", 1, "int32")  \
-  P(COS, "cos", 2, "float32") P(SIN, "sin", 2, "float32") P(QKV_W, "qkv_w", 2, "weight")                         \
-  P(QKV_B, "qkv_bias", 1, "float32") P(O_W, "o_w", 2, "weight") P(GATE_UP_W, "gate_up_w", 2, "weight")           \
-  P(DOWN_W, "down_w", 2, "weight") P(IN_GAIN, "input_gain", 1, "float32") P(POST_GAIN, "post_gain", 1, "float32") \
-  P(KEYS, "key_cache", 2, "float32") P(VALUES, "value_cache", 2, "float32") P(LORA, "lora", 1, "int32")          \
+  P(COS, "cos", 2, "float32") P(SIN, "sin", 2, "float32") P(LORA, "lora", 1, "int32")                            \
+  P(QKV_W, "qkv_w", 2, "weight") P(QKV_B, "qkv_bias", 1, "float32") P(O_W, "o_w", 2, "weight")                   \
+  P(GATE_UP_W, "gate_up_w", 2, "weight") P(DOWN_W, "down_w", 2, "weight") P(IN_GAIN, "input_gain", 1, "float32") \
+  P(POST_GAIN, "post_gain", 1, "float32") P(KEYS, "key_cache", 2, "float32") P(VALUES, "value_cache", 2, "float32") \
   P(LORA_QKV_A, "lora_qkv_a", 3, "float32") P(LORA_QKV_B, "lora_qkv_b", 3, "float32")                            \
   P(LORA_O_A, "lora_o_a", 3, "float32") P(LORA_O_B, "lora_o_b", 3, "float32")                                    \
   P(LORA_GATE_UP_A, "lora_gate_up_a", 3, "float32") P(LORA_GATE_UP_B, "lora_gate_up_b", 3, "float32")            \
@@ -723,7 +724,7 @@ inline float silu_times(float g, float u) {
   P(ICFG, "iconfig", 1, "int32") P(FCFG, "fconfig", 1, "float32")                                                \
   P(OUT, "out", 2, "float32")
 #define FINAL_LOGITS_PARAMS(P)                                                                                   \
-  P(X, "x", 2, "float32") P(W, "lm_head", 2, "weight") P(GAIN, "gain", 1, "float32") P(SLOTS, "slots", 1, "int32") \
+  P(X, "x", 2, "float32") P(SLOTS, "slots", 1, "int32") P(W, "lm_head", 2, "weight") P(GAIN, "gain", 1, "float32") \
   P(ICFG, "iconfig", 1, "int32") P(FCFG, "fconfig", 1, "float32")                                                \
   P(LOGITS, "logits", 2, "float32") P(TOKEN, "token", 1, "int32") P(LOGPROB, "logprob", 1, "float32")
 

@@ -6,7 +6,8 @@ passes them (inputs, then outputs), with each one's rank and dtype; its enum of 
 on every call come from that list, and the library exports it as text (`<Func>Params()`: "name:ndims:dtype,...").
 `build_kernel` compares that text with the signature declared here and refuses a library whose list differs,
 naming the first parameter that does (`KernelSignatureError`). A new kernel input is one line in the C++ list
-and one here, at the same place; the call site names it (`DECODER_LAYER.args(..., new_input=...)`).
+and one here, at the same place; then its value by name: a step input is a new argument of the model's method
+that runs the kernel (`check_call` holds it to the declared order), a held one a new keyword of `held(...)`.
 
 dtype "weight": float32, or a GGUF type's stored bytes (uint8), which the kernel checks with the type code its
 iconfig gives.
@@ -14,6 +15,7 @@ iconfig gives.
 from __future__ import annotations
 
 import ctypes
+import inspect
 from dataclasses import dataclass
 
 __all__ = ["DECODER_LAYER", "FINAL_LOGITS", "KERNEL_SIGNATURES", "KernelParam", "KernelSignature",
@@ -37,12 +39,20 @@ class KernelParam:
 
 @dataclass(frozen=True)
 class KernelSignature:
-    """A kernel's parameters in the order MindSpore passes them: `inputs` (the call's arguments), then
-    `outputs` (allocated by MindSpore)."""
+    """A kernel's parameters in the order MindSpore passes them: the inputs a step gives (`call_inputs`, the
+    arguments of the model's method that runs the kernel), then those the model holds (`held_inputs`: weights,
+    caches, config), then the `outputs` (allocated by MindSpore). The order of the held ones is settled once, in
+    Python, when the model is built (`held`): a graph's construct only forwards its own arguments and that
+    tuple, since a name-to-position mapping inside a compiled graph costs ~1 s of compile time per call."""
 
     func: str
-    inputs: tuple
+    call_inputs: tuple
+    held_inputs: tuple
     outputs: tuple
+
+    @property
+    def inputs(self) -> tuple:
+        return self.call_inputs + self.held_inputs
 
     @property
     def input_names(self) -> tuple:
@@ -57,16 +67,36 @@ class KernelSignature:
         return [p.name for p in self.params].index(name)
 
     def args(self, **values) -> tuple:
-        """The kernel's inputs in its order, from values given by name (every input, nothing else). Also runs
-        inside a MindSpore graph's construct (at compile time), so it stays plain loops over constants."""
-        names = self.input_names
-        for name in names:
-            if name not in values:
-                raise TypeError(f"{self.func}: no value for its input {name!r}")
-        for name in values:
-            if name not in names:
-                raise TypeError(f"{self.func}: it has no input named {name!r} (inputs: {', '.join(names)})")
-        return tuple(values[name] for name in names)
+        """All the kernel's inputs in its order, from values given by name (every input, nothing else)."""
+        return _ordered(self.func, self.inputs, values)
+
+    def held(self, **values) -> tuple:
+        """The held inputs in the kernel's order, from values given by name (every held input, nothing else): the
+        tuple the model passes after a step's inputs."""
+        return _ordered(self.func, self.held_inputs, values)
+
+    def check_call(self, method) -> None:
+        """TypeError unless `method` (the model's, that runs the kernel) takes exactly the call inputs, by their
+        names and in their order: it forwards them as it takes them."""
+        have = [n for n in inspect.signature(method).parameters if n != "self"]
+        want = [p.name for p in self.call_inputs]
+        if have != want:
+            i = next(i for i, (h, w) in enumerate(zip(have + [None] * len(want), want + [None] * len(have)))
+                     if h != w)
+            raise TypeError(f"{method.__qualname__} takes {have} but {self.func}'s step inputs are {want}: "
+                            f"argument {i} should be {want[i] if i < len(want) else None!r}, not "
+                            f"{have[i] if i < len(have) else None!r}")
+
+
+def _ordered(func: str, params: tuple, values: dict) -> tuple:
+    names = [p.name for p in params]
+    missing = [n for n in names if n not in values]
+    if missing:
+        raise TypeError(f"{func}: no value for its input {missing[0]!r}")
+    unknown = [n for n in values if n not in names]
+    if unknown:
+        raise TypeError(f"{func}: it has no input named {unknown[0]!r} here (these: {', '.join(names)})")
+    return tuple(values[n] for n in names)
 
 
 def _p(name: str, ndims: int, dtype: str) -> KernelParam:
@@ -74,22 +104,26 @@ def _p(name: str, ndims: int, dtype: str) -> KernelParam:
 
 
 # decoder_layer_cpu.cc's DecoderLayer (its header comment says what each one holds)
-DECODER_LAYER = KernelSignature("DecoderLayer", inputs=(
-    _p("x", 2, "float32"), _p("positions", 1, "int32"), _p("slots", 1, "int32"), _p("block_tables", 2, "int32"),
-    _p("context_lens", 1, "int32"), _p("tree_bits", 1, "int32"), _p("cos", 2, "float32"), _p("sin", 2, "float32"),
-    _p("qkv_w", 2, "weight"), _p("qkv_bias", 1, "float32"), _p("o_w", 2, "weight"), _p("gate_up_w", 2, "weight"),
-    _p("down_w", 2, "weight"), _p("input_gain", 1, "float32"), _p("post_gain", 1, "float32"),
-    _p("key_cache", 2, "float32"), _p("value_cache", 2, "float32"), _p("lora", 1, "int32"),
-    _p("lora_qkv_a", 3, "float32"), _p("lora_qkv_b", 3, "float32"), _p("lora_o_a", 3, "float32"),
-    _p("lora_o_b", 3, "float32"), _p("lora_gate_up_a", 3, "float32"), _p("lora_gate_up_b", 3, "float32"),
-    _p("lora_down_a", 3, "float32"), _p("lora_down_b", 3, "float32"),
-    _p("iconfig", 1, "int32"), _p("fconfig", 1, "float32")),
+DECODER_LAYER = KernelSignature(
+    "DecoderLayer",
+    call_inputs=(_p("x", 2, "float32"), _p("positions", 1, "int32"), _p("slots", 1, "int32"),
+                 _p("block_tables", 2, "int32"), _p("context_lens", 1, "int32"), _p("tree_bits", 1, "int32"),
+                 _p("cos", 2, "float32"), _p("sin", 2, "float32"), _p("lora", 1, "int32")),
+    held_inputs=(_p("qkv_w", 2, "weight"), _p("qkv_bias", 1, "float32"), _p("o_w", 2, "weight"),
+                 _p("gate_up_w", 2, "weight"), _p("down_w", 2, "weight"), _p("input_gain", 1, "float32"),
+                 _p("post_gain", 1, "float32"), _p("key_cache", 2, "float32"), _p("value_cache", 2, "float32"),
+                 _p("lora_qkv_a", 3, "float32"), _p("lora_qkv_b", 3, "float32"), _p("lora_o_a", 3, "float32"),
+                 _p("lora_o_b", 3, "float32"), _p("lora_gate_up_a", 3, "float32"),
+                 _p("lora_gate_up_b", 3, "float32"), _p("lora_down_a", 3, "float32"),
+                 _p("lora_down_b", 3, "float32"), _p("iconfig", 1, "int32"), _p("fconfig", 1, "float32")),
     outputs=(_p("out", 2, "float32"),))
 
 # decoder_layer_cpu.cc's FinalLogits
-FINAL_LOGITS = KernelSignature("FinalLogits", inputs=(
-    _p("x", 2, "float32"), _p("lm_head", 2, "weight"), _p("gain", 1, "float32"), _p("slots", 1, "int32"),
-    _p("iconfig", 1, "int32"), _p("fconfig", 1, "float32")),
+FINAL_LOGITS = KernelSignature(
+    "FinalLogits",
+    call_inputs=(_p("x", 2, "float32"), _p("slots", 1, "int32")),
+    held_inputs=(_p("lm_head", 2, "weight"), _p("gain", 1, "float32"), _p("iconfig", 1, "int32"),
+                 _p("fconfig", 1, "float32")),
     outputs=(_p("logits", 2, "float32"), _p("token", 1, "int32"), _p("logprob", 1, "float32")))
 
 # kernel source -> the signatures its library is checked against when built
