@@ -437,7 +437,7 @@ class LoraConfig:
     """`lora_config`: LoRA adapters of the served model (PEFT directories, models/lora.py), each selected per
     request by its name (the OpenAI `model` field, TGI's `adapter_id`, /models/{name}/generate). Requests of
     different adapters share a step: each adapter sits in one of `max_loras` slots of the agents' stacked
-    adapter weights (models/lora.py, the LoraStack of models/llama.py)."""
+    adapter weights (models/lora.py, the LoraStack of models/layer_weights.py)."""
 
     enable_lora: bool = False                 # adapter slots on the agent even with no adapters at start (for
                                               # POST /v1/load_lora_adapter); on whenever adapters are given

@@ -4,7 +4,7 @@ One call = one step over B rows of S new tokens each (T = B*S tokens); returns p
 token and its log-probability, plus the logits for the sampling graph (sampler.py).
 
 Load-time rewrites (each removes per-token kernels; on CPU a decode step is dominated by per-kernel
-overhead, ~10-15 us each):
+overhead, ~10-15 us each), the weights' done in numpy by layer_weights.py (this file only wraps them in Parameters):
 - q/k/v fused into one [out, in] weight (and one bias where the model has them: Qwen2), gate/up into another
   (one MatMul each, transpose_b);
 - RMSNorm gains folded into the weight of the MatMul that follows (input_norm -> qkv,
@@ -16,7 +16,8 @@ overhead, ~10-15 us each):
 On one CPU agent, a graph of S=1 and at most `layer_kernel_rows` tokens (decode, packed prefill pieces, verify
 steps) runs each layer as one C++ kernel on these same weights (kernels/decoder_layer_cpu.cc: it applies RoPE
 from the raw tables and writes the same paged cache), and the final norm, lm_head and greedy pick as another;
-the choice is made from the graph's static shape when it is compiled. Where the checkpoint stores a matrix
+the choice is made from the graph's static shape when it is compiled; the kernels' inputs are passed by name
+(kernels/signatures.py). Where the checkpoint stores a matrix
 block-quantized (a GGUF's Q4_0/Q4_1/Q8_0/F16: `quantized`, from weights.load_quantized), the kernels read those
 stored rows instead of the float32 copy (a decode step of few rows streams every weight once, so its bytes are
 its time); their norm gains are applied to the activations instead of folded in.
@@ -30,6 +31,9 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
 from .attention import PagedAttention, paged_metadata
+from .kernels.signatures import DECODER_LAYER, FINAL_LOGITS
+from .layer_weights import (LORA_PRODUCTS, KernelInputs, LayerKernelConfig, kernel_lora_arrays, prepare_head,
+                            prepare_layer)
 from .parallel import TensorParallel
 from .sampler import greedy_pick
 from .weights import LlamaConfig
@@ -66,78 +70,15 @@ def _lora_param(array: np.ndarray, name: str) -> Parameter:
     return Parameter(Tensor(array.copy()), name=name, requires_grad=False)
 
 
-def _kept_quantized(quantized: dict, names: list) -> Optional[tuple[np.ndarray, int]]:
-    """The named matrices' stored rows, concatenated, and their type, when every one is stored quantized with
-    the same type; else None (the kernel reads the float32 copy)."""
-    parts = [quantized.get(n) for n in names]
-    if any(t is None for t in parts) or len({t.qtype for t in parts}) != 1:
-        return None
-    return np.concatenate([t.data for t in parts]), parts[0].qtype
+def _final_logits_shapes(*shapes):
+    # FinalLogits' output shapes from its inputs': logits (R, V), token (R,), logprob (R,)
+    rows, vocab = shapes[FINAL_LOGITS.index("x")][0], shapes[FINAL_LOGITS.index("lm_head")][0]
+    return (rows, vocab), (rows,), (rows,)
 
 
 def _rms_normalize(x, eps: float):
     # x (T, H) -> x / sqrt(mean(x^2) + eps); the gain is folded into the next MatMul's weight
     return x * ops.rsqrt(ops.mean(x * x, -1, keep_dims=True) + eps)    # (T, H)
-
-
-# a decoder layer's products that LoRA adapts: name -> (its parts, in the order of its output rows)
-LORA_PRODUCTS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
-                 "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
-
-
-class LoraStack:
-    """One product's LoRA adapters stacked by slot (slot 0: the base model, zeros), in the two forms the layer
-    runs them in (`write` fills a slot; the layer's Parameters take the arrays again, with no recompile):
-      the layer kernel's: A (S, P*R, K) and B transposed, (S, R, N), the scale folded into B;
-      MindSpore's ops': A (S*P*R, K) and B (N, S*P*R), each output row's block of B nonzero only in its own
-      part's columns, so that delta = ((x A^T) * one_hot(slot)) B^T for a whole batch of mixed slots.
-    `gain`: the norm gain the product's float32 weight has folded in (q/k/v, gate/up), folded into the ops' A
-    and into the kernel's A when `kernel_folded` (the kernel then normalizes without the gain).
-    Under tensor parallelism (`tp`) a rank holds what matches its part of the base weight: B's rows of its heads
-    or MLP units for the column-parallel q/k/v and gate/up (A whole: their input is whole on every rank), A's
-    columns of its part of the input for the row-parallel o and down (B whole: the ranks' partial deltas are
-    summed by the all-reduce that sums their products)."""
-
-    def __init__(self, slots: int, rank: int, parts: list, k: int, gain: Optional[np.ndarray], kernel_folded: bool,
-                 tp: TensorParallel = TensorParallel(), row_parallel: bool = False):
-        self.slots, self.rank, self.parts, self.k = slots, rank, parts, k       # parts: [(out rows of part p)]
-        self.gain, self.kernel_folded = gain, kernel_folded
-        self.tp, self.row_parallel = tp, row_parallel
-        n, width = sum(parts), len(parts) * rank
-        self.kernel_a = np.zeros((slots, width, k), np.float32)
-        self.kernel_b = np.zeros((slots, rank, n), np.float32)
-        self.ops_a = np.zeros((slots * width, k), np.float32)
-        self.ops_b = np.zeros((n, slots * width), np.float32)
-        self.col_slot = np.repeat(np.arange(slots, dtype=np.int32), width)   # (S*P*R,) the slot of each column
-
-    @property
-    def slot_nbytes(self) -> int:
-        """Bytes one slot takes in both forms."""
-        return (self.kernel_a.nbytes + self.kernel_b.nbytes + self.ops_a.nbytes + self.ops_b.nbytes) // self.slots
-
-    def write(self, slot: int, deltas: list, names: list) -> None:
-        """Slot `slot` holds these per-part deltas (LoraDelta or None for a part the adapter leaves alone) of the
-        base weights `names` (HF names, whole: this rank's part is cut here)."""
-        r, width = self.rank, len(self.parts) * self.rank
-        for arr in (self.kernel_a[slot], self.kernel_b[slot], self.ops_a[slot * width:(slot + 1) * width],
-                    self.ops_b[:, slot * width:(slot + 1) * width]):
-            arr[...] = 0
-        row = 0
-        for p, (rows, d, name) in enumerate(zip(self.parts, deltas, names)):
-            if d is not None:
-                a, b = d.a, d.b                                                        # (r, K), (rows, r) whole
-                if self.tp.world > 1 and self.row_parallel:
-                    a = a[self.tp.part(name, a.shape)]                                 # this rank's input columns
-                elif self.tp.world > 1:
-                    b = b[self.tp.part(name, b.shape)]                                 # this rank's output rows
-                raw_a = a
-                a = a * self.gain[None, :] if self.gain is not None else a
-                b = b * np.float32(d.scale)
-                self.kernel_a[slot, p * r:p * r + d.rank] = a if self.kernel_folded else raw_a
-                self.kernel_b[slot, :d.rank, row:row + rows] = b.T
-                self.ops_a[slot * width + p * r:slot * width + p * r + d.rank] = a
-                self.ops_b[row:row + rows, slot * width + p * r:slot * width + p * r + d.rank] = b
-            row += rows
 
 
 class LlamaDecoderLayer(nn.Cell):
@@ -146,45 +87,26 @@ class LlamaDecoderLayer(nn.Cell):
                  layer_kernel: Optional[str] = None, quantized: Optional[dict] = None, lora_slots: int = 0,
                  lora_rank: int = 0):
         super().__init__()
-        p = f"model.layers.{i}."
         world = tp.world
         # this rank's heads and MLP units (all of them when world == 1): `w` holds only this rank's part of
         # each split tensor (weights.load_llama_weights(path, tp); the split is parallel.SPLIT_AXIS)
         self.nh, self.kvh, self.d = cfg.num_heads // world, cfg.num_kv_heads // world, cfg.head_dim
         self.inter = cfg.intermediate_size // world
         self.eps = cfg.rms_norm_eps
-        qkv = np.concatenate([w[p + "self_attn.q_proj.weight"], w[p + "self_attn.k_proj.weight"],
-                              w[p + "self_attn.v_proj.weight"]], axis=0)
-        qkv = qkv * w[p + "input_layernorm.weight"][None, :]
-        self.qkv_w = _param(qkv, f"layers.{i}.qkv")                                   # ((NH+2KVH)*D, H)
+        kernel = LayerKernelConfig(block_size, kernel_threads) if layer_kernel is not None else None
+        prepared = prepare_layer(cfg, w, i, tp=tp, kernel=kernel, quantized=quantized, lora_slots=lora_slots,
+                                 lora_rank=lora_rank)
+        self.qkv_w = _param(prepared.qkv, f"layers.{i}.qkv")                          # ((NH+2KVH)*D, H)
         self.qkv_bias = None
-        if cfg.attention_bias:                                   # Qwen2: q/k/v biases (not touched by the norm fold)
-            bias = np.concatenate([w[p + "self_attn.q_proj.bias"], w[p + "self_attn.k_proj.bias"],
-                                   w[p + "self_attn.v_proj.bias"]])
-            self.qkv_bias = _param(bias, f"layers.{i}.qkv_bias")                      # ((NH+2KVH)*D,)
-        self.o_w = _param(w[p + "self_attn.o_proj.weight"], f"layers.{i}.o")         # (H, NH*D)
-        gate_up = np.concatenate([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]], axis=0)
-        gate_up = gate_up * w[p + "post_attention_layernorm.weight"][None, :]
-        self.gate_up_w = _param(gate_up, f"layers.{i}.gate_up")                       # (2I, H)
-        self.down_w = _param(w[p + "mlp.down_proj.weight"], f"layers.{i}.down")      # (H, I)
-        # LoRA adapters (lora_slots > 0): S = lora_slots + 1 slots of rank lora_rank per product; the kernel's
-        # view is filled below (with an all-zero slot of rank 1 when there are none, which it skips)
-        self.lora_stacks = {}
+        if prepared.qkv_bias is not None:
+            self.qkv_bias = _param(prepared.qkv_bias, f"layers.{i}.qkv_bias")       # ((NH+2KVH)*D,)
+        self.o_w = _param(prepared.o, f"layers.{i}.o")                               # (H, NH*D)
+        self.gate_up_w = _param(prepared.gate_up, f"layers.{i}.gate_up")             # (2I, H)
+        self.down_w = _param(prepared.down, f"layers.{i}.down")                      # (H, I)
+        # LoRA adapters (lora_slots > 0): S = lora_slots + 1 slots of rank lora_rank per product
+        self.lora_stacks = prepared.lora_stacks
         self.has_lora = lora_slots > 0
-        if lora_slots > 0:
-            d, h = cfg.head_dim, cfg.hidden_size
-            shapes = {"qkv": ([self.nh * d, self.kvh * d, self.kvh * d], h, "input_layernorm"),
-                      "o": ([h], self.nh * d, None), "gate_up": ([self.inter, self.inter], h, "post_attention_layernorm"),
-                      "down": ([h], self.inter, None)}
-            types = {}
-            if layer_kernel is not None:
-                for key, names in LORA_PRODUCTS.items():
-                    types[key] = _kept_quantized(quantized or {}, [f"{p}{n}.weight" for n in names]) is None
-            for key, (parts, k, gain) in shapes.items():
-                self.lora_stacks[key] = LoraStack(lora_slots + 1, lora_rank, parts, k,
-                                                  w[f"{p}{gain}.weight"] if gain else None,
-                                                  kernel_folded=types.get(key, True), tp=tp,
-                                                  row_parallel=key in ("o", "down"))
+        if self.has_lora:
             self.lora_ops_a = ms.ParameterTuple([_lora_param(st.ops_a, f"layers.{i}.lora_ops_a_{key}")
                                                  for key, st in self.lora_stacks.items()])      # (S*P*R, K) each
             self.lora_ops_b = ms.ParameterTuple([_lora_param(st.ops_b, f"layers.{i}.lora_ops_b_{key}")
@@ -201,46 +123,34 @@ class LlamaDecoderLayer(nn.Cell):
             # the whole layer as one CPU kernel (kernels/decoder_layer_cpu.cc) for small decode-shaped steps
             self.layer_kernel = ops.Custom(f"{layer_kernel}:DecoderLayer", out_shape=lambda x, *_: x,
                                            out_dtype=lambda x, *_: x, func_type="aot")
-            if self.qkv_bias is None:
-                self.qkv_bias_or_zero = _param(np.zeros(qkv.shape[0], np.float32), f"layers.{i}.qkv_bias0")
-            else:
-                self.qkv_bias_or_zero = self.qkv_bias
-            # each matrix as stored quantized when it is (with its norm's gain beside it), else the float32 one
-            quantized = quantized or {}
-            one = np.ones(cfg.hidden_size, np.float32)
-            kernel, types = {}, []
-            for key, names, gain, f32 in (
-                    ("qkv", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], "input_layernorm",
-                     self.qkv_w),
-                    ("o", ["self_attn.o_proj"], None, self.o_w),
-                    ("gate_up", ["mlp.gate_proj", "mlp.up_proj"], "post_attention_layernorm", self.gate_up_w),
-                    ("down", ["mlp.down_proj"], None, self.down_w)):
-                kept = _kept_quantized(quantized, [f"{p}{n}.weight" for n in names])
-                if kept is None:
-                    kernel[key], kernel[f"{key}_gain"] = f32, one
-                    types.append(0)
-                else:
-                    kernel[key] = _stored_param(kept[0], f"layers.{i}.{key}_stored")
-                    kernel[f"{key}_gain"] = w[f"{p}{gain}.weight"] if gain else one
-                    types.append(kept[1])
-            self.kernel_qkv, self.kernel_o = kernel["qkv"], kernel["o"]
-            self.kernel_gate_up, self.kernel_down = kernel["gate_up"], kernel["down"]
-            self.kernel_in_gain = _param(kernel["qkv_gain"], f"layers.{i}.kernel_input_gain")           # (H,)
-            self.kernel_post_gain = _param(kernel["gate_up_gain"], f"layers.{i}.kernel_post_gain")      # (H,)
-            self.kernel_types = tuple(types)          # GGML type codes of qkv, o, gate_up, down (0: float32)
-            self.kernel_icfg = Tensor(np.array([block_size, self.nh, self.kvh, kernel_threads, *types], np.int32))
-            # LoRA adapters stacked by slot, as the kernel takes them (A (S, parts*R, K), B (S, R, N)); slot 0 is
-            # the base model. Without adapter slots: one all-zero slot of rank 1, which the kernel skips
-            if self.has_lora:
-                arrays = [a for st in self.lora_stacks.values() for a in (st.kernel_a, st.kernel_b)]
-            else:
-                nqkv, h = (self.nh + 2 * self.kvh) * cfg.head_dim, cfg.hidden_size
-                arrays = [np.zeros(shape, np.float32) for shape in (
-                    (1, 3, h), (1, 1, nqkv), (1, 1, self.nh * cfg.head_dim), (1, 1, h), (1, 2, h),
-                    (1, 1, 2 * self.inter), (1, 1, self.inter), (1, 1, h))]
-            self.lora_weights = ms.ParameterTuple([_lora_param(a, f"layers.{i}.lora_kernel_{j}")
-                                                   for j, a in enumerate(arrays)])
-            self.kernel_fcfg = Tensor(np.array([self.eps], np.float32))
+            self._hold_kernel_inputs(prepared.kernel, i)
+            DECODER_LAYER.check_call(self.fused)
+
+    def _hold_kernel_inputs(self, k: KernelInputs, i: int) -> None:
+        """The layer kernel's inputs the layer holds (layer_weights.KernelInputs), as `kernel_<input name>`: a
+        matrix the kernel reads in float32 is the graphs' own Parameter, stored rows get their own."""
+        f32 = {"qkv_w": self.qkv_w, "o_w": self.o_w, "gate_up_w": self.gate_up_w, "down_w": self.down_w}
+        for (name, array), qtype in zip(k.matrices.items(), k.types):
+            setattr(self, f"kernel_{name}", f32[name] if qtype == 0 else
+                    _stored_param(array, f"layers.{i}.{name.removesuffix('_w')}_stored"))
+        self.kernel_qkv_bias = self.qkv_bias if self.qkv_bias is not None else _param(k.qkv_bias,
+                                                                                      f"layers.{i}.qkv_bias0")
+        self.kernel_input_gain = _param(k.gains["input_gain"], f"layers.{i}.kernel_input_gain")       # (H,)
+        self.kernel_post_gain = _param(k.gains["post_gain"], f"layers.{i}.kernel_post_gain")         # (H,)
+        # LoRA adapters stacked by slot, as the kernel takes them (A (S, parts*R, K), B (S, R, N)); slot 0 is the
+        # base model. Without adapter slots: one all-zero slot of rank 1, which the kernel skips
+        for name, array in k.lora.items():
+            setattr(self, f"kernel_{name}", _lora_param(array, f"layers.{i}.kernel_{name}"))
+        self.kernel_types = k.types           # GGML type codes of qkv, o, gate_up, down (0: float32)
+        self.kernel_iconfig = Tensor(k.iconfig)                                       # (8,) int32
+        self.kernel_fconfig = Tensor(k.fconfig)                                       # (1,) float32 [eps]
+        # the same objects in the kernel's order, which `fused` passes after the step's inputs
+        self.kernel_held = DECODER_LAYER.held(
+            qkv_w=self.kernel_qkv_w, qkv_bias=self.kernel_qkv_bias, o_w=self.kernel_o_w,
+            gate_up_w=self.kernel_gate_up_w, down_w=self.kernel_down_w, input_gain=self.kernel_input_gain,
+            post_gain=self.kernel_post_gain, key_cache=self.attn.key_cache, value_cache=self.attn.value_cache,
+            iconfig=self.kernel_iconfig, fconfig=self.kernel_fconfig,
+            **{name: getattr(self, f"kernel_{name}") for name in k.lora})
 
     def refresh_lora(self) -> None:
         """The LoRA Parameters take their stacks' arrays again (after LoraStack.write): a compiled graph reads
@@ -251,18 +161,17 @@ class LlamaDecoderLayer(nn.Cell):
         pairs = [(p, a) for p, a in zip(self.lora_ops_a, (st.ops_a for st in stacks))]
         pairs += [(p, b) for p, b in zip(self.lora_ops_b, (st.ops_b for st in stacks))]
         if self.layer_kernel is not None:
-            pairs += list(zip(self.lora_weights, (a for st in stacks for a in (st.kernel_a, st.kernel_b))))
+            pairs += [(getattr(self, f"kernel_{name}"), array)
+                      for name, array in kernel_lora_arrays(self.lora_stacks).items()]
         for param, array in pairs:
             param.set_data(Tensor(array.copy()))
 
-    def fused(self, x, positions, slots, block_tables, context_lens, tree_bits, cos_table, sin_table, lora):
-        # x (T, H); positions, slots, context_lens, tree_bits, lora (T,); block_tables (T, W); cos/sin tables (P, D)
-        la = self.lora_weights
-        return self.layer_kernel(x, positions, slots, block_tables, context_lens, tree_bits, cos_table, sin_table,
-                                 self.kernel_qkv, self.qkv_bias_or_zero, self.kernel_o, self.kernel_gate_up,
-                                 self.kernel_down, self.kernel_in_gain, self.kernel_post_gain, self.attn.key_cache,
-                                 self.attn.value_cache, lora, la[0], la[1], la[2], la[3], la[4], la[5], la[6], la[7],
-                                 self.kernel_icfg, self.kernel_fcfg)                                  # (T, H)
+    def fused(self, x, positions, slots, block_tables, context_lens, tree_bits, cos, sin, lora):
+        """The layer as its kernel (kernels/decoder_layer_cpu.cc): the step's inputs (DECODER_LAYER's call inputs,
+        by name and in order: checked when the layer is built), then what the layer holds. x (T, H); positions,
+        slots, context_lens, tree_bits, lora (T,); block_tables (T, W); cos/sin tables (P, D) -> (T, H)."""
+        return self.layer_kernel(x, positions, slots, block_tables, context_lens, tree_bits, cos, sin, lora,
+                                 *self.kernel_held)                                                    # (T, H)
 
     def lora_delta(self, j: int, x, lora):
         """Product j's LoRA deltas for a batch of mixed adapters: x (T, K), lora (T, 1) each token's slot ->
@@ -345,22 +254,22 @@ class LlamaForCausalLM(nn.Cell):
                                    for i in range(cfg.num_layers)])
         self.layer_kernel_rows = layer_kernel_rows if layer_kernel is not None else 0
         if self.writes_outputs:                    # (the logits' tensors are loaded on rank 0 only)
-            lm_head = weights["lm_head.weight"] * weights["model.norm.weight"][None, :]
-            self.lm_head = _param(lm_head, "lm_head")                                   # (V, H)
+            head = prepare_head(cfg, weights, kernel_threads=kernel_threads if layer_kernel is not None else None,
+                                quantized=quantized)
+            self.lm_head = _param(head.lm_head, "lm_head")                              # (V, H)
             if layer_kernel is not None:
                 self.final_logits = ops.Custom(f"{layer_kernel}:FinalLogits",
-                                               out_shape=lambda x, w, *_: ((x[0], w[0]), (x[0],), (x[0],)),
+                                               out_shape=_final_logits_shapes,
                                                out_dtype=lambda x, *_: (x, ms.int32, x), func_type="aot")
-                kept = _kept_quantized(quantized or {}, ["lm_head.weight"])
-                if kept is None:
-                    self.kernel_lm_head, gain, lm_type = self.lm_head, np.ones(cfg.hidden_size, np.float32), 0
-                else:
-                    self.kernel_lm_head = _stored_param(kept[0], "lm_head_stored")
-                    gain, lm_type = weights["model.norm.weight"], kept[1]
-                self.kernel_norm_gain = _param(gain, "kernel_final_norm_gain")                 # (H,)
-                self.kernel_lm_type = lm_type
-                self.logits_icfg = Tensor(np.array([kernel_threads, lm_type], np.int32))
-                self.logits_fcfg = Tensor(np.array([cfg.rms_norm_eps], np.float32))
+                self.kernel_lm_head = self.lm_head if head.kernel_type == 0 else \
+                    _stored_param(head.kernel_lm_head, "lm_head_stored")
+                self.kernel_norm_gain = _param(head.kernel_gain, "kernel_final_norm_gain")         # (H,)
+                self.kernel_lm_type = head.kernel_type
+                self.logits_icfg = Tensor(head.iconfig)                                      # (2,) int32
+                self.logits_fcfg = Tensor(head.fconfig)                                      # (1,) float32
+                self.logits_held = FINAL_LOGITS.held(lm_head=self.kernel_lm_head, gain=self.kernel_norm_gain,
+                                                     iconfig=self.logits_icfg, fconfig=self.logits_fcfg)
+                FINAL_LOGITS.check_call(self.fused_logits)
         cos, sin = rope_tables(cfg, max_positions)
         self.cos_table = _param(cos, "rope_cos")                                        # (P, D)
         self.sin_table = _param(sin, "rope_sin")                                        # (P, D)
@@ -435,8 +344,7 @@ class LlamaForCausalLM(nn.Cell):
     def fused_logits(self, x, slots):
         """Final norm, lm_head and the greedy pick as one kernel: (logits (R, V), token (R,), logprob (R,)); slots
         (R,) the rows' K/V slots (all < 0: nothing to compute, tokens 0)."""
-        return self.final_logits(x, self.kernel_lm_head, self.kernel_norm_gain, slots, self.logits_icfg,
-                                 self.logits_fcfg)
+        return self.final_logits(x, slots, *self.logits_held)
 
 
 class DecodeRun(nn.Cell):

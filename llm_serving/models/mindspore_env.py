@@ -28,7 +28,7 @@ from llm_serving.cache_dir import default_cache_dir
 
 logger = logging.getLogger(__name__)
 
-_GRAPH_SOURCES = ("llama.py", "attention.py", "sampler.py")
+_GRAPH_SOURCES = ("llama.py", "attention.py", "sampler.py", "layer_weights.py", "kernels/signatures.py")
 _runners_made = 0               # in this process: only the first can use the compile cache
 _cache_lock = None              # the open lock file of the cache directory in use, until warmup ends
 

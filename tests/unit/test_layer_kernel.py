@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from llm_serving.models.kernels import build_kernel
+from llm_serving.models.kernels.signatures import DECODER_LAYER, FINAL_LOGITS, check_library
 
 from .test_cpu_kernels import reference as attention_reference
 
@@ -21,9 +22,22 @@ pytestmark = pytest.mark.skipif(shutil.which("g++") is None and not os.environ.g
 
 
 @pytest.fixture(scope="module")
-def library(tmp_path_factory):
-    path = build_kernel("decoder_layer_cpu", "DecoderLayer", tmp_path_factory.mktemp("kernels")).rsplit(":", 1)[0]
-    return ctypes.CDLL(path)
+def library_path(tmp_path_factory):
+    return build_kernel("decoder_layer_cpu", "DecoderLayer", tmp_path_factory.mktemp("kernels")).rsplit(":", 1)[0]
+
+
+@pytest.fixture(scope="module")
+def library(library_path):
+    return ctypes.CDLL(library_path)
+
+
+def test_library_exports_the_declared_parameter_lists(library_path):
+    """The .cc's parameter lists are signatures.py's (build_kernel checked them too: it raises otherwise)."""
+    check_library(library_path, (DECODER_LAYER, FINAL_LOGITS))
+
+
+# positions in Layer.arrays (the kernel's parameters: inputs, then the output)
+QKV_W, O_W, DOWN_W, ICFG = (DECODER_LAYER.index(n) for n in ("qkv_w", "o_w", "down_w", "iconfig"))
 
 
 def invoke(func, arrays) -> int:
@@ -35,6 +49,12 @@ def invoke(func, arrays) -> int:
                                                     for s in shape_arrays])
     dtypes = (ctypes.c_char_p * n)(*[str(a.dtype).encode() for a in arrays])
     return func(ctypes.c_int(n), params, ndims, shapes, dtypes, None, None)
+
+
+def logits_args(x, lm_head, gain, slots, cfg, *outputs) -> list:
+    """FinalLogits' parameters by name: its inputs (cfg: iconfig, fconfig), then the outputs."""
+    return [*FINAL_LOGITS.args(x=x, lm_head=lm_head, gain=gain, slots=slots, iconfig=cfg[0], fconfig=cfg[1]),
+            *outputs]
 
 
 def rms(x):
@@ -124,12 +144,14 @@ class Layer:
         icfg = np.array([self.bs, self.nh, self.kvh, threads] + [w[n][1] for n in ("qkv_w", "o_w", "gate_up_w",
                                                                                  "down_w")], np.int32)
         out = np.full_like(self.x, np.nan) if out is None else out
-        return [self.x, self.positions, self.slots, self.tables, self.context, self.tree, self.cos, self.sin,
-                w["qkv_w"][0], self.qkv_b, w["o_w"][0], w["gate_up_w"][0], w["down_w"][0], self.in_gain,
-                self.post_gain, self.key_cache, self.value_cache, self.lora,
-                *[arr for n in ("qkv", "o", "gate_up", "down")
-                  for arr in (self.lora_a[n], np.ascontiguousarray(self.lora_b[n].transpose(0, 2, 1)))],
-                icfg, np.array([1e-5], np.float32), out]
+        lora = {f"lora_{n}_{ab}": arr for n in ("qkv", "o", "gate_up", "down")
+                for ab, arr in (("a", self.lora_a[n]), ("b", np.ascontiguousarray(self.lora_b[n].transpose(0, 2, 1))))}
+        return [*DECODER_LAYER.args(
+            x=self.x, positions=self.positions, slots=self.slots, block_tables=self.tables, context_lens=self.context,
+            tree_bits=self.tree, cos=self.cos, sin=self.sin, qkv_w=w["qkv_w"][0], qkv_bias=self.qkv_b,
+            o_w=w["o_w"][0], gate_up_w=w["gate_up_w"][0], down_w=w["down_w"][0], input_gain=self.in_gain,
+            post_gain=self.post_gain, key_cache=self.key_cache, value_cache=self.value_cache, lora=self.lora,
+            iconfig=icfg, fconfig=np.array([1e-5], np.float32), **lora), out]
 
     def reference(self):
         """(output, key cache, value cache) in float64, from the caches as they are now."""
@@ -268,7 +290,7 @@ def test_refusals(library):
     wrong_rank[0] = layer.x.reshape(-1)
     assert invoke(library.DecoderLayer, wrong_rank) == 1
     wrong_shape = list(arrays)
-    wrong_shape[10] = layer.o_w[:, :-8].copy()                                   # o_proj for fewer heads
+    wrong_shape[O_W] = layer.o_w[:, :-8].copy()                                   # o_proj for fewer heads
     assert invoke(library.DecoderLayer, wrong_shape) == 2
     for name, bad in (("positions", 64), ("slots", len(layer.key_cache) // layer.kvh), ("tables", 60)):
         step = Layer(np.random.default_rng(1), hidden=64, heads=8, kv_heads=4, head_dim=8, inter=64, batch=2)
@@ -292,7 +314,7 @@ def test_final_logits_token_and_logprob(library, vocab, rows, threads):
     slots[0] = -1 if rows > 1 else 0       # a row sitting out is computed as any other while some row is in
     gain = np.ones(48, np.float32)
     cfg = [np.array([threads, 0], np.int32), np.array([1e-5], np.float32)]
-    assert invoke(library.FinalLogits, [x, w, gain, slots, *cfg, logits, token, logprob]) == 0
+    assert invoke(library.FinalLogits, logits_args(x, w, gain, slots, cfg, logits, token, logprob)) == 0
     want = rms(x) @ w.T.astype(np.float64)
     np.testing.assert_allclose(logits, want, rtol=1e-4, atol=1e-4)
     assert token.tolist() == np.argmax(logits, -1).tolist() and 7 not in token.tolist()
@@ -304,21 +326,22 @@ def test_final_logits_token_and_logprob(library, vocab, rows, threads):
     x[0, 0] = 1
     w[:, 0] = 0
     w[[vocab - 2, 4], 0] = 5.0
-    assert invoke(library.FinalLogits, [x, w, gain, slots, *cfg, logits, token, logprob]) == 0
+    assert invoke(library.FinalLogits, logits_args(x, w, gain, slots, cfg, logits, token, logprob)) == 0
     assert token[0] == 4 and logits[0, 4] == logits[0, vocab - 2]
     # a row sitting out at the end (padding) is not computed: token 0, log-probability 0
     if rows > 1:
         tail = slots.copy()
         tail[-1] = -1
         first_tokens, first_logprobs = token.copy(), logprob.copy()
-        assert invoke(library.FinalLogits, [x, w, gain, tail, *cfg, logits, token, logprob]) == 0
+        assert invoke(library.FinalLogits, logits_args(x, w, gain, tail, cfg, logits, token, logprob)) == 0
         assert token[:-1].tolist() == first_tokens[:-1].tolist() and token[-1] == 0 and logprob[-1] == 0
         np.testing.assert_array_equal(logprob[:-1], first_logprobs[:-1])
     # every row sitting out (a decode run's step after all its rows ended): nothing computed, tokens 0
     logits[:] = np.nan
-    assert invoke(library.FinalLogits, [x, w, gain, np.full(rows, -1, np.int32), *cfg, logits, token, logprob]) == 0
+    none = np.full(rows, -1, np.int32)
+    assert invoke(library.FinalLogits, logits_args(x, w, gain, none, cfg, logits, token, logprob)) == 0
     assert np.isnan(logits).all() and token.tolist() == [0] * rows and logprob.tolist() == [0.0] * rows
-    assert invoke(library.FinalLogits, [x, w, gain, slots[:-1].copy(), *cfg, logits, token, logprob]) == 2
+    assert invoke(library.FinalLogits, logits_args(x, w, gain, slots[:-1].copy(), cfg, logits, token, logprob)) == 2
 
 
 GGUF_TYPES = pytest.importorskip("gguf").GGMLQuantizationType
@@ -336,7 +359,7 @@ def test_layer_reads_quantized_weights(library, qtype, threads, batch):
     layer.quantize({n: qtype for n in ("qkv_w", "o_w", "gate_up_w", "down_w")}, rng)
     want, keys, values = layer.reference()
     arrays = layer.arrays(threads)
-    assert arrays[8].dtype == np.uint8 and arrays[-3].tolist()[4:] == [int(qtype)] * 4
+    assert arrays[QKV_W].dtype == np.uint8 and arrays[ICFG].tolist()[4:] == [int(qtype)] * 4
     assert invoke(library.DecoderLayer, arrays) == 0
     np.testing.assert_allclose(arrays[-1], want, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(layer.key_cache, keys, rtol=1e-5, atol=1e-5)
@@ -349,7 +372,7 @@ def test_layer_mixes_weight_types(library):
     layer.quantize({"qkv_w": GGUF_TYPES.Q8_0, "gate_up_w": GGUF_TYPES.Q4_1}, rng)
     want, _, _ = layer.reference()
     arrays = layer.arrays(2)
-    assert arrays[-3].tolist()[4:] == [8, 0, 3, 0]
+    assert arrays[ICFG].tolist()[4:] == [8, 0, 3, 0]
     assert invoke(library.DecoderLayer, arrays) == 0
     np.testing.assert_allclose(arrays[-1], want, rtol=1e-4, atol=1e-4)
 
@@ -359,25 +382,25 @@ def test_quantized_weights_refusals(library):
     layer = Layer(rng, hidden=64, heads=4, kv_heads=2, head_dim=16, inter=96, batch=2)
     layer.quantize({"o_w": GGUF_TYPES.Q4_1}, rng)
     good = layer.arrays(1)
-    raw = good[10]
+    raw = good[O_W]
     for bad_w, types in ((raw[:, :-1].copy(), None),                     # rows a byte short of 2 blocks
                          (raw, [0, 0, 0, 0]),                            # uint8 rows called float32
                          (raw, [0, 2, 0, 0]),                            # Q4_0's row length is not Q4_1's
                          (raw, [0, 5, 0, 0]),                            # a type the kernel does not read
                          (layer.o_w, [0, 3, 0, 0])):                     # float32 rows called Q4_1
         arrays = list(good)
-        arrays[10] = bad_w
+        arrays[O_W] = bad_w
         if types is not None:
-            arrays[-3] = np.array(list(good[-3][:4]) + types, np.int32)
+            arrays[ICFG] = np.array(list(good[ICFG][:4]) + types, np.int32)
         assert invoke(library.DecoderLayer, arrays) == 2
     arrays = list(good)
-    arrays[-3] = good[-3][:4].copy()                                     # the types missing from iconfig
+    arrays[ICFG] = good[ICFG][:4].copy()                                     # the types missing from iconfig
     assert invoke(library.DecoderLayer, arrays) == 2
     # a width that is not whole 32-weight blocks cannot be quantized rows
     odd = Layer(rng, hidden=48, heads=3, kv_heads=1, head_dim=16, inter=40, batch=1)
     arrays = odd.arrays(1)
-    arrays[12] = np.zeros((48, 40 // 32 * 20 + 20), np.uint8)
-    arrays[-3] = np.array(list(arrays[-3][:7]) + [3], np.int32)
+    arrays[DOWN_W] = np.zeros((48, 40 // 32 * 20 + 20), np.uint8)
+    arrays[ICFG] = np.array(list(arrays[ICFG][:7]) + [3], np.int32)
     assert invoke(library.DecoderLayer, arrays) == 2
 
 
@@ -394,12 +417,12 @@ def test_final_logits_reads_a_quantized_lm_head(library, qtype, rows):
     logits, token, logprob = np.empty((rows, vocab), np.float32), np.empty(rows, np.int32), np.empty(rows, np.float32)
     cfg = [np.array([2, int(qtype)], np.int32), np.array([1e-5], np.float32)]
     slots = np.arange(rows, dtype=np.int32)
-    assert invoke(library.FinalLogits, [x, raw, gain, slots, *cfg, logits, token, logprob]) == 0
+    assert invoke(library.FinalLogits, logits_args(x, raw, gain, slots, cfg, logits, token, logprob)) == 0
     want = rms(x) * gain @ w.T.astype(np.float64)
     np.testing.assert_allclose(logits, want, rtol=1e-4, atol=1e-4)
     assert token.tolist() == np.argmax(want, -1).tolist()
     cfg[0] = np.array([2, 0], np.int32)                                     # the same bytes called float32
-    assert invoke(library.FinalLogits, [x, raw, gain, slots, *cfg, logits, token, logprob]) == 2
+    assert invoke(library.FinalLogits, logits_args(x, raw, gain, slots, cfg, logits, token, logprob)) == 2
 
 
 @pytest.mark.parametrize("threads,row_slots,qtype", [

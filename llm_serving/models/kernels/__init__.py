@@ -4,7 +4,9 @@ Each kernel is a C++ file next to this module (the headers beside it are shared)
 compiles it once per (source and headers, compiler, flags, CPU) into `<cache>/kernels/<name>-<digest>.so`
 (<cache> is $LLM_SERVING_CACHE or ~/.cache/llm-serving) and returns the "path.so:func" string `ops.Custom`
 takes. `-march=native` is safe because the CPU's identity is part of the digest. The build goes to a temporary file that is renamed into
-place, so agents starting together never load a half-written library.
+place, so agents starting together never load a half-written library. A kernel whose parameters are declared
+by name (signatures.py) is checked against the list its library exports before it is used: a
+`KernelSignatureError` names the first difference.
 
 Flags: -O3 plus the floating-point relaxations that let the compiler vectorise the dot products
 (reassociation, no errno, no signed zeros, no traps), but not -ffast-math: linking a shared library
@@ -22,7 +24,9 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["KernelBuildError", "build_kernel"]
+from .signatures import KERNEL_SIGNATURES, KernelSignatureError, check_library
+
+__all__ = ["KernelBuildError", "KernelSignatureError", "build_kernel"]
 
 logger = logging.getLogger(__name__)
 
@@ -92,4 +96,7 @@ def build_kernel(name: str, func: str, cache_dir: Optional[Path] = None) -> str:
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
+    signatures = KERNEL_SIGNATURES.get(name, ())
+    if signatures:
+        check_library(target, signatures, source.name)       # KernelSignatureError: the .cc and Python disagree
     return f"{target}:{func}"

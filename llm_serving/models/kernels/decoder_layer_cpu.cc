@@ -12,8 +12,10 @@
 // a short spin: on two cores shared with the master and a load client, one thread losing its core for a while
 // then delays a step by a chunk, not by half of every product.
 //
-// Loaded by MindSpore as `ops.Custom(func_type="aot")` kernels (inputs then the output in `params`); built
-// and cached by kernels/__init__.py. The weights are llama.py's load-time forms: q/k/v fused, gate/up fused.
+// Loaded by MindSpore as `ops.Custom(func_type="aot")` kernels (inputs then the output in `params`, in the order
+// of DECODER_LAYER_PARAMS / FINAL_LOGITS_PARAMS below, which kernels/signatures.py declares again by name and
+// the build checks); built and cached by kernels/__init__.py. The weights are layer_weights.py's load-time
+// forms: q/k/v fused, gate/up fused.
 //
 // Weight matrices come in two forms, chosen per matrix by a type code in iconfig (GGML's numbering):
 //   0 (F32)   float32 (rows, K), the MindSpore graphs' own tensors (norm gains folded in: the gains passed are 1)
@@ -22,8 +24,8 @@
 //             a decode step reads 4.5-8.5 bits per weight from memory instead of 32. Gains are not folded into
 //             quantized rows: the normalized activations are multiplied by them instead (the same product).
 //
-// DecoderLayer(x, positions, slots, block_tables, context_lens, tree_bits, cos, sin, qkv_w, qkv_bias, o_w,
-//              gate_up_w, down_w, input_gain, post_gain, key_cache, value_cache, lora, lora_qkv_a, lora_qkv_b,
+// DecoderLayer(x, positions, slots, block_tables, context_lens, tree_bits, cos, sin, lora, qkv_w, qkv_bias, o_w,
+//              gate_up_w, down_w, input_gain, post_gain, key_cache, value_cache, lora_qkv_a, lora_qkv_b,
 //              lora_o_a, lora_o_b, lora_gate_up_a, lora_gate_up_b, lora_down_a, lora_down_b, iconfig, fconfig) -> out
 //   x            (B, H)                 float32  the layer's input hidden states, one decode token per row
 //   positions    (B,)                   int32    each token's position (< P)
@@ -35,12 +37,12 @@
 //   context_lens (B,)                   int32    keys 0 .. context_len-1 visible (the new token included)
 //   tree_bits    (B,)                   int32    token-tree visibility of the last 32 keys (-1: all)
 //   cos, sin     (P, D)                 float32  rope tables, rotate_half layout, sin signed [-sin, sin]
+//   lora         (B,)                   int32    each row's LoRA adapter slot (0: none; < S)
 //   qkv_w        ((NH+2KVH)*D, H)                qkv_bias ((NH+2KVH)*D,) float32: zeros for models without one
 //   o_w          (H, NH*D)
 //   gate_up_w    (2I, H)                         down_w (H, I)    (weights: float32, or uint8 rows as above)
 //   input_gain, post_gain (H,)          float32  the norms' gains for q/k/v and for gate/up (1 where folded)
 //   key_cache, value_cache (N*KVH, D)   float32  flat [slots, KVH, D]; this step's K/V are written in place
-//   lora         (B,)                   int32    each row's LoRA adapter slot (0: none; < S)
 //   lora_*_a     (S, P*R, K)            float32  per slot, the product's A matrices of its P parts (q/k/v: 3,
 //                                                gate/up: 2, o and down: 1) stacked; K its input width
 //   lora_*_b     (S, R, N)              float32  per slot, B transposed (scale folded in): column j for output
@@ -50,7 +52,7 @@
 //                                                 qkv type, o type, gate_up type, down type]
 //   fconfig      (1,)                   float32  [rms_norm_eps]
 //   out          (B, H)                 float32
-// FinalLogits(x (R, H), lm_head (V, H), gain (H,), slots (R,), iconfig [threads, lm_head type], fconfig [eps])
+// FinalLogits(x (R, H), slots (R,), lm_head (V, H), gain (H,), iconfig [threads, lm_head type], fconfig [eps])
 //   -> logits (R, V), the greedy token (R,) int32 (the first index of the largest logit) and its
 //   log-probability (R,) float32; rows whose slot is < 0 at the end of the batch (padding; a decode run's rows
 //   that ended) are not computed: tokens and log-probabilities 0, logits left as they are
@@ -76,6 +78,7 @@
 #endif
 
 #include "cpu_kernel_common.h"
+#include "kernel_params.h"
 
 namespace {
 
@@ -701,9 +704,42 @@ inline float silu_times(float g, float u) {
   return g * sigmoid * u;
 }
 
-bool is(const char* dtype, const char* want) { return std::strcmp(dtype, want) == 0; }
-
 }  // namespace
+
+// The kernels' parameters in the order ops.Custom passes them (inputs, then outputs): (index, name, rank, dtype).
+// The inputs a step gives come first, then those the model holds (weights, caches, config). kernels/signatures.py
+// declares the same lists (llama.py calls the kernels by them) and the build checks the two against each other
+// through DecoderLayerParams() and FinalLogitsParams() below (kernel_params.h).
+#define DECODER_LAYER_PARAMS(P)                                                                                  \
+  P(X, "x", 2, "float32") P(POS, "positions", 1, "int32") P(SLOTS, "slots", 1, "int32")                          \
+  P(TABLES, "block_tables", 2, "int32") P(CONTEXT, "context_lens", 1, "int32") P(TREE, "tree_bits", 1, "int32")  \
+  P(COS, "cos", 2, "float32") P(SIN, "sin", 2, "float32") P(LORA, "lora", 1, "int32")                            \
+  P(QKV_W, "qkv_w", 2, "weight") P(QKV_B, "qkv_bias", 1, "float32") P(O_W, "o_w", 2, "weight")                   \
+  P(GATE_UP_W, "gate_up_w", 2, "weight") P(DOWN_W, "down_w", 2, "weight") P(IN_GAIN, "input_gain", 1, "float32") \
+  P(POST_GAIN, "post_gain", 1, "float32") P(KEYS, "key_cache", 2, "float32") P(VALUES, "value_cache", 2, "float32") \
+  P(LORA_QKV_A, "lora_qkv_a", 3, "float32") P(LORA_QKV_B, "lora_qkv_b", 3, "float32")                            \
+  P(LORA_O_A, "lora_o_a", 3, "float32") P(LORA_O_B, "lora_o_b", 3, "float32")                                    \
+  P(LORA_GATE_UP_A, "lora_gate_up_a", 3, "float32") P(LORA_GATE_UP_B, "lora_gate_up_b", 3, "float32")            \
+  P(LORA_DOWN_A, "lora_down_a", 3, "float32") P(LORA_DOWN_B, "lora_down_b", 3, "float32")                        \
+  P(ICFG, "iconfig", 1, "int32") P(FCFG, "fconfig", 1, "float32")                                                \
+  P(OUT, "out", 2, "float32")
+#define FINAL_LOGITS_PARAMS(P)                                                                                   \
+  P(X, "x", 2, "float32") P(SLOTS, "slots", 1, "int32") P(W, "lm_head", 2, "weight") P(GAIN, "gain", 1, "float32") \
+  P(ICFG, "iconfig", 1, "int32") P(FCFG, "fconfig", 1, "float32")                                                \
+  P(LOGITS, "logits", 2, "float32") P(TOKEN, "token", 1, "int32") P(LOGPROB, "logprob", 1, "float32")
+
+namespace {
+const llm_serving::ParamSpec kDecoderLayerParams[] = {DECODER_LAYER_PARAMS(LLM_SERVING_PARAM_SPEC)};
+const llm_serving::ParamSpec kFinalLogitsParams[] = {FINAL_LOGITS_PARAMS(LLM_SERVING_PARAM_SPEC)};
+template <size_t N>
+const char* described(const llm_serving::ParamSpec (&spec)[N]) {
+  static const std::string text = llm_serving::describe_params(spec, N);   // one per kernel (N differs)
+  return text.c_str();
+}
+}  // namespace
+
+extern "C" const char* DecoderLayerParams() { return described(kDecoderLayerParams); }
+extern "C" const char* FinalLogitsParams() { return described(kFinalLogitsParams); }
 
 // Wall time spent in each kernel since the library was loaded, in nanoseconds: [DecoderLayer, FinalLogits]
 // (benchmarks read it through ctypes to split a step into kernel time and everything else).
@@ -727,18 +763,8 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
                             void* stream, void* extra) {
   (void)stream;
   (void)extra;
-  enum { X, POS, SLOTS, TABLES, CONTEXT, TREE, COS, SIN, QKV_W, QKV_B, O_W, GATE_UP_W, DOWN_W, IN_GAIN, POST_GAIN,
-         KEYS, VALUES, LORA, LORA_QKV_A, LORA_QKV_B, LORA_O_A, LORA_O_B, LORA_GATE_UP_A, LORA_GATE_UP_B, LORA_DOWN_A,
-         LORA_DOWN_B, ICFG, FCFG, OUT, NPARAM };
-  static const int want_ndims[NPARAM] = {2, 1, 1, 2, 1, 1, 2, 2, 2, 1, 2, 2, 2, 1, 1, 2, 2, 1, 3, 3, 3, 3, 3, 3, 3, 3,
-                                         1, 1, 2};
-  if (nparam != NPARAM) return 1;
-  for (int i = 0; i < NPARAM; ++i) {
-    if (ndims[i] != want_ndims[i]) return 1;
-    if (i == QKV_W || i == O_W || i == GATE_UP_W || i == DOWN_W) continue;      // checked with their type
-    const bool ints = (i >= POS && i <= TREE) || i == ICFG || i == LORA;
-    if (!is(dtypes[i], ints ? "int32" : "float32")) return 1;
-  }
+  enum { DECODER_LAYER_PARAMS(LLM_SERVING_PARAM_ENUM) NPARAM };
+  if (!llm_serving::params_match(kDecoderLayerParams, NPARAM, nparam, ndims, dtypes)) return 1;
   if (shapes[ICFG][0] != 8) return 2;
   const auto* x = static_cast<const float*>(params[X]);
   const auto* positions = static_cast<const int32_t*>(params[POS]);
@@ -969,14 +995,8 @@ extern "C" int FinalLogits(int nparam, void** params, int* ndims, int64_t** shap
                            void* stream, void* extra) {
   (void)stream;
   (void)extra;
-  enum { X, W, GAIN, SLOTS, ICFG, FCFG, LOGITS, TOKEN, LOGPROB, NPARAM };
-  if (nparam != NPARAM || ndims[X] != 2 || ndims[W] != 2 || ndims[GAIN] != 1 || ndims[SLOTS] != 1 ||
-      ndims[ICFG] != 1 || ndims[FCFG] != 1 || ndims[LOGITS] != 2 || ndims[TOKEN] != 1 || ndims[LOGPROB] != 1 ||
-      !is(dtypes[X], "float32") || !is(dtypes[GAIN], "float32") || !is(dtypes[SLOTS], "int32") ||
-      !is(dtypes[ICFG], "int32") || !is(dtypes[FCFG], "float32") || !is(dtypes[LOGITS], "float32") ||
-      !is(dtypes[TOKEN], "int32") || !is(dtypes[LOGPROB], "float32")) {
-    return 1;
-  }
+  enum { FINAL_LOGITS_PARAMS(LLM_SERVING_PARAM_ENUM) NPARAM };
+  if (!llm_serving::params_match(kFinalLogitsParams, NPARAM, nparam, ndims, dtypes)) return 1;
   const int64_t rows = shapes[X][0], h = shapes[X][1], vocab = shapes[W][0];
   const auto* icfg = static_cast<const int32_t*>(params[ICFG]);
   Matrix w;

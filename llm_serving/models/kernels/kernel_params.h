@@ -1,0 +1,47 @@
+// A kernel's parameters declared once, as one list (an X-macro) per kernel, from which come its enum of
+// parameter indices, the ranks and dtypes checked on each call, and an exported description of the list that
+// kernels/__init__.py compares with the list kernels/signatures.py builds the ops.Custom call from, by name,
+// when the library is built. A new parameter: one line in the kernel's list and one in signatures.py.
+//
+//   #define MY_KERNEL_PARAMS(P) P(X, "x", 2, "float32") P(OUT, "out", 2, "float32")
+//   enum { MY_KERNEL_PARAMS(LLM_SERVING_PARAM_ENUM) NPARAM };                       // X = 0, OUT = 1, NPARAM = 2
+//   static const ParamSpec kMyKernel[] = {MY_KERNEL_PARAMS(LLM_SERVING_PARAM_SPEC)};
+//
+// dtype "weight": float32, or a GGUF type's stored bytes (uint8); the kernel checks it with its type code.
+#pragma once
+
+#include <cstring>
+#include <string>
+
+namespace llm_serving {
+
+struct ParamSpec {
+  const char* name;
+  int ndims;
+  const char* dtype;   // "float32", "int32" or "weight"
+};
+
+#define LLM_SERVING_PARAM_ENUM(id, name, ndims, dtype) id,
+#define LLM_SERVING_PARAM_SPEC(id, name, ndims, dtype) {name, ndims, dtype},
+
+// The call passes exactly `count` parameters with the declared ranks and dtypes.
+inline bool params_match(const ParamSpec* spec, int count, int nparam, const int* ndims, const char** dtypes) {
+  if (nparam != count) return false;
+  for (int i = 0; i < count; ++i) {
+    if (ndims[i] != spec[i].ndims) return false;
+    if (std::strcmp(spec[i].dtype, "weight") != 0 && std::strcmp(dtypes[i], spec[i].dtype) != 0) return false;
+  }
+  return true;
+}
+
+// "name:ndims:dtype,..." in order: what a kernel's exported <Kernel>Params() returns.
+inline std::string describe_params(const ParamSpec* spec, int count) {
+  std::string out;
+  for (int i = 0; i < count; ++i) {
+    if (i > 0) out += ',';
+    out += std::string(spec[i].name) + ':' + std::to_string(spec[i].ndims) + ':' + spec[i].dtype;
+  }
+  return out;
+}
+
+}  // namespace llm_serving

@@ -1,0 +1,168 @@
+"""The CPU kernels' parameters by name: one declared list per kernel, from which the model builds the
+`ops.Custom` call's argument tuple, and which the build checks against the kernel's own list.
+
+A kernel's C++ source declares its parameters once (an X-macro list, kernel_params.h) in the order MindSpore
+passes them (inputs, then outputs), with each one's rank and dtype; its enum of indices and the checks it runs
+on every call come from that list, and the library exports it as text (`<Func>Params()`: "name:ndims:dtype,...").
+`build_kernel` compares that text with the signature declared here and refuses a library whose list differs,
+naming the first parameter that does (`KernelSignatureError`). A new kernel input is one line in the C++ list
+and one here, at the same place; then its value by name: a step input is a new argument of the model's method
+that runs the kernel (`check_call` holds it to the declared order), a held one a new keyword of `held(...)`.
+
+dtype "weight": float32, or a GGUF type's stored bytes (uint8), which the kernel checks with the type code its
+iconfig gives.
+"""
+from __future__ import annotations
+
+import ctypes
+import inspect
+from dataclasses import dataclass
+
+__all__ = ["DECODER_LAYER", "FINAL_LOGITS", "KERNEL_SIGNATURES", "KernelParam", "KernelSignature",
+           "KernelSignatureError", "check_library", "check_params"]
+
+
+class KernelSignatureError(RuntimeError):
+    """A kernel library's parameter list differs from the one the Python side calls it with: the .cc and
+    signatures.py were changed apart. Not a build failure to fall back from: the code itself disagrees."""
+
+
+@dataclass(frozen=True)
+class KernelParam:
+    name: str
+    ndims: int
+    dtype: str          # "float32", "int32" or "weight"
+
+    def describe(self) -> str:
+        return f"{self.name}:{self.ndims}:{self.dtype}"
+
+
+@dataclass(frozen=True)
+class KernelSignature:
+    """A kernel's parameters in the order MindSpore passes them: the inputs a step gives (`call_inputs`, the
+    arguments of the model's method that runs the kernel), then those the model holds (`held_inputs`: weights,
+    caches, config), then the `outputs` (allocated by MindSpore). The order of the held ones is settled once, in
+    Python, when the model is built (`held`): a graph's construct only forwards its own arguments and that
+    tuple, since a name-to-position mapping inside a compiled graph costs ~1 s of compile time per call."""
+
+    func: str
+    call_inputs: tuple
+    held_inputs: tuple
+    outputs: tuple
+
+    @property
+    def inputs(self) -> tuple:
+        return self.call_inputs + self.held_inputs
+
+    @property
+    def input_names(self) -> tuple:
+        return tuple(p.name for p in self.inputs)
+
+    @property
+    def params(self) -> tuple:
+        return self.inputs + self.outputs
+
+    def index(self, name: str) -> int:
+        """The position of parameter `name` among the kernel's parameters (inputs, then outputs)."""
+        return [p.name for p in self.params].index(name)
+
+    def args(self, **values) -> tuple:
+        """All the kernel's inputs in its order, from values given by name (every input, nothing else)."""
+        return _ordered(self.func, self.inputs, values)
+
+    def held(self, **values) -> tuple:
+        """The held inputs in the kernel's order, from values given by name (every held input, nothing else): the
+        tuple the model passes after a step's inputs."""
+        return _ordered(self.func, self.held_inputs, values)
+
+    def check_call(self, method) -> None:
+        """TypeError unless `method` (the model's, that runs the kernel) takes exactly the call inputs, by their
+        names and in their order: it forwards them as it takes them."""
+        have = [n for n in inspect.signature(method).parameters if n != "self"]
+        want = [p.name for p in self.call_inputs]
+        if have != want:
+            i = next(i for i, (h, w) in enumerate(zip(have + [None] * len(want), want + [None] * len(have)))
+                     if h != w)
+            raise TypeError(f"{method.__qualname__} takes {have} but {self.func}'s step inputs are {want}: "
+                            f"argument {i} should be {want[i] if i < len(want) else None!r}, not "
+                            f"{have[i] if i < len(have) else None!r}")
+
+
+def _ordered(func: str, params: tuple, values: dict) -> tuple:
+    names = [p.name for p in params]
+    missing = [n for n in names if n not in values]
+    if missing:
+        raise TypeError(f"{func}: no value for its input {missing[0]!r}")
+    unknown = [n for n in values if n not in names]
+    if unknown:
+        raise TypeError(f"{func}: it has no input named {unknown[0]!r} here (these: {', '.join(names)})")
+    return tuple(values[n] for n in names)
+
+
+def _p(name: str, ndims: int, dtype: str) -> KernelParam:
+    return KernelParam(name, ndims, dtype)
+
+
+# decoder_layer_cpu.cc's DecoderLayer (its header comment says what each one holds)
+DECODER_LAYER = KernelSignature(
+    "DecoderLayer",
+    call_inputs=(_p("x", 2, "float32"), _p("positions", 1, "int32"), _p("slots", 1, "int32"),
+                 _p("block_tables", 2, "int32"), _p("context_lens", 1, "int32"), _p("tree_bits", 1, "int32"),
+                 _p("cos", 2, "float32"), _p("sin", 2, "float32"), _p("lora", 1, "int32")),
+    held_inputs=(_p("qkv_w", 2, "weight"), _p("qkv_bias", 1, "float32"), _p("o_w", 2, "weight"),
+                 _p("gate_up_w", 2, "weight"), _p("down_w", 2, "weight"), _p("input_gain", 1, "float32"),
+                 _p("post_gain", 1, "float32"), _p("key_cache", 2, "float32"), _p("value_cache", 2, "float32"),
+                 _p("lora_qkv_a", 3, "float32"), _p("lora_qkv_b", 3, "float32"), _p("lora_o_a", 3, "float32"),
+                 _p("lora_o_b", 3, "float32"), _p("lora_gate_up_a", 3, "float32"),
+                 _p("lora_gate_up_b", 3, "float32"), _p("lora_down_a", 3, "float32"),
+                 _p("lora_down_b", 3, "float32"), _p("iconfig", 1, "int32"), _p("fconfig", 1, "float32")),
+    outputs=(_p("out", 2, "float32"),))
+
+# decoder_layer_cpu.cc's FinalLogits
+FINAL_LOGITS = KernelSignature(
+    "FinalLogits",
+    call_inputs=(_p("x", 2, "float32"), _p("slots", 1, "int32")),
+    held_inputs=(_p("lm_head", 2, "weight"), _p("gain", 1, "float32"), _p("iconfig", 1, "int32"),
+                 _p("fconfig", 1, "float32")),
+    outputs=(_p("logits", 2, "float32"), _p("token", 1, "int32"), _p("logprob", 1, "float32")))
+
+# kernel source -> the signatures its library is checked against when built
+KERNEL_SIGNATURES = {"decoder_layer_cpu": (DECODER_LAYER, FINAL_LOGITS)}
+
+
+def check_params(signature: KernelSignature, compiled: str, source: str = "the kernel library") -> None:
+    """KernelSignatureError naming the first parameter where `compiled` (a library's "name:ndims:dtype,..."
+    list) and `signature` differ."""
+    have = [p for p in compiled.split(",") if p]
+    want = [p.describe() for p in signature.params]
+    have_names, want_names = [p.split(":")[0] for p in have], [p.name for p in signature.params]
+    where = f"{source}: {signature.func}"
+    for i in range(max(len(have), len(want))):
+        h, w = (have[i] if i < len(have) else None), (want[i] if i < len(want) else None)
+        if h == w:
+            continue
+        if w is not None and want_names[i] not in have_names:
+            problem = f"{want_names[i]!r} (parameter {i} in kernels/signatures.py) is missing from the C++ list"
+        elif h is not None and have_names[i] not in want_names:
+            problem = f"{have_names[i]!r} (parameter {i} in the C++ list) is missing from kernels/signatures.py"
+        elif h is not None and w is not None and have_names[i] == want_names[i]:
+            problem = f"parameter {i} is {h!r} in the C++ list but {w!r} in kernels/signatures.py"
+        else:
+            problem = (f"parameter {i} is {have_names[i] if h else None!r} in the C++ list but "
+                       f"{want_names[i] if w else None!r} in kernels/signatures.py (the order differs)")
+        raise KernelSignatureError(f"{where}: {problem}; the two lists must name the same parameters in the "
+                                   "same order")
+
+
+def check_library(path: str, signatures, source: str = "the kernel library") -> None:
+    """Check each signature against the parameter list the library at `path` exports for it."""
+    lib = ctypes.CDLL(str(path))
+    for sig in signatures:
+        try:
+            describe = getattr(lib, f"{sig.func}Params")
+        except AttributeError:
+            raise KernelSignatureError(f"{source} exports no {sig.func}Params(): its parameters cannot be checked "
+                                       "against kernels/signatures.py") from None
+        describe.restype = ctypes.c_char_p
+        describe.argtypes = []
+        check_params(sig, describe().decode(), source)

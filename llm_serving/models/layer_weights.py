@@ -1,0 +1,241 @@
+"""The model's weights in the forms its graphs and CPU kernels run them, prepared in numpy (no MindSpore):
+llama.py wraps what these functions return in Parameters and does nothing else to them.
+
+Load-time rewrites of a decoder layer (`prepare_layer`):
+- q/k/v fused into one [out, in] matrix (and their biases into one, where the model has them: Qwen2), gate/up
+  into another: one MatMul each;
+- the RMSNorm gains folded into the float32 matrix that follows the norm (input norm -> q/k/v, post-attention
+  norm -> gate/up), so a norm is x * rsqrt(mean(x^2) + eps);
+- for the CPU layer kernel (`kernel`, kernels/decoder_layer_cpu.cc): each product's matrix as the checkpoint
+  stores it where every part is block-quantized with one type (a GGUF's rows, untouched; the kernel multiplies
+  the normalized activations by the norm's gain instead of having it folded in), else the float32 one; with
+  the kernel's config, under the names of its inputs (kernels/signatures.DECODER_LAYER);
+- LoRA adapters stacked by slot (`LoraStack`) in the layouts of the layer kernel and of MindSpore's ops.
+`prepare_head` does the same for the final norm and the lm_head (the FinalLogits kernel's inputs).
+
+Under tensor parallelism `w` holds only this rank's part of each split tensor (weights.load_llama_weights(path,
+tp)); the prepared matrices are then this rank's, and a LoRA stack cuts each adapter to match them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from .parallel import TensorParallel
+from .weights import LlamaConfig
+
+__all__ = ["HeadWeights", "KernelInputs", "LORA_PRODUCTS", "LayerKernelConfig", "LayerWeights", "LoraStack",
+           "kept_quantized", "kernel_lora_arrays", "prepare_head", "prepare_layer"]
+
+# a decoder layer's products that LoRA adapts: name -> (its parts, in the order of its output rows)
+LORA_PRODUCTS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
+                 "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
+# the norm whose gain a product's input carries (folded into its float32 matrix), and the layer kernel's input
+# for that gain
+_NORMS = {"qkv": ("input_layernorm", "input_gain"), "gate_up": ("post_attention_layernorm", "post_gain")}
+
+
+def kept_quantized(quantized: dict, names: list) -> Optional[tuple[np.ndarray, int]]:
+    """The named matrices' stored rows, concatenated, and their type, when every one is stored quantized with
+    the same type; else None (the kernel reads the float32 copy)."""
+    parts = [quantized.get(n) for n in names]
+    if any(t is None for t in parts) or len({t.qtype for t in parts}) != 1:
+        return None
+    return np.concatenate([t.data for t in parts]), parts[0].qtype
+
+
+class LoraStack:
+    """One product's LoRA adapters stacked by slot (slot 0: the base model, zeros), in the two forms the layer
+    runs them in (`write` fills a slot; the layer's Parameters take the arrays again, with no recompile):
+      the layer kernel's: A (S, P*R, K) and B transposed, (S, R, N), the scale folded into B;
+      MindSpore's ops': A (S*P*R, K) and B (N, S*P*R), each output row's block of B nonzero only in its own
+      part's columns, so that delta = ((x A^T) * one_hot(slot)) B^T for a whole batch of mixed slots.
+    `gain`: the norm gain the product's float32 weight has folded in (q/k/v, gate/up), folded into the ops' A
+    and into the kernel's A when `kernel_folded` (the kernel then normalizes without the gain).
+    Under tensor parallelism (`tp`) a rank holds what matches its part of the base weight: B's rows of its heads
+    or MLP units for the column-parallel q/k/v and gate/up (A whole: their input is whole on every rank), A's
+    columns of its part of the input for the row-parallel o and down (B whole: the ranks' partial deltas are
+    summed by the all-reduce that sums their products)."""
+
+    def __init__(self, slots: int, rank: int, parts: list, k: int, gain: Optional[np.ndarray], kernel_folded: bool,
+                 tp: TensorParallel = TensorParallel(), row_parallel: bool = False):
+        self.slots, self.rank, self.parts, self.k = slots, rank, parts, k       # parts: [(out rows of part p)]
+        self.gain, self.kernel_folded = gain, kernel_folded
+        self.tp, self.row_parallel = tp, row_parallel
+        n, width = sum(parts), len(parts) * rank
+        self.kernel_a = np.zeros((slots, width, k), np.float32)
+        self.kernel_b = np.zeros((slots, rank, n), np.float32)
+        self.ops_a = np.zeros((slots * width, k), np.float32)
+        self.ops_b = np.zeros((n, slots * width), np.float32)
+        self.col_slot = np.repeat(np.arange(slots, dtype=np.int32), width)   # (S*P*R,) the slot of each column
+
+    @property
+    def slot_nbytes(self) -> int:
+        """Bytes one slot takes in both forms."""
+        return (self.kernel_a.nbytes + self.kernel_b.nbytes + self.ops_a.nbytes + self.ops_b.nbytes) // self.slots
+
+    def write(self, slot: int, deltas: list, names: list) -> None:
+        """Slot `slot` holds these per-part deltas (LoraDelta or None for a part the adapter leaves alone) of the
+        base weights `names` (HF names, whole: this rank's part is cut here)."""
+        r, width = self.rank, len(self.parts) * self.rank
+        for arr in (self.kernel_a[slot], self.kernel_b[slot], self.ops_a[slot * width:(slot + 1) * width],
+                    self.ops_b[:, slot * width:(slot + 1) * width]):
+            arr[...] = 0
+        row = 0
+        for p, (rows, d, name) in enumerate(zip(self.parts, deltas, names)):
+            if d is not None:
+                a, b = d.a, d.b                                                        # (r, K), (rows, r) whole
+                if self.tp.world > 1 and self.row_parallel:
+                    a = a[self.tp.part(name, a.shape)]                                 # this rank's input columns
+                elif self.tp.world > 1:
+                    b = b[self.tp.part(name, b.shape)]                                 # this rank's output rows
+                raw_a = a
+                a = a * self.gain[None, :] if self.gain is not None else a
+                b = b * np.float32(d.scale)
+                self.kernel_a[slot, p * r:p * r + d.rank] = a if self.kernel_folded else raw_a
+                self.kernel_b[slot, :d.rank, row:row + rows] = b.T
+                self.ops_a[slot * width + p * r:slot * width + p * r + d.rank] = a
+                self.ops_b[row:row + rows, slot * width + p * r:slot * width + p * r + d.rank] = b
+            row += rows
+
+
+def kernel_lora_arrays(stacks: dict) -> dict:
+    """The layer kernel's LoRA inputs ("lora_qkv_a", "lora_qkv_b", ...): the stacks' own kernel arrays."""
+    return {f"lora_{key}_{ab}": arr for key, st in stacks.items() for ab, arr in (("a", st.kernel_a),
+                                                                                   ("b", st.kernel_b))}
+
+
+@dataclass(frozen=True)
+class LayerKernelConfig:
+    """What the layer kernel's iconfig carries besides the layer's shape and weight types."""
+
+    block_size: int
+    threads: int
+
+
+@dataclass
+class KernelInputs:
+    """The layer kernel's inputs a layer holds (the step's own come with each call), by the kernel's input names
+    (kernels/signatures.DECODER_LAYER)."""
+
+    matrices: dict          # "qkv_w", "o_w", "gate_up_w", "down_w" -> the LayerWeights' float32 array itself,
+                            # or the stored rows (uint8 (rows, bytes per row))
+    types: tuple            # their GGML type codes, in that order (0: float32)
+    qkv_bias: np.ndarray    # ((NH+2KVH)*D,) the LayerWeights' bias itself, or zeros for a model without one
+    gains: dict             # "input_gain", "post_gain" -> (H,): 1 where folded into the float32 matrix
+    lora: dict              # "lora_qkv_a", "lora_qkv_b", ... -> the stacks' kernel arrays themselves, or (without
+                            # adapter slots) one all-zero slot of rank 1, which the kernel skips
+    iconfig: np.ndarray     # (8,) int32 [block_size, NH, KVH, threads, *types]
+    fconfig: np.ndarray     # (1,) float32 [rms_norm_eps]
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer's weights as the model runs them (this rank's part under tensor parallelism)."""
+
+    qkv: np.ndarray                     # ((NH+2KVH)*D, H) float32, the input norm's gain folded in
+    qkv_bias: Optional[np.ndarray]      # ((NH+2KVH)*D,) where the model has q/k/v biases (not touched by the fold)
+    o: np.ndarray                       # (H, NH*D)
+    gate_up: np.ndarray                 # (2I, H), the post-attention norm's gain folded in
+    down: np.ndarray                    # (H, I)
+    lora_stacks: dict = field(default_factory=dict)     # product (LORA_PRODUCTS) -> LoraStack; {}: no adapter slots
+    kernel: Optional[KernelInputs] = None               # None: no layer kernel
+
+
+def _fused(w: dict, prefix: str, parts, suffix: str = "weight") -> np.ndarray:
+    """The parts' tensors stacked by rows; a single part is the checkpoint's array itself (no copy)."""
+    arrays = [w[f"{prefix}{part}.{suffix}"] for part in parts]
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=0)
+
+
+def prepare_layer(cfg: LlamaConfig, w: dict, i: int, *, tp: TensorParallel = TensorParallel(),
+                  kernel: Optional[LayerKernelConfig] = None, quantized: Optional[dict] = None,
+                  lora_slots: int = 0, lora_rank: int = 0) -> LayerWeights:
+    """Layer i's weights from the checkpoint's tensors `w` (HF names, float32; this rank's part of each split
+    one), for the layer kernel too when `kernel` is given (reading `quantized`'s stored matrices, weights.
+    load_quantized's, where it has them), with `lora_slots` adapter slots of rank `lora_rank` (all empty)."""
+    p = f"model.layers.{i}."
+    quantized = quantized or {}
+    nh, kvh, d = cfg.num_heads // tp.world, cfg.num_kv_heads // tp.world, cfg.head_dim
+    inter, h = cfg.intermediate_size // tp.world, cfg.hidden_size
+    gain = {key: w[f"{p}{norm}.weight"] for key, (norm, _) in _NORMS.items()}                # (H,) each
+    f32 = {key: _fused(w, p, parts) for key, parts in LORA_PRODUCTS.items()}
+    for key, g in gain.items():
+        f32[key] = f32[key] * g[None, :]                          # (rows, H): the norm's gain folded in
+    bias = _fused(w, p, LORA_PRODUCTS["qkv"], "bias") if cfg.attention_bias else None       # Qwen2
+    layer = LayerWeights(qkv=f32["qkv"], qkv_bias=bias, o=f32["o"], gate_up=f32["gate_up"], down=f32["down"])
+    # the products the kernel reads as stored (LoRA's A then leaves their gain to the kernel too)
+    stored = {}
+    if kernel is not None:
+        for key, parts in LORA_PRODUCTS.items():
+            kept = kept_quantized(quantized, [f"{p}{part}.weight" for part in parts])
+            if kept is not None:
+                stored[key] = kept
+    if lora_slots > 0:
+        shapes = {"qkv": ([nh * d, kvh * d, kvh * d], h), "o": ([h], nh * d), "gate_up": ([inter, inter], h),
+                  "down": ([h], inter)}
+        layer.lora_stacks = {key: LoraStack(lora_slots + 1, lora_rank, parts, k, gain.get(key),
+                                            kernel_folded=key not in stored, tp=tp, row_parallel=key in ("o", "down"))
+                             for key, (parts, k) in shapes.items()}
+    if kernel is not None:
+        layer.kernel = _kernel_inputs(layer, stored, gain, nh, kvh, d, inter, h, kernel, cfg.rms_norm_eps)
+    return layer
+
+
+def _kernel_inputs(layer: LayerWeights, stored: dict, gain: dict, nh: int, kvh: int, d: int, inter: int, h: int,
+                   config: LayerKernelConfig, eps: float) -> KernelInputs:
+    """The layer kernel's view of `layer`: each product's stored rows where `stored` has them, else its float32
+    matrix (the same array), with the norms' gains beside the stored ones."""
+    one = np.ones(h, np.float32)
+    matrices, types, gains = {}, [], {}
+    for key in LORA_PRODUCTS:
+        if key in stored:
+            matrices[f"{key}_w"], qtype = stored[key]
+        else:
+            matrices[f"{key}_w"], qtype = getattr(layer, key), 0
+        types.append(int(qtype))
+        if key in _NORMS:
+            gains[_NORMS[key][1]] = gain[key] if key in stored else one
+    nqkv = (nh + 2 * kvh) * d
+    if layer.lora_stacks:
+        lora = kernel_lora_arrays(layer.lora_stacks)
+    else:
+        shapes = {"qkv": ((1, 3, h), (1, 1, nqkv)), "o": ((1, 1, nh * d), (1, 1, h)),
+                  "gate_up": ((1, 2, h), (1, 1, 2 * inter)), "down": ((1, 1, inter), (1, 1, h))}
+        lora = {f"lora_{key}_{ab}": np.zeros(shape, np.float32)
+                for key, (a, b) in shapes.items() for ab, shape in (("a", a), ("b", b))}
+    qkv_bias = layer.qkv_bias if layer.qkv_bias is not None else np.zeros(nqkv, np.float32)
+    iconfig = np.array([config.block_size, nh, kvh, config.threads, *types], np.int32)
+    return KernelInputs(matrices=matrices, types=tuple(types), qkv_bias=qkv_bias, gains=gains, lora=lora,
+                        iconfig=iconfig, fconfig=np.array([eps], np.float32))
+
+
+@dataclass
+class HeadWeights:
+    """The final norm and the lm_head as the model runs them (rank 0's only: the logits are computed there)."""
+
+    lm_head: np.ndarray                         # (V, H) float32, the final norm's gain folded in
+    kernel_lm_head: Optional[np.ndarray] = None  # FinalLogits': the same array, or the stored rows (uint8)
+    kernel_gain: Optional[np.ndarray] = None     # (H,): 1 where folded
+    kernel_type: int = 0                         # the GGML type code FinalLogits reads (0: float32)
+    iconfig: Optional[np.ndarray] = None         # (2,) int32 [threads, lm_head type]
+    fconfig: Optional[np.ndarray] = None         # (1,) float32 [rms_norm_eps]
+
+
+def prepare_head(cfg: LlamaConfig, weights: dict, *, kernel_threads: Optional[int] = None,
+                 quantized: Optional[dict] = None) -> HeadWeights:
+    """The lm_head with the final norm's gain folded in, and FinalLogits' inputs when `kernel_threads` is given
+    (the stored rows where `quantized` has the lm_head, the gain then beside them)."""
+    lm_head = weights["lm_head.weight"] * weights["model.norm.weight"][None, :]                # (V, H)
+    head = HeadWeights(lm_head=lm_head)
+    if kernel_threads is not None:
+        kept = kept_quantized(quantized or {}, ["lm_head.weight"])
+        if kept is None:
+            head.kernel_lm_head, head.kernel_gain = lm_head, np.ones(cfg.hidden_size, np.float32)
+        else:
+            (head.kernel_lm_head, head.kernel_type), head.kernel_gain = kept, weights["model.norm.weight"]
+        head.iconfig = np.array([kernel_threads, head.kernel_type], np.int32)
+        head.fconfig = np.array([cfg.rms_norm_eps], np.float32)
+    return head
