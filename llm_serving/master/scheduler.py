@@ -52,6 +52,7 @@ from llm_serving.config import SCHEDULING_POLICIES
 from llm_serving.master.block_manager import BlockManager
 from llm_serving.master.request import Request, RequestStatus
 from llm_serving.master.speculative import can_speculate
+from llm_serving.shm.layout import StepKind
 
 POLICIES = SCHEDULING_POLICIES      # named in config.py, which validates scheduler_config.policy
 
@@ -75,6 +76,13 @@ class ScheduledBatch:
                                                            # to the next of `steps` steps on the agent)
     run_lens: list = field(default_factory=list)           # a decode run: the steps each row takes (1..steps;
                                                            # a row that ends sooner sits the rest out)
+    kind: Optional[StepKind] = None                        # what the step does, set here once: from the rows
+                                                           # when made (prefill or decode), then by _make_run
+                                                           # (decode run) and attach_proposals (verify)
+
+    def __post_init__(self) -> None:
+        if self.kind is None:           # a prefill graph when some row feeds more than one token of its own
+            self.kind = StepKind.PREFILL if max(self.num_new_tokens, default=1) > 1 else StepKind.DECODE
 
     @property
     def num_rows(self) -> int:
@@ -87,16 +95,12 @@ class ScheduledBatch:
     @property
     def is_verify(self) -> bool:
         """Some row checks proposed tokens (every new token is sampled after)."""
-        return any(self.proposals)
+        return self.kind is StepKind.VERIFY
 
     @property
     def is_prefill(self) -> bool:
         """Runs in a prefill graph (some row feeds more than one token of its own)."""
-        return self.max_query_len > 1 and not self.is_verify
-
-    @property
-    def kind(self) -> str:
-        return "verify" if self.is_verify else "prefill" if self.is_prefill else "decode"
+        return self.kind is StepKind.PREFILL
 
     @property
     def num_tokens(self) -> int:
@@ -110,7 +114,7 @@ class ScheduledBatch:
             return self
         pick = lambda xs: [xs[i] for i in keep] if xs else []     # noqa: E731
         return ScheduledBatch(pick(self.requests), pick(self.num_new_tokens), pick(self.proposals),
-                              pick(self.spec_limits), pick(self.parents), self.steps, pick(self.run_lens))
+                              pick(self.spec_limits), pick(self.parents), self.steps, pick(self.run_lens), self.kind)
 
 
 class Scheduler:
@@ -223,7 +227,7 @@ class Scheduler:
         end; a chunk that stops inside the prompt samples nothing). Rows finished while the step ran are
         skipped. The caller appends each row's token to its request (or finishes it). A verify row's
         proposals do not count here: the caller `accept`s those it keeps."""
-        self.batch_sizes[(batch.kind, batch.num_rows)] += 1
+        self.batch_sizes[(batch.kind.stats_name, batch.num_rows)] += 1
         produced = []
         for row, (req, fed) in enumerate(zip(batch.requests, batch.num_new_tokens)):
             if req.status is not RequestStatus.RUNNING:
@@ -298,6 +302,7 @@ class Scheduler:
             self.bm.allocate(req.req_id, req.num_tokens + n - 1)
         batch.steps = k
         batch.run_lens = lens
+        batch.kind = StepKind.DECODE_RUN
         batch.spec_limits = []
         self.num_decode_runs += 1
 
@@ -363,6 +368,7 @@ class Scheduler:
             kept_parents.append(tree)
         if any(kept):
             batch.proposals, batch.parents = kept, kept_parents
+            batch.kind = StepKind.VERIFY
 
     def _hold_prefill(self) -> bool:
         """prefill_wait_s > 0: while requests are decoding, let new prompts gather into fuller prefill

@@ -18,7 +18,7 @@ from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
 
-from llm_serving.shm.layout import StepLayout
+from llm_serving.shm.layout import ARRAYS, StepKind, StepLayout, StepView
 
 def segment_prefix() -> str:
     """The prefix of this process's segment names (see the module docstring)."""
@@ -76,16 +76,24 @@ class StepBuffers:
     def shared(self) -> bool:
         return bool(self._segments)
 
-    def pack_inputs(self, n: int, s: int, verify: bool = False, run_steps: int = 1) -> np.ndarray:
+    def view(self, kind: StepKind, n: int, s: int, steps: int = 1, return_logits: bool = False) -> StepView:
+        """A step's arrays by name, as views of its part of the buffers (layout.py's shape classes): what the
+        worker hands ModelRunner.execute and writes the outputs into."""
+        kind = StepKind(kind)
+        return StepView(kind, return_logits=return_logits,
+                        **{a.name: self.arrays[a.name][self.layout.part(a, n, s, steps)] for a in ARRAYS
+                           if self.layout.in_step(a, kind)})
+
+    def pack_inputs(self, kind: StepKind, n: int, s: int, steps: int = 1) -> np.ndarray:
         """The step's inputs (layout.step_inputs) as one int32 array of layout.step_inputs_size words."""
         parts = [self.arrays[name][index].view(np.int32).reshape(-1)
-                 for name, index in self.layout.step_inputs(n, s, verify, run_steps)]
+                 for name, index in self.layout.step_inputs(kind, n, s, steps)]
         return np.concatenate(parts)
 
-    def unpack_inputs(self, words: np.ndarray, n: int, s: int, verify: bool = False, run_steps: int = 1) -> None:
+    def unpack_inputs(self, words: np.ndarray, kind: StepKind, n: int, s: int, steps: int = 1) -> None:
         """Write pack_inputs's words (at least step_inputs_size of them) back into the same places."""
         at = 0
-        for name, index in self.layout.step_inputs(n, s, verify, run_steps):
+        for name, index in self.layout.step_inputs(kind, n, s, steps):
             target = self.arrays[name][index]
             size = target.size
             target[...] = words[at:at + size].view(target.dtype).reshape(target.shape)
