@@ -163,7 +163,9 @@ class DraftProposer:
         for r, (i, start, stop) in enumerate(feed):
             req = requests[i]
             top = self.width if self.width > 1 and stop == req.num_tokens else 0
-            self._write_row(rows, r, req, req.tokens(start, stop), start, top_n=top)
+            # greedy (the defaults): the draft proposes its most likely token (and the top after its last)
+            rows.row(r, self.bm.block_tables[req.req_id], req.tokens(start, stop), start,
+                     prompt_len=len(req.prompt_ids), request_id=req.number, top_n=top)
         n, s = len(feed), max(stop - start for _, start, stop in feed)
         kind = proto.StepKind.PREFILL if s > 1 else proto.StepKind.DECODE
         out = await self._step(proto.Step(kind, self.num_steps, n, s))
@@ -188,21 +190,14 @@ class DraftProposer:
                     break
                 for r, i in enumerate(live):        # feed token j of the branch at the position after the last
                     req = requests[i]
-                    self._write_row(rows, r, req, [branches[i][branch][-1]], req.num_tokens + j - 1)
+                    rows.row(r, self.bm.block_tables[req.req_id], [branches[i][branch][-1]], req.num_tokens + j - 1,
+                             prompt_len=len(req.prompt_ids), request_id=req.number)
                 out = await self._step(proto.Step(proto.StepKind.DECODE, self.num_steps, len(live)))
                 for r, i in enumerate(live):
                     branches[i][branch].append(out[r])
                     if branch == 0:                 # other branches' KV is overwritten by the first's
                         requests[i].num_draft_computed = requests[i].num_tokens + j
         return branches
-
-    def _write_row(self, rows: RowWriter, r: int, req, tokens: list, start: int, top_n: int = 0) -> None:
-        """Row r feeds `tokens` at positions start.. through req's block table, sampling greedily (and
-        returning the top_n most likely tokens after the last)."""
-        rows.table(r, self.bm.block_tables[req.req_id])
-        rows.tokens(r, tokens, start)
-        # greedy (the defaults): the draft proposes its most likely token
-        rows.sampling(r, prompt_len=len(req.prompt_ids), request_id=req.number, top_n=top_n)
 
     async def _step(self, command) -> list:
         t0 = time.perf_counter()

@@ -97,6 +97,13 @@ class RowWriter:
         b.context_lens[i] = start + q
         b.query_lens[i] = q
 
+    def row(self, i: int, table: list, ids: list, start: int, **sampling) -> None:
+        """All of row i: its block table, `ids` fed at positions start.., and its sampling parameters (see
+        `sampling`; greedy by default)."""
+        self.table(i, table)
+        self.tokens(i, ids, start)
+        self.sampling(i, **sampling)
+
     def decode(self, n: int, ids: list, positions: list, slots: list) -> None:
         """Rows 0..n-1 each feed one token (ids[i] at positions[i], into slots[i])."""
         b = self.b
