@@ -21,7 +21,9 @@ capture); `master` arrays are outputs, written by rank 0. All are 4-byte types b
 
 Verify steps (speculative decoding, master/speculative.py) sample after every new token of a row, not
 only after its last; `max_verify` is the most tokens a speculating row feeds (1 + proposals), or the steps
-of a decode run (scheduler_config.decode_steps, whose tokens come back in out_verify_*).
+of a decode run (scheduler_config.decode_steps, whose tokens come back in out_verify_*). A verify row's
+verify_parent is j-1 for token j along a chain, and a token tree's parent index otherwise; a decode run's
+slot_mapping holds a slot per step, -1 once the row sits the rest of the run out.
 """
 from __future__ import annotations
 
@@ -60,7 +62,7 @@ STEP_PRIORITY = {StepKind.PREFILL: 1, StepKind.DECODE: 2, StepKind.VERIFY: 2, St
 @dataclass(frozen=True)
 class ArrayDecl:
     """One step array: name, dtype, shape class (see the module docstring), who writes it (the master, or
-    rank 0 of the agents: `agent 0`), who reads it (model, sampler, trace, master) and what it holds."""
+    rank 0 of the agents: `agent0`), who reads it (model, sampler, trace, master) and what it holds."""
     name: str
     dtype: type
     shape_class: str
@@ -73,42 +75,39 @@ class ArrayDecl:
         return self.writer == "master"
 
 
-_M, _A = "master", "agent 0"
-ARRAYS = (
-    ArrayDecl("input_ids", np.int32, "token", _M, "model", "new tokens per row, left-aligned"),
-    ArrayDecl("positions", np.int32, "token", _M, "model", "absolute position of each new token"),
-    ArrayDecl("slot_mapping", np.int32, "token", _M, "model", "KV slot per new token, -1 = padding (a decode run: "
-              "a slot per step, -1 once the row sits out)"),
-    ArrayDecl("block_tables", np.int32, "table", _M, "model", "KV block ids per row, in order"),
-    ArrayDecl("context_lens", np.int32, "row", _M, "model", "tokens in the cache after this step"),
-    ArrayDecl("query_lens", np.int32, "row", _M, "model", "valid new tokens per row (>= 1)"),
-    ArrayDecl("temperature", np.float32, "row", _M, "model", "0 = greedy"),
-    ArrayDecl("top_k", np.int32, "row", _M, "model", "0 = off"),
-    ArrayDecl("top_p", np.float32, "row", _M, "model", "1 = off"),
-    ArrayDecl("random_u", np.float32, "row", _M, "model", "uniform [0, 1) for sampling rows"),
-    ArrayDecl("top_n", np.int32, "row", _M, "model", "top log-probabilities wanted (0 = none)"),
-    ArrayDecl("repetition_penalty", np.float32, "row", _M, "sampler", "1 = off; >1 discourages seen tokens"),
-    ArrayDecl("presence_penalty", np.float32, "row", _M, "sampler", "0 = off; per generated token seen"),
-    ArrayDecl("frequency_penalty", np.float32, "row", _M, "sampler", "0 = off; per occurrence in the output"),
-    ArrayDecl("history", np.int32, "history", _M, "sampler", "the row's tokens so far (prompt + output), kept "
-              "only for rows with a penalty"),
-    ArrayDecl("history_len", np.int32, "row", _M, "sampler", "valid entries of history (0 = none)"),
-    ArrayDecl("prompt_len", np.int32, "row", _M, "sampler", "history[prompt_len:] is the output"),
-    ArrayDecl("lora", np.int32, "row", _M, "model", "LoRA adapter slot per row (0 = none)"),
-    ArrayDecl("request_ids", np.int64, "row", _M, "trace", "request number per row (tracing, logits capture)"),
-    ArrayDecl("verify_random_u", np.float32, "verify", _M, "model", "uniform [0, 1) per new token of a "
-              "sampling row"),
-    ArrayDecl("verify_parent", np.int32, "verify", _M, "model", "each new token's parent among its row's new "
-              "tokens (-1 first; j-1: a chain; else a token tree)"),
-    ArrayDecl("out_token_ids", np.int32, "row", _A, "master", "sampled next token per row"),
-    ArrayDecl("out_logprobs", np.float32, "row", _A, "master", "its log-probability"),
-    ArrayDecl("out_top_ids", np.int32, "top", _A, "master", "most likely tokens, most likely first (written "
-              "only in steps where a row has top_n > 0)"),
-    ArrayDecl("out_top_logprobs", np.float32, "top", _A, "master", "their log-probabilities"),
-    ArrayDecl("out_verify_ids", np.int32, "verify", _A, "master", "the token sampled after each new token (a "
-              "decode run: each step's token)"),
-    ArrayDecl("out_verify_logprobs", np.float32, "verify", _A, "master", "its log-probability"),
-)
+# The declarations, one array a line: name, dtype, shape class, writer, reader, meaning.
+_DECLARED = """
+input_ids            int32    token    master   model    new tokens per row, left-aligned
+positions            int32    token    master   model    absolute position of each new token
+slot_mapping         int32    token    master   model    KV slot per new token, -1 = padding (a decode run: per step)
+block_tables         int32    table    master   model    KV block ids per row, in order
+context_lens         int32    row      master   model    tokens in the cache after this step
+query_lens           int32    row      master   model    valid new tokens per row (>= 1)
+temperature          float32  row      master   model    0 = greedy
+top_k                int32    row      master   model    0 = off
+top_p                float32  row      master   model    1 = off
+random_u             float32  row      master   model    uniform [0, 1) for sampling rows
+top_n                int32    row      master   model    top log-probabilities wanted (0 = none)
+repetition_penalty   float32  row      master   sampler  1 = off; >1 discourages seen tokens
+presence_penalty     float32  row      master   sampler  0 = off; per generated token seen
+frequency_penalty    float32  row      master   sampler  0 = off; per occurrence in the output
+history              int32    history  master   sampler  the row's tokens so far (prompt + output), rows with a penalty
+history_len          int32    row      master   sampler  valid entries of history (0 = none)
+prompt_len           int32    row      master   sampler  history[prompt_len:] is the output
+lora                 int32    row      master   model    LoRA adapter slot per row (0 = none)
+request_ids          int64    row      master   trace    request number per row (tracing, logits capture)
+verify_random_u      float32  verify   master   model    uniform [0, 1) per new token of a sampling row
+verify_parent        int32    verify   master   model    each new token's parent among its row's new tokens (-1 first)
+out_token_ids        int32    row      agent0   master   sampled next token per row
+out_logprobs         float32  row      agent0   master   its log-probability
+out_top_ids          int32    top      agent0   master   most likely tokens, most likely first (steps with top_n > 0)
+out_top_logprobs     float32  top      agent0   master   their log-probabilities
+out_verify_ids       int32    verify   agent0   master   the token sampled after each new token (a run: each step's)
+out_verify_logprobs  float32  verify   agent0   master   its log-probability
+"""
+ARRAYS = tuple(ArrayDecl(name, np.dtype(dtype).type, shape_class, writer, reader, meaning)
+               for name, dtype, shape_class, writer, reader, meaning
+               in (line.split(None, 5) for line in _DECLARED.strip().splitlines()))
 INPUT_NAMES = tuple(a.name for a in ARRAYS if a.is_input)
 OUTPUT_NAMES = tuple(a.name for a in ARRAYS if not a.is_input)
 

@@ -21,7 +21,7 @@ LAYOUT = StepLayout(max_rows=4, max_tokens=8, max_blocks_per_seq=3, max_context=
 def test_every_step_array_is_declared_once_with_its_shape_class_writer_and_reader():
     names = [a.name for a in ARRAYS]
     assert len(names) == len(set(names)) and set(INPUT_NAMES) | set(OUTPUT_NAMES) == set(names)
-    assert {a.writer for a in ARRAYS} == {"master", "agent 0"}
+    assert {a.writer for a in ARRAYS} == {"master", "agent0"}
     assert {a.reader for a in ARRAYS if a.is_input} == {"model", "sampler", "trace"}
     shapes = {spec.name: spec.shape for spec in LAYOUT.arrays()}
     assert shapes["input_ids"] == (4, 8) and shapes["block_tables"] == (4, 3) and shapes["history"] == (4, 48)
