@@ -118,7 +118,8 @@ def batching_ceiling(model_path: str, config: str, overrides: list, samples) -> 
     spec = RunnerSpec(num_blocks=max(batch, rows) * per_row, block_size=block, max_blocks_per_seq=per_row,
                       decode_batch_sizes=[1, batch], prefill_batch_sizes=[rows],
                       prefill_seq_lens=sorted({-(-t // block) * block for t in lengths}),
-                      max_step_tokens=cfg.serving_config.max_num_batched_tokens, num_threads=mc.num_threads, attention_kernel=mc.attention_kernel, layer_kernel=mc.layer_kernel,
+                      max_step_tokens=cfg.serving_config.max_num_batched_tokens, num_threads=mc.num_threads,
+                      attention_kernel=mc.attention_kernel, layer_kernel=mc.layer_kernel,
                       layer_kernel_rows=mc.layer_kernel_max_tokens, decode_run_steps=sched.decode_steps,
                       decode_run_rows=sched.decode_steps_max_rows)
     runner = ModelRunner(model_path, spec)

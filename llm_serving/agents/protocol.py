@@ -383,8 +383,9 @@ class Failed(Reply):
     collective_calls: Optional[int] = None
 
 
-REPLY_OF = {Connect: ConnectReply, Step: StepReply,
-            Health: HealthReply, Reset: ResetReply, Capture: CaptureReply, LoadLora: LoraReply, Exit: Done}     # each command's reply on success
+# each command's reply on success
+REPLY_OF = {Connect: ConnectReply, Step: StepReply, Health: HealthReply, Reset: ResetReply, Capture: CaptureReply,
+            LoadLora: LoraReply, Exit: Done}
 
 
 def read_reply(payload: dict, command: Message) -> Reply:

@@ -1,5 +1,8 @@
 """The master's side of the step buffers (shm/layout.py): write a scheduled step's inputs, read its outputs.
 
+`RowWriter` is the one place the master writes a row's inputs (the draft proposer writes its rows with it too);
+`StepIO` decides what a scheduled step writes.
+
 Per-row state that rarely changes (block table, sampling parameters, request number) is written only when
 the row's request or table changed since the last step (`RowState` remembers what each row holds); a
 decode step then writes one token id, position and slot per row.
@@ -137,6 +140,8 @@ class RowWriter:
 
 
 class StepIO:
+    """Writes each scheduled step of the engine's agent group into its step buffers; reads the outputs."""
+
     def __init__(self, block_manager: BlockManager):
         self.block_manager = block_manager
         self._rows: list = []                       # RowState per shm row

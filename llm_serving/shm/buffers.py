@@ -37,6 +37,7 @@ class StepBuffers:
         self.owner = owner
         self._segments = segments
         self.arrays = {}
+        self._plans: dict = {}          # view's, per step kind
         for spec in layout.arrays():
             seg = segments.get(spec.name)
             self.arrays[spec.name] = (np.ndarray(spec.shape, dtype=spec.dtype, buffer=seg.buf) if seg is not None
@@ -77,12 +78,16 @@ class StepBuffers:
         return bool(self._segments)
 
     def view(self, kind: StepKind, n: int, s: int, steps: int = 1, return_logits: bool = False) -> StepView:
-        """A step's arrays by name, as views of its part of the buffers (layout.py's shape classes): what the
-        worker hands ModelRunner.execute and writes the outputs into."""
+        """A step's arrays by name, as views of its part of the buffers (layout.py's shape classes: `part`,
+        `in_step`): what the worker hands ModelRunner.execute and writes the outputs into."""
         kind = StepKind(kind)
+        plan = self._plans.get(kind)
+        if plan is None:                # per kind: (name, array, whether its part has a token width)
+            plan = self._plans[kind] = [(a.name, self.arrays[a.name], len(self.layout.part(a, 1, 1)) == 2)
+                                        for a in ARRAYS if self.layout.in_step(a, kind)]
+        width = max(s, steps)
         return StepView(kind, return_logits=return_logits,
-                        **{a.name: self.arrays[a.name][self.layout.part(a, n, s, steps)] for a in ARRAYS
-                           if self.layout.in_step(a, kind)})
+                        **{name: arr[:n, :width] if wide else arr[:n] for name, arr, wide in plan})
 
     def pack_inputs(self, kind: StepKind, n: int, s: int, steps: int = 1) -> np.ndarray:
         """The step's inputs (layout.step_inputs) as one int32 array of layout.step_inputs_size words."""
@@ -121,6 +126,7 @@ class StepBuffers:
     def close(self) -> None:
         """Drop the views, close the mappings and, in the creating process, unlink the segments."""
         self.arrays.clear()
+        self._plans.clear()
         for spec in self.layout.arrays():
             self.__dict__.pop(spec.name, None)
         for seg in self._segments.values():

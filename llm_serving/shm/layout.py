@@ -110,6 +110,7 @@ ARRAYS = tuple(ArrayDecl(name, np.dtype(dtype).type, shape_class, writer, reader
                in (line.split(None, 5) for line in _DECLARED.strip().splitlines()))
 INPUT_NAMES = tuple(a.name for a in ARRAYS if a.is_input)
 OUTPUT_NAMES = tuple(a.name for a in ARRAYS if not a.is_input)
+_NAMES = frozenset(INPUT_NAMES + OUTPUT_NAMES)
 
 
 class StepView:
@@ -120,15 +121,14 @@ class StepView:
     default ("off")."""
 
     def __init__(self, kind, *, return_logits: bool = False, **arrays):
-        unknown = sorted(set(arrays) - set(INPUT_NAMES) - set(OUTPUT_NAMES))
-        if unknown:
-            raise TypeError(f"StepView: no step array named {', '.join(unknown)}")
+        if not _NAMES.issuperset(arrays):
+            raise TypeError(f"StepView: no step array named {', '.join(sorted(set(arrays) - _NAMES))}")
         self.kind = StepKind(kind)
         self.return_logits = return_logits
         self.__dict__.update(arrays)
 
     def __getattr__(self, name):         # only reached for an array not given
-        if name in INPUT_NAMES or name in OUTPUT_NAMES:
+        if name in _NAMES:
             return None
         raise AttributeError(name)
 

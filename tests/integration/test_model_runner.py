@@ -54,8 +54,8 @@ def small_block_runner():
     _need_model()
     from llm_serving.models.runner import ModelRunner
     return ModelRunner(str(MODEL_DIR), RunnerSpec(num_blocks=128, block_size=4, max_blocks_per_seq=52,
-                                                  decode_batch_sizes=[1], prefill_batch_sizes=[1], prefill_seq_lens=[16],
-                                                  num_threads=2))
+                                                  decode_batch_sizes=[1], prefill_batch_sizes=[1],
+                                                  prefill_seq_lens=[16], num_threads=2))
 
 
 # ----------------------------------------------------------------------------------------------- driver
@@ -566,7 +566,8 @@ def test_execute_rejects_what_no_bucket_fits(runner):
     one = {k: v[:1] for k, v in one.items()}
     with pytest.raises(ValueError, match="prefill_seq_lens"):
         runner.execute(StepView("prefill", input_ids=np.ones((1, 40), np.int32),
-                                positions=np.arange(40, dtype=np.int32)[None], slot_mapping=np.full((1, 40), -1, np.int32),
+                                positions=np.arange(40, dtype=np.int32)[None],
+                                slot_mapping=np.full((1, 40), -1, np.int32),
                                 block_tables=np.zeros((1, 3), np.int32), context_lens=np.array([40], np.int32),
                                 query_lens=np.array([40], np.int32), **one))
     with pytest.raises(ValueError, match="max_blocks_per_seq"):

@@ -43,7 +43,8 @@ def test_a_steps_queue_priority_comes_from_its_kind():
     proto.Connect(token="t", shm={"input_ids": "llmsrv_x"}), proto.Connect(token="t"),
     proto.Step(kind="prefill", step=1, num_rows=4, max_query_len=32), proto.Step(kind="decode", step=2, num_rows=1),
     proto.Step(kind="decode_run", step=2, num_rows=3, steps=8),
-    proto.Step(kind="verify", step=2, num_rows=3, max_query_len=4), proto.Health(), proto.Reset(), proto.Capture(dir="/tmp/c", max_steps=3), proto.Capture(), proto.Exit()])
+    proto.Step(kind="verify", step=2, num_rows=3, max_query_len=4), proto.Health(), proto.Reset(),
+    proto.Capture(dir="/tmp/c", max_steps=3), proto.Capture(), proto.Exit()])
 def test_every_command_round_trips_as_its_typed_message(message):
     frame = proto.decode_body(proto.encode(5, message)[proto.HEADER.size:])
     assert frame.command == message.COMMAND and frame.seq == 5

@@ -118,7 +118,8 @@ def test_shape_logic_needs_no_mindspore():
 def test_verify_parents_make_tree_bits_and_chains_need_none():
     vu = np.zeros((2, 3), np.float32)
     assert step("verify", verify_random_u=vu, verify_parent=[[-1, 0, 1], [-1, 0, 0]]).verify_parent is not None
-    assert step("verify", verify_random_u=vu, verify_parent=[[-1, 0, 1], [-1, 0, 1]]).verify_parent is None    # all chains
+    chains = step("verify", verify_random_u=vu, verify_parent=[[-1, 0, 1], [-1, 0, 1]])
+    assert chains.verify_parent is None                     # all chains: plain causal attention
     # row 1 is a root with two children: its third token must not see the second (bit 1: one key back)
     tree = step("verify", verify_random_u=vu, verify_parent=[[-1, 0, 1], [-1, 0, 0]], query_lens=[2, 3])
     assert tree.tree_bits().tolist() == [-1, -1, -1, -1, -1 & ~(1 << 1)]
