@@ -21,6 +21,7 @@ from llm_serving.loadgen.client import benchmark
 from llm_serving.loadgen.metrics import summarize
 from llm_serving.loadgen.workload import TokenCounter, load_alpaca, synthetic
 from llm_serving.launch import ServerProcess, http
+from llm_serving.shm.layout import StepView
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
@@ -140,17 +141,21 @@ def replay(url: str, model: str, samples: list, offsets: list, *, backend: str =
     return summarize(results, duration, [50, 90, 99]), results
 
 
-def _median_execute(runner, args: tuple, iters: int, call=None) -> float:
-    """Median seconds of runner.execute(*args) (or call(*args)) over `iters` calls, after one that compiles /
-    warms."""
-    call = call or runner.execute
-    call(*args)
+def _median_execute(runner, step, iters: int) -> float:
+    """Median seconds of runner.execute(step) (a StepView) over `iters` calls, after one that compiles / warms."""
+    runner.execute(step)
     times = []
     for _ in range(iters):
         t = time.perf_counter()
-        call(*args)
+        runner.execute(step)
         times.append(time.perf_counter() - t)
     return float(np.median(times))
+
+
+def _greedy(n: int) -> dict:
+    """Greedy sampling arrays for n rows."""
+    return dict(temperature=np.zeros(n, np.float32), top_k=np.zeros(n, np.int32), top_p=np.ones(n, np.float32),
+                random_u=np.zeros(n, np.float32))
 
 
 def time_decode_steps(runner, batch: int, context: int, iters: int) -> float:
@@ -161,10 +166,10 @@ def time_decode_steps(runner, batch: int, context: int, iters: int) -> float:
     pos = np.full((batch, 1), context, np.int32)
     slots = tables[:, context // bs:context // bs + 1] * bs + context % bs
     ids = np.full((batch, 1), 5, np.int32)
-    args = (ids, pos, slots.astype(np.int32), tables, np.full(batch, context + 1, np.int32), np.ones(batch, np.int32),
-            np.zeros(batch, np.float32), np.zeros(batch, np.int32), np.ones(batch, np.float32),
-            np.zeros(batch, np.float32))
-    return _median_execute(runner, args, iters)
+    step = StepView("decode", input_ids=ids, positions=pos, slot_mapping=slots.astype(np.int32), block_tables=tables,
+                    context_lens=np.full(batch, context + 1, np.int32), query_lens=np.ones(batch, np.int32),
+                    **_greedy(batch))
+    return _median_execute(runner, step, iters)
 
 
 def time_decode_run(runner, batch: int, context: int, iters: int) -> float:
@@ -175,9 +180,10 @@ def time_decode_run(runner, batch: int, context: int, iters: int) -> float:
     tables = np.arange(batch * blocks, dtype=np.int32).reshape(batch, blocks)
     pos = np.arange(context, context + k)
     slots = (tables[:, pos // bs] * bs + pos % bs).astype(np.int32)                   # (batch, k)
-    args = (np.full(batch, 5, np.int32), np.full(batch, context, np.int32), slots, tables,
-            np.full(batch, context + 1, np.int32))
-    return _median_execute(runner, args, iters, call=runner.execute_decode_run) / k
+    step = StepView("decode_run", input_ids=np.full((batch, 1), 5, np.int32),
+                    positions=np.full((batch, 1), context, np.int32), slot_mapping=slots, block_tables=tables,
+                    context_lens=np.full(batch, context + 1, np.int32))
+    return _median_execute(runner, step, iters) / k
 
 
 def time_prefill_step(runner, rows: int, tokens: int, iters: int) -> float:
@@ -187,10 +193,10 @@ def time_prefill_step(runner, rows: int, tokens: int, iters: int) -> float:
     tables = np.arange(rows * blocks, dtype=np.int32).reshape(rows, blocks)
     pos = np.tile(np.arange(tokens, dtype=np.int32), (rows, 1))
     slots = (tables[:, pos[0] // bs] * bs + pos % bs).astype(np.int32)
-    args = (np.full((rows, tokens), 5, np.int32), pos, slots, tables, np.full(rows, tokens, np.int32),
-            np.full(rows, tokens, np.int32), np.zeros(rows, np.float32), np.zeros(rows, np.int32),
-            np.ones(rows, np.float32), np.zeros(rows, np.float32))
-    return _median_execute(runner, args, iters)
+    step = StepView("prefill", input_ids=np.full((rows, tokens), 5, np.int32), positions=pos, slot_mapping=slots,
+                    block_tables=tables, context_lens=np.full(rows, tokens, np.int32),
+                    query_lens=np.full(rows, tokens, np.int32), **_greedy(rows))
+    return _median_execute(runner, step, iters)
 
 
 def table(rows: list, cols: list) -> str:

@@ -104,6 +104,7 @@ def batching_ceiling(model_path: str, config: str, overrides: list, samples) -> 
     largest prefill batch of prompts of the replay's mean length and of 128 and 256 tokens."""
     from llm_serving.config import load_config
     from llm_serving.models.runner import ModelRunner
+    from llm_serving.models.runner_spec import RunnerSpec
 
     cfg = load_config(config, tuple(overrides))
     mc, sched = cfg.model_config, cfg.scheduler_config
@@ -114,13 +115,14 @@ def batching_ceiling(model_path: str, config: str, overrides: list, samples) -> 
     lengths = [t for t in lengths if rows * t <= cfg.serving_config.max_num_batched_tokens] or lengths[:1]
     block = 16
     per_row = -(-(max(context + sched.decode_steps, *lengths) + 1) // block)
-    runner = ModelRunner(model_path, num_blocks=max(batch, rows) * per_row, block_size=block,
-                         max_blocks_per_seq=per_row, decode_batch_sizes=[1, batch], prefill_batch_sizes=[rows],
-                         prefill_seq_lens=sorted({-(-t // block) * block for t in lengths}),
-                         max_step_tokens=cfg.serving_config.max_num_batched_tokens, num_threads=mc.num_threads,
-                         attention_kernel=mc.attention_kernel, layer_kernel=mc.layer_kernel,
-                         layer_kernel_rows=mc.layer_kernel_max_tokens, decode_run_steps=sched.decode_steps,
-                         decode_run_rows=sched.decode_steps_max_rows)
+    spec = RunnerSpec(num_blocks=max(batch, rows) * per_row, block_size=block, max_blocks_per_seq=per_row,
+                      decode_batch_sizes=[1, batch], prefill_batch_sizes=[rows],
+                      prefill_seq_lens=sorted({-(-t // block) * block for t in lengths}),
+                      max_step_tokens=cfg.serving_config.max_num_batched_tokens, num_threads=mc.num_threads,
+                      attention_kernel=mc.attention_kernel, layer_kernel=mc.layer_kernel,
+                      layer_kernel_rows=mc.layer_kernel_max_tokens, decode_run_steps=sched.decode_steps,
+                      decode_run_rows=sched.decode_steps_max_rows)
+    runner = ModelRunner(model_path, spec)
     step = {b: time_decode_steps(runner, b, context, 20) * 1e3 for b in (1, batch)}
     decode_tok_s = batch / step[batch] * 1e3
     run_ms = None

@@ -70,15 +70,17 @@ def main(argv=None) -> int:
 
     from llm_serving.config import load_config
     from llm_serving.models.runner import ModelRunner
+    from llm_serving.models.runner_spec import RunnerSpec
 
     config = load_config(args.config, tuple(args.set))
     threads = args.threads or config.model_config.num_threads
     context = args.input_len + args.output_len // 2
     block = 16
     per_row = -(-(args.input_len + args.output_len + 1) // block)
-    runner = ModelRunner(model_path, num_blocks=max(args.concurrency) * per_row, block_size=block,
-                         max_blocks_per_seq=per_row, decode_batch_sizes=args.concurrency, prefill_batch_sizes=[1],
-                         prefill_seq_lens=[16], num_threads=threads)
+    spec = RunnerSpec(num_blocks=max(args.concurrency) * per_row, block_size=block, max_blocks_per_seq=per_row,
+                      decode_batch_sizes=args.concurrency, prefill_batch_sizes=[1], prefill_seq_lens=[16],
+                      num_threads=threads)
+    runner = ModelRunner(model_path, spec)
     rows = []
     for c in args.concurrency:
         step = time_decode_steps(runner, c, context, 30)

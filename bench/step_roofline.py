@@ -88,6 +88,7 @@ def main(argv=None) -> int:
 
     from llm_serving.models.default_model import ensure_default_model
     from llm_serving.models.runner import ModelRunner
+    from llm_serving.models.runner_spec import RunnerSpec
 
     model = args.model or str(ensure_default_model())
     block = 16
@@ -102,12 +103,12 @@ def main(argv=None) -> int:
     runs = list(dict.fromkeys((a, "off" if a == "off" else lk)
                               for a in args.attention_kernel for lk in args.layer_kernel))
     for mode, layer_mode in runs:
-        runner = ModelRunner(model, num_blocks=max(max(args.batches), *prefill_batches) * per_row, block_size=block,
-                             max_blocks_per_seq=per_row, decode_batch_sizes=args.batches,
-                             prefill_batch_sizes=prefill_batches, prefill_seq_lens=prefill_lens,
-                             decode_block_widths=[decode_width],
-                             num_threads=args.threads, attention_kernel=mode, layer_kernel=layer_mode,
-                             layer_kernel_rows=args.layer_kernel_max_tokens)
+        spec = RunnerSpec(num_blocks=max(max(args.batches), *prefill_batches) * per_row, block_size=block,
+                          max_blocks_per_seq=per_row, decode_batch_sizes=args.batches,
+                          prefill_batch_sizes=prefill_batches, prefill_seq_lens=prefill_lens,
+                          decode_block_widths=[decode_width], num_threads=args.threads, attention_kernel=mode,
+                          layer_kernel=layer_mode, layer_kernel_rows=args.layer_kernel_max_tokens)
+        runner = ModelRunner(model, spec)
         attention = ("layer kernel" if runner.layer_kernel else "attn kernel" if runner.decode_kernel
                      else "gather")
         cfg = runner.config

@@ -8,10 +8,10 @@ and how many rows and tokens per row to read.
 Commands (llm-serving's letters) and their messages, the dataclasses below (one per command and reply;
 `encode` writes any of them, `Message.from_payload` reads and checks one):
   '#' Connect      token, shm: {array: segment name} | null      -> ConnectReply (geometry, cache_epoch)
-  '*' PrefillStep  step, num_rows, max_query_len                 -> StepReply (model_ms, agent_ms, ...)
-  'a' DecodeStep   step, num_rows (one new token per row)        -> StepReply
-  'v' VerifyStep   step, num_rows, max_query_len                 -> StepReply
-                   speculative decoding: a token is sampled after every new token of a row, not only its last
+  's' Step         kind, step, num_rows, max_query_len, steps    -> StepReply (model_ms, agent_ms, ...)
+                   kind (shm/layout.py's StepKind): prefill, decode (one new token per row), verify
+                   (speculative decoding: a token is sampled after every new token of a row, not only its
+                   last) or decode_run (`steps` greedy decode steps, each row's token fed to the next)
   'h' Health                                                     -> HealthReply (pid, rank, steps, attached)
   'r' Reset        zero the KV cache                             -> ResetReply (the new cache_epoch)
   'c' Capture      dir: path | null, max_steps                   -> CaptureReply (dir, steps)
@@ -23,7 +23,7 @@ Commands (llm-serving's letters) and their messages, the dataclasses below (one 
   'e' Exit         reply, then the agent exits                   -> Done
 A step reads rows 0..num_rows-1 of the step buffers, max_query_len tokens per row at most. Every reply's
 payload carries `seq` (the command's, so replies may come back out of order: the agent serves control
-before prefill before decode) and `ok`. A command that failed gets Failed: `error`, and `fatal` when the
+before prefill before decode: `priority`) and `ok`. A command that failed gets Failed: `error`, and `fatal` when the
 agent can serve no more steps (its tensor-parallel group is out of step).
 
 `cache_epoch` counts the agent's KV-cache resets: a reset (by `llm-serving agent-ctl reset`, say) zeroes
@@ -48,16 +48,24 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, ClassVar, Optional
 
+from llm_serving.shm.layout import STEP_PRIORITY, StepKind  # noqa: F401 - StepKind is the master's too
+
 HEADER = struct.Struct(">I")          # uint32 frame length
 MAX_FRAME_BYTES = 1 << 20             # 1 MiB: commands are small, bulk data is in shm
 
-CONNECT, PREFILL, DECODE, VERIFY, HEALTH, RESET, EXIT, CAPTURE, LOAD_LORA, REPLY = \
-    "#", "*", "a", "v", "h", "r", "e", "c", "l", "R"
-COMMANDS = {CONNECT, PREFILL, DECODE, VERIFY, HEALTH, RESET, EXIT, CAPTURE, LOAD_LORA}
+CONNECT, STEP, HEALTH, RESET, EXIT, CAPTURE, LOAD_LORA, REPLY = "#", "s", "h", "r", "e", "c", "l", "R"
+COMMANDS = {CONNECT, STEP, HEALTH, RESET, EXIT, CAPTURE, LOAD_LORA}
 
-# Lower runs first. Control before prefill (new requests' first token) before decode.
-# A verify step is the decode step of speculating requests.
-PRIORITY = {EXIT: 0, RESET: 0, HEALTH: 0, CONNECT: 0, CAPTURE: 0, LOAD_LORA: 0, PREFILL: 1, DECODE: 2, VERIFY: 2}
+
+def priority(frame: "Frame") -> int:
+    """A command's place in the agent's queue, lower first: control commands 0, a step its kind's
+    (layout.STEP_PRIORITY: prefill before decode, verify and decode runs)."""
+    if frame.command != STEP:
+        return 0
+    try:
+        return STEP_PRIORITY[StepKind(frame.payload.get("kind"))]
+    except ValueError:
+        return 0                  # a malformed step fails when it runs; it may as well fail soon
 
 
 # --- launch: how the master starts an agent process (python -m llm_serving.agents.server) ---------------
@@ -241,31 +249,23 @@ class Connect(Message):
 
 
 @dataclass(frozen=True)
-class PrefillStep(Message):
-    COMMAND: ClassVar[str] = PREFILL
+class Step(Message):
+    """One step of the model over rows 0..num_rows-1 of the step buffers (see the module docstring)."""
+    COMMAND: ClassVar[str] = STEP
+    kind: str                       # a StepKind (a str: it travels as its value)
     step: int
     num_rows: int
-    max_query_len: int
+    max_query_len: int = 1
+    steps: int = 1                  # a decode run's steps
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "kind", StepKind(self.kind))
+        except ValueError:
+            raise ProtocolError(f"Step: kind must be one of {', '.join(k.value for k in StepKind)}, "
+                                f"got {self.kind!r}") from None
 
 
-@dataclass(frozen=True)
-class DecodeStep(Message):
-    COMMAND: ClassVar[str] = DECODE
-    step: int
-    num_rows: int
-    max_query_len: ClassVar[int] = 1
-    steps: int = 1                  # > 1: a decode run, each row's greedy token fed to the next of `steps` steps
-
-
-@dataclass(frozen=True)
-class VerifyStep(Message):
-    COMMAND: ClassVar[str] = VERIFY
-    step: int
-    num_rows: int
-    max_query_len: int
-
-
-STEPS = (PrefillStep, DecodeStep, VerifyStep)
 
 
 @dataclass(frozen=True)
@@ -298,7 +298,7 @@ class Exit(Message):
     COMMAND: ClassVar[str] = EXIT
 
 
-COMMAND_MESSAGES = {m.COMMAND: m for m in (Connect, *STEPS, Health, Reset, Capture, LoadLora, Exit)}
+COMMAND_MESSAGES = {m.COMMAND: m for m in (Connect, Step, Health, Reset, Capture, LoadLora, Exit)}
 
 
 def read_command(frame: Frame) -> Message:
@@ -383,8 +383,9 @@ class Failed(Reply):
     collective_calls: Optional[int] = None
 
 
-REPLY_OF = {Connect: ConnectReply, PrefillStep: StepReply, DecodeStep: StepReply, VerifyStep: StepReply,
-            Health: HealthReply, Reset: ResetReply, Capture: CaptureReply, LoadLora: LoraReply, Exit: Done}     # each command's reply on success
+# each command's reply on success
+REPLY_OF = {Connect: ConnectReply, Step: StepReply, Health: HealthReply, Reset: ResetReply, Capture: CaptureReply,
+            LoadLora: LoraReply, Exit: Done}
 
 
 def read_reply(payload: dict, command: Message) -> Reply:

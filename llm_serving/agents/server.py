@@ -42,7 +42,7 @@ class CommandQueue:
 
     def put(self, frame: proto.Frame, conn=None, priority: int | None = None) -> None:
         if priority is None:
-            priority = proto.PRIORITY.get(frame.command, 0)
+            priority = proto.priority(frame)
         self._queue.put((priority, next(self._order), frame, conn))
 
     def get(self, timeout: float | None = None):
@@ -215,9 +215,8 @@ class AgentServer:
                                   decode_steps=self.worker.runner.decode_run_steps,
                                   decode_run_rows=self.worker.runner.decode_run_max_rows())
 
-    def on_step(self, msg, frame, conn) -> proto.StepReply:
-        model_s = self.worker.step(msg.num_rows, msg.max_query_len, verify=isinstance(msg, proto.VerifyStep),
-                                   steps=getattr(msg, "steps", 1))
+    def on_step(self, msg: proto.Step, frame, conn) -> proto.StepReply:
+        model_s = self.worker.step(msg.kind, msg.num_rows, msg.max_query_len, msg.steps)
         agent_s = time.perf_counter() - frame.received
         return proto.StepReply(step=msg.step, model_ms=round(model_s * 1e3, 4), agent_ms=round(agent_s * 1e3, 4),
                                cache_epoch=self.worker.cache_epoch, collective_calls=self._collective_calls(msg))
@@ -225,7 +224,7 @@ class AgentServer:
     def _collective_calls(self, msg) -> int | None:
         """What a tensor-parallel rank's step reply (ok or failed) tells the master about the group: the
         collective graph calls it has completed (the master compares them across ranks)."""
-        if not isinstance(msg, proto.STEPS) or self.worker.tp.world == 1:
+        if not isinstance(msg, proto.Step) or self.worker.tp.world == 1:
             return None
         return self.worker.runner.collective_calls
 
@@ -253,7 +252,7 @@ class AgentServer:
         self._stop.set()
         return proto.Done()
 
-    HANDLERS = {proto.Connect: on_connect, proto.PrefillStep: on_step, proto.DecodeStep: on_step, proto.VerifyStep: on_step,
+    HANDLERS = {proto.Connect: on_connect, proto.Step: on_step,
                 proto.Health: on_health, proto.Reset: on_reset, proto.Exit: on_exit, proto.Capture: on_capture,
                 proto.LoadLora: on_load_lora}
 

@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from llm_serving.shm.buffers import StepBuffers
-from llm_serving.shm.layout import StepLayout
+from llm_serving.shm.layout import StepKind, StepLayout, StepView
 
 logger = logging.getLogger(__name__)
 
@@ -29,8 +29,9 @@ class Worker:
         from llm_serving.models.parallel import StepInputBroadcast, TensorParallel, all_reduce_backend, pin_cpu_cores
         from llm_serving.models.lora import load_lora_adapter
         from llm_serving.models.runner import ModelRunner  # MindSpore is imported only in agents
+        from llm_serving.models.runner_spec import RunnerSpec
 
-        mc, pa, sc = config.model_config, config.pa_config, config.serving_config
+        mc, sc = config.model_config, config.serving_config
         self.rank = rank
         self.config = config
         self.tp = TensorParallel(rank, len(sc.agent_ports), tp_comm,
@@ -48,20 +49,9 @@ class Worker:
         self.capture_dir: str | None = None
         self.capture_left = 0
         self.captured = 0
-        self.runner = ModelRunner(
-            model_dir, num_blocks=pa.num_blocks, block_size=pa.block_size,
-            max_blocks_per_seq=config.max_blocks_per_seq, decode_batch_sizes=mc.decode_batch_size,
-            prefill_batch_sizes=mc.prefill_batch_size, prefill_seq_lens=mc.seq_length,
-            decode_block_widths=config.decode_block_widths, device_target=mc.device_target, device_id=device_id,
-            num_threads=num_threads, attention_kernel=mc.attention_kernel, layer_kernel=mc.layer_kernel,
-            layer_kernel_rows=mc.layer_kernel_max_tokens, keep_quantized=mc.keep_quantized,
-            lora_slots=config.lora_config.max_loras if config.lora_config.enabled else 0,
-            lora_rank=config.lora_config.max_lora_rank,
-            max_step_tokens=sc.max_num_batched_tokens, tp=self.tp, tp_timeout_s=sc.step_timeout_s,
-            verify_width=config.spec_config.tokens_per_row, verify_rows=config.spec_config.max_batch_size,
-            num_layers=mc.num_layers, decode_run_steps=config.scheduler_config.decode_steps,
-            decode_run_rows=config.scheduler_config.decode_steps_max_rows,
-            compile_cache=True)   # one runner per agent process, warmed up in a fixed order
+        # one runner per agent process, warmed up in a fixed order: it keeps the compile cache
+        spec = RunnerSpec.from_config(config, device_id=device_id, num_threads=num_threads, compile_cache=True)
+        self.runner = ModelRunner(model_dir, spec, tp=self.tp)
         self._load_lora_adapter = load_lora_adapter
         for name, slot in config.lora_config.slot_of().items():
             self.load_lora(slot, name, config.lora_config.adapters[name])
@@ -116,129 +106,111 @@ class Worker:
             self.buffers.close()
             self.buffers = None
 
-    def _share_inputs(self, n: int, s: int, verify: bool, steps: int) -> None:
+    def _share_inputs(self, kind: StepKind, n: int, s: int, steps: int) -> None:
         """Rank 0 broadcasts the step's inputs from shared memory; the other ranks write them into their own
         buffers, so that the step below reads the same values on every rank."""
-        size = self.layout.step_inputs_size(n, s, verify, steps)
+        size = self.layout.step_inputs_size(kind, n, s, steps)
         if self.rank == 0:
-            self.broadcast(self.buffers.pack_inputs(n, s, verify, steps), size)
+            self.broadcast(self.buffers.pack_inputs(kind, n, s, steps), size)
         else:
-            self.buffers.unpack_inputs(self.broadcast(None, size), n, s, verify, steps)
+            self.buffers.unpack_inputs(self.broadcast(None, size), kind, n, s, steps)
 
-    def step(self, n: int, s: int, verify: bool = False, steps: int = 1) -> float:
-        """Run rows 0..n-1 with s new tokens per row (s = 1 for decode); returns the seconds spent in the
-        model (ModelRunner.execute: padding, graphs, copying ids back). A verify step samples after every new
-        token (out_verify_ids, out_verify_logprobs); a decode run (steps > 1) puts each step's greedy token
-        there."""
+    def step(self, kind: StepKind, n: int, s: int = 1, steps: int = 1) -> float:
+        """Run a step of `kind` over rows 0..n-1 with s new tokens per row (s = 1 for decode); returns the
+        seconds spent in the model (ModelRunner.execute: padding, graphs, copying ids back). A verify step
+        samples after every new token (out_verify_ids, out_verify_logprobs); a decode run (`steps` steps) puts
+        each step's greedy token there."""
+        kind = StepKind(kind)
         b = self.buffers
         if b is None:
             raise RuntimeError("no shared memory attached: connect with shm names first")
         if not (1 <= n <= self.layout.max_rows and 1 <= s <= self.layout.max_tokens):
             raise ValueError(f"step shape n={n}, s={s} outside 1..{self.layout.max_rows} x "
                              f"1..{self.layout.max_tokens}")
-        if verify and s > self.layout.max_verify:
+        if kind is StepKind.VERIFY and s > self.layout.max_verify:
             raise ValueError(f"verify step with {s} tokens per row; the buffers hold {self.layout.max_verify}")
-        if steps > 1 and (s != 1 or verify or steps != self.runner.decode_run_steps):
+        run = kind is StepKind.DECODE_RUN
+        if run != (steps > 1) or (run and (s != 1 or steps != self.runner.decode_run_steps)):
             raise ValueError(f"a decode run has {self.runner.decode_run_steps} steps of one token per row "
-                             f"on this agent, got steps={steps}, s={s}")
+                             f"on this agent, got a {kind.value} step with steps={steps}, s={s}")
         shared_s = 0.0
         if self.broadcast is not None:      # (after the checks above, which every rank makes alike from the frame)
             t0 = time.perf_counter()
-            self._share_inputs(n, s, verify, steps)
+            self._share_inputs(kind, n, s, steps)
             shared_s = time.perf_counter() - t0
-        if steps > 1:
-            return shared_s + self._decode_run(n, steps)
-        if verify:
-            return shared_s + self._verify_step(n, s)
-        return shared_s + self._step(n, s)
+        return shared_s + self._HANDLERS[kind](self, b.view(kind, n, s, steps))
 
-    def _step(self, n: int, s: int) -> float:
-        b = self.buffers
+    def _step(self, view: StepView) -> float:
+        """A prefill or decode step."""
         capture = self.capture_dir is not None and self.rank == 0
+        view.return_logits = capture
+        n, s = view.num_rows, view.input_ids.shape[1]
         t0 = time.perf_counter()
-        top_n = b.top_n[:n]
-        penalties = None
-        if self.tp.writes_outputs and b.history_len[:n].any():   # a history only for rows with a penalty (the
-            # sampler's, rank 0's alone)
-            width = int(b.history_len[:n].max())
-            penalties = {"history": b.history[:n, :width], "history_len": b.history_len[:n],
-                         "prompt_len": b.prompt_len[:n], "repetition": b.repetition_penalty[:n],
-                         "presence": b.presence_penalty[:n], "frequency": b.frequency_penalty[:n]}
-        token_ids, logprobs, *more = self.runner.execute(*self._inputs(n, s), return_logits=capture, top_n=top_n,
-                                                         penalties=penalties, lora=b.lora[:n])
+        token_ids, logprobs, *more = self.runner.execute(view)
         model_s = time.perf_counter() - t0
         logits = more.pop(0) if capture else None
         if self.tp.writes_outputs:
-            b.out_token_ids[:n] = np.asarray(token_ids, dtype=np.int32)
-            b.out_logprobs[:n] = np.asarray(logprobs, dtype=np.float32)
+            view.out_token_ids[:] = np.asarray(token_ids, dtype=np.int32)
+            view.out_logprobs[:] = np.asarray(logprobs, dtype=np.float32)
             if more:                  # some row asked for top log-probabilities
                 top_ids, top_lps = more
                 k = top_ids.shape[1]
-                b.out_top_ids[:n, :k] = top_ids
-                b.out_top_logprobs[:n, :k] = top_lps
+                view.out_top_ids[:, :k] = top_ids
+                view.out_top_logprobs[:, :k] = top_lps
         if capture:
             self._write_capture(slice(None, n), s, token_ids, logits)
         self.num_steps += 1
         return model_s
 
-    def _inputs(self, n: int, s: int) -> tuple:
-        """ModelRunner.execute's positional arguments: rows 0..n-1, s tokens each, of the step buffers."""
-        b = self.buffers
-        return (b.input_ids[:n, :s], b.positions[:n, :s], b.slot_mapping[:n, :s], b.block_tables[:n],
-                b.context_lens[:n], b.query_lens[:n], b.temperature[:n], b.top_k[:n], b.top_p[:n], b.random_u[:n])
-
-    def _decode_run(self, n: int, k: int) -> float:
-        """A decode run of k steps: in one graph, or, while logits are captured, as k single steps (one capture
-        file each), the agent feeding each step's tokens to the next itself."""
-        b = self.buffers
+    def _decode_run(self, view: StepView) -> float:
+        """A decode run: in one graph, or, while logits are captured, as single steps (one capture file each),
+        the agent feeding each step's tokens to the next itself."""
         t0 = time.perf_counter()
         if self.capture_dir is not None and self.rank == 0:
-            tokens, logprobs = self._decode_run_stepwise(n, k)
+            tokens, logprobs = self._decode_run_stepwise(view)
         else:
-            tokens, logprobs = self.runner.execute_decode_run(b.input_ids[:n, 0], b.positions[:n, 0],
-                                                              b.slot_mapping[:n, :k], b.block_tables[:n],
-                                                              b.context_lens[:n], lora=b.lora[:n])
+            tokens, logprobs = self.runner.execute(view)
             self.num_steps += 1
         model_s = time.perf_counter() - t0
         if self.tp.writes_outputs:
-            b.out_verify_ids[:n, :k] = tokens
-            b.out_verify_logprobs[:n, :k] = logprobs
+            view.out_verify_ids[...] = tokens
+            view.out_verify_logprobs[...] = logprobs
         return model_s
 
-    def _decode_run_stepwise(self, n: int, k: int) -> tuple:
-        """The run as single steps of the rows still in it (slot >= 0), as execute_decode_run's outputs."""
-        b = self.buffers
-        slots = b.slot_mapping[:n, :k].copy()
+    def _decode_run_stepwise(self, run: StepView) -> tuple:
+        """The run as single decode steps of the rows still in it (slot >= 0), as the run's outputs."""
+        n, k = run.slot_mapping.shape
+        slots = run.slot_mapping.copy()
+        step = self.buffers.view(StepKind.DECODE, n, 1, return_logits=True)
         tokens, logprobs = np.full((n, k), -1, np.int32), np.zeros((n, k), np.float32)
         for j in range(k):
             rows = np.flatnonzero(slots[:, j] >= 0)
             if rows.size == 0:
                 break
             if j:                       # step j: the previous step's tokens, one position on
-                b.input_ids[:n, 0] = tokens[:, j - 1]
-                b.positions[:n, 0] += 1
-                b.context_lens[:n] += 1
-            b.slot_mapping[:n, 0] = slots[:, j]
-            token_ids, lps, logits = self.runner.execute(*(a[rows] for a in self._inputs(n, 1)),
-                                                         return_logits=True, lora=b.lora[:n][rows])
+                step.input_ids[:, 0] = tokens[:, j - 1]
+                step.positions[:, 0] += 1
+                step.context_lens[:] += 1
+            step.slot_mapping[:, 0] = slots[:, j]
+            token_ids, lps, logits = self.runner.execute(step.rows(rows))
             tokens[rows, j], logprobs[rows, j] = token_ids, lps
             if self.capture_dir is not None:
                 self._write_capture(rows, 1, token_ids, logits)
             self.num_steps += 1
         return tokens, logprobs
 
-    def _verify_step(self, n: int, s: int) -> float:
-        b = self.buffers
+    def _verify_step(self, view: StepView) -> float:
         t0 = time.perf_counter()
-        token_ids, logprobs = self.runner.execute(*self._inputs(n, s), top_n=b.top_n[:n],
-                                                  verify_u=b.verify_random_u[:n, :s],
-                                                  verify_parent=b.verify_parent[:n, :s], lora=b.lora[:n])
+        token_ids, logprobs = self.runner.execute(view)
         model_s = time.perf_counter() - t0
         if self.tp.writes_outputs:
-            b.out_verify_ids[:n, :s] = token_ids
-            b.out_verify_logprobs[:n, :s] = logprobs
+            view.out_verify_ids[...] = token_ids
+            view.out_verify_logprobs[...] = logprobs
         self.num_steps += 1
         return model_s
+
+    _HANDLERS = {StepKind.PREFILL: _step, StepKind.DECODE: _step, StepKind.VERIFY: _verify_step,
+                 StepKind.DECODE_RUN: _decode_run}
 
     def load_lora(self, slot: int, name: str | None, path: str | None) -> dict:
         """LoRA slot `slot` holds the adapter at `path` (read and checked against the model: LoraError, and the

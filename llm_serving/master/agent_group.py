@@ -423,7 +423,7 @@ class AgentGroup:
         self._token_files.append(path)
 
     async def step(self, command) -> tuple:
-        """Run one step (a PrefillStep or DecodeStep) on every agent; returns (their StepReplies in rank
+        """Run one step (a proto.Step) on every agent; returns (their StepReplies in rank
         order, whether some agent's KV cache was reset since the last step: its contents are gone). Raises
         AgentError if any fails, dies or times out (`fatal` when the group cannot go on: see _in_step)."""
         timeout = self.config.serving_config.step_timeout_s

@@ -36,14 +36,12 @@ import time
 from collections import Counter
 from typing import Callable, Optional
 
-import numpy as np
-
 from llm_serving.agents import protocol as proto
 from llm_serving.master.agent_group import AgentError, AgentGroup
 from llm_serving.master.block_manager import BlockManager
 from llm_serving.master.speculative import tree_from_paths
+from llm_serving.master.step_io import RowWriter
 from llm_serving.master.supervisor import Supervisor
-from llm_serving.shm.buffers import StepBuffers
 
 logger = logging.getLogger(__name__)
 
@@ -171,12 +169,16 @@ class DraftProposer:
         if not feed:
             return branches
         b = self.agents.buffers
+        rows = RowWriter(b, self.bm.block_size)
         for r, (i, start, stop) in enumerate(feed):
             req = requests[i]
             top = self.width if self.width > 1 and stop == req.num_tokens else 0
-            self._write_row(b, r, req, req.tokens(start, stop), start, top_n=top)
+            # greedy (the defaults): the draft proposes its most likely token (and the top after its last)
+            rows.row(r, self.bm.block_tables[req.req_id], req.tokens(start, stop), start,
+                     prompt_len=len(req.prompt_ids), request_id=req.number, top_n=top)
         n, s = len(feed), max(stop - start for _, start, stop in feed)
-        out = await self._step(proto.PrefillStep(self.num_steps, n, s) if s > 1 else proto.DecodeStep(self.num_steps, n))
+        kind = proto.StepKind.PREFILL if s > 1 else proto.StepKind.DECODE
+        out = await self._step(proto.Step(kind, self.num_steps, n, s))
         top_ids = b.out_top_ids[:n, :self.width].tolist() if self.width > 1 else None
         caught_up = []
         for r, (i, start, stop) in enumerate(feed):
@@ -198,44 +200,20 @@ class DraftProposer:
                     break
                 for r, i in enumerate(live):        # feed token j of the branch at the position after the last
                     req = requests[i]
-                    self._write_row(b, r, req, [branches[i][branch][-1]], req.num_tokens + j - 1)
-                out = await self._step(proto.DecodeStep(self.num_steps, len(live)))
+                    rows.row(r, self.bm.block_tables[req.req_id], [branches[i][branch][-1]], req.num_tokens + j - 1,
+                             prompt_len=len(req.prompt_ids), request_id=req.number)
+                out = await self._step(proto.Step(proto.StepKind.DECODE, self.num_steps, len(live)))
                 for r, i in enumerate(live):
                     branches[i][branch].append(out[r])
                     if branch == 0:                 # other branches' KV is overwritten by the first's
                         requests[i].num_draft_computed = requests[i].num_tokens + j
         return branches
 
-    def _write_row(self, b: StepBuffers, r: int, req, tokens: list, start: int, top_n: int = 0) -> None:
-        """Row r feeds `tokens` at positions start.. through req's block table, sampling greedily (and
-        returning the top_n most likely tokens after the last)."""
-        q = len(tokens)
-        table = self.bm.block_tables[req.req_id]
-        bs = self.bm.block_size
-        b.block_tables[r] = 0
-        b.block_tables[r, :len(table)] = table
-        positions = np.arange(start, start + q, dtype=np.int32)
-        b.input_ids[r, :q] = tokens
-        b.positions[r, :q] = positions
-        b.slot_mapping[r, :q] = b.block_tables[r, positions // bs] * bs + positions % bs
-        if q < b.input_ids.shape[1]:
-            b.input_ids[r, q:] = 0
-            b.positions[r, q:] = 0
-            b.slot_mapping[r, q:] = -1
-        b.context_lens[r] = start + q
-        b.query_lens[r] = q
-        b.temperature[r] = 0.0                      # the draft proposes its most likely token
-        b.top_k[r], b.top_p[r], b.random_u[r], b.top_n[r] = 0, 1.0, 0.0, top_n
-        b.repetition_penalty[r], b.presence_penalty[r], b.frequency_penalty[r] = 1.0, 0.0, 0.0
-        b.history_len[r] = 0
-        b.prompt_len[r] = len(req.prompt_ids)
-        b.request_ids[r] = req.number
-
     async def _step(self, command) -> list:
         t0 = time.perf_counter()
         try:
             replies, cache_reset = await self.agents.step(command)
-            kind = "catch_up" if isinstance(command, proto.PrefillStep) else "decode"
+            kind = "catch_up" if command.kind is proto.StepKind.PREFILL else "decode"
             self.model_time_s[kind] += replies[0].model_ms / 1e3
             self.steps_by_kind[kind] += 1
         finally:

@@ -380,9 +380,7 @@ class Engine:
         self.step_io.write_inputs(self.agents.buffers, batch)
         t0 = time.perf_counter()
         prof["shm_write"] += t0 - t_write
-        command = (proto.VerifyStep(self.num_steps, n, batch.max_query_len) if batch.is_verify
-                   else proto.PrefillStep(self.num_steps, n, batch.max_query_len) if batch.is_prefill
-                   else proto.DecodeStep(self.num_steps, n, steps=batch.steps))
+        command = proto.Step(batch.kind, self.num_steps, n, batch.max_query_len, batch.steps)
         try:
             replies, cache_reset = await self.agents.step(command)
             model_s, agent_s = replies[0].model_ms / 1e3, replies[0].agent_ms / 1e3
@@ -400,20 +398,16 @@ class Engine:
             return
         finally:
             self.num_steps += 1
-            kind, elapsed = batch.kind, time.perf_counter() - t0
+            kind, elapsed = batch.kind.stats_name, time.perf_counter() - t0
             self.step_time_s[kind] += elapsed
             self.step_time_by_batch[(kind, n)] += elapsed
         if cache_reset:
             self._cache_was_reset(command.step)
             return
         t_read = time.perf_counter()
-        if batch.is_verify:
-            self.spec_stats.verify_steps += 1
-            self._apply_verified(batch, self.step_io.read_outputs(self.agents.buffers, n, batch.max_query_len))
-        elif batch.steps > 1:
-            self._apply_run(batch, self.step_io.read_outputs(self.agents.buffers, n, batch.steps))
-        else:
-            self._apply_outputs(batch, self.step_io.read_outputs(self.agents.buffers, n))
+        # verify steps and decode runs return a token per new token or per step
+        width = max(batch.max_query_len, batch.steps) if batch.kind.per_token_outputs else 0
+        self._APPLY[batch.kind](self, batch, self.step_io.read_outputs(self.agents.buffers, n, width))
         prof["output"] += time.perf_counter() - t_read
 
     async def _speculate(self, batch: ScheduledBatch) -> ScheduledBatch:
@@ -492,6 +486,7 @@ class Engine:
         """A verify step: each row keeps its proposals up to the first the target disagrees with, and the
         target's token after them (speculative.py); tokens stream one by one, and a stop (token, string or
         length) inside the run ends the request there."""
+        self.spec_stats.verify_steps += 1
         now = time.monotonic()
         for row, req in self.scheduler.complete_step(batch):
             proposal = batch.proposals[row]
@@ -509,6 +504,10 @@ class Engine:
                     break
             else:       # kept nodes past the in-place chain are fed again (their KV is in other slots)
                 self.scheduler.accept(req, in_place)
+
+    # each step kind's outputs, applied (the scheduler set the kind: ScheduledBatch.kind)
+    _APPLY = {proto.StepKind.PREFILL: _apply_outputs, proto.StepKind.DECODE: _apply_outputs,
+              proto.StepKind.VERIFY: _apply_verified, proto.StepKind.DECODE_RUN: _apply_run}
 
     def _emit(self, req: Request, token_id: int, logprob: float, top: Optional[list], now: float) -> bool:
         """Append one sampled token to req, detokenize, stream it or finish req; True when req finished."""

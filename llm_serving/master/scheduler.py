@@ -52,6 +52,7 @@ from typing import Optional
 from llm_serving.config import SCHEDULING_POLICIES
 from llm_serving.master.block_manager import BlockManager
 from llm_serving.master.request import Request, RequestStatus
+from llm_serving.shm.layout import StepKind
 
 POLICIES = SCHEDULING_POLICIES      # named in config.py, which validates scheduler_config.policy
 
@@ -77,6 +78,13 @@ class ScheduledBatch:
                                                            # a row that ends sooner sits the rest out)
     may_speculate: bool = False                            # a decode step left to the speculative room
                                                            # (spec_decode.py): a verify step, a run, or as it is
+    kind: Optional[StepKind] = None                        # what the step does, set here once: from the rows
+                                                           # when made (prefill or decode), then by make_run
+                                                           # (decode run) and SpeculativePlanner.attach (verify)
+
+    def __post_init__(self) -> None:
+        if self.kind is None:           # a prefill graph when some row feeds more than one token of its own
+            self.kind = StepKind.PREFILL if max(self.num_new_tokens, default=1) > 1 else StepKind.DECODE
 
     @property
     def num_rows(self) -> int:
@@ -89,16 +97,12 @@ class ScheduledBatch:
     @property
     def is_verify(self) -> bool:
         """Some row checks proposed tokens (every new token is sampled after)."""
-        return any(self.proposals)
+        return self.kind is StepKind.VERIFY
 
     @property
     def is_prefill(self) -> bool:
         """Runs in a prefill graph (some row feeds more than one token of its own)."""
-        return self.max_query_len > 1 and not self.is_verify
-
-    @property
-    def kind(self) -> str:
-        return "verify" if self.is_verify else "prefill" if self.is_prefill else "decode"
+        return self.kind is StepKind.PREFILL
 
     @property
     def num_tokens(self) -> int:
@@ -250,7 +254,7 @@ class Scheduler:
         end; a chunk that stops inside the prompt samples nothing). Rows finished while the step ran are
         skipped. The caller appends each row's token to its request (or finishes it). A verify row's
         proposals do not count here: the caller `accept`s those it keeps."""
-        self.batch_sizes[(batch.kind, batch.num_rows)] += 1
+        self.batch_sizes[(batch.kind.stats_name, batch.num_rows)] += 1
         produced = []
         for row, (req, fed) in enumerate(zip(batch.requests, batch.num_new_tokens)):
             if req.status is not RequestStatus.RUNNING:
@@ -330,6 +334,7 @@ class Scheduler:
             self.bm.allocate(req.req_id, req.num_tokens + n - 1)
         batch.steps = k
         batch.run_lens = lens
+        batch.kind = StepKind.DECODE_RUN
         batch.spec_limits = []
         self.num_decode_runs += 1
 

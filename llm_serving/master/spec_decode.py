@@ -22,6 +22,7 @@ from typing import Optional, Protocol
 from llm_serving.master.request import Request
 from llm_serving.master.scheduler import ScheduledBatch, Scheduler
 from llm_serving.master.speculative import can_speculate, node_depths
+from llm_serving.shm.layout import StepKind
 
 
 class Proposer(Protocol):
@@ -124,6 +125,7 @@ class SpeculativePlanner:
             kept_parents.append(parents)
         if any(kept):
             batch.proposals, batch.parents = kept, kept_parents
+            batch.kind = StepKind.VERIFY
 
 
 def trim_tree(nodes: list, parents: list, depth: int, room: int) -> tuple:

@@ -1,5 +1,8 @@
 """The master's side of the step buffers (shm/layout.py): write a scheduled step's inputs, read its outputs.
 
+`RowWriter` is the one place the master writes a row's inputs (the draft proposer writes its rows with it too);
+`StepIO` decides what a scheduled step writes.
+
 Per-row state that rarely changes (block table, sampling parameters, request number) is written only when
 the row's request or table changed since the last step (`RowState` remembers what each row holds); a
 decode step then writes one token id, position and slot per row.
@@ -16,6 +19,7 @@ from llm_serving.master.request import Request
 from llm_serving.master.scheduler import ScheduledBatch
 from llm_serving.master.speculative import node_depths
 from llm_serving.shm.buffers import StepBuffers
+from llm_serving.shm.layout import StepKind
 
 
 @dataclass
@@ -42,99 +46,176 @@ class StepOutputs:
         return list(zip(self.top_ids[row, :k].tolist(), self.top_logprobs[row, :k].tolist()))
 
 
+class RowWriter:
+    """The one place the master writes a step's per-row inputs into the step buffers (shm/layout.py names
+    them): the step I/O and the draft proposer alike. A row's block table is written first; its tokens'
+    slots are read back through it."""
+
+    def __init__(self, b: StepBuffers, block_size: int):
+        self.b = b
+        self.block_size = block_size
+
+    def table(self, i: int, table: list, written: int = 0) -> None:
+        """Row i's block table: entries written.. appended, or (written 0) all of it, zero-padded."""
+        b = self.b
+        if written:
+            b.block_tables[i, written:len(table)] = table[written:]
+            return
+        b.block_tables[i] = 0
+        b.block_tables[i, :len(table)] = table
+
+    def sampling(self, i: int, *, prompt_len: int, request_id: int, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, top_n: int = 0, repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
+                 frequency_penalty: float = 0.0, lora: int = 0) -> None:
+        """Row i's sampling parameters (defaults: greedy, nothing more), request number and adapter slot; its
+        uniform number and penalty history start empty (`random_u`, `history`)."""
+        b = self.b
+        b.temperature[i] = temperature
+        b.top_k[i] = top_k
+        b.top_p[i] = top_p
+        b.random_u[i] = 0.0
+        b.top_n[i] = top_n
+        b.repetition_penalty[i] = repetition_penalty
+        b.presence_penalty[i] = presence_penalty
+        b.frequency_penalty[i] = frequency_penalty
+        b.history_len[i] = 0                        # written per step for rows with a penalty
+        b.prompt_len[i] = prompt_len
+        b.request_ids[i] = request_id
+        b.lora[i] = lora
+
+    def tokens(self, i: int, ids: list, start: int, positions=None, pad: bool = True) -> None:
+        """Row i feeds `ids` into the slots of positions start.. of its table (at those positions, or at
+        `positions`: a token tree's nodes sit at their depth's); its context reaches start + len(ids). pad: the
+        rest of the row is padding (id 0, position 0, slot -1)."""
+        b, bs = self.b, self.block_size
+        q = len(ids)
+        slots = np.arange(start, start + q, dtype=np.int32)
+        b.input_ids[i, :q] = ids
+        b.positions[i, :q] = slots if positions is None else positions
+        b.slot_mapping[i, :q] = b.block_tables[i, slots // bs] * bs + slots % bs
+        if pad and q < b.input_ids.shape[1]:
+            b.input_ids[i, q:] = 0
+            b.positions[i, q:] = 0
+            b.slot_mapping[i, q:] = -1
+        b.context_lens[i] = start + q
+        b.query_lens[i] = q
+
+    def row(self, i: int, table: list, ids: list, start: int, **sampling) -> None:
+        """All of row i: its block table, `ids` fed at positions start.., and its sampling parameters (see
+        `sampling`; greedy by default)."""
+        self.table(i, table)
+        self.tokens(i, ids, start)
+        self.sampling(i, **sampling)
+
+    def decode(self, n: int, ids: list, positions: list, slots: list) -> None:
+        """Rows 0..n-1 each feed one token (ids[i] at positions[i], into slots[i])."""
+        b = self.b
+        b.input_ids[:n, 0] = ids
+        b.positions[:n, 0] = positions
+        b.slot_mapping[:n, 0] = slots
+        b.context_lens[:n] = b.positions[:n, 0] + 1
+        b.query_lens[:n] = 1
+
+    def run_slots(self, n: int, step: int, slots: list) -> None:
+        """A decode run: rows 0..n-1's slots for its step `step` (-1: the row sits it out)."""
+        self.b.slot_mapping[:n, step] = slots
+
+    def random_u(self, i: int, u: float) -> None:
+        """Row i's uniform number for sampling its next token."""
+        self.b.random_u[i] = u
+
+    def verify(self, i: int, parents: list, us: Optional[list]) -> None:
+        """A verify step's row i: each new token's parent among the row's new tokens and (a sampling row)
+        the uniform number for the token sampled after it."""
+        q = len(parents)
+        self.b.verify_parent[i, :q] = parents
+        if us is not None:
+            self.b.verify_random_u[i, :q] = us
+
+    def history(self, i: int, tokens: list, start: int) -> None:
+        """Row i's penalty history: tokens appended at start (history_len then counts them all)."""
+        stop = start + len(tokens)
+        self.b.history[i, start:stop] = tokens
+        self.b.history_len[i] = stop
+
+
 class StepIO:
+    """Writes each scheduled step of the engine's agent group into its step buffers; reads the outputs."""
+
     def __init__(self, block_manager: BlockManager):
         self.block_manager = block_manager
         self._rows: list = []                       # RowState per shm row
         self._buffers: Optional[StepBuffers] = None
+        self._writer: Optional[RowWriter] = None
 
     def write_inputs(self, b: StepBuffers, batch: ScheduledBatch) -> None:
         if self._buffers is not b:                  # new buffers (first step, or agents restarted)
             self._rows, self._buffers = [], b
+            self._writer = RowWriter(b, self.block_manager.block_size)
+        w = self._writer
         bm = self.block_manager
-        bs = bm.block_size
-        n, s = batch.num_rows, batch.max_query_len
+        n = batch.num_rows
         tables = bm.block_tables
-        if s == 1:                                  # decode: token i feeds position num_computed_tokens
+        verify = batch.kind is StepKind.VERIFY
+        if batch.max_query_len == 1:                # decode: token i feeds position num_computed_tokens
             ids, pos, slots = [], [], []
             for i, req in enumerate(batch.requests):
                 p = req.num_computed_tokens
                 ids.append(req.token_at(p))
                 pos.append(p)
                 slots.append(bm.slot(req.req_id, p))
-                self._write_row_state(b, i, req, tables[req.req_id])
-            b.input_ids[:n, 0] = ids
-            b.positions[:n, 0] = pos
-            b.slot_mapping[:n, 0] = slots
+                self._write_row_state(i, req, tables[req.req_id])
+            w.decode(n, ids, pos, slots)
             for j in range(1, batch.steps):         # a decode run: the slots of its later steps (-1: sat out)
-                b.slot_mapping[:n, j] = [bm.slot(req.req_id, p + j) if j < steps else -1
-                                         for req, p, steps in zip(batch.requests, pos, batch.run_lens)]
-            b.context_lens[:n] = b.positions[:n, 0] + 1
-            b.query_lens[:n] = 1
+                w.run_slots(n, j, [bm.slot(req.req_id, p + j) if j < steps else -1
+                                   for req, p, steps in zip(batch.requests, pos, batch.run_lens)])
         else:
-            b.input_ids[:n, :s] = 0
-            b.positions[:n, :s] = 0
-            b.slot_mapping[:n, :s] = -1
             proposals = batch.proposals or [()] * n
             for i, (req, q, proposal) in enumerate(zip(batch.requests, batch.num_new_tokens, proposals)):
                 start = req.num_computed_tokens
                 stop = start + q
-                self._write_row_state(b, i, req, tables[req.req_id])
-                b.input_ids[i, :q] = req.tokens(start, stop - len(proposal)) + list(proposal)
-                slots = np.arange(start, stop, dtype=np.int32)
-                # BlockManager.slot for every token at once, through the row's table just written
-                b.slot_mapping[i, :q] = b.block_tables[i, slots // bs] * bs + slots % bs
-                b.positions[i, :q] = slots
+                self._write_row_state(i, req, tables[req.req_id])
+                positions = None
                 if proposal:                        # each node's position is its depth's (a chain's: its slot's)
+                    positions = np.arange(start, stop, dtype=np.int32)
                     own = q - len(proposal)             # the row's own tokens, then the nodes
-                    b.positions[i, own:q] = stop - len(proposal) - 1 + np.asarray(node_depths(batch.parents[i]))
-                b.context_lens[i] = stop
-                b.query_lens[i] = q
-        verify = batch.is_verify
-        if verify:                                  # the row's own tokens: each one's parent is the one before
-            b.verify_parent[:n, :s] = np.arange(-1, s - 1, dtype=np.int32)
+                    positions[own:] = stop - len(proposal) - 1 + np.asarray(node_depths(batch.parents[i]))
+                w.tokens(i, req.tokens(start, stop - len(proposal)) + list(proposal), start, positions)
         for i, (req, q) in enumerate(zip(batch.requests, batch.num_new_tokens)):
-            tree = batch.parents[i] if verify else []
-            own = q - len(tree)
-            if tree:                                # node j's parent, as an index among the row's new tokens
-                b.verify_parent[i, own:q] = [own + p for p in tree]
-            if verify and not req.sampling.greedy:  # sampled after new token j: output index len(output_ids) + j,
-                ahead = list(range(own)) + [own - 1 + d for d in node_depths(tree)]    # after a node: its depth
-                b.verify_random_u[i, :q] = [req.random_u(j) for j in ahead]
+            if verify:                              # the row's own tokens: each one's parent is the one before
+                tree = batch.parents[i]
+                own = q - len(tree)
+                parents = list(range(-1, own - 1)) + [own + p for p in tree]    # a node's: among new tokens
+                us = None
+                if not req.sampling.greedy:         # sampled after new token j: output index len(output_ids) + j,
+                    ahead = list(range(own)) + [own - 1 + d for d in node_depths(tree)]    # after a node: its depth
+                    us = [req.random_u(j) for j in ahead]
+                w.verify(i, parents, us)
             elif not req.sampling.greedy:
-                b.random_u[i] = req.random_u()
+                w.random_u(i, req.random_u())
             if req.sampling.penalized:              # the tokens the penalties count, appended as they come
                 row = self._rows[i]
                 total = req.num_tokens
                 if row.history_written < total:
-                    b.history[i, row.history_written:total] = req.tokens(row.history_written, total)
-                    b.history_len[i] = row.history_written = total
+                    w.history(i, req.tokens(row.history_written, total), row.history_written)
+                    row.history_written = total
 
-    def _write_row_state(self, b: StepBuffers, i: int, req: Request, table: list) -> None:
+    def _write_row_state(self, i: int, req: Request, table: list) -> None:
         rows = self._rows
         if i == len(rows):
             rows.append(None)
         row = rows[i]
         if row is not None and row.request is req and row.table is table:
             if row.blocks_written != len(table):
-                b.block_tables[i, row.blocks_written:len(table)] = table[row.blocks_written:]
+                self._writer.table(i, table, row.blocks_written)
                 row.blocks_written = len(table)
             return
-        b.block_tables[i] = 0
-        b.block_tables[i, :len(table)] = table
+        self._writer.table(i, table)
         sp = req.sampling
-        b.temperature[i] = sp.temperature
-        b.top_k[i] = sp.top_k
-        b.top_p[i] = sp.top_p
-        b.random_u[i] = 0.0
-        b.top_n[i] = sp.top_logprobs
-        b.repetition_penalty[i] = sp.repetition_penalty
-        b.presence_penalty[i] = sp.presence_penalty
-        b.frequency_penalty[i] = sp.frequency_penalty
-        b.history_len[i] = 0                        # written per step for rows with a penalty
-        b.prompt_len[i] = len(req.prompt_ids)
-        b.request_ids[i] = req.number
-        b.lora[i] = req.lora_slot
+        self._writer.sampling(i, prompt_len=len(req.prompt_ids), request_id=req.number, temperature=sp.temperature,
+                              top_k=sp.top_k, top_p=sp.top_p, top_n=sp.top_logprobs,
+                              repetition_penalty=sp.repetition_penalty, presence_penalty=sp.presence_penalty,
+                              frequency_penalty=sp.frequency_penalty, lora=req.lora_slot)
         rows[i] = RowState(req, table, len(table))
 
     @staticmethod

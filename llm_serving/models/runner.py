@@ -27,11 +27,12 @@ from typing import Callable, Optional
 import numpy as np
 
 from llm_serving.config import ATTENTION_KERNELS
-from llm_serving.shm.layout import TOP_LOGPROBS
+from llm_serving.shm.layout import TOP_LOGPROBS, StepKind, StepView
 
 from .buckets import Buckets
 from .mindspore_env import GraphCalls, claim_compile_cache, close_compile_cache, setup_mindspore
 from .parallel import TensorParallel, TensorParallelError, all_reduce_kernel, make_all_reduce
+from .runner_spec import RunnerSpec
 from .step_inputs import StepInputs, StepLimits
 from .weights import LlamaConfig, load_llama_weights, load_quantized
 
@@ -71,23 +72,20 @@ class ModelRunner:
     Attributes: config (LlamaConfig), buckets (Buckets), num_blocks, block_size, max_blocks_per_seq,
     num_slots ((num_blocks + 1) * block_size), max_context (max_blocks_per_seq * block_size).
 
-    num_layers: run only the checkpoint's first N layers with its final norm and head (a draft model cut
-    from it; see weights.load_llama_weights).
-
-    compile_cache=True (the agent's runner) keeps compiled graphs under the project cache dir, keyed by
-    everything that decides warmup's compile sequence; only the first runner of a process can use it.
+    spec (RunnerSpec, runner_spec.py; an agent's from `RunnerSpec.from_config`): the cache, buckets, kernels
+    and step kinds. Its num_layers runs only the checkpoint's first N layers with its final norm and head (a
+    draft model cut from it; see weights.load_llama_weights). Its compile_cache=True (the agent's runner)
+    keeps compiled graphs under the project cache dir, keyed by everything that decides warmup's compile
+    sequence; only the first runner of a process can use it. tp: this rank of a tensor-parallel group.
     """
 
-    def __init__(self, model_dir: str, *, num_blocks: int, block_size: int, max_blocks_per_seq: int,
-                 decode_batch_sizes: list, prefill_batch_sizes: list, prefill_seq_lens: list,
-                 decode_block_widths: Optional[list] = None,
-                 device_target: str = "CPU", device_id: int = 0, num_threads: Optional[int] = None,
-                 compile_cache: bool = False, attention_kernel: str = "auto",
-                 max_step_tokens: Optional[int] = None, tp: Optional["TensorParallel"] = None,
-                 tp_timeout_s: float = 120.0, verify_width: int = 1, verify_rows: int = 0,
-                 num_layers: Optional[int] = None, layer_kernel: str = "auto", layer_kernel_rows: int = 64,
-                 decode_run_steps: int = 1, decode_run_rows: Optional[int] = 0, keep_quantized: bool = True,
-                 lora_slots: int = 0, lora_rank: int = 16):
+    def __init__(self, model_dir: str, spec: RunnerSpec, tp: Optional["TensorParallel"] = None):
+        num_blocks, block_size, max_blocks_per_seq = spec.num_blocks, spec.block_size, spec.max_blocks_per_seq
+        attention_kernel, layer_kernel, device_target = spec.attention_kernel, spec.layer_kernel, spec.device_target
+        decode_run_steps, decode_run_rows = spec.decode_run_steps, spec.decode_run_rows
+        lora_slots, lora_rank, num_layers = spec.lora_slots, spec.lora_rank, spec.num_layers
+        num_threads = spec.num_threads
+        self.spec = spec
         for key, val in (("num_blocks", num_blocks), ("block_size", block_size),
                          ("max_blocks_per_seq", max_blocks_per_seq)):
             if not isinstance(val, (int, np.integer)) or val < 1:
@@ -104,18 +102,20 @@ class ModelRunner:
         self.decode_kernel = self._build_decode_kernel(device_target, attention_kernel)
         self.tp = tp if tp is not None else TensorParallel()
         self.layer_kernel = self._build_layer_kernel(device_target, layer_kernel, self.tp, self.decode_kernel)
-        self.layer_kernel_rows = int(layer_kernel_rows) if self.layer_kernel is not None else 0
-        # decode runs (execute_decode_run): K greedy steps in one graph, for batches of up to decode_run_rows
+        self.layer_kernel_rows = int(spec.layer_kernel_rows) if self.layer_kernel is not None else 0
+        # decode runs (_execute_decode_run): K greedy steps in one graph, for batches of up to decode_run_rows
         # (None: every batch the layer kernel takes)
         if decode_run_rows is None:
             decode_run_rows = self.layer_kernel_rows
         runs = self.layer_kernel is not None and decode_run_steps > 1 and decode_run_rows >= 1
         self.decode_run_steps = int(decode_run_steps) if runs else 1
         self.decode_run_rows = min(int(decode_run_rows), self.layer_kernel_rows) if runs else 0
-        self.buckets = Buckets.make(decode_batch_sizes=decode_batch_sizes, prefill_batch_sizes=prefill_batch_sizes,
-                                    prefill_seq_lens=prefill_seq_lens, max_blocks_per_seq=self.max_blocks_per_seq,
-                                    decode_block_widths=decode_block_widths, max_step_tokens=max_step_tokens,
-                                    verify_width=verify_width, verify_rows=verify_rows,
+        lists = {name: list(v) if isinstance(v, tuple) else v for name, v in (
+            ("decode_batch_sizes", spec.decode_batch_sizes), ("prefill_batch_sizes", spec.prefill_batch_sizes),
+            ("prefill_seq_lens", spec.prefill_seq_lens), ("decode_block_widths", spec.decode_block_widths))}
+        self.buckets = Buckets.make(**lists, max_blocks_per_seq=self.max_blocks_per_seq,
+                                    max_step_tokens=spec.max_step_tokens,
+                                    verify_width=spec.verify_width, verify_rows=spec.verify_rows,
                                     packed=self.decode_kernel is not None,
                                     one_width=self.decode_kernel is not None or device_target == "Ascend")
 
@@ -127,7 +127,8 @@ class ModelRunner:
         self.config, weights = load_llama_weights(model_dir, self.tp, num_layers)   # this rank's part only
         cfg: LlamaConfig = self.config
         # the layer kernel reads a GGUF's quantized matrices as stored (llama.py); MindSpore's graphs the float32
-        quantized = load_quantized(model_dir, num_layers) if self.layer_kernel is not None and keep_quantized else {}
+        quantized = (load_quantized(model_dir, num_layers) if self.layer_kernel is not None and spec.keep_quantized
+                     else {})
         self.quantized_matrices = _describe_quantized(quantized, weights)
         if self.quantized_matrices:
             logger.info("the layer kernel reads the checkpoint's quantized matrices as stored (%s)",
@@ -144,10 +145,10 @@ class ModelRunner:
              (self.tp.rank, self.tp.world, self.tp.backend, self.tp.across_nodes) if self.tp.world > 1 else None,
              self.decode_kernel, reduce_kernel, self.layer_kernel, self.layer_kernel_rows, self.decode_run_steps,
              self.decode_run_rows, self.quantized_matrices, self.lora_slots, self.lora_rank)
-            if compile_cache else None)
-        self._cache_dir = setup_mindspore(device_target, device_id, num_threads, cache_key,
+            if spec.compile_cache else None)
+        self._cache_dir = setup_mindspore(device_target, spec.device_id, num_threads, cache_key,
                                           wait_for_cache=self.tp.world == 1)
-        self._build_graphs(weights, quantized, num_threads, reduce_kernel, tp_timeout_s)
+        self._build_graphs(weights, quantized, num_threads, reduce_kernel, spec.tp_timeout_s)
 
     @staticmethod
     def _build_decode_kernel(device_target: str, attention_kernel: str) -> Optional[str]:
@@ -223,36 +224,39 @@ class ModelRunner:
     packed_prefill = property(lambda self: self.buckets.packed)
 
     # ------------------------------------------------------------------ execution
-    def execute(self, input_ids, positions, slot_mapping, block_tables, context_lens, query_lens,
-                temperature, top_k, top_p, random_u, return_logits: bool = False, top_n=None, penalties=None,
-                verify_u=None, verify_parent=None, lora=None):
-        """One step over n sequences (the arguments are described in step_inputs.py); returns
-        (next_token_ids int32 (n,), logprobs float32 (n,)), and with return_logits also the model's logits
-        float32 (n, vocab) at each row's last new token (before temperature; copied to the host only when
-        asked, for logits capture), and when some row of top_n (n,) is > 0 also (top_ids int32 (n, K),
-        top_logprobs float32 (n, K)): each row's K = min(TOP_LOGPROBS, vocab) most likely tokens under
-        log_softmax(logits), most likely first. Rows with a penalty choose from (and report the logprobs and
-        top logprobs of) the penalized logits. n is padded to the smallest batch bucket >= n, s to 1
-        (decode) or the smallest prefill_seq_len >= s, w to the graph's block-table width. ValueError if no
-        bucket fits or an argument is malformed.
+    def execute(self, step: StepView):
+        """One step over n sequences: `step` (shm/layout.py's StepView) names its kind and its input arrays
+        (described in step_inputs.py), as the worker reads them from the step buffers; each kind has its
+        handler (`_EXECUTE`).
 
-        verify_u float32 (n, s) makes it a verify step (speculative decoding): a token is sampled after every
-        new token of every row, token j of row i with uniform verify_u[i, j] (random_u is unused); returns
-        (token_ids int32 (n, s), logprobs float32 (n, s)), zero past each row's query length. Rows must not
-        ask for top log-probabilities or penalties (the master does not speculate for them). verify_parent
-        int32 (n, s) makes each row's new tokens a token tree (speculative decoding with several candidates):
-        token j attends to the committed keys, its ancestors and itself (its position is its depth's, its slot
-        its own); the CPU kernel's packed path only.
+        Prefill and decode steps return (next_token_ids int32 (n,), logprobs float32 (n,)), and with
+        step.return_logits also the model's logits float32 (n, vocab) at each row's last new token (before
+        temperature; copied to the host only when asked, for logits capture), and when some row of top_n (n,)
+        is > 0 also (top_ids int32 (n, K), top_logprobs float32 (n, K)): each row's K = min(TOP_LOGPROBS,
+        vocab) most likely tokens under log_softmax(logits), most likely first. Rows with a penalty choose
+        from (and report the logprobs and top logprobs of) the penalized logits. n is padded to the smallest
+        batch bucket >= n, s to 1 (decode) or the smallest prefill_seq_len >= s, w to the graph's block-table
+        width. ValueError if no bucket fits or an argument is malformed.
+
+        A verify step (speculative decoding) samples a token after every new token of every row, token j of
+        row i with uniform verify_random_u[i, j] (random_u is unused); returns (token_ids int32 (n, s),
+        logprobs float32 (n, s)), zero past each row's query length. Rows must not ask for top
+        log-probabilities or penalties (the master does not speculate for them). verify_parent int32 (n, s)
+        makes each row's new tokens a token tree (speculative decoding with several candidates): token j
+        attends to the committed keys, its ancestors and itself (its position is its depth's, its slot its
+        own); the CPU kernel's packed path only.
+
+        A decode run: see `_execute_decode_run`.
         """
-        step = StepInputs.make(self.limits, input_ids, positions, slot_mapping, block_tables, context_lens,
-                               query_lens, temperature, top_k, top_p, random_u, top_n, penalties, verify_u,
-                               verify_parent, lora)
-        if step.verify_u is not None:
-            return self._execute_verify(step)
-        nb, sb = self.buckets.bucket(step.n, step.s)
-        if step.s > 1 and self.buckets.packed:
-            return self._execute_packed(step, return_logits)
-        return self._execute_padded(step, nb, sb, return_logits)
+        return self._EXECUTE[step.kind](self, step)
+
+    def _execute_step(self, step: StepView):
+        """A prefill or decode step."""
+        inputs = StepInputs.make(self.limits, step, sampler=self.tp.writes_outputs)
+        nb, sb = self.buckets.bucket(inputs.n, inputs.s)
+        if inputs.s > 1 and self.buckets.packed:
+            return self._execute_packed(inputs, step.return_logits)
+        return self._execute_padded(inputs, nb, sb, step.return_logits)
 
     @property
     def lora_slot_bytes(self) -> int:
@@ -290,40 +294,47 @@ class ModelRunner:
         sizes = self.decode_run_batch_sizes()
         return min(self.decode_run_rows, sizes[-1]) if sizes else 0
 
-    def execute_decode_run(self, input_ids, positions, slot_mapping, block_tables, context_lens, lora=None):
-        """K = decode_run_steps greedy decode steps of n rows in one graph call: row i feeds input_ids[i] at
-        positions[i] (context_lens[i] keys visible, itself included), then the token it gets at positions[i] + 1,
-        and so on; step j writes row i's K/V at slot_mapping[i, j] (n, K). A row may end before the run does:
-        its slots are -1 from some step j >= 1 on, and it sits out those steps (a step every row sits out costs
-        almost nothing, so a run of fewer than K steps is a run of K whose last slots are -1). Returns
-        (token_ids int32 (n, K), logprobs float32 (n, K)): each step's greedy token (the first index of the
-        largest logit) and its log-probability, as K single decode steps would give; -1 and 0 where the row sat
-        out. ValueError if runs are off, n is more than a run's largest bucket, or an argument is malformed."""
+    def _execute_decode_run(self, step: StepView):
+        """K = decode_run_steps greedy decode steps of n rows in one graph call: row i feeds input_ids[i, 0] at
+        positions[i, 0] (context_lens[i] keys visible, itself included), then the token it gets at
+        positions[i, 0] + 1, and so on; step j writes row i's K/V at slot_mapping[i, j] (n, K). A row may end
+        before the run does: its slots are -1 from some step j >= 1 on, and it sits out those steps (a step
+        every row sits out costs almost nothing, so a run of fewer than K steps is a run of K whose last slots
+        are -1). The step's sampling arrays are not read (a run is greedy). Returns (token_ids int32 (n, K),
+        logprobs float32 (n, K)): each step's greedy token (the first index of the largest logit) and its
+        log-probability, as K single decode steps would give; -1 and 0 where the row sat out. ValueError if
+        runs are off, n is more than a run's largest bucket, or an argument is malformed."""
+        input_ids, positions = (np.asarray(a).reshape(len(a), -1) for a in (step.input_ids, step.positions))
+        slot_mapping, block_tables, context_lens, lora = (step.slot_mapping, step.block_tables, step.context_lens,
+                                                          step.lora)
         k = self.decode_run_steps
-        n = len(np.asarray(input_ids).reshape(-1))
+        n = input_ids.shape[0]
         if self.decode_run is None:
-            raise ValueError("ModelRunner.execute_decode_run: this runner has no decode runs (decode_run_steps "
+            raise ValueError("ModelRunner.execute (decode run): this runner has no decode runs (decode_run_steps "
                              "<= 1, decode_run_rows 0, or no layer kernel)")
         sizes = self.decode_run_batch_sizes()
         if not 1 <= n <= sizes[-1]:
-            raise ValueError(f"ModelRunner.execute_decode_run: {n} rows; runs take 1..{sizes[-1]}")
+            raise ValueError(f"ModelRunner.execute (decode run): {n} rows; runs take 1..{sizes[-1]}")
         slot_mapping = np.asarray(slot_mapping, np.int32)
         if slot_mapping.shape != (n, k):
-            raise ValueError(f"ModelRunner.execute_decode_run: slot_mapping has shape {slot_mapping.shape}, "
+            raise ValueError(f"ModelRunner.execute (decode run): slot_mapping has shape {slot_mapping.shape}, "
                              f"expected {(n, k)}")
         active = slot_mapping >= 0
         if not active[:, 0].all() or (active[:, 1:] > active[:, :-1]).any():
-            raise ValueError("ModelRunner.execute_decode_run: each row's slots are >= 0 for its first steps (at "
+            raise ValueError("ModelRunner.execute (decode run): each row's slots are >= 0 for its first steps (at "
                              "least one) and -1 for the rest of the run")
         zeros = np.zeros(n, np.float32)
-        step = StepInputs.make(self.limits, np.asarray(input_ids).reshape(n, 1), np.asarray(positions).reshape(n, 1),
-                               slot_mapping[:, :1], block_tables, context_lens, np.ones(n, np.int32), zeros,
-                               np.zeros(n, np.int32), np.ones(n, np.float32), zeros, lora=lora)
+        step = StepInputs.make(self.limits, StepView(StepKind.DECODE, input_ids=input_ids[:, :1],
+                                                     positions=positions[:, :1], slot_mapping=slot_mapping[:, :1],
+                                                     block_tables=block_tables, context_lens=context_lens,
+                                                     query_lens=np.ones(n, np.int32), temperature=zeros,
+                                                     top_k=np.zeros(n, np.int32), top_p=np.ones(n, np.float32),
+                                                     random_u=zeros, lora=lora))
         steps = active.sum(1)                                                   # (n,) each row's steps
         last = self.limits.max_context - steps
         if (step.positions > last).any() or (step.context_lens > last + 1).any() \
                 or slot_mapping.max() >= self.limits.scratch_slot:
-            raise ValueError(f"ModelRunner.execute_decode_run: a row of s steps needs positions <= "
+            raise ValueError(f"ModelRunner.execute (decode run): a row of s steps needs positions <= "
                              f"{self.limits.max_context} - s, context_lens one more, and slots in "
                              f"[0, {self.limits.scratch_slot})")
         nb = sizes[bisect.bisect_left(sizes, n)]
@@ -389,6 +400,9 @@ class ModelRunner:
                           T(bt_p), T(_pad(cl, nb, 1)), T(_pad(ql, nb, 1)), T(sample_index),
                           T(np.full(nb, -1, np.int32)), T(_pad(step.lora, nb, 0)))
 
+    def _execute_verify_step(self, step: StepView):
+        return self._execute_verify(StepInputs.make(self.limits, step))
+
     def _execute_verify(self, step: StepInputs):
         """A verify step: the rows' new tokens run as in a prefill step (packed, or padded to (batch,
         verify_width)), and the sampler sees every token's logits, each token with its row's sampling
@@ -421,6 +435,9 @@ class ModelRunner:
         ids, lps = np.zeros((n, s), np.int32), np.zeros((n, s), np.float32)
         ids[valid], lps[valid] = token[flat], logprob[flat]
         return ids, lps
+
+    _EXECUTE = {StepKind.PREFILL: _execute_step, StepKind.DECODE: _execute_step,
+                StepKind.VERIFY: _execute_verify_step, StepKind.DECODE_RUN: _execute_decode_run}
 
     def _no_outputs(self, n: int, return_logits: bool, wants_top: bool) -> list:
         """All-zero outputs for n rows, shaped as execute returns them."""
@@ -571,10 +588,12 @@ class ModelRunner:
         """One step of bucket (b, s) [and decode width] that writes only to the scratch block."""
         pos = np.minimum(np.arange(s, dtype=np.int32), self.max_context - 1)
         context = pos[-1] + 1 if width is None else width * self.block_size
-        self.execute(np.zeros((b, s), np.int32), np.tile(pos, (b, 1)), np.full((b, s), -1, np.int32),
-                     np.zeros((b, 1), np.int32), np.full((b,), context, np.int32), np.full((b,), s, np.int32),
-                     np.full((b,), temperature, np.float32), np.zeros((b,), np.int32),
-                     np.ones((b,), np.float32), np.full((b,), 0.5, np.float32))
+        kind = StepKind.DECODE if s == 1 else StepKind.PREFILL
+        self.execute(StepView(kind, input_ids=np.zeros((b, s), np.int32), positions=np.tile(pos, (b, 1)),
+                              slot_mapping=np.full((b, s), -1, np.int32), block_tables=np.zeros((b, 1), np.int32),
+                              context_lens=np.full((b,), context, np.int32), query_lens=np.full((b,), s, np.int32),
+                              temperature=np.full((b,), temperature, np.float32), top_k=np.zeros((b,), np.int32),
+                              top_p=np.ones((b,), np.float32), random_u=np.full((b,), 0.5, np.float32)))
 
     def _run_dummy_packed(self, tokens: int, temperature: float, compile_only: bool = False) -> None:
         """One packed prefill step of `tokens` padding tokens (scratch block only, nothing attended); with
@@ -597,10 +616,12 @@ class ModelRunner:
         s = self.buckets.verify_width
         n = size // s if self.buckets.packed else size
         pos = np.tile(np.arange(s, dtype=np.int32), (n, 1))
-        self.execute(np.zeros((n, s), np.int32), pos, np.full((n, s), -1, np.int32), np.zeros((n, 1), np.int32),
-                     np.full((n,), s, np.int32), np.full((n,), s, np.int32), np.full((n,), temperature, np.float32),
-                     np.zeros((n,), np.int32), np.ones((n,), np.float32), np.zeros((n,), np.float32),
-                     verify_u=np.full((n, s), 0.5, np.float32))
+        self.execute(StepView(StepKind.VERIFY, input_ids=np.zeros((n, s), np.int32), positions=pos,
+                              slot_mapping=np.full((n, s), -1, np.int32), block_tables=np.zeros((n, 1), np.int32),
+                              context_lens=np.full((n,), s, np.int32), query_lens=np.full((n,), s, np.int32),
+                              temperature=np.full((n,), temperature, np.float32), top_k=np.zeros((n,), np.int32),
+                              top_p=np.ones((n,), np.float32), random_u=np.zeros((n,), np.float32),
+                              verify_random_u=np.full((n, s), 0.5, np.float32)))
 
     def graph_buckets(self) -> list:
         """(kind, batch, seq, decode width) of every model graph warmup compiles, in order."""

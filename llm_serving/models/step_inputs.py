@@ -1,4 +1,5 @@
-"""One step's inputs to the ModelRunner, converted and checked in one place (`StepInputs.make`).
+"""One step's inputs to the ModelRunner, converted and checked in one place (`StepInputs.make`), from the step
+object the runner takes (shm/layout.py's `StepView`: the step buffers' arrays by name).
 
 Shapes: n rows, s new tokens per row at most, w block-table entries per row.
   input_ids, positions, slot_mapping  int32 (n, s): new tokens left-aligned (padding: id 0, position 0, slot -1)
@@ -7,9 +8,9 @@ Shapes: n rows, s new tokens per row at most, w block-table entries per row.
   query_lens                          int32 (n,): valid new tokens; the sampled token follows token query_lens-1
   temperature (0 = greedy), top_k (0 = off), top_p (1 = off), random_u (uniform [0, 1)), top_n (top
   log-probabilities wanted, 0 = none): per row
-  penalties: None, or per row history int32 (n, <= max_context), history_len, prompt_len, and the
-  repetition, presence and frequency penalties (see sampler.Penalizer)
-  verify_u                            float32 (n, s) or None: a verify step's uniform number per new token
+  penalties (kept only when some row has one): per row history int32 (n, <= max_context), history_len,
+  prompt_len, and the repetition_penalty, presence_penalty and frequency_penalty (see sampler.Penalizer)
+  verify_random_u (verify_u)          float32 (n, s): a verify step's uniform number per new token
                                       (speculative decoding; such a step has no top_n and no penalties)
   verify_parent                       int32 (n, s) or None: a verify step's token tree — each new token's parent
                                       among its row's new tokens (-1 for the first; None or j-1 everywhere: a
@@ -23,6 +24,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
+
+from llm_serving.shm.layout import StepKind
 
 
 @dataclass(frozen=True)
@@ -75,26 +78,35 @@ class StepInputs:
         return bool((self.per_row["top_n"] > 0).any())
 
     @classmethod
-    def make(cls, limits: StepLimits, input_ids, positions, slot_mapping, block_tables, context_lens, query_lens,
-             temperature, top_k, top_p, random_u, top_n=None, penalties: Optional[dict] = None,
-             verify_u=None, verify_parent=None, lora=None) -> "StepInputs":
-        """Arrays (or nested lists) converted to their dtypes and checked against each other and `limits`;
-        ValueError naming the first that is malformed."""
-        input_ids = np.asarray(input_ids, np.int32)
+    def make(cls, limits: StepLimits, step, sampler: bool = True) -> "StepInputs":
+        """A step object's arrays (numpy or nested lists; a StepView) converted to their dtypes and checked
+        against each other and `limits`; ValueError naming the first that is malformed. sampler=False (a
+        tensor-parallel rank other than 0, which samples nothing) leaves the penalties out."""
+        input_ids = np.asarray(step.input_ids, np.int32)
         if input_ids.ndim != 2 or input_ids.shape[0] < 1 or input_ids.shape[1] < 1:
             _fail(f"input_ids must be (n, s) with n, s >= 1, got {input_ids.shape}")
         n, s = input_ids.shape
-        positions = np.asarray(positions, np.int32)
-        slot_mapping = np.asarray(slot_mapping, np.int32)
-        block_tables = np.asarray(block_tables, np.int32)
+        positions = np.asarray(step.positions, np.int32)
+        slot_mapping = np.asarray(step.slot_mapping, np.int32)
+        block_tables = np.asarray(step.block_tables, np.int32)
         if block_tables.ndim == 1:
             block_tables = block_tables.reshape(n, -1)
-        cl, ql = np.asarray(context_lens, np.int32), np.asarray(query_lens, np.int32)
-        per_row = {"temperature": np.asarray(temperature, np.float32), "top_k": np.asarray(top_k, np.int32),
-                   "top_p": np.asarray(top_p, np.float32), "random_u": np.asarray(random_u, np.float32),
+        cl, ql = np.asarray(step.context_lens, np.int32), np.asarray(step.query_lens, np.int32)
+        top_n = step.top_n
+        per_row = {"temperature": np.asarray(step.temperature, np.float32), "top_k": np.asarray(step.top_k, np.int32),
+                   "top_p": np.asarray(step.top_p, np.float32), "random_u": np.asarray(step.random_u, np.float32),
                    "top_n": np.zeros(n, np.int32) if top_n is None else np.asarray(top_n, np.int32)}
-        if penalties is not None:
-            per_row.update(_penalty_rows(limits, n, penalties))
+        verify = step.kind is StepKind.VERIFY
+        if sampler and not verify and step.history is not None:
+            per_row.update(_penalty_rows(limits, n, step))
+        verify_u = verify_parent = None
+        for name in ("verify_random_u", "verify_parent"):
+            if not verify and getattr(step, name) is not None:
+                _fail(f"{name} is given for a step that is not a verify step")
+        if verify:
+            verify_u, verify_parent = step.verify_random_u, step.verify_parent
+            if verify_u is None:
+                _fail("a verify step needs verify_random_u")
         for name, arr in (("positions", positions), ("slot_mapping", slot_mapping)):
             if arr.shape != (n, s):
                 _fail(f"{name} has shape {arr.shape}, expected {(n, s)}")
@@ -123,8 +135,6 @@ class StepInputs:
             if "history" in per_row or (per_row["top_n"] > 0).any():
                 _fail("a verify step cannot have rows with top log-probabilities or sampling penalties")
         if verify_parent is not None:
-            if verify_u is None:
-                _fail("verify_parent is given for a step that is not a verify step")
             verify_parent = np.asarray(verify_parent, np.int32)
             if verify_parent.shape != (n, s):
                 _fail(f"verify_parent has shape {verify_parent.shape}, expected {(n, s)}")
@@ -135,7 +145,7 @@ class StepInputs:
                 _fail("verify_parent must be -1 for a row's first new token and in [0, j) for token j")
             if (verify_parent[valid] == (j - 1).repeat(n, 0)[valid]).all():
                 verify_parent = None                  # every row a chain: plain causal attention
-        lora = np.zeros(n, np.int32) if lora is None else np.asarray(lora, np.int32)
+        lora = np.zeros(n, np.int32) if step.lora is None else np.asarray(step.lora, np.int32)
         if lora.shape != (n,):
             _fail(f"lora has shape {lora.shape}, expected ({n},)")
         if lora.min() < 0 or lora.max() > limits.lora_slots:
@@ -163,16 +173,17 @@ class StepInputs:
         return np.asarray(out, np.int64).astype(np.int32)
 
 
-def _penalty_rows(limits: StepLimits, n: int, penalties: dict) -> dict:
+def _penalty_rows(limits: StepLimits, n: int, step) -> dict:
     """The penalty arrays, with the history widened to max_context; none when no row has a penalty."""
-    pen = {k: np.asarray(penalties[k], np.float32) for k in ("repetition", "presence", "frequency")}
+    pen = {k: np.asarray(getattr(step, f"{k}_penalty"), np.float32) for k in ("repetition", "presence", "frequency")}
     if not ((pen["repetition"] != 1.0) | (pen["presence"] != 0.0) | (pen["frequency"] != 0.0)).any():
         return {}
-    history = np.asarray(penalties["history"], np.int32)
+    history = np.asarray(step.history, np.int32)
     if history.ndim != 2 or history.shape[0] != n or history.shape[1] > limits.max_context:
         _fail(f"penalties history has shape {history.shape}, expected ({n}, <= {limits.max_context})")
+    history = history[:, :int(np.max(step.history_len, initial=0))]    # the part the rows hold
     full = np.zeros((n, limits.max_context), np.int32)
     full[:, :history.shape[1]] = np.clip(history, 0, limits.vocab_size - 1)
     return {**pen, "history": full,
-            "history_len": np.minimum(np.asarray(penalties["history_len"], np.int32), history.shape[1]),
-            "prompt_len": np.asarray(penalties["prompt_len"], np.int32)}
+            "history_len": np.minimum(np.asarray(step.history_len, np.int32), history.shape[1]),
+            "prompt_len": np.asarray(step.prompt_len, np.int32)}

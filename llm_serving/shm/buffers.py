@@ -18,7 +18,7 @@ from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
 
-from llm_serving.shm.layout import StepLayout
+from llm_serving.shm.layout import ARRAYS, StepKind, StepLayout, StepView
 
 def segment_prefix() -> str:
     """The prefix of this process's segment names (see the module docstring)."""
@@ -37,6 +37,7 @@ class StepBuffers:
         self.owner = owner
         self._segments = segments
         self.arrays = {}
+        self._plans: dict = {}          # view's, per step kind
         for spec in layout.arrays():
             seg = segments.get(spec.name)
             self.arrays[spec.name] = (np.ndarray(spec.shape, dtype=spec.dtype, buffer=seg.buf) if seg is not None
@@ -76,16 +77,28 @@ class StepBuffers:
     def shared(self) -> bool:
         return bool(self._segments)
 
-    def pack_inputs(self, n: int, s: int, verify: bool = False, run_steps: int = 1) -> np.ndarray:
+    def view(self, kind: StepKind, n: int, s: int, steps: int = 1, return_logits: bool = False) -> StepView:
+        """A step's arrays by name, as views of its part of the buffers (layout.py's shape classes: `part`,
+        `in_step`): what the worker hands ModelRunner.execute and writes the outputs into."""
+        kind = StepKind(kind)
+        plan = self._plans.get(kind)
+        if plan is None:                # per kind: (name, array, whether its part has a token width)
+            plan = self._plans[kind] = [(a.name, self.arrays[a.name], len(self.layout.part(a, 1, 1)) == 2)
+                                        for a in ARRAYS if self.layout.in_step(a, kind)]
+        width = max(s, steps)
+        return StepView(kind, return_logits=return_logits,
+                        **{name: arr[:n, :width] if wide else arr[:n] for name, arr, wide in plan})
+
+    def pack_inputs(self, kind: StepKind, n: int, s: int, steps: int = 1) -> np.ndarray:
         """The step's inputs (layout.step_inputs) as one int32 array of layout.step_inputs_size words."""
         parts = [self.arrays[name][index].view(np.int32).reshape(-1)
-                 for name, index in self.layout.step_inputs(n, s, verify, run_steps)]
+                 for name, index in self.layout.step_inputs(kind, n, s, steps)]
         return np.concatenate(parts)
 
-    def unpack_inputs(self, words: np.ndarray, n: int, s: int, verify: bool = False, run_steps: int = 1) -> None:
+    def unpack_inputs(self, words: np.ndarray, kind: StepKind, n: int, s: int, steps: int = 1) -> None:
         """Write pack_inputs's words (at least step_inputs_size of them) back into the same places."""
         at = 0
-        for name, index in self.layout.step_inputs(n, s, verify, run_steps):
+        for name, index in self.layout.step_inputs(kind, n, s, steps):
             target = self.arrays[name][index]
             size = target.size
             target[...] = words[at:at + size].view(target.dtype).reshape(target.shape)
@@ -113,6 +126,7 @@ class StepBuffers:
     def close(self) -> None:
         """Drop the views, close the mappings and, in the creating process, unlink the segments."""
         self.arrays.clear()
+        self._plans.clear()
         for spec in self.layout.arrays():
             self.__dict__.pop(spec.name, None)
         for seg in self._segments.values():

@@ -1,58 +1,145 @@
-"""Every array the master and agents share for a step: name, dtype and shape, fixed at start from the config.
+"""Every array the master and agents share for a step, declared once (`ARRAYS`): name, dtype, shape class, who
+writes it, who reads it, and what it means. Fixed at start from the config; nothing is allocated per step.
 
 Rows are sequences in the step (row i of every array belongs to the same sequence); `max_rows` is the
-largest batch any graph takes and `max_tokens` the largest prefill bucket's tokens per row. Nothing is
-allocated per step: the master writes rows 0..n-1 (and, per row, tokens 0..s-1) and the step frame
-says n and s.
+largest batch any graph takes and `max_tokens` the largest prefill bucket's tokens per row. The master writes
+rows 0..n-1 (and, per row, tokens 0..s-1) and the step frame says the step's kind, n and s (and a decode
+run's steps k). Both sides read and write a step through a `StepView` (`StepBuffers.view`): the arrays by
+name, sliced to the step's rows and tokens by their shape class:
 
-  name           dtype    shape                              written by  meaning
-  input_ids      int32    (max_rows, max_tokens)             master      new tokens per row, left-aligned
-  positions      int32    (max_rows, max_tokens)             master      absolute position of each new token
-  slot_mapping   int32    (max_rows, max_tokens)             master      KV slot per new token, -1 = padding
-  block_tables   int32    (max_rows, max_blocks_per_seq)     master      KV block ids per row, in order
-  context_lens   int32    (max_rows,)                        master      tokens in the cache after this step
-  query_lens     int32    (max_rows,)                        master      valid new tokens per row (>= 1)
-  temperature    float32  (max_rows,)                        master      0 = greedy
-  top_k          int32    (max_rows,)                        master      0 = off
-  top_p          float32  (max_rows,)                        master      1 = off
-  random_u       float32  (max_rows,)                        master      uniform [0, 1) for sampling rows
-  top_n          int32    (max_rows,)                        master      top log-probabilities wanted (0 = none)
-  repetition_penalty float32 (max_rows,)                     master      1 = off; >1 discourages seen tokens
-  presence_penalty   float32 (max_rows,)                     master      0 = off; per generated token seen
-  frequency_penalty  float32 (max_rows,)                     master      0 = off; per occurrence in the output
-  history        int32    (max_rows, max_context)            master      the row's tokens so far (prompt +
-                                                                         output), kept only for rows with a
-                                                                         penalty
-  history_len    int32    (max_rows,)                        master      valid entries of history (0 = none)
-  prompt_len     int32    (max_rows,)                        master      history[prompt_len:] is the output
-  lora           int32    (max_rows,)                        master      LoRA adapter slot per row (0 = none)
-  request_ids    int64    (max_rows,)                        master      request number per row (tracing,
-                                                                         logits capture; not used by the model)
-  out_token_ids  int32    (max_rows,)                        agent 0     sampled next token per row
-  out_logprobs   float32  (max_rows,)                        agent 0     its log-probability
-  out_top_ids    int32    (max_rows, TOP_LOGPROBS)           agent 0     most likely tokens, most likely first
-  out_top_logprobs float32 (max_rows, TOP_LOGPROBS)          agent 0     their log-probabilities
-                                                                         (written only in steps where a row
-                                                                         has top_n > 0)
+  shape class  shape                              a step's part
+  token        (max_rows, max_tokens)             [:n, :max(s, k)]
+  row          (max_rows,)                        [:n]
+  table        (max_rows, max_blocks_per_seq)     [:n]
+  history      (max_rows, max_context)            [:n]
+  verify       (max_rows, max_verify)             [:n, :max(s, k)]  (inputs: verify steps only)
+  top          (max_rows, TOP_LOGPROBS)           [:n]
+
+Readers: `model` arrays are read by every rank's model work (what rank 0 broadcasts to ranks on other nodes,
+`step_inputs`); `sampler` arrays by rank 0's sampler only; `trace` arrays by no model (tracing, logits
+capture); `master` arrays are outputs, written by rank 0. All are 4-byte types but request_ids.
+
 Verify steps (speculative decoding, master/speculative.py) sample after every new token of a row, not
 only after its last; `max_verify` is the most tokens a speculating row feeds (1 + proposals), or the steps
-of a decode run (scheduler_config.decode_steps, whose tokens come back in out_verify_*):
-  verify_random_u  float32 (max_rows, max_verify)            master      uniform [0, 1) per new token of a
-                                                                         sampling row
-  verify_parent    int32    (max_rows, max_verify)           master      each new token's parent among its
-                                                                         row's new tokens (-1 first; j-1: a
-                                                                         chain; else a token tree)
-  out_verify_ids   int32    (max_rows, max_verify)           agent 0     the token sampled after each new token
-                                                                         (a decode run: each step's token)
-  out_verify_logprobs float32 (max_rows, max_verify)         agent 0     its log-probability
+of a decode run (scheduler_config.decode_steps, whose tokens come back in out_verify_*). A verify row's
+verify_parent is j-1 for token j along a chain, and a token tree's parent index otherwise; a decode run's
+slot_mapping holds a slot per step, -1 once the row sits the rest of the run out.
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import numpy as np
 
 TOP_LOGPROBS = 20        # most top log-probabilities a request may ask for (OpenAI's limit)
+
+
+class StepKind(str, enum.Enum):
+    """What a step does; set once by the scheduler (ScheduledBatch.kind), carried in the step frame, and
+    handled per kind on each side (a `{kind: handler}` table in the engine, the worker and the runner)."""
+    PREFILL = "prefill"         # some row feeds more than one token of its own; each row samples after its last
+    DECODE = "decode"           # one token per row
+    VERIFY = "verify"           # speculative decoding: rows feed proposals too, a token is sampled after each
+    DECODE_RUN = "decode_run"   # `steps` greedy decode steps in one graph, each row's token fed to the next
+
+    @property
+    def per_token_outputs(self) -> bool:
+        """Its outputs are per new token (verify) or per step (decode run), in out_verify_*."""
+        return self in (StepKind.VERIFY, StepKind.DECODE_RUN)
+
+    @property
+    def stats_name(self) -> str:
+        """The name its steps are counted under in /stats (a decode run counts as a decode step)."""
+        return "decode" if self is StepKind.DECODE_RUN else self.value
+
+
+# Lower runs first in an agent's queue: control commands (0) before prefill (new requests' first token)
+# before decode; a verify step is the decode step of speculating requests, a decode run a few decode steps.
+STEP_PRIORITY = {StepKind.PREFILL: 1, StepKind.DECODE: 2, StepKind.VERIFY: 2, StepKind.DECODE_RUN: 2}
+
+
+@dataclass(frozen=True)
+class ArrayDecl:
+    """One step array: name, dtype, shape class (see the module docstring), who writes it (the master, or
+    rank 0 of the agents: `agent0`), who reads it (model, sampler, trace, master) and what it holds."""
+    name: str
+    dtype: type
+    shape_class: str
+    writer: str
+    reader: str
+    meaning: str
+
+    @property
+    def is_input(self) -> bool:
+        return self.writer == "master"
+
+
+# The declarations, one array a line: name, dtype, shape class, writer, reader, meaning.
+_DECLARED = """
+input_ids            int32    token    master   model    new tokens per row, left-aligned
+positions            int32    token    master   model    absolute position of each new token
+slot_mapping         int32    token    master   model    KV slot per new token, -1 = padding (a decode run: per step)
+block_tables         int32    table    master   model    KV block ids per row, in order
+context_lens         int32    row      master   model    tokens in the cache after this step
+query_lens           int32    row      master   model    valid new tokens per row (>= 1)
+temperature          float32  row      master   model    0 = greedy
+top_k                int32    row      master   model    0 = off
+top_p                float32  row      master   model    1 = off
+random_u             float32  row      master   model    uniform [0, 1) for sampling rows
+top_n                int32    row      master   model    top log-probabilities wanted (0 = none)
+repetition_penalty   float32  row      master   sampler  1 = off; >1 discourages seen tokens
+presence_penalty     float32  row      master   sampler  0 = off; per generated token seen
+frequency_penalty    float32  row      master   sampler  0 = off; per occurrence in the output
+history              int32    history  master   sampler  the row's tokens so far (prompt + output), rows with a penalty
+history_len          int32    row      master   sampler  valid entries of history (0 = none)
+prompt_len           int32    row      master   sampler  history[prompt_len:] is the output
+lora                 int32    row      master   model    LoRA adapter slot per row (0 = none)
+request_ids          int64    row      master   trace    request number per row (tracing, logits capture)
+verify_random_u      float32  verify   master   model    uniform [0, 1) per new token of a sampling row
+verify_parent        int32    verify   master   model    each new token's parent among its row's new tokens (-1 first)
+out_token_ids        int32    row      agent0   master   sampled next token per row
+out_logprobs         float32  row      agent0   master   its log-probability
+out_top_ids          int32    top      agent0   master   most likely tokens, most likely first (steps with top_n > 0)
+out_top_logprobs     float32  top      agent0   master   their log-probabilities
+out_verify_ids       int32    verify   agent0   master   the token sampled after each new token (a run: each step's)
+out_verify_logprobs  float32  verify   agent0   master   its log-probability
+"""
+ARRAYS = tuple(ArrayDecl(name, np.dtype(dtype).type, shape_class, writer, reader, meaning)
+               for name, dtype, shape_class, writer, reader, meaning
+               in (line.split(None, 5) for line in _DECLARED.strip().splitlines()))
+INPUT_NAMES = tuple(a.name for a in ARRAYS if a.is_input)
+OUTPUT_NAMES = tuple(a.name for a in ARRAYS if not a.is_input)
+_NAMES = frozenset(INPUT_NAMES + OUTPUT_NAMES)
+
+
+class StepView:
+    """One step's arrays by name (the declared ones, `ARRAYS`), as numpy views of its part of the step
+    buffers (`StepBuffers.view`) or as arrays a caller made (tests, tools, warmup). This is the object
+    `ModelRunner.execute` takes: `kind`, `return_logits` (the logits at each row's last token too, for
+    capture) and the input arrays; an input not given (a test's penalties, say) is None: the runner's
+    default ("off")."""
+
+    def __init__(self, kind, *, return_logits: bool = False, **arrays):
+        if not _NAMES.issuperset(arrays):
+            raise TypeError(f"StepView: no step array named {', '.join(sorted(set(arrays) - _NAMES))}")
+        self.kind = StepKind(kind)
+        self.return_logits = return_logits
+        self.__dict__.update(arrays)
+
+    def __getattr__(self, name):         # only reached for an array not given
+        if name in _NAMES:
+            return None
+        raise AttributeError(name)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.query_lens) if self.query_lens is not None else np.asarray(self.input_ids).shape[0]
+
+    def rows(self, index) -> "StepView":
+        """The same step on some of its rows (an index array), as copies."""
+        arrays = {k: np.asarray(v)[index] for k, v in vars(self).items() if k in INPUT_NAMES and v is not None}
+        return StepView(self.kind, return_logits=self.return_logits, **arrays)
 
 
 @dataclass(frozen=True)
@@ -82,64 +169,48 @@ class StepLayout:
                    max_context=config.max_blocks_per_seq * config.pa_config.block_size,
                    max_verify=max(config.spec_config.tokens_per_row, config.scheduler_config.decode_steps))
 
+    def shape(self, shape_class: str) -> tuple:
+        """The full shape of an array of a shape class."""
+        r = self.max_rows
+        return {"token": (r, self.max_tokens), "row": (r,), "table": (r, self.max_blocks_per_seq),
+                "history": (r, max(self.max_context, 1)), "verify": (r, self.max_verify),
+                "top": (r, TOP_LOGPROBS)}[shape_class]
+
     def arrays(self) -> list:
-        r, t, w, c = self.max_rows, self.max_tokens, self.max_blocks_per_seq, max(self.max_context, 1)
-        return [
-            ArraySpec("input_ids", np.int32, (r, t)),
-            ArraySpec("positions", np.int32, (r, t)),
-            ArraySpec("slot_mapping", np.int32, (r, t)),
-            ArraySpec("block_tables", np.int32, (r, w)),
-            ArraySpec("context_lens", np.int32, (r,)),
-            ArraySpec("query_lens", np.int32, (r,)),
-            ArraySpec("temperature", np.float32, (r,)),
-            ArraySpec("top_k", np.int32, (r,)),
-            ArraySpec("top_p", np.float32, (r,)),
-            ArraySpec("random_u", np.float32, (r,)),
-            ArraySpec("top_n", np.int32, (r,)),
-            ArraySpec("repetition_penalty", np.float32, (r,)),
-            ArraySpec("presence_penalty", np.float32, (r,)),
-            ArraySpec("frequency_penalty", np.float32, (r,)),
-            ArraySpec("history", np.int32, (r, c)),
-            ArraySpec("history_len", np.int32, (r,)),
-            ArraySpec("prompt_len", np.int32, (r,)),
-            ArraySpec("lora", np.int32, (r,)),
-            ArraySpec("request_ids", np.int64, (r,)),
-            ArraySpec("out_token_ids", np.int32, (r,)),
-            ArraySpec("out_logprobs", np.float32, (r,)),
-            ArraySpec("out_top_ids", np.int32, (r, TOP_LOGPROBS)),
-            ArraySpec("out_top_logprobs", np.float32, (r, TOP_LOGPROBS)),
-            ArraySpec("verify_random_u", np.float32, (r, self.max_verify)),
-            ArraySpec("verify_parent", np.int32, (r, self.max_verify)),
-            ArraySpec("out_verify_ids", np.int32, (r, self.max_verify)),
-            ArraySpec("out_verify_logprobs", np.float32, (r, self.max_verify)),
-        ]
+        return [ArraySpec(a.name, a.dtype, self.shape(a.shape_class)) for a in ARRAYS]
 
-    # The arrays a step's model work reads (what every tensor-parallel rank needs; only rank 0's sampler reads
-    # the penalty arrays, only its logits capture the request ids): token arrays, per-row arrays, and a verify step's arrays.
-    TOKEN_INPUTS = ("input_ids", "positions", "slot_mapping")
-    ROW_INPUTS = ("context_lens", "query_lens", "temperature", "top_k", "top_p", "random_u", "top_n", "lora")
-    VERIFY_INPUTS = ("verify_random_u", "verify_parent")
+    @staticmethod
+    def part(decl: ArrayDecl, n: int, s: int, steps: int = 1) -> tuple:
+        """The index of a step's part of an array (n rows, s new tokens per row, a decode run's steps)."""
+        if decl.shape_class in ("token", "verify"):
+            return slice(0, n), slice(0, max(s, steps))       # a decode run: a slot (a token) per step
+        return (slice(0, n),)
 
-    def step_inputs(self, n: int, s: int, verify: bool = False, run_steps: int = 1) -> list:
+    @staticmethod
+    def in_step(decl: ArrayDecl, kind: StepKind) -> bool:
+        """Whether a step of this kind has a part of the array (verify inputs: verify steps only)."""
+        return not (decl.is_input and decl.shape_class == "verify" and kind is not StepKind.VERIFY)
+
+    def step_inputs(self, kind: StepKind, n: int, s: int, steps: int = 1) -> list:
         """(array name, index) of every part of the buffers a step of n rows and s new tokens per row (a
-        verify step, or a decode run of run_steps steps) reads for its model work, in a fixed order: what
-        rank 0 broadcasts to ranks on other nodes (models/parallel.py). All are 4-byte types."""
-        width = max(s, run_steps)                 # a decode run's slot_mapping holds a slot per step
-        parts = [(name, (slice(0, n), slice(0, width))) for name in self.TOKEN_INPUTS]
-        parts.append(("block_tables", (slice(0, n), slice(None))))
-        parts += [(name, (slice(0, n),)) for name in self.ROW_INPUTS]
-        if verify:
-            parts += [(name, (slice(0, n), slice(0, s))) for name in self.VERIFY_INPUTS]
-        return parts
+        decode run: of `steps` steps) reads for its model work (the `model` inputs), in declaration order:
+        what rank 0 broadcasts to ranks on other nodes (models/parallel.py). All are 4-byte types."""
+        return [(a.name, self.part(a, n, s, steps)) for a in ARRAYS
+                if a.is_input and a.reader == "model" and self.in_step(a, kind)]
 
-    def step_inputs_size(self, n: int, s: int, verify: bool = False, run_steps: int = 1) -> int:
+    def step_inputs_size(self, kind: StepKind, n: int, s: int, steps: int = 1) -> int:
         """4-byte words in step_inputs(...)'s parts together."""
-        width = max(s, run_steps)
-        return n * (3 * width + self.max_blocks_per_seq + len(self.ROW_INPUTS) + (2 * s if verify else 0))
+        shapes = {a.name: self.shape(a.shape_class) for a in ARRAYS}
+        total = 0
+        for name, index in self.step_inputs(kind, n, s, steps):
+            shape = shapes[name]
+            dims = [len(range(*sl.indices(d))) for sl, d in zip(index, shape)] + list(shape[len(index):])
+            total += int(np.prod(dims))
+        return total
 
     @property
     def max_step_inputs_size(self) -> int:
         """The most words any step's inputs take."""
-        return max(self.step_inputs_size(self.max_rows, self.max_tokens),
-                   self.step_inputs_size(self.max_rows, self.max_verify, verify=True),
-                   self.step_inputs_size(self.max_rows, 1, run_steps=self.max_verify))
+        return max(self.step_inputs_size(StepKind.PREFILL, self.max_rows, self.max_tokens),
+                   self.step_inputs_size(StepKind.VERIFY, self.max_rows, self.max_verify),
+                   self.step_inputs_size(StepKind.DECODE_RUN, self.max_rows, 1, self.max_verify))

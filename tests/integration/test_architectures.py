@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from llm_serving.models.default_model import write_hf_llama
-from tests.integration.test_model_runner import Seq, step_args
+from llm_serving.models.runner_spec import RunnerSpec
+from tests.integration.test_model_runner import Seq, step_view
 from llm_serving.reference_llama import ReferenceLlama
 
 pytest.importorskip("mindspore")
@@ -81,12 +82,12 @@ def _generate(path: str):
     """Greedy tokens and each step's logits through a ModelRunner (one runner per model in this module)."""
     from llm_serving.models.runner import ModelRunner
 
-    runner = ModelRunner(path, num_blocks=8, block_size=16, max_blocks_per_seq=4, decode_batch_sizes=[1],
-                         prefill_batch_sizes=[1], prefill_seq_lens=[16], num_threads=2)
+    runner = ModelRunner(path, RunnerSpec(num_blocks=8, block_size=16, max_blocks_per_seq=4, decode_batch_sizes=[1],
+                                          prefill_batch_sizes=[1], prefill_seq_lens=[16], num_threads=2))
     seq, tokens, logits = Seq([0, 1, 2, 3]), [], []
     new = list(PROMPT)
     for _ in range(NEW_TOKENS):
-        token, _, step_logits = runner.execute(*step_args(runner, [seq], [new]), return_logits=True)
+        token, _, step_logits = runner.execute(step_view(runner, [seq], [new], return_logits=True))
         tokens.append(int(token[0]))
         logits.append(step_logits[0])
         new = [tokens[-1]]

@@ -11,6 +11,7 @@ import pytest
 
 from llm_serving.models.weights import WeightLoadError, expected_shapes, load_llama_weights
 from tests.integration.server_harness import REPO, ServerProcess, leftovers
+from tests.integration.test_model_runner import Seq, step_view
 from tests.integration.test_serving import assert_greedy_reference
 
 CFG = dict(hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
@@ -101,15 +102,12 @@ def test_stories260k_bin_and_hf_directory_hold_identical_tensors(shared_dir):
 def _greedy_logits(runner, prompt_ids, steps):
     """Prefill then `steps` greedy decodes of one sequence in block 0..; the logits of every step."""
     ids, out = list(prompt_ids), []
-    n = len(ids)
-    _, _, logits = runner.execute([ids], [list(range(n))], [list(range(n))], [[0, 1]], [n], [n],
-                                  [0.0], [0], [1.0], [0.0], return_logits=True)
+    seq = Seq([0, 1])
+    _, _, logits = runner.execute(step_view(runner, [seq], [ids], return_logits=True))
     out.append(logits[0])
     for _ in range(steps):
         ids.append(int(np.argmax(out[-1])))
-        p = len(ids) - 1
-        _, _, logits = runner.execute([[ids[-1]]], [[p]], [[p]], [[0, 1]], [p + 1], [1],
-                                      [0.0], [0], [1.0], [0.0], return_logits=True)
+        _, _, logits = runner.execute(step_view(runner, [seq], [[ids[-1]]], return_logits=True))
         out.append(logits[0])
     return np.stack(out)
 
@@ -117,6 +115,7 @@ def _greedy_logits(runner, prompt_ids, steps):
 def test_stories260k_bin_and_hf_directory_give_identical_logits(shared_dir):
     pytest.importorskip("mindspore")
     from llm_serving.models.runner import ModelRunner
+    from llm_serving.models.runner_spec import RunnerSpec
 
     kw = dict(num_blocks=4, block_size=16, max_blocks_per_seq=2, decode_batch_sizes=[1],
               prefill_batch_sizes=[1], prefill_seq_lens=[16], num_threads=2)
@@ -124,7 +123,7 @@ def test_stories260k_bin_and_hf_directory_give_identical_logits(shared_dir):
 
     sp = spm.SentencePieceProcessor(model_file=str(shared_dir / "models/stories260K/tok512.model"))
     prompt = [1] + sp.encode("Once upon a time")
-    logits = [_greedy_logits(ModelRunner(str(shared_dir / "models/stories260K" / m), **kw), prompt, 12)
+    logits = [_greedy_logits(ModelRunner(str(shared_dir / "models/stories260K" / m), RunnerSpec(**kw)), prompt, 12)
               for m in ("stories260K.bin", "hf")]
     assert logits[0].shape == (13, 512)
     np.testing.assert_array_equal(logits[0], logits[1])

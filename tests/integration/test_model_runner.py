@@ -8,7 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from llm_serving.models.runner_spec import RunnerSpec
 from llm_serving.models.weights import LlamaConfig, WeightLoadError, load_llama_weights
+from llm_serving.shm.layout import StepView
 
 SHARED = Path(__file__).resolve().parents[3] / "shared"
 STORIES = SHARED / "models" / "stories260K"
@@ -43,7 +45,7 @@ def runner():
     pytest.importorskip("mindspore")
     _need_model()
     from llm_serving.models.runner import ModelRunner
-    return ModelRunner(str(MODEL_DIR), **STORIES_RUNNER)
+    return ModelRunner(str(MODEL_DIR), RunnerSpec(**STORIES_RUNNER))
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +53,9 @@ def small_block_runner():
     pytest.importorskip("mindspore")
     _need_model()
     from llm_serving.models.runner import ModelRunner
-    return ModelRunner(str(MODEL_DIR), num_blocks=128, block_size=4, max_blocks_per_seq=52,
-                       decode_batch_sizes=[1], prefill_batch_sizes=[1], prefill_seq_lens=[16], num_threads=2)
+    return ModelRunner(str(MODEL_DIR), RunnerSpec(num_blocks=128, block_size=4, max_blocks_per_seq=52,
+                                                  decode_batch_sizes=[1], prefill_batch_sizes=[1],
+                                                  prefill_seq_lens=[16], num_threads=2))
 
 
 # ----------------------------------------------------------------------------------------------- driver
@@ -66,12 +69,31 @@ class Seq:
 
 def step(runner, seqs, new_tokens, *, temperature=None, top_k=None, top_p=None, random_u=None, top_n=None):
     """One execute() over `seqs`, each getting its list of new tokens (left-aligned, padded)."""
-    return runner.execute(*step_args(runner, seqs, new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                     random_u=random_u), top_n=None if top_n is None else np.asarray(top_n, np.int32))
+    return runner.execute(step_view(runner, seqs, new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                    random_u=random_u, top_n=None if top_n is None else np.asarray(top_n, np.int32)))
 
 
-def step_args(runner, seqs, new_tokens, *, temperature=None, top_k=None, top_p=None, random_u=None):
-    """execute()'s positional arguments for `seqs` (advancing each seq's cached count)."""
+def step_view(runner, seqs, new_tokens, *, kind=None, return_logits=False, **arrays):
+    """The StepView execute() takes for `seqs` (step_arrays'; arrays: its sampling arrays, and more by name:
+    top_n, lora, verify_random_u, ...). Its kind: verify with verify_random_u, else prefill or decode."""
+    sampling = {k: arrays.pop(k) for k in ("temperature", "top_k", "top_p", "random_u") if k in arrays}
+    step = step_arrays(runner, seqs, new_tokens, **sampling)
+    if kind is None:
+        kind = ("verify" if "verify_random_u" in arrays else "prefill" if step["input_ids"].shape[1] > 1
+                else "decode")
+    return StepView(kind, return_logits=return_logits, **step, **arrays)
+
+
+def run_view(input_ids, positions, slot_mapping, block_tables, context_lens, **arrays):
+    """The StepView of a decode run: row i feeds input_ids[i] at positions[i] and its K steps write to
+    slot_mapping[i] (n, K)."""
+    column = lambda a: np.asarray(a, np.int32).reshape(-1, 1)     # noqa: E731
+    return StepView("decode_run", input_ids=column(input_ids), positions=column(positions),
+                    slot_mapping=slot_mapping, block_tables=block_tables, context_lens=context_lens, **arrays)
+
+
+def step_arrays(runner, seqs, new_tokens, *, temperature=None, top_k=None, top_p=None, random_u=None) -> dict:
+    """A step's input arrays by name for `seqs` (advancing each seq's cached count)."""
     n, s = len(seqs), max(len(t) for t in new_tokens)
     bs, w = runner.block_size, max(len(q.blocks) for q in seqs)
     ids = np.zeros((n, s), np.int32)
@@ -90,8 +112,9 @@ def step_args(runner, seqs, new_tokens, *, temperature=None, top_k=None, top_p=N
         qlen[i] = len(toks)
         seq.cached += len(toks)
     f = lambda v, d, dt: np.full(n, d, dt) if v is None else np.asarray(v, dt)  # noqa: E731
-    return (ids, pos, slots, tables, ctx, qlen, f(temperature, 0.0, np.float32), f(top_k, 0, np.int32),
-            f(top_p, 1.0, np.float32), f(random_u, 0.0, np.float32))
+    return dict(input_ids=ids, positions=pos, slot_mapping=slots, block_tables=tables, context_lens=ctx,
+                query_lens=qlen, temperature=f(temperature, 0.0, np.float32), top_k=f(top_k, 0, np.int32),
+                top_p=f(top_p, 1.0, np.float32), random_u=f(random_u, 0.0, np.float32))
 
 
 def generate(runner, prompts, block_lists, *, max_len=TOTAL_STEPS + 1, max_steps=None):
@@ -227,7 +250,7 @@ def test_paged_attention_kernel_matches_the_gather_path(runner, tokenizer, refer
     from llm_serving.models.runner import ModelRunner
     assert runner.decode_kernel is not None and runner.decode_kernel.endswith(":PagedDecodeAttention")
     assert runner.decode_block_widths == [13]            # the kernel reads real context only: one width
-    gather = ModelRunner(str(MODEL_DIR), **STORIES_RUNNER, attention_kernel="off")
+    gather = ModelRunner(str(MODEL_DIR), RunnerSpec(**STORIES_RUNNER, attention_kernel="off"))
     assert gather.decode_kernel is None
     prompts = [[BOS] + tokenizer.encode(item["prompt"]) for item in reference]
     tables = [[int(b) for b in perm] for perm in np.random.default_rng(5).permutation(64)[:26].reshape(2, 13)]
@@ -261,9 +284,9 @@ def test_paged_attention_kernel_matches_the_gather_path(runner, tokenizer, refer
     assert split[0][0].tolist() == split[1][0].tolist()
     np.testing.assert_allclose(split[0][1], split[1][1], rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="attention_kernel"):
-        ModelRunner(str(MODEL_DIR), **SMALL_RUNNER, attention_kernel="fast")
+        ModelRunner(str(MODEL_DIR), RunnerSpec(**SMALL_RUNNER, attention_kernel="fast"))
     with pytest.raises(ValueError, match="layer_kernel"):
-        ModelRunner(str(MODEL_DIR), **SMALL_RUNNER, layer_kernel="fast")
+        ModelRunner(str(MODEL_DIR), RunnerSpec(**SMALL_RUNNER, layer_kernel="fast"))
 
 
 def test_layer_kernel_matches_mindspore_ops_and_is_used_up_to_its_limit(runner, tokenizer, reference):
@@ -273,7 +296,7 @@ def test_layer_kernel_matches_mindspore_ops_and_is_used_up_to_its_limit(runner, 
     ops) next to smaller ones (the kernel); 'on' without the attention kernel is refused."""
     from llm_serving.models.runner import ModelRunner
     assert runner.layer_kernel is not None and runner.layer_kernel_rows == 64
-    ops_runner = ModelRunner(str(MODEL_DIR), **STORIES_RUNNER, layer_kernel="off")
+    ops_runner = ModelRunner(str(MODEL_DIR), RunnerSpec(**STORIES_RUNNER, layer_kernel="off"))
     assert ops_runner.layer_kernel is None and ops_runner.decode_kernel is not None
     prompts = [[BOS] + tokenizer.encode(item["prompt"]) for item in reference]
     tables = [blocks_for(0, 13), blocks_for(1, 13)]
@@ -287,7 +310,7 @@ def test_layer_kernel_matches_mindspore_ops_and_is_used_up_to_its_limit(runner, 
         assert tokenizer.decode(tokens[1:]) + "\n" == item["greedy_text"]
     for a, b in zip(lp_k, lp_o):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
-    small = ModelRunner(str(MODEL_DIR), **STORIES_RUNNER, layer_kernel="on", layer_kernel_rows=16)
+    small = ModelRunner(str(MODEL_DIR), RunnerSpec(**STORIES_RUNNER, layer_kernel="on", layer_kernel_rows=16))
     long_rows = [list(np.random.default_rng(12).integers(3, 500, size=k)) for k in (30, 9)]   # pieces 32 + 16
     outs = []
     for r in (small, ops_runner):
@@ -296,16 +319,16 @@ def test_layer_kernel_matches_mindspore_ops_and_is_used_up_to_its_limit(runner, 
     assert outs[0][0].tolist() == outs[1][0].tolist()
     np.testing.assert_allclose(outs[0][1], outs[1][1], rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="layer_kernel"):
-        ModelRunner(str(MODEL_DIR), **SMALL_RUNNER, attention_kernel="off", layer_kernel="on")
+        ModelRunner(str(MODEL_DIR), RunnerSpec(**SMALL_RUNNER, attention_kernel="off", layer_kernel="on"))
 
 
 def test_decode_run_gives_the_tokens_of_single_steps(runner, tokenizer, reference):
-    """execute_decode_run (K greedy steps in one graph) against the fixture's single decode steps: two rows with
+    """A decode run (K greedy steps in one graph) against the fixture's single decode steps: two rows with
     different contexts, continued from the same cache state, give the same tokens (llama2.c's text) and
     log-probabilities; malformed runs are refused."""
     from llm_serving.models.runner import ModelRunner
     k = 4
-    runs = ModelRunner(str(MODEL_DIR), **STORIES_RUNNER, decode_run_steps=k, decode_run_rows=2)
+    runs = ModelRunner(str(MODEL_DIR), RunnerSpec(**STORIES_RUNNER, decode_run_steps=k, decode_run_rows=2))
     assert runs.decode_run_batch_sizes() == [1, 2] and runner.decode_run_batch_sizes() == []
     prompts = [[BOS] + tokenizer.encode(item["prompt"]) for item in reference]
     tables = [blocks_for(0, 13), blocks_for(1, 13)]
@@ -314,7 +337,7 @@ def test_decode_run_gives_the_tokens_of_single_steps(runner, tokenizer, referenc
     pos = np.array([s.cached for s in seqs])
     bs = runs.block_size
     slots = np.array([[t[(p + j) // bs] * bs + (p + j) % bs for j in range(k)] for t, p in zip(tables, pos)])
-    tokens, logprobs = runs.execute_decode_run(first, pos, slots, np.array(tables), pos + 1)
+    tokens, logprobs = runs.execute(run_view(first, pos, slots, np.array(tables), pos + 1))
     assert tokens.shape == logprobs.shape == (2, k)
     single, single_lps, cur = [], [], list(first)
     for _ in range(k):                                           # the same K steps one by one (same cache state)
@@ -330,7 +353,7 @@ def test_decode_run_gives_the_tokens_of_single_steps(runner, tokenizer, referenc
     pos, lens = np.array([s.cached for s in seqs]), [2, 3]
     slots = np.array([[t[(p + j) // bs] * bs + (p + j) % bs if j < n else -1 for j in range(k)]
                       for t, p, n in zip(tables, pos, lens)])
-    tokens, logprobs = runs.execute_decode_run(cur, pos, slots, np.array(tables), pos + 1)
+    tokens, logprobs = runs.execute(run_view(cur, pos, slots, np.array(tables), pos + 1))
     single = []
     for _ in range(3):
         cur, _ = step(runs, seqs, [[t] for t in cur])
@@ -339,16 +362,16 @@ def test_decode_run_gives_the_tokens_of_single_steps(runner, tokenizer, referenc
     assert tokens.tolist() == [single[0, :2].tolist() + [-1] * (k - 2), single[1].tolist() + [-1] * (k - 3)]
     assert (logprobs[0, 2:] == 0).all() and (logprobs[0, :2] < 0).all()
     with pytest.raises(ValueError, match="each row's slots"):
-        runs.execute_decode_run(cur, pos, slots[:, ::-1].copy(), np.array(tables), pos + 1)
+        runs.execute(run_view(cur, pos, slots[:, ::-1].copy(), np.array(tables), pos + 1))
     with pytest.raises(ValueError, match="runs take 1..2"):
-        runs.execute_decode_run([5] * 3, [3] * 3, slots[[0, 0, 0]], np.array(tables)[[0, 0, 0]], [4] * 3)
+        runs.execute(run_view([5] * 3, [3] * 3, slots[[0, 0, 0]], np.array(tables)[[0, 0, 0]], [4] * 3))
     with pytest.raises(ValueError, match="slot_mapping has shape"):
-        runs.execute_decode_run(first, pos, slots[:, :2], np.array(tables), pos + 1)
+        runs.execute(run_view(first, pos, slots[:, :2], np.array(tables), pos + 1))
     last = runs.max_context - 1                   # row 0's 2 steps would need position max_context
     with pytest.raises(ValueError, match="positions <="):
-        runs.execute_decode_run(first[:1], [last], slots[:1], np.array(tables)[:1], [last + 1])
+        runs.execute(run_view(first[:1], [last], slots[:1], np.array(tables)[:1], [last + 1]))
     with pytest.raises(ValueError, match="no decode runs"):
-        runner.execute_decode_run(first, pos, slots, np.array(tables), pos + 1)
+        runner.execute(run_view(first, pos, slots, np.array(tables), pos + 1))
 
 
 def test_graph_calls_skip_cell_call_once_a_shape_is_compiled(runner, monkeypatch):
@@ -384,24 +407,26 @@ def test_without_a_compiler_auto_falls_back_and_on_fails(monkeypatch, tmp_path, 
     monkeypatch.setenv("CXX", str(tmp_path / "missing-g++"))
     monkeypatch.setenv("LLM_SERVING_CACHE", str(tmp_path))
     with caplog.at_level("WARNING", logger="llm_serving.models.runner"):
-        fallback = ModelRunner(str(MODEL_DIR), **SMALL_RUNNER, attention_kernel="auto")
+        fallback = ModelRunner(str(MODEL_DIR), RunnerSpec(**SMALL_RUNNER, attention_kernel="auto"))
     assert fallback.decode_kernel is None and fallback.decode_block_widths == [2, 4]
     assert "missing-g++" in caplog.text and "gather keys instead" in caplog.text
     with pytest.raises(KernelBuildError, match="missing-g"):
-        ModelRunner(str(MODEL_DIR), **SMALL_RUNNER, attention_kernel="on")
+        ModelRunner(str(MODEL_DIR), RunnerSpec(**SMALL_RUNNER, attention_kernel="on"))
 
 
 def test_decode_block_width_buckets_give_the_same_text(tokenizer, reference):
     from llm_serving.models.runner import ModelRunner
-    narrow = ModelRunner(str(MODEL_DIR), num_blocks=64, block_size=16, max_blocks_per_seq=13,
-                         decode_batch_sizes=[1], prefill_batch_sizes=[1], prefill_seq_lens=[16, 32],
-                         decode_block_widths=[2, 5], num_threads=2, attention_kernel="off")
+    narrow = ModelRunner(str(MODEL_DIR), RunnerSpec(num_blocks=64, block_size=16, max_blocks_per_seq=13,
+                                                    decode_batch_sizes=[1], prefill_batch_sizes=[1],
+                                                    prefill_seq_lens=[16, 32], decode_block_widths=[2, 5],
+                                                    num_threads=2, attention_kernel="off"))
     assert narrow.decode_block_widths == [2, 5, 13]
     assert [narrow.buckets.width(1, n) for n in (1, 2, 3, 5, 6, 13)] == [2, 2, 5, 5, 13, 13]
     assert narrow.buckets.width(16, 1) == 13                    # prefill graphs keep the full width
     with pytest.raises(ValueError, match="decode_block_widths"):
-        ModelRunner(str(MODEL_DIR), num_blocks=64, block_size=16, max_blocks_per_seq=13, decode_batch_sizes=[1],
-                    prefill_batch_sizes=[1], prefill_seq_lens=[16], decode_block_widths=[20])
+        ModelRunner(str(MODEL_DIR), RunnerSpec(num_blocks=64, block_size=16, max_blocks_per_seq=13,
+                                               decode_batch_sizes=[1], prefill_batch_sizes=[1], prefill_seq_lens=[16],
+                                               decode_block_widths=[20]))
     for item in reference:                               # 200 positions: the run crosses all three widths
         prompt = [BOS] + tokenizer.encode(item["prompt"])
         narrow.reset()
@@ -455,9 +480,9 @@ def test_penalties_match_numpy_and_leave_other_rows_alone(runner, tokenizer, ref
     runner.reset()
     seqs = [Seq(blocks_for(0, 13)), Seq(blocks_for(1, 13))]
     pen = {"history": np.stack([history, history]), "history_len": [len(history), 0], "prompt_len": [plen, 0],
-           "repetition": [1.3, 1.0], "presence": [0.4, 0.0], "frequency": [0.3, 0.0]}
-    tok, lp, top_ids, top_lps = runner.execute(*step_args(runner, seqs, [prompt, prompt]), top_n=np.array([3, 0]),
-                                               penalties=pen)
+           "repetition_penalty": [1.3, 1.0], "presence_penalty": [0.4, 0.0], "frequency_penalty": [0.3, 0.0]}
+    tok, lp, top_ids, top_lps = runner.execute(step_view(runner, seqs, [prompt, prompt], top_n=np.array([3, 0]),
+                                                         **pen))
     ref = np_log_softmax(np_penalize(logits, history, plen, 1.3, 0.4, 0.3))
     assert tok[0] == int(np.argmax(ref)) != greedy                      # the penalty changed the choice
     assert lp[0] == pytest.approx(ref[tok[0]], rel=1e-3)
@@ -535,15 +560,20 @@ def test_execute_rejects_what_no_bucket_fits(runner):
     one = dict(temperature=np.zeros(3, np.float32), top_k=np.zeros(3, np.int32),
                top_p=np.ones(3, np.float32), random_u=np.zeros(3, np.float32))
     with pytest.raises(ValueError, match="decode_batch_sizes"):
-        runner.execute(np.ones((3, 1), np.int32), np.zeros((3, 1), np.int32), np.zeros((3, 1), np.int32),
-                       np.zeros((3, 1), np.int32), np.ones(3, np.int32), np.ones(3, np.int32), **one)
+        runner.execute(StepView("decode", input_ids=np.ones((3, 1), np.int32), positions=np.zeros((3, 1), np.int32),
+                                slot_mapping=np.zeros((3, 1), np.int32), block_tables=np.zeros((3, 1), np.int32),
+                                context_lens=np.ones(3, np.int32), query_lens=np.ones(3, np.int32), **one))
     one = {k: v[:1] for k, v in one.items()}
     with pytest.raises(ValueError, match="prefill_seq_lens"):
-        runner.execute(np.ones((1, 40), np.int32), np.arange(40, dtype=np.int32)[None], np.full((1, 40), -1, np.int32),
-                       np.zeros((1, 3), np.int32), np.array([40], np.int32), np.array([40], np.int32), **one)
+        runner.execute(StepView("prefill", input_ids=np.ones((1, 40), np.int32),
+                                positions=np.arange(40, dtype=np.int32)[None],
+                                slot_mapping=np.full((1, 40), -1, np.int32),
+                                block_tables=np.zeros((1, 3), np.int32), context_lens=np.array([40], np.int32),
+                                query_lens=np.array([40], np.int32), **one))
     with pytest.raises(ValueError, match="max_blocks_per_seq"):
-        runner.execute(np.ones((1, 1), np.int32), np.zeros((1, 1), np.int32), np.zeros((1, 1), np.int32),
-                       np.zeros((1, 14), np.int32), np.ones(1, np.int32), np.ones(1, np.int32), **one)
+        runner.execute(StepView("decode", input_ids=np.ones((1, 1), np.int32), positions=np.zeros((1, 1), np.int32),
+                                slot_mapping=np.zeros((1, 1), np.int32), block_tables=np.zeros((1, 14), np.int32),
+                                context_lens=np.ones(1, np.int32), query_lens=np.ones(1, np.int32), **one))
 
 
 def test_reset_zeroes_the_cache(runner):
@@ -618,18 +648,25 @@ _CACHED_RUN = r"""
 import json, sys
 import numpy as np
 from llm_serving.models.runner import ModelRunner
+from llm_serving.models.runner_spec import RunnerSpec
+from llm_serving.shm.layout import StepView
+NAMES = ("input_ids", "positions", "slot_mapping", "block_tables", "context_lens", "query_lens", "temperature",
+         "top_k", "top_p", "random_u")
+def view(kind, *arrays):
+    return StepView(kind, return_logits=True, **dict(zip(NAMES, arrays)))
 decode = json.loads(sys.argv[2])
-r = ModelRunner(sys.argv[1], num_blocks=8, block_size=16, max_blocks_per_seq=2, decode_batch_sizes=decode,
-                prefill_batch_sizes=[1], prefill_seq_lens=[16], num_threads=2, compile_cache=True)
+r = ModelRunner(sys.argv[1], RunnerSpec(num_blocks=8, block_size=16, max_blocks_per_seq=2, decode_batch_sizes=decode,
+                                        prefill_batch_sizes=[1], prefill_seq_lens=[16], num_threads=2,
+                                        compile_cache=True))
 r.warmup()
 ids = [1, 403, 407, 261, 378]
-_, _, logits = r.execute([ids], [list(range(5))], [list(range(5))], [[0]], [5], [5], [0.0], [0], [1.0], [0.0],
-                         return_logits=True)
+_, _, logits = r.execute(view("prefill", [ids], [list(range(5))], [list(range(5))], [[0]], [5], [5], [0.0], [0],
+                              [1.0], [0.0]))
 out = [logits[0]]
 for b in decode:   # a decode step at every batch bucket (row 0 real, the rest scratch)
     tok = int(np.argmax(out[-1]))
-    _, _, lg = r.execute([[tok]] * b, [[5]] * b, [[5]] + [[-1]] * (b - 1), [[0]] * b, [6] * b, [1] * b,
-                         [0.0] * b, [0] * b, [1.0] * b, [0.0] * b, return_logits=True)
+    _, _, lg = r.execute(view("decode", [[tok]] * b, [[5]] * b, [[5]] + [[-1]] * (b - 1), [[0]] * b, [6] * b,
+                              [1] * b, [0.0] * b, [0] * b, [1.0] * b, [0.0] * b))
     out.append(lg[0])
 np.save(sys.argv[3], np.stack(out))
 """

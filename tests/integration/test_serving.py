@@ -236,7 +236,7 @@ def test_agent_refuses_commands_before_connect_and_bad_tokens_and_bad_frames(sto
                 pass
         return replies
 
-    replies = exchange([proto.encode(1, proto.DecodeStep(step=0, num_rows=1))])
+    replies = exchange([proto.encode(1, proto.Step(kind="decode", step=0, num_rows=1))])
     assert len(replies) == 1 and not replies[0]["ok"] and "not connected" in replies[0]["error"]
     replies = exchange([proto.encode(1, proto.Connect(token="guess"))])
     assert not replies[0]["ok"] and "wrong token" in replies[0]["error"]

@@ -6,7 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.integration.test_model_runner import MODEL_DIR, Seq, _need_model, step, step_args
+from llm_serving.models.runner_spec import RunnerSpec
+from llm_serving.shm.layout import StepView
+from tests.integration.test_model_runner import MODEL_DIR, Seq, _need_model, step, step_arrays, step_view
 
 PROMPTS = [[1, 403, 407, 261, 378, 436, 261, 271, 280], [1, 67, 86, 427, 261, 407, 368]]
 WIDTH = 5          # a speculating row feeds its last token and 4 proposals
@@ -17,9 +19,10 @@ def runner(request):
     pytest.importorskip("mindspore")
     _need_model()
     from llm_serving.models.runner import ModelRunner
-    r = ModelRunner(str(MODEL_DIR), num_blocks=64, block_size=16, max_blocks_per_seq=8,
-                    decode_batch_sizes=[1, 2, 4], prefill_batch_sizes=[1, 2], prefill_seq_lens=[16, 32],
-                    num_threads=2, attention_kernel=request.param, verify_width=WIDTH, verify_rows=4)
+    r = ModelRunner(str(MODEL_DIR), RunnerSpec(num_blocks=64, block_size=16, max_blocks_per_seq=8,
+                                               decode_batch_sizes=[1, 2, 4], prefill_batch_sizes=[1, 2],
+                                               prefill_seq_lens=[16, 32], num_threads=2,
+                                               attention_kernel=request.param, verify_width=WIDTH, verify_rows=4))
     assert r.buckets.packed == (request.param == "on")
     return r
 
@@ -38,12 +41,12 @@ def decode_reference(runner, prompt, blocks, n, temperature=0.0, seed=0):
 
 
 def verify(runner, seqs, new_tokens, temperature, verify_u):
-    args = step_args(runner, seqs, new_tokens, temperature=temperature)
-    n, s = args[0].shape
+    args = step_arrays(runner, seqs, new_tokens, temperature=temperature)
+    n, s = args["input_ids"].shape
     vu = np.zeros((n, s), np.float32)
     for i, row in enumerate(verify_u):
         vu[i, :len(row)] = row
-    return runner.execute(*args, verify_u=vu)
+    return runner.execute(StepView("verify", **args, verify_random_u=vu))
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
@@ -92,15 +95,15 @@ def test_verify_step_refuses_what_it_cannot_do(runner):
     seq = Seq(list(range(40, 48)))
     step(runner, [seq], [PROMPTS[0]])
     with pytest.raises(ValueError, match="top log-probabilities or sampling penalties"):
-        args = step_args(runner, [Seq(list(range(40, 48)))], [[5, 6]])
-        runner.execute(*args, top_n=np.ones(1, np.int32), verify_u=np.zeros((1, 2), np.float32))
+        runner.execute(step_view(runner, [Seq(list(range(40, 48)))], [[5, 6]], top_n=np.ones(1, np.int32),
+                                 verify_random_u=np.zeros((1, 2), np.float32)))
     with pytest.raises(ValueError, match="verify_u has shape"):
-        args = step_args(runner, [Seq(list(range(40, 48)))], [[5, 6]])
-        runner.execute(*args, verify_u=np.zeros((1, 3), np.float32))
+        runner.execute(step_view(runner, [Seq(list(range(40, 48)))], [[5, 6]],
+                                 verify_random_u=np.zeros((1, 3), np.float32)))
     with pytest.raises(ValueError, match="verify"):
         seqs = [Seq(list(range(8 * i, 8 * i + 8))) for i in range(5)]
-        args = step_args(runner, seqs, [[5] * WIDTH] * 5)      # 5 speculating rows; the buckets hold 4
-        runner.execute(*args, verify_u=np.zeros((5, WIDTH), np.float32))
+        # 5 speculating rows; the buckets hold 4
+        runner.execute(step_view(runner, seqs, [[5] * WIDTH] * 5, verify_random_u=np.zeros((5, WIDTH), np.float32)))
 
 
 def test_speculative_sampling_keeps_the_target_distribution(runner):
@@ -112,12 +115,12 @@ def test_speculative_sampling_keeps_the_target_distribution(runner):
 
     prompt = PROMPTS[1]
     seq = Seq(list(range(0, 8)))
-    *_, logits = runner.execute(*step_args(runner, [seq], [prompt]), return_logits=True)
+    *_, logits = runner.execute(step_view(runner, [seq], [prompt], return_logits=True))
     p0 = np.exp(logits[0] - logits[0].max())
     p0 /= p0.sum()
     x = int(np.argsort(-p0)[1])
     step(runner, [seq], [[x]])
-    *_, logits = runner.execute(*step_args(runner, [Seq(list(range(0, 8)))], [prompt + [x]]), return_logits=True)
+    *_, logits = runner.execute(step_view(runner, [Seq(list(range(0, 8)))], [prompt + [x]], return_logits=True))
     p1 = np.exp(logits[0] - logits[0].max())
     p1 /= p1.sum()
     rng = np.random.default_rng(0)
@@ -156,19 +159,19 @@ def test_a_token_tree_verifies_every_branch_as_its_own_chain(runner):
     tree, parents, depths = [t0, a1, a2, b1, b2], [-1, 0, 1, 0, 3], [0, 1, 2, 1, 2]
     seq = Seq(list(range(16, 24)))
     step(runner, [seq], [prompt])
-    args = list(step_args(runner, [seq], [tree]))
-    args[1] = np.asarray([[len(prompt) + dep for dep in depths]], np.int32)  # positions: by depth
+    args = step_arrays(runner, [seq], [tree])
+    args["positions"] = np.asarray([[len(prompt) + dep for dep in depths]], np.int32)  # positions: by depth
     vu = np.zeros((1, len(tree)), np.float32)
     if not runner.buckets.packed:
         with pytest.raises(ValueError, match="token trees need"):
-            runner.execute(*args, verify_u=vu, verify_parent=[parents])
+            runner.execute(StepView("verify", **args, verify_random_u=vu, verify_parent=[parents]))
         return
-    ids, _ = runner.execute(*args, verify_u=vu, verify_parent=[parents])
+    ids, _ = runner.execute(StepView("verify", **args, verify_random_u=vu, verify_parent=[parents]))
     assert ids[0].tolist() == [a1, a2, ref[3], b2, int(d[0])]
     # the same tokens as a chain (no parents): the first branch, which sees only its ancestors either way, agrees
     seq2 = Seq(list(range(24, 32)))
     step(runner, [seq2], [prompt])
-    args2 = list(step_args(runner, [seq2], [tree]))
-    args2[1] = args[1]
-    chain, _ = runner.execute(*args2, verify_u=vu)
+    args2 = step_arrays(runner, [seq2], [tree])
+    args2["positions"] = args["positions"]
+    chain, _ = runner.execute(StepView("verify", **args2, verify_random_u=vu))
     assert chain[0, :3].tolist() == [a1, a2, ref[3]]

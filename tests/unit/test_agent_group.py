@@ -44,7 +44,7 @@ def _ok(calls=None, epoch=0) -> proto.StepReply:
     return proto.StepReply(step=1, model_ms=1.0, agent_ms=2.0, cache_epoch=epoch, collective_calls=calls)
 
 
-STEP = proto.DecodeStep(step=1, num_rows=1)
+STEP = proto.Step(kind="decode", step=1, num_rows=1)
 
 
 def _step(*outcomes):

@@ -33,7 +33,8 @@ class FakeDraftAgents:
             temperature=z(rows, dtype=np.float32) + 1, top_k=z(rows), top_p=z(rows, dtype=np.float32),
             random_u=z(rows, dtype=np.float32), top_n=z(rows), repetition_penalty=z(rows, dtype=np.float32),
             presence_penalty=z(rows, dtype=np.float32), frequency_penalty=z(rows, dtype=np.float32),
-            history_len=z(rows), prompt_len=z(rows), request_ids=z(rows, dtype=np.int64), out_token_ids=z(rows),
+            history_len=z(rows), prompt_len=z(rows), lora=z(rows), request_ids=z(rows, dtype=np.int64),
+            out_token_ids=z(rows),
             out_top_ids=z(rows, 20))
         self.requests = {r.number: r for r in requests}
         self.bm, self.bs, self.wrong, self.rng = bm, bm.block_size, wrong, random.Random(seed)
@@ -53,8 +54,8 @@ class FakeDraftAgents:
         # a block no request holds may have been written by anyone since: forget what it held
         held = {blk for table in self.bm.block_tables.values() for blk in table}
         self.kv = {slot: t for slot, t in self.kv.items() if slot // bs in held}
-        s = command.max_query_len if isinstance(command, proto.PrefillStep) else 1
-        assert isinstance(command, (proto.PrefillStep, proto.DecodeStep))
+        s = command.max_query_len if command.kind is proto.StepKind.PREFILL else 1
+        assert command.kind in (proto.StepKind.PREFILL, proto.StepKind.DECODE)
         for r in range(command.num_rows):
             req = self.requests[int(b.request_ids[r])]
             q, ctx = int(b.query_lens[r]), int(b.context_lens[r])
@@ -127,8 +128,8 @@ def test_a_perfect_draft_is_accepted_whole_and_feeds_each_token_once():
     assert sched.batch_sizes[("verify", 2)] == 4 and sched.batch_sizes[("decode", 2)] == 0
     # every round: one catch-up step (the prompt on the first, then the target's bonus token and the last
     # proposal, whose KV the draft never wrote) and 3 decode steps
-    kinds = [type(c).__name__ for c in drafter.agents.commands]
-    assert kinds == ["PrefillStep", "DecodeStep", "DecodeStep", "DecodeStep"] * 4
+    kinds = [c.kind.value for c in drafter.agents.commands]
+    assert kinds == ["prefill", "decode", "decode", "decode"] * 4
     # per row: its prompt and first token, 3 proposals, then 3 rounds of 2 catch-up tokens and 3 proposals
     assert drafter.agents.fed_tokens == sum(len(r.prompt_ids) + 1 + 3 + 3 * (2 + 3) for r in reqs)
 
@@ -237,5 +238,5 @@ def test_a_draft_tree_keeps_the_runner_up_when_the_drafts_first_choice_is_wrong(
     verify = sched.batch_sizes[("verify", 2)]
     assert verify == 19 if width == 1 else verify <= 8
     # each round: a catch-up step, then 2 decode steps per branch (the runner-up's first, the first's last)
-    kinds = [type(c).__name__ for c in drafter.agents.commands]
-    assert kinds[:1 + 2 * width] == ["PrefillStep"] + ["DecodeStep"] * 2 * width
+    kinds = [c.kind.value for c in drafter.agents.commands]
+    assert kinds[:1 + 2 * width] == ["prefill"] + ["decode"] * 2 * width

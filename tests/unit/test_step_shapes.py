@@ -6,6 +6,7 @@ import pytest
 
 from llm_serving.models.buckets import Buckets, token_buckets
 from llm_serving.models.step_inputs import StepInputs, StepLimits
+from llm_serving.shm.layout import StepView
 
 
 def make(**kw) -> Buckets:
@@ -61,23 +62,30 @@ def test_bad_bucket_lists_are_refused(kw, message):
 LIMITS = StepLimits(vocab_size=100, max_context=64, num_blocks=4, max_blocks_per_seq=4, scratch_slot=64)
 
 
-def step(**over):
+def step_arrays() -> dict:
     n, s = 2, 3
-    args = dict(input_ids=np.ones((n, s)), positions=np.zeros((n, s)), slot_mapping=np.zeros((n, s)),
+    return dict(input_ids=np.ones((n, s)), positions=np.zeros((n, s)), slot_mapping=np.zeros((n, s)),
                 block_tables=np.zeros((n, 2)), context_lens=[3, 3], query_lens=[3, 3], temperature=[0, 0],
                 top_k=[0, 0], top_p=[1, 1], random_u=[0, 0])
-    return StepInputs.make(LIMITS, **{**args, **over})
+
+
+def step(kind="prefill", **over):
+    args = step_arrays()
+    return StepInputs.make(LIMITS, StepView(kind, **{**args, **over}))
 
 
 def test_step_inputs_are_converted_to_their_dtypes():
     st = step()
     assert (st.n, st.s) == (2, 3) and st.input_ids.dtype == np.int32 and st.per_row["top_p"].dtype == np.float32
     assert not st.penalized and not st.wants_top
-    pen = dict(history=[[1, 2]] * 2, history_len=[2, 2], prompt_len=[1, 1], repetition=[1.0, 1.2],
-               presence=[0, 0], frequency=[0, 0])
-    st = step(penalties=pen, top_n=[0, 2])
+    pen = dict(history=[[1, 2]] * 2, history_len=[2, 2], prompt_len=[1, 1], repetition_penalty=[1.0, 1.2],
+               presence_penalty=[0, 0], frequency_penalty=[0, 0])
+    st = step(**pen, top_n=[0, 2])
     assert st.penalized and st.wants_top and st.per_row["history"].shape == (2, 64)
-    assert not step(penalties={**pen, "repetition": [1.0, 1.0]}).penalized    # no row has a penalty
+    assert not step(**{**pen, "repetition_penalty": [1.0, 1.0]}).penalized    # no row has a penalty
+    assert not StepInputs.make(LIMITS, StepView("prefill", **step_arrays(), **pen), sampler=False).penalized
+    verify = StepView("verify", **step_arrays(), verify_random_u=np.zeros((2, 3)), **pen)
+    assert not StepInputs.make(LIMITS, verify).penalized        # (a verify step's rows have none)
 
 
 @pytest.mark.parametrize("over, message", [
@@ -91,8 +99,8 @@ def test_step_inputs_are_converted_to_their_dtypes():
     (dict(slot_mapping=np.full((2, 3), 64)), "slot_mapping must be in"),
     (dict(input_ids=np.full((2, 3), 100)), "token ids must be in"),
     (dict(block_tables=np.full((2, 2), 4)), "block ids must be in"),
-    (dict(penalties=dict(history=np.zeros((2, 65)), history_len=[0, 0], prompt_len=[0, 0], repetition=[1.1, 1],
-                         presence=[0, 0], frequency=[0, 0])), "history has shape"),
+    (dict(history=np.zeros((2, 65)), history_len=[0, 0], prompt_len=[0, 0], repetition_penalty=[1.1, 1],
+          presence_penalty=[0, 0], frequency_penalty=[0, 0]), "history has shape"),
 ])
 def test_malformed_step_inputs_are_refused_naming_the_array(over, message):
     with pytest.raises(ValueError, match=message):
@@ -109,13 +117,14 @@ def test_shape_logic_needs_no_mindspore():
 
 def test_verify_parents_make_tree_bits_and_chains_need_none():
     vu = np.zeros((2, 3), np.float32)
-    assert step(verify_u=vu, verify_parent=[[-1, 0, 1], [-1, 0, 0]]).verify_parent is not None
-    assert step(verify_u=vu, verify_parent=[[-1, 0, 1], [-1, 0, 1]]).verify_parent is None    # all chains
+    assert step("verify", verify_random_u=vu, verify_parent=[[-1, 0, 1], [-1, 0, 0]]).verify_parent is not None
+    chains = step("verify", verify_random_u=vu, verify_parent=[[-1, 0, 1], [-1, 0, 1]])
+    assert chains.verify_parent is None                     # all chains: plain causal attention
     # row 1 is a root with two children: its third token must not see the second (bit 1: one key back)
-    tree = step(verify_u=vu, verify_parent=[[-1, 0, 1], [-1, 0, 0]], query_lens=[2, 3])
+    tree = step("verify", verify_random_u=vu, verify_parent=[[-1, 0, 1], [-1, 0, 0]], query_lens=[2, 3])
     assert tree.tree_bits().tolist() == [-1, -1, -1, -1, -1 & ~(1 << 1)]
     for parents in ([[0, 0, 1], [-1, 0, 1]], [[-1, 1, 1], [-1, 0, 1]], [[-1, 0, 2], [-1, 0, 1]]):
         with pytest.raises(ValueError, match="verify_parent must be"):
-            step(verify_u=vu, verify_parent=parents)
+            step("verify", verify_random_u=vu, verify_parent=parents)
     with pytest.raises(ValueError, match="not a verify step"):
         step(verify_parent=[[-1, 0, 1], [-1, 0, 1]])

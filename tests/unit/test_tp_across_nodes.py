@@ -16,7 +16,7 @@ from llm_serving.cli import parse_ranks
 from llm_serving.config import ConfigError, load_config
 from llm_serving.models.parallel import all_reduce_backend
 from llm_serving.shm.buffers import StepBuffers
-from llm_serving.shm.layout import StepLayout
+from llm_serving.shm.layout import StepKind, StepLayout
 
 ACROSS = ("serving_config.agent_ports=[16002,16003,16004]", "serving_config.agent_hosts=[null,null,10.0.0.2]",
           "serving_config.cluster_port=8118", "serving_config.cluster_host=10.0.0.1", "serving_config.agent_token_file=/etc/llm-serving/token",
@@ -93,24 +93,31 @@ def _filled(layout):
     return buffers
 
 
-@pytest.mark.parametrize("n, s, verify, run", [(1, 1, False, 1), (3, 8, False, 1), (4, 5, True, 1),
-                                               (2, 1, False, 4), (4, 1, False, 5)])
-def test_a_steps_inputs_arrive_whole_and_nothing_else_is_touched(n, s, verify, run):
+# the per-row arrays every rank's model work reads (the sampling parameters and adapter slots)
+ROW_INPUTS = ("context_lens", "query_lens", "temperature", "top_k", "top_p", "random_u", "top_n", "lora")
+
+
+@pytest.mark.parametrize("kind, n, s, run", [("decode", 1, 1, 1), ("prefill", 3, 8, 1), ("verify", 4, 5, 1),
+                                             ("decode_run", 2, 1, 4), ("decode_run", 4, 1, 5)])
+def test_a_steps_inputs_arrive_whole_and_nothing_else_is_touched(kind, n, s, run):
+    kind = StepKind(kind)
+    verify = kind is StepKind.VERIFY
     src = _filled(LAYOUT)
-    words = src.pack_inputs(n, s, verify, run)
-    assert words.dtype == np.int32 and words.size == LAYOUT.step_inputs_size(n, s, verify, run)
+    words = src.pack_inputs(kind, n, s, run)
+    assert words.dtype == np.int32 and words.size == LAYOUT.step_inputs_size(kind, n, s, run)
+    assert words.size == n * (3 * max(s, run) + LAYOUT.max_blocks_per_seq + len(ROW_INPUTS) + (2 * s if verify else 0))
     assert words.size <= LAYOUT.max_step_inputs_size
     dst = StepBuffers.private(LAYOUT)
-    dst.unpack_inputs(words, n, s, verify, run)
+    dst.unpack_inputs(words, kind, n, s, run)
     width = max(s, run)
     for name in ("input_ids", "positions", "slot_mapping"):
         np.testing.assert_array_equal(dst.arrays[name][:n, :width], src.arrays[name][:n, :width])
         assert not dst.arrays[name][n:].any() and not dst.arrays[name][:, width:].any()
     np.testing.assert_array_equal(dst.block_tables[:n], src.block_tables[:n])
-    for name in StepLayout.ROW_INPUTS:      # float32 arrays travel bit for bit
+    for name in ROW_INPUTS:                 # float32 arrays travel bit for bit
         assert dst.arrays[name][:n].tobytes() == src.arrays[name][:n].tobytes()
         assert not dst.arrays[name][n:].any()
-    for name in StepLayout.VERIFY_INPUTS:
+    for name in ("verify_random_u", "verify_parent"):
         if verify:
             assert dst.arrays[name][:n, :s].tobytes() == src.arrays[name][:n, :s].tobytes()
         else:

@@ -1,0 +1,72 @@
+"""RunnerSpec: everything a ModelRunner is built from but the model directory and the tensor-parallel group,
+in one frozen object; `RunnerSpec.from_config` is the one place the config maps to it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class RunnerSpec:
+    """A runner's KV cache, graph buckets, kernels and step kinds (see ModelRunner for what each does).
+
+    num_blocks, block_size, max_blocks_per_seq: the paged KV cache (plus the runner's scratch block).
+    decode_batch_sizes, prefill_batch_sizes, prefill_seq_lens, decode_block_widths, max_step_tokens: the graph
+    buckets (buckets.py). verify_width, verify_rows: verify steps' buckets (speculative decoding; 0 rows: none).
+    decode_run_steps, decode_run_rows: decode runs (None rows: every batch the layer kernel takes).
+    attention_kernel, layer_kernel, layer_kernel_rows, keep_quantized: the CPU kernels (config.ATTENTION_KERNELS).
+    num_layers: run only the checkpoint's first N layers (a draft model cut from it).
+    lora_slots, lora_rank: LoRA adapter slots (0: none) and the largest rank they hold.
+    device_target, device_id, num_threads, compile_cache, tp_timeout_s: the process's device and threads, the
+    compile cache (only the first runner of a process may use it) and how long a collective waits for peers.
+    """
+    num_blocks: int
+    block_size: int
+    max_blocks_per_seq: int
+    decode_batch_sizes: tuple
+    prefill_batch_sizes: tuple
+    prefill_seq_lens: tuple
+    decode_block_widths: Optional[tuple] = None
+    device_target: str = "CPU"
+    device_id: int = 0
+    num_threads: Optional[int] = None
+    compile_cache: bool = False
+    attention_kernel: str = "auto"
+    max_step_tokens: Optional[int] = None
+    tp_timeout_s: float = 120.0
+    verify_width: int = 1
+    verify_rows: int = 0
+    num_layers: Optional[int] = None
+    layer_kernel: str = "auto"
+    layer_kernel_rows: int = 64
+    decode_run_steps: int = 1
+    decode_run_rows: Optional[int] = 0
+    keep_quantized: bool = True
+    lora_slots: int = 0
+    lora_rank: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("decode_batch_sizes", "prefill_batch_sizes", "prefill_seq_lens", "decode_block_widths"):
+            value = getattr(self, name)
+            if isinstance(value, list):          # (frozen: a list would be shared with the caller)
+                object.__setattr__(self, name, tuple(value))
+
+    @classmethod
+    def from_config(cls, config, *, device_id: int = 0, num_threads: Optional[int] = None,
+                    compile_cache: bool = False) -> "RunnerSpec":
+        """An agent's runner for `config`; the per-process values (its device, its threads: a tensor-parallel
+        rank's share of the cores, and whether it keeps the compile cache) are the caller's."""
+        mc, pa, sc = config.model_config, config.pa_config, config.serving_config
+        lc, spec, sched = config.lora_config, config.spec_config, config.scheduler_config
+        return cls(num_blocks=pa.num_blocks, block_size=pa.block_size, max_blocks_per_seq=config.max_blocks_per_seq,
+                   decode_batch_sizes=mc.decode_batch_size, prefill_batch_sizes=mc.prefill_batch_size,
+                   prefill_seq_lens=mc.seq_length, decode_block_widths=config.decode_block_widths,
+                   device_target=mc.device_target, device_id=device_id,
+                   num_threads=mc.num_threads if num_threads is None else num_threads,
+                   compile_cache=compile_cache, attention_kernel=mc.attention_kernel,
+                   max_step_tokens=sc.max_num_batched_tokens, tp_timeout_s=sc.step_timeout_s,
+                   verify_width=spec.tokens_per_row, verify_rows=spec.max_batch_size, num_layers=mc.num_layers,
+                   layer_kernel=mc.layer_kernel, layer_kernel_rows=mc.layer_kernel_max_tokens,
+                   decode_run_steps=sched.decode_steps, decode_run_rows=sched.decode_steps_max_rows,
+                   keep_quantized=mc.keep_quantized, lora_slots=lc.max_loras if lc.enabled else 0,
+                   lora_rank=lc.max_lora_rank)
