@@ -6,10 +6,11 @@ creator unlinks. Python 3.11's resource tracker would also unlink a segment when
 process exits, so attachers unregister from it; the creator stays registered, which is what cleans
 up after a master killed with SIGKILL.
 
-Segment names are `llmsrv_[<LLM_SERVING_SHM_TAG>_]p<pid>_<random>_<array>`: the optional tag (letters and
-digits, at most 16) tells apart the segments of several deployments (or test runs) on one host, and the pid is
-the creating master's, so that a later start can find the segments of a master that died with its resource
-tracker (shm/sweep.py).
+Segment names are `llmsrv_[<LLM_SERVING_SHM_TAG>_]p<pid>n<pid namespace>_<random>_<array>`: the optional tag
+(letters and digits, at most 16) tells apart the segments of several deployments (or test runs) on one host, and
+the pid is the creating master's (in its pid namespace, the inode of /proc/self/ns/pid: containers that share
+/dev/shm may not see each other's processes), so that a later start can find the segments of a master that died
+with its resource tracker (shm/sweep.py).
 """
 from __future__ import annotations
 
@@ -29,19 +30,28 @@ def segment_prefix() -> str:
 
 
 SEGMENT_PREFIX = segment_prefix()
-# a name segment_stem made: its owner's pid, then 12 hex digits (no 'p': a tag cannot be mistaken for the pid)
-_OWNED_NAME = re.compile(r"llmsrv_(?:[A-Za-z0-9]{1,16}_)?p([0-9]+)_[0-9a-f]{12}_")
+# a name segment_stem made: its owner's pid and pid namespace, then 12 hex digits (a tag never ends the same way)
+_OWNED_NAME = re.compile(r"llmsrv_(?:[A-Za-z0-9]{1,16}_)?p([0-9]+)n([0-9]+)_[0-9a-f]{12}_")
+
+
+def pid_namespace() -> int:
+    """The inode of this process's pid namespace (0 where /proc does not say)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
 
 
 def segment_stem() -> str:
     """The start of a new set of segments' names: the prefix, this process's pid and a random part."""
-    return f"{SEGMENT_PREFIX}p{os.getpid()}_{secrets.token_hex(6)}"
+    return f"{SEGMENT_PREFIX}p{os.getpid()}n{pid_namespace()}_{secrets.token_hex(6)}"
 
 
-def segment_owner(name: str) -> int | None:
-    """The pid of the process that created the segment `name` (segment_stem's), or None for another naming."""
+def segment_owner(name: str) -> tuple | None:
+    """(pid, pid namespace) of the process that created the segment `name` (segment_stem's), or None for
+    another naming."""
     match = _OWNED_NAME.match(name)
-    return int(match.group(1)) if match else None
+    return (int(match.group(1)), int(match.group(2))) if match else None
 
 
 class StepBuffers:

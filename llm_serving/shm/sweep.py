@@ -4,7 +4,8 @@ A master unlinks its segments when it stops, and its resource tracker (a process
 it is killed. When both are killed at once (the OOM killer, `kill -9` of the process group), the segments stay
 in /dev/shm until reboot. Their names carry the pid of the master that created them (buffers.segment_stem), so
 a start removes those whose master is gone: no process with that pid, a zombie, or a process with that pid that
-started after the segment was made (the pid was reused). Names of another form, and segments of other users,
+started after the segment was made (the pid was reused). Names of another form, segments of other users, and
+those made in another pid namespace (another container sharing /dev/shm: its processes are not visible here)
 are never touched.
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections import defaultdict
 
 import psutil
 
-from llm_serving.shm.buffers import segment_owner
+from llm_serving.shm.buffers import pid_namespace, segment_owner
 
 logger = logging.getLogger(__name__)
 
@@ -41,11 +42,12 @@ def stale_segments(shm_dir: str = SHM_DIR) -> dict:
         names = os.listdir(shm_dir)
     except FileNotFoundError:
         return {}
-    uid = os.getuid()
+    uid, namespace = os.getuid(), pid_namespace()
     for name in sorted(names):
-        pid = segment_owner(name)
-        if pid is None:
+        owner = segment_owner(name)
+        if owner is None or owner[1] != namespace:
             continue
+        pid = owner[0]
         try:
             st = os.stat(os.path.join(shm_dir, name))
         except FileNotFoundError:        # removed meanwhile

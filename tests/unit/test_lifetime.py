@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from llm_serving.agents.lifetime import PARENT_PID_ENV, expected_parent, parent_gone, spawn
-from llm_serving.shm.buffers import segment_owner, segment_prefix, segment_stem
+from llm_serving.shm.buffers import pid_namespace, segment_owner, segment_prefix, segment_stem
 from llm_serving.shm.sweep import owner_alive, stale_segments, sweep_stale_segments
 from tests.conftest import REPO, SESSION_TAG
 
@@ -97,14 +97,14 @@ def test_the_expected_parent_comes_from_the_environment(monkeypatch):
 # --- shared-memory segments of dead masters ------------------------------------------------------------
 
 def test_a_segment_name_carries_its_creators_pid_after_the_session_tag():
-    stem = segment_stem()
-    assert stem.startswith(f"llmsrv_{SESSION_TAG}_p{os.getpid()}_") and stem.startswith(segment_prefix())
-    assert segment_owner(f"{stem}_input_ids") == os.getpid()
-    assert segment_owner(f"llmsrv_p12_0123456789ab_out_verify_ids") == 12        # no tag
-    assert segment_owner(f"llmsrv_p7_p12_0123456789ab_tp") == 12                  # a tag that looks like a pid
+    stem, ns = segment_stem(), pid_namespace()
+    assert stem.startswith(f"llmsrv_{SESSION_TAG}_p{os.getpid()}n{ns}_") and stem.startswith(segment_prefix())
+    assert segment_owner(f"{stem}_input_ids") == (os.getpid(), ns)
+    assert segment_owner("llmsrv_p12n34_0123456789ab_out_verify_ids") == (12, 34)         # no tag
+    assert segment_owner("llmsrv_p7n8_p12n34_0123456789ab_tp") == (12, 34)              # a tag that looks the same
     # other namings: the form before pids, another program's, a longer random part
-    for name in ["llmsrv_t1_0123456789ab_input_ids", "llmsrv_0123456789ab_tp", "psm_12345",
-                 "llmsrv_p12_0123456789abc_x", "xllmsrv_p12_0123456789ab_x"]:
+    for name in ["llmsrv_t1_0123456789ab_input_ids", "llmsrv_0123456789ab_tp", "psm_12345", "llmsrv_p12_0123456789ab_x",
+                 "llmsrv_p12n34_0123456789abc_x", "xllmsrv_p12n34_0123456789ab_x"]:
         assert segment_owner(name) is None, name
 
 
@@ -116,11 +116,13 @@ def test_a_pid_reused_by_a_later_process_is_no_owner():
 
 
 def test_the_sweep_removes_dead_masters_segments_and_keeps_the_rest(tmp_path):
-    dead, live = _dead_pid(), os.getpid()
+    dead, live, ns = _dead_pid(), os.getpid(), pid_namespace()
     names = {
-        "dead": [f"llmsrv_{SESSION_TAG}_p{dead}_00112233aabb_{a}" for a in ("input_ids", "block_tables", "tp")],
-        "live": [f"llmsrv_{SESSION_TAG}_p{live}_00112233aabb_input_ids"],
-        "other": [f"llmsrv_{SESSION_TAG}_00112233aabb_input_ids", "psm_deadbeef", f"llmsrv_p{dead}_xyz"],
+        "dead": [f"llmsrv_{SESSION_TAG}_p{dead}n{ns}_00112233aabb_{a}" for a in ("input_ids", "block_tables", "tp")],
+        "live": [f"llmsrv_{SESSION_TAG}_p{live}n{ns}_00112233aabb_input_ids"],
+        # another naming, another program's, a dead pid of another pid namespace (a container sharing /dev/shm)
+        "other": [f"llmsrv_{SESSION_TAG}_00112233aabb_input_ids", "psm_deadbeef", f"llmsrv_p{dead}n{ns}_xyz",
+                  f"llmsrv_{SESSION_TAG}_p{dead}n{ns + 1}_00112233aabb_input_ids"],
     }
     for group in names.values():
         for name in group:
@@ -133,7 +135,7 @@ def test_the_sweep_removes_dead_masters_segments_and_keeps_the_rest(tmp_path):
 
 def test_the_sweep_of_dev_shm_unlinks_a_real_segment_of_a_dead_master():
     dead = _dead_pid()
-    name = f"{segment_prefix()}p{dead}_{os.urandom(6).hex()}_input_ids"
+    name = f"{segment_prefix()}p{dead}n{pid_namespace()}_{os.urandom(6).hex()}_input_ids"
     stale = shared_memory.SharedMemory(name=name, create=True, size=64)
     mine = shared_memory.SharedMemory(name=f"{segment_stem()}_input_ids", create=True, size=64)
     try:
