@@ -42,6 +42,18 @@ def _held_cache_locks(processes: list) -> list:
     return paths
 
 
+def _locked(paths: list) -> list:
+    """Those of these lock files that some process holds."""
+    held = []
+    for path in paths:
+        with open(path, "a") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                held.append(path)
+    return held
+
+
 def _wait_for_warmup(server: ServerProcess, num_agents: int, timeout_s: float = 300) -> list:
     """Wait until every agent has loaded its model and compiles its graphs (the server is not ready yet); returns
     the agent processes."""
@@ -93,15 +105,14 @@ def test_master_killed_during_warmup_leaves_no_agent_lock_or_segment(shared_dir,
         agents = _wait_for_warmup(first, num_agents)
         locks = _held_cache_locks(agents)
         master = _kill_with_resource_tracker(first)
-        # the agents (and the cluster's scheduler) die with the master, however busy compiling
+        # the agents (and the cluster's scheduler) die with the master, however busy compiling, and the compile
+        # cache's lock goes with its holder (a process releases its files after its memory: wait for both)
         deadline = time.monotonic() + 10
-        while _tagged_processes(tag) and time.monotonic() < deadline:
+        while (_tagged_processes(tag) or leftovers(first) or _locked(locks)) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert _tagged_processes(tag) == [], first.log()
         assert leftovers(first) == []
-        for path in locks:                         # released with its holder: the next start need not wait
-            with open(path, "a") as f:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert _locked(locks) == [], "the compile cache is still locked: the next start would wait"
         left = [n for n in set(project_shm_segments()) - shm_before if f"_p{master}n" in n]
         assert left, "the killed master's segments are already gone: nothing for the next start to sweep"
     finally:
