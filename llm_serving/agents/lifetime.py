@@ -53,7 +53,7 @@ def _die_with(parent_pid: int):
     return preexec
 
 
-def spawn(args: list, env: dict, cwd=None, pass_fds=(), **popen_kwargs) -> subprocess.Popen:
+def spawn(args: list, env: dict, cwd=None, pass_fds=()) -> subprocess.Popen:
     """subprocess.Popen(args) in a session of its own (a terminal's Ctrl-C reaches the parent only, which then
     stops its children in order), killed by the kernel when this process dies (see the module docstring)."""
     pid = os.getpid()
@@ -64,12 +64,13 @@ def spawn(args: list, env: dict, cwd=None, pass_fds=(), **popen_kwargs) -> subpr
         logger.warning("%s started from thread %r, not the main thread: it will not be killed with this process "
                        "by the kernel, only by its own watcher", args[-1], threading.current_thread().name)
     return subprocess.Popen(args, env={**env, PARENT_PID_ENV: str(pid)}, cwd=cwd, pass_fds=pass_fds,
-                            start_new_session=True, preexec_fn=preexec, **popen_kwargs)
+                            start_new_session=True, preexec_fn=preexec)
 
 
 def expected_parent() -> int:
-    """The pid of the process that started this one: PARENT_PID_ENV when `spawn` did, else the current parent."""
-    value = os.environ.get(PARENT_PID_ENV, "")
+    """The pid of the process that started this one: PARENT_PID_ENV when `spawn` did, else the current parent.
+    Read once: it leaves the environment, so that this process's own children do not take it for theirs."""
+    value = os.environ.pop(PARENT_PID_ENV, "")
     return int(value) if value.isdigit() else os.getppid()
 
 
