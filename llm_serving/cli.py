@@ -319,6 +319,7 @@ def cmd_start(args) -> int:
     from llm_serving.agents import protocol as proto
     from llm_serving.config import ConfigError
     from llm_serving.master.kv_memory import size_kv_cache
+    from llm_serving.shm.sweep import sweep_stale_segments
 
     try:
         config = build_config(args)
@@ -330,6 +331,7 @@ def cmd_start(args) -> int:
         print(f"llm-serving: config error: {exc}", file=sys.stderr)
         return 2
     logger.info("model %r from %s", model_name, model_dir)
+    sweep_stale_segments()          # of servers killed with their resource tracker (the OOM killer, kill -9)
     try:
         asyncio.run(serve(config, model_dir, model_name, vocab_file))
     except Exception as exc:  # start-up failures: say what failed, exit non-zero, leave nothing behind

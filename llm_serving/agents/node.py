@@ -9,7 +9,8 @@ the master starts the cluster's scheduler), listening on agent_ports[rank] for t
 Such an agent has no shared memory: rank 0 broadcasts each step's inputs over the group's collectives
 (models/parallel.StepInputBroadcast). It exits when the master's connection drops (its cluster went with the
 master, or the master restarts the group); this launcher then starts it again, with a back-off, so it joins the
-group's next start. The launcher runs until SIGTERM or SIGINT, then stops its agents.
+group's next start. The launcher runs until SIGTERM or SIGINT, then stops its agents; killed, it takes them
+with it (agents/lifetime.py).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import threading
 import time
 
 from llm_serving.agents import protocol as proto
+from llm_serving.agents.lifetime import spawn
 from llm_serving.agents.server import EXIT_PEERS_GONE
 from llm_serving.config import is_loopback
 from llm_serving.models.parallel import cluster_env
@@ -77,8 +79,7 @@ class NodeLauncher:
 
     def _start(self, rank: int) -> None:
         env, workdir = agent_environment(self.config, self.model_dir, rank, self.token)
-        process = subprocess.Popen([sys.executable, "-m", "llm_serving.agents.server"], env=env, cwd=workdir,
-                                   start_new_session=True)
+        process = spawn([sys.executable, "-m", "llm_serving.agents.server"], env, workdir)   # dies with this launcher
         self.processes[rank] = (process, time.monotonic())
         sc = self.config.serving_config
         logger.info("agent %d (pid %d) started: port %d, cluster scheduler %s:%d", rank, process.pid,

@@ -2,7 +2,8 @@
 
 Threads: an acceptor, one reader per connection (frames -> queue), and the main thread, which pops the
 queue (control before prefill before decode, FIFO within a class) and runs each command. A watchdog
-exits the process when the master that started it is gone. The agent reports to its parent through a
+exits the process when the master that started it is gone (from the start: warmup included; the kernel kills
+it first if a graph compile holds the GIL, agents/lifetime.py). The agent reports to its parent through a
 pipe, one JSON line per event: `listening` (with the bound port), `ready` (with the facts the master
 needs) or `failed` (with the traceback's last line).
 
@@ -22,9 +23,8 @@ import threading
 import time
 import traceback
 
-import psutil
-
 from llm_serving.agents import protocol as proto
+from llm_serving.agents.lifetime import expected_parent, parent_gone
 from llm_serving.config import config_from_dict
 
 logger = logging.getLogger("llm_serving.agent")
@@ -98,9 +98,9 @@ class AgentServer:
         self._queue = CommandQueue()
         self._stop = threading.Event()
         self.worker = None
+        self.init_watchdog()            # first: the master may die during warmup, which takes minutes
         self.init_socket()
         self.init_worker()
-        self.init_watchdog()
 
     # --- start-up ----------------------------------------------------------------------------------
 
@@ -121,7 +121,7 @@ class AgentServer:
         logger.info("agent %d: warmup done in %.1f s", self.rank, time.perf_counter() - t0)
 
     def init_watchdog(self) -> None:
-        self._parent_pid = os.getppid()
+        self._parent_pid = expected_parent()
         threading.Thread(target=self._watch_parent, name="parent-watchdog", daemon=True).start()
 
     def report(self, event: str, **fields) -> None:
@@ -131,7 +131,7 @@ class AgentServer:
 
     def _watch_parent(self) -> None:
         while not self._stop.wait(0.5):
-            if os.getppid() != self._parent_pid or not psutil.pid_exists(self._parent_pid):
+            if parent_gone(self._parent_pid):
                 logger.warning("agent %d: its parent (pid %d) is gone; exiting", self.rank, self._parent_pid)
                 self._exit_soon()
                 return

@@ -22,6 +22,7 @@ import sys
 from typing import Optional
 
 from llm_serving.agents import protocol as proto
+from llm_serving.agents.lifetime import spawn
 from llm_serving.models.parallel import all_reduce_backend, cluster_env
 from llm_serving.shm.buffers import StepBuffers
 from llm_serving.shm.comm import CommSegment
@@ -390,8 +391,7 @@ class AgentGroup:
                 s.bind((sc.cluster_host, 0))
                 self._cluster_port = s.getsockname()[1]
         env, workdir = proto.child_env(cluster_env(world, self._cluster_port, host=sc.cluster_host))
-        self.scheduler = subprocess.Popen([sys.executable, "-m", "llm_serving.models.parallel"], env=env,
-                                          cwd=workdir, start_new_session=True)
+        self.scheduler = spawn([sys.executable, "-m", "llm_serving.models.parallel"], env, workdir)
         logger.info("tensor-parallel cluster scheduler (pid %d) on %s:%d", self.scheduler.pid, sc.cluster_host,
                     self._cluster_port)
 
@@ -406,9 +406,7 @@ class AgentGroup:
                                           "tp_comm": self.comm.name if self.comm is not None else None}),
             proto.ENV_TOKEN: self._token, proto.ENV_STATUS_FD: str(write_fd)},
             huge_pages=self.config.serving_config.agent_huge_pages)
-        # a session of its own: a terminal's Ctrl-C reaches the master, which then stops agents in order
-        process = subprocess.Popen([sys.executable, "-m", "llm_serving.agents.server"], env=env, cwd=workdir,
-                                   pass_fds=(write_fd,), start_new_session=True)
+        process = spawn([sys.executable, "-m", "llm_serving.agents.server"], env, workdir, pass_fds=(write_fd,))
         os.close(write_fd)
         reader = asyncio.StreamReader()
         loop = asyncio.get_running_loop()

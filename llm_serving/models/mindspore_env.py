@@ -95,7 +95,9 @@ def setup_mindspore(device_target: str, device_id: int, num_threads: Optional[in
 
 
 def _lock_cache(cache_dir: str, wait: bool) -> bool:
-    """Take (and hold) the cache directory's lock, waiting for it or not; whether this process has it."""
+    """Take (and hold) the cache directory's lock, waiting for it or not; whether this process has it. An flock,
+    not a file naming its holder: the kernel drops it when the holder dies, however it dies, so the .lock file a
+    killed agent leaves makes no start wait."""
     global _cache_lock
     lock = open(os.path.join(cache_dir, ".lock"), "a")
     try:

@@ -6,8 +6,11 @@ creator unlinks. Python 3.11's resource tracker would also unlink a segment when
 process exits, so attachers unregister from it; the creator stays registered, which is what cleans
 up after a master killed with SIGKILL.
 
-Segment names are `llmsrv_[<LLM_SERVING_SHM_TAG>_]<random>_<array>`: the optional tag (letters and digits,
-at most 16) tells apart the segments of several deployments (or test runs) on one host.
+Segment names are `llmsrv_[<LLM_SERVING_SHM_TAG>_]p<pid>n<pid namespace>_<random>_<array>`: the optional tag
+(letters and digits, at most 16) tells apart the segments of several deployments (or test runs) on one host, and
+the pid is the creating master's (in its pid namespace, the inode of /proc/self/ns/pid: containers that share
+/dev/shm may not see each other's processes), so that a later start can find the segments of a master that died
+with its resource tracker (shm/sweep.py).
 """
 from __future__ import annotations
 
@@ -27,6 +30,28 @@ def segment_prefix() -> str:
 
 
 SEGMENT_PREFIX = segment_prefix()
+# a name segment_stem made: its owner's pid and pid namespace, then 12 hex digits (a tag never ends the same way)
+_OWNED_NAME = re.compile(r"llmsrv_(?:[A-Za-z0-9]{1,16}_)?p([0-9]+)n([0-9]+)_[0-9a-f]{12}_")
+
+
+def pid_namespace() -> int:
+    """The inode of this process's pid namespace (0 where /proc does not say)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def segment_stem() -> str:
+    """The start of a new set of segments' names: the prefix, this process's pid and a random part."""
+    return f"{SEGMENT_PREFIX}p{os.getpid()}n{pid_namespace()}_{secrets.token_hex(6)}"
+
+
+def segment_owner(name: str) -> tuple | None:
+    """(pid, pid namespace) of the process that created the segment `name` (segment_stem's), or None for
+    another naming."""
+    match = _OWNED_NAME.match(name)
+    return (int(match.group(1)), int(match.group(2))) if match else None
 
 
 class StepBuffers:
@@ -51,12 +76,12 @@ class StepBuffers:
 
     @classmethod
     def create(cls, layout: StepLayout) -> "StepBuffers":
-        tag = secrets.token_hex(6)
+        stem = segment_stem()
         segments = {}
         try:
             for spec in layout.arrays():
                 segments[spec.name] = shared_memory.SharedMemory(
-                    name=f"{SEGMENT_PREFIX}{tag}_{spec.name}", create=True, size=max(spec.nbytes, 1))
+                    name=f"{stem}_{spec.name}", create=True, size=max(spec.nbytes, 1))
         except BaseException:
             for seg in segments.values():
                 seg.close()

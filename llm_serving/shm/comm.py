@@ -14,11 +14,10 @@ Node-local by nature: on Ascend the group all-reduces through HCCL instead, and 
 """
 from __future__ import annotations
 
-import secrets
 import struct
 from multiprocessing import shared_memory
 
-from llm_serving.shm.buffers import SEGMENT_PREFIX
+from llm_serving.shm.buffers import segment_stem
 
 MAGIC = 0x31305054534d4c4c          # b"LLMSTP01" read as a little-endian uint64
 LINE = 64
@@ -47,7 +46,7 @@ class CommSegment:
             raise ValueError(f"a tensor-parallel segment needs at least 2 ranks, got {world}")
         if slot_bytes < LINE or slot_bytes % LINE:
             raise ValueError(f"slot_bytes must be a positive multiple of {LINE}, got {slot_bytes}")
-        shm = shared_memory.SharedMemory(name=f"{SEGMENT_PREFIX}{secrets.token_hex(6)}_tp", create=True,
+        shm = shared_memory.SharedMemory(name=f"{segment_stem()}_tp", create=True,
                                          size=segment_bytes(world, slot_bytes))
         shm.buf[:LINE * (1 + world)] = bytes(LINE * (1 + world))     # counters start at zero
         struct.pack_into("<QQQ", shm.buf, 0, MAGIC, world, slot_bytes)
