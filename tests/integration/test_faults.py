@@ -28,13 +28,13 @@ def needs_mindspore():
 
 
 @pytest.fixture
-def server_factory(shared_dir, tmp_path):
+def server_factory(stories_dir, tmp_path):
     """Start stories260K servers with extra `--set`s; every one is stopped and checked for leftovers."""
     started = []
     shm_before = set(project_shm_segments())
 
     def start(*sets, env=None, wait=True, port=None):
-        args = STORIES + ["--model", str(shared_dir / "models" / "stories260K" / "hf")]
+        args = STORIES + ["--model", str(stories_dir / "hf")]
         for s in sets:
             args += ["--set", s]
         server = ServerProcess(args, tmp_path / f"server{len(started)}.log", env=env, port=port)
@@ -134,7 +134,7 @@ async def _kill_agent_under_load(server, num_requests: int, max_new_tokens: int,
     return results, await health, agent
 
 
-def test_agent_killed_mid_load_fails_its_requests_then_serves_again(server_factory, shared_dir):
+def test_agent_killed_mid_load_fails_its_requests_then_serves_again(server_factory, stories_dir):
     server = server_factory("serving_config.agent_restart_backoff_s=0.2")
     n, max_new = 200, 48
     results, health, killed = asyncio.run(_kill_agent_under_load(server, n, max_new))
@@ -167,7 +167,7 @@ def test_agent_killed_mid_load_fails_its_requests_then_serves_again(server_facto
     server.refresh_children()
     assert server.agent_pids() and killed not in server.agent_pids()
     # after recovery, greedy output is still the reference implementation's
-    assert_greedy_reference(server.url, "hf", shared_dir)
+    assert_greedy_reference(server.url, "hf", stories_dir)
 
 
 def test_hung_agent_times_out_and_a_crash_loop_is_given_up(server_factory):
