@@ -10,13 +10,12 @@ import pytest
 from llm_serving.models.lora import load_lora_adapter, merge_lora, random_lora_tensors, write_peft_adapter
 from llm_serving.models.weights import load_llama_weights
 
-from .test_model_runner import MODEL_DIR, STORIES_RUNNER, Seq, _need_model, np_forward_last_logits, step_args
+from .test_model_runner import MODEL_DIR, STORIES_RUNNER, Seq, np_forward_last_logits, step_args
 
 
 @pytest.fixture(scope="module")
 def lora_setup(tmp_path_factory):
     pytest.importorskip("mindspore")
-    _need_model()
     from llm_serving.models.runner import ModelRunner
 
     cfg, weights = load_llama_weights(str(MODEL_DIR))
