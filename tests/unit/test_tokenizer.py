@@ -7,7 +7,6 @@ start-of-text rule reaches further).
 """
 import functools
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,7 +16,6 @@ from hypothesis import strategies as st
 from llm_serving.models.default_model import ensure_default_model
 from llm_serving.tokenizer import IncrementalDetokenizer, Tokenizer
 from tests.conftest import LLAMA2_TOKENIZER, TOK512, restricted_file
-
 
 MIXED_TEXT = "Hello world! 你好，世界 🙂🚀 naïve café\n  two  spaces\tand a tab."
 
