@@ -8,7 +8,7 @@ REPO = Path(__file__).resolve().parents[1]
 # stories260K (MIT, llama2.c's tinyllamas): the pretrained model, its tokenizer and llama2.c's greedy text, kept
 # with the tests (see its README.md)
 STORIES = REPO / "tests" / "assets" / "stories260K"
-TOK512 = STORIES / "hf" / "tokenizer.model"          # llama2.c's tok512.model
+TOK512 = STORIES / "tok512.model"                    # its tokenizer (hf/tokenizer.model is the same file)
 # Licence-restricted files, never in the repository: a developer may keep them beside it (../shared); the tests use
 # generated stand-ins (tests/standins.py), and the few that check the real file skip without it (restricted_file)
 RESTRICTED = REPO.parent / "shared"

@@ -122,7 +122,7 @@ def test_stories260k_bin_and_hf_directory_give_identical_logits(stories_dir):
               prefill_batch_sizes=[1], prefill_seq_lens=[16], num_threads=2)
     import sentencepiece as spm
 
-    sp = spm.SentencePieceProcessor(model_file=str(stories_dir / "hf/tokenizer.model"))
+    sp = spm.SentencePieceProcessor(model_file=str(stories_dir / "tok512.model"))
     prompt = [1] + sp.encode("Once upon a time")
     logits = [_greedy_logits(ModelRunner(str(stories_dir / m), **kw), prompt, 12)
               for m in ("stories260K.bin", "hf")]

@@ -30,7 +30,7 @@ def assert_greedy_reference(url, model, stories_dir):
     """Greedy text served for greedy_reference.json's prompts equals llama2.c's (JSON route, then SSE)."""
     import sentencepiece as spm
 
-    sp = spm.SentencePieceProcessor(model_file=str(stories_dir / "hf/tokenizer.model"))
+    sp = spm.SentencePieceProcessor(model_file=str(stories_dir / "tok512.model"))
     cases = json.loads((stories_dir / "greedy_reference.json").read_text())
     assert len(cases) >= 2
     for i, case in enumerate(cases):

@@ -10,7 +10,7 @@ from llm_serving.reference_llama import ReferenceLlama
 
 def test_reference_reproduces_the_c_implementation_greedy_text(stories_dir):
     root = stories_dir
-    sp = spm.SentencePieceProcessor(model_file=str(root / "hf" / "tokenizer.model"))
+    sp = spm.SentencePieceProcessor(model_file=str(root / "tok512.model"))
     ref = ReferenceLlama(str(root / "hf"))
     for case in json.loads((root / "greedy_reference.json").read_text()):
         ids = [sp.bos_id()] + sp.encode(case["prompt"])

@@ -181,8 +181,8 @@ def test_llama_vocabulary_is_the_sentencepiece_model(tmp_path, model):
 
 def test_llama_vocabulary_keeps_repeated_spaces_unless_the_metadata_says(stories_dir, tmp_path):
     """tok512 removes extra whitespace; a GGUF that does not say so keeps it, as llama.cpp does."""
-    model_bytes = (stories_dir / "hf/tokenizer.model").read_bytes()
-    ref = Tokenizer(stories_dir / "hf/tokenizer.model")
+    model_bytes = (stories_dir / "tok512.model").read_bytes()
+    ref = Tokenizer(stories_dir / "tok512.model")
     tok = load_tokenizer(str(gguf_of_sentencepiece(model_bytes, tmp_path / "v.gguf")))
     assert tok.decode(tok.encode("a  b")) == "a  b" and ref.decode(ref.encode("a  b")) == "a b"
 
