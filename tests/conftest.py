@@ -5,7 +5,15 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
+# stories260K (MIT, llama2.c's tinyllamas): the pretrained model, its tokenizer and llama2.c's greedy text, kept
+# with the tests (see its README.md)
+STORIES = REPO / "tests" / "assets" / "stories260K"
+TOK512 = STORIES / "tok512.model"                    # its tokenizer (hf/tokenizer.model is the same file)
+# Licence-restricted files, never in the repository: a developer may keep them beside it (../shared); the tests use
+# generated stand-ins (tests/standins.py), and the few that check the real file skip without it (restricted_file)
+RESTRICTED = REPO.parent / "shared"
+LLAMA2_TOKENIZER = "tokenizers/llama2/tokenizer.model"   # the LLaMA-2 tokenizer, Llama 2 Community License
+ALPACA_SAMPLE = "datasets/alpaca_5000.json"              # 5,000 Stanford Alpaca records, CC BY-NC 4.0
 
 # This test process's mark, inherited by every server and agent it starts: its shared-memory segments are
 # named with it and its processes carry it, so the leak checks below see only this process's (with
@@ -15,11 +23,37 @@ os.environ["LLM_SERVING_SHM_TAG"] = SESSION_TAG
 os.environ["LLM_SERVING_TEST_SESSION"] = SESSION_TAG
 
 
+def restricted_file(name: str) -> Path:
+    """The licence-restricted file `name` (LLAMA2_TOKENIZER, ALPACA_SAMPLE) where a developer keeps it, or a skip
+    naming it."""
+    path = RESTRICTED / name
+    if not path.is_file():
+        pytest.skip(f"{name} is licence-restricted and not in the repository (this test checks the real file)")
+    return path
+
+
 @pytest.fixture(scope="session")
-def shared_dir() -> Path:
-    if not SHARED.is_dir():
-        pytest.skip(f"../shared is not present at {SHARED}; it holds the pretrained test model and datasets")
-    return SHARED
+def stories_dir() -> Path:
+    """tests/assets/stories260K: hf/ (config.json, model.safetensors, tokenizer.model), stories260K.bin (the same
+    weights, llama2.c's format) and greedy_reference.json."""
+    return STORIES
+
+
+@pytest.fixture(scope="session")
+def alpaca_standin(tmp_path_factory) -> Path:
+    """An alpaca-shaped dataset generated for the run (tests.standins): the tests never need the alpaca sample."""
+    from tests.standins import write_alpaca_standin
+
+    return write_alpaca_standin(tmp_path_factory.mktemp("datasets") / "alpaca_standin.json")
+
+
+@pytest.fixture(scope="session")
+def llama_tokenizer_standin(tmp_path_factory) -> Path:
+    """A LLaMA-style sentencepiece model (BPE, byte fallback, <unk> <s> </s> = 0 1 2) generated for the run, where
+    a test needs such a tokenizer and not the LLaMA-2 one itself."""
+    from tests.standins import write_llama_tokenizer_standin
+
+    return write_llama_tokenizer_standin(tmp_path_factory.mktemp("tokenizers") / "tokenizer.model")
 
 
 def _project_processes(since: float) -> list:

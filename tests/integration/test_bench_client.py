@@ -211,7 +211,7 @@ def scrape(url: str) -> dict:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
-def test_against_this_project_with_alpaca(stories_server, shared_dir, tmp_path):
+def test_against_this_project_with_alpaca(stories_server, alpaca_standin, tmp_path):
     before = scrape(stories_server.url)
     during, done = [], threading.Event()
 
@@ -222,7 +222,7 @@ def test_against_this_project_with_alpaca(stories_server, shared_dir, tmp_path):
     watcher.start()
     try:
         proc, result = _bench(tmp_path, "--url", stories_server.url, "--dataset", "alpaca",
-                              "--dataset-path", str(shared_dir / "datasets" / "alpaca_5000.json"),
+                              "--dataset-path", str(alpaca_standin),
                               "--request-rate", "8", "--duration", "1", "--max-new-tokens", "24", "--profile")
     finally:
         done.set()
@@ -260,11 +260,11 @@ def test_against_this_project_with_alpaca(stories_server, shared_dir, tmp_path):
     assert s["ttft_ms"]["median"] > 0 and s["tpot_ms"]["median"] > 0
 
 
-def test_openai_and_tgi_backends_count_the_same_tokens_as_the_native_one(stories_server, shared_dir, tmp_path):
+def test_openai_and_tgi_backends_count_the_same_tokens_as_the_native_one(stories_server, alpaca_standin, tmp_path):
     totals = {}
     for backend in ("llm-serving", "openai", "tgi"):
         proc, result = _bench(tmp_path, "--backend", backend, "--url", stories_server.url, "--model", "hf",
-                              "--dataset", "alpaca", "--dataset-path", str(shared_dir / "datasets" / "alpaca_5000.json"),
+                              "--dataset", "alpaca", "--dataset-path", str(alpaca_standin),
                               "-n", "6", "--request-rate", "inf", "--max-new-tokens", "12", "--seed", "3")
         assert proc.returncode == 0, proc.stdout + proc.stderr
         s = result["summary"]

@@ -19,10 +19,10 @@ def _run(script, tmp_path, *args, timeout=600):
     return proc.stdout, json.loads(out.read_text())
 
 
-def test_contest_replay_compares_baseline_and_best(shared_dir, tmp_path):
+def test_contest_replay_compares_baseline_and_best(stories_dir, alpaca_standin, tmp_path):
     pytest.importorskip("mindspore")
     stdout, result = _run("contest_replay.py", tmp_path, "-n", "12", "--rate", "20", "--max-new-tokens", "12",
-                          "--model", str(shared_dir / "models/stories260K/hf"),
+                          "--model", str(stories_dir / "hf"), "--dataset-path", str(alpaca_standin),
                           "--config", str(REPO / "configs/stories260K.yaml"))
     base, best = result["rows"]
     assert (base["setup"], best["setup"]) == ("baseline", "best")
@@ -41,9 +41,9 @@ def test_contest_replay_compares_baseline_and_best(shared_dir, tmp_path):
     assert "batching ceiling" in stdout
 
 
-def test_step_roofline_times_the_bare_step_next_to_blas(shared_dir, tmp_path):
+def test_step_roofline_times_the_bare_step_next_to_blas(stories_dir, tmp_path):
     pytest.importorskip("mindspore")
-    stdout, result = _run("step_roofline.py", tmp_path, "--model", str(shared_dir / "models/stories260K/hf"),
+    stdout, result = _run("step_roofline.py", tmp_path, "--model", str(stories_dir / "hf"),
                           "--batches", "1,4", "--iters", "3", "--context", "20",
                           "--attention-kernel", "auto,off", "--layer-kernel", "auto,off", "--prefill", "3x9")
     assert [(r["attention"], r["batch"]) for r in result["rows"]] == [
@@ -67,12 +67,12 @@ def test_peers_skips_with_the_setup_command_when_no_peer_is_installed(tmp_path):
     assert "no-python" in result["skipped"] and "no-llama-server" in result["skipped"]
 
 
-def test_scheduler_policies_compares_policies_and_prefix_caching(shared_dir, tmp_path):
+def test_scheduler_policies_compares_policies_and_prefix_caching(stories_dir, alpaca_standin, tmp_path):
     pytest.importorskip("mindspore")
     stdout, result = _run("scheduler_policies.py", tmp_path, "-n", "10", "--rate", "40", "--max-new-tokens", "8",
                           "--policies", "prefill_first+chunked", "--cache-prompts", "8", "--cache-rate", "20",
-                          "--system-tokens", "48", "--model", str(shared_dir / "models/stories260K/hf"),
-                          "--config", str(REPO / "configs/stories260K.yaml"))
+                          "--system-tokens", "48", "--model", str(stories_dir / "hf"),
+                          "--dataset-path", str(alpaca_standin), "--config", str(REPO / "configs/stories260K.yaml"))
     rows = result["policies"]["rows"]
     assert [r["setup"] for r in rows] == ["fcfs", "prefill_first+chunked"]
     assert all(r["completed"] == 10 and r["failed"] == 0 for r in rows)
@@ -84,14 +84,14 @@ def test_scheduler_policies_compares_policies_and_prefix_caching(shared_dir, tmp
     assert "prefix cache on vs off" in stdout
 
 
-def test_tensor_parallel_compares_one_and_two_ranks(shared_dir, tmp_path):
+def test_tensor_parallel_compares_one_and_two_ranks(stories_dir, alpaca_standin, tmp_path):
     pytest.importorskip("mindspore")
     from tests.integration.test_tensor_parallel import TP2
 
     sets = [x for s in TP2 if not s.startswith("serving_config.agent_ports") for x in ("--set", s)]
     stdout, result = _run("tensor_parallel.py", tmp_path, "--tp", "1,2", "-n", "8", "--concurrency", "4",
                           "--max-new-tokens", "12", "--greedy-prompts", "4", "--precision-prompts", "2",
-                          "--model", str(shared_dir / "models/stories260K/hf"),
+                          "--model", str(stories_dir / "hf"), "--dataset-path", str(alpaca_standin),
                           "--config", str(REPO / "configs/stories260K.yaml"), *sets)
     one, two = result["rows"]
     assert (one["tp"], two["tp"]) == ("1", "2:shm") and result["runs"]["2"]["tensor_parallel_size"] == 2

@@ -90,9 +90,9 @@ def test_llama2c_bin_that_does_not_match_its_header_is_refused(tmp_path):
         load_llama_weights(str(tmp_path / "odd.bin"))
 
 
-def test_stories260k_bin_and_hf_directory_hold_identical_tensors(shared_dir):
-    cfg_bin, w_bin = load_llama_weights(str(shared_dir / "models/stories260K/stories260K.bin"))
-    cfg_hf, w_hf = load_llama_weights(str(shared_dir / "models/stories260K/hf"))
+def test_stories260k_bin_and_hf_directory_hold_identical_tensors(stories_dir):
+    cfg_bin, w_bin = load_llama_weights(str(stories_dir / "stories260K.bin"))
+    cfg_hf, w_hf = load_llama_weights(str(stories_dir / "hf"))
     assert cfg_bin == cfg_hf
     assert sorted(w_bin) == sorted(w_hf)
     for name in w_hf:
@@ -112,7 +112,7 @@ def _greedy_logits(runner, prompt_ids, steps):
     return np.stack(out)
 
 
-def test_stories260k_bin_and_hf_directory_give_identical_logits(shared_dir):
+def test_stories260k_bin_and_hf_directory_give_identical_logits(stories_dir):
     pytest.importorskip("mindspore")
     from llm_serving.models.runner import ModelRunner
     from llm_serving.models.runner_spec import RunnerSpec
@@ -121,22 +121,22 @@ def test_stories260k_bin_and_hf_directory_give_identical_logits(shared_dir):
               prefill_batch_sizes=[1], prefill_seq_lens=[16], num_threads=2)
     import sentencepiece as spm
 
-    sp = spm.SentencePieceProcessor(model_file=str(shared_dir / "models/stories260K/tok512.model"))
+    sp = spm.SentencePieceProcessor(model_file=str(stories_dir / "tok512.model"))
     prompt = [1] + sp.encode("Once upon a time")
-    logits = [_greedy_logits(ModelRunner(str(shared_dir / "models/stories260K" / m), RunnerSpec(**kw)), prompt, 12)
+    logits = [_greedy_logits(ModelRunner(str(stories_dir / m), RunnerSpec(**kw)), prompt, 12)
               for m in ("stories260K.bin", "hf")]
     assert logits[0].shape == (13, 512)
     np.testing.assert_array_equal(logits[0], logits[1])
 
 
-def test_server_started_on_the_bin_file_reproduces_llama2c(shared_dir, tmp_path):
+def test_server_started_on_the_bin_file_reproduces_llama2c(stories_dir, tmp_path):
     pytest.importorskip("mindspore")
     server = ServerProcess(["--config", str(REPO / "configs" / "stories260K.yaml"),
-                            "--model", str(shared_dir / "models/stories260K/stories260K.bin"),
+                            "--model", str(stories_dir / "stories260K.bin"),
                             "--set", "serving_config.agent_ports=[0]"], tmp_path / "server.log")
     try:
         server.wait_ready()
-        assert_greedy_reference(server.url, "stories260K", shared_dir)   # served under the file's stem
+        assert_greedy_reference(server.url, "stories260K", stories_dir)   # served under the file's stem
     finally:
         server.stop()
     assert leftovers(server) == []

@@ -15,9 +15,9 @@ from llm_serving.agents.control import ControlClient, ControlError
 from tests.integration.server_harness import http, precision_gate
 
 
-def test_precision_gate_passes_on_an_alpaca_replay(stories_server, shared_dir, tmp_path):
+def test_precision_gate_passes_on_an_alpaca_replay(stories_server, alpaca_standin, tmp_path):
     proc, result = precision_gate(stories_server.url, tmp_path, "-n", "24", "--max-new-tokens", "16", "--rate", "40",
-                              "--prompts", str(shared_dir / "datasets" / "alpaca_5000.json"))
+                              "--prompts", str(alpaca_standin))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "PASS" in proc.stdout
     assert result["prompts"] == 24 and result["generated_tokens"] == 24 * 16
@@ -27,16 +27,16 @@ def test_precision_gate_passes_on_an_alpaca_replay(stories_server, shared_dir, t
     # one request alone decodes in runs of 8 steps; under capture the agent runs them step by step
     runs_before = http("GET", stories_server.url + "/stats")[1]["decode_runs"]["runs"]
     proc, result = precision_gate(stories_server.url, tmp_path, "-n", "1", "--max-new-tokens", "20",
-                                  "--prompts", str(shared_dir / "datasets" / "alpaca_5000.json"))
+                                  "--prompts", str(alpaca_standin))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert result["sampled_rows"] == result["generated_tokens"] == 20 and result["max_rel_error"] < 1e-4
     assert http("GET", stories_server.url + "/stats")[1]["decode_runs"]["runs"] >= runs_before + 2
 
 
-def test_precision_gate_fails_when_the_weights_differ(stories_server, shared_dir, tmp_path):
+def test_precision_gate_fails_when_the_weights_differ(stories_server, stories_dir, tmp_path):
     """The gate can fail: the reference reads weights with one tensor perturbed by ~5%."""
     model = tmp_path / "perturbed"
-    shutil.copytree(shared_dir / "models" / "stories260K" / "hf", model)
+    shutil.copytree(stories_dir / "hf", model)
     tensors = load_file(str(model / "model.safetensors"))
     name = "model.layers.4.mlp.down_proj.weight"
     tensors[name] = tensors[name] * np.float32(1.05)

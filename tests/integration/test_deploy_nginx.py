@@ -22,9 +22,9 @@ pytestmark = pytest.mark.skipif(NGINX is None, reason="nginx is not installed (D
                                                       ".ci/run does)")
 
 
-def _stories(shared_dir, *sets):
+def _stories(stories_dir, *sets):
     args = ["--config", str(REPO / "configs" / "stories260K.yaml"),
-            "--model", str(shared_dir / "models" / "stories260K" / "hf")]
+            "--model", str(stories_dir / "hf")]
     for s in sets:
         args += ["--set", s]
     return args
@@ -41,10 +41,10 @@ def _request(url, i):
     return status == 200 and out["details"]["generated_tokens"] == 24, (status, out)
 
 
-def test_requests_through_nginx_survive_a_draining_and_a_failed_replica(shared_dir, tmp_path):
-    replicas = [ServerProcess(_stories(shared_dir, "serving_config.max_agent_restarts=0"), tmp_path / "a.log"),
-                ServerProcess(_stories(shared_dir), tmp_path / "b.log"),
-                ServerProcess(_stories(shared_dir, "serving_config.shutdown_grace_s=30"), tmp_path / "c.log")]
+def test_requests_through_nginx_survive_a_draining_and_a_failed_replica(stories_dir, tmp_path):
+    replicas = [ServerProcess(_stories(stories_dir, "serving_config.max_agent_restarts=0"), tmp_path / "a.log"),
+                ServerProcess(_stories(stories_dir), tmp_path / "b.log"),
+                ServerProcess(_stories(stories_dir, "serving_config.shutdown_grace_s=30"), tmp_path / "c.log")]
     nginx = None
     try:
         for r in replicas:

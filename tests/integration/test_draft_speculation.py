@@ -22,17 +22,17 @@ from tests.integration.test_speculative import MODEL, _gen, _spec, _tokens
 
 
 @pytest.fixture(scope="module")
-def draft_server(shared_dir, tmp_path_factory):
+def draft_server(stories_dir, tmp_path_factory):
     """stories260K, drafting for itself (spec_config.draft_model unset: the target's own checkpoint)."""
     pytest.importorskip("mindspore")
     with serving(["--config", str(REPO / "configs" / "stories260K.yaml"),
-                  "--model", str(shared_dir / "models" / "stories260K" / "hf"),
+                  "--model", str(stories_dir / "hf"),
                   "--set", "spec_config.method=draft", "--set", "serving_config.agent_restart_backoff_s=0.2"],
                  tmp_path_factory.mktemp("draft") / "server.log") as server:
         yield server
 
 
-def test_the_target_as_its_own_draft_is_accepted_whole_and_changes_nothing(draft_server, shared_dir):
+def test_the_target_as_its_own_draft_is_accepted_whole_and_changes_nothing(draft_server, stories_dir):
     url = draft_server.url
     health = http("GET", url + "/health")[1]
     assert health["status"] == "ok" and len(health["agents"]) == 1
@@ -50,7 +50,7 @@ def test_the_target_as_its_own_draft_is_accepted_whole_and_changes_nothing(draft
     # between two graphs could flip one; none does on these prompts)
     assert proposed > 5 * 60 and accepted == proposed
     assert greedy["draft"]["steps"] > before["draft"]["steps"]
-    assert_greedy_reference(url, MODEL, shared_dir)
+    assert_greedy_reference(url, MODEL, stories_dir)
     for params in ({"do_sample": True, "temperature": 0.8, "top_k": 40, "seed": 7},
                    {"do_sample": True, "temperature": 1.0, "top_p": 0.9, "seed": 3}):
         on, off = _gen(url, "Once upon a time", max_new_tokens=60, **params), \
@@ -140,11 +140,11 @@ def test_a_draft_reset_behind_the_masters_back_is_caught_up(draft_server):
     assert after["accepted_tokens"] > before["accepted_tokens"]
 
 
-def test_a_draft_cut_to_the_targets_first_layers(shared_dir, tmp_path):
+def test_a_draft_cut_to_the_targets_first_layers(stories_dir, tmp_path):
     """model_config.num_layers through the draft's agent: output unchanged, acceptance whatever the cut
     reaches (reported), and a cut deeper than the checkpoint refused at start with the reason."""
     pytest.importorskip("mindspore")
-    hf = str(shared_dir / "models" / "stories260K" / "hf")
+    hf = str(stories_dir / "hf")
     with serving(["--config", str(REPO / "configs" / "stories260K.yaml"), "--model", hf,
                   "--set", "spec_config.method=draft", "--set", "spec_config.draft_num_layers=4",
                   "--set", f"spec_config.draft_model={hf}"], tmp_path / "server.log") as server:
@@ -162,12 +162,12 @@ def test_a_draft_cut_to_the_targets_first_layers(shared_dir, tmp_path):
     assert out.returncode != 0 and "first 9 layers" in out.stderr and "it has 5" in out.stderr
 
 
-def test_a_draft_tree_from_a_cut_drafts_top_tokens(shared_dir, tmp_path):
+def test_a_draft_tree_from_a_cut_drafts_top_tokens(stories_dir, tmp_path):
     """spec_config.method draft_tree: the cut draft's 3 most likely first tokens, each continued greedily, are
     verified as one token tree. Output unchanged (greedy and seeded sampling), and some rounds keep a path
     off the draft's first choice — what a tree adds over a chain."""
     pytest.importorskip("mindspore")
-    hf = str(shared_dir / "models" / "stories260K" / "hf")
+    hf = str(stories_dir / "hf")
     with serving(["--config", str(REPO / "configs" / "stories260K.yaml"), "--model", hf,
                   "--set", "spec_config.method=draft_tree", "--set", "spec_config.draft_num_layers=2",
                   "--set", "spec_config.tree_width=3", "--set", "spec_config.num_speculative_tokens=3"],

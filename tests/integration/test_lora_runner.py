@@ -12,13 +12,12 @@ from llm_serving.models.weights import load_llama_weights
 
 from llm_serving.models.runner_spec import RunnerSpec
 
-from .test_model_runner import MODEL_DIR, STORIES_RUNNER, Seq, _need_model, np_forward_last_logits, run_view, step_view
+from .test_model_runner import MODEL_DIR, STORIES_RUNNER, Seq, np_forward_last_logits, run_view, step_view
 
 
 @pytest.fixture(scope="module")
 def lora_setup(tmp_path_factory):
     pytest.importorskip("mindspore")
-    _need_model()
     from llm_serving.models.runner import ModelRunner
 
     cfg, weights = load_llama_weights(str(MODEL_DIR))

@@ -29,10 +29,10 @@ def _stories_args(model_dir, *sets):
 
 
 @pytest.fixture(scope="module")
-def adapters(shared_dir, tmp_path_factory):
+def adapters(stories_dir, tmp_path_factory):
     """Two adapters (all projections, rank 4; q/v/down, rank 8 with rsLoRA) and the merged model of the first."""
     pytest.importorskip("mindspore")
-    hf = shared_dir / "models" / "stories260K" / "hf"
+    hf = stories_dir / "hf"
     cfg, weights = load_llama_weights(str(hf))
     tmp = tmp_path_factory.mktemp("lora")
     a = write_peft_adapter(tmp / "tales", random_lora_tensors(cfg, 4, ALL, seed=1, std=0.2), r=4, lora_alpha=8)

@@ -11,9 +11,8 @@ import pytest
 from llm_serving.models.runner_spec import RunnerSpec
 from llm_serving.models.weights import LlamaConfig, WeightLoadError, load_llama_weights
 from llm_serving.shm.layout import StepView
+from tests.conftest import STORIES, TOK512
 
-SHARED = Path(__file__).resolve().parents[3] / "shared"
-STORIES = SHARED / "models" / "stories260K"
 MODEL_DIR = STORIES / "hf"
 BOS = 1
 TOTAL_STEPS = 200     # llama2.c `steps`: forwards at positions 0..199, BOS and prompt included
@@ -22,28 +21,20 @@ STORIES_RUNNER = dict(num_blocks=64, block_size=16, max_blocks_per_seq=13, decod
                       prefill_batch_sizes=[1, 2], prefill_seq_lens=[16, 32], num_threads=2)
 
 
-def _need_model():
-    if not (MODEL_DIR / "model.safetensors").exists():
-        pytest.skip(f"pretrained stories260K not found at {MODEL_DIR} (shared dir missing)")
-
-
 @pytest.fixture(scope="module")
 def tokenizer():
-    _need_model()
     spm = pytest.importorskip("sentencepiece")
-    return spm.SentencePieceProcessor(model_file=str(STORIES / "tok512.model"))
+    return spm.SentencePieceProcessor(model_file=str(TOK512))
 
 
 @pytest.fixture(scope="module")
 def reference():
-    _need_model()
     return json.loads((STORIES / "greedy_reference.json").read_text())
 
 
 @pytest.fixture(scope="module")
 def runner():
     pytest.importorskip("mindspore")
-    _need_model()
     from llm_serving.models.runner import ModelRunner
     return ModelRunner(str(MODEL_DIR), RunnerSpec(**STORIES_RUNNER))
 
@@ -51,7 +42,6 @@ def runner():
 @pytest.fixture(scope="module")
 def small_block_runner():
     pytest.importorskip("mindspore")
-    _need_model()
     from llm_serving.models.runner import ModelRunner
     return ModelRunner(str(MODEL_DIR), RunnerSpec(num_blocks=128, block_size=4, max_blocks_per_seq=52,
                                                   decode_batch_sizes=[1], prefill_batch_sizes=[1],
@@ -676,7 +666,6 @@ def test_compile_cache_survives_a_change_of_buckets(tmp_path):
     """Agents keep compiled graphs on disk. MindSpore names them by compile order, so a server restarted
     with other buckets must not pick up the graphs of the old ones (it once did, and crashed)."""
     pytest.importorskip("mindspore")
-    _need_model()
     import os
     import subprocess
     import sys

@@ -15,8 +15,8 @@ def client(stories_server):
 
 
 @pytest.fixture(scope="module")
-def tokenizer(shared_dir):
-    return SentencePieceTokenizer(str(shared_dir / "models" / "stories260K" / "hf" / "tokenizer.model"))
+def tokenizer(stories_dir):
+    return SentencePieceTokenizer(str(stories_dir / "hf" / "tokenizer.model"))
 
 
 def native(url, prompt, n_tokens):

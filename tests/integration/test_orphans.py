@@ -84,7 +84,7 @@ def _kill_with_resource_tracker(server: ServerProcess) -> int:
 
 
 @pytest.mark.parametrize("sets", [[], MS_TP2], ids=["one agent", "tensor-parallel with a cluster scheduler"])
-def test_master_killed_during_warmup_leaves_no_agent_lock_or_segment(shared_dir, tmp_path, sets):
+def test_master_killed_during_warmup_leaves_no_agent_lock_or_segment(stories_dir, tmp_path, sets):
     pytest.importorskip("mindspore")
     tag = uuid.uuid4().hex
     shm_before = set(project_shm_segments())
@@ -95,7 +95,7 @@ def test_master_killed_during_warmup_leaves_no_agent_lock_or_segment(shared_dir,
     (default_cache_dir() / "kernels").mkdir(parents=True, exist_ok=True)
     (cache / "kernels").symlink_to(default_cache_dir() / "kernels")
     env = {"LLM_SERVING_CACHE": str(cache), "LLM_SERVING_TEST_TAG": tag}
-    args = STORIES + ["--model", str(shared_dir / "models" / "stories260K" / "hf")]
+    args = STORIES + ["--model", str(stories_dir / "hf")]
     for s in sets:
         args += ["--set", s]
     num_agents = 2 if sets else 1

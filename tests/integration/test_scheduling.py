@@ -8,7 +8,7 @@ import aiohttp
 import pytest
 
 from tests.integration.server_harness import REPO, ServerProcess, http, leftovers, parse_sse, precision_gate
-from tests.conftest import SHARED
+from tests.conftest import STORIES
 from tests.integration.test_serving import STORY_PROMPTS
 
 STORY_CONFIG = str(REPO / "configs" / "stories260K.yaml")
@@ -40,7 +40,7 @@ async def _generate_all(url, prompts, *, stream=False, max_new_tokens=NEW_TOKENS
 
 
 def serve(tmp_path, name, *overrides):
-    args = ["--config", STORY_CONFIG, "--model", str(SHARED / "models" / "stories260K" / "hf")]
+    args = ["--config", STORY_CONFIG, "--model", str(STORIES / "hf")]
     for o in overrides:
         args += ["--set", o]
     return ServerProcess(args, tmp_path / f"{name}.log")
@@ -86,13 +86,13 @@ def test_preemption_under_a_tiny_kv_cache_keeps_every_request_and_its_output(ref
     print("preemptions:", stats["num_preemptions"], "steps:", stats["num_steps"])
 
 
-def test_chunked_prefill_fcfs_and_longest_output_first_give_the_same_output(reference_texts, tmp_path):
+def test_chunked_prefill_fcfs_and_longest_output_first_give_the_same_output(reference_texts, alpaca_standin, tmp_path):
     with serve(tmp_path, "chunked", "scheduler_config.policy=fcfs", "scheduler_config.chunked_prefill=true",
                "scheduler_config.max_chunk_tokens=16", "serving_config.max_num_batched_tokens=40") as server:
         stats = run_and_compare(server, reference_texts)
         # the precision gate under chunking: a chunk inside a prompt is compared too, but samples nothing
         proc, result = precision_gate(server.url, tmp_path, "-n", "3", "--max-new-tokens", "4",
-                                      "--prompts", str(SHARED / "datasets" / "alpaca_5000.json"))
+                                      "--prompts", str(alpaca_standin))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert result["sampled_rows"] == result["generated_tokens"] == 3 * 4 < result["rows"]
     assert result["greedy_agreement"] == 1.0
@@ -138,7 +138,7 @@ def test_decode_runs_give_the_text_of_single_steps(tmp_path):
     assert stats["num_free_blocks"] == stats["num_blocks"]
 
 
-def test_overload_gets_429_and_impossible_requests_400(shared_dir, tmp_path):
+def test_overload_gets_429_and_impossible_requests_400(tmp_path):
     with serve(tmp_path, "small-queue", "serving_config.max_num_seqs=1", "serving_config.max_waiting_requests=2",
                "model_config.decode_batch_size=[1]") as server:
         # 30 requests at once, 10x what the server holds (1 running + 2 queued): the 2 queue places (plus the

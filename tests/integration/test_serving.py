@@ -26,12 +26,12 @@ def generate(url, prompt, **params):
     return http("POST", f"{url}/models/hf/generate", {"inputs": prompt, "parameters": params})
 
 
-def assert_greedy_reference(url, model, shared_dir):
+def assert_greedy_reference(url, model, stories_dir):
     """Greedy text served for greedy_reference.json's prompts equals llama2.c's (JSON route, then SSE)."""
     import sentencepiece as spm
 
-    sp = spm.SentencePieceProcessor(model_file=str(shared_dir / "models/stories260K/tok512.model"))
-    cases = json.loads((shared_dir / "models/stories260K/greedy_reference.json").read_text())
+    sp = spm.SentencePieceProcessor(model_file=str(stories_dir / "tok512.model"))
+    cases = json.loads((stories_dir / "greedy_reference.json").read_text())
     assert len(cases) >= 2
     for i, case in enumerate(cases):
         num_prompt = 1 + len(sp.encode(case["prompt"]))          # BOS + prompt, as run.c counts
@@ -54,8 +54,8 @@ def assert_greedy_reference(url, model, shared_dir):
         assert text + "\n" == case["greedy_text"]                   # run.c prints a final newline
 
 
-def test_greedy_output_reproduces_the_reference_implementation(stories_server, shared_dir):
-    assert_greedy_reference(stories_server.url, "hf", shared_dir)
+def test_greedy_output_reproduces_the_reference_implementation(stories_server, stories_dir):
+    assert_greedy_reference(stories_server.url, "hf", stories_dir)
 
 
 async def _stream_all(url, prompts, max_new_tokens):

@@ -76,11 +76,11 @@ def test_streamed_text_equals_whole_text_with_multibyte_characters(smollm2_serve
     assert "".join(pieces) == whole["generated_text"]
 
 
-def test_smollm2_passes_the_precision_gate(smollm2_server, shared_dir, tmp_path):
+def test_smollm2_passes_the_precision_gate(smollm2_server, alpaca_standin, tmp_path):
     out = tmp_path / "precision.json"
     proc = subprocess.run([sys.executable, str(REPO / "tools" / "precision.py"), "--url", smollm2_server.url,
                            "--out", str(out), "-n", "4", "--max-new-tokens", "6", "--rate", "0",
-                           "--prompts", str(shared_dir / "datasets" / "alpaca_5000.json")],
+                           "--prompts", str(alpaca_standin)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(out.read_text())

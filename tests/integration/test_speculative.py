@@ -30,7 +30,7 @@ def _spec(url) -> dict:
     return http("GET", url + "/stats")[1]["speculative"]
 
 
-def test_greedy_and_seeded_output_is_the_same_with_and_without_speculation(stories_server, shared_dir):
+def test_greedy_and_seeded_output_is_the_same_with_and_without_speculation(stories_server, stories_dir):
     url = stories_server.url
     before = _spec(url)
     assert before["method"] == "ngram"
@@ -49,7 +49,7 @@ def test_greedy_and_seeded_output_is_the_same_with_and_without_speculation(stori
     assert after["accepted_tokens"] > before["accepted_tokens"]
     assert 0 < after["acceptance_rate"] <= 1
     assert after["mean_tokens_per_round"] > 1
-    assert_greedy_reference(url, MODEL, shared_dir)        # llama2.c's greedy text, speculating
+    assert_greedy_reference(url, MODEL, stories_dir)        # llama2.c's greedy text, speculating
 
 
 def test_max_new_tokens_and_stop_strings_cut_inside_an_accepted_run(stories_server):
@@ -210,14 +210,14 @@ def test_bad_speculative_parameter_is_a_400(stories_server):
     assert status == 400 and "speculative" in str(body)
 
 
-def test_token_trees_keep_the_output_and_take_the_other_branch(shared_dir, tmp_path):
+def test_token_trees_keep_the_output_and_take_the_other_branch(stories_dir, tmp_path):
     """spec_config.method tree: prompt lookup's two latest continuations as a token tree, verified in one
     step with the tree mask. Greedy and seeded output are plain decoding's (llama2.c's greedy reference
     too), rows keep a second branch at times (counted as accepted), and none of it changes a token."""
     pytest.importorskip("mindspore")
     from tests.integration.server_harness import REPO, serving
     with serving(["--config", str(REPO / "configs" / "stories260K.yaml"),
-                  "--model", str(shared_dir / "models" / "stories260K" / "hf"),
+                  "--model", str(stories_dir / "hf"),
                   "--set", "spec_config.method=tree", "--set", "spec_config.tree_width=2"],
                  tmp_path / "server.log") as server:
         url = server.url
@@ -232,10 +232,10 @@ def test_token_trees_keep_the_output_and_take_the_other_branch(shared_dir, tmp_p
         assert spec["method"] == "tree" and spec["verify_steps"] > 0
         assert spec["mean_tokens_per_round"] > 1 and spec["accepted_tokens"] > 0
         assert spec["other_branch_rounds"] > 0          # the second continuation was the right one at times
-        assert_greedy_reference(url, MODEL, shared_dir)
+        assert_greedy_reference(url, MODEL, stories_dir)
 
 
-def test_token_trees_without_the_cpu_kernel_are_refused_at_start(shared_dir):
+def test_token_trees_without_the_cpu_kernel_are_refused_at_start(stories_dir):
     """The padded verify path (no CPU kernel; Ascend) has no tree mask: asking for trees there fails the start
     with the reason and what to use instead, instead of failing every verify step."""
     pytest.importorskip("mindspore")
@@ -244,7 +244,7 @@ def test_token_trees_without_the_cpu_kernel_are_refused_at_start(shared_dir):
     from tests.integration.server_harness import REPO
     out = subprocess.run([sys.executable, "-m", "llm_serving.cli", "start", "--config",
                           str(REPO / "configs" / "stories260K.yaml"),
-                          "--model", str(shared_dir / "models" / "stories260K" / "hf"), "--port", "0",
+                          "--model", str(stories_dir / "hf"), "--port", "0",
                           "--set", "spec_config.method=tree", "--set", "model_config.attention_kernel=off"],
                          capture_output=True, text=True, timeout=300, cwd=REPO)
     assert out.returncode != 0

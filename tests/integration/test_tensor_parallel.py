@@ -26,19 +26,19 @@ TP2 = ["serving_config.agent_ports=[0,0]", "model_config.decode_batch_size=[1,8,
        "model_config.prefill_batch_size=[1,2]", "serving_config.max_num_seqs=16", "serving_config.agent_restart_backoff_s=0.2"]
 
 
-def _args(shared_dir, sets):
-    args = STORIES + ["--model", str(shared_dir / "models" / "stories260K" / "hf")]
+def _args(stories_dir, sets):
+    args = STORIES + ["--model", str(stories_dir / "hf")]
     for s in sets:
         args += ["--set", s]
     return args
 
 
 @pytest.fixture(scope="module")
-def tp_server(shared_dir, tmp_path_factory, stories_server):
+def tp_server(stories_dir, tmp_path_factory, stories_server):
     """(stories_server, the TP=1 twin, is started first so that its segments are not taken for leftovers.)"""
     pytest.importorskip("mindspore")
     shm_before = set(project_shm_segments())
-    server = ServerProcess(_args(shared_dir, TP2), tmp_path_factory.mktemp("tp2") / "server.log")
+    server = ServerProcess(_args(stories_dir, TP2), tmp_path_factory.mktemp("tp2") / "server.log")
     try:
         server.wait_ready()
         yield server
@@ -67,12 +67,12 @@ def _greedy_texts(url: str, prompts: list, max_new_tokens: int) -> list:
     return asyncio.run(run())
 
 
-def test_two_ranks_serve_the_reference_greedy_text(tp_server, shared_dir):
+def test_two_ranks_serve_the_reference_greedy_text(tp_server, stories_dir):
     status, info = http("GET", tp_server.url + "/info")
     assert status == 200 and info["tensor_parallel_size"] == 2
     status, health = http("GET", tp_server.url + "/health")
     assert [a["rank"] for a in health["agents"]] == [0, 1]
-    assert_greedy_reference(tp_server.url, "hf", shared_dir)
+    assert_greedy_reference(tp_server.url, "hf", stories_dir)
 
 
 def test_two_ranks_match_one_agent_token_for_token_under_concurrency(tp_server, stories_server):
@@ -100,10 +100,11 @@ def test_two_ranks_speculate_and_keep_their_output(tp_server):
     assert after["accepted_tokens"] > before["accepted_tokens"]
 
 
-def test_two_ranks_pass_the_precision_gate(tp_server, tmp_path):
+def test_two_ranks_pass_the_precision_gate(tp_server, alpaca_standin, tmp_path):
     out = tmp_path / "precision.json"
     proc = subprocess.run([sys.executable, str(REPO / "tools" / "precision.py"), "--url", tp_server.url,
-                           "--out", str(out), "-n", "12", "--max-new-tokens", "16", "--rate", "40"],
+                           "--out", str(out), "-n", "12", "--max-new-tokens", "16", "--rate", "40",
+                           "--prompts", str(alpaca_standin)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(out.read_text())
@@ -111,7 +112,7 @@ def test_two_ranks_pass_the_precision_gate(tp_server, tmp_path):
     assert result["rows"] == result["generated_tokens"] > 0
 
 
-def test_a_failure_on_rank_0_alone_after_the_model_graph_ends_only_its_step(tp_server, shared_dir, tmp_path):
+def test_a_failure_on_rank_0_alone_after_the_model_graph_ends_only_its_step(tp_server, stories_dir, tmp_path):
     """Logits capture (rank 0 only) into a directory that then disappears: rank 0 fails each step after its
     model graph, rank 1 succeeds. Both made the same all-reduces (collective_calls), so the group is in
     step: those requests fail with the reason, nothing restarts, and once capture is off it serves again."""
@@ -130,13 +131,13 @@ def test_a_failure_on_rank_0_alone_after_the_model_graph_ends_only_its_step(tp_s
         assert "agent 0" in answer["error"] and "FileNotFoundError" in answer["error"], answer
         assert http("GET", tp_server.url + "/health")[0] == 200
         ctl.request(proto.Capture(dir=None))
-    assert_greedy_reference(tp_server.url, "hf", shared_dir)
+    assert_greedy_reference(tp_server.url, "hf", stories_dir)
     stats = http("GET", tp_server.url + "/stats")[1]
     assert stats["num_agent_restarts"] == restarts and stats["num_free_blocks"] == stats["num_blocks"]
     assert http("GET", tp_server.url + "/health")[1]["agents"] == health["agents"]     # the same processes
 
 
-def test_killing_one_rank_under_load_fails_its_requests_and_restarts_the_group(tp_server, shared_dir):
+def test_killing_one_rank_under_load_fails_its_requests_and_restarts_the_group(tp_server, stories_dir):
     # the group's segment: private to the user, one per group
     [segment] = _tp_segments()
     assert stat.S_IMODE(os.stat(f"/dev/shm/{segment}").st_mode) == 0o600
@@ -173,14 +174,14 @@ def test_killing_one_rank_under_load_fails_its_requests_and_restarts_the_group(t
         time.sleep(0.1)
     assert len(_tp_segments()) == 1 and _tp_segments() != [segment]
     tp_server.refresh_children()
-    assert_greedy_reference(tp_server.url, "hf", shared_dir)
+    assert_greedy_reference(tp_server.url, "hf", stories_dir)
 
 
-def test_a_model_that_does_not_split_evenly_is_refused_at_start(shared_dir, tmp_path):
+def test_a_model_that_does_not_split_evenly_is_refused_at_start(stories_dir, tmp_path):
     """stories260K has 4 KV heads: three ranks cannot share them. The start-up fails with the numbers."""
     pytest.importorskip("mindspore")
     shm_before = set(project_shm_segments())
-    server = ServerProcess(_args(shared_dir, ["serving_config.agent_ports=[0,0,0]"]), tmp_path / "server.log")
+    server = ServerProcess(_args(stories_dir, ["serving_config.agent_ports=[0,0,0]"]), tmp_path / "server.log")
     try:
         assert server.proc.wait(300) == 1
     finally:
@@ -217,17 +218,17 @@ def _schedulers(server) -> list:
             and "llm_serving.models.parallel" in " ".join(p.cmdline())]
 
 
-def test_mindspore_collectives_serve_the_reference_and_survive_losing_a_rank(shared_dir, tmp_path):
+def test_mindspore_collectives_serve_the_reference_and_survive_losing_a_rank(stories_dir, tmp_path):
     pytest.importorskip("mindspore")
     shm_before = set(project_shm_segments())
-    server = ServerProcess(_args(shared_dir, MS_TP2), tmp_path / "server.log")
+    server = ServerProcess(_args(stories_dir, MS_TP2), tmp_path / "server.log")
     try:
         server.wait_ready()
         info = http("GET", server.url + "/info")[1]
         assert info["tensor_parallel_size"] == 2 and info["tensor_parallel_all_reduce"] == "mindspore"
         assert set(_tp_segments()) - shm_before == set()          # no shared-memory all-reduce in this group
         [scheduler] = _schedulers(server)
-        assert_greedy_reference(server.url, "hf", shared_dir)
+        assert_greedy_reference(server.url, "hf", stories_dir)
 
         health = http("GET", server.url + "/health")[1]
         rank1 = next(a["pid"] for a in health["agents"] if a["rank"] == 1)
@@ -239,7 +240,7 @@ def test_mindspore_collectives_serve_the_reference_and_survive_losing_a_rank(sha
         new = http("GET", server.url + "/health")[1]["agents"]
         assert {a["pid"] for a in new}.isdisjoint({a["pid"] for a in health["agents"]})
         assert len(_schedulers(server)) == 1 and _schedulers(server) != [scheduler]
-        assert_greedy_reference(server.url, "hf", shared_dir)
+        assert_greedy_reference(server.url, "hf", stories_dir)
 
         # the cluster's scheduler is part of the group: its death, with both ranks alive, restarts the group
         [scheduler] = _schedulers(server)
@@ -259,7 +260,7 @@ def test_mindspore_collectives_serve_the_reference_and_survive_losing_a_rank(sha
         assert http("GET", server.url + "/stats")[1]["num_agent_restarts"] == 2
         assert {a["pid"] for a in health["agents"]}.isdisjoint(agents)
         assert len(_schedulers(server)) == 1 and _schedulers(server) != [scheduler]
-        assert_greedy_reference(server.url, "hf", shared_dir)
+        assert_greedy_reference(server.url, "hf", stories_dir)
     finally:
         server.stop()
     assert leftovers(server) == [], server.log()[-3000:]

@@ -71,8 +71,8 @@ def _group_sets(tmp_path) -> list:
                     f"serving_config.agent_token_file={token}"]
 
 
-def _args(shared_dir, sets) -> list:
-    args = MODEL_ARGS + ["--model", str(shared_dir / "models" / "stories260K" / "hf")]
+def _args(stories_dir, sets) -> list:
+    args = MODEL_ARGS + ["--model", str(stories_dir / "hf")]
     for s in sets:
         args += ["--set", s]
     return args
@@ -85,12 +85,12 @@ def _maps_shared_memory(pid: int) -> bool:
         return any(prefix in line for line in f)
 
 
-def test_rank_1_on_node_1_serves_the_reference_without_the_shared_memory(shared_dir, tmp_path, stories_server):
+def test_rank_1_on_node_1_serves_the_reference_without_the_shared_memory(stories_dir, tmp_path, stories_server):
     pytest.importorskip("mindspore")
     shm_before = set(project_shm_segments())
     sets = _group_sets(tmp_path)
-    node1 = NodeLauncher(_args(shared_dir, sets), tmp_path / "node1.log")
-    server = ServerProcess(_args(shared_dir, sets), tmp_path / "server.log")
+    node1 = NodeLauncher(_args(stories_dir, sets), tmp_path / "node1.log")
+    server = ServerProcess(_args(stories_dir, sets), tmp_path / "server.log")
     try:
         server.wait_ready()
         info = http("GET", server.url + "/info")[1]
@@ -106,7 +106,7 @@ def test_rank_1_on_node_1_serves_the_reference_without_the_shared_memory(shared_
         log = server.log()
         assert "step-input broadcast from rank 0" in log and "on 127.0.0.1) connected" in log
 
-        assert_greedy_reference(server.url, "hf", shared_dir)
+        assert_greedy_reference(server.url, "hf", stories_dir)
         prompts = STORY_PROMPTS[:8]
         assert _greedy_texts(server.url, prompts, 32) == _greedy_texts(stories_server.url, prompts, 32)
 
@@ -122,7 +122,7 @@ def test_rank_1_on_node_1_serves_the_reference_without_the_shared_memory(shared_
         assert [p.pid for p in node1.agents()] == [new[1]["pid"]]
         assert "agent 1 (pid %d) exited with code -9; starting it again" % rank1["pid"] in node1.log()
         assert not _maps_shared_memory(new[1]["pid"])
-        assert_greedy_reference(server.url, "hf", shared_dir)
+        assert_greedy_reference(server.url, "hf", stories_dir)
     finally:
         server.stop()
         alive = node1.stop()
@@ -130,12 +130,12 @@ def test_rank_1_on_node_1_serves_the_reference_without_the_shared_memory(shared_
     assert set(project_shm_segments()) - shm_before == set()
 
 
-def test_a_rank_started_with_another_config_is_refused_before_serving(shared_dir, tmp_path):
+def test_a_rank_started_with_another_config_is_refused_before_serving(stories_dir, tmp_path):
     """Ranks compiled from different configs would hang in their first all-reduce: they compare first."""
     pytest.importorskip("mindspore")
     sets = _group_sets(tmp_path)
-    node1 = NodeLauncher(_args(shared_dir, sets + ["model_config.decode_batch_size=[1,4,8]"]), tmp_path / "node1.log")
-    server = ServerProcess(_args(shared_dir, sets), tmp_path / "server.log")
+    node1 = NodeLauncher(_args(stories_dir, sets + ["model_config.decode_batch_size=[1,4,8]"]), tmp_path / "node1.log")
+    server = ServerProcess(_args(stories_dir, sets), tmp_path / "server.log")
     try:
         assert server.proc.wait(300) == 1
     finally:
@@ -146,12 +146,12 @@ def test_a_rank_started_with_another_config_is_refused_before_serving(shared_dir
     assert leftovers(server) == [] and alive == []
 
 
-def test_a_missing_node_fails_the_start_in_time_and_leaves_nothing(shared_dir, tmp_path):
+def test_a_missing_node_fails_the_start_in_time_and_leaves_nothing(stories_dir, tmp_path):
     """No `llm-serving agent` on node 1: the start fails after agent_start_timeout_s, saying which agent and how
     to start it, and the master's own rank and the cluster's scheduler are gone with it."""
     pytest.importorskip("mindspore")
     shm_before = set(project_shm_segments())
-    server = ServerProcess(_args(shared_dir, _group_sets(tmp_path) + ["serving_config.agent_start_timeout_s=20"]),
+    server = ServerProcess(_args(stories_dir, _group_sets(tmp_path) + ["serving_config.agent_start_timeout_s=20"]),
                            tmp_path / "server.log")
     try:
         assert server.proc.wait(120) == 1

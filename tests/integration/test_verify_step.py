@@ -8,7 +8,7 @@ import pytest
 
 from llm_serving.models.runner_spec import RunnerSpec
 from llm_serving.shm.layout import StepView
-from tests.integration.test_model_runner import MODEL_DIR, Seq, _need_model, step, step_arrays, step_view
+from tests.integration.test_model_runner import MODEL_DIR, Seq, step, step_arrays, step_view
 
 PROMPTS = [[1, 403, 407, 261, 378, 436, 261, 271, 280], [1, 67, 86, 427, 261, 407, 368]]
 WIDTH = 5          # a speculating row feeds its last token and 4 proposals
@@ -17,7 +17,6 @@ WIDTH = 5          # a speculating row feeds its last token and 4 proposals
 @pytest.fixture(scope="module", params=["on", "off"], ids=["packed", "padded"])
 def runner(request):
     pytest.importorskip("mindspore")
-    _need_model()
     from llm_serving.models.runner import ModelRunner
     r = ModelRunner(str(MODEL_DIR), RunnerSpec(num_blocks=64, block_size=16, max_blocks_per_seq=8,
                                                decode_batch_sizes=[1, 2, 4], prefill_batch_sizes=[1, 2],

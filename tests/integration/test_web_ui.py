@@ -164,7 +164,7 @@ def test_the_dashboard_moves_under_load(browser, stories_server):
     assert _errors(browser) == []
 
 
-def test_with_an_api_key_the_page_asks_for_it_once(browser, shared_dir, tmp_path):
+def test_with_an_api_key_the_page_asks_for_it_once(browser, stories_dir, tmp_path):
     """The pages load without the key; the first API call that gets a 401 asks for it (window.prompt), and it is
     kept for the tab (sessionStorage), so the model list and a reply come through."""
     import uuid
@@ -175,7 +175,7 @@ def test_with_an_api_key_the_page_asks_for_it_once(browser, shared_dir, tmp_path
 
     key = "ui-" + uuid.uuid4().hex
     args = ["--config", str(REPO / "configs" / "stories260K.yaml"),
-            "--model", str(shared_dir / "models" / "stories260K" / "hf")]
+            "--model", str(stories_dir / "hf")]
     with serving(args, tmp_path / "server.log", env={"LLM_SERVING_API_KEY": key}) as server:
         assert http("GET", server.url + "/")[0] == 200 and http("GET", server.url + "/static/playground.js")[0] == 200
         assert http("GET", server.url + "/v1/models")[0] == 401

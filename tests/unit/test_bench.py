@@ -10,28 +10,31 @@ from llm_serving.loadgen.metrics import format_table, parse_slos, summarize
 from llm_serving.loadgen.plots import timeline
 from llm_serving.loadgen.workload import (TokenCounter, WorkloadError, arrival_offsets, load_alpaca, load_sharegpt,
                                         synthetic)
+from tests.conftest import ALPACA_SAMPLE, restricted_file
 
 
 @pytest.fixture(scope="module")
-def llama2_counter(shared_dir):
-    return TokenCounter(str(shared_dir / "tokenizers" / "llama2" / "tokenizer.model"))
+def llama_counter(llama_tokenizer_standin):
+    return TokenCounter(str(llama_tokenizer_standin))
 
 
-def test_alpaca_prompt_and_output_length(tmp_path, llama2_counter):
+def test_alpaca_prompt_and_output_length(tmp_path, llama_counter):
     path = tmp_path / "a.json"
     path.write_text(json.dumps([
         {"instruction": "Translate to French", "input": "Good morning", "output": "Bonjour tout le monde"},
         {"instruction": "Name a colour", "input": "", "output": "Blue " * 300},
         {"instruction": "unused", "input": "", "output": "x"}]))
-    samples = load_alpaca(str(path), 2, llama2_counter, max_new_tokens=256)
+    samples = load_alpaca(str(path), 2, llama_counter, max_new_tokens=256)
     assert [s.prompt for s in samples] == ["Translate to French:Good morning", "Name a colour"]
-    assert samples[0].prompt_len == len(llama2_counter.encode("Translate to French:Good morning"))
-    assert samples[0].max_new_tokens == len(llama2_counter.encode("Bonjour tout le monde"))
+    assert samples[0].prompt_len == len(llama_counter.encode("Translate to French:Good morning"))
+    assert samples[0].max_new_tokens == len(llama_counter.encode("Bonjour tout le monde"))
     assert samples[1].max_new_tokens == 256                                   # capped
 
 
-def test_the_shared_alpaca_file_loads(shared_dir, llama2_counter):
-    samples = load_alpaca(str(shared_dir / "datasets" / "alpaca_5000.json"), 300, llama2_counter, 128)
+@pytest.mark.parametrize("dataset", ["standin", "alpaca_5000"])
+def test_an_alpaca_file_loads(dataset, alpaca_standin, llama_counter):
+    path = alpaca_standin if dataset == "standin" else restricted_file(ALPACA_SAMPLE)
+    samples = load_alpaca(str(path), 300, llama_counter, 128)
     assert len(samples) == 300
     assert all(1 <= s.max_new_tokens <= 128 and s.prompt_len >= 1 for s in samples)
     assert len({s.max_new_tokens for s in samples}) > 20                     # real, varied lengths
@@ -48,13 +51,13 @@ def test_sharegpt_takes_the_first_human_turn_and_its_reply(tmp_path):
     assert [(s.prompt, s.prompt_len, s.max_new_tokens) for s in samples] == [("tell me a story", 4, 5)]
 
 
-def test_synthetic_lengths_are_exact_with_a_tokenizer(llama2_counter):
-    samples = synthetic(20, 64, 32, 0.5, llama2_counter, seed=1)
+def test_synthetic_lengths_are_exact_with_a_tokenizer(llama_counter):
+    samples = synthetic(20, 64, 32, 0.5, llama_counter, seed=1)
     for s in samples:
         assert 32 <= s.prompt_len <= 96 and 16 <= s.max_new_tokens <= 48
-        assert len(llama2_counter.encode(s.prompt)) == s.prompt_len
+        assert len(llama_counter.encode(s.prompt)) == s.prompt_len
     assert abs(np.mean([s.prompt_len for s in samples]) - 64) < 16
-    fixed = synthetic(5, 40, 10, 0.0, llama2_counter, seed=2)
+    fixed = synthetic(5, 40, 10, 0.0, llama_counter, seed=2)
     assert [s.max_new_tokens for s in fixed] == [10] * 5
     assert all(abs(s.prompt_len - 40) <= 2 for s in fixed)
 

@@ -89,8 +89,8 @@ def test_builtin_format_needs_a_bos(tmp_path):
         template.encode(USER)
 
 
-def test_sentencepiece_model_takes_the_default_named_template_beside_it(shared_dir, tmp_path):
-    shutil.copy(shared_dir / "tokenizers/llama2/tokenizer.model", tmp_path / "tokenizer.model")
+def test_sentencepiece_model_takes_the_default_named_template_beside_it(llama_tokenizer_standin, tmp_path):
+    shutil.copy(llama_tokenizer_standin, tmp_path / "tokenizer.model")
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
         {"name": "rag", "template": "unused"},
         {"name": "default", "template": "{{ bos_token }}[INST] {{ messages[0].content }} [/INST]{{ eos_token }}"}]}))

@@ -13,9 +13,8 @@ from llm_serving.cache_dir import default_cache_dir
 from llm_serving.models.default_model import (DEFAULT_MODEL_NAME, ensure_default_model, generate_story_lines,
                                               write_hf_llama)
 from llm_serving.tokenization import SentencePieceTokenizer
+from tests.conftest import TOK512
 
-SHARED = Path(__file__).resolve().parents[2].parent / "shared"
-TOK512 = SHARED / "models" / "stories260K" / "tok512.model"
 FILES = ("config.json", "model.safetensors", "tokenizer.model")
 
 
@@ -143,7 +142,7 @@ def test_concurrent_builds_in_two_processes(model_dir, tmp_path):
 
 
 def test_write_hf_llama_other_shapes_and_tied_embeddings(tmp_path):
-    tokenizer_bytes = TOK512.read_bytes() if TOK512.is_file() else None
+    tokenizer_bytes = TOK512.read_bytes()
     out = write_hf_llama(tmp_path / "m", vocab_size=512, hidden_size=64, intermediate_size=96,
                          num_layers=2, num_heads=8, num_kv_heads=4, max_position_embeddings=256,
                          seed=7, tokenizer_model_bytes=tokenizer_bytes, tie_word_embeddings=True)

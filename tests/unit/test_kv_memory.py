@@ -7,8 +7,8 @@ from llm_serving.master.kv_memory import bytes_per_block, plan_blocks, size_kv_c
 
 
 @pytest.fixture(scope="module")
-def stories_hf(shared_dir) -> str:
-    return str(shared_dir / "models/stories260K/hf")
+def stories_hf(stories_dir) -> str:
+    return str(stories_dir / "hf")
 
 MiB = 2 ** 20
 # stories260K: 5 layers, 4 KV heads of 8 dims: 2 x 5 x 4 x 8 x 4 bytes = 1,280 bytes per token

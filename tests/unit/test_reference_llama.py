@@ -8,8 +8,8 @@ import sentencepiece as spm
 from llm_serving.reference_llama import ReferenceLlama
 
 
-def test_reference_reproduces_the_c_implementation_greedy_text(shared_dir):
-    root = shared_dir / "models" / "stories260K"
+def test_reference_reproduces_the_c_implementation_greedy_text(stories_dir):
+    root = stories_dir
     sp = spm.SentencePieceProcessor(model_file=str(root / "tok512.model"))
     ref = ReferenceLlama(str(root / "hf"))
     for case in json.loads((root / "greedy_reference.json").read_text()):
@@ -18,8 +18,8 @@ def test_reference_reproduces_the_c_implementation_greedy_text(shared_dir):
         assert sp.decode(ids + new) + "\n" == case["greedy_text"]
 
 
-def test_incremental_forward_equals_one_shot_and_recompute_restarts(shared_dir):
-    ref = ReferenceLlama(str(shared_dir / "models" / "stories260K" / "hf"))
+def test_incremental_forward_equals_one_shot_and_recompute_restarts(stories_dir):
+    ref = ReferenceLlama(str(stories_dir / "hf"))
     ids = [1, 403, 407, 261, 378, 600 % 512, 45, 99]
     whole = ref.forward(ref.new_sequence(), ids, 0)
     seq = ref.new_sequence()

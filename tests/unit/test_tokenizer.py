@@ -1,12 +1,12 @@
 """SentencePieceTokenizer and IncrementalDetokenizer: streamed deltas always add up to whole-sequence decoding.
 
-Runs on the LLaMA-2 tokenizer (32k pieces, byte fallback), stories260K's tok512 (which also
-removes extra whitespace, so sentencepiece's start-of-text rule reaches further) and the default
-tiny model's tokenizer (built in a temp dir, needs nothing from ../shared).
+Runs on the LLaMA-2 tokenizer (32k pieces, byte fallback; licence-restricted, so only where a developer keeps it
+beside the repository, else those cases skip naming it), its generated stand-in (the default tiny model's tokenizer,
+built in a temp dir), and stories260K's tok512 (which also removes extra whitespace, so sentencepiece's
+start-of-text rule reaches further).
 """
 import functools
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,10 +15,7 @@ from hypothesis import strategies as st
 
 from llm_serving.models.default_model import ensure_default_model
 from llm_serving.tokenization import IncrementalDetokenizer, SentencePieceTokenizer
-
-SHARED = Path(__file__).resolve().parents[2].parent / "shared"
-LLAMA2_TOKENIZER = SHARED / "tokenizers" / "llama2" / "tokenizer.model"
-TOK512 = SHARED / "models" / "stories260K" / "tok512.model"
+from tests.conftest import LLAMA2_TOKENIZER, TOK512, restricted_file
 
 MIXED_TEXT = "Hello world! 你好，世界 🙂🚀 naïve café\n  two  spaces\tand a tab."
 
@@ -26,23 +23,23 @@ PROPERTY_SETTINGS = settings(max_examples=150, deadline=None,
                              suppress_health_check=[HealthCheck.too_slow])
 
 
-def _load(path: Path) -> SentencePieceTokenizer:
-    if not path.is_file():
-        pytest.skip(f"{path} not found: tests need the read-only ../shared directory next to the repo")
+@pytest.fixture(scope="module", params=["llama2", "standin"])
+def llama2(request, llama_tokenizer_standin) -> SentencePieceTokenizer:
+    """The LLaMA-2 tokenizer, then its generated stand-in; a test of what only the LLaMA-2 vocabulary does takes
+    the first alone (ONLY_LLAMA2)."""
+    path = restricted_file(LLAMA2_TOKENIZER) if request.param == "llama2" else llama_tokenizer_standin
     return SentencePieceTokenizer(path)
 
 
-@pytest.fixture(scope="module")
-def llama2() -> SentencePieceTokenizer:
-    return _load(LLAMA2_TOKENIZER)
+ONLY_LLAMA2 = pytest.mark.parametrize("llama2", ["llama2"], indirect=True)
 
 
 @pytest.fixture(scope="module", params=["llama2", "tok512", "default"])
 def tokenizer(request, tmp_path_factory) -> SentencePieceTokenizer:
     if request.param == "llama2":
-        return _load(LLAMA2_TOKENIZER)
+        return SentencePieceTokenizer(restricted_file(LLAMA2_TOKENIZER))
     if request.param == "tok512":
-        return _load(TOK512)
+        return SentencePieceTokenizer(TOK512)
     return SentencePieceTokenizer(ensure_default_model(tmp_path_factory.mktemp("cache")) / "tokenizer.model")
 
 
@@ -66,6 +63,7 @@ def token_ids(tok: SentencePieceTokenizer) -> st.SearchStrategy[int]:
 # ------------------------------------------------------------------------------ SentencePieceTokenizer
 
 
+@ONLY_LLAMA2
 def test_llama2_ids_and_special_tokens(llama2):
     assert (llama2.vocab_size, llama2.bos_id, llama2.eos_id) == (32000, 1, 2)
     assert llama2.pad_id == 0  # LLaMA has no pad piece
@@ -107,6 +105,7 @@ def test_missing_model_file_is_a_clear_error(tmp_path):
 # ------------------------------------------------------------------------------ IncrementalDetokenizer
 
 
+@ONLY_LLAMA2
 def test_words_keep_their_leading_space_mid_stream(llama2):
     ids = llama2.encode("Hello world, how are you")
     deltas = stream(IncrementalDetokenizer(llama2), ids)
@@ -137,6 +136,7 @@ def test_text_accumulates_deltas_and_numpy_ids_are_accepted(llama2):
     assert detok.text == MIXED_TEXT
 
 
+@ONLY_LLAMA2
 def test_generated_word_after_prompt_keeps_its_space(llama2):
     prompt = llama2.encode("Once upon a")
     detok = IncrementalDetokenizer(llama2, prompt_ids=prompt)

