@@ -122,8 +122,10 @@ async def replay(url: str, model: str, prompts: list, max_new_tokens: int, rate:
         if rate > 0:
             await asyncio.sleep(i / rate)
         # no speculative decoding: a verify step is not captured (agents/worker.py), and the gate follows each
-        # request step by step
-        body = {"inputs": prompt, "parameters": {"max_new_tokens": max_new_tokens, "speculative": False}}
+        # request step by step; past an end-of-sequence token too, so every request is compared over
+        # max_new_tokens steps whatever the model writes
+        body = {"inputs": prompt, "parameters": {"max_new_tokens": max_new_tokens, "speculative": False,
+                                                 "ignore_eos": True}}
         async with session.post(f"{url}/models/{model}/generate", json=body) as resp:
             answer = await resp.json()
             if resp.status != 200:

@@ -61,9 +61,12 @@ def _project_processes(since: float) -> list:
 
     found = []
     for p in psutil.process_iter(["pid", "cmdline", "create_time"]):
-        cmd = " ".join(p.info["cmdline"] or [])
-        if p.info["create_time"] >= since and p.pid != os.getpid() and (
-                "llm_serving.agents.server" in cmd or "llm_serving.cli" in cmd or "llm-serving" in cmd):
+        args = p.info["cmdline"] or []
+        cmd = " ".join(args)
+        # the project's processes by what they run (`-m llm_serving.…`, the `llm-serving` script), not by a path that
+        # happens to contain the name (a checkout in a folder called llm-serving runs every helper from there)
+        ours = any(a.startswith("llm_serving.") or os.path.basename(a) == "llm-serving" for a in args)
+        if p.info["create_time"] >= since and p.pid != os.getpid() and ours:
             try:
                 mine = p.environ().get("LLM_SERVING_TEST_SESSION") == SESSION_TAG
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
