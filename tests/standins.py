@@ -19,14 +19,18 @@ _TASKS = ["Summarize the story", "Give the story a title", "Name the animal in t
 def alpaca_records(n: int, seed: int = 0) -> list:
     """`n` alpaca records ({instruction, input, output}): short instructions, an input on about half of them,
     outputs from a few words to ~120, built from the default model's generated story lines."""
-    rng = random.Random(seed)
+    rng = random.Random(seed)     # random() alone: its sequence for a seed is promised never to change
+
+    def between(low: int, high: int) -> int:
+        return low + int(rng.random() * (high - low + 1))
+
     stories = iter(generate_story_lines(2 * n, seed))
     records = []
     for _ in range(n):
         story, answer = next(stories).split(), next(stories).split()
-        extra = " ".join(story[:rng.randint(4, 40)]) if rng.random() < 0.5 else ""
-        records.append({"instruction": rng.choice(_TASKS), "input": extra,
-                        "output": " ".join((answer * 3)[:rng.randint(3, 120)])})
+        extra = " ".join(story[:between(4, 40)]) if rng.random() < 0.5 else ""
+        records.append({"instruction": _TASKS[between(0, len(_TASKS) - 1)], "input": extra,
+                        "output": " ".join((answer * 3)[:between(3, 120)])})
     return records
 
 
