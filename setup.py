@@ -5,7 +5,7 @@ setup(
     version="0.1.0",
     description="Continuous-batching LLaMA serving over a paged KV cache, with MindSpore agents",
     packages=find_packages(include=["llm_serving", "llm_serving.*"]),
-    package_data={"llm_serving": ["configs/*.yaml", "models/kernels/*.cc", "server/static/*"]},
+    package_data={"llm_serving": ["configs/*.yaml", "models/kernels/*.cc", "models/kernels/*.h", "server/static/*"]},
     python_requires=">=3.9",
     install_requires=[
         "numpy<2",

@@ -59,13 +59,15 @@ def llama_tokenizer_standin(tmp_path_factory) -> Path:
 def _project_processes(since: float) -> list:
     import psutil
 
+    from llm_serving.shm.sweep import runs_llm_serving
+
     found = []
     for p in psutil.process_iter(["pid", "cmdline", "create_time"]):
         args = p.info["cmdline"] or []
         cmd = " ".join(args)
-        # the project's processes by what they run (`-m llm_serving.…`, the `llm-serving` script), not by a path that
-        # happens to contain the name (a checkout in a folder called llm-serving runs every helper from there)
-        ours = any(a.startswith("llm_serving.") or os.path.basename(a) == "llm-serving" for a in args)
+        # the project's processes by what they run, not by a path that happens to contain the name (a checkout in a
+        # folder called llm-serving runs every helper from there)
+        ours = runs_llm_serving(args)
         if p.info["create_time"] >= since and p.pid != os.getpid() and ours:
             try:
                 mine = p.environ().get("LLM_SERVING_TEST_SESSION") == SESSION_TAG

@@ -108,10 +108,14 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
+    def running_rows(self) -> list:
+        """The rows whose request still runs (those `drop_finished` keeps, in order)."""
+        return [i for i, r in enumerate(self.requests) if r.status is RequestStatus.RUNNING]
+
     def drop_finished(self) -> "ScheduledBatch":
         """This step without the rows whose request ended since it was scheduled (e.g. aborted while a draft
         model proposed for it: its blocks are already free)."""
-        keep = [i for i, r in enumerate(self.requests) if r.status is RequestStatus.RUNNING]
+        keep = self.running_rows()
         if len(keep) == len(self.requests):
             return self
         pick = lambda xs: [xs[i] for i in keep] if xs else []     # noqa: E731

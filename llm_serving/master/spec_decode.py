@@ -69,7 +69,7 @@ class SpeculativePlanner:
             return batch
         batch.spec_limits = limits
         trees = await self.proposer.propose(batch.requests, limits)
-        trees = [tree for tree, req in zip(trees, batch.requests) if not req.finished]
+        trees = [trees[i] for i in batch.running_rows()]      # the rows drop_finished keeps
         batch = batch.drop_finished()
         self.attach(batch, trees)
         if not batch.proposals and not self.proposer.reserves_blocks:

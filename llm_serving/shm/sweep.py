@@ -24,11 +24,24 @@ SHM_DIR = "/dev/shm"
 CLOCK_SLACK_S = 2.0     # a process's start time is known to about a second (the boot time is whole seconds)
 
 
+def runs_llm_serving(args: list) -> bool:
+    """Whether a command line is one of this project's processes (`python -m llm_serving.…`, the `llm-serving`
+    script)."""
+    return any(a.startswith("llm_serving.") or os.path.basename(a) == "llm-serving" for a in args)
+
+
 def owner_alive(pid: int, made_at: float) -> bool:
-    """Whether the process that made a segment at `made_at` (epoch seconds) may still be the process `pid`."""
+    """Whether the process that made a segment at `made_at` (epoch seconds) may still be the process `pid`.
+
+    A live process that runs llm-serving always counts as the owner: start times are wall-clock times (psutil
+    derives them from the boot time, which moves when the clock is stepped), so comparing them would take a live
+    master for a reused pid after an NTP step. Any other live process with that pid is the owner unless it
+    started after the segment was made (the pid was reused)."""
     try:
         process = psutil.Process(pid)
-        return process.status() != psutil.STATUS_ZOMBIE and process.create_time() <= made_at + CLOCK_SLACK_S
+        if process.status() == psutil.STATUS_ZOMBIE:
+            return False
+        return runs_llm_serving(process.cmdline()) or process.create_time() <= made_at + CLOCK_SLACK_S
     except psutil.NoSuchProcess:
         return False
     except psutil.AccessDenied:          # another user's process: alive, and not ours to judge

@@ -15,7 +15,7 @@ import pytest
 
 from llm_serving.agents.lifetime import PARENT_PID_ENV, expected_parent, parent_gone, spawn
 from llm_serving.shm.buffers import pid_namespace, segment_owner, segment_prefix, segment_stem
-from llm_serving.shm.sweep import owner_alive, stale_segments, sweep_stale_segments
+from llm_serving.shm.sweep import owner_alive, runs_llm_serving, stale_segments, sweep_stale_segments
 from tests.conftest import REPO, SESSION_TAG
 
 
@@ -113,6 +113,22 @@ def test_a_pid_reused_by_a_later_process_is_no_owner():
     assert owner_alive(os.getpid(), made_at=me + 10)
     assert not owner_alive(os.getpid(), made_at=me - 60)      # made a minute before this process started
     assert not owner_alive(_dead_pid(), made_at=time.time())
+
+
+def test_a_live_llm_serving_process_owns_its_segments_whatever_the_clock_says(monkeypatch):
+    """A clock stepped forward (NTP) moves psutil's start times, not a segment's ctime: a live master whose start
+    time now looks later than its segments is still their owner; any other process is judged by start time."""
+    assert runs_llm_serving(["/usr/bin/python3", "-m", "llm_serving.cli", "start", "--port", "8000"])
+    assert runs_llm_serving(["/usr/bin/python3", "-m", "llm_serving.agents.server"])
+    assert runs_llm_serving(["/opt/venv/bin/python", "/opt/venv/bin/llm-serving", "start"])
+    assert not runs_llm_serving(["/srv/llm-serving/.venv/bin/python", "-m", "pytest", "tests"])
+    assert not runs_llm_serving(["python", "-c", "from multiprocessing.resource_tracker import main;main(15)"])
+    later = time.time() + 3600
+    monkeypatch.setattr(psutil.Process, "create_time", lambda self: later)
+    monkeypatch.setattr(psutil.Process, "cmdline", lambda self: ["python", "-m", "llm_serving.cli", "start"])
+    assert owner_alive(os.getpid(), made_at=time.time())
+    monkeypatch.setattr(psutil.Process, "cmdline", lambda self: ["python", "-m", "http.server"])
+    assert not owner_alive(os.getpid(), made_at=time.time())
 
 
 def test_the_sweep_removes_dead_masters_segments_and_keeps_the_rest(tmp_path):
