@@ -83,20 +83,21 @@ class RowWriter:
         b.request_ids[i] = request_id
         b.lora[i] = lora
 
-    def tokens(self, i: int, ids: list, start: int, positions=None, pad: bool = True) -> None:
+    def tokens(self, i: int, ids: list, start: int, positions=None, pad_to: Optional[int] = None) -> None:
         """Row i feeds `ids` into the slots of positions start.. of its table (at those positions, or at
-        `positions`: a token tree's nodes sit at their depth's); its context reaches start + len(ids). pad: the
-        rest of the row is padding (id 0, position 0, slot -1)."""
+        `positions`: a token tree's nodes sit at their depth's); its context reaches start + len(ids). The row is
+        padding (id 0, position 0, slot -1) from there to token pad_to (the step's width; None: the row's end)."""
         b, bs = self.b, self.block_size
         q = len(ids)
         slots = np.arange(start, start + q, dtype=np.int32)
         b.input_ids[i, :q] = ids
         b.positions[i, :q] = slots if positions is None else positions
         b.slot_mapping[i, :q] = b.block_tables[i, slots // bs] * bs + slots % bs
-        if pad and q < b.input_ids.shape[1]:
-            b.input_ids[i, q:] = 0
-            b.positions[i, q:] = 0
-            b.slot_mapping[i, q:] = -1
+        end = b.input_ids.shape[1] if pad_to is None else pad_to
+        if q < end:
+            b.input_ids[i, q:end] = 0
+            b.positions[i, q:end] = 0
+            b.slot_mapping[i, q:end] = -1
         b.context_lens[i] = start + q
         b.query_lens[i] = q
 
@@ -180,7 +181,8 @@ class StepIO:
                     positions = np.arange(start, stop, dtype=np.int32)
                     own = q - len(proposal)             # the row's own tokens, then the nodes
                     positions[own:] = stop - len(proposal) - 1 + np.asarray(node_depths(batch.parents[i]))
-                w.tokens(i, req.tokens(start, stop - len(proposal)) + list(proposal), start, positions)
+                w.tokens(i, req.tokens(start, stop - len(proposal)) + list(proposal), start, positions,
+                         pad_to=batch.max_query_len)    # the agent reads the step's width only
         for i, (req, q) in enumerate(zip(batch.requests, batch.num_new_tokens)):
             if verify:                              # the row's own tokens: each one's parent is the one before
                 tree = batch.parents[i]
