@@ -100,10 +100,12 @@ class ModelConfig:
     layer_kernel: str = "auto"                # CPU steps of few tokens: each decoder layer as one C++ kernel
                                               # ('on'), layer by layer in MindSpore ops ('off'), 'auto' = the
                                               # kernel when it builds, on one agent with the attention kernel
-    layer_kernel_max_tokens: int = 64         # steps of up to this many tokens (decode rows, packed prefill or
-                                              # verify tokens) take the layer kernel; larger ones MindSpore's GEMMs
-    keep_quantized: bool = True               # the layer kernel reads a GGUF's Q4_0/Q4_1/Q8_0/F16 matrices as
-                                              # stored (fewer bytes per step); False = the float32 copy
+    layer_kernel_max_tokens: Optional[int] = None   # null = the layer kernel runs every step, on the weights as
+                                              # stored (no float32 copy); N = steps of up to N tokens (decode rows,
+                                              # packed prefill or verify tokens) only, larger ones MindSpore's GEMMs
+                                              # on a float32 copy of every matrix
+    keep_quantized: bool = True               # the CPU kernels read a GGUF's quantized and F16 matrices as stored
+                                              # (fewer bytes per step); False = a float32 copy
     all_reduce: str = "auto"                  # tensor parallelism's all-reduce: 'shm' (CPU shared memory),
                                               # 'mindspore' (MindSpore's: HCCL on Ascend), 'auto' = by device
     model_dtype: str = "float32"
@@ -136,7 +138,8 @@ class ModelConfig:
         self.layer_kernel = _yaml_switch(self.layer_kernel)
         _check(self.layer_kernel in ATTENTION_KERNELS, "model_config.layer_kernel", self.layer_kernel,
                f"must be one of {', '.join(ATTENTION_KERNELS)}")
-        _check_int("model_config.layer_kernel_max_tokens", self.layer_kernel_max_tokens)
+        if self.layer_kernel_max_tokens is not None:
+            _check_int("model_config.layer_kernel_max_tokens", self.layer_kernel_max_tokens)
         _check(isinstance(self.keep_quantized, bool), "model_config.keep_quantized", self.keep_quantized,
                "must be true or false")
         _check(not (self.layer_kernel == "on" and self.attention_kernel == "off"), "model_config.layer_kernel",

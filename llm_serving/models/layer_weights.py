@@ -43,7 +43,8 @@ def kept_quantized(quantized: dict, names: list) -> Optional[tuple[np.ndarray, i
     parts = [quantized.get(n) for n in names]
     if any(t is None for t in parts) or len({t.qtype for t in parts}) != 1:
         return None
-    return np.concatenate([t.data for t in parts]), parts[0].qtype
+    data = parts[0].data if len(parts) == 1 else np.concatenate([t.data for t in parts])    # (one: no copy)
+    return data, parts[0].qtype
 
 
 class LoraStack:
@@ -135,11 +136,13 @@ class KernelInputs:
 class LayerWeights:
     """One decoder layer's weights as the model runs them (this rank's part under tensor parallelism)."""
 
-    qkv: np.ndarray                     # ((NH+2KVH)*D, H) float32, the input norm's gain folded in
+    # the float32 products MindSpore's ops run; None for one the layer kernel reads as stored on every step (the
+    # checkpoint's float32 copy was never made)
+    qkv: Optional[np.ndarray]           # ((NH+2KVH)*D, H) float32, the input norm's gain folded in
     qkv_bias: Optional[np.ndarray]      # ((NH+2KVH)*D,) where the model has q/k/v biases (not touched by the fold)
-    o: np.ndarray                       # (H, NH*D)
-    gate_up: np.ndarray                 # (2I, H), the post-attention norm's gain folded in
-    down: np.ndarray                    # (H, I)
+    o: Optional[np.ndarray]             # (H, NH*D)
+    gate_up: Optional[np.ndarray]       # (2I, H), the post-attention norm's gain folded in
+    down: Optional[np.ndarray]          # (H, I)
     lora_stacks: dict = field(default_factory=dict)     # product (LORA_PRODUCTS) -> LoraStack; {}: no adapter slots
     kernel: Optional[KernelInputs] = None               # None: no layer kernel
 
@@ -161,11 +164,16 @@ def prepare_layer(cfg: LlamaConfig, w: dict, i: int, *, tp: TensorParallel = Ten
     nh, kvh, d = cfg.num_heads // tp.world, cfg.num_kv_heads // tp.world, cfg.head_dim
     inter, h = cfg.intermediate_size // tp.world, cfg.hidden_size
     gain = {key: w[f"{p}{norm}.weight"] for key, (norm, _) in _NORMS.items()}                # (H,) each
-    f32 = {key: _fused(w, p, parts) for key, parts in LORA_PRODUCTS.items()}
+    # the float32 form of the products whose parts `w` holds (a product the kernel runs as stored for every step
+    # was not read as float32 at all: weights.load_llama_weights' `skip`)
+    f32 = {key: _fused(w, p, parts) for key, parts in LORA_PRODUCTS.items()
+           if all(f"{p}{part}.weight" in w for part in parts)}
     for key, g in gain.items():
-        f32[key] = f32[key] * g[None, :]                          # (rows, H): the norm's gain folded in
+        if key in f32:
+            f32[key] = f32[key] * g[None, :]                      # (rows, H): the norm's gain folded in
     bias = _fused(w, p, LORA_PRODUCTS["qkv"], "bias") if cfg.attention_bias else None       # Qwen2
-    layer = LayerWeights(qkv=f32["qkv"], qkv_bias=bias, o=f32["o"], gate_up=f32["gate_up"], down=f32["down"])
+    layer = LayerWeights(qkv=f32.get("qkv"), qkv_bias=bias, o=f32.get("o"), gate_up=f32.get("gate_up"),
+                         down=f32.get("down"))
     # the products the kernel reads as stored (LoRA's A then leaves their gain to the kernel too)
     stored = {}
     if kernel is not None:
@@ -173,6 +181,10 @@ def prepare_layer(cfg: LlamaConfig, w: dict, i: int, *, tp: TensorParallel = Ten
             kept = kept_quantized(quantized, [f"{p}{part}.weight" for part in parts])
             if kept is not None:
                 stored[key] = kept
+    missing = [key for key in LORA_PRODUCTS if key not in f32 and key not in stored]
+    if missing:
+        raise ValueError(f"layer {i}: product {missing[0]!r} has neither float32 weights nor stored rows the layer "
+                         "kernel reads")
     if lora_slots > 0:
         shapes = {"qkv": ([nh * d, kvh * d, kvh * d], h), "o": ([h], nh * d), "gate_up": ([inter, inter], h),
                   "down": ([h], inter)}
@@ -216,7 +228,7 @@ def _kernel_inputs(layer: LayerWeights, stored: dict, gain: dict, nh: int, kvh: 
 class HeadWeights:
     """The final norm and the lm_head as the model runs them (rank 0's only: the logits are computed there)."""
 
-    lm_head: np.ndarray                         # (V, H) float32, the final norm's gain folded in
+    lm_head: Optional[np.ndarray]               # (V, H) float32, the final norm's gain folded in (None: stored only)
     kernel_lm_head: Optional[np.ndarray] = None  # FinalLogits': the same array, or the stored rows (uint8)
     kernel_gain: Optional[np.ndarray] = None     # (H,): 1 where folded
     kernel_type: int = 0                         # the GGML type code FinalLogits reads (0: float32)
@@ -226,12 +238,16 @@ class HeadWeights:
 
 def prepare_head(cfg: LlamaConfig, weights: dict, *, kernel_threads: Optional[int] = None,
                  quantized: Optional[dict] = None) -> HeadWeights:
-    """The lm_head with the final norm's gain folded in, and FinalLogits' inputs when `kernel_threads` is given
-    (the stored rows where `quantized` has the lm_head, the gain then beside them)."""
-    lm_head = weights["lm_head.weight"] * weights["model.norm.weight"][None, :]                # (V, H)
+    """The lm_head with the final norm's gain folded in (None when `weights` has no float32 lm_head: the kernel
+    reads it as stored on every step), and FinalLogits' inputs when `kernel_threads` is given (the stored rows
+    where `quantized` has the lm_head, the gain then beside them)."""
+    lm_head = (weights["lm_head.weight"] * weights["model.norm.weight"][None, :]                # (V, H)
+               if "lm_head.weight" in weights else None)
     head = HeadWeights(lm_head=lm_head)
     if kernel_threads is not None:
         kept = kept_quantized(quantized or {}, ["lm_head.weight"])
+        if kept is None and lm_head is None:
+            raise ValueError("the lm_head has neither float32 weights nor stored rows FinalLogits reads")
         if kept is None:
             head.kernel_lm_head, head.kernel_gain = lm_head, np.ones(cfg.hidden_size, np.float32)
         else:

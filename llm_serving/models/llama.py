@@ -31,7 +31,7 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
 from .attention import PagedAttention, paged_metadata
-from .kernels.signatures import DECODER_LAYER, FINAL_LOGITS
+from .kernels.signatures import DECODER_LAYER, EMBED_TOKENS, FINAL_LOGITS
 from .layer_weights import (LORA_PRODUCTS, KernelInputs, LayerKernelConfig, kernel_lora_arrays, prepare_head,
                             prepare_layer)
 from .parallel import TensorParallel
@@ -96,13 +96,14 @@ class LlamaDecoderLayer(nn.Cell):
         kernel = LayerKernelConfig(block_size, kernel_threads) if layer_kernel is not None else None
         prepared = prepare_layer(cfg, w, i, tp=tp, kernel=kernel, quantized=quantized, lora_slots=lora_slots,
                                  lora_rank=lora_rank)
-        self.qkv_w = _param(prepared.qkv, f"layers.{i}.qkv")                          # ((NH+2KVH)*D, H)
+        # the float32 products of MindSpore's ops (construct); one the layer kernel reads as stored on every step
+        # has none (None: weights.load_llama_weights did not read it as float32, and construct is never compiled)
+        f32 = {"qkv_w": prepared.qkv, "o_w": prepared.o, "gate_up_w": prepared.gate_up, "down_w": prepared.down}
+        for name, array in f32.items():    # qkv ((NH+2KVH)*D, H), o (H, NH*D), gate_up (2I, H), down (H, I)
+            setattr(self, name, None if array is None else _param(array, f"layers.{i}.{name.removesuffix('_w')}"))
         self.qkv_bias = None
         if prepared.qkv_bias is not None:
             self.qkv_bias = _param(prepared.qkv_bias, f"layers.{i}.qkv_bias")       # ((NH+2KVH)*D,)
-        self.o_w = _param(prepared.o, f"layers.{i}.o")                               # (H, NH*D)
-        self.gate_up_w = _param(prepared.gate_up, f"layers.{i}.gate_up")             # (2I, H)
-        self.down_w = _param(prepared.down, f"layers.{i}.down")                      # (H, I)
         # LoRA adapters (lora_slots > 0): S = lora_slots + 1 slots of rank lora_rank per product
         self.lora_stacks = prepared.lora_stacks
         self.has_lora = lora_slots > 0
@@ -238,7 +239,8 @@ class LlamaForCausalLM(nn.Cell):
             raise ValueError("LlamaForCausalLM: the CPU layer kernel serves one CPU agent (no tensor parallelism)")
         if (tp.world > 1) != (all_reduce is not None):
             raise ValueError("LlamaForCausalLM: an all-reduce is needed exactly when tp.world > 1")
-        q_rows = weights["model.layers.0.self_attn.q_proj.weight"].shape[0]
+        q_name = "model.layers.0.self_attn.q_proj.weight"
+        q_rows = (weights[q_name] if q_name in weights else quantized[q_name]).shape[0]
         if q_rows != cfg.num_heads // tp.world * cfg.head_dim:
             raise ValueError(f"LlamaForCausalLM: weights hold {q_rows} q_proj rows, rank {tp.rank} of {tp.world} "
                              f"needs its {cfg.num_heads // tp.world * cfg.head_dim}: load them with "
@@ -247,7 +249,23 @@ class LlamaForCausalLM(nn.Cell):
         self.kvh = cfg.num_kv_heads // tp.world
         self.eps = cfg.rms_norm_eps
         self.writes_outputs = tp.writes_outputs
-        self.embed = _param(weights["model.embed_tokens.weight"], "embed")            # (V, H)
+        # the embedding: a gather from float32 rows, or (read as stored on every step: not in `weights`) the
+        # EmbedTokens kernel on the stored rows
+        self.embed_stored = "model.embed_tokens.weight" not in weights
+        if self.embed_stored:
+            table = (quantized or {}).get("model.embed_tokens.weight")
+            if table is None or layer_kernel is None:
+                raise ValueError("LlamaForCausalLM: the embedding has no float32 weights and no stored rows the "
+                                 "CPU kernels read")
+            hidden = cfg.hidden_size
+            self.embed_kernel = ops.Custom(f"{layer_kernel}:EmbedTokens", func_type="aot",
+                                           out_shape=lambda ids, *_: (ids[0], hidden),
+                                           out_dtype=lambda *_: ms.float32)
+            self.embed_table = _stored_param(table.data, "embed_stored")                  # (V, row bytes)
+            self.embed_held = EMBED_TOKENS.held(table=self.embed_table,
+                                                iconfig=Tensor(np.array([table.qtype], np.int32)))
+        else:
+            self.embed = _param(weights["model.embed_tokens.weight"], "embed")        # (V, H)
         self.layers = nn.CellList([LlamaDecoderLayer(cfg, weights, i, num_slots, device_target, block_size,
                                                      decode_kernel, kernel_threads, tp, all_reduce,
                                                      layer_kernel, quantized, lora_slots, lora_rank)
@@ -256,13 +274,17 @@ class LlamaForCausalLM(nn.Cell):
         if self.writes_outputs:                    # (the logits' tensors are loaded on rank 0 only)
             head = prepare_head(cfg, weights, kernel_threads=kernel_threads if layer_kernel is not None else None,
                                 quantized=quantized)
-            self.lm_head = _param(head.lm_head, "lm_head")                              # (V, H)
+            self.lm_head = None if head.lm_head is None else _param(head.lm_head, "lm_head")   # (V, H)
             if layer_kernel is not None:
                 self.final_logits = ops.Custom(f"{layer_kernel}:FinalLogits",
                                                out_shape=_final_logits_shapes,
                                                out_dtype=lambda x, *_: (x, ms.int32, x), func_type="aot")
-                self.kernel_lm_head = self.lm_head if head.kernel_type == 0 else \
-                    _stored_param(head.kernel_lm_head, "lm_head_stored")
+                if head.kernel_type == 0:
+                    self.kernel_lm_head = self.lm_head
+                elif self.embed_stored and head.kernel_lm_head is quantized["model.embed_tokens.weight"].data:
+                    self.kernel_lm_head = self.embed_table           # tied: the embedding's stored rows, once
+                else:
+                    self.kernel_lm_head = _stored_param(head.kernel_lm_head, "lm_head_stored")
                 self.kernel_norm_gain = _param(head.kernel_gain, "kernel_final_norm_gain")         # (H,)
                 self.kernel_lm_type = head.kernel_type
                 self.logits_icfg = Tensor(head.iconfig)                                      # (2,) int32
@@ -291,7 +313,7 @@ class LlamaForCausalLM(nn.Cell):
         # token tree sees (the CPU decode kernel's, see attention.paged_metadata; -1 = all, as for every other token);
         # lora (B,) int32: each row's LoRA adapter slot (0: none)
         b, s = input_ids.shape
-        x = ops.gather(self.embed, input_ids.reshape(-1), 0)                            # (T, H)
+        x = self.embed_tokens(input_ids.reshape(-1))                                    # (T, H)
         flat_pos = positions.reshape(-1)                                                 # (T,)
         fused = s == 1 and b <= self.layer_kernel_rows          # small decode-shaped steps: one kernel per layer
         flat_slots = slot_mapping.reshape(-1)                                            # (T,)
@@ -322,6 +344,12 @@ class LlamaForCausalLM(nn.Cell):
         logits = self.matmul_t(_rms_normalize(x, self.eps), self.lm_head)                # (R, V)
         token, logprob = greedy_pick(logits)                                             # (R,), (R,)
         return token, logprob, logits
+
+    def embed_tokens(self, ids):
+        """ids (T,) -> their embeddings (T, H): the EmbedTokens kernel on the stored rows, or a float32 gather."""
+        if self.embed_stored:
+            return self.embed_kernel(ids, *self.embed_held)
+        return ops.gather(self.embed, ids, 0)
 
     def fused_layers(self, x, positions, slots, block_tables, context_lens, tree_bits, lora):
         """Every decoder layer as the layer kernel, on T decode-shaped tokens (x (T, H); the rest (T,), tables
@@ -369,7 +397,7 @@ class DecodeRun(nn.Cell):
         ids = input_ids
         tokens, logprobs = (), ()
         for i in range(self.steps):
-            x = m.fused_layers(ops.gather(m.embed, ids, 0), positions[i], slot_mapping[i], block_tables,
+            x = m.fused_layers(m.embed_tokens(ids), positions[i], slot_mapping[i], block_tables,
                                context_lens[i], tree_bits, lora)                         # (B, H)
             _, ids, logprob = m.fused_logits(x, slot_mapping[i])                         # (B,) each
             tokens += (ids,)

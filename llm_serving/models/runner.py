@@ -49,20 +49,26 @@ def _pad(arr: np.ndarray, size: int, fill) -> np.ndarray:
 
 
 _GGML_TYPE_NAMES = {1: "F16", 2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
+ALL_ROWS = 1 << 30              # layer_kernel_rows when the layer kernel serves every step
 
 
-def _describe_quantized(quantized: dict, weights: dict) -> Optional[str]:
-    """'Q4_1 x210, Q8_0 x1: 96.3 MB instead of 537.2 MB of float32' for the matrices the layer kernel reads as
-    stored, logged once; None when there are none."""
+def _describe_quantized(quantized: dict, float32_copy: bool) -> Optional[str]:
+    """'Q4_1 x211: 96.3 MB instead of 537.2 MB of float32' for the matrices the CPU kernels read as stored
+    (float32_copy: MindSpore's graphs keep a float32 copy beside them), logged once; None when there are none."""
     if not quantized:
         return None
-    counts, stored, f32 = {}, 0, 0
+    counts, stored, f32, seen = {}, 0, 0, set()
     for name, t in sorted(quantized.items()):
+        if id(t) in seen:                   # a tied lm_head: the embedding's tensor
+            continue
+        seen.add(id(t))
         label = _GGML_TYPE_NAMES.get(t.qtype, str(t.qtype))
         counts[label] = counts.get(label, 0) + 1
         stored += t.data.nbytes
-        f32 += weights[name].nbytes
+        f32 += 4 * int(np.prod(t.shape))
     summary = ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))
+    if float32_copy:
+        return f"{summary}: {stored / 1e6:.1f} MB, and a float32 copy of {f32 / 1e6:.1f} MB for MindSpore's graphs"
     return f"{summary}: {stored / 1e6:.1f} MB instead of {f32 / 1e6:.1f} MB of float32"
 
 
@@ -102,7 +108,11 @@ class ModelRunner:
         self.decode_kernel = self._build_decode_kernel(device_target, attention_kernel)
         self.tp = tp if tp is not None else TensorParallel()
         self.layer_kernel = self._build_layer_kernel(device_target, layer_kernel, self.tp, self.decode_kernel)
-        self.layer_kernel_rows = int(spec.layer_kernel_rows) if self.layer_kernel is not None else 0
+        # the layer kernel serves every step (layer_kernel_rows None, the default), or steps of up to that many
+        # tokens, MindSpore's ops (on float32 copies of the weights) the larger ones
+        self.kernel_serves_all = self.layer_kernel is not None and spec.layer_kernel_rows is None
+        self.layer_kernel_rows = (0 if self.layer_kernel is None else ALL_ROWS if spec.layer_kernel_rows is None
+                                  else int(spec.layer_kernel_rows))
         # decode runs (_execute_decode_run): K greedy steps in one graph, for batches of up to decode_run_rows
         # (None: every batch the layer kernel takes)
         if decode_run_rows is None:
@@ -124,12 +134,14 @@ class ModelRunner:
                 raise ValueError(f"ModelRunner: {key} must be an integer >= {0 if key == 'lora_slots' else 1}, "
                                  f"got {val!r}")
         self.lora_slots, self.lora_rank = int(lora_slots), int(lora_rank)
-        self.config, weights = load_llama_weights(model_dir, self.tp, num_layers)   # this rank's part only
-        cfg: LlamaConfig = self.config
-        # the layer kernel reads a GGUF's quantized matrices as stored (llama.py); MindSpore's graphs the float32
+        # the CPU kernels read a GGUF's quantized matrices as stored (llama.py); MindSpore's graphs a float32 copy,
+        # made only when some step runs them
         quantized = (load_quantized(model_dir, num_layers) if self.layer_kernel is not None and spec.keep_quantized
                      else {})
-        self.quantized_matrices = _describe_quantized(quantized, weights)
+        skip = frozenset(quantized) if self.kernel_serves_all else frozenset()
+        self.config, weights = load_llama_weights(model_dir, self.tp, num_layers, skip=skip)   # this rank's part
+        cfg: LlamaConfig = self.config
+        self.quantized_matrices = _describe_quantized(quantized, float32_copy=not self.kernel_serves_all)
         if self.quantized_matrices:
             logger.info("the layer kernel reads the checkpoint's quantized matrices as stored (%s)",
                         self.quantized_matrices)

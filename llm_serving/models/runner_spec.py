@@ -38,7 +38,7 @@ class RunnerSpec:
     verify_rows: int = 0
     num_layers: Optional[int] = None
     layer_kernel: str = "auto"
-    layer_kernel_rows: int = 64
+    layer_kernel_rows: Optional[int] = None    # None: the layer kernel serves every step
     decode_run_steps: int = 1
     decode_run_rows: Optional[int] = 0
     keep_quantized: bool = True

@@ -255,7 +255,7 @@ def test_layer_kernel_switch_and_limit():
     from llm_serving.config import ConfigError, config_from_dict
 
     mc = config_from_dict({}).model_config
-    assert (mc.layer_kernel, mc.layer_kernel_max_tokens) == ("auto", 64)
+    assert (mc.layer_kernel, mc.layer_kernel_max_tokens) == ("auto", None)      # None: every step
     off = config_from_dict({}, ["model_config.layer_kernel=off", "model_config.layer_kernel_max_tokens=16"])
     assert (off.model_config.layer_kernel, off.model_config.layer_kernel_max_tokens) == ("off", 16)
     for bad, needle in (("model_config.layer_kernel=fast", "must be one of"),

@@ -214,21 +214,25 @@ KEPT = [(Q.Q4_0, 2), (Q.Q4_1, 3), (Q.Q8_0, 8), (Q.F16, 1)]
 @pytest.mark.parametrize("cached", [False, True], ids=["from-file", "from-cache"])
 @pytest.mark.parametrize("qtype,code", KEPT, ids=[q.name for q, _ in KEPT])
 def test_quantized_matrices_are_kept_as_stored(tmp_path, monkeypatch, qtype, code, cached):
-    """load_quantized: every 2-D matrix but the embedding, as the file's blocks, rows in the float32 loader's
+    """load_quantized: every 2-D matrix, the embedding too, as the file's blocks, rows in the float32 loader's
     order (q/k un-permuted), so that dequantizing them gives exactly load_llama_weights' rows; the same from the
-    float32 cache; a tied lm_head is the embedding's blocks; num_layers drops the other layers."""
+    cache (which holds only the blocks of these); a tied lm_head is the embedding's blocks, the same object;
+    num_layers drops the other layers; `skip` leaves them out of the float32 weights."""
     if not cached:
         monkeypatch.setenv("LLM_SERVING_GGUF_CACHE", "0")
     _, (_, ref) = _hf(tmp_path, tie=True, **WIDE)
     path = write_gguf(tmp_path / "m.gguf", {k: v for k, v in ref.items() if k != "lm_head.weight"}, qtype=qtype)
     _, f32 = load_llama_weights(path)                     # (writes the cache when it is on)
     kept = load_quantized(path)
-    assert set(kept) == {n for n, a in ref.items() if a.ndim == 2 and n != "model.embed_tokens.weight"}
+    assert set(kept) == {n for n, a in ref.items() if a.ndim == 2} | {"lm_head.weight"}
+    assert kept["lm_head.weight"] is kept["model.embed_tokens.weight"]
     for name, t in kept.items():
-        assert (t.qtype, t.shape, t.data.dtype) == (code, ref[name].shape, np.uint8), name
+        assert (t.qtype, t.shape, t.data.dtype) == (code, f32[name].shape, np.uint8), name
         rows = gguf.quants.dequantize(t.data, qtype).reshape(t.shape)
         np.testing.assert_array_equal(rows, f32[name], err_msg=name)
     assert set(load_quantized(path, num_layers=1)) == {n for n in kept if not n.startswith("model.layers.1.")}
+    _, rest = load_llama_weights(path, skip=frozenset(kept))
+    assert set(rest) == set(f32) - set(kept) and all(a.ndim == 1 for a in rest.values())      # the norms
 
 
 def test_only_the_kernels_block_types_are_kept(tmp_path):
@@ -412,14 +416,17 @@ def test_loading_a_quantized_gguf_peaks_under_twice_the_float32_model(tmp_path, 
     assert peak < 2 * size, (peak, size)
 
 
-def test_a_gguf_is_dequantized_once_then_read_from_the_float32_cache(tmp_path, private_cache, monkeypatch):
+def test_a_gguf_is_read_once_then_from_the_cache(tmp_path, private_cache, monkeypatch):
+    """The cache holds float32 arrays only of what the kernels do not read as stored (here the norms): the Q8_0
+    matrices are there as their blocks alone, and a float32 reader dequantizes those."""
     _, (_, ref) = _hf(tmp_path, hidden_size=256, intermediate_size=256)
     path = write_gguf(tmp_path / "m.gguf", ref, qtype=Q.Q8_0, rope_freqs=np.linspace(1, 4, 8))
     cfg, first = load_llama_weights(path)
     [entry] = (private_cache / "gguf").iterdir()
     assert (entry / "config.json").is_file()
     assert {p.name for p in entry.glob("*.npy")} == \
-        {f"{n}.npy" for n in first} | {f"{n}.blocks.npy" for n, a in first.items() if a.ndim == 2}  # Q8_0 kept
+        {f"{n}.npy" for n, a in first.items() if a.ndim == 1} | \
+        {f"{n}.blocks.npy" for n, a in first.items() if a.ndim == 2}            # Q8_0 kept
     from llm_serving.models.weights import gguf as gguf_weights
     monkeypatch.setattr(gguf_weights, "_load_gguf", lambda p: pytest.fail("the GGUF was read again"))
     cfg2, again = load_llama_weights(path)

@@ -731,15 +731,17 @@ inline float silu_times(float g, float u) {
 namespace {
 const llm_serving::ParamSpec kDecoderLayerParams[] = {DECODER_LAYER_PARAMS(LLM_SERVING_PARAM_SPEC)};
 const llm_serving::ParamSpec kFinalLogitsParams[] = {FINAL_LOGITS_PARAMS(LLM_SERVING_PARAM_SPEC)};
-template <size_t N>
-const char* described(const llm_serving::ParamSpec (&spec)[N]) {
-  static const std::string text = llm_serving::describe_params(spec, N);   // one per kernel (N differs)
-  return text.c_str();
-}
 }  // namespace
 
-extern "C" const char* DecoderLayerParams() { return described(kDecoderLayerParams); }
-extern "C" const char* FinalLogitsParams() { return described(kFinalLogitsParams); }
+// A kernel's list as text, built once per kernel (each expansion is its own lambda, with its own static).
+#define LLM_SERVING_DESCRIBED(spec)                                                                       \
+  ([] {                                                                                                  \
+    static const std::string text = llm_serving::describe_params(spec, sizeof(spec) / sizeof(spec[0])); \
+    return text.c_str();                                                                                 \
+  }())
+
+extern "C" const char* DecoderLayerParams() { return LLM_SERVING_DESCRIBED(kDecoderLayerParams); }
+extern "C" const char* FinalLogitsParams() { return LLM_SERVING_DESCRIBED(kFinalLogitsParams); }
 
 // Wall time spent in each kernel since the library was loaded, in nanoseconds: [DecoderLayer, FinalLogits]
 // (benchmarks read it through ctypes to split a step into kernel time and everything else).
@@ -1074,5 +1076,46 @@ extern "C" int FinalLogits(int nparam, void** params, int* ndims, int64_t** shap
       logprob[b] = -std::log(sum);                    // log_softmax at the max: 0 - log(sum e^(l - max))
     }
   }, /*last_of_step=*/true);
+  return 0;
+}
+
+// EmbedTokens(ids (T,) int32, table (V, K) weight, iconfig [table type]) -> out (T, K) float32: each token's row
+// of the embedding, read from the table as stored (a GGUF's quantized rows dequantized one row per token), so
+// the embedding needs no float32 copy. Ids outside [0, V) return 3.
+#define EMBED_TOKENS_PARAMS(P) \
+  P(IDS, "ids", 1, "int32") P(TABLE, "table", 2, "weight") P(ICFG, "iconfig", 1, "int32") P(OUT, "out", 2, "float32")
+
+namespace {
+const llm_serving::ParamSpec kEmbedTokensParams[] = {EMBED_TOKENS_PARAMS(LLM_SERVING_PARAM_SPEC)};
+}  // namespace
+
+extern "C" const char* EmbedTokensParams() { return LLM_SERVING_DESCRIBED(kEmbedTokensParams); }
+
+extern "C" int EmbedTokens(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
+                           void* stream, void* extra) {
+  (void)stream;
+  (void)extra;
+  enum { EMBED_TOKENS_PARAMS(LLM_SERVING_PARAM_ENUM) NPARAM };
+  if (!llm_serving::params_match(kEmbedTokensParams, NPARAM, nparam, ndims, dtypes)) return 1;
+  const int64_t tokens = shapes[IDS][0], vocab = shapes[TABLE][0], k = shapes[OUT][1];
+  const auto* icfg = static_cast<const int32_t*>(params[ICFG]);
+  Matrix table;
+  if (shapes[ICFG][0] != 1 || shapes[OUT][0] != tokens ||
+      !as_matrix(params[TABLE], dtypes[TABLE], shapes[TABLE], icfg[0], vocab, k, &table)) {
+    return 2;
+  }
+  const auto* ids = static_cast<const int32_t*>(params[IDS]);
+  auto* out = static_cast<float*>(params[OUT]);
+  for (int64_t t = 0; t < tokens; ++t) {
+    if (ids[t] < 0 || ids[t] >= vocab) return 3;
+  }
+  for (int64_t t = 0; t < tokens; ++t) {
+    const uint8_t* row = table.data + ids[t] * table.row_bytes;
+    if (table.type == kF32) {
+      std::memcpy(out + t * k, row, k * sizeof(float));
+    } else {
+      table.dequantize_row(row, out + t * k);
+    }
+  }
   return 0;
 }

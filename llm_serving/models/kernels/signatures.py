@@ -18,7 +18,7 @@ import ctypes
 import inspect
 from dataclasses import dataclass
 
-__all__ = ["DECODER_LAYER", "FINAL_LOGITS", "KERNEL_SIGNATURES", "KernelParam", "KernelSignature",
+__all__ = ["DECODER_LAYER", "EMBED_TOKENS", "FINAL_LOGITS", "KERNEL_SIGNATURES", "KernelParam", "KernelSignature",
            "KernelSignatureError", "check_library", "check_params"]
 
 
@@ -126,8 +126,15 @@ FINAL_LOGITS = KernelSignature(
                  _p("fconfig", 1, "float32")),
     outputs=(_p("logits", 2, "float32"), _p("token", 1, "int32"), _p("logprob", 1, "float32")))
 
+# decoder_layer_cpu.cc's EmbedTokens: the embedding's rows read from the table as stored
+EMBED_TOKENS = KernelSignature(
+    "EmbedTokens",
+    call_inputs=(_p("ids", 1, "int32"),),
+    held_inputs=(_p("table", 2, "weight"), _p("iconfig", 1, "int32")),
+    outputs=(_p("out", 2, "float32"),))
+
 # kernel source -> the signatures its library is checked against when built
-KERNEL_SIGNATURES = {"decoder_layer_cpu": (DECODER_LAYER, FINAL_LOGITS)}
+KERNEL_SIGNATURES = {"decoder_layer_cpu": (DECODER_LAYER, FINAL_LOGITS, EMBED_TOKENS)}
 
 
 def check_params(signature: KernelSignature, compiled: str, source: str = "the kernel library") -> None:

@@ -7,9 +7,9 @@ converter interleaves the rotary pairs of a llama model's q/k rows (as llama2.c 
 file's `rope_freqs` tensor becomes `LlamaConfig.rope_freq_factors`. An unsupported architecture or tensor type is
 a WeightLoadError naming it. `load_gguf` keeps the float32 result in the cache directory for the next start.
 
-Matrices stored as F16, Q4_0, Q4_1 or Q8_0 (KEPT_QUANTIZED: the block formats the CPU layer kernel reads) also
-offer their stored bytes (`StoredTensor.read_blocks`, rows permuted as the float32 rows are), which the cache
-keeps beside the float32 copy.
+Matrices stored in a type of KEPT_QUANTIZED (the block formats the CPU kernels read) also offer their stored bytes
+(`StoredTensor.read_blocks`, rows permuted as the float32 rows are). The cache keeps only those bytes for them (no
+float32 copy on disk): a path that computes in float32 dequantizes them when it reads them.
 """
 from __future__ import annotations
 
@@ -180,10 +180,11 @@ GGUF_CACHE_ENV = "LLM_SERVING_GGUF_CACHE"     # "0": dequantize the GGUF at ever
 
 
 def load_gguf(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
-    """`_load_gguf` through a cache of its float32 result: reading a GGUF's metadata and dequantizing its tensors
-    costs seconds of every start, memory-mapping the float32 arrays it produced last time almost nothing. The
-    cache is `<cache>/gguf/<key>/` (key: the file's path, size and modification time): `config.json`, one
-    `.npy` per tensor, and for the matrices kept quantized their stored bytes (`<name>.blocks.npy`, types in
+    """`_load_gguf` through a cache of what it read: parsing a GGUF's metadata and dequantizing the tensors the
+    kernels do not read as stored costs seconds of every start, memory-mapping last time's arrays almost nothing.
+    The cache is `<cache>/gguf/<key>/` (key: the file's path, size and modification time): `config.json`, one
+    float32 `.npy` per tensor the kernels do not read as stored (norms, types outside KEPT_QUANTIZED), and for the
+    others only their stored bytes (`<name>.blocks.npy`, q/k rows already in rotate-half order; types in
     `quantized.json`), written into a temporary directory that is then renamed into place."""
     from dataclasses import asdict
 
@@ -192,7 +193,7 @@ def load_gguf(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
     if os.environ.get(GGUF_CACHE_ENV, "1") == "0":
         return _load_gguf(path)
     st = os.stat(path)
-    key = hashlib.sha1(repr((os.path.abspath(path), st.st_size, st.st_mtime_ns, 2)).encode()).hexdigest()[:16]
+    key = hashlib.sha1(repr((os.path.abspath(path), st.st_size, st.st_mtime_ns, 3)).encode()).hexdigest()[:16]
     folder = default_cache_dir() / "gguf" / key
     if not (folder / "config.json").is_file():
         cfg, stored = _load_gguf(path)
@@ -201,10 +202,11 @@ def load_gguf(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
             tmp = tempfile.mkdtemp(prefix=".tmp-", dir=folder.parent)
             try:
                 for name, tensor in stored.items():
-                    np.save(os.path.join(tmp, name + ".npy"),
-                            np.ascontiguousarray(tensor.read((slice(None),) * len(tensor.shape)), np.float32))
-                    if tensor.read_blocks is not None:
+                    if tensor.read_blocks is not None:      # the stored bytes only: float32 is made from them
                         np.save(os.path.join(tmp, name + ".blocks.npy"), tensor.read_blocks(slice(None)))
+                    else:
+                        np.save(os.path.join(tmp, name + ".npy"),
+                                np.ascontiguousarray(tensor.read((slice(None),) * len(tensor.shape)), np.float32))
                 with open(os.path.join(tmp, "quantized.json"), "w", encoding="utf-8") as f:
                     json.dump({n: t.qtype for n, t in stored.items() if t.read_blocks is not None}, f)
                 with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
@@ -228,11 +230,35 @@ def load_gguf(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
     for npy in folder.glob("*.npy"):
         name = npy.name[:-len(".npy")]
         if name.endswith(".blocks"):
+            name = name[:-len(".blocks")]
+            blocks = np.load(npy, mmap_mode="r")
+            qtype = qtypes[name]
+            shape = (blocks.shape[0], _row_length(qtype, blocks.shape[1]))
+            stored[name] = StoredTensor(shape, _dequantizing_reader(blocks, qtype, shape),
+                                        qtype, lambda rows, b=blocks: np.array(b[rows]))
             continue
         array = np.load(npy, mmap_mode="r")
-        qtype, read_blocks = qtypes.get(name), None
-        if qtype is not None:
-            blocks = np.load(folder / f"{name}.blocks.npy", mmap_mode="r")
-            read_blocks = lambda rows, b=blocks: np.array(b[rows])               # noqa: E731
-        stored[name] = StoredTensor(array.shape, lambda index, a=array: np.array(a[index]), qtype, read_blocks)
+        stored[name] = StoredTensor(array.shape, lambda index, a=array: np.array(a[index]))
     return cfg, stored
+
+
+def _row_length(qtype: int, row_bytes: int) -> int:
+    """Weights per row of `row_bytes` stored bytes of GGML type `qtype`."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+    return row_bytes // size * block
+
+
+def _dequantizing_reader(blocks: np.ndarray, qtype: int, shape: tuple) -> Callable[[tuple], np.ndarray]:
+    """read(index) of a cached matrix kept only as its stored blocks: the rows `index` selects, dequantized to
+    float32 (for the paths that compute in float32: no layer kernel, tensor parallelism, Ascend)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    def read(index: tuple) -> np.ndarray:
+        rows = index[0] if index else slice(None)
+        part = np.asarray(dequantize(np.asarray(blocks[rows]), GGMLQuantizationType(qtype)), np.float32)
+        part = part.reshape(-1, shape[1])
+        return part[(slice(None),) + tuple(index[1:])] if len(index) > 1 else part
+    return read

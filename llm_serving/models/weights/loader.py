@@ -79,9 +79,12 @@ def checkpoint_config(path: str) -> LlamaConfig:
     return _checked_stored(os.fspath(path), None)[0]
 
 
-def load_llama_weights(path: str, tp: Optional[TensorParallel] = None,
-                       num_layers: Optional[int] = None) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
+def load_llama_weights(path: str, tp: Optional[TensorParallel] = None, num_layers: Optional[int] = None,
+                       skip: frozenset = frozenset()) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
     """Return (config, {hf_name: float32 array}) for any supported checkpoint, with every tensor checked.
+
+    skip: names not read as float32 (their shapes are still checked): matrices the caller runs as the checkpoint
+    stores them (load_quantized's), which then have no float32 copy at all.
 
     num_layers: keep only the first N decoder layers (with the final norm and head): a draft model cut from
     the checkpoint (speculative decoding); the other layers are not read.
@@ -96,7 +99,7 @@ def load_llama_weights(path: str, tp: Optional[TensorParallel] = None,
     tp.check(cfg)
     out, done = {}, {}
     for name, shape in shapes.items():
-        if not tp.needs(name):
+        if not tp.needs(name) or name in skip:
             continue
         index = tp.part(name, shape)
         key = (id(stored[name]), repr(index))       # tied embeddings: one tensor under two names, read once
@@ -111,15 +114,15 @@ def load_llama_weights(path: str, tp: Optional[TensorParallel] = None,
 
 def load_quantized(path: str, num_layers: Optional[int] = None) -> dict[str, QuantizedTensor]:
     """{hf_name: QuantizedTensor} of the model's 2-D weight matrices that the checkpoint stores block-quantized
-    (a GGUF's Q4_0, Q4_1, Q8_0 and F16 tensors; see gguf.KEPT_QUANTIZED), whole (one agent); {} for a
-    checkpoint that has none. Not the embedding (a row gather, served from float32); a tied lm_head is the
-    embedding's stored tensor."""
+    (a GGUF's block-quantized and F16 tensors; see gguf.KEPT_QUANTIZED), whole (one agent); {} for a
+    checkpoint that has none. The embedding among them (the CPU kernels gather its rows from the stored
+    blocks); a tied lm_head is the embedding's stored tensor, the same object."""
     path = os.fspath(path)
     cfg, stored = _checked_stored(path, num_layers)
     out, done = {}, {}
     for name, shape in expected_shapes(cfg).items():
         tensor = stored[name]
-        if tensor.read_blocks is None or len(shape) != 2 or name == "model.embed_tokens.weight":
+        if tensor.read_blocks is None or len(shape) != 2:
             continue
         if id(tensor) not in done:
             try:
