@@ -15,6 +15,7 @@ from llm_serving.models.default_model import write_hf_llama
 from llm_serving.models.parallel import TensorParallel
 from llm_serving.models.weights import (WeightLoadError, llama3_rope_factors, load_config, load_llama_weights,
                                         load_quantized)
+from llm_serving.models.weights.gguf import KEPT_QUANTIZED
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
@@ -119,11 +120,11 @@ def _through_the_file(name: str, arr: np.ndarray, qtype) -> np.ndarray:
 
 def _random_k_blocks(rows: int, cols: int, qtype, rng) -> np.ndarray:
     """Random K-quant blocks (gguf can dequantize K-quants but not make them) with finite f16 super-block
-    scales: bytes 0-3 (d, dmin) of Q4_K/Q5_K, the last two (d) of Q6_K."""
+    scales: bytes 0-3 (d, dmin) of Q4_K/Q5_K, the last two (d) of Q6_K, the last four (d, dmin) of Q2_K."""
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
     scale = np.full((len(blocks), 1), 0.01, np.float16).view(np.uint8)
-    for at in {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (size - 2,)}[qtype]:
+    for at in {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (size - 2,), Q.Q2_K: (size - 4, size - 2)}[qtype]:
         blocks[:, at:at + 2] = scale
     return blocks.reshape(rows, cols // block * size)
 
@@ -244,6 +245,24 @@ def test_only_the_kernels_block_types_are_kept(tmp_path):
     kept = load_quantized(write_gguf(tmp_path / "mixed.gguf", ref, qtype=Q.Q8_0, raw=raw))
     assert "model.layers.0.self_attn.q_proj.weight" not in kept
     assert "model.layers.1.self_attn.q_proj.weight" in kept and "lm_head.weight" in kept
+
+
+def test_a_type_the_kernels_do_not_read_is_dequantized_with_a_logged_line(tmp_path, caplog):
+    """A matrix in a type outside KEPT_QUANTIZED (Q2_K here) becomes float32, and the load says so: its type,
+    how many, and the memory the copies take; the matrices kept as stored (skipped) are not named."""
+    import logging
+
+    hf, (_, ref) = _hf(tmp_path, **WIDE)
+    raw = {"blk.0.attn_q.weight": (_random_k_blocks(256, 256, Q.Q2_K, np.random.default_rng(1)), Q.Q2_K)}
+    path = write_gguf(tmp_path / "mixed.gguf", ref, qtype=Q.Q8_0, raw=raw)
+    kept = load_quantized(path)
+    assert "model.layers.0.self_attn.q_proj.weight" not in kept
+    with caplog.at_level(logging.INFO, logger="llm_serving.models.weights.loader"):
+        _, got = load_llama_weights(path, skip=frozenset(kept))
+    assert got["model.layers.0.self_attn.q_proj.weight"].shape == (256, 256)
+    lines = [r.getMessage() for r in caplog.records if "dequantized to float32" in r.getMessage()]
+    assert lines == [f"1 Q2_K matrices dequantized to float32: {256 * 256 * 4 / 1e6:.1f} MB in memory (the CPU "
+                     f"kernels read F32, {', '.join(sorted(KEPT_QUANTIZED))} as stored)"]
 
 
 def test_qwen2_gguf_keeps_hf_layout_and_biases(tmp_path):

@@ -29,6 +29,9 @@ class StoredTensor:
     # uint8 (rows, bytes per row), the stored bytes of those rows (see load_quantized)
     qtype: Optional[int] = None
     read_blocks: Optional[Callable[[slice], np.ndarray]] = None
+    # the type the checkpoint stores it in, where reading it as float32 converts it (a GGUF's "Q3_K", "F16", ...):
+    # what load_llama_weights names when it makes a float32 copy of such a matrix
+    stored_type: Optional[str] = None
 
     @classmethod
     def of(cls, array: np.ndarray) -> "StoredTensor":

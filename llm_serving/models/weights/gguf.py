@@ -156,7 +156,8 @@ def _load_gguf(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
             read = _interleaved_to_halves(read, head_dim)
             if blocks is not None:
                 blocks = _interleaved_to_halves_rows(blocks, head_dim)
-        out[hf] = StoredTensor(shape, read, qtype, blocks)
+        kind = tensor.tensor_type.name
+        out[hf] = StoredTensor(shape, read, qtype, blocks, None if kind == "F32" else kind)
     return cfg, out
 
 
@@ -209,6 +210,8 @@ def load_gguf(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
                                 np.ascontiguousarray(tensor.read((slice(None),) * len(tensor.shape)), np.float32))
                 with open(os.path.join(tmp, "quantized.json"), "w", encoding="utf-8") as f:
                     json.dump({n: t.qtype for n, t in stored.items() if t.read_blocks is not None}, f)
+                with open(os.path.join(tmp, "types.json"), "w", encoding="utf-8") as f:
+                    json.dump({n: t.stored_type for n, t in stored.items() if t.stored_type is not None}, f)
                 with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
                     json.dump(asdict(cfg), f)
                 os.rename(tmp, folder)
@@ -226,6 +229,8 @@ def load_gguf(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
     cfg = LlamaConfig(**raw)
     with open(folder / "quantized.json", encoding="utf-8") as f:
         qtypes = json.load(f)
+    with open(folder / "types.json", encoding="utf-8") as f:
+        kinds = json.load(f)
     stored = {}
     for npy in folder.glob("*.npy"):
         name = npy.name[:-len(".npy")]
@@ -235,10 +240,11 @@ def load_gguf(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
             qtype = qtypes[name]
             shape = (blocks.shape[0], _row_length(qtype, blocks.shape[1]))
             stored[name] = StoredTensor(shape, _dequantizing_reader(blocks, qtype, shape),
-                                        qtype, lambda rows, b=blocks: np.array(b[rows]))
+                                        qtype, lambda rows, b=blocks: np.array(b[rows]), kinds.get(name))
             continue
         array = np.load(npy, mmap_mode="r")
-        stored[name] = StoredTensor(array.shape, lambda index, a=array: np.array(a[index]))
+        stored[name] = StoredTensor(array.shape, lambda index, a=array: np.array(a[index]),
+                                    stored_type=kinds.get(name))
     return cfg, stored
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import logging
 import os
 from typing import Callable, Optional
 
@@ -13,10 +14,12 @@ import numpy as np
 
 from ..parallel import TensorParallel
 from .common import LlamaConfig, QuantizedTensor, StoredTensor, WeightLoadError, check_shape, expected_shapes
-from .gguf import load_gguf
+from .gguf import KEPT_QUANTIZED, load_gguf
 from .hf import load_hf
 from .llama2c import load_llama2c
 from .mindformers import load_mindformers, mindformers_dir_config
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["READERS", "checkpoint_config", "detect_format", "load_llama_weights", "load_quantized", "model_shape"]
 
@@ -109,7 +112,25 @@ def load_llama_weights(path: str, tp: Optional[TensorParallel] = None, num_layer
             except (OSError, ValueError) as e:      # data its header promised but the file does not hold
                 raise WeightLoadError(f"tensor {name!r} in {path}: cannot read it: {e}") from e
         out[name] = done[key]
+    _log_float32_copies(stored, out, skip)
     return cfg, out
+
+
+def _log_float32_copies(stored: dict, read: dict, skip: frozenset) -> None:
+    """One line per stored type of the matrices just converted to float32 (a GGUF's quantized or F16 ones), with
+    the memory the copies take: a type the CPU kernels do not read as stored, or a path that computes in float32
+    (no layer kernel, tensor parallelism, Ascend, keep_quantized off)."""
+    by_type, seen = {}, set()
+    for name, array in read.items():
+        kind = stored[name].stored_type
+        if kind is None or array.ndim != 2 or id(array) in seen or name in skip:
+            continue
+        seen.add(id(array))
+        count, nbytes = by_type.get(kind, (0, 0))
+        by_type[kind] = (count + 1, nbytes + array.nbytes)
+    for kind, (count, nbytes) in sorted(by_type.items()):
+        logger.info("%d %s matrices dequantized to float32: %.1f MB in memory (the CPU kernels read F32, %s as "
+                    "stored)", count, kind, nbytes / 1e6, ", ".join(sorted(KEPT_QUANTIZED)))
 
 
 def load_quantized(path: str, num_layers: Optional[int] = None) -> dict[str, QuantizedTensor]:
