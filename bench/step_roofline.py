@@ -78,8 +78,8 @@ def main(argv=None) -> int:
                    help="comma list of model_config.attention_kernel settings to time (auto, on, off)")
     p.add_argument("--layer-kernel", default="auto", type=lambda s: s.split(","),
                    help="comma list of model_config.layer_kernel settings to time (auto, on, off)")
-    p.add_argument("--layer-kernel-max-tokens", type=int, default=128,
-                   help="model_config.layer_kernel_max_tokens (decode batches up to it take the layer kernel)")
+    p.add_argument("--layer-kernel-max-tokens", type=int, default=None,
+                   help="model_config.layer_kernel_max_tokens (steps up to it take the layer kernel; default: all)")
     p.add_argument("--prefill", default="", type=lambda s: [tuple(int(v) for v in x.split("x")) for x in s.split(",") if x],
                    help="comma list of ROWSxTOKENS prefill steps to time, e.g. 16x17,4x100")
     p.add_argument("--peak-size", type=int, default=4096, help="n of the n^3 numpy matmul that measures the peak")
