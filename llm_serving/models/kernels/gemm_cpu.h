@@ -34,7 +34,7 @@ typedef float vf16 __attribute__((vector_size(64)));
 
 constexpr int64_t kPanel = 32;      // rows of x per packed panel: two vectors
 constexpr int kKernelRows = 12;     // weight rows per micro-kernel call: 12 x 2 accumulators of 24 vector registers
-constexpr int64_t kDepth = 128;     // columns per depth block: 32 x 128 floats of x + 48 x 128 of weights in L1
+constexpr int64_t kDepth = 64;      // columns per depth block: 32 x 64 floats of x + 48 x 64 of weights in L1
 
 inline int64_t panels(int64_t m) { return (m + kPanel - 1) / kPanel; }
 // panel p's width in floats per column: 32, or 16 for a last panel of 16 rows or fewer
@@ -74,12 +74,14 @@ inline void pack_panel(const float* x, int64_t ldx, int64_t m, int64_t k, int64_
 }
 
 // C[r][b] (+)= sum over t < depth of w[r * ldw + t] * xp[t * 16V + b] for r < R weight rows and the panel's
-// 16V rows of x (V = 1 or 2 vectors); first: C starts at zero instead of at what c holds.
+// 16V rows of x (V = 1 or 2 vectors); first: C starts at zero instead of at what c holds. Each depth block is
+// summed from zero and then added to C (blocked summation): the rounding error grows with the block's length
+// plus the number of blocks, not with k (a sum straight along k = 8192 was twice the old dot tiles' error).
 template <int V, int R>
 void kernel(const float* xp, int64_t depth, const float* w, int64_t ldw, float* c, int64_t ldc, bool first) {
   vf16 acc[R][V];
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v) acc[r][v] = first ? vf16{} : load(c + r * ldc + 16 * v);
+    for (int v = 0; v < V; ++v) acc[r][v] = vf16{};
   for (int64_t t = 0; t < depth; ++t) {
     vf16 xv[V];
     for (int v = 0; v < V; ++v) xv[v] = load(xp + t * 16 * V + 16 * v);
@@ -89,7 +91,7 @@ void kernel(const float* xp, int64_t depth, const float* w, int64_t ldw, float* 
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v) store(c + r * ldc + 16 * v, acc[r][v]);
+    for (int v = 0; v < V; ++v) store(c + r * ldc + 16 * v, first ? acc[r][v] : load(c + r * ldc + 16 * v) + acc[r][v]);
 }
 
 typedef void (*KernelFn)(const float*, int64_t, const float*, int64_t, float*, int64_t, bool);
