@@ -74,17 +74,23 @@ inline void pack_panel(const float* x, int64_t ldx, int64_t m, int64_t k, int64_
 }
 
 // C[r][b] (+)= sum over t < depth of w[r * ldw + t] * xp[t * 16V + b] for r < R weight rows and the panel's
-// 16V rows of x (V = 1 or 2 vectors); first: C starts at zero instead of at what c holds. Each depth block is
-// summed from zero and then added to C (blocked summation): the rounding error grows with the block's length
-// plus the number of blocks, not with k (a sum straight along k = 8192 was twice the old dot tiles' error).
+// 16V rows of x (V = 1 or 2 vectors); first: C starts at zero instead of at what c holds. The block is summed
+// from zero and then added to C (blocked summation): the rounding error grows with the block's length plus the
+// number of blocks, not with k (a sum straight along k = 8192 had twice the old dot tiles' error).
+// next: the x block (depth x 16V floats) the following calls read, asked into L1 a column per column here, or
+// null (panels are 32 k floats apart, 256 KB at k = 2048: too far apart for the hardware to see that stream).
 template <int V, int R>
-void kernel(const float* xp, int64_t depth, const float* w, int64_t ldw, float* c, int64_t ldc, bool first) {
+void kernel(const float* xp, int64_t depth, const float* w, int64_t ldw, float* c, int64_t ldc, bool first,
+            const float* next) {
   vf16 acc[R][V];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) acc[r][v] = vf16{};
   for (int64_t t = 0; t < depth; ++t) {
     vf16 xv[V];
     for (int v = 0; v < V; ++v) xv[v] = load(xp + t * 16 * V + 16 * v);
+    if (next != nullptr) {
+      for (int v = 0; v < V; ++v) __builtin_prefetch(next + t * 16 * V + 16 * v, 0, 3);
+    }
     for (int r = 0; r < R; ++r) {
       const float s = w[r * ldw + t];                             // broadcast into the FMA
       for (int v = 0; v < V; ++v) acc[r][v] += s * xv[v];
@@ -94,7 +100,7 @@ void kernel(const float* xp, int64_t depth, const float* w, int64_t ldw, float* 
     for (int v = 0; v < V; ++v) store(c + r * ldc + 16 * v, first ? acc[r][v] : load(c + r * ldc + 16 * v) + acc[r][v]);
 }
 
-typedef void (*KernelFn)(const float*, int64_t, const float*, int64_t, float*, int64_t, bool);
+typedef void (*KernelFn)(const float*, int64_t, const float*, int64_t, float*, int64_t, bool, const float*);
 
 template <int V, int... R>
 constexpr std::array<KernelFn, sizeof...(R)> kernels_of(std::integer_sequence<int, R...>) {
@@ -122,12 +128,16 @@ inline void product(const Segment* segs, int nseg, const float* xp, int64_t m, i
     for (int64_t p = 0; p < np; ++p) {
       const int64_t width = panel_width(m, p);
       const float* xb = xp + p * kPanel * k + k0 * width;
+      // the next panel's block, or after the last panel the first one's next depth block: fetched during the
+      // first kernel on this block (the others find theirs in L1 by then)
+      const float* next = p + 1 < np ? xp + (p + 1) * kPanel * k + k0 * panel_width(m, p + 1)
+                          : k0 + kDepth < k ? xp + (k0 + kDepth) * panel_width(m, 0) : nullptr;
       int64_t row = 0;
       for (int s = 0; s < nseg; ++s) {
         for (int64_t i = 0; i < segs[s].rows; i += kKernelRows) {
           const int n = static_cast<int>(std::min<int64_t>(kKernelRows, segs[s].rows - i));
           kernel_for(width, n)(xb, depth, segs[s].w + i * k + k0, k, c + (row + i) * ldc + p * kPanel, ldc,
-                               k0 == 0);
+                               k0 == 0, s == 0 && i == 0 ? next : nullptr);
         }
         row += segs[s].rows;
       }
