@@ -472,7 +472,7 @@ def test_lora_refusals(library):
     assert invoke(library.DecoderLayer, layer.arrays(1)) == 2
 
 
-# The batched path (kGemmRows = 8 rows and more: x packed into panels of 32 rows, a last one of 16 when 16 or
+# The batched path (kGemmRows = 10 rows and more: x packed into panels of 32 rows, a last one of 16 when 16 or
 # fewer remain; weights a group of 48 rows at a time, 24 past k = 4096; micro-kernels of 12 weight rows; depth
 # blocks of 128 columns): row counts at and around the panel edges, widths that end mid depth block, row counts
 # that end mid kernel and mid group, float32 and quantized, LoRA on and off, 1-3 threads.
@@ -480,7 +480,7 @@ def test_lora_refusals(library):
     (200, 5, 1, 40, 300, 17, 2, None, False),             # k = 128 + 72; q/k/v 280 rows, 300 gate/up units
     (72, 6, 2, 12, 100, 70, 3, None, True),               # panels 32, 32 and a 16 with 6 rows
     (160, 4, 2, 40, 288, 130, 2, "Q8_0", True),           # 4 panels of 32 and a 16 with 2 rows
-    (96, 4, 4, 24, 160, 8, 1, "Q4_1", False),             # the smallest batched step, one 16-row panel
+    (96, 4, 4, 24, 160, 10, 1, "Q4_1", False),            # the smallest batched step, one 16-row panel
     (64, 4, 2, 16, 96, 33, 3, "F16", False),              # a panel of 32 and one of a single row
     (64, 4, 2, 16, 4128, 17, 2, "Q4_0", True),            # down's k = 4128: groups of 24 rows
     (64, 4, 2, 16, 4128, 20, 1, None, False),

@@ -624,8 +624,10 @@ void claim_rows(std::atomic<int64_t>& next, int64_t n, int threads, F&& fn, int6
 // ------------------------------------------------------------------------------ batched products (gemm_cpu.h)
 
 // From this many rows of x on, a product packs x into panels and runs gemm_cpu.h's register-blocked kernel;
-// fewer rows go through matvec's tiles (no packing, and a 16-row panel would be mostly padding).
-constexpr int64_t kGemmRows = 8;
+// fewer rows go through matvec's tiles (no packing, and a 16-row panel would be mostly padding). Where they
+// cross (bench/layer_kernel_gemm.py, one thread, CPU time per layer, Q8_0 and F32): 8 rows 0.88x, 10 rows
+// 1.02-1.04x, 12 rows 1.08-1.11x, 16 rows 1.2x.
+constexpr int64_t kGemmRows = 10;
 
 // Weight rows dequantized (and multiplied) together: the group's float rows (group x k) stay in L2 while every
 // panel of x passes, and x is streamed once per group; a wider row halves the group to keep it there.
