@@ -24,6 +24,12 @@
 //             a decode step reads 4.5-8.5 bits per weight from memory instead of 32. Gains are not folded into
 //             quantized rows: the normalized activations are multiplied by them instead (the same product).
 //
+// Products by batch size: 1-2 rows decode quantized blocks in registers (qdot); up to kGemmRows share a
+// dequantized tile of 4 rows (matvec); from kGemmRows rows on (big decode batches, verify rows, prefill steps of
+// hundreds of tokens) x is packed once per product and multiplied by groups of dequantized weight rows with a
+// register-blocked kernel (gemm_cpu.h), so that the weights are dequantized once per call and x is not re-read for
+// every few weight rows.
+//
 // DecoderLayer(x, positions, slots, block_tables, context_lens, tree_bits, cos, sin, lora, qkv_w, qkv_bias, o_w,
 //              gate_up_w, down_w, input_gain, post_gain, key_cache, value_cache, lora_qkv_a, lora_qkv_b,
 //              lora_o_a, lora_o_b, lora_gate_up_a, lora_gate_up_b, lora_down_a, lora_down_b, iconfig, fconfig) -> out
