@@ -96,7 +96,7 @@ def step_arrays(rng, batch: int, prefill: bool, weights: dict, kind: str, cache:
         positions = np.full(batch, 63, np.int32)
     context = positions + 1
     slots = (tables[np.arange(batch), positions // BS] * BS + positions % BS).astype(np.int32)
-    p = 1024
+    p = max(1024, batch)                                   # rope rows for every position
     angles = np.arange(p)[:, None] / 10000.0 ** (np.arange(0, D, 2) / D)[None, :]
     cos = np.concatenate([np.cos(angles)] * 2, -1).astype(np.float32)
     sin = np.concatenate([-np.sin(angles), np.sin(angles)], -1).astype(np.float32)
