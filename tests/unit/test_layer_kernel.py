@@ -302,7 +302,7 @@ def test_refusals(library):
         np.testing.assert_array_equal(step.key_cache, before)                     # refused before any write
 
 
-@pytest.mark.parametrize("vocab,rows,threads", [(512, 1, 1), (500, 3, 2), (1000, 5, 3)])
+@pytest.mark.parametrize("vocab,rows,threads", [(512, 1, 1), (500, 3, 2), (1000, 5, 3), (1000, 17, 3), (700, 70, 2)])
 def test_final_logits_token_and_logprob(library, vocab, rows, threads):
     rng = np.random.default_rng(vocab + rows)
     x = rng.standard_normal((rows, 48)).astype(np.float32)
@@ -404,7 +404,8 @@ def test_quantized_weights_refusals(library):
     assert invoke(library.DecoderLayer, arrays) == 2
 
 
-@pytest.mark.parametrize("qtype,rows", [(GGUF_TYPES.Q8_0, 3), (GGUF_TYPES.Q8_0, 1), (GGUF_TYPES.Q4_1, 2)])
+@pytest.mark.parametrize("qtype,rows", [(GGUF_TYPES.Q8_0, 3), (GGUF_TYPES.Q8_0, 1), (GGUF_TYPES.Q4_1, 2),
+                                        (GGUF_TYPES.Q4_1, 20), (GGUF_TYPES.Q8_0, 40)])
 def test_final_logits_reads_a_quantized_lm_head(library, qtype, rows):
     from gguf.quants import dequantize, quantize
 
@@ -469,3 +470,62 @@ def test_lora_refusals(library):
     layer.with_lora(slots=3, rank=2, row_slots=[1, 2], rng=rng)
     layer.lora_a["down"] = layer.lora_a["down"][:2].copy()                      # fewer slots than the others
     assert invoke(library.DecoderLayer, layer.arrays(1)) == 2
+
+
+# The batched path (kGemmRows = 10 rows and more: x packed into panels of 32 rows, a last one of 16 when 16 or
+# fewer remain; weights a group of 48 rows at a time, 24 past k = 4096; micro-kernels of 12 weight rows; depth
+# blocks of 128 columns): row counts at and around the panel edges, widths that end mid depth block, row counts
+# that end mid kernel and mid group, float32 and quantized, LoRA on and off, 1-3 threads.
+@pytest.mark.parametrize("hidden,heads,kv_heads,head_dim,inter,batch,threads,qtype,adapters", [
+    (200, 5, 1, 40, 300, 17, 2, None, False),             # k = 128 + 72; q/k/v 280 rows, 300 gate/up units
+    (72, 6, 2, 12, 100, 70, 3, None, True),               # panels 32, 32 and a 16 with 6 rows
+    (160, 4, 2, 40, 288, 130, 2, "Q8_0", True),           # 4 panels of 32 and a 16 with 2 rows
+    (96, 4, 4, 24, 160, 10, 1, "Q4_1", False),            # the smallest batched step, one 16-row panel
+    (64, 4, 2, 16, 96, 33, 3, "F16", False),              # a panel of 32 and one of a single row
+    (64, 4, 2, 16, 4128, 17, 2, "Q4_0", True),            # down's k = 4128: groups of 24 rows
+    (64, 4, 2, 16, 4128, 20, 1, None, False),
+])
+def test_batched_products_match_numpy(library, hidden, heads, kv_heads, head_dim, inter, batch, threads, qtype,
+                                      adapters):
+    rng = np.random.default_rng(hidden + inter + batch)
+    width = 6
+    layer = Layer(rng, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, inter=inter, batch=batch,
+                  num_blocks=batch * width, width=width)
+    if qtype is not None:
+        layer.quantize({n: GGUF_TYPES[qtype] for n in ("qkv_w", "o_w", "gate_up_w", "down_w")}, rng)
+    if adapters:
+        layer.with_lora(slots=4, rank=3, row_slots=rng.integers(0, 4, batch), rng=rng)
+    want, keys, values = layer.reference()
+    arrays = layer.arrays(threads)
+    assert invoke(library.DecoderLayer, arrays) == 0
+    np.testing.assert_allclose(arrays[-1], want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(layer.key_cache, keys, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(layer.value_cache, values, rtol=1e-5, atol=1e-5)
+
+
+def test_batched_products_do_not_depend_on_the_thread_count(library):
+    """Each output of a batched product is summed in the same order whichever thread (and chunk) computes it: the
+    layer's output and the logits are the same to the bit on 1, 2 and 3 threads."""
+    outs = []
+    for threads in (1, 2, 3):
+        rng = np.random.default_rng(21)
+        layer = Layer(rng, hidden=160, heads=4, kv_heads=2, head_dim=40, inter=288, batch=40, num_blocks=240)
+        layer.quantize({"gate_up_w": GGUF_TYPES.Q8_0, "down_w": GGUF_TYPES.Q4_1}, rng)
+        arrays = layer.arrays(threads)
+        assert invoke(library.DecoderLayer, arrays) == 0
+        outs.append(arrays[-1])
+    np.testing.assert_array_equal(outs[1], outs[0])
+    np.testing.assert_array_equal(outs[2], outs[0])
+    rng = np.random.default_rng(22)
+    x = rng.standard_normal((24, 64)).astype(np.float32)
+    w = rng.standard_normal((1000, 64)).astype(np.float32)
+    gain, slots = np.ones(64, np.float32), np.arange(24, dtype=np.int32)
+    results = []
+    for threads in (1, 2, 3):
+        logits, token, logprob = np.empty((24, 1000), np.float32), np.empty(24, np.int32), np.empty(24, np.float32)
+        cfg = [np.array([threads, 0], np.int32), np.array([1e-5], np.float32)]
+        assert invoke(library.FinalLogits, logits_args(x, w, gain, slots, cfg, logits, token, logprob)) == 0
+        results.append((logits, token))
+    for logits, token in results[1:]:
+        np.testing.assert_array_equal(logits, results[0][0])
+        np.testing.assert_array_equal(token, results[0][1])

@@ -24,6 +24,12 @@
 //             a decode step reads 4.5-8.5 bits per weight from memory instead of 32. Gains are not folded into
 //             quantized rows: the normalized activations are multiplied by them instead (the same product).
 //
+// Products by batch size: 1-2 rows decode quantized blocks in registers (qdot); up to kGemmRows share a
+// dequantized tile of 4 rows (matvec); from kGemmRows rows on (big decode batches, verify rows, prefill steps of
+// hundreds of tokens) x is packed once per product and multiplied by groups of dequantized weight rows with a
+// register-blocked kernel (gemm_cpu.h), so that the weights are dequantized once per call and x is not re-read for
+// every few weight rows.
+//
 // DecoderLayer(x, positions, slots, block_tables, context_lens, tree_bits, cos, sin, lora, qkv_w, qkv_bias, o_w,
 //              gate_up_w, down_w, input_gain, post_gain, key_cache, value_cache, lora_qkv_a, lora_qkv_b,
 //              lora_o_a, lora_o_b, lora_gate_up_a, lora_gate_up_b, lora_down_a, lora_down_b, iconfig, fconfig) -> out
@@ -78,9 +84,12 @@
 #endif
 
 #include "cpu_kernel_common.h"
+#include "gemm_cpu.h"
 #include "kernel_params.h"
 
 namespace {
+
+namespace gemm = llm_serving::gemm;
 
 // ------------------------------------------------------------------------------------------- thread pool
 
@@ -128,6 +137,7 @@ class Barrier {
 // A pool's scratch space, reused from call to call (grown on demand); guarded by the pool's call mutex.
 struct Scratch {
   std::vector<float> qkv, attn, act, normed, scores, tiles, lora, lora_gate_up;
+  std::vector<float> packed, gemm_w, gemm_c;     // gemm_cpu.h: x's panels (shared), per thread weights and C
   static float* sized(std::vector<float>& v, size_t n) {
     if (v.size() < n) v.resize(n);
     return v.data();
@@ -606,14 +616,75 @@ void matvec(const Matrix& w, const float* x, int64_t batch, int64_t r0, int64_t 
 // Rows [0, n) of a product handed out in chunks of whole tiles (about 8 per thread) to whichever thread asks
 // next: fn(begin, end) per chunk. A thread that runs slower (its core shared with the master or a client) takes
 // fewer chunks, so the barrier after waits for one chunk of it, not for the rest of a fixed half.
-inline int64_t chunk_rows(int64_t n, int threads) {
-  return threads == 1 ? n : std::max<int64_t>(16, (n / (8 * threads) + 3) / 4 * 4);
+// align: chunks are whole multiples of it (4: matvec's tiles; a gemm group's rows for the batched path).
+inline int64_t chunk_rows(int64_t n, int threads, int64_t align = 4) {
+  return threads == 1 ? n : std::max<int64_t>(std::max<int64_t>(16, align), (n / (8 * threads) + align - 1) / align * align);
 }
 
 template <typename F>
-void claim_rows(std::atomic<int64_t>& next, int64_t n, int threads, F&& fn) {
-  const int64_t chunk = chunk_rows(n, threads);
+void claim_rows(std::atomic<int64_t>& next, int64_t n, int threads, F&& fn, int64_t align = 4) {
+  const int64_t chunk = chunk_rows(n, threads, align);
   for (int64_t r0 = next.fetch_add(chunk); r0 < n; r0 = next.fetch_add(chunk)) fn(r0, std::min(n, r0 + chunk));
+}
+
+// ------------------------------------------------------------------------------ batched products (gemm_cpu.h)
+
+// From this many rows of x on, a product packs x into panels and runs gemm_cpu.h's register-blocked kernel;
+// fewer rows go through matvec's tiles (no packing, and a 16-row panel would be mostly padding). Where they
+// cross (bench/layer_kernel_gemm.py, one thread, CPU time per layer, Q8_0 and F32): 8 rows 0.88x, 10 rows
+// 1.02-1.04x, 12 rows 1.08-1.11x, 16 rows 1.2x.
+constexpr int64_t kGemmRows = 10;
+
+// Weight rows dequantized (and multiplied) together: the group's float rows (group x k) stay in L2 while every
+// panel of x passes, and x is streamed once per group; a wider row halves the group to keep it there.
+inline int64_t gemm_group(int64_t k) { return k <= 4096 ? 48 : 24; }
+inline int64_t gemm_c_floats(int64_t m) { return 48 * gemm::panels(m) * gemm::kPanel; }    // a thread's C
+
+// Every thread packs the panels it claims from x (m rows of k, stride k) into the shared xp; a barrier must
+// follow before any thread reads xp.
+inline void pack_x(std::atomic<int64_t>& next, const float* x, int64_t m, int64_t k, float* xp) {
+  for (int64_t p = next.fetch_add(1); p < gemm::panels(m); p = next.fetch_add(1)) gemm::pack_panel(x, k, m, k, p, xp);
+}
+
+// The weight rows starts[q] + u of `parts` parts (q < parts, gate/up: 2) for units u in [u0, u1) times every row of
+// the packed x (m rows, k = w.k): a group of units at a time, done(u, n, c, ldc) with C row q * n + i = part q's
+// row for unit u + i and C[.][b] its product with x row b. wbuf: gemm_group(k) * k floats, c: gemm_c_floats(m),
+// both the calling thread's.
+template <typename Done>
+void gemm_units(const Matrix& w, const int64_t* starts, int parts, int64_t u0, int64_t u1, const float* xp,
+                int64_t m, float* wbuf, float* c, Done done) {
+  const int64_t k = w.k, per = gemm_group(k) / parts, ldc = gemm::panels(m) * gemm::kPanel;
+  gemm::Segment segs[3];
+  for (int64_t u = u0; u < u1; u += per) {
+    const int64_t n = std::min(per, u1 - u);
+    for (int q = 0; q < parts; ++q) {
+      const int64_t first = starts[q] + u;
+      if (w.type == kF32) {
+        segs[q] = {reinterpret_cast<const float*>(w.data) + first * k, n};
+      } else {
+        for (int64_t i = 0; i < n; ++i) w.dequantize_row(w.data + (first + i) * w.row_bytes, wbuf + (q * n + i) * k);
+        segs[q] = {wbuf + q * n * k, n};
+      }
+    }
+    gemm::product(segs, parts, xp, m, k, c, ldc);
+    done(u, n, static_cast<const float*>(c), ldc);
+  }
+}
+
+// Rows [r0, r1) of w times every row of x (batch rows of w.k): emit(b, r, w[r] . x[b]). With xp (x packed,
+// batch >= kGemmRows) through gemm_units; otherwise matvec with tile.
+template <typename Emit>
+void product_rows(const Matrix& w, const float* x, const float* xp, int64_t batch, int64_t r0, int64_t r1, float* tile,
+                  float* wbuf, float* c, Emit emit) {
+  if (xp == nullptr) {
+    matvec(w, x, batch, r0, r1, tile, emit);
+    return;
+  }
+  const int64_t start = 0;
+  gemm_units(w, &start, 1, r0, r1, xp, batch, wbuf, c, [&](int64_t u, int64_t n, const float* cc, int64_t ldc) {
+    for (int64_t b = 0; b < batch; ++b)
+      for (int64_t i = 0; i < n; ++i) emit(b, u + i, cc[i * ldc + b]);
+  });
 }
 
 // y[b] = x[b] / sqrt(mean(x[b]^2) + eps) * gain for rows b of x (B, h)
@@ -729,6 +800,7 @@ inline float silu_times(float g, float u) {
   P(LOGITS, "logits", 2, "float32") P(TOKEN, "token", 1, "int32") P(LOGPROB, "logprob", 1, "float32")
 
 namespace {
+
 const llm_serving::ParamSpec kDecoderLayerParams[] = {DECODER_LAYER_PARAMS(LLM_SERVING_PARAM_SPEC)};
 const llm_serving::ParamSpec kFinalLogitsParams[] = {FINAL_LOGITS_PARAMS(LLM_SERVING_PARAM_SPEC)};
 }  // namespace
@@ -750,6 +822,7 @@ std::atomic<int64_t> llm_serving_kernel_ns[2];
 }
 
 namespace {
+
 struct Timed {
   explicit Timed(int which) : which_(which), start_(std::chrono::steady_clock::now()) {}
   ~Timed() {
@@ -844,6 +917,11 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
   float* scores = Scratch::sized(s.scores, threads * nh * width * bs);
   const int64_t kmax = std::max(std::max(h, inter), nh * d);
   float* tiles = Scratch::sized(s.tiles, threads * 8 * kmax);        // per thread: gate's and up's tiles
+  // batched products (gemm_cpu.h): x packed once per product (shared), each thread's dequantized group and C
+  const bool batched = rows >= kGemmRows;
+  float* xp = batched ? Scratch::sized(s.packed, gemm::packed_floats(rows, kmax)) : nullptr;
+  float* gemm_w = batched ? Scratch::sized(s.gemm_w, threads * 48 * kmax) : nullptr;
+  float* gemm_c = batched ? Scratch::sized(s.gemm_c, threads * gemm_c_floats(rows)) : nullptr;
   // the computed rows that have a LoRA adapter, sorted by slot; thread t takes a contiguous share of them, so
   // that each slot's matrices are read once per thread and product however many rows use it
   std::vector<int64_t> lora_rows;
@@ -859,10 +937,20 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
   Barrier barrier(threads);
   std::atomic<int64_t> next_row{0};
   std::atomic<int64_t> next_qkv{0}, next_o{0}, next_unit{0}, next_down{0};     // each product's rows handed out
+  std::atomic<int64_t> next_pack[4] = {{0}, {0}, {0}, {0}};                      // and its x's panels
 
   p.run([&](int tid, int nthreads) {
     float* xn = normed + tid * rows * std::max(h, d);
     float* tile = tiles + tid * 8 * kmax;
+    float* wbuf = batched ? gemm_w + tid * 48 * kmax : nullptr;
+    float* cbuf = batched ? gemm_c + tid * gemm_c_floats(rows) : nullptr;
+    // batched: the product's x packed into xp by all threads (a barrier after), then read by every chunk
+    auto packed = [&](int which, const float* in, int64_t k_in) -> const float* {
+      if (!batched) return nullptr;
+      pack_x(next_pack[which], in, rows, k_in, xp);
+      barrier.wait();
+      return xp;
+    };
     // 1. q/k/v of every row (each thread normalizes the inputs itself: no barrier for it)
     // LoRA: this thread's share of the adapted rows computes their u = A x (before a product) and adds their
     // B u (after it, once every thread's part of the product is written), a run of rows of one slot at a time
@@ -884,9 +972,11 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
     };
     rms_normalize(x, rows, h, eps, in_gain, xn);
     project(lora_qkv, xn, h);
+    const float* xq = packed(0, xn, h);
     claim_rows(next_qkv, nqkv, nthreads, [&](int64_t r0, int64_t r1) {
-      matvec(qkv_w, xn, rows, r0, r1, tile, [&](int64_t b, int64_t r, float v) { qkv[b * nqkv + r] = v + qkv_b[r]; });
-    });
+      product_rows(qkv_w, xn, xq, rows, r0, r1, tile, wbuf, cbuf,
+                   [&](int64_t b, int64_t r, float v) { qkv[b * nqkv + r] = v + qkv_b[r]; });
+    }, batched ? gemm_group(h) : 4);
     barrier.wait();
     if (adapted) {
       add_rows(lora_qkv, qkv, nqkv);
@@ -924,9 +1014,11 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
     barrier.wait();
     // 4. out = x + attn . o_w^T
     project(lora_o, attn, nh * d);
+    const float* xo = packed(1, attn, nh * d);
     claim_rows(next_o, h, nthreads, [&](int64_t r0, int64_t r1) {
-      matvec(o_w, attn, rows, r0, r1, tile, [&](int64_t b, int64_t r, float v) { out[b * h + r] = x[b * h + r] + v; });
-    });
+      product_rows(o_w, attn, xo, rows, r0, r1, tile, wbuf, cbuf,
+                   [&](int64_t b, int64_t r, float v) { out[b * h + r] = x[b * h + r] + v; });
+    }, batched ? gemm_group(nh * d) : 4);
     barrier.wait();
     if (adapted) {
       add_rows(lora_o, out, h);
@@ -942,49 +1034,69 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
       add_rows(lora_gate_up, lora_gu, 2 * inter);
       barrier.wait();
     }
-    claim_rows(next_unit, inter, nthreads, [&](int64_t r0, int64_t r1) {
-      for (int64_t j = r0; j < r1; j += 4) {
-        const int64_t n = std::min<int64_t>(4, r1 - j);
-        gate_up_w.prefetch(j + 4, std::min<int64_t>(4, r1 - j - 4));
-        gate_up_w.prefetch(inter + j + 4, std::min<int64_t>(4, r1 - j - 4));
-        const bool fused = gate_up_w.type != kF32 && rows <= kFusedRows;
-        const float* gate_rows = fused ? nullptr : gate_up_w.tile_rows(j, n, tile);
-        const float* up_rows = fused ? nullptr : gate_up_w.tile_rows(inter + j, n, tile + 4 * kmax);
-        float gate[4][4], up[4][4];
-        for (int64_t b0 = 0; b0 < rows; b0 += 4) {
-          const int bb = static_cast<int>(std::min<int64_t>(4, rows - b0));
-          if (fused) {
-            qdot(gate_up_w, j, static_cast<int>(n), xn + b0 * h, bb, gate);
-            qdot(gate_up_w, inter + j, static_cast<int>(n), xn + b0 * h, bb, up);
-          } else if (n == 4) {
-            dot_rows<4>(gate_rows, h, xn + b0 * h, h, bb, gate);
-            dot_rows<4>(up_rows, h, xn + b0 * h, h, bb, up);
-          } else {
+    if (batched) {                                  // gate and up rows of a group of units together, then SiLU
+      const float* xg = packed(2, xn, h);
+      const int64_t starts[2] = {0, inter};
+      claim_rows(next_unit, inter, nthreads, [&](int64_t r0, int64_t r1) {
+        gemm_units(gate_up_w, starts, 2, r0, r1, xg, rows, wbuf, cbuf,
+                   [&](int64_t j, int64_t n, const float* c, int64_t ldc) {
+          for (int64_t b = 0; b < rows; ++b) {
+            const float* g = adapted && lora[b] > 0 && slots[b] >= 0 ? lora_gu + b * 2 * inter + j : nullptr;
+            float* a = act + b * inter + j;
             for (int64_t i = 0; i < n; ++i) {
-              dot_rows<1>(gate_rows + i * h, h, xn + b0 * h, h, bb, gate + i);
-              dot_rows<1>(up_rows + i * h, h, xn + b0 * h, h, bb, up + i);
+              const float gate = c[i * ldc + b], up = c[(n + i) * ldc + b];
+              a[i] = g ? silu_times(gate + g[i], up + g[inter + i]) : silu_times(gate, up);
             }
           }
-          for (int b = 0; adapted && b < bb; ++b) {
-            const int64_t row = b0 + b;
-            if (lora[row] <= 0 || slots[row] < 0) continue;
-            const float* g = lora_gu + row * 2 * inter + j;
-            for (int64_t i = 0; i < n; ++i) {
-              gate[i][b] += g[i];
-              up[i][b] += g[inter + i];
+        });
+      }, gemm_group(h) / 2);
+    } else {
+      claim_rows(next_unit, inter, nthreads, [&](int64_t r0, int64_t r1) {
+        for (int64_t j = r0; j < r1; j += 4) {
+          const int64_t n = std::min<int64_t>(4, r1 - j);
+          gate_up_w.prefetch(j + 4, std::min<int64_t>(4, r1 - j - 4));
+          gate_up_w.prefetch(inter + j + 4, std::min<int64_t>(4, r1 - j - 4));
+          const bool fused = gate_up_w.type != kF32 && rows <= kFusedRows;
+          const float* gate_rows = fused ? nullptr : gate_up_w.tile_rows(j, n, tile);
+          const float* up_rows = fused ? nullptr : gate_up_w.tile_rows(inter + j, n, tile + 4 * kmax);
+          float gate[4][4], up[4][4];
+          for (int64_t b0 = 0; b0 < rows; b0 += 4) {
+            const int bb = static_cast<int>(std::min<int64_t>(4, rows - b0));
+            if (fused) {
+              qdot(gate_up_w, j, static_cast<int>(n), xn + b0 * h, bb, gate);
+              qdot(gate_up_w, inter + j, static_cast<int>(n), xn + b0 * h, bb, up);
+            } else if (n == 4) {
+              dot_rows<4>(gate_rows, h, xn + b0 * h, h, bb, gate);
+              dot_rows<4>(up_rows, h, xn + b0 * h, h, bb, up);
+            } else {
+              for (int64_t i = 0; i < n; ++i) {
+                dot_rows<1>(gate_rows + i * h, h, xn + b0 * h, h, bb, gate + i);
+                dot_rows<1>(up_rows + i * h, h, xn + b0 * h, h, bb, up + i);
+              }
             }
+            for (int b = 0; adapted && b < bb; ++b) {
+              const int64_t row = b0 + b;
+              if (lora[row] <= 0 || slots[row] < 0) continue;
+              const float* g = lora_gu + row * 2 * inter + j;
+              for (int64_t i = 0; i < n; ++i) {
+                gate[i][b] += g[i];
+                up[i][b] += g[inter + i];
+              }
+            }
+            for (int64_t i = 0; i < n; ++i)
+              for (int b = 0; b < bb; ++b) act[(b0 + b) * inter + j + i] = silu_times(gate[i][b], up[i][b]);
           }
-          for (int64_t i = 0; i < n; ++i)
-            for (int b = 0; b < bb; ++b) act[(b0 + b) * inter + j + i] = silu_times(gate[i][b], up[i][b]);
         }
-      }
-    });
+      });
+    }
     barrier.wait();
     // 6. out += act . down_w^T
     project(lora_down, act, inter);
+    const float* xd = packed(3, act, inter);
     claim_rows(next_down, h, nthreads, [&](int64_t r0, int64_t r1) {
-      matvec(down_w, act, rows, r0, r1, tile, [&](int64_t b, int64_t r, float v) { out[b * h + r] += v; });
-    });
+      product_rows(down_w, act, xd, rows, r0, r1, tile, wbuf, cbuf,
+                   [&](int64_t b, int64_t r, float v) { out[b * h + r] += v; });
+    }, batched ? gemm_group(inter) : 4);
     if (adapted) {
       barrier.wait();
       add_rows(lora_down, out, h);
@@ -1028,17 +1140,28 @@ extern "C" int FinalLogits(int nparam, void** params, int* ndims, int64_t** shap
   float* normed = Scratch::sized(s.normed, p.threads() * live * h);
   // per chunk of the vocabulary and row: [max, its first index, sum of e^(logit - max)], merged in chunk order
   // after (whichever thread took a chunk, the result is the same to the bit)
-  const int64_t chunk = chunk_rows(vocab, p.threads()), chunks = (vocab + chunk - 1) / chunk;
+  // batched (gemm_cpu.h): chunks of whole groups of rows, x packed once (shared) after every thread normalized it
+  const bool batched = live >= kGemmRows;
+  const int64_t align = batched ? gemm_group(h) : 4;
+  const int64_t chunk = chunk_rows(vocab, p.threads(), align), chunks = (vocab + chunk - 1) / chunk;
   float* partial = Scratch::sized(s.scores, chunks * live * 3);
   float* tiles = Scratch::sized(s.tiles, p.threads() * 4 * h);
+  float* xp = batched ? Scratch::sized(s.packed, gemm::packed_floats(live, h)) : nullptr;
+  float* gemm_w = batched ? Scratch::sized(s.gemm_w, p.threads() * 48 * h) : nullptr;
+  float* gemm_c = batched ? Scratch::sized(s.gemm_c, p.threads() * gemm_c_floats(live)) : nullptr;
   Barrier barrier(p.threads());
-  std::atomic<int64_t> next_vocab{0};
+  std::atomic<int64_t> next_vocab{0}, next_pack{0};
   p.run([&](int tid, int nthreads) {
     float* xn = normed + tid * live * h;
     rms_normalize(x, live, h, eps, gain, xn);
+    if (batched) {
+      pack_x(next_pack, xn, live, h, xp);
+      barrier.wait();
+    }
     claim_rows(next_vocab, vocab, nthreads, [&](int64_t r0, int64_t r1) {
-      matvec(w, xn, live, r0, r1, tiles + tid * 4 * h,
-             [&](int64_t b, int64_t r, float v) { logits[b * vocab + r] = v; });
+      product_rows(w, xn, xp, live, r0, r1, tiles + tid * 4 * h, batched ? gemm_w + tid * 48 * h : nullptr,
+                   batched ? gemm_c + tid * gemm_c_floats(live) : nullptr,
+                   [&](int64_t b, int64_t r, float v) { logits[b * vocab + r] = v; });
       for (int64_t b = 0; b < live; ++b) {          // the chunk's max, first index of it, and sum of exps
         const float* l = logits + b * vocab;
         float mx = -INFINITY;
@@ -1056,7 +1179,7 @@ extern "C" int FinalLogits(int nparam, void** params, int* ndims, int64_t** shap
         part[1] = static_cast<float>(at);
         part[2] = sum;
       }
-    });
+    }, align);
     barrier.wait();
     for (int64_t b = tid; b < live; b += nthreads) {  // greedy token = the first index of the largest logit
       float mx = -INFINITY, at = 0.f;

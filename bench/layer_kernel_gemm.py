@@ -1,0 +1,213 @@
+#!/usr/bin/env python
+"""The whole-layer CPU kernel's batched products, before and after, in one run: DecoderLayer on a
+Llama-3.2-1B-shaped layer (hidden 2048, 32 heads x 64, 8 KV heads, FFN 8192) and FinalLogits (vocab 49152 x
+2048), called through ctypes as MindSpore calls them (tests/unit/test_layer_kernel.py's invoke), with the weights
+float32 or GGUF-quantized (gguf.quants.quantize), at decode batches of 1..256 rows (each row its own sequence,
+~64 keys of context) and one 512-token prefill (positions 0..511 of one sequence, causal context).
+
+"before" is decoder_layer_cpu.cc (and its headers) as git holds them at --baseline (default: main), compiled with
+the same flags into a temporary directory; "after" is the working tree's. The two libraries are called
+alternately, so that the machine's noise (2 shared cores) falls on both alike: compare them as ratios.
+GFLOP/s counts the weight products only (2 * weights * rows per call); attention is in the time, not in the FLOPs.
+"GF/s/core" divides the same FLOPs by the process's CPU time per call (every thread of the kernel): on a machine
+other processes share, the wall time says how much of the cores the kernel got, the CPU time what its work cost.
+
+    python bench/layer_kernel_gemm.py
+    python bench/layer_kernel_gemm.py --batches 16,64 --types q8_0 --baseline HEAD~1
+
+Prints a table and writes JSON (default bench_results/layer_kernel_gemm.json).
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import machine, table, write_json  # noqa: E402
+from llm_serving.models.kernels import FLAGS, _compiler, build_kernel  # noqa: E402
+from llm_serving.models.kernels.signatures import DECODER_LAYER, FINAL_LOGITS  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+KERNELS = "llm_serving/models/kernels"
+H, NH, KVH, D, INTER, BS = 2048, 32, 8, 64, 8192, 16
+TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 8}
+
+
+def build_baseline(ref: str, out_dir: Path) -> Path:
+    """decoder_layer_cpu.cc and every header beside it as `ref` holds them, compiled like build_kernel does."""
+    names = subprocess.run(["git", "ls-tree", "--name-only", f"{ref}:{KERNELS}"], cwd=REPO, check=True,
+                           capture_output=True, text=True).stdout.split()
+    for name in names:
+        if name.endswith((".cc", ".h")):
+            text = subprocess.run(["git", "show", f"{ref}:{KERNELS}/{name}"], cwd=REPO, check=True,
+                                  capture_output=True).stdout
+            (out_dir / name).write_bytes(text)
+    target = out_dir / "decoder_layer_cpu_baseline.so"
+    subprocess.run([_compiler(), *FLAGS, "-o", str(target), str(out_dir / "decoder_layer_cpu.cc")], check=True)
+    return target
+
+
+def invoke(func, arrays) -> int:
+    n = len(arrays)
+    params = (ctypes.c_void_p * n)(*[a.ctypes.data for a in arrays])
+    ndims = (ctypes.c_int * n)(*[a.ndim for a in arrays])
+    shape_arrays = [(ctypes.c_int64 * max(a.ndim, 1))(*a.shape) for a in arrays]
+    shapes = (ctypes.POINTER(ctypes.c_int64) * n)(*[ctypes.cast(s, ctypes.POINTER(ctypes.c_int64))
+                                                    for s in shape_arrays])
+    dtypes = (ctypes.c_char_p * n)(*[str(a.dtype).encode() for a in arrays])
+    return func(ctypes.c_int(n), params, ndims, shapes, dtypes, None, None)
+
+
+def as_kernel_weight(w: np.ndarray, kind: str) -> np.ndarray:
+    if kind == "f32":
+        return w
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    return quantize(w, GGMLQuantizationType[kind.upper()]).view(np.uint8)
+
+
+def layer_weights(rng) -> dict:
+    f32 = lambda *s: (rng.standard_normal(s, dtype=np.float32) * 0.02)          # noqa: E731
+    return {"qkv_w": f32((NH + 2 * KVH) * D, H), "o_w": f32(H, NH * D), "gate_up_w": f32(2 * INTER, H),
+            "down_w": f32(H, INTER)}
+
+
+def step_arrays(rng, batch: int, prefill: bool, weights: dict, kind: str, cache: tuple, threads: int) -> list:
+    """DecoderLayer's parameters for one step: `batch` decode rows (own blocks, 64 keys each) or one prefill of
+    `batch` tokens (positions 0..batch-1, causal)."""
+    if prefill:
+        width = (batch + BS - 1) // BS
+        tables = np.tile(np.arange(width, dtype=np.int32), (batch, 1))
+        positions = np.arange(batch, dtype=np.int32)
+    else:
+        width = 4
+        tables = (width * np.arange(batch, dtype=np.int32)[:, None] + np.arange(width, dtype=np.int32)
+                  + 64).astype(np.int32)
+        positions = np.full(batch, 63, np.int32)
+    context = positions + 1
+    slots = (tables[np.arange(batch), positions // BS] * BS + positions % BS).astype(np.int32)
+    p = max(1024, batch)                                   # rope rows for every position
+    angles = np.arange(p)[:, None] / 10000.0 ** (np.arange(0, D, 2) / D)[None, :]
+    cos = np.concatenate([np.cos(angles)] * 2, -1).astype(np.float32)
+    sin = np.concatenate([-np.sin(angles), np.sin(angles)], -1).astype(np.float32)
+    nqkv = (NH + 2 * KVH) * D
+    lora = {}
+    for name, parts, k, n in (("qkv", 3, H, nqkv), ("o", 1, NH * D, H), ("gate_up", 2, H, 2 * INTER),
+                              ("down", 1, INTER, H)):
+        lora[f"lora_{name}_a"] = np.zeros((1, parts, k), np.float32)
+        lora[f"lora_{name}_b"] = np.zeros((1, 1, n), np.float32)
+    icfg = np.array([BS, NH, KVH, threads] + [TYPES[kind]] * 4, np.int32)
+    x = rng.standard_normal((batch, H), dtype=np.float32)
+    return [*DECODER_LAYER.args(
+        x=x, positions=positions, slots=slots, block_tables=tables, context_lens=context.astype(np.int32),
+        tree_bits=np.full(batch, -1, np.int32), cos=cos, sin=sin, lora=np.zeros(batch, np.int32),
+        qkv_bias=np.zeros(nqkv, np.float32), input_gain=np.ones(H, np.float32), post_gain=np.ones(H, np.float32),
+        key_cache=cache[0], value_cache=cache[1], iconfig=icfg, fconfig=np.array([1e-5], np.float32),
+        **weights, **lora), np.empty_like(x)]
+
+
+def logits_arrays(rng, rows: int, lm_head: np.ndarray, kind: str, threads: int, vocab: int) -> list:
+    x = rng.standard_normal((rows, H), dtype=np.float32)
+    args = FINAL_LOGITS.args(x=x, lm_head=lm_head, gain=np.ones(H, np.float32), slots=np.arange(rows, dtype=np.int32),
+                             iconfig=np.array([threads, TYPES[kind]], np.int32), fconfig=np.array([1e-5], np.float32))
+    return [*args, np.empty((rows, vocab), np.float32), np.empty(rows, np.int32), np.empty(rows, np.float32)]
+
+
+def time_pair(funcs: dict, arrays: list, min_calls: int, min_seconds: float) -> dict:
+    """Per function, called alternately (one warm-up call each first): (median wall seconds per call, median
+    process CPU seconds per call). On a shared machine the wall time mostly says how much of the cores the kernel
+    got; the CPU time (all the kernel's threads, barrier spins included) says what its work cost."""
+    times = {name: [] for name in funcs}
+    for f in funcs.values():
+        assert invoke(f, arrays) == 0
+    start = time.perf_counter()
+    while min(len(t) for t in times.values()) < min_calls or time.perf_counter() - start < min_seconds:
+        for name, f in funcs.items():
+            t, c = time.perf_counter(), time.process_time()
+            invoke(f, arrays)
+            times[name].append((time.perf_counter() - t, time.process_time() - c))
+        if time.perf_counter() - start > 20 * min_seconds and min(len(t) for t in times.values()) >= 2:
+            break
+    return {name: (statistics.median(w for w, _ in t), statistics.median(c for _, c in t)) for name, t in times.items()}
+
+
+def record(row: dict, secs: dict, flops: float) -> dict:
+    for name, (wall, cpu) in secs.items():
+        row[f"{name}_ms"] = wall * 1e3
+        row[f"{name}_gflops"] = flops / wall / 1e9
+        row[f"{name}_cpu_ms"] = cpu * 1e3
+        row[f"{name}_gflops_per_core"] = flops / cpu / 1e9 if cpu > 0 else None
+    if "before" in secs:
+        row["speedup"] = secs["before"][0] / secs["after"][0]
+        row["cpu_speedup"] = secs["before"][1] / secs["after"][1]
+    print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--baseline", default="main", help="git ref whose kernel is 'before' ('' to skip it)")
+    ap.add_argument("--batches", default="1,4,16,64,256,512", help="rows per step; the largest is a prefill")
+    ap.add_argument("--prefill", type=int, default=512, help="batches of this size run as one prefill")
+    ap.add_argument("--types", default="f32,q8_0,q4_1")
+    ap.add_argument("--logits-batches", default="16,64")
+    ap.add_argument("--vocab", type=int, default=49152)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seconds", type=float, default=1.0, help="least time per measurement and library")
+    ap.add_argument("--out", default="bench_results/layer_kernel_gemm.json")
+    args = ap.parse_args()
+
+    libs = {}
+    tmp = tempfile.TemporaryDirectory()
+    if args.baseline:
+        libs["before"] = ctypes.CDLL(str(build_baseline(args.baseline, Path(tmp.name))))
+    libs["after"] = ctypes.CDLL(build_kernel("decoder_layer_cpu", "DecoderLayer", Path(tmp.name)).rsplit(":", 1)[0])
+    rng = np.random.default_rng(0)
+    batches = [int(b) for b in args.batches.split(",")]
+    weights = layer_weights(rng)
+    n_weights = sum(w.size for w in weights.values())
+    blocks = 64 + 4 * max(batches)
+    cache = tuple(rng.standard_normal((blocks * BS * KVH, D), dtype=np.float32) for _ in range(2))
+    rows = []
+    for kind in args.types.split(","):
+        kw = {n: as_kernel_weight(w, kind) for n, w in weights.items()}
+        for batch in batches:
+            prefill = batch == args.prefill
+            arrays = step_arrays(rng, batch, prefill, kw, kind, cache, args.threads)
+            secs = time_pair({n: lib.DecoderLayer for n, lib in libs.items()}, arrays, 3, args.seconds)
+            row = {"kernel": "layer", "weights": kind, "rows": batch, "step": "prefill" if prefill else "decode"}
+            rows.append(record(row, secs, 2 * n_weights * batch))
+    del weights
+    head = rng.standard_normal((args.vocab, H), dtype=np.float32) * 0.02
+    for kind in args.types.split(","):
+        kw = as_kernel_weight(head, kind)
+        for batch in (int(b) for b in args.logits_batches.split(",") if b):
+            arrays = logits_arrays(rng, batch, kw, kind, args.threads, args.vocab)
+            secs = time_pair({n: lib.FinalLogits for n, lib in libs.items()}, arrays, 3, args.seconds)
+            row = {"kernel": "logits", "weights": kind, "rows": batch, "step": "decode"}
+            rows.append(record(row, secs, 2 * head.size * batch))
+    cols = [("kernel", "kernel", "{}"), ("weights", "weights", "{}"), ("rows", "rows", "{}"), ("step", "step", "{}")]
+    for name in libs:
+        cols += [(f"{name}_ms", f"{name} ms", "{:.2f}"), (f"{name}_gflops", f"{name} GF/s", "{:.1f}"),
+                 (f"{name}_gflops_per_core", f"{name} GF/s/core", "{:.1f}")]
+    if "before" in libs:
+        cols += [("speedup", "speedup", "{:.2f}x"), ("cpu_speedup", "cpu speedup", "{:.2f}x")]
+    print(table(rows, cols))
+    write_json(args.out, {"machine": machine(), "threads": args.threads, "baseline": args.baseline,
+                          "layer": {"hidden": H, "heads": NH, "kv_heads": KVH, "head_dim": D, "inter": INTER,
+                                    "weights": n_weights},
+                          "vocab": args.vocab, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
