@@ -334,16 +334,26 @@ inline void dot_rows(const float* w, int64_t k, const float* x, int64_t ldx, int
 
 // ----------------------------------------------------------------------------------------- weight formats
 
-enum WeightType : int32_t { kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };
+enum WeightType : int32_t {
+  kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
+  kBF16 = 30
+};
 
 // Bytes of one row of k weights of `type`, or -1: a type these kernels do not read, or k not whole blocks.
 int64_t row_bytes_of(int32_t type, int64_t k) {
   switch (type) {
     case kF32: return 4 * k;
     case kF16: return 2 * k;
+    case kBF16: return 2 * k;
     case kQ4_0: return k % 32 ? -1 : k / 32 * 18;      // f16 scale, 16 bytes of nibbles
     case kQ4_1: return k % 32 ? -1 : k / 32 * 20;      // f16 scale, f16 minimum, 16 bytes of nibbles
+    case kQ5_0: return k % 32 ? -1 : k / 32 * 22;      // f16 scale, 4 bytes of fifth bits, 16 bytes of nibbles
+    case kQ5_1: return k % 32 ? -1 : k / 32 * 24;      // f16 scale, f16 minimum, fifth bits, nibbles
     case kQ8_0: return k % 32 ? -1 : k / 32 * 34;      // f16 scale, 32 signed bytes
+    // super-blocks of 256 weights (8 or 16 sub-blocks, each with its own quantized scale)
+    case kQ4_K: return k % 256 ? -1 : k / 256 * 144;   // f16 d, f16 dmin, 12 bytes of 6-bit scales/mins, nibbles
+    case kQ5_K: return k % 256 ? -1 : k / 256 * 176;   // as Q4_K, plus 32 bytes of fifth bits before the nibbles
+    case kQ6_K: return k % 256 ? -1 : k / 256 * 210;   // 128 bytes low nibbles, 64 of 2-bit highs, 16 int8 scales, f16 d
     default: return -1;
   }
 }
@@ -391,6 +401,10 @@ inline v16 signed_bytes(const uint8_t* p) {
 inline v16 halves(const uint8_t* p) {
   return (v16)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+inline v16 bfloats(const uint8_t* p) {           // 16 bfloat16s: the top halves of float32s
+  const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return (v16)_mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+}
 #else
 inline v16 low_nibbles(const uint8_t* p) {
   v16 v;
@@ -412,14 +426,67 @@ inline v16 halves(const uint8_t* p) {
   for (int i = 0; i < 16; ++i) v[i] = half_to_float(p + 2 * i);
   return v;
 }
+inline v16 bfloats(const uint8_t* p) {
+  v16 v;
+  for (int i = 0; i < 16; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(p[2 * i] | p[2 * i + 1] << 8) << 16;
+    std::memcpy(&v[i], &bits, 4);
+  }
+  return v;
+}
 #endif
+
+// The 5-bit and super-block decoders below also use masks, byte tests and lane permutes (AVX-512 VL/BW): a
+// 4-bit code becomes its weight by one permute of a 16-float table (the code's value times the block's scale,
+// minus its minimum), computed once per (sub-)block, instead of a widening, a conversion and a multiply-add.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define LLM_SERVING_AVX512 1
+inline __m128i load_bytes16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+inline __m512 iota16() { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+#endif
+
+// a * b + c, rounded once where the CPU has FMA (-std=c++17 keeps GCC from contracting a * b + c itself)
+inline v16 fmadd16(v16 a, v16 b, v16 c) {
+#if defined(__AVX512F__)
+  return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#else
+  return a * b + c;
+#endif
+}
 
 inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
 
 // One block of 32 weights of type T (F16: 32 halves) at p as two vectors: weights 0..15 and 16..31.
 template <int32_t T>
 constexpr int64_t block_bytes() {
-  return T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : T == kQ8_0 ? 34 : 64;
+  return T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : T == kQ5_0 ? 22 : T == kQ5_1 ? 24 : T == kQ8_0 ? 34 : 64;
+}
+
+// Q5_0 (f16 d, 32 fifth bits, 16 bytes of nibbles: w = d * (q - 16)) and Q5_1 (f16 d, f16 m, fifth bits,
+// nibbles: w = d * q + m). Weight i's low 4 bits are byte i's low nibble (i < 16) or byte i-16's high one; its
+// fifth bit is bit i of the 32-bit word.
+template <int32_t T>
+inline void decode_q5(const uint8_t* p, v16* lo, v16* hi) {
+  constexpr bool with_min = T == kQ5_1;
+  const float d = half_to_float(p);
+  const float m = with_min ? half_to_float(p + 2) : -16.f * d;
+  uint32_t qh;
+  std::memcpy(&qh, p + (with_min ? 4 : 2), 4);
+  const uint8_t* qs = p + (with_min ? 8 : 6);
+#if defined(LLM_SERVING_AVX512)
+  const __m512 table = _mm512_fmadd_ps(iota16(), _mm512_set1_ps(d), _mm512_set1_ps(m));     // q = 0..15
+  const __m512 sixteen = _mm512_set1_ps(16.f * d);                                            // the fifth bit
+  const __m512i codes = _mm512_cvtepu8_epi32(load_bytes16(qs));    // the permute reads a lane's low 4 bits
+  const __m512 l = _mm512_permutexvar_ps(codes, table);
+  const __m512 h = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table);
+  *lo = (v16)_mm512_mask_add_ps(l, static_cast<__mmask16>(qh & 0xffffu), l, sixteen);
+  *hi = (v16)_mm512_mask_add_ps(h, static_cast<__mmask16>(qh >> 16), h, sixteen);
+#else
+  for (int i = 0; i < 16; ++i) {
+    (*lo)[i] = d * static_cast<float>((qs[i] & 15) | ((qh >> i) & 1) << 4) + m;
+    (*hi)[i] = d * static_cast<float>((qs[i] >> 4) | ((qh >> (i + 16)) & 1) << 4) + m;
+  }
+#endif
 }
 
 template <int32_t T>
@@ -436,9 +503,136 @@ inline void decode_block(const uint8_t* p, v16* lo, v16* hi) {
     const float d = half_to_float(p);
     *lo = signed_bytes(p + 2) * d;
     *hi = signed_bytes(p + 18) * d;
+  } else if constexpr (T == kQ5_0 || T == kQ5_1) {
+    decode_q5<T>(p, lo, hi);
+  } else if constexpr (T == kBF16) {
+    *lo = bfloats(p);
+    *hi = bfloats(p + 32);
   } else {                                                      // F16
     *lo = halves(p);
     *hi = halves(p + 32);
+  }
+}
+
+// ---- K-quants: super-blocks of 256 weights
+//
+// Q4_K (144 bytes): f16 d, f16 dmin, 12 bytes packing 8 six-bit scales sc[j] and mins m[j], then 128 bytes of
+//   nibbles; sub-block j (weights 32j..32j+31) reads the low (j even) or high (j odd) nibbles of bytes
+//   32(j/2)..32(j/2)+31: w = d*sc[j] * q - dmin*m[j].
+// Q5_K (176 bytes): as Q4_K with 32 bytes of fifth bits between the scales and the nibbles: weight 32j+l's
+//   fifth bit is bit j of byte l; w = d*sc[j] * (q + 16 * bit) - dmin*m[j].
+// Q6_K (210 bytes): 128 bytes of low nibbles, 64 bytes of 2-bit highs, 16 int8 scales, f16 d. Each half of 128
+//   weights reads 64 nibble bytes ql and 32 high bytes qh: weight 32i+l (i < 4, l < 32) is ql[l + 32(i&1)]'s
+//   low (i < 2) or high nibble, plus bits 2i..2i+1 of qh[l] as bits 4..5; w = d*sc[16-weight group] * (q - 32).
+// A super-block's scales are unpacked once per row (unpack_scales), then its groups decoded (decode_group: 64
+// weights for Q4_K/Q5_K, a pair of sub-blocks sharing their bytes; 128 for Q6_K, a half).
+
+template <int32_t T>
+constexpr bool is_super() { return T == kQ4_K || T == kQ5_K || T == kQ6_K; }
+template <int32_t T>
+constexpr int64_t super_bytes() { return T == kQ4_K ? 144 : T == kQ5_K ? 176 : 210; }
+template <int32_t T>
+constexpr int group_weights() { return T == kQ6_K ? 128 : 64; }
+
+// Q4_K/Q5_K: s[j] = d * sc[j], s[8 + j] = dmin * m[j]; Q6_K: s[i] = d * scales[i]
+struct alignas(64) SuperScales {
+  float s[16];
+};
+
+template <int32_t T>
+inline void unpack_scales(const uint8_t* p, SuperScales* u) {
+  if constexpr (T == kQ6_K) {
+    const float d = half_to_float(p + 208);
+#if defined(LLM_SERVING_AVX512)
+    const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load_bytes16(p + 192)));
+    _mm512_store_ps(u->s, _mm512_mul_ps(sc, _mm512_set1_ps(d)));
+#else
+    for (int i = 0; i < 16; ++i) u->s[i] = d * static_cast<float>(static_cast<int8_t>(p[192 + i]));
+#endif
+  } else {
+    const float d = half_to_float(p), dmin = half_to_float(p + 2);
+    uint32_t a, b, c;                     // bytes 0-3: sc[0..3] (low 6 bits), 4-7: m[0..3], 8-11: low 4 bits of
+    std::memcpy(&a, p + 4, 4);            // sc[4..7] and m[4..7] (low and high nibbles), whose top 2 bits are the
+    std::memcpy(&b, p + 8, 4);            // top bits of bytes 0-3 (sc) and 4-7 (m)
+    std::memcpy(&c, p + 12, 4);
+    const uint32_t six[4] = {a & 0x3f3f3f3fu, (c & 0x0f0f0f0fu) | ((a >> 6) & 0x03030303u) << 4,
+                             b & 0x3f3f3f3fu, ((c >> 4) & 0x0f0f0f0fu) | ((b >> 6) & 0x03030303u) << 4};
+#if defined(LLM_SERVING_AVX512)
+    const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(six))));
+    const __m512 scale = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(d), _mm512_set1_ps(dmin));
+    _mm512_store_ps(u->s, _mm512_mul_ps(sc, scale));
+#else
+    uint8_t bytes[16];
+    std::memcpy(bytes, six, 16);
+    for (int i = 0; i < 16; ++i) u->s[i] = (i < 8 ? d : dmin) * static_cast<float>(bytes[i]);
+#endif
+  }
+}
+
+// Group g of the super-block at p (scales unpacked in u) as group_weights<T>() / 16 vectors, in weight order.
+template <int32_t T>
+inline void decode_group(const uint8_t* p, const SuperScales& u, int g, v16* w) {
+  if constexpr (T == kQ4_K || T == kQ5_K) {
+    const int j0 = 2 * g, j1 = 2 * g + 1;                    // the sub-blocks of the low and high nibbles
+    const uint8_t* q = p + (T == kQ4_K ? 16 : 48) + 32 * g;
+#if defined(LLM_SERVING_AVX512)
+    const __m512 table0 = _mm512_fmsub_ps(iota16(), _mm512_set1_ps(u.s[j0]), _mm512_set1_ps(u.s[8 + j0]));
+    const __m512 table1 = _mm512_fmsub_ps(iota16(), _mm512_set1_ps(u.s[j1]), _mm512_set1_ps(u.s[8 + j1]));
+    const __m512i b0 = _mm512_cvtepu8_epi32(load_bytes16(q)), b1 = _mm512_cvtepu8_epi32(load_bytes16(q + 16));
+    __m512 w0 = _mm512_permutexvar_ps(b0, table0), w1 = _mm512_permutexvar_ps(b1, table0);   // low 4 bits only
+    __m512 w2 = _mm512_permutexvar_ps(_mm512_srli_epi32(b0, 4), table1);
+    __m512 w3 = _mm512_permutexvar_ps(_mm512_srli_epi32(b1, 4), table1);
+    if constexpr (T == kQ5_K) {
+      const __m128i h0 = load_bytes16(p + 16), h1 = load_bytes16(p + 32);
+      const __m128i bit0 = _mm_set1_epi8(static_cast<char>(1 << j0)), bit1 = _mm_set1_epi8(static_cast<char>(1 << j1));
+      const __m512 sixteen0 = _mm512_set1_ps(16.f * u.s[j0]), sixteen1 = _mm512_set1_ps(16.f * u.s[j1]);
+      w0 = _mm512_mask_add_ps(w0, _mm_test_epi8_mask(h0, bit0), w0, sixteen0);
+      w1 = _mm512_mask_add_ps(w1, _mm_test_epi8_mask(h1, bit0), w1, sixteen0);
+      w2 = _mm512_mask_add_ps(w2, _mm_test_epi8_mask(h0, bit1), w2, sixteen1);
+      w3 = _mm512_mask_add_ps(w3, _mm_test_epi8_mask(h1, bit1), w3, sixteen1);
+    }
+    w[0] = (v16)w0;
+    w[1] = (v16)w1;
+    w[2] = (v16)w2;
+    w[3] = (v16)w3;
+#else
+    const uint8_t* qh = p + 16;
+    for (int l = 0; l < 32; ++l) {
+      int lo = q[l] & 15, hi = q[l] >> 4;
+      if (T == kQ5_K) {
+        lo |= ((qh[l] >> j0) & 1) << 4;
+        hi |= ((qh[l] >> j1) & 1) << 4;
+      }
+      w[l / 16][l % 16] = u.s[j0] * static_cast<float>(lo) - u.s[8 + j0];
+      w[2 + l / 16][l % 16] = u.s[j1] * static_cast<float>(hi) - u.s[8 + j1];
+    }
+#endif
+  } else {                                                   // Q6_K, half g
+    const uint8_t* ql = p + 64 * g;
+    const uint8_t* qh = p + 128 + 32 * g;
+    const float* s = u.s + 8 * g;                            // vector v (weights 16v..16v+15 of the half): s[v]
+#if defined(LLM_SERVING_AVX512)
+    const __m512i h0 = _mm512_cvtepu8_epi32(load_bytes16(qh)), h1 = _mm512_cvtepu8_epi32(load_bytes16(qh + 16));
+    const __m512i nibble = _mm512_set1_epi32(15), top = _mm512_set1_epi32(0x30);
+    for (int v = 0; v < 8; ++v) {                            // unrolled: the shifts are constants
+      const __m512i b = _mm512_cvtepu8_epi32(load_bytes16(ql + 16 * (v & 3)));
+      const __m512i low = v < 4 ? _mm512_and_si512(b, nibble) : _mm512_srli_epi32(b, 4);
+      const __m512i h = v & 1 ? h1 : h0;
+      const int shift = 2 * (v >> 1);                        // the 2 bits at 2i..2i+1 (i = v / 2) go to bits 4..5
+      const __m512i high = shift <= 4 ? _mm512_slli_epi32(h, 4 - shift) : _mm512_srli_epi32(h, shift - 4);
+      const __m512i code = _mm512_ternarylogic_epi32(low, high, top, 0xF8);     // low | (high & 0x30)
+      w[v] = (v16)_mm512_fmadd_ps(_mm512_cvtepi32_ps(code), _mm512_set1_ps(s[v]), _mm512_set1_ps(-32.f * s[v]));
+    }
+#else
+    for (int v = 0; v < 8; ++v) {
+      for (int l = 0; l < 16; ++l) {
+        const int at = 16 * (v & 1) + l;                       // the byte of qh, and of ql's 32-byte half
+        const uint8_t b = ql[at + 32 * ((v >> 1) & 1)];
+        const int code = (v < 4 ? b & 15 : b >> 4) | ((qh[at] >> (2 * (v >> 1))) & 3) << 4;
+        w[v][l] = s[v] * static_cast<float>(code - 32);
+      }
+    }
+#endif
   }
 }
 
@@ -478,8 +672,14 @@ struct Matrix {
     switch (type) {
       case kQ4_0: dequantize_blocks<kQ4_0>(row, dst); break;
       case kQ4_1: dequantize_blocks<kQ4_1>(row, dst); break;
+      case kQ5_0: dequantize_blocks<kQ5_0>(row, dst); break;
+      case kQ5_1: dequantize_blocks<kQ5_1>(row, dst); break;
       case kQ8_0: dequantize_blocks<kQ8_0>(row, dst); break;
+      case kQ4_K: dequantize_super<kQ4_K>(row, dst); break;
+      case kQ5_K: dequantize_super<kQ5_K>(row, dst); break;
+      case kQ6_K: dequantize_super<kQ6_K>(row, dst); break;
       case kF16: dequantize_blocks<kF16>(row, dst); break;
+      case kBF16: dequantize_blocks<kBF16>(row, dst); break;
       default: break;                                                  // refused before any call
     }
   }
@@ -491,6 +691,20 @@ struct Matrix {
       decode_block<T>(row, &lo, &hi);
       store16(dst, lo);
       store16(dst + 16, hi);
+    }
+  }
+
+  template <int32_t T>
+  void dequantize_super(const uint8_t* row, float* dst) const {
+    constexpr int G = group_weights<T>();
+    for (int64_t e = 0; e < k; e += 256, row += super_bytes<T>()) {
+      SuperScales u;
+      unpack_scales<T>(row, &u);
+      for (int g = 0; g < 256 / G; ++g, dst += G) {
+        v16 w[G / 16];
+        decode_group<T>(row, u, g, w);
+        for (int v = 0; v < G / 16; ++v) store16(dst + 16 * v, w[v]);
+      }
     }
   }
 };
@@ -520,14 +734,55 @@ inline void qdot_tile(const uint8_t* rows, int64_t row_bytes, int64_t k, const f
   sum_lanes<RB, BB>(acc, out);
 }
 
+// qdot_tile for super-block rows: each row's scales unpacked once per super-block, its groups decoded in
+// registers. One row of x gets two accumulators per weight row, so that consecutive multiply-adds do not wait
+// on each other.
+template <int32_t T, int RB, int BB>
+inline void qdot_tile_super(const uint8_t* rows, int64_t row_bytes, int64_t k, const float* x, int64_t ldx,
+                            float out[4][4]) {
+  constexpr int G = group_weights<T>(), NV = G / 16, NA = BB == 1 ? 2 : 1;
+  v16 acc[NA][RB][BB];
+  for (int a = 0; a < NA; ++a)
+    for (int r = 0; r < RB; ++r)
+      for (int b = 0; b < BB; ++b) acc[a][r][b] = v16{};
+  for (int64_t e = 0, off = 0; e < k; e += 256, off += super_bytes<T>()) {
+    for (int r = 0; r < RB; ++r) {
+      const uint8_t* sb = rows + r * row_bytes + off;
+      SuperScales u;
+      unpack_scales<T>(sb, &u);
+      for (int g = 0; g < 256 / G; ++g) {
+        v16 w[NV];
+        decode_group<T>(sb, u, g, w);
+        const float* xg = x + e + g * G;
+        for (int v = 0; v < NV; ++v)
+          for (int b = 0; b < BB; ++b)
+            acc[v % NA][r][b] = fmadd16(w[v], load16(xg + b * ldx + 16 * v), acc[v % NA][r][b]);
+      }
+    }
+  }
+  for (int a = 1; a < NA; ++a)
+    for (int r = 0; r < RB; ++r)
+      for (int b = 0; b < BB; ++b) acc[0][r][b] += acc[a][r][b];
+  sum_lanes<RB, BB>(acc[0], out);
+}
+
 template <int32_t T, int RB>
 inline void qdot_rows(const uint8_t* rows, int64_t row_bytes, int64_t k, const float* x, int64_t ldx, int bb,
                       float out[4][4]) {
-  switch (bb) {
-    case 1: qdot_tile<T, RB, 1>(rows, row_bytes, k, x, ldx, out); break;
-    case 2: qdot_tile<T, RB, 2>(rows, row_bytes, k, x, ldx, out); break;
-    case 3: qdot_tile<T, RB, 3>(rows, row_bytes, k, x, ldx, out); break;
-    default: qdot_tile<T, RB, 4>(rows, row_bytes, k, x, ldx, out); break;
+  if constexpr (is_super<T>()) {
+    switch (bb) {
+      case 1: qdot_tile_super<T, RB, 1>(rows, row_bytes, k, x, ldx, out); break;
+      case 2: qdot_tile_super<T, RB, 2>(rows, row_bytes, k, x, ldx, out); break;
+      case 3: qdot_tile_super<T, RB, 3>(rows, row_bytes, k, x, ldx, out); break;
+      default: qdot_tile_super<T, RB, 4>(rows, row_bytes, k, x, ldx, out); break;
+    }
+  } else {
+    switch (bb) {
+      case 1: qdot_tile<T, RB, 1>(rows, row_bytes, k, x, ldx, out); break;
+      case 2: qdot_tile<T, RB, 2>(rows, row_bytes, k, x, ldx, out); break;
+      case 3: qdot_tile<T, RB, 3>(rows, row_bytes, k, x, ldx, out); break;
+      default: qdot_tile<T, RB, 4>(rows, row_bytes, k, x, ldx, out); break;
+    }
   }
 }
 
@@ -546,7 +801,13 @@ inline void qdot(const Matrix& w, int64_t r, int rb, const float* x, int bb, flo
   switch (w.type) {
     case kQ4_0: qdot_typed<kQ4_0>(w, r, rb, x, bb, out); break;
     case kQ4_1: qdot_typed<kQ4_1>(w, r, rb, x, bb, out); break;
+    case kQ5_0: qdot_typed<kQ5_0>(w, r, rb, x, bb, out); break;
+    case kQ5_1: qdot_typed<kQ5_1>(w, r, rb, x, bb, out); break;
     case kQ8_0: qdot_typed<kQ8_0>(w, r, rb, x, bb, out); break;
+    case kQ4_K: qdot_typed<kQ4_K>(w, r, rb, x, bb, out); break;
+    case kQ5_K: qdot_typed<kQ5_K>(w, r, rb, x, bb, out); break;
+    case kQ6_K: qdot_typed<kQ6_K>(w, r, rb, x, bb, out); break;
+    case kBF16: qdot_typed<kBF16>(w, r, rb, x, bb, out); break;
     default: qdot_typed<kF16>(w, r, rb, x, bb, out); break;
   }
 }
@@ -740,6 +1001,21 @@ const char* described(const llm_serving::ParamSpec (&spec)[N]) {
 
 extern "C" const char* DecoderLayerParams() { return described(kDecoderLayerParams); }
 extern "C" const char* FinalLogitsParams() { return described(kFinalLogitsParams); }
+
+// `rows` rows of k weights of GGML type `type` at data (row_bytes_of(type, k) bytes each), dequantized into out
+// (rows, k) float32, as the kernels read them (for tests and benchmarks). 0, or 2: a type the kernels do not
+// read, or k not whole blocks of it.
+extern "C" int DequantizeRows(int32_t type, const uint8_t* data, int64_t rows, int64_t k, float* out) {
+  const int64_t bytes = row_bytes_of(type, k);
+  if (bytes < 0 || rows < 0) return 2;
+  if (type == kF32) {
+    std::memcpy(out, data, rows * k * sizeof(float));
+    return 0;
+  }
+  const Matrix m{data, type, rows, k, bytes};
+  for (int64_t r = 0; r < rows; ++r) m.dequantize_row(data + r * bytes, out + r * k);
+  return 0;
+}
 
 // Wall time spent in each kernel since the library was loaded, in nanoseconds: [DecoderLayer, FinalLogits]
 // (benchmarks read it through ctypes to split a step into kernel time and everything else).
