@@ -534,21 +534,46 @@ constexpr int64_t super_bytes() { return T == kQ4_K ? 144 : T == kQ5_K ? 176 : 2
 template <int32_t T>
 constexpr int group_weights() { return T == kQ6_K ? 128 : 64; }
 
-// Q4_K/Q5_K: s[j] = d * sc[j], s[8 + j] = dmin * m[j]; Q6_K: s[i] = d * scales[i]
+// Q4_K/Q5_K: s[j] = d * sc[j], s[8 + j] = dmin * m[j], t[j] = 16 s[j] (the fifth bit's weight);
+// Q6_K: s[i] = d * scales[i], t[i] = -32 s[i]
 struct alignas(64) SuperScales {
   float s[16];
+  float t[16];
 };
 
 template <int32_t T>
 inline void unpack_scales(const uint8_t* p, SuperScales* u) {
+#if defined(LLM_SERVING_AVX512)
+  __m512 s;
+  if constexpr (T == kQ6_K) {
+    s = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load_bytes16(p + 192))),
+                      _mm512_set1_ps(half_to_float(p + 208)));
+    _mm512_store_ps(u->t, _mm512_mul_ps(s, _mm512_set1_ps(-32.f)));
+  } else {
+    // bytes 4..15 of the block: S0-3 hold sc[0..3] (low 6 bits), S4-7 m[0..3], S8-11 the low 4 bits of sc[4..7]
+    // (low nibbles) and m[4..7] (high nibbles), whose top 2 bits are the top bits of S0-3 (sc) and S4-7 (m)
+    const __m128i v = load_bytes16(p);
+    const __m128i a = _mm_shuffle_epi8(v, _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15));
+    const __m128i b = _mm_shuffle_epi8(v, _mm_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11));
+    const __m128i low = _mm_and_si128(a, _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0));
+    const __m128i high = _mm_and_si128(_mm_srli_epi16(a, 4), _mm_setr_epi32(0, 0, 0, 0x0f0f0f0f));
+    const __m128i top = _mm_and_si128(_mm_srli_epi16(b, 2), _mm_set1_epi8(0x30));      // bits 6-7 -> 4-5
+    const __m128i six = _mm_ternarylogic_epi32(low, high, top, 0xFE);                   // low | high | top
+    const __m512 dm = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                                            _mm512_castps128_ps512(_mm_cvtph_ps(v)));    // [d x 8, dmin x 8]
+    s = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(six)), dm);
+    if constexpr (T == kQ5_K) _mm512_store_ps(u->t, _mm512_mul_ps(s, _mm512_set1_ps(16.f)));
+  }
+  _mm512_store_ps(u->s, s);
+  // the decoders broadcast single scales: from memory (a load) rather than out of a register (a shuffle each)
+  asm volatile("" : "+m"(*u));
+#else
   if constexpr (T == kQ6_K) {
     const float d = half_to_float(p + 208);
-#if defined(LLM_SERVING_AVX512)
-    const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load_bytes16(p + 192)));
-    _mm512_store_ps(u->s, _mm512_mul_ps(sc, _mm512_set1_ps(d)));
-#else
-    for (int i = 0; i < 16; ++i) u->s[i] = d * static_cast<float>(static_cast<int8_t>(p[192 + i]));
-#endif
+    for (int i = 0; i < 16; ++i) {
+      u->s[i] = d * static_cast<float>(static_cast<int8_t>(p[192 + i]));
+      u->t[i] = -32.f * u->s[i];
+    }
   } else {
     const float d = half_to_float(p), dmin = half_to_float(p + 2);
     uint32_t a, b, c;                     // bytes 0-3: sc[0..3] (low 6 bits), 4-7: m[0..3], 8-11: low 4 bits of
@@ -557,16 +582,12 @@ inline void unpack_scales(const uint8_t* p, SuperScales* u) {
     std::memcpy(&c, p + 12, 4);
     const uint32_t six[4] = {a & 0x3f3f3f3fu, (c & 0x0f0f0f0fu) | ((a >> 6) & 0x03030303u) << 4,
                              b & 0x3f3f3f3fu, ((c >> 4) & 0x0f0f0f0fu) | ((b >> 6) & 0x03030303u) << 4};
-#if defined(LLM_SERVING_AVX512)
-    const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(six))));
-    const __m512 scale = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(d), _mm512_set1_ps(dmin));
-    _mm512_store_ps(u->s, _mm512_mul_ps(sc, scale));
-#else
     uint8_t bytes[16];
     std::memcpy(bytes, six, 16);
     for (int i = 0; i < 16; ++i) u->s[i] = (i < 8 ? d : dmin) * static_cast<float>(bytes[i]);
-#endif
+    for (int i = 0; i < 16; ++i) u->t[i] = 16.f * u->s[i];
   }
+#endif
 }
 
 // Group g of the super-block at p (scales unpacked in u) as group_weights<T>() / 16 vectors, in weight order.
@@ -582,10 +603,10 @@ inline void decode_group(const uint8_t* p, const SuperScales& u, int g, v16* w) 
     __m512 w0 = _mm512_permutexvar_ps(b0, table0), w1 = _mm512_permutexvar_ps(b1, table0);   // low 4 bits only
     __m512 w2 = _mm512_permutexvar_ps(_mm512_srli_epi32(b0, 4), table1);
     __m512 w3 = _mm512_permutexvar_ps(_mm512_srli_epi32(b1, 4), table1);
-    if constexpr (T == kQ5_K) {
-      const __m128i h0 = load_bytes16(p + 16), h1 = load_bytes16(p + 32);
+    if constexpr (T == kQ5_K) {          // the fifth bit adds 16 d sc[j]: a masked add (fewer operations than
+      const __m128i h0 = load_bytes16(p + 16), h1 = load_bytes16(p + 32);    // building 5-bit table indices)
       const __m128i bit0 = _mm_set1_epi8(static_cast<char>(1 << j0)), bit1 = _mm_set1_epi8(static_cast<char>(1 << j1));
-      const __m512 sixteen0 = _mm512_set1_ps(16.f * u.s[j0]), sixteen1 = _mm512_set1_ps(16.f * u.s[j1]);
+      const __m512 sixteen0 = _mm512_set1_ps(u.t[j0]), sixteen1 = _mm512_set1_ps(u.t[j1]);
       w0 = _mm512_mask_add_ps(w0, _mm_test_epi8_mask(h0, bit0), w0, sixteen0);
       w1 = _mm512_mask_add_ps(w1, _mm_test_epi8_mask(h1, bit0), w1, sixteen0);
       w2 = _mm512_mask_add_ps(w2, _mm_test_epi8_mask(h0, bit1), w2, sixteen1);
@@ -621,7 +642,7 @@ inline void decode_group(const uint8_t* p, const SuperScales& u, int g, v16* w) 
       const int shift = 2 * (v >> 1);                        // the 2 bits at 2i..2i+1 (i = v / 2) go to bits 4..5
       const __m512i high = shift <= 4 ? _mm512_slli_epi32(h, 4 - shift) : _mm512_srli_epi32(h, shift - 4);
       const __m512i code = _mm512_ternarylogic_epi32(low, high, top, 0xF8);     // low | (high & 0x30)
-      w[v] = (v16)_mm512_fmadd_ps(_mm512_cvtepi32_ps(code), _mm512_set1_ps(s[v]), _mm512_set1_ps(-32.f * s[v]));
+      w[v] = (v16)_mm512_fmadd_ps(_mm512_cvtepi32_ps(code), _mm512_set1_ps(s[v]), _mm512_set1_ps(u.t[8 * g + v]));
     }
 #else
     for (int v = 0; v < 8; ++v) {
@@ -740,20 +761,21 @@ inline void qdot_tile(const uint8_t* rows, int64_t row_bytes, int64_t k, const f
 template <int32_t T, int RB, int BB>
 inline void qdot_tile_super(const uint8_t* rows, int64_t row_bytes, int64_t k, const float* x, int64_t ldx,
                             float out[4][4]) {
-  constexpr int G = group_weights<T>(), NV = G / 16, NA = BB == 1 ? 2 : 1;
+  constexpr int G = group_weights<T>(), NV = G / 16, NA = BB == 1 ? 4 : BB == 2 ? 2 : 1;
   v16 acc[NA][RB][BB];
   for (int a = 0; a < NA; ++a)
     for (int r = 0; r < RB; ++r)
       for (int b = 0; b < BB; ++b) acc[a][r][b] = v16{};
   for (int64_t e = 0, off = 0; e < k; e += 256, off += super_bytes<T>()) {
-    for (int r = 0; r < RB; ++r) {
-      const uint8_t* sb = rows + r * row_bytes + off;
-      SuperScales u;
-      unpack_scales<T>(sb, &u);
-      for (int g = 0; g < 256 / G; ++g) {
+    SuperScales u[RB];
+    for (int r = 0; r < RB; ++r) unpack_scales<T>(rows + r * row_bytes + off, &u[r]);
+#pragma GCC unroll 4
+    for (int g = 0; g < 256 / G; ++g) {
+      const float* xg = x + e + g * G;
+#pragma GCC unroll 4
+      for (int r = 0; r < RB; ++r) {
         v16 w[NV];
-        decode_group<T>(sb, u, g, w);
-        const float* xg = x + e + g * G;
+        decode_group<T>(rows + r * row_bytes + off, u[r], g, w);
         for (int v = 0; v < NV; ++v)
           for (int b = 0; b < BB; ++b)
             acc[v % NA][r][b] = fmadd16(w[v], load16(xg + b * ldx + 16 * v), acc[v % NA][r][b]);
