@@ -18,7 +18,8 @@ steps) runs each layer as one C++ kernel on these same weights (kernels/decoder_
 from the raw tables and writes the same paged cache), and the final norm, lm_head and greedy pick as another;
 the choice is made from the graph's static shape when it is compiled; the kernels' inputs are passed by name
 (kernels/signatures.py). Where the checkpoint stores a matrix
-block-quantized (a GGUF's Q4_0/Q4_1/Q8_0/F16: `quantized`, from weights.load_quantized), the kernels read those
+block-quantized (a GGUF's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, K-quants Q4_K/Q5_K/Q6_K, F16/BF16: `quantized`, from
+weights.load_quantized), the kernels read those
 stored rows instead of the float32 copy (a decode step of few rows streams every weight once, so its bytes are
 its time); their norm gains are applied to the activations instead of folded in.
 """

@@ -48,7 +48,8 @@ def _pad(arr: np.ndarray, size: int, fill) -> np.ndarray:
     return out
 
 
-_GGML_TYPE_NAMES = {1: "F16", 2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
+_GGML_TYPE_NAMES = {1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K",
+                    14: "Q6_K", 30: "BF16"}
 
 
 def _describe_quantized(quantized: dict, weights: dict) -> Optional[str]:

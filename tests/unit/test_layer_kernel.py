@@ -57,6 +57,29 @@ def logits_args(x, lm_head, gain, slots, cfg, *outputs) -> list:
             *outputs]
 
 
+def random_k_blocks(rows: int, cols: int, qtype, rng, scale: float = 2e-4) -> np.ndarray:
+    """(rows, row bytes) of random Q4_K/Q5_K/Q6_K super-blocks whose f16 super-block scales are `scale` (Q4_K/
+    Q5_K: d and dmin, bytes 0-3; Q6_K: d, the last 2 bytes): every code and sub-block scale random, the values
+    finite (Q6_K's int8 scales are 4x the others' 6-bit ones: its d is a quarter)."""
+    import gguf
+
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
+    d = np.full((len(blocks), 1), scale / 4 if qtype == gguf.GGMLQuantizationType.Q6_K else scale, np.float16)
+    for at in {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (size - 2,)}[qtype.name]:
+        blocks[:, at:at + 2] = d.view(np.uint8)
+    return blocks.reshape(rows, cols // block * size)
+
+
+def quantized_rows(w: np.ndarray, qtype, rng) -> np.ndarray:
+    """w's rows in GGUF type qtype: gguf's quantization of them, or random K-quant blocks (w's shape)."""
+    from gguf.quants import quantize
+
+    if qtype.name in ("Q4_K", "Q5_K", "Q6_K"):
+        return random_k_blocks(*w.shape, qtype, rng)
+    return quantize(w, qtype).view(np.uint8)
+
+
 def rms(x):
     x = x.astype(np.float64)
     return x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-5)
@@ -129,14 +152,15 @@ class Layer:
 
     def quantize(self, types: dict, rng):
         """Give the kernel the named matrices in GGUF's quantized forms (name -> gguf type), and the norms random
-        gains (not folded into quantized rows); the reference then uses the dequantized weights."""
-        from gguf.quants import dequantize, quantize
+        gains (not folded into quantized rows); the reference then uses the dequantized weights. K-quants (which
+        gguf cannot make) are random blocks of about the float weights' scale instead."""
+        from gguf.quants import dequantize
 
         self.in_gain = (1 + 0.3 * rng.standard_normal(self.h)).astype(np.float32)
         self.post_gain = (1 + 0.3 * rng.standard_normal(self.h)).astype(np.float32)
         for name, qtype in types.items():
-            raw = quantize(getattr(self, name), qtype)
-            setattr(self, name, dequantize(raw, qtype).astype(np.float32))
+            raw = quantized_rows(getattr(self, name), qtype, rng)
+            setattr(self, name, dequantize(raw, qtype).astype(np.float32).reshape(getattr(self, name).shape))
             self.kernel_weights[name] = (raw.view(np.uint8), int(qtype))
 
     def arrays(self, threads, out=None):
@@ -347,15 +371,24 @@ def test_final_logits_token_and_logprob(library, vocab, rows, threads):
 GGUF_TYPES = pytest.importorskip("gguf").GGMLQuantizationType
 
 
+K_QUANTS = (GGUF_TYPES.Q4_K, GGUF_TYPES.Q5_K, GGUF_TYPES.Q6_K)
+NEW_TYPES = (*K_QUANTS, GGUF_TYPES.Q5_0, GGUF_TYPES.Q5_1, GGUF_TYPES.BF16)
+
+
 @pytest.mark.parametrize("qtype,threads,batch", [
     (GGUF_TYPES.Q4_1, 2, 1), (GGUF_TYPES.Q4_1, 1, 6), (GGUF_TYPES.Q4_0, 2, 3), (GGUF_TYPES.Q4_0, 1, 2),
-    (GGUF_TYPES.Q8_0, 3, 5), (GGUF_TYPES.Q8_0, 2, 1), (GGUF_TYPES.F16, 2, 2), (GGUF_TYPES.F16, 1, 7)])
+    (GGUF_TYPES.Q8_0, 3, 5), (GGUF_TYPES.Q8_0, 2, 1), (GGUF_TYPES.F16, 2, 2), (GGUF_TYPES.F16, 1, 7),
+    *[(qtype, 1 + (batch + i) % 3, batch) for i, qtype in enumerate(NEW_TYPES) for batch in (1, 2, 3 + i % 4)]])
 def test_layer_reads_quantized_weights(library, qtype, threads, batch):
     """GGUF's own blocks in (as the file holds them): the layer equals the float64 layer on the dequantized
     weights, with the norms' gains applied to the activations instead of folded into the rows. One or two rows
-    decode the blocks in registers, more share a dequantized tile: both ways for every type."""
+    decode the blocks in registers, more share a dequantized tile: both ways for every type. K-quants' rows are
+    super-blocks of 256 weights: their layer's widths are multiples of 256."""
     rng = np.random.default_rng(int(qtype) + batch)
-    layer = Layer(rng, hidden=64, heads=4, kv_heads=2, head_dim=16, inter=96, batch=batch)
+    if qtype in K_QUANTS:
+        layer = Layer(rng, hidden=256, heads=4, kv_heads=2, head_dim=64, inter=512, batch=batch)
+    else:
+        layer = Layer(rng, hidden=64, heads=4, kv_heads=2, head_dim=16, inter=96, batch=batch)
     layer.quantize({n: qtype for n in ("qkv_w", "o_w", "gate_up_w", "down_w")}, rng)
     want, keys, values = layer.reference()
     arrays = layer.arrays(threads)
@@ -402,17 +435,26 @@ def test_quantized_weights_refusals(library):
     arrays[DOWN_W] = np.zeros((48, 40 // 32 * 20 + 20), np.uint8)
     arrays[ICFG] = np.array(list(arrays[ICFG][:7]) + [3], np.int32)
     assert invoke(library.DecoderLayer, arrays) == 2
+    # K-quant rows are whole super-blocks of 256 weights: o_proj's 64 (or 320) are not, whatever the bytes
+    for code, size in ((12, 144), (13, 176), (14, 210)):
+        for width in (64, 320):
+            wide = Layer(rng, hidden=width, heads=4, kv_heads=2, head_dim=width // 4, inter=256, batch=1)
+            arrays = wide.arrays(1)
+            arrays[O_W] = np.zeros((width, -(-width // 256) * size), np.uint8)
+            arrays[ICFG] = np.array(list(arrays[ICFG][:5]) + [code, 0, 0], np.int32)
+            assert invoke(library.DecoderLayer, arrays) == 2, (code, width)
 
 
-@pytest.mark.parametrize("qtype,rows", [(GGUF_TYPES.Q8_0, 3), (GGUF_TYPES.Q8_0, 1), (GGUF_TYPES.Q4_1, 2)])
+@pytest.mark.parametrize("qtype,rows", [(GGUF_TYPES.Q8_0, 3), (GGUF_TYPES.Q8_0, 1), (GGUF_TYPES.Q4_1, 2),
+                                        *[(qtype, rows) for qtype in NEW_TYPES for rows in (1, 2, 4)]])
 def test_final_logits_reads_a_quantized_lm_head(library, qtype, rows):
-    from gguf.quants import dequantize, quantize
+    from gguf.quants import dequantize
 
     rng = np.random.default_rng(int(qtype) + rows)
-    vocab, h = 300, 64
+    vocab, h = 300, 256 if qtype in K_QUANTS else 64
     x = rng.standard_normal((rows, h)).astype(np.float32)
-    raw = quantize(rng.standard_normal((vocab, h)).astype(np.float32), qtype)
-    w = dequantize(raw, qtype)
+    raw = quantized_rows(rng.standard_normal((vocab, h)).astype(np.float32), qtype, rng)
+    w = dequantize(raw, qtype).reshape(vocab, h)
     gain = (1 + 0.3 * rng.standard_normal(h)).astype(np.float32)
     logits, token, logprob = np.empty((rows, vocab), np.float32), np.empty(rows, np.int32), np.empty(rows, np.float32)
     cfg = [np.array([2, int(qtype)], np.int32), np.array([1e-5], np.float32)]
@@ -469,3 +511,41 @@ def test_lora_refusals(library):
     layer.with_lora(slots=3, rank=2, row_slots=[1, 2], rng=rng)
     layer.lora_a["down"] = layer.lora_a["down"][:2].copy()                      # fewer slots than the others
     assert invoke(library.DecoderLayer, layer.arrays(1)) == 2
+
+
+ALL_READ = (GGUF_TYPES.F16, GGUF_TYPES.BF16, GGUF_TYPES.Q4_0, GGUF_TYPES.Q4_1, GGUF_TYPES.Q5_0, GGUF_TYPES.Q5_1,
+            GGUF_TYPES.Q8_0, *K_QUANTS)
+
+
+def dequantize_rows(library, code: int, raw: np.ndarray, rows: int, k: int):
+    """(DequantizeRows' return code, its (rows, k) output)."""
+    out = np.full((rows, k), np.nan, np.float32)
+    fn = library.DequantizeRows
+    fn.argtypes = [ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    return fn(code, raw.ctypes.data, rows, k, out.ctypes.data), out
+
+
+@pytest.mark.parametrize("qtype", ALL_READ, ids=[t.name for t in ALL_READ])
+def test_dequantized_rows_are_gguf_s(library, qtype):
+    """The kernel's decoding of every type it reads equals gguf's numpy dequantization (to float rounding: the
+    kernel forms some weights with one fused multiply-add where numpy rounds twice), on valid random blocks:
+    gguf's quantization of random rows, or random K-quant super-blocks (every code, scale and minimum)."""
+    from gguf.quants import dequantize
+
+    rng = np.random.default_rng(int(qtype))
+    rows, k = 5, 768
+    raw = np.ascontiguousarray(quantized_rows((rng.standard_normal((rows, k)) * 2).astype(np.float32), qtype, rng))
+    if qtype in K_QUANTS:
+        raw = random_k_blocks(rows, k, qtype, rng, scale=0.01)          # large values: more rounding to compare
+    want = dequantize(raw, qtype).reshape(rows, k)
+    code, got = dequantize_rows(library, int(qtype), raw, rows, k)
+    assert code == 0
+    assert np.isfinite(want).all() and np.abs(want).max() > 0
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+
+
+def test_dequantize_rows_refusals(library):
+    raw = np.zeros((2, 1024), np.uint8)
+    for code, k in ((12, 128), (13, 320), (14, 32), (2, 48), (5, 64), (99, 256)):   # not whole (super-)blocks;
+        assert dequantize_rows(library, code, raw, 2, k)[0] == 2, (code, k)        # types the kernel does not read
+    assert dequantize_rows(library, 12, raw, 2, 512)[0] == 0

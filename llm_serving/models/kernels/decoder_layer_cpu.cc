@@ -19,9 +19,11 @@
 //
 // Weight matrices come in two forms, chosen per matrix by a type code in iconfig (GGML's numbering):
 //   0 (F32)   float32 (rows, K), the MindSpore graphs' own tensors (norm gains folded in: the gains passed are 1)
-//   1 (F16), 2 (Q4_0), 3 (Q4_1), 8 (Q8_0)   a GGUF tensor's own bytes, uint8 (rows, row_bytes): each row K weights
-//             in blocks of 32 (F16: K halves), dequantized a tile of rows at a time into a thread's scratch, so
-//             a decode step reads 4.5-8.5 bits per weight from memory instead of 32. Gains are not folded into
+//   1 (F16), 30 (BF16), 2 (Q4_0), 3 (Q4_1), 6 (Q5_0), 7 (Q5_1), 8 (Q8_0), 12 (Q4_K), 13 (Q5_K), 14 (Q6_K)
+//             a GGUF tensor's own bytes, uint8 (rows, row_bytes): each row K weights in blocks of 32 (F16/BF16:
+//             K halves; the K-quants: super-blocks of 256, so K a multiple of 256), decoded in registers for one
+//             or two rows of x (qdot) or a tile of rows at a time into a thread's scratch for more, so a decode
+//             step reads 4.5-8.5 bits per weight from memory instead of 32. Gains are not folded into
 //             quantized rows: the normalized activations are multiplied by them instead (the same product).
 //
 // DecoderLayer(x, positions, slots, block_tables, context_lens, tree_bits, cos, sin, lora, qkv_w, qkv_bias, o_w,

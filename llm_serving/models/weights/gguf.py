@@ -7,8 +7,8 @@ converter interleaves the rotary pairs of a llama model's q/k rows (as llama2.c 
 file's `rope_freqs` tensor becomes `LlamaConfig.rope_freq_factors`. An unsupported architecture or tensor type is
 a WeightLoadError naming it. `load_gguf` keeps the float32 result in the cache directory for the next start.
 
-Matrices stored as F16, Q4_0, Q4_1 or Q8_0 (KEPT_QUANTIZED: the block formats the CPU layer kernel reads) also
-offer their stored bytes (`StoredTensor.read_blocks`, rows permuted as the float32 rows are), which the cache
+Matrices stored as F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K (KEPT_QUANTIZED: the block
+formats the CPU layer kernel reads) also offer their stored bytes (`StoredTensor.read_blocks`, rows permuted as the float32 rows are), which the cache
 keeps beside the float32 copy.
 """
 from __future__ import annotations
@@ -29,7 +29,9 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["load_gguf", "GGUF_CACHE_ENV", "KEPT_QUANTIZED"]
 
-KEPT_QUANTIZED = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 8}     # GGML type name -> code
+# GGML type name -> code (GGML's numbering, which the layer kernel's iconfig uses)
+KEPT_QUANTIZED = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13,
+                  "Q6_K": 14, "BF16": 30}
 
 # GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.")
 _GGUF_LAYER_NAMES = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",

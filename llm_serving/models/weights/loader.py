@@ -111,7 +111,8 @@ def load_llama_weights(path: str, tp: Optional[TensorParallel] = None,
 
 def load_quantized(path: str, num_layers: Optional[int] = None) -> dict[str, QuantizedTensor]:
     """{hf_name: QuantizedTensor} of the model's 2-D weight matrices that the checkpoint stores block-quantized
-    (a GGUF's Q4_0, Q4_1, Q8_0 and F16 tensors; see gguf.KEPT_QUANTIZED), whole (one agent); {} for a
+    (a GGUF's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F16 and BF16 tensors; see gguf.KEPT_QUANTIZED),
+    whole (one agent); {} for a
     checkpoint that has none. Not the embedding (a row gather, served from float32); a tied lm_head is the
     embedding's stored tensor."""
     path = os.fspath(path)
