@@ -493,14 +493,20 @@ inline void decode_q5(const uint8_t* p, v16* lo, v16* hi) {
 
 template <int32_t T>
 inline void decode_block(const uint8_t* p, v16* lo, v16* hi) {
-  if constexpr (T == kQ4_0) {                                   // f16 d, 16 bytes of nibbles: w = d * (q - 8)
-    const float d = half_to_float(p);
-    *lo = (low_nibbles(p + 2) - 8.f) * d;                       // the low nibbles are weights 0..15
-    *hi = (high_nibbles(p + 2) - 8.f) * d;                      // the high ones 16..31
-  } else if constexpr (T == kQ4_1) {                            // f16 d, f16 m, 16 bytes: w = d * q + m
-    const float d = half_to_float(p), m = half_to_float(p + 2);
-    *lo = low_nibbles(p + 4) * d + m;
-    *hi = high_nibbles(p + 4) * d + m;
+  if constexpr (T == kQ4_0 || T == kQ4_1) {
+    // Q4_0: f16 d, 16 bytes of nibbles: w = d * (q - 8); Q4_1: f16 d, f16 m, 16 bytes: w = d * q + m. The low
+    // nibbles are weights 0..15, the high ones 16..31.
+    constexpr int at = T == kQ4_0 ? 2 : 4;
+    const float d = half_to_float(p), m = T == kQ4_0 ? -8.f * d : half_to_float(p + 2);
+#if defined(LLM_SERVING_AVX512)
+    const __m512 table = _mm512_fmadd_ps(iota16(), _mm512_set1_ps(d), _mm512_set1_ps(m));     // the 16 weights
+    const __m512i codes = _mm512_cvtepu8_epi32(load_bytes16(p + at));    // the permute reads the low 4 bits
+    *lo = (v16)_mm512_permutexvar_ps(codes, table);
+    *hi = (v16)_mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table);
+#else
+    *lo = low_nibbles(p + at) * d + m;
+    *hi = high_nibbles(p + at) * d + m;
+#endif
   } else if constexpr (T == kQ8_0) {                            // f16 d, 32 signed bytes: w = d * q
     const float d = half_to_float(p);
     *lo = signed_bytes(p + 2) * d;
@@ -751,7 +757,7 @@ inline void qdot_tile(const uint8_t* rows, int64_t row_bytes, int64_t k, const f
     for (int r = 0; r < RB; ++r) {
       v16 lo, hi;
       decode_block<T>(blk + r * row_bytes, &lo, &hi);
-      for (int b = 0; b < BB; ++b) acc[r][b] += lo * x0[b] + hi * x1[b];
+      for (int b = 0; b < BB; ++b) acc[r][b] = fmadd16(hi, x1[b], fmadd16(lo, x0[b], acc[r][b]));
     }
   }
   sum_lanes<RB, BB>(acc, out);
