@@ -4,7 +4,10 @@ MindSpore calls it) on a Llama-3.2-1B-shaped layer (hidden 2048, 32 heads x 64, 
 all four matrices (q/k/v, o, gate/up, down) in one GGML type each, on 2 threads.
 
 At batch 1 the step reads every weight once, so the layer's time is its weight bytes over the memory bandwidth
-it reaches: the table gives ms per layer and the stored weight bytes streamed per second (GB/s). The layer is
+it reaches: the table gives ms per layer (median and best call) and the stored weight bytes streamed per
+second (GB/s, from the median and from the best). On a machine shared with other work the wall times include
+the time a thread waits for its core: "cpu ms/thread" (the process's CPU time over the call / threads, spinning
+at barriers included) and the GB/s from it are what the kernel takes when it has its cores. The layer is
 copied enough times (a different copy per call, round robin) that the copies together are several times the
 last-level cache, so every call streams its weights from memory. The weights are random but valid blocks
 (finite scales); their values do not change the kernel's work.
@@ -124,17 +127,21 @@ def time_type(lib, step: Step, name: str, threads: int, iters: int, stream_bytes
     calls = [packed(step.arrays(w, code, threads)) for w in layers]
     for args, _ in calls[:2]:                                     # warm up: the pool, the code
         assert lib.DecoderLayer(*args) == 0, name
-    times = []
+    times, cpu = [], []
     for it in range(iters):
         args, _ = calls[it % copies]
-        t = time.perf_counter()
+        c, t = time.process_time(), time.perf_counter()
         rc = lib.DecoderLayer(*args)
         times.append(time.perf_counter() - t)
+        cpu.append((time.process_time() - c) / threads)
         assert rc == 0, name
     ms = float(np.median(times)) * 1e3
+    cpu_ms = float(np.median(cpu)) * 1e3
     return {"type": name, "code": code, "layer_mb": layer_bytes / 1e6,
             "bits_per_weight": 8 * layer_bytes / sum(r * k for _, r, k in step.shapes()),
             "ms": ms, "best_ms": float(np.min(times)) * 1e3, "gb_s": layer_bytes / (ms * 1e-3) / 1e9,
+            "best_gb_s": layer_bytes / np.min(times) / 1e9, "cpu_ms": cpu_ms,
+            "cpu_gb_s": layer_bytes / (cpu_ms * 1e-3) / 1e9,
             "copies": copies}
 
 
@@ -155,7 +162,9 @@ def main() -> None:
         print(f"{name}: {rows[-1]['ms']:.3f} ms, {rows[-1]['gb_s']:.1f} GB/s", flush=True)
     print(table(rows, [("type", "type", "{}"), ("bits_per_weight", "bits/weight", "{:.2f}"),
                        ("layer_mb", "layer MB", "{:.1f}"), ("ms", "ms/layer", "{:.3f}"),
-                       ("best_ms", "best ms", "{:.3f}"), ("gb_s", "GB/s", "{:.1f}")]))
+                       ("best_ms", "best ms", "{:.3f}"), ("gb_s", "GB/s", "{:.1f}"),
+                       ("best_gb_s", "best GB/s", "{:.1f}"), ("cpu_ms", "cpu ms/thread", "{:.3f}"),
+                       ("cpu_gb_s", "GB/s by cpu", "{:.1f}")]))
     write_json(args.out, {"bench": "quantized_matvec", "machine": machine(),
                           "shape": {"hidden": step.h, "heads": step.nh, "kv_heads": step.kvh, "head_dim": step.d,
                                     "inter": step.i, "batch": 1, "context": int(step.context[0])},
