@@ -7,7 +7,9 @@ float32 or GGUF-quantized (gguf.quants.quantize), at decode batches of 1..256 ro
 
 "before" is decoder_layer_cpu.cc (and its headers) as git holds them at --baseline (default: main), compiled with
 the same flags into a temporary directory; "after" is the working tree's. The two libraries are called
-alternately, so that the machine's noise (2 shared cores) falls on both alike: compare them as ratios.
+alternately, so that the machine's noise (2 shared cores) falls on both alike: compare them as ratios. Both take
+the same parameters (q/k/v and gate/up as separate inputs: a baseline from before they were split cannot be
+called with these arguments).
 GFLOP/s counts the weight products only (2 * weights * rows per call); attention is in the time, not in the FLOPs.
 "GF/s/core" divides the same FLOPs by the process's CPU time per call (every thread of the kernel): on a machine
 other processes share, the wall time says how much of the cores the kernel got, the CPU time what its work cost.
@@ -78,8 +80,8 @@ def as_kernel_weight(w: np.ndarray, kind: str) -> np.ndarray:
 
 def layer_weights(rng) -> dict:
     f32 = lambda *s: (rng.standard_normal(s, dtype=np.float32) * 0.02)          # noqa: E731
-    return {"qkv_w": f32((NH + 2 * KVH) * D, H), "o_w": f32(H, NH * D), "gate_up_w": f32(2 * INTER, H),
-            "down_w": f32(H, INTER)}
+    return {"q_w": f32(NH * D, H), "k_w": f32(KVH * D, H), "v_w": f32(KVH * D, H), "o_w": f32(H, NH * D),
+            "gate_w": f32(INTER, H), "up_w": f32(INTER, H), "down_w": f32(H, INTER)}
 
 
 def step_arrays(rng, batch: int, prefill: bool, weights: dict, kind: str, cache: tuple, threads: int) -> list:
@@ -106,7 +108,7 @@ def step_arrays(rng, batch: int, prefill: bool, weights: dict, kind: str, cache:
                               ("down", 1, INTER, H)):
         lora[f"lora_{name}_a"] = np.zeros((1, parts, k), np.float32)
         lora[f"lora_{name}_b"] = np.zeros((1, 1, n), np.float32)
-    icfg = np.array([BS, NH, KVH, threads] + [TYPES[kind]] * 4, np.int32)
+    icfg = np.array([BS, NH, KVH, threads] + [TYPES[kind]] * 7, np.int32)
     x = rng.standard_normal((batch, H), dtype=np.float32)
     return [*DECODER_LAYER.args(
         x=x, positions=positions, slots=slots, block_tables=tables, context_lens=context.astype(np.int32),

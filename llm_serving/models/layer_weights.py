@@ -26,25 +26,18 @@ import numpy as np
 from .parallel import TensorParallel
 from .weights import LlamaConfig
 
-__all__ = ["HeadWeights", "KernelInputs", "LORA_PRODUCTS", "LayerKernelConfig", "LayerWeights", "LoraStack",
-           "kept_quantized", "kernel_lora_arrays", "prepare_head", "prepare_layer"]
+__all__ = ["HeadWeights", "KERNEL_PARTS", "KernelInputs", "LORA_PRODUCTS", "LayerKernelConfig", "LayerWeights", "LoraStack",
+           "kernel_lora_arrays", "prepare_head", "prepare_layer"]
 
 # a decoder layer's products that LoRA adapts: name -> (its parts, in the order of its output rows)
 LORA_PRODUCTS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
                  "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
+# the layer kernel's weight inputs for each product's parts (kernels/signatures.DECODER_LAYER), in that order: each
+# part in its own type (a Q4_K_M file stores some layers' v_proj as Q6_K beside Q4_K q/k), run as one product
+KERNEL_PARTS = {"qkv": ("q_w", "k_w", "v_w"), "o": ("o_w",), "gate_up": ("gate_w", "up_w"), "down": ("down_w",)}
 # the norm whose gain a product's input carries (folded into its float32 matrix), and the layer kernel's input
 # for that gain
 _NORMS = {"qkv": ("input_layernorm", "input_gain"), "gate_up": ("post_attention_layernorm", "post_gain")}
-
-
-def kept_quantized(quantized: dict, names: list) -> Optional[tuple[np.ndarray, int]]:
-    """The named matrices' stored rows, concatenated, and their type, when every one is stored quantized with
-    the same type; else None (the kernel reads the float32 copy)."""
-    parts = [quantized.get(n) for n in names]
-    if any(t is None for t in parts) or len({t.qtype for t in parts}) != 1:
-        return None
-    data = parts[0].data if len(parts) == 1 else np.concatenate([t.data for t in parts])    # (one: no copy)
-    return data, parts[0].qtype
 
 
 class LoraStack:
@@ -121,14 +114,15 @@ class KernelInputs:
     """The layer kernel's inputs a layer holds (the step's own come with each call), by the kernel's input names
     (kernels/signatures.DECODER_LAYER)."""
 
-    matrices: dict          # "qkv_w", "o_w", "gate_up_w", "down_w" -> the LayerWeights' float32 array itself,
-                            # or the stored rows (uint8 (rows, bytes per row))
+    matrices: dict          # "q_w", "k_w", "v_w", "o_w", "gate_w", "up_w", "down_w" (KERNEL_PARTS) -> float32 rows
+                            # (of the LayerWeights' matrix: a view; or the checkpoint's, where the product has stored
+                            # parts too), or the stored rows (uint8 (rows, bytes per row))
     types: tuple            # their GGML type codes, in that order (0: float32)
     qkv_bias: np.ndarray    # ((NH+2KVH)*D,) the LayerWeights' bias itself, or zeros for a model without one
     gains: dict             # "input_gain", "post_gain" -> (H,): 1 where folded into the float32 matrix
     lora: dict              # "lora_qkv_a", "lora_qkv_b", ... -> the stacks' kernel arrays themselves, or (without
                             # adapter slots) one all-zero slot of rank 1, which the kernel skips
-    iconfig: np.ndarray     # (8,) int32 [block_size, NH, KVH, threads, *types]
+    iconfig: np.ndarray     # (11,) int32 [block_size, NH, KVH, threads, *types]
     fconfig: np.ndarray     # (1,) float32 [rms_norm_eps]
 
 
@@ -174,17 +168,18 @@ def prepare_layer(cfg: LlamaConfig, w: dict, i: int, *, tp: TensorParallel = Ten
     bias = _fused(w, p, LORA_PRODUCTS["qkv"], "bias") if cfg.attention_bias else None       # Qwen2
     layer = LayerWeights(qkv=f32.get("qkv"), qkv_bias=bias, o=f32.get("o"), gate_up=f32.get("gate_up"),
                          down=f32.get("down"))
-    # the products the kernel reads as stored (LoRA's A then leaves their gain to the kernel too)
+    # each part the kernel reads as stored (a product with any such part gets its norm's gain from the kernel,
+    # not folded in: LoRA's A then leaves it to the kernel too)
     stored = {}
     if kernel is not None:
         for key, parts in LORA_PRODUCTS.items():
-            kept = kept_quantized(quantized, [f"{p}{part}.weight" for part in parts])
-            if kept is not None:
+            kept = {part: quantized[f"{p}{part}.weight"] for part in parts if f"{p}{part}.weight" in quantized}
+            if kept:
                 stored[key] = kept
-    missing = [key for key in LORA_PRODUCTS if key not in f32 and key not in stored]
+    missing = [f"{p}{part}.weight" for key, parts in LORA_PRODUCTS.items() for part in parts
+               if key not in f32 and part not in stored.get(key, {}) and f"{p}{part}.weight" not in w]
     if missing:
-        raise ValueError(f"layer {i}: product {missing[0]!r} has neither float32 weights nor stored rows the layer "
-                         "kernel reads")
+        raise ValueError(f"{missing[0]} has neither float32 weights nor stored rows the layer kernel reads")
     if lora_slots > 0:
         shapes = {"qkv": ([nh * d, kvh * d, kvh * d], h), "o": ([h], nh * d), "gate_up": ([inter, inter], h),
                   "down": ([h], inter)}
@@ -192,24 +187,33 @@ def prepare_layer(cfg: LlamaConfig, w: dict, i: int, *, tp: TensorParallel = Ten
                                             kernel_folded=key not in stored, tp=tp, row_parallel=key in ("o", "down"))
                              for key, (parts, k) in shapes.items()}
     if kernel is not None:
-        layer.kernel = _kernel_inputs(layer, stored, gain, nh, kvh, d, inter, h, kernel, cfg.rms_norm_eps)
+        layer.kernel = _kernel_inputs(layer, w, p, stored, gain, nh, kvh, d, inter, h, kernel, cfg.rms_norm_eps)
     return layer
 
 
-def _kernel_inputs(layer: LayerWeights, stored: dict, gain: dict, nh: int, kvh: int, d: int, inter: int, h: int,
-                   config: LayerKernelConfig, eps: float) -> KernelInputs:
-    """The layer kernel's view of `layer`: each product's stored rows where `stored` has them, else its float32
-    matrix (the same array), with the norms' gains beside the stored ones."""
+def _kernel_inputs(layer: LayerWeights, w: dict, p: str, stored: dict, gain: dict, nh: int, kvh: int, d: int,
+                   inter: int, h: int, config: LayerKernelConfig, eps: float) -> KernelInputs:
+    """The layer kernel's view of `layer`, part by part (KERNEL_PARTS): a part's stored rows where `stored` has
+    them; else float32: its rows of the product's float32 matrix (the norm's gain folded in), or, in a product
+    with stored parts too, the checkpoint's own rows (the kernel applies that product's gain to the activations)."""
     one = np.ones(h, np.float32)
     matrices, types, gains = {}, [], {}
-    for key in LORA_PRODUCTS:
-        if key in stored:
-            matrices[f"{key}_w"], qtype = stored[key]
-        else:
-            matrices[f"{key}_w"], qtype = getattr(layer, key), 0
-        types.append(int(qtype))
+    for key, parts in LORA_PRODUCTS.items():
+        kept = stored.get(key, {})
+        row = 0
+        for part, name in zip(parts, KERNEL_PARTS[key]):
+            rows = {"self_attn.q_proj": nh * d, "self_attn.k_proj": kvh * d, "self_attn.v_proj": kvh * d,
+                    "mlp.gate_proj": inter, "mlp.up_proj": inter}.get(part, h)           # o_proj, down_proj: H
+            if part in kept:
+                matrices[name], qtype = kept[part].data, kept[part].qtype
+            elif kept:
+                matrices[name], qtype = w[f"{p}{part}.weight"], 0
+            else:
+                matrices[name], qtype = getattr(layer, key)[row:row + rows], 0
+            types.append(int(qtype))
+            row += rows
         if key in _NORMS:
-            gains[_NORMS[key][1]] = gain[key] if key in stored else one
+            gains[_NORMS[key][1]] = gain[key] if kept else one
     nqkv = (nh + 2 * kvh) * d
     if layer.lora_stacks:
         lora = kernel_lora_arrays(layer.lora_stacks)
@@ -245,7 +249,8 @@ def prepare_head(cfg: LlamaConfig, weights: dict, *, kernel_threads: Optional[in
                if "lm_head.weight" in weights else None)
     head = HeadWeights(lm_head=lm_head)
     if kernel_threads is not None:
-        kept = kept_quantized(quantized or {}, ["lm_head.weight"])
+        stored = (quantized or {}).get("lm_head.weight")
+        kept = None if stored is None else (stored.data, stored.qtype)
         if kept is None and lm_head is None:
             raise ValueError("the lm_head has neither float32 weights nor stored rows FinalLogits reads")
         if kept is None:

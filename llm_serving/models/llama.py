@@ -18,7 +18,8 @@ steps) runs each layer as one C++ kernel on these same weights (kernels/decoder_
 from the raw tables and writes the same paged cache), and the final norm, lm_head and greedy pick as another;
 the choice is made from the graph's static shape when it is compiled; the kernels' inputs are passed by name
 (kernels/signatures.py). Where the checkpoint stores a matrix
-block-quantized (a GGUF's Q4_0/Q4_1/Q8_0/F16: `quantized`, from weights.load_quantized), the kernels read those
+block-quantized (a GGUF's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, K-quants Q4_K/Q5_K/Q6_K, F16/BF16: `quantized`, from
+weights.load_quantized), the kernels read those
 stored rows instead of the float32 copy (a decode step of few rows streams every weight once, so its bytes are
 its time); their norm gains are applied to the activations instead of folded in.
 """
@@ -35,6 +36,7 @@ from .kernels.signatures import DECODER_LAYER, EMBED_TOKENS, FINAL_LOGITS
 from .layer_weights import (LORA_PRODUCTS, KernelInputs, LayerKernelConfig, kernel_lora_arrays, prepare_head,
                             prepare_layer)
 from .parallel import TensorParallel
+from .runner_spec import KERNEL_ONLY_ROWS
 from .sampler import greedy_pick
 from .weights import LlamaConfig
 
@@ -85,7 +87,7 @@ class LlamaDecoderLayer(nn.Cell):
     def __init__(self, cfg: LlamaConfig, w: dict, i: int, num_slots: int, device_target: str, block_size: int,
                  decode_kernel: Optional[str], kernel_threads: int, tp: TensorParallel, all_reduce,
                  layer_kernel: Optional[str] = None, quantized: Optional[dict] = None, lora_slots: int = 0,
-                 lora_rank: int = 0):
+                 lora_rank: int = 0, ops_graphs: bool = True):
         super().__init__()
         world = tp.world
         # this rank's heads and MLP units (all of them when world == 1): `w` holds only this rank's part of
@@ -96,11 +98,13 @@ class LlamaDecoderLayer(nn.Cell):
         kernel = LayerKernelConfig(block_size, kernel_threads) if layer_kernel is not None else None
         prepared = prepare_layer(cfg, w, i, tp=tp, kernel=kernel, quantized=quantized, lora_slots=lora_slots,
                                  lora_rank=lora_rank)
-        # the float32 products of MindSpore's ops (construct); one the layer kernel reads as stored on every step
-        # has none (None: weights.load_llama_weights did not read it as float32, and construct is never compiled)
+        # the float32 products of MindSpore's ops (construct), only where some step runs them (ops_graphs: no layer
+        # kernel, or one that serves only steps of up to layer_kernel_rows tokens); with the kernel on every step
+        # construct is never compiled and they are None
         f32 = {"qkv_w": prepared.qkv, "o_w": prepared.o, "gate_up_w": prepared.gate_up, "down_w": prepared.down}
         for name, array in f32.items():    # qkv ((NH+2KVH)*D, H), o (H, NH*D), gate_up (2I, H), down (H, I)
-            setattr(self, name, None if array is None else _param(array, f"layers.{i}.{name.removesuffix('_w')}"))
+            setattr(self, name, _param(array, f"layers.{i}.{name.removesuffix('_w')}")
+                    if ops_graphs and array is not None else None)
         self.qkv_bias = None
         if prepared.qkv_bias is not None:
             self.qkv_bias = _param(prepared.qkv_bias, f"layers.{i}.qkv_bias")       # ((NH+2KVH)*D,)
@@ -128,12 +132,18 @@ class LlamaDecoderLayer(nn.Cell):
             DECODER_LAYER.check_call(self.fused)
 
     def _hold_kernel_inputs(self, k: KernelInputs, i: int) -> None:
-        """The layer kernel's inputs the layer holds (layer_weights.KernelInputs), as `kernel_<input name>`: a
-        matrix the kernel reads in float32 is the graphs' own Parameter, stored rows get their own."""
-        f32 = {"qkv_w": self.qkv_w, "o_w": self.o_w, "gate_up_w": self.gate_up_w, "down_w": self.down_w}
+        """The layer kernel's inputs the layer holds (layer_weights.KernelInputs), as `kernel_<input name>`: stored
+        rows, or float32 ones (o and down: the graphs' own Parameter where there is one; q/k/v and gate/up are
+        separate inputs, rows of the graphs' fused matrices)."""
+        graphs = {"o_w": self.o_w, "down_w": self.down_w}
         for (name, array), qtype in zip(k.matrices.items(), k.types):
-            setattr(self, f"kernel_{name}", f32[name] if qtype == 0 else
-                    _stored_param(array, f"layers.{i}.{name.removesuffix('_w')}_stored"))
+            if qtype != 0:
+                param = _stored_param(array, f"layers.{i}.{name.removesuffix('_w')}_stored")
+            elif graphs.get(name) is not None:
+                param = graphs[name]
+            else:
+                param = _param(array, f"layers.{i}.kernel_{name.removesuffix('_w')}")
+            setattr(self, f"kernel_{name}", param)
         self.kernel_qkv_bias = self.qkv_bias if self.qkv_bias is not None else _param(k.qkv_bias,
                                                                                       f"layers.{i}.qkv_bias0")
         self.kernel_input_gain = _param(k.gains["input_gain"], f"layers.{i}.kernel_input_gain")       # (H,)
@@ -142,15 +152,14 @@ class LlamaDecoderLayer(nn.Cell):
         # base model. Without adapter slots: one all-zero slot of rank 1, which the kernel skips
         for name, array in k.lora.items():
             setattr(self, f"kernel_{name}", _lora_param(array, f"layers.{i}.kernel_{name}"))
-        self.kernel_types = k.types           # GGML type codes of qkv, o, gate_up, down (0: float32)
-        self.kernel_iconfig = Tensor(k.iconfig)                                       # (8,) int32
+        self.kernel_types = k.types           # GGML type codes of q, k, v, o, gate, up, down (0: float32)
+        self.kernel_iconfig = Tensor(k.iconfig)                                       # (11,) int32
         self.kernel_fconfig = Tensor(k.fconfig)                                       # (1,) float32 [eps]
         # the same objects in the kernel's order, which `fused` passes after the step's inputs
         self.kernel_held = DECODER_LAYER.held(
-            qkv_w=self.kernel_qkv_w, qkv_bias=self.kernel_qkv_bias, o_w=self.kernel_o_w,
-            gate_up_w=self.kernel_gate_up_w, down_w=self.kernel_down_w, input_gain=self.kernel_input_gain,
-            post_gain=self.kernel_post_gain, key_cache=self.attn.key_cache, value_cache=self.attn.value_cache,
-            iconfig=self.kernel_iconfig, fconfig=self.kernel_fconfig,
+            qkv_bias=self.kernel_qkv_bias, input_gain=self.kernel_input_gain, post_gain=self.kernel_post_gain,
+            key_cache=self.attn.key_cache, value_cache=self.attn.value_cache, iconfig=self.kernel_iconfig,
+            fconfig=self.kernel_fconfig, **{name: getattr(self, f"kernel_{name}") for name in k.matrices},
             **{name: getattr(self, f"kernel_{name}") for name in k.lora})
 
     def refresh_lora(self) -> None:
@@ -231,7 +240,7 @@ class LlamaForCausalLM(nn.Cell):
     def __init__(self, cfg: LlamaConfig, weights: dict, *, num_slots: int, block_size: int,
                  max_positions: int, device_target: str = "CPU", decode_kernel: Optional[str] = None,
                  kernel_threads: int = 1, tp: TensorParallel = TensorParallel(), all_reduce=None,
-                 layer_kernel: Optional[str] = None, layer_kernel_rows: int = 0,
+                 layer_kernel: Optional[str] = None, layer_kernel_rows: Optional[int] = 0,
                  quantized: Optional[dict] = None, lora_slots: int = 0, lora_rank: int = 0):
         super().__init__()
         tp.check(cfg)
@@ -266,11 +275,15 @@ class LlamaForCausalLM(nn.Cell):
                                                 iconfig=Tensor(np.array([table.qtype], np.int32)))
         else:
             self.embed = _param(weights["model.embed_tokens.weight"], "embed")        # (V, H)
+        # layer_kernel_rows None: the layer kernel runs every step, and MindSpore's op-by-op layers never do
+        kernel_only = layer_kernel is not None and layer_kernel_rows is None
         self.layers = nn.CellList([LlamaDecoderLayer(cfg, weights, i, num_slots, device_target, block_size,
                                                      decode_kernel, kernel_threads, tp, all_reduce,
-                                                     layer_kernel, quantized, lora_slots, lora_rank)
+                                                     layer_kernel, quantized, lora_slots, lora_rank,
+                                                     ops_graphs=not kernel_only)
                                    for i in range(cfg.num_layers)])
-        self.layer_kernel_rows = layer_kernel_rows if layer_kernel is not None else 0
+        self.layer_kernel_rows = (0 if layer_kernel is None else KERNEL_ONLY_ROWS if kernel_only
+                                  else layer_kernel_rows)
         if self.writes_outputs:                    # (the logits' tensors are loaded on rank 0 only)
             head = prepare_head(cfg, weights, kernel_threads=kernel_threads if layer_kernel is not None else None,
                                 quantized=quantized)

@@ -32,7 +32,7 @@ from llm_serving.shm.layout import TOP_LOGPROBS, StepKind, StepView
 from .buckets import Buckets
 from .mindspore_env import GraphCalls, claim_compile_cache, close_compile_cache, setup_mindspore
 from .parallel import TensorParallel, TensorParallelError, all_reduce_kernel, make_all_reduce
-from .runner_spec import RunnerSpec
+from .runner_spec import KERNEL_ONLY_ROWS, RunnerSpec
 from .step_inputs import StepInputs, StepLimits
 from .weights import LlamaConfig, load_llama_weights, load_quantized
 
@@ -48,8 +48,8 @@ def _pad(arr: np.ndarray, size: int, fill) -> np.ndarray:
     return out
 
 
-_GGML_TYPE_NAMES = {1: "F16", 2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
-ALL_ROWS = 1 << 30              # layer_kernel_rows when the layer kernel serves every step
+_GGML_TYPE_NAMES = {1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K",
+                    14: "Q6_K", 30: "BF16"}
 
 
 def _describe_quantized(quantized: dict, float32_copy: bool) -> Optional[str]:
@@ -111,7 +111,7 @@ class ModelRunner:
         # the layer kernel serves every step (layer_kernel_rows None, the default), or steps of up to that many
         # tokens, MindSpore's ops (on float32 copies of the weights) the larger ones
         self.kernel_serves_all = self.layer_kernel is not None and spec.layer_kernel_rows is None
-        self.layer_kernel_rows = (0 if self.layer_kernel is None else ALL_ROWS if spec.layer_kernel_rows is None
+        self.layer_kernel_rows = (0 if self.layer_kernel is None else KERNEL_ONLY_ROWS if self.kernel_serves_all
                                   else int(spec.layer_kernel_rows))
         # decode runs (_execute_decode_run): K greedy steps in one graph, for batches of up to decode_run_rows
         # (None: every batch the layer kernel takes)
@@ -214,7 +214,8 @@ class ModelRunner:
                                       decode_kernel=self.decode_kernel,
                                       kernel_threads=num_threads or len(os.sched_getaffinity(0)),
                                       tp=self.tp, all_reduce=self.all_reduce, layer_kernel=self.layer_kernel,
-                                      layer_kernel_rows=self.layer_kernel_rows, quantized=quantized,
+                                      layer_kernel_rows=None if self.kernel_serves_all else self.layer_kernel_rows,
+                                      quantized=quantized,
                                       lora_slots=self.lora_slots, lora_rank=self.lora_rank)
         self.decode_run = DecodeRun(self.model, self.decode_run_steps) if self.decode_run_steps > 1 else None
         self.sampler = Sampler(cfg.vocab_size, filters=True)          # some sampling row uses top-k/top-p

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+KERNEL_ONLY_ROWS = 1 << 30      # the layer kernel's row limit when it runs every step (layer_kernel_rows None)
+
 
 @dataclass(frozen=True)
 class RunnerSpec:
@@ -14,7 +16,8 @@ class RunnerSpec:
     decode_batch_sizes, prefill_batch_sizes, prefill_seq_lens, decode_block_widths, max_step_tokens: the graph
     buckets (buckets.py). verify_width, verify_rows: verify steps' buckets (speculative decoding; 0 rows: none).
     decode_run_steps, decode_run_rows: decode runs (None rows: every batch the layer kernel takes).
-    attention_kernel, layer_kernel, layer_kernel_rows, keep_quantized: the CPU kernels (config.ATTENTION_KERNELS).
+    attention_kernel, layer_kernel, layer_kernel_rows, keep_quantized: the CPU kernels (config.ATTENTION_KERNELS);
+    layer_kernel_rows None: the layer kernel runs every step, on the weights as stored (no float32 copy).
     num_layers: run only the checkpoint's first N layers (a draft model cut from it).
     lora_slots, lora_rank: LoRA adapter slots (0: none) and the largest rank they hold.
     device_target, device_id, num_threads, compile_cache, tp_timeout_s: the process's device and threads, the

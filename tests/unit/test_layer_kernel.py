@@ -37,7 +37,16 @@ def test_library_exports_the_declared_parameter_lists(library_path):
 
 
 # positions in Layer.arrays (the kernel's parameters: inputs, then the output)
-QKV_W, O_W, DOWN_W, ICFG = (DECODER_LAYER.index(n) for n in ("qkv_w", "o_w", "down_w", "iconfig"))
+Q_W, O_W, DOWN_W, ICFG = (DECODER_LAYER.index(n) for n in ("q_w", "o_w", "down_w", "iconfig"))
+# the kernel's weight inputs in iconfig's order of their types (iconfig[4:]), and the fused float matrix (of the
+# reference) each is a row range of
+PARTS = ("q_w", "k_w", "v_w", "o_w", "gate_w", "up_w", "down_w")
+FUSED = {"qkv_w": ("q_w", "k_w", "v_w"), "o_w": ("o_w",), "gate_up_w": ("gate_w", "up_w"), "down_w": ("down_w",)}
+
+
+def iconfig_types(o=0, rest=0):
+    """iconfig[4:] with the o_proj's type `o` and every other part's `rest`."""
+    return [o if n == "o_w" else rest for n in PARTS]
 
 
 def invoke(func, arrays) -> int:
@@ -55,6 +64,29 @@ def logits_args(x, lm_head, gain, slots, cfg, *outputs) -> list:
     """FinalLogits' parameters by name: its inputs (cfg: iconfig, fconfig), then the outputs."""
     return [*FINAL_LOGITS.args(x=x, lm_head=lm_head, gain=gain, slots=slots, iconfig=cfg[0], fconfig=cfg[1]),
             *outputs]
+
+
+def random_k_blocks(rows: int, cols: int, qtype, rng, scale: float = 2e-4) -> np.ndarray:
+    """(rows, row bytes) of random Q4_K/Q5_K/Q6_K super-blocks whose f16 super-block scales are `scale` (Q4_K/
+    Q5_K: d and dmin, bytes 0-3; Q6_K: d, the last 2 bytes): every code and sub-block scale random, the values
+    finite (Q6_K's int8 scales are 4x the others' 6-bit ones: its d is a quarter)."""
+    import gguf
+
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
+    d = np.full((len(blocks), 1), scale / 4 if qtype == gguf.GGMLQuantizationType.Q6_K else scale, np.float16)
+    for at in {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (size - 2,)}[qtype.name]:
+        blocks[:, at:at + 2] = d.view(np.uint8)
+    return blocks.reshape(rows, cols // block * size)
+
+
+def quantized_rows(w: np.ndarray, qtype, rng) -> np.ndarray:
+    """w's rows in GGUF type qtype: gguf's quantization of them, or random K-quant blocks (w's shape)."""
+    from gguf.quants import quantize
+
+    if qtype.name in ("Q4_K", "Q5_K", "Q6_K"):
+        return random_k_blocks(*w.shape, qtype, rng)
+    return quantize(w, qtype).view(np.uint8)
 
 
 def rms(x):
@@ -81,8 +113,10 @@ class Layer:
         self.lora_a = {n: np.zeros((1, p, k), np.float32) for n, p, k in self._lora_shapes(1)}
         self.lora_b = {n: np.zeros((1, o, 1), np.float32) for n, o in self._lora_outs()}    # (S, N, R); the
         # kernel takes them transposed, (S, R, N)
-        # the weights as the kernel gets them: name -> (array, GGML type code); float32 unless quantize() ran
-        self.kernel_weights = {n: (getattr(self, n), 0) for n in ("qkv_w", "o_w", "gate_up_w", "down_w")}
+        # the weights as the kernel gets them: part name (PARTS) -> (array, GGML type code); float32 unless
+        # quantize() ran; q/k/v and gate/up are row ranges of the reference's fused matrices
+        self.kernel_weights = {n: (getattr(self, fused)[self._rows(n)], 0)
+                               for fused, parts in FUSED.items() for n in parts}
         self.key_cache = f32(num_blocks * block_size * kv_heads, head_dim)
         self.value_cache = f32(num_blocks * block_size * kv_heads, head_dim)
         # every row its own blocks (scattered), a context of 1 .. width*block_size keys, the new token last
@@ -97,6 +131,12 @@ class Layer:
         angles = np.arange(p)[:, None] / 10000.0 ** (np.arange(0, head_dim, 2) / head_dim)[None, :]
         self.cos = np.concatenate([np.cos(angles)] * 2, -1).astype(np.float32)
         self.sin = np.concatenate([-np.sin(angles), np.sin(angles)], -1).astype(np.float32)
+
+    def _rows(self, part: str) -> slice:
+        """The rows of its fused matrix that kernel weight `part` is."""
+        nq, nk, i = self.nh * self.d, self.kvh * self.d, self.i
+        return {"q_w": slice(0, nq), "k_w": slice(nq, nq + nk), "v_w": slice(nq + nk, nq + 2 * nk),
+                "gate_w": slice(0, i), "up_w": slice(i, 2 * i)}.get(part, slice(None))
 
     def _lora_shapes(self, r):
         return (("qkv", 3 * r, self.h), ("o", r, self.nh * self.d), ("gate_up", 2 * r, self.h), ("down", r, self.i))
@@ -129,27 +169,30 @@ class Layer:
 
     def quantize(self, types: dict, rng):
         """Give the kernel the named matrices in GGUF's quantized forms (name -> gguf type), and the norms random
-        gains (not folded into quantized rows); the reference then uses the dequantized weights."""
-        from gguf.quants import dequantize, quantize
+        gains (not folded into quantized rows); the reference then uses the dequantized weights. K-quants (which
+        gguf cannot make) are random blocks of about the float weights' scale instead."""
+        from gguf.quants import dequantize
 
         self.in_gain = (1 + 0.3 * rng.standard_normal(self.h)).astype(np.float32)
         self.post_gain = (1 + 0.3 * rng.standard_normal(self.h)).astype(np.float32)
-        for name, qtype in types.items():
-            raw = quantize(getattr(self, name), qtype)
-            setattr(self, name, dequantize(raw, qtype).astype(np.float32))
-            self.kernel_weights[name] = (raw.view(np.uint8), int(qtype))
+        for name, qtype in types.items():              # a fused name: each of its parts; or one part alone
+            for part in FUSED.get(name, (name,)):
+                fused = next(f for f, parts in FUSED.items() if part in parts)
+                rows = getattr(self, fused)[self._rows(part)]
+                raw = quantized_rows(np.ascontiguousarray(rows), qtype, rng)
+                rows[...] = dequantize(raw, qtype).astype(np.float32).reshape(rows.shape)   # (a view: in place)
+                self.kernel_weights[part] = (raw.view(np.uint8), int(qtype))
 
     def arrays(self, threads, out=None):
         w = self.kernel_weights
-        icfg = np.array([self.bs, self.nh, self.kvh, threads] + [w[n][1] for n in ("qkv_w", "o_w", "gate_up_w",
-                                                                                 "down_w")], np.int32)
+        icfg = np.array([self.bs, self.nh, self.kvh, threads] + [w[n][1] for n in PARTS], np.int32)
         out = np.full_like(self.x, np.nan) if out is None else out
         lora = {f"lora_{n}_{ab}": arr for n in ("qkv", "o", "gate_up", "down")
                 for ab, arr in (("a", self.lora_a[n]), ("b", np.ascontiguousarray(self.lora_b[n].transpose(0, 2, 1))))}
         return [*DECODER_LAYER.args(
             x=self.x, positions=self.positions, slots=self.slots, block_tables=self.tables, context_lens=self.context,
-            tree_bits=self.tree, cos=self.cos, sin=self.sin, qkv_w=w["qkv_w"][0], qkv_bias=self.qkv_b,
-            o_w=w["o_w"][0], gate_up_w=w["gate_up_w"][0], down_w=w["down_w"][0], input_gain=self.in_gain,
+            tree_bits=self.tree, cos=self.cos, sin=self.sin, qkv_bias=self.qkv_b, input_gain=self.in_gain,
+            **{n: np.ascontiguousarray(w[n][0]) for n in PARTS},
             post_gain=self.post_gain, key_cache=self.key_cache, value_cache=self.value_cache, lora=self.lora,
             iconfig=icfg, fconfig=np.array([1e-5], np.float32), **lora), out]
 
@@ -347,19 +390,28 @@ def test_final_logits_token_and_logprob(library, vocab, rows, threads):
 GGUF_TYPES = pytest.importorskip("gguf").GGMLQuantizationType
 
 
+K_QUANTS = (GGUF_TYPES.Q4_K, GGUF_TYPES.Q5_K, GGUF_TYPES.Q6_K)
+NEW_TYPES = (*K_QUANTS, GGUF_TYPES.Q5_0, GGUF_TYPES.Q5_1, GGUF_TYPES.BF16)
+
+
 @pytest.mark.parametrize("qtype,threads,batch", [
     (GGUF_TYPES.Q4_1, 2, 1), (GGUF_TYPES.Q4_1, 1, 6), (GGUF_TYPES.Q4_0, 2, 3), (GGUF_TYPES.Q4_0, 1, 2),
-    (GGUF_TYPES.Q8_0, 3, 5), (GGUF_TYPES.Q8_0, 2, 1), (GGUF_TYPES.F16, 2, 2), (GGUF_TYPES.F16, 1, 7)])
+    (GGUF_TYPES.Q8_0, 3, 5), (GGUF_TYPES.Q8_0, 2, 1), (GGUF_TYPES.F16, 2, 2), (GGUF_TYPES.F16, 1, 7),
+    *[(qtype, 1 + (batch + i) % 3, batch) for i, qtype in enumerate(NEW_TYPES) for batch in (1, 2, 3 + i % 4)]])
 def test_layer_reads_quantized_weights(library, qtype, threads, batch):
     """GGUF's own blocks in (as the file holds them): the layer equals the float64 layer on the dequantized
     weights, with the norms' gains applied to the activations instead of folded into the rows. One or two rows
-    decode the blocks in registers, more share a dequantized tile: both ways for every type."""
+    decode the blocks in registers, more share a dequantized tile: both ways for every type. K-quants' rows are
+    super-blocks of 256 weights: their layer's widths are multiples of 256."""
     rng = np.random.default_rng(int(qtype) + batch)
-    layer = Layer(rng, hidden=64, heads=4, kv_heads=2, head_dim=16, inter=96, batch=batch)
+    if qtype in K_QUANTS:
+        layer = Layer(rng, hidden=256, heads=4, kv_heads=2, head_dim=64, inter=512, batch=batch)
+    else:
+        layer = Layer(rng, hidden=64, heads=4, kv_heads=2, head_dim=16, inter=96, batch=batch)
     layer.quantize({n: qtype for n in ("qkv_w", "o_w", "gate_up_w", "down_w")}, rng)
     want, keys, values = layer.reference()
     arrays = layer.arrays(threads)
-    assert arrays[QKV_W].dtype == np.uint8 and arrays[ICFG].tolist()[4:] == [int(qtype)] * 4
+    assert arrays[Q_W].dtype == np.uint8 and arrays[ICFG].tolist()[4:] == [int(qtype)] * 7
     assert invoke(library.DecoderLayer, arrays) == 0
     np.testing.assert_allclose(arrays[-1], want, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(layer.key_cache, keys, rtol=1e-5, atol=1e-5)
@@ -372,9 +424,26 @@ def test_layer_mixes_weight_types(library):
     layer.quantize({"qkv_w": GGUF_TYPES.Q8_0, "gate_up_w": GGUF_TYPES.Q4_1}, rng)
     want, _, _ = layer.reference()
     arrays = layer.arrays(2)
-    assert arrays[ICFG].tolist()[4:] == [8, 0, 3, 0]
+    assert arrays[ICFG].tolist()[4:] == [8, 8, 8, 0, 3, 3, 0]
     assert invoke(library.DecoderLayer, arrays) == 0
     np.testing.assert_allclose(arrays[-1], want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("batch,threads", [(1, 2), (3, 1), (12, 2)])
+def test_each_part_of_a_fused_product_has_its_own_type(library, batch, threads):
+    """q, k and v (and gate and up) are separate inputs, each in the type the file stores it: a Q4_K_M file keeps
+    some layers' v and down as Q6_K beside Q4_K q/k/gate/up. In registers (1 row), from tiles (3) and through the
+    batched product (12)."""
+    rng = np.random.default_rng(40 + batch)
+    layer = Layer(rng, hidden=256, heads=4, kv_heads=2, head_dim=64, inter=512, batch=batch, num_blocks=6 * batch + 6)
+    layer.quantize({"q_w": GGUF_TYPES.Q4_K, "k_w": GGUF_TYPES.Q4_K, "v_w": GGUF_TYPES.Q6_K, "o_w": GGUF_TYPES.Q4_K,
+                    "gate_w": GGUF_TYPES.Q4_K, "up_w": GGUF_TYPES.Q5_K, "down_w": GGUF_TYPES.Q6_K}, rng)
+    want, keys, values = layer.reference()
+    arrays = layer.arrays(threads)
+    assert arrays[ICFG].tolist()[4:] == [12, 12, 14, 12, 12, 13, 14]
+    assert invoke(library.DecoderLayer, arrays) == 0
+    np.testing.assert_allclose(arrays[-1], want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(layer.value_cache, values, rtol=1e-5, atol=1e-5)
 
 
 def test_quantized_weights_refusals(library):
@@ -384,10 +453,10 @@ def test_quantized_weights_refusals(library):
     good = layer.arrays(1)
     raw = good[O_W]
     for bad_w, types in ((raw[:, :-1].copy(), None),                     # rows a byte short of 2 blocks
-                         (raw, [0, 0, 0, 0]),                            # uint8 rows called float32
-                         (raw, [0, 2, 0, 0]),                            # Q4_0's row length is not Q4_1's
-                         (raw, [0, 5, 0, 0]),                            # a type the kernel does not read
-                         (layer.o_w, [0, 3, 0, 0])):                     # float32 rows called Q4_1
+                         (raw, iconfig_types(o=0)),                      # uint8 rows called float32
+                         (raw, iconfig_types(o=2)),                      # Q4_0's row length is not Q4_1's
+                         (raw, iconfig_types(o=5)),                      # a type the kernel does not read
+                         (layer.o_w, iconfig_types(o=3))):               # float32 rows called Q4_1
         arrays = list(good)
         arrays[O_W] = bad_w
         if types is not None:
@@ -400,20 +469,29 @@ def test_quantized_weights_refusals(library):
     odd = Layer(rng, hidden=48, heads=3, kv_heads=1, head_dim=16, inter=40, batch=1)
     arrays = odd.arrays(1)
     arrays[DOWN_W] = np.zeros((48, 40 // 32 * 20 + 20), np.uint8)
-    arrays[ICFG] = np.array(list(arrays[ICFG][:7]) + [3], np.int32)
+    arrays[ICFG] = np.array(list(arrays[ICFG][:10]) + [3], np.int32)
     assert invoke(library.DecoderLayer, arrays) == 2
+    # K-quant rows are whole super-blocks of 256 weights: o_proj's 64 (or 320) are not, whatever the bytes
+    for code, size in ((12, 144), (13, 176), (14, 210)):
+        for width in (64, 320):
+            wide = Layer(rng, hidden=width, heads=4, kv_heads=2, head_dim=width // 4, inter=256, batch=1)
+            arrays = wide.arrays(1)
+            arrays[O_W] = np.zeros((width, -(-width // 256) * size), np.uint8)
+            arrays[ICFG] = np.array(list(arrays[ICFG][:4]) + iconfig_types(o=code), np.int32)
+            assert invoke(library.DecoderLayer, arrays) == 2, (code, width)
 
 
 @pytest.mark.parametrize("qtype,rows", [(GGUF_TYPES.Q8_0, 3), (GGUF_TYPES.Q8_0, 1), (GGUF_TYPES.Q4_1, 2),
-                                        (GGUF_TYPES.Q4_1, 20), (GGUF_TYPES.Q8_0, 40)])
+                                        (GGUF_TYPES.Q4_1, 20), (GGUF_TYPES.Q8_0, 40),
+                                        *[(qtype, rows) for qtype in NEW_TYPES for rows in (1, 2, 4)]])
 def test_final_logits_reads_a_quantized_lm_head(library, qtype, rows):
-    from gguf.quants import dequantize, quantize
+    from gguf.quants import dequantize
 
     rng = np.random.default_rng(int(qtype) + rows)
-    vocab, h = 300, 64
+    vocab, h = 301 if qtype in NEW_TYPES else 300, 256 if qtype in K_QUANTS else 64    # 301: a 1-row tile too
     x = rng.standard_normal((rows, h)).astype(np.float32)
-    raw = quantize(rng.standard_normal((vocab, h)).astype(np.float32), qtype)
-    w = dequantize(raw, qtype)
+    raw = quantized_rows(rng.standard_normal((vocab, h)).astype(np.float32), qtype, rng)
+    w = dequantize(raw, qtype).reshape(vocab, h)
     gain = (1 + 0.3 * rng.standard_normal(h)).astype(np.float32)
     logits, token, logprob = np.empty((rows, vocab), np.float32), np.empty(rows, np.int32), np.empty(rows, np.float32)
     cfg = [np.array([2, int(qtype)], np.int32), np.array([1e-5], np.float32)]
@@ -529,3 +607,41 @@ def test_batched_products_do_not_depend_on_the_thread_count(library):
     for logits, token in results[1:]:
         np.testing.assert_array_equal(logits, results[0][0])
         np.testing.assert_array_equal(token, results[0][1])
+
+
+ALL_READ = (GGUF_TYPES.F16, GGUF_TYPES.BF16, GGUF_TYPES.Q4_0, GGUF_TYPES.Q4_1, GGUF_TYPES.Q5_0, GGUF_TYPES.Q5_1,
+            GGUF_TYPES.Q8_0, *K_QUANTS)
+
+
+def dequantize_rows(library, code: int, raw: np.ndarray, rows: int, k: int):
+    """(DequantizeRows' return code, its (rows, k) output)."""
+    out = np.full((rows, k), np.nan, np.float32)
+    fn = library.DequantizeRows
+    fn.argtypes = [ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    return fn(code, raw.ctypes.data, rows, k, out.ctypes.data), out
+
+
+@pytest.mark.parametrize("qtype", ALL_READ, ids=[t.name for t in ALL_READ])
+def test_dequantized_rows_are_gguf_s(library, qtype):
+    """The kernel's decoding of every type it reads equals gguf's numpy dequantization (to float rounding: the
+    kernel forms some weights with one fused multiply-add where numpy rounds twice), on valid random blocks:
+    gguf's quantization of random rows, or random K-quant super-blocks (every code, scale and minimum)."""
+    from gguf.quants import dequantize
+
+    rng = np.random.default_rng(int(qtype))
+    rows, k = 5, 768
+    raw = np.ascontiguousarray(quantized_rows((rng.standard_normal((rows, k)) * 2).astype(np.float32), qtype, rng))
+    if qtype in K_QUANTS:
+        raw = random_k_blocks(rows, k, qtype, rng, scale=0.01)          # large values: more rounding to compare
+    want = dequantize(raw, qtype).reshape(rows, k)
+    code, got = dequantize_rows(library, int(qtype), raw, rows, k)
+    assert code == 0
+    assert np.isfinite(want).all() and np.abs(want).max() > 0
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+
+
+def test_dequantize_rows_refusals(library):
+    raw = np.zeros((2, 1024), np.uint8)
+    for code, k in ((12, 128), (13, 320), (14, 32), (2, 48), (5, 64), (99, 256)):   # not whole (super-)blocks;
+        assert dequantize_rows(library, code, raw, 2, k)[0] == 2, (code, k)        # types the kernel does not read
+    assert dequantize_rows(library, 12, raw, 2, 512)[0] == 0

@@ -74,19 +74,37 @@ def test_the_kernel_reads_stored_rows_untouched_and_the_gain_beside_them():
                  P + "mlp.gate_proj.weight": stored(i, rng, 8), P + "mlp.up_proj.weight": stored(i, rng, 2)}
     layer = prepare_layer(CFG, w, 1, kernel=LayerKernelConfig(block_size=16, threads=3), quantized=quantized)
     k = layer.kernel
-    # q/k/v all Q8_0: their stored rows, concatenated, byte for byte; the input norm's gain given separately
-    want = np.concatenate([quantized[P + f"self_attn.{m}_proj.weight"].data for m in "qkv"])
-    assert k.matrices["qkv_w"].dtype == np.uint8
-    np.testing.assert_array_equal(k.matrices["qkv_w"], want)
+    # q/k/v all stored: each part its stored rows themselves (no copy, no concatenation), each with its own type;
+    # the input norm's gain given separately
+    for m in "qkv":
+        assert k.matrices[f"{m}_w"] is quantized[P + f"self_attn.{m}_proj.weight"].data
     np.testing.assert_array_equal(k.gains["input_gain"], w[P + "input_layernorm.weight"])
-    # gate/up of two types, o and down not stored: the float32 matrices themselves, gains folded (1 beside)
-    assert k.matrices["gate_up_w"] is layer.gate_up and k.matrices["o_w"] is layer.o
-    np.testing.assert_array_equal(k.gains["post_gain"], np.ones(CFG.hidden_size, np.float32))
-    assert k.types == (8, 0, 0, 0)
-    assert k.iconfig.tolist() == [16, CFG.num_heads, CFG.num_kv_heads, 3, 8, 0, 0, 0] and k.iconfig.dtype == np.int32
+    # gate/up of two types, each its own; o and down not stored: float32 rows of the folded matrices (views)
+    assert k.matrices["gate_w"] is quantized[P + "mlp.gate_proj.weight"].data
+    assert k.matrices["up_w"] is quantized[P + "mlp.up_proj.weight"].data
+    np.testing.assert_array_equal(k.gains["post_gain"], w[P + "post_attention_layernorm.weight"])
+    assert k.matrices["o_w"].base is layer.o or k.matrices["o_w"] is layer.o
+    np.testing.assert_array_equal(k.matrices["o_w"], layer.o)
+    assert k.types == (8, 8, 8, 0, 8, 2, 0)
+    assert k.iconfig.tolist() == [16, CFG.num_heads, CFG.num_kv_heads, 3, 8, 8, 8, 0, 8, 2, 0]
+    assert k.iconfig.dtype == np.int32
     assert k.fconfig.tolist() == [np.float32(1e-6)] and k.qkv_bias is layer.qkv_bias
     # the float32 copy the graphs use is still folded
     np.testing.assert_array_equal(layer.qkv[:nq], w[P + "self_attn.q_proj.weight"] * w[P + "input_layernorm.weight"])
+
+
+def test_a_product_with_stored_and_float32_parts_gives_the_kernel_unfolded_float32_rows():
+    """A product whose parts are partly stored (a type the kernel reads) and partly float32: the kernel applies
+    the norm's gain to the activations for the whole product, so its float32 parts are the checkpoint's own
+    rows, not the folded ones."""
+    w, rng = checkpoint(), np.random.default_rng(3)
+    nkv = CFG.num_kv_heads * CFG.head_dim
+    quantized = {P + "self_attn.v_proj.weight": stored(nkv, rng)}
+    k = prepare_layer(CFG, w, 1, kernel=LayerKernelConfig(block_size=16, threads=1), quantized=quantized).kernel
+    assert k.types[:3] == (0, 0, 8)
+    assert k.matrices["q_w"] is w[P + "self_attn.q_proj.weight"] and k.matrices["k_w"] is w[P + "self_attn.k_proj.weight"]
+    np.testing.assert_array_equal(k.gains["input_gain"], w[P + "input_layernorm.weight"])
+    np.testing.assert_array_equal(k.gains["post_gain"], np.ones(CFG.hidden_size, np.float32))
 
 
 def test_the_kernel_inputs_are_named_and_shaped_as_the_kernel_declares_them():

@@ -209,7 +209,7 @@ def test_k_quant_tensors_are_read_in_place(tmp_path, monkeypatch):
         np.testing.assert_array_equal(arr, _rank1_of_2(name, expected[name]), err_msg=name)
 
 
-KEPT = [(Q.Q4_0, 2), (Q.Q4_1, 3), (Q.Q8_0, 8), (Q.F16, 1)]
+KEPT = [(Q.Q4_0, 2), (Q.Q4_1, 3), (Q.Q5_0, 6), (Q.Q5_1, 7), (Q.Q8_0, 8), (Q.F16, 1), (Q.BF16, 30)]
 
 
 @pytest.mark.parametrize("cached", [False, True], ids=["from-file", "from-cache"])
@@ -236,12 +236,36 @@ def test_quantized_matrices_are_kept_as_stored(tmp_path, monkeypatch, qtype, cod
     assert set(rest) == set(f32) - set(kept) and all(a.ndim == 1 for a in rest.values())      # the norms
 
 
+def test_k_quant_matrices_are_kept_as_stored(tmp_path, monkeypatch):
+    """Q4_K/Q5_K/Q6_K matrices (random blocks: gguf cannot make them) are kept as stored too, beside the file's
+    Q8_0 ones: q/k rows un-permuted as whole rows of super-blocks, so that dequantizing them gives exactly
+    load_llama_weights' rows."""
+    monkeypatch.setenv("LLM_SERVING_GGUF_CACHE", "0")
+    _, (_, ref) = _hf(tmp_path, **WIDE)
+    rng = np.random.default_rng(7)
+    quantized = {"blk.0.attn_q.weight": (256, 256, Q.Q4_K, 12), "blk.1.attn_k.weight": (128, 256, Q.Q6_K, 14),
+                 "blk.0.ffn_down.weight": (256, 256, Q.Q5_K, 13)}
+    raw = {name: (_random_k_blocks(rows, cols, qtype, rng), qtype) for name, (rows, cols, qtype, _) in quantized.items()}
+    path = write_gguf(tmp_path / "k.gguf", ref, qtype=Q.Q8_0, raw=raw)
+    _, f32 = load_llama_weights(path)
+    kept = load_quantized(path)
+    for hf in ref:
+        if gguf_name(hf) not in raw:
+            continue
+        t, (_, _, qtype, code) = kept[hf], quantized[gguf_name(hf)]
+        assert (t.qtype, t.shape, t.data.dtype) == (code, ref[hf].shape, np.uint8), hf
+        np.testing.assert_array_equal(gguf.quants.dequantize(t.data, qtype).reshape(t.shape), f32[hf], err_msg=hf)
+    assert kept["model.layers.1.self_attn.q_proj.weight"].qtype == 8
+
+
 def test_only_the_kernels_block_types_are_kept(tmp_path):
-    """F32 matrices, K-quants (which the layer kernel does not read) and other checkpoint formats: not kept."""
+    """F32 matrices, types the layer kernel does not read (Q2_K here) and other checkpoint formats: not kept."""
     hf, (_, ref) = _hf(tmp_path, **WIDE)
     assert load_quantized(write_gguf(tmp_path / "f32.gguf", ref)) == {}
     assert load_quantized(hf) == {}
-    raw = {"blk.0.attn_q.weight": (_random_k_blocks(256, 256, Q.Q4_K, np.random.default_rng(1)), Q.Q4_K)}
+    blocks = np.random.default_rng(1).integers(0, 256, (256, 256 // 256 * 84), dtype=np.uint8)
+    blocks.reshape(-1, 84)[:, 80:84] = np.full((256, 2), 0.01, np.float16).view(np.uint8)    # Q2_K's d, dmin
+    raw = {"blk.0.attn_q.weight": (blocks, Q.Q2_K)}
     kept = load_quantized(write_gguf(tmp_path / "mixed.gguf", ref, qtype=Q.Q8_0, raw=raw))
     assert "model.layers.0.self_attn.q_proj.weight" not in kept
     assert "model.layers.1.self_attn.q_proj.weight" in kept and "lm_head.weight" in kept

@@ -29,7 +29,9 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["load_gguf", "GGUF_CACHE_ENV", "KEPT_QUANTIZED"]
 
-KEPT_QUANTIZED = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 8}     # GGML type name -> code
+# GGML type name -> code (GGML's numbering, which the layer kernel's iconfig uses)
+KEPT_QUANTIZED = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13,
+                  "Q6_K": 14, "BF16": 30}
 
 # GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.")
 _GGUF_LAYER_NAMES = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -194,7 +196,7 @@ def load_gguf(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
     if os.environ.get(GGUF_CACHE_ENV, "1") == "0":
         return _load_gguf(path)
     st = os.stat(path)
-    key = hashlib.sha1(repr((os.path.abspath(path), st.st_size, st.st_mtime_ns, 3)).encode()).hexdigest()[:16]
+    key = hashlib.sha1(repr((os.path.abspath(path), st.st_size, st.st_mtime_ns, 4)).encode()).hexdigest()[:16]
     folder = default_cache_dir() / "gguf" / key
     if not (folder / "config.json").is_file():
         cfg, stored = _load_gguf(path)
