@@ -26,7 +26,8 @@ scenario prints SKIPPED and exits 0.
 Every server gets 2 threads and the same load client (OpenAI completions route, streaming, `ignore_eos`,
 synthetic prompts of --input-len tokens, --output-len tokens each). Each request may reach
 C = max(input + output, TTFT prompt + its output) + 16 tokens, and the KV cache holds the same N = C x the most
-streams tokens on both llama.cpp and this server (--kv-tokens sets N): llama-server gets `-c N` and one slot per
+streams tokens on both llama.cpp and this server (--kv-tokens sets N; C and N padded up to a multiple of 256 tokens,
+as llama.cpp pads a context and each slot's share): llama-server gets `-c N` and one slot per
 stream (`-np S`, so N / S >= C tokens a slot), a fresh server per level; this server one server for all levels with
 `--set pa_config.num_blocks=ceil(N / block_size) --set model_config.max_generate_length=C` (its KV cache is
 float32, llama-server's float16 by default: the output says the bytes of each), unless --set gives either. vLLM
@@ -303,8 +304,8 @@ def run_llama_server(binary, gguf, name, samples, kv_tokens, threads, probes) ->
                     started = time.perf_counter() - t0
                     runs.update(measure(peer.url, name, {s: batch}, pid=peer.proc.pid))
                     if not facts:
-                        facts = {"start_s": started, "ttft_alone_ms": ttft_alone(peer.url, name, probes),
-                                 "kv": llama_kv_line(log)}
+                        facts = {"start_s": started, "ttft_alone_ms": ttft_alone(peer.url, name, probes)}
+                    runs[s]["kv"] = llama_kv_line(log)
                 break
             except RuntimeError as e:
                 peer.stop()
@@ -316,13 +317,24 @@ def run_llama_server(binary, gguf, name, samples, kv_tokens, threads, probes) ->
 
 
 def llama_kv_line(log: Path):
-    """llama.cpp's own account of its KV cache (the `llama_kv_cache: size = ...` line of its log), or None."""
+    """What llama-server's KV cache holds, from its log (`n_slots = S, n_ctx_slot = C`): "S x C tokens", or None."""
+    import re
+
     try:
-        lines = log.read_text(errors="replace").splitlines()
+        found = re.findall(r"n_slots = (\d+), n_ctx_slot = (\d+)", log.read_text(errors="replace"))
     except OSError:
         return None
-    found = [line.split(":", 1)[1].strip() for line in lines if line.startswith("llama_kv_cache") and "size =" in line]
-    return found[-1] if found else None
+    return f"{found[-1][0]} x {found[-1][1]} tokens" if found else None
+
+
+LLAMA_CTX_PAD = 256      # llama.cpp pads a context (and each sequence's share of it) to a multiple of 256 tokens
+
+
+def kv_tokens_for(request_tokens: int, streams: list, asked=None) -> int:
+    """The tokens both servers' KV caches hold: `asked`, else the longest request x the most streams, with the
+    request padded as llama.cpp pads a slot (so llama-server's `-c` is what it holds; this server gets as many)."""
+    pad = lambda n: -(-n // LLAMA_CTX_PAD) * LLAMA_CTX_PAD  # noqa: E731
+    return pad(asked) if asked else pad(request_tokens) * max(streams)
 
 
 def run_vllm(python, model_dir, name, samples, ctx, threads, probes) -> tuple[dict, dict]:
@@ -369,8 +381,8 @@ def main(argv=None) -> int:
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--ttft-len", type=int, default=512, help="prompt tokens of the TTFT-alone probe")
-    p.add_argument("--kv-tokens", type=int, help="KV-cache tokens of every server (default: the longest request "
-                                                 "x the most streams)")
+    p.add_argument("--kv-tokens", type=int, help="KV-cache tokens of every server, padded to 256 as llama.cpp pads "
+                                                 "(default: the longest request, padded, x the most streams)")
     p.add_argument("--start-times", action="store_true", help="this server: a cold start (fresh cache directory) "
                                                               "and a warm one (same cache), both timed")
     p.add_argument("--threads", type=int, default=2)
@@ -407,7 +419,7 @@ def main(argv=None) -> int:
     streams = [int(s) for s in args.streams.split(",")]
     ttft_out = 1
     ctx = max(args.input_len + args.output_len, args.ttft_len + ttft_out) + 16      # the longest request
-    kv_tokens = args.kv_tokens or ctx * max(streams)
+    kv_tokens = kv_tokens_for(ctx, streams, args.kv_tokens)
     extra_sets, block = kv_sets(args.set, kv_tokens, ctx)
     shape = kv_shape(model)
     kv_note = {"tokens": kv_tokens, "request_tokens": ctx}
@@ -490,7 +502,9 @@ def main(argv=None) -> int:
         kv_desc += (f"; llm-serving {math.ceil(kv_tokens / block)} blocks of {block}, float32: "
                     f"{mib(kv_note['llm_serving_bytes']):.0f} MiB; llama-server -c {kv_tokens}, float16: "
                     f"{mib(kv_note['llama_server_bytes']):.0f} MiB")
-    print(kv_desc + (f" (its log: {facts['llama-server']['kv']})" if facts.get("llama-server", {}).get("kv") else ""))
+    held = {s: r.get("kv") for s, r in runs.get("llama-server", {}).items() if r.get("kv")}
+    print(kv_desc + (f"; llama-server's log, per level: {', '.join(f'{s}: {k}' for s, k in held.items())}"
+                     if held else ""))
     if any(s.split("=", 1)[0] in ("pa_config.num_blocks", "model_config.max_generate_length") for s in args.set):
         print("  (this server's KV cache or longest request as --set gives it)")
     srows = [{"server": server, **f} for server, f in facts.items()]

@@ -242,3 +242,15 @@ def test_f32_copy_left_out_for_k_quants_and_big_files(tmp_path, monkeypatch):
     assert peers.f32_copy_skip_reason(str(tmp_path / "q8.gguf")) is None
     monkeypatch.setattr(peers, "F32_COPY_MAX_BYTES", 64)
     assert "GiB file" in peers.f32_copy_skip_reason(str(tmp_path / "q8.gguf"))
+
+
+def test_kv_tokens_padded_as_llama_cpp_pads_a_slot(tmp_path):
+    from bench.peers import kv_tokens_for, llama_kv_line
+
+    assert kv_tokens_for(529, [1]) == 768
+    assert kv_tokens_for(176, [1, 16, 64]) == 256 * 64
+    assert kv_tokens_for(529, [1, 8], asked=1000) == 1024
+    log = tmp_path / "l.log"
+    log.write_text("0.05.412 I srv    load_model: initializing, n_slots = 4, n_ctx_slot = 768, kv_unified = 'false'\n")
+    assert llama_kv_line(log) == "4 x 768 tokens"
+    assert llama_kv_line(tmp_path / "none.log") is None
