@@ -497,7 +497,7 @@ def main(argv=None) -> int:
                      (f"{server} RSS MiB", f"{server} RSS MiB", "{:.0f}")]
     print("\nmemory after the load (process and descendants):")
     print(table(rows, mem_cols))
-    kv_desc = f"KV cache: {kv_tokens} tokens on every server (requests of up to {ctx} tokens)"
+    kv_desc = f"KV cache: {kv_tokens} tokens on llama-server and this server (requests of up to {ctx} tokens)"
     if "llm_serving_bytes" in kv_note:
         kv_desc += (f"; llm-serving {math.ceil(kv_tokens / block)} blocks of {block}, float32: "
                     f"{mib(kv_note['llm_serving_bytes']):.0f} MiB; llama-server -c {kv_tokens}, float16: "
@@ -507,11 +507,13 @@ def main(argv=None) -> int:
                      if held else ""))
     if any(s.split("=", 1)[0] in ("pa_config.num_blocks", "model_config.max_generate_length") for s in args.set):
         print("  (this server's KV cache or longest request as --set gives it)")
+    if "vLLM" in runs:
+        print("  (vLLM: its own KV space, VLLM_CPU_KVCACHE_SPACE=4 GiB)")
     srows = [{"server": server, **f} for server, f in facts.items()]
     print(f"\nstart and TTFT of one {args.ttft_len}-token prompt alone:")
-    print(table(srows, [("server", "server", "{}"), ("start_s", "start s", "{:.1f}"),
-                        ("start_cold_s", "cold start s", "{:.1f}"), ("start_warm_s", "warm start s", "{:.1f}"),
-                        ("ttft_alone_ms", f"TTFT {args.ttft_len} ms", "{:.0f}")]))
+    scols = [("server", "server", "{}"), ("start_s", "start s", "{:.1f}"), ("start_cold_s", "cold start s", "{:.1f}"),
+             ("start_warm_s", "warm start s", "{:.1f}"), ("ttft_alone_ms", f"TTFT {args.ttft_len} ms", "{:.0f}")]
+    print(table(srows, [c for c in scols if any(r.get(c[0]) is not None for r in srows)]))
     for peer, why in skipped.items():
         print(f"{peer}: left out ({why}); see {SETUP}" if peer != "llama-server f32" else
               f"{peer}: left out ({why})")
