@@ -497,11 +497,14 @@ def main(argv=None) -> int:
                      (f"{server} RSS MiB", f"{server} RSS MiB", "{:.0f}")]
     print("\nmemory after the load (process and descendants):")
     print(table(rows, mem_cols))
-    kv_desc = f"KV cache: {kv_tokens} tokens on llama-server and this server (requests of up to {ctx} tokens)"
+    llama_ran = "llama-server" in runs
+    kv_desc = (f"KV cache: {kv_tokens} tokens on {'llama-server and ' if llama_ran else ''}this server (requests of "
+               f"up to {ctx} tokens)")
     if "llm_serving_bytes" in kv_note:
         kv_desc += (f"; llm-serving {math.ceil(kv_tokens / block)} blocks of {block}, float32: "
-                    f"{mib(kv_note['llm_serving_bytes']):.0f} MiB; llama-server -c {kv_tokens}, float16: "
-                    f"{mib(kv_note['llama_server_bytes']):.0f} MiB")
+                    f"{mib(kv_note['llm_serving_bytes']):.0f} MiB")
+        if llama_ran:
+            kv_desc += f"; llama-server -c {kv_tokens}, float16: {mib(kv_note['llama_server_bytes']):.0f} MiB"
     held = {s: r.get("kv") for s, r in runs.get("llama-server", {}).items() if r.get("kv")}
     print(kv_desc + (f"; llama-server's log, per level: {', '.join(f'{s}: {k}' for s, k in held.items())}"
                      if held else ""))
