@@ -13,7 +13,8 @@ memory each server takes (PSS and RSS) after the load at each concurrency, the t
     python bench/peers.py --model 1b-q4km --streams 1,8 --start-times   # a made model by its short name
 
 --model also takes the short name `<size>-<type>` of a model bench/make_models.py made (`1b-q4km`, `3b-q4km`,
-`8b-q4km`; any case, underscores optional: `8b-Q4_K_M`), i.e. `$LLM_SERVING_PEERS/models/bench-llama-<size>-<type>.gguf`.
+`8b-q4km`; any case, underscores optional: `8b-Q4_K_M`), i.e.
+`$LLM_SERVING_PEERS/models/bench-llama-<size>-<type>.gguf`.
 
 The peers live in `$LLM_SERVING_PEERS` (default `~/.cache/llm-serving/peers`), where bench/setup_peers.sh puts
 them: `build/bin/llama-server` (built from the llama.cpp sources vendored in the `llama-cpp-python` sdist),
@@ -198,8 +199,8 @@ def kv_sets(sets: list, kv_tokens: int, seq_len: int) -> tuple:
     from llm_serving.config import PAConfig
 
     given = {item.split("=", 1)[0].strip() for item in sets}
-    block = next((int(item.split("=", 1)[1]) for item in sets if item.split("=", 1)[0].strip() == "pa_config.block_size"),
-                 PAConfig().block_size)
+    block = next((int(item.split("=", 1)[1]) for item in sets
+                  if item.split("=", 1)[0].strip() == "pa_config.block_size"), PAConfig().block_size)
     extra = []
     if "pa_config.num_blocks" not in given:
         extra.append(f"pa_config.num_blocks={math.ceil(kv_tokens / block)}")
