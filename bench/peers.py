@@ -433,25 +433,38 @@ def main(argv=None) -> int:
     ours = ["--model", model] + sum((["--set", s] for s in args.set + extra_sets), [])
     log = log_dir() / "peers_llm_serving.log"
     peers_dir().mkdir(parents=True, exist_ok=True)      # (the fresh cache beside the models: it gets their weights)
-    with tempfile.TemporaryDirectory(prefix="llm-serving-cache-", dir=str(peers_dir())) as fresh_cache:
-        ours_facts = {}
-        if args.start_times:                   # cold: a fresh cache directory, then warm: the same one again
-            srv, ours_facts["start_cold_s"] = start_ours(ours, log_dir() / "peers_llm_serving_cold.log", fresh_cache)
-            srv.stop()
-            print(f"llm-serving: cold start {ours_facts['start_cold_s']:.1f} s", flush=True)
-        srv, started = start_ours(ours, log, fresh_cache if args.start_times else None)
-        ours_facts["start_warm_s" if args.start_times else "start_s"] = started
-        try:
-            sfacts = info(srv)
-            name = sfacts["model_id"]
-            samples = {s: synthetic_samples(max(args.rounds * s, 4), sfacts["tokenizer_path"], args.input_len,
-                                            args.output_len) for s in streams}
-            probes = synthetic_samples(3, sfacts["tokenizer_path"], args.ttft_len, ttft_out, seed=12345)
-            runs["llm-serving"] = measure(srv.url, name, samples, pid=srv.proc.pid)
-            ours_facts["ttft_alone_ms"] = ttft_alone(srv.url, name, probes)
-        finally:
-            srv.stop()
-        facts["llm-serving"] = ours_facts
+
+    def make_samples(tokenizer):
+        return ({s: synthetic_samples(max(args.rounds * s, 4), tokenizer, args.input_len, args.output_len)
+                 for s in streams}, synthetic_samples(3, tokenizer, args.ttft_len, ttft_out, seed=12345))
+
+    try:
+        with tempfile.TemporaryDirectory(prefix="llm-serving-cache-", dir=str(peers_dir())) as fresh_cache:
+            ours_facts = {}
+            if args.start_times:                   # cold: a fresh cache directory, then warm: the same one again
+                cold_log = log_dir() / "peers_llm_serving_cold.log"
+                srv, ours_facts["start_cold_s"] = start_ours(ours, cold_log, fresh_cache)
+                srv.stop()
+                print(f"llm-serving: cold start {ours_facts['start_cold_s']:.1f} s", flush=True)
+            srv, started = start_ours(ours, log, fresh_cache if args.start_times else None)
+            ours_facts["start_warm_s" if args.start_times else "start_s"] = started
+            try:
+                sfacts = info(srv)
+                name = sfacts["model_id"]
+                samples, probes = make_samples(sfacts["tokenizer_path"])
+                runs["llm-serving"] = measure(srv.url, name, samples, pid=srv.proc.pid)
+                ours_facts["ttft_alone_ms"] = ttft_alone(srv.url, name, probes)
+            finally:
+                srv.stop()
+            facts["llm-serving"] = ours_facts
+    except RuntimeError as e:           # e.g. killed for memory at start: the peers still run on a GGUF
+        if not is_gguf or "llm-serving" in runs:
+            raise
+        said = [line for line in str(e).splitlines() if line.strip()]
+        skipped["llm-serving"] = f"{said[0].rstrip(':')}{': ' + said[-1][-200:] if len(said) > 1 else ''}"
+        print(f"llm-serving did not start ({skipped['llm-serving']}); the peers run without it", flush=True)
+        name = Path(model).stem                          # (its model id for a GGUF)
+        samples, probes = make_samples(model)            # (a GGUF carries its tokenizer)
     if "llama-server" not in skipped:
         builds = {"llama-server": gguf}
         if is_gguf and quantized_gguf(gguf):         # and llama-server on the same weights in f32
@@ -478,16 +491,16 @@ def main(argv=None) -> int:
             row[f"{server} PSS MiB"] = mib(r.get("memory", {}).get("pss"))
             row[f"{server} RSS MiB"] = mib(r.get("memory", {}).get("rss"))
         for peer in PEERS:
-            if peer in runs and row[peer]:
+            if peer in runs and row[peer] and "llm-serving" in runs:
                 row[f"/ {peer}"] = row["llm-serving"] / row[peer]
-        if "llama-server f32" in runs:              # the goal's measure: the better llama-server build
+        if "llama-server f32" in runs and "llm-serving" in runs:    # the goal's measure: the better llama-server
             row["/ best llama-server"] = row["llm-serving"] / max(row["llama-server"], row["llama-server f32"])
         rows.append(row)
     cols = [("streams", "streams", "{}")]
     for server in runs:
         cols += [(server, f"{server} tok/s", "{:.1f}"), (f"{server} TPOT", f"{server} TPOT ms", "{:.2f}")]
-    cols += [(f"/ {peer}", f"this / {peer}", "{:.2f}") for peer in PEERS if peer in runs]
-    if "llama-server f32" in runs:
+    cols += [(f"/ {peer}", f"this / {peer}", "{:.2f}") for peer in PEERS if peer in runs and "llm-serving" in runs]
+    if "llama-server f32" in runs and "llm-serving" in runs:
         cols.append(("/ best llama-server", "this / better llama-server", "{:.2f}"))
     print(f"\npeers: {Path(model).name}, {args.input_len} -> {args.output_len} tokens, {args.threads} threads; "
           f"llama-server {llama_version if llama else '-'} {' '.join(llama_flags)}, vLLM {vllm_version if vllm_py else '-'}")
@@ -498,12 +511,13 @@ def main(argv=None) -> int:
                      (f"{server} RSS MiB", f"{server} RSS MiB", "{:.0f}")]
     print("\nmemory after the load (process and descendants):")
     print(table(rows, mem_cols))
-    llama_ran = "llama-server" in runs
-    kv_desc = (f"KV cache: {kv_tokens} tokens on {'llama-server and ' if llama_ran else ''}this server (requests of "
-               f"up to {ctx} tokens)")
+    llama_ran, ours_ran = "llama-server" in runs, "llm-serving" in runs
+    holders = " and ".join(n for n, ran in (("llama-server", llama_ran), ("this server", ours_ran)) if ran)
+    kv_desc = f"KV cache: {kv_tokens} tokens on {holders or 'no server'} (requests of up to {ctx} tokens)"
     if "llm_serving_bytes" in kv_note:
-        kv_desc += (f"; llm-serving {math.ceil(kv_tokens / block)} blocks of {block}, float32: "
-                    f"{mib(kv_note['llm_serving_bytes']):.0f} MiB")
+        if ours_ran:
+            kv_desc += (f"; llm-serving {math.ceil(kv_tokens / block)} blocks of {block}, float32: "
+                        f"{mib(kv_note['llm_serving_bytes']):.0f} MiB")
         if llama_ran:
             kv_desc += f"; llama-server -c {kv_tokens}, float16: {mib(kv_note['llama_server_bytes']):.0f} MiB"
     held = {s: r.get("kv") for s, r in runs.get("llama-server", {}).items() if r.get("kv")}
@@ -519,7 +533,7 @@ def main(argv=None) -> int:
              ("start_warm_s", "warm start s", "{:.1f}"), ("ttft_alone_ms", f"TTFT {args.ttft_len} ms", "{:.0f}")]
     print(table(srows, [c for c in scols if any(r.get(c[0]) is not None for r in srows)]))
     for peer, why in skipped.items():
-        print(f"{peer}: left out ({why}); see {SETUP}" if peer != "llama-server f32" else
+        print(f"{peer}: left out ({why}); see {SETUP}" if peer in ("llama-server", "vLLM") else
               f"{peer}: left out ({why})")
     failed = sum(r[f"{srv} failed"] for r in rows for srv in runs)
     write_json(args.out, {"scenario": "peers", "machine": machine(), "model": model, "gguf": gguf,
