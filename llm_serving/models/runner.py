@@ -400,11 +400,14 @@ class ModelRunner:
         scratch = self.scratch_slot + (np.arange(nb * sb, dtype=np.int32) % self.block_size).reshape(nb, sb)
         ids_p = np.zeros((nb, sb), np.int32)
         pos_p = np.zeros((nb, sb), np.int32)
-        slot_p = np.full((nb, sb), -1, np.int32) if sb == 1 and self._layer_kernel_runs(nb) else scratch.copy()
+        kernel = sb == 1 and self._layer_kernel_runs(nb)
+        slot_p = np.full((nb, sb), -1, np.int32) if kernel else scratch.copy()
         bt_p = np.zeros((nb, w), np.int32)
         ids_p[:n, :s] = step.input_ids
         pos_p[:n, :s] = step.positions
-        slot_p[:n, :s] = np.where(step.slot_mapping < 0, scratch[:n, :s], step.slot_mapping)
+        # a token without a slot: the kernel's rows sit it out (warmup's steps then compute nothing), MindSpore's ops
+        # write it to the scratch block
+        slot_p[:n, :s] = np.where(step.slot_mapping < 0, -1 if kernel else scratch[:n, :s], step.slot_mapping)
         used = min(step.block_tables.shape[1], w)          # entries past the longest row's blocks are padding
         bt_p[:n, :used] = step.block_tables[:, :used]
         T = self._ms.Tensor
@@ -548,8 +551,9 @@ class ModelRunner:
         k = stop - start
         row_of, ids, pos, slots, context = (a[start:stop] for a in flat[1:])
         scratch = self.scratch_slot + (np.arange(tb, dtype=np.int32) % self.block_size)
-        piece_slots = np.full(tb, -1, np.int32) if self._layer_kernel_runs(tb) else scratch.copy()
-        piece_slots[:k] = np.where(slots < 0, scratch[:k], slots)
+        kernel = self._layer_kernel_runs(tb)
+        piece_slots = np.full(tb, -1, np.int32) if kernel else scratch.copy()
+        piece_slots[:k] = np.where(slots < 0, -1 if kernel else scratch[:k], slots)     # (as _call_padded's)
         used = min(step.block_tables.shape[1], self.max_blocks_per_seq)
         piece_tables = np.zeros((tb, self.max_blocks_per_seq), np.int32)
         piece_tables[:k, :used] = step.block_tables[row_of, :used]                 # each token: its row's table
@@ -613,6 +617,8 @@ class ModelRunner:
         compile_only its model graph is only compiled."""
         rows = self.prefill_batch_sizes[-1]
         scratch = self.scratch_slot + (np.arange(tokens, dtype=np.int32) % self.block_size)
+        if self._layer_kernel_runs(tokens):
+            scratch[:] = -1                                      # the kernel's rows sit out: nothing computed
         zeros = np.zeros(tokens, np.int32)
         outputs = self._run_packed(tokens, zeros, zeros, scratch, np.zeros((tokens, self.max_blocks_per_seq),
                                    np.int32), zeros, np.zeros(rows, np.int32), compile_only=compile_only)
