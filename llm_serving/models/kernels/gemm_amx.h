@@ -43,6 +43,10 @@ constexpr int64_t kTile = 512;          // bfloat16 per tile: 16 rows x 64 bytes
 
 inline int64_t rows16(int64_t m) { return (m + 15) / 16 * 16; }
 inline int64_t kblocks(int64_t k) { return (k + 31) / 32; }
+// C's row stride in floats: rows16(m), plus 16 when that is an even number of cache lines, so that the 16 rows of
+// a C tile do not share a few L1 sets (at m = 512 rows 2 KB apart fell into 2 sets: loading and storing the C
+// tiles between depth blocks then cost as much as the products)
+inline int64_t c_stride(int64_t m) { return rows16(m) / 16 % 2 == 0 ? rows16(m) + 16 : rows16(m); }
 constexpr int kPieces = 3;
 // the three bfloat16 pieces of a packed x, in floats (2 bytes each)
 inline int64_t packed_floats(int64_t m, int64_t k) { return rows16(m) * kblocks(k) * 16 * kPieces; }
@@ -104,19 +108,24 @@ inline void split32(const float* v, int64_t valid, uint16_t* out, int64_t piece)
 // 4n + 2 (t % 2). Rows past m are zeros.
 inline void pack_block(const float* x, int64_t ldx, int64_t m, int64_t k, int64_t nb, float* xp) {
   const int64_t kb = kblocks(k);
-  uint16_t* x0 = reinterpret_cast<uint16_t*>(xp) + nb * kb * kTile;
-  const int64_t piece = rows16(m) * kb * 32;
-  const __m512i pairs = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                           _mm512_set1_epi32(16));          // pair p of a row goes to [p][n]
-  alignas(64) uint16_t split[kPieces][32];
-  for (int64_t n = 0; n < 16; ++n) {
-    const int64_t row = nb * 16 + n;
-    for (int64_t b = 0; b < kb; ++b) {
-      if (row < m) split32(x + row * ldx + 32 * b, k - 32 * b, split[0], 32);
-      for (int p = 0; p < kPieces; ++p) {
-        uint32_t* tile = reinterpret_cast<uint32_t*>(x0 + p * piece + b * kTile) + n;
-        _mm512_i32scatter_epi32(tile, pairs, row < m ? _mm512_load_si512(split[p]) : _mm512_setzero_si512(), 4);
+  uint16_t* x0 = reinterpret_cast<uint16_t*>(xp) + nb * kb * kPieces * kTile;
+  // a tile's 16 rows split in a local buffer (rows of x: 16 pairs of k each), then transposed pair by pair into
+  // the tile (16 pairs x 16 rows): whole-line reads and writes, where scattering each row's pairs cost 2-3 ns a
+  // value
+  alignas(64) uint32_t split[kPieces][16][16];
+  for (int64_t b = 0; b < kb; ++b) {
+    for (int64_t n = 0; n < 16; ++n) {
+      const int64_t row = nb * 16 + n;
+      if (row < m) {
+        split32(x + row * ldx + 32 * b, k - 32 * b, reinterpret_cast<uint16_t*>(split[0][n]), 16 * 16 * 2);
+      } else {
+        for (int p = 0; p < kPieces; ++p) std::memset(split[p][n], 0, 64);
       }
+    }
+    for (int p = 0; p < kPieces; ++p) {
+      uint32_t* tile = reinterpret_cast<uint32_t*>(x0 + (b * kPieces + p) * kTile);
+      for (int pair = 0; pair < 16; ++pair)
+        for (int n = 0; n < 16; ++n) tile[pair * 16 + n] = split[p][n][pair];
     }
   }
 }
@@ -124,13 +133,13 @@ inline void pack_block(const float* x, int64_t ldx, int64_t m, int64_t k, int64_
 // Row i (< rows16(g)) of a group's A operand (wg: group_floats(g, k) floats, three pieces) from the float row w
 // (k values; null: a padding row of zeros).
 inline void convert_row(const float* w, int64_t k, int64_t g, int64_t i, float* wg) {
-  const int64_t kb = kblocks(k), piece = rows16(g) * kb * 32;
-  uint16_t* w0 = reinterpret_cast<uint16_t*>(wg) + (i / 16) * kb * kTile + (i % 16) * 32;
+  const int64_t kb = kblocks(k);
+  uint16_t* w0 = reinterpret_cast<uint16_t*>(wg) + (i / 16) * kb * kPieces * kTile + (i % 16) * 32;
   for (int64_t b = 0; b < kb; ++b) {
     if (w != nullptr) {
-      split32(w + 32 * b, k - 32 * b, w0 + b * kTile, piece);
+      split32(w + 32 * b, k - 32 * b, w0 + b * kPieces * kTile, kTile);
     } else {
-      for (int p = 0; p < kPieces; ++p) std::memset(w0 + p * piece + b * kTile, 0, 64);
+      for (int p = 0; p < kPieces; ++p) std::memset(w0 + (b * kPieces + p) * kTile, 0, 64);
     }
   }
 }
@@ -169,7 +178,7 @@ inline void kernel(const uint16_t* a, int64_t a_piece, int64_t a_block, const ui
   if (R > 1) _tile_dpbf16ps(2, 5, 6);                      \
   if (R > 1 && N > 1) _tile_dpbf16ps(3, 5, 7);
   for (int64_t blk = b0; blk < b1; ++blk) {
-    const int64_t at = blk * kTile;
+    const int64_t at = blk * kPieces * kTile;
     LLM_SERVING_LOAD_A(0) LLM_SERVING_LOAD_B(0) LLM_SERVING_DP()      // w0 x0
     LLM_SERVING_LOAD_B(1) LLM_SERVING_DP()                            // w0 x1
     LLM_SERVING_LOAD_B(2) LLM_SERVING_DP()                            // w0 x2
@@ -185,33 +194,38 @@ inline void kernel(const uint16_t* a, int64_t a_piece, int64_t a_block, const ui
 #undef LLM_SERVING_C_TILE
 }
 
-// Depth of a block of k: the packed x's slice for it (all of x's rows, three pieces: 6 bytes a value) within
-// ~768 KB, so that it stays in L2 while the group's row blocks pass over it. It depends on m only (never on the
-// thread or chunk), and the sums go through C in float32 between blocks: the result does not depend on it.
-inline int64_t depth_blocks(int64_t m, int64_t k) {
-  return std::min(kblocks(k), std::max<int64_t>(4, (768 << 10) / (6 * rows16(m) * 32)));
-}
+// Blocking: the group's weights (A: 64 rows x depth) and a slab of 64 rows of x (B: 64 x depth), 6 bytes a
+// value (three pieces), stay in L2 (2 MB a core) while every (row pair, x pair) of 2x2 tiles runs the kernel
+// along the whole depth block: depth up to 64 k blocks (2048 k, 768 KB each), so that a kernel call is long
+// (1536 products at 2x2: its C loads, stores and the pipeline's drain at the end are a small part of it) and
+// the slab is read from L3 once per group of weight rows. (Depth blocks of 8 with all of x per block ran at
+// half the rate: short streams, and C through memory every 192 products.) The blocking depends on k only, and
+// the sums go through C in float32 between depth blocks: the results do not depend on it, nor on the thread.
+constexpr int64_t kDepthBlocks = 64;
+constexpr int64_t kSlabBlocks = 4;       // 16-row blocks of x per slab
 
-// C (g rows, ldc = rows16(m)) = the group's converted rows (wg, g rows, k) times the packed x (m rows).
+// C (g rows, ldc = c_stride(m)) = the group's converted rows (wg, g rows, k) times the packed x (m rows).
 // The caller holds Tiles.
 inline void product(const float* wg, int64_t g, const float* xp, int64_t m, int64_t k, float* c) {
-  const int64_t kb = kblocks(k), mb = rows16(m) / 16, gb = rows16(g) / 16, ldc = rows16(m);
+  const int64_t kb = kblocks(k), mb = rows16(m) / 16, gb = rows16(g) / 16, ldc = c_stride(m);
   const uint16_t* w = reinterpret_cast<const uint16_t*>(wg);
   const uint16_t* x = reinterpret_cast<const uint16_t*>(xp);
-  const int64_t w_piece = rows16(g) * kb * 32, x_piece = rows16(m) * kb * 32;
-  const int64_t block = kb * kTile, depth = depth_blocks(m, k);
-  for (int64_t b0 = 0; b0 < kb; b0 += depth) {
-    const int64_t b1 = std::min(kb, b0 + depth);
-    for (int64_t n = 0; n < mb; n += 2) {
-      const bool two_n = n + 1 < mb;
+  const int64_t block = kb * kPieces * kTile;
+  for (int64_t b0 = 0; b0 < kb; b0 += kDepthBlocks) {
+    const int64_t b1 = std::min(kb, b0 + kDepthBlocks);
+    for (int64_t s0 = 0; s0 < mb; s0 += kSlabBlocks) {
+      const int64_t s1 = std::min(mb, s0 + kSlabBlocks);
       for (int64_t r = 0; r < gb; r += 2) {
         const bool two_r = r + 1 < gb;
-        const uint16_t *wr = w + r * block, *xn = x + n * block;
-        float* cc = c + 16 * r * ldc + 16 * n;
-        if (two_r && two_n) kernel<2, 2>(wr, w_piece, block, xn, x_piece, block, b0, b1, cc, ldc, b0 == 0);
-        else if (two_r) kernel<2, 1>(wr, w_piece, block, xn, x_piece, block, b0, b1, cc, ldc, b0 == 0);
-        else if (two_n) kernel<1, 2>(wr, w_piece, block, xn, x_piece, block, b0, b1, cc, ldc, b0 == 0);
-        else kernel<1, 1>(wr, w_piece, block, xn, x_piece, block, b0, b1, cc, ldc, b0 == 0);
+        for (int64_t n = s0; n < s1; n += 2) {
+          const bool two_n = n + 1 < s1;
+          const uint16_t *wr = w + r * block, *xn = x + n * block;
+          float* cc = c + 16 * r * ldc + 16 * n;
+          if (two_r && two_n) kernel<2, 2>(wr, kTile, block, xn, kTile, block, b0, b1, cc, ldc, b0 == 0);
+          else if (two_r) kernel<2, 1>(wr, kTile, block, xn, kTile, block, b0, b1, cc, ldc, b0 == 0);
+          else if (two_n) kernel<1, 2>(wr, kTile, block, xn, kTile, block, b0, b1, cc, ldc, b0 == 0);
+          else kernel<1, 1>(wr, kTile, block, xn, kTile, block, b0, b1, cc, ldc, b0 == 0);
+        }
       }
     }
   }
