@@ -647,8 +647,9 @@ def test_dequantize_rows_refusals(library):
     assert dequantize_rows(library, 12, raw, 2, 512)[0] == 0
 
 
-# Both batched paths on this machine: with AMX (gemm_amx.h, where the CPU and Linux allow it) and the float32 FMA
-# kernel (gemm_cpu.h) that KernelAmx(0) forces (LLM_SERVING_KERNEL_AMX=0 at load does the same for a process).
+# Both batched paths on this machine: with AMX (gemm_amx.h, where the CPU and Linux allow it; from kAmxGemmRows =
+# 20 rows) and the float32 FMA kernel (gemm_cpu.h) that KernelAmx(0) forces (LLM_SERVING_KERNEL_AMX=0 at load does
+# the same for a process).
 @pytest.fixture
 def fma_or_amx(library, request):
     """Sets the batched path for one test (request.param: 1 AMX when available, 0 FMA) and restores AMX after."""
@@ -665,7 +666,7 @@ def amx_available(library) -> bool:
 
 @pytest.mark.parametrize("fma_or_amx", [1, 0], ids=["amx", "fma"], indirect=True)
 @pytest.mark.parametrize("hidden,heads,kv_heads,head_dim,inter,batch,threads,qtype,adapters", [
-    (200, 5, 1, 40, 300, 17, 2, None, True),              # k = 200 (6 blocks of 32 and 8), rows 16 + 1
+    (200, 5, 1, 40, 300, 33, 2, None, True),              # k = 200 (6 blocks of 32 and 8), rows 2 x 16 + 1
     (72, 6, 2, 12, 100, 37, 3, None, False),              # k = 72 and 100, 37 rows: tiles of 16, 16 and 5
     (96, 4, 2, 24, 160, 45, 2, "Q8_0", False),            # k = 96 and 160 (3 and 5 blocks), 45 rows
     (64, 4, 2, 16, 4128, 23, 2, "Q4_1", True),            # down's k = 4128: three AMX depth blocks (64 x 32)

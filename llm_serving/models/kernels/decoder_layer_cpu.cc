@@ -949,8 +949,11 @@ void claim_rows(std::atomic<int64_t>& next, int64_t n, int threads, F&& fn, int6
 // cross (bench/layer_kernel_gemm.py, one thread, CPU time per layer, Q8_0 and F32): 8 rows 0.88x, 10 rows
 // 1.02-1.04x, 12 rows 1.08-1.11x, 16 rows 1.2x.
 constexpr int64_t kGemmRows = 10;
-// With AMX (gemm_amx.h) the batched path wins from fewer rows: AMX_ROWS_NOTE
-constexpr int64_t kAmxGemmRows = 10;
+// With AMX (gemm_amx.h) the batched path needs more rows, not fewer: every weight is split into three bfloat16
+// pieces (6 bytes written and read back) whatever the rows, ~15 ms of a Llama-3.2-1B layer on 2 threads, which
+// the tiles' speed repays only from ~20 rows (bench, Q8_0, 2 threads, AMX against matvec or the FMA kernel: 4
+// rows 0.48x, 8 0.63x, 12 0.78x, 16 1.00x, 24 1.17x, 32 1.28x, 64 1.83x).
+constexpr int64_t kAmxGemmRows = 20;
 inline int64_t gemm_rows(bool amx) { return amx ? kAmxGemmRows : kGemmRows; }
 
 // Whether the batched products run on AMX tiles (gemm_amx.h): compiled for a CPU that has them, allowed
