@@ -648,7 +648,7 @@ def test_dequantize_rows_refusals(library):
 
 
 # Both batched paths on this machine: with AMX (gemm_amx.h, where the CPU and Linux allow it; from kAmxGemmRows =
-# 20 rows) and the float32 FMA kernel (gemm_cpu.h) that KernelAmx(0) forces (LLM_SERVING_KERNEL_AMX=0 at load does
+# 12 rows) and the float32 FMA kernel (gemm_cpu.h) that KernelAmx(0) forces (LLM_SERVING_KERNEL_AMX=0 at load does
 # the same for a process).
 @pytest.fixture
 def fma_or_amx(library, request):

@@ -30,7 +30,9 @@
 // dequantized tile of 4 rows (matvec); from kGemmRows rows on (big decode batches, verify rows, prefill steps of
 // hundreds of tokens) x is packed once per product and multiplied by groups of dequantized weight rows with a
 // register-blocked kernel (gemm_cpu.h), so that the weights are dequantized once per call and x is not re-read for
-// every few weight rows.
+// every few weight rows. Where the CPU has AMX (and Linux grants the tile state) the batched products run on its
+// tiles instead (gemm_amx.h: bfloat16 pieces of float32, float32's precision), from kAmxGemmRows rows;
+// LLM_SERVING_KERNEL_AMX=0 in the environment (read once per process) or KernelAmx(0) keeps the FMA kernel.
 //
 // DecoderLayer(x, positions, slots, block_tables, context_lens, tree_bits, cos, sin, lora, q_w, k_w, v_w, qkv_bias,
 //              o_w, gate_w, up_w, down_w, input_gain, post_gain, key_cache, value_cache, lora_qkv_a, lora_qkv_b,
@@ -740,6 +742,68 @@ struct Matrix {
     }
   }
 
+#if defined(LLM_SERVING_AMX)
+  // k blocks [b0, b1) of a row (b0, b1 multiples of 8 or b1 the row's last), split into their bfloat16 pieces
+  // (gemm_amx.h) straight from the decoders' registers: k block b's 32 values at out + (b - b0) * 3 tiles.
+  // Float32 rows (and F16/BF16 rows of k not a multiple of 32) read the floats; k past the row reads as zero.
+  void split_slice(const uint8_t* row, int64_t b0, int64_t b1, float* scratch, uint16_t* out) const {
+    namespace amx = llm_serving::amx;
+    switch (type) {
+      case kQ4_0: split_blocks<kQ4_0>(row, b0, b1, out); return;
+      case kQ4_1: split_blocks<kQ4_1>(row, b0, b1, out); return;
+      case kQ5_0: split_blocks<kQ5_0>(row, b0, b1, out); return;
+      case kQ5_1: split_blocks<kQ5_1>(row, b0, b1, out); return;
+      case kQ8_0: split_blocks<kQ8_0>(row, b0, b1, out); return;
+      case kQ4_K: split_super<kQ4_K>(row, b0, b1, out); return;
+      case kQ5_K: split_super<kQ5_K>(row, b0, b1, out); return;
+      case kQ6_K: split_super<kQ6_K>(row, b0, b1, out); return;
+      case kF16:
+        if (k % 32 == 0) { split_blocks<kF16>(row, b0, b1, out); return; }
+        break;
+      case kBF16:
+        if (k % 32 == 0) { split_blocks<kBF16>(row, b0, b1, out); return; }
+        break;
+      default: break;
+    }
+    const float* v = reinterpret_cast<const float*>(row);
+    if (type != kF32) {                                  // F16/BF16 of a ragged k: the whole row, then the slice
+      dequantize_row(row, scratch);
+      v = scratch;
+    }
+    for (int64_t b = b0; b < b1; ++b) amx::split32(v + 32 * b, k - 32 * b, out + (b - b0) * amx::kPieces * amx::kTile, amx::kTile);
+  }
+
+  template <int32_t T>
+  void split_blocks(const uint8_t* row, int64_t b0, int64_t b1, uint16_t* out) const {
+    namespace amx = llm_serving::amx;
+    row += b0 * block_bytes<T>();
+    for (int64_t b = b0; b < b1; ++b, row += block_bytes<T>(), out += amx::kPieces * amx::kTile) {
+      v16 lo, hi;
+      prefetch_ahead(row + kAheadRows * row_bytes);
+      decode_block<T>(row, &lo, &hi);
+      amx::split_regs((__m512)lo, (__m512)hi, out, amx::kTile);
+    }
+  }
+
+  template <int32_t T>
+  void split_super(const uint8_t* row, int64_t b0, int64_t b1, uint16_t* out) const {
+    namespace amx = llm_serving::amx;
+    constexpr int G = group_weights<T>();
+    for (int64_t e = b0 * 32; e < b1 * 32; e += 256) {
+      const uint8_t* p = row + e / 256 * super_bytes<T>();
+      SuperScales u;
+      for (int64_t at = 0; at < super_bytes<T>(); at += 64) prefetch_ahead(p + kAheadRows * row_bytes + at);
+      unpack_scales<T>(p, &u);
+      for (int g = 0; g < 256 / G; ++g) {
+        v16 w[G / 16];
+        decode_group<T>(p, u, g, w);
+        for (int v = 0; v < G / 16; v += 2, out += amx::kPieces * amx::kTile)
+          amx::split_regs((__m512)w[v], (__m512)w[v + 1], out, amx::kTile);
+      }
+    }
+  }
+#endif
+
   template <int32_t T>
   void dequantize_blocks(const uint8_t* row, float* dst) const {
     for (int64_t e = 0; e < k; e += 32, row += block_bytes<T>(), dst += 32) {
@@ -949,11 +1013,11 @@ void claim_rows(std::atomic<int64_t>& next, int64_t n, int threads, F&& fn, int6
 // cross (bench/layer_kernel_gemm.py, one thread, CPU time per layer, Q8_0 and F32): 8 rows 0.88x, 10 rows
 // 1.02-1.04x, 12 rows 1.08-1.11x, 16 rows 1.2x.
 constexpr int64_t kGemmRows = 10;
-// With AMX (gemm_amx.h) the batched path needs more rows, not fewer: every weight is split into three bfloat16
-// pieces (6 bytes written and read back) whatever the rows, ~15 ms of a Llama-3.2-1B layer on 2 threads, which
-// the tiles' speed repays only from ~20 rows (bench, Q8_0, 2 threads, AMX against matvec or the FMA kernel: 4
-// rows 0.48x, 8 0.63x, 12 0.78x, 16 1.00x, 24 1.17x, 32 1.28x, 64 1.83x).
-constexpr int64_t kAmxGemmRows = 20;
+// With AMX (gemm_amx.h) the batched path wins from about as many rows: every weight is split into three bfloat16
+// pieces whatever the rows (for few rows a depth slice at a time, in cache), which the tiles repay from ~10-12
+// rows (bench, Q8_0, 2 threads, AMX against matvec or the FMA kernel: 8 rows 0.84x, 12 1.10x, 16 1.32x, 24 1.56x,
+// 32 1.77x, 64 2.10x).
+constexpr int64_t kAmxGemmRows = 12;
 inline int64_t gemm_rows(bool amx) { return amx ? kAmxGemmRows : kGemmRows; }
 
 // Whether the batched products run on AMX tiles (gemm_amx.h): compiled for a CPU that has them, allowed
@@ -1047,6 +1111,30 @@ void gemm_units_amx(const Matrix* const* ws, int parts, int64_t u0, int64_t u1, 
   float* row = wbuf;
   float* wg = wbuf + 32 * amx::kblocks(k);
   const amx::Tiles tiles;
+  if (amx::rows16(m) <= amx::kSliceRows) {              // few rows: the weights split a depth slice at a time
+    uint16_t* slice = reinterpret_cast<uint16_t*>(wg);
+    const int64_t kb = amx::kblocks(k);
+    for (int64_t u = u0; u < u1; u += per) {
+      const int64_t n = std::min(per, u1 - u), g = parts * n;
+      for (int64_t b0 = 0; b0 < kb; b0 += amx::kSliceBlocks) {
+        const int64_t b1 = std::min(kb, b0 + amx::kSliceBlocks), tiles_per_row = (b1 - b0) * amx::kPieces * amx::kTile;
+        for (int q = 0; q < parts; ++q) {
+          const Matrix& w = *ws[q];
+          for (int64_t i = 0; i < n; ++i) {
+            const int64_t at = q * n + i;                // the group's row: block at / 16, tile row at % 16
+            w.split_slice(w.data + (u + i) * w.row_bytes, b0, b1, row, slice + at / 16 * tiles_per_row + at % 16 * 32);
+          }
+        }
+        for (int64_t at = g; at < amx::rows16(g); ++at)
+          for (int64_t b = 0; b < b1 - b0; ++b)
+            for (int p = 0; p < amx::kPieces; ++p)
+              std::memset(slice + at / 16 * tiles_per_row + (b * amx::kPieces + p) * amx::kTile + at % 16 * 32, 0, 64);
+        amx::product_slice(slice, g, xp, m, k, b0, b1, c);
+      }
+      done(u, n, static_cast<const float*>(c), ldc);
+    }
+    return;
+  }
   for (int64_t u = u0; u < u1; u += per) {
     const int64_t n = std::min(per, u1 - u), g = parts * n;
     for (int q = 0; q < parts; ++q) {
