@@ -19,10 +19,10 @@
 // bytes) x 16 rows of x, [k/2][n][2].
 //
 // Shapes: kb = ceil(k / 32) blocks of depth, x padded to rows16(m) = a multiple of 16 rows (zeros), k to kb * 32
-// (zeros). Packed x: pieces 0, 1, 2 one after the other, each rows16(m) / 16 blocks of rows x kb tiles of 512
-// bfloat16, [n block][k block][16][32] (a block of x rows' tiles contiguous along k). A group's weights: pieces
-// 0, 1, 2, each rows16(g) / 16 blocks x kb tiles, [row block][k block][16][32]. C (g rows, ldc = rows16(m)
-// floats per row).
+// (zeros). Packed x: rows16(m) / 16 blocks of rows x kb blocks of k x 3 pieces, tiles of 512 bfloat16, [n block]
+// [k block][piece][16][32] (a block of x rows' tiles contiguous along k, a k block's pieces side by side). A
+// group's weights: [row block][k block][piece][16][32], rows16(g) / 16 row blocks (a depth slice's: its k blocks
+// only). C (g rows, ldc = c_stride(m) floats per row).
 #pragma once
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512F__)
