@@ -645,3 +645,98 @@ def test_dequantize_rows_refusals(library):
     for code, k in ((12, 128), (13, 320), (14, 32), (2, 48), (5, 64), (99, 256)):   # not whole (super-)blocks;
         assert dequantize_rows(library, code, raw, 2, k)[0] == 2, (code, k)        # types the kernel does not read
     assert dequantize_rows(library, 12, raw, 2, 512)[0] == 0
+
+
+# Both batched paths on this machine: with AMX (gemm_amx.h, where the CPU and Linux allow it; from kAmxGemmRows =
+# 12 rows) and the float32 FMA kernel (gemm_cpu.h) that KernelAmx(0) forces (LLM_SERVING_KERNEL_AMX=0 at load does
+# the same for a process).
+@pytest.fixture
+def fma_or_amx(library, request):
+    """Sets the batched path for one test (request.param: 1 AMX when available, 0 FMA) and restores AMX after."""
+    library.KernelAmx.argtypes = [ctypes.c_int]
+    library.KernelAmx(request.param)
+    yield request.param
+    library.KernelAmx(1)
+
+
+def amx_available(library) -> bool:
+    library.KernelAmx.argtypes = [ctypes.c_int]
+    return library.KernelAmx(-1) == 1
+
+
+@pytest.mark.parametrize("fma_or_amx", [1, 0], ids=["amx", "fma"], indirect=True)
+@pytest.mark.parametrize("hidden,heads,kv_heads,head_dim,inter,batch,threads,qtype,adapters", [
+    (200, 5, 1, 40, 300, 33, 2, None, True),              # k = 200 (6 blocks of 32 and 8), rows 2 x 16 + 1
+    (72, 6, 2, 12, 100, 37, 3, None, False),              # k = 72 and 100, 37 rows: tiles of 16, 16 and 5
+    (96, 4, 2, 24, 160, 45, 2, "Q8_0", False),            # k = 96 and 160 (3 and 5 blocks), 45 rows
+    (64, 4, 2, 16, 4128, 23, 2, "Q4_1", True),            # down's k = 4128: three AMX depth blocks (64 x 32)
+])
+def test_batched_products_on_either_path_match_numpy(library, fma_or_amx, hidden, heads, kv_heads, head_dim, inter,
+                                                     batch, threads, qtype, adapters):
+    """The AMX path (three bfloat16 pieces per float, six piece products) is as close to float64 as the float32
+    FMA path, at widths that are not whole blocks of 32 and row counts that are not whole tiles of 16."""
+    if fma_or_amx == 0:
+        assert library.KernelAmx(-1) == 0
+    rng = np.random.default_rng(hidden + inter + batch)
+    layer = Layer(rng, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, inter=inter, batch=batch,
+                  num_blocks=batch * 6, width=6)
+    if qtype is not None:
+        layer.quantize({n: GGUF_TYPES[qtype] for n in ("qkv_w", "o_w", "gate_up_w", "down_w")}, rng)
+    if adapters:
+        layer.with_lora(slots=4, rank=3, row_slots=rng.integers(0, 4, batch), rng=rng)
+    want, keys, values = layer.reference()
+    arrays = layer.arrays(threads)
+    assert invoke(library.DecoderLayer, arrays) == 0
+    np.testing.assert_allclose(arrays[-1], want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(layer.key_cache, keys, rtol=1e-5, atol=1e-5)
+    x = rng.standard_normal((batch, hidden)).astype(np.float32)
+    w = rng.standard_normal((333, hidden)).astype(np.float32)
+    logits, token, logprob = np.empty((batch, 333), np.float32), np.empty(batch, np.int32), np.empty(batch, np.float32)
+    cfg = [np.array([threads, 0], np.int32), np.array([1e-5], np.float32)]
+    gain, slots = np.ones(hidden, np.float32), np.arange(batch, dtype=np.int32)
+    assert invoke(library.FinalLogits, logits_args(x, w, gain, slots, cfg, logits, token, logprob)) == 0
+    np.testing.assert_allclose(logits, rms(x) @ w.T.astype(np.float64), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fma_or_amx", [1, 0], ids=["amx", "fma"], indirect=True)
+def test_either_path_does_not_depend_on_the_thread_count(library, fma_or_amx):
+    test_batched_products_do_not_depend_on_the_thread_count(library)
+
+
+def test_the_environment_turns_amx_off(library_path):
+    """LLM_SERVING_KERNEL_AMX=0 (read once, at the first kernel call) keeps a process on the FMA path."""
+    import subprocess
+    import sys
+
+    code = (f"import ctypes; lib = ctypes.CDLL({library_path!r}); lib.KernelAmx.argtypes = [ctypes.c_int]; "
+            "print(lib.KernelAmx(-1))")
+    for env, want in (("0", "0"), ("1", None)):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "LLM_SERVING_KERNEL_AMX": env}).stdout.strip()
+        assert out == (want if want is not None else out) and out in ("0", "1")
+
+
+def test_a_forked_child_runs_the_batched_products(library):
+    """The tile permission is asked for again by a forked child (and its pool is its own): a batched step there
+    gives the parent's output to the bit."""
+    layer = Layer(np.random.default_rng(5), hidden=96, heads=4, kv_heads=2, head_dim=24, inter=160, batch=20,
+                  num_blocks=120)
+    arrays = layer.arrays(2)
+    assert invoke(library.DecoderLayer, arrays) == 0
+    parent = arrays[-1].copy()
+    pid = os.fork()
+    if pid == 0:                                                  # the child: 0 when its output is the parent's
+        again = Layer(np.random.default_rng(5), hidden=96, heads=4, kv_heads=2, head_dim=24, inter=160, batch=20,
+                      num_blocks=120).arrays(2)
+        code = invoke(library.DecoderLayer, again)
+        os._exit(code if code != 0 else 0 if np.array_equal(again[-1], parent) else 9)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child's kernel call did not return within 60 s")

@@ -30,7 +30,9 @@
 // dequantized tile of 4 rows (matvec); from kGemmRows rows on (big decode batches, verify rows, prefill steps of
 // hundreds of tokens) x is packed once per product and multiplied by groups of dequantized weight rows with a
 // register-blocked kernel (gemm_cpu.h), so that the weights are dequantized once per call and x is not re-read for
-// every few weight rows.
+// every few weight rows. Where the CPU has AMX (and Linux grants the tile state) the batched products run on its
+// tiles instead (gemm_amx.h: bfloat16 pieces of float32, float32's precision), from kAmxGemmRows rows;
+// LLM_SERVING_KERNEL_AMX=0 in the environment (read once per process) or KernelAmx(0) keeps the FMA kernel.
 //
 // DecoderLayer(x, positions, slots, block_tables, context_lens, tree_bits, cos, sin, lora, q_w, k_w, v_w, qkv_bias,
 //              o_w, gate_w, up_w, down_w, input_gain, post_gain, key_cache, value_cache, lora_qkv_a, lora_qkv_b,
@@ -81,6 +83,7 @@
 #include <mutex>
 #include <pthread.h>
 #include <thread>
+#include <unistd.h>
 #include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -88,6 +91,7 @@
 #endif
 
 #include "cpu_kernel_common.h"
+#include "gemm_amx.h"
 #include "gemm_cpu.h"
 #include "kernel_params.h"
 
@@ -738,6 +742,68 @@ struct Matrix {
     }
   }
 
+#if defined(LLM_SERVING_AMX)
+  // k blocks [b0, b1) of a row (b0, b1 multiples of 8 or b1 the row's last), split into their bfloat16 pieces
+  // (gemm_amx.h) straight from the decoders' registers: k block b's 32 values at out + (b - b0) * 3 tiles.
+  // Float32 rows (and F16/BF16 rows of k not a multiple of 32) read the floats; k past the row reads as zero.
+  void split_slice(const uint8_t* row, int64_t b0, int64_t b1, float* scratch, uint16_t* out) const {
+    namespace amx = llm_serving::amx;
+    switch (type) {
+      case kQ4_0: split_blocks<kQ4_0>(row, b0, b1, out); return;
+      case kQ4_1: split_blocks<kQ4_1>(row, b0, b1, out); return;
+      case kQ5_0: split_blocks<kQ5_0>(row, b0, b1, out); return;
+      case kQ5_1: split_blocks<kQ5_1>(row, b0, b1, out); return;
+      case kQ8_0: split_blocks<kQ8_0>(row, b0, b1, out); return;
+      case kQ4_K: split_super<kQ4_K>(row, b0, b1, out); return;
+      case kQ5_K: split_super<kQ5_K>(row, b0, b1, out); return;
+      case kQ6_K: split_super<kQ6_K>(row, b0, b1, out); return;
+      case kF16:
+        if (k % 32 == 0) { split_blocks<kF16>(row, b0, b1, out); return; }
+        break;
+      case kBF16:
+        if (k % 32 == 0) { split_blocks<kBF16>(row, b0, b1, out); return; }
+        break;
+      default: break;
+    }
+    const float* v = reinterpret_cast<const float*>(row);
+    if (type != kF32) {                                  // F16/BF16 of a ragged k: the whole row, then the slice
+      dequantize_row(row, scratch);
+      v = scratch;
+    }
+    for (int64_t b = b0; b < b1; ++b) amx::split32(v + 32 * b, k - 32 * b, out + (b - b0) * amx::kPieces * amx::kTile, amx::kTile);
+  }
+
+  template <int32_t T>
+  void split_blocks(const uint8_t* row, int64_t b0, int64_t b1, uint16_t* out) const {
+    namespace amx = llm_serving::amx;
+    row += b0 * block_bytes<T>();
+    for (int64_t b = b0; b < b1; ++b, row += block_bytes<T>(), out += amx::kPieces * amx::kTile) {
+      v16 lo, hi;
+      prefetch_ahead(row + kAheadRows * row_bytes);
+      decode_block<T>(row, &lo, &hi);
+      amx::split_regs((__m512)lo, (__m512)hi, out, amx::kTile);
+    }
+  }
+
+  template <int32_t T>
+  void split_super(const uint8_t* row, int64_t b0, int64_t b1, uint16_t* out) const {
+    namespace amx = llm_serving::amx;
+    constexpr int G = group_weights<T>();
+    for (int64_t e = b0 * 32; e < b1 * 32; e += 256) {
+      const uint8_t* p = row + e / 256 * super_bytes<T>();
+      SuperScales u;
+      for (int64_t at = 0; at < super_bytes<T>(); at += 64) prefetch_ahead(p + kAheadRows * row_bytes + at);
+      unpack_scales<T>(p, &u);
+      for (int g = 0; g < 256 / G; ++g) {
+        v16 w[G / 16];
+        decode_group<T>(p, u, g, w);
+        for (int v = 0; v < G / 16; v += 2, out += amx::kPieces * amx::kTile)
+          amx::split_regs((__m512)w[v], (__m512)w[v + 1], out, amx::kTile);
+      }
+    }
+  }
+#endif
+
   template <int32_t T>
   void dequantize_blocks(const uint8_t* row, float* dst) const {
     for (int64_t e = 0; e < k; e += 32, row += block_bytes<T>(), dst += 32) {
@@ -947,26 +1013,163 @@ void claim_rows(std::atomic<int64_t>& next, int64_t n, int threads, F&& fn, int6
 // cross (bench/layer_kernel_gemm.py, one thread, CPU time per layer, Q8_0 and F32): 8 rows 0.88x, 10 rows
 // 1.02-1.04x, 12 rows 1.08-1.11x, 16 rows 1.2x.
 constexpr int64_t kGemmRows = 10;
+// With AMX (gemm_amx.h) the batched path wins from about as many rows: every weight is split into three bfloat16
+// pieces whatever the rows (for few rows a depth slice at a time, in cache), which the tiles repay from ~10-12
+// rows (bench, Q8_0, 2 threads, AMX against matvec or the FMA kernel: 8 rows 0.84x, 12 1.10x, 16 1.32x, 24 1.56x,
+// 32 1.77x, 64 2.10x).
+constexpr int64_t kAmxGemmRows = 12;
+inline int64_t gemm_rows(bool amx) { return amx ? kAmxGemmRows : kGemmRows; }
+
+// Whether the batched products run on AMX tiles (gemm_amx.h): compiled for a CPU that has them, allowed
+// (LLM_SERVING_KERNEL_AMX=0 in the environment, read once, or KernelAmx(0) below turn it off: the float32 FMA
+// path of gemm_cpu.h, as on CPUs without AMX) and granted by Linux (the tile data permission, asked once per
+// process: a forked child asks again). Asked once per kernel call by the calling thread.
+std::atomic<int> amx_setting{-1};        // -1: not read yet; 0 off; 1 on
+std::atomic<pid_t> amx_asked_by{-1};     // the process that asked for the permission, and its answer
+std::atomic<bool> amx_granted{false};
+
+bool amx_enabled() {
+#if defined(LLM_SERVING_AMX)
+  if (amx_setting.load(std::memory_order_relaxed) < 0) {
+    const char* env = std::getenv("LLM_SERVING_KERNEL_AMX");
+    int expected = -1;
+    amx_setting.compare_exchange_strong(expected, env != nullptr && std::strcmp(env, "0") == 0 ? 0 : 1);
+  }
+  if (amx_setting.load(std::memory_order_relaxed) == 0) return false;
+  const pid_t pid = getpid();
+  if (amx_asked_by.load(std::memory_order_acquire) != pid) {
+    amx_granted.store(llm_serving::amx::request_permission(), std::memory_order_relaxed);
+    amx_asked_by.store(pid, std::memory_order_release);
+  }
+  return amx_granted.load(std::memory_order_relaxed);
+#else
+  return false;
+#endif
+}
 
 // Weight rows dequantized (and multiplied) together: the group's float rows (group x k) stay in L2 while every
-// panel of x passes, and x is streamed once per group; a wider row halves the group to keep it there.
-inline int64_t gemm_group(int64_t k) { return k <= 4096 ? 48 : 24; }
-inline int64_t gemm_c_floats(int64_t m) { return 48 * gemm::panels(m) * gemm::kPanel; }    // a thread's C
+// panel of x passes, and x is streamed once per group; a wider row halves the group to keep it there. AMX: 64
+// rows (four blocks of 16, two 2x2 kernels per pair of x blocks), its three bfloat16 pieces 6 bytes a weight; the
+// depth blocks (gemm_amx.h) keep what is read in L2 whatever k.
+constexpr int64_t kAmxGroup = 64;
+inline int64_t gemm_group(int64_t k, bool amx) { return amx ? kAmxGroup : k <= 4096 ? 48 : 24; }
 
-// Every thread packs the panels it claims from x (m rows of k, stride k) into the shared xp; a barrier must
-// follow before any thread reads xp.
-inline void pack_x(std::atomic<int64_t>& next, const float* x, int64_t m, int64_t k, float* xp) {
+// The batched buffers start on a cache line: an AMX tile row read across two lines (std::vector's 16-byte
+// alignment) halved TDPBF16PS's rate (2.2 -> 1.0-1.3 TFLOP/s on one core). Sized 16 floats more than asked.
+inline float* line_aligned(float* p) {
+  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(p) + 63) & ~static_cast<uintptr_t>(63));
+}
+inline float* sized_aligned(std::vector<float>& v, size_t n) { return line_aligned(Scratch::sized(v, n + 16)); }
+
+// Sizes in floats (multiples of 16, so that each thread's part stays on a cache line): the packed x (shared), a
+// thread's weight buffer, a thread's C
+inline int64_t gemm_x_floats(int64_t m, int64_t k, bool amx) {
+#if defined(LLM_SERVING_AMX)
+  if (amx) return llm_serving::amx::packed_floats(m, k);
+#endif
+  (void)amx;
+  return gemm::packed_floats(m, k);
+}
+inline int64_t gemm_w_floats(int64_t k, bool amx) {
+#if defined(LLM_SERVING_AMX)
+  if (amx) return 32 * llm_serving::amx::kblocks(k) + llm_serving::amx::group_floats(kAmxGroup, k);   // a row, the group
+#endif
+  (void)amx;
+  return 48 * k;
+}
+inline int64_t gemm_c_floats(int64_t m, bool amx) {
+#if defined(LLM_SERVING_AMX)
+  if (amx) return kAmxGroup * llm_serving::amx::c_stride(m);
+#endif
+  (void)amx;
+  return 48 * gemm::panels(m) * gemm::kPanel;
+}
+
+// Every thread packs the panels (AMX: blocks of 16 rows) it claims from x (m rows of k, stride k) into the
+// shared xp; a barrier must follow before any thread reads xp.
+inline void pack_x(std::atomic<int64_t>& next, const float* x, int64_t m, int64_t k, float* xp, bool amx) {
+#if defined(LLM_SERVING_AMX)
+  if (amx) {
+    for (int64_t b = next.fetch_add(1); b < llm_serving::amx::rows16(m) / 16; b = next.fetch_add(1))
+      llm_serving::amx::pack_block(x, k, m, k, b, xp);
+    return;
+  }
+#endif
+  (void)amx;
   for (int64_t p = next.fetch_add(1); p < gemm::panels(m); p = next.fetch_add(1)) gemm::pack_panel(x, k, m, k, p, xp);
 }
 
+#if defined(LLM_SERVING_AMX)
+// gemm_units on AMX: per group of 64 rows (parts x n), each row dequantized into a float row (L1) and split into
+// its bfloat16 halves in the group's A operand, rows past parts x n up to a multiple of 16 zeros; C (ldc =
+// c_stride(m)) in the layout `done` reads. The tiles are configured for this call only (amx::Tiles).
+template <typename Done>
+void gemm_units_amx(const Matrix* const* ws, int parts, int64_t u0, int64_t u1, const float* xp, int64_t m,
+                    float* wbuf, float* c, Done done) {
+  namespace amx = llm_serving::amx;
+  const int64_t k = ws[0]->k, per = kAmxGroup / parts, ldc = amx::c_stride(m);
+  float* row = wbuf;
+  float* wg = wbuf + 32 * amx::kblocks(k);
+  const amx::Tiles tiles;
+  if (amx::rows16(m) <= amx::kSliceRows) {              // few rows: the weights split a depth slice at a time
+    uint16_t* slice = reinterpret_cast<uint16_t*>(wg);
+    const int64_t kb = amx::kblocks(k);
+    for (int64_t u = u0; u < u1; u += per) {
+      const int64_t n = std::min(per, u1 - u), g = parts * n;
+      for (int64_t b0 = 0; b0 < kb; b0 += amx::kSliceBlocks) {
+        const int64_t b1 = std::min(kb, b0 + amx::kSliceBlocks), tiles_per_row = (b1 - b0) * amx::kPieces * amx::kTile;
+        for (int q = 0; q < parts; ++q) {
+          const Matrix& w = *ws[q];
+          for (int64_t i = 0; i < n; ++i) {
+            const int64_t at = q * n + i;                // the group's row: block at / 16, tile row at % 16
+            w.split_slice(w.data + (u + i) * w.row_bytes, b0, b1, row, slice + at / 16 * tiles_per_row + at % 16 * 32);
+          }
+        }
+        for (int64_t at = g; at < amx::rows16(g); ++at)
+          for (int64_t b = 0; b < b1 - b0; ++b)
+            for (int p = 0; p < amx::kPieces; ++p)
+              std::memset(slice + at / 16 * tiles_per_row + (b * amx::kPieces + p) * amx::kTile + at % 16 * 32, 0, 64);
+        amx::product_slice(slice, g, xp, m, k, b0, b1, c);
+      }
+      done(u, n, static_cast<const float*>(c), ldc);
+    }
+    return;
+  }
+  for (int64_t u = u0; u < u1; u += per) {
+    const int64_t n = std::min(per, u1 - u), g = parts * n;
+    for (int q = 0; q < parts; ++q) {
+      const Matrix& w = *ws[q];
+      for (int64_t i = 0; i < n; ++i) {
+        const float* src = reinterpret_cast<const float*>(w.data) + (u + i) * k;
+        if (w.type != kF32) {
+          w.dequantize_row(w.data + (u + i) * w.row_bytes, row);
+          src = row;
+        }
+        amx::convert_row(src, k, g, q * n + i, wg);
+      }
+    }
+    for (int64_t i = g; i < amx::rows16(g); ++i) amx::convert_row(nullptr, k, g, i, wg);
+    amx::product(wg, g, xp, m, k, c);
+    done(u, n, static_cast<const float*>(c), ldc);
+  }
+}
+#endif
+
 // Rows u of `parts` matrices ws[q] (q < parts, gate/up: 2, each in its own type, all of width k) for units u in
 // [u0, u1) times every row of the packed x (m rows): a group of units at a time, done(u, n, c, ldc) with C row
-// q * n + i = matrix q's row u + i and C[.][b] its product with x row b. wbuf: gemm_group(k) * k floats, c:
-// gemm_c_floats(m), both the calling thread's.
+// q * n + i = matrix q's row u + i and C[.][b] its product with x row b. wbuf: gemm_w_floats(k) floats, c:
+// gemm_c_floats(m), both the calling thread's. amx: x was packed for gemm_amx.h.
 template <typename Done>
 void gemm_units(const Matrix* const* ws, int parts, int64_t u0, int64_t u1, const float* xp, int64_t m, float* wbuf,
-                float* c, Done done) {
-  const int64_t k = ws[0]->k, per = gemm_group(k) / parts, ldc = gemm::panels(m) * gemm::kPanel;
+                float* c, bool amx, Done done) {
+#if defined(LLM_SERVING_AMX)
+  if (amx) {
+    gemm_units_amx(ws, parts, u0, u1, xp, m, wbuf, c, done);
+    return;
+  }
+#endif
+  (void)amx;
+  const int64_t k = ws[0]->k, per = gemm_group(k, false) / parts, ldc = gemm::panels(m) * gemm::kPanel;
   gemm::Segment segs[3];
   for (int64_t u = u0; u < u1; u += per) {
     const int64_t n = std::min(per, u1 - u);
@@ -986,16 +1189,16 @@ void gemm_units(const Matrix* const* ws, int parts, int64_t u0, int64_t u1, cons
 }
 
 // Rows [r0, r1) of w times every row of x (batch rows of w.k): emit(b, r, w[r] . x[b]). With xp (x packed,
-// batch >= kGemmRows) through gemm_units; otherwise matvec with tile.
+// batch >= gemm_rows(amx)) through gemm_units; otherwise matvec with tile.
 template <typename Emit>
 void product_rows(const Matrix& w, const float* x, const float* xp, int64_t batch, int64_t r0, int64_t r1, float* tile,
-                  float* wbuf, float* c, Emit emit) {
+                  float* wbuf, float* c, bool amx, Emit emit) {
   if (xp == nullptr) {
     matvec(w, x, batch, r0, r1, tile, emit);
     return;
   }
   const Matrix* ws[1] = {&w};
-  gemm_units(ws, 1, r0, r1, xp, batch, wbuf, c, [&](int64_t u, int64_t n, const float* cc, int64_t ldc) {
+  gemm_units(ws, 1, r0, r1, xp, batch, wbuf, c, amx, [&](int64_t u, int64_t n, const float* cc, int64_t ldc) {
     for (int64_t b = 0; b < batch; ++b)
       for (int64_t i = 0; i < n; ++i) emit(b, u + i, cc[i * ldc + b]);
   });
@@ -1145,6 +1348,17 @@ extern "C" int DequantizeRows(int32_t type, const uint8_t* data, int64_t rows, i
   return 0;
 }
 
+// Turns the AMX path of the batched products off (0) or back on (1; when the CPU and Linux allow it), or only
+// asks (-1): returns whether the next kernel call runs them on AMX. For tests and benchmarks, which compare the
+// two paths in one process (a server sets LLM_SERVING_KERNEL_AMX=0 instead, if ever).
+extern "C" int KernelAmx(int enable) {
+  if (enable >= 0) {
+    amx_enabled();                                   // the environment read first, then overridden
+    amx_setting.store(enable > 0 ? 1 : 0);
+  }
+  return amx_enabled() ? 1 : 0;
+}
+
 // Wall time spent in each kernel since the library was loaded, in nanoseconds: [DecoderLayer, FinalLogits]
 // (benchmarks read it through ctypes to split a step into kernel time and everything else).
 extern "C" {
@@ -1251,10 +1465,12 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
   const int64_t kmax = std::max(std::max(h, inter), nh * d);
   float* tiles = Scratch::sized(s.tiles, threads * 8 * kmax);        // per thread: gate's and up's tiles
   // batched products (gemm_cpu.h): x packed once per product (shared), each thread's dequantized group and C
-  const bool batched = rows >= kGemmRows;
-  float* xp = batched ? Scratch::sized(s.packed, gemm::packed_floats(rows, kmax)) : nullptr;
-  float* gemm_w = batched ? Scratch::sized(s.gemm_w, threads * 48 * kmax) : nullptr;
-  float* gemm_c = batched ? Scratch::sized(s.gemm_c, threads * gemm_c_floats(rows)) : nullptr;
+  // (gemm_amx.h on AMX)
+  const bool amx = amx_enabled();
+  const bool batched = rows >= gemm_rows(amx);
+  float* xp = batched ? sized_aligned(s.packed, gemm_x_floats(rows, kmax, amx)) : nullptr;
+  float* gemm_w = batched ? sized_aligned(s.gemm_w, threads * gemm_w_floats(kmax, amx)) : nullptr;
+  float* gemm_c = batched ? sized_aligned(s.gemm_c, threads * gemm_c_floats(rows, amx)) : nullptr;
   // the computed rows that have a LoRA adapter, sorted by slot; thread t takes a contiguous share of them, so
   // that each slot's matrices are read once per thread and product however many rows use it
   std::vector<int64_t> lora_rows;
@@ -1278,12 +1494,12 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
   p.run([&](int tid, int nthreads) {
     float* xn = normed + tid * rows * std::max(h, d);
     float* tile = tiles + tid * 8 * kmax;
-    float* wbuf = batched ? gemm_w + tid * 48 * kmax : nullptr;
-    float* cbuf = batched ? gemm_c + tid * gemm_c_floats(rows) : nullptr;
+    float* wbuf = batched ? gemm_w + tid * gemm_w_floats(kmax, amx) : nullptr;
+    float* cbuf = batched ? gemm_c + tid * gemm_c_floats(rows, amx) : nullptr;
     // batched: the product's x packed into xp by all threads (a barrier after), then read by every chunk
     auto packed = [&](int which, const float* in, int64_t k_in) -> const float* {
       if (!batched) return nullptr;
-      pack_x(next_pack[which], in, rows, k_in, xp);
+      pack_x(next_pack[which], in, rows, k_in, xp, amx);
       barrier.wait();
       return xp;
     };
@@ -1313,10 +1529,10 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
       const Matrix& w = *qkv_parts[part];
       const int64_t first = qkv_first[part];
       claim_rows(next_qkv[part], w.rows, nthreads, [&](int64_t r0, int64_t r1) {
-        product_rows(w, xn, xq, rows, r0, r1, tile, wbuf, cbuf, [&](int64_t b, int64_t r, float v) {
+        product_rows(w, xn, xq, rows, r0, r1, tile, wbuf, cbuf, amx, [&](int64_t b, int64_t r, float v) {
           qkv[b * nqkv + first + r] = v + qkv_b[first + r];
         });
-      }, batched ? gemm_group(h) : 4);
+      }, batched ? gemm_group(h, amx) : 4);
     }
     barrier.wait();
     if (adapted) {
@@ -1357,9 +1573,9 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
     project(lora_o, attn, nh * d);
     const float* xo = packed(1, attn, nh * d);
     claim_rows(next_o, h, nthreads, [&](int64_t r0, int64_t r1) {
-      product_rows(o_w, attn, xo, rows, r0, r1, tile, wbuf, cbuf,
+      product_rows(o_w, attn, xo, rows, r0, r1, tile, wbuf, cbuf, amx,
                    [&](int64_t b, int64_t r, float v) { out[b * h + r] = x[b * h + r] + v; });
-    }, batched ? gemm_group(nh * d) : 4);
+    }, batched ? gemm_group(nh * d, amx) : 4);
     barrier.wait();
     if (adapted) {
       add_rows(lora_o, out, h);
@@ -1379,7 +1595,7 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
       const float* xg = packed(2, xn, h);
       const Matrix* gate_up[2] = {&gate_w, &up_w};
       claim_rows(next_unit, inter, nthreads, [&](int64_t r0, int64_t r1) {
-        gemm_units(gate_up, 2, r0, r1, xg, rows, wbuf, cbuf,
+        gemm_units(gate_up, 2, r0, r1, xg, rows, wbuf, cbuf, amx,
                    [&](int64_t j, int64_t n, const float* c, int64_t ldc) {
           for (int64_t b = 0; b < rows; ++b) {
             const float* g = adapted && lora[b] > 0 && slots[b] >= 0 ? lora_gu + b * 2 * inter + j : nullptr;
@@ -1390,7 +1606,7 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
             }
           }
         });
-      }, gemm_group(h) / 2);
+      }, gemm_group(h, amx) / 2);
     } else {
       claim_rows(next_unit, inter, nthreads, [&](int64_t r0, int64_t r1) {
         for (int64_t j = r0; j < r1; j += 4) {
@@ -1434,9 +1650,9 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
     project(lora_down, act, inter);
     const float* xd = packed(3, act, inter);
     claim_rows(next_down, h, nthreads, [&](int64_t r0, int64_t r1) {
-      product_rows(down_w, act, xd, rows, r0, r1, tile, wbuf, cbuf,
+      product_rows(down_w, act, xd, rows, r0, r1, tile, wbuf, cbuf, amx,
                    [&](int64_t b, int64_t r, float v) { out[b * h + r] += v; });
-    }, batched ? gemm_group(inter) : 4);
+    }, batched ? gemm_group(inter, amx) : 4);
     if (adapted) {
       barrier.wait();
       add_rows(lora_down, out, h);
@@ -1481,26 +1697,27 @@ extern "C" int FinalLogits(int nparam, void** params, int* ndims, int64_t** shap
   // per chunk of the vocabulary and row: [max, its first index, sum of e^(logit - max)], merged in chunk order
   // after (whichever thread took a chunk, the result is the same to the bit)
   // batched (gemm_cpu.h): chunks of whole groups of rows, x packed once (shared) after every thread normalized it
-  const bool batched = live >= kGemmRows;
-  const int64_t align = batched ? gemm_group(h) : 4;
+  const bool amx = amx_enabled();
+  const bool batched = live >= gemm_rows(amx);
+  const int64_t align = batched ? gemm_group(h, amx) : 4;
   const int64_t chunk = chunk_rows(vocab, p.threads(), align), chunks = (vocab + chunk - 1) / chunk;
   float* partial = Scratch::sized(s.scores, chunks * live * 3);
   float* tiles = Scratch::sized(s.tiles, p.threads() * 4 * h);
-  float* xp = batched ? Scratch::sized(s.packed, gemm::packed_floats(live, h)) : nullptr;
-  float* gemm_w = batched ? Scratch::sized(s.gemm_w, p.threads() * 48 * h) : nullptr;
-  float* gemm_c = batched ? Scratch::sized(s.gemm_c, p.threads() * gemm_c_floats(live)) : nullptr;
+  float* xp = batched ? sized_aligned(s.packed, gemm_x_floats(live, h, amx)) : nullptr;
+  float* gemm_w = batched ? sized_aligned(s.gemm_w, p.threads() * gemm_w_floats(h, amx)) : nullptr;
+  float* gemm_c = batched ? sized_aligned(s.gemm_c, p.threads() * gemm_c_floats(live, amx)) : nullptr;
   Barrier barrier(p.threads());
   std::atomic<int64_t> next_vocab{0}, next_pack{0};
   p.run([&](int tid, int nthreads) {
     float* xn = normed + tid * live * h;
     rms_normalize(x, live, h, eps, gain, xn);
     if (batched) {
-      pack_x(next_pack, xn, live, h, xp);
+      pack_x(next_pack, xn, live, h, xp, amx);
       barrier.wait();
     }
     claim_rows(next_vocab, vocab, nthreads, [&](int64_t r0, int64_t r1) {
-      product_rows(w, xn, xp, live, r0, r1, tiles + tid * 4 * h, batched ? gemm_w + tid * 48 * h : nullptr,
-                   batched ? gemm_c + tid * gemm_c_floats(live) : nullptr,
+      product_rows(w, xn, xp, live, r0, r1, tiles + tid * 4 * h, batched ? gemm_w + tid * gemm_w_floats(h, amx) : nullptr,
+                   batched ? gemm_c + tid * gemm_c_floats(live, amx) : nullptr, amx,
                    [&](int64_t b, int64_t r, float v) { logits[b * vocab + r] = v; });
       for (int64_t b = 0; b < live; ++b) {          // the chunk's max, first index of it, and sum of exps
         const float* l = logits + b * vocab;
