@@ -1018,7 +1018,13 @@ constexpr int64_t kGemmRows = 10;
 // rows (bench, Q8_0, 2 threads, AMX against matvec or the FMA kernel: 8 rows 0.84x, 12 1.10x, 16 1.32x, 24 1.56x,
 // 32 1.77x, 64 2.10x).
 constexpr int64_t kAmxGemmRows = 12;
-inline int64_t gemm_rows(bool amx) { return amx ? kAmxGemmRows : kGemmRows; }
+// Float32 weights are read in place by matvec's tiles (nothing to dequantize), which keeps them ahead for more
+// rows: the bench model (float32, 512 wide) served 16 streams 20% slower through the batched path at 16 rows
+// than through the tiles, and 17% faster at 64 (bench/peers.py, A/B in one session).
+constexpr int64_t kFloatGemmRows = 32;
+inline int64_t gemm_rows(bool amx, bool float32) {
+  return float32 ? kFloatGemmRows : amx ? kAmxGemmRows : kGemmRows;
+}
 
 // Whether the batched products run on AMX tiles (gemm_amx.h): compiled for a CPU that has them, allowed
 // (LLM_SERVING_KERNEL_AMX=0 in the environment, read once, or KernelAmx(0) below turn it off: the float32 FMA
@@ -1189,7 +1195,7 @@ void gemm_units(const Matrix* const* ws, int parts, int64_t u0, int64_t u1, cons
 }
 
 // Rows [r0, r1) of w times every row of x (batch rows of w.k): emit(b, r, w[r] . x[b]). With xp (x packed,
-// batch >= gemm_rows(amx)) through gemm_units; otherwise matvec with tile.
+// batch >= gemm_rows(...)) through gemm_units; otherwise matvec with tile.
 template <typename Emit>
 void product_rows(const Matrix& w, const float* x, const float* xp, int64_t batch, int64_t r0, int64_t r1, float* tile,
                   float* wbuf, float* c, bool amx, Emit emit) {
@@ -1467,7 +1473,9 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
   // batched products (gemm_cpu.h): x packed once per product (shared), each thread's dequantized group and C
   // (gemm_amx.h on AMX)
   const bool amx = amx_enabled();
-  const bool batched = rows >= gemm_rows(amx);
+  const bool float32 = q_w.type == kF32 && k_w.type == kF32 && v_w.type == kF32 && o_w.type == kF32 &&
+                       gate_w.type == kF32 && up_w.type == kF32 && down_w.type == kF32;
+  const bool batched = rows >= gemm_rows(amx, float32);
   float* xp = batched ? sized_aligned(s.packed, gemm_x_floats(rows, kmax, amx)) : nullptr;
   float* gemm_w = batched ? sized_aligned(s.gemm_w, threads * gemm_w_floats(kmax, amx)) : nullptr;
   float* gemm_c = batched ? sized_aligned(s.gemm_c, threads * gemm_c_floats(rows, amx)) : nullptr;
@@ -1698,7 +1706,7 @@ extern "C" int FinalLogits(int nparam, void** params, int* ndims, int64_t** shap
   // after (whichever thread took a chunk, the result is the same to the bit)
   // batched (gemm_cpu.h): chunks of whole groups of rows, x packed once (shared) after every thread normalized it
   const bool amx = amx_enabled();
-  const bool batched = live >= gemm_rows(amx);
+  const bool batched = live >= gemm_rows(amx, w.type == kF32);
   const int64_t align = batched ? gemm_group(h, amx) : 4;
   const int64_t chunk = chunk_rows(vocab, p.threads(), align), chunks = (vocab + chunk - 1) / chunk;
   float* partial = Scratch::sized(s.scores, chunks * live * 3);
