@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The whole-layer CPU kernel's batched products, before and after, in one run: DecoderLayer on a
 Llama-3.2-1B-shaped layer (hidden 2048, 32 heads x 64, 8 KV heads, FFN 8192) and FinalLogits (vocab 49152 x
-2048), called through ctypes as MindSpore calls them (tests/unit/test_layer_kernel.py's invoke), with the weights
+2048), called through ctypes as MindSpore calls them (kernels/aot_call.py's invoke), with the weights
 float32 or GGUF-quantized (gguf.quants.quantize), at decode batches of 1..256 rows (each row its own sequence,
 ~64 keys of context) and one 512-token prefill (positions 0..511 of one sequence, causal context).
 
@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import machine, table, write_json  # noqa: E402
 from llm_serving.models.kernels import FLAGS, _compiler, build_kernel  # noqa: E402
+from llm_serving.models.kernels.aot_call import invoke  # noqa: E402
 from llm_serving.models.kernels.signatures import DECODER_LAYER, FINAL_LOGITS  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,17 +57,6 @@ def build_baseline(ref: str, out_dir: Path) -> Path:
     target = out_dir / "decoder_layer_cpu_baseline.so"
     subprocess.run([_compiler(), *FLAGS, "-o", str(target), str(out_dir / "decoder_layer_cpu.cc")], check=True)
     return target
-
-
-def invoke(func, arrays) -> int:
-    n = len(arrays)
-    params = (ctypes.c_void_p * n)(*[a.ctypes.data for a in arrays])
-    ndims = (ctypes.c_int * n)(*[a.ndim for a in arrays])
-    shape_arrays = [(ctypes.c_int64 * max(a.ndim, 1))(*a.shape) for a in arrays]
-    shapes = (ctypes.POINTER(ctypes.c_int64) * n)(*[ctypes.cast(s, ctypes.POINTER(ctypes.c_int64))
-                                                    for s in shape_arrays])
-    dtypes = (ctypes.c_char_p * n)(*[str(a.dtype).encode() for a in arrays])
-    return func(ctypes.c_int(n), params, ndims, shapes, dtypes, None, None)
 
 
 def as_kernel_weight(w: np.ndarray, kind: str) -> np.ndarray:

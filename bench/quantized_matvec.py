@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import machine, table, write_json  # noqa: E402
 from llm_serving.models.kernels import build_kernel  # noqa: E402
+from llm_serving.models.kernels.aot_call import aot_args  # noqa: E402
 from llm_serving.models.kernels.signatures import DECODER_LAYER  # noqa: E402
 
 # GGML type: (code, bytes per block, weights per block, offsets of the f16 scale fields in a block)
@@ -104,18 +105,6 @@ class Step:
             self.out]
 
 
-def packed(arrays: list):
-    """The ctypes arguments of one kernel call (kept alive together)."""
-    n = len(arrays)
-    params = (ctypes.c_void_p * n)(*[a.ctypes.data for a in arrays])
-    ndims = (ctypes.c_int * n)(*[a.ndim for a in arrays])
-    shape_arrays = [(ctypes.c_int64 * max(a.ndim, 1))(*a.shape) for a in arrays]
-    shapes = (ctypes.POINTER(ctypes.c_int64) * n)(*[ctypes.cast(s, ctypes.POINTER(ctypes.c_int64))
-                                                    for s in shape_arrays])
-    dtypes = (ctypes.c_char_p * n)(*[str(a.dtype).encode() for a in arrays])
-    return (ctypes.c_int(n), params, ndims, shapes, dtypes, None, None), (arrays, shape_arrays)
-
-
 def time_type(lib, step: Step, name: str, threads: int, iters: int, stream_bytes: float) -> dict:
     rng = np.random.default_rng(1)
     code = TYPES[name][0]
@@ -123,7 +112,7 @@ def time_type(lib, step: Step, name: str, threads: int, iters: int, stream_bytes
     layer_bytes = sum(w.nbytes for w in one.values())
     copies = max(2, int(np.ceil(stream_bytes / layer_bytes)))
     layers = [one] + [{n: w.copy() for n, w in one.items()} for _ in range(copies - 1)]
-    calls = [packed(step.arrays(w, code, threads)) for w in layers]
+    calls = [aot_args(step.arrays(w, code, threads)) for w in layers]
     for args, _ in calls[:2]:                                     # warm up: the pool, the code
         assert lib.DecoderLayer(*args) == 0, name
     times, cpu = [], []

@@ -12,7 +12,7 @@ import pytest
 from llm_serving.models.kernels import build_kernel
 from llm_serving.models.kernels.signatures import EMBED_TOKENS, check_library
 
-from .test_layer_kernel import invoke
+from llm_serving.models.kernels.aot_call import invoke
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType

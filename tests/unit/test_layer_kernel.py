@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from llm_serving.models.kernels import build_kernel
+from llm_serving.models.kernels.aot_call import invoke
 from llm_serving.models.kernels.signatures import DECODER_LAYER, FINAL_LOGITS, check_library
 
 from .test_cpu_kernels import reference as attention_reference
@@ -47,17 +48,6 @@ FUSED = {"qkv_w": ("q_w", "k_w", "v_w"), "o_w": ("o_w",), "gate_up_w": ("gate_w"
 def iconfig_types(o=0, rest=0):
     """iconfig[4:] with the o_proj's type `o` and every other part's `rest`."""
     return [o if n == "o_w" else rest for n in PARTS]
-
-
-def invoke(func, arrays) -> int:
-    n = len(arrays)
-    params = (ctypes.c_void_p * n)(*[a.ctypes.data for a in arrays])
-    ndims = (ctypes.c_int * n)(*[a.ndim for a in arrays])
-    shape_arrays = [(ctypes.c_int64 * max(a.ndim, 1))(*a.shape) for a in arrays]
-    shapes = (ctypes.POINTER(ctypes.c_int64) * n)(*[ctypes.cast(s, ctypes.POINTER(ctypes.c_int64))
-                                                    for s in shape_arrays])
-    dtypes = (ctypes.c_char_p * n)(*[str(a.dtype).encode() for a in arrays])
-    return func(ctypes.c_int(n), params, ndims, shapes, dtypes, None, None)
 
 
 def logits_args(x, lm_head, gain, slots, cfg, *outputs) -> list:
