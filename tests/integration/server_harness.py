@@ -30,6 +30,7 @@ def precision_gate(url, tmp_path, *extra, cli=True):
                           capture_output=True, text=True, timeout=600, cwd=REPO)
     return proc, (json.loads(out.read_text()) if out.exists() else None)
 
+
 def project_shm_segments() -> list:
     """This test process's segments (named with its LLM_SERVING_SHM_TAG, see tests/conftest.py)."""
     prefix = segment_prefix()

