@@ -51,31 +51,40 @@ class LoraStack:
     Under tensor parallelism (`tp`) a rank holds what matches its part of the base weight: B's rows of its heads
     or MLP units for the column-parallel q/k/v and gate/up (A whole: their input is whole on every rank), A's
     columns of its part of the input for the row-parallel o and down (B whole: the ranks' partial deltas are
-    summed by the all-reduce that sums their products)."""
+    summed by the all-reduce that sums their products).
+    `ops`: whether MindSpore's ops run the layer at all (not when the layer kernel runs every step): without them
+    the ops' form is not kept (ops_a, ops_b, col_slot None)."""
 
     def __init__(self, slots: int, rank: int, parts: list, k: int, gain: Optional[np.ndarray], kernel_folded: bool,
-                 tp: TensorParallel = TensorParallel(), row_parallel: bool = False):
+                 tp: TensorParallel = TensorParallel(), row_parallel: bool = False, ops: bool = True):
         self.slots, self.rank, self.parts, self.k = slots, rank, parts, k       # parts: [(out rows of part p)]
         self.gain, self.kernel_folded = gain, kernel_folded
         self.tp, self.row_parallel = tp, row_parallel
         n, width = sum(parts), len(parts) * rank
         self.kernel_a = np.zeros((slots, width, k), np.float32)
         self.kernel_b = np.zeros((slots, rank, n), np.float32)
-        self.ops_a = np.zeros((slots * width, k), np.float32)
-        self.ops_b = np.zeros((n, slots * width), np.float32)
-        self.col_slot = np.repeat(np.arange(slots, dtype=np.int32), width)   # (S*P*R,) the slot of each column
+        self.ops_a = np.zeros((slots * width, k), np.float32) if ops else None
+        self.ops_b = np.zeros((n, slots * width), np.float32) if ops else None
+        self.col_slot = np.repeat(np.arange(slots, dtype=np.int32), width) if ops else None  # (S*P*R,) column's slot
+
+    def _forms(self, slot: int) -> list:
+        """The arrays of slot `slot` in every form kept."""
+        width = len(self.parts) * self.rank
+        views = [self.kernel_a[slot], self.kernel_b[slot]]
+        if self.ops_a is not None:
+            views += [self.ops_a[slot * width:(slot + 1) * width], self.ops_b[:, slot * width:(slot + 1) * width]]
+        return views
 
     @property
     def slot_nbytes(self) -> int:
-        """Bytes one slot takes in both forms."""
-        return (self.kernel_a.nbytes + self.kernel_b.nbytes + self.ops_a.nbytes + self.ops_b.nbytes) // self.slots
+        """Bytes one slot takes in the forms kept."""
+        return sum(v.nbytes for v in self._forms(0))
 
     def write(self, slot: int, deltas: list, names: list) -> None:
         """Slot `slot` holds these per-part deltas (LoraDelta or None for a part the adapter leaves alone) of the
         base weights `names` (HF names, whole: this rank's part is cut here)."""
         r, width = self.rank, len(self.parts) * self.rank
-        for arr in (self.kernel_a[slot], self.kernel_b[slot], self.ops_a[slot * width:(slot + 1) * width],
-                    self.ops_b[:, slot * width:(slot + 1) * width]):
+        for arr in self._forms(slot):
             arr[...] = 0
         row = 0
         for p, (rows, d, name) in enumerate(zip(self.parts, deltas, names)):
@@ -90,8 +99,9 @@ class LoraStack:
                 b = b * np.float32(d.scale)
                 self.kernel_a[slot, p * r:p * r + d.rank] = a if self.kernel_folded else raw_a
                 self.kernel_b[slot, :d.rank, row:row + rows] = b.T
-                self.ops_a[slot * width + p * r:slot * width + p * r + d.rank] = a
-                self.ops_b[row:row + rows, slot * width + p * r:slot * width + p * r + d.rank] = b
+                if self.ops_a is not None:
+                    self.ops_a[slot * width + p * r:slot * width + p * r + d.rank] = a
+                    self.ops_b[row:row + rows, slot * width + p * r:slot * width + p * r + d.rank] = b
             row += rows
 
 
@@ -149,7 +159,7 @@ def _fused(w: dict, prefix: str, parts, suffix: str = "weight") -> np.ndarray:
 
 def prepare_layer(cfg: LlamaConfig, w: dict, i: int, *, tp: TensorParallel = TensorParallel(),
                   kernel: Optional[LayerKernelConfig] = None, quantized: Optional[dict] = None,
-                  lora_slots: int = 0, lora_rank: int = 0) -> LayerWeights:
+                  lora_slots: int = 0, lora_rank: int = 0, ops_graphs: bool = True) -> LayerWeights:
     """Layer i's weights from the checkpoint's tensors `w` (HF names, float32; this rank's part of each split
     one), for the layer kernel too when `kernel` is given (reading `quantized`'s stored matrices, weights.
     load_quantized's, where it has them), with `lora_slots` adapter slots of rank `lora_rank` (all empty)."""
@@ -184,7 +194,8 @@ def prepare_layer(cfg: LlamaConfig, w: dict, i: int, *, tp: TensorParallel = Ten
         shapes = {"qkv": ([nh * d, kvh * d, kvh * d], h), "o": ([h], nh * d), "gate_up": ([inter, inter], h),
                   "down": ([h], inter)}
         layer.lora_stacks = {key: LoraStack(lora_slots + 1, lora_rank, parts, k, gain.get(key),
-                                            kernel_folded=key not in stored, tp=tp, row_parallel=key in ("o", "down"))
+                                            kernel_folded=key not in stored, tp=tp, row_parallel=key in ("o", "down"),
+                                            ops=ops_graphs)
                              for key, (parts, k) in shapes.items()}
     if kernel is not None:
         layer.kernel = _kernel_inputs(layer, w, p, stored, gain, nh, kvh, d, inter, h, kernel, cfg.rms_norm_eps)

@@ -13,15 +13,16 @@ overhead, ~10-15 us each), the weights' done in numpy by layer_weights.py (this 
   cos/sin of shape (T, NH+2KVH, D) are built once (v heads get cos=1, sin=0, and the attention
   scale 1/sqrt(D) is folded into the q heads), then per layer rope = qkv*cos + swap_halves(qkv)*sin.
 
-On one CPU agent, a graph of S=1 and at most `layer_kernel_rows` tokens (decode, packed prefill pieces, verify
-steps) runs each layer as one C++ kernel on these same weights (kernels/decoder_layer_cpu.cc: it applies RoPE
+On one CPU agent, every graph of S=1 (decode, packed prefill pieces, verify steps; or, with `layer_kernel_rows`
+set, those of at most that many tokens) runs each layer as one C++ kernel on these same weights (kernels/decoder_layer_cpu.cc: it applies RoPE
 from the raw tables and writes the same paged cache), and the final norm, lm_head and greedy pick as another;
 the choice is made from the graph's static shape when it is compiled; the kernels' inputs are passed by name
 (kernels/signatures.py). Where the checkpoint stores a matrix
 block-quantized (a GGUF's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, K-quants Q4_K/Q5_K/Q6_K, F16/BF16: `quantized`, from
 weights.load_quantized), the kernels read those
-stored rows instead of the float32 copy (a decode step of few rows streams every weight once, so its bytes are
-its time); their norm gains are applied to the activations instead of folded in.
+stored rows (a decode step of few rows streams every weight once, so its bytes are its time; with the kernel on
+every step no float32 copy exists at all, and the embedding is gathered from its stored rows by EmbedTokens);
+their norm gains are applied to the activations instead of folded in.
 """
 from __future__ import annotations
 
@@ -97,7 +98,7 @@ class LlamaDecoderLayer(nn.Cell):
         self.eps = cfg.rms_norm_eps
         kernel = LayerKernelConfig(block_size, kernel_threads) if layer_kernel is not None else None
         prepared = prepare_layer(cfg, w, i, tp=tp, kernel=kernel, quantized=quantized, lora_slots=lora_slots,
-                                 lora_rank=lora_rank)
+                                 lora_rank=lora_rank, ops_graphs=ops_graphs)
         # the float32 products of MindSpore's ops (construct), only where some step runs them (ops_graphs: no layer
         # kernel, or one that serves only steps of up to layer_kernel_rows tokens); with the kernel on every step
         # construct is never compiled and they are None
@@ -111,7 +112,8 @@ class LlamaDecoderLayer(nn.Cell):
         # LoRA adapters (lora_slots > 0): S = lora_slots + 1 slots of rank lora_rank per product
         self.lora_stacks = prepared.lora_stacks
         self.has_lora = lora_slots > 0
-        if self.has_lora:
+        self.ops_lora = self.has_lora and ops_graphs          # MindSpore's ops' form of the adapters, where they run
+        if self.ops_lora:
             self.lora_ops_a = ms.ParameterTuple([_lora_param(st.ops_a, f"layers.{i}.lora_ops_a_{key}")
                                                  for key, st in self.lora_stacks.items()])      # (S*P*R, K) each
             self.lora_ops_b = ms.ParameterTuple([_lora_param(st.ops_b, f"layers.{i}.lora_ops_b_{key}")
@@ -168,8 +170,10 @@ class LlamaDecoderLayer(nn.Cell):
         if not self.has_lora:
             return
         stacks = list(self.lora_stacks.values())
-        pairs = [(p, a) for p, a in zip(self.lora_ops_a, (st.ops_a for st in stacks))]
-        pairs += [(p, b) for p, b in zip(self.lora_ops_b, (st.ops_b for st in stacks))]
+        pairs = []
+        if self.ops_lora:
+            pairs += [(p, a) for p, a in zip(self.lora_ops_a, (st.ops_a for st in stacks))]
+            pairs += [(p, b) for p, b in zip(self.lora_ops_b, (st.ops_b for st in stacks))]
         if self.layer_kernel is not None:
             pairs += [(getattr(self, f"kernel_{name}"), array)
                       for name, array in kernel_lora_arrays(self.lora_stacks).items()]

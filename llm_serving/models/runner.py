@@ -12,9 +12,9 @@ per batch size (two variants: with and without top-k/top-p), run on those logits
 temperature > 0; top log-probabilities and penalties, each one per batch size, when some row asks. With
 the CPU paged-attention kernel, prefill steps are *packed* (buckets.py): the step's real tokens side by
 side, each attending through its own row's block table like a decode row, max(prefill_batch_sizes) rows
-sampled. Without the kernel (no compiler, or Ascend) prefill runs per (batch, seq) bucket. On one CPU agent,
-model graphs of up to `layer_kernel_rows` tokens run each decoder layer as one C++ kernel
-(kernels/decoder_layer_cpu.cc; see llama.py). Figures for all of these are in docs/BENCHMARKS.md.
+sampled. Without the kernel (no compiler, or Ascend) prefill runs per (batch, seq) bucket. On one CPU agent
+every model graph (or, with layer_kernel_rows set, those of up to that many tokens) runs each decoder layer as
+one C++ kernel on the weights as the checkpoint stores them (kernels/decoder_layer_cpu.cc; see llama.py). Figures for all of these are in docs/BENCHMARKS.md.
 """
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ from .parallel import TensorParallel, TensorParallelError, all_reduce_kernel, ma
 from .runner_spec import KERNEL_ONLY_ROWS, RunnerSpec
 from .step_inputs import StepInputs, StepLimits
 from .weights import LlamaConfig, load_llama_weights, load_quantized
+from .weights.gguf import KEPT_QUANTIZED
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +49,7 @@ def _pad(arr: np.ndarray, size: int, fill) -> np.ndarray:
     return out
 
 
-_GGML_TYPE_NAMES = {1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K",
-                    14: "Q6_K", 30: "BF16"}
+_GGML_TYPE_NAMES = {code: name for name, code in KEPT_QUANTIZED.items()}
 
 
 def _describe_quantized(quantized: dict, float32_copy: bool) -> Optional[str]:
@@ -180,8 +180,8 @@ class ModelRunner:
     @staticmethod
     def _build_layer_kernel(device_target: str, layer_kernel: str, tp: TensorParallel,
                             decode_kernel: Optional[str]) -> Optional[str]:
-        """The library of the whole-layer CPU kernel (kernels/decoder_layer_cpu.cc) that serves decode-shaped
-        steps of up to layer_kernel_rows tokens, or None: 'off', not a CPU, tensor parallel (its all-reduces sit
+        """The library of the whole-layer CPU kernel (kernels/decoder_layer_cpu.cc) that serves every step (or
+        those of up to layer_kernel_rows tokens), or None: 'off', not a CPU, tensor parallel (its all-reduces sit
         inside the layer), no paged-attention kernel (the padded path), or it does not build ('auto')."""
         if layer_kernel == "off" or device_target != "CPU" or tp.world > 1 or decode_kernel is None:
             if layer_kernel == "on":
@@ -214,8 +214,7 @@ class ModelRunner:
                                       decode_kernel=self.decode_kernel,
                                       kernel_threads=num_threads or len(os.sched_getaffinity(0)),
                                       tp=self.tp, all_reduce=self.all_reduce, layer_kernel=self.layer_kernel,
-                                      layer_kernel_rows=None if self.kernel_serves_all else self.layer_kernel_rows,
-                                      quantized=quantized,
+                                      layer_kernel_rows=self.spec.layer_kernel_rows, quantized=quantized,
                                       lora_slots=self.lora_slots, lora_rank=self.lora_rank)
         self.decode_run = DecodeRun(self.model, self.decode_run_steps) if self.decode_run_steps > 1 else None
         self.sampler = Sampler(cfg.vocab_size, filters=True)          # some sampling row uses top-k/top-p

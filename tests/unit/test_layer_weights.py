@@ -178,6 +178,22 @@ def test_the_two_lora_layouts_give_the_same_delta(kernel_folded):
     assert not ops_delta(stack, x, [1] * 6).any() and not kernel_delta(stack, x, [1] * 6).any()
 
 
+def test_without_mindspore_ops_a_stack_keeps_only_the_kernel_layout():
+    """When the layer kernel runs every step, MindSpore's ops never run the layer: the stack keeps no ops' arrays,
+    its slot costs only the kernel's layout, and the kernel's arrays are those of a stack that keeps both."""
+    rng = np.random.default_rng(4)
+    h, parts, gain = 16, [16, 8, 8], (1 + 0.5 * rng.standard_normal(16)).astype(np.float32)
+    both = LoraStack(slots=2, rank=4, parts=parts, k=h, gain=gain, kernel_folded=True)
+    kernel_only = LoraStack(slots=2, rank=4, parts=parts, k=h, gain=gain, kernel_folded=True, ops=False)
+    assert kernel_only.ops_a is None and kernel_only.ops_b is None and kernel_only.col_slot is None
+    assert kernel_only.slot_nbytes == (both.kernel_a.nbytes + both.kernel_b.nbytes) // 2 < both.slot_nbytes
+    ds = [random_delta(rng, 16, h, 4), None, random_delta(rng, 8, h, 2)]
+    for stack in (both, kernel_only):
+        stack.write(1, ds, qkv_names())
+    np.testing.assert_array_equal(kernel_only.kernel_a, both.kernel_a)
+    np.testing.assert_array_equal(kernel_only.kernel_b, both.kernel_b)
+
+
 def test_prepare_layer_stacks_lora_as_the_kernel_reads_the_base():
     """The stacks fold the gain into the kernel's A only where the kernel reads a float32 (folded) base."""
     rng = np.random.default_rng(4)
