@@ -42,7 +42,7 @@ from llm_serving.models.kernels.signatures import DECODER_LAYER, FINAL_LOGITS  #
 REPO = Path(__file__).resolve().parents[1]
 KERNELS = "llm_serving/models/kernels"
 H, NH, KVH, D, INTER, BS = 2048, 32, 8, 64, 8192, 16
-TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 8}
+TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 8, "q4_k": 12, "q5_k": 13, "q6_k": 14}
 
 
 def build_baseline(ref: str, out_dir: Path) -> Path:
@@ -62,10 +62,19 @@ def build_baseline(ref: str, out_dir: Path) -> Path:
 def as_kernel_weight(w: np.ndarray, kind: str) -> np.ndarray:
     if kind == "f32":
         return w
-    from gguf import GGMLQuantizationType
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import quantize
 
-    return quantize(w, GGMLQuantizationType[kind.upper()]).view(np.uint8)
+    qtype = GGMLQuantizationType[kind.upper()]
+    if kind.endswith("_k"):             # gguf cannot quantize the K-quants: random super-blocks, f16 scales 1e-4
+        block, size = GGML_QUANT_SIZES[qtype]
+        rng = np.random.default_rng(int(qtype))
+        blocks = rng.integers(0, 256, (w.size // block, size), dtype=np.uint8)
+        scale = np.full((len(blocks), 1), 2.5e-5 if kind == "q6_k" else 1e-4, np.float16).view(np.uint8)
+        for at in ((size - 2,) if kind == "q6_k" else (0, 2)):
+            blocks[:, at:at + 2] = scale
+        return blocks.reshape(w.shape[0], -1)
+    return quantize(w, qtype).view(np.uint8)
 
 
 def layer_weights(rng) -> dict:

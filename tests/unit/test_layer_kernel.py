@@ -93,6 +93,51 @@ def assert_child_exits_0(pid: int, seconds: float) -> None:
     pytest.fail(f"the forked child's kernel call did not return within {seconds:g} s")
 
 
+# The batched products' integer path (gemm_amx_int.h): from this many computed rows, where the library runs it
+# (AMX with int8 tiles, KernelInt on), a product whose parts all have integer codes takes its input rounded to 16
+# bits per block of 32 of each row (256 when every part is a K-quant); the references round the same way.
+INT_ROWS = 12
+INTEGER_CODES = {2, 3, 6, 7, 8, 12, 13, 14}
+K_QUANT_CODES = {12, 13, 14}
+
+
+def integer_path(library, rows: int, codes) -> int:
+    """The block the kernel rounds a product's input by (0: it does not): `rows` computed rows, parts' types."""
+    library.KernelInt.argtypes = [ctypes.c_int]
+    if rows < INT_ROWS or library.KernelInt(-1) != 1 or not set(codes) <= INTEGER_CODES:
+        return 0
+    return 256 if set(codes) <= K_QUANT_CODES else 32
+
+
+def rounded(x, block: int):
+    """x (rows, k) as the integer path sees it: each row's blocks of `block` (float32) scaled to +-32512 and
+    rounded to integers (0: x unchanged), in float64."""
+    if not block:
+        return x
+    x32 = np.asarray(x, np.float32).reshape(len(x), -1, block)
+    amax = np.abs(x32).max(-1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(32512) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    n = np.rint((x32 * inv).astype(np.float32))
+    return (n.astype(np.float64) * (amax / np.float32(32512)).astype(np.float32)).reshape(np.shape(x))
+
+
+def assert_layer_close(layer, got, want):
+    """got within 1e-4 of the float64 want; where the reference rounded a product's input (layer.rounded), within
+    1e-4 of the largest output: the kernel's float32 inputs can round a value to the other side of a boundary (an
+    error of the block's scale times the weights, carried through the layer: measured up to 6e-5 of the largest
+    output; a wrong scale, block or piece is off by orders of magnitude more)."""
+    atol = 1e-4 + (1e-4 * np.abs(want).max() if layer.rounded else 0)
+    bad = np.abs(got - want) > atol + 1e-4 * np.abs(want)
+    assert not bad.any(), (f"{bad.sum()} of {bad.size} outputs differ; largest error "
+                           f"{np.abs(got - want).max():.3g}, largest output {np.abs(want).max():.3g}")
+
+
+def assert_cache_close(layer, got, want):
+    """The K/V cache after the step within 1e-5 of the reference's (where the reference rounded q/k/v's input,
+    within 1e-4 of its largest value, as assert_layer_close)."""
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 + (1e-4 * np.abs(want).max() if layer.rounded else 0))
+
+
 def rms(x):
     x = x.astype(np.float64)
     return x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-5)
@@ -131,6 +176,7 @@ class Layer:
         self.slots = (self.tables[np.arange(batch), self.positions // block_size] * block_size
                       + self.positions % block_size).astype(np.int32)
         self.tree = np.full(batch, -1, np.int32)
+        self.rounded = False             # whether reference() rounded a product's input as the integer path does
         p = 64
         angles = np.arange(p)[:, None] / 10000.0 ** (np.arange(0, head_dim, 2) / head_dim)[None, :]
         self.cos = np.concatenate([np.cos(angles)] * 2, -1).astype(np.float32)
@@ -200,12 +246,20 @@ class Layer:
             post_gain=self.post_gain, key_cache=self.key_cache, value_cache=self.value_cache, lora=self.lora,
             iconfig=icfg, fconfig=np.array([1e-5], np.float32), **lora), out]
 
-    def reference(self):
-        """(output, key cache, value cache) in float64, from the caches as they are now."""
+    def reference(self, library):
+        """(output, key cache, value cache) in float64, from the caches as they are now; each product's input
+        rounded as `library` rounds it (integer_path)."""
         b, nh, kvh, d = self.b, self.nh, self.kvh, self.d
+        computed = b
+        while computed > 0 and self.slots[computed - 1] < 0:
+            computed -= 1
+        paths = {parts: integer_path(library, computed, [self.kernel_weights[n][1] for n in parts])
+                 for parts in (("q_w", "k_w", "v_w"), ("o_w",), ("gate_w", "up_w"), ("down_w",))}
+        path = lambda *parts: paths[parts]                                       # noqa: E731
+        self.rounded = any(paths.values())
         xn = rms(self.x) * self.in_gain
         nq, nk = nh * d, (nh + kvh) * d
-        qkv = xn @ self.qkv_w.T.astype(np.float64) + self.qkv_b
+        qkv = rounded(xn, path("q_w", "k_w", "v_w")) @ self.qkv_w.T.astype(np.float64) + self.qkv_b
         qkv = (qkv + self._lora_delta("qkv", xn, ((0, nq), (nq, nk), (nk, nk + kvh * d)))).reshape(b, nh + 2 * kvh, d)
         swapped = np.concatenate([qkv[..., d // 2:], qkv[..., :d // 2]], -1)
         roped = qkv * self.cos[self.positions][:, None] + swapped * self.sin[self.positions][:, None]
@@ -216,12 +270,12 @@ class Layer:
         values.reshape(-1, kvh, d)[self.slots] = v
         attn = attention_reference(q.reshape(b, kvh, nh // kvh, d), keys, values, self.tables, self.context,
                                    self.bs).reshape(b, -1)
-        x1 = self.x + attn @ self.o_w.T + self._lora_delta("o", attn, ((0, self.h),))
+        x1 = self.x + rounded(attn, path("o_w")) @ self.o_w.T + self._lora_delta("o", attn, ((0, self.h),))
         xn1 = rms(x1) * self.post_gain
-        gate_up = xn1 @ self.gate_up_w.T + self._lora_delta("gate_up", xn1, ((0, self.i), (self.i, 2 * self.i)))
+        gate_up = rounded(xn1, path("gate_w", "up_w")) @ self.gate_up_w.T + self._lora_delta("gate_up", xn1, ((0, self.i), (self.i, 2 * self.i)))
         gate, up = gate_up[:, :self.i], gate_up[:, self.i:]
         act = gate / (1 + np.exp(-gate)) * up
-        return x1 + act @ self.down_w.T + self._lora_delta("down", act, ((0, self.h),)), keys, values
+        return x1 + rounded(act, path("down_w")) @ self.down_w.T + self._lora_delta("down", act, ((0, self.h),)), keys, values
 
 
 # hidden sizes and MLP widths that are not multiples of the 16-float vectors, batches not multiples of the
@@ -237,13 +291,13 @@ def test_layer_matches_numpy(library, hidden, heads, kv_heads, head_dim, inter, 
     rng = np.random.default_rng(hidden + batch + threads)
     layer = Layer(rng, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, inter=inter, batch=batch,
                   bias=bias)
-    want, keys, values = layer.reference()
+    want, keys, values = layer.reference(library)
     arrays = layer.arrays(threads)
     assert invoke(library.DecoderLayer, arrays) == 0
-    np.testing.assert_allclose(arrays[-1], want, rtol=1e-4, atol=1e-4)
+    assert_layer_close(layer, arrays[-1], want)
     # the step's K/V are in the cache at their slots, and no other slot changed
-    np.testing.assert_allclose(layer.key_cache, keys, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(layer.value_cache, values, rtol=1e-5, atol=1e-5)
+    assert_cache_close(layer, layer.key_cache, keys)
+    assert_cache_close(layer, layer.value_cache, values)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -252,7 +306,7 @@ def test_rows_with_slot_minus_one_sit_the_step_out(library, threads):
     them; a step every row sits out returns its input and touches nothing."""
     layer = Layer(np.random.default_rng(5), hidden=64, heads=8, kv_heads=4, head_dim=8, inter=96, batch=3)
     keys0, values0 = layer.key_cache.copy(), layer.value_cache.copy()
-    want, keys, values = layer.reference()
+    want, keys, values = layer.reference(library)
     gone, position = layer.slots[1], layer.positions[1]
     layer.slots[1] = -1
     layer.positions[1] = 10_000                  # out of range: not looked at for a row sitting out
@@ -404,12 +458,12 @@ def test_layer_reads_quantized_weights(library, qtype, threads, batch):
     else:
         layer = Layer(rng, hidden=64, heads=4, kv_heads=2, head_dim=16, inter=96, batch=batch)
     layer.quantize({n: qtype for n in ("qkv_w", "o_w", "gate_up_w", "down_w")}, rng)
-    want, keys, values = layer.reference()
+    want, keys, values = layer.reference(library)
     arrays = layer.arrays(threads)
     assert arrays[Q_W].dtype == np.uint8 and arrays[ICFG].tolist()[4:] == [int(qtype)] * 7
     assert invoke(library.DecoderLayer, arrays) == 0
-    np.testing.assert_allclose(arrays[-1], want, rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(layer.key_cache, keys, rtol=1e-5, atol=1e-5)
+    assert_layer_close(layer, arrays[-1], want)
+    assert_cache_close(layer, layer.key_cache, keys)
 
 
 def test_layer_mixes_weight_types(library):
@@ -417,11 +471,11 @@ def test_layer_mixes_weight_types(library):
     rng = np.random.default_rng(11)
     layer = Layer(rng, hidden=64, heads=4, kv_heads=2, head_dim=16, inter=96, batch=4)
     layer.quantize({"qkv_w": GGUF_TYPES.Q8_0, "gate_up_w": GGUF_TYPES.Q4_1}, rng)
-    want, _, _ = layer.reference()
+    want, _, _ = layer.reference(library)
     arrays = layer.arrays(2)
     assert arrays[ICFG].tolist()[4:] == [8, 8, 8, 0, 3, 3, 0]
     assert invoke(library.DecoderLayer, arrays) == 0
-    np.testing.assert_allclose(arrays[-1], want, rtol=1e-4, atol=1e-4)
+    assert_layer_close(layer, arrays[-1], want)
 
 
 @pytest.mark.parametrize("batch,threads", [(1, 2), (3, 1), (12, 2)])
@@ -433,12 +487,12 @@ def test_each_part_of_a_fused_product_has_its_own_type(library, batch, threads):
     layer = Layer(rng, hidden=256, heads=4, kv_heads=2, head_dim=64, inter=512, batch=batch, num_blocks=6 * batch + 6)
     layer.quantize({"q_w": GGUF_TYPES.Q4_K, "k_w": GGUF_TYPES.Q4_K, "v_w": GGUF_TYPES.Q6_K, "o_w": GGUF_TYPES.Q4_K,
                     "gate_w": GGUF_TYPES.Q4_K, "up_w": GGUF_TYPES.Q5_K, "down_w": GGUF_TYPES.Q6_K}, rng)
-    want, keys, values = layer.reference()
+    want, keys, values = layer.reference(library)
     arrays = layer.arrays(threads)
     assert arrays[ICFG].tolist()[4:] == [12, 12, 14, 12, 12, 13, 14]
     assert invoke(library.DecoderLayer, arrays) == 0
-    np.testing.assert_allclose(arrays[-1], want, rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(layer.value_cache, values, rtol=1e-5, atol=1e-5)
+    assert_layer_close(layer, arrays[-1], want)
+    assert_cache_close(layer, layer.value_cache, values)
 
 
 def test_quantized_weights_refusals(library):
@@ -492,7 +546,7 @@ def test_final_logits_reads_a_quantized_lm_head(library, qtype, rows):
     cfg = [np.array([2, int(qtype)], np.int32), np.array([1e-5], np.float32)]
     slots = np.arange(rows, dtype=np.int32)
     assert invoke(library.FinalLogits, logits_args(x, raw, gain, slots, cfg, logits, token, logprob)) == 0
-    want = rms(x) * gain @ w.T.astype(np.float64)
+    want = rounded(rms(x) * gain, integer_path(library, rows, [int(qtype)])) @ w.T.astype(np.float64)
     np.testing.assert_allclose(logits, want, rtol=1e-4, atol=1e-4)
     assert token.tolist() == np.argmax(want, -1).tolist()
     cfg[0] = np.array([2, 0], np.int32)                                     # the same bytes called float32
@@ -511,11 +565,11 @@ def test_each_row_gets_its_own_lora_adapter(library, threads, row_slots, qtype):
     if qtype is not None:
         layer.quantize({n: qtype for n in ("qkv_w", "o_w", "gate_up_w", "down_w")}, rng)
     layer.with_lora(slots=4, rank=3, row_slots=row_slots, rng=rng)
-    want, keys, _ = layer.reference()
+    want, keys, _ = layer.reference(library)
     arrays = layer.arrays(threads)
     assert invoke(library.DecoderLayer, arrays) == 0
-    np.testing.assert_allclose(arrays[-1], want, rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(layer.key_cache, keys, rtol=1e-5, atol=1e-5)
+    assert_layer_close(layer, arrays[-1], want)
+    assert_cache_close(layer, layer.key_cache, keys)
     # and the adapters matter: the same step without them differs on every adapted row, not on the others
     plain = Layer(np.random.default_rng(len(row_slots) * 7 + threads), hidden=64, heads=4, kv_heads=2, head_dim=16,
                   inter=96, batch=len(row_slots))
@@ -574,12 +628,12 @@ def layer_matches_numpy(library, rng, shape: dict, threads: int, qtype, adapters
         layer.quantize({n: GGUF_TYPES[qtype] for n in ("qkv_w", "o_w", "gate_up_w", "down_w")}, rng)
     if adapters:
         layer.with_lora(slots=4, rank=3, row_slots=rng.integers(0, 4, batch), rng=rng)
-    want, keys, values = layer.reference()
+    want, keys, values = layer.reference(library)
     arrays = layer.arrays(threads)
     assert invoke(library.DecoderLayer, arrays) == 0
-    np.testing.assert_allclose(arrays[-1], want, rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(layer.key_cache, keys, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(layer.value_cache, values, rtol=1e-5, atol=1e-5)
+    assert_layer_close(layer, arrays[-1], want)
+    assert_cache_close(layer, layer.key_cache, keys)
+    assert_cache_close(layer, layer.value_cache, values)
 
 
 def test_batched_products_do_not_depend_on_the_thread_count(library):
@@ -723,3 +777,66 @@ def test_a_forked_child_runs_the_batched_products(library):
         code = invoke(library.DecoderLayer, again)
         os._exit(code if code != 0 else 0 if np.array_equal(again[-1], parent) else 9)
     assert_child_exits_0(pid, 60)
+
+
+# The integer path (gemm_amx_int.h): quantized weights' codes on AMX's int8 tiles with 16-bit activations.
+INTEGER_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+
+
+@pytest.fixture
+def integer_path_on(library):
+    library.KernelInt.argtypes = [ctypes.c_int]
+    if library.KernelInt(-1) != 1:
+        pytest.skip("no integer path here: it needs AMX with int8 tiles (Sapphire Rapids or later) and Linux's "
+                    "permission for the tile state")
+    yield
+    library.KernelInt(1)
+
+
+@pytest.mark.parametrize("name", INTEGER_TYPES)
+def test_the_integer_path_rounds_activations_to_16_bits(library, integer_path_on, name):
+    """A batched lm_head product of every type with integer codes: the logits are the float64 product of the
+    dequantized weights and x rounded to 16 bits per block (32, or the K-quants' 256), closer to that than to the
+    unrounded product (so the path ran), and within 1e-4 of the largest logit of either; with KernelInt(0) the
+    float32-exact bfloat16 pieces again."""
+    from gguf.quants import dequantize
+
+    qtype = GGUF_TYPES[name]
+    rng = np.random.default_rng(7 + int(qtype))
+    rows, vocab, h = 37, 160, 512
+    x = rng.standard_normal((rows, h)).astype(np.float32) * np.repeat(rng.uniform(0.1, 10, h // 32), 32).astype(np.float32)
+    raw = quantized_rows(rng.standard_normal((vocab, h)).astype(np.float32), qtype, rng)
+    w = dequantize(raw, qtype).reshape(vocab, h).astype(np.float64)
+    gain = (1 + 0.3 * rng.standard_normal(h)).astype(np.float32)
+    xn = rms(x) * gain
+    exact = xn @ w.T
+    block = integer_path(library, rows, [int(qtype)])
+    assert block == (256 if name.endswith("_K") else 32)
+    want = rounded(xn, block) @ w.T
+    cfg = [np.array([2, int(qtype)], np.int32), np.array([1e-5], np.float32)]
+    slots = np.arange(rows, dtype=np.int32)
+
+    def logits():
+        out = [np.empty((rows, vocab), np.float32), np.empty(rows, np.int32), np.empty(rows, np.float32)]
+        assert invoke(library.FinalLogits, logits_args(x, raw, gain, slots, cfg, *out)) == 0
+        return out[0]
+
+    got, scale = logits(), np.abs(exact).max()
+    assert np.abs(got - want).max() < 1e-4 * scale
+    assert np.abs(got - want).max() < 0.5 * np.abs(got - exact).max()
+    library.KernelInt(0)
+    assert integer_path(library, rows, [int(qtype)]) == 0
+    np.testing.assert_allclose(logits(), exact, rtol=1e-4, atol=1e-4 * scale)
+
+
+def test_the_environment_turns_the_integer_path_off(library_path, library, integer_path_on):
+    """LLM_SERVING_KERNEL_INT=0 (read once) keeps a process's quantized products on the bfloat16 pieces."""
+    import subprocess
+    import sys
+
+    code = (f"import ctypes; lib = ctypes.CDLL({library_path!r}); lib.KernelInt.argtypes = [ctypes.c_int]; "
+            "print(lib.KernelInt(-1))")
+    for env, want in (("0", "0"), ("1", "1")):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "LLM_SERVING_KERNEL_INT": env}).stdout.strip()
+        assert out == want, (env, out)

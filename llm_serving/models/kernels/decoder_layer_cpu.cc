@@ -92,6 +92,7 @@
 
 #include "cpu_kernel_common.h"
 #include "gemm_amx.h"
+#include "gemm_amx_int.h"
 #include "gemm_cpu.h"
 #include "kernel_params.h"
 
@@ -804,6 +805,168 @@ struct Matrix {
   }
 #endif
 
+#if defined(LLM_SERVING_AMX_INT)
+  // Whether the integer products (gemm_amx_int.h) read this type: the blocks of 32 and the K-quants.
+  bool integer_codes() const { return type != kF32 && type != kF16 && type != kBF16; }
+
+  // A row's blocks as gemm_amx_int.h's A operand: row r (< 16) of the row block at dst (its first k block;
+  // blocks kBlockBytes apart): per block of 32 its int8 codes, the second pieces (Q6_K; zeros for other types
+  // when high), the scale and the offset.
+  void int_row(const uint8_t* row, uint8_t* dst, int r, bool high) const {
+    switch (type) {
+      case kQ4_0: int_blocks<kQ4_0>(row, dst, r, high); return;
+      case kQ4_1: int_blocks<kQ4_1>(row, dst, r, high); return;
+      case kQ5_0: int_blocks<kQ5_0>(row, dst, r, high); return;
+      case kQ5_1: int_blocks<kQ5_1>(row, dst, r, high); return;
+      case kQ8_0: int_blocks<kQ8_0>(row, dst, r, high); return;
+      case kQ4_K: int_super<kQ4_K>(row, dst, r, high); return;
+      case kQ5_K: int_super<kQ5_K>(row, dst, r, high); return;
+      case kQ6_K: int_super<kQ6_K>(row, dst, r, high); return;
+      default: return;                                   // not integer_codes(): never called
+    }
+  }
+
+  // Whether the super-block products read this type (the K-quants).
+  bool super_codes() const { return type == kQ4_K || type == kQ5_K || type == kQ6_K; }
+
+  // A K-quant row as gemm_amx_int.h's super-block A operand: row r (< 16) of the row block at dst (its first
+  // super-block; super-blocks kSuperWeightBytes apart).
+  void super_row(const uint8_t* row, uint8_t* dst, int r) const {
+    namespace ai = llm_serving::amx_int;
+    const __m256i nibble = _mm256_set1_epi8(15);
+    for (int64_t e = 0; e < k; e += 256, row += row_bytes / (k / 256), dst += ai::kSuperWeightBytes) {
+      for (int64_t at = 0; at < row_bytes / (k / 256); at += 64) prefetch_ahead(row + kAheadRows * row_bytes + at);
+      float* d = reinterpret_cast<float*>(dst + ai::kSuperD);
+      float* f = reinterpret_cast<float*>(dst + ai::kSuperF);
+      float* mw = reinterpret_cast<float*>(dst + ai::kSuperMins);
+      // codes[j]: the 32 codes of sub-block j as int16; v = its scale times them, split v = f vh + vl
+      auto put = [&](int j, __m512i v, int fbits) {
+        const __m512i vh = fbits == 7 ? _mm512_srli_epi16(v, 7) : _mm512_srai_epi16(_mm512_add_epi16(v, _mm512_set1_epi16(32)), 6);
+        const __m512i vl = _mm512_sub_epi16(v, fbits == 7 ? _mm512_slli_epi16(vh, 7) : _mm512_slli_epi16(vh, 6));
+        uint8_t* tile = dst + 2048 * (j / 2) + 64 * r + 32 * (j % 2);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(tile), _mm512_cvtepi16_epi8(vl));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(tile + 1024), _mm512_cvtepi16_epi8(vh));
+      };
+      if (type == kQ6_K) {
+        d[r] = half_to_float(row + 208);
+        f[r] = 64.f;
+        for (int j = 0; j < 8; ++j) {
+          mw[16 * j + r] = 0.f;
+          const int g = j / 4, i = j % 4;
+          const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 64 * g + 32 * (i & 1)));
+          const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 128 + 32 * g));
+          const __m256i low = i < 2 ? _mm256_and_si256(ql, nibble) : _mm256_and_si256(_mm256_srli_epi16(ql, 4), nibble);
+          const __m256i top = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * i), _mm256_set1_epi8(3));
+          const __m256i code = _mm256_or_si256(low, _mm256_slli_epi16(top, 4));
+          const __m512i sc = _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int8_t>(row[192 + 2 * j])),
+                                                _mm256_set1_epi16(static_cast<int8_t>(row[192 + 2 * j + 1])), 1);
+          put(j, _mm512_mullo_epi16(_mm512_sub_epi16(_mm512_cvtepu8_epi16(code), _mm512_set1_epi16(32)), sc), 6);
+        }
+        continue;
+      }
+      // Q4_K / Q5_K: the 6-bit sub-block scales sc[j] and minimums m[j] (bytes 4..15)
+      const uint8_t* q = row + 4;
+      const float dd = half_to_float(row), dmin = half_to_float(row + 2);
+      d[r] = dd;
+      f[r] = 128.f;
+      const __m256i qh = type == kQ5_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16)) : _mm256_setzero_si256();
+      for (int j = 0; j < 8; ++j) {
+        const int sc = j < 4 ? q[j] & 63 : (q[j + 4] & 15) | ((q[j - 4] >> 6) << 4);
+        const int mn = j < 4 ? q[j + 4] & 63 : (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+        mw[16 * j + r] = -dmin * static_cast<float>(mn);
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + (type == kQ4_K ? 16 : 48) + 32 * (j / 2)));
+        __m256i code = j % 2 == 0 ? _mm256_and_si256(b, nibble) : _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble);
+        if (type == kQ5_K)
+          code = _mm256_mask_add_epi8(code, _mm256_test_epi8_mask(qh, _mm256_set1_epi8(static_cast<char>(1 << j))), code,
+                                      _mm256_set1_epi8(16));
+        put(j, _mm512_mullo_epi16(_mm512_cvtepu8_epi16(code), _mm512_set1_epi16(static_cast<int16_t>(sc))), 7);
+      }
+    }
+  }
+
+  static void put_int(uint8_t* dst, int r, __m256i lo, const __m256i* hi, float sw, float mw) {
+    namespace ai = llm_serving::amx_int;
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 32 * r), lo);
+    if (hi != nullptr) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + ai::kHigh + 32 * r), *hi);
+    reinterpret_cast<float*>(dst + ai::kScales)[r] = sw;
+    reinterpret_cast<float*>(dst + ai::kOffsets)[r] = mw;
+  }
+
+  // the 16 bytes at p as 32 codes: the low nibbles (weights 0..15), then the high ones (16..31)
+  static __m256i nibbles32(const uint8_t* p) {
+    const __m128i v = load_bytes16(p), mask = _mm_set1_epi8(15);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
+  }
+
+  template <int32_t T>
+  void int_blocks(const uint8_t* row, uint8_t* dst, int r, bool high) const {
+    const __m256i zero = _mm256_setzero_si256();
+    for (int64_t e = 0; e < k; e += 32, row += block_bytes<T>(), dst += llm_serving::amx_int::kBlockBytes) {
+      prefetch_ahead(row + kAheadRows * row_bytes);
+      const float d = half_to_float(row);
+      __m256i q;
+      float m = 0.f;
+      if constexpr (T == kQ8_0) {
+        q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2));
+      } else if constexpr (T == kQ4_0 || T == kQ4_1) {
+        q = nibbles32(row + (T == kQ4_0 ? 2 : 4));
+        if constexpr (T == kQ4_0) q = _mm256_sub_epi8(q, _mm256_set1_epi8(8));
+        else m = half_to_float(row + 2);
+      } else {                                           // Q5_0 / Q5_1: the fifth bit of weight i is bit i
+        constexpr bool with_min = T == kQ5_1;
+        uint32_t qh;
+        std::memcpy(&qh, row + (with_min ? 4 : 2), 4);
+        q = nibbles32(row + (with_min ? 8 : 6));
+        q = _mm256_mask_add_epi8(q, static_cast<__mmask32>(qh), q, _mm256_set1_epi8(16));
+        if constexpr (with_min) m = half_to_float(row + 2);
+        else q = _mm256_sub_epi8(q, _mm256_set1_epi8(16));
+      }
+      put_int(dst, r, q, high ? &zero : nullptr, d, m);
+    }
+  }
+
+  template <int32_t T>
+  void int_super(const uint8_t* row, uint8_t* dst, int r, bool high) const {
+    namespace ai = llm_serving::amx_int;
+    const __m256i zero = _mm256_setzero_si256(), nibble = _mm256_set1_epi8(15);
+    for (int64_t e = 0; e < k; e += 256, row += super_bytes<T>()) {
+      for (int64_t at = 0; at < super_bytes<T>(); at += 64) prefetch_ahead(row + kAheadRows * row_bytes + at);
+      if constexpr (T == kQ6_K) {
+        const float d = half_to_float(row + 208);
+        const __m512i bias = _mm512_set1_epi16(32);
+        for (int j = 0; j < 8; ++j, dst += ai::kBlockBytes) {      // sub-block j of 32: half j / 4, i = j % 4
+          const int g = j / 4, i = j % 4;
+          const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 64 * g + 32 * (i & 1)));
+          const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 128 + 32 * g));
+          const __m256i low = i < 2 ? _mm256_and_si256(ql, nibble) : _mm256_and_si256(_mm256_srli_epi16(ql, 4), nibble);
+          const __m256i top = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * i), _mm256_set1_epi8(3));
+          const __m256i code = _mm256_or_si256(low, _mm256_slli_epi16(top, 4));    // 0..63 (no carries)
+          const __m512i sc = _mm512_inserti64x4(
+              _mm512_set1_epi16(static_cast<int8_t>(row[192 + 2 * j])),
+              _mm256_set1_epi16(static_cast<int8_t>(row[192 + 2 * j + 1])), 1);
+          const __m512i v = _mm512_mullo_epi16(_mm512_sub_epi16(_mm512_cvtepu8_epi16(code), bias), sc);
+          const __m512i hi = _mm512_srai_epi16(_mm512_add_epi16(v, bias), 6);   // v = 64 hi + lo, lo in [-32, 31]
+          const __m512i lo = _mm512_sub_epi16(v, _mm512_slli_epi16(hi, 6));
+          const __m256i hi8 = _mm512_cvtepi16_epi8(hi);
+          put_int(dst, r, _mm512_cvtepi16_epi8(lo), high ? &hi8 : nullptr, d, 0.f);
+        }
+      } else {
+        SuperScales u;
+        unpack_scales<T>(row, &u);
+        const __m256i qh = T == kQ5_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16)) : zero;
+        for (int j = 0; j < 8; ++j, dst += ai::kBlockBytes) {
+          const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + (T == kQ4_K ? 16 : 48) + 32 * (j / 2)));
+          __m256i q = j % 2 == 0 ? _mm256_and_si256(b, nibble) : _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble);
+          if constexpr (T == kQ5_K)
+            q = _mm256_mask_add_epi8(q, _mm256_test_epi8_mask(qh, _mm256_set1_epi8(static_cast<char>(1 << j))), q,
+                                     _mm256_set1_epi8(16));
+          put_int(dst, r, q, high ? &zero : nullptr, u.s[j], -u.s[8 + j]);
+        }
+      }
+    }
+  }
+#endif
+
   template <int32_t T>
   void dequantize_blocks(const uint8_t* row, float* dst) const {
     for (int64_t e = 0; e < k; e += 32, row += block_bytes<T>(), dst += 32) {
@@ -1053,6 +1216,46 @@ bool amx_enabled() {
 #endif
 }
 
+// Whether products whose weights are all blocks of integer codes run on AMX's integer tiles (gemm_amx_int.h;
+// 16-bit activations) rather than the bfloat16 pieces: on where AMX is (and the CPU has its int8 tiles), unless
+// LLM_SERVING_KERNEL_INT=0 in the environment (read once) or KernelInt(0).
+std::atomic<int> int_setting{-1};        // -1: not read yet; 0 off; 1 on
+
+bool int_enabled(bool amx) {
+#if defined(LLM_SERVING_AMX_INT)
+  if (!amx) return false;
+  if (int_setting.load(std::memory_order_relaxed) < 0) {
+    const char* env = std::getenv("LLM_SERVING_KERNEL_INT");
+    int expected = -1;
+    int_setting.compare_exchange_strong(expected, env != nullptr && std::strcmp(env, "0") == 0 ? 0 : 1);
+  }
+  return int_setting.load(std::memory_order_relaxed) == 1;
+#else
+  (void)amx;
+  return false;
+#endif
+}
+
+// How a product of these parts runs on the integer tiles: not at all (kNoInt: disabled, or a part of float
+// weights), a block of 32 at a time (kIntBlocks), or a super-block at a time (kIntSupers: every part a K-quant).
+enum IntPath : int { kNoInt = 0, kIntBlocks = 1, kIntSupers = 2 };
+
+int integer_product(const Matrix* const* ws, int parts, bool ints) {
+#if defined(LLM_SERVING_AMX_INT)
+  bool supers = ints;
+  for (int q = 0; q < parts && ints; ++q) {
+    ints = ws[q]->integer_codes();
+    supers = supers && ws[q]->super_codes();
+  }
+  return !ints ? kNoInt : supers ? kIntSupers : kIntBlocks;
+#else
+  (void)ws;
+  (void)parts;
+  (void)ints;
+  return false;
+#endif
+}
+
 // Weight rows dequantized (and multiplied) together: the group's float rows (group x k) stay in L2 while every
 // panel of x passes, and x is streamed once per group; a wider row halves the group to keep it there. AMX: 64
 // rows (four blocks of 16, two 2x2 kernels per pair of x blocks), its three bfloat16 pieces 6 bytes a weight; the
@@ -1093,7 +1296,20 @@ inline int64_t gemm_c_floats(int64_t m, bool amx) {
 
 // Every thread packs the panels (AMX: blocks of 16 rows) it claims from x (m rows of k, stride k) into the
 // shared xp; a barrier must follow before any thread reads xp.
-inline void pack_x(std::atomic<int64_t>& next, const float* x, int64_t m, int64_t k, float* xp, bool amx) {
+// ints: for gemm_amx_int.h (integer products; its packed x is smaller than the bfloat16 pieces' that the sizes
+// above allow for).
+inline void pack_x(std::atomic<int64_t>& next, const float* x, int64_t m, int64_t k, float* xp, bool amx,
+                   int ints = kNoInt) {
+#if defined(LLM_SERVING_AMX_INT)
+  if (ints != kNoInt) {
+    for (int64_t b = next.fetch_add(1); b < llm_serving::amx::rows16(m) / 16; b = next.fetch_add(1)) {
+      if (ints == kIntSupers) llm_serving::amx_int::super_pack_block(x, k, m, k, b, xp);
+      else llm_serving::amx_int::pack_block(x, k, m, k, b, xp);
+    }
+    return;
+  }
+#endif
+  (void)ints;
 #if defined(LLM_SERVING_AMX)
   if (amx) {
     for (int64_t b = next.fetch_add(1); b < llm_serving::amx::rows16(m) / 16; b = next.fetch_add(1))
@@ -1161,13 +1377,65 @@ void gemm_units_amx(const Matrix* const* ws, int parts, int64_t u0, int64_t u1, 
 }
 #endif
 
+#if defined(LLM_SERVING_AMX_INT)
+// gemm_units on the integer tiles: per group of 64 rows (parts x n), each row's codes, scales and offsets into the
+// group's A operand (the whole depth), then the product; C as gemm_units_amx's.
+template <typename Done>
+void gemm_units_int(const Matrix* const* ws, int parts, int64_t u0, int64_t u1, const float* xp, int64_t m,
+                    float* wbuf, float* c, int ints, Done done) {
+  namespace ai = llm_serving::amx_int;
+  const int64_t k = ws[0]->k, kb = ai::kblocks(k), per = kAmxGroup / parts, ldc = ai::c_stride(m);
+  if (ints == kIntSupers) {
+    uint8_t* wg = reinterpret_cast<uint8_t*>(wbuf);
+    const ai::SuperTiles tiles;
+    for (int64_t u = u0; u < u1; u += per) {
+      const int64_t n = std::min(per, u1 - u), g = parts * n;
+      for (int q = 0; q < parts; ++q) {
+        const Matrix& w = *ws[q];
+        for (int64_t i = 0; i < n; ++i) {
+          const int64_t at = q * n + i;
+          w.super_row(w.data + (u + i) * w.row_bytes, wg + at / 16 * ai::supers(k) * ai::kSuperWeightBytes,
+                      static_cast<int>(at % 16));
+        }
+      }
+      ai::super_product(wbuf, g, xp, m, k, c);
+      done(u, n, static_cast<const float*>(c), ldc);
+    }
+    return;
+  }
+  bool high = false;
+  for (int q = 0; q < parts; ++q) high = high || ws[q]->type == kQ6_K;
+  uint8_t* wg = reinterpret_cast<uint8_t*>(wbuf);
+  const ai::Tiles tiles;
+  for (int64_t u = u0; u < u1; u += per) {
+    const int64_t n = std::min(per, u1 - u), g = parts * n;
+    for (int q = 0; q < parts; ++q) {
+      const Matrix& w = *ws[q];
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t at = q * n + i;
+        w.int_row(w.data + (u + i) * w.row_bytes, wg + at / 16 * kb * ai::kBlockBytes, static_cast<int>(at % 16), high);
+      }
+    }
+    ai::product(wbuf, g, high, xp, m, k, c);
+    done(u, n, static_cast<const float*>(c), ldc);
+  }
+}
+#endif
+
 // Rows u of `parts` matrices ws[q] (q < parts, gate/up: 2, each in its own type, all of width k) for units u in
 // [u0, u1) times every row of the packed x (m rows): a group of units at a time, done(u, n, c, ldc) with C row
 // q * n + i = matrix q's row u + i and C[.][b] its product with x row b. wbuf: gemm_w_floats(k) floats, c:
 // gemm_c_floats(m), both the calling thread's. amx: x was packed for gemm_amx.h.
 template <typename Done>
 void gemm_units(const Matrix* const* ws, int parts, int64_t u0, int64_t u1, const float* xp, int64_t m, float* wbuf,
-                float* c, bool amx, Done done) {
+                float* c, bool amx, Done done, int ints = kNoInt) {
+#if defined(LLM_SERVING_AMX_INT)
+  if (ints != kNoInt) {
+    gemm_units_int(ws, parts, u0, u1, xp, m, wbuf, c, ints, done);
+    return;
+  }
+#endif
+  (void)ints;
 #if defined(LLM_SERVING_AMX)
   if (amx) {
     gemm_units_amx(ws, parts, u0, u1, xp, m, wbuf, c, done);
@@ -1198,7 +1466,7 @@ void gemm_units(const Matrix* const* ws, int parts, int64_t u0, int64_t u1, cons
 // batch >= gemm_rows(...)) through gemm_units; otherwise matvec with tile.
 template <typename Emit>
 void product_rows(const Matrix& w, const float* x, const float* xp, int64_t batch, int64_t r0, int64_t r1, float* tile,
-                  float* wbuf, float* c, bool amx, Emit emit) {
+                  float* wbuf, float* c, bool amx, Emit emit, int ints = kNoInt) {
   if (xp == nullptr) {
     matvec(w, x, batch, r0, r1, tile, emit);
     return;
@@ -1207,7 +1475,7 @@ void product_rows(const Matrix& w, const float* x, const float* xp, int64_t batc
   gemm_units(ws, 1, r0, r1, xp, batch, wbuf, c, amx, [&](int64_t u, int64_t n, const float* cc, int64_t ldc) {
     for (int64_t b = 0; b < batch; ++b)
       for (int64_t i = 0; i < n; ++i) emit(b, u + i, cc[i * ldc + b]);
-  });
+  }, ints);
 }
 
 // y[b] = x[b] / sqrt(mean(x[b]^2) + eps) * gain for rows b of x (B, h)
@@ -1365,6 +1633,16 @@ extern "C" int KernelAmx(int enable) {
   return amx_enabled() ? 1 : 0;
 }
 
+// Turns the integer products (gemm_amx_int.h) off (0) or back on (1; where AMX is), or only asks (-1): returns
+// whether the next kernel call runs products of quantized weights on them. For tests and benchmarks.
+extern "C" int KernelInt(int enable) {
+  if (enable >= 0) {
+    int_enabled(true);                               // the environment read first, then overridden
+    int_setting.store(enable > 0 ? 1 : 0);
+  }
+  return int_enabled(amx_enabled()) ? 1 : 0;
+}
+
 // Wall time spent in each kernel since the library was loaded, in nanoseconds: [DecoderLayer, FinalLogits]
 // (benchmarks read it through ctypes to split a step into kernel time and everything else).
 extern "C" {
@@ -1476,6 +1754,14 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
   const bool float32 = q_w.type == kF32 && k_w.type == kF32 && v_w.type == kF32 && o_w.type == kF32 &&
                        gate_w.type == kF32 && up_w.type == kF32 && down_w.type == kF32;
   const bool batched = rows >= gemm_rows(amx, float32);
+  // which products run on the integer tiles (gemm_amx_int.h): q/k/v, o, gate/up, down
+  const bool ints = batched && int_enabled(amx);
+  const Matrix* gate_up[2] = {&gate_w, &up_w};
+  const Matrix* qkv_parts[3] = {&q_w, &k_w, &v_w};
+  const Matrix* o_part[1] = {&o_w};
+  const Matrix* down_part[1] = {&down_w};
+  const int int_qkv = integer_product(qkv_parts, 3, ints), int_o = integer_product(o_part, 1, ints),
+             int_gate_up = integer_product(gate_up, 2, ints), int_down = integer_product(down_part, 1, ints);
   float* xp = batched ? sized_aligned(s.packed, gemm_x_floats(rows, kmax, amx)) : nullptr;
   float* gemm_w = batched ? sized_aligned(s.gemm_w, threads * gemm_w_floats(kmax, amx)) : nullptr;
   float* gemm_c = batched ? sized_aligned(s.gemm_c, threads * gemm_c_floats(rows, amx)) : nullptr;
@@ -1495,7 +1781,6 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
   std::atomic<int64_t> next_row{0};
   std::atomic<int64_t> next_qkv[3] = {{0}, {0}, {0}};                           // each product's rows handed out
   std::atomic<int64_t> next_o{0}, next_unit{0}, next_down{0};
-  const Matrix* qkv_parts[3] = {&q_w, &k_w, &v_w};
   const int64_t qkv_first[3] = {0, nh * d, (nh + kvh) * d};                      // each part's first output row
   std::atomic<int64_t> next_pack[4] = {{0}, {0}, {0}, {0}};                      // and its x's panels
 
@@ -1505,9 +1790,9 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
     float* wbuf = batched ? gemm_w + tid * gemm_w_floats(kmax, amx) : nullptr;
     float* cbuf = batched ? gemm_c + tid * gemm_c_floats(rows, amx) : nullptr;
     // batched: the product's x packed into xp by all threads (a barrier after), then read by every chunk
-    auto packed = [&](int which, const float* in, int64_t k_in) -> const float* {
+    auto packed = [&](int which, const float* in, int64_t k_in, int integer) -> const float* {
       if (!batched) return nullptr;
-      pack_x(next_pack[which], in, rows, k_in, xp, amx);
+      pack_x(next_pack[which], in, rows, k_in, xp, amx, integer);
       barrier.wait();
       return xp;
     };
@@ -1532,14 +1817,14 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
     };
     rms_normalize(x, rows, h, eps, in_gain, xn);
     project(lora_qkv, xn, h);
-    const float* xq = packed(0, xn, h);
+    const float* xq = packed(0, xn, h, int_qkv);
     for (int part = 0; part < 3; ++part) {           // q, k then v rows: no barrier between them
       const Matrix& w = *qkv_parts[part];
       const int64_t first = qkv_first[part];
       claim_rows(next_qkv[part], w.rows, nthreads, [&](int64_t r0, int64_t r1) {
         product_rows(w, xn, xq, rows, r0, r1, tile, wbuf, cbuf, amx, [&](int64_t b, int64_t r, float v) {
           qkv[b * nqkv + first + r] = v + qkv_b[first + r];
-        });
+        }, int_qkv);
       }, batched ? gemm_group(h, amx) : 4);
     }
     barrier.wait();
@@ -1579,10 +1864,10 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
     barrier.wait();
     // 4. out = x + attn . o_w^T
     project(lora_o, attn, nh * d);
-    const float* xo = packed(1, attn, nh * d);
+    const float* xo = packed(1, attn, nh * d, int_o);
     claim_rows(next_o, h, nthreads, [&](int64_t r0, int64_t r1) {
       product_rows(o_w, attn, xo, rows, r0, r1, tile, wbuf, cbuf, amx,
-                   [&](int64_t b, int64_t r, float v) { out[b * h + r] = x[b * h + r] + v; });
+                   [&](int64_t b, int64_t r, float v) { out[b * h + r] = x[b * h + r] + v; }, int_o);
     }, batched ? gemm_group(nh * d, amx) : 4);
     barrier.wait();
     if (adapted) {
@@ -1600,8 +1885,7 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
       barrier.wait();
     }
     if (batched) {                                  // gate and up rows of a group of units together, then SiLU
-      const float* xg = packed(2, xn, h);
-      const Matrix* gate_up[2] = {&gate_w, &up_w};
+      const float* xg = packed(2, xn, h, int_gate_up);
       claim_rows(next_unit, inter, nthreads, [&](int64_t r0, int64_t r1) {
         gemm_units(gate_up, 2, r0, r1, xg, rows, wbuf, cbuf, amx,
                    [&](int64_t j, int64_t n, const float* c, int64_t ldc) {
@@ -1613,7 +1897,7 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
               a[i] = g ? silu_times(gate + g[i], up + g[inter + i]) : silu_times(gate, up);
             }
           }
-        });
+        }, int_gate_up);
       }, gemm_group(h, amx) / 2);
     } else {
       claim_rows(next_unit, inter, nthreads, [&](int64_t r0, int64_t r1) {
@@ -1656,10 +1940,10 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
     barrier.wait();
     // 6. out += act . down_w^T
     project(lora_down, act, inter);
-    const float* xd = packed(3, act, inter);
+    const float* xd = packed(3, act, inter, int_down);
     claim_rows(next_down, h, nthreads, [&](int64_t r0, int64_t r1) {
       product_rows(down_w, act, xd, rows, r0, r1, tile, wbuf, cbuf, amx,
-                   [&](int64_t b, int64_t r, float v) { out[b * h + r] += v; });
+                   [&](int64_t b, int64_t r, float v) { out[b * h + r] += v; }, int_down);
     }, batched ? gemm_group(inter, amx) : 4);
     if (adapted) {
       barrier.wait();
@@ -1708,6 +1992,8 @@ extern "C" int FinalLogits(int nparam, void** params, int* ndims, int64_t** shap
   const bool amx = amx_enabled();
   const bool batched = live >= gemm_rows(amx, w.type == kF32);
   const int64_t align = batched ? gemm_group(h, amx) : 4;
+  const Matrix* lm_part[1] = {&w};
+  const int ints = batched ? integer_product(lm_part, 1, int_enabled(amx)) : kNoInt;
   const int64_t chunk = chunk_rows(vocab, p.threads(), align), chunks = (vocab + chunk - 1) / chunk;
   float* partial = Scratch::sized(s.scores, chunks * live * 3);
   float* tiles = Scratch::sized(s.tiles, p.threads() * 4 * h);
@@ -1720,13 +2006,13 @@ extern "C" int FinalLogits(int nparam, void** params, int* ndims, int64_t** shap
     float* xn = normed + tid * live * h;
     rms_normalize(x, live, h, eps, gain, xn);
     if (batched) {
-      pack_x(next_pack, xn, live, h, xp, amx);
+      pack_x(next_pack, xn, live, h, xp, amx, ints);
       barrier.wait();
     }
     claim_rows(next_vocab, vocab, nthreads, [&](int64_t r0, int64_t r1) {
       product_rows(w, xn, xp, live, r0, r1, tiles + tid * 4 * h, batched ? gemm_w + tid * gemm_w_floats(h, amx) : nullptr,
                    batched ? gemm_c + tid * gemm_c_floats(live, amx) : nullptr, amx,
-                   [&](int64_t b, int64_t r, float v) { logits[b * vocab + r] = v; });
+                   [&](int64_t b, int64_t r, float v) { logits[b * vocab + r] = v; }, ints);
       for (int64_t b = 0; b < live; ++b) {          // the chunk's max, first index of it, and sum of exps
         const float* l = logits + b * vocab;
         float mx = -INFINITY;
