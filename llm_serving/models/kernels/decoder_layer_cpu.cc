@@ -147,6 +147,7 @@ class Barrier {
 struct Scratch {
   std::vector<float> qkv, attn, act, normed, scores, tiles, lora, lora_gate_up;
   std::vector<float> packed, gemm_w, gemm_c;     // gemm_cpu.h: x's panels (shared), per thread weights and C
+  std::vector<float> silu;                       // per thread: one unit's SiLU(gate) * up for every row
   static float* sized(std::vector<float>& v, size_t n) {
     if (v.size() < n) v.resize(n);
     return v.data();
@@ -1765,6 +1766,7 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
   float* xp = batched ? sized_aligned(s.packed, gemm_x_floats(rows, kmax, amx)) : nullptr;
   float* gemm_w = batched ? sized_aligned(s.gemm_w, threads * gemm_w_floats(kmax, amx)) : nullptr;
   float* gemm_c = batched ? sized_aligned(s.gemm_c, threads * gemm_c_floats(rows, amx)) : nullptr;
+  float* silu = batched ? Scratch::sized(s.silu, threads * rows) : nullptr;
   // the computed rows that have a LoRA adapter, sorted by slot; thread t takes a contiguous share of them, so
   // that each slot's matrices are read once per thread and product however many rows use it
   std::vector<int64_t> lora_rows;
@@ -1789,6 +1791,7 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
     float* tile = tiles + tid * 8 * kmax;
     float* wbuf = batched ? gemm_w + tid * gemm_w_floats(kmax, amx) : nullptr;
     float* cbuf = batched ? gemm_c + tid * gemm_c_floats(rows, amx) : nullptr;
+    float* silu_row = batched ? silu + tid * rows : nullptr;
     // batched: the product's x packed into xp by all threads (a barrier after), then read by every chunk
     auto packed = [&](int which, const float* in, int64_t k_in, int integer) -> const float* {
       if (!batched) return nullptr;
@@ -1889,13 +1892,18 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
       claim_rows(next_unit, inter, nthreads, [&](int64_t r0, int64_t r1) {
         gemm_units(gate_up, 2, r0, r1, xg, rows, wbuf, cbuf, amx,
                    [&](int64_t j, int64_t n, const float* c, int64_t ldc) {
-          for (int64_t b = 0; b < rows; ++b) {
-            const float* g = adapted && lora[b] > 0 && slots[b] >= 0 ? lora_gu + b * 2 * inter + j : nullptr;
-            float* a = act + b * inter + j;
-            for (int64_t i = 0; i < n; ++i) {
-              const float gate = c[i * ldc + b], up = c[(n + i) * ldc + b];
-              a[i] = g ? silu_times(gate + g[i], up + g[inter + i]) : silu_times(gate, up);
+          // unit by unit: its gate and up sums of every row are contiguous in C (one vectorized pass), then
+          // written to each row of act (a row's strided access rather than C's)
+          for (int64_t i = 0; i < n; ++i) {
+            const float* gate = c + i * ldc;
+            const float* up = c + (n + i) * ldc;
+            for (int64_t b = 0; b < rows; ++b) silu_row[b] = silu_times(gate[b], up[b]);
+            for (int64_t b = 0; adapted && b < rows; ++b) {
+              if (lora[b] <= 0 || slots[b] < 0) continue;
+              const float* g = lora_gu + b * 2 * inter + j + i;
+              silu_row[b] = silu_times(gate[b] + g[0], up[b] + g[inter]);
             }
+            for (int64_t b = 0; b < rows; ++b) act[b * inter + j + i] = silu_row[b];
           }
         }, int_gate_up);
       }, gemm_group(h, amx) / 2);
