@@ -567,6 +567,21 @@ struct alignas(64) SuperScales {
   float t[16];
 };
 
+#if defined(LLM_SERVING_AVX512)
+// A Q4_K/Q5_K super-block's 6-bit scales sc[0..7] (bytes 0..7) and minimums m[0..7] (bytes 8..15): bytes 4..15 of
+// the block: S0-3 hold sc[0..3] (low 6 bits), S4-7 m[0..3], S8-11 the low 4 bits of sc[4..7] (low nibbles) and
+// m[4..7] (high nibbles), whose top 2 bits are the top bits of S0-3 (sc) and S4-7 (m)
+inline __m128i six_bits(const uint8_t* p) {
+  const __m128i v = load_bytes16(p);
+  const __m128i a = _mm_shuffle_epi8(v, _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15));
+  const __m128i b = _mm_shuffle_epi8(v, _mm_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11));
+  const __m128i low = _mm_and_si128(a, _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0));
+  const __m128i high = _mm_and_si128(_mm_srli_epi16(a, 4), _mm_setr_epi32(0, 0, 0, 0x0f0f0f0f));
+  const __m128i top = _mm_and_si128(_mm_srli_epi16(b, 2), _mm_set1_epi8(0x30));      // bits 6-7 -> 4-5
+  return _mm_ternarylogic_epi32(low, high, top, 0xFE);                                // low | high | top
+}
+#endif
+
 template <int32_t T>
 inline void unpack_scales(const uint8_t* p, SuperScales* u) {
 #if defined(LLM_SERVING_AVX512)
@@ -576,15 +591,8 @@ inline void unpack_scales(const uint8_t* p, SuperScales* u) {
                       _mm512_set1_ps(half_to_float(p + 208)));
     _mm512_store_ps(u->t, _mm512_mul_ps(s, _mm512_set1_ps(-32.f)));
   } else {
-    // bytes 4..15 of the block: S0-3 hold sc[0..3] (low 6 bits), S4-7 m[0..3], S8-11 the low 4 bits of sc[4..7]
-    // (low nibbles) and m[4..7] (high nibbles), whose top 2 bits are the top bits of S0-3 (sc) and S4-7 (m)
     const __m128i v = load_bytes16(p);
-    const __m128i a = _mm_shuffle_epi8(v, _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15));
-    const __m128i b = _mm_shuffle_epi8(v, _mm_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11));
-    const __m128i low = _mm_and_si128(a, _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0));
-    const __m128i high = _mm_and_si128(_mm_srli_epi16(a, 4), _mm_setr_epi32(0, 0, 0, 0x0f0f0f0f));
-    const __m128i top = _mm_and_si128(_mm_srli_epi16(b, 2), _mm_set1_epi8(0x30));      // bits 6-7 -> 4-5
-    const __m128i six = _mm_ternarylogic_epi32(low, high, top, 0xFE);                   // low | high | top
+    const __m128i six = six_bits(p);
     const __m512 dm = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
                                             _mm512_castps128_ps512(_mm_cvtph_ps(v)));    // [d x 8, dmin x 8]
     s = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(six)), dm);
@@ -851,8 +859,8 @@ struct Matrix {
       if (type == kQ6_K) {
         d[r] = half_to_float(row + 208);
         f[r] = 64.f;
+        _mm256_storeu_ps(mw + 8 * r, _mm256_setzero_ps());
         for (int j = 0; j < 8; ++j) {
-          mw[16 * j + r] = 0.f;
           const int g = j / 4, i = j % 4;
           const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 64 * g + 32 * (i & 1)));
           const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 128 + 32 * g));
@@ -865,16 +873,17 @@ struct Matrix {
         }
         continue;
       }
-      // Q4_K / Q5_K: the 6-bit sub-block scales sc[j] and minimums m[j] (bytes 4..15)
-      const uint8_t* q = row + 4;
-      const float dd = half_to_float(row), dmin = half_to_float(row + 2);
-      d[r] = dd;
+      // Q4_K / Q5_K: the 6-bit sub-block scales sc[j] and minimums m[j] (bytes 0..7 and 8..15 of six_bits)
+      alignas(16) uint8_t six[16];
+      _mm_store_si128(reinterpret_cast<__m128i*>(six), six_bits(row));
+      d[r] = half_to_float(row);
       f[r] = 128.f;
+      _mm256_storeu_ps(mw + 8 * r, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                                                     reinterpret_cast<const __m128i*>(six + 8)))),
+                                                 _mm256_set1_ps(-half_to_float(row + 2))));
       const __m256i qh = type == kQ5_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16)) : _mm256_setzero_si256();
       for (int j = 0; j < 8; ++j) {
-        const int sc = j < 4 ? q[j] & 63 : (q[j + 4] & 15) | ((q[j - 4] >> 6) << 4);
-        const int mn = j < 4 ? q[j + 4] & 63 : (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-        mw[16 * j + r] = -dmin * static_cast<float>(mn);
+        const int sc = six[j];
         const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + (type == kQ4_K ? 16 : 48) + 32 * (j / 2)));
         __m256i code = j % 2 == 0 ? _mm256_and_si256(b, nibble) : _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble);
         if (type == kQ5_K)

@@ -223,7 +223,7 @@ inline void product(const float* wg, int64_t g, bool high, const float* xp, int6
 // times that sum).
 //
 // Per (16-row block, super-block): weights [chunk 0: vl tile (16 rows x 64 int8), vh tile][chunk 1] .. [chunk 3]
-// then d[16], f[16], mw[8][16] floats; x [chunk 0: nh tile (B layout: 16 rows of 4-byte groups x 16 rows of x),
+// then d[16], f[16], mw[16][8] floats (row i's minimums' weights, 8 per row); x [chunk 0: nh tile (B layout: 16 rows of 4-byte groups x 16 rows of x),
 // nl tile] .. [chunk 3], then sx[16], xs[8][16] floats.
 constexpr int64_t kSuperTiles = 8192;
 constexpr int64_t kSuperWeightBytes = kSuperTiles + 10 * 64;
@@ -341,7 +341,7 @@ inline void super_scale(const uint8_t* w, const uint8_t* x, const int32_t (*t)[2
                                         _mm512_load_si512(t[3] + 16 * i));
     const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hv), _mm512_set1_ps(f[i]), _mm512_cvtepi32_ps(lv));
     __m512 a = _mm512_fmadd_ps(_mm512_mul_ps(v, sx), _mm512_set1_ps(d[i]), acc[i]);
-    for (int j = 0; j < 8; ++j) a = _mm512_fmadd_ps(_mm512_set1_ps(mw[16 * j + i]), _mm512_load_ps(xs + 16 * j), a);
+    for (int j = 0; j < 8; ++j) a = _mm512_fmadd_ps(_mm512_set1_ps(mw[8 * i + j]), _mm512_load_ps(xs + 16 * j), a);
     acc[i] = a;
   }
 }
