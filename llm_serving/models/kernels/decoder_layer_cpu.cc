@@ -848,10 +848,10 @@ struct Matrix {
       float* d = reinterpret_cast<float*>(dst + ai::kSuperD);
       float* f = reinterpret_cast<float*>(dst + ai::kSuperF);
       float* mw = reinterpret_cast<float*>(dst + ai::kSuperMins);
-      // codes[j]: the 32 codes of sub-block j as int16; v = its scale times them, split v = f vh + vl
-      auto put = [&](int j, __m512i v, int fbits) {
-        const __m512i vh = fbits == 7 ? _mm512_srli_epi16(v, 7) : _mm512_srai_epi16(_mm512_add_epi16(v, _mm512_set1_epi16(32)), 6);
-        const __m512i vl = _mm512_sub_epi16(v, fbits == 7 ? _mm512_slli_epi16(vh, 7) : _mm512_slli_epi16(vh, 6));
+      // Q6_K: v = sc (q - 32) of sub-block j's 32 weights (int16), split v = 64 vh + vl, vl in [-32, 31]
+      auto put = [&](int j, __m512i v) {
+        const __m512i vh = _mm512_srai_epi16(_mm512_add_epi16(v, _mm512_set1_epi16(32)), 6);
+        const __m512i vl = _mm512_sub_epi16(v, _mm512_slli_epi16(vh, 6));
         uint8_t* tile = dst + 2048 * (j / 2) + 64 * r + 32 * (j % 2);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(tile), _mm512_cvtepi16_epi8(vl));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(tile + 1024), _mm512_cvtepi16_epi8(vh));
@@ -869,7 +869,7 @@ struct Matrix {
           const __m256i code = _mm256_or_si256(low, _mm256_slli_epi16(top, 4));
           const __m512i sc = _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int8_t>(row[192 + 2 * j])),
                                                 _mm256_set1_epi16(static_cast<int8_t>(row[192 + 2 * j + 1])), 1);
-          put(j, _mm512_mullo_epi16(_mm512_sub_epi16(_mm512_cvtepu8_epi16(code), _mm512_set1_epi16(32)), sc), 6);
+          put(j, _mm512_mullo_epi16(_mm512_sub_epi16(_mm512_cvtepu8_epi16(code), _mm512_set1_epi16(32)), sc));
         }
         continue;
       }
@@ -881,17 +881,48 @@ struct Matrix {
       _mm256_storeu_ps(mw + 8 * r, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
                                                      reinterpret_cast<const __m128i*>(six + 8)))),
                                                  _mm256_set1_ps(-half_to_float(row + 2))));
+      // a chunk of 64 weights (sub-blocks 2c, 2c + 1: the low and high nibbles of the same 32 bytes) at a time:
+      // their codes index the two sub-blocks' rows of the split products' tables (byte permutes, no multiplies)
+      const ProductTables& tables = product_tables();
       const __m256i qh = type == kQ5_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16)) : _mm256_setzero_si256();
-      for (int j = 0; j < 8; ++j) {
-        const int sc = six[j];
-        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + (type == kQ4_K ? 16 : 48) + 32 * (j / 2)));
-        __m256i code = j % 2 == 0 ? _mm256_and_si256(b, nibble) : _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble);
-        if (type == kQ5_K)
-          code = _mm256_mask_add_epi8(code, _mm256_test_epi8_mask(qh, _mm256_set1_epi8(static_cast<char>(1 << j))), code,
-                                      _mm256_set1_epi8(16));
-        put(j, _mm512_mullo_epi16(_mm512_cvtepu8_epi16(code), _mm512_set1_epi16(static_cast<int16_t>(sc))), 7);
+      for (int c = 0; c < 4; ++c) {
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + (type == kQ4_K ? 16 : 48) + 32 * c));
+        __m256i low = _mm256_and_si256(b, nibble), high = _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble);
+        if (type == kQ5_K) {
+          const __m256i sixteen = _mm256_set1_epi8(16);
+          low = _mm256_mask_add_epi8(low, _mm256_test_epi8_mask(qh, _mm256_set1_epi8(static_cast<char>(1 << (2 * c)))), low, sixteen);
+          high = _mm256_mask_add_epi8(high, _mm256_test_epi8_mask(qh, _mm256_set1_epi8(static_cast<char>(2 << (2 * c)))), high, sixteen);
+        }
+        // index: the code, plus 32 for the second sub-block (the upper half of the 64-byte tables)
+        const __m512i index = _mm512_inserti64x4(_mm512_castsi256_si512(low), _mm256_add_epi8(high, _mm256_set1_epi8(32)), 1);
+        const uint8_t s0 = six[2 * c], s1 = six[2 * c + 1];
+        const __m512i lo_table = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_load_si256(reinterpret_cast<const __m256i*>(tables.lo[s0]))),
+                                                    _mm256_load_si256(reinterpret_cast<const __m256i*>(tables.lo[s1])), 1);
+        const __m512i hi_table = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_load_si256(reinterpret_cast<const __m256i*>(tables.hi[s0]))),
+                                                    _mm256_load_si256(reinterpret_cast<const __m256i*>(tables.hi[s1])), 1);
+        uint8_t* tile = dst + 2048 * c + 64 * r;
+        _mm512_storeu_si512(tile, _mm512_permutexvar_epi8(index, lo_table));
+        _mm512_storeu_si512(tile + 1024, _mm512_permutexvar_epi8(index, hi_table));
       }
     }
+  }
+
+  // The pieces of v = sc q (Q4_K/Q5_K: sc < 64, q < 32) for every scale and code: lo[sc][q] = v mod 128,
+  // hi[sc][q] = v / 128.
+  struct ProductTables {
+    alignas(64) uint8_t lo[64][32];
+    alignas(64) uint8_t hi[64][32];
+    ProductTables() {
+      for (int sc = 0; sc < 64; ++sc)
+        for (int q = 0; q < 32; ++q) {
+          lo[sc][q] = static_cast<uint8_t>(sc * q % 128);
+          hi[sc][q] = static_cast<uint8_t>(sc * q / 128);
+        }
+    }
+  };
+  static const ProductTables& product_tables() {
+    static const ProductTables tables;
+    return tables;
   }
 
   static void put_int(uint8_t* dst, int r, __m256i lo, const __m256i* hi, float sw, float mw) {

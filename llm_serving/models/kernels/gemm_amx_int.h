@@ -23,7 +23,7 @@
 
 #include "gemm_amx.h"
 
-#if defined(LLM_SERVING_AMX) && defined(__AMX_INT8__)
+#if defined(LLM_SERVING_AMX) && defined(__AMX_INT8__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
 #define LLM_SERVING_AMX_INT 1
 
 namespace llm_serving {
