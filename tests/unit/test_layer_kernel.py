@@ -93,10 +93,10 @@ def assert_child_exits_0(pid: int, seconds: float) -> None:
     pytest.fail(f"the forked child's kernel call did not return within {seconds:g} s")
 
 
-# The batched products' integer path (gemm_amx_int.h): from this many computed rows, where the library runs it
+# The batched products' integer path (gemm_amx_int.h): from this many computed rows (kIntGemmRows), where the library runs it
 # (AMX with int8 tiles, KernelInt on), a product whose parts all have integer codes takes its input rounded to 16
 # bits per block of 32 of each row (256 when every part is a K-quant); the references round the same way.
-INT_ROWS = 12
+INT_ROWS = 3
 INTEGER_CODES = {2, 3, 6, 7, 8, 12, 13, 14}
 K_QUANT_CODES = {12, 13, 14}
 
@@ -447,11 +447,22 @@ NEW_TYPES = (*K_QUANTS, GGUF_TYPES.Q5_0, GGUF_TYPES.Q5_1, GGUF_TYPES.BF16)
     (GGUF_TYPES.Q4_1, 2, 1), (GGUF_TYPES.Q4_1, 1, 6), (GGUF_TYPES.Q4_0, 2, 3), (GGUF_TYPES.Q4_0, 1, 2),
     (GGUF_TYPES.Q8_0, 3, 5), (GGUF_TYPES.Q8_0, 2, 1), (GGUF_TYPES.F16, 2, 2), (GGUF_TYPES.F16, 1, 7),
     *[(qtype, 1 + (batch + i) % 3, batch) for i, qtype in enumerate(NEW_TYPES) for batch in (1, 2, 3 + i % 4)]])
-def test_layer_reads_quantized_weights(library, qtype, threads, batch):
+@pytest.mark.parametrize("integer", [1, 0], ids=["integer", "tiles"])
+def test_layer_reads_quantized_weights(library, qtype, threads, batch, integer):
     """GGUF's own blocks in (as the file holds them): the layer equals the float64 layer on the dequantized
     weights, with the norms' gains applied to the activations instead of folded into the rows. One or two rows
-    decode the blocks in registers, more share a dequantized tile: both ways for every type. K-quants' rows are
-    super-blocks of 256 weights: their layer's widths are multiples of 256."""
+    decode the blocks in registers, more share a dequantized tile (KernelInt(0), as on CPUs without AMX) or run
+    on the integer tiles where they are: every way for every type. K-quants' rows are super-blocks of 256
+    weights: their layer's widths are multiples of 256."""
+    library.KernelInt.argtypes = [ctypes.c_int]
+    library.KernelInt(integer)
+    try:
+        layer_reads(library, qtype, threads, batch)
+    finally:
+        library.KernelInt(1)
+
+
+def layer_reads(library, qtype, threads, batch):
     rng = np.random.default_rng(int(qtype) + batch)
     if qtype in K_QUANTS:
         layer = Layer(rng, hidden=256, heads=4, kv_heads=2, head_dim=64, inter=512, batch=batch)

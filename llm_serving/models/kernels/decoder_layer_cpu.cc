@@ -1226,6 +1226,11 @@ constexpr int64_t kAmxGemmRows = 12;
 // rows: the bench model (float32, 512 wide) served 16 streams 20% slower through the batched path at 16 rows
 // than through the tiles, and 17% faster at 64 (bench/peers.py, A/B in one session).
 constexpr int64_t kFloatGemmRows = 32;
+// Layers (and lm_heads) whose weights all have integer codes, where the integer tiles run (gemm_amx_int.h), from
+// this many rows: 2 rows stay in registers (qdot: 2x faster there), from 3 the tiles win (bench/layer_kernel_gemm.py,
+// CPU time of a Q4_K layer against the dequantized tiles: 3 rows 1.23x, 4 1.6x, 8 1.57x, 10 1.73x; Q6_K 3-4 rows
+// 1.2x).
+constexpr int64_t kIntGemmRows = 3;
 inline int64_t gemm_rows(bool amx, bool float32) {
   return float32 ? kFloatGemmRows : amx ? kAmxGemmRows : kGemmRows;
 }
@@ -1794,13 +1799,15 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
   const bool amx = amx_enabled();
   const bool float32 = q_w.type == kF32 && k_w.type == kF32 && v_w.type == kF32 && o_w.type == kF32 &&
                        gate_w.type == kF32 && up_w.type == kF32 && down_w.type == kF32;
-  const bool batched = rows >= gemm_rows(amx, float32);
   // which products run on the integer tiles (gemm_amx_int.h): q/k/v, o, gate/up, down
-  const bool ints = batched && int_enabled(amx);
   const Matrix* gate_up[2] = {&gate_w, &up_w};
   const Matrix* qkv_parts[3] = {&q_w, &k_w, &v_w};
   const Matrix* o_part[1] = {&o_w};
   const Matrix* down_part[1] = {&down_w};
+  const Matrix* all_parts[7] = {&q_w, &k_w, &v_w, &o_w, &gate_w, &up_w, &down_w};
+  const bool ints_here = int_enabled(amx);
+  const bool batched = rows >= (integer_product(all_parts, 7, ints_here) != kNoInt ? kIntGemmRows : gemm_rows(amx, float32));
+  const bool ints = batched && ints_here;
   const int int_qkv = integer_product(qkv_parts, 3, ints), int_o = integer_product(o_part, 1, ints),
              int_gate_up = integer_product(gate_up, 2, ints), int_down = integer_product(down_part, 1, ints);
   float* xp = batched ? sized_aligned(s.packed, gemm_x_floats(rows, kmax, amx)) : nullptr;
@@ -2038,10 +2045,11 @@ extern "C" int FinalLogits(int nparam, void** params, int* ndims, int64_t** shap
   // after (whichever thread took a chunk, the result is the same to the bit)
   // batched (gemm_cpu.h): chunks of whole groups of rows, x packed once (shared) after every thread normalized it
   const bool amx = amx_enabled();
-  const bool batched = live >= gemm_rows(amx, w.type == kF32);
-  const int64_t align = batched ? gemm_group(h, amx) : 4;
   const Matrix* lm_part[1] = {&w};
-  const int ints = batched ? integer_product(lm_part, 1, int_enabled(amx)) : kNoInt;
+  const int lm_ints = integer_product(lm_part, 1, int_enabled(amx));
+  const bool batched = live >= (lm_ints != kNoInt ? kIntGemmRows : gemm_rows(amx, w.type == kF32));
+  const int64_t align = batched ? gemm_group(h, amx) : 4;
+  const int ints = batched ? lm_ints : kNoInt;
   const int64_t chunk = chunk_rows(vocab, p.threads(), align), chunks = (vocab + chunk - 1) / chunk;
   float* partial = Scratch::sized(s.scores, chunks * live * 3);
   float* tiles = Scratch::sized(s.tiles, p.threads() * 4 * h);
