@@ -33,6 +33,9 @@
 // every few weight rows. Where the CPU has AMX (and Linux grants the tile state) the batched products run on its
 // tiles instead (gemm_amx.h: bfloat16 pieces of float32, float32's precision), from kAmxGemmRows rows;
 // LLM_SERVING_KERNEL_AMX=0 in the environment (read once per process) or KernelAmx(0) keeps the FMA kernel.
+// Weights of integer codes (the Q-types, not F32/F16/BF16) run on AMX's int8 tiles from kIntGemmRows (3) rows
+// (gemm_amx_int.h: the codes as int8, x rounded to 16 bits per block; per super-block for the K-quants);
+// LLM_SERVING_KERNEL_INT=0 or KernelInt(0) keeps them on the paths above.
 //
 // DecoderLayer(x, positions, slots, block_tables, context_lens, tree_bits, cos, sin, lora, q_w, k_w, v_w, qkv_bias,
 //              o_w, gate_w, up_w, down_w, input_gain, post_gain, key_cache, value_cache, lora_qkv_a, lora_qkv_b,
