@@ -489,6 +489,21 @@ def test_layer_mixes_weight_types(library):
     assert_layer_close(layer, arrays[-1], want)
 
 
+@pytest.mark.parametrize("batch", [4, 20])
+def test_a_product_mixing_block_types_and_k_quants(library, batch):
+    """q/k/v of Q8_0, Q4_0 and Q6_K run a block of 32 at a time on the integer path, Q6_K's second pieces in the
+    same row blocks as the others' zeros; gate/up of Q6_K and Q4_K a super-block at a time (per-row factors)."""
+    rng = np.random.default_rng(90 + batch)
+    layer = Layer(rng, hidden=256, heads=4, kv_heads=2, head_dim=64, inter=512, batch=batch, num_blocks=6 * batch + 6)
+    layer.quantize({"q_w": GGUF_TYPES.Q8_0, "k_w": GGUF_TYPES.Q4_0, "v_w": GGUF_TYPES.Q6_K, "o_w": GGUF_TYPES.Q5_1,
+                    "gate_w": GGUF_TYPES.Q6_K, "up_w": GGUF_TYPES.Q4_K, "down_w": GGUF_TYPES.Q5_0}, rng)
+    want, keys, values = layer.reference(library)
+    arrays = layer.arrays(2)
+    assert invoke(library.DecoderLayer, arrays) == 0
+    assert_layer_close(layer, arrays[-1], want)
+    assert_cache_close(layer, layer.value_cache, values)
+
+
 @pytest.mark.parametrize("batch,threads", [(1, 2), (3, 1), (12, 2)])
 def test_each_part_of_a_fused_product_has_its_own_type(library, batch, threads):
     """q, k and v (and gate and up) are separate inputs, each in the type the file stores it: a Q4_K_M file keeps
