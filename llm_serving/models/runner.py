@@ -201,7 +201,7 @@ class ModelRunner:
                       tp_timeout_s: float) -> None:
         import mindspore as ms
         from .llama import DecodeRun, LlamaForCausalLM
-        from .sampler import Penalizer, Sampler, TopLogprobs
+        from .sampler import KernelSampler, Penalizer, Sampler, TopLogprobs
 
         cfg = self.config
         self._ms = ms
@@ -209,16 +209,20 @@ class ModelRunner:
         self.all_reduce = make_all_reduce(self.tp, self.device_target, timeout_s=tp_timeout_s, kernel=reduce_kernel)
         self.tp_timeout_s = tp_timeout_s
         self.collective_calls = 0        # model graph calls completed (all-reduces made with the peers)
+        kernel_threads = num_threads or len(os.sched_getaffinity(0))
         self.model = LlamaForCausalLM(cfg, weights, num_slots=self.num_slots, block_size=self.block_size,
                                       max_positions=self.max_context, device_target=self.device_target,
                                       decode_kernel=self.decode_kernel,
-                                      kernel_threads=num_threads or len(os.sched_getaffinity(0)),
+                                      kernel_threads=kernel_threads,
                                       tp=self.tp, all_reduce=self.all_reduce, layer_kernel=self.layer_kernel,
                                       layer_kernel_rows=self.spec.layer_kernel_rows, quantized=quantized,
                                       lora_slots=self.lora_slots, lora_rank=self.lora_rank)
         self.decode_run = DecodeRun(self.model, self.decode_run_steps) if self.decode_run_steps > 1 else None
         self.sampler = Sampler(cfg.vocab_size, filters=True)          # some sampling row uses top-k/top-p
-        self.plain_sampler = Sampler(cfg.vocab_size, filters=False)   # temperature only
+        # temperature only: the layer kernel library's SampleLogits where there is one (MindSpore's graph of it keeps
+        # ~7 logits-sized buffers per batch size for the life of the process)
+        self.plain_sampler = (KernelSampler(self.layer_kernel, kernel_threads) if self.layer_kernel is not None
+                              else Sampler(cfg.vocab_size, filters=False))
         self.top_k_logprobs = min(TOP_LOGPROBS, cfg.vocab_size)
         self.top_logprobs = TopLogprobs(self.top_k_logprobs)             # some row asks for top logprobs
         self.penalizer = Penalizer()                                    # some row has a sampling penalty

@@ -21,12 +21,14 @@ batch 32. Splitting keeps greedy steps at the cost of greedy only.
 """
 from __future__ import annotations
 
+import numpy as np
 import mindspore as ms
-from mindspore import nn, ops
+from mindspore import Tensor, nn, ops
 
 from .attention import MASK_VALUE
+from .kernels.signatures import SAMPLE_LOGITS
 
-__all__ = ["MAX_CANDIDATES", "Penalizer", "Sampler", "TopLogprobs", "greedy_pick", "token_logprob"]
+__all__ = ["MAX_CANDIDATES", "KernelSampler", "Penalizer", "Sampler", "TopLogprobs", "greedy_pick", "token_logprob"]
 
 MAX_CANDIDATES = 1024
 
@@ -97,6 +99,29 @@ class Sampler(nn.Cell):
         ok = ops.gather_elements(probs, 1, token.reshape(b, 1)).reshape(b) > 0.0         # (B,)
         token = ops.select(ops.logical_and(ok, do_sample), token, greedy)                 # (B,)
         return token, token_logprob(logits, token)
+
+
+class KernelSampler(nn.Cell):
+    """Sampler(filters=False) as one CPU kernel (kernels/decoder_layer_cpu.cc's SampleLogits, from the layer
+    kernel's library `layer_kernel`): the same construct arguments (top_k and top_p unused) and results (tokens the
+    same but at a cumulative probability within float32 rounding of u; logprobs within ~1e-5). MindSpore's
+    sampler graph keeps ~7 logits-sized (B, V) buffers per compiled batch size for the life of the process
+    (~150 MiB for batches 1..64 at vocab 49k); the kernel's live in a reused per-thread scratch."""
+
+    def __init__(self, layer_kernel: str, threads: int):
+        super().__init__()
+        self.kernel = ops.Custom(f"{layer_kernel}:SampleLogits", func_type="aot",
+                                 out_shape=lambda logits, *_: ((logits[0],), (logits[0],)),
+                                 out_dtype=lambda *_: (ms.int32, ms.float32))
+        self.held = SAMPLE_LOGITS.held(iconfig=Tensor(np.array([threads], np.int32)))
+        SAMPLE_LOGITS.check_call(self.sample)
+
+    def sample(self, logits, temperature, random_u):
+        return self.kernel(logits, temperature, random_u, *self.held)
+
+    def construct(self, logits, temperature, top_k, top_p, random_u):
+        # logits (B, V) float32; temperature, random_u (B,) float32 -> token (B,) int32, logprob (B,) float32
+        return self.sample(logits, temperature, random_u)
 
 
 class Penalizer(nn.Cell):

@@ -2152,3 +2152,93 @@ extern "C" int EmbedTokens(int nparam, void** params, int* ndims, int64_t** shap
   }
   return 0;
 }
+
+// SampleLogits(logits (R, V) float32, temperature (R,) float32, random_u (R,) float32, iconfig [threads]) ->
+// token (R,) int32, logprob (R,) float32: sampler.py's Sampler(filters=False) as one kernel. A row of
+// temperature > 0 samples from softmax(logits / temperature) by inverse CDF with its uniform u (the first token
+// whose cumulative probability, summed in id order, exceeds u times the total; a token of probability 0 there
+// falls back to greedy); other rows are greedy (the first index of the largest logit). logprob is
+// log_softmax(logits) at the token (temperature 1). As a kernel its (R, V) intermediates live in each thread's
+// reused scratch: as MindSpore's ops they were ~7 logits-sized buffers that every compiled sampler graph (one
+// per batch size) kept for the life of the process.
+#define SAMPLE_LOGITS_PARAMS(P)                                                                                  \
+  P(LOGITS, "logits", 2, "float32") P(TEMPERATURE, "temperature", 1, "float32")                                  \
+  P(RANDOM_U, "random_u", 1, "float32") P(ICFG, "iconfig", 1, "int32")                                           \
+  P(TOKEN, "token", 1, "int32") P(LOGPROB, "logprob", 1, "float32")
+
+namespace {
+const llm_serving::ParamSpec kSampleLogitsParams[] = {SAMPLE_LOGITS_PARAMS(LLM_SERVING_PARAM_SPEC)};
+}  // namespace
+
+extern "C" const char* SampleLogitsParams() { return LLM_SERVING_DESCRIBED(kSampleLogitsParams); }
+
+extern "C" int SampleLogits(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
+                            void* stream, void* extra) {
+  (void)stream;
+  (void)extra;
+  enum { SAMPLE_LOGITS_PARAMS(LLM_SERVING_PARAM_ENUM) NPARAM };
+  if (!llm_serving::params_match(kSampleLogitsParams, NPARAM, nparam, ndims, dtypes)) return 1;
+  const int64_t rows = shapes[LOGITS][0], vocab = shapes[LOGITS][1];
+  if (shapes[TEMPERATURE][0] != rows || shapes[RANDOM_U][0] != rows || shapes[ICFG][0] != 1 ||
+      shapes[TOKEN][0] != rows || shapes[LOGPROB][0] != rows || vocab < 1) {
+    return 2;
+  }
+  const auto* logits = static_cast<const float*>(params[LOGITS]);
+  const auto* temperature = static_cast<const float*>(params[TEMPERATURE]);
+  const auto* random_u = static_cast<const float*>(params[RANDOM_U]);
+  const int threads = std::max(1, static_cast<const int32_t*>(params[ICFG])[0]);
+  auto* token = static_cast<int32_t*>(params[TOKEN]);
+  auto* logprob = static_cast<float*>(params[LOGPROB]);
+  if (rows == 0) return 0;
+  Pool& p = pool(threads);
+  std::lock_guard<std::mutex> lock(p.call_mutex());
+  Scratch& s = p.scratch();
+  float* probs_all = Scratch::sized(s.scores, static_cast<size_t>(p.threads()) * vocab);
+  p.run([&](int tid, int nthreads) {
+    float* probs = probs_all + tid * vocab;
+    for (int64_t b = tid; b < rows; b += nthreads) {
+      const float* l = logits + b * vocab;
+      float mx = l[0];
+      int64_t at = 0;
+      for (int64_t i = 1; i < vocab; ++i) {
+        if (l[i] > mx) {
+          mx = l[i];
+          at = i;
+        }
+      }
+      int64_t tok = at;
+      const float t = temperature[b];
+      if (t > 0.f) {
+        // softmax(logits / t): its max is the greedy logit's
+        const float smx = mx / t;
+        float sum = 0.f;
+        for (int64_t i = 0; i < vocab; ++i) {
+          probs[i] = std::exp(l[i] / t - smx);
+          sum += probs[i];
+        }
+        const float inv = 1.f / sum;
+        float total = 0.f;
+        for (int64_t i = 0; i < vocab; ++i) {
+          probs[i] *= inv;
+          total += probs[i];
+        }
+        const float threshold = random_u[b] * total;
+        int64_t pick = vocab - 1;
+        float cdf = 0.f;
+        for (int64_t i = 0; i < vocab; ++i) {
+          cdf += probs[i];
+          if (cdf > threshold) {
+            pick = i;
+            break;
+          }
+        }
+        if (probs[pick] > 0.f) tok = pick;
+      }
+      float sum1 = 0.f;
+      for (int64_t i = 0; i < vocab; ++i) sum1 += std::exp(l[i] - mx);
+      token[b] = static_cast<int32_t>(tok);
+      logprob[b] = (l[tok] - mx) - std::log(sum1);
+    }
+  }, /*last_of_step=*/true);
+  return 0;
+}

@@ -18,8 +18,8 @@ import ctypes
 import inspect
 from dataclasses import dataclass
 
-__all__ = ["DECODER_LAYER", "EMBED_TOKENS", "FINAL_LOGITS", "KERNEL_SIGNATURES", "KernelParam", "KernelSignature",
-           "KernelSignatureError", "check_library", "check_params"]
+__all__ = ["DECODER_LAYER", "EMBED_TOKENS", "FINAL_LOGITS", "KERNEL_SIGNATURES", "SAMPLE_LOGITS", "KernelParam",
+           "KernelSignature", "KernelSignatureError", "check_library", "check_params"]
 
 
 class KernelSignatureError(RuntimeError):
@@ -134,8 +134,15 @@ EMBED_TOKENS = KernelSignature(
     held_inputs=(_p("table", 2, "weight"), _p("iconfig", 1, "int32")),
     outputs=(_p("out", 2, "float32"),))
 
+# decoder_layer_cpu.cc's SampleLogits: sampler.py's temperature-only Sampler as one kernel
+SAMPLE_LOGITS = KernelSignature(
+    "SampleLogits",
+    call_inputs=(_p("logits", 2, "float32"), _p("temperature", 1, "float32"), _p("random_u", 1, "float32")),
+    held_inputs=(_p("iconfig", 1, "int32"),),
+    outputs=(_p("token", 1, "int32"), _p("logprob", 1, "float32")))
+
 # kernel source -> the signatures its library is checked against when built
-KERNEL_SIGNATURES = {"decoder_layer_cpu": (DECODER_LAYER, FINAL_LOGITS, EMBED_TOKENS)}
+KERNEL_SIGNATURES = {"decoder_layer_cpu": (DECODER_LAYER, FINAL_LOGITS, EMBED_TOKENS, SAMPLE_LOGITS)}
 
 
 def check_params(signature: KernelSignature, compiled: str, source: str = "the kernel library") -> None:
