@@ -2208,14 +2208,16 @@ extern "C" int SampleLogits(int nparam, void** params, int* ndims, int64_t** sha
       }
       int64_t tok = at;
       const float t = temperature[b];
+      float sum1 = -1.f;                       // sum of e^(logit - max), for the logprob
       if (t > 0.f) {
         // softmax(logits / t): its max is the greedy logit's
         const float smx = mx / t;
         float sum = 0.f;
         for (int64_t i = 0; i < vocab; ++i) {
-          probs[i] = std::exp(l[i] / t - smx);
+          probs[i] = llm_serving::exp_nonpositive(l[i] / t - smx);
           sum += probs[i];
         }
+        if (t == 1.f) sum1 = sum;              // (l / 1 - mx / 1 is l - mx exactly)
         const float inv = 1.f / sum;
         float total = 0.f;
         for (int64_t i = 0; i < vocab; ++i) {
@@ -2234,8 +2236,10 @@ extern "C" int SampleLogits(int nparam, void** params, int* ndims, int64_t** sha
         }
         if (probs[pick] > 0.f) tok = pick;
       }
-      float sum1 = 0.f;
-      for (int64_t i = 0; i < vocab; ++i) sum1 += std::exp(l[i] - mx);
+      if (sum1 < 0.f) {
+        sum1 = 0.f;
+        for (int64_t i = 0; i < vocab; ++i) sum1 += llm_serving::exp_nonpositive(l[i] - mx);
+      }
       token[b] = static_cast<int32_t>(tok);
       logprob[b] = (l[tok] - mx) - std::log(sum1);
     }
