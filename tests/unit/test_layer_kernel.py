@@ -866,3 +866,37 @@ def test_the_environment_turns_the_integer_path_off(library_path, library, integ
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                              env={**os.environ, "LLM_SERVING_KERNEL_INT": env}).stdout.strip()
         assert out == want, (env, out)
+
+
+def test_sample_logits_follows_the_sampling_rule(library):
+    """SampleLogits (the temperature-only sampler as a kernel): a row of temperature t > 0 takes the first token
+    whose cumulative softmax(logits / t), in id order, exceeds u times the total; temperature 0 is greedy (the
+    first index of the largest logit); the log-probability is log_softmax(logits) at the token (temperature 1)."""
+    from llm_serving.models.kernels.signatures import SAMPLE_LOGITS
+
+    rng = np.random.default_rng(3)
+    rows, vocab = 9, 1000
+    logits = (rng.standard_normal((rows, vocab)) * 3).astype(np.float32)
+    logits[0, [17, 400]] = logits[0].max() + 1                # a tie: greedy takes the first
+    temperature = np.array([0, 0, 0.5, 0.7, 1, 1, 2, 1.3, 0], np.float32)
+    want = np.empty(rows, np.int64)
+    u = np.empty(rows, np.float32)
+    for b in range(rows):
+        if temperature[b] == 0:
+            want[b], u[b] = int(np.argmax(logits[b])), rng.random()
+            continue
+        z = logits[b].astype(np.float64) / temperature[b]
+        p = np.exp(z - z.max())
+        cdf = np.cumsum(p / p.sum())
+        pick = int(rng.integers(0, 50)) if b % 2 else int(np.argmax(p))   # some tokens, the likeliest among them
+        lo = cdf[pick - 1] if pick else 0.0
+        want[b], u[b] = pick, (lo + cdf[pick]) / 2               # u in the middle of the token's interval
+    token, logprob = np.empty(rows, np.int32), np.empty(rows, np.float32)
+    args = [*SAMPLE_LOGITS.args(logits=logits, temperature=temperature, random_u=u,
+                                iconfig=np.array([2], np.int32)), token, logprob]
+    assert invoke(library.SampleLogits, args) == 0
+    assert token.tolist() == want.tolist()
+    l64 = logits.astype(np.float64)
+    log_softmax = l64 - l64.max(-1, keepdims=True) - np.log(np.exp(l64 - l64.max(-1, keepdims=True)).sum(-1, keepdims=True))
+    np.testing.assert_allclose(logprob, log_softmax[np.arange(rows), want], rtol=1e-5, atol=1e-5)
+    assert invoke(library.SampleLogits, [*args[:2], u[:3], *args[3:]]) == 2          # rows that do not agree
