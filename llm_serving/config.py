@@ -42,13 +42,16 @@ class ConfigError(ValueError):
     """A configuration value is missing, unknown or out of range; the message names the key."""
 
 
-def decode_buckets_for(max_num_seqs: int) -> list:
-    """Default decode buckets (rows per decode graph): 1, then 4, 8, 16, ... and max_num_seqs itself. A step pads
-    to the next bucket, wasting less than half of it; a small step is bound by reading the weights, so padding
-    2 or 3 rows to 4 costs little, and each bucket is a graph to compile at start."""
+def decode_buckets_for(max_num_seqs: int, device_target: str = "CPU") -> list:
+    """Default decode buckets (rows per decode graph): 1, then 4, 16, 64, ... on the CPU, 4, 8, 16, ... elsewhere,
+    and max_num_seqs itself. A step pads to the next bucket. On the CPU the kernels skip the padding rows at the
+    end of a batch (they cost nothing there), while every bucket is a step graph and a decode-run graph whose
+    compile state MindSpore keeps (~40 MiB a bucket on a 1B model): fewer, wider buckets. Elsewhere (Ascend)
+    padding is computed: doubling buckets waste less than half of a step."""
+    growth = 4 if device_target == "CPU" else 2
     sizes = [1]
     while sizes[-1] < max_num_seqs:
-        sizes.append(min(max(sizes[-1] * 2, 4), max_num_seqs))
+        sizes.append(min(max(sizes[-1] * growth, 4), max_num_seqs))
     return sizes
 
 
@@ -89,7 +92,7 @@ class ModelConfig:
     vocab_size: Optional[int] = None          # if given, must match the checkpoint
     seq_length: list = field(default_factory=lambda: [32, 128, 512])     # prefill tokens-per-row buckets
     prefill_batch_size: list = field(default_factory=lambda: [1, 4])     # prefill rows buckets
-    decode_batch_size: Optional[list] = None  # decode buckets (rows); null = 1, then 4, 8, 16, ... up to
+    decode_batch_size: Optional[list] = None  # decode buckets (rows); null = 1, then 4, 16, 64 (CPU), ... up to
                                               # serving_config.max_num_seqs (see decode_buckets_for)
     zactivate_len: Optional[list] = None      # decode KV-length buckets (tokens), as llm-serving names them;
                                               # null = a quarter, half and all of the longest request
@@ -515,7 +518,7 @@ class Config:
         if sc.max_num_seqs is None:
             sc.max_num_seqs = mc.decode_batch_size[-1] if mc.decode_batch_size else DEFAULT_MAX_NUM_SEQS
         if mc.decode_batch_size is None:
-            mc.decode_batch_size = decode_buckets_for(sc.max_num_seqs)
+            mc.decode_batch_size = decode_buckets_for(sc.max_num_seqs, mc.device_target)
         _check(sc.max_num_batched_tokens >= sc.max_num_seqs, "serving_config.max_num_batched_tokens",
                sc.max_num_batched_tokens, f"must be >= serving_config.max_num_seqs ({sc.max_num_seqs}) so that "
                "one decode step can take every running request")

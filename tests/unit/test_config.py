@@ -107,9 +107,11 @@ def test_scheduler_config_defaults_and_chunked_prefill_lifts_the_length_limit():
 def test_decode_buckets_and_max_num_seqs_derive_from_each_other():
     cfg = config_from_dict({})
     assert cfg.serving_config.max_num_seqs == 64
-    assert cfg.model_config.decode_batch_size == [1, 4, 8, 16, 32, 64]
+    assert cfg.model_config.decode_batch_size == [1, 4, 16, 64]               # the CPU kernels skip padding rows
     cfg = config_from_dict({}, ("serving_config.max_num_seqs=100",))
-    assert cfg.model_config.decode_batch_size == [1, 4, 8, 16, 32, 64, 100]     # the last bucket fits exactly
+    assert cfg.model_config.decode_batch_size == [1, 4, 16, 64, 100]         # the last bucket fits exactly
+    cfg = config_from_dict({}, ("model_config.device_target=Ascend",))
+    assert cfg.model_config.decode_batch_size == [1, 4, 8, 16, 32, 64]       # padding is computed there
     cfg = config_from_dict({}, ("serving_config.max_num_seqs=3",))
     assert cfg.model_config.decode_batch_size == [1, 3]
     cfg = config_from_dict({}, ("model_config.decode_batch_size=[1,2,24]",))   # buckets given: they bound it
