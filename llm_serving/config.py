@@ -55,6 +55,23 @@ def decode_buckets_for(max_num_seqs: int, device_target: str = "CPU") -> list:
     return sizes
 
 
+# agent_huge_pages auto: huge pages for checkpoints smaller than this (see ServingConfig.agent_huge_pages)
+HUGE_PAGES_MAX_BYTES = 512 << 20
+
+
+def agent_huge_pages(setting: str, model_dir: Optional[str]) -> bool:
+    """Whether agents start with huge pages: serving_config.agent_huge_pages (auto: for a checkpoint whose
+    files, a GGUF or a directory's weight files, take less than HUGE_PAGES_MAX_BYTES; a built-in model: yes)."""
+    if setting != "auto":
+        return setting == "on"
+    path = Path(model_dir) if model_dir else None
+    if path is None or not path.exists():
+        return True
+    files = [path] if path.is_file() else [f for f in path.iterdir()
+                                           if f.suffix in (".gguf", ".safetensors", ".bin", ".npy")]
+    return sum(f.stat().st_size for f in files) < HUGE_PAGES_MAX_BYTES
+
+
 def _yaml_switch(value):
     """YAML 1.1 reads a bare on / off as true / false: give such a setting its word back."""
     return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
@@ -192,10 +209,12 @@ class ServingConfig:
     max_waiting_requests: int = 1024          # queue bound; past it requests get 429
     step_timeout_s: float = 120.0             # an agent that does not answer a step in time is dead
     agent_start_timeout_s: float = 900.0      # load + compile every bucket
-    # agents back their large allocations (weights, KV cache) with transparent huge pages (glibc's
-    # malloc.hugetlb tunable in their environment): a decode step streams every weight, and 4 KiB pages
-    # cost it ~20% on this machine's CPU (docs/BENCHMARKS.md); no effect where THP is off or glibc is old
-    agent_huge_pages: bool = True
+    # agents back their allocations with transparent huge pages (glibc's malloc.hugetlb tunable in their
+    # environment): on small models a decode step streaming every weight pays ~20% for 4 KiB pages' walks
+    # (SmolLM2 1.19x, the float32 bench model 1.11x at one stream), while on a 1B Q4_K_M they changed no speed
+    # and added ~400 MiB (2 MiB pages only partly used); auto: on for checkpoints under HUGE_PAGES_MAX_BYTES
+    # (docs/BENCHMARKS.md). No effect where THP is off or glibc is old.
+    agent_huge_pages: Any = "auto"
     max_body_bytes: int = 1 << 20             # HTTP request body limit
     # supervision: a dead or hung agent fails the requests it was running, then the group restarts after
     # a back-off that doubles per failure; more than max_agent_restarts failures within
@@ -261,8 +280,9 @@ class ServingConfig:
             _check(isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0,
                    f"serving_config.{key}", value, "must be a number of seconds >= 0")
         _check_int("serving_config.max_agent_restarts", self.max_agent_restarts, min_value=0)
-        _check(isinstance(self.agent_huge_pages, bool), "serving_config.agent_huge_pages", self.agent_huge_pages,
-               "must be true or false")
+        self.agent_huge_pages = _yaml_switch(self.agent_huge_pages)
+        _check(self.agent_huge_pages in ("auto", "on", "off"), "serving_config.agent_huge_pages",
+               self.agent_huge_pages, "must be auto, on or off")
         if self.api_key is not None:   # the message never shows the key itself
             _check(isinstance(self.api_key, str) and len(self.api_key) >= 8 and self.api_key.isprintable()
                    and not any(c.isspace() for c in self.api_key), "serving_config.api_key", "<hidden>",

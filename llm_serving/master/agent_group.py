@@ -21,6 +21,7 @@ import subprocess
 import sys
 from typing import Optional
 
+from llm_serving.config import agent_huge_pages
 from llm_serving.agents import protocol as proto
 from llm_serving.agents.lifetime import spawn
 from llm_serving.models.parallel import all_reduce_backend, cluster_env
@@ -405,7 +406,7 @@ class AgentGroup:
             proto.ENV_CONFIG: json.dumps({"config": config, "model_dir": self.model_dir, "rank": rank,
                                           "tp_comm": self.comm.name if self.comm is not None else None}),
             proto.ENV_TOKEN: self._token, proto.ENV_STATUS_FD: str(write_fd)},
-            huge_pages=self.config.serving_config.agent_huge_pages)
+            huge_pages=agent_huge_pages(self.config.serving_config.agent_huge_pages, self.model_dir))
         process = spawn([sys.executable, "-m", "llm_serving.agents.server"], env, workdir, pass_fds=(write_fd,))
         os.close(write_fd)
         reader = asyncio.StreamReader()

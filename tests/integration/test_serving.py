@@ -157,7 +157,7 @@ def test_health_lists_live_agents(stories_server):
     status, body = http("GET", stories_server.url + "/health")
     assert status == 200 and body["status"] == "ok"
     assert [a["pid"] for a in body["agents"]] == stories_server.agent_pids()
-    # agents start with their memory in huge pages (serving_config.agent_huge_pages, on by default)
+    # agents start with their memory in huge pages (serving_config.agent_huge_pages auto: a small checkpoint)
     for pid in stories_server.agent_pids():
         environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
         assert any(v.startswith(b"GLIBC_TUNABLES=") and b"glibc.malloc.hugetlb=1" in v for v in environ)

@@ -80,7 +80,7 @@ model_path:
     ({"serving_config": {"max_agent_restarts": -1}}, "serving_config.max_agent_restarts=-1"),
     ({"serving_config": {"agent_restart_window_s": 0}}, "serving_config.agent_restart_window_s=0"),
     ({"serving_config": {"shutdown_grace_s": -1}}, "serving_config.shutdown_grace_s=-1"),
-    ({"serving_config": {"agent_huge_pages": "on"}}, "serving_config.agent_huge_pages='on'"),
+    ({"serving_config": {"agent_huge_pages": "sometimes"}}, "serving_config.agent_huge_pages='sometimes'"),
     ({"serving_config": {"api_key": "short"}}, "serving_config.api_key='<hidden>'"),
     ({"serving_config": {"api_key": "has a space in it"}}, "without spaces"),
 ])
@@ -321,3 +321,28 @@ def test_lora_config_names_slots_and_rank():
             config_from_dict({"lora_config": {"adapters": {"a": "/a", "b": "/b"}, "slots": slots}})
     with pytest.raises(ConfigError, match="served model's own name"):
         config_from_dict({"lora_config": {"adapters": {"m": "/a"}}}, ["model_config.model_name=m"])
+
+
+def test_agent_huge_pages_auto_goes_by_the_checkpoint_size(tmp_path):
+    """auto: huge pages for checkpoints under HUGE_PAGES_MAX_BYTES (a GGUF file, or a directory's weight files;
+    a built-in model's name is not a path: small); on and off (and YAML's true / false) as given."""
+    from llm_serving.config import HUGE_PAGES_MAX_BYTES, agent_huge_pages
+
+    small, big = tmp_path / "small.gguf", tmp_path / "big.gguf"
+    small.write_bytes(b"\0" * 1024)
+    with open(big, "wb") as f:                       # sparse: its size, not its blocks
+        f.truncate(HUGE_PAGES_MAX_BYTES + 1)
+    shards = tmp_path / "hf"
+    shards.mkdir()
+    for i in range(2):
+        with open(shards / f"model-{i}.safetensors", "wb") as f:
+            f.truncate(HUGE_PAGES_MAX_BYTES // 2 + 1)
+    (shards / "tokenizer.json").write_bytes(b"{}")
+    assert agent_huge_pages("auto", str(small)) is True
+    assert agent_huge_pages("auto", str(big)) is False
+    assert agent_huge_pages("auto", str(shards)) is False     # the shards together
+    assert agent_huge_pages("auto", "builtin:tiny-llama") is True
+    assert agent_huge_pages("on", str(big)) is True and agent_huge_pages("off", str(small)) is False
+    cfg = config_from_dict({"serving_config": {"agent_huge_pages": False}})
+    assert cfg.serving_config.agent_huge_pages == "off"
+    assert config_from_dict({}).serving_config.agent_huge_pages == "auto"
