@@ -66,18 +66,20 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
 };
 
-// Holds the tile configuration for its lifetime: the tiles are configured for one thread's part of one product
+// Holds a tile configuration for its lifetime: the tiles are configured for one thread's part of one product
 // and released after it, so that a thread idle between kernels (the pool's workers sleep there) carries no tile
 // state (the kernel would save and restore 8 KB of it on every context switch).
-struct Tiles {
-  Tiles() {
-    static const TileConfig config;
+template <typename Config>
+struct ConfiguredTiles {
+  ConfiguredTiles() {
+    static const Config config;
     _tile_loadconfig(&config);
   }
-  ~Tiles() { _tile_release(); }
-  Tiles(const Tiles&) = delete;
-  Tiles& operator=(const Tiles&) = delete;
+  ~ConfiguredTiles() { _tile_release(); }
+  ConfiguredTiles(const ConfiguredTiles&) = delete;
+  ConfiguredTiles& operator=(const ConfiguredTiles&) = delete;
 };
+using Tiles = ConfiguredTiles<TileConfig>;
 
 // 32 floats (a, b: 16 each) as their bfloat16 rounding (32 values in k order) and what remains of them
 inline __m512i round_bf16(__m512* a, __m512* b) {

@@ -48,16 +48,19 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 8, 8};
 };
 
-// Holds the configuration for its lifetime, released after (as amx::Tiles).
-struct Tiles {
-  Tiles() {
-    static const TileConfig config;
-    _tile_loadconfig(&config);
-  }
-  ~Tiles() { _tile_release(); }
-  Tiles(const Tiles&) = delete;
-  Tiles& operator=(const Tiles&) = delete;
-};
+using Tiles = amx::ConfiguredTiles<TileConfig>;
+// the super-block products' tiles are all 16 rows x 64 bytes: gemm_amx.h's configuration
+using SuperTiles = amx::Tiles;
+
+// 16 values of x times inv rounded to integers n (returned), and n's two int8 pieces, n = 256 hi + lo (lo in
+// [-128, 127]), stored as 16 bytes each at hi and lo
+inline __m512i split16(__m512 v, __m512 inv, void* hi, void* lo) {
+  const __m512i n = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv));
+  const __m512i h = _mm512_srai_epi32(_mm512_add_epi32(n, _mm512_set1_epi32(128)), 8);
+  _mm_storeu_si128(static_cast<__m128i*>(hi), _mm512_cvtepi32_epi8(h));
+  _mm_storeu_si128(static_cast<__m128i*>(lo), _mm512_cvtepi32_epi8(_mm512_sub_epi32(n, _mm512_slli_epi32(h, 8))));
+  return n;
+}
 
 // Packs the block of x rows nb (rows 16 nb .. 16 nb + 15 of m, stride ldx, k a multiple of 32) into xp
 // (packed_floats(m, k)); rows past m are zeros.
@@ -66,7 +69,7 @@ inline void pack_block(const float* x, int64_t ldx, int64_t m, int64_t k, int64_
   uint8_t* out = reinterpret_cast<uint8_t*>(xp) + nb * kb * kBlockBytes;
   alignas(64) uint32_t pieces[2][16][8];           // per row of x: its 32 high, then low, bytes
   alignas(64) float sx[16], xs[16];
-  const __m512 sign = _mm512_set1_ps(-0.f), range = _mm512_set1_ps(kRange);
+  const __m512 sign = _mm512_set1_ps(-0.f);
   for (int64_t b = 0; b < kb; ++b, out += kBlockBytes) {
     for (int n = 0; n < 16; ++n) {
       const int64_t row = nb * 16 + n;
@@ -80,14 +83,8 @@ inline void pack_block(const float* x, int64_t ldx, int64_t m, int64_t k, int64_
       const __m512 a = _mm512_loadu_ps(v), c = _mm512_loadu_ps(v + 16);
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, c)));
       const __m512 inv = _mm512_set1_ps(amax > 0.f ? kRange / amax : 0.f);
-      const __m512i na = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), nc = _mm512_cvtps_epi32(_mm512_mul_ps(c, inv));
-      const __m512i bias = _mm512_set1_epi32(128);
-      const __m512i ha = _mm512_srai_epi32(_mm512_add_epi32(na, bias), 8), hc = _mm512_srai_epi32(_mm512_add_epi32(nc, bias), 8);
-      const __m512i la = _mm512_sub_epi32(na, _mm512_slli_epi32(ha, 8)), lc = _mm512_sub_epi32(nc, _mm512_slli_epi32(hc, 8));
-      _mm_store_si128(reinterpret_cast<__m128i*>(pieces[0][n]), _mm512_cvtepi32_epi8(ha));
-      _mm_store_si128(reinterpret_cast<__m128i*>(pieces[0][n] + 4), _mm512_cvtepi32_epi8(hc));
-      _mm_store_si128(reinterpret_cast<__m128i*>(pieces[1][n]), _mm512_cvtepi32_epi8(la));
-      _mm_store_si128(reinterpret_cast<__m128i*>(pieces[1][n] + 4), _mm512_cvtepi32_epi8(lc));
+      const __m512i na = split16(a, inv, pieces[0][n], pieces[1][n]);
+      const __m512i nc = split16(c, inv, pieces[0][n] + 4, pieces[1][n] + 4);
       sx[n] = amax / kRange;
       xs[n] = sx[n] * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(na, nc)));
     }
@@ -237,23 +234,6 @@ inline int64_t super_group_floats(int64_t g, int64_t k) {
   return rows16(g) / 16 * supers(k) * kSuperWeightBytes / 4;
 }
 
-// All tiles 16 rows x 64 bytes.
-struct alignas(64) SuperTileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
-  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
-};
-
-struct SuperTiles {
-  SuperTiles() {
-    static const SuperTileConfig config;
-    _tile_loadconfig(&config);
-  }
-  ~SuperTiles() { _tile_release(); }
-  SuperTiles(const SuperTiles&) = delete;
-  SuperTiles& operator=(const SuperTiles&) = delete;
-};
-
 // Packs the block of x rows nb (k a multiple of 256) into xp (super_packed_floats(m, k)); rows past m are zeros.
 inline void super_pack_block(const float* x, int64_t ldx, int64_t m, int64_t k, int64_t nb, float* xp) {
   const int64_t ns = supers(k);
@@ -261,7 +241,6 @@ inline void super_pack_block(const float* x, int64_t ldx, int64_t m, int64_t k, 
   alignas(64) uint32_t pieces[2][16][64];          // per row of x: its 256 high, then low, bytes
   alignas(64) float sx[16], xs[8][16];
   const __m512 sign = _mm512_set1_ps(-0.f);
-  const __m512i bias = _mm512_set1_epi32(128);
   for (int64_t sb = 0; sb < ns; ++sb, out += kSuperXBytes) {
     for (int r = 0; r < 16; ++r) {
       const int64_t row = nb * 16 + r;
@@ -282,13 +261,7 @@ inline void super_pack_block(const float* x, int64_t ldx, int64_t m, int64_t k, 
       uint8_t* lo = reinterpret_cast<uint8_t*>(pieces[1][r]);
       for (int j = 0; j < 8; ++j) {
         __m512i sum = _mm512_setzero_si512();
-        for (int e = 32 * j; e < 32 * j + 32; e += 16) {
-          const __m512i n = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + e), inv));
-          const __m512i h = _mm512_srai_epi32(_mm512_add_epi32(n, bias), 8);
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + e), _mm512_cvtepi32_epi8(h));
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + e), _mm512_cvtepi32_epi8(_mm512_sub_epi32(n, _mm512_slli_epi32(h, 8))));
-          sum = _mm512_add_epi32(sum, n);
-        }
+        for (int e = 32 * j; e < 32 * j + 32; e += 16) sum = _mm512_add_epi32(sum, split16(_mm512_loadu_ps(v + e), inv, hi + e, lo + e));
         xs[j][r] = sx[r] * static_cast<float>(_mm512_reduce_add_epi32(sum));
       }
     }
