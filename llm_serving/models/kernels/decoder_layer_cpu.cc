@@ -838,6 +838,25 @@ struct Matrix {
     }
   }
 
+  // Q6_K sub-block j (32 weights, 0..7) of the super-block at p as its codes times their 8-bit scales, v = sc (q -
+  // 32) (|v| <= 4096), split into two exact int8 pieces v = 64 hi + lo, lo in [-32, 31]
+  static void q6k_pieces(const uint8_t* p, int j, __m256i* lo, __m256i* hi) {
+    const __m256i nibble = _mm256_set1_epi8(15);
+    const int g = j / 4, i = j % 4;                      // its half of 128 weights, and its place there
+    const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * g + 32 * (i & 1)));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * g));
+    const __m256i low = i < 2 ? _mm256_and_si256(ql, nibble) : _mm256_and_si256(_mm256_srli_epi16(ql, 4), nibble);
+    const __m256i top = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * i), _mm256_set1_epi8(3));
+    const __m256i code = _mm256_or_si256(low, _mm256_slli_epi16(top, 4));       // 0..63 (no carries)
+    const __m512i sc = _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int8_t>(p[192 + 2 * j])),
+                                          _mm256_set1_epi16(static_cast<int8_t>(p[192 + 2 * j + 1])), 1);
+    const __m512i bias = _mm512_set1_epi16(32);
+    const __m512i v = _mm512_mullo_epi16(_mm512_sub_epi16(_mm512_cvtepu8_epi16(code), bias), sc);
+    const __m512i h = _mm512_srai_epi16(_mm512_add_epi16(v, bias), 6);
+    *lo = _mm512_cvtepi16_epi8(_mm512_sub_epi16(v, _mm512_slli_epi16(h, 6)));
+    *hi = _mm512_cvtepi16_epi8(h);
+  }
+
   // Whether the super-block products read this type (the K-quants).
   bool super_codes() const { return type == kQ4_K || type == kQ5_K || type == kQ6_K; }
 
@@ -846,33 +865,23 @@ struct Matrix {
   void super_row(const uint8_t* row, uint8_t* dst, int r) const {
     namespace ai = llm_serving::amx_int;
     const __m256i nibble = _mm256_set1_epi8(15);
-    for (int64_t e = 0; e < k; e += 256, row += row_bytes / (k / 256), dst += ai::kSuperWeightBytes) {
-      for (int64_t at = 0; at < row_bytes / (k / 256); at += 64) prefetch_ahead(row + kAheadRows * row_bytes + at);
+    const int64_t super = row_bytes / (k / 256);         // bytes of a super-block
+    const ProductTables& tables = product_tables();
+    for (int64_t e = 0; e < k; e += 256, row += super, dst += ai::kSuperWeightBytes) {
+      for (int64_t at = 0; at < super; at += 64) prefetch_ahead(row + kAheadRows * row_bytes + at);
       float* d = reinterpret_cast<float*>(dst + ai::kSuperD);
       float* f = reinterpret_cast<float*>(dst + ai::kSuperF);
       float* mw = reinterpret_cast<float*>(dst + ai::kSuperMins);
-      // Q6_K: v = sc (q - 32) of sub-block j's 32 weights (int16), split v = 64 vh + vl, vl in [-32, 31]
-      auto put = [&](int j, __m512i v) {
-        const __m512i vh = _mm512_srai_epi16(_mm512_add_epi16(v, _mm512_set1_epi16(32)), 6);
-        const __m512i vl = _mm512_sub_epi16(v, _mm512_slli_epi16(vh, 6));
-        uint8_t* tile = dst + 2048 * (j / 2) + 64 * r + 32 * (j % 2);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(tile), _mm512_cvtepi16_epi8(vl));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(tile + 1024), _mm512_cvtepi16_epi8(vh));
-      };
       if (type == kQ6_K) {
         d[r] = half_to_float(row + 208);
         f[r] = 64.f;
         _mm256_storeu_ps(mw + 8 * r, _mm256_setzero_ps());
-        for (int j = 0; j < 8; ++j) {
-          const int g = j / 4, i = j % 4;
-          const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 64 * g + 32 * (i & 1)));
-          const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 128 + 32 * g));
-          const __m256i low = i < 2 ? _mm256_and_si256(ql, nibble) : _mm256_and_si256(_mm256_srli_epi16(ql, 4), nibble);
-          const __m256i top = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * i), _mm256_set1_epi8(3));
-          const __m256i code = _mm256_or_si256(low, _mm256_slli_epi16(top, 4));
-          const __m512i sc = _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int8_t>(row[192 + 2 * j])),
-                                                _mm256_set1_epi16(static_cast<int8_t>(row[192 + 2 * j + 1])), 1);
-          put(j, _mm512_mullo_epi16(_mm512_sub_epi16(_mm512_cvtepu8_epi16(code), _mm512_set1_epi16(32)), sc));
+        for (int j = 0; j < 8; ++j) {                    // sub-block j: half of its chunk's A tiles' row r
+          __m256i lo, hi;
+          q6k_pieces(row, j, &lo, &hi);
+          uint8_t* tile = dst + 2048 * (j / 2) + 64 * r + 32 * (j % 2);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(tile), lo);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(tile + 1024), hi);
         }
         continue;
       }
@@ -886,7 +895,6 @@ struct Matrix {
                                                  _mm256_set1_ps(-half_to_float(row + 2))));
       // a chunk of 64 weights (sub-blocks 2c, 2c + 1: the low and high nibbles of the same 32 bytes) at a time:
       // their codes index the two sub-blocks' rows of the split products' tables (byte permutes, no multiplies)
-      const ProductTables& tables = product_tables();
       const __m256i qh = type == kQ5_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16)) : _mm256_setzero_si256();
       for (int c = 0; c < 4; ++c) {
         const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + (type == kQ4_K ? 16 : 48) + 32 * c));
@@ -977,22 +985,10 @@ struct Matrix {
       for (int64_t at = 0; at < super_bytes<T>(); at += 64) prefetch_ahead(row + kAheadRows * row_bytes + at);
       if constexpr (T == kQ6_K) {
         const float d = half_to_float(row + 208);
-        const __m512i bias = _mm512_set1_epi16(32);
-        for (int j = 0; j < 8; ++j, dst += ai::kBlockBytes) {      // sub-block j of 32: half j / 4, i = j % 4
-          const int g = j / 4, i = j % 4;
-          const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 64 * g + 32 * (i & 1)));
-          const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 128 + 32 * g));
-          const __m256i low = i < 2 ? _mm256_and_si256(ql, nibble) : _mm256_and_si256(_mm256_srli_epi16(ql, 4), nibble);
-          const __m256i top = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * i), _mm256_set1_epi8(3));
-          const __m256i code = _mm256_or_si256(low, _mm256_slli_epi16(top, 4));    // 0..63 (no carries)
-          const __m512i sc = _mm512_inserti64x4(
-              _mm512_set1_epi16(static_cast<int8_t>(row[192 + 2 * j])),
-              _mm256_set1_epi16(static_cast<int8_t>(row[192 + 2 * j + 1])), 1);
-          const __m512i v = _mm512_mullo_epi16(_mm512_sub_epi16(_mm512_cvtepu8_epi16(code), bias), sc);
-          const __m512i hi = _mm512_srai_epi16(_mm512_add_epi16(v, bias), 6);   // v = 64 hi + lo, lo in [-32, 31]
-          const __m512i lo = _mm512_sub_epi16(v, _mm512_slli_epi16(hi, 6));
-          const __m256i hi8 = _mm512_cvtepi16_epi8(hi);
-          put_int(dst, r, _mm512_cvtepi16_epi8(lo), high ? &hi8 : nullptr, d, 0.f);
+        for (int j = 0; j < 8; ++j, dst += ai::kBlockBytes) {
+          __m256i lo, hi;
+          q6k_pieces(row, j, &lo, &hi);
+          put_int(dst, r, lo, high ? &hi : nullptr, d, 0.f);
         }
       } else {
         SuperScales u;
@@ -1301,7 +1297,7 @@ int integer_product(const Matrix* const* ws, int parts, bool ints) {
   (void)ws;
   (void)parts;
   (void)ints;
-  return false;
+  return kNoInt;
 #endif
 }
 
@@ -1428,45 +1424,42 @@ void gemm_units_amx(const Matrix* const* ws, int parts, int64_t u0, int64_t u1, 
 
 #if defined(LLM_SERVING_AMX_INT)
 // gemm_units on the integer tiles: per group of 64 rows (parts x n), each row's codes, scales and offsets into the
-// group's A operand (the whole depth), then the product; C as gemm_units_amx's.
+// group's A operand (the whole depth: a block of 32 at a time, or a super-block for ints == kIntSupers), then the
+// product; C as gemm_units_amx's.
 template <typename Done>
 void gemm_units_int(const Matrix* const* ws, int parts, int64_t u0, int64_t u1, const float* xp, int64_t m,
                     float* wbuf, float* c, int ints, Done done) {
   namespace ai = llm_serving::amx_int;
-  const int64_t k = ws[0]->k, kb = ai::kblocks(k), per = kAmxGroup / parts, ldc = ai::c_stride(m);
-  if (ints == kIntSupers) {
-    uint8_t* wg = reinterpret_cast<uint8_t*>(wbuf);
-    const ai::SuperTiles tiles;
+  const int64_t k = ws[0]->k, per = kAmxGroup / parts, ldc = ai::c_stride(m);
+  const bool supers = ints == kIntSupers;
+  bool high = false;                                     // (blocks of 32: some part's rows have second pieces)
+  for (int q = 0; q < parts; ++q) high = high || ws[q]->type == kQ6_K;
+  // bytes of a block of 16 rows in the group's A operand
+  const int64_t row_block = supers ? ai::supers(k) * ai::kSuperWeightBytes : ai::kblocks(k) * ai::kBlockBytes;
+  uint8_t* wg = reinterpret_cast<uint8_t*>(wbuf);
+  auto groups = [&]() {
     for (int64_t u = u0; u < u1; u += per) {
       const int64_t n = std::min(per, u1 - u), g = parts * n;
       for (int q = 0; q < parts; ++q) {
         const Matrix& w = *ws[q];
         for (int64_t i = 0; i < n; ++i) {
           const int64_t at = q * n + i;
-          w.super_row(w.data + (u + i) * w.row_bytes, wg + at / 16 * ai::supers(k) * ai::kSuperWeightBytes,
-                      static_cast<int>(at % 16));
+          const uint8_t* row = w.data + (u + i) * w.row_bytes;
+          if (supers) w.super_row(row, wg + at / 16 * row_block, static_cast<int>(at % 16));
+          else w.int_row(row, wg + at / 16 * row_block, static_cast<int>(at % 16), high);
         }
       }
-      ai::super_product(wbuf, g, xp, m, k, c);
+      if (supers) ai::super_product(wbuf, g, xp, m, k, c);
+      else ai::product(wbuf, g, high, xp, m, k, c);
       done(u, n, static_cast<const float*>(c), ldc);
     }
-    return;
-  }
-  bool high = false;
-  for (int q = 0; q < parts; ++q) high = high || ws[q]->type == kQ6_K;
-  uint8_t* wg = reinterpret_cast<uint8_t*>(wbuf);
-  const ai::Tiles tiles;
-  for (int64_t u = u0; u < u1; u += per) {
-    const int64_t n = std::min(per, u1 - u), g = parts * n;
-    for (int q = 0; q < parts; ++q) {
-      const Matrix& w = *ws[q];
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t at = q * n + i;
-        w.int_row(w.data + (u + i) * w.row_bytes, wg + at / 16 * kb * ai::kBlockBytes, static_cast<int>(at % 16), high);
-      }
-    }
-    ai::product(wbuf, g, high, xp, m, k, c);
-    done(u, n, static_cast<const float*>(c), ldc);
+  };
+  if (supers) {                                          // (the two kinds of products configure the tiles apart)
+    const ai::SuperTiles tiles;
+    groups();
+  } else {
+    const ai::Tiles tiles;
+    groups();
   }
 }
 #endif
@@ -1807,12 +1800,12 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
   const Matrix* qkv_parts[3] = {&q_w, &k_w, &v_w};
   const Matrix* o_part[1] = {&o_w};
   const Matrix* down_part[1] = {&down_w};
-  const Matrix* all_parts[7] = {&q_w, &k_w, &v_w, &o_w, &gate_w, &up_w, &down_w};
-  const bool ints_here = int_enabled(amx);
-  const bool batched = rows >= (integer_product(all_parts, 7, ints_here) != kNoInt ? kIntGemmRows : gemm_rows(amx, float32));
-  const bool ints = batched && ints_here;
-  const int int_qkv = integer_product(qkv_parts, 3, ints), int_o = integer_product(o_part, 1, ints),
-             int_gate_up = integer_product(gate_up, 2, ints), int_down = integer_product(down_part, 1, ints);
+  const bool ints = int_enabled(amx);
+  int int_qkv = integer_product(qkv_parts, 3, ints), int_o = integer_product(o_part, 1, ints),
+      int_gate_up = integer_product(gate_up, 2, ints), int_down = integer_product(down_part, 1, ints);
+  const bool all_int = int_qkv != kNoInt && int_o != kNoInt && int_gate_up != kNoInt && int_down != kNoInt;
+  const bool batched = rows >= (all_int ? kIntGemmRows : gemm_rows(amx, float32));
+  if (!batched) int_qkv = int_o = int_gate_up = int_down = kNoInt;
   float* xp = batched ? sized_aligned(s.packed, gemm_x_floats(rows, kmax, amx)) : nullptr;
   float* gemm_w = batched ? sized_aligned(s.gemm_w, threads * gemm_w_floats(kmax, amx)) : nullptr;
   float* gemm_c = batched ? sized_aligned(s.gemm_c, threads * gemm_c_floats(rows, amx)) : nullptr;
