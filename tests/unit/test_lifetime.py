@@ -86,12 +86,13 @@ def test_a_child_spawned_from_another_thread_only_has_its_watcher():
 
 
 def test_the_expected_parent_comes_from_the_environment(monkeypatch):
-    monkeypatch.setenv(PARENT_PID_ENV, "4242")
-    assert expected_parent() == 4242
+    other = os.getppid() + 1                           # any pid but this process's parent (a fixed one can be it)
+    monkeypatch.setenv(PARENT_PID_ENV, str(other))
+    assert expected_parent() == other
     assert PARENT_PID_ENV not in os.environ            # this process's own children start without it
     assert expected_parent() == os.getppid()
     assert not parent_gone(os.getppid())
-    assert parent_gone(4242)
+    assert parent_gone(other)
 
 
 # --- shared-memory segments of dead masters ------------------------------------------------------------
