@@ -306,6 +306,9 @@ class ServingConfig:
         return mine.index(rank), len(mine)
 
 
+KV_CACHE_DTYPES = ("auto", "float16", "float32")
+
+
 @dataclass
 class PAConfig:
     """`pa_config`: the paged KV cache."""
@@ -316,6 +319,9 @@ class PAConfig:
     block_size: int = 16
     decode_seq_length: Optional[int] = None   # longest sequence a block table must hold; default max_generate_length
     kv_memory_fraction: float = 0.3           # num_blocks auto: the most of the available memory the KV cache takes
+    kv_cache_dtype: str = "auto"              # the cache's element type: auto (float16), float16, or float32 (CPU
+                                              # only: Ascend's fused kernels keep float16); float16 halves the
+                                              # bytes a token takes and rounds each K/V value once, as it is stored
 
     def __post_init__(self) -> None:
         if self.num_blocks != "auto":
@@ -324,6 +330,8 @@ class PAConfig:
         _check(isinstance(f, (int, float)) and not isinstance(f, bool) and 0 < f <= 0.9,
                "pa_config.kv_memory_fraction", f, "must be a fraction in (0, 0.9]")
         _check_int("pa_config.block_size", self.block_size)
+        _check(self.kv_cache_dtype in KV_CACHE_DTYPES, "pa_config.kv_cache_dtype", self.kv_cache_dtype,
+               f"must be one of {', '.join(KV_CACHE_DTYPES)}")
         if self.decode_seq_length is not None:
             _check_int("pa_config.decode_seq_length", self.decode_seq_length)
 
@@ -572,6 +580,8 @@ class Config:
             _check(pa.num_blocks != "auto", "pa_config.num_blocks", pa.num_blocks,
                    "agents on other nodes (serving_config.agent_hosts) need the same KV cache on every rank: set "
                    "a number (the master's log of a one-node start says what 'auto' chose)")
+        _check(not (pa.kv_cache_dtype == "float32" and mc.device_target == "Ascend"), "pa_config.kv_cache_dtype",
+               pa.kv_cache_dtype, "must be float16 (or auto) on Ascend, whose fused attention kernels read float16")
         if pa.num_blocks != "auto":
             _check(pa.num_blocks >= self.max_blocks_per_seq, "pa_config.num_blocks", pa.num_blocks,
                    f"must hold at least one longest sequence ({self.max_blocks_per_seq} blocks of "
@@ -584,6 +594,11 @@ class Config:
         if self.scheduler_config.chunked_prefill:
             return self.model_config.max_generate_length
         return min(self.model_config.max_generate_length, self.model_config.seq_length[-1])
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """The KV cache's element type, "float16" or "float32" (pa_config.kv_cache_dtype with auto decided)."""
+        return "float16" if self.pa_config.kv_cache_dtype == "auto" else self.pa_config.kv_cache_dtype
 
     @property
     def max_chunk_tokens(self) -> int:

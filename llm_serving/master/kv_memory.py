@@ -1,9 +1,10 @@
 """How many KV-cache blocks to allocate when `pa_config.num_blocks` is `auto` (the default).
 
 Every agent allocates the same number of blocks (the master's block tables index them all); a block holds
-`block_size` tokens of keys and values for every layer and KV head, float32:
+`block_size` tokens of keys and values for every layer and KV head, in pa_config.kv_cache_dtype (float16: 2
+bytes, the default; float32: 4):
 
-    bytes per block = 2 (K, V) x layers x kv_heads x head_dim x block_size x 4
+    bytes per block = 2 (K, V) x layers x kv_heads x head_dim x block_size x bytes per value
 
 summed over the models that keep a cache with the target's block tables (the target, and a draft model when
 spec_config uses one). Tensor parallelism splits the KV heads over the agents, so the sum is the same.
@@ -43,12 +44,12 @@ class KVPlan:
                 f"{self.wanted_blocks} blocks wanted, budget {self.budget_bytes / 2**20:.0f} MiB)")
 
 
-def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int) -> int:
-    return 2 * num_layers * num_kv_heads * head_dim * block_size * 4
+def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, value_bytes: int = 2) -> int:
+    return 2 * num_layers * num_kv_heads * head_dim * block_size * value_bytes
 
 
 def plan_blocks(config: Config, token_bytes: int, available_bytes: int) -> KVPlan:
-    """The block count for a cache of `token_bytes` per token (K and V of every layer of every model, float32),
+    """The block count for a cache of `token_bytes` per token (K and V of every layer of every model),
     given `available_bytes` of free memory. ConfigError if one longest request does not fit."""
     pa, sc = config.pa_config, config.serving_config
     per_block = token_bytes * pa.block_size
@@ -77,9 +78,11 @@ def size_kv_cache(config: Config, model_path: str, available_bytes: Optional[int
     except WeightLoadError as e:
         raise ConfigError(f"pa_config.num_blocks=auto cannot read the model's shape: {e}") from None
     layers = config.model_config.num_layers or shape.num_layers       # a served cut keeps only its layers
-    per_token = bytes_per_block(layers, shape.num_kv_heads, shape.head_dim, 1)
+    value_bytes = 2 if config.kv_cache_dtype == "float16" else 4
+    per_token = bytes_per_block(layers, shape.num_kv_heads, shape.head_dim, 1, value_bytes)
     if spec.uses_draft:
-        per_token += bytes_per_block(spec.draft_num_layers or draft.num_layers, draft.num_kv_heads, draft.head_dim, 1)
+        per_token += bytes_per_block(spec.draft_num_layers or draft.num_layers, draft.num_kv_heads, draft.head_dim, 1,
+                                     value_bytes)
     if available_bytes is None:
         available_bytes = psutil.virtual_memory().available
     plan = plan_blocks(config, per_token, available_bytes)

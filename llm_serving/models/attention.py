@@ -83,7 +83,7 @@ class PagedAttention(nn.Cell):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, num_slots: int, *,
                  layer_id: int, device_target: str = "CPU", block_size: int = 16,
-                 decode_kernel: Optional[str] = None, kernel_threads: int = 1):
+                 decode_kernel: Optional[str] = None, kernel_threads: int = 1, cache_dtype: str = "float16"):
         super().__init__()
         self.num_kv_heads = num_kv_heads
         self.group = num_heads // num_kv_heads
@@ -102,7 +102,8 @@ class PagedAttention(nn.Cell):
             self.reshape_and_cache = ReshapeAndCache()
             self.paged_attention = AscendPagedAttention(num_heads, 1.0, num_kv_heads)   # q is pre-scaled
         else:
-            shape, dtype = (num_slots * num_kv_heads, head_dim), ms.float32       # flat [num_slots, KVH, D]
+            shape = (num_slots * num_kv_heads, head_dim)                            # flat [num_slots, KVH, D]
+            dtype = {"float16": ms.float16, "float32": ms.float32}[cache_dtype]   # pa_config.kv_cache_dtype
         # zeros allocated by MindSpore when the graph first needs them (a numpy copy cost 0.35 s per start for
         # SmolLM2's 377 MB cache)
         self.key_cache = Parameter(initializer(Zero(), shape, dtype), name=f"key_cache.{layer_id}", requires_grad=False)
@@ -134,11 +135,12 @@ class PagedAttention(nn.Cell):
                 out = self.paged_attention(q.reshape(b, 1, -1).astype(ms.float16), self.key_cache,
                                            self.value_cache, block_tables, context_lens)   # (B, 1, NH*D)
                 return out.astype(ms.float32).reshape(b, -1)                             # (B, NH*D)
-            key_cache = self.key_cache.reshape(-1, d).astype(ms.float32)                 # (N*KVH, D)
-            value_cache = self.value_cache.reshape(-1, d).astype(ms.float32)
+            key_cache = self.key_cache.reshape(-1, d)                                    # (N*KVH, D)
+            value_cache = self.value_cache.reshape(-1, d)
         else:
-            key_cache = self.scatter(self.key_cache, write_idx, k.reshape(-1, d))      # (N*KVH, D), in place
-            value_cache = self.scatter(self.value_cache, write_idx, v.reshape(-1, d))  # (N*KVH, D)
+            k, v = k.reshape(-1, d).astype(self.key_cache.dtype), v.reshape(-1, d).astype(self.key_cache.dtype)
+            key_cache = self.scatter(self.key_cache, write_idx, k)                      # (N*KVH, D), in place
+            value_cache = self.scatter(self.value_cache, write_idx, v)                  # (N*KVH, D)
             if s == 1 and self.decode_kernel is not None:
                 out = self.decode_kernel(q.reshape(b, self.num_kv_heads, self.group, d), key_cache, value_cache,
                                          block_tables, context_lens, tree_bits, self.kernel_config)  # (B, KVH, G, D)
@@ -147,8 +149,8 @@ class PagedAttention(nn.Cell):
 
     def _attend(self, q, key_cache, value_cache, gather_idx, mask, b, s):
         kvh, g, d = self.num_kv_heads, self.group, self.head_dim
-        keys = ops.gather(key_cache, gather_idx, 0)                                # (B, KVH, L, D)
-        values = ops.gather(value_cache, gather_idx, 0)                            # (B, KVH, L, D)
+        keys = ops.gather(key_cache, gather_idx, 0).astype(ms.float32)              # (B, KVH, L, D)
+        values = ops.gather(value_cache, gather_idx, 0).astype(ms.float32)          # (B, KVH, L, D)
         if s == 1:
             q = q.reshape(b, kvh, g, d)                                      # (B, KVH, G, D)
         else:

@@ -88,7 +88,7 @@ class LlamaDecoderLayer(nn.Cell):
     def __init__(self, cfg: LlamaConfig, w: dict, i: int, num_slots: int, device_target: str, block_size: int,
                  decode_kernel: Optional[str], kernel_threads: int, tp: TensorParallel, all_reduce,
                  layer_kernel: Optional[str] = None, quantized: Optional[dict] = None, lora_slots: int = 0,
-                 lora_rank: int = 0, ops_graphs: bool = True):
+                 lora_rank: int = 0, ops_graphs: bool = True, kv_cache_dtype: str = "float16"):
         super().__init__()
         world = tp.world
         # this rank's heads and MLP units (all of them when world == 1): `w` holds only this rank's part of
@@ -121,7 +121,8 @@ class LlamaDecoderLayer(nn.Cell):
             self.lora_cols = tuple(Tensor(st.col_slot.reshape(1, -1)) for st in self.lora_stacks.values())   # (1, S*P*R)
         self.attn = PagedAttention(self.nh, self.kvh, cfg.head_dim, num_slots,
                                    layer_id=i, device_target=device_target, block_size=block_size,
-                                   decode_kernel=decode_kernel, kernel_threads=kernel_threads)
+                                   decode_kernel=decode_kernel, kernel_threads=kernel_threads,
+                                   cache_dtype=kv_cache_dtype)
         self.matmul_t = ops.MatMul(transpose_b=True)
         self.parallel = all_reduce is not None            # o_proj and down_proj outputs are partial sums
         self.all_reduce = all_reduce.op if self.parallel else None
@@ -245,7 +246,8 @@ class LlamaForCausalLM(nn.Cell):
                  max_positions: int, device_target: str = "CPU", decode_kernel: Optional[str] = None,
                  kernel_threads: int = 1, tp: TensorParallel = TensorParallel(), all_reduce=None,
                  layer_kernel: Optional[str] = None, layer_kernel_rows: Optional[int] = 0,
-                 quantized: Optional[dict] = None, lora_slots: int = 0, lora_rank: int = 0):
+                 quantized: Optional[dict] = None, lora_slots: int = 0, lora_rank: int = 0,
+                 kv_cache_dtype: str = "float16"):
         super().__init__()
         tp.check(cfg)
         if layer_kernel is not None and (tp.world > 1 or device_target != "CPU"):
@@ -284,7 +286,7 @@ class LlamaForCausalLM(nn.Cell):
         self.layers = nn.CellList([LlamaDecoderLayer(cfg, weights, i, num_slots, device_target, block_size,
                                                      decode_kernel, kernel_threads, tp, all_reduce,
                                                      layer_kernel, quantized, lora_slots, lora_rank,
-                                                     ops_graphs=not kernel_only)
+                                                     ops_graphs=not kernel_only, kv_cache_dtype=kv_cache_dtype)
                                    for i in range(cfg.num_layers)])
         self.layer_kernel_rows = (0 if layer_kernel is None else KERNEL_ONLY_ROWS if kernel_only
                                   else layer_kernel_rows)

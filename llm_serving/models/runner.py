@@ -160,7 +160,8 @@ class ModelRunner:
             (cfg, self.num_blocks, self.block_size, self.buckets, device_target,
              (self.tp.rank, self.tp.world, self.tp.backend, self.tp.across_nodes) if self.tp.world > 1 else None,
              self.decode_kernel, reduce_kernel, self.layer_kernel, self.layer_kernel_rows, self.decode_run_steps,
-             self.decode_run_rows, self.quantized_matrices, self.lora_slots, self.lora_rank, _WARMUP_ORDER)
+             self.decode_run_rows, self.quantized_matrices, self.lora_slots, self.lora_rank, spec.kv_cache_dtype,
+             _WARMUP_ORDER)
             if spec.compile_cache else None)
         self._cache_dir = setup_mindspore(device_target, spec.device_id, num_threads, cache_key,
                                           wait_for_cache=self.tp.world == 1)
@@ -220,7 +221,8 @@ class ModelRunner:
                                       kernel_threads=kernel_threads,
                                       tp=self.tp, all_reduce=self.all_reduce, layer_kernel=self.layer_kernel,
                                       layer_kernel_rows=self.spec.layer_kernel_rows, quantized=quantized,
-                                      lora_slots=self.lora_slots, lora_rank=self.lora_rank)
+                                      lora_slots=self.lora_slots, lora_rank=self.lora_rank,
+                                      kv_cache_dtype=self.spec.kv_cache_dtype)
         self.decode_run = DecodeRun(self.model, self.decode_run_steps) if self.decode_run_steps > 1 else None
         self.sampler = Sampler(cfg.vocab_size, filters=True)          # some sampling row uses top-k/top-p
         # temperature only: the layer kernel library's SampleLogits where there is one (MindSpore's graph of it keeps

@@ -12,7 +12,8 @@ KERNEL_ONLY_ROWS = 1 << 30      # the layer kernel's row limit when it runs ever
 class RunnerSpec:
     """A runner's KV cache, graph buckets, kernels and step kinds (see ModelRunner for what each does).
 
-    num_blocks, block_size, max_blocks_per_seq: the paged KV cache (plus the runner's scratch block).
+    num_blocks, block_size, max_blocks_per_seq, kv_cache_dtype: the paged KV cache (plus the runner's scratch
+    block) and its element type ("float16" or "float32").
     decode_batch_sizes, prefill_batch_sizes, prefill_seq_lens, decode_block_widths, max_step_tokens: the graph
     buckets (buckets.py). verify_width, verify_rows: verify steps' buckets (speculative decoding; 0 rows: none).
     decode_run_steps, decode_run_rows: decode runs (None rows: every batch the layer kernel takes).
@@ -47,8 +48,11 @@ class RunnerSpec:
     keep_quantized: bool = True
     lora_slots: int = 0
     lora_rank: int = 16
+    kv_cache_dtype: str = "float16"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in ("float16", "float32"):
+            raise ValueError(f"RunnerSpec.kv_cache_dtype must be float16 or float32, got {self.kv_cache_dtype!r}")
         for name in ("decode_batch_sizes", "prefill_batch_sizes", "prefill_seq_lens", "decode_block_widths"):
             value = getattr(self, name)
             if isinstance(value, list):          # (frozen: a list would be shared with the caller)
@@ -72,4 +76,4 @@ class RunnerSpec:
                    layer_kernel=mc.layer_kernel, layer_kernel_rows=mc.layer_kernel_max_tokens,
                    decode_run_steps=sched.decode_steps, decode_run_rows=sched.decode_steps_max_rows,
                    keep_quantized=mc.keep_quantized, lora_slots=lc.max_loras if lc.enabled else 0,
-                   lora_rank=lc.max_lora_rank)
+                   lora_rank=lc.max_lora_rank, kv_cache_dtype=config.kv_cache_dtype)

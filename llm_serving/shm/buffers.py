@@ -2,9 +2,10 @@
 
 The master creates one segment per array with a random name (mode 0600, Python's default for
 shm_open) and passes the names to agents in the connect command; agents attach by name. Only the
-creator unlinks. Python 3.11's resource tracker would also unlink a segment when an *attaching*
-process exits, so attachers unregister from it; the creator stays registered, which is what cleans
-up after a master killed with SIGKILL.
+creator unlinks, and only the creator is registered with Python's resource tracker, which is what cleans up
+after a master killed with SIGKILL. Agents attach with `AttachedSegment`, not `SharedMemory`: in Python 3.11
+SharedMemory registers an attaching process too (its tracker would unlink the master's segments when the agent
+exits), and its first registration starts a tracker process (~7 MiB) that the agent does not need.
 
 Segment names are `llmsrv_[<LLM_SERVING_SHM_TAG>_]p<pid>n<pid namespace>_<random>_<array>`: the optional tag
 (letters and digits, at most 16) tells apart the segments of several deployments (or test runs) on one host, and
@@ -14,10 +15,11 @@ with its resource tracker (shm/sweep.py).
 """
 from __future__ import annotations
 
+import mmap
 import os
 import re
 import secrets
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 
 import numpy as np
 
@@ -52,6 +54,30 @@ def segment_owner(name: str) -> tuple | None:
     another naming."""
     match = _OWNED_NAME.match(name)
     return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+class AttachedSegment:
+    """A segment another process created (and unlinks), mapped read-write: the attaching side of
+    `shared_memory.SharedMemory`, without its resource-tracker registration (see the module docstring)."""
+
+    def __init__(self, name: str):
+        from _posixshmem import shm_open       # (what SharedMemory opens segments with on POSIX)
+
+        fd = shm_open("/" + name.lstrip("/"), os.O_RDWR, mode=0o600)
+        try:
+            self.size = os.fstat(fd).st_size
+            self._mmap = mmap.mmap(fd, self.size)
+        finally:
+            os.close(fd)
+        self.name = name
+        self.buf = memoryview(self._mmap)
+
+    def close(self) -> None:
+        """Unmap (BufferError while a view of it is alive, as SharedMemory.close)."""
+        if self.buf is not None:
+            self.buf.release()
+            self.buf = None
+        self._mmap.close()
 
 
 class StepBuffers:
@@ -137,8 +163,7 @@ class StepBuffers:
         segments = {}
         try:
             for spec in layout.arrays():
-                seg = shared_memory.SharedMemory(name=names[spec.name], create=False)
-                resource_tracker.unregister(seg._name, "shared_memory")  # the master owns it
+                seg = AttachedSegment(names[spec.name])
                 segments[spec.name] = seg
                 if seg.size < spec.nbytes:
                     raise ValueError(f"segment for {spec.name} has {seg.size} bytes, layout needs {spec.nbytes}")

@@ -12,10 +12,12 @@ from safetensors.numpy import load_file, save_file
 
 from llm_serving.agents import protocol as proto
 from llm_serving.agents.control import ControlClient, ControlError
-from tests.integration.server_harness import http, precision_gate
+from tests.integration.server_harness import REPO, http, precision_gate, serving
 
 
 def test_precision_gate_passes_on_an_alpaca_replay(stories_server, alpaca_standin, tmp_path):
+    """The default float16 KV cache rounds every stored key and value (the reference keeps them exact): within
+    the gate's 0.5% (measured ~2e-3 on this 64-wide model), the same greedy tokens."""
     proc, result = precision_gate(stories_server.url, tmp_path, "-n", "24", "--max-new-tokens", "16", "--rate", "40",
                               "--prompts", str(alpaca_standin))
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -23,14 +25,26 @@ def test_precision_gate_passes_on_an_alpaca_replay(stories_server, alpaca_standi
     assert result["prompts"] == 24 and result["generated_tokens"] == 24 * 16
     # one captured row per generated token, plus one per chunk of a prompt split across steps (it samples nothing)
     assert result["sampled_rows"] == result["generated_tokens"] and result["rows"] >= result["sampled_rows"]
-    assert result["max_rel_error"] < 1e-4 and result["greedy_agreement"] == 1.0
+    assert result["max_rel_error"] < 5e-3 and result["greedy_agreement"] == 1.0
     # one request alone decodes in runs of 8 steps; under capture the agent runs them step by step
     runs_before = http("GET", stories_server.url + "/stats")[1]["decode_runs"]["runs"]
     proc, result = precision_gate(stories_server.url, tmp_path, "-n", "1", "--max-new-tokens", "20",
                                   "--prompts", str(alpaca_standin))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert result["sampled_rows"] == result["generated_tokens"] == 20 and result["max_rel_error"] < 1e-4
+    assert result["sampled_rows"] == result["generated_tokens"] == 20 and result["max_rel_error"] < 5e-3
     assert http("GET", stories_server.url + "/stats")[1]["decode_runs"]["runs"] >= runs_before + 2
+
+
+def test_a_float32_kv_cache_is_exact_to_the_reference(stories_dir, alpaca_standin, tmp_path):
+    """pa_config.kv_cache_dtype=float32: nothing is rounded on the way, so the served logits are the float64
+    reference's to float32 arithmetic (1e-4), 20x tighter than the float16 cache's."""
+    with serving(["--config", str(REPO / "configs" / "stories260K.yaml"), "--model", str(stories_dir / "hf"),
+                  "--set", "pa_config.kv_cache_dtype=float32"], tmp_path / "server.log") as server:
+        proc, result = precision_gate(server.url, tmp_path, "-n", "8", "--max-new-tokens", "16",
+                                      "--prompts", str(alpaca_standin))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert result["generated_tokens"] == 8 * 16
+    assert result["max_rel_error"] < 1e-4 and result["greedy_agreement"] == 1.0
 
 
 def test_precision_gate_fails_when_the_weights_differ(stories_server, stories_dir, tmp_path):

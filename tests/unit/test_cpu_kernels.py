@@ -58,13 +58,15 @@ def reference(q, key_cache, value_cache, block_tables, context_lens, block_size,
     return out
 
 
+@pytest.mark.parametrize("cache_dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("kvh,g,block_size,threads", [(4, 2, 16, 1), (4, 2, 16, 3), (8, 1, 4, 2), (2, 4, 8, 2)])
-def test_kernel_matches_softmax_attention(kernel, kvh, g, block_size, threads):
+def test_kernel_matches_softmax_attention(kernel, kvh, g, block_size, threads, cache_dtype):
+    """Against float64 attention over the cache's own values (a float16 cache: the same values, widened)."""
     rng = np.random.default_rng(kvh * 100 + g * 10 + threads)
     b, d, w, num_blocks = 7, 16, 5, 60
     q = (rng.standard_normal((b, kvh, g, d)) / np.sqrt(d)).astype(np.float32)
-    key_cache = rng.standard_normal((num_blocks * block_size * kvh, d)).astype(np.float32)
-    value_cache = rng.standard_normal((num_blocks * block_size * kvh, d)).astype(np.float32)
+    key_cache = rng.standard_normal((num_blocks * block_size * kvh, d)).astype(cache_dtype)
+    value_cache = rng.standard_normal((num_blocks * block_size * kvh, d)).astype(cache_dtype)
     block_tables = rng.permutation(num_blocks)[:b * w].reshape(b, w).astype(np.int32)   # scattered blocks
     context_lens = np.array([1, 2, block_size, block_size + 1, 3 * block_size - 1, w * block_size, 5], np.int32)
     rc, out = call(kernel, q, key_cache, value_cache, block_tables, context_lens, block_size, threads)
@@ -117,6 +119,19 @@ def test_tree_bits_hide_the_keys_of_other_branches(kernel):
     # the chain's bits (all set) are plain causal attention, and differ from the tree's for branch nodes
     rc, chain = call(kernel, q, key_cache, value_cache, np.tile(table, (nodes, 1)), context, bs, 2)
     assert rc == 0 and np.allclose(chain[:3], out[:3]) and not np.allclose(chain[3:], out[3:])
+
+
+def test_kernel_rejects_mixed_or_unknown_cache_dtypes(kernel):
+    """Keys and values of different dtypes, or a dtype the kernel cannot read (bfloat16's stand-in float64
+    here), are refused before any read."""
+    q = np.zeros((2, 2, 1, 8), np.float32)
+    tables, lens = np.zeros((2, 2), np.int32), np.ones(2, np.int32)
+    for k, v in ((np.zeros((32, 8), np.float32), np.zeros((32, 8), np.float16)),
+                 (np.zeros((32, 8), np.float64), np.zeros((32, 8), np.float64))):
+        rc, _ = call(kernel, q, k, v, tables, lens, 4, 1)
+        assert rc != 0
+    rc, out = call(kernel, q, np.ones((32, 8), np.float16), np.full((32, 8), 0.5, np.float16), tables, lens, 4, 1)
+    assert rc == 0 and np.array_equal(out, np.full_like(q, 0.5))     # each row sees one key: its value
 
 
 def test_kernel_rejects_wrong_ranks(kernel):

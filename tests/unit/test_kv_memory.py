@@ -11,12 +11,34 @@ def stories_hf(stories_dir) -> str:
     return str(stories_dir / "hf")
 
 MiB = 2 ** 20
-# stories260K: 5 layers, 4 KV heads of 8 dims: 2 x 5 x 4 x 8 x 4 bytes = 1,280 bytes per token
-STORIES_TOKEN_BYTES = 2 * 5 * 4 * 8 * 4
+# stories260K: 5 layers, 4 KV heads of 8 dims, float16 (pa_config.kv_cache_dtype auto): 2 x 5 x 4 x 8 x 2 bytes =
+# 640 bytes per token
+STORIES_TOKEN_BYTES = 2 * 5 * 4 * 8 * 2
 
 
-def test_a_block_holds_keys_and_values_of_every_layer_in_float32():
-    assert bytes_per_block(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16) == 2 * 30 * 3 * 64 * 16 * 4
+def test_a_block_holds_keys_and_values_of_every_layer_in_its_dtype():
+    assert bytes_per_block(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16) == 2 * 30 * 3 * 64 * 16 * 2
+    assert bytes_per_block(30, 3, 64, 16, value_bytes=4) == 2 * 30 * 3 * 64 * 16 * 4
+
+
+def test_a_float32_cache_gets_half_the_blocks_of_the_same_memory(stories_hf):
+    sets = ("serving_config.max_num_seqs=64", "spec_config.method=off", "pa_config.kv_memory_fraction=0.5")
+    available = 2 * 100 * STORIES_TOKEN_BYTES * 16           # half of it: 100 float16 blocks
+    blocks = {dtype: size_kv_cache(config_from_dict({"model_config": {"max_generate_length": 64}},
+                                                     sets + (f"pa_config.kv_cache_dtype={dtype}",)),
+                                   stories_hf, available_bytes=available).pa_config.num_blocks
+              for dtype in ("auto", "float16", "float32")}
+    assert blocks == {"auto": 100, "float16": 100, "float32": 50}
+
+
+def test_kv_cache_dtype_is_checked_and_float32_is_refused_on_ascend():
+    assert config_from_dict({}).kv_cache_dtype == "float16"
+    assert config_from_dict({}, ("pa_config.kv_cache_dtype=float32",)).kv_cache_dtype == "float32"
+    with pytest.raises(ConfigError, match="pa_config.kv_cache_dtype.*must be one of auto, float16, float32"):
+        config_from_dict({}, ("pa_config.kv_cache_dtype=int4",))
+    with pytest.raises(ConfigError, match="pa_config.kv_cache_dtype.*Ascend"):
+        config_from_dict({"model_config": {"device_target": "Ascend"}}, ("pa_config.kv_cache_dtype=float32",))
+    assert config_from_dict({"model_config": {"device_target": "Ascend"}}).kv_cache_dtype == "float16"
 
 
 def test_enough_memory_gives_every_running_request_its_longest_length():

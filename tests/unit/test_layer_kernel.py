@@ -134,8 +134,10 @@ def assert_layer_close(layer, got, want):
 
 def assert_cache_close(layer, got, want):
     """The K/V cache after the step within 1e-5 of the reference's (where the reference rounded q/k/v's input,
-    within 1e-4 of its largest value, as assert_layer_close)."""
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 + (1e-4 * np.abs(want).max() if layer.rounded else 0))
+    within 1e-4 of its largest value, as assert_layer_close). A float16 cache: within one float16 step (2^-10
+    of the value), as the kernel's float32 K/V can round to the neighbour of the float64 reference's."""
+    rtol = 2.0 ** -10 if got.dtype == np.float16 else 1e-5
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=1e-5 + (1e-4 * np.abs(want).max() if layer.rounded else 0))
 
 
 def rms(x):
@@ -147,7 +149,7 @@ class Layer:
     """Random weights, cache and a step of `batch` decode rows for one layer of the given shape."""
 
     def __init__(self, rng, *, hidden, heads, kv_heads, head_dim, inter, batch, block_size=4, num_blocks=60,
-                 width=6, bias=True):
+                 width=6, bias=True, cache_dtype=np.float32):
         f32 = lambda *s: (rng.standard_normal(s) * 0.2).astype(np.float32)          # noqa: E731
         self.h, self.nh, self.kvh, self.d, self.i, self.b, self.bs = hidden, heads, kv_heads, head_dim, inter, \
             batch, block_size
@@ -166,8 +168,8 @@ class Layer:
         # quantize() ran; q/k/v and gate/up are row ranges of the reference's fused matrices
         self.kernel_weights = {n: (getattr(self, fused)[self._rows(n)], 0)
                                for fused, parts in FUSED.items() for n in parts}
-        self.key_cache = f32(num_blocks * block_size * kv_heads, head_dim)
-        self.value_cache = f32(num_blocks * block_size * kv_heads, head_dim)
+        self.key_cache = f32(num_blocks * block_size * kv_heads, head_dim).astype(cache_dtype)
+        self.value_cache = f32(num_blocks * block_size * kv_heads, head_dim).astype(cache_dtype)
         # every row its own blocks (scattered), a context of 1 .. width*block_size keys, the new token last
         blocks = rng.permutation(num_blocks)[:batch * width].reshape(batch, width)
         self.tables = blocks.astype(np.int32)
@@ -266,8 +268,9 @@ class Layer:
         q = roped[:, :nh] / np.sqrt(d)
         k, v = roped[:, nh:nh + kvh], qkv[:, nh + kvh:]
         keys, values = self.key_cache.astype(np.float64), self.value_cache.astype(np.float64)
-        keys.reshape(-1, kvh, d)[self.slots] = k
-        values.reshape(-1, kvh, d)[self.slots] = v
+        stored = lambda a: a.astype(self.key_cache.dtype).astype(np.float64)      # noqa: E731  (as the cache keeps it)
+        keys.reshape(-1, kvh, d)[self.slots] = stored(k)
+        values.reshape(-1, kvh, d)[self.slots] = stored(v)
         attn = attention_reference(q.reshape(b, kvh, nh // kvh, d), keys, values, self.tables, self.context,
                                    self.bs).reshape(b, -1)
         x1 = self.x + rounded(attn, path("o_w")) @ self.o_w.T + self._lora_delta("o", attn, ((0, self.h),))
@@ -280,17 +283,22 @@ class Layer:
 
 # hidden sizes and MLP widths that are not multiples of the 16-float vectors, batches not multiples of the
 # 4-row tiles, grouped and plain attention, with and without a q/k/v bias, 1-3 threads
-@pytest.mark.parametrize("hidden,heads,kv_heads,head_dim,inter,batch,bias,threads", [
-    (64, 8, 4, 8, 172, 1, False, 1),
-    (64, 8, 4, 8, 172, 3, True, 2),
-    (72, 6, 2, 12, 100, 9, True, 3),
-    (128, 4, 4, 32, 256, 6, False, 2),
-    (48, 3, 1, 16, 40, 1, True, 2),
+@pytest.mark.parametrize("hidden,heads,kv_heads,head_dim,inter,batch,bias,threads,cache", [
+    (64, 8, 4, 8, 172, 1, False, 1, "float32"),
+    (64, 8, 4, 8, 172, 3, True, 2, "float32"),
+    (72, 6, 2, 12, 100, 9, True, 3, "float32"),
+    (128, 4, 4, 32, 256, 6, False, 2, "float32"),
+    (48, 3, 1, 16, 40, 1, True, 2, "float32"),
+    (64, 8, 4, 8, 172, 1, False, 1, "float16"),
+    (72, 6, 2, 12, 100, 9, True, 3, "float16"),
+    (128, 4, 4, 32, 256, 6, False, 2, "float16"),
 ])
-def test_layer_matches_numpy(library, hidden, heads, kv_heads, head_dim, inter, batch, bias, threads):
+def test_layer_matches_numpy(library, hidden, heads, kv_heads, head_dim, inter, batch, bias, threads, cache):
+    """A float16 cache (pa_config.kv_cache_dtype): the reference attends over the same float16 values, the
+    step's K/V rounded to float16 as the kernel stores them."""
     rng = np.random.default_rng(hidden + batch + threads)
     layer = Layer(rng, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, inter=inter, batch=batch,
-                  bias=bias)
+                  bias=bias, cache_dtype=np.dtype(cache))
     want, keys, values = layer.reference(library)
     arrays = layer.arrays(threads)
     assert invoke(library.DecoderLayer, arrays) == 0

@@ -29,6 +29,20 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+// A float16 KV-cache element (IEEE binary16, as MindSpore's and numpy's float16): the compiler converts it with
+// F16C's vector instructions where the CPU has them.
+using Half = _Float16;
+
+// n values into a cache slot of element type Cache (rounded to nearest for Half).
+template <typename Cache>
+inline void store_cache(Cache* dst, const float* src, int64_t n) {
+  for (int64_t e = 0; e < n; ++e) dst[e] = static_cast<Cache>(src[e]);
+}
+
+// Whether a kernel call's cache dtype (MindSpore's name) is float16; float32 otherwise (params_match allows only
+// the two for a "cache" parameter).
+inline bool is_half(const char* dtype) { return std::strcmp(dtype, "float16") == 0; }
+
 struct AttentionShape {
   int64_t kvh, g, d, w, bs;   // KV heads, query heads per KV head, head dim, block-table width, block size
 };
@@ -37,7 +51,9 @@ struct AttentionShape {
 // 0 .. context-1 read in place through its block table from the flat caches [slots, KVH, D]; tree_bits: of the
 // row's last 32 keys, which are visible (bit m = the key m places before the last; -1 = all). Writes ob (NH, D).
 // scores: room for NH * W * BS floats. Only KV heads [kv_begin, kv_end) (and their query heads) when given.
-inline void attend_row(const float* qb, const float* kc, const float* vc, const int32_t* table, int64_t context,
+// Cache is the cache's element type: float, or Half (pa_config.kv_cache_dtype float16), widened as it is read.
+template <typename Cache>
+inline void attend_row(const float* qb, const Cache* kc, const Cache* vc, const int32_t* table, int64_t context,
                        uint32_t tree_bits, float* ob, const AttentionShape& sh, float* scores,
                        int64_t kv_begin = 0, int64_t kv_end = -1) {
   const int64_t kvh = sh.kvh, g = sh.g, d = sh.d, bs = sh.bs;
@@ -53,12 +69,12 @@ inline void attend_row(const float* qb, const float* kc, const float* vc, const 
       for (int64_t hq = h0; hq < h1; ++hq) scores[hq * n + j] = -INFINITY;
       continue;
     }
-    const float* kj = kc + (static_cast<int64_t>(table[j / bs]) * bs + j % bs) * row;
+    const Cache* kj = kc + (static_cast<int64_t>(table[j / bs]) * bs + j % bs) * row;
     for (int64_t hq = h0; hq < h1; ++hq) {
       const float* qh = qb + hq * d;
-      const float* kh = kj + (hq / g) * d;
+      const Cache* kh = kj + (hq / g) * d;
       float dot = 0.f;
-      for (int64_t e = 0; e < d; ++e) dot += qh[e] * kh[e];
+      for (int64_t e = 0; e < d; ++e) dot += qh[e] * static_cast<float>(kh[e]);
       scores[hq * n + j] = dot;
     }
   }
@@ -77,12 +93,12 @@ inline void attend_row(const float* qb, const float* kc, const float* vc, const 
   std::fill(ob + h0 * d, ob + h1 * d, 0.f);
   for (int64_t j = 0; j < n; ++j) {                   // out[head] = sum_j p[head][j] v_j
     if (hidden(j)) continue;
-    const float* vj = vc + (static_cast<int64_t>(table[j / bs]) * bs + j % bs) * row;
+    const Cache* vj = vc + (static_cast<int64_t>(table[j / bs]) * bs + j % bs) * row;
     for (int64_t hq = h0; hq < h1; ++hq) {
       const float p = scores[hq * n + j];
-      const float* vh = vj + (hq / g) * d;
+      const Cache* vh = vj + (hq / g) * d;
       float* o = ob + hq * d;
-      for (int64_t e = 0; e < d; ++e) o[e] += p * vh[e];
+      for (int64_t e = 0; e < d; ++e) o[e] += p * static_cast<float>(vh[e]);
     }
   }
 }

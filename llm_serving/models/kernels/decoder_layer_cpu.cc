@@ -57,7 +57,9 @@
 //   o_w          (H, NH*D)
 //   gate_w, up_w (I, H)                          down_w (H, I)    (weights: float32, or uint8 rows as above)
 //   input_gain, post_gain (H,)          float32  the norms' gains for q/k/v and for gate/up (1 where folded)
-//   key_cache, value_cache (N*KVH, D)   float32  flat [slots, KVH, D]; this step's K/V are written in place
+//   key_cache, value_cache (N*KVH, D)   float32 or float16 (both the same; pa_config.kv_cache_dtype)  flat
+//                                                [slots, KVH, D]; this step's K/V are written in place (rounded
+//                                                to float16 in a float16 cache), then read back by the attention
 //   lora_*_a     (S, P*R, K)            float32  per slot, the product's A matrices of its P parts (q/k/v: 3,
 //                                                gate/up: 2, o and down: 1) stacked; K its input width
 //   lora_*_b     (S, R, N)              float32  per slot, B transposed (scale folded in): column j for output
@@ -102,6 +104,7 @@
 namespace {
 
 namespace gemm = llm_serving::gemm;
+using llm_serving::Half;
 
 // ------------------------------------------------------------------------------------------- thread pool
 
@@ -1621,7 +1624,7 @@ inline float silu_times(float g, float u) {
   P(Q_W, "q_w", 2, "weight") P(K_W, "k_w", 2, "weight") P(V_W, "v_w", 2, "weight")                                \
   P(QKV_B, "qkv_bias", 1, "float32") P(O_W, "o_w", 2, "weight") P(GATE_W, "gate_w", 2, "weight")                  \
   P(UP_W, "up_w", 2, "weight") P(DOWN_W, "down_w", 2, "weight") P(IN_GAIN, "input_gain", 1, "float32")            \
-  P(POST_GAIN, "post_gain", 1, "float32") P(KEYS, "key_cache", 2, "float32") P(VALUES, "value_cache", 2, "float32") \
+  P(POST_GAIN, "post_gain", 1, "float32") P(KEYS, "key_cache", 2, "cache") P(VALUES, "value_cache", 2, "cache") \
   P(LORA_QKV_A, "lora_qkv_a", 3, "float32") P(LORA_QKV_B, "lora_qkv_b", 3, "float32")                            \
   P(LORA_O_A, "lora_o_a", 3, "float32") P(LORA_O_B, "lora_o_b", 3, "float32")                                    \
   P(LORA_GATE_UP_A, "lora_gate_up_a", 3, "float32") P(LORA_GATE_UP_B, "lora_gate_up_b", 3, "float32")            \
@@ -1722,8 +1725,10 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
   const auto* qkv_b = static_cast<const float*>(params[QKV_B]);
   const auto* in_gain = static_cast<const float*>(params[IN_GAIN]);
   const auto* post_gain = static_cast<const float*>(params[POST_GAIN]);
-  auto* key_cache = static_cast<float*>(params[KEYS]);
-  auto* value_cache = static_cast<float*>(params[VALUES]);
+  void* const key_cache = params[KEYS];
+  void* const value_cache = params[VALUES];
+  const bool half_cache = llm_serving::is_half(dtypes[KEYS]);
+  if (std::strcmp(dtypes[VALUES], dtypes[KEYS]) != 0) return 1;
   const auto* lora = static_cast<const int32_t*>(params[LORA]);
   const auto* icfg = static_cast<const int32_t*>(params[ICFG]);
   const float eps = static_cast<const float*>(params[FCFG])[0];
@@ -1893,8 +1898,14 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
         for (int64_t e = 0; e < d; ++e) rot[e] = (v[e] * c[e] + v[(e + d / 2) % d] * sn[e]) * scale;
         std::memcpy(v, rot, d * sizeof(float));
       }
-      std::memcpy(key_cache + slots[b] * kvh * d, qkv + b * nqkv + nh * d, kvh * d * sizeof(float));
-      std::memcpy(value_cache + slots[b] * kvh * d, qkv + b * nqkv + (nh + kvh) * d, kvh * d * sizeof(float));
+      const float* kv = qkv + b * nqkv + nh * d;        // this row's K then V, (2, KVH, D)
+      if (half_cache) {
+        llm_serving::store_cache(static_cast<Half*>(key_cache) + slots[b] * kvh * d, kv, kvh * d);
+        llm_serving::store_cache(static_cast<Half*>(value_cache) + slots[b] * kvh * d, kv + kvh * d, kvh * d);
+      } else {
+        llm_serving::store_cache(static_cast<float*>(key_cache) + slots[b] * kvh * d, kv, kvh * d);
+        llm_serving::store_cache(static_cast<float*>(value_cache) + slots[b] * kvh * d, kv + kvh * d, kvh * d);
+      }
     }
     barrier.wait();
     // 3. attention: items taken one at a time, a row each, or a (row, KV head) each when rows are fewer than
@@ -1903,9 +1914,16 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
     for (int64_t i = next_row.fetch_add(1); i < rows * parts; i = next_row.fetch_add(1)) {
       const int64_t b = i / parts, k0 = i % parts * kvh / parts, k1 = (i % parts + 1) * kvh / parts;
       if (slots[b] < 0) continue;
-      llm_serving::attend_row(qkv + b * nqkv, key_cache, value_cache, tables + b * width, context[b],
-                              static_cast<uint32_t>(tree[b]), attn + b * nh * d, ash,
-                              scores + tid * nh * width * bs, k0, k1);
+      auto attend = [&](const auto* kc, const auto* vc) {
+        llm_serving::attend_row(qkv + b * nqkv, kc, vc, tables + b * width, context[b],
+                                static_cast<uint32_t>(tree[b]), attn + b * nh * d, ash,
+                                scores + tid * nh * width * bs, k0, k1);
+      };
+      if (half_cache) {
+        attend(static_cast<const Half*>(key_cache), static_cast<const Half*>(value_cache));
+      } else {
+        attend(static_cast<const float*>(key_cache), static_cast<const float*>(value_cache));
+      }
     }
     barrier.wait();
     // 4. out = x + attn . o_w^T

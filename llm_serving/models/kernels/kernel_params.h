@@ -8,6 +8,8 @@
 //   static const ParamSpec kMyKernel[] = {MY_KERNEL_PARAMS(LLM_SERVING_PARAM_SPEC)};
 //
 // dtype "weight": float32, or a GGUF type's stored bytes (uint8); the kernel checks it with its type code.
+// dtype "cache": a KV cache's element type, float32 or float16 (pa_config.kv_cache_dtype); the kernel reads it
+// from the call's dtype.
 #pragma once
 
 #include <cstring>
@@ -18,7 +20,7 @@ namespace llm_serving {
 struct ParamSpec {
   const char* name;
   int ndims;
-  const char* dtype;   // "float32", "int32" or "weight"
+  const char* dtype;   // "float32", "int32", "weight" or "cache"
 };
 
 #define LLM_SERVING_PARAM_ENUM(id, name, ndims, dtype) id,
@@ -29,7 +31,12 @@ inline bool params_match(const ParamSpec* spec, int count, int nparam, const int
   if (nparam != count) return false;
   for (int i = 0; i < count; ++i) {
     if (ndims[i] != spec[i].ndims) return false;
-    if (std::strcmp(spec[i].dtype, "weight") != 0 && std::strcmp(dtypes[i], spec[i].dtype) != 0) return false;
+    if (std::strcmp(spec[i].dtype, "weight") == 0) continue;
+    if (std::strcmp(spec[i].dtype, "cache") == 0) {
+      if (std::strcmp(dtypes[i], "float32") != 0 && std::strcmp(dtypes[i], "float16") != 0) return false;
+      continue;
+    }
+    if (std::strcmp(dtypes[i], spec[i].dtype) != 0) return false;
   }
   return true;
 }

@@ -6,8 +6,9 @@
 //
 // Inputs (MindSpore passes inputs then outputs in `params`):
 //   q            (B, KVH, G, D) float32  query heads grouped by the KV head they share, pre-scaled by 1/sqrt(D)
-//   key_cache    (N*KVH, D)     float32  flat view of [slots, KVH, D]; slot = block * block_size + offset
-//   value_cache  (N*KVH, D)     float32
+//   key_cache    (N*KVH, D)     float32 or float16 (pa_config.kv_cache_dtype)  flat view of [slots, KVH, D];
+//                                        slot = block * block_size + offset
+//   value_cache  (N*KVH, D)     the key cache's dtype
 //   block_tables (B, W)         int32
 //   context_lens (B,)           int32    keys 0 .. context_len-1 are visible (the new token included)
 //   tree_bits    (B,)           int32    of the row's last 32 keys, which are visible: bit m set = the key m
@@ -23,8 +24,8 @@
 // Two passes over the row's keys (scores, then the softmax-weighted sum of values), the scores in a small
 // per-thread buffer. `threads` threads (the calling thread included) take rows one at a time, so rows of
 // different lengths still share the work evenly. At B=128 and 129 keys a layer streams 68 MB of K/V in
-// ~5 ms (~13 GB/s, about what one of this machine's cores reads); a float16 cache widened with F16C
-// measured the same, so the cache stays float32.
+// ~5 ms (~13 GB/s, about what one of this machine's cores reads); a float16 cache, widened with F16C as it is
+// read, measured the same at half the memory.
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -38,7 +39,8 @@ namespace {
 
 using llm_serving::AttentionShape;
 
-void attend(const float* q, const float* kc, const float* vc, const int32_t* bt, const int32_t* cl,
+template <typename Cache>
+void attend(const float* q, const Cache* kc, const Cache* vc, const int32_t* bt, const int32_t* cl,
             const int32_t* tree, float* out, const AttentionShape& sh, int64_t rows, std::atomic<int64_t>* next_row) {
   const int64_t nh = sh.kvh * sh.g, d = sh.d;
   std::vector<float> scores(static_cast<size_t>(nh * sh.w * sh.bs));
@@ -55,13 +57,11 @@ extern "C" int PagedDecodeAttention(int nparam, void** params, int* ndims, int64
   (void)stream;
   (void)extra;
   if (nparam != 8 || ndims[0] != 4 || ndims[1] != 2 || ndims[3] != 2 || ndims[4] != 1 || ndims[5] != 1 ||
-      ndims[7] != 4 ||
-      std::strcmp(dtypes[0], "float32") != 0 || std::strcmp(dtypes[1], "float32") != 0) {
+      ndims[7] != 4 || std::strcmp(dtypes[0], "float32") != 0 || std::strcmp(dtypes[2], dtypes[1]) != 0 ||
+      (std::strcmp(dtypes[1], "float32") != 0 && !llm_serving::is_half(dtypes[1]))) {
     return 1;
   }
   const auto* q = static_cast<const float*>(params[0]);
-  const auto* kc = static_cast<const float*>(params[1]);
-  const auto* vc = static_cast<const float*>(params[2]);
   const auto* bt = static_cast<const int32_t*>(params[3]);
   const auto* cl = static_cast<const int32_t*>(params[4]);
   const auto* tree = static_cast<const int32_t*>(params[5]);
@@ -71,10 +71,19 @@ extern "C" int PagedDecodeAttention(int nparam, void** params, int* ndims, int64
   if (sh.bs < 1 || shapes[1][1] != sh.d || shapes[3][0] != shapes[0][0] || shapes[5][0] != shapes[0][0]) return 2;
   const int64_t rows = shapes[0][0];
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(cfg[1], rows));
-  std::atomic<int64_t> next_row{0};
-  std::vector<std::thread> pool;
-  for (int64_t t = 1; t < threads; ++t) pool.emplace_back(attend, q, kc, vc, bt, cl, tree, out, sh, rows, &next_row);
-  attend(q, kc, vc, bt, cl, tree, out, sh, rows, &next_row);
-  for (auto& th : pool) th.join();
+  auto run = [&](const auto* kc, const auto* vc) {
+    std::atomic<int64_t> next_row{0};
+    std::vector<std::thread> pool;
+    for (int64_t t = 1; t < threads; ++t) {
+      pool.emplace_back([&] { attend(q, kc, vc, bt, cl, tree, out, sh, rows, &next_row); });
+    }
+    attend(q, kc, vc, bt, cl, tree, out, sh, rows, &next_row);
+    for (auto& th : pool) th.join();
+  };
+  if (llm_serving::is_half(dtypes[1])) {
+    run(static_cast<const llm_serving::Half*>(params[1]), static_cast<const llm_serving::Half*>(params[2]));
+  } else {
+    run(static_cast<const float*>(params[1]), static_cast<const float*>(params[2]));
+  }
   return 0;
 }
