@@ -169,6 +169,8 @@ def run(args) -> dict:
         raise SystemExit(f"precision: agent captured {captured} steps, {comparator.files} compared")
     return {
         "model": info["model_id"], "model_path": args.model or info["model_path"],
+        "kv_cache_dtype": info.get("kv_cache_dtype"),     # (the reference keeps K/V in float64: a float16 cache's
+                                                          # rounding is part of the error measured)
         "prompts": len(prompts), "generated_tokens": int(sum(generated)), "steps": captured,
         "rows": int(errors.size), "sampled_rows": comparator.sampled, "max_rel_error": float(errors.max()), "mean_rel_error": float(errors.mean()),
         "p99_rel_error": float(np.percentile(errors, 99)),
@@ -193,7 +195,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run_cli(args) -> int:
     """Run the gate, print the figures, write the JSON; exit code 0 on pass, 1 on fail."""
     result = run(args)
-    print(f"model {result['model']}: {result['prompts']} prompts, {result['generated_tokens']} tokens, "
+    print(f"model {result['model']} (KV cache {result['kv_cache_dtype']}): {result['prompts']} prompts, "
+          f"{result['generated_tokens']} tokens, "
           f"{result['steps']} steps, {result['rows']} rows compared ({result['sampled_rows']} sampled) in {result['wall_s']} s")
     print(f"relative error  max {result['max_rel_error']:.3e}  mean {result['mean_rel_error']:.3e}  "
           f"p99 {result['p99_rel_error']:.3e}  (threshold {args.threshold})")

@@ -22,7 +22,7 @@ def test_precision_gate_passes_on_an_alpaca_replay(stories_server, alpaca_standi
                               "--prompts", str(alpaca_standin))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "PASS" in proc.stdout
-    assert result["prompts"] == 24 and result["generated_tokens"] == 24 * 16
+    assert result["prompts"] == 24 and result["generated_tokens"] == 24 * 16 and result["kv_cache_dtype"] == "float16"
     # one captured row per generated token, plus one per chunk of a prompt split across steps (it samples nothing)
     assert result["sampled_rows"] == result["generated_tokens"] and result["rows"] >= result["sampled_rows"]
     assert result["max_rel_error"] < 5e-3 and result["greedy_agreement"] == 1.0
@@ -43,7 +43,7 @@ def test_a_float32_kv_cache_is_exact_to_the_reference(stories_dir, alpaca_standi
         proc, result = precision_gate(server.url, tmp_path, "-n", "8", "--max-new-tokens", "16",
                                       "--prompts", str(alpaca_standin))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert result["generated_tokens"] == 8 * 16
+    assert result["generated_tokens"] == 8 * 16 and result["kv_cache_dtype"] == "float32"
     assert result["max_rel_error"] < 1e-4 and result["greedy_agreement"] == 1.0
 
 

@@ -135,6 +135,7 @@ def test_unknown_model_and_model_info(stories_server):
     assert status == 404 and "gpt-9" in body["error"]
     status, info = http("GET", f"{stories_server.url}/models/hf")
     assert status == 200 and info["model_id"] == "hf" and info["max_total_tokens"] == 256
+    assert info["kv_cache_dtype"] == "float16" and info["kv_block_size"] == 16 and info["kv_cache_blocks"] > 0
 
 
 def test_tgi_compat_route_serves_huggingface_hubs_client(stories_server):
