@@ -30,8 +30,9 @@ C = max(input + output, TTFT prompt + its output) + 16 tokens, and the KV cache 
 streams tokens on both llama.cpp and this server (--kv-tokens sets N; C and N padded up to a multiple of 256 tokens,
 as llama.cpp pads a context and each slot's share): llama-server gets `-c N` and one slot per
 stream (`-np S`, so N / S >= C tokens a slot), a fresh server per level; this server one server for all levels with
-`--set pa_config.num_blocks=ceil(N / block_size) --set model_config.max_generate_length=C` (its KV cache is
-float32, llama-server's float16 by default: the output says the bytes of each), unless --set gives either. vLLM
+`--set pa_config.num_blocks=ceil(N / block_size) --set model_config.max_generate_length=C` unless --set gives
+either (both KV caches float16 by default; `--set pa_config.kv_cache_dtype=float32` here: the output says the
+bytes of each). vLLM
 one server for all levels, float32, `--max-num-seqs` at least the most streams.
 
 Memory: after the load at each concurrency, PSS (`memory_full_info().pss`, shared pages split among the processes
@@ -424,9 +425,13 @@ def main(argv=None) -> int:
     extra_sets, block = kv_sets(args.set, kv_tokens, ctx)
     shape = kv_shape(model)
     kv_note = {"tokens": kv_tokens, "request_tokens": ctx}
+    kv_dtype = next((item.split("=", 1)[1].strip() for item in args.set
+                     if item.split("=", 1)[0].strip() == "pa_config.kv_cache_dtype"), "float16")
+    kv_dtype = "float16" if kv_dtype == "auto" else kv_dtype
     if shape:
         per_token = 2 * shape[0] * shape[1] * shape[2]                    # K and V values per token
-        kv_note.update(llm_serving_bytes=per_token * 4 * block * math.ceil(kv_tokens / block),
+        kv_note.update(llm_serving_dtype=kv_dtype, llm_serving_bytes=per_token * (4 if kv_dtype == "float32" else 2)
+                       * block * math.ceil(kv_tokens / block),
                        llama_server_bytes=per_token * 2 * kv_tokens)
 
     runs, facts, llama_flags = {}, {}, []
@@ -516,7 +521,7 @@ def main(argv=None) -> int:
     kv_desc = f"KV cache: {kv_tokens} tokens on {holders or 'no server'} (requests of up to {ctx} tokens)"
     if "llm_serving_bytes" in kv_note:
         if ours_ran:
-            kv_desc += (f"; llm-serving {math.ceil(kv_tokens / block)} blocks of {block}, float32: "
+            kv_desc += (f"; llm-serving {math.ceil(kv_tokens / block)} blocks of {block}, {kv_note['llm_serving_dtype']}: "
                         f"{mib(kv_note['llm_serving_bytes']):.0f} MiB")
         if llama_ran:
             kv_desc += f"; llama-server -c {kv_tokens}, float16: {mib(kv_note['llama_server_bytes']):.0f} MiB"

@@ -720,4 +720,4 @@ class ModelRunner:
     def reset(self) -> None:
         """Zero the KV cache."""
         for p in self._caches:
-            p.set_data(self._ms.Tensor(np.zeros(p.shape, np.float32)).astype(p.dtype))
+            p.set_data(self._ms.Tensor(np.zeros(p.shape, np.float16 if p.dtype == self._ms.float16 else np.float32)))
