@@ -65,6 +65,7 @@ from bench.common import (SHARED, PeerServer, info, log_dir, machine, replay, sy
 from bench.make_models import resolve_short_name  # noqa: E402
 from llm_serving.launch import ServerProcess, free_port  # noqa: E402
 from llm_serving.cache_dir import default_cache_dir  # noqa: E402
+from llm_serving.config import KV_CACHE_VALUE_BYTES, resolve_kv_cache_dtype  # noqa: E402
 
 SETUP = "bench/setup_peers.sh"
 BENCH_MODEL = dict(layers=8, hidden=512, heads=8, kv_heads=4, intermediate=1408)   # the issue 23 bench model
@@ -425,12 +426,11 @@ def main(argv=None) -> int:
     extra_sets, block = kv_sets(args.set, kv_tokens, ctx)
     shape = kv_shape(model)
     kv_note = {"tokens": kv_tokens, "request_tokens": ctx}
-    kv_dtype = next((item.split("=", 1)[1].strip() for item in args.set
-                     if item.split("=", 1)[0].strip() == "pa_config.kv_cache_dtype"), "float16")
-    kv_dtype = "float16" if kv_dtype == "auto" else kv_dtype
+    kv_dtype = resolve_kv_cache_dtype(next((item.split("=", 1)[1].strip() for item in args.set
+                                             if item.split("=", 1)[0].strip() == "pa_config.kv_cache_dtype"), "auto"))
     if shape:
         per_token = 2 * shape[0] * shape[1] * shape[2]                    # K and V values per token
-        kv_note.update(llm_serving_dtype=kv_dtype, llm_serving_bytes=per_token * (4 if kv_dtype == "float32" else 2)
+        kv_note.update(llm_serving_dtype=kv_dtype, llm_serving_bytes=per_token * KV_CACHE_VALUE_BYTES[kv_dtype]
                        * block * math.ceil(kv_tokens / block),
                        llama_server_bytes=per_token * 2 * kv_tokens)
 

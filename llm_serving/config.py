@@ -306,7 +306,13 @@ class ServingConfig:
         return mine.index(rank), len(mine)
 
 
-KV_CACHE_DTYPES = ("auto", "float16", "float32")
+KV_CACHE_VALUE_BYTES = {"float16": 2, "float32": 4}          # pa_config.kv_cache_dtype's types, bytes a value
+KV_CACHE_DTYPES = ("auto", *KV_CACHE_VALUE_BYTES)
+
+
+def resolve_kv_cache_dtype(setting: str) -> str:
+    """pa_config.kv_cache_dtype with auto decided: float16 (on the CPU and on Ascend)."""
+    return "float16" if setting == "auto" else setting
 
 
 @dataclass
@@ -598,7 +604,7 @@ class Config:
     @property
     def kv_cache_dtype(self) -> str:
         """The KV cache's element type, "float16" or "float32" (pa_config.kv_cache_dtype with auto decided)."""
-        return "float16" if self.pa_config.kv_cache_dtype == "auto" else self.pa_config.kv_cache_dtype
+        return resolve_kv_cache_dtype(self.pa_config.kv_cache_dtype)
 
     @property
     def max_chunk_tokens(self) -> int:

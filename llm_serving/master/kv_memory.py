@@ -24,7 +24,7 @@ from typing import Optional
 
 import psutil
 
-from llm_serving.config import Config, ConfigError
+from llm_serving.config import KV_CACHE_VALUE_BYTES, Config, ConfigError
 from llm_serving.models.weights import WeightLoadError, model_shape
 
 logger = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ def size_kv_cache(config: Config, model_path: str, available_bytes: Optional[int
     except WeightLoadError as e:
         raise ConfigError(f"pa_config.num_blocks=auto cannot read the model's shape: {e}") from None
     layers = config.model_config.num_layers or shape.num_layers       # a served cut keeps only its layers
-    value_bytes = 2 if config.kv_cache_dtype == "float16" else 4
+    value_bytes = KV_CACHE_VALUE_BYTES[config.kv_cache_dtype]
     per_token = bytes_per_block(layers, shape.num_kv_heads, shape.head_dim, 1, value_bytes)
     if spec.uses_draft:
         per_token += bytes_per_block(spec.draft_num_layers or draft.num_layers, draft.num_kv_heads, draft.head_dim, 1,

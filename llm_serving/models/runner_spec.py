@@ -51,8 +51,11 @@ class RunnerSpec:
     kv_cache_dtype: str = "float16"
 
     def __post_init__(self) -> None:
-        if self.kv_cache_dtype not in ("float16", "float32"):
-            raise ValueError(f"RunnerSpec.kv_cache_dtype must be float16 or float32, got {self.kv_cache_dtype!r}")
+        from llm_serving.config import KV_CACHE_VALUE_BYTES
+
+        if self.kv_cache_dtype not in KV_CACHE_VALUE_BYTES:
+            raise ValueError(f"RunnerSpec.kv_cache_dtype must be one of {', '.join(KV_CACHE_VALUE_BYTES)}, got "
+                             f"{self.kv_cache_dtype!r}")
         for name in ("decode_batch_sizes", "prefill_batch_sizes", "prefill_seq_lens", "decode_block_widths"):
             value = getattr(self, name)
             if isinstance(value, list):          # (frozen: a list would be shared with the caller)

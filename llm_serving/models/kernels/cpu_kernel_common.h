@@ -78,6 +78,16 @@ inline const float* widened(const Half* src, int64_t n, float* buf) {
 // the two for a "cache" parameter).
 inline bool is_half(const char* dtype) { return std::strcmp(dtype, "float16") == 0; }
 
+// fn(keys, values) on the caches as their element type: Half* when `half`, else float*.
+template <typename Fn>
+inline void with_cache(bool half, void* keys, void* values, Fn&& fn) {
+  if (half) {
+    fn(static_cast<Half*>(keys), static_cast<Half*>(values));
+  } else {
+    fn(static_cast<float*>(keys), static_cast<float*>(values));
+  }
+}
+
 struct AttentionShape {
   int64_t kvh, g, d, w, bs;   // KV heads, query heads per KV head, head dim, block-table width, block size
 };
@@ -100,7 +110,8 @@ inline void attend_row(const float* qb, const Cache* kc, const Cache* vc, const 
     return m < 32 && !((tree_bits >> m) & 1u);
   };
   const int64_t k0 = h0 / g, k1 = h1 / g;             // this call's KV heads
-  std::vector<float> buf(std::is_same<Cache, float>::value ? 0 : row);   // a Half slot's K or V, widened
+  thread_local std::vector<float> buf;                // a Half slot's K or V, widened (kept across calls)
+  if (!std::is_same<Cache, float>::value && static_cast<int64_t>(buf.size()) < row) buf.resize(row);
   auto slot_values = [&](const Cache* cache, int64_t j) -> const float* {  // key j's floats of KV heads [k0, k1)
     const Cache* at = cache + (static_cast<int64_t>(table[j / bs]) * bs + j % bs) * row;
     return widened(at + k0 * d, (k1 - k0) * d, buf.data() + k0 * d) - k0 * d;

@@ -104,7 +104,6 @@
 namespace {
 
 namespace gemm = llm_serving::gemm;
-using llm_serving::Half;
 
 // ------------------------------------------------------------------------------------------- thread pool
 
@@ -1899,13 +1898,10 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
         std::memcpy(v, rot, d * sizeof(float));
       }
       const float* kv = qkv + b * nqkv + nh * d;        // this row's K then V, (2, KVH, D)
-      if (half_cache) {
-        llm_serving::store_cache(static_cast<Half*>(key_cache) + slots[b] * kvh * d, kv, kvh * d);
-        llm_serving::store_cache(static_cast<Half*>(value_cache) + slots[b] * kvh * d, kv + kvh * d, kvh * d);
-      } else {
-        llm_serving::store_cache(static_cast<float*>(key_cache) + slots[b] * kvh * d, kv, kvh * d);
-        llm_serving::store_cache(static_cast<float*>(value_cache) + slots[b] * kvh * d, kv + kvh * d, kvh * d);
-      }
+      llm_serving::with_cache(half_cache, key_cache, value_cache, [&](auto* kc, auto* vc) {
+        llm_serving::store_cache(kc + slots[b] * kvh * d, kv, kvh * d);
+        llm_serving::store_cache(vc + slots[b] * kvh * d, kv + kvh * d, kvh * d);
+      });
     }
     barrier.wait();
     // 3. attention: items taken one at a time, a row each, or a (row, KV head) each when rows are fewer than
@@ -1914,16 +1910,11 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
     for (int64_t i = next_row.fetch_add(1); i < rows * parts; i = next_row.fetch_add(1)) {
       const int64_t b = i / parts, k0 = i % parts * kvh / parts, k1 = (i % parts + 1) * kvh / parts;
       if (slots[b] < 0) continue;
-      auto attend = [&](const auto* kc, const auto* vc) {
+      llm_serving::with_cache(half_cache, key_cache, value_cache, [&](const auto* kc, const auto* vc) {
         llm_serving::attend_row(qkv + b * nqkv, kc, vc, tables + b * width, context[b],
                                 static_cast<uint32_t>(tree[b]), attn + b * nh * d, ash,
                                 scores + tid * nh * width * bs, k0, k1);
-      };
-      if (half_cache) {
-        attend(static_cast<const Half*>(key_cache), static_cast<const Half*>(value_cache));
-      } else {
-        attend(static_cast<const float*>(key_cache), static_cast<const float*>(value_cache));
-      }
+      });
     }
     barrier.wait();
     // 4. out = x + attn . o_w^T

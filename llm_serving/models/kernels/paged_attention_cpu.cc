@@ -80,10 +80,6 @@ extern "C" int PagedDecodeAttention(int nparam, void** params, int* ndims, int64
     attend(q, kc, vc, bt, cl, tree, out, sh, rows, &next_row);
     for (auto& th : pool) th.join();
   };
-  if (llm_serving::is_half(dtypes[1])) {
-    run(static_cast<const llm_serving::Half*>(params[1]), static_cast<const llm_serving::Half*>(params[2]));
-  } else {
-    run(static_cast<const float*>(params[1]), static_cast<const float*>(params[2]));
-  }
+  llm_serving::with_cache(llm_serving::is_half(dtypes[1]), params[1], params[2], run);
   return 0;
 }
