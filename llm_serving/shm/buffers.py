@@ -25,15 +25,20 @@ import numpy as np
 
 from llm_serving.shm.layout import ARRAYS, StepKind, StepLayout, StepView
 
+def segment_tag() -> str:
+    """This process's LLM_SERVING_SHM_TAG as its segment names carry it ("" for none)."""
+    return re.sub(r"[^A-Za-z0-9]", "", os.environ.get("LLM_SERVING_SHM_TAG", ""))[:16]
+
+
 def segment_prefix() -> str:
     """The prefix of this process's segment names (see the module docstring)."""
-    tag = re.sub(r"[^A-Za-z0-9]", "", os.environ.get("LLM_SERVING_SHM_TAG", ""))[:16]
+    tag = segment_tag()
     return f"llmsrv_{tag}_" if tag else "llmsrv_"
 
 
 SEGMENT_PREFIX = segment_prefix()
 # a name segment_stem made: its owner's pid and pid namespace, then 12 hex digits (a tag never ends the same way)
-_OWNED_NAME = re.compile(r"llmsrv_(?:[A-Za-z0-9]{1,16}_)?p([0-9]+)n([0-9]+)_[0-9a-f]{12}_")
+_OWNED_NAME = re.compile(r"llmsrv_(?:([A-Za-z0-9]{1,16})_)?p([0-9]+)n([0-9]+)_[0-9a-f]{12}_")
 
 
 def pid_namespace() -> int:
@@ -49,11 +54,13 @@ def segment_stem() -> str:
     return f"{SEGMENT_PREFIX}p{os.getpid()}n{pid_namespace()}_{secrets.token_hex(6)}"
 
 
-def segment_owner(name: str) -> tuple | None:
+def segment_owner(name: str, tag: str | None = None) -> tuple | None:
     """(pid, pid namespace) of the process that created the segment `name` (segment_stem's), or None for
-    another naming."""
+    another naming; with `tag`, None too for a name of another tag ("": untagged)."""
     match = _OWNED_NAME.match(name)
-    return (int(match.group(1)), int(match.group(2))) if match else None
+    if match is None or (tag is not None and (match.group(1) or "") != tag):
+        return None
+    return int(match.group(2)), int(match.group(3))
 
 
 class AttachedSegment:

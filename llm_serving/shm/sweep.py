@@ -4,7 +4,9 @@ A master unlinks its segments when it stops, and its resource tracker (a process
 it is killed. When both are killed at once (the OOM killer, `kill -9` of the process group), the segments stay
 in /dev/shm until reboot. Their names carry the pid of the master that created them (buffers.segment_stem), so
 a start removes those whose master is gone: no process with that pid, a zombie, or a process with that pid that
-started after the segment was made (the pid was reused). Names of another form, segments of other users, and
+started after the segment was made (the pid was reused). Only its own deployment's (the same
+LLM_SERVING_SHM_TAG, or none for both): another deployment's leftovers are its own next start's, and a start of
+one deployment never races another's checks of what it left. Names of another form, segments of other users, and
 those made in another pid namespace (another container sharing /dev/shm: its processes are not visible here)
 are never touched.
 """
@@ -16,7 +18,7 @@ from collections import defaultdict
 
 import psutil
 
-from llm_serving.shm.buffers import pid_namespace, segment_owner
+from llm_serving.shm.buffers import pid_namespace, segment_owner, segment_tag
 
 logger = logging.getLogger(__name__)
 
@@ -49,15 +51,15 @@ def owner_alive(pid: int, made_at: float) -> bool:
 
 
 def stale_segments(shm_dir: str = SHM_DIR) -> dict:
-    """{dead owner pid: [segment names]} of this user's segments whose master is gone."""
+    """{dead owner pid: [segment names]} of this user's segments, of this process's tag, whose master is gone."""
     stale = defaultdict(list)
     try:
         names = os.listdir(shm_dir)
     except FileNotFoundError:
         return {}
-    uid, namespace = os.getuid(), pid_namespace()
+    uid, namespace, tag = os.getuid(), pid_namespace(), segment_tag()
     for name in sorted(names):
-        owner = segment_owner(name)
+        owner = segment_owner(name, tag)
         if owner is None or owner[1] != namespace:
             continue
         pid = owner[0]

@@ -103,6 +103,9 @@ def test_a_segment_name_carries_its_creators_pid_after_the_session_tag():
     assert segment_owner(f"{stem}_input_ids") == (os.getpid(), ns)
     assert segment_owner("llmsrv_p12n34_0123456789ab_out_verify_ids") == (12, 34)         # no tag
     assert segment_owner("llmsrv_p7n8_p12n34_0123456789ab_tp") == (12, 34)              # a tag that looks the same
+    assert segment_owner("llmsrv_p7n8_p12n34_0123456789ab_tp", tag="p7n8") == (12, 34)
+    assert segment_owner("llmsrv_p7n8_p12n34_0123456789ab_tp", tag="") is None          # another deployment's
+    assert segment_owner("llmsrv_p12n34_0123456789ab_tp", tag="") == (12, 34)
     # other namings: the form before pids, another program's, a longer random part
     for name in ["llmsrv_t1_0123456789ab_input_ids", "llmsrv_0123456789ab_tp", "psm_12345", "llmsrv_p12_0123456789ab_x",
                  "llmsrv_p12n34_0123456789abc_x", "xllmsrv_p12n34_0123456789ab_x"]:
@@ -137,9 +140,12 @@ def test_the_sweep_removes_dead_masters_segments_and_keeps_the_rest(tmp_path):
     names = {
         "dead": [f"llmsrv_{SESSION_TAG}_p{dead}n{ns}_00112233aabb_{a}" for a in ("input_ids", "block_tables", "tp")],
         "live": [f"llmsrv_{SESSION_TAG}_p{live}n{ns}_00112233aabb_input_ids"],
-        # another naming, another program's, a dead pid of another pid namespace (a container sharing /dev/shm)
+        # another naming, another program's, a dead pid of another pid namespace (a container sharing /dev/shm),
+        # a dead master of another deployment (another tag, or none: its own next start removes them)
         "other": [f"llmsrv_{SESSION_TAG}_00112233aabb_input_ids", "psm_deadbeef", f"llmsrv_p{dead}n{ns}_xyz",
-                  f"llmsrv_{SESSION_TAG}_p{dead}n{ns + 1}_00112233aabb_input_ids"],
+                  f"llmsrv_{SESSION_TAG}_p{dead}n{ns + 1}_00112233aabb_input_ids",
+                  f"llmsrv_x{SESSION_TAG}_p{dead}n{ns}_00112233aabb_input_ids",
+                  f"llmsrv_p{dead}n{ns}_00112233aabb_input_ids"],
     }
     for group in names.values():
         for name in group:
