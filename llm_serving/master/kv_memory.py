@@ -10,8 +10,10 @@ summed over the models that keep a cache with the target's block tables (the tar
 spec_config uses one). Tensor parallelism splits the KV heads over the agents, so the sum is the same.
 
 The number is the smaller of
-  - what `max_num_seqs` requests of the longest length need (`max_blocks_per_seq` each): more blocks than that
-    serve only the prefix cache, and memory is better left to the machine;
+  - what `max_num_seqs` requests of up to SHARE_TOKENS tokens need, or one request of the whole context if that
+    is more: requests are admitted by the blocks they use, not by their longest length (a few long
+    conversations and many short questions share the blocks; past them the scheduler queues or preempts), and
+    memory beyond that would serve only the prefix cache, better left to the machine;
   - `pa_config.kv_memory_fraction` of the memory available when the server starts (like vLLM's KV-cache space
     setting), so a small machine gets a smaller cache rather than an out-of-memory kill.
 It must hold one longest request; if even that does not fit the server does not start, and says what to lower.
@@ -29,16 +31,18 @@ from llm_serving.models.weights import WeightLoadError, model_shape
 
 logger = logging.getLogger(__name__)
 
+SHARE_TOKENS = 512      # tokens per running request that num_blocks auto provides (besides one whole context)
+
 
 @dataclass(frozen=True)
 class KVPlan:
     num_blocks: int
     bytes_per_block: int
-    wanted_blocks: int          # max_num_seqs longest requests
+    wanted_blocks: int          # max_num_seqs requests of SHARE_TOKENS, or one of the whole context
     budget_bytes: int           # kv_memory_fraction of the available memory
 
     def describe(self) -> str:
-        limit = "max_num_seqs longest requests" if self.num_blocks == self.wanted_blocks else "the memory budget"
+        limit = "the blocks wanted" if self.num_blocks == self.wanted_blocks else "the memory budget"
         return (f"{self.num_blocks} KV blocks ({self.num_blocks * self.bytes_per_block / 2**20:.0f} MiB, "
                 f"{self.bytes_per_block / 2**10:.0f} KiB each; bound by {limit}: "
                 f"{self.wanted_blocks} blocks wanted, budget {self.budget_bytes / 2**20:.0f} MiB)")
@@ -53,7 +57,8 @@ def plan_blocks(config: Config, token_bytes: int, available_bytes: int) -> KVPla
     given `available_bytes` of free memory. ConfigError if one longest request does not fit."""
     pa, sc = config.pa_config, config.serving_config
     per_block = token_bytes * pa.block_size
-    wanted = sc.max_num_seqs * config.max_blocks_per_seq
+    share = -(-min(config.max_model_len, SHARE_TOKENS) // pa.block_size)
+    wanted = max(sc.max_num_seqs * share, config.max_blocks_per_seq)
     budget = int(available_bytes * pa.kv_memory_fraction)
     num = min(wanted, budget // per_block)
     if num < config.max_blocks_per_seq:
@@ -66,17 +71,47 @@ def plan_blocks(config: Config, token_bytes: int, available_bytes: int) -> KVPla
     return KVPlan(num_blocks=num, bytes_per_block=per_block, wanted_blocks=wanted, budget_bytes=budget)
 
 
-def size_kv_cache(config: Config, model_path: str, available_bytes: Optional[int] = None) -> Config:
-    """`config` with `pa_config.num_blocks` decided when it is `auto` (the model's shape read from its
-    checkpoint, the draft's too), else `config` itself."""
-    if config.pa_config.num_blocks != "auto":
+def model_context(shape, config: Config, per_token: int, available_bytes: int) -> tuple[int, str]:
+    """(tokens per request, why) for model_config.max_generate_length auto: the model's trained context
+    (`max_position_embeddings`: a GGUF's `<arch>.context_length`, HF's, a MindFormers `seq_length`), lowered to
+    a sliding-window model's window (attention past it is not computed here) and to what the KV cache holds
+    for one request (pa_config.num_blocks, or kv_memory_fraction of `available_bytes`)."""
+    pa = config.pa_config
+    n, why = shape.max_position_embeddings, "the model's trained context"
+    if shape.sliding_window is not None and shape.sliding_window < n:
+        n, why = shape.sliding_window, (f"the model's sliding window (its trained context is "
+                                        f"{shape.max_position_embeddings}; attention past the window is not served)")
+    if pa.num_blocks != "auto":
+        fits = pa.num_blocks * pa.block_size
+        where = f"pa_config.num_blocks={pa.num_blocks} blocks of {pa.block_size} tokens"
+    else:
+        budget = int(available_bytes * pa.kv_memory_fraction)
+        fits = budget // (per_token * pa.block_size) * pa.block_size
+        where = (f"pa_config.kv_memory_fraction={pa.kv_memory_fraction:g} of the {available_bytes / 2**20:.0f} MiB "
+                 f"available ({per_token / 2**10:.1f} KiB a token)")
+    if fits < n:
+        n, why = fits, (f"what the KV cache holds for one request, {where}; the model was trained for "
+                        f"{shape.max_position_embeddings} tokens: raise the fraction, set pa_config.num_blocks or "
+                        "pa_config.kv_cache_dtype, or set model_config.max_generate_length")
+    if n < 2:
+        raise ConfigError(f"model_config.max_generate_length=auto: the KV cache holds {n} tokens ({where}), "
+                          "too few for one request")
+    return n, why
+
+
+def size_for_model(config: Config, model_path: str, available_bytes: Optional[int] = None) -> Config:
+    """`config` with what depends on the model decided: `model_config.max_generate_length` when it is `auto`
+    (`model_context`), then `pa_config.num_blocks` when it is `auto` (the model's shape read from its
+    checkpoint, the draft's too); `config` itself when both are set."""
+    if config.pa_config.num_blocks != "auto" and config.context_decided:
         return config
     spec = config.spec_config
     try:
         shape = model_shape(model_path)
         draft = model_shape(spec.draft_model) if spec.uses_draft and spec.draft_model is not None else shape
     except WeightLoadError as e:
-        raise ConfigError(f"pa_config.num_blocks=auto cannot read the model's shape: {e}") from None
+        raise ConfigError(f"cannot read the model's shape and context (to decide model_config.max_generate_length "
+                          f"and pa_config.num_blocks auto): {e}") from None
     layers = config.model_config.num_layers or shape.num_layers       # a served cut keeps only its layers
     value_bytes = KV_CACHE_VALUE_BYTES[config.kv_cache_dtype]
     per_token = bytes_per_block(layers, shape.num_kv_heads, shape.head_dim, 1, value_bytes)
@@ -85,6 +120,13 @@ def size_kv_cache(config: Config, model_path: str, available_bytes: Optional[int
                                      value_bytes)
     if available_bytes is None:
         available_bytes = psutil.virtual_memory().available
+    if not config.context_decided:
+        n, why = model_context(shape, config, per_token, available_bytes)
+        (logger.warning if why.startswith("what the KV") else logger.info)(
+            "model_config.max_generate_length=auto: %d tokens per request, %s", n, why)
+        config = config.with_context(n)
+    if config.pa_config.num_blocks != "auto":
+        return config
     plan = plan_blocks(config, per_token, available_bytes)
     logger.info("pa_config.num_blocks=auto: %s", plan.describe())
     return config.with_num_blocks(plan.num_blocks)

@@ -103,7 +103,7 @@ class PagedAttention(nn.Cell):
             self.paged_attention = AscendPagedAttention(num_heads, 1.0, num_kv_heads)   # q is pre-scaled
         else:
             shape = (num_slots * num_kv_heads, head_dim)                            # flat [num_slots, KVH, D]
-            dtype = {"float16": ms.float16, "float32": ms.float32}[cache_dtype]   # pa_config.kv_cache_dtype
+            dtype = {"float16": ms.float16, "bfloat16": ms.bfloat16, "float32": ms.float32}[cache_dtype]
         # zeros allocated by MindSpore when the graph first needs them (a numpy copy cost 0.35 s per start for
         # SmolLM2's 377 MB cache)
         self.key_cache = Parameter(initializer(Zero(), shape, dtype), name=f"key_cache.{layer_id}", requires_grad=False)

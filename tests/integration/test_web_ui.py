@@ -1,7 +1,8 @@
 """The playground (GET /) and the dashboard (GET /dashboard) in a real headless Chromium driven by Selenium, against
 the stories260K server: the pages load with no console error, a chat reply streams into the page, stop aborts the
 request (the server's running count returns to zero), completion mode shows top log-probabilities, the model's
-text never becomes HTML, and the dashboard's numbers move under load. Skipped where Chromium, its driver or
+text never becomes HTML, and the dashboard's numbers move under load; against SmolLM2 (8,192 tokens), a
+conversation past 512 tokens, and one turn refused without ending it. Skipped where Chromium, its driver or
 selenium is missing (.ci/run installs them)."""
 from __future__ import annotations
 
@@ -162,6 +163,41 @@ def test_the_dashboard_moves_under_load(browser, stories_server):
           what="the prefix cache's blocks")
     assert stats["num_cached_blocks"] > 0                   # the load's shared prompt is cached
     assert _errors(browser) == []
+
+
+def _turn(driver, text, max_tokens, replies):
+    """Send one chat turn; the new reply's (statistics line, error text) once it has ended."""
+    from selenium.webdriver.common.by import By
+    _set(driver, "max_tokens", max_tokens)
+    driver.find_element(By.ID, "input").send_keys(text)
+    driver.find_element(By.ID, "send").click()
+    _wait(driver, lambda d: len([s for s in d.find_elements(By.CSS_SELECTOR, ".msg.assistant .stats") if s.text])
+          == replies, timeout=120, what=f"reply {replies}")
+    last = driver.find_elements(By.CSS_SELECTOR, ".msg.assistant")[-1]
+    bad = last.find_elements(By.CSS_SELECTOR, ".bad")
+    return last.find_element(By.CSS_SELECTOR, ".stats").text, bad[0].text if bad else None
+
+
+def test_a_conversation_goes_past_512_tokens_and_survives_a_refused_turn(browser, smollm2_server):
+    """SmolLM2 at its whole context (8,192 tokens): turns whose conversation passes 512 tokens are answered, the
+    page shows the context used; a turn asking for more tokens than the context has left is refused with the
+    server's reason, and the next turn goes on from the conversation before it."""
+    _open_playground(browser, smollm2_server.url)
+    _set(browser, "temperature", 0)
+    facts = " ".join(f"Fact {i}: the {['red', 'green', 'blue'][i % 3]} box holds {i * 7} marbles." for i in range(40))
+    used = []
+    for n, text in enumerate([facts + " Which box holds 21 marbles?", facts.replace("marbles", "pebbles") +
+                              " And which holds 14 pebbles?"], start=1):
+        stats, error = _turn(browser, text, 24, n)
+        assert error is None and f"/ {8192}" in stats, stats
+        used.append(int(stats.split("context ")[1].split()[0]))
+    assert used[1] > 512 and used[1] > used[0] + 400, used
+    assert _errors(browser) == []
+    stats, error = _turn(browser, "Tell me everything.", 8000, 3)
+    assert error is not None and "8192-token" in error, error
+    stats, error = _turn(browser, "Thanks!", 8, 4)
+    assert error is None, error
+    assert int(stats.split("context ")[1].split()[0]) > used[1], stats     # the refused turn is not in it
 
 
 def test_with_an_api_key_the_page_asks_for_it_once(browser, stories_dir, tmp_path):

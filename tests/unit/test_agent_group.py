@@ -48,7 +48,7 @@ STEP = proto.Step(kind="decode", step=1, num_rows=1)
 
 
 def _step(*outcomes):
-    group = AgentGroup(config_from_dict({}), "unused")
+    group = AgentGroup(config_from_dict({}, ["model_config.max_generate_length=512"]), "unused")
     group.agents = [ScriptedAgent(r, o) for r, o in enumerate(outcomes)]
     return group, asyncio.run
 
@@ -149,7 +149,7 @@ def test_an_agent_is_started_with_a_copy_of_the_config_holding_the_lora_registry
     """The master's registry (its snapshot when the agents start) decides which adapter each slot holds; the
     YAML's start-up adapters stay named, and the master's own config is never changed."""
     cfg = config_from_dict({"lora_config": {"adapters": {"a": "/a", "b": "/b"}, "max_loras": 3},
-                            "serving_config": {"api_key": "k" * 12}})
+                            "serving_config": {"api_key": "k" * 12}, "model_config": {"max_generate_length": 512}})
     held = {2: ("late", "/late"), 3: ("a", "/a2")}
     group = AgentGroup(cfg, "unused", lora_snapshot=lambda: held)
     lora = group.agent_config()["lora_config"]

@@ -7,6 +7,10 @@ def test_defaults_are_valid_and_bind_loopback():
     cfg = config_from_dict({})
     assert cfg.serving_config.server_ip == "127.0.0.1"
     assert cfg.serving_config.agent_ip == "127.0.0.1"
+    assert not cfg.context_decided               # the model's context, read when the server starts
+    with pytest.raises(ConfigError, match="max_generate_length=auto"):
+        cfg.max_model_len
+    cfg = cfg.with_context(512)
     assert cfg.max_model_len == 512
     assert cfg.max_blocks_per_seq == 512 // 16
     assert cfg.decode_block_widths == [8, 16, 32]        # decode graphs for 128, 256 and 512 keys
@@ -67,14 +71,16 @@ model_path:
      "serving_config.max_num_seqs=64"),
     ({"pa_config": {"num_blocks": "lots"}}, "pa_config.num_blocks='lots'"),
     ({"pa_config": {"kv_memory_fraction": 0.95}}, "pa_config.kv_memory_fraction=0.95"),
-    ({"pa_config": {"num_blocks": 4}}, "pa_config.num_blocks=4"),
+    ({"pa_config": {"num_blocks": 4}, "model_config": {"max_generate_length": 512}}, "pa_config.num_blocks=4"),
     ({"model_config": {"end_token": [-1]}}, "model_config.end_token"),
     ({"tokenizer": {"type": "BertTokenizer"}}, "tokenizer.type"),
     ({"scheduler_config": {"policy": "sjf"}}, "scheduler_config.policy='sjf'"),
     ({"scheduler_config": {"chunked_prefill": "yes"}}, "scheduler_config.chunked_prefill='yes'"),
     ({"scheduler_config": {"max_chunk_tokens": 1024}}, "scheduler_config.max_chunk_tokens=1024"),
     ({"scheduler_config": {"max_decode_wait_steps": 0}}, "scheduler_config.max_decode_wait_steps=0"),
-    ({"scheduler_config": {"max_waiting_tokens": 100}}, "scheduler_config.max_waiting_tokens=100"),
+    ({"scheduler_config": {"max_waiting_tokens": 100}, "model_config": {"max_generate_length": 512}},
+     "scheduler_config.max_waiting_tokens=100"),
+    ({"model_config": {"max_generate_length": "long"}}, "model_config.max_generate_length='long'"),
     ({"scheduler_config": {"kv_watermark": 0.7}}, "scheduler_config.kv_watermark=0.7"),
     ({"serving_config": {"max_num_batched_tokens": 16}}, "serving_config.max_num_batched_tokens=16"),
     ({"serving_config": {"max_agent_restarts": -1}}, "serving_config.max_agent_restarts=-1"),
@@ -281,10 +287,11 @@ def test_decode_runs_settings_and_the_output_width_they_need():
     from llm_serving.config import ConfigError, config_from_dict
     from llm_serving.shm.layout import StepLayout
 
-    cfg = config_from_dict({}, ["spec_config.method=off"])
+    cfg = config_from_dict({}, ["spec_config.method=off", "model_config.max_generate_length=512"])
     assert (cfg.scheduler_config.decode_steps, cfg.scheduler_config.decode_steps_max_rows) == (8, None)
     assert StepLayout.from_config(cfg).max_verify == 8           # a run's tokens come back in the verify outputs
-    cfg = config_from_dict({}, ["spec_config.method=off", "scheduler_config.decode_steps=1"])
+    cfg = config_from_dict({}, ["spec_config.method=off", "scheduler_config.decode_steps=1",
+                                "model_config.max_generate_length=512"])
     assert StepLayout.from_config(cfg).max_verify == 1
     for bad, needle in (("scheduler_config.decode_steps=0", "integer >= 1"),
                         ("scheduler_config.decode_steps=65", "<= 64"),

@@ -24,20 +24,13 @@ def kernel(tmp_path_factory):
 
 
 def call(kernel, q, key_cache, value_cache, block_tables, context_lens, block_size, threads, tree_bits=None):
-    """Invoke like MindSpore: inputs then the output, each with its rank, shape and dtype name."""
+    """Invoke like MindSpore: inputs then the output, each with its rank, shape and dtype name (a cache may be
+    (its bfloat16 bits, "bfloat16"))."""
+    from llm_serving.models.kernels.aot_call import invoke
     cfg = np.array([block_size, threads], np.int32)
     out = np.full_like(q, np.nan)
     bits = np.full(len(q), -1, np.int32) if tree_bits is None else np.asarray(tree_bits, np.int32)
-    arrays = [q, key_cache, value_cache, block_tables, context_lens, bits, cfg, out]
-    n = len(arrays)
-    params = (ctypes.c_void_p * n)(*[a.ctypes.data for a in arrays])
-    ndims = (ctypes.c_int * n)(*[a.ndim for a in arrays])
-    shape_arrays = [(ctypes.c_int64 * a.ndim)(*a.shape) for a in arrays]
-    shapes = (ctypes.POINTER(ctypes.c_int64) * n)(*[ctypes.cast(s, ctypes.POINTER(ctypes.c_int64))
-                                                    for s in shape_arrays])
-    dtypes = (ctypes.c_char_p * n)(*[str(a.dtype).encode() for a in arrays])
-    rc = kernel(ctypes.c_int(n), params, ndims, shapes, dtypes, None, None)
-    return rc, out
+    return invoke(kernel, [q, key_cache, value_cache, block_tables, context_lens, bits, cfg, out]), out
 
 
 def reference(q, key_cache, value_cache, block_tables, context_lens, block_size, visible=None):
@@ -58,21 +51,26 @@ def reference(q, key_cache, value_cache, block_tables, context_lens, block_size,
     return out
 
 
-@pytest.mark.parametrize("cache_dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("cache_dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("kvh,g,block_size,threads", [(4, 2, 16, 1), (4, 2, 16, 3), (8, 1, 4, 2), (2, 4, 8, 2)])
 def test_kernel_matches_softmax_attention(kernel, kvh, g, block_size, threads, cache_dtype):
-    """Against float64 attention over the cache's own values (a float16 cache: the same values, widened)."""
+    """Against float64 attention over the cache's own values (float16, bfloat16: the same values, widened)."""
+    from tests.cache_types import Cache
+    cache = Cache(cache_dtype)
     rng = np.random.default_rng(kvh * 100 + g * 10 + threads)
     b, d, w, num_blocks = 7, 16, 5, 60
     q = (rng.standard_normal((b, kvh, g, d)) / np.sqrt(d)).astype(np.float32)
-    key_cache = rng.standard_normal((num_blocks * block_size * kvh, d)).astype(cache_dtype)
-    value_cache = rng.standard_normal((num_blocks * block_size * kvh, d)).astype(cache_dtype)
+    key_cache = cache.store(rng.standard_normal((num_blocks * block_size * kvh, d)))
+    value_cache = cache.store(rng.standard_normal((num_blocks * block_size * kvh, d)))
     block_tables = rng.permutation(num_blocks)[:b * w].reshape(b, w).astype(np.int32)   # scattered blocks
     context_lens = np.array([1, 2, block_size, block_size + 1, 3 * block_size - 1, w * block_size, 5], np.int32)
-    rc, out = call(kernel, q, key_cache, value_cache, block_tables, context_lens, block_size, threads)
+    rc, out = call(kernel, q, cache.arg(key_cache), cache.arg(value_cache), block_tables, context_lens, block_size,
+                   threads)
     assert rc == 0
-    np.testing.assert_allclose(out, reference(q, key_cache, value_cache, block_tables, context_lens, block_size),
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out, reference(q, cache.values(key_cache), cache.values(value_cache), block_tables,
+                                              context_lens, block_size), rtol=1e-5, atol=1e-6)
+    if cache.bf16:
+        return
     # a key past context_len never matters: poison every slot a row cannot see
     poisoned_k, poisoned_v = key_cache.copy(), value_cache.copy()
     for r in range(b):
@@ -122,8 +120,8 @@ def test_tree_bits_hide_the_keys_of_other_branches(kernel):
 
 
 def test_kernel_rejects_mixed_or_unknown_cache_dtypes(kernel):
-    """Keys and values of different dtypes, or a dtype the kernel cannot read (bfloat16's stand-in float64
-    here), are refused before any read."""
+    """Keys and values of different dtypes, or a dtype the kernel cannot read (float64 here), are refused before
+    any read."""
     q = np.zeros((2, 2, 1, 8), np.float32)
     tables, lens = np.zeros((2, 2), np.int32), np.ones(2, np.int32)
     for k, v in ((np.zeros((32, 8), np.float32), np.zeros((32, 8), np.float16)),

@@ -79,7 +79,7 @@ class FakeDraftAgents:
 def make_drafter(sched, requests, spec_tokens, wrong=0.0, seed=0, width=1):
     """A DraftProposer on fake draft agents, its forget_all calls, and a speculative planner of it for sched
     (proposing spec_tokens per row; trees when width > 1)."""
-    config = config_from_dict({"spec_config": {"method": "draft"}})
+    config = config_from_dict({"spec_config": {"method": "draft"}, "model_config": {"max_generate_length": 512}})
     forgotten = []
 
     def forget_all():
@@ -197,7 +197,8 @@ def test_draft_kv_stays_valid_and_outputs_equal_plain_decoding(n, wrong, k, num_
 
 
 def test_draft_config_is_the_targets_with_the_drafts_model_and_one_agent():
-    config = config_from_dict({"model_config": {"decode_batch_size": [1, 2, 8, 16], "prefill_batch_size": [1, 2]},
+    config = config_from_dict({"model_config": {"decode_batch_size": [1, 2, 8, 16], "prefill_batch_size": [1, 2],
+                                                "max_generate_length": 512},
                                "serving_config": {"agent_ports": [16002, 16003], "max_num_seqs": 16},
                                "spec_config": {"method": "draft", "draft_num_layers": 2, "max_batch_size": 4,
                                                "draft_agent_port": 16010}})

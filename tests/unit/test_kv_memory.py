@@ -3,7 +3,7 @@ import pytest
 
 from llm_serving.cli import main
 from llm_serving.config import ConfigError, config_from_dict
-from llm_serving.master.kv_memory import bytes_per_block, plan_blocks, size_kv_cache
+from llm_serving.master.kv_memory import bytes_per_block, plan_blocks, size_for_model
 
 
 @pytest.fixture(scope="module")
@@ -24,32 +24,40 @@ def test_a_block_holds_keys_and_values_of_every_layer_in_its_dtype():
 def test_a_float32_cache_gets_half_the_blocks_of_the_same_memory(stories_hf):
     sets = ("serving_config.max_num_seqs=64", "spec_config.method=off", "pa_config.kv_memory_fraction=0.5")
     available = 2 * 100 * STORIES_TOKEN_BYTES * 16           # half of it: 100 float16 blocks
-    blocks = {dtype: size_kv_cache(config_from_dict({"model_config": {"max_generate_length": 64}},
+    blocks = {dtype: size_for_model(config_from_dict({"model_config": {"max_generate_length": 64}},
                                                      sets + (f"pa_config.kv_cache_dtype={dtype}",)),
                                    stories_hf, available_bytes=available).pa_config.num_blocks
-              for dtype in ("auto", "float16", "float32")}
-    assert blocks == {"auto": 100, "float16": 100, "float32": 50}
+              for dtype in ("auto", "float16", "bfloat16", "float32")}
+    assert blocks == {"auto": 100, "float16": 100, "bfloat16": 100, "float32": 50}
 
 
 def test_kv_cache_dtype_is_checked_and_float32_is_refused_on_ascend():
     assert config_from_dict({}).kv_cache_dtype == "float16"
     assert config_from_dict({}, ("pa_config.kv_cache_dtype=float32",)).kv_cache_dtype == "float32"
-    with pytest.raises(ConfigError, match="pa_config.kv_cache_dtype.*must be one of auto, float16, float32"):
+    with pytest.raises(ConfigError, match="pa_config.kv_cache_dtype.*must be one of auto, float16, bfloat16, float32"):
         config_from_dict({}, ("pa_config.kv_cache_dtype=int4",))
-    with pytest.raises(ConfigError, match="pa_config.kv_cache_dtype.*Ascend"):
-        config_from_dict({"model_config": {"device_target": "Ascend"}}, ("pa_config.kv_cache_dtype=float32",))
+    for other in ("float32", "bfloat16"):
+        with pytest.raises(ConfigError, match="pa_config.kv_cache_dtype.*Ascend"):
+            config_from_dict({"model_config": {"device_target": "Ascend"}}, (f"pa_config.kv_cache_dtype={other}",))
     assert config_from_dict({"model_config": {"device_target": "Ascend"}}).kv_cache_dtype == "float16"
+
+
+def test_a_long_context_is_not_reserved_for_every_request_but_one_request_always_fits():
+    long = config_from_dict({"model_config": {"max_generate_length": 8192}}, ("serving_config.max_num_seqs=64",))
+    assert plan_blocks(long, token_bytes=1000, available_bytes=100_000 * MiB).num_blocks == 64 * 512 // 16
+    few = config_from_dict({"model_config": {"max_generate_length": 8192}}, ("serving_config.max_num_seqs=4",))
+    assert plan_blocks(few, token_bytes=1000, available_bytes=100_000 * MiB).num_blocks == 8192 // 16
 
 
 def test_enough_memory_gives_every_running_request_its_longest_length():
     cfg = config_from_dict({"model_config": {"max_generate_length": 512}}, ("serving_config.max_num_seqs=64",))
     plan = plan_blocks(cfg, token_bytes=1000, available_bytes=10_000 * MiB)
     assert plan.num_blocks == plan.wanted_blocks == 64 * 32
-    assert "bound by max_num_seqs" in plan.describe()
+    assert "bound by the blocks wanted" in plan.describe()
 
 
 def test_little_memory_gives_the_share_of_it_that_the_fraction_allows():
-    cfg = config_from_dict({}, ("pa_config.kv_memory_fraction=0.5",))
+    cfg = config_from_dict({}, ("pa_config.kv_memory_fraction=0.5", "model_config.max_generate_length=512"))
     plan = plan_blocks(cfg, token_bytes=1000, available_bytes=16 * MiB)    # 8 MiB for blocks of 16,000 bytes
     assert plan.num_blocks == 8 * MiB // 16_000 < plan.wanted_blocks
     assert "bound by the memory budget" in plan.describe()
@@ -65,23 +73,23 @@ def test_not_even_one_longest_request_fitting_is_a_config_error_saying_what_to_l
 def test_the_model_shape_is_read_from_the_checkpoint_and_a_draft_adds_its_layers(stories_hf):
     cfg = config_from_dict({"model_config": {"max_generate_length": 256}},
                            ("serving_config.max_num_seqs=4", "spec_config.method=off"))
-    sized = size_kv_cache(cfg, stories_hf, available_bytes=1000 * MiB)
+    sized = size_for_model(cfg, stories_hf, available_bytes=1000 * MiB)
     assert sized.pa_config.num_blocks == 4 * 16               # bound by 4 requests of 256 tokens
     tight = config_from_dict({"model_config": {"max_generate_length": 64}},
                              ("serving_config.max_num_seqs=64", "spec_config.method=off",
                               "pa_config.kv_memory_fraction=0.5"))
     available = 2 * 100 * STORIES_TOKEN_BYTES * 16           # half of it: 100 blocks of the target alone
-    assert size_kv_cache(tight, stories_hf, available_bytes=available).pa_config.num_blocks == 100
+    assert size_for_model(tight, stories_hf, available_bytes=available).pa_config.num_blocks == 100
     drafted = config_from_dict({"model_config": {"max_generate_length": 64}},
                                ("serving_config.max_num_seqs=64", "spec_config.method=draft",
                                 "spec_config.draft_num_layers=3", "pa_config.kv_memory_fraction=0.5"))
     # the draft keeps 3 of the 5 layers with the same block tables: 8 layers' worth per block
-    assert size_kv_cache(drafted, stories_hf, available_bytes=available).pa_config.num_blocks == 100 * 5 // 8
+    assert size_for_model(drafted, stories_hf, available_bytes=available).pa_config.num_blocks == 100 * 5 // 8
 
 
 def test_a_given_block_count_is_kept():
-    cfg = config_from_dict({}, ("pa_config.num_blocks=100",))
-    assert size_kv_cache(cfg, "/nonexistent", available_bytes=0) is cfg
+    cfg = config_from_dict({}, ("pa_config.num_blocks=100", "model_config.max_generate_length=512"))
+    assert size_for_model(cfg, "/nonexistent", available_bytes=0) is cfg
 
 
 def test_start_refuses_a_cache_that_cannot_hold_one_request(stories_hf, capsys):
@@ -96,10 +104,50 @@ def test_a_served_layer_cut_counts_only_its_layers_and_an_unreadable_shape_is_a_
                            ("serving_config.max_num_seqs=64", "spec_config.method=off",
                             "pa_config.kv_memory_fraction=0.5"))
     available = 2 * 100 * STORIES_TOKEN_BYTES * 16           # 100 blocks of all 5 layers, 250 of 2
-    assert size_kv_cache(cut, stories_hf, available_bytes=available).pa_config.num_blocks == 250
+    assert size_for_model(cut, stories_hf, available_bytes=available).pa_config.num_blocks == 250
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "model.safetensors").write_bytes(b"")
     (broken / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="cannot read the model's shape"):
-        size_kv_cache(config_from_dict({}), str(broken), available_bytes=available)
+        size_for_model(config_from_dict({}), str(broken), available_bytes=available)
+
+
+def test_auto_context_is_the_models_trained_context(stories_hf):
+    cfg = config_from_dict({}, ("spec_config.method=off",))
+    sized = size_for_model(cfg, stories_hf, available_bytes=1000 * MiB)
+    assert sized.max_model_len == 512                       # its config.json's max_position_embeddings
+    assert sized.pa_config.num_blocks >= sized.max_blocks_per_seq == 512 // 16
+
+
+def test_a_given_context_wins_over_the_models(stories_hf):
+    cfg = config_from_dict({"model_config": {"max_generate_length": 2048}}, ("spec_config.method=off",))
+    assert size_for_model(cfg, stories_hf, available_bytes=1000 * MiB).max_model_len == 2048
+
+
+def test_auto_context_is_lowered_to_what_the_cache_holds_and_says_why(stories_hf, caplog):
+    given = config_from_dict({}, ("spec_config.method=off", "pa_config.num_blocks=20"))
+    with caplog.at_level("WARNING", logger="llm_serving.master.kv_memory"):
+        sized = size_for_model(given, stories_hf, available_bytes=0)
+    assert sized.max_model_len == 20 * 16 and sized.pa_config.num_blocks == 20
+    assert "pa_config.num_blocks=20" in caplog.text and "trained for 512 tokens" in caplog.text
+    # num_blocks auto: the budget's whole blocks, the 100 of them here, bound one request
+    budget = config_from_dict({}, ("spec_config.method=off", "pa_config.kv_memory_fraction=0.5",
+                                   "serving_config.max_num_seqs=4"))
+    sized = size_for_model(budget, stories_hf, available_bytes=2 * 20 * STORIES_TOKEN_BYTES * 16 + 100)
+    assert sized.max_model_len == 20 * 16 and sized.pa_config.num_blocks == 20
+    with pytest.raises(ConfigError, match="too few for one request"):
+        size_for_model(budget, stories_hf, available_bytes=100)
+
+
+def test_a_sliding_window_model_is_served_within_its_window():
+    import dataclasses
+
+    from llm_serving.master.kv_memory import model_context
+    from llm_serving.models.weights import LlamaConfig
+    shape = LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                        num_kv_heads=2, head_dim=16, max_position_embeddings=32768)
+    cfg = config_from_dict({})
+    assert model_context(shape, cfg, 1000, 100_000 * MiB) == (32768, "the model's trained context")
+    n, why = model_context(dataclasses.replace(shape, sliding_window=4096), cfg, 1000, 100_000 * MiB)
+    assert n == 4096 and "sliding window" in why

@@ -14,6 +14,7 @@ import pytest
 
 from llm_serving.models.kernels import build_kernel
 from llm_serving.models.kernels.aot_call import invoke
+from tests.cache_types import Cache
 from llm_serving.models.kernels.signatures import DECODER_LAYER, FINAL_LOGITS, check_library
 
 from .test_cpu_kernels import reference as attention_reference
@@ -134,10 +135,11 @@ def assert_layer_close(layer, got, want):
 
 def assert_cache_close(layer, got, want):
     """The K/V cache after the step within 1e-5 of the reference's (where the reference rounded q/k/v's input,
-    within 1e-4 of its largest value, as assert_layer_close). A float16 cache: within one float16 step (2^-10
-    of the value), as the kernel's float32 K/V can round to the neighbour of the float64 reference's."""
-    rtol = 2.0 ** -10 if got.dtype == np.float16 else 1e-5
-    np.testing.assert_allclose(got, want, rtol=rtol, atol=1e-5 + (1e-4 * np.abs(want).max() if layer.rounded else 0))
+    within 1e-4 of its largest value, as assert_layer_close). A float16 or bfloat16 cache: within one step of
+    its type (2^-10, 2^-7 of the value), as the kernel's float32 K/V can round to the neighbour of the float64
+    reference's."""
+    np.testing.assert_allclose(layer.cache.values(got), want, rtol=layer.cache.step,
+                               atol=1e-5 + (1e-4 * np.abs(want).max() if layer.rounded else 0))
 
 
 def rms(x):
@@ -149,7 +151,7 @@ class Layer:
     """Random weights, cache and a step of `batch` decode rows for one layer of the given shape."""
 
     def __init__(self, rng, *, hidden, heads, kv_heads, head_dim, inter, batch, block_size=4, num_blocks=60,
-                 width=6, bias=True, cache_dtype=np.float32):
+                 width=6, bias=True, cache_dtype="float32"):
         f32 = lambda *s: (rng.standard_normal(s) * 0.2).astype(np.float32)          # noqa: E731
         self.h, self.nh, self.kvh, self.d, self.i, self.b, self.bs = hidden, heads, kv_heads, head_dim, inter, \
             batch, block_size
@@ -168,8 +170,9 @@ class Layer:
         # quantize() ran; q/k/v and gate/up are row ranges of the reference's fused matrices
         self.kernel_weights = {n: (getattr(self, fused)[self._rows(n)], 0)
                                for fused, parts in FUSED.items() for n in parts}
-        self.key_cache = f32(num_blocks * block_size * kv_heads, head_dim).astype(cache_dtype)
-        self.value_cache = f32(num_blocks * block_size * kv_heads, head_dim).astype(cache_dtype)
+        self.cache = Cache(str(np.dtype(cache_dtype)) if cache_dtype != "bfloat16" else cache_dtype)
+        self.key_cache = self.cache.store(f32(num_blocks * block_size * kv_heads, head_dim))
+        self.value_cache = self.cache.store(f32(num_blocks * block_size * kv_heads, head_dim))
         # every row its own blocks (scattered), a context of 1 .. width*block_size keys, the new token last
         blocks = rng.permutation(num_blocks)[:batch * width].reshape(batch, width)
         self.tables = blocks.astype(np.int32)
@@ -179,10 +182,27 @@ class Layer:
                       + self.positions % block_size).astype(np.int32)
         self.tree = np.full(batch, -1, np.int32)
         self.rounded = False             # whether reference() rounded a product's input as the integer path does
-        p = 64
+        p = max(64, width * block_size)
         angles = np.arange(p)[:, None] / 10000.0 ** (np.arange(0, head_dim, 2) / head_dim)[None, :]
         self.cos = np.concatenate([np.cos(angles)] * 2, -1).astype(np.float32)
         self.sin = np.concatenate([-np.sin(angles), np.sin(angles)], -1).astype(np.float32)
+
+    def as_prompts(self, rng, runs):
+        """The step's rows as runs of consecutive tokens, a packed prefill's: runs = [(first position, rows)],
+        each a sequence with its own scattered blocks (a run of one row: a decode row)."""
+        assert sum(n for _, n in runs) == self.b
+        width = self.tables.shape[1]
+        blocks = rng.permutation(self.key_cache.shape[0] // (self.kvh * self.bs))
+        row = 0
+        for i, (start, n) in enumerate(runs):
+            assert start + n <= width * self.bs
+            for r in range(n):
+                self.tables[row] = blocks[i * width:(i + 1) * width]
+                self.context[row] = start + r + 1
+                row += 1
+        self.positions = (self.context - 1).astype(np.int32)
+        self.slots = (self.tables[np.arange(self.b), self.positions // self.bs] * self.bs
+                      + self.positions % self.bs).astype(np.int32)
 
     def _rows(self, part: str) -> slice:
         """The rows of its fused matrix that kernel weight `part` is."""
@@ -245,12 +265,15 @@ class Layer:
             x=self.x, positions=self.positions, slots=self.slots, block_tables=self.tables, context_lens=self.context,
             tree_bits=self.tree, cos=self.cos, sin=self.sin, qkv_bias=self.qkv_b, input_gain=self.in_gain,
             **{n: np.ascontiguousarray(w[n][0]) for n in PARTS},
-            post_gain=self.post_gain, key_cache=self.key_cache, value_cache=self.value_cache, lora=self.lora,
+            post_gain=self.post_gain, key_cache=self.cache.arg(self.key_cache),
+            value_cache=self.cache.arg(self.value_cache), lora=self.lora,
             iconfig=icfg, fconfig=np.array([1e-5], np.float32), **lora), out]
 
-    def reference(self, library):
+    def reference(self, library, stored_kv: bool = False):
         """(output, key cache, value cache) in float64, from the caches as they are now; each product's input
-        rounded as `library` rounds it (integer_path)."""
+        rounded as `library` rounds it (integer_path). stored_kv: the step's K/V are read from the caches (as the
+        kernel stored them: a float16 cache's rounding of a float32 value can go to the other neighbour of the
+        float64 one's), not computed."""
         b, nh, kvh, d = self.b, self.nh, self.kvh, self.d
         computed = b
         while computed > 0 and self.slots[computed - 1] < 0:
@@ -267,10 +290,11 @@ class Layer:
         roped = qkv * self.cos[self.positions][:, None] + swapped * self.sin[self.positions][:, None]
         q = roped[:, :nh] / np.sqrt(d)
         k, v = roped[:, nh:nh + kvh], qkv[:, nh + kvh:]
-        keys, values = self.key_cache.astype(np.float64), self.value_cache.astype(np.float64)
-        stored = lambda a: a.astype(self.key_cache.dtype).astype(np.float64)      # noqa: E731  (as the cache keeps it)
-        keys.reshape(-1, kvh, d)[self.slots] = stored(k)
-        values.reshape(-1, kvh, d)[self.slots] = stored(v)
+        keys, values = self.cache.values(self.key_cache), self.cache.values(self.value_cache)
+        stored = lambda a: self.cache.values(self.cache.store(a.astype(np.float32)))  # noqa: E731  (as the cache keeps it)
+        if not stored_kv:
+            keys.reshape(-1, kvh, d)[self.slots] = stored(k)
+            values.reshape(-1, kvh, d)[self.slots] = stored(v)
         attn = attention_reference(q.reshape(b, kvh, nh // kvh, d), keys, values, self.tables, self.context,
                                    self.bs).reshape(b, -1)
         x1 = self.x + rounded(attn, path("o_w")) @ self.o_w.T + self._lora_delta("o", attn, ((0, self.h),))
@@ -292,13 +316,15 @@ class Layer:
     (64, 8, 4, 8, 172, 1, False, 1, "float16"),
     (72, 6, 2, 12, 100, 9, True, 3, "float16"),
     (128, 4, 4, 32, 256, 6, False, 2, "float16"),
+    (72, 6, 2, 12, 100, 9, True, 3, "bfloat16"),
+    (128, 4, 4, 32, 256, 6, False, 2, "bfloat16"),
 ])
 def test_layer_matches_numpy(library, hidden, heads, kv_heads, head_dim, inter, batch, bias, threads, cache):
-    """A float16 cache (pa_config.kv_cache_dtype): the reference attends over the same float16 values, the
-    step's K/V rounded to float16 as the kernel stores them."""
+    """A float16 or bfloat16 cache (pa_config.kv_cache_dtype): the reference attends over the same values, the
+    step's K/V rounded to the cache's type as the kernel stores them."""
     rng = np.random.default_rng(hidden + batch + threads)
     layer = Layer(rng, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, inter=inter, batch=batch,
-                  bias=bias, cache_dtype=np.dtype(cache))
+                  bias=bias, cache_dtype=cache)
     want, keys, values = layer.reference(library)
     arrays = layer.arrays(threads)
     assert invoke(library.DecoderLayer, arrays) == 0
@@ -306,6 +332,25 @@ def test_layer_matches_numpy(library, hidden, heads, kv_heads, head_dim, inter, 
     # the step's K/V are in the cache at their slots, and no other slot changed
     assert_cache_close(layer, layer.key_cache, keys)
     assert_cache_close(layer, layer.value_cache, values)
+
+
+@pytest.mark.parametrize("head_dim,threads,cache", [(64, 1, "float32"), (64, 2, "float16"), (128, 2, "float32"),
+                                                    (128, 3, "float16"), (64, 2, "bfloat16")])
+def test_a_prompts_rows_attend_together_as_tiles(library, head_dim, threads, cache):
+    """Consecutive rows of one sequence (a prompt's chunk) attend as tiles of rows per KV head: a chunk of 45 rows
+    (two tiles, the first over keys past two key tiles) after 100 cached tokens, a decode row between, and a
+    prompt's first 7 tokens; the result is the row-by-row reference's."""
+    rng = np.random.default_rng(head_dim + threads)
+    layer = Layer(rng, hidden=128, heads=8, kv_heads=2, head_dim=head_dim, inter=96, batch=53, block_size=16,
+                  num_blocks=530, width=10, cache_dtype=cache)
+    layer.as_prompts(rng, [(100, 45), (37, 1), (0, 7)])
+    _, keys, values = layer.reference(library)
+    arrays = layer.arrays(threads)
+    assert invoke(library.DecoderLayer, arrays) == 0
+    assert_cache_close(layer, layer.key_cache, keys)
+    assert_cache_close(layer, layer.value_cache, values)
+    # each row attends over the K/V the rows before it stored (a float16 cache: as the kernel rounded them)
+    assert_layer_close(layer, arrays[-1], layer.reference(library, stored_kv=True)[0])
 
 
 @pytest.mark.parametrize("threads", [1, 2])

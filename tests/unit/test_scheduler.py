@@ -597,7 +597,8 @@ def test_a_request_whose_lora_adapter_is_in_no_slot_waits_at_the_head():
 
 def test_the_scheduler_spec_is_read_from_the_config_in_one_place():
     from llm_serving.config import config_from_dict
-    config = config_from_dict({"model_config": {"decode_batch_size": [1, 8, 16], "prefill_batch_size": [1, 4]},
+    config = config_from_dict({"model_config": {"decode_batch_size": [1, 8, 16], "prefill_batch_size": [1, 4],
+                                                "max_generate_length": 512},
                                "serving_config": {"max_num_seqs": 16, "max_num_batched_tokens": 256},
                                "scheduler_config": {"policy": "fcfs", "prefill_wait_ms": 20, "decode_steps": 4},
                                "pa_config": {"num_blocks": 200},

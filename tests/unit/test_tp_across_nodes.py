@@ -194,7 +194,7 @@ def test_after_each_start_the_master_loads_its_lora_registry_into_the_other_node
     token.write_text("t" * 20)
     token.chmod(0o600)
     cfg = _config(*ACROSS[:-2], f"serving_config.agent_token_file={token}", "pa_config.num_blocks=64",
-                  "lora_config.enable_lora=true", "lora_config.max_loras=3")
+                  "lora_config.enable_lora=true", "lora_config.max_loras=3", "model_config.max_generate_length=512")
     snapshot = {3: ("sql", "/adapters/sql"), 1: ("poem", "/adapters/poem")}        # as LoraRegistry.snapshot
     group = AgentGroup(cfg, "/models/x", lora_snapshot=lambda: snapshot)
     assert group.all_reduce == "mindspore" and group.remote_ranks == {2}

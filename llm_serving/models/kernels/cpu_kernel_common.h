@@ -57,6 +57,21 @@ inline void store_cache(Half* dst, const float* src, int64_t n) {
   for (; e < n; ++e) dst[e] = static_cast<Half>(src[e]);
 }
 
+// A bfloat16 KV-cache element (float32's upper 16 bits, as MindSpore's bfloat16): integer shifts, which GCC
+// vectorises, convert it.
+struct BFloat16 {
+  uint16_t bits;
+};
+
+inline void store_cache(BFloat16* dst, const float* src, int64_t n) {   // rounded to nearest even
+  for (int64_t e = 0; e < n; ++e) {
+    uint32_t u;
+    std::memcpy(&u, src + e, sizeof u);
+    u += 0x7FFFu + ((u >> 16) & 1u);          // (NaN cannot occur here: K and V are finite)
+    dst[e].bits = static_cast<uint16_t>(u >> 16);
+  }
+}
+
 // n cache values as float32: the values themselves for a float cache, else widened into buf.
 inline const float* widened(const float* src, int64_t, float*) { return src; }
 inline const float* widened(const Half* src, int64_t n, float* buf) {
@@ -74,15 +89,30 @@ inline const float* widened(const Half* src, int64_t n, float* buf) {
   return buf;
 }
 
-// Whether a kernel call's cache dtype (MindSpore's name) is float16; float32 otherwise (params_match allows only
-// the two for a "cache" parameter).
-inline bool is_half(const char* dtype) { return std::strcmp(dtype, "float16") == 0; }
+inline const float* widened(const BFloat16* src, int64_t n, float* buf) {
+  for (int64_t e = 0; e < n; ++e) {
+    const uint32_t u = static_cast<uint32_t>(src[e].bits) << 16;
+    std::memcpy(buf + e, &u, sizeof u);
+  }
+  return buf;
+}
 
-// fn(keys, values) on the caches as their element type: Half* when `half`, else float*.
+// A KV cache's element type, from a kernel call's dtype (MindSpore's name); kCacheUnknown for any other.
+enum CacheType { kCacheFloat32, kCacheFloat16, kCacheBFloat16, kCacheUnknown };
+inline CacheType cache_type(const char* dtype) {
+  if (std::strcmp(dtype, "float32") == 0) return kCacheFloat32;
+  if (std::strcmp(dtype, "float16") == 0) return kCacheFloat16;
+  if (std::strcmp(dtype, "bfloat16") == 0) return kCacheBFloat16;
+  return kCacheUnknown;
+}
+
+// fn(keys, values) on the caches as their element type (float*, Half* or BFloat16*); type is not kCacheUnknown.
 template <typename Fn>
-inline void with_cache(bool half, void* keys, void* values, Fn&& fn) {
-  if (half) {
+inline void with_cache(CacheType type, void* keys, void* values, Fn&& fn) {
+  if (type == kCacheFloat16) {
     fn(static_cast<Half*>(keys), static_cast<Half*>(values));
+  } else if (type == kCacheBFloat16) {
+    fn(static_cast<BFloat16*>(keys), static_cast<BFloat16*>(values));
   } else {
     fn(static_cast<float*>(keys), static_cast<float*>(values));
   }
@@ -96,7 +126,7 @@ struct AttentionShape {
 // 0 .. context-1 read in place through its block table from the flat caches [slots, KVH, D]; tree_bits: of the
 // row's last 32 keys, which are visible (bit m = the key m places before the last; -1 = all). Writes ob (NH, D).
 // scores: room for NH * W * BS floats. Only KV heads [kv_begin, kv_end) (and their query heads) when given.
-// Cache is the cache's element type: float, or Half (pa_config.kv_cache_dtype float16), widened as it is read.
+// Cache is the cache's element type: float, Half or BFloat16 (pa_config.kv_cache_dtype), widened as it is read.
 template <typename Cache>
 inline void attend_row(const float* qb, const Cache* kc, const Cache* vc, const int32_t* table, int64_t context,
                        uint32_t tree_bits, float* ob, const AttentionShape& sh, float* scores,
@@ -152,6 +182,173 @@ inline void attend_row(const float* qb, const Cache* kc, const Cache* vc, const 
       float* o = ob + hq * d;
       for (int64_t e = 0; e < d; ++e) o[e] += p * vh[e];
     }
+  }
+}
+
+
+// --- a prompt's rows together: causal attention tiles -------------------------------------------------------
+//
+// attend_row reads every key once per query row and reduces each q.k over D (horizontal sums): ~30 GFLOP/s a
+// core, so a prompt of n tokens costs O(n^2) at that rate (8k tokens of SmolLM2: ~60 s). attend_tile takes up
+// to kTileRows consecutive rows of one sequence (a prompt's chunk) and one KV head together: each key tile of
+// kKeyTile keys is widened and transposed once, then scores S = Q K^T and the output P V are register-blocked
+// products (4 query vectors x 64 keys or dims a block: every loaded key or value feeds 4 queries) with an
+// online softmax over the key tiles (the running maximum and sum of each query, as flash attention does).
+
+constexpr int64_t kKeyTile = 64;     // keys per tile
+constexpr int64_t kTileRows = 32;    // query rows per tile (x the KV head's G query heads)
+
+// Floats of attend_tile's scratch for a KV head's G query heads of up to kTileRows rows, head dim D.
+inline int64_t tile_scratch_floats(int64_t g, int64_t d) {
+  const int64_t mq = (kTileRows * g + 3) / 4 * 4;
+  return 2 * mq * d + mq * kKeyTile + 2 * mq + 2 * kKeyTile * d + d;
+}
+
+// Whether attend_tile's blocked products take this head size (64 dims a block); others run attend_row.
+inline bool tile_head_dim(int64_t d) { return d % 64 == 0; }
+
+// S[r][0..64) = Q[r] . KT[:, 0..64) for 4 query vectors Q (stride d); KT: (d, kKeyTile).
+inline void tile_scores4(const float* q, int64_t d, const float* kt, float* s) {
+#if defined(__AVX512F__)
+  __m512 a[4][4];
+  for (int r = 0; r < 4; ++r)
+    for (int c = 0; c < 4; ++c) a[r][c] = _mm512_setzero_ps();
+  for (int64_t e = 0; e < d; ++e) {
+    const float* k = kt + e * kKeyTile;
+    const __m512 k0 = _mm512_loadu_ps(k), k1 = _mm512_loadu_ps(k + 16), k2 = _mm512_loadu_ps(k + 32),
+                 k3 = _mm512_loadu_ps(k + 48);
+    for (int r = 0; r < 4; ++r) {
+      const __m512 qv = _mm512_set1_ps(q[r * d + e]);
+      a[r][0] = _mm512_fmadd_ps(qv, k0, a[r][0]);
+      a[r][1] = _mm512_fmadd_ps(qv, k1, a[r][1]);
+      a[r][2] = _mm512_fmadd_ps(qv, k2, a[r][2]);
+      a[r][3] = _mm512_fmadd_ps(qv, k3, a[r][3]);
+    }
+  }
+  for (int r = 0; r < 4; ++r)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(s + r * kKeyTile + c * 16, a[r][c]);
+#else
+  for (int r = 0; r < 4; ++r) {
+    float* sr = s + r * kKeyTile;
+    for (int64_t j = 0; j < kKeyTile; ++j) sr[j] = 0.f;
+    for (int64_t e = 0; e < d; ++e) {
+      const float qv = q[r * d + e];
+      const float* k = kt + e * kKeyTile;
+      for (int64_t j = 0; j < kKeyTile; ++j) sr[j] += qv * k[j];
+    }
+  }
+#endif
+}
+
+// O[r][0..d) += sum_j P[r][j] V[j][0..d) for 4 query vectors, keys j < kn; P: (4, kKeyTile), V: (kKeyTile, d).
+inline void tile_values4(const float* p, const float* v, int64_t kn, int64_t d, float* o) {
+#if defined(__AVX512F__)
+  for (int64_t c0 = 0; c0 < d; c0 += 64) {
+    __m512 a[4][4];
+    for (int r = 0; r < 4; ++r)
+      for (int c = 0; c < 4; ++c) a[r][c] = _mm512_loadu_ps(o + r * d + c0 + c * 16);
+    for (int64_t j = 0; j < kn; ++j) {
+      const float* vj = v + j * d + c0;
+      const __m512 v0 = _mm512_loadu_ps(vj), v1 = _mm512_loadu_ps(vj + 16), v2 = _mm512_loadu_ps(vj + 32),
+                   v3 = _mm512_loadu_ps(vj + 48);
+      for (int r = 0; r < 4; ++r) {
+        const __m512 pv = _mm512_set1_ps(p[r * kKeyTile + j]);
+        a[r][0] = _mm512_fmadd_ps(pv, v0, a[r][0]);
+        a[r][1] = _mm512_fmadd_ps(pv, v1, a[r][1]);
+        a[r][2] = _mm512_fmadd_ps(pv, v2, a[r][2]);
+        a[r][3] = _mm512_fmadd_ps(pv, v3, a[r][3]);
+      }
+    }
+    for (int r = 0; r < 4; ++r)
+      for (int c = 0; c < 4; ++c) _mm512_storeu_ps(o + r * d + c0 + c * 16, a[r][c]);
+  }
+#else
+  for (int r = 0; r < 4; ++r) {
+    float* orow = o + r * d;
+    for (int64_t j = 0; j < kn; ++j) {
+      const float pj = p[r * kKeyTile + j];
+      const float* vj = v + j * d;
+      for (int64_t e = 0; e < d; ++e) orow[e] += pj * vj[e];
+    }
+  }
+#endif
+}
+
+// Causal attention of `rows` (<= kTileRows) consecutive query rows of one sequence for KV head kh: row r has
+// context ctx0 + r (keys 0 .. ctx0 + r - 1, read in place through its block table from the flat caches
+// [slots, KVH, D]). Row r's NH query heads, pre-scaled by 1/sqrt(D), are at q + r * q_stride; its output heads
+// at out + r * o_stride (only kh's G heads are written). scratch: tile_scratch_floats(G, D) floats.
+template <typename Cache>
+inline void attend_tile(const float* q, int64_t q_stride, int64_t rows, int64_t ctx0, const Cache* kc, const Cache* vc,
+                        const int32_t* table, int64_t kh, float* out, int64_t o_stride, const AttentionShape& sh,
+                        float* scratch) {
+  const int64_t g = sh.g, d = sh.d, bs = sh.bs, row = sh.kvh * d;
+  const int64_t mq = rows * g, mq4 = (mq + 3) / 4 * 4;       // query vectors: i = r * G + head within kh
+  float* qb = scratch;                                       // (mq4, D)
+  float* ob = qb + mq4 * d;                                  // (mq4, D)
+  float* sc = ob + mq4 * d;                                  // (mq4, kKeyTile)
+  float* mx = sc + mq4 * kKeyTile;                           // running maximum per query vector
+  float* sum = mx + mq4;                                     // running sum of exponentials
+  float* kt = sum + mq4;                                     // a key tile transposed, (D, kKeyTile)
+  float* vt = kt + d * kKeyTile;                             // its values, (kKeyTile, D)
+  float* wide = vt + kKeyTile * d;                           // one widened key (D) — Half caches
+  for (int64_t i = 0; i < mq4; ++i) {
+    float* qi = qb + i * d;
+    if (i < mq) {
+      std::memcpy(qi, q + (i / g) * q_stride + (kh * g + i % g) * d, d * sizeof(float));
+    } else {
+      std::fill(qi, qi + d, 0.f);
+    }
+    std::fill(ob + i * d, ob + (i + 1) * d, 0.f);
+    mx[i] = -INFINITY;
+    sum[i] = 0.f;
+  }
+  const int64_t nkeys = std::min<int64_t>(ctx0 + rows - 1, sh.w * bs);   // the last row's context
+  for (int64_t j0 = 0; j0 < nkeys; j0 += kKeyTile) {
+    const int64_t kn = std::min<int64_t>(kKeyTile, nkeys - j0);
+    for (int64_t jj = 0; jj < kKeyTile; ++jj) {             // the tile's keys, transposed, and values
+      if (jj >= kn) {
+        for (int64_t e = 0; e < d; ++e) kt[e * kKeyTile + jj] = 0.f;
+        continue;
+      }
+      const int64_t j = j0 + jj;
+      const int64_t at = (static_cast<int64_t>(table[j / bs]) * bs + j % bs) * row + kh * d;
+      const float* k = widened(kc + at, d, wide);
+      for (int64_t e = 0; e < d; ++e) kt[e * kKeyTile + jj] = k[e];
+      const float* v = widened(vc + at, d, vt + jj * d);
+      if (v != vt + jj * d) std::memcpy(vt + jj * d, v, d * sizeof(float));
+    }
+    for (int64_t i = 0; i < mq4; i += 4) tile_scores4(qb + i * d, d, kt, sc + i * kKeyTile);
+    for (int64_t i = 0; i < mq4; ++i) {                      // mask, then the online softmax of each query
+      float* s = sc + i * kKeyTile;
+      const int64_t visible = i < mq ? std::min<int64_t>(kn, ctx0 + i / g - j0) : 0;
+      if (visible <= 0) {
+        std::fill(s, s + kKeyTile, 0.f);
+        continue;
+      }
+      float m = mx[i];
+      for (int64_t jj = 0; jj < visible; ++jj) m = std::max(m, s[jj]);
+      const float alpha = mx[i] == -INFINITY ? 0.f : exp_nonpositive(mx[i] - m);
+      float add = 0.f;
+      for (int64_t jj = 0; jj < visible; ++jj) {
+        s[jj] = exp_nonpositive(s[jj] - m);
+        add += s[jj];
+      }
+      std::fill(s + visible, s + kKeyTile, 0.f);
+      mx[i] = m;
+      sum[i] = sum[i] * alpha + add;
+      if (alpha != 1.f) {
+        float* o = ob + i * d;
+        for (int64_t e = 0; e < d; ++e) o[e] *= alpha;
+      }
+    }
+    for (int64_t i = 0; i < mq4; i += 4) tile_values4(sc + i * kKeyTile, vt, kn, d, ob + i * d);
+  }
+  for (int64_t i = 0; i < mq; ++i) {
+    const float inv = sum[i] > 0.f ? 1.f / sum[i] : 0.f;
+    float* dst = out + (i / g) * o_stride + (kh * g + i % g) * d;
+    const float* o = ob + i * d;
+    for (int64_t e = 0; e < d; ++e) dst[e] = o[e] * inv;
   }
 }
 

@@ -151,6 +151,7 @@ class Barrier {
 // A pool's scratch space, reused from call to call (grown on demand); guarded by the pool's call mutex.
 struct Scratch {
   std::vector<float> qkv, attn, act, normed, scores, tiles, lora, lora_gate_up;
+  std::vector<float> attn_tiles;                 // per thread: attend_tile's query, output and key tiles
   std::vector<float> packed, gemm_w, gemm_c;     // gemm_cpu.h: x's panels (shared), per thread weights and C
   std::vector<float> silu;                       // per thread: one unit's SiLU(gate) * up for every row
   static float* sized(std::vector<float>& v, size_t n) {
@@ -1726,8 +1727,8 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
   const auto* post_gain = static_cast<const float*>(params[POST_GAIN]);
   void* const key_cache = params[KEYS];
   void* const value_cache = params[VALUES];
-  const bool half_cache = llm_serving::is_half(dtypes[KEYS]);
-  if (std::strcmp(dtypes[VALUES], dtypes[KEYS]) != 0) return 1;
+  const llm_serving::CacheType cache_type = llm_serving::cache_type(dtypes[KEYS]);
+  if (std::strcmp(dtypes[VALUES], dtypes[KEYS]) != 0 || cache_type == llm_serving::kCacheUnknown) return 1;
   const auto* lora = static_cast<const int32_t*>(params[LORA]);
   const auto* icfg = static_cast<const int32_t*>(params[ICFG]);
   const float eps = static_cast<const float*>(params[FCFG])[0];
@@ -1825,6 +1826,38 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
   float* lora_u = adapted ? Scratch::sized(s.lora, rows * lora_width) : nullptr;    // A x of adapted rows
   float* lora_gu = adapted ? Scratch::sized(s.lora_gate_up, rows * 2 * inter) : nullptr;    // gate/up deltas
   const llm_serving::AttentionShape ash{kvh, nh / kvh, d, width, bs};
+  // step 3's work: consecutive rows of one sequence (a prompt's chunk: contexts growing by one, each row's block
+  // table starting with the previous row's blocks, no token tree) go as tiles of up to kTileRows rows per KV
+  // head (attend_tile: each key read once per tile); other rows one at a time (attend_row), or a (row, KV head)
+  // each when rows are fewer than threads (a single decode row would leave the other threads waiting). Largest
+  // first, so the threads finish together.
+  struct AttnItem { int64_t b, n, k0, k1, cost; };
+  std::vector<AttnItem> attn_items;
+  {
+    const int64_t parts = rows < threads ? kvh : 1;
+    const bool tiled = llm_serving::tile_head_dim(d);
+    auto follows = [&](int64_t e) {                 // row e continues row e - 1's sequence
+      if (slots[e] < 0 || tree[e] != -1 || tree[e - 1] != -1 || context[e] != context[e - 1] + 1) return false;
+      const int64_t used = std::min<int64_t>(width, (std::max(0, context[e - 1]) + bs - 1) / bs);
+      return std::memcmp(tables + e * width, tables + (e - 1) * width, used * sizeof(int32_t)) == 0;
+    };
+    for (int64_t b = 0; b < rows;) {
+      if (slots[b] < 0) { ++b; continue; }
+      int64_t e = b + 1;
+      while (tiled && e < rows && e - b < llm_serving::kTileRows && follows(e)) ++e;
+      if (e - b > 1) {
+        for (int64_t k = 0; k < kvh; ++k) attn_items.push_back({b, e - b, k, k + 1, (e - b) * (context[e - 1] + 1)});
+      } else {
+        for (int64_t part = 0; part < parts; ++part)
+          attn_items.push_back({b, 1, part * kvh / parts, (part + 1) * kvh / parts, context[b] + 1});
+      }
+      b = e;
+    }
+    std::stable_sort(attn_items.begin(), attn_items.end(),
+                     [](const AttnItem& x, const AttnItem& y) { return x.cost > y.cost; });
+  }
+  const int64_t tile_floats = llm_serving::tile_scratch_floats(nh / kvh, d);
+  float* attn_tiles = Scratch::sized(s.attn_tiles, threads * tile_floats);
   const float q_scale = 1.f / std::sqrt(static_cast<float>(d));
   Barrier barrier(threads);
   std::atomic<int64_t> next_row{0};
@@ -1898,22 +1931,26 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
         std::memcpy(v, rot, d * sizeof(float));
       }
       const float* kv = qkv + b * nqkv + nh * d;        // this row's K then V, (2, KVH, D)
-      llm_serving::with_cache(half_cache, key_cache, value_cache, [&](auto* kc, auto* vc) {
+      llm_serving::with_cache(cache_type, key_cache, value_cache, [&](auto* kc, auto* vc) {
         llm_serving::store_cache(kc + slots[b] * kvh * d, kv, kvh * d);
         llm_serving::store_cache(vc + slots[b] * kvh * d, kv + kvh * d, kvh * d);
       });
     }
     barrier.wait();
-    // 3. attention: items taken one at a time, a row each, or a (row, KV head) each when rows are fewer than
-    // threads (a single decode row would leave the other threads waiting)
-    const int64_t parts = rows < nthreads ? kvh : 1;
-    for (int64_t i = next_row.fetch_add(1); i < rows * parts; i = next_row.fetch_add(1)) {
-      const int64_t b = i / parts, k0 = i % parts * kvh / parts, k1 = (i % parts + 1) * kvh / parts;
-      if (slots[b] < 0) continue;
-      llm_serving::with_cache(half_cache, key_cache, value_cache, [&](const auto* kc, const auto* vc) {
-        llm_serving::attend_row(qkv + b * nqkv, kc, vc, tables + b * width, context[b],
-                                static_cast<uint32_t>(tree[b]), attn + b * nh * d, ash,
-                                scores + tid * nh * width * bs, k0, k1);
+    // 3. attention: the items (attn_items, above) taken one at a time
+    const int64_t num_items = static_cast<int64_t>(attn_items.size());
+    for (int64_t i = next_row.fetch_add(1); i < num_items; i = next_row.fetch_add(1)) {
+      const AttnItem& it = attn_items[i];
+      const int64_t b = it.b;
+      llm_serving::with_cache(cache_type, key_cache, value_cache, [&](const auto* kc, const auto* vc) {
+        if (it.n > 1) {
+          llm_serving::attend_tile(qkv + b * nqkv, nqkv, it.n, context[b], kc, vc, tables + (b + it.n - 1) * width,
+                                   it.k0, attn + b * nh * d, nh * d, ash, attn_tiles + tid * tile_floats);
+        } else {
+          llm_serving::attend_row(qkv + b * nqkv, kc, vc, tables + b * width, context[b],
+                                  static_cast<uint32_t>(tree[b]), attn + b * nh * d, ash,
+                                  scores + tid * nh * width * bs, it.k0, it.k1);
+        }
       });
     }
     barrier.wait();

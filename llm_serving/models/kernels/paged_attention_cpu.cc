@@ -6,7 +6,7 @@
 //
 // Inputs (MindSpore passes inputs then outputs in `params`):
 //   q            (B, KVH, G, D) float32  query heads grouped by the KV head they share, pre-scaled by 1/sqrt(D)
-//   key_cache    (N*KVH, D)     float32 or float16 (pa_config.kv_cache_dtype)  flat view of [slots, KVH, D];
+//   key_cache    (N*KVH, D)     float32, float16 or bfloat16 (pa_config.kv_cache_dtype)  flat view of [slots, KVH, D];
 //                                        slot = block * block_size + offset
 //   value_cache  (N*KVH, D)     the key cache's dtype
 //   block_tables (B, W)         int32
@@ -58,7 +58,7 @@ extern "C" int PagedDecodeAttention(int nparam, void** params, int* ndims, int64
   (void)extra;
   if (nparam != 8 || ndims[0] != 4 || ndims[1] != 2 || ndims[3] != 2 || ndims[4] != 1 || ndims[5] != 1 ||
       ndims[7] != 4 || std::strcmp(dtypes[0], "float32") != 0 || std::strcmp(dtypes[2], dtypes[1]) != 0 ||
-      (std::strcmp(dtypes[1], "float32") != 0 && !llm_serving::is_half(dtypes[1]))) {
+      llm_serving::cache_type(dtypes[1]) == llm_serving::kCacheUnknown) {
     return 1;
   }
   const auto* q = static_cast<const float*>(params[0]);
@@ -80,6 +80,6 @@ extern "C" int PagedDecodeAttention(int nparam, void** params, int* ndims, int64
     attend(q, kc, vc, bt, cl, tree, out, sh, rows, &next_row);
     for (auto& th : pool) th.join();
   };
-  llm_serving::with_cache(llm_serving::is_half(dtypes[1]), params[1], params[2], run);
+  llm_serving::with_cache(llm_serving::cache_type(dtypes[1]), params[1], params[2], run);
   return 0;
 }

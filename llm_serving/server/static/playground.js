@@ -3,6 +3,7 @@
 const $ = (id) => document.getElementById(id);
 let messages = [];          // the conversation: [{role, content}]
 let controller = null;      // the request in flight (stop aborts it: the server frees its blocks)
+const contextOf = {};       // model id -> its tokens per request (prompt + reply), from /v1/models
 
 // Markdown, safely: the model's text only ever becomes text nodes (code fences -> <pre><code>, lists, headings,
 // `code`, **bold**)
@@ -54,6 +55,7 @@ function bubble(role, text) {
 async function loadModels() {
   const response = await api("/v1/models");
   const data = (await response.json()).data || [];
+  for (const m of data) contextOf[m.id] = m.max_model_len;
   $("model").replaceChildren(...data.map((m) => el("option", {value: m.id, text: m.parent ? `${m.id} (adapter of ${m.parent})` : m.id})));
 }
 
@@ -93,7 +95,7 @@ async function send() {
   $("stop-button").disabled = false;
   $("status").textContent = "generating...";
   const t0 = performance.now();
-  let first = null, tokens = 0, full = "", finish = null;
+  let first = null, tokens = 0, full = "", finish = null, used = null;
   try {
     const response = await api(path, {method: "POST", headers: {"Content-Type": "application/json"},
                                        body: JSON.stringify(request), signal: controller.signal});
@@ -102,7 +104,10 @@ async function send() {
       throw new Error((error.error && error.error.message) || response.statusText);
     }
     await readEvents(response, (event) => {
-      if (event.usage) tokens = event.usage.completion_tokens;
+      if (event.usage) {
+        tokens = event.usage.completion_tokens;
+        used = event.usage.prompt_tokens + event.usage.completion_tokens;
+      }
       const choice = (event.choices || [])[0];
       if (!choice) return;
       if (choice.finish_reason) finish = choice.finish_reason;
@@ -124,12 +129,17 @@ async function send() {
   } catch (err) {
     if (err.name === "AbortError") finish = "stopped";
     else body.append(el("div", {class: "bad", text: "error: " + err.message}));
+    // a stopped reply stays in the conversation as far as it got; a refused or failed turn leaves the
+    // conversation as it was, so the next one can go on
+    if (!completion && finish === "stopped" && full) messages.push({role: "assistant", content: full});
+    else if (!completion) messages.pop();
   } finally {
     const seconds = (performance.now() - t0) / 1000;
     const ttft = first === null ? "-" : Math.round(first - t0) + " ms";
     const rate = first === null ? 0 : tokens / Math.max((performance.now() - first) / 1000, 1e-3);
+    const limit = contextOf[request.model];
     stats.textContent = `${tokens} tokens · TTFT ${ttft} · ${rate.toFixed(1)} tok/s · ${seconds.toFixed(1)} s` +
-      (finish ? ` · ${finish}` : "");
+      (used !== null ? ` · context ${used}` + (limit ? ` / ${limit}` : "") : "") + (finish ? ` · ${finish}` : "");
     controller = null;
     $("send").disabled = false;
     $("stop-button").disabled = true;
