@@ -150,7 +150,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="bench_results/long_context.json")
     args = p.parse_args(argv)
     args.lens = [int(x) for x in args.lens.split(",") if x]
-    model = resolve_short_name(args.model) if args.model else default_model()
+    model = str(resolve_short_name(args.model)) if args.model else default_model()
     system, questions = conversation(args.doc_tokens, args.turns)
     results = {"machine": machine(), "model": model, "args": vars(args)}
 

@@ -117,6 +117,11 @@ class ModelRunner:
         self.kernel_serves_all = self.layer_kernel is not None and spec.layer_kernel_rows is None
         self.layer_kernel_rows = (0 if self.layer_kernel is None else KERNEL_ONLY_ROWS if self.kernel_serves_all
                                   else int(spec.layer_kernel_rows))
+        if spec.kv_cache_dtype == "bfloat16" and not self.kernel_serves_all:
+            raise ValueError("pa_config.kv_cache_dtype bfloat16 is read by the CPU layer kernel only, which does not "
+                             "serve every step here (layer_kernel off or unavailable, layer_kernel_max_tokens set, "
+                             "tensor parallelism, or Ascend): MindSpore's CPU ScatterUpdate has no bfloat16; use "
+                             "float16 (the default) or float32")
         # decode runs (_execute_decode_run): K greedy steps in one graph, for batches of up to decode_run_rows
         # (None: every batch the layer kernel takes)
         if decode_run_rows is None:

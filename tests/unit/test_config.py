@@ -353,3 +353,15 @@ def test_agent_huge_pages_auto_goes_by_the_checkpoint_size(tmp_path):
     cfg = config_from_dict({"serving_config": {"agent_huge_pages": False}})
     assert cfg.serving_config.agent_huge_pages == "off"
     assert config_from_dict({}).serving_config.agent_huge_pages == "auto"
+
+
+def test_the_default_yaml_spells_out_every_default():
+    """configs/default.yaml says it lists every key with its default: it does, and they are the code's."""
+    from pathlib import Path
+
+    import yaml
+    raw = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / "default.yaml").read_text())
+    listed, code = config_from_dict(raw).to_dict(), config_from_dict({}).to_dict()
+    assert listed == code
+    missing = [f"{s}.{k}" for s in code for k in code[s] if k not in (raw.get(s) or {})]
+    assert missing == ["model_config.vocab_size", "model_config.model_dtype"], missing
