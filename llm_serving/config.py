@@ -594,6 +594,11 @@ class Config:
                    "a number (the master's log of a one-node start says what 'auto' chose)")
         _check(pa.kv_cache_dtype in ("auto", "float16") or mc.device_target != "Ascend", "pa_config.kv_cache_dtype",
                pa.kv_cache_dtype, "must be float16 (or auto) on Ascend, whose fused attention kernels read float16")
+        if pa.kv_cache_dtype == "bfloat16":              # MindSpore's CPU ops cannot scatter it (models/runner.py)
+            _check(mc.layer_kernel != "off" and mc.attention_kernel != "off" and mc.layer_kernel_max_tokens is None
+                   and len(sc.agent_ports) == 1, "pa_config.kv_cache_dtype", pa.kv_cache_dtype,
+                   "bfloat16 is read by the CPU layer kernel only, which must then serve every step: one agent, "
+                   "model_config.layer_kernel and attention_kernel not off, layer_kernel_max_tokens null")
         if pa.num_blocks != "auto" and self.context_decided:
             _check(pa.num_blocks >= self.max_blocks_per_seq, "pa_config.num_blocks", pa.num_blocks,
                    f"must hold at least one longest sequence ({self.max_blocks_per_seq} blocks of "

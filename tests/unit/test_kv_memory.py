@@ -40,6 +40,11 @@ def test_kv_cache_dtype_is_checked_and_float32_is_refused_on_ascend():
         with pytest.raises(ConfigError, match="pa_config.kv_cache_dtype.*Ascend"):
             config_from_dict({"model_config": {"device_target": "Ascend"}}, (f"pa_config.kv_cache_dtype={other}",))
     assert config_from_dict({"model_config": {"device_target": "Ascend"}}).kv_cache_dtype == "float16"
+    assert config_from_dict({}, ("pa_config.kv_cache_dtype=bfloat16",)).kv_cache_dtype == "bfloat16"
+    for op_path in ("model_config.layer_kernel=off", "model_config.layer_kernel_max_tokens=64",
+                    "serving_config.agent_ports=[0,0]"):
+        with pytest.raises(ConfigError, match="bfloat16 is read by the CPU layer kernel only"):
+            config_from_dict({}, ("pa_config.kv_cache_dtype=bfloat16", op_path))
 
 
 def test_a_long_context_is_not_reserved_for_every_request_but_one_request_always_fits():
