@@ -65,7 +65,7 @@ from bench.common import (SHARED, PeerServer, info, log_dir, machine, replay, sy
 from bench.make_models import resolve_short_name  # noqa: E402
 from llm_serving.launch import ServerProcess, free_port  # noqa: E402
 from llm_serving.cache_dir import default_cache_dir  # noqa: E402
-from llm_serving.config import KV_CACHE_VALUE_BYTES, resolve_kv_cache_dtype  # noqa: E402
+from llm_serving.config import kv_vector_bytes, resolve_kv_cache_dtype  # noqa: E402
 
 SETUP = "bench/setup_peers.sh"
 BENCH_MODEL = dict(layers=8, hidden=512, heads=8, kv_heads=4, intermediate=1408)   # the issue 23 bench model
@@ -430,7 +430,8 @@ def main(argv=None) -> int:
                                              if item.split("=", 1)[0].strip() == "pa_config.kv_cache_dtype"), "auto"))
     if shape:
         per_token = 2 * shape[0] * shape[1] * shape[2]                    # K and V values per token
-        kv_note.update(llm_serving_dtype=kv_dtype, llm_serving_bytes=per_token * KV_CACHE_VALUE_BYTES[kv_dtype]
+        vectors = 2 * shape[0] * shape[1]                                   # K and V head vectors per token
+        kv_note.update(llm_serving_dtype=kv_dtype, llm_serving_bytes=vectors * kv_vector_bytes(kv_dtype, shape[2])
                        * block * math.ceil(kv_tokens / block),
                        llama_server_bytes=per_token * 2 * kv_tokens)
 

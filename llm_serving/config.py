@@ -309,8 +309,15 @@ class ServingConfig:
         return mine.index(rank), len(mine)
 
 
-KV_CACHE_VALUE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}   # pa_config.kv_cache_dtype's types, bytes a value
+KV_CACHE_VALUE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "int8": 1}   # pa_config.kv_cache_dtype's types
 KV_CACHE_DTYPES = ("auto", *KV_CACHE_VALUE_BYTES)
+KV_INT8_SCALE_BYTES = 4      # int8: each head vector's float32 scale, after its codes (models/kernels/cpu_kernel_common.h)
+KERNEL_ONLY_CACHES = ("bfloat16", "int8")   # read by the CPU layer kernel only (MindSpore's CPU ops cannot scatter them)
+
+
+def kv_vector_bytes(dtype: str, head_dim: int) -> int:
+    """Bytes of one token's K (or V) of one KV head in a cache of this element type."""
+    return head_dim * KV_CACHE_VALUE_BYTES[dtype] + (KV_INT8_SCALE_BYTES if dtype == "int8" else 0)
 
 
 def resolve_kv_cache_dtype(setting: str) -> str:
@@ -329,11 +336,12 @@ class PAConfig:
     block_size: int = 16
     decode_seq_length: Optional[int] = None   # longest sequence a block table must hold; default max_generate_length
     kv_memory_fraction: float = 0.3           # num_blocks auto: the most of the available memory the KV cache takes
-    kv_cache_dtype: str = "auto"              # the cache's element type: auto (float16), float16, bfloat16 or
-                                              # float32 (the last two CPU only: Ascend's fused kernels keep
-                                              # float16); 16 bits halve the bytes a token takes and round each K/V
-                                              # value once, as it is stored (bfloat16: float32's range, 8 bits of
-                                              # precision; float16: 11 bits)
+    kv_cache_dtype: str = "auto"              # the cache's element type: auto (float16), float16, bfloat16, int8
+                                              # or float32 (all but float16 CPU only: Ascend's fused kernels keep
+                                              # float16; bfloat16 and int8 the CPU layer kernel only); 16 bits halve
+                                              # the bytes a token takes and round each K/V value once, as it is
+                                              # stored (bfloat16: 8 bits of precision, float16: 11); int8: a
+                                              # quarter, each head vector's codes and their float32 scale
 
     def __post_init__(self) -> None:
         if self.num_blocks != "auto":
@@ -594,11 +602,11 @@ class Config:
                    "a number (the master's log of a one-node start says what 'auto' chose)")
         _check(pa.kv_cache_dtype in ("auto", "float16") or mc.device_target != "Ascend", "pa_config.kv_cache_dtype",
                pa.kv_cache_dtype, "must be float16 (or auto) on Ascend, whose fused attention kernels read float16")
-        if pa.kv_cache_dtype == "bfloat16":              # MindSpore's CPU ops cannot scatter it (models/runner.py)
+        if pa.kv_cache_dtype in KERNEL_ONLY_CACHES:      # MindSpore's CPU ops cannot scatter it (models/runner.py)
             _check(mc.layer_kernel != "off" and mc.attention_kernel != "off" and mc.layer_kernel_max_tokens is None
                    and len(sc.agent_ports) == 1, "pa_config.kv_cache_dtype", pa.kv_cache_dtype,
-                   "bfloat16 is read by the CPU layer kernel only, which must then serve every step: one agent, "
-                   "model_config.layer_kernel and attention_kernel not off, layer_kernel_max_tokens null")
+                   f"{pa.kv_cache_dtype} is read by the CPU layer kernel only, which must then serve every step: one "
+                   "agent, model_config.layer_kernel and attention_kernel not off, layer_kernel_max_tokens null")
         if pa.num_blocks != "auto" and self.context_decided:
             _check(pa.num_blocks >= self.max_blocks_per_seq, "pa_config.num_blocks", pa.num_blocks,
                    f"must hold at least one longest sequence ({self.max_blocks_per_seq} blocks of "
@@ -623,7 +631,7 @@ class Config:
 
     @property
     def kv_cache_dtype(self) -> str:
-        """The KV cache's element type, "float16", "bfloat16" or "float32" (pa_config.kv_cache_dtype, auto decided)."""
+        """The KV cache's element type: pa_config.kv_cache_dtype with auto decided (float16)."""
         return resolve_kv_cache_dtype(self.pa_config.kv_cache_dtype)
 
     @property

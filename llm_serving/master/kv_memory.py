@@ -1,10 +1,10 @@
 """How many KV-cache blocks to allocate when `pa_config.num_blocks` is `auto` (the default).
 
 Every agent allocates the same number of blocks (the master's block tables index them all); a block holds
-`block_size` tokens of keys and values for every layer and KV head, in pa_config.kv_cache_dtype (float16: 2
-bytes, the default; float32: 4):
+`block_size` tokens of keys and values for every layer and KV head, in pa_config.kv_cache_dtype (float16 and
+bfloat16: 2 bytes a value, float16 the default; float32: 4; int8: 1, plus a 4-byte scale per head vector):
 
-    bytes per block = 2 (K, V) x layers x kv_heads x head_dim x block_size x bytes per value
+    bytes per block = 2 (K, V) x layers x kv_heads x (head_dim x bytes per value [+ 4]) x block_size
 
 summed over the models that keep a cache with the target's block tables (the target, and a draft model when
 spec_config uses one). Tensor parallelism splits the KV heads over the agents, so the sum is the same.
@@ -26,7 +26,7 @@ from typing import Optional
 
 import psutil
 
-from llm_serving.config import KV_CACHE_VALUE_BYTES, Config, ConfigError
+from llm_serving.config import Config, ConfigError, kv_vector_bytes
 from llm_serving.models.weights import WeightLoadError, model_shape
 
 logger = logging.getLogger(__name__)
@@ -48,8 +48,8 @@ class KVPlan:
                 f"{self.wanted_blocks} blocks wanted, budget {self.budget_bytes / 2**20:.0f} MiB)")
 
 
-def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, value_bytes: int = 2) -> int:
-    return 2 * num_layers * num_kv_heads * head_dim * block_size * value_bytes
+def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: str = "float16") -> int:
+    return 2 * num_layers * num_kv_heads * kv_vector_bytes(dtype, head_dim) * block_size
 
 
 def plan_blocks(config: Config, token_bytes: int, available_bytes: int) -> KVPlan:
@@ -113,11 +113,11 @@ def size_for_model(config: Config, model_path: str, available_bytes: Optional[in
         raise ConfigError(f"cannot read the model's shape and context (to decide model_config.max_generate_length "
                           f"and pa_config.num_blocks auto): {e}") from None
     layers = config.model_config.num_layers or shape.num_layers       # a served cut keeps only its layers
-    value_bytes = KV_CACHE_VALUE_BYTES[config.kv_cache_dtype]
-    per_token = bytes_per_block(layers, shape.num_kv_heads, shape.head_dim, 1, value_bytes)
+    dtype = config.kv_cache_dtype
+    per_token = bytes_per_block(layers, shape.num_kv_heads, shape.head_dim, 1, dtype)
     if spec.uses_draft:
         per_token += bytes_per_block(spec.draft_num_layers or draft.num_layers, draft.num_kv_heads, draft.head_dim, 1,
-                                     value_bytes)
+                                     dtype)
     if available_bytes is None:
         available_bytes = psutil.virtual_memory().available
     if not config.context_decided:

@@ -39,6 +39,8 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Zero, initializer
 
+from llm_serving.config import KV_INT8_SCALE_BYTES
+
 __all__ = ["MASK_VALUE", "PagedAttention", "paged_metadata"]
 
 # Large negative instead of -inf: a query whose keys are all masked still gets finite weights (no NaN).
@@ -102,8 +104,10 @@ class PagedAttention(nn.Cell):
             self.reshape_and_cache = ReshapeAndCache()
             self.paged_attention = AscendPagedAttention(num_heads, 1.0, num_kv_heads)   # q is pre-scaled
         else:
-            shape = (num_slots * num_kv_heads, head_dim)                            # flat [num_slots, KVH, D]
-            dtype = {"float16": ms.float16, "bfloat16": ms.bfloat16, "float32": ms.float32}[cache_dtype]
+            # flat [num_slots, KVH, D]; int8: each head vector's D codes, then its float32 scale's 4 bytes
+            shape = (num_slots * num_kv_heads, head_dim + (KV_INT8_SCALE_BYTES if cache_dtype == "int8" else 0))
+            dtype = {"float16": ms.float16, "bfloat16": ms.bfloat16, "float32": ms.float32,
+                     "int8": ms.int8}[cache_dtype]
         # zeros allocated by MindSpore when the graph first needs them (a numpy copy cost 0.35 s per start for
         # SmolLM2's 377 MB cache)
         self.key_cache = Parameter(initializer(Zero(), shape, dtype), name=f"key_cache.{layer_id}", requires_grad=False)

@@ -26,7 +26,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from llm_serving.config import ATTENTION_KERNELS
+from llm_serving.config import ATTENTION_KERNELS, KERNEL_ONLY_CACHES
 from llm_serving.shm.layout import TOP_LOGPROBS, StepKind, StepView
 
 from .buckets import Buckets
@@ -117,10 +117,11 @@ class ModelRunner:
         self.kernel_serves_all = self.layer_kernel is not None and spec.layer_kernel_rows is None
         self.layer_kernel_rows = (0 if self.layer_kernel is None else KERNEL_ONLY_ROWS if self.kernel_serves_all
                                   else int(spec.layer_kernel_rows))
-        if spec.kv_cache_dtype == "bfloat16" and not self.kernel_serves_all:
-            raise ValueError("pa_config.kv_cache_dtype bfloat16 is read by the CPU layer kernel only, which does not "
-                             "serve every step here (layer_kernel off or unavailable, layer_kernel_max_tokens set, "
-                             "tensor parallelism, or Ascend): MindSpore's CPU ScatterUpdate has no bfloat16; use "
+        if spec.kv_cache_dtype in KERNEL_ONLY_CACHES and not self.kernel_serves_all:
+            raise ValueError(f"pa_config.kv_cache_dtype {spec.kv_cache_dtype} is read by the CPU layer kernel only, "
+                             "which does not serve every step here (layer_kernel off or unavailable, "
+                             "layer_kernel_max_tokens set, tensor parallelism, or Ascend): MindSpore's CPU "
+                             "ScatterUpdate has no bfloat16, and its ops do not read an int8 cache's scales; use "
                              "float16 (the default) or float32")
         # decode runs (_execute_decode_run): K greedy steps in one graph, for batches of up to decode_run_rows
         # (None: every batch the layer kernel takes)
@@ -725,4 +726,4 @@ class ModelRunner:
     def reset(self) -> None:
         """Zero the KV cache."""
         for p in self._caches:
-            p.set_data(self._ms.Tensor(np.zeros(p.shape, np.float16 if p.dtype == self._ms.float16 else np.float32)))
+            p.set_data(self._ms.ops.zeros(p.shape, p.dtype))

@@ -13,7 +13,7 @@ class RunnerSpec:
     """A runner's KV cache, graph buckets, kernels and step kinds (see ModelRunner for what each does).
 
     num_blocks, block_size, max_blocks_per_seq, kv_cache_dtype: the paged KV cache (plus the runner's scratch
-    block) and its element type ("float16", "bfloat16" or "float32").
+    block) and its element type ("float16", "bfloat16", "float32" or "int8").
     decode_batch_sizes, prefill_batch_sizes, prefill_seq_lens, decode_block_widths, max_step_tokens: the graph
     buckets (buckets.py). verify_width, verify_rows: verify steps' buckets (speculative decoding; 0 rows: none).
     decode_run_steps, decode_run_rows: decode runs (None rows: every batch the layer kernel takes).

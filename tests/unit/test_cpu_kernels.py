@@ -51,10 +51,10 @@ def reference(q, key_cache, value_cache, block_tables, context_lens, block_size,
     return out
 
 
-@pytest.mark.parametrize("cache_dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("cache_dtype", ["float32", "float16", "bfloat16", "int8"])
 @pytest.mark.parametrize("kvh,g,block_size,threads", [(4, 2, 16, 1), (4, 2, 16, 3), (8, 1, 4, 2), (2, 4, 8, 2)])
 def test_kernel_matches_softmax_attention(kernel, kvh, g, block_size, threads, cache_dtype):
-    """Against float64 attention over the cache's own values (float16, bfloat16: the same values, widened)."""
+    """Against float64 attention over the cache's own values (float16, bfloat16, int8: the same values, widened)."""
     from tests.cache_types import Cache
     cache = Cache(cache_dtype)
     rng = np.random.default_rng(kvh * 100 + g * 10 + threads)
@@ -69,7 +69,7 @@ def test_kernel_matches_softmax_attention(kernel, kvh, g, block_size, threads, c
     assert rc == 0
     np.testing.assert_allclose(out, reference(q, cache.values(key_cache), cache.values(value_cache), block_tables,
                                               context_lens, block_size), rtol=1e-5, atol=1e-6)
-    if cache.bf16:
+    if cache.bf16 or cache.int8:
         return
     # a key past context_len never matters: poison every slot a row cannot see
     poisoned_k, poisoned_v = key_cache.copy(), value_cache.copy()

@@ -18,7 +18,9 @@ STORIES_TOKEN_BYTES = 2 * 5 * 4 * 8 * 2
 
 def test_a_block_holds_keys_and_values_of_every_layer_in_its_dtype():
     assert bytes_per_block(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16) == 2 * 30 * 3 * 64 * 16 * 2
-    assert bytes_per_block(30, 3, 64, 16, value_bytes=4) == 2 * 30 * 3 * 64 * 16 * 4
+    assert bytes_per_block(30, 3, 64, 16, "float32") == 2 * 30 * 3 * 64 * 16 * 4
+    assert bytes_per_block(30, 3, 64, 16, "bfloat16") == 2 * 30 * 3 * 64 * 16 * 2
+    assert bytes_per_block(30, 3, 64, 16, "int8") == 2 * 30 * 3 * (64 + 4) * 16     # each head vector's scale
 
 
 def test_a_float32_cache_gets_half_the_blocks_of_the_same_memory(stories_hf):
@@ -34,17 +36,18 @@ def test_a_float32_cache_gets_half_the_blocks_of_the_same_memory(stories_hf):
 def test_kv_cache_dtype_is_checked_and_float32_is_refused_on_ascend():
     assert config_from_dict({}).kv_cache_dtype == "float16"
     assert config_from_dict({}, ("pa_config.kv_cache_dtype=float32",)).kv_cache_dtype == "float32"
-    with pytest.raises(ConfigError, match="pa_config.kv_cache_dtype.*must be one of auto, float16, bfloat16, float32"):
+    with pytest.raises(ConfigError, match="pa_config.kv_cache_dtype.*must be one of auto, float16, bfloat16, float32, int8"):
         config_from_dict({}, ("pa_config.kv_cache_dtype=int4",))
-    for other in ("float32", "bfloat16"):
+    for other in ("float32", "bfloat16", "int8"):
         with pytest.raises(ConfigError, match="pa_config.kv_cache_dtype.*Ascend"):
             config_from_dict({"model_config": {"device_target": "Ascend"}}, (f"pa_config.kv_cache_dtype={other}",))
     assert config_from_dict({"model_config": {"device_target": "Ascend"}}).kv_cache_dtype == "float16"
     assert config_from_dict({}, ("pa_config.kv_cache_dtype=bfloat16",)).kv_cache_dtype == "bfloat16"
     for op_path in ("model_config.layer_kernel=off", "model_config.layer_kernel_max_tokens=64",
                     "serving_config.agent_ports=[0,0]"):
-        with pytest.raises(ConfigError, match="bfloat16 is read by the CPU layer kernel only"):
-            config_from_dict({}, ("pa_config.kv_cache_dtype=bfloat16", op_path))
+        for dtype in ("bfloat16", "int8"):
+            with pytest.raises(ConfigError, match=f"{dtype} is read by the CPU layer kernel only"):
+                config_from_dict({}, (f"pa_config.kv_cache_dtype={dtype}", op_path))
 
 
 def test_a_long_context_is_not_reserved_for_every_request_but_one_request_always_fits():

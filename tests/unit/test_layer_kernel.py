@@ -138,6 +138,9 @@ def assert_cache_close(layer, got, want):
     within 1e-4 of its largest value, as assert_layer_close). A float16 or bfloat16 cache: within one step of
     its type (2^-10, 2^-7 of the value), as the kernel's float32 K/V can round to the neighbour of the float64
     reference's."""
+    if layer.cache.int8:                     # one code of the largest scale (codes round against the row's maximum)
+        np.testing.assert_allclose(layer.cache.values(got), want, atol=1.01 * np.abs(want).max() / 127)
+        return
     np.testing.assert_allclose(layer.cache.values(got), want, rtol=layer.cache.step,
                                atol=1e-5 + (1e-4 * np.abs(want).max() if layer.rounded else 0))
 
@@ -318,6 +321,8 @@ class Layer:
     (128, 4, 4, 32, 256, 6, False, 2, "float16"),
     (72, 6, 2, 12, 100, 9, True, 3, "bfloat16"),
     (128, 4, 4, 32, 256, 6, False, 2, "bfloat16"),
+    (72, 6, 2, 12, 100, 9, True, 3, "int8"),
+    (128, 4, 4, 32, 256, 6, False, 2, "int8"),
 ])
 def test_layer_matches_numpy(library, hidden, heads, kv_heads, head_dim, inter, batch, bias, threads, cache):
     """A float16 or bfloat16 cache (pa_config.kv_cache_dtype): the reference attends over the same values, the
@@ -335,7 +340,8 @@ def test_layer_matches_numpy(library, hidden, heads, kv_heads, head_dim, inter, 
 
 
 @pytest.mark.parametrize("head_dim,threads,cache", [(64, 1, "float32"), (64, 2, "float16"), (128, 2, "float32"),
-                                                    (128, 3, "float16"), (64, 2, "bfloat16")])
+                                                    (128, 3, "float16"), (64, 2, "bfloat16"), (64, 2, "int8"),
+                                                    (128, 3, "int8")])
 def test_a_prompts_rows_attend_together_as_tiles(library, head_dim, threads, cache):
     """Consecutive rows of one sequence (a prompt's chunk) attend as tiles of rows per KV head: a chunk of 45 rows
     (two tiles, the first over keys past two key tiles) after 100 cached tokens, a decode row between, and a

@@ -97,22 +97,54 @@ inline const float* widened(const BFloat16* src, int64_t n, float* buf) {
   return buf;
 }
 
+// An int8 KV cache keeps each head vector (one token's D values of one KV head) as D int8 codes followed by the
+// float32 scale they are multiples of (D + 4 bytes): value = code x scale, scale = max |value| / 127, codes
+// rounded to nearest (llama.cpp's q8_0 idea, with one block per head vector).
+constexpr int64_t kInt8ScaleBytes = 4;
+
+inline void store_vector(int8_t* dst, const float* src, int64_t d) {
+  float amax = 0.f;
+  for (int64_t e = 0; e < d; ++e) amax = std::max(amax, std::fabs(src[e]));
+  const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+  for (int64_t e = 0; e < d; ++e) dst[e] = static_cast<int8_t>(std::nearbyint(src[e] * inv));
+  std::memcpy(dst + d, &scale, sizeof scale);
+}
+
+// One head vector of D values into the cache (a float, Half or BFloat16 cache: the values, rounded to it).
+template <typename Cache>
+inline void store_vector(Cache* dst, const float* src, int64_t d) { store_cache(dst, src, d); }
+
+// The D values of an int8 head vector: codes x scale, into buf.
+inline const float* widened(const int8_t* src, int64_t d, float* buf) {
+  float scale;
+  std::memcpy(&scale, src + d, sizeof scale);
+  for (int64_t e = 0; e < d; ++e) buf[e] = static_cast<float>(src[e]) * scale;
+  return buf;
+}
+
 // A KV cache's element type, from a kernel call's dtype (MindSpore's name); kCacheUnknown for any other.
-enum CacheType { kCacheFloat32, kCacheFloat16, kCacheBFloat16, kCacheUnknown };
+enum CacheType { kCacheFloat32, kCacheFloat16, kCacheBFloat16, kCacheInt8, kCacheUnknown };
 inline CacheType cache_type(const char* dtype) {
   if (std::strcmp(dtype, "float32") == 0) return kCacheFloat32;
   if (std::strcmp(dtype, "float16") == 0) return kCacheFloat16;
   if (std::strcmp(dtype, "bfloat16") == 0) return kCacheBFloat16;
+  if (std::strcmp(dtype, "int8") == 0) return kCacheInt8;
   return kCacheUnknown;
 }
 
-// fn(keys, values) on the caches as their element type (float*, Half* or BFloat16*); type is not kCacheUnknown.
+// Elements of a cache of this type per head vector of D values (its row width in the flat [slots x KVH, row] cache).
+inline int64_t cache_vector(CacheType type, int64_t d) { return type == kCacheInt8 ? d + kInt8ScaleBytes : d; }
+
+// fn(keys, values) on the caches as their element type (float*, Half*, BFloat16* or int8_t*); type is not
+// kCacheUnknown.
 template <typename Fn>
 inline void with_cache(CacheType type, void* keys, void* values, Fn&& fn) {
   if (type == kCacheFloat16) {
     fn(static_cast<Half*>(keys), static_cast<Half*>(values));
   } else if (type == kCacheBFloat16) {
     fn(static_cast<BFloat16*>(keys), static_cast<BFloat16*>(values));
+  } else if (type == kCacheInt8) {
+    fn(static_cast<int8_t*>(keys), static_cast<int8_t*>(values));
   } else {
     fn(static_cast<float*>(keys), static_cast<float*>(values));
   }
@@ -120,19 +152,21 @@ inline void with_cache(CacheType type, void* keys, void* values, Fn&& fn) {
 
 struct AttentionShape {
   int64_t kvh, g, d, w, bs;   // KV heads, query heads per KV head, head dim, block-table width, block size
+  int64_t vec;                // cache elements per head vector: D, or D + kInt8ScaleBytes for an int8 cache
 };
 
 // One row's decode attention: its NH = KVH*G query heads qb (NH, D), pre-scaled by 1/sqrt(D), over keys
 // 0 .. context-1 read in place through its block table from the flat caches [slots, KVH, D]; tree_bits: of the
 // row's last 32 keys, which are visible (bit m = the key m places before the last; -1 = all). Writes ob (NH, D).
 // scores: room for NH * W * BS floats. Only KV heads [kv_begin, kv_end) (and their query heads) when given.
-// Cache is the cache's element type: float, Half or BFloat16 (pa_config.kv_cache_dtype), widened as it is read.
+// Cache is the cache's element type: float, Half, BFloat16 or int8_t (pa_config.kv_cache_dtype), widened as it
+// is read.
 template <typename Cache>
 inline void attend_row(const float* qb, const Cache* kc, const Cache* vc, const int32_t* table, int64_t context,
                        uint32_t tree_bits, float* ob, const AttentionShape& sh, float* scores,
                        int64_t kv_begin = 0, int64_t kv_end = -1) {
   const int64_t kvh = sh.kvh, g = sh.g, d = sh.d, bs = sh.bs;
-  const int64_t row = kvh * d;                        // floats per cache slot
+  const int64_t row = kvh * sh.vec;                   // cache elements per slot
   const int64_t h0 = kv_begin * g, h1 = (kv_end < 0 ? kvh : kv_end) * g;   // this call's query heads [h0, h1)
   const int64_t n = std::max<int64_t>(0, std::min<int64_t>(context, sh.w * bs));
   auto hidden = [&](int64_t j) {                      // key j masked out by the token tree
@@ -140,10 +174,14 @@ inline void attend_row(const float* qb, const Cache* kc, const Cache* vc, const 
     return m < 32 && !((tree_bits >> m) & 1u);
   };
   const int64_t k0 = h0 / g, k1 = h1 / g;             // this call's KV heads
-  thread_local std::vector<float> buf;                // a Half slot's K or V, widened (kept across calls)
-  if (!std::is_same<Cache, float>::value && static_cast<int64_t>(buf.size()) < row) buf.resize(row);
+  thread_local std::vector<float> buf;                // a slot's K or V, widened (kept across calls)
+  if (!std::is_same<Cache, float>::value && static_cast<int64_t>(buf.size()) < kvh * d) buf.resize(kvh * d);
   auto slot_values = [&](const Cache* cache, int64_t j) -> const float* {  // key j's floats of KV heads [k0, k1)
     const Cache* at = cache + (static_cast<int64_t>(table[j / bs]) * bs + j % bs) * row;
+    if constexpr (std::is_same<Cache, int8_t>::value) {   // head by head: each has its own scale
+      for (int64_t k = k0; k < k1; ++k) widened(at + k * sh.vec, d, buf.data() + k * d);
+      return buf.data();
+    }
     return widened(at + k0 * d, (k1 - k0) * d, buf.data() + k0 * d) - k0 * d;
   };
   for (int64_t j = 0; j < n; ++j) {                   // scores[head][j] = q_head . k_j (KV head of head)
@@ -282,7 +320,7 @@ template <typename Cache>
 inline void attend_tile(const float* q, int64_t q_stride, int64_t rows, int64_t ctx0, const Cache* kc, const Cache* vc,
                         const int32_t* table, int64_t kh, float* out, int64_t o_stride, const AttentionShape& sh,
                         float* scratch) {
-  const int64_t g = sh.g, d = sh.d, bs = sh.bs, row = sh.kvh * d;
+  const int64_t g = sh.g, d = sh.d, bs = sh.bs, row = sh.kvh * sh.vec;
   const int64_t mq = rows * g, mq4 = (mq + 3) / 4 * 4;       // query vectors: i = r * G + head within kh
   float* qb = scratch;                                       // (mq4, D)
   float* ob = qb + mq4 * d;                                  // (mq4, D)
@@ -312,7 +350,7 @@ inline void attend_tile(const float* q, int64_t q_stride, int64_t rows, int64_t 
         continue;
       }
       const int64_t j = j0 + jj;
-      const int64_t at = (static_cast<int64_t>(table[j / bs]) * bs + j % bs) * row + kh * d;
+      const int64_t at = (static_cast<int64_t>(table[j / bs]) * bs + j % bs) * row + kh * sh.vec;
       const float* k = widened(kc + at, d, wide);
       for (int64_t e = 0; e < d; ++e) kt[e * kKeyTile + jj] = k[e];
       const float* v = widened(vc + at, d, vt + jj * d);

@@ -1740,8 +1740,9 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
   const int64_t nqkv = (nh + 2 * kvh) * d, inter = shapes[GATE_W][0];
   const int64_t cache_rows = shapes[KEYS][0];
   Matrix q_w, k_w, v_w, o_w, gate_w, up_w, down_w;
-  if (bs < 1 || nh < 1 || kvh < 1 || nh % kvh != 0 || d % 2 != 0 || shapes[KEYS][1] != d ||
-      shapes[VALUES][0] != cache_rows || shapes[VALUES][1] != d || cache_rows % (kvh * bs) != 0 ||
+  const int64_t vec = llm_serving::cache_vector(cache_type, d);   // cache elements per head vector
+  if (bs < 1 || nh < 1 || kvh < 1 || nh % kvh != 0 || d % 2 != 0 || shapes[KEYS][1] != vec ||
+      shapes[VALUES][0] != cache_rows || shapes[VALUES][1] != vec || cache_rows % (kvh * bs) != 0 ||
       shapes[POS][0] != batch || shapes[SLOTS][0] != batch || shapes[TABLES][0] != batch ||
       shapes[CONTEXT][0] != batch || shapes[TREE][0] != batch || shapes[SIN][0] != max_pos ||
       shapes[SIN][1] != d || shapes[QKV_B][0] != nqkv || shapes[IN_GAIN][0] != h || shapes[POST_GAIN][0] != h ||
@@ -1825,7 +1826,7 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
   const int64_t lora_width = 3 * lora_qkv.r;        // the widest u (q/k/v: 3 R)
   float* lora_u = adapted ? Scratch::sized(s.lora, rows * lora_width) : nullptr;    // A x of adapted rows
   float* lora_gu = adapted ? Scratch::sized(s.lora_gate_up, rows * 2 * inter) : nullptr;    // gate/up deltas
-  const llm_serving::AttentionShape ash{kvh, nh / kvh, d, width, bs};
+  const llm_serving::AttentionShape ash{kvh, nh / kvh, d, width, bs, vec};
   // step 3's work: consecutive rows of one sequence (a prompt's chunk: contexts growing by one, each row's block
   // table starting with the previous row's blocks, no token tree) go as tiles of up to kTileRows rows per KV
   // head (attend_tile: each key read once per tile); other rows one at a time (attend_row), or a (row, KV head)
@@ -1932,8 +1933,10 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
       }
       const float* kv = qkv + b * nqkv + nh * d;        // this row's K then V, (2, KVH, D)
       llm_serving::with_cache(cache_type, key_cache, value_cache, [&](auto* kc, auto* vc) {
-        llm_serving::store_cache(kc + slots[b] * kvh * d, kv, kvh * d);
-        llm_serving::store_cache(vc + slots[b] * kvh * d, kv + kvh * d, kvh * d);
+        for (int64_t k = 0; k < kvh; ++k) {
+          llm_serving::store_vector(kc + (slots[b] * kvh + k) * vec, kv + k * d, d);
+          llm_serving::store_vector(vc + (slots[b] * kvh + k) * vec, kv + (kvh + k) * d, d);
+        }
       });
     }
     barrier.wait();

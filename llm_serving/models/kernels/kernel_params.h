@@ -8,8 +8,8 @@
 //   static const ParamSpec kMyKernel[] = {MY_KERNEL_PARAMS(LLM_SERVING_PARAM_SPEC)};
 //
 // dtype "weight": float32, or a GGUF type's stored bytes (uint8); the kernel checks it with its type code.
-// dtype "cache": a KV cache's element type, float32, float16 or bfloat16 (pa_config.kv_cache_dtype); the kernel
-// reads it from the call's dtype.
+// dtype "cache": a KV cache's element type, float32, float16, bfloat16 or int8 (pa_config.kv_cache_dtype); the
+// kernel reads it from the call's dtype.
 #pragma once
 
 #include <cstring>
@@ -34,7 +34,7 @@ inline bool params_match(const ParamSpec* spec, int count, int nparam, const int
     if (std::strcmp(spec[i].dtype, "weight") == 0) continue;
     if (std::strcmp(spec[i].dtype, "cache") == 0) {
       if (std::strcmp(dtypes[i], "float32") != 0 && std::strcmp(dtypes[i], "float16") != 0 &&
-          std::strcmp(dtypes[i], "bfloat16") != 0) {
+          std::strcmp(dtypes[i], "bfloat16") != 0 && std::strcmp(dtypes[i], "int8") != 0) {
         return false;
       }
       continue;

@@ -7,6 +7,7 @@
 // Inputs (MindSpore passes inputs then outputs in `params`):
 //   q            (B, KVH, G, D) float32  query heads grouped by the KV head they share, pre-scaled by 1/sqrt(D)
 //   key_cache    (N*KVH, D)     float32, float16 or bfloat16 (pa_config.kv_cache_dtype)  flat view of [slots, KVH, D];
+//                (N*KVH, D+4)   int8: each head vector's codes, then its float32 scale (cpu_kernel_common.h)
 //                                        slot = block * block_size + offset
 //   value_cache  (N*KVH, D)     the key cache's dtype
 //   block_tables (B, W)         int32
@@ -67,8 +68,12 @@ extern "C" int PagedDecodeAttention(int nparam, void** params, int* ndims, int64
   const auto* tree = static_cast<const int32_t*>(params[5]);
   const auto* cfg = static_cast<const int32_t*>(params[6]);
   auto* out = static_cast<float*>(params[7]);
-  const AttentionShape sh{shapes[0][1], shapes[0][2], shapes[0][3], shapes[3][1], cfg[0]};
-  if (sh.bs < 1 || shapes[1][1] != sh.d || shapes[3][0] != shapes[0][0] || shapes[5][0] != shapes[0][0]) return 2;
+  const AttentionShape sh{shapes[0][1], shapes[0][2], shapes[0][3], shapes[3][1], cfg[0],
+                          llm_serving::cache_vector(llm_serving::cache_type(dtypes[1]), shapes[0][3])};
+  if (sh.bs < 1 || shapes[1][1] != sh.vec || shapes[2][1] != sh.vec || shapes[3][0] != shapes[0][0] ||
+      shapes[5][0] != shapes[0][0]) {
+    return 2;
+  }
   const int64_t rows = shapes[0][0];
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(cfg[1], rows));
   auto run = [&](const auto* kc, const auto* vc) {
