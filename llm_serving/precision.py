@@ -15,7 +15,8 @@ prefill (preemption) restarts from its first position. Per row:
     relative error = max_v |logits[v] - ref[v]| / max_v |ref[v]|
 
 and the run passes when the largest over all rows is <= --threshold (default 0.005). Prints
-max / mean / p99 relative error and the greedy-token agreement; writes JSON (--out); exit 0 on pass,
+max / mean / p99 relative error and the greedy-token agreement (of the rows whose token is served: a chunk
+inside a prompt is compared but samples nothing); writes JSON (--out); exit 0 on pass,
 1 on fail. The weights the reference loads are the server's (/info model_path) unless --model is given.
 """
 from __future__ import annotations
@@ -69,7 +70,7 @@ class Comparator:
         self.prompt_ids = [list(p) for p in prompt_ids]   # the replayed prompts, tokenized as the server does
         self.sequences: dict = {}
         self.errors: list = []          # relative error per captured row
-        self.agree = 0                  # rows whose served greedy token is the reference's argmax
+        self.agree = 0                  # sampled rows whose served greedy token is the reference's argmax
         self.sampled = 0                # rows that reach the end of their prompt (a chunk inside it samples nothing)
         self.files = 0
         self.failure: BaseException | None = None
@@ -96,8 +97,9 @@ class Comparator:
             ref = self.ref.forward(seq, tokens, int(positions[0]))[-1]
             served = step["logits"][i].astype(np.float64)
             self.errors.append(float(np.max(np.abs(served - ref)) / np.max(np.abs(ref))))
-            self.agree += int(int(step["token_ids"][i]) == int(np.argmax(ref)))
-            self.sampled += int(int(positions[-1]) + 1 >= int(step["prompt_lens"][i]))
+            if int(positions[-1]) + 1 >= int(step["prompt_lens"][i]):   # the row's token is served
+                self.sampled += 1
+                self.agree += int(int(step["token_ids"][i]) == int(np.argmax(ref)))
 
     def _prefix_of(self, tokens: list, start: int) -> list:
         """The first `start` tokens of the replayed prompt that has `tokens` at positions start... (a
@@ -174,7 +176,7 @@ def run(args) -> dict:
         "prompts": len(prompts), "generated_tokens": int(sum(generated)), "steps": captured,
         "rows": int(errors.size), "sampled_rows": comparator.sampled, "max_rel_error": float(errors.max()), "mean_rel_error": float(errors.mean()),
         "p99_rel_error": float(np.percentile(errors, 99)),
-        "greedy_agreement": comparator.agree / errors.size, "threshold": args.threshold,
+        "greedy_agreement": comparator.agree / max(comparator.sampled, 1), "threshold": args.threshold,
         "passed": bool(errors.max() <= args.threshold), "wall_s": round(wall, 1),
     }
 
