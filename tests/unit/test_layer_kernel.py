@@ -344,12 +344,13 @@ def test_layer_matches_numpy(library, hidden, heads, kv_heads, head_dim, inter, 
                                                     (128, 3, "int8")])
 def test_a_prompts_rows_attend_together_as_tiles(library, head_dim, threads, cache):
     """Consecutive rows of one sequence (a prompt's chunk) attend as tiles of rows per KV head: a chunk of 45 rows
-    (two tiles, the first over keys past two key tiles) after 100 cached tokens, a decode row between, and a
-    prompt's first 7 tokens; the result is the row-by-row reference's."""
+    (two tiles, the first over keys past two key tiles) after 100 cached tokens, a decode row of a short context
+    (attend_row), one of 301 keys (a one-row tile), and a prompt's first 7 tokens; the result is the row-by-row
+    reference's."""
     rng = np.random.default_rng(head_dim + threads)
-    layer = Layer(rng, hidden=128, heads=8, kv_heads=2, head_dim=head_dim, inter=96, batch=53, block_size=16,
-                  num_blocks=530, width=10, cache_dtype=cache)
-    layer.as_prompts(rng, [(100, 45), (37, 1), (0, 7)])
+    layer = Layer(rng, hidden=128, heads=8, kv_heads=2, head_dim=head_dim, inter=96, batch=54, block_size=16,
+                  num_blocks=54 * 20, width=20, cache_dtype=cache)
+    layer.as_prompts(rng, [(100, 45), (37, 1), (300, 1), (0, 7)])
     _, keys, values = layer.reference(library)
     arrays = layer.arrays(threads)
     assert invoke(library.DecoderLayer, arrays) == 0

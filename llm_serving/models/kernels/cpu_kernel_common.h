@@ -235,6 +235,7 @@ inline void attend_row(const float* qb, const Cache* kc, const Cache* vc, const 
 
 constexpr int64_t kKeyTile = 64;     // keys per tile
 constexpr int64_t kTileRows = 32;    // query rows per tile (x the KV head's G query heads)
+constexpr int64_t kDecodeTileKeys = 256;   // a lone row (decode) attends as a tile from this many keys on
 
 // Floats of attend_tile's scratch for a KV head's G query heads of up to kTileRows rows, head dim D.
 inline int64_t tile_scratch_floats(int64_t g, int64_t d) {
