@@ -20,7 +20,7 @@ from llm_serving.agents.protocol import with_huge_pages
 from llm_serving.loadgen.client import benchmark
 from llm_serving.loadgen.metrics import summarize
 from llm_serving.loadgen.workload import TokenCounter, load_alpaca, synthetic
-from llm_serving.launch import ServerProcess, http
+from llm_serving.launch import ServerProcess, free_port, http
 from llm_serving.shm.layout import StepView
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,6 +59,7 @@ class PeerServer:
         self.name, self.port, self.ready_path = name, port, ready_path
         self.url = f"http://127.0.0.1:{port}"
         self.log = open(log_path, "wb")
+        self.started_at = time.perf_counter()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def wait_ready(self, timeout_s: float = 1200) -> None:
@@ -90,6 +91,28 @@ class PeerServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def with_llama_server(cmd: list, log_path: Path, work, extra: Optional[list] = None) -> tuple:
+    """(work(peer), the extra flags it needed) for a llama-server started with `cmd` (its binary and flags, without
+    --port) on a free port. A build made with GGML_NATIVE on a CPU with AMX runs AMX tile instructions for
+    quantized weights (its weight repacking), which a host may not allow (SIGILL or SIGSEGV at the first matrix
+    product, as on this project's CI machines): a server that dies of a signal at start is started again with
+    `--no-repack`, and the caller passes the flags on to its next servers."""
+    extra = list(extra or [])
+    for attempt in range(2):
+        port = free_port()
+        peer = PeerServer("llama-server", [*cmd, "--port", str(port), *extra], port, log_path)
+        try:
+            with peer:
+                return work(peer), extra
+        except RuntimeError as e:
+            peer.stop()
+            if extra or attempt or peer.proc.returncode is None or peer.proc.returncode >= 0:
+                raise
+            print(f"llama-server died at start ({e}); running it with --no-repack", flush=True)
+            extra = ["--no-repack"]
+    raise AssertionError("unreachable")
 
 
 def process_tree(pid: int) -> list:

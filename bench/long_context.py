@@ -36,10 +36,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import ALPACA, PeerServer, http, log_dir, machine, table, write_json  # noqa: E402
+from bench.common import ALPACA, http, log_dir, machine, table, with_llama_server, write_json  # noqa: E402
 from bench.make_models import resolve_short_name  # noqa: E402
 from bench.peers import find_llama_server  # noqa: E402
-from llm_serving.launch import ServerProcess, free_port  # noqa: E402
+from llm_serving.launch import ServerProcess  # noqa: E402
 
 
 def post_stream(url: str, body: dict, timeout: float = 3600) -> dict:
@@ -172,25 +172,12 @@ def main(argv=None) -> int:
     binary, version = (None, "--no-peer") if args.no_peer else find_llama_server(args.llama_server)
     if binary:
         results["llama_server_version"] = version
-        extra = []
-        for attempt in range(2):
-            port = free_port()
-            peer = PeerServer("llama-server", [binary, "-m", model, "--alias", name, "--host", "127.0.0.1",
-                                               "--port", str(port), "-t", str(args.threads), "-np", "1",
-                                               "-c", str(args.context), *extra],
-                              port, log_dir() / "long_context_llama_server.log")
-            try:
-                with peer:
-                    print("llama-server:", flush=True)
-                    results["llama_server"] = run(peer.url, name, args, vocab, True, system, questions)
-                break
-            except RuntimeError as e:
-                peer.stop()
-                if extra or attempt or peer.proc.returncode is None or peer.proc.returncode >= 0:
-                    raise
-                print(f"llama-server died at start ({e}); running it with --no-repack", flush=True)
-                extra = ["--no-repack"]
-        results["llama_server_flags"] = extra
+        def measure(peer):
+            print("llama-server:", flush=True)
+            return run(peer.url, name, args, vocab, True, system, questions)
+        results["llama_server"], results["llama_server_flags"] = with_llama_server(
+            [binary, "-m", model, "--alias", name, "--host", "127.0.0.1", "-t", str(args.threads), "-np", "1",
+             "-c", str(args.context)], log_dir() / "long_context_llama_server.log", measure)
     elif not args.no_peer:
         print(f"{version} (bench/setup_peers.sh builds it): this server only")
 

@@ -61,7 +61,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import (SHARED, PeerServer, info, log_dir, machine, replay, synthetic_samples, table,  # noqa: E402
-                          tree_memory, write_json)
+                          tree_memory, with_llama_server, write_json)
 from bench.make_models import resolve_short_name  # noqa: E402
 from llm_serving.launch import ServerProcess, free_port  # noqa: E402
 from llm_serving.cache_dir import default_cache_dir  # noqa: E402
@@ -288,34 +288,21 @@ def measure(url: str, model: str, samples_by_streams: dict, backend: str = "open
 
 def run_llama_server(binary, gguf, name, samples, kv_tokens, threads, probes) -> tuple[dict, list, dict]:
     """Output of `measure` per level, the extra flags llama-server needed on this host, and facts of the first
-    level's server (start_s, ttft_alone_ms, kv: its log's KV-cache line). A build made with GGML_NATIVE on a CPU
-    with AMX runs AMX tile instructions for quantized weights (its weight repacking), which a host may not allow
-    (SIGILL at the first matrix product, as on this project's CI machines); then every level runs with
-    `--no-repack`, and the output says so."""
+    level's server (start_s, ttft_alone_ms, kv: its log's KV-cache line). A server that dies of a signal at start
+    makes every level run with `--no-repack` (bench.common.with_llama_server), and the output says so."""
     runs, extra, facts = {}, [], {}
     for s, batch in samples.items():      # a server per level: -np S slots sharing kv_tokens
-        for attempt in range(2):
-            port = free_port()
-            log = log_dir() / f"peers_llama_server_{s}.log"
-            t0 = time.perf_counter()
-            peer = PeerServer("llama-server", [binary, "-m", gguf, "--alias", name, "--host", "127.0.0.1", "--port",
-                                               str(port), "-t", str(threads), "-np", str(s), "-c", str(kv_tokens),
-                                               "--threads-http", str(s + 4), *extra],
-                              port, log)
-            try:
-                with peer:
-                    started = time.perf_counter() - t0
-                    runs.update(measure(peer.url, name, {s: batch}, pid=peer.proc.pid))
-                    if not facts:
-                        facts = {"start_s": started, "ttft_alone_ms": ttft_alone(peer.url, name, probes)}
-                    runs[s]["kv"] = llama_kv_line(log)
-                break
-            except RuntimeError as e:
-                peer.stop()
-                if extra or attempt or peer.proc.returncode is None or peer.proc.returncode >= 0:
-                    raise
-                print(f"llama-server died at start ({e}); running it with --no-repack", flush=True)
-                extra = ["--no-repack"]
+        log = log_dir() / f"peers_llama_server_{s}.log"
+
+        def level(peer, s=s, batch=batch, log=log):
+            started = time.perf_counter() - peer.started_at
+            runs.update(measure(peer.url, name, {s: batch}, pid=peer.proc.pid))
+            if not facts:
+                facts.update(start_s=started, ttft_alone_ms=ttft_alone(peer.url, name, probes))
+            runs[s]["kv"] = llama_kv_line(log)
+        _, extra = with_llama_server([binary, "-m", gguf, "--alias", name, "--host", "127.0.0.1", "-t", str(threads),
+                                      "-np", str(s), "-c", str(kv_tokens), "--threads-http", str(s + 4)], log, level,
+                                     extra)
     return runs, extra, facts
 
 

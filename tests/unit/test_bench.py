@@ -254,3 +254,44 @@ def test_kv_tokens_padded_as_llama_cpp_pads_a_slot(tmp_path):
     log.write_text("0.05.412 I srv    load_model: initializing, n_slots = 4, n_ctx_slot = 768, kv_unified = 'false'\n")
     assert llama_kv_line(log) == "4 x 768 tokens"
     assert llama_kv_line(tmp_path / "none.log") is None
+
+
+FAKE_LLAMA_SERVER = """#!{python}
+import http.server, os, signal, sys
+if "--no-repack" not in sys.argv and "{mode}" == "signal":
+    os.kill(os.getpid(), signal.SIGSEGV)        # as a build whose AMX repacking the host refuses
+if "{mode}" == "exit":
+    sys.exit(1)
+port = int(sys.argv[sys.argv.index("--port") + 1])
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b"{{}}")
+
+    def log_message(self, *args):
+        pass
+
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+
+@pytest.mark.parametrize("mode", ["signal", "exit"])
+def test_llama_server_dying_of_a_signal_at_start_is_retried_with_no_repack(tmp_path, mode):
+    """bench.common.with_llama_server: a server killed by a signal at start runs again with --no-repack, and the
+    caller learns the flag; one that exits with an error is not retried (its error is the caller's)."""
+    import sys
+
+    from bench.common import http, with_llama_server
+    fake = tmp_path / "llama-server"
+    fake.write_text(FAKE_LLAMA_SERVER.format(python=sys.executable, mode=mode))
+    fake.chmod(0o755)
+    work = lambda peer: http("GET", peer.url + "/health")[0]          # noqa: E731
+    if mode == "exit":
+        with pytest.raises(RuntimeError, match="exited with 1"):
+            with_llama_server([str(fake), "-m", "model.gguf"], tmp_path / "log", work)
+        return
+    assert with_llama_server([str(fake), "-m", "model.gguf"], tmp_path / "log", work) == (200, ["--no-repack"])
+    # given the flag, the next server starts with it at once
+    assert with_llama_server([str(fake)], tmp_path / "log", work, ["--no-repack"]) == (200, ["--no-repack"])
