@@ -37,8 +37,9 @@ OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: 
 
 
 def error_response(request: web.Request, status: int, message: str, kind: str, param=None) -> web.Response:
-    """The error body of the API the path belongs to: OpenAI's under /v1/, llm-serving / TGI's elsewhere."""
-    if request.path.startswith("/v1/"):
+    """The error body of the API the path belongs to: OpenAI's under /v1/ (and vLLM's /tokenize, /detokenize),
+    llm-serving / TGI's elsewhere."""
+    if request.path.startswith("/v1/") or request.path in routes_openai.ROOT_ROUTES:
         body = streaming.openai_error_body(message, OPENAI_TYPES.get(status, "invalid_request_error"), param,
                                            "model_not_found" if kind == "not_found" else None)
     else:

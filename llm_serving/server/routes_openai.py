@@ -378,7 +378,63 @@ async def unload_lora_adapter(request: web.Request) -> web.Response:
     return web.json_response({"object": "lora_adapter", "id": name, "deleted": True})
 
 
+TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "return_token_strs"}
+ROOT_ROUTES = ("/tokenize", "/detokenize")     # vLLM's, outside /v1/, with OpenAI's error shape
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """vLLM's POST /tokenize: the token ids of a `prompt` (string; `add_special_tokens`, default true, adds the
+    BOS) or of chat `messages` through the model's chat template, as the chat route would feed them;
+    {count, max_model_len, tokens, token_strs (with `return_token_strs`: each token's piece, else null)}."""
+    engine = request.app[ENGINE]
+    body = schemas.parse_json_body(await request.read())
+    _check_fields(body, TOKENIZE_FIELDS)
+    if body.get("model") is not None:
+        _model(engine, body)
+    if ("prompt" in body) == ("messages" in body):
+        raise ValidationError("give exactly one of 'prompt' (a string) or 'messages' (a chat)", param="prompt")
+    if "prompt" in body:
+        if not isinstance(body["prompt"], str):
+            raise ValidationError("'prompt' must be a string", param="prompt")
+        if body.get("add_generation_prompt") is not None:
+            raise ValidationError("add_generation_prompt goes with 'messages'", param="add_generation_prompt")
+        ids = engine.tokenizer.encode(body["prompt"], add_bos=schemas.bool_field(body, "add_special_tokens", True,
+                                                                                  prefix=V))
+    else:
+        messages = _messages(body["messages"])
+        if body.get("add_special_tokens"):
+            raise ValidationError("add_special_tokens goes with 'prompt': a chat's special tokens are its "
+                                  "template's", param="add_special_tokens")
+        if not schemas.bool_field(body, "add_generation_prompt", True, prefix=V) and messages[-1]["role"] != "assistant":
+            raise ValidationError("add_generation_prompt false is not supported: the chat template opens the "
+                                  "assistant's turn after a last user or system message (and continues a last "
+                                  "assistant message)", param="add_generation_prompt")
+        try:
+            ids = engine.chat_template.encode(messages)
+        except ChatTemplateError as exc:
+            raise ValidationError(str(exc), param="messages") from None
+    strs = schemas.bool_field(body, "return_token_strs", False, prefix=V)
+    return web.json_response({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
+                              "token_strs": [engine.tokenizer.id_to_piece(i) for i in ids] if strs else None})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    """vLLM's POST /detokenize: {"tokens": [ids]} -> {"prompt": their text}, special tokens included."""
+    engine = request.app[ENGINE]
+    body = schemas.parse_json_body(await request.read())
+    _check_fields(body, {"model", "tokens"})
+    if body.get("model") is not None:
+        _model(engine, body)
+    tokens, vocab = body.get("tokens"), engine.tokenizer.vocab_size
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                                               for t in tokens):
+        raise ValidationError(f"'tokens' must be a list of token ids in 0..{vocab - 1}", param="tokens")
+    return web.json_response({"prompt": engine.tokenizer.decode(tokens, skip_special=False)})
+
+
 def add_routes(app: web.Application) -> None:
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
     app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)

@@ -142,3 +142,33 @@ def test_penalties_discourage_repetition_and_neutral_values_change_nothing(clien
     assert client.completions.create(presence_penalty=0.0, frequency_penalty=0.0, **ask).choices[0].text == plain
     with pytest.raises(openai.BadRequestError):
         client.completions.create(frequency_penalty=3.0, **ask)
+
+
+def test_tokenize_and_detokenize_in_vllms_shapes(client, stories_server, tokenizer):
+    """POST /tokenize (a prompt, or a chat through the template: the ids the chat route feeds, so their count is
+    its usage.prompt_tokens) and /detokenize, vLLM's shapes; bad bodies get OpenAI-shaped 400s naming the field."""
+    url = stories_server.url
+    status, body = http("POST", url + "/tokenize", {"model": "hf", "prompt": PROMPT, "return_token_strs": True})
+    assert status == 200, body
+    assert body["tokens"] == tokenizer.encode(PROMPT, add_bos=True) and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == http("GET", url + "/v1/models")[1]["data"][0]["max_model_len"]
+    assert body["token_strs"] == [tokenizer.id_to_piece(i) for i in body["tokens"]]
+    status, bare = http("POST", url + "/tokenize", {"prompt": PROMPT, "add_special_tokens": False})
+    assert bare["tokens"] == body["tokens"][1:] and bare["token_strs"] is None
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    status, chat = http("POST", url + "/tokenize", {"model": "hf", "messages": messages})
+    reply = client.chat.completions.create(model="hf", messages=messages, max_tokens=2, temperature=0)
+    assert status == 200 and chat["count"] == reply.usage.prompt_tokens
+    status, text = http("POST", url + "/detokenize", {"model": "hf", "tokens": bare["tokens"]})
+    assert status == 200 and text == {"prompt": PROMPT}
+    for path, bad, param in (("/tokenize", {"prompt": PROMPT, "messages": messages}, "prompt"),
+                             ("/tokenize", {"prompt": 7}, "prompt"),
+                             ("/tokenize", {"prompt": PROMPT, "model": "nope"}, None),
+                             ("/tokenize", {"messages": messages, "add_generation_prompt": False},
+                              "add_generation_prompt"),
+                             ("/tokenize", {"prompt": PROMPT, "truncate": 3}, "truncate"),
+                             ("/detokenize", {"tokens": [1, 10 ** 6]}, "tokens"),
+                             ("/detokenize", {"tokens": "1 2"}, "tokens")):
+        status, err = http("POST", url + path, bad)
+        assert status in (400, 404) and "message" in err["error"], (path, bad, err)
+        assert param is None or err["error"]["param"] == param, (path, bad, err)
