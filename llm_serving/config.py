@@ -624,7 +624,7 @@ class Config:
         preempted request's recompute) is fed in one step, so the largest prefill bucket bounds it too."""
         if not self.context_decided:
             raise ConfigError("model_config.max_generate_length=auto is decided from the model when the server "
-                              "starts (Config.with_context); this configuration has not been")
+                              "starts (Config.with_decided); this configuration has not been")
         if self.scheduler_config.chunked_prefill:
             return self.model_config.max_generate_length
         return min(self.model_config.max_generate_length, self.model_config.seq_length[-1])
@@ -654,17 +654,15 @@ class Config:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-    def with_num_blocks(self, num_blocks: int) -> "Config":
-        """This configuration with `pa_config.num_blocks` decided (num_blocks auto, sized at start), checked again."""
+    def with_decided(self, *, max_generate_length: Optional[int] = None,
+                     num_blocks: Optional[int] = None) -> "Config":
+        """This configuration with what `auto` left to the start decided (master/kv_memory.py: the model's
+        context, the KV blocks), checked again; a value not given stays as it is."""
         raw = self.to_dict()
-        raw["pa_config"]["num_blocks"] = num_blocks
-        return config_from_dict(raw)
-
-    def with_context(self, max_generate_length: int) -> "Config":
-        """This configuration with `model_config.max_generate_length` decided (auto: the model's context, read
-        at start), checked again."""
-        raw = self.to_dict()
-        raw["model_config"]["max_generate_length"] = max_generate_length
+        if max_generate_length is not None:
+            raw["model_config"]["max_generate_length"] = max_generate_length
+        if num_blocks is not None:
+            raw["pa_config"]["num_blocks"] = num_blocks
         return config_from_dict(raw)
 
     def draft_config(self, model_path: Optional[str] = None) -> "Config":

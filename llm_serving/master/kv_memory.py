@@ -1,4 +1,6 @@
-"""How many KV-cache blocks to allocate when `pa_config.num_blocks` is `auto` (the default).
+"""What is decided from the model when a server starts: the tokens a request may reach when
+`model_config.max_generate_length` is `auto` (`model_context`), and how many KV-cache blocks to allocate when
+`pa_config.num_blocks` is `auto` (both the defaults; `size_for_model` does both).
 
 Every agent allocates the same number of blocks (the master's block tables index them all); a block holds
 `block_size` tokens of keys and values for every layer and KV head, in pa_config.kv_cache_dtype (float16 and
@@ -71,13 +73,14 @@ def plan_blocks(config: Config, token_bytes: int, available_bytes: int) -> KVPla
     return KVPlan(num_blocks=num, bytes_per_block=per_block, wanted_blocks=wanted, budget_bytes=budget)
 
 
-def model_context(shape, config: Config, per_token: int, available_bytes: int) -> tuple[int, str]:
-    """(tokens per request, why) for model_config.max_generate_length auto: the model's trained context
+def model_context(shape, config: Config, per_token: int, available_bytes: int) -> tuple[int, str, bool]:
+    """(tokens per request, why, whether the cache cut it) for model_config.max_generate_length auto: the model's
+    trained context
     (`max_position_embeddings`: a GGUF's `<arch>.context_length`, HF's, a MindFormers `seq_length`), lowered to
     a sliding-window model's window (attention past it is not computed here) and to what the KV cache holds
     for one request (pa_config.num_blocks, or kv_memory_fraction of `available_bytes`)."""
     pa = config.pa_config
-    n, why = shape.max_position_embeddings, "the model's trained context"
+    n, why, cut = shape.max_position_embeddings, "the model's trained context", False
     if shape.sliding_window is not None and shape.sliding_window < n:
         n, why = shape.sliding_window, (f"the model's sliding window (its trained context is "
                                         f"{shape.max_position_embeddings}; attention past the window is not served)")
@@ -90,13 +93,13 @@ def model_context(shape, config: Config, per_token: int, available_bytes: int) -
         where = (f"pa_config.kv_memory_fraction={pa.kv_memory_fraction:g} of the {available_bytes / 2**20:.0f} MiB "
                  f"available ({per_token / 2**10:.1f} KiB a token)")
     if fits < n:
-        n, why = fits, (f"what the KV cache holds for one request, {where}; the model was trained for "
+        n, cut, why = fits, True, (f"what the KV cache holds for one request, {where}; the model was trained for "
                         f"{shape.max_position_embeddings} tokens: raise the fraction, set pa_config.num_blocks or "
                         "pa_config.kv_cache_dtype, or set model_config.max_generate_length")
     if n < 2:
         raise ConfigError(f"model_config.max_generate_length=auto: the KV cache holds {n} tokens ({where}), "
                           "too few for one request")
-    return n, why
+    return n, why, cut
 
 
 def size_for_model(config: Config, model_path: str, available_bytes: Optional[int] = None) -> Config:
@@ -121,12 +124,12 @@ def size_for_model(config: Config, model_path: str, available_bytes: Optional[in
     if available_bytes is None:
         available_bytes = psutil.virtual_memory().available
     if not config.context_decided:
-        n, why = model_context(shape, config, per_token, available_bytes)
-        (logger.warning if why.startswith("what the KV") else logger.info)(
-            "model_config.max_generate_length=auto: %d tokens per request, %s", n, why)
-        config = config.with_context(n)
+        n, why, cut = model_context(shape, config, per_token, available_bytes)
+        (logger.warning if cut else logger.info)("model_config.max_generate_length=auto: %d tokens per request, %s",
+                                                 n, why)
+        config = config.with_decided(max_generate_length=n)
     if config.pa_config.num_blocks != "auto":
         return config
     plan = plan_blocks(config, per_token, available_bytes)
     logger.info("pa_config.num_blocks=auto: %s", plan.describe())
-    return config.with_num_blocks(plan.num_blocks)
+    return config.with_decided(num_blocks=plan.num_blocks)

@@ -10,7 +10,7 @@ def test_defaults_are_valid_and_bind_loopback():
     assert not cfg.context_decided               # the model's context, read when the server starts
     with pytest.raises(ConfigError, match="max_generate_length=auto"):
         cfg.max_model_len
-    cfg = cfg.with_context(512)
+    cfg = cfg.with_decided(max_generate_length=512)
     assert cfg.max_model_len == 512
     assert cfg.max_blocks_per_seq == 512 // 16
     assert cfg.decode_block_widths == [8, 16, 32]        # decode graphs for 128, 256 and 512 keys
@@ -129,9 +129,9 @@ def test_decode_buckets_and_max_num_seqs_derive_from_each_other():
 def test_num_blocks_auto_is_decided_later_and_then_checked():
     cfg = config_from_dict({"model_config": {"max_generate_length": 1024}})
     assert cfg.pa_config.num_blocks == "auto" and cfg.pa_config.kv_memory_fraction == 0.3
-    assert cfg.with_num_blocks(64).pa_config.num_blocks == 64
+    assert cfg.with_decided(num_blocks=64).pa_config.num_blocks == 64
     with pytest.raises(ConfigError, match="pa_config.num_blocks=63"):    # 1,024 tokens need 64 blocks of 16
-        cfg.with_num_blocks(63)
+        cfg.with_decided(num_blocks=63)
 
 
 def test_overrides_parse_yaml_values_and_win_over_file():

@@ -156,6 +156,8 @@ def test_a_sliding_window_model_is_served_within_its_window():
     shape = LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                         num_kv_heads=2, head_dim=16, max_position_embeddings=32768)
     cfg = config_from_dict({})
-    assert model_context(shape, cfg, 1000, 100_000 * MiB) == (32768, "the model's trained context")
-    n, why = model_context(dataclasses.replace(shape, sliding_window=4096), cfg, 1000, 100_000 * MiB)
-    assert n == 4096 and "sliding window" in why
+    assert model_context(shape, cfg, 1000, 100_000 * MiB) == (32768, "the model's trained context", False)
+    n, why, cut = model_context(dataclasses.replace(shape, sliding_window=4096), cfg, 1000, 100_000 * MiB)
+    assert n == 4096 and "sliding window" in why and not cut
+    n, why, cut = model_context(shape, cfg, 1000, 100 * MiB)         # 30 MiB of 1,000-byte tokens
+    assert n == 30 * MiB // 16_000 * 16 and cut and "trained for 32768 tokens" in why

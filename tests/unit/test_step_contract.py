@@ -90,7 +90,7 @@ def test_the_runner_spec_is_made_from_the_config_in_one_place():
     assert spec.decode_batch_sizes == tuple(mc.decode_batch_size) and spec.block_size == config.pa_config.block_size
     assert spec.verify_width == config.spec_config.tokens_per_row and spec.lora_slots == config.lora_config.max_loras
     assert RunnerSpec.from_config(config).num_threads == mc.num_threads       # the config's unless the rank's own
-    assert RunnerSpec.from_config(config_from_dict({}).with_context(512)).lora_slots == 0
+    assert RunnerSpec.from_config(config_from_dict({}).with_decided(max_generate_length=512)).lora_slots == 0
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.num_blocks = 1
     assert dataclasses.replace(spec, layer_kernel="off").layer_kernel == "off"
