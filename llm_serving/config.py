@@ -108,7 +108,8 @@ class ModelConfig:
                                               # with a logged reason, when the KV memory cannot hold one request)
     end_token: Union[int, list, None] = None  # stop token id(s); default: the tokenizer's EOS
     pad_token_id: int = 0
-    vocab_size: Optional[int] = None          # if given, must match the checkpoint
+    vocab_size: Optional[int] = None          # if given, must match the checkpoint; decided at start from it
+                                              # (master/kv_memory.py): the width of the step buffers' token masks
     seq_length: list = field(default_factory=lambda: [32, 128, 512])     # prefill tokens-per-row buckets
     prefill_batch_size: list = field(default_factory=lambda: [1, 4])     # prefill rows buckets
     decode_batch_size: Optional[list] = None  # decode buckets (rows); null = 1, then 4, 16, 64 (CPU), ... up to
@@ -655,10 +656,12 @@ class Config:
         return dataclasses.asdict(self)
 
     def with_decided(self, *, max_generate_length: Optional[int] = None,
-                     num_blocks: Optional[int] = None) -> "Config":
+                     num_blocks: Optional[int] = None, vocab_size: Optional[int] = None) -> "Config":
         """This configuration with what `auto` left to the start decided (master/kv_memory.py: the model's
-        context, the KV blocks), checked again; a value not given stays as it is."""
+        context, the KV blocks, its vocabulary's size), checked again; a value not given stays as it is."""
         raw = self.to_dict()
+        if vocab_size is not None:
+            raw["model_config"]["vocab_size"] = vocab_size
         if max_generate_length is not None:
             raw["model_config"]["max_generate_length"] = max_generate_length
         if num_blocks is not None:

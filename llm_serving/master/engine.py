@@ -23,6 +23,8 @@ from llm_serving.tokenization import load_chat_template
 from llm_serving.master.agent_group import AgentError, AgentGroup
 from llm_serving.master.block_manager import BlockManager
 from llm_serving.master.draft import DraftProposer
+from llm_serving.master.grammar import GrammarError, GrammarSpec, Grammars
+from llm_serving.master.logits import LogitsState
 from llm_serving.master.lora_registry import (LoraConflictError, LoraRefusedError,  # noqa: F401 (server/app.py's)
                                              LoraRegistry)
 from llm_serving.master.request import Request, SamplingParams, TokenEvent
@@ -75,6 +77,8 @@ class Engine:
                 proposer = NgramProposer(sc.num_speculative_tokens, sc.ngram_max, sc.ngram_min,
                                          tree_width=spec.tree_width)
             self.speculation = SpeculativePlanner(spec, proposer, self.scheduler)
+        vocab = config.model_config.vocab_size         # (decided at start: master/kv_memory.py)
+        self.grammars = Grammars(tokenizer, vocab) if vocab else None      # structured outputs (grammar.py)
         self.chat_template = load_chat_template(config.tokenizer.chat_template, model_dir, tokenizer)
         self.requests: dict = {}
         self._detok: dict = {}
@@ -207,9 +211,11 @@ class Engine:
             raise EngineStoppedError(self.failed_reason or self.draining_reason or "engine is not running")
         if req_id is not None and req_id in self.requests:
             raise DuplicateRequestError(f"request id {req_id!r} is already in use by a request in flight")
+        logits = self._logits_state(sampling)
         slot, root = self.lora.place(adapter) if adapter is not None else (0, 0)   # slot -1: loaded before admitted
         req = Request(prompt_ids, sampling, self.stop_token_ids, req_id=req_id, lora_slot=slot, lora_root=root,
                       lora_adapter=adapter)
+        req.logits = logits
         self.scheduler.add(req)
         if adapter is not None:
             self.lora.hold(adapter)
@@ -218,6 +224,24 @@ class Engine:
         self._detok[req.req_id] = self.tokenizer.detokenizer(prompt_ids)
         self._wakeup.set()
         return req
+
+    async def compile_grammar(self, spec: GrammarSpec) -> None:
+        """Compile a request's grammar before it is submitted (in a worker thread; `submit` then finds it
+        compiled); GrammarError when it does not compile or this server cannot constrain output."""
+        if self.grammars is None:
+            raise GrammarError("structured outputs need the model's vocabulary size, which this server was started "
+                               "without (model_config.vocab_size)", spec.field)
+        await self.grammars.compile(spec)
+
+    def _logits_state(self, sampling: SamplingParams) -> Optional[LogitsState]:
+        if not sampling.controls_logits:
+            return None
+        if self.grammars is None:
+            raise GrammarError("logit controls and structured outputs need the model's vocabulary size, which this "
+                               "server was started without (model_config.vocab_size)")
+        stop = frozenset() if sampling.ignore_eos else self.stop_token_ids
+        matcher = self.grammars.compile_now(sampling.grammar) if sampling.grammar is not None else None
+        return LogitsState(sampling, stop | set(sampling.stop_token_ids), self.grammars.vocab_size, matcher)
 
     def served_models(self) -> list:
         """The names requests may give: the model's, then its LoRA adapters'."""
@@ -518,8 +542,16 @@ class Engine:
         self.num_generated_tokens += 1
         reason = self._stop_reason(req, token_id)
         special = token_id in req.stop_token_ids or self.tokenizer.is_special(token_id)
+        matched = False                      # the request's grammar is matched: this token is the output's last
+        if req.logits is not None and reason != "stop":
+            if not req.logits.accept(token_id):
+                self._finish(req, "error", error=req.logits.error)
+                return True
+            matched = req.logits.complete
         t_detok = time.perf_counter()
         text = "" if reason == "stop" else self._detok[req.req_id].push(token_id)
+        if matched:
+            reason = "stop"
         if req.stop_strings is not None:
             text = req.stop_strings.push(text)
             if req.stop_strings.stopped:

@@ -103,10 +103,10 @@ def model_context(shape, config: Config, per_token: int, available_bytes: int) -
 
 
 def size_for_model(config: Config, model_path: str, available_bytes: Optional[int] = None) -> Config:
-    """`config` with what depends on the model decided: `model_config.max_generate_length` when it is `auto`
-    (`model_context`), then `pa_config.num_blocks` when it is `auto` (the model's shape read from its
-    checkpoint, the draft's too); `config` itself when both are set."""
-    if config.pa_config.num_blocks != "auto" and config.context_decided:
+    """`config` with what depends on the model decided: `model_config.vocab_size` when not given,
+    `model_config.max_generate_length` when it is `auto` (`model_context`), then `pa_config.num_blocks` when it is
+    `auto` (the model's shape read from its checkpoint, the draft's too); `config` itself when all are set."""
+    if config.pa_config.num_blocks != "auto" and config.context_decided and config.model_config.vocab_size:
         return config
     spec = config.spec_config
     try:
@@ -115,6 +115,8 @@ def size_for_model(config: Config, model_path: str, available_bytes: Optional[in
     except WeightLoadError as e:
         raise ConfigError(f"cannot read the model's shape and context (to decide model_config.max_generate_length "
                           f"and pa_config.num_blocks auto): {e}") from None
+    if config.model_config.vocab_size is None:        # the token masks' width in the step buffers (shm/layout.py)
+        config = config.with_decided(vocab_size=shape.vocab_size)
     layers = config.model_config.num_layers or shape.num_layers       # a served cut keeps only its layers
     dtype = config.kv_cache_dtype
     per_token = bytes_per_block(layers, shape.num_kv_heads, shape.head_dim, 1, dtype)

@@ -36,10 +36,29 @@ class SamplingParams:
     presence_penalty: float = 0.0       # OpenAI: subtracted once from tokens present in the output
     frequency_penalty: float = 0.0      # OpenAI: subtracted per occurrence in the output
     speculative: bool = True            # may decode speculatively when the server does (spec_config)
+    # logit controls (master/logits.py writes them per step; the agent applies them before the pick)
+    min_p: float = 0.0                  # 0 = off; a sampling row keeps tokens at least min_p x the likeliest's probability
+    min_tokens: int = 0                 # stop tokens are banned until the output has this many tokens
+    logit_bias: tuple = ()              # ((token id, bias added to its logit), ...)
+    allowed_token_ids: tuple = ()       # () = all; else the only tokens the request may pick
+    bad_words: tuple = ()               # token id sequences the output never contains
+    grammar: Optional[object] = None    # master.grammar.GrammarSpec: what the output must match (structured outputs)
 
     @property
     def penalized(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def controls_logits(self) -> bool:
+        """The master writes a mask or bias entries for the request's rows (master/logits.py)."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words or self.min_tokens
+                    or self.grammar is not None)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """The token is picked from changed logits (penalties, logit controls, min_p): the request's rows take
+        no part in decode runs or speculation, whose steps pick from the model's own."""
+        return self.penalized or self.controls_logits or self.min_p > 0.0
 
     @property
     def greedy(self) -> bool:
@@ -90,6 +109,7 @@ class Request:
         self.finish_time: Optional[float] = None
         self.num_preemptions = 0
         self.events: asyncio.Queue = asyncio.Queue()
+        self.logits = None                   # master.logits.LogitsState when sampling.controls_logits (the engine's)
         self.seed = sampling.seed if sampling.seed is not None else int(np.random.SeedSequence().entropy % (1 << 63))
 
     @property

@@ -313,7 +313,7 @@ class Scheduler:
 
     def make_run(self, batch: ScheduledBatch) -> None:
         """While nothing waits, make a plain decode step of at most decode_steps_max_rows rows a decode run of
-        decode_steps (K) steps when every row is greedy, with no top log-probabilities or penalties, and some row
+        decode_steps (K) steps when every row is greedy, with no top log-probabilities, penalties or logit controls, and some row
         has 2 or more tokens left. Each row takes as many of the K steps as max_new_tokens and the model length
         leave it (`run_lens`; it sits the rest out, and a run every row has left ends there at almost no cost),
         with blocks for their K/V taken only when free: a run never preempts anyone. A token after a row's stop
@@ -324,7 +324,7 @@ class Scheduler:
         lens = []
         for req in batch.requests:
             sp = req.sampling
-            if not sp.greedy or sp.top_logprobs or sp.penalized:
+            if not sp.greedy or sp.top_logprobs or sp.adjusts_logits:
                 return
             n = min(k, sp.max_new_tokens - len(req.output_ids))
             if self.spec.max_model_len is not None:

@@ -79,9 +79,9 @@ class SpeculativePlanner:
     def plan(self, batch: ScheduledBatch) -> list:
         """How many tokens each row may propose: as many as fit its max_new_tokens, the model length and the step's
         token budget, 0 for a request that may not speculate; [] when no row may (a row needing top
-        log-probabilities or penalties keeps the whole step plain). For a proposer that reserves blocks they are
+        log-probabilities, penalties or logit controls keeps the whole step plain). For a proposer that reserves blocks they are
         allocated here, as many as are free (never preempting)."""
-        if any(r.sampling.top_logprobs or r.sampling.penalized for r in batch.requests):
+        if any(r.sampling.top_logprobs or r.sampling.adjusts_logits for r in batch.requests):
             return []
         budget = self.scheduler.token_budget_left(batch)
         max_model_len = self.scheduler.spec.max_model_len

@@ -215,4 +215,4 @@ def accepted_prefix(proposal: list, targets) -> int:
 def can_speculate(req: Request) -> bool:
     """The request may speculate: it asks for it and needs nothing only its last token's logits give."""
     sp = req.sampling
-    return sp.speculative and not sp.top_logprobs and not sp.penalized
+    return sp.speculative and not sp.top_logprobs and not sp.adjusts_logits

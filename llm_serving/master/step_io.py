@@ -66,9 +66,9 @@ class RowWriter:
 
     def sampling(self, i: int, *, prompt_len: int, request_id: int, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, top_n: int = 0, repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
-                 frequency_penalty: float = 0.0, lora: int = 0) -> None:
+                 frequency_penalty: float = 0.0, min_p: float = 0.0, lora: int = 0) -> None:
         """Row i's sampling parameters (defaults: greedy, nothing more), request number and adapter slot; its
-        uniform number and penalty history start empty (`random_u`, `history`)."""
+        uniform number, penalty history and logit controls start empty (`random_u`, `history`, `controls`)."""
         b = self.b
         b.temperature[i] = temperature
         b.top_k[i] = top_k
@@ -79,6 +79,9 @@ class RowWriter:
         b.presence_penalty[i] = presence_penalty
         b.frequency_penalty[i] = frequency_penalty
         b.history_len[i] = 0                        # written per step for rows with a penalty
+        b.min_p[i] = min_p
+        b.mask_on[i] = 0                            # written per step for rows with logit controls
+        b.bias_len[i] = 0
         b.prompt_len[i] = prompt_len
         b.request_ids[i] = request_id
         b.lora[i] = lora
@@ -132,6 +135,17 @@ class RowWriter:
         self.b.verify_parent[i, :q] = parents
         if us is not None:
             self.b.verify_random_u[i, :q] = us
+
+    def controls(self, i: int, state, output_ids: list) -> None:
+        """Row i's logit controls before a step that samples its request's next token (a master.logits.LogitsState
+        writes its mask into the row's token_mask and gives its bias entries)."""
+        b = self.b
+        masked, ids, values = state.write(b.token_mask[i], output_ids)
+        b.mask_on[i] = masked
+        k = len(ids)
+        b.bias_ids[i, :k] = ids
+        b.bias_values[i, :k] = values
+        b.bias_len[i] = k
 
     def history(self, i: int, tokens: list, start: int) -> None:
         """Row i's penalty history: tokens appended at start (history_len then counts them all)."""
@@ -195,6 +209,8 @@ class StepIO:
                 w.verify(i, parents, us)
             elif not req.sampling.greedy:
                 w.random_u(i, req.random_u())
+            if req.logits is not None and req.num_computed_tokens + q >= req.num_tokens:   # it samples this step
+                w.controls(i, req.logits, req.output_ids)
             if req.sampling.penalized:              # the tokens the penalties count, appended as they come
                 row = self._rows[i]
                 total = req.num_tokens
@@ -217,7 +233,7 @@ class StepIO:
         self._writer.sampling(i, prompt_len=len(req.prompt_ids), request_id=req.number, temperature=sp.temperature,
                               top_k=sp.top_k, top_p=sp.top_p, top_n=sp.top_logprobs,
                               repetition_penalty=sp.repetition_penalty, presence_penalty=sp.presence_penalty,
-                              frequency_penalty=sp.frequency_penalty, lora=req.lora_slot)
+                              frequency_penalty=sp.frequency_penalty, min_p=sp.min_p, lora=req.lora_slot)
         rows[i] = RowState(req, table, len(table))
 
     @staticmethod

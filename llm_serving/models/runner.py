@@ -30,6 +30,7 @@ from llm_serving.config import ATTENTION_KERNELS, KERNEL_ONLY_CACHES
 from llm_serving.shm.layout import TOP_LOGPROBS, StepKind, StepView
 
 from .buckets import Buckets
+from .logit_controls import apply_controls, uses_controls
 from .mindspore_env import GraphCalls, claim_compile_cache, close_compile_cache, setup_mindspore
 from .parallel import TensorParallel, TensorParallelError, all_reduce_kernel, make_all_reduce
 from .runner_spec import KERNEL_ONLY_ROWS, RunnerSpec
@@ -494,7 +495,10 @@ class ModelRunner:
                                 T(_pad(per_row["history_len"], rows, 0)), T(_pad(per_row["prompt_len"], rows, 0)),
                                 T(_pad(per_row["repetition"], rows, 1.0)), T(_pad(per_row["presence"], rows, 0.0)),
                                 T(_pad(per_row["frequency"], rows, 0.0)))
-        if sampling.any() or penalized:   # a sampling graph on the logits (which stay in MindSpore memory)
+        controlled = uses_controls(per_row)
+        if controlled:       # bias, masks, min_p (logit_controls.py), on the host; the sampler then picks every row
+            logits = T(apply_controls(logits.asnumpy(), per_row, _pad(temperature, rows, 0.0)))
+        if sampling.any() or penalized or controlled:   # a sampling graph on the logits (which stay in MindSpore memory)
             filters = ((top_k[sampling] > 0) & (top_k[sampling] < self.config.vocab_size)).any() \
                 or (top_p[sampling] < 1.0).any()
             kind, cell = ("sampler", self.sampler) if filters else ("plain_sampler", self.plain_sampler)

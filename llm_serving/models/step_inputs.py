@@ -10,6 +10,8 @@ Shapes: n rows, s new tokens per row at most, w block-table entries per row.
   log-probabilities wanted, 0 = none): per row
   penalties (kept only when some row has one): per row history int32 (n, <= max_context), history_len,
   prompt_len, and the repetition_penalty, presence_penalty and frequency_penalty (see sampler.Penalizer)
+  logit controls (kept only when some row has one; logit_controls.py): mask_on, token_mask int32 (n, words),
+  bias_len, bias_ids, bias_values (n, <= MAX_LOGIT_BIAS), min_p
   verify_random_u (verify_u)          float32 (n, s): a verify step's uniform number per new token
                                       (speculative decoding; such a step has no top_n and no penalties)
   verify_parent                       int32 (n, s) or None: a verify step's token tree — each new token's parent
@@ -26,6 +28,8 @@ from typing import Optional
 import numpy as np
 
 from llm_serving.shm.layout import StepKind
+
+from .logit_controls import logit_rows, uses_controls
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,11 @@ class StepInputs:
         return "history" in self.per_row
 
     @property
+    def controlled(self) -> bool:
+        """Some row has a logit control (a mask, bias entries, min_p)."""
+        return uses_controls(self.per_row)
+
+    @property
     def wants_top(self) -> bool:
         return bool((self.per_row["top_n"] > 0).any())
 
@@ -99,6 +108,8 @@ class StepInputs:
         verify = step.kind is StepKind.VERIFY
         if sampler and not verify and step.history is not None:
             per_row.update(_penalty_rows(limits, n, step))
+        if sampler and not verify:
+            per_row.update(logit_rows(step, n, limits.vocab_size, _fail))
         verify_u = verify_parent = None
         for name in ("verify_random_u", "verify_parent"):
             if not verify and getattr(step, name) is not None:
@@ -115,7 +126,7 @@ class StepInputs:
             _fail(f"block_tables has shape {block_tables.shape}, expected ({n}, w) with 1 <= w <= "
                   f"max_blocks_per_seq={limits.max_blocks_per_seq}")
         for name, arr in (("context_lens", cl), ("query_lens", ql), *per_row.items()):
-            if name != "history" and arr.shape != (n,):
+            if name not in _PER_ROW_2D and arr.shape != (n,):
                 _fail(f"{name} has shape {arr.shape}, expected ({n},)")
         if ql.min() < 1 or ql.max() > s:
             _fail(f"query_lens must be in [1, {s}], got {ql.tolist()}")
@@ -132,8 +143,9 @@ class StepInputs:
             verify_u = np.asarray(verify_u, np.float32)
             if verify_u.shape != (n, s):
                 _fail(f"verify_u has shape {verify_u.shape}, expected {(n, s)}")
-            if "history" in per_row or (per_row["top_n"] > 0).any():
-                _fail("a verify step cannot have rows with top log-probabilities or sampling penalties")
+            if "history" in per_row or (per_row["top_n"] > 0).any() or any(
+                    getattr(step, key) is not None and np.any(getattr(step, key)) for key in ("mask_on", "bias_len", "min_p")):
+                _fail("a verify step cannot have rows with top log-probabilities, sampling penalties or logit controls")
         if verify_parent is not None:
             verify_parent = np.asarray(verify_parent, np.int32)
             if verify_parent.shape != (n, s):
@@ -171,6 +183,9 @@ class StepInputs:
                         bits &= ~(1 << m)
                 out.append(bits)
         return np.asarray(out, np.int64).astype(np.int32)
+
+
+_PER_ROW_2D = frozenset({"history", "token_mask", "bias_ids", "bias_values"})     # (n, width): checked where made
 
 
 def _penalty_rows(limits: StepLimits, n: int, step) -> dict:

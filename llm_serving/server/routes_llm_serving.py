@@ -37,6 +37,8 @@ async def _read_request(request: web.Request, stream_default: bool):
     prompt_ids = engine.tokenizer.encode(gen.inputs, add_bos=True)
     schemas.check_lengths(gen, len(prompt_ids), engine.max_model_len)
     req_id = schemas.parse_request_id(request.headers.get(REQUEST_ID_HEADER))
+    if gen.sampling.grammar is not None:
+        await engine.compile_grammar(gen.sampling.grammar)
     return engine, gen, prompt_ids, req_id, adapter
 
 

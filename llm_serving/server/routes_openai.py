@@ -30,12 +30,13 @@ from llm_serving.shm.layout import TOP_LOGPROBS
 V = ""     # OpenAI fields are named bare in messages ("max_tokens", not "parameters.max_tokens")
 
 # fields accepted only at OpenAI's neutral value (or null) until they are implemented
-NEUTRAL = {"best_of": 1, "logit_bias": {}, "echo": False,
+NEUTRAL = {"best_of": 1, "echo": False,
            "suffix": None, "parallel_tool_calls": None, "tools": None, "tool_choice": None,
-           "response_format": None, "functions": None, "function_call": None}
+           "functions": None, "function_call": None}
 COMMON = {"model", "stream", "stream_options", "n", "stop", "seed", "temperature", "top_p", "top_k", "ignore_eos",
           "stop_token_ids", "user", "logprobs", "max_tokens", "frequency_penalty", "presence_penalty",
-          "repetition_penalty", "speculative"} | set(NEUTRAL)
+          "repetition_penalty", "speculative", "logit_bias", "min_p", "min_tokens", "bad_words", "allowed_token_ids",
+          "response_format", "structured_outputs", *schemas.GUIDED} | set(NEUTRAL)
 MAX_COMPLETION_LOGPROBS = 5     # OpenAI's limits: completions logprobs 0..5, chat top_logprobs 0..20
 COMPLETION_FIELDS = COMMON | {"prompt"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
@@ -62,8 +63,9 @@ def _model(engine, body: dict) -> str:
     return model
 
 
-def _sampling(body: dict, max_tokens_key: str, default_max: int, vocab_size: int):
+def _sampling(body: dict, max_tokens_key: str, default_max: int, tokenizer):
     """(SamplingParams, whether max_tokens was given, n, stream, include_usage)."""
+    vocab_size = tokenizer.vocab_size
     max_tokens = schemas.int_field(body, max_tokens_key, None, 1, 1 << 20, prefix=V)
     if max_tokens_key != "max_tokens" and max_tokens is None:
         max_tokens = schemas.int_field(body, "max_tokens", None, 1, 1 << 20, prefix=V)
@@ -86,7 +88,9 @@ def _sampling(body: dict, max_tokens_key: str, default_max: int, vocab_size: int
         seed=None if seed is None else seed % (1 << 63), ignore_eos=schemas.bool_field(body, "ignore_eos", False, prefix=V),
         stop=schemas.parse_stop(body.get("stop"), "stop"),
         stop_token_ids=schemas.parse_stop_token_ids(body.get("stop_token_ids"), "stop_token_ids", vocab_size),
-        **schemas.parse_penalties(body, prefix=V), speculative=schemas.bool_field(body, "speculative", True, prefix=V))
+        **schemas.parse_penalties(body, prefix=V), speculative=schemas.bool_field(body, "speculative", True, prefix=V),
+        **schemas.parse_logit_controls(body, tokenizer, prefix=V, max_tokens=max_tokens),
+        grammar=schemas.parse_structured(body))
     return sampling, max_tokens is not None, n, stream, include_usage
 
 
@@ -135,8 +139,11 @@ async def _read(request: web.Request, known: set):
     return engine, body, model, logprobs
 
 
-def _submit(engine, prompt_ids, sampling, n, model: str) -> list:
-    """n requests of the prompt on `model`: the base model, or a LoRA adapter by its name."""
+async def _submit(engine, prompt_ids, sampling, n, model: str) -> list:
+    """n requests of the prompt on `model`: the base model, or a LoRA adapter by its name (a grammar compiled
+    first, off the event loop)."""
+    if sampling.grammar is not None:
+        await engine.compile_grammar(sampling.grammar)
     adapter = model if model != engine.model_name else None
     reqs = []
     try:
@@ -304,10 +311,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if "prompt" not in body:
         raise ValidationError("'prompt' is required", param="prompt")
     prompt_ids = _prompt_ids(engine, body["prompt"])
-    sampling, given, n, stream, include_usage = _sampling(body, "max_tokens", 16, engine.tokenizer.vocab_size)
+    sampling, given, n, stream, include_usage = _sampling(body, "max_tokens", 16, engine.tokenizer)
     sampling.top_logprobs = logprobs or 0
     _fit(engine, sampling, given, prompt_ids, "max_tokens")
-    reqs = _submit(engine, prompt_ids, sampling, n, model)
+    reqs = await _submit(engine, prompt_ids, sampling, n, model)
     return await _respond(request, engine, reqs, chat=False, model=model, stream=stream,
                           include_usage=include_usage, logprobs=logprobs is not None)
 
@@ -325,11 +332,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     except ChatTemplateError as exc:
         raise ValidationError(str(exc), param="messages") from None
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    sampling, given, n, stream, include_usage = _sampling(body, key, engine.max_model_len,
-                                                          engine.tokenizer.vocab_size)
+    sampling, given, n, stream, include_usage = _sampling(body, key, engine.max_model_len, engine.tokenizer)
     sampling.top_logprobs = top
     _fit(engine, sampling, given, prompt_ids, key)
-    reqs = _submit(engine, prompt_ids, sampling, n, model)
+    reqs = await _submit(engine, prompt_ids, sampling, n, model)
     return await _respond(request, engine, reqs, chat=True, model=model, stream=stream,
                           include_usage=include_usage, logprobs=bool(logprobs))
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from typing import Optional
 
+from llm_serving.master.grammar import GrammarSpec
 from llm_serving.master.request import SamplingParams
 from llm_serving.shm.layout import TOP_LOGPROBS
 
@@ -13,7 +15,8 @@ DEFAULT_MAX_NEW_TOKENS = 64
 
 
 class ValidationError(ValueError):
-    """The request is malformed; answered with 400 and this message (`param`: the field, when known)."""
+    """The request is malformed; answered with 400 and this message (`param`: the field, when known). A grammar
+    that does not compile (master.grammar.GrammarError) is answered the same way."""
 
     def __init__(self, message: str, param=None):
         super().__init__(message)
@@ -42,7 +45,7 @@ NEUTRAL_PARAMETERS = {"truncate": None, "typical_p": None,
 KNOWN_PARAMETERS = {"max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed",
                     "return_full_text", "ignore_eos", "details", "stop", "stop_token_ids", "top_n_tokens",
                     "repetition_penalty", "frequency_penalty", "presence_penalty", "speculative",
-                    "adapter_id"} | set(NEUTRAL_PARAMETERS)
+                    "adapter_id", "grammar"} | set(NEUTRAL_PARAMETERS)
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
 
 
@@ -173,7 +176,7 @@ def parse_generate(body: dict, *, stream_default: bool = False, vocab_size: int 
         ignore_eos=bool_field(params, "ignore_eos", False), stop=parse_stop(params.get("stop"), "parameters.stop"),
         stop_token_ids=parse_stop_token_ids(params.get("stop_token_ids"), "parameters.stop_token_ids", vocab_size),
         top_logprobs=int_field(params, "top_n_tokens", 0, 0, TOP_LOGPROBS), **parse_penalties(params),
-        speculative=bool_field(params, "speculative", True))
+        speculative=bool_field(params, "speculative", True), grammar=parse_tgi_grammar(params.get("grammar")))
     return GenerateRequest(inputs=inputs, sampling=sampling, stream=stream,
                            return_full_text=bool_field(params, "return_full_text", False),
                            details=bool_field(params, "details", False),
@@ -210,3 +213,138 @@ def check_lengths(req, num_prompt_tokens: int, max_model_len: int, field: str = 
         raise ValidationError(f"prompt ({num_prompt_tokens} tokens) + {field} "
                               f"({req.sampling.max_new_tokens}) exceeds the model's {max_model_len}-token "
                               f"limit; ask for at most {room} new tokens", param=field)
+
+
+# --- logit controls and structured outputs (OpenAI's fields, vLLM's extras, TGI's grammar) ------------------------
+
+MAX_LOGIT_BIAS_ENTRIES = 300        # OpenAI's limit
+MAX_BAD_WORDS = 100
+MAX_ALLOWED_TOKEN_IDS = 1 << 17
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def _token_ids(value, field: str, vocab_size: int, most: int) -> tuple:
+    if not isinstance(value, list) or not value or len(value) > most or not all(
+            isinstance(v, int) and not isinstance(v, bool) and 0 <= v < vocab_size for v in value):
+        raise ValidationError(f"{field} must be a non-empty list of at most {most} token ids in 0..{vocab_size - 1}",
+                              param=field)
+    return tuple(dict.fromkeys(value))
+
+
+def parse_logit_controls(params: dict, tokenizer, prefix: str = "", max_tokens: Optional[int] = None) -> dict:
+    """logit_bias ({token id: bias in [-100, 100]}, ids as JSON keys), min_p [0, 1], min_tokens (<= max_tokens),
+    bad_words (strings the output never contains), allowed_token_ids: SamplingParams fields, each checked."""
+    vocab = tokenizer.vocab_size
+    out: dict = {}
+    bias = params.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValidationError(f"{prefix}logit_bias must be an object {{token id: bias}} of at most "
+                                  f"{MAX_LOGIT_BIAS_ENTRIES} entries", param="logit_bias")
+        entries = []
+        for key, value in bias.items():
+            token = int(key) if isinstance(key, str) and key.strip().lstrip("-").isdigit() else None
+            if token is None or not 0 <= token < vocab:
+                raise ValidationError(f"{prefix}logit_bias: {key!r} is not a token id in 0..{vocab - 1}",
+                                      param="logit_bias")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+                raise ValidationError(f"{prefix}logit_bias[{key}] must be a number in [-100, 100], got {value!r}",
+                                      param="logit_bias")
+            entries.append((token, float(value)))
+        out["logit_bias"] = tuple(entries)
+    out["min_p"] = float_field(params, "min_p", 0.0, 0.0, 1.0, prefix=prefix)
+    min_tokens = int_field(params, "min_tokens", 0, 0, 1 << 20, prefix=prefix)
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise ValidationError(f"{prefix}min_tokens ({min_tokens}) is more than the most tokens asked for "
+                              f"({max_tokens})", param="min_tokens")
+    out["min_tokens"] = min_tokens
+    words = params.get("bad_words")
+    if words is not None:
+        if not isinstance(words, list) or len(words) > MAX_BAD_WORDS or not all(
+                isinstance(w, str) and w.strip() and len(w) <= MAX_STOP_CHARS for w in words):
+            raise ValidationError(f"{prefix}bad_words must be a list of at most {MAX_BAD_WORDS} non-blank strings of "
+                                  f"at most {MAX_STOP_CHARS} characters", param="bad_words")
+        sequences: dict = {}
+        for word in words:      # as it starts the text and as it follows a space
+            for text in (word, word if word.startswith(" ") else " " + word):
+                ids = tuple(tokenizer.encode(text, add_bos=False))
+                if ids:
+                    sequences[ids] = None
+        out["bad_words"] = tuple(sequences)
+    if params.get("allowed_token_ids") is not None:
+        out["allowed_token_ids"] = _token_ids(params["allowed_token_ids"], f"{prefix}allowed_token_ids", vocab,
+                                              MAX_ALLOWED_TOKEN_IDS)
+    return out
+
+
+def _structured_value(kind: str, value, field: str):
+    """A GrammarSpec of one structured-output kind."""
+    if kind == "json":
+        return GrammarSpec.json_schema(value, field)
+    if kind == "json_object":
+        if value is not True:
+            raise ValidationError(f"{field} must be true", param=field)
+        return GrammarSpec("json_object", None, field)
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise ValidationError(f"{field} must be a non-empty list of non-empty strings", param=field)
+        return GrammarSpec("choice", tuple(dict.fromkeys(value)), field)
+    if not isinstance(value, str) or not value.strip():
+        raise ValidationError(f"{field} must be a non-empty string", param=field)
+    return GrammarSpec(kind, value, field)
+
+
+def parse_structured(body: dict) -> "Optional[GrammarSpec]":
+    """What the output must match, from the one of OpenAI's `response_format`, vLLM's `structured_outputs`
+    (json, regex, choice, grammar: Lark or GBNF, json_object) or its older `guided_*` fields that is given."""
+    given = [k for k in ("response_format", "structured_outputs", *GUIDED) if body.get(k) is not None]
+    if body.get("response_format") is not None and body["response_format"] == {"type": "text"}:
+        given.remove("response_format")
+    if len(given) > 1:
+        raise ValidationError(f"give at most one of {', '.join(given)}: each says what the output must match",
+                              param=given[1])
+    if not given:
+        return None
+    key = given[0]
+    value = body[key]
+    if key in GUIDED:
+        return _structured_value(GUIDED[key], value, key)
+    if key == "structured_outputs":
+        if not isinstance(value, dict):
+            raise ValidationError("structured_outputs must be an object with one of "
+                                  f"{', '.join(STRUCTURED_KINDS)}", param=key)
+        kinds = [k for k in STRUCTURED_KINDS if value.get(k) not in (None, False)]
+        unknown = set(value) - set(STRUCTURED_KINDS) - {"disable_any_whitespace", "disable_additional_properties",
+                                                         "whitespace_pattern", "backend"}
+        if unknown or len(kinds) != 1:
+            raise ValidationError(f"structured_outputs must have exactly one of {', '.join(STRUCTURED_KINDS)}"
+                                  + (f" (unknown: {', '.join(sorted(unknown))})" if unknown else ""), param=key)
+        return _structured_value(kinds[0], value[kinds[0]], f"structured_outputs.{kinds[0]}")
+    # OpenAI's response_format
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "json_object":
+        return GrammarSpec("json_object", None, key)
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("name", ""), str):
+            raise ValidationError("response_format.json_schema must be an object {name, schema, strict}",
+                                  param="response_format")
+        schema = spec.get("schema", {"type": "object"})
+        return GrammarSpec.json_schema(schema, "response_format.json_schema.schema")
+    raise ValidationError("response_format.type must be text, json_object or json_schema", param="response_format")
+
+
+def parse_tgi_grammar(value) -> "Optional[GrammarSpec]":
+    """TGI's parameters.grammar: {"type": "json", "value": a JSON schema} or {"type": "regex", "value": str}."""
+    if value is None:
+        return None
+    field = "parameters.grammar"
+    if not isinstance(value, dict) or value.get("type") not in ("json", "regex", "json_object") \
+            or set(value) - {"type", "value"}:
+        raise ValidationError(f"{field} must be {{\"type\": \"json\" or \"regex\", \"value\": ...}}", param="grammar")
+    if value["type"] == "json_object":
+        return GrammarSpec("json_object", None, field)
+    if value["type"] == "json":
+        return GrammarSpec.json_schema(value.get("value"), f"{field}.value")
+    return _structured_value("regex", value.get("value"), f"{field}.value")

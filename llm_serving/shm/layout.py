@@ -14,6 +14,8 @@ name, sliced to the step's rows and tokens by their shape class:
   history      (max_rows, max_context)            [:n]
   verify       (max_rows, max_verify)             [:n, :max(s, k)]  (inputs: verify steps only)
   top          (max_rows, TOP_LOGPROBS)           [:n]
+  mask         (max_rows, ceil(vocab_size / 32))  [:n]   (a bit per token of the model's vocabulary)
+  bias         (max_rows, MAX_LOGIT_BIAS)         [:n]
 
 Readers: `model` arrays are read by every rank's model work (what rank 0 broadcasts to ranks on other nodes,
 `step_inputs`); `sampler` arrays by rank 0's sampler only; `trace` arrays by no model (tracing, logits
@@ -33,6 +35,9 @@ from dataclasses import dataclass
 import numpy as np
 
 TOP_LOGPROBS = 20        # most top log-probabilities a request may ask for (OpenAI's limit)
+MAX_LOGIT_BIAS = 1024    # most (token, bias) entries a row's logits get in a step (logit_bias, bans)
+BAN_BIAS = -1.0e30       # a bias that keeps a token from being picked (finite: a row all of whose tokens are
+                         # banned still has a softmax)
 
 
 class StepKind(str, enum.Enum):
@@ -94,6 +99,12 @@ frequency_penalty    float32  row      master   sampler  0 = off; per occurrence
 history              int32    history  master   sampler  the row's tokens so far (prompt + output), rows with a penalty
 history_len          int32    row      master   sampler  valid entries of history (0 = none)
 prompt_len           int32    row      master   sampler  history[prompt_len:] is the output
+min_p                float32  row      master   sampler  0 = off; tokens below min_p x the likeliest's probability are out
+mask_on              int32    row      master   sampler  1 = token_mask says which tokens the row may pick this step
+token_mask           int32    mask     master   sampler  a bit per token, set = allowed (llguidance's bitmask layout)
+bias_len             int32    row      master   sampler  entries of bias_ids / bias_values the row has this step
+bias_ids             int32    bias     master   sampler  tokens whose logit the row changes (logit_bias, bans)
+bias_values          float32  bias     master   sampler  added to their logits (BAN_BIAS: never picked)
 lora                 int32    row      master   model    LoRA adapter slot per row (0 = none)
 request_ids          int64    row      master   trace    request number per row (tracing, logits capture)
 verify_random_u      float32  verify   master   model    uniform [0, 1) per new token of a sampling row
@@ -160,6 +171,7 @@ class StepLayout:
     max_blocks_per_seq: int
     max_context: int = 0            # tokens a sequence may reach (history width)
     max_verify: int = 1             # tokens a speculating row feeds in a verify step, or steps of a decode run
+    vocab_size: int = 0             # the model's vocabulary (token masks; 0: none, constrained rows refused)
 
     @classmethod
     def from_config(cls, config) -> "StepLayout":
@@ -167,14 +179,20 @@ class StepLayout:
         return cls(max_rows=max(mc.decode_batch_size[-1], mc.prefill_batch_size[-1]),
                    max_tokens=mc.seq_length[-1], max_blocks_per_seq=config.max_blocks_per_seq,
                    max_context=config.max_blocks_per_seq * config.pa_config.block_size,
-                   max_verify=max(config.spec_config.tokens_per_row, config.scheduler_config.decode_steps))
+                   max_verify=max(config.spec_config.tokens_per_row, config.scheduler_config.decode_steps),
+                   vocab_size=mc.vocab_size or 0)
 
     def shape(self, shape_class: str) -> tuple:
         """The full shape of an array of a shape class."""
         r = self.max_rows
         return {"token": (r, self.max_tokens), "row": (r,), "table": (r, self.max_blocks_per_seq),
                 "history": (r, max(self.max_context, 1)), "verify": (r, self.max_verify),
-                "top": (r, TOP_LOGPROBS)}[shape_class]
+                "top": (r, TOP_LOGPROBS), "mask": (r, self.mask_words), "bias": (r, MAX_LOGIT_BIAS)}[shape_class]
+
+    @property
+    def mask_words(self) -> int:
+        """int32 words of a row's token mask."""
+        return (self.vocab_size + 31) // 32
 
     def arrays(self) -> list:
         return [ArraySpec(a.name, a.dtype, self.shape(a.shape_class)) for a in ARRAYS]

@@ -50,6 +50,9 @@ class Tokenizer(Protocol):
     def is_special(self, token_id: int) -> bool:
         """Whether the token is a special (control) token, which `decode` leaves out by default."""
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """What one token adds to the text, as bytes (a grammar's token masks are computed from these)."""
+
     def id_to_piece(self, token_id: int) -> str:
         """The vocabulary's piece of a token."""
 

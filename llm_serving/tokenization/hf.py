@@ -147,12 +147,20 @@ class HFTokenizer:
         return int(token_id) in self._special_ids
 
     def token_bytes(self, token_id: int) -> bytes:
-        """What one token adds to the text, as bytes (byte-level BPE only)."""
+        """What one token adds to the text, as bytes: byte-level BPE's bytes; otherwise the piece with
+        sentencepiece's word marker as a space, a byte-fallback piece ("<0x0A>") its byte; an added token's text."""
         token_id = int(token_id)
         if token_id in self._added:
             return self._added[token_id].encode("utf-8")
         piece = self._tok.id_to_token(token_id) or ""
-        return bytes(self._bytes.get(c, 0x3F) for c in piece)
+        if self.byte_level:
+            return bytes(self._bytes.get(c, 0x3F) for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        return piece.replace("\u2581", " ").encode("utf-8")
 
     def token_text(self, token_id: int) -> str:
         """One token's own text, as shown next to its log-probability, with the space it starts with.

@@ -68,6 +68,7 @@ class SentencePieceTokenizer:
         self._byte_values = {i: int(sp.id_to_piece(i)[3:5], 16)
                              for i in range(self.vocab_size) if sp.is_byte(i)}
         self._anchor_id, self._anchor_text = self._find_anchor()
+        self._verbatim = None               # the processor of encode_verbatim, made on first use
 
     @classmethod
     def from_file(cls, path: str) -> "SentencePieceTokenizer":
@@ -150,6 +151,28 @@ class SentencePieceTokenizer:
 
     def is_special(self, token_id: int) -> bool:
         return int(token_id) in self._special_ids
+
+    def encode_verbatim(self, text: str) -> list[int]:
+        """Token ids of `text` exactly as it is, as it continues other text: no space before its first word, no
+        whitespace run collapsed (the model's normalizer with both rules off; a grammar's forced text is tokenized
+        with it, master/grammar.py)."""
+        if self._verbatim is None:
+            from sentencepiece import sentencepiece_model_pb2
+
+            proto = sentencepiece_model_pb2.ModelProto()
+            proto.ParseFromString(self._sp.serialized_model_proto())
+            proto.normalizer_spec.add_dummy_prefix = False
+            proto.normalizer_spec.remove_extra_whitespaces = False
+            self._verbatim = spm.SentencePieceProcessor(model_proto=proto.SerializeToString())
+        return self._verbatim.encode(text)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """What one token adds to the text, as bytes: its piece with the word marker as a space, a byte piece's
+        byte (a special token: its piece)."""
+        value = self._byte_values.get(int(token_id))
+        if value is not None:
+            return bytes([value])
+        return self._sp.id_to_piece(int(token_id)).replace("\u2581", " ").encode("utf-8")
 
     def byte_value(self, token_id: int) -> Optional[int]:
         """The byte a byte-fallback piece such as <0xE4> stands for; None for any other piece."""

@@ -96,7 +96,8 @@ def test_the_model_shape_is_read_from_the_checkpoint_and_a_draft_adds_its_layers
 
 
 def test_a_given_block_count_is_kept():
-    cfg = config_from_dict({}, ("pa_config.num_blocks=100", "model_config.max_generate_length=512"))
+    cfg = config_from_dict({}, ("pa_config.num_blocks=100", "model_config.max_generate_length=512",
+                                "model_config.vocab_size=512"))
     assert size_for_model(cfg, "/nonexistent", available_bytes=0) is cfg
 
 
@@ -126,6 +127,13 @@ def test_auto_context_is_the_models_trained_context(stories_hf):
     sized = size_for_model(cfg, stories_hf, available_bytes=1000 * MiB)
     assert sized.max_model_len == 512                       # its config.json's max_position_embeddings
     assert sized.pa_config.num_blocks >= sized.max_blocks_per_seq == 512 // 16
+    assert sized.model_config.vocab_size == 512             # its vocabulary: the step buffers' token mask width
+
+
+def test_the_vocabulary_size_is_read_even_when_the_rest_is_given(stories_hf):
+    given = config_from_dict({}, ("pa_config.num_blocks=100", "model_config.max_generate_length=512"))
+    sized = size_for_model(given, stories_hf, available_bytes=0)
+    assert sized.model_config.vocab_size == 512 and sized.pa_config.num_blocks == 100
 
 
 def test_a_given_context_wins_over_the_models(stories_hf):

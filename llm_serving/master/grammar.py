@@ -1,0 +1,194 @@
+"""Structured outputs: what a request's output must match (a JSON schema, any JSON object, a regular expression,
+one of some strings, a Lark or GBNF grammar: `GrammarSpec`), compiled by llguidance against the served vocabulary
+(`Grammars`), and the matcher each request advances token by token, which writes the bitmask of the tokens
+allowed next (`Grammars.matcher`; used by master/logits.py).
+
+llguidance does the work: it compiles each kind to its own grammar format, computes a step's token mask in tens
+of microseconds from a token trie, and reports a grammar it cannot compile as a message, which becomes the
+request's 400. The vocabulary it sees is built once, on the first constrained request: each token's bytes
+(`Tokenizer.token_bytes`), special tokens marked with a leading 0xFF byte so that no text can produce them, and a
+tokenize function that keeps the text as it is (llguidance tokenizes the text a grammar forces with it).
+
+JSON is generated compact but readable (`", "` and `": "` between items, no other whitespace): a model left free
+to add whitespace can add it forever.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Optional
+
+__all__ = ["GrammarError", "GrammarSpec", "Grammars", "JSON_OPTIONS", "tool_call_lark"]
+
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+MAX_GRAMMAR_CHARS = 1 << 17          # a request's grammar or schema, as text
+CACHE_SIZE = 64                      # compiled grammars kept (a matcher to copy each)
+
+
+class GrammarError(ValueError):
+    """The request's grammar cannot be used (`param`: the field that gave it); answered with 400."""
+
+    def __init__(self, message: str, param: Optional[str] = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What a request's output must match, as the request gave it: `kind` one of KINDS, `value` (a schema as
+    a JSON string, a regex, a tuple of choices, a Lark or GBNF grammar; None for json_object) and `field`,
+    the request field it came from (named in errors)."""
+    kind: str
+    value: Any
+    field: str
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise GrammarError(f"{self.field}: unknown kind {self.kind!r} (one of {', '.join(KINDS)})", self.field)
+
+    @classmethod
+    def json_schema(cls, schema, field: str) -> "GrammarSpec":
+        """A JSON schema given as an object or as its JSON text."""
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as exc:
+                raise GrammarError(f"{field}: not valid JSON ({exc.msg})", field) from None
+        if not isinstance(schema, (dict, bool)):
+            raise GrammarError(f"{field} must be a JSON schema (an object)", field)
+        return cls("json", json.dumps(schema), field)      # (key order kept: properties come out in it)
+
+    def source(self) -> str:
+        """The llguidance grammar (its JSON form) this spec compiles to."""
+        from llguidance import LLMatcher
+        from llguidance.gbnf_to_lark import any_to_lark
+
+        if self.kind == "json":
+            return LLMatcher.grammar_from_json_schema(self.value, defaults=JSON_OPTIONS)
+        if self.kind == "json_object":
+            return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+        if self.kind == "regex":
+            return LLMatcher.grammar_from_regex(self.value)
+        if self.kind == "choice":
+            return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.value))
+        try:
+            lark = any_to_lark(self.value)       # GBNF (llama.cpp's) becomes Lark; Lark stays as it is
+        except Exception as exc:                 # noqa: BLE001 - the converter's errors are the grammar's
+            raise GrammarError(f"{self.field}: {exc}", self.field) from None
+        return LLMatcher.grammar_from_lark(lark)
+
+    @property
+    def size(self) -> int:
+        return len(self.value) if isinstance(self.value, str) else sum(map(len, self.value or ()))
+
+
+def tool_call_lark(schemas: list, *, open_tag: str, close_tag: str, parallel: bool) -> str:
+    """A Lark grammar for one tool call (or, `parallel`, one or more) between `open_tag` and `close_tag`, each a
+    JSON object {"name": <a tool's name>, "arguments": <that tool's parameters>}: `schemas` are the objects'
+    JSON schemas, one per tool allowed."""
+    one = {"anyOf": schemas} if len(schemas) > 1 else schemas[0]
+    body = json.dumps({**one, "x-guidance": JSON_OPTIONS})
+    calls = 'call ("\\n" call)*' if parallel else "call"
+    return (f"start: {calls}\n"
+            f"call: {json.dumps(open_tag + chr(10))} obj {json.dumps(chr(10) + close_tag)}\n"
+            f"obj: %json {body}\n")
+
+
+class _Vocabulary:
+    """The served vocabulary in the shape llguidance's TokenizerWrapper reads: every token's bytes, specials
+    marked with 0xFF, EOS and BOS, and a tokenize function (text without BOS)."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        specials = [i for i in range(tokenizer.vocab_size) if tokenizer.is_special(i)]
+        special = frozenset(specials)
+        self.tokens = [b"\xff" + tokenizer.special_text(i).encode("utf-8") if i in special
+                       else tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)]
+        self.tokens += [b""] * (vocab_size - len(self.tokens))       # the model's padding rows: never allowed
+        self.special_token_ids = specials
+        self.eos_token_id = tokenizer.eos_id
+        self.bos_token_id = tokenizer.bos_id
+        self._encode = tokenizer.encode
+        self._verbatim = getattr(tokenizer, "encode_verbatim", None)     # a sentencepiece model's
+
+    def __call__(self, text: str) -> list:
+        """Token ids of `text` as it continues other text (llguidance tokenizes what a grammar forces with it):
+        without the space a sentencepiece model puts before a text's first word."""
+        if isinstance(text, bytes):
+            raise TypeError("text, not bytes")      # (the wrapper asks once; it then passes str)
+        if self._verbatim is not None:
+            return self._verbatim(text)
+        ids = self._encode(text, add_bos=False)
+        if ids and text and not text.startswith(" ") and self.tokens[ids[0]].startswith(b" "):
+            # the model's dummy prefix: tokenize after a newline (a byte piece, which joins nothing) and drop it
+            newline = self._encode("\n", add_bos=False)
+            after = self._encode("\n" + text, add_bos=False)
+            if after[:len(newline)] == newline:
+                return after[len(newline):]
+        return ids
+
+
+class Grammars:
+    """The served vocabulary as llguidance sees it (built on first use) and the grammars compiled against it
+    (the last CACHE_SIZE, each kept as a fresh matcher to copy: n choices, or the same schema sent again, compile
+    once). `compile` runs in a worker thread: a large schema can take a while, and llguidance releases the GIL."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._lltokenizer = None
+        self._lock = threading.Lock()
+        self._compiled: OrderedDict = OrderedDict()      # GrammarSpec -> LLMatcher (never advanced)
+
+    @property
+    def mask_words(self) -> int:
+        """int32 words of a token bitmask."""
+        return (self.vocab_size + 31) // 32
+
+    def lltokenizer(self):
+        with self._lock:
+            if self._lltokenizer is None:
+                from llguidance import LLTokenizer, TokenizerWrapper
+
+                vocab = _Vocabulary(self.tokenizer, self.vocab_size)
+                self._lltokenizer = LLTokenizer(TokenizerWrapper(vocab), n_vocab=self.vocab_size,
+                                                eos_token=list(self.tokenizer.eos_ids))
+            return self._lltokenizer
+
+    async def compile(self, spec: GrammarSpec):
+        """A fresh matcher of `spec` (GrammarError: it does not compile, with llguidance's message)."""
+        return await asyncio.to_thread(self.compile_now, spec)
+
+    def compile_now(self, spec: GrammarSpec):
+        from llguidance import LLMatcher
+
+        if spec.size > MAX_GRAMMAR_CHARS:
+            raise GrammarError(f"{spec.field} is too large ({spec.size} characters; at most {MAX_GRAMMAR_CHARS})",
+                               spec.field)
+        with self._lock:
+            cached = self._compiled.get(spec)
+            if cached is not None:
+                self._compiled.move_to_end(spec)
+                return cached.deep_copy()
+        tokenizer = self.lltokenizer()
+        source = spec.source()
+        is_error, messages = LLMatcher.validate_grammar_with_warnings(source, tokenizer)
+        if is_error:
+            raise GrammarError(f"{spec.field}: {_message(messages[0])}", spec.field)
+        matcher = LLMatcher(tokenizer, source, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(f"{spec.field}: {_message(matcher.get_error())}", spec.field)
+        with self._lock:
+            self._compiled[spec] = matcher
+            while len(self._compiled) > CACHE_SIZE:
+                self._compiled.popitem(last=False)
+        return matcher.deep_copy()
+
+
+def _message(message: str) -> str:
+    """llguidance's message on one line (it points at the place over several)."""
+    text = " ".join(line.strip() for line in message.splitlines() if line.strip() and set(line.strip()) != {"^"})
+    return text[:500] or "the grammar does not compile"

@@ -1,0 +1,88 @@
+"""A request's logit controls on the master's side (`LogitsState`, made by the engine for a request whose
+sampling controls its logits): before each step that samples its next token, the row's token mask (its grammar's
+next tokens, ANDed with `allowed_token_ids`) and bias entries (`logit_bias`; bans: single-token bad words, the
+last token of a bad word whose beginning the output ends with, stop tokens before `min_tokens`), written into
+the step buffers (`write`, through step_io.RowWriter); after it, the token it got (`accept`), which advances the
+grammar's matcher. The agent applies them (models/logit_controls.py) before sampling or the greedy pick."""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from llm_serving.master.request import SamplingParams
+from llm_serving.shm.layout import BAN_BIAS, MAX_LOGIT_BIAS
+
+__all__ = ["LogitsState", "bits_of"]
+
+
+def bits_of(tokens, vocab_size: int) -> np.ndarray:
+    """The bitmask (int32 words, llguidance's layout: bit t % 32 of word t // 32) that allows exactly `tokens`."""
+    bits = np.zeros(((vocab_size + 31) // 32) * 32, np.uint8)
+    bits[np.asarray(list(tokens), np.int64)] = 1
+    return np.packbits(bits, bitorder="little").view(np.int32)
+
+
+class LogitsState:
+    """One request's logit controls as its output grows (see the module docstring). `matcher`: its grammar's
+    llguidance matcher (master/grammar.py), None without a grammar."""
+
+    def __init__(self, sampling: SamplingParams, stop_token_ids, vocab_size: int, matcher=None):
+        self.matcher = matcher
+        self.allowed = bits_of(sampling.allowed_token_ids, vocab_size) if sampling.allowed_token_ids else None
+        bias: dict = {}
+        for token, value in sampling.logit_bias:
+            bias[int(token)] = bias.get(int(token), 0.0) + float(value)
+        self.bad_prefixes = []              # (the tokens before, the token banned after them)
+        for word in sampling.bad_words:
+            if len(word) == 1:
+                bias[word[0]] = BAN_BIAS
+            else:
+                self.bad_prefixes.append((tuple(word[:-1]), word[-1]))
+        self.bias = bias
+        self.min_tokens = sampling.min_tokens
+        self.stop_ids = sorted(stop_token_ids)
+        self.error: Optional[str] = None
+
+    @property
+    def masked(self) -> bool:
+        return self.matcher is not None or self.allowed is not None
+
+    def write(self, mask_row: np.ndarray, output_ids: list) -> tuple:
+        """Before a step that samples the request's next token: its mask into `mask_row` (a view of its row of
+        the step's token_mask) when it has one; returns (masked, bias ids, bias values)."""
+        if self.matcher is not None:
+            from llguidance.numpy import fill_next_token_bitmask
+            fill_next_token_bitmask(self.matcher, mask_row.reshape(1, -1), 0)
+            if self.allowed is not None:
+                mask_row &= self.allowed
+        elif self.allowed is not None:
+            mask_row[:] = self.allowed
+        bias = self.bias
+        if len(output_ids) < self.min_tokens or self.bad_prefixes:
+            bias = dict(bias)
+            if len(output_ids) < self.min_tokens:
+                for token in self.stop_ids:
+                    bias[token] = BAN_BIAS
+            for prefix, last in self.bad_prefixes:
+                k = len(prefix)
+                if len(output_ids) >= k and tuple(output_ids[len(output_ids) - k:]) == prefix:
+                    bias[last] = BAN_BIAS
+        if len(bias) > MAX_LOGIT_BIAS:      # (the routes keep a request well below)
+            raise ValueError(f"a row's logits get at most {MAX_LOGIT_BIAS} bias entries, this one {len(bias)}")
+        return self.masked, list(bias), list(bias.values())
+
+    def accept(self, token_id: int) -> bool:
+        """The token the request got; False (and `error` says why) when its grammar does not allow it."""
+        if self.matcher is None:
+            return True
+        if not self.matcher.consume_token(int(token_id)):
+            self.error = (f"the grammar does not allow token {token_id} here: "
+                          f"{self.matcher.get_error() or 'no token was allowed'}")
+            return False
+        return True
+
+    @property
+    def complete(self) -> bool:
+        """The grammar is matched and takes no more tokens: the request ends here."""
+        return self.matcher is not None and self.matcher.is_stopped()
