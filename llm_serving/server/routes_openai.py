@@ -25,21 +25,21 @@ from llm_serving.master.request import SamplingParams
 from llm_serving.server import schemas, streaming
 from llm_serving.server.keys import ENGINE
 from llm_serving.server.schemas import ValidationError
+from llm_serving.server.tools import CallStream, ToolRequest, history_as_text, parse_calls
 from llm_serving.shm.layout import TOP_LOGPROBS
 
 V = ""     # OpenAI fields are named bare in messages ("max_tokens", not "parameters.max_tokens")
 
 # fields accepted only at OpenAI's neutral value (or null) until they are implemented
-NEUTRAL = {"best_of": 1, "echo": False,
-           "suffix": None, "parallel_tool_calls": None, "tools": None, "tool_choice": None,
-           "functions": None, "function_call": None}
+NEUTRAL = {"best_of": 1, "echo": False, "suffix": None, "functions": None, "function_call": None}
 COMMON = {"model", "stream", "stream_options", "n", "stop", "seed", "temperature", "top_p", "top_k", "ignore_eos",
           "stop_token_ids", "user", "logprobs", "max_tokens", "frequency_penalty", "presence_penalty",
           "repetition_penalty", "speculative", "logit_bias", "min_p", "min_tokens", "bad_words", "allowed_token_ids",
           "response_format", "structured_outputs", *schemas.GUIDED} | set(NEUTRAL)
 MAX_COMPLETION_LOGPROBS = 5     # OpenAI's limits: completions logprobs 0..5, chat top_logprobs 0..20
 COMPLETION_FIELDS = COMMON | {"prompt"}
-CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                        "parallel_tool_calls"}
 MAX_N = 16
 
 
@@ -110,23 +110,56 @@ def _prompt_ids(engine, prompt) -> list:
                           f"0..{vocab - 1} (one prompt per request)", param="prompt")
 
 
+def _text(content, where: str, param: str = "messages") -> str:
+    """A message's content: a string or text parts ([{"type": "text", "text": ...}])."""
+    if isinstance(content, list):
+        if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str) for c in content):
+            raise ValidationError(f"{where}.content: only text parts are supported", param=param)
+        content = "".join(c["text"] for c in content)
+    if not isinstance(content, str):
+        raise ValidationError(f"{where}.content must be a string", param=param)
+    return content
+
+
+def _tool_calls(calls, where: str) -> list:
+    """An assistant message's tool_calls, checked: [{id, type function, function {name, arguments}}]."""
+    if not isinstance(calls, list) or not calls:
+        raise ValidationError(f"{where}.tool_calls must be a non-empty list", param="messages")
+    out = []
+    for k, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
+                or not isinstance(fn.get("arguments", "{}"), (str, dict)):
+            raise ValidationError(f"{where}.tool_calls[{k}] must be {{id, type: function, function: {{name, "
+                                  "arguments}}}}", param="messages")
+        out.append({"id": str(call.get("id") or f"call_{k}"), "type": "function",
+                    "function": {"name": fn["name"], "arguments": fn.get("arguments", "{}")}})
+    return out
+
+
 def _messages(messages) -> list:
+    """A chat's messages checked: roles system (developer: the same), user, assistant (content, or tool_calls and
+    content null) and tool (its tool_call_id and content)."""
     if not isinstance(messages, list) or not messages:
         raise ValidationError("'messages' must be a non-empty list of {role, content}", param="messages")
     out = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant"):
-            raise ValidationError(f"messages[{i}] must be an object with role system, user or assistant",
+        where = f"messages[{i}]"
+        role = m.get("role") if isinstance(m, dict) else None
+        if role not in ("system", "developer", "user", "assistant", "tool"):
+            raise ValidationError(f"{where} must be an object with role system, developer, user, assistant or tool",
                                   param="messages")
-        content = m.get("content")
-        if isinstance(content, list):     # [{"type": "text", "text": ...}, ...]
-            if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str)
-                       for c in content):
-                raise ValidationError(f"messages[{i}].content: only text parts are supported", param="messages")
-            content = "".join(c["text"] for c in content)
-        if not isinstance(content, str):
-            raise ValidationError(f"messages[{i}].content must be a string", param="messages")
-        out.append({"role": m["role"], "content": content})
+        role = "system" if role == "developer" else role
+        if role == "assistant" and m.get("tool_calls"):
+            message = {"role": role, "content": "" if m.get("content") is None else _text(m["content"], where),
+                       "tool_calls": _tool_calls(m["tool_calls"], where)}
+        else:
+            message = {"role": role, "content": _text(m.get("content"), where)}
+        if role == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                raise ValidationError(f"{where}: a tool message needs the tool_call_id it answers", param="messages")
+            message["tool_call_id"] = m["tool_call_id"]
+        out.append(message)
     return out
 
 
@@ -201,7 +234,7 @@ def _finish_reason(event):
 
 
 async def _respond(request, engine, reqs, *, chat: bool, model: str, stream: bool, include_usage: bool,
-                   logprobs: bool):
+                   logprobs: bool, tools: "ToolRequest | None" = None):
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
     obj = "chat.completion" if chat else "text_completion"
@@ -232,6 +265,12 @@ async def _respond(request, engine, reqs, *, chat: bool, model: str, stream: boo
                 choice = {"index": i, "finish_reason": _finish_reason(final)}
                 if chat:
                     choice["message"] = {"role": "assistant", "content": text}
+                    if tools is not None:
+                        content, calls = parse_calls(text, tools.format)
+                        if calls:
+                            choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
+                            if final.finish_reason == "stop":
+                                choice["finish_reason"] = "tool_calls"
                     choice["logprobs"] = {"content": [chat_logprob(e) for e in lps[i]]} if logprobs else None
                 else:
                     choice["text"] = text
@@ -254,18 +293,30 @@ async def _respond(request, engine, reqs, *, chat: bool, model: str, stream: boo
                 await response.write(chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                                              "logprobs": None, "finish_reason": None}]))
         pending = []                             # chunks of events that came together, written at once
+        calls = [CallStream(tools.format) for _ in reqs] if tools is not None else None
         async for i, event, more in _events(reqs):
             if event.finish_reason == "error":
                 pending.append(streaming.sse(streaming.openai_error_body(event.error or "generation failed",
                                                                          "server_error")))
                 break
             reason = _finish_reason(event) if event.finish_reason else None
-            if event.text or reason is not None:  # (else held back by stop strings, or a special token)
+            text, found = event.text, []
+            if calls is not None:                # content until a tool call starts; each call once it closes
+                text, found = calls[i].push(text)
+                if reason is not None:
+                    rest, more_calls = calls[i].flush()
+                    text, found = text + rest, found + more_calls
+                    if calls[i].calls and reason == "stop":
+                        reason = "tool_calls"
+            if text or found or reason is not None:  # (else held back by stop strings, a special token, a call)
                 lp = None
                 if logprobs and event.token_id >= 0:
                     lp = {"content": [chat_logprob(event)]} if chat else _completion_logprobs([event], tok)
                 if chat:
-                    delta = {"content": event.text} if event.text else {}
+                    delta = {"content": text} if text else {}
+                    if found:
+                        base = len(calls[i].calls) - len(found)
+                        delta["tool_calls"] = [{"index": base + k, **call} for k, call in enumerate(found)]
                     choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}
                 else:
                     choice = {"index": i, "text": event.text, "logprobs": lp, "finish_reason": reason}
@@ -327,17 +378,35 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if top and not logprobs:
         raise ValidationError("top_logprobs needs logprobs: true", param="top_logprobs")
     messages = _messages(body.get("messages"))
-    try:
-        prompt_ids = engine.chat_template.encode(messages)
-    except ChatTemplateError as exc:
-        raise ValidationError(str(exc), param="messages") from None
+    tools = ToolRequest.parse(body, engine.chat_template)
+    prompt_ids = _chat_ids(engine, messages, tools)
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     sampling, given, n, stream, include_usage = _sampling(body, key, engine.max_model_len, engine.tokenizer)
     sampling.top_logprobs = top
+    if tools is not None and tools.forced:      # a call is forced by its grammar
+        if sampling.grammar is not None:
+            raise ValidationError(f"tool_choice {tools.choice!r} forces a tool call; it cannot also follow "
+                                  f"{sampling.grammar.field}", param="tool_choice")
+        sampling.grammar = tools.grammar()
     _fit(engine, sampling, given, prompt_ids, key)
     reqs = await _submit(engine, prompt_ids, sampling, n, model)
     return await _respond(request, engine, reqs, chat=True, model=model, stream=stream,
-                          include_usage=include_usage, logprobs=bool(logprobs))
+                          include_usage=include_usage, logprobs=bool(logprobs), tools=tools)
+
+
+def _chat_ids(engine, messages: list, tools: "ToolRequest | None") -> list:
+    """A chat's prompt ids: through the chat template, with the tools (server/tools.py); a history of tool calls
+    and results as text for a template that does not take them."""
+    template = engine.chat_template
+    rendered = None
+    if tools is not None:
+        messages, rendered = tools.conversation(messages)
+    elif not template.takes_tools and any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+        messages = history_as_text(messages)
+    try:
+        return template.encode(messages, rendered)
+    except ChatTemplateError as exc:
+        raise ValidationError(str(exc), param="messages") from None
 
 
 def _fit(engine, sampling, given: bool, prompt_ids: list, field: str) -> None:
@@ -384,7 +453,8 @@ async def unload_lora_adapter(request: web.Request) -> web.Response:
     return web.json_response({"object": "lora_adapter", "id": name, "deleted": True})
 
 
-TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "return_token_strs"}
+TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "return_token_strs",
+                   "tools", "tool_choice"}
 ROOT_ROUTES = ("/tokenize", "/detokenize")     # vLLM's, outside /v1/, with OpenAI's error shape
 
 
@@ -415,10 +485,7 @@ async def tokenize(request: web.Request) -> web.Response:
             raise ValidationError("add_generation_prompt false is not supported: the chat template opens the "
                                   "assistant's turn after a last user or system message (and continues a last "
                                   "assistant message)", param="add_generation_prompt")
-        try:
-            ids = engine.chat_template.encode(messages)
-        except ChatTemplateError as exc:
-            raise ValidationError(str(exc), param="messages") from None
+        ids = _chat_ids(engine, messages, ToolRequest.parse(body, engine.chat_template))
     strs = schemas.bool_field(body, "return_token_strs", False, prefix=V)
     return web.json_response({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
                               "token_strs": [engine.tokenizer.id_to_piece(i) for i in ids] if strs else None})

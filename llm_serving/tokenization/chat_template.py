@@ -54,19 +54,32 @@ class ChatTemplate:
         self.tokenizer = tokenizer
         self.source = source
         self._template = None
+        self._takes_tools = False
+        self.tool_format = "hermes"          # how the model writes a tool call (server/tools.py reads it)
         if template is not None:
-            from jinja2 import TemplateError
+            from jinja2 import TemplateError, meta
 
             try:
-                self._template = _environment().from_string(template)
+                env = _environment()
+                self._template = env.from_string(template)
+                self._takes_tools = "tools" in meta.find_undeclared_variables(env.parse(template))
             except TemplateError as exc:
                 raise ValueError(f"chat template from {source} is not valid Jinja: {exc}") from None
+            if self._takes_tools and "<tool_call>" not in template and '"parameters"' in template:
+                self.tool_format = "llama3_json"     # Llama-3.1/3.2: a bare {"name": ..., "parameters": ...}
             self._specials = {tokenizer.special_text(i): i for i in (tokenizer.bos_id, tokenizer.eos_id)
                               if i is not None and tokenizer.special_text(i)}
             self._split = re.compile("(" + "|".join(map(re.escape, self._specials)) + ")") if self._specials else None
 
-    def encode(self, messages: list) -> list:
-        """Token ids of a conversation ([{"role", "content"}]); ChatTemplateError if it does not fit."""
+    @property
+    def takes_tools(self) -> bool:
+        """The template renders a `tools` list itself (Qwen2.5's, Llama-3.1's do); else tools are described in a
+        system message (server/tools.py)."""
+        return self._takes_tools
+
+    def encode(self, messages: list, tools: Optional[list] = None) -> list:
+        """Token ids of a conversation ([{"role", "content"}], and `tools` for a template that takes them);
+        ChatTemplateError if it does not fit."""
         if not messages:
             raise ChatTemplateError("messages must not be empty")
         if self._template is None:
@@ -75,7 +88,8 @@ class ChatTemplate:
             except ValueError as exc:
                 raise ChatTemplateError(str(exc)) from None
         ids: list = []
-        for part in (self._split.split(self.render(messages)) if self._split else [self.render(messages)]):
+        text = self.render(messages, tools)
+        for part in (self._split.split(text) if self._split else [text]):
             if part in self._specials:
                 ids.append(self._specials[part])
             elif part:
@@ -84,7 +98,7 @@ class ChatTemplate:
             raise ChatTemplateError("the chat template rendered nothing for these messages")
         return ids
 
-    def render(self, messages: list) -> str:
+    def render(self, messages: list, tools: Optional[list] = None) -> str:
         """The template's text for a conversation (Jinja templates only)."""
         from jinja2 import TemplateError
 
@@ -93,8 +107,9 @@ class ChatTemplate:
         bos, eos = (self.tokenizer.special_text(i) if i is not None else ""
                     for i in (self.tokenizer.bos_id, self.tokenizer.eos_id))
         try:
+            extra = {"tools": tools} if tools else {}
             return self._template.render(messages=messages, bos_token=bos, eos_token=eos,
-                                         add_generation_prompt=messages[-1]["role"] != "assistant")
+                                         add_generation_prompt=messages[-1]["role"] != "assistant", **extra)
         except TemplateError as exc:
             raise ChatTemplateError(f"chat template failed: {exc}") from None
 

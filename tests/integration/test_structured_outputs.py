@@ -179,3 +179,68 @@ def test_min_tokens_bad_words_and_min_p(smollm2_server):
         status, body = chat(url, "Name three fruits.", max_tokens=16, temperature=1.5, seed=seed, min_p=1.0)
         assert status == 200 and body["choices"][0]["message"]["content"] == \
             greedy["choices"][0]["message"]["content"], body
+
+
+TOOLS = [{"type": "function", "function": {
+             "name": "get_weather", "description": "The current weather in a city",
+             "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                            "properties": {"city": {"type": "string", "maxLength": 30},
+                                           "unit": {"enum": ["celsius", "fahrenheit"]}}}}},
+         {"type": "function", "function": {
+             "name": "add", "description": "Add two integers",
+             "parameters": {"type": "object", "additionalProperties": False, "required": ["a", "b"],
+                            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+
+
+def _validate_call(call):
+    fn = next(t["function"] for t in TOOLS if t["function"]["name"] == call.function.name)
+    jsonschema.validate(json.loads(call.function.arguments), fn["parameters"])
+    assert call.id.startswith("call_") and call.type == "function"
+
+
+def test_a_forced_tool_call_validates_whole_and_streamed_and_its_result_goes_back_into_the_chat(client):
+    ask = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
+    done = client.chat.completions.create(model=MODEL, messages=ask, tools=TOOLS, tool_choice="required",
+                                          parallel_tool_calls=False, temperature=0, max_tokens=60)
+    choice = done.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    (call,) = choice.message.tool_calls
+    _validate_call(call)
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] == "Paris"
+    # a named function: that one, whatever the question
+    named = client.chat.completions.create(model=MODEL, messages=ask, tools=TOOLS, temperature=0.8, seed=1,
+                                           tool_choice={"type": "function", "function": {"name": "add"}},
+                                           max_tokens=60)
+    (other,) = named.choices[0].message.tool_calls
+    assert other.function.name == "add"
+    _validate_call(other)
+    # streamed: the same call as one delta.tool_calls, then finish_reason tool_calls, no tag as content
+    stream = client.chat.completions.create(model=MODEL, messages=ask, tools=TOOLS, tool_choice="required",
+                                            parallel_tool_calls=False, temperature=0, max_tokens=60, stream=True)
+    deltas, reasons, content = [], [], ""
+    for chunk in stream:
+        for c in chunk.choices:
+            deltas += c.delta.tool_calls or []
+            content += c.delta.content or ""
+            reasons.append(c.finish_reason)
+    assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == \
+        [(0, call.function.name, call.function.arguments)]
+    assert reasons[-1] == "tool_calls" and "<tool_call>" not in content
+    # the call and its result in the history: the model answers from the result
+    reply = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=40, tools=TOOLS, messages=[
+        *ask, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "It is 41 degrees celsius and sunny."}])
+    assert reply.choices[0].finish_reason == "stop" and "41" in reply.choices[0].message.content
+
+
+def test_tool_requests_that_cannot_be_served_are_400s_naming_the_field(smollm2_server):
+    url = smollm2_server.url
+    bad_params = [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]
+    for fields, param in (({"tools": bad_params, "tool_choice": "required"}, "tools"),
+                          ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "tool_choice"),
+                          ({"tool_choice": "required"}, "tool_choice"),
+                          ({"tools": [{"type": "function"}]}, "tools")):
+        status, body = chat(url, "Hi", **fields)
+        assert status == 400 and body["error"]["param"] == param, (fields, body)
+    status, body = chat(url, "Hi", messages=[{"role": "tool", "content": "x"}])
+    assert status == 400 and "tool_call_id" in body["error"]["message"], body

@@ -1,0 +1,277 @@
+"""Tool calling on the chat route: a request's `tools` and `tool_choice` checked (`ToolRequest.parse`), the
+conversation rendered with them (`ToolRequest.conversation`), the grammar that forces a call (`required`, a named
+function: any model then writes a call whose arguments validate against the function's parameters), and the
+reply's calls parsed, whole (`parse_calls`) or as a stream goes (`CallStream`).
+
+Formats. A chat template that takes `tools` (Qwen2.5's, Llama-3.1's) renders them itself, and the model writes
+calls as its template taught it: Hermes/Qwen's `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, or
+Llama-3's bare `{"name": ..., "parameters": {...}}` (`ChatTemplate.tool_format`). Any other template gets the
+tools described in a system message that asks for the `<tool_call>` form (`DEFAULT_TOOL_PROMPT`). History is
+passed as the template expects: assistant `tool_calls` (arguments as objects) and `tool` messages to a template
+that takes tools; to another, calls as the `<tool_call>` text the model wrote and results as a user turn in
+`<tool_response>` tags.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Optional
+
+from llm_serving.master.grammar import JSON_OPTIONS, GrammarSpec, tool_call_lark
+from llm_serving.server.schemas import ValidationError
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+MAX_TOOLS = 128
+DEFAULT_TOOL_PROMPT = (
+    "You can call functions to answer. Their definitions, one JSON object per line:\n"
+    "<tools>\n{tools}\n</tools>\n"
+    "To call a function, write only a JSON object with its name and arguments between tags, one call per block:\n"
+    "<tool_call>\n{{\"name\": \"function name\", \"arguments\": {{\"argument\": \"value\"}}}}\n</tool_call>\n"
+    "A function's result comes back in <tool_response> tags.")
+
+
+@dataclass
+class ToolRequest:
+    """A chat request's tools (OpenAI's shape), what it allows (`choice`: auto, required, none, or a function's
+    name) and whether several calls may come at once; `format` is how the model writes a call."""
+    tools: list
+    choice: str = "auto"
+    parallel: bool = True
+    format: str = "hermes"
+    takes_tools: bool = False
+    names: list = field(default_factory=list)
+
+    @classmethod
+    def parse(cls, body: dict, template) -> "Optional[ToolRequest]":
+        """The request's tools (None when it has none, or tool_choice is none); a 400 naming the field for a
+        malformed one."""
+        tools, choice = body.get("tools"), body.get("tool_choice")
+        if tools is None or tools == []:
+            if choice not in (None, "none"):
+                raise ValidationError("tool_choice needs tools", param="tool_choice")
+            if body.get("parallel_tool_calls") is not None:
+                raise ValidationError("parallel_tool_calls needs tools", param="parallel_tool_calls")
+            return None
+        if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+            raise ValidationError(f"tools must be a list of at most {MAX_TOOLS} tools", param="tools")
+        names = []
+        for i, tool in enumerate(tools):
+            fn = tool.get("function") if isinstance(tool, dict) else None
+            if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict) \
+                    or set(tool) - {"type", "function"}:
+                raise ValidationError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{name, description, "
+                                      "parameters}}}}", param="tools")
+            if not isinstance(fn.get("name"), str) or not NAME.match(fn["name"]):
+                raise ValidationError(f"tools[{i}].function.name must be 1-64 letters, digits, _ . or -",
+                                      param="tools")
+            if fn["name"] in names:
+                raise ValidationError(f"tools[{i}].function.name {fn['name']!r} is given twice", param="tools")
+            if not isinstance(fn.get("parameters", {}), dict) or not isinstance(fn.get("description", ""), str):
+                raise ValidationError(f"tools[{i}].function: parameters must be a JSON schema object and "
+                                      "description a string", param="tools")
+            names.append(fn["name"])
+        if choice is None or choice in ("auto", "required", "none"):
+            choice = choice or "auto"
+        elif isinstance(choice, dict) and choice.get("type") == "function" \
+                and isinstance(choice.get("function"), dict) and choice["function"].get("name") in names:
+            choice = choice["function"]["name"]
+        else:
+            raise ValidationError("tool_choice must be none, auto, required or {\"type\": \"function\", "
+                                  "\"function\": {\"name\": <one of the tools>}}", param="tool_choice")
+        if choice == "none":
+            return None
+        parallel = body.get("parallel_tool_calls", True)
+        if not isinstance(parallel, bool):
+            raise ValidationError("parallel_tool_calls must be true or false", param="parallel_tool_calls")
+        return cls(tools, choice, parallel and choice in ("auto", "required"), template.tool_format,
+                   template.takes_tools, names)
+
+    @property
+    def forced(self) -> bool:
+        return self.choice != "auto"
+
+    def grammar(self) -> Optional[GrammarSpec]:
+        """The grammar a forced call follows (required: any tool, or a named one); None for auto."""
+        if not self.forced:
+            return None
+        allowed = [t["function"] for t in self.tools if self.choice == "required" or t["function"]["name"] == self.choice]
+        args = "parameters" if self.format == "llama3_json" else "arguments"
+        schemas = [{"type": "object", "additionalProperties": False, "required": ["name", args],
+                    "properties": {"name": {"const": fn["name"]},
+                                   args: fn.get("parameters") or {"type": "object"}}} for fn in allowed]
+        if self.format == "llama3_json":
+            one = {"anyOf": schemas} if len(schemas) > 1 else schemas[0]
+            return GrammarSpec("json", json.dumps({**one, "x-guidance": JSON_OPTIONS}), "tools")
+        return GrammarSpec("grammar", tool_call_lark(schemas, open_tag=OPEN, close_tag=CLOSE, parallel=self.parallel),
+                           "tools")
+
+    def conversation(self, messages: list) -> tuple:
+        """(messages, tools) to render: as they are for a template that takes tools; else the tools described in
+        a system message and the history's calls and results as text (see the module docstring)."""
+        if self.takes_tools:
+            return [_with_argument_objects(m) for m in messages], self.tools
+        return describe_tools(self.tools, history_as_text(messages)), None
+
+
+def _with_argument_objects(message: dict) -> dict:
+    """An assistant message's tool calls with their arguments as objects (templates write them with tojson)."""
+    if not message.get("tool_calls"):
+        return message
+    calls = []
+    for call in message["tool_calls"]:
+        fn = dict(call["function"])
+        try:
+            fn["arguments"] = json.loads(fn["arguments"]) if isinstance(fn.get("arguments"), str) else fn["arguments"]
+        except json.JSONDecodeError:
+            pass
+        calls.append({**call, "function": fn})
+    return {**message, "tool_calls": calls}
+
+
+def describe_tools(tools: list, messages: list) -> list:
+    """The conversation with the tools described at the end of its system message (one made if it has none)."""
+    text = DEFAULT_TOOL_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+    if messages and messages[0]["role"] == "system":
+        return [{"role": "system", "content": messages[0]["content"] + "\n\n" + text}, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
+
+
+def history_as_text(messages: list) -> list:
+    """Assistant tool calls as the `<tool_call>` blocks the model wrote, tool results as user turns (consecutive
+    user turns joined), for a template that knows neither."""
+    out: list = []
+    for m in messages:
+        role, content = m["role"], m.get("content") or ""
+        if role == "assistant" and m.get("tool_calls"):
+            blocks = [f"{OPEN}\n" + json.dumps({"name": c["function"]["name"],
+                                                "arguments": _arguments(c["function"].get("arguments"))},
+                                               ensure_ascii=False) + f"\n{CLOSE}" for c in m["tool_calls"]]
+            content = "\n".join(([content] if content else []) + blocks)
+        elif role == "tool":
+            role, content = "user", f"<tool_response>\n{content}\n</tool_response>"
+        if out and role == "user" and out[-1]["role"] == "user":
+            out[-1] = {"role": "user", "content": out[-1]["content"] + "\n" + content}
+        else:
+            out.append({"role": role, "content": content})
+    return out
+
+
+def _arguments(value):
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            return value
+    return value
+
+
+def _call(obj, args_key: str) -> Optional[dict]:
+    """An OpenAI tool call of a parsed {"name", args_key} object; None when it is not one."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get(args_key, obj.get("arguments", obj.get("parameters", {})))
+    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+            "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}}
+
+
+_BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.S)
+
+
+def parse_calls(text: str, fmt: str) -> tuple:
+    """(content left, [tool calls]) of a whole reply: `<tool_call>` blocks (hermes), or a reply that is a JSON
+    object or several separated by ';' (llama3_json). Text that does not parse stays content."""
+    if fmt == "llama3_json":
+        body = text.strip()
+        if body.startswith("<|python_tag|>"):
+            body = body[len("<|python_tag|>"):]
+        calls = []
+        for part in body.split(";"):
+            try:
+                call = _call(json.loads(part), "parameters")
+            except json.JSONDecodeError:
+                return text, []
+            if call is None:
+                return text, []
+            calls.append(call)
+        return None, calls
+    calls, rest, last = [], [], 0
+    for match in _BLOCK.finditer(text):
+        try:
+            call = _call(json.loads(match.group(1)), "arguments")
+        except json.JSONDecodeError:
+            call = None
+        if call is None:
+            continue
+        calls.append(call)
+        rest.append(text[last:match.start()])
+        last = match.end()
+    rest.append(text[last:])
+    content = "".join(rest).strip() if calls else text
+    return (content or None), calls
+
+
+class CallStream:
+    """A streamed reply's text split into content deltas and tool calls as they complete (hermes: content is
+    passed on until a `<tool_call>` tag could be starting; each call goes out when its block closes). llama3_json
+    replies are held whole when they start with '{' (they are either a call or content) and parsed at the end."""
+
+    def __init__(self, fmt: str):
+        self.fmt = fmt
+        self.buffer = ""
+        self.calls: list = []
+        self.started = False          # llama3_json: the reply starts like a call
+
+    def push(self, text: str) -> tuple:
+        """(content to send now, [calls completed now])."""
+        self.buffer += text
+        if self.fmt == "llama3_json":
+            if not self.started and self.buffer.lstrip():
+                self.started = self.buffer.lstrip()[0] in "{<"
+            if self.started:
+                return "", []
+            out, self.buffer = self.buffer, ""
+            return out, []
+        content, calls = "", []
+        while True:
+            start = self.buffer.find(OPEN)
+            if start < 0:
+                keep = _partial_tag(self.buffer)
+                if self.calls and not self.buffer[:len(self.buffer) - keep].strip():
+                    return content, calls       # whitespace between calls: held, sent only if text follows
+                content += self.buffer[:len(self.buffer) - keep]
+                self.buffer = self.buffer[len(self.buffer) - keep:]
+                return content, calls
+            if not (self.calls and not self.buffer[:start].strip()):
+                content += self.buffer[:start]
+            end = self.buffer.find(CLOSE, start)
+            if end < 0:
+                self.buffer = self.buffer[start:]
+                return content, calls
+            block = self.buffer[start:end + len(CLOSE)]
+            self.buffer = self.buffer[end + len(CLOSE):]
+            _, found = parse_calls(block, "hermes")
+            if found:
+                calls += found
+                self.calls += found
+            else:
+                content += block
+
+    def flush(self) -> tuple:
+        """At the end: (content left, [calls left])."""
+        text, self.buffer = self.buffer, ""
+        if self.fmt == "llama3_json" and self.started:
+            content, calls = parse_calls(text, "llama3_json")
+            self.calls += calls
+            return content or "", calls
+        return ("" if self.calls and not text.strip() else text), []
+
+
+def _partial_tag(text: str) -> int:
+    """How many characters at the end of text could begin a `<tool_call>` tag."""
+    for k in range(min(len(OPEN) - 1, len(text)), 0, -1):
+        if OPEN.startswith(text[-k:]):
+            return k
+    return 0

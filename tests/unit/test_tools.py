@@ -1,0 +1,137 @@
+"""Tool calling's pure parts: checking tools and tool_choice, rendering them through templates that take tools and
+templates that do not, the grammar that forces a call, and parsing calls whole and streamed in both formats."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from llm_serving.server.schemas import ValidationError
+from llm_serving.server.tools import CallStream, ToolRequest, history_as_text, parse_calls
+from llm_serving.tokenization.chat_template import ChatTemplate
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                            "parameters": {"type": "object", "required": ["city"],
+                                                           "properties": {"city": {"type": "string"}}}}}
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}
+
+# a template that renders tools itself, as Qwen2.5's does (Hermes <tool_call> format)
+QWEN_LIKE = ("{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}\n{% endif %}"
+             "{% for m in messages %}{{ m.role }}: {% if m.tool_calls %}{% for c in m.tool_calls %}"
+             "<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}{% else %}{{ m.content }}{% endif %}\n"
+             "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+LLAMA3_LIKE = ('{% if tools %}Respond with {"name": function name, "parameters": dictionary of argument name and '
+               'its value}.{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}')
+PLAIN = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+
+
+class _Tok:
+    vocab_size, bos_id, eos_id, eos_ids, chat_template, model_file = 300, None, 0, [0], None, "t"
+
+    def special_text(self, i):
+        return ""
+
+    def encode(self, text, add_bos=False):
+        return [ord(c) % 300 for c in text]
+
+
+def _tools(body, template=PLAIN):
+    return ToolRequest.parse(body, ChatTemplate(_Tok(), template))
+
+
+def test_tools_and_tool_choice_are_checked_and_name_their_field():
+    assert _tools({}) is None and _tools({"tools": [WEATHER], "tool_choice": "none"}) is None
+    req = _tools({"tools": [WEATHER, ADD], "tool_choice": {"type": "function", "function": {"name": "add"}}})
+    assert req.choice == "add" and req.forced and not req.parallel
+    assert _tools({"tools": [WEATHER]}).choice == "auto"
+    for body, param in (({"tool_choice": "auto"}, "tool_choice"),
+                        ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools"),
+                        ({"tools": [WEATHER, WEATHER]}, "tools"),
+                        ({"tools": [{"type": "retrieval"}]}, "tools"),
+                        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+                         "tool_choice"),
+                        ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls")):
+        with pytest.raises(ValidationError) as info:
+            _tools(body)
+        assert info.value.param == param, body
+
+
+def test_a_template_without_tools_gets_them_in_a_system_message_and_the_history_as_text():
+    req = _tools({"tools": [WEATHER]})
+    history = [{"role": "user", "content": "Weather in Oslo?"},
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "-3 C"},
+               {"role": "tool", "tool_call_id": "c2", "content": "snow"}]
+    messages, rendered = req.conversation(history)
+    assert rendered is None and messages[0]["role"] == "system"
+    assert json.dumps(WEATHER) in messages[0]["content"] and "<tool_call>" in messages[0]["content"]
+    assert messages[2] == {"role": "assistant", "content": '<tool_call>\n{"name": "get_weather", "arguments": '
+                                                           '{"city": "Oslo"}}\n</tool_call>'}
+    assert messages[3] == {"role": "user", "content": "<tool_response>\n-3 C\n</tool_response>\n"
+                                                      "<tool_response>\nsnow\n</tool_response>"}
+    assert history_as_text([{"role": "system", "content": "s"}]) == [{"role": "system", "content": "s"}]
+
+
+def test_a_template_that_takes_tools_renders_them_with_argument_objects():
+    template = ChatTemplate(_Tok(), QWEN_LIKE)
+    assert template.takes_tools and template.tool_format == "hermes"
+    req = ToolRequest.parse({"tools": [WEATHER, ADD]}, template)
+    history = [{"role": "user", "content": "hi"},
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {"id": "c", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]}]
+    messages, rendered = req.conversation(history)
+    text = template.render(messages, rendered)
+    assert text.startswith("TOOLS:get_weather;add;user: hi")
+    assert '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>' in text
+    assert ChatTemplate(_Tok(), LLAMA3_LIKE).tool_format == "llama3_json"
+    assert not ChatTemplate(_Tok(), PLAIN).takes_tools
+
+
+def test_the_forcing_grammar_allows_only_the_chosen_tools_in_the_models_format():
+    hermes = _tools({"tools": [WEATHER, ADD], "tool_choice": "required", "parallel_tool_calls": False}).grammar()
+    assert hermes.kind == "grammar" and '"<tool_call>\\n" obj' in hermes.value and "call (" not in hermes.value
+    assert '"const": "get_weather"' in hermes.value and '"const": "add"' in hermes.value
+    named = _tools({"tools": [WEATHER, ADD], "tool_choice": {"type": "function", "function": {"name": "add"}}},
+                   LLAMA3_LIKE).grammar()
+    schema = json.loads(named.value)
+    assert named.kind == "json" and schema["properties"]["name"] == {"const": "add"}
+    assert schema["properties"]["parameters"] == ADD["function"]["parameters"]
+    assert _tools({"tools": [WEATHER]}).grammar() is None                          # auto: the model decides
+
+
+def test_calls_are_parsed_from_whole_replies_in_both_formats():
+    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+            '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>')
+    content, calls = parse_calls(text, "hermes")
+    assert content == "Let me check."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
+        [("get_weather", {"city": "Oslo"}), ("add", {"a": 1})]
+    assert all(c["id"].startswith("call_") and c["type"] == "function" for c in calls)
+    assert parse_calls("<tool_call>{not json}</tool_call>", "hermes") == ("<tool_call>{not json}</tool_call>", [])
+    content, calls = parse_calls('<|python_tag|>{"name": "add", "parameters": {"a": 2}}; {"name": "x", '
+                                 '"parameters": {}}', "llama3_json")
+    assert content is None and [c["function"]["name"] for c in calls] == ["add", "x"]
+    assert parse_calls("The answer is {1}", "llama3_json") == ("The answer is {1}", [])
+
+
+@pytest.mark.parametrize("cut", [1, 3, 7])
+def test_a_stream_passes_content_on_and_each_call_once_it_closes(cut):
+    text = ('Sure <tool<x> <tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>\n')
+    stream, content, calls = CallStream("hermes"), "", []
+    for k in range(0, len(text), cut):
+        c, found = stream.push(text[k:k + cut])
+        content, calls = content + c, calls + found
+        assert "<tool_call" not in c
+    c, found = stream.flush()
+    assert content + c == "Sure <tool<x> " and found == []
+    assert [c["function"]["name"] for c in calls] == ["add", "get_weather"] == \
+        [c["function"]["name"] for c in stream.calls]
+    llama = CallStream("llama3_json")
+    assert llama.push('{"name": "add", ') == ("", []) and llama.push('"parameters": {}}') == ("", [])
+    content, calls = llama.flush()
+    assert content == "" and calls[0]["function"]["name"] == "add"
+    plain = CallStream("llama3_json")
+    assert plain.push("Hello {x}") == ("Hello {x}", []) and plain.flush() == ("", [])
