@@ -488,6 +488,12 @@ class Engine:
     def _apply_outputs(self, batch: ScheduledBatch, out: StepOutputs) -> None:
         """Each row that sampled a token: append it to its request, detokenize, stream it or finish."""
         now = time.monotonic()
+        if out.prompt is not None:            # prompt log-probabilities, before the rows advance
+            for row, (req, q) in enumerate(zip(batch.requests, batch.num_new_tokens)):
+                if req.prompt_scores is not None:
+                    start, p = req.num_computed_tokens, len(req.prompt_ids)
+                    for j in range(min(q, p - 1 - start)):
+                        req.prompt_scores[start + j + 1] = out.prompt_logprob(row, j, req.sampling.prompt_logprobs)
         for row, req in self.scheduler.complete_step(batch):
             top = out.top(row, req.sampling.top_logprobs) if out.top_ids is not None and req.sampling.top_logprobs \
                 else None

@@ -43,6 +43,8 @@ class SamplingParams:
     allowed_token_ids: tuple = ()       # () = all; else the only tokens the request may pick
     bad_words: tuple = ()               # token id sequences the output never contains
     grammar: Optional[object] = None    # master.grammar.GrammarSpec: what the output must match (structured outputs)
+    prompt_logprobs: Optional[int] = None   # None = off; else each prompt token's log-probability (given the ones
+                                            # before it) with this many top ones (<= TOP_LOGPROBS)
 
     @property
     def penalized(self) -> bool:
@@ -63,6 +65,15 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+@dataclass
+class PromptLogprob:
+    """A prompt token's log-probability given the tokens before it, its rank (1 = the likeliest) and the top
+    tokens there [(token id, logprob)], most likely first."""
+    logprob: float
+    rank: int
+    top: list
 
 
 @dataclass
@@ -110,7 +121,14 @@ class Request:
         self.num_preemptions = 0
         self.events: asyncio.Queue = asyncio.Queue()
         self.logits = None                   # master.logits.LogitsState when sampling.controls_logits (the engine's)
+        # sampling.prompt_logprobs: per prompt position (None for the first) a PromptLogprob, as prefill steps score them
+        self.prompt_scores: Optional[list] = None if sampling.prompt_logprobs is None else [None] * len(prompt_ids)
         self.seed = sampling.seed if sampling.seed is not None else int(np.random.SeedSequence().entropy % (1 << 63))
+
+    @property
+    def scoring_prompt(self) -> bool:
+        """It wants prompt log-probabilities some of which no step has given yet."""
+        return self.prompt_scores is not None and self.num_computed_tokens < len(self.prompt_ids)
 
     @property
     def num_tokens(self) -> int:

@@ -423,7 +423,9 @@ class Scheduler:
             req = self.waiting[0]
             if req.lora_slot < 0:          # its LoRA adapter is not in a slot yet (the engine loads it)
                 break
-            prefix = self.bm.match_prefix(req.tokens(0, req.num_tokens), req.lora_root)
+            # (a prompt still to be scored is computed whole: cached blocks would skip its log-probabilities)
+            prefix = [] if req.prompt_scores is not None and req.prompt_scores[-1] is None \
+                else self.bm.match_prefix(req.tokens(0, req.num_tokens), req.lora_root)
             cached = len(prefix) * self.bm.block_size
             q = self._chunk(req.num_tokens - cached, budget, first_row=not rows)
             reserve = self.spec.watermark_blocks if self.running else 0

@@ -15,7 +15,7 @@ from typing import Optional
 import numpy as np
 
 from llm_serving.master.block_manager import BlockManager
-from llm_serving.master.request import Request
+from llm_serving.master.request import PromptLogprob, Request
 from llm_serving.master.scheduler import ScheduledBatch
 from llm_serving.master.speculative import node_depths
 from llm_serving.shm.buffers import StepBuffers
@@ -40,6 +40,13 @@ class StepOutputs:
     logprobs: list
     top_ids: Optional[np.ndarray] = None
     top_logprobs: Optional[np.ndarray] = None
+    prompt: Optional[tuple] = None      # a prefill step scoring prompts: the out_prompt_* arrays (rows, tokens, ...)
+
+    def prompt_logprob(self, row: int, j: int, top: int) -> PromptLogprob:
+        """The score of the prompt token after row's new token j."""
+        logprobs, ranks, top_ids, top_lps = self.prompt
+        return PromptLogprob(float(logprobs[row, j]), int(ranks[row, j]),
+                             list(zip(top_ids[row, j, :top].tolist(), top_lps[row, j, :top].tolist())))
 
     def top(self, row: int, k: int) -> list:
         """[(token id, logprob)] of row's k most likely tokens."""
@@ -81,6 +88,7 @@ class RowWriter:
         b.history_len[i] = 0                        # written per step for rows with a penalty
         b.min_p[i] = min_p
         b.mask_on[i] = 0                            # written per step for rows with logit controls
+        b.prompt_top[i] = -1                        # written per step for rows scoring their prompt
         b.bias_len[i] = 0
         b.prompt_len[i] = prompt_len
         b.request_ids[i] = request_id
@@ -147,6 +155,13 @@ class RowWriter:
         b.bias_values[i, :k] = values
         b.bias_len[i] = k
 
+    def prompt_targets(self, i: int, top: int, targets: Optional[list]) -> None:
+        """Row i's prompt tokens to score after each of its new tokens (-1: none) and the top ones wanted; None:
+        the row scores nothing this step."""
+        self.b.prompt_top[i] = -1 if targets is None else top
+        if targets is not None:
+            self.b.prompt_target[i, :len(targets)] = targets
+
     def history(self, i: int, tokens: list, start: int) -> None:
         """Row i's penalty history: tokens appended at start (history_len then counts them all)."""
         stop = start + len(tokens)
@@ -211,6 +226,11 @@ class StepIO:
                 w.random_u(i, req.random_u())
             if req.logits is not None and req.num_computed_tokens + q >= req.num_tokens:   # it samples this step
                 w.controls(i, req.logits, req.output_ids)
+            if req.prompt_scores is not None:       # after its new token j: prompt token start + j + 1, if any
+                start, p = req.num_computed_tokens, len(req.prompt_ids)
+                w.prompt_targets(i, req.sampling.prompt_logprobs, [
+                    req.prompt_ids[k] if k < p else -1 for k in range(start + 1, start + q + 1)]
+                    if batch.kind is StepKind.PREFILL and start < p else None)
             if req.sampling.penalized:              # the tokens the penalties count, appended as they come
                 row = self._rows[i]
                 total = req.num_tokens
@@ -246,4 +266,6 @@ class StepIO:
         out = StepOutputs(b.out_token_ids[:n].tolist(), b.out_logprobs[:n].tolist())
         if b.top_n[:n].any():
             out.top_ids, out.top_logprobs = b.out_top_ids[:n], b.out_top_logprobs[:n]
+        if (b.prompt_top[:n] >= 0).any():
+            out.prompt = (b.out_prompt_logprobs, b.out_prompt_ranks, b.out_prompt_top_ids, b.out_prompt_top_logprobs)
         return out

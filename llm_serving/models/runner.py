@@ -43,6 +43,45 @@ logger = logging.getLogger(__name__)
 __all__ = ["ModelRunner"]
 
 
+class PromptScores:
+    """A prefill step's prompt log-probabilities, as the packed calls give every token's logits: after new token j
+    of row i, the log-probability of its prompt_target, its rank (1 = the likeliest) and the `top` most likely
+    tokens (rank 0 of top: the likeliest). Written into the step's out_prompt_* arrays."""
+
+    def __init__(self, n: int, s: int, top: int):
+        self.logprobs = np.zeros((n, s), np.float32)
+        self.ranks = np.zeros((n, s), np.int32)
+        self.top = top
+        self.top_ids = np.zeros((n, s, top), np.int32)
+        self.top_logprobs = np.zeros((n, s, top), np.float32)
+
+    def add(self, logits: np.ndarray, rows: np.ndarray, cols: np.ndarray, targets: np.ndarray, tops: np.ndarray):
+        """logits (k, V) of k tokens, token t at (rows[t], cols[t]) of the step."""
+        want = np.nonzero(targets[rows, cols] >= 0)[0]
+        for t in want:
+            i, j = int(rows[t]), int(cols[t])
+            row = logits[t].astype(np.float64)
+            row -= row.max()
+            lsm = row - np.log(np.exp(row).sum())
+            target = int(targets[i, j])
+            self.logprobs[i, j] = lsm[target]
+            self.ranks[i, j] = int((lsm > lsm[target]).sum()) + 1
+            k = int(tops[i])
+            if k:
+                ids = np.argpartition(-lsm, k - 1)[:k]
+                ids = ids[np.argsort(-lsm[ids], kind="stable")]
+                self.top_ids[i, j, :k] = ids
+                self.top_logprobs[i, j, :k] = lsm[ids]
+
+    def write(self, view: StepView) -> None:
+        n, s = self.logprobs.shape
+        view.out_prompt_logprobs[:n, :s] = self.logprobs
+        view.out_prompt_ranks[:n, :s] = self.ranks
+        if self.top:
+            view.out_prompt_top_ids[:n, :s, :self.top] = self.top_ids
+            view.out_prompt_top_logprobs[:n, :s, :self.top] = self.top_logprobs
+
+
 def _pad(arr: np.ndarray, size: int, fill) -> np.ndarray:
     """arr (n, ...) padded with `fill` to (size, ...)."""
     out = np.full((size,) + arr.shape[1:], fill, arr.dtype)
@@ -283,9 +322,23 @@ class ModelRunner:
         """A prefill or decode step."""
         inputs = StepInputs.make(self.limits, step, sampler=self.tp.writes_outputs)
         nb, sb = self.buckets.bucket(inputs.n, inputs.s)
+        if inputs.scores_prompt or self._scores_prompt(step):
+            if not self.buckets.packed:
+                raise ValueError("ModelRunner.execute: prompt log-probabilities need the CPU kernel's packed prefill "
+                                 "(attention_kernel on)")
+            scores = PromptScores(inputs.n, inputs.s, int(inputs.prompt_top.max()) if inputs.scores_prompt else 0)
+            out = self._execute_packed(inputs, step.return_logits, scores)
+            if step.out_prompt_logprobs is not None and inputs.scores_prompt:
+                scores.write(step)
+            return out
         if inputs.s > 1 and self.buckets.packed:
             return self._execute_packed(inputs, step.return_logits)
         return self._execute_padded(inputs, nb, sb, step.return_logits)
+
+    def _scores_prompt(self, step: StepView) -> bool:
+        """A tensor-parallel rank other than 0 runs a step rank 0 scores the prompt of the same way (packed)."""
+        return (not self.tp.writes_outputs and step.kind is StepKind.PREFILL and step.prompt_top is not None
+                and bool((np.asarray(step.prompt_top) >= 0).any()))
 
     @property
     def lora_slot_bytes(self) -> int:
@@ -513,13 +566,15 @@ class ModelRunner:
             out += [top_ids.asnumpy()[:n], top_lps.asnumpy()[:n]]
         return tuple(out)
 
-    def _execute_packed(self, step: StepInputs, return_logits: bool):
+    def _execute_packed(self, step: StepInputs, return_logits: bool, scores: "Optional[PromptScores]" = None):
         """A prefill step as its real tokens side by side: token k of row i is a 'row' of a decode-shaped
         graph (S=1) with row i's block table and context (keys 0 .. its position), which the paged-attention
         kernel attends through; the K/V of all of a graph call's tokens are written before any layer attends,
         so a token sees the earlier tokens of its own row. The tokens run as one or more graph calls, in
         order (`_token_pieces`); each call samples the rows whose last token it holds (sample_index).
-        Padding tokens write to the scratch block and attend to nothing."""
+        Padding tokens write to the scratch block and attend to nothing. With `scores` (a step that scores prompt
+        tokens) every call returns the logits of all its tokens, from which `scores` takes the prompt tokens'
+        log-probabilities and the rows' samplers their last token's."""
         ql, per_row = step.query_lens, step.per_row
         n = step.n
         t = int(ql.sum())
@@ -533,7 +588,11 @@ class ModelRunner:
             stop = min(start + tb, t)
             mine = np.nonzero((last >= start) & (last < stop))[0]                      # rows sampled by this call
             sample_index = _pad((last[mine] - start).astype(np.int32), rows, 0)
-            outputs = self._call_packed(step, flat, start, stop, tb, sample_index)
+            if scores is None:
+                outputs = self._call_packed(step, flat, start, stop, tb, sample_index)
+            else:                       # every token's logits: the prompt's scores, then the rows' last tokens'
+                outputs = self._call_packed(step, flat, start, stop, tb, np.arange(tb, dtype=np.int32))
+                outputs = self._scored(outputs, step, flat, start, stop, sample_index, scores)
             start = stop
             if failure is not None:
                 continue
@@ -553,6 +612,20 @@ class ModelRunner:
             for arr, part in zip(out, res):
                 arr[mine] = part
         return tuple(out)
+
+    def _scored(self, outputs, step: StepInputs, flat: tuple, start: int, stop: int, sample_index, scores):
+        """A packed call's outputs over all its tokens: the prompt tokens' scores recorded, and the outputs of the
+        tokens in sample_index (the rows sampled by the call) returned as a sampling call's."""
+        token, logprob, logits = outputs
+        if not self.tp.writes_outputs:
+            return outputs
+        T = self._ms.Tensor
+        logits = logits.asnumpy()
+        if step.scores_prompt:
+            valid, row_of = flat[:2]
+            cols = np.nonzero(valid)[1][start:stop]
+            scores.add(logits[:stop - start], row_of[start:stop], cols, step.prompt_target, step.prompt_top)
+        return (T(token.asnumpy()[sample_index]), T(logprob.asnumpy()[sample_index]), T(logits[sample_index]))
 
     @staticmethod
     def _flat_tokens(step: StepInputs) -> tuple:

@@ -19,6 +19,9 @@ Shapes: n rows, s new tokens per row at most, w block-table entries per row.
                                       chain). A node attends to the committed keys, its ancestors and itself.
   lora                                int32 (n,) or None: each row's LoRA adapter slot (0 or None: the base model;
                                       at most the runner's lora_slots)
+  prompt_target, prompt_top           int32 (n, s), (n,) or None: a prefill step's prompt log-probabilities — after
+                                      new token j of a row with prompt_top >= 0, the log-probability (its rank, and
+                                      the prompt_top most likely tokens) of token prompt_target[i, j] (-1: none)
 """
 from __future__ import annotations
 
@@ -60,6 +63,8 @@ class StepInputs:
     verify_u: Optional[np.ndarray] = None     # (n, s): a verify step
     verify_parent: Optional[np.ndarray] = None    # (n, s): a verify step's token trees (None: chains)
     lora: Optional[np.ndarray] = None         # (n,): each row's LoRA adapter slot (None: all 0, no adapter)
+    prompt_target: Optional[np.ndarray] = None    # (n, s): a prefill step's prompt tokens to score (-1: none)
+    prompt_top: Optional[np.ndarray] = None       # (n,): top log-probabilities wanted per scored position
 
     def __post_init__(self) -> None:
         if self.lora is None:
@@ -76,6 +81,11 @@ class StepInputs:
     @property
     def penalized(self) -> bool:
         return "history" in self.per_row
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Some row wants its prompt tokens' log-probabilities from this (prefill) step."""
+        return self.prompt_target is not None and bool((self.prompt_target >= 0).any())
 
     @property
     def controlled(self) -> bool:
@@ -162,7 +172,20 @@ class StepInputs:
             _fail(f"lora has shape {lora.shape}, expected ({n},)")
         if lora.min() < 0 or lora.max() > limits.lora_slots:
             _fail(f"lora (adapter slots) must be in [0, {limits.lora_slots}], got {lora.tolist()}")
-        return cls(input_ids, positions, slot_mapping, block_tables, cl, ql, per_row, verify_u, verify_parent, lora)
+        prompt_target = prompt_top = None
+        if sampler and step.kind is StepKind.PREFILL and step.prompt_top is not None \
+                and (np.asarray(step.prompt_top) >= 0).any():
+            prompt_top = np.asarray(step.prompt_top, np.int32)
+            prompt_target = np.asarray(step.prompt_target, np.int32)
+            if prompt_top.shape != (n,) or prompt_target.shape != (n, s):
+                _fail(f"prompt_top / prompt_target have shapes {prompt_top.shape}, {prompt_target.shape}, "
+                      f"expected ({n},), {(n, s)}")
+            prompt_target = np.where((prompt_top >= 0)[:, None] & (np.arange(s)[None, :] < ql[:, None]),
+                                     prompt_target, -1)
+            if prompt_target.min() < -1 or prompt_target.max() >= limits.vocab_size or prompt_top.max() > 64:
+                _fail("prompt_target must be token ids or -1 and prompt_top at most 64")
+        return cls(input_ids, positions, slot_mapping, block_tables, cl, ql, per_row, verify_u, verify_parent, lora,
+                   prompt_target, prompt_top)
 
     def tree_bits(self) -> np.ndarray:
         """(t,) int32 for the step's real tokens in row-major order: which of its last 32 keys each token sees

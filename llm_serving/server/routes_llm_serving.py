@@ -67,6 +67,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
         details = streaming.details(req, event.finish_reason)
         if gen.details:
             details["tokens"] = tokens            # per generated token, as TGI
+        if gen.sampling.prompt_logprobs is not None:
+            details["prefill"] = streaming.prefill_details(req, engine.tokenizer)
         if gen.sampling.top_logprobs:
             details["top_tokens"] = tops          # per generated token, as TGI
         return web.json_response({"generated_text": generated, "details": details},

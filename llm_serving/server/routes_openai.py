@@ -31,13 +31,13 @@ from llm_serving.shm.layout import TOP_LOGPROBS
 V = ""     # OpenAI fields are named bare in messages ("max_tokens", not "parameters.max_tokens")
 
 # fields accepted only at OpenAI's neutral value (or null) until they are implemented
-NEUTRAL = {"best_of": 1, "echo": False, "suffix": None, "functions": None, "function_call": None}
+NEUTRAL = {"best_of": 1, "suffix": None, "functions": None, "function_call": None}
 COMMON = {"model", "stream", "stream_options", "n", "stop", "seed", "temperature", "top_p", "top_k", "ignore_eos",
           "stop_token_ids", "user", "logprobs", "max_tokens", "frequency_penalty", "presence_penalty",
           "repetition_penalty", "speculative", "logit_bias", "min_p", "min_tokens", "bad_words", "allowed_token_ids",
-          "response_format", "structured_outputs", *schemas.GUIDED} | set(NEUTRAL)
+          "response_format", "structured_outputs", "prompt_logprobs", *schemas.GUIDED} | set(NEUTRAL)
 MAX_COMPLETION_LOGPROBS = 5     # OpenAI's limits: completions logprobs 0..5, chat top_logprobs 0..20
-COMPLETION_FIELDS = COMMON | {"prompt"}
+COMPLETION_FIELDS = COMMON | {"prompt", "echo"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                         "parallel_tool_calls"}
 MAX_N = 16
@@ -66,9 +66,13 @@ def _model(engine, body: dict) -> str:
 def _sampling(body: dict, max_tokens_key: str, default_max: int, tokenizer):
     """(SamplingParams, whether max_tokens was given, n, stream, include_usage)."""
     vocab_size = tokenizer.vocab_size
-    max_tokens = schemas.int_field(body, max_tokens_key, None, 1, 1 << 20, prefix=V)
+    max_tokens = schemas.int_field(body, max_tokens_key, None, 0, 1 << 20, prefix=V)
     if max_tokens_key != "max_tokens" and max_tokens is None:
-        max_tokens = schemas.int_field(body, "max_tokens", None, 1, 1 << 20, prefix=V)
+        max_tokens = schemas.int_field(body, "max_tokens", None, 0, 1 << 20, prefix=V)
+    prompt_logprobs = schemas.int_field(body, "prompt_logprobs", None, 0, TOP_LOGPROBS, prefix=V)
+    if max_tokens == 0 and prompt_logprobs is None and not body.get("echo"):
+        raise ValidationError(f"{max_tokens_key} must be at least 1 (0: only with echo or prompt_logprobs, to score "
+                              "the prompt)", param=max_tokens_key)
     temperature = schemas.float_field(body, "temperature", 1.0, 0.0, 2.0, prefix=V)
     top_p = schemas.float_field(body, "top_p", 1.0, 0.0, 1.0, lo_open=True, prefix=V)
     top_k = schemas.int_field(body, "top_k", 0, -1, 1 << 20, prefix=V)
@@ -83,14 +87,17 @@ def _sampling(body: dict, max_tokens_key: str, default_max: int, tokenizer):
         raise ValidationError("stream_options is only allowed with stream: true", param="stream_options")
     greedy = temperature == 0.0
     sampling = SamplingParams(
-        max_new_tokens=max_tokens or default_max, temperature=temperature,
+        max_new_tokens=(max_tokens if max_tokens is not None else default_max) or 1, temperature=temperature,
         top_k=0 if greedy or top_k == -1 else top_k, top_p=1.0 if greedy else top_p,
         seed=None if seed is None else seed % (1 << 63), ignore_eos=schemas.bool_field(body, "ignore_eos", False, prefix=V),
         stop=schemas.parse_stop(body.get("stop"), "stop"),
         stop_token_ids=schemas.parse_stop_token_ids(body.get("stop_token_ids"), "stop_token_ids", vocab_size),
         **schemas.parse_penalties(body, prefix=V), speculative=schemas.bool_field(body, "speculative", True, prefix=V),
         **schemas.parse_logit_controls(body, tokenizer, prefix=V, max_tokens=max_tokens),
-        grammar=schemas.parse_structured(body))
+        grammar=schemas.parse_structured(body), prompt_logprobs=prompt_logprobs)
+    if max_tokens == 0 and (sampling.grammar is not None or stream):
+        raise ValidationError(f"{max_tokens_key} 0 (scoring the prompt) goes with neither a grammar nor stream",
+                              param=max_tokens_key)
     return sampling, max_tokens is not None, n, stream, include_usage
 
 
@@ -223,9 +230,9 @@ async def _events(reqs):
             t.cancel()
 
 
-def _usage(reqs) -> dict:
+def _usage(reqs, score_only: bool = False) -> dict:
     prompt = len(reqs[0].prompt_ids)
-    completion = sum(len(r.output_ids) for r in reqs)
+    completion = 0 if score_only else sum(len(r.output_ids) for r in reqs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -233,8 +240,18 @@ def _finish_reason(event):
     return {"abort": "abort", "error": "error"}.get(event.finish_reason, event.finish_reason)
 
 
+@dataclasses.dataclass(frozen=True)
+class Scoring:
+    """What a reply says of its prompt: `echo` (completions: the prompt's text, which the reply starts with, its
+    tokens' log-probabilities too when logprobs is set), vLLM's `prompt_logprobs`; `score_only`: max_tokens 0,
+    the prompt is only scored (the token the step sampled is dropped)."""
+    echo: "str | None" = None
+    prompt_logprobs: bool = False
+    score_only: bool = False
+
+
 async def _respond(request, engine, reqs, *, chat: bool, model: str, stream: bool, include_usage: bool,
-                   logprobs: bool, tools: "ToolRequest | None" = None):
+                   logprobs: bool, tools: "ToolRequest | None" = None, scoring: Scoring = Scoring()):
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
     obj = "chat.completion" if chat else "text_completion"
@@ -250,9 +267,10 @@ async def _respond(request, engine, reqs, *, chat: bool, model: str, stream: boo
         if not stream:
             texts, lps, finals = [[] for _ in reqs], [[] for _ in reqs], [None] * len(reqs)
             async for i, event, _ in _events(reqs):
-                texts[i].append(event.text)
-                if event.token_id >= 0:
-                    lps[i].append(event)
+                if not scoring.score_only:
+                    texts[i].append(event.text)
+                    if event.token_id >= 0:
+                        lps[i].append(event)
                 if event.finish_reason is not None:
                     finals[i] = event
             errors = [f for f in finals if f.finish_reason == "error"]
@@ -273,11 +291,19 @@ async def _respond(request, engine, reqs, *, chat: bool, model: str, stream: boo
                                 choice["finish_reason"] = "tool_calls"
                     choice["logprobs"] = {"content": [chat_logprob(e) for e in lps[i]]} if logprobs else None
                 else:
-                    choice["text"] = text
-                    choice["logprobs"] = _completion_logprobs(lps[i], tok) if logprobs else None
+                    choice["text"] = (scoring.echo or "") + text
+                    choice["logprobs"] = _completion_logprobs(lps[i], tok, reqs[i] if scoring.echo is not None
+                                                              else None) if logprobs else None
+                    if scoring.prompt_logprobs:
+                        choice["prompt_logprobs"] = streaming.vllm_prompt_logprobs(reqs[i], tok)
+                if scoring.score_only:
+                    choice["finish_reason"] = "length"
                 choices.append(choice)
-            return web.json_response({"id": rid, "object": obj, "created": created, "model": model,
-                                      "choices": choices, "usage": _usage(reqs)})
+            body = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices,
+                    "usage": _usage(reqs, scoring.score_only)}
+            if chat and scoring.prompt_logprobs:       # (vLLM's place for a chat's)
+                body["prompt_logprobs"] = streaming.vllm_prompt_logprobs(reqs[0], tok)
+            return web.json_response(body)
 
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
@@ -294,6 +320,7 @@ async def _respond(request, engine, reqs, *, chat: bool, model: str, stream: boo
                                              "logprobs": None, "finish_reason": None}]))
         pending = []                             # chunks of events that came together, written at once
         calls = [CallStream(tools.format) for _ in reqs] if tools is not None else None
+        first = [scoring.echo is None and not scoring.prompt_logprobs] * len(reqs)
         async for i, event, more in _events(reqs):
             if event.finish_reason == "error":
                 pending.append(streaming.sse(streaming.openai_error_body(event.error or "generation failed",
@@ -308,6 +335,16 @@ async def _respond(request, engine, reqs, *, chat: bool, model: str, stream: boo
                     text, found = text + rest, found + more_calls
                     if calls[i].calls and reason == "stop":
                         reason = "tool_calls"
+            if not first[i]:                     # the prompt was scored by now: its echo and log-probabilities
+                first[i] = True
+                if scoring.echo is not None:
+                    lp = _completion_logprobs([], tok, reqs[i]) if logprobs else None
+                    pending.append(chunk([{"index": i, "text": scoring.echo, "logprobs": lp, "finish_reason": None}]))
+                if scoring.prompt_logprobs:
+                    extra = {"index": i, "prompt_logprobs": streaming.vllm_prompt_logprobs(reqs[i], tok),
+                             "finish_reason": None}
+                    pending.append(chunk([{**extra, "delta": {}, "logprobs": None} if chat else
+                                          {**extra, "text": "", "logprobs": None}]))
             if text or found or reason is not None:  # (else held back by stop strings, a special token, a call)
                 lp = None
                 if logprobs and event.token_id >= 0:
@@ -336,21 +373,35 @@ async def _respond(request, engine, reqs, *, chat: bool, model: str, stream: boo
             engine.release(req)
 
 
-def _completion_logprobs(events, tokenizer) -> dict:
-    offsets, pos = [], 0
+def _completion_logprobs(events, tokenizer, echoed=None) -> dict:
+    """OpenAI's completions logprobs of the generated tokens (`events`), after the prompt's (`echoed`: its
+    request, when the reply echoes the prompt): the first prompt token has none."""
+    texts, logprobs, tops = [], [], []
+    if echoed is not None:
+        for token, score in zip(echoed.prompt_ids, echoed.prompt_scores or [None] * len(echoed.prompt_ids)):
+            texts.append(tokenizer.token_text(token))
+            logprobs.append(None if score is None else score.logprob)
+            tops.append(None if score is None else
+                        {tokenizer.token_text(token): score.logprob, **_top_dict(score.top, tokenizer)})
     for e in events:
+        texts.append(e.text)
+        logprobs.append(e.logprob)
+        tops.append(_top_dict(e.top or (), tokenizer))
+    offsets, pos = [], 0
+    for text in texts:
         offsets.append(pos)
-        pos += len(e.text)
-    top = None
-    if any(e.top for e in events):      # {token text: logprob} per step, most likely first
-        top = []
-        for e in events:
-            step: dict = {}
-            for i, lp in e.top or ():
-                step.setdefault(tokenizer.token_text(i), lp)     # two tokens with one text: the likelier
-            top.append(step)
-    return {"tokens": [e.text for e in events], "token_logprobs": [e.logprob for e in events],
-            "top_logprobs": top, "text_offset": offsets}
+        pos += len(text)
+    want_top = any(e.top for e in events) or (echoed is not None and echoed.sampling.top_logprobs)
+    return {"tokens": texts, "token_logprobs": logprobs, "top_logprobs": tops if want_top else None,
+            "text_offset": offsets}
+
+
+def _top_dict(top, tokenizer) -> dict:
+    """{token text: logprob}, most likely first (two tokens with one text: the likelier)."""
+    step: dict = {}
+    for i, lp in top:
+        step.setdefault(tokenizer.token_text(i), lp)
+    return step
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -364,10 +415,18 @@ async def completions(request: web.Request) -> web.StreamResponse:
     prompt_ids = _prompt_ids(engine, body["prompt"])
     sampling, given, n, stream, include_usage = _sampling(body, "max_tokens", 16, engine.tokenizer)
     sampling.top_logprobs = logprobs or 0
+    echo = schemas.bool_field(body, "echo", False, prefix=V)
+    asked = sampling.prompt_logprobs
+    if echo and logprobs is not None:       # the echoed prompt's tokens carry their log-probabilities too
+        sampling.prompt_logprobs = max(logprobs, sampling.prompt_logprobs or 0)
     _fit(engine, sampling, given, prompt_ids, "max_tokens")
     reqs = await _submit(engine, prompt_ids, sampling, n, model)
+    prompt = body["prompt"][0] if isinstance(body["prompt"], list) and len(body["prompt"]) == 1 else body["prompt"]
+    scoring = Scoring(echo=(prompt if isinstance(prompt, str) else engine.tokenizer.decode(prompt_ids))
+                      if echo else None, prompt_logprobs=asked is not None,
+                      score_only=given and body.get("max_tokens") == 0)
     return await _respond(request, engine, reqs, chat=False, model=model, stream=stream,
-                          include_usage=include_usage, logprobs=logprobs is not None)
+                          include_usage=include_usage, logprobs=logprobs is not None, scoring=scoring)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -390,8 +449,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         sampling.grammar = tools.grammar()
     _fit(engine, sampling, given, prompt_ids, key)
     reqs = await _submit(engine, prompt_ids, sampling, n, model)
+    scoring = Scoring(prompt_logprobs=sampling.prompt_logprobs is not None,
+                      score_only=given and body.get(key) == 0)
     return await _respond(request, engine, reqs, chat=True, model=model, stream=stream,
-                          include_usage=include_usage, logprobs=bool(logprobs), tools=tools)
+                          include_usage=include_usage, logprobs=bool(logprobs), tools=tools, scoring=scoring)
 
 
 def _chat_ids(engine, messages: list, tools: "ToolRequest | None") -> list:

@@ -40,12 +40,11 @@ class GenerateRequest:
 
 # Known TGI / llm-serving parameters that this version does not implement yet: accepted only when null
 # or at their neutral value, so clients that always send them keep working.
-NEUTRAL_PARAMETERS = {"truncate": None, "typical_p": None,
-                      "watermark": False, "decoder_input_details": False, "best_of": 1}
+NEUTRAL_PARAMETERS = {"truncate": None, "typical_p": None, "watermark": False, "best_of": 1}
 KNOWN_PARAMETERS = {"max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed",
                     "return_full_text", "ignore_eos", "details", "stop", "stop_token_ids", "top_n_tokens",
                     "repetition_penalty", "frequency_penalty", "presence_penalty", "speculative",
-                    "adapter_id", "grammar"} | set(NEUTRAL_PARAMETERS)
+                    "adapter_id", "grammar", "decoder_input_details"} | set(NEUTRAL_PARAMETERS)
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
 
 
@@ -176,7 +175,11 @@ def parse_generate(body: dict, *, stream_default: bool = False, vocab_size: int 
         ignore_eos=bool_field(params, "ignore_eos", False), stop=parse_stop(params.get("stop"), "parameters.stop"),
         stop_token_ids=parse_stop_token_ids(params.get("stop_token_ids"), "parameters.stop_token_ids", vocab_size),
         top_logprobs=int_field(params, "top_n_tokens", 0, 0, TOP_LOGPROBS), **parse_penalties(params),
-        speculative=bool_field(params, "speculative", True), grammar=parse_tgi_grammar(params.get("grammar")))
+        speculative=bool_field(params, "speculative", True), grammar=parse_tgi_grammar(params.get("grammar")),
+        prompt_logprobs=0 if bool_field(params, "decoder_input_details", False) else None)
+    if sampling.prompt_logprobs is not None and stream:
+        raise ValidationError("parameters.decoder_input_details is not supported when streaming (as TGI)",
+                              param="decoder_input_details")
     return GenerateRequest(inputs=inputs, sampling=sampling, stream=stream,
                            return_full_text=bool_field(params, "return_full_text", False),
                            details=bool_field(params, "details", False),

@@ -42,6 +42,29 @@ def token_event(event: TokenEvent, generated_text: Optional[str], req: Request, 
     return out
 
 
+def prefill_details(req: Request, tokenizer) -> list:
+    """TGI's `details.prefill` (decoder_input_details): each prompt token with its log-probability given the ones
+    before it (null for the first)."""
+    scores = req.prompt_scores or [None] * len(req.prompt_ids)
+    return [{"id": t, "text": tokenizer.token_text(t), "logprob": None if s is None else s.logprob}
+            for t, s in zip(req.prompt_ids, scores)]
+
+
+def vllm_prompt_logprobs(req: Request, tokenizer) -> list:
+    """vLLM's `prompt_logprobs`: per prompt position null (the first) or {token id: {logprob, rank,
+    decoded_token}} for the prompt's token there and the top ones asked for."""
+    out: list = []
+    for token, score in zip(req.prompt_ids, req.prompt_scores or [None] * len(req.prompt_ids)):
+        if score is None:
+            out.append(None)
+            continue
+        entry = {str(token): {"logprob": score.logprob, "rank": score.rank, "decoded_token": tokenizer.token_text(token)}}
+        for rank, (i, lp) in enumerate(score.top, 1):
+            entry.setdefault(str(i), {"logprob": lp, "rank": rank, "decoded_token": tokenizer.token_text(i)})
+        out.append(entry)
+    return out
+
+
 def error_body(message: str, error_type: str) -> dict:
     return {"error": message, "error_type": error_type}
 

@@ -16,6 +16,7 @@ name, sliced to the step's rows and tokens by their shape class:
   top          (max_rows, TOP_LOGPROBS)           [:n]
   mask         (max_rows, ceil(vocab_size / 32))  [:n]   (a bit per token of the model's vocabulary)
   bias         (max_rows, MAX_LOGIT_BIAS)         [:n]
+  token_top    (max_rows, max_tokens, TOP_LOGPROBS)  [:n, :s]
 
 Readers: `model` arrays are read by every rank's model work (what rank 0 broadcasts to ranks on other nodes,
 `step_inputs`); `sampler` arrays by rank 0's sampler only; `trace` arrays by no model (tracing, logits
@@ -105,6 +106,8 @@ token_mask           int32    mask     master   sampler  a bit per token, set = 
 bias_len             int32    row      master   sampler  entries of bias_ids / bias_values the row has this step
 bias_ids             int32    bias     master   sampler  tokens whose logit the row changes (logit_bias, bans)
 bias_values          float32  bias     master   sampler  added to their logits (BAN_BIAS: never picked)
+prompt_top           int32    row      master   sampler  -1 = none; else the row's prompt log-probabilities are wanted, with this many top ones
+prompt_target        int32    token    master   sampler  the prompt token after each new token, whose log-probability is wanted (-1 = none)
 lora                 int32    row      master   model    LoRA adapter slot per row (0 = none)
 request_ids          int64    row      master   trace    request number per row (tracing, logits capture)
 verify_random_u      float32  verify   master   model    uniform [0, 1) per new token of a sampling row
@@ -115,6 +118,10 @@ out_top_ids          int32    top      agent0   master   most likely tokens, mos
 out_top_logprobs     float32  top      agent0   master   their log-probabilities
 out_verify_ids       int32    verify   agent0   master   the token sampled after each new token (a run: each step's)
 out_verify_logprobs  float32  verify   agent0   master   its log-probability
+out_prompt_logprobs  float32  token    agent0   master   log-probability of prompt_target after each new token (prefill, rows with prompt_top >= 0)
+out_prompt_ranks     int32    token    agent0   master   its rank among the vocabulary (1 = the likeliest)
+out_prompt_top_ids   int32    token_top agent0  master   the most likely tokens after each new token, most likely first
+out_prompt_top_logprobs float32 token_top agent0 master  their log-probabilities
 """
 ARRAYS = tuple(ArrayDecl(name, np.dtype(dtype).type, shape_class, writer, reader, meaning)
                for name, dtype, shape_class, writer, reader, meaning
@@ -187,7 +194,8 @@ class StepLayout:
         r = self.max_rows
         return {"token": (r, self.max_tokens), "row": (r,), "table": (r, self.max_blocks_per_seq),
                 "history": (r, max(self.max_context, 1)), "verify": (r, self.max_verify),
-                "top": (r, TOP_LOGPROBS), "mask": (r, self.mask_words), "bias": (r, MAX_LOGIT_BIAS)}[shape_class]
+                "top": (r, TOP_LOGPROBS), "mask": (r, self.mask_words), "bias": (r, MAX_LOGIT_BIAS),
+                "token_top": (r, self.max_tokens, TOP_LOGPROBS)}[shape_class]
 
     @property
     def mask_words(self) -> int:
@@ -200,7 +208,7 @@ class StepLayout:
     @staticmethod
     def part(decl: ArrayDecl, n: int, s: int, steps: int = 1) -> tuple:
         """The index of a step's part of an array (n rows, s new tokens per row, a decode run's steps)."""
-        if decl.shape_class in ("token", "verify"):
+        if decl.shape_class in ("token", "verify", "token_top"):
             return slice(0, n), slice(0, max(s, steps))       # a decode run: a slot (a token) per step
         return (slice(0, n),)
 

@@ -34,7 +34,7 @@ class FakeDraftAgents:
             random_u=z(rows, dtype=np.float32), top_n=z(rows), repetition_penalty=z(rows, dtype=np.float32),
             presence_penalty=z(rows, dtype=np.float32), frequency_penalty=z(rows, dtype=np.float32),
             history_len=z(rows), prompt_len=z(rows), lora=z(rows), request_ids=z(rows, dtype=np.int64),
-            min_p=z(rows, dtype=np.float32), mask_on=z(rows), bias_len=z(rows),
+            min_p=z(rows, dtype=np.float32), mask_on=z(rows), bias_len=z(rows), prompt_top=z(rows),
             out_token_ids=z(rows),
             out_top_ids=z(rows, 20))
         self.requests = {r.number: r for r in requests}
