@@ -19,7 +19,7 @@ import secrets
 import socket
 import subprocess
 import sys
-from typing import Optional
+from typing import Callable, Optional
 
 from llm_serving.config import agent_huge_pages
 from llm_serving.agents import protocol as proto
@@ -421,10 +421,11 @@ class AgentGroup:
             f.write(self._token)
         self._token_files.append(path)
 
-    async def step(self, command) -> tuple:
+    async def step(self, command, after_send: Optional[Callable[[], None]] = None) -> tuple:
         """Run one step (a proto.Step) on every agent; returns (their StepReplies in rank
         order, whether some agent's KV cache was reset since the last step: its contents are gone). Raises
-        AgentError if any fails, dies or times out (`fatal` when the group cannot go on: see _in_step)."""
+        AgentError if any fails, dies or times out (`fatal` when the group cannot go on: see _in_step).
+        `after_send`: work done once the frames are out, while the agents compute (the step's logit controls)."""
         timeout = self.config.serving_config.step_timeout_s
         # Frames go out before this coroutine yields: HTTP handlers woken by the previous step then run
         # while the agents compute, instead of delaying the next step's start.
@@ -437,6 +438,8 @@ class AgentGroup:
         tasks = [asyncio.ensure_future(a.wait_reply(*x, timeout) if isinstance(x, tuple) else _fail(x))
                  for a, x in zip(self.agents, sent)]
         try:
+            if after_send is not None:
+                after_send()
             pending = set(tasks)
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)

@@ -406,7 +406,7 @@ class Engine:
         prof["shm_write"] += t0 - t_write
         command = proto.Step(batch.kind, self.num_steps, n, batch.max_query_len, batch.steps)
         try:
-            replies, cache_reset = await self.agents.step(command)
+            replies, cache_reset = await self.agents.step(command, after_send=self._write_controls)
             model_s, agent_s = replies[0].model_ms / 1e3, replies[0].agent_ms / 1e3
             prof["model"] += model_s
             prof["agent_other"] += agent_s - model_s
@@ -433,6 +433,12 @@ class Engine:
         width = max(batch.max_query_len, batch.steps) if batch.kind.per_token_outputs else 0
         self._APPLY[batch.kind](self, batch, self.step_io.read_outputs(self.agents.buffers, n, width))
         prof["output"] += time.perf_counter() - t_read
+
+    def _write_controls(self) -> None:
+        """The step's logit controls (grammar masks, bias entries), written while the agents run the model."""
+        t0 = time.perf_counter()
+        self.step_io.write_controls()
+        self.profile["controls"] += time.perf_counter() - t0
 
     async def _speculate(self, batch: ScheduledBatch) -> ScheduledBatch:
         """The speculative room plans the step, its proposer proposes (a draft model runs its round), and the

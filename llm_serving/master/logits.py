@@ -6,6 +6,7 @@ the step buffers (`write`, through step_io.RowWriter); after it, the token it go
 grammar's matcher. The agent applies them (models/logit_controls.py) before sampling or the greedy pick."""
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import numpy as np
@@ -13,7 +14,21 @@ import numpy as np
 from llm_serving.master.request import SamplingParams
 from llm_serving.shm.layout import BAN_BIAS, MAX_LOGIT_BIAS
 
-__all__ = ["LogitsState", "bits_of"]
+__all__ = ["LogitsState", "bits_of", "fill_masks"]
+
+_executor = None
+
+
+def fill_masks(rows: list, token_mask: np.ndarray) -> None:
+    """The next-token bitmasks of [(grammar matcher, row)] into rows of `token_mask` (int32, (rows, words)), on
+    llguidance's threads (they release the GIL; a step's rows in parallel)."""
+    global _executor
+    from llguidance import LLExecutor
+    from llguidance.numpy import fill_next_token_bitmask_par
+
+    if _executor is None:
+        _executor = LLExecutor(num_threads=max(2, min(8, os.cpu_count() or 1)))
+    fill_next_token_bitmask_par(_executor, rows, token_mask)
 
 
 def bits_of(tokens, vocab_size: int) -> np.ndarray:
@@ -48,12 +63,13 @@ class LogitsState:
     def masked(self) -> bool:
         return self.matcher is not None or self.allowed is not None
 
-    def write(self, mask_row: np.ndarray, output_ids: list) -> tuple:
+    def write(self, mask_row: np.ndarray, output_ids: list, filled: bool = False) -> tuple:
         """Before a step that samples the request's next token: its mask into `mask_row` (a view of its row of
-        the step's token_mask) when it has one; returns (masked, bias ids, bias values)."""
+        the step's token_mask) when it has one (`filled`: its grammar's part is there already, `fill_masks`);
+        returns (masked, bias ids, bias values)."""
         if self.matcher is not None:
-            from llguidance.numpy import fill_next_token_bitmask
-            fill_next_token_bitmask(self.matcher, mask_row.reshape(1, -1), 0)
+            if not filled:
+                fill_masks([(self.matcher, 0)], mask_row.reshape(1, -1))
             if self.allowed is not None:
                 mask_row &= self.allowed
         elif self.allowed is not None:

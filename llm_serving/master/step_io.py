@@ -15,6 +15,7 @@ from typing import Optional
 import numpy as np
 
 from llm_serving.master.block_manager import BlockManager
+from llm_serving.master.logits import fill_masks
 from llm_serving.master.request import PromptLogprob, Request
 from llm_serving.master.scheduler import ScheduledBatch
 from llm_serving.master.speculative import node_depths
@@ -144,16 +145,22 @@ class RowWriter:
         if us is not None:
             self.b.verify_random_u[i, :q] = us
 
-    def controls(self, i: int, state, output_ids: list) -> None:
-        """Row i's logit controls before a step that samples its request's next token (a master.logits.LogitsState
-        writes its mask into the row's token_mask and gives its bias entries)."""
+    def controls(self, rows: list) -> None:
+        """Logit controls of [(row i, its master.logits.LogitsState, its output ids)] before a step that samples
+        their requests' next tokens: the grammars' masks together (`fill_masks`), then each row's own part of
+        its mask and its bias entries."""
         b = self.b
-        masked, ids, values = state.write(b.token_mask[i], output_ids)
-        b.mask_on[i] = masked
-        k = len(ids)
-        b.bias_ids[i, :k] = ids
-        b.bias_values[i, :k] = values
-        b.bias_len[i] = k
+        grammars = [(state.matcher, i) for i, state, _ in rows if state.matcher is not None]
+        if grammars:
+            fill_masks(grammars, b.token_mask)
+        for i, state, output_ids in rows:
+            masked, ids, values = state.write(b.token_mask[i], output_ids, filled=True)
+            b.mask_on[i] = masked
+            k = len(ids)
+            if k:
+                b.bias_ids[i, :k] = ids
+                b.bias_values[i, :k] = values
+            b.bias_len[i] = k
 
     def prompt_targets(self, i: int, top: int, targets: Optional[list]) -> None:
         """Row i's prompt tokens to score after each of its new tokens (-1: none) and the top ones wanted; None:
@@ -177,6 +184,7 @@ class StepIO:
         self._rows: list = []                       # RowState per shm row
         self._buffers: Optional[StepBuffers] = None
         self._writer: Optional[RowWriter] = None
+        self._controlled: list = []                 # (row, LogitsState, output ids) of the last step written
 
     def write_inputs(self, b: StepBuffers, batch: ScheduledBatch) -> None:
         if self._buffers is not b:                  # new buffers (first step, or agents restarted)
@@ -212,6 +220,7 @@ class StepIO:
                     positions[own:] = stop - len(proposal) - 1 + np.asarray(node_depths(batch.parents[i]))
                 w.tokens(i, req.tokens(start, stop - len(proposal)) + list(proposal), start, positions,
                          pad_to=batch.max_query_len)    # the agent reads the step's width only
+        controlled = []                             # rows whose logits the master controls this step
         for i, (req, q) in enumerate(zip(batch.requests, batch.num_new_tokens)):
             if verify:                              # the row's own tokens: each one's parent is the one before
                 tree = batch.parents[i]
@@ -225,7 +234,7 @@ class StepIO:
             elif not req.sampling.greedy:
                 w.random_u(i, req.random_u())
             if req.logits is not None and req.num_computed_tokens + q >= req.num_tokens:   # it samples this step
-                w.controls(i, req.logits, req.output_ids)
+                controlled.append((i, req.logits, req.output_ids))
             if req.prompt_scores is not None:       # after its new token j: prompt token start + j + 1, if any
                 start, p = req.num_computed_tokens, len(req.prompt_ids)
                 w.prompt_targets(i, req.sampling.prompt_logprobs, [
@@ -237,6 +246,22 @@ class StepIO:
                 if row.history_written < total:
                     w.history(i, req.tokens(row.history_written, total), row.history_written)
                     row.history_written = total
+        self._controlled = controlled              # written by write_controls, once the frame is out
+        b.controls_on[:n] = 0
+        for i, _, _ in controlled:
+            b.controls_on[i] = 1
+        b.controls_pending[0] = 1 if controlled else 0
+
+    def write_controls(self) -> None:
+        """The logit controls of the step write_inputs wrote last (its rows' grammar masks and bias entries), then
+        `controls_pending` 0: called while the agents run the model (AgentGroup.step's after_send), whose samplers
+        wait for the flag (models/logit_controls.py), so the masks cost the step nothing but the wait, if any."""
+        if self._controlled:
+            try:
+                self._writer.controls(self._controlled)
+            finally:
+                self._buffers.controls_pending[0] = 0
+                self._controlled = []
 
     def _write_row_state(self, i: int, req: Request, table: list) -> None:
         rows = self._rows

@@ -30,7 +30,7 @@ from llm_serving.config import ATTENTION_KERNELS, KERNEL_ONLY_CACHES
 from llm_serving.shm.layout import TOP_LOGPROBS, StepKind, StepView
 
 from .buckets import Buckets
-from .logit_controls import apply_controls, uses_controls
+from .logit_controls import apply_controls, read_controls, uses_controls
 from .mindspore_env import GraphCalls, claim_compile_cache, close_compile_cache, setup_mindspore
 from .parallel import TensorParallel, TensorParallelError, all_reduce_kernel, make_all_reduce
 from .runner_spec import KERNEL_ONLY_ROWS, RunnerSpec
@@ -41,6 +41,10 @@ from .weights.gguf import KEPT_QUANTIZED
 logger = logging.getLogger(__name__)
 
 __all__ = ["ModelRunner"]
+
+
+def _step_error(message: str) -> None:
+    raise ValueError(f"ModelRunner.execute: {message}")
 
 
 class PromptScores:
@@ -458,7 +462,7 @@ class ModelRunner:
         """The step padded to its (batch, seq) bucket and block-table width: padding rows and tokens write to
         the scratch block."""
         outputs = self._call_padded(step, nb, sb, all_tokens=False)
-        return self._finish(outputs, step.n, nb, step.per_row, return_logits)
+        return self._finish(outputs, step.n, nb, step.per_row, return_logits, step.live)
 
     def _call_padded(self, step: StepInputs, nb: int, sb: int, all_tokens: bool):
         """The model graph on the step padded to (nb, sb): outputs at each row's last new token, or with
@@ -533,8 +537,9 @@ class ModelRunner:
             out += [np.zeros((n, self.top_k_logprobs), np.int32), np.zeros((n, self.top_k_logprobs), np.float32)]
         return out
 
-    def _finish(self, outputs, n: int, rows: int, per_row: dict, return_logits: bool):
-        """Greedy results of the model graph, or a sampling graph's when some row samples; first n rows.
+    def _finish(self, outputs, n: int, rows: int, per_row: dict, return_logits: bool, live=None):
+        """Greedy results of the model graph, or a sampling graph's when some row samples; first n rows. Rows with
+        logit controls have them read from `live` (the step view) now, the master having written them meanwhile.
         A tensor-parallel rank other than 0 has no logits (its graph stops at the hidden state): zeros."""
         if not self.tp.writes_outputs:
             return tuple(self._no_outputs(n, return_logits, bool((per_row["top_n"] > 0).any())))
@@ -548,9 +553,11 @@ class ModelRunner:
                                 T(_pad(per_row["history_len"], rows, 0)), T(_pad(per_row["prompt_len"], rows, 0)),
                                 T(_pad(per_row["repetition"], rows, 1.0)), T(_pad(per_row["presence"], rows, 0.0)),
                                 T(_pad(per_row["frequency"], rows, 0.0)))
+        if "controls_on" in per_row and per_row["controls_on"].any():
+            per_row = {**per_row, **read_controls(live, per_row["row_index"], self.config.vocab_size, _step_error)}
         controlled = uses_controls(per_row)
         if controlled:       # bias, masks, min_p (logit_controls.py), on the host; the sampler then picks every row
-            logits = T(apply_controls(logits.asnumpy(), per_row, _pad(temperature, rows, 0.0)))
+            logits = T(apply_controls(logits.asnumpy(), per_row, _pad(temperature, rows, 0.0), owned=True))
         if sampling.any() or penalized or controlled:   # a sampling graph on the logits (which stay in MindSpore memory)
             filters = ((top_k[sampling] > 0) & (top_k[sampling] < self.config.vocab_size)).any() \
                 or (top_p[sampling] < 1.0).any()
@@ -598,7 +605,7 @@ class ModelRunner:
                 continue
             sub = {key: arr[mine] for key, arr in per_row.items()}
             try:
-                results.append((mine, self._finish(outputs, len(mine), rows, sub, return_logits)))
+                results.append((mine, self._finish(outputs, len(mine), rows, sub, return_logits, step.live)))
             except Exception as exc:      # noqa: BLE001 - re-raised below
                 if self.all_reduce is None:
                     raise

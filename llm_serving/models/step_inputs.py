@@ -10,8 +10,8 @@ Shapes: n rows, s new tokens per row at most, w block-table entries per row.
   log-probabilities wanted, 0 = none): per row
   penalties (kept only when some row has one): per row history int32 (n, <= max_context), history_len,
   prompt_len, and the repetition_penalty, presence_penalty and frequency_penalty (see sampler.Penalizer)
-  logit controls (kept only when some row has one; logit_controls.py): mask_on, token_mask int32 (n, words),
-  bias_len, bias_ids, bias_values (n, <= MAX_LOGIT_BIAS), min_p
+  logit controls (kept only when some row has one; logit_controls.py): controls_on and row_index (n,) (the rows'
+  masks and bias entries are read from `live`, the step view, when they are sampled), min_p
   verify_random_u (verify_u)          float32 (n, s): a verify step's uniform number per new token
                                       (speculative decoding; such a step has no top_n and no penalties)
   verify_parent                       int32 (n, s) or None: a verify step's token tree — each new token's parent
@@ -65,6 +65,7 @@ class StepInputs:
     lora: Optional[np.ndarray] = None         # (n,): each row's LoRA adapter slot (None: all 0, no adapter)
     prompt_target: Optional[np.ndarray] = None    # (n, s): a prefill step's prompt tokens to score (-1: none)
     prompt_top: Optional[np.ndarray] = None       # (n,): top log-probabilities wanted per scored position
+    live: object = None                       # the step view (its logit controls are written while the model runs)
 
     def __post_init__(self) -> None:
         if self.lora is None:
@@ -119,7 +120,7 @@ class StepInputs:
         if sampler and not verify and step.history is not None:
             per_row.update(_penalty_rows(limits, n, step))
         if sampler and not verify:
-            per_row.update(logit_rows(step, n, limits.vocab_size, _fail))
+            per_row.update(logit_rows(step, n))
         verify_u = verify_parent = None
         for name in ("verify_random_u", "verify_parent"):
             if not verify and getattr(step, name) is not None:
@@ -154,7 +155,7 @@ class StepInputs:
             if verify_u.shape != (n, s):
                 _fail(f"verify_u has shape {verify_u.shape}, expected {(n, s)}")
             if "history" in per_row or (per_row["top_n"] > 0).any() or any(
-                    getattr(step, key) is not None and np.any(getattr(step, key)) for key in ("mask_on", "bias_len", "min_p")):
+                    getattr(step, key) is not None and np.any(getattr(step, key)) for key in ("controls_on", "min_p")):
                 _fail("a verify step cannot have rows with top log-probabilities, sampling penalties or logit controls")
         if verify_parent is not None:
             verify_parent = np.asarray(verify_parent, np.int32)
@@ -185,7 +186,7 @@ class StepInputs:
             if prompt_target.min() < -1 or prompt_target.max() >= limits.vocab_size or prompt_top.max() > 64:
                 _fail("prompt_target must be token ids or -1 and prompt_top at most 64")
         return cls(input_ids, positions, slot_mapping, block_tables, cl, ql, per_row, verify_u, verify_parent, lora,
-                   prompt_target, prompt_top)
+                   prompt_target, prompt_top, live=step)
 
     def tree_bits(self) -> np.ndarray:
         """(t,) int32 for the step's real tokens in row-major order: which of its last 32 keys each token sees
@@ -208,7 +209,7 @@ class StepInputs:
         return np.asarray(out, np.int64).astype(np.int32)
 
 
-_PER_ROW_2D = frozenset({"history", "token_mask", "bias_ids", "bias_values"})     # (n, width): checked where made
+_PER_ROW_2D = frozenset({"history"})            # (n, width): checked where made
 
 
 def _penalty_rows(limits: StepLimits, n: int, step) -> dict:

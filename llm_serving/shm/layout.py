@@ -17,10 +17,15 @@ name, sliced to the step's rows and tokens by their shape class:
   mask         (max_rows, ceil(vocab_size / 32))  [:n]   (a bit per token of the model's vocabulary)
   bias         (max_rows, MAX_LOGIT_BIAS)         [:n]
   token_top    (max_rows, max_tokens, TOP_LOGPROBS)  [:n, :s]
+  flag         (1,)                               [:1]   (one value for the step)
 
 Readers: `model` arrays are read by every rank's model work (what rank 0 broadcasts to ranks on other nodes,
 `step_inputs`); `sampler` arrays by rank 0's sampler only; `trace` arrays by no model (tracing, logits
 capture); `master` arrays are outputs, written by rank 0. All are 4-byte types but request_ids.
+
+Logit controls (a row's token mask and bias entries) are the one part written after the step frame is sent: the
+master computes them while the agents run the model, and a row's sampler waits for `controls_pending` to fall to 0
+before it reads them (models/logit_controls.py); `controls_on` and everything else is written before the frame.
 
 Verify steps (speculative decoding, master/speculative.py) sample after every new token of a row, not
 only after its last; `max_verify` is the most tokens a speculating row feeds (1 + proposals), or the steps
@@ -101,6 +106,8 @@ history              int32    history  master   sampler  the row's tokens so far
 history_len          int32    row      master   sampler  valid entries of history (0 = none)
 prompt_len           int32    row      master   sampler  history[prompt_len:] is the output
 min_p                float32  row      master   sampler  0 = off; tokens below min_p x the likeliest's probability are out
+controls_on          int32    row      master   sampler  1 = the row has logit controls this step (the arrays below, written after the frame)
+controls_pending     int32    flag     master   sampler  1 = the step's logit controls are still being written (the sampler waits for 0)
 mask_on              int32    row      master   sampler  1 = token_mask says which tokens the row may pick this step
 token_mask           int32    mask     master   sampler  a bit per token, set = allowed (llguidance's bitmask layout)
 bias_len             int32    row      master   sampler  entries of bias_ids / bias_values the row has this step
@@ -129,6 +136,7 @@ ARRAYS = tuple(ArrayDecl(name, np.dtype(dtype).type, shape_class, writer, reader
 INPUT_NAMES = tuple(a.name for a in ARRAYS if a.is_input)
 OUTPUT_NAMES = tuple(a.name for a in ARRAYS if not a.is_input)
 _NAMES = frozenset(INPUT_NAMES + OUTPUT_NAMES)
+_FLAGS = frozenset(a.name for a in ARRAYS if a.shape_class == "flag")
 
 
 class StepView:
@@ -156,7 +164,8 @@ class StepView:
 
     def rows(self, index) -> "StepView":
         """The same step on some of its rows (an index array), as copies."""
-        arrays = {k: np.asarray(v)[index] for k, v in vars(self).items() if k in INPUT_NAMES and v is not None}
+        arrays = {k: v if k in _FLAGS else np.asarray(v)[index] for k, v in vars(self).items()
+                  if k in INPUT_NAMES and v is not None}
         return StepView(self.kind, return_logits=self.return_logits, **arrays)
 
 
@@ -195,7 +204,7 @@ class StepLayout:
         return {"token": (r, self.max_tokens), "row": (r,), "table": (r, self.max_blocks_per_seq),
                 "history": (r, max(self.max_context, 1)), "verify": (r, self.max_verify),
                 "top": (r, TOP_LOGPROBS), "mask": (r, self.mask_words), "bias": (r, MAX_LOGIT_BIAS),
-                "token_top": (r, self.max_tokens, TOP_LOGPROBS)}[shape_class]
+                "token_top": (r, self.max_tokens, TOP_LOGPROBS), "flag": (1,)}[shape_class]
 
     @property
     def mask_words(self) -> int:
@@ -210,6 +219,8 @@ class StepLayout:
         """The index of a step's part of an array (n rows, s new tokens per row, a decode run's steps)."""
         if decl.shape_class in ("token", "verify", "token_top"):
             return slice(0, n), slice(0, max(s, steps))       # a decode run: a slot (a token) per step
+        if decl.shape_class == "flag":
+            return (slice(0, 1),)
         return (slice(0, n),)
 
     @staticmethod

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import random
+import threading
+import time
 
 import jsonschema
 import numpy as np
@@ -14,7 +16,7 @@ import pytest
 from llm_serving.master.grammar import GrammarError, GrammarSpec, Grammars
 from llm_serving.master.logits import LogitsState, bits_of
 from llm_serving.master.request import SamplingParams
-from llm_serving.models.logit_controls import MASKED, apply_controls, logit_rows
+from llm_serving.models.logit_controls import MASKED, apply_controls, logit_rows, read_controls
 from llm_serving.server import schemas
 from llm_serving.server.schemas import ValidationError
 from llm_serving.shm.layout import BAN_BIAS
@@ -47,23 +49,38 @@ def test_bias_mask_and_min_p_change_only_their_rows_and_tokens():
     np.testing.assert_array_equal(logits[3], out[3])
 
 
-def test_min_p_leaves_greedy_rows_alone_and_the_step_arrays_come_only_when_used():
+def test_min_p_leaves_greedy_rows_alone_and_controls_are_read_once_the_master_has_written_them():
     logits = np.arange(10, dtype=np.float32)[None, :]
     out = apply_controls(logits, {"min_p": np.array([0.9], np.float32)}, np.array([0.0], np.float32))
     np.testing.assert_array_equal(out, logits)
 
     class Step:
-        mask_on = np.zeros(2, np.int32)
-        token_mask = np.zeros((2, 1), np.int32)
-        bias_len = np.zeros(2, np.int32)
-        bias_ids = np.zeros((2, 4), np.int32)
-        bias_values = np.zeros((2, 4), np.float32)
-        min_p = np.zeros(2, np.float32)
-    assert logit_rows(Step, 2, 20, _fail) == {}
-    Step.bias_len = np.array([0, 1], np.int32)
-    Step.bias_ids = np.array([[0, 0, 0, 0], [25, 0, 0, 0]], np.int32)
+        controls_on = np.zeros(3, np.int32)
+        controls_pending = np.ones(1, np.int32)
+        mask_on = np.array([0, 1, 0], np.int32)
+        token_mask = np.stack([bits_of([], 20), bits_of([3], 20), bits_of([], 20)])
+        bias_len = np.array([0, 0, 1], np.int32)
+        bias_ids = np.array([[0], [0], [7]], np.int32)
+        bias_values = np.array([[0], [0], [2.5]], np.float32)
+        min_p = np.zeros(3, np.float32)
+    assert logit_rows(Step, 3) == {}
+    Step.controls_on = np.array([0, 1, 1], np.int32)
+    kept = logit_rows(Step, 3)
+    assert kept["controls_on"].tolist() == [0, 1, 1] and kept["row_index"].tolist() == [0, 1, 2]
+    # the master is still writing: the sampler waits, then fails the step instead of reading half-written rows
+    with pytest.raises(ValueError, match="did not write"):
+        read_controls(Step, np.array([1, 2]), 20, _fail, timeout_s=0.05)
+
+    def master():                         # writes the flag down a moment later, from another thread
+        time.sleep(0.05)
+        Step.controls_pending[0] = 0
+    threading.Thread(target=master).start()
+    got = read_controls(Step, np.array([1, 2]), 20, _fail)
+    assert got["mask_on"].tolist() == [1, 0] and got["bias_ids"].tolist() == [[0], [7]]
+    assert got["bias_len"].tolist() == [0, 1]
+    Step.bias_ids = np.array([[0], [0], [25]], np.int32)
     with pytest.raises(ValueError, match="bias_ids must be token ids"):
-        logit_rows(Step, 2, 20, _fail)
+        read_controls(Step, np.array([2]), 20, _fail)
 
 
 def test_bans_follow_the_output_min_tokens_and_bad_words():
