@@ -236,3 +236,47 @@ def _alert(driver):
         return alert
     except NoAlertPresentException:
         return None
+
+
+def test_json_output_and_tool_calls_in_the_playground(browser, smollm2_server):
+    """SmolLM2: "JSON matching a schema" gives a reply that parses and validates; with a tool and tool choice
+    required the reply shows the call, and the next message goes back as the tool's result, which the model
+    answers from; a schema that is not JSON is reported in the page and nothing is sent."""
+    import json
+
+    import jsonschema
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    _open_playground(browser, smollm2_server.url)
+    _set(browser, "temperature", 0)
+    schema = {"type": "object", "required": ["city", "country"], "additionalProperties": False,
+              "properties": {"city": {"type": "string", "maxLength": 30}, "country": {"type": "string", "maxLength": 30}}}
+    Select(browser.find_element(By.ID, "format")).select_by_value("json_schema")
+    assert browser.find_element(By.ID, "schema-box").is_displayed()
+    _set(browser, "schema", "{not json")
+    _set(browser, "input", "What is the capital of France?")
+    browser.find_element(By.ID, "send").click()
+    bad = _wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.assistant .bad"), what="the schema error")
+    assert "JSON schema is not valid JSON" in bad[0].text
+    _set(browser, "schema", json.dumps(schema))
+    stats, error = _turn(browser, "What is the capital of France? Answer as JSON.", 60, 1)   # (the refused one: none)
+    assert error is None and stats.endswith("stop"), stats
+    reply = browser.find_elements(By.CSS_SELECTOR, ".msg.assistant .body")[-1].text
+    jsonschema.validate(json.loads(reply), schema)
+
+    browser.find_element(By.ID, "clear").click()
+    Select(browser.find_element(By.ID, "format")).select_by_value("text")
+    weather = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "required": ["city"], "properties": {"city": {"type": "string", "maxLength": 30}}}}}]
+    _set(browser, "tools", json.dumps(weather))
+    Select(browser.find_element(By.ID, "tool_choice")).select_by_value("required")
+    stats, error = _turn(browser, "What is the weather in Paris?", 60, 1)
+    assert error is None and stats.endswith("tool_calls"), stats
+    call = browser.find_elements(By.CSS_SELECTOR, ".msg.assistant .tool-call")[-1].text
+    assert call.startswith("get_weather(") and json.loads(call[len("get_weather("):-1])["city"]
+    assert browser.find_element(By.ID, "tool-result").is_selected()
+    Select(browser.find_element(By.ID, "tool_choice")).select_by_value("auto")
+    stats, error = _turn(browser, "It is 41 degrees celsius and sunny.", 40, 2)
+    assert error is None and "41" in browser.find_elements(By.CSS_SELECTOR, ".msg.assistant .body")[-1].text
+    assert _errors(browser) == []

@@ -1,7 +1,7 @@
 // The playground: chat (or plain completion) with the served model through the server's OpenAI routes, streamed.
 "use strict";
 const $ = (id) => document.getElementById(id);
-let messages = [];          // the conversation: [{role, content}]
+let messages = [];          // the conversation: [{role, content}] (assistant turns with tool_calls, tool results)
 let controller = null;      // the request in flight (stop aborts it: the server frees its blocks)
 const contextOf = {};       // model id -> its tokens per request (prompt + reply), from /v1/models
 
@@ -66,7 +66,35 @@ function settings() {
   const stop = $("stop").value.split("\n").filter((s) => s.length);
   if (stop.length) body.stop = stop;
   if ($("seed").value !== "") body.seed = Number($("seed").value);
+  const format = $("format").value;
+  if (format === "json_object") body.response_format = {type: "json_object"};
+  if (format === "json_schema") {
+    body.response_format = {type: "json_schema", json_schema: {name: "playground", schema: parseJson($("schema").value, "JSON schema")}};
+  }
+  if ($("tools").value.trim() && !$("completion").checked) {
+    body.tools = parseJson($("tools").value, "tools");
+    body.tool_choice = $("tool_choice").value;
+    body.parallel_tool_calls = false;         // one call a turn: the next message is its result
+  }
   return body;
+}
+
+function parseJson(text, what) {
+  try {
+    return JSON.parse(text);
+  } catch (err) {
+    throw new Error(`${what} is not valid JSON: ${err.message}`);
+  }
+}
+
+// A tool call as the reply shows it: name(arguments)
+function toolCallNode(call) {
+  return el("div", {class: "tool-call"}, el("code", {text: `${call.function.name}(${call.function.arguments})`}));
+}
+
+function lastToolCall() {
+  const last = messages[messages.length - 1];
+  return last && last.tool_calls ? last.tool_calls[0] : null;
 }
 
 async function send() {
@@ -79,14 +107,21 @@ async function send() {
   const body = reply.querySelector(".body");
   const stats = el("div", {class: "stats"});
   reply.append(stats);
-  const request = settings();
+  let request;
+  try {
+    request = settings();
+  } catch (err) {
+    body.append(el("div", {class: "bad", text: "error: " + err.message}));
+    return;
+  }
   let path;
   if (completion) {
     path = "/v1/completions";
     Object.assign(request, {prompt: text, logprobs: 5});
   } else {
     path = "/v1/chat/completions";
-    messages.push({role: "user", content: text});
+    const call = $("tool-result").checked ? lastToolCall() : null;
+    messages.push(call ? {role: "tool", tool_call_id: call.id, content: text} : {role: "user", content: text});
     const system = $("system").value.trim();
     request.messages = (system ? [{role: "system", content: system}] : []).concat(messages);
   }
@@ -96,6 +131,7 @@ async function send() {
   $("status").textContent = "generating...";
   const t0 = performance.now();
   let first = null, tokens = 0, full = "", finish = null, used = null;
+  const calls = [];
   try {
     const response = await api(path, {method: "POST", headers: {"Content-Type": "application/json"},
                                        body: JSON.stringify(request), signal: controller.signal});
@@ -111,6 +147,11 @@ async function send() {
       const choice = (event.choices || [])[0];
       if (!choice) return;
       if (choice.finish_reason) finish = choice.finish_reason;
+      for (const call of (choice.delta && choice.delta.tool_calls) || []) {
+        if (first === null) first = performance.now();
+        calls.push(call);
+        reply.insertBefore(toolCallNode(call), stats);
+      }
       const piece = completion ? choice.text : (choice.delta && choice.delta.content);
       if (!piece) return;
       if (first === null) first = performance.now();
@@ -125,7 +166,13 @@ async function send() {
       }
       $("log").scrollTop = $("log").scrollHeight;
     });
-    if (!completion) messages.push({role: "assistant", content: full});
+    if (!completion) {
+      const turn = {role: "assistant", content: full};
+      if (calls.length) turn.tool_calls = calls.map(({id, type, function: fn}) => ({id, type, function: fn}));
+      messages.push(turn);
+    }
+    $("tool-result-box").hidden = !calls.length;
+    $("tool-result").checked = calls.length > 0;
   } catch (err) {
     if (err.name === "AbortError") finish = "stopped";
     else body.append(el("div", {class: "bad", text: "error: " + err.message}));
@@ -150,5 +197,11 @@ async function send() {
 $("send").addEventListener("click", send);
 $("input").addEventListener("keydown", (e) => { if (e.key === "Enter" && e.ctrlKey) send(); });
 $("stop-button").addEventListener("click", () => { if (controller) controller.abort(); });
-$("clear").addEventListener("click", () => { messages = []; $("log").replaceChildren(); });
+$("clear").addEventListener("click", () => {
+  messages = [];
+  $("log").replaceChildren();
+  $("tool-result-box").hidden = true;
+  $("tool-result").checked = false;
+});
+$("format").addEventListener("change", () => { $("schema-box").hidden = $("format").value !== "json_schema"; });
 loadModels().catch((err) => { $("status").textContent = "cannot list models: " + err.message; });
