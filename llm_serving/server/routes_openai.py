@@ -25,6 +25,7 @@ from llm_serving.master.request import SamplingParams
 from llm_serving.server import schemas, streaming
 from llm_serving.server.keys import ENGINE
 from llm_serving.server.schemas import ValidationError
+from llm_serving.server.reasoning import ReasoningStream, split_reasoning
 from llm_serving.server.tools import CallStream, ToolRequest, history_as_text, parse_calls
 from llm_serving.shm.layout import TOP_LOGPROBS
 
@@ -248,6 +249,8 @@ class Scoring:
     echo: "str | None" = None
     prompt_logprobs: bool = False
     score_only: bool = False
+    reasoning: bool = False             # chat: split <think> reasoning into reasoning_content (server/reasoning.py)
+    thinking: bool = False              # ... and the prompt opened the tag: the reply starts inside it
 
 
 async def _respond(request, engine, reqs, *, chat: bool, model: str, stream: bool, include_usage: bool,
@@ -282,11 +285,16 @@ async def _respond(request, engine, reqs, *, chat: bool, model: str, stream: boo
                 text = "".join(texts[i])
                 choice = {"index": i, "finish_reason": _finish_reason(final)}
                 if chat:
+                    reasoning = None
+                    if scoring.reasoning:
+                        reasoning, text = split_reasoning(text, scoring.thinking)
                     choice["message"] = {"role": "assistant", "content": text}
+                    if reasoning is not None:
+                        choice["message"]["reasoning_content"] = reasoning
                     if tools is not None:
                         content, calls = parse_calls(text, tools.format)
                         if calls:
-                            choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
+                            choice["message"].update(content=content, tool_calls=calls)
                             if final.finish_reason == "stop":
                                 choice["finish_reason"] = "tool_calls"
                     choice["logprobs"] = {"content": [chat_logprob(e) for e in lps[i]]} if logprobs else None
@@ -321,13 +329,19 @@ async def _respond(request, engine, reqs, *, chat: bool, model: str, stream: boo
         pending = []                             # chunks of events that came together, written at once
         calls = [CallStream(tools.format) for _ in reqs] if tools is not None else None
         first = [scoring.echo is None and not scoring.prompt_logprobs] * len(reqs)
+        thinks = [ReasoningStream(scoring.thinking) for _ in reqs] if scoring.reasoning else None
         async for i, event, more in _events(reqs):
             if event.finish_reason == "error":
                 pending.append(streaming.sse(streaming.openai_error_body(event.error or "generation failed",
                                                                          "server_error")))
                 break
             reason = _finish_reason(event) if event.finish_reason else None
-            text, found = event.text, []
+            text, found, thought = event.text, [], ""
+            if thinks is not None:               # reasoning first, then the answer
+                thought, text = thinks[i].push(text)
+                if reason is not None:
+                    more_thought, rest = thinks[i].flush()
+                    thought, text = thought + more_thought, text + rest
             if calls is not None:                # content until a tool call starts; each call once it closes
                 text, found = calls[i].push(text)
                 if reason is not None:
@@ -345,12 +359,14 @@ async def _respond(request, engine, reqs, *, chat: bool, model: str, stream: boo
                              "finish_reason": None}
                     pending.append(chunk([{**extra, "delta": {}, "logprobs": None} if chat else
                                           {**extra, "text": "", "logprobs": None}]))
-            if text or found or reason is not None:  # (else held back by stop strings, a special token, a call)
+            if text or found or thought or reason is not None:  # (else held back: stop strings, a special token, a call)
                 lp = None
                 if logprobs and event.token_id >= 0:
                     lp = {"content": [chat_logprob(event)]} if chat else _completion_logprobs([event], tok)
                 if chat:
                     delta = {"content": text} if text else {}
+                    if thought:
+                        delta["reasoning_content"] = thought
                     if found:
                         base = len(calls[i].calls) - len(found)
                         delta["tool_calls"] = [{"index": base + k, **call} for k, call in enumerate(found)]
@@ -449,8 +465,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         sampling.grammar = tools.grammar()
     _fit(engine, sampling, given, prompt_ids, key)
     reqs = await _submit(engine, prompt_ids, sampling, n, model)
+    template = engine.chat_template
+    thinking = template.reasons and engine.tokenizer.decode(prompt_ids[-16:], skip_special=False).rstrip() \
+        .endswith("<think>")
     scoring = Scoring(prompt_logprobs=sampling.prompt_logprobs is not None,
-                      score_only=given and body.get(key) == 0)
+                      score_only=given and body.get(key) == 0, reasoning=template.reasons, thinking=thinking)
     return await _respond(request, engine, reqs, chat=True, model=model, stream=stream,
                           include_usage=include_usage, logprobs=bool(logprobs), tools=tools, scoring=scoring)
 

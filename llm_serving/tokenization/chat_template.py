@@ -56,6 +56,8 @@ class ChatTemplate:
         self._template = None
         self._takes_tools = False
         self.tool_format = "hermes"          # how the model writes a tool call (server/tools.py reads it)
+        # the template marks reasoning with <think> tags (server/reasoning.py splits replies)
+        self.reasons = template is not None and "<think>" in template
         if template is not None:
             from jinja2 import TemplateError, meta
 
