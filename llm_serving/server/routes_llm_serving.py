@@ -6,7 +6,7 @@ import time
 
 from aiohttp import web
 
-from llm_serving.server import schemas, streaming
+from llm_serving.server import api_models, schemas, streaming
 from llm_serving.server.keys import ENGINE
 
 # Clients may name their request (to abort it by id); the server echoes the id it used in responses.
@@ -24,7 +24,8 @@ async def _read_request(request: web.Request, stream_default: bool):
         raise schemas.ModelNotFoundError(f"model {model!r} is not served here; this server serves "
                                          f"{', '.join(map(repr, engine.served_models()))}")
     body = schemas.parse_json_body(await request.read())
-    gen = schemas.parse_generate(body, stream_default=stream_default, vocab_size=engine.tokenizer.vocab_size)
+    gen = schemas.parse_generate(api_models.validate(api_models.GenerateRequest, body, unknown="parameter"),
+                                 stream_default=stream_default, vocab_size=engine.tokenizer.vocab_size)
     adapter = model if model is not None and model != engine.model_name else None
     if gen.adapter_id is not None:
         if gen.adapter_id not in engine.lora_paths:

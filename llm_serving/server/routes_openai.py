@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import time
 import uuid
 
@@ -22,36 +21,14 @@ from aiohttp import web
 
 from llm_serving.tokenization import ChatTemplateError
 from llm_serving.master.request import SamplingParams
-from llm_serving.server import schemas, streaming
+from llm_serving.server import api_models, schemas, streaming
 from llm_serving.server.keys import ENGINE
 from llm_serving.server.schemas import ValidationError
 from llm_serving.server.reasoning import ReasoningStream, split_reasoning
 from llm_serving.server.tools import CallStream, ToolRequest, history_as_text, parse_calls
-from llm_serving.shm.layout import TOP_LOGPROBS
 
 V = ""     # OpenAI fields are named bare in messages ("max_tokens", not "parameters.max_tokens")
-
-# fields accepted only at OpenAI's neutral value (or null) until they are implemented
-NEUTRAL = {"best_of": 1, "suffix": None, "functions": None, "function_call": None}
-COMMON = {"model", "stream", "stream_options", "n", "stop", "seed", "temperature", "top_p", "top_k", "ignore_eos",
-          "stop_token_ids", "user", "logprobs", "max_tokens", "frequency_penalty", "presence_penalty",
-          "repetition_penalty", "speculative", "logit_bias", "min_p", "min_tokens", "bad_words", "allowed_token_ids",
-          "response_format", "structured_outputs", "prompt_logprobs", *schemas.GUIDED} | set(NEUTRAL)
 MAX_COMPLETION_LOGPROBS = 5     # OpenAI's limits: completions logprobs 0..5, chat top_logprobs 0..20
-COMPLETION_FIELDS = COMMON | {"prompt", "echo"}
-CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-                        "parallel_tool_calls"}
-MAX_N = 16
-
-
-def _check_fields(body: dict, known: set) -> None:
-    unknown = set(body) - known
-    if unknown:
-        raise ValidationError(f"unknown field(s): {', '.join(sorted(unknown))}", param=sorted(unknown)[0])
-    for key, neutral in NEUTRAL.items():
-        if body.get(key) is not None and body[key] != neutral:
-            raise ValidationError(f"{key} is not supported by this server yet (send null or {json.dumps(neutral)})",
-                                  param=key)
 
 
 def _model(engine, body: dict) -> str:
@@ -64,42 +41,33 @@ def _model(engine, body: dict) -> str:
     return model
 
 
-def _sampling(body: dict, max_tokens_key: str, default_max: int, tokenizer):
-    """(SamplingParams, whether max_tokens was given, n, stream, include_usage)."""
-    vocab_size = tokenizer.vocab_size
-    max_tokens = schemas.int_field(body, max_tokens_key, None, 0, 1 << 20, prefix=V)
+def _sampling(r, body: dict, max_tokens_key: str, default_max: int, tokenizer):
+    """(SamplingParams, whether max_tokens was given, n, stream, include_usage) of a validated request `r`
+    (api_models: types and ranges checked) and its body (what needs the vocabulary is checked here)."""
+    max_tokens = getattr(r, max_tokens_key)
     if max_tokens_key != "max_tokens" and max_tokens is None:
-        max_tokens = schemas.int_field(body, "max_tokens", None, 0, 1 << 20, prefix=V)
-    prompt_logprobs = schemas.int_field(body, "prompt_logprobs", None, 0, TOP_LOGPROBS, prefix=V)
-    if max_tokens == 0 and prompt_logprobs is None and not body.get("echo"):
+        max_tokens = r.max_tokens
+    if max_tokens == 0 and r.prompt_logprobs is None and not getattr(r, "echo", False):
         raise ValidationError(f"{max_tokens_key} must be at least 1 (0: only with echo or prompt_logprobs, to score "
                               "the prompt)", param=max_tokens_key)
-    temperature = schemas.float_field(body, "temperature", 1.0, 0.0, 2.0, prefix=V)
-    top_p = schemas.float_field(body, "top_p", 1.0, 0.0, 1.0, lo_open=True, prefix=V)
-    top_k = schemas.int_field(body, "top_k", 0, -1, 1 << 20, prefix=V)
-    seed = schemas.int_field(body, "seed", None, -(1 << 63), (1 << 64) - 1, prefix=V)
-    n = schemas.int_field(body, "n", 1, 1, MAX_N, prefix=V)
-    stream = schemas.bool_field(body, "stream", False, prefix=V)
-    options = body.get("stream_options")
-    if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}):
-        raise ValidationError("stream_options must be an object with only include_usage", param="stream_options")
-    include_usage = schemas.bool_field(options or {}, "include_usage", False, prefix="stream_options.")
-    if options is not None and not stream:
+    if r.stream_options is not None and not r.stream:
         raise ValidationError("stream_options is only allowed with stream: true", param="stream_options")
-    greedy = temperature == 0.0
+    greedy = r.temperature == 0.0
     sampling = SamplingParams(
-        max_new_tokens=(max_tokens if max_tokens is not None else default_max) or 1, temperature=temperature,
-        top_k=0 if greedy or top_k == -1 else top_k, top_p=1.0 if greedy else top_p,
-        seed=None if seed is None else seed % (1 << 63), ignore_eos=schemas.bool_field(body, "ignore_eos", False, prefix=V),
-        stop=schemas.parse_stop(body.get("stop"), "stop"),
-        stop_token_ids=schemas.parse_stop_token_ids(body.get("stop_token_ids"), "stop_token_ids", vocab_size),
-        **schemas.parse_penalties(body, prefix=V), speculative=schemas.bool_field(body, "speculative", True, prefix=V),
-        **schemas.parse_logit_controls(body, tokenizer, prefix=V, max_tokens=max_tokens),
-        grammar=schemas.parse_structured(body), prompt_logprobs=prompt_logprobs)
-    if max_tokens == 0 and (sampling.grammar is not None or stream):
+        max_new_tokens=(max_tokens if max_tokens is not None else default_max) or 1, temperature=r.temperature,
+        top_k=0 if greedy or r.top_k == -1 else r.top_k, top_p=1.0 if greedy else r.top_p,
+        seed=None if r.seed is None else r.seed % (1 << 63), ignore_eos=r.ignore_eos,
+        stop=schemas.parse_stop(r.stop, "stop"),
+        stop_token_ids=schemas.parse_stop_token_ids(r.stop_token_ids, "stop_token_ids", tokenizer.vocab_size),
+        repetition_penalty=r.repetition_penalty, presence_penalty=r.presence_penalty,
+        frequency_penalty=r.frequency_penalty, speculative=r.speculative,
+        **schemas.parse_logit_controls(r, tokenizer, max_tokens=max_tokens),
+        grammar=schemas.parse_structured(body), prompt_logprobs=r.prompt_logprobs)
+    if max_tokens == 0 and (sampling.grammar is not None or r.stream):
         raise ValidationError(f"{max_tokens_key} 0 (scoring the prompt) goes with neither a grammar nor stream",
                               param=max_tokens_key)
-    return sampling, max_tokens is not None, n, stream, include_usage
+    include_usage = r.stream_options is not None and r.stream_options.include_usage
+    return sampling, max_tokens is not None, r.n, r.stream, include_usage
 
 
 def _prompt_ids(engine, prompt) -> list:
@@ -171,13 +139,12 @@ def _messages(messages) -> list:
     return out
 
 
-async def _read(request: web.Request, known: set):
+async def _read(request: web.Request, model_type: type):
+    """(engine, the body, it validated as model_type, the model it names)."""
     engine = request.app[ENGINE]
     body = schemas.parse_json_body(await request.read())
-    _check_fields(body, known)
-    model = _model(engine, body)
-    logprobs = body.get("logprobs")
-    return engine, body, model, logprobs
+    r = api_models.validate(model_type, body)
+    return engine, body, r, _model(engine, body)
 
 
 async def _submit(engine, prompt_ids, sampling, n, model: str) -> list:
@@ -421,43 +388,33 @@ def _top_dict(top, tokenizer) -> dict:
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    engine, body, model, logprobs = await _read(request, COMPLETION_FIELDS)
-    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
-                                 or not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS):
-        raise ValidationError(f"logprobs must be an integer in 0..{MAX_COMPLETION_LOGPROBS} (how many most likely "
-                              "tokens to list besides the chosen one)", param="logprobs")
-    if "prompt" not in body:
-        raise ValidationError("'prompt' is required", param="prompt")
-    prompt_ids = _prompt_ids(engine, body["prompt"])
-    sampling, given, n, stream, include_usage = _sampling(body, "max_tokens", 16, engine.tokenizer)
+    engine, body, r, model = await _read(request, api_models.CompletionRequest)
+    logprobs = r.logprobs
+    prompt_ids = _prompt_ids(engine, r.prompt)
+    sampling, given, n, stream, include_usage = _sampling(r, body, "max_tokens", 16, engine.tokenizer)
     sampling.top_logprobs = logprobs or 0
-    echo = schemas.bool_field(body, "echo", False, prefix=V)
     asked = sampling.prompt_logprobs
-    if echo and logprobs is not None:       # the echoed prompt's tokens carry their log-probabilities too
+    if r.echo and logprobs is not None:     # the echoed prompt's tokens carry their log-probabilities too
         sampling.prompt_logprobs = max(logprobs, sampling.prompt_logprobs or 0)
     _fit(engine, sampling, given, prompt_ids, "max_tokens")
     reqs = await _submit(engine, prompt_ids, sampling, n, model)
-    prompt = body["prompt"][0] if isinstance(body["prompt"], list) and len(body["prompt"]) == 1 else body["prompt"]
+    prompt = r.prompt[0] if isinstance(r.prompt, list) and len(r.prompt) == 1 else r.prompt
     scoring = Scoring(echo=(prompt if isinstance(prompt, str) else engine.tokenizer.decode(prompt_ids))
-                      if echo else None, prompt_logprobs=asked is not None,
-                      score_only=given and body.get("max_tokens") == 0)
+                      if r.echo else None, prompt_logprobs=asked is not None, score_only=r.max_tokens == 0)
     return await _respond(request, engine, reqs, chat=False, model=model, stream=stream,
                           include_usage=include_usage, logprobs=logprobs is not None, scoring=scoring)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    engine, body, model, logprobs = await _read(request, CHAT_FIELDS)
-    if logprobs is not None and not isinstance(logprobs, bool):
-        raise ValidationError("logprobs must be true or false", param="logprobs")
-    top = schemas.int_field(body, "top_logprobs", 0, 0, TOP_LOGPROBS, prefix=V)
-    if top and not logprobs:
+    engine, body, r, model = await _read(request, api_models.ChatCompletionRequest)
+    if r.top_logprobs and not r.logprobs:
         raise ValidationError("top_logprobs needs logprobs: true", param="top_logprobs")
-    messages = _messages(body.get("messages"))
+    messages = _messages(body["messages"])
     tools = ToolRequest.parse(body, engine.chat_template)
     prompt_ids = _chat_ids(engine, messages, tools)
-    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    sampling, given, n, stream, include_usage = _sampling(body, key, engine.max_model_len, engine.tokenizer)
-    sampling.top_logprobs = top
+    key = "max_completion_tokens" if r.max_completion_tokens is not None else "max_tokens"
+    sampling, given, n, stream, include_usage = _sampling(r, body, key, engine.max_model_len, engine.tokenizer)
+    sampling.top_logprobs = r.top_logprobs
     if tools is not None and tools.forced:      # a call is forced by its grammar
         if sampling.grammar is not None:
             raise ValidationError(f"tool_choice {tools.choice!r} forces a tool call; it cannot also follow "
@@ -468,10 +425,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     template = engine.chat_template
     thinking = template.reasons and engine.tokenizer.decode(prompt_ids[-16:], skip_special=False).rstrip() \
         .endswith("<think>")
-    scoring = Scoring(prompt_logprobs=sampling.prompt_logprobs is not None,
-                      score_only=given and body.get(key) == 0, reasoning=template.reasons, thinking=thinking)
+    scoring = Scoring(prompt_logprobs=sampling.prompt_logprobs is not None, score_only=getattr(r, key) == 0,
+                      reasoning=template.reasons, thinking=thinking)
     return await _respond(request, engine, reqs, chat=True, model=model, stream=stream,
-                          include_usage=include_usage, logprobs=bool(logprobs), tools=tools, scoring=scoring)
+                          include_usage=include_usage, logprobs=bool(r.logprobs), tools=tools, scoring=scoring)
 
 
 def _chat_ids(engine, messages: list, tools: "ToolRequest | None") -> list:
@@ -504,28 +461,19 @@ async def models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": [base, *adapters]})
 
 
-def _string_field(body: dict, key: str) -> str:
-    value = body.get(key)
-    if not isinstance(value, str) or not value:
-        raise ValidationError(f"'{key}' is required (a non-empty string)", param=key)
-    return value
-
-
 async def load_lora_adapter(request: web.Request) -> web.Response:
     """vLLM's route: {"lora_name", "lora_path"} -> the adapter is served as model lora_name."""
     engine = request.app[ENGINE]
-    body = schemas.parse_json_body(await request.read())
-    _check_fields(body, {"lora_name", "lora_path", "load_inplace"})
-    loaded = await engine.load_lora(_string_field(body, "lora_name"), _string_field(body, "lora_path"))
+    r = api_models.validate(api_models.LoadLoraRequest, schemas.parse_json_body(await request.read()))
+    loaded = await engine.load_lora(_nonempty(r.lora_name, "lora_name"), _nonempty(r.lora_path, "lora_path"))
     return web.json_response({"object": "lora_adapter", "id": loaded["lora_name"], "parent": engine.model_name,
                               **loaded})
 
 
 async def unload_lora_adapter(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
-    body = schemas.parse_json_body(await request.read())
-    _check_fields(body, {"lora_name", "lora_int_id"})
-    name = _string_field(body, "lora_name")
+    r = api_models.validate(api_models.UnloadLoraRequest, schemas.parse_json_body(await request.read()))
+    name = _nonempty(r.lora_name, "lora_name")
     try:
         await engine.unload_lora(name)
     except KeyError:
@@ -533,8 +481,12 @@ async def unload_lora_adapter(request: web.Request) -> web.Response:
     return web.json_response({"object": "lora_adapter", "id": name, "deleted": True})
 
 
-TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "return_token_strs",
-                   "tools", "tool_choice"}
+def _nonempty(value: str, key: str) -> str:
+    if not value:
+        raise ValidationError(f"'{key}' must be a non-empty string", param=key)
+    return value
+
+
 ROOT_ROUTES = ("/tokenize", "/detokenize")     # vLLM's, outside /v1/, with OpenAI's error shape
 
 
@@ -544,48 +496,55 @@ async def tokenize(request: web.Request) -> web.Response:
     {count, max_model_len, tokens, token_strs (with `return_token_strs`: each token's piece, else null)}."""
     engine = request.app[ENGINE]
     body = schemas.parse_json_body(await request.read())
-    _check_fields(body, TOKENIZE_FIELDS)
-    if body.get("model") is not None:
+    r = api_models.validate(api_models.TokenizeRequest, body)
+    if r.model is not None:
         _model(engine, body)
-    if ("prompt" in body) == ("messages" in body):
+    if (r.prompt is None) == (r.messages is None):
         raise ValidationError("give exactly one of 'prompt' (a string) or 'messages' (a chat)", param="prompt")
-    if "prompt" in body:
-        if not isinstance(body["prompt"], str):
-            raise ValidationError("'prompt' must be a string", param="prompt")
-        if body.get("add_generation_prompt") is not None:
+    if r.prompt is not None:
+        if r.add_generation_prompt is not None:
             raise ValidationError("add_generation_prompt goes with 'messages'", param="add_generation_prompt")
-        ids = engine.tokenizer.encode(body["prompt"], add_bos=schemas.bool_field(body, "add_special_tokens", True,
-                                                                                  prefix=V))
+        ids = engine.tokenizer.encode(r.prompt, add_bos=r.add_special_tokens is not False)
     else:
         messages = _messages(body["messages"])
-        if body.get("add_special_tokens"):
+        if r.add_special_tokens:
             raise ValidationError("add_special_tokens goes with 'prompt': a chat's special tokens are its "
                                   "template's", param="add_special_tokens")
-        if not schemas.bool_field(body, "add_generation_prompt", True, prefix=V) and messages[-1]["role"] != "assistant":
+        if r.add_generation_prompt is False and messages[-1]["role"] != "assistant":
             raise ValidationError("add_generation_prompt false is not supported: the chat template opens the "
                                   "assistant's turn after a last user or system message (and continues a last "
                                   "assistant message)", param="add_generation_prompt")
         ids = _chat_ids(engine, messages, ToolRequest.parse(body, engine.chat_template))
-    strs = schemas.bool_field(body, "return_token_strs", False, prefix=V)
     return web.json_response({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
-                              "token_strs": [engine.tokenizer.id_to_piece(i) for i in ids] if strs else None})
+                              "token_strs": [engine.tokenizer.id_to_piece(i) for i in ids] if r.return_token_strs
+                              else None})
 
 
 async def detokenize(request: web.Request) -> web.Response:
     """vLLM's POST /detokenize: {"tokens": [ids]} -> {"prompt": their text}, special tokens included."""
     engine = request.app[ENGINE]
     body = schemas.parse_json_body(await request.read())
-    _check_fields(body, {"model", "tokens"})
-    if body.get("model") is not None:
+    r = api_models.validate(api_models.DetokenizeRequest, body)
+    if r.model is not None:
         _model(engine, body)
-    tokens, vocab = body.get("tokens"), engine.tokenizer.vocab_size
-    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
-                                               for t in tokens):
+    vocab = engine.tokenizer.vocab_size
+    if not all(0 <= t < vocab for t in r.tokens):
         raise ValidationError(f"'tokens' must be a list of token ids in 0..{vocab - 1}", param="tokens")
-    return web.json_response({"prompt": engine.tokenizer.decode(tokens, skip_special=False)})
+    return web.json_response({"prompt": engine.tokenizer.decode(r.tokens, skip_special=False)})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    """The OpenAPI document of the HTTP API, built from the request models (server/api_models.py)."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        served = version("llm-serving")
+    except PackageNotFoundError:
+        served = "0"
+    return web.json_response(api_models.openapi(served))
 
 
 def add_routes(app: web.Application) -> None:
+    app.router.add_get("/openapi.json", openapi)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/v1/models", models)

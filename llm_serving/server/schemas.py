@@ -1,15 +1,15 @@
-"""Validation of generate requests: every bad input becomes a ValidationError naming the field, before
-anything reaches the engine."""
+"""Checks of a request past its fields' types and ranges (those are the request models', server/api_models.py):
+what needs the served model or several fields at once — token ids below the vocabulary, stop strings, a prompt's
+length, logit controls, which structured-output field is given and its value — each a ValidationError naming the
+field, before anything reaches the engine; and the GenerateRequest a llm-serving / TGI body becomes."""
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from typing import Optional
 
 from llm_serving.master.grammar import GrammarSpec
 from llm_serving.master.request import SamplingParams
-from llm_serving.shm.layout import TOP_LOGPROBS
 
 DEFAULT_MAX_NEW_TOKENS = 64
 
@@ -38,13 +38,6 @@ class GenerateRequest:
     adapter_id: "str | None" = None       # TGI's parameters.adapter_id: a LoRA adapter served here
 
 
-# Known TGI / llm-serving parameters that this version does not implement yet: accepted only when null
-# or at their neutral value, so clients that always send them keep working.
-NEUTRAL_PARAMETERS = {"truncate": None, "typical_p": None, "watermark": False, "best_of": 1}
-KNOWN_PARAMETERS = {"max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed",
-                    "return_full_text", "ignore_eos", "details", "stop", "stop_token_ids", "top_n_tokens",
-                    "repetition_penalty", "frequency_penalty", "presence_penalty", "speculative",
-                    "adapter_id", "grammar", "decoder_input_details"} | set(NEUTRAL_PARAMETERS)
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
 
 
@@ -63,46 +56,6 @@ def parse_json_body(raw: bytes) -> dict:
     if not isinstance(body, dict):
         raise ValidationError(f"request body must be a JSON object, got {type(body).__name__}")
     return body
-
-
-def bool_field(params: dict, key: str, default: bool, prefix: str = "parameters.") -> bool:
-    value = params.get(key, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise ValidationError(f"{prefix}{key} must be true or false, got {value!r}", param=key)
-    return value
-
-
-def int_field(params: dict, key: str, default, lo: int, hi: int, prefix: str = "parameters."):
-    value = params.get(key, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValidationError(f"{prefix}{key} must be an integer, got {value!r}", param=key)
-    if not lo <= value <= hi:
-        raise ValidationError(f"{prefix}{key} must be between {lo} and {hi}, got {value}", param=key)
-    return value
-
-
-def float_field(params: dict, key: str, default, lo: float, hi: float, lo_open: bool = False,
-           prefix: str = "parameters."):
-    value = params.get(key, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValidationError(f"{prefix}{key} must be a number, got {value!r}", param=key)
-    if value < lo or value > hi or (lo_open and value == lo):
-        raise ValidationError(f"{prefix}{key} must be in {'(' if lo_open else '['}{lo}, {hi}], got {value}",
-                              param=key)
-    return float(value)
-
-
-def parse_penalties(params: dict, prefix: str = "parameters.") -> dict:
-    """repetition_penalty in (0, 10] (1 = off), presence_penalty and frequency_penalty in [-2, 2] (0 = off)."""
-    return {"repetition_penalty": float_field(params, "repetition_penalty", 1.0, 0.0, 10.0, lo_open=True, prefix=prefix),
-            "presence_penalty": float_field(params, "presence_penalty", 0.0, -2.0, 2.0, prefix=prefix),
-            "frequency_penalty": float_field(params, "frequency_penalty", 0.0, -2.0, 2.0, prefix=prefix)}
 
 
 def parse_stop(value, field: str) -> tuple:
@@ -130,61 +83,34 @@ def parse_stop_token_ids(value, field: str, vocab_size: int) -> tuple:
     return tuple(value)
 
 
-def parse_generate(body: dict, *, stream_default: bool = False, vocab_size: int = 1 << 31) -> GenerateRequest:
-    """Check a llm-serving / TGI generate body: {"inputs": str, "parameters": {...}, "stream": bool}."""
-    unknown = set(body) - {"inputs", "parameters", "stream"}
-    if unknown:
-        raise ValidationError(f"unknown field(s) in request body: {', '.join(sorted(unknown))} "
-                              "(expected inputs, parameters, stream)")
-    inputs = body.get("inputs")
-    if inputs is None:
-        raise ValidationError("missing field 'inputs' (the prompt text)")
-    if not isinstance(inputs, str):
-        raise ValidationError(f"'inputs' must be a string, got {type(inputs).__name__}")
-    if not inputs.strip():
-        raise ValidationError("'inputs' is empty; give a non-empty prompt")
-    stream = body.get("stream", stream_default)
-    if not isinstance(stream, bool):
-        raise ValidationError(f"'stream' must be true or false, got {stream!r}")
-    params = body.get("parameters") or {}
-    if not isinstance(params, dict):
-        raise ValidationError(f"'parameters' must be an object, got {type(params).__name__}")
-    unknown = set(params) - KNOWN_PARAMETERS
-    if unknown:
-        raise ValidationError(f"unknown parameter(s): {', '.join(sorted(unknown))} "
-                              f"(known: {', '.join(sorted(KNOWN_PARAMETERS))})")
-    for key, neutral in NEUTRAL_PARAMETERS.items():
-        if params.get(key) is not None and params[key] != neutral:
-            raise ValidationError(f"parameters.{key} is not supported by this server yet "
-                                  f"(send null or {json.dumps(neutral)})")
-
-    max_new_tokens = int_field(params, "max_new_tokens", None, 1, 1 << 20)
-    do_sample = bool_field(params, "do_sample", False)
-    temperature = float_field(params, "temperature", None, 0.0, 100.0)
-    top_k = int_field(params, "top_k", 0, 0, 1 << 20)
-    top_p = float_field(params, "top_p", 1.0, 0.0, 1.0, lo_open=True)
-    seed = int_field(params, "seed", None, 0, (1 << 63) - 1)
+def parse_generate(r, *, stream_default: bool = False, vocab_size: int = 1 << 31) -> GenerateRequest:
+    """A llm-serving / TGI generate body validated as api_models.GenerateRequest, {"inputs": str, "parameters":
+    {...}, "stream": bool}, made a GenerateRequest (what the types and ranges cannot say checked here)."""
+    if not r.inputs.strip():
+        raise ValidationError("'inputs' is empty; give a non-empty prompt", param="inputs")
+    stream = stream_default if r.stream is None else r.stream
+    p = r.parameters
+    temperature = p.temperature
     # TGI's rule: sampling is on when asked for, or when any sampling knob is set away from neutral.
-    sample = do_sample or (temperature is not None and temperature not in (0.0, 1.0)) or top_k > 0 or top_p < 1.0
+    sample = p.do_sample or (temperature is not None and temperature not in (0.0, 1.0)) or p.top_k > 0 or p.top_p < 1.0
     if temperature == 0.0:
         sample = False
     sampling = SamplingParams(
-        max_new_tokens=max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
+        max_new_tokens=p.max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
         temperature=(temperature if temperature is not None else 1.0) if sample else 0.0,
-        top_k=top_k if sample else 0, top_p=top_p if sample else 1.0, seed=seed,
-        ignore_eos=bool_field(params, "ignore_eos", False), stop=parse_stop(params.get("stop"), "parameters.stop"),
-        stop_token_ids=parse_stop_token_ids(params.get("stop_token_ids"), "parameters.stop_token_ids", vocab_size),
-        top_logprobs=int_field(params, "top_n_tokens", 0, 0, TOP_LOGPROBS), **parse_penalties(params),
-        speculative=bool_field(params, "speculative", True), grammar=parse_tgi_grammar(params.get("grammar")),
-        prompt_logprobs=0 if bool_field(params, "decoder_input_details", False) else None)
+        top_k=p.top_k if sample else 0, top_p=p.top_p if sample else 1.0, seed=p.seed,
+        ignore_eos=p.ignore_eos, stop=parse_stop(p.stop, "parameters.stop"),
+        stop_token_ids=parse_stop_token_ids(p.stop_token_ids, "parameters.stop_token_ids", vocab_size),
+        top_logprobs=p.top_n_tokens, repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty, speculative=p.speculative,
+        grammar=parse_tgi_grammar(p.grammar.model_dump() if p.grammar is not None else None),
+        prompt_logprobs=0 if p.decoder_input_details else None)
     if sampling.prompt_logprobs is not None and stream:
         raise ValidationError("parameters.decoder_input_details is not supported when streaming (as TGI)",
                               param="decoder_input_details")
-    return GenerateRequest(inputs=inputs, sampling=sampling, stream=stream,
-                           return_full_text=bool_field(params, "return_full_text", False),
-                           details=bool_field(params, "details", False),
-                           max_new_tokens_given=max_new_tokens is not None,
-                           adapter_id=_adapter_id(params.get("adapter_id")))
+    return GenerateRequest(inputs=r.inputs, sampling=sampling, stream=stream, return_full_text=p.return_full_text,
+                           details=p.details, max_new_tokens_given=p.max_new_tokens is not None,
+                           adapter_id=_adapter_id(p.adapter_id))
 
 
 def _adapter_id(value) -> "str | None":
@@ -235,49 +161,41 @@ def _token_ids(value, field: str, vocab_size: int, most: int) -> tuple:
     return tuple(dict.fromkeys(value))
 
 
-def parse_logit_controls(params: dict, tokenizer, prefix: str = "", max_tokens: Optional[int] = None) -> dict:
-    """logit_bias ({token id: bias in [-100, 100]}, ids as JSON keys), min_p [0, 1], min_tokens (<= max_tokens),
-    bad_words (strings the output never contains), allowed_token_ids: SamplingParams fields, each checked."""
+def parse_logit_controls(r, tokenizer, max_tokens: Optional[int] = None) -> dict:
+    """A validated request's logit controls as SamplingParams fields (what needs the vocabulary checked here):
+    logit_bias ({token id: bias in [-100, 100]}, ids as JSON keys), min_p, min_tokens (<= max_tokens), bad_words
+    (strings the output never contains, as token sequences), allowed_token_ids."""
     vocab = tokenizer.vocab_size
-    out: dict = {}
-    bias = params.get("logit_bias")
-    if bias is not None:
-        if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS_ENTRIES:
-            raise ValidationError(f"{prefix}logit_bias must be an object {{token id: bias}} of at most "
-                                  f"{MAX_LOGIT_BIAS_ENTRIES} entries", param="logit_bias")
+    out: dict = {"min_p": r.min_p, "min_tokens": r.min_tokens}
+    if r.logit_bias is not None:
+        if len(r.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValidationError(f"logit_bias takes at most {MAX_LOGIT_BIAS_ENTRIES} entries", param="logit_bias")
         entries = []
-        for key, value in bias.items():
-            token = int(key) if isinstance(key, str) and key.strip().lstrip("-").isdigit() else None
+        for key, value in r.logit_bias.items():
+            token = int(key) if key.strip().lstrip("-").isdigit() else None
             if token is None or not 0 <= token < vocab:
-                raise ValidationError(f"{prefix}logit_bias: {key!r} is not a token id in 0..{vocab - 1}",
-                                      param="logit_bias")
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
-                raise ValidationError(f"{prefix}logit_bias[{key}] must be a number in [-100, 100], got {value!r}",
+                raise ValidationError(f"logit_bias: {key!r} is not a token id in 0..{vocab - 1}", param="logit_bias")
+            if not -100 <= value <= 100:
+                raise ValidationError(f"logit_bias[{key}] must be a number in [-100, 100], got {value!r}",
                                       param="logit_bias")
             entries.append((token, float(value)))
         out["logit_bias"] = tuple(entries)
-    out["min_p"] = float_field(params, "min_p", 0.0, 0.0, 1.0, prefix=prefix)
-    min_tokens = int_field(params, "min_tokens", 0, 0, 1 << 20, prefix=prefix)
-    if max_tokens is not None and min_tokens > max_tokens:
-        raise ValidationError(f"{prefix}min_tokens ({min_tokens}) is more than the most tokens asked for "
-                              f"({max_tokens})", param="min_tokens")
-    out["min_tokens"] = min_tokens
-    words = params.get("bad_words")
-    if words is not None:
-        if not isinstance(words, list) or len(words) > MAX_BAD_WORDS or not all(
-                isinstance(w, str) and w.strip() and len(w) <= MAX_STOP_CHARS for w in words):
-            raise ValidationError(f"{prefix}bad_words must be a list of at most {MAX_BAD_WORDS} non-blank strings of "
-                                  f"at most {MAX_STOP_CHARS} characters", param="bad_words")
+    if max_tokens is not None and r.min_tokens > max_tokens:
+        raise ValidationError(f"min_tokens ({r.min_tokens}) is more than the most tokens asked for ({max_tokens})",
+                              param="min_tokens")
+    if r.bad_words is not None:
+        if len(r.bad_words) > MAX_BAD_WORDS or not all(w.strip() and len(w) <= MAX_STOP_CHARS for w in r.bad_words):
+            raise ValidationError(f"bad_words must be a list of at most {MAX_BAD_WORDS} non-blank strings of at most "
+                                  f"{MAX_STOP_CHARS} characters", param="bad_words")
         sequences: dict = {}
-        for word in words:      # as it starts the text and as it follows a space
+        for word in r.bad_words:      # as it starts the text and as it follows a space
             for text in (word, word if word.startswith(" ") else " " + word):
                 ids = tuple(tokenizer.encode(text, add_bos=False))
                 if ids:
                     sequences[ids] = None
         out["bad_words"] = tuple(sequences)
-    if params.get("allowed_token_ids") is not None:
-        out["allowed_token_ids"] = _token_ids(params["allowed_token_ids"], f"{prefix}allowed_token_ids", vocab,
-                                              MAX_ALLOWED_TOKEN_IDS)
+    if r.allowed_token_ids is not None:
+        out["allowed_token_ids"] = _token_ids(r.allowed_token_ids, "allowed_token_ids", vocab, MAX_ALLOWED_TOKEN_IDS)
     return out
 
 

@@ -7,9 +7,11 @@ import urllib.request
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from llm_serving.server.schemas import KNOWN_PARAMETERS
+from llm_serving.server.api_models import TGIParameters
 from tests.integration.server_harness import http, parse_sse
 from tests.integration.test_serving import generate
+
+KNOWN_PARAMETERS = set(TGIParameters.model_fields)
 
 JSON_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(),
                          st.text(max_size=20))

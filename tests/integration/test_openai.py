@@ -172,3 +172,32 @@ def test_tokenize_and_detokenize_in_vllms_shapes(client, stories_server, tokeniz
         status, err = http("POST", url + path, bad)
         assert status in (400, 404) and "message" in err["error"], (path, bad, err)
         assert param is None or err["error"]["param"] == param, (path, bad, err)
+
+
+def test_the_openapi_document_describes_the_request_bodies_and_they_are_checked_by_them(stories_server):
+    """GET /openapi.json: an OpenAPI 3.1 document whose request schemas are the models the routes validate with
+    (server/api_models.py): a body that breaks one (a type, a range, an unknown field) is refused naming the field,
+    in each API's own error shape."""
+    url = stories_server.url
+    status, doc = http("GET", url + "/openapi.json")
+    assert status == 200 and doc["openapi"].startswith("3.1")
+    schemas = doc["components"]["schemas"]
+    chat = schemas["ChatCompletionRequest"]
+    assert {"messages", "tools", "response_format", "logit_bias", "min_p", "prompt_logprobs"} <= set(chat["properties"])
+    assert chat["properties"]["temperature"]["maximum"] == 2.0 and "messages" in chat["required"]
+    assert doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"] == \
+        {"$ref": "#/components/schemas/ChatCompletionRequest"}
+    assert {"/generate", "/tokenize", "/health", "/v1/models"} <= set(doc["paths"])
+    tgi = schemas["TGIParameters"]["properties"]
+    assert {"grammar", "decoder_input_details", "top_n_tokens"} <= set(tgi)
+    for path, body, param, words in (
+            ("/v1/completions", {"model": "hf", "prompt": "x", "temperature": 3}, "temperature", "<= 2.0"),
+            ("/v1/completions", {"model": "hf", "prompt": "x", "n": "2"}, "n", "must be an integer"),
+            ("/v1/chat/completions", {"model": "hf", "messages": [{"role": "robot", "content": "x"}]}, "messages",
+             "messages[0].role must be"),
+            ("/v1/chat/completions", {"model": "hf", "messages": [], "top_k": 1}, "messages", "non-empty"),
+            ("/v1/completions", {"model": "hf", "prompt": "x", "colour": "red"}, "colour", "unknown field(s): colour")):
+        status, err = http("POST", url + path, body)
+        assert status == 400 and err["error"]["param"] == param and words in err["error"]["message"], (body, err)
+    status, err = http("POST", url + "/generate", {"inputs": "x", "parameters": {"top_k": -1}})
+    assert status == 400 and "parameters.top_k must be >= 0" in err["error"], err

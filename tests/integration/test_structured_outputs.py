@@ -112,7 +112,7 @@ def test_a_grammar_that_does_not_compile_is_a_400_naming_the_field_and_nothing_e
              ({"response_format": {"type": "xml"}}, "response_format", "json_schema"),
              ({"logit_bias": {"abc": 1}}, "logit_bias", "token id"),
              ({"logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
-             ({"min_p": 2}, "min_p", "[0.0, 1.0]"),
+             ({"min_p": 2}, "min_p", "<= 1.0"),
              ({"min_tokens": 50, "max_tokens": 10}, "min_tokens", "more than"),
              ({"allowed_token_ids": [10 ** 6]}, "allowed_token_ids", "token ids"),
              ({"bad_words": ["", "x"]}, "bad_words", "non-blank")]

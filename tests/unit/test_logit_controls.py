@@ -17,7 +17,7 @@ from llm_serving.master.grammar import GrammarError, GrammarSpec, Grammars
 from llm_serving.master.logits import LogitsState, bits_of
 from llm_serving.master.request import SamplingParams
 from llm_serving.models.logit_controls import MASKED, apply_controls, logit_rows, read_controls
-from llm_serving.server import schemas
+from llm_serving.server import api_models, schemas
 from llm_serving.server.schemas import ValidationError
 from llm_serving.shm.layout import BAN_BIAS
 from llm_serving.tokenization import SentencePieceTokenizer
@@ -169,8 +169,9 @@ class _Tok:
 
 
 def test_request_fields_become_sampling_fields_or_a_400_naming_them():
-    got = schemas.parse_logit_controls({"logit_bias": {"5": 10, "7": -100.0}, "min_p": 0.1, "min_tokens": 3,
-                                        "bad_words": ["ab"], "allowed_token_ids": [1, 2, 2]}, _Tok(), max_tokens=8)
+    body = {"model": "m", "prompt": "p", "logit_bias": {"5": 10, "7": -100.0}, "min_p": 0.1, "min_tokens": 3,
+            "bad_words": ["ab"], "allowed_token_ids": [1, 2, 2]}
+    got = schemas.parse_logit_controls(api_models.validate(api_models.CompletionRequest, body), _Tok(), max_tokens=8)
     assert got == {"logit_bias": ((5, 10.0), (7, -100.0)), "min_p": 0.1, "min_tokens": 3,
                    "bad_words": ((97 % 100, 98 % 100), (32, 97 % 100, 98 % 100)), "allowed_token_ids": (1, 2)}
     assert schemas.parse_structured({"response_format": {"type": "text"}}) is None
