@@ -326,23 +326,18 @@ class ModelRunner:
         """A prefill or decode step."""
         inputs = StepInputs.make(self.limits, step, sampler=self.tp.writes_outputs)
         nb, sb = self.buckets.bucket(inputs.n, inputs.s)
-        if inputs.scores_prompt or self._scores_prompt(step):
+        if inputs.scores_prompt:             # (rank 0's: other ranks have no logits and run the step plainly)
             if not self.buckets.packed:
                 raise ValueError("ModelRunner.execute: prompt log-probabilities need the CPU kernel's packed prefill "
                                  "(attention_kernel on)")
-            scores = PromptScores(inputs.n, inputs.s, int(inputs.prompt_top.max()) if inputs.scores_prompt else 0)
+            scores = PromptScores(inputs.n, inputs.s, int(inputs.prompt_top.max()))
             out = self._execute_packed(inputs, step.return_logits, scores)
-            if step.out_prompt_logprobs is not None and inputs.scores_prompt:
+            if step.out_prompt_logprobs is not None:
                 scores.write(step)
             return out
         if inputs.s > 1 and self.buckets.packed:
             return self._execute_packed(inputs, step.return_logits)
         return self._execute_padded(inputs, nb, sb, step.return_logits)
-
-    def _scores_prompt(self, step: StepView) -> bool:
-        """A tensor-parallel rank other than 0 runs a step rank 0 scores the prompt of the same way (packed)."""
-        return (not self.tp.writes_outputs and step.kind is StepKind.PREFILL and step.prompt_top is not None
-                and bool((np.asarray(step.prompt_top) >= 0).any()))
 
     @property
     def lora_slot_bytes(self) -> int:
@@ -624,8 +619,6 @@ class ModelRunner:
         """A packed call's outputs over all its tokens: the prompt tokens' scores recorded, and the outputs of the
         tokens in sample_index (the rows sampled by the call) returned as a sampling call's."""
         token, logprob, logits = outputs
-        if not self.tp.writes_outputs:
-            return outputs
         T = self._ms.Tensor
         logits = logits.asnumpy()
         if step.scores_prompt:

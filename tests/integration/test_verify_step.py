@@ -93,7 +93,7 @@ def test_verify_step_log_probabilities_match_decoding(runner):
 def test_verify_step_refuses_what_it_cannot_do(runner):
     seq = Seq(list(range(40, 48)))
     step(runner, [seq], [PROMPTS[0]])
-    with pytest.raises(ValueError, match="top log-probabilities or sampling penalties"):
+    with pytest.raises(ValueError, match="top log-probabilities, sampling penalties"):
         runner.execute(step_view(runner, [Seq(list(range(40, 48)))], [[5, 6]], top_n=np.ones(1, np.int32),
                                  verify_random_u=np.zeros((1, 2), np.float32)))
     with pytest.raises(ValueError, match="verify_u has shape"):
