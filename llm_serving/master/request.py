@@ -126,11 +126,6 @@ class Request:
         self.seed = sampling.seed if sampling.seed is not None else int(np.random.SeedSequence().entropy % (1 << 63))
 
     @property
-    def scoring_prompt(self) -> bool:
-        """It wants prompt log-probabilities some of which no step has given yet."""
-        return self.prompt_scores is not None and self.num_computed_tokens < len(self.prompt_ids)
-
-    @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 

@@ -148,13 +148,23 @@ class RowWriter:
     def controls(self, rows: list) -> None:
         """Logit controls of [(row i, its master.logits.LogitsState, its output ids)] before a step that samples
         their requests' next tokens: the grammars' masks together (`fill_masks`), then each row's own part of
-        its mask and its bias entries."""
+        its mask and its bias entries. A row whose controls cannot be written is left without them and its state
+        keeps the reason (`LogitsState.error`): the engine ends that request with an error when its token comes
+        back; the others go on."""
         b = self.b
         grammars = [(state.matcher, i) for i, state, _ in rows if state.matcher is not None]
+        filled = True
         if grammars:
-            fill_masks(grammars, b.token_mask)
+            try:
+                fill_masks(grammars, b.token_mask)
+            except Exception:      # noqa: BLE001 - find the row at fault below, one by one
+                filled = False
         for i, state, output_ids in rows:
-            masked, ids, values = state.write(b.token_mask[i], output_ids, filled=True)
+            try:
+                masked, ids, values = state.write(b.token_mask[i], output_ids, filled=filled)
+            except Exception as exc:   # noqa: BLE001 - this request fails, not the step
+                state.error = f"its logit controls could not be written: {exc}"
+                masked, ids, values = False, [], []
             b.mask_on[i] = masked
             k = len(ids)
             if k:
@@ -260,6 +270,9 @@ class StepIO:
             try:
                 self._writer.controls(self._controlled)
             finally:
+                # The flag's store comes after the controls' in program order, and x86-64 keeps stores in order for
+                # every reader (the CPU agents this path serves). A host with a weaker memory model (Arm) would
+                # need a release fence here and an acquire fence in read_controls.
                 self._buffers.controls_pending[0] = 0
                 self._controlled = []
 

@@ -45,7 +45,8 @@ def read_controls(step, rows: np.ndarray, vocab_size: int, check, timeout_s: flo
             time.sleep(20e-6)
     out = {}
     n = len(rows)
-    mask_on = np.asarray(step.mask_on)[rows]
+    on = np.asarray(step.controls_on)[rows] != 0        # (a row without controls this step has none, whatever is left)
+    mask_on = (np.asarray(step.mask_on)[rows] != 0) & on
     if mask_on.any():
         words = (vocab_size + 31) // 32
         mask = np.asarray(step.token_mask, np.int32)
@@ -53,7 +54,7 @@ def read_controls(step, rows: np.ndarray, vocab_size: int, check, timeout_s: flo
             check(f"token_mask has shape {mask.shape}, expected (rows, >= {words})")
         out["mask_on"] = mask_on.astype(np.int32)
         out["token_mask"] = mask[rows, :words]
-    bias_len = np.asarray(step.bias_len, np.int32)[rows]
+    bias_len = np.where(on, np.asarray(step.bias_len, np.int32)[rows], 0)
     if bias_len.any():
         width = int(bias_len.max())
         ids = np.asarray(step.bias_ids, np.int32)[rows, :width]

@@ -52,6 +52,8 @@ class PromptScores:
     of row i, the log-probability of its prompt_target, its rank (1 = the likeliest) and the `top` most likely
     tokens (rank 0 of top: the likeliest). Written into the step's out_prompt_* arrays."""
 
+    BLOCK = 64                          # tokens scored at once (a block's log-softmax is BLOCK x vocab floats)
+
     def __init__(self, n: int, s: int, top: int):
         self.logprobs = np.zeros((n, s), np.float32)
         self.ranks = np.zeros((n, s), np.int32)
@@ -60,22 +62,26 @@ class PromptScores:
         self.top_logprobs = np.zeros((n, s, top), np.float32)
 
     def add(self, logits: np.ndarray, rows: np.ndarray, cols: np.ndarray, targets: np.ndarray, tops: np.ndarray):
-        """logits (k, V) of k tokens, token t at (rows[t], cols[t]) of the step."""
+        """logits (k, V) of k tokens, token t at (rows[t], cols[t]) of the step; the tokens with a target scored in
+        blocks of BLOCK rows (float32 log-softmax, vectorised)."""
         want = np.nonzero(targets[rows, cols] >= 0)[0]
-        for t in want:
-            i, j = int(rows[t]), int(cols[t])
-            row = logits[t].astype(np.float64)
-            row -= row.max()
-            lsm = row - np.log(np.exp(row).sum())
-            target = int(targets[i, j])
-            self.logprobs[i, j] = lsm[target]
-            self.ranks[i, j] = int((lsm > lsm[target]).sum()) + 1
-            k = int(tops[i])
+        for b0 in range(0, len(want), self.BLOCK):
+            t = want[b0:b0 + self.BLOCK]
+            i, j = rows[t], cols[t]
+            block = logits[t].astype(np.float32)
+            block -= block.max(axis=1, keepdims=True)
+            block -= np.log(np.exp(block).sum(axis=1, keepdims=True))          # log-softmax, (b, V)
+            target = targets[i, j]
+            chosen = block[np.arange(len(t)), target]
+            self.logprobs[i, j] = chosen
+            self.ranks[i, j] = (block > chosen[:, None]).sum(axis=1) + 1
+            k = int(tops[i].max()) if len(t) else 0
             if k:
-                ids = np.argpartition(-lsm, k - 1)[:k]
-                ids = ids[np.argsort(-lsm[ids], kind="stable")]
-                self.top_ids[i, j, :k] = ids
-                self.top_logprobs[i, j, :k] = lsm[ids]
+                ids = np.argpartition(-block, k - 1, axis=1)[:, :k]                   # (b, k), unordered
+                lps = np.take_along_axis(block, ids, axis=1)
+                order = np.argsort(-lps, axis=1, kind="stable")
+                self.top_ids[i, j, :k] = np.take_along_axis(ids, order, axis=1)
+                self.top_logprobs[i, j, :k] = np.take_along_axis(lps, order, axis=1)
 
     def write(self, view: StepView) -> None:
         n, s = self.logprobs.shape
@@ -319,6 +325,12 @@ class ModelRunner:
         own); the CPU kernel's packed path only.
 
         A decode run: see `_execute_decode_run`.
+
+        Logit controls (logit_controls.py): a row with controls_on is picked from its logits with its bias entries,
+        token mask and min_p applied (read when it is sampled: the master writes them while the model runs);
+        verify steps and decode runs have none. A prefill step with rows of prompt_top >= 0 (packed only) also
+        writes into the step's out_prompt_logprobs / _ranks / _top_ids / _top_logprobs the log-probability after
+        each new token of that row's prompt_target (`PromptScores`).
         """
         return self._EXECUTE[step.kind](self, step)
 
@@ -621,10 +633,9 @@ class ModelRunner:
         token, logprob, logits = outputs
         T = self._ms.Tensor
         logits = logits.asnumpy()
-        if step.scores_prompt:
-            valid, row_of = flat[:2]
-            cols = np.nonzero(valid)[1][start:stop]
-            scores.add(logits[:stop - start], row_of[start:stop], cols, step.prompt_target, step.prompt_top)
+        valid, row_of = flat[:2]
+        cols = np.nonzero(valid)[1][start:stop]
+        scores.add(logits[:stop - start], row_of[start:stop], cols, step.prompt_target, step.prompt_top)
         return (T(token.asnumpy()[sample_index]), T(logprob.asnumpy()[sample_index]), T(logits[sample_index]))
 
     @staticmethod

@@ -30,7 +30,7 @@ from typing import Optional
 
 import numpy as np
 
-from llm_serving.shm.layout import StepKind
+from llm_serving.shm.layout import TOP_LOGPROBS, StepKind
 
 from .logit_controls import logit_rows, uses_controls
 
@@ -183,8 +183,8 @@ class StepInputs:
                       f"expected ({n},), {(n, s)}")
             prompt_target = np.where((prompt_top >= 0)[:, None] & (np.arange(s)[None, :] < ql[:, None]),
                                      prompt_target, -1)
-            if prompt_target.min() < -1 or prompt_target.max() >= limits.vocab_size or prompt_top.max() > 64:
-                _fail("prompt_target must be token ids or -1 and prompt_top at most 64")
+            if prompt_target.min() < -1 or prompt_target.max() >= limits.vocab_size or prompt_top.max() > TOP_LOGPROBS:
+                _fail(f"prompt_target must be token ids or -1 and prompt_top at most {TOP_LOGPROBS}")
         return cls(input_ids, positions, slot_mapping, block_tables, cl, ql, per_row, verify_u, verify_parent, lora,
                    prompt_target, prompt_top, live=step)
 

@@ -5,7 +5,9 @@ document (GET /openapi.json) from the same models.
 
 What needs the served model is checked after validation, by the routes and server/schemas.py: token ids below
 the vocabulary, a prompt's length against the context, stop strings' sizes, a grammar that compiles, the tools'
-shapes, fields that exclude each other. Models are strict: "5" is not an integer and 1 is not true.
+shapes, fields that exclude each other. The request models are strict ("5" is not an integer, 1 is not true, NaN is
+not a number); what they carry through to those checks (a message's parts, a tool's function, a JSON schema) is
+typed loosely and checked there.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ _INT64 = dict(ge=-(1 << 63), le=(1 << 64) - 1)
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 # --- OpenAI (with vLLM's extra fields) ---------------------------------------------------------------------------
@@ -53,10 +55,8 @@ class StructuredOutputs(_Body):
     choice: Optional[List[str]] = None
     grammar: Optional[str] = None
     json_object: Optional[bool] = None
-    disable_any_whitespace: Optional[bool] = None
-    disable_additional_properties: Optional[bool] = None
-    whitespace_pattern: Optional[str] = None
-    backend: Optional[str] = None
+    disable_any_whitespace: Optional[bool] = Field(None, description="accepted: JSON never has free whitespace here")
+    backend: Optional[Literal["auto", "guidance", "llguidance"]] = Field(None, description="llguidance, the one here")
 
 
 class _Sampling(_Body):

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from aiohttp import web
 
-from llm_serving.master.engine import DuplicateRequestError, EngineStoppedError, LoraConflictError, LoraRefusedError
+from llm_serving.master.engine import (DuplicateRequestError, EngineStoppedError, LoraConflictError, LoraRefusedError,
+                                       UnsupportedRequestError)
 from llm_serving.master.grammar import GrammarError
 from llm_serving.master.scheduler import QueueFullError
 from llm_serving.server import metrics, routes_llm_serving, routes_openai, streaming
@@ -24,6 +25,7 @@ class UnauthorizedError(PermissionError):
 ERROR_STATUS = {
     ValidationError: (400, "validation"),
     GrammarError: (400, "validation"),
+    UnsupportedRequestError: (400, "validation"),
     LoraRefusedError: (400, "validation"),
     UnauthorizedError: (401, "unauthorized"),
     ModelNotFoundError: (404, "not_found"),

@@ -25,7 +25,7 @@ async def _read_request(request: web.Request, stream_default: bool):
                                          f"{', '.join(map(repr, engine.served_models()))}")
     body = schemas.parse_json_body(await request.read())
     gen = schemas.parse_generate(api_models.validate(api_models.GenerateRequest, body, unknown="parameter"),
-                                 stream_default=stream_default, vocab_size=engine.tokenizer.vocab_size)
+                                 stream_default=stream_default, vocab_size=engine.vocab_size)
     adapter = model if model is not None and model != engine.model_name else None
     if gen.adapter_id is not None:
         if gen.adapter_id not in engine.lora_paths:
@@ -38,14 +38,14 @@ async def _read_request(request: web.Request, stream_default: bool):
     prompt_ids = engine.tokenizer.encode(gen.inputs, add_bos=True)
     schemas.check_lengths(gen, len(prompt_ids), engine.max_model_len)
     req_id = schemas.parse_request_id(request.headers.get(REQUEST_ID_HEADER))
-    if gen.sampling.grammar is not None:
-        await engine.compile_grammar(gen.sampling.grammar)
+    if gen.sampling.grammar is not None:        # compiled off the event loop, then copied into the request
+        gen.compiled = await engine.compile_grammar(gen.sampling.grammar)
     return engine, gen, prompt_ids, req_id, adapter
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
     engine, gen, prompt_ids, req_id, adapter = await _read_request(request, stream_default=False)
-    req = engine.submit(prompt_ids, gen.sampling, req_id=req_id, adapter=adapter)
+    req = engine.submit(prompt_ids, gen.sampling, req_id=req_id, adapter=adapter, grammar=gen.compiled)
     try:
         if gen.stream:
             return await _stream(request, req, gen)
@@ -81,7 +81,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
 async def generate_stream(request: web.Request) -> web.StreamResponse:
     engine, gen, prompt_ids, req_id, adapter = await _read_request(request, stream_default=True)
     gen.stream = True
-    req = engine.submit(prompt_ids, gen.sampling, req_id=req_id, adapter=adapter)
+    req = engine.submit(prompt_ids, gen.sampling, req_id=req_id, adapter=adapter, grammar=gen.compiled)
     try:
         return await _stream(request, req, gen)
     finally:

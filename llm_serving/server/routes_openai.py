@@ -27,10 +27,6 @@ from llm_serving.server.schemas import ValidationError
 from llm_serving.server.reasoning import ReasoningStream, split_reasoning
 from llm_serving.server.tools import CallStream, ToolRequest, history_as_text, parse_calls
 
-V = ""     # OpenAI fields are named bare in messages ("max_tokens", not "parameters.max_tokens")
-MAX_COMPLETION_LOGPROBS = 5     # OpenAI's limits: completions logprobs 0..5, chat top_logprobs 0..20
-
-
 def _model(engine, body: dict) -> str:
     model = body.get("model")
     if not isinstance(model, str) or not model:
@@ -41,9 +37,10 @@ def _model(engine, body: dict) -> str:
     return model
 
 
-def _sampling(r, body: dict, max_tokens_key: str, default_max: int, tokenizer):
+def _sampling(r, body: dict, max_tokens_key: str, default_max: int, tokenizer, vocab: int):
     """(SamplingParams, whether max_tokens was given, n, stream, include_usage) of a validated request `r`
-    (api_models: types and ranges checked) and its body (what needs the vocabulary is checked here)."""
+    (api_models: types and ranges checked) and its body (what needs the vocabulary, ids below `vocab`, is checked
+    here)."""
     max_tokens = getattr(r, max_tokens_key)
     if max_tokens_key != "max_tokens" and max_tokens is None:
         max_tokens = r.max_tokens
@@ -58,10 +55,10 @@ def _sampling(r, body: dict, max_tokens_key: str, default_max: int, tokenizer):
         top_k=0 if greedy or r.top_k == -1 else r.top_k, top_p=1.0 if greedy else r.top_p,
         seed=None if r.seed is None else r.seed % (1 << 63), ignore_eos=r.ignore_eos,
         stop=schemas.parse_stop(r.stop, "stop"),
-        stop_token_ids=schemas.parse_stop_token_ids(r.stop_token_ids, "stop_token_ids", tokenizer.vocab_size),
+        stop_token_ids=schemas.parse_stop_token_ids(r.stop_token_ids, "stop_token_ids", vocab),
         repetition_penalty=r.repetition_penalty, presence_penalty=r.presence_penalty,
         frequency_penalty=r.frequency_penalty, speculative=r.speculative,
-        **schemas.parse_logit_controls(r, tokenizer, max_tokens=max_tokens),
+        **schemas.parse_logit_controls(r, tokenizer, vocab, max_tokens=max_tokens),
         grammar=schemas.parse_structured(body), prompt_logprobs=r.prompt_logprobs)
     if max_tokens == 0 and (sampling.grammar is not None or r.stream):
         raise ValidationError(f"{max_tokens_key} 0 (scoring the prompt) goes with neither a grammar nor stream",
@@ -78,7 +75,7 @@ def _prompt_ids(engine, prompt) -> list:
         if not prompt:
             raise ValidationError("'prompt' is empty", param="prompt")
         return engine.tokenizer.encode(prompt, add_bos=True)
-    vocab = engine.tokenizer.vocab_size
+    vocab = engine.vocab_size
     if (isinstance(prompt, list) and prompt
             and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt)):
         return list(prompt)
@@ -149,16 +146,15 @@ async def _read(request: web.Request, model_type: type):
 
 async def _submit(engine, prompt_ids, sampling, n, model: str) -> list:
     """n requests of the prompt on `model`: the base model, or a LoRA adapter by its name (a grammar compiled
-    first, off the event loop)."""
-    if sampling.grammar is not None:
-        await engine.compile_grammar(sampling.grammar)
+    first, off the event loop, and copied into each)."""
+    compiled = await engine.compile_grammar(sampling.grammar) if sampling.grammar is not None else None
     adapter = model if model != engine.model_name else None
     reqs = []
     try:
         for i in range(n):
             sp = sampling if i == 0 or sampling.seed is None else \
                 dataclasses.replace(sampling, seed=(sampling.seed + i) % (1 << 63))
-            reqs.append(engine.submit(prompt_ids, sp, adapter=adapter))
+            reqs.append(engine.submit(prompt_ids, sp, adapter=adapter, grammar=compiled))
     except BaseException:
         for req in reqs:
             engine.release(req)
@@ -391,7 +387,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     engine, body, r, model = await _read(request, api_models.CompletionRequest)
     logprobs = r.logprobs
     prompt_ids = _prompt_ids(engine, r.prompt)
-    sampling, given, n, stream, include_usage = _sampling(r, body, "max_tokens", 16, engine.tokenizer)
+    sampling, given, n, stream, include_usage = _sampling(r, body, "max_tokens", 16, engine.tokenizer,
+                                                          engine.vocab_size)
     sampling.top_logprobs = logprobs or 0
     asked = sampling.prompt_logprobs
     if r.echo and logprobs is not None:     # the echoed prompt's tokens carry their log-probabilities too
@@ -413,20 +410,24 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     tools = ToolRequest.parse(body, engine.chat_template)
     prompt_ids = _chat_ids(engine, messages, tools)
     key = "max_completion_tokens" if r.max_completion_tokens is not None else "max_tokens"
-    sampling, given, n, stream, include_usage = _sampling(r, body, key, engine.max_model_len, engine.tokenizer)
+    sampling, given, n, stream, include_usage = _sampling(r, body, key, engine.max_model_len, engine.tokenizer,
+                                                          engine.vocab_size)
     sampling.top_logprobs = r.top_logprobs
     if tools is not None and tools.forced:      # a call is forced by its grammar
         if sampling.grammar is not None:
             raise ValidationError(f"tool_choice {tools.choice!r} forces a tool call; it cannot also follow "
                                   f"{sampling.grammar.field}", param="tool_choice")
+        if getattr(r, key) == 0:
+            raise ValidationError(f"{key} 0 (scoring the prompt) cannot force a tool call", param=key)
         sampling.grammar = tools.grammar()
     _fit(engine, sampling, given, prompt_ids, key)
     reqs = await _submit(engine, prompt_ids, sampling, n, model)
     template = engine.chat_template
     thinking = template.reasons and engine.tokenizer.decode(prompt_ids[-16:], skip_special=False).rstrip() \
         .endswith("<think>")
+    reasons = template.reasons and sampling.grammar is None     # (a grammar's output is the answer, whole)
     scoring = Scoring(prompt_logprobs=sampling.prompt_logprobs is not None, score_only=getattr(r, key) == 0,
-                      reasoning=template.reasons, thinking=thinking)
+                      reasoning=reasons, thinking=reasons and thinking)
     return await _respond(request, engine, reqs, chat=True, model=model, stream=stream,
                           include_usage=include_usage, logprobs=bool(r.logprobs), tools=tools, scoring=scoring)
 

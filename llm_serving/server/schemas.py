@@ -5,6 +5,7 @@ field, before anything reaches the engine; and the GenerateRequest a llm-serving
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -36,6 +37,7 @@ class GenerateRequest:
     details: bool
     max_new_tokens_given: bool
     adapter_id: "str | None" = None       # TGI's parameters.adapter_id: a LoRA adapter served here
+    compiled: object = None               # its grammar's matcher (Engine.compile_grammar), once compiled
 
 
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
@@ -161,18 +163,18 @@ def _token_ids(value, field: str, vocab_size: int, most: int) -> tuple:
     return tuple(dict.fromkeys(value))
 
 
-def parse_logit_controls(r, tokenizer, max_tokens: Optional[int] = None) -> dict:
+def parse_logit_controls(r, tokenizer, vocab: int, max_tokens: Optional[int] = None) -> dict:
     """A validated request's logit controls as SamplingParams fields (what needs the vocabulary checked here):
     logit_bias ({token id: bias in [-100, 100]}, ids as JSON keys), min_p, min_tokens (<= max_tokens), bad_words
-    (strings the output never contains, as token sequences), allowed_token_ids."""
-    vocab = tokenizer.vocab_size
+    (strings the output never contains, as token sequences), allowed_token_ids; `vocab`: the ids a request may
+    name (the tokenizer's that the model has too)."""
     out: dict = {"min_p": r.min_p, "min_tokens": r.min_tokens}
     if r.logit_bias is not None:
         if len(r.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
             raise ValidationError(f"logit_bias takes at most {MAX_LOGIT_BIAS_ENTRIES} entries", param="logit_bias")
         entries = []
         for key, value in r.logit_bias.items():
-            token = int(key) if key.strip().lstrip("-").isdigit() else None
+            token = int(key) if re.fullmatch(r"\s*-?[0-9]{1,9}\s*", key) else None
             if token is None or not 0 <= token < vocab:
                 raise ValidationError(f"logit_bias: {key!r} is not a token id in 0..{vocab - 1}", param="logit_bias")
             if not -100 <= value <= 100:
@@ -220,7 +222,7 @@ def parse_structured(body: dict) -> "Optional[GrammarSpec]":
     """What the output must match, from the one of OpenAI's `response_format`, vLLM's `structured_outputs`
     (json, regex, choice, grammar: Lark or GBNF, json_object) or its older `guided_*` fields that is given."""
     given = [k for k in ("response_format", "structured_outputs", *GUIDED) if body.get(k) is not None]
-    if body.get("response_format") is not None and body["response_format"] == {"type": "text"}:
+    if isinstance(body.get("response_format"), dict) and body["response_format"].get("type") == "text":
         given.remove("response_format")
     if len(given) > 1:
         raise ValidationError(f"give at most one of {', '.join(given)}: each says what the output must match",
@@ -236,11 +238,13 @@ def parse_structured(body: dict) -> "Optional[GrammarSpec]":
             raise ValidationError("structured_outputs must be an object with one of "
                                   f"{', '.join(STRUCTURED_KINDS)}", param=key)
         kinds = [k for k in STRUCTURED_KINDS if value.get(k) not in (None, False)]
-        unknown = set(value) - set(STRUCTURED_KINDS) - {"disable_any_whitespace", "disable_additional_properties",
-                                                         "whitespace_pattern", "backend"}
+        # JSON comes out without free whitespace either way; llguidance is the one backend
+        unknown = {k for k in set(value) - set(STRUCTURED_KINDS) - {"disable_any_whitespace"}
+                   if not (k == "backend" and value[k] in (None, "auto", "guidance", "llguidance"))}
         if unknown or len(kinds) != 1:
             raise ValidationError(f"structured_outputs must have exactly one of {', '.join(STRUCTURED_KINDS)}"
-                                  + (f" (unknown: {', '.join(sorted(unknown))})" if unknown else ""), param=key)
+                                  + (f" (not supported here: {', '.join(sorted(unknown))})" if unknown else ""),
+                                  param=key)
         return _structured_value(kinds[0], value[kinds[0]], f"structured_outputs.{kinds[0]}")
     # OpenAI's response_format
     kind = value.get("type") if isinstance(value, dict) else None

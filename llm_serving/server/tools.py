@@ -99,9 +99,14 @@ class ToolRequest:
             return None
         allowed = [t["function"] for t in self.tools if self.choice == "required" or t["function"]["name"] == self.choice]
         args = "parameters" if self.format == "llama3_json" else "arguments"
+        defs: dict = {}                  # every tool's $defs, at the root where their $refs can reach them
         schemas = [{"type": "object", "additionalProperties": False, "required": ["name", args],
                     "properties": {"name": {"const": fn["name"]},
-                                   args: fn.get("parameters") or {"type": "object"}}} for fn in allowed]
+                                   args: _hoisted(fn.get("parameters") or {"type": "object"}, f"{k}_", defs)}}
+                   for k, fn in enumerate(allowed)]
+        if defs:
+            schemas = [{**schemas[0], "$defs": defs}] if len(schemas) == 1 else \
+                [{"anyOf": schemas, "$defs": defs}]
         if self.format == "llama3_json":
             one = {"anyOf": schemas} if len(schemas) > 1 else schemas[0]
             return GrammarSpec("json", json.dumps({**one, "x-guidance": JSON_OPTIONS}), "tools")
@@ -114,6 +119,32 @@ class ToolRequest:
         if self.takes_tools:
             return [_with_argument_objects(m) for m in messages], self.tools
         return describe_tools(self.tools, history_as_text(messages)), None
+
+
+def _hoisted(schema: dict, prefix: str, defs: dict) -> dict:
+    """A tool's parameters schema with its $defs (or definitions) moved into `defs` under `prefix` and its
+    "#/$defs/X" references pointed there: nested under a call's "arguments", its own root is no longer the root."""
+    own = {**schema.get("definitions", {}), **schema.get("$defs", {})}
+    if not own:
+        return schema
+    for name, value in own.items():
+        defs[prefix + name] = value
+
+    def point(node):
+        if isinstance(node, dict):
+            out = {k: point(v) for k, v in node.items() if k not in ("$defs", "definitions")}
+            ref = node.get("$ref")
+            if isinstance(ref, str):
+                for root in ("#/$defs/", "#/definitions/"):
+                    if ref.startswith(root):
+                        out["$ref"] = "#/$defs/" + prefix + ref[len(root):]
+            return out
+        if isinstance(node, list):
+            return [point(v) for v in node]
+        return node
+    for name in own:
+        defs[prefix + name] = point(defs[prefix + name])
+    return point(schema)
 
 
 def _with_argument_objects(message: dict) -> dict:
@@ -187,16 +218,21 @@ def parse_calls(text: str, fmt: str) -> tuple:
         body = text.strip()
         if body.startswith("<|python_tag|>"):
             body = body[len("<|python_tag|>"):]
-        calls = []
-        for part in body.split(";"):
+        calls, at, decoder = [], 0, json.JSONDecoder()
+        while True:                      # objects one after another, ';' (or whitespace) between them
+            while at < len(body) and body[at] in " \t\r\n;":
+                at += 1
+            if at == len(body):
+                break
             try:
-                call = _call(json.loads(part), "parameters")
+                obj, at = decoder.raw_decode(body, at)
             except json.JSONDecodeError:
                 return text, []
+            call = _call(obj, "parameters")
             if call is None:
                 return text, []
             calls.append(call)
-        return None, calls
+        return (None, calls) if calls else (text, [])
     calls, rest, last = [], [], 0
     for match in _BLOCK.finditer(text):
         try:

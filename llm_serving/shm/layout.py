@@ -16,7 +16,7 @@ name, sliced to the step's rows and tokens by their shape class:
   top          (max_rows, TOP_LOGPROBS)           [:n]
   mask         (max_rows, ceil(vocab_size / 32))  [:n]   (a bit per token of the model's vocabulary)
   bias         (max_rows, MAX_LOGIT_BIAS)         [:n]
-  token_top    (max_rows, max_tokens, TOP_LOGPROBS)  [:n, :s]
+  token_top    (max_prefill_rows, max_tokens, TOP_LOGPROBS)  [:n, :s]   (prefill steps only)
   flag         (1,)                               [:1]   (one value for the step)
 
 Readers: `model` arrays are read by every rank's model work (what rank 0 broadcasts to ranks on other nodes,
@@ -188,6 +188,7 @@ class StepLayout:
     max_context: int = 0            # tokens a sequence may reach (history width)
     max_verify: int = 1             # tokens a speculating row feeds in a verify step, or steps of a decode run
     vocab_size: int = 0             # the model's vocabulary (token masks; 0: none, constrained rows refused)
+    max_prefill_rows: int = 0       # rows of a prefill step (prompt scores); 0: max_rows
 
     @classmethod
     def from_config(cls, config) -> "StepLayout":
@@ -196,7 +197,7 @@ class StepLayout:
                    max_tokens=mc.seq_length[-1], max_blocks_per_seq=config.max_blocks_per_seq,
                    max_context=config.max_blocks_per_seq * config.pa_config.block_size,
                    max_verify=max(config.spec_config.tokens_per_row, config.scheduler_config.decode_steps),
-                   vocab_size=mc.vocab_size or 0)
+                   vocab_size=mc.vocab_size or 0, max_prefill_rows=mc.prefill_batch_size[-1])
 
     def shape(self, shape_class: str) -> tuple:
         """The full shape of an array of a shape class."""
@@ -204,7 +205,7 @@ class StepLayout:
         return {"token": (r, self.max_tokens), "row": (r,), "table": (r, self.max_blocks_per_seq),
                 "history": (r, max(self.max_context, 1)), "verify": (r, self.max_verify),
                 "top": (r, TOP_LOGPROBS), "mask": (r, self.mask_words), "bias": (r, MAX_LOGIT_BIAS),
-                "token_top": (r, self.max_tokens, TOP_LOGPROBS), "flag": (1,)}[shape_class]
+                "token_top": (self.max_prefill_rows or r, self.max_tokens, TOP_LOGPROBS), "flag": (1,)}[shape_class]
 
     @property
     def mask_words(self) -> int:

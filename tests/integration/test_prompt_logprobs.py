@@ -115,3 +115,27 @@ def test_smollm2_scores_prompts_across_chunks_and_rows_as_the_reference_does(smo
         got = body["choices"][0]["logprobs"]["token_logprobs"]
         assert got[0] is None and len(got) == len(ids)
         np.testing.assert_allclose(got[1:], _reference_logprobs(reference, ids)[0], atol=0.05)
+
+
+def test_agents_that_pad_prefill_refuse_prompt_scores_with_a_400_and_serve_the_rest(stories_dir, tmp_path):
+    """Without the CPU paged-attention kernel (as on Ascend) prefill steps are padded, not packed, and carry no
+    logits but each row's last: a request for prompt log-probabilities is refused naming the field, before it can
+    share (and fail) a step with others."""
+    from tests.integration.server_harness import REPO, serving
+    args = ["--config", str(REPO / "configs" / "stories260K.yaml"), "--model", str(stories_dir / "hf"),
+            "--set", "model_config.attention_kernel=off", "--set", "model_config.seq_length=[16,64]",
+            "--set", "model_config.max_generate_length=64"]
+    with serving(args, tmp_path / "server.log") as server:
+        for path, body in (("/v1/completions", {"model": "hf", "prompt": "Once upon", "max_tokens": 1,
+                                                "prompt_logprobs": 1}),
+                           ("/v1/completions", {"model": "hf", "prompt": "Once upon", "max_tokens": 0, "echo": True,
+                                                "logprobs": 0})):
+            status, err = http("POST", server.url + path, body)
+            assert status == 400 and err["error"]["param"] == "prompt_logprobs", err
+            assert "packed prefill" in err["error"]["message"]
+        status, err = http("POST", server.url + "/generate", {"inputs": "Once upon", "parameters": {
+            "max_new_tokens": 2, "decoder_input_details": True}})
+        assert status == 400 and "packed prefill" in err["error"], err
+        status, body = http("POST", server.url + "/v1/completions", {"model": "hf", "prompt": "Once upon a time",
+                                                                     "max_tokens": 4, "temperature": 0})
+        assert status == 200 and body["usage"]["completion_tokens"] == 4, body

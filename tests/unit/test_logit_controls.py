@@ -171,7 +171,8 @@ class _Tok:
 def test_request_fields_become_sampling_fields_or_a_400_naming_them():
     body = {"model": "m", "prompt": "p", "logit_bias": {"5": 10, "7": -100.0}, "min_p": 0.1, "min_tokens": 3,
             "bad_words": ["ab"], "allowed_token_ids": [1, 2, 2]}
-    got = schemas.parse_logit_controls(api_models.validate(api_models.CompletionRequest, body), _Tok(), max_tokens=8)
+    got = schemas.parse_logit_controls(api_models.validate(api_models.CompletionRequest, body), _Tok(), 100,
+                                       max_tokens=8)
     assert got == {"logit_bias": ((5, 10.0), (7, -100.0)), "min_p": 0.1, "min_tokens": 3,
                    "bad_words": ((97 % 100, 98 % 100), (32, 97 % 100, 98 % 100)), "allowed_token_ids": (1, 2)}
     assert schemas.parse_structured({"response_format": {"type": "text"}}) is None
@@ -192,3 +193,21 @@ def test_request_fields_become_sampling_fields_or_a_400_naming_them():
         assert info.value.param == param, body
     with pytest.raises(ValidationError, match="parameters.grammar"):
         schemas.parse_tgi_grammar({"type": "lark", "value": "x"})
+
+
+def test_a_row_whose_controls_fail_is_left_without_them_and_the_others_are_written():
+    from llm_serving.master.step_io import RowWriter
+
+    class Broken(LogitsState):
+        def write(self, mask_row, output_ids, filled=False):
+            raise RuntimeError("boom")
+    z = np.zeros
+    buffers = type("B", (), {"token_mask": z((3, 2), np.int32), "mask_on": z(3, np.int32) + 7,
+                             "bias_ids": z((3, 4), np.int32), "bias_values": z((3, 4), np.float32),
+                             "bias_len": z(3, np.int32) + 7})()
+    good = LogitsState(SamplingParams(allowed_token_ids=(3,), logit_bias=((5, 1.0),)), set(), vocab_size=40)
+    bad = Broken(SamplingParams(min_tokens=1), {0}, vocab_size=40)
+    RowWriter(buffers, 16).controls([(0, good, []), (2, bad, [])])
+    assert buffers.mask_on.tolist() == [1, 7, 0] and buffers.bias_len.tolist() == [1, 7, 0]
+    assert buffers.token_mask[0].tolist() == bits_of([3], 40).tolist() and buffers.bias_ids[0, 0] == 5
+    assert bad.error.startswith("its logit controls could not be written: boom") and good.error is None

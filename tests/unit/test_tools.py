@@ -135,3 +135,50 @@ def test_a_stream_passes_content_on_and_each_call_once_it_closes(cut):
     assert content == "" and calls[0]["function"]["name"] == "add"
     plain = CallStream("llama3_json")
     assert plain.push("Hello {x}") == ("Hello {x}", []) and plain.flush() == ("", [])
+
+
+def test_a_forced_call_compiles_tools_whose_parameters_refer_to_their_own_defs(stories_dir):
+    """pydantic writes nested types as $defs and $refs; nested under a call's arguments they must still resolve,
+    each tool's apart from another's of the same name."""
+    import random
+
+    import numpy as np
+
+    from llm_serving.master.grammar import Grammars
+    from llm_serving.master.logits import LogitsState
+    from llm_serving.master.request import SamplingParams
+    from llm_serving.tokenization import SentencePieceTokenizer
+
+    def tool(name, inner):
+        return {"type": "function", "function": {"name": name, "parameters": {
+            "type": "object", "required": ["where"], "additionalProperties": False,
+            "properties": {"where": {"$ref": "#/$defs/Place"}}, "$defs": {"Place": inner}}}}
+    tools = [tool("go", {"type": "object", "required": ["x"], "additionalProperties": False,
+                         "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}}}),
+             tool("see", {"enum": ["north", "south"]})]
+    tok = SentencePieceTokenizer(str(stories_dir / "hf" / "tokenizer.model"))
+    grammars = Grammars(tok, tok.vocab_size)
+    for choice in ("required", {"type": "function", "function": {"name": "see"}}):
+        spec = _tools({"tools": tools, "tool_choice": choice, "parallel_tool_calls": False}).grammar()
+        state = LogitsState(SamplingParams(grammar=spec), set(tok.eos_ids), tok.vocab_size, grammars.compile_now(spec))
+        row, out, rng = np.zeros(grammars.mask_words, np.int32), [], random.Random(0)
+        while not state.complete:
+            state.write(row, out)
+            allowed = [t for t in np.nonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))[0].tolist()
+                       if t not in tok.eos_ids]
+            token = rng.choice(allowed)
+            assert state.accept(token), state.error
+            out.append(token)
+        _, calls = parse_calls(tok.decode(out), "hermes")
+        args = json.loads(calls[0]["function"]["arguments"])
+        if calls[0]["function"]["name"] == "go":
+            assert choice == "required" and 0 <= args["where"]["x"] <= 9
+        else:
+            assert args["where"] in ("north", "south")
+
+
+def test_llama3_calls_keep_semicolons_inside_their_strings():
+    content, calls = parse_calls('{"name": "sql", "parameters": {"q": "SELECT 1; SELECT 2"}};{"name": "x", '
+                                 '"parameters": {}}', "llama3_json")
+    assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"q": "SELECT 1; SELECT 2"}
+    assert [c["function"]["name"] for c in calls] == ["sql", "x"]

@@ -152,6 +152,12 @@ async function send() {
         calls.push(call);
         reply.insertBefore(toolCallNode(call), stats);
       }
+      const thought = !completion && choice.delta && choice.delta.reasoning_content;
+      if (thought) {                          // a thinking model's reasoning, shown apart from its answer
+        let box = reply.querySelector(".reasoning");
+        if (!box) reply.insertBefore(box = el("div", {class: "reasoning"}), body);
+        box.textContent += thought;
+      }
       const piece = completion ? choice.text : (choice.delta && choice.delta.content);
       if (!piece) return;
       if (first === null) first = performance.now();
