@@ -425,7 +425,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     template = engine.chat_template
     thinking = template.reasons and engine.tokenizer.decode(prompt_ids[-16:], skip_special=False).rstrip() \
         .endswith("<think>")
-    reasons = template.reasons and sampling.grammar is None     # (a grammar's output is the answer, whole)
+    # a grammar constrains the reply from its first token: its output is the answer, unless it spells the reasoning
+    # out itself (its text has the closing tag)
+    reasons = template.reasons and (sampling.grammar is None or "</think>" in str(sampling.grammar.value))
     scoring = Scoring(prompt_logprobs=sampling.prompt_logprobs is not None, score_only=getattr(r, key) == 0,
                       reasoning=reasons, thinking=reasons and thinking)
     return await _respond(request, engine, reqs, chat=True, model=model, stream=stream,

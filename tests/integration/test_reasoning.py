@@ -1,6 +1,7 @@
 """A thinking model's reply (vLLM's reasoning_content): the stories260K model served with a chat template whose
 generation prompt opens <think>, its reply forced by a regular expression to reason, close the tag and answer;
-the reasoning and the answer come apart, whole and streamed, and a tool-call parser sees only the answer."""
+the reasoning and the answer come apart, whole and streamed. A grammar that does not spell the reasoning out (a
+JSON schema) constrains the answer: the whole reply is content."""
 from __future__ import annotations
 
 import json
@@ -35,3 +36,7 @@ def test_reasoning_and_answer_come_apart_whole_and_streamed(stories_dir, tmp_pat
         # the reasoning comes first: no content delta before the last reasoning delta
         kinds = ["r" if d.get("reasoning_content") else "c" for d in deltas if d.get("reasoning_content") or d.get("content")]
         assert kinds == sorted(kinds, reverse=True), kinds
+        status, body = http("POST", server.url + "/v1/chat/completions", {
+            **body, "guided_regex": None, "max_tokens": 20, "structured_outputs": {"choice": ["yes", "no"]}})
+        assert status == 200 and body["choices"][0]["message"]["content"] in ("yes", "no"), body
+        assert "reasoning_content" not in body["choices"][0]["message"]
