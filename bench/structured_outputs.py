@@ -4,6 +4,7 @@ request free or constrained by a JSON schema (response_format), greedy and sampl
 
     python bench/structured_outputs.py                       # SmolLM2-135M-Instruct, 16 streams
     python bench/structured_outputs.py --streams 4 --rounds 2
+    python bench/structured_outputs.py --temperatures 0 --set scheduler_config.decode_steps=1   # no decode runs
 
 Every stream sends its requests back to back; a round runs each mode for --seconds and modes alternate within a
 round (free, constrained, free, ...), so the machine's drift falls on both. A constrained row is masked on the
@@ -116,12 +117,14 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--temperatures", default="0,0.7")
+    ap.add_argument("--set", action="append", default=[], dest="sets", metavar="KEY=VALUE",
+                    help="a server setting (repeatable), e.g. scheduler_config.decode_steps=1")
     ap.add_argument("--out", default="bench_results/structured_outputs.json")
     args = ap.parse_args()
     server_args = (["--model", args.model] if args.model else []) + [
-        "--set", f"serving_config.max_num_seqs={max(args.streams, 16)}"]
+        "--set", f"serving_config.max_num_seqs={max(args.streams, 16)}"] + [a for s in args.sets for a in ("--set", s)]
     srv = ServerProcess(server_args, log_dir() / "structured_outputs.log")
-    results = {"machine": machine(), "streams": args.streams, "seconds": args.seconds, "rounds": args.rounds,
+    results = {"machine": machine(), "sets": args.sets, "streams": args.streams, "seconds": args.seconds, "rounds": args.rounds,
                "max_tokens": args.max_tokens, "modes": {}}
     try:
         srv.wait_ready(timeout_s=3600)
