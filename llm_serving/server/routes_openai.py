@@ -83,14 +83,14 @@ def _prompt_ids(engine, prompt) -> list:
                           f"0..{vocab - 1} (one prompt per request)", param="prompt")
 
 
-def _text(content, where: str, param: str = "messages") -> str:
+def _text(content, where: str) -> str:
     """A message's content: a string or text parts ([{"type": "text", "text": ...}])."""
     if isinstance(content, list):
         if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str) for c in content):
-            raise ValidationError(f"{where}.content: only text parts are supported", param=param)
+            raise ValidationError(f"{where}.content: only text parts are supported", param="messages")
         content = "".join(c["text"] for c in content)
     if not isinstance(content, str):
-        raise ValidationError(f"{where}.content must be a string", param=param)
+        raise ValidationError(f"{where}.content must be a string", param="messages")
     return content
 
 
