@@ -3,11 +3,14 @@ sampled tokens back, detokenize and stream them. Runs as one task on the HTTP se
 never blocks it (the agent round-trip is awaited on a socket).
 
 The engine owns the requests and the step loop; its helpers own the rest: the Scheduler (which rows run
-next, master/scheduler.py), StepIO (the step buffers, master/step_io.py), the AgentGroup (the agent
-processes, master/agent_group.py) and the Supervisor (restarts after an agent is lost,
-master/supervisor.py). A step an agent answers with a failure ends exactly the requests in it; a reply
-saying an agent's KV cache was reset behind the master's back (agent-ctl reset) discards the step and
-computes every running request again from its tokens, with the prefix cache forgotten."""
+next, master/scheduler.py), speculative planning (master/speculative/), StepIO (the step buffers,
+master/step_io.py), the AgentGroup (the agent processes, master/agent_group.py), the OutputProcessor (a
+step's outcome: tokens appended, token-level stops, KV counted, finished requests freed,
+master/output_processor.py), the Supervisor (restarts after an agent is lost, master/supervisor.py) and the
+LoraLoader (adapters loaded on the agents, master/lora_loader.py). What needs text stays here: detokenizing,
+stop strings and streaming each request's events. A step an agent answers with a failure ends exactly the
+requests in it; a reply saying an agent's KV cache was reset behind the master's back (agent-ctl reset)
+discards the step and computes every running request again from its tokens, with the prefix cache forgotten."""
 from __future__ import annotations
 
 import asyncio
@@ -15,23 +18,26 @@ import dataclasses
 import logging
 import time
 from collections import Counter
-from pathlib import Path
 from typing import Optional
 
 from llm_serving.agents import protocol as proto
 from llm_serving.tokenization import load_chat_template
 from llm_serving.master.agent_group import AgentError, AgentGroup
+from llm_serving.master.batch import ScheduledBatch
 from llm_serving.master.block_manager import BlockManager
-from llm_serving.master.draft import DraftProposer
 from llm_serving.master.grammar import GrammarError, GrammarSpec, Grammars
 from llm_serving.master.logits import LogitsState
+from llm_serving.master.lora_loader import LoraLoader
 from llm_serving.master.lora_registry import (LoraConflictError, LoraRefusedError,  # noqa: F401 (server/app.py's)
                                              LoraRegistry)
+from llm_serving.master.output_processor import OutputProcessor, RequestOutput
 from llm_serving.master.request import Request, SamplingParams, TokenEvent
-from llm_serving.master.scheduler import ScheduledBatch, Scheduler, SchedulerSpec
-from llm_serving.master.spec_decode import SpeculativePlanner, SpeculativeSpec
-from llm_serving.master.speculative import NgramProposer, SpecStats, tree_walk
-from llm_serving.master.step_io import StepIO, StepOutputs
+from llm_serving.master.scheduler import Scheduler, SchedulerSpec
+from llm_serving.master.speculative.draft import DraftProposer
+from llm_serving.master.speculative.ngram import NgramProposer
+from llm_serving.master.speculative.planner import SpeculativePlanner, SpeculativeSpec
+from llm_serving.master.speculative.stats import SpecStats
+from llm_serving.master.step_io import StepIO
 from llm_serving.master.supervisor import Supervisor
 
 logger = logging.getLogger(__name__)
@@ -62,16 +68,18 @@ class Engine:
         self.model_path = model_dir
         lc = config.lora_config
         self.lora = LoraRegistry(lc.adapters, lc.slot_of(), lc.max_loras)   # the LoRA adapters served
-        self._lora_base_config = None                 # the served model's LlamaConfig, read at the first load
         self.max_model_len = config.max_model_len
         self.block_manager = BlockManager(config.pa_config.num_blocks, config.pa_config.block_size,
                                           enable_prefix_caching=config.scheduler_config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerSpec.from_config(config), self.block_manager)
         self.spec_stats = SpecStats(config.spec_config.num_speculative_tokens)
+        self.outputs = OutputProcessor(self.scheduler, self.spec_stats)
         mc = config.model_config
         self.stop_token_ids = frozenset(mc.end_token_ids or tokenizer.eos_ids)
         self.agents = AgentGroup(config, model_dir, on_lost=self._on_agent_lost, lora_snapshot=self.lora.snapshot)
         self.supervisor = Supervisor(config.serving_config, self.agents)
+        self.lora_loader = LoraLoader(lc, model_dir, model_name, self.lora, self.agents, self.scheduler,
+                                      lambda req, error: self._finish(req, "error", error=error))
         self.step_io = StepIO(self.block_manager)
         self.drafter: Optional[DraftProposer] = None     # spec_config.method draft: the draft model's agent
         self.speculation: Optional[SpeculativePlanner] = None
@@ -101,7 +109,6 @@ class Engine:
         self.num_steps = 0
         self.step_time_s: Counter = Counter()     # kind -> total seconds spent in agent steps
         self.step_time_by_batch: Counter = Counter()  # (kind, rows) -> total seconds, for benchmarks
-        self.num_generated_tokens = 0
         self.num_prompt_tokens = 0                # of every admitted request
         self.num_finished: Counter = Counter()    # finish_reason -> requests
         self.finish_listeners: list = []          # callables(request), called as each request ends (metrics)
@@ -196,6 +203,11 @@ class Engine:
         return "; ".join(dead) if dead else None
 
     @property
+    def num_generated_tokens(self) -> int:
+        """Tokens appended to requests' outputs (the OutputProcessor counts them)."""
+        return self.outputs.num_generated_tokens
+
+    @property
     def num_agent_restarts(self) -> int:
         return self.supervisor.num_restarts
 
@@ -274,85 +286,12 @@ class Engine:
         return self.lora.paths
 
     async def load_lora(self, name: str, path: str) -> dict:
-        """Serve the PEFT adapter at `path` as model `name` from now on: checked against the served model here,
-        then loaded by the agents into a free slot. LoraRefusedError if it does not fit (nothing changes),
-        LoraConflictError if the name is taken or no slot is free."""
-        from llm_serving.models.lora import LoraError, load_lora_adapter
-        from llm_serving.models.weights import checkpoint_config
-
-        lc = self.config.lora_config
-        if not lc.enabled:
-            raise LoraRefusedError("LoRA serving is off: start the server with lora_config.enable_lora (or "
-                                   "lora_config.adapters)")
-        self.lora.check_new(name, self.model_name)
-        path = str(Path(path).expanduser().resolve())
-        loop = asyncio.get_running_loop()
-        try:
-            if self._lora_base_config is None:
-                self._lora_base_config = await loop.run_in_executor(None, checkpoint_config, self.model_path)
-            adapter = await loop.run_in_executor(None, load_lora_adapter, name, path, self._lora_base_config,
-                                                 lc.max_lora_rank)
-        except LoraError as e:
-            raise LoraRefusedError(str(e)) from None
-        self.lora.check_new(name, self.model_name)        # (named meanwhile by a concurrent load)
-        slot, slot_mb = self.lora.free_slot(), None
-        if slot is not None:                      # else it is loaded when a request needs it (_make_resident)
-            self.lora.begin_load(name, slot)
-            try:
-                slot_mb = await self._load_into(slot, name, path)
-            except AgentError as e:
-                raise LoraRefusedError(f"the agent could not load adapter {name!r}: {e}") from None
-        self.lora.add(name, path)
-        if slot is not None:
-            self.lora.loaded(name, slot)
-        logger.info("LoRA adapter %r registered (rank %d)%s", name, adapter.rank,
-                    f", in slot {slot}" if slot is not None else ", loaded on first use")
-        return {"lora_name": name, "slot": slot, "rank": adapter.rank, "slot_mb": slot_mb}
-
-    async def _load_into(self, slot: int, name: str, path: str) -> float:
-        """The agents load adapter `name` into `slot`, which the registry holds for it (AgentError if one cannot:
-        the slot is free again); the MB a slot takes on the agents. The caller then says it is loaded."""
-        try:
-            replies = await self.agents.control(proto.LoadLora(slot=slot, name=name, path=path))
-        except BaseException:
-            self.lora.load_failed(slot)
-            raise
-        return replies[0].slot_mb
-
-    async def _make_resident(self) -> None:
-        """Load the adapters that waiting requests name but no slot holds, in queue order, while slots can be
-        had (the registry's plan); a load that fails ends the requests that wait for it."""
-        wanted = [r.lora_adapter for r in self.scheduler.waiting if r.lora_slot < 0]
-        plan = self.lora.plan(wanted, {r.lora_adapter for r in self.scheduler.running})
-        for name, slot in plan.evicted:
-            self.scheduler.set_lora(name, -1, 0)
-            logger.info("LoRA adapter %r leaves slot %d (used longest ago)", name, slot)
-        for name in plan.placed:                  # (loaded meanwhile)
-            self.scheduler.set_lora(name, self.lora.slots[name], self.lora.roots[name])
-        for i, (name, slot, path) in enumerate(plan.loads):
-            try:
-                await self._load_into(slot, name, path)
-            except AgentError as e:
-                for req in [r for r in self.scheduler.waiting if r.lora_adapter == name]:
-                    self._finish(req, "error", error=f"LoRA adapter {name!r} could not be loaded: {e}")
-                continue
-            except BaseException:                 # (cancelled: the engine stops) the plan's other slots are free
-                for _, left, _ in plan.loads[i + 1:]:
-                    self.lora.load_failed(left)
-                raise
-            root = self.lora.loaded(name, slot)
-            if root is not None:
-                self.scheduler.set_lora(name, slot, root)
+        """Serve the PEFT adapter at `path` as model `name` from now on (LoraLoader.load)."""
+        return await self.lora_loader.load(name, path)
 
     async def unload_lora(self, name: str) -> None:
-        """Stop serving adapter `name`: KeyError if it is not served, LoraConflictError while requests use it."""
-        slot = self.lora.remove(name)
-        if slot is not None:                      # (new requests cannot name it any more: the slot is free)
-            try:
-                await self.agents.control(proto.LoadLora(slot=slot, name=name, path=None))
-            except AgentError as e:
-                logger.warning("LoRA slot %d (%s) was not emptied on every agent: %s", slot, name, e)
-        logger.info("LoRA adapter %r unloaded%s", name, f" from slot {slot}" if slot is not None else "")
+        """Stop serving adapter `name` (LoraLoader.unload)."""
+        await self.lora_loader.unload(name)
 
     def abort(self, req_id: str, reason: str = "client aborted the request") -> bool:
         """Stop a request now (asked by id); its KV blocks are free for the next step. False if no such
@@ -370,8 +309,14 @@ class Engine:
 
     def _finish(self, req: Request, reason: str, error: Optional[str] = None,
                 last: Optional[TokenEvent] = None) -> None:
-        """Free req's blocks and send its final event: the last token (if any) carrying the finish reason."""
+        """End req now: free its blocks and close its stream."""
         self.scheduler.finish(req, reason)
+        self._close(req, reason, error, last)
+
+    def _close(self, req: Request, reason: str, error: Optional[str] = None,
+               last: Optional[TokenEvent] = None) -> None:
+        """The stream of a request the scheduler has finished: its final event, the last token (if any) carrying
+        the finish reason and the text held back."""
         if self.requests.pop(req.req_id, None) is req and req.lora_adapter is not None:
             self.lora.release(req.lora_adapter)
         detok = self._detok.pop(req.req_id, None)
@@ -398,7 +343,7 @@ class Engine:
                     return
                 continue
             if self.lora.wants_loads:
-                await self._make_resident()
+                await self.lora_loader.make_resident()
             t0 = time.perf_counter()
             batch = self.scheduler.schedule()
             prof["schedule"] += time.perf_counter() - t0
@@ -450,9 +395,8 @@ class Engine:
             self._cache_was_reset(command.step)
             return
         t_read = time.perf_counter()
-        # verify steps and decode runs return a token per new token or per step
-        width = max(batch.max_query_len, batch.steps) if batch.kind.per_token_outputs else 0
-        self._APPLY[batch.kind](self, batch, self.step_io.read_outputs(self.agents.buffers, n, width))
+        for result in self.outputs.update_from_output(batch, self.step_io.read_outputs(self.agents.buffers, batch)):
+            self._stream(result)
         prof["output"] += time.perf_counter() - t_read
 
     def _write_controls(self) -> None:
@@ -462,8 +406,8 @@ class Engine:
         self.profile["controls"] += time.perf_counter() - t0
 
     async def _speculate(self, batch: ScheduledBatch) -> ScheduledBatch:
-        """The speculative room plans the step, its proposer proposes (a draft model runs its round), and the
-        proposals are attached (spec_decode.py); requests that ended meanwhile leave the step."""
+        """The speculative planner plans the step, its proposer proposes (a draft model runs its round), and the
+        proposals are attached (speculative/planner.py); requests that ended meanwhile leave the step."""
         t0 = time.perf_counter()
         batch = await self.speculation.speculate(batch)
         elapsed = time.perf_counter() - t0
@@ -512,97 +456,43 @@ class Engine:
 
     # --- outputs -----------------------------------------------------------------------------------
 
-    def _apply_outputs(self, batch: ScheduledBatch, out: StepOutputs) -> None:
-        """Each row that sampled a token: append it to its request, detokenize, stream it or finish."""
-        now = time.monotonic()
-        if out.prompt is not None:            # prompt log-probabilities, before the rows advance
-            for row, (req, q) in enumerate(zip(batch.requests, batch.num_new_tokens)):
-                if req.prompt_scores is not None:
-                    start, p = req.num_computed_tokens, len(req.prompt_ids)
-                    for j in range(min(q, p - 1 - start)):
-                        req.prompt_scores[start + j + 1] = out.prompt_logprob(row, j, req.sampling.prompt_logprobs)
-        for row, req in self.scheduler.complete_step(batch):
-            top = out.top(row, req.sampling.top_logprobs) if out.top_ids is not None and req.sampling.top_logprobs \
-                else None
-            self._emit(req, out.token_ids[row], out.logprobs[row], top, now)
-
-    def _apply_run(self, batch: ScheduledBatch, out: StepOutputs) -> None:
-        """A decode run: each row's tokens (as many as its steps in the run) stream one by one until the request
-        stops; a request that goes on has the KV of all but the last (the agent fed them back) counted as
-        computed."""
-        now = time.monotonic()
-        for row, req in self.scheduler.complete_step(batch):
-            steps = batch.run_lens[row]
-            for token_id, logprob in zip(out.token_ids[row][:steps], out.logprobs[row][:steps]):
-                if self._emit(req, token_id, logprob, None, now):
-                    break
-            else:
-                self.scheduler.accept(req, steps - 1)
-
-    def _apply_verified(self, batch: ScheduledBatch, out: StepOutputs) -> None:
-        """A verify step: each row keeps its proposals up to the first the target disagrees with, and the
-        target's token after them (speculative.py); tokens stream one by one, and a stop (token, string or
-        length) inside the run ends the request there."""
-        self.spec_stats.verify_steps += 1
-        now = time.monotonic()
-        for row, req in self.scheduler.complete_step(batch):
-            proposal = batch.proposals[row]
-            targets, logprobs = out.token_ids[row], out.logprobs[row]
-            # the path whose tokens the target sampled (a chain is a tree with one branch)
-            path = tree_walk(proposal, batch.parents[row], targets)
-            # new token j + 1 is node j; the target's token after each kept node, and after the last
-            after = [0] + [j + 1 for j in path]
-            # nodes are in slots in depth-first order: only the first-child chain's KV is in place
-            in_place = next((n for n, j in enumerate(path) if j != n), len(path))
-            if proposal:
-                self.spec_stats.record(len(proposal), len(path), other_branch=in_place < len(path))
-            for j in after:
-                if self._emit(req, targets[j], logprobs[j], None, now):
-                    break
-            else:       # kept nodes past the in-place chain are fed again (their KV is in other slots)
-                self.scheduler.accept(req, in_place)
-
-    # each step kind's outputs, applied (the scheduler set the kind: ScheduledBatch.kind)
-    _APPLY = {proto.StepKind.PREFILL: _apply_outputs, proto.StepKind.DECODE: _apply_outputs,
-              proto.StepKind.VERIFY: _apply_verified, proto.StepKind.DECODE_RUN: _apply_run}
-
-    def _emit(self, req: Request, token_id: int, logprob: float, top: Optional[list], now: float) -> bool:
-        """Append one sampled token to req, detokenize, stream it or finish req; True when req finished."""
-        req.output_ids.append(token_id)
-        req.output_logprobs.append(logprob)
-        if req.first_token_time is None:
-            req.first_token_time = now
-        self.num_generated_tokens += 1
-        reason = self._stop_reason(req, token_id)
-        special = token_id in req.stop_token_ids or self.tokenizer.is_special(token_id)
-        matched = False                      # the request's grammar is matched: this token is the output's last
-        if req.logits is not None and (reason != "stop" or req.logits.error):
-            if req.logits.error or not req.logits.accept(token_id):
-                self._finish(req, "error", error=req.logits.error)
-                return True
-            matched = req.logits.complete
-        t_detok = time.perf_counter()
-        text = "" if reason == "stop" else self._detok[req.req_id].push(token_id)
-        if matched:
-            reason = "stop"
-        if req.stop_strings is not None:
-            text = req.stop_strings.push(text)
-            if req.stop_strings.stopped:
-                reason = "stop"
-        self.profile["detokenize"] += time.perf_counter() - t_detok
-        event = TokenEvent(token_id, text, logprob, special, top=top)
-        if reason is None:
+    def _stream(self, result: RequestOutput) -> None:
+        """A request's tokens from a step (the OutputProcessor appended them and applied the token-level stops):
+        detokenize each, check the stop strings, put it on the request's event queue; the last one closes the
+        stream when the step ended the request, or a stop string ends it there. A request the step ended with
+        an error streams none of the step's tokens."""
+        req = result.request
+        if result.error is not None:
+            self._close(req, "error", error=result.error)
+            return
+        t0 = time.perf_counter()
+        detok, n = self._detok[req.req_id], len(result.token_ids)
+        for k, (token_id, logprob) in enumerate(zip(result.token_ids, result.logprobs)):
+            hidden = token_id in req.stop_token_ids          # a stop token ends the text, never shows in it
+            special = hidden or self.tokenizer.is_special(token_id)
+            text = "" if hidden else detok.push(token_id)
+            stopped = False
+            if req.stop_strings is not None:
+                text = req.stop_strings.push(text)
+                stopped = req.stop_strings.stopped
+            event = TokenEvent(token_id, text, logprob, special,
+                               top=result.tops[k] if result.tops is not None else None)
+            if stopped:                  # the output ends at this token: the step's later ones are dropped
+                self.outputs.drop_last(req, n - 1 - k)
+                self.profile["detokenize"] += time.perf_counter() - t0
+                if result.finish_reason is None:
+                    self.scheduler.finish(req, "stop")
+                req.finish_reason = "stop"
+                self._close(req, "stop", last=event)
+                return
+            if k == n - 1 and result.finish_reason is not None:
+                self.profile["detokenize"] += time.perf_counter() - t0
+                self._close(req, result.finish_reason, last=event)
+                return
             req.events.put_nowait(event)
-            return False
-        self._finish(req, reason, last=event)
-        return True
-
-    def _stop_reason(self, req: Request, token_id: int) -> Optional[str]:
-        if token_id in req.stop_token_ids:
-            return "stop"
-        if len(req.output_ids) >= req.sampling.max_new_tokens or req.num_tokens >= self.max_model_len:
-            return "length"
-        return None
+        self.profile["detokenize"] += time.perf_counter() - t0
+        if not n and result.finish_reason is not None:
+            self._close(req, result.finish_reason)
 
     # --- observability -----------------------------------------------------------------------------
 
@@ -643,7 +533,7 @@ class Engine:
             "step_profile_total_s": {k: round(v, 6) for k, v in sorted(self.profile.items())},
             "speculative": {"method": self.config.spec_config.method, **self.spec_stats.as_dict(),
                             **({"draft": self.drafter.stats()} if self.drafter is not None else {})},
-            "batch_sizes": _by_kind(sched.batch_sizes),
+            "batch_sizes": _by_kind(self.outputs.batch_sizes),
             "step_time_s_by_batch": _by_kind(self.step_time_by_batch),
         }
 

@@ -21,10 +21,13 @@ Policies (`scheduler_config.policy`), each one ordering plus one step rule:
 With `chunked_prefill`, a prompt longer than what is left of the step's token budget is split across
 steps (at most `max_chunk_tokens` per step); without it a prompt is fed whole.
 
-Speculative decoding is planned by the speculative room (spec_decode.py): a decode step of at most
-`spec_max_rows` rows is marked `may_speculate` and left as it is; that room makes it a verify step (proposals
-attached), a decode run (`make_run`, when nothing was proposed) or leaves it plain. `complete_step` counts only
-the request's own token as computed; the engine then keeps the accepted proposals (`accept`).
+Speculative decoding is planned by speculative/planner.py: a decode step of at most `spec_max_rows` rows is
+marked `may_speculate` and left as it is; the planner makes it a verify step (proposals attached), a decode run
+(`make_run`, when nothing was proposed) or leaves it plain. Blocks for proposals are taken through the scheduler
+too (`allocate_ahead`: only when free, never preempting).
+
+A step's outcome (tokens appended, stops, computed tokens advanced, full blocks cached, finished requests freed)
+is the OutputProcessor's (master/output_processor.py); the scheduler reads each request's progress from it.
 
 Decode runs: while no request waits, a decode step of at most `decode_steps_max_rows` greedy rows becomes a
 run of `decode_steps` steps that the agent does in one call, feeding each row's token to the next step
@@ -45,11 +48,11 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import time
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 from llm_serving.config import SCHEDULING_POLICIES
+from llm_serving.master.batch import ScheduledBatch
 from llm_serving.master.block_manager import BlockManager
 from llm_serving.master.request import Request, RequestStatus
 from llm_serving.shm.layout import StepKind
@@ -59,69 +62,6 @@ POLICIES = SCHEDULING_POLICIES      # named in config.py, which validates schedu
 
 class QueueFullError(RuntimeError):
     """The waiting queue is at its bound; the HTTP layer answers 429."""
-
-
-@dataclass
-class ScheduledBatch:
-    """One step: its rows, and how many tokens each row feeds (from its num_computed_tokens on)."""
-
-    requests: list
-    num_new_tokens: list = field(default_factory=list)     # fed tokens per row, proposals included
-    proposals: list = field(default_factory=list)          # a verify step: the tokens proposed per row ([]: none)
-    spec_limits: list = field(default_factory=list)        # tokens each row may propose (empty: none may)
-    parents: list = field(default_factory=list)            # a verify step: per row, each proposal's parent among
-                                                           # the row's proposals (-1: its last token); a chain
-                                                           # is the tree [-1, 0, 1, ...]
-    steps: int = 1                                         # > 1: a decode run (each row's greedy token is fed
-                                                           # to the next of `steps` steps on the agent)
-    run_lens: list = field(default_factory=list)           # a decode run: the steps each row takes (1..steps;
-                                                           # a row that ends sooner sits the rest out)
-    may_speculate: bool = False                            # a decode step left to the speculative room
-                                                           # (spec_decode.py): a verify step, a run, or as it is
-    kind: Optional[StepKind] = None                        # what the step does, set here once: from the rows
-                                                           # when made (prefill or decode), then by make_run
-                                                           # (decode run) and SpeculativePlanner.attach (verify)
-
-    def __post_init__(self) -> None:
-        if self.kind is None:           # a prefill graph when some row feeds more than one token of its own
-            self.kind = StepKind.PREFILL if max(self.num_new_tokens, default=1) > 1 else StepKind.DECODE
-
-    @property
-    def num_rows(self) -> int:
-        return len(self.requests)
-
-    @property
-    def max_query_len(self) -> int:
-        return max(self.num_new_tokens)
-
-    @property
-    def is_verify(self) -> bool:
-        """Some row checks proposed tokens (every new token is sampled after)."""
-        return self.kind is StepKind.VERIFY
-
-    @property
-    def is_prefill(self) -> bool:
-        """Runs in a prefill graph (some row feeds more than one token of its own)."""
-        return self.kind is StepKind.PREFILL
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.num_new_tokens)
-
-    def running_rows(self) -> list:
-        """The rows whose request still runs (those `drop_finished` keeps, in order)."""
-        return [i for i, r in enumerate(self.requests) if r.status is RequestStatus.RUNNING]
-
-    def drop_finished(self) -> "ScheduledBatch":
-        """This step without the rows whose request ended since it was scheduled (e.g. aborted while a draft
-        model proposed for it: its blocks are already free)."""
-        keep = self.running_rows()
-        if len(keep) == len(self.requests):
-            return self
-        pick = lambda xs: [xs[i] for i in keep] if xs else []     # noqa: E731
-        return dataclasses.replace(self, requests=pick(self.requests), num_new_tokens=pick(self.num_new_tokens),
-                                   proposals=pick(self.proposals), spec_limits=pick(self.spec_limits),
-                                   parents=pick(self.parents), run_lens=pick(self.run_lens))
 
 
 @dataclass(frozen=True)
@@ -141,8 +81,8 @@ class SchedulerSpec:
     max_decode_wait_steps: int = 8           # starvation bound
     watermark_blocks: int = 0                # blocks admission leaves free for running requests
     prefill_wait_s: float = 0.0              # prefill_first: let prompts gather this long while others decode
-    spec_max_rows: int = 0                   # decode steps of at most this many rows are left to the speculative
-                                             # room (0: speculation off)
+    spec_max_rows: int = 0                   # decode steps of at most this many rows are left to speculative
+                                             # planning (0: speculation off)
     decode_steps: int = 1                    # steps of a decode run (1: none); the engine lowers it to the agents'
     decode_steps_max_rows: int = 0           # decode runs for steps of at most this many rows
     max_model_len: Optional[int] = None      # tokens a request may hold
@@ -182,7 +122,6 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_admitted_tokens = 0     # tokens of admitted requests, and of those, tokens found in the
         self.num_cached_tokens = 0       # prefix cache (the prefix-cache hit rate is their ratio)
-        self.batch_sizes: Counter = Counter()   # (kind, rows) -> steps completed, for stats and tests
 
     # --- requests in and out -----------------------------------------------------------------------
 
@@ -212,7 +151,10 @@ class Scheduler:
         self.num_waiting_tokens -= req.num_tokens
 
     def finish(self, req: Request, reason: str) -> None:
-        """Mark req finished and free its blocks now (they are reusable in the very next step)."""
+        """Mark req finished and free its blocks now (they are reusable in the very next step); a finished
+        request stays as it ended."""
+        if req.status is RequestStatus.FINISHED:
+            return
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
         elif req.status is RequestStatus.WAITING and req in self.waiting:
@@ -252,38 +194,6 @@ class Scheduler:
         self._last_was_decode = not batch.is_prefill
         return batch
 
-    def complete_step(self, batch: ScheduledBatch) -> list:
-        """After a step: advance every row by the tokens it fed, register newly full blocks for prefix
-        caching, and return [(row, request)] for the rows whose sampled token counts (they reached their
-        end; a chunk that stops inside the prompt samples nothing). Rows finished while the step ran are
-        skipped. The caller appends each row's token to its request (or finishes it). A verify row's
-        proposals do not count here: the caller `accept`s those it keeps."""
-        self.batch_sizes[(batch.kind.stats_name, batch.num_rows)] += 1
-        produced = []
-        for row, (req, fed) in enumerate(zip(batch.requests, batch.num_new_tokens)):
-            if req.status is not RequestStatus.RUNNING:
-                continue
-            proposed = len(batch.proposals[row]) if batch.proposals else 0
-            req.num_computed_tokens += fed - proposed
-            # the draft model's KV (draft.py) holds at most what the target may keep
-            req.num_draft_computed = min(req.num_draft_computed, req.num_computed_tokens + proposed)
-            self.bm.cache_full_blocks(req.req_id, req.tokens, req.num_computed_tokens, req.lora_root)
-            if req.num_computed_tokens == req.num_tokens:
-                produced.append((row, req))
-        return produced
-
-    def accept(self, req: Request, num_tokens: int) -> None:
-        """num_tokens proposals of req's verify step were kept (the caller appended them to its output, then
-        the target's own next token), or a decode run fed num_tokens of its tokens back: their KV, written in
-        that step, now counts as computed."""
-        if req.status is not RequestStatus.RUNNING:
-            return
-        if num_tokens:
-            req.num_computed_tokens += num_tokens
-            self.bm.cache_full_blocks(req.req_id, req.tokens, req.num_computed_tokens, req.lora_root)
-        # a draft model's KV of the rejected proposals is stale: only what the target kept stays valid
-        req.num_draft_computed = min(req.num_draft_computed, req.num_computed_tokens)
-
     # --- step kinds --------------------------------------------------------------------------------
 
     def _prefill_step(self) -> Optional[ScheduledBatch]:
@@ -300,47 +210,52 @@ class Scheduler:
         self._add_running(rows, counts, self.spec.max_num_batched_tokens, max_rows, prompts=False)
         if not rows:
             return None
-        batch = ScheduledBatch(rows, counts)
-        if len(rows) <= self.spec.spec_max_rows:
-            batch.may_speculate = True      # the speculative room decides: a verify step, a run, or as it is
-        else:
-            self.make_run(batch)
-        return batch
+        if len(rows) <= self.spec.spec_max_rows:    # the planner decides: a verify step, a run, or as it is
+            return ScheduledBatch(rows, counts, may_speculate=True)
+        return self.make_run(ScheduledBatch(rows, counts))
 
     def token_budget_left(self, batch: ScheduledBatch) -> int:
         """Tokens a step may still feed (what proposals may take)."""
         return self.spec.max_num_batched_tokens - batch.num_tokens
 
-    def make_run(self, batch: ScheduledBatch) -> None:
-        """While nothing waits, make a plain decode step of at most decode_steps_max_rows rows a decode run of
-        decode_steps (K) steps when every row is greedy, with no top log-probabilities, penalties or logit controls, and some row
-        has 2 or more tokens left. Each row takes as many of the K steps as max_new_tokens and the model length
-        leave it (`run_lens`; it sits the rest out, and a run every row has left ends there at almost no cost),
-        with blocks for their K/V taken only when free: a run never preempts anyone. A token after a row's stop
-        is computed and dropped; a request that arrives waits for the run to end."""
+    def make_run(self, batch: ScheduledBatch) -> ScheduledBatch:
+        """While nothing waits, a plain decode step of at most decode_steps_max_rows rows as a decode run of
+        decode_steps (K) steps when every row is greedy, with no top log-probabilities, penalties or logit controls,
+        and some row has 2 or more tokens left; else the step as it is. Each row takes as many of the K steps as
+        max_new_tokens and the model length leave it (`run_lens`; it sits the rest out, and a run every row has left
+        ends there at almost no cost), with blocks for their K/V taken only when free: a run never preempts anyone.
+        A token after a row's stop is computed and dropped; a request that arrives waits for the run to end."""
         k = self.spec.decode_steps
         if k <= 1 or batch.num_rows > self.spec.decode_steps_max_rows or self.waiting or batch.proposals:
-            return
+            return batch
         lens = []
         for req in batch.requests:
             sp = req.sampling
             if not sp.greedy or sp.top_logprobs or sp.adjusts_logits:
-                return
+                return batch
             n = min(k, sp.max_new_tokens - len(req.output_ids))
             if self.spec.max_model_len is not None:
                 n = min(n, self.spec.max_model_len - req.num_tokens)
             lens.append(max(n, 1))
         if max(lens) < 2:
-            return
+            return batch
         for req, n in zip(batch.requests, lens):    # K/V of its n tokens: positions num_tokens - 1 .. + n - 2
-            if not self.bm.can_allocate(req.req_id, req.num_tokens + n - 1):
-                return                  # (blocks already taken stay with their request: it needs them next)
-            self.bm.allocate(req.req_id, req.num_tokens + n - 1)
-        batch.steps = k
-        batch.run_lens = lens
-        batch.kind = StepKind.DECODE_RUN
-        batch.spec_limits = []
+            if not self.allocate_ahead(req, req.num_tokens + n - 1):
+                return batch            # (blocks already taken stay with their request: it needs them next)
         self.num_decode_runs += 1
+        return dataclasses.replace(batch, steps=k, run_lens=lens, kind=StepKind.DECODE_RUN, spec_limits=[])
+
+    def allocate_ahead(self, req: Request, num_tokens: int) -> bool:
+        """Blocks for req's first num_tokens tokens, taken now if they are free (a decode run's later steps, a
+        draft's or a verify step's proposals); False, and nothing taken, if they are not: this never preempts."""
+        if not self.bm.can_allocate(req.req_id, num_tokens):
+            return False
+        self.bm.allocate(req.req_id, num_tokens)
+        return True
+
+    def token_capacity(self, req: Request) -> int:
+        """Tokens req's blocks hold."""
+        return len(self.bm.block_tables.get(req.req_id, ())) * self.bm.block_size
 
     def _hold_prefill(self) -> bool:
         """prefill_wait_s > 0: while requests are decoding, let new prompts gather into fuller prefill

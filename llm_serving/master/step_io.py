@@ -1,7 +1,8 @@
 """The master's side of the step buffers (shm/layout.py): write a scheduled step's inputs, read its outputs.
 
-`RowWriter` is the one place the master writes a row's inputs (the draft proposer writes its rows with it too);
-`StepIO` decides what a scheduled step writes.
+`RowWriter` is the one place the master writes a row's inputs; `StepIO` decides what a scheduled step writes and
+reads its outputs back. Every step goes through a StepIO: the engine's on the target's buffers, a draft model's
+(speculative/draft.py) on its own, whose rows are the requests as the draft sees them.
 
 Per-row state that rarely changes (block table, sampling parameters, request number) is written only when
 the row's request or table changed since the last step (`RowState` remembers what each row holds); a
@@ -17,8 +18,8 @@ import numpy as np
 from llm_serving.master.block_manager import BlockManager
 from llm_serving.master.logits import fill_masks
 from llm_serving.master.request import PromptLogprob, Request
-from llm_serving.master.scheduler import ScheduledBatch
-from llm_serving.master.speculative import node_depths
+from llm_serving.master.batch import ScheduledBatch
+from llm_serving.master.speculative.tree import node_depths
 from llm_serving.shm.buffers import StepBuffers
 from llm_serving.shm.layout import StepKind
 
@@ -56,8 +57,7 @@ class StepOutputs:
 
 class RowWriter:
     """The one place the master writes a step's per-row inputs into the step buffers (shm/layout.py names
-    them): the step I/O and the draft proposer alike. A row's block table is written first; its tokens'
-    slots are read back through it."""
+    them). A row's block table is written first; its tokens' slots are read back through it."""
 
     def __init__(self, b: StepBuffers, block_size: int):
         self.b = b
@@ -112,13 +112,6 @@ class RowWriter:
             b.slot_mapping[i, q:end] = -1
         b.context_lens[i] = start + q
         b.query_lens[i] = q
-
-    def row(self, i: int, table: list, ids: list, start: int, **sampling) -> None:
-        """All of row i: its block table, `ids` fed at positions start.., and its sampling parameters (see
-        `sampling`; greedy by default)."""
-        self.table(i, table)
-        self.tokens(i, ids, start)
-        self.sampling(i, **sampling)
 
     def decode(self, n: int, ids: list, positions: list, slots: list) -> None:
         """Rows 0..n-1 each feed one token (ids[i] at positions[i], into slots[i])."""
@@ -187,7 +180,8 @@ class RowWriter:
 
 
 class StepIO:
-    """Writes each scheduled step of the engine's agent group into its step buffers; reads the outputs."""
+    """Writes each scheduled step of one agent group into its step buffers; reads the outputs. A row is any
+    object with a request's attributes (`Request`, or a draft model's view of one)."""
 
     def __init__(self, block_manager: BlockManager):
         self.block_manager = block_manager
@@ -295,10 +289,12 @@ class StepIO:
         rows[i] = RowState(req, table, len(table))
 
     @staticmethod
-    def read_outputs(b: StepBuffers, n: int, verify_width: int = 0) -> StepOutputs:
-        """Rows 0..n-1's outputs; a verify step's or a decode run's (verify_width tokens per row) as per-row
-        lists of tokens."""
-        if verify_width:
+    def read_outputs(b: StepBuffers, batch: ScheduledBatch) -> StepOutputs:
+        """The batch's outputs, row by row; a verify step's or a decode run's (a token per new token or per step)
+        as per-row lists of tokens."""
+        n = batch.num_rows
+        if batch.kind.per_token_outputs:
+            verify_width = max(batch.max_query_len, batch.steps)
             return StepOutputs(b.out_verify_ids[:n, :verify_width].tolist(),
                                b.out_verify_logprobs[:n, :verify_width].tolist())
         out = StepOutputs(b.out_token_ids[:n].tolist(), b.out_logprobs[:n].tolist())

@@ -54,6 +54,12 @@ class StepKind(str, enum.Enum):
     VERIFY = "verify"           # speculative decoding: rows feed proposals too, a token is sampled after each
     DECODE_RUN = "decode_run"   # `steps` greedy decode steps in one graph, each row's token fed to the next
 
+    @classmethod
+    def of_rows(cls, max_query_len: int) -> "StepKind":
+        """A plain step's kind from its widest row: a prefill graph when some row feeds more than one token of its
+        own, else a decode step (the scheduler's steps and the draft model's alike)."""
+        return cls.PREFILL if max_query_len > 1 else cls.DECODE
+
     @property
     def per_token_outputs(self) -> bool:
         """Its outputs are per new token (verify) or per step (decode run), in out_verify_*."""

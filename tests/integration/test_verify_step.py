@@ -109,7 +109,7 @@ def test_speculative_sampling_keeps_the_target_distribution(runner):
     """400 rounds of one proposal x (the target's second most likely token) after the prompt, verified with
     temperature 1: the first emitted token follows p(. | prompt) exactly (chi-square against the model's own
     probabilities), x is kept with probability p(x), and the token after a kept x follows p(. | prompt, x)."""
-    from llm_serving.master.speculative import accepted_prefix
+    from llm_serving.master.speculative.tree import accepted_prefix
     from tests.integration.test_speculative import gof_p
 
     prompt = PROMPTS[1]

@@ -1,4 +1,4 @@
-"""Draft-model speculation, the master's part (master/draft.py): the rounds a DraftProposer runs and the draft
+"""Draft-model speculation, the master's part (master/speculative/draft.py): the rounds a DraftProposer runs and the draft
 KV bookkeeping, with a fake draft agent that keeps its KV by slot and refuses to read a position whose KV is
 stale — so a `num_draft_computed` that claims more than the draft's cache holds fails the test, and one that
 claims less shows as the draft re-feeding tokens (counted)."""
@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from llm_serving.agents import protocol as proto
 from llm_serving.config import ConfigError, config_from_dict
-from llm_serving.master.draft import DraftProposer
-from llm_serving.master.spec_decode import SpeculativePlanner, SpeculativeSpec
+from llm_serving.master.speculative.draft import DraftProposer
+from llm_serving.master.speculative.planner import SpeculativePlanner, SpeculativeSpec
 from tests.unit.test_scheduler import make_requests, make_scheduler, next_token, reference_output
 from tests.unit.test_speculative import (SpecFakeRunner, TreeFakeRunner, add_random_requests,
                                         assert_outputs_are_plain_decodings)
@@ -35,8 +35,9 @@ class FakeDraftAgents:
             presence_penalty=z(rows, dtype=np.float32), frequency_penalty=z(rows, dtype=np.float32),
             history_len=z(rows), prompt_len=z(rows), lora=z(rows), request_ids=z(rows, dtype=np.int64),
             min_p=z(rows, dtype=np.float32), mask_on=z(rows), bias_len=z(rows), prompt_top=z(rows),
-            out_token_ids=z(rows),
-            out_top_ids=z(rows, 20))
+            controls_on=z(rows), controls_pending=z(1),
+            out_token_ids=z(rows), out_logprobs=z(rows, dtype=np.float32),
+            out_top_ids=z(rows, 20), out_top_logprobs=z(rows, 20, dtype=np.float32))
         self.requests = {r.number: r for r in requests}
         self.bm, self.bs, self.wrong, self.rng = bm, bm.block_size, wrong, random.Random(seed)
         self.kv: dict = {}
@@ -95,8 +96,7 @@ def make_drafter(sched, requests, spec_tokens, wrong=0.0, seed=0, width=1):
 
 
 async def serve(sched, runner, planner, max_steps=2000):
-    """The engine's loop: schedule, let the speculative room plan a speculating step (the draft proposes), run
-    the step."""
+    """The engine's loop: schedule, let the planner plan a speculating step (the draft proposes), run the step."""
     drafter = planner.proposer
     propose_branches = drafter.propose_branches
 
@@ -126,7 +126,7 @@ def test_a_perfect_draft_is_accepted_whole_and_feeds_each_token_once():
     asyncio.run(serve(sched, runner, planner))
     assert [r.output_ids for r in reqs] == [reference_output(r) for r in reqs]
     # prefill gives token 1; each round then proposes 4 and the target adds its own: 20 tokens in 4 rounds
-    assert sched.batch_sizes[("verify", 2)] == 4 and sched.batch_sizes[("decode", 2)] == 0
+    assert runner.outputs.batch_sizes[("verify", 2)] == 4 and runner.outputs.batch_sizes[("decode", 2)] == 0
     # every round: one catch-up step (the prompt on the first, then the target's bonus token and the last
     # proposal, whose KV the draft never wrote) and 3 decode steps
     kinds = [c.kind.value for c in drafter.agents.commands]
@@ -174,6 +174,29 @@ def test_a_request_that_ended_during_the_draft_leaves_the_step():
     assert batch.requests == [reqs[0], reqs[2]] and batch.num_new_tokens == [4, 4]
     runner.step(batch)
     assert [len(r.output_ids) for r in (reqs[0], reqs[2])] == [5, 5]
+
+
+def test_a_request_aborted_during_the_drafts_round_leaves_the_round():
+    """The client leaves after the round's catch-up step: its blocks are free at once, so the draft's decode steps
+    go on without it (its row would name blocks it no longer has), and the others get their whole proposals."""
+    sched = make_scheduler(spec_max_rows=4)
+    reqs = make_requests(2, prompt_len=5, max_new_tokens=20)
+    for r in reqs:
+        sched.add(r)
+    drafter, _, planner = make_drafter(sched, reqs, spec_tokens=4)
+    SpecFakeRunner(sched).step(sched.schedule())
+    agents, fake_step = drafter.agents, drafter.agents.step
+
+    async def abort_after_the_catch_up(command):
+        result = await fake_step(command)
+        if len(agents.commands) == 1:
+            sched.finish(reqs[1], "abort")
+        return result
+    agents.step = abort_after_the_catch_up
+    batch = sched.schedule()
+    branches = asyncio.run(drafter.propose_branches(batch.requests, planner.plan(batch)))
+    assert [len(paths[0]) for paths in branches] == [4, 1]     # r1 keeps only the catch-up's token
+    assert [c.num_rows for c in agents.commands] == [2, 1, 1, 1]
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -233,11 +256,12 @@ def test_a_draft_tree_keeps_the_runner_up_when_the_drafts_first_choice_is_wrong(
     for r in reqs:
         sched.add(r)
     drafter, _, planner = make_drafter(sched, reqs, spec_tokens=3, wrong=1.0, width=width)
-    asyncio.run(serve(sched, TreeFakeRunner(sched), planner))
+    runner = TreeFakeRunner(sched)
+    asyncio.run(serve(sched, runner, planner))
     assert [r.output_ids for r in reqs] == [reference_output(r) for r in reqs]
     # 20 tokens after the prefill. A chain gains one a round; a tree keeps the runner-up and the target's token
     # after it, which (off the in-place first branch) are fed again with the next step, sampling a third
-    verify = sched.batch_sizes[("verify", 2)]
+    verify = runner.outputs.batch_sizes[("verify", 2)]
     assert verify == 19 if width == 1 else verify <= 8
     # each round: a catch-up step, then 2 decode steps per branch (the runner-up's first, the first's last)
     kinds = [c.kind.value for c in drafter.agents.commands]

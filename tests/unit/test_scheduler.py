@@ -2,9 +2,10 @@
 
 The fake runner keeps a fake KV cache (slot -> token) written through the block tables exactly as the
 agents write theirs, and "samples" a token that is a function of what it reads back through the row's
-block table. A scheduling or block-management bug (a shared block overwritten, a wrong prefix adopted,
-KV lost on preemption, a token fed twice or skipped) changes what is read back, so the outputs differ
-from `reference_output`, which runs the same function over the true token sequence.
+block table; the step's outcome is then applied by the engine's own OutputProcessor. A scheduling,
+block-management or outcome bug (a shared block overwritten, a wrong prefix adopted, KV lost on preemption, a
+token fed twice or skipped, a run's KV miscounted) changes what is read back, so the outputs differ from
+`reference_output`, which runs the same function over the true token sequence.
 """
 import dataclasses
 import random
@@ -15,8 +16,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llm_serving.master.block_manager import BlockManager
+from llm_serving.master.output_processor import OutputProcessor
 from llm_serving.master.request import Request, RequestStatus, SamplingParams
 from llm_serving.master.scheduler import POLICIES, QueueFullError, Scheduler, SchedulerSpec
+from llm_serving.master.step_io import StepOutputs
 
 DEFAULT_SPEC = SchedulerSpec(max_num_seqs=8, max_num_batched_tokens=64, max_prefill_rows=4, max_waiting_requests=100)
 
@@ -46,9 +49,18 @@ def reference_output(req):
     return seq[len(req.prompt_ids):]
 
 
+def step_outputs(batch, tokens):
+    """The StepOutputs the agents would give for `tokens` (per row: the tokens sampled after its new tokens, or
+    after each step of a run): a plain step's one token per row, a verify step's or a run's a list per row."""
+    if batch.kind.per_token_outputs:
+        return StepOutputs([list(t) for t in tokens], [[0.0] * len(t) for t in tokens])
+    return StepOutputs([t[0] for t in tokens], [0.0] * len(tokens))
+
+
 class FakeRunner:
     def __init__(self, sched):
         self.sched, self.kv, self.finished = sched, {}, []
+        self.outputs = OutputProcessor(sched)
 
     def step(self, batch):
         self.complete(batch, self.compute(batch))
@@ -77,17 +89,11 @@ class FakeRunner:
         return tokens
 
     def complete(self, batch, tokens):
-        """What the engine does with the step's outputs."""
-        for row, req in self.sched.complete_step(batch):
-            for token in tokens[row]:
-                req.output_ids.append(token)
-                if len(req.output_ids) >= req.sampling.max_new_tokens or \
-                        (self.sched.spec.max_model_len is not None and req.num_tokens >= self.sched.spec.max_model_len):
-                    self.sched.finish(req, "length")
-                    self.finished.append(req)
-                    break
-            else:
-                self.sched.accept(req, len(tokens[row]) - 1)
+        """What the engine does with the step's outputs: the OutputProcessor applies them."""
+        for result in self.outputs.update_from_output(batch, step_outputs(batch, tokens)):
+            if result.finish_reason is not None:
+                assert result.request.finished and result.finish_reason == "length"
+                self.finished.append(result.request)
 
     def schedule(self):
         """The engine's planning of the next step (here: the scheduler's alone)."""
@@ -469,15 +475,15 @@ def run_random_load(seed, policy, chunked, prefix_caching, steps=1000):
     for r in runner.finished:
         assert r.output_ids == reference_output(r), f"{r.req_id}: outputs differ from the reference"
     assert sched.bm.num_free_blocks == num_blocks
-    return sched
+    return runner
 
 
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("chunked", [False, True])
 @pytest.mark.parametrize("prefix_caching", [False, True])
 def test_random_load_keeps_every_invariant(policy, chunked, prefix_caching):
-    sched = run_random_load(0, policy, chunked, prefix_caching, steps=2000)
-    assert sum(sched.batch_sizes.values()) >= 800           # (a decode run is one of them for up to 3 steps)
+    runner = run_random_load(0, policy, chunked, prefix_caching, steps=2000)
+    assert sum(runner.outputs.batch_sizes.values()) >= 800           # (a decode run is one of them for up to 3 steps)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -587,8 +593,7 @@ def test_a_request_whose_lora_adapter_is_in_no_slot_waits_at_the_head():
         s.add(r)
     batch = s.schedule()
     assert batch.requests == [a] and s.waiting == [b, c]
-    for _, req in s.complete_step(batch):
-        req.output_ids.append(7)
+    FakeRunner(s).step(batch)
     b.lora_slot = 2
     batch = s.schedule()
     assert [b, c] == [r for r in batch.requests if r is not a]

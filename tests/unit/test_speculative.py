@@ -1,15 +1,20 @@
-"""Speculative decoding, the master's part: n-gram prompt lookup, acceptance, and verify steps composed by the
-scheduler — checked with test_scheduler's fake KV cache, so a proposal's KV that is kept when it should not
-be (or lost when it should be kept) changes the outputs."""
+"""Speculative decoding, the master's part (master/speculative/): n-gram prompt lookup, token trees, the acceptance
+rule, and verify steps planned and applied as the engine does (the planner, then the OutputProcessor) — checked
+with test_scheduler's fake KV cache, so a proposal's KV that is kept when it should not be (or lost when it
+should be kept) changes the outputs."""
 import random
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from llm_serving.master.output_processor import OutputProcessor
 from llm_serving.master.request import Request, SamplingParams
-from llm_serving.master.spec_decode import SpeculativePlanner, SpeculativeSpec, trim_tree
-from llm_serving.master.speculative import LookupProposer, NgramProposer, SpecStats, accepted_prefix, can_speculate
+from llm_serving.master.speculative.ngram import LookupProposer, NgramProposer
+from llm_serving.master.speculative.planner import SpeculativePlanner, SpeculativeSpec, can_speculate
+from llm_serving.master.speculative.stats import SpecStats
+from llm_serving.master.speculative.tree import (accept, accepted_prefix, node_depths, tree_from_paths, tree_walk,
+                                                 trim_tree)
 from tests.unit.test_scheduler import FakeRunner, make_requests, make_scheduler, next_token, reference_output
 
 
@@ -112,13 +117,16 @@ def run_now(coroutine):
 
 
 class SpecFakeRunner(FakeRunner):
-    """FakeRunner that also runs verify steps: the proposals' K/V are written like any token's, a token is
-    'sampled' after each of them, and the engine's rule (accepted_prefix) keeps the agreeing run. With a planner,
-    steps are planned as the engine's loop does: schedule, then the speculative room (a lookup: no waiting)."""
+    """FakeRunner that also runs verify steps of chains: the proposals' K/V are written like any token's, a token
+    is 'sampled' after each of them, and the OutputProcessor keeps the agreeing run (its statistics in
+    `spec_stats`). With a planner, steps are planned as the engine's loop does: schedule, then the planner (a
+    lookup: no waiting)."""
 
     def __init__(self, sched, planner=None):
         super().__init__(sched)
         self.planner = planner
+        self.spec_stats = SpecStats(8)
+        self.outputs = OutputProcessor(sched, self.spec_stats)
 
     def schedule(self):
         batch = self.sched.schedule()
@@ -142,20 +150,7 @@ class SpecFakeRunner(FakeRunner):
                 self.kv[block * bs + p % bs] = fed[j]
                 row.append(next_token([self.kv.get(table[i // bs] * bs + i % bs) for i in range(p + 1)]))
             targets.append(row)
-        for row, req in self.sched.complete_step(batch):
-            a = accepted_prefix(batch.proposals[row], targets[row])
-            self.keep(req, targets[row][:a + 1], a)
-
-    def keep(self, req, tokens, computed):
-        """What the engine does with a verify row: append the kept tokens (finishing at max_new_tokens), and
-        count `computed` of them as in the KV cache."""
-        for t in tokens:
-            req.output_ids.append(t)
-            if len(req.output_ids) >= req.sampling.max_new_tokens:
-                self.sched.finish(req, "length")
-                self.finished.append(req)
-                return
-        self.sched.accept(req, computed)
+        self.complete(batch, targets)
 
 
 def test_a_small_decode_step_becomes_a_verify_step_within_every_limit():
@@ -225,14 +220,20 @@ def test_outputs_equal_plain_decoding_whatever_is_accepted(n, wrong, k, num_bloc
                                       prefix_caching=prefix_caching, max_num_batched_tokens=budget, policy=policy,
                                       chunked_prefill=True, max_chunk_tokens=8, spec_max_rows=rng.randint(1, 6))
     reqs = add_random_requests(sched, rng, n, 12)
-    SpecFakeRunner(sched, planner).run(max_steps=2000)
+    runner = SpecFakeRunner(sched, planner)
+    runner.run(max_steps=2000)
     assert_outputs_are_plain_decodings(sched, reqs)
+    stats = runner.spec_stats
+    assert stats.rounds <= sum(v for (kind, _), v in runner.outputs.batch_sizes.items() if kind == "verify") * n
+    if wrong == 0.0:                  # every proposal is the true next token: each one is kept
+        assert stats.accepted == stats.proposed
+    elif wrong == 1.0:                # every first proposal is wrong: none is kept
+        assert stats.accepted == 0
 
 
 # --- token trees (method tree) -------------------------------------------------------------------------
 
 def test_prompt_lookup_trees_merge_distinct_continuations_depth_first():
-    from llm_serving.master.speculative import node_depths, tree_from_paths, tree_walk
     p = NgramProposer(num_tokens=3, ngram_max=3, ngram_min=1)
     #          "5 6 7" follows 0 (-> 8 9 5) and 5 (-> 8 2 5): the latest first, sharing the 8
     assert p.lookup_tree([5, 6, 7, 8, 9, 5, 6, 7, 8, 2, 5, 6, 7], width=2) == ([8, 2, 5, 9, 5], [-1, 0, 1, 0, 3])
@@ -246,13 +247,25 @@ def test_prompt_lookup_trees_merge_distinct_continuations_depth_first():
     assert tree_walk(nodes, parents, [7, 0, 0, 0, 0]) == []
 
 
+def test_acceptance_keeps_the_agreeing_path_and_counts_only_the_first_branch_in_place():
+    nodes, parents = [1, 2, 4, 3], [-1, 0, 0, -1]                    # 1 -> (2 | 4), and 3
+    on_chain = accept(nodes, parents, [1, 2, 9, 0, 0])               # 1 then 2: nodes 0, 1 (both in place)
+    assert (on_chain.kept, on_chain.emit, on_chain.in_place) == ([0, 1], [0, 1, 2], 2)
+    assert not on_chain.off_first_branch
+    second = accept(nodes, parents, [1, 4, 0, 0, 0])                 # 1 then 4 (node 2, in slot 2 not 1)
+    assert (second.kept, second.emit, second.in_place) == ([0, 2], [0, 1, 3], 1) and second.off_first_branch
+    other = accept(nodes, parents, [3, 0, 0, 0, 8])                  # the second root: nothing in place
+    assert (other.kept, other.emit, other.in_place) == ([3], [0, 4], 0)
+    none = accept([5, 6], [-1, 0], [7, 0, 0])
+    assert (none.kept, none.emit, none.in_place) == ([], [0], 0)
+
+
 class TreeFakeRunner(SpecFakeRunner):
     """Runs token-tree verify steps as the agents do: node j's K/V goes to the row's slot start + j, and the
-    token after it is the one after its own path (committed tokens, then its ancestors); the engine's rule
-    (tree_walk, only the in-place first-child chain counted as computed) keeps the agreeing path."""
+    token after it is the one after its own path (committed tokens, then its ancestors); the OutputProcessor's
+    rule (the agreeing path kept, only its in-place first-child chain counted as computed) does the rest."""
 
     def step(self, batch):
-        from llm_serving.master.speculative import tree_walk
         if not (batch.is_verify and batch.parents):
             return super().step(batch)
         bm, bs = self.sched.bm, self.sched.bm.block_size
@@ -275,10 +288,7 @@ class TreeFakeRunner(SpecFakeRunner):
                     a = parents[a]
                 row.append(next_token(committed + path[::-1]))
             targets.append(row)
-        for row, req in self.sched.complete_step(batch):
-            path = tree_walk(batch.proposals[row], batch.parents[row], targets[row])
-            in_place = next((n for n, j in enumerate(path) if j != n), len(path))
-            self.keep(req, [targets[row][j] for j in [0] + [j + 1 for j in path]], in_place)
+        self.complete(batch, targets)
 
 
 class TreeOracleProposer(OracleProposer):
@@ -286,7 +296,6 @@ class TreeOracleProposer(OracleProposer):
     kept path is sometimes the second branch (off the in-place chain)."""
 
     def lookup_tree(self, tokens, k=None, width=2):
-        from llm_serving.master.speculative import tree_from_paths
         a = self.lookup(tokens, k)
         if not a:
             return [], []
@@ -312,7 +321,7 @@ def test_tree_outputs_equal_plain_decoding_whatever_branch_is_kept(n, wrong, k, 
     assert_outputs_are_plain_decodings(sched, reqs)
 
 
-# --- the speculative room's planning (spec_decode.py) ----------------------------------------------------
+# --- the planner (speculative/planner.py) ---------------------------------------------------------------
 
 def test_trimming_a_tree_keeps_nodes_within_depth_and_room_with_their_parents():
     nodes, parents = [1, 2, 3, 4, 5], [-1, 0, 1, -1, 3]          # two branches: 1 2 3 and 4 5

@@ -64,8 +64,12 @@ def test_the_row_writer_writes_what_the_runners_step_inputs_read():
     b = StepBuffers.private(LAYOUT)
     b.input_ids[0] = b.slot_mapping[0] = 99                     # left from an earlier step
     rows = RowWriter(b, block_size=16)
-    rows.row(0, [2, 5], [11, 12, 13], 14, prompt_len=14, request_id=3, top_n=2)   # positions 14..16: blocks 2, 5
-    rows.row(1, [1], [21], 4, prompt_len=4, request_id=4, temperature=0.7, top_k=5, lora=1)
+    rows.table(0, [2, 5])
+    rows.tokens(0, [11, 12, 13], 14)                            # positions 14..16: blocks 2, 5
+    rows.sampling(0, prompt_len=14, request_id=3, top_n=2)
+    rows.table(1, [1])
+    rows.tokens(1, [21], 4)
+    rows.sampling(1, prompt_len=4, request_id=4, temperature=0.7, top_k=5, lora=1)
     assert b.block_tables[:2].tolist() == [[2, 5, 0], [1, 0, 0]]
     assert b.input_ids[0].tolist() == [11, 12, 13] + [0] * 5 and b.positions[0, :3].tolist() == [14, 15, 16]
     assert b.slot_mapping[0].tolist() == [2 * 16 + 14, 2 * 16 + 15, 5 * 16 + 0] + [-1] * 5

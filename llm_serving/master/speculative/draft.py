@@ -9,7 +9,7 @@ target's block tables: the draft's KV of position p sits in the same slot as the
 block manager and no second allocation exist, and a request's blocks hold both models' KV.
 
 Per round, for the rows of a decode step that may speculate (limits planned and blocks reserved by
-spec_decode.SpeculativePlanner):
+planner.SpeculativePlanner):
 - one *catch-up* step feeds each row the tokens the draft has not seen (`Request.num_draft_computed` up
   to the request's last token: the whole prompt on the first round, chunked to the step budget; one or
   two tokens afterwards) and samples the draft's token after the last: proposal 1;
@@ -23,6 +23,10 @@ The draft wrote KV for its proposals; after verification only the positions the 
 valid (the scheduler lowers num_draft_computed to the request's computed tokens), and the next catch-up
 overwrites the rest. A request that is preempted or recomputed starts again at 0 (prefix-cache blocks
 are written again with the same values: harmless).
+
+Each draft step is a `ScheduledBatch` like the target's, written and read by a StepIO of the draft's own; its
+rows are `DraftRow`s, each request as the draft sees it (the request's tokens, then the branch being drafted;
+computed: what the draft's cache holds), so StepIO writes them as it writes any request.
 
 A draft that fails costs speed, never output: its round proposes nothing (plain decoding goes on), a
 lost draft agent is restarted in the background with the target's back-off rules, and a draft whose KV
@@ -38,16 +42,48 @@ from typing import Callable, Optional
 
 from llm_serving.agents import protocol as proto
 from llm_serving.master.agent_group import AgentError, AgentGroup
+from llm_serving.master.batch import ScheduledBatch
 from llm_serving.master.block_manager import BlockManager
-from llm_serving.master.speculative import tree_from_paths
-from llm_serving.master.step_io import RowWriter
+from llm_serving.master.request import Request, SamplingParams
+from llm_serving.master.speculative.tree import tree_from_paths
+from llm_serving.master.step_io import StepIO, StepOutputs
 from llm_serving.master.supervisor import Supervisor
 
 logger = logging.getLogger(__name__)
 
 
+class DraftRow:
+    """A request as the draft model sees it in a round: the request's tokens followed by `branch`, the tokens
+    the draft has proposed on it so far; `num_computed_tokens` of them are in the draft's KV cache. It has the
+    attributes StepIO reads of a request (same id, number and block table; greedy, `top_n` top tokens, no
+    adapter, no logit controls), so a draft step is written like any other."""
+
+    logits = None                       # no logit controls
+    prompt_scores = None                # no prompt scores
+    lora_slot = 0                       # the draft has no adapters
+
+    def __init__(self, request: Request, num_computed_tokens: int, top_n: int = 0, branch: Optional[list] = None):
+        self.request = request
+        self.req_id, self.number, self.prompt_ids = request.req_id, request.number, request.prompt_ids
+        self.branch = branch if branch is not None else []     # (the round's list: proposals append to it)
+        self.num_computed_tokens = num_computed_tokens
+        self.sampling = SamplingParams(max_new_tokens=1, top_logprobs=top_n)    # greedy
+
+    @property
+    def num_tokens(self) -> int:
+        return self.request.num_tokens + len(self.branch)
+
+    def token_at(self, index: int) -> int:
+        n = self.request.num_tokens
+        return self.request.token_at(index) if index < n else self.branch[index - n]
+
+    def tokens(self, start: int, stop: int) -> list:
+        n = self.request.num_tokens
+        return self.request.tokens(start, min(stop, n)) + self.branch[max(start - n, 0):max(stop - n, 0)]
+
+
 class DraftProposer:
-    """The draft model's agent and the rounds it runs: spec_decode's Proposer for a draft model. `propose` never
+    """The draft model's agent and the rounds it runs: the planner's Proposer for a draft model. `propose` never
     raises: on any failure a round proposes nothing."""
 
     reserves_blocks = True            # the draft writes its proposals' KV into the target's blocks: reserved first
@@ -61,6 +97,7 @@ class DraftProposer:
         self.bm = block_manager
         self.forget_all = forget_all      # every request's draft KV is gone (sets num_draft_computed = 0)
         self.agents = AgentGroup(draft_config, model_dir, on_lost=self._lost, role="draft agent")
+        self.step_io = StepIO(block_manager)
         self.supervisor = Supervisor(draft_config.serving_config, self.agents, what="draft agent")
         self.max_step_tokens = draft_config.serving_config.max_num_batched_tokens
         self.max_chunk = draft_config.max_chunk_tokens
@@ -155,8 +192,8 @@ class DraftProposer:
     async def _round(self, requests: list, limits: list) -> list:
         branches = [[] for _ in requests]
         budget = self.max_step_tokens
-        feed = []                                   # (row of the request, first position fed, stop)
-        for i, (req, k) in enumerate(zip(requests, limits)):
+        rows, fed, stops = [], [], []               # the catch-up step: each row from what the draft holds
+        for req, k in zip(requests, limits):
             if k <= 0:
                 continue
             end = req.num_tokens
@@ -164,56 +201,54 @@ class DraftProposer:
             q = min(end - start, budget, self.max_chunk)
             if q <= 0:
                 break
-            feed.append((i, start, start + q))
+            top = self.width if self.width > 1 and start + q == end else 0    # its likeliest first tokens too
+            rows.append(DraftRow(req, start, top_n=top))
+            fed.append(q)
             budget -= q
-        if not feed:
+        if not rows:
             return branches
-        b = self.agents.buffers
-        rows = RowWriter(b, self.bm.block_size)
-        for r, (i, start, stop) in enumerate(feed):
-            req = requests[i]
-            top = self.width if self.width > 1 and stop == req.num_tokens else 0
-            # greedy (the defaults): the draft proposes its most likely token (and the top after its last)
-            rows.row(r, self.bm.block_tables[req.req_id], req.tokens(start, stop), start,
-                     prompt_len=len(req.prompt_ids), request_id=req.number, top_n=top)
-        n, s = len(feed), max(stop - start for _, start, stop in feed)
-        kind = proto.StepKind.PREFILL if s > 1 else proto.StepKind.DECODE
-        out = await self._step(proto.Step(kind, self.num_steps, n, s))
-        top_ids = b.out_top_ids[:n, :self.width].tolist() if self.width > 1 else None
+        out = await self._step(ScheduledBatch(rows, fed))
+        index = {id(req): i for i, req in enumerate(requests)}
         caught_up = []
-        for r, (i, start, stop) in enumerate(feed):
-            req = requests[i]
-            req.num_draft_computed = stop
-            if stop == req.num_tokens:              # caught up: the draft's next token is proposal 1
-                firsts = [out[r]] + ([t for t in top_ids[r] if t != out[r]][:self.width - 1] if top_ids else [])
-                branches[i] = [[t] for t in firsts]
-                caught_up.append(i)
+        for r, (row, q) in enumerate(zip(rows, fed)):
+            req = row.request
+            req.num_draft_computed = row.num_computed_tokens + q
+            if req.num_draft_computed == req.num_tokens:    # caught up: the draft's next token is proposal 1
+                first = out.token_ids[r]
+                runners_up = [t for t in out.top_ids[r, :self.width].tolist() if t != first] \
+                    if row.sampling.top_logprobs else []
+                branches[index[id(req)]] = [[t] for t in [first] + runners_up[:self.width - 1]]
+                caught_up.append(index[id(req)])
         # Each branch continues greedily, one decode step per depth. Branches share positions (the same slots
         # of the request's blocks), so they run one after another, the first (most likely) last: its KV is
         # what stays, and after the target's verify step the kept nodes of the first branch are exactly the
-        # ones whose KV the target kept in place, so the scheduler's clamp of num_draft_computed holds.
+        # ones whose KV the target kept in place, so the output processor's clamp of num_draft_computed holds.
         for branch in list(range(1, self.width)) + [0]:
-            live = [i for i in caught_up if len(branches[i]) > branch]
+            live = [DraftRow(requests[i], requests[i].num_tokens, branch=branches[i][branch], top_n=0)
+                    for i in caught_up if len(branches[i]) > branch]
             for j in range(1, max(limits)):
-                live = [i for i in live if limits[i] > j]
+                # (a request aborted meanwhile has no blocks any more: it leaves the round)
+                live = [row for row in live if limits[index[id(row.request)]] > j and not row.request.finished]
                 if not live:
                     break
-                for r, i in enumerate(live):        # feed token j of the branch at the position after the last
-                    req = requests[i]
-                    rows.row(r, self.bm.block_tables[req.req_id], [branches[i][branch][-1]], req.num_tokens + j - 1,
-                             prompt_len=len(req.prompt_ids), request_id=req.number)
-                out = await self._step(proto.Step(proto.StepKind.DECODE, self.num_steps, len(live)))
-                for r, i in enumerate(live):
-                    branches[i][branch].append(out[r])
+                for row in live:                    # feed proposal j at the position after the last
+                    row.num_computed_tokens = row.num_tokens - 1
+                out = await self._step(ScheduledBatch(live, [1] * len(live)))
+                for r, row in enumerate(live):
+                    row.branch.append(out.token_ids[r])
                     if branch == 0:                 # other branches' KV is overwritten by the first's
-                        requests[i].num_draft_computed = requests[i].num_tokens + j
+                        row.request.num_draft_computed = row.request.num_tokens + j
         return branches
 
-    async def _step(self, command) -> list:
+    async def _step(self, batch: ScheduledBatch) -> StepOutputs:
+        """One draft step: written by the draft's StepIO, run on the draft agent, its outputs read back."""
+        b = self.agents.buffers
+        self.step_io.write_inputs(b, batch)
+        command = proto.Step(batch.kind, self.num_steps, batch.num_rows, batch.max_query_len)
         t0 = time.perf_counter()
         try:
             replies, cache_reset = await self.agents.step(command)
-            kind = "catch_up" if command.kind is proto.StepKind.PREFILL else "decode"
+            kind = "catch_up" if batch.is_prefill else "decode"
             self.model_time_s[kind] += replies[0].model_ms / 1e3
             self.steps_by_kind[kind] += 1
         finally:
@@ -224,7 +259,7 @@ class DraftProposer:
             logger.warning("the draft agent's KV cache was reset: every request's draft catches up from scratch")
             self.forget_all()
             raise _CacheReset()
-        return self.agents.buffers.out_token_ids[:command.num_rows].tolist()
+        return self.step_io.read_outputs(b, batch)
 
 
 class _CacheReset(Exception):
