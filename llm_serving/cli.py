@@ -59,7 +59,7 @@ def parse_ranks(text: str) -> list:
 
 
 def cmd_agent(args) -> int:
-    from llm_serving.agents import protocol as proto
+    from llm_serving.agents import launch
     from llm_serving.agents.node import check_ranks, run_node
     from llm_serving.config import ConfigError
     from llm_serving.master.kv_memory import size_for_model
@@ -74,7 +74,7 @@ def cmd_agent(args) -> int:
         config = size_for_model(config, model_dir)   # the context as the master decides it (num_blocks is given)
         ranks = parse_ranks(args.ranks)
         check_ranks(config, ranks)
-        token = proto.read_token_file(config.serving_config.agent_token_file)
+        token = launch.read_token_file(config.serving_config.agent_token_file)
     except (ConfigError, ValueError) as exc:
         print(f"llm-serving agent: config error: {exc}", file=sys.stderr)
         return 2
@@ -318,7 +318,7 @@ async def drain(engine, grace_s: float, force: asyncio.Event) -> None:
 
 
 def cmd_start(args) -> int:
-    from llm_serving.agents import protocol as proto
+    from llm_serving.agents import launch
     from llm_serving.config import ConfigError
     from llm_serving.master.kv_memory import size_for_model
     from llm_serving.shm.sweep import sweep_stale_segments
@@ -328,7 +328,7 @@ def cmd_start(args) -> int:
         model_dir, model_name, vocab_file = resolve_model(config)
         config = size_for_model(config, model_dir)
         if config.serving_config.agent_token_file:
-            proto.read_token_file(config.serving_config.agent_token_file)
+            launch.read_token_file(config.serving_config.agent_token_file)
     except (ConfigError, ValueError) as exc:
         print(f"llm-serving: config error: {exc}", file=sys.stderr)
         return 2
