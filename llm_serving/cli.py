@@ -256,7 +256,7 @@ def _check_lora_adapters(config, model_path: str, model_name: str) -> None:
 async def serve(config, model_dir: str, model_name: str, vocab_file: str) -> None:
     from aiohttp import web
 
-    from llm_serving.config import is_loopback
+    from llm_serving.hosts import is_loopback
     from llm_serving.master.engine import Engine
     from llm_serving.server.app import create_app
     from llm_serving.tokenization import load_tokenizer

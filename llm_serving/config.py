@@ -10,7 +10,6 @@ that existing files load, and a warning says they are ignored.
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import logging
 import math
 import re
@@ -20,6 +19,8 @@ from typing import Any, Optional, Union
 
 import yaml
 
+from llm_serving.hosts import is_loopback
+
 logger = logging.getLogger(__name__)
 
 
@@ -28,14 +29,6 @@ SCHEDULING_POLICIES = ("prefill_first", "longest_output_first", "fcfs")   # see 
 ATTENTION_KERNELS = ("auto", "on", "off")      # CPU kernel switches (attention, layer); see models/runner.py
 SPEC_METHODS = ("off", "ngram", "draft", "tree", "draft_tree")   # speculative decoding proposers; see
                                                                  # master/speculative.py and master/draft.py
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` (an address or 'localhost') is this machine's loopback."""
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 class ConfigError(ValueError):
@@ -53,23 +46,6 @@ def decode_buckets_for(max_num_seqs: int, device_target: str = "CPU") -> list:
     while sizes[-1] < max_num_seqs:
         sizes.append(min(max(sizes[-1] * growth, 4), max_num_seqs))
     return sizes
-
-
-# agent_huge_pages auto: huge pages for checkpoints smaller than this (see ServingConfig.agent_huge_pages)
-HUGE_PAGES_MAX_BYTES = 512 << 20
-
-
-def agent_huge_pages(setting: str, model_dir: Optional[str]) -> bool:
-    """Whether agents start with huge pages: serving_config.agent_huge_pages (auto: for a checkpoint whose
-    files, a GGUF or a directory's weight files, take less than HUGE_PAGES_MAX_BYTES; a built-in model: yes)."""
-    if setting != "auto":
-        return setting == "on"
-    path = Path(model_dir) if model_dir else None
-    if path is None or not path.exists():
-        return True
-    files = [path] if path.is_file() else [f for f in path.iterdir()
-                                           if f.suffix in (".gguf", ".safetensors", ".bin", ".npy")]
-    return sum(f.stat().st_size for f in files) < HUGE_PAGES_MAX_BYTES
 
 
 def _yaml_switch(value):
@@ -217,7 +193,7 @@ class ServingConfig:
     # environment): on small models a decode step streaming every weight pays ~20% for 4 KiB pages' walks
     # (SmolLM2 1.19x, the float32 bench model 1.11x at one stream), while on a 1B Q4_K_M they changed no speed
     # and added ~400 MiB (2 MiB pages only partly used); auto: on for checkpoints under HUGE_PAGES_MAX_BYTES
-    # (docs/BENCHMARKS.md). No effect where THP is off or glibc is old.
+    # (agents/launch.py; docs/BENCHMARKS.md). No effect where THP is off or glibc is old.
     agent_huge_pages: Any = "auto"
     max_body_bytes: int = 1 << 20             # HTTP request body limit
     # supervision: a dead or hung agent fails the requests it was running, then the group restarts after

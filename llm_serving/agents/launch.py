@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Optional
 
 from llm_serving.cache_dir import default_cache_dir
 
@@ -20,6 +21,21 @@ ENV_STATUS_FD = "LLM_SERVING_AGENT_STATUS_FD"   # pipe for the agent's status li
 # glibc >= 2.35: malloc asks for transparent huge pages (madvise) on the memory it maps, which is where MindSpore's
 # CPU tensors live; weight streaming reads 2 MiB pages instead of 4 KiB ones (serving_config.agent_huge_pages)
 HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
+# agent_huge_pages auto: huge pages for checkpoints smaller than this (see ServingConfig.agent_huge_pages)
+HUGE_PAGES_MAX_BYTES = 512 << 20
+
+
+def agent_huge_pages(setting: str, model_dir: Optional[str]) -> bool:
+    """Whether agents start with huge pages: serving_config.agent_huge_pages (auto: for a checkpoint whose
+    files, a GGUF or a directory's weight files, take less than HUGE_PAGES_MAX_BYTES; a built-in model: yes)."""
+    if setting != "auto":
+        return setting == "on"
+    path = Path(model_dir) if model_dir else None
+    if path is None or not path.exists():
+        return True
+    files = [path] if path.is_file() else [f for f in path.iterdir()
+                                           if f.suffix in (".gguf", ".safetensors", ".bin", ".npy")]
+    return sum(f.stat().st_size for f in files) < HUGE_PAGES_MAX_BYTES
 
 
 def with_huge_pages(env: dict) -> dict:

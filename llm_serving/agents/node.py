@@ -25,7 +25,7 @@ import time
 from llm_serving.agents import launch
 from llm_serving.agents.lifetime import spawn
 from llm_serving.agents.server import EXIT_PEERS_GONE
-from llm_serving.config import agent_huge_pages, is_loopback
+from llm_serving.hosts import is_loopback
 from llm_serving.models.parallel import cluster_env
 
 logger = logging.getLogger("llm_serving.node")
@@ -63,7 +63,7 @@ def agent_environment(config, model_dir: str, rank: int, token: str) -> tuple:
         "RANK_ID": str(rank), "DEVICE_ID": str(device),     # (msrun exports these too)
         launch.ENV_CONFIG: json.dumps({"config": raw, "model_dir": model_dir, "rank": rank, "tp_comm": None,
                                       "remote": True}),
-        launch.ENV_TOKEN: token}, huge_pages=agent_huge_pages(sc.agent_huge_pages, model_dir))
+        launch.ENV_TOKEN: token}, huge_pages=launch.agent_huge_pages(sc.agent_huge_pages, model_dir))
     env.pop(launch.ENV_STATUS_FD, None)
     return env, workdir
 

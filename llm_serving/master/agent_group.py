@@ -21,7 +21,6 @@ import subprocess
 import sys
 from typing import Callable, Optional
 
-from llm_serving.config import agent_huge_pages
 from llm_serving.agents import launch, protocol as proto
 from llm_serving.agents.lifetime import spawn
 from llm_serving.models.parallel import all_reduce_backend, cluster_env
@@ -406,7 +405,7 @@ class AgentGroup:
             launch.ENV_CONFIG: json.dumps({"config": config, "model_dir": self.model_dir, "rank": rank,
                                           "tp_comm": self.comm.name if self.comm is not None else None}),
             launch.ENV_TOKEN: self._token, launch.ENV_STATUS_FD: str(write_fd)},
-            huge_pages=agent_huge_pages(self.config.serving_config.agent_huge_pages, self.model_dir))
+            huge_pages=launch.agent_huge_pages(self.config.serving_config.agent_huge_pages, self.model_dir))
         process = spawn([sys.executable, "-m", "llm_serving.agents.server"], env, workdir, pass_fds=(write_fd,))
         os.close(write_fd)
         reader = asyncio.StreamReader()

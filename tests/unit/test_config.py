@@ -330,26 +330,9 @@ def test_lora_config_names_slots_and_rank():
         config_from_dict({"lora_config": {"adapters": {"m": "/a"}}}, ["model_config.model_name=m"])
 
 
-def test_agent_huge_pages_auto_goes_by_the_checkpoint_size(tmp_path):
-    """auto: huge pages for checkpoints under HUGE_PAGES_MAX_BYTES (a GGUF file, or a directory's weight files;
-    a built-in model's name is not a path: small); on and off (and YAML's true / false) as given."""
-    from llm_serving.config import HUGE_PAGES_MAX_BYTES, agent_huge_pages
-
-    small, big = tmp_path / "small.gguf", tmp_path / "big.gguf"
-    small.write_bytes(b"\0" * 1024)
-    with open(big, "wb") as f:                       # sparse: its size, not its blocks
-        f.truncate(HUGE_PAGES_MAX_BYTES + 1)
-    shards = tmp_path / "hf"
-    shards.mkdir()
-    for i in range(2):
-        with open(shards / f"model-{i}.safetensors", "wb") as f:
-            f.truncate(HUGE_PAGES_MAX_BYTES // 2 + 1)
-    (shards / "tokenizer.json").write_bytes(b"{}")
-    assert agent_huge_pages("auto", str(small)) is True
-    assert agent_huge_pages("auto", str(big)) is False
-    assert agent_huge_pages("auto", str(shards)) is False     # the shards together
-    assert agent_huge_pages("auto", "builtin:tiny-llama") is True
-    assert agent_huge_pages("on", str(big)) is True and agent_huge_pages("off", str(small)) is False
+def test_agent_huge_pages_is_auto_on_or_off():
+    """serving_config.agent_huge_pages: auto by default; on and off (and YAML's true / false) as given (what auto
+    decides: test_launch.py)."""
     cfg = config_from_dict({"serving_config": {"agent_huge_pages": False}})
     assert cfg.serving_config.agent_huge_pages == "off"
     assert config_from_dict({}).serving_config.agent_huge_pages == "auto"
