@@ -16,7 +16,7 @@ from typing import Optional
 import numpy as np
 import psutil
 
-from llm_serving.agents.protocol import with_huge_pages
+from llm_serving.agents.launch import with_huge_pages
 from llm_serving.loadgen.client import benchmark
 from llm_serving.loadgen.metrics import summarize
 from llm_serving.loadgen.workload import TokenCounter, load_alpaca, synthetic

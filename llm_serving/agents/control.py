@@ -2,7 +2,7 @@
 
 It connects without shared memory (`shm: null`), so it can talk to an agent while the master drives it:
 control commands go ahead of queued steps. The token is the master's per-launch token, read from the
-runtime dir (`protocol.token_file`, written by the master when it connects the agent) unless given.
+runtime dir (`launch.token_file`, written by the master when it connects the agent) unless given.
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import socket
 from typing import Optional
 
 from llm_serving.agents import protocol as proto
+from llm_serving.agents.launch import token_file
 
 
 class ControlError(RuntimeError):
@@ -20,7 +21,7 @@ class ControlError(RuntimeError):
 class ControlClient:
     def __init__(self, port: int, host: str = "127.0.0.1", token: Optional[str] = None, timeout_s: float = 30.0):
         if token is None:
-            path = proto.token_file(port)
+            path = token_file(port)
             if not path.is_file():
                 raise ControlError(f"no token for agent port {port} at {path}; pass the token explicitly")
             token = path.read_text().strip()

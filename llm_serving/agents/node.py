@@ -22,10 +22,10 @@ import sys
 import threading
 import time
 
-from llm_serving.agents import protocol as proto
+from llm_serving.agents import launch
 from llm_serving.agents.lifetime import spawn
 from llm_serving.agents.server import EXIT_PEERS_GONE
-from llm_serving.config import agent_huge_pages, is_loopback
+from llm_serving.hosts import is_loopback
 from llm_serving.models.parallel import cluster_env
 
 logger = logging.getLogger("llm_serving.node")
@@ -58,13 +58,13 @@ def agent_environment(config, model_dir: str, rank: int, token: str) -> tuple:
     raw = config.to_dict()
     raw["serving_config"]["api_key"] = None              # agents never see the HTTP API key
     device = sc.start_device_id + sc.local_rank(rank)[0]
-    env, workdir = proto.child_env({
+    env, workdir = launch.child_env({
         **cluster_env(len(sc.agent_ports), sc.cluster_port, rank, host=sc.cluster_host),
         "RANK_ID": str(rank), "DEVICE_ID": str(device),     # (msrun exports these too)
-        proto.ENV_CONFIG: json.dumps({"config": raw, "model_dir": model_dir, "rank": rank, "tp_comm": None,
+        launch.ENV_CONFIG: json.dumps({"config": raw, "model_dir": model_dir, "rank": rank, "tp_comm": None,
                                       "remote": True}),
-        proto.ENV_TOKEN: token}, huge_pages=agent_huge_pages(sc.agent_huge_pages, model_dir))
-    env.pop(proto.ENV_STATUS_FD, None)
+        launch.ENV_TOKEN: token}, huge_pages=launch.agent_huge_pages(sc.agent_huge_pages, model_dir))
+    env.pop(launch.ENV_STATUS_FD, None)
     return env, workdir
 
 

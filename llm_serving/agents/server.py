@@ -23,7 +23,7 @@ import threading
 import time
 import traceback
 
-from llm_serving.agents import protocol as proto
+from llm_serving.agents import launch, protocol as proto
 from llm_serving.agents.lifetime import expected_parent, parent_gone
 from llm_serving.config import config_from_dict
 
@@ -309,11 +309,11 @@ def run_agent_process() -> int:
     """Entry point of an agent process; tells the parent through the status pipe if start-up fails."""
     logging.basicConfig(level=os.environ.get("LLM_SERVING_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    status_fd = int(os.environ[proto.ENV_STATUS_FD]) if os.environ.get(proto.ENV_STATUS_FD) else None
+    status_fd = int(os.environ[launch.ENV_STATUS_FD]) if os.environ.get(launch.ENV_STATUS_FD) else None
     server = None
     try:
-        spec = json.loads(os.environ[proto.ENV_CONFIG])
-        token = os.environ.pop(proto.ENV_TOKEN)
+        spec = json.loads(os.environ[launch.ENV_CONFIG])
+        token = os.environ.pop(launch.ENV_TOKEN)
         config = config_from_dict(spec["config"])
         server = AgentServer(config, spec["model_dir"], int(spec["rank"]), token, status_fd, spec.get("tp_comm"),
                              remote=bool(spec.get("remote")))

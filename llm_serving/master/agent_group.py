@@ -21,8 +21,7 @@ import subprocess
 import sys
 from typing import Callable, Optional
 
-from llm_serving.config import agent_huge_pages
-from llm_serving.agents import protocol as proto
+from llm_serving.agents import launch, protocol as proto
 from llm_serving.agents.lifetime import spawn
 from llm_serving.models.parallel import all_reduce_backend, cluster_env
 from llm_serving.shm.buffers import StepBuffers
@@ -255,7 +254,7 @@ class AgentGroup:
         self.agents: list = []
         sc, mc = config.serving_config, config.model_config
         self.remote_ranks = set(sc.remote_ranks)    # agents on other nodes: connected to, not spawned
-        self._token = proto.read_token_file(sc.agent_token_file) if sc.agent_token_file else secrets.token_urlsafe(32)
+        self._token = launch.read_token_file(sc.agent_token_file) if sc.agent_token_file else secrets.token_urlsafe(32)
         self._token_files: list = []
         self._remote_pids: dict = {}               # rank -> pid of the remote agent of the last start
         self._closing = False                      # stop() under way: a scheduler's exit is expected
@@ -391,7 +390,7 @@ class AgentGroup:
             with socket.socket() as s:                      # a free port (the scheduler binds it a moment later)
                 s.bind((sc.cluster_host, 0))
                 self._cluster_port = s.getsockname()[1]
-        env, workdir = proto.child_env(cluster_env(world, self._cluster_port, host=sc.cluster_host))
+        env, workdir = launch.child_env(cluster_env(world, self._cluster_port, host=sc.cluster_host))
         self.scheduler = spawn([sys.executable, "-m", "llm_serving.models.parallel"], env, workdir)
         logger.info("tensor-parallel cluster scheduler (pid %d) on %s:%d", self.scheduler.pid, sc.cluster_host,
                     self._cluster_port)
@@ -399,14 +398,14 @@ class AgentGroup:
     async def _spawn(self, rank: int) -> AgentClient:
         read_fd, write_fd = os.pipe()
         config = self.agent_config()
-        env, workdir = proto.child_env({
+        env, workdir = launch.child_env({
             **(cluster_env(len(self.config.serving_config.agent_ports), self._cluster_port, rank,
                            host=self.config.serving_config.cluster_host)
                if self.scheduler is not None else {}),
-            proto.ENV_CONFIG: json.dumps({"config": config, "model_dir": self.model_dir, "rank": rank,
+            launch.ENV_CONFIG: json.dumps({"config": config, "model_dir": self.model_dir, "rank": rank,
                                           "tp_comm": self.comm.name if self.comm is not None else None}),
-            proto.ENV_TOKEN: self._token, proto.ENV_STATUS_FD: str(write_fd)},
-            huge_pages=agent_huge_pages(self.config.serving_config.agent_huge_pages, self.model_dir))
+            launch.ENV_TOKEN: self._token, launch.ENV_STATUS_FD: str(write_fd)},
+            huge_pages=launch.agent_huge_pages(self.config.serving_config.agent_huge_pages, self.model_dir))
         process = spawn([sys.executable, "-m", "llm_serving.agents.server"], env, workdir, pass_fds=(write_fd,))
         os.close(write_fd)
         reader = asyncio.StreamReader()
@@ -415,7 +414,7 @@ class AgentGroup:
         return AgentClient(rank, process, reader, on_lost=self.on_lost, role=self.role)
 
     def _write_token_file(self, port: int) -> None:
-        path = proto.token_file(port)
+        path = launch.token_file(port)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(self._token)

@@ -94,7 +94,7 @@ class Engine:
                 proposer = NgramProposer(sc.num_speculative_tokens, sc.ngram_max, sc.ngram_min,
                                          tree_width=spec.tree_width)
             self.speculation = SpeculativePlanner(spec, proposer, self.scheduler)
-        vocab = config.model_config.vocab_size         # (decided at start: master/kv_memory.py)
+        vocab = config.model_config.vocab_size         # (decided at start: startup/kv_memory.py)
         # token ids a request may name: the tokenizer's that the model has too
         self.vocab_size = min(tokenizer.vocab_size, vocab) if vocab else tokenizer.vocab_size
         self.grammars = (Grammars(tokenizer, vocab, eos_ids=sorted(self.stop_token_ids)) if vocab

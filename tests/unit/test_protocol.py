@@ -8,15 +8,6 @@ from llm_serving.agents import protocol as proto
 from llm_serving.agents.server import CommandQueue
 
 
-def test_huge_pages_join_the_glibc_tunables_an_agent_starts_with():
-    assert proto.with_huge_pages({"PATH": "/bin"}) == {"PATH": "/bin", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
-    env = {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}
-    assert proto.with_huge_pages(env)["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
-    assert env == {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}                   # not changed in place
-    mine = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}                            # the user's own choice stays
-    assert proto.with_huge_pages(mine) == mine
-
-
 def test_frame_round_trip_over_a_socket():
     a, b = socket.socketpair()
     with a, b:

@@ -1,6 +1,6 @@
 """Tensor parallel across nodes, without MindSpore: the config rules for ranks on other nodes, which parts of
-the step buffers rank 0 broadcasts and how they come back, the `llm-serving agent` launcher's ranks, token
-file and environment."""
+the step buffers rank 0 broadcasts and how they come back, the `llm-serving agent` launcher's ranks and
+environment (the token file's rules: test_launch.py)."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llm_serving.agents import protocol as proto
+from llm_serving.agents import launch
 from llm_serving.agents.node import agent_environment, check_ranks
 from llm_serving.cli import parse_ranks
 from llm_serving.config import ConfigError, load_config
@@ -153,22 +153,6 @@ def test_ranks_parse_and_must_be_on_another_node():
         check_ranks(_config(), [0])
 
 
-def test_the_token_file_must_be_private_and_hold_a_token(tmp_path):
-    path = tmp_path / "token"
-    path.write_text("s3cret-token-of-enough-length\n")
-    path.chmod(0o600)
-    assert proto.read_token_file(str(path)) == "s3cret-token-of-enough-length"
-    path.chmod(0o644)
-    with pytest.raises(ValueError, match="chmod 600"):
-        proto.read_token_file(str(path))
-    path.write_text("short")
-    path.chmod(0o600)
-    with pytest.raises(ValueError, match="at least 16"):
-        proto.read_token_file(str(path))
-    with pytest.raises(ValueError, match="No such file"):
-        proto.read_token_file(str(tmp_path / "missing"))
-
-
 def test_a_node_agent_gets_msruns_environment_and_no_shared_memory():
     cfg = _config(*ACROSS, "serving_config.api_key=abcdefgh12")
     env, workdir = agent_environment(cfg, "/models/x", 2, "tok" * 6)
@@ -176,10 +160,10 @@ def test_a_node_agent_gets_msruns_environment_and_no_shared_memory():
     assert (env["MS_ROLE"], env["MS_NODE_ID"], env["MS_WORKER_NUM"]) == ("MS_WORKER", "2", "3")
     assert (env["MS_SCHED_HOST"], env["MS_SCHED_PORT"]) == ("10.0.0.1", "8118")
     assert (env["RANK_ID"], env["DEVICE_ID"]) == ("2", "0")        # the first rank on its node: device 0
-    spec = json.loads(env[proto.ENV_CONFIG])
+    spec = json.loads(env[launch.ENV_CONFIG])
     assert spec["rank"] == 2 and spec["remote"] is True and spec["tp_comm"] is None
     assert spec["config"]["serving_config"]["api_key"] is None          # agents never see the HTTP key
-    assert env[proto.ENV_TOKEN] == "tok" * 6 and proto.ENV_STATUS_FD not in env
+    assert env[launch.ENV_TOKEN] == "tok" * 6 and launch.ENV_STATUS_FD not in env
     assert env["PYTHONPATH"].split(os.pathsep)[0] == str(Path(__file__).resolve().parents[2])  # this package
 
 

@@ -1,0 +1,25 @@
+"""What `llm-serving start` and `llm-serving agent` decide from the model before any agent starts. This package's
+interface: import from here.
+
+- `model.py`      which model: its path, served name and tokenizer file (`resolve_model`), the draft model and
+                  the LoRA adapters checked against it
+- `kv_memory.py`  what depends on its shape (`size_for_model`): the vocabulary size, the context
+                  (`max_generate_length: auto`) and the KV blocks (`num_blocks: auto`)
+
+`decide` does both, in that order. The package reads the config, the model's files (models/) and the tokenizers;
+it never imports the master, HTTP or the agents.
+"""
+from llm_serving.config import Config
+
+from .kv_memory import size_for_model
+from .model import resolve_model
+
+__all__ = ["decide", "resolve_model", "size_for_model"]
+
+
+def decide(config: Config) -> tuple:
+    """(config with what the model decides, model path, served name, tokenizer file): `resolve_model`, then
+    `size_for_model` on its path. A ConfigError names the setting that does not fit (the model, its draft or
+    adapters, the memory it needs)."""
+    model_dir, model_name, vocab_file = resolve_model(config)
+    return size_for_model(config, model_dir), model_dir, model_name, vocab_file
