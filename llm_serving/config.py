@@ -193,7 +193,7 @@ class ServingConfig:
     # environment): on small models a decode step streaming every weight pays ~20% for 4 KiB pages' walks
     # (SmolLM2 1.19x, the float32 bench model 1.11x at one stream), while on a 1B Q4_K_M they changed no speed
     # and added ~400 MiB (2 MiB pages only partly used); auto: on for checkpoints under HUGE_PAGES_MAX_BYTES
-    # (agents/launch.py; docs/BENCHMARKS.md). No effect where THP is off or glibc is old.
+    # (agents/launch.py; docs/benchmarks/JOURNAL.md). No effect where THP is off or glibc is old.
     agent_huge_pages: Any = "auto"
     max_body_bytes: int = 1 << 20             # HTTP request body limit
     # supervision: a dead or hung agent fails the requests it was running, then the group restarts after

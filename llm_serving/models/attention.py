@@ -18,7 +18,7 @@ attends through the fused PagedAttention kernel (no gather of the keys); everyth
 CPU twin, `decode_kernel` (kernels/paged_attention_cpu.cc, an `ops.Custom` AOT kernel the runner builds
 with the machine's C++ compiler), does the same for CPU decode steps: it reads each row's keys and values
 in place through the block table, so a decode step's attention costs ~ the row's real context instead
-of gathering W * block_size keys per row (docs/BENCHMARKS.md has the figures). It serves prefill
+of gathering W * block_size keys per row (docs/benchmarks/JOURNAL.md has the figures). It serves prefill
 too: ModelRunner packs a prefill step's tokens as decode-shaped rows (S=1), each with its own row's block
 table and context, and all K/V are written before the kernel reads. Without a compiler the gather path
 below serves decode and prefill.

@@ -402,7 +402,7 @@ class DecodeRun(nn.Cell):
     step all of whose rows sit out costs almost nothing: a run can end early for every row (the kernels skip
     it). It runs the layer kernel and FinalLogits (model must have them), so B is at most
     the model's layer_kernel_rows. The master's round trip and the graph launch are paid once per K tokens
-    instead of once per token: at one row of a small model they are ~20% of a step (docs/BENCHMARKS.md)."""
+    instead of once per token: at one row of a small model they are ~20% of a step (docs/benchmarks/JOURNAL.md)."""
 
     def __init__(self, model: LlamaForCausalLM, steps: int):
         super().__init__(auto_prefix=False)       # model's parameters keep their names (they are shared)

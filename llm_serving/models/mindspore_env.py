@@ -131,7 +131,7 @@ class GraphCalls:
 
     `cell(*tensors)` runs a few hundred microseconds of Python per call before the graph starts (signature
     binding, argument checks, the argument key of the compile cache lookup); at a one-row decode step of a
-    small model that is ~5% of the step (docs/BENCHMARKS.md). The first call of each (cell, input shapes
+    small model that is ~5% of the step (docs/benchmarks/JOURNAL.md). The first call of each (cell, input shapes
     and dtypes) goes through `cell(...)`, which compiles and records the graph's phase; later calls hand
     the tensors to MindSpore's graph executor under that phase, which is what `cell(...)` ends in. Only
     for cells whose inputs are all Tensors and whose graph depends on nothing but their shapes and dtypes

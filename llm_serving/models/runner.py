@@ -14,7 +14,7 @@ the CPU paged-attention kernel, prefill steps are *packed* (buckets.py): the ste
 side, each attending through its own row's block table like a decode row, max(prefill_batch_sizes) rows
 sampled. Without the kernel (no compiler, or Ascend) prefill runs per (batch, seq) bucket. On one CPU agent
 every model graph (or, with layer_kernel_rows set, those of up to that many tokens) runs each decoder layer as
-one C++ kernel on the weights as the checkpoint stores them (kernels/decoder_layer_cpu.cc; see llama.py). Figures for all of these are in docs/BENCHMARKS.md.
+one C++ kernel on the weights as the checkpoint stores them (kernels/decoder_layer_cpu.cc; see llama.py). Figures for all of these are in docs/benchmarks/JOURNAL.md.
 """
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ template come from the same metadata.
 Reading a large vocabulary's metadata and building its BPE costs seconds of every start (before the agents are
 even started), so the result is kept in the cache directory (`<cache>/tokenizers/`, keyed by the file's path,
 size and modification time) as the `tokenizers` library's own JSON or the sentencepiece model, which read
-ten times faster (docs/BENCHMARKS.md, start-up).
+ten times faster (docs/benchmarks/JOURNAL.md, start-up).
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 //
 // At batch 1..16 a decode step is a chain of matrix-vector products (the weights are read once per step,
 // the rows of the batch are few), and MindSpore's kernel-by-kernel CPU runtime spends more time between
-// its ~30 kernels per layer than in them (docs/BENCHMARKS.md: 3.1 ms of runtime in an 11.9 ms step of the
+// its ~30 kernels per layer than in them (docs/benchmarks/JOURNAL.md: 3.1 ms of runtime in an 11.9 ms step of the
 // bench model). Here one kernel per layer does all of it: RMSNorm, the fused q/k/v product (+ bias),
 // RoPE, the K/V write into the paged cache, paged attention (cpu_kernel_common.h, as the decode kernel),
 // o_proj + residual, RMSNorm, gate/up with SiLU, down_proj + residual. The work is split over a

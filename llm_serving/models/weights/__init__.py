@@ -20,7 +20,7 @@ dtype fails with a `WeightLoadError` naming the tensor. The model concatenates Q
 builds its parameters (`llama.py`).
 
 A GGUF's block-quantized matrices are also available as the file stores them (`load_quantized`): the CPU layer
-kernel reads those rows directly, 4.5-8.5 bits per weight instead of float32's 32 (docs/BENCHMARKS.md).
+kernel reads those rows directly, 4.5-8.5 bits per weight instead of float32's 32 (docs/benchmarks/JOURNAL.md).
 
 A new format: a module here with its reader (importing `common` only), its case in `detect_format` and its
 entry in `READERS`.
