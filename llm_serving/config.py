@@ -28,7 +28,7 @@ DEFAULT_MAX_NUM_SEQS = 64    # running sequences when neither max_num_seqs nor d
 SCHEDULING_POLICIES = ("prefill_first", "longest_output_first", "fcfs")   # see master/scheduler.py
 ATTENTION_KERNELS = ("auto", "on", "off")      # CPU kernel switches (attention, layer); see models/runner.py
 SPEC_METHODS = ("off", "ngram", "draft", "tree", "draft_tree")   # speculative decoding proposers; see
-                                                                 # master/speculative.py and master/draft.py
+                                                                 # master/speculative/ (ngram.py, draft.py)
 
 
 class ConfigError(ValueError):
@@ -377,7 +377,7 @@ class SchedulerConfig:
 
 @dataclass
 class SpecConfig:
-    """`spec_config`: speculative decoding (master/speculative.py). A proposer guesses the next tokens of a
+    """`spec_config`: speculative decoding (master/speculative/). A proposer guesses the next tokens of a
     decoding request; the target model checks them all in one step and keeps the longest run it agrees
     with, plus its own next token, so the output is the one plain decoding gives."""
 
@@ -421,7 +421,7 @@ class SpecConfig:
 
     @property
     def uses_draft(self) -> bool:
-        """A draft model, served by an agent process of its own, proposes (master/draft.py)."""
+        """A draft model, served by an agent process of its own, proposes (master/speculative/draft.py)."""
         return self.method in ("draft", "draft_tree")
 
     @property

@@ -1,4 +1,4 @@
-"""LoRA adapters in PEFT's format, checked against the base model they are to be served on (issue 24).
+"""LoRA adapters in PEFT's format, checked against the base model they are to be served on.
 
 An adapter is a directory with `adapter_config.json` (PEFT's LoraConfig: `r`, `lora_alpha`, `target_modules`,
 `use_rslora`, `rank_pattern`, `alpha_pattern`, ...) and `adapter_model.safetensors`, whose tensors PEFT names

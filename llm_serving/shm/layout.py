@@ -27,7 +27,7 @@ Logit controls (a row's token mask and bias entries) are the one part written af
 master computes them while the agents run the model, and a row's sampler waits for `controls_pending` to fall to 0
 before it reads them (models/logit_controls.py); `controls_on` and everything else is written before the frame.
 
-Verify steps (speculative decoding, master/speculative.py) sample after every new token of a row, not
+Verify steps (speculative decoding, master/speculative/) sample after every new token of a row, not
 only after its last; `max_verify` is the most tokens a speculating row feeds (1 + proposals), or the steps
 of a decode run (scheduler_config.decode_steps, whose tokens come back in out_verify_*). A verify row's
 verify_parent is j-1 for token j along a chain, and a token tree's parent index otherwise; a decode run's
