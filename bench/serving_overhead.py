@@ -12,7 +12,9 @@ server here (they produce no decode tokens), so short prompts and long outputs a
 
 It also reports issue 23's definition of the serving overhead, which the client's cores do not blur: the
 master process's CPU seconds (user + system, from the OS) over the agents' model seconds (the engine's
-`step_profile_total_s["model"]` in /stats), both taken around the measured run (goal: <= 5% at 64 streams).
+`step_profile_total_s["model"]` in /stats), both taken around the measured run (goal: <= 5% at 64 streams); and
+the master's CPU milliseconds per output token, which does not depend on the model's speed (compare two builds
+of the master with it: `--skip-bare` leaves out the bare step).
 
 Writes JSON (default bench_results/serving_overhead.json).
 """
@@ -49,11 +51,12 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="requests per run = rounds * concurrency")
     p.add_argument("--threads", type=int, default=None, help="MindSpore threads of the bare step "
                                                                "(default: the server config's num_threads)")
+    p.add_argument("--skip-bare", action="store_true", help="measure the server only (no bare model step)")
     p.add_argument("--out", default="bench_results/serving_overhead.json")
     args = p.parse_args(argv)
 
     cli = server_args(args.model, args.config, args.set)
-    e2e, master = {}, {}
+    e2e, master, master_ms = {}, {}, {}
     with ServerProcess(cli, log_dir() / "serving_overhead.log") as server:
         facts = info(server)
         for c in args.concurrency:
@@ -64,42 +67,48 @@ def main(argv=None) -> int:
             cpu1, model1 = master_cpu_and_model_s(server)
             e2e[c] = summary
             master[c] = (cpu1 - cpu0) / (model1 - model0) if model1 > model0 else None
+            master_ms[c] = (cpu1 - cpu0) * 1e3 / max(summary["total_output_tokens"], 1)
             print(f"C={c}: {summary['output_throughput']:.1f} output tok/s end to end "
                   f"({summary['failed']} failed)", flush=True)
         model_path = facts["model_path"]
 
-    from llm_serving.config import load_config
-    from llm_serving.models.runner import ModelRunner
-    from llm_serving.models.runner_spec import RunnerSpec
-
-    config = load_config(args.config, tuple(args.set))
-    threads = args.threads or config.model_config.num_threads
-    context = args.input_len + args.output_len // 2
-    block = 16
-    per_row = -(-(args.input_len + args.output_len + 1) // block)
-    spec = RunnerSpec(num_blocks=max(args.concurrency) * per_row, block_size=block, max_blocks_per_seq=per_row,
-                      decode_batch_sizes=args.concurrency, prefill_batch_sizes=[1], prefill_seq_lens=[16],
-                      num_threads=threads)
-    runner = ModelRunner(model_path, spec)
+    runner = None if args.skip_bare else bare_runner(args, model_path)
     rows = []
     for c in args.concurrency:
-        step = time_decode_steps(runner, c, context, 30)
+        step = time_decode_steps(runner, c, args.input_len + args.output_len // 2, 30) if runner else None
         s = e2e[c]
-        rows.append({"concurrency": c, "e2e_tok_s": s["output_throughput"], "bare_tok_s": c / step,
-                     "ratio": s["output_throughput"] / (c / step), "bare_step_ms": step * 1e3,
+        rows.append({"concurrency": c, "e2e_tok_s": s["output_throughput"], "bare_tok_s": c / step if step else None,
+                     "ratio": s["output_throughput"] / (c / step) if step else None,
+                     "bare_step_ms": step * 1e3 if step else None,
                      "tpot_p50": s["tpot_ms"]["median"], "ttft_p50": s["ttft_ms"]["median"], "failed": s["failed"],
-                     "master_cpu_over_model": master[c]})
+                     "master_cpu_over_model": master[c], "master_cpu_ms_per_token": master_ms[c]})
     print(f"\nserving overhead: {facts['model_id']}, prompts ~{args.input_len} tokens, {args.output_len} output "
           f"tokens, {args.rounds} rounds per concurrency")
     print(table(rows, [("concurrency", "C", "{}"), ("e2e_tok_s", "e2e tok/s", "{:.1f}"),
                        ("bare_tok_s", "bare step tok/s", "{:.1f}"), ("ratio", "e2e/bare", "{:.2f}"),
                        ("bare_step_ms", "bare step ms", "{:.2f}"), ("tpot_p50", "TPOT p50 ms", "{:.2f}"),
                        ("ttft_p50", "TTFT p50 ms", "{:.0f}"),
-                       ("master_cpu_over_model", "master CPU/model", "{:.1%}")]))
+                       ("master_cpu_over_model", "master CPU/model", "{:.1%}"),
+                       ("master_cpu_ms_per_token", "master CPU ms/token", "{:.3f}")]))
     write_json(args.out, {"scenario": "serving_overhead", "machine": machine(), "model": facts["model_id"],
                           "input_len": args.input_len, "output_len": args.output_len, "rows": rows,
                           "runs": {str(c): s for c, s in e2e.items()}})
     return 0 if all(r["failed"] == 0 for r in rows) else 1
+
+
+def bare_runner(args, model_path: str):
+    """A ModelRunner in this process on the served model, with decode buckets of the run's concurrencies."""
+    from llm_serving.config import load_config
+    from llm_serving.models.runner import ModelRunner
+    from llm_serving.models.runner_spec import RunnerSpec
+
+    config = load_config(args.config, tuple(args.set))
+    block = 16
+    per_row = -(-(args.input_len + args.output_len + 1) // block)
+    spec = RunnerSpec(num_blocks=max(args.concurrency) * per_row, block_size=block, max_blocks_per_seq=per_row,
+                      decode_batch_sizes=args.concurrency, prefill_batch_sizes=[1], prefill_seq_lens=[16],
+                      num_threads=args.threads or config.model_config.num_threads)
+    return ModelRunner(model_path, spec)
 
 
 if __name__ == "__main__":

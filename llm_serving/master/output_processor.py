@@ -20,7 +20,9 @@ request there, and the tokens after it leave its output (`drop_last`). Pure Pyth
 runner.
 
 Every step kind has its rule in `_TOKENS` (a new step kind adds one): which tokens a row that reached its end
-gets, and how many of them beyond the first already have their KV in place.
+gets, and how many of them beyond the first already have their KV in place. (The loop runs for every row of
+every step, 64 rows a few hundred times a second: rules return plain tuples, and a row's common case, one
+token, takes no slicing or second pass.)
 """
 from __future__ import annotations
 
@@ -53,16 +55,6 @@ class RequestOutput:
     error: Optional[str] = None
 
 
-@dataclass
-class _RowTokens:
-    """A row's tokens from its step: the tokens, their log-probabilities (and tops), and how many after the first
-    already have their KV in place (counted as computed if the request goes on)."""
-    token_ids: list
-    logprobs: list
-    tops: Optional[list] = None
-    in_place: int = 0
-
-
 class OutputProcessor:
     """The one owner of a step's outcome (see the module docstring), for one scheduler."""
 
@@ -92,40 +84,44 @@ class OutputProcessor:
             self._advance(req, fed - proposed, draft_may_hold=proposed)
             if req.num_computed_tokens < req.num_tokens:     # a prompt chunk: nothing sampled yet
                 continue
-            got = rule(self, batch, out, row)
+            token_ids, logprobs, tops, in_place = rule(self, batch, out, row)
             if req.first_token_time is None:
                 req.first_token_time = now
-            count, reason, error = self._append(req, got.token_ids, got.logprobs)
-            if reason is None:
-                self._advance(req, got.in_place)
-            else:
+            count, reason, error = self._append(req, token_ids, logprobs)
+            if reason is not None:
                 self.scheduler.finish(req, reason)
-            results.append(RequestOutput(req, got.token_ids[:count], got.logprobs[:count],
-                                         got.tops[:count] if got.tops is not None else None, reason, error))
+            elif in_place or proposed:      # (a verify row's draft KV is clamped to what was kept, in place or not)
+                self._advance(req, in_place)
+            if count < len(token_ids):
+                token_ids, logprobs, tops = token_ids[:count], logprobs[:count], tops and tops[:count]
+            results.append(RequestOutput(req, token_ids, logprobs, tops, reason, error))
         return results
 
     # --- each step kind's tokens -------------------------------------------------------------------
 
-    def _sampled(self, batch: ScheduledBatch, out: StepOutputs, row: int) -> _RowTokens:
+    # Each returns (token ids, their log-probabilities, each one's top log-probabilities or None, how many of the
+    # tokens after the first already have their KV in place).
+
+    def _sampled(self, batch: ScheduledBatch, out: StepOutputs, row: int) -> tuple:
         """A plain step (prefill, decode): the token sampled after the row's last."""
         k = batch.requests[row].sampling.top_logprobs
         tops = [out.top(row, k)] if k and out.top_ids is not None else None
-        return _RowTokens([out.token_ids[row]], [out.logprobs[row]], tops)
+        return [out.token_ids[row]], [out.logprobs[row]], tops, 0
 
-    def _run(self, batch: ScheduledBatch, out: StepOutputs, row: int) -> _RowTokens:
+    def _run(self, batch: ScheduledBatch, out: StepOutputs, row: int) -> tuple:
         """A decode run: a token per step the row took; the agent fed all but the last back (their KV is in)."""
         steps = batch.run_lens[row]
-        return _RowTokens(out.token_ids[row][:steps], out.logprobs[row][:steps], in_place=steps - 1)
+        return out.token_ids[row][:steps], out.logprobs[row][:steps], None, steps - 1
 
-    def _verified(self, batch: ScheduledBatch, out: StepOutputs, row: int) -> _RowTokens:
+    def _verified(self, batch: ScheduledBatch, out: StepOutputs, row: int) -> tuple:
         """A verify step: the kept path's tokens and the target's after it; the kept proposals on the first branch
         have their KV in place (others are fed again in the row's next step: their KV is in other slots)."""
         proposal, targets, logprobs = batch.proposals[row], out.token_ids[row], out.logprobs[row]
         acceptance = accept(proposal, batch.parents[row], targets)
         if proposal:
             self.spec_stats.record(len(proposal), len(acceptance.kept), other_branch=acceptance.off_first_branch)
-        return _RowTokens([targets[j] for j in acceptance.emit], [logprobs[j] for j in acceptance.emit],
-                          in_place=acceptance.in_place)
+        return ([targets[j] for j in acceptance.emit], [logprobs[j] for j in acceptance.emit], None,
+                acceptance.in_place)
 
     _TOKENS = {StepKind.PREFILL: _sampled, StepKind.DECODE: _sampled, StepKind.DECODE_RUN: _run,
                StepKind.VERIFY: _verified}
@@ -144,11 +140,18 @@ class OutputProcessor:
     def _append(self, req: Request, token_ids: list, logprobs: list) -> tuple:
         """Append tokens to req's output until a token-level stop: (how many were appended, the finish reason or
         None, an error or None)."""
+        max_len = self.scheduler.spec.max_model_len
         for k, (token_id, logprob) in enumerate(zip(token_ids, logprobs)):
             req.output_ids.append(token_id)
             req.output_logprobs.append(logprob)
             self.num_generated_tokens += 1
-            reason = self._stop_reason(req, token_id)
+            if token_id in req.stop_token_ids:
+                reason = "stop"
+            elif len(req.output_ids) >= req.sampling.max_new_tokens or (max_len is not None and
+                                                                          req.num_tokens >= max_len):
+                reason = "length"
+            else:
+                reason = None
             state = req.logits
             if state is not None and (reason != "stop" or state.error):   # a stop token needs no grammar's leave
                 if state.error or not state.accept(token_id):
@@ -165,15 +168,6 @@ class OutputProcessor:
         if num_tokens:
             del req.output_ids[-num_tokens:], req.output_logprobs[-num_tokens:]
             self.num_generated_tokens -= num_tokens
-
-    def _stop_reason(self, req: Request, token_id: int) -> Optional[str]:
-        if token_id in req.stop_token_ids:
-            return "stop"
-        max_model_len = self.scheduler.spec.max_model_len
-        if len(req.output_ids) >= req.sampling.max_new_tokens or \
-                (max_model_len is not None and req.num_tokens >= max_model_len):
-            return "length"
-        return None
 
     def _score_prompts(self, batch: ScheduledBatch, out: StepOutputs) -> None:
         """A prefill step scoring prompts: each row's score of the prompt token after each of its new tokens."""
