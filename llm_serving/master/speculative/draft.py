@@ -192,7 +192,7 @@ class DraftProposer:
     async def _round(self, requests: list, limits: list) -> list:
         branches = [[] for _ in requests]
         budget = self.max_step_tokens
-        rows, fed, stops = [], [], []               # the catch-up step: each row from what the draft holds
+        rows, fed = [], []                          # the catch-up step: each row from what the draft holds
         for req, k in zip(requests, limits):
             if k <= 0:
                 continue
