@@ -875,22 +875,31 @@ def test_a_forked_child_runs_the_batched_products(library):
 INTEGER_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
 
+def has_amx_int8() -> bool:
+    """Whether this CPU has AMX's int8 tiles (the amx_int8 flag of /proc/cpuinfo)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and "amx_int8" in line.split() for line in f)
+    except OSError:
+        return False
+
+
 @pytest.fixture
 def integer_path_on(library):
     library.KernelInt.argtypes = [ctypes.c_int]
     if library.KernelInt(-1) != 1:
-        pytest.skip("no integer path here: it needs AMX with int8 tiles (Sapphire Rapids or later) and Linux's "
-                    "permission for the tile state")
+        pytest.skip("needs the integer path, which runs on AMX's int8 tiles: "
+                    + ("Linux did not grant this process the tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
+                       if has_amx_int8() else
+                       "this CPU has none (no amx_int8 in /proc/cpuinfo; Intel Sapphire Rapids or later): a CPU "
+                       "feature, nothing to install"))
     yield
     library.KernelInt(1)
 
 
-@pytest.mark.parametrize("name", INTEGER_TYPES)
-def test_the_integer_path_rounds_activations_to_16_bits(library, integer_path_on, name):
-    """A batched lm_head product of every type with integer codes: the logits are the float64 product of the
-    dequantized weights and x rounded to 16 bits per block (32, or the K-quants' 256), closer to that than to the
-    unrounded product (so the path ran), and within 1e-4 of the largest logit of either; with KernelInt(0) the
-    float32-exact bfloat16 pieces again."""
+def integer_lm_head(name):
+    """A batched lm_head of GGUF type `name` (37 rows of x whose blocks of 32 differ in scale, 160 x 512):
+    (its normalized x and its dequantized weights in float64, logits(library): FinalLogits' logits on it)."""
     from gguf.quants import dequantize
 
     qtype = GGUF_TYPES[name]
@@ -901,24 +910,46 @@ def test_the_integer_path_rounds_activations_to_16_bits(library, integer_path_on
     w = dequantize(raw, qtype).reshape(vocab, h).astype(np.float64)
     gain = (1 + 0.3 * rng.standard_normal(h)).astype(np.float32)
     xn = rms(x) * gain
-    exact = xn @ w.T
-    block = integer_path(library, rows, [int(qtype)])
-    assert block == (256 if name.endswith("_K") else 32)
-    want = rounded(xn, block) @ w.T
     cfg = [np.array([2, int(qtype)], np.int32), np.array([1e-5], np.float32)]
     slots = np.arange(rows, dtype=np.int32)
 
-    def logits():
+    def logits(library):
         out = [np.empty((rows, vocab), np.float32), np.empty(rows, np.int32), np.empty(rows, np.float32)]
         assert invoke(library.FinalLogits, logits_args(x, raw, gain, slots, cfg, *out)) == 0
         return out[0]
 
-    got, scale = logits(), np.abs(exact).max()
+    return xn, w, logits
+
+
+@pytest.mark.parametrize("name", INTEGER_TYPES)
+def test_the_integer_path_rounds_activations_to_16_bits(library, integer_path_on, name):
+    """A batched lm_head of every type with integer codes: the logits are the float64 product of the
+    dequantized weights and x rounded to 16 bits per block (32, or the K-quants' 256), closer to that than to the
+    unrounded product (so the path ran), and within 1e-4 of the largest logit of either."""
+    xn, w, logits = integer_lm_head(name)
+    exact = xn @ w.T
+    block = integer_path(library, len(xn), [int(GGUF_TYPES[name])])
+    assert block == (256 if name.endswith("_K") else 32)
+    want = rounded(xn, block) @ w.T
+    got, scale = logits(library), np.abs(exact).max()
     assert np.abs(got - want).max() < 1e-4 * scale
     assert np.abs(got - want).max() < 0.5 * np.abs(got - exact).max()
+
+
+@pytest.mark.parametrize("name", INTEGER_TYPES)
+def test_without_the_integer_path_a_batched_lm_head_is_float32_exact(library, name):
+    """The same lm_head off the integer path (KernelInt(0), or a CPU without AMX's int8 tiles): the batched
+    product of the dequantized weights (bfloat16 pieces on AMX, else the FMA kernel), float32's precision: within
+    1e-4 of the largest logit of the unrounded product."""
+    xn, w, logits = integer_lm_head(name)
+    exact = xn @ w.T
+    library.KernelInt.argtypes = [ctypes.c_int]
     library.KernelInt(0)
-    assert integer_path(library, rows, [int(qtype)]) == 0
-    np.testing.assert_allclose(logits(), exact, rtol=1e-4, atol=1e-4 * scale)
+    try:
+        assert integer_path(library, len(xn), [int(GGUF_TYPES[name])]) == 0
+        np.testing.assert_allclose(logits(library), exact, rtol=1e-4, atol=1e-4 * np.abs(exact).max())
+    finally:
+        library.KernelInt(1)
 
 
 def test_the_environment_turns_the_integer_path_off(library_path, library, integer_path_on):
