@@ -24,8 +24,9 @@ pytestmark = pytest.mark.skipif(shutil.which("g++") is None and not os.environ.g
 
 
 @pytest.fixture(scope="module")
-def library_path(tmp_path_factory):
-    return build_kernel("decoder_layer_cpu", "DecoderLayer", tmp_path_factory.mktemp("kernels")).rsplit(":", 1)[0]
+def library_path():
+    """The library the agents load (built once per machine into the cache directory, under the build lock)."""
+    return build_kernel("decoder_layer_cpu", "DecoderLayer").rsplit(":", 1)[0]
 
 
 @pytest.fixture(scope="module")
