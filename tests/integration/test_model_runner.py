@@ -711,7 +711,8 @@ def test_compile_cache_survives_a_change_of_buckets(tmp_path):
     import subprocess
     import sys
 
-    env = {**os.environ, "LLM_SERVING_CACHE": str(tmp_path / "cache"), "GLOG_v": "3"}
+    from tests.integration.server_harness import private_cache
+    env = {**os.environ, "LLM_SERVING_CACHE": str(private_cache(tmp_path / "cache")), "GLOG_v": "3"}
     script = tmp_path / "cached_run.py"      # MindSpore hashes the entry script into the cache's key
     script.write_text(_CACHED_RUN)
     results = []
