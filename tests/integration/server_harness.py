@@ -21,6 +21,19 @@ __all__ = ["REPO", "ServerProcess", "free_port", "http", "leftovers", "parse_sse
 REPO = Path(__file__).resolve().parents[2]
 
 
+def private_cache(path: Path) -> Path:
+    """A cache directory of a test's own at `path` (for LLM_SERVING_CACHE: its compile cache, GGUF tensors, models)
+    whose kernels/ is the machine's: the C++ kernels are built once per machine (a minute of a core each for
+    decoder_layer_cpu.cc), not once per test that wants an empty compile cache."""
+    from llm_serving.cache_dir import default_cache_dir
+
+    shared = default_cache_dir() / "kernels"
+    shared.mkdir(parents=True, exist_ok=True)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "kernels").symlink_to(shared)
+    return path
+
+
 def precision_gate(url, tmp_path, *extra, cli=True):
     """`llm-serving precision` (or, cli=False, its script wrapper tools/precision.py) against url:
     (the finished process, its JSON result or None)."""

@@ -14,6 +14,7 @@ import pytest
 
 from llm_serving.models.default_model import write_hf_llama
 from llm_serving.models.runner_spec import RunnerSpec
+from tests.integration.server_harness import private_cache
 from tests.integration.test_model_runner import Seq, step_view
 from llm_serving.reference_llama import ReferenceLlama
 
@@ -55,7 +56,7 @@ def models(tmp_path_factory):
     tensors there (models/weights/gguf.py), which would otherwise be ~/.cache/llm-serving, one entry a run."""
     root = tmp_path_factory.mktemp("archs")
     with pytest.MonkeyPatch.context() as env:
-        env.setenv("LLM_SERVING_CACHE", str(root / "cache"))
+        env.setenv("LLM_SERVING_CACHE", str(private_cache(root / "cache")))
         yield _write_models(root)
 
 

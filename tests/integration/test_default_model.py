@@ -2,7 +2,8 @@
 absent): the built-in random LLaMA is created in the cache dir and served."""
 import pytest
 
-from tests.integration.server_harness import ServerProcess, http, leftovers, parse_sse, project_shm_segments
+from tests.integration.server_harness import (ServerProcess, http, leftovers, parse_sse, private_cache,
+                                              project_shm_segments)
 
 # small buckets keep the cold compile short; everything else is configs/default.yaml
 SMALL = ["--model", "builtin:tiny-llama", "--set", "model_config.seq_length=[32]", "--set", "model_config.prefill_batch_size=[1]",
@@ -11,7 +12,7 @@ SMALL = ["--model", "builtin:tiny-llama", "--set", "model_config.seq_length=[32]
 
 def test_default_model_is_created_logged_as_random_and_served(tmp_path):
     pytest.importorskip("mindspore")
-    cache = tmp_path / "cache"
+    cache = private_cache(tmp_path / "cache")
     shm_before = set(project_shm_segments())
     server = ServerProcess(SMALL, tmp_path / "server.log", env={"LLM_SERVING_CACHE": str(cache)})
     try:

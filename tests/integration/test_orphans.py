@@ -12,8 +12,8 @@ import uuid
 import psutil
 import pytest
 
-from llm_serving.models.default_model import default_cache_dir
-from tests.integration.server_harness import REPO, ServerProcess, http, leftovers, project_shm_segments
+from tests.integration.server_harness import (REPO, ServerProcess, http, leftovers, private_cache,
+                                              project_shm_segments)
 from tests.integration.test_faults import _tagged_processes
 from tests.integration.test_tensor_parallel import MS_TP2
 
@@ -88,12 +88,8 @@ def test_master_killed_during_warmup_leaves_no_agent_lock_or_segment(stories_dir
     pytest.importorskip("mindspore")
     tag = uuid.uuid4().hex
     shm_before = set(project_shm_segments())
-    # an empty compile cache of its own makes warmup compile every graph: long enough to be caught in (the C++
-    # kernels are shared: they are built once per machine)
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    (default_cache_dir() / "kernels").mkdir(parents=True, exist_ok=True)
-    (cache / "kernels").symlink_to(default_cache_dir() / "kernels")
+    # an empty compile cache of its own makes warmup compile every graph: long enough to be caught in
+    cache = private_cache(tmp_path / "cache")
     env = {"LLM_SERVING_CACHE": str(cache), "LLM_SERVING_TEST_TAG": tag}
     args = STORIES + ["--model", str(stories_dir / "hf")]
     for s in sets:

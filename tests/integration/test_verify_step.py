@@ -87,7 +87,10 @@ def test_verify_step_log_probabilities_match_decoding(runner):
     step(runner, [seq_b], [PROMPTS[0]])
     ids, vlps = verify(runner, [seq_b], [cont[:WIDTH]], [0.0], [np.zeros(WIDTH)])
     assert ids[0].tolist() == cont[1:WIDTH + 1]
-    np.testing.assert_allclose(vlps[0], lps, rtol=1e-4, atol=1e-4)
+    # the verify step's K/V of the 5 tokens are computed together, decoding's one at a time: over the float16
+    # cache a few land on the other side of a rounding midpoint (FLOAT16_CACHE_LOGPROB_ATOL says why); over these
+    # 5 positions that moved a log-probability by 2e-4 (AVX2), a fifth of this bound
+    np.testing.assert_allclose(vlps[0], lps, rtol=1e-4, atol=1e-3)
 
 
 def test_verify_step_refuses_what_it_cannot_do(runner):

@@ -17,8 +17,8 @@ pytestmark = pytest.mark.skipif(shutil.which("g++") is None and not os.environ.g
 
 
 @pytest.fixture(scope="module")
-def kernel(tmp_path_factory):
-    spec = build_kernel("paged_attention_cpu", "PagedDecodeAttention", tmp_path_factory.mktemp("kernels"))
+def kernel():
+    spec = build_kernel("paged_attention_cpu", "PagedDecodeAttention")            # the agents' (cached) build
     path, func = spec.rsplit(":", 1)
     return getattr(ctypes.CDLL(path), func)
 
@@ -137,6 +137,29 @@ def test_kernel_rejects_wrong_ranks(kernel):
     cache = np.zeros((32, 8), np.float32)
     rc, _ = call(kernel, q.reshape(2, 2, 8), cache, cache, np.zeros((2, 2), np.int32), np.ones(2, np.int32), 4, 1)
     assert rc != 0                                             # MindSpore raises on a non-zero return
+
+
+def test_processes_building_the_same_kernel_together_compile_it_once(tmp_path):
+    """Two processes asking for a library that is not built yet: one compiles it while the other waits on the
+    directory's lock, then finds it built; both get the same path, and no lock or temporary file is left."""
+    import subprocess
+    import sys
+
+    compiler = shutil.which("g++") or os.environ["CXX"]
+    log = tmp_path / "compiles.log"
+    wrapper = tmp_path / "cxx"                   # the compiler, logging each compile (not --version)
+    wrapper.write_text(f'#!/bin/sh\ncase "$*" in *" -o "*) echo compile >> {log};; esac\nexec {compiler} "$@"\n')
+    wrapper.chmod(0o755)
+    out = tmp_path / "kernels"
+    code = ("import sys; from llm_serving.models.kernels import build_kernel; "
+            f"print(build_kernel('paged_attention_cpu', 'PagedDecodeAttention', {str(out)!r}))")
+    env = {**os.environ, "CXX": str(wrapper)}
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+             for _ in range(2)]
+    paths = {p.communicate(timeout=300)[0].strip() for p in procs}
+    assert [p.returncode for p in procs] == [0, 0] and len(paths) == 1
+    assert log.read_text().splitlines() == ["compile"]
+    assert [f.name for f in out.iterdir()] == [os.path.basename(paths.pop().rsplit(":", 1)[0])]
 
 
 def test_build_is_cached_and_reports_compiler_failures(tmp_path, monkeypatch):

@@ -4,7 +4,10 @@ Each kernel is a C++ file next to this module (the headers beside it are shared)
 compiles it once per (source and headers, compiler, flags, CPU) into `<cache>/kernels/<name>-<digest>.so`
 (<cache> is $LLM_SERVING_CACHE or ~/.cache/llm-serving) and returns the "path.so:func" string `ops.Custom`
 takes. `-march=native` is safe because the CPU's identity is part of the digest. The build goes to a temporary file that is renamed into
-place, so agents starting together never load a half-written library. A kernel whose parameters are declared
+place, so agents starting together never load a half-written library, and it holds the directory's lock (an
+flock on the directory itself: no file left behind, dropped when its holder dies), so processes that need the same
+library together (TP ranks, a test run's workers and servers) wait for one build (about a minute on 2 cores for
+decoder_layer_cpu.cc) instead of each compiling it at once. A kernel whose parameters are declared
 by name (signatures.py) is checked against the list its library exports before it is used: a
 `KernelSignatureError` names the first difference.
 
@@ -14,6 +17,7 @@ with it sets flush-to-zero for the whole process, which would change every other
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -81,22 +85,36 @@ def build_kernel(name: str, func: str, cache_dir: Optional[Path] = None) -> str:
     if not target.exists():
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".so", prefix=f".{name}-", dir=out_dir)
-            os.close(fd)
+            lock = os.open(out_dir, os.O_RDONLY)         # the directory's flock: one build at a time in it
         except OSError as e:
             raise KernelBuildError(f"cannot write the kernel library under {out_dir}: {e}") from e
         try:
-            proc = subprocess.run([cxx, *FLAGS, "-o", tmp, str(source)], capture_output=True, text=True, timeout=300)
-            if proc.returncode != 0:
-                raise KernelBuildError(f"{cxx} failed to build {source.name}:\n{proc.stderr.strip()[-2000:]}")
-            os.replace(tmp, target)
-            logger.info("built CPU kernel %s -> %s", source.name, target)
-        except (OSError, subprocess.SubprocessError) as e:
-            raise KernelBuildError(f"building {source.name} with {cxx} failed: {e}") from e
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not target.exists():              # (another process may have built it while this one waited)
+                _compile(cxx, source, out_dir, target)
         finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+            os.close(lock)                       # (which releases the lock)
     signatures = KERNEL_SIGNATURES.get(name, ())
     if signatures:
         check_library(target, signatures, source.name)       # KernelSignatureError: the .cc and Python disagree
     return f"{target}:{func}"
+
+
+def _compile(cxx: str, source: Path, out_dir: Path, target: Path) -> None:
+    """Compile `source` into a temporary file under out_dir, then rename it to `target`."""
+    try:
+        fd, tmp = tempfile.mkstemp(suffix=".so", prefix=f".{source.stem}-", dir=out_dir)
+        os.close(fd)
+    except OSError as e:
+        raise KernelBuildError(f"cannot write the kernel library under {out_dir}: {e}") from e
+    try:
+        proc = subprocess.run([cxx, *FLAGS, "-o", tmp, str(source)], capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            raise KernelBuildError(f"{cxx} failed to build {source.name}:\n{proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+        logger.info("built CPU kernel %s -> %s", source.name, target)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelBuildError(f"building {source.name} with {cxx} failed: {e}") from e
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

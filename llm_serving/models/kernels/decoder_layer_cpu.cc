@@ -431,6 +431,40 @@ inline v16 bfloats(const uint8_t* p) {           // 16 bfloat16s: the top halves
   const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return (v16)_mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
 }
+#elif defined(__AVX2__) && defined(__F16C__)
+// AVX2: each half of 8 through its 256-bit widening, the halves joined (the scalar loops below ran a Q4_1 row at
+// 0.8 GB/s on a Zen 3)
+inline v16 join(__m256 lo, __m256 hi) {
+  v16 v;
+  std::memcpy(&v, &lo, sizeof lo);
+  std::memcpy(reinterpret_cast<char*>(&v) + sizeof lo, &hi, sizeof hi);
+  return v;
+}
+inline v16 bytes_as_floats(__m128i q) {                   // 16 unsigned bytes
+  return join(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8))));
+}
+inline v16 low_nibbles(const uint8_t* p) {
+  return bytes_as_floats(_mm_and_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), _mm_set1_epi8(15)));
+}
+inline v16 high_nibbles(const uint8_t* p) {
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return bytes_as_floats(_mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(15)));
+}
+inline v16 signed_bytes(const uint8_t* p) {
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return join(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))));
+}
+inline v16 halves(const uint8_t* p) {
+  return join(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+              _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+}
+inline v16 bfloats(const uint8_t* p) {           // 16 bfloat16s: the top halves of float32s
+  auto eight = [](const uint8_t* q) {
+    const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+  };
+  return join(eight(p), eight(p + 16));
+}
 #else
 inline v16 low_nibbles(const uint8_t* p) {
   v16 v;
