@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import replay  # noqa: E402
 from llm_serving.loadgen.workload import Sample  # noqa: E402
-from llm_serving.launch import ServerProcess, http  # noqa: E402
+from llm_serving.server_process import ServerProcess, http  # noqa: E402
 
 PROMPTS = ["Once upon a time", "The little dog", "In a small town", "She opened the door",
            "The weather today", "He said hello", "A long road", "The red ball"]

@@ -20,7 +20,7 @@ from llm_serving.agents.launch import with_huge_pages
 from llm_serving.loadgen.client import benchmark
 from llm_serving.loadgen.metrics import summarize
 from llm_serving.loadgen.workload import TokenCounter, load_alpaca, synthetic
-from llm_serving.launch import ServerProcess, free_port, http
+from llm_serving.server_process import ServerProcess, free_port, http
 from llm_serving.shm.layout import StepView
 
 REPO = Path(__file__).resolve().parents[1]

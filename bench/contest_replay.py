@@ -31,7 +31,7 @@ from bench.common import (ALPACA, alpaca, info, log_dir, machine, memory_like_ag
                           server_args, table, time_decode_run, time_decode_steps, time_prefill_step, write_json)
 from llm_serving.loadgen.plots import write_plots  # noqa: E402
 from llm_serving.loadgen.workload import arrival_offsets  # noqa: E402
-from llm_serving.launch import ServerProcess  # noqa: E402
+from llm_serving.server_process import ServerProcess  # noqa: E402
 
 BASELINE = ["model_config.prefill_batch_size=[1]", "model_config.decode_batch_size=[1]",
             "scheduler_config.policy=fcfs", "scheduler_config.enable_prefix_caching=false",

@@ -26,7 +26,7 @@ from bench.common import ALPACA, http, log_dir, machine, table, write_json  # no
 from bench.long_context import default_model, long_prompts  # noqa: E402
 from bench.make_models import resolve_short_name  # noqa: E402
 from llm_serving.config import kv_vector_bytes  # noqa: E402
-from llm_serving.launch import ServerProcess  # noqa: E402
+from llm_serving.server_process import ServerProcess  # noqa: E402
 from llm_serving.models.weights import model_shape  # noqa: E402
 
 

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import ALPACA, http, log_dir, machine, table, with_llama_server, write_json  # noqa: E402
 from bench.make_models import resolve_short_name  # noqa: E402
 from bench.peers import find_llama_server  # noqa: E402
-from llm_serving.launch import ServerProcess  # noqa: E402
+from llm_serving.server_process import ServerProcess  # noqa: E402
 
 
 def post_stream(url: str, body: dict, timeout: float = 3600) -> dict:

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import info, log_dir, machine, synthetic_samples, table, write_json  # noqa: E402
 from bench.peers import bench_model, measure  # noqa: E402
-from llm_serving.launch import ServerProcess  # noqa: E402
+from llm_serving.server_process import ServerProcess  # noqa: E402
 from llm_serving.models.lora import TARGET_MODULES, random_lora_tensors, write_peft_adapter  # noqa: E402
 from llm_serving.models.weights import checkpoint_config  # noqa: E402
 

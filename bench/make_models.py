@@ -201,7 +201,7 @@ def serve_check(path: Path, llama_server: Path, threads: int) -> str:
     llama-server killed by a signal at start is tried again with --no-repack (as bench/peers.py does: a GGML_NATIVE
     build runs AMX instructions in its weight repacking, which a host may not allow)."""
     from bench.common import PeerServer, log_dir
-    from llm_serving.launch import free_port, http
+    from llm_serving.server_process import free_port, http
 
     for extra in ([], ["--no-repack"]):
         port = free_port()

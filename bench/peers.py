@@ -63,7 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import (SHARED, PeerServer, info, log_dir, machine, replay, synthetic_samples, table,  # noqa: E402
                           tree_memory, with_llama_server, write_json)
 from bench.make_models import resolve_short_name  # noqa: E402
-from llm_serving.launch import ServerProcess, free_port  # noqa: E402
+from llm_serving.server_process import ServerProcess, free_port  # noqa: E402
 from llm_serving.cache_dir import default_cache_dir  # noqa: E402
 from llm_serving.config import kv_vector_bytes, resolve_kv_cache_dtype  # noqa: E402
 

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import REPO, SHARED, info, log_dir, machine, synthetic_samples, table, write_json  # noqa: E402
 from bench.peers import measure as measure_levels  # noqa: E402
-from llm_serving.launch import ServerProcess, free_port  # noqa: E402
+from llm_serving.server_process import ServerProcess, free_port  # noqa: E402
 
 
 def nginx_config(ports: list, listen: int, workdir: Path) -> Path:

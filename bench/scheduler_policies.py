@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import ALPACA, alpaca, info, log_dir, machine, replay, server_args, table, write_json  # noqa: E402
 from llm_serving.loadgen.workload import Sample, TokenCounter, arrival_offsets  # noqa: E402
-from llm_serving.launch import ServerProcess, http  # noqa: E402
+from llm_serving.server_process import ServerProcess, http  # noqa: E402
 
 NO_CACHE = "scheduler_config.enable_prefix_caching=false"
 POLICY_SETUPS = [

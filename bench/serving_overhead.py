@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import (info, log_dir, machine, memory_like_agents, replay, server_args,  # noqa: E402
                           synthetic_samples, table, time_decode_steps, write_json)
-from llm_serving.launch import ServerProcess, http  # noqa: E402
+from llm_serving.server_process import ServerProcess, http  # noqa: E402
 
 
 def master_cpu_and_model_s(server: ServerProcess) -> tuple:

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import ALPACA, info, log_dir, machine, replay, server_args, table, write_json  # noqa: E402
 from llm_serving.loadgen.workload import Sample, TokenCounter  # noqa: E402
-from llm_serving.launch import ServerProcess, http  # noqa: E402
+from llm_serving.server_process import ServerProcess, http  # noqa: E402
 
 CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
 

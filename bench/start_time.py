@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import log_dir, machine, table, write_json  # noqa: E402
-from llm_serving.launch import ServerProcess  # noqa: E402
+from llm_serving.server_process import ServerProcess  # noqa: E402
 
 
 def one_start(args: list, cache: str, log_path: Path) -> dict:

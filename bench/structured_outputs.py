@@ -38,7 +38,7 @@ import aiohttp  # noqa: E402
 import jsonschema  # noqa: E402
 
 from bench.common import http, log_dir, machine, table, write_json  # noqa: E402
-from llm_serving.launch import ServerProcess  # noqa: E402
+from llm_serving.server_process import ServerProcess  # noqa: E402
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city", "hobbies"],
           "properties": {"name": {"type": "string", "maxLength": 40}, "age": {"type": "integer"},

@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import (ALPACA, REPO, alpaca, info, log_dir, machine, replay, server_args, table,  # noqa: E402
                           write_json)
-from llm_serving.launch import ServerProcess, free_port, http  # noqa: E402
+from llm_serving.server_process import ServerProcess, free_port, http  # noqa: E402
 
 
 async def _greedy(url: str, model: str, prompts: list, max_new_tokens: int, concurrency: int) -> list:

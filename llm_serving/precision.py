@@ -35,7 +35,7 @@ import numpy as np
 
 from llm_serving.agents import protocol as proto
 from llm_serving.agents.control import ControlClient
-from llm_serving.launch import http
+from llm_serving.server_process import http
 from llm_serving.reference_llama import ReferenceLlama
 from llm_serving.tokenization import load_tokenizer
 

@@ -16,7 +16,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from llm_serving.launch import ServerProcess, http  # noqa: E402
+from llm_serving.server_process import ServerProcess, http  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -23,7 +23,7 @@ from typing import Optional
 
 import aiohttp
 
-from llm_serving.launch import http
+from llm_serving.server_process import http
 
 from .backends import BACKENDS, RequestResult, send
 from .metrics import format_table, parse_slos, summarize

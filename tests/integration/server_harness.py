@@ -1,4 +1,4 @@
-"""The integration tests' view of a server: `llm_serving.launch.ServerProcess` plus checks that it left
+"""The integration tests' view of a server: `llm_serving.server_process.ServerProcess` plus checks that it left
 no process, port or shared-memory segment behind."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 
-from llm_serving.launch import ServerProcess, free_port, http, parse_sse
+from llm_serving.server_process import ServerProcess, free_port, http, parse_sse
 from llm_serving.shm.buffers import segment_prefix
 
 __all__ = ["REPO", "ServerProcess", "free_port", "http", "leftovers", "parse_sse", "precision_gate",
