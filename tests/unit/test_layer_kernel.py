@@ -34,6 +34,23 @@ def library(library_path):
     return ctypes.CDLL(library_path)
 
 
+@pytest.fixture(autouse=True)
+def fastest_paths(library):
+    """Each test here checks a path's values, so each batch takes its fastest path (KernelInvariant(0): the batched
+    products from their row counts, AMX, the integer tiles) unless it asks for `invariant_mode`; the default,
+    batch-invariant steps, are tests/unit/test_batch_invariance.py's."""
+    library.KernelInvariant.argtypes = [ctypes.c_int]
+    before = library.KernelInvariant(0)
+    yield
+    library.KernelInvariant(before)
+
+
+@pytest.fixture(params=[0, 1], ids=["fastest", "invariant"])
+def invariant_mode(library, fastest_paths, request):
+    library.KernelInvariant(request.param)
+    return request.param
+
+
 def test_library_exports_the_declared_parameter_lists(library_path):
     """The .cc's parameter lists are signatures.py's (build_kernel checked them too: it raises otherwise)."""
     check_library(library_path, (DECODER_LAYER, FINAL_LOGITS))
@@ -331,7 +348,7 @@ class Layer:
     (72, 6, 2, 12, 100, 9, True, 3, "int8"),
     (128, 4, 4, 32, 256, 6, False, 2, "int8"),
 ])
-def test_layer_matches_numpy(library, hidden, heads, kv_heads, head_dim, inter, batch, bias, threads, cache):
+def test_layer_matches_numpy(library, invariant_mode, hidden, heads, kv_heads, head_dim, inter, batch, bias, threads, cache):
     """A float16 or bfloat16 cache (pa_config.kv_cache_dtype): the reference attends over the same values, the
     step's K/V rounded to the cache's type as the kernel stores them."""
     rng = np.random.default_rng(hidden + batch + threads)
@@ -349,7 +366,7 @@ def test_layer_matches_numpy(library, hidden, heads, kv_heads, head_dim, inter, 
 @pytest.mark.parametrize("head_dim,threads,cache", [(64, 1, "float32"), (64, 2, "float16"), (128, 2, "float32"),
                                                     (128, 3, "float16"), (64, 2, "bfloat16"), (64, 2, "int8"),
                                                     (128, 3, "int8")])
-def test_a_prompts_rows_attend_together_as_tiles(library, head_dim, threads, cache):
+def test_a_prompts_rows_attend_together_as_tiles(library, invariant_mode, head_dim, threads, cache):
     """Consecutive rows of one sequence (a prompt's chunk) attend as tiles of rows per KV head: a chunk of 45 rows
     (two tiles, the first over keys past two key tiles) after 100 cached tokens, a decode row of a short context
     (attend_row), one of 301 keys (a one-row tile), and a prompt's first 7 tokens; the result is the row-by-row
@@ -462,7 +479,7 @@ def test_refusals(library):
 
 
 @pytest.mark.parametrize("vocab,rows,threads", [(512, 1, 1), (500, 3, 2), (1000, 5, 3), (1000, 17, 3), (700, 70, 2)])
-def test_final_logits_token_and_logprob(library, vocab, rows, threads):
+def test_final_logits_token_and_logprob(library, invariant_mode, vocab, rows, threads):
     rng = np.random.default_rng(vocab + rows)
     x = rng.standard_normal((rows, 48)).astype(np.float32)
     w = rng.standard_normal((vocab, 48)).astype(np.float32)
@@ -515,7 +532,7 @@ NEW_TYPES = (*K_QUANTS, GGUF_TYPES.Q5_0, GGUF_TYPES.Q5_1, GGUF_TYPES.BF16)
     (GGUF_TYPES.Q8_0, 3, 5), (GGUF_TYPES.Q8_0, 2, 1), (GGUF_TYPES.F16, 2, 2), (GGUF_TYPES.F16, 1, 7),
     *[(qtype, 1 + (batch + i) % 3, batch) for i, qtype in enumerate(NEW_TYPES) for batch in (1, 2, 3 + i % 4)]])
 @pytest.mark.parametrize("integer", [1, 0], ids=["integer", "tiles"])
-def test_layer_reads_quantized_weights(library, qtype, threads, batch, integer):
+def test_layer_reads_quantized_weights(library, invariant_mode, qtype, threads, batch, integer):
     """GGUF's own blocks in (as the file holds them): the layer equals the float64 layer on the dequantized
     weights, with the norms' gains applied to the activations instead of folded into the rows. One or two rows
     decode the blocks in registers, more share a dequantized tile (KernelInt(0), as on CPUs without AMX) or run
@@ -705,7 +722,7 @@ def test_lora_refusals(library):
     (64, 4, 2, 16, 4128, 17, 2, "Q4_0", True),            # down's k = 4128: groups of 24 rows
     (64, 4, 2, 16, 4128, 20, 1, None, False),
 ])
-def test_batched_products_match_numpy(library, hidden, heads, kv_heads, head_dim, inter, batch, threads, qtype,
+def test_batched_products_match_numpy(library, invariant_mode, hidden, heads, kv_heads, head_dim, inter, batch, threads, qtype,
                                       adapters):
     rng = np.random.default_rng(hidden + inter + batch)
     layer_matches_numpy(library, rng, dict(hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim,

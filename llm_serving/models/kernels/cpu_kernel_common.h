@@ -317,10 +317,14 @@ inline void tile_values4(const float* p, const float* v, int64_t kn, int64_t d, 
 // context ctx0 + r (keys 0 .. ctx0 + r - 1, read in place through its block table from the flat caches
 // [slots, KVH, D]). Row r's NH query heads, pre-scaled by 1/sqrt(D), are at q + r * q_stride; its output heads
 // at out + r * o_stride (only kh's G heads are written). scratch: tile_scratch_floats(G, D) floats.
+// tree_bits (a lone row of a token tree, rows == 1): of its last 32 keys, which are visible (as attend_row's); the
+// visible keys are taken in order as if they were consecutive, so a tree node's attention is the same float as
+// the same tokens' decode step's once they are its only keys (the hidden ones are not skipped over in place: a key
+// tile's boundaries would then fall elsewhere and the online softmax would rescale at other keys).
 template <typename Cache>
 inline void attend_tile(const float* q, int64_t q_stride, int64_t rows, int64_t ctx0, const Cache* kc, const Cache* vc,
                         const int32_t* table, int64_t kh, float* out, int64_t o_stride, const AttentionShape& sh,
-                        float* scratch) {
+                        float* scratch, uint32_t tree_bits = 0xFFFFFFFFu) {
   const int64_t g = sh.g, d = sh.d, bs = sh.bs, row = sh.kvh * sh.vec;
   const int64_t mq = rows * g, mq4 = (mq + 3) / 4 * 4;       // query vectors: i = r * G + head within kh
   float* qb = scratch;                                       // (mq4, D)
@@ -342,7 +346,18 @@ inline void attend_tile(const float* q, int64_t q_stride, int64_t rows, int64_t 
     mx[i] = -INFINITY;
     sum[i] = 0.f;
   }
-  const int64_t nkeys = std::min<int64_t>(ctx0 + rows - 1, sh.w * bs);   // the last row's context
+  int64_t nkeys = std::min<int64_t>(ctx0 + rows - 1, sh.w * bs);   // the last row's context
+  // the walk's key i -> the key's index: itself, or for a token tree's row past `start` its visible keys in order
+  int64_t start = nkeys, tail[32];
+  if (rows == 1 && tree_bits != 0xFFFFFFFFu) {
+    start = std::max<int64_t>(0, nkeys - 32);
+    int64_t kept = 0;
+    for (int64_t j = start; j < nkeys; ++j)
+      if ((tree_bits >> (nkeys - 1 - j)) & 1u) tail[kept++] = j;
+    nkeys = start + kept;
+    ctx0 = nkeys;
+  }
+  auto key_at = [&](int64_t i) { return i < start ? i : tail[i - start]; };
   for (int64_t j0 = 0; j0 < nkeys; j0 += kKeyTile) {
     const int64_t kn = std::min<int64_t>(kKeyTile, nkeys - j0);
     for (int64_t jj = 0; jj < kKeyTile; ++jj) {             // the tile's keys, transposed, and values
@@ -350,7 +365,7 @@ inline void attend_tile(const float* q, int64_t q_stride, int64_t rows, int64_t 
         for (int64_t e = 0; e < d; ++e) kt[e * kKeyTile + jj] = 0.f;
         continue;
       }
-      const int64_t j = j0 + jj;
+      const int64_t j = key_at(j0 + jj);
       const int64_t at = (static_cast<int64_t>(table[j / bs]) * bs + j % bs) * row + kh * sh.vec;
       const float* k = widened(kc + at, d, wide);
       for (int64_t e = 0; e < d; ++e) kt[e * kKeyTile + jj] = k[e];

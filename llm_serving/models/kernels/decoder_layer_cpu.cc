@@ -284,6 +284,29 @@ inline v16 fold2(v16 x, v16 y) {     // 8 groups of 2 -> 16 sums
          __builtin_shufflevector(x, y, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
 }
 
+// a * b + c, rounded once where the CPU has FMA (-std=c++17 keeps GCC from contracting a * b + c itself). Every
+// product's lanes go through this one function (dot_tile, qdot_tile, qdot_tile_super), so a weight's float and
+// x's give the same partial sums whichever path multiplies them.
+inline v16 fmadd16(v16 a, v16 b, v16 c) {
+#if defined(__AVX512F__)
+  return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+  __m256 r[2];
+  for (int i = 0; i < 2; ++i) {
+    __m256 x, y, z;
+    std::memcpy(&x, reinterpret_cast<const float*>(&a) + 8 * i, sizeof x);
+    std::memcpy(&y, reinterpret_cast<const float*>(&b) + 8 * i, sizeof y);
+    std::memcpy(&z, reinterpret_cast<const float*>(&c) + 8 * i, sizeof z);
+    r[i] = _mm256_fmadd_ps(x, y, z);
+  }
+  v16 out;
+  std::memcpy(&out, r, sizeof out);
+  return out;
+#else
+  return a * b + c;
+#endif
+}
+
 // The 16 horizontal sums of v[0..15] in one vector (15 shuffle-adds instead of 16 scalar reductions); lane
 // lane_of()[i] holds the sum of v[i].
 inline v16 reduce16(const v16 v[16]) {
@@ -313,7 +336,14 @@ inline float hsum(v16 v) {
   return s;
 }
 
-// out[r][b] = the sum of acc[r][b]'s lanes
+// The sum of v's lanes by reduce16's tree (lane i + lane i+8, then +4, +2, +1): the same float as reduce16 gives
+// for v among fifteen others, so that a dot product's value does not depend on the tile it was computed in.
+inline float tree16(v16 v) {
+  const v16 zero{};
+  return fold2(fold4(fold8(fold16(v, zero), zero), zero), zero)[0];
+}
+
+// out[r][b] = the sum of acc[r][b]'s lanes, always by reduce16's tree (tree16 where the tile is not 4 x 4)
 template <int RB, int BB>
 inline void sum_lanes(v16 acc[RB][BB], float out[4][4]) {
   if (RB == 4 && BB == 4) {
@@ -323,7 +353,7 @@ inline void sum_lanes(v16 acc[RB][BB], float out[4][4]) {
       for (int b = 0; b < BB; ++b) out[r][b] = sums[lane[r * BB + b]];
   } else {
     for (int r = 0; r < RB; ++r)
-      for (int b = 0; b < BB; ++b) out[r][b] = hsum(acc[r][b]);
+      for (int b = 0; b < BB; ++b) out[r][b] = tree16(acc[r][b]);
   }
 }
 
@@ -339,7 +369,7 @@ inline void dot_tile(const float* w, int64_t k, const float* x, int64_t ldx, flo
     for (int b = 0; b < BB; ++b) xv[b] = load16(x + b * ldx + e);
     for (int r = 0; r < RB; ++r) {
       const v16 wv = load16(w + r * k + e);
-      for (int b = 0; b < BB; ++b) acc[r][b] += wv * xv[b];
+      for (int b = 0; b < BB; ++b) acc[r][b] = fmadd16(wv, xv[b], acc[r][b]);
     }
   }
   sum_lanes<RB, BB>(acc, out);
@@ -356,6 +386,37 @@ inline void dot_rows(const float* w, int64_t k, const float* x, int64_t ldx, int
     case 3: dot_tile<RB, 3>(w, k, x, ldx, out); break;
     default: dot_tile<RB, 4>(w, k, x, ldx, out); break;
   }
+}
+
+// out[i][b] = rows[i] . x[b] for n (<= 4) float rows of length k and bb (<= 4) rows of x (stride k). AVX-512: one
+// 4 x 4 tile (16 accumulators of 16 floats); AVX2, where a v16 is two of its 16 registers: 2 x 2 tiles (8). The
+// shape changes nothing in a product's value (each output its own accumulator, summed by the same tree).
+inline void dot_block(const float* rows, int64_t n, int64_t k, const float* x, int bb, float out[4][4]) {
+#if defined(__AVX512F__)
+  if (n == 4) {
+    dot_rows<4>(rows, k, x, k, bb, out);
+  } else {
+    for (int64_t i = 0; i < n; ++i) dot_rows<1>(rows + i * k, k, x, k, bb, out + i);
+  }
+#else
+  float part[4][4];
+  for (int64_t i = 0; i < n; i += 2) {
+    const int rb = static_cast<int>(std::min<int64_t>(2, n - i));
+    for (int b0 = 0; b0 < bb; b0 += 2) {
+      const int b2 = std::min(2, bb - b0);
+      const float* xb = x + b0 * k;
+      if (rb == 2) {
+        if (b2 == 2) dot_tile<2, 2>(rows + i * k, k, xb, k, part);
+        else dot_tile<2, 1>(rows + i * k, k, xb, k, part);
+      } else {
+        if (b2 == 2) dot_tile<1, 2>(rows + i * k, k, xb, k, part);
+        else dot_tile<1, 1>(rows + i * k, k, xb, k, part);
+      }
+      for (int r = 0; r < rb; ++r)
+        for (int b = 0; b < b2; ++b) out[i + r][b0 + b] = part[r][b];
+    }
+  }
+#endif
 }
 
 // ----------------------------------------------------------------------------------------- weight formats
@@ -505,14 +566,6 @@ inline __m128i load_bytes16(const uint8_t* p) { return _mm_loadu_si128(reinterpr
 inline __m512 iota16() { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
 #endif
 
-// a * b + c, rounded once where the CPU has FMA (-std=c++17 keeps GCC from contracting a * b + c itself)
-inline v16 fmadd16(v16 a, v16 b, v16 c) {
-#if defined(__AVX512F__)
-  return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
-#else
-  return a * b + c;
-#endif
-}
 
 inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
 
@@ -1098,12 +1151,13 @@ inline void qdot_tile(const uint8_t* rows, int64_t row_bytes, int64_t k, const f
 }
 
 // qdot_tile for super-block rows: each row's scales unpacked once per super-block, its groups decoded in
-// registers. One row of x gets two accumulators per weight row, so that consecutive multiply-adds do not wait
-// on each other.
+// registers. One accumulator per (weight row, x row) whatever the tile, as qdot_tile and dot_tile: the lanes'
+// partial sums, and so the product, are the same for a row of x alone or among others (batch invariance; split
+// accumulators for a lone row were up to 1.3x faster on AVX-512, and gave another sum).
 template <int32_t T, int RB, int BB>
 inline void qdot_tile_super(const uint8_t* rows, int64_t row_bytes, int64_t k, const float* x, int64_t ldx,
                             float out[4][4]) {
-  constexpr int G = group_weights<T>(), NV = G / 16, NA = BB == 1 ? 4 : BB == 2 ? 2 : 1;
+  constexpr int G = group_weights<T>(), NV = G / 16, NA = 1;
   v16 acc[NA][RB][BB];
   for (int a = 0; a < NA; ++a)
     for (int r = 0; r < RB; ++r)
@@ -1158,6 +1212,13 @@ inline void qdot_rows(const uint8_t* rows, int64_t row_bytes, int64_t k, const f
 template <int32_t T>
 inline void qdot_typed(const Matrix& w, int64_t r, int rb, const float* x, int bb, float out[4][4]) {
   const uint8_t* rows = w.data + r * w.row_bytes;
+#if !defined(__AVX512F__)
+  if (rb == 4 && bb > 1) {            // AVX2: 4 x 2 tiles of v16 would take all 16 registers as accumulators
+    qdot_rows<T, 2>(rows, w.row_bytes, w.k, x, w.k, bb, out);
+    qdot_rows<T, 2>(rows + 2 * w.row_bytes, w.row_bytes, w.k, x, w.k, bb, out + 2);
+    return;
+  }
+#endif
   if (rb == 4) {
     qdot_rows<T, 4>(rows, w.row_bytes, w.k, x, w.k, bb, out);
   } else {
@@ -1221,11 +1282,7 @@ void matvec(const Matrix& w, const float* x, int64_t batch, int64_t r0, int64_t 
     const float* rows = w.tile_rows(r, rb, tile);
     for (int64_t b0 = 0; b0 < batch; b0 += 4) {
       const int bb = static_cast<int>(std::min<int64_t>(4, batch - b0));
-      if (rb == 4) {
-        dot_rows<4>(rows, k, x + b0 * k, k, bb, out);
-      } else {
-        for (int i = 0; i < rb; ++i) dot_rows<1>(rows + i * k, k, x + b0 * k, k, bb, out + i);
-      }
+      dot_block(rows, rb, k, x + b0 * k, bb, out);
       for (int i = 0; i < rb; ++i)
         for (int b = 0; b < bb; ++b) emit(b0 + b, r + i, out[i][b]);
     }
@@ -1296,6 +1353,23 @@ bool amx_enabled() {
 #else
   return false;
 #endif
+}
+
+// Whether every step is batch-invariant (on unless LLM_SERVING_KERNEL_INVARIANT=0 in the environment, read once,
+// or KernelInvariant(0)): a row's outputs are the same to the bit whatever else the step holds (other rows, how a
+// prompt is chunked, decode or prefill or verify). Products then always run matvec's dot tiles (qdot for one or
+// two rows of quantized weights: the same lanes, the same tree), never the batched kernels whose sums run along
+// k (gemm_cpu.h) or on AMX tiles; attention always runs attend_tile where the head size takes it (attend_row
+// otherwise, for every row alike). Off, each batch takes its fastest path, as before.
+std::atomic<int> invariant_setting{-1};  // -1: not read yet; 0 off; 1 on
+
+bool invariant_enabled() {
+  if (invariant_setting.load(std::memory_order_relaxed) < 0) {
+    const char* env = std::getenv("LLM_SERVING_KERNEL_INVARIANT");
+    int expected = -1;
+    invariant_setting.compare_exchange_strong(expected, env != nullptr && std::strcmp(env, "0") == 0 ? 0 : 1);
+  }
+  return invariant_setting.load(std::memory_order_relaxed) == 1;
 }
 
 // Whether products whose weights are all blocks of integer codes run on AMX's integer tiles (gemm_amx_int.h;
@@ -1712,6 +1786,16 @@ extern "C" int KernelAmx(int enable) {
   return amx_enabled() ? 1 : 0;
 }
 
+// Turns batch invariance (invariant_enabled) off (0) or back on (1), or only asks (-1): returns whether the next
+// kernel call is batch-invariant. For tests and benchmarks; a server sets LLM_SERVING_KERNEL_INVARIANT.
+extern "C" int KernelInvariant(int enable) {
+  if (enable >= 0) {
+    invariant_enabled();                             // the environment read first, then overridden
+    invariant_setting.store(enable > 0 ? 1 : 0);
+  }
+  return invariant_enabled() ? 1 : 0;
+}
+
 // Turns the integer products (gemm_amx_int.h) off (0) or back on (1; where AMX is), or only asks (-1): returns
 // whether the next kernel call runs products of quantized weights on them. For tests and benchmarks.
 extern "C" int KernelInt(int enable) {
@@ -1844,7 +1928,8 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
   int int_qkv = integer_product(qkv_parts, 3, ints), int_o = integer_product(o_part, 1, ints),
       int_gate_up = integer_product(gate_up, 2, ints), int_down = integer_product(down_part, 1, ints);
   const bool all_int = int_qkv != kNoInt && int_o != kNoInt && int_gate_up != kNoInt && int_down != kNoInt;
-  const bool batched = rows >= (all_int ? kIntGemmRows : gemm_rows(amx, float32));
+  const bool invariant = invariant_enabled();
+  const bool batched = !invariant && rows >= (all_int ? kIntGemmRows : gemm_rows(amx, float32));
   if (!batched) int_qkv = int_o = int_gate_up = int_down = kNoInt;
   float* xp = batched ? sized_aligned(s.packed, gemm_x_floats(rows, kmax, amx)) : nullptr;
   float* gemm_w = batched ? sized_aligned(s.gemm_w, threads * gemm_w_floats(kmax, amx)) : nullptr;
@@ -1866,7 +1951,9 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
   // head (attend_tile: each key read once per tile); so does a lone row with a long context, a tile of one row
   // per KV head (its G query heads share each key tile: 1.6x attend_row's speed at 4k keys on the 1B); other
   // rows one at a time (attend_row), or a (row, KV head) each when rows are fewer than threads (a single decode
-  // row would leave the other threads waiting). Largest first, so the threads finish together.
+  // row would leave the other threads waiting). Largest first, so the threads finish together. Batch-invariant
+  // (invariant_enabled): every row is a tile, a lone one (a decode row, a verify step's token) of one row per KV
+  // head, a token tree's with its visible keys; attend_row only where the head size takes no tiles, for all.
   struct AttnItem { int64_t b, n, k0, k1, cost; bool tile; };
   std::vector<AttnItem> attn_items;
   {
@@ -1884,7 +1971,7 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
       if (e - b > 1) {
         for (int64_t k = 0; k < kvh; ++k)
           attn_items.push_back({b, e - b, k, k + 1, (e - b) * (context[e - 1] + 1), true});
-      } else if (tiled && tree[b] == -1 && context[b] >= llm_serving::kDecodeTileKeys) {
+      } else if (tiled && (invariant || (tree[b] == -1 && context[b] >= llm_serving::kDecodeTileKeys))) {
         for (int64_t k = 0; k < kvh; ++k) attn_items.push_back({b, 1, k, k + 1, context[b] + 1, true});
       } else {
         for (int64_t part = 0; part < parts; ++part)
@@ -1986,7 +2073,8 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
       llm_serving::with_cache(cache_type, key_cache, value_cache, [&](const auto* kc, const auto* vc) {
         if (it.tile) {
           llm_serving::attend_tile(qkv + b * nqkv, nqkv, it.n, context[b], kc, vc, tables + (b + it.n - 1) * width,
-                                   it.k0, attn + b * nh * d, nh * d, ash, attn_tiles + tid * tile_floats);
+                                   it.k0, attn + b * nh * d, nh * d, ash, attn_tiles + tid * tile_floats,
+                                   it.n == 1 ? static_cast<uint32_t>(tree[b]) : 0xFFFFFFFFu);
         } else {
           llm_serving::attend_row(qkv + b * nqkv, kc, vc, tables + b * width, context[b],
                                   static_cast<uint32_t>(tree[b]), attn + b * nh * d, ash,
@@ -2049,10 +2137,8 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
           auto dots = [&](const Matrix& w, bool fused, const float* tiled, const float* xb, int bb, float out4[4][4]) {
             if (fused) {
               qdot(w, j, static_cast<int>(n), xb, bb, out4);
-            } else if (n == 4) {
-              dot_rows<4>(tiled, h, xb, h, bb, out4);
             } else {
-              for (int64_t i = 0; i < n; ++i) dot_rows<1>(tiled + i * h, h, xb, h, bb, out4 + i);
+              dot_block(tiled, n, h, xb, bb, out4);
             }
           };
           float gate[4][4], up[4][4];
@@ -2130,7 +2216,7 @@ extern "C" int FinalLogits(int nparam, void** params, int* ndims, int64_t** shap
   const bool amx = amx_enabled();
   const Matrix* lm_part[1] = {&w};
   const int lm_ints = integer_product(lm_part, 1, int_enabled(amx));
-  const bool batched = live >= (lm_ints != kNoInt ? kIntGemmRows : gemm_rows(amx, w.type == kF32));
+  const bool batched = !invariant_enabled() && live >= (lm_ints != kNoInt ? kIntGemmRows : gemm_rows(amx, w.type == kF32));
   const int64_t align = batched ? gemm_group(h, amx) : 4;
   const int ints = batched ? lm_ints : kNoInt;
   const int64_t chunk = chunk_rows(vocab, p.threads(), align), chunks = (vocab + chunk - 1) / chunk;

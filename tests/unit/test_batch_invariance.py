@@ -1,0 +1,193 @@
+"""Batch invariance of the CPU kernels (decoder_layer_cpu.cc, invariant_enabled): one sequence's rows give the same
+layer outputs and the same K/V to the bit whatever step they run in — one prompt chunk, chunks of other sizes,
+one decode row at a time among 63 other rows, a chunk packed beside another prompt, a token tree's verify rows —
+and the lm_head gives a row the same logits, token and log-probability alone or among 63 others. Float32 and
+quantized weights (blocks of 32 and K-quants), every KV-cache type. KernelInvariant(0), the faster paths that
+each batch size picks, does not promise this (and on these shapes does not give it: the test says so)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from llm_serving.models.kernels.aot_call import invoke
+
+from .test_layer_kernel import GGUF_TYPES, Layer, library, library_path, logits_args, quantized_rows  # noqa: F401
+
+PROMPT = 70            # the sequence's tokens
+NOISE_CONTEXT = 90     # other rows' keys at most
+
+
+@pytest.fixture
+def invariant(library):
+    import ctypes
+
+    library.KernelInvariant.argtypes = [ctypes.c_int]
+    before = library.KernelInvariant(-1)
+    yield library
+    library.KernelInvariant(before)
+
+
+class Steps:
+    """One layer (weights, caches) and a way to run a step of any rows: a row is (x, position, key index, context,
+    tree bits, block table); its slot is its table's entry for the key index."""
+
+    def __init__(self, rng, cache, weights, threads=2):
+        hidden = 256
+        self.layer = Layer(rng, hidden=hidden, heads=8, kv_heads=2, head_dim=64, inter=256, batch=1, block_size=16,
+                           num_blocks=120, width=8, cache_dtype=cache)
+        if weights is not None:
+            self.layer.quantize(weights, rng)
+        self.fresh = (self.layer.key_cache.copy(), self.layer.value_cache.copy())
+        blocks = rng.permutation(120)
+        self.table = blocks[:8].astype(np.int32)                 # the sequence's blocks
+        self.noise_tables = blocks[8:].reshape(-1, 8)[:13]       # 13 other sequences' (random keys: the cache)
+        self.xs = (rng.standard_normal((PROMPT + 8, hidden)) * 0.5).astype(np.float32)
+        self.rng, self.threads = rng, threads
+
+    def reset(self):
+        self.layer.key_cache[...] = self.fresh[0]
+        self.layer.value_cache[...] = self.fresh[1]
+
+    def row(self, i, position=None, key=None, tree=-1):
+        """Token i of the sequence at key index `key` (default i), position `position` (default key)."""
+        key = i if key is None else key
+        return (self.xs[i], key if position is None else position, key, key + 1, tree, self.table)
+
+    def noise(self, n):
+        rng = self.rng
+        return [((rng.standard_normal(self.xs.shape[1]) * 0.5).astype(np.float32), c - 1, c - 1, c, -1,
+                 self.noise_tables[rng.integers(0, len(self.noise_tables))])
+                for c in rng.integers(1, NOISE_CONTEXT, n)]
+
+    def run(self, rows):
+        layer, bs = self.layer, self.layer.bs
+        layer.b = len(rows)
+        layer.x = np.ascontiguousarray(np.stack([r[0] for r in rows]))
+        layer.positions = np.array([r[1] for r in rows], np.int32)
+        keys = np.array([r[2] for r in rows], np.int32)
+        layer.context = np.array([r[3] for r in rows], np.int32)
+        layer.tree = np.array([r[4] for r in rows], np.int32)
+        layer.tables = np.ascontiguousarray(np.stack([r[5] for r in rows]).astype(np.int32))
+        layer.slots = (layer.tables[np.arange(len(rows)), keys // bs] * bs + keys % bs).astype(np.int32)
+        layer.lora = np.zeros(len(rows), np.int32)
+        arrays = layer.arrays(self.threads)
+        assert invoke(self.library.DecoderLayer, arrays) == 0
+        return arrays[-1]
+
+    def slots_of(self, n):
+        bs = self.layer.bs
+        return [self.table[k // bs] * bs + k % bs for k in range(n)]
+
+    def kv(self, n):
+        """The sequence's first n keys and values as the cache holds them (raw bytes)."""
+        kvh = self.layer.kvh
+        rows = [s * kvh + h for s in self.slots_of(n) for h in range(kvh)]
+        return self.layer.key_cache[rows].copy(), self.layer.value_cache[rows].copy()
+
+
+def prompt_in_steps(steps, chunks, decode_batch=1, beside=0):
+    """The sequence's PROMPT tokens run as prompt chunks of the given sizes, then one decode row per step for the
+    rest, each step also holding `decode_batch - 1` other rows (decode rows of other sequences) and `beside` rows
+    of another prompt's chunk before it. Returns (each token's output row, the sequence's K/V)."""
+    steps.reset()
+    out = np.empty((PROMPT, steps.xs.shape[1]), np.float32)
+    at = 0
+    for n in chunks:
+        other = steps.noise(decode_batch - 1) if decode_batch > 1 else []
+        chunk = [steps.row(i) for i in range(at, at + n)]
+        got = steps.run(other[:beside] + chunk + other[beside:])
+        out[at:at + n] = got[min(beside, len(other)):][:n]
+        at += n
+    while at < PROMPT:
+        other = steps.noise(decode_batch - 1)
+        place = int(steps.rng.integers(0, len(other) + 1))
+        got = steps.run(other[:place] + [steps.row(at)] + other[place:])
+        out[at] = got[place]
+        at += 1
+    return out, steps.kv(PROMPT)
+
+
+WEIGHTS = {
+    "float32": None,
+    "q8_0": {name: GGUF_TYPES.Q8_0 for name in ("qkv_w", "o_w", "gate_up_w", "down_w")},
+    "q4_k/q6_k": {"qkv_w": GGUF_TYPES.Q4_K, "o_w": GGUF_TYPES.Q4_1, "gate_up_w": GGUF_TYPES.Q4_K,
+                  "down_w": GGUF_TYPES.Q6_K},
+}
+
+
+@pytest.mark.parametrize("cache", ["float16", "float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("weights", list(WEIGHTS))
+def test_a_sequence_gives_the_same_bits_in_any_step(invariant, cache, weights):
+    steps = Steps(np.random.default_rng(7), cache, WEIGHTS[weights])
+    steps.library = invariant
+    assert invariant.KernelInvariant(1) == 1
+    want, want_kv = prompt_in_steps(steps, [PROMPT])                           # the whole prompt, one chunk
+    for chunks, batch, beside in [([16, 30, 24], 1, 0),                      # chunks of other sizes, alone
+                                  ([5, 17], 64, 0),                           # short chunks, then decode among 63
+                                  ([], 3, 0),                                  # every token decoded, among 2
+                                  ([PROMPT], 40, 25)]:                         # packed after 25 rows of others
+        got, got_kv = prompt_in_steps(steps, chunks, batch, beside)
+        np.testing.assert_array_equal(got, want, err_msg=f"chunks {chunks}, {batch} rows a step")
+        for g, w in zip(got_kv, want_kv):
+            np.testing.assert_array_equal(g, w, err_msg=f"K/V, chunks {chunks}, {batch} rows a step")
+
+
+@pytest.mark.parametrize("cache", ["float16", "int8"])
+def test_a_token_trees_rows_are_the_decode_of_their_branch(invariant, cache):
+    """A verify step of a tree over the sequence's first 40 tokens: a (key 40), its sibling b (key 41, a hidden)
+    and b's child c (key 42): b's and c's outputs are those of b and c decoded right after the prefix (keys 40,
+    41); a's is the first token's of either."""
+    steps = Steps(np.random.default_rng(11), cache, WEIGHTS["q8_0"])
+    steps.library = invariant
+    invariant.KernelInvariant(1)
+    a, b, c = 40, 41, 42                     # token indices (their x rows)
+    steps.reset()
+    steps.run([steps.row(i) for i in range(40)])
+    tree = steps.run(steps.noise(5) + [steps.row(a, position=40, key=40),
+                                       steps.row(b, position=40, key=41, tree=~(1 << 1)),
+                                       steps.row(c, position=41, key=42, tree=~(1 << 2))])[5:]
+    steps.reset()
+    steps.run([steps.row(i) for i in range(40)])
+    plain = steps.run([steps.row(b, position=40, key=40), steps.row(c, position=41, key=41)])
+    np.testing.assert_array_equal(tree[1:], plain)
+    steps.reset()
+    steps.run([steps.row(i) for i in range(40)])
+    np.testing.assert_array_equal(tree[0], steps.run(steps.noise(3) + [steps.row(a, position=40, key=40)])[3])
+
+
+@pytest.mark.parametrize("qtype", [None, GGUF_TYPES.Q8_0, GGUF_TYPES.Q4_K])
+def test_the_lm_head_gives_a_row_the_same_bits_alone_or_among_others(invariant, qtype):
+    rng = np.random.default_rng(3)
+    vocab, h = 1000, 256
+    x = rng.standard_normal((64, h)).astype(np.float32)
+    w = rng.standard_normal((vocab, h)).astype(np.float32)
+    raw = w if qtype is None else quantized_rows(w, qtype, rng)
+    gain = (1 + 0.3 * rng.standard_normal(h)).astype(np.float32)
+    cfg = [np.array([2, 0 if qtype is None else int(qtype)], np.int32), np.array([1e-5], np.float32)]
+    invariant.KernelInvariant(1)
+
+    def call(rows):
+        n = len(rows)
+        logits, token, logprob = np.empty((n, vocab), np.float32), np.empty(n, np.int32), np.empty(n, np.float32)
+        slots = np.arange(n, dtype=np.int32)
+        assert invoke(invariant.FinalLogits, logits_args(np.ascontiguousarray(x[rows]), raw, gain, slots, cfg,
+                                                         logits, token, logprob)) == 0
+        return logits, token, logprob
+
+    together = call(list(range(64)))
+    for rows in ([5], [5, 9], list(range(3, 20)), [63, 5]):
+        alone = call(rows)
+        for got, want in zip(alone, together):
+            np.testing.assert_array_equal(got, want[rows], err_msg=f"rows {rows}")
+
+
+def test_without_invariance_the_paths_differ(invariant):
+    """The test above is not vacuous: with KernelInvariant(0) a prompt's chunk of 70 rows (the batched products)
+    and its decode one row at a time give other bits."""
+    steps = Steps(np.random.default_rng(7), "float32", WEIGHTS["q8_0"])
+    steps.library = invariant
+    invariant.KernelInvariant(0)
+    chunk, _ = prompt_in_steps(steps, [PROMPT])
+    decoded, _ = prompt_in_steps(steps, [], 1)
+    assert not np.array_equal(chunk, decoded)
+    np.testing.assert_allclose(chunk, decoded, rtol=1e-3, atol=1e-3)
