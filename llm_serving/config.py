@@ -105,6 +105,12 @@ class ModelConfig:
                                               # on a float32 copy of every matrix
     keep_quantized: bool = True               # the CPU kernels read a GGUF's quantized and F16 matrices as stored
                                               # (fewer bytes per step); False = a float32 copy
+    batch_invariant: bool = False             # true = the layer kernel's steps are batch-invariant: a request's
+                                              # tokens and log-probabilities are the same to the bit whatever else
+                                              # runs (other rows, chunking, preemption, speculation); one product
+                                              # path for every batch, slower (docs/BENCHMARKS.md). Needs the layer
+                                              # kernel on every step (layer_kernel not off, layer_kernel_max_tokens
+                                              # null, one agent per model: no tensor parallelism)
     all_reduce: str = "auto"                  # tensor parallelism's all-reduce: 'shm' (CPU shared memory),
                                               # 'mindspore' (MindSpore's: HCCL on Ascend), 'auto' = by device
     model_dtype: str = "float32"
@@ -142,6 +148,13 @@ class ModelConfig:
             _check_int("model_config.layer_kernel_max_tokens", self.layer_kernel_max_tokens)
         _check(isinstance(self.keep_quantized, bool), "model_config.keep_quantized", self.keep_quantized,
                "must be true or false")
+        _check(isinstance(self.batch_invariant, bool), "model_config.batch_invariant", self.batch_invariant,
+               "must be true or false")
+        _check(not self.batch_invariant or (self.layer_kernel != "off" and self.attention_kernel != "off"
+                                            and self.layer_kernel_max_tokens is None),
+               "model_config.batch_invariant", self.batch_invariant,
+               "needs the CPU layer kernel on every step: layer_kernel and attention_kernel not off, "
+               "layer_kernel_max_tokens null")
         _check(not (self.layer_kernel == "on" and self.attention_kernel == "off"), "model_config.layer_kernel",
                self.layer_kernel, "'on' needs the paged-attention kernel (model_config.attention_kernel auto or on)")
         _check(self.all_reduce in ("auto", "shm", "mindspore"), "model_config.all_reduce", self.all_reduce,

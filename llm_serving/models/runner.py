@@ -19,6 +19,7 @@ one C++ kernel on the weights as the checkpoint stores them (kernels/decoder_lay
 from __future__ import annotations
 
 import bisect
+import ctypes
 import logging
 import os
 import time
@@ -173,6 +174,13 @@ class ModelRunner:
                              "layer_kernel_max_tokens set, tensor parallelism, or Ascend): MindSpore's CPU "
                              "ScatterUpdate has no bfloat16, and its ops do not read an int8 cache's scales; use "
                              "float16 (the default) or float32")
+        if spec.batch_invariant:
+            if not self.kernel_serves_all:
+                raise ValueError("model_config.batch_invariant needs the CPU layer kernel on every step (a CPU agent "
+                                 "without tensor parallelism, layer_kernel not off and built, "
+                                 "layer_kernel_max_tokens null): MindSpore's op-by-op graphs pick their products "
+                                 "by shape")
+            ctypes.CDLL(self.layer_kernel).KernelInvariant(1)    # the library MindSpore's Custom ops load
         # decode runs (_execute_decode_run): K greedy steps in one graph, for batches of up to decode_run_rows
         # (None: every batch the layer kernel takes)
         if decode_run_rows is None:

@@ -19,6 +19,7 @@ class RunnerSpec:
     decode_run_steps, decode_run_rows: decode runs (None rows: every batch the layer kernel takes).
     attention_kernel, layer_kernel, layer_kernel_rows, keep_quantized: the CPU kernels (config.ATTENTION_KERNELS);
     layer_kernel_rows None: the layer kernel runs every step, on the weights as stored (no float32 copy).
+    batch_invariant: the layer kernel's steps batch-invariant (its KernelInvariant(1)).
     num_layers: run only the checkpoint's first N layers (a draft model cut from it).
     lora_slots, lora_rank: LoRA adapter slots (0: none) and the largest rank they hold.
     device_target, device_id, num_threads, compile_cache, tp_timeout_s: the process's device and threads, the
@@ -49,6 +50,7 @@ class RunnerSpec:
     lora_slots: int = 0
     lora_rank: int = 16
     kv_cache_dtype: str = "float16"
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         from llm_serving.config import KV_CACHE_VALUE_BYTES
@@ -79,4 +81,5 @@ class RunnerSpec:
                    layer_kernel=mc.layer_kernel, layer_kernel_rows=mc.layer_kernel_max_tokens,
                    decode_run_steps=sched.decode_steps, decode_run_rows=sched.decode_steps_max_rows,
                    keep_quantized=mc.keep_quantized, lora_slots=lc.max_loras if lc.enabled else 0,
-                   lora_rank=lc.max_lora_rank, kv_cache_dtype=config.kv_cache_dtype)
+                   lora_rank=lc.max_lora_rank, kv_cache_dtype=config.kv_cache_dtype,
+                   batch_invariant=mc.batch_invariant)

@@ -35,7 +35,8 @@
 // LLM_SERVING_KERNEL_AMX=0 in the environment (read once per process) or KernelAmx(0) keeps the FMA kernel.
 // Weights of integer codes (the Q-types, not F32/F16/BF16) run on AMX's int8 tiles from kIntGemmRows (3) rows
 // (gemm_amx_int.h: the codes as int8, x rounded to 16 bits per block; per super-block for the K-quants);
-// LLM_SERVING_KERNEL_INT=0 or KernelInt(0) keeps them on the paths above.
+// LLM_SERVING_KERNEL_INT=0 or KernelInt(0) keeps them on the paths above. Batch-invariant steps
+// (model_config.batch_invariant, KernelInvariant(1)) run one path for every row count instead: dot_gemm.
 //
 // DecoderLayer(x, positions, slots, block_tables, context_lens, tree_bits, cos, sin, lora, q_w, k_w, v_w, qkv_bias,
 //              o_w, gate_w, up_w, down_w, input_gain, post_gain, key_cache, value_cache, lora_qkv_a, lora_qkv_b,
@@ -284,24 +285,10 @@ inline v16 fold2(v16 x, v16 y) {     // 8 groups of 2 -> 16 sums
          __builtin_shufflevector(x, y, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
 }
 
-// a * b + c, rounded once where the CPU has FMA (-std=c++17 keeps GCC from contracting a * b + c itself). Every
-// product's lanes go through this one function (dot_tile, qdot_tile, qdot_tile_super), so a weight's float and
-// x's give the same partial sums whichever path multiplies them.
+// a * b + c, rounded once where the CPU has FMA (-std=c++17 keeps GCC from contracting a * b + c itself)
 inline v16 fmadd16(v16 a, v16 b, v16 c) {
 #if defined(__AVX512F__)
   return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
-#elif defined(__FMA__)
-  __m256 r[2];
-  for (int i = 0; i < 2; ++i) {
-    __m256 x, y, z;
-    std::memcpy(&x, reinterpret_cast<const float*>(&a) + 8 * i, sizeof x);
-    std::memcpy(&y, reinterpret_cast<const float*>(&b) + 8 * i, sizeof y);
-    std::memcpy(&z, reinterpret_cast<const float*>(&c) + 8 * i, sizeof z);
-    r[i] = _mm256_fmadd_ps(x, y, z);
-  }
-  v16 out;
-  std::memcpy(&out, r, sizeof out);
-  return out;
 #else
   return a * b + c;
 #endif
@@ -336,14 +323,14 @@ inline float hsum(v16 v) {
   return s;
 }
 
-// The sum of v's lanes by reduce16's tree (lane i + lane i+8, then +4, +2, +1): the same float as reduce16 gives
-// for v among fifteen others, so that a dot product's value does not depend on the tile it was computed in.
+// The sum of v's lanes by reduce16's tree (lane i + lane i+8, then +4, +2, +1), vector shuffles whose order the
+// compiler keeps (a scalar sum could be regrouped under -fassociative-math).
 inline float tree16(v16 v) {
   const v16 zero{};
   return fold2(fold4(fold8(fold16(v, zero), zero), zero), zero)[0];
 }
 
-// out[r][b] = the sum of acc[r][b]'s lanes, always by reduce16's tree (tree16 where the tile is not 4 x 4)
+// out[r][b] = the sum of acc[r][b]'s lanes
 template <int RB, int BB>
 inline void sum_lanes(v16 acc[RB][BB], float out[4][4]) {
   if (RB == 4 && BB == 4) {
@@ -353,7 +340,7 @@ inline void sum_lanes(v16 acc[RB][BB], float out[4][4]) {
       for (int b = 0; b < BB; ++b) out[r][b] = sums[lane[r * BB + b]];
   } else {
     for (int r = 0; r < RB; ++r)
-      for (int b = 0; b < BB; ++b) out[r][b] = tree16(acc[r][b]);
+      for (int b = 0; b < BB; ++b) out[r][b] = hsum(acc[r][b]);
   }
 }
 
@@ -369,7 +356,7 @@ inline void dot_tile(const float* w, int64_t k, const float* x, int64_t ldx, flo
     for (int b = 0; b < BB; ++b) xv[b] = load16(x + b * ldx + e);
     for (int r = 0; r < RB; ++r) {
       const v16 wv = load16(w + r * k + e);
-      for (int b = 0; b < BB; ++b) acc[r][b] = fmadd16(wv, xv[b], acc[r][b]);
+      for (int b = 0; b < BB; ++b) acc[r][b] += wv * xv[b];
     }
   }
   sum_lanes<RB, BB>(acc, out);
@@ -386,37 +373,6 @@ inline void dot_rows(const float* w, int64_t k, const float* x, int64_t ldx, int
     case 3: dot_tile<RB, 3>(w, k, x, ldx, out); break;
     default: dot_tile<RB, 4>(w, k, x, ldx, out); break;
   }
-}
-
-// out[i][b] = rows[i] . x[b] for n (<= 4) float rows of length k and bb (<= 4) rows of x (stride k). AVX-512: one
-// 4 x 4 tile (16 accumulators of 16 floats); AVX2, where a v16 is two of its 16 registers: 2 x 2 tiles (8). The
-// shape changes nothing in a product's value (each output its own accumulator, summed by the same tree).
-inline void dot_block(const float* rows, int64_t n, int64_t k, const float* x, int bb, float out[4][4]) {
-#if defined(__AVX512F__)
-  if (n == 4) {
-    dot_rows<4>(rows, k, x, k, bb, out);
-  } else {
-    for (int64_t i = 0; i < n; ++i) dot_rows<1>(rows + i * k, k, x, k, bb, out + i);
-  }
-#else
-  float part[4][4];
-  for (int64_t i = 0; i < n; i += 2) {
-    const int rb = static_cast<int>(std::min<int64_t>(2, n - i));
-    for (int b0 = 0; b0 < bb; b0 += 2) {
-      const int b2 = std::min(2, bb - b0);
-      const float* xb = x + b0 * k;
-      if (rb == 2) {
-        if (b2 == 2) dot_tile<2, 2>(rows + i * k, k, xb, k, part);
-        else dot_tile<2, 1>(rows + i * k, k, xb, k, part);
-      } else {
-        if (b2 == 2) dot_tile<1, 2>(rows + i * k, k, xb, k, part);
-        else dot_tile<1, 1>(rows + i * k, k, xb, k, part);
-      }
-      for (int r = 0; r < rb; ++r)
-        for (int b = 0; b < b2; ++b) out[i + r][b0 + b] = part[r][b];
-    }
-  }
-#endif
 }
 
 // ----------------------------------------------------------------------------------------- weight formats
@@ -829,7 +785,8 @@ struct Matrix {
     return tile;
   }
 
-  void dequantize_row(const uint8_t* row, float* dst) const {
+  // Not inlined: one compiled copy, so a weight's float is the same whichever product asked for it.
+  __attribute__((noinline)) void dequantize_row(const uint8_t* row, float* dst) const {
     switch (type) {
       case kQ4_0: dequantize_blocks<kQ4_0>(row, dst); break;
       case kQ4_1: dequantize_blocks<kQ4_1>(row, dst); break;
@@ -1151,13 +1108,12 @@ inline void qdot_tile(const uint8_t* rows, int64_t row_bytes, int64_t k, const f
 }
 
 // qdot_tile for super-block rows: each row's scales unpacked once per super-block, its groups decoded in
-// registers. One accumulator per (weight row, x row) whatever the tile, as qdot_tile and dot_tile: the lanes'
-// partial sums, and so the product, are the same for a row of x alone or among others (batch invariance; split
-// accumulators for a lone row were up to 1.3x faster on AVX-512, and gave another sum).
+// registers. One row of x gets two accumulators per weight row, so that consecutive multiply-adds do not wait
+// on each other.
 template <int32_t T, int RB, int BB>
 inline void qdot_tile_super(const uint8_t* rows, int64_t row_bytes, int64_t k, const float* x, int64_t ldx,
                             float out[4][4]) {
-  constexpr int G = group_weights<T>(), NV = G / 16, NA = 1;
+  constexpr int G = group_weights<T>(), NV = G / 16, NA = BB == 1 ? 4 : BB == 2 ? 2 : 1;
   v16 acc[NA][RB][BB];
   for (int a = 0; a < NA; ++a)
     for (int r = 0; r < RB; ++r)
@@ -1212,13 +1168,6 @@ inline void qdot_rows(const uint8_t* rows, int64_t row_bytes, int64_t k, const f
 template <int32_t T>
 inline void qdot_typed(const Matrix& w, int64_t r, int rb, const float* x, int bb, float out[4][4]) {
   const uint8_t* rows = w.data + r * w.row_bytes;
-#if !defined(__AVX512F__)
-  if (rb == 4 && bb > 1) {            // AVX2: 4 x 2 tiles of v16 would take all 16 registers as accumulators
-    qdot_rows<T, 2>(rows, w.row_bytes, w.k, x, w.k, bb, out);
-    qdot_rows<T, 2>(rows + 2 * w.row_bytes, w.row_bytes, w.k, x, w.k, bb, out + 2);
-    return;
-  }
-#endif
   if (rb == 4) {
     qdot_rows<T, 4>(rows, w.row_bytes, w.k, x, w.k, bb, out);
   } else {
@@ -1282,9 +1231,150 @@ void matvec(const Matrix& w, const float* x, int64_t batch, int64_t r0, int64_t 
     const float* rows = w.tile_rows(r, rb, tile);
     for (int64_t b0 = 0; b0 < batch; b0 += 4) {
       const int bb = static_cast<int>(std::min<int64_t>(4, batch - b0));
-      dot_block(rows, rb, k, x + b0 * k, bb, out);
+      if (rb == 4) {
+        dot_rows<4>(rows, k, x + b0 * k, k, bb, out);
+      } else {
+        for (int i = 0; i < rb; ++i) dot_rows<1>(rows + i * k, k, x + b0 * k, k, bb, out + i);
+      }
       for (int i = 0; i < rb; ++i)
         for (int b = 0; b < bb; ++b) emit(b0 + b, r + i, out[i][b]);
+    }
+  }
+}
+
+// ------------------------------------------------------------------- batch-invariant products (dot_gemm)
+//
+// With batch invariance on (invariant_enabled), every product of every step runs dot_gemm, whatever its rows:
+// each output (weight row r, x row b) has its own vector of 16 lane sums, lane l the weights at k = l (mod 16)
+// in order, one FMA each (fmadd16, or AVX2's halves), then reduce16's tree (tree16) and the columns past the last
+// whole 16 in order (dot_finish). Nothing in that depends on the other rows, the tile an output fell in, the
+// thread that took it or where a depth block ended (the lane sums are kept whole in a buffer between blocks),
+// and quantized rows are dequantized by one compiled copy of dequantize_row, so a row of x gets the same float
+// alone or among 2,000. Weight rows go kDotGroup at a time (quantized: dequantized once into the thread's
+// buffer), x kDotRows rows at a time.
+constexpr int64_t kDotGroup = 16;     // weight rows per group (dequantized together: 16 k floats a thread)
+constexpr int64_t kDotRows = 64;      // rows of x whose lane sums are kept at once
+constexpr int64_t kDotDepth = 4096;    // columns per depth block (fewer cost more in calls and lane traffic)
+#if defined(__AVX512F__)
+constexpr int kDotRB = 4, kDotBB = 4;   // 16 accumulators of 16 floats
+#else
+constexpr int kDotRB = 2, kDotBB = 3;   // AVX2: a v16 of lanes is two of its 16 registers: 12 accumulate
+#endif
+
+inline int64_t dot_w_floats(int64_t k) { return kDotGroup * k; }
+inline int64_t dot_lane_floats() { return kDotGroup * kDotRows * 16; }
+
+// lanes[r][b] (v16s, kDotRows per weight row) += w[r] . x[b] over columns [e0, e1) lane by lane, for RB weight
+// rows (stride ldw) and BB rows of x (stride ldx); First: the lanes start from zero. Not inlined, and First a
+// template parameter: inlined into the products' lambdas, or with `first ? zero : load` in the loop's set-up, GCC
+// kept the accumulators on the stack and moved them through general registers (6 GFLOP/s a core on AVX2).
+template <int RB, int BB, bool First>
+__attribute__((noinline)) void dot_span(const float* w, int64_t ldw, const float* x, int64_t ldx, int64_t e0,
+                                        int64_t e1, float* lanes) {
+#if defined(__AVX512F__)
+  v16 acc[RB][BB];
+  for (int r = 0; r < RB; ++r)
+    for (int b = 0; b < BB; ++b) {
+      if constexpr (First) acc[r][b] = v16{};
+      else acc[r][b] = load16(lanes + (r * kDotRows + b) * 16);
+    }
+  for (int64_t e = e0; e < e1; e += 16) {
+    v16 xv[BB];
+    for (int b = 0; b < BB; ++b) xv[b] = load16(x + b * ldx + e);
+    for (int r = 0; r < RB; ++r) {
+      const v16 wv = load16(w + r * ldw + e);
+      for (int b = 0; b < BB; ++b) acc[r][b] = fmadd16(wv, xv[b], acc[r][b]);
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int b = 0; b < BB; ++b) store16(lanes + (r * kDotRows + b) * 16, acc[r][b]);
+#else
+  // AVX2: a v16 of lanes as its two halves in registers of 8 (lanes 0-7, 8-15), each the same FMA chain
+  __m256 acc[RB][BB][2];
+  for (int r = 0; r < RB; ++r)
+    for (int b = 0; b < BB; ++b)
+      for (int h = 0; h < 2; ++h)
+        acc[r][b][h] = First ? _mm256_setzero_ps() : _mm256_loadu_ps(lanes + (r * kDotRows + b) * 16 + 8 * h);
+  for (int64_t e = e0; e < e1; e += 16) {
+    for (int h = 0; h < 2; ++h) {
+      __m256 xv[BB];
+      for (int b = 0; b < BB; ++b) xv[b] = _mm256_loadu_ps(x + b * ldx + e + 8 * h);
+      for (int r = 0; r < RB; ++r) {
+        const __m256 wv = _mm256_loadu_ps(w + r * ldw + e + 8 * h);
+        for (int b = 0; b < BB; ++b) acc[r][b][h] = _mm256_fmadd_ps(wv, xv[b], acc[r][b][h]);
+      }
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int b = 0; b < BB; ++b)
+      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(lanes + (r * kDotRows + b) * 16 + 8 * h, acc[r][b][h]);
+#endif
+}
+
+template <int RB, int BB>
+inline void dot_span_first(const float* w, int64_t ldw, const float* x, int64_t ldx, int64_t e0, int64_t e1,
+                           float* lanes, bool first) {
+  if (first) dot_span<RB, BB, true>(w, ldw, x, ldx, e0, e1, lanes);
+  else dot_span<RB, BB, false>(w, ldw, x, ldx, e0, e1, lanes);
+}
+
+template <int RB>
+inline void dot_span_rows(const float* w, int64_t ldw, const float* x, int64_t ldx, int bb, int64_t e0, int64_t e1,
+                          float* lanes, bool first) {
+  switch (bb) {                                        // bb <= kDotBB
+    case 1: dot_span_first<RB, 1>(w, ldw, x, ldx, e0, e1, lanes, first); break;
+    case 2: dot_span_first<RB, kDotBB >= 2 ? 2 : 1>(w, ldw, x, ldx, e0, e1, lanes, first); break;
+    case 3: dot_span_first<RB, kDotBB >= 3 ? 3 : 1>(w, ldw, x, ldx, e0, e1, lanes, first); break;
+    default: dot_span_first<RB, kDotBB >= 4 ? 4 : 1>(w, ldw, x, ldx, e0, e1, lanes, first); break;
+  }
+}
+
+// A dot product's value from its lane sums: reduce16's tree, then the columns [k16, k) in order. Not inlined (one
+// compiled copy: the order of the last columns' additions is this loop's wherever a product ends).
+__attribute__((noinline)) float dot_finish(const float* lanes, const float* w, const float* x, int64_t k16, int64_t k) {
+  float v = k16 > 0 ? tree16(load16(lanes)) : 0.f;
+  for (int64_t t = k16; t < k; ++t) v += w[t] * x[t];
+  return v;
+}
+
+// For weight rows [r0, r1) of w and every row b of x (m rows of w.k): emit(b, r, w[r] . x[b]), each the float
+// matvec gives. wbuf: dot_w_floats(k), lanes: dot_lane_floats(), the calling thread's.
+template <typename Emit>
+void dot_gemm(const Matrix& w, const float* x, int64_t m, int64_t r0, int64_t r1, float* wbuf, float* lanes,
+              Emit emit) {
+  const int64_t k = w.k, k16 = k / 16 * 16;
+    const int64_t group = kDotGroup;
+  for (int64_t g0 = r0; g0 < r1; g0 += group) {
+    const int64_t n = std::min(group, r1 - g0);
+    const float* wg = reinterpret_cast<const float*>(w.data) + g0 * k;
+    if (w.type != kF32) {
+      for (int64_t i = 0; i < n; ++i) w.dequantize_row(w.data + (g0 + i) * w.row_bytes, wbuf + i * k);
+      wg = wbuf;
+    }
+    for (int64_t x0 = 0; x0 < m; x0 += kDotRows) {
+      const int64_t xm = std::min(kDotRows, m - x0);
+      const float* xb = x + x0 * k;
+      for (int64_t e0 = 0; e0 < k16; e0 += kDotDepth) {
+        const int64_t e1 = std::min(k16, e0 + kDotDepth);
+        for (int64_t i = 0; i < n; i += kDotRB) {
+          const int rb = static_cast<int>(std::min<int64_t>(kDotRB, n - i));
+          for (int64_t b = 0; b < xm; b += kDotBB) {
+            const int bb = static_cast<int>(std::min<int64_t>(kDotBB, xm - b));
+            float* at = lanes + (i * kDotRows + b) * 16;
+            if (rb == kDotRB) {
+              dot_span_rows<kDotRB>(wg + i * k, k, xb + b * k, k, bb, e0, e1, at, e0 == 0);
+            } else {
+              for (int r = 0; r < rb; ++r)
+                dot_span_rows<1>(wg + (i + r) * k, k, xb + b * k, k, bb, e0, e1, at + r * kDotRows * 16, e0 == 0);
+            }
+          }
+        }
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        for (int64_t b = 0; b < xm; ++b) {
+          emit(x0 + b, g0 + i, dot_finish(lanes + (i * kDotRows + b) * 16, wg + i * k, xb + b * k, k16, k));
+        }
+      }
     }
   }
 }
@@ -1355,19 +1445,20 @@ bool amx_enabled() {
 #endif
 }
 
-// Whether every step is batch-invariant (on unless LLM_SERVING_KERNEL_INVARIANT=0 in the environment, read once,
-// or KernelInvariant(0)): a row's outputs are the same to the bit whatever else the step holds (other rows, how a
-// prompt is chunked, decode or prefill or verify). Products then always run matvec's dot tiles (qdot for one or
-// two rows of quantized weights: the same lanes, the same tree), never the batched kernels whose sums run along
-// k (gemm_cpu.h) or on AMX tiles; attention always runs attend_tile where the head size takes it (attend_row
-// otherwise, for every row alike). Off, each batch takes its fastest path, as before.
+// Whether every step is batch-invariant (model_config.batch_invariant: the runner calls KernelInvariant(1);
+// LLM_SERVING_KERNEL_INVARIANT=1 in the environment, read once, does the same): a row's outputs are the same to
+// the bit whatever else the step holds (other rows, how a prompt is chunked, decode, prefill or verify, the
+// thread count's split of the work). Products then always run dot_gemm, never qdot, matvec's tiles or the
+// batched kernels whose sums run along k (gemm_cpu.h) or on AMX tiles; attention always runs attend_tile where
+// the head size takes it (a token tree's row over its visible keys), attend_row otherwise, for every row alike.
+// Off (the default), each product takes the fastest path for its row count.
 std::atomic<int> invariant_setting{-1};  // -1: not read yet; 0 off; 1 on
 
 bool invariant_enabled() {
   if (invariant_setting.load(std::memory_order_relaxed) < 0) {
     const char* env = std::getenv("LLM_SERVING_KERNEL_INVARIANT");
     int expected = -1;
-    invariant_setting.compare_exchange_strong(expected, env != nullptr && std::strcmp(env, "0") == 0 ? 0 : 1);
+    invariant_setting.compare_exchange_strong(expected, env != nullptr && std::strcmp(env, "1") == 0 ? 1 : 0);
   }
   return invariant_setting.load(std::memory_order_relaxed) == 1;
 }
@@ -1616,12 +1707,14 @@ void gemm_units(const Matrix* const* ws, int parts, int64_t u0, int64_t u1, cons
 }
 
 // Rows [r0, r1) of w times every row of x (batch rows of w.k): emit(b, r, w[r] . x[b]). With xp (x packed,
-// batch >= gemm_rows(...)) through gemm_units; otherwise matvec with tile.
+// batch >= gemm_rows(...)) through gemm_units; without, dot_gemm when given its buffers (wbuf and c: a
+// batch-invariant step of many rows), else matvec with tile (the same sums as dot_gemm's).
 template <typename Emit>
 void product_rows(const Matrix& w, const float* x, const float* xp, int64_t batch, int64_t r0, int64_t r1, float* tile,
                   float* wbuf, float* c, bool amx, Emit emit, int ints = kNoInt) {
   if (xp == nullptr) {
-    matvec(w, x, batch, r0, r1, tile, emit);
+    if (wbuf != nullptr) dot_gemm(w, x, batch, r0, r1, wbuf, c, emit);
+    else matvec(w, x, batch, r0, r1, tile, emit);
     return;
   }
   const Matrix* ws[1] = {&w};
@@ -1787,7 +1880,8 @@ extern "C" int KernelAmx(int enable) {
 }
 
 // Turns batch invariance (invariant_enabled) off (0) or back on (1), or only asks (-1): returns whether the next
-// kernel call is batch-invariant. For tests and benchmarks; a server sets LLM_SERVING_KERNEL_INVARIANT.
+// kernel call is batch-invariant. The runner calls it at start (model_config.batch_invariant); tests and
+// benchmarks compare the two in one process.
 extern "C" int KernelInvariant(int enable) {
   if (enable >= 0) {
     invariant_enabled();                             // the environment read first, then overridden
@@ -1932,8 +2026,13 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
   const bool batched = !invariant && rows >= (all_int ? kIntGemmRows : gemm_rows(amx, float32));
   if (!batched) int_qkv = int_o = int_gate_up = int_down = kNoInt;
   float* xp = batched ? sized_aligned(s.packed, gemm_x_floats(rows, kmax, amx)) : nullptr;
-  float* gemm_w = batched ? sized_aligned(s.gemm_w, threads * gemm_w_floats(kmax, amx)) : nullptr;
-  float* gemm_c = batched ? sized_aligned(s.gemm_c, threads * gemm_c_floats(rows, amx)) : nullptr;
+  // a batch-invariant step of many rows: dot_gemm's buffers (per thread: a group of weight rows, the lane sums)
+  const bool dotted = invariant;
+  float* gemm_w = batched ? sized_aligned(s.gemm_w, threads * gemm_w_floats(kmax, amx))
+                  : dotted ? sized_aligned(s.gemm_w, threads * dot_w_floats(kmax)) : nullptr;
+  float* gemm_c = batched ? sized_aligned(s.gemm_c, threads * gemm_c_floats(rows, amx))
+                  : dotted ? sized_aligned(s.gemm_c, threads * dot_lane_floats()) : nullptr;
+  const int64_t dot_align = dotted ? kDotGroup : 4;     // the chunks of a product's rows
   float* silu = batched ? Scratch::sized(s.silu, threads * rows) : nullptr;
   // the computed rows that have a LoRA adapter, sorted by slot; thread t takes a contiguous share of them, so
   // that each slot's matrices are read once per thread and product however many rows use it
@@ -1995,8 +2094,8 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
   p.run([&](int tid, int nthreads) {
     float* xn = normed + tid * rows * std::max(h, d);
     float* tile = tiles + tid * 8 * kmax;
-    float* wbuf = batched ? gemm_w + tid * gemm_w_floats(kmax, amx) : nullptr;
-    float* cbuf = batched ? gemm_c + tid * gemm_c_floats(rows, amx) : nullptr;
+    float* wbuf = batched ? gemm_w + tid * gemm_w_floats(kmax, amx) : dotted ? gemm_w + tid * dot_w_floats(kmax) : nullptr;
+    float* cbuf = batched ? gemm_c + tid * gemm_c_floats(rows, amx) : dotted ? gemm_c + tid * dot_lane_floats() : nullptr;
     float* silu_row = batched ? silu + tid * rows : nullptr;
     // batched: the product's x packed into xp by all threads (a barrier after), then read by every chunk
     auto packed = [&](int which, const float* in, int64_t k_in, int integer) -> const float* {
@@ -2034,7 +2133,7 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
         product_rows(w, xn, xq, rows, r0, r1, tile, wbuf, cbuf, amx, [&](int64_t b, int64_t r, float v) {
           qkv[b * nqkv + first + r] = v + qkv_b[first + r];
         }, int_qkv);
-      }, batched ? gemm_group(h, amx) : 4);
+      }, batched ? gemm_group(h, amx) : dot_align);
     }
     barrier.wait();
     if (adapted) {
@@ -2089,7 +2188,7 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
     claim_rows(next_o, h, nthreads, [&](int64_t r0, int64_t r1) {
       product_rows(o_w, attn, xo, rows, r0, r1, tile, wbuf, cbuf, amx,
                    [&](int64_t b, int64_t r, float v) { out[b * h + r] = x[b * h + r] + v; }, int_o);
-    }, batched ? gemm_group(nh * d, amx) : 4);
+    }, batched ? gemm_group(nh * d, amx) : dot_align);
     barrier.wait();
     if (adapted) {
       add_rows(lora_o, out, h);
@@ -2125,6 +2224,20 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
           }
         }, int_gate_up);
       }, gemm_group(h, amx) / 2);
+    } else if (dotted) {                            // gate's sums into act, then up's make them silu(gate) * up
+      claim_rows(next_unit, inter, nthreads, [&](int64_t r0, int64_t r1) {
+        product_rows(gate_w, xn, nullptr, rows, r0, r1, tile, wbuf, cbuf, amx,
+                     [&](int64_t b, int64_t j, float v) { act[b * inter + j] = v; });
+        product_rows(up_w, xn, nullptr, rows, r0, r1, tile, wbuf, cbuf, amx, [&](int64_t b, int64_t j, float v) {
+          float g = act[b * inter + j];
+          if (adapted && lora[b] > 0 && slots[b] >= 0) {
+            const float* delta = lora_gu + b * 2 * inter + j;
+            g += delta[0];
+            v += delta[inter];
+          }
+          act[b * inter + j] = silu_times(g, v);
+        });
+      }, kDotGroup);
     } else {
       claim_rows(next_unit, inter, nthreads, [&](int64_t r0, int64_t r1) {
         for (int64_t j = r0; j < r1; j += 4) {
@@ -2137,8 +2250,10 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
           auto dots = [&](const Matrix& w, bool fused, const float* tiled, const float* xb, int bb, float out4[4][4]) {
             if (fused) {
               qdot(w, j, static_cast<int>(n), xb, bb, out4);
+            } else if (n == 4) {
+              dot_rows<4>(tiled, h, xb, h, bb, out4);
             } else {
-              dot_block(tiled, n, h, xb, bb, out4);
+              for (int64_t i = 0; i < n; ++i) dot_rows<1>(tiled + i * h, h, xb, h, bb, out4 + i);
             }
           };
           float gate[4][4], up[4][4];
@@ -2168,7 +2283,7 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
     claim_rows(next_down, h, nthreads, [&](int64_t r0, int64_t r1) {
       product_rows(down_w, act, xd, rows, r0, r1, tile, wbuf, cbuf, amx,
                    [&](int64_t b, int64_t r, float v) { out[b * h + r] += v; }, int_down);
-    }, batched ? gemm_group(inter, amx) : 4);
+    }, batched ? gemm_group(inter, amx) : dot_align);
     if (adapted) {
       barrier.wait();
       add_rows(lora_down, out, h);
@@ -2217,14 +2332,20 @@ extern "C" int FinalLogits(int nparam, void** params, int* ndims, int64_t** shap
   const Matrix* lm_part[1] = {&w};
   const int lm_ints = integer_product(lm_part, 1, int_enabled(amx));
   const bool batched = !invariant_enabled() && live >= (lm_ints != kNoInt ? kIntGemmRows : gemm_rows(amx, w.type == kF32));
-  const int64_t align = batched ? gemm_group(h, amx) : 4;
+  // batch-invariant: chunks of the vocabulary of one size whatever the rows (a row's log-probability sums its
+  // chunks' parts in order), dot_gemm from kDotGemmRows rows
+  const bool invariant = invariant_enabled();
+  const bool dotted = !batched && invariant;
+  const int64_t align = batched ? gemm_group(h, amx) : invariant ? kDotGroup : 4;
   const int ints = batched ? lm_ints : kNoInt;
   const int64_t chunk = chunk_rows(vocab, p.threads(), align), chunks = (vocab + chunk - 1) / chunk;
   float* partial = Scratch::sized(s.scores, chunks * live * 3);
   float* tiles = Scratch::sized(s.tiles, p.threads() * 4 * h);
   float* xp = batched ? sized_aligned(s.packed, gemm_x_floats(live, h, amx)) : nullptr;
-  float* gemm_w = batched ? sized_aligned(s.gemm_w, p.threads() * gemm_w_floats(h, amx)) : nullptr;
-  float* gemm_c = batched ? sized_aligned(s.gemm_c, p.threads() * gemm_c_floats(live, amx)) : nullptr;
+  const int64_t w_floats = batched ? gemm_w_floats(h, amx) : dot_w_floats(h);
+  const int64_t c_floats = batched ? gemm_c_floats(live, amx) : dot_lane_floats();
+  float* gemm_w = batched || dotted ? sized_aligned(s.gemm_w, p.threads() * w_floats) : nullptr;
+  float* gemm_c = batched || dotted ? sized_aligned(s.gemm_c, p.threads() * c_floats) : nullptr;
   Barrier barrier(p.threads());
   std::atomic<int64_t> next_vocab{0}, next_pack{0};
   p.run([&](int tid, int nthreads) {
@@ -2235,8 +2356,8 @@ extern "C" int FinalLogits(int nparam, void** params, int* ndims, int64_t** shap
       barrier.wait();
     }
     claim_rows(next_vocab, vocab, nthreads, [&](int64_t r0, int64_t r1) {
-      product_rows(w, xn, xp, live, r0, r1, tiles + tid * 4 * h, batched ? gemm_w + tid * gemm_w_floats(h, amx) : nullptr,
-                   batched ? gemm_c + tid * gemm_c_floats(live, amx) : nullptr, amx,
+      product_rows(w, xn, xp, live, r0, r1, tiles + tid * 4 * h, gemm_w ? gemm_w + tid * w_floats : nullptr,
+                   gemm_c ? gemm_c + tid * c_floats : nullptr, amx,
                    [&](int64_t b, int64_t r, float v) { logits[b * vocab + r] = v; }, ints);
       for (int64_t b = 0; b < live; ++b) {          // the chunk's max, first index of it, and sum of exps
         const float* l = logits + b * vocab;
