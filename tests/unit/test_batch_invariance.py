@@ -125,6 +125,8 @@ def test_a_sequence_gives_the_same_bits_in_any_step(invariant, cache, weights):
     for chunks, batch, beside in [([16, 30, 24], 1, 0),                      # chunks of other sizes, alone
                                   ([5, 17], 64, 0),                           # short chunks, then decode among 63
                                   ([], 3, 0),                                  # every token decoded, among 2
+                                  ([40], 1, 0),                               # decoded alone, one row a step
+                                  ([20], 2, 0),                               # decoded beside one other row
                                   ([PROMPT], 40, 25)]:                         # packed after 25 rows of others
         got, got_kv = prompt_in_steps(steps, chunks, batch, beside)
         np.testing.assert_array_equal(got, want, err_msg=f"chunks {chunks}, {batch} rows a step")

@@ -1056,6 +1056,24 @@ struct Matrix {
 
   template <int32_t T>
   void dequantize_blocks(const uint8_t* row, float* dst) const {
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__F16C__)
+    if constexpr (T == kQ8_0 || T == kF16) {        // AVX2: 8 floats at a time straight into dst, the values
+      for (int64_t e = 0; e < k; e += 32, row += block_bytes<T>(), dst += 32) {   // decode_block's (through
+        prefetch_ahead(row + kAheadRows * row_bytes);                           // v16s they spilled: a 1-row
+        if constexpr (T == kQ8_0) {                                             // Q8_0 layer ran 3.7x slower)
+          const __m256 d = _mm256_set1_ps(half_to_float(row));
+          for (int j = 0; j < 4; ++j) {
+            const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 2 + 8 * j));
+            _mm256_storeu_ps(dst + 8 * j, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d));
+          }
+        } else {
+          for (int j = 0; j < 4; ++j)
+            _mm256_storeu_ps(dst + 8 * j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * j))));
+        }
+      }
+      return;
+    }
+#endif
     for (int64_t e = 0; e < k; e += 32, row += block_bytes<T>(), dst += 32) {
       v16 lo, hi;
       prefetch_ahead(row + kAheadRows * row_bytes);
