@@ -1,6 +1,7 @@
 """model_config.batch_invariant through the real server: one greedy request's tokens and log-probabilities are the
 same to the bit alone, among 40 others at once, and on another server whose KV cache is too small for the load
-(preemption and recompute), whose prompts go in 16-token chunks and whose n-gram speculation is off. The kernel
+(preemption and recompute), whose prompts go in 16-token chunks and whose n-gram speculation is off; there every
+one of the 41 requests gets the bits it got on the first server. The kernel
 side (every step kind, cache type and weight type) is tests/unit/test_batch_invariance.py's."""
 import asyncio
 
@@ -43,3 +44,4 @@ def test_a_greedy_requests_bits_do_not_depend_on_what_else_runs(tmp_path):
     assert leftovers(server) == []
     assert preemptions > 10
     assert tight[20] == alone
+    assert tight == crowd                           # every one of the 41, not only the probe
