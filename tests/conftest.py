@@ -1,7 +1,9 @@
 import os
+import re
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,6 +39,25 @@ FLOAT16_CACHE_LOGPROB_ATOL = 5e-3
 SESSION_TAG = f"t{os.getpid()}"
 os.environ["LLM_SERVING_SHM_TAG"] = SESSION_TAG
 os.environ["LLM_SERVING_TEST_SESSION"] = SESSION_TAG
+
+
+def _sweep_earlier_sessions() -> None:
+    """The segments of earlier test processes killed together with their servers (a suite stopped by a kill of its
+    process group): no later start sweeps them, since each test process has a tag of its own, so a test process
+    sweeps those of every tag t<pid> whose test process is gone (and, as every sweep, only of masters gone too)."""
+    from llm_serving.shm.sweep import SHM_DIR, sweep_stale_segments
+
+    try:
+        names = os.listdir(SHM_DIR)
+    except FileNotFoundError:
+        return
+    tags = {m.group(1) for m in (re.match(r"llmsrv_(t[0-9]+)_p", n) for n in names) if m}
+    for tag in tags - {SESSION_TAG}:
+        if not psutil.pid_exists(int(tag[1:])):
+            sweep_stale_segments(tag=tag)
+
+
+_sweep_earlier_sessions()
 
 
 def restricted_file(name: str) -> Path:

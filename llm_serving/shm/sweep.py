@@ -50,14 +50,15 @@ def owner_alive(pid: int, made_at: float) -> bool:
         return True
 
 
-def stale_segments(shm_dir: str = SHM_DIR) -> dict:
-    """{dead owner pid: [segment names]} of this user's segments, of this process's tag, whose master is gone."""
+def stale_segments(shm_dir: str = SHM_DIR, tag: str | None = None) -> dict:
+    """{dead owner pid: [segment names]} of this user's segments, of this process's tag (or `tag`), whose master is
+    gone."""
     stale = defaultdict(list)
     try:
         names = os.listdir(shm_dir)
     except FileNotFoundError:
         return {}
-    uid, namespace, tag = os.getuid(), pid_namespace(), segment_tag()
+    uid, namespace, tag = os.getuid(), pid_namespace(), segment_tag() if tag is None else tag
     for name in sorted(names):
         owner = segment_owner(name, tag)
         if owner is None or owner[1] != namespace:
@@ -74,10 +75,10 @@ def stale_segments(shm_dir: str = SHM_DIR) -> dict:
     return dict(stale)
 
 
-def sweep_stale_segments(shm_dir: str = SHM_DIR) -> list:
+def sweep_stale_segments(shm_dir: str = SHM_DIR, tag: str | None = None) -> list:
     """Unlink the segments stale_segments finds, logging each dead master's; returns the names removed."""
     removed = []
-    for pid, names in stale_segments(shm_dir).items():
+    for pid, names in stale_segments(shm_dir, tag).items():
         gone = []
         for name in names:
             try:

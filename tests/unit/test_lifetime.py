@@ -154,6 +154,11 @@ def test_the_sweep_removes_dead_masters_segments_and_keeps_the_rest(tmp_path):
     assert sorted(sweep_stale_segments(str(tmp_path))) == sorted(names["dead"])
     assert sorted(os.listdir(tmp_path)) == sorted(names["live"] + names["other"])
     assert sweep_stale_segments(str(tmp_path)) == []
+    # asked for another tag by name (the tests' sweep of earlier test processes): that tag's dead masters only
+    other_tag = f"x{SESSION_TAG}"
+    assert sweep_stale_segments(str(tmp_path), tag=other_tag) == [
+        f"llmsrv_{other_tag}_p{dead}n{ns}_00112233aabb_input_ids"]
+    assert sweep_stale_segments(str(tmp_path), tag="") == [f"llmsrv_p{dead}n{ns}_00112233aabb_input_ids"]
 
 
 def test_the_sweep_of_dev_shm_unlinks_a_real_segment_of_a_dead_master():
