@@ -1355,15 +1355,14 @@ __attribute__((noinline)) float dot_finish(const float* lanes, const float* w, c
   return v;
 }
 
-// For weight rows [r0, r1) of w and every row b of x (m rows of w.k): emit(b, r, w[r] . x[b]), each the float
-// matvec gives. wbuf: dot_w_floats(k), lanes: dot_lane_floats(), the calling thread's.
+// For weight rows [r0, r1) of w and every row b of x (m rows of w.k): emit(b, r, w[r] . x[b]), each the same
+// float whatever m and [r0, r1). wbuf: dot_w_floats(k), lanes: dot_lane_floats(), the calling thread's.
 template <typename Emit>
 void dot_gemm(const Matrix& w, const float* x, int64_t m, int64_t r0, int64_t r1, float* wbuf, float* lanes,
               Emit emit) {
   const int64_t k = w.k, k16 = k / 16 * 16;
-    const int64_t group = kDotGroup;
-  for (int64_t g0 = r0; g0 < r1; g0 += group) {
-    const int64_t n = std::min(group, r1 - g0);
+  for (int64_t g0 = r0; g0 < r1; g0 += kDotGroup) {
+    const int64_t n = std::min(kDotGroup, r1 - g0);
     const float* wg = reinterpret_cast<const float*>(w.data) + g0 * k;
     if (w.type != kF32) {
       for (int64_t i = 0; i < n; ++i) w.dequantize_row(w.data + (g0 + i) * w.row_bytes, wbuf + i * k);
@@ -1726,7 +1725,7 @@ void gemm_units(const Matrix* const* ws, int parts, int64_t u0, int64_t u1, cons
 
 // Rows [r0, r1) of w times every row of x (batch rows of w.k): emit(b, r, w[r] . x[b]). With xp (x packed,
 // batch >= gemm_rows(...)) through gemm_units; without, dot_gemm when given its buffers (wbuf and c: a
-// batch-invariant step of many rows), else matvec with tile (the same sums as dot_gemm's).
+// batch-invariant step), else matvec with tile.
 template <typename Emit>
 void product_rows(const Matrix& w, const float* x, const float* xp, int64_t batch, int64_t r0, int64_t r1, float* tile,
                   float* wbuf, float* c, bool amx, Emit emit, int ints = kNoInt) {
@@ -2044,13 +2043,12 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
   const bool batched = !invariant && rows >= (all_int ? kIntGemmRows : gemm_rows(amx, float32));
   if (!batched) int_qkv = int_o = int_gate_up = int_down = kNoInt;
   float* xp = batched ? sized_aligned(s.packed, gemm_x_floats(rows, kmax, amx)) : nullptr;
-  // a batch-invariant step of many rows: dot_gemm's buffers (per thread: a group of weight rows, the lane sums)
-  const bool dotted = invariant;
+  // a batch-invariant step: dot_gemm's buffers instead (per thread: a group of weight rows, the lane sums)
   float* gemm_w = batched ? sized_aligned(s.gemm_w, threads * gemm_w_floats(kmax, amx))
-                  : dotted ? sized_aligned(s.gemm_w, threads * dot_w_floats(kmax)) : nullptr;
+                  : invariant ? sized_aligned(s.gemm_w, threads * dot_w_floats(kmax)) : nullptr;
   float* gemm_c = batched ? sized_aligned(s.gemm_c, threads * gemm_c_floats(rows, amx))
-                  : dotted ? sized_aligned(s.gemm_c, threads * dot_lane_floats()) : nullptr;
-  const int64_t dot_align = dotted ? kDotGroup : 4;     // the chunks of a product's rows
+                  : invariant ? sized_aligned(s.gemm_c, threads * dot_lane_floats()) : nullptr;
+  const int64_t dot_align = invariant ? kDotGroup : 4;     // the chunks of a product's rows
   float* silu = batched ? Scratch::sized(s.silu, threads * rows) : nullptr;
   // the computed rows that have a LoRA adapter, sorted by slot; thread t takes a contiguous share of them, so
   // that each slot's matrices are read once per thread and product however many rows use it
@@ -2112,8 +2110,8 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
   p.run([&](int tid, int nthreads) {
     float* xn = normed + tid * rows * std::max(h, d);
     float* tile = tiles + tid * 8 * kmax;
-    float* wbuf = batched ? gemm_w + tid * gemm_w_floats(kmax, amx) : dotted ? gemm_w + tid * dot_w_floats(kmax) : nullptr;
-    float* cbuf = batched ? gemm_c + tid * gemm_c_floats(rows, amx) : dotted ? gemm_c + tid * dot_lane_floats() : nullptr;
+    float* wbuf = batched ? gemm_w + tid * gemm_w_floats(kmax, amx) : invariant ? gemm_w + tid * dot_w_floats(kmax) : nullptr;
+    float* cbuf = batched ? gemm_c + tid * gemm_c_floats(rows, amx) : invariant ? gemm_c + tid * dot_lane_floats() : nullptr;
     float* silu_row = batched ? silu + tid * rows : nullptr;
     // batched: the product's x packed into xp by all threads (a barrier after), then read by every chunk
     auto packed = [&](int which, const float* in, int64_t k_in, int integer) -> const float* {
@@ -2242,7 +2240,7 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
           }
         }, int_gate_up);
       }, gemm_group(h, amx) / 2);
-    } else if (dotted) {                            // gate's sums into act, then up's make them silu(gate) * up
+    } else if (invariant) {                         // gate's sums into act, then up's make them silu(gate) * up
       claim_rows(next_unit, inter, nthreads, [&](int64_t r0, int64_t r1) {
         product_rows(gate_w, xn, nullptr, rows, r0, r1, tile, wbuf, cbuf, amx,
                      [&](int64_t b, int64_t j, float v) { act[b * inter + j] = v; });
@@ -2349,11 +2347,10 @@ extern "C" int FinalLogits(int nparam, void** params, int* ndims, int64_t** shap
   const bool amx = amx_enabled();
   const Matrix* lm_part[1] = {&w};
   const int lm_ints = integer_product(lm_part, 1, int_enabled(amx));
-  const bool batched = !invariant_enabled() && live >= (lm_ints != kNoInt ? kIntGemmRows : gemm_rows(amx, w.type == kF32));
-  // batch-invariant: chunks of the vocabulary of one size whatever the rows (a row's log-probability sums its
-  // chunks' parts in order), dot_gemm from kDotGemmRows rows
+  // batch-invariant: dot_gemm, and chunks of the vocabulary of one size whatever the rows (a row's
+  // log-probability sums its chunks' parts in order)
   const bool invariant = invariant_enabled();
-  const bool dotted = !batched && invariant;
+  const bool batched = !invariant && live >= (lm_ints != kNoInt ? kIntGemmRows : gemm_rows(amx, w.type == kF32));
   const int64_t align = batched ? gemm_group(h, amx) : invariant ? kDotGroup : 4;
   const int ints = batched ? lm_ints : kNoInt;
   const int64_t chunk = chunk_rows(vocab, p.threads(), align), chunks = (vocab + chunk - 1) / chunk;
@@ -2362,8 +2359,8 @@ extern "C" int FinalLogits(int nparam, void** params, int* ndims, int64_t** shap
   float* xp = batched ? sized_aligned(s.packed, gemm_x_floats(live, h, amx)) : nullptr;
   const int64_t w_floats = batched ? gemm_w_floats(h, amx) : dot_w_floats(h);
   const int64_t c_floats = batched ? gemm_c_floats(live, amx) : dot_lane_floats();
-  float* gemm_w = batched || dotted ? sized_aligned(s.gemm_w, p.threads() * w_floats) : nullptr;
-  float* gemm_c = batched || dotted ? sized_aligned(s.gemm_c, p.threads() * c_floats) : nullptr;
+  float* gemm_w = batched || invariant ? sized_aligned(s.gemm_w, p.threads() * w_floats) : nullptr;
+  float* gemm_c = batched || invariant ? sized_aligned(s.gemm_c, p.threads() * c_floats) : nullptr;
   Barrier barrier(p.threads());
   std::atomic<int64_t> next_vocab{0}, next_pack{0};
   p.run([&](int tid, int nthreads) {
