@@ -105,12 +105,13 @@ class ModelConfig:
                                               # on a float32 copy of every matrix
     keep_quantized: bool = True               # the CPU kernels read a GGUF's quantized and F16 matrices as stored
                                               # (fewer bytes per step); False = a float32 copy
-    batch_invariant: bool = False             # true = the layer kernel's steps are batch-invariant: a request's
-                                              # tokens and log-probabilities are the same to the bit whatever else
-                                              # runs (other rows, chunking, preemption, speculation); one product
-                                              # path for every batch, slower (docs/BENCHMARKS.md). Needs the layer
-                                              # kernel on every step (layer_kernel not off, layer_kernel_max_tokens
-                                              # null, one agent per model: no tensor parallelism)
+    batch_invariant: Union[bool, str] = "auto"   # the layer kernel's steps batch-invariant: a request's tokens
+                                              # and log-probabilities the same to the bit whatever else runs (other
+                                              # rows, chunking, preemption, speculation). 'auto' (the default) = on
+                                              # where the layer kernel serves every step (a CPU agent without
+                                              # tensor parallelism, layer_kernel not off, layer_kernel_max_tokens
+                                              # null), off elsewhere; true = on, or a start error where it cannot
+                                              # be; false = each batch size's fastest products (docs/BENCHMARKS.md)
     all_reduce: str = "auto"                  # tensor parallelism's all-reduce: 'shm' (CPU shared memory),
                                               # 'mindspore' (MindSpore's: HCCL on Ascend), 'auto' = by device
     model_dtype: str = "float32"
@@ -148,10 +149,10 @@ class ModelConfig:
             _check_int("model_config.layer_kernel_max_tokens", self.layer_kernel_max_tokens)
         _check(isinstance(self.keep_quantized, bool), "model_config.keep_quantized", self.keep_quantized,
                "must be true or false")
-        _check(isinstance(self.batch_invariant, bool), "model_config.batch_invariant", self.batch_invariant,
-               "must be true or false")
-        _check(not self.batch_invariant or (self.layer_kernel != "off" and self.attention_kernel != "off"
-                                            and self.layer_kernel_max_tokens is None),
+        _check(isinstance(self.batch_invariant, bool) or self.batch_invariant == "auto",
+               "model_config.batch_invariant", self.batch_invariant, "must be true, false or 'auto'")
+        _check(self.batch_invariant is not True or (self.layer_kernel != "off" and self.attention_kernel != "off"
+                                                    and self.layer_kernel_max_tokens is None),
                "model_config.batch_invariant", self.batch_invariant,
                "needs the CPU layer kernel on every step: layer_kernel and attention_kernel not off, "
                "layer_kernel_max_tokens null")

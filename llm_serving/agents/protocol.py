@@ -264,6 +264,7 @@ class ConnectReply(Reply):
     scores_prompts: bool = True     # prefill steps may score prompt tokens (packed prefill: the CPU kernel path)
     decode_steps: int = 1           # steps a decode run may have (1: the agent runs no decode runs)
     decode_run_rows: int = 0        # the most rows a decode run may have
+    batch_invariant: bool = False   # its steps are batch-invariant (model_config.batch_invariant, as it resolved)
 
 
 @dataclass(frozen=True)

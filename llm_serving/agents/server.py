@@ -214,7 +214,8 @@ class AgentServer:
                                   token_trees=self.worker.runner.buckets.packed,
                                   scores_prompts=self.worker.runner.buckets.packed,
                                   decode_steps=self.worker.runner.decode_run_steps,
-                                  decode_run_rows=self.worker.runner.decode_run_max_rows())
+                                  decode_run_rows=self.worker.runner.decode_run_max_rows(),
+                                  batch_invariant=self.worker.runner.batch_invariant)
 
     def on_step(self, msg: proto.Step, frame, conn) -> proto.StepReply:
         model_s = self.worker.step(msg.kind, msg.num_rows, msg.max_query_len, msg.steps)

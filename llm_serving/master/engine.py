@@ -149,9 +149,9 @@ class Engine:
         self._loop_task = asyncio.create_task(self._step_loop(), name="engine-step-loop")
         self._loop_task.add_done_callback(self._step_loop_ended)
         logger.info("engine ready in %.1f s: %d agent(s), %d KV blocks of %d tokens, max %d tokens per request; "
-                    "chat template: %s", time.perf_counter() - t0, len(self.agents.agents),
+                    "batch-invariant steps: %s; chat template: %s", time.perf_counter() - t0, len(self.agents.agents),
                     self.block_manager.num_blocks, self.block_manager.block_size, self.max_model_len,
-                    self.chat_template.source)
+                    "on" if self.batch_invariant else "off", self.chat_template.source)
 
     async def stop(self) -> None:
         """Stop the step loop, abort what is still in flight, stop the agents."""
@@ -218,6 +218,12 @@ class Engine:
     def draft_agent_info(self) -> list:
         """The draft model's agent (spec_config.method draft), as agent_info; [] without one."""
         return self.drafter.describe() if self.drafter is not None else []
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether the agents' steps are batch-invariant (model_config.batch_invariant as it resolved there)."""
+        agents = self.agents.agents
+        return bool(agents) and all(a.info is not None and a.info.batch_invariant for a in agents)
 
     @property
     def tensor_parallel(self) -> dict:

@@ -117,6 +117,7 @@ class LayerKernelConfig:
 
     block_size: int
     threads: int
+    batch_invariant: bool = False        # every call batch-invariant (model_config.batch_invariant as resolved)
 
 
 @dataclass
@@ -132,7 +133,7 @@ class KernelInputs:
     gains: dict             # "input_gain", "post_gain" -> (H,): 1 where folded into the float32 matrix
     lora: dict              # "lora_qkv_a", "lora_qkv_b", ... -> the stacks' kernel arrays themselves, or (without
                             # adapter slots) one all-zero slot of rank 1, which the kernel skips
-    iconfig: np.ndarray     # (11,) int32 [block_size, NH, KVH, threads, *types]
+    iconfig: np.ndarray     # (12,) int32 [block_size, NH, KVH, threads, *types, batch-invariant (1 or 0)]
     fconfig: np.ndarray     # (1,) float32 [rms_norm_eps]
 
 
@@ -234,7 +235,7 @@ def _kernel_inputs(layer: LayerWeights, w: dict, p: str, stored: dict, gain: dic
         lora = {f"lora_{key}_{ab}": np.zeros(shape, np.float32)
                 for key, (a, b) in shapes.items() for ab, shape in (("a", a), ("b", b))}
     qkv_bias = layer.qkv_bias if layer.qkv_bias is not None else np.zeros(nqkv, np.float32)
-    iconfig = np.array([config.block_size, nh, kvh, config.threads, *types], np.int32)
+    iconfig = np.array([config.block_size, nh, kvh, config.threads, *types, int(config.batch_invariant)], np.int32)
     return KernelInputs(matrices=matrices, types=tuple(types), qkv_bias=qkv_bias, gains=gains, lora=lora,
                         iconfig=iconfig, fconfig=np.array([eps], np.float32))
 
@@ -247,15 +248,15 @@ class HeadWeights:
     kernel_lm_head: Optional[np.ndarray] = None  # FinalLogits': the same array, or the stored rows (uint8)
     kernel_gain: Optional[np.ndarray] = None     # (H,): 1 where folded
     kernel_type: int = 0                         # the GGML type code FinalLogits reads (0: float32)
-    iconfig: Optional[np.ndarray] = None         # (2,) int32 [threads, lm_head type]
+    iconfig: Optional[np.ndarray] = None         # (3,) int32 [threads, lm_head type, batch-invariant (1 or 0)]
     fconfig: Optional[np.ndarray] = None         # (1,) float32 [rms_norm_eps]
 
 
 def prepare_head(cfg: LlamaConfig, weights: dict, *, kernel_threads: Optional[int] = None,
-                 quantized: Optional[dict] = None) -> HeadWeights:
+                 quantized: Optional[dict] = None, batch_invariant: bool = False) -> HeadWeights:
     """The lm_head with the final norm's gain folded in (None when `weights` has no float32 lm_head: the kernel
     reads it as stored on every step), and FinalLogits' inputs when `kernel_threads` is given (the stored rows
-    where `quantized` has the lm_head, the gain then beside them)."""
+    where `quantized` has the lm_head, the gain then beside them; batch_invariant: every call's)."""
     lm_head = (weights["lm_head.weight"] * weights["model.norm.weight"][None, :]                # (V, H)
                if "lm_head.weight" in weights else None)
     head = HeadWeights(lm_head=lm_head)
@@ -268,6 +269,6 @@ def prepare_head(cfg: LlamaConfig, weights: dict, *, kernel_threads: Optional[in
             head.kernel_lm_head, head.kernel_gain = lm_head, np.ones(cfg.hidden_size, np.float32)
         else:
             (head.kernel_lm_head, head.kernel_type), head.kernel_gain = kept, weights["model.norm.weight"]
-        head.iconfig = np.array([kernel_threads, head.kernel_type], np.int32)
+        head.iconfig = np.array([kernel_threads, head.kernel_type, int(batch_invariant)], np.int32)
         head.fconfig = np.array([cfg.rms_norm_eps], np.float32)
     return head

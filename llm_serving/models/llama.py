@@ -88,7 +88,8 @@ class LlamaDecoderLayer(nn.Cell):
     def __init__(self, cfg: LlamaConfig, w: dict, i: int, num_slots: int, device_target: str, block_size: int,
                  decode_kernel: Optional[str], kernel_threads: int, tp: TensorParallel, all_reduce,
                  layer_kernel: Optional[str] = None, quantized: Optional[dict] = None, lora_slots: int = 0,
-                 lora_rank: int = 0, ops_graphs: bool = True, kv_cache_dtype: str = "float16"):
+                 lora_rank: int = 0, ops_graphs: bool = True, kv_cache_dtype: str = "float16",
+                 batch_invariant: bool = False):
         super().__init__()
         world = tp.world
         # this rank's heads and MLP units (all of them when world == 1): `w` holds only this rank's part of
@@ -96,7 +97,8 @@ class LlamaDecoderLayer(nn.Cell):
         self.nh, self.kvh, self.d = cfg.num_heads // world, cfg.num_kv_heads // world, cfg.head_dim
         self.inter = cfg.intermediate_size // world
         self.eps = cfg.rms_norm_eps
-        kernel = LayerKernelConfig(block_size, kernel_threads) if layer_kernel is not None else None
+        kernel = (LayerKernelConfig(block_size, kernel_threads, batch_invariant) if layer_kernel is not None
+                  else None)
         prepared = prepare_layer(cfg, w, i, tp=tp, kernel=kernel, quantized=quantized, lora_slots=lora_slots,
                                  lora_rank=lora_rank, ops_graphs=ops_graphs)
         # the float32 products of MindSpore's ops (construct), only where some step runs them (ops_graphs: no layer
@@ -156,7 +158,7 @@ class LlamaDecoderLayer(nn.Cell):
         for name, array in k.lora.items():
             setattr(self, f"kernel_{name}", _lora_param(array, f"layers.{i}.kernel_{name}"))
         self.kernel_types = k.types           # GGML type codes of q, k, v, o, gate, up, down (0: float32)
-        self.kernel_iconfig = Tensor(k.iconfig)                                       # (11,) int32
+        self.kernel_iconfig = Tensor(k.iconfig)                                       # (12,) int32
         self.kernel_fconfig = Tensor(k.fconfig)                                       # (1,) float32 [eps]
         # the same objects in the kernel's order, which `fused` passes after the step's inputs
         self.kernel_held = DECODER_LAYER.held(
@@ -247,9 +249,11 @@ class LlamaForCausalLM(nn.Cell):
                  kernel_threads: int = 1, tp: TensorParallel = TensorParallel(), all_reduce=None,
                  layer_kernel: Optional[str] = None, layer_kernel_rows: Optional[int] = 0,
                  quantized: Optional[dict] = None, lora_slots: int = 0, lora_rank: int = 0,
-                 kv_cache_dtype: str = "float16"):
+                 kv_cache_dtype: str = "float16", batch_invariant: bool = False):
         super().__init__()
         tp.check(cfg)
+        if batch_invariant and (layer_kernel is None or layer_kernel_rows is not None):
+            raise ValueError("LlamaForCausalLM: batch-invariant steps need the layer kernel on every step")
         if layer_kernel is not None and (tp.world > 1 or device_target != "CPU"):
             raise ValueError("LlamaForCausalLM: the CPU layer kernel serves one CPU agent (no tensor parallelism)")
         if (tp.world > 1) != (all_reduce is not None):
@@ -286,13 +290,14 @@ class LlamaForCausalLM(nn.Cell):
         self.layers = nn.CellList([LlamaDecoderLayer(cfg, weights, i, num_slots, device_target, block_size,
                                                      decode_kernel, kernel_threads, tp, all_reduce,
                                                      layer_kernel, quantized, lora_slots, lora_rank,
-                                                     ops_graphs=not kernel_only, kv_cache_dtype=kv_cache_dtype)
+                                                     ops_graphs=not kernel_only, kv_cache_dtype=kv_cache_dtype,
+                                                     batch_invariant=batch_invariant)
                                    for i in range(cfg.num_layers)])
         self.layer_kernel_rows = (0 if layer_kernel is None else KERNEL_ONLY_ROWS if kernel_only
                                   else layer_kernel_rows)
         if self.writes_outputs:                    # (the logits' tensors are loaded on rank 0 only)
             head = prepare_head(cfg, weights, kernel_threads=kernel_threads if layer_kernel is not None else None,
-                                quantized=quantized)
+                                quantized=quantized, batch_invariant=batch_invariant)
             self.lm_head = None if head.lm_head is None else _param(head.lm_head, "lm_head")   # (V, H)
             if layer_kernel is not None:
                 self.final_logits = ops.Custom(f"{layer_kernel}:FinalLogits",
@@ -306,7 +311,7 @@ class LlamaForCausalLM(nn.Cell):
                     self.kernel_lm_head = _stored_param(head.kernel_lm_head, "lm_head_stored")
                 self.kernel_norm_gain = _param(head.kernel_gain, "kernel_final_norm_gain")         # (H,)
                 self.kernel_lm_type = head.kernel_type
-                self.logits_icfg = Tensor(head.iconfig)                                      # (2,) int32
+                self.logits_icfg = Tensor(head.iconfig)                                      # (3,) int32
                 self.logits_fcfg = Tensor(head.fconfig)                                      # (1,) float32
                 self.logits_held = FINAL_LOGITS.held(lm_head=self.kernel_lm_head, gain=self.kernel_norm_gain,
                                                      iconfig=self.logits_icfg, fconfig=self.logits_fcfg)

@@ -19,7 +19,6 @@ one C++ kernel on the weights as the checkpoint stores them (kernels/decoder_lay
 from __future__ import annotations
 
 import bisect
-import ctypes
 import logging
 import os
 import time
@@ -174,13 +173,14 @@ class ModelRunner:
                              "layer_kernel_max_tokens set, tensor parallelism, or Ascend): MindSpore's CPU "
                              "ScatterUpdate has no bfloat16, and its ops do not read an int8 cache's scales; use "
                              "float16 (the default) or float32")
-        if spec.batch_invariant:
-            if not self.kernel_serves_all:
-                raise ValueError("model_config.batch_invariant needs the CPU layer kernel on every step (a CPU agent "
-                                 "without tensor parallelism, layer_kernel not off and built, "
-                                 "layer_kernel_max_tokens null): MindSpore's op-by-op graphs pick their products "
-                                 "by shape")
-            ctypes.CDLL(self.layer_kernel).KernelInvariant(1)    # the library MindSpore's Custom ops load
+        # batch invariance: 'auto' where the layer kernel serves every step (MindSpore's op-by-op graphs pick
+        # their products by shape); the kernels' iconfig carries it into every call
+        if spec.batch_invariant is True and not self.kernel_serves_all:
+            raise ValueError("model_config.batch_invariant=true needs the CPU layer kernel on every step (a CPU "
+                             "agent without tensor parallelism, layer_kernel not off and built, "
+                             "layer_kernel_max_tokens null): MindSpore's op-by-op graphs pick their products by "
+                             "shape; leave it 'auto' to have it wherever it can be")
+        self.batch_invariant = self.kernel_serves_all and spec.batch_invariant is not False
         # decode runs (_execute_decode_run): K greedy steps in one graph, for batches of up to decode_run_rows
         # (None: every batch the layer kernel takes)
         if decode_run_rows is None:
@@ -286,7 +286,7 @@ class ModelRunner:
                                       tp=self.tp, all_reduce=self.all_reduce, layer_kernel=self.layer_kernel,
                                       layer_kernel_rows=self.spec.layer_kernel_rows, quantized=quantized,
                                       lora_slots=self.lora_slots, lora_rank=self.lora_rank,
-                                      kv_cache_dtype=self.spec.kv_cache_dtype)
+                                      kv_cache_dtype=self.spec.kv_cache_dtype, batch_invariant=self.batch_invariant)
         self.decode_run = DecodeRun(self.model, self.decode_run_steps) if self.decode_run_steps > 1 else None
         self.sampler = Sampler(cfg.vocab_size, filters=True)          # some sampling row uses top-k/top-p
         # temperature only: the layer kernel library's SampleLogits where there is one (MindSpore's graph of it keeps

@@ -3,7 +3,7 @@ in one frozen object; `RunnerSpec.from_config` is the one place the config maps 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 KERNEL_ONLY_ROWS = 1 << 30      # the layer kernel's row limit when it runs every step (layer_kernel_rows None)
 
@@ -50,7 +50,7 @@ class RunnerSpec:
     lora_slots: int = 0
     lora_rank: int = 16
     kv_cache_dtype: str = "float16"
-    batch_invariant: bool = False
+    batch_invariant: Union[bool, str] = "auto"
 
     def __post_init__(self) -> None:
         from llm_serving.config import KV_CACHE_VALUE_BYTES

@@ -127,6 +127,7 @@ async def model_info(request: web.Request) -> web.Response:
                               "device_target": mc.device_target, "vocab_size": engine.tokenizer.vocab_size,
                               "tensor_parallel_size": tp["size"], "tensor_parallel_all_reduce": tp["all_reduce"],
                               "kv_cache_dtype": engine.config.kv_cache_dtype,
+                              "batch_invariant": engine.batch_invariant,
                               "kv_cache_blocks": engine.config.pa_config.num_blocks,
                               "kv_block_size": engine.config.pa_config.block_size,
                               "model_path": engine.model_path, "tokenizer_path": engine.tokenizer.model_file})

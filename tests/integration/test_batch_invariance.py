@@ -1,5 +1,6 @@
-"""model_config.batch_invariant through the real server: one greedy request's tokens and log-probabilities are the
-same to the bit alone, among 40 others at once, and on another server whose KV cache is too small for the load
+"""model_config.batch_invariant through the real server, as it starts by default ('auto': on, where the CPU layer
+kernel serves every step): one greedy request's tokens and log-probabilities are the same to the bit alone, among
+40 others at once, and on another server whose KV cache is too small for the load
 (preemption and recompute), whose prompts go in 16-token chunks and whose n-gram speculation is off; there every
 one of the 41 requests gets the bits it got on the first server. Seeded sampling likewise, alone or among
 others. The kernel
@@ -32,7 +33,8 @@ async def _stream_all(url, prompts, sampling=None):
 
 
 def test_a_greedy_requests_bits_do_not_depend_on_what_else_runs(tmp_path):
-    with serve(tmp_path, "invariant", "model_config.batch_invariant=true") as server:
+    with serve(tmp_path, "invariant") as server:
+        assert http("GET", server.url + "/info")[1]["batch_invariant"] is True
         alone = asyncio.run(_stream_all(server.url, [PROBE]))[0]
         crowd = asyncio.run(_stream_all(server.url, workload()[:20] + [PROBE] + workload()[20:40]))
         # seeded sampling too: the probe sampled alone, and among the others (some of them sampled as well)
@@ -44,7 +46,7 @@ def test_a_greedy_requests_bits_do_not_depend_on_what_else_runs(tmp_path):
     assert seeded_crowd[20] == seeded_alone and seeded_alone != alone
     assert leftovers(server) == []
     # 24 blocks of 8 tokens for 41 requests: constant preemption; prompts in chunks of 16; no speculation
-    with serve(tmp_path, "invariant-tight", "model_config.batch_invariant=true", "pa_config.num_blocks=24",
+    with serve(tmp_path, "invariant-tight", "pa_config.num_blocks=24",
                "pa_config.block_size=8", "model_config.max_generate_length=128",
                "scheduler_config.enable_prefix_caching=false", "scheduler_config.kv_watermark=0",
                "scheduler_config.chunked_prefill=true", "scheduler_config.max_chunk_tokens=16",

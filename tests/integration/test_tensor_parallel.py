@@ -70,6 +70,7 @@ def _greedy_texts(url: str, prompts: list, max_new_tokens: int) -> list:
 def test_two_ranks_serve_the_reference_greedy_text(tp_server, stories_dir):
     status, info = http("GET", tp_server.url + "/info")
     assert status == 200 and info["tensor_parallel_size"] == 2
+    assert info["batch_invariant"] is False         # 'auto': MindSpore's op-by-op layers under tensor parallelism
     status, health = http("GET", tp_server.url + "/health")
     assert [a["rank"] for a in health["agents"]] == [0, 1]
     assert_greedy_reference(tp_server.url, "hf", stories_dir)

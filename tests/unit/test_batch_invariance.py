@@ -31,9 +31,9 @@ class Steps:
     """One layer (weights, caches) and a way to run a step of any rows: a row is (x, position, key index, context,
     tree bits, block table); its slot is its table's entry for the key index."""
 
-    def __init__(self, rng, cache, weights, threads=2):
+    def __init__(self, rng, cache, weights, threads=2, inter=256):
         hidden = 256
-        self.layer = Layer(rng, hidden=hidden, heads=8, kv_heads=2, head_dim=64, inter=256, batch=1, block_size=16,
+        self.layer = Layer(rng, hidden=hidden, heads=8, kv_heads=2, head_dim=64, inter=inter, batch=1, block_size=16,
                            num_blocks=120, width=8, cache_dtype=cache)
         if weights is not None:
             self.layer.quantize(weights, rng)
@@ -43,6 +43,7 @@ class Steps:
         self.noise_tables = blocks[8:].reshape(-1, 8)[:13]       # 13 other sequences' (random keys: the cache)
         self.xs = (rng.standard_normal((PROMPT + 8, hidden)) * 0.5).astype(np.float32)
         self.rng, self.threads = rng, threads
+        self.call_invariant = None          # the calls' own iconfig entry (None: the process's setting)
 
     def reset(self):
         self.layer.key_cache[...] = self.fresh[0]
@@ -70,7 +71,7 @@ class Steps:
         layer.tables = np.ascontiguousarray(np.stack([r[5] for r in rows]).astype(np.int32))
         layer.slots = (layer.tables[np.arange(len(rows)), keys // bs] * bs + keys % bs).astype(np.int32)
         layer.lora = np.zeros(len(rows), np.int32)
-        arrays = layer.arrays(self.threads)
+        arrays = layer.arrays(self.threads, invariant=self.call_invariant)
         assert invoke(self.library.DecoderLayer, arrays) == 0
         return arrays[-1]
 
@@ -134,6 +135,20 @@ def test_a_sequence_gives_the_same_bits_in_any_step(invariant, cache, weights):
             np.testing.assert_array_equal(g, w, err_msg=f"K/V, chunks {chunks}, {batch} rows a step")
 
 
+def test_a_width_not_a_multiple_of_16_gives_the_same_bits(invariant):
+    """Float32 weights with 200 MLP units: the down product's rows are 200 wide, 12 whole vectors of 16 and 8
+    columns after them, which the many-row products (lane_gemm) and the few-row ones (dot_gemm) both sum last."""
+    steps = Steps(np.random.default_rng(5), "float16", None, inter=200)
+    steps.library = invariant
+    invariant.KernelInvariant(1)
+    want, want_kv = prompt_in_steps(steps, [PROMPT])
+    for chunks, batch in [([], 1), ([16, 54], 20)]:
+        got, got_kv = prompt_in_steps(steps, chunks, batch)
+        np.testing.assert_array_equal(got, want, err_msg=f"chunks {chunks}, {batch} rows a step")
+        for g, w in zip(got_kv, want_kv):
+            np.testing.assert_array_equal(g, w)
+
+
 @pytest.mark.parametrize("cache", ["float16", "int8"])
 def test_a_token_trees_rows_are_the_decode_of_their_branch(invariant, cache):
     """A verify step of a tree over the sequence's first 40 tokens: a (key 40), its sibling b (key 41, a hidden)
@@ -157,10 +172,10 @@ def test_a_token_trees_rows_are_the_decode_of_their_branch(invariant, cache):
     np.testing.assert_array_equal(tree[0], steps.run(steps.noise(3) + [steps.row(a, position=40, key=40)])[3])
 
 
-@pytest.mark.parametrize("qtype", [None, GGUF_TYPES.Q8_0, GGUF_TYPES.Q4_K])
-def test_the_lm_head_gives_a_row_the_same_bits_alone_or_among_others(invariant, qtype):
+@pytest.mark.parametrize("qtype,h", [(None, 256), (GGUF_TYPES.Q8_0, 256), (GGUF_TYPES.Q4_K, 256), (None, 200)])
+def test_the_lm_head_gives_a_row_the_same_bits_alone_or_among_others(invariant, qtype, h):
     rng = np.random.default_rng(3)
-    vocab, h = 1000, 256
+    vocab = 1000
     x = rng.standard_normal((64, h)).astype(np.float32)
     w = rng.standard_normal((vocab, h)).astype(np.float32)
     raw = w if qtype is None else quantized_rows(w, qtype, rng)
@@ -193,3 +208,40 @@ def test_without_invariance_the_paths_differ(invariant):
     decoded, _ = prompt_in_steps(steps, [], 1)
     assert not np.array_equal(chunk, decoded)
     np.testing.assert_allclose(chunk, decoded, rtol=1e-3, atol=1e-3)
+
+
+def test_a_calls_own_setting_decides_over_the_process_setting(invariant):
+    """The runner says in every call's iconfig whether it is batch-invariant (runners in one process keep their
+    own): with the entry 1 the kernel is invariant under KernelInvariant(0), with 0 it is not under
+    KernelInvariant(1); FinalLogits likewise."""
+    steps = Steps(np.random.default_rng(7), "float16", WEIGHTS["q8_0"])
+    steps.library = invariant
+    invariant.KernelInvariant(1)
+    want, _ = prompt_in_steps(steps, [PROMPT])
+    invariant.KernelInvariant(0)
+    steps.call_invariant = 1
+    for chunks in ([PROMPT], []):
+        np.testing.assert_array_equal(prompt_in_steps(steps, chunks)[0], want)
+    invariant.KernelInvariant(1)
+    steps.call_invariant = 0
+    assert not np.array_equal(prompt_in_steps(steps, [PROMPT])[0], prompt_in_steps(steps, [])[0])
+
+    rng = np.random.default_rng(3)
+    vocab, h = 1000, 256
+    x = rng.standard_normal((64, h)).astype(np.float32)
+    w = rng.standard_normal((vocab, h)).astype(np.float32)
+    gain = np.ones(h, np.float32)
+
+    def logits(rows, entry):
+        n = len(rows)
+        out = np.empty((n, vocab), np.float32), np.empty(n, np.int32), np.empty(n, np.float32)
+        cfg = [np.array([2, 0] + entry, np.int32), np.array([1e-5], np.float32)]
+        assert invoke(invariant.FinalLogits, logits_args(np.ascontiguousarray(x[rows]), w, gain,
+                                                         np.arange(n, dtype=np.int32), cfg, *out)) == 0
+        return out[0]
+
+    invariant.KernelInvariant(1)
+    together = logits(list(range(64)), [])
+    invariant.KernelInvariant(0)
+    np.testing.assert_array_equal(logits([5], [1]), together[[5]])
+    assert not np.array_equal(logits([5], []), together[[5]])

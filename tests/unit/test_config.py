@@ -229,6 +229,23 @@ def test_keep_quantized_switch():
         config_from_dict({"model_config": {"keep_quantized": "sometimes"}})
 
 
+def test_batch_invariance_is_auto_by_default_and_true_needs_the_layer_kernel_everywhere():
+    from llm_serving.config import ConfigError, config_from_dict
+
+    assert config_from_dict({}).model_config.batch_invariant == "auto"
+    for value, want in (("true", True), ("false", False), ("auto", "auto")):
+        assert config_from_dict({}, [f"model_config.batch_invariant={value}"]).model_config.batch_invariant == want
+    # 'auto' takes what the layer kernel can give: with it off, the steps are simply not invariant
+    off = config_from_dict({}, ["model_config.layer_kernel=off"]).model_config
+    assert (off.layer_kernel, off.batch_invariant) == ("off", "auto")
+    with pytest.raises(ConfigError, match="batch_invariant.*must be true, false or 'auto'"):
+        config_from_dict({}, ["model_config.batch_invariant=sometimes"])
+    for other in ("model_config.layer_kernel=off", "model_config.attention_kernel=off",
+                  "model_config.layer_kernel_max_tokens=16"):
+        with pytest.raises(ConfigError, match="batch_invariant.*needs the CPU layer kernel on every step"):
+            config_from_dict({}, ["model_config.batch_invariant=true", other])
+
+
 def test_decode_runs_settings_and_the_output_width_they_need():
     from llm_serving.config import ConfigError, config_from_dict
     from llm_serving.shm.layout import StepLayout

@@ -282,9 +282,12 @@ class Layer:
                 rows[...] = dequantize(raw, qtype).astype(np.float32).reshape(rows.shape)   # (a view: in place)
                 self.kernel_weights[part] = (raw.view(np.uint8), int(qtype))
 
-    def arrays(self, threads, out=None):
+    def arrays(self, threads, out=None, invariant=None):
+        """The kernel's parameters; invariant (1 or 0): the call's batch-invariance entry (iconfig[11]), None: none
+        (the process's setting, KernelInvariant)."""
         w = self.kernel_weights
-        icfg = np.array([self.bs, self.nh, self.kvh, threads] + [w[n][1] for n in PARTS], np.int32)
+        icfg = np.array([self.bs, self.nh, self.kvh, threads] + [w[n][1] for n in PARTS]
+                        + ([] if invariant is None else [invariant]), np.int32)
         out = np.full_like(self.x, np.nan) if out is None else out
         lora = {f"lora_{n}_{ab}": arr for n in ("qkv", "o", "gate_up", "down")
                 for ab, arr in (("a", self.lora_a[n]), ("b", np.ascontiguousarray(self.lora_b[n].transpose(0, 2, 1))))}

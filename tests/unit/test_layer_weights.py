@@ -86,7 +86,7 @@ def test_the_kernel_reads_stored_rows_untouched_and_the_gain_beside_them():
     assert k.matrices["o_w"].base is layer.o or k.matrices["o_w"] is layer.o
     np.testing.assert_array_equal(k.matrices["o_w"], layer.o)
     assert k.types == (8, 8, 8, 0, 8, 2, 0)
-    assert k.iconfig.tolist() == [16, CFG.num_heads, CFG.num_kv_heads, 3, 8, 8, 8, 0, 8, 2, 0]
+    assert k.iconfig.tolist() == [16, CFG.num_heads, CFG.num_kv_heads, 3, 8, 8, 8, 0, 8, 2, 0, 0]   # not invariant
     assert k.iconfig.dtype == np.int32
     assert k.fconfig.tolist() == [np.float32(1e-6)] and k.qkv_bias is layer.qkv_bias
     # the float32 copy the graphs use is still folded
@@ -100,8 +100,9 @@ def test_a_product_with_stored_and_float32_parts_gives_the_kernel_unfolded_float
     w, rng = checkpoint(), np.random.default_rng(3)
     nkv = CFG.num_kv_heads * CFG.head_dim
     quantized = {P + "self_attn.v_proj.weight": stored(nkv, rng)}
-    k = prepare_layer(CFG, w, 1, kernel=LayerKernelConfig(block_size=16, threads=1), quantized=quantized).kernel
-    assert k.types[:3] == (0, 0, 8)
+    k = prepare_layer(CFG, w, 1, kernel=LayerKernelConfig(block_size=16, threads=1, batch_invariant=True),
+                      quantized=quantized).kernel
+    assert k.types[:3] == (0, 0, 8) and k.iconfig[-1] == 1                   # batch-invariant, in every call
     assert k.matrices["q_w"] is w[P + "self_attn.q_proj.weight"] and k.matrices["k_w"] is w[P + "self_attn.k_proj.weight"]
     np.testing.assert_array_equal(k.gains["input_gain"], w[P + "input_layernorm.weight"])
     np.testing.assert_array_equal(k.gains["post_gain"], np.ones(CFG.hidden_size, np.float32))
@@ -256,7 +257,8 @@ def test_the_head_folds_the_final_norm_or_keeps_stored_rows():
     head = prepare_head(CFG, w, kernel_threads=2, quantized={"lm_head.weight": q})
     np.testing.assert_array_equal(head.kernel_lm_head, q.data)
     np.testing.assert_array_equal(head.kernel_gain, w["model.norm.weight"])
-    assert head.iconfig.tolist() == [2, 3] and head.fconfig.dtype == np.float32
+    assert head.iconfig.tolist() == [2, 3, 0] and head.fconfig.dtype == np.float32
+    assert prepare_head(CFG, w, kernel_threads=2, batch_invariant=True).iconfig.tolist() == [2, 0, 1]
     assert {"lm_head", "gain", "iconfig", "fconfig"} <= set(FINAL_LOGITS.input_names)
 
 

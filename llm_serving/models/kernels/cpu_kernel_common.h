@@ -240,7 +240,29 @@ constexpr int64_t kDecodeTileKeys = 256;   // a lone row (decode) attends as a t
 // Floats of attend_tile's scratch for a KV head's G query heads of up to kTileRows rows, head dim D.
 inline int64_t tile_scratch_floats(int64_t g, int64_t d) {
   const int64_t mq = (kTileRows * g + 3) / 4 * 4;
-  return 2 * mq * d + mq * kKeyTile + 2 * mq + 2 * kKeyTile * d + d;
+  return 2 * mq * d + mq * kKeyTile + 2 * mq + 2 * kKeyTile * d + kKeyTile * d + d;
+}
+
+// dst[c * stride + r] = rows[r][c] for an 8 x 8 block: 8 loads, 24 shuffles, 8 stores (a tile's keys transposed
+// a scalar at a time took most of a lone decode row's attention)
+inline void transpose8(const float* const rows[8], float* dst, int64_t stride) {
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(rows[i]);
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  // r[0..3]: columns 0, 1, 2, 3 of rows 0-3 (low half) and columns 4-7 (high half); r[4..7] the same of rows 4-7
+  for (int i = 0; i < 4; ++i) {
+    _mm256_storeu_ps(dst + i * stride, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+    _mm256_storeu_ps(dst + (i + 4) * stride, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+  }
 }
 
 // Whether attend_tile's blocked products take this head size (64 dims a block); others run attend_row.
@@ -334,7 +356,10 @@ inline void attend_tile(const float* q, int64_t q_stride, int64_t rows, int64_t 
   float* sum = mx + mq4;                                     // running sum of exponentials
   float* kt = sum + mq4;                                     // a key tile transposed, (D, kKeyTile)
   float* vt = kt + d * kKeyTile;                             // its values, (kKeyTile, D)
-  float* wide = vt + kKeyTile * d;                           // one widened key (D) — Half caches
+  float* keys = vt + kKeyTile * d;                           // the tile's widened keys (kKeyTile, D)
+  float* zeros = keys + kKeyTile * d;                        // (D): the keys past the tile's last
+  std::fill(zeros, zeros + d, 0.f);
+  const float* key_rows[kKeyTile];
   for (int64_t i = 0; i < mq4; ++i) {
     float* qi = qb + i * d;
     if (i < mq) {
@@ -360,17 +385,23 @@ inline void attend_tile(const float* q, int64_t q_stride, int64_t rows, int64_t 
   auto key_at = [&](int64_t i) { return i < start ? i : tail[i - start]; };
   for (int64_t j0 = 0; j0 < nkeys; j0 += kKeyTile) {
     const int64_t kn = std::min<int64_t>(kKeyTile, nkeys - j0);
-    for (int64_t jj = 0; jj < kKeyTile; ++jj) {             // the tile's keys, transposed, and values
+    for (int64_t jj = 0; jj < kKeyTile; ++jj) {             // the tile's keys (widened) and values
       if (jj >= kn) {
-        for (int64_t e = 0; e < d; ++e) kt[e * kKeyTile + jj] = 0.f;
+        key_rows[jj] = zeros;
         continue;
       }
       const int64_t j = key_at(j0 + jj);
       const int64_t at = (static_cast<int64_t>(table[j / bs]) * bs + j % bs) * row + kh * sh.vec;
-      const float* k = widened(kc + at, d, wide);
-      for (int64_t e = 0; e < d; ++e) kt[e * kKeyTile + jj] = k[e];
+      key_rows[jj] = widened(kc + at, d, keys + jj * d);
       const float* v = widened(vc + at, d, vt + jj * d);
       if (v != vt + jj * d) std::memcpy(vt + jj * d, v, d * sizeof(float));
+    }
+    for (int64_t jj = 0; jj < kKeyTile; jj += 8) {          // transposed: kt[e][jj], 8 x 8 at a time
+      for (int64_t e = 0; e < d; e += 8) {
+        const float* block[8];
+        for (int i = 0; i < 8; ++i) block[i] = key_rows[jj + i] + e;
+        transpose8(block, kt + e * kKeyTile + jj, kKeyTile);
+      }
     }
     for (int64_t i = 0; i < mq4; i += 4) tile_scores4(qb + i * d, d, kt, sc + i * kKeyTile);
     for (int64_t i = 0; i < mq4; ++i) {                      // mask, then the online softmax of each query

@@ -66,11 +66,14 @@
 //   lora_*_b     (S, R, N)              float32  per slot, B transposed (scale folded in): column j for output
 //                                                row j, which reads its part's R-wide slice of A x (slot 0 and
 //                                                modules an adapter leaves alone: zeros)
-//   iconfig      (11,)                  int32    [block_size, num_heads, num_kv_heads, threads,
-//                                                 q type, k type, v type, o type, gate type, up type, down type]
+//   iconfig      (11,) or (12,)         int32    [block_size, num_heads, num_kv_heads, threads,
+//                                                 q type, k type, v type, o type, gate type, up type, down type,
+//                                                 batch-invariant: 1 on, 0 off, -1 or absent: the process's
+//                                                 setting (KernelInvariant, for tests and benchmarks)]
 //   fconfig      (1,)                   float32  [rms_norm_eps]
 //   out          (B, H)                 float32
-// FinalLogits(x (R, H), slots (R,), lm_head (V, H), gain (H,), iconfig [threads, lm_head type], fconfig [eps])
+// FinalLogits(x (R, H), slots (R,), lm_head (V, H), gain (H,), iconfig [threads, lm_head type(, batch-invariant
+//             as DecoderLayer's)], fconfig [eps])
 //   -> logits (R, V), the greedy token (R,) int32 (the first index of the largest logit) and its
 //   log-probability (R,) float32; rows whose slot is < 0 at the end of the batch (padding; a decode run's rows
 //   that ended) are not computed: tokens and log-probabilities 0, logits left as they are
@@ -155,6 +158,7 @@ struct Scratch {
   std::vector<float> attn_tiles;                 // per thread: attend_tile's query, output and key tiles
   std::vector<float> packed, gemm_w, gemm_c;     // gemm_cpu.h: x's panels (shared), per thread weights and C
   std::vector<float> silu;                       // per thread: one unit's SiLU(gate) * up for every row
+  std::vector<float> up;                         // batch-invariant steps of few rows: up's sums (rows x I)
   static float* sized(std::vector<float>& v, size_t n) {
     if (v.size() < n) v.resize(n);
     return v.data();
@@ -1396,6 +1400,187 @@ void dot_gemm(const Matrix& w, const float* x, int64_t m, int64_t r0, int64_t r1
   }
 }
 
+// The same sums for many rows of x, as an outer product (lane_units): dot_gemm's loads (a weight vector and an x
+// vector per FMA pair, 10 loads for 12 FMAs on AVX2) left it about 1.4x slower than gemm_cpu.h's kernel at 64
+// rows in the layer (bench/batch_invariance.py). An output's lane l is a plain sum along k of its own: the
+// columns k = 16 t + l, t = 0, 1, ... So x is packed per lane (pack_lanes: panel p's columns of lane l, t-major,
+// 32 rows side by side), and for each lane a gemm_cpu.h-shaped kernel (lane_span) broadcasts the weight
+// w[r][16 t + l] against the panel's vectors, an FMA into each output's lane-l accumulator in t order: the same
+// FMAs, on the same values, in the same order as dot_span's lane l. The 16 lane sums of a block of outputs are
+// kept in the thread's buffer and reduced by reduce16's tree as vectors across outputs (lane_tree), which is
+// tree16's order; columns past the last whole 16 go through dot_finish itself. So a row's outputs are the same
+// floats here as through dot_gemm, which every step of fewer rows runs (tests/unit/test_batch_invariance.py).
+constexpr int64_t kLaneRows = 16;         // rows of x from which products run lane_units (dot_gemm below)
+constexpr int64_t kLaneGroup = 48;        // weight rows per group (dequantized together: 48 k floats a thread)
+constexpr int64_t kLaneDepth = 64;        // t steps per call of lane_span: 16 x 64 columns of a lane's panel
+
+inline int64_t lane_w_floats(int64_t k) { return kLaneGroup * k; }
+// a group's lane sums for one panel: 16 lanes x kLaneGroup weight rows x 32 rows of x
+inline int64_t lane_sum_floats() { return 16 * kLaneGroup * gemm::kPanel; }
+
+// Packs panel p of x (m rows, stride ldx; the first k16 columns, a multiple of 16) lane by lane into
+// xp + p * 32 * k: column 16 t + l of the panel's rows at [(l * T + t) * width, + width), T = k16 / 16, zero
+// past the last row (width: gemm::panel_width, 32 or 16).
+inline void pack_lanes(const float* x, int64_t ldx, int64_t m, int64_t k, int64_t k16, int64_t p, float* xp) {
+  const int64_t width = gemm::panel_width(m, p), m0 = p * gemm::kPanel, T = k16 / 16;
+  const int64_t valid = std::min<int64_t>(width, m - m0);
+  float* dst = xp + p * gemm::kPanel * k;
+  alignas(64) float tile[16][16];
+  for (int64_t half = 0; half < width; half += 16) {
+    const int64_t rows = std::max<int64_t>(0, std::min<int64_t>(16, valid - half));
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t j = 0; j < 16; ++j) {                             // tile[lane][row]
+        if (j < rows) {
+          const float* src = x + (m0 + half + j) * ldx + 16 * t;
+          for (int64_t l = 0; l < 16; ++l) tile[l][j] = src[l];
+        } else {
+          for (int64_t l = 0; l < 16; ++l) tile[l][j] = 0.f;
+        }
+      }
+      for (int64_t l = 0; l < 16; ++l) std::memcpy(dst + (l * T + t) * width + half, tile[l], 16 * sizeof(float));
+    }
+  }
+}
+
+inline gemm::vreg fma_lanes(gemm::vreg a, gemm::vreg b, gemm::vreg c) {
+#if defined(__AVX512F__)
+  return (gemm::vreg)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#else
+  return (gemm::vreg)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#endif
+}
+
+inline gemm::vreg broadcast_lanes(float v) {
+#if defined(__AVX512F__)
+  return (gemm::vreg)_mm512_set1_ps(v);
+#else
+  return (gemm::vreg)_mm256_set1_ps(v);
+#endif
+}
+
+// sums[r][b] (R weight rows x V vectors of x rows) continue lane l's FMA chains over t in [t0, t1): xl the
+// panel's lane l (t-major, V * kLanes floats a step), w the R weight rows (stride ldw). First: from zero.
+// gemm::vreg rather than __m256 arrays: with those, GCC stored every accumulator to the stack each step.
+template <int V, int R, bool First>
+__attribute__((noinline)) void lane_span(const float* xl, const float* w, int64_t ldw, int64_t t0, int64_t t1,
+                                         int l, float* sums) {
+  using gemm::vreg;
+  constexpr int64_t width = V * gemm::kLanes;
+  vreg acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = First ? vreg{} : gemm::load(sums + r * width + gemm::kLanes * v);
+  const float* wl = w + l;
+  for (int64_t t = t0; t < t1; ++t) {
+    vreg s[R];
+    for (int r = 0; r < R; ++r) s[r] = broadcast_lanes(wl[r * ldw + 16 * t]);
+    for (int v = 0; v < V; ++v) {
+      const vreg xv = gemm::load(xl + t * width + gemm::kLanes * v);
+      for (int r = 0; r < R; ++r) acc[r][v] = fma_lanes(s[r], xv, acc[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) gemm::store(sums + r * width + gemm::kLanes * v, acc[r][v]);
+}
+
+typedef void (*LaneFn)(const float*, const float*, int64_t, int64_t, int64_t, int, float*);
+
+template <int V, bool First, int... R>
+constexpr std::array<LaneFn, sizeof...(R)> lane_spans_of(std::integer_sequence<int, R...>) {
+  return {&lane_span<V, R + 1, First>...};
+}
+
+// lane_span for a panel `width` floats wide and `rows` weight rows (1..gemm::kernel_rows(width))
+inline LaneFn lane_span_for(int64_t width, int rows, bool first) {
+  constexpr int wide = gemm::kernel_rows(gemm::kPanel), narrow = gemm::kernel_rows(16);
+  static constexpr auto wide0 = lane_spans_of<gemm::kPanel / gemm::kLanes, true>(std::make_integer_sequence<int, wide>{});
+  static constexpr auto wide1 = lane_spans_of<gemm::kPanel / gemm::kLanes, false>(std::make_integer_sequence<int, wide>{});
+  static constexpr auto narrow0 = lane_spans_of<16 / gemm::kLanes, true>(std::make_integer_sequence<int, narrow>{});
+  static constexpr auto narrow1 = lane_spans_of<16 / gemm::kLanes, false>(std::make_integer_sequence<int, narrow>{});
+  if (width == gemm::kPanel) return (first ? wide0 : wide1)[rows - 1];
+  return (first ? narrow0 : narrow1)[rows - 1];
+}
+
+// out[i] = reduce16's tree over the 16 lanes (lanes[l * stride + i], l = 0..15) for i < n (a multiple of 8):
+// lane i + lane i+8, then +4, +2, +1, as tree16 adds them. Compiled without -fassociative-math, which may regroup
+// these adds (tree16 keeps its order through shuffles).
+__attribute__((noinline, optimize("no-associative-math"))) void lane_tree(const float* lanes, int64_t stride,
+                                                                          int64_t n, float* out) {
+  for (int64_t i = 0; i < n; i += 8) {
+    __m256 a[8], b[4], c[2];
+    for (int j = 0; j < 8; ++j)
+      a[j] = _mm256_add_ps(_mm256_loadu_ps(lanes + j * stride + i), _mm256_loadu_ps(lanes + (j + 8) * stride + i));
+    for (int j = 0; j < 4; ++j) b[j] = _mm256_add_ps(a[j], a[j + 4]);
+    for (int j = 0; j < 2; ++j) c[j] = _mm256_add_ps(b[j], b[j + 2]);
+    _mm256_storeu_ps(out + i, _mm256_add_ps(c[0], c[1]));
+  }
+}
+
+// Floats of a thread's buffer for lane_units (c): the lane sums of a group, then its C (kLaneGroup rows of ldc)
+inline int64_t lane_c_floats(int64_t m) { return lane_sum_floats() + kLaneGroup * gemm::panels(m) * gemm::kPanel; }
+
+// gemm_units' contract on these sums: units [u0, u1) of `parts` matrices (1-3, each w.k columns) times
+// every row of x (m rows; xp: x packed by pack_lanes), a group of units at a time: C row q * n + i = matrix q's
+// row u + i, C[.][b] its product with x row b, the same float as dot_gemm's; done(u, n, C, ldc) after each group.
+// wbuf: lane_w_floats(k), c: lane_c_floats(m), the calling thread's.
+template <typename Done>
+void lane_units(const Matrix* const* ws, int parts, int64_t u0, int64_t u1, const float* x, const float* xp,
+                int64_t m, float* wbuf, float* c, Done done) {
+  const int64_t k = ws[0]->k, k16 = k / 16 * 16, T = k16 / 16, per = kLaneGroup / parts;
+  const int64_t ldc = gemm::panels(m) * gemm::kPanel;
+  float* sums = c;
+  float* out = c + lane_sum_floats();
+  alignas(64) float lanes16[16];
+  for (int64_t u = u0; u < u1; u += per) {
+    const int64_t n = std::min(per, u1 - u);
+    const float* rows_of[3];                       // each part's rows of the group as float32 (stride k)
+    for (int q = 0; q < parts; ++q) {
+      const Matrix& w = *ws[q];
+      if (w.type == kF32) {
+        rows_of[q] = reinterpret_cast<const float*>(w.data) + u * k;
+      } else {
+        for (int64_t i = 0; i < n; ++i) w.dequantize_row(w.data + (u + i) * w.row_bytes, wbuf + (q * n + i) * k);
+        rows_of[q] = wbuf + q * n * k;
+      }
+    }
+    for (int64_t p = 0; p < gemm::panels(m); ++p) {
+      const int64_t width = gemm::panel_width(m, p), b0 = p * gemm::kPanel;
+      const int step = gemm::kernel_rows(width);
+      const float* panel = xp + p * gemm::kPanel * k;
+      // lane l of rows [i, i + rows) of part q: sums + ((q * n + i) * 16 + l * rows) * width
+      for (int64_t t0 = 0; t0 < T; t0 += kLaneDepth) {
+        const int64_t t1 = std::min(T, t0 + kLaneDepth);
+        for (int q = 0; q < parts; ++q) {
+          for (int64_t i = 0; i < n; i += step) {
+            const int rows = static_cast<int>(std::min<int64_t>(step, n - i));
+            const LaneFn fn = lane_span_for(width, rows, t0 == 0);
+            for (int l = 0; l < 16; ++l)
+              fn(panel + l * T * width, rows_of[q] + i * k, k, t0, t1, l, sums + ((q * n + i) * 16 + l * rows) * width);
+          }
+        }
+      }
+      for (int q = 0; q < parts; ++q) {
+        for (int64_t i = 0; i < n; i += step) {
+          const int rows = static_cast<int>(std::min<int64_t>(step, n - i));
+          const float* s = sums + (q * n + i) * 16 * width;
+          for (int r = 0; r < rows; ++r) {
+            float* cr = out + (q * n + i + r) * ldc + b0;
+            if (k16 == k && T > 0) {
+              lane_tree(s + r * width, rows * width, width, cr);
+            } else {                                   // columns past the last 16: dot_finish, output by output
+              const float* wr = rows_of[q] + (i + r) * k;
+              for (int64_t b = 0; b < std::min<int64_t>(width, m - b0); ++b) {
+                for (int l = 0; l < 16; ++l) lanes16[l] = T > 0 ? s[(l * rows + r) * width + b] : 0.f;
+                cr[b] = dot_finish(lanes16, wr, x + (b0 + b) * k, k16, k);
+              }
+            }
+          }
+        }
+      }
+    }
+    done(u, n, static_cast<const float*>(out), ldc);
+  }
+}
+
 // Rows [0, n) of a product handed out in chunks of whole tiles (about 8 per thread) to whichever thread asks
 // next: fn(begin, end) per chunk. A thread that runs slower (its core shared with the master or a client) takes
 // fewer chunks, so the barrier after waits for one chunk of it, not for the rest of a fixed half.
@@ -1585,6 +1770,11 @@ inline void pack_x(std::atomic<int64_t>& next, const float* x, int64_t m, int64_
   for (int64_t p = next.fetch_add(1); p < gemm::panels(m); p = next.fetch_add(1)) gemm::pack_panel(x, k, m, k, p, xp);
 }
 
+// pack_x for lane_units: every thread packs the panels it claims (pack_lanes); a barrier must follow.
+inline void pack_x_lanes(std::atomic<int64_t>& next, const float* x, int64_t m, int64_t k, float* xp) {
+  for (int64_t p = next.fetch_add(1); p < gemm::panels(m); p = next.fetch_add(1)) pack_lanes(x, k, m, k, k / 16 * 16, p, xp);
+}
+
 #if defined(LLM_SERVING_AMX)
 // gemm_units on AMX: per group of 64 rows (parts x n), each row dequantized into a float row (L1) and split into
 // its bfloat16 halves in the group's A operand, rows past parts x n up to a multiple of 16 zeros; C (ldc =
@@ -1723,16 +1913,29 @@ void gemm_units(const Matrix* const* ws, int parts, int64_t u0, int64_t u1, cons
   }
 }
 
-// Rows [r0, r1) of w times every row of x (batch rows of w.k): emit(b, r, w[r] . x[b]). With xp (x packed,
-// batch >= gemm_rows(...)) through gemm_units; without, dot_gemm when given its buffers (wbuf and c: a
-// batch-invariant step), else matvec with tile.
+// How a step's products run, chosen once per kernel call from its rows: matvec's tiles (few rows), the batched
+// kernels (gemm_cpu.h, AMX), or with batch invariance dot_gemm (fewer than kLaneRows rows) or lane_units, whose
+// sums are dot_gemm's.
+enum class Route { kTiles, kBatched, kDot, kLanes };
+
+// Rows [r0, r1) of w times every row of x (batch rows of w.k): emit(b, r, w[r] . x[b]), by the step's route:
+// matvec with tile, gemm_units (xp: x packed by pack_x), or, batch-invariant, dot_gemm or lane_units (xp: x
+// packed by pack_lanes; wbuf and c: the route's buffers).
 template <typename Emit>
-void product_rows(const Matrix& w, const float* x, const float* xp, int64_t batch, int64_t r0, int64_t r1, float* tile,
-                  float* wbuf, float* c, bool amx, Emit emit, int ints = kNoInt) {
-  if (xp == nullptr) {
-    if (wbuf != nullptr) dot_gemm(w, x, batch, r0, r1, wbuf, c, emit);
-    else matvec(w, x, batch, r0, r1, tile, emit);
-    return;
+void product_rows(Route route, const Matrix& w, const float* x, const float* xp, int64_t batch, int64_t r0,
+                  int64_t r1, float* tile, float* wbuf, float* c, bool amx, Emit emit, int ints = kNoInt) {
+  switch (route) {
+    case Route::kTiles: matvec(w, x, batch, r0, r1, tile, emit); return;
+    case Route::kDot: dot_gemm(w, x, batch, r0, r1, wbuf, c, emit); return;
+    case Route::kLanes: {
+      const Matrix* ws[1] = {&w};
+      lane_units(ws, 1, r0, r1, x, xp, batch, wbuf, c, [&](int64_t u, int64_t n, const float* cc, int64_t ldc) {
+        for (int64_t b = 0; b < batch; ++b)
+          for (int64_t i = 0; i < n; ++i) emit(b, u + i, cc[i * ldc + b]);
+      });
+      return;
+    }
+    case Route::kBatched: break;
   }
   const Matrix* ws[1] = {&w};
   gemm_units(ws, 1, r0, r1, xp, batch, wbuf, c, amx, [&](int64_t u, int64_t n, const float* cc, int64_t ldc) {
@@ -1829,6 +2032,26 @@ inline float silu_times(float g, float u) {
   return g * sigmoid * u;
 }
 
+// silu_times of 8 values (not inlined: one compiled copy)
+__attribute__((noinline)) void silu8(const float* g, const float* u, float* out) {
+  for (int i = 0; i < 8; ++i) out[i] = silu_times(g[i], u[i]);
+}
+
+// out[i] = silu(g[i]) * u[i], i < n, 8 at a time through silu8 (the last ones padded): the same float for a
+// value wherever it sits. Batch-invariant steps take it in both routes; silu_times inlined into a loop is
+// vectorized there and its remainder not, and the two need not agree to the bit.
+void silu_span(const float* g, const float* u, int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) silu8(g + i, u + i, out + i);
+  if (i < n) {
+    float gp[8] = {}, up[8] = {}, op[8];
+    std::memcpy(gp, g + i, (n - i) * sizeof(float));
+    std::memcpy(up, u + i, (n - i) * sizeof(float));
+    silu8(gp, up, op);
+    std::memcpy(out + i, op, (n - i) * sizeof(float));
+  }
+}
+
 }  // namespace
 
 // The kernels' parameters in the order ops.Custom passes them (inputs, then outputs): (index, name, rank, dtype).
@@ -1896,9 +2119,16 @@ extern "C" int KernelAmx(int enable) {
   return amx_enabled() ? 1 : 0;
 }
 
+// Whether a call is batch-invariant: its iconfig's entry at `at` (1 on, 0 off) where it has one, else the
+// process's setting
+inline bool invariant_of(const int32_t* icfg, int64_t n, int64_t at) {
+  return n > at && icfg[at] >= 0 ? icfg[at] == 1 : invariant_enabled();
+}
+
 // Turns batch invariance (invariant_enabled) off (0) or back on (1), or only asks (-1): returns whether the next
-// kernel call is batch-invariant. The runner calls it at start (model_config.batch_invariant); tests and
-// benchmarks compare the two in one process.
+// kernel call that does not say (an iconfig without the entry, or -1 there) is batch-invariant. The runner says
+// in every call's iconfig (model_config.batch_invariant), so that runners in one process keep their own; tests and
+// benchmarks switch this to compare the two in one library.
 extern "C" int KernelInvariant(int enable) {
   if (enable >= 0) {
     invariant_enabled();                             // the environment read first, then overridden
@@ -1942,7 +2172,7 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
   (void)extra;
   enum { DECODER_LAYER_PARAMS(LLM_SERVING_PARAM_ENUM) NPARAM };
   if (!llm_serving::params_match(kDecoderLayerParams, NPARAM, nparam, ndims, dtypes)) return 1;
-  if (shapes[ICFG][0] != 11) return 2;
+  if (shapes[ICFG][0] != 11 && shapes[ICFG][0] != 12) return 2;
   const auto* x = static_cast<const float*>(params[X]);
   const auto* positions = static_cast<const int32_t*>(params[POS]);
   const auto* slots = static_cast<const int32_t*>(params[SLOTS]);
@@ -2039,17 +2269,23 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
   int int_qkv = integer_product(qkv_parts, 3, ints), int_o = integer_product(o_part, 1, ints),
       int_gate_up = integer_product(gate_up, 2, ints), int_down = integer_product(down_part, 1, ints);
   const bool all_int = int_qkv != kNoInt && int_o != kNoInt && int_gate_up != kNoInt && int_down != kNoInt;
-  const bool invariant = invariant_enabled();
+  const bool invariant = invariant_of(icfg, shapes[ICFG][0], 11);
   const bool batched = !invariant && rows >= (all_int ? kIntGemmRows : gemm_rows(amx, float32));
+  const Route route = batched ? Route::kBatched : !invariant ? Route::kTiles
+                      : rows >= kLaneRows ? Route::kLanes : Route::kDot;
+  const bool lanes = route == Route::kLanes;
   if (!batched) int_qkv = int_o = int_gate_up = int_down = kNoInt;
-  float* xp = batched ? sized_aligned(s.packed, gemm_x_floats(rows, kmax, amx)) : nullptr;
-  // a batch-invariant step: dot_gemm's buffers instead (per thread: a group of weight rows, the lane sums)
-  float* gemm_w = batched ? sized_aligned(s.gemm_w, threads * gemm_w_floats(kmax, amx))
-                  : invariant ? sized_aligned(s.gemm_w, threads * dot_w_floats(kmax)) : nullptr;
-  float* gemm_c = batched ? sized_aligned(s.gemm_c, threads * gemm_c_floats(rows, amx))
-                  : invariant ? sized_aligned(s.gemm_c, threads * dot_lane_floats()) : nullptr;
-  const int64_t dot_align = invariant ? kDotGroup : 4;     // the chunks of a product's rows
-  float* silu = batched ? Scratch::sized(s.silu, threads * rows) : nullptr;
+  float* xp = batched ? sized_aligned(s.packed, gemm_x_floats(rows, kmax, amx))
+              : lanes ? sized_aligned(s.packed, gemm::packed_floats(rows, kmax)) : nullptr;
+  // per thread: the route's buffers (a group of weight rows; C, or the lane sums of a batch-invariant step)
+  const int64_t w_floats = batched ? gemm_w_floats(kmax, amx) : lanes ? lane_w_floats(kmax) : dot_w_floats(kmax);
+  const int64_t c_floats = batched ? gemm_c_floats(rows, amx)
+                           : lanes ? lane_c_floats(rows) : dot_lane_floats();
+  float* gemm_w = batched || invariant ? sized_aligned(s.gemm_w, threads * w_floats) : nullptr;
+  float* gemm_c = batched || invariant ? sized_aligned(s.gemm_c, threads * c_floats) : nullptr;
+  const int64_t dot_align = lanes ? kLaneGroup : invariant ? kDotGroup : 4;     // the chunks of a product's rows
+  float* silu = batched || lanes ? Scratch::sized(s.silu, threads * (lanes ? 3 : 1) * rows) : nullptr;
+  float* up_sums = invariant && !lanes ? Scratch::sized(s.up, rows * inter) : nullptr;
   // the computed rows that have a LoRA adapter, sorted by slot; thread t takes a contiguous share of them, so
   // that each slot's matrices are read once per thread and product however many rows use it
   std::vector<int64_t> lora_rows;
@@ -2110,15 +2346,22 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
   p.run([&](int tid, int nthreads) {
     float* xn = normed + tid * rows * std::max(h, d);
     float* tile = tiles + tid * 8 * kmax;
-    float* wbuf = batched ? gemm_w + tid * gemm_w_floats(kmax, amx) : invariant ? gemm_w + tid * dot_w_floats(kmax) : nullptr;
-    float* cbuf = batched ? gemm_c + tid * gemm_c_floats(rows, amx) : invariant ? gemm_c + tid * dot_lane_floats() : nullptr;
-    float* silu_row = batched ? silu + tid * rows : nullptr;
-    // batched: the product's x packed into xp by all threads (a barrier after), then read by every chunk
+    float* wbuf = gemm_w ? gemm_w + tid * w_floats : nullptr;
+    float* cbuf = gemm_c ? gemm_c + tid * c_floats : nullptr;
+    float* silu_row = silu ? silu + tid * (lanes ? 3 : 1) * rows : nullptr;   // lanes: and gate's, up's
+    // batched or lanes: the product's x packed into xp by all threads (a barrier after), then read by every chunk
     auto packed = [&](int which, const float* in, int64_t k_in, int integer) -> const float* {
-      if (!batched) return nullptr;
-      pack_x(next_pack[which], in, rows, k_in, xp, amx, integer);
+      if (!batched && !lanes) return nullptr;
+      if (lanes) pack_x_lanes(next_pack[which], in, rows, k_in, xp);
+      else pack_x(next_pack[which], in, rows, k_in, xp, amx, integer);
       barrier.wait();
       return xp;
+    };
+    // units [u0, u1) of several matrices together (gate and up): gemm_units, or lane_units where invariant
+    auto units = [&](const Matrix* const* ws, int parts, int64_t u0, int64_t u1, const float* in, const float* x_packed,
+                     auto&& done, int integer) {
+      if (lanes) lane_units(ws, parts, u0, u1, in, x_packed, rows, wbuf, cbuf, done);
+      else gemm_units(ws, parts, u0, u1, x_packed, rows, wbuf, cbuf, amx, done, integer);
     };
     // 1. q/k/v of every row (each thread normalizes the inputs itself: no barrier for it)
     // LoRA: this thread's share of the adapted rows computes their u = A x (before a product) and adds their
@@ -2146,7 +2389,7 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
       const Matrix& w = *qkv_parts[part];
       const int64_t first = qkv_first[part];
       claim_rows(next_qkv[part], w.rows, nthreads, [&](int64_t r0, int64_t r1) {
-        product_rows(w, xn, xq, rows, r0, r1, tile, wbuf, cbuf, amx, [&](int64_t b, int64_t r, float v) {
+        product_rows(route, w, xn, xq, rows, r0, r1, tile, wbuf, cbuf, amx, [&](int64_t b, int64_t r, float v) {
           qkv[b * nqkv + first + r] = v + qkv_b[first + r];
         }, int_qkv);
       }, batched ? gemm_group(h, amx) : dot_align);
@@ -2202,7 +2445,7 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
     project(lora_o, attn, nh * d);
     const float* xo = packed(1, attn, nh * d, int_o);
     claim_rows(next_o, h, nthreads, [&](int64_t r0, int64_t r1) {
-      product_rows(o_w, attn, xo, rows, r0, r1, tile, wbuf, cbuf, amx,
+      product_rows(route, o_w, attn, xo, rows, r0, r1, tile, wbuf, cbuf, amx,
                    [&](int64_t b, int64_t r, float v) { out[b * h + r] = x[b * h + r] + v; }, int_o);
     }, batched ? gemm_group(nh * d, amx) : dot_align);
     barrier.wait();
@@ -2220,16 +2463,27 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
       add_rows(lora_gate_up, lora_gu, 2 * inter);
       barrier.wait();
     }
-    if (batched) {                                  // gate and up rows of a group of units together, then SiLU
+    if (batched || lanes) {                         // gate and up rows of a group of units together, then SiLU
       const float* xg = packed(2, xn, h, int_gate_up);
       claim_rows(next_unit, inter, nthreads, [&](int64_t r0, int64_t r1) {
-        gemm_units(gate_up, 2, r0, r1, xg, rows, wbuf, cbuf, amx,
-                   [&](int64_t j, int64_t n, const float* c, int64_t ldc) {
+        units(gate_up, 2, r0, r1, xn, xg, [&](int64_t j, int64_t n, const float* c, int64_t ldc) {
           // unit by unit: its gate and up sums of every row are contiguous in C (one vectorized pass), then
           // written to each row of act (a row's strided access rather than C's)
           for (int64_t i = 0; i < n; ++i) {
             const float* gate = c + i * ldc;
             const float* up = c + (n + i) * ldc;
+            if (lanes) {                            // silu_span, as the few-row steps (LoRA deltas added first)
+              float* g = silu_row + rows;
+              float* v = silu_row + 2 * rows;
+              for (int64_t b = 0; b < rows; ++b) {
+                const bool lora_row = adapted && lora[b] > 0 && slots[b] >= 0;
+                g[b] = lora_row ? gate[b] + lora_gu[b * 2 * inter + j + i] : gate[b];
+                v[b] = lora_row ? up[b] + lora_gu[b * 2 * inter + inter + j + i] : up[b];
+              }
+              silu_span(g, v, rows, silu_row);
+              for (int64_t b = 0; b < rows; ++b) act[b * inter + j + i] = silu_row[b];
+              continue;
+            }
             for (int64_t b = 0; b < rows; ++b) silu_row[b] = silu_times(gate[b], up[b]);
             for (int64_t b = 0; adapted && b < rows; ++b) {
               if (lora[b] <= 0 || slots[b] < 0) continue;
@@ -2239,21 +2493,26 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
             for (int64_t b = 0; b < rows; ++b) act[b * inter + j + i] = silu_row[b];
           }
         }, int_gate_up);
-      }, gemm_group(h, amx) / 2);
-    } else if (invariant) {                         // gate's sums into act, then up's make them silu(gate) * up
+      }, lanes ? kLaneGroup / 2 : gemm_group(h, amx) / 2);
+    } else if (invariant) {                         // gate's sums into act, up's beside, then silu_span by row
       claim_rows(next_unit, inter, nthreads, [&](int64_t r0, int64_t r1) {
-        product_rows(gate_w, xn, nullptr, rows, r0, r1, tile, wbuf, cbuf, amx,
+        product_rows(route, gate_w, xn, nullptr, rows, r0, r1, tile, wbuf, cbuf, amx,
                      [&](int64_t b, int64_t j, float v) { act[b * inter + j] = v; });
-        product_rows(up_w, xn, nullptr, rows, r0, r1, tile, wbuf, cbuf, amx, [&](int64_t b, int64_t j, float v) {
-          float g = act[b * inter + j];
+        product_rows(route, up_w, xn, nullptr, rows, r0, r1, tile, wbuf, cbuf, amx,
+                     [&](int64_t b, int64_t j, float v) { up_sums[b * inter + j] = v; });
+        for (int64_t b = 0; b < rows; ++b) {
+          float* g = act + b * inter + r0;
+          float* v = up_sums + b * inter + r0;
           if (adapted && lora[b] > 0 && slots[b] >= 0) {
-            const float* delta = lora_gu + b * 2 * inter + j;
-            g += delta[0];
-            v += delta[inter];
+            const float* delta = lora_gu + b * 2 * inter + r0;
+            for (int64_t j = 0; j < r1 - r0; ++j) {
+              g[j] += delta[j];
+              v[j] += delta[inter + j];
+            }
           }
-          act[b * inter + j] = silu_times(g, v);
-        });
-      }, kDotGroup);
+          silu_span(g, v, r1 - r0, g);
+        }
+      }, dot_align);
     } else {
       claim_rows(next_unit, inter, nthreads, [&](int64_t r0, int64_t r1) {
         for (int64_t j = r0; j < r1; j += 4) {
@@ -2297,7 +2556,7 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
     project(lora_down, act, inter);
     const float* xd = packed(3, act, inter, int_down);
     claim_rows(next_down, h, nthreads, [&](int64_t r0, int64_t r1) {
-      product_rows(down_w, act, xd, rows, r0, r1, tile, wbuf, cbuf, amx,
+      product_rows(route, down_w, act, xd, rows, r0, r1, tile, wbuf, cbuf, amx,
                    [&](int64_t b, int64_t r, float v) { out[b * h + r] += v; }, int_down);
     }, batched ? gemm_group(inter, amx) : dot_align);
     if (adapted) {
@@ -2317,7 +2576,7 @@ extern "C" int FinalLogits(int nparam, void** params, int* ndims, int64_t** shap
   const int64_t rows = shapes[X][0], h = shapes[X][1], vocab = shapes[W][0];
   const auto* icfg = static_cast<const int32_t*>(params[ICFG]);
   Matrix w;
-  if (shapes[ICFG][0] != 2 || !as_matrix(params[W], dtypes[W], shapes[W], icfg[1], vocab, h, &w) ||
+  if ((shapes[ICFG][0] != 2 && shapes[ICFG][0] != 3) || !as_matrix(params[W], dtypes[W], shapes[W], icfg[1], vocab, h, &w) ||
       shapes[GAIN][0] != h || shapes[SLOTS][0] != rows || shapes[LOGITS][0] != rows ||
       shapes[LOGITS][1] != vocab || shapes[TOKEN][0] != rows || shapes[LOGPROB][0] != rows || vocab < 1) {
     return 2;
@@ -2347,18 +2606,23 @@ extern "C" int FinalLogits(int nparam, void** params, int* ndims, int64_t** shap
   const bool amx = amx_enabled();
   const Matrix* lm_part[1] = {&w};
   const int lm_ints = integer_product(lm_part, 1, int_enabled(amx));
-  // batch-invariant: dot_gemm, and chunks of the vocabulary of one size whatever the rows (a row's
+  // batch-invariant: dot_gemm or lane_units, and chunks of the vocabulary of one size whatever the rows (a row's
   // log-probability sums its chunks' parts in order)
-  const bool invariant = invariant_enabled();
+  const bool invariant = invariant_of(icfg, shapes[ICFG][0], 2);
   const bool batched = !invariant && live >= (lm_ints != kNoInt ? kIntGemmRows : gemm_rows(amx, w.type == kF32));
+  const Route route = batched ? Route::kBatched : !invariant ? Route::kTiles
+                      : live >= kLaneRows ? Route::kLanes : Route::kDot;
+  const bool lanes = route == Route::kLanes;
   const int64_t align = batched ? gemm_group(h, amx) : invariant ? kDotGroup : 4;
   const int ints = batched ? lm_ints : kNoInt;
   const int64_t chunk = chunk_rows(vocab, p.threads(), align), chunks = (vocab + chunk - 1) / chunk;
   float* partial = Scratch::sized(s.scores, chunks * live * 3);
   float* tiles = Scratch::sized(s.tiles, p.threads() * 4 * h);
-  float* xp = batched ? sized_aligned(s.packed, gemm_x_floats(live, h, amx)) : nullptr;
-  const int64_t w_floats = batched ? gemm_w_floats(h, amx) : dot_w_floats(h);
-  const int64_t c_floats = batched ? gemm_c_floats(live, amx) : dot_lane_floats();
+  float* xp = batched ? sized_aligned(s.packed, gemm_x_floats(live, h, amx))
+              : lanes ? sized_aligned(s.packed, gemm::packed_floats(live, h)) : nullptr;
+  const int64_t w_floats = batched ? gemm_w_floats(h, amx) : lanes ? lane_w_floats(h) : dot_w_floats(h);
+  const int64_t c_floats = batched ? gemm_c_floats(live, amx)
+                           : lanes ? lane_c_floats(live) : dot_lane_floats();
   float* gemm_w = batched || invariant ? sized_aligned(s.gemm_w, p.threads() * w_floats) : nullptr;
   float* gemm_c = batched || invariant ? sized_aligned(s.gemm_c, p.threads() * c_floats) : nullptr;
   Barrier barrier(p.threads());
@@ -2366,12 +2630,13 @@ extern "C" int FinalLogits(int nparam, void** params, int* ndims, int64_t** shap
   p.run([&](int tid, int nthreads) {
     float* xn = normed + tid * live * h;
     rms_normalize(x, live, h, eps, gain, xn);
-    if (batched) {
-      pack_x(next_pack, xn, live, h, xp, amx, ints);
+    if (batched || lanes) {
+      if (lanes) pack_x_lanes(next_pack, xn, live, h, xp);
+      else pack_x(next_pack, xn, live, h, xp, amx, ints);
       barrier.wait();
     }
     claim_rows(next_vocab, vocab, nthreads, [&](int64_t r0, int64_t r1) {
-      product_rows(w, xn, xp, live, r0, r1, tiles + tid * 4 * h, gemm_w ? gemm_w + tid * w_floats : nullptr,
+      product_rows(route, w, xn, xp, live, r0, r1, tiles + tid * 4 * h, gemm_w ? gemm_w + tid * w_floats : nullptr,
                    gemm_c ? gemm_c + tid * c_floats : nullptr, amx,
                    [&](int64_t b, int64_t r, float v) { logits[b * vocab + r] = v; }, ints);
       for (int64_t b = 0; b < live; ++b) {          // the chunk's max, first index of it, and sum of exps
