@@ -218,14 +218,15 @@ class ModelRunner:
                                  num_blocks=self.num_blocks, max_blocks_per_seq=self.max_blocks_per_seq,
                                  scratch_slot=self.scratch_slot, lora_slots=self.lora_slots)
         reduce_kernel = all_reduce_kernel(self.tp, device_target)
-        # everything that decides which graphs warmup() compiles, and in which order, and the kernel
-        # libraries the graphs name
+        # everything that decides which graphs warmup() compiles, and in which order, the kernel libraries the
+        # graphs name, and the kernels' config tensors, which a compiled graph holds as constants (the thread count
+        # and batch invariance: a cache compiled with batch-invariant steps served a server started without them)
         cache_key = claim_compile_cache(
             (cfg, self.num_blocks, self.block_size, self.buckets, device_target,
              (self.tp.rank, self.tp.world, self.tp.backend, self.tp.across_nodes) if self.tp.world > 1 else None,
              self.decode_kernel, reduce_kernel, self.layer_kernel, self.layer_kernel_rows, self.decode_run_steps,
              self.decode_run_rows, self.quantized_matrices, self.lora_slots, self.lora_rank, spec.kv_cache_dtype,
-             _WARMUP_ORDER)
+             num_threads or len(os.sched_getaffinity(0)), self.batch_invariant, _WARMUP_ORDER)
             if spec.compile_cache else None)
         self._cache_dir = setup_mindspore(device_target, spec.device_id, num_threads, cache_key,
                                           wait_for_cache=self.tp.world == 1)

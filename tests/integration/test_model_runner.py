@@ -688,7 +688,8 @@ def view(kind, *arrays):
 decode = json.loads(sys.argv[2])
 r = ModelRunner(sys.argv[1], RunnerSpec(num_blocks=8, block_size=16, max_blocks_per_seq=2, decode_batch_sizes=decode,
                                         prefill_batch_sizes=[1], prefill_seq_lens=[16], num_threads=2,
-                                        compile_cache=True))
+                                        compile_cache=True, batch_invariant=json.loads(sys.argv[4])))
+assert r.batch_invariant == (sys.argv[4] != "false")
 r.warmup()
 ids = [1, 403, 407, 261, 378]
 _, _, logits = r.execute(view("prefill", [ids], [list(range(5))], [list(range(5))], [[0]], [5], [5], [0.0], [0],
@@ -705,7 +706,9 @@ np.save(sys.argv[3], np.stack(out))
 
 def test_compile_cache_survives_a_change_of_buckets(tmp_path):
     """Agents keep compiled graphs on disk. MindSpore names them by compile order, so a server restarted
-    with other buckets must not pick up the graphs of the old ones (it once did, and crashed)."""
+    with other buckets must not pick up the graphs of the old ones (it once did, and crashed); nor, since a graph
+    holds the kernels' config as constants, one started with batch invariance off the graphs of one with it on
+    (it once did, and ran batch-invariant steps)."""
     pytest.importorskip("mindspore")
     import os
     import subprocess
@@ -716,14 +719,15 @@ def test_compile_cache_survives_a_change_of_buckets(tmp_path):
     script = tmp_path / "cached_run.py"      # MindSpore hashes the entry script into the cache's key
     script.write_text(_CACHED_RUN)
     results = []
-    for i, decode in enumerate(([1], [1, 2], [1])):
+    for i, (decode, invariant) in enumerate((([1], '"auto"'), ([1, 2], '"auto"'), ([1], '"auto"'), ([1], "false"))):
         out = tmp_path / f"run{i}.npy"
-        proc = subprocess.run([sys.executable, str(script), str(MODEL_DIR), json.dumps(decode), str(out)],
+        proc = subprocess.run([sys.executable, str(script), str(MODEL_DIR), json.dumps(decode), str(out), invariant],
                               env=env, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         results.append(np.load(out))
     caches = list((tmp_path / "cache" / "ms_compile").iterdir())
-    assert len(caches) == 2                                     # one per bucket set; run 2 reused run 0's
+    assert len(caches) == 3                     # one per bucket set and invariance; run 2 reused run 0's
     assert all(any(c.rglob("*.mindir")) for c in caches)
     np.testing.assert_array_equal(results[0], results[2])      # loaded from the cache: same graphs
     np.testing.assert_allclose(results[1][:2], results[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(results[3], results[0], rtol=1e-5, atol=1e-5)
