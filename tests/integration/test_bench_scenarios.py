@@ -60,6 +60,20 @@ def test_step_roofline_times_the_bare_step_next_to_blas(stories_dir, tmp_path):
                for r in result["rows"])
 
 
+def test_batch_invariance_served_alternates_two_servers(stories_dir, tmp_path):
+    pytest.importorskip("mindspore")
+    stdout, result = _run("batch_invariance_served.py", tmp_path, "--model", str(stories_dir / "hf"),
+                          "--config", str(REPO / "configs/stories260K.yaml"), "--streams", "1,4", "--reps", "1",
+                          "--input-len", "8", "--output-len", "8")
+    assert "auto: " in stdout and "batch_invariant True" in stdout and "batch_invariant False" in stdout
+    assert [(r["streams"], r["mode"]) for r in result["runs"]] == [(1, "auto"), (1, "false"), (4, "auto"),
+                                                                    (4, "false")]
+    for row in result["rows"]:
+        runs = {r["mode"]: r["output_tok_s"] for r in result["runs"] if r["streams"] == row["streams"]}
+        assert row["invariant_tok_s"] == pytest.approx(runs["auto"], abs=0.1) and runs["false"] > 0
+        assert row["ratio"] == pytest.approx(row["invariant_tok_s"] / row["fastest_tok_s"], rel=1e-2)
+
+
 def test_peers_skips_with_the_setup_command_when_no_peer_is_installed(tmp_path):
     stdout, result = _run("peers.py", tmp_path, "--vllm-python", str(tmp_path / "no-python"),
                           "--llama-server", str(tmp_path / "no-llama-server"))
