@@ -35,8 +35,9 @@
 // LLM_SERVING_KERNEL_AMX=0 in the environment (read once per process) or KernelAmx(0) keeps the FMA kernel.
 // Weights of integer codes (the Q-types, not F32/F16/BF16) run on AMX's int8 tiles from kIntGemmRows (3) rows
 // (gemm_amx_int.h: the codes as int8, x rounded to 16 bits per block; per super-block for the K-quants);
-// LLM_SERVING_KERNEL_INT=0 or KernelInt(0) keeps them on the paths above. Batch-invariant steps
-// (model_config.batch_invariant, KernelInvariant(1)) run one path for every row count instead: dot_gemm.
+// LLM_SERVING_KERNEL_INT=0 or KernelInt(0) keeps them on the paths above. Batch-invariant steps (iconfig's last
+// entry; model_config.batch_invariant, on by default) run one order of sums for every row count instead: dot_gemm
+// for few rows, lane_units (the same floats) for many.
 //
 // DecoderLayer(x, positions, slots, block_tables, context_lens, tree_bits, cos, sin, lora, q_w, k_w, v_w, qkv_bias,
 //              o_w, gate_w, up_w, down_w, input_gain, post_gain, key_cache, value_cache, lora_qkv_a, lora_qkv_b,
@@ -1647,13 +1648,14 @@ bool amx_enabled() {
 #endif
 }
 
-// Whether every step is batch-invariant (model_config.batch_invariant: the runner calls KernelInvariant(1);
-// LLM_SERVING_KERNEL_INVARIANT=1 in the environment, read once, does the same): a row's outputs are the same to
-// the bit whatever else the step holds (other rows, how a prompt is chunked, decode, prefill or verify, the
-// thread count's split of the work). Products then always run dot_gemm, never qdot, matvec's tiles or the
-// batched kernels whose sums run along k (gemm_cpu.h) or on AMX tiles; attention always runs attend_tile where
-// the head size takes it (a token tree's row over its visible keys), attend_row otherwise, for every row alike.
-// Off (the default), each product takes the fastest path for its row count.
+// Whether a step is batch-invariant: the call's iconfig says (the runner's model_config.batch_invariant);
+// without that entry, this process setting (KernelInvariant below; LLM_SERVING_KERNEL_INVARIANT=1 in the
+// environment, read once), off by default. Invariant, a row's outputs are the same to the bit whatever else the
+// step holds (other rows, how a prompt is chunked, decode, prefill or verify, the thread count's split of the
+// work): products run dot_gemm or lane_units, never qdot, matvec's tiles or the batched kernels whose sums run
+// along k (gemm_cpu.h) or on AMX tiles; the SiLU runs silu_span; attention always runs attend_tile where the head
+// size takes it (a token tree's row over its visible keys), attend_row otherwise, for every row alike. Not
+// invariant, each product takes the fastest path for its row count.
 std::atomic<int> invariant_setting{-1};  // -1: not read yet; 0 off; 1 on
 
 bool invariant_enabled() {
