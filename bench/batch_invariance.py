@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""What batch invariance (model_config.batch_invariant, the layer kernel's KernelInvariant(1)) costs the CPU
+"""What batch invariance (model_config.batch_invariant; here the layer kernel's KernelInvariant switch) costs the CPU
 kernels, in one run: DecoderLayer and FinalLogits on bench/layer_kernel_gemm.py's Llama-3.2-1B-shaped layer and
 lm_head, float32 or GGUF-quantized, at decode batches of 1..64 rows and one 512-token prefill, called through
 ctypes as MindSpore calls them, with the same library switched between its fastest paths (KernelInvariant(0),

@@ -19,7 +19,8 @@ class RunnerSpec:
     decode_run_steps, decode_run_rows: decode runs (None rows: every batch the layer kernel takes).
     attention_kernel, layer_kernel, layer_kernel_rows, keep_quantized: the CPU kernels (config.ATTENTION_KERNELS);
     layer_kernel_rows None: the layer kernel runs every step, on the weights as stored (no float32 copy).
-    batch_invariant: the layer kernel's steps batch-invariant (its KernelInvariant(1)).
+    batch_invariant: the layer kernel's steps batch-invariant: 'auto' (where the kernel serves every step), True or
+    False; the runner resolves it (ModelRunner.batch_invariant) and puts it in each kernel call's iconfig.
     num_layers: run only the checkpoint's first N layers (a draft model cut from it).
     lora_slots, lora_rank: LoRA adapter slots (0: none) and the largest rank they hold.
     device_target, device_id, num_threads, compile_cache, tp_timeout_s: the process's device and threads, the
