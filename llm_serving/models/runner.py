@@ -218,6 +218,7 @@ class ModelRunner:
                                  num_blocks=self.num_blocks, max_blocks_per_seq=self.max_blocks_per_seq,
                                  scratch_slot=self.scratch_slot, lora_slots=self.lora_slots)
         reduce_kernel = all_reduce_kernel(self.tp, device_target)
+        kernel_threads = num_threads or len(os.sched_getaffinity(0))      # the CPU kernels' pool
         # everything that decides which graphs warmup() compiles, and in which order, the kernel libraries the
         # graphs name, and the kernels' config tensors, which a compiled graph holds as constants (the thread count
         # and batch invariance: a cache compiled with batch-invariant steps served a server started without them)
@@ -226,11 +227,11 @@ class ModelRunner:
              (self.tp.rank, self.tp.world, self.tp.backend, self.tp.across_nodes) if self.tp.world > 1 else None,
              self.decode_kernel, reduce_kernel, self.layer_kernel, self.layer_kernel_rows, self.decode_run_steps,
              self.decode_run_rows, self.quantized_matrices, self.lora_slots, self.lora_rank, spec.kv_cache_dtype,
-             num_threads or len(os.sched_getaffinity(0)), self.batch_invariant, _WARMUP_ORDER)
+             kernel_threads, self.batch_invariant, _WARMUP_ORDER)
             if spec.compile_cache else None)
         self._cache_dir = setup_mindspore(device_target, spec.device_id, num_threads, cache_key,
                                           wait_for_cache=self.tp.world == 1)
-        self._build_graphs(weights, quantized, num_threads, reduce_kernel, spec.tp_timeout_s)
+        self._build_graphs(weights, quantized, kernel_threads, reduce_kernel, spec.tp_timeout_s)
 
     @staticmethod
     def _build_decode_kernel(device_target: str, attention_kernel: str) -> Optional[str]:
@@ -267,7 +268,7 @@ class ModelRunner:
             logger.warning("CPU layer kernel unavailable; small decode steps run layer by layer: %s", e)
             return None
 
-    def _build_graphs(self, weights, quantized: dict, num_threads: Optional[int], reduce_kernel,
+    def _build_graphs(self, weights, quantized: dict, kernel_threads: int, reduce_kernel,
                       tp_timeout_s: float) -> None:
         import mindspore as ms
         from .llama import DecodeRun, LlamaForCausalLM
@@ -279,7 +280,6 @@ class ModelRunner:
         self.all_reduce = make_all_reduce(self.tp, self.device_target, timeout_s=tp_timeout_s, kernel=reduce_kernel)
         self.tp_timeout_s = tp_timeout_s
         self.collective_calls = 0        # model graph calls completed (all-reduces made with the peers)
-        kernel_threads = num_threads or len(os.sched_getaffinity(0))
         self.model = LlamaForCausalLM(cfg, weights, num_slots=self.num_slots, block_size=self.block_size,
                                       max_positions=self.max_context, device_target=self.device_target,
                                       decode_kernel=self.decode_kernel,

@@ -158,7 +158,7 @@ struct Scratch {
   std::vector<float> qkv, attn, act, normed, scores, tiles, lora, lora_gate_up;
   std::vector<float> attn_tiles;                 // per thread: attend_tile's query, output and key tiles
   std::vector<float> packed, gemm_w, gemm_c;     // gemm_cpu.h: x's panels (shared), per thread weights and C
-  std::vector<float> silu;                       // per thread: one unit's SiLU(gate) * up for every row
+  std::vector<float> silu;                       // per thread: one unit's gate, up and SiLU(gate) * up, every row
   std::vector<float> up;                         // batch-invariant steps of few rows: up's sums (rows x I)
   static float* sized(std::vector<float>& v, size_t n) {
     if (v.size() < n) v.resize(n);
@@ -1419,11 +1419,11 @@ inline int64_t lane_w_floats(int64_t k) { return kLaneGroup * k; }
 // a group's lane sums for one panel: 16 lanes x kLaneGroup weight rows x 32 rows of x
 inline int64_t lane_sum_floats() { return 16 * kLaneGroup * gemm::kPanel; }
 
-// Packs panel p of x (m rows, stride ldx; the first k16 columns, a multiple of 16) lane by lane into
-// xp + p * 32 * k: column 16 t + l of the panel's rows at [(l * T + t) * width, + width), T = k16 / 16, zero
-// past the last row (width: gemm::panel_width, 32 or 16).
-inline void pack_lanes(const float* x, int64_t ldx, int64_t m, int64_t k, int64_t k16, int64_t p, float* xp) {
-  const int64_t width = gemm::panel_width(m, p), m0 = p * gemm::kPanel, T = k16 / 16;
+// Packs panel p of x (m rows of k, stride ldx; the columns up to the last whole 16) lane by lane into
+// xp + p * 32 * k: column 16 t + l of the panel's rows at [(l * T + t) * width, + width), T = k / 16, zero past
+// the last row (width: gemm::panel_width, 32 or 16).
+inline void pack_lanes(const float* x, int64_t ldx, int64_t m, int64_t k, int64_t p, float* xp) {
+  const int64_t width = gemm::panel_width(m, p), m0 = p * gemm::kPanel, T = k / 16;
   const int64_t valid = std::min<int64_t>(width, m - m0);
   float* dst = xp + p * gemm::kPanel * k;
   alignas(64) float tile[16][16];
@@ -1774,7 +1774,7 @@ inline void pack_x(std::atomic<int64_t>& next, const float* x, int64_t m, int64_
 
 // pack_x for lane_units: every thread packs the panels it claims (pack_lanes); a barrier must follow.
 inline void pack_x_lanes(std::atomic<int64_t>& next, const float* x, int64_t m, int64_t k, float* xp) {
-  for (int64_t p = next.fetch_add(1); p < gemm::panels(m); p = next.fetch_add(1)) pack_lanes(x, k, m, k, k / 16 * 16, p, xp);
+  for (int64_t p = next.fetch_add(1); p < gemm::panels(m); p = next.fetch_add(1)) pack_lanes(x, k, m, k, p, xp);
 }
 
 #if defined(LLM_SERVING_AMX)
@@ -1920,6 +1920,34 @@ void gemm_units(const Matrix* const* ws, int parts, int64_t u0, int64_t u1, cons
 // sums are dot_gemm's.
 enum class Route { kTiles, kBatched, kDot, kLanes };
 
+// batched: the fastest paths' batched products (the call's rows reach their threshold)
+inline Route route_of(bool invariant, bool batched, int64_t rows) {
+  return batched ? Route::kBatched : !invariant ? Route::kTiles : rows >= kLaneRows ? Route::kLanes : Route::kDot;
+}
+
+// Floats of a route's buffers for m rows of x of k columns: the packed x (shared; 0: none), and a thread's
+// weight group and C (or lane sums)
+struct RouteFloats {
+  int64_t x, w, c;
+};
+inline RouteFloats route_floats(Route route, int64_t m, int64_t k, bool amx) {
+  switch (route) {
+    case Route::kBatched: return {gemm_x_floats(m, k, amx), gemm_w_floats(k, amx), gemm_c_floats(m, amx)};
+    case Route::kLanes: return {gemm::packed_floats(m, k), lane_w_floats(k), lane_c_floats(m)};
+    case Route::kDot: return {0, dot_w_floats(k), dot_lane_floats()};
+    case Route::kTiles: break;
+  }
+  return {0, 0, 0};
+}
+
+// Every thread packs the panels of x it claims, as the route reads them (pack_x or pack_x_lanes); a barrier must
+// follow
+inline void pack_for(Route route, std::atomic<int64_t>& next, const float* x, int64_t m, int64_t k, float* xp,
+                     bool amx, int ints) {
+  if (route == Route::kLanes) pack_x_lanes(next, x, m, k, xp);
+  else pack_x(next, x, m, k, xp, amx, ints);
+}
+
 // Rows [r0, r1) of w times every row of x (batch rows of w.k): emit(b, r, w[r] . x[b]), by the step's route:
 // matvec with tile, gemm_units (xp: x packed by pack_x), or, batch-invariant, dot_gemm or lane_units (xp: x
 // packed by pack_lanes; wbuf and c: the route's buffers).
@@ -2040,8 +2068,9 @@ __attribute__((noinline)) void silu8(const float* g, const float* u, float* out)
 }
 
 // out[i] = silu(g[i]) * u[i], i < n, 8 at a time through silu8 (the last ones padded): the same float for a
-// value wherever it sits. Batch-invariant steps take it in both routes; silu_times inlined into a loop is
-// vectorized there and its remainder not, and the two need not agree to the bit.
+// value wherever it sits. Every MLP but the few-row fast path's takes it: silu_times inlined into a loop is
+// vectorized there and its remainder not, and the two need not agree to the bit (batch-invariant steps would
+// then differ between their few-row and many-row routes).
 void silu_span(const float* g, const float* u, int64_t n, float* out) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) silu8(g + i, u + i, out + i);
@@ -2273,20 +2302,17 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
   const bool all_int = int_qkv != kNoInt && int_o != kNoInt && int_gate_up != kNoInt && int_down != kNoInt;
   const bool invariant = invariant_of(icfg, shapes[ICFG][0], 11);
   const bool batched = !invariant && rows >= (all_int ? kIntGemmRows : gemm_rows(amx, float32));
-  const Route route = batched ? Route::kBatched : !invariant ? Route::kTiles
-                      : rows >= kLaneRows ? Route::kLanes : Route::kDot;
+  const Route route = route_of(invariant, batched, rows);
   const bool lanes = route == Route::kLanes;
   if (!batched) int_qkv = int_o = int_gate_up = int_down = kNoInt;
-  float* xp = batched ? sized_aligned(s.packed, gemm_x_floats(rows, kmax, amx))
-              : lanes ? sized_aligned(s.packed, gemm::packed_floats(rows, kmax)) : nullptr;
-  // per thread: the route's buffers (a group of weight rows; C, or the lane sums of a batch-invariant step)
-  const int64_t w_floats = batched ? gemm_w_floats(kmax, amx) : lanes ? lane_w_floats(kmax) : dot_w_floats(kmax);
-  const int64_t c_floats = batched ? gemm_c_floats(rows, amx)
-                           : lanes ? lane_c_floats(rows) : dot_lane_floats();
-  float* gemm_w = batched || invariant ? sized_aligned(s.gemm_w, threads * w_floats) : nullptr;
-  float* gemm_c = batched || invariant ? sized_aligned(s.gemm_c, threads * c_floats) : nullptr;
+  // the route's buffers: x packed (shared), per thread a group of weight rows and C (or lane sums)
+  const RouteFloats sizes = route_floats(route, rows, kmax, amx);
+  const int64_t w_floats = sizes.w, c_floats = sizes.c;
+  float* xp = sizes.x ? sized_aligned(s.packed, sizes.x) : nullptr;
+  float* gemm_w = w_floats ? sized_aligned(s.gemm_w, threads * w_floats) : nullptr;
+  float* gemm_c = c_floats ? sized_aligned(s.gemm_c, threads * c_floats) : nullptr;
   const int64_t dot_align = lanes ? kLaneGroup : invariant ? kDotGroup : 4;     // the chunks of a product's rows
-  float* silu = batched || lanes ? Scratch::sized(s.silu, threads * (lanes ? 3 : 1) * rows) : nullptr;
+  float* silu = batched || lanes ? Scratch::sized(s.silu, threads * 3 * rows) : nullptr;
   float* up_sums = invariant && !lanes ? Scratch::sized(s.up, rows * inter) : nullptr;
   // the computed rows that have a LoRA adapter, sorted by slot; thread t takes a contiguous share of them, so
   // that each slot's matrices are read once per thread and product however many rows use it
@@ -2350,12 +2376,11 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
     float* tile = tiles + tid * 8 * kmax;
     float* wbuf = gemm_w ? gemm_w + tid * w_floats : nullptr;
     float* cbuf = gemm_c ? gemm_c + tid * c_floats : nullptr;
-    float* silu_row = silu ? silu + tid * (lanes ? 3 : 1) * rows : nullptr;   // lanes: and gate's, up's
+    float* silu_row = silu ? silu + tid * 3 * rows : nullptr;     // and the unit's gate and up sums
     // batched or lanes: the product's x packed into xp by all threads (a barrier after), then read by every chunk
     auto packed = [&](int which, const float* in, int64_t k_in, int integer) -> const float* {
-      if (!batched && !lanes) return nullptr;
-      if (lanes) pack_x_lanes(next_pack[which], in, rows, k_in, xp);
-      else pack_x(next_pack[which], in, rows, k_in, xp, amx, integer);
+      if (xp == nullptr) return nullptr;
+      pack_for(route, next_pack[which], in, rows, k_in, xp, amx, integer);
       barrier.wait();
       return xp;
     };
@@ -2471,27 +2496,18 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
         units(gate_up, 2, r0, r1, xn, xg, [&](int64_t j, int64_t n, const float* c, int64_t ldc) {
           // unit by unit: its gate and up sums of every row are contiguous in C (one vectorized pass), then
           // written to each row of act (a row's strided access rather than C's)
+          // (LoRA rows' deltas added first; silu_span, as the few-row invariant steps)
+          float* g = silu_row + rows;
+          float* v = silu_row + 2 * rows;
           for (int64_t i = 0; i < n; ++i) {
             const float* gate = c + i * ldc;
             const float* up = c + (n + i) * ldc;
-            if (lanes) {                            // silu_span, as the few-row steps (LoRA deltas added first)
-              float* g = silu_row + rows;
-              float* v = silu_row + 2 * rows;
-              for (int64_t b = 0; b < rows; ++b) {
-                const bool lora_row = adapted && lora[b] > 0 && slots[b] >= 0;
-                g[b] = lora_row ? gate[b] + lora_gu[b * 2 * inter + j + i] : gate[b];
-                v[b] = lora_row ? up[b] + lora_gu[b * 2 * inter + inter + j + i] : up[b];
-              }
-              silu_span(g, v, rows, silu_row);
-              for (int64_t b = 0; b < rows; ++b) act[b * inter + j + i] = silu_row[b];
-              continue;
+            for (int64_t b = 0; b < rows; ++b) {
+              const bool lora_row = adapted && lora[b] > 0 && slots[b] >= 0;
+              g[b] = lora_row ? gate[b] + lora_gu[b * 2 * inter + j + i] : gate[b];
+              v[b] = lora_row ? up[b] + lora_gu[b * 2 * inter + inter + j + i] : up[b];
             }
-            for (int64_t b = 0; b < rows; ++b) silu_row[b] = silu_times(gate[b], up[b]);
-            for (int64_t b = 0; adapted && b < rows; ++b) {
-              if (lora[b] <= 0 || slots[b] < 0) continue;
-              const float* g = lora_gu + b * 2 * inter + j + i;
-              silu_row[b] = silu_times(gate[b] + g[0], up[b] + g[inter]);
-            }
+            silu_span(g, v, rows, silu_row);
             for (int64_t b = 0; b < rows; ++b) act[b * inter + j + i] = silu_row[b];
           }
         }, int_gate_up);
@@ -2612,29 +2628,24 @@ extern "C" int FinalLogits(int nparam, void** params, int* ndims, int64_t** shap
   // log-probability sums its chunks' parts in order)
   const bool invariant = invariant_of(icfg, shapes[ICFG][0], 2);
   const bool batched = !invariant && live >= (lm_ints != kNoInt ? kIntGemmRows : gemm_rows(amx, w.type == kF32));
-  const Route route = batched ? Route::kBatched : !invariant ? Route::kTiles
-                      : live >= kLaneRows ? Route::kLanes : Route::kDot;
-  const bool lanes = route == Route::kLanes;
+  const Route route = route_of(invariant, batched, live);
   const int64_t align = batched ? gemm_group(h, amx) : invariant ? kDotGroup : 4;
   const int ints = batched ? lm_ints : kNoInt;
   const int64_t chunk = chunk_rows(vocab, p.threads(), align), chunks = (vocab + chunk - 1) / chunk;
   float* partial = Scratch::sized(s.scores, chunks * live * 3);
   float* tiles = Scratch::sized(s.tiles, p.threads() * 4 * h);
-  float* xp = batched ? sized_aligned(s.packed, gemm_x_floats(live, h, amx))
-              : lanes ? sized_aligned(s.packed, gemm::packed_floats(live, h)) : nullptr;
-  const int64_t w_floats = batched ? gemm_w_floats(h, amx) : lanes ? lane_w_floats(h) : dot_w_floats(h);
-  const int64_t c_floats = batched ? gemm_c_floats(live, amx)
-                           : lanes ? lane_c_floats(live) : dot_lane_floats();
-  float* gemm_w = batched || invariant ? sized_aligned(s.gemm_w, p.threads() * w_floats) : nullptr;
-  float* gemm_c = batched || invariant ? sized_aligned(s.gemm_c, p.threads() * c_floats) : nullptr;
+  const RouteFloats sizes = route_floats(route, live, h, amx);
+  const int64_t w_floats = sizes.w, c_floats = sizes.c;
+  float* xp = sizes.x ? sized_aligned(s.packed, sizes.x) : nullptr;
+  float* gemm_w = w_floats ? sized_aligned(s.gemm_w, p.threads() * w_floats) : nullptr;
+  float* gemm_c = c_floats ? sized_aligned(s.gemm_c, p.threads() * c_floats) : nullptr;
   Barrier barrier(p.threads());
   std::atomic<int64_t> next_vocab{0}, next_pack{0};
   p.run([&](int tid, int nthreads) {
     float* xn = normed + tid * live * h;
     rms_normalize(x, live, h, eps, gain, xn);
-    if (batched || lanes) {
-      if (lanes) pack_x_lanes(next_pack, xn, live, h, xp);
-      else pack_x(next_pack, xn, live, h, xp, amx, ints);
+    if (xp != nullptr) {
+      pack_for(route, next_pack, xn, live, h, xp, amx, ints);
       barrier.wait();
     }
     claim_rows(next_vocab, vocab, nthreads, [&](int64_t r0, int64_t r1) {
