@@ -131,6 +131,11 @@ class ChatMessage(BaseModel):
     name: Optional[str] = None
 
 
+_TEMPLATE_KWARGS = ("extra variables for the chat template's render (vLLM, SGLang), e.g. {\"enable_thinking\": false} "
+                    "for Qwen3; not the render's own: messages, tools, add_generation_prompt, bos_token, eos_token, "
+                    "raise_exception, ...")
+
+
 class ChatCompletionRequest(_Sampling):
     """POST /v1/chat/completions."""
     messages: List[ChatMessage] = Field(min_length=1)
@@ -140,6 +145,7 @@ class ChatCompletionRequest(_Sampling):
     tools: Optional[List[Tool]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedTool]] = None
     parallel_tool_calls: Optional[bool] = None
+    chat_template_kwargs: Optional[Dict[str, Any]] = Field(None, description=_TEMPLATE_KWARGS)
     functions: None = None
     function_call: None = None
 
@@ -154,6 +160,7 @@ class TokenizeRequest(_Body):
     return_token_strs: bool = False
     tools: Optional[List[Tool]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedTool]] = None
+    chat_template_kwargs: Optional[Dict[str, Any]] = Field(None, description=_TEMPLATE_KWARGS)
 
 
 class DetokenizeRequest(_Body):

@@ -7,8 +7,8 @@ Streaming and not, `n` choices (each its own request; with a seed, choice i uses
 `ignore_eos`, `stop_token_ids`, `repetition_penalty`; and `speculative`: false keeps a request out of
 speculative decoding). Errors are
 OpenAI-shaped (see app.error_middleware). Chat prompts go through the engine's chat template
-(llm_serving/tokenization/chat_template.py: LLaMA-2 built in, or a Jinja template); a last assistant message is a prefix the
-reply continues.
+(llm_serving/tokenization/chat_template.py: LLaMA-2 built in, or a Jinja template, given the request's
+`chat_template_kwargs` as extra variables); a last assistant message is a prefix the reply continues.
 """
 from __future__ import annotations
 
@@ -19,12 +19,12 @@ import uuid
 
 from aiohttp import web
 
-from llm_serving.tokenization import ChatTemplateError
+from llm_serving.tokenization import ChatTemplateError, check_variables
 from llm_serving.master.request import SamplingParams
 from llm_serving.server import api_models, schemas, streaming
 from llm_serving.server.keys import ENGINE
 from llm_serving.server.schemas import ValidationError
-from llm_serving.server.reasoning import ReasoningStream, split_reasoning
+from llm_serving.server.reasoning import AFTER, INSIDE, ReasoningStream, reply_start, split_reasoning
 from llm_serving.server.tools import CallStream, ToolRequest, history_as_text, parse_calls
 
 def _model(engine, body: dict) -> str:
@@ -408,7 +408,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         raise ValidationError("top_logprobs needs logprobs: true", param="top_logprobs")
     messages = _messages(body["messages"])
     tools = ToolRequest.parse(body, engine.chat_template)
-    prompt_ids = _chat_ids(engine, messages, tools)
+    prompt_ids = _chat_ids(engine, messages, tools, r.chat_template_kwargs)
     key = "max_completion_tokens" if r.max_completion_tokens is not None else "max_tokens"
     sampling, given, n, stream, include_usage = _sampling(r, body, key, engine.max_model_len, engine.tokenizer,
                                                           engine.vocab_size)
@@ -422,21 +422,27 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         sampling.grammar = tools.grammar()
     _fit(engine, sampling, given, prompt_ids, key)
     reqs = await _submit(engine, prompt_ids, sampling, n, model)
-    template = engine.chat_template
-    thinking = template.reasons and engine.tokenizer.decode(prompt_ids[-16:], skip_special=False).rstrip() \
-        .endswith("<think>")
+    # where the reply starts: inside the reasoning (the prompt opened <think>), after it (the prompt closed an empty
+    # one: Qwen3's enable_thinking false), or before (the model may open it)
+    start = reply_start(engine.tokenizer.decode(prompt_ids[-32:], skip_special=False)) \
+        if engine.chat_template.reasons else AFTER
     # a grammar constrains the reply from its first token: its output is the answer, unless it spells the reasoning
     # out itself (its text has the closing tag)
-    reasons = template.reasons and (sampling.grammar is None or "</think>" in str(sampling.grammar.value))
+    reasons = start != AFTER and (sampling.grammar is None or "</think>" in str(sampling.grammar.value))
     scoring = Scoring(prompt_logprobs=sampling.prompt_logprobs is not None, score_only=getattr(r, key) == 0,
-                      reasoning=reasons, thinking=reasons and thinking)
+                      reasoning=reasons, thinking=reasons and start == INSIDE)
     return await _respond(request, engine, reqs, chat=True, model=model, stream=stream,
                           include_usage=include_usage, logprobs=bool(r.logprobs), tools=tools, scoring=scoring)
 
 
-def _chat_ids(engine, messages: list, tools: "ToolRequest | None") -> list:
-    """A chat's prompt ids: through the chat template, with the tools (server/tools.py); a history of tool calls
-    and results as text for a template that does not take them."""
+def _chat_ids(engine, messages: list, tools: "ToolRequest | None", variables: "dict | None") -> list:
+    """A chat's prompt ids: through the chat template, with the tools (server/tools.py) and the request's
+    `chat_template_kwargs` (`variables`); a history of tool calls and results as text for a template that does not
+    take them."""
+    try:
+        check_variables(variables)
+    except ChatTemplateError as exc:
+        raise ValidationError(str(exc), param="chat_template_kwargs") from None
     template = engine.chat_template
     rendered = None
     if tools is not None:
@@ -444,7 +450,7 @@ def _chat_ids(engine, messages: list, tools: "ToolRequest | None") -> list:
     elif not template.takes_tools and any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
         messages = history_as_text(messages)
     try:
-        return template.encode(messages, rendered)
+        return template.encode(messages, rendered, variables)
     except ChatTemplateError as exc:
         raise ValidationError(str(exc), param="messages") from None
 
@@ -495,7 +501,8 @@ ROOT_ROUTES = ("/tokenize", "/detokenize")     # vLLM's, outside /v1/, with Open
 
 async def tokenize(request: web.Request) -> web.Response:
     """vLLM's POST /tokenize: the token ids of a `prompt` (string; `add_special_tokens`, default true, adds the
-    BOS) or of chat `messages` through the model's chat template, as the chat route would feed them;
+    BOS) or of chat `messages` (with `tools`, `chat_template_kwargs`) through the model's chat template, as the
+    chat route would feed them;
     {count, max_model_len, tokens, token_strs (with `return_token_strs`: each token's piece, else null)}."""
     engine = request.app[ENGINE]
     body = schemas.parse_json_body(await request.read())
@@ -505,8 +512,9 @@ async def tokenize(request: web.Request) -> web.Response:
     if (r.prompt is None) == (r.messages is None):
         raise ValidationError("give exactly one of 'prompt' (a string) or 'messages' (a chat)", param="prompt")
     if r.prompt is not None:
-        if r.add_generation_prompt is not None:
-            raise ValidationError("add_generation_prompt goes with 'messages'", param="add_generation_prompt")
+        for field in ("add_generation_prompt", "chat_template_kwargs"):
+            if getattr(r, field) is not None:
+                raise ValidationError(f"{field} goes with 'messages'", param=field)
         ids = engine.tokenizer.encode(r.prompt, add_bos=r.add_special_tokens is not False)
     else:
         messages = _messages(body["messages"])
@@ -517,7 +525,7 @@ async def tokenize(request: web.Request) -> web.Response:
             raise ValidationError("add_generation_prompt false is not supported: the chat template opens the "
                                   "assistant's turn after a last user or system message (and continues a last "
                                   "assistant message)", param="add_generation_prompt")
-        ids = _chat_ids(engine, messages, ToolRequest.parse(body, engine.chat_template))
+        ids = _chat_ids(engine, messages, ToolRequest.parse(body, engine.chat_template), r.chat_template_kwargs)
     return web.json_response({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
                               "token_strs": [engine.tokenizer.id_to_piece(i) for i in ids] if r.return_token_strs
                               else None})

@@ -18,10 +18,11 @@ A new tokenizer format: a module here whose tokenizer has the `Tokenizer` interf
 its case in `loader.load_tokenizer` (and `find_tokenizer_file` if its file is found another way).
 """
 from .base import DetokenizerBase, Tokenizer
-from .chat_template import ChatTemplate, ChatTemplateError, load_chat_template
+from .chat_template import ChatTemplate, ChatTemplateError, check_variables, load_chat_template
 from .hf import HFTokenizer
 from .loader import find_tokenizer_file, load_tokenizer
 from .sentencepiece import IncrementalDetokenizer, SentencePieceTokenizer
 
 __all__ = ["ChatTemplate", "ChatTemplateError", "DetokenizerBase", "HFTokenizer", "IncrementalDetokenizer",
-           "SentencePieceTokenizer", "Tokenizer", "find_tokenizer_file", "load_chat_template", "load_tokenizer"]
+           "SentencePieceTokenizer", "Tokenizer", "check_variables", "find_tokenizer_file", "load_chat_template",
+           "load_tokenizer"]

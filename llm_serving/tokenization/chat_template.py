@@ -6,7 +6,9 @@ are laid out exactly as the model's template says; HuggingFace and llama.cpp mod
 Jinja, which is rendered here as transformers' `apply_chat_template` does: in an immutable sandbox, with
 `messages`, `bos_token`, `eos_token`, `add_generation_prompt` (false when the last message is the assistant's,
 which the reply then continues), `raise_exception(msg)` (rejects the conversation with that message),
-`strftime_now(fmt)`, a `tojson` that keeps non-ASCII text, and `{% break %}`/`{% continue %}`.
+`strftime_now(fmt)`, a `tojson` that keeps non-ASCII text, and `{% break %}`/`{% continue %}`. A request may add
+variables of its own (vLLM's `chat_template_kwargs`, e.g. Qwen3's `enable_thinking`), never one of those
+(`check_variables`).
 
 The rendered text is split at the BOS and EOS strings (`tokenizer.special_text`, e.g. "<s>", "</s>"), which
 become those token ids; the rest is encoded without adding a BOS. A tokenizer.json or GGUF byte-level
@@ -14,7 +16,9 @@ vocabulary also turns its other special tokens in the text (ChatML's "<|im_start
 """
 from __future__ import annotations
 
+import functools
 import json
+import math
 import re
 from datetime import datetime
 from pathlib import Path
@@ -44,6 +48,42 @@ def _environment():
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env
+
+
+# what every render is given (transformers' names); a request's own variables may not replace them
+RENDER_VARIABLES = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
+
+
+@functools.lru_cache(maxsize=None)
+def reserved_variables() -> frozenset:
+    """The names a request's variables may not take: the render's own and the sandbox's functions
+    (raise_exception, strftime_now, and Jinja's namespace, range, dict, ...), which templates call."""
+    return frozenset(RENDER_VARIABLES) | frozenset(_environment().globals)
+
+
+def check_variables(variables: Optional[dict]) -> dict:
+    """A request's extra template variables (vLLM's `chat_template_kwargs`: {"enable_thinking": false}), checked:
+    ChatTemplateError naming a key the render sets itself (`reserved_variables`) or whose value is not JSON (a
+    NaN or an infinity, which Python's JSON reader lets through). A variable the template never reads is ignored,
+    as vLLM does: a client may send Qwen3's switch to any model."""
+    variables = variables or {}
+    for key, value in variables.items():
+        if key in reserved_variables():
+            raise ChatTemplateError(f"chat_template_kwargs.{key}: the chat template's render sets {key!r} itself; "
+                                    "a request cannot replace it")
+        if not _is_json(value):
+            raise ChatTemplateError(f"chat_template_kwargs.{key} must be a JSON value (no NaN or infinity)")
+    return variables
+
+
+def _is_json(value) -> bool:
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _is_json(v) for k, v in value.items())
+    if isinstance(value, list):
+        return all(map(_is_json, value))
+    return value is None or isinstance(value, (str, int, bool))
 
 
 class ChatTemplate:
@@ -79,18 +119,19 @@ class ChatTemplate:
         system message (server/tools.py)."""
         return self._takes_tools
 
-    def encode(self, messages: list, tools: Optional[list] = None) -> list:
-        """Token ids of a conversation ([{"role", "content"}], and `tools` for a template that takes them);
-        ChatTemplateError if it does not fit."""
+    def encode(self, messages: list, tools: Optional[list] = None, variables: Optional[dict] = None) -> list:
+        """Token ids of a conversation ([{"role", "content"}], `tools` for a template that takes them, a request's
+        extra `variables`; the built-in format has none and ignores them); ChatTemplateError if it does not fit."""
         if not messages:
             raise ChatTemplateError("messages must not be empty")
         if self._template is None:
+            check_variables(variables)
             try:
                 return self.tokenizer.encode_chat(messages)
             except ValueError as exc:
                 raise ChatTemplateError(str(exc)) from None
         ids: list = []
-        text = self.render(messages, tools)
+        text = self.render(messages, tools, variables)
         for part in (self._split.split(text) if self._split else [text]):
             if part in self._specials:
                 ids.append(self._specials[part])
@@ -100,8 +141,9 @@ class ChatTemplate:
             raise ChatTemplateError("the chat template rendered nothing for these messages")
         return ids
 
-    def render(self, messages: list, tools: Optional[list] = None) -> str:
-        """The template's text for a conversation (Jinja templates only)."""
+    def render(self, messages: list, tools: Optional[list] = None, variables: Optional[dict] = None) -> str:
+        """The template's text for a conversation (Jinja templates only), with a request's extra `variables`
+        (`check_variables`)."""
         from jinja2 import TemplateError
 
         if self._template is None:
@@ -109,7 +151,7 @@ class ChatTemplate:
         bos, eos = (self.tokenizer.special_text(i) if i is not None else ""
                     for i in (self.tokenizer.bos_id, self.tokenizer.eos_id))
         try:
-            extra = {"tools": tools} if tools else {}
+            extra = {**check_variables(variables), **({"tools": tools} if tools else {})}
             return self._template.render(messages=messages, bos_token=bos, eos_token=eos,
                                          add_generation_prompt=messages[-1]["role"] != "assistant", **extra)
         except TemplateError as exc:

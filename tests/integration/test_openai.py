@@ -95,6 +95,21 @@ def test_errors_are_openai_shaped(client, stories_server):
     assert status == 400 and body["error"]["type"] == "invalid_request_error"
 
 
+def test_chat_template_kwargs_through_the_client(client, stories_server):
+    """vLLM's chat_template_kwargs, as the openai client sends it (extra_body): the built-in LLaMA-2 format reads no
+    variables, so Qwen3's switch changes neither the prompt nor the reply; a variable the render sets itself is a
+    400 naming it (the template-reading side: tests/integration/test_reasoning.py)."""
+    ask = dict(model="hf", messages=[{"role": "user", "content": "A cat"}], max_tokens=8, temperature=0)
+    plain = client.chat.completions.create(**ask)
+    off = client.chat.completions.create(**ask, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert off.choices[0].message.content == plain.choices[0].message.content
+    assert off.usage.prompt_tokens == plain.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(**ask, extra_body={"chat_template_kwargs": {"bos_token": "<s>"}})
+    assert err.value.body["param"] == "chat_template_kwargs" and "chat_template_kwargs.bos_token" in \
+        err.value.body["message"]
+
+
 def test_top_logprobs_on_every_api(client, stories_server):
     text, logprobs, _ = native(stories_server.url, PROMPT, 6)
     out = client.completions.create(model="hf", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3,
@@ -183,7 +198,10 @@ def test_the_openapi_document_describes_the_request_bodies_and_they_are_checked_
     assert status == 200 and doc["openapi"].startswith("3.1")
     schemas = doc["components"]["schemas"]
     chat = schemas["ChatCompletionRequest"]
-    assert {"messages", "tools", "response_format", "logit_bias", "min_p", "prompt_logprobs"} <= set(chat["properties"])
+    assert {"messages", "tools", "response_format", "logit_bias", "min_p", "prompt_logprobs",
+            "chat_template_kwargs"} <= set(chat["properties"])
+    assert "enable_thinking" in chat["properties"]["chat_template_kwargs"]["description"]
+    assert "chat_template_kwargs" in schemas["TokenizeRequest"]["properties"]
     assert chat["properties"]["temperature"]["maximum"] == 2.0 and "messages" in chat["required"]
     assert doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"] == \
         {"$ref": "#/components/schemas/ChatCompletionRequest"}

@@ -1,12 +1,16 @@
 """A thinking model's reply (vLLM's reasoning_content): the stories260K model served with a chat template whose
 generation prompt opens <think>, its reply forced by a regular expression to reason, close the tag and answer;
 the reasoning and the answer come apart, whole and streamed. A grammar that does not spell the reasoning out (a
-JSON schema) constrains the answer: the whole reply is content."""
+JSON schema) constrains the answer: the whole reply is content. Qwen3's thinking switch (`chat_template_kwargs`
+{"enable_thinking": false}) reaches the template, and the split follows the prompt it renders."""
 from __future__ import annotations
 
 import json
+import re
 
-from tests.integration.server_harness import REPO, http, serving
+import pytest
+
+from tests.integration.server_harness import REPO, http, parse_sse, serving
 
 THINKING = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
             "{% if add_generation_prompt %}assistant: <think>\n{% endif %}")
@@ -40,3 +44,92 @@ def test_reasoning_and_answer_come_apart_whole_and_streamed(stories_dir, tmp_pat
             **body, "guided_regex": None, "max_tokens": 20, "structured_outputs": {"choice": ["yes", "no"]}})
         assert status == 200 and body["choices"][0]["message"]["content"] in ("yes", "no"), body
         assert "reasoning_content" not in body["choices"][0]["message"]
+
+
+# Qwen3's thinking switch (`chat_template_kwargs`), in a template of our own: thinking on leaves the generation
+# prompt open and the reply opens <think> itself (Qwen3's); `open_think`, a variable of this test's, opens it in the
+# prompt (DeepSeek-R1's way: the reply starts inside); enable_thinking false closes an empty block there
+SWITCH = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+          "{% if add_generation_prompt %}assistant:"
+          "{% if enable_thinking is defined and enable_thinking is false %} <think>\n\n</think>\n\n"
+          "{% elif open_think %} <think>\n{% endif %}{% endif %}")
+THOUGHT, ANSWER = r"[a-z]{2,8}( [a-z]{2,8}){1,3}\n</think>\n\n", r"[a-z]{2,8}( [a-z]{2,8}){0,2}\."
+ON, OPEN, OFF = {"enable_thinking": True}, {"enable_thinking": True, "open_think": True}, {"enable_thinking": False}
+CHAT = {"model": "hf", "temperature": 0, "max_tokens": 60,
+        "messages": [{"role": "user", "content": "Once upon a time"}]}
+
+
+@pytest.fixture(scope="module")
+def switch_server(stories_dir, tmp_path_factory):
+    pytest.importorskip("mindspore")
+    folder = tmp_path_factory.mktemp("thinking_switch")
+    (folder / "switch.jinja").write_text(SWITCH)
+    args = ["--config", str(REPO / "configs" / "stories260K.yaml"), "--model", str(stories_dir / "hf"),
+            "--set", f"tokenizer.chat_template={folder / 'switch.jinja'}"]
+    with serving(args, folder / "server.log") as server:
+        yield server
+
+
+def _chat(server, body):
+    """(message, streamed (reasoning, content), usage) of a chat request, whole and streamed."""
+    status, whole = http("POST", server.url + "/v1/chat/completions", body)
+    assert status == 200, whole
+    status, text = http("POST", server.url + "/v1/chat/completions", {**body, "stream": True})
+    deltas = [e["choices"][0]["delta"] for e in parse_sse(text.replace("data: [DONE]", "")) if e["choices"]]
+    streamed = tuple("".join(d.get(k) or "" for d in deltas) for k in ("reasoning_content", "content"))
+    return whole["choices"][0]["message"], streamed, whole["usage"]
+
+
+def _prompt(server, kwargs):
+    """(ids, text) of the chat's prompt as /tokenize renders it with these template variables."""
+    status, out = http("POST", server.url + "/tokenize", {"messages": CHAT["messages"], "chat_template_kwargs": kwargs})
+    assert status == 200, out
+    status, text = http("POST", server.url + "/detokenize", {"tokens": out["tokens"]})
+    return out["tokens"], text["prompt"]
+
+
+def test_the_thinking_switch_reaches_the_template_and_the_split_follows(switch_server):
+    server = switch_server
+    (on_ids, on_text), (open_ids, open_text), (off_ids, off_text) = (_prompt(server, k) for k in (ON, OPEN, OFF))
+    assert on_text.endswith("assistant:") and open_text.endswith("assistant: <think>\n"), (on_text, open_text)
+    assert off_text.endswith("assistant: <think>\n\n</think>\n\n"), off_text
+    assert _prompt(server, None)[0] == on_ids and open_ids[:len(on_ids)] == off_ids[:len(on_ids)] == on_ids
+    # thinking on: the reply opens the reasoning itself (Qwen3) or starts inside it (the prompt opened it)
+    for kwargs, regex, ids in ((ON, "<think>\n" + THOUGHT + ANSWER, on_ids), (OPEN, THOUGHT + ANSWER, open_ids)):
+        message, streamed, usage = _chat(server, {**CHAT, "guided_regex": regex, "chat_template_kwargs": kwargs})
+        assert usage["prompt_tokens"] == len(ids)                       # the prompt /tokenize showed
+        thought, answer = message["reasoning_content"], message["content"]
+        assert re.fullmatch(r"[a-z]{2,8}( [a-z]{2,8}){1,3}", thought), message
+        assert re.fullmatch(ANSWER, answer), message
+        assert streamed == (thought, answer)
+    # thinking off: the prompt closed an empty block, so the reply is all answer, even one that "thinks" anyway
+    # (vLLM's streaming rule too); no reasoning_content, and no reasoning delta streamed
+    for regex in (ANSWER, "<think>\n" + THOUGHT + ANSWER):
+        message, streamed, usage = _chat(server, {**CHAT, "guided_regex": regex, "chat_template_kwargs": OFF})
+        assert usage["prompt_tokens"] == len(off_ids) and "reasoning_content" not in message, message
+        assert re.fullmatch(regex, message["content"]) and streamed == ("", message["content"]), (message, streamed)
+    # free text, thinking off: the same greedy reply as a completion of the prompt /tokenize gave
+    message, streamed, _ = _chat(server, {**CHAT, "max_tokens": 12, "chat_template_kwargs": OFF})
+    status, completion = http("POST", server.url + "/v1/completions", {"model": "hf", "prompt": off_ids,
+                                                                       "max_tokens": 12, "temperature": 0})
+    assert status == 200 and message["content"] == completion["choices"][0]["text"], (message, completion)
+    assert "reasoning_content" not in message and streamed == ("", message["content"])
+
+
+def test_a_bad_chat_template_kwargs_is_a_400_naming_it(switch_server):
+    url = switch_server.url
+    for kwargs, says in (("yes", "chat_template_kwargs must be an object"), ([OFF], "must be an object"),
+                         ({"enable_thinking": False, "add_generation_prompt": False},
+                          "chat_template_kwargs.add_generation_prompt: the chat template's render sets 'add_generation_"
+                          "prompt' itself"),
+                         ({"messages": []}, "chat_template_kwargs.messages"),
+                         ({"namespace": 1}, "chat_template_kwargs.namespace")):
+        for route, body in (("/v1/chat/completions", CHAT), ("/tokenize", {"messages": CHAT["messages"]})):
+            status, out = http("POST", url + route, {**body, "chat_template_kwargs": kwargs})
+            assert status == 400 and out["error"]["param"] == "chat_template_kwargs", (route, out)
+            assert says in out["error"]["message"], out
+    raw = json.dumps({**CHAT, "chat_template_kwargs": {"budget": float("nan")}}).encode()   # NaN: not JSON
+    status, out = http("POST", url + "/v1/chat/completions", raw=raw)
+    assert status == 400 and "chat_template_kwargs.budget must be a JSON value" in out["error"]["message"], out
+    status, out = http("POST", url + "/tokenize", {"prompt": "Once", "chat_template_kwargs": OFF})
+    assert status == 400 and out["error"]["param"] == "chat_template_kwargs", out

@@ -8,7 +8,7 @@ from datetime import datetime
 
 import pytest
 
-from llm_serving.tokenization import ChatTemplateError, load_chat_template, load_tokenizer
+from llm_serving.tokenization import ChatTemplateError, check_variables, load_chat_template, load_tokenizer
 from tests.unit.test_tokenizer_hf import train_byte_level
 
 SMOLLM2_TEMPLATE = (
@@ -99,3 +99,64 @@ def test_sentencepiece_model_takes_the_default_named_template_beside_it(llama_to
     assert template.source == str(tmp_path / "tokenizer.model")
     assert template.encode(USER) == [1, *tok.encode("[INST] What is 2+2? [/INST]", add_bos=False), 2]
     assert load_chat_template("llama2", str(tmp_path), tok).encode(USER) == tok.encode_chat(USER)
+
+
+# Qwen3's thinking switch, in a template of our own: thinking on (the default) leaves the generation prompt open,
+# the model writes <think> itself; `enable_thinking` false appends an empty reasoning block so it answers at once.
+# Earlier assistant turns are shown without their reasoning.
+QWEN3_LIKE = (
+    "{% for m in messages %}"
+    "{% set content = m.content.split('</think>')[-1].lstrip('\\n') if m.role == 'assistant' else m.content %}"
+    "<|im_start|>{{ m.role }}\n{{ content }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+    "{% endif %}")
+
+
+@pytest.fixture
+def qwen3_like(tmp_path):
+    folder = train_byte_level(tmp_path, "qwen2", CHATML_SPECIALS, config={"eos_token": "<|im_end|>",
+                                                                          "chat_template": QWEN3_LIKE})
+    tok = load_tokenizer(str(folder))
+    return tok, load_chat_template(None, str(folder), tok)
+
+
+def test_request_variables_reach_the_template(qwen3_like):
+    tok, template = qwen3_like
+    history = [*USER, {"role": "assistant", "content": "<think>\nEasy.\n</think>\n\n4"},
+               {"role": "user", "content": "And 3+3?"}]
+    turns = ("<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n"
+             "<|im_start|>user\nAnd 3+3?<|im_end|>\n<|im_start|>assistant\n")
+    assert template.reasons
+    assert template.render(history) == turns                                   # thinking on by default
+    assert template.render(history, variables={"enable_thinking": True}) == turns
+    assert template.render(history, variables={"enable_thinking": False}) == turns + "<think>\n\n</think>\n\n"
+    on, off = template.encode(history), template.encode(history, variables={"enable_thinking": False})
+    assert off[:len(on)] == on and tok.decode(off[len(on):], skip_special=False) == "<think>\n\n</think>\n\n"
+    # a variable the template never reads changes nothing (a client may send Qwen3's switch to any model)
+    assert template.encode(history, variables={"reasoning_effort": "low"}) == on
+
+
+def test_variables_the_render_sets_itself_are_refused_by_name(qwen3_like):
+    _, template = qwen3_like
+    for key in ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "raise_exception",
+                "strftime_now", "namespace", "range"):
+        with pytest.raises(ChatTemplateError, match=rf"chat_template_kwargs\.{key}: the chat template's render sets '{key}' itself"):
+            template.encode(USER, variables={"enable_thinking": False, key: []})
+        with pytest.raises(ChatTemplateError, match=rf"chat_template_kwargs\.{key}\b"):
+            check_variables({key: True})
+    for value in (float("nan"), [1.0, float("inf")], {"deep": {"x": -float("inf")}}):
+        with pytest.raises(ChatTemplateError, match=r"chat_template_kwargs\.v must be a JSON value"):
+            check_variables({"v": value})
+    nested = {"enable_thinking": False, "v": {"a": [1, 2.5, None, "x", {"b": True}]}}
+    assert check_variables(nested) is nested and check_variables(None) == {}
+
+
+def test_the_builtin_format_ignores_variables(llama_tokenizer_standin, tmp_path):
+    shutil.copy(llama_tokenizer_standin, tmp_path / "tokenizer.model")
+    tok = load_tokenizer(str(tmp_path))
+    template = load_chat_template("llama2", str(tmp_path), tok)
+    assert template.encode(USER, variables={"enable_thinking": False}) == tok.encode_chat(USER)
+    with pytest.raises(ChatTemplateError, match="chat_template_kwargs.messages"):
+        template.encode(USER, variables={"messages": USER})

@@ -76,6 +76,9 @@ function settings() {
     body.tool_choice = $("tool_choice").value;
     body.parallel_tool_calls = false;         // one call a turn: the next message is its result
   }
+  if ($("template_kwargs").value.trim() && !$("completion").checked) {    // e.g. Qwen3's thinking switch
+    body.chat_template_kwargs = parseJson($("template_kwargs").value, "chat template variables");
+  }
   return body;
 }
 
