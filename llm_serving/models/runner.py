@@ -213,7 +213,6 @@ class ModelRunner:
         if self.quantized_matrices:
             logger.info("the layer kernel reads the checkpoint's quantized matrices as stored (%s)",
                         self.quantized_matrices)
-        cfg.check_context(self.max_context)       # e.g. a sliding window the longest request would outgrow
         self.limits = StepLimits(vocab_size=cfg.vocab_size, max_context=self.max_context,
                                  num_blocks=self.num_blocks, max_blocks_per_seq=self.max_blocks_per_seq,
                                  scratch_slot=self.scratch_slot, lora_slots=self.lora_slots)
@@ -434,11 +433,17 @@ class ModelRunner:
                                                      random_u=zeros, lora=lora))
         steps = active.sum(1)                                                   # (n,) each row's steps
         last = self.limits.max_context - steps
-        if (step.positions > last).any() or (step.context_lens > last + 1).any() \
-                or slot_mapping.max() >= self.limits.scratch_slot:
+        # (row by row: positions are (n, 1), and compared with `last` (n,) as they are each row's position met
+        # every row's limit, so a run of rows of different lengths near the model's length was refused)
+        position = step.positions[:, 0]
+        bad = (position > last) | (step.context_lens > last + 1) | (slot_mapping.max(1) >= self.limits.scratch_slot)
+        if bad.any():
+            r = int(np.flatnonzero(bad)[0])
             raise ValueError(f"ModelRunner.execute (decode run): a row of s steps needs positions <= "
                              f"{self.limits.max_context} - s, context_lens one more, and slots in "
-                             f"[0, {self.limits.scratch_slot})")
+                             f"[0, {self.limits.scratch_slot}); row {r} has s={int(steps[r])}, position "
+                             f"{int(position[r])}, context {int(step.context_lens[r])}, slots "
+                             f"{slot_mapping[r].tolist()}")
         nb = sizes[bisect.bisect_left(sizes, n)]
         tokens, logprobs = self._run_decode_run(nb, step, slot_mapping)
         tokens, logprobs = tokens[:, :n].T.astype(np.int32), logprobs[:, :n].T.astype(np.float32)
@@ -450,7 +455,8 @@ class ModelRunner:
         sit the run out (slots -1), so a warmup call compiles the graph and computes nothing."""
         k = self.decode_run_steps
         n = 0 if step is None else step.n
-        need = 1 if step is None else int(step.context_lens.max()) + k - 1
+        # the keys of each row's last step it takes (a row near the model's length takes fewer than k)
+        need = 1 if step is None else int((step.context_lens + (slot_mapping >= 0).sum(1) - 1).max())
         w = self.buckets.width(1, -(-need // self.block_size))
         slots = np.full((k, nb), -1, np.int32)
         pos = np.zeros((k, nb), np.int32)

@@ -398,8 +398,17 @@ def test_decode_run_gives_the_tokens_of_single_steps(runner, tokenizer, referenc
         runs.execute(run_view([5] * 3, [3] * 3, slots[[0, 0, 0]], np.array(tables)[[0, 0, 0]], [4] * 3))
     with pytest.raises(ValueError, match="slot_mapping has shape"):
         runs.execute(run_view(first, pos, slots[:, :2], np.array(tables), pos + 1))
+    # rows of different lengths near the model's length: row 0 at its last two positions takes 2 steps, row 1 all
+    # k; each row is held to its own limit and the tables' width to its own last step (both were taken from the
+    # other row once: a refusal, then an index past the widths)
+    near = runs.max_context - 2
+    pos, lens = np.array([near, 5]), [2, k]
+    slots = np.array([[t[(p + j) // bs] * bs + (p + j) % bs if j < n else -1 for j in range(k)]
+                      for t, p, n in zip(tables, pos, lens)])
+    tokens, _ = runs.execute(run_view(cur, pos, slots, np.array(tables), pos + 1))
+    assert (tokens[0, 2:] == -1).all() and (tokens[0, :2] >= 0).all() and (tokens[1] >= 0).all()
     last = runs.max_context - 1                   # row 0's 2 steps would need position max_context
-    with pytest.raises(ValueError, match="positions <="):
+    with pytest.raises(ValueError, match=f"positions <=.*row 0 has s=2, position {last}"):
         runs.execute(run_view(first[:1], [last], slots[:1], np.array(tables)[:1], [last + 1]))
     with pytest.raises(ValueError, match="no decode runs"):
         runner.execute(run_view(first, pos, slots, np.array(tables), pos + 1))
