@@ -101,6 +101,8 @@ class Step:
             x=self.x, positions=self.positions, slots=self.slots, block_tables=self.tables,
             context_lens=self.context, tree_bits=self.tree, cos=self.cos, sin=self.sin, lora=self.lora,
             qkv_bias=self.bias, **weights, input_gain=self.gain, post_gain=self.gain, key_cache=self.keys,
+            q_norm=np.ones(self.d, np.float32), k_norm=np.ones(self.d, np.float32), attn_out_gain=self.gain,
+            mlp_out_gain=self.gain,
             value_cache=self.values, iconfig=icfg, fconfig=np.array([1e-5], np.float32), **self.lora_args),
             self.out]
 

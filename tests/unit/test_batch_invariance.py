@@ -2,8 +2,9 @@
 layer outputs and the same K/V to the bit whatever step they run in — one prompt chunk, chunks of other sizes,
 one decode row at a time among 63 other rows, a chunk packed beside another prompt, a token tree's verify rows —
 and the lm_head gives a row the same logits, token and log-probability alone or among 63 others. Float32 and
-quantized weights (blocks of 32 and K-quants), every KV-cache type. KernelInvariant(0), the faster paths that
-each batch size picks, does not promise this (and on these shapes does not give it: the test says so)."""
+quantized weights (blocks of 32 and K-quants), every KV-cache type, the model families' parts (GELU, q/k norms,
+sandwich norms, sliding windows). KernelInvariant(0), the faster paths that each batch size picks, does not
+promise this (and on these shapes does not give it: the test says so)."""
 from __future__ import annotations
 
 import numpy as np
@@ -31,12 +32,14 @@ class Steps:
     """One layer (weights, caches) and a way to run a step of any rows: a row is (x, position, key index, context,
     tree bits, block table); its slot is its table's entry for the key index."""
 
-    def __init__(self, rng, cache, weights, threads=2, inter=256):
+    def __init__(self, rng, cache, weights, threads=2, inter=256, features=None, head_dim=64):
         hidden = 256
-        self.layer = Layer(rng, hidden=hidden, heads=8, kv_heads=2, head_dim=64, inter=inter, batch=1, block_size=16,
-                           num_blocks=120, width=8, cache_dtype=cache)
+        self.layer = Layer(rng, hidden=hidden, heads=8, kv_heads=2, head_dim=head_dim, inter=inter, batch=1,
+                           block_size=16, num_blocks=120, width=8, cache_dtype=cache)
         if weights is not None:
             self.layer.quantize(weights, rng)
+        if features is not None:                 # Layer.with_features' parts (tests/unit/test_layer_kernel.py)
+            self.layer.with_features(rng, **features)
         self.fresh = (self.layer.key_cache.copy(), self.layer.value_cache.copy())
         blocks = rng.permutation(120)
         self.table = blocks[:8].astype(np.int32)                 # the sequence's blocks
@@ -135,6 +138,35 @@ def test_a_sequence_gives_the_same_bits_in_any_step(invariant, cache, weights):
             np.testing.assert_array_equal(g, w, err_msg=f"K/V, chunks {chunks}, {batch} rows a step")
 
 
+# Gemma 3's parts together, GELU alone, windows alone: a window of 5 keys puts the last rows' first key tile past
+# the first (a row alone starts there, in a chunk the tiles before it are no-ops for it), one of 40 keeps the
+# bounds inside the first tiles, one of 66 spans two tiles (which fall at multiples of 64 alone or in a chunk)
+GEMMA3 = dict(qk_norm=True, sandwich=True, activation=1, attention_scale=0.125, window=5)
+PARTS = {"gemma3": GEMMA3, "gelu": dict(activation=1), "window_40": dict(window=40), "window_66": dict(window=66),
+         "qk_norm_window_5": dict(qk_norm=True, window=5)}
+
+
+@pytest.mark.parametrize("parts,weights,cache,head_dim", [
+    ("gemma3", "float32", "float16", 64), ("gemma3", "q8_0", "int8", 64), ("gemma3", "q4_k/q6_k", "float32", 64),
+    ("gelu", "float32", "float32", 64), ("window_40", "q8_0", "float16", 64), ("gemma3", "float32", "float16", 32),
+    ("window_40", "float32", "bfloat16", 32), ("qk_norm_window_5", "q8_0", "float32", 64),
+    ("window_66", "float32", "float16", 64)])
+def test_the_model_family_parts_give_the_same_bits_in_any_step(invariant, parts, weights, cache, head_dim):
+    """As test_a_sequence_gives_the_same_bits_in_any_step with the parts on: the activation through its one
+    compiled copy in every MLP path, the q/k and sandwich norms by row, a window's bounds in attend_tile (head dim
+    64) and attend_row (32)."""
+    steps = Steps(np.random.default_rng(17), cache, WEIGHTS[weights], features=PARTS[parts], head_dim=head_dim)
+    steps.library = invariant
+    assert invariant.KernelInvariant(1) == 1
+    want, want_kv = prompt_in_steps(steps, [PROMPT])
+    for chunks, batch, beside in [([16, 30, 24], 1, 0), ([5, 17], 64, 0), ([], 3, 0), ([40], 1, 0),
+                                  ([PROMPT], 40, 25)]:
+        got, got_kv = prompt_in_steps(steps, chunks, batch, beside)
+        np.testing.assert_array_equal(got, want, err_msg=f"chunks {chunks}, {batch} rows a step")
+        for g, w in zip(got_kv, want_kv):
+            np.testing.assert_array_equal(g, w, err_msg=f"K/V, chunks {chunks}, {batch} rows a step")
+
+
 def test_a_width_not_a_multiple_of_16_gives_the_same_bits(invariant):
     """Float32 weights with 200 MLP units: the down product's rows are 200 wide, 12 whole vectors of 16 and 8
     columns after them, which the many-row products (lane_gemm) and the few-row ones (dot_gemm) both sum last."""
@@ -149,12 +181,14 @@ def test_a_width_not_a_multiple_of_16_gives_the_same_bits(invariant):
             np.testing.assert_array_equal(g, w)
 
 
-@pytest.mark.parametrize("cache", ["float16", "int8"])
-def test_a_token_trees_rows_are_the_decode_of_their_branch(invariant, cache):
+@pytest.mark.parametrize("cache,parts", [("float16", None), ("int8", None), ("float16", GEMMA3),
+                                         ("int8", dict(window=3, activation=1))])
+def test_a_token_trees_rows_are_the_decode_of_their_branch(invariant, cache, parts):
     """A verify step of a tree over the sequence's first 40 tokens: a (key 40), its sibling b (key 41, a hidden)
     and b's child c (key 42): b's and c's outputs are those of b and c decoded right after the prefix (keys 40,
-    41); a's is the first token's of either."""
-    steps = Steps(np.random.default_rng(11), cache, WEIGHTS["q8_0"])
+    41); a's is the first token's of either. With a window, a tree row's are the last of the keys it sees (c's
+    window of 3: keys 39, 41 and 42, as the decoded c's 39, 40, 41)."""
+    steps = Steps(np.random.default_rng(11), cache, WEIGHTS["q8_0"], features=parts)
     steps.library = invariant
     invariant.KernelInvariant(1)
     a, b, c = 40, 41, 42                     # token indices (their x rows)

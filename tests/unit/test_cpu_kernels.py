@@ -23,18 +23,20 @@ def kernel():
     return getattr(ctypes.CDLL(path), func)
 
 
-def call(kernel, q, key_cache, value_cache, block_tables, context_lens, block_size, threads, tree_bits=None):
+def call(kernel, q, key_cache, value_cache, block_tables, context_lens, block_size, threads, tree_bits=None,
+         window=None):
     """Invoke like MindSpore: inputs then the output, each with its rank, shape and dtype name (a cache may be
-    (its bfloat16 bits, "bfloat16"))."""
+    (its bfloat16 bits, "bfloat16")); window: config's third entry (None: a config of two)."""
     from llm_serving.models.kernels.aot_call import invoke
-    cfg = np.array([block_size, threads], np.int32)
+    cfg = np.array([block_size, threads] + ([] if window is None else [window]), np.int32)
     out = np.full_like(q, np.nan)
     bits = np.full(len(q), -1, np.int32) if tree_bits is None else np.asarray(tree_bits, np.int32)
     return invoke(kernel, [q, key_cache, value_cache, block_tables, context_lens, bits, cfg, out]), out
 
 
-def reference(q, key_cache, value_cache, block_tables, context_lens, block_size, visible=None):
-    """visible[r]: the key indices row r attends to (default all of 0..context_len-1)."""
+def reference(q, key_cache, value_cache, block_tables, context_lens, block_size, visible=None, window=0):
+    """visible[r]: the key indices row r attends to (default all of 0..context_len-1); window > 0: only the last
+    `window` of them (sliding-window attention)."""
     b, kvh, g, d = q.shape
     keys = key_cache.reshape(-1, kvh, d)
     values = value_cache.reshape(-1, kvh, d)
@@ -43,6 +45,8 @@ def reference(q, key_cache, value_cache, block_tables, context_lens, block_size,
         slots = (block_tables[r][:, None] * block_size + np.arange(block_size)).reshape(-1)[:context_lens[r]]
         if visible is not None:
             slots = slots[visible[r]]
+        if window > 0:
+            slots = slots[-window:]
         for h in range(kvh):
             k, v = keys[slots, h].astype(np.float64), values[slots, h].astype(np.float64)
             s = q[r, h].astype(np.float64) @ k.T                       # (G, n)
@@ -117,6 +121,72 @@ def test_tree_bits_hide_the_keys_of_other_branches(kernel):
     # the chain's bits (all set) are plain causal attention, and differ from the tree's for branch nodes
     rc, chain = call(kernel, q, key_cache, value_cache, np.tile(table, (nodes, 1)), context, bs, 2)
     assert rc == 0 and np.allclose(chain[:3], out[:3]) and not np.allclose(chain[3:], out[3:])
+
+
+@pytest.mark.parametrize("cache_dtype", ["float32", "float16", "int8"])
+@pytest.mark.parametrize("window", [1, 4, 16, 17, 60, 1000])
+def test_a_sliding_window_sees_the_last_keys(kernel, cache_dtype, window):
+    """config (3,) [block_size, threads, window]: each row attends over its last `window` keys (contexts 1 .. 60
+    around the window: smaller, equal, larger); window 0 and a config of two entries are no window."""
+    from tests.cache_types import Cache
+    cache = Cache(cache_dtype)
+    rng = np.random.default_rng(window)
+    kvh, g, d, bs, w, num_blocks = 2, 3, 16, 8, 8, 80
+    context_lens = np.array([1, 3, 4, 5, 16, 17, 18, 33, 60], np.int32)
+    b = len(context_lens)
+    q = (rng.standard_normal((b, kvh, g, d)) / np.sqrt(d)).astype(np.float32)
+    key_cache = cache.store(rng.standard_normal((num_blocks * bs * kvh, d)))
+    value_cache = cache.store(rng.standard_normal((num_blocks * bs * kvh, d)))
+    tables = rng.permutation(num_blocks)[:b * w].reshape(b, w).astype(np.int32)
+    keys, values = cache.values(key_cache), cache.values(value_cache)
+    rc, out = call(kernel, q, cache.arg(key_cache), cache.arg(value_cache), tables, context_lens, bs, 2, window=window)
+    assert rc == 0
+    np.testing.assert_allclose(out, reference(q, keys, values, tables, context_lens, bs, window=window), rtol=1e-5,
+                               atol=1e-6)
+    rc, none = call(kernel, q, cache.arg(key_cache), cache.arg(value_cache), tables, context_lens, bs, 2)
+    wide = context_lens <= window
+    np.testing.assert_array_equal(out[wide], none[wide])
+    assert (~wide).sum() == 0 or not np.isclose(out[~wide], none[~wide], rtol=1e-4).all(axis=(1, 2, 3)).any()
+    rc, zero = call(kernel, q, cache.arg(key_cache), cache.arg(value_cache), tables, context_lens, bs, 2, window=0)
+    assert rc == 0 and np.array_equal(zero, none)
+
+
+@pytest.mark.parametrize("window", [1, 2, 3, 5, 12, 40])
+def test_a_token_trees_window_counts_its_visible_keys(kernel, window):
+    """A tree node's window is the last `window` of the keys it sees (itself, its ancestors, the committed keys),
+    the hidden ones not counted: test_tree_bits_hide_the_keys_of_other_branches' tree under a window."""
+    rng = np.random.default_rng(window)
+    kvh, g, d, bs, w, nb = 2, 2, 8, 4, 12, 16
+    committed, parents = 30, [-1, 0, 1, 0, 3, 4]
+    nodes = len(parents)
+    table = rng.permutation(nb)[:w].astype(np.int32)
+    q = (rng.standard_normal((nodes, kvh, g, d)) / np.sqrt(d)).astype(np.float32)
+    key_cache = rng.standard_normal((nb * bs * kvh, d)).astype(np.float32)
+    value_cache = rng.standard_normal((nb * bs * kvh, d)).astype(np.float32)
+    context = np.array([committed + j + 1 for j in range(nodes)], np.int32)
+    bits, visible = [], []
+    for j in range(nodes):
+        ancestors, a = set(), j
+        while a >= 0:
+            ancestors.add(a)
+            a = parents[a]
+        bits.append(~sum(1 << m for m in range(1, j + 1) if j - m not in ancestors))
+        visible.append(list(range(committed)) + [committed + a for a in sorted(ancestors)])
+    tables = np.tile(table, (nodes, 1))
+    rc, out = call(kernel, q, key_cache, value_cache, tables, context, bs, 2, bits, window=window)
+    assert rc == 0
+    np.testing.assert_allclose(out, reference(q, key_cache, value_cache, tables, context, bs, visible, window),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_a_config_of_another_length_or_a_negative_window_is_refused(kernel):
+    q = np.zeros((2, 2, 1, 8), np.float32)
+    cache, tables, lens = np.zeros((32, 8), np.float32), np.zeros((2, 2), np.int32), np.ones(2, np.int32)
+    from llm_serving.models.kernels.aot_call import invoke
+    for cfg in ([4, 1, -1], [4], [4, 1, 0, 0]):
+        out = np.zeros_like(q)
+        args = [q, cache, cache, tables, lens, np.full(2, -1, np.int32), np.array(cfg, np.int32), out]
+        assert invoke(kernel, args) == 2, cfg
 
 
 def test_kernel_rejects_mixed_or_unknown_cache_dtypes(kernel):

@@ -174,6 +174,17 @@ def rms(x):
     return x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-5)
 
 
+def gelu_tanh(g):
+    """GELU's tanh approximation (transformers' gelu_pytorch_tanh, Gemma's MLP activation)."""
+    return 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3)))
+
+
+def tree_visible(context: int, bits: int) -> list:
+    """The key indices a row of `context` keys sees under its tree bits (bit m: the key m places before the
+    last; keys further back than 32 always)."""
+    return [j for j in range(context) if context - 1 - j >= 32 or (bits >> (context - 1 - j)) & 1]
+
+
 class Layer:
     """Random weights, cache and a step of `batch` decode rows for one layer of the given shape."""
 
@@ -209,6 +220,13 @@ class Layer:
                       + self.positions % block_size).astype(np.int32)
         self.tree = np.full(batch, -1, np.int32)
         self.rounded = False             # whether reference() rounded a product's input as the integer path does
+        # the model family's parts (iconfig[12..15], fconfig[1]): LLaMA's unless with_features() ran; iconfig_len:
+        # the iconfig's entries (None: 11 or 12, or 16 when a part is on)
+        self.q_norm, self.k_norm = np.ones(head_dim, np.float32), np.ones(head_dim, np.float32)
+        self.attn_out_gain, self.mlp_out_gain = np.ones(hidden, np.float32), np.ones(hidden, np.float32)
+        self.activation, self.qk_norm, self.sandwich, self.window = 0, False, False, 0
+        self.attention_scale = None
+        self.iconfig_len = None
         p = max(64, width * block_size)
         angles = np.arange(p)[:, None] / 10000.0 ** (np.arange(0, head_dim, 2) / head_dim)[None, :]
         self.cos = np.concatenate([np.cos(angles)] * 2, -1).astype(np.float32)
@@ -230,6 +248,19 @@ class Layer:
         self.positions = (self.context - 1).astype(np.int32)
         self.slots = (self.tables[np.arange(self.b), self.positions // self.bs] * self.bs
                       + self.positions % self.bs).astype(np.int32)
+
+    def with_features(self, rng, *, activation=0, qk_norm=False, sandwich=False, window=0, attention_scale=None):
+        """Qwen3's, Gemma 3's, Mistral's parts: the MLP's activation (0 SiLU, 1 GELU-tanh), RMSNorm of each q and
+        k head (random gains), sandwich norms after o and down (random gains), a sliding window of `window` keys,
+        the queries' scale (None: 1/sqrt(D))."""
+        self.activation, self.qk_norm, self.sandwich, self.window = activation, qk_norm, sandwich, window
+        self.attention_scale = attention_scale
+        gains = lambda n: (1 + 0.3 * rng.standard_normal(n)).astype(np.float32)      # noqa: E731
+        if qk_norm:
+            self.q_norm, self.k_norm = gains(self.d), gains(self.d)
+        if sandwich:
+            self.attn_out_gain, self.mlp_out_gain = gains(self.h), gains(self.h)
+        return self
 
     def _rows(self, part: str) -> slice:
         """The rows of its fused matrix that kernel weight `part` is."""
@@ -286,8 +317,11 @@ class Layer:
         """The kernel's parameters; invariant (1 or 0): the call's batch-invariance entry (iconfig[11]), None: none
         (the process's setting, KernelInvariant)."""
         w = self.kernel_weights
-        icfg = np.array([self.bs, self.nh, self.kvh, threads] + [w[n][1] for n in PARTS]
-                        + ([] if invariant is None else [invariant]), np.int32)
+        features = [self.activation, int(self.qk_norm), int(self.sandwich), self.window]
+        length = self.iconfig_len or (16 if any(features) else 11 if invariant is None else 12)
+        icfg = np.array(([self.bs, self.nh, self.kvh, threads] + [w[n][1] for n in PARTS]
+                         + [-1 if invariant is None else invariant] + features)[:length], np.int32)
+        fcfg = [1e-5] + ([] if self.attention_scale is None else [self.attention_scale])
         out = np.full_like(self.x, np.nan) if out is None else out
         lora = {f"lora_{n}_{ab}": arr for n in ("qkv", "o", "gate_up", "down")
                 for ab, arr in (("a", self.lora_a[n]), ("b", np.ascontiguousarray(self.lora_b[n].transpose(0, 2, 1))))}
@@ -295,9 +329,10 @@ class Layer:
             x=self.x, positions=self.positions, slots=self.slots, block_tables=self.tables, context_lens=self.context,
             tree_bits=self.tree, cos=self.cos, sin=self.sin, qkv_bias=self.qkv_b, input_gain=self.in_gain,
             **{n: np.ascontiguousarray(w[n][0]) for n in PARTS},
-            post_gain=self.post_gain, key_cache=self.cache.arg(self.key_cache),
+            post_gain=self.post_gain, q_norm=self.q_norm, k_norm=self.k_norm, attn_out_gain=self.attn_out_gain,
+            mlp_out_gain=self.mlp_out_gain, key_cache=self.cache.arg(self.key_cache),
             value_cache=self.cache.arg(self.value_cache), lora=self.lora,
-            iconfig=icfg, fconfig=np.array([1e-5], np.float32), **lora), out]
+            iconfig=icfg, fconfig=np.array(fcfg, np.float32), **lora), out]
 
     def reference(self, library, stored_kv: bool = False):
         """(output, key cache, value cache) in float64, from the caches as they are now; each product's input
@@ -316,23 +351,29 @@ class Layer:
         nq, nk = nh * d, (nh + kvh) * d
         qkv = rounded(xn, path("q_w", "k_w", "v_w")) @ self.qkv_w.T.astype(np.float64) + self.qkv_b
         qkv = (qkv + self._lora_delta("qkv", xn, ((0, nq), (nq, nk), (nk, nk + kvh * d)))).reshape(b, nh + 2 * kvh, d)
+        if self.qk_norm:                                   # each q and k head RMS-normalized, before RoPE
+            qkv = np.concatenate([rms(qkv[:, :nh]) * self.q_norm, rms(qkv[:, nh:nh + kvh]) * self.k_norm,
+                                  qkv[:, nh + kvh:]], 1)
         swapped = np.concatenate([qkv[..., d // 2:], qkv[..., :d // 2]], -1)
         roped = qkv * self.cos[self.positions][:, None] + swapped * self.sin[self.positions][:, None]
-        q = roped[:, :nh] / np.sqrt(d)
+        q = roped[:, :nh] * (1 / np.sqrt(d) if self.attention_scale is None else np.float32(self.attention_scale))
         k, v = roped[:, nh:nh + kvh], qkv[:, nh + kvh:]
         keys, values = self.cache.values(self.key_cache), self.cache.values(self.value_cache)
         stored = lambda a: self.cache.values(self.cache.store(a.astype(np.float32)))  # noqa: E731  (as the cache keeps it)
         if not stored_kv:
             keys.reshape(-1, kvh, d)[self.slots] = stored(k)
             values.reshape(-1, kvh, d)[self.slots] = stored(v)
+        visible = None if (self.tree == -1).all() else [tree_visible(c, t) for c, t in zip(self.context, self.tree)]
         attn = attention_reference(q.reshape(b, kvh, nh // kvh, d), keys, values, self.tables, self.context,
-                                   self.bs).reshape(b, -1)
-        x1 = self.x + rounded(attn, path("o_w")) @ self.o_w.T + self._lora_delta("o", attn, ((0, self.h),))
+                                   self.bs, visible, self.window).reshape(b, -1)
+        o = rounded(attn, path("o_w")) @ self.o_w.T + self._lora_delta("o", attn, ((0, self.h),))
+        x1 = self.x + (rms(o) * self.attn_out_gain if self.sandwich else o)
         xn1 = rms(x1) * self.post_gain
         gate_up = rounded(xn1, path("gate_w", "up_w")) @ self.gate_up_w.T + self._lora_delta("gate_up", xn1, ((0, self.i), (self.i, 2 * self.i)))
         gate, up = gate_up[:, :self.i], gate_up[:, self.i:]
-        act = gate / (1 + np.exp(-gate)) * up
-        return x1 + rounded(act, path("down_w")) @ self.down_w.T + self._lora_delta("down", act, ((0, self.h),)), keys, values
+        act = (gelu_tanh(gate) if self.activation == 1 else gate / (1 + np.exp(-gate))) * up
+        down = rounded(act, path("down_w")) @ self.down_w.T + self._lora_delta("down", act, ((0, self.h),))
+        return x1 + (rms(down) * self.mlp_out_gain if self.sandwich else down), keys, values
 
 
 # hidden sizes and MLP widths that are not multiples of the 16-float vectors, batches not multiples of the
@@ -1018,3 +1059,214 @@ def test_sample_logits_follows_the_sampling_rule(library):
     log_softmax = l64 - l64.max(-1, keepdims=True) - np.log(np.exp(l64 - l64.max(-1, keepdims=True)).sum(-1, keepdims=True))
     np.testing.assert_allclose(logprob, log_softmax[np.arange(rows), want], rtol=1e-5, atol=1e-5)
     assert invoke(library.SampleLogits, [*args[:2], u[:3], *args[3:]]) == 2          # rows that do not agree
+
+
+# The model families' parts (iconfig[12..15], fconfig[1]): Qwen3's q/k head norms, Gemma 3's sandwich norms, GELU
+# (tanh) and query scale, Mistral's and Gemma 3's sliding window; each against the float64 layer with the part.
+FEATURES = {
+    "qk_norm": dict(qk_norm=True),
+    "attention_scale": dict(attention_scale=0.0625),
+    "sandwich": dict(sandwich=True),
+    "gelu": dict(activation=1),
+    "silu_16": dict(activation=0),                         # an iconfig of 16 entries, every part off
+    "gemma3": dict(qk_norm=True, sandwich=True, activation=1, attention_scale=0.2, window=9),
+}
+
+
+@pytest.mark.parametrize("feature", list(FEATURES))
+@pytest.mark.parametrize("batch,threads,adapters", [(1, 1, False), (3, 2, True), (20, 2, False), (20, 3, True)])
+def test_model_family_parts_match_numpy(library, invariant_mode, feature, batch, threads, adapters):
+    """Each part alone and all of Gemma 3's together, in every MLP and product path: 1 row (registers), 3 rows
+    (tiles; invariant: dot_gemm), 20 rows (the batched products; invariant: lane_units), LoRA on some rows (its
+    deltas are in the products' results the sandwich norms normalize)."""
+    rng = np.random.default_rng(batch * 10 + threads)
+    layer = Layer(rng, hidden=64, heads=4, kv_heads=2, head_dim=16, inter=96, batch=batch, num_blocks=batch * 6 + 6)
+    layer.with_features(rng, **FEATURES[feature])
+    layer.iconfig_len = 16
+    if adapters:
+        layer.with_lora(slots=3, rank=2, row_slots=rng.integers(0, 3, batch), rng=rng)
+    want, keys, values = layer.reference(library)
+    arrays = layer.arrays(threads)
+    assert arrays[ICFG].shape == (16,)
+    assert invoke(library.DecoderLayer, arrays) == 0
+    assert_layer_close(layer, arrays[-1], want)
+    assert_cache_close(layer, layer.key_cache, keys)
+    assert_cache_close(layer, layer.value_cache, values)
+
+
+def test_each_part_changes_the_output(library):
+    """The parts are not vacuous: each changes every row's output from LLaMA's (same weights, same step)."""
+    def output(**features):
+        rng = np.random.default_rng(31)
+        layer = Layer(rng, hidden=64, heads=4, kv_heads=2, head_dim=16, inter=96, batch=4)
+        layer.context[:], layer.positions[:] = 20, 19
+        layer.slots = (layer.tables[:, 4] * layer.bs + 3).astype(np.int32)
+        arrays = layer.with_features(rng, **features).arrays(2)
+        assert invoke(library.DecoderLayer, arrays) == 0
+        return arrays[-1]
+
+    base = output()
+    for features in FEATURES.values():
+        if any(features.values()):
+            assert not np.isclose(output(**features), base, rtol=1e-4, atol=1e-5).all(axis=1).any(), features
+
+
+@pytest.mark.parametrize("length", [11, 12])
+def test_llama_iconfigs_of_11_and_12_entries_are_an_iconfig_of_16_with_every_part_off(library, invariant_mode, length):
+    """An iconfig without the parts' entries (today's callers) and an fconfig of one entry give the same bits as
+    16 entries of zeros and the attention scale 1/sqrt(D) given, in every path."""
+    for batch in (1, 3, 20):
+        outs = []
+        for icfg_len, scale in ((length, None), (16, None), (16, float(np.float32(1) / np.sqrt(np.float32(16))))):
+            rng = np.random.default_rng(batch)
+            layer = Layer(rng, hidden=64, heads=4, kv_heads=2, head_dim=16, inter=96, batch=batch,
+                          num_blocks=batch * 6 + 6)
+            layer.iconfig_len, layer.attention_scale = icfg_len, scale
+            want, _, _ = layer.reference(library)
+            arrays = layer.arrays(2, invariant=invariant_mode)
+            assert len(arrays[ICFG]) == icfg_len
+            assert invoke(library.DecoderLayer, arrays) == 0
+            assert_layer_close(layer, arrays[-1], want)
+            outs.append(arrays[-1])
+        np.testing.assert_array_equal(outs[1], outs[0])
+        np.testing.assert_array_equal(outs[2], outs[0])
+
+
+# windows smaller than, equal to and larger than the rows' contexts: as_prompts' chunk of 45 rows after 100 keys
+# (contexts 101..145), decode rows of 38 and 301 keys, a prompt's first 7 tokens
+WINDOWS = (1, 7, 38, 64, 100, 130, 301, 1000)
+
+
+@pytest.mark.parametrize("head_dim,cache,windows", [
+    (64, "float32", WINDOWS), (64, "float16", (7, 38, 130)), (64, "int8", (7, 100)), (64, "bfloat16", (38,)),
+    (32, "float32", WINDOWS), (32, "float16", (38, 130)), (32, "int8", (7, 100)), (16, "float32", (5, 40))])
+def test_a_sliding_window_matches_numpy(library, invariant_mode, head_dim, cache, windows):
+    """Sliding-window attention (Mistral, Gemma 3's local layers): a row with context c sees keys c - W .. c - 1.
+    Head dim 64 attends as tiles (a chunk's rows each with its own lower bound, key tiles below a chunk's
+    lowest skipped), 32 and 16 row by row (attend_row, from the window's first key). A window at least the
+    context is no window: the same bits as none."""
+    rng = np.random.default_rng(head_dim + len(windows))
+    layer = Layer(rng, hidden=128, heads=8, kv_heads=2, head_dim=head_dim, inter=96, batch=54, block_size=16,
+                  num_blocks=54 * 20, width=20, cache_dtype=cache)
+    layer.as_prompts(rng, [(100, 45), (37, 1), (300, 1), (0, 7)])
+    fresh = layer.key_cache.copy(), layer.value_cache.copy()
+
+    def run(window):
+        layer.key_cache[...], layer.value_cache[...] = fresh
+        layer.window = window
+        arrays = layer.arrays(2)
+        assert invoke(library.DecoderLayer, arrays) == 0
+        return arrays[-1]
+
+    none = run(0)
+    for window in windows:
+        got = run(window)
+        assert_layer_close(layer, got, layer.reference(library, stored_kv=True)[0])
+        wide = layer.context <= window
+        np.testing.assert_array_equal(got[wide], none[wide], err_msg=f"window {window}")
+        if window < 100:
+            assert not np.allclose(got[~wide], none[~wide], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [64, 32])
+def test_keys_before_a_window_are_not_read(library, invariant_mode, head_dim):
+    """A long context under a small window costs the window: the keys before it (before its first key tile, as
+    tiles) are never read. NaN there leaves decode rows of 2,000 and 1,500 keys (a one-row tile each, invariant)
+    and a chunk of 10 rows after 1,690 keys as they are with those keys intact."""
+    rng = np.random.default_rng(77)
+    window, bs = 100, 64
+    layer = Layer(rng, hidden=64, heads=4, kv_heads=2, head_dim=head_dim, inter=64, batch=12, block_size=bs,
+                  num_blocks=12 * 32, width=32)
+    layer.as_prompts(rng, [(1999, 1), (1499, 1), (1690, 10)])
+    layer.window = window
+    fresh = layer.key_cache.copy(), layer.value_cache.copy()
+    arrays = layer.arrays(2)
+    assert invoke(library.DecoderLayer, arrays) == 0
+    want = arrays[-1].copy()
+    assert_layer_close(layer, want, layer.reference(library, stored_kv=True)[0])
+    layer.key_cache[...], layer.value_cache[...] = fresh
+    for row in (0, 1, 2):                               # each sequence's first row: its lowest bound
+        first = layer.context[row] - window
+        unread = first // 64 * 64 if llm_serving_tiles(head_dim) else first
+        keys = np.arange(unread)
+        slots = layer.tables[row][keys // bs] * bs + keys % bs
+        rows = (slots[:, None] * layer.kvh + np.arange(layer.kvh)).reshape(-1)
+        layer.key_cache[rows], layer.value_cache[rows] = np.nan, np.nan
+    arrays = layer.arrays(2)
+    assert invoke(library.DecoderLayer, arrays) == 0
+    np.testing.assert_array_equal(arrays[-1], want)
+
+
+def llm_serving_tiles(head_dim: int) -> bool:
+    """Whether the kernels attend as key tiles at this head size (cpu_kernel_common.h's tile_head_dim)."""
+    return head_dim % 64 == 0
+
+
+@pytest.mark.parametrize("head_dim", [64, 16])
+@pytest.mark.parametrize("cache", ["float32", "float16"])
+def test_a_token_trees_rows_see_the_last_keys_of_their_window_they_can_see(library, invariant_mode, head_dim, cache):
+    """A verify step's tree rows (tree bits hide some of the last keys): a window counts only the visible keys,
+    taken in order as if consecutive (the last W of them), in attend_tile (64, invariant) and attend_row."""
+    rng = np.random.default_rng(head_dim)
+    layer = Layer(rng, hidden=64, heads=4, kv_heads=2, head_dim=head_dim, inter=96, batch=5, block_size=16,
+                  num_blocks=60, width=6, cache_dtype=cache)
+    layer.context[:] = [50, 51, 52, 53, 90]
+    layer.positions[:] = layer.context - 1
+    layer.slots = (layer.tables[np.arange(5), layer.positions // 16] * 16 + layer.positions % 16).astype(np.int32)
+    layer.tree[:] = [-1, ~0b10, ~0b110, ~0b1101010, ~0b10101010]
+    fresh = layer.key_cache.copy(), layer.value_cache.copy()
+    for window in (1, 2, 3, 4, 10, 40, 100):
+        layer.key_cache[...], layer.value_cache[...] = fresh
+        layer.window = window
+        arrays = layer.arrays(2)
+        assert invoke(library.DecoderLayer, arrays) == 0
+        assert_layer_close(layer, arrays[-1], layer.reference(library, stored_kv=True)[0])
+
+
+@pytest.mark.parametrize("qtype,batch,threads", [("Q8_0", 1, 2), ("Q8_0", 3, 1), ("Q8_0", 12, 2), ("Q4_K", 1, 2),
+                                                 ("Q4_K", 4, 2), ("Q4_K", 12, 3), ("Q4_1", 2, 2)])
+@pytest.mark.parametrize("integer", [1, 0], ids=["integer", "tiles"])
+def test_model_family_parts_on_quantized_weights(library, invariant_mode, qtype, batch, threads, integer):
+    """Gemma 3's parts together on GGUF blocks (the gains on the activations, not folded into the rows): every
+    product path, the integer tiles' rounded inputs where the CPU has them."""
+    library.KernelInt.argtypes = [ctypes.c_int]
+    library.KernelInt(integer)
+    try:
+        rng = np.random.default_rng(batch + len(qtype))
+        k_quant = qtype.endswith("_K")
+        layer = Layer(rng, hidden=256 if k_quant else 64, heads=4, kv_heads=2, head_dim=64 if k_quant else 16,
+                      inter=512 if k_quant else 96, batch=batch, block_size=8, num_blocks=batch * 6 + 6)
+        layer.quantize({n: GGUF_TYPES[qtype] for n in ("qkv_w", "o_w", "gate_up_w", "down_w")}, rng)
+        layer.with_features(rng, qk_norm=True, sandwich=True, activation=1, attention_scale=0.1, window=13)
+        want, keys, values = layer.reference(library)
+        arrays = layer.arrays(threads)
+        assert invoke(library.DecoderLayer, arrays) == 0
+        assert_layer_close(layer, arrays[-1], want)
+        assert_cache_close(layer, layer.key_cache, keys)
+        assert_cache_close(layer, layer.value_cache, values)
+    finally:
+        library.KernelInt(1)
+
+
+def test_model_family_parts_refusals(library):
+    """iconfig of another length, an unknown activation, a flag not 0 or 1, a negative window, an fconfig of
+    three, gains of the wrong size: refused (2) before any write."""
+    layer = Layer(np.random.default_rng(2), hidden=64, heads=4, kv_heads=2, head_dim=16, inter=96, batch=2)
+    layer.iconfig_len = 16
+    good = layer.arrays(1)
+    assert invoke(library.DecoderLayer, good) == 0
+    icfg, fcfg = DECODER_LAYER.index("iconfig"), DECODER_LAYER.index("fconfig")
+    bad = [(icfg, good[icfg][:13].copy()), (icfg, np.append(good[icfg], 0).astype(np.int32)),
+           (fcfg, np.array([1e-5, 0.1, 0.2], np.float32))]
+    for at, value in ((12, 2), (12, -1), (13, 2), (14, -1), (15, -1)):
+        changed = good[icfg].copy()
+        changed[at] = value
+        bad.append((icfg, changed))
+    for name, size in (("q_norm", 15), ("k_norm", 17), ("attn_out_gain", 63), ("mlp_out_gain", 16)):
+        bad.append((DECODER_LAYER.index(name), np.ones(size, np.float32)))
+    for at, value in bad:
+        arrays = list(good)
+        arrays[at] = value
+        before = layer.key_cache.copy()
+        assert invoke(library.DecoderLayer, arrays) == 2, (DECODER_LAYER.params[at].name, value)
+        np.testing.assert_array_equal(layer.key_cache, before)

@@ -155,22 +155,38 @@ struct AttentionShape {
   int64_t vec;                // cache elements per head vector: D, or D + kInt8ScaleBytes for an int8 cache
 };
 
-// One row's decode attention: its NH = KVH*G query heads qb (NH, D), pre-scaled by 1/sqrt(D), over keys
+// A sliding window of `window` keys (0: none) over a row's n keys 0 .. n-1 (its own the last): the first key it
+// sees, that of the last `window` keys the token tree leaves visible (tree_bits as attend_row's; all ones for an
+// ordinary row: n - window). Only the last 32 keys can be hidden, so this counts at most 32 of them.
+inline int64_t window_start(int64_t n, uint32_t tree_bits, int64_t window) {
+  if (window <= 0 || n <= window) return 0;
+  int64_t seen = 0;
+  const int64_t tail = std::min<int64_t>(32, n);
+  for (int64_t m = 0; m < tail; ++m) {                // key n - 1 - m
+    if (((tree_bits >> m) & 1u) && ++seen == window) return n - 1 - m;
+  }
+  return std::max<int64_t>(0, n - tail - (window - seen));   // the keys before the tail are all visible
+}
+
+// One row's decode attention: its NH = KVH*G query heads qb (NH, D), pre-scaled by the attention scale, over keys
 // 0 .. context-1 read in place through its block table from the flat caches [slots, KVH, D]; tree_bits: of the
-// row's last 32 keys, which are visible (bit m = the key m places before the last; -1 = all). Writes ob (NH, D).
-// scores: room for NH * W * BS floats. Only KV heads [kv_begin, kv_end) (and their query heads) when given.
-// Cache is the cache's element type: float, Half, BFloat16 or int8_t (pa_config.kv_cache_dtype), widened as it
-// is read.
+// row's last 32 keys, which are visible (bit m = the key m places before the last; -1 = all); window > 0: only
+// the last `window` of its visible keys (sliding-window attention; window_start), read from there on, so a long
+// context costs the window. Writes ob (NH, D). scores: room for NH * W * BS floats. Only KV heads
+// [kv_begin, kv_end) (and their query heads) when given. Cache is the cache's element type: float, Half,
+// BFloat16 or int8_t (pa_config.kv_cache_dtype), widened as it is read.
 template <typename Cache>
 inline void attend_row(const float* qb, const Cache* kc, const Cache* vc, const int32_t* table, int64_t context,
                        uint32_t tree_bits, float* ob, const AttentionShape& sh, float* scores,
-                       int64_t kv_begin = 0, int64_t kv_end = -1) {
+                       int64_t kv_begin = 0, int64_t kv_end = -1, int64_t window = 0) {
   const int64_t kvh = sh.kvh, g = sh.g, d = sh.d, bs = sh.bs;
   const int64_t row = kvh * sh.vec;                   // cache elements per slot
   const int64_t h0 = kv_begin * g, h1 = (kv_end < 0 ? kvh : kv_end) * g;   // this call's query heads [h0, h1)
-  const int64_t n = std::max<int64_t>(0, std::min<int64_t>(context, sh.w * bs));
+  const int64_t last = std::max<int64_t>(0, std::min<int64_t>(context, sh.w * bs));   // keys 0 .. last-1
+  const int64_t first = window_start(last, tree_bits, window);    // the first key the window leaves
+  const int64_t n = last - first;                     // keys first .. last-1, scores[head][j - first]
   auto hidden = [&](int64_t j) {                      // key j masked out by the token tree
-    const int64_t m = n - 1 - j;
+    const int64_t m = last - 1 - j;
     return m < 32 && !((tree_bits >> m) & 1u);
   };
   const int64_t k0 = h0 / g, k1 = h1 / g;             // this call's KV heads
@@ -184,9 +200,9 @@ inline void attend_row(const float* qb, const Cache* kc, const Cache* vc, const 
     }
     return widened(at + k0 * d, (k1 - k0) * d, buf.data() + k0 * d) - k0 * d;
   };
-  for (int64_t j = 0; j < n; ++j) {                   // scores[head][j] = q_head . k_j (KV head of head)
+  for (int64_t j = first; j < last; ++j) {            // scores[head][j] = q_head . k_j (KV head of head)
     if (hidden(j)) {
-      for (int64_t hq = h0; hq < h1; ++hq) scores[hq * n + j] = -INFINITY;
+      for (int64_t hq = h0; hq < h1; ++hq) scores[hq * n + j - first] = -INFINITY;
       continue;
     }
     const float* kj = slot_values(kc, j);
@@ -195,7 +211,7 @@ inline void attend_row(const float* qb, const Cache* kc, const Cache* vc, const 
       const float* kh = kj + (hq / g) * d;
       float dot = 0.f;
       for (int64_t e = 0; e < d; ++e) dot += qh[e] * kh[e];
-      scores[hq * n + j] = dot;
+      scores[hq * n + j - first] = dot;
     }
   }
   for (int64_t hq = h0; hq < h1; ++hq) {              // softmax over the row's keys, per head
@@ -211,11 +227,11 @@ inline void attend_row(const float* qb, const Cache* kc, const Cache* vc, const 
     for (int64_t j = 0; j < n; ++j) s[j] *= inv;
   }
   std::fill(ob + h0 * d, ob + h1 * d, 0.f);
-  for (int64_t j = 0; j < n; ++j) {                   // out[head] = sum_j p[head][j] v_j
+  for (int64_t j = first; j < last; ++j) {            // out[head] = sum_j p[head][j] v_j
     if (hidden(j)) continue;
     const float* vj = slot_values(vc, j);
     for (int64_t hq = h0; hq < h1; ++hq) {
-      const float p = scores[hq * n + j];
+      const float p = scores[hq * n + j - first];
       const float* vh = vj + (hq / g) * d;
       float* o = ob + hq * d;
       for (int64_t e = 0; e < d; ++e) o[e] += p * vh[e];
@@ -337,16 +353,21 @@ inline void tile_values4(const float* p, const float* v, int64_t kn, int64_t d, 
 
 // Causal attention of `rows` (<= kTileRows) consecutive query rows of one sequence for KV head kh: row r has
 // context ctx0 + r (keys 0 .. ctx0 + r - 1, read in place through its block table from the flat caches
-// [slots, KVH, D]). Row r's NH query heads, pre-scaled by 1/sqrt(D), are at q + r * q_stride; its output heads
-// at out + r * o_stride (only kh's G heads are written). scratch: tile_scratch_floats(G, D) floats.
+// [slots, KVH, D]). Row r's NH query heads, pre-scaled by the attention scale, are at q + r * q_stride; its output
+// heads at out + r * o_stride (only kh's G heads are written). scratch: tile_scratch_floats(G, D) floats.
 // tree_bits (a lone row of a token tree, rows == 1): of its last 32 keys, which are visible (as attend_row's); the
 // visible keys are taken in order as if they were consecutive, so a tree node's attention is the same float as
 // the same tokens' decode step's once they are its only keys (the hidden ones are not skipped over in place: a key
 // tile's boundaries would then fall elsewhere and the online softmax would rescale at other keys).
+// window > 0 (sliding-window attention): row r sees only keys from ctx0 + r - window on (of a tree's row, the last
+// `window` of its visible keys). The walk over the key tiles starts at the first row's bound rounded down to a
+// whole tile, so that the tiles keep the boundaries they have without a window: a row's keys fall in the same
+// tiles, masked alike, alone or in any chunk (the tiles below its own bound are no-ops for it), and a long
+// context costs the window.
 template <typename Cache>
 inline void attend_tile(const float* q, int64_t q_stride, int64_t rows, int64_t ctx0, const Cache* kc, const Cache* vc,
                         const int32_t* table, int64_t kh, float* out, int64_t o_stride, const AttentionShape& sh,
-                        float* scratch, uint32_t tree_bits = 0xFFFFFFFFu) {
+                        float* scratch, uint32_t tree_bits = 0xFFFFFFFFu, int64_t window = 0) {
   const int64_t g = sh.g, d = sh.d, bs = sh.bs, row = sh.kvh * sh.vec;
   const int64_t mq = rows * g, mq4 = (mq + 3) / 4 * 4;       // query vectors: i = r * G + head within kh
   float* qb = scratch;                                       // (mq4, D)
@@ -383,7 +404,8 @@ inline void attend_tile(const float* q, int64_t q_stride, int64_t rows, int64_t 
     ctx0 = nkeys;
   }
   auto key_at = [&](int64_t i) { return i < start ? i : tail[i - start]; };
-  for (int64_t j0 = 0; j0 < nkeys; j0 += kKeyTile) {
+  const int64_t walk0 = window > 0 ? std::max<int64_t>(0, ctx0 - window) / kKeyTile * kKeyTile : 0;
+  for (int64_t j0 = walk0; j0 < nkeys; j0 += kKeyTile) {
     const int64_t kn = std::min<int64_t>(kKeyTile, nkeys - j0);
     for (int64_t jj = 0; jj < kKeyTile; ++jj) {             // the tile's keys (widened) and values
       if (jj >= kn) {
@@ -406,19 +428,22 @@ inline void attend_tile(const float* q, int64_t q_stride, int64_t rows, int64_t 
     for (int64_t i = 0; i < mq4; i += 4) tile_scores4(qb + i * d, d, kt, sc + i * kKeyTile);
     for (int64_t i = 0; i < mq4; ++i) {                      // mask, then the online softmax of each query
       float* s = sc + i * kKeyTile;
+      // the query's keys in this tile: [from, visible) (its window's bound, its causal one)
       const int64_t visible = i < mq ? std::min<int64_t>(kn, ctx0 + i / g - j0) : 0;
-      if (visible <= 0) {
+      const int64_t from = window > 0 ? std::max<int64_t>(0, ctx0 + i / g - window - j0) : 0;
+      if (visible <= from) {
         std::fill(s, s + kKeyTile, 0.f);
         continue;
       }
       float m = mx[i];
-      for (int64_t jj = 0; jj < visible; ++jj) m = std::max(m, s[jj]);
+      for (int64_t jj = from; jj < visible; ++jj) m = std::max(m, s[jj]);
       const float alpha = mx[i] == -INFINITY ? 0.f : exp_nonpositive(mx[i] - m);
       float add = 0.f;
-      for (int64_t jj = 0; jj < visible; ++jj) {
+      for (int64_t jj = from; jj < visible; ++jj) {
         s[jj] = exp_nonpositive(s[jj] - m);
         add += s[jj];
       }
+      std::fill(s, s + from, 0.f);
       std::fill(s + visible, s + kKeyTile, 0.f);
       mx[i] = m;
       sum[i] = sum[i] * alpha + add;

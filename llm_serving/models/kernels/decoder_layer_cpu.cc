@@ -1,16 +1,18 @@
-// A whole LLaMA decoder layer, and the final norm + lm_head, as single CPU kernels for small decode batches.
+// A whole LLaMA-family decoder layer (LLaMA, Qwen2/3, Mistral, Phi-3, Gemma 3), and the final norm + lm_head, as
+// single CPU kernels for small decode batches.
 //
 // At batch 1..16 a decode step is a chain of matrix-vector products (the weights are read once per step,
 // the rows of the batch are few), and MindSpore's kernel-by-kernel CPU runtime spends more time between
 // its ~30 kernels per layer than in them (docs/benchmarks/JOURNAL.md: 3.1 ms of runtime in an 11.9 ms step of the
 // bench model). Here one kernel per layer does all of it: RMSNorm, the fused q/k/v product (+ bias),
-// RoPE, the K/V write into the paged cache, paged attention (cpu_kernel_common.h, as the decode kernel),
-// o_proj + residual, RMSNorm, gate/up with SiLU, down_proj + residual. The work is split over a
-// persistent pool of threads (the calling thread and `threads - 1` workers) that stay between kernels:
-// each kernel is one dispatch and a few spin barriers, not a thread start per call. A product's output rows are
-// handed out in chunks to whichever thread is free (`claim_rows`), and a barrier's waiter yields its core after
-// a short spin: on two cores shared with the master and a load client, one thread losing its core for a while
-// then delays a step by a chunk, not by half of every product.
+// (Qwen3/Gemma 3: RMSNorm of each q and k head), RoPE, the K/V write into the paged cache, paged attention
+// (cpu_kernel_common.h, as the decode kernel; Mistral/Gemma 3: a sliding window), o_proj (+ Gemma 3's sandwich
+// RMSNorm) + residual, RMSNorm, gate/up with SiLU (Gemma: GELU, tanh form), down_proj (+ sandwich norm) +
+// residual. The work is split over a persistent pool of threads (the calling thread and `threads - 1` workers)
+// that stay between kernels: each kernel is one dispatch and a few spin barriers, not a thread start per call. A
+// product's output rows are handed out in chunks to whichever thread is free (`claim_rows`), and a barrier's
+// waiter yields its core after a short spin: on two cores shared with the master and a load client, one thread
+// losing its core for a while then delays a step by a chunk, not by half of every product.
 //
 // Loaded by MindSpore as `ops.Custom(func_type="aot")` kernels (inputs then the output in `params`, in the order
 // of DECODER_LAYER_PARAMS / FINAL_LOGITS_PARAMS below, which kernels/signatures.py declares again by name and
@@ -40,8 +42,9 @@
 // for few rows, lane_units (the same floats) for many.
 //
 // DecoderLayer(x, positions, slots, block_tables, context_lens, tree_bits, cos, sin, lora, q_w, k_w, v_w, qkv_bias,
-//              o_w, gate_w, up_w, down_w, input_gain, post_gain, key_cache, value_cache, lora_qkv_a, lora_qkv_b,
-//              lora_o_a, lora_o_b, lora_gate_up_a, lora_gate_up_b, lora_down_a, lora_down_b, iconfig, fconfig) -> out
+//              o_w, gate_w, up_w, down_w, input_gain, post_gain, q_norm, k_norm, attn_out_gain, mlp_out_gain,
+//              key_cache, value_cache, lora_qkv_a, lora_qkv_b, lora_o_a, lora_o_b, lora_gate_up_a, lora_gate_up_b,
+//              lora_down_a, lora_down_b, iconfig, fconfig) -> out
 //   x            (B, H)                 float32  the layer's input hidden states, one decode token per row
 //   positions    (B,)                   int32    each token's position (< P)
 //   slots        (B,)                   int32    the cache slot its K/V go to; < 0: the row sits this step out
@@ -59,19 +62,31 @@
 //   o_w          (H, NH*D)
 //   gate_w, up_w (I, H)                          down_w (H, I)    (weights: float32, or uint8 rows as above)
 //   input_gain, post_gain (H,)          float32  the norms' gains for q/k/v and for gate/up (1 where folded)
-//   key_cache, value_cache (N*KVH, D)   float32 or float16 (both the same; pa_config.kv_cache_dtype)  flat
-//                                                [slots, KVH, D]; this step's K/V are written in place (rounded
-//                                                to float16 in a float16 cache), then read back by the attention
+//   q_norm, k_norm (D,)                 float32  qk norm (iconfig[13]): the gains of each query's and key's head
+//                                                RMSNorm, after q/k/v (+ bias, + LoRA), before RoPE (else unread)
+//   attn_out_gain, mlp_out_gain (H,)    float32  sandwich norms (iconfig[14]): the gains of the RMSNorm of the o
+//                                                product's and of the down product's result (+ LoRA) before each
+//                                                residual: out = x + rmsnorm(o) * attn_out_gain (else unread)
+//   key_cache, value_cache (N*KVH, D)   float32, float16 or bfloat16 (both the same; pa_config.kv_cache_dtype)
+//                       (N*KVH, D+4)    int8 (codes, then the head vector's float32 scale)  flat [slots, KVH, D];
+//                                                this step's K/V are written in place (rounded to the cache's
+//                                                type), then read back by the attention
 //   lora_*_a     (S, P*R, K)            float32  per slot, the product's A matrices of its P parts (q/k/v: 3,
 //                                                gate/up: 2, o and down: 1) stacked; K its input width
 //   lora_*_b     (S, R, N)              float32  per slot, B transposed (scale folded in): column j for output
 //                                                row j, which reads its part's R-wide slice of A x (slot 0 and
 //                                                modules an adapter leaves alone: zeros)
-//   iconfig      (11,) or (12,)         int32    [block_size, num_heads, num_kv_heads, threads,
+//   iconfig      (11,), (12,) or (16,)  int32    [block_size, num_heads, num_kv_heads, threads,
 //                                                 q type, k type, v type, o type, gate type, up type, down type,
 //                                                 batch-invariant: 1 on, 0 off, -1 or absent: the process's
-//                                                 setting (KernelInvariant, for tests and benchmarks)]
-//   fconfig      (1,)                   float32  [rms_norm_eps]
+//                                                 setting (KernelInvariant, for tests and benchmarks),
+//                                                 activation: 0 SiLU, 1 GELU (tanh approximation),
+//                                                 qk norm: 1 on, 0 off, sandwich norms: 1 on, 0 off,
+//                                                 window: W > 0, each row sees the last W of its visible keys
+//                                                 (sliding-window attention), 0 all]; absent entries: SiLU, no
+//                                                 qk norm, no sandwich norms, no window
+//   fconfig      (1,) or (2,)           float32  [rms_norm_eps (every RMSNorm's), attention scale (the queries'
+//                                                 factor; absent: 1/sqrt(D))]
 //   out          (B, H)                 float32
 // FinalLogits(x (R, H), slots (R,), lm_head (V, H), gain (H,), iconfig [threads, lm_head type(, batch-invariant
 //             as DecoderLayer's)], fconfig [eps])
@@ -158,8 +173,9 @@ struct Scratch {
   std::vector<float> qkv, attn, act, normed, scores, tiles, lora, lora_gate_up;
   std::vector<float> attn_tiles;                 // per thread: attend_tile's query, output and key tiles
   std::vector<float> packed, gemm_w, gemm_c;     // gemm_cpu.h: x's panels (shared), per thread weights and C
-  std::vector<float> silu;                       // per thread: one unit's gate, up and SiLU(gate) * up, every row
+  std::vector<float> silu;                       // per thread: one unit's gate, up and f(gate) * up, every row
   std::vector<float> up;                         // batch-invariant steps of few rows: up's sums (rows x I)
+  std::vector<float> sandwich;                   // sandwich norms: the o product's result, then the down one's
   static float* sized(std::vector<float>& v, size_t n) {
     if (v.size() < n) v.resize(n);
     return v.data();
@@ -1653,9 +1669,10 @@ bool amx_enabled() {
 // environment, read once), off by default. Invariant, a row's outputs are the same to the bit whatever else the
 // step holds (other rows, how a prompt is chunked, decode, prefill or verify, the thread count's split of the
 // work): products run dot_gemm or lane_units, never qdot, matvec's tiles or the batched kernels whose sums run
-// along k (gemm_cpu.h) or on AMX tiles; the SiLU runs silu_span; attention always runs attend_tile where the head
-// size takes it (a token tree's row over its visible keys), attend_row otherwise, for every row alike. Not
-// invariant, each product takes the fastest path for its row count.
+// along k (gemm_cpu.h) or on AMX tiles; the activation runs activation_span; attention always runs attend_tile
+// where the head size takes it (a token tree's row over its visible keys; a window's key tiles where they fall
+// without one), attend_row otherwise, for every row alike. Not invariant, each product takes the fastest path for
+// its row count.
 std::atomic<int> invariant_setting{-1};  // -1: not read yet; 0 off; 1 on
 
 bool invariant_enabled() {
@@ -2055,31 +2072,79 @@ struct LoraProduct {
 
 };
 
-// silu(g) * u, with the exponential of a non-positive argument only
-inline float silu_times(float g, float u) {
-  const float e = llm_serving::exp_nonpositive(-std::fabs(g));     // e^-|g|
-  const float sigmoid = g >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
+// The MLP's activation (iconfig[12]): act = f(gate) * up
+enum Activation : int32_t { kSiLU = 0, kGeluTanh = 1 };
+
+// g * sigmoid(z) * u, with the exponential of a non-positive argument only
+inline float sigmoid_times(float g, float z, float u) {
+  const float e = llm_serving::exp_nonpositive(-std::fabs(z));     // e^-|z|
+  const float sigmoid = z >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
   return g * sigmoid * u;
 }
 
-// silu_times of 8 values (not inlined: one compiled copy)
+// silu(g) * u = g sigmoid(g) u
+inline float silu_times(float g, float u) { return sigmoid_times(g, g, u); }
+
+// gelu_tanh(g) * u: 0.5 g (1 + tanh(y)) = g sigmoid(2y), y = sqrt(2/pi) (g + 0.044715 g^3) (GELU's tanh
+// approximation, Gemma's gelu_pytorch_tanh), as a sigmoid: no cancellation in 1 + tanh for negative g
+inline float gelu_times(float g, float u) {
+  return sigmoid_times(g, 1.5957691216057308f * (g + 0.044715f * g * g * g), u);
+}
+
+// silu_times and gelu_times of 8 values (not inlined: one compiled copy each)
 __attribute__((noinline)) void silu8(const float* g, const float* u, float* out) {
   for (int i = 0; i < 8; ++i) out[i] = silu_times(g[i], u[i]);
 }
+__attribute__((noinline)) void gelu8(const float* g, const float* u, float* out) {
+  for (int i = 0; i < 8; ++i) out[i] = gelu_times(g[i], u[i]);
+}
 
-// out[i] = silu(g[i]) * u[i], i < n, 8 at a time through silu8 (the last ones padded): the same float for a
-// value wherever it sits. Every MLP but the few-row fast path's takes it: silu_times inlined into a loop is
-// vectorized there and its remainder not, and the two need not agree to the bit (batch-invariant steps would
-// then differ between their few-row and many-row routes).
-void silu_span(const float* g, const float* u, int64_t n, float* out) {
+// out[i] = f(g[i]) * u[i] for the activation f, i < n, 8 at a time through silu8 or gelu8 (the last ones
+// padded): the same float for a value wherever it sits. Every MLP but the few-row fast path's takes it:
+// silu_times inlined into a loop is vectorized there and its remainder not, and the two need not agree to the bit
+// (batch-invariant steps would then differ between their few-row and many-row routes).
+void activation_span(int32_t activation, const float* g, const float* u, int64_t n, float* out) {
+  void (*const act8)(const float*, const float*, float*) = activation == kGeluTanh ? gelu8 : silu8;
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) silu8(g + i, u + i, out + i);
+  for (; i + 8 <= n; i += 8) act8(g + i, u + i, out + i);
   if (i < n) {
     float gp[8] = {}, up[8] = {}, op[8];
     std::memcpy(gp, g + i, (n - i) * sizeof(float));
     std::memcpy(up, u + i, (n - i) * sizeof(float));
-    silu8(gp, up, op);
+    act8(gp, up, op);
     std::memcpy(out + i, op, (n - i) * sizeof(float));
+  }
+}
+
+// act[b * ld + i] = gelu_times(gate[i][b], up[i][b]) for i < n, b < bb: the few-row MLP's GELU, out of line (inlined
+// beside that loop's SiLU, it made GCC compile the SiLU models' few-row steps 4-8% slower)
+__attribute__((noinline)) void gelu_block(const float gate[4][4], const float up[4][4], int64_t n, int bb, float* act,
+                                          int64_t ld) {
+  for (int64_t i = 0; i < n; ++i)
+    for (int b = 0; b < bb; ++b) act[b * ld + i] = gelu_times(gate[i][b], up[i][b]);
+}
+
+// out[b] = res[b] + y[b] / sqrt(mean(y[b]^2) + eps) * gain for rows b = first, first + step, ... < rows of (rows, h)
+// (a sandwich norm on a product's result before the residual); out may be res
+void add_normalized(const float* y, const float* res, int64_t first, int64_t step, int64_t rows, int64_t h, float eps,
+                    const float* gain, float* out) {
+  for (int64_t b = first; b < rows; b += step) {
+    const float* yb = y + b * h;
+    float ss = 0.f;
+    for (int64_t e = 0; e < h; ++e) ss += yb[e] * yb[e];
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
+    for (int64_t e = 0; e < h; ++e) out[b * h + e] = res[b * h + e] + yb[e] * inv * gain[e];
+  }
+}
+
+// v (n, d): each d-vector v / sqrt(mean(v^2) + eps) * gain, in place (Qwen3's and Gemma 3's q and k norms)
+void normalize_heads(float* v, int64_t n, int64_t d, float eps, const float* gain) {
+  for (int64_t i = 0; i < n; ++i) {
+    float* vi = v + i * d;
+    float ss = 0.f;
+    for (int64_t e = 0; e < d; ++e) ss += vi[e] * vi[e];
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
+    for (int64_t e = 0; e < d; ++e) vi[e] = vi[e] * inv * gain[e];
   }
 }
 
@@ -2096,7 +2161,9 @@ void silu_span(const float* g, const float* u, int64_t n, float* out) {
   P(Q_W, "q_w", 2, "weight") P(K_W, "k_w", 2, "weight") P(V_W, "v_w", 2, "weight")                                \
   P(QKV_B, "qkv_bias", 1, "float32") P(O_W, "o_w", 2, "weight") P(GATE_W, "gate_w", 2, "weight")                  \
   P(UP_W, "up_w", 2, "weight") P(DOWN_W, "down_w", 2, "weight") P(IN_GAIN, "input_gain", 1, "float32")            \
-  P(POST_GAIN, "post_gain", 1, "float32") P(KEYS, "key_cache", 2, "cache") P(VALUES, "value_cache", 2, "cache") \
+  P(POST_GAIN, "post_gain", 1, "float32") P(Q_NORM, "q_norm", 1, "float32") P(K_NORM, "k_norm", 1, "float32")   \
+  P(ATTN_OUT_GAIN, "attn_out_gain", 1, "float32") P(MLP_OUT_GAIN, "mlp_out_gain", 1, "float32")                  \
+  P(KEYS, "key_cache", 2, "cache") P(VALUES, "value_cache", 2, "cache")                                          \
   P(LORA_QKV_A, "lora_qkv_a", 3, "float32") P(LORA_QKV_B, "lora_qkv_b", 3, "float32")                            \
   P(LORA_O_A, "lora_o_a", 3, "float32") P(LORA_O_B, "lora_o_b", 3, "float32")                                    \
   P(LORA_GATE_UP_A, "lora_gate_up_a", 3, "float32") P(LORA_GATE_UP_B, "lora_gate_up_b", 3, "float32")            \
@@ -2203,7 +2270,8 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
   (void)extra;
   enum { DECODER_LAYER_PARAMS(LLM_SERVING_PARAM_ENUM) NPARAM };
   if (!llm_serving::params_match(kDecoderLayerParams, NPARAM, nparam, ndims, dtypes)) return 1;
-  if (shapes[ICFG][0] != 11 && shapes[ICFG][0] != 12) return 2;
+  const int64_t icfg_len = shapes[ICFG][0], fcfg_len = shapes[FCFG][0];
+  if ((icfg_len != 11 && icfg_len != 12 && icfg_len != 16) || (fcfg_len != 1 && fcfg_len != 2)) return 2;
   const auto* x = static_cast<const float*>(params[X]);
   const auto* positions = static_cast<const int32_t*>(params[POS]);
   const auto* slots = static_cast<const int32_t*>(params[SLOTS]);
@@ -2215,14 +2283,26 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
   const auto* qkv_b = static_cast<const float*>(params[QKV_B]);
   const auto* in_gain = static_cast<const float*>(params[IN_GAIN]);
   const auto* post_gain = static_cast<const float*>(params[POST_GAIN]);
+  const auto* q_norm = static_cast<const float*>(params[Q_NORM]);
+  const auto* k_norm = static_cast<const float*>(params[K_NORM]);
+  const auto* attn_out_gain = static_cast<const float*>(params[ATTN_OUT_GAIN]);
+  const auto* mlp_out_gain = static_cast<const float*>(params[MLP_OUT_GAIN]);
   void* const key_cache = params[KEYS];
   void* const value_cache = params[VALUES];
   const llm_serving::CacheType cache_type = llm_serving::cache_type(dtypes[KEYS]);
   if (std::strcmp(dtypes[VALUES], dtypes[KEYS]) != 0 || cache_type == llm_serving::kCacheUnknown) return 1;
   const auto* lora = static_cast<const int32_t*>(params[LORA]);
   const auto* icfg = static_cast<const int32_t*>(params[ICFG]);
-  const float eps = static_cast<const float*>(params[FCFG])[0];
+  const auto* fcfg = static_cast<const float*>(params[FCFG]);
+  const float eps = fcfg[0];
   auto* out = static_cast<float*>(params[OUT]);
+  // the model family's parts (iconfig[12..15]; an iconfig of 11 or 12 entries: LLaMA's)
+  const int32_t activation = icfg_len > 12 ? icfg[12] : kSiLU;
+  const bool qk_norm = icfg_len > 13 && icfg[13] == 1, sandwich = icfg_len > 14 && icfg[14] == 1;
+  const int64_t window = icfg_len > 15 ? icfg[15] : 0;
+  auto is_flag = [](int32_t v) { return v == 0 || v == 1; };
+  const bool flags_valid = icfg_len <= 13 || (is_flag(icfg[13]) && is_flag(icfg[14]));
+  if ((activation != kSiLU && activation != kGeluTanh) || !flags_valid || window < 0) return 2;
 
   const int64_t batch = shapes[X][0], h = shapes[X][1];
   const int64_t bs = icfg[0], nh = icfg[1], kvh = icfg[2];
@@ -2236,6 +2316,8 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
       shapes[POS][0] != batch || shapes[SLOTS][0] != batch || shapes[TABLES][0] != batch ||
       shapes[CONTEXT][0] != batch || shapes[TREE][0] != batch || shapes[SIN][0] != max_pos ||
       shapes[SIN][1] != d || shapes[QKV_B][0] != nqkv || shapes[IN_GAIN][0] != h || shapes[POST_GAIN][0] != h ||
+      shapes[Q_NORM][0] != d || shapes[K_NORM][0] != d || shapes[ATTN_OUT_GAIN][0] != h ||
+      shapes[MLP_OUT_GAIN][0] != h ||
       !as_matrix(params[Q_W], dtypes[Q_W], shapes[Q_W], icfg[4], nh * d, h, &q_w) ||
       !as_matrix(params[K_W], dtypes[K_W], shapes[K_W], icfg[5], kvh * d, h, &k_w) ||
       !as_matrix(params[V_W], dtypes[V_W], shapes[V_W], icfg[6], kvh * d, h, &v_w) ||
@@ -2333,11 +2415,14 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
   // row would leave the other threads waiting). Largest first, so the threads finish together. Batch-invariant
   // (invariant_enabled): every row is a tile, a lone one (a decode row, a verify step's token) of one row per KV
   // head, a token tree's with its visible keys; attend_row only where the head size takes no tiles, for all.
+  // A sliding window bounds the keys an item reads (and so its cost): its rows' windows, which overlap but for
+  // one key a row.
   struct AttnItem { int64_t b, n, k0, k1, cost; bool tile; };
   std::vector<AttnItem> attn_items;
   {
     const int64_t parts = rows < threads ? kvh : 1;
     const bool tiled = llm_serving::tile_head_dim(d);
+    auto keys_read = [&](int64_t c, int64_t n) { return window > 0 ? std::min<int64_t>(c, window + n - 1) : c; };
     auto follows = [&](int64_t e) {                 // row e continues row e - 1's sequence
       if (slots[e] < 0 || tree[e] != -1 || tree[e - 1] != -1 || context[e] != context[e - 1] + 1) return false;
       const int64_t used = std::min<int64_t>(width, (std::max(0, context[e - 1]) + bs - 1) / bs);
@@ -2347,14 +2432,14 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
       if (slots[b] < 0) { ++b; continue; }
       int64_t e = b + 1;
       while (tiled && e < rows && e - b < llm_serving::kTileRows && follows(e)) ++e;
+      const int64_t cost = (e - b) * (keys_read(context[e - 1], e - b) + 1);
       if (e - b > 1) {
-        for (int64_t k = 0; k < kvh; ++k)
-          attn_items.push_back({b, e - b, k, k + 1, (e - b) * (context[e - 1] + 1), true});
-      } else if (tiled && (invariant || (tree[b] == -1 && context[b] >= llm_serving::kDecodeTileKeys))) {
-        for (int64_t k = 0; k < kvh; ++k) attn_items.push_back({b, 1, k, k + 1, context[b] + 1, true});
+        for (int64_t k = 0; k < kvh; ++k) attn_items.push_back({b, e - b, k, k + 1, cost, true});
+      } else if (tiled && (invariant || (tree[b] == -1 && keys_read(context[b], 1) >= llm_serving::kDecodeTileKeys))) {
+        for (int64_t k = 0; k < kvh; ++k) attn_items.push_back({b, 1, k, k + 1, cost, true});
       } else {
         for (int64_t part = 0; part < parts; ++part)
-          attn_items.push_back({b, 1, part * kvh / parts, (part + 1) * kvh / parts, context[b] + 1, false});
+          attn_items.push_back({b, 1, part * kvh / parts, (part + 1) * kvh / parts, cost, false});
       }
       b = e;
     }
@@ -2363,7 +2448,8 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
   }
   const int64_t tile_floats = llm_serving::tile_scratch_floats(nh / kvh, d);
   float* attn_tiles = Scratch::sized(s.attn_tiles, threads * tile_floats);
-  const float q_scale = 1.f / std::sqrt(static_cast<float>(d));
+  const float q_scale = fcfg_len > 1 ? fcfg[1] : 1.f / std::sqrt(static_cast<float>(d));   // the attention scale
+  float* sandwiched = sandwich ? Scratch::sized(s.sandwich, rows * h) : nullptr;   // o's, then down's result
   Barrier barrier(threads);
   std::atomic<int64_t> next_row{0};
   std::atomic<int64_t> next_qkv[3] = {{0}, {0}, {0}};                           // each product's rows handed out
@@ -2426,7 +2512,8 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
       add_rows(lora_qkv, qkv, nqkv);
       barrier.wait();
     }
-    // 2. RoPE on q and k (q also scaled by 1/sqrt(D)), then k and v into the cache at the token's slot
+    // 2. (qk norm: each q and k head RMS-normalized) RoPE on q and k (q also scaled by the attention scale), then k
+    // and v into the cache at the token's slot
     for (int64_t b = tid; b < rows; b += nthreads) {
       if (slots[b] < 0) {
         std::memset(attn + b * nh * d, 0, nh * d * sizeof(float));
@@ -2435,6 +2522,10 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
       const float* c = cos + positions[b] * d;
       const float* sn = sin + positions[b] * d;
       float* rot = xn;                                  // (D,) scratch: this row is done with xn
+      if (qk_norm) {
+        normalize_heads(qkv + b * nqkv, nh, d, eps, q_norm);
+        normalize_heads(qkv + b * nqkv + nh * d, kvh, d, eps, k_norm);
+      }
       for (int64_t head = 0; head < nh + kvh; ++head) {
         float* v = qkv + b * nqkv + head * d;
         const float scale = head < nh ? q_scale : 1.f;
@@ -2459,28 +2550,38 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
         if (it.tile) {
           llm_serving::attend_tile(qkv + b * nqkv, nqkv, it.n, context[b], kc, vc, tables + (b + it.n - 1) * width,
                                    it.k0, attn + b * nh * d, nh * d, ash, attn_tiles + tid * tile_floats,
-                                   it.n == 1 ? static_cast<uint32_t>(tree[b]) : 0xFFFFFFFFu);
+                                   it.n == 1 ? static_cast<uint32_t>(tree[b]) : 0xFFFFFFFFu, window);
         } else {
           llm_serving::attend_row(qkv + b * nqkv, kc, vc, tables + b * width, context[b],
                                   static_cast<uint32_t>(tree[b]), attn + b * nh * d, ash,
-                                  scores + tid * nh * width * bs, it.k0, it.k1);
+                                  scores + tid * nh * width * bs, it.k0, it.k1, window);
         }
       });
     }
     barrier.wait();
-    // 4. out = x + attn . o_w^T
+    // 4. out = x + attn . o_w^T (sandwich: x + rmsnorm(attn . o_w^T) * attn_out_gain, the product's result whole
+    // first, the rows normalized after a barrier)
     project(lora_o, attn, nh * d);
     const float* xo = packed(1, attn, nh * d, int_o);
     claim_rows(next_o, h, nthreads, [&](int64_t r0, int64_t r1) {
-      product_rows(route, o_w, attn, xo, rows, r0, r1, tile, wbuf, cbuf, amx,
-                   [&](int64_t b, int64_t r, float v) { out[b * h + r] = x[b * h + r] + v; }, int_o);
+      if (sandwich) {
+        product_rows(route, o_w, attn, xo, rows, r0, r1, tile, wbuf, cbuf, amx,
+                     [&](int64_t b, int64_t r, float v) { sandwiched[b * h + r] = v; }, int_o);
+      } else {
+        product_rows(route, o_w, attn, xo, rows, r0, r1, tile, wbuf, cbuf, amx,
+                     [&](int64_t b, int64_t r, float v) { out[b * h + r] = x[b * h + r] + v; }, int_o);
+      }
     }, batched ? gemm_group(nh * d, amx) : dot_align);
     barrier.wait();
     if (adapted) {
-      add_rows(lora_o, out, h);
+      add_rows(lora_o, sandwich ? sandwiched : out, h);
       barrier.wait();
     }
-    // 5. act = silu(gate) * up, each chunk of units j (gate row j, up row I + j) by one thread
+    if (sandwich) {
+      add_normalized(sandwiched, x, tid, nthreads, rows, h, eps, attn_out_gain, out);
+      barrier.wait();
+    }
+    // 5. act = f(gate) * up (f: SiLU or GELU), each chunk of units j (gate row j, up row I + j) by one thread
     rms_normalize(out, rows, h, eps, post_gain, xn);
     if (adapted) {                                  // each adapted row's gate/up deltas, whole, before the tiles
       project(lora_gate_up, xn, h);
@@ -2490,13 +2591,13 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
       add_rows(lora_gate_up, lora_gu, 2 * inter);
       barrier.wait();
     }
-    if (batched || lanes) {                         // gate and up rows of a group of units together, then SiLU
+    if (batched || lanes) {                         // gate and up rows of a group of units together, then f
       const float* xg = packed(2, xn, h, int_gate_up);
       claim_rows(next_unit, inter, nthreads, [&](int64_t r0, int64_t r1) {
         units(gate_up, 2, r0, r1, xn, xg, [&](int64_t j, int64_t n, const float* c, int64_t ldc) {
           // unit by unit: its gate and up sums of every row are contiguous in C (one vectorized pass), then
           // written to each row of act (a row's strided access rather than C's)
-          // (LoRA rows' deltas added first; silu_span, as the few-row invariant steps)
+          // (LoRA rows' deltas added first; activation_span, as the few-row invariant steps)
           float* g = silu_row + rows;
           float* v = silu_row + 2 * rows;
           for (int64_t i = 0; i < n; ++i) {
@@ -2507,12 +2608,12 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
               g[b] = lora_row ? gate[b] + lora_gu[b * 2 * inter + j + i] : gate[b];
               v[b] = lora_row ? up[b] + lora_gu[b * 2 * inter + inter + j + i] : up[b];
             }
-            silu_span(g, v, rows, silu_row);
+            activation_span(activation, g, v, rows, silu_row);
             for (int64_t b = 0; b < rows; ++b) act[b * inter + j + i] = silu_row[b];
           }
         }, int_gate_up);
       }, lanes ? kLaneGroup / 2 : gemm_group(h, amx) / 2);
-    } else if (invariant) {                         // gate's sums into act, up's beside, then silu_span by row
+    } else if (invariant) {                         // gate's sums into act, up's beside, then f by row
       claim_rows(next_unit, inter, nthreads, [&](int64_t r0, int64_t r1) {
         product_rows(route, gate_w, xn, nullptr, rows, r0, r1, tile, wbuf, cbuf, amx,
                      [&](int64_t b, int64_t j, float v) { act[b * inter + j] = v; });
@@ -2528,7 +2629,7 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
               v[j] += delta[inter + j];
             }
           }
-          silu_span(g, v, r1 - r0, g);
+          activation_span(activation, g, v, r1 - r0, g);
         }
       }, dot_align);
     } else {
@@ -2563,23 +2664,36 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
                 up[i][b] += g[inter + i];
               }
             }
-            for (int64_t i = 0; i < n; ++i)
-              for (int b = 0; b < bb; ++b) act[(b0 + b) * inter + j + i] = silu_times(gate[i][b], up[i][b]);
+            if (activation == kGeluTanh) {
+              gelu_block(gate, up, n, bb, act + b0 * inter + j, inter);
+            } else {
+              for (int64_t i = 0; i < n; ++i)
+                for (int b = 0; b < bb; ++b) act[(b0 + b) * inter + j + i] = silu_times(gate[i][b], up[i][b]);
+            }
           }
         }
       });
     }
     barrier.wait();
-    // 6. out += act . down_w^T
+    // 6. out += act . down_w^T (sandwich: out += rmsnorm(act . down_w^T) * mlp_out_gain, as step 4)
     project(lora_down, act, inter);
     const float* xd = packed(3, act, inter, int_down);
     claim_rows(next_down, h, nthreads, [&](int64_t r0, int64_t r1) {
-      product_rows(route, down_w, act, xd, rows, r0, r1, tile, wbuf, cbuf, amx,
-                   [&](int64_t b, int64_t r, float v) { out[b * h + r] += v; }, int_down);
+      if (sandwich) {
+        product_rows(route, down_w, act, xd, rows, r0, r1, tile, wbuf, cbuf, amx,
+                     [&](int64_t b, int64_t r, float v) { sandwiched[b * h + r] = v; }, int_down);
+      } else {
+        product_rows(route, down_w, act, xd, rows, r0, r1, tile, wbuf, cbuf, amx,
+                     [&](int64_t b, int64_t r, float v) { out[b * h + r] += v; }, int_down);
+      }
     }, batched ? gemm_group(inter, amx) : dot_align);
     if (adapted) {
       barrier.wait();
-      add_rows(lora_down, out, h);
+      add_rows(lora_down, sandwich ? sandwiched : out, h);
+    }
+    if (sandwich) {
+      barrier.wait();
+      add_normalized(sandwiched, out, tid, nthreads, rows, h, eps, mlp_out_gain, out);
     }
   });
   return 0;

@@ -10,7 +10,8 @@ and one here, at the same place; then its value by name: a step input is a new a
 that runs the kernel (`check_call` holds it to the declared order), a held one a new keyword of `held(...)`.
 
 dtype "weight": float32, or a GGUF type's stored bytes (uint8), which the kernel checks with the type code its
-iconfig gives. dtype "cache": a KV cache, float32 or float16 (pa_config.kv_cache_dtype), read from the call.
+iconfig gives. dtype "cache": a KV cache, float32, float16, bfloat16 or int8 (pa_config.kv_cache_dtype), read from
+the call.
 """
 from __future__ import annotations
 
@@ -112,7 +113,9 @@ DECODER_LAYER = KernelSignature(
     held_inputs=(_p("q_w", 2, "weight"), _p("k_w", 2, "weight"), _p("v_w", 2, "weight"),
                  _p("qkv_bias", 1, "float32"), _p("o_w", 2, "weight"), _p("gate_w", 2, "weight"),
                  _p("up_w", 2, "weight"), _p("down_w", 2, "weight"), _p("input_gain", 1, "float32"),
-                 _p("post_gain", 1, "float32"), _p("key_cache", 2, "cache"), _p("value_cache", 2, "cache"),
+                 _p("post_gain", 1, "float32"), _p("q_norm", 1, "float32"), _p("k_norm", 1, "float32"),
+                 _p("attn_out_gain", 1, "float32"), _p("mlp_out_gain", 1, "float32"), _p("key_cache", 2, "cache"),
+                 _p("value_cache", 2, "cache"),
                  _p("lora_qkv_a", 3, "float32"), _p("lora_qkv_b", 3, "float32"), _p("lora_o_a", 3, "float32"),
                  _p("lora_o_b", 3, "float32"), _p("lora_gate_up_a", 3, "float32"),
                  _p("lora_gate_up_b", 3, "float32"), _p("lora_down_a", 3, "float32"),
