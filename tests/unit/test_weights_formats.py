@@ -4,8 +4,16 @@ The GGUF files are written here with the `gguf` package the way llama.cpp's conv
 the architecture's name, tensors renamed, a llama model's q/k rows permuted for llama.cpp's RoPE), from random HF
 checkpoints, so each GGUF has a safetensors twin to compare with. What a correct loader must return for a
 quantized tensor is computed here on its own: llama.cpp's form of the twin's tensor, quantized and dequantized by
-`gguf.quants`, then un-permuted by the inverse written below (not the loader's)."""
+`gguf.quants`, then un-permuted by the inverse written below (not the loader's).
+
+The family's other members (Qwen3, Gemma 3 and its multimodal form, Phi-3, SmolLM3, Mistral's and Qwen2's sliding
+windows) are made by transformers itself (tests/families.py, once per module) and written as GGUF twins as
+llama.cpp's converter writes them; their internal tensors are checked against the checkpoint's own, mapped here
+independently of the readers."""
+import dataclasses
 import json
+import math
+import shutil
 import tracemalloc
 
 import numpy as np
@@ -13,9 +21,12 @@ import pytest
 
 from llm_serving.models.default_model import write_hf_llama
 from llm_serving.models.parallel import TensorParallel
-from llm_serving.models.weights import (WeightLoadError, llama3_rope_factors, load_config, load_llama_weights,
-                                        load_quantized)
+from llm_serving.models.weights import (WeightLoadError, expected_shapes, llama3_rope_factors, load_config,
+                                        load_llama_weights, load_quantized, model_shape)
 from llm_serving.models.weights.gguf import KEPT_QUANTIZED
+from tests.families import (FAMILIES, config_json_v4, make_hf_model, needs_transformers, transformers_greedy,
+                            transformers_logits)
+from tests.families import write_gguf as family_gguf
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
@@ -69,10 +80,11 @@ def _permuted_heads(name: str, heads=4, kv_heads=2):
 
 
 def write_gguf(path, weights: dict, *, arch="llama", qtype=Q.F32, theta=10000.0, heads=4, kv_heads=2,
-               rope_freqs=None, raw=None, rope_scaling=None):
+               rope_freqs=None, raw=None, rope_scaling=None, fuse_qkv=False):
     """A GGUF of HF-named float32 `weights`; 2-D tensors stored as `qtype`, 1-D ones as F32 (as llama.cpp does).
     `raw`: {GGUF name: (uint8 blocks, type)} stored instead of that tensor (types gguf cannot quantize);
-    `rope_scaling`: (type, factor) as `<arch>.rope.scaling.*` metadata."""
+    `rope_scaling`: (type, factor) as `<arch>.rope.scaling.*` metadata; `fuse_qkv`: each layer's q/k/v (q and k
+    permuted first) as one `attn_qkv`, as the converter's --fuse-qkv writes them."""
     raw = raw or {}
     layers = 1 + max(int(k.split(".")[2]) for k in weights if k.startswith("model.layers."))
     hidden = weights["model.embed_tokens.weight"].shape[1]
@@ -88,8 +100,13 @@ def write_gguf(path, weights: dict, *, arch="llama", qtype=Q.F32, theta=10000.0,
     if rope_scaling is not None:
         w.add_rope_scaling_type(gguf.RopeScalingType(rope_scaling[0]))
         w.add_rope_scaling_factor(rope_scaling[1])
+    fused = {}
     for name, arr in weights.items():
         out = gguf_name(name)
+        if fuse_qkv and out.endswith(("attn_q.weight", "attn_k.weight", "attn_v.weight")):
+            n_head = _permuted_heads(name, heads, kv_heads) if arch == "llama" else None
+            fused.setdefault(out.rsplit(".", 2)[0], {})[out] = _llama_cpp_permute(arr, n_head) if n_head else arr
+            continue
         if out in raw:
             blocks, raw_type = raw[out]
             w.add_tensor(out, blocks, raw_dtype=raw_type)
@@ -100,6 +117,9 @@ def write_gguf(path, weights: dict, *, arch="llama", qtype=Q.F32, theta=10000.0,
             w.add_tensor(out, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(out, arr)
+    for layer, parts in fused.items():
+        w.add_tensor(f"{layer}.attn_qkv.weight", np.ascontiguousarray(np.concatenate(
+            [parts[f"{layer}.attn_{p}.weight"] for p in "qkv"]), np.float32))
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, np.float32))
     w.write_header_to_file()
@@ -302,6 +322,23 @@ def test_qwen2_gguf_keeps_hf_layout_and_biases(tmp_path):
         np.testing.assert_array_equal(got[name], ref[name], err_msg=name)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_fused_attn_qkv_is_split_and_its_q_k_rows_unpermuted(tmp_path, monkeypatch, arch):
+    """llama.cpp's converter fuses q/k/v on request (--fuse-qkv), after permuting q and k: each part is read as its
+    own rows, un-permuted for llama's RoPE, and a tensor-parallel rank's part is the cut of the whole."""
+    monkeypatch.setenv("LLM_SERVING_GGUF_CACHE", "0")
+    _, (_, ref) = _hf(tmp_path)
+    path = write_gguf(tmp_path / "fused.gguf", ref, arch=arch, fuse_qkv=True)
+    assert "blk.0.attn_qkv.weight" in {t.name for t in gguf.GGUFReader(str(path)).tensors}
+    _, got = load_llama_weights(path)
+    assert set(got) == set(ref)
+    for name in ref:
+        np.testing.assert_array_equal(got[name], ref[name], err_msg=name)
+    _, part = load_llama_weights(path, TensorParallel(rank=1, world=2))
+    for name, arr in part.items():
+        np.testing.assert_array_equal(arr, _rank1_of_2(name, ref[name]), err_msg=name)
+
+
 def test_gguf_rope_freqs_become_the_frequency_divisors(tmp_path):
     _, (_, ref) = _hf(tmp_path)
     factors = np.linspace(1.0, 8.0, HEAD_DIM // 2)
@@ -410,14 +447,28 @@ def test_llama3_rope_scaling_in_transformers_4_and_5_forms(tmp_path):
 
 
 def test_architectures_and_sliding_windows_from_config_json(tmp_path):
+    """Sliding windows are served: Mistral's (every layer), Qwen2's with use_sliding_window (the layers from
+    max_window_layers on, 4.x's rule when config.json has no layer_types), Phi-3-mini-4k's 2047 (every layer); a
+    Qwen2 config's window without use_sliding_window is not one. Other architectures and RoPE types are refused."""
     qwen = load_config(_config(tmp_path / "c", architectures=["Qwen2ForCausalLM"], use_sliding_window=False,
                                sliding_window=32768, rope_theta=1e6))
     assert qwen.architecture == "qwen2" and qwen.attention_bias and qwen.sliding_window is None
     mistral = load_config(_config(tmp_path / "d", architectures=["MistralForCausalLM"], sliding_window=64))
     assert mistral.architecture == "mistral" and mistral.sliding_window == 64 and not mistral.attention_bias
-    mistral.check_context(64)
-    with pytest.raises(WeightLoadError, match="sliding_window=64.*max_generate_length <= 64"):
-        mistral.check_context(128)
+    assert mistral.layer_types is None and [mistral.layer_window(i) for i in range(2)] == [64, 64]
+    qwen_swa = load_config(_config(tmp_path / "g", architectures=["Qwen2ForCausalLM"], use_sliding_window=True,
+                                   sliding_window=8, max_window_layers=1))
+    assert (qwen_swa.sliding_window, qwen_swa.layer_types) == (8, ("full", "sliding"))
+    assert [qwen_swa.layer_window(i) for i in range(2)] == [None, 8]
+    everywhere = load_config(_config(tmp_path / "h", architectures=["Qwen2ForCausalLM"], use_sliding_window=True,
+                                     sliding_window=8, max_window_layers=0))
+    assert (everywhere.sliding_window, everywhere.layer_types) == (8, None)
+    phi3 = load_config(_config(tmp_path / "i", architectures=["Phi3ForCausalLM"], sliding_window=2047,
+                               max_position_embeddings=4096, original_max_position_embeddings=4096, rope_scaling=None))
+    assert (phi3.sliding_window, phi3.layer_types, phi3.rope_original_context) == (2047, None, None)
+    phi4 = load_config(_config(tmp_path / "j", architectures=["Phi3ForCausalLM"], sliding_window=262144,
+                               max_position_embeddings=131072))        # Phi-4-mini's: as long as the context
+    assert (phi4.sliding_window, phi4.layer_types) == (None, None)
     with pytest.raises(WeightLoadError, match="GemmaForCausalLM"):
         load_config(_config(tmp_path / "e", architectures=["GemmaForCausalLM"]))
     with pytest.raises(WeightLoadError, match="RoPE scaling type 'yarn'"):
@@ -502,3 +553,366 @@ def test_a_layer_cut_keeps_the_first_layers_the_final_norm_and_the_head(stories_
         assert name in cut
     with pytest.raises(WeightLoadError, match="first 6 layers .* it has 5"):
         load_llama_weights(str(path), num_layers=6)
+
+
+# ------------------------------------------------------------------------------------------ the families
+
+_S, _F = "sliding", "full"
+_GEMMA3 = dict(architecture="gemma3", vocab_size=384, head_dim=32, qk_norm=True, sandwich_norms=True,
+               embed_scale=8.0, hidden_act="gelu_tanh", query_scale=24 ** -0.5, sliding_window=16,
+               layer_types=(_S, _F, _S, _F), rope_theta=1e6, local_rope_theta=1e4, rope_freq_factors=(4.0,) * 16,
+               tie_word_embeddings=True, attention_bias=False, nope_layers=())
+# what each family's readers must give (beside the shapes): the config.json's meaning, written out by hand
+FAMILY_CONFIGS = {
+    "qwen3": dict(architecture="qwen3", head_dim=32, qk_norm=True, attention_bias=False, rope_theta=1e6,
+                  sliding_window=None, tie_word_embeddings=False, hidden_act="silu", query_scale=None),
+    "gemma3": _GEMMA3,
+    "gemma3-mm": _GEMMA3,
+    "phi3": dict(architecture="phi3", head_dim=32, rotary_dim=24, rope_theta=1e4,
+                 rope_freq_factors=tuple(1.0 + i / 16 for i in range(12)),
+                 rope_long_factors=tuple(1.0 + i * 5 / 8 for i in range(12)), rope_original_context=64,
+                 rope_scale=math.sqrt(1 + math.log(256 / 64) / math.log(64)), sliding_window=None,
+                 tie_word_embeddings=True, qk_norm=False),
+    "smollm3": dict(architecture="smollm3", head_dim=16, nope_layers=(3,), rope_theta=1e5, tie_word_embeddings=True,
+                    sliding_window=None),
+    "mistral-swa": dict(architecture="mistral", head_dim=32, sliding_window=16, layer_types=None,
+                        tie_word_embeddings=False),
+    "qwen2-swa": dict(architecture="qwen2", head_dim=32, attention_bias=True, sliding_window=16,
+                      layer_types=(_F, _F, _S, _S), rope_theta=1e6, tie_word_embeddings=True),
+}
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory):
+    """Every family made once by transformers: {name: (HF directory, its F32 GGUF twin)}."""
+    needs_transformers()
+    root = tmp_path_factory.mktemp("families")
+    out = {}
+    for name in FAMILIES:
+        hf = make_hf_model(name, root / name, seed=0)
+        out[name] = (hf, family_gguf(name, hf, root / f"{name}.gguf"))
+    return out
+
+
+def _same(name, expected, got):
+    """A config field's value: floats (GGUF stores float32) to 1e-6, the rest exactly."""
+    if isinstance(expected, float) or (isinstance(expected, tuple) and expected and isinstance(expected[0], float)):
+        assert got is not None, name
+        np.testing.assert_allclose(got, expected, rtol=1e-6, err_msg=name)
+    else:
+        assert got == expected, (name, got, expected)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_a_family_loads_the_same_from_its_hf_directory_and_its_gguf(families, name):
+    """Every config field (GGUF's float32 metadata to 1e-6; a Mistral GGUF is llama.cpp's `llama`) and every
+    tensor, exactly, under the internal names; the config says what the family's config.json means."""
+    hf, twin = families[name]
+    cfg, got = load_llama_weights(hf)
+    for field, value in FAMILY_CONFIGS[name].items():
+        _same(field, value, getattr(cfg, field))
+    cfg2, got2 = load_llama_weights(twin)
+    for field in dataclasses.fields(cfg):
+        if field.name == "architecture":
+            assert cfg2.architecture == ("llama" if name == "mistral-swa" else cfg.architecture)
+        else:
+            _same(field.name, getattr(cfg, field.name), getattr(cfg2, field.name))
+    assert set(got) == set(got2) == set(expected_shapes(cfg))
+    for tensor in got:
+        np.testing.assert_array_equal(got2[tensor], got[tensor], err_msg=tensor)
+
+
+# Gemma's norms (after "model.layers.N.") -> the internal names
+_GEMMA_NORMS = {"input_layernorm": "input_layernorm", "pre_feedforward_layernorm": "post_attention_layernorm",
+                "post_attention_layernorm": "attn_output_norm", "post_feedforward_layernorm": "mlp_output_norm",
+                "self_attn.q_norm": "self_attn.q_norm", "self_attn.k_norm": "self_attn.k_norm"}
+
+
+def _internal_from_checkpoint(name: str, hf_dir) -> dict:
+    """The internal tensors as the checkpoint's own, mapped here: the text model's names, Gemma's norms renamed
+    and + 1, Phi-3's qkv_proj and gate_up_proj cut by rows, a tied lm_head the embedding."""
+    from safetensors.numpy import load_file
+
+    raw = json.loads((hf_dir / "config.json").read_text())
+    text = raw.get("text_config", raw)
+    out = {}
+    for key, arr in load_file(str(hf_dir / "model.safetensors")).items():
+        key = key.replace("language_model.model.", "model.").replace("language_model.lm_head.", "lm_head.")
+        if not key.startswith(("model.", "lm_head.")):
+            continue                                            # the vision tower and projector
+        if name.startswith("gemma3") and key.endswith("norm.weight"):
+            arr = arr + np.float32(1.0)
+            if key.startswith("model.layers."):
+                _, _, layer, rest = key.split(".", 3)
+                key = f"model.layers.{layer}.{_GEMMA_NORMS[rest[:-len('.weight')]]}.weight"
+        if key.endswith("qkv_proj.weight"):
+            q, kv = 4 * 32, 2 * 32
+            for part, rows in (("q", arr[:q]), ("k", arr[q:q + kv]), ("v", arr[q + kv:])):
+                out[key.replace("qkv_proj", f"{part}_proj")] = rows
+        elif key.endswith("gate_up_proj.weight"):
+            inter = text["intermediate_size"]
+            out[key.replace("gate_up_proj", "gate_proj")], out[key.replace("gate_up_proj", "up_proj")] = \
+                arr[:inter], arr[inter:]
+        else:
+            out[key] = arr
+    out.setdefault("lm_head.weight", out["model.embed_tokens.weight"])
+    return out
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_a_familys_internal_tensors_are_its_checkpoints_own(families, name):
+    """Gemma's gains are 1 + the stored weight (added once), its pre-feedforward norm is the internal
+    post_attention_layernorm and its post-attention / post-feedforward norms the sandwich norms; Phi-3's fused
+    matrices are cut into q/k/v (rows NH*D, KVH*D, KVH*D) and gate/up (gate first); a multimodal checkpoint's text
+    model is read without its vision tower."""
+    hf, _ = families[name]
+    _, got = load_llama_weights(hf)
+    expected = _internal_from_checkpoint(name, hf)
+    assert set(got) == set(expected)
+    for tensor, arr in expected.items():
+        np.testing.assert_array_equal(got[tensor], arr, err_msg=tensor)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_config_json_in_transformers_4_and_5_forms_reads_the_same(families, name, tmp_path):
+    """4.x's rope_theta / rope_scaling / rope_local_base_freq / top-level partial_rotary_factor and original context
+    mean what 5.x's rope_parameters (per layer type for Gemma 3) mean."""
+    hf, _ = families[name]
+    v5 = json.loads((hf / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config_json_v4(v5)))
+    assert "rope_parameters" not in json.loads((tmp_path / "config.json").read_text())
+    assert load_config(tmp_path) == load_config(hf)
+
+
+def test_gemma3_multimodal_text_model_under_either_transformers_naming(families, tmp_path):
+    """transformers' save_pretrained writes language_model.model.* (4.x and 5.x alike); 5.x's modules are
+    model.language_model.*: both read as the same text model, the vision tower's tensors not at all."""
+    from safetensors.numpy import load_file, save_file
+
+    hf, _ = families["gemma3-mm"]
+    stored = load_file(str(hf / "model.safetensors"))
+    assert any(k.startswith("language_model.model.layers.") for k in stored)
+    assert any("vision_tower" in k for k in stored)
+    renamed = {k.replace("language_model.model.", "model.language_model."): v for k, v in stored.items()}
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(hf / f, tmp_path / f)
+    save_file(renamed, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    cfg, got = load_llama_weights(hf)
+    cfg2, got2 = load_llama_weights(tmp_path)
+    assert cfg == cfg2 and set(got) == set(got2) == set(expected_shapes(cfg))
+    for tensor in got:
+        np.testing.assert_array_equal(got2[tensor], got[tensor], err_msg=tensor)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_a_familys_q8_0_gguf_is_its_f32_tensors_quantized_row_by_row(families, name, tmp_path):
+    """Q8_0 as llama.cpp quantizes (gguf.quants): every matrix, the embedding included, equals its F32 form
+    quantized and dequantized (quantization runs along rows, so the converter's row permutations and the
+    readers' splits commute with it); 1-D tensors (norms, Gemma's + 1 included) stay F32, exact."""
+    hf, twin = families[name]
+    _, f32 = load_llama_weights(twin)
+    _, q8 = load_llama_weights(family_gguf(name, hf, tmp_path / "q8.gguf", qtype=Q.Q8_0))
+    for tensor, arr in f32.items():
+        want = gguf.quants.dequantize(gguf.quants.quantize(arr, Q.Q8_0), Q.Q8_0) if arr.ndim == 2 else arr
+        np.testing.assert_array_equal(q8[tensor], want, err_msg=tensor)
+
+
+@pytest.mark.parametrize("fmt", ["hf", "gguf", "gguf-q8_0", "gguf-q8_0-cached"])
+def test_phi3_split_parts_read_only_their_rows(families, tmp_path, monkeypatch, fmt):
+    """Tensor-parallel rank 1 of 2 reads the second half of q/k/v/gate/up, each a row range of the fused matrix,
+    equal to the cut of the whole (from safetensors, an F32 GGUF, and a Q8_0 GGUF read from the file or the
+    cache); a Q8_0 file's q/k/v and gate/up are kept as their own rows of blocks (load_quantized)."""
+    if fmt != "gguf-q8_0-cached":
+        monkeypatch.setenv("LLM_SERVING_GGUF_CACHE", "0")
+    hf, twin = families["phi3"]
+    path = {"hf": hf, "gguf": twin}.get(fmt) or family_gguf("phi3", hf, tmp_path / "q8.gguf", qtype=Q.Q8_0)
+    _, whole = load_llama_weights(path)
+    _, part = load_llama_weights(path, TensorParallel(rank=1, world=2))
+    assert part["model.layers.0.self_attn.k_proj.weight"].shape == (32, 128)     # one of the two kv heads
+    for tensor, arr in part.items():
+        np.testing.assert_array_equal(arr, _rank1_of_2(tensor, whole[tensor]), err_msg=tensor)
+    if fmt.startswith("gguf-q8_0"):
+        kept = load_quantized(path)
+        for proj in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            t = kept[f"model.layers.1.{proj}.weight"]
+            rows = gguf.quants.dequantize(t.data, Q.Q8_0).reshape(t.shape)
+            assert t.qtype == 8
+            np.testing.assert_array_equal(rows, whole[f"model.layers.1.{proj}.weight"], err_msg=proj)
+
+
+def test_a_gguf_vocabulary_encodes_as_the_tokenizer_json(families):
+    from llm_serving.tokenization import load_tokenizer
+
+    hf, twin = families["phi3"]
+    ref, tok = load_tokenizer(str(hf)), load_tokenizer(str(twin))
+    assert (tok.vocab_size, tok.bos_id, tok.eos_id, tok.chat_template) == \
+        (ref.vocab_size, ref.bos_id, ref.eos_id, ref.chat_template) == (320, 1, 2, ref.chat_template)
+    for text in ("Once upon a time, Lily saw a big red ball.", "<|im_start|>user\nhi 123<|im_end|>\n"):
+        assert tok.encode(text) == ref.encode(text), text
+
+
+def _edited(hf, tmp_path, **changes):
+    """A copy of `hf`'s config.json (its text config for a multimodal one) with `changes`, in tmp_path."""
+    raw = json.loads((hf / "config.json").read_text())
+    (raw["text_config"] if "text_config" in raw else raw).update(changes)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    return tmp_path
+
+
+_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 1e4}
+REFUSED = [
+    ("gemma3", dict(final_logit_softcapping=30.0), "final_logit_softcapping=30.0"),
+    ("gemma3", dict(attn_logit_softcapping=50.0), "attn_logit_softcapping=50.0"),
+    ("gemma3-mm", dict(hidden_activation="gelu"), "hidden_activation='gelu'"),
+    ("gemma3", dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
+    ("gemma3", dict(attention_bias=True), "attention_bias"),
+    ("gemma3", dict(rope_parameters={"full_attention": _YARN, "sliding_attention": {"rope_theta": 1e4}}),
+     "RoPE scaling type 'yarn'"),
+    ("gemma3", dict(rope_parameters={"full_attention": {"rope_theta": 1e6},
+                                     "sliding_attention": {"rope_type": "linear", "factor": 2.0}}),
+     "'linear' on the sliding layers"),
+    ("phi3", dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}), "'dynamic'"),
+    ("phi3", dict(rope_parameters={"rope_type": "longrope", "short_factor": [1.0] * 16, "long_factor": [2.0] * 16,
+                                   "rope_theta": 1e4}), "need 12 values"),
+    ("qwen3", dict(attention_bias=True), "attention_bias"),
+    ("qwen3", dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    ("qwen3", dict(rope_parameters=_YARN), "RoPE scaling type 'yarn'"),
+    ("qwen2-swa", dict(layer_types=["full_attention", "chunked_attention", "sliding_attention", "sliding_attention"]),
+     "chunked_attention"),
+    ("smollm3", dict(mlp_bias=True), "mlp_bias"),
+    ("smollm3", dict(no_rope_layers=[1, 1, 0]), "no_rope_layers has 3 entries for 4 layers"),
+    ("qwen3", dict(architectures=["Qwen3MoeForCausalLM"]), "architecture 'Qwen3MoeForCausalLM' is not supported"),
+    ("gemma3", dict(architectures=["Gemma2ForCausalLM"]), "architecture 'Gemma2ForCausalLM' is not supported"),
+    ("phi3", dict(architectures=["PhiForCausalLM"]), "architecture 'PhiForCausalLM' is not supported"),
+]
+
+
+@pytest.mark.parametrize("name,changes,message", REFUSED, ids=[f"{n}-{'-'.join(c)}" for n, c, _ in REFUSED])
+def test_unsupported_options_and_architectures_are_refused_naming_them(families, tmp_path, name, changes, message):
+    hf, _ = families[name]
+    if "architectures" in changes:          # (the outer config's, for a multimodal one)
+        raw = json.loads((hf / "config.json").read_text())
+        (tmp_path / "config.json").write_text(json.dumps({**raw, **changes}))
+    else:
+        _edited(hf, tmp_path, **changes)
+    with pytest.raises(WeightLoadError, match=message):
+        load_config(tmp_path)
+
+
+def test_a_gemma3_config_that_names_only_what_differs_has_transformers_defaults(tmp_path):
+    """Gemma 3 4B's config.json as published: its text_config names 5 keys; the rest are Gemma3TextConfig's
+    defaults (8 heads of 256, 4 KV heads, query_pre_attn_scalar 256, RoPE bases 1e6 and 1e4, every 6th layer
+    full) and the outer config's token ids."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "eos_token_id": [1, 106],
+        "mm_tokens_per_image": 256, "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152},
+        "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                        "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                        "sliding_window": 1024}}))
+    cfg = load_config(tmp_path)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size) == (8, 4, 256, 262208)
+    assert (cfg.query_scale, cfg.embed_scale, cfg.hidden_act) == (1 / 16, math.sqrt(2560), "gelu_tanh")
+    assert (cfg.rope_theta, cfg.local_rope_theta, cfg.rope_freq_factors) == (1e6, 1e4, (8.0,) * 128)
+    assert cfg.sliding_window == 1024 and [i for i, t in enumerate(cfg.layer_types) if t == "full"] == [5, 11, 17,
+                                                                                                        23, 29]
+    assert (cfg.bos_token_id, cfg.eos_token_id, cfg.tie_word_embeddings) == (2, 1, True)
+    assert (cfg.qk_norm, cfg.sandwich_norms, cfg.layer_rope(5), cfg.layer_rope(4)) == (True, True, "global", "local")
+
+
+def test_smollm3_nope_layers_from_the_flags_or_the_interval(families, tmp_path):
+    hf, _ = families["smollm3"]
+    assert load_config(_edited(hf, tmp_path, no_rope_layers=[1, 0, 1, 1])).nope_layers == (1,)
+    assert load_config(_edited(hf, tmp_path, no_rope_layers=None, no_rope_layer_interval=2)).nope_layers == (1, 3)
+    cfg = load_config(_edited(hf, tmp_path, no_rope_layers=None))                        # transformers' default: 4
+    assert cfg.nope_layers == (3,) and [cfg.layer_rope(i) for i in range(4)] == ["global"] * 3 + ["none"]
+
+
+def _metadata_gguf(path, arch, layers=2, hidden=64, heads=4, head_dim=16, **keys):
+    """A GGUF of metadata (and a token embedding) only: `keys` as GGUFWriter.add_<key>(value)."""
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(layers)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(128)
+    w.add_head_count(heads)
+    w.add_head_count_kv(2)
+    w.add_key_length(head_dim)
+    for key, value in keys.items():
+        getattr(w, f"add_{key}")(value)
+    w.add_tensor("token_embd.weight", np.zeros((32, hidden), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_gguf_gemma3_without_the_keys_llama_cpp_hardcodes(tmp_path):
+    """What llama.cpp assumes when the converter writes nothing: every 6th layer full (sliding_window_pattern 6),
+    a local RoPE base of 10000, the attention scale 1/sqrt(head_dim), except for the 27B shape (62 layers):
+    1/sqrt(hidden/heads); no sliding layers without `sliding_window`."""
+    cfg = model_shape(_metadata_gguf(tmp_path / "a.gguf", "gemma3", layers=7, sliding_window=512))
+    assert cfg.layer_types == (_S,) * 5 + (_F, _S) and cfg.local_rope_theta == 1e4
+    assert (cfg.query_scale, cfg.embed_scale, cfg.hidden_act, cfg.sandwich_norms) == (0.25, 8.0, "gelu_tanh", True)
+    big = model_shape(_metadata_gguf(tmp_path / "b.gguf", "gemma3", layers=62, hidden=128, head_dim=64,
+                                     sliding_window=512, rope_freq_base_swa=20000.0))
+    assert big.query_scale == (128 / 4) ** -0.5 and big.local_rope_theta == 20000.0
+    full = model_shape(_metadata_gguf(tmp_path / "c.gguf", "gemma3", attention_scale=0.125))
+    assert (full.sliding_window, full.layer_types, full.local_rope_theta, full.query_scale) == (None, None, None, 0.125)
+    smol = model_shape(_metadata_gguf(tmp_path / "d.gguf", "smollm3", layers=8))
+    assert smol.nope_layers == (3, 7)                                  # llama.cpp's n_no_rope_layer_step = 4
+    phi4 = model_shape(_metadata_gguf(tmp_path / "e.gguf", "phi3", sliding_window=262144, context_length=131072))
+    assert phi4.sliding_window is None                                 # a window as long as the context is none
+    phi3 = model_shape(_metadata_gguf(tmp_path / "f.gguf", "phi3", sliding_window=2047, context_length=4096))
+    assert (phi3.sliding_window, phi3.layer_types) == (2047, None)     # Phi-3-mini-4k's, in every layer
+
+
+GGUF_REFUSED = [("gemma3", dict(final_logit_softcapping=30.0), "gemma3.final_logit_softcapping=30.0"),
+                ("qwen3", dict(rope_scaling_type=gguf.RopeScalingType.YARN, rope_scaling_factor=4.0),
+                 "GGUF RoPE scaling 'yarn'"),
+                ("gemma2", {}, "GGUF architecture 'gemma2' is not supported"),
+                ("phi3", dict(rope_scaling_type=gguf.RopeScalingType.LONGROPE), "without its rope_factors")]
+
+
+@pytest.mark.parametrize("arch,keys,message", GGUF_REFUSED, ids=[a + "-" + "-".join(k) for a, k, _ in GGUF_REFUSED])
+def test_unsupported_gguf_options_are_refused_naming_them(tmp_path, arch, keys, message):
+    with pytest.raises(WeightLoadError, match=message):
+        model_shape(_metadata_gguf(tmp_path / "m.gguf", arch, **keys))
+
+
+PROMPT = [1, 17, 42, 5, 77, 23, 9, 61, 30, 100, 200, 150]
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_a_familys_greedy_choices_are_clear(families, name):
+    """make_hf_model's scales: along a 24-token greedy reply every top-2 margin of transformers' logits is at least
+    5e-4 of the largest logit (float16 and float32 paths choose alike), and the reply is not a repeat."""
+    hf, _ = families[name]
+    tokens = transformers_greedy(hf, PROMPT, 24)
+    logits = transformers_logits(hf, PROMPT + tokens[:-1])[len(PROMPT) - 1:]
+    assert [int(t) for t in logits.argmax(axis=1)] == tokens
+    top2 = np.sort(logits, axis=1)[:, -2:]
+    assert ((top2[:, 1] - top2[:, 0]) / np.abs(logits).max(axis=1)).min() >= 5e-4
+    assert len(set(tokens)) >= 6, tokens
+
+
+# family -> a config change that undoes its feature, and the first position whose logits it changes
+FEATURES = {"gemma3": (dict(sliding_window=1024), 16), "mistral-swa": (dict(sliding_window=1024), 16),
+            "qwen2-swa": (dict(sliding_window=1024), 16), "smollm3": (dict(no_rope_layers=[1, 1, 1, 1]), 1),
+            "gemma3-mm": (dict(rope_parameters={"full_attention": {"rope_theta": 1e6},
+                                                "sliding_attention": {"rope_theta": 1e6}}), 1)}
+
+
+@pytest.mark.parametrize("name", list(FEATURES))
+def test_the_families_exercise_their_features_in_transformers(families, tmp_path, name):
+    """The families are worth comparing with: their feature changes transformers' logits within 40 tokens. A
+    sliding window of 16 changes nothing before position 16 (the window counts the token's own key: position 15
+    sees 16 keys) and changes position 16 on; NoPE and the local RoPE base change every position after the
+    first."""
+    hf, _ = families[name]
+    changes, first = FEATURES[name]
+    for f in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(hf / f, tmp_path / f)
+    ids = (PROMPT * 4)[:40]
+    base, changed = transformers_logits(hf, ids), transformers_logits(_edited(hf, tmp_path, **changes), ids)
+    np.testing.assert_array_equal(changed[:first], base[:first])
+    assert (np.abs(changed - base).max(axis=1)[first:] > 1e-4 * np.abs(base).max()).all()

@@ -10,8 +10,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
-__all__ = ["LlamaConfig", "QuantizedTensor", "StoredTensor", "WeightLoadError", "check_shape", "expected_shapes",
-           "first_id", "rotate_half_rows"]
+__all__ = ["HIDDEN_ACTS", "LlamaConfig", "QuantizedTensor", "StoredTensor", "WeightLoadError", "check_shape", "expected_shapes",
+           "first_id", "rotate_half_rows", "split_fused"]
 
 
 class WeightLoadError(ValueError):
@@ -38,6 +38,18 @@ class StoredTensor:
         """A tensor already in memory (a format whose reader loads everything)."""
         return cls(tuple(array.shape), lambda index: array[index])
 
+    def rows(self, start: int, stop: int) -> "StoredTensor":
+        """Rows start:stop as a tensor of their own (a part of a fused q/k/v or gate/up matrix): its read(index)
+        and read_blocks(rows) read only the rows asked for, counted from `start`."""
+        def shifted(rows: slice) -> slice:
+            first, last, step = rows.indices(stop - start)
+            return slice(start + first, start + last, step)
+
+        blocks = self.read_blocks
+        return StoredTensor((stop - start,) + tuple(self.shape[1:]),
+                            lambda index: self.read((shifted(index[0]),) + tuple(index[1:])), self.qtype,
+                            None if blocks is None else (lambda rows: blocks(shifted(rows))), self.stored_type)
+
 
 @dataclass(frozen=True)
 class QuantizedTensor:
@@ -52,10 +64,30 @@ class QuantizedTensor:
 
 @dataclass(frozen=True)
 class LlamaConfig:
-    """A LLaMA-family model's shape and the few things in which the family's members differ, as data (one model
-    file serves them all): `attention_bias` (Qwen2: q/k/v have biases), `rope_freq_factors` (Llama-3.1's RoPE
-    scaling, or any per-frequency divisors: inv_freq[i] / factor[i]), `sliding_window` (Mistral v0.1: a
-    request must not outgrow it, see `check_context`)."""
+    """A LLaMA-family model's shape and the things in which the family's members differ, as data (one model file
+    serves them all). Each field's default is LLaMA's; a family sets what it changes:
+
+    - `attention_bias`: q/k/v have biases (Qwen2).
+    - `qk_norm`: each query and key head is RMS-normalized (gains `self_attn.q_norm.weight`, `k_norm`, (D,)) before
+      RoPE (Qwen3, Gemma 3).
+    - `sandwich_norms`: the attention's and the MLP's outputs are RMS-normalized (gains `attn_output_norm.weight`,
+      `mlp_output_norm.weight`, (H,)) before the residual adds them (Gemma 3's post_attention_layernorm and
+      post_feedforward_layernorm; its pre_feedforward_layernorm is the usual `post_attention_layernorm`).
+      Every gain is stored as the multiplier itself: Gemma's (1 + w) is added by the reader.
+    - `embed_scale`: the embedding's rows are multiplied by it (Gemma: sqrt(hidden)).
+    - `hidden_act`: the gated MLP's activation, "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma).
+    - `query_scale`: the attention's score scale (Gemma 3: query_pre_attn_scalar ** -0.5); None: head_dim ** -0.5.
+    - `rotary_dim`: the leading dimensions of each head that RoPE rotates (Phi-4-mini: 3/4 of them), the rest
+      pass through; None: all of them.
+    - `rope_freq_factors`: a divisor per frequency (Llama-3.1's scaling, linear scaling, longrope's short factors);
+      `rope_long_factors` with `rope_original_context`: longrope's factors for a served context longer than the
+      original one (as llama.cpp chooses them, by the context served); `rope_scale`: cos and sin multiplied by it
+      (longrope's attention factor).
+    - `sliding_window` with `layer_types`: the layers ("sliding" or "full", one per layer) whose attention sees
+      only the last `sliding_window` keys (the token's own included). `layer_types` None: every layer slides when
+      `sliding_window` is set (Mistral v0.1, Qwen2 with use_sliding_window), none otherwise.
+    - `local_rope_theta`: the sliding layers' own RoPE base, unscaled (Gemma 3's rope_local_base_freq).
+    - `nope_layers`: the layers without RoPE (SmolLM3's no_rope_layers)."""
 
     vocab_size: int
     hidden_size: int
@@ -74,16 +106,66 @@ class LlamaConfig:
     attention_bias: bool = False
     rope_freq_factors: Optional[tuple] = None
     sliding_window: Optional[int] = None
+    qk_norm: bool = False
+    sandwich_norms: bool = False
+    embed_scale: float = 1.0
+    hidden_act: str = "silu"
+    query_scale: Optional[float] = None
+    rotary_dim: Optional[int] = None
+    rope_long_factors: Optional[tuple] = None
+    rope_original_context: Optional[int] = None
+    rope_scale: float = 1.0
+    layer_types: Optional[tuple] = None
+    local_rope_theta: Optional[float] = None
+    nope_layers: tuple = ()
 
-    def check_context(self, max_context: int) -> None:
-        """WeightLoadError when a sequence of `max_context` tokens would need attention this server does not
-        compute (sliding-window attention reaching past its window): refused rather than served wrong."""
-        if self.sliding_window is not None and max_context > self.sliding_window:
-            raise WeightLoadError(
-                f"this {self.architecture} model uses sliding-window attention (sliding_window={self.sliding_window}),"
-                f" which this server does not implement; sequences of up to {max_context} tokens would attend past "
-                f"the window. Serve it with model_config.max_generate_length <= {self.sliding_window} (and "
-                f"pa_config.decode_seq_length unset or <= {self.sliding_window}).")
+    def __post_init__(self):
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise WeightLoadError(f"{self.architecture}: hidden activation {self.hidden_act!r} is not supported "
+                                  f"(supported: {', '.join(HIDDEN_ACTS)})")
+        rot = self.rotary_dim if self.rotary_dim is not None else self.head_dim
+        if rot % 2 or not 0 < rot <= self.head_dim:
+            raise WeightLoadError(f"{self.architecture}: rotary dimension {rot} must be even and at most "
+                                  f"head_dim={self.head_dim}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers or set(self.layer_types) - {"full", "sliding"}:
+                raise WeightLoadError(f"{self.architecture}: layer_types must name 'full' or 'sliding' for each of "
+                                      f"the {self.num_layers} layers, got {list(self.layer_types)}")
+            if "sliding" in self.layer_types and not self.sliding_window:
+                raise WeightLoadError(f"{self.architecture}: sliding layers without a sliding_window")
+        if any(not 0 <= i < self.num_layers for i in self.nope_layers):
+            raise WeightLoadError(f"{self.architecture}: nope_layers {list(self.nope_layers)} name layers past "
+                                  f"the model's {self.num_layers}")
+
+    @property
+    def attention_scale(self) -> float:
+        """The attention's score scale (queries are multiplied by it)."""
+        return self.query_scale if self.query_scale is not None else self.head_dim ** -0.5
+
+    @property
+    def rotary_dims(self) -> int:
+        """How many leading dimensions of each head RoPE rotates."""
+        return self.rotary_dim if self.rotary_dim is not None else self.head_dim
+
+    def layer_window(self, i: int) -> Optional[int]:
+        """Layer i's sliding window (the keys its attention sees: the last this many), or None (all of them)."""
+        if not self.sliding_window:
+            return None
+        sliding = self.layer_types is None or self.layer_types[i] == "sliding"
+        return int(self.sliding_window) if sliding else None
+
+    def layer_rope(self, i: int) -> str:
+        """Which RoPE layer i applies: "global" (rope_theta, scaled as configured), "local" (a sliding layer of
+        a model with local_rope_theta) or "none"."""
+        if i in self.nope_layers:
+            return "none"
+        if self.local_rope_theta is not None and self.layer_window(i) is not None:
+            return "local"
+        return "global"
+
+
+# the gated MLP's activations the model computes (LlamaConfig.hidden_act)
+HIDDEN_ACTS = ("silu", "gelu_tanh")
 
 
 def first_id(value) -> Optional[int]:
@@ -112,11 +194,40 @@ def expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.q_proj.bias"] = (cfg.num_heads * d,)
             shapes[p + "self_attn.k_proj.bias"] = (cfg.num_kv_heads * d,)
             shapes[p + "self_attn.v_proj.bias"] = (cfg.num_kv_heads * d,)
+        if cfg.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (d,)
+            shapes[p + "self_attn.k_norm.weight"] = (d,)
+        if cfg.sandwich_norms:
+            shapes[p + "attn_output_norm.weight"] = (h,)
+            shapes[p + "mlp_output_norm.weight"] = (h,)
         shapes[p + "mlp.gate_proj.weight"] = (cfg.intermediate_size, h)
         shapes[p + "mlp.up_proj.weight"] = (cfg.intermediate_size, h)
         shapes[p + "mlp.down_proj.weight"] = (h, cfg.intermediate_size)
     return shapes
 
+
+
+def split_fused(cfg: LlamaConfig, stored: dict) -> None:
+    """Replace, in `stored` ({HF name: StoredTensor}), each layer's fused matrices by their parts, as Phi-3 stores
+    them (and llama.cpp's converter, fusing on request): `self_attn.qkv_proj` (weight and bias) into q/k/v (rows
+    NH*D, KVH*D, KVH*D) and `mlp.gate_up_proj` into gate/up (I rows each, gate first). Each part reads only its
+    own rows (a tensor-parallel rank's shard of q_proj reads just those rows). A fused tensor of the wrong shape
+    fails naming it."""
+    q, kv, h = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size
+    inter = cfg.intermediate_size
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        for fused, parts, cols in (("self_attn.qkv_proj.weight", (("q", q), ("k", kv), ("v", kv)), (h,)),
+                                   ("self_attn.qkv_proj.bias", (("q", q), ("k", kv), ("v", kv)), ()),
+                                   ("mlp.gate_up_proj.weight", (("gate", inter), ("up", inter)), (h,))):
+            tensor = stored.pop(p + fused, None)
+            if tensor is None:
+                continue
+            check_shape(p + fused, tensor, (sum(n for _, n in parts),) + cols)
+            start = 0
+            for part, n in parts:
+                stored[p + fused.replace("qkv", part).replace("gate_up", part)] = tensor.rows(start, start + n)
+                start += n
 
 
 def rotate_half_rows(w: np.ndarray, n_heads: int) -> np.ndarray:

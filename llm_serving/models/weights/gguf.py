@@ -1,11 +1,17 @@
 """GGUF checkpoints (llama.cpp's format) for `load_llama_weights` (loader.py), read through the `gguf` package.
 
-Architectures `llama` and `qwen2`; hyperparameters from the `<arch>.*` metadata; tensors renamed to HF names and
-dequantized to float32 by `gguf.quants.dequantize` as they are read (F32, F16, BF16, Q4_0/1, Q5_0/1, Q8_0, the
-K-quants and whatever else that package dequantizes; a tensor-parallel rank's rows are cut before). llama.cpp's
-converter interleaves the rotary pairs of a llama model's q/k rows (as llama2.c does): undone here. A Llama-3.1
-file's `rope_freqs` tensor becomes `LlamaConfig.rope_freq_factors`. An unsupported architecture or tensor type is
-a WeightLoadError naming it. `load_gguf` keeps the float32 result in the cache directory for the next start.
+Architectures `llama` (Mistral's too), `qwen2`, `qwen3`, `gemma3`, `phi3` and `smollm3`, as llama.cpp's converter
+(convert_hf_to_gguf.py) writes them: hyperparameters from the `<arch>.*` metadata, and where the converter writes
+nothing, llama.cpp's own fixed rules (Gemma 3: every 6th layer full, a local RoPE base of 10000, the attention
+scale; SmolLM3: every 4th layer without RoPE); tensors renamed to the internal (LLaMA HF) names and dequantized to
+float32 by `gguf.quants.dequantize` as they are read (F32, F16, BF16, Q4_0/1, Q5_0/1, Q8_0, the K-quants and
+whatever else that package dequantizes; a tensor-parallel rank's rows are cut before). The converter interleaves the
+rotary pairs of q/k rows for the architectures whose llama.cpp RoPE pairs neighbours (llama, smollm3; as llama2.c
+does): undone here; the NEOX-RoPE ones keep HF's layout. Fused `attn_qkv` and Phi-3's `ffn_up` (gate and up) are
+split into row parts. Gemma's norm gains are stored already as the multiplier (1 + w). A Llama-3.1 file's
+`rope_freqs` tensor and linear scaling become `LlamaConfig.rope_freq_factors`, Phi-3's `rope_factors_short/long`
+its longrope factors. An unsupported architecture, RoPE type, softcapping or tensor type is a WeightLoadError naming
+it. `load_gguf` keeps the float32 result in the cache directory for the next start.
 
 Matrices stored in a type of KEPT_QUANTIZED (the block formats the CPU kernels read) also offer their stored bytes
 (`StoredTensor.read_blocks`, rows permuted as the float32 rows are). The cache keeps only those bytes for them (no
@@ -16,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -23,7 +30,7 @@ from typing import Callable
 
 import numpy as np
 
-from .common import LlamaConfig, StoredTensor, WeightLoadError, rotate_half_rows
+from .common import LlamaConfig, StoredTensor, WeightLoadError, rotate_half_rows, split_fused
 
 logger = logging.getLogger(__name__)
 
@@ -33,16 +40,22 @@ __all__ = ["load_gguf", "GGUF_CACHE_ENV", "KEPT_QUANTIZED"]
 KEPT_QUANTIZED = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13,
                   "Q6_K": 14, "BF16": 30}
 
-# GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.")
+# GGUF tensor name (after "blk.N.") -> internal name (after "model.layers.N."); the fused ones are split later
 _GGUF_LAYER_NAMES = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
                      "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
                      "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
                      "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
                      "attn_v.bias": "self_attn.v_proj.bias", "ffn_gate.weight": "mlp.gate_proj.weight",
-                     "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight"}
+                     "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight",
+                     "attn_qkv.weight": "self_attn.qkv_proj.weight", "attn_qkv.bias": "self_attn.qkv_proj.bias",
+                     "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+                     "post_attention_norm.weight": "attn_output_norm.weight",     # Gemma's sandwich norms
+                     "post_ffw_norm.weight": "mlp_output_norm.weight"}
 _GGUF_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                "output.weight": "lm_head.weight"}
-_GGUF_ARCHITECTURES = ("llama", "qwen2")
+_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "phi3", "smollm3")
+# the architectures whose q/k rows the converter permutes for llama.cpp's RoPE of neighbouring pairs
+_INTERLEAVED_ROPE = ("llama", "smollm3")
 _gguf_types_checked: dict = {}
 
 
@@ -84,9 +97,9 @@ def _block_reader(tensor) -> Callable[[slice], np.ndarray]:
 
 
 def _load_gguf(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
-    """A GGUF file (llama.cpp's format): hyperparameters from `<arch>.*` metadata, tensors renamed to HF names
-    and dequantized as they are read. llama.cpp's converter interleaves the rotary pairs of a llama model's
-    q/k rows (as llama2.c does); that is undone here. qwen2 files keep HF's layout."""
+    """A GGUF file (llama.cpp's format): the config from its metadata (`_gguf_config`), the tensors renamed to the
+    internal names and dequantized as they are read; fused ones split, q/k rows of the interleaved-RoPE
+    architectures put back in HF's (rotate-half) order."""
     from llm_serving.gguf_file import open_gguf
 
     try:
@@ -107,35 +120,7 @@ def _load_gguf(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
         raise WeightLoadError(f"{path}: GGUF architecture {arch!r} is not supported (supported: "
                               f"{', '.join(_GGUF_ARCHITECTURES)})")
     tensors = {t.name: t for t in reader.tensors}
-    hidden, heads = int(meta(f"{arch}.embedding_length")), int(meta(f"{arch}.attention.head_count"))
-    kv_heads = int(meta(f"{arch}.attention.head_count_kv", heads))
-    head_dim = int(meta(f"{arch}.attention.key_length", hidden // heads))
-    if "token_embd.weight" not in tensors:
-        raise WeightLoadError(f"{path}: GGUF tensor 'token_embd.weight' is missing")
-    vocab = int(meta(f"{arch}.vocab_size", tensors["token_embd.weight"].shape[-1]))
-    factors = None
-    if "rope_freqs.weight" in tensors:      # Llama-3.1's RoPE scaling, as llama.cpp stores it: a divisor per frequency
-        factors = tuple(float(v) for v in _gguf_reader(tensors["rope_freqs.weight"])((slice(None),)))
-    scaling = meta(f"{arch}.rope.scaling.type", required=False)
-    if scaling == "linear":                 # every frequency slowed by the same factor, as HF's "linear"
-        factors = (float(meta(f"{arch}.rope.scaling.factor")),) * (head_dim // 2)
-    elif scaling not in (None, "none"):
-        raise WeightLoadError(f"{path}: GGUF RoPE scaling {scaling!r} is not supported (supported: linear, and "
-                              "Llama-3.1's rope_freqs)")
-    window = meta(f"{arch}.attention.sliding_window", required=False)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=int(meta(f"{arch}.feed_forward_length")),
-                      num_layers=int(meta(f"{arch}.block_count")), num_heads=heads, num_kv_heads=kv_heads,
-                      head_dim=head_dim, rms_norm_eps=float(meta(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-                      rope_theta=float(meta(f"{arch}.rope.freq_base", 10000.0)),
-                      max_position_embeddings=int(meta(f"{arch}.context_length", 2048)),
-                      bos_token_id=meta("tokenizer.ggml.bos_token_id", required=False),
-                      eos_token_id=meta("tokenizer.ggml.eos_token_id", required=False),
-                      tie_word_embeddings="output.weight" not in tensors, architecture=arch,
-                      attention_bias="blk.0.attn_q.bias" in tensors, rope_freq_factors=factors,
-                      sliding_window=int(window) if window else None)
-    if heads % kv_heads or head_dim % 2:
-        raise WeightLoadError(f"{path}: head_count={heads}, head_count_kv={kv_heads}, head_dim={head_dim} are "
-                              "inconsistent")
+    cfg = _gguf_config(path, arch, meta, tensors)
     out: dict[str, StoredTensor] = {}
     for name, tensor in tensors.items():
         if name.startswith("blk."):
@@ -145,22 +130,124 @@ def _load_gguf(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
         else:
             hf = _GGUF_NAMES.get(name)
         if hf is None:
-            continue                        # rope_freqs (read above), or tensors this model has no use for
+            continue                        # rope_freqs, rope_factors_* (read above), or tensors the model does not use
         if not _gguf_dequantizes(tensor.tensor_type):
             raise WeightLoadError(f"{path}: tensor {name!r} has type {tensor.tensor_type.name}, which the gguf "
                                   "package cannot dequantize (supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, "
                                   "Q8_0, the K-quants, ...)")
         shape = tuple(int(n) for n in reversed(tensor.shape))      # GGUF lists dimensions innermost first
-        read = _gguf_reader(tensor)
         qtype = KEPT_QUANTIZED.get(tensor.tensor_type.name) if len(shape) == 2 else None
-        blocks = _block_reader(tensor) if qtype is not None else None
-        if arch == "llama" and hf.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
-            read = _interleaved_to_halves(read, head_dim)
-            if blocks is not None:
-                blocks = _interleaved_to_halves_rows(blocks, head_dim)
         kind = tensor.tensor_type.name
-        out[hf] = StoredTensor(shape, read, qtype, blocks, None if kind == "F32" else kind)
+        out[hf] = StoredTensor(shape, _gguf_reader(tensor), qtype, _block_reader(tensor) if qtype is not None else None,
+                               None if kind == "F32" else kind)
+    for i in range(cfg.num_layers):         # Phi-3's ffn_up: gate and up, 2I rows (gate first)
+        p = f"model.layers.{i}."
+        up = out.get(p + "mlp.up_proj.weight")
+        if up is not None and p + "mlp.gate_proj.weight" not in out and up.shape[0] == 2 * cfg.intermediate_size:
+            out[p + "mlp.gate_up_proj.weight"] = out.pop(p + "mlp.up_proj.weight")
+    split_fused(cfg, out)
+    if arch in _INTERLEAVED_ROPE:
+        for name, t in out.items():
+            if name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
+                blocks = t.read_blocks and _interleaved_to_halves_rows(t.read_blocks, cfg.head_dim)
+                out[name] = StoredTensor(t.shape, _interleaved_to_halves(t.read, cfg.head_dim), t.qtype, blocks,
+                                         t.stored_type)
     return cfg, out
+
+
+def _gguf_config(path: str, arch: str, meta: Callable, tensors: dict) -> LlamaConfig:
+    """The LlamaConfig of a GGUF's `<arch>.*` metadata and tensors, with llama.cpp's fixed rules where its
+    converter writes nothing (Gemma 3's attention scale and local RoPE base, SmolLM3's NoPE layers)."""
+    hidden, heads = int(meta(f"{arch}.embedding_length")), int(meta(f"{arch}.attention.head_count"))
+    kv_heads = int(meta(f"{arch}.attention.head_count_kv", heads))
+    head_dim = int(meta(f"{arch}.attention.key_length", hidden // heads))
+    num_layers = int(meta(f"{arch}.block_count"))
+    if "token_embd.weight" not in tensors:
+        raise WeightLoadError(f"{path}: GGUF tensor 'token_embd.weight' is missing")
+    if heads % kv_heads or head_dim % 2:
+        raise WeightLoadError(f"{path}: head_count={heads}, head_count_kv={kv_heads}, head_dim={head_dim} are "
+                              "inconsistent")
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if meta(f"{arch}.{key}", required=False):
+            raise WeightLoadError(f"{path}: GGUF {arch}.{key}={meta(f'{arch}.{key}')} is not supported (softcapping "
+                                  "is not computed)")
+    rope = _gguf_rope(path, arch, meta, tensors, head_dim)
+    window, layer_types = _gguf_sliding_layers(path, arch, meta, num_layers)
+    gemma = arch == "gemma3"
+    if gemma and window:                    # (llama.cpp's default for a file that does not say)
+        rope["local_rope_theta"] = float(meta(f"{arch}.rope.freq_base_swa", 10000.0))
+    query_scale = None
+    if gemma:                               # llama.cpp: 1/sqrt(hidden/heads) for Gemma 3 27B (62 layers), else head_dim
+        query_scale = float(meta(f"{arch}.attention.scale", 0.0, required=False)) or \
+            float(hidden // heads if num_layers == 62 else head_dim) ** -0.5
+    return LlamaConfig(
+        vocab_size=int(meta(f"{arch}.vocab_size", tensors["token_embd.weight"].shape[-1])), hidden_size=hidden,
+        intermediate_size=int(meta(f"{arch}.feed_forward_length")), num_layers=num_layers, num_heads=heads,
+        num_kv_heads=kv_heads, head_dim=head_dim,
+        rms_norm_eps=float(meta(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position_embeddings=int(meta(f"{arch}.context_length", 2048)),
+        bos_token_id=meta("tokenizer.ggml.bos_token_id", required=False),
+        eos_token_id=meta("tokenizer.ggml.eos_token_id", required=False),
+        tie_word_embeddings="output.weight" not in tensors, architecture=arch,
+        attention_bias="blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors,
+        sliding_window=window, layer_types=layer_types, qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        sandwich_norms=gemma, embed_scale=math.sqrt(hidden) if gemma else 1.0,
+        hidden_act="gelu_tanh" if gemma else "silu", query_scale=query_scale,
+        nope_layers=tuple(i for i in range(num_layers) if (i + 1) % 4 == 0) if arch == "smollm3" else (),
+        **rope)
+
+
+def _gguf_rope(path: str, arch: str, meta: Callable, tensors: dict, head_dim: int) -> dict:
+    """rope_theta, rotary_dim (`rope.dimension_count`), and the scaling: Llama-3.1's `rope_freqs`, linear
+    `rope.scaling.*`, Phi-3's longrope (`rope_factors_short/long`, the original context and attention factor)."""
+    rotary = int(meta(f"{arch}.rope.dimension_count", head_dim))
+    out = {"rope_theta": float(meta(f"{arch}.rope.freq_base", 10000.0)),
+           "rotary_dim": rotary if rotary != head_dim else None}
+
+    def vector(name):
+        return tuple(float(v) for v in _gguf_reader(tensors[name])((slice(None),)))
+
+    if "rope_freqs.weight" in tensors:      # Llama-3.1's RoPE scaling, as llama.cpp stores it: a divisor per frequency
+        out["rope_freq_factors"] = vector("rope_freqs.weight")
+    scaling = meta(f"{arch}.rope.scaling.type", required=False)
+    if scaling == "linear":                 # every frequency slowed by the same factor, as HF's "linear"
+        out["rope_freq_factors"] = (float(meta(f"{arch}.rope.scaling.factor")),) * (rotary // 2)
+    elif scaling not in (None, "none", "longrope"):
+        raise WeightLoadError(f"{path}: GGUF RoPE scaling {scaling!r} is not supported (supported: linear, Phi-3's "
+                              "longrope factors, and Llama-3.1's rope_freqs)")
+    longrope = ("rope_factors_short.weight", "rope_factors_long.weight")
+    if any(name in tensors for name in longrope):
+        if not all(name in tensors for name in longrope):
+            raise WeightLoadError(f"{path}: longrope needs both GGUF tensors {longrope[0]!r} and {longrope[1]!r}")
+        out.update(rope_freq_factors=vector(longrope[0]), rope_long_factors=vector(longrope[1]),
+                   rope_original_context=int(meta(f"{arch}.rope.scaling.original_context_length")),
+                   rope_scale=float(meta(f"{arch}.rope.scaling.attn_factor", 1.0)))
+    elif scaling == "longrope":
+        raise WeightLoadError(f"{path}: GGUF RoPE scaling 'longrope' without its rope_factors_short/long tensors")
+    return out
+
+
+def _gguf_sliding_layers(path: str, arch: str, meta: Callable, num_layers: int):
+    """(sliding_window, layer_types) of LlamaConfig from `attention.sliding_window` (0, or the context's length:
+    none) and `attention.sliding_window_pattern` (a flag per layer, or n: every n-th layer full); Gemma 3 without a
+    pattern has llama.cpp's 6, the others slide in every layer."""
+    window = int(meta(f"{arch}.attention.sliding_window", 0))
+    if window <= 0 or window >= int(meta(f"{arch}.context_length", 2048)):
+        return None, None                   # (a window as long as the context is none: Phi-4-mini's 262144)
+    pattern = meta(f"{arch}.attention.sliding_window_pattern", 6 if arch == "gemma3" else None, required=False)
+    if pattern is None:
+        return window, None
+    if isinstance(pattern, list):
+        kinds = tuple("sliding" if flag else "full" for flag in pattern)
+    else:
+        every = int(pattern)
+        kinds = tuple("sliding" if every == 0 or i % every < every - 1 else "full" for i in range(num_layers))
+    if len(kinds) != num_layers:
+        raise WeightLoadError(f"{path}: GGUF {arch}.attention.sliding_window_pattern has {len(kinds)} flags for "
+                              f"{num_layers} layers")
+    if "sliding" not in kinds:
+        return None, None
+    return window, None if "full" not in kinds else kinds
 
 
 def _interleaved_to_halves(read: Callable[[tuple], np.ndarray], head_dim: int) -> Callable[[tuple], np.ndarray]:
@@ -196,7 +283,7 @@ def load_gguf(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
     if os.environ.get(GGUF_CACHE_ENV, "1") == "0":
         return _load_gguf(path)
     st = os.stat(path)
-    key = hashlib.sha1(repr((os.path.abspath(path), st.st_size, st.st_mtime_ns, 4)).encode()).hexdigest()[:16]
+    key = hashlib.sha1(repr((os.path.abspath(path), st.st_size, st.st_mtime_ns, 5)).encode()).hexdigest()[:16]
     folder = default_cache_dir() / "gguf" / key
     if not (folder / "config.json").is_file():
         cfg, stored = _load_gguf(path)
@@ -226,9 +313,7 @@ def load_gguf(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
             return cfg, stored
     with open(folder / "config.json", encoding="utf-8") as f:
         raw = json.load(f)
-    if raw.get("rope_freq_factors") is not None:
-        raw["rope_freq_factors"] = tuple(raw["rope_freq_factors"])
-    cfg = LlamaConfig(**raw)
+    cfg = LlamaConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
     with open(folder / "quantized.json", encoding="utf-8") as f:
         qtypes = json.load(f)
     with open(folder / "types.json", encoding="utf-8") as f:

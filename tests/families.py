@@ -1,0 +1,400 @@
+"""The LLaMA family's members as tiny random models that transformers itself makes, for tests that compare this
+server with transformers (the reference) and a HuggingFace directory with its GGUF twin.
+
+- `FAMILIES`: each member's config.json (transformers 5.x's form) at test size; `config_json_v4` writes one as
+  transformers 4.x did.
+- `make_hf_model(family, path, seed)`: the model, random (torch.manual_seed) and scaled so that greedy choices are
+  clear, saved by transformers' save_pretrained (float32 safetensors), with a byte-level BPE tokenizer.json of the
+  model's vocabulary and a ChatML template (tokenizer_config.json), so a server starts from the directory.
+- `transformers_logits(path, ids)`, `transformers_greedy(path, prompt_ids, n)`: what transformers computes.
+- `write_gguf(family, hf_path, out_path, qtype)`: the directory as llama.cpp's convert_hf_to_gguf.py writes it
+  (tensor names from the gguf package's map, q/k rows permuted for the architectures whose llama.cpp RoPE pairs
+  neighbours, Gemma's norms stored as 1 + w, Phi-3's fused tensors and longrope factors, the metadata keys; the
+  vocabulary included), F32 or quantized by gguf.quants.
+
+torch and transformers (the test extra) are imported only when a model is made or run: `needs_transformers()`
+skips the calling test when they are missing (and runs torch on one thread: these models are tiny).
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import math
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+__all__ = ["FAMILIES", "SPECIAL_TOKENS", "config_json_v4", "make_hf_model", "needs_transformers",
+           "transformers_greedy", "transformers_logits", "write_gguf", "write_tokenizer"]
+
+_COMMON = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0, rms_norm_eps=1e-6, max_position_embeddings=256)
+_GEMMA3_TEXT = dict(model_type="gemma3_text", vocab_size=384, hidden_size=64, intermediate_size=128,
+                    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                    query_pre_attn_scalar=24, hidden_activation="gelu_pytorch_tanh", sliding_window=16,
+                    layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+                    rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                                     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+                    tie_word_embeddings=True, **_COMMON)
+# Phi-3's longrope: a divisor per rotated frequency (3/4 of head_dim 32 rotate: 12 frequencies)
+# (values a float32 holds exactly, as the GGUF stores them)
+_SHORT = [1.0 + i / 16 for i in range(12)]
+_LONG = [1.0 + i * 5 / 8 for i in range(12)]
+
+# name -> config.json (transformers 5.x's form): hidden 64-128, 4 heads / 2 KV heads, 2-4 layers
+FAMILIES = {
+    "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=320, hidden_size=64,
+                  intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 1e6}, attention_bias=False,
+                  tie_word_embeddings=False, **_COMMON),
+    # sliding layers 0 and 2 (a window of 16 keys, RoPE base 10000) and full ones 1 and 3 (1e6, linear scaling 4)
+    "gemma3": dict(architectures=["Gemma3ForCausalLM"], **_GEMMA3_TEXT),
+    "gemma3-mm": dict(architectures=["Gemma3ForConditionalGeneration"], model_type="gemma3",
+                      text_config=dict(_GEMMA3_TEXT),
+                      vision_config=dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=1, num_attention_heads=2, image_size=16, patch_size=4),
+                      mm_tokens_per_image=4, boi_token_index=3, eoi_token_index=4, image_token_index=5,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True),
+    # Phi-4-mini's shape of it: 3/4 of each head rotated, longrope (original context 64 of 256), tied embeddings
+    "phi3": dict(architectures=["Phi3ForCausalLM"], model_type="phi3", vocab_size=320, hidden_size=128,
+                 intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 partial_rotary_factor=0.75, original_max_position_embeddings=64,
+                 rope_parameters={"rope_type": "longrope", "short_factor": _SHORT, "long_factor": _LONG,
+                                  "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                                  "original_max_position_embeddings": 64},
+                 sliding_window=None, tie_word_embeddings=True, **_COMMON),
+    # layer 3 without RoPE (no_rope_layers: 1 = uses RoPE; the every-4th rule llama.cpp hardcodes)
+    "smollm3": dict(architectures=["SmolLM3ForCausalLM"], model_type="smollm3", vocab_size=320, hidden_size=64,
+                    intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                    no_rope_layers=[1, 1, 1, 0], no_rope_layer_interval=4,
+                    rope_parameters={"rope_type": "default", "rope_theta": 100000.0}, tie_word_embeddings=True,
+                    **_COMMON),
+    "mistral-swa": dict(architectures=["MistralForCausalLM"], model_type="mistral", vocab_size=320, hidden_size=128,
+                        intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=32, sliding_window=16, rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+                        tie_word_embeddings=False, **_COMMON),
+    # layers 2 and 3 slide (those from max_window_layers on); q/k/v biases
+    "qwen2-swa": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=320, hidden_size=128,
+                      intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                      use_sliding_window=True, sliding_window=16, max_window_layers=2,
+                      rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=True, **_COMMON),
+}
+# (embedding, other matrices): the factors on transformers' random init (std 0.02), chosen by the top-2 margins of
+# transformers' logits along 12-token greedy replies (seeds 0-7, a 9- and a 48-token prompt): at most 2 of those 192
+# steps with a margin under 0.1% of the largest logit, 9-12 distinct tokens a reply.
+_SCALES = {"qwen3": (8.0, 8.0), "gemma3": (2.0, 8.0), "gemma3-mm": (1.0, 8.0), "phi3": (8.0, 8.0),
+           "smollm3": (12.0, 12.0), "mistral-swa": (12.0, 12.0), "qwen2-swa": (8.0, 8.0)}
+# Gemma's gains (pre-norms, post-norms, final; the q/k norms' about 1.5): its sandwich norms make every layer add a vector of
+# the post-norm's size whatever the matrices, and a random tied model with unit gains mostly repeats a token or two;
+# larger gains make the layers' contributions and the attention sharper, larger logits too
+_GEMMA_GAINS = {"gemma3": (4.0, 4.0, 5.0), "gemma3-mm": (3.0, 4.0, 5.0)}
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]       # ids 0 (pad), 1 (bos), 2 (eos)
+CHATML = ("{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}"
+          "{% endfor %}{% if add_generation_prompt %}{{'<|im_start|>assistant\n'}}{% endif %}")
+
+
+def needs_transformers():
+    """(torch, transformers), or the calling test skipped saying what is missing."""
+    import pytest
+
+    why = "needs transformers and torch: the test extra (pip install -e .[test])"
+    torch = pytest.importorskip("torch", reason=why)
+    torch.set_num_threads(1)        # these products are tiny: a thread pool's wake-ups cost ~100x more than they do
+    return torch, pytest.importorskip("transformers", reason=why)
+
+
+def _text(raw: dict) -> dict:
+    """The text model's part of a config.json (a multimodal config's text_config)."""
+    return {**raw, **raw["text_config"]} if "text_config" in raw else raw
+
+
+def config_json_v4(raw: dict) -> dict:
+    """A 5.x config.json as transformers 4.x wrote it: `rope_theta` and `rope_scaling` (None when unscaled) instead
+    of `rope_parameters`, Gemma's local base as `rope_local_base_freq`, Phi-3's partial rotary factor and original
+    context beside them."""
+    if "text_config" in raw:
+        return {**raw, "text_config": config_json_v4(raw["text_config"])}
+    out = {k: v for k, v in raw.items() if k != "rope_parameters"}
+    params = raw.get("rope_parameters") or {}
+    if "full_attention" in params:
+        out["rope_local_base_freq"] = params["sliding_attention"]["rope_theta"]
+        out["sliding_window_pattern"] = 6
+        params = params["full_attention"]
+    params = dict(params)
+    out["rope_theta"] = params.pop("rope_theta", 10000.0)
+    for key in ("partial_rotary_factor", "original_max_position_embeddings"):
+        if key in params:
+            out[key] = params.pop(key)
+    kind = params.pop("rope_type", "default")
+    out["rope_scaling"] = None if kind == "default" else {"type": kind, **params}
+    return out
+
+
+# ------------------------------------------------------------------------------------------ making the models
+
+def _config(family: str):
+    """The transformers config object of FAMILIES[family]."""
+    _, transformers = needs_transformers()
+    raw = copy.deepcopy(FAMILIES[family])         # (transformers completes the RoPE dicts it is given in place)
+    raw.pop("architectures")
+    return transformers.AutoConfig.for_model(raw.pop("model_type"), **raw)
+
+
+def make_hf_model(family: str, path, seed: int = 0) -> Path:
+    """A random `family` model made by transformers (torch.manual_seed(seed)), its matrices scaled by _SCALES from
+    the init's std 0.02, its norms' gains drawn around 1 (Gemma's around _GEMMA_GAINS; so that a norm read wrong
+    shows) and Qwen2's biases around 0, saved by save_pretrained as float32 safetensors, with `write_tokenizer`'s
+    tokenizer. Returns the directory."""
+    torch, transformers = needs_transformers()
+    path = Path(path)
+    config = _config(family)
+    torch.manual_seed(seed)
+    model = getattr(transformers, FAMILIES[family]["architectures"][0])(config).float()
+    gemma = family.startswith("gemma3")
+    embedding, matrices = _SCALES[family]
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "vision" in name or "multi_modal" in name:
+                continue
+            if param.ndim == 2:
+                param.mul_(embedding if "embed_tokens" in name else matrices)
+            elif name.endswith("norm.weight"):          # Gemma stores w of the gain 1 + w
+                gain = _gemma_gain(family, name) if gemma else 1.0
+                param.copy_(torch.randn(param.shape) * 0.1 + (gain - 1.0 if gemma else gain))
+            else:                                       # Qwen2's q/k/v biases
+                param.copy_(torch.randn(param.shape) * 0.5)
+    model.save_pretrained(str(path))
+    write_tokenizer(path, _text(FAMILIES[family])["vocab_size"])
+    return path
+
+
+def _gemma_gain(family: str, name: str) -> float:
+    """The gain about which make_hf_model draws Gemma norm `name` (HF naming)."""
+    pre, post, final = _GEMMA_GAINS[family]
+    if ".layers." not in name:
+        return final
+    if "q_norm" in name or "k_norm" in name:    # about 1.5: larger ones make the attention so sharp that a float16
+        return 1.5                              # cache's rounding of a key moves the logits by percents
+    return post if "post_" in name else pre
+
+
+def _corpus() -> list:
+    from llm_serving.models.default_model import generate_story_lines
+
+    return generate_story_lines(2000, 7)
+
+
+@functools.lru_cache(maxsize=None)
+def _tokenizer_json(vocab_size: int) -> str:
+    """A byte-level BPE (GPT-2's split) of exactly `vocab_size` tokens: SPECIAL_TOKENS, the 256 bytes, merges."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(_corpus(), trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                                           initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    if tok.get_vocab_size() != vocab_size:
+        raise AssertionError(f"the tokenizer has {tok.get_vocab_size()} tokens, not the model's {vocab_size}")
+    return tok.to_str()
+
+
+def write_tokenizer(path, vocab_size: int) -> Path:
+    """tokenizer.json (`_tokenizer_json`) and tokenizer_config.json (bos <|im_start|>, eos <|im_end|>, pad
+    <|endoftext|>, no BOS added, a ChatML template) in directory `path`."""
+    path = Path(path)
+    (path / "tokenizer.json").write_text(_tokenizer_json(vocab_size), encoding="utf-8")
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": SPECIAL_TOKENS[1], "eos_token": SPECIAL_TOKENS[2], "pad_token": SPECIAL_TOKENS[0],
+         "add_bos_token": False, "chat_template": CHATML}), encoding="utf-8")
+    return path
+
+
+# ------------------------------------------------------------------------------------------ transformers' answers
+
+@functools.lru_cache(maxsize=4)
+def _model(path: str):
+    """The model of directory `path`, loaded once (a directory is not rewritten under the same path)."""
+    torch, transformers = needs_transformers()
+    arch = json.loads((Path(path) / "config.json").read_text())["architectures"][0]
+    model = getattr(transformers, arch).from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    return model.eval()
+
+
+def transformers_logits(path, ids: list) -> np.ndarray:
+    """transformers' float32 logits (len(ids), vocab) of `ids` in one forward pass (no cache)."""
+    torch, _ = needs_transformers()
+    with torch.no_grad():
+        out = _model(str(path))(input_ids=torch.tensor([list(ids)]), use_cache=False)
+    return out.logits[0].float().numpy()
+
+
+def transformers_greedy(path, prompt_ids: list, n: int) -> list:
+    """transformers' `n` greedy tokens after `prompt_ids`, each from a forward pass over the whole context (so a
+    longrope model uses its long factors at every position once the context outgrows the original one)."""
+    ids = list(prompt_ids)
+    for _ in range(n):
+        ids.append(int(transformers_logits(path, ids)[-1].argmax()))
+    return ids[len(prompt_ids):]
+
+
+# ------------------------------------------------------------------------------------------ GGUF twins
+
+# config.json architecture -> llama.cpp's architecture name
+_GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+              "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3", "Gemma3ForConditionalGeneration": "gemma3",
+              "Phi3ForCausalLM": "phi3", "SmolLM3ForCausalLM": "smollm3"}
+_INTERLEAVED = ("llama", "smollm3")         # the converter permutes q/k rows for these (LlamaModel.undo_permute)
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """The converter's LlamaModel.permute: each head's rows from rotate-half to interleaved pairs."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _text_tensors(hf_path: Path) -> dict:
+    """The text model's tensors under Gemma3ForCausalLM's / LlamaForCausalLM's names (a multimodal checkpoint's
+    vision tower and projector left out, as the converter's filter_tensors does)."""
+    from safetensors.numpy import load_file
+
+    out = {}
+    for name, arr in load_file(str(hf_path / "model.safetensors")).items():
+        for prefix, text in (("language_model.model.", "model."), ("model.language_model.", "model."),
+                             ("language_model.lm_head.", "lm_head.")):
+            if name.startswith(prefix):
+                name = text + name[len(prefix):]
+                break
+        if name.startswith(("model.", "lm_head.")):
+            out[name] = arr
+    return out
+
+
+def _layer_kinds(cfg: dict) -> Optional[list]:
+    """Which layers slide (True) by a config.json as transformers 5.x saves it (`layer_types` listed; Mistral's and
+    Phi-3's window in every layer), or None when none does."""
+    arch = cfg["architectures"][0]
+    if not cfg.get("sliding_window") or (arch.startswith(("Qwen", "SmolLM3")) and not cfg.get("use_sliding_window")):
+        return None
+    types = cfg.get("layer_types") or ["sliding_attention"] * cfg["num_hidden_layers"]
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
+        types = ["sliding_attention"] * cfg["num_hidden_layers"]
+    return [t == "sliding_attention" for t in types] if "sliding_attention" in types else None
+
+
+def write_gguf(family: str, hf_path, out_path, qtype=None) -> Path:
+    """`hf_path` (make_hf_model's directory of `family`) as a GGUF, written as llama.cpp's converter writes the
+    architecture; matrices as `qtype` (a gguf.GGMLQuantizationType, default F32; 1-D tensors stay F32, as the
+    converter keeps them). Beyond what the converter writes, and only where the model needs it, keys of the gguf
+    package's: `attention.sliding_window` (+ `sliding_window_pattern`, a flag per layer) for Mistral's and Qwen2's
+    windows (llama.cpp ignores them for `llama` and `qwen2`: it serves those with full attention) and for a Gemma 3
+    layer pattern other than every 6th layer full (llama.cpp reads that), and `gemma3.attention.scale` for a
+    query_pre_attn_scalar other than what llama.cpp assumes (head_dim; llama.cpp does not read it for gemma3)."""
+    import gguf
+
+    hf_path, out_path = Path(hf_path), Path(out_path)
+    raw = json.loads((hf_path / "config.json").read_text())
+    cfg = _text(raw)
+    arch = _GGUF_ARCH[raw["architectures"][0]]
+    assert raw["architectures"] == FAMILIES[family]["architectures"], (family, raw["architectures"])
+    qtype = gguf.GGMLQuantizationType.F32 if qtype is None else qtype
+    layers, hidden, heads = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"]
+    kv_heads, head_dim = cfg["num_key_value_heads"], cfg.get("head_dim") or hidden // heads
+    rope = cfg.get("rope_parameters") or {}
+    full, local = (rope["full_attention"], rope["sliding_attention"]) if "full_attention" in rope else (rope, None)
+
+    w = gguf.GGUFWriter(str(out_path), arch)
+    w.add_block_count(layers)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(full["rope_theta"])
+    w.add_file_type(gguf.LlamaFileType.ALL_F32 if qtype == gguf.GGMLQuantizationType.F32
+                    else getattr(gguf.LlamaFileType, f"MOSTLY_{qtype.name}"))
+    extra = {}
+    if arch == "phi3":                      # Phi3MiniModel.set_gguf_parameters / generate_extra_tensors
+        original = cfg["original_max_position_embeddings"]
+        w.add_rope_scaling_orig_ctx_len(original)
+        w.add_rope_dimension_count(int(full.get("partial_rotary_factor", 1.0) * hidden) // heads)
+        w.add_sliding_window(cfg.get("sliding_window") or 0)
+        if full.get("long_factor"):
+            scale = cfg["max_position_embeddings"] / original
+            w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+            extra = {"rope_factors_long.weight": np.asarray(full["long_factor"], np.float32),
+                     "rope_factors_short.weight": np.asarray(full["short_factor"], np.float32)}
+    else:                                   # TextModel.set_gguf_parameters
+        if full.get("rope_type") == "linear":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(full["factor"])
+        elif full.get("rope_type", "default") != "default":
+            raise NotImplementedError(f"write_gguf: RoPE type {full['rope_type']!r}")
+        if local is not None:
+            w.add_rope_freq_base_swa(local["rope_theta"])
+        if "head_dim" in cfg:
+            w.add_key_length(head_dim)
+            w.add_value_length(head_dim)
+    if arch in _INTERLEAVED:                # LlamaModel.set_gguf_parameters
+        w.add_vocab_size(cfg["vocab_size"])
+        w.add_rope_dimension_count(head_dim)
+    kinds = _layer_kinds(raw if "text_config" not in raw else {**cfg, "architectures": raw["architectures"]})
+    if arch == "gemma3":                    # Gemma3Model.set_gguf_parameters
+        w.add_sliding_window(cfg["sliding_window"])
+        if kinds != [i % 6 < 5 for i in range(layers)]:
+            w.add_sliding_window_pattern(kinds or [False] * layers)
+        if cfg["query_pre_attn_scalar"] != head_dim:
+            w.add_attention_scale(cfg["query_pre_attn_scalar"] ** -0.5)
+    elif kinds is not None and arch != "phi3":
+        w.add_sliding_window(cfg["sliding_window"])
+        if not all(kinds):
+            w.add_sliding_window_pattern(kinds)
+    _add_vocabulary(w, hf_path, cfg)
+
+    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), layers)
+    for name, arr in _text_tensors(hf_path).items():
+        base, suffix = name.rsplit(".", 1)
+        out = names.get_name(base)
+        if out is None:
+            raise KeyError(f"write_gguf: no GGUF name for {name}")
+        arr = np.asarray(arr, np.float32)
+        if arch in _INTERLEAVED and name.endswith("q_proj.weight"):
+            arr = _llama_cpp_permute(arr, heads)
+        elif arch in _INTERLEAVED and name.endswith("k_proj.weight"):
+            arr = _llama_cpp_permute(arr, kv_heads)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            arr = arr + np.float32(1.0)     # Gemma3Model.norm_shift
+        arr = np.ascontiguousarray(arr)
+        if arr.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+            w.add_tensor(f"{out}.{suffix}", gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(f"{out}.{suffix}", arr)
+    for name, arr in extra.items():
+        w.add_tensor(name, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out_path
+
+
+def _add_vocabulary(w, hf_path: Path, cfg: dict) -> None:
+    """The tokenizer.json's byte-level BPE as the converter's _set_vocab_gpt2 writes it (tokens in id order, added
+    special tokens as control tokens, merges, the special ids, the BOS rule and the chat template)."""
+    tok = json.loads((hf_path / "tokenizer.json").read_text(encoding="utf-8"))
+    tok_cfg = json.loads((hf_path / "tokenizer_config.json").read_text(encoding="utf-8"))
+    vocab = tok["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.get)
+    specials = {t["content"] for t in tok["added_tokens"] if t.get("special")}
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in specials else 1 for t in tokens])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    w.add_pad_token_id(cfg["pad_token_id"])
+    w.add_add_bos_token(bool(tok_cfg.get("add_bos_token", False)))
+    w.add_chat_template(tok_cfg["chat_template"])
