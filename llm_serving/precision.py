@@ -144,7 +144,8 @@ def run(args) -> dict:
         raise SystemExit(f"precision: server at {args.url} is not healthy: {health}")
     _, info = http("GET", args.url + "/info")
     port = next(a["port"] for a in health["agents"] if a["rank"] == 0)
-    reference = ReferenceLlama(args.model or info["model_path"])
+    # the served context picks a longrope model's factors, on the server and in the reference alike
+    reference = ReferenceLlama(args.model or info["model_path"], max_context=info.get("max_total_tokens"))
     prompts = load_prompts(args.prompts, args.num_prompts)
     tokenizer = load_tokenizer(info["model_path"], info["tokenizer_path"])
     prompt_ids = [tokenizer.encode(p, add_bos=True) for p in prompts]

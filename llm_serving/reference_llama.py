@@ -3,7 +3,11 @@
 Written on its own, sharing nothing with llm_serving/models/ except the checkpoint loader (so both read
 the same weights): plain per-sequence attention with a growing K/V list, RMSNorm with its gain, RoPE in
 the HuggingFace rotate-half layout (Llama-3.1's frequency scaling computed here from config.json), q/k/v biases
-when the checkpoint has them (Qwen2), grouped-query attention, SwiGLU, untied or tied lm_head.
+when the checkpoint has them (Qwen2), grouped-query attention, SwiGLU, untied or tied lm_head; and what the other
+families change, read from the loader's LlamaConfig and computed here in transformers' own form: q/k head norms
+(Qwen3, Gemma 3), sandwich norms, the embedding's scale, GELU-tanh, the query scale (Gemma 3), a partial rotation
+over each head's first dimensions (Phi-4-mini: pairs (i, i + r/2), not reordered), longrope's factors and scale
+(Phi-3), sliding-window layers with their own RoPE base (Gemma 3, Mistral), layers without RoPE (SmolLM3).
 
     ref = ReferenceLlama("../shared/models/stories260K/hf")
     seq = ref.new_sequence()
@@ -66,16 +70,27 @@ class ReferenceSequence:
 
 
 class ReferenceLlama:
-    def __init__(self, model_path: str):
+    """`max_context`: the context the model is served with, which picks longrope's factors (long ones past the
+    original context, as the server does); None: the original context (short factors)."""
+
+    def __init__(self, model_path: str, max_context: int | None = None):
         self.config, weights = load_llama_weights(model_path)
         self.w = {name: np.asarray(t, dtype=np.float64) for name, t in weights.items()}
         c = self.config
-        self.inv_freq = 1.0 / (c.rope_theta ** (np.arange(0, c.head_dim, 2, dtype=np.float64) / c.head_dim))
+        r = c.rotary_dims
+        base = np.arange(0, r, 2, dtype=np.float64) / r
+        self.inv_freq = 1.0 / (c.rope_theta ** base)
+        self.rope_scale = c.rope_scale
         scaling = _hf_rope_scaling(model_path)
+        long = (c.rope_long_factors is not None and max_context is not None
+                and max_context > (c.rope_original_context or 0))
         if scaling is not None:               # computed here from config.json, independently of the loader
             self.inv_freq = _llama3_inv_freq(self.inv_freq, scaling)
-        elif c.rope_freq_factors is not None:     # a GGUF's rope_freqs tensor: the divisors themselves
+        elif long:
+            self.inv_freq = self.inv_freq / np.asarray(c.rope_long_factors, np.float64)
+        elif c.rope_freq_factors is not None:     # a GGUF's rope_freqs tensor, linear scaling, longrope's short ones
             self.inv_freq = self.inv_freq / np.asarray(c.rope_freq_factors, np.float64)
+        self.local_inv_freq = (None if c.local_rope_theta is None else 1.0 / (c.local_rope_theta ** base))
 
     def new_sequence(self) -> ReferenceSequence:
         return ReferenceSequence(self.config.num_layers)
@@ -83,13 +98,19 @@ class ReferenceLlama:
     def _norm(self, x: np.ndarray, gain: np.ndarray) -> np.ndarray:
         return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + self.config.rms_norm_eps) * gain
 
-    def _rope(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        # x (T, heads, D): pairs (i, i + D/2) rotate by angle position * inv_freq[i]
-        half = x.shape[-1] // 2
-        angle = positions[:, None, None] * self.inv_freq[None, None, :]        # (T, 1, D/2)
-        cos, sin = np.cos(angle), np.sin(angle)
-        x1, x2 = x[..., :half], x[..., half:]
-        return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    def _rope(self, x: np.ndarray, positions: np.ndarray, layer: int) -> np.ndarray:
+        # x (T, heads, D): of the first r dimensions, pairs (i, i + r/2) rotate by angle position * inv_freq[i];
+        # the rest pass through
+        kind = self.config.layer_rope(layer)
+        if kind == "none":
+            return x
+        inv_freq, scale = (self.local_inv_freq, 1.0) if kind == "local" else (self.inv_freq, self.rope_scale)
+        r = self.config.rotary_dims
+        half = r // 2
+        angle = positions[:, None, None] * inv_freq[None, None, :]              # (T, 1, r/2)
+        cos, sin = np.cos(angle) * scale, np.sin(angle) * scale
+        x1, x2, rest = x[..., :half], x[..., half:r], x[..., r:]
+        return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
 
     def forward(self, seq: ReferenceSequence, token_ids, start: int) -> np.ndarray:
         """Feed token_ids at positions start, start+1, ...; keys cached beyond `start` are dropped first
@@ -103,14 +124,17 @@ class ReferenceLlama:
         positions = np.arange(start, start + t, dtype=np.float64)
         nh, kvh, d = c.num_heads, c.num_kv_heads, c.head_dim
         group = nh // kvh
-        x = w["model.embed_tokens.weight"][ids]                                 # (T, H)
+        x = w["model.embed_tokens.weight"][ids] * c.embed_scale                 # (T, H)
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             h = self._norm(x, w[p + "input_layernorm.weight"])
             q = (h @ w[p + "self_attn.q_proj.weight"].T + w.get(p + "self_attn.q_proj.bias", 0.0)).reshape(t, nh, d)
             k = (h @ w[p + "self_attn.k_proj.weight"].T + w.get(p + "self_attn.k_proj.bias", 0.0)).reshape(t, kvh, d)
             v = (h @ w[p + "self_attn.v_proj.weight"].T + w.get(p + "self_attn.v_proj.bias", 0.0)).reshape(t, kvh, d)
-            q, k = self._rope(q, positions), self._rope(k, positions)
+            if c.qk_norm:
+                q, k = self._norm(q, w[p + "self_attn.q_norm.weight"]), self._norm(k, w[p + "self_attn.k_norm.weight"])
+            q, k = self._rope(q, positions, i), self._rope(k, positions, i)
+            window = c.layer_window(i)
             keys = k if seq.keys[i] is None else np.concatenate([seq.keys[i], k])      # (start+T, KVH, D)
             values = v if seq.values[i] is None else np.concatenate([seq.values[i], v])
             seq.keys[i], seq.values[i] = keys, values
@@ -118,15 +142,28 @@ class ReferenceLlama:
             key_pos = np.arange(start + t)
             for head in range(nh):
                 kv = head // group
-                scores = q[:, head, :] @ keys[:, kv, :].T / np.sqrt(d)                  # (T, start+T)
-                scores = np.where(key_pos[None, :] <= positions[:, None], scores, -np.inf)
+                scores = q[:, head, :] @ keys[:, kv, :].T * c.attention_scale         # (T, start+T)
+                visible = key_pos[None, :] <= positions[:, None]
+                if window is not None:
+                    visible &= key_pos[None, :] > positions[:, None] - window
+                scores = np.where(visible, scores, -np.inf)
                 scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
                 out[:, head, :] = (scores / scores.sum(axis=-1, keepdims=True)) @ values[:, kv, :]
-            x = x + out.reshape(t, nh * d) @ w[p + "self_attn.o_proj.weight"].T
+            o = out.reshape(t, nh * d) @ w[p + "self_attn.o_proj.weight"].T
+            if c.sandwich_norms:
+                o = self._norm(o, w[p + "attn_output_norm.weight"])
+            x = x + o
             h = self._norm(x, w[p + "post_attention_layernorm.weight"])
             gate = h @ w[p + "mlp.gate_proj.weight"].T
             up = h @ w[p + "mlp.up_proj.weight"].T
-            x = x + (gate / (1.0 + np.exp(-gate)) * up) @ w[p + "mlp.down_proj.weight"].T
+            if c.hidden_act == "gelu_tanh":
+                act = 0.5 * gate * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (gate + 0.044715 * gate ** 3)))
+            else:
+                act = gate / (1.0 + np.exp(-gate))
+            down = (act * up) @ w[p + "mlp.down_proj.weight"].T
+            if c.sandwich_norms:
+                down = self._norm(down, w[p + "mlp_output_norm.weight"])
+            x = x + down
         seq.length = start + t
         return self._norm(x, w["model.norm.weight"]) @ w["lm_head.weight"].T
 

@@ -48,8 +48,9 @@ MASK_VALUE = -1e9
 
 
 def paged_metadata(block_tables, positions, slot_mapping, context_lens, block_size: int, num_kv_heads: int,
-                   tree_bits=None):
-    """Per-step values shared by all layers.
+                   tree_bits=None, window: int = 0):
+    """Per-step values shared by the layers of one attention window (`window` > 0: a sliding window, each query
+    sees the last `window` keys up to its own, as LlamaConfig.layer_window; 0: all keys).
 
     block_tables (B, W), positions (B, S), slot_mapping (B, S), context_lens (B,) int32, tree_bits (B,) int32
     (decode kernel only: which of each token's last 32 keys it sees, see kernels/paged_attention_cpu.cc;
@@ -71,6 +72,8 @@ def paged_metadata(block_tables, positions, slot_mapping, context_lens, block_si
     key_pos = ops.arange(0, n_keys, dtype=ms.int32).reshape(1, 1, n_keys)                    # (1, 1, L)
     visible = ops.logical_and(key_pos <= positions.reshape(b, s, 1),                         # (B, S, L)
                               key_pos < context_lens.reshape(b, 1, 1))
+    if window > 0:
+        visible = ops.logical_and(visible, key_pos > positions.reshape(b, s, 1) - window)     # (B, S, L)
     zeros = ops.zeros((b, s, n_keys), ms.float32)
     mask = ops.select(visible, zeros, zeros + MASK_VALUE)                                    # (B, S, L)
     # the raw step tensors ride along for the Ascend kernels (ReshapeAndCache / PagedAttention)
@@ -85,8 +88,10 @@ class PagedAttention(nn.Cell):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, num_slots: int, *,
                  layer_id: int, device_target: str = "CPU", block_size: int = 16,
-                 decode_kernel: Optional[str] = None, kernel_threads: int = 1, cache_dtype: str = "float16"):
+                 decode_kernel: Optional[str] = None, kernel_threads: int = 1, cache_dtype: str = "float16",
+                 window: Optional[int] = None):
         super().__init__()
+        self.window = window                # a sliding window (LlamaConfig.layer_window), or None: every key
         self.num_kv_heads = num_kv_heads
         self.group = num_heads // num_kv_heads
         self.head_dim = head_dim
@@ -118,7 +123,7 @@ class PagedAttention(nn.Cell):
             # "path.so:PagedDecodeAttention"; out = q's shape and dtype: (B, KVH, G, D) float32
             self.decode_kernel = ops.Custom(decode_kernel, out_shape=lambda q, *_: q, out_dtype=lambda q, *_: q,
                                             func_type="aot")
-            self.kernel_config = Tensor(np.array([block_size, kernel_threads], np.int32))   # read by the kernel
+            self.kernel_config = Tensor(np.array([block_size, kernel_threads, window or 0], np.int32))   # read by the kernel
         self.scatter = ops.ScatterUpdate()
         self.bmm = ops.BatchMatMul()
         self.bmm_t = ops.BatchMatMul(transpose_b=True)
@@ -135,7 +140,7 @@ class PagedAttention(nn.Cell):
             t = k.shape[0]
             self.reshape_and_cache(k.reshape(t, -1).astype(ms.float16), v.reshape(t, -1).astype(ms.float16),
                                    self.key_cache, self.value_cache, slots)                 # k, v (T, KVH*D)
-            if s == 1:
+            if s == 1 and self.window is None:         # (the fused kernel knows no window: the gather path then)
                 out = self.paged_attention(q.reshape(b, 1, -1).astype(ms.float16), self.key_cache,
                                            self.value_cache, block_tables, context_lens)   # (B, 1, NH*D)
                 return out.astype(ms.float32).reshape(b, -1)                             # (B, NH*D)

@@ -6,6 +6,9 @@ Load-time rewrites of a decoder layer (`prepare_layer`):
   into another: one MatMul each;
 - the RMSNorm gains folded into the float32 matrix that follows the norm (input norm -> q/k/v, post-attention
   norm -> gate/up), so a norm is x * rsqrt(mean(x^2) + eps);
+- a partial rotation's q and k rows (their biases, stored rows, q/k norm gains and LoRA rows too) reordered head by
+  head (rope.rotary_permutation), so that every path rotates a whole head;
+- the gains no product folds in (the q/k heads' norms, the sandwich norms: `extra_gains`) kept beside them;
 - for the CPU layer kernel (`kernel`, kernels/decoder_layer_cpu.cc): each product's matrix as the checkpoint
   stores it where every part is block-quantized with one type (a GGUF's rows, untouched; the kernel multiplies
   the normalized activations by the norm's gain instead of having it folded in), else the float32 one; with
@@ -18,13 +21,15 @@ tp)); the prepared matrices are then this rank's, and a LoRA stack cuts each ada
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
 
 from .parallel import TensorParallel
-from .weights import LlamaConfig
+from .rope import rotary_permutation
+from .weights import LlamaConfig, QuantizedTensor
 
 __all__ = ["HeadWeights", "KERNEL_PARTS", "KernelInputs", "LORA_PRODUCTS", "LayerKernelConfig", "LayerWeights", "LoraStack",
            "kernel_lora_arrays", "prepare_head", "prepare_layer"]
@@ -38,6 +43,12 @@ KERNEL_PARTS = {"qkv": ("q_w", "k_w", "v_w"), "o": ("o_w",), "gate_up": ("gate_w
 # the norm whose gain a product's input carries (folded into its float32 matrix), and the layer kernel's input
 # for that gain
 _NORMS = {"qkv": ("input_layernorm", "input_gain"), "gate_up": ("post_attention_layernorm", "post_gain")}
+# the layer's other gains, by the layer kernel's input: the q/k heads' norms (LlamaConfig.qk_norm: (D,)) and the
+# sandwich norms of the attention's and the MLP's outputs (sandwich_norms: (H,)); ones where the model has none
+_EXTRA_GAINS = {"q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm", "attn_out_gain": "attn_output_norm",
+                "mlp_out_gain": "mlp_output_norm"}
+# the layer kernel's activation codes (iconfig): LlamaConfig.hidden_act
+_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
 
 class LoraStack:
@@ -56,8 +67,12 @@ class LoraStack:
     the ops' form is not kept (ops_a, ops_b, col_slot None)."""
 
     def __init__(self, slots: int, rank: int, parts: list, k: int, gain: Optional[np.ndarray], kernel_folded: bool,
-                 tp: TensorParallel = TensorParallel(), row_parallel: bool = False, ops: bool = True):
+                 tp: TensorParallel = TensorParallel(), row_parallel: bool = False, ops: bool = True,
+                 row_orders: Optional[list] = None):
         self.slots, self.rank, self.parts, self.k = slots, rank, parts, k       # parts: [(out rows of part p)]
+        # per part, the order its output rows are kept in (the base weight's: q/k under a partial rotation,
+        # rope.rotary_permutation applied head by head), or None
+        self.row_orders = row_orders or [None] * len(parts)
         self.gain, self.kernel_folded = gain, kernel_folded
         self.tp, self.row_parallel = tp, row_parallel
         n, width = sum(parts), len(parts) * rank
@@ -94,6 +109,8 @@ class LoraStack:
                     a = a[self.tp.part(name, a.shape)]                                 # this rank's input columns
                 elif self.tp.world > 1:
                     b = b[self.tp.part(name, b.shape)]                                 # this rank's output rows
+                if self.row_orders[p] is not None:
+                    b = b[self.row_orders[p]]                                          # the base rows' order
                 raw_a = a
                 a = a * self.gain[None, :] if self.gain is not None else a
                 b = b * np.float32(d.scale)
@@ -130,11 +147,14 @@ class KernelInputs:
                             # parts too), or the stored rows (uint8 (rows, bytes per row))
     types: tuple            # their GGML type codes, in that order (0: float32)
     qkv_bias: np.ndarray    # ((NH+2KVH)*D,) the LayerWeights' bias itself, or zeros for a model without one
-    gains: dict             # "input_gain", "post_gain" -> (H,): 1 where folded into the float32 matrix
+    gains: dict             # "input_gain", "post_gain" -> (H,): 1 where folded into the float32 matrix; "q_norm",
+                            # "k_norm" (D,) and "attn_out_gain", "mlp_out_gain" (H,): ones where the model has none
     lora: dict              # "lora_qkv_a", "lora_qkv_b", ... -> the stacks' kernel arrays themselves, or (without
                             # adapter slots) one all-zero slot of rank 1, which the kernel skips
-    iconfig: np.ndarray     # (12,) int32 [block_size, NH, KVH, threads, *types, batch-invariant (1 or 0)]
-    fconfig: np.ndarray     # (1,) float32 [rms_norm_eps]
+    iconfig: np.ndarray     # (16,) int32 [block_size, NH, KVH, threads, *types, batch-invariant (1 or 0),
+                            # activation (0 SiLU, 1 GELU-tanh), q/k norms (1 or 0), sandwich norms (1 or 0),
+                            # sliding window (0: none)]
+    fconfig: np.ndarray     # (2,) float32 [rms_norm_eps, attention scale]
 
 
 @dataclass
@@ -148,6 +168,9 @@ class LayerWeights:
     o: Optional[np.ndarray]             # (H, NH*D)
     gate_up: Optional[np.ndarray]       # (2I, H), the post-attention norm's gain folded in
     down: Optional[np.ndarray]          # (H, I)
+    # the model's other gains where it has them (else None): q_norm, k_norm (D,) in the q/k rows' order;
+    # attn_out_gain, mlp_out_gain (H,) (_EXTRA_GAINS)
+    extra_gains: dict = field(default_factory=dict)
     lora_stacks: dict = field(default_factory=dict)     # product (LORA_PRODUCTS) -> LoraStack; {}: no adapter slots
     kernel: Optional[KernelInputs] = None               # None: no layer kernel
 
@@ -168,6 +191,11 @@ def prepare_layer(cfg: LlamaConfig, w: dict, i: int, *, tp: TensorParallel = Ten
     quantized = quantized or {}
     nh, kvh, d = cfg.num_heads // tp.world, cfg.num_kv_heads // tp.world, cfg.head_dim
     inter, h = cfg.intermediate_size // tp.world, cfg.hidden_size
+    perm = rotary_permutation(cfg)
+    orders = {"self_attn.q_proj": None, "self_attn.k_proj": None}
+    if perm is not None:                 # a partial rotation: q/k rows (and what follows them) reordered per head
+        orders = {"self_attn.q_proj": _head_order(perm, nh), "self_attn.k_proj": _head_order(perm, kvh)}
+        w, quantized = _reordered(w, p, orders, perm), _reordered(quantized, p, orders, perm)
     gain = {key: w[f"{p}{norm}.weight"] for key, (norm, _) in _NORMS.items()}                # (H,) each
     # the float32 form of the products whose parts `w` holds (a product the kernel runs as stored for every step
     # was not read as float32 at all: weights.load_llama_weights' `skip`)
@@ -178,7 +206,9 @@ def prepare_layer(cfg: LlamaConfig, w: dict, i: int, *, tp: TensorParallel = Ten
             f32[key] = f32[key] * g[None, :]                      # (rows, H): the norm's gain folded in
     bias = _fused(w, p, LORA_PRODUCTS["qkv"], "bias") if cfg.attention_bias else None       # Qwen2
     layer = LayerWeights(qkv=f32.get("qkv"), qkv_bias=bias, o=f32.get("o"), gate_up=f32.get("gate_up"),
-                         down=f32.get("down"))
+                         down=f32.get("down"),
+                         extra_gains={key: w[f"{p}{norm}.weight"] for key, norm in _EXTRA_GAINS.items()
+                                      if f"{p}{norm}.weight" in w})
     # each part the kernel reads as stored (a product with any such part gets its norm's gain from the kernel,
     # not folded in: LoRA's A then leaves it to the kernel too)
     stored = {}
@@ -196,15 +226,38 @@ def prepare_layer(cfg: LlamaConfig, w: dict, i: int, *, tp: TensorParallel = Ten
                   "down": ([h], inter)}
         layer.lora_stacks = {key: LoraStack(lora_slots + 1, lora_rank, parts, k, gain.get(key),
                                             kernel_folded=key not in stored, tp=tp, row_parallel=key in ("o", "down"),
-                                            ops=ops_graphs)
+                                            ops=ops_graphs, row_orders=[orders.get(part) for part in LORA_PRODUCTS[key]])
                              for key, (parts, k) in shapes.items()}
     if kernel is not None:
-        layer.kernel = _kernel_inputs(layer, w, p, stored, gain, nh, kvh, d, inter, h, kernel, cfg.rms_norm_eps)
+        layer.kernel = _kernel_inputs(layer, w, p, stored, gain, nh, kvh, d, inter, h, kernel, cfg, i)
     return layer
 
 
+def _head_order(perm: np.ndarray, heads: int) -> np.ndarray:
+    """The row order of a (heads * D, ...) matrix whose every head's D rows are taken in `perm`'s order."""
+    d = len(perm)
+    return (np.arange(heads)[:, None] * d + perm[None, :]).reshape(-1)
+
+
+def _reordered(tensors: dict, p: str, orders: dict, perm: np.ndarray) -> dict:
+    """`tensors` with layer p's q and k rows (weights, stored rows, biases) and q/k norm gains in the model's order
+    (rope.rotary_permutation); the others as they are (a shallow copy: nothing else is copied)."""
+    out = dict(tensors)
+    for part, order in orders.items():
+        for suffix in ("weight", "bias"):
+            name = f"{p}{part}.{suffix}"
+            if name in out:
+                t = out[name]
+                out[name] = (dataclasses.replace(t, data=np.ascontiguousarray(t.data[order]))
+                             if isinstance(t, QuantizedTensor) else np.ascontiguousarray(t[order]))
+    for norm in ("self_attn.q_norm", "self_attn.k_norm"):
+        if f"{p}{norm}.weight" in out:
+            out[f"{p}{norm}.weight"] = np.ascontiguousarray(out[f"{p}{norm}.weight"][perm])
+    return out
+
+
 def _kernel_inputs(layer: LayerWeights, w: dict, p: str, stored: dict, gain: dict, nh: int, kvh: int, d: int,
-                   inter: int, h: int, config: LayerKernelConfig, eps: float) -> KernelInputs:
+                   inter: int, h: int, config: LayerKernelConfig, cfg: LlamaConfig, i: int) -> KernelInputs:
     """The layer kernel's view of `layer`, part by part (KERNEL_PARTS): a part's stored rows where `stored` has
     them; else float32: its rows of the product's float32 matrix (the norm's gain folded in), or, in a product
     with stored parts too, the checkpoint's own rows (the kernel applies that product's gain to the activations)."""
@@ -226,6 +279,8 @@ def _kernel_inputs(layer: LayerWeights, w: dict, p: str, stored: dict, gain: dic
             row += rows
         if key in _NORMS:
             gains[_NORMS[key][1]] = gain[key] if kept else one
+    for name in _EXTRA_GAINS:
+        gains[name] = layer.extra_gains.get(name, np.ones(d if name in ("q_norm", "k_norm") else h, np.float32))
     nqkv = (nh + 2 * kvh) * d
     if layer.lora_stacks:
         lora = kernel_lora_arrays(layer.lora_stacks)
@@ -235,9 +290,11 @@ def _kernel_inputs(layer: LayerWeights, w: dict, p: str, stored: dict, gain: dic
         lora = {f"lora_{key}_{ab}": np.zeros(shape, np.float32)
                 for key, (a, b) in shapes.items() for ab, shape in (("a", a), ("b", b))}
     qkv_bias = layer.qkv_bias if layer.qkv_bias is not None else np.zeros(nqkv, np.float32)
-    iconfig = np.array([config.block_size, nh, kvh, config.threads, *types, int(config.batch_invariant)], np.int32)
+    iconfig = np.array([config.block_size, nh, kvh, config.threads, *types, int(config.batch_invariant),
+                        _ACTIVATIONS[cfg.hidden_act], int(cfg.qk_norm), int(cfg.sandwich_norms),
+                        cfg.layer_window(i) or 0], np.int32)
     return KernelInputs(matrices=matrices, types=tuple(types), qkv_bias=qkv_bias, gains=gains, lora=lora,
-                        iconfig=iconfig, fconfig=np.array([eps], np.float32))
+                        iconfig=iconfig, fconfig=np.array([cfg.rms_norm_eps, cfg.attention_scale], np.float32))
 
 
 @dataclass

@@ -37,24 +37,12 @@ from .kernels.signatures import DECODER_LAYER, EMBED_TOKENS, FINAL_LOGITS
 from .layer_weights import (LORA_PRODUCTS, KernelInputs, LayerKernelConfig, kernel_lora_arrays, prepare_head,
                             prepare_layer)
 from .parallel import TensorParallel
+from .rope import ROPE_KINDS, rope_tables
 from .runner_spec import KERNEL_ONLY_ROWS
 from .sampler import greedy_pick
 from .weights import LlamaConfig
 
 __all__ = ["LlamaForCausalLM", "rope_tables"]
-
-
-def rope_tables(cfg: LlamaConfig, max_positions: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos and signed sin, each (max_positions, head_dim), for the HF rotate_half layout:
-    rope(x) = x * cos + swap_halves(x) * sin_signed, with sin_signed = [-sin, sin]."""
-    d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))   # (D/2,)
-    if cfg.rope_freq_factors is not None:                       # RoPE scaling (Llama-3.1): a divisor per frequency
-        inv_freq = inv_freq / np.asarray(cfg.rope_freq_factors, np.float64)           # (D/2,)
-    angles = np.arange(max_positions, dtype=np.float64)[:, None] * inv_freq[None, :]   # (P, D/2)
-    cos = np.concatenate([np.cos(angles), np.cos(angles)], axis=-1)                    # (P, D)
-    sin_signed = np.concatenate([-np.sin(angles), np.sin(angles)], axis=-1)            # (P, D)
-    return cos.astype(np.float32), sin_signed.astype(np.float32)
 
 
 def _param(array: np.ndarray, name: str) -> Parameter:
@@ -80,8 +68,14 @@ def _final_logits_shapes(*shapes):
 
 
 def _rms_normalize(x, eps: float):
-    # x (T, H) -> x / sqrt(mean(x^2) + eps); the gain is folded into the next MatMul's weight
-    return x * ops.rsqrt(ops.mean(x * x, -1, keep_dims=True) + eps)    # (T, H)
+    # x (..., N) -> x / sqrt(mean(x^2) + eps) over the last axis; the gain is folded into the next MatMul's weight,
+    # or multiplied after (the q/k heads' norms, the sandwich norms)
+    return x * ops.rsqrt(ops.mean(x * x, -1, keep_dims=True) + eps)    # (..., N)
+
+
+def _gelu_tanh(x):
+    # GELU with the tanh approximation (Gemma's gelu_pytorch_tanh), written out: the same formula as the kernel's
+    return 0.5 * x * (1.0 + ops.tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
 
 
 class LlamaDecoderLayer(nn.Cell):
@@ -92,6 +86,10 @@ class LlamaDecoderLayer(nn.Cell):
                  batch_invariant: bool = False):
         super().__init__()
         world = tp.world
+        # which of the model's RoPE tables (rope.ROPE_KINDS) and attention metadata (by window) the layer takes
+        self.rope_index = ROPE_KINDS.index(cfg.layer_rope(i))
+        self.window = cfg.layer_window(i)
+        self.gelu = cfg.hidden_act == "gelu_tanh"
         # this rank's heads and MLP units (all of them when world == 1): `w` holds only this rank's part of
         # each split tensor (weights.load_llama_weights(path, tp); the split is parallel.SPLIT_AXIS)
         self.nh, self.kvh, self.d = cfg.num_heads // world, cfg.num_kv_heads // world, cfg.head_dim
@@ -111,6 +109,14 @@ class LlamaDecoderLayer(nn.Cell):
         self.qkv_bias = None
         if prepared.qkv_bias is not None:
             self.qkv_bias = _param(prepared.qkv_bias, f"layers.{i}.qkv_bias")       # ((NH+2KVH)*D,)
+        # the q/k heads' norms (D,) and the sandwich norms (H,), where the model has them (Qwen3, Gemma 3)
+        extra = prepared.extra_gains
+        self.q_norm = _param(extra["q_norm"], f"layers.{i}.q_norm") if "q_norm" in extra else None
+        self.k_norm = _param(extra["k_norm"], f"layers.{i}.k_norm") if "k_norm" in extra else None
+        self.attn_out_gain = (_param(extra["attn_out_gain"], f"layers.{i}.attn_out_gain")
+                              if "attn_out_gain" in extra else None)
+        self.mlp_out_gain = (_param(extra["mlp_out_gain"], f"layers.{i}.mlp_out_gain")
+                             if "mlp_out_gain" in extra else None)
         # LoRA adapters (lora_slots > 0): S = lora_slots + 1 slots of rank lora_rank per product
         self.lora_stacks = prepared.lora_stacks
         self.has_lora = lora_slots > 0
@@ -124,7 +130,7 @@ class LlamaDecoderLayer(nn.Cell):
         self.attn = PagedAttention(self.nh, self.kvh, cfg.head_dim, num_slots,
                                    layer_id=i, device_target=device_target, block_size=block_size,
                                    decode_kernel=decode_kernel, kernel_threads=kernel_threads,
-                                   cache_dtype=kv_cache_dtype)
+                                   cache_dtype=kv_cache_dtype, window=self.window)
         self.matmul_t = ops.MatMul(transpose_b=True)
         self.parallel = all_reduce is not None            # o_proj and down_proj outputs are partial sums
         self.all_reduce = all_reduce.op if self.parallel else None
@@ -153,16 +159,23 @@ class LlamaDecoderLayer(nn.Cell):
                                                                                       f"layers.{i}.qkv_bias0")
         self.kernel_input_gain = _param(k.gains["input_gain"], f"layers.{i}.kernel_input_gain")       # (H,)
         self.kernel_post_gain = _param(k.gains["post_gain"], f"layers.{i}.kernel_post_gain")         # (H,)
+        # q_norm, k_norm (D,), attn_out_gain, mlp_out_gain (H,): the ops' Parameter where there is one, else ones
+        # (the kernel's iconfig says whether it applies them)
+        for name in ("q_norm", "k_norm", "attn_out_gain", "mlp_out_gain"):
+            own = getattr(self, name)
+            setattr(self, f"kernel_{name}", own if own is not None else _param(k.gains[name], f"layers.{i}.kernel_{name}"))
         # LoRA adapters stacked by slot, as the kernel takes them (A (S, parts*R, K), B (S, R, N)); slot 0 is the
         # base model. Without adapter slots: one all-zero slot of rank 1, which the kernel skips
         for name, array in k.lora.items():
             setattr(self, f"kernel_{name}", _lora_param(array, f"layers.{i}.kernel_{name}"))
         self.kernel_types = k.types           # GGML type codes of q, k, v, o, gate, up, down (0: float32)
-        self.kernel_iconfig = Tensor(k.iconfig)                                       # (12,) int32
-        self.kernel_fconfig = Tensor(k.fconfig)                                       # (1,) float32 [eps]
+        self.kernel_iconfig = Tensor(k.iconfig)                                       # (16,) int32
+        self.kernel_fconfig = Tensor(k.fconfig)                                       # (2,) float32 [eps, scale]
         # the same objects in the kernel's order, which `fused` passes after the step's inputs
         self.kernel_held = DECODER_LAYER.held(
             qkv_bias=self.kernel_qkv_bias, input_gain=self.kernel_input_gain, post_gain=self.kernel_post_gain,
+            q_norm=self.kernel_q_norm, k_norm=self.kernel_k_norm, attn_out_gain=self.kernel_attn_out_gain,
+            mlp_out_gain=self.kernel_mlp_out_gain,
             key_cache=self.attn.key_cache, value_cache=self.attn.value_cache, iconfig=self.kernel_iconfig,
             fconfig=self.kernel_fconfig, **{name: getattr(self, f"kernel_{name}") for name in k.matrices},
             **{name: getattr(self, f"kernel_{name}") for name in k.lora})
@@ -208,6 +221,11 @@ class LlamaDecoderLayer(nn.Cell):
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias                                                     # (T, (NH+2KVH)*D)
         qkv = qkv.reshape(t, nh + 2 * kvh, d)                                             # (T, NH+2KVH, D)
+        if self.q_norm is not None:                    # each q and k head RMS-normalized (Qwen3, Gemma 3)
+            q, k, v = ops.split(qkv, (nh, kvh, kvh), 1)                                   # (T, NH|KVH|KVH, D)
+            q = _rms_normalize(q, self.eps) * self.q_norm
+            k = _rms_normalize(k, self.eps) * self.k_norm
+            qkv = ops.cat((q, k, v), 1)                                                   # (T, NH+2KVH, D)
         first, second = ops.split(qkv, d // 2, 2)                                         # (T, NH+2KVH, D/2) each
         swapped = ops.cat((second, first), 2)         # (T, NH+2KVH, D); flip/ReverseV2: 4.5 ms/layer at B=128 on CPU
         qkv = qkv * cos + swapped * sin                                                   # (T, NH+2KVH, D)
@@ -218,18 +236,22 @@ class LlamaDecoderLayer(nn.Cell):
             o = o + self.lora_delta(1, attn, lora)
         if self.parallel:
             o = self.all_reduce(o)                                                        # (T, H) summed over ranks
+        if self.attn_out_gain is not None:             # sandwich norms (Gemma 3): the output normalized first
+            o = _rms_normalize(o, self.eps) * self.attn_out_gain
         x = x + o
         xn = _rms_normalize(x, self.eps)                                                  # (T, H)
         gate_up = self.matmul_t(xn, self.gate_up_w)                                       # (T, 2I)
         if self.has_lora:
             gate_up = gate_up + self.lora_delta(2, xn, lora)
         gate, up = ops.split(gate_up, self.inter, 1)                                      # (T, I) each
-        act = ops.silu(gate) * up                                                         # (T, I)
+        act = (_gelu_tanh(gate) if self.gelu else ops.silu(gate)) * up                    # (T, I)
         down = self.matmul_t(act, self.down_w)                                            # (T, H)
         if self.has_lora:
             down = down + self.lora_delta(3, act, lora)
         if self.parallel:
             down = self.all_reduce(down)                                                  # (T, H) summed over ranks
+        if self.mlp_out_gain is not None:
+            down = _rms_normalize(down, self.eps) * self.mlp_out_gain
         return x + down                                                                   # (T, H)
 
 
@@ -316,12 +338,24 @@ class LlamaForCausalLM(nn.Cell):
                 self.logits_held = FINAL_LOGITS.held(lm_head=self.kernel_lm_head, gain=self.kernel_norm_gain,
                                                      iconfig=self.logits_icfg, fconfig=self.logits_fcfg)
                 FINAL_LOGITS.check_call(self.fused_logits)
-        cos, sin = rope_tables(cfg, max_positions)
-        self.cos_table = _param(cos, "rope_cos")                                        # (P, D)
-        self.sin_table = _param(sin, "rope_sin")                                        # (P, D)
+        # the RoPE tables of the kinds the layers use (rope.ROPE_KINDS: a tuple by kind, None for a kind no layer
+        # uses), and the windows of the layers' attention (None: all keys), each a metadata tuple per step
+        used = {layer.rope_index for layer in self.layers}
+        tables = [rope_tables(cfg, max_positions, kind) if k in used else None for k, kind in enumerate(ROPE_KINDS)]
+        self.cos_tables = ms.ParameterTuple([_param(t[0], f"rope_cos_{kind}")                           # (P, D)
+                                             for t, kind in zip(tables, ROPE_KINDS) if t is not None])
+        self.sin_tables = ms.ParameterTuple([_param(t[1], f"rope_sin_{kind}")
+                                             for t, kind in zip(tables, ROPE_KINDS) if t is not None])
+        kept = [k for k, t in enumerate(tables) if t is not None]
+        for layer in self.layers:                      # a layer's index into the kept tables
+            layer.rope_index = kept.index(layer.rope_index)
+        self.windows = tuple(sorted({layer.window or 0 for layer in self.layers}))
+        for layer in self.layers:
+            layer.window_index = self.windows.index(layer.window or 0)
+        self.embed_scale = float(cfg.embed_scale)
         # Per-head multipliers for the fused qkv: q heads carry the attention scale, v heads no rotation.
         nh, kvh = cfg.num_heads // tp.world, cfg.num_kv_heads // tp.world
-        scale = 1.0 / np.sqrt(cfg.head_dim)
+        scale = cfg.attention_scale
         rot = np.array([scale] * nh + [1.0] * kvh + [0.0] * kvh, np.float32).reshape(1, -1, 1)
         keep = np.array([0.0] * (nh + kvh) + [1.0] * kvh, np.float32).reshape(1, -1, 1)
         self.head_rot = _param(rot, "rope_head_rot")                                    # (1, NH+2KVH, 1)
@@ -344,16 +378,20 @@ class LlamaForCausalLM(nn.Cell):
         if fused:
             x = self.fused_layers(x, flat_pos, flat_slots, block_tables, context_lens, tree_bits, lora)  # (T, H)
         else:
-            d = self.cos_table.shape[1]
-            cos = ops.gather(self.cos_table, flat_pos, 0).reshape(b * s, 1, d)           # (T, 1, D)
-            sin = ops.gather(self.sin_table, flat_pos, 0).reshape(b * s, 1, d)           # (T, 1, D)
-            cos = cos * self.head_rot + self.head_keep                                   # (T, NH+2KVH, D)
-            sin = sin * self.head_rot                                                    # (T, NH+2KVH, D)
-            meta = paged_metadata(block_tables, positions, slot_mapping, context_lens, self.block_size, self.kvh,
-                                  tree_bits)
+            ropes = ()                                                                   # per kept kind
+            for cos_table, sin_table in zip(self.cos_tables, self.sin_tables):
+                d = cos_table.shape[1]
+                cos = ops.gather(cos_table, flat_pos, 0).reshape(b * s, 1, d)            # (T, 1, D)
+                sin = ops.gather(sin_table, flat_pos, 0).reshape(b * s, 1, d)            # (T, 1, D)
+                ropes += ((cos * self.head_rot + self.head_keep, sin * self.head_rot),)   # (T, NH+2KVH, D) each
+            metas = ()                                                                   # per window
+            for window in self.windows:
+                metas += (paged_metadata(block_tables, positions, slot_mapping, context_lens, self.block_size,
+                                         self.kvh, tree_bits, window),)
             lora_tok = ops.broadcast_to(lora.reshape(b, 1), (b, s)).reshape(b * s, 1)     # (T, 1)
             for layer in self.layers:
-                x = layer(x, cos, sin, meta, lora_tok)                                   # (T, H)
+                cos, sin = ropes[layer.rope_index]
+                x = layer(x, cos, sin, metas[layer.window_index], lora_tok)              # (T, H)
         if s > 1 and sample_index.shape[0] == b:       # each row's last new token (else every token: verify)
             last = ops.arange(0, b, dtype=ms.int32) * s + query_lens - 1                 # (B,)
             x = ops.gather(x, last, 0)                                                   # (B, H)
@@ -371,16 +409,17 @@ class LlamaForCausalLM(nn.Cell):
 
     def embed_tokens(self, ids):
         """ids (T,) -> their embeddings (T, H): the EmbedTokens kernel on the stored rows, or a float32 gather."""
-        if self.embed_stored:
-            return self.embed_kernel(ids, *self.embed_held)
-        return ops.gather(self.embed, ids, 0)
+        x = self.embed_kernel(ids, *self.embed_held) if self.embed_stored else ops.gather(self.embed, ids, 0)
+        if self.embed_scale != 1.0:                    # Gemma: the rows times sqrt(hidden)
+            x = x * self.embed_scale
+        return x
 
     def fused_layers(self, x, positions, slots, block_tables, context_lens, tree_bits, lora):
         """Every decoder layer as the layer kernel, on T decode-shaped tokens (x (T, H); the rest (T,), tables
         (T, W)); (T, H)."""
         for layer in self.layers:
-            x = layer.fused(x, positions, slots, block_tables, context_lens, tree_bits, self.cos_table,
-                            self.sin_table, lora)
+            x = layer.fused(x, positions, slots, block_tables, context_lens, tree_bits,
+                            self.cos_tables[layer.rope_index], self.sin_tables[layer.rope_index], lora)
         return x
 
     def write_lora(self, slot: int, adapter) -> None:

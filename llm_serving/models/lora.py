@@ -7,7 +7,8 @@ adapted projection computes W x + scale * B (A x), scale = alpha / r (alpha / sq
 module (`rank_pattern` / `alpha_pattern` may give a module its own r and alpha).
 
 Only what this server can apply is accepted: the seven linear projections of a decoder layer (q/k/v/o,
-gate/up/down). An adapter that does not fit the base model (a shape that does not match it, a rank above
+gate/up/down), and the fused ones a checkpoint may store instead (Phi-3's `qkv_proj` and `gate_up_proj`: their
+lora_B's rows are cut into the parts' deltas, which share lora_A). An adapter that does not fit the base model (a shape that does not match it, a rank above
 `max_rank`, a layer it does not have, a module it cannot adapt, DoRA, trained biases, modules saved whole) is a
 `LoraError` naming the file and the tensor or key, raised before anything is kept. The fused q/k/v and gate/up
 products of the model (llama.py) take each part's delta for its own rows: `LoraAdapter.deltas` is keyed by the
@@ -32,6 +33,8 @@ __all__ = ["LoraAdapter", "LoraDelta", "LoraError", "TARGET_MODULES", "load_lora
 # module -> its block in a decoder layer (HF names: model.layers.{i}.{block}.{module}.weight)
 TARGET_MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
                   "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+# a fused projection some checkpoints store (Phi-3) -> the parts the model keeps, in the order of its output rows
+FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 _TENSOR = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])"
                      r"(?:\.[\w-]+)?\.weight")
@@ -137,7 +140,8 @@ def _targets(raw: dict, cfg_path: str) -> Optional[re.Pattern]:
             raise LoraError(f"{cfg_path}: target_modules {targets!r} is not a regular expression: {e}") from None
     if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
         raise LoraError(f"{cfg_path}: target_modules must be a list of module names or a regular expression")
-    unknown = [t for t in targets if t.rsplit(".", 1)[-1] not in TARGET_MODULES]
+    unknown = [t for t in targets if t.rsplit(".", 1)[-1] not in TARGET_MODULES
+               and t.rsplit(".", 1)[-1] not in FUSED_MODULES]
     if unknown:
         raise LoraError(f"{cfg_path}: target_modules {unknown} cannot be adapted here (supported: "
                         f"{', '.join(TARGET_MODULES)})")
@@ -175,7 +179,8 @@ def load_lora_adapter(name: str, path: str, cfg: LlamaConfig, max_rank: Optional
     pairs: dict[tuple[int, str, str], dict] = {}
     for tname, tensor in stored.items():
         m = _TENSOR.fullmatch(tname)
-        if m is None or m.group(3) not in TARGET_MODULES or TARGET_MODULES[m.group(3)] != m.group(2):
+        part = FUSED_MODULES.get(m.group(3), (m.group(3),))[0] if m else None
+        if m is None or part not in TARGET_MODULES or TARGET_MODULES[part] != m.group(2):
             raise LoraError(f"{weights_path}: tensor {tname!r} is not a LoRA A/B matrix of a decoder layer's "
                             f"{'/'.join(TARGET_MODULES)} projection, which is all this server can apply")
         layer, block, module, which = int(m.group(1)), m.group(2), m.group(3), m.group(4)
@@ -199,7 +204,8 @@ def load_lora_adapter(name: str, path: str, cfg: LlamaConfig, max_rank: Optional
             raise LoraError(f"{weights_path}: tensor {ab['A'][0]!r} adapts {module_name}, which the adapter's "
                             f"target_modules do not name")
         (a_name, a_t), (b_name, b_t) = ab["A"], ab["B"]
-        out, inp = module_shape(cfg, module)
+        parts = FUSED_MODULES.get(module, (module,))
+        out, inp = sum(module_shape(cfg, part)[0] for part in parts), module_shape(cfg, parts[0])[1]
         r = a_t.shape[0]
         if a_t.shape != (r, inp):
             raise LoraError(f"{weights_path}: tensor {a_name!r} has shape {a_t.shape}; {module_name} of the base "
@@ -220,7 +226,12 @@ def load_lora_adapter(name: str, path: str, cfg: LlamaConfig, max_rank: Optional
         if not (np.isfinite(a).all() and np.isfinite(b).all()):
             raise LoraError(f"{weights_path}: tensor {a_name if not np.isfinite(a).all() else b_name!r} holds "
                             f"NaN or infinite values")
-        deltas[f"{module_name}.weight"] = LoraDelta(a, b, scale)
+        row = 0
+        for part in parts:                       # a fused module's B cut into its parts' rows (A shared)
+            rows = module_shape(cfg, part)[0]
+            deltas[f"model.layers.{layer}.{block}.{part}.weight"] = LoraDelta(a, np.ascontiguousarray(b[row:row + rows]),
+                                                                              scale)
+            row += rows
     return LoraAdapter(name, path, deltas)
 
 

@@ -99,6 +99,7 @@ SPLIT_AXIS = {"self_attn.q_proj.weight": 0, "self_attn.k_proj.weight": 0, "self_
               "self_attn.q_proj.bias": 0, "self_attn.k_proj.bias": 0, "self_attn.v_proj.bias": 0,
               "self_attn.o_proj.weight": 1, "mlp.gate_proj.weight": 0, "mlp.up_proj.weight": 0,
               "mlp.down_proj.weight": 1}
+# (every other layer tensor, the norms' gains among them, q/k heads' included, is whole on every rank)
 OUTPUT_ONLY = ("lm_head.weight", "model.norm.weight")     # used only for logits, which rank 0 alone computes
 
 

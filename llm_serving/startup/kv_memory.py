@@ -78,13 +78,9 @@ def model_context(shape, config: Config, per_token: int, available_bytes: int) -
     """(tokens per request, why, whether the cache cut it) for model_config.max_generate_length auto: the model's
     trained context
     (`max_position_embeddings`: a GGUF's `<arch>.context_length`, HF's, a MindFormers `seq_length`), lowered to
-    a sliding-window model's window (attention past it is not computed here) and to what the KV cache holds
-    for one request (pa_config.num_blocks, or kv_memory_fraction of `available_bytes`)."""
+    what the KV cache holds for one request (pa_config.num_blocks, or kv_memory_fraction of `available_bytes`)."""
     pa = config.pa_config
     n, why, cut = shape.max_position_embeddings, "the model's trained context", False
-    if shape.sliding_window is not None and shape.sliding_window < n:
-        n, why = shape.sliding_window, (f"the model's sliding window (its trained context is "
-                                        f"{shape.max_position_embeddings}; attention past the window is not served)")
     if pa.num_blocks != "auto":
         fits = pa.num_blocks * pa.block_size
         where = f"pa_config.num_blocks={pa.num_blocks} blocks of {pa.block_size} tokens"

@@ -86,9 +86,10 @@ def test_the_kernel_reads_stored_rows_untouched_and_the_gain_beside_them():
     assert k.matrices["o_w"].base is layer.o or k.matrices["o_w"] is layer.o
     np.testing.assert_array_equal(k.matrices["o_w"], layer.o)
     assert k.types == (8, 8, 8, 0, 8, 2, 0)
-    assert k.iconfig.tolist() == [16, CFG.num_heads, CFG.num_kv_heads, 3, 8, 8, 8, 0, 8, 2, 0, 0]   # not invariant
+    # not invariant; SiLU, no q/k norms, no sandwich norms, no window
+    assert k.iconfig.tolist() == [16, CFG.num_heads, CFG.num_kv_heads, 3, 8, 8, 8, 0, 8, 2, 0, 0, 0, 0, 0, 0]
     assert k.iconfig.dtype == np.int32
-    assert k.fconfig.tolist() == [np.float32(1e-6)] and k.qkv_bias is layer.qkv_bias
+    assert k.fconfig.tolist() == [np.float32(1e-6), np.float32(CFG.head_dim ** -0.5)] and k.qkv_bias is layer.qkv_bias
     # the float32 copy the graphs use is still folded
     np.testing.assert_array_equal(layer.qkv[:nq], w[P + "self_attn.q_proj.weight"] * w[P + "input_layernorm.weight"])
 
@@ -102,7 +103,7 @@ def test_a_product_with_stored_and_float32_parts_gives_the_kernel_unfolded_float
     quantized = {P + "self_attn.v_proj.weight": stored(nkv, rng)}
     k = prepare_layer(CFG, w, 1, kernel=LayerKernelConfig(block_size=16, threads=1, batch_invariant=True),
                       quantized=quantized).kernel
-    assert k.types[:3] == (0, 0, 8) and k.iconfig[-1] == 1                   # batch-invariant, in every call
+    assert k.types[:3] == (0, 0, 8) and k.iconfig[11] == 1                   # batch-invariant, in every call
     assert k.matrices["q_w"] is w[P + "self_attn.q_proj.weight"] and k.matrices["k_w"] is w[P + "self_attn.k_proj.weight"]
     np.testing.assert_array_equal(k.gains["input_gain"], w[P + "input_layernorm.weight"])
     np.testing.assert_array_equal(k.gains["post_gain"], np.ones(CFG.hidden_size, np.float32))
@@ -266,3 +267,50 @@ def test_no_mindspore_in_weight_preparation():
     code = ("import sys, llm_serving.models.layer_weights, llm_serving.models.kernels.signatures; "
             "sys.exit('mindspore' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_a_partial_rotation_reorders_q_and_k_rows_their_norms_and_their_lora_rows_alike():
+    """rope.rotary_permutation's order, head by head, on everything that yields a q or k row: the float32 rows
+    (bias included), the stored rows (bytes moved whole), the q/k norms' gains and LoRA's B; v and o untouched.
+    The kernel's iconfig carries the family's switches and fconfig its attention scale."""
+    from llm_serving.models.rope import rotary_permutation
+    cfg = dataclasses.replace(CFG, head_dim=8, rotary_dim=4, qk_norm=True, sandwich_norms=True,
+                              hidden_act="gelu_tanh", query_scale=0.125, sliding_window=6,
+                              layer_types=("full", "sliding"))
+    w = checkpoint(cfg)
+    rng = np.random.default_rng(5)
+    for norm in ("self_attn.q_norm", "self_attn.k_norm"):
+        w[f"{P}{norm}.weight"] = rng.standard_normal(8).astype(np.float32)
+    for norm in ("attn_output_norm", "mlp_output_norm"):
+        w[f"{P}{norm}.weight"] = rng.standard_normal(cfg.hidden_size).astype(np.float32)
+    perm = rotary_permutation(cfg)
+    assert perm.tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
+    q_rows = (np.arange(cfg.num_heads)[:, None] * 8 + perm).reshape(-1)
+    k_rows = (np.arange(cfg.num_kv_heads)[:, None] * 8 + perm).reshape(-1)
+    nq, nkv = cfg.num_heads * 8, cfg.num_kv_heads * 8
+    quantized = {P + "self_attn.k_proj.weight": stored(nkv, rng)}
+    layer = prepare_layer(cfg, w, 1, kernel=LayerKernelConfig(4, 1), quantized=quantized, lora_slots=1, lora_rank=2)
+    g_in = w[P + "input_layernorm.weight"]
+    np.testing.assert_array_equal(layer.qkv[:nq], w[P + "self_attn.q_proj.weight"][q_rows] * g_in)
+    np.testing.assert_array_equal(layer.qkv[nq:nq + nkv], w[P + "self_attn.k_proj.weight"][k_rows] * g_in)
+    np.testing.assert_array_equal(layer.qkv[nq + nkv:], w[P + "self_attn.v_proj.weight"] * g_in)
+    np.testing.assert_array_equal(layer.qkv_bias[:nq], w[P + "self_attn.q_proj.bias"][q_rows])
+    k = layer.kernel
+    np.testing.assert_array_equal(k.matrices["k_w"], quantized[P + "self_attn.k_proj.weight"].data[k_rows])
+    np.testing.assert_array_equal(k.gains["q_norm"], w[P + "self_attn.q_norm.weight"][perm])
+    np.testing.assert_array_equal(k.gains["k_norm"], w[P + "self_attn.k_norm.weight"][perm])
+    np.testing.assert_array_equal(k.gains["attn_out_gain"], w[P + "attn_output_norm.weight"])
+    np.testing.assert_array_equal(layer.extra_gains["q_norm"], k.gains["q_norm"])
+    assert k.iconfig.tolist()[12:] == [1, 1, 1, 6] and k.fconfig.tolist() == [np.float32(1e-6), 0.125]
+    # LoRA: a q/k delta's B rows follow the base rows; the kernel's A is the raw one where k is stored
+    a, b = rng.standard_normal((2, cfg.hidden_size)).astype(np.float32), rng.standard_normal((nq, 2)).astype(np.float32)
+    names = [f"{P}{n}.weight" for n in LORA_PRODUCTS["qkv"]]
+    layer.lora_stacks["qkv"].write(1, [LoraDelta(a=a, b=b, scale=1.0), None, None], names)
+    np.testing.assert_array_equal(layer.lora_stacks["qkv"].kernel_b[1, :, :nq], b[q_rows].T)
+    # the model without the switches: ones in their place, and layer 0 (full attention) has no window
+    plain_cfg = dataclasses.replace(cfg, qk_norm=False, sandwich_norms=False, rotary_dim=None)
+    plain = prepare_layer(plain_cfg, checkpoint(plain_cfg), 1, kernel=LayerKernelConfig(4, 1))
+    np.testing.assert_array_equal(plain.kernel.gains["q_norm"], np.ones(8, np.float32))
+    full = prepare_layer(cfg, {k.replace(P, "model.layers.0."): v for k, v in w.items()}, 0,
+                         kernel=LayerKernelConfig(4, 1))
+    assert full.kernel.iconfig[15] == 0

@@ -134,3 +134,29 @@ def test_missing_files_are_refused_with_what_to_do(base, tmp_path):
     (tmp_path / "pickled" / "adapter_model.bin").rename(tmp_path / "pickled" / "adapter_model.safetensors")
     with pytest.raises(LoraError, match="cannot read safetensors"):
         load_lora_adapter("x", path, cfg)
+
+
+def test_a_fused_qkv_and_gate_up_adapter_is_cut_into_its_parts(base, tmp_path):
+    """Phi-3's checkpoints (and so its adapters) fuse q/k/v and gate/up: lora_B's rows are cut into the parts the
+    model keeps, each with the shared lora_A, so the fused delta is the parts' deltas stacked."""
+    cfg, _ = base
+    rng = np.random.default_rng(9)
+    nq, nkv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    pre = "base_model.model.model.layers.1."
+    tensors = {pre + "self_attn.qkv_proj.lora_A.weight": rng.standard_normal((3, 64)).astype(np.float32),
+               pre + "self_attn.qkv_proj.lora_B.weight": rng.standard_normal((nq + 2 * nkv, 3)).astype(np.float32),
+               pre + "mlp.gate_up_proj.lora_A.weight": rng.standard_normal((3, 64)).astype(np.float32),
+               pre + "mlp.gate_up_proj.lora_B.weight": rng.standard_normal((2 * inter, 3)).astype(np.float32)}
+    adapter = load_lora_adapter("phi", write_peft_adapter(tmp_path / "phi", tensors, r=3, lora_alpha=6), cfg)
+    d = adapter.deltas
+    assert sorted(n.split(".")[-2] for n in d) == ["gate_proj", "k_proj", "q_proj", "up_proj", "v_proj"]
+    fused_b = tensors[pre + "self_attn.qkv_proj.lora_B.weight"]
+    stacked = np.concatenate([d[f"model.layers.1.self_attn.{m}_proj.weight"].b for m in "qkv"])
+    np.testing.assert_array_equal(stacked, fused_b)
+    assert d["model.layers.1.mlp.up_proj.weight"].b.shape == (inter, 3) and d["model.layers.1.mlp.up_proj.weight"].scale == 2
+    np.testing.assert_array_equal(d["model.layers.1.self_attn.v_proj.weight"].a,
+                                  tensors[pre + "self_attn.qkv_proj.lora_A.weight"])
+    bad = dict(tensors)
+    bad[pre + "self_attn.qkv_proj.lora_B.weight"] = fused_b[:-1]
+    with pytest.raises(LoraError, match="qkv_proj.lora_B.*expected"):
+        load_lora_adapter("bad", write_peft_adapter(tmp_path / "bad", bad, r=3, lora_alpha=6), cfg)

@@ -1,0 +1,68 @@
+"""Rotary position embeddings as the model applies them (pure numpy): each layer's kind of RoPE (`LlamaConfig.
+layer_rope`: the model's own, a sliding layer's local base, or none), their cos/sin tables, and the order of a
+head's dimensions that lets a partial rotation run as a whole one.
+
+Every path (the layer kernel, MindSpore's ops) applies RoPE the same way, over a head's D dimensions in the HF
+rotate_half layout: rope(x) = x * cos + swap_halves(x) * sin_signed, pairing dimension e with e + D/2. A model
+that rotates only its first r dimensions (Phi-4-mini: r = 3D/4; transformers pairs e with e + r/2 there) has its
+q and k rows reordered at load (`rotary_permutation`) so that those pairs sit D/2 apart, and its tables hold
+cos 1, sin 0 at the dimensions that pass through. Attention compares q and k only through their dot product,
+which the same reordering of both leaves as it is; v is not reordered.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from .weights import LlamaConfig
+
+__all__ = ["ROPE_KINDS", "layer_rope_kinds", "rope_tables", "rotary_permutation"]
+
+# the kinds of RoPE a layer applies (LlamaConfig.layer_rope), in the order the model keeps their tables
+ROPE_KINDS = ("global", "local", "none")
+
+
+def rotary_permutation(cfg: LlamaConfig) -> Optional[np.ndarray]:
+    """The order of a q or k head's D dimensions as the model keeps them (new dimension e holds the checkpoint's
+    dimension perm[e]), or None when RoPE rotates the whole head: [rotated first half | passed first half |
+    rotated second half | passed second half], so that transformers' pairs (e, e + r/2) sit D/2 apart."""
+    d, r = cfg.head_dim, cfg.rotary_dims
+    if r == d:
+        return None
+    half, rest = r // 2, (d - r) // 2
+    return np.concatenate([np.arange(0, half), np.arange(r, r + rest), np.arange(half, r),
+                           np.arange(r + rest, d)])
+
+
+def layer_rope_kinds(cfg: LlamaConfig) -> tuple:
+    """Each layer's kind of RoPE (ROPE_KINDS)."""
+    return tuple(cfg.layer_rope(i) for i in range(cfg.num_layers))
+
+
+def rope_tables(cfg: LlamaConfig, max_positions: int, kind: str = "global") -> tuple[np.ndarray, np.ndarray]:
+    """cos and signed sin, each (max_positions, head_dim) float32, of the layers of `kind` in the rotate_half
+    layout (with rotary_permutation's order for a partial rotation): rope(x) = x * cos + swap_halves(x) * sin,
+    sin signed [-sin, sin]. "global": rope_theta, divided per frequency by rope_freq_factors (longrope: its long
+    factors when the served context `max_positions` is longer than the original one, as llama.cpp chooses), cos
+    and sin times rope_scale; "local": local_rope_theta, unscaled; "none": cos 1, sin 0."""
+    d, r = cfg.head_dim, cfg.rotary_dims
+    if kind == "none":
+        return np.ones((max_positions, d), np.float32), np.zeros((max_positions, d), np.float32)
+    theta = cfg.local_rope_theta if kind == "local" else cfg.rope_theta
+    inv_freq = 1.0 / (theta ** (np.arange(0, r, 2, dtype=np.float64) / r))                      # (r/2,)
+    scale = 1.0
+    if kind == "global":
+        factors = cfg.rope_freq_factors
+        if cfg.rope_long_factors is not None and max_positions > (cfg.rope_original_context or 0):
+            factors = cfg.rope_long_factors
+        if factors is not None:                   # RoPE scaling (Llama-3.1, linear, longrope): a divisor per frequency
+            inv_freq = inv_freq / np.asarray(factors, np.float64)
+        scale = cfg.rope_scale
+    angles = np.arange(max_positions, dtype=np.float64)[:, None] * inv_freq[None, :]            # (P, r/2)
+    rest = (d - r) // 2
+    ones, zeros = np.ones((max_positions, rest)), np.zeros((max_positions, rest))
+    cos, sin = np.cos(angles) * scale, np.sin(angles) * scale
+    cos_t = np.concatenate([cos, ones, cos, ones], axis=-1)                                      # (P, D)
+    sin_t = np.concatenate([-sin, zeros, sin, zeros], axis=-1)                                   # (P, D)
+    return cos_t.astype(np.float32), sin_t.astype(np.float32)

@@ -1,0 +1,196 @@
+"""The dense families beyond LLaMA (Qwen3, Gemma 3, Phi-3/Phi-4-mini, SmolLM3) and the sliding windows of Mistral
+and Qwen2, each a tiny random model that transformers makes (tests/families.py), through ModelRunner: the greedy
+tokens equal transformers' own, for a prompt inside the sliding window and one three windows long (fed in chunks, so
+a window crosses chunk boundaries), from the HuggingFace directory and from its GGUF twin, with the default float16
+cache and a float32 one, on the layer kernel (every CPU step) and on MindSpore's ops (the path Ascend runs); the
+logits are within the precision gate's 0.5% of the float64 reference (llm_serving/reference_llama.py), which computes
+each family's differences on its own."""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+from llm_serving.models.runner_spec import RunnerSpec
+from llm_serving.reference_llama import ReferenceLlama
+from tests.families import make_hf_model, needs_transformers, transformers_greedy, transformers_logits, write_gguf
+from tests.integration.server_harness import private_cache
+from tests.integration.test_model_runner import Seq, step_view
+
+pytest.importorskip("mindspore")
+needs_transformers()
+
+SHORT = [1, 17, 42, 5, 77, 23, 9, 61, 30]                          # inside the 16-key windows
+LONG = [1] + [(7 * i * i + 3 * i + 11) % 250 + 3 for i in range(47)]    # three windows
+NEW_TOKENS = 12
+CHUNK = 16                                                         # the prefill bucket: LONG goes in 3 chunks
+FAMILIES = ["qwen3", "gemma3", "gemma3-mm", "phi3", "smollm3", "mistral-swa", "qwen2-swa"]
+GGUF = ["qwen3", "gemma3", "phi3", "smollm3", "mistral-swa", "qwen2-swa"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Each family's directory, its GGUF twin (F32) and a Q8_0 one of Gemma 3; the module's own cache directory
+    (a GGUF load writes its float32 tensors there)."""
+    root = tmp_path_factory.mktemp("families")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("LLM_SERVING_CACHE", str(private_cache(root / "cache")))
+        out = {}
+        for i, family in enumerate(FAMILIES):
+            out[family] = str(make_hf_model(family, root / family, seed=i))
+        for family in GGUF:
+            out[family + "-gguf"] = str(write_gguf(family, out[family], root / f"{family}.gguf"))
+        import gguf
+        out["gemma3-gguf-q8_0"] = str(write_gguf("gemma3", out["gemma3"], root / "gemma3.Q8_0.gguf",
+                                                 qtype=gguf.GGMLQuantizationType.Q8_0))
+        yield out
+
+
+@functools.lru_cache(maxsize=None)
+def _expected(path: str, prompt: tuple) -> list:
+    return transformers_greedy(path, list(prompt), NEW_TOKENS)
+
+
+def _clear(path: str, prompt: tuple) -> int:
+    """How many of transformers' greedy tokens come before its first near-tie (a top-2 margin under 1% of the
+    largest logit), where a float16 cache's rounding may choose the other token."""
+    tokens = _expected(path, prompt)
+    logits = transformers_logits(path, list(prompt) + tokens[:-1])[len(prompt) - 1:]
+    top2 = np.sort(logits, axis=1)[:, -2:]
+    close = (top2[:, 1] - top2[:, 0]) < 0.01 * np.abs(logits).max(axis=1)
+    return int(np.argmax(close)) if close.any() else len(tokens)
+
+
+def _generate(path: str, prompt: list, *, cache: str = "float16", layer_kernel: str = "auto"):
+    """Greedy tokens and each step's logits through a ModelRunner: the prompt in chunks of CHUNK tokens, then one
+    token a step."""
+    from llm_serving.models.runner import ModelRunner
+
+    runner = ModelRunner(path, RunnerSpec(num_blocks=16, block_size=16, max_blocks_per_seq=4, decode_batch_sizes=[1],
+                                          prefill_batch_sizes=[1], prefill_seq_lens=[CHUNK], num_threads=2,
+                                          kv_cache_dtype=cache, layer_kernel=layer_kernel,
+                                          layer_kernel_rows=None if layer_kernel != "off" else 0))
+    seq, tokens, logits = Seq([0, 1, 2, 3]), [], []
+    chunks = [prompt[i:i + CHUNK] for i in range(0, len(prompt), CHUNK)]
+    for chunk in chunks[:-1]:
+        runner.execute(step_view(runner, [seq], [chunk]))
+    new = chunks[-1]
+    for _ in range(NEW_TOKENS):
+        token, _, step_logits = runner.execute(step_view(runner, [seq], [new], return_logits=True))
+        tokens.append(int(token[0]))
+        logits.append(step_logits[0])
+        new = [tokens[-1]]
+    return tokens, np.array(logits)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_hf_directory_gives_transformers_greedy_tokens(models, family):
+    for prompt in (SHORT, LONG):
+        tokens, _ = _generate(models[family], prompt)
+        assert tokens == _expected(models[family], tuple(prompt)), (family, len(prompt))
+    assert len(set(tokens)) > 2                                            # not a degenerate repeat
+
+
+@pytest.mark.parametrize("family", GGUF)
+def test_the_gguf_twin_gives_the_same_tokens(models, family):
+    tokens, _ = _generate(models[family + "-gguf"], LONG)
+    assert tokens == _expected(models[family], tuple(LONG)), family
+
+
+def test_a_quantized_gemma3_gguf_is_read_as_stored_and_stays_within_the_gate(models):
+    """Q8_0 matrices (the layer kernel reads their stored rows) against the float64 reference of the same file."""
+    tokens, logits = _generate(models["gemma3-gguf-q8_0"], LONG)
+    _check_against_reference(models["gemma3-gguf-q8_0"], LONG, tokens, logits)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "phi3", "qwen2-swa"])
+def test_a_float32_cache_gives_the_same_tokens(models, family):
+    tokens, _ = _generate(models[family], LONG, cache="float32")
+    assert tokens == _expected(models[family], tuple(LONG)), family
+
+
+@pytest.mark.parametrize("family", ["gemma3", "phi3", "smollm3", "qwen3"])
+def test_mindspore_ops_give_the_same_tokens(models, family):
+    """The op-by-op path (Ascend's; here on the CPU with the layer kernel off): each family's differences there too."""
+    tokens, _ = _generate(models[family], LONG, cache="float32", layer_kernel="off")
+    assert tokens == _expected(models[family], tuple(LONG)), family
+
+
+def _check_against_reference(path: str, prompt: list, tokens: list, logits: np.ndarray) -> None:
+    ref = ReferenceLlama(path)
+    seq = ref.new_sequence()
+    want = [ref.forward(seq, prompt, 0)[-1]]
+    for t in tokens[:-1]:
+        want.append(ref.forward(seq, [t], seq.length)[-1])
+    want = np.array(want)
+    rel = np.abs(logits - want).max(axis=1) / np.abs(want).max(axis=1)
+    assert rel.max() <= 0.005, rel
+
+
+@pytest.mark.parametrize("family", ["gemma3", "phi3", "smollm3", "qwen3", "mistral-swa"])
+def test_logits_are_within_the_precision_gate_of_the_float64_reference(models, family):
+    tokens, logits = _generate(models[family], LONG)
+    _check_against_reference(models[family], LONG, tokens, logits)
+    assert [int(t) for t in tokens] == _expected(models[family], tuple(LONG))
+
+
+SERVED = ["qwen3", "gemma3", "phi3", "smollm3", "mistral-swa"]
+# plain-text prompts for the precision gate: each longer than the 16-key windows in the tiny models' vocabulary
+GATE_PROMPTS = ["Once upon a time, there was a little girl named Lily. She loved to play outside.",
+                "The dog ran to the park with his red ball and his friend.",
+                "Tom had a big box of toys. One day he wanted to share them."]
+
+
+async def _completions(url: str, model: str, prompts: list) -> list:
+    import aiohttp
+
+    async def one(session, prompt):
+        body = {"model": model, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+        async with session.post(url + "/v1/completions", json=body) as resp:
+            return resp.status, await resp.json()
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+        import asyncio
+        return await asyncio.gather(*(one(session, p) for p in prompts))
+
+
+@pytest.mark.parametrize("family", SERVED)
+def test_served_with_chunks_preemption_prefix_cache_and_ngram_speculation(models, family, tmp_path):
+    """The real server on a family's directory, with everything that moves a request's tokens between steps and
+    blocks: chunked prefill (16-token chunks, a window crossing them), a KV cache too small for the requests
+    together (preemption, recomputation), the prefix cache (the long prompt twice) and n-gram speculation (the
+    default; verify steps of proposed tokens). Each request's text is transformers' greedy text, and the precision
+    gate passes."""
+    import asyncio
+
+    from tokenizers import Tokenizer
+
+    from tests.integration.server_harness import http, leftovers, precision_gate, serving
+
+    path = models[family]
+    tok = Tokenizer.from_file(f"{path}/tokenizer.json")
+    prompts = [SHORT, LONG, LONG, LONG[:30], [1] + LONG[20:], SHORT + LONG[5:20]]
+    args = ["--model", path, "--set", "model_config.max_generate_length=64", "--set", "pa_config.block_size=8",
+            "--set", "pa_config.num_blocks=20", "--set", "scheduler_config.kv_watermark=0",
+            "--set", "scheduler_config.chunked_prefill=true", "--set", "scheduler_config.max_chunk_tokens=16",
+            "--set", "serving_config.max_num_batched_tokens=24", "--set", "serving_config.max_num_seqs=6"]
+    with serving(args, tmp_path / "server.log") as server:
+        name = http("GET", server.url + "/info")[1]["model_id"]
+        results = asyncio.run(_completions(server.url, name, prompts))
+        for prompt, (status, body) in zip(prompts, results):
+            assert status == 200, body
+            # the tokens up to a near-tie (as the server writes them: no special tokens)
+            want = tok.decode(_expected(path, tuple(prompt))[:_clear(path, tuple(prompt))], skip_special_tokens=True)
+            assert body["choices"][0]["text"].startswith(want), (family, len(prompt))
+        assert sum(_clear(path, tuple(p)) for p in prompts) >= len(prompts) * NEW_TOKENS // 2   # most are compared
+        stats = http("GET", server.url + "/stats")[1]
+        gate_file = tmp_path / "prompts.txt"
+        gate_file.write_text("\n".join(GATE_PROMPTS) + "\n")
+        proc, result = precision_gate(server.url, tmp_path, "-n", "3", "--max-new-tokens", "8",
+                                      "--prompts", str(gate_file))
+    assert leftovers(server) == []
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_rate"] > 0, stats
+    assert stats["num_free_blocks"] == stats["num_blocks"], stats
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert result["greedy_agreement"] == 1.0 and result["max_rel_error"] < 5e-3
