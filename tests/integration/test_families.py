@@ -194,3 +194,42 @@ def test_served_with_chunks_preemption_prefix_cache_and_ngram_speculation(models
     assert stats["num_free_blocks"] == stats["num_blocks"], stats
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert result["greedy_agreement"] == 1.0 and result["max_rel_error"] < 5e-3
+
+
+@pytest.mark.parametrize("family", ["phi3", "gemma3"])
+def test_lora_rows_get_the_merged_models_logits(models, family, tmp_path):
+    """A LoRA adapter on every projection, rows with and without it in one step, through MindSpore's ops (a
+    prefill above the layer kernel's 16 tokens) and the layer kernel (decode): each row's logits are the float64
+    reference's of its own weights (merged W + scale * B A, or the base). Phi-3's partial rotation reorders q/k
+    rows at load, and their LoRA rows with them; Gemma 3's q/k and sandwich norms sit around the adapted products."""
+    from llm_serving.models.lora import load_lora_adapter, merge_lora, random_lora_tensors, write_peft_adapter
+    from llm_serving.models.runner import ModelRunner
+    from llm_serving.models.weights import load_llama_weights
+
+    path = models[family]
+    cfg, weights = load_llama_weights(path)
+    tensors = random_lora_tensors(cfg, 4, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                           "down_proj"), seed=3, std=0.15)
+    adapter = load_lora_adapter("a", write_peft_adapter(tmp_path / "a", tensors, r=4, lora_alpha=8), cfg, max_rank=4)
+    runner = ModelRunner(path, RunnerSpec(num_blocks=16, block_size=16, max_blocks_per_seq=4, decode_batch_sizes=[2],
+                                          prefill_batch_sizes=[2], prefill_seq_lens=[32], num_threads=2,
+                                          kv_cache_dtype="float32", lora_slots=1, lora_rank=4, layer_kernel_rows=16))
+    runner.set_lora(1, adapter)
+    refs = [ReferenceLlama(path), ReferenceLlama(path)]
+    refs[1].w = {k: np.asarray(v, np.float64) for k, v in merge_lora(weights, adapter).items()}
+    seqs, slots = [Seq([0, 1, 2]), Seq([3, 4, 5])], [1, 0]
+    prompts = [LONG[:30], LONG[10:38]]
+    states = [ref.new_sequence() for ref in (refs[1], refs[0])]
+    new, fed = prompts, [0, 0]
+    for step_index in range(4):
+        ids, _, logits = runner.execute(step_view(runner, seqs, new, return_logits=True, lora=slots))
+        for row, (slot, toks) in enumerate(zip(slots, new)):
+            ref = refs[slot]
+            want = ref.forward(states[row], toks, fed[row])[-1]
+            fed[row] += len(toks)
+            scale = np.abs(want).max()
+            assert np.abs(logits[row] - want).max() <= 2e-3 * scale, (family, step_index, row)
+        new = [[int(t)] for t in ids]
+    base = ReferenceLlama(path).forward(ReferenceLlama(path).new_sequence(), prompts[0], 0)[-1]
+    adapted = refs[1].forward(refs[1].new_sequence(), prompts[0], 0)[-1]
+    assert np.abs(base - adapted).max() > 0.05 * np.abs(base).max()          # the adapter matters
