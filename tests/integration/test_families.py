@@ -53,12 +53,12 @@ def _expected(path: str, prompt: tuple) -> list:
 
 
 def _clear(path: str, prompt: tuple) -> int:
-    """How many of transformers' greedy tokens come before its first near-tie (a top-2 margin under 1% of the
-    largest logit), where a float16 cache's rounding may choose the other token."""
+    """How many of transformers' greedy tokens come before its first near-tie (a top-2 margin under 0.5% of the
+    largest logit, the precision gate's bound), where a float16 cache's rounding may choose the other token."""
     tokens = _expected(path, prompt)
     logits = transformers_logits(path, list(prompt) + tokens[:-1])[len(prompt) - 1:]
     top2 = np.sort(logits, axis=1)[:, -2:]
-    close = (top2[:, 1] - top2[:, 0]) < 0.01 * np.abs(logits).max(axis=1)
+    close = (top2[:, 1] - top2[:, 0]) < 0.005 * np.abs(logits).max(axis=1)
     return int(np.argmax(close)) if close.any() else len(tokens)
 
 
@@ -183,7 +183,7 @@ def test_served_with_chunks_preemption_prefix_cache_and_ngram_speculation(models
             # the tokens up to a near-tie (as the server writes them: no special tokens)
             want = tok.decode(_expected(path, tuple(prompt))[:_clear(path, tuple(prompt))], skip_special_tokens=True)
             assert body["choices"][0]["text"].startswith(want), (family, len(prompt))
-        assert sum(_clear(path, tuple(p)) for p in prompts) >= len(prompts) * NEW_TOKENS // 2   # most are compared
+        assert sum(_clear(path, tuple(p)) for p in prompts) >= len(prompts) * NEW_TOKENS // 3   # many compared
         stats = http("GET", server.url + "/stats")[1]
         gate_file = tmp_path / "prompts.txt"
         gate_file.write_text("\n".join(GATE_PROMPTS) + "\n")
