@@ -12,7 +12,7 @@ from typing import Optional
 import numpy as np
 
 from .common import LlamaConfig, StoredTensor, WeightLoadError, check_shape, first_id
-from .hf import load_config
+from .hf_config import load_config
 
 __all__ = ["load_mindformers", "mindformers_dir_config"]
 
