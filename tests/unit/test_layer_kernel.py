@@ -1270,3 +1270,21 @@ def test_model_family_parts_refusals(library):
         before = layer.key_cache.copy()
         assert invoke(library.DecoderLayer, arrays) == 2, (DECODER_LAYER.params[at].name, value)
         np.testing.assert_array_equal(layer.key_cache, before)
+
+
+def test_the_families_layer_bench_runs_and_writes_its_ratios(tmp_path):
+    """bench/families_layer.py on its tiny shape: every step timed in the three forms (each call's return code
+    checked by the script), the ratios written as the times give them."""
+    import json
+
+    from bench.families_layer import main
+
+    out = tmp_path / "fl.json"
+    assert main(["--shape", "tiny", "--steps", "decode:2:300,prefill:32:1100", "--seconds", "0.2",
+                 "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["shape"] == "tiny" and result["window"] == 1024 and len(result["rows"]) == 2
+    for row in result["rows"]:
+        assert min(row["llama_ms"], row["global_ms"], row["sliding_ms"]) > 0 and row["calls"] >= 3
+        assert row["sliding_vs_global"] == pytest.approx(row["sliding_ms"] / row["global_ms"])
+        assert row["model_vs_llama"] == pytest.approx((5 * row["sliding_ms"] + row["global_ms"]) / 6 / row["llama_ms"])
