@@ -1,10 +1,13 @@
 #!/usr/bin/env python
 """Benchmark models of real shapes, made outside the product: random weights in the bodies of Llama-3.2-1B,
-Llama-3.2-3B and Llama-3.1-8B, with SmolLM2's 49,152-token vocabulary and tokenizer, as llama.cpp GGUF files
-quantized by llama.cpp's own `llama-quantize` (default Q4_K_M), for bench/peers.py.
+Llama-3.2-3B and Llama-3.1-8B, and of Qwen3-4B and Gemma-3-4B (their architectures' own tensors and keys: q/k
+head norms; Gemma's sandwich norms, sliding window of 1,024 keys, linear RoPE scaling 8), with SmolLM2's
+49,152-token vocabulary and tokenizer, as llama.cpp GGUF files quantized by llama.cpp's own `llama-quantize`
+(default Q4_K_M), for bench/peers.py.
 
     python bench/make_models.py                       # 1b, 3b and 8b, Q4_K_M
     python bench/make_models.py --sizes 1b --type Q4_K_M
+    python bench/make_models.py --sizes qwen3-4b,gemma3-4b
     python bench/peers.py --model 1b-q4km             # then: a made model by its short name
 
 Each model is `$LLM_SERVING_PEERS/models/bench-llama-<size>-<type>.gguf` (default peers directory
@@ -37,12 +40,20 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-# name -> body (Llama-3.2-1B, Llama-3.2-3B, Llama-3.1-8B; their vocabularies replaced by SmolLM2's)
+# name -> body (Llama-3.2-1B, Llama-3.2-3B, Llama-3.1-8B, Qwen3-4B, Gemma-3-4B; their vocabularies replaced by
+# SmolLM2's); `arch` the GGUF architecture (default llama), `tied` no output.weight (the embedding's rows)
 SIZES = {
     "1b": dict(layers=16, hidden=2048, heads=32, kv_heads=8, head_dim=64, ffn=8192, rope_theta=500000.0),
     "3b": dict(layers=28, hidden=3072, heads=24, kv_heads=8, head_dim=128, ffn=8192, rope_theta=500000.0),
     "8b": dict(layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, ffn=14336, rope_theta=500000.0),
+    "qwen3-4b": dict(arch="qwen3", layers=36, hidden=2560, heads=32, kv_heads=8, head_dim=128, ffn=9728,
+                     rope_theta=1000000.0, tied=True),
+    "gemma3-4b": dict(arch="gemma3", layers=34, hidden=2560, heads=8, kv_heads=4, head_dim=256, ffn=10240,
+                      rope_theta=1000000.0, tied=True, sliding_window=1024, rope_linear_factor=8.0),
 }
+# the tensors a layer has beyond LLaMA's, by architecture: q/k head norms (head_dim), Gemma's sandwich norms (hidden)
+_EXTRA_LAYER_NORMS = {"qwen3": ("attn_q_norm", "attn_k_norm"),
+                      "gemma3": ("attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm")}
 CONTEXT_LENGTH = 8192
 RMS_EPS = 1e-5
 DEFAULT_TYPE = "Q4_K_M"
@@ -66,7 +77,7 @@ def short_name(size: str, qtype: str) -> str:
     return f"{size}-{qtype.lower().replace('_', '')}"
 
 
-SHORT_NAME = re.compile(r"^(\d+b)-([a-z0-9_]+)$", re.IGNORECASE)
+SHORT_NAME = re.compile(r"^((?:[a-z0-9]+-)?\d+b)-([a-z0-9_]+)$", re.IGNORECASE)
 
 
 def resolve_short_name(name: str, root: Path | None = None):
@@ -108,8 +119,10 @@ def tensor_plan(body: dict, vocab: int) -> list:
     """[(name, numpy shape (rows, columns), kind)] in file order; kind 'norm' (F32 ones) or 'matrix' (F16)."""
     h, hd, ffn = body["hidden"], body["head_dim"], body["ffn"]
     plan = [("token_embd.weight", (vocab, h), "matrix")]
+    extra = _EXTRA_LAYER_NORMS.get(body.get("arch", "llama"), ())
     for i in range(body["layers"]):
         b = f"blk.{i}."
+        plan += [(b + name + ".weight", (hd if name.startswith("attn_") else h,), "norm") for name in extra]
         plan += [(b + "attn_norm.weight", (h,), "norm"),
                  (b + "attn_q.weight", (body["heads"] * hd, h), "matrix"),
                  (b + "attn_k.weight", (body["kv_heads"] * hd, h), "matrix"),
@@ -119,7 +132,9 @@ def tensor_plan(body: dict, vocab: int) -> list:
                  (b + "ffn_gate.weight", (ffn, h), "matrix"),
                  (b + "ffn_up.weight", (ffn, h), "matrix"),
                  (b + "ffn_down.weight", (h, ffn), "matrix")]
-    plan += [("output_norm.weight", (h,), "norm"), ("output.weight", (vocab, h), "matrix")]
+    plan += [("output_norm.weight", (h,), "norm")]
+    if not body.get("tied"):
+        plan += [("output.weight", (vocab, h), "matrix")]
     return plan
 
 
@@ -144,8 +159,10 @@ def write_f16(size: str, out: Path, tokenizer_gguf: Path, seed: int) -> None:
     body = SIZES[size]
     reader = gguf.GGUFReader(str(tokenizer_gguf))
     vocab = len(reader.fields["tokenizer.ggml.tokens"].contents())
-    writer = gguf.GGUFWriter(str(out), arch="llama")
-    writer.add_name(f"bench-llama-{size} (random weights, Llama-3 {size.upper()} body, SmolLM2 vocabulary)")
+    arch = body.get("arch", "llama")
+    writer = gguf.GGUFWriter(str(out), arch=arch)
+    writer.add_name(f"bench-llama-{size} (random weights, {size if arch != 'llama' else 'Llama-3 ' + size.upper()}"
+                    " body, SmolLM2 vocabulary)")
     writer.add_type("model")
     writer.add_context_length(CONTEXT_LENGTH)
     writer.add_embedding_length(body["hidden"])
@@ -159,6 +176,11 @@ def write_f16(size: str, out: Path, tokenizer_gguf: Path, seed: int) -> None:
     writer.add_rope_freq_base(body["rope_theta"])
     writer.add_layer_norm_rms_eps(RMS_EPS)
     writer.add_vocab_size(vocab)
+    if body.get("sliding_window"):
+        writer.add_sliding_window(body["sliding_window"])
+    if body.get("rope_linear_factor"):
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(body["rope_linear_factor"])
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     for name, field in reader.fields.items():            # the tokenizer, as SmolLM2 has it
         if not name.startswith("tokenizer."):

@@ -295,3 +295,18 @@ def test_llama_server_dying_of_a_signal_at_start_is_retried_with_no_repack(tmp_p
     assert with_llama_server([str(fake), "-m", "model.gguf"], tmp_path / "log", work) == (200, ["--no-repack"])
     # given the flag, the next server starts with it at once
     assert with_llama_server([str(fake)], tmp_path / "log", work, ["--no-repack"]) == (200, ["--no-repack"])
+
+
+def test_made_qwen3_and_gemma3_bodies_have_their_architectures_tensors():
+    from bench.make_models import SIZES, resolve_short_name, tensor_plan
+
+    qwen = dict((n, s) for n, s, _ in tensor_plan(SIZES["qwen3-4b"], 49152))
+    assert qwen["blk.0.attn_q_norm.weight"] == (128,) and qwen["blk.35.attn_k_norm.weight"] == (128,)
+    assert "output.weight" not in qwen and qwen["blk.0.attn_q.weight"] == (4096, 2560)      # tied; 32 x 128 heads
+    gemma = dict((n, s) for n, s, _ in tensor_plan(SIZES["gemma3-4b"], 49152))
+    assert gemma["blk.33.post_ffw_norm.weight"] == (2560,) and gemma["blk.0.attn_q_norm.weight"] == (256,)
+    assert len(gemma) == 1 + 34 * 13 + 1
+    params = sum(int(np.prod(s)) for s in gemma.values())
+    assert 3.2e9 < params < 3.5e9                 # Gemma-3-4B (3.88e9) less 213k of its 262k vocabulary rows
+    with pytest.raises(FileNotFoundError, match="--sizes gemma3-4b --type Q4_K_M"):
+        resolve_short_name("gemma3-4b-q4km")
