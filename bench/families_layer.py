@@ -46,7 +46,7 @@ def q4k_rows(rng, rows: int, cols: int) -> np.ndarray:
 
 
 def step_arrays(rng, shape: dict, kind: str, n: int, context: int, form: tuple, weights: dict, cache: tuple,
-                threads: int) -> list:
+                threads: int, invariant: bool = True) -> list:
     """DecoderLayer's parameters: `n` decode rows, each of its own sequence with `context` keys, or (prefill) the
     chunk of `n` tokens ending a prompt of `context` tokens."""
     h, nh, kvh, d = shape["h"], shape["nh"], shape["kvh"], shape["d"]
@@ -68,7 +68,7 @@ def step_arrays(rng, shape: dict, kind: str, n: int, context: int, form: tuple, 
                                 ("down", 1, shape["inter"], h)):
         lora[f"lora_{name}_a"] = np.zeros((1, parts, k), np.float32)
         lora[f"lora_{name}_b"] = np.zeros((1, 1, out), np.float32)
-    icfg = np.array([BS, nh, kvh, threads] + [Q4_K] * 7 + [1, *form], np.int32)
+    icfg = np.array([BS, nh, kvh, threads] + [Q4_K] * 7 + [int(invariant), *form], np.int32)
     fcfg = np.array([1e-6, shape["scalar"] ** -0.5], np.float32)
     x = rng.standard_normal((n, h), dtype=np.float32)
     gain = lambda size: (1 + 0.1 * rng.standard_normal(size)).astype(np.float32)    # noqa: E731
@@ -87,6 +87,8 @@ def main(argv=None) -> int:
                     help="kind:rows:context, comma-separated (kind decode or prefill)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seconds", type=float, default=6.0, help="least time per step, all forms together")
+    ap.add_argument("--batch-invariant", type=int, choices=(0, 1), default=1,
+                    help="the steps batch-invariant (1, the server's default) or each batch size's fastest (0)")
     ap.add_argument("--out", default="bench_results/families_layer.json")
     args = ap.parse_args(argv)
     shape = SHAPES[args.shape]
@@ -103,7 +105,8 @@ def main(argv=None) -> int:
         sequences = n if kind == "decode" else 1
         slots = sequences * ((context + BS - 1) // BS) * BS
         cache = tuple((rng.standard_normal((slots * kvh, d)) * 0.5).astype(np.float16) for _ in range(2))
-        arrays = {form: step_arrays(rng, shape, kind, n, context, code, weights, cache, args.threads)
+        arrays = {form: step_arrays(rng, shape, kind, n, context, code, weights, cache, args.threads,
+                                    bool(args.batch_invariant))
                   for form, code in FORMS.items()}
         times = {form: [] for form in FORMS}
         for form in FORMS:                                              # a warm-up call each
@@ -125,7 +128,7 @@ def main(argv=None) -> int:
                        ("sliding_vs_global", "sliding/global", "{:.3f}"),
                        ("model_vs_llama", "model/llama", "{:.3f}")]))
     write_json(args.out, {"bench": "families_layer", "machine": machine(), "shape": args.shape, **shape,
-                          "window": WINDOW, "threads": args.threads, "weights": "Q4_K", "cache": "float16",
+                          "window": WINDOW, "threads": args.threads, "batch_invariant": bool(args.batch_invariant), "weights": "Q4_K", "cache": "float16",
                           "rows": rows})
     return 0
 
