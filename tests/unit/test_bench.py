@@ -297,7 +297,7 @@ def test_llama_server_dying_of_a_signal_at_start_is_retried_with_no_repack(tmp_p
     assert with_llama_server([str(fake)], tmp_path / "log", work, ["--no-repack"]) == (200, ["--no-repack"])
 
 
-def test_made_qwen3_and_gemma3_bodies_have_their_architectures_tensors():
+def test_made_qwen3_and_gemma3_bodies_have_their_architectures_tensors(tmp_path):
     from bench.make_models import SIZES, resolve_short_name, tensor_plan
 
     qwen = dict((n, s) for n, s, _ in tensor_plan(SIZES["qwen3-4b"], 49152))
@@ -309,4 +309,4 @@ def test_made_qwen3_and_gemma3_bodies_have_their_architectures_tensors():
     params = sum(int(np.prod(s)) for s in gemma.values())
     assert 3.2e9 < params < 3.5e9                 # Gemma-3-4B (3.88e9) less 213k of its 262k vocabulary rows
     with pytest.raises(FileNotFoundError, match="--sizes gemma3-4b --type Q4_K_M"):
-        resolve_short_name("gemma3-4b-q4km")
+        resolve_short_name("gemma3-4b-q4km", tmp_path)
