@@ -42,7 +42,7 @@ from .runner_spec import KERNEL_ONLY_ROWS
 from .sampler import greedy_pick
 from .weights import LlamaConfig
 
-__all__ = ["LlamaForCausalLM", "rope_tables"]
+__all__ = ["LlamaForCausalLM"]
 
 
 def _param(array: np.ndarray, name: str) -> Parameter:
@@ -86,8 +86,9 @@ class LlamaDecoderLayer(nn.Cell):
                  batch_invariant: bool = False):
         super().__init__()
         world = tp.world
-        # which of the model's RoPE tables (rope.ROPE_KINDS) and attention metadata (by window) the layer takes
-        self.rope_index = ROPE_KINDS.index(cfg.layer_rope(i))
+        # the layer's RoPE (rope.ROPE_KINDS) and window (None: every key); the model gives it the index of its
+        # table and of its attention metadata (rope_index, window_index)
+        self.rope_kind = cfg.layer_rope(i)
         self.window = cfg.layer_window(i)
         self.gelu = cfg.hidden_act == "gelu_tanh"
         # this rank's heads and MLP units (all of them when world == 1): `w` holds only this rank's part of
@@ -110,13 +111,9 @@ class LlamaDecoderLayer(nn.Cell):
         if prepared.qkv_bias is not None:
             self.qkv_bias = _param(prepared.qkv_bias, f"layers.{i}.qkv_bias")       # ((NH+2KVH)*D,)
         # the q/k heads' norms (D,) and the sandwich norms (H,), where the model has them (Qwen3, Gemma 3)
-        extra = prepared.extra_gains
-        self.q_norm = _param(extra["q_norm"], f"layers.{i}.q_norm") if "q_norm" in extra else None
-        self.k_norm = _param(extra["k_norm"], f"layers.{i}.k_norm") if "k_norm" in extra else None
-        self.attn_out_gain = (_param(extra["attn_out_gain"], f"layers.{i}.attn_out_gain")
-                              if "attn_out_gain" in extra else None)
-        self.mlp_out_gain = (_param(extra["mlp_out_gain"], f"layers.{i}.mlp_out_gain")
-                             if "mlp_out_gain" in extra else None)
+        for name in ("q_norm", "k_norm", "attn_out_gain", "mlp_out_gain"):
+            gain = prepared.extra_gains.get(name)
+            setattr(self, name, None if gain is None else _param(gain, f"layers.{i}.{name}"))
         # LoRA adapters (lora_slots > 0): S = lora_slots + 1 slots of rank lora_rank per product
         self.lora_stacks = prepared.lora_stacks
         self.has_lora = lora_slots > 0
@@ -338,19 +335,16 @@ class LlamaForCausalLM(nn.Cell):
                 self.logits_held = FINAL_LOGITS.held(lm_head=self.kernel_lm_head, gain=self.kernel_norm_gain,
                                                      iconfig=self.logits_icfg, fconfig=self.logits_fcfg)
                 FINAL_LOGITS.check_call(self.fused_logits)
-        # the RoPE tables of the kinds the layers use (rope.ROPE_KINDS: a tuple by kind, None for a kind no layer
-        # uses), and the windows of the layers' attention (None: all keys), each a metadata tuple per step
-        used = {layer.rope_index for layer in self.layers}
-        tables = [rope_tables(cfg, max_positions, kind) if k in used else None for k, kind in enumerate(ROPE_KINDS)]
-        self.cos_tables = ms.ParameterTuple([_param(t[0], f"rope_cos_{kind}")                           # (P, D)
-                                             for t, kind in zip(tables, ROPE_KINDS) if t is not None])
-        self.sin_tables = ms.ParameterTuple([_param(t[1], f"rope_sin_{kind}")
-                                             for t, kind in zip(tables, ROPE_KINDS) if t is not None])
-        kept = [k for k, t in enumerate(tables) if t is not None]
-        for layer in self.layers:                      # a layer's index into the kept tables
-            layer.rope_index = kept.index(layer.rope_index)
+        # a RoPE table pair per kind some layer uses, and the layers' windows (0: every key), each one attention
+        # metadata tuple per step; every layer takes its own by index
+        kinds = [kind for kind in ROPE_KINDS if kind in {layer.rope_kind for layer in self.layers}]
+        tables = [rope_tables(cfg, max_positions, kind) for kind in kinds]
+        self.cos_tables = ms.ParameterTuple([_param(cos, f"rope_cos_{kind}")                            # (P, D)
+                                             for (cos, _), kind in zip(tables, kinds)])
+        self.sin_tables = ms.ParameterTuple([_param(sin, f"rope_sin_{kind}") for (_, sin), kind in zip(tables, kinds)])
         self.windows = tuple(sorted({layer.window or 0 for layer in self.layers}))
         for layer in self.layers:
+            layer.rope_index = kinds.index(layer.rope_kind)
             layer.window_index = self.windows.index(layer.window or 0)
         self.embed_scale = float(cfg.embed_scale)
         # Per-head multipliers for the fused qkv: q heads carry the attention scale, v heads no rotation.

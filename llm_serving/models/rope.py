@@ -17,7 +17,7 @@ import numpy as np
 
 from .weights import LlamaConfig
 
-__all__ = ["ROPE_KINDS", "layer_rope_kinds", "rope_tables", "rotary_permutation"]
+__all__ = ["ROPE_KINDS", "rope_tables", "rotary_permutation"]
 
 # the kinds of RoPE a layer applies (LlamaConfig.layer_rope), in the order the model keeps their tables
 ROPE_KINDS = ("global", "local", "none")
@@ -33,11 +33,6 @@ def rotary_permutation(cfg: LlamaConfig) -> Optional[np.ndarray]:
     half, rest = r // 2, (d - r) // 2
     return np.concatenate([np.arange(0, half), np.arange(r, r + rest), np.arange(half, r),
                            np.arange(r + rest, d)])
-
-
-def layer_rope_kinds(cfg: LlamaConfig) -> tuple:
-    """Each layer's kind of RoPE (ROPE_KINDS)."""
-    return tuple(cfg.layer_rope(i) for i in range(cfg.num_layers))
 
 
 def rope_tables(cfg: LlamaConfig, max_positions: int, kind: str = "global") -> tuple[np.ndarray, np.ndarray]:

@@ -15,7 +15,7 @@ import pytest
 from llm_serving.models.default_model import write_hf_llama
 from llm_serving.models.runner_spec import RunnerSpec
 from tests.integration.server_harness import private_cache
-from tests.integration.test_model_runner import Seq, step_view
+from tests.integration.test_model_runner import greedy_logits
 from llm_serving.reference_llama import ReferenceLlama
 
 pytest.importorskip("mindspore")
@@ -85,14 +85,7 @@ def _generate(path: str):
 
     runner = ModelRunner(path, RunnerSpec(num_blocks=8, block_size=16, max_blocks_per_seq=4, decode_batch_sizes=[1],
                                           prefill_batch_sizes=[1], prefill_seq_lens=[16], num_threads=2))
-    seq, tokens, logits = Seq([0, 1, 2, 3]), [], []
-    new = list(PROMPT)
-    for _ in range(NEW_TOKENS):
-        token, _, step_logits = runner.execute(step_view(runner, [seq], [new], return_logits=True))
-        tokens.append(int(token[0]))
-        logits.append(step_logits[0])
-        new = [tokens[-1]]
-    return tokens, np.array(logits)
+    return greedy_logits(runner, PROMPT, NEW_TOKENS)
 
 
 def _reference(path: str, tokens: list) -> np.ndarray:

@@ -16,7 +16,7 @@ from llm_serving.models.runner_spec import RunnerSpec
 from llm_serving.reference_llama import ReferenceLlama
 from tests.families import make_hf_model, needs_transformers, transformers_greedy, transformers_logits, write_gguf
 from tests.integration.server_harness import private_cache
-from tests.integration.test_model_runner import Seq, step_view
+from tests.integration.test_model_runner import Seq, greedy_logits, step_view
 
 pytest.importorskip("mindspore")
 needs_transformers()
@@ -71,17 +71,7 @@ def _generate(path: str, prompt: list, *, cache: str = "float16", layer_kernel: 
                                           prefill_batch_sizes=[1], prefill_seq_lens=[CHUNK], num_threads=2,
                                           kv_cache_dtype=cache, layer_kernel=layer_kernel,
                                           layer_kernel_rows=None if layer_kernel != "off" else 0))
-    seq, tokens, logits = Seq([0, 1, 2, 3]), [], []
-    chunks = [prompt[i:i + CHUNK] for i in range(0, len(prompt), CHUNK)]
-    for chunk in chunks[:-1]:
-        runner.execute(step_view(runner, [seq], [chunk]))
-    new = chunks[-1]
-    for _ in range(NEW_TOKENS):
-        token, _, step_logits = runner.execute(step_view(runner, [seq], [new], return_logits=True))
-        tokens.append(int(token[0]))
-        logits.append(step_logits[0])
-        new = [tokens[-1]]
-    return tokens, np.array(logits)
+    return greedy_logits(runner, prompt, NEW_TOKENS, chunk=CHUNK)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -136,6 +136,23 @@ def generate(runner, prompts, block_lists, *, max_len=TOTAL_STEPS + 1, max_steps
     return out, lps
 
 
+def greedy_logits(runner, prompt, new_tokens: int, *, chunk=None, blocks=(0, 1, 2, 3)):
+    """One sequence's `new_tokens` greedy tokens and each one's step logits (new_tokens, V): its prompt in chunks of
+    `chunk` tokens (None: whole), then one token a step."""
+    seq, tokens, logits = Seq(blocks), [], []
+    chunk = chunk or len(prompt)
+    chunks = [list(prompt[i:i + chunk]) for i in range(0, len(prompt), chunk)]
+    for part in chunks[:-1]:
+        runner.execute(step_view(runner, [seq], [part]))
+    new = chunks[-1]
+    for _ in range(new_tokens):
+        token, _, step_logits = runner.execute(step_view(runner, [seq], [new], return_logits=True))
+        tokens.append(int(token[0]))
+        logits.append(step_logits[0])
+        new = [tokens[-1]]
+    return tokens, np.array(logits)
+
+
 def blocks_for(seq_index, n_blocks):
     return list(range(seq_index * n_blocks, (seq_index + 1) * n_blocks))
 

@@ -89,13 +89,10 @@ def test_kernel_matches_softmax_attention(kernel, kvh, g, block_size, threads, c
     np.testing.assert_array_equal(again, out)
 
 
-def test_tree_bits_hide_the_keys_of_other_branches(kernel):
-    """A speculative token tree: root r at key index c-1... each node sees the committed keys, itself and its
-    ancestors only. Nodes 0..4 of one row (parents -1, 0, 1, 0, 3: two branches below the root) as five
-    query rows sharing a block table, each with context up to itself."""
-    rng = np.random.default_rng(5)
-    kvh, g, d, bs, w, nb = 2, 2, 8, 4, 6, 12
-    committed, parents = 9, [-1, 0, 1, 0, 3]
+def tree_case(rng, committed: int, parents: list, bs: int, w: int, nb: int) -> tuple:
+    """A speculative token tree after `committed` keys, its nodes (parents[j]: node j's parent, -1 the root) as
+    query rows of one block table: (q, key_cache, value_cache, table, context, tree bits, visible keys per row)."""
+    kvh, g, d = 2, 2, 8
     nodes = len(parents)
     table = rng.permutation(nb)[:w].astype(np.int32)
     q = (rng.standard_normal((nodes, kvh, g, d)) / np.sqrt(d)).astype(np.float32)
@@ -108,12 +105,20 @@ def test_tree_bits_hide_the_keys_of_other_branches(kernel):
         while a >= 0:
             ancestors.add(a)
             a = parents[a]
-        mask = -1
-        for m in range(1, j + 1):                  # key j - m of the row's nodes, m places before node j
-            if j - m not in ancestors:
-                mask &= ~(1 << m)
-        bits.append(mask)
+        # bit m: key j - m of the row's nodes, m places before node j, visible
+        bits.append(~sum(1 << m for m in range(1, j + 1) if j - m not in ancestors))
         visible.append(list(range(committed)) + [committed + a for a in sorted(ancestors)])
+    return q, key_cache, value_cache, table, context, bits, visible
+
+
+def test_tree_bits_hide_the_keys_of_other_branches(kernel):
+    """A speculative token tree: root r at key index c-1... each node sees the committed keys, itself and its
+    ancestors only. Nodes 0..4 of one row (parents -1, 0, 1, 0, 3: two branches below the root) as five
+    query rows sharing a block table, each with context up to itself."""
+    bs = 4
+    q, key_cache, value_cache, table, context, bits, visible = tree_case(np.random.default_rng(5), 9,
+                                                                         [-1, 0, 1, 0, 3], bs, w=6, nb=12)
+    nodes = len(context)
     rc, out = call(kernel, q, key_cache, value_cache, np.tile(table, (nodes, 1)), context, bs, 2, bits)
     assert rc == 0
     np.testing.assert_allclose(out, reference(q, key_cache, value_cache, np.tile(table, (nodes, 1)), context, bs,
@@ -155,24 +160,10 @@ def test_a_sliding_window_sees_the_last_keys(kernel, cache_dtype, window):
 def test_a_token_trees_window_counts_its_visible_keys(kernel, window):
     """A tree node's window is the last `window` of the keys it sees (itself, its ancestors, the committed keys),
     the hidden ones not counted: test_tree_bits_hide_the_keys_of_other_branches' tree under a window."""
-    rng = np.random.default_rng(window)
-    kvh, g, d, bs, w, nb = 2, 2, 8, 4, 12, 16
-    committed, parents = 30, [-1, 0, 1, 0, 3, 4]
-    nodes = len(parents)
-    table = rng.permutation(nb)[:w].astype(np.int32)
-    q = (rng.standard_normal((nodes, kvh, g, d)) / np.sqrt(d)).astype(np.float32)
-    key_cache = rng.standard_normal((nb * bs * kvh, d)).astype(np.float32)
-    value_cache = rng.standard_normal((nb * bs * kvh, d)).astype(np.float32)
-    context = np.array([committed + j + 1 for j in range(nodes)], np.int32)
-    bits, visible = [], []
-    for j in range(nodes):
-        ancestors, a = set(), j
-        while a >= 0:
-            ancestors.add(a)
-            a = parents[a]
-        bits.append(~sum(1 << m for m in range(1, j + 1) if j - m not in ancestors))
-        visible.append(list(range(committed)) + [committed + a for a in sorted(ancestors)])
-    tables = np.tile(table, (nodes, 1))
+    bs = 4
+    q, key_cache, value_cache, table, context, bits, visible = tree_case(np.random.default_rng(window), 30,
+                                                                         [-1, 0, 1, 0, 3, 4], bs, w=12, nb=16)
+    tables = np.tile(table, (len(context), 1))
     rc, out = call(kernel, q, key_cache, value_cache, tables, context, bs, 2, bits, window=window)
     assert rc == 0
     np.testing.assert_allclose(out, reference(q, key_cache, value_cache, tables, context, bs, visible, window),

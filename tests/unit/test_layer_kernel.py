@@ -169,6 +169,18 @@ def assert_cache_close(layer, got, want):
                                atol=1e-5 + (1e-4 * np.abs(want).max() if layer.rounded else 0))
 
 
+def check_layer(library, layer, threads: int) -> list:
+    """One DecoderLayer call on `layer`'s arrays against its float64 reference: the output, and the step's K/V in
+    the cache at their slots with no other slot changed. Returns the call's arrays."""
+    want, keys, values = layer.reference(library)
+    arrays = layer.arrays(threads)
+    assert invoke(library.DecoderLayer, arrays) == 0
+    assert_layer_close(layer, arrays[-1], want)
+    assert_cache_close(layer, layer.key_cache, keys)
+    assert_cache_close(layer, layer.value_cache, values)
+    return arrays
+
+
 def rms(x):
     x = x.astype(np.float64)
     return x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-5)
@@ -398,13 +410,7 @@ def test_layer_matches_numpy(library, invariant_mode, hidden, heads, kv_heads, h
     rng = np.random.default_rng(hidden + batch + threads)
     layer = Layer(rng, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, inter=inter, batch=batch,
                   bias=bias, cache_dtype=cache)
-    want, keys, values = layer.reference(library)
-    arrays = layer.arrays(threads)
-    assert invoke(library.DecoderLayer, arrays) == 0
-    assert_layer_close(layer, arrays[-1], want)
-    # the step's K/V are in the cache at their slots, and no other slot changed
-    assert_cache_close(layer, layer.key_cache, keys)
-    assert_cache_close(layer, layer.value_cache, values)
+    check_layer(library, layer, threads)
 
 
 @pytest.mark.parametrize("head_dim,threads,cache", [(64, 1, "float32"), (64, 2, "float16"), (128, 2, "float32"),
@@ -782,12 +788,7 @@ def layer_matches_numpy(library, rng, shape: dict, threads: int, qtype, adapters
         layer.quantize({n: GGUF_TYPES[qtype] for n in ("qkv_w", "o_w", "gate_up_w", "down_w")}, rng)
     if adapters:
         layer.with_lora(slots=4, rank=3, row_slots=rng.integers(0, 4, batch), rng=rng)
-    want, keys, values = layer.reference(library)
-    arrays = layer.arrays(threads)
-    assert invoke(library.DecoderLayer, arrays) == 0
-    assert_layer_close(layer, arrays[-1], want)
-    assert_cache_close(layer, layer.key_cache, keys)
-    assert_cache_close(layer, layer.value_cache, values)
+    check_layer(library, layer, threads)
 
 
 def test_batched_products_do_not_depend_on_the_thread_count(library):
@@ -1085,13 +1086,7 @@ def test_model_family_parts_match_numpy(library, invariant_mode, feature, batch,
     layer.iconfig_len = 16
     if adapters:
         layer.with_lora(slots=3, rank=2, row_slots=rng.integers(0, 3, batch), rng=rng)
-    want, keys, values = layer.reference(library)
-    arrays = layer.arrays(threads)
-    assert arrays[ICFG].shape == (16,)
-    assert invoke(library.DecoderLayer, arrays) == 0
-    assert_layer_close(layer, arrays[-1], want)
-    assert_cache_close(layer, layer.key_cache, keys)
-    assert_cache_close(layer, layer.value_cache, values)
+    assert check_layer(library, layer, threads)[ICFG].shape == (16,)
 
 
 def test_each_part_changes_the_output(library):
@@ -1238,12 +1233,7 @@ def test_model_family_parts_on_quantized_weights(library, invariant_mode, qtype,
                       inter=512 if k_quant else 96, batch=batch, block_size=8, num_blocks=batch * 6 + 6)
         layer.quantize({n: GGUF_TYPES[qtype] for n in ("qkv_w", "o_w", "gate_up_w", "down_w")}, rng)
         layer.with_features(rng, qk_norm=True, sandwich=True, activation=1, attention_scale=0.1, window=13)
-        want, keys, values = layer.reference(library)
-        arrays = layer.arrays(threads)
-        assert invoke(library.DecoderLayer, arrays) == 0
-        assert_layer_close(layer, arrays[-1], want)
-        assert_cache_close(layer, layer.key_cache, keys)
-        assert_cache_close(layer, layer.value_cache, values)
+        check_layer(library, layer, threads)
     finally:
         library.KernelInt(1)
 

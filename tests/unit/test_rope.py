@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from llm_serving.models.rope import layer_rope_kinds, rope_tables, rotary_permutation
+from llm_serving.models.rope import rope_tables, rotary_permutation
 from llm_serving.models.weights import LlamaConfig, WeightLoadError
 
 CFG = LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
@@ -56,7 +56,7 @@ def test_the_layer_kinds_and_their_tables():
     cfg = dataclasses.replace(CFG, sliding_window=8, layer_types=("sliding", "full", "sliding", "full"),
                               local_rope_theta=100.0, rope_theta=1e6, nope_layers=(3,),
                               rope_freq_factors=(8.0,) * 8)
-    assert layer_rope_kinds(cfg) == ("local", "global", "local", "none")
+    assert [cfg.layer_rope(i) for i in range(4)] == ["local", "global", "local", "none"]
     assert [cfg.layer_window(i) for i in range(4)] == [8, None, 8, None]
     pos = np.arange(20)
     x = np.random.default_rng(1).normal(size=(20, 16))
@@ -68,7 +68,7 @@ def test_the_layer_kinds_and_their_tables():
     np.testing.assert_array_equal(served_rope(x, pos, cos, sin), x)
     # without layer_types every layer of a model with a window slides (Mistral), and none without one
     assert [dataclasses.replace(CFG, sliding_window=8).layer_window(i) for i in range(4)] == [8] * 4
-    assert CFG.layer_window(0) is None and layer_rope_kinds(CFG) == ("global",) * 4
+    assert CFG.layer_window(0) is None and [CFG.layer_rope(i) for i in range(4)] == ["global"] * 4
 
 
 def test_longrope_takes_its_long_factors_past_the_original_context_and_scales_cos_and_sin():
