@@ -333,10 +333,24 @@ class PAConfig:
                                               # the bytes a token takes and round each K/V value once, as it is
                                               # stored (bfloat16: 8 bits of precision, float16: 11); int8: a
                                               # quarter, each head vector's codes and their float32 scale
+    window_blocks: Union[int, str] = "auto"   # the window pool: blocks of a second cache that a model's sliding-
+                                              # window layers (Gemma 3, Mistral) keep their K/V in, a request
+                                              # holding only its window's blocks there; auto = sized at start (enough
+                                              # for max_num_seqs windows and a step's tokens; 0 where that saves
+                                              # nothing); 0 = off, the sliding layers cache every token
+    window_tokens: Optional[int] = None       # the sliding layers' window, read from the model at start with
+                                              # window_blocks (the master frees a request's window-pool blocks past
+                                              # it; an agent refuses a value that is not its model's): leave it unset
 
     def __post_init__(self) -> None:
         if self.num_blocks != "auto":
             _check_int("pa_config.num_blocks", self.num_blocks)
+        if self.window_blocks != "auto":
+            _check(isinstance(self.window_blocks, int) and not isinstance(self.window_blocks, bool)
+                   and self.window_blocks >= 0, "pa_config.window_blocks", self.window_blocks,
+                   "must be auto, 0 (off) or a number of blocks")
+        if self.window_tokens is not None:
+            _check_int("pa_config.window_tokens", self.window_tokens)
         f = self.kv_memory_fraction
         _check(isinstance(f, (int, float)) and not isinstance(f, bool) and 0 < f <= 0.9,
                "pa_config.kv_memory_fraction", f, "must be a fraction in (0, 0.9]")
@@ -626,6 +640,12 @@ class Config:
         return resolve_kv_cache_dtype(self.pa_config.kv_cache_dtype)
 
     @property
+    def window_blocks(self) -> int:
+        """The window pool's blocks (pa_config.window_blocks; 0: off, and while auto is not decided)."""
+        wb = self.pa_config.window_blocks
+        return 0 if wb == "auto" or self.pa_config.window_tokens is None else wb
+
+    @property
     def max_chunk_tokens(self) -> int:
         return self.scheduler_config.max_chunk_tokens or self.model_config.seq_length[-1]
 
@@ -646,10 +666,16 @@ class Config:
         return dataclasses.asdict(self)
 
     def with_decided(self, *, max_generate_length: Optional[int] = None,
-                     num_blocks: Optional[int] = None, vocab_size: Optional[int] = None) -> "Config":
+                     num_blocks: Optional[int] = None, vocab_size: Optional[int] = None,
+                     window_blocks: Optional[int] = None, window_tokens: Optional[int] = None) -> "Config":
         """This configuration with what `auto` left to the start decided (startup/kv_memory.py: the model's
-        context, the KV blocks, its vocabulary's size), checked again; a value not given stays as it is."""
+        context, the KV blocks and the window pool's, its vocabulary's size), checked again; a value not given
+        stays as it is."""
         raw = self.to_dict()
+        if window_blocks is not None:
+            raw["pa_config"]["window_blocks"] = window_blocks
+        if window_tokens is not None:
+            raw["pa_config"]["window_tokens"] = window_tokens
         if vocab_size is not None:
             raw["model_config"]["vocab_size"] = vocab_size
         if max_generate_length is not None:
@@ -662,9 +688,12 @@ class Config:
         """The configuration of the draft model's agent (spec_config.method draft): this one, with the draft's
         checkpoint (model_path: resolved; default the target's) and layer cut, one agent on
         spec_config.draft_agent_port, decode buckets up to the speculating rows, and no speculation of its own.
-        Its KV cache has the target's blocks: the master gives the draft the target's block tables."""
+        Its KV cache has the target's blocks: the master gives the draft the target's block tables (not the window
+        pool's, whose blocks leave a row before the draft has caught up: the draft's sliding layers, if it has any,
+        cache every token)."""
         spec = self.spec_config
         raw = self.to_dict()
+        raw["pa_config"].update(window_blocks=0, window_tokens=None)
         mc, sc = raw["model_config"], raw["serving_config"]
         mc["model_path"] = model_path or spec.draft_model or mc["model_path"]
         mc["num_layers"] = spec.draft_num_layers

@@ -181,6 +181,7 @@ class Worker:
         """The run as single decode steps of the rows still in it (slot >= 0), as the run's outputs."""
         n, k = run.slot_mapping.shape
         slots = run.slot_mapping.copy()
+        window_slots = run.window_slots.copy()      # (the window pool's: written only when there is one)
         step = self.buffers.view(StepKind.DECODE, n, 1, return_logits=True)
         tokens, logprobs = np.full((n, k), -1, np.int32), np.zeros((n, k), np.float32)
         for j in range(k):
@@ -192,6 +193,7 @@ class Worker:
                 step.positions[:, 0] += 1
                 step.context_lens[:] += 1
             step.slot_mapping[:, 0] = slots[:, j]
+            step.window_slots[:, 0] = window_slots[:, j]
             token_ids, lps, logits = self.runner.execute(step.rows(rows))
             tokens[rows, j], logprobs[rows, j] = token_ids, lps
             if self.capture_dir is not None:

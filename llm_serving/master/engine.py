@@ -69,8 +69,10 @@ class Engine:
         lc = config.lora_config
         self.lora = LoraRegistry(lc.adapters, lc.slot_of(), lc.max_loras)   # the LoRA adapters served
         self.max_model_len = config.max_model_len
-        self.block_manager = BlockManager(config.pa_config.num_blocks, config.pa_config.block_size,
-                                          enable_prefix_caching=config.scheduler_config.enable_prefix_caching)
+        pa = config.pa_config
+        self.block_manager = BlockManager(pa.num_blocks, pa.block_size,
+                                          enable_prefix_caching=config.scheduler_config.enable_prefix_caching,
+                                          window=pa.window_tokens or 0, window_blocks=config.window_blocks)
         self.scheduler = Scheduler(SchedulerSpec.from_config(config), self.block_manager)
         self.spec_stats = SpecStats(config.spec_config.num_speculative_tokens)
         self.outputs = OutputProcessor(self.scheduler, self.spec_stats)
@@ -522,6 +524,9 @@ class Engine:
             "num_free_blocks": self.block_manager.num_free_blocks,
             "num_blocks": self.block_manager.num_blocks,
             "num_cached_blocks": self.block_manager.num_cached_blocks,
+            "window_pool": None if self.block_manager.window_pool is None else {
+                "window": self.block_manager.window, "num_blocks": self.block_manager.window_pool.num_blocks,
+                "num_free_blocks": self.block_manager.num_free_window_blocks},
             "num_preemptions": sched.num_preemptions,
             "num_agent_restarts": self.num_agent_restarts,
             "num_cache_resets": self.num_cache_resets,

@@ -130,11 +130,12 @@ class OutputProcessor:
 
     def _advance(self, req: Request, num_tokens: int, draft_may_hold: int = 0) -> None:
         """num_tokens more of req's tokens have their KV in the cache: count them, register the blocks they
-        filled for prefix caching. The draft model's KV (speculative/draft.py) holds at most what the target may
+        filled for prefix caching, free the window-pool blocks its window left. The draft model's KV (speculative/draft.py) holds at most what the target may
         keep: its computed tokens, and `draft_may_hold` proposals of this step still to be judged."""
         if num_tokens:
             req.num_computed_tokens += num_tokens
             self.bm.cache_full_blocks(req.req_id, req.tokens, req.num_computed_tokens, req.lora_root)
+            self.bm.release_window(req.req_id, req.num_computed_tokens)
         req.num_draft_computed = min(req.num_draft_computed, req.num_computed_tokens + draft_may_hold)
 
     def _append(self, req: Request, token_ids: list, logprobs: list) -> tuple:

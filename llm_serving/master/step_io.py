@@ -31,6 +31,7 @@ class RowState:
     table: list                 # the request's block table (the same list object while it holds it)
     blocks_written: int         # entries of `table` written (tables only grow while a request holds them)
     history_written: int = 0    # tokens of the penalty history written (rows with a sampling penalty)
+    released_written: int = 0   # leading window-table entries written as released (a window pool)
 
 
 @dataclass
@@ -57,20 +58,40 @@ class StepOutputs:
 
 class RowWriter:
     """The one place the master writes a step's per-row inputs into the step buffers (shm/layout.py names
-    them). A row's block table is written first; its tokens' slots are read back through it."""
+    them). A row's block table is written first; its tokens' slots are read back through it. With a window pool
+    (`window_scratch`: the id of its scratch block, the agents' own), each row's window-pool table and slots too
+    (window_tables, window_slots), the same way.
 
-    def __init__(self, b: StepBuffers, block_size: int):
+    A window table's entries that its window has left (-1 in the block manager's) are written as the scratch block:
+    the attention reads a few keys below a window (a key tile's start) and gives them weight 0, so what they hold
+    must be finite, and a block another request now writes could hold anything."""
+
+    def __init__(self, b: StepBuffers, block_size: int, window_scratch: Optional[int] = None):
         self.b = b
         self.block_size = block_size
+        self.window_scratch = window_scratch
+        self.window = window_scratch is not None
 
-    def table(self, i: int, table: list, written: int = 0) -> None:
-        """Row i's block table: entries written.. appended, or (written 0) all of it, zero-padded."""
-        b = self.b
-        if written:
-            b.block_tables[i, written:len(table)] = table[written:]
-            return
-        b.block_tables[i] = 0
-        b.block_tables[i, :len(table)] = table
+    def table(self, i: int, table: list, written: int = 0, window_table: Optional[list] = None) -> None:
+        """Row i's block table (and window-pool table): entries written.. appended, or (written 0) all of it,
+        zero-padded."""
+        pairs = [(self.b.block_tables, table)]
+        if self.window:
+            pairs.append((self.b.window_tables, self._window_entries(window_table)))
+        for tables, entries in pairs:
+            if written:
+                tables[i, written:len(entries)] = entries[written:]
+                continue
+            tables[i] = 0
+            tables[i, :len(entries)] = entries
+
+    def released(self, i: int, start: int, stop: int) -> None:
+        """Row i's window-table entries start..stop-1 were released: the scratch block from now on."""
+        self.b.window_tables[i, start:stop] = self.window_scratch
+
+    def _window_entries(self, window_table: list) -> np.ndarray:
+        entries = np.asarray(window_table, np.int32)
+        return np.where(entries < 0, self.window_scratch, entries)
 
     def sampling(self, i: int, *, prompt_len: int, request_id: int, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, top_n: int = 0, repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
@@ -105,26 +126,35 @@ class RowWriter:
         b.input_ids[i, :q] = ids
         b.positions[i, :q] = slots if positions is None else positions
         b.slot_mapping[i, :q] = b.block_tables[i, slots // bs] * bs + slots % bs
+        if self.window:
+            b.window_slots[i, :q] = b.window_tables[i, slots // bs] * bs + slots % bs
         end = b.input_ids.shape[1] if pad_to is None else pad_to
         if q < end:
             b.input_ids[i, q:end] = 0
             b.positions[i, q:end] = 0
             b.slot_mapping[i, q:end] = -1
+            if self.window:
+                b.window_slots[i, q:end] = -1
         b.context_lens[i] = start + q
         b.query_lens[i] = q
 
-    def decode(self, n: int, ids: list, positions: list, slots: list) -> None:
-        """Rows 0..n-1 each feed one token (ids[i] at positions[i], into slots[i])."""
+    def decode(self, n: int, ids: list, positions: list, slots: list, window_slots: Optional[list] = None) -> None:
+        """Rows 0..n-1 each feed one token (ids[i] at positions[i], into slots[i] and window_slots[i])."""
         b = self.b
         b.input_ids[:n, 0] = ids
         b.positions[:n, 0] = positions
         b.slot_mapping[:n, 0] = slots
+        if self.window:
+            b.window_slots[:n, 0] = window_slots
         b.context_lens[:n] = b.positions[:n, 0] + 1
         b.query_lens[:n] = 1
 
-    def run_slots(self, n: int, step: int, slots: list) -> None:
-        """A decode run: rows 0..n-1's slots for its step `step` (-1: the row sits it out)."""
+    def run_slots(self, n: int, step: int, slots: list, window_slots: Optional[list] = None) -> None:
+        """A decode run: rows 0..n-1's slots (and window-pool slots) for its step `step` (-1: the row sits it
+        out)."""
         self.b.slot_mapping[:n, step] = slots
+        if self.window:
+            self.b.window_slots[:n, step] = window_slots
 
     def random_u(self, i: int, u: float) -> None:
         """Row i's uniform number for sampling its next token."""
@@ -181,10 +211,14 @@ class RowWriter:
 
 class StepIO:
     """Writes each scheduled step of one agent group into its step buffers; reads the outputs. A row is any
-    object with a request's attributes (`Request`, or a draft model's view of one)."""
+    object with a request's attributes (`Request`, or a draft model's view of one). `window`: the agents' sliding
+    layers read the block manager's window pool (a draft's never do: its layers read the main tables)."""
 
-    def __init__(self, block_manager: BlockManager):
+    def __init__(self, block_manager: BlockManager, window: bool = True):
         self.block_manager = block_manager
+        self.window = window and block_manager.window_pool is not None
+        # the agents' window scratch block: the id after the pool's blocks
+        self.window_scratch = block_manager.window_pool.num_blocks if self.window else None
         self._rows: list = []                       # RowState per shm row
         self._buffers: Optional[StepBuffers] = None
         self._writer: Optional[RowWriter] = None
@@ -193,7 +227,7 @@ class StepIO:
     def write_inputs(self, b: StepBuffers, batch: ScheduledBatch) -> None:
         if self._buffers is not b:                  # new buffers (first step, or agents restarted)
             self._rows, self._buffers = [], b
-            self._writer = RowWriter(b, self.block_manager.block_size)
+            self._writer = RowWriter(b, self.block_manager.block_size, self.window_scratch)
         w = self._writer
         bm = self.block_manager
         n = batch.num_rows
@@ -207,10 +241,14 @@ class StepIO:
                 pos.append(p)
                 slots.append(bm.slot(req.req_id, p))
                 self._write_row_state(i, req, tables[req.req_id])
-            w.decode(n, ids, pos, slots)
+            window_slots = [bm.window_slot(req.req_id, p) for req, p in zip(batch.requests, pos)] \
+                if self.window else None
+            w.decode(n, ids, pos, slots, window_slots)
             for j in range(1, batch.steps):         # a decode run: the slots of its later steps (-1: sat out)
-                w.run_slots(n, j, [bm.slot(req.req_id, p + j) if j < steps else -1
-                                   for req, p, steps in zip(batch.requests, pos, batch.run_lens)])
+                rows = list(zip(batch.requests, pos, batch.run_lens))
+                w.run_slots(n, j, [bm.slot(req.req_id, p + j) if j < steps else -1 for req, p, steps in rows],
+                            [bm.window_slot(req.req_id, p + j) if j < steps else -1 for req, p, steps in rows]
+                            if self.window else None)
         else:
             proposals = batch.proposals or [()] * n
             for i, (req, q, proposal) in enumerate(zip(batch.requests, batch.num_new_tokens, proposals)):
@@ -275,18 +313,25 @@ class StepIO:
         if i == len(rows):
             rows.append(None)
         row = rows[i]
+        window_table = self.block_manager.window_tables.get(req.req_id) if self.window else None
         if row is not None and row.request is req and row.table is table:
             if row.blocks_written != len(table):
-                self._writer.table(i, table, row.blocks_written)
+                self._writer.table(i, table, row.blocks_written, window_table)
                 row.blocks_written = len(table)
+            if self.window:
+                released = self.block_manager.window_released(req.req_id)
+                if released > row.released_written:
+                    self._writer.released(i, row.released_written, released)
+                    row.released_written = released
             return
-        self._writer.table(i, table)
+        self._writer.table(i, table, window_table=window_table)
         sp = req.sampling
         self._writer.sampling(i, prompt_len=len(req.prompt_ids), request_id=req.number, temperature=sp.temperature,
                               top_k=sp.top_k, top_p=sp.top_p, top_n=sp.top_logprobs,
                               repetition_penalty=sp.repetition_penalty, presence_penalty=sp.presence_penalty,
                               frequency_penalty=sp.frequency_penalty, min_p=sp.min_p, lora=req.lora_slot)
-        rows[i] = RowState(req, table, len(table))
+        rows[i] = RowState(req, table, len(table),
+                           released_written=self.block_manager.window_released(req.req_id) if self.window else 0)
 
     @staticmethod
     def read_outputs(b: StepBuffers, batch: ScheduledBatch) -> StepOutputs:

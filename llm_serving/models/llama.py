@@ -83,13 +83,16 @@ class LlamaDecoderLayer(nn.Cell):
                  decode_kernel: Optional[str], kernel_threads: int, tp: TensorParallel, all_reduce,
                  layer_kernel: Optional[str] = None, quantized: Optional[dict] = None, lora_slots: int = 0,
                  lora_rank: int = 0, ops_graphs: bool = True, kv_cache_dtype: str = "float16",
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, window_pool_slots: int = 0):
         super().__init__()
         world = tp.world
         # the layer's RoPE (rope.ROPE_KINDS) and window (None: every key); the model gives it the index of its
-        # table and of its attention metadata (rope_index, window_index)
+        # table and of its attention metadata (rope_index, window_index). A sliding layer keeps its K/V in the
+        # window pool when there is one (window_pool_slots > 0: its cache's slots, scratch block included), read
+        # through the step's window_slots and window_tables
         self.rope_kind = cfg.layer_rope(i)
         self.window = cfg.layer_window(i)
+        self.in_window_pool = self.window is not None and window_pool_slots > 0
         self.gelu = cfg.hidden_act == "gelu_tanh"
         # this rank's heads and MLP units (all of them when world == 1): `w` holds only this rank's part of
         # each split tensor (weights.load_llama_weights(path, tp); the split is parallel.SPLIT_AXIS)
@@ -124,7 +127,8 @@ class LlamaDecoderLayer(nn.Cell):
             self.lora_ops_b = ms.ParameterTuple([_lora_param(st.ops_b, f"layers.{i}.lora_ops_b_{key}")
                                                  for key, st in self.lora_stacks.items()])      # (N, S*P*R) each
             self.lora_cols = tuple(Tensor(st.col_slot.reshape(1, -1)) for st in self.lora_stacks.values())   # (1, S*P*R)
-        self.attn = PagedAttention(self.nh, self.kvh, cfg.head_dim, num_slots,
+        self.attn = PagedAttention(self.nh, self.kvh, cfg.head_dim,
+                                   window_pool_slots if self.in_window_pool else num_slots,
                                    layer_id=i, device_target=device_target, block_size=block_size,
                                    decode_kernel=decode_kernel, kernel_threads=kernel_threads,
                                    cache_dtype=kv_cache_dtype, window=self.window)
@@ -196,7 +200,8 @@ class LlamaDecoderLayer(nn.Cell):
     def fused(self, x, positions, slots, block_tables, context_lens, tree_bits, cos, sin, lora):
         """The layer as its kernel (kernels/decoder_layer_cpu.cc): the step's inputs (DECODER_LAYER's call inputs,
         by name and in order: checked when the layer is built), then what the layer holds. x (T, H); positions,
-        slots, context_lens, tree_bits, lora (T,); block_tables (T, W); cos/sin tables (P, D) -> (T, H)."""
+        slots, context_lens, tree_bits, lora (T,); block_tables (T, W); cos/sin tables (P, D) -> (T, H). slots and
+        block_tables are those of the layer's cache (the window pool's for a layer in it)."""
         return self.layer_kernel(x, positions, slots, block_tables, context_lens, tree_bits, cos, sin, lora,
                                  *self.kernel_held)                                                    # (T, H)
 
@@ -254,9 +259,13 @@ class LlamaDecoderLayer(nn.Cell):
 
 class LlamaForCausalLM(nn.Cell):
     """construct(input_ids, positions, slot_mapping, block_tables, context_lens, query_lens, sample_index, tree_bits,
-    lora) -> (greedy_token (R,) int32, its logprob (R,) float32, logits (R, V) float32), R = B unless packed or
-    verifying (R = B*S).
-    Argument meanings are those of ModelRunner.execute (after the runner's padding). The logits are
+    lora, window_slots, window_tables) -> (greedy_token (R,) int32, its logprob (R,) float32, logits (R, V) float32),
+    R = B unless packed or verifying (R = B*S).
+    Argument meanings are those of ModelRunner.execute (after the runner's padding). With a window pool
+    (window_pool_slots > 0: its cache's slots, scratch block included) the sliding-window layers keep their K/V
+    there, written at window_slots and read through window_tables (shaped as slot_mapping and block_tables); without
+    one (or without sliding layers) every layer reads slot_mapping and block_tables, and the window pair is not
+    read (the runner passes the main pair again). The logits are
     only for `Sampler` (a second graph, run when some row samples); they are not copied to the host.
     Under tensor parallelism (`tp`, `all_reduce`: see parallel.py) this is rank tp.rank's shard, built from
     `weights` that hold only that rank's part (load_llama_weights(path, tp)); ranks other than 0 have no
@@ -268,7 +277,7 @@ class LlamaForCausalLM(nn.Cell):
                  kernel_threads: int = 1, tp: TensorParallel = TensorParallel(), all_reduce=None,
                  layer_kernel: Optional[str] = None, layer_kernel_rows: Optional[int] = 0,
                  quantized: Optional[dict] = None, lora_slots: int = 0, lora_rank: int = 0,
-                 kv_cache_dtype: str = "float16", batch_invariant: bool = False):
+                 kv_cache_dtype: str = "float16", batch_invariant: bool = False, window_pool_slots: int = 0):
         super().__init__()
         tp.check(cfg)
         if batch_invariant and (layer_kernel is None or layer_kernel_rows is not None):
@@ -310,8 +319,10 @@ class LlamaForCausalLM(nn.Cell):
                                                      decode_kernel, kernel_threads, tp, all_reduce,
                                                      layer_kernel, quantized, lora_slots, lora_rank,
                                                      ops_graphs=not kernel_only, kv_cache_dtype=kv_cache_dtype,
-                                                     batch_invariant=batch_invariant)
+                                                     batch_invariant=batch_invariant,
+                                                     window_pool_slots=window_pool_slots)
                                    for i in range(cfg.num_layers)])
+        self.window_pool = any(layer.in_window_pool for layer in self.layers)
         self.layer_kernel_rows = (0 if layer_kernel is None else KERNEL_ONLY_ROWS if kernel_only
                                   else layer_kernel_rows)
         if self.writes_outputs:                    # (the logits' tensors are loaded on rank 0 only)
@@ -357,20 +368,22 @@ class LlamaForCausalLM(nn.Cell):
         self.matmul_t = ops.MatMul(transpose_b=True)
 
     def construct(self, input_ids, positions, slot_mapping, block_tables, context_lens, query_lens, sample_index,
-                  tree_bits, lora):
+                  tree_bits, lora, window_slots, window_tables):
         # input_ids, positions, slot_mapping (B, S) int32; block_tables (B, W) int32; context/query_lens (B,);
         # sample_index (R,) int32: the tokens to sample from when S == 1 and R < B (packed prefill: B is then
         # the step's tokens, each with its own block-table row and context; see ModelRunner); R = B*S: every
         # token (a verify step, speculative decoding); tree_bits (B,) int32: the keys a token of a speculative
         # token tree sees (the CPU decode kernel's, see attention.paged_metadata; -1 = all, as for every other token);
-        # lora (B,) int32: each row's LoRA adapter slot (0: none)
+        # lora (B,) int32: each row's LoRA adapter slot (0: none); window_slots (B, S), window_tables (B, W) int32: the
+        # window pool's slot_mapping and block_tables (the sliding layers', when the pool is on)
         b, s = input_ids.shape
         x = self.embed_tokens(input_ids.reshape(-1))                                    # (T, H)
         flat_pos = positions.reshape(-1)                                                 # (T,)
         fused = s == 1 and b <= self.layer_kernel_rows          # small decode-shaped steps: one kernel per layer
         flat_slots = slot_mapping.reshape(-1)                                            # (T,)
         if fused:
-            x = self.fused_layers(x, flat_pos, flat_slots, block_tables, context_lens, tree_bits, lora)  # (T, H)
+            x = self.fused_layers(x, flat_pos, flat_slots, block_tables, context_lens, tree_bits, lora,
+                                  window_slots.reshape(-1), window_tables)                      # (T, H)
         else:
             ropes = ()                                                                   # per kept kind
             for cos_table, sin_table in zip(self.cos_tables, self.sin_tables):
@@ -378,9 +391,11 @@ class LlamaForCausalLM(nn.Cell):
                 cos = ops.gather(cos_table, flat_pos, 0).reshape(b * s, 1, d)            # (T, 1, D)
                 sin = ops.gather(sin_table, flat_pos, 0).reshape(b * s, 1, d)            # (T, 1, D)
                 ropes += ((cos * self.head_rot + self.head_keep, sin * self.head_rot),)   # (T, NH+2KVH, D) each
-            metas = ()                                                                   # per window
+            metas = ()                                      # per window, over the cache its layers keep K/V in
             for window in self.windows:
-                metas += (paged_metadata(block_tables, positions, slot_mapping, context_lens, self.block_size,
+                pool = window > 0 and self.window_pool
+                metas += (paged_metadata(window_tables if pool else block_tables, positions,
+                                         window_slots if pool else slot_mapping, context_lens, self.block_size,
                                          self.kvh, tree_bits, window),)
             lora_tok = ops.broadcast_to(lora.reshape(b, 1), (b, s)).reshape(b * s, 1)     # (T, 1)
             for layer in self.layers:
@@ -408,12 +423,15 @@ class LlamaForCausalLM(nn.Cell):
             x = x * self.embed_scale
         return x
 
-    def fused_layers(self, x, positions, slots, block_tables, context_lens, tree_bits, lora):
+    def fused_layers(self, x, positions, slots, block_tables, context_lens, tree_bits, lora, window_slots,
+                     window_tables):
         """Every decoder layer as the layer kernel, on T decode-shaped tokens (x (T, H); the rest (T,), tables
-        (T, W)); (T, H)."""
+        (T, W)), each over its cache's slots and tables (the window pool's for a layer in it); (T, H)."""
         for layer in self.layers:
-            x = layer.fused(x, positions, slots, block_tables, context_lens, tree_bits,
-                            self.cos_tables[layer.rope_index], self.sin_tables[layer.rope_index], lora)
+            pool = layer.in_window_pool
+            x = layer.fused(x, positions, window_slots if pool else slots, window_tables if pool else block_tables,
+                            context_lens, tree_bits, self.cos_tables[layer.rope_index],
+                            self.sin_tables[layer.rope_index], lora)
         return x
 
     def write_lora(self, slot: int, adapter) -> None:
@@ -434,9 +452,10 @@ class LlamaForCausalLM(nn.Cell):
 
 class DecodeRun(nn.Cell):
     """construct(input_ids (B,), positions (K, B), slot_mapping (K, B), block_tables (B, W), context_lens (K, B),
-    tree_bits (B,), lora (B,)) -> (tokens (K, B) int32, logprobs (K, B) float32): K greedy decode steps of `model` in one
-    graph, each step's tokens fed to the next (step i feeds positions[i], writes its K/V at slot_mapping[i] and
-    sees context_lens[i] keys). A row whose slot is < 0 sits the step out (its outputs there mean nothing), and a
+    tree_bits (B,), lora (B,), window_slots (K, B), window_tables (B, W)) -> (tokens (K, B) int32, logprobs (K, B)
+    float32): K greedy decode steps of `model` in one graph, each step's tokens fed to the next (step i feeds
+    positions[i], writes its K/V at slot_mapping[i], a sliding layer in the window pool at window_slots[i], and sees
+    context_lens[i] keys). A row whose slot is < 0 sits the step out (its outputs there mean nothing), and a
     step all of whose rows sit out costs almost nothing: a run can end early for every row (the kernels skip
     it). It runs the layer kernel and FinalLogits (model must have them), so B is at most
     the model's layer_kernel_rows. The master's round trip and the graph launch are paid once per K tokens
@@ -449,13 +468,14 @@ class DecodeRun(nn.Cell):
         self.model = model
         self.steps = steps
 
-    def construct(self, input_ids, positions, slot_mapping, block_tables, context_lens, tree_bits, lora):
+    def construct(self, input_ids, positions, slot_mapping, block_tables, context_lens, tree_bits, lora, window_slots,
+                  window_tables):
         m = self.model
         ids = input_ids
         tokens, logprobs = (), ()
         for i in range(self.steps):
             x = m.fused_layers(m.embed_tokens(ids), positions[i], slot_mapping[i], block_tables,
-                               context_lens[i], tree_bits, lora)                         # (B, H)
+                               context_lens[i], tree_bits, lora, window_slots[i], window_tables)   # (B, H)
             _, ids, logprob = m.fused_logits(x, slot_mapping[i])                         # (B,) each
             tokens += (ids,)
             logprobs += (logprob,)

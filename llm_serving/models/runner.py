@@ -5,7 +5,10 @@ are converted and checked by step_inputs.StepInputs.
 The KV cache lives in the model's Parameters: per layer, key and value holding
 [(num_blocks + 1) * block_size, num_kv_heads, head_dim] float32 (stored flat as
 [slots * num_kv_heads, head_dim], same memory order; see attention.py). The last block is scratch:
-padding tokens (slot -1) and padding rows write there, so real blocks are never touched by padding.
+padding tokens (slot -1) and padding rows write there, so real blocks are never touched by padding. With a
+window pool (RunnerSpec.window_blocks > 0, a model with sliding-window layers) the sliding layers' caches are
+(window_blocks + 1) * block_size slots instead, the last block their own scratch, written and read through the
+step's window_slots and window_tables (padded alike: `_kv_inputs`); the other layers keep the main cache.
 
 Graphs: the model, one per bucket, returning greedy ids/logprobs and the logits Tensor; the sampler, one
 per batch size (two variants: with and without top-k/top-p), run on those logits only when some row has
@@ -130,7 +133,8 @@ class ModelRunner:
     """Runs the LLaMA in `model_dir` over a paged KV cache; see `execute` for one step.
 
     Attributes: config (LlamaConfig), buckets (Buckets), num_blocks, block_size, max_blocks_per_seq,
-    num_slots ((num_blocks + 1) * block_size), max_context (max_blocks_per_seq * block_size).
+    num_slots ((num_blocks + 1) * block_size), max_context (max_blocks_per_seq * block_size), window_blocks (the
+    window pool's blocks: spec.window_blocks for a model with sliding-window layers, else 0, the pool off).
 
     spec (RunnerSpec, runner_spec.py; an agent's from `RunnerSpec.from_config`): the cache, buckets, kernels
     and step kinds. Its num_layers runs only the checkpoint's first N layers with its final norm and head (a
@@ -209,20 +213,33 @@ class ModelRunner:
         skip = frozenset(quantized) if self.kernel_serves_all else frozenset()
         self.config, weights = load_llama_weights(model_dir, self.tp, num_layers, skip=skip)   # this rank's part
         cfg: LlamaConfig = self.config
+        # the window pool: the sliding layers' own cache, of window_blocks blocks and a scratch block
+        if not isinstance(spec.window_blocks, (int, np.integer)) or spec.window_blocks < 0:
+            raise ValueError(f"ModelRunner: window_blocks must be an integer >= 0, got {spec.window_blocks!r}")
+        windows = [w for w in (cfg.layer_window(i) for i in range(cfg.num_layers)) if w is not None]
+        self.window_blocks = int(spec.window_blocks) if windows else 0
+        if self.window_blocks and spec.window_tokens is not None and spec.window_tokens != max(windows):
+            # the master frees a row's window blocks by pa_config.window_tokens: a smaller one would free keys the
+            # sliding layers still read
+            raise ValueError(f"ModelRunner: pa_config.window_tokens={spec.window_tokens} is not the model's sliding "
+                             f"window ({max(windows)} tokens); leave it unset: it is read from the model at start")
+        self.window_num_slots = (self.window_blocks + 1) * self.block_size if self.window_blocks else 0
+        self.window_scratch_slot = self.window_blocks * self.block_size     # first slot of its scratch block
         self.quantized_matrices = _describe_quantized(quantized, float32_copy=not self.kernel_serves_all)
         if self.quantized_matrices:
             logger.info("the layer kernel reads the checkpoint's quantized matrices as stored (%s)",
                         self.quantized_matrices)
         self.limits = StepLimits(vocab_size=cfg.vocab_size, max_context=self.max_context,
                                  num_blocks=self.num_blocks, max_blocks_per_seq=self.max_blocks_per_seq,
-                                 scratch_slot=self.scratch_slot, lora_slots=self.lora_slots)
+                                 scratch_slot=self.scratch_slot, lora_slots=self.lora_slots,
+                                 window_blocks=self.window_blocks, window_scratch_slot=self.window_scratch_slot)
         reduce_kernel = all_reduce_kernel(self.tp, device_target)
         kernel_threads = num_threads or len(os.sched_getaffinity(0))      # the CPU kernels' pool
         # everything that decides which graphs warmup() compiles, and in which order, the kernel libraries the
         # graphs name, and the kernels' config tensors, which a compiled graph holds as constants (the thread count
         # and batch invariance: a cache compiled with batch-invariant steps served a server started without them)
         cache_key = claim_compile_cache(
-            (cfg, self.num_blocks, self.block_size, self.buckets, device_target,
+            (cfg, self.num_blocks, self.window_blocks, self.block_size, self.buckets, device_target,
              (self.tp.rank, self.tp.world, self.tp.backend, self.tp.across_nodes) if self.tp.world > 1 else None,
              self.decode_kernel, reduce_kernel, self.layer_kernel, self.layer_kernel_rows, self.decode_run_steps,
              self.decode_run_rows, self.quantized_matrices, self.lora_slots, self.lora_rank, spec.kv_cache_dtype,
@@ -286,7 +303,8 @@ class ModelRunner:
                                       tp=self.tp, all_reduce=self.all_reduce, layer_kernel=self.layer_kernel,
                                       layer_kernel_rows=self.spec.layer_kernel_rows, quantized=quantized,
                                       lora_slots=self.lora_slots, lora_rank=self.lora_rank,
-                                      kv_cache_dtype=self.spec.kv_cache_dtype, batch_invariant=self.batch_invariant)
+                                      kv_cache_dtype=self.spec.kv_cache_dtype, batch_invariant=self.batch_invariant,
+                                      window_pool_slots=self.window_num_slots)
         self.decode_run = DecodeRun(self.model, self.decode_run_steps) if self.decode_run_steps > 1 else None
         self.sampler = Sampler(cfg.vocab_size, filters=True)          # some sampling row uses top-k/top-p
         # temperature only: the layer kernel library's SampleLogits where there is one (MindSpore's graph of it keeps
@@ -333,6 +351,9 @@ class ModelRunner:
         own); the CPU kernel's packed path only.
 
         A decode run: see `_execute_decode_run`.
+
+        With a window pool (`window_blocks` > 0) every step also brings window_slots and window_tables, the sliding
+        layers' slot_mapping and block_tables in the pool (step_inputs.py); without one they are not read.
 
         Logit controls (logit_controls.py): a row with controls_on is picked from its logits with its bias entries,
         token mask and min_p applied (read when it is sampled: the master writes them while the model runs);
@@ -403,11 +424,13 @@ class ModelRunner:
         every row sits out costs almost nothing, so a run of fewer than K steps is a run of K whose last slots
         are -1). The step's sampling arrays are not read (a run is greedy). Returns (token_ids int32 (n, K),
         logprobs float32 (n, K)): each step's greedy token (the first index of the largest logit) and its
-        log-probability, as K single decode steps would give; -1 and 0 where the row sat out. ValueError if
-        runs are off, n is more than a run's largest bucket, or an argument is malformed."""
+        log-probability, as K single decode steps would give; -1 and 0 where the row sat out. With a window pool,
+        window_slots (n, K) are the sliding layers' slots of each step, >= 0 exactly where slot_mapping's are.
+        ValueError if runs are off, n is more than a run's largest bucket, or an argument is malformed."""
         input_ids, positions = (np.asarray(a).reshape(len(a), -1) for a in (step.input_ids, step.positions))
         slot_mapping, block_tables, context_lens, lora = (step.slot_mapping, step.block_tables, step.context_lens,
                                                           step.lora)
+        window_slots = None if step.window_slots is None else np.asarray(step.window_slots, np.int32)
         k = self.decode_run_steps
         n = input_ids.shape[0]
         if self.decode_run is None:
@@ -425,12 +448,17 @@ class ModelRunner:
             raise ValueError("ModelRunner.execute (decode run): each row's slots are >= 0 for its first steps (at "
                              "least one) and -1 for the rest of the run")
         zeros = np.zeros(n, np.float32)
-        step = StepInputs.make(self.limits, StepView(StepKind.DECODE, input_ids=input_ids[:, :1],
-                                                     positions=positions[:, :1], slot_mapping=slot_mapping[:, :1],
-                                                     block_tables=block_tables, context_lens=context_lens,
-                                                     query_lens=np.ones(n, np.int32), temperature=zeros,
-                                                     top_k=np.zeros(n, np.int32), top_p=np.ones(n, np.float32),
-                                                     random_u=zeros, lora=lora))
+        step = StepInputs.make(self.limits, StepView(
+            StepKind.DECODE, input_ids=input_ids[:, :1], positions=positions[:, :1], slot_mapping=slot_mapping[:, :1],
+            block_tables=block_tables, context_lens=context_lens, query_lens=np.ones(n, np.int32), temperature=zeros,
+            top_k=np.zeros(n, np.int32), top_p=np.ones(n, np.float32), random_u=zeros, lora=lora,
+            window_slots=None if window_slots is None else window_slots[:, :1], window_tables=step.window_tables))
+        if step.window_slots is None:
+            window_slots = None                 # (no window pool: not read)
+        elif (window_slots.shape != (n, k) or ((window_slots >= 0) != active).any()
+              or window_slots.max() >= self.limits.window_scratch_slot):
+            raise ValueError(f"ModelRunner.execute (decode run): window_slots must be {(n, k)}, >= 0 exactly where "
+                             f"slot_mapping is and below {self.limits.window_scratch_slot}")
         steps = active.sum(1)                                                   # (n,) each row's steps
         last = self.limits.max_context - steps
         # (row by row: positions are (n, 1), and compared with `last` (n,) as they are each row's position met
@@ -445,12 +473,12 @@ class ModelRunner:
                              f"{int(position[r])}, context {int(step.context_lens[r])}, slots "
                              f"{slot_mapping[r].tolist()}")
         nb = sizes[bisect.bisect_left(sizes, n)]
-        tokens, logprobs = self._run_decode_run(nb, step, slot_mapping)
+        tokens, logprobs = self._run_decode_run(nb, step, slot_mapping, window_slots)
         tokens, logprobs = tokens[:, :n].T.astype(np.int32), logprobs[:, :n].T.astype(np.float32)
         tokens[~active], logprobs[~active] = -1, 0.0
         return tokens, logprobs
 
-    def _run_decode_run(self, nb: int, step: Optional[StepInputs], slot_mapping) -> tuple:
+    def _run_decode_run(self, nb: int, step: Optional[StepInputs], slot_mapping, window_slots=None) -> tuple:
         """The decode-run graph of nb rows on step's rows (None: none, for warmup); (K, nb) outputs. Padding rows
         sit the run out (slots -1), so a warmup call compiles the graph and computes nothing."""
         k = self.decode_run_steps
@@ -458,26 +486,32 @@ class ModelRunner:
         # the keys of each row's last step it takes (a row near the model's length takes fewer than k)
         need = 1 if step is None else int((step.context_lens + (slot_mapping >= 0).sum(1) - 1).max())
         w = self.buckets.width(1, -(-need // self.block_size))
-        slots = np.full((k, nb), -1, np.int32)
         pos = np.zeros((k, nb), np.int32)
         context = np.ones((k, nb), np.int32)
         ids = np.zeros(nb, np.int32)
-        tables = np.zeros((nb, w), np.int32)
         lora = np.zeros(nb, np.int32)
+        if step is None:                        # warmup: every row padding (the window pair too, with a pool)
+            none, no_tables = np.zeros((0, k), np.int32), np.zeros((0, 1), np.int32)
+            kv = self._kv_inputs(none, no_tables, none if self.window_blocks else None, no_tables, (nb, k), w, True)
+        else:
+            kv = self._kv_inputs(slot_mapping, step.block_tables, window_slots, step.window_tables, (nb, k), w, True)
+        slots, tables, window_slots, window_tables = kv                 # slots (nb, k): a row's steps
         if step is not None:
             lora[:n] = step.lora
             offsets = np.arange(k, dtype=np.int32)[:, None]
-            slots[:, :n] = slot_mapping.T
             pos[:, :n] = step.positions[:, 0] + offsets
             context[:, :n] = step.context_lens + offsets
-            sat_out = slots < 0                 # positions and contexts of steps sat out stay in range
+            sat_out = slots.T < 0               # positions and contexts of steps sat out stay in range
             pos[sat_out], context[sat_out] = 0, 1
             ids[:n] = step.input_ids[:, 0]
-            used = min(step.block_tables.shape[1], w)
-            tables[:n, :used] = step.block_tables[:, :used]
+        by_step = slots.T.copy()                                        # (k, nb): a step's rows
+        window_by_step = by_step if window_slots is slots else window_slots.T.copy()
+        slots_t, tables_t, window_slots_t, window_tables_t = self._kv_tensors(
+            (by_step, tables, window_by_step, window_tables), (k, nb))
         T = self._ms.Tensor
-        tokens, logprobs = self._call("decode_run", (nb, k), self.decode_run, T(ids), T(pos), T(slots), T(tables),
-                                      T(context), T(np.full(nb, -1, np.int32)), T(lora))
+        tokens, logprobs = self._call("decode_run", (nb, k), self.decode_run, T(ids), T(pos), slots_t, tables_t,
+                                      T(context), T(np.full(nb, -1, np.int32)), T(lora), window_slots_t,
+                                      window_tables_t)
         return tokens.asnumpy(), logprobs.asnumpy()
 
     def _execute_padded(self, step: StepInputs, nb: int, sb: int, return_logits: bool):
@@ -492,24 +526,50 @@ class ModelRunner:
         n, s = step.n, step.s
         cl, ql = step.context_lens, step.query_lens
         w = self.buckets.width(sb, -(-int(cl.max()) // self.block_size))
-        scratch = self.scratch_slot + (np.arange(nb * sb, dtype=np.int32) % self.block_size).reshape(nb, sb)
         ids_p = np.zeros((nb, sb), np.int32)
         pos_p = np.zeros((nb, sb), np.int32)
-        kernel = sb == 1 and self._layer_kernel_runs(nb)
-        slot_p = np.full((nb, sb), -1, np.int32) if kernel else scratch.copy()
-        bt_p = np.zeros((nb, w), np.int32)
         ids_p[:n, :s] = step.input_ids
         pos_p[:n, :s] = step.positions
-        # a token without a slot: the kernel's rows sit it out (warmup's steps then compute nothing), MindSpore's ops
-        # write it to the scratch block
-        slot_p[:n, :s] = np.where(step.slot_mapping < 0, -1 if kernel else scratch[:n, :s], step.slot_mapping)
-        used = min(step.block_tables.shape[1], w)          # entries past the longest row's blocks are padding
-        bt_p[:n, :used] = step.block_tables[:, :used]
+        kernel = sb == 1 and self._layer_kernel_runs(nb)
+        slot_p, bt_p, window_slot_p, window_bt_p = self._kv_tensors(self._kv_inputs(
+            step.slot_mapping, step.block_tables, step.window_slots, step.window_tables, (nb, sb), w, kernel), (nb, sb))
         T = self._ms.Tensor
         sample_index = np.arange(nb * sb if all_tokens else nb, dtype=np.int32)
-        return self._call("verify" if all_tokens else "model", (nb, sb), self.model, T(ids_p), T(pos_p), T(slot_p),
-                          T(bt_p), T(_pad(cl, nb, 1)), T(_pad(ql, nb, 1)), T(sample_index),
-                          T(np.full(nb, -1, np.int32)), T(_pad(step.lora, nb, 0)))
+        return self._call("verify" if all_tokens else "model", (nb, sb), self.model, T(ids_p), T(pos_p), slot_p,
+                          bt_p, T(_pad(cl, nb, 1)), T(_pad(ql, nb, 1)), T(sample_index),
+                          T(np.full(nb, -1, np.int32)), T(_pad(step.lora, nb, 0)), window_slot_p, window_bt_p)
+
+    def _kv_inputs(self, slots, tables, window_slots, window_tables, shape: tuple, width: int, kernel: bool) -> tuple:
+        """(slot_mapping, block_tables, window_slots, window_tables) as a graph call takes them (`_kv_pair`: each
+        cache's pair padded, with its own scratch block); without a window pool (window_slots None) the main pair
+        again, the same arrays."""
+        main = self._kv_pair(slots, tables, shape, width, kernel, self.scratch_slot)
+        if window_slots is None:
+            return main + main
+        return main + self._kv_pair(window_slots, window_tables, shape, width, kernel, self.window_scratch_slot)
+
+    def _kv_pair(self, slots, tables, shape: tuple, width: int, kernel: bool, scratch_slot: int) -> tuple:
+        """One cache's slots and block tables padded for a graph call: slots (m, ...) of the real rows or tokens
+        to `shape`, tables (m, w) of their rows to (shape[0], width) with 0 (entries past the longest row's blocks
+        are padding). A token without a slot, and the padding: -1 where the layer kernel runs (its rows sit it out:
+        warmup's steps then compute nothing), else a slot of the cache's scratch block (from scratch_slot on), where
+        MindSpore's ops write it."""
+        scratch = scratch_slot + (np.arange(int(np.prod(shape)), dtype=np.int32) % self.block_size).reshape(shape)
+        padded = np.full(shape, -1, np.int32) if kernel else scratch
+        real = tuple(slice(0, d) for d in slots.shape)
+        padded[real] = np.where(slots < 0, -1 if kernel else scratch[real], slots)
+        used = min(tables.shape[1], width)
+        padded_tables = np.zeros((shape[0], width), np.int32)
+        padded_tables[:len(tables), :used] = tables[:, :used]
+        return padded, padded_tables
+
+    def _kv_tensors(self, kv: tuple, slot_shape: tuple) -> tuple:
+        """`_kv_inputs`' arrays as Tensors, the slots shaped `slot_shape`; the main pair's Tensors again without a
+        window pool."""
+        T = self._ms.Tensor
+        slots, tables, window_slots, window_tables = kv
+        main = (T(slots.reshape(slot_shape)), T(tables))
+        return main + (main if window_slots is slots else (T(window_slots.reshape(slot_shape)), T(window_tables)))
 
     def _execute_verify_step(self, step: StepView):
         return self._execute_verify(StepInputs.make(self.limits, step))
@@ -655,40 +715,42 @@ class ModelRunner:
 
     @staticmethod
     def _flat_tokens(step: StepInputs) -> tuple:
-        """The step's real tokens in row-major order: valid (n, s) marks them; row_of, ids, positions, slots and
-        context (keys each token sees), (t,) each."""
+        """The step's real tokens in row-major order: valid (n, s) marks them; row_of, ids, positions, slots,
+        context (keys each token sees) and window slots (None without a window pool), (t,) each."""
         valid = np.arange(step.s)[None, :] < step.query_lens[:, None]                  # (n, s)
         row_of = np.repeat(np.arange(step.n), step.query_lens)                          # (t,)
         context = ((step.context_lens - step.query_lens)[row_of] + np.nonzero(valid)[1] + 1).astype(np.int32)
-        return valid, row_of, step.input_ids[valid], step.positions[valid], step.slot_mapping[valid], context
+        window_slots = None if step.window_slots is None else step.window_slots[valid]
+        return (valid, row_of, step.input_ids[valid], step.positions[valid], step.slot_mapping[valid], context,
+                window_slots)
 
     def _call_packed(self, step: StepInputs, flat: tuple, start: int, stop: int, tb: int, sample_index,
                      tree_bits: Optional[np.ndarray] = None):
         """The model graph of `tb` tokens on the step's real tokens start..stop-1 (`flat`: _flat_tokens(step)),
         padding after them; tree_bits: each real token's visible keys (a token tree's nodes; default all)."""
         k = stop - start
-        row_of, ids, pos, slots, context = (a[start:stop] for a in flat[1:])
-        scratch = self.scratch_slot + (np.arange(tb, dtype=np.int32) % self.block_size)
-        kernel = self._layer_kernel_runs(tb)
-        piece_slots = np.full(tb, -1, np.int32) if kernel else scratch.copy()
-        piece_slots[:k] = np.where(slots < 0, -1 if kernel else scratch[:k], slots)     # (as _call_padded's)
-        used = min(step.block_tables.shape[1], self.max_blocks_per_seq)
-        piece_tables = np.zeros((tb, self.max_blocks_per_seq), np.int32)
-        piece_tables[:k, :used] = step.block_tables[row_of, :used]                 # each token: its row's table
+        row_of, ids, pos, slots, context = (a[start:stop] for a in flat[1:6])
+        window_slots = None if flat[6] is None else flat[6][start:stop]
+        window_tables = None if window_slots is None else step.window_tables[row_of]
+        # each token its row's tables (padded as _call_padded's)
+        kv = self._kv_inputs(slots, step.block_tables[row_of], window_slots, window_tables, (tb,),
+                             self.max_blocks_per_seq, self._layer_kernel_runs(tb))
         bits = np.full(tb, -1, np.int32)
         if tree_bits is not None:
             bits[:k] = tree_bits[start:stop]
-        return self._run_packed(tb, _pad(ids, tb, 0), _pad(pos, tb, 0), piece_slots, piece_tables,
-                                _pad(context, tb, 0), sample_index, bits,          # context 0: padding
-                                _pad(step.lora[row_of], tb, 0))                    # each token its row's adapter
+        return self._run_packed(tb, _pad(ids, tb, 0), _pad(pos, tb, 0), kv, _pad(context, tb, 0), sample_index,
+                                bits, _pad(step.lora[row_of], tb, 0))   # context 0: padding; each token its adapter
 
-    def _run_packed(self, tb, ids, pos, slots, tables, context, sample_index, tree_bits=None, lora=None,
+    def _run_packed(self, tb, ids, pos, kv, context, sample_index, tree_bits=None, lora=None,
                     compile_only: bool = False):
+        """The model graph of tb packed tokens; kv: `_kv_inputs`' (tb,) slots and (tb, max_blocks_per_seq)
+        tables."""
         T = self._ms.Tensor
         bits = np.full(tb, -1, np.int32) if tree_bits is None else tree_bits
         lora = np.zeros(tb, np.int32) if lora is None else lora
-        args = (T(ids.reshape(tb, 1)), T(pos.reshape(tb, 1)), T(slots.reshape(tb, 1)), T(tables), T(context),
-                T(np.ones(tb, np.int32)), T(sample_index), T(bits), T(lora))
+        slots, tables, window_slots, window_tables = self._kv_tensors(kv, (tb, 1))
+        args = (T(ids.reshape(tb, 1)), T(pos.reshape(tb, 1)), slots, tables, T(context),
+                T(np.ones(tb, np.int32)), T(sample_index), T(bits), T(lora), window_slots, window_tables)
         if compile_only:                 # warmup: compiled (or loaded from the compile cache), not run
             return self.model.compile(*args)
         return self._call("packed", (tb, sample_index.shape[0]), self.model, *args)
@@ -724,8 +786,9 @@ class ModelRunner:
         pos = np.minimum(np.arange(s, dtype=np.int32), self.max_context - 1)
         context = pos[-1] + 1 if width is None else width * self.block_size
         kind = StepKind.DECODE if s == 1 else StepKind.PREFILL
+        slots, tables = np.full((b, s), -1, np.int32), np.zeros((b, 1), np.int32)
         self.execute(StepView(kind, input_ids=np.zeros((b, s), np.int32), positions=np.tile(pos, (b, 1)),
-                              slot_mapping=np.full((b, s), -1, np.int32), block_tables=np.zeros((b, 1), np.int32),
+                              slot_mapping=slots, block_tables=tables, window_slots=slots, window_tables=tables,
                               context_lens=np.full((b,), context, np.int32), query_lens=np.full((b,), s, np.int32),
                               temperature=np.full((b,), temperature, np.float32), top_k=np.zeros((b,), np.int32),
                               top_p=np.ones((b,), np.float32), random_u=np.full((b,), 0.5, np.float32)))
@@ -734,12 +797,12 @@ class ModelRunner:
         """One packed prefill step of `tokens` padding tokens (scratch block only, nothing attended); with
         compile_only its model graph is only compiled."""
         rows = self.prefill_batch_sizes[-1]
-        scratch = self.scratch_slot + (np.arange(tokens, dtype=np.int32) % self.block_size)
-        if self._layer_kernel_runs(tokens):
-            scratch[:] = -1                                      # the kernel's rows sit out: nothing computed
+        none, no_tables = np.zeros(0, np.int32), np.zeros((0, 1), np.int32)    # every token padding
+        kv = self._kv_inputs(none, no_tables, none if self.window_blocks else None, no_tables, (tokens,),
+                             self.max_blocks_per_seq, self._layer_kernel_runs(tokens))
         zeros = np.zeros(tokens, np.int32)
-        outputs = self._run_packed(tokens, zeros, zeros, scratch, np.zeros((tokens, self.max_blocks_per_seq),
-                                   np.int32), zeros, np.zeros(rows, np.int32), compile_only=compile_only)
+        outputs = self._run_packed(tokens, zeros, zeros, kv, zeros, np.zeros(rows, np.int32),
+                                   compile_only=compile_only)
         if compile_only:
             return
         per_row = {"temperature": np.full(rows, temperature, np.float32), "top_k": np.zeros(rows, np.int32),
@@ -753,8 +816,9 @@ class ModelRunner:
         s = self.buckets.verify_width
         n = size // s if self.buckets.packed else size
         pos = np.tile(np.arange(s, dtype=np.int32), (n, 1))
+        slots, tables = np.full((n, s), -1, np.int32), np.zeros((n, 1), np.int32)
         self.execute(StepView(StepKind.VERIFY, input_ids=np.zeros((n, s), np.int32), positions=pos,
-                              slot_mapping=np.full((n, s), -1, np.int32), block_tables=np.zeros((n, 1), np.int32),
+                              slot_mapping=slots, block_tables=tables, window_slots=slots, window_tables=tables,
                               context_lens=np.full((n,), s, np.int32), query_lens=np.full((n,), s, np.int32),
                               temperature=np.full((n,), temperature, np.float32), top_k=np.zeros((n,), np.int32),
                               top_p=np.ones((n,), np.float32), random_u=np.zeros((n,), np.float32),

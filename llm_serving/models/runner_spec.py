@@ -13,7 +13,10 @@ class RunnerSpec:
     """A runner's KV cache, graph buckets, kernels and step kinds (see ModelRunner for what each does).
 
     num_blocks, block_size, max_blocks_per_seq, kv_cache_dtype: the paged KV cache (plus the runner's scratch
-    block) and its element type ("float16", "bfloat16", "float32" or "int8").
+    block) and its element type ("float16", "bfloat16", "float32" or "int8"). window_blocks: the window pool's blocks
+    (0: none), the cache of the sliding-window layers (plus its own scratch block), read through the step's
+    window_tables and window_slots (shm/layout.py); a model without sliding layers ignores it. window_tokens: the window
+    the master frees those blocks by (pa_config.window_tokens), which must be the model's longest sliding window.
     decode_batch_sizes, prefill_batch_sizes, prefill_seq_lens, decode_block_widths, max_step_tokens: the graph
     buckets (buckets.py). verify_width, verify_rows: verify steps' buckets (speculative decoding; 0 rows: none).
     decode_run_steps, decode_run_rows: decode runs (None rows: every batch the layer kernel takes).
@@ -52,6 +55,8 @@ class RunnerSpec:
     lora_rank: int = 16
     kv_cache_dtype: str = "float16"
     batch_invariant: Union[bool, str] = "auto"
+    window_blocks: int = 0
+    window_tokens: Optional[int] = None
 
     def __post_init__(self) -> None:
         from llm_serving.config import KV_CACHE_VALUE_BYTES
@@ -71,7 +76,9 @@ class RunnerSpec:
         rank's share of the cores, and whether it keeps the compile cache) are the caller's."""
         mc, pa, sc = config.model_config, config.pa_config, config.serving_config
         lc, spec, sched = config.lora_config, config.spec_config, config.scheduler_config
-        return cls(num_blocks=pa.num_blocks, block_size=pa.block_size, max_blocks_per_seq=config.max_blocks_per_seq,
+        return cls(num_blocks=pa.num_blocks, window_blocks=config.window_blocks, window_tokens=pa.window_tokens,
+                   block_size=pa.block_size,
+                   max_blocks_per_seq=config.max_blocks_per_seq,
                    decode_batch_sizes=mc.decode_batch_size, prefill_batch_sizes=mc.prefill_batch_size,
                    prefill_seq_lens=mc.seq_length, decode_block_widths=config.decode_block_widths,
                    device_target=mc.device_target, device_id=device_id,

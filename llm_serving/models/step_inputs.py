@@ -4,6 +4,11 @@ object the runner takes (shm/layout.py's `StepView`: the step buffers' arrays by
 Shapes: n rows, s new tokens per row at most, w block-table entries per row.
   input_ids, positions, slot_mapping  int32 (n, s): new tokens left-aligned (padding: id 0, position 0, slot -1)
   block_tables                        int32 (n, w <= max_blocks_per_seq), padded with 0
+  window_slots, window_tables         int32 (n, s), (n, w' <= max_blocks_per_seq) or None: the window pool's
+                                      slot_mapping and block_tables (shm/layout.py), read by the sliding-window
+                                      layers; None when the runner has no window pool (StepLimits.window_blocks
+                                      0), whatever the step holds. A token has a window slot exactly when it has a
+                                      slot (-1 both, or neither)
   context_lens                        int32 (n,): tokens in the cache once this step's are written
   query_lens                          int32 (n,): valid new tokens; the sampled token follows token query_lens-1
   temperature (0 = greedy), top_k (0 = off), top_p (1 = off), random_u (uniform [0, 1)), top_n (top
@@ -38,13 +43,17 @@ from .logit_controls import logit_rows, uses_controls
 @dataclass(frozen=True)
 class StepLimits:
     """What a runner accepts: ids below vocab_size, positions and contexts within max_context, block ids
-    below num_blocks, slots below scratch_slot (the scratch block is the runner's own)."""
+    below num_blocks, slots below scratch_slot (the scratch block is the runner's own); with a window pool
+    (window_blocks > 0), its block ids up to window_blocks (its scratch block: what entries below a row's window
+    point at) and its slots below window_scratch_slot (the scratch block's first)."""
     vocab_size: int
     max_context: int
     num_blocks: int
     max_blocks_per_seq: int
     scratch_slot: int
     lora_slots: int = 0
+    window_blocks: int = 0
+    window_scratch_slot: int = 0
 
 
 def _fail(what: str) -> None:
@@ -65,6 +74,8 @@ class StepInputs:
     lora: Optional[np.ndarray] = None         # (n,): each row's LoRA adapter slot (None: all 0, no adapter)
     prompt_target: Optional[np.ndarray] = None    # (n, s): a prefill step's prompt tokens to score (-1: none)
     prompt_top: Optional[np.ndarray] = None       # (n,): top log-probabilities wanted per scored position
+    window_slots: Optional[np.ndarray] = None     # (n, s): the window pool's slots (None: no pool)
+    window_tables: Optional[np.ndarray] = None    # (n, w'): the window pool's block tables (None: no pool)
     live: object = None                       # the step view (its logit controls are written while the model runs)
 
     def __post_init__(self) -> None:
@@ -108,9 +119,7 @@ class StepInputs:
         n, s = input_ids.shape
         positions = np.asarray(step.positions, np.int32)
         slot_mapping = np.asarray(step.slot_mapping, np.int32)
-        block_tables = np.asarray(step.block_tables, np.int32)
-        if block_tables.ndim == 1:
-            block_tables = block_tables.reshape(n, -1)
+        block_tables = _table(step.block_tables, n)
         cl, ql = np.asarray(step.context_lens, np.int32), np.asarray(step.query_lens, np.int32)
         top_n = step.top_n
         per_row = {"temperature": np.asarray(step.temperature, np.float32), "top_k": np.asarray(step.top_k, np.int32),
@@ -132,10 +141,7 @@ class StepInputs:
         for name, arr in (("positions", positions), ("slot_mapping", slot_mapping)):
             if arr.shape != (n, s):
                 _fail(f"{name} has shape {arr.shape}, expected {(n, s)}")
-        if (block_tables.ndim != 2 or block_tables.shape[0] != n
-                or not 1 <= block_tables.shape[1] <= limits.max_blocks_per_seq):
-            _fail(f"block_tables has shape {block_tables.shape}, expected ({n}, w) with 1 <= w <= "
-                  f"max_blocks_per_seq={limits.max_blocks_per_seq}")
+        _check_table("block_tables", block_tables, n, limits)
         for name, arr in (("context_lens", cl), ("query_lens", ql), *per_row.items()):
             if name not in _PER_ROW_2D and arr.shape != (n,):
                 _fail(f"{name} has shape {arr.shape}, expected ({n},)")
@@ -147,9 +153,8 @@ class StepInputs:
                                      ("slot_mapping", slot_mapping, -1, limits.scratch_slot),
                                      ("token ids", input_ids, 0, limits.vocab_size),
                                      ("block ids", block_tables, 0, limits.num_blocks)):
-            if arr.min() < low or arr.max() >= high:
-                _fail(f"{name} must be in [{low}, {high}){' or -1' if low == -1 else ''}, "
-                      f"got range [{arr.min()}, {arr.max()}]")
+            _check_range(name, arr, low, high)
+        window_slots, window_tables = _window_pair(limits, step, slot_mapping)
         if verify_u is not None:
             verify_u = np.asarray(verify_u, np.float32)
             if verify_u.shape != (n, s):
@@ -186,7 +191,7 @@ class StepInputs:
             if prompt_target.min() < -1 or prompt_target.max() >= limits.vocab_size or prompt_top.max() > TOP_LOGPROBS:
                 _fail(f"prompt_target must be token ids or -1 and prompt_top at most {TOP_LOGPROBS}")
         return cls(input_ids, positions, slot_mapping, block_tables, cl, ql, per_row, verify_u, verify_parent, lora,
-                   prompt_target, prompt_top, live=step)
+                   prompt_target, prompt_top, window_slots=window_slots, window_tables=window_tables, live=step)
 
     def tree_bits(self) -> np.ndarray:
         """(t,) int32 for the step's real tokens in row-major order: which of its last 32 keys each token sees
@@ -210,6 +215,48 @@ class StepInputs:
 
 
 _PER_ROW_2D = frozenset({"history"})            # (n, width): checked where made
+
+
+def _table(arr, n: int) -> np.ndarray:
+    """A block-table array as int32 (n, w) (a flat one reshaped)."""
+    table = np.asarray(arr, np.int32)
+    return table.reshape(n, -1) if table.ndim == 1 else table
+
+
+def _check_table(name: str, table: np.ndarray, n: int, limits: StepLimits) -> None:
+    if table.ndim != 2 or table.shape[0] != n or not 1 <= table.shape[1] <= limits.max_blocks_per_seq:
+        _fail(f"{name} has shape {table.shape}, expected ({n}, w) with 1 <= w <= "
+              f"max_blocks_per_seq={limits.max_blocks_per_seq}")
+
+
+def _check_range(name: str, arr: np.ndarray, low: int, high: int) -> None:
+    """arr's values in [low, high) (low -1: -1 means none)."""
+    if arr.min() < low or arr.max() >= high:
+        _fail(f"{name} must be in [{low}, {high}){' or -1' if low == -1 else ''}, got range [{arr.min()}, {arr.max()}]")
+
+
+def _window_pair(limits: StepLimits, step, slot_mapping: np.ndarray) -> tuple:
+    """The window pool's (window_slots (n, s), window_tables (n, w)), checked against the step's slot_mapping
+    and the pool's limits; (None, None) without a pool (the step's window arrays are not read: the master
+    writes none)."""
+    if limits.window_blocks <= 0:
+        return None, None
+    missing = [name for name in ("window_slots", "window_tables") if getattr(step, name) is None]
+    if missing:
+        _fail(f"the window pool is on (window_blocks={limits.window_blocks}): the step needs "
+              f"{' and '.join(missing)}")
+    n = slot_mapping.shape[0]
+    slots, tables = np.asarray(step.window_slots, np.int32), _table(step.window_tables, n)
+    if slots.shape != slot_mapping.shape:
+        _fail(f"window_slots has shape {slots.shape}, expected {slot_mapping.shape}")
+    _check_table("window_tables", tables, n, limits)
+    _check_range("window_slots", slots, -1, limits.window_scratch_slot)
+    # (the pool's scratch block too: the master points a row's entries below its window there)
+    _check_range("window block ids", tables, 0, limits.window_blocks + 1)
+    if ((slots < 0) != (slot_mapping < 0)).any():
+        _fail("window_slots must be -1 exactly where slot_mapping is (a token writes its K/V to both caches, or "
+              "to neither)")
+    return slots, tables
 
 
 def _penalty_rows(limits: StepLimits, n: int, step) -> dict:

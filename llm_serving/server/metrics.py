@@ -47,6 +47,10 @@ class _EngineCollector:
         yield gauge("kv_blocks_total", "KV cache blocks", bm.num_blocks)
         yield gauge("kv_blocks_used", "KV cache blocks held by requests", used)
         yield gauge("kv_cache_usage_ratio", "Share of KV cache blocks held by requests", used / bm.num_blocks)
+        if bm.window_pool is not None:          # sliding-window layers' own cache (pa_config.window_blocks)
+            pool = bm.window_pool
+            yield gauge("kv_window_blocks_total", "Window-pool blocks (sliding-window layers)", pool.num_blocks)
+            yield gauge("kv_window_blocks_used", "Window-pool blocks held by requests", pool.num_blocks - pool.num_free)
         yield counter("prompt_tokens", "Prompt tokens of admitted requests", e.num_prompt_tokens)
         yield counter("generation_tokens", "Tokens generated", e.num_generated_tokens)
         yield counter("steps", "Steps run on the agents", e.num_steps)

@@ -32,6 +32,12 @@ only after its last; `max_verify` is the most tokens a speculating row feeds (1 
 of a decode run (scheduler_config.decode_steps, whose tokens come back in out_verify_*). A verify row's
 verify_parent is j-1 for token j along a chain, and a token tree's parent index otherwise; a decode run's
 slot_mapping holds a slot per step, -1 once the row sits the rest of the run out.
+
+The window pool (pa_config.window_blocks > 0, a model with sliding-window layers): the sliding layers keep their
+K/V in a cache of their own, whose blocks a row holds only while its window needs them (master/block_manager.py).
+window_tables and window_slots are that cache's block_tables and slot_mapping, written like them (a decode run's
+window_slots a slot per step too); a row's table entries for blocks its window has left are stale, and no
+kernel reads them. With the pool off they are not written, and every layer reads block_tables and slot_mapping.
 """
 from __future__ import annotations
 
@@ -98,6 +104,8 @@ input_ids            int32    token    master   model    new tokens per row, lef
 positions            int32    token    master   model    absolute position of each new token
 slot_mapping         int32    token    master   model    KV slot per new token, -1 = padding (a decode run: per step)
 block_tables         int32    table    master   model    KV block ids per row, in order
+window_slots         int32    token    master   model    the window pool's slot per new token (sliding layers; pa_config.window_blocks > 0)
+window_tables        int32    table    master   model    the window pool's block ids per row, by block index (entries below the row's window are stale)
 context_lens         int32    row      master   model    tokens in the cache after this step
 query_lens           int32    row      master   model    valid new tokens per row (>= 1)
 temperature          float32  row      master   model    0 = greedy

@@ -20,6 +20,16 @@ The number is the smaller of
   - `pa_config.kv_memory_fraction` of the memory available when the server starts (like vLLM's KV-cache space
     setting), so a small machine gets a smaller cache rather than an out-of-memory kill.
 It must hold one longest request; if even that does not fit the server does not start, and says what to lower.
+
+The window pool (`pa_config.window_blocks`, models with sliding-window layers: Gemma 3's five of six, Mistral's
+all): the sliding layers keep their K/V in a cache of their own, whose blocks a request holds only while its window
+needs them (master/block_manager.py), so a long request costs the global layers' bytes per token and the sliding
+layers' a window. `auto` sizes it for what is in flight at once (`window_need`): max_num_seqs requests' windows
+and the tokens a step may take ahead, plus one step's new tokens (every new token's K/V is written in the sliding
+layers too, before the window passes it), and turns it off (0) where that is no fewer blocks than the main pool's.
+With it, the main pool's blocks cost only the global layers' bytes (and a draft's), and the longest request
+`max_generate_length: auto` allows is bounded by those. A number is checked against what one request needs
+(`window_minimum`); beyond that the scheduler preempts, as for the main pool.
 """
 from __future__ import annotations
 
@@ -43,42 +53,110 @@ class KVPlan:
     bytes_per_block: int
     wanted_blocks: int          # max_num_seqs requests of SHARE_TOKENS, or one of the whole context
     budget_bytes: int           # kv_memory_fraction of the available memory
+    window_blocks: int = 0      # the window pool's (0: none)
+    window_block_bytes: int = 0
 
     def describe(self) -> str:
         limit = "the blocks wanted" if self.num_blocks == self.wanted_blocks else "the memory budget"
-        return (f"{self.num_blocks} KV blocks ({self.num_blocks * self.bytes_per_block / 2**20:.0f} MiB, "
+        text = (f"{self.num_blocks} KV blocks ({self.num_blocks * self.bytes_per_block / 2**20:.0f} MiB, "
                 f"{self.bytes_per_block / 2**10:.0f} KiB each; bound by {limit}: "
                 f"{self.wanted_blocks} blocks wanted, budget {self.budget_bytes / 2**20:.0f} MiB)")
+        if self.window_blocks:
+            text += (f", and {self.window_blocks} blocks in the sliding layers' window pool "
+                     f"({self.window_blocks * self.window_block_bytes / 2**20:.0f} MiB, "
+                     f"{self.window_block_bytes / 2**10:.0f} KiB each)")
+        return text
+
+
+@dataclass(frozen=True)
+class SlidingLayers:
+    """The target model's sliding-window layers: how many, and their longest window (tokens)."""
+    count: int
+    window: int
+
+    @classmethod
+    def of(cls, shape, num_layers: int) -> "SlidingLayers":
+        windows = [w for w in (shape.layer_window(i) for i in range(num_layers)) if w]
+        return cls(len(windows), max(windows, default=0))
+
+
+def _step_tokens(config: Config) -> int:
+    """The most tokens one step feeds: the token budget, or a lone whole prompt without chunked prefill."""
+    sc = config.serving_config
+    if config.scheduler_config.chunked_prefill:
+        return sc.max_num_batched_tokens
+    return max(sc.max_num_batched_tokens, config.model_config.seq_length[-1])
+
+
+def _window_row_blocks(config: Config, window: int) -> int:
+    """Window-pool blocks one running request holds at most when a step is scheduled: its window's keys (the
+    blocks below it were freed) and the tokens a step feeds it ahead (a decode run's, a verify step's)."""
+    ahead = max(config.scheduler_config.decode_steps, config.spec_config.tokens_per_row, 1)
+    return -(-(window + ahead) // config.pa_config.block_size) + 2
+
+
+def window_minimum(config: Config, window: int) -> int:
+    """The fewest window-pool blocks with which a lone request always goes on: its window and one step's tokens."""
+    return _window_row_blocks(config, window) + -(-_step_tokens(config) // config.pa_config.block_size)
+
+
+def window_need(config: Config, window: int) -> int:
+    """Window-pool blocks for what is in flight at once: max_num_seqs requests' windows, one step's new tokens
+    (a block more per prefill row, for its chunk's rounding)."""
+    return (config.serving_config.max_num_seqs * _window_row_blocks(config, window)
+            + -(-_step_tokens(config) // config.pa_config.block_size) + config.model_config.prefill_batch_size[-1])
 
 
 def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: str = "float16") -> int:
     return 2 * num_layers * num_kv_heads * kv_vector_bytes(dtype, head_dim) * block_size
 
 
-def plan_blocks(config: Config, token_bytes: int, available_bytes: int) -> KVPlan:
+def plan_blocks(config: Config, token_bytes: int, available_bytes: int, window_token_bytes: int = 0,
+                window_blocks: int = 0, optional: bool = True) -> KVPlan:
     """The block count for a cache of `token_bytes` per token (K and V of every layer of every model),
-    given `available_bytes` of free memory. ConfigError if one longest request does not fit."""
+    given `available_bytes` of free memory; with a window pool of `window_blocks` (`window_token_bytes` per token:
+    the sliding layers', which token_bytes then leaves out), the main pool gets what the window pool leaves, or,
+    where that is no more blocks than the window pool's and the pool is `optional`, the pool is off (window_blocks 0
+    in the plan) and every layer's bytes count per block. ConfigError if one longest request does not fit."""
     pa, sc = config.pa_config, config.serving_config
     per_block = token_bytes * pa.block_size
     share = -(-min(config.max_model_len, SHARE_TOKENS) // pa.block_size)
     wanted = max(sc.max_num_seqs * share, config.max_blocks_per_seq)
     budget = int(available_bytes * pa.kv_memory_fraction)
+    if window_blocks:
+        window_block = window_token_bytes * pa.block_size
+        left = budget - window_blocks * window_block
+        num = wanted if per_block == 0 else min(wanted, max(left, 0) // per_block)
+        if num > window_blocks or not optional:
+            if num < config.max_blocks_per_seq:
+                _too_small(config, per_block, available_bytes)
+            return KVPlan(num_blocks=num, bytes_per_block=per_block, wanted_blocks=wanted, budget_bytes=budget,
+                          window_blocks=window_blocks, window_block_bytes=window_block)
+        per_block += window_block                  # the pool saves nothing: off
     num = min(wanted, budget // per_block)
     if num < config.max_blocks_per_seq:
-        need = config.max_blocks_per_seq * per_block
-        raise ConfigError(
-            f"pa_config.num_blocks=auto: one request of {config.max_model_len} tokens needs "
-            f"{config.max_blocks_per_seq} KV blocks ({need / 2**20:.0f} MiB), more than pa_config.kv_memory_fraction="
-            f"{pa.kv_memory_fraction:g} of the {available_bytes / 2**20:.0f} MiB available; lower "
-            "model_config.max_generate_length, raise the fraction, or set pa_config.num_blocks")
+        _too_small(config, per_block, available_bytes)
     return KVPlan(num_blocks=num, bytes_per_block=per_block, wanted_blocks=wanted, budget_bytes=budget)
 
 
-def model_context(shape, config: Config, per_token: int, available_bytes: int) -> tuple[int, str, bool]:
+def _too_small(config: Config, per_block: int, available_bytes: int) -> None:
+    pa = config.pa_config
+    need = config.max_blocks_per_seq * per_block
+    raise ConfigError(
+        f"pa_config.num_blocks=auto: one request of {config.max_model_len} tokens needs "
+        f"{config.max_blocks_per_seq} KV blocks ({need / 2**20:.0f} MiB), more than pa_config.kv_memory_fraction="
+        f"{pa.kv_memory_fraction:g} of the {available_bytes / 2**20:.0f} MiB available; lower "
+        "model_config.max_generate_length, raise the fraction, or set pa_config.num_blocks")
+
+
+def model_context(shape, config: Config, per_token: int, available_bytes: int,
+                  window_pool: Optional[tuple] = None) -> tuple[int, str, bool]:
     """(tokens per request, why, whether the cache cut it) for model_config.max_generate_length auto: the model's
     trained context
     (`max_position_embeddings`: a GGUF's `<arch>.context_length`, HF's, a MindFormers `seq_length`), lowered to
-    what the KV cache holds for one request (pa_config.num_blocks, or kv_memory_fraction of `available_bytes`)."""
+    what the KV cache holds for one request (pa_config.num_blocks, or kv_memory_fraction of `available_bytes`).
+    window_pool (main bytes per token, the window pool's bytes): with a window pool, a token costs only the main
+    pool's bytes once the pool's are set aside, when that holds more."""
     pa = config.pa_config
     n, why, cut = shape.max_position_embeddings, "the model's trained context", False
     if pa.num_blocks != "auto":
@@ -89,6 +167,14 @@ def model_context(shape, config: Config, per_token: int, available_bytes: int) -
         fits = budget // (per_token * pa.block_size) * pa.block_size
         where = (f"pa_config.kv_memory_fraction={pa.kv_memory_fraction:g} of the {available_bytes / 2**20:.0f} MiB "
                  f"available ({per_token / 2**10:.1f} KiB a token)")
+        if window_pool is not None:
+            main_token, pool_bytes = window_pool
+            left = max(budget - pool_bytes, 0)
+            pooled = n if main_token == 0 else left // (main_token * pa.block_size) * pa.block_size
+            if pooled > fits:
+                fits = pooled
+                where += (f", {main_token / 2**10:.1f} KiB a token beside the sliding layers' window pool "
+                          f"({pool_bytes / 2**20:.0f} MiB)")
     if fits < n:
         n, cut, why = fits, True, (f"what the KV cache holds for one request, {where}; the model was trained for "
                         f"{shape.max_position_embeddings} tokens: raise the fraction, set pa_config.num_blocks or "
@@ -101,9 +187,12 @@ def model_context(shape, config: Config, per_token: int, available_bytes: int) -
 
 def size_for_model(config: Config, model_path: str, available_bytes: Optional[int] = None) -> Config:
     """`config` with what depends on the model decided: `model_config.vocab_size` when not given,
-    `model_config.max_generate_length` when it is `auto` (`model_context`), then `pa_config.num_blocks` when it is
-    `auto` (the model's shape read from its checkpoint, the draft's too); `config` itself when all are set."""
-    if config.pa_config.num_blocks != "auto" and config.context_decided and config.model_config.vocab_size:
+    `model_config.max_generate_length` when it is `auto` (`model_context`), then `pa_config.num_blocks` and
+    `pa_config.window_blocks` when they are `auto` (the model's shape read from its checkpoint, the draft's too);
+    `config` itself when all are set."""
+    pa = config.pa_config
+    if (pa.num_blocks != "auto" and (pa.window_blocks == 0 or pa.window_tokens is not None)
+            and config.context_decided and config.model_config.vocab_size):
         return config
     spec = config.spec_config
     try:
@@ -120,15 +209,37 @@ def size_for_model(config: Config, model_path: str, available_bytes: Optional[in
     if spec.uses_draft:
         per_token += bytes_per_block(spec.draft_num_layers or draft.num_layers, draft.num_kv_heads, draft.head_dim, 1,
                                      dtype)
+    # the window pool: its blocks (0: none), and the sliding layers' bytes per token, which the main pool's then
+    # leave out (a draft's layers all read the main pool)
+    sliding = SlidingLayers.of(shape, layers)
+    window_token = bytes_per_block(sliding.count, shape.num_kv_heads, shape.head_dim, 1, dtype)
+    window_blocks = 0
+    if sliding.count and pa.window_blocks != 0:
+        window_blocks = window_need(config, sliding.window) if pa.window_blocks == "auto" else pa.window_blocks
+        least = window_minimum(config, sliding.window)
+        if window_blocks < least:
+            raise ConfigError(f"pa_config.window_blocks={pa.window_blocks}: one request needs {least} blocks of the "
+                              f"window pool ({sliding.window}-token windows and a step's "
+                              f"{least * pa.block_size - sliding.window} tokens ahead); set at least that, auto or 0")
+    elif pa.window_blocks not in ("auto", 0):
+        logger.info("pa_config.window_blocks=%s: the model has no sliding-window layers; no window pool",
+                    pa.window_blocks)
     if available_bytes is None:
         available_bytes = psutil.virtual_memory().available
     if not config.context_decided:
-        n, why, cut = model_context(shape, config, per_token, available_bytes)
+        pool = (per_token - window_token, window_blocks * window_token * pa.block_size) if window_blocks else None
+        n, why, cut = model_context(shape, config, per_token, available_bytes, pool)
         (logger.warning if cut else logger.info)("model_config.max_generate_length=auto: %d tokens per request, %s",
                                                  n, why)
         config = config.with_decided(max_generate_length=n)
-    if config.pa_config.num_blocks != "auto":
-        return config
-    plan = plan_blocks(config, per_token, available_bytes)
+    if pa.num_blocks != "auto":
+        if pa.window_blocks == "auto" and window_blocks >= pa.num_blocks:
+            window_blocks = 0                         # it would save nothing
+        if window_blocks:
+            logger.info("pa_config.window_blocks: %d blocks in the sliding layers' window pool", window_blocks)
+        return config.with_decided(window_blocks=window_blocks, window_tokens=sliding.window if window_blocks else None)
+    plan = plan_blocks(config, per_token - window_token if window_blocks else per_token, available_bytes,
+                       window_token, window_blocks, optional=pa.window_blocks == "auto")
     logger.info("pa_config.num_blocks=auto: %s", plan.describe())
-    return config.with_decided(num_blocks=plan.num_blocks)
+    return config.with_decided(num_blocks=plan.num_blocks, window_blocks=plan.window_blocks,
+                               window_tokens=sliding.window if plan.window_blocks else None)

@@ -145,13 +145,19 @@ async def _completions(url: str, model: str, prompts: list) -> list:
         return await asyncio.gather(*(one(session, p) for p in prompts))
 
 
-@pytest.mark.parametrize("family", SERVED)
-def test_served_with_chunks_preemption_prefix_cache_and_ngram_speculation(models, family, tmp_path):
+# (family, the window pool's blocks: 0 off; 9 for 16-key windows in blocks of 8 is a few more than one request needs,
+# so the pool runs out before the main one and preempts too)
+SERVED_POOLS = [(family, 0) for family in SERVED] + [("gemma3", 9), ("mistral-swa", 9)]
+
+
+@pytest.mark.parametrize("family, window_blocks", SERVED_POOLS)
+def test_served_with_chunks_preemption_prefix_cache_and_ngram_speculation(models, family, window_blocks, tmp_path):
     """The real server on a family's directory, with everything that moves a request's tokens between steps and
     blocks: chunked prefill (16-token chunks, a window crossing them), a KV cache too small for the requests
     together (preemption, recomputation), the prefix cache (the long prompt twice) and n-gram speculation (the
-    default; verify steps of proposed tokens). Each request's text is transformers' greedy text, and the precision
-    gate passes."""
+    default; verify steps of proposed tokens); for sliding-window models also with their window pool, whose blocks
+    leave a request as its window moves. Each request's text is transformers' greedy text, and the precision gate
+    passes."""
     import asyncio
 
     from tokenizers import Tokenizer
@@ -164,7 +170,8 @@ def test_served_with_chunks_preemption_prefix_cache_and_ngram_speculation(models
     args = ["--model", path, "--set", "model_config.max_generate_length=64", "--set", "pa_config.block_size=8",
             "--set", "pa_config.num_blocks=20", "--set", "scheduler_config.kv_watermark=0",
             "--set", "scheduler_config.chunked_prefill=true", "--set", "scheduler_config.max_chunk_tokens=16",
-            "--set", "serving_config.max_num_batched_tokens=24", "--set", "serving_config.max_num_seqs=6"]
+            "--set", "serving_config.max_num_batched_tokens=24", "--set", "serving_config.max_num_seqs=6",
+            "--set", f"pa_config.window_blocks={window_blocks}"]
     with serving(args, tmp_path / "server.log") as server:
         name = http("GET", server.url + "/info")[1]["model_id"]
         results = asyncio.run(_completions(server.url, name, prompts))
@@ -182,6 +189,10 @@ def test_served_with_chunks_preemption_prefix_cache_and_ngram_speculation(models
     assert leftovers(server) == []
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_rate"] > 0, stats
     assert stats["num_free_blocks"] == stats["num_blocks"], stats
+    if window_blocks:                       # the pool served, and every block came back
+        assert stats["window_pool"] == {"window": 16, "num_blocks": window_blocks, "num_free_blocks": window_blocks}
+    else:
+        assert stats["window_pool"] is None
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert result["greedy_agreement"] == 1.0 and result["max_rel_error"] < 5e-3
 

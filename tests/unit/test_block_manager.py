@@ -125,3 +125,62 @@ def test_prefixes_are_shared_only_under_the_same_root():
     assert bm.match_prefix(tokens, 1) == ()                       # another adapter: nothing cached yet
     assert bm.num_cached_blocks == 6
     bm.check_invariants()
+
+
+# --- the window pool (sliding-window layers) ------------------------------------------------------------
+
+def test_a_window_pool_holds_only_the_blocks_the_next_query_sees():
+    bm = BlockManager(num_blocks=16, block_size=4, window=6, window_blocks=8)
+    assert bm.allocate("a", 10) == [0, 1, 2] and bm.window_tables["a"] == [0, 1, 2]
+    assert bm.num_free_window_blocks == 5
+    # 10 tokens computed: the query at position 10 sees keys 5..10, so block 0 (keys 0-3) goes, block 1 stays
+    assert bm.release_window("a", 10) == 1
+    assert bm.window_tables["a"] == [-1, 1, 2] and bm.num_free_window_blocks == 6
+    assert bm.release_window("a", 10) == 0                     # nothing more until the window moves on
+    bm.allocate("a", 14)                                       # a new block in both pools, at the same index
+    assert bm.block_tables["a"] == [0, 1, 2, 3] and bm.window_tables["a"][3] >= 0
+    assert bm.window_slot("a", 13) == bm.window_tables["a"][3] * 4 + 1 and bm.slot("a", 13) == 3 * 4 + 1
+    assert bm.release_window("a", 13) == 1                     # query 13 sees 8..13: block 1 goes
+    assert bm.window_tables["a"][:2] == [-1, -1]
+    bm.check_invariants()
+    assert bm.free("a") == 4
+    assert bm.num_free_blocks == 16 and bm.num_free_window_blocks == 8
+    bm.check_invariants()
+
+
+def test_every_new_token_needs_a_window_block_so_the_smaller_pool_bounds_a_step():
+    bm = BlockManager(num_blocks=16, block_size=4, window=4, window_blocks=3)
+    assert bm.can_allocate("a", 12) and not bm.can_allocate("a", 13)       # 4 main blocks free but 3 window
+    with pytest.raises(MemoryError, match="window pool: 3"):
+        bm.allocate("a", 13)
+    bm.allocate("a", 12)
+    bm.release_window("a", 12)                 # the query at 12 sees 9..12: blocks 0 and 1 go
+    assert bm.can_allocate("a", 20) and bm.num_free_window_blocks == 2
+    bm.check_invariants()
+
+
+def test_a_prefix_matches_only_as_far_as_its_window_blocks_are_still_cached():
+    bm = BlockManager(num_blocks=16, block_size=2, enable_prefix_caching=True, window=3, window_blocks=16)
+    seq = list(range(10, 20))                                  # 10 tokens, 5 blocks
+    bm.allocate("a", 10)
+    bm.cache_full_blocks("a", tokens_of(seq), 10)              # main and window blocks registered
+    window_a = list(bm.window_tables["a"])
+    assert bm.release_window("a", 10) == 4                     # the query at 10 sees 8..10: blocks 0-3 go
+    bm.free("a")                                               # (released blocks stay cached)
+    seq_b = seq[:8] + [1, 2, 3]                                # shares 4 blocks with seq
+    # 4 blocks match, and the first query after them (position 8, keys 6..8) sees index 3's window block only
+    prefix = bm.match_prefix(seq_b)
+    assert len(prefix) == 4 and prefix.window == (window_a[3],)
+    bm.allocate("b", len(seq_b), prefix)
+    assert bm.window_tables["b"][:4] == [-1, -1, -1, window_a[3]]
+    assert bm.window_pool.ref_counts[window_a[3]] == 1
+    bm.check_invariants()
+    bm.free("b")
+    # index 3's window block evicted (made the least recently used, then every free block and one cached taken):
+    # the prefix ends where the window blocks its query sees are still there, 3 blocks (query 6 sees 4..6: index 2)
+    bm.window_pool.evictable.move_to_end(window_a[3], last=False)
+    bm.allocate("c", 2 * 12)
+    assert window_a[3] in bm.window_tables["c"]
+    prefix = bm.match_prefix(seq_b)
+    assert len(prefix) == 3 and prefix.window == (window_a[2],)
+    bm.check_invariants()

@@ -3,6 +3,7 @@ KV bookkeeping, with a fake draft agent that keeps its KV by slot and refuses to
 stale — so a `num_draft_computed` that claims more than the draft's cache holds fails the test, and one that
 claims less shows as the draft re-feeding tokens (counted)."""
 import asyncio
+import dataclasses
 import random
 from types import SimpleNamespace
 
@@ -233,7 +234,10 @@ def test_draft_config_is_the_targets_with_the_drafts_model_and_one_agent():
     assert draft.model_config.prefill_batch_size == [1, 2, 4]          # every speculating row catches up at once
     assert draft.model_config.seq_length == [2] + config.model_config.seq_length   # catch-ups are 1-2 tokens
     assert not draft.spec_config.enabled
-    assert draft.pa_config == config.pa_config and draft.max_blocks_per_seq == config.max_blocks_per_seq
+    # the target's blocks, but never the window pool: the draft catches up on the main tables from behind
+    assert dataclasses.replace(draft.pa_config, window_blocks="auto") == config.pa_config
+    assert draft.max_blocks_per_seq == config.max_blocks_per_seq
+    assert draft.pa_config.window_blocks == 0 and draft.pa_config.window_tokens is None
     with pytest.raises(ConfigError, match="draft_agent_port"):
         config_from_dict({"serving_config": {"agent_ports": [16002]},
                           "spec_config": {"method": "draft", "draft_agent_port": 16002}})

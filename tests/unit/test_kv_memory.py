@@ -97,7 +97,7 @@ def test_the_model_shape_is_read_from_the_checkpoint_and_a_draft_adds_its_layers
 
 def test_a_given_block_count_is_kept():
     cfg = config_from_dict({}, ("pa_config.num_blocks=100", "model_config.max_generate_length=512",
-                                "model_config.vocab_size=512"))
+                                "model_config.vocab_size=512", "pa_config.window_blocks=0"))
     assert size_for_model(cfg, "/nonexistent", available_bytes=0) is cfg
 
 
@@ -170,3 +170,74 @@ def test_a_sliding_window_model_is_served_its_whole_trained_context():
         (32768, "the model's trained context", False)
     n, why, cut = model_context(shape, cfg, 1000, 100 * MiB)         # 30 MiB of 1,000-byte tokens
     assert n == 30 * MiB // 16_000 * 16 and cut and "trained for 32768 tokens" in why
+
+
+# --- the window pool (sliding-window layers) ------------------------------------------------------------
+
+def gemma3_4b_shape(**changes):
+    """Gemma 3 4B's cache shape: 34 layers, every 6th global, the rest sliding over 1,024 keys; 4 KV heads of 256."""
+    from llm_serving.models.weights import LlamaConfig
+    fields = dict(vocab_size=262_208, hidden_size=2560, intermediate_size=10240, num_layers=34, num_heads=8,
+                  num_kv_heads=4, head_dim=256, max_position_embeddings=131_072, sliding_window=1024,
+                  layer_types=tuple("full" if i % 6 == 5 else "sliding" for i in range(34)))
+    fields.update(changes)
+    return LlamaConfig(**fields)
+
+
+@pytest.fixture
+def gemma_shape(monkeypatch):
+    import llm_serving.startup.kv_memory as kv_memory
+    shape = gemma3_4b_shape()
+    monkeypatch.setattr(kv_memory, "model_shape", lambda path: shape)
+    return shape
+
+
+GEMMA_TOKEN = bytes_per_block(34, 4, 256, 1)           # every layer's K and V of one token, float16
+GEMMA_GLOBAL_TOKEN = bytes_per_block(5, 4, 256, 1)     # the 5 global layers'
+
+
+def test_a_long_context_model_with_sliding_layers_keeps_them_in_a_window_pool(gemma_shape):
+    sets = ("serving_config.max_num_seqs=16", "spec_config.method=off", "model_config.max_generate_length=8192",
+            "pa_config.num_blocks=8192")                  # 16 requests of 8k tokens
+    cfg = size_for_model(config_from_dict({}, sets), "gemma")
+    assert cfg.pa_config.window_tokens == 1024
+    pool = cfg.window_blocks
+    # 16 requests' windows (1,024 keys and a decode run's 8 ahead: 67 blocks each) and a step's tokens (chunked)
+    step = cfg.serving_config.max_num_batched_tokens
+    assert pool == 16 * (-(-(1024 + 8) // 16) + 2) + -(-step // 16) + cfg.model_config.prefill_batch_size[-1]
+    full = 8192 * 16 * GEMMA_TOKEN
+    pooled = 8192 * 16 * GEMMA_GLOBAL_TOKEN + pool * 16 * (GEMMA_TOKEN - GEMMA_GLOBAL_TOKEN)
+    assert pooled / full < 0.3                             # 5 of 34 layers hold the context, 29 a window
+    # a short context saves nothing: no pool
+    short = size_for_model(config_from_dict({}, sets[:2] + ("model_config.max_generate_length=512",
+                                                             "pa_config.num_blocks=512")), "gemma")
+    assert short.window_blocks == 0 and short.pa_config.window_tokens is None
+
+
+def test_with_a_window_pool_the_memory_budget_holds_more_context(gemma_shape):
+    sets = ("serving_config.max_num_seqs=4", "spec_config.method=off", "pa_config.kv_memory_fraction=0.5")
+    available = 2 * 8 * 2 ** 30                           # 8 GiB for the cache
+    off = size_for_model(config_from_dict({}, sets + ("pa_config.window_blocks=0",)), "gemma", available)
+    on = size_for_model(config_from_dict({}, sets), "gemma", available)
+    assert off.window_blocks == 0 and on.window_blocks > 0
+    # every layer's bytes per token without the pool: 8 GiB / 136 KiB = 61,680 tokens; with it, the global
+    # layers' 20 KiB per token beside the pool: the model's whole 131,072 tokens
+    assert off.model_config.max_generate_length == 8 * 2 ** 30 // (GEMMA_TOKEN * 16) * 16
+    assert on.model_config.max_generate_length == 131_072
+    on_bytes = (on.pa_config.num_blocks * GEMMA_GLOBAL_TOKEN
+                + on.window_blocks * (GEMMA_TOKEN - GEMMA_GLOBAL_TOKEN)) * 16
+    assert on_bytes <= 8 * 2 ** 30 and on.pa_config.num_blocks >= on.max_blocks_per_seq
+
+
+def test_a_window_pool_too_small_for_one_request_is_refused_by_name(gemma_shape):
+    sets = ("spec_config.method=off", "model_config.max_generate_length=8192", "pa_config.num_blocks=1024")
+    with pytest.raises(ConfigError, match=r"pa_config.window_blocks=100: one request needs \d+ blocks"):
+        size_for_model(config_from_dict({}, sets + ("pa_config.window_blocks=100",)), "gemma")
+    kept = size_for_model(config_from_dict({}, sets + ("pa_config.window_blocks=700",)), "gemma")
+    assert kept.window_blocks == 700 and kept.pa_config.window_tokens == 1024
+
+
+def test_a_model_without_sliding_layers_has_no_window_pool(stories_hf):
+    cfg = size_for_model(config_from_dict({}, ("pa_config.window_blocks=300", "model_config.max_generate_length=64",
+                                               "spec_config.method=off")), stories_hf, available_bytes=2 ** 30)
+    assert cfg.window_blocks == 0 and cfg.pa_config.window_tokens is None

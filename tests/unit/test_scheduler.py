@@ -24,10 +24,13 @@ from llm_serving.master.step_io import StepOutputs
 DEFAULT_SPEC = SchedulerSpec(max_num_seqs=8, max_num_batched_tokens=64, max_prefill_rows=4, max_waiting_requests=100)
 
 
-def make_scheduler(*, num_blocks=64, block_size=4, prefix_caching=False, clock=time.monotonic, **overrides):
-    """A scheduler of DEFAULT_SPEC with `overrides` (SchedulerSpec fields) over a fresh block manager."""
+def make_scheduler(*, num_blocks=64, block_size=4, prefix_caching=False, clock=time.monotonic, window=0,
+                   window_blocks=0, **overrides):
+    """A scheduler of DEFAULT_SPEC with `overrides` (SchedulerSpec fields) over a fresh block manager (with a
+    window pool of window_blocks for sliding layers of `window` tokens, if given)."""
     return Scheduler(dataclasses.replace(DEFAULT_SPEC, **overrides),
-                     BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching), clock=clock)
+                     BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching, window=window,
+                                  window_blocks=window_blocks), clock=clock)
 
 
 def make_requests(n, prompt_len=5, max_new_tokens=4, *, prefix=(), name="r"):
@@ -58,8 +61,12 @@ def step_outputs(batch, tokens):
 
 
 class FakeRunner:
+    """With a window pool, the fake model is a sliding-window one too: it writes every token's K/V in both caches
+    and reads the keys its query's window sees (the last `window`) through the row's window table, the older ones
+    through its main table, so a window block freed too early, or shared and overwritten, changes its tokens."""
+
     def __init__(self, sched):
-        self.sched, self.kv, self.finished = sched, {}, []
+        self.sched, self.kv, self.window_kv, self.finished = sched, {}, {}, []
         self.outputs = OutputProcessor(sched)
 
     def step(self, batch):
@@ -71,6 +78,7 @@ class FakeRunner:
         tokens = []
         for i, (req, q) in enumerate(zip(batch.requests, batch.num_new_tokens)):
             c, table = req.num_computed_tokens, bm.block_tables[req.req_id]
+            window_table = bm.window_tables.get(req.req_id)
             steps = batch.run_lens[i] if batch.steps > 1 else 1
             assert 1 <= steps <= batch.steps
             assert len(table) * bs >= c + q + steps - 1, f"{req.req_id}: blocks do not cover the step"
@@ -80,10 +88,18 @@ class FakeRunner:
                 for p, token in zip(range(c, c + len(fed)), fed):
                     block = table[p // bs]
                     assert bm.ref_counts[block] == 1, f"{req.req_id} writes shared block {block}"
-                    assert block not in bm._key_of, f"{req.req_id} writes cached block {block}"
+                    assert not bm.is_cached(block), f"{req.req_id} writes cached block {block}"
                     self.kv[block * bs + p % bs] = token
+                    if window_table is not None:
+                        block = window_table[p // bs]
+                        assert block >= 0, f"{req.req_id} writes position {p} in a released window block"
+                        assert bm.window_pool.ref_counts[block] == 1 and block not in bm.window_pool.key_of, \
+                            f"{req.req_id} writes shared or cached window block {block}"
+                        self.window_kv[block * bs + p % bs] = token
                 c += len(fed)
-                row.append(next_token([self.kv.get(table[p // bs] * bs + p % bs) for p in range(c)]))
+                low = c - bm.window if window_table is not None else c     # the last query's window
+                row.append(next_token([self.kv.get(table[p // bs] * bs + p % bs) if p < low else
+                                       self.window_kv.get(window_table[p // bs] * bs + p % bs) for p in range(c)]))
                 fed = row[-1:]
             tokens.append(row)
         return tokens
@@ -425,11 +441,16 @@ def test_a_running_request_waits_at_most_max_decode_wait_steps_under_a_flood_of_
 
 # --- everything at once --------------------------------------------------------------------------------
 
-def run_random_load(seed, policy, chunked, prefix_caching, steps=1000):
+def run_random_load(seed, policy, chunked, prefix_caching, steps=1000, window=False):
     rng = random.Random(seed)
     num_blocks, bs = rng.choice([(12, 4), (24, 4), (40, 2)])
     budget, max_seqs, prefill_rows = rng.choice([16, 32, 64]), rng.choice([2, 4, 6]), rng.choice([1, 2, 4])
-    sched = make_scheduler(num_blocks=num_blocks, block_size=bs, prefix_caching=prefix_caching, policy=policy,
+    pool = {}
+    if window:          # a window of a few blocks, a pool from what one request needs to as many as the main pool
+        w = rng.choice([3, 5, 8])
+        least = -(-(w + 3) // bs) + 2 + -(-16 // bs)        # its window and a step ahead, and a whole prompt
+        pool = dict(window=w, window_blocks=rng.choice([least, max(least, num_blocks // 2), num_blocks]))
+    sched = make_scheduler(num_blocks=num_blocks, block_size=bs, prefix_caching=prefix_caching, policy=policy, **pool,
                            chunked_prefill=chunked, max_num_batched_tokens=budget, max_num_seqs=max_seqs,
                            max_prefill_rows=prefill_rows, max_decode_rows=max_seqs, max_chunk_tokens=8,
                            max_decode_wait_steps=rng.choice([1, 4]), watermark_blocks=rng.choice([0, 1]),
@@ -475,6 +496,8 @@ def run_random_load(seed, policy, chunked, prefix_caching, steps=1000):
     for r in runner.finished:
         assert r.output_ids == reference_output(r), f"{r.req_id}: outputs differ from the reference"
     assert sched.bm.num_free_blocks == num_blocks
+    if window:
+        assert sched.bm.num_free_window_blocks == pool["window_blocks"]
     return runner
 
 
@@ -492,6 +515,19 @@ def test_random_load_keeps_every_invariant(policy, chunked, prefix_caching):
 def test_property_random_1000_step_runs_conserve_blocks_and_finish_every_request(seed, policy, chunked,
                                                                                  prefix_caching):
     run_random_load(seed, policy, chunked, prefix_caching, steps=1000)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_random_load_with_a_window_pool_reads_every_window_key_it_wrote(chunked, prefix_caching):
+    run_random_load(1, "prefill_first", chunked, prefix_caching, steps=2000, window=True)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2 ** 32 - 1), policy=st.sampled_from(POLICIES), chunked=st.booleans(),
+       prefix_caching=st.booleans())
+def test_property_random_runs_with_a_window_pool_conserve_both_pools(seed, policy, chunked, prefix_caching):
+    run_random_load(seed, policy, chunked, prefix_caching, steps=600, window=True)
 
 
 def test_decode_runs_only_while_nothing_waits_and_every_row_may_have_them():

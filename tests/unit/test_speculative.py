@@ -146,7 +146,7 @@ class SpecFakeRunner(FakeRunner):
             row = []
             for j, p in enumerate(range(c, c + q)):
                 block = table[p // bs]
-                assert bm.ref_counts[block] == 1 and block not in bm._key_of, f"{req.req_id} writes a shared block"
+                assert bm.ref_counts[block] == 1 and not bm.is_cached(block), f"{req.req_id} writes a shared block"
                 self.kv[block * bs + p % bs] = fed[j]
                 row.append(next_token([self.kv.get(table[i // bs] * bs + i % bs) for i in range(p + 1)]))
             targets.append(row)
@@ -277,7 +277,7 @@ class TreeFakeRunner(SpecFakeRunner):
             fed = req.tokens(c, c + own) + list(nodes)
             for j, slot_pos in enumerate(range(c, c + q)):
                 block = table[slot_pos // bs]
-                assert bm.ref_counts[block] == 1 and block not in bm._key_of
+                assert bm.ref_counts[block] == 1 and not bm.is_cached(block)
                 self.kv[block * bs + slot_pos % bs] = fed[j]
             committed = [self.kv.get(table[i // bs] * bs + i % bs) for i in range(c + own)]
             row = [next_token(committed)]

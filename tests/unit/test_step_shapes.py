@@ -1,4 +1,5 @@
 """Graph buckets (models/buckets.py) and step-input checks (models/step_inputs.py): pure numpy, no MindSpore."""
+import dataclasses
 import sys
 
 import numpy as np
@@ -105,6 +106,35 @@ def test_step_inputs_are_converted_to_their_dtypes():
 def test_malformed_step_inputs_are_refused_naming_the_array(over, message):
     with pytest.raises(ValueError, match=message):
         step(**over)
+
+
+WINDOW_LIMITS = dataclasses.replace(LIMITS, window_blocks=2, window_scratch_slot=32)     # a pool of 2 blocks of 16
+WINDOW_PAIR = dict(window_slots=np.arange(6).reshape(2, 3), window_tables=[[1, 0], [0, 1]])
+
+
+def test_the_window_pair_is_read_with_a_pool_only():
+    st = StepInputs.make(WINDOW_LIMITS, StepView("prefill", **step_arrays(), **WINDOW_PAIR))
+    assert st.window_slots.dtype == st.window_tables.dtype == np.int32 and st.window_tables.tolist() == [[1, 0], [0, 1]]
+    st = StepInputs.make(LIMITS, StepView("prefill", **step_arrays(), **WINDOW_PAIR))
+    assert st.window_slots is None and st.window_tables is None          # no pool: the step's arrays are not read
+    padding = dict(step_arrays(), slot_mapping=[[0, 1, -1], [2, -1, -1]], query_lens=[2, 1])
+    st = StepInputs.make(WINDOW_LIMITS, StepView("prefill", **padding, window_slots=[[3, 4, -1], [5, -1, -1]],
+                                                 window_tables=[1, 0, 0, 1]))               # (a flat table reshaped)
+    assert st.window_tables.shape == (2, 2)
+
+
+@pytest.mark.parametrize("pair, message", [
+    (dict(), "window pool is on .*needs window_slots and window_tables"),
+    (dict(window_slots=np.zeros((2, 3))), "needs window_tables"),
+    (dict(WINDOW_PAIR, window_slots=np.zeros((2, 2))), "window_slots has shape"),
+    (dict(WINDOW_PAIR, window_tables=np.zeros((2, 5))), "window_tables has shape"),
+    (dict(WINDOW_PAIR, window_slots=np.full((2, 3), 32)), r"window_slots must be in \[-1, 32\)"),
+    (dict(WINDOW_PAIR, window_tables=[[0, 3], [0, 0]]), r"window block ids must be in \[0, 3\)"),   # (2: scratch)
+    (dict(WINDOW_PAIR, window_slots=[[0, 1, -1], [2, 3, 4]]), "window_slots must be -1 exactly where slot_mapping is"),
+])
+def test_a_malformed_window_pair_is_refused_naming_it(pair, message):
+    with pytest.raises(ValueError, match=message):
+        StepInputs.make(WINDOW_LIMITS, StepView("prefill", **step_arrays(), **pair))
 
 
 def test_shape_logic_needs_no_mindspore():

@@ -105,15 +105,17 @@ def test_a_steps_inputs_arrive_whole_and_nothing_else_is_touched(kind, n, s, run
     src = _filled(LAYOUT)
     words = src.pack_inputs(kind, n, s, run)
     assert words.dtype == np.int32 and words.size == LAYOUT.step_inputs_size(kind, n, s, run)
-    assert words.size == n * (3 * max(s, run) + LAYOUT.max_blocks_per_seq + len(ROW_INPUTS) + (2 * s if verify else 0))
+    # ids, positions and both slot arrays per token; both block tables
+    assert words.size == n * (4 * max(s, run) + 2 * LAYOUT.max_blocks_per_seq + len(ROW_INPUTS) + (2 * s if verify else 0))
     assert words.size <= LAYOUT.max_step_inputs_size
     dst = StepBuffers.private(LAYOUT)
     dst.unpack_inputs(words, kind, n, s, run)
     width = max(s, run)
-    for name in ("input_ids", "positions", "slot_mapping"):
+    for name in ("input_ids", "positions", "slot_mapping", "window_slots"):
         np.testing.assert_array_equal(dst.arrays[name][:n, :width], src.arrays[name][:n, :width])
         assert not dst.arrays[name][n:].any() and not dst.arrays[name][:, width:].any()
     np.testing.assert_array_equal(dst.block_tables[:n], src.block_tables[:n])
+    np.testing.assert_array_equal(dst.window_tables[:n], src.window_tables[:n])
     for name in ROW_INPUTS:                 # float32 arrays travel bit for bit
         assert dst.arrays[name][:n].tobytes() == src.arrays[name][:n].tobytes()
         assert not dst.arrays[name][n:].any()

@@ -97,7 +97,7 @@ class DraftProposer:
         self.bm = block_manager
         self.forget_all = forget_all      # every request's draft KV is gone (sets num_draft_computed = 0)
         self.agents = AgentGroup(draft_config, model_dir, on_lost=self._lost, role="draft agent")
-        self.step_io = StepIO(block_manager)
+        self.step_io = StepIO(block_manager, window=False)     # (its layers read the main tables only)
         self.supervisor = Supervisor(draft_config.serving_config, self.agents, what="draft agent")
         self.max_step_tokens = draft_config.serving_config.max_num_batched_tokens
         self.max_chunk = draft_config.max_chunk_tokens

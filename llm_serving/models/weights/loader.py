@@ -65,7 +65,9 @@ def _checked_stored(path: str, num_layers: Optional[int]) -> tuple[LlamaConfig, 
     if num_layers is not None:
         if not 1 <= num_layers <= cfg.num_layers:
             raise WeightLoadError(f"cannot keep the first {num_layers} layers of {path}: it has {cfg.num_layers}")
-        cfg = dataclasses.replace(cfg, num_layers=num_layers)
+        cfg = dataclasses.replace(cfg, num_layers=num_layers,
+                                  layer_types=None if cfg.layer_types is None else tuple(cfg.layer_types[:num_layers]),
+                                  nope_layers=tuple(i for i in cfg.nope_layers if i < num_layers))
     if "lm_head.weight" not in stored or cfg.tie_word_embeddings:
         if "model.embed_tokens.weight" in stored:
             stored["lm_head.weight"] = stored["model.embed_tokens.weight"]
