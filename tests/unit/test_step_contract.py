@@ -98,3 +98,37 @@ def test_the_runner_spec_is_made_from_the_config_in_one_place():
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.num_blocks = 1
     assert dataclasses.replace(spec, layer_kernel="off").layer_kernel == "off"
+
+
+def test_the_window_pool_is_written_beside_the_main_tables_and_a_left_window_points_at_the_scratch_block():
+    """StepIO with a window pool: each row's window table and slots as its main ones (the same block indices,
+    the pool's blocks), entries its window left written as the pool's scratch block (the agents' own, after its
+    blocks), rewritten as they are left; a draft's StepIO writes none (its layers read the main tables)."""
+    from llm_serving.master.batch import ScheduledBatch
+    from llm_serving.master.block_manager import BlockManager
+    from llm_serving.master.request import Request, SamplingParams
+    from llm_serving.master.step_io import StepIO
+
+    layout = StepLayout(max_rows=2, max_tokens=16, max_blocks_per_seq=6, max_context=24, max_verify=1)
+    b = StepBuffers.private(layout)
+    bm = BlockManager(num_blocks=12, block_size=4, window=5, window_blocks=5)
+    bm.allocate("other", 4)                                   # (so the two pools' block ids differ)
+    bm.free("other")
+    bm.allocate("other", 8)
+    req = Request(list(range(10, 20)), SamplingParams(max_new_tokens=4), frozenset(), req_id="r")
+    io, draft_io = StepIO(bm), StepIO(bm, window=False)
+    bm.allocate("r", 10)
+    io.write_inputs(b, ScheduledBatch([req], [10]))
+    main, window = bm.block_tables["r"], bm.window_tables["r"]
+    assert b.block_tables[0, :3].tolist() == main and b.window_tables[0, :3].tolist() == window != main
+    assert b.window_slots[0, :10].tolist() == [window[p // 4] * 4 + p % 4 for p in range(10)]
+    req.num_computed_tokens = 10
+    req.output_ids.append(7)
+    assert bm.release_window("r", 10) == 1                    # the query at 10 sees 6..10: block 0 left
+    bm.allocate("r", 11)
+    io.write_inputs(b, ScheduledBatch([req], [1]))            # a decode step: the left entry rewritten
+    assert b.window_tables[0, :3].tolist() == [5] + window[1:] and b.window_slots[0, 0] == window[2] * 4 + 2
+    assert b.slot_mapping[0, 0] == main[2] * 4 + 2
+    b.window_tables[:] = b.window_slots[:] = -7
+    draft_io.write_inputs(b, ScheduledBatch([req], [1]))
+    assert (b.window_tables == -7).all() and (b.window_slots == -7).all() and b.slot_mapping[0, 0] == main[2] * 4 + 2
