@@ -10,12 +10,16 @@ the same flags into a temporary directory; "after" is the working tree's. The tw
 alternately, so that the machine's noise (2 shared cores) falls on both alike: compare them as ratios. Both take
 the same parameters (q/k/v and gate/up as separate inputs: a baseline from before they were split cannot be
 called with these arguments).
+--invariant sets both libraries' batch invariance (KernelInvariant; the calls' iconfig does not say): 1 the serving
+default (model_config.batch_invariant auto), 0 the fastest path per row count; unset, each library's own process
+setting (off unless LLM_SERVING_KERNEL_INVARIANT=1).
 GFLOP/s counts the weight products only (2 * weights * rows per call); attention is in the time, not in the FLOPs.
 "GF/s/core" divides the same FLOPs by the process's CPU time per call (every thread of the kernel): on a machine
 other processes share, the wall time says how much of the cores the kernel got, the CPU time what its work cost.
 
     python bench/layer_kernel_gemm.py
     python bench/layer_kernel_gemm.py --batches 16,64 --types q8_0 --baseline HEAD~1
+    python bench/layer_kernel_gemm.py --types q4_k,q6_k,q8_0 --batches 1,4,16,64,512 --invariant 1
 
 Prints a table and writes JSON (default bench_results/layer_kernel_gemm.json).
 """
@@ -166,6 +170,8 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=49152)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seconds", type=float, default=1.0, help="least time per measurement and library")
+    ap.add_argument("--invariant", type=int, choices=(0, 1), default=None,
+                    help="both libraries' batch invariance (KernelInvariant): 1 on, 0 off (unset: their own setting)")
     ap.add_argument("--out", default="bench_results/layer_kernel_gemm.json")
     args = ap.parse_args()
 
@@ -174,6 +180,10 @@ def main() -> None:
     if args.baseline:
         libs["before"] = ctypes.CDLL(str(build_baseline(args.baseline, Path(tmp.name))))
     libs["after"] = ctypes.CDLL(build_kernel("decoder_layer_cpu", "DecoderLayer", Path(tmp.name)).rsplit(":", 1)[0])
+    if args.invariant is not None:
+        for lib in libs.values():
+            lib.KernelInvariant.argtypes = [ctypes.c_int]
+            lib.KernelInvariant(args.invariant)
     rng = np.random.default_rng(0)
     batches = [int(b) for b in args.batches.split(",")]
     weights = layer_weights(rng)
@@ -206,6 +216,7 @@ def main() -> None:
         cols += [("speedup", "speedup", "{:.2f}x"), ("cpu_speedup", "cpu speedup", "{:.2f}x")]
     print(table(rows, cols))
     write_json(args.out, {"machine": machine(), "threads": args.threads, "baseline": args.baseline,
+                          "invariant": args.invariant,
                           "layer": {"hidden": H, "heads": NH, "kv_heads": KVH, "head_dim": D, "inter": INTER,
                                     "weights": n_weights},
                           "vocab": args.vocab, "rows": rows})

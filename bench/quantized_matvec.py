@@ -12,8 +12,14 @@ copied enough times (a different copy per call, round robin) that the copies tog
 last-level cache, so every call streams its weights from memory. The weights are random but valid blocks
 (finite scales); their values do not change the kernel's work.
 
-    python bench/quantized_matvec.py                         # every type, 2 threads
-    python bench/quantized_matvec.py --types Q4_K,Q4_0 --threads 1 --iters 50
+--paths times each type on the kernel's paths for integer codes, alternately call by call (so that the machine's
+noise falls on both; compare the ratio, "speedup"): "int", the integer products (KernelInt(1): gemm_avx2_int.h, or
+AMX's tiles where they take the step), and "float", the float paths of before (KernelInt(0): the weights decoded to
+float32). --invariant sets the process's batch invariance (KernelInvariant; the calls' iconfig does not say): 1,
+the serving default (model_config.batch_invariant auto), or 0.
+
+    python bench/quantized_matvec.py                         # every type, 2 threads, int and float paths
+    python bench/quantized_matvec.py --types Q4_K,Q4_0 --threads 1 --iters 50 --paths int
 
 Writes JSON (default bench_results/quantized_matvec.json).
 """
@@ -107,7 +113,11 @@ class Step:
             self.out]
 
 
-def time_type(lib, step: Step, name: str, threads: int, iters: int, stream_bytes: float) -> dict:
+PATHS = {"int": 1, "float": 0}          # KernelInt's setting for each
+
+
+def time_type(lib, step: Step, name: str, threads: int, iters: int, stream_bytes: float, paths: list) -> list:
+    """One row per path: the layer's ms and GB/s on `name` weights, the paths' calls alternating."""
     rng = np.random.default_rng(1)
     code = TYPES[name][0]
     one = {n: random_rows(rng, name, rows, k) for n, rows, k in step.shapes()}
@@ -115,24 +125,35 @@ def time_type(lib, step: Step, name: str, threads: int, iters: int, stream_bytes
     copies = max(2, int(np.ceil(stream_bytes / layer_bytes)))
     layers = [one] + [{n: w.copy() for n, w in one.items()} for _ in range(copies - 1)]
     calls = [aot_args(step.arrays(w, code, threads)) for w in layers]
-    for args, _ in calls[:2]:                                     # warm up: the pool, the code
-        assert lib.DecoderLayer(*args) == 0, name
-    times, cpu = [], []
+    for path in paths:                                            # warm up: the pool, the code
+        lib.KernelInt(PATHS[path])
+        for args, _ in calls[:2]:
+            assert lib.DecoderLayer(*args) == 0, name
+    times = {path: [] for path in paths}
+    cpu = {path: [] for path in paths}
     for it in range(iters):
         args, _ = calls[it % copies]
-        c, t = time.process_time(), time.perf_counter()
-        rc = lib.DecoderLayer(*args)
-        times.append(time.perf_counter() - t)
-        cpu.append((time.process_time() - c) / threads)
-        assert rc == 0, name
-    ms = float(np.median(times)) * 1e3
-    cpu_ms = float(np.median(cpu)) * 1e3
-    return {"type": name, "code": code, "layer_mb": layer_bytes / 1e6,
-            "bits_per_weight": 8 * layer_bytes / sum(r * k for _, r, k in step.shapes()),
-            "ms": ms, "best_ms": float(np.min(times)) * 1e3, "gb_s": layer_bytes / (ms * 1e-3) / 1e9,
-            "best_gb_s": layer_bytes / np.min(times) / 1e9, "cpu_ms": cpu_ms,
-            "cpu_gb_s": layer_bytes / (cpu_ms * 1e-3) / 1e9,
-            "copies": copies}
+        for path in paths:
+            lib.KernelInt(PATHS[path])
+            c, t = time.process_time(), time.perf_counter()
+            rc = lib.DecoderLayer(*args)
+            times[path].append(time.perf_counter() - t)
+            cpu[path].append((time.process_time() - c) / threads)
+            assert rc == 0, name
+    lib.KernelInt(1)
+    rows = []
+    for path in paths:
+        ms = float(np.median(times[path])) * 1e3
+        cpu_ms = float(np.median(cpu[path])) * 1e3
+        rows.append({"type": name, "code": code, "path": path, "layer_mb": layer_bytes / 1e6,
+                     "bits_per_weight": 8 * layer_bytes / sum(r * k for _, r, k in step.shapes()),
+                     "ms": ms, "best_ms": float(np.min(times[path])) * 1e3, "gb_s": layer_bytes / (ms * 1e-3) / 1e9,
+                     "best_gb_s": layer_bytes / np.min(times[path]) / 1e9, "cpu_ms": cpu_ms,
+                     "cpu_gb_s": layer_bytes / (cpu_ms * 1e-3) / 1e9, "copies": copies})
+    for row in rows:                                              # against the last path (float, by default)
+        row["speedup"] = rows[-1]["ms"] / row["ms"]
+        row["cpu_speedup"] = rows[-1]["cpu_ms"] / row["cpu_ms"]
+    return rows
 
 
 def main() -> None:
@@ -142,23 +163,33 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=60)
     ap.add_argument("--stream-gb", type=float, default=1.5,
                     help="the layer's copies together at least this many GB (beyond the last-level cache)")
+    ap.add_argument("--paths", default="int,float", help="comma-separated: int, float (timed alternately)")
+    ap.add_argument("--invariant", type=int, default=1, choices=(0, 1),
+                    help="batch invariance (KernelInvariant): 1 the serving default, 0 off")
     ap.add_argument("--out", default="bench_results/quantized_matvec.json")
     args = ap.parse_args()
     lib = ctypes.CDLL(build_kernel("decoder_layer_cpu", "DecoderLayer").rsplit(":", 1)[0])
+    lib.KernelInt.argtypes = [ctypes.c_int]
+    lib.KernelInvariant.argtypes = [ctypes.c_int]
+    lib.KernelInvariant(args.invariant)
+    paths = args.paths.split(",")
     step = Step()
     rows = []
     for name in args.types.split(","):
-        rows.append(time_type(lib, step, name, args.threads, args.iters, args.stream_gb * 1e9))
-        print(f"{name}: {rows[-1]['ms']:.3f} ms, {rows[-1]['gb_s']:.1f} GB/s", flush=True)
-    print(table(rows, [("type", "type", "{}"), ("bits_per_weight", "bits/weight", "{:.2f}"),
+        rows += time_type(lib, step, name, args.threads, args.iters, args.stream_gb * 1e9, paths)
+        print("  ".join(f"{name} {r['path']}: {r['ms']:.3f} ms, {r['gb_s']:.1f} GB/s" for r in rows[-len(paths):]),
+              flush=True)
+    print(table(rows, [("type", "type", "{}"), ("path", "path", "{}"), ("bits_per_weight", "bits/weight", "{:.2f}"),
                        ("layer_mb", "layer MB", "{:.1f}"), ("ms", "ms/layer", "{:.3f}"),
                        ("best_ms", "best ms", "{:.3f}"), ("gb_s", "GB/s", "{:.1f}"),
                        ("best_gb_s", "best GB/s", "{:.1f}"), ("cpu_ms", "cpu ms/thread", "{:.3f}"),
-                       ("cpu_gb_s", "GB/s by cpu", "{:.1f}")]))
+                       ("cpu_gb_s", "GB/s by cpu", "{:.1f}"), ("speedup", "speedup", "{:.2f}x"),
+                       ("cpu_speedup", "cpu speedup", "{:.2f}x")]))
     write_json(args.out, {"bench": "quantized_matvec", "machine": machine(),
                           "shape": {"hidden": step.h, "heads": step.nh, "kv_heads": step.kvh, "head_dim": step.d,
                                     "inter": step.i, "batch": 1, "context": int(step.context[0])},
-                          "threads": args.threads, "iters": args.iters, "results": rows})
+                          "threads": args.threads, "iters": args.iters, "paths": paths,
+                          "invariant": args.invariant, "results": rows})
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ import pytest
 
 from llm_serving.models.kernels.aot_call import invoke
 
-from .test_layer_kernel import GGUF_TYPES, Layer, library, library_path, logits_args, quantized_rows  # noqa: F401
+from .test_layer_kernel import (GGUF_TYPES, Layer, integer_path, library, library_path, logits_args,  # noqa: F401
+                                quantized_rows)
 
 PROMPT = 70            # the sequence's tokens
 NOISE_CONTEXT = 90     # other rows' keys at most
@@ -116,6 +117,14 @@ WEIGHTS = {
     "q8_0": {name: GGUF_TYPES.Q8_0 for name in ("qkv_w", "o_w", "gate_up_w", "down_w")},
     "q4_k/q6_k": {"qkv_w": GGUF_TYPES.Q4_K, "o_w": GGUF_TYPES.Q4_1, "gate_up_w": GGUF_TYPES.Q4_K,
                   "down_w": GGUF_TYPES.Q6_K},
+}
+# llama.cpp's Q4_K_M mix (q/k/o/gate/up Q4_K, v and down Q6_K: q/k/v mix types in one product), and the blocks of
+# 32 with a width that ends mid group of 256 (inter 288 = 9 blocks)
+MORE_WEIGHTS = {
+    "q4_k_m": {"q_w": GGUF_TYPES.Q4_K, "k_w": GGUF_TYPES.Q4_K, "v_w": GGUF_TYPES.Q6_K, "o_w": GGUF_TYPES.Q4_K,
+               "gate_up_w": GGUF_TYPES.Q4_K, "down_w": GGUF_TYPES.Q6_K},
+    "q5/q4_0": {"q_w": GGUF_TYPES.Q5_0, "k_w": GGUF_TYPES.Q5_1, "v_w": GGUF_TYPES.Q8_0, "o_w": GGUF_TYPES.Q4_0,
+                "gate_w": GGUF_TYPES.Q5_K, "up_w": GGUF_TYPES.Q4_1, "down_w": GGUF_TYPES.Q8_0},
 }
 
 
@@ -232,16 +241,83 @@ def test_the_lm_head_gives_a_row_the_same_bits_alone_or_among_others(invariant, 
             np.testing.assert_array_equal(got, want[rows], err_msg=f"rows {rows}")
 
 
+@pytest.mark.parametrize("weights", list(MORE_WEIGHTS))
+def test_integer_weights_give_a_sequence_the_same_bits_in_any_step_on_any_threads(invariant, weights):
+    """Layers whose products all run on the integer path (every weight of integer codes, mixed types within q/k/v
+    and gate/up; the blocks of 32 at a width of 9 blocks): the sequence's rows are the same bits in every step
+    shape as on test_a_sequence_gives_the_same_bits_in_any_step, on 1 thread as on 2 (each output summed whole by
+    one thread, in its one order)."""
+    inter = 512 if weights == "q4_k_m" else 288          # (down's K: Q6_K's whole super-blocks, Q8_0's 9 blocks)
+    want = None
+    for threads in (2, 1):
+        steps = Steps(np.random.default_rng(23), "float16", MORE_WEIGHTS[weights], threads=threads, inter=inter)
+        steps.library = invariant
+        assert invariant.KernelInvariant(1) == 1
+        if want is None:
+            want, want_kv = prompt_in_steps(steps, [PROMPT])
+        for chunks, batch, beside in [([PROMPT], 1, 0), ([16, 30, 24], 1, 0), ([5, 17], 64, 0), ([], 3, 0),
+                                      ([40], 2, 0), ([PROMPT], 40, 25)]:
+            got, got_kv = prompt_in_steps(steps, chunks, batch, beside)
+            np.testing.assert_array_equal(got, want, err_msg=f"{threads} threads, chunks {chunks}, {batch} rows")
+            for g, w in zip(got_kv, want_kv):
+                np.testing.assert_array_equal(g, w, err_msg=f"K/V, {threads} threads, chunks {chunks}, {batch} rows")
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_an_integer_lm_head_gives_a_row_the_same_bits_in_any_call(invariant, name):
+    """Every type of integer codes (the integer path of gemm_avx2_int.h at every row count): a row's logits, token
+    and log-probability are the same bits alone, beside 1 or 2 rows, among 15, 16, 17 or 64, on 1 thread or 2
+    (its logits the same on both; the log-probability sums the vocabulary's chunks, whose size is the thread
+    count's); where that path takes the steps that are not batch-invariant too (no AMX integer tiles), in those as
+    well."""
+    import ctypes
+
+    qtype = GGUF_TYPES[name]
+    rng = np.random.default_rng(int(qtype))
+    h, vocab = (256 if name.endswith("_K") else 288), 700
+    x = (rng.standard_normal((64, h)) * np.repeat(rng.uniform(0.1, 10, (64, h // 32)), 32, axis=1)).astype(np.float32)
+    raw = quantized_rows(rng.standard_normal((vocab, h)).astype(np.float32), qtype, rng)
+    gain = (1 + 0.3 * rng.standard_normal(h)).astype(np.float32)
+    invariant.KernelInt.argtypes = [ctypes.c_int]
+    paths = invariant.KernelInt(-1)
+    if not paths & 2:
+        pytest.skip("needs gemm_avx2_int.h's integer path (AVX2, FMA, F16C)")
+
+    def call(rows, threads):
+        n = len(rows)
+        out = np.empty((n, vocab), np.float32), np.empty(n, np.int32), np.empty(n, np.float32)
+        cfg = [np.array([threads, int(qtype)], np.int32), np.array([1e-5], np.float32)]
+        assert invoke(invariant.FinalLogits, logits_args(np.ascontiguousarray(x[rows]), raw, gain,
+                                                         np.arange(n, dtype=np.int32), cfg, *out)) == 0
+        return out
+
+    for mode in (1, 0) if not paths & 1 else (1,):
+        invariant.KernelInvariant(mode)
+        logits = None
+        for threads in (1, 2):
+            together = call(list(range(64)), threads)
+            if logits is not None:
+                np.testing.assert_array_equal(together[0], logits, err_msg=f"mode {mode}: logits on 1 and 2 threads")
+            logits = together[0]
+            for n in (1, 2, 3, 15, 16, 17, 64):
+                rows = list(rng.permutation(64)[:n])
+                for got, want in zip(call(rows, threads), together):
+                    np.testing.assert_array_equal(got, want[rows], err_msg=f"mode {mode}, {threads} threads, {n} rows")
+
+
 def test_without_invariance_the_paths_differ(invariant):
-    """The test above is not vacuous: with KernelInvariant(0) a prompt's chunk of 70 rows (the batched products)
-    and its decode one row at a time give other bits."""
+    """The test above is not vacuous: with KernelInvariant(0) a prompt's chunk of 70 rows (the batched products, or
+    on the integer path the attention's tiles) and its decode one row at a time give other bits. (On the integer
+    path a last-bit difference in a product's input can round it to the neighbouring 16-bit value: up to ~1e-4 of
+    the layer's largest output, as test_layer_kernel.assert_layer_close allows.)"""
     steps = Steps(np.random.default_rng(7), "float32", WEIGHTS["q8_0"])
     steps.library = invariant
     invariant.KernelInvariant(0)
     chunk, _ = prompt_in_steps(steps, [PROMPT])
     decoded, _ = prompt_in_steps(steps, [], 1)
     assert not np.array_equal(chunk, decoded)
-    np.testing.assert_allclose(chunk, decoded, rtol=1e-3, atol=1e-3)
+    rounded = integer_path(invariant, 1, [int(GGUF_TYPES.Q8_0)]) != 0
+    np.testing.assert_allclose(chunk, decoded, rtol=1e-3, atol=1e-3 + (1e-4 * np.abs(chunk).max() if rounded else 0))
 
 
 def test_a_calls_own_setting_decides_over_the_process_setting(invariant):

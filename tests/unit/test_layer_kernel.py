@@ -112,20 +112,28 @@ def assert_child_exits_0(pid: int, seconds: float) -> None:
     pytest.fail(f"the forked child's kernel call did not return within {seconds:g} s")
 
 
-# The batched products' integer path (gemm_amx_int.h): from this many computed rows (kIntGemmRows), where the library runs it
-# (AMX with int8 tiles, KernelInt on), a product whose parts all have integer codes takes its input rounded to 16
-# bits per block of 32 of each row (256 when every part is a K-quant); the references round the same way.
+# The integer paths (KernelInt on; KernelInt(-1)'s bits say which the library has): a product whose parts all have
+# integer codes takes its input rounded to 16 bits per block. AMX's int8 tiles (gemm_amx_int.h, bit 1) take it in
+# steps that are not batch-invariant from this many computed rows (kIntGemmRows), per block of 32 of each row (256
+# when every part is a K-quant); AVX2's (gemm_avx2_int.h, bit 2) every other such product, any rows, per block of
+# 32. The references round the same way.
 INT_ROWS = 3
 INTEGER_CODES = {2, 3, 6, 7, 8, 12, 13, 14}
 K_QUANT_CODES = {12, 13, 14}
+AMX_INT, AVX2_INT = 1, 2
 
 
 def integer_path(library, rows: int, codes) -> int:
-    """The block the kernel rounds a product's input by (0: it does not): `rows` computed rows, parts' types."""
+    """The block the kernel rounds a product's input by (0: it does not): `rows` computed rows, parts' types, the
+    process's batch-invariance setting (KernelInvariant)."""
     library.KernelInt.argtypes = [ctypes.c_int]
-    if rows < INT_ROWS or library.KernelInt(-1) != 1 or not set(codes) <= INTEGER_CODES:
+    library.KernelInvariant.argtypes = [ctypes.c_int]
+    paths = library.KernelInt(-1)
+    if not set(codes) <= INTEGER_CODES:
         return 0
-    return 256 if set(codes) <= K_QUANT_CODES else 32
+    if paths & AMX_INT and rows >= INT_ROWS and library.KernelInvariant(-1) != 1:
+        return 256 if set(codes) <= K_QUANT_CODES else 32
+    return 32 if paths & AVX2_INT else 0
 
 
 def rounded(x, block: int):
@@ -950,12 +958,10 @@ def has_amx_int8() -> bool:
 @pytest.fixture
 def integer_path_on(library):
     library.KernelInt.argtypes = [ctypes.c_int]
-    if library.KernelInt(-1) != 1:
-        pytest.skip("needs the integer path, which runs on AMX's int8 tiles: "
-                    + ("Linux did not grant this process the tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
-                       if has_amx_int8() else
-                       "this CPU has none (no amx_int8 in /proc/cpuinfo; Intel Sapphire Rapids or later): a CPU "
-                       "feature, nothing to install"))
+    if library.KernelInt(-1) == 0:
+        pytest.skip("needs an integer path: AVX2's (a CPU with AVX2, FMA and F16C) or AMX's int8 tiles "
+                    + ("(Linux did not grant this process the tile state: arch_prctl ARCH_REQ_XCOMP_PERM)"
+                       if has_amx_int8() else "(no amx_int8 in /proc/cpuinfo: Intel Sapphire Rapids or later)"))
     yield
     library.KernelInt(1)
 
@@ -987,12 +993,13 @@ def integer_lm_head(name):
 @pytest.mark.parametrize("name", INTEGER_TYPES)
 def test_the_integer_path_rounds_activations_to_16_bits(library, integer_path_on, name):
     """A batched lm_head of every type with integer codes: the logits are the float64 product of the
-    dequantized weights and x rounded to 16 bits per block (32, or the K-quants' 256), closer to that than to the
-    unrounded product (so the path ran), and within 1e-4 of the largest logit of either."""
+    dequantized weights and x rounded to 16 bits per block (32, or on AMX's tiles the K-quants' 256), closer to
+    that than to the unrounded product (so the path ran), and within 1e-4 of the largest logit of either."""
     xn, w, logits = integer_lm_head(name)
     exact = xn @ w.T
     block = integer_path(library, len(xn), [int(GGUF_TYPES[name])])
-    assert block == (256 if name.endswith("_K") else 32)
+    amx_tiles = library.KernelInt(-1) & AMX_INT
+    assert block == (256 if name.endswith("_K") and amx_tiles else 32)
     want = rounded(xn, block) @ w.T
     got, scale = logits(library), np.abs(exact).max()
     assert np.abs(got - want).max() < 1e-4 * scale
@@ -1016,17 +1023,118 @@ def test_without_the_integer_path_a_batched_lm_head_is_float32_exact(library, na
 
 
 def test_the_environment_turns_the_integer_path_off(library_path, library, integer_path_on):
-    """LLM_SERVING_KERNEL_INT=0 (read once) keeps a process's quantized products on the bfloat16 pieces."""
+    """LLM_SERVING_KERNEL_INT=0 (read once) keeps a process's quantized products on the float paths (dequantized
+    weights); 1 gives it this process's integer paths."""
     import subprocess
     import sys
 
     code = (f"import ctypes; lib = ctypes.CDLL({library_path!r}); lib.KernelInt.argtypes = [ctypes.c_int]; "
             "print(lib.KernelInt(-1))")
-    for env, want in (("0", "0"), ("1", "1")):
+    for env, want in (("0", "0"), ("1", str(library.KernelInt(-1)))):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                              env={**os.environ, "LLM_SERVING_KERNEL_INT": env}).stdout.strip()
         assert out == want, (env, out)
 
+
+
+# The integer path of gemm_avx2_int.h: the codes as int16 times x rounded to 16 bits per block of 32
+# (_mm256_madd_epi16, each block's sum exact in int32, then scaled in float32 in one order for every output), at
+# every row count. IntegerProduct is its product alone (x rounded there, no norm in front).
+BLOCK_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,)}   # f16 d (and m) offsets
+
+
+def random_blocks(rows: int, cols: int, qtype, rng, scale: float = 1e-3) -> np.ndarray:
+    """(rows, row bytes) of blocks of random bytes (every code, every fifth bit, Q8_0's -128 too) whose f16 scales
+    (and minimums) are about `scale`; K-quants: random_k_blocks."""
+    import gguf
+
+    if qtype.name.endswith("_K"):
+        return random_k_blocks(rows, cols, qtype, rng, scale)
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
+    for at in BLOCK_FIELDS[qtype.name]:
+        field = (scale * rng.uniform(0.5, 2, (len(blocks), 1)) * rng.choice([-1, 1], (len(blocks), 1)))
+        blocks[:, at:at + 2] = field.astype(np.float16).view(np.uint8)
+    return blocks.reshape(rows, cols // block * size)
+
+
+def integer_product(library, code: int, raw: np.ndarray, k: int, x: np.ndarray):
+    """(IntegerProduct's return code, its (len(x), rows) output) for weight rows `raw` of GGML type `code`."""
+    fn = library.IntegerProduct
+    fn.argtypes = [ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                   ctypes.c_void_p]
+    raw, x = np.ascontiguousarray(raw), np.ascontiguousarray(x, np.float32)
+    out = np.full((len(x), len(raw)), np.nan, np.float32)
+    return fn(code, raw.ctypes.data, len(raw), k, x.ctypes.data, len(x), out.ctypes.data), out
+
+
+@pytest.fixture
+def avx2_integer(library):
+    library.KernelInt.argtypes = [ctypes.c_int]
+    library.KernelInt(1)
+    if not library.KernelInt(-1) & AVX2_INT:
+        pytest.skip("gemm_avx2_int.h's integer path needs a CPU with AVX2, FMA and F16C")
+
+
+def scaled_rows(rng, m: int, k: int) -> np.ndarray:
+    """(m, k) float32 rows whose blocks of 32 differ in scale by up to 1e4 (each block rounds against its own)."""
+    return (rng.standard_normal((m, k)) * np.repeat(rng.uniform(0.01, 100, (m, k // 32)), 32, axis=1)).astype(np.float32)
+
+
+@pytest.mark.parametrize("name", INTEGER_TYPES)
+@pytest.mark.parametrize("m", [1, 2, 3, 17])
+def test_the_avx2_integer_product_is_the_float64_product_of_x_rounded_per_block(library, avx2_integer, name, m):
+    """Every type on both of its ways (1-2 rows of x: weights decoded in registers; more: unpacked once per tile),
+    widths that end mid group (3 and 9 blocks of 32) and whole ones, random blocks (every code: Q8_0's -128, Q5's
+    fifth bits, K-quant scales and minimums) and gguf's quantization: within 5e-7 of the sum of |w x| of the
+    float64 product of the dequantized weights and x rounded to 16 bits per block of 32 (float32's rounding of a
+    few scaled sums), closer to it than to the unrounded product (so x was rounded, per block of 32)."""
+    from gguf.quants import dequantize
+
+    qtype = GGUF_TYPES[name]
+    rng = np.random.default_rng(int(qtype) * 100 + m)
+    widths = (256, 768) if name.endswith("_K") else (32, 96, 288, 512)
+    for k in widths:
+        for source in ("random", "gguf"):
+            if source == "random":
+                raw = random_blocks(37, k, qtype, rng)
+            else:
+                raw = quantized_rows((rng.standard_normal((37, k)) * 0.05).astype(np.float32), qtype, rng)
+            w = dequantize(raw, qtype).reshape(37, k).astype(np.float64)
+            x = scaled_rows(rng, m, k)
+            code, got = integer_product(library, int(qtype), raw, k, x)
+            assert code == 0
+            want, exact = rounded(x, 32) @ w.T, x.astype(np.float64) @ w.T
+            bound = np.abs(rounded(x, 32)) @ np.abs(w).T
+            err = np.abs(got - want)
+            assert (err <= 5e-7 * bound).all(), (k, source, float((err / bound).max()))
+            assert err.max() < 0.5 * np.abs(got - exact).max(), (k, source)
+
+
+def test_integer_product_refusals(library, avx2_integer):
+    raw = np.zeros((2, 1024), np.uint8)
+    x = np.zeros((1, 256), np.float32)
+    for code, k in ((12, 128), (2, 48), (0, 256), (1, 256), (30, 256)):   # not whole blocks; float types
+        assert integer_product(library, code, raw, k, x)[0] == 2, (code, k)
+
+
+@pytest.mark.parametrize("name", INTEGER_TYPES)
+def test_an_avx2_integer_products_rows_are_the_same_bits_among_any_rows(library, avx2_integer, name):
+    """A row of x gets the same bits alone, beside one or two others, among 15, 16, 17 or 64 (the tiles of 4 rows
+    of x and of 2 weight rows fall elsewhere each time), whichever rows are beside it and in which order."""
+    qtype = GGUF_TYPES[name]
+    rng = np.random.default_rng(int(qtype))
+    k = 512 if name.endswith("_K") else 288
+    raw = random_blocks(37, k, qtype, rng)
+    x = scaled_rows(rng, 64, k)
+    code, together = integer_product(library, int(qtype), raw, k, x)
+    assert code == 0
+    for n in (1, 2, 3, 15, 16, 17, 64):
+        pick = rng.permutation(64)[:n]
+        np.testing.assert_array_equal(integer_product(library, int(qtype), raw, k, x[pick])[1], together[pick],
+                                      err_msg=f"{n} rows")
+    for first in (0, 5, 20, 36):                  # and a weight row the same whichever weight rows are beside it
+        np.testing.assert_array_equal(integer_product(library, int(qtype), raw[first:], k, x)[1], together[:, first:])
 
 def test_sample_logits_follows_the_sampling_rule(library):
     """SampleLogits (the temperature-only sampler as a kernel): a row of temperature t > 0 takes the first token

@@ -35,11 +35,15 @@
 // every few weight rows. Where the CPU has AMX (and Linux grants the tile state) the batched products run on its
 // tiles instead (gemm_amx.h: bfloat16 pieces of float32, float32's precision), from kAmxGemmRows rows;
 // LLM_SERVING_KERNEL_AMX=0 in the environment (read once per process) or KernelAmx(0) keeps the FMA kernel.
-// Weights of integer codes (the Q-types, not F32/F16/BF16) run on AMX's int8 tiles from kIntGemmRows (3) rows
-// (gemm_amx_int.h: the codes as int8, x rounded to 16 bits per block; per super-block for the K-quants);
-// LLM_SERVING_KERNEL_INT=0 or KernelInt(0) keeps them on the paths above. Batch-invariant steps (iconfig's last
-// entry; model_config.batch_invariant, on by default) run one order of sums for every row count instead: dot_gemm
-// for few rows, lane_units (the same floats) for many.
+// Products whose weights all have integer codes (the Q-types, not F32/F16/BF16) run on integer multiply-adds
+// instead, x rounded to 16 bits per block: on AVX2 at every row count (gemm_avx2_int.h: the codes as int16
+// against x's int16, each block's sum exact in int32, then one order of float scaling per output, so a row's
+// outputs are the same bits among any rows: batch-invariant by construction, for invariant steps and the others
+// alike), and where the CPU has AMX's int8 tiles, steps that are not batch-invariant run those from kIntGemmRows (3)
+// rows (gemm_amx_int.h: per super-block for the K-quants). LLM_SERVING_KERNEL_INT=0 or KernelInt(0) keeps them
+// on the float paths (the weights decoded to float32). Batch-invariant steps (iconfig's last entry;
+// model_config.batch_invariant, on by default) run one order of sums for every row count on the float paths too:
+// dot_gemm for few rows, lane_units (the same floats) for many.
 //
 // DecoderLayer(x, positions, slots, block_tables, context_lens, tree_bits, cos, sin, lora, q_w, k_w, v_w, qkv_bias,
 //              o_w, gate_w, up_w, down_w, input_gain, post_gain, q_norm, k_norm, attn_out_gain, mlp_out_gain,
@@ -118,6 +122,7 @@
 #include "cpu_kernel_common.h"
 #include "gemm_amx.h"
 #include "gemm_amx_int.h"
+#include "gemm_avx2_int.h"
 #include "gemm_cpu.h"
 #include "kernel_params.h"
 
@@ -1633,6 +1638,12 @@ constexpr int64_t kFloatGemmRows = 32;
 // CPU time of a Q4_K layer against the dequantized tiles: 3 rows 1.23x, 4 1.6x, 8 1.57x, 10 1.73x; Q6_K 3-4 rows
 // 1.2x).
 constexpr int64_t kIntGemmRows = 3;
+// The chunks of a product's rows on gemm_avx2_int.h (Route::kInt): whole tiles of its weight rows
+#if defined(LLM_SERVING_AVX2_INT)
+constexpr int64_t kIntTileRows = llm_serving::avx2_int::kTileRows;
+#else
+constexpr int64_t kIntTileRows = 16;
+#endif
 inline int64_t gemm_rows(bool amx, bool float32) {
   return float32 ? kFloatGemmRows : amx ? kAmxGemmRows : kGemmRows;
 }
@@ -1668,8 +1679,9 @@ bool amx_enabled() {
 // without that entry, this process setting (KernelInvariant below; LLM_SERVING_KERNEL_INVARIANT=1 in the
 // environment, read once), off by default. Invariant, a row's outputs are the same to the bit whatever else the
 // step holds (other rows, how a prompt is chunked, decode, prefill or verify, the thread count's split of the
-// work): products run dot_gemm or lane_units, never qdot, matvec's tiles or the batched kernels whose sums run
-// along k (gemm_cpu.h) or on AMX tiles; the activation runs activation_span; attention always runs attend_tile
+// work): products run dot_gemm or lane_units, or on integer codes gemm_avx2_int.h's products (invariant by
+// construction), never qdot, matvec's tiles or the batched kernels whose sums run along k (gemm_cpu.h) or on AMX
+// tiles; the activation runs activation_span; attention always runs attend_tile
 // where the head size takes it (a token tree's row over its visible keys; a window's key tiles where they fall
 // without one), attend_row otherwise, for every row alike. Not invariant, each product takes the fastest path for
 // its row count.
@@ -1684,22 +1696,48 @@ bool invariant_enabled() {
   return invariant_setting.load(std::memory_order_relaxed) == 1;
 }
 
-// Whether products whose weights are all blocks of integer codes run on AMX's integer tiles (gemm_amx_int.h;
-// 16-bit activations) rather than the bfloat16 pieces: on where AMX is (and the CPU has its int8 tiles), unless
-// LLM_SERVING_KERNEL_INT=0 in the environment (read once) or KernelInt(0).
+// Whether products whose weights all have integer codes (the Q-types) run on the integer paths, x rounded to 16
+// bits per block: AMX's integer tiles (gemm_amx_int.h, where the CPU has its int8 tiles; steps that are not
+// batch-invariant, from kIntGemmRows rows) and AVX2's multiply-adds (gemm_avx2_int.h: every other such product,
+// any rows, batch-invariant by construction). On unless LLM_SERVING_KERNEL_INT=0 in the environment (read once) or
+// KernelInt(0), which keep them on the float paths (dequantized weights).
 std::atomic<int> int_setting{-1};        // -1: not read yet; 0 off; 1 on
 
-bool int_enabled(bool amx) {
-#if defined(LLM_SERVING_AMX_INT)
-  if (!amx) return false;
+bool int_allowed() {
   if (int_setting.load(std::memory_order_relaxed) < 0) {
     const char* env = std::getenv("LLM_SERVING_KERNEL_INT");
     int expected = -1;
     int_setting.compare_exchange_strong(expected, env != nullptr && std::strcmp(env, "0") == 0 ? 0 : 1);
   }
   return int_setting.load(std::memory_order_relaxed) == 1;
+}
+
+bool int_enabled(bool amx) {             // AMX's integer tiles
+#if defined(LLM_SERVING_AMX_INT)
+  return amx && int_allowed();
 #else
   (void)amx;
+  return false;
+#endif
+}
+
+bool avx2_int_enabled() {                // gemm_avx2_int.h
+#if defined(LLM_SERVING_AVX2_INT)
+  return int_allowed();
+#else
+  return false;
+#endif
+}
+
+// Whether a product of these parts runs gemm_avx2_int.h: enabled, and every part's type one it reads
+bool avx2_int_product(const Matrix* const* ws, int parts, bool enabled) {
+#if defined(LLM_SERVING_AVX2_INT)
+  for (int q = 0; q < parts && enabled; ++q) enabled = llm_serving::avx2_int::reads(ws[q]->type);
+  return enabled;
+#else
+  (void)ws;
+  (void)parts;
+  (void)enabled;
   return false;
 #endif
 }
@@ -1792,6 +1830,38 @@ inline void pack_x(std::atomic<int64_t>& next, const float* x, int64_t m, int64_
 // pack_x for lane_units: every thread packs the panels it claims (pack_lanes); a barrier must follow.
 inline void pack_x_lanes(std::atomic<int64_t>& next, const float* x, int64_t m, int64_t k, float* xp) {
   for (int64_t p = next.fetch_add(1); p < gemm::panels(m); p = next.fetch_add(1)) pack_lanes(x, k, m, k, p, xp);
+}
+
+// pack_x for gemm_avx2_int.h: every thread rounds the rows of x it claims (4 at a time) to their int16 records; a
+// barrier must follow. (Each row is rounded alone: the same record whichever thread takes it, among any rows.)
+inline void pack_x_int(std::atomic<int64_t>& next, const float* x, int64_t m, int64_t k, float* xp) {
+#if defined(LLM_SERVING_AVX2_INT)
+  constexpr int64_t kRows = 4;
+  for (int64_t b = next.fetch_add(kRows); b < m; b = next.fetch_add(kRows))
+    llm_serving::avx2_int::pack_rows(x, k, k, m, b, std::min(m, b + kRows), reinterpret_cast<uint8_t*>(xp));
+#else
+  (void)next, (void)x, (void)m, (void)k, (void)xp;
+#endif
+}
+
+// Weight rows [r0, r1) of w (its type one gemm_avx2_int.h reads) times the m rows of x packed by pack_x_int:
+// emit(b, r, w[r] . x[b]), a tile of kTileRows weight rows at a time (out: kTileRows x m floats, wbuf: the tile's
+// unpacked rows, both the calling thread's).
+template <typename Emit>
+void int_rows(const Matrix& w, const float* xp, int64_t m, int64_t r0, int64_t r1, float* wbuf, float* out,
+              Emit emit) {
+#if defined(LLM_SERVING_AVX2_INT)
+  namespace ai = llm_serving::avx2_int;
+  for (int64_t r = r0; r < r1; r += ai::kTileRows) {
+    const int64_t n = std::min(ai::kTileRows, r1 - r);
+    ai::product(w.type, w.data + r * w.row_bytes, w.row_bytes, w.k, n, reinterpret_cast<const uint8_t*>(xp), m,
+                reinterpret_cast<uint8_t*>(wbuf), out, m);
+    for (int64_t b = 0; b < m; ++b)
+      for (int64_t i = 0; i < n; ++i) emit(b, r + i, out[i * m + b]);
+  }
+#else
+  (void)w, (void)xp, (void)m, (void)r0, (void)r1, (void)wbuf, (void)out, (void)emit;
+#endif
 }
 
 #if defined(LLM_SERVING_AMX)
@@ -1934,8 +2004,9 @@ void gemm_units(const Matrix* const* ws, int parts, int64_t u0, int64_t u1, cons
 
 // How a step's products run, chosen once per kernel call from its rows: matvec's tiles (few rows), the batched
 // kernels (gemm_cpu.h, AMX), or with batch invariance dot_gemm (fewer than kLaneRows rows) or lane_units, whose
-// sums are dot_gemm's.
-enum class Route { kTiles, kBatched, kDot, kLanes };
+// sums are dot_gemm's. A product whose parts all have integer codes runs kInt instead (gemm_avx2_int.h, any rows,
+// invariant or not), unless AMX's integer tiles take it (int_enabled: not invariant, from kIntGemmRows rows).
+enum class Route { kTiles, kBatched, kDot, kLanes, kInt };
 
 // batched: the fastest paths' batched products (the call's rows reach their threshold)
 inline Route route_of(bool invariant, bool batched, int64_t rows) {
@@ -1952,28 +2023,46 @@ inline RouteFloats route_floats(Route route, int64_t m, int64_t k, bool amx) {
     case Route::kBatched: return {gemm_x_floats(m, k, amx), gemm_w_floats(k, amx), gemm_c_floats(m, amx)};
     case Route::kLanes: return {gemm::packed_floats(m, k), lane_w_floats(k), lane_c_floats(m)};
     case Route::kDot: return {0, dot_w_floats(k), dot_lane_floats()};
+#if defined(LLM_SERVING_AVX2_INT)
+    case Route::kInt: {              // the rows of x as int16 records, a tile's unpacked rows and its outputs
+      namespace ai = llm_serving::avx2_int;
+      return {m * ai::x_bytes(k) / 4, ai::buffer_bytes(k, m) / 4, ai::kTileRows * ((m + 15) / 16 * 16)};
+    }
+#else
+    case Route::kInt: break;
+#endif
     case Route::kTiles: break;
   }
   return {0, 0, 0};
 }
+
+// Buffers for the products of a call that run on either route (each the larger)
+inline RouteFloats widest(RouteFloats a, RouteFloats b) {
+  return {std::max(a.x, b.x), std::max(a.w, b.w), std::max(a.c, b.c)};
+}
+
+// Whether a route's products read x packed (by pack_for)
+inline bool packs_x(Route route) { return route == Route::kBatched || route == Route::kLanes || route == Route::kInt; }
 
 // Every thread packs the panels of x it claims, as the route reads them (pack_x or pack_x_lanes); a barrier must
 // follow
 inline void pack_for(Route route, std::atomic<int64_t>& next, const float* x, int64_t m, int64_t k, float* xp,
                      bool amx, int ints) {
   if (route == Route::kLanes) pack_x_lanes(next, x, m, k, xp);
+  else if (route == Route::kInt) pack_x_int(next, x, m, k, xp);
   else pack_x(next, x, m, k, xp, amx, ints);
 }
 
-// Rows [r0, r1) of w times every row of x (batch rows of w.k): emit(b, r, w[r] . x[b]), by the step's route:
+// Rows [r0, r1) of w times every row of x (batch rows of w.k): emit(b, r, w[r] . x[b]), by the product's route:
 // matvec with tile, gemm_units (xp: x packed by pack_x), or, batch-invariant, dot_gemm or lane_units (xp: x
-// packed by pack_lanes; wbuf and c: the route's buffers).
+// packed by pack_lanes; wbuf and c: the route's buffers), or int_rows (xp: x packed by pack_x_int).
 template <typename Emit>
 void product_rows(Route route, const Matrix& w, const float* x, const float* xp, int64_t batch, int64_t r0,
                   int64_t r1, float* tile, float* wbuf, float* c, bool amx, Emit emit, int ints = kNoInt) {
   switch (route) {
     case Route::kTiles: matvec(w, x, batch, r0, r1, tile, emit); return;
     case Route::kDot: dot_gemm(w, x, batch, r0, r1, wbuf, c, emit); return;
+    case Route::kInt: int_rows(w, xp, batch, r0, r1, wbuf, c, emit); return;
     case Route::kLanes: {
       const Matrix* ws[1] = {&w};
       lane_units(ws, 1, r0, r1, x, xp, batch, wbuf, c, [&](int64_t u, int64_t n, const float* cc, int64_t ldc) {
@@ -2206,6 +2295,35 @@ extern "C" int DequantizeRows(int32_t type, const uint8_t* data, int64_t rows, i
   return 0;
 }
 
+// out (m, rows) = x (m, k) times `rows` weight rows of GGML type `type` at w (row_bytes_of(type, k) bytes each) on
+// the integer path of gemm_avx2_int.h, x rounded as the kernels round it, on the calling thread (for tests and
+// benchmarks: the kernels' products without the norms around them). 0, or 2: a type that path does not read, k
+// not whole blocks, or a build without it.
+extern "C" int IntegerProduct(int32_t type, const uint8_t* w, int64_t rows, int64_t k, const float* x, int64_t m,
+                              float* out) {
+#if defined(LLM_SERVING_AVX2_INT)
+  namespace ai = llm_serving::avx2_int;
+  const int64_t bytes = row_bytes_of(type, k);
+  if (bytes < 0 || !ai::reads(type) || rows < 0 || m < 0) return 2;
+  std::vector<float> xbuf, wbuf, tile;
+  float* xp = sized_aligned(xbuf, m * ai::x_bytes(k) / 4);
+  float* wp = sized_aligned(wbuf, ai::buffer_bytes(k, m) / 4);
+  float* c = Scratch::sized(tile, ai::kTileRows * m);
+  ai::pack_rows(x, k, k, m, 0, m, reinterpret_cast<uint8_t*>(xp));
+  for (int64_t r = 0; r < rows; r += ai::kTileRows) {
+    const int64_t n = std::min(ai::kTileRows, rows - r);
+    ai::product(type, w + r * bytes, bytes, k, n, reinterpret_cast<const uint8_t*>(xp), m,
+                reinterpret_cast<uint8_t*>(wp), c, m);
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t b = 0; b < m; ++b) out[b * rows + r + i] = c[i * m + b];
+  }
+  return 0;
+#else
+  (void)type, (void)w, (void)rows, (void)k, (void)x, (void)m, (void)out;
+  return 2;
+#endif
+}
+
 // Turns the AMX path of the batched products off (0) or back on (1; when the CPU and Linux allow it), or only
 // asks (-1): returns whether the next kernel call runs them on AMX. For tests and benchmarks, which compare the
 // two paths in one process (a server sets LLM_SERVING_KERNEL_AMX=0 instead, if ever).
@@ -2235,14 +2353,15 @@ extern "C" int KernelInvariant(int enable) {
   return invariant_enabled() ? 1 : 0;
 }
 
-// Turns the integer products (gemm_amx_int.h) off (0) or back on (1; where AMX is), or only asks (-1): returns
-// whether the next kernel call runs products of quantized weights on them. For tests and benchmarks.
+// Turns the integer products off (0) or back on (1), or only asks (-1): returns which the next kernel call runs
+// products of integer-code weights on, bits: 1 AMX's integer tiles (gemm_amx_int.h, where AMX is), 2 AVX2's
+// multiply-adds (gemm_avx2_int.h); 0 none (the float paths). For tests and benchmarks (which compare the two).
 extern "C" int KernelInt(int enable) {
   if (enable >= 0) {
-    int_enabled(true);                               // the environment read first, then overridden
+    int_allowed();                                   // the environment read first, then overridden
     int_setting.store(enable > 0 ? 1 : 0);
   }
-  return int_enabled(amx_enabled()) ? 1 : 0;
+  return (int_enabled(amx_enabled()) ? 1 : 0) | (avx2_int_enabled() ? 2 : 0);
 }
 
 // Wall time spent in each kernel since the library was loaded, in nanoseconds: [DecoderLayer, FinalLogits]
@@ -2387,15 +2506,33 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
   const Route route = route_of(invariant, batched, rows);
   const bool lanes = route == Route::kLanes;
   if (!batched) int_qkv = int_o = int_gate_up = int_down = kNoInt;
-  // the route's buffers: x packed (shared), per thread a group of weight rows and C (or lane sums)
-  const RouteFloats sizes = route_floats(route, rows, kmax, amx);
+  // each product's route: the step's, or kInt where its parts all have integer codes (and AMX's tiles do not
+  // take it)
+  const bool avx2_ints = avx2_int_enabled();
+  auto route_for = [&](const Matrix* const* parts, int n, int amx_ints) {
+    return amx_ints == kNoInt && avx2_int_product(parts, n, avx2_ints) ? Route::kInt : route;
+  };
+  const Route route_qkv = route_for(qkv_parts, 3, int_qkv), route_o = route_for(o_part, 1, int_o),
+              route_gu = route_for(gate_up, 2, int_gate_up), route_down = route_for(down_part, 1, int_down);
+  const Route routes[4] = {route_qkv, route_o, route_gu, route_down};
+  // the routes' buffers: x packed (shared), per thread a group of weight rows and C (or lane sums, or kInt's)
+  RouteFloats sizes{0, 0, 0};
+  for (const Route r : {route, Route::kInt})
+    if (std::find(routes, routes + 4, r) != routes + 4) sizes = widest(sizes, route_floats(r, rows, kmax, amx));
   const int64_t w_floats = sizes.w, c_floats = sizes.c;
   float* xp = sizes.x ? sized_aligned(s.packed, sizes.x) : nullptr;
   float* gemm_w = w_floats ? sized_aligned(s.gemm_w, threads * w_floats) : nullptr;
   float* gemm_c = c_floats ? sized_aligned(s.gemm_c, threads * c_floats) : nullptr;
   const int64_t dot_align = lanes ? kLaneGroup : invariant ? kDotGroup : 4;     // the chunks of a product's rows
-  float* silu = batched || lanes ? Scratch::sized(s.silu, threads * 3 * rows) : nullptr;
-  float* up_sums = invariant && !lanes ? Scratch::sized(s.up, rows * inter) : nullptr;
+  // a product's chunks of rows: whole groups (batched), kInt's tiles, or dot_align
+  auto align_of = [&](Route r, int64_t k) {
+    return r == Route::kBatched ? gemm_group(k, amx) : r == Route::kInt ? kIntTileRows : dot_align;
+  };
+  // gate/up: together in groups of units (batched, lanes), or each product by rows, then f (invariant, kInt)
+  const bool gate_up_units = route_gu != Route::kInt && (batched || lanes);
+  float* silu = gate_up_units ? Scratch::sized(s.silu, threads * 3 * rows) : nullptr;
+  float* up_sums = !gate_up_units && (invariant || route_gu == Route::kInt) ? Scratch::sized(s.up, rows * inter)
+                                                                            : nullptr;
   // the computed rows that have a LoRA adapter, sorted by slot; thread t takes a contiguous share of them, so
   // that each slot's matrices are read once per thread and product however many rows use it
   std::vector<int64_t> lora_rows;
@@ -2463,10 +2600,11 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
     float* wbuf = gemm_w ? gemm_w + tid * w_floats : nullptr;
     float* cbuf = gemm_c ? gemm_c + tid * c_floats : nullptr;
     float* silu_row = silu ? silu + tid * 3 * rows : nullptr;     // and the unit's gate and up sums
-    // batched or lanes: the product's x packed into xp by all threads (a barrier after), then read by every chunk
-    auto packed = [&](int which, const float* in, int64_t k_in, int integer) -> const float* {
-      if (xp == nullptr) return nullptr;
-      pack_for(route, next_pack[which], in, rows, k_in, xp, amx, integer);
+    // batched, lanes or kInt: the product's x packed into xp by all threads (a barrier after), then read by every
+    // chunk
+    auto packed = [&](int which, Route r, const float* in, int64_t k_in, int integer) -> const float* {
+      if (!packs_x(r)) return nullptr;
+      pack_for(r, next_pack[which], in, rows, k_in, xp, amx, integer);
       barrier.wait();
       return xp;
     };
@@ -2497,15 +2635,15 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
     };
     rms_normalize(x, rows, h, eps, in_gain, xn);
     project(lora_qkv, xn, h);
-    const float* xq = packed(0, xn, h, int_qkv);
+    const float* xq = packed(0, route_qkv, xn, h, int_qkv);
     for (int part = 0; part < 3; ++part) {           // q, k then v rows: no barrier between them
       const Matrix& w = *qkv_parts[part];
       const int64_t first = qkv_first[part];
       claim_rows(next_qkv[part], w.rows, nthreads, [&](int64_t r0, int64_t r1) {
-        product_rows(route, w, xn, xq, rows, r0, r1, tile, wbuf, cbuf, amx, [&](int64_t b, int64_t r, float v) {
+        product_rows(route_qkv, w, xn, xq, rows, r0, r1, tile, wbuf, cbuf, amx, [&](int64_t b, int64_t r, float v) {
           qkv[b * nqkv + first + r] = v + qkv_b[first + r];
         }, int_qkv);
-      }, batched ? gemm_group(h, amx) : dot_align);
+      }, align_of(route_qkv, h));
     }
     barrier.wait();
     if (adapted) {
@@ -2562,16 +2700,16 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
     // 4. out = x + attn . o_w^T (sandwich: x + rmsnorm(attn . o_w^T) * attn_out_gain, the product's result whole
     // first, the rows normalized after a barrier)
     project(lora_o, attn, nh * d);
-    const float* xo = packed(1, attn, nh * d, int_o);
+    const float* xo = packed(1, route_o, attn, nh * d, int_o);
     claim_rows(next_o, h, nthreads, [&](int64_t r0, int64_t r1) {
       if (sandwich) {
-        product_rows(route, o_w, attn, xo, rows, r0, r1, tile, wbuf, cbuf, amx,
+        product_rows(route_o, o_w, attn, xo, rows, r0, r1, tile, wbuf, cbuf, amx,
                      [&](int64_t b, int64_t r, float v) { sandwiched[b * h + r] = v; }, int_o);
       } else {
-        product_rows(route, o_w, attn, xo, rows, r0, r1, tile, wbuf, cbuf, amx,
+        product_rows(route_o, o_w, attn, xo, rows, r0, r1, tile, wbuf, cbuf, amx,
                      [&](int64_t b, int64_t r, float v) { out[b * h + r] = x[b * h + r] + v; }, int_o);
       }
-    }, batched ? gemm_group(nh * d, amx) : dot_align);
+    }, align_of(route_o, nh * d));
     barrier.wait();
     if (adapted) {
       add_rows(lora_o, sandwich ? sandwiched : out, h);
@@ -2591,8 +2729,8 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
       add_rows(lora_gate_up, lora_gu, 2 * inter);
       barrier.wait();
     }
-    if (batched || lanes) {                         // gate and up rows of a group of units together, then f
-      const float* xg = packed(2, xn, h, int_gate_up);
+    if (gate_up_units) {                            // gate and up rows of a group of units together, then f
+      const float* xg = packed(2, route_gu, xn, h, int_gate_up);
       claim_rows(next_unit, inter, nthreads, [&](int64_t r0, int64_t r1) {
         units(gate_up, 2, r0, r1, xn, xg, [&](int64_t j, int64_t n, const float* c, int64_t ldc) {
           // unit by unit: its gate and up sums of every row are contiguous in C (one vectorized pass), then
@@ -2613,11 +2751,12 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
           }
         }, int_gate_up);
       }, lanes ? kLaneGroup / 2 : gemm_group(h, amx) / 2);
-    } else if (invariant) {                         // gate's sums into act, up's beside, then f by row
+    } else if (up_sums != nullptr) {                // gate's sums into act, up's beside, then f by row
+      const float* xg = packed(2, route_gu, xn, h, kNoInt);
       claim_rows(next_unit, inter, nthreads, [&](int64_t r0, int64_t r1) {
-        product_rows(route, gate_w, xn, nullptr, rows, r0, r1, tile, wbuf, cbuf, amx,
+        product_rows(route_gu, gate_w, xn, xg, rows, r0, r1, tile, wbuf, cbuf, amx,
                      [&](int64_t b, int64_t j, float v) { act[b * inter + j] = v; });
-        product_rows(route, up_w, xn, nullptr, rows, r0, r1, tile, wbuf, cbuf, amx,
+        product_rows(route_gu, up_w, xn, xg, rows, r0, r1, tile, wbuf, cbuf, amx,
                      [&](int64_t b, int64_t j, float v) { up_sums[b * inter + j] = v; });
         for (int64_t b = 0; b < rows; ++b) {
           float* g = act + b * inter + r0;
@@ -2631,7 +2770,7 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
           }
           activation_span(activation, g, v, r1 - r0, g);
         }
-      }, dot_align);
+      }, align_of(route_gu, h));
     } else {
       claim_rows(next_unit, inter, nthreads, [&](int64_t r0, int64_t r1) {
         for (int64_t j = r0; j < r1; j += 4) {
@@ -2677,16 +2816,16 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
     barrier.wait();
     // 6. out += act . down_w^T (sandwich: out += rmsnorm(act . down_w^T) * mlp_out_gain, as step 4)
     project(lora_down, act, inter);
-    const float* xd = packed(3, act, inter, int_down);
+    const float* xd = packed(3, route_down, act, inter, int_down);
     claim_rows(next_down, h, nthreads, [&](int64_t r0, int64_t r1) {
       if (sandwich) {
-        product_rows(route, down_w, act, xd, rows, r0, r1, tile, wbuf, cbuf, amx,
+        product_rows(route_down, down_w, act, xd, rows, r0, r1, tile, wbuf, cbuf, amx,
                      [&](int64_t b, int64_t r, float v) { sandwiched[b * h + r] = v; }, int_down);
       } else {
-        product_rows(route, down_w, act, xd, rows, r0, r1, tile, wbuf, cbuf, amx,
+        product_rows(route_down, down_w, act, xd, rows, r0, r1, tile, wbuf, cbuf, amx,
                      [&](int64_t b, int64_t r, float v) { out[b * h + r] += v; }, int_down);
       }
-    }, batched ? gemm_group(inter, amx) : dot_align);
+    }, align_of(route_down, inter));
     if (adapted) {
       barrier.wait();
       add_rows(lora_down, sandwich ? sandwiched : out, h);
@@ -2742,9 +2881,12 @@ extern "C" int FinalLogits(int nparam, void** params, int* ndims, int64_t** shap
   // log-probability sums its chunks' parts in order)
   const bool invariant = invariant_of(icfg, shapes[ICFG][0], 2);
   const bool batched = !invariant && live >= (lm_ints != kNoInt ? kIntGemmRows : gemm_rows(amx, w.type == kF32));
-  const Route route = route_of(invariant, batched, live);
-  const int64_t align = batched ? gemm_group(h, amx) : invariant ? kDotGroup : 4;
   const int ints = batched ? lm_ints : kNoInt;
+  // integer codes that AMX's tiles do not take: gemm_avx2_int.h, at any rows (chunks of one size whatever the rows)
+  const Route route = ints == kNoInt && avx2_int_product(lm_part, 1, avx2_int_enabled())
+                          ? Route::kInt : route_of(invariant, batched, live);
+  const int64_t align = route == Route::kBatched ? gemm_group(h, amx)
+                        : route == Route::kInt ? kIntTileRows : invariant ? kDotGroup : 4;
   const int64_t chunk = chunk_rows(vocab, p.threads(), align), chunks = (vocab + chunk - 1) / chunk;
   float* partial = Scratch::sized(s.scores, chunks * live * 3);
   float* tiles = Scratch::sized(s.tiles, p.threads() * 4 * h);

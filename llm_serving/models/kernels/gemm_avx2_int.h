@@ -1,0 +1,660 @@
+// decoder_layer_cpu.cc's products on weights of integer codes (GGUF's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
+// Q6_K) with AVX2's integer multiply-adds, at every row count, batch-invariant by construction: an output is the
+// same float whether its row of x is alone in the call or among hundreds, wherever it sits, on any thread.
+//
+// Why: dequantizing the codes to float32 and running float FMAs (the other paths, without AMX) was ~10x slower
+// than llama.cpp on a Zen 3 (a Q4_K layer at 0.7 GB/s at one row: the decoders and FMAs, not memory, bound it).
+// Here the codes stay integers: as int16 they are multiplied with _mm256_madd_epi16 against x rounded to int16,
+// each block's sum exact in int32, and only then scaled in float32.
+//
+// Rounding of x (pack_rows): each row of x per block of 32 values, x = sx n with sx = max |x| / 32512 and n an
+// int16 (|n| <= 32512), rounded to nearest even, as gemm_amx_int.h rounds it per block of 32 (the tests' float64
+// reference rounds the same way). Per block of 32 for every type, the K-quants too (their sub-blocks are 32 or
+// 16 wide): the rounding depends on x alone, so one packed x serves a product whose parts have different types
+// (a Q4_K_M layer's q/k Q4_K and v Q6_K), and it is finer than gemm_amx_int.h's 256 for the K-quants.
+// Exactness: a block's sum of code x n is at most 32 x 128 x 32512 = 1.3e8 (Q8_0) in int32; Q6_K's 16-weight
+// sub-blocks (their own int8 scales, not folded into the codes) are summed apart, at most 16 x 32 x 32512. Codes
+// with an offset inside (Q4_0's q - 8, Q5_0's q - 16, Q6_K's q - 32) are multiplied as q, and bias x sum(n) is
+// taken off the sum (the same integer). So every block's integer sum T is exact, whatever order the
+// instructions add it in.
+//
+// The float epilogue, one order for every output whatever the path: the weights go 256 at a time (a group: a
+// K-quant super-block, or 8 blocks of 32; a row's last group may have fewer blocks, the rest zeros), and a group's
+// 8 block sums T (lane j: block j of the group; Q6_K: TA, TB of the first and second 16 of each block) are scaled
+// as 8 lanes:
+//     acc = fma(float(T), sx * a, acc)                   a: the block's scale (d; K-quants d * sc[j])
+//     Q6_K: acc = fma(float(TB), sx * b, acc)            b: the second 16's scale d * sc[2j + 1] (a: sc[2j])
+//     offsets (Q4_1, Q5_1: + m; Q4_K, Q5_K: - dmin m[j]): acc = fma(b, xs, acc), xs = sx * sum(n) of the block
+// with acc starting at zero and the groups in k order, and the output is sum8(acc): ((l0 + l4) + (l2 + l6)) +
+// ((l1 + l5) + (l3 + l7)). Nothing there depends on the other rows of x, the tile an output fell in or the thread
+// that took it, and this file is compiled without -fassociative-math (the pragma below), so that GCC keeps these
+// sums in the order written.
+//
+// Two ways to the same T (product, called by whichever thread claimed a tile of kTileRows weight rows:
+// decoder_layer_cpu.cc's claim_rows splits each product's output rows among the pool's threads):
+//   - up to kFusedRows rows of x (decode: memory-bound, every weight byte read once per call), each weight row is
+//     decoded a group at a time in registers and used at once; a block's products land in the 8 lanes of one
+//     vector and are summed across lanes (halves): x and the codes in the "natural" layout below.
+//   - more rows, the tile's rows are unpacked once into the thread's buffer and multiplied by every row of x,
+//     kRB weight rows x kBB rows of x in registers, a depth block of kDepthGroups groups at a time (the x rows'
+//     slice stays in L1 while the weight rows pass): codes and x in the "lanes" layout, lane j of every vector
+//     holding block j, so that each block's sum accumulates in one lane with no reduction across lanes.
+//
+// Layouts (per group, 32-byte aligned when the buffer is). Natural: per block of 32, a vector of its 16 even
+// weights (0, 2, .., 30) then one of its 16 odd ones, as int16 (a 16-bit lane of the stored bytes holds weights 2i
+// and 2i + 1, so shifts and masks in place split them: no widening across 128-bit halves). Lanes: the same 16
+// vectors transposed (store_lanes). A packed row of x is [n: 16 vectors][sx: 8 floats][xs: 8 floats][sums of n
+// over each block's first and second 16: 8 + 8 int32] (640 bytes), an unpacked weight row [codes][a: 8][b: 8]
+// (576 bytes).
+#pragma once
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define LLM_SERVING_AVX2_INT 1
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace llm_serving {
+namespace avx2_int {
+
+// The GGML type codes read here (decoder_layer_cpu.cc's WeightType)
+constexpr int32_t kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
+
+inline bool reads(int32_t type) {
+  return type == kQ4_0 || type == kQ4_1 || type == kQ5_0 || type == kQ5_1 || type == kQ8_0 || type == kQ4_K ||
+         type == kQ5_K || type == kQ6_K;
+}
+
+constexpr int64_t kGroup = 256;            // weights per group
+constexpr int64_t kXRecord = 640;          // bytes of a group of x: 512 of int16, 8 + 8 floats, 8 + 8 int32
+constexpr int64_t kXFloats = 512;          // where its floats start
+constexpr int64_t kWRecord = 576;          // bytes of an unpacked weight group: 512 of int16, 8 + 8 floats
+constexpr int64_t kWFloats = 512;
+constexpr float kRange = 32512.f;          // |n| at most this (as gemm_amx_int.h)
+constexpr int64_t kFusedRows = 2;          // up to this many rows of x, weights decoded in registers per use
+constexpr int64_t kTileRows = 16;          // weight rows per product() call (the claim_rows unit)
+constexpr int kRB = 2, kBB = 4;            // unpacked path: weight rows x rows of x per register tile
+constexpr int64_t kDepthGroups = 4;        // unpacked path: groups per depth block (kBB rows of x: 10 KB)
+
+inline int64_t groups(int64_t k) { return (k + kGroup - 1) / kGroup; }
+inline int64_t x_bytes(int64_t k) { return groups(k) * kXRecord; }   // a packed row of x of k values
+inline int64_t w_bytes(int64_t k) { return groups(k) * kWRecord; }   // an unpacked weight row
+// a thread's buffer for product(): a tile's unpacked rows, then their running sums (8 floats per output)
+inline int64_t buffer_bytes(int64_t k, int64_t m) { return kTileRows * (w_bytes(k) + m * 32); }
+
+// How a type's group is scaled (the epilogue above): plain (a), with offsets (a, then b xs), or split in 16s
+// (Q6_K: a on the first 16 of each block, b on the second)
+enum Kind : int { kPlain = 0, kOffset = 1, kSplit = 2 };
+constexpr int kind_of(int32_t type) {
+  return type == kQ4_1 || type == kQ5_1 || type == kQ4_K || type == kQ5_K ? kOffset : type == kQ6_K ? kSplit : kPlain;
+}
+
+}  // namespace avx2_int
+}  // namespace llm_serving
+
+// Everything below: no -fassociative-math (the sums above in the order written; the command line's other
+// relaxations stay). One set of options for the whole file, so that its functions inline into each other.
+#pragma GCC push_options
+#pragma GCC optimize("no-associative-math")
+
+namespace llm_serving {
+namespace avx2_int {
+
+inline float half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+inline uint16_t u16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return h;
+}
+inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+
+// ---- decoding: a group's blocks of 32 as int16 codes, two vectors of 16 per block (its weights 0, 2, .., 30,
+// then 1, 3, .., 31; x is packed the same way), without the codes' offset (Q4_0's 8, Q5_0's 16, Q6_K's 32:
+// bias_of, taken off the integer sums), a pair of blocks at a time (decode_pair), and the group's scales a, b (the
+// epilogue's: group_scales). Even and odd: a 16-bit lane of the stored bytes holds weights 2i and 2i + 1, so
+// shifts and masks in place give both (the widening instructions cost 1.5-2 cycles of shuffle unit a vector on a
+// Zen 3).
+
+constexpr int64_t block_bytes(int32_t type) {
+  return type == kQ4_0 ? 18 : type == kQ4_1 ? 20 : type == kQ5_0 ? 22 : type == kQ5_1 ? 24 : 34;
+}
+
+// bytes of a group in a row of this type
+constexpr int64_t group_bytes(int32_t type) {
+  return type == kQ4_K ? 144 : type == kQ5_K ? 176 : type == kQ6_K ? 210 : 8 * block_bytes(type);
+}
+
+// The offset inside the codes, taken off each block's sum as bias x sum(n) (exact in int32)
+constexpr int bias_of(int32_t type) { return type == kQ4_0 ? 8 : type == kQ5_0 ? 16 : type == kQ6_K ? 32 : 0; }
+
+inline __m256i low_nibbles(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi16(15)); }
+
+// Q5_0/Q5_1's fifth bits (bit l: weight l) as 16 where set, in the even (Odd: odd) weights' order
+template <bool Odd>
+inline __m256i fifth_bits(uint32_t qh) {
+  // 16-bit lane k (weight 2k (+ 1)) reads qh's low half (k < 8) or its high half, bit 2k (+ 1) mod 16
+  const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(qh)),
+                                        _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                                         2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3));
+  const __m256i sel = Odd ? _mm256_setr_epi16(2, 8, 32, 128, 512, 2048, 8192, -32768, 2, 8, 32, 128, 512, 2048,
+                                              8192, -32768)
+                          : _mm256_setr_epi16(1, 4, 16, 64, 256, 1024, 4096, 16384, 1, 4, 16, 64, 256, 1024, 4096,
+                                              16384);
+  return _mm256_and_si256(_mm256_cmpeq_epi16(_mm256_and_si256(v, sel), sel), _mm256_set1_epi16(16));
+}
+
+// The f16 at p + j * stride for j < nv (0 past), as 8 floats
+inline __m256 halves8(const uint8_t* p, int64_t stride, int nv) {
+  if (nv == 8) {
+    return _mm256_cvtph_ps(_mm_setr_epi16(u16(p), u16(p + stride), u16(p + 2 * stride), u16(p + 3 * stride),
+                                          u16(p + 4 * stride), u16(p + 5 * stride), u16(p + 6 * stride),
+                                          u16(p + 7 * stride)));
+  }
+  alignas(16) uint16_t h[8] = {};
+  for (int j = 0; j < nv; ++j) h[j] = u16(p + j * stride);
+  return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(h)));
+}
+
+// A row's group g as the decoders take it: its bytes, and how many of its 8 blocks of 32 the row has (8 but in
+// a row of blocks of 32 whose last group is short)
+template <int32_t T>
+inline const uint8_t* group_at(const uint8_t* row, int64_t g) {
+  return row + g * group_bytes(T);
+}
+template <int32_t T>
+inline int valid_blocks(int64_t g, int64_t k) {
+  return T == kQ4_K || T == kQ5_K || T == kQ6_K ? 8 : static_cast<int>(std::min<int64_t>(8, k / 32 - 8 * g));
+}
+
+// The scales a, b of the group at p (nv valid blocks)
+//   blocks of 32: a = d, b = m (Q4_1, Q5_1; else 0)
+//   Q4_K / Q5_K: a = d sc[j], b = -(dmin m[j]) (12 bytes of 6-bit sc[j] and m[j] after the f16 d and dmin)
+//   Q6_K: a = d sc[2j], b = d sc[2j + 1] (16 int8 scales at 192, one per 16 weights; f16 d at 208)
+template <int32_t T>
+inline void group_scales(const uint8_t* p, int nv, __m256* a, __m256* b) {
+  if constexpr (T == kQ4_K || T == kQ5_K) {
+    uint32_t u0, u1, u2;                   // bytes 4-7: sc[0..3] (low 6 bits), 8-11: m[0..3], 12-15: low 4 bits of
+    std::memcpy(&u0, p + 4, 4);            // sc[4..7] and m[4..7] (low and high nibbles), whose top 2 bits are the
+    std::memcpy(&u1, p + 8, 4);            // top bits of bytes 4-7 (sc) and 8-11 (m)
+    std::memcpy(&u2, p + 12, 4);
+    const uint64_t sc = static_cast<uint64_t>(u0 & 0x3f3f3f3fu) |
+                        static_cast<uint64_t>((u2 & 0x0f0f0f0fu) | ((u0 >> 6) & 0x03030303u) << 4) << 32;
+    const uint64_t mn = static_cast<uint64_t>(u1 & 0x3f3f3f3fu) |
+                        static_cast<uint64_t>(((u2 >> 4) & 0x0f0f0f0fu) | ((u1 >> 6) & 0x03030303u) << 4) << 32;
+    // the 16 bytes [sc | m] in both halves, spread to 32-bit lanes in place (no widening across halves)
+    const __m256i bytes = _mm256_broadcastsi128_si256(_mm_set_epi64x(static_cast<int64_t>(mn), static_cast<int64_t>(sc)));
+    const __m256i to_a = _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
+                                          4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1);
+    const __m256i to_b = _mm256_setr_epi8(8, -1, -1, -1, 9, -1, -1, -1, 10, -1, -1, -1, 11, -1, -1, -1,
+                                          12, -1, -1, -1, 13, -1, -1, -1, 14, -1, -1, -1, 15, -1, -1, -1);
+    *a = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_shuffle_epi8(bytes, to_a)), _mm256_set1_ps(half(p)));
+    *b = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_shuffle_epi8(bytes, to_b)), _mm256_set1_ps(-half(p + 2)));
+  } else if constexpr (T == kQ6_K) {
+    const __m128i sc = _mm_shuffle_epi8(load16(p + 192), _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+    const __m256 d = _mm256_set1_ps(half(p + 208));
+    *a = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)), d);
+    *b = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))), d);
+  } else {
+    constexpr int64_t B = block_bytes(T);
+    *a = halves8(p, B, nv);
+    *b = T == kQ4_1 || T == kQ5_1 ? halves8(p + 2, B, nv) : _mm256_setzero_ps();
+  }
+}
+
+// Blocks 2c and 2c + 1 of the group at p (nv valid blocks; zeros past them): v[0], v[1] block 2c's even and odd
+// weights, v[2], v[3] block 2c + 1's.
+//   blocks of 32: Q8_0 32 signed bytes after the f16 d; the others 16 bytes of nibbles (weight l < 16 byte l's low
+//     nibble, l >= 16 byte l - 16's high one; Q5_0/Q5_1 plus 16 x bit l of the 32-bit word before them)
+//   Q4_K / Q5_K: sub-block j (weights 32j..32j+31) is the low (j even) or high (j odd) nibbles of bytes
+//     32(j/2)..32(j/2)+31 of the 128 at 16 (Q5_K: at 48, plus 16 x bit j of byte l of the 32 at 16)
+//   Q6_K: each half h of 128 weights reads ql[64h ..] and qh[32h ..]: weight 128h + 32i + l (i < 4, l < 32) is
+//     ql[64h + l + 32(i & 1)]'s low (i < 2) or high nibble, plus bits 2i..2i+1 of qh[128 + 32h + l] as bits 4..5
+template <int32_t T>
+inline void decode_pair(const uint8_t* p, int c, int nv, __m256i* v) {
+  if constexpr (T == kQ4_K || T == kQ5_K) {
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + (T == kQ4_K ? 16 : 48) + 32 * c));
+    v[0] = low_nibbles(q);
+    v[1] = low_nibbles(_mm256_srli_epi16(q, 8));
+    v[2] = low_nibbles(_mm256_srli_epi16(q, 4));
+    v[3] = _mm256_srli_epi16(q, 12);
+    if constexpr (T == kQ5_K) {            // bit j of byte l: of an even weight at bit j, of an odd one at 8 + j
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16)), sixteen = _mm256_set1_epi16(16);
+      for (int t = 0; t < 2; ++t) {
+        const int j = 2 * c + t;
+        const __m256i even = j <= 4 ? _mm256_slli_epi16(h, 4 - j) : _mm256_srli_epi16(h, j - 4);
+        v[2 * t] = _mm256_or_si256(v[2 * t], _mm256_and_si256(even, sixteen));
+        v[2 * t + 1] = _mm256_or_si256(v[2 * t + 1], _mm256_and_si256(_mm256_srli_epi16(h, 4 + j), sixteen));
+      }
+    }
+  } else if constexpr (T == kQ6_K) {
+    const int h = c / 2, i0 = 2 * (c % 2);             // blocks 4h + i0 (ql bytes 0..31) and 4h + i0 + 1 (32..63)
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * h));
+    const __m256i top = _mm256_set1_epi16(0x30);
+    for (int t = 0; t < 2; ++t) {
+      const int i = i0 + t;
+      const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * h + 32 * t));
+      const __m256i low_e = i < 2 ? low_nibbles(l) : low_nibbles(_mm256_srli_epi16(l, 4));
+      const __m256i low_o = i < 2 ? low_nibbles(_mm256_srli_epi16(l, 8)) : _mm256_srli_epi16(l, 12);
+      // bits 2i..2i+1 of the even weight's byte (bits 0..7 of the lane) and of the odd one's (8..15) to 4..5
+      const __m256i high_e = i < 2 ? _mm256_slli_epi16(qh, 4 - 2 * i) : _mm256_srli_epi16(qh, 2 * i - 4);
+      const __m256i high_o = _mm256_srli_epi16(qh, 4 + 2 * i);
+      v[2 * t] = _mm256_or_si256(low_e, _mm256_and_si256(high_e, top));
+      v[2 * t + 1] = _mm256_or_si256(low_o, _mm256_and_si256(high_o, top));
+    }
+  } else {
+    constexpr int64_t B = block_bytes(T);
+    for (int t = 0; t < 2; ++t) {
+      const int j = 2 * c + t;
+      const uint8_t* q = p + j * B;
+      if (j >= nv) {
+        v[2 * t] = v[2 * t + 1] = _mm256_setzero_si256();
+      } else if constexpr (T == kQ8_0) {
+        const __m256i s = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 2));
+        v[2 * t] = _mm256_srai_epi16(_mm256_slli_epi16(s, 8), 8);
+        v[2 * t + 1] = _mm256_srai_epi16(s, 8);
+      } else {                             // the 16 bytes in both halves, shifted per 32-bit lane (low half: the
+        constexpr int at = T == kQ4_0 ? 2 : T == kQ4_1 ? 4 : T == kQ5_0 ? 6 : 8;      // low nibbles, high: high)
+        const __m256i s = _mm256_broadcastsi128_si256(load16(q + at));
+        __m256i e = low_nibbles(_mm256_srlv_epi32(s, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)));
+        __m256i o = low_nibbles(_mm256_srlv_epi32(s, _mm256_setr_epi32(8, 8, 8, 8, 12, 12, 12, 12)));
+        if constexpr (T == kQ5_0 || T == kQ5_1) {
+          uint32_t qh;
+          std::memcpy(&qh, q + (T == kQ5_0 ? 2 : 4), 4);
+          e = _mm256_or_si256(e, fifth_bits<false>(qh));
+          o = _mm256_or_si256(o, fifth_bits<true>(qh));
+        }
+        v[2 * t] = e;
+        v[2 * t + 1] = o;
+      }
+    }
+  }
+}
+
+// Group g of a row of k weights of type T: its 16 vectors (w[2j], w[2j + 1]: block j's even and odd weights) and
+// scales
+template <int32_t T>
+inline void decode_group(const uint8_t* row, int64_t g, int64_t k, __m256i* w, __m256* a, __m256* b) {
+  const uint8_t* p = group_at<T>(row, g);
+  const int nv = valid_blocks<T>(g, k);
+  group_scales<T>(p, nv, a, b);
+  for (int c = 0; c < 4; ++c) decode_pair<T>(p, c, nv, w + 4 * c);
+}
+
+// ---- the sums
+
+// The products of block j (P[j]: 8 int32 lanes, 0-3 from the block's first 16 weights, 4-7 from its second):
+// lo[j] = the sum of lanes 0-3, hi[j] of 4-7 (exact: int32). Unpacks and adds within halves, one exchange of
+// halves at the end (the horizontal adds cost 2 cycles of shuffle unit each). pair_sums: blocks 2c and 2c + 1
+// (p0, p1) to [p0_0+p0_2, p1_0+p1_2, p0_1+p0_3, p1_1+p1_3 | the same of lanes 4-7]; then finish_halves on the 4.
+inline __m256i pair_sums(__m256i p0, __m256i p1) {
+  return _mm256_add_epi32(_mm256_unpacklo_epi32(p0, p1), _mm256_unpackhi_epi32(p0, p1));
+}
+inline void finish_halves(const __m256i* s, __m256i* lo, __m256i* hi) {
+  __m256i t[2];
+  for (int i = 0; i < 2; ++i)   // [p0 lo, p1 lo, p2 lo, p3 lo | p0 hi, p1 hi, p2 hi, p3 hi] (p0 = block 4i)
+    t[i] = _mm256_add_epi32(_mm256_unpacklo_epi64(s[2 * i], s[2 * i + 1]), _mm256_unpackhi_epi64(s[2 * i], s[2 * i + 1]));
+  *lo = _mm256_permute2x128_si256(t[0], t[1], 0x20);
+  *hi = _mm256_permute2x128_si256(t[0], t[1], 0x31);
+}
+
+// P[j]: block j's codes (its even and odd vectors) times x's (its two vectors of n)
+inline __m256i block_products(__m256i we, __m256i wo, __m256i xe, __m256i xo) {
+  return _mm256_add_epi32(_mm256_madd_epi16(we, xe), _mm256_madd_epi16(wo, xo));
+}
+
+// The epilogue of one group from its blocks' integer sums over their first 16 weights (lo) and their second (hi)
+// (xf: the x record's floats: sx, xs, then the int32 sums of n over each block's first and second 16): acc as the
+// header says. The same float operations on the same values whichever way lo and hi were summed.
+template <int K, int Bias>
+inline __m256 scale_sums(__m256i lo, __m256i hi, const float* xf, __m256 a, __m256 b, __m256 acc) {
+  static_assert(Bias == 0 || Bias == 8 || Bias == 16 || Bias == 32, "a power of two: bias x n is a shift");
+  constexpr int kLog2Bias = Bias == 8 ? 3 : Bias == 16 ? 4 : 5;
+  const __m256 sx = _mm256_load_ps(xf);
+  if constexpr (K == kSplit) {
+    if constexpr (Bias != 0) {
+      lo = _mm256_sub_epi32(lo, _mm256_slli_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(xf + 16)), kLog2Bias));
+      hi = _mm256_sub_epi32(hi, _mm256_slli_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(xf + 24)), kLog2Bias));
+    }
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(sx, a), acc);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(sx, b), acc);
+  } else {
+    __m256i t = _mm256_add_epi32(lo, hi);
+    if constexpr (Bias != 0) {
+      const __m256i n = _mm256_add_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(xf + 16)),
+                                         _mm256_load_si256(reinterpret_cast<const __m256i*>(xf + 24)));
+      t = _mm256_sub_epi32(t, _mm256_slli_epi32(n, kLog2Bias));
+    }
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(sx, a), acc);
+    if constexpr (K == kOffset) acc = _mm256_fmadd_ps(b, _mm256_load_ps(xf + 8), acc);
+    return acc;
+  }
+}
+
+// ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))
+inline float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// ---- the lanes layout (more rows of x than kFusedRows): a group's 16 vectors transposed, so that 32-bit lane j
+// of every vector holds 2 codes (or 2 values of x) of block j: a multiply-add's lane j adds to block j's sum and
+// the 8 lanes of an accumulator are the group's 8 block sums, with no reduction across lanes. Vector 8h + 4f + d
+// holds, in lane j, 32-bit word 4h + d of block j's even (f = 0) or odd (f = 1) vector: vectors 0..7 are the
+// first 16 weights of every block (h = 0), 8..15 the second (Q6_K's two scales).
+
+// r[j] (j < 8) transposed in place: 32-bit word d of r[j] -> word j of r[d]
+inline void transpose8(__m256i* r) {
+  __m256i t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    u[4 * i] = _mm256_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x31);
+  }
+}
+
+// A group's 16 vectors (v[2j], v[2j + 1]: block j's even and odd) in the lanes layout, stored at out
+inline void store_lanes(const __m256i* v, __m256i* out) {
+  __m256i e[8], o[8];
+  for (int j = 0; j < 8; ++j) {
+    e[j] = v[2 * j];
+    o[j] = v[2 * j + 1];
+  }
+  transpose8(e);                           // e[d]: word d (weights 4d, 4d + 2 of the even ones) of every block
+  transpose8(o);
+  for (int h = 0; h < 2; ++h)
+    for (int d = 0; d < 4; ++d) {
+      _mm256_store_si256(out + 8 * h + d, e[4 * h + d]);
+      _mm256_store_si256(out + 8 * h + 4 + d, o[4 * h + d]);
+    }
+}
+
+// ---- x
+
+// Whether a product of m rows of x runs the lanes layout (x packed so, weights unpacked so)
+inline bool lanes_layout(int64_t m) { return m > kFusedRows; }
+
+// Rows [b0, b1) of m rows of x (stride ldx floats, k values, k a multiple of 32) into xp: row b at xp + b *
+// x_bytes(k), a record per group: [n: per block of 32, its 16 even then 16 odd values (int16); for more rows than
+// kFusedRows in the lanes layout][sx: 8 floats][xs = sx sum(n): 8 floats][sum of n over each block's first 16,
+// then second 16: 8 + 8 int32]; past the row's last block, zeros.
+__attribute__((noinline)) inline void pack_rows(const float* x, int64_t ldx, int64_t k, int64_t m, int64_t b0,
+                                                 int64_t b1, uint8_t* xp) {
+  const int64_t nb = k / 32, ng = groups(k), stride = x_bytes(k);
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t r = b0; r < b1; ++r) {
+    const float* v = x + r * ldx;
+    uint8_t* out = xp + r * stride;
+    for (int64_t g = 0; g < ng; ++g, out += kXRecord) {
+      __m256i* n = reinterpret_cast<__m256i*>(out);
+      alignas(32) float sx[8] = {}, xs[8] = {};
+      alignas(32) int32_t na[8] = {}, nb16[8] = {};
+      for (int j = 0; j < 8; ++j) {
+        const int64_t blk = 8 * g + j;
+        if (blk >= nb) {
+          _mm256_store_si256(n + 2 * j, _mm256_setzero_si256());
+          _mm256_store_si256(n + 2 * j + 1, _mm256_setzero_si256());
+          continue;
+        }
+        const float* e = v + 32 * blk;
+        __m256 f[4], mx = _mm256_setzero_ps();
+        for (int i = 0; i < 4; ++i) {
+          f[i] = _mm256_loadu_ps(e + 8 * i);
+          mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, f[i]));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        const __m256 inv = _mm256_set1_ps(amax > 0.f ? kRange / amax : 0.f);
+        __m256i q[4];
+        for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(f[i], inv));   // to nearest even
+        // values 0..15 and 16..31 as int16 pairs, then the even ones (low halves) and odd ones (high halves) as
+        // int32, packed back to int16 and their pairs put in order
+        const __m256i lo = _mm256_packs_epi32(q[0], q[1]), hi = _mm256_packs_epi32(q[2], q[3]);
+        auto even = [](__m256i t) { return _mm256_srai_epi32(_mm256_slli_epi32(t, 16), 16); };
+        auto odd = [](__m256i t) { return _mm256_srai_epi32(t, 16); };
+        _mm256_store_si256(n + 2 * j, _mm256_permutevar8x32_epi32(_mm256_packs_epi32(even(lo), even(hi)), order));
+        _mm256_store_si256(n + 2 * j + 1, _mm256_permutevar8x32_epi32(_mm256_packs_epi32(odd(lo), odd(hi)), order));
+        auto total = [](__m256i t) {
+          __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+          s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+          return _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1)));
+        };
+        na[j] = total(_mm256_add_epi32(q[0], q[1]));
+        nb16[j] = total(_mm256_add_epi32(q[2], q[3]));
+        sx[j] = amax / kRange;
+        xs[j] = sx[j] * static_cast<float>(na[j] + nb16[j]);
+      }
+      if (lanes_layout(m)) {
+        __m256i v[16];
+        for (int i = 0; i < 16; ++i) v[i] = _mm256_load_si256(n + i);
+        store_lanes(v, n);
+      }
+      std::memcpy(out + kXFloats, sx, sizeof sx);
+      std::memcpy(out + kXFloats + 32, xs, sizeof xs);
+      std::memcpy(out + kXFloats + 64, na, sizeof na);
+      std::memcpy(out + kXFloats + 96, nb16, sizeof nb16);
+    }
+  }
+}
+
+// ---- products
+
+// Up to kFusedRows rows of x: out[i * ldo + b] for RB weight rows (row_bytes apart) and BB rows of x (packed,
+// stride xstride), decoded in registers a pair of blocks at a time and used at once, x's vectors loaded once for
+// the RB rows (x is 2 bytes a weight: two weight rows a pass ran 1.1-1.3x faster for 2 rows of x on a Zen 3,
+// about even for one). Asks for the rows a few ahead as it goes (as decoder_layer_cpu.cc's decoders: memory read
+// while blocks are decoded).
+template <int32_t T, int RB, int BB>
+void fused_rows(const uint8_t* rows, int64_t row_bytes, int64_t k, const uint8_t* xp, int64_t xstride, float* out,
+                int64_t ldo) {
+  constexpr int K = kind_of(T), Bias = bias_of(T);
+  constexpr int64_t kAhead = 4;
+  const int64_t ng = groups(k);
+  __m256 acc[RB][BB];
+  for (int r = 0; r < RB; ++r)
+    for (int b = 0; b < BB; ++b) acc[r][b] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < ng; ++g) {
+    const int nv = valid_blocks<T>(g, k);
+    const uint8_t* p[RB];
+    __m256 a[RB], bs[RB];
+    for (int r = 0; r < RB; ++r) {
+      p[r] = group_at<T>(rows + r * row_bytes, g);
+      const uint8_t* ahead = p[r] + kAhead * row_bytes;
+      for (int64_t at = 0; at < group_bytes(T); at += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + at), _MM_HINT_T1);
+      group_scales<T>(p[r], nv, &a[r], &bs[r]);
+    }
+    __m256i s[RB][BB][4];
+    for (int c = 0; c < 4; ++c) {
+      __m256i v[RB][4];
+      for (int r = 0; r < RB; ++r) decode_pair<T>(p[r], c, nv, v[r]);
+      for (int b = 0; b < BB; ++b) {
+        const __m256i* xv = reinterpret_cast<const __m256i*>(xp + b * xstride + g * kXRecord) + 4 * c;
+        const __m256i x0 = _mm256_load_si256(xv), x1 = _mm256_load_si256(xv + 1);
+        const __m256i x2 = _mm256_load_si256(xv + 2), x3 = _mm256_load_si256(xv + 3);
+        for (int r = 0; r < RB; ++r)
+          s[r][b][c] = pair_sums(block_products(v[r][0], v[r][1], x0, x1), block_products(v[r][2], v[r][3], x2, x3));
+      }
+    }
+    for (int b = 0; b < BB; ++b) {
+      const float* xf = reinterpret_cast<const float*>(xp + b * xstride + g * kXRecord + kXFloats);
+      for (int r = 0; r < RB; ++r) {
+        __m256i lo, hi;
+        finish_halves(s[r][b], &lo, &hi);
+        acc[r][b] = scale_sums<K, Bias>(lo, hi, xf, a[r], bs[r], acc[r][b]);
+      }
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int b = 0; b < BB; ++b) out[r * ldo + b] = sum8(acc[r][b]);
+}
+
+// fused_rows over n weight rows, two at a time
+template <int32_t T, int BB>
+void fused(const uint8_t* rows, int64_t row_bytes, int64_t k, int64_t n, const uint8_t* xp, int64_t xstride,
+           float* out, int64_t ldo) {
+  int64_t r = 0;
+  for (; r + 2 <= n; r += 2) fused_rows<T, 2, BB>(rows + r * row_bytes, row_bytes, k, xp, xstride, out + r * ldo, ldo);
+  for (; r < n; ++r) fused_rows<T, 1, BB>(rows + r * row_bytes, row_bytes, k, xp, xstride, out + r * ldo, ldo);
+}
+
+// n weight rows of type T unpacked into records (wbuf: n x w_bytes(k)): [codes, lanes layout][a][b] per group
+template <int32_t T>
+void unpack(const uint8_t* rows, int64_t row_bytes, int64_t k, int64_t n, uint8_t* wbuf) {
+  const int64_t ng = groups(k);
+  for (int64_t r = 0; r < n; ++r) {
+    const uint8_t* row = rows + r * row_bytes;
+    uint8_t* rec = wbuf + r * w_bytes(k);
+    for (int64_t g = 0; g < ng; ++g, rec += kWRecord) {
+      __m256i w[16];
+      __m256 a, b;
+      decode_group<T>(row, g, k, w, &a, &b);
+      store_lanes(w, reinterpret_cast<__m256i*>(rec));
+      _mm256_store_ps(reinterpret_cast<float*>(rec + kWFloats), a);
+      _mm256_store_ps(reinterpret_cast<float*>(rec + kWFloats + 32), b);
+    }
+  }
+}
+
+// RB unpacked weight rows (w: records, stride ws) x BB packed rows of x (stride xstride), both in the lanes
+// layout, over ng groups: acc[r * BB + b] (8 floats each, from where the previous depth block left them) +=
+// the groups' epilogues. Per group, each (weight row, x row) pair's block sums accumulate in the lanes of one
+// register, its first 16 weights' vectors then the second's (apart for Q6_K), each weight and x vector loaded
+// once for the RB x BB pairs.
+template <int K, int Bias, int RB, int BB>
+void tile(const uint8_t* w, int64_t ws, const uint8_t* x, int64_t xstride, int64_t ng, float* accs) {
+  __m256 acc[RB][BB];
+  for (int r = 0; r < RB; ++r)
+    for (int b = 0; b < BB; ++b) acc[r][b] = _mm256_load_ps(accs + 8 * (r * BB + b));
+  for (int64_t g = 0; g < ng; ++g) {
+    const uint8_t* wg = w + g * kWRecord;
+    const uint8_t* xg = x + g * kXRecord;
+    __m256i sum[RB][BB], first[RB][BB];
+    for (int r = 0; r < RB; ++r)
+      for (int b = 0; b < BB; ++b) sum[r][b] = _mm256_setzero_si256();
+    for (int v = 0; v < 16; ++v) {
+      if (K == kSplit && v == 8) {
+        for (int r = 0; r < RB; ++r)
+          for (int b = 0; b < BB; ++b) {
+            first[r][b] = sum[r][b];
+            sum[r][b] = _mm256_setzero_si256();
+          }
+      }
+      __m256i wv[RB];
+      for (int r = 0; r < RB; ++r) wv[r] = _mm256_load_si256(reinterpret_cast<const __m256i*>(wg + r * ws) + v);
+      for (int b = 0; b < BB; ++b) {
+        const __m256i xv = _mm256_load_si256(reinterpret_cast<const __m256i*>(xg + b * xstride) + v);
+        for (int r = 0; r < RB; ++r) sum[r][b] = _mm256_add_epi32(sum[r][b], _mm256_madd_epi16(wv[r], xv));
+      }
+    }
+    for (int r = 0; r < RB; ++r) {
+      const float* wf = reinterpret_cast<const float*>(wg + r * ws + kWFloats);
+      const __m256 a = _mm256_load_ps(wf), bs = _mm256_load_ps(wf + 8);
+      for (int b = 0; b < BB; ++b) {
+        const float* xf = reinterpret_cast<const float*>(xg + b * xstride + kXFloats);
+        acc[r][b] = K == kSplit ? scale_sums<K, Bias>(first[r][b], sum[r][b], xf, a, bs, acc[r][b])
+                                : scale_sums<K, Bias>(sum[r][b], _mm256_setzero_si256(), xf, a, bs, acc[r][b]);
+      }
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int b = 0; b < BB; ++b) _mm256_store_ps(accs + 8 * (r * BB + b), acc[r][b]);
+}
+
+template <int K, int Bias, int RB>
+void tile_rows(const uint8_t* w, int64_t ws, const uint8_t* x, int64_t xstride, int bb, int64_t ng, float* accs) {
+  switch (bb) {
+    case 1: tile<K, Bias, RB, 1>(w, ws, x, xstride, ng, accs); break;
+    case 2: tile<K, Bias, RB, 2>(w, ws, x, xstride, ng, accs); break;
+    case 3: tile<K, Bias, RB, 3>(w, ws, x, xstride, ng, accs); break;
+    default: tile<K, Bias, RB, kBB>(w, ws, x, xstride, ng, accs); break;
+  }
+}
+
+// n unpacked rows (wbuf) times m packed rows of x, kRB x kBB at a time; a depth block of kDepthGroups groups at a
+// time, so that a tile's rows of x (kBB x 10 KB) stay in L1 while the n weight rows pass over them (from L2; a
+// row of x of k = 8192 alone is 20 KB). accs: n x m x 8 floats, the running sums between depth blocks.
+template <int K, int Bias>
+void tiles(const uint8_t* wbuf, int64_t k, int64_t n, const uint8_t* xp, int64_t m, float* accs, float* out,
+           int64_t ldo) {
+  const int64_t ws = w_bytes(k), xstride = x_bytes(k), ng = groups(k);
+  std::memset(accs, 0, n * m * 8 * sizeof(float));
+  for (int64_t d0 = 0; d0 < ng; d0 += kDepthGroups) {
+    const int64_t depth = std::min(kDepthGroups, ng - d0);
+    const uint8_t* wd = wbuf + d0 * kWRecord;
+    const uint8_t* xd = xp + d0 * kXRecord;
+    for (int64_t b0 = 0; b0 < m; b0 += kBB) {
+      const int bb = static_cast<int>(std::min<int64_t>(kBB, m - b0));
+      int64_t r = 0;          // (the accumulators of weight rows r.. and x rows b0..: a tile's, in order)
+      for (; r + kRB <= n; r += kRB)
+        tile_rows<K, Bias, kRB>(wd + r * ws, ws, xd + b0 * xstride, xstride, bb, depth, accs + 8 * (r * m + kRB * b0));
+      for (; r < n; ++r) tile_rows<K, Bias, 1>(wd + r * ws, ws, xd + b0 * xstride, xstride, bb, depth, accs + 8 * (r * m + b0));
+    }
+  }
+  for (int64_t b0 = 0; b0 < m; b0 += kBB) {
+    const int bb = static_cast<int>(std::min<int64_t>(kBB, m - b0));
+    int64_t r = 0;
+    for (; r + kRB <= n; r += kRB)
+      for (int i = 0; i < kRB; ++i)
+        for (int b = 0; b < bb; ++b) out[(r + i) * ldo + b0 + b] = sum8(_mm256_load_ps(accs + 8 * (r * m + kRB * b0 + i * bb + b)));
+    for (; r < n; ++r)
+      for (int b = 0; b < bb; ++b) out[r * ldo + b0 + b] = sum8(_mm256_load_ps(accs + 8 * (r * m + b0 + b)));
+  }
+}
+
+template <int32_t T>
+void product_typed(const uint8_t* rows, int64_t row_bytes, int64_t k, int64_t n, const uint8_t* xp, int64_t m,
+                   uint8_t* wbuf, float* out, int64_t ldo) {
+  const int64_t xstride = x_bytes(k);
+  if (m == 1) {
+    fused<T, 1>(rows, row_bytes, k, n, xp, xstride, out, ldo);
+  } else if (m == 2 && kFusedRows >= 2) {
+    fused<T, 2>(rows, row_bytes, k, n, xp, xstride, out, ldo);
+  } else {
+    unpack<T>(rows, row_bytes, k, n, wbuf);
+    tiles<kind_of(T), bias_of(T)>(wbuf, k, n, xp, m, reinterpret_cast<float*>(wbuf + n * w_bytes(k)), out, ldo);
+  }
+}
+
+// out[i * ldo + b] = weight row i . x row b for i < n (<= kTileRows) weight rows of `type` (reads(type)) at rows,
+// row_bytes apart, k wide, and b < m rows of x packed by pack_rows. wbuf: buffer_bytes(k, m), the calling
+// thread's (32-byte aligned), for m > kFusedRows.
+__attribute__((noinline)) inline void product(int32_t type, const uint8_t* rows, int64_t row_bytes, int64_t k,
+                                               int64_t n, const uint8_t* xp, int64_t m, uint8_t* wbuf, float* out,
+                                               int64_t ldo) {
+  switch (type) {
+    case kQ4_0: product_typed<kQ4_0>(rows, row_bytes, k, n, xp, m, wbuf, out, ldo); break;
+    case kQ4_1: product_typed<kQ4_1>(rows, row_bytes, k, n, xp, m, wbuf, out, ldo); break;
+    case kQ5_0: product_typed<kQ5_0>(rows, row_bytes, k, n, xp, m, wbuf, out, ldo); break;
+    case kQ5_1: product_typed<kQ5_1>(rows, row_bytes, k, n, xp, m, wbuf, out, ldo); break;
+    case kQ8_0: product_typed<kQ8_0>(rows, row_bytes, k, n, xp, m, wbuf, out, ldo); break;
+    case kQ4_K: product_typed<kQ4_K>(rows, row_bytes, k, n, xp, m, wbuf, out, ldo); break;
+    case kQ5_K: product_typed<kQ5_K>(rows, row_bytes, k, n, xp, m, wbuf, out, ldo); break;
+    case kQ6_K: product_typed<kQ6_K>(rows, row_bytes, k, n, xp, m, wbuf, out, ldo); break;
+    default: break;                                      // not reads(type): never called
+  }
+}
+
+}  // namespace avx2_int
+}  // namespace llm_serving
+
+#pragma GCC pop_options
+
+#endif
