@@ -25,7 +25,9 @@ elsewhere. A peer that is missing is left out and the output says why and how to
 scenario prints SKIPPED and exits 0.
 
 Every server gets 2 threads and the same load client (OpenAI completions route, streaming, `ignore_eos`,
-synthetic prompts of --input-len tokens, --output-len tokens each). Each request may reach
+synthetic prompts of --input-len tokens, --output-len tokens each). Each level first sends one request per
+stream of other prompts of the same lengths (warm-up: every path compiled and touched), then the measured ones,
+which no level used before (so no prompt cache holds them: prefill is timed, not the cache). Each request may reach
 C = max(input + output, TTFT prompt + its output) + 16 tokens, and the KV cache holds the same N = C x the most
 streams tokens on both llama.cpp and this server (--kv-tokens sets N; C and N padded up to a multiple of 256 tokens,
 as llama.cpp pads a context and each slot's share): llama-server gets `-c N` and one slot per
@@ -273,12 +275,22 @@ def hf_copy_for_vllm(model_dir: str, tmp: str) -> str:
     return str(out)
 
 
+def level_samples(streams: list, rounds: int, tokenizer: str, input_len: int, output_len: int) -> dict:
+    """Per level, (warm-up, measured) prompts: one warm-up request a stream, max(rounds x streams, 4) measured,
+    each level's two lists from seeds of their own. So no server's prompt cache holds a measured prompt
+    beforehand (llama-server's slots reuse a repeated prompt to the token, this server's prefix cache to its last
+    whole block): warming up with the measured prompts timed the caches rather than prefill."""
+    return {s: (synthetic_samples(s, tokenizer, input_len, output_len, seed=2 * s + 1),
+                synthetic_samples(max(rounds * s, 4), tokenizer, input_len, output_len, seed=2 * s))
+            for s in streams}
+
+
 def measure(url: str, model: str, samples_by_streams: dict, backend: str = "openai", pid=None) -> dict:
-    """The load-client summary per level; with `pid`, each with the server's memory after the load ("memory":
-    PSS and RSS bytes of the process tree)."""
+    """The load-client summary per level (samples_by_streams: level_samples'); with `pid`, each with the server's
+    memory after the load ("memory": PSS and RSS bytes of the process tree)."""
     runs = {}
-    for streams, samples in samples_by_streams.items():
-        replay(url, model, samples[:streams], [0.0] * streams, backend=backend)          # warm every path
+    for streams, (warm, samples) in samples_by_streams.items():
+        replay(url, model, warm, [0.0] * len(warm), backend=backend)                     # warm every path
         runs[streams], _ = replay(url, model, samples, [0.0] * len(samples), backend=backend,
                                   max_concurrency=streams)
         if pid is not None:
@@ -428,8 +440,8 @@ def main(argv=None) -> int:
     peers_dir().mkdir(parents=True, exist_ok=True)      # (the fresh cache beside the models: it gets their weights)
 
     def make_samples(tokenizer):
-        return ({s: synthetic_samples(max(args.rounds * s, 4), tokenizer, args.input_len, args.output_len)
-                 for s in streams}, synthetic_samples(3, tokenizer, args.ttft_len, ttft_out, seed=12345))
+        return (level_samples(streams, args.rounds, tokenizer, args.input_len, args.output_len),
+                synthetic_samples(3, tokenizer, args.ttft_len, ttft_out, seed=12345))
 
     try:
         with tempfile.TemporaryDirectory(prefix="llm-serving-cache-", dir=str(peers_dir())) as fresh_cache:

@@ -215,6 +215,22 @@ def test_memory_sums_over_the_process_tree_and_skips_the_gone():
     assert tree_memory(2 ** 22 + 12345) == {"pss": 0, "rss": 0, "processes": 0}
 
 
+def test_peers_warm_up_prompts_are_never_measured_ones():
+    """Each level warms up with one request a stream and measures max(rounds x streams, 4) requests, of the
+    lengths asked for; no measured prompt is a warm-up prompt or another level's (a prompt cache would then time
+    the cache, not prefill)."""
+    from bench.peers import level_samples
+    from tests.conftest import TOK512
+
+    levels = level_samples([1, 4, 8], 2, str(TOK512), 12, 5)
+    assert {s: (len(w), len(m)) for s, (w, m) in levels.items()} == {1: (1, 4), 4: (4, 8), 8: (8, 16)}
+    seen = []
+    for warm, measured in levels.values():
+        assert all(x.prompt_len == 12 and x.max_new_tokens == 5 for x in warm + measured)
+        seen += [x.prompt for x in warm + measured]
+    assert len(set(seen)) == len(seen)
+
+
 def test_kv_cache_sized_to_the_same_tokens():
     from bench.peers import kv_sets
 
