@@ -12,6 +12,9 @@
 // reference rounds the same way). Per block of 32 for every type, the K-quants too (their sub-blocks are 32 or
 // 16 wide): the rounding depends on x alone, so one packed x serves a product whose parts have different types
 // (a Q4_K_M layer's q/k Q4_K and v Q6_K), and it is finer than gemm_amx_int.h's 256 for the K-quants.
+// Why 16 bits, not llama.cpp's 8 (which would let _mm256_maddubs_epi16 do 32 products an instruction, twice
+// these): x rounded to 8 bits per block of 32 put SmolLM2-135M's logits 3.8% from the float64 reference, against
+// the precision gate's 0.5% (docs/benchmarks/JOURNAL.md, issue 49's third session).
 // Exactness: a block's sum of code x n is at most 32 x 128 x 32512 = 1.3e8 (Q8_0) in int32; Q6_K's 16-weight
 // sub-blocks (their own int8 scales, not folded into the codes) are summed apart, at most 16 x 32 x 32512. Codes
 // with an offset inside (Q4_0's q - 8, Q5_0's q - 16, Q6_K's q - 32) are multiplied as q, and bias x sum(n) is
