@@ -1,13 +1,15 @@
 #!/usr/bin/env python
 """Benchmark models of real shapes, made outside the product: random weights in the bodies of Llama-3.2-1B,
-Llama-3.2-3B and Llama-3.1-8B, and of Qwen3-4B and Gemma-3-4B (their architectures' own tensors and keys: q/k
-head norms; Gemma's sandwich norms, sliding window of 1,024 keys, linear RoPE scaling 8), with SmolLM2's
+Llama-3.2-3B and Llama-3.1-8B, of Qwen3-4B and Gemma-3-4B (their architectures' own tensors and keys: q/k
+head norms; Gemma's sandwich norms, sliding window of 1,024 keys, linear RoPE scaling 8), and of Qwen3-30B-A3B cut
+to 8 of its 48 layers (`qwen3moe-30b`: 128 experts of 768 a layer, 8 a token; the router and the expert stacks as
+llama.cpp's converter names them), with SmolLM2's
 49,152-token vocabulary and tokenizer, as llama.cpp GGUF files quantized by llama.cpp's own `llama-quantize`
 (default Q4_K_M), for bench/peers.py.
 
     python bench/make_models.py                       # 1b, 3b and 8b, Q4_K_M
     python bench/make_models.py --sizes 1b --type Q4_K_M
-    python bench/make_models.py --sizes qwen3-4b,gemma3-4b
+    python bench/make_models.py --sizes qwen3-4b,gemma3-4b,qwen3moe-30b
     python bench/peers.py --model 1b-q4km             # then: a made model by its short name
 
 Each model is `$LLM_SERVING_PEERS/models/bench-llama-<size>-<type>.gguf` (default peers directory
@@ -50,9 +52,13 @@ SIZES = {
                      rope_theta=1000000.0, tied=True),
     "gemma3-4b": dict(arch="gemma3", layers=34, hidden=2560, heads=8, kv_heads=4, head_dim=256, ffn=10240,
                       rope_theta=1000000.0, tied=True, sliding_window=1024, rope_linear_factor=8.0),
+    # Qwen3-30B-A3B's body cut to 8 of its 48 layers (issue 50's bench model): every layer a mixture of 128
+    # experts of 768, 8 of them per token (ffn: the model's dense width, a key llama.cpp reads but does not use)
+    "qwen3moe-30b": dict(arch="qwen3moe", layers=8, hidden=2048, heads=32, kv_heads=4, head_dim=128, ffn=6144,
+                         experts=128, experts_used=8, expert_ffn=768, rope_theta=1000000.0),
 }
 # the tensors a layer has beyond LLaMA's, by architecture: q/k head norms (head_dim), Gemma's sandwich norms (hidden)
-_EXTRA_LAYER_NORMS = {"qwen3": ("attn_q_norm", "attn_k_norm"),
+_EXTRA_LAYER_NORMS = {"qwen3": ("attn_q_norm", "attn_k_norm"), "qwen3moe": ("attn_q_norm", "attn_k_norm"),
                       "gemma3": ("attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm")}
 CONTEXT_LENGTH = 8192
 RMS_EPS = 1e-5
@@ -128,10 +134,17 @@ def tensor_plan(body: dict, vocab: int) -> list:
                  (b + "attn_k.weight", (body["kv_heads"] * hd, h), "matrix"),
                  (b + "attn_v.weight", (body["kv_heads"] * hd, h), "matrix"),
                  (b + "attn_output.weight", (h, body["heads"] * hd), "matrix"),
-                 (b + "ffn_norm.weight", (h,), "norm"),
-                 (b + "ffn_gate.weight", (ffn, h), "matrix"),
-                 (b + "ffn_up.weight", (ffn, h), "matrix"),
-                 (b + "ffn_down.weight", (h, ffn), "matrix")]
+                 (b + "ffn_norm.weight", (h,), "norm")]
+        if body.get("experts"):               # the router (experts, hidden), then every expert's gate, up, down
+            e, i = body["experts"], body["expert_ffn"]
+            plan += [(b + "ffn_gate_inp.weight", (e, h), "matrix"),
+                     (b + "ffn_gate_exps.weight", (e, i, h), "matrix"),
+                     (b + "ffn_up_exps.weight", (e, i, h), "matrix"),
+                     (b + "ffn_down_exps.weight", (e, h, i), "matrix")]
+        else:
+            plan += [(b + "ffn_gate.weight", (ffn, h), "matrix"),
+                     (b + "ffn_up.weight", (ffn, h), "matrix"),
+                     (b + "ffn_down.weight", (h, ffn), "matrix")]
     plan += [("output_norm.weight", (h,), "norm")]
     if not body.get("tied"):
         plan += [("output.weight", (vocab, h), "matrix")]
@@ -144,11 +157,12 @@ def tensor_values(name: str, shape: tuple, kind: str, seed: int) -> np.ndarray:
     key = int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little")
     rng = np.random.default_rng(key)
     out = np.empty(shape, np.float16)
-    rows = max(1, (1 << 24) // shape[1])                 # 16M values (64 MB of float32) at a time
-    for r in range(0, shape[0], rows):
-        part = rng.standard_normal((min(rows, shape[0] - r), shape[1]), dtype=np.float32)
+    flat = out.reshape(-1, shape[-1])                    # an expert stack's (experts, rows, columns) as rows
+    rows = max(1, (1 << 24) // shape[-1])                # 16M values (64 MB of float32) at a time
+    for r in range(0, flat.shape[0], rows):
+        part = rng.standard_normal((min(rows, flat.shape[0] - r), shape[-1]), dtype=np.float32)
         part *= 0.02
-        out[r:r + part.shape[0]] = part
+        flat[r:r + part.shape[0]] = part
     return out
 
 
@@ -178,6 +192,10 @@ def write_f16(size: str, out: Path, tokenizer_gguf: Path, seed: int) -> None:
     writer.add_vocab_size(vocab)
     if body.get("sliding_window"):
         writer.add_sliding_window(body["sliding_window"])
+    if body.get("experts"):
+        writer.add_expert_count(body["experts"])
+        writer.add_expert_used_count(body["experts_used"])
+        writer.add_expert_feed_forward_length(body["expert_ffn"])
     if body.get("rope_linear_factor"):
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(body["rope_linear_factor"])

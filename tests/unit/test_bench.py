@@ -326,3 +326,21 @@ def test_made_qwen3_and_gemma3_bodies_have_their_architectures_tensors(tmp_path)
     assert 3.2e9 < params < 3.5e9                 # Gemma-3-4B (3.88e9) less 213k of its 262k vocabulary rows
     with pytest.raises(FileNotFoundError, match="--sizes gemma3-4b --type Q4_K_M"):
         resolve_short_name("gemma3-4b-q4km", tmp_path)
+
+
+def test_made_qwen3_moe_body_has_a_router_and_expert_stacks_per_layer(tmp_path):
+    """Qwen3-30B-A3B cut to 8 layers: each layer's router (128, 2048) and gate/up (128, 768, 2048) and down
+    (128, 2048, 768) expert stacks in place of the dense MLP, q/k head norms, an untied output; 5.2 G values."""
+    from bench.make_models import SIZES, resolve_short_name, tensor_plan, tensor_values
+
+    plan = tensor_plan(SIZES["qwen3moe-30b"], 49152)
+    moe = dict((n, s) for n, s, _ in plan)
+    assert moe["blk.7.ffn_gate_inp.weight"] == (128, 2048) and moe["blk.0.ffn_up_exps.weight"] == (128, 768, 2048)
+    assert moe["blk.0.ffn_down_exps.weight"] == (128, 2048, 768) and moe["blk.0.attn_k_norm.weight"] == (128,)
+    assert "blk.0.ffn_gate.weight" not in moe and moe["output.weight"] == (49152, 2048)
+    assert len(moe) == 1 + 8 * 12 + 2           # per layer 2 + 1 + 4 + 1 norms and attention, 4 of the MoE
+    assert 5.1e9 < sum(int(np.prod(s)) for s in moe.values()) < 5.3e9
+    stack = tensor_values("blk.0.ffn_down_exps.weight", (3, 4, 5), "matrix", 0)      # a 3-D stack, filled whole
+    assert stack.shape == (3, 4, 5) and stack.dtype == np.float16 and np.all(stack != 0)
+    with pytest.raises(FileNotFoundError, match="--sizes qwen3moe-30b --type Q4_K_M"):
+        resolve_short_name("qwen3moe-30b-q4km", tmp_path)
