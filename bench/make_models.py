@@ -3,13 +3,15 @@
 Llama-3.2-3B and Llama-3.1-8B, of Qwen3-4B and Gemma-3-4B (their architectures' own tensors and keys: q/k
 head norms; Gemma's sandwich norms, sliding window of 1,024 keys, linear RoPE scaling 8), and of Qwen3-30B-A3B cut
 to 8 of its 48 layers (`qwen3moe-30b`: 128 experts of 768 a layer, 8 a token; the router and the expert stacks as
-llama.cpp's converter names them), with SmolLM2's
-49,152-token vocabulary and tokenizer, as llama.cpp GGUF files quantized by llama.cpp's own `llama-quantize`
+llama.cpp's converter names them) and of gpt-oss-20b cut to 6 of its 24 (`gptoss-20b`, for `--type MXFP4_MOE`: 32
+experts of 2,880, 4 a token, biases, attention sinks, a 128-key window every other layer; no YaRN scaling), with
+SmolLM2's 49,152-token vocabulary and tokenizer, as llama.cpp GGUF files quantized by llama.cpp's own `llama-quantize`
 (default Q4_K_M), for bench/peers.py.
 
     python bench/make_models.py                       # 1b, 3b and 8b, Q4_K_M
     python bench/make_models.py --sizes 1b --type Q4_K_M
     python bench/make_models.py --sizes qwen3-4b,gemma3-4b,qwen3moe-30b
+    python bench/make_models.py --sizes gptoss-20b --type MXFP4_MOE
     python bench/peers.py --model 1b-q4km             # then: a made model by its short name
 
 Each model is `$LLM_SERVING_PEERS/models/bench-llama-<size>-<type>.gguf` (default peers directory
@@ -56,6 +58,12 @@ SIZES = {
     # experts of 768, 8 of them per token (ffn: the model's dense width, a key llama.cpp reads but does not use)
     "qwen3moe-30b": dict(arch="qwen3moe", layers=8, hidden=2048, heads=32, kv_heads=4, head_dim=128, ffn=6144,
                          experts=128, experts_used=8, expert_ffn=768, rope_theta=1000000.0),
+    # gpt-oss-20b's body cut to 6 of its 24 layers (issue 50's other bench model, for --type MXFP4_MOE): 32
+    # experts of 2,880 a layer, 4 a token, with biases; q/k/v/o biases, a sink logit per head, sliding-window
+    # (128) and full layers alternating
+    "gptoss-20b": dict(arch="gpt-oss", layers=6, hidden=2880, heads=64, kv_heads=8, head_dim=64, ffn=2880,
+                       experts=32, experts_used=4, expert_ffn=2880, rope_theta=150000.0, sliding_window=128,
+                       biases=True),
 }
 # the tensors a layer has beyond LLaMA's, by architecture: q/k head norms (head_dim), Gemma's sandwich norms (hidden)
 _EXTRA_LAYER_NORMS = {"qwen3": ("attn_q_norm", "attn_k_norm"), "qwen3moe": ("attn_q_norm", "attn_k_norm"),
@@ -122,7 +130,8 @@ def smollm2_gguf() -> Path:
 
 
 def tensor_plan(body: dict, vocab: int) -> list:
-    """[(name, numpy shape (rows, columns), kind)] in file order; kind 'norm' (F32 ones) or 'matrix' (F16)."""
+    """[(name, numpy shape (rows, columns), kind)] in file order; kind 'norm' (F32 ones), 'bias' (F32 zeros) or
+    'matrix' (F16)."""
     h, hd, ffn = body["hidden"], body["head_dim"], body["ffn"]
     plan = [("token_embd.weight", (vocab, h), "matrix")]
     extra = _EXTRA_LAYER_NORMS.get(body.get("arch", "llama"), ())
@@ -133,14 +142,25 @@ def tensor_plan(body: dict, vocab: int) -> list:
                  (b + "attn_q.weight", (body["heads"] * hd, h), "matrix"),
                  (b + "attn_k.weight", (body["kv_heads"] * hd, h), "matrix"),
                  (b + "attn_v.weight", (body["kv_heads"] * hd, h), "matrix"),
-                 (b + "attn_output.weight", (h, body["heads"] * hd), "matrix"),
-                 (b + "ffn_norm.weight", (h,), "norm")]
+                 (b + "attn_output.weight", (h, body["heads"] * hd), "matrix")]
+        if body.get("biases"):                # gpt-oss: projection biases and sinks (zeros), its MLP norm's name
+            plan += [(b + "attn_q.bias", (body["heads"] * hd,), "bias"),
+                     (b + "attn_k.bias", (body["kv_heads"] * hd,), "bias"),
+                     (b + "attn_v.bias", (body["kv_heads"] * hd,), "bias"),
+                     (b + "attn_output.bias", (h,), "bias"),
+                     (b + "attn_sinks.weight", (body["heads"],), "bias"),
+                     (b + "post_attention_norm.weight", (h,), "norm")]
+        else:
+            plan += [(b + "ffn_norm.weight", (h,), "norm")]
         if body.get("experts"):               # the router (experts, hidden), then every expert's gate, up, down
             e, i = body["experts"], body["expert_ffn"]
             plan += [(b + "ffn_gate_inp.weight", (e, h), "matrix"),
                      (b + "ffn_gate_exps.weight", (e, i, h), "matrix"),
                      (b + "ffn_up_exps.weight", (e, i, h), "matrix"),
                      (b + "ffn_down_exps.weight", (e, h, i), "matrix")]
+            if body.get("biases"):
+                plan += [(b + "ffn_gate_inp.bias", (e,), "bias"), (b + "ffn_gate_exps.bias", (e, i), "bias"),
+                         (b + "ffn_up_exps.bias", (e, i), "bias"), (b + "ffn_down_exps.bias", (e, h), "bias")]
         else:
             plan += [(b + "ffn_gate.weight", (ffn, h), "matrix"),
                      (b + "ffn_up.weight", (ffn, h), "matrix"),
@@ -154,6 +174,8 @@ def tensor_plan(body: dict, vocab: int) -> list:
 def tensor_values(name: str, shape: tuple, kind: str, seed: int) -> np.ndarray:
     if kind == "norm":
         return np.ones(shape, np.float32)
+    if kind == "bias":
+        return np.zeros(shape, np.float32)
     key = int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little")
     rng = np.random.default_rng(key)
     out = np.empty(shape, np.float16)
@@ -208,7 +230,7 @@ def write_f16(size: str, out: Path, tokenizer_gguf: Path, seed: int) -> None:
         writer.add_key_value(name, field.contents(), vtype, sub_type=sub)
     plan = tensor_plan(body, vocab)
     for name, shape, kind in plan:
-        dtype = np.float32 if kind == "norm" else np.float16
+        dtype = np.float16 if kind == "matrix" else np.float32
         writer.add_tensor_info(name, shape, np.dtype(dtype), int(np.prod(shape)) * np.dtype(dtype).itemsize)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -344,3 +344,18 @@ def test_made_qwen3_moe_body_has_a_router_and_expert_stacks_per_layer(tmp_path):
     assert stack.shape == (3, 4, 5) and stack.dtype == np.float16 and np.all(stack != 0)
     with pytest.raises(FileNotFoundError, match="--sizes qwen3moe-30b --type Q4_K_M"):
         resolve_short_name("qwen3moe-30b-q4km", tmp_path)
+
+
+def test_made_gpt_oss_body_has_biases_sinks_and_expert_stacks():
+    """gpt-oss-20b cut to 6 layers: q/k/v/o biases, a sink per head and the expert biases (F32 zeros), the MLP norm
+    as post_attention_norm, 32 expert stacks of 2,880 x 2,880; 5.2 G values."""
+    from bench.make_models import SIZES, tensor_plan, tensor_values
+
+    plan = tensor_plan(SIZES["gptoss-20b"], 49152)
+    oss = {n: (s, k) for n, s, k in plan}
+    assert oss["blk.5.attn_sinks.weight"] == ((64,), "bias") and oss["blk.0.attn_q.bias"] == ((4096,), "bias")
+    assert oss["blk.0.ffn_up_exps.bias"] == ((32, 2880), "bias") and oss["blk.0.ffn_gate_inp.bias"] == ((32,), "bias")
+    assert oss["blk.0.ffn_down_exps.weight"] == ((32, 2880, 2880), "matrix")
+    assert "blk.0.ffn_norm.weight" not in oss and oss["blk.0.post_attention_norm.weight"] == ((2880,), "norm")
+    assert 5.1e9 < sum(int(np.prod(s)) for s, _ in oss.values()) < 5.3e9
+    assert not tensor_values("blk.0.attn_q.bias", (4,), "bias", 0).any()
