@@ -45,7 +45,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # name -> body (Llama-3.2-1B, Llama-3.2-3B, Llama-3.1-8B, Qwen3-4B, Gemma-3-4B; their vocabularies replaced by
-# SmolLM2's); `arch` the GGUF architecture (default llama), `tied` no output.weight (the embedding's rows)
+# SmolLM2's); `arch` the GGUF architecture (default llama), `tied` no output.weight (the embedding's rows),
+# `experts` a mixture of experts in every layer, `biases` gpt-oss's biases and sinks, `mlp_norm` the MLP norm's name
 SIZES = {
     "1b": dict(layers=16, hidden=2048, heads=32, kv_heads=8, head_dim=64, ffn=8192, rope_theta=500000.0),
     "3b": dict(layers=28, hidden=3072, heads=24, kv_heads=8, head_dim=128, ffn=8192, rope_theta=500000.0),
@@ -63,7 +64,7 @@ SIZES = {
     # (128) and full layers alternating
     "gptoss-20b": dict(arch="gpt-oss", layers=6, hidden=2880, heads=64, kv_heads=8, head_dim=64, ffn=2880,
                        experts=32, experts_used=4, expert_ffn=2880, rope_theta=150000.0, sliding_window=128,
-                       biases=True),
+                       biases=True, mlp_norm="post_attention_norm"),
 }
 # the tensors a layer has beyond LLaMA's, by architecture: q/k head norms (head_dim), Gemma's sandwich norms (hidden)
 _EXTRA_LAYER_NORMS = {"qwen3": ("attn_q_norm", "attn_k_norm"), "qwen3moe": ("attn_q_norm", "attn_k_norm"),
@@ -143,15 +144,13 @@ def tensor_plan(body: dict, vocab: int) -> list:
                  (b + "attn_k.weight", (body["kv_heads"] * hd, h), "matrix"),
                  (b + "attn_v.weight", (body["kv_heads"] * hd, h), "matrix"),
                  (b + "attn_output.weight", (h, body["heads"] * hd), "matrix")]
-        if body.get("biases"):                # gpt-oss: projection biases and sinks (zeros), its MLP norm's name
+        if body.get("biases"):                # gpt-oss: projection biases and a sink per head (zeros)
             plan += [(b + "attn_q.bias", (body["heads"] * hd,), "bias"),
                      (b + "attn_k.bias", (body["kv_heads"] * hd,), "bias"),
                      (b + "attn_v.bias", (body["kv_heads"] * hd,), "bias"),
                      (b + "attn_output.bias", (h,), "bias"),
-                     (b + "attn_sinks.weight", (body["heads"],), "bias"),
-                     (b + "post_attention_norm.weight", (h,), "norm")]
-        else:
-            plan += [(b + "ffn_norm.weight", (h,), "norm")]
+                     (b + "attn_sinks.weight", (body["heads"],), "bias")]
+        plan += [(b + body.get("mlp_norm", "ffn_norm") + ".weight", (h,), "norm")]
         if body.get("experts"):               # the router (experts, hidden), then every expert's gate, up, down
             e, i = body["experts"], body["expert_ffn"]
             plan += [(b + "ffn_gate_inp.weight", (e, h), "matrix"),
