@@ -45,8 +45,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # name -> body (Llama-3.2-1B, Llama-3.2-3B, Llama-3.1-8B, Qwen3-4B, Gemma-3-4B, Qwen3-30B-A3B and gpt-oss-20b
-# cut; their vocabularies replaced by SmolLM2's); `arch` the GGUF architecture (default llama), `tied` no output.weight (the embedding's rows),
-# `experts` a mixture of experts in every layer, `biases` gpt-oss's biases and sinks, `mlp_norm` the MLP norm's name
+# cut; their vocabularies replaced by SmolLM2's); `arch` the GGUF architecture (default llama), `tied` no
+# output.weight (the embedding's rows), `experts` a mixture of experts in every layer, `biases` gpt-oss's biases
+# and sinks, `mlp_norm` the MLP norm's name
 SIZES = {
     "1b": dict(layers=16, hidden=2048, heads=32, kv_heads=8, head_dim=64, ffn=8192, rope_theta=500000.0),
     "3b": dict(layers=28, hidden=3072, heads=24, kv_heads=8, head_dim=128, ffn=8192, rope_theta=500000.0),
