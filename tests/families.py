@@ -79,12 +79,26 @@ FAMILIES = {
                       intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                       use_sliding_window=True, sliding_window=16, max_window_layers=2,
                       rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=True, **_COMMON),
+    # mixtures of experts: Qwen3-MoE's q/k norms, 8 experts of 32 units (2 a token), layer 1 dense (mlp_only_layers);
+    # Mixtral's 4 experts of 64 units (2 a token) in every layer
+    "qwen3moe": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=320, hidden_size=64,
+                     intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                     norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],
+                     rope_parameters={"rope_type": "default", "rope_theta": 1e6}, attention_bias=False,
+                     tie_word_embeddings=False, **_COMMON),
+    "mixtral": dict(architectures=["MixtralForCausalLM"], model_type="mixtral", vocab_size=320, hidden_size=64,
+                    intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=False,
+                    **_COMMON),
 }
 # (embedding, other matrices): the factors on transformers' random init (std 0.02), chosen by the top-2 margins of
 # transformers' logits along 12-token greedy replies (seeds 0-7, a 9- and a 48-token prompt): at most 2 of those 192
 # steps with a margin under 0.1% of the largest logit, 9-12 distinct tokens a reply.
 _SCALES = {"qwen3": (8.0, 8.0), "gemma3": (2.0, 8.0), "gemma3-mm": (1.0, 8.0), "phi3": (8.0, 8.0),
-           "smollm3": (12.0, 12.0), "mistral-swa": (12.0, 12.0), "qwen2-swa": (8.0, 8.0)}
+           "smollm3": (12.0, 12.0), "mistral-swa": (12.0, 12.0), "qwen2-swa": (8.0, 8.0), "qwen3moe": (8.0, 8.0),
+           "mixtral": (8.0, 8.0)}
 # Gemma's gains (pre-norms, post-norms, final; the q/k norms' about 1.5): its sandwich norms make every layer add a vector of
 # the post-norm's size whatever the matrices, and a random tied model with unit gains mostly repeats a token or two;
 # larger gains make the layers' contributions and the attention sharper, larger logits too
@@ -158,7 +172,7 @@ def make_hf_model(family: str, path, seed: int = 0) -> Path:
         for name, param in model.named_parameters():
             if "vision" in name or "multi_modal" in name:
                 continue
-            if param.ndim == 2:
+            if param.ndim >= 2:                         # (a mixture's experts: 3-D stacks in transformers 5)
                 param.mul_(embedding if "embed_tokens" in name else matrices)
             elif name.endswith("norm.weight"):          # Gemma stores w of the gain 1 + w
                 gain = _gemma_gain(family, name) if gemma else 1.0
@@ -245,7 +259,11 @@ def transformers_greedy(path, prompt_ids: list, n: int) -> list:
 # config.json architecture -> llama.cpp's architecture name
 _GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
               "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3", "Gemma3ForConditionalGeneration": "gemma3",
-              "Phi3ForCausalLM": "phi3", "SmolLM3ForCausalLM": "smollm3"}
+              "Phi3ForCausalLM": "phi3", "SmolLM3ForCausalLM": "smollm3", "Qwen3MoeForCausalLM": "qwen3moe",
+              "MixtralForCausalLM": "llama"}
+# one expert's matrix (model.layers.N.<prefix>E.<part>.weight) -> the name the converter gives their stack (E, rows,
+# cols) before mapping it (Qwen3MoeModel / the Mixtral path of LlamaModel: experts merged)
+_EXPERT_STACKS = {"mlp.experts.": ("gate_proj", "up_proj", "down_proj"), "block_sparse_moe.experts.": ("w1", "w2", "w3")}
 _INTERLEAVED = ("llama", "smollm3")         # the converter permutes q/k rows for these (LlamaModel.undo_permute)
 
 
@@ -340,6 +358,12 @@ def write_gguf(family: str, hf_path, out_path, qtype=None) -> Path:
     if arch in _INTERLEAVED:                # LlamaModel.set_gguf_parameters
         w.add_vocab_size(cfg["vocab_size"])
         w.add_rope_dimension_count(head_dim)
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if experts:                             # TextModel.set_gguf_parameters, Qwen2MoeModel's expert size
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        if "moe_intermediate_size" in cfg:
+            w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     kinds = _layer_kinds(raw if "text_config" not in raw else {**cfg, "architectures": raw["architectures"]})
     if arch == "gemma3":                    # Gemma3Model.set_gguf_parameters
         w.add_sliding_window(cfg["sliding_window"])
@@ -354,9 +378,11 @@ def write_gguf(family: str, hf_path, out_path, qtype=None) -> Path:
     _add_vocabulary(w, hf_path, cfg)
 
     names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), layers)
-    for name, arr in _text_tensors(hf_path).items():
+    dense_names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, layers)
+    for name, arr in _stacked_experts(_text_tensors(hf_path)).items():
         base, suffix = name.rsplit(".", 1)
-        out = names.get_name(base)
+        # (a dense layer of a mixture: llama.cpp's qwen3moe has no names for it, the reader takes LLaMA's)
+        out = names.get_name(base) or dense_names.get_name(base)
         if out is None:
             raise KeyError(f"write_gguf: no GGUF name for {name}")
         arr = np.asarray(arr, np.float32)
@@ -367,7 +393,7 @@ def write_gguf(family: str, hf_path, out_path, qtype=None) -> Path:
         if arch == "gemma3" and name.endswith("norm.weight"):
             arr = arr + np.float32(1.0)     # Gemma3Model.norm_shift
         arr = np.ascontiguousarray(arr)
-        if arr.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+        if arr.ndim >= 2 and qtype != gguf.GGMLQuantizationType.F32:
             w.add_tensor(f"{out}.{suffix}", gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(f"{out}.{suffix}", arr)
@@ -378,6 +404,23 @@ def write_gguf(family: str, hf_path, out_path, qtype=None) -> Path:
     w.write_tensors_to_file()
     w.close()
     return out_path
+
+
+def _stacked_experts(tensors: dict) -> dict:
+    """The tensors with each layer's experts merged as the converter merges them: expert E's `<part>` matrices
+    stacked in expert order into one (E, rows, cols) tensor named `model.layers.N.<prefix><part>.weight`."""
+    out, experts = {}, {}
+    for name, arr in tensors.items():
+        parts = name.split(".")
+        prefix = ".".join(parts[3:5]) + "." if len(parts) > 6 else ""
+        if prefix in _EXPERT_STACKS and parts[5].isdigit() and parts[6] in _EXPERT_STACKS[prefix]:
+            key = f"model.layers.{parts[2]}.{prefix}{parts[6]}.weight"
+            experts.setdefault(key, {})[int(parts[5])] = arr
+        else:
+            out[name] = arr
+    for key, by_expert in experts.items():
+        out[key] = np.stack([by_expert[e] for e in range(len(by_expert))])
+    return out
 
 
 def _add_vocabulary(w, hf_path: Path, cfg: dict) -> None:

@@ -32,7 +32,7 @@ from .rope import rotary_permutation
 from .weights import LlamaConfig, QuantizedTensor
 
 __all__ = ["HeadWeights", "KERNEL_PARTS", "KernelInputs", "LORA_PRODUCTS", "LayerKernelConfig", "LayerWeights", "LoraStack",
-           "kernel_lora_arrays", "prepare_head", "prepare_layer"]
+           "MoeKernelInputs", "kernel_lora_arrays", "prepare_head", "prepare_layer"]
 
 # a decoder layer's products that LoRA adapts: name -> (its parts, in the order of its output rows)
 LORA_PRODUCTS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
@@ -151,10 +151,25 @@ class KernelInputs:
                             # "k_norm" (D,) and "attn_out_gain", "mlp_out_gain" (H,): ones where the model has none
     lora: dict              # "lora_qkv_a", "lora_qkv_b", ... -> the stacks' kernel arrays themselves, or (without
                             # adapter slots) one all-zero slot of rank 1, which the kernel skips
-    iconfig: np.ndarray     # (16,) int32 [block_size, NH, KVH, threads, *types, batch-invariant (1 or 0),
+    iconfig: np.ndarray     # (17,) int32 [block_size, NH, KVH, threads, *types, batch-invariant (1 or 0),
                             # activation (0 SiLU, 1 GELU-tanh), q/k norms (1 or 0), sandwich norms (1 or 0),
-                            # sliding window (0: none)]
+                            # sliding window (0: none), the layer's own MLP (1, or 0: a mixture's, MoeMlp's)]
     fconfig: np.ndarray     # (2,) float32 [rms_norm_eps, attention scale]
+
+
+@dataclass
+class MoeKernelInputs:
+    """A mixture-of-experts layer's MLP as the MoeMlp kernel takes it (kernels/signatures.MOE_MLP's held inputs),
+    after the layer kernel that runs its attention without an MLP."""
+
+    router: np.ndarray      # (E, H) float32
+    router_bias: np.ndarray  # (E,) float32: zeros for a router without one
+    matrices: dict          # "gate_w", "up_w" (E*I, H), "down_w" (E*H, I): the experts stacked by rows, stored rows
+                            # (uint8) where the checkpoint keeps them quantized, else float32
+    types: tuple            # their GGML type codes, in that order (0: float32)
+    post_gain: np.ndarray   # (H,) the post-attention norm's gain
+    iconfig: np.ndarray     # (6,) int32 [threads, experts per token, gate type, up type, down type, renormalize]
+    fconfig: np.ndarray     # (1,) float32 [rms_norm_eps]
 
 
 @dataclass
@@ -173,6 +188,7 @@ class LayerWeights:
     extra_gains: dict = field(default_factory=dict)
     lora_stacks: dict = field(default_factory=dict)     # product (LORA_PRODUCTS) -> LoraStack; {}: no adapter slots
     kernel: Optional[KernelInputs] = None               # None: no layer kernel
+    moe: Optional[MoeKernelInputs] = None               # a mixture-of-experts layer's MLP (the kernel's only)
 
 
 def _fused(w: dict, prefix: str, parts, suffix: str = "weight") -> np.ndarray:
@@ -189,6 +205,12 @@ def prepare_layer(cfg: LlamaConfig, w: dict, i: int, *, tp: TensorParallel = Ten
     load_quantized's, where it has them), with `lora_slots` adapter slots of rank `lora_rank` (all empty)."""
     p = f"model.layers.{i}."
     quantized = quantized or {}
+    moe = cfg.layer_moe(i)
+    if moe and (kernel is None or ops_graphs or tp.world > 1):
+        raise ValueError(f"layer {i} is a mixture of experts, which runs on the CPU layer kernel only, on every step "
+                         "(no tensor parallelism, no op-by-op graphs: layer_kernel on, layer_kernel_rows unset)")
+    # the products the layer's own weights make (a mixture's MLP is MoeMlp's: its layer kernel runs no MLP)
+    products = {key: parts for key, parts in LORA_PRODUCTS.items() if not (moe and key in ("gate_up", "down"))}
     nh, kvh, d = cfg.num_heads // tp.world, cfg.num_kv_heads // tp.world, cfg.head_dim
     inter, h = cfg.intermediate_size // tp.world, cfg.hidden_size
     perm = rotary_permutation(cfg)
@@ -197,9 +219,12 @@ def prepare_layer(cfg: LlamaConfig, w: dict, i: int, *, tp: TensorParallel = Ten
         orders = {"self_attn.q_proj": _head_order(perm, nh), "self_attn.k_proj": _head_order(perm, kvh)}
         w, quantized = _reordered(w, p, orders, perm), _reordered(quantized, p, orders, perm)
     gain = {key: w[f"{p}{norm}.weight"] for key, (norm, _) in _NORMS.items()}                # (H,) each
+    post_gain = gain["gate_up"]
+    if moe:
+        del gain["gate_up"]
     # the float32 form of the products whose parts `w` holds (a product the kernel runs as stored for every step
     # was not read as float32 at all: weights.load_llama_weights' `skip`)
-    f32 = {key: _fused(w, p, parts) for key, parts in LORA_PRODUCTS.items()
+    f32 = {key: _fused(w, p, parts) for key, parts in products.items()
            if all(f"{p}{part}.weight" in w for part in parts)}
     for key, g in gain.items():
         if key in f32:
@@ -213,11 +238,11 @@ def prepare_layer(cfg: LlamaConfig, w: dict, i: int, *, tp: TensorParallel = Ten
     # not folded in: LoRA's A then leaves it to the kernel too)
     stored = {}
     if kernel is not None:
-        for key, parts in LORA_PRODUCTS.items():
+        for key, parts in products.items():
             kept = {part: quantized[f"{p}{part}.weight"] for part in parts if f"{p}{part}.weight" in quantized}
             if kept:
                 stored[key] = kept
-    missing = [f"{p}{part}.weight" for key, parts in LORA_PRODUCTS.items() for part in parts
+    missing = [f"{p}{part}.weight" for key, parts in products.items() for part in parts
                if key not in f32 and part not in stored.get(key, {}) and f"{p}{part}.weight" not in w]
     if missing:
         raise ValueError(f"{missing[0]} has neither float32 weights nor stored rows the layer kernel reads")
@@ -227,10 +252,37 @@ def prepare_layer(cfg: LlamaConfig, w: dict, i: int, *, tp: TensorParallel = Ten
         layer.lora_stacks = {key: LoraStack(lora_slots + 1, lora_rank, parts, k, gain.get(key),
                                             kernel_folded=key not in stored, tp=tp, row_parallel=key in ("o", "down"),
                                             ops=ops_graphs, row_orders=[orders.get(part) for part in LORA_PRODUCTS[key]])
-                             for key, (parts, k) in shapes.items()}
+                             for key, (parts, k) in shapes.items() if key in products}
     if kernel is not None:
-        layer.kernel = _kernel_inputs(layer, w, p, stored, gain, nh, kvh, d, inter, h, kernel, cfg, i)
+        layer.kernel = _kernel_inputs(layer, w, p, stored, gain, nh, kvh, d, 1 if moe else inter, h, kernel, cfg, i,
+                                      lora_slots, lora_rank)
+    if moe:
+        layer.moe = _moe_inputs(cfg, w, quantized, p, post_gain, kernel)
     return layer
+
+
+_EXPERT_PARTS = {"gate_w": "mlp.experts.gate_proj", "up_w": "mlp.experts.up_proj", "down_w": "mlp.experts.down_proj"}
+
+
+def _moe_inputs(cfg: LlamaConfig, w: dict, quantized: dict, p: str, post_gain: np.ndarray,
+                kernel: LayerKernelConfig) -> MoeKernelInputs:
+    """MoeMlp's inputs for layer prefix p: the router, the experts' stacks (as stored where `quantized` has them),
+    the post-attention norm's gain (never folded: the router reads the normalized x too)."""
+    matrices, types = {}, []
+    for name, part in _EXPERT_PARTS.items():
+        stored = quantized.get(f"{p}{part}.weight")
+        if stored is not None:
+            matrices[name], qtype = stored.data, stored.qtype
+        else:
+            matrices[name], qtype = np.ascontiguousarray(w[f"{p}{part}.weight"], np.float32), 0
+        types.append(int(qtype))
+    router = np.ascontiguousarray(w[f"{p}mlp.router.weight"], np.float32)
+    bias = w.get(f"{p}mlp.router.bias")
+    return MoeKernelInputs(
+        router=router, router_bias=np.zeros(cfg.num_experts, np.float32) if bias is None else bias,
+        matrices=matrices, types=tuple(types), post_gain=np.ascontiguousarray(post_gain, np.float32),
+        iconfig=np.array([kernel.threads, cfg.experts_per_token, *types, int(cfg.norm_topk_prob)], np.int32),
+        fconfig=np.array([cfg.rms_norm_eps], np.float32))
 
 
 def _head_order(perm: np.ndarray, heads: int) -> np.ndarray:
@@ -257,13 +309,24 @@ def _reordered(tensors: dict, p: str, orders: dict, perm: np.ndarray) -> dict:
 
 
 def _kernel_inputs(layer: LayerWeights, w: dict, p: str, stored: dict, gain: dict, nh: int, kvh: int, d: int,
-                   inter: int, h: int, config: LayerKernelConfig, cfg: LlamaConfig, i: int) -> KernelInputs:
+                   inter: int, h: int, config: LayerKernelConfig, cfg: LlamaConfig, i: int, lora_slots: int = 0,
+                   lora_rank: int = 0) -> KernelInputs:
     """The layer kernel's view of `layer`, part by part (KERNEL_PARTS): a part's stored rows where `stored` has
     them; else float32: its rows of the product's float32 matrix (the norm's gain folded in), or, in a product
-    with stored parts too, the checkpoint's own rows (the kernel applies that product's gain to the activations)."""
+    with stored parts too, the checkpoint's own rows (the kernel applies that product's gain to the activations).
+    A mixture-of-experts layer (layer.moe; `inter` 1) runs no MLP here: its gate/up/down are (1, H), (1, H) and
+    (H, 1) placeholders the kernel does not read (iconfig's MLP entry 0), their LoRA inputs zeros of their shape."""
     one = np.ones(h, np.float32)
+    moe = cfg.layer_moe(i)
     matrices, types, gains = {}, [], {}
     for key, parts in LORA_PRODUCTS.items():
+        if moe and key in ("gate_up", "down"):
+            for name in KERNEL_PARTS[key]:
+                matrices[name] = np.zeros((h, 1) if name == "down_w" else (1, h), np.float32)
+                types.append(0)
+            if key == "gate_up":
+                gains["post_gain"] = one
+            continue
         kept = stored.get(key, {})
         row = 0
         for part, name in zip(parts, KERNEL_PARTS[key]):
@@ -282,17 +345,17 @@ def _kernel_inputs(layer: LayerWeights, w: dict, p: str, stored: dict, gain: dic
     for name in _EXTRA_GAINS:
         gains[name] = layer.extra_gains.get(name, np.ones(d if name in ("q_norm", "k_norm") else h, np.float32))
     nqkv = (nh + 2 * kvh) * d
-    if layer.lora_stacks:
-        lora = kernel_lora_arrays(layer.lora_stacks)
-    else:
-        shapes = {"qkv": ((1, 3, h), (1, 1, nqkv)), "o": ((1, 1, nh * d), (1, 1, h)),
-                  "gate_up": ((1, 2, h), (1, 1, 2 * inter)), "down": ((1, 1, inter), (1, 1, h))}
-        lora = {f"lora_{key}_{ab}": np.zeros(shape, np.float32)
-                for key, (a, b) in shapes.items() for ab, shape in (("a", a), ("b", b))}
+    # (without adapter slots: one all-zero slot of rank 1, which the kernel skips; a product no stack adapts: zeros
+    # of the slots' count and rank)
+    slots, rank = (lora_slots + 1, lora_rank) if layer.lora_stacks else (1, 1)
+    parts = {"qkv": (3, h, nqkv), "o": (1, nh * d, h), "gate_up": (2, h, 2 * inter), "down": (1, inter, h)}
+    lora = {f"lora_{key}_{ab}": np.zeros((slots, n * rank, k) if ab == "a" else (slots, rank, out), np.float32)
+            for key, (n, k, out) in parts.items() for ab in ("a", "b")}
+    lora.update(kernel_lora_arrays(layer.lora_stacks))
     qkv_bias = layer.qkv_bias if layer.qkv_bias is not None else np.zeros(nqkv, np.float32)
     iconfig = np.array([config.block_size, nh, kvh, config.threads, *types, int(config.batch_invariant),
                         _ACTIVATIONS[cfg.hidden_act], int(cfg.qk_norm), int(cfg.sandwich_norms),
-                        cfg.layer_window(i) or 0], np.int32)
+                        cfg.layer_window(i) or 0, 0 if moe else 1], np.int32)
     return KernelInputs(matrices=matrices, types=tuple(types), qkv_bias=qkv_bias, gains=gains, lora=lora,
                         iconfig=iconfig, fconfig=np.array([cfg.rms_norm_eps, cfg.attention_scale], np.float32))
 

@@ -33,7 +33,7 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
 from .attention import PagedAttention, paged_metadata
-from .kernels.signatures import DECODER_LAYER, EMBED_TOKENS, FINAL_LOGITS
+from .kernels.signatures import DECODER_LAYER, EMBED_TOKENS, FINAL_LOGITS, MOE_MLP
 from .layer_weights import (LORA_PRODUCTS, KernelInputs, LayerKernelConfig, kernel_lora_arrays, prepare_head,
                             prepare_layer)
 from .parallel import TensorParallel
@@ -142,6 +142,22 @@ class LlamaDecoderLayer(nn.Cell):
                                            out_dtype=lambda x, *_: x, func_type="aot")
             self._hold_kernel_inputs(prepared.kernel, i)
             DECODER_LAYER.check_call(self.fused)
+        # a mixture-of-experts layer: its MLP as the MoeMlp kernel after the layer kernel (which then runs none)
+        self.moe = prepared.moe is not None
+        if self.moe:
+            m = prepared.moe
+            self.moe_kernel = ops.Custom(f"{layer_kernel}:MoeMlp", out_shape=lambda x, *_: x,
+                                         out_dtype=lambda x, *_: x, func_type="aot")
+            weights = {name: (_stored_param(array, f"layers.{i}.experts_{name.removesuffix('_w')}_stored") if qtype
+                              else _param(array, f"layers.{i}.experts_{name.removesuffix('_w')}"))
+                       for (name, array), qtype in zip(m.matrices.items(), m.types)}
+            self.moe_params = ms.ParameterTuple(list(weights.values()) + [
+                _param(m.router, f"layers.{i}.router"), _param(m.router_bias, f"layers.{i}.router_bias"),
+                _param(m.post_gain, f"layers.{i}.moe_post_gain")])
+            gate_w, up_w, down_w, router, router_bias, post_gain = self.moe_params
+            self.moe_held = MOE_MLP.held(router=router, router_bias=router_bias, gate_w=gate_w, up_w=up_w,
+                                         down_w=down_w, post_gain=post_gain, iconfig=Tensor(m.iconfig),
+                                         fconfig=Tensor(m.fconfig))
 
     def _hold_kernel_inputs(self, k: KernelInputs, i: int) -> None:
         """The layer kernel's inputs the layer holds (layer_weights.KernelInputs), as `kernel_<input name>`: stored
@@ -202,8 +218,11 @@ class LlamaDecoderLayer(nn.Cell):
         by name and in order: checked when the layer is built), then what the layer holds. x (T, H); positions,
         slots, context_lens, tree_bits, lora (T,); block_tables (T, W); cos/sin tables (P, D) -> (T, H). slots and
         block_tables are those of the layer's cache (the window pool's for a layer in it)."""
-        return self.layer_kernel(x, positions, slots, block_tables, context_lens, tree_bits, cos, sin, lora,
-                                 *self.kernel_held)                                                    # (T, H)
+        out = self.layer_kernel(x, positions, slots, block_tables, context_lens, tree_bits, cos, sin, lora,
+                                *self.kernel_held)                                                     # (T, H)
+        if self.moe:
+            out = self.moe_kernel(out, slots, *self.moe_held)                                          # (T, H)
+        return out
 
     def lora_delta(self, j: int, x, lora):
         """Product j's LoRA deltas for a batch of mixed adapters: x (T, K), lora (T, 1) each token's slot ->

@@ -1346,6 +1346,31 @@ def test_model_family_parts_on_quantized_weights(library, invariant_mode, qtype,
         library.KernelInt(1)
 
 
+def test_a_layer_without_its_mlp_is_its_attention_and_residual(library):
+    """iconfig[16] 0 (a mixture-of-experts layer, whose MLP MoeMlp runs next): out = x + attention, as the whole
+    layer's with a down_proj of zeros (whose MLP then adds exactly 0), gate/up/down given as placeholders of one
+    unit; the K/V written the same."""
+    rng = np.random.default_rng(12)
+    layer = Layer(rng, hidden=64, heads=4, kv_heads=2, head_dim=16, inter=96, batch=3)
+    keys, values = layer.key_cache.copy(), layer.value_cache.copy()
+    layer.iconfig_len = 16
+    whole = layer.arrays(2)
+    whole[DECODER_LAYER.index("down_w")] = np.zeros_like(whole[DECODER_LAYER.index("down_w")])
+    assert invoke(library.DecoderLayer, whole) == 0
+    want, want_keys = whole[-1].copy(), layer.key_cache.copy()
+    layer.key_cache[...], layer.value_cache[...] = keys, values
+    bare = layer.arrays(2)
+    bare[DECODER_LAYER.index("iconfig")] = np.append(bare[DECODER_LAYER.index("iconfig")], 0).astype(np.int32)
+    for name, shape in (("gate_w", (1, 64)), ("up_w", (1, 64)), ("down_w", (64, 1))):
+        bare[DECODER_LAYER.index(name)] = np.full(shape, np.nan, np.float32)             # never read
+    for name in ("lora_gate_up_b", "lora_down_a"):
+        at = DECODER_LAYER.index(name)
+        bare[at] = np.zeros(bare[at].shape[:2] + ((2 if name == "lora_gate_up_b" else 1),), np.float32)
+    assert invoke(library.DecoderLayer, bare) == 0
+    np.testing.assert_array_equal(bare[-1], want)
+    np.testing.assert_array_equal(layer.key_cache, want_keys)
+
+
 def test_model_family_parts_refusals(library):
     """iconfig of another length, an unknown activation, a flag not 0 or 1, a negative window, an fconfig of
     three, gains of the wrong size: refused (2) before any write."""
@@ -1354,8 +1379,8 @@ def test_model_family_parts_refusals(library):
     good = layer.arrays(1)
     assert invoke(library.DecoderLayer, good) == 0
     icfg, fcfg = DECODER_LAYER.index("iconfig"), DECODER_LAYER.index("fconfig")
-    bad = [(icfg, good[icfg][:13].copy()), (icfg, np.append(good[icfg], 0).astype(np.int32)),
-           (fcfg, np.array([1e-5, 0.1, 0.2], np.float32))]
+    bad = [(icfg, good[icfg][:13].copy()), (icfg, np.append(good[icfg], [1, 0]).astype(np.int32)),
+           (icfg, np.append(good[icfg], 2).astype(np.int32)), (fcfg, np.array([1e-5, 0.1, 0.2], np.float32))]
     for at, value in ((12, 2), (12, -1), (13, 2), (14, -1), (15, -1)):
         changed = good[icfg].copy()
         changed[at] = value

@@ -86,8 +86,8 @@ def test_the_kernel_reads_stored_rows_untouched_and_the_gain_beside_them():
     assert k.matrices["o_w"].base is layer.o or k.matrices["o_w"] is layer.o
     np.testing.assert_array_equal(k.matrices["o_w"], layer.o)
     assert k.types == (8, 8, 8, 0, 8, 2, 0)
-    # not invariant; SiLU, no q/k norms, no sandwich norms, no window
-    assert k.iconfig.tolist() == [16, CFG.num_heads, CFG.num_kv_heads, 3, 8, 8, 8, 0, 8, 2, 0, 0, 0, 0, 0, 0]
+    # not invariant; SiLU, no q/k norms, no sandwich norms, no window, the layer's own MLP
+    assert k.iconfig.tolist() == [16, CFG.num_heads, CFG.num_kv_heads, 3, 8, 8, 8, 0, 8, 2, 0, 0, 0, 0, 0, 0, 1]
     assert k.iconfig.dtype == np.int32
     assert k.fconfig.tolist() == [np.float32(1e-6), np.float32(CFG.head_dim ** -0.5)] and k.qkv_bias is layer.qkv_bias
     # the float32 copy the graphs use is still folded

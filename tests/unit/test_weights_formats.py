@@ -579,7 +579,14 @@ FAMILY_CONFIGS = {
                         tie_word_embeddings=False),
     "qwen2-swa": dict(architecture="qwen2", head_dim=32, attention_bias=True, sliding_window=16,
                       layer_types=(_F, _F, _S, _S), rope_theta=1e6, tie_word_embeddings=True),
+    "qwen3moe": dict(architecture="qwen3moe", head_dim=32, qk_norm=True, num_experts=8, experts_per_token=2,
+                     expert_intermediate_size=32, intermediate_size=128, norm_topk_prob=True, dense_layers=(1,),
+                     sliding_window=None, tie_word_embeddings=False),
+    "mixtral": dict(architecture="mixtral", head_dim=16, qk_norm=False, num_experts=4, experts_per_token=2,
+                    expert_intermediate_size=64, norm_topk_prob=True, dense_layers=(), sliding_window=None),
 }
+# the architecture a GGUF twin's file names (llama.cpp's: Mistral and Mixtral are `llama`)
+_GGUF_ARCHITECTURE = {"mistral-swa": "llama", "mixtral": "llama"}
 
 
 @pytest.fixture(scope="module")
@@ -614,7 +621,7 @@ def test_a_family_loads_the_same_from_its_hf_directory_and_its_gguf(families, na
     cfg2, got2 = load_llama_weights(twin)
     for field in dataclasses.fields(cfg):
         if field.name == "architecture":
-            assert cfg2.architecture == ("llama" if name == "mistral-swa" else cfg.architecture)
+            assert cfg2.architecture == _GGUF_ARCHITECTURE.get(name, cfg.architecture)
         else:
             _same(field.name, getattr(cfg, field.name), getattr(cfg2, field.name))
     assert set(got) == set(got2) == set(expected_shapes(cfg))
@@ -635,7 +642,7 @@ def _internal_from_checkpoint(name: str, hf_dir) -> dict:
 
     raw = json.loads((hf_dir / "config.json").read_text())
     text = raw.get("text_config", raw)
-    out = {}
+    out, experts = {}, {}
     for key, arr in load_file(str(hf_dir / "model.safetensors")).items():
         key = key.replace("language_model.model.", "model.").replace("language_model.lm_head.", "lm_head.")
         if not key.startswith(("model.", "lm_head.")):
@@ -653,8 +660,17 @@ def _internal_from_checkpoint(name: str, hf_dir) -> dict:
             inter = text["intermediate_size"]
             out[key.replace("gate_up_proj", "gate_proj")], out[key.replace("gate_up_proj", "up_proj")] = \
                 arr[:inter], arr[inter:]
+        elif ".experts." in key:                                # one expert's matrix: its rows of the stack
+            _, _, layer, rest = key.split(".", 3)
+            _, _, expert, part, _ = rest.split(".")
+            part = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}.get(part, part)
+            experts.setdefault(f"model.layers.{layer}.mlp.experts.{part}.weight", {})[int(expert)] = arr
+        elif key.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+            out[key.split(".mlp.")[0].split(".block_sparse_moe.")[0] + ".mlp.router.weight"] = arr
         else:
             out[key] = arr
+    for key, by_expert in experts.items():
+        out[key] = np.concatenate([by_expert[e] for e in range(len(by_expert))])
     out.setdefault("lm_head.weight", out["model.embed_tokens.weight"])
     return out
 
@@ -781,7 +797,9 @@ REFUSED = [
      "chunked_attention"),
     ("smollm3", dict(mlp_bias=True), "mlp_bias"),
     ("smollm3", dict(no_rope_layers=[1, 1, 0]), "no_rope_layers has 3 entries for 4 layers"),
-    ("qwen3", dict(architectures=["Qwen3MoeForCausalLM"]), "architecture 'Qwen3MoeForCausalLM' is not supported"),
+    ("qwen3", dict(architectures=["DeepseekV3ForCausalLM"]), "architecture 'DeepseekV3ForCausalLM' is not supported"),
+    ("qwen3moe", dict(num_experts_per_tok=9), "8 experts need 1 to 8 experts per token"),
+    ("qwen3moe", dict(moe_intermediate_size=None, num_experts=0, num_local_experts=0), "num_experts"),
     ("gemma3", dict(architectures=["Gemma2ForCausalLM"]), "architecture 'Gemma2ForCausalLM' is not supported"),
     ("phi3", dict(architectures=["PhiForCausalLM"]), "architecture 'PhiForCausalLM' is not supported"),
 ]

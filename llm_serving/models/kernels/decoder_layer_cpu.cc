@@ -80,15 +80,18 @@
 //   lora_*_b     (S, R, N)              float32  per slot, B transposed (scale folded in): column j for output
 //                                                row j, which reads its part's R-wide slice of A x (slot 0 and
 //                                                modules an adapter leaves alone: zeros)
-//   iconfig      (11,), (12,) or (16,)  int32    [block_size, num_heads, num_kv_heads, threads,
+//   iconfig      (11,), (12,), (16,), (17,) int32    [block_size, num_heads, num_kv_heads, threads,
 //                                                 q type, k type, v type, o type, gate type, up type, down type,
 //                                                 batch-invariant: 1 on, 0 off, -1 or absent: the process's
 //                                                 setting (KernelInvariant, for tests and benchmarks),
 //                                                 activation: 0 SiLU, 1 GELU (tanh approximation),
 //                                                 qk norm: 1 on, 0 off, sandwich norms: 1 on, 0 off,
 //                                                 window: W > 0, each row sees the last W of its visible keys
-//                                                 (sliding-window attention), 0 all]; absent entries: SiLU, no
-//                                                 qk norm, no sandwich norms, no window
+//                                                 (sliding-window attention), 0 all,
+//                                                 MLP: 1 the layer's gate/up/down, 0 none (out = x + attention: a
+//                                                 mixture-of-experts layer, MoeMlp next; gate_w, up_w (1, H) and
+//                                                 down_w (H, 1) placeholders, not read)]; absent entries: SiLU, no
+//                                                 qk norm, no sandwich norms, no window, the MLP
 //   fconfig      (1,) or (2,)           float32  [rms_norm_eps (every RMSNorm's), attention scale (the queries'
 //                                                 factor; absent: 1/sqrt(D))]
 //   out          (B, H)                 float32
@@ -2390,7 +2393,9 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
   enum { DECODER_LAYER_PARAMS(LLM_SERVING_PARAM_ENUM) NPARAM };
   if (!llm_serving::params_match(kDecoderLayerParams, NPARAM, nparam, ndims, dtypes)) return 1;
   const int64_t icfg_len = shapes[ICFG][0], fcfg_len = shapes[FCFG][0];
-  if ((icfg_len != 11 && icfg_len != 12 && icfg_len != 16) || (fcfg_len != 1 && fcfg_len != 2)) return 2;
+  if ((icfg_len != 11 && icfg_len != 12 && icfg_len != 16 && icfg_len != 17) || (fcfg_len != 1 && fcfg_len != 2)) {
+    return 2;
+  }
   const auto* x = static_cast<const float*>(params[X]);
   const auto* positions = static_cast<const int32_t*>(params[POS]);
   const auto* slots = static_cast<const int32_t*>(params[SLOTS]);
@@ -2419,8 +2424,12 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
   const int32_t activation = icfg_len > 12 ? icfg[12] : kSiLU;
   const bool qk_norm = icfg_len > 13 && icfg[13] == 1, sandwich = icfg_len > 14 && icfg[14] == 1;
   const int64_t window = icfg_len > 15 ? icfg[15] : 0;
+  // the layer's own MLP (iconfig[16]: 1 or absent), or none (0: out = x + attention; a mixture-of-experts layer,
+  // whose MLP is MoeMlp's, passes placeholder gate/up/down matrices, which are not read)
+  const bool mlp = icfg_len <= 16 || icfg[16] == 1;
   auto is_flag = [](int32_t v) { return v == 0 || v == 1; };
-  const bool flags_valid = icfg_len <= 13 || (is_flag(icfg[13]) && is_flag(icfg[14]));
+  const bool flags_valid = icfg_len <= 13 || (is_flag(icfg[13]) && is_flag(icfg[14]) &&
+                                              (icfg_len <= 16 || is_flag(icfg[16])));
   if ((activation != kSiLU && activation != kGeluTanh) || !flags_valid || window < 0) return 2;
 
   const int64_t batch = shapes[X][0], h = shapes[X][1];
@@ -2491,7 +2500,7 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
   // (gemm_amx.h on AMX)
   const bool amx = amx_enabled();
   const bool float32 = q_w.type == kF32 && k_w.type == kF32 && v_w.type == kF32 && o_w.type == kF32 &&
-                       gate_w.type == kF32 && up_w.type == kF32 && down_w.type == kF32;
+                       (!mlp || (gate_w.type == kF32 && up_w.type == kF32 && down_w.type == kF32));
   // which products run on the integer tiles (gemm_amx_int.h): q/k/v, o, gate/up, down
   const Matrix* gate_up[2] = {&gate_w, &up_w};
   const Matrix* qkv_parts[3] = {&q_w, &k_w, &v_w};
@@ -2500,7 +2509,7 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
   const bool ints = int_enabled(amx);
   int int_qkv = integer_product(qkv_parts, 3, ints), int_o = integer_product(o_part, 1, ints),
       int_gate_up = integer_product(gate_up, 2, ints), int_down = integer_product(down_part, 1, ints);
-  const bool all_int = int_qkv != kNoInt && int_o != kNoInt && int_gate_up != kNoInt && int_down != kNoInt;
+  const bool all_int = int_qkv != kNoInt && int_o != kNoInt && (!mlp || (int_gate_up != kNoInt && int_down != kNoInt));
   const bool invariant = invariant_of(icfg, shapes[ICFG][0], 11);
   const bool batched = !invariant && rows >= (all_int ? kIntGemmRows : gemm_rows(amx, float32));
   const Route route = route_of(invariant, batched, rows);
@@ -2719,6 +2728,7 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
       add_normalized(sandwiched, x, tid, nthreads, rows, h, eps, attn_out_gain, out);
       barrier.wait();
     }
+    if (!mlp) return;                               // (MoeMlp follows)
     // 5. act = f(gate) * up (f: SiLU or GELU), each chunk of units j (gate row j, up row I + j) by one thread
     rms_normalize(out, rows, h, eps, post_gain, xn);
     if (adapted) {                                  // each adapted row's gate/up deltas, whole, before the tiles
@@ -2833,6 +2843,260 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
     if (sandwich) {
       barrier.wait();
       add_normalized(sandwiched, out, tid, nthreads, rows, h, eps, mlp_out_gain, out);
+    }
+  });
+  return 0;
+}
+
+// ----------------------------------------------------------------------------------------- mixture of experts
+//
+// MoeMlp(x, slots, router, router_bias, gate_w, up_w, down_w, post_gain, iconfig, fconfig) -> out: a
+// mixture-of-experts layer's MLP (Qwen3-MoE, Mixtral), run after its DecoderLayer without an MLP (iconfig[16] 0).
+//   x            (B, H)        float32  the hidden states after the layer's attention (and its residual)
+//   slots        (B,)          int32    < 0 at the end of the batch: padding, not computed (out = x there)
+//   router       (E, H)        float32  one row of logits weights per expert; router_bias (E,) added (zeros
+//                                       for a router without one)
+//   gate_w, up_w (E*I, H)      weight   expert e's rows e*I .. e*I + I - 1, each expert in the file's type
+//   down_w       (E*H, I)      weight   expert e's rows e*H .. e*H + H - 1
+//   post_gain    (H,)          float32  the post-attention norm's gain
+//   iconfig      (6,)          int32    [threads, experts per token K, gate type, up type, down type,
+//                                        renormalize: 1 the chosen K's weights are a softmax over their own
+//                                        logits (Mixtral; Qwen3-MoE's norm_topk_prob), 0 their probabilities
+//                                        among all E (Qwen3-MoE without it)]
+//   fconfig      (1,)          float32  [rms_norm_eps]
+//   out          (B, H)        float32  x + sum over the row's K experts e of w_e * down_e(f(gate_e(xn)) * up_e(xn)),
+//                                       xn = rmsnorm(x) * post_gain, f SiLU
+// A row's experts are its K largest logits (ties: the lower expert first). The rows are then grouped by expert,
+// so that each chosen expert's rows are read once per call for all the rows that chose it, and no other
+// expert's rows are read at all: a decode row reads K of E experts. The work is split over the pool's threads
+// as units of (expert, a chunk of its output rows), the gate/up units first, then the down units, handed out
+// to whichever thread is free (a barrier between: the down product reads every unit's activations).
+// Batch-invariant by construction: each (row, expert) product runs gemm_avx2_int.h (integer codes: every row's
+// outputs the same bits among any rows) or dot_gemm (float weights: one order of sums per output), and a row's
+// K results are added in its top-K order, so a row's output does not depend on the other rows of the call.
+#define MOE_MLP_PARAMS(P)                                                                                        \
+  P(X, "x", 2, "float32") P(SLOTS, "slots", 1, "int32") P(ROUTER, "router", 2, "float32")                        \
+  P(ROUTER_B, "router_bias", 1, "float32") P(GATE_W, "gate_w", 2, "weight") P(UP_W, "up_w", 2, "weight")         \
+  P(DOWN_W, "down_w", 2, "weight") P(POST_GAIN, "post_gain", 1, "float32") P(ICFG, "iconfig", 1, "int32")       \
+  P(FCFG, "fconfig", 1, "float32") P(OUT, "out", 2, "float32")
+
+namespace {
+const llm_serving::ParamSpec kMoeMlpParams[] = {MOE_MLP_PARAMS(LLM_SERVING_PARAM_SPEC)};
+
+// x . w over k values, 8 running sums (one compiled copy: the same float for a row whoever calls it)
+__attribute__((noinline)) float router_logit(const float* x, const float* w, int64_t k) {
+  float acc[8] = {};
+  int64_t e = 0;
+  for (; e + 8 <= k; e += 8)
+    for (int i = 0; i < 8; ++i) acc[i] += x[e + i] * w[e + i];
+  for (int i = 0; e + i < k; ++i) acc[i] += x[e + i] * w[e + i];
+  return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+}
+
+// A row's K experts (largest logits first, ties to the lower index) and their weights
+void route_row(const float* logits, int64_t experts, int64_t k, bool renormalize, int32_t* chosen, float* weight) {
+  float top = logits[0];
+  for (int64_t e = 1; e < experts; ++e) top = std::max(top, logits[e]);
+  double all = 0.0;
+  for (int64_t e = 0; e < experts; ++e) all += std::exp(static_cast<double>(logits[e]) - top);
+  for (int64_t j = 0; j < k; ++j) {
+    int64_t best = -1;
+    for (int64_t e = 0; e < experts; ++e) {
+      bool taken = false;
+      for (int64_t i = 0; i < j && !taken; ++i) taken = chosen[i] == e;
+      if (!taken && (best < 0 || logits[e] > logits[best])) best = e;
+    }
+    chosen[j] = static_cast<int32_t>(best);
+  }
+  double kept = 0.0;
+  for (int64_t j = 0; j < k; ++j) kept += std::exp(static_cast<double>(logits[chosen[j]]) - top);
+  for (int64_t j = 0; j < k; ++j)
+    weight[j] = static_cast<float>(std::exp(static_cast<double>(logits[chosen[j]]) - top) / (renormalize ? kept : all));
+}
+
+// Rows [e * per, (e + 1) * per) of a stacked experts' matrix as a Matrix of its own
+inline Matrix expert_rows(const Matrix& w, int64_t e, int64_t per) {
+  return Matrix{w.data + e * per * w.row_bytes, w.type, per, w.k, w.row_bytes};
+}
+}  // namespace
+
+extern "C" const char* MoeMlpParams() { return LLM_SERVING_DESCRIBED(kMoeMlpParams); }
+
+extern "C" int MoeMlp(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void* stream,
+                      void* extra) {
+  (void)stream;
+  (void)extra;
+  enum { MOE_MLP_PARAMS(LLM_SERVING_PARAM_ENUM) NPARAM };
+  if (!llm_serving::params_match(kMoeMlpParams, NPARAM, nparam, ndims, dtypes)) return 1;
+  if (shapes[ICFG][0] != 6 || shapes[FCFG][0] != 1) return 2;
+  const auto* x = static_cast<const float*>(params[X]);
+  const auto* slots = static_cast<const int32_t*>(params[SLOTS]);
+  const auto* router = static_cast<const float*>(params[ROUTER]);
+  const auto* router_b = static_cast<const float*>(params[ROUTER_B]);
+  const auto* gain = static_cast<const float*>(params[POST_GAIN]);
+  const auto* icfg = static_cast<const int32_t*>(params[ICFG]);
+  const float eps = static_cast<const float*>(params[FCFG])[0];
+  auto* out = static_cast<float*>(params[OUT]);
+  const int64_t batch = shapes[X][0], h = shapes[X][1], experts = shapes[ROUTER][0], k = icfg[1];
+  const int64_t inter = experts > 0 ? shapes[GATE_W][0] / experts : 0;
+  Matrix gate_w, up_w, down_w;
+  if (experts < 1 || k < 1 || k > experts || inter < 1 || shapes[GATE_W][0] != experts * inter ||
+      (icfg[5] != 0 && icfg[5] != 1) || shapes[SLOTS][0] != batch || shapes[ROUTER][1] != h ||
+      shapes[ROUTER_B][0] != experts || shapes[POST_GAIN][0] != h || shapes[OUT][0] != batch ||
+      shapes[OUT][1] != h ||
+      !as_matrix(params[GATE_W], dtypes[GATE_W], shapes[GATE_W], icfg[2], experts * inter, h, &gate_w) ||
+      !as_matrix(params[UP_W], dtypes[UP_W], shapes[UP_W], icfg[3], experts * inter, h, &up_w) ||
+      !as_matrix(params[DOWN_W], dtypes[DOWN_W], shapes[DOWN_W], icfg[4], experts * h, inter, &down_w)) {
+    return 2;
+  }
+  const bool renormalize = icfg[5] == 1;
+  int64_t rows = batch;
+  while (rows > 0 && slots[rows - 1] < 0) --rows;
+  if (rows < batch) std::memcpy(out + rows * h, x + rows * h, (batch - rows) * h * sizeof(float));
+  if (rows == 0) return 0;
+
+  const Timed timed(0);
+  Pool& p = pool(std::max(1, icfg[0]));
+  std::lock_guard<std::mutex> lock(p.call_mutex());
+  const int threads = p.threads();
+  Scratch& s = p.scratch();
+  const int64_t entries = rows * k;                  // (row, chosen expert) pairs, grouped by expert
+  float* xn = Scratch::sized(s.normed, rows * h);
+  float* logits = Scratch::sized(s.scores, rows * experts);
+  float* xg = Scratch::sized(s.qkv, entries * h);    // each entry's xn, by expert
+  float* gate = Scratch::sized(s.act, entries * inter);
+  float* up = Scratch::sized(s.up, entries * inter);
+  float* y = Scratch::sized(s.attn, entries * h);    // each entry's down product
+  std::vector<int32_t> chosen(entries), first(experts + 1, 0), entry_of(entries);
+  std::vector<float> weight(entries);
+  struct Unit { int64_t e, r0, r1; };
+  std::vector<Unit> gate_units, down_units;
+  // the products' routes: integer codes on gemm_avx2_int.h, float weights by dot_gemm
+  const bool ints = avx2_int_enabled();
+  const Matrix* gate_up[2] = {&gate_w, &up_w};
+  const Matrix* down_part[1] = {&down_w};
+  const Route route_gu = avx2_int_product(gate_up, 2, ints) ? Route::kInt : Route::kDot;
+  const Route route_down = avx2_int_product(down_part, 1, ints) ? Route::kInt : Route::kDot;
+  // buffers for the most entries an expert can have (every row): x packed (shared), a thread's weights and sums
+  RouteFloats sizes = widest(route_floats(route_gu, rows, h, false), route_floats(route_down, rows, inter, false));
+  const int64_t x_floats = std::max(route_floats(route_gu, entries, h, false).x,
+                                    route_floats(route_down, entries, inter, false).x);
+  float* xp = x_floats ? sized_aligned(s.packed, x_floats) : nullptr;
+  float* gemm_w = sizes.w ? sized_aligned(s.gemm_w, threads * sizes.w) : nullptr;
+  float* gemm_c = sizes.c ? sized_aligned(s.gemm_c, threads * sizes.c) : nullptr;
+  // packed x of `count` entries from entry `at`, as the route reads it (kInt: a record per row; dot_gemm: none)
+  auto packed_at = [&](Route r, int64_t at, int64_t width) -> const float* {
+    if (r != Route::kInt) return nullptr;
+#if defined(LLM_SERVING_AVX2_INT)
+    return xp + at * llm_serving::avx2_int::x_bytes(width) / 4;
+#else
+    (void)at, (void)width;
+    return nullptr;
+#endif
+  };
+  // units of (expert, chunk of output rows): about 8 a thread, whole tiles of 16
+  auto make_units = [&](int64_t per, std::vector<Unit>& units) {
+    int64_t active = 0;
+    for (int64_t e = 0; e < experts; ++e) active += first[e + 1] > first[e];
+    const int64_t chunk = std::min(per, std::max<int64_t>(16, (per * active / (8 * threads) + 15) / 16 * 16));
+    for (int64_t e = 0; e < experts; ++e)
+      if (first[e + 1] > first[e])
+        for (int64_t r0 = 0; r0 < per; r0 += chunk) units.push_back({e, r0, std::min(per, r0 + chunk)});
+  };
+  // src's entries (width values each) packed for gemm_avx2_int.h, each expert's group as the product of its own
+  // rows reads it (the record's layout depends on the rows: gemm_avx2_int.h's lanes_layout); thread tid's share
+  std::vector<int32_t> expert_of(entries);
+  auto pack_entries = [&](int tid, int nthreads, const float* src, int64_t width) {
+#if defined(LLM_SERVING_AVX2_INT)
+    const int64_t stride = llm_serving::avx2_int::x_bytes(width);
+    for (int64_t i = tid; i < entries; i += nthreads) {
+      const int64_t at = first[expert_of[i]], m = first[expert_of[i] + 1] - at;
+      llm_serving::avx2_int::pack_rows(src + at * width, width, width, m, i - at, i - at + 1,
+                                       reinterpret_cast<uint8_t*>(xp) + at * stride);
+    }
+#else
+    (void)tid, (void)nthreads, (void)src, (void)width;
+#endif
+  };
+  Barrier barrier(threads);
+  std::atomic<int64_t> next_gate{0}, next_down{0};
+
+  p.run([&](int tid, int nthreads) {
+    float* wbuf = gemm_w ? gemm_w + tid * sizes.w : nullptr;
+    float* cbuf = gemm_c ? gemm_c + tid * sizes.c : nullptr;
+    // 1. each row normalized, its router logits
+    for (int64_t b = tid; b < rows; b += nthreads) {
+      rms_normalize(x + b * h, 1, h, eps, gain, xn + b * h);
+      for (int64_t e = 0; e < experts; ++e) logits[b * experts + e] = router_logit(xn + b * h, router + e * h, h) + router_b[e];
+    }
+    barrier.wait();
+    // 2. (thread 0) each row's experts and weights; the entries grouped by expert, rows in order within each
+    if (tid == 0) {
+      for (int64_t b = 0; b < rows; ++b) {
+        route_row(logits + b * experts, experts, k, renormalize, chosen.data() + b * k, weight.data() + b * k);
+        for (int64_t j = 0; j < k; ++j) ++first[chosen[b * k + j] + 1];
+      }
+      for (int64_t e = 0; e < experts; ++e) {
+        first[e + 1] += first[e];
+        for (int64_t i = first[e]; i < first[e + 1]; ++i) expert_of[i] = static_cast<int32_t>(e);
+      }
+      std::vector<int64_t> fill(first.begin(), first.end() - 1);
+      for (int64_t b = 0; b < rows; ++b)
+        for (int64_t j = 0; j < k; ++j) entry_of[b * k + j] = static_cast<int32_t>(fill[chosen[b * k + j]]++);
+      make_units(inter, gate_units);
+      make_units(h, down_units);
+    }
+    barrier.wait();
+    // 3. each entry's xn in its expert's group, then packed for the gate/up products
+    for (int64_t i = tid; i < entries; i += nthreads)
+      std::memcpy(xg + entry_of[i] * h, xn + (i / k) * h, h * sizeof(float));
+    barrier.wait();
+    if (route_gu == Route::kInt) {
+      pack_entries(tid, nthreads, xg, h);
+      barrier.wait();
+    }
+    // 4. gate and up: unit (e, rows r0..r1) for each of expert e's entries, then act = f(gate) * up in place of gate
+    const int64_t ngate = static_cast<int64_t>(gate_units.size());
+    for (int64_t u = next_gate.fetch_add(1); u < ngate; u = next_gate.fetch_add(1)) {
+      const Unit& unit = gate_units[u];
+      const int64_t at = first[unit.e], m = first[unit.e + 1] - at;
+      const Matrix gw = expert_rows(gate_w, unit.e, inter), uw = expert_rows(up_w, unit.e, inter);
+      const float* in = xg + at * h;
+      const float* in_packed = packed_at(route_gu, at, h);
+      product_rows(route_gu, gw, in, in_packed, m, unit.r0, unit.r1, nullptr, wbuf, cbuf, false,
+                   [&](int64_t b, int64_t r, float v) { gate[(at + b) * inter + r] = v; });
+      product_rows(route_gu, uw, in, in_packed, m, unit.r0, unit.r1, nullptr, wbuf, cbuf, false,
+                   [&](int64_t b, int64_t r, float v) { up[(at + b) * inter + r] = v; });
+      for (int64_t b = 0; b < m; ++b) {
+        float* g = gate + (at + b) * inter + unit.r0;
+        activation_span(kSiLU, g, up + (at + b) * inter + unit.r0, unit.r1 - unit.r0, g);
+      }
+    }
+    barrier.wait();
+    if (route_down == Route::kInt) {
+      pack_entries(tid, nthreads, gate, inter);
+      barrier.wait();
+    }
+    // 5. down: unit (e, rows r0..r1) of expert e's entries' activations
+    const int64_t ndown = static_cast<int64_t>(down_units.size());
+    for (int64_t u = next_down.fetch_add(1); u < ndown; u = next_down.fetch_add(1)) {
+      const Unit& unit = down_units[u];
+      const int64_t at = first[unit.e], m = first[unit.e + 1] - at;
+      const Matrix dw = expert_rows(down_w, unit.e, h);
+      product_rows(route_down, dw, gate + at * inter, packed_at(route_down, at, inter), m, unit.r0, unit.r1, nullptr,
+                   wbuf, cbuf, false, [&](int64_t b, int64_t r, float v) { y[(at + b) * h + r] = v; });
+    }
+    barrier.wait();
+    // 6. each row: x + its experts' results weighted, added in its top-K order
+    for (int64_t b = tid; b < rows; b += nthreads) {
+      float* o = out + b * h;
+      std::fill(o, o + h, 0.f);
+      for (int64_t j = 0; j < k; ++j) {
+        const float wj = weight[b * k + j];
+        const float* yj = y + static_cast<int64_t>(entry_of[b * k + j]) * h;
+        for (int64_t e = 0; e < h; ++e) o[e] += wj * yj[e];
+      }
+      for (int64_t e = 0; e < h; ++e) o[e] += x[b * h + e];
     }
   });
   return 0;

@@ -19,7 +19,7 @@ import ctypes
 import inspect
 from dataclasses import dataclass
 
-__all__ = ["DECODER_LAYER", "EMBED_TOKENS", "FINAL_LOGITS", "KERNEL_SIGNATURES", "SAMPLE_LOGITS", "KernelParam",
+__all__ = ["DECODER_LAYER", "EMBED_TOKENS", "FINAL_LOGITS", "KERNEL_SIGNATURES", "MOE_MLP", "SAMPLE_LOGITS", "KernelParam",
            "KernelSignature", "KernelSignatureError", "check_library", "check_params"]
 
 
@@ -130,6 +130,15 @@ FINAL_LOGITS = KernelSignature(
                  _p("fconfig", 1, "float32")),
     outputs=(_p("logits", 2, "float32"), _p("token", 1, "int32"), _p("logprob", 1, "float32")))
 
+# decoder_layer_cpu.cc's MoeMlp: a mixture-of-experts layer's MLP, after its DecoderLayer without one
+MOE_MLP = KernelSignature(
+    "MoeMlp",
+    call_inputs=(_p("x", 2, "float32"), _p("slots", 1, "int32")),
+    held_inputs=(_p("router", 2, "float32"), _p("router_bias", 1, "float32"), _p("gate_w", 2, "weight"),
+                 _p("up_w", 2, "weight"), _p("down_w", 2, "weight"), _p("post_gain", 1, "float32"),
+                 _p("iconfig", 1, "int32"), _p("fconfig", 1, "float32")),
+    outputs=(_p("out", 2, "float32"),))
+
 # decoder_layer_cpu.cc's EmbedTokens: the embedding's rows read from the table as stored
 EMBED_TOKENS = KernelSignature(
     "EmbedTokens",
@@ -145,7 +154,7 @@ SAMPLE_LOGITS = KernelSignature(
     outputs=(_p("token", 1, "int32"), _p("logprob", 1, "float32")))
 
 # kernel source -> the signatures its library is checked against when built
-KERNEL_SIGNATURES = {"decoder_layer_cpu": (DECODER_LAYER, FINAL_LOGITS, EMBED_TOKENS, SAMPLE_LOGITS)}
+KERNEL_SIGNATURES = {"decoder_layer_cpu": (DECODER_LAYER, FINAL_LOGITS, MOE_MLP, EMBED_TOKENS, SAMPLE_LOGITS)}
 
 
 def check_params(signature: KernelSignature, compiled: str, source: str = "the kernel library") -> None:

@@ -11,7 +11,7 @@ from typing import Callable, Optional
 import numpy as np
 
 __all__ = ["HIDDEN_ACTS", "LlamaConfig", "QuantizedTensor", "StoredTensor", "WeightLoadError", "check_shape", "expected_shapes",
-           "first_id", "rotate_half_rows", "split_fused"]
+           "first_id", "rotate_half_rows", "split_fused", "stack_rows"]
 
 
 class WeightLoadError(ValueError):
@@ -87,7 +87,13 @@ class LlamaConfig:
       only the last `sliding_window` keys (the token's own included). `layer_types` None: every layer slides when
       `sliding_window` is set (Mistral v0.1, Qwen2 with use_sliding_window), none otherwise.
     - `local_rope_theta`: the sliding layers' own RoPE base, unscaled (Gemma 3's rope_local_base_freq).
-    - `nope_layers`: the layers without RoPE (SmolLM3's no_rope_layers)."""
+    - `nope_layers`: the layers without RoPE (SmolLM3's no_rope_layers).
+    - `num_experts` > 0: a mixture of experts (Qwen3-MoE, Mixtral): each layer's MLP is `num_experts` gated MLPs of
+      `expert_intermediate_size` units, of which a router (a linear layer over the experts) picks the
+      `experts_per_token` with the largest logits for each token, their results weighted by the softmax of the
+      logits over the chosen ones (`norm_topk_prob`: Mixtral, Qwen3-MoE's usual setting) or over all experts (not
+      renormalized). `dense_layers`: those with the usual MLP of `intermediate_size` units instead (Qwen3-MoE's
+      mlp_only_layers)."""
 
     vocab_size: int
     hidden_size: int
@@ -118,6 +124,11 @@ class LlamaConfig:
     layer_types: Optional[tuple] = None
     local_rope_theta: Optional[float] = None
     nope_layers: tuple = ()
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    dense_layers: tuple = ()
 
     def __post_init__(self):
         if self.hidden_act not in HIDDEN_ACTS:
@@ -136,6 +147,15 @@ class LlamaConfig:
         if any(not 0 <= i < self.num_layers for i in self.nope_layers):
             raise WeightLoadError(f"{self.architecture}: nope_layers {list(self.nope_layers)} name layers past "
                                   f"the model's {self.num_layers}")
+        if self.num_experts and not (0 < self.experts_per_token <= self.num_experts
+                                     and self.expert_intermediate_size > 0):
+            raise WeightLoadError(f"{self.architecture}: {self.num_experts} experts need 1 to {self.num_experts} "
+                                  f"experts per token (got {self.experts_per_token}) and an expert size (got "
+                                  f"{self.expert_intermediate_size})")
+
+    def layer_moe(self, i: int) -> bool:
+        """Whether layer i's MLP is a mixture of experts (else the dense gate/up/down)."""
+        return self.num_experts > 0 and i not in self.dense_layers
 
     @property
     def attention_scale(self) -> float:
@@ -200,10 +220,38 @@ def expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
         if cfg.sandwich_norms:
             shapes[p + "attn_output_norm.weight"] = (h,)
             shapes[p + "mlp_output_norm.weight"] = (h,)
+        if cfg.layer_moe(i):                # the experts stacked by rows: expert e's are e * rows .. (e + 1) * rows - 1
+            e, inter = cfg.num_experts, cfg.expert_intermediate_size
+            shapes[p + "mlp.router.weight"] = (e, h)
+            shapes[p + "mlp.experts.gate_proj.weight"] = (e * inter, h)
+            shapes[p + "mlp.experts.up_proj.weight"] = (e * inter, h)
+            shapes[p + "mlp.experts.down_proj.weight"] = (e * h, inter)
+            continue
         shapes[p + "mlp.gate_proj.weight"] = (cfg.intermediate_size, h)
         shapes[p + "mlp.up_proj.weight"] = (cfg.intermediate_size, h)
         shapes[p + "mlp.down_proj.weight"] = (h, cfg.intermediate_size)
     return shapes
+
+
+def stack_rows(parts: list) -> StoredTensor:
+    """StoredTensors of the same width stacked by rows as one (a mixture's experts, stored one tensor each, as the
+    layer kernel reads them: one matrix of E * rows); read(index) reads only the parts the rows asked for touch."""
+    sizes = [p.shape[0] for p in parts]
+    starts = np.cumsum([0] + sizes)
+    cols = tuple(parts[0].shape[1:])
+    if any(tuple(p.shape[1:]) != cols for p in parts):
+        raise WeightLoadError(f"experts of different shapes cannot be stacked: {[p.shape for p in parts]}")
+
+    def read(index: tuple) -> np.ndarray:
+        rows = np.arange(starts[-1])[index[0] if index else slice(None)]
+        rest = tuple(index[1:])
+        out = []
+        for part, start, size in zip(parts, starts, sizes):
+            mine = rows[(rows >= start) & (rows < start + size)] - start
+            if len(mine):
+                out.append(np.asarray(part.read((slice(int(mine[0]), int(mine[-1]) + 1),) + rest))[mine - mine[0]])
+        return np.concatenate(out, axis=0) if out else np.zeros((0,) + cols, np.float32)
+    return StoredTensor((int(starts[-1]),) + cols, read, stored_type=parts[0].stored_type)
 
 
 

@@ -1,6 +1,7 @@
 """GGUF checkpoints (llama.cpp's format) for `load_llama_weights` (loader.py), read through the `gguf` package.
 
-Architectures `llama` (Mistral's too), `qwen2`, `qwen3`, `gemma3`, `phi3` and `smollm3`, as llama.cpp's converter
+Architectures `llama` (Mistral's, and Mixtral's with its experts), `qwen2`, `qwen3`, `qwen3moe`, `gemma3`, `phi3` and
+`smollm3`, as llama.cpp's converter
 (convert_hf_to_gguf.py) writes them: hyperparameters from the `<arch>.*` metadata, and where the converter writes
 nothing, llama.cpp's own fixed rules (Gemma 3: every 6th layer full, a local RoPE base of 10000, the attention
 scale; SmolLM3: every 4th layer without RoPE); tensors renamed to the internal (LLaMA HF) names and dequantized to
@@ -50,10 +51,14 @@ _GGUF_LAYER_NAMES = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.wei
                      "attn_qkv.weight": "self_attn.qkv_proj.weight", "attn_qkv.bias": "self_attn.qkv_proj.bias",
                      "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
                      "post_attention_norm.weight": "attn_output_norm.weight",     # Gemma's sandwich norms
-                     "post_ffw_norm.weight": "mlp_output_norm.weight"}
+                     "post_ffw_norm.weight": "mlp_output_norm.weight",
+                     # a mixture's router and expert stacks (3-D (E, rows, cols) in the file, read as E * rows rows)
+                     "ffn_gate_inp.weight": "mlp.router.weight", "ffn_gate_exps.weight": "mlp.experts.gate_proj.weight",
+                     "ffn_up_exps.weight": "mlp.experts.up_proj.weight",
+                     "ffn_down_exps.weight": "mlp.experts.down_proj.weight"}
 _GGUF_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                "output.weight": "lm_head.weight"}
-_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "phi3", "smollm3")
+_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "phi3", "smollm3")
 # the architectures whose q/k rows the converter permutes for llama.cpp's RoPE of neighbouring pairs
 _INTERLEAVED_ROPE = ("llama", "smollm3")
 _gguf_types_checked: dict = {}
@@ -136,6 +141,9 @@ def _load_gguf(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
                                   "package cannot dequantize (supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, "
                                   "Q8_0, the K-quants, ...)")
         shape = tuple(int(n) for n in reversed(tensor.shape))      # GGUF lists dimensions innermost first
+        if len(shape) == 3:                 # a mixture's experts: (E, rows, cols) as E * rows rows of cols
+            tensor = _Stacked(tensor)
+            shape = (shape[0] * shape[1], shape[2])
         qtype = KEPT_QUANTIZED.get(tensor.tensor_type.name) if len(shape) == 2 else None
         kind = tensor.tensor_type.name
         out[hf] = StoredTensor(shape, _gguf_reader(tensor), qtype, _block_reader(tensor) if qtype is not None else None,
@@ -153,6 +161,33 @@ def _load_gguf(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
                 out[name] = StoredTensor(t.shape, _interleaved_to_halves(t.read, cfg.head_dim), t.qtype, blocks,
                                          t.stored_type)
     return cfg, out
+
+
+class _Stacked:
+    """A 3-D GGUF tensor (a mixture's experts, (E, rows, cols)) as the 2-D one of E * rows rows the readers take."""
+
+    def __init__(self, tensor):
+        self.name, self.tensor_type = tensor.name, tensor.tensor_type
+        data = tensor.data
+        self.data = data.reshape(data.shape[0] * data.shape[1], *data.shape[2:])
+
+
+def _gguf_experts(path: str, arch: str, meta: Callable, tensors: dict, num_layers: int) -> dict:
+    """The LlamaConfig fields of a mixture of experts (`<arch>.expert_count` > 0; Mixtral is `llama` with them):
+    the experts used per token, their size (`expert_feed_forward_length`, else the layers' `feed_forward_length`),
+    renormalized unless `expert_weights_norm` says not (llama.cpp renormalizes qwen3moe and Mixtral), and the
+    layers without a router (dense)."""
+    experts = int(meta(f"{arch}.expert_count", 0, required=False) or 0)
+    if not experts:
+        return {}
+    size = meta(f"{arch}.expert_feed_forward_length", required=False) or meta(f"{arch}.feed_forward_length")
+    dense = tuple(i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors)
+    if len(dense) == num_layers:
+        raise WeightLoadError(f"{path}: GGUF {arch}.expert_count={experts} but no layer has a router "
+                              "(blk.N.ffn_gate_inp.weight)")
+    return {"num_experts": experts, "experts_per_token": int(meta(f"{arch}.expert_used_count")),
+            "expert_intermediate_size": int(size),
+            "norm_topk_prob": bool(meta(f"{arch}.expert_weights_norm", True, required=False)), "dense_layers": dense}
 
 
 def _gguf_config(path: str, arch: str, meta: Callable, tensors: dict) -> LlamaConfig:
@@ -192,6 +227,7 @@ def _gguf_config(path: str, arch: str, meta: Callable, tensors: dict) -> LlamaCo
         attention_bias="blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors,
         sliding_window=window, layer_types=layer_types, qk_norm="blk.0.attn_q_norm.weight" in tensors,
         sandwich_norms=gemma, embed_scale=math.sqrt(hidden) if gemma else 1.0,
+        **_gguf_experts(path, arch, meta, tensors, num_layers),
         hidden_act="gelu_tanh" if gemma else "silu", query_scale=query_scale,
         nope_layers=tuple(i for i in range(num_layers) if (i + 1) % 4 == 0) if arch == "smollm3" else (),
         **rope)

@@ -5,7 +5,10 @@
 `load_hf` gives the tensors under the internal (LLaMA HF) names `expected_shapes` lists: Phi-3's fused matrices split
 into row parts that read only their own rows, Gemma's norms renamed and read as 1 + the stored weight (its RMSNorm
 computes x * (1 + w)), a multimodal checkpoint's text model (`language_model.model.*` or `model.language_model.*`)
-under the text model's names. Embeddings tied (`tie_word_embeddings`, or no `lm_head.weight`) or not.
+under the text model's names. Embeddings tied (`tie_word_embeddings`, or no `lm_head.weight`) or not. A mixture's
+experts, one tensor each (Qwen3-MoE's `mlp.experts.E.gate_proj`, Mixtral's `block_sparse_moe.experts.E.w1`), are
+stacked by rows into one matrix per part and layer (`mlp.experts.gate_proj.weight`: E * I rows), its router renamed
+`mlp.router.weight`.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from .common import LlamaConfig, StoredTensor, WeightLoadError, expected_shapes, split_fused
+from .common import LlamaConfig, StoredTensor, WeightLoadError, expected_shapes, split_fused, stack_rows
 from .hf_config import llama3_rope_factors, load_config
 
 __all__ = ["llama3_rope_factors", "load_config", "load_hf", "stored_safetensors"]
@@ -114,6 +117,12 @@ _GEMMA_NORMS = {"input_layernorm.weight": "input_layernorm.weight",
 _TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
                   ("language_model.lm_head.", "lm_head."))
 _FUSED = ("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight")
+# a mixture's tensors (after "model.layers.N."): the router, and each expert's matrices (after "...experts.E."), as
+# Qwen3-MoE and Mixtral name them -> the internal router and the part its expert stack is of
+_ROUTERS = {"mlp.gate.weight": "mlp.router.weight", "block_sparse_moe.gate.weight": "mlp.router.weight"}
+_EXPERT_PARTS = {"gate_proj.weight": "gate_proj", "up_proj.weight": "up_proj", "down_proj.weight": "down_proj",
+                 "w1.weight": "gate_proj", "w3.weight": "up_proj", "w2.weight": "down_proj"}
+_EXPERT_PREFIXES = ("mlp.experts.", "block_sparse_moe.experts.")
 
 
 def _internal_name(name: str, arch: str) -> str:
@@ -126,7 +135,43 @@ def _internal_name(name: str, arch: str) -> str:
         _, _, layer, rest = name.split(".", 3)
         if rest in _GEMMA_NORMS:
             return f"model.layers.{layer}.{_GEMMA_NORMS[rest]}"
+    if name.startswith("model.layers.") and name.count(".") > 3:
+        _, _, layer, rest = name.split(".", 3)
+        if rest in _ROUTERS:
+            return f"model.layers.{layer}.{_ROUTERS[rest]}"
     return name
+
+
+def _expert_of(name: str) -> Optional[tuple]:
+    """(layer, part, expert) of one expert's matrix (`model.layers.3.mlp.experts.7.up_proj.weight`: (3, "up_proj",
+    7)), or None."""
+    if not name.startswith("model.layers."):
+        return None
+    _, _, layer, rest = name.split(".", 3)
+    for prefix in _EXPERT_PREFIXES:
+        if rest.startswith(prefix):
+            expert, _, tail = rest[len(prefix):].partition(".")
+            if expert.isdigit() and tail in _EXPERT_PARTS:
+                return int(layer), _EXPERT_PARTS[tail], int(expert)
+    return None
+
+
+def _stack_experts(cfg: LlamaConfig, experts: dict, path: str) -> dict:
+    """Each mixture layer's experts' matrices ({(layer, part, expert): StoredTensor}) as the stacks the model reads
+    (`model.layers.N.mlp.experts.<part>.weight`, expert e's rows the e-th block); an expert missing fails naming
+    it."""
+    out = {}
+    for i in range(cfg.num_layers):
+        if not cfg.layer_moe(i):
+            continue
+        for part in ("gate_proj", "up_proj", "down_proj"):
+            missing = [e for e in range(cfg.num_experts) if (i, part, e) not in experts]
+            if missing:
+                raise WeightLoadError(f"{path}: layer {i}'s expert {missing[0]} has no {part} tensor (the config "
+                                      f"names {cfg.num_experts} experts)")
+            out[f"model.layers.{i}.mlp.experts.{part}.weight"] = stack_rows(
+                [experts[(i, part, e)] for e in range(cfg.num_experts)])
+    return out
 
 
 def _plus_one(tensor: StoredTensor) -> StoredTensor:
@@ -152,11 +197,17 @@ def load_hf(model_dir: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
     needed = set(expected_shapes(cfg))
     fused = {f"model.layers.{i}.{name}" for i in range(cfg.num_layers) for name in _FUSED}
     names = {n: _internal_name(n, cfg.architecture) for n in _checkpoint_names(files)}
-    wanted = {n for n, internal in names.items() if internal in needed or internal in fused}
-    stored = {}
+    expert_parts = {n: _expert_of(internal) for n, internal in names.items()} if cfg.num_experts else {}
+    wanted = {n for n, internal in names.items() if internal in needed or internal in fused or expert_parts.get(n)}
+    stored, experts = {}, {}
     for name, tensor in stored_safetensors(files, wanted).items():
         internal = names[name]
         gemma_norm = cfg.architecture == "gemma3" and internal.endswith("norm.weight")
-        stored[internal] = _plus_one(tensor) if gemma_norm else tensor
+        if expert_parts.get(name):
+            experts[expert_parts[name]] = tensor
+        else:
+            stored[internal] = _plus_one(tensor) if gemma_norm else tensor
     split_fused(cfg, stored)
+    if cfg.num_experts:
+        stored.update(_stack_experts(cfg, experts, model_dir))
     return cfg, stored

@@ -6,6 +6,8 @@ and as 5.x does (`rope_parameters`, per layer type for Gemma 3), into a LlamaCon
 - Qwen2ForCausalLM (q/k/v biases) and Qwen3ForCausalLM (q/k norms, explicit head_dim): `use_sliding_window` slides
   the layers from `max_window_layers` on (or those `layer_types` names);
 - SmolLM3ForCausalLM: `no_rope_layers` (1 = the layer uses RoPE) or every `no_rope_layer_interval`-th layer NoPE;
+- Qwen3MoeForCausalLM (Qwen3's attention, a mixture of experts in the layers `mlp_only_layers` leaves sparse) and
+  MixtralForCausalLM (Mistral's attention, a mixture in every layer): `_experts`;
 - Phi3ForCausalLM (Phi-3, Phi-4-mini): `partial_rotary_factor`, longrope scaling, fused qkv_proj and gate_up_proj;
 - Gemma3ForCausalLM and Gemma3ForConditionalGeneration's text model (`text_config`; the vision tower's tensors are
   not read): GeGLU, embeddings times sqrt(hidden), query_pre_attn_scalar, q/k norms and sandwich norms, sliding
@@ -29,7 +31,8 @@ __all__ = ["HF_ARCHITECTURES", "llama3_rope_factors", "load_config"]
 # config.json "architectures" entry -> the family member's name; each is this one model with data differences
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral",
                      "Qwen3ForCausalLM": "qwen3", "SmolLM3ForCausalLM": "smollm3", "Phi3ForCausalLM": "phi3",
-                     "Gemma3ForCausalLM": "gemma3", "Gemma3ForConditionalGeneration": "gemma3"}
+                     "Gemma3ForCausalLM": "gemma3", "Gemma3ForConditionalGeneration": "gemma3",
+                     "Qwen3MoeForCausalLM": "qwen3moe", "MixtralForCausalLM": "mixtral"}
 # what transformers' Gemma3TextConfig assumes for a key a config.json leaves out (Gemma 3 4B/12B/27B's text_config
 # names only what differs from these)
 _GEMMA3_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
@@ -38,7 +41,7 @@ _GEMMA3_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_si
                     "bos_token_id": 2, "eos_token_id": 1, "tie_word_embeddings": True, "rope_theta": 1_000_000.0,
                     "rope_local_base_freq": 10_000.0, "query_pre_attn_scalar": 256, "sliding_window": 4096}
 # the architectures whose config's sliding_window applies only with use_sliding_window
-_OPTIONAL_WINDOW = ("qwen2", "qwen3", "smollm3")
+_OPTIONAL_WINDOW = ("qwen2", "qwen3", "qwen3moe", "smollm3")
 _LAYER_TYPES = {"sliding_attention": "sliding", "full_attention": "full"}
 
 
@@ -135,14 +138,14 @@ def _sliding_layers(raw: dict, arch: str, num_layers: int, path: str) -> tuple[O
         window = None                           # (Qwen2 configs name a window they do not use; LLaMA has none)
     if not window or int(window) >= int(raw.get("max_position_embeddings", 2048)):
         return None, None
-    types = raw.get("layer_types") if arch not in ("mistral", "phi3") else None     # (theirs: every layer)
+    types = raw.get("layer_types") if arch not in ("mistral", "mixtral", "phi3") else None     # (every layer)
     if types is None and arch == "gemma3":
         every = int(raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") or 6)
         types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(num_layers)]
     elif types is None and arch == "smollm3":   # (transformers: the NoPE layers slide)
         nope = _nope_layers(raw, arch, num_layers, path)
         types = ["sliding_attention" if i in nope else "full_attention" for i in range(num_layers)]
-    elif types is None and arch in ("qwen2", "qwen3"):
+    elif types is None and arch in ("qwen2", "qwen3", "qwen3moe"):
         first = int(raw.get("max_window_layers", 28))
         types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
     elif types is None:
@@ -191,9 +194,31 @@ def _refuse_unsupported(raw: dict, arch: str, path: str) -> str:
     if arch in ("llama", "smollm3") and (raw.get("attention_bias") or raw.get("mlp_bias")):
         raise WeightLoadError(f"{path}: attention_bias/mlp_bias (o_proj or MLP biases) are not supported for "
                               f"{arch}; only Qwen2's q/k/v biases are")
-    if arch in ("qwen3", "gemma3") and raw.get("attention_bias"):
+    if arch in ("qwen3", "qwen3moe", "gemma3", "mixtral") and raw.get("attention_bias"):
         raise WeightLoadError(f"{path}: attention_bias=true (q/k/v/o biases) is not supported for {arch}")
     return act
+
+
+def _experts(raw: dict, arch: str, num_layers: int, path: str) -> dict:
+    """The LlamaConfig fields of a mixture of experts (none for a dense model): Qwen3-MoE's `num_experts` (5.x:
+    `num_local_experts`), `moe_intermediate_size`, `norm_topk_prob` and its dense layers (`mlp_only_layers`, and
+    those off `decoder_sparse_step`, as transformers builds them); Mixtral's `num_local_experts` of
+    `intermediate_size` units, always renormalized."""
+    if arch not in ("qwen3moe", "mixtral"):
+        return {}
+    experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
+    if experts < 1:
+        raise WeightLoadError(f"{path}: a {arch} config needs num_experts (or num_local_experts) of at least 1")
+    out = {"num_experts": experts, "experts_per_token": int(raw.get("num_experts_per_tok") or 0)}
+    if arch == "mixtral":
+        return {**out, "expert_intermediate_size": int(raw["intermediate_size"]), "norm_topk_prob": True}
+    step = int(raw.get("decoder_sparse_step") or 1)
+    only = {int(i) for i in raw.get("mlp_only_layers") or ()}
+    dense = tuple(i for i in range(num_layers) if i in only or (i + 1) % step)
+    if "moe_intermediate_size" not in raw:
+        raise WeightLoadError(f"{path}: missing key 'moe_intermediate_size'")
+    return {**out, "expert_intermediate_size": int(raw["moe_intermediate_size"]),
+            "norm_topk_prob": bool(raw.get("norm_topk_prob", False)), "dense_layers": dense}
 
 
 def _text_config(raw: dict, arch: str) -> dict:
@@ -261,11 +286,12 @@ def load_config(model_dir: str) -> LlamaConfig:
         attention_bias=arch == "qwen2",
         sliding_window=window,
         layer_types=layer_types,
-        qk_norm=arch in ("qwen3", "gemma3"),
+        qk_norm=arch in ("qwen3", "qwen3moe", "gemma3"),
         sandwich_norms=gemma,
         embed_scale=math.sqrt(hidden) if gemma else 1.0,
         hidden_act=act,
         query_scale=float(raw["query_pre_attn_scalar"]) ** -0.5 if gemma else None,
         nope_layers=_nope_layers(raw, arch, num_layers, path),
+        **_experts(raw, arch, num_layers, path),
         **rope,
     )
