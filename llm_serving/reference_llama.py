@@ -7,7 +7,8 @@ when the checkpoint has them (Qwen2), grouped-query attention, SwiGLU, untied or
 families change, read from the loader's LlamaConfig and computed here in transformers' own form: q/k head norms
 (Qwen3, Gemma 3), sandwich norms, the embedding's scale, GELU-tanh, the query scale (Gemma 3), a partial rotation
 over each head's first dimensions (Phi-4-mini: pairs (i, i + r/2), not reordered), longrope's factors and scale
-(Phi-3), sliding-window layers with their own RoPE base (Gemma 3, Mistral), layers without RoPE (SmolLM3).
+(Phi-3), sliding-window layers with their own RoPE base (Gemma 3, Mistral), layers without RoPE (SmolLM3), mixtures of
+experts (Qwen3-MoE, Mixtral: a token's top-k experts by its router's logits).
 
     ref = ReferenceLlama("../shared/models/stories260K/hf")
     seq = ref.new_sequence()
@@ -91,6 +92,7 @@ class ReferenceLlama:
         elif c.rope_freq_factors is not None:     # a GGUF's rope_freqs tensor, linear scaling, longrope's short ones
             self.inv_freq = self.inv_freq / np.asarray(c.rope_freq_factors, np.float64)
         self.local_inv_freq = (None if c.local_rope_theta is None else 1.0 / (c.local_rope_theta ** base))
+        self.routes: dict = {}                  # a mixture's choices in the last forward (_experts)
 
     def new_sequence(self) -> ReferenceSequence:
         return ReferenceSequence(self.config.num_layers)
@@ -154,18 +156,48 @@ class ReferenceLlama:
                 o = self._norm(o, w[p + "attn_output_norm.weight"])
             x = x + o
             h = self._norm(x, w[p + "post_attention_layernorm.weight"])
-            gate = h @ w[p + "mlp.gate_proj.weight"].T
-            up = h @ w[p + "mlp.up_proj.weight"].T
-            if c.hidden_act == "gelu_tanh":
-                act = 0.5 * gate * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (gate + 0.044715 * gate ** 3)))
+            if c.layer_moe(i):
+                down = self._experts(h, p)
             else:
-                act = gate / (1.0 + np.exp(-gate))
-            down = (act * up) @ w[p + "mlp.down_proj.weight"].T
+                down = self._mlp(h, w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"],
+                                 w[p + "mlp.down_proj.weight"])
             if c.sandwich_norms:
                 down = self._norm(down, w[p + "mlp_output_norm.weight"])
             x = x + down
         seq.length = start + t
         return self._norm(x, w["model.norm.weight"]) @ w["lm_head.weight"].T
+
+    def _mlp(self, h: np.ndarray, gate_w: np.ndarray, up_w: np.ndarray, down_w: np.ndarray) -> np.ndarray:
+        """The gated MLP: down(f(gate h) * up h), f SiLU or GELU-tanh."""
+        gate, up = h @ gate_w.T, h @ up_w.T
+        if self.config.hidden_act == "gelu_tanh":
+            act = 0.5 * gate * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (gate + 0.044715 * gate ** 3)))
+        else:
+            act = gate / (1.0 + np.exp(-gate))
+        return (act * up) @ down_w.T
+
+    def _experts(self, h: np.ndarray, p: str) -> np.ndarray:
+        """A mixture of experts as transformers computes it: each token's router logits, its experts_per_token
+        largest (ties to the lower expert), weighted by the softmax over all experts, renormalized over the chosen
+        ones (norm_topk_prob), each chosen expert's gated MLP (rows e * size of the stacks). The experts each token
+        chose are kept in `routes` (layer prefix -> a tuple per token of the last forward)."""
+        c, w = self.config, self.w
+        size, hidden = c.expert_intermediate_size, c.hidden_size
+        logits = h @ w[p + "mlp.router.weight"].T                                      # (T, E)
+        probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        probs /= probs.sum(axis=-1, keepdims=True)
+        out = np.zeros_like(h)
+        self.routes[p] = []
+        for t in range(len(h)):
+            chosen = sorted(range(c.num_experts), key=lambda e: (-logits[t, e], e))[:c.experts_per_token]
+            self.routes[p].append(tuple(chosen))
+            weights = probs[t, chosen] / (probs[t, chosen].sum() if c.norm_topk_prob else 1.0)
+            for e, weight in zip(chosen, weights):
+                rows, cols = slice(e * size, (e + 1) * size), slice(e * hidden, (e + 1) * hidden)
+                out[t] += weight * self._mlp(h[t:t + 1], w[p + "mlp.experts.gate_proj.weight"][rows],
+                                             w[p + "mlp.experts.up_proj.weight"][rows],
+                                             w[p + "mlp.experts.down_proj.weight"][cols])[0]
+        return out
 
     def generate_greedy(self, token_ids, num_positions: int) -> list:
         """Greedy continuation until `num_positions` tokens are fed (prompt included); returns new ids."""

@@ -393,7 +393,8 @@ def write_gguf(family: str, hf_path, out_path, qtype=None) -> Path:
         if arch == "gemma3" and name.endswith("norm.weight"):
             arr = arr + np.float32(1.0)     # Gemma3Model.norm_shift
         arr = np.ascontiguousarray(arr)
-        if arr.ndim >= 2 and qtype != gguf.GGMLQuantizationType.F32:
+        # (a router stays F32, as the converter keeps ffn_gate_inp)
+        if arr.ndim >= 2 and qtype != gguf.GGMLQuantizationType.F32 and "ffn_gate_inp" not in out:
             w.add_tensor(f"{out}.{suffix}", gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(f"{out}.{suffix}", arr)

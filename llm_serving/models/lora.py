@@ -187,6 +187,9 @@ def load_lora_adapter(name: str, path: str, cfg: LlamaConfig, max_rank: Optional
         if layer >= cfg.num_layers:
             raise LoraError(f"{weights_path}: tensor {tname!r} adapts layer {layer}; the base model has "
                             f"{cfg.num_layers} layers")
+        if block == "mlp" and cfg.layer_moe(layer):
+            raise LoraError(f"{weights_path}: tensor {tname!r} adapts layer {layer}'s MLP, a mixture of experts: "
+                            "adapters are applied to its attention projections (q/k/v/o_proj) only")
         if len(tensor.shape) != 2:
             raise LoraError(f"{weights_path}: tensor {tname!r} has shape {tensor.shape}; LoRA matrices are 2-D")
         pairs.setdefault((layer, block, module), {})[which] = (tname, tensor)

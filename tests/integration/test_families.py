@@ -1,5 +1,5 @@
-"""The dense families beyond LLaMA (Qwen3, Gemma 3, Phi-3/Phi-4-mini, SmolLM3) and the sliding windows of Mistral
-and Qwen2, each a tiny random model that transformers makes (tests/families.py), through ModelRunner: the greedy
+"""The dense families beyond LLaMA (Qwen3, Gemma 3, Phi-3/Phi-4-mini, SmolLM3), the sliding windows of Mistral
+and Qwen2 and the mixtures of experts (Qwen3-MoE, Mixtral), each a tiny random model that transformers makes (tests/families.py), through ModelRunner: the greedy
 tokens equal transformers' own, for a prompt inside the sliding window and one three windows long (fed in chunks, so
 a window crosses chunk boundaries), from the HuggingFace directory and from its GGUF twin, with the default float16
 cache and a float32 one, on the layer kernel (every CPU step) and on MindSpore's ops (the path Ascend runs); the
@@ -25,8 +25,9 @@ SHORT = [1, 17, 42, 5, 77, 23, 9, 61, 30]                          # inside the 
 LONG = [1] + [(7 * i * i + 3 * i + 11) % 250 + 3 for i in range(47)]    # three windows
 NEW_TOKENS = 12
 CHUNK = 16                                                         # the prefill bucket: LONG goes in 3 chunks
-FAMILIES = ["qwen3", "gemma3", "gemma3-mm", "phi3", "smollm3", "mistral-swa", "qwen2-swa"]
-GGUF = ["qwen3", "gemma3", "phi3", "smollm3", "mistral-swa", "qwen2-swa"]
+FAMILIES = ["qwen3", "gemma3", "gemma3-mm", "phi3", "smollm3", "mistral-swa", "qwen2-swa", "qwen3moe", "mixtral"]
+GGUF = ["qwen3", "gemma3", "phi3", "smollm3", "mistral-swa", "qwen2-swa", "qwen3moe", "mixtral"]
+MOE = ["qwen3moe", "mixtral"]
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +43,9 @@ def models(tmp_path_factory):
         for family in GGUF:
             out[family + "-gguf"] = str(write_gguf(family, out[family], root / f"{family}.gguf"))
         import gguf
-        out["gemma3-gguf-q8_0"] = str(write_gguf("gemma3", out["gemma3"], root / "gemma3.Q8_0.gguf",
-                                                 qtype=gguf.GGMLQuantizationType.Q8_0))
+        for family in ("gemma3", "qwen3moe"):
+            out[f"{family}-gguf-q8_0"] = str(write_gguf(family, out[family], root / f"{family}.Q8_0.gguf",
+                                                        qtype=gguf.GGMLQuantizationType.Q8_0))
         yield out
 
 
@@ -88,13 +90,45 @@ def test_the_gguf_twin_gives_the_same_tokens(models, family):
     assert tokens == _expected(models[family], tuple(LONG)), family
 
 
-def test_a_quantized_gemma3_gguf_is_read_as_stored_and_stays_within_the_gate(models):
-    """Q8_0 matrices (the layer kernel reads their stored rows) against the float64 reference of the same file."""
-    tokens, logits = _generate(models["gemma3-gguf-q8_0"], LONG)
-    _check_against_reference(models["gemma3-gguf-q8_0"], LONG, tokens, logits)
+@pytest.mark.parametrize("family", ["gemma3", "qwen3moe"])
+def test_a_quantized_gguf_is_read_as_stored_and_stays_within_the_gate(models, family):
+    """Q8_0 matrices (the layer kernel reads their stored rows; a mixture's experts as 3-D tensors of the file)
+    against the float64 reference of the same file."""
+    tokens, logits = _generate(models[f"{family}-gguf-q8_0"], LONG)
+    _check_against_reference(models[f"{family}-gguf-q8_0"], LONG, tokens, logits)
 
 
-@pytest.mark.parametrize("family", ["gemma3", "phi3", "qwen2-swa"])
+@pytest.mark.parametrize("family", MOE)
+def test_rows_routed_to_different_experts_in_one_step_get_their_own_tokens(models, family):
+    """Four sequences prefilled together and decoded together, rows whose tokens choose different experts in the
+    same step (checked by the reference's router): each row's greedy tokens are transformers' for its prompt alone,
+    and its logits the float64 reference's within the gate."""
+    from llm_serving.models.runner import ModelRunner
+
+    path = models[family]
+    prompts = [SHORT, LONG[:20], LONG[7:30], [1, 200, 13, 77, 4, 150]]
+    runner = ModelRunner(path, RunnerSpec(num_blocks=32, block_size=16, max_blocks_per_seq=4, decode_batch_sizes=[4],
+                                          prefill_batch_sizes=[4], prefill_seq_lens=[32], num_threads=2,
+                                          kv_cache_dtype="float32"))
+    ref = ReferenceLlama(path)
+    states = [ref.new_sequence() for _ in prompts]
+    seqs = [Seq([4 * i + j for j in range(4)]) for i in range(len(prompts))]
+    new, fed, tokens, routes = [list(p) for p in prompts], [0] * len(prompts), [[] for _ in prompts], set()
+    for _ in range(NEW_TOKENS):
+        ids, _, logits = runner.execute(step_view(runner, seqs, new, return_logits=True))
+        for row, toks in enumerate(new):
+            want = ref.forward(states[row], toks, fed[row])[-1]
+            fed[row] += len(toks)
+            assert np.abs(logits[row] - want).max() <= 5e-3 * np.abs(want).max(), (family, row)
+            tokens[row].append(int(ids[row]))
+            routes.add(tuple(chosen[-1] for chosen in ref.routes.values()))     # its last token's, every layer
+        new = [[int(t)] for t in ids]
+    for row, prompt in enumerate(prompts):
+        assert tokens[row] == _expected(path, tuple(prompt)), (family, row)
+    assert len(routes) >= 4, routes                    # the rows' last tokens chose different experts
+
+
+@pytest.mark.parametrize("family", ["gemma3", "phi3", "qwen2-swa", "qwen3moe"])
 def test_a_float32_cache_gives_the_same_tokens(models, family):
     tokens, _ = _generate(models[family], LONG, cache="float32")
     assert tokens == _expected(models[family], tuple(LONG)), family
@@ -118,14 +152,22 @@ def _check_against_reference(path: str, prompt: list, tokens: list, logits: np.n
     assert rel.max() <= 0.005, rel
 
 
-@pytest.mark.parametrize("family", ["gemma3", "phi3", "smollm3", "qwen3", "mistral-swa"])
+@pytest.mark.parametrize("family", MOE)
+def test_a_mixture_on_mindspores_ops_is_refused_naming_the_layer_kernel(models, family):
+    """The op-by-op path (Ascend's, tensor parallelism's) has no mixture-of-experts layer yet: the runner refuses
+    it at start, saying where mixtures run."""
+    with pytest.raises(ValueError, match="mixture of experts, which runs on the CPU layer kernel only"):
+        _generate(models[family], SHORT, layer_kernel="off")
+
+
+@pytest.mark.parametrize("family", ["gemma3", "phi3", "smollm3", "qwen3", "mistral-swa", "qwen3moe", "mixtral"])
 def test_logits_are_within_the_precision_gate_of_the_float64_reference(models, family):
     tokens, logits = _generate(models[family], LONG)
     _check_against_reference(models[family], LONG, tokens, logits)
     assert [int(t) for t in tokens] == _expected(models[family], tuple(LONG))
 
 
-SERVED = ["qwen3", "gemma3", "phi3", "smollm3", "mistral-swa"]
+SERVED = ["qwen3", "gemma3", "phi3", "smollm3", "mistral-swa", "qwen3moe", "mixtral"]
 # plain-text prompts for the precision gate: each longer than the 16-key windows in the tiny models' vocabulary
 GATE_PROMPTS = ["Once upon a time, there was a little girl named Lily. She loved to play outside.",
                 "The dog ran to the park with his red ball and his friend.",
@@ -234,3 +276,47 @@ def test_lora_rows_get_the_merged_models_logits(models, family, tmp_path):
     base = ReferenceLlama(path).forward(ReferenceLlama(path).new_sequence(), prompts[0], 0)[-1]
     adapted = refs[1].forward(refs[1].new_sequence(), prompts[0], 0)[-1]
     assert np.abs(base - adapted).max() > 0.05 * np.abs(base).max()          # the adapter matters
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_a_mixtures_lora_rows_get_the_merged_models_logits(models, family, tmp_path):
+    """An adapter on every attention projection (and on the dense MLP of Qwen3-MoE's layer 1), rows with and without
+    it in each step, all on the layer kernel (a mixture's only path): each row's logits are the float64 reference's
+    of its own weights. An adapter on a mixture layer's MLP is refused, naming the layer."""
+    from llm_serving.models.lora import (LoraError, load_lora_adapter, merge_lora, random_lora_tensors,
+                                         write_peft_adapter)
+    from llm_serving.models.runner import ModelRunner
+    from llm_serving.models.weights import load_llama_weights
+
+    path = models[family]
+    cfg, weights = load_llama_weights(path)
+    attention = ("q_proj", "k_proj", "v_proj", "o_proj")
+    tensors = random_lora_tensors(cfg, 4, attention, seed=3, std=0.15)
+    dense = [i for i in range(cfg.num_layers) if not cfg.layer_moe(i)]
+    tensors.update(random_lora_tensors(cfg, 4, ("gate_proj", "up_proj", "down_proj"), seed=4, std=0.15, layers=dense))
+    adapter = load_lora_adapter("a", write_peft_adapter(tmp_path / "a", tensors, r=4, lora_alpha=8), cfg, max_rank=4)
+    runner = ModelRunner(path, RunnerSpec(num_blocks=16, block_size=16, max_blocks_per_seq=4, decode_batch_sizes=[2],
+                                          prefill_batch_sizes=[2], prefill_seq_lens=[32], num_threads=2,
+                                          kv_cache_dtype="float32", lora_slots=1, lora_rank=4))
+    runner.set_lora(1, adapter)
+    refs = [ReferenceLlama(path), ReferenceLlama(path)]
+    refs[1].w = {k: np.asarray(v, np.float64) for k, v in merge_lora(weights, adapter).items()}
+    seqs, slots = [Seq([0, 1, 2]), Seq([3, 4, 5])], [1, 0]
+    states = [refs[1].new_sequence(), refs[0].new_sequence()]
+    new, fed = [LONG[:30], LONG[10:38]], [0, 0]
+    for _ in range(4):
+        ids, _, logits = runner.execute(step_view(runner, seqs, new, return_logits=True, lora=slots))
+        for row, (slot, toks) in enumerate(zip(slots, new)):
+            want = refs[slot].forward(states[row], toks, fed[row])[-1]
+            fed[row] += len(toks)
+            assert np.abs(logits[row] - want).max() <= 2e-3 * np.abs(want).max(), (family, row)
+        new = [[int(t)] for t in ids]
+    base = ReferenceLlama(path).forward(ReferenceLlama(path).new_sequence(), LONG[:30], 0)[-1]
+    adapted = refs[1].forward(refs[1].new_sequence(), LONG[:30], 0)[-1]
+    assert np.abs(base - adapted).max() > 0.05 * np.abs(base).max()          # the adapter matters
+    moe_layer = next(i for i in range(cfg.num_layers) if cfg.layer_moe(i))
+    expert_mlp = random_lora_tensors(cfg, 4, ("up_proj",), layers=[moe_layer]) if dense else {
+        f"base_model.model.model.layers.{moe_layer}.mlp.up_proj.lora_{ab}.weight": np.zeros(shape, np.float32)
+        for ab, shape in (("A", (4, cfg.hidden_size)), ("B", (cfg.expert_intermediate_size, 4)))}
+    with pytest.raises(LoraError, match=f"adapts layer {moe_layer}'s MLP, a mixture of experts"):
+        load_lora_adapter("b", write_peft_adapter(tmp_path / "b", expert_mlp, r=4, lora_alpha=8), cfg)

@@ -144,7 +144,9 @@ def _load_gguf(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
         if len(shape) == 3:                 # a mixture's experts: (E, rows, cols) as E * rows rows of cols
             tensor = _Stacked(tensor)
             shape = (shape[0] * shape[1], shape[2])
-        qtype = KEPT_QUANTIZED.get(tensor.tensor_type.name) if len(shape) == 2 else None
+        # (a router is read as float32 whatever its type: MoeMlp takes float32 logits weights)
+        qtype = (KEPT_QUANTIZED.get(tensor.tensor_type.name) if len(shape) == 2 and not hf.endswith("router.weight")
+                 else None)
         kind = tensor.tensor_type.name
         out[hf] = StoredTensor(shape, _gguf_reader(tensor), qtype, _block_reader(tensor) if qtype is not None else None,
                                None if kind == "F32" else kind)
