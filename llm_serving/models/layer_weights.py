@@ -31,8 +31,8 @@ from .parallel import TensorParallel
 from .rope import rotary_permutation
 from .weights import LlamaConfig, QuantizedTensor
 
-__all__ = ["HeadWeights", "KERNEL_PARTS", "KernelInputs", "LORA_PRODUCTS", "LayerKernelConfig", "LayerWeights", "LoraStack",
-           "MoeKernelInputs", "kernel_lora_arrays", "prepare_head", "prepare_layer"]
+__all__ = ["HeadWeights", "KERNEL_PARTS", "KernelInputs", "LORA_PRODUCTS", "LayerKernelConfig", "LayerWeights",
+           "LoraStack", "MoeKernelInputs", "kernel_lora_arrays", "prepare_head", "prepare_layer"]
 
 # a decoder layer's products that LoRA adapts: name -> (its parts, in the order of its output rows)
 LORA_PRODUCTS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),

@@ -17,8 +17,10 @@ The number is the smaller of
     is more: requests are admitted by the blocks they use, not by their longest length (a few long
     conversations and many short questions share the blocks; past them the scheduler queues or preempts), and
     memory beyond that would serve only the prefix cache, better left to the machine;
-  - `pa_config.kv_memory_fraction` of the memory available when the server starts (like vLLM's KV-cache space
-    setting), so a small machine gets a smaller cache rather than an out-of-memory kill.
+  - `pa_config.kv_memory_fraction` of the memory available when the server starts less the model's weights
+    (`memory_after_weights`: a GGUF's file size, float32 for the other formats; like vLLM's KV-cache space setting),
+    so a small machine gets a smaller cache rather than an out-of-memory kill; a model whose weights alone do not
+    fit is refused there, naming both sizes.
 It must hold one longest request; if even that does not fit the server does not start, and says what to lower.
 
 The window pool (`pa_config.window_blocks`, models with sliding-window layers: Gemma 3's five of six, Mistral's
@@ -34,13 +36,15 @@ With it, the main pool's blocks cost only the global layers' bytes (and a draft'
 from __future__ import annotations
 
 import logging
+import math
+import os
 from dataclasses import dataclass
 from typing import Optional
 
 import psutil
 
 from llm_serving.config import Config, ConfigError, kv_vector_bytes
-from llm_serving.models.weights import WeightLoadError, model_shape
+from llm_serving.models.weights import WeightLoadError, expected_shapes, model_shape
 
 logger = logging.getLogger(__name__)
 
@@ -185,11 +189,50 @@ def model_context(shape, config: Config, per_token: int, available_bytes: int,
     return n, why, cut
 
 
+def _check_mixture(config: Config, shape) -> None:
+    """ConfigError before any agent starts when the model is a mixture of experts and the settings would run it on
+    MindSpore's ops, where mixtures are not built (only the CPU layer kernel runs them, on every step)."""
+    if not shape.num_experts:
+        return
+    mc = config.model_config
+    ops = [f"{name}={value}" for name, value, wrong in (
+        ("model_config.device_target", mc.device_target, mc.device_target != "CPU"),
+        ("model_config.layer_kernel", mc.layer_kernel, mc.layer_kernel == "off"),
+        ("model_config.layer_kernel_max_tokens", mc.layer_kernel_max_tokens, mc.layer_kernel_max_tokens is not None),
+        ("serving_config.agent_ports (tensor parallelism)", config.serving_config.agent_ports,
+         len(config.serving_config.agent_ports) > 1)) if wrong]
+    if ops:
+        raise ConfigError(f"the model is a mixture of experts ({shape.architecture}, {shape.num_experts} experts), "
+                          f"which runs on the CPU layer kernel on every step only; {', '.join(ops)} would run it on "
+                          "MindSpore's ops, which have no mixture layer")
+
+
+def weight_bytes(model_path: str, shape) -> int:
+    """The memory the agents' weights take: a GGUF's file size (its matrices are kept as stored), else every tensor
+    of the model as float32 (how the other formats are read)."""
+    if os.path.isfile(model_path) and model_path.endswith(".gguf"):
+        return os.path.getsize(model_path)
+    return 4 * sum(math.prod(s) for s in expected_shapes(shape).values())
+
+
+def memory_after_weights(model_path: str, shape, available_bytes: int) -> int:
+    """The memory left for the KV cache once the weights are loaded (`available_bytes`: what the machine has
+    now); ConfigError naming both sizes when the weights alone would not fit, before any agent starts (a model
+    loaded into too little memory swaps or is killed mid-request)."""
+    need = weight_bytes(model_path, shape)
+    if need >= available_bytes:
+        raise ConfigError(f"the model's weights take {need / 2**30:.1f} GiB in memory, but only "
+                          f"{available_bytes / 2**30:.1f} GiB is available: free memory (stop other processes) or "
+                          "serve a smaller quantization of the model")
+    return available_bytes - need
+
+
 def size_for_model(config: Config, model_path: str, available_bytes: Optional[int] = None) -> Config:
     """`config` with what depends on the model decided: `model_config.vocab_size` when not given,
     `model_config.max_generate_length` when it is `auto` (`model_context`), then `pa_config.num_blocks` and
     `pa_config.window_blocks` when they are `auto` (the model's shape read from its checkpoint, the draft's too);
-    `config` itself when all are set."""
+    `config` itself when all are set. `available_bytes`: the memory the KV cache is sized from; None: what the
+    machine has now less the model's weights (`memory_after_weights`, which refuses a model that does not fit)."""
     pa = config.pa_config
     if (pa.num_blocks != "auto" and (pa.window_blocks == 0 or pa.window_tokens is not None)
             and config.context_decided and config.model_config.vocab_size):
@@ -201,6 +244,7 @@ def size_for_model(config: Config, model_path: str, available_bytes: Optional[in
     except WeightLoadError as e:
         raise ConfigError(f"cannot read the model's shape, vocabulary and context (to decide model_config.vocab_size, "
                           f"max_generate_length and pa_config.num_blocks auto): {e}") from None
+    _check_mixture(config, shape)
     if config.model_config.vocab_size is None:        # the token masks' width in the step buffers (shm/layout.py)
         config = config.with_decided(vocab_size=shape.vocab_size)
     layers = config.model_config.num_layers or shape.num_layers       # a served cut keeps only its layers
@@ -225,7 +269,7 @@ def size_for_model(config: Config, model_path: str, available_bytes: Optional[in
         logger.info("pa_config.window_blocks=%s: the model has no sliding-window layers; no window pool",
                     pa.window_blocks)
     if available_bytes is None:
-        available_bytes = psutil.virtual_memory().available
+        available_bytes = memory_after_weights(model_path, shape, psutil.virtual_memory().available)
     if not config.context_decided:
         pool = (per_token - window_token, window_blocks * window_token * pa.block_size) if window_blocks else None
         n, why, cut = model_context(shape, config, per_token, available_bytes, pool)

@@ -1,10 +1,11 @@
 """The dense families beyond LLaMA (Qwen3, Gemma 3, Phi-3/Phi-4-mini, SmolLM3), the sliding windows of Mistral
-and Qwen2 and the mixtures of experts (Qwen3-MoE, Mixtral), each a tiny random model that transformers makes (tests/families.py), through ModelRunner: the greedy
-tokens equal transformers' own, for a prompt inside the sliding window and one three windows long (fed in chunks, so
-a window crosses chunk boundaries), from the HuggingFace directory and from its GGUF twin, with the default float16
-cache and a float32 one, on the layer kernel (every CPU step) and on MindSpore's ops (the path Ascend runs); the
-logits are within the precision gate's 0.5% of the float64 reference (llm_serving/reference_llama.py), which computes
-each family's differences on its own."""
+and Qwen2 and the mixtures of experts (Qwen3-MoE, Mixtral), each a tiny random model that transformers makes
+(tests/families.py), through ModelRunner: the greedy tokens equal transformers' own, for a prompt inside the sliding
+window and one three windows long (fed in chunks, so a window crosses chunk boundaries), from the HuggingFace
+directory and from its GGUF twin, with the default float16 cache and a float32 one, on the layer kernel (every CPU
+step) and on MindSpore's ops (the path Ascend runs; a mixture is refused there); the logits are within the precision
+gate's 0.5% of the float64 reference (llm_serving/reference_llama.py), which computes each family's differences on its
+own. A mixture's rows routed to different experts share a step, and its LoRA rows adapt its attention."""
 from __future__ import annotations
 
 import functools

@@ -1,4 +1,6 @@
 """pa_config.num_blocks auto: the KV cache sized from the model's shape and the memory available at start."""
+import math
+
 import pytest
 
 from llm_serving.cli import main
@@ -241,3 +243,41 @@ def test_a_model_without_sliding_layers_has_no_window_pool(stories_hf):
     cfg = size_for_model(config_from_dict({}, ("pa_config.window_blocks=300", "model_config.max_generate_length=64",
                                                "spec_config.method=off")), stories_hf, available_bytes=2 ** 30)
     assert cfg.window_blocks == 0 and cfg.pa_config.window_tokens is None
+
+
+def test_the_kv_cache_is_sized_from_the_memory_the_weights_leave_and_a_model_too_large_is_refused(stories_hf,
+                                                                                                  tmp_path):
+    """A GGUF's weights take its file's size, another format's its tensors as float32; the KV cache gets what is
+    left, and weights that do not fit are refused before any agent starts, naming both sizes."""
+    from llm_serving.models.weights import expected_shapes, model_shape
+    from llm_serving.startup.kv_memory import memory_after_weights, weight_bytes
+
+    shape = model_shape(stories_hf)
+    floats = weight_bytes(stories_hf, shape)
+    assert floats == 4 * sum(math.prod(s) for s in expected_shapes(shape).values())
+    assert memory_after_weights(stories_hf, shape, floats + 1000) == 1000
+    gguf = tmp_path / "m.gguf"
+    with open(gguf, "wb") as f:
+        f.truncate(3 * 2**30)                       # (sparse: no disk used)
+    assert weight_bytes(str(gguf), shape) == 3 * 2**30
+    assert memory_after_weights(str(gguf), shape, 5 * 2**30) == 2 * 2**30
+    with pytest.raises(ConfigError, match=r"weights take 3\.0 GiB in memory, but only 2\.0 GiB is available"):
+        memory_after_weights(str(gguf), shape, 2 * 2**30)
+
+
+@pytest.mark.parametrize("sets, named", [({"model_config": {"layer_kernel": "off"}}, "layer_kernel=off"),
+                                         ({"model_config": {"layer_kernel_max_tokens": 16}}, "layer_kernel_max_tokens"),
+                                         ({"serving_config": {"agent_ports": [0, 0]}}, "tensor parallelism")])
+def test_a_mixture_on_mindspores_ops_is_refused_at_start_naming_the_setting(tmp_path, monkeypatch, sets, named):
+    """A mixture of experts runs only on the layer kernel: settings that would put it on MindSpore's ops are a start
+    error naming them (no agent started)."""
+    from llm_serving.models.weights import LlamaConfig
+    from llm_serving.startup import kv_memory
+
+    mixture = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                          num_kv_heads=2, head_dim=16, architecture="mixtral", num_experts=4, experts_per_token=2,
+                          expert_intermediate_size=64)
+    monkeypatch.setattr(kv_memory, "model_shape", lambda path: mixture)
+    with pytest.raises(ConfigError, match=f"mixture of experts \\(mixtral, 4 experts\\).*{named}"):
+        size_for_model(config_from_dict(sets), str(tmp_path), available_bytes=2**30)
+    assert size_for_model(config_from_dict({}), str(tmp_path), available_bytes=2**30).pa_config.num_blocks > 0

@@ -3027,7 +3027,8 @@ extern "C" int MoeMlp(int nparam, void** params, int* ndims, int64_t** shapes, c
     // 1. each row normalized, its router logits
     for (int64_t b = tid; b < rows; b += nthreads) {
       rms_normalize(x + b * h, 1, h, eps, gain, xn + b * h);
-      for (int64_t e = 0; e < experts; ++e) logits[b * experts + e] = router_logit(xn + b * h, router + e * h, h) + router_b[e];
+      for (int64_t e = 0; e < experts; ++e)
+        logits[b * experts + e] = router_logit(xn + b * h, router + e * h, h) + router_b[e];
     }
     barrier.wait();
     // 2. (thread 0) each row's experts and weights; the entries grouped by expert, rows in order within each

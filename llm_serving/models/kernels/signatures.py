@@ -19,8 +19,8 @@ import ctypes
 import inspect
 from dataclasses import dataclass
 
-__all__ = ["DECODER_LAYER", "EMBED_TOKENS", "FINAL_LOGITS", "KERNEL_SIGNATURES", "MOE_MLP", "SAMPLE_LOGITS", "KernelParam",
-           "KernelSignature", "KernelSignatureError", "check_library", "check_params"]
+__all__ = ["DECODER_LAYER", "EMBED_TOKENS", "FINAL_LOGITS", "KERNEL_SIGNATURES", "MOE_MLP", "SAMPLE_LOGITS",
+           "KernelParam", "KernelSignature", "KernelSignatureError", "check_library", "check_params"]
 
 
 class KernelSignatureError(RuntimeError):

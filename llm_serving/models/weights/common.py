@@ -10,8 +10,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
-__all__ = ["HIDDEN_ACTS", "LlamaConfig", "QuantizedTensor", "StoredTensor", "WeightLoadError", "check_shape", "expected_shapes",
-           "first_id", "rotate_half_rows", "split_fused", "stack_rows"]
+__all__ = ["HIDDEN_ACTS", "LlamaConfig", "QuantizedTensor", "StoredTensor", "WeightLoadError", "check_shape",
+           "expected_shapes", "first_id", "rotate_half_rows", "split_fused", "stack_rows"]
 
 
 class WeightLoadError(ValueError):
