@@ -26,7 +26,7 @@ import numpy as np
 
 from .common import LlamaConfig, WeightLoadError, first_id
 
-__all__ = ["HF_ARCHITECTURES", "llama3_rope_factors", "load_config"]
+__all__ = ["HF_ARCHITECTURES", "llama3_rope_factors", "load_config", "yarn_attention_factor", "yarn_rope_factors"]
 
 # config.json "architectures" entry -> the family member's name; each is this one model with data differences
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral",
@@ -59,6 +59,30 @@ def llama3_rope_factors(head_dim: int, theta: float, factor: float, low_freq_fac
     divisor = np.where(wavelen > low_wavelen, factor, divisor)                               # slowed
     divisor = np.where(wavelen < high_wavelen, 1.0, divisor)                                 # kept
     return tuple(float(v) for v in divisor)
+
+
+def yarn_rope_factors(rotary: int, theta: float, factor: float, original_context: int, beta_fast: float = 32.0,
+                      beta_slow: float = 1.0, truncate: bool = True) -> tuple:
+    """YaRN's RoPE scaling as a divisor per frequency (transformers' `rope_type: yarn`): frequencies that turn more
+    than `beta_fast` times over the original context are kept, those turning fewer than `beta_slow` times slowed by
+    `factor`, a linear ramp between (its ends rounded outwards when `truncate`). `rotary`: the dimensions rotated."""
+    def correction_dim(rotations: float) -> float:
+        return rotary * math.log(original_context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(rotary // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+    kept = 1.0 - ramp                                          # the share of each frequency left unscaled
+    return tuple(float(v) for v in 1.0 / ((1.0 - kept) / factor + kept))
+
+
+def yarn_attention_factor(factor: float) -> float:
+    """YaRN's default cos/sin multiplier (its mscale): 0.1 ln(factor) + 1, 1 when not extending."""
+    return 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
 
 
 def _rope_parameters(raw: dict) -> tuple[dict, Optional[dict]]:
@@ -99,9 +123,18 @@ def _rope_settings(raw: dict, path: str, head_dim: int) -> dict:
             raise WeightLoadError(f"{path}: llama3 RoPE scaling needs {e.args[0]!r}") from None
     elif kind in ("longrope", "su"):                      # ("su": Phi-3's first name for it)
         out.update(_longrope(full, raw, path, rotary))
+    elif kind == "yarn":
+        if full.get("mscale") or full.get("mscale_all_dim"):
+            raise WeightLoadError(f"{path}: yarn RoPE scaling with mscale/mscale_all_dim is not supported")
+        factor = float(full.get("factor") or 1.0)
+        original = int(full.get("original_max_position_embeddings") or raw.get("max_position_embeddings", 2048))
+        out["rope_freq_factors"] = yarn_rope_factors(rotary, theta, factor, original,
+                                                     float(full.get("beta_fast") or 32.0),
+                                                     float(full.get("beta_slow") or 1.0), bool(full.get("truncate", True)))
+        out["rope_scale"] = float(full.get("attention_factor") or yarn_attention_factor(factor))
     elif kind != "default":
         raise WeightLoadError(f"{path}: RoPE scaling type {kind!r} is not supported (supported: linear, llama3, "
-                              "longrope)")
+                              "longrope, yarn)")
     if local is not None:
         local_kind = local.get("rope_type") or local.get("type") or "default"
         if local_kind != "default":
