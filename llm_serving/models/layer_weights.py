@@ -147,13 +147,16 @@ class KernelInputs:
                             # parts too), or the stored rows (uint8 (rows, bytes per row))
     types: tuple            # their GGML type codes, in that order (0: float32)
     qkv_bias: np.ndarray    # ((NH+2KVH)*D,) the LayerWeights' bias itself, or zeros for a model without one
+    o_bias: np.ndarray      # (H,) o_proj's bias, or zeros
+    sinks: np.ndarray       # (NH,) each query head's attention sink logit, or zeros (iconfig says whether)
     gains: dict             # "input_gain", "post_gain" -> (H,): 1 where folded into the float32 matrix; "q_norm",
                             # "k_norm" (D,) and "attn_out_gain", "mlp_out_gain" (H,): ones where the model has none
     lora: dict              # "lora_qkv_a", "lora_qkv_b", ... -> the stacks' kernel arrays themselves, or (without
                             # adapter slots) one all-zero slot of rank 1, which the kernel skips
-    iconfig: np.ndarray     # (17,) int32 [block_size, NH, KVH, threads, *types, batch-invariant (1 or 0),
+    iconfig: np.ndarray     # (18,) int32 [block_size, NH, KVH, threads, *types, batch-invariant (1 or 0),
                             # activation (0 SiLU, 1 GELU-tanh), q/k norms (1 or 0), sandwich norms (1 or 0),
-                            # sliding window (0: none), the layer's own MLP (1, or 0: a mixture's, MoeMlp's)]
+                            # sliding window (0: none), the layer's own MLP (1, or 0: a mixture's, MoeMlp's),
+                            # attention sinks (1 or 0)]
     fconfig: np.ndarray     # (2,) float32 [rms_norm_eps, attention scale]
 
 
@@ -164,12 +167,14 @@ class MoeKernelInputs:
 
     router: np.ndarray      # (E, H) float32
     router_bias: np.ndarray  # (E,) float32: zeros for a router without one
+    biases: dict            # "gate_bias", "up_bias" (E*I,), "down_bias" (E*H,): the experts' biases, or zeros
     matrices: dict          # "gate_w", "up_w" (E*I, H), "down_w" (E*H, I): the experts stacked by rows, stored rows
                             # (uint8) where the checkpoint keeps them quantized, else float32
     types: tuple            # their GGML type codes, in that order (0: float32)
     post_gain: np.ndarray   # (H,) the post-attention norm's gain
-    iconfig: np.ndarray     # (6,) int32 [threads, experts per token, gate type, up type, down type, renormalize]
-    fconfig: np.ndarray     # (1,) float32 [rms_norm_eps]
+    iconfig: np.ndarray     # (7,) int32 [threads, experts per token, gate type, up type, down type, renormalize,
+                            # activation (0 SiLU, 1 gpt-oss's clamped SwiGLU)]
+    fconfig: np.ndarray     # (3,) float32 [rms_norm_eps, swiglu alpha, swiglu limit]
 
 
 @dataclass
@@ -276,13 +281,20 @@ def _moe_inputs(cfg: LlamaConfig, w: dict, quantized: dict, p: str, post_gain: n
         else:
             matrices[name], qtype = np.ascontiguousarray(w[f"{p}{part}.weight"], np.float32), 0
         types.append(int(qtype))
-    router = np.ascontiguousarray(w[f"{p}mlp.router.weight"], np.float32)
-    bias = w.get(f"{p}mlp.router.bias")
+    e, inter, h = cfg.num_experts, cfg.expert_intermediate_size, cfg.hidden_size
+
+    def bias(name: str, size: int) -> np.ndarray:
+        return np.ascontiguousarray(w.get(f"{p}{name}", np.zeros(size, np.float32)), np.float32)
+
     return MoeKernelInputs(
-        router=router, router_bias=np.zeros(cfg.num_experts, np.float32) if bias is None else bias,
+        router=np.ascontiguousarray(w[f"{p}mlp.router.weight"], np.float32), router_bias=bias("mlp.router.bias", e),
+        biases={"gate_bias": bias("mlp.experts.gate_proj.bias", e * inter),
+                "up_bias": bias("mlp.experts.up_proj.bias", e * inter),
+                "down_bias": bias("mlp.experts.down_proj.bias", e * h)},
         matrices=matrices, types=tuple(types), post_gain=np.ascontiguousarray(post_gain, np.float32),
-        iconfig=np.array([kernel.threads, cfg.experts_per_token, *types, int(cfg.norm_topk_prob)], np.int32),
-        fconfig=np.array([cfg.rms_norm_eps], np.float32))
+        iconfig=np.array([kernel.threads, cfg.experts_per_token, *types, int(cfg.norm_topk_prob),
+                          int(cfg.expert_act == "swiglu_oai")], np.int32),
+        fconfig=np.array([cfg.rms_norm_eps, cfg.swiglu_alpha, cfg.swiglu_limit], np.float32))
 
 
 def _head_order(perm: np.ndarray, heads: int) -> np.ndarray:
@@ -353,10 +365,13 @@ def _kernel_inputs(layer: LayerWeights, w: dict, p: str, stored: dict, gain: dic
             for key, (n, k, out) in parts.items() for ab in ("a", "b")}
     lora.update(kernel_lora_arrays(layer.lora_stacks))
     qkv_bias = layer.qkv_bias if layer.qkv_bias is not None else np.zeros(nqkv, np.float32)
+    o_bias = np.ascontiguousarray(w.get(f"{p}self_attn.o_proj.bias", np.zeros(h, np.float32)), np.float32)
+    sinks = np.ascontiguousarray(w.get(f"{p}self_attn.sinks", np.zeros(nh, np.float32)), np.float32)
     iconfig = np.array([config.block_size, nh, kvh, config.threads, *types, int(config.batch_invariant),
                         _ACTIVATIONS[cfg.hidden_act], int(cfg.qk_norm), int(cfg.sandwich_norms),
-                        cfg.layer_window(i) or 0, 0 if moe else 1], np.int32)
-    return KernelInputs(matrices=matrices, types=tuple(types), qkv_bias=qkv_bias, gains=gains, lora=lora,
+                        cfg.layer_window(i) or 0, 0 if moe else 1, int(cfg.attention_sinks)], np.int32)
+    return KernelInputs(matrices=matrices, types=tuple(types), qkv_bias=qkv_bias, o_bias=o_bias, sinks=sinks,
+                        gains=gains, lora=lora,
                         iconfig=iconfig, fconfig=np.array([cfg.rms_norm_eps, cfg.attention_scale], np.float32))
 
 

@@ -151,12 +151,12 @@ class LlamaDecoderLayer(nn.Cell):
             weights = {name: (_stored_param(array, f"layers.{i}.experts_{name.removesuffix('_w')}_stored") if qtype
                               else _param(array, f"layers.{i}.experts_{name.removesuffix('_w')}"))
                        for (name, array), qtype in zip(m.matrices.items(), m.types)}
-            self.moe_params = ms.ParameterTuple(list(weights.values()) + [
-                _param(m.router, f"layers.{i}.router"), _param(m.router_bias, f"layers.{i}.router_bias"),
-                _param(m.post_gain, f"layers.{i}.moe_post_gain")])
-            gate_w, up_w, down_w, router, router_bias, post_gain = self.moe_params
-            self.moe_held = MOE_MLP.held(router=router, router_bias=router_bias, gate_w=gate_w, up_w=up_w,
-                                         down_w=down_w, post_gain=post_gain, iconfig=Tensor(m.iconfig),
+            weights.update({name: _param(array, f"layers.{i}.experts_{name}") for name, array in m.biases.items()})
+            weights.update(router=_param(m.router, f"layers.{i}.router"),
+                           router_bias=_param(m.router_bias, f"layers.{i}.router_bias"),
+                           post_gain=_param(m.post_gain, f"layers.{i}.moe_post_gain"))
+            self.moe_params = ms.ParameterTuple(list(weights.values()))
+            self.moe_held = MOE_MLP.held(**dict(zip(weights, self.moe_params)), iconfig=Tensor(m.iconfig),
                                          fconfig=Tensor(m.fconfig))
 
     def _hold_kernel_inputs(self, k: KernelInputs, i: int) -> None:
@@ -174,6 +174,8 @@ class LlamaDecoderLayer(nn.Cell):
             setattr(self, f"kernel_{name}", param)
         self.kernel_qkv_bias = self.qkv_bias if self.qkv_bias is not None else _param(k.qkv_bias,
                                                                                       f"layers.{i}.qkv_bias0")
+        self.kernel_o_bias = _param(k.o_bias, f"layers.{i}.kernel_o_bias")                          # (H,)
+        self.kernel_sinks = _param(k.sinks, f"layers.{i}.kernel_sinks")                             # (NH,)
         self.kernel_input_gain = _param(k.gains["input_gain"], f"layers.{i}.kernel_input_gain")       # (H,)
         self.kernel_post_gain = _param(k.gains["post_gain"], f"layers.{i}.kernel_post_gain")         # (H,)
         # q_norm, k_norm (D,), attn_out_gain, mlp_out_gain (H,): the ops' Parameter where there is one, else ones
@@ -190,7 +192,8 @@ class LlamaDecoderLayer(nn.Cell):
         self.kernel_fconfig = Tensor(k.fconfig)                                       # (2,) float32 [eps, scale]
         # the same objects in the kernel's order, which `fused` passes after the step's inputs
         self.kernel_held = DECODER_LAYER.held(
-            qkv_bias=self.kernel_qkv_bias, input_gain=self.kernel_input_gain, post_gain=self.kernel_post_gain,
+            qkv_bias=self.kernel_qkv_bias, o_bias=self.kernel_o_bias, sinks=self.kernel_sinks,
+            input_gain=self.kernel_input_gain, post_gain=self.kernel_post_gain,
             q_norm=self.kernel_q_norm, k_norm=self.kernel_k_norm, attn_out_gain=self.kernel_attn_out_gain,
             mlp_out_gain=self.kernel_mlp_out_gain,
             key_cache=self.attn.key_cache, value_cache=self.attn.value_cache, iconfig=self.kernel_iconfig,

@@ -34,9 +34,9 @@ def call(kernel, q, key_cache, value_cache, block_tables, context_lens, block_si
     return invoke(kernel, [q, key_cache, value_cache, block_tables, context_lens, bits, cfg, out]), out
 
 
-def reference(q, key_cache, value_cache, block_tables, context_lens, block_size, visible=None, window=0):
+def reference(q, key_cache, value_cache, block_tables, context_lens, block_size, visible=None, window=0, sinks=None):
     """visible[r]: the key indices row r attends to (default all of 0..context_len-1); window > 0: only the last
-    `window` of them (sliding-window attention)."""
+    `window` of them (sliding-window attention); sinks (KVH, G): each head's logit in its softmax's denominator."""
     b, kvh, g, d = q.shape
     keys = key_cache.reshape(-1, kvh, d)
     values = value_cache.reshape(-1, kvh, d)
@@ -50,8 +50,12 @@ def reference(q, key_cache, value_cache, block_tables, context_lens, block_size,
         for h in range(kvh):
             k, v = keys[slots, h].astype(np.float64), values[slots, h].astype(np.float64)
             s = q[r, h].astype(np.float64) @ k.T                       # (G, n)
-            p = np.exp(s - s.max(-1, keepdims=True))
-            out[r, h] = (p / p.sum(-1, keepdims=True)) @ v
+            top = s.max(-1, keepdims=True)
+            p = np.exp(s - top)
+            total = p.sum(-1, keepdims=True)
+            if sinks is not None:
+                total = total + np.exp(np.asarray(sinks[h], np.float64)[:, None] - top)
+            out[r, h] = (p / total) @ v
     return out
 
 

@@ -246,6 +246,8 @@ class Layer:
         self.attn_out_gain, self.mlp_out_gain = np.ones(hidden, np.float32), np.ones(hidden, np.float32)
         self.activation, self.qk_norm, self.sandwich, self.window = 0, False, False, 0
         self.attention_scale = None
+        # gpt-oss's parts: o_proj's bias (zeros: none) and each query head's attention sink (None: none)
+        self.o_b, self.sinks = np.zeros(hidden, np.float32), None
         self.iconfig_len = None
         p = max(64, width * block_size)
         angles = np.arange(p)[:, None] / 10000.0 ** (np.arange(0, head_dim, 2) / head_dim)[None, :]
@@ -338,9 +340,11 @@ class Layer:
         (the process's setting, KernelInvariant)."""
         w = self.kernel_weights
         features = [self.activation, int(self.qk_norm), int(self.sandwich), self.window]
-        length = self.iconfig_len or (16 if any(features) else 11 if invariant is None else 12)
+        length = self.iconfig_len or (18 if self.sinks is not None else 16 if any(features)
+                                      else 11 if invariant is None else 12)
         icfg = np.array(([self.bs, self.nh, self.kvh, threads] + [w[n][1] for n in PARTS]
-                         + [-1 if invariant is None else invariant] + features)[:length], np.int32)
+                         + [-1 if invariant is None else invariant] + features
+                         + [1, int(self.sinks is not None)])[:length], np.int32)
         fcfg = [1e-5] + ([] if self.attention_scale is None else [self.attention_scale])
         out = np.full_like(self.x, np.nan) if out is None else out
         lora = {f"lora_{n}_{ab}": arr for n in ("qkv", "o", "gate_up", "down")
@@ -348,6 +352,7 @@ class Layer:
         return [*DECODER_LAYER.args(
             x=self.x, positions=self.positions, slots=self.slots, block_tables=self.tables, context_lens=self.context,
             tree_bits=self.tree, cos=self.cos, sin=self.sin, qkv_bias=self.qkv_b, input_gain=self.in_gain,
+            o_bias=self.o_b, sinks=np.zeros(self.nh, np.float32) if self.sinks is None else self.sinks,
             **{n: np.ascontiguousarray(w[n][0]) for n in PARTS},
             post_gain=self.post_gain, q_norm=self.q_norm, k_norm=self.k_norm, attn_out_gain=self.attn_out_gain,
             mlp_out_gain=self.mlp_out_gain, key_cache=self.cache.arg(self.key_cache),
@@ -384,9 +389,10 @@ class Layer:
             keys.reshape(-1, kvh, d)[self.slots] = stored(k)
             values.reshape(-1, kvh, d)[self.slots] = stored(v)
         visible = None if (self.tree == -1).all() else [tree_visible(c, t) for c, t in zip(self.context, self.tree)]
+        sinks = None if self.sinks is None else self.sinks.reshape(kvh, nh // kvh)
         attn = attention_reference(q.reshape(b, kvh, nh // kvh, d), keys, values, self.tables, self.context,
-                                   self.bs, visible, self.window).reshape(b, -1)
-        o = rounded(attn, path("o_w")) @ self.o_w.T + self._lora_delta("o", attn, ((0, self.h),))
+                                   self.bs, visible, self.window, sinks).reshape(b, -1)
+        o = rounded(attn, path("o_w")) @ self.o_w.T + self.o_b + self._lora_delta("o", attn, ((0, self.h),))
         x1 = self.x + (rms(o) * self.attn_out_gain if self.sandwich else o)
         xn1 = rms(x1) * self.post_gain
         gate_up = rounded(xn1, path("gate_w", "up_w")) @ self.gate_up_w.T + self._lora_delta("gate_up", xn1, ((0, self.i), (self.i, 2 * self.i)))
@@ -1346,6 +1352,24 @@ def test_model_family_parts_on_quantized_weights(library, invariant_mode, qtype,
         library.KernelInt(1)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("runs", [[(0, 1), (5, 1), (20, 1)], [(0, 9), (3, 1)]], ids=["decode", "prompt"])
+def test_gpt_oss_attention_sinks_and_o_bias_match_numpy(library, invariant_mode, runs, threads):
+    """gpt-oss: each query head's sink logit in its softmax's denominator (attend_row's and attend_tile's: decode
+    rows and a prompt's rows as tiles, with a sliding window), o_proj's bias added to its product."""
+    rng = np.random.default_rng(31 + threads)
+    batch = sum(n for _, n in runs)
+    layer = Layer(rng, hidden=64, heads=4, kv_heads=2, head_dim=64, inter=96, batch=batch, block_size=8)
+    layer.as_prompts(rng, runs)
+    layer.with_features(rng, window=6)
+    layer.sinks = (rng.standard_normal(4) * 2).astype(np.float32)
+    layer.o_b = (rng.standard_normal(64) * 0.5).astype(np.float32)
+    check_layer(library, layer, threads)
+    with_them = layer.reference(library)[0]
+    layer.sinks, layer.o_b = None, np.zeros(64, np.float32)
+    assert np.abs(with_them - layer.reference(library)[0]).max() > 0.05         # they matter here
+
+
 def test_a_layer_without_its_mlp_is_its_attention_and_residual(library):
     """iconfig[16] 0 (a mixture-of-experts layer, whose MLP MoeMlp runs next): out = x + attention, as the whole
     layer's with a down_proj of zeros (whose MLP then adds exactly 0), gate/up/down given as placeholders of one
@@ -1379,13 +1403,15 @@ def test_model_family_parts_refusals(library):
     good = layer.arrays(1)
     assert invoke(library.DecoderLayer, good) == 0
     icfg, fcfg = DECODER_LAYER.index("iconfig"), DECODER_LAYER.index("fconfig")
-    bad = [(icfg, good[icfg][:13].copy()), (icfg, np.append(good[icfg], [1, 0]).astype(np.int32)),
-           (icfg, np.append(good[icfg], 2).astype(np.int32)), (fcfg, np.array([1e-5, 0.1, 0.2], np.float32))]
+    bad = [(icfg, good[icfg][:13].copy()), (icfg, np.append(good[icfg], [1, 0, 0]).astype(np.int32)),
+           (icfg, np.append(good[icfg], 2).astype(np.int32)), (icfg, np.append(good[icfg], [1, 2]).astype(np.int32)),
+           (fcfg, np.array([1e-5, 0.1, 0.2], np.float32))]
     for at, value in ((12, 2), (12, -1), (13, 2), (14, -1), (15, -1)):
         changed = good[icfg].copy()
         changed[at] = value
         bad.append((icfg, changed))
-    for name, size in (("q_norm", 15), ("k_norm", 17), ("attn_out_gain", 63), ("mlp_out_gain", 16)):
+    for name, size in (("q_norm", 15), ("k_norm", 17), ("attn_out_gain", 63), ("mlp_out_gain", 16), ("o_bias", 63),
+                       ("sinks", 5)):
         bad.append((DECODER_LAYER.index(name), np.ones(size, np.float32)))
     for at, value in bad:
         arrays = list(good)

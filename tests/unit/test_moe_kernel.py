@@ -41,8 +41,14 @@ def test_library_exports_the_declared_parameter_list(library_path):
 class Block:
     """A random MoE block: E experts of I units on H, K used per row; weights float32 or a GGUF type's rows."""
 
-    def __init__(self, rng, *, hidden=64, inter=32, experts=8, used=2, renormalize=True, qtype=None):
+    def __init__(self, rng, *, hidden=64, inter=32, experts=8, used=2, renormalize=True, qtype=None, oai=False):
         self.h, self.i, self.e, self.k, self.renormalize = hidden, inter, experts, used, renormalize
+        # gpt-oss's experts: biases, and the clamped SwiGLU (alpha, limit)
+        self.oai, self.alpha, self.limit = oai, 1.702, 1.5
+        scale = 0.3 if oai else 0.0
+        self.gate_bias = (rng.standard_normal(experts * inter) * scale).astype(np.float32)
+        self.up_bias = (rng.standard_normal(experts * inter) * scale).astype(np.float32)
+        self.down_bias = (rng.standard_normal(experts * hidden) * scale).astype(np.float32)
         self.router = (rng.standard_normal((experts, hidden)) * 0.5).astype(np.float32)
         self.router_bias = np.zeros(experts, np.float32)
         self.gate = (rng.standard_normal((experts * inter, hidden)) * 0.2).astype(np.float32)
@@ -66,11 +72,13 @@ class Block:
         x = np.ascontiguousarray(x, np.float32)
         slots = np.arange(len(x), dtype=np.int32) if slots is None else np.asarray(slots, np.int32)
         code = 0 if self.qtype is None else int(self.qtype)
-        icfg = np.array([threads, self.k, code, code, code, int(self.renormalize)], np.int32)
+        icfg = np.array([threads, self.k, code, code, code, int(self.renormalize), int(self.oai)], np.int32)
         out = np.full_like(x, np.nan)
         args = MOE_MLP.args(x=x, slots=slots, router=self.router, router_bias=self.router_bias,
                             gate_w=self.weight("gate"), up_w=self.weight("up"), down_w=self.weight("down"),
-                            post_gain=self.gain, iconfig=icfg, fconfig=np.array([EPS], np.float32))
+                            gate_bias=self.gate_bias, up_bias=self.up_bias, down_bias=self.down_bias,
+                            post_gain=self.gain, iconfig=icfg,
+                            fconfig=np.array([EPS, self.alpha, self.limit], np.float32))
         assert invoke(library.MoeMlp, [*args, out]) == 0
         return out
 
@@ -91,10 +99,15 @@ class Block:
             xn = row / np.sqrt(np.mean(row * row) + EPS) * self.gain
             y = row.copy()
             for e, w in zip(*self.route(xn)):
-                g = self.gate[e * self.i:(e + 1) * self.i].astype(np.float64) @ rounded(xn[None], block)[0]
-                u = self.up[e * self.i:(e + 1) * self.i].astype(np.float64) @ rounded(xn[None], block)[0]
-                a = g / (1 + np.exp(-g)) * u
-                y += w * (self.down[e * self.h:(e + 1) * self.h].astype(np.float64) @ rounded(a[None], block)[0])
+                units, outs = slice(e * self.i, (e + 1) * self.i), slice(e * self.h, (e + 1) * self.h)
+                g = self.gate[units].astype(np.float64) @ rounded(xn[None], block)[0] + self.gate_bias[units]
+                u = self.up[units].astype(np.float64) @ rounded(xn[None], block)[0] + self.up_bias[units]
+                if self.oai:
+                    g, u = np.minimum(g, self.limit), np.clip(u, -self.limit, self.limit)
+                    a = g / (1 + np.exp(-self.alpha * g)) * (u + 1)
+                else:
+                    a = g / (1 + np.exp(-g)) * u
+                y += w * (self.down[outs].astype(np.float64) @ rounded(a[None], block)[0] + self.down_bias[outs])
             out.append(y)
         return np.array(out)
 
@@ -112,6 +125,20 @@ def test_float_experts_match_numpy(library, rows, renormalize, threads):
     block = Block(rng, renormalize=renormalize)
     x = rng.standard_normal((rows, block.h)).astype(np.float32)
     assert_close(block.call(library, x, threads=threads), block.reference(x))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 23])
+def test_gpt_oss_experts_biases_and_clamped_swiglu_match_numpy(library, rows):
+    """Biases on the router and on every expert product, top-k then a softmax over the chosen logits, and the clamped
+    SwiGLU (a limit of 1.5, so that gate and up values are clamped on both sides)."""
+    rng = np.random.default_rng(40 + rows)
+    block = Block(rng, experts=8, used=4, oai=True)
+    block.router_bias[:] = rng.standard_normal(block.e).astype(np.float32)
+    x = (rng.standard_normal((rows, block.h)) * 2).astype(np.float32)
+    got = block.call(library, x)
+    assert_close(got, block.reference(x))
+    g = block.gate[:block.i] @ x[0]
+    assert (g > block.limit).any() and (g < -block.limit).any()            # clamping matters here
 
 
 @pytest.mark.parametrize("qtype_name", ["Q8_0", "Q4_0", "Q4_K", "Q6_K"])
@@ -195,15 +222,20 @@ def test_refusals(library):
 
     def code(**changes):
         values = dict(x=x, slots=np.arange(2, dtype=np.int32), router=block.router, router_bias=block.router_bias,
-                      gate_w=block.gate, up_w=block.up, down_w=block.down, post_gain=block.gain,
-                      iconfig=np.array([2, block.k, 0, 0, 0, 1], np.int32), fconfig=np.array([EPS], np.float32))
+                      gate_w=block.gate, up_w=block.up, down_w=block.down, gate_bias=block.gate_bias,
+                      up_bias=block.up_bias, down_bias=block.down_bias, post_gain=block.gain,
+                      iconfig=np.array([2, block.k, 0, 0, 0, 1, 0], np.int32),
+                      fconfig=np.array([EPS, 1.0, 7.0], np.float32))
         values.update(changes)
         return invoke(library.MoeMlp, [*MOE_MLP.args(**values), np.zeros_like(x)])
 
     assert code() == 0
-    assert code(iconfig=np.array([2, 9, 0, 0, 0, 1], np.int32)) == 2          # more experts per row than experts
-    assert code(iconfig=np.array([2, 0, 0, 0, 0, 1], np.int32)) == 2
-    assert code(iconfig=np.array([2, 2, 0, 0, 0, 3], np.int32)) == 2          # renormalize neither 0 nor 1
+    assert code(iconfig=np.array([2, 9, 0, 0, 0, 1, 0], np.int32)) == 2       # more experts per row than experts
+    assert code(iconfig=np.array([2, 0, 0, 0, 0, 1, 0], np.int32)) == 2
+    assert code(iconfig=np.array([2, 2, 0, 0, 0, 3, 0], np.int32)) == 2       # renormalize neither 0 nor 1
+    assert code(iconfig=np.array([2, 2, 0, 0, 0, 1, 2], np.int32)) == 2       # no activation 2
+    assert code(iconfig=np.array([2, 2, 0, 0, 0, 1], np.int32)) == 2          # iconfig too short
+    assert code(down_bias=np.zeros(block.e * block.h - 1, np.float32)) == 2
     assert code(router_bias=np.zeros(7, np.float32)) == 2
     assert code(down_w=block.down[:-1]) == 2                                  # not E * H rows
     assert code(gate_w=block.gate[:, :-1].copy()) == 2

@@ -173,12 +173,13 @@ inline int64_t window_start(int64_t n, uint32_t tree_bits, int64_t window) {
 // row's last 32 keys, which are visible (bit m = the key m places before the last; -1 = all); window > 0: only
 // the last `window` of its visible keys (sliding-window attention; window_start), read from there on, so a long
 // context costs the window. Writes ob (NH, D). scores: room for NH * W * BS floats. Only KV heads
-// [kv_begin, kv_end) (and their query heads) when given. Cache is the cache's element type: float, Half,
+// [kv_begin, kv_end) (and their query heads) when given. sinks (NH,), when given: each head's learned logit in its
+// softmax's denominator (gpt-oss: exp(sink) more weight on no key at all). Cache is the cache's element type: float, Half,
 // BFloat16 or int8_t (pa_config.kv_cache_dtype), widened as it is read.
 template <typename Cache>
 inline void attend_row(const float* qb, const Cache* kc, const Cache* vc, const int32_t* table, int64_t context,
                        uint32_t tree_bits, float* ob, const AttentionShape& sh, float* scores,
-                       int64_t kv_begin = 0, int64_t kv_end = -1, int64_t window = 0) {
+                       int64_t kv_begin = 0, int64_t kv_end = -1, int64_t window = 0, const float* sinks = nullptr) {
   const int64_t kvh = sh.kvh, g = sh.g, d = sh.d, bs = sh.bs;
   const int64_t row = kvh * sh.vec;                   // cache elements per slot
   const int64_t h0 = kv_begin * g, h1 = (kv_end < 0 ? kvh : kv_end) * g;   // this call's query heads [h0, h1)
@@ -223,6 +224,7 @@ inline void attend_row(const float* qb, const Cache* kc, const Cache* vc, const 
       s[j] = s[j] == -INFINITY ? 0.f : exp_nonpositive(s[j] - mx);
       sum += s[j];
     }
+    if (sinks != nullptr && mx != -INFINITY) sum += std::exp(sinks[hq] - mx);     // the sink's share
     const float inv = sum > 0.f ? 1.f / sum : 0.f;
     for (int64_t j = 0; j < n; ++j) s[j] *= inv;
   }
@@ -359,6 +361,7 @@ inline void tile_values4(const float* p, const float* v, int64_t kn, int64_t d, 
 // visible keys are taken in order as if they were consecutive, so a tree node's attention is the same float as
 // the same tokens' decode step's once they are its only keys (the hidden ones are not skipped over in place: a key
 // tile's boundaries would then fall elsewhere and the online softmax would rescale at other keys).
+// sinks (NH,), when given: each query head's learned logit in its softmax's denominator (as attend_row's).
 // window > 0 (sliding-window attention): row r sees only keys from ctx0 + r - window on (of a tree's row, the last
 // `window` of its visible keys). The walk over the key tiles starts at the first row's bound rounded down to a
 // whole tile, so that the tiles keep the boundaries they have without a window: a row's keys fall in the same
@@ -367,7 +370,8 @@ inline void tile_values4(const float* p, const float* v, int64_t kn, int64_t d, 
 template <typename Cache>
 inline void attend_tile(const float* q, int64_t q_stride, int64_t rows, int64_t ctx0, const Cache* kc, const Cache* vc,
                         const int32_t* table, int64_t kh, float* out, int64_t o_stride, const AttentionShape& sh,
-                        float* scratch, uint32_t tree_bits = 0xFFFFFFFFu, int64_t window = 0) {
+                        float* scratch, uint32_t tree_bits = 0xFFFFFFFFu, int64_t window = 0,
+                        const float* sinks = nullptr) {
   const int64_t g = sh.g, d = sh.d, bs = sh.bs, row = sh.kvh * sh.vec;
   const int64_t mq = rows * g, mq4 = (mq + 3) / 4 * 4;       // query vectors: i = r * G + head within kh
   float* qb = scratch;                                       // (mq4, D)
@@ -455,6 +459,7 @@ inline void attend_tile(const float* q, int64_t q_stride, int64_t rows, int64_t 
     for (int64_t i = 0; i < mq4; i += 4) tile_values4(sc + i * kKeyTile, vt, kn, d, ob + i * d);
   }
   for (int64_t i = 0; i < mq; ++i) {
+    if (sinks != nullptr && mx[i] != -INFINITY) sum[i] += std::exp(sinks[kh * g + i % g] - mx[i]);   // the sink
     const float inv = sum[i] > 0.f ? 1.f / sum[i] : 0.f;
     float* dst = out + (i / g) * o_stride + (kh * g + i % g) * d;
     const float* o = ob + i * d;

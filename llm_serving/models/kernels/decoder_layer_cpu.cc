@@ -46,8 +46,8 @@
 // dot_gemm for few rows, lane_units (the same floats) for many.
 //
 // DecoderLayer(x, positions, slots, block_tables, context_lens, tree_bits, cos, sin, lora, q_w, k_w, v_w, qkv_bias,
-//              o_w, gate_w, up_w, down_w, input_gain, post_gain, q_norm, k_norm, attn_out_gain, mlp_out_gain,
-//              key_cache, value_cache, lora_qkv_a, lora_qkv_b, lora_o_a, lora_o_b, lora_gate_up_a, lora_gate_up_b,
+//              o_w, o_bias, gate_w, up_w, down_w, input_gain, post_gain, q_norm, k_norm, attn_out_gain, mlp_out_gain,
+//              sinks, key_cache, value_cache, lora_qkv_a, lora_qkv_b, lora_o_a, lora_o_b, lora_gate_up_a, lora_gate_up_b,
 //              lora_down_a, lora_down_b, iconfig, fconfig) -> out
 //   x            (B, H)                 float32  the layer's input hidden states, one decode token per row
 //   positions    (B,)                   int32    each token's position (< P)
@@ -64,6 +64,8 @@
 //                                                as Q6_K beside Q4_K q and k); they run as one product, q/k/v
 //   qkv_bias     ((NH+2KVH)*D,)         float32  zeros for models without one
 //   o_w          (H, NH*D)
+//   o_bias       (H,)                   float32  added to o's product (zeros for models without one)
+//   sinks        (NH,)                  float32  each query head's sink logit (iconfig[17]; else unread)
 //   gate_w, up_w (I, H)                          down_w (H, I)    (weights: float32, or uint8 rows as above)
 //   input_gain, post_gain (H,)          float32  the norms' gains for q/k/v and for gate/up (1 where folded)
 //   q_norm, k_norm (D,)                 float32  qk norm (iconfig[13]): the gains of each query's and key's head
@@ -80,7 +82,7 @@
 //   lora_*_b     (S, R, N)              float32  per slot, B transposed (scale folded in): column j for output
 //                                                row j, which reads its part's R-wide slice of A x (slot 0 and
 //                                                modules an adapter leaves alone: zeros)
-//   iconfig      (11,), (12,), (16,), (17,) int32    [block_size, num_heads, num_kv_heads, threads,
+//   iconfig      (11,), (12,), (16-18,) int32    [block_size, num_heads, num_kv_heads, threads,
 //                                                 q type, k type, v type, o type, gate type, up type, down type,
 //                                                 batch-invariant: 1 on, 0 off, -1 or absent: the process's
 //                                                 setting (KernelInvariant, for tests and benchmarks),
@@ -90,8 +92,10 @@
 //                                                 (sliding-window attention), 0 all,
 //                                                 MLP: 1 the layer's gate/up/down, 0 none (out = x + attention: a
 //                                                 mixture-of-experts layer, MoeMlp next; gate_w, up_w (1, H) and
-//                                                 down_w (H, 1) placeholders, not read)]; absent entries: SiLU, no
-//                                                 qk norm, no sandwich norms, no window, the MLP
+//                                                 down_w (H, 1) placeholders, not read),
+//                                                 attention sinks: 1 each query head's softmax has sinks[head] in its
+//                                                 denominator (gpt-oss), 0 none]; absent entries: SiLU, no qk norm,
+//                                                 no sandwich norms, no window, the MLP, no sinks
 //   fconfig      (1,) or (2,)           float32  [rms_norm_eps (every RMSNorm's), attention scale (the queries'
 //                                                 factor; absent: 1/sqrt(D))]
 //   out          (B, H)                 float32
@@ -2251,10 +2255,12 @@ void normalize_heads(float* v, int64_t n, int64_t d, float eps, const float* gai
   P(TABLES, "block_tables", 2, "int32") P(CONTEXT, "context_lens", 1, "int32") P(TREE, "tree_bits", 1, "int32")  \
   P(COS, "cos", 2, "float32") P(SIN, "sin", 2, "float32") P(LORA, "lora", 1, "int32")                            \
   P(Q_W, "q_w", 2, "weight") P(K_W, "k_w", 2, "weight") P(V_W, "v_w", 2, "weight")                                \
-  P(QKV_B, "qkv_bias", 1, "float32") P(O_W, "o_w", 2, "weight") P(GATE_W, "gate_w", 2, "weight")                  \
+  P(QKV_B, "qkv_bias", 1, "float32") P(O_W, "o_w", 2, "weight") P(O_B, "o_bias", 1, "float32")                   \
+  P(GATE_W, "gate_w", 2, "weight")                                                                               \
   P(UP_W, "up_w", 2, "weight") P(DOWN_W, "down_w", 2, "weight") P(IN_GAIN, "input_gain", 1, "float32")            \
   P(POST_GAIN, "post_gain", 1, "float32") P(Q_NORM, "q_norm", 1, "float32") P(K_NORM, "k_norm", 1, "float32")   \
   P(ATTN_OUT_GAIN, "attn_out_gain", 1, "float32") P(MLP_OUT_GAIN, "mlp_out_gain", 1, "float32")                  \
+  P(SINKS, "sinks", 1, "float32")                                                                                \
   P(KEYS, "key_cache", 2, "cache") P(VALUES, "value_cache", 2, "cache")                                          \
   P(LORA_QKV_A, "lora_qkv_a", 3, "float32") P(LORA_QKV_B, "lora_qkv_b", 3, "float32")                            \
   P(LORA_O_A, "lora_o_a", 3, "float32") P(LORA_O_B, "lora_o_b", 3, "float32")                                    \
@@ -2393,7 +2399,7 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
   enum { DECODER_LAYER_PARAMS(LLM_SERVING_PARAM_ENUM) NPARAM };
   if (!llm_serving::params_match(kDecoderLayerParams, NPARAM, nparam, ndims, dtypes)) return 1;
   const int64_t icfg_len = shapes[ICFG][0], fcfg_len = shapes[FCFG][0];
-  if ((icfg_len != 11 && icfg_len != 12 && icfg_len != 16 && icfg_len != 17) || (fcfg_len != 1 && fcfg_len != 2)) {
+  if ((icfg_len != 11 && icfg_len != 12 && (icfg_len < 16 || icfg_len > 18)) || (fcfg_len != 1 && fcfg_len != 2)) {
     return 2;
   }
   const auto* x = static_cast<const float*>(params[X]);
@@ -2405,6 +2411,7 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
   const auto* cos = static_cast<const float*>(params[COS]);
   const auto* sin = static_cast<const float*>(params[SIN]);
   const auto* qkv_b = static_cast<const float*>(params[QKV_B]);
+  const auto* o_b = static_cast<const float*>(params[O_B]);
   const auto* in_gain = static_cast<const float*>(params[IN_GAIN]);
   const auto* post_gain = static_cast<const float*>(params[POST_GAIN]);
   const auto* q_norm = static_cast<const float*>(params[Q_NORM]);
@@ -2427,9 +2434,12 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
   // the layer's own MLP (iconfig[16]: 1 or absent), or none (0: out = x + attention; a mixture-of-experts layer,
   // whose MLP is MoeMlp's, passes placeholder gate/up/down matrices, which are not read)
   const bool mlp = icfg_len <= 16 || icfg[16] == 1;
+  const bool has_sinks = icfg_len > 17 && icfg[17] == 1;           // attention sinks (iconfig[17])
+  const float* sinks = has_sinks ? static_cast<const float*>(params[SINKS]) : nullptr;
   auto is_flag = [](int32_t v) { return v == 0 || v == 1; };
   const bool flags_valid = icfg_len <= 13 || (is_flag(icfg[13]) && is_flag(icfg[14]) &&
-                                              (icfg_len <= 16 || is_flag(icfg[16])));
+                                              (icfg_len <= 16 || is_flag(icfg[16])) &&
+                                              (icfg_len <= 17 || is_flag(icfg[17])));
   if ((activation != kSiLU && activation != kGeluTanh) || !flags_valid || window < 0) return 2;
 
   const int64_t batch = shapes[X][0], h = shapes[X][1];
@@ -2445,7 +2455,7 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
       shapes[CONTEXT][0] != batch || shapes[TREE][0] != batch || shapes[SIN][0] != max_pos ||
       shapes[SIN][1] != d || shapes[QKV_B][0] != nqkv || shapes[IN_GAIN][0] != h || shapes[POST_GAIN][0] != h ||
       shapes[Q_NORM][0] != d || shapes[K_NORM][0] != d || shapes[ATTN_OUT_GAIN][0] != h ||
-      shapes[MLP_OUT_GAIN][0] != h ||
+      shapes[MLP_OUT_GAIN][0] != h || shapes[O_B][0] != h || shapes[SINKS][0] != nh ||
       !as_matrix(params[Q_W], dtypes[Q_W], shapes[Q_W], icfg[4], nh * d, h, &q_w) ||
       !as_matrix(params[K_W], dtypes[K_W], shapes[K_W], icfg[5], kvh * d, h, &k_w) ||
       !as_matrix(params[V_W], dtypes[V_W], shapes[V_W], icfg[6], kvh * d, h, &v_w) ||
@@ -2697,11 +2707,11 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
         if (it.tile) {
           llm_serving::attend_tile(qkv + b * nqkv, nqkv, it.n, context[b], kc, vc, tables + (b + it.n - 1) * width,
                                    it.k0, attn + b * nh * d, nh * d, ash, attn_tiles + tid * tile_floats,
-                                   it.n == 1 ? static_cast<uint32_t>(tree[b]) : 0xFFFFFFFFu, window);
+                                   it.n == 1 ? static_cast<uint32_t>(tree[b]) : 0xFFFFFFFFu, window, sinks);
         } else {
           llm_serving::attend_row(qkv + b * nqkv, kc, vc, tables + b * width, context[b],
                                   static_cast<uint32_t>(tree[b]), attn + b * nh * d, ash,
-                                  scores + tid * nh * width * bs, it.k0, it.k1, window);
+                                  scores + tid * nh * width * bs, it.k0, it.k1, window, sinks);
         }
       });
     }
@@ -2713,10 +2723,10 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
     claim_rows(next_o, h, nthreads, [&](int64_t r0, int64_t r1) {
       if (sandwich) {
         product_rows(route_o, o_w, attn, xo, rows, r0, r1, tile, wbuf, cbuf, amx,
-                     [&](int64_t b, int64_t r, float v) { sandwiched[b * h + r] = v; }, int_o);
+                     [&](int64_t b, int64_t r, float v) { sandwiched[b * h + r] = v + o_b[r]; }, int_o);
       } else {
         product_rows(route_o, o_w, attn, xo, rows, r0, r1, tile, wbuf, cbuf, amx,
-                     [&](int64_t b, int64_t r, float v) { out[b * h + r] = x[b * h + r] + v; }, int_o);
+                     [&](int64_t b, int64_t r, float v) { out[b * h + r] = x[b * h + r] + (v + o_b[r]); }, int_o);
       }
     }, align_of(route_o, nh * d));
     barrier.wait();
@@ -2858,14 +2868,18 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
 //                                       for a router without one)
 //   gate_w, up_w (E*I, H)      weight   expert e's rows e*I .. e*I + I - 1, each expert in the file's type
 //   down_w       (E*H, I)      weight   expert e's rows e*H .. e*H + H - 1
+//   gate_bias, up_bias (E*I,), down_bias (E*H,)  float32  the experts' biases, stacked alike (zeros: none)
 //   post_gain    (H,)          float32  the post-attention norm's gain
-//   iconfig      (6,)          int32    [threads, experts per token K, gate type, up type, down type,
+//   iconfig      (7,)          int32    [threads, experts per token K, gate type, up type, down type,
 //                                        renormalize: 1 the chosen K's weights are a softmax over their own
-//                                        logits (Mixtral; Qwen3-MoE's norm_topk_prob), 0 their probabilities
-//                                        among all E (Qwen3-MoE without it)]
-//   fconfig      (1,)          float32  [rms_norm_eps]
-//   out          (B, H)        float32  x + sum over the row's K experts e of w_e * down_e(f(gate_e(xn)) * up_e(xn)),
-//                                       xn = rmsnorm(x) * post_gain, f SiLU
+//                                        logits (Mixtral; Qwen3-MoE's norm_topk_prob; gpt-oss), 0 their
+//                                        probabilities among all E (Qwen3-MoE without it),
+//                                        activation: 0 SiLU, 1 gpt-oss's clamped SwiGLU]
+//   fconfig      (3,)          float32  [rms_norm_eps, alpha, limit (the clamped SwiGLU's)]
+//   out          (B, H)        float32  x + sum over the row's K experts e of w_e * down_e(act(gate_e(xn), up_e(xn))),
+//                                       xn = rmsnorm(x) * post_gain; act SiLU(g) * u, or gpt-oss's
+//                                       g' sigmoid(alpha g') (u' + 1), g' = min(g, limit), u' = u clamped to
+//                                       +-limit (each product + its bias)
 // A row's experts are its K largest logits (ties: the lower expert first). The rows are then grouped by expert,
 // so that each chosen expert's rows are read once per call for all the rows that chose it, and no other
 // expert's rows are read at all: a decode row reads K of E experts. The work is split over the pool's threads
@@ -2877,7 +2891,8 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
 #define MOE_MLP_PARAMS(P)                                                                                        \
   P(X, "x", 2, "float32") P(SLOTS, "slots", 1, "int32") P(ROUTER, "router", 2, "float32")                        \
   P(ROUTER_B, "router_bias", 1, "float32") P(GATE_W, "gate_w", 2, "weight") P(UP_W, "up_w", 2, "weight")         \
-  P(DOWN_W, "down_w", 2, "weight") P(POST_GAIN, "post_gain", 1, "float32") P(ICFG, "iconfig", 1, "int32")       \
+  P(DOWN_W, "down_w", 2, "weight") P(GATE_B, "gate_bias", 1, "float32") P(UP_B, "up_bias", 1, "float32")        \
+  P(DOWN_B, "down_bias", 1, "float32") P(POST_GAIN, "post_gain", 1, "float32") P(ICFG, "iconfig", 1, "int32")     \
   P(FCFG, "fconfig", 1, "float32") P(OUT, "out", 2, "float32")
 
 namespace {
@@ -2914,6 +2929,12 @@ void route_row(const float* logits, int64_t experts, int64_t k, bool renormalize
     weight[j] = static_cast<float>(std::exp(static_cast<double>(logits[chosen[j]]) - top) / (renormalize ? kept : all));
 }
 
+// gpt-oss's activation of one unit: min(g, limit) sigmoid(alpha min(g, limit)) (clamp(u, -limit, limit) + 1)
+__attribute__((noinline)) float clamped_swiglu(float g, float u, float alpha, float limit) {
+  const float gc = std::min(g, limit), uc = std::min(std::max(u, -limit), limit);
+  return sigmoid_times(gc, alpha * gc, uc + 1.f);
+}
+
 // Rows [e * per, (e + 1) * per) of a stacked experts' matrix as a Matrix of its own
 inline Matrix expert_rows(const Matrix& w, int64_t e, int64_t per) {
   return Matrix{w.data + e * per * w.row_bytes, w.type, per, w.k, w.row_bytes};
@@ -2928,20 +2949,27 @@ extern "C" int MoeMlp(int nparam, void** params, int* ndims, int64_t** shapes, c
   (void)extra;
   enum { MOE_MLP_PARAMS(LLM_SERVING_PARAM_ENUM) NPARAM };
   if (!llm_serving::params_match(kMoeMlpParams, NPARAM, nparam, ndims, dtypes)) return 1;
-  if (shapes[ICFG][0] != 6 || shapes[FCFG][0] != 1) return 2;
+  if (shapes[ICFG][0] != 7 || shapes[FCFG][0] != 3) return 2;
   const auto* x = static_cast<const float*>(params[X]);
   const auto* slots = static_cast<const int32_t*>(params[SLOTS]);
   const auto* router = static_cast<const float*>(params[ROUTER]);
   const auto* router_b = static_cast<const float*>(params[ROUTER_B]);
   const auto* gain = static_cast<const float*>(params[POST_GAIN]);
+  const auto* gate_b = static_cast<const float*>(params[GATE_B]);
+  const auto* up_b = static_cast<const float*>(params[UP_B]);
+  const auto* down_b = static_cast<const float*>(params[DOWN_B]);
   const auto* icfg = static_cast<const int32_t*>(params[ICFG]);
-  const float eps = static_cast<const float*>(params[FCFG])[0];
+  const auto* fcfg = static_cast<const float*>(params[FCFG]);
+  const float eps = fcfg[0], alpha = fcfg[1], limit = fcfg[2];
+  const bool clamped = icfg[6] == 1;
   auto* out = static_cast<float*>(params[OUT]);
   const int64_t batch = shapes[X][0], h = shapes[X][1], experts = shapes[ROUTER][0], k = icfg[1];
   const int64_t inter = experts > 0 ? shapes[GATE_W][0] / experts : 0;
   Matrix gate_w, up_w, down_w;
   if (experts < 1 || k < 1 || k > experts || inter < 1 || shapes[GATE_W][0] != experts * inter ||
-      (icfg[5] != 0 && icfg[5] != 1) || shapes[SLOTS][0] != batch || shapes[ROUTER][1] != h ||
+      (icfg[5] != 0 && icfg[5] != 1) || (icfg[6] != 0 && icfg[6] != 1) || shapes[GATE_B][0] != experts * inter ||
+      shapes[UP_B][0] != experts * inter || shapes[DOWN_B][0] != experts * h ||
+      shapes[SLOTS][0] != batch || shapes[ROUTER][1] != h ||
       shapes[ROUTER_B][0] != experts || shapes[POST_GAIN][0] != h || shapes[OUT][0] != batch ||
       shapes[OUT][1] != h ||
       !as_matrix(params[GATE_W], dtypes[GATE_W], shapes[GATE_W], icfg[2], experts * inter, h, &gate_w) ||
@@ -3064,13 +3092,20 @@ extern "C" int MoeMlp(int nparam, void** params, int* ndims, int64_t** shapes, c
       const Matrix gw = expert_rows(gate_w, unit.e, inter), uw = expert_rows(up_w, unit.e, inter);
       const float* in = xg + at * h;
       const float* in_packed = packed_at(route_gu, at, h);
+      const float* gb = gate_b + unit.e * inter;
+      const float* ub = up_b + unit.e * inter;
       product_rows(route_gu, gw, in, in_packed, m, unit.r0, unit.r1, nullptr, wbuf, cbuf, false,
-                   [&](int64_t b, int64_t r, float v) { gate[(at + b) * inter + r] = v; });
+                   [&](int64_t b, int64_t r, float v) { gate[(at + b) * inter + r] = v + gb[r]; });
       product_rows(route_gu, uw, in, in_packed, m, unit.r0, unit.r1, nullptr, wbuf, cbuf, false,
-                   [&](int64_t b, int64_t r, float v) { up[(at + b) * inter + r] = v; });
+                   [&](int64_t b, int64_t r, float v) { up[(at + b) * inter + r] = v + ub[r]; });
       for (int64_t b = 0; b < m; ++b) {
         float* g = gate + (at + b) * inter + unit.r0;
-        activation_span(kSiLU, g, up + (at + b) * inter + unit.r0, unit.r1 - unit.r0, g);
+        const float* u = up + (at + b) * inter + unit.r0;
+        if (clamped) {
+          for (int64_t r = 0; r < unit.r1 - unit.r0; ++r) g[r] = clamped_swiglu(g[r], u[r], alpha, limit);
+        } else {
+          activation_span(kSiLU, g, u, unit.r1 - unit.r0, g);
+        }
       }
     }
     barrier.wait();
@@ -3084,8 +3119,9 @@ extern "C" int MoeMlp(int nparam, void** params, int* ndims, int64_t** shapes, c
       const Unit& unit = down_units[u];
       const int64_t at = first[unit.e], m = first[unit.e + 1] - at;
       const Matrix dw = expert_rows(down_w, unit.e, h);
+      const float* db = down_b + unit.e * h;
       product_rows(route_down, dw, gate + at * inter, packed_at(route_down, at, inter), m, unit.r0, unit.r1, nullptr,
-                   wbuf, cbuf, false, [&](int64_t b, int64_t r, float v) { y[(at + b) * h + r] = v; });
+                   wbuf, cbuf, false, [&](int64_t b, int64_t r, float v) { y[(at + b) * h + r] = v + db[r]; });
     }
     barrier.wait();
     // 6. each row: x + its experts' results weighted, added in its top-K order

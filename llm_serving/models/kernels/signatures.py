@@ -111,10 +111,11 @@ DECODER_LAYER = KernelSignature(
                  _p("block_tables", 2, "int32"), _p("context_lens", 1, "int32"), _p("tree_bits", 1, "int32"),
                  _p("cos", 2, "float32"), _p("sin", 2, "float32"), _p("lora", 1, "int32")),
     held_inputs=(_p("q_w", 2, "weight"), _p("k_w", 2, "weight"), _p("v_w", 2, "weight"),
-                 _p("qkv_bias", 1, "float32"), _p("o_w", 2, "weight"), _p("gate_w", 2, "weight"),
+                 _p("qkv_bias", 1, "float32"), _p("o_w", 2, "weight"), _p("o_bias", 1, "float32"), _p("gate_w", 2, "weight"),
                  _p("up_w", 2, "weight"), _p("down_w", 2, "weight"), _p("input_gain", 1, "float32"),
                  _p("post_gain", 1, "float32"), _p("q_norm", 1, "float32"), _p("k_norm", 1, "float32"),
-                 _p("attn_out_gain", 1, "float32"), _p("mlp_out_gain", 1, "float32"), _p("key_cache", 2, "cache"),
+                 _p("attn_out_gain", 1, "float32"), _p("mlp_out_gain", 1, "float32"), _p("sinks", 1, "float32"),
+                 _p("key_cache", 2, "cache"),
                  _p("value_cache", 2, "cache"),
                  _p("lora_qkv_a", 3, "float32"), _p("lora_qkv_b", 3, "float32"), _p("lora_o_a", 3, "float32"),
                  _p("lora_o_b", 3, "float32"), _p("lora_gate_up_a", 3, "float32"),
@@ -135,7 +136,8 @@ MOE_MLP = KernelSignature(
     "MoeMlp",
     call_inputs=(_p("x", 2, "float32"), _p("slots", 1, "int32")),
     held_inputs=(_p("router", 2, "float32"), _p("router_bias", 1, "float32"), _p("gate_w", 2, "weight"),
-                 _p("up_w", 2, "weight"), _p("down_w", 2, "weight"), _p("post_gain", 1, "float32"),
+                 _p("up_w", 2, "weight"), _p("down_w", 2, "weight"), _p("gate_bias", 1, "float32"),
+                 _p("up_bias", 1, "float32"), _p("down_bias", 1, "float32"), _p("post_gain", 1, "float32"),
                  _p("iconfig", 1, "int32"), _p("fconfig", 1, "float32")),
     outputs=(_p("out", 2, "float32"),))
 

@@ -93,7 +93,11 @@ class LlamaConfig:
       `experts_per_token` with the largest logits for each token, their results weighted by the softmax of the
       logits over the chosen ones (`norm_topk_prob`: Mixtral, Qwen3-MoE's usual setting) or over all experts (not
       renormalized). `dense_layers`: those with the usual MLP of `intermediate_size` units instead (Qwen3-MoE's
-      mlp_only_layers)."""
+      mlp_only_layers). `moe_bias`: the router and the experts' gate/up/down have biases (gpt-oss);
+      `expert_act`: the experts' activation, "silu" (SwiGLU) or "swiglu_oai" (gpt-oss's: gate clamped to at most
+      `swiglu_limit`, up to +-limit, gate * sigmoid(`swiglu_alpha` * gate) * (up + 1)).
+    - `o_bias`: o_proj has a bias (gpt-oss). `attention_sinks`: each query head has a learned logit
+      (`self_attn.sinks`, (NH,)) in its softmax's denominator (gpt-oss)."""
 
     vocab_size: int
     hidden_size: int
@@ -129,6 +133,12 @@ class LlamaConfig:
     expert_intermediate_size: int = 0
     norm_topk_prob: bool = True
     dense_layers: tuple = ()
+    moe_bias: bool = False
+    expert_act: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    o_bias: bool = False
+    attention_sinks: bool = False
 
     def __post_init__(self):
         if self.hidden_act not in HIDDEN_ACTS:
@@ -147,6 +157,9 @@ class LlamaConfig:
         if any(not 0 <= i < self.num_layers for i in self.nope_layers):
             raise WeightLoadError(f"{self.architecture}: nope_layers {list(self.nope_layers)} name layers past "
                                   f"the model's {self.num_layers}")
+        if self.expert_act not in EXPERT_ACTS:
+            raise WeightLoadError(f"{self.architecture}: expert activation {self.expert_act!r} is not supported "
+                                  f"(supported: {', '.join(EXPERT_ACTS)})")
         if self.num_experts and not (0 < self.experts_per_token <= self.num_experts
                                      and self.expert_intermediate_size > 0):
             raise WeightLoadError(f"{self.architecture}: {self.num_experts} experts need 1 to {self.num_experts} "
@@ -184,8 +197,9 @@ class LlamaConfig:
         return "global"
 
 
-# the gated MLP's activations the model computes (LlamaConfig.hidden_act)
+# the gated MLP's activations the model computes (LlamaConfig.hidden_act), and a mixture's experts' (expert_act)
 HIDDEN_ACTS = ("silu", "gelu_tanh")
+EXPERT_ACTS = ("silu", "swiglu_oai")
 
 
 def first_id(value) -> Optional[int]:
@@ -210,6 +224,10 @@ def expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
         shapes[p + "self_attn.k_proj.weight"] = (cfg.num_kv_heads * d, h)
         shapes[p + "self_attn.v_proj.weight"] = (cfg.num_kv_heads * d, h)
         shapes[p + "self_attn.o_proj.weight"] = (h, cfg.num_heads * d)
+        if cfg.o_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
+        if cfg.attention_sinks:
+            shapes[p + "self_attn.sinks"] = (cfg.num_heads,)
         if cfg.attention_bias:
             shapes[p + "self_attn.q_proj.bias"] = (cfg.num_heads * d,)
             shapes[p + "self_attn.k_proj.bias"] = (cfg.num_kv_heads * d,)
@@ -226,6 +244,11 @@ def expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "mlp.experts.gate_proj.weight"] = (e * inter, h)
             shapes[p + "mlp.experts.up_proj.weight"] = (e * inter, h)
             shapes[p + "mlp.experts.down_proj.weight"] = (e * h, inter)
+            if cfg.moe_bias:
+                shapes[p + "mlp.router.bias"] = (e,)
+                shapes[p + "mlp.experts.gate_proj.bias"] = (e * inter,)
+                shapes[p + "mlp.experts.up_proj.bias"] = (e * inter,)
+                shapes[p + "mlp.experts.down_proj.bias"] = (e * h,)
             continue
         shapes[p + "mlp.gate_proj.weight"] = (cfg.intermediate_size, h)
         shapes[p + "mlp.up_proj.weight"] = (cfg.intermediate_size, h)
