@@ -8,7 +8,8 @@ families change, read from the loader's LlamaConfig and computed here in transfo
 (Qwen3, Gemma 3), sandwich norms, the embedding's scale, GELU-tanh, the query scale (Gemma 3), a partial rotation
 over each head's first dimensions (Phi-4-mini: pairs (i, i + r/2), not reordered), longrope's factors and scale
 (Phi-3), sliding-window layers with their own RoPE base (Gemma 3, Mistral), layers without RoPE (SmolLM3), mixtures of
-experts (Qwen3-MoE, Mixtral: a token's top-k experts by its router's logits).
+experts (Qwen3-MoE, Mixtral: a token's top-k experts by its router's logits), gpt-oss's biases, attention sinks and
+clamped SwiGLU.
 
     ref = ReferenceLlama("../shared/models/stories260K/hf")
     seq = ref.new_sequence()
@@ -149,9 +150,13 @@ class ReferenceLlama:
                 if window is not None:
                     visible &= key_pos[None, :] > positions[:, None] - window
                 scores = np.where(visible, scores, -np.inf)
-                scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
-                out[:, head, :] = (scores / scores.sum(axis=-1, keepdims=True)) @ values[:, kv, :]
-            o = out.reshape(t, nh * d) @ w[p + "self_attn.o_proj.weight"].T
+                top = scores.max(axis=-1, keepdims=True)
+                scores = np.exp(scores - top)
+                total = scores.sum(axis=-1, keepdims=True)
+                if c.attention_sinks:               # gpt-oss: the head's sink logit in the denominator
+                    total = total + np.exp(w[p + "self_attn.sinks"][head] - top)
+                out[:, head, :] = (scores / total) @ values[:, kv, :]
+            o = out.reshape(t, nh * d) @ w[p + "self_attn.o_proj.weight"].T + w.get(p + "self_attn.o_proj.bias", 0.0)
             if c.sandwich_norms:
                 o = self._norm(o, w[p + "attn_output_norm.weight"])
             x = x + o
@@ -167,9 +172,15 @@ class ReferenceLlama:
         seq.length = start + t
         return self._norm(x, w["model.norm.weight"]) @ w["lm_head.weight"].T
 
-    def _mlp(self, h: np.ndarray, gate_w: np.ndarray, up_w: np.ndarray, down_w: np.ndarray) -> np.ndarray:
-        """The gated MLP: down(f(gate h) * up h), f SiLU or GELU-tanh."""
-        gate, up = h @ gate_w.T, h @ up_w.T
+    def _mlp(self, h: np.ndarray, gate_w: np.ndarray, up_w: np.ndarray, down_w: np.ndarray, biases=(0.0, 0.0, 0.0),
+             act: str = "") -> np.ndarray:
+        """The gated MLP: down(f(gate h) * up h), f SiLU or GELU-tanh; or gpt-oss's experts (act "swiglu_oai"):
+        biases on the three products, gate clamped to at most the limit, up to +- it, g sigmoid(alpha g) (up + 1)."""
+        gate, up = h @ gate_w.T + biases[0], h @ up_w.T + biases[1]
+        if act == "swiglu_oai":
+            c = self.config
+            gate, up = np.minimum(gate, c.swiglu_limit), np.clip(up, -c.swiglu_limit, c.swiglu_limit)
+            return (gate / (1.0 + np.exp(-c.swiglu_alpha * gate)) * (up + 1.0)) @ down_w.T + biases[2]
         if self.config.hidden_act == "gelu_tanh":
             act = 0.5 * gate * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (gate + 0.044715 * gate ** 3)))
         else:
@@ -183,7 +194,7 @@ class ReferenceLlama:
         chose are kept in `routes` (layer prefix -> a tuple per token of the last forward)."""
         c, w = self.config, self.w
         size, hidden = c.expert_intermediate_size, c.hidden_size
-        logits = h @ w[p + "mlp.router.weight"].T                                      # (T, E)
+        logits = h @ w[p + "mlp.router.weight"].T + w.get(p + "mlp.router.bias", 0.0)    # (T, E)
         probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
         probs /= probs.sum(axis=-1, keepdims=True)
         out = np.zeros_like(h)
@@ -194,9 +205,11 @@ class ReferenceLlama:
             weights = probs[t, chosen] / (probs[t, chosen].sum() if c.norm_topk_prob else 1.0)
             for e, weight in zip(chosen, weights):
                 rows, cols = slice(e * size, (e + 1) * size), slice(e * hidden, (e + 1) * hidden)
+                biases = ((w[p + "mlp.experts.gate_proj.bias"][rows], w[p + "mlp.experts.up_proj.bias"][rows],
+                           w[p + "mlp.experts.down_proj.bias"][cols]) if c.moe_bias else (0.0, 0.0, 0.0))
                 out[t] += weight * self._mlp(h[t:t + 1], w[p + "mlp.experts.gate_proj.weight"][rows],
                                              w[p + "mlp.experts.up_proj.weight"][rows],
-                                             w[p + "mlp.experts.down_proj.weight"][cols])[0]
+                                             w[p + "mlp.experts.down_proj.weight"][cols], biases, c.expert_act)[0]
         return out
 
     def generate_greedy(self, token_ids, num_positions: int) -> list:

@@ -87,6 +87,16 @@ FAMILIES = {
                      norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],
                      rope_parameters={"rope_type": "default", "rope_theta": 1e6}, attention_bias=False,
                      tie_word_embeddings=False, **_COMMON),
+    # gpt-oss: biases on q/k/v/o and on the experts, attention sinks, alternating sliding (16 keys) and full layers,
+    # YaRN (truncated correction range, as llama.cpp computes it for a GGUF), 4 experts of 64 units (2 a token)
+    "gptoss": dict(architectures=["GptOssForCausalLM"], model_type="gpt_oss", vocab_size=320, hidden_size=64,
+                   intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=16,
+                   layer_types=["sliding_attention", "full_attention"], attention_bias=True, swiglu_limit=7.0,
+                   rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                    "original_max_position_embeddings": 4096, "rope_theta": 150000.0,
+                                    "truncate": True},
+                   tie_word_embeddings=False, **_COMMON),
     "mixtral": dict(architectures=["MixtralForCausalLM"], model_type="mixtral", vocab_size=320, hidden_size=64,
                     intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                     num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
@@ -98,7 +108,7 @@ FAMILIES = {
 # steps with a margin under 0.1% of the largest logit, 9-12 distinct tokens a reply.
 _SCALES = {"qwen3": (8.0, 8.0), "gemma3": (2.0, 8.0), "gemma3-mm": (1.0, 8.0), "phi3": (8.0, 8.0),
            "smollm3": (12.0, 12.0), "mistral-swa": (12.0, 12.0), "qwen2-swa": (8.0, 8.0), "qwen3moe": (8.0, 8.0),
-           "mixtral": (8.0, 8.0)}
+           "mixtral": (8.0, 8.0), "gptoss": (8.0, 8.0)}
 # Gemma's gains (pre-norms, post-norms, final; the q/k norms' about 1.5): its sandwich norms make every layer add a vector of
 # the post-norm's size whatever the matrices, and a random tied model with unit gains mostly repeats a token or two;
 # larger gains make the layers' contributions and the attention sharper, larger logits too
@@ -260,7 +270,7 @@ def transformers_greedy(path, prompt_ids: list, n: int) -> list:
 _GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
               "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3", "Gemma3ForConditionalGeneration": "gemma3",
               "Phi3ForCausalLM": "phi3", "SmolLM3ForCausalLM": "smollm3", "Qwen3MoeForCausalLM": "qwen3moe",
-              "MixtralForCausalLM": "llama"}
+              "MixtralForCausalLM": "llama", "GptOssForCausalLM": "gpt-oss"}
 # one expert's matrix (model.layers.N.<prefix>E.<part>.weight) -> the name the converter gives their stack (E, rows,
 # cols) before mapping it (Qwen3MoeModel / the Mixtral path of LlamaModel: experts merged)
 _EXPERT_STACKS = {"mlp.experts.": ("gate_proj", "up_proj", "down_proj"), "block_sparse_moe.experts.": ("w1", "w2", "w3")}
@@ -348,6 +358,12 @@ def write_gguf(family: str, hf_path, out_path, qtype=None) -> Path:
         if full.get("rope_type") == "linear":
             w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             w.add_rope_scaling_factor(full["factor"])
+        elif full.get("rope_type") == "yarn":
+            w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            w.add_rope_scaling_factor(full["factor"])
+            w.add_rope_scaling_orig_ctx_len(full["original_max_position_embeddings"])
+            w.add_rope_scaling_yarn_beta_fast(full["beta_fast"])
+            w.add_rope_scaling_yarn_beta_slow(full["beta_slow"])
         elif full.get("rope_type", "default") != "default":
             raise NotImplementedError(f"write_gguf: RoPE type {full['rope_type']!r}")
         if local is not None:
@@ -364,6 +380,8 @@ def write_gguf(family: str, hf_path, out_path, qtype=None) -> Path:
         w.add_expert_used_count(cfg["num_experts_per_tok"])
         if "moe_intermediate_size" in cfg:
             w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        elif arch == "gpt-oss":             # GptOssModel.set_gguf_parameters
+            w.add_expert_feed_forward_length(cfg["intermediate_size"])
     kinds = _layer_kinds(raw if "text_config" not in raw else {**cfg, "architectures": raw["architectures"]})
     if arch == "gemma3":                    # Gemma3Model.set_gguf_parameters
         w.add_sliding_window(cfg["sliding_window"])
@@ -371,15 +389,21 @@ def write_gguf(family: str, hf_path, out_path, qtype=None) -> Path:
             w.add_sliding_window_pattern(kinds or [False] * layers)
         if cfg["query_pre_attn_scalar"] != head_dim:
             w.add_attention_scale(cfg["query_pre_attn_scalar"] ** -0.5)
+    elif arch == "gpt-oss":
+        w.add_sliding_window(cfg["sliding_window"])
+        assert kinds == [i % 2 == 0 for i in range(layers)], kinds      # (llama.cpp's fixed pattern for it)
     elif kinds is not None and arch != "phi3":
         w.add_sliding_window(cfg["sliding_window"])
         if not all(kinds):
             w.add_sliding_window_pattern(kinds)
     _add_vocabulary(w, hf_path, cfg)
 
-    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), layers)
+    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper().replace("-", "_")), layers)
     dense_names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, layers)
-    for name, arr in _stacked_experts(_text_tensors(hf_path)).items():
+    tensors = _text_tensors(hf_path)
+    if arch == "gpt-oss":
+        tensors = _gpt_oss_tensors(tensors)
+    for name, arr in _stacked_experts(tensors).items():
         base, suffix = name.rsplit(".", 1)
         # (a dense layer of a mixture: llama.cpp's qwen3moe has no names for it, the reader takes LLaMA's)
         out = names.get_name(base) or dense_names.get_name(base)
@@ -405,6 +429,30 @@ def write_gguf(family: str, hf_path, out_path, qtype=None) -> Path:
     w.write_tensors_to_file()
     w.close()
     return out_path
+
+
+def _gpt_oss_tensors(tensors: dict) -> dict:
+    """gpt-oss's tensors as GptOssModel.modify_tensors gives them (its float, not MXFP4, path): each expert's
+    gate_up_proj (H, 2I) transposed and cut into gate (even rows) and up (odd rows), down_proj transposed, the biases
+    cut alike and named `.bias`, the sinks named `.weight`."""
+    out = {}
+    for name, arr in tensors.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            t = np.swapaxes(arr, -1, -2)
+            out[name.replace("gate_up_proj", "gate_proj.weight")] = np.ascontiguousarray(t[:, ::2, :])
+            out[name.replace("gate_up_proj", "up_proj.weight")] = np.ascontiguousarray(t[:, 1::2, :])
+        elif name.endswith("mlp.experts.gate_up_proj_bias"):
+            out[name.replace("gate_up_proj_bias", "gate_proj.bias")] = np.ascontiguousarray(arr[..., ::2])
+            out[name.replace("gate_up_proj_bias", "up_proj.bias")] = np.ascontiguousarray(arr[..., 1::2])
+        elif name.endswith("mlp.experts.down_proj"):
+            out[name + ".weight"] = np.ascontiguousarray(np.swapaxes(arr, -1, -2))
+        elif name.endswith("mlp.experts.down_proj_bias"):
+            out[name.replace("down_proj_bias", "down_proj.bias")] = arr
+        elif name.endswith("self_attn.sinks"):
+            out[name + ".weight"] = arr
+        else:
+            out[name] = arr
+    return out
 
 
 def _stacked_experts(tensors: dict) -> dict:

@@ -584,6 +584,10 @@ FAMILY_CONFIGS = {
                      sliding_window=None, tie_word_embeddings=False),
     "mixtral": dict(architecture="mixtral", head_dim=16, qk_norm=False, num_experts=4, experts_per_token=2,
                     expert_intermediate_size=64, norm_topk_prob=True, dense_layers=(), sliding_window=None),
+    "gptoss": dict(architecture="gptoss", head_dim=32, attention_bias=True, o_bias=True, attention_sinks=True,
+                   sliding_window=16, layer_types=(_S, _F), num_experts=4, experts_per_token=2,
+                   expert_intermediate_size=64, moe_bias=True, expert_act="swiglu_oai", swiglu_alpha=1.702,
+                   swiglu_limit=7.0, rope_theta=150000.0, rope_scale=0.1 * math.log(32) + 1),
 }
 # the architecture a GGUF twin's file names (llama.cpp's: Mistral and Mixtral are `llama`)
 _GGUF_ARCHITECTURE = {"mistral-swa": "llama", "mixtral": "llama"}
@@ -660,6 +664,16 @@ def _internal_from_checkpoint(name: str, hf_dir) -> dict:
             inter = text["intermediate_size"]
             out[key.replace("gate_up_proj", "gate_proj")], out[key.replace("gate_up_proj", "up_proj")] = \
                 arr[:inter], arr[inter:]
+        elif key.endswith(("experts.gate_up_proj", "experts.gate_up_proj_bias")):  # gpt-oss: gate/up interleaved
+            prefix, bias = key.rsplit(".", 1)[0], key.endswith("_bias")
+            for part, offset in (("gate_proj", 0), ("up_proj", 1)):
+                out[f"{prefix}.{part}.{'bias' if bias else 'weight'}"] = (
+                    arr[:, offset::2].reshape(-1) if bias else
+                    np.ascontiguousarray(arr[:, :, offset::2].transpose(0, 2, 1)).reshape(-1, arr.shape[1]))
+        elif key.endswith("experts.down_proj"):
+            out[key + ".weight"] = np.ascontiguousarray(arr.transpose(0, 2, 1)).reshape(-1, arr.shape[1])
+        elif key.endswith("experts.down_proj_bias"):
+            out[key.replace("down_proj_bias", "down_proj.bias")] = arr.reshape(-1)
         elif ".experts." in key:                                # one expert's matrix: its rows of the stack
             _, _, layer, rest = key.split(".", 3)
             _, _, expert, part, _ = rest.split(".")
@@ -887,7 +901,7 @@ def test_gguf_gemma3_without_the_keys_llama_cpp_hardcodes(tmp_path):
 
 GGUF_REFUSED = [("gemma3", dict(final_logit_softcapping=30.0), "gemma3.final_logit_softcapping=30.0"),
                 ("qwen3", dict(rope_scaling_type=gguf.RopeScalingType.YARN, rope_scaling_factor=4.0),
-                 "GGUF RoPE scaling 'yarn'"),
+                 "'qwen3.rope.scaling.original_context_length' is missing"),
                 ("gemma2", {}, "GGUF architecture 'gemma2' is not supported"),
                 ("phi3", dict(rope_scaling_type=gguf.RopeScalingType.LONGROPE), "without its rope_factors")]
 

@@ -32,6 +32,7 @@ from typing import Callable
 import numpy as np
 
 from .common import LlamaConfig, StoredTensor, WeightLoadError, rotate_half_rows, split_fused
+from .hf_config import yarn_attention_factor, yarn_rope_factors
 
 logger = logging.getLogger(__name__)
 
@@ -55,10 +56,20 @@ _GGUF_LAYER_NAMES = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.wei
                      # a mixture's router and expert stacks (3-D (E, rows, cols) in the file, read as E * rows rows)
                      "ffn_gate_inp.weight": "mlp.router.weight", "ffn_gate_exps.weight": "mlp.experts.gate_proj.weight",
                      "ffn_up_exps.weight": "mlp.experts.up_proj.weight",
-                     "ffn_down_exps.weight": "mlp.experts.down_proj.weight"}
+                     "ffn_down_exps.weight": "mlp.experts.down_proj.weight",
+                     # gpt-oss's: o_proj's bias, the attention sinks, the router's and experts' biases (2-D (E, rows)
+                     # in the file, read as E * rows)
+                     "attn_output.bias": "self_attn.o_proj.bias", "attn_sinks.weight": "self_attn.sinks",
+                     "ffn_gate_inp.bias": "mlp.router.bias", "ffn_gate_exps.bias": "mlp.experts.gate_proj.bias",
+                     "ffn_up_exps.bias": "mlp.experts.up_proj.bias", "ffn_down_exps.bias": "mlp.experts.down_proj.bias"}
+# an architecture's own meaning of a tensor name: gpt-oss's post_attention_norm is its MLP's input norm (Gemma 3's is a
+# sandwich norm)
+_GGUF_ARCH_LAYER_NAMES = {"gpt-oss": {"post_attention_norm.weight": "post_attention_layernorm.weight"}}
+# GGUF architecture -> LlamaConfig.architecture, where they differ (the HF reader's name)
+_GGUF_CONFIG_ARCH = {"gpt-oss": "gptoss"}
 _GGUF_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                "output.weight": "lm_head.weight"}
-_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "phi3", "smollm3")
+_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "phi3", "smollm3", "gpt-oss")
 # the architectures whose q/k rows the converter permutes for llama.cpp's RoPE of neighbouring pairs
 _INTERLEAVED_ROPE = ("llama", "smollm3")
 _gguf_types_checked: dict = {}
@@ -130,7 +141,7 @@ def _load_gguf(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
     for name, tensor in tensors.items():
         if name.startswith("blk."):
             _, layer, rest = name.split(".", 2)
-            hf = _GGUF_LAYER_NAMES.get(rest)
+            hf = _GGUF_ARCH_LAYER_NAMES.get(arch, {}).get(rest) or _GGUF_LAYER_NAMES.get(rest)
             hf = hf and f"model.layers.{layer}.{hf}"
         else:
             hf = _GGUF_NAMES.get(name)
@@ -144,6 +155,9 @@ def _load_gguf(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
         if len(shape) == 3:                 # a mixture's experts: (E, rows, cols) as E * rows rows of cols
             tensor = _Stacked(tensor)
             shape = (shape[0] * shape[1], shape[2])
+        elif len(shape) == 2 and rest_is(name, "_exps.bias"):       # their biases (E, rows) as E * rows
+            tensor = _Stacked(tensor)
+            shape = (shape[0] * shape[1],)
         # (a router is read as float32 whatever its type: MoeMlp takes float32 logits weights)
         qtype = (KEPT_QUANTIZED.get(tensor.tensor_type.name) if len(shape) == 2 and not hf.endswith("router.weight")
                  else None)
@@ -166,12 +180,18 @@ def _load_gguf(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
 
 
 class _Stacked:
-    """A 3-D GGUF tensor (a mixture's experts, (E, rows, cols)) as the 2-D one of E * rows rows the readers take."""
+    """A GGUF tensor of a mixture's experts with their first two dimensions as one: (E, rows, cols) as E * rows
+    rows, (E, rows) biases as E * rows values."""
 
     def __init__(self, tensor):
         self.name, self.tensor_type = tensor.name, tensor.tensor_type
         data = tensor.data
         self.data = data.reshape(data.shape[0] * data.shape[1], *data.shape[2:])
+
+
+def rest_is(name: str, suffix: str) -> bool:
+    """Whether a layer tensor's name ends with `suffix` (blk.N.<...suffix>)."""
+    return name.startswith("blk.") and name.endswith(suffix)
 
 
 def _gguf_experts(path: str, arch: str, meta: Callable, tensors: dict, num_layers: int) -> dict:
@@ -187,9 +207,12 @@ def _gguf_experts(path: str, arch: str, meta: Callable, tensors: dict, num_layer
     if len(dense) == num_layers:
         raise WeightLoadError(f"{path}: GGUF {arch}.expert_count={experts} but no layer has a router "
                               "(blk.N.ffn_gate_inp.weight)")
-    return {"num_experts": experts, "experts_per_token": int(meta(f"{arch}.expert_used_count")),
-            "expert_intermediate_size": int(size),
-            "norm_topk_prob": bool(meta(f"{arch}.expert_weights_norm", True, required=False)), "dense_layers": dense}
+    out = {"num_experts": experts, "experts_per_token": int(meta(f"{arch}.expert_used_count")),
+           "expert_intermediate_size": int(size),
+           "norm_topk_prob": bool(meta(f"{arch}.expert_weights_norm", True, required=False)), "dense_layers": dense}
+    if arch == "gpt-oss":                   # (llama.cpp's constants for it: the file names none)
+        out.update(norm_topk_prob=True, moe_bias=True, expert_act="swiglu_oai", swiglu_alpha=1.702, swiglu_limit=7.0)
+    return out
 
 
 def _gguf_config(path: str, arch: str, meta: Callable, tensors: dict) -> LlamaConfig:
@@ -225,7 +248,8 @@ def _gguf_config(path: str, arch: str, meta: Callable, tensors: dict) -> LlamaCo
         max_position_embeddings=int(meta(f"{arch}.context_length", 2048)),
         bos_token_id=meta("tokenizer.ggml.bos_token_id", required=False),
         eos_token_id=meta("tokenizer.ggml.eos_token_id", required=False),
-        tie_word_embeddings="output.weight" not in tensors, architecture=arch,
+        tie_word_embeddings="output.weight" not in tensors, architecture=_GGUF_CONFIG_ARCH.get(arch, arch),
+        o_bias="blk.0.attn_output.bias" in tensors, attention_sinks="blk.0.attn_sinks.weight" in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors,
         sliding_window=window, layer_types=layer_types, qk_norm="blk.0.attn_q_norm.weight" in tensors,
         sandwich_norms=gemma, embed_scale=math.sqrt(hidden) if gemma else 1.0,
@@ -250,9 +274,17 @@ def _gguf_rope(path: str, arch: str, meta: Callable, tensors: dict, head_dim: in
     scaling = meta(f"{arch}.rope.scaling.type", required=False)
     if scaling == "linear":                 # every frequency slowed by the same factor, as HF's "linear"
         out["rope_freq_factors"] = (float(meta(f"{arch}.rope.scaling.factor")),) * (rotary // 2)
+    elif scaling == "yarn":                 # as llama.cpp computes it (its correction range rounded outwards)
+        factor = float(meta(f"{arch}.rope.scaling.factor"))
+        out["rope_freq_factors"] = yarn_rope_factors(
+            rotary, out["rope_theta"], factor, int(meta(f"{arch}.rope.scaling.original_context_length")),
+            float(meta(f"{arch}.rope.scaling.yarn_beta_fast", 32.0, required=False)),
+            float(meta(f"{arch}.rope.scaling.yarn_beta_slow", 1.0, required=False)), truncate=True)
+        out["rope_scale"] = float(meta(f"{arch}.rope.scaling.yarn_attn_factor", 0.0, required=False)
+                                  or yarn_attention_factor(factor))
     elif scaling not in (None, "none", "longrope"):
-        raise WeightLoadError(f"{path}: GGUF RoPE scaling {scaling!r} is not supported (supported: linear, Phi-3's "
-                              "longrope factors, and Llama-3.1's rope_freqs)")
+        raise WeightLoadError(f"{path}: GGUF RoPE scaling {scaling!r} is not supported (supported: linear, yarn, "
+                              "Phi-3's longrope factors, and Llama-3.1's rope_freqs)")
     longrope = ("rope_factors_short.weight", "rope_factors_long.weight")
     if any(name in tensors for name in longrope):
         if not all(name in tensors for name in longrope):
@@ -272,7 +304,8 @@ def _gguf_sliding_layers(path: str, arch: str, meta: Callable, num_layers: int):
     window = int(meta(f"{arch}.attention.sliding_window", 0))
     if window <= 0 or window >= int(meta(f"{arch}.context_length", 2048)):
         return None, None                   # (a window as long as the context is none: Phi-4-mini's 262144)
-    pattern = meta(f"{arch}.attention.sliding_window_pattern", 6 if arch == "gemma3" else None, required=False)
+    default = {"gemma3": 6, "gpt-oss": 2}.get(arch)       # (llama.cpp's: every 6th layer full; every other one)
+    pattern = meta(f"{arch}.attention.sliding_window_pattern", default, required=False)
     if pattern is None:
         return window, None
     if isinstance(pattern, list):

@@ -156,6 +156,43 @@ def _expert_of(name: str) -> Optional[tuple]:
     return None
 
 
+# gpt-oss's experts, each part one 3-D tensor of every expert (after "model.layers.N.mlp.experts."): gate_up_proj
+# (E, H, 2I), its units' gate and up interleaved (even columns gate, odd up), down_proj (E, I, H), and their biases
+_FUSED_EXPERTS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+
+
+def _derived(tensor: StoredTensor, shape: tuple, fn) -> StoredTensor:
+    """A tensor computed from the whole of another (`fn` of its float32 array), read whole then indexed."""
+    def read(index: tuple) -> np.ndarray:
+        return np.ascontiguousarray(fn(np.asarray(tensor.read((slice(None),) * len(tensor.shape)), np.float32)))[index]
+    return StoredTensor(shape, read, stored_type=tensor.stored_type)
+
+
+def _gpt_oss_experts(cfg: LlamaConfig, fused: dict, path: str) -> dict:
+    """gpt-oss's fused expert tensors ({(layer, name): StoredTensor}) as the stacks and biases the model reads:
+    gate (E*I, H) from gate_up's even columns, up from its odd ones, down (E*H, I), transposed per expert."""
+    e, h, inter = cfg.num_experts, cfg.hidden_size, cfg.expert_intermediate_size
+    out = {}
+    for i in range(cfg.num_layers):
+        missing = [n for n in _FUSED_EXPERTS if (i, n) not in fused]
+        if missing:
+            raise WeightLoadError(f"{path}: layer {i} has no mlp.experts.{missing[0]} tensor")
+        p = f"model.layers.{i}.mlp.experts."
+        gate_up, gate_up_bias = fused[(i, "gate_up_proj")], fused[(i, "gate_up_proj_bias")]
+        down, down_bias = fused[(i, "down_proj")], fused[(i, "down_proj_bias")]
+        for name, t, shape in (("gate_up_proj", gate_up, (e, h, 2 * inter)), ("gate_up_proj_bias", gate_up_bias,
+                               (e, 2 * inter)), ("down_proj", down, (e, inter, h)), ("down_proj_bias", down_bias, (e, h))):
+            if tuple(t.shape) != shape:
+                raise WeightLoadError(f"{path}: tensor {p}{name} has shape {tuple(t.shape)}, expected {shape}")
+        for part, offset in (("gate_proj", 0), ("up_proj", 1)):
+            out[f"{p}{part}.weight"] = _derived(gate_up, (e * inter, h), lambda a, o=offset: a[:, :, o::2].transpose(
+                0, 2, 1).reshape(e * inter, h))
+            out[f"{p}{part}.bias"] = _derived(gate_up_bias, (e * inter,), lambda a, o=offset: a[:, o::2].reshape(-1))
+        out[f"{p}down_proj.weight"] = _derived(down, (e * h, inter), lambda a: a.transpose(0, 2, 1).reshape(e * h, inter))
+        out[f"{p}down_proj.bias"] = _derived(down_bias, (e * h,), lambda a: a.reshape(-1))
+    return out
+
+
 def _stack_experts(cfg: LlamaConfig, experts: dict, path: str) -> dict:
     """Each mixture layer's experts' matrices ({(layer, part, expert): StoredTensor}) as the stacks the model reads
     (`model.layers.N.mlp.experts.<part>.weight`, expert e's rows the e-th block); an expert missing fails naming
@@ -198,16 +235,29 @@ def load_hf(model_dir: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
     fused = {f"model.layers.{i}.{name}" for i in range(cfg.num_layers) for name in _FUSED}
     names = {n: _internal_name(n, cfg.architecture) for n in _checkpoint_names(files)}
     expert_parts = {n: _expert_of(internal) for n, internal in names.items()} if cfg.num_experts else {}
-    wanted = {n for n, internal in names.items() if internal in needed or internal in fused or expert_parts.get(n)}
-    stored, experts = {}, {}
+    oss = cfg.architecture == "gptoss"
+    if oss and any(n.endswith(("_blocks", "_scales")) for n in names):
+        raise WeightLoadError(f"{model_dir}: the experts are stored as MXFP4 blocks and scales, which this reader "
+                              "does not read from safetensors; serve the model's GGUF (llama.cpp's converter keeps "
+                              "them MXFP4, which the CPU kernels read as stored)")
+    fused_experts = {n: (int(n.split(".")[2]), n.rsplit(".", 1)[1]) for n in names
+                     if oss and n.startswith("model.layers.") and n.rsplit(".", 1)[1] in _FUSED_EXPERTS
+                     and ".mlp.experts." in n}
+    wanted = {n for n, internal in names.items()
+              if internal in needed or internal in fused or expert_parts.get(n) or n in fused_experts}
+    stored, experts, by_layer = {}, {}, {}
     for name, tensor in stored_safetensors(files, wanted).items():
         internal = names[name]
         gemma_norm = cfg.architecture == "gemma3" and internal.endswith("norm.weight")
         if expert_parts.get(name):
             experts[expert_parts[name]] = tensor
+        elif name in fused_experts:
+            by_layer[fused_experts[name]] = tensor
         else:
             stored[internal] = _plus_one(tensor) if gemma_norm else tensor
     split_fused(cfg, stored)
-    if cfg.num_experts:
+    if oss:
+        stored.update(_gpt_oss_experts(cfg, by_layer, model_dir))
+    elif cfg.num_experts:
         stored.update(_stack_experts(cfg, experts, model_dir))
     return cfg, stored

@@ -8,6 +8,8 @@ and as 5.x does (`rope_parameters`, per layer type for Gemma 3), into a LlamaCon
 - SmolLM3ForCausalLM: `no_rope_layers` (1 = the layer uses RoPE) or every `no_rope_layer_interval`-th layer NoPE;
 - Qwen3MoeForCausalLM (Qwen3's attention, a mixture of experts in the layers `mlp_only_layers` leaves sparse) and
   MixtralForCausalLM (Mistral's attention, a mixture in every layer): `_experts`;
+- GptOssForCausalLM: biases on q/k/v/o, attention sinks, sliding layers by `layer_types`, YaRN RoPE, a mixture in
+  every layer with biases, top-k then softmax routing and its clamped SwiGLU;
 - Phi3ForCausalLM (Phi-3, Phi-4-mini): `partial_rotary_factor`, longrope scaling, fused qkv_proj and gate_up_proj;
 - Gemma3ForCausalLM and Gemma3ForConditionalGeneration's text model (`text_config`; the vision tower's tensors are
   not read): GeGLU, embeddings times sqrt(hidden), query_pre_attn_scalar, q/k norms and sandwich norms, sliding
@@ -32,7 +34,7 @@ __all__ = ["HF_ARCHITECTURES", "llama3_rope_factors", "load_config", "yarn_atten
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral",
                      "Qwen3ForCausalLM": "qwen3", "SmolLM3ForCausalLM": "smollm3", "Phi3ForCausalLM": "phi3",
                      "Gemma3ForCausalLM": "gemma3", "Gemma3ForConditionalGeneration": "gemma3",
-                     "Qwen3MoeForCausalLM": "qwen3moe", "MixtralForCausalLM": "mixtral"}
+                     "Qwen3MoeForCausalLM": "qwen3moe", "MixtralForCausalLM": "mixtral", "GptOssForCausalLM": "gptoss"}
 # what transformers' Gemma3TextConfig assumes for a key a config.json leaves out (Gemma 3 4B/12B/27B's text_config
 # names only what differs from these)
 _GEMMA3_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
@@ -227,6 +229,8 @@ def _refuse_unsupported(raw: dict, arch: str, path: str) -> str:
     if arch in ("llama", "smollm3") and (raw.get("attention_bias") or raw.get("mlp_bias")):
         raise WeightLoadError(f"{path}: attention_bias/mlp_bias (o_proj or MLP biases) are not supported for "
                               f"{arch}; only Qwen2's q/k/v biases are")
+    if arch == "gptoss" and not raw.get("attention_bias", True):
+        raise WeightLoadError(f"{path}: attention_bias=false is not supported for gpt-oss (its projections have biases)")
     if arch in ("qwen3", "qwen3moe", "gemma3", "mixtral") and raw.get("attention_bias"):
         raise WeightLoadError(f"{path}: attention_bias=true (q/k/v/o biases) is not supported for {arch}")
     return act
@@ -237,7 +241,7 @@ def _experts(raw: dict, arch: str, num_layers: int, path: str) -> dict:
     `num_local_experts`), `moe_intermediate_size`, `norm_topk_prob` and its dense layers (`mlp_only_layers`, and
     those off `decoder_sparse_step`, as transformers builds them); Mixtral's `num_local_experts` of
     `intermediate_size` units, always renormalized."""
-    if arch not in ("qwen3moe", "mixtral"):
+    if arch not in ("qwen3moe", "mixtral", "gptoss"):
         return {}
     experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
     if experts < 1:
@@ -245,6 +249,10 @@ def _experts(raw: dict, arch: str, num_layers: int, path: str) -> dict:
     out = {"num_experts": experts, "experts_per_token": int(raw.get("num_experts_per_tok") or 0)}
     if arch == "mixtral":
         return {**out, "expert_intermediate_size": int(raw["intermediate_size"]), "norm_topk_prob": True}
+    if arch == "gptoss":                # (top-k of the logits, then their softmax: the renormalized form)
+        return {**out, "expert_intermediate_size": int(raw["intermediate_size"]), "norm_topk_prob": True,
+                "moe_bias": True, "expert_act": "swiglu_oai", "swiglu_alpha": float(raw.get("swiglu_alpha", 1.702)),
+                "swiglu_limit": float(raw.get("swiglu_limit", 7.0))}
     step = int(raw.get("decoder_sparse_step") or 1)
     only = {int(i) for i in raw.get("mlp_only_layers") or ()}
     dense = tuple(i for i in range(num_layers) if i in only or (i + 1) % step)
@@ -316,7 +324,9 @@ def load_config(model_dir: str) -> LlamaConfig:
         eos_token_id=first_id(raw.get("eos_token_id", 2)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", arch == "smollm3")),
         architecture=arch,
-        attention_bias=arch == "qwen2",
+        attention_bias=arch in ("qwen2", "gptoss"),
+        o_bias=arch == "gptoss",
+        attention_sinks=arch == "gptoss",
         sliding_window=window,
         layer_types=layer_types,
         qk_norm=arch in ("qwen3", "qwen3moe", "gemma3"),
