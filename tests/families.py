@@ -10,7 +10,8 @@ server with transformers (the reference) and a HuggingFace directory with its GG
 - `write_gguf(family, hf_path, out_path, qtype)`: the directory as llama.cpp's convert_hf_to_gguf.py writes it
   (tensor names from the gguf package's map, q/k rows permuted for the architectures whose llama.cpp RoPE pairs
   neighbours, Gemma's norms stored as 1 + w, Phi-3's fused tensors and longrope factors, the metadata keys; the
-  vocabulary included), F32 or quantized by gguf.quants.
+  vocabulary included), F32 or quantized by gguf.quants (`expert_qtype`: a mixture's expert stacks in their own type,
+  as llama-quantize's MXFP4_MOE keeps gpt-oss's).
 
 torch and transformers (the test extra) are imported only when a model is made or run: `needs_transformers()`
 skips the calling test when they are missing (and runs torch on one thread: these models are tiny).
@@ -311,7 +312,7 @@ def _layer_kinds(cfg: dict) -> Optional[list]:
     return [t == "sliding_attention" for t in types] if "sliding_attention" in types else None
 
 
-def write_gguf(family: str, hf_path, out_path, qtype=None) -> Path:
+def write_gguf(family: str, hf_path, out_path, qtype=None, expert_qtype=None) -> Path:
     """`hf_path` (make_hf_model's directory of `family`) as a GGUF, written as llama.cpp's converter writes the
     architecture; matrices as `qtype` (a gguf.GGMLQuantizationType, default F32; 1-D tensors stay F32, as the
     converter keeps them). Beyond what the converter writes, and only where the model needs it, keys of the gguf
@@ -417,8 +418,10 @@ def write_gguf(family: str, hf_path, out_path, qtype=None) -> Path:
         if arch == "gemma3" and name.endswith("norm.weight"):
             arr = arr + np.float32(1.0)     # Gemma3Model.norm_shift
         arr = np.ascontiguousarray(arr)
+        if arr.ndim == 3 and expert_qtype is not None:       # (llama-quantize's MXFP4_MOE: the experts alone)
+            w.add_tensor(f"{out}.{suffix}", gguf.quants.quantize(arr, expert_qtype), raw_dtype=expert_qtype)
         # (a router stays F32, as the converter keeps ffn_gate_inp)
-        if arr.ndim >= 2 and qtype != gguf.GGMLQuantizationType.F32 and "ffn_gate_inp" not in out:
+        elif arr.ndim >= 2 and qtype != gguf.GGMLQuantizationType.F32 and "ffn_gate_inp" not in out:
             w.add_tensor(f"{out}.{suffix}", gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(f"{out}.{suffix}", arr)

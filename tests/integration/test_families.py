@@ -48,6 +48,9 @@ def models(tmp_path_factory):
         for family in ("gemma3", "qwen3moe"):
             out[f"{family}-gguf-q8_0"] = str(write_gguf(family, out[family], root / f"{family}.Q8_0.gguf",
                                                         qtype=gguf.GGMLQuantizationType.Q8_0))
+        out["gptoss-gguf-mxfp4"] = str(write_gguf("gptoss", out["gptoss"], root / "gptoss.MXFP4_MOE.gguf",
+                                                  qtype=gguf.GGMLQuantizationType.Q8_0,
+                                                  expert_qtype=gguf.GGMLQuantizationType.MXFP4))
         yield out
 
 
@@ -92,12 +95,17 @@ def test_the_gguf_twin_gives_the_same_tokens(models, family):
     assert tokens == _expected(models[family], tuple(LONG)), family
 
 
-@pytest.mark.parametrize("family", ["gemma3", "qwen3moe"])
-def test_a_quantized_gguf_is_read_as_stored_and_stays_within_the_gate(models, family):
-    """Q8_0 matrices (the layer kernel reads their stored rows; a mixture's experts as 3-D tensors of the file)
-    against the float64 reference of the same file."""
-    tokens, logits = _generate(models[f"{family}-gguf-q8_0"], LONG)
-    _check_against_reference(models[f"{family}-gguf-q8_0"], LONG, tokens, logits)
+@pytest.mark.parametrize("model", ["gemma3-gguf-q8_0", "qwen3moe-gguf-q8_0", "gptoss-gguf-mxfp4"])
+def test_a_quantized_gguf_is_read_as_stored_and_stays_within_the_gate(models, model):
+    """Q8_0 matrices (the layer kernel reads their stored rows; a mixture's experts as 3-D tensors of the file), and
+    gpt-oss's experts in MXFP4 beside Q8_0 attention (llama-quantize's MXFP4_MOE), against the float64 reference of
+    the same file."""
+    from llm_serving.models.weights import load_quantized
+
+    assert {q.qtype for name, q in load_quantized(models[model]).items() if ".experts." in name} == (
+        {39} if "mxfp4" in model else {8} if "qwen3moe" in model else set())          # read as stored
+    tokens, logits = _generate(models[model], LONG)
+    _check_against_reference(models[model], LONG, tokens, logits)
 
 
 @pytest.mark.parametrize("family", MOE)

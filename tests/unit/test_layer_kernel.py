@@ -834,7 +834,7 @@ def test_batched_products_do_not_depend_on_the_thread_count(library):
 
 
 ALL_READ = (GGUF_TYPES.F16, GGUF_TYPES.BF16, GGUF_TYPES.Q4_0, GGUF_TYPES.Q4_1, GGUF_TYPES.Q5_0, GGUF_TYPES.Q5_1,
-            GGUF_TYPES.Q8_0, *K_QUANTS)
+            GGUF_TYPES.Q8_0, *K_QUANTS, GGUF_TYPES.MXFP4)
 
 
 def dequantize_rows(library, code: int, raw: np.ndarray, rows: int, k: int):
@@ -869,6 +869,20 @@ def test_dequantize_rows_refusals(library):
     for code, k in ((12, 128), (13, 320), (14, 32), (2, 48), (5, 64), (99, 256)):   # not whole (super-)blocks;
         assert dequantize_rows(library, code, raw, 2, k)[0] == 2, (code, k)        # types the kernel does not read
     assert dequantize_rows(library, 12, raw, 2, 512)[0] == 0
+
+
+def test_a_layer_refuses_mxfp4_matrices(library):
+    """MXFP4 (gpt-oss's experts) is read by MoeMlp and the dequantizing readers only: a DecoderLayer given one is
+    refused (2), not run on another type's decoder."""
+    from gguf.quants import quantize
+
+    layer = Layer(np.random.default_rng(5), hidden=64, heads=4, kv_heads=2, head_dim=16, inter=96, batch=2)
+    arrays = layer.arrays(1)
+    at, icfg = DECODER_LAYER.index("o_w"), DECODER_LAYER.index("iconfig")
+    arrays[at] = quantize(layer.o_w, GGUF_TYPES.MXFP4).view(np.uint8)
+    arrays[icfg] = arrays[icfg].copy()
+    arrays[icfg][4 + PARTS.index("o_w")] = int(GGUF_TYPES.MXFP4)
+    assert invoke(library.DecoderLayer, arrays) == 2
 
 
 # Both batched paths on this machine: with AMX (gemm_amx.h, where the CPU and Linux allow it; from kAmxGemmRows =

@@ -141,7 +141,7 @@ def test_gpt_oss_experts_biases_and_clamped_swiglu_match_numpy(library, rows):
     assert (g > block.limit).any() and (g < -block.limit).any()            # clamping matters here
 
 
-@pytest.mark.parametrize("qtype_name", ["Q8_0", "Q4_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype_name", ["Q8_0", "Q4_0", "Q4_K", "Q6_K", "MXFP4"])
 @pytest.mark.parametrize("rows", [1, 2, 9])
 def test_quantized_experts_match_numpy(library, qtype_name, rows):
     """The experts as a GGUF stores them (K-quants: a row of 256); the products' inputs rounded to 16 bits per block

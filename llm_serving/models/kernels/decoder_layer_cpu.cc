@@ -412,8 +412,12 @@ inline void dot_rows(const float* w, int64_t k, const float* x, int64_t ldx, int
 
 enum WeightType : int32_t {
   kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
-  kBF16 = 30
+  kBF16 = 30, kMXFP4 = 39
 };
+
+// Whether DecoderLayer and FinalLogits take a matrix of this type (MXFP4, gpt-oss's experts' type, only MoeMlp
+// and the dequantizing readers: the few-row decoders below have no MXFP4 case)
+inline bool layer_type(int32_t type) { return type != kMXFP4; }
 
 // Bytes of one row of k weights of `type`, or -1: a type these kernels do not read, or k not whole blocks.
 int64_t row_bytes_of(int32_t type, int64_t k) {
@@ -430,6 +434,7 @@ int64_t row_bytes_of(int32_t type, int64_t k) {
     case kQ4_K: return k % 256 ? -1 : k / 256 * 144;   // f16 d, f16 dmin, 12 bytes of 6-bit scales/mins, nibbles
     case kQ5_K: return k % 256 ? -1 : k / 256 * 176;   // as Q4_K, plus 32 bytes of fifth bits before the nibbles
     case kQ6_K: return k % 256 ? -1 : k / 256 * 210;   // 128 bytes low nibbles, 64 of 2-bit highs, 16 int8 scales, f16 d
+    case kMXFP4: return k % 32 ? -1 : k / 32 * 17;     // E8M0 scale byte, 16 bytes of E2M1 nibbles
     default: return -1;
   }
 }
@@ -561,7 +566,7 @@ inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
 // One block of 32 weights of type T (F16: 32 halves) at p as two vectors: weights 0..15 and 16..31.
 template <int32_t T>
 constexpr int64_t block_bytes() {
-  return T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : T == kQ5_0 ? 22 : T == kQ5_1 ? 24 : T == kQ8_0 ? 34 : 64;
+  return T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : T == kQ5_0 ? 22 : T == kQ5_1 ? 24 : T == kQ8_0 ? 34 : T == kMXFP4 ? 17 : 64;
 }
 
 // Q5_0 (f16 d, 32 fifth bits, 16 bytes of nibbles: w = d * (q - 16)) and Q5_1 (f16 d, f16 m, fifth bits,
@@ -611,6 +616,15 @@ inline void decode_block(const uint8_t* p, v16* lo, v16* hi) {
     const float d = half_to_float(p);
     *lo = signed_bytes(p + 2) * d;
     *hi = signed_bytes(p + 18) * d;
+  } else if constexpr (T == kMXFP4) {   // E8M0 e, 16 bytes of nibbles (low: weights 0..15): w = 2^(e-128) * kv[q]
+    static const float kv[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};   // E2M1 doubled
+    const uint32_t bits = p[0] < 2 ? 0x00200000u << p[0] : static_cast<uint32_t>(p[0] - 1) << 23;
+    float d;
+    std::memcpy(&d, &bits, 4);
+    for (int i = 0; i < 16; ++i) {
+      (*lo)[i] = kv[p[1 + i] & 15] * d;
+      (*hi)[i] = kv[p[1 + i] >> 4] * d;
+    }
   } else if constexpr (T == kQ5_0 || T == kQ5_1) {
     decode_q5<T>(p, lo, hi);
   } else if constexpr (T == kBF16) {
@@ -829,6 +843,7 @@ struct Matrix {
       case kQ4_K: dequantize_super<kQ4_K>(row, dst); break;
       case kQ5_K: dequantize_super<kQ5_K>(row, dst); break;
       case kQ6_K: dequantize_super<kQ6_K>(row, dst); break;
+      case kMXFP4: dequantize_blocks<kMXFP4>(row, dst); break;
       case kF16: dequantize_blocks<kF16>(row, dst); break;
       case kBF16: dequantize_blocks<kBF16>(row, dst); break;
       default: break;                                                  // refused before any call
@@ -899,7 +914,7 @@ struct Matrix {
 
 #if defined(LLM_SERVING_AMX_INT)
   // Whether the integer products (gemm_amx_int.h) read this type: the blocks of 32 and the K-quants.
-  bool integer_codes() const { return type != kF32 && type != kF16 && type != kBF16; }
+  bool integer_codes() const { return type != kF32 && type != kF16 && type != kBF16 && type != kMXFP4; }
 
   // A row's blocks as gemm_amx_int.h's A operand: row r (< 16) of the row block at dst (its first k block;
   // blocks kBlockBytes apart): per block of 32 its int8 codes, the second pieces (Q6_K; zeros for other types
@@ -2463,6 +2478,8 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
       !as_matrix(params[GATE_W], dtypes[GATE_W], shapes[GATE_W], icfg[8], inter, h, &gate_w) ||
       !as_matrix(params[UP_W], dtypes[UP_W], shapes[UP_W], icfg[9], inter, h, &up_w) ||
       !as_matrix(params[DOWN_W], dtypes[DOWN_W], shapes[DOWN_W], icfg[10], h, inter, &down_w) ||
+      !layer_type(q_w.type) || !layer_type(k_w.type) || !layer_type(v_w.type) || !layer_type(o_w.type) ||
+      !layer_type(gate_w.type) || !layer_type(up_w.type) || !layer_type(down_w.type) ||
       shapes[OUT][0] != batch || shapes[OUT][1] != h || shapes[LORA][0] != batch) {
     return 2;
   }
@@ -3149,6 +3166,7 @@ extern "C" int FinalLogits(int nparam, void** params, int* ndims, int64_t** shap
   const auto* icfg = static_cast<const int32_t*>(params[ICFG]);
   Matrix w;
   if ((shapes[ICFG][0] != 2 && shapes[ICFG][0] != 3) || !as_matrix(params[W], dtypes[W], shapes[W], icfg[1], vocab, h, &w) ||
+      !layer_type(w.type) ||
       shapes[GAIN][0] != h || shapes[SLOTS][0] != rows || shapes[LOGITS][0] != rows ||
       shapes[LOGITS][1] != vocab || shapes[TOKEN][0] != rows || shapes[LOGPROB][0] != rows || vocab < 1) {
     return 2;

@@ -1,5 +1,5 @@
 // decoder_layer_cpu.cc's products on weights of integer codes (GGUF's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
-// Q6_K) with AVX2's integer multiply-adds, at every row count, batch-invariant by construction: an output is the
+// Q6_K, and MXFP4: its E2M1 codes doubled are the integers 0, +-1, .., +-12, its E8M0 scale a power of two) with AVX2's integer multiply-adds, at every row count, batch-invariant by construction: an output is the
 // same float whether its row of x is alone in the call or among hundreds, wherever it sits, on any thread.
 //
 // Why: dequantizing the codes to float32 and running float FMAs (the other paths, without AMX) was ~10x slower
@@ -64,11 +64,12 @@ namespace llm_serving {
 namespace avx2_int {
 
 // The GGML type codes read here (decoder_layer_cpu.cc's WeightType)
-constexpr int32_t kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
+constexpr int32_t kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
+                  kMXFP4 = 39;
 
 inline bool reads(int32_t type) {
   return type == kQ4_0 || type == kQ4_1 || type == kQ5_0 || type == kQ5_1 || type == kQ8_0 || type == kQ4_K ||
-         type == kQ5_K || type == kQ6_K;
+         type == kQ5_K || type == kQ6_K || type == kMXFP4;
 }
 
 constexpr int64_t kGroup = 256;            // weights per group
@@ -126,7 +127,7 @@ inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cas
 // Zen 3).
 
 constexpr int64_t block_bytes(int32_t type) {
-  return type == kQ4_0 ? 18 : type == kQ4_1 ? 20 : type == kQ5_0 ? 22 : type == kQ5_1 ? 24 : 34;
+  return type == kQ4_0 ? 18 : type == kQ4_1 ? 20 : type == kQ5_0 ? 22 : type == kQ5_1 ? 24 : type == kMXFP4 ? 17 : 34;
 }
 
 // bytes of a group in a row of this type
@@ -151,6 +152,15 @@ inline __m256i fifth_bits(uint32_t qh) {
                           : _mm256_setr_epi16(1, 4, 16, 64, 256, 1024, 4096, 16384, 1, 4, 16, 64, 256, 1024, 4096,
                                               16384);
   return _mm256_and_si256(_mm256_cmpeq_epi16(_mm256_and_si256(v, sel), sel), _mm256_set1_epi16(16));
+}
+
+// MXFP4's block scale: its E8M0 byte as 2^(e - 128), half the power of two (its codes are E2M1 values doubled,
+// as ggml's kvalues_mxfp4), as ggml_e8m0_to_fp32_half: denormal for e < 2
+inline float e8m0_half(uint8_t e) {
+  const uint32_t bits = e < 2 ? 0x00200000u << e : static_cast<uint32_t>(e - 1) << 23;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
 }
 
 // The f16 at p + j * stride for j < nv (0 past), as 8 floats
@@ -204,6 +214,11 @@ inline void group_scales(const uint8_t* p, int nv, __m256* a, __m256* b) {
     const __m256 d = _mm256_set1_ps(half(p + 208));
     *a = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)), d);
     *b = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))), d);
+  } else if constexpr (T == kMXFP4) {
+    alignas(32) float d[8] = {};
+    for (int j = 0; j < nv; ++j) d[j] = e8m0_half(p[j * block_bytes(T)]);
+    *a = _mm256_load_ps(d);
+    *b = _mm256_setzero_ps();
   } else {
     constexpr int64_t B = block_bytes(T);
     *a = halves8(p, B, nv);
@@ -263,10 +278,16 @@ inline void decode_pair(const uint8_t* p, int c, int nv, __m256i* v) {
         v[2 * t] = _mm256_srai_epi16(_mm256_slli_epi16(s, 8), 8);
         v[2 * t + 1] = _mm256_srai_epi16(s, 8);
       } else {                             // the 16 bytes in both halves, shifted per 32-bit lane (low half: the
-        constexpr int at = T == kQ4_0 ? 2 : T == kQ4_1 ? 4 : T == kQ5_0 ? 6 : 8;      // low nibbles, high: high)
-        const __m256i s = _mm256_broadcastsi128_si256(load16(q + at));
+        constexpr int at = T == kQ4_0 ? 2 : T == kQ4_1 ? 4 : T == kQ5_0 ? 6 : T == kMXFP4 ? 1 : 8;   // low nibbles,
+        const __m256i s = _mm256_broadcastsi128_si256(load16(q + at));                             // high: high)
         __m256i e = low_nibbles(_mm256_srlv_epi32(s, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)));
         __m256i o = low_nibbles(_mm256_srlv_epi32(s, _mm256_setr_epi32(8, 8, 8, 8, 12, 12, 12, 12)));
+        if constexpr (T == kMXFP4) {       // each code's doubled E2M1 value (a byte table; the lane's high byte,
+          const __m256i table = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,   // 0,
+                                                 0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);  // picks
+          e = _mm256_srai_epi16(_mm256_slli_epi16(_mm256_shuffle_epi8(table, e), 8), 8);          // table[0]:
+          o = _mm256_srai_epi16(_mm256_slli_epi16(_mm256_shuffle_epi8(table, o), 8), 8);          // shifted out)
+        }
         if constexpr (T == kQ5_0 || T == kQ5_1) {
           uint32_t qh;
           std::memcpy(&qh, q + (T == kQ5_0 ? 2 : 4), 4);
@@ -648,6 +669,7 @@ __attribute__((noinline)) inline void product(int32_t type, const uint8_t* rows,
     case kQ5_0: product_typed<kQ5_0>(rows, row_bytes, k, n, xp, m, wbuf, out, ldo); break;
     case kQ5_1: product_typed<kQ5_1>(rows, row_bytes, k, n, xp, m, wbuf, out, ldo); break;
     case kQ8_0: product_typed<kQ8_0>(rows, row_bytes, k, n, xp, m, wbuf, out, ldo); break;
+    case kMXFP4: product_typed<kMXFP4>(rows, row_bytes, k, n, xp, m, wbuf, out, ldo); break;
     case kQ4_K: product_typed<kQ4_K>(rows, row_bytes, k, n, xp, m, wbuf, out, ldo); break;
     case kQ5_K: product_typed<kQ5_K>(rows, row_bytes, k, n, xp, m, wbuf, out, ldo); break;
     case kQ6_K: product_typed<kQ6_K>(rows, row_bytes, k, n, xp, m, wbuf, out, ldo); break;

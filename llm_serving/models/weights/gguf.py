@@ -40,7 +40,9 @@ __all__ = ["load_gguf", "GGUF_CACHE_ENV", "KEPT_QUANTIZED"]
 
 # GGML type name -> code (GGML's numbering, which the layer kernel's iconfig uses)
 KEPT_QUANTIZED = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13,
-                  "Q6_K": 14, "BF16": 30}
+                  "Q6_K": 14, "BF16": 30, "MXFP4": 39}
+# types the CPU kernels read as stored only in a mixture's expert stacks (MoeMlp): gpt-oss's MXFP4
+EXPERTS_ONLY = ("MXFP4",)
 
 # GGUF tensor name (after "blk.N.") -> internal name (after "model.layers.N."); the fused ones are split later
 _GGUF_LAYER_NAMES = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -160,7 +162,7 @@ def _load_gguf(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
             shape = (shape[0] * shape[1],)
         # (a router is read as float32 whatever its type: MoeMlp takes float32 logits weights)
         qtype = (KEPT_QUANTIZED.get(tensor.tensor_type.name) if len(shape) == 2 and not hf.endswith("router.weight")
-                 else None)
+                 and (tensor.tensor_type.name not in EXPERTS_ONLY or ".mlp.experts." in hf) else None)
         kind = tensor.tensor_type.name
         out[hf] = StoredTensor(shape, _gguf_reader(tensor), qtype, _block_reader(tensor) if qtype is not None else None,
                                None if kind == "F32" else kind)
