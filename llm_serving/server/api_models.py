@@ -146,6 +146,9 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedTool]] = None
     parallel_tool_calls: Optional[bool] = None
     chat_template_kwargs: Optional[Dict[str, Any]] = Field(None, description=_TEMPLATE_KWARGS)
+    reasoning_effort: Optional[Literal["low", "medium", "high"]] = Field(
+        None, description="OpenAI's: how much a reasoning model thinks, given to the chat template as its "
+                          "`reasoning_effort` variable (gpt-oss's template reads it); chat_template_kwargs' own wins")
     functions: None = None
     function_call: None = None
 

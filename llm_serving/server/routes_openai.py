@@ -408,7 +408,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         raise ValidationError("top_logprobs needs logprobs: true", param="top_logprobs")
     messages = _messages(body["messages"])
     tools = ToolRequest.parse(body, engine.chat_template)
-    prompt_ids = _chat_ids(engine, messages, tools, r.chat_template_kwargs)
+    variables = r.chat_template_kwargs
+    if r.reasoning_effort is not None:          # (the template's variable; chat_template_kwargs may set it too)
+        variables = {"reasoning_effort": r.reasoning_effort, **(variables or {})}
+    prompt_ids = _chat_ids(engine, messages, tools, variables)
     key = "max_completion_tokens" if r.max_completion_tokens is not None else "max_tokens"
     sampling, given, n, stream, include_usage = _sampling(r, body, key, engine.max_model_len, engine.tokenizer,
                                                           engine.vocab_size)

@@ -49,7 +49,8 @@ def test_reasoning_and_answer_come_apart_whole_and_streamed(stories_dir, tmp_pat
 # Qwen3's thinking switch (`chat_template_kwargs`), in a template of our own: thinking on leaves the generation
 # prompt open and the reply opens <think> itself (Qwen3's); `open_think`, a variable of this test's, opens it in the
 # prompt (DeepSeek-R1's way: the reply starts inside); enable_thinking false closes an empty block there
-SWITCH = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+SWITCH = ("{% if reasoning_effort is defined %}Reasoning: {{ reasoning_effort }}\n{% endif %}"
+          "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
           "{% if add_generation_prompt %}assistant:"
           "{% if enable_thinking is defined and enable_thinking is false %} <think>\n\n</think>\n\n"
           "{% elif open_think %} <think>\n{% endif %}{% endif %}")
@@ -114,6 +115,23 @@ def test_the_thinking_switch_reaches_the_template_and_the_split_follows(switch_s
                                                                        "max_tokens": 12, "temperature": 0})
     assert status == 200 and message["content"] == completion["choices"][0]["text"], (message, completion)
     assert "reasoning_content" not in message and streamed == ("", message["content"])
+
+
+def test_reasoning_effort_reaches_the_template_as_gpt_oss_reads_it(switch_server):
+    """OpenAI's `reasoning_effort` is the template's `reasoning_effort` variable (gpt-oss's template writes it into
+    its system message): the prompt is the one chat_template_kwargs renders with it, which wins when both say; a
+    value outside low/medium/high is a 400 naming the field."""
+    server = switch_server
+    body = {**CHAT, "max_tokens": 2}
+    plain = http("POST", server.url + "/v1/chat/completions", body)[1]["usage"]["prompt_tokens"]
+    low = http("POST", server.url + "/v1/chat/completions", {**body, "reasoning_effort": "low"})[1]["usage"]
+    ids, text = _prompt(server, {"reasoning_effort": "low"})
+    assert text.startswith("Reasoning: low\n") and low["prompt_tokens"] == len(ids) > plain
+    both = http("POST", server.url + "/v1/chat/completions",
+                {**body, "reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "high"}})[1]
+    assert both["usage"]["prompt_tokens"] == len(_prompt(server, {"reasoning_effort": "high"})[0])
+    status, out = http("POST", server.url + "/v1/chat/completions", {**body, "reasoning_effort": "extreme"})
+    assert status == 400 and out["error"]["param"] == "reasoning_effort", out
 
 
 def test_a_bad_chat_template_kwargs_is_a_400_naming_it(switch_server):
