@@ -211,29 +211,40 @@ def _corpus() -> list:
     return generate_story_lines(2000, 7)
 
 
+# gpt-oss's chat format's special tokens (harmony), for a tokenizer that has them (write_tokenizer(harmony=True))
+HARMONY_TOKENS = ["<|return|>", "<|constrain|>", "<|channel|>", "<|start|>", "<|end|>", "<|message|>", "<|call|>"]
+# a harmony chat template as gpt-oss's renders a conversation (without its system message's knobs)
+HARMONY_TEMPLATE = ("{% for m in messages %}<|start|>{{ m.role }}{% if m.role == 'assistant' %}<|channel|>final"
+                    "{% endif %}<|message|>{{ m.content }}<|end|>{% endfor %}"
+                    "{% if add_generation_prompt %}<|start|>assistant{% endif %}")
+
+
 @functools.lru_cache(maxsize=None)
-def _tokenizer_json(vocab_size: int) -> str:
-    """A byte-level BPE (GPT-2's split) of exactly `vocab_size` tokens: SPECIAL_TOKENS, the 256 bytes, merges."""
+def _tokenizer_json(vocab_size: int, harmony: bool = False) -> str:
+    """A byte-level BPE (GPT-2's split) of exactly `vocab_size` tokens: SPECIAL_TOKENS (and HARMONY_TOKENS), the 256
+    bytes, merges."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(_corpus(), trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+    specials = SPECIAL_TOKENS + (HARMONY_TOKENS if harmony else [])
+    tok.train_from_iterator(_corpus(), trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
                                                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     if tok.get_vocab_size() != vocab_size:
         raise AssertionError(f"the tokenizer has {tok.get_vocab_size()} tokens, not the model's {vocab_size}")
     return tok.to_str()
 
 
-def write_tokenizer(path, vocab_size: int) -> Path:
+def write_tokenizer(path, vocab_size: int, harmony: bool = False) -> Path:
     """tokenizer.json (`_tokenizer_json`) and tokenizer_config.json (bos <|im_start|>, eos <|im_end|>, pad
-    <|endoftext|>, no BOS added, a ChatML template) in directory `path`."""
+    <|endoftext|>, no BOS added, a ChatML template; `harmony`: gpt-oss's special tokens too, and a harmony template)
+    in directory `path`."""
     path = Path(path)
-    (path / "tokenizer.json").write_text(_tokenizer_json(vocab_size), encoding="utf-8")
+    (path / "tokenizer.json").write_text(_tokenizer_json(vocab_size, harmony), encoding="utf-8")
     (path / "tokenizer_config.json").write_text(json.dumps(
         {"bos_token": SPECIAL_TOKENS[1], "eos_token": SPECIAL_TOKENS[2], "pad_token": SPECIAL_TOKENS[0],
-         "add_bos_token": False, "chat_template": CHATML}), encoding="utf-8")
+         "add_bos_token": False, "chat_template": HARMONY_TEMPLATE if harmony else CHATML}), encoding="utf-8")
     return path
 
 

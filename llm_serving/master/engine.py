@@ -260,7 +260,7 @@ class Engine:
             self.lora.hold(adapter)
         self.num_prompt_tokens += len(req.prompt_ids)
         self.requests[req.req_id] = req
-        self._detok[req.req_id] = self.tokenizer.detokenizer(prompt_ids)
+        self._detok[req.req_id] = self.tokenizer.detokenizer(prompt_ids, skip_special=req.sampling.skip_special_tokens)
         self._wakeup.set()
         return req
 

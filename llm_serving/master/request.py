@@ -36,6 +36,8 @@ class SamplingParams:
     presence_penalty: float = 0.0       # OpenAI: subtracted once from tokens present in the output
     frequency_penalty: float = 0.0      # OpenAI: subtracted per occurrence in the output
     speculative: bool = True            # may decode speculatively when the server does (spec_config)
+    skip_special_tokens: bool = True    # the streamed text leaves special tokens out (vLLM's; a harmony reply keeps
+                                        # them: server/harmony.py reads its channels by them)
     # logit controls (master/logits.py writes them per step; the agent applies them before the pick)
     min_p: float = 0.0                  # 0 = off; a sampling row keeps tokens at least min_p x the likeliest's probability
     min_tokens: int = 0                 # stop tokens are banned until the output has this many tokens

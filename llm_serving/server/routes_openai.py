@@ -24,6 +24,7 @@ from llm_serving.master.request import SamplingParams
 from llm_serving.server import api_models, schemas, streaming
 from llm_serving.server.keys import ENGINE
 from llm_serving.server.schemas import ValidationError
+from llm_serving.server.harmony import STOPS as HARMONY_STOPS, HarmonyStream, split_harmony
 from llm_serving.server.reasoning import AFTER, INSIDE, ReasoningStream, reply_start, split_reasoning
 from llm_serving.server.tools import CallStream, ToolRequest, history_as_text, parse_calls
 
@@ -214,6 +215,8 @@ class Scoring:
     score_only: bool = False
     reasoning: bool = False             # chat: split <think> reasoning into reasoning_content (server/reasoning.py)
     thinking: bool = False              # ... and the prompt opened the tag: the reply starts inside it
+    harmony: bool = False               # chat: a harmony reply (gpt-oss's): channels to reasoning, content and tool
+                                        # calls (server/harmony.py), its text with the special tokens kept
 
 
 async def _respond(request, engine, reqs, *, chat: bool, model: str, stream: bool, include_usage: bool,
@@ -248,13 +251,19 @@ async def _respond(request, engine, reqs, *, chat: bool, model: str, stream: boo
                 text = "".join(texts[i])
                 choice = {"index": i, "finish_reason": _finish_reason(final)}
                 if chat:
-                    reasoning = None
-                    if scoring.reasoning:
+                    reasoning, calls = None, []
+                    if scoring.harmony:
+                        reasoning, text, calls = split_harmony(text)
+                    elif scoring.reasoning:
                         reasoning, text = split_reasoning(text, scoring.thinking)
                     choice["message"] = {"role": "assistant", "content": text}
                     if reasoning is not None:
                         choice["message"]["reasoning_content"] = reasoning
-                    if tools is not None:
+                    if calls:
+                        choice["message"]["tool_calls"] = calls
+                        choice["finish_reason"] = "tool_calls" if final.finish_reason == "stop" else \
+                            choice["finish_reason"]
+                    elif tools is not None and not scoring.harmony:
                         content, calls = parse_calls(text, tools.format)
                         if calls:
                             choice["message"].update(content=content, tool_calls=calls)
@@ -290,9 +299,10 @@ async def _respond(request, engine, reqs, *, chat: bool, model: str, stream: boo
                 await response.write(chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                                              "logprobs": None, "finish_reason": None}]))
         pending = []                             # chunks of events that came together, written at once
-        calls = [CallStream(tools.format) for _ in reqs] if tools is not None else None
+        calls = [CallStream(tools.format) for _ in reqs] if tools is not None and not scoring.harmony else None
         first = [scoring.echo is None and not scoring.prompt_logprobs] * len(reqs)
         thinks = [ReasoningStream(scoring.thinking) for _ in reqs] if scoring.reasoning else None
+        harmonies = [HarmonyStream() for _ in reqs] if scoring.harmony else None
         async for i, event, more in _events(reqs):
             if event.finish_reason == "error":
                 pending.append(streaming.sse(streaming.openai_error_body(event.error or "generation failed",
@@ -305,6 +315,13 @@ async def _respond(request, engine, reqs, *, chat: bool, model: str, stream: boo
                 if reason is not None:
                     more_thought, rest = thinks[i].flush()
                     thought, text = thought + more_thought, text + rest
+            if harmonies is not None:            # gpt-oss: each message by its channel and recipient
+                thought, text, found = harmonies[i].push(text)
+                if reason is not None:
+                    more_thought, rest, more_calls = harmonies[i].flush()
+                    thought, text, found = thought + more_thought, text + rest, found + more_calls
+                    if harmonies[i].calls and reason == "stop":
+                        reason = "tool_calls"
             if calls is not None:                # content until a tool call starts; each call once it closes
                 text, found = calls[i].push(text)
                 if reason is not None:
@@ -331,7 +348,7 @@ async def _respond(request, engine, reqs, *, chat: bool, model: str, stream: boo
                     if thought:
                         delta["reasoning_content"] = thought
                     if found:
-                        base = len(calls[i].calls) - len(found)
+                        base = len((harmonies or calls)[i].calls) - len(found)
                         delta["tool_calls"] = [{"index": base + k, **call} for k, call in enumerate(found)]
                     choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}
                 else:
@@ -416,6 +433,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     sampling, given, n, stream, include_usage = _sampling(r, body, key, engine.max_model_len, engine.tokenizer,
                                                           engine.vocab_size)
     sampling.top_logprobs = r.top_logprobs
+    harmony = engine.chat_template.harmony
+    if harmony:                                 # gpt-oss: its channels are special tokens; <|return|>, <|call|> end it
+        sampling.skip_special_tokens = False
+        ends = [ids[0] for ids in (engine.tokenizer.encode(s, add_bos=False) for s in HARMONY_STOPS) if len(ids) == 1]
+        sampling.stop_token_ids = tuple(dict.fromkeys((*sampling.stop_token_ids, *ends)))
+        if tools is not None and tools.forced:
+            raise ValidationError(f"tool_choice {tools.choice!r} cannot force a call in gpt-oss's format (harmony) "
+                                  "yet: use auto", param="tool_choice")
     if tools is not None and tools.forced:      # a call is forced by its grammar
         if sampling.grammar is not None:
             raise ValidationError(f"tool_choice {tools.choice!r} forces a tool call; it cannot also follow "
@@ -433,7 +458,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     # out itself (its text has the closing tag)
     reasons = start != AFTER and (sampling.grammar is None or "</think>" in str(sampling.grammar.value))
     scoring = Scoring(prompt_logprobs=sampling.prompt_logprobs is not None, score_only=getattr(r, key) == 0,
-                      reasoning=reasons, thinking=reasons and start == INSIDE)
+                      reasoning=reasons and not harmony, thinking=reasons and start == INSIDE, harmony=harmony)
     return await _respond(request, engine, reqs, chat=True, model=model, stream=stream,
                           include_usage=include_usage, logprobs=bool(r.logprobs), tools=tools, scoring=scoring)
 

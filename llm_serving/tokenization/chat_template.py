@@ -98,6 +98,9 @@ class ChatTemplate:
         self.tool_format = "hermes"          # how the model writes a tool call (server/tools.py reads it)
         # the template marks reasoning with <think> tags (server/reasoning.py splits replies)
         self.reasons = template is not None and "<think>" in template
+        # the template renders OpenAI's harmony format (gpt-oss's: each message <|start|>role...<|message|>...;
+        # server/harmony.py reads its replies)
+        self.harmony = template is not None and "<|start|>" in template and "<|message|>" in template
         if template is not None:
             from jinja2 import TemplateError, meta
 

@@ -2,7 +2,9 @@
 generation prompt opens <think>, its reply forced by a regular expression to reason, close the tag and answer;
 the reasoning and the answer come apart, whole and streamed. A grammar that does not spell the reasoning out (a
 JSON schema) constrains the answer: the whole reply is content. Qwen3's thinking switch (`chat_template_kwargs`
-{"enable_thinking": false}) reaches the template, and the split follows the prompt it renders."""
+{"enable_thinking": false}) reaches the template, and the split follows the prompt it renders; so does OpenAI's
+reasoning_effort. gpt-oss's format (harmony): a reply's analysis channel is its reasoning, its final channel its content,
+a message to a function a tool call."""
 from __future__ import annotations
 
 import json
@@ -151,3 +153,64 @@ def test_a_bad_chat_template_kwargs_is_a_400_naming_it(switch_server):
     assert status == 400 and "chat_template_kwargs.budget must be a JSON value" in out["error"]["message"], out
     status, out = http("POST", url + "/tokenize", {"prompt": "Once", "chat_template_kwargs": OFF})
     assert status == 400 and out["error"]["param"] == "chat_template_kwargs", out
+
+
+# gpt-oss's format (harmony): a tiny gpt-oss model whose tokenizer has the format's special tokens and whose chat
+# template renders it; a grammar (llguidance reads the special tokens by name) makes the random model write a reply
+# of two messages, or a tool call, as gpt-oss does
+HARMONY_REPLY = ('start: <|channel|> "analysis" <|message|> /[a-z]{2,6}( [a-z]{2,6}){1,3}/ <|end|> <|start|> '
+                 '"assistant" <|channel|> "final" <|message|> /[a-z]{2,6}( [a-z]{2,6}){0,2}/ <|return|>')
+HARMONY_CALL = ('start: <|channel|> "commentary to=functions.get_weather " <|constrain|> "json" <|message|> '
+                '"{\\"city\\": \\"" /[a-z]{2,8}/ "\\"}" <|call|>')
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+@pytest.fixture(scope="module")
+def harmony_server(tmp_path_factory):
+    pytest.importorskip("mindspore")
+    from tests.families import make_hf_model, needs_transformers, write_tokenizer
+
+    needs_transformers()
+    folder = tmp_path_factory.mktemp("harmony")
+    model = make_hf_model("gptoss", folder / "gptoss", seed=1)
+    write_tokenizer(model, 320, harmony=True)
+    with serving(["--model", str(model), "--set", "model_config.max_generate_length=256"],
+                 folder / "server.log") as server:
+        yield server
+
+
+def test_a_gpt_oss_reply_comes_apart_by_its_channels_whole_and_streamed(harmony_server):
+    """The analysis channel is reasoning_content, the final one content, no marker in either; streamed alike; the
+    reply ends at <|return|> (a stop token of the format) with finish_reason stop."""
+    body = {"model": "gptoss", "temperature": 0, "max_tokens": 60, "guided_grammar": HARMONY_REPLY,
+            "messages": [{"role": "user", "content": "Once upon a time"}]}
+    message, streamed, usage = _chat(harmony_server, body)
+    assert re.fullmatch(r"[a-z]{2,6}( [a-z]{2,6}){1,3}", message["reasoning_content"]), message
+    assert re.fullmatch(r"[a-z]{2,6}( [a-z]{2,6}){0,2}", message["content"]), message
+    assert streamed == (message["reasoning_content"], message["content"])
+    status, whole = http("POST", harmony_server.url + "/v1/chat/completions", body)
+    assert whole["choices"][0]["finish_reason"] == "stop" and usage["completion_tokens"] < 60
+
+
+def test_a_gpt_oss_message_to_a_function_is_a_tool_call(harmony_server):
+    """A commentary message to functions.get_weather is a tool call (its body the arguments), whole and streamed,
+    finish_reason tool_calls; forcing a call is refused in this format (its grammar writes another). (The tools
+    themselves, rendered into the prompt, would not fit the tiny model's 256 positions: the call is asked without.)"""
+    body = {"model": "gptoss", "temperature": 0, "max_tokens": 120, "guided_grammar": HARMONY_CALL,
+            "messages": [{"role": "user", "content": "Weather in Paris?"}]}
+    status, whole = http("POST", harmony_server.url + "/v1/chat/completions", body)
+    assert status == 200, whole
+    choice = whole["choices"][0]
+    calls = choice["message"]["tool_calls"]
+    assert choice["finish_reason"] == "tool_calls" and not choice["message"]["content"]
+    assert [c["function"]["name"] for c in calls] == ["get_weather"]
+    assert re.fullmatch(r"[a-z]{2,8}", json.loads(calls[0]["function"]["arguments"])["city"])
+    status, text = http("POST", harmony_server.url + "/v1/chat/completions", {**body, "stream": True})
+    events = [e for e in parse_sse(text.replace("data: [DONE]", "")) if e["choices"]]
+    streamed = [c for e in events for c in e["choices"][0]["delta"].get("tool_calls") or []]
+    assert [c["function"] for c in streamed] == [c["function"] for c in calls]
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    status, out = http("POST", harmony_server.url + "/v1/chat/completions",
+                       {**body, "guided_grammar": None, "tools": WEATHER, "tool_choice": "required"})
+    assert status == 400 and out["error"]["param"] == "tool_choice", out

@@ -154,15 +154,6 @@ inline __m256i fifth_bits(uint32_t qh) {
   return _mm256_and_si256(_mm256_cmpeq_epi16(_mm256_and_si256(v, sel), sel), _mm256_set1_epi16(16));
 }
 
-// MXFP4's block scale: its E8M0 byte as 2^(e - 128), half the power of two (its codes are E2M1 values doubled,
-// as ggml's kvalues_mxfp4), as ggml_e8m0_to_fp32_half: denormal for e < 2
-inline float e8m0_half(uint8_t e) {
-  const uint32_t bits = e < 2 ? 0x00200000u << e : static_cast<uint32_t>(e - 1) << 23;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
 // The f16 at p + j * stride for j < nv (0 past), as 8 floats
 inline __m256 halves8(const uint8_t* p, int64_t stride, int nv) {
   if (nv == 8) {
@@ -214,10 +205,19 @@ inline void group_scales(const uint8_t* p, int nv, __m256* a, __m256* b) {
     const __m256 d = _mm256_set1_ps(half(p + 208));
     *a = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)), d);
     *b = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))), d);
-  } else if constexpr (T == kMXFP4) {
-    alignas(32) float d[8] = {};
-    for (int j = 0; j < nv; ++j) d[j] = e8m0_half(p[j * block_bytes(T)]);
-    *a = _mm256_load_ps(d);
+  } else if constexpr (T == kMXFP4) {     // each block's E8M0 byte e as 2^(e - 128) (half the power of two: its
+                                          // codes are E2M1 values doubled, as ggml_e8m0_to_fp32_half; denormal for
+                                          // e < 2), 0 past nv
+    constexpr int64_t B = block_bytes(T);
+    const __m256i e = nv == 8 ? _mm256_setr_epi32(p[0], p[B], p[2 * B], p[3 * B], p[4 * B], p[5 * B], p[6 * B], p[7 * B])
+                              : _mm256_setr_epi32(p[0], nv > 1 ? p[B] : 0, nv > 2 ? p[2 * B] : 0, nv > 3 ? p[3 * B] : 0,
+                                                  nv > 4 ? p[4 * B] : 0, nv > 5 ? p[5 * B] : 0, nv > 6 ? p[6 * B] : 0,
+                                                  0);
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const __m256i tiny = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);            // e < 2: denormal
+    const __m256i bits = _mm256_blendv_epi8(normal, tiny, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e));
+    const __m256i valid = _mm256_cmpgt_epi32(_mm256_set1_epi32(nv), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    *a = _mm256_castsi256_ps(_mm256_and_si256(bits, valid));
     *b = _mm256_setzero_ps();
   } else {
     constexpr int64_t B = block_bytes(T);
@@ -277,17 +277,20 @@ inline void decode_pair(const uint8_t* p, int c, int nv, __m256i* v) {
         const __m256i s = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 2));
         v[2 * t] = _mm256_srai_epi16(_mm256_slli_epi16(s, 8), 8);
         v[2 * t + 1] = _mm256_srai_epi16(s, 8);
+      } else if constexpr (T == kMXFP4) {   // the nibbles as bytes (low half: weights 0..15, high: 16..31), each
+        const __m256i table = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,   // its
+                                               0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);  // doubled
+        const __m256i s = _mm256_broadcastsi128_si256(load16(q + 1));                                // E2M1 value,
+        const __m256i n = _mm256_and_si256(_mm256_srlv_epi32(s, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)),
+                                           _mm256_set1_epi8(15));
+        const __m256i w = _mm256_shuffle_epi8(table, n);                    // then split as Q8_0's bytes
+        v[2 * t] = _mm256_srai_epi16(_mm256_slli_epi16(w, 8), 8);
+        v[2 * t + 1] = _mm256_srai_epi16(w, 8);
       } else {                             // the 16 bytes in both halves, shifted per 32-bit lane (low half: the
-        constexpr int at = T == kQ4_0 ? 2 : T == kQ4_1 ? 4 : T == kQ5_0 ? 6 : T == kMXFP4 ? 1 : 8;   // low nibbles,
-        const __m256i s = _mm256_broadcastsi128_si256(load16(q + at));                             // high: high)
+        constexpr int at = T == kQ4_0 ? 2 : T == kQ4_1 ? 4 : T == kQ5_0 ? 6 : 8;      // low nibbles, high: high)
+        const __m256i s = _mm256_broadcastsi128_si256(load16(q + at));
         __m256i e = low_nibbles(_mm256_srlv_epi32(s, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)));
         __m256i o = low_nibbles(_mm256_srlv_epi32(s, _mm256_setr_epi32(8, 8, 8, 8, 12, 12, 12, 12)));
-        if constexpr (T == kMXFP4) {       // each code's doubled E2M1 value (a byte table; the lane's high byte,
-          const __m256i table = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,   // 0,
-                                                 0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);  // picks
-          e = _mm256_srai_epi16(_mm256_slli_epi16(_mm256_shuffle_epi8(table, e), 8), 8);          // table[0]:
-          o = _mm256_srai_epi16(_mm256_slli_epi16(_mm256_shuffle_epi8(table, o), 8), 8);          // shifted out)
-        }
         if constexpr (T == kQ5_0 || T == kQ5_1) {
           uint32_t qh;
           std::memcpy(&qh, q + (T == kQ5_0 ? 2 : 4), 4);
