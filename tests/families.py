@@ -214,7 +214,9 @@ def _corpus() -> list:
 # gpt-oss's chat format's special tokens (harmony), for a tokenizer that has them (write_tokenizer(harmony=True))
 HARMONY_TOKENS = ["<|return|>", "<|constrain|>", "<|channel|>", "<|start|>", "<|end|>", "<|message|>", "<|call|>"]
 # a harmony chat template as gpt-oss's renders a conversation (without its system message's knobs)
-HARMONY_TEMPLATE = ("{% for m in messages %}<|start|>{{ m.role }}{% if m.role == 'assistant' %}<|channel|>final"
+HARMONY_TEMPLATE = ("{% if tools %}<|start|>developer<|message|>{% for t in tools %}{{ t.function.name }} {% endfor %}"
+                    "<|end|>{% endif %}"
+                    "{% for m in messages %}<|start|>{{ m.role }}{% if m.role == 'assistant' %}<|channel|>final"
                     "{% endif %}<|message|>{{ m.content }}<|end|>{% endfor %}"
                     "{% if add_generation_prompt %}<|start|>assistant{% endif %}")
 

@@ -7,7 +7,7 @@ body,
 and each body goes where its header says: the `analysis` channel is the reply's reasoning (`reasoning_content`), the
 `final` channel (and a `commentary` message to nobody: a preamble the user sees) its content, and a message to
 `functions.NAME` a tool call of NAME whose arguments are the body. The reply starts in a header: the generation prompt
-ends with `<|start|>assistant`. `HarmonyStream` splits a reply as it streams (its text decoded with the special
+ends with `<|start|>assistant`. A forced call (tool_choice required or named) follows `call_lark`'s grammar. `HarmonyStream` splits a reply as it streams (its text decoded with the special
 tokens kept), `split_harmony` a whole one; a chat template of this format says so (`ChatTemplate.harmony`), and its
 replies end at `<|return|>` or `<|call|>` (`STOPS`).
 """
@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import re
 import uuid
+
+from llm_serving.master.grammar import JSON_OPTIONS
 
 START, END, MESSAGE, CHANNEL, CONSTRAIN = "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>"
 RETURN, CALL = "<|return|>", "<|call|>"
@@ -108,6 +110,19 @@ class HarmonyStream:
             found.append(call)
         self.in_header, self.channel, self.recipient, self.arguments = True, None, None, ""
         return found
+
+
+def call_lark(functions: list) -> str:
+    """A Lark grammar (llguidance reads the special tokens by name) for one tool call in this format: a commentary
+    message to functions.NAME whose body is a JSON object of that function's parameters, one alternative per function
+    allowed (`functions`: OpenAI's function objects); the reply then ends at <|call|>."""
+    rules = []
+    for k, fn in enumerate(functions):
+        params = json.dumps({**(fn.get("parameters") or {"type": "object"}), "x-guidance": JSON_OPTIONS})
+        rules.append(f"call{k}: {json.dumps('commentary to=functions.' + fn['name'] + ' ')} {CONSTRAIN} \"json\" "
+                     f"{MESSAGE} args{k} {CALL}\nargs{k}: %json {params}")
+    start = " | ".join(f"call{k}" for k in range(len(functions)))
+    return f"start: {CHANNEL} ({start})\n" + "\n".join(rules) + "\n"
 
 
 def split_harmony(text: str) -> tuple:

@@ -24,7 +24,9 @@ from llm_serving.master.request import SamplingParams
 from llm_serving.server import api_models, schemas, streaming
 from llm_serving.server.keys import ENGINE
 from llm_serving.server.schemas import ValidationError
+from llm_serving.master.grammar import GrammarSpec
 from llm_serving.server.harmony import STOPS as HARMONY_STOPS, HarmonyStream, split_harmony
+from llm_serving.server.harmony import call_lark as harmony_call_lark
 from llm_serving.server.reasoning import AFTER, INSIDE, ReasoningStream, reply_start, split_reasoning
 from llm_serving.server.tools import CallStream, ToolRequest, history_as_text, parse_calls
 
@@ -438,16 +440,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         sampling.skip_special_tokens = False
         ends = [ids[0] for ids in (engine.tokenizer.encode(s, add_bos=False) for s in HARMONY_STOPS) if len(ids) == 1]
         sampling.stop_token_ids = tuple(dict.fromkeys((*sampling.stop_token_ids, *ends)))
-        if tools is not None and tools.forced:
-            raise ValidationError(f"tool_choice {tools.choice!r} cannot force a call in gpt-oss's format (harmony) "
-                                  "yet: use auto", param="tool_choice")
     if tools is not None and tools.forced:      # a call is forced by its grammar
         if sampling.grammar is not None:
             raise ValidationError(f"tool_choice {tools.choice!r} forces a tool call; it cannot also follow "
                                   f"{sampling.grammar.field}", param="tool_choice")
         if getattr(r, key) == 0:
             raise ValidationError(f"{key} 0 (scoring the prompt) cannot force a tool call", param=key)
-        sampling.grammar = tools.grammar()
+        sampling.grammar = tools.grammar() if not harmony else GrammarSpec(
+            "grammar", harmony_call_lark([t["function"] for t in tools.allowed]), "tools")
     _fit(engine, sampling, given, prompt_ids, key)
     reqs = await _submit(engine, prompt_ids, sampling, n, model)
     # where the reply starts: inside the reasoning (the prompt opened <think>), after it (the prompt closed an empty

@@ -93,11 +93,16 @@ class ToolRequest:
     def forced(self) -> bool:
         return self.choice != "auto"
 
+    @property
+    def allowed(self) -> list:
+        """The tools a forced call may call: every one (required), or the named one."""
+        return [t for t in self.tools if self.choice == "required" or t["function"]["name"] == self.choice]
+
     def grammar(self) -> Optional[GrammarSpec]:
         """The grammar a forced call follows (required: any tool, or a named one); None for auto."""
         if not self.forced:
             return None
-        allowed = [t["function"] for t in self.tools if self.choice == "required" or t["function"]["name"] == self.choice]
+        allowed = [t["function"] for t in self.allowed]
         args = "parameters" if self.format == "llama3_json" else "arguments"
         defs: dict = {}                  # every tool's $defs, at the root where their $refs can reach them
         schemas = [{"type": "object", "additionalProperties": False, "required": ["name", args],

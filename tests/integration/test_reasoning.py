@@ -195,9 +195,9 @@ def test_a_gpt_oss_reply_comes_apart_by_its_channels_whole_and_streamed(harmony_
 
 def test_a_gpt_oss_message_to_a_function_is_a_tool_call(harmony_server):
     """A commentary message to functions.get_weather is a tool call (its body the arguments), whole and streamed,
-    finish_reason tool_calls; forcing a call is refused in this format (its grammar writes another). (The tools
-    themselves, rendered into the prompt, would not fit the tiny model's 256 positions: the call is asked without.)"""
-    body = {"model": "gptoss", "temperature": 0, "max_tokens": 120, "guided_grammar": HARMONY_CALL,
+    finish_reason tool_calls; a forced call (tool_choice required, then named) follows this format's grammar: a
+    message to the function whose body its parameters' schema shapes."""
+    body = {"model": "gptoss", "temperature": 0, "max_tokens": 120, "guided_grammar": HARMONY_CALL, "tools": WEATHER,
             "messages": [{"role": "user", "content": "Weather in Paris?"}]}
     status, whole = http("POST", harmony_server.url + "/v1/chat/completions", body)
     assert status == 200, whole
@@ -211,6 +211,14 @@ def test_a_gpt_oss_message_to_a_function_is_a_tool_call(harmony_server):
     streamed = [c for e in events for c in e["choices"][0]["delta"].get("tool_calls") or []]
     assert [c["function"] for c in streamed] == [c["function"] for c in calls]
     assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
-    status, out = http("POST", harmony_server.url + "/v1/chat/completions",
-                       {**body, "guided_grammar": None, "tools": WEATHER, "tool_choice": "required"})
-    assert status == 400 and out["error"]["param"] == "tool_choice", out
+    two = WEATHER + [{"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "string", "maxLength": 6}}, "required": ["zone"]}}}]
+    for choice, names in (("required", {"get_weather", "get_time"}),
+                          ({"type": "function", "function": {"name": "get_time"}}, {"get_time"})):
+        forced = {**body, "guided_grammar": None, "tools": two, "tool_choice": choice}
+        status, out = http("POST", harmony_server.url + "/v1/chat/completions", forced)
+        assert status == 200, out
+        calls = out["choices"][0]["message"]["tool_calls"]
+        assert len(calls) == 1 and calls[0]["function"]["name"] in names, calls
+        arguments = json.loads(calls[0]["function"]["arguments"])
+        assert set(arguments) == ({"city"} if calls[0]["function"]["name"] == "get_weather" else {"zone"})

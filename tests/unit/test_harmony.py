@@ -68,3 +68,27 @@ def test_a_harmony_template_is_told_by_its_markers(tmp_path):
     (tmp_path / "harmony.jinja").write_text(harmony)
     assert load_chat_template(str(tmp_path / "harmony.jinja"), str(tmp_path), tok).harmony
     assert not load_chat_template(None, str(tmp_path), tok).harmony          # the directory's own (ChatML)
+
+
+def test_a_forced_calls_grammar_takes_a_message_to_an_allowed_function_only(tmp_path):
+    """call_lark: llguidance reads the format's special tokens by name; a call to an allowed function with arguments
+    of its schema is accepted whole, another function's name or arguments off the schema are not."""
+    from llm_serving.master.grammar import Grammars, GrammarSpec
+    from llm_serving.server.harmony import call_lark
+    from llm_serving.tokenization import load_tokenizer
+    from tests.families import write_tokenizer
+
+    tok = load_tokenizer(str(write_tokenizer(tmp_path, 320, harmony=True) / "tokenizer.json"))
+    grammar = call_lark([{"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+        "additionalProperties": False}}])
+    grammars = Grammars(tok, 320)
+
+    def accepts(text: str) -> bool:
+        matcher = grammars.compile_now(GrammarSpec("grammar", grammar, "tools"))
+        return all(matcher.consume_token(i) for i in tok.encode(text, add_bos=False)) and matcher.is_accepting()
+
+    head = "<|channel|>commentary to=functions."
+    assert accepts(head + 'get_weather <|constrain|>json<|message|>{"city": "paris"}<|call|>')
+    assert not accepts(head + 'get_time <|constrain|>json<|message|>{"city": "paris"}<|call|>')
+    assert not accepts(head + 'get_weather <|constrain|>json<|message|>{"town": "paris"}<|call|>')
