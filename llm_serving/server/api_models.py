@@ -73,6 +73,8 @@ class _Sampling(_Body):
     top_k: int = Field(0, ge=-1, le=1 << 20, description="0 or -1 = off (vLLM)")
     min_p: float = Field(0.0, ge=0.0, le=1.0, description="tokens below min_p x the likeliest's probability are out (vLLM)")
     ignore_eos: bool = Field(False, description="EOS does not end the reply (vLLM)")
+    skip_special_tokens: bool = Field(True, description="the reply's text leaves special tokens out; false keeps "
+                                                        "them (vLLM; a gpt-oss chat keeps them to read its format)")
     user: Optional[str] = None
     max_tokens: Optional[int] = Field(None, ge=0, le=1 << 20,
                                       description="0 only with echo or prompt_logprobs: the prompt is scored")

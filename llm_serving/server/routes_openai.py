@@ -60,7 +60,7 @@ def _sampling(r, body: dict, max_tokens_key: str, default_max: int, tokenizer, v
         stop=schemas.parse_stop(r.stop, "stop"),
         stop_token_ids=schemas.parse_stop_token_ids(r.stop_token_ids, "stop_token_ids", vocab),
         repetition_penalty=r.repetition_penalty, presence_penalty=r.presence_penalty,
-        frequency_penalty=r.frequency_penalty, speculative=r.speculative,
+        frequency_penalty=r.frequency_penalty, speculative=r.speculative, skip_special_tokens=r.skip_special_tokens,
         **schemas.parse_logit_controls(r, tokenizer, vocab, max_tokens=max_tokens),
         grammar=schemas.parse_structured(body), prompt_logprobs=r.prompt_logprobs)
     if max_tokens == 0 and (sampling.grammar is not None or r.stream):

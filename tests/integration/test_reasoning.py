@@ -222,3 +222,17 @@ def test_a_gpt_oss_message_to_a_function_is_a_tool_call(harmony_server):
         assert len(calls) == 1 and calls[0]["function"]["name"] in names, calls
         arguments = json.loads(calls[0]["function"]["arguments"])
         assert set(arguments) == ({"city"} if calls[0]["function"]["name"] == "get_weather" else {"zone"})
+
+
+def test_skip_special_tokens_false_keeps_them_in_a_completions_text(harmony_server):
+    """vLLM's skip_special_tokens: the text of a reply that writes special tokens has them only when it is false."""
+    body = {"model": "gptoss", "temperature": 0, "max_tokens": 60, "guided_grammar": HARMONY_REPLY,
+            "prompt": "<|start|>user<|message|>Once<|end|><|start|>assistant"}
+    status, plain = http("POST", harmony_server.url + "/v1/completions", body)
+    status2, kept = http("POST", harmony_server.url + "/v1/completions", {**body, "skip_special_tokens": False})
+    assert status == status2 == 200, (plain, kept)
+    text, full = plain["choices"][0]["text"], kept["choices"][0]["text"]
+    assert "<|" not in text and full.startswith("<|channel|>analysis<|message|>") and "<|end|>" in full
+    for marker in ("<|channel|>", "<|message|>", "<|end|>", "<|start|>", "<|return|>"):
+        full = full.replace(marker, "")
+    assert full == text
