@@ -7,9 +7,10 @@ body,
 and each body goes where its header says: the `analysis` channel is the reply's reasoning (`reasoning_content`), the
 `final` channel (and a `commentary` message to nobody: a preamble the user sees) its content, and a message to
 `functions.NAME` a tool call of NAME whose arguments are the body. The reply starts in a header: the generation prompt
-ends with `<|start|>assistant`. A forced call (tool_choice required or named) follows `call_lark`'s grammar. `HarmonyStream` splits a reply as it streams (its text decoded with the special
-tokens kept), `split_harmony` a whole one; a chat template of this format says so (`ChatTemplate.harmony`), and its
-replies end at `<|return|>` or `<|call|>` (`STOPS`).
+ends with `<|start|>assistant`. A forced call (tool_choice required or named) follows `call_lark`'s grammar.
+`HarmonyStream` splits a reply as it streams (its text decoded with the special tokens kept), `split_harmony` a whole
+one; a chat template of this format says so (`ChatTemplate.harmony`), and its replies end at `<|return|>` or
+`<|call|>` (`STOPS`).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import re
 import uuid
 
 from llm_serving.master.grammar import JSON_OPTIONS
+from llm_serving.server.reasoning import partial_tag
 
 START, END, MESSAGE, CHANNEL, CONSTRAIN = "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>"
 RETURN, CALL = "<|return|>", "<|call|>"
@@ -49,7 +51,7 @@ class HarmonyStream:
             if self.in_header:
                 at = self.buffer.find(MESSAGE)
                 if at < 0:
-                    keep = _partial(self.buffer, MESSAGE)
+                    keep = partial_tag(self.buffer, MESSAGE)
                     self.header += self.buffer[:len(self.buffer) - keep]
                     self.buffer = self.buffer[len(self.buffer) - keep:]
                     break
@@ -59,7 +61,7 @@ class HarmonyStream:
                 continue
             ends = [(self.buffer.find(m), m) for m in _BODY_ENDS if m in self.buffer]
             if not ends:
-                keep = max(_partial(self.buffer, m) for m in _BODY_ENDS)
+                keep = max(partial_tag(self.buffer, m) for m in _BODY_ENDS)
                 self._body(self.buffer[:len(self.buffer) - keep], reasoning, content)
                 self.buffer = self.buffer[len(self.buffer) - keep:]
                 break
@@ -148,11 +150,3 @@ def _strip_markers(text: str) -> str:
     for marker in (START, END, MESSAGE, CONSTRAIN, RETURN, CALL):
         text = text.replace(marker, "")
     return re.sub(re.escape(CHANNEL) + r"\S*", "", text)
-
-
-def _partial(text: str, tag: str) -> int:
-    """How many of text's last characters may begin `tag`."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-k:]):
-            return k
-    return 0

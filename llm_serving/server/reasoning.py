@@ -59,7 +59,7 @@ class ReasoningStream:
             tag = CLOSE if self.inside else OPEN
             at = self.buffer.find(tag)
             if at < 0:
-                keep = _partial(self.buffer, tag)
+                keep = partial_tag(self.buffer, tag)
                 if self.inside:               # newlines before a closing tag are not reasoning
                     keep = len(self.buffer) - len(self.buffer[:len(self.buffer) - keep].rstrip("\n"))
                 part, self.buffer = self.buffer[:len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
@@ -84,7 +84,8 @@ class ReasoningStream:
         return (text.rstrip("\n"), "") if self.inside else ("", text)
 
 
-def _partial(text: str, tag: str) -> int:
+def partial_tag(text: str, tag: str) -> int:
+    """How many characters at the end of `text` could begin `tag` (held back until the next delta says)."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-k:]):
             return k

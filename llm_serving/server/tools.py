@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from llm_serving.master.grammar import JSON_OPTIONS, GrammarSpec, tool_call_lark
+from llm_serving.server.reasoning import partial_tag
 from llm_serving.server.schemas import ValidationError
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -279,7 +280,7 @@ class CallStream:
         while True:
             start = self.buffer.find(OPEN)
             if start < 0:
-                keep = _partial_tag(self.buffer)
+                keep = partial_tag(self.buffer, OPEN)
                 if self.calls and not self.buffer[:len(self.buffer) - keep].strip():
                     return content, calls       # whitespace between calls: held, sent only if text follows
                 content += self.buffer[:len(self.buffer) - keep]
@@ -308,11 +309,3 @@ class CallStream:
             self.calls += calls
             return content or "", calls
         return ("" if self.calls and not text.strip() else text), []
-
-
-def _partial_tag(text: str) -> int:
-    """How many characters at the end of text could begin a `<tool_call>` tag."""
-    for k in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if OPEN.startswith(text[-k:]):
-            return k
-    return 0

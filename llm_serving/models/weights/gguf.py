@@ -157,7 +157,7 @@ def _load_gguf(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
         if len(shape) == 3:                 # a mixture's experts: (E, rows, cols) as E * rows rows of cols
             tensor = _Stacked(tensor)
             shape = (shape[0] * shape[1], shape[2])
-        elif len(shape) == 2 and rest_is(name, "_exps.bias"):       # their biases (E, rows) as E * rows
+        elif len(shape) == 2 and name.endswith("_exps.bias"):       # their biases (E, rows) as E * rows
             tensor = _Stacked(tensor)
             shape = (shape[0] * shape[1],)
         # (a router is read as float32 whatever its type: MoeMlp takes float32 logits weights)
@@ -190,10 +190,6 @@ class _Stacked:
         data = tensor.data
         self.data = data.reshape(data.shape[0] * data.shape[1], *data.shape[2:])
 
-
-def rest_is(name: str, suffix: str) -> bool:
-    """Whether a layer tensor's name ends with `suffix` (blk.N.<...suffix>)."""
-    return name.startswith("blk.") and name.endswith(suffix)
 
 
 def _gguf_experts(path: str, arch: str, meta: Callable, tensors: dict, num_layers: int) -> dict:

@@ -180,15 +180,17 @@ def _gpt_oss_experts(cfg: LlamaConfig, fused: dict, path: str) -> dict:
         p = f"model.layers.{i}.mlp.experts."
         gate_up, gate_up_bias = fused[(i, "gate_up_proj")], fused[(i, "gate_up_proj_bias")]
         down, down_bias = fused[(i, "down_proj")], fused[(i, "down_proj_bias")]
-        for name, t, shape in (("gate_up_proj", gate_up, (e, h, 2 * inter)), ("gate_up_proj_bias", gate_up_bias,
-                               (e, 2 * inter)), ("down_proj", down, (e, inter, h)), ("down_proj_bias", down_bias, (e, h))):
+        for name, t, shape in (("gate_up_proj", gate_up, (e, h, 2 * inter)),
+                               ("gate_up_proj_bias", gate_up_bias, (e, 2 * inter)),
+                               ("down_proj", down, (e, inter, h)), ("down_proj_bias", down_bias, (e, h))):
             if tuple(t.shape) != shape:
                 raise WeightLoadError(f"{path}: tensor {p}{name} has shape {tuple(t.shape)}, expected {shape}")
         for part, offset in (("gate_proj", 0), ("up_proj", 1)):
             out[f"{p}{part}.weight"] = _derived(gate_up, (e * inter, h), lambda a, o=offset: a[:, :, o::2].transpose(
                 0, 2, 1).reshape(e * inter, h))
             out[f"{p}{part}.bias"] = _derived(gate_up_bias, (e * inter,), lambda a, o=offset: a[:, o::2].reshape(-1))
-        out[f"{p}down_proj.weight"] = _derived(down, (e * h, inter), lambda a: a.transpose(0, 2, 1).reshape(e * h, inter))
+        out[f"{p}down_proj.weight"] = _derived(down, (e * h, inter),
+                                               lambda a: a.transpose(0, 2, 1).reshape(e * h, inter))
         out[f"{p}down_proj.bias"] = _derived(down_bias, (e * h,), lambda a: a.reshape(-1))
     return out
 

@@ -132,7 +132,8 @@ def _rope_settings(raw: dict, path: str, head_dim: int) -> dict:
         original = int(full.get("original_max_position_embeddings") or raw.get("max_position_embeddings", 2048))
         out["rope_freq_factors"] = yarn_rope_factors(rotary, theta, factor, original,
                                                      float(full.get("beta_fast") or 32.0),
-                                                     float(full.get("beta_slow") or 1.0), bool(full.get("truncate", True)))
+                                                     float(full.get("beta_slow") or 1.0),
+                                                     bool(full.get("truncate", True)))
         out["rope_scale"] = float(full.get("attention_factor") or yarn_attention_factor(factor))
     elif kind != "default":
         raise WeightLoadError(f"{path}: RoPE scaling type {kind!r} is not supported (supported: linear, llama3, "
@@ -230,7 +231,8 @@ def _refuse_unsupported(raw: dict, arch: str, path: str) -> str:
         raise WeightLoadError(f"{path}: attention_bias/mlp_bias (o_proj or MLP biases) are not supported for "
                               f"{arch}; only Qwen2's q/k/v biases are")
     if arch == "gptoss" and not raw.get("attention_bias", True):
-        raise WeightLoadError(f"{path}: attention_bias=false is not supported for gpt-oss (its projections have biases)")
+        raise WeightLoadError(f"{path}: attention_bias=false is not supported for gpt-oss (its projections have "
+                              "biases)")
     if arch in ("qwen3", "qwen3moe", "gemma3", "mixtral") and raw.get("attention_bias"):
         raise WeightLoadError(f"{path}: attention_bias=true (q/k/v/o biases) is not supported for {arch}")
     return act
@@ -240,7 +242,8 @@ def _experts(raw: dict, arch: str, num_layers: int, path: str) -> dict:
     """The LlamaConfig fields of a mixture of experts (none for a dense model): Qwen3-MoE's `num_experts` (5.x:
     `num_local_experts`), `moe_intermediate_size`, `norm_topk_prob` and its dense layers (`mlp_only_layers`, and
     those off `decoder_sparse_step`, as transformers builds them); Mixtral's `num_local_experts` of
-    `intermediate_size` units, always renormalized."""
+    `intermediate_size` units, always renormalized; gpt-oss's likewise, with biases and its clamped SwiGLU
+    (`swiglu_alpha`, `swiglu_limit`)."""
     if arch not in ("qwen3moe", "mixtral", "gptoss"):
         return {}
     experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
