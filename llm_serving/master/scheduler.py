@@ -177,15 +177,16 @@ class Scheduler:
     # --- the step ----------------------------------------------------------------------------------
 
     def schedule(self) -> Optional[ScheduledBatch]:
-        """The next step, or None when there is nothing to run."""
-        if self.spec.policy == "fcfs":
-            batch = self._fcfs_step()
-        else:
-            decoding = any(r.num_new_tokens == 1 for r in self.running)
-            starving = decoding and self.decode_wait >= self.spec.max_decode_wait_steps
-            batch = None if starving or (decoding and self._hold_prefill()) else self._prefill_step()
-            if batch is None:
-                batch = self._decode_step()
+        """The next step, or None when there is nothing to run (never None while requests are running or can
+        be admitted). Composing a step may preempt every row it was going to run (a decode step whose only
+        decode-ready request is the lowest-priority one and needs the last block); the state has changed then
+        (fewer running, more waiting), so the step is composed again. A step that comes back empty admitted
+        nothing, so each retry has fewer running requests and the loop ends."""
+        while True:
+            preempted = self.num_preemptions
+            batch = self._compose()
+            if batch is not None or self.num_preemptions == preempted:
+                break
         if batch is None:
             return None
         in_step = set(map(id, batch.requests))
@@ -193,6 +194,14 @@ class Scheduler:
         self.decode_wait = self.decode_wait + 1 if left_out else 0
         self._last_was_decode = not batch.is_prefill
         return batch
+
+    def _compose(self) -> Optional[ScheduledBatch]:
+        if self.spec.policy == "fcfs":
+            return self._fcfs_step()
+        decoding = any(r.num_new_tokens == 1 for r in self.running)
+        starving = decoding and self.decode_wait >= self.spec.max_decode_wait_steps
+        batch = None if starving or (decoding and self._hold_prefill()) else self._prefill_step()
+        return batch if batch is not None else self._decode_step()
 
     # --- step kinds --------------------------------------------------------------------------------
 

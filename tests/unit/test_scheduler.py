@@ -530,6 +530,15 @@ def test_property_random_runs_with_a_window_pool_conserve_both_pools(seed, polic
     run_random_load(seed, policy, chunked, prefix_caching, steps=600, window=True)
 
 
+def test_a_step_that_preempts_its_only_row_is_composed_again_not_returned_empty():
+    # fcfs, 4 running requests holding all 16 window blocks, each needing one more: the decode step's only
+    # decode-ready row is the lowest-priority request, so reserving its block preempts it and the step has no
+    # rows. schedule() must then compose the step again (3 running fit one prefill bucket with the queue's head)
+    # rather than answer None with work left (the case hypothesis found: seed 151).
+    runner = run_random_load(151, "fcfs", True, False, steps=600, window=True)
+    assert runner.sched.num_preemptions > 0
+
+
 def test_decode_runs_only_while_nothing_waits_and_every_row_may_have_them():
     sched = make_scheduler(decode_steps=4, decode_steps_max_rows=2)
     runner = FakeRunner(sched)
