@@ -60,6 +60,10 @@ SIZES = {
     # experts of 768, 8 of them per token (ffn: the model's dense width, a key llama.cpp reads but does not use)
     "qwen3moe-30b": dict(arch="qwen3moe", layers=8, hidden=2048, heads=32, kv_heads=4, head_dim=128, ffn=6144,
                          experts=128, experts_used=8, expert_ffn=768, rope_theta=1000000.0),
+    # Qwen3-30B-A3B at its full depth, for issue 50's memory goal (does an 18.6 GB Q4_K_M fit this 24 GB machine
+    # beside a KV cache?): not written and quantized anew (its F16 would be 57 GB) but the cut model's quantized
+    # layers repeated, layer i a copy of layer i % 8 (`tile_of`), a file of the real model's size and shapes
+    "qwen3moe-full-30b": dict(tile_of="qwen3moe-30b", layers=48),
     # gpt-oss-20b's body cut to 6 of its 24 layers (issue 50's other bench model, for --type MXFP4_MOE): 32
     # experts of 2,880 a layer, 4 a token, with biases; q/k/v/o biases, a sink logit per head, sliding-window
     # (128) and full layers alternating
@@ -93,7 +97,7 @@ def short_name(size: str, qtype: str) -> str:
     return f"{size}-{qtype.lower().replace('_', '')}"
 
 
-SHORT_NAME = re.compile(r"^((?:[a-z0-9]+-)?\d+b)-([a-z0-9_]+)$", re.IGNORECASE)
+SHORT_NAME = re.compile(r"^((?:[a-z0-9]+-)*\d+b)-([a-z0-9_]+)$", re.IGNORECASE)
 
 
 def resolve_short_name(name: str, root: Path | None = None):
@@ -285,12 +289,55 @@ def serve_check(path: Path, llama_server: Path, threads: int) -> str:
     return f"{body.get('content', '')!r}{' (with --no-repack)' if extra else ''}"
 
 
+def write_tiled(size: str, qtype: str, args, out: Path) -> None:
+    """A deeper model of the same body from a made cut one (SIZES[size]["tile_of"], made first if missing): its
+    metadata with the new block count, and layer i's tensors the quantized bytes of the cut model's layer
+    i % its depth (the token embedding, the final norm and the output as they are)."""
+    import gguf
+
+    body = SIZES[size]
+    src = make(body["tile_of"], qtype, args)
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.fields["general.architecture"].contents()
+    depth = reader.fields[f"{arch}.block_count"].contents()
+    writer = gguf.GGUFWriter(str(out), arch=arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        vtype = field.types[0]
+        value = body["layers"] if name == f"{arch}.block_count" else field.contents()
+        writer.add_key_value(name, value, vtype, sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    plan = [(t.name, t) for t in reader.tensors if not t.name.startswith("blk.")]
+    for i in range(body["layers"]):
+        prefix = f"blk.{i % depth}."
+        plan += [(f"blk.{i}." + t.name[len(prefix):], t) for t in reader.tensors if t.name.startswith(prefix)]
+    for name, t in plan:
+        # (the array's numpy shape; a quantized one's in bytes, which the writer turns into weights)
+        writer.add_tensor_info(name, list(t.data.shape), t.data.dtype, int(t.n_bytes), raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    t0 = time.monotonic()
+    for k, (name, t) in enumerate(plan):
+        writer.write_tensor_data(t.data)
+        if k % 100 == 0 or k == len(plan) - 1:
+            print(f"  {size}: {k + 1} / {len(plan)} tensors, {time.monotonic() - t0:.0f} s", flush=True)
+    writer.close()
+
+
 def make(size: str, qtype: str, args) -> Path:
     out = model_path(size, qtype)
     if out.is_file():
         print(f"{size}: {out} already made")
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
+    if SIZES[size].get("tile_of"):
+        tmp = out.with_suffix(".tmp")
+        t = time.monotonic()
+        write_tiled(size, qtype, args, tmp)
+        tmp.rename(out)
+        print(f"{size}: wrote {out} ({out.stat().st_size / 2**30:.2f} GiB) in {time.monotonic() - t:.0f} s", flush=True)
+        return out
     f16 = out.parent / f"{PREFIX}{size}-F16.gguf"
     if not f16.is_file():
         tmp = f16.with_suffix(".tmp")

@@ -31,6 +31,7 @@ from typing import Optional
 import numpy as np
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
+from mindspore.common.initializer import Zero, initializer
 
 from .attention import PagedAttention, paged_metadata
 from .kernels.signatures import DECODER_LAYER, EMBED_TOKENS, FINAL_LOGITS, MOE_MLP
@@ -45,14 +46,24 @@ from .weights import LlamaConfig
 __all__ = ["LlamaForCausalLM"]
 
 
+def _shared_param(tensor: Tensor, name: str) -> Parameter:
+    """A Parameter over `tensor`'s memory (a Tensor.from_numpy of the weights: no second copy of them at start).
+    Parameter(tensor) copies its input unless it judges, by the input's reference count, that nothing else holds
+    it (a temporary passed positionally: keyword arguments already made it copy, a second copy of every weight at
+    start); a lazy Parameter of the same shape (its initializer allocates nothing) given the tensor by set_data
+    shares it whatever holds it (tests/integration/test_model_runner.py checks the sharing)."""
+    param = Parameter(initializer(Zero(), tensor.shape, tensor.dtype), name=name, requires_grad=False)
+    param.set_data(tensor)
+    return param
+
+
 def _param(array: np.ndarray, name: str) -> Parameter:
-    # from_numpy shares the array's memory instead of copying it: no second copy of the weights at start
-    return Parameter(Tensor.from_numpy(np.ascontiguousarray(array, dtype=np.float32)), name=name, requires_grad=False)
+    return _shared_param(Tensor.from_numpy(np.ascontiguousarray(array, dtype=np.float32)), name)
 
 
 def _stored_param(array: np.ndarray, name: str) -> Parameter:
     """A quantized matrix's stored bytes (uint8), as the layer kernel reads them."""
-    return Parameter(Tensor.from_numpy(np.ascontiguousarray(array, dtype=np.uint8)), name=name, requires_grad=False)
+    return _shared_param(Tensor.from_numpy(np.ascontiguousarray(array, dtype=np.uint8)), name)
 
 
 def _lora_param(array: np.ndarray, name: str) -> Parameter:
