@@ -6,7 +6,11 @@ server with transformers (the reference) and a HuggingFace directory with its GG
 - `make_hf_model(family, path, seed)`: the model, random (torch.manual_seed) and scaled so that greedy choices are
   clear, saved by transformers' save_pretrained (float32 safetensors), with a byte-level BPE tokenizer.json of the
   model's vocabulary and a ChatML template (tokenizer_config.json), so a server starts from the directory.
-- `transformers_logits(path, ids)`, `transformers_greedy(path, prompt_ids, n)`: what transformers computes.
+- `write_mxfp4_hf(hf_path, out_path)`: a gpt-oss directory with its experts in MXFP4 as openai's checkpoints store
+  them (uint8 `..._blocks` and `..._scales`, `quantization_config` mxfp4 in config.json), quantized by
+  `quantize_mxfp4_hf`.
+- `transformers_logits(path, ids)`, `transformers_greedy(path, prompt_ids, n)`: what transformers computes (an MXFP4
+  directory dequantized by transformers itself).
 - `write_gguf(family, hf_path, out_path, qtype)`: the directory as llama.cpp's convert_hf_to_gguf.py writes it
   (tensor names from the gguf package's map, q/k rows permuted for the architectures whose llama.cpp RoPE pairs
   neighbours, Gemma's norms stored as 1 + w, Phi-3's fused tensors and longrope factors, the metadata keys; the
@@ -28,7 +32,8 @@ from typing import Optional
 import numpy as np
 
 __all__ = ["FAMILIES", "SPECIAL_TOKENS", "config_json_v4", "make_hf_model", "needs_transformers",
-           "transformers_greedy", "transformers_logits", "write_gguf", "write_tokenizer"]
+           "quantize_mxfp4_hf", "transformers_greedy", "transformers_logits", "write_gguf", "write_mxfp4_hf",
+           "write_tokenizer"]
 
 _COMMON = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0, rms_norm_eps=1e-6, max_position_embeddings=256)
 _GEMMA3_TEXT = dict(model_type="gemma3_text", vocab_size=384, hidden_size=64, intermediate_size=128,
@@ -250,14 +255,71 @@ def write_tokenizer(path, vocab_size: int, harmony: bool = False) -> Path:
     return path
 
 
+# E2M1's values by code (MXFP4's elements: sign, two exponent bits, one mantissa bit)
+_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+# the quantization_config gpt-oss's checkpoints carry (openai/gpt-oss-20b's config.json)
+MXFP4_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": [
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+
+
+def quantize_mxfp4_hf(w: np.ndarray) -> tuple:
+    """w (..., K) as HF's MXFP4 (gpt-oss's checkpoints): blocks uint8 (..., K/32, 16), each byte two E2M1 codes (low
+    nibble the even weight, high the odd one), and scales uint8 (..., K/32), each block's power of two + 127, chosen
+    so that its largest |w| scales into [4, 8); every weight scaled is rounded to the nearest E2M1 value."""
+    x = np.asarray(w, np.float64).reshape(*w.shape[:-1], w.shape[-1] // 32, 32)
+    amax = np.abs(x).max(axis=-1)
+    with np.errstate(divide="ignore"):
+        power = np.where(amax > 0, np.floor(np.log2(amax)) - 2, -127)
+    scales = np.clip(power + 127, 0, 254).astype(np.uint8)
+    scaled = x / np.exp2(scales.astype(np.float64) - 127)[..., None]
+    codes = np.abs(scaled[..., None] - _E2M1).argmin(axis=-1).astype(np.uint8)
+    # (C order: safetensors' save_file writes an array's buffer as it lies)
+    return np.ascontiguousarray(codes[..., 0::2] | (codes[..., 1::2] << 4)), np.ascontiguousarray(scales)
+
+
+def write_mxfp4_hf(hf_path, out_path, shards: int = 1) -> Path:
+    """gpt-oss directory `hf_path` with its experts' matrices in MXFP4, as openai ships gpt-oss: each layer's
+    gate_up_proj (E, H, 2I) stored as its outputs' rows (E, 2I, H) quantized along H (`gate_up_proj_blocks`,
+    `_scales`), down_proj (E, I, H) as (E, H, I) along I; biases and everything else as they are; config.json with
+    MXFP4_CONFIG. `shards` 2: the experts in a second file, with the index. Returns the directory."""
+    from safetensors.numpy import load_file, save_file
+
+    hf_path, out_path = Path(hf_path), Path(out_path)
+    out_path.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, arr in load_file(str(hf_path / "model.safetensors")).items():
+        if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = quantize_mxfp4_hf(np.swapaxes(arr, 1, 2))
+        else:
+            tensors[name] = arr
+    for f in hf_path.iterdir():
+        if f.is_file() and not f.name.startswith("model.safetensors"):
+            (out_path / f.name).write_bytes(f.read_bytes())
+    raw = json.loads((hf_path / "config.json").read_text())
+    (out_path / "config.json").write_text(json.dumps({**raw, "quantization_config": MXFP4_CONFIG}, indent=2))
+    if shards == 1:
+        save_file(tensors, str(out_path / "model.safetensors"), metadata={"format": "pt"})
+        return out_path
+    files = {name: f"model-0000{2 if '.mlp.experts.' in name else 1}-of-00002.safetensors" for name in tensors}
+    for fname in sorted(set(files.values())):
+        save_file({n: a for n, a in tensors.items() if files[n] == fname}, str(out_path / fname),
+                  metadata={"format": "pt"})
+    (out_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": files}))
+    return out_path
+
+
 # ------------------------------------------------------------------------------------------ transformers' answers
 
 @functools.lru_cache(maxsize=4)
 def _model(path: str):
-    """The model of directory `path`, loaded once (a directory is not rewritten under the same path)."""
+    """The model of directory `path`, loaded once (a directory is not rewritten under the same path); MXFP4 experts
+    dequantized by transformers (to the float32 asked for: what it does on a CPU without triton's kernels)."""
     torch, transformers = needs_transformers()
-    arch = json.loads((Path(path) / "config.json").read_text())["architectures"][0]
-    model = getattr(transformers, arch).from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    raw = json.loads((Path(path) / "config.json").read_text())
+    quant = ({"quantization_config": transformers.Mxfp4Config(dequantize=True)}
+             if raw.get("quantization_config", {}).get("quant_method") == "mxfp4" else {})
+    model = getattr(transformers, raw["architectures"][0]).from_pretrained(path, dtype=torch.float32,
+                                                                           attn_implementation="eager", **quant)
     return model.eval()
 
 

@@ -5,7 +5,8 @@ window and one three windows long (fed in chunks, so a window crosses chunk boun
 directory and from its GGUF twin, with the default float16 cache and a float32 one, on the layer kernel (every CPU
 step) and on MindSpore's ops (the path Ascend runs; a mixture is refused there); the logits are within the precision
 gate's 0.5% of the float64 reference (llm_serving/reference_llama.py), which computes each family's differences on its
-own. A mixture's rows routed to different experts share a step, and its LoRA rows adapt its attention."""
+own. A mixture's rows routed to different experts share a step, and its LoRA rows adapt its attention. gpt-oss
+also as openai ships it: its experts MXFP4 blocks and scales in the safetensors, read as stored."""
 from __future__ import annotations
 
 import functools
@@ -15,7 +16,8 @@ import pytest
 
 from llm_serving.models.runner_spec import RunnerSpec
 from llm_serving.reference_llama import ReferenceLlama
-from tests.families import make_hf_model, needs_transformers, transformers_greedy, transformers_logits, write_gguf
+from tests.families import (make_hf_model, needs_transformers, transformers_greedy, transformers_logits, write_gguf,
+                            write_mxfp4_hf)
 from tests.integration.server_harness import private_cache
 from tests.integration.test_model_runner import Seq, greedy_logits, step_view
 
@@ -34,8 +36,8 @@ MOE = ["qwen3moe", "mixtral", "gptoss"]
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """Each family's directory, its GGUF twin (F32) and a Q8_0 one of Gemma 3; the module's own cache directory
-    (a GGUF load writes its float32 tensors there)."""
+    """Each family's directory, its GGUF twin (F32) and a Q8_0 one of Gemma 3; gpt-oss's directory with MXFP4
+    experts, as openai ships it; the module's own cache directory (a GGUF load writes its float32 tensors there)."""
     root = tmp_path_factory.mktemp("families")
     with pytest.MonkeyPatch.context() as env:
         env.setenv("LLM_SERVING_CACHE", str(private_cache(root / "cache")))
@@ -51,6 +53,7 @@ def models(tmp_path_factory):
         out["gptoss-gguf-mxfp4"] = str(write_gguf("gptoss", out["gptoss"], root / "gptoss.MXFP4_MOE.gguf",
                                                   qtype=gguf.GGMLQuantizationType.Q8_0,
                                                   expert_qtype=gguf.GGMLQuantizationType.MXFP4))
+        out["gptoss-mxfp4"] = str(write_mxfp4_hf(out["gptoss"], root / "gptoss-mxfp4"))
         yield out
 
 
@@ -69,7 +72,8 @@ def _clear(path: str, prompt: tuple) -> int:
     return int(np.argmax(close)) if close.any() else len(tokens)
 
 
-def _generate(path: str, prompt: list, *, cache: str = "float16", layer_kernel: str = "auto"):
+def _generate(path: str, prompt: list, *, cache: str = "float16", layer_kernel: str = "auto",
+              keep_quantized: bool = True):
     """Greedy tokens and each step's logits through a ModelRunner: the prompt in chunks of CHUNK tokens, then one
     token a step."""
     from llm_serving.models.runner import ModelRunner
@@ -77,7 +81,8 @@ def _generate(path: str, prompt: list, *, cache: str = "float16", layer_kernel: 
     runner = ModelRunner(path, RunnerSpec(num_blocks=16, block_size=16, max_blocks_per_seq=4, decode_batch_sizes=[1],
                                           prefill_batch_sizes=[1], prefill_seq_lens=[CHUNK], num_threads=2,
                                           kv_cache_dtype=cache, layer_kernel=layer_kernel,
-                                          layer_kernel_rows=None if layer_kernel != "off" else 0))
+                                          layer_kernel_rows=None if layer_kernel != "off" else 0,
+                                          keep_quantized=keep_quantized))
     return greedy_logits(runner, prompt, NEW_TOKENS, chunk=CHUNK)
 
 
@@ -106,6 +111,26 @@ def test_a_quantized_gguf_is_read_as_stored_and_stays_within_the_gate(models, mo
         {39} if "mxfp4" in model else {8} if "qwen3moe" in model else set())          # read as stored
     tokens, logits = _generate(models[model], LONG)
     _check_against_reference(models[model], LONG, tokens, logits)
+
+
+def test_gptoss_with_mxfp4_experts_from_safetensors_gives_transformers_greedy_tokens(models):
+    """gpt-oss's HF directory as openai ships it (experts as MXFP4 blocks and scales, `quantization_config` mxfp4):
+    its experts are read as stored (GGML's MXFP4 rows, for MoeMlp), the greedy tokens are transformers' on the same
+    directory (which dequantizes MXFP4 itself), and the logits within the gate of the float64 reference (which reads
+    the experts' float32 values); with keep_quantized off, the kernels read those float32 values, to the same
+    tokens."""
+    from llm_serving.models.weights import load_quantized
+
+    path = models["gptoss-mxfp4"]
+    assert {name: q.qtype for name, q in load_quantized(path).items()} == {
+        f"model.layers.{i}.mlp.experts.{part}.weight": 39 for i in range(2) for part in ("gate_proj", "up_proj",
+                                                                                         "down_proj")}
+    for prompt in (SHORT, LONG):
+        tokens, logits = _generate(path, prompt)
+        assert tokens == _expected(path, tuple(prompt)), len(prompt)
+    assert tokens != _expected(models["gptoss"], tuple(LONG))            # (MXFP4's model: not the float one's)
+    _check_against_reference(path, LONG, tokens, logits)
+    assert _generate(path, LONG, keep_quantized=False)[0] == tokens
 
 
 @pytest.mark.parametrize("family", MOE)

@@ -19,8 +19,9 @@ checked once against `expected_shapes` before anything is read: a missing tensor
 dtype fails with a `WeightLoadError` naming the tensor. The model concatenates Q/K/V and gate/up itself when it
 builds its parameters (`llama.py`).
 
-A GGUF's block-quantized matrices are also available as the file stores them (`load_quantized`): the CPU layer
-kernel reads those rows directly, 4.5-8.5 bits per weight instead of float32's 32 (docs/benchmarks/JOURNAL.md).
+A GGUF's block-quantized matrices (and gpt-oss's MXFP4 experts from safetensors) are also available as the file
+stores them (`load_quantized`): the CPU layer kernel reads those rows directly, 4.25-8.5 bits per weight instead of
+float32's 32 (docs/benchmarks/JOURNAL.md).
 
 A new format: a module here with its reader (importing `common` only), its case in `detect_format` and its
 entry in `READERS`.

@@ -8,10 +8,15 @@ computes x * (1 + w)), a multimodal checkpoint's text model (`language_model.mod
 under the text model's names. Embeddings tied (`tie_word_embeddings`, or no `lm_head.weight`) or not. A mixture's
 experts, one tensor each (Qwen3-MoE's `mlp.experts.E.gate_proj`, Mixtral's `block_sparse_moe.experts.E.w1`), are
 stacked by rows into one matrix per part and layer (`mlp.experts.gate_proj.weight`: E * I rows), its router renamed
-`mlp.router.weight`.
+`mlp.router.weight`. gpt-oss's experts, one 3-D tensor per part and layer, are cut into those stacks too: float
+(`gate_up_proj`, gate and up interleaved) or, as openai's checkpoints ship them (`quantization_config` mxfp4), MXFP4
+blocks and scales (uint8, `gate_up_proj_blocks`/`_scales`, `down_proj_...`), which stay MXFP4: each stack offers its
+rows as GGML's MXFP4 blocks (`read_blocks`, type 39, a nibble re-layout of the same codes and scales, read from the
+memory-mapped file), which the CPU kernels read as stored, and float32 values (`read`) for every other path.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import struct
@@ -22,7 +27,7 @@ import numpy as np
 from .common import LlamaConfig, StoredTensor, WeightLoadError, expected_shapes, split_fused, stack_rows
 from .hf_config import llama3_rope_factors, load_config
 
-__all__ = ["llama3_rope_factors", "load_config", "load_hf", "stored_safetensors"]
+__all__ = ["llama3_rope_factors", "load_config", "load_hf", "mxfp4_to_ggml", "mxfp4_values", "stored_safetensors"]
 
 
 def _shard_files(model_dir: str) -> dict[str, str]:
@@ -65,6 +70,11 @@ def _bf16_reader(fpath: str, header_len: int, info: dict) -> Callable[[tuple], n
 
 
 _FLOAT_SAFETENSORS = ("F16", "BF16", "F32", "F64")
+
+
+def _u8_array(fpath: str, header_len: int, info: dict, shape: tuple) -> np.ndarray:
+    """A uint8 tensor of a safetensors file as a read-only memory map, viewed as `shape` (its own, regrouped)."""
+    return np.memmap(fpath, dtype=np.uint8, mode="r", offset=8 + header_len + info["data_offsets"][0], shape=shape)
 
 
 def stored_safetensors(files: dict[str, str], wanted: set[str]) -> dict[str, StoredTensor]:
@@ -161,6 +171,82 @@ def _expert_of(name: str) -> Optional[tuple]:
 _FUSED_EXPERTS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
 
 
+# the MXFP4 form of those (after "model.layers.N.mlp.experts."): uint8 blocks (E, rows, K/32, 16), each byte two
+# consecutive E2M1 codes (low nibble first), and scales (E, rows, K/32), E8M0 exponents (2 ** (scale - 127))
+_MXFP4_EXPERTS = ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales")
+_MXFP4 = 39                     # GGML's type code of MXFP4 (gguf.KEPT_QUANTIZED's): 17 bytes per 32 weights
+_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+_MXFP4_CHUNK = 4096             # rows converted at a time (bounds the temporary arrays of a whole stack's read)
+
+
+def _e2m1_codes(blocks: np.ndarray) -> np.ndarray:
+    """The 4-bit codes of HF MXFP4 blocks (..., 16) in weight order (..., 32): byte k holds weights 2k (its low
+    nibble) and 2k + 1 (its high one)."""
+    return np.stack([blocks & 0xF, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], 32)
+
+
+def mxfp4_to_ggml(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """HF MXFP4 rows, blocks (rows, K/32, 16) and scales (rows, K/32), as GGML's MXFP4 rows (rows, K/32 * 17), the
+    same codes and scales: each block its E8M0 byte, then 16 bytes whose low nibbles are weights 0..15 and high
+    nibbles 16..31. (GGML's table is the E2M1 values doubled and its scale 2 ** (e - 128): the same weights.)"""
+    codes = _e2m1_codes(blocks)
+    packed = codes[..., :16] | (codes[..., 16:] << 4)
+    return np.concatenate([scales[..., None], packed], axis=-1).reshape(blocks.shape[0], -1)
+
+
+def mxfp4_values(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """HF MXFP4 rows as float32 (rows, K): E2M1 value times 2 ** (scale - 127), exactly."""
+    exponents = scales.astype(np.int32)[..., None] - 127
+    return np.ldexp(_E2M1[_e2m1_codes(blocks)], exponents).reshape(blocks.shape[0], -1)
+
+
+def _mxfp4_stack(blocks: Callable[[], np.ndarray], scales: Callable[[], np.ndarray], shape: tuple, first: int,
+                 step: int) -> StoredTensor:
+    """A (rows, K) expert stack whose row r is row first + r * step of the (E * R, K/32, 16) blocks and (E * R, K/32)
+    scales that `blocks()` and `scales()` map (gate: even rows of gate_up, up: odd ones, down: every row): read(index)
+    its float32 values, read_blocks(rows) its GGML MXFP4 bytes."""
+    def packed_rows(rows) -> np.ndarray:
+        return np.arange(shape[0])[rows] * step + first
+
+    def read_blocks(rows: slice) -> np.ndarray:
+        at, b, s = packed_rows(rows), blocks(), scales()
+        out = np.empty((len(at), shape[1] // 32 * 17), np.uint8)
+        for start in range(0, len(at), _MXFP4_CHUNK):
+            part = at[start:start + _MXFP4_CHUNK]
+            out[start:start + len(part)] = mxfp4_to_ggml(b[part], s[part])
+        return out
+
+    def read(index: tuple) -> np.ndarray:
+        at = packed_rows(index[0] if index else slice(None))
+        return mxfp4_values(blocks()[at], scales()[at])[(slice(None),) + tuple(index[1:])]
+    return StoredTensor(shape, read, _MXFP4, read_blocks, "MXFP4")
+
+
+def _mxfp4_experts(cfg: LlamaConfig, packed: dict, path: str) -> dict:
+    """gpt-oss's MXFP4 experts ({(layer, name): (file, header length, header entry)}) as the gate, up and down stacks,
+    read from the memory-mapped files (as `_gpt_oss_experts` cuts the float ones: gate_up's rows are its outputs,
+    gate and up interleaved)."""
+    e, h, inter = cfg.num_experts, cfg.hidden_size, cfg.expert_intermediate_size
+    out = {}
+    # each packed tensor: its rows (outputs) and K (inputs), and the stacks cut from it (part, first row, step)
+    cuts = {"gate_up_proj": (2 * inter, h, (("gate_proj", 0, 2), ("up_proj", 1, 2))),
+            "down_proj": (h, inter, (("down_proj", 0, 1),))}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}.mlp.experts."
+        for name, (rows, k, parts) in cuts.items():
+            arrays = {}
+            for kind, shape in (("blocks", (e, rows, k // 32, 16)), ("scales", (e, rows, k // 32))):
+                fpath, header_len, info = packed[(i, f"{name}_{kind}")]
+                if info["dtype"] != "U8" or tuple(info["shape"]) != shape:
+                    raise WeightLoadError(f"{path}: tensor {p}{name}_{kind} is {info['dtype']} {tuple(info['shape'])}"
+                                          f", expected U8 {shape} (MXFP4 {kind})")
+                arrays[kind] = functools.partial(_u8_array, fpath, header_len, info, (e * rows,) + shape[2:])
+            for part, first, step in parts:
+                out[f"{p}{part}.weight"] = _mxfp4_stack(arrays["blocks"], arrays["scales"], (e * rows // step, k),
+                                                        first, step)
+    return out
+
+
 def _derived(tensor: StoredTensor, shape: tuple, fn) -> StoredTensor:
     """A tensor computed from the whole of another (`fn` of its float32 array), read whole then indexed."""
     def read(index: tuple) -> np.ndarray:
@@ -168,30 +254,41 @@ def _derived(tensor: StoredTensor, shape: tuple, fn) -> StoredTensor:
     return StoredTensor(shape, read, stored_type=tensor.stored_type)
 
 
-def _gpt_oss_experts(cfg: LlamaConfig, fused: dict, path: str) -> dict:
+def _gpt_oss_experts(cfg: LlamaConfig, fused: dict, path: str, packed: Optional[dict] = None) -> dict:
     """gpt-oss's fused expert tensors ({(layer, name): StoredTensor}) as the stacks and biases the model reads:
-    gate (E*I, H) from gate_up's even columns, up from its odd ones, down (E*H, I), transposed per expert."""
+    gate (E*I, H) from gate_up's even columns, up from its odd ones, down (E*H, I), transposed per expert. `packed`:
+    an MXFP4 checkpoint's blocks and scales (`_packed_tensors`), its matrices (`_mxfp4_experts`); the biases are
+    float in either."""
     e, h, inter = cfg.num_experts, cfg.hidden_size, cfg.expert_intermediate_size
+    shapes = {"gate_up_proj": (e, h, 2 * inter), "gate_up_proj_bias": (e, 2 * inter), "down_proj": (e, inter, h),
+              "down_proj_bias": (e, h)}
+    if packed is not None:
+        shapes = {name: shape for name, shape in shapes.items() if name.endswith("_bias")}
     out = {}
     for i in range(cfg.num_layers):
-        missing = [n for n in _FUSED_EXPERTS if (i, n) not in fused]
-        if missing:
-            raise WeightLoadError(f"{path}: layer {i} has no mlp.experts.{missing[0]} tensor")
         p = f"model.layers.{i}.mlp.experts."
-        gate_up, gate_up_bias = fused[(i, "gate_up_proj")], fused[(i, "gate_up_proj_bias")]
-        down, down_bias = fused[(i, "down_proj")], fused[(i, "down_proj_bias")]
-        for name, t, shape in (("gate_up_proj", gate_up, (e, h, 2 * inter)),
-                               ("gate_up_proj_bias", gate_up_bias, (e, 2 * inter)),
-                               ("down_proj", down, (e, inter, h)), ("down_proj_bias", down_bias, (e, h))):
-            if tuple(t.shape) != shape:
-                raise WeightLoadError(f"{path}: tensor {p}{name} has shape {tuple(t.shape)}, expected {shape}")
+        missing = [n for n in _MXFP4_EXPERTS if packed is not None and (i, n) not in packed]
+        missing += [n for n in shapes if (i, n) not in fused]
+        if missing:
+            raise WeightLoadError(f"{path}: tensor {p}{missing[0]} is missing" + (
+                " (an MXFP4 checkpoint: each layer's experts are blocks and scales, with float biases)"
+                if packed is not None else ""))
+        t = {name: fused[(i, name)] for name in shapes}
+        for name, shape in shapes.items():
+            if tuple(t[name].shape) != shape:
+                raise WeightLoadError(f"{path}: tensor {p}{name} has shape {tuple(t[name].shape)}, expected {shape}")
         for part, offset in (("gate_proj", 0), ("up_proj", 1)):
-            out[f"{p}{part}.weight"] = _derived(gate_up, (e * inter, h), lambda a, o=offset: a[:, :, o::2].transpose(
-                0, 2, 1).reshape(e * inter, h))
-            out[f"{p}{part}.bias"] = _derived(gate_up_bias, (e * inter,), lambda a, o=offset: a[:, o::2].reshape(-1))
-        out[f"{p}down_proj.weight"] = _derived(down, (e * h, inter),
-                                               lambda a: a.transpose(0, 2, 1).reshape(e * h, inter))
-        out[f"{p}down_proj.bias"] = _derived(down_bias, (e * h,), lambda a: a.reshape(-1))
+            if packed is None:
+                out[f"{p}{part}.weight"] = _derived(t["gate_up_proj"], (e * inter, h), lambda a, o=offset: a[
+                    :, :, o::2].transpose(0, 2, 1).reshape(e * inter, h))
+            out[f"{p}{part}.bias"] = _derived(t["gate_up_proj_bias"], (e * inter,),
+                                              lambda a, o=offset: a[:, o::2].reshape(-1))
+        if packed is None:
+            out[f"{p}down_proj.weight"] = _derived(t["down_proj"], (e * h, inter),
+                                                   lambda a: a.transpose(0, 2, 1).reshape(e * h, inter))
+        out[f"{p}down_proj.bias"] = _derived(t["down_proj_bias"], (e * h,), lambda a: a.reshape(-1))
+    if packed is not None:
+        out.update(_mxfp4_experts(cfg, packed, path))
     return out
 
 
@@ -229,6 +326,30 @@ def _checkpoint_names(files: dict[str, str]) -> list[str]:
         raise WeightLoadError(f"{files['']}: cannot read safetensors file: {e}") from e
 
 
+def _quant_method(model_dir: str) -> Optional[str]:
+    """config.json's `quantization_config.quant_method` (gpt-oss's checkpoints: "mxfp4"), or None. (load_config has
+    read the file already: it is there and JSON.)"""
+    with open(os.path.join(model_dir, "config.json"), "r", encoding="utf-8") as f:
+        quant = json.load(f).get("quantization_config")
+    return quant.get("quant_method") if isinstance(quant, dict) else None
+
+
+def _packed_tensors(files: dict[str, str], names: dict[str, tuple]) -> dict[tuple, tuple]:
+    """{key: (file, header length, header entry)} of the tensors `names` ({name: key}) maps, not read: where each
+    one's bytes are."""
+    headers, out = {}, {}
+    for name, key in names.items():
+        fpath = files.get(name) or files[""]
+        if fpath not in headers:
+            try:
+                headers[fpath] = _safetensors_header(fpath)
+            except (OSError, ValueError, struct.error) as e:
+                raise WeightLoadError(f"{fpath}: cannot read safetensors file: {e}") from e
+        header_len, header = headers[fpath]
+        out[key] = (fpath, header_len, header[name])
+    return out
+
+
 def load_hf(model_dir: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
     """The config and tensors (not read yet) of a HuggingFace directory, under the internal names."""
     cfg = load_config(model_dir)
@@ -238,13 +359,13 @@ def load_hf(model_dir: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
     names = {n: _internal_name(n, cfg.architecture) for n in _checkpoint_names(files)}
     expert_parts = {n: _expert_of(internal) for n, internal in names.items()} if cfg.num_experts else {}
     oss = cfg.architecture == "gptoss"
-    if oss and any(n.endswith(("_blocks", "_scales")) for n in names):
-        raise WeightLoadError(f"{model_dir}: the experts are stored as MXFP4 blocks and scales, which this reader "
-                              "does not read from safetensors; serve the model's GGUF (llama.cpp's converter keeps "
-                              "them MXFP4, which the CPU kernels read as stored)")
-    fused_experts = {n: (int(n.split(".")[2]), n.rsplit(".", 1)[1]) for n in names
-                     if oss and n.startswith("model.layers.") and n.rsplit(".", 1)[1] in _FUSED_EXPERTS
-                     and ".mlp.experts." in n}
+    # gpt-oss's experts: (layer, name) of each 3-D tensor, float or MXFP4 (its blocks and scales are not float: they
+    # are read from the memory-mapped file, not through stored_safetensors)
+    oss_experts = {n: (int(n.split(".")[2]), n.rsplit(".", 1)[1]) for n in names
+                   if oss and n.startswith("model.layers.") and ".mlp.experts." in n}
+    fused_experts = {n: key for n, key in oss_experts.items() if key[1] in _FUSED_EXPERTS}
+    mxfp4 = {n: key for n, key in oss_experts.items() if key[1] in _MXFP4_EXPERTS}
+    packed = _packed_tensors(files, mxfp4) if oss and (mxfp4 or _quant_method(model_dir) == "mxfp4") else None
     wanted = {n for n, internal in names.items()
               if internal in needed or internal in fused or expert_parts.get(n) or n in fused_experts}
     stored, experts, by_layer = {}, {}, {}
@@ -259,7 +380,7 @@ def load_hf(model_dir: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
             stored[internal] = _plus_one(tensor) if gemma_norm else tensor
     split_fused(cfg, stored)
     if oss:
-        stored.update(_gpt_oss_experts(cfg, by_layer, model_dir))
+        stored.update(_gpt_oss_experts(cfg, by_layer, model_dir, packed))
     elif cfg.num_experts:
         stored.update(_stack_experts(cfg, experts, model_dir))
     return cfg, stored

@@ -137,9 +137,9 @@ def _log_float32_copies(stored: dict, read: dict, skip: frozenset) -> None:
 
 def load_quantized(path: str, num_layers: Optional[int] = None) -> dict[str, QuantizedTensor]:
     """{hf_name: QuantizedTensor} of the model's 2-D weight matrices that the checkpoint stores block-quantized
-    (a GGUF's block-quantized and F16 tensors; see gguf.KEPT_QUANTIZED), whole (one agent); {} for a
-    checkpoint that has none. The embedding among them (the CPU kernels gather its rows from the stored
-    blocks); a tied lm_head is the embedding's stored tensor, the same object."""
+    (a GGUF's block-quantized and F16 tensors, see gguf.KEPT_QUANTIZED; gpt-oss's MXFP4 experts from safetensors,
+    hf.py's), whole (one agent); {} for a checkpoint that has none. The embedding among them (the CPU kernels
+    gather its rows from the stored blocks); a tied lm_head is the embedding's stored tensor, the same object."""
     path = os.fspath(path)
     cfg, stored = _checked_stored(path, num_layers)
     out, done = {}, {}
