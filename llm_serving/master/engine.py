@@ -236,7 +236,7 @@ class Engine:
 
     def submit(self, prompt_ids: list, sampling: SamplingParams, req_id: Optional[str] = None,
                adapter: Optional[str] = None, grammar=None) -> Request:
-        """Queue a validated request (see server/schemas.py), on the base model or LoRA adapter `adapter` (a
+        """Queue a validated request (see server/translate.py), on the base model or LoRA adapter `adapter` (a
         name in self.lora_paths); `grammar`: its grammar's matcher as `compile_grammar` gave it (copied: one per
         request). Raises QueueFullError past the queue bounds, DuplicateRequestError when req_id names a request
         still in flight, KeyError for an adapter not served here, UnsupportedRequestError for what the agents

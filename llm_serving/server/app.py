@@ -13,7 +13,7 @@ from llm_serving.master.grammar import GrammarError
 from llm_serving.master.scheduler import QueueFullError
 from llm_serving.server import metrics, routes_llm_serving, routes_openai, streaming
 from llm_serving.server.keys import ENGINE
-from llm_serving.server.schemas import ModelNotFoundError, ValidationError
+from llm_serving.server.errors import ModelNotFoundError, ValidationError
 
 logger = logging.getLogger(__name__)
 
@@ -34,20 +34,17 @@ ERROR_STATUS = {
     QueueFullError: (429, "overloaded"),
     EngineStoppedError: (503, "unavailable"),
 }
-# OpenAI's error `type` for a status (its clients read error.type and error.code)
-OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-                409: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-                503: "service_unavailable"}
+# the route modules, each with add_routes(app); one whose API has an error shape of its own says which paths are its
+# (`owns(path)`) and writes its errors (`error_body(status, message, kind, param)`): the first that owns a path
+# shapes its errors, llm-serving's / TGI's shape the rest. A new API adds its module here (before OpenAI's if its
+# paths are under /v1/ too).
+ROUTE_MODULES = (routes_llm_serving, routes_openai)
 
 
 def error_response(request: web.Request, status: int, message: str, kind: str, param=None) -> web.Response:
-    """The error body of the API the path belongs to: OpenAI's under /v1/ (and vLLM's /tokenize, /detokenize),
-    llm-serving / TGI's elsewhere."""
-    if request.path.startswith("/v1/") or request.path in routes_openai.ROOT_ROUTES:
-        body = streaming.openai_error_body(message, OPENAI_TYPES.get(status, "invalid_request_error"), param,
-                                           "model_not_found" if kind == "not_found" else None)
-    else:
-        body = streaming.error_body(message, kind)
+    """The error body of the API the path belongs to (`ROUTE_MODULES`)."""
+    owner = next((m for m in ROUTE_MODULES if hasattr(m, "owns") and m.owns(request.path)), None)
+    body = owner.error_body(status, message, kind, param) if owner is not None else streaming.error_body(message, kind)
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
     return web.json_response(body, status=status, headers=headers)
 
@@ -149,7 +146,7 @@ def create_app(engine) -> web.Application:
     app.router.add_get("/stats", stats)
     app.router.add_get("/info", model_info)
     app.router.add_get("/models/{model}", model_info)
-    routes_llm_serving.add_routes(app)
-    routes_openai.add_routes(app)
+    for module in ROUTE_MODULES:
+        module.add_routes(app)
     metrics.add_routes(app, engine)
     return app

@@ -3,11 +3,16 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 from aiohttp import web
 
-from llm_serving.server import api_models, schemas, streaming
+from llm_serving.server import streaming
+from llm_serving.server.api import base as api
+from llm_serving.server.api.tgi import GenerateRequest
+from llm_serving.server.errors import ModelNotFoundError, ValidationError
 from llm_serving.server.keys import ENGINE
+from llm_serving.server.translate import prepare, request_id
 
 # Clients may name their request (to abort it by id); the server echoes the id it used in responses.
 REQUEST_ID_HEADER = "X-Request-Id"
@@ -15,32 +20,42 @@ REQUEST_ID_HEADER = "X-Request-Id"
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class _Generate:
+    """A generate request as its route answers it."""
+    inputs: str
+    sampling: object               # SamplingParams
+    stream: bool
+    return_full_text: bool
+    details: bool
+    compiled: object = None        # its grammar's matcher (Engine.compile_grammar), once compiled
+
+
 async def _read_request(request: web.Request, stream_default: bool):
-    """(engine, request, prompt ids, request id, LoRA adapter or None): the path's model (the base model or an
-    adapter's name) or TGI's parameters.adapter_id picks the adapter."""
+    """(engine, the request, its prompt ids, its request id, its LoRA adapter or None): the path's model (the base
+    model or an adapter's name) or TGI's parameters.adapter_id picks the adapter."""
     engine = request.app[ENGINE]
     model = request.match_info.get("model")
     if model is not None and model not in engine.served_models():
-        raise schemas.ModelNotFoundError(f"model {model!r} is not served here; this server serves "
-                                         f"{', '.join(map(repr, engine.served_models()))}")
-    body = schemas.parse_json_body(await request.read())
-    gen = schemas.parse_generate(api_models.validate(api_models.GenerateRequest, body, unknown="parameter"),
-                                 stream_default=stream_default, vocab_size=engine.vocab_size)
-    adapter = model if model is not None and model != engine.model_name else None
-    if gen.adapter_id is not None:
-        if gen.adapter_id not in engine.lora_paths:
-            raise schemas.ModelNotFoundError(f"LoRA adapter {gen.adapter_id!r} (parameters.adapter_id) is not "
-                                             f"served here; adapters: {', '.join(map(repr, engine.lora_paths)) or 'none'}")
-        if adapter is not None and adapter != gen.adapter_id:
-            raise schemas.ValidationError(f"parameters.adapter_id {gen.adapter_id!r} differs from the path's "
-                                          f"model {adapter!r}")
-        adapter = gen.adapter_id
-    prompt_ids = engine.tokenizer.encode(gen.inputs, add_bos=True)
-    schemas.check_lengths(gen, len(prompt_ids), engine.max_model_len)
-    req_id = schemas.parse_request_id(request.headers.get(REQUEST_ID_HEADER))
+        raise ModelNotFoundError(f"model {model!r} is not served here; this server serves "
+                                 f"{', '.join(map(repr, engine.served_models()))}")
+    r = api.validate(GenerateRequest, api.read_json(await request.read()), unknown="parameter")
+    adapter_id = r.parameters.adapter_id
+    if adapter_id is not None:
+        if adapter_id not in engine.lora_paths:
+            raise ModelNotFoundError(f"LoRA adapter {adapter_id!r} (parameters.adapter_id) is not served here; "
+                                     f"adapters: {', '.join(map(repr, engine.lora_paths)) or 'none'}")
+        if model is not None and model != engine.model_name and model != adapter_id:
+            raise ValidationError(f"parameters.adapter_id {adapter_id!r} differs from the path's model {model!r}")
+        model = adapter_id
+    api_request = r.to_request(stream_default, model)
+    prepared = prepare(api_request, engine)
+    req_id = request_id(request.headers.get(REQUEST_ID_HEADER))
+    gen = _Generate(r.inputs, prepared.sampling, api_request.stream, r.parameters.return_full_text,
+                    r.parameters.details)
     if gen.sampling.grammar is not None:        # compiled off the event loop, then copied into the request
         gen.compiled = await engine.compile_grammar(gen.sampling.grammar)
-    return engine, gen, prompt_ids, req_id, adapter
+    return engine, gen, prepared.prompt_ids, req_id, prepared.adapter
 
 
 async def generate(request: web.Request) -> web.StreamResponse:

@@ -1,7 +1,7 @@
-"""Tool calling on the chat route: a request's `tools` and `tool_choice` checked (`ToolRequest.parse`), the
-conversation rendered with them (`ToolRequest.conversation`), the grammar that forces a call (`required`, a named
-function: any model then writes a call whose arguments validate against the function's parameters), and the
-reply's calls parsed, whole (`parse_calls`) or as a stream goes (`CallStream`).
+"""Tool calling on the chat route: a request's `tools` and `tool_choice` for the served model's template
+(`ToolRequest.of`; their shape is checked by api/openai.py), the conversation rendered with them
+(`ToolRequest.conversation`), the grammar that forces a call (`required`, a named function: any model then writes a
+call whose arguments validate against the function's parameters), and the reply's calls parsed, whole (`parse_calls`) or as a stream goes (`CallStream`).
 
 Formats. A chat template that takes `tools` (Qwen2.5's, Llama-3.1's) renders them itself, and the model writes
 calls as its template taught it: Hermes/Qwen's `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, or
@@ -21,11 +21,8 @@ from typing import Optional
 
 from llm_serving.master.grammar import JSON_OPTIONS, GrammarSpec, tool_call_lark
 from llm_serving.server.reasoning import partial_tag
-from llm_serving.server.schemas import ValidationError
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-MAX_TOOLS = 128
 DEFAULT_TOOL_PROMPT = (
     "You can call functions to answer. Their definitions, one JSON object per line:\n"
     "<tools>\n{tools}\n</tools>\n"
@@ -46,49 +43,13 @@ class ToolRequest:
     names: list = field(default_factory=list)
 
     @classmethod
-    def parse(cls, body: dict, template) -> "Optional[ToolRequest]":
-        """The request's tools (None when it has none, or tool_choice is none); a 400 naming the field for a
-        malformed one."""
-        tools, choice = body.get("tools"), body.get("tool_choice")
-        if tools is None or tools == []:
-            if choice not in (None, "none"):
-                raise ValidationError("tool_choice needs tools", param="tool_choice")
-            if body.get("parallel_tool_calls") is not None:
-                raise ValidationError("parallel_tool_calls needs tools", param="parallel_tool_calls")
+    def of(cls, tools: Optional[list], choice: str, parallel: bool, template) -> "Optional[ToolRequest]":
+        """A chat's validated tools (api/openai.py checks their shape, names and tool_choice) for the served
+        model's template; None when it has none, or tool_choice is none."""
+        if not tools or choice == "none":
             return None
-        if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
-            raise ValidationError(f"tools must be a list of at most {MAX_TOOLS} tools", param="tools")
-        names = []
-        for i, tool in enumerate(tools):
-            fn = tool.get("function") if isinstance(tool, dict) else None
-            if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict) \
-                    or set(tool) - {"type", "function"}:
-                raise ValidationError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{name, description, "
-                                      "parameters}}}}", param="tools")
-            if not isinstance(fn.get("name"), str) or not NAME.match(fn["name"]):
-                raise ValidationError(f"tools[{i}].function.name must be 1-64 letters, digits, _ . or -",
-                                      param="tools")
-            if fn["name"] in names:
-                raise ValidationError(f"tools[{i}].function.name {fn['name']!r} is given twice", param="tools")
-            if not isinstance(fn.get("parameters", {}), dict) or not isinstance(fn.get("description", ""), str):
-                raise ValidationError(f"tools[{i}].function: parameters must be a JSON schema object and "
-                                      "description a string", param="tools")
-            names.append(fn["name"])
-        if choice is None or choice in ("auto", "required", "none"):
-            choice = choice or "auto"
-        elif isinstance(choice, dict) and choice.get("type") == "function" \
-                and isinstance(choice.get("function"), dict) and choice["function"].get("name") in names:
-            choice = choice["function"]["name"]
-        else:
-            raise ValidationError("tool_choice must be none, auto, required or {\"type\": \"function\", "
-                                  "\"function\": {\"name\": <one of the tools>}}", param="tool_choice")
-        if choice == "none":
-            return None
-        parallel = body.get("parallel_tool_calls", True)
-        if not isinstance(parallel, bool):
-            raise ValidationError("parallel_tool_calls must be true or false", param="parallel_tool_calls")
         return cls(tools, choice, parallel and choice in ("auto", "required"), template.tool_format,
-                   template.takes_tools, names)
+                   template.takes_tools, [t["function"]["name"] for t in tools])
 
     @property
     def forced(self) -> bool:

@@ -7,7 +7,7 @@ import urllib.request
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from llm_serving.server.api_models import TGIParameters
+from llm_serving.server.api.tgi import TGIParameters
 from tests.integration.server_harness import http, parse_sse
 from tests.integration.test_serving import generate
 

@@ -191,7 +191,7 @@ def test_tokenize_and_detokenize_in_vllms_shapes(client, stories_server, tokeniz
 
 def test_the_openapi_document_describes_the_request_bodies_and_they_are_checked_by_them(stories_server):
     """GET /openapi.json: an OpenAPI 3.1 document whose request schemas are the models the routes validate with
-    (server/api_models.py): a body that breaks one (a type, a range, an unknown field) is refused naming the field,
+    (server/api/): a body that breaks one (a type, a range, an unknown field) is refused naming the field,
     in each API's own error shape."""
     url = stories_server.url
     status, doc = http("GET", url + "/openapi.json")

@@ -17,8 +17,11 @@ from llm_serving.master.grammar import GrammarError, GrammarSpec, Grammars
 from llm_serving.master.logits import LogitsState, bits_of
 from llm_serving.master.request import SamplingParams
 from llm_serving.models.logit_controls import MASKED, apply_controls, logit_rows, read_controls
-from llm_serving.server import api_models, schemas
-from llm_serving.server.schemas import ValidationError
+from llm_serving.server.api.base import validate
+from llm_serving.server.api.openai import CompletionRequest
+from llm_serving.server.api.tgi import GenerateRequest
+from llm_serving.server.errors import ValidationError
+from llm_serving.server.translate import prepare
 from llm_serving.shm.layout import BAN_BIAS
 from llm_serving.tokenization import SentencePieceTokenizer
 
@@ -168,31 +171,48 @@ class _Tok:
         return [ord(c) % 100 for c in text]
 
 
+class _Engine:
+    """What translate.prepare reads of the engine for a completion."""
+    model_name, vocab_size, max_model_len, tokenizer = "m", 100, 64, _Tok()
+
+    def served_models(self):
+        return ["m"]
+
+
+def _structured(body):
+    return validate(CompletionRequest, {"model": "m", "prompt": "p", **body})._grammar
+
+
 def test_request_fields_become_sampling_fields_or_a_400_naming_them():
     body = {"model": "m", "prompt": "p", "logit_bias": {"5": 10, "7": -100.0}, "min_p": 0.1, "min_tokens": 3,
-            "bad_words": ["ab"], "allowed_token_ids": [1, 2, 2]}
-    got = schemas.parse_logit_controls(api_models.validate(api_models.CompletionRequest, body), _Tok(), 100,
-                                       max_tokens=8)
-    assert got == {"logit_bias": ((5, 10.0), (7, -100.0)), "min_p": 0.1, "min_tokens": 3,
-                   "bad_words": ((97 % 100, 98 % 100), (32, 97 % 100, 98 % 100)), "allowed_token_ids": (1, 2)}
-    assert schemas.parse_structured({"response_format": {"type": "text"}}) is None
-    assert schemas.parse_structured({"guided_choice": ["x", "y", "x"]}) == GrammarSpec("choice", ("x", "y"),
-                                                                                        "guided_choice")
-    assert schemas.parse_structured({"structured_outputs": {"json_object": True}}).kind == "json_object"
-    spec = schemas.parse_structured({"response_format": {"type": "json_schema",
-                                                         "json_schema": {"name": "x", "schema": SCHEMA}}})
+            "bad_words": ["ab"], "allowed_token_ids": [1, 2, 2], "max_tokens": 8}
+    sp = prepare(validate(CompletionRequest, body).to_request(), _Engine()).sampling
+    assert (sp.logit_bias, sp.min_p, sp.min_tokens, sp.bad_words, sp.allowed_token_ids) == (
+        ((5, 10.0), (7, -100.0)), 0.1, 3, ((97 % 100, 98 % 100), (32, 97 % 100, 98 % 100)), (1, 2))
+    for bad, param in (({"logit_bias": {"100": 1}}, "logit_bias"), ({"allowed_token_ids": [3, 100]},
+                                                                    "allowed_token_ids"),
+                       ({"stop_token_ids": [100]}, "stop_token_ids"), ({"prompt": [5, 100]}, "prompt")):
+        with pytest.raises(ValidationError) as info:       # the vocabulary's bound: the served model's
+            prepare(validate(CompletionRequest, {**body, **bad}).to_request(), _Engine())
+        assert info.value.param == param, bad
+    assert _structured({"response_format": {"type": "text"}}) is None
+    assert _structured({"guided_choice": ["x", "y", "x"]}) == GrammarSpec("choice", ("x", "y"), "guided_choice")
+    assert _structured({"structured_outputs": {"json_object": True}}).kind == "json_object"
+    spec = _structured({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}})
     assert spec.kind == "json" and json.loads(spec.value) == SCHEMA
-    assert schemas.parse_tgi_grammar({"type": "regex", "value": "[ab]+"}) == GrammarSpec("regex", "[ab]+",
-                                                                                         "parameters.grammar.value")
+    tgi = validate(GenerateRequest, {"inputs": "x", "parameters": {"grammar": {"type": "regex", "value": "[ab]+"}}})
+    assert tgi.to_request(False, None).sampling.grammar == GrammarSpec("regex", "[ab]+", "parameters.grammar.value")
     for body, param in (({"structured_outputs": {"json": {}, "regex": "a"}}, "structured_outputs"),
                         ({"structured_outputs": {"xml": "a"}}, "structured_outputs"),
                         ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
-                        ({"response_format": {"type": "json_schema", "json_schema": []}}, "response_format")):
+                        ({"response_format": {"type": "json_schema", "json_schema": []}}, "response_format"),
+                        ({"logit_bias": {"x": 1}}, "logit_bias"), ({"logit_bias": {"5": 101}}, "logit_bias"),
+                        ({"min_tokens": 9, "max_tokens": 8}, "min_tokens"), ({"bad_words": [" "]}, "bad_words")):
         with pytest.raises(ValidationError) as info:
-            schemas.parse_structured(body)
+            _structured(body)
         assert info.value.param == param, body
     with pytest.raises(ValidationError, match="parameters.grammar"):
-        schemas.parse_tgi_grammar({"type": "lark", "value": "x"})
+        validate(GenerateRequest, {"inputs": "x", "parameters": {"grammar": {"type": "lark", "value": "x"}}})
 
 
 def test_a_row_whose_controls_fail_is_left_without_them_and_the_others_are_written():

@@ -6,7 +6,9 @@ import json
 
 import pytest
 
-from llm_serving.server.schemas import ValidationError
+from llm_serving.server.api.base import validate
+from llm_serving.server.api.openai import ChatCompletionRequest
+from llm_serving.server.errors import ValidationError
 from llm_serving.server.tools import CallStream, ToolRequest, history_as_text, parse_calls
 from llm_serving.tokenization.chat_template import ChatTemplate
 
@@ -37,7 +39,10 @@ class _Tok:
 
 
 def _tools(body, template=PLAIN):
-    return ToolRequest.parse(body, ChatTemplate(_Tok(), template))
+    """A chat request's tools, validated (api/openai.py) and made a ToolRequest for the template."""
+    r = validate(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "hi"}], **body})
+    return ToolRequest.of(r.tool_dicts(), r.choice, r.parallel_tool_calls is not False,
+                          template if isinstance(template, ChatTemplate) else ChatTemplate(_Tok(), template))
 
 
 def test_tools_and_tool_choice_are_checked_and_name_their_field():
@@ -77,7 +82,7 @@ def test_a_template_without_tools_gets_them_in_a_system_message_and_the_history_
 def test_a_template_that_takes_tools_renders_them_with_argument_objects():
     template = ChatTemplate(_Tok(), QWEN_LIKE)
     assert template.takes_tools and template.tool_format == "hermes"
-    req = ToolRequest.parse({"tools": [WEATHER, ADD]}, template)
+    req = _tools({"tools": [WEATHER, ADD]}, template)
     history = [{"role": "user", "content": "hi"},
                {"role": "assistant", "content": "", "tool_calls": [
                    {"id": "c", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]}]

@@ -1,0 +1,152 @@
+"""What every API's request models share: the strict body base, `validate` (a body into its model, or a
+ValidationError naming the field in the API's words), the JSON body reader, and the field rules several APIs use.
+
+The models are strict ("5" is not an integer, 1 is not true, NaN is not a number). A validator that finds a rule
+broken raises errors.ValidationError with the request's field as `param`; `validate` passes it on as it is, the
+field's path in the body (messages[2]) put before its message when the rule is a nested model's.
+"""
+from __future__ import annotations
+
+import json
+import re
+from typing import Optional
+
+from pydantic import BaseModel, ConfigDict
+from pydantic import ValidationError as PydanticError
+
+from llm_serving.master.grammar import GrammarError
+from llm_serving.server.errors import ValidationError
+
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
+INT64 = dict(ge=-(1 << 63), le=(1 << 64) - 1)
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class Open(BaseModel):
+    """A part of a body that may carry fields of its own beyond those named (a message, a tool's function)."""
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+
+def read_json(raw: bytes) -> dict:
+    """A request body: a JSON object, or a ValidationError saying what it is instead."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValidationError(f"request body is not valid UTF-8 (byte {exc.start})") from None
+    if not text.strip():
+        raise ValidationError("request body is empty; expected a JSON object")
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValidationError(f"request body is not valid JSON: {exc.msg} at line {exc.lineno} "
+                              f"column {exc.colno}") from None
+    if not isinstance(body, dict):
+        raise ValidationError(f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+# --- rules several APIs' fields share -------------------------------------------------------------------------------
+
+def stop_strings(value, field: str, param: str) -> tuple:
+    """Stop strings: a string or a list of them (null = none), each 1..MAX_STOP_CHARS characters, at most
+    MAX_STOP_STRINGS; as a tuple without repeats."""
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if len(items) > MAX_STOP_STRINGS:
+        raise ValidationError(f"{field} must be a string or a list of at most {MAX_STOP_STRINGS} strings",
+                              param=param)
+    for v in items:
+        if not 1 <= len(v) <= MAX_STOP_CHARS:
+            raise ValidationError(f"{field}: every stop string must have 1 to {MAX_STOP_CHARS} characters, "
+                                  f"got {v!r}", param=param)
+    return tuple(dict.fromkeys(items))
+
+
+def stop_token_ids(value, field: str, param: str) -> tuple:
+    """More tokens that end the reply: at most MAX_STOP_STRINGS non-negative ids (the vocabulary's bound is the
+    served model's: translate.prepare checks it)."""
+    if value is None:
+        return ()
+    if len(value) > MAX_STOP_STRINGS or any(v < 0 for v in value):
+        raise ValidationError(f"{field} must be a list of at most {MAX_STOP_STRINGS} token ids (>= 0)", param=param)
+    return tuple(value)
+
+
+def nonempty(value: Optional[str], field: str) -> Optional[str]:
+    if value is not None and not value.strip():
+        raise ValidationError(f"'{field}' must be a non-empty string", param=field)
+    return value
+
+
+# --- validation -----------------------------------------------------------------------------------------------------
+
+_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "literal"}
+
+
+def _path(loc) -> str:
+    """A field's path as the API names it: messages[0].content[1].type; a union's branch tags left out."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", part) and part not in _TAGS:
+            out += f".{part}" if out else part
+    return out
+
+
+_BOUNDS = {"greater_than_equal": (">=", "ge"), "less_than_equal": ("<=", "le"), "greater_than": (">", "gt"),
+           "less_than": ("<", "lt")}
+_KINDS = {"int_type": "an integer", "bool_type": "true or false", "float_type": "a number", "string_type": "a string",
+          "list_type": "a list", "dict_type": "an object", "model_type": "an object", "model_attributes_type": "an object",
+          "none_required": "null (not supported)", "too_short": "non-empty"}
+
+
+def validate(model: type, body: dict, unknown: str = "field"):
+    """`body` as `model`, or a ValidationError naming the first field that is wrong (unknown fields together):
+    its path in the message (messages[0].role), the request's field as `param` (TGI's: the parameter)."""
+    try:
+        return model.model_validate(body)
+    except PydanticError as exc:
+        errors = exc.errors()
+    extra = [e for e in errors if e["type"] == "extra_forbidden"]
+    if extra:
+        names = sorted({_path(e["loc"]) for e in extra})
+        if unknown == "parameter" and all(n.startswith("parameters.") for n in names):
+            names = [n[len("parameters."):] for n in names]
+        raise ValidationError(f"unknown {unknown}(s): {', '.join(names)}", param=re.split(r"[.\[]", names[0])[0])
+    # the first field's error; of a union's branches (a string or a list of parts), the one that got furthest
+    top = errors[0]["loc"][:1]
+    first = max((e for e in errors if e["loc"][:1] == top), key=lambda e: len(e["loc"]))
+    path = _path(first["loc"])
+    field = re.split(r"[.\[]", path)[0] or None          # the request's field (TGI's: the parameter)
+    if field == "parameters" and "." in path:
+        field = re.split(r"[.\[]", path)[1]
+    kind, value = first["type"], first.get("input")
+    own = (first.get("ctx") or {}).get("error")
+    if isinstance(own, GrammarError):                    # a JSON schema that is not one: named by its own field
+        raise own
+    if isinstance(own, ValidationError):                 # a validator's rule: its message, the path before it
+        message = str(own) if not re.search(r"[.\[]", path) else f"{path}: {own}"   # (a nested model's: where)
+        raise ValidationError(message, param=own.param if own.param is not None else field)
+    if kind == "missing":
+        message = f"'{path}' is required"
+    elif kind in _BOUNDS:
+        op, key = _BOUNDS[kind]
+        message = f"{path} must be {op} {first['ctx'][key]}, got {value!r}"
+    elif kind in _KINDS:
+        types = {e["type"] for e in errors if _path(e["loc"]) == path}
+        wanted = " or ".join(_KINDS.get(t, t) for t in sorted(types)) if len(types) > 1 else _KINDS[kind]
+        message = f"{path} must be {wanted}, got {value!r}"
+    elif kind == "literal_error":
+        message = f"{path} must be {first['ctx']['expected']}, got {value!r}"
+    elif kind == "too_long":
+        message = f"{path} must have at most {first['ctx']['max_length']} items"
+    elif kind == "string_pattern_mismatch":
+        message = f"{path} must match {first['ctx']['pattern']}, got {value!r}"
+    else:
+        message = f"{path}: {first['msg']}"
+    raise ValidationError(message, param=field)

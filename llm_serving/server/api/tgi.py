@@ -1,0 +1,130 @@
+"""llm-serving's / TGI's generate body ({"inputs", "parameters", "stream"}): every rule about its shape, and
+`to_request()`, its translation into the internal request (server/translate.py)."""
+from __future__ import annotations
+
+from typing import Any, List, Literal, Optional, Union
+
+from pydantic import Field, PrivateAttr, field_validator, model_validator
+
+from llm_serving.master.grammar import GrammarSpec
+from llm_serving.master.request import SamplingParams
+from llm_serving.server.api.base import Body, stop_strings, stop_token_ids
+from llm_serving.server.errors import ValidationError
+from llm_serving.server.translate import ApiRequest
+from llm_serving.shm.layout import TOP_LOGPROBS
+
+DEFAULT_MAX_NEW_TOKENS = 64
+
+
+class TGIGrammar(Body):
+    type: Literal["json", "regex", "json_object"]
+    value: Any = Field(None, description="json: a JSON schema (an object or its text); regex: a pattern")
+
+    def spec(self) -> GrammarSpec:
+        field = "parameters.grammar"
+        if self.type == "json_object":
+            return GrammarSpec("json_object", None, field)
+        if self.type == "json":
+            return GrammarSpec.json_schema(self.value, f"{field}.value")
+        if not isinstance(self.value, str) or not self.value.strip():
+            raise ValidationError(f"{field}.value must be a non-empty string", param="grammar")
+        return GrammarSpec("regex", self.value, f"{field}.value")
+
+
+class TGIParameters(Body):
+    max_new_tokens: Optional[int] = Field(None, ge=1, le=1 << 20)
+    do_sample: bool = False
+    temperature: Optional[float] = Field(None, ge=0.0, le=100.0)
+    top_k: int = Field(0, ge=0, le=1 << 20)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: Optional[int] = Field(None, ge=0, le=(1 << 63) - 1)
+    return_full_text: bool = False
+    ignore_eos: bool = False
+    details: bool = False
+    decoder_input_details: bool = Field(False, description="details.prefill: the prompt tokens' log-probabilities "
+                                                           "(not with a stream)")
+    stop: Optional[Union[str, List[str]]] = Field(None, description="at most 16 stop strings of 1 to 256 characters")
+    stop_token_ids: Optional[List[int]] = Field(None, max_length=16)
+    top_n_tokens: int = Field(0, ge=0, le=TOP_LOGPROBS)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    speculative: bool = True
+    adapter_id: Optional[str] = Field(None, min_length=1, description="a LoRA adapter served here (GET /v1/models)")
+    grammar: Optional[TGIGrammar] = None
+    truncate: None = None
+    typical_p: None = None
+    watermark: Literal[False] = False
+    best_of: Optional[Literal[1]] = None
+
+    _grammar: Optional[GrammarSpec] = PrivateAttr(None)
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, value):
+        stop_strings(value, "parameters.stop", "stop")
+        return value
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, value):
+        stop_token_ids(value, "parameters.stop_token_ids", "stop_token_ids")
+        return value
+
+    @model_validator(mode="after")
+    def _compile_spec(self):
+        self._grammar = self.grammar.spec() if self.grammar is not None else None
+        return self
+
+    def sampling(self) -> SamplingParams:
+        # TGI's rule: sampling is on when asked for, or when any sampling knob is set away from neutral
+        t = self.temperature
+        sample = (self.do_sample or (t is not None and t not in (0.0, 1.0)) or self.top_k > 0 or self.top_p < 1.0) \
+            and t != 0.0
+        return SamplingParams(
+            max_new_tokens=self.max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
+            temperature=(t if t is not None else 1.0) if sample else 0.0,
+            top_k=self.top_k if sample else 0, top_p=self.top_p if sample else 1.0, seed=self.seed,
+            ignore_eos=self.ignore_eos, stop=stop_strings(self.stop, "parameters.stop", "stop"),
+            stop_token_ids=stop_token_ids(self.stop_token_ids, "parameters.stop_token_ids", "stop_token_ids"),
+            top_logprobs=self.top_n_tokens, repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            speculative=self.speculative, grammar=self._grammar,
+            prompt_logprobs=0 if self.decoder_input_details else None)
+
+
+class GenerateRequest(Body):
+    """POST /generate, /generate_stream, /models/{model}/generate[_stream], and TGI's POST /."""
+    inputs: str = Field(description="the prompt (not blank)")
+    parameters: Optional[TGIParameters] = Field(default_factory=TGIParameters)
+    stream: Optional[bool] = Field(None, description="default: false on generate routes, true on _stream ones")
+
+    @field_validator("inputs")
+    @classmethod
+    def _not_blank(cls, value):
+        if not value.strip():
+            raise ValidationError("'inputs' is empty; give a non-empty prompt", param="inputs")
+        return value
+
+    @field_validator("parameters")
+    @classmethod
+    def _defaults(cls, value):       # "parameters": null is every default
+        return value if value is not None else TGIParameters()
+
+    def to_request(self, stream_default: bool, model: Optional[str]) -> ApiRequest:
+        """The internal request on `model` (the path's model or adapter, or parameters.adapter_id: the route
+        decides); `stream_default` the route's."""
+        stream = stream_default if self.stream is None else self.stream
+        p = self.parameters
+        if p.decoder_input_details and stream:
+            raise ValidationError("parameters.decoder_input_details is not supported when streaming (as TGI)",
+                                  param="decoder_input_details")
+        return ApiRequest(p.sampling(), prompt=self.inputs, model=model, max_tokens_field="max_new_tokens",
+                          max_tokens_given=p.max_new_tokens is not None, stream=stream)
+
+
+ROUTES = [("/generate", GenerateRequest, "llm-serving / TGI generate"),
+          ("/generate_stream", GenerateRequest, "llm-serving / TGI token stream"),
+          ("/models/{model}/generate", GenerateRequest, "generate on a model (or adapter) by name"),
+          ("/models/{model}/generate_stream", GenerateRequest, "token stream on a model (or adapter) by name"),
+          ("/", GenerateRequest, "TGI's POST /: generate, or a token stream with stream: true")]

@@ -1,0 +1,154 @@
+"""One internal request behind every API: an API's validated model (server/api/) says what it asks for as an
+`ApiRequest` (its `to_request()`), and `prepare` applies what needs the served model — the model or adapter it
+names, token ids below the vocabulary, bad words as token sequences, the chat template with the tools, a harmony
+chat's stops, the grammar that forces a tool call, the prompt's length against the context — and gives what the
+engine is handed (`Prepared`). Every rule that needs no model is the API models' (checked once, by pydantic)."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from typing import Optional, Union
+
+from llm_serving.master.grammar import GrammarSpec
+from llm_serving.master.request import SamplingParams
+from llm_serving.server.errors import ModelNotFoundError, ValidationError
+from llm_serving.server.harmony import STOPS as HARMONY_STOPS
+from llm_serving.server.harmony import call_lark as harmony_call_lark
+from llm_serving.server.tools import ToolRequest, history_as_text
+from llm_serving.tokenization import ChatTemplateError
+
+
+@dataclass
+class ApiRequest:
+    """What an API's request asks for, its shape checked, in the engine's terms; `prepare` applies the model."""
+    sampling: SamplingParams          # every field but those the vocabulary decides (checked or made by prepare)
+    prompt: Union[str, list, None] = None     # a completion's text (the BOS added) or its token ids
+    messages: Optional[list] = None           # or a chat: [{role, content, tool_calls?, tool_call_id?}] (developer:
+                                              # system), rendered by the chat template
+    variables: Optional[dict] = None          # the chat template's extra variables (chat_template_kwargs)
+    tools: Optional[list] = None              # [{"type": "function", "function": {name, description, parameters}}]
+    tool_choice: str = "auto"                 # auto, required, none, or a tool's name
+    parallel_tool_calls: bool = True
+    bad_words: tuple = ()                     # words the reply never contains (made token sequences by prepare)
+    model: Optional[str] = None               # the model or LoRA adapter it names (None: the served model)
+    max_tokens_field: str = "max_tokens"      # the API's name for the reply's length (errors name it)
+    max_tokens_given: bool = True             # else the default length is fitted into what the context leaves
+    n: int = 1
+    stream: bool = False
+
+
+@dataclass
+class Prepared:
+    """What the engine is handed: prompt ids, sampling (with its grammar spec), the LoRA adapter (None: the base
+    model), and for a chat its tools and whether its reply is harmony (gpt-oss's channels)."""
+    prompt_ids: list
+    sampling: SamplingParams
+    adapter: Optional[str] = None
+    tools: Optional[ToolRequest] = None
+    harmony: bool = False
+
+
+def adapter_of(engine, model: Optional[str]) -> Optional[str]:
+    """The LoRA adapter a request's model names (None: the base model), or ModelNotFoundError."""
+    if model is None or model == engine.model_name:
+        return None
+    if model not in engine.served_models():
+        raise ModelNotFoundError(f"the model {model!r} does not exist; this server serves "
+                                 f"{', '.join(map(repr, engine.served_models()))}")
+    return model
+
+
+def prepare(req: ApiRequest, engine) -> Prepared:
+    """`req` on the served model: a ValidationError (400) naming the field for what the model refuses."""
+    adapter = adapter_of(engine, req.model)
+    vocab = engine.vocab_size
+    sp = replace(req.sampling, **_vocabulary_fields(req, engine.tokenizer, vocab))
+    tools, harmony = None, False
+    if req.messages is not None:
+        template = engine.chat_template
+        tools = ToolRequest.of(req.tools, req.tool_choice, req.parallel_tool_calls, template)
+        prompt_ids = chat_ids(engine, req.messages, tools, req.variables)
+        harmony = template.harmony
+        if harmony:             # gpt-oss: its channels are special tokens; <|return|>, <|call|> end the reply
+            ends = [ids[0] for ids in (engine.tokenizer.encode(s, add_bos=False) for s in HARMONY_STOPS)
+                    if len(ids) == 1]
+            sp = replace(sp, skip_special_tokens=False, stop_token_ids=tuple(dict.fromkeys((*sp.stop_token_ids,
+                                                                                           *ends))))
+        if tools is not None and tools.forced:      # a call is forced by its grammar
+            sp = replace(sp, grammar=tools.grammar() if not harmony else GrammarSpec(
+                "grammar", harmony_call_lark([t["function"] for t in tools.allowed]), "tools"))
+    else:
+        prompt_ids = prompt_ids_of(engine, req.prompt)
+    sp.max_new_tokens = fit_length(sp.max_new_tokens, req.max_tokens_given, len(prompt_ids), engine.max_model_len,
+                                   req.max_tokens_field)
+    return Prepared(prompt_ids, sp, adapter, tools, harmony)
+
+
+def _vocabulary_fields(req: ApiRequest, tokenizer, vocab: int) -> dict:
+    """The sampling fields the vocabulary decides: stop_token_ids, logit_bias's and allowed_token_ids' ids below
+    it, bad words as token sequences (each as it starts the text and as it follows a space)."""
+    sp = req.sampling
+    for field, ids in (("stop_token_ids", sp.stop_token_ids), ("allowed_token_ids", sp.allowed_token_ids),
+                       ("logit_bias", [t for t, _ in sp.logit_bias])):
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValidationError(f"{field} must be token ids in 0..{vocab - 1}; {bad[0]} is not", param=field)
+    sequences: dict = {}
+    for word in req.bad_words:
+        for text in (word, word if word.startswith(" ") else " " + word):
+            ids = tuple(tokenizer.encode(text, add_bos=False))
+            if ids:
+                sequences[ids] = None
+    return {"bad_words": tuple(sequences)} if req.bad_words else {}
+
+
+def prompt_ids_of(engine, prompt) -> list:
+    """A completion prompt's token ids: its text's (the BOS added), or its ids, each below the vocabulary."""
+    if isinstance(prompt, str):
+        return engine.tokenizer.encode(prompt, add_bos=True)
+    vocab = engine.vocab_size
+    bad = [t for t in prompt if not 0 <= t < vocab]
+    if bad:
+        raise ValidationError(f"'prompt': {bad[0]} is not a token id in 0..{vocab - 1}", param="prompt")
+    return list(prompt)
+
+
+def chat_ids(engine, messages: list, tools: Optional[ToolRequest], variables: Optional[dict]) -> list:
+    """A chat's prompt ids: through the chat template, with the tools (server/tools.py) and the request's extra
+    template variables; a history of tool calls and results as text for a template that does not take them."""
+    template = engine.chat_template
+    rendered = None
+    if tools is not None:
+        messages, rendered = tools.conversation(messages)
+    elif not template.takes_tools and any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+        messages = history_as_text(messages)
+    try:
+        return template.encode(messages, rendered, variables)
+    except ChatTemplateError as exc:
+        raise ValidationError(str(exc), param="messages") from None
+
+
+def fit_length(max_new_tokens: int, given: bool, num_prompt_tokens: int, max_model_len: int,
+               field: str = "max_new_tokens") -> int:
+    """The reply's length in what the context leaves: a prompt the model cannot take is refused; a length the
+    request gave must fit, a default one is cut to fit."""
+    if num_prompt_tokens >= max_model_len:
+        raise ValidationError(f"prompt has {num_prompt_tokens} tokens; this model accepts at most "
+                              f"{max_model_len - 1} prompt tokens ({max_model_len} tokens per request, "
+                              "prompt + new tokens)")
+    room = max_model_len - num_prompt_tokens
+    if not given:
+        return min(max_new_tokens, room)
+    if max_new_tokens > room:
+        raise ValidationError(f"prompt ({num_prompt_tokens} tokens) + {field} ({max_new_tokens}) exceeds the "
+                              f"model's {max_model_len}-token limit; ask for at most {room} new tokens", param=field)
+    return max_new_tokens
+
+
+def request_id(value: Optional[str]) -> Optional[str]:
+    """A client-chosen request id (header X-Request-Id): 1-128 visible ASCII characters, or None."""
+    if value is None:
+        return None
+    if not 1 <= len(value) <= 128 or not re.fullmatch(r"[!-~]+", value):
+        raise ValidationError("header X-Request-Id must be 1 to 128 visible ASCII characters (no spaces)")
+    return value

@@ -1,0 +1,138 @@
+"""The API request models (server/api/): every rule about a request's shape is checked by validation alone, with
+no model or engine, as a ValidationError naming the request's field; a valid body translates into the internal
+request (server/translate.py's ApiRequest) the engine-facing `prepare` takes."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from llm_serving.master.grammar import GrammarError
+from llm_serving.server.api.base import read_json, validate
+from llm_serving.server.api.document import openapi
+from llm_serving.server.api.openai import ChatCompletionRequest, CompletionRequest, TokenizeRequest
+from llm_serving.server.api.tgi import GenerateRequest
+from llm_serving.server.errors import ValidationError
+
+USER = [{"role": "user", "content": "hi"}]
+WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
+
+
+def chat(**fields):
+    return {"model": "m", "messages": USER, **fields}
+
+
+@pytest.mark.parametrize("model, body, param, words", [
+    (ChatCompletionRequest, chat(messages=[{"role": "tool", "content": "x"}]), "messages",
+     "messages[0]: a tool message needs the tool_call_id"),
+    (ChatCompletionRequest, chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "messages",
+     "messages[0].content[0].type must be 'text'"),
+    (ChatCompletionRequest, chat(messages=[{"role": "user"}]), "messages", "null only for an assistant's tool calls"),
+    (ChatCompletionRequest, chat(messages=[{"role": "assistant", "tool_calls": [{"function": {}}]}]), "messages",
+     "messages[0].tool_calls[0].function.name"),
+    (ChatCompletionRequest, chat(tool_choice="auto"), "tool_choice", "needs tools"),
+    (ChatCompletionRequest, chat(parallel_tool_calls=False), "parallel_tool_calls", "needs tools"),
+    (ChatCompletionRequest, chat(tools=[{"type": "function", "function": {"name": "a b"}}]), "tools", "must match"),
+    (ChatCompletionRequest, chat(tools=[WEATHER, WEATHER]), "tools", "given twice"),
+    (ChatCompletionRequest, chat(tools=[WEATHER] * 129), "tools", "at most 128"),
+    (ChatCompletionRequest, chat(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "x"}}),
+     "tool_choice", "not one of the tools"),
+    (ChatCompletionRequest, chat(tools=[WEATHER], tool_choice="required", guided_regex="a+"), "tool_choice",
+     "cannot also follow guided_regex"),
+    (ChatCompletionRequest, chat(tools=[WEATHER], tool_choice="required", max_tokens=0, prompt_logprobs=0),
+     "max_tokens", "cannot force a tool call"),
+    (ChatCompletionRequest, chat(top_logprobs=2), "top_logprobs", "needs logprobs"),
+    (ChatCompletionRequest, chat(stream_options={"include_usage": True}), "stream_options", "stream: true"),
+    (ChatCompletionRequest, chat(max_completion_tokens=0), "max_completion_tokens", "at least 1"),
+    (ChatCompletionRequest, chat(max_tokens=0, prompt_logprobs=1, stream=True), "max_tokens", "neither a grammar"),
+    (ChatCompletionRequest, chat(stop=["x"] * 17), "stop", "at most 16"),
+    (ChatCompletionRequest, chat(stop=""), "stop", "1 to 256 characters"),
+    (ChatCompletionRequest, chat(chat_template_kwargs={"messages": []}), "chat_template_kwargs", "sets 'messages'"),
+    (ChatCompletionRequest, chat(response_format={"type": "json_schema"}), "response_format", "json_schema must be"),
+    (ChatCompletionRequest, chat(structured_outputs={}), "structured_outputs", "exactly one of"),
+    (ChatCompletionRequest, chat(guided_choice=["a", ""]), "guided_choice", "non-empty strings"),
+    (ChatCompletionRequest, chat(guided_regex="a", guided_json={}), "guided_regex", "at most one of"),
+    (ChatCompletionRequest, chat(logit_bias={"-1": 2}), "logit_bias", "not a token id"),
+    (ChatCompletionRequest, chat(logit_bias={"3": 100.5}), "logit_bias", "[-100, 100]"),
+    (ChatCompletionRequest, chat(min_tokens=5, max_tokens=4), "min_tokens", "more than the most"),
+    (ChatCompletionRequest, chat(allowed_token_ids=[]), "allowed_token_ids", "non-empty"),
+    (ChatCompletionRequest, chat(stop_token_ids=[-1]), "stop_token_ids", ">= 0"),
+    (ChatCompletionRequest, chat(model=""), "model", None),
+    (CompletionRequest, {"model": "m", "prompt": ""}, "prompt", "non-empty string"),
+    (CompletionRequest, {"model": "m", "prompt": ["a", "b"]}, "prompt", "one prompt per request"),
+    (CompletionRequest, {"model": "m", "prompt": [1, -2]}, "prompt", "token ids"),
+    (CompletionRequest, {"model": "m", "prompt": "x", "max_tokens": 0}, "max_tokens", "echo or prompt_logprobs"),
+    (TokenizeRequest, {"prompt": "x", "messages": USER}, "prompt", "exactly one of"),
+    (TokenizeRequest, {"prompt": "x", "tools": [WEATHER]}, "tools", "goes with 'messages'"),
+    (TokenizeRequest, {"messages": USER, "add_special_tokens": True}, "add_special_tokens", "goes with 'prompt'"),
+    (TokenizeRequest, {"messages": USER, "add_generation_prompt": False}, "add_generation_prompt", "not supported"),
+    (GenerateRequest, {"inputs": " "}, "inputs", "'inputs' is empty"),
+    (GenerateRequest, {"inputs": "x", "parameters": {"stop": ["x"] * 17}}, "stop", "parameters.stop"),
+    (GenerateRequest, {"inputs": "x", "parameters": {"grammar": {"type": "regex", "value": ""}}}, "grammar",
+     "non-empty string"),
+    (GenerateRequest, {"inputs": "x", "parameters": {"adapter_id": ""}}, "adapter_id", None),
+])
+def test_a_rule_about_a_requests_shape_is_a_400_naming_its_field_without_a_model(model, body, param, words):
+    with pytest.raises(ValidationError) as info:
+        validate(model, body, unknown="parameter" if model is GenerateRequest else "field")
+    assert info.value.param == param, str(info.value)
+    assert words is None or words in str(info.value), str(info.value)
+
+
+def test_a_schema_that_is_not_json_is_named_by_its_own_field():
+    with pytest.raises(GrammarError) as info:
+        validate(CompletionRequest, {"model": "m", "prompt": "x", "guided_json": "{oops"})
+    assert info.value.param == "guided_json"
+
+
+def test_a_valid_chat_becomes_the_internal_request():
+    messages = [{"role": "developer", "content": [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]},
+                {"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sun"}]
+    r = validate(ChatCompletionRequest, chat(messages=messages, tools=[WEATHER], tool_choice="required",
+                                             temperature=0, seed=-1, stop="x", bad_words=["no"], reasoning_effort="low",
+                                             max_completion_tokens=7, top_k=-1, logprobs=True, top_logprobs=2))
+    req = r.to_request(max_model_len=100)
+    assert req.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "weather?"},
+                            {"role": "assistant", "content": "", "tool_calls": [
+                                {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}]},
+                            {"role": "tool", "content": "sun", "tool_call_id": "c1"}]
+    assert req.tools == [WEATHER] and req.tool_choice == "required" and req.parallel_tool_calls
+    assert req.variables == {"reasoning_effort": "low"} and req.bad_words == ("no",)
+    sp = req.sampling
+    assert (sp.max_new_tokens, sp.temperature, sp.top_k, sp.seed, sp.stop, sp.top_logprobs) == \
+        (7, 0.0, 0, (1 << 63) - 1, ("x",), 2)
+    assert req.max_tokens_field == "max_completion_tokens" and req.max_tokens_given
+    # no length given: the context's, to be fitted by prepare
+    assert validate(ChatCompletionRequest, chat()).to_request(100).sampling.max_new_tokens == 100
+
+
+def test_generate_translates_tgis_sampling_rule_and_the_routes_stream_default():
+    r = validate(GenerateRequest, {"inputs": "x", "parameters": {"top_k": 5, "decoder_input_details": True}})
+    req = r.to_request(stream_default=False, model=None)
+    assert req.sampling.temperature == 1.0 and req.sampling.top_k == 5 and req.sampling.prompt_logprobs == 0
+    assert not req.max_tokens_given and req.sampling.max_new_tokens == 64
+    with pytest.raises(ValidationError) as info:       # a _stream route: details of the prompt are not streamed
+        r.to_request(stream_default=True, model=None)
+    assert info.value.param == "decoder_input_details"
+    assert validate(GenerateRequest, {"inputs": "x", "parameters": None}).to_request(False, None).sampling.greedy
+
+
+def test_bodies_that_are_not_json_objects_are_refused_saying_what_they_are():
+    for raw, words in ((b"\xff", "UTF-8"), (b" ", "empty"), (b"{", "not valid JSON"), (b"[1]", "JSON object")):
+        with pytest.raises(ValidationError, match=words):
+            read_json(raw)
+
+
+def test_the_document_lists_each_route_with_its_model():
+    doc = openapi("1")
+    assert doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"] == \
+        {"$ref": "#/components/schemas/ChatCompletionRequest"}
+    schemas = doc["components"]["schemas"]
+    assert {"ChatMessage", "TextPart", "TGIParameters"} <= set(schemas)
+    refs = re.findall(r'"\$ref": "#/components/schemas/([^"]+)"', json.dumps(doc))
+    assert refs and set(refs) <= set(schemas)           # every reference resolves (names of two APIs told apart)
+    assert not [n for n in schemas if "__" in n]
