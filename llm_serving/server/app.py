@@ -11,7 +11,8 @@ from llm_serving.master.engine import (DuplicateRequestError, EngineStoppedError
                                        UnsupportedRequestError)
 from llm_serving.master.grammar import GrammarError
 from llm_serving.master.scheduler import QueueFullError
-from llm_serving.server import metrics, routes_llm_serving, routes_openai, streaming
+from llm_serving.server import (metrics, routes_anthropic, routes_llm_serving, routes_ollama,
+                                routes_openai, routes_responses, streaming)
 from llm_serving.server.keys import ENGINE
 from llm_serving.server.errors import ModelNotFoundError, ValidationError
 
@@ -38,7 +39,7 @@ ERROR_STATUS = {
 # (`owns(path)`) and writes its errors (`error_body(status, message, kind, param)`): the first that owns a path
 # shapes its errors, llm-serving's / TGI's shape the rest. A new API adds its module here (before OpenAI's if its
 # paths are under /v1/ too).
-ROUTE_MODULES = (routes_llm_serving, routes_openai)
+ROUTE_MODULES = (routes_llm_serving, routes_anthropic, routes_responses, routes_ollama, routes_openai)
 
 
 def error_response(request: web.Request, status: int, message: str, kind: str, param=None) -> web.Response:

@@ -93,6 +93,7 @@ class ChatTemplate:
     def __init__(self, tokenizer, template: Optional[str] = None, source: str = BUILTIN):
         self.tokenizer = tokenizer
         self.source = source
+        self.text = template                 # its Jinja source (None: the built-in format), as /api/show gives it
         self._template = None
         self._takes_tools = False
         self.tool_format = "hermes"          # how the model writes a tool call (server/tools.py reads it)

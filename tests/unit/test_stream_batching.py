@@ -1,10 +1,10 @@
-"""Streams write the events that came together (a decode run, a verify step) at once: routes_openai._events says
+"""Streams write the events that came together (a decode run, a verify step) at once: generation.events says
 when another event is already queued. No MindSpore, no server."""
 import asyncio
 from types import SimpleNamespace
 
 from llm_serving.master.request import TokenEvent
-from llm_serving.server.routes_openai import _events
+from llm_serving.server.generation import events as _events
 
 
 def _request(*events):

@@ -6,11 +6,11 @@ import re
 
 from pydantic.json_schema import models_json_schema
 
-from llm_serving.server.api import openai, tgi
+from llm_serving.server.api import anthropic, ollama, openai, responses, tgi
 
 # every API module's routes: ROUTES, POSTs with a body [(path, request model, summary)], and OPERATIONS without one
 # [(method, path, summary)] if it has them; a new API adds its module here
-API_MODULES = (openai, tgi)
+API_MODULES = (openai, tgi, responses, anthropic, ollama)
 API_NAMES = {"openai": "OpenAI", "tgi": "TGI", "responses": "Responses", "anthropic": "Anthropic", "ollama": "Ollama"}
 # the server's own operations without a body
 GETS = [("/health", "200 when the engine serves"), ("/info", "the served model and limits (TGI's)"),

@@ -1,0 +1,310 @@
+"""Ollama's API: `POST /api/chat` and `POST /api/generate` (NDJSON lines by default, one JSON object with
+"stream": false), `GET /api/tags`, `POST /api/show`, `GET /api/ps`, `GET /api/version`.
+
+Requests go through translate.prepare and generation as every API's do; chat replies (and generate's through the
+template) are read by server/reply.py: reasoning as `thinking`, tool calls as `message.tool_calls` with their
+arguments as objects. Errors are Ollama's `{"error": message}` with the HTTP status (404 "model 'x' not found");
+a stream that fails midway ends with an `{"error"}` line. The one model is loaded from start to stop, so
+`keep_alive` changes nothing and a request with no prompt (Ollama's "load the model") is done at once."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Optional
+
+from aiohttp import web
+
+from llm_serving.server.api import base as api
+from llm_serving.server.api.ollama import (DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P, ChatRequest,
+                                           GenerateRequest, ShowRequest)
+from llm_serving.server.errors import ModelNotFoundError, ValidationError
+from llm_serving.server.generation import events, submit
+from llm_serving.server.keys import ENGINE
+from llm_serving.server.model_facts import ModelFacts, parameter_size, read_facts
+from llm_serving.server.reply import ReplyShape, ReplyStream, read_reply, reply_shape
+from llm_serving.server.translate import prepare
+
+# an Ollama release whose API this serves (think, tool_name): clients compare /api/version with Ollama's releases
+# to decide what they may send (VS Code wants 0.6.4 or later), so it is that number, not llm-serving's
+OLLAMA_VERSION = "0.12.0"
+NEVER = "2318-01-01T00:00:00Z"          # /api/ps's expires_at: the model never unloads (Ollama's keep_alive -1 date)
+FACTS = web.AppKey("ollama_model_facts", dict)      # the served model's path -> its ModelFacts, read once
+NDJSON = "application/x-ndjson"
+
+
+def owns(path: str) -> bool:
+    """Ollama's error shape: every path under /api/."""
+    return path.startswith("/api/")
+
+
+def error_body(status: int, message: str, kind: str, param=None) -> dict:
+    return {"error": message}
+
+
+def served_name(engine, name: str) -> str:
+    """The served model or LoRA adapter a request names (X or X:latest reach X), or a 404 in Ollama's words."""
+    served = engine.served_models()
+    if name in served:
+        return name
+    if name.endswith(":latest") and name[:-len(":latest")] in served:
+        return name[:-len(":latest")]
+    raise ModelNotFoundError(f"model '{name}' not found")
+
+
+def tagged(name: str) -> str:
+    """A name as Ollama lists it: with its tag, :latest when it has none."""
+    return name if ":" in name else name + ":latest"
+
+
+def created_at(when: Optional[float] = None) -> str:
+    """RFC 3339 in UTC: now, or a unix time."""
+    moment = datetime.now(timezone.utc) if when is None else datetime.fromtimestamp(when, timezone.utc)
+    return moment.isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def ollama_calls(calls: list, first_index: int = 0) -> list:
+    """Tool calls in OpenAI's shape (arguments as JSON text) in Ollama's: {id, function: {index, name, arguments
+    (an object)}}; `first_index`: the reply's calls before these."""
+    return [{"id": c["id"], "function": {"index": first_index + k, "name": c["function"]["name"],
+                                         "arguments": json.loads(c["function"]["arguments"])}}
+            for k, c in enumerate(calls)]
+
+
+def metrics(req, started: float, now: float) -> dict:
+    """Ollama's counts and durations (ns) of a finished request, from time.monotonic() times: `started` when the
+    route took it, `now` as it answers. The model was loaded before any request: load_duration is 0."""
+    end = req.finish_time or now
+    first = req.first_token_time or end
+
+    def ns(seconds: float) -> int:
+        return max(int(seconds * 1e9), 0)
+    return {"total_duration": ns(now - started), "load_duration": 0, "prompt_eval_count": len(req.prompt_ids),
+            "prompt_eval_duration": ns(first - req.arrival_time), "eval_count": len(req.output_ids),
+            "eval_duration": ns(end - first)}
+
+
+def token_logprob(event, tokenizer) -> dict:
+    """A reply token's log-probability in Ollama's shape, with its likeliest alternatives when asked for."""
+    entry = {"token": event.text, "logprob": event.logprob, "bytes": list(event.text.encode())}
+    if event.top:
+        texts = [(tokenizer.token_text(i), lp) for i, lp in event.top]
+        entry["top_logprobs"] = [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in texts]
+    return entry
+
+
+@dataclass(frozen=True)
+class Lines:
+    """One reply's lines: chat's carry `message` {role, content, thinking?, tool_calls?}, generate's `response`
+    (and `thinking`); `model` as the request named it."""
+    model: str
+    chat: bool
+
+    def piece(self, content: str = "", thinking: str = "", calls: list = (), first_call: int = 0,
+              logprobs: Optional[list] = None) -> dict:
+        if self.chat:
+            message = {"role": "assistant", "content": content}
+            if thinking:
+                message["thinking"] = thinking
+            if calls:
+                message["tool_calls"] = ollama_calls(calls, first_call)
+            body = {"message": message}
+        else:
+            body = {"response": content, **({"thinking": thinking} if thinking else {})}
+        line = {"model": self.model, "created_at": created_at(), **body, "done": False}
+        if logprobs is not None:
+            line["logprobs"] = logprobs
+        return line
+
+    def done(self, reason: str, counts: dict, **piece) -> dict:
+        """The last line (or the whole reply): done, why ("stop", "length", "load"; "abort" when the server
+        ended it) and the counts."""
+        return {**self.piece(**piece), "done": True, "done_reason": reason, **counts}
+
+
+def _ndjson(line: dict) -> bytes:
+    return (json.dumps(line, ensure_ascii=False) + "\n").encode()
+
+
+async def _loaded(request: web.Request, lines: Lines, stream: bool) -> web.StreamResponse:
+    """Ollama's answer to a request with nothing to generate: the model is loaded (it always is)."""
+    line = lines.done("load", {})
+    if not stream:
+        return web.json_response(line)
+    return web.Response(body=_ndjson(line), content_type=NDJSON)
+
+
+async def _answer(request: web.Request, engine, prepared, shape: ReplyShape, lines: Lines, r, started: float):
+    """Run the prepared request and write its reply: NDJSON lines as the tokens come, or one object."""
+    reqs = await submit(engine, prepared, 1)
+    req, tokenizer = reqs[0], engine.tokenizer
+    want_logprobs = bool(r.logprobs)
+    try:
+        if not r.streams:
+            texts, logprobs, final = [], [], None
+            async for _, event, _ in events(reqs):
+                texts.append(event.text)
+                if want_logprobs and event.token_id >= 0:
+                    logprobs.append(token_logprob(event, tokenizer))
+                final = event
+            if final.finish_reason == "error":
+                return web.json_response({"error": final.error or "generation failed"}, status=500)
+            reasoning, content, calls = read_reply("".join(texts), shape)
+            return web.json_response(lines.done(final.finish_reason, metrics(req, started, time.monotonic()),
+                                                content=content or "", thinking=reasoning or "", calls=calls,
+                                                logprobs=logprobs if want_logprobs else None))
+
+        response = web.StreamResponse(headers={"Content-Type": NDJSON, "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        reply, pending, logprobs = ReplyStream(shape), [], []
+        async for _, event, more in events(reqs):
+            if event.finish_reason == "error":
+                pending.append(_ndjson({"error": event.error or "generation failed"}))
+                break
+            if want_logprobs and event.token_id >= 0:
+                logprobs.append(token_logprob(event, tokenizer))
+            thought, text, found = reply.push(event.text)        # (held back while a tag may be starting)
+            if event.finish_reason is not None:
+                more_thought, rest, more_calls = reply.flush()
+                thought, text, found = thought + more_thought, text + rest, found + more_calls
+            if text or thought or found:
+                pending.append(_ndjson(lines.piece(text, thought, found, len(reply.calls) - len(found),
+                                                   logprobs if want_logprobs else None)))
+                logprobs = []
+            if event.finish_reason is not None:
+                pending.append(_ndjson(lines.done(event.finish_reason, metrics(req, started, time.monotonic()),
+                                                  logprobs=logprobs if want_logprobs else None)))
+            if pending and not more:
+                await response.write(b"".join(pending))
+                pending.clear()
+        if pending:
+            await response.write(b"".join(pending))
+        await response.write_eof()
+        return response
+    finally:
+        engine.release(req)             # a client that went away frees its request
+
+
+def _check_think(engine, r) -> None:
+    """Ollama refuses `think` on a model that does not reason."""
+    template = engine.chat_template
+    if r.think and not (template.reasons or template.harmony):
+        raise ValidationError(f"model '{r.model}' does not support thinking", param="think")
+
+
+async def chat(request: web.Request) -> web.StreamResponse:
+    started = time.monotonic()
+    engine = request.app[ENGINE]
+    r = api.validate(ChatRequest, api.read_json(await request.read()))
+    model, lines = served_name(engine, r.model), Lines(r.model, chat=True)
+    if r.loads_only:
+        return await _loaded(request, lines, r.streams)
+    _check_think(engine, r)
+    prepared = prepare(r.to_request(model), engine)
+    return await _answer(request, engine, prepared, reply_shape(engine, prepared), lines, r, started)
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    started = time.monotonic()
+    engine = request.app[ENGINE]
+    r = api.validate(GenerateRequest, api.read_json(await request.read()))
+    model, lines = served_name(engine, r.model), Lines(r.model, chat=False)
+    if r.loads_only:
+        return await _loaded(request, lines, r.streams)
+    _check_think(engine, r)
+    prepared = prepare(r.to_request(model), engine)
+    shape = ReplyShape() if r.raw else reply_shape(engine, prepared)      # a raw prompt's reply is read as it is
+    return await _answer(request, engine, prepared, shape, lines, r, started)
+
+
+# --- the served model, described ------------------------------------------------------------------------------------
+
+def details(facts: ModelFacts, parent: str = "") -> dict:
+    return {"parent_model": parent, "format": facts.format, "family": facts.family,
+            "families": [facts.family] if facts.family else [], "parameter_size": parameter_size(facts.parameter_count),
+            "quantization_level": facts.quantization}
+
+
+async def _served(app: web.Application, engine) -> list:
+    """[(name, its facts, its details)]: the model (its files read once, off the loop), then each LoRA adapter
+    (its own files' size and digest, the model's details, the model as its parent)."""
+    cache = app[FACTS]
+    if engine.model_path not in cache:
+        cache[engine.model_path] = await asyncio.to_thread(read_facts, engine.model_path)
+    base = cache[engine.model_path]
+    served = [(engine.model_name, base, details(base))]
+    for name, path in engine.lora_paths.items():
+        served.append((name, await asyncio.to_thread(read_facts, path), details(base, tagged(engine.model_name))))
+    return served
+
+
+def _listed(name: str, facts: ModelFacts, described: dict) -> dict:
+    return {"name": tagged(name), "model": tagged(name), "size": facts.size, "digest": facts.digest,
+            "details": described}
+
+
+async def tags(request: web.Request) -> web.Response:
+    """GET /api/tags: the served model and its LoRA adapters, named as Ollama lists models."""
+    engine = request.app[ENGINE]
+    served = await _served(request.app, engine)
+    return web.json_response({"models": [
+        {**_listed(name, facts, described), "modified_at": created_at(facts.modified_at or engine.start_time)}
+        for name, facts, described in served]})
+
+
+async def ps(request: web.Request) -> web.Response:
+    """GET /api/ps: what is loaded: all of it, for good, in the server's memory (size_vram 0)."""
+    engine = request.app[ENGINE]
+    served = await _served(request.app, engine)
+    return web.json_response({"models": [
+        {**_listed(name, facts, described), "expires_at": NEVER, "size_vram": 0,
+         "context_length": engine.max_model_len} for name, facts, described in served]})
+
+
+def capabilities(template) -> list:
+    """What Ollama's clients may ask of the model: completion; tools when its template renders them (any chat
+    still takes tools, described in a system message: server/tools.py); thinking when it reasons."""
+    return ["completion"] + (["tools"] if template.takes_tools else []) + \
+        (["thinking"] if template.reasons or template.harmony else [])
+
+
+async def show(request: web.Request) -> web.Response:
+    """POST /api/show: the model's template (its Jinja source: "" for the built-in LLaMA-2 format), the defaults
+    requests start from, details, GGUF-style model_info (its context_length the served one) and capabilities."""
+    engine = request.app[ENGINE]
+    r = api.validate(ShowRequest, api.read_json(await request.read()))
+    name = served_name(engine, r.named)
+    facts, described = next((f, d) for n, f, d in await _served(request.app, engine) if n == name)
+    base_facts = request.app[FACTS][engine.model_path]
+    info = dict(base_facts.info)
+    if base_facts.family:
+        info[f"{base_facts.family}.context_length"] = engine.max_model_len
+    template = engine.chat_template.text or ""
+    parameters = (f"temperature {DEFAULT_TEMPERATURE}\ntop_k {DEFAULT_TOP_K}\ntop_p {DEFAULT_TOP_P}\n"
+                  f"num_ctx {engine.max_model_len}")
+    modelfile = [f"# the Modelfile of {tagged(name)} as llm-serving serves it", f"FROM {engine.model_path}"]
+    if name != engine.model_name:
+        modelfile.append(f"ADAPTER {engine.lora_paths[name]}")
+    if template:
+        modelfile.append(f'TEMPLATE """{template}"""')
+    modelfile += [f"PARAMETER {line}" for line in parameters.splitlines()]
+    return web.json_response({"modelfile": "\n".join(modelfile) + "\n", "parameters": parameters,
+                              "template": template, "details": described, "model_info": info,
+                              "capabilities": capabilities(engine.chat_template),
+                              "modified_at": created_at(facts.modified_at or engine.start_time)})
+
+
+async def version(request: web.Request) -> web.Response:
+    return web.json_response({"version": OLLAMA_VERSION})
+
+
+def add_routes(app: web.Application) -> None:
+    app[FACTS] = {}
+    app.router.add_post("/api/chat", chat)
+    app.router.add_post("/api/generate", generate)
+    app.router.add_get("/api/tags", tags)
+    app.router.add_post("/api/show", show)
+    app.router.add_get("/api/ps", ps)
+    app.router.add_get("/api/version", version)
