@@ -467,10 +467,11 @@ class Engine:
     def _stream(self, result: RequestOutput) -> None:
         """A request's tokens from a step (the OutputProcessor appended them and applied the token-level stops):
         detokenize each, check the stop strings, put it on the request's event queue; the last one closes the
-        stream when the step ended the request, or a stop string ends it there. A request the step ended with
-        an error streams none of the step's tokens."""
+        stream when the step ended the request (with the result's `error`, which also says why a grammar cut it
+        short), or a stop string ends it there. A request the step ended with an error streams none of the
+        step's tokens."""
         req = result.request
-        if result.error is not None:
+        if result.finish_reason == "error":
             self._close(req, "error", error=result.error)
             return
         t0 = time.perf_counter()
@@ -495,12 +496,12 @@ class Engine:
                 return
             if k == n - 1 and result.finish_reason is not None:
                 self.profile["detokenize"] += time.perf_counter() - t0
-                self._close(req, result.finish_reason, last=event)
+                self._close(req, result.finish_reason, error=result.error, last=event)
                 return
             req.events.put_nowait(event)
         self.profile["detokenize"] += time.perf_counter() - t0
         if not n and result.finish_reason is not None:
-            self._close(req, result.finish_reason)
+            self._close(req, result.finish_reason, error=result.error)
 
     # --- observability -----------------------------------------------------------------------------
 

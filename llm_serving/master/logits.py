@@ -3,7 +3,13 @@ sampling controls its logits): before each step that samples its next token, the
 next tokens, ANDed with `allowed_token_ids`) and bias entries (`logit_bias`; bans: single-token bad words, the
 last token of a bad word whose beginning the output ends with, stop tokens before `min_tokens`), written into
 the step buffers (`write`, through step_io.RowWriter); after it, the token it got (`accept`), which advances the
-grammar's matcher. The agent applies them (models/logit_controls.py) before sampling or the greedy pick."""
+grammar's matcher. The agent applies them (models/logit_controls.py) before sampling or the greedy pick.
+
+A grammar that hits one of llguidance's limits (master/grammar.py: `limits`) computing a mask or taking a token,
+or that no token can continue, cannot go on through no fault of the server: the state keeps why (`cut_short`) and
+the request ends there with finish reason "length" (its output stops short of the grammar's end, as at max_tokens)
+and that message. Any other failure (`error`: a token the grammar refuses although its mask allowed it) ends it
+with "error"."""
 from __future__ import annotations
 
 import os
@@ -11,6 +17,7 @@ from typing import Optional
 
 import numpy as np
 
+from llm_serving.master.grammar import one_line, why_stuck
 from llm_serving.master.request import SamplingParams
 from llm_serving.shm.layout import BAN_BIAS, MAX_LOGIT_BIAS
 
@@ -57,7 +64,8 @@ class LogitsState:
         self.bias = bias
         self.min_tokens = sampling.min_tokens
         self.stop_ids = sorted(stop_token_ids)
-        self.error: Optional[str] = None
+        self.error: Optional[str] = None       # the request fails ("error")
+        self.cut_short: Optional[str] = None   # its grammar cannot go on: the output ends ("length")
 
     @property
     def masked(self) -> bool:
@@ -70,6 +78,8 @@ class LogitsState:
         if self.matcher is not None:
             if not filled:
                 fill_masks([(self.matcher, 0)], mask_row.reshape(1, -1))
+            if self.matcher.is_error():      # (its mask then allows EOS only: the token sampled is not kept)
+                self._failed("its grammar could not compute the next token's mask")
             if self.allowed is not None:
                 mask_row &= self.allowed
         elif self.allowed is not None:
@@ -93,10 +103,18 @@ class LogitsState:
         if self.matcher is None:
             return True
         if not self.matcher.consume_token(int(token_id)):
-            self.error = (f"the grammar does not allow token {token_id} here: "
-                          f"{self.matcher.get_error() or 'no token was allowed'}")
+            self._failed(f"the grammar does not allow token {token_id} here")
             return False
         return True
+
+    def _failed(self, what: str) -> None:
+        """The matcher is in its error state: keep why, as the grammar's own end (`cut_short`) or as an error."""
+        message = self.matcher.get_error()
+        stuck = why_stuck(message)
+        if stuck is not None:
+            self.cut_short = f"the output stopped where its grammar could not go on: {stuck}"
+        else:
+            self.error = f"{what}: {one_line(message) or 'no token was allowed'}"
 
     @property
     def complete(self) -> bool:

@@ -10,7 +10,8 @@ StepIO read them, and for each row whose request still runs (one that ended whil
    proposals the target agrees with and the target's token after it (`speculative.tree.accept`), with the
    round recorded in the speculation statistics;
 4. they are appended to the request one by one until a token-level stop: a stop token or the grammar's end
-   ("stop"), a token the grammar refuses ("error"), max_new_tokens or the model length ("length");
+   ("stop"), a token the grammar refuses ("error"), max_new_tokens, the model length or a grammar that cannot go
+   on (master/logits.py: "length");
 5. a request that goes on has the tokens whose KV the step already wrote counted as computed (a run's tokens fed
    back on the agent, a verify step's kept proposals on the first branch); one that stopped is finished, its
    blocks free for the next step.
@@ -44,8 +45,8 @@ from llm_serving.shm.layout import StepKind
 class RequestOutput:
     """What one request got from a step: the tokens appended to its output (in order), their log-probabilities,
     each one's top log-probabilities when it asked for them (plain steps), and, when the step ended it, why
-    (`finish_reason` "stop", "length" or "error", with `error` saying what). The scheduler has already freed an
-    ended request's blocks."""
+    (`finish_reason` "stop", "length" or "error"; `error` says what failed, or why a "length" came before
+    max_tokens: its grammar could not go on). The scheduler has already freed an ended request's blocks."""
 
     request: Request
     token_ids: list
@@ -142,7 +143,10 @@ class OutputProcessor:
         """Append tokens to req's output until a token-level stop: (how many were appended, the finish reason or
         None, an error or None)."""
         max_len = self.scheduler.spec.max_model_len
+        state = req.logits
         for k, (token_id, logprob) in enumerate(zip(token_ids, logprobs)):
+            if state is not None and state.cut_short:     # its grammar failed the mask: this token is not its own
+                return k, "length", state.cut_short
             req.output_ids.append(token_id)
             req.output_logprobs.append(logprob)
             self.num_generated_tokens += 1
@@ -153,9 +157,10 @@ class OutputProcessor:
                 reason = "length"
             else:
                 reason = None
-            state = req.logits
             if state is not None and (reason != "stop" or state.error):   # a stop token needs no grammar's leave
                 if state.error or not state.accept(token_id):
+                    if state.cut_short:     # the token is the grammar's, which cannot go on after it
+                        return k + 1, "length", state.cut_short
                     return k + 1, "error", state.error
                 if state.complete:          # the grammar is matched: this token is the output's last
                     reason = "stop"

@@ -80,7 +80,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         generated = "".join(text)
         if gen.return_full_text:
             generated = gen.inputs + generated
-        details = streaming.details(req, event.finish_reason)
+        details = streaming.details(req, event.finish_reason, event.error)
         if gen.details:
             details["tokens"] = tokens            # per generated token, as TGI
         if gen.sampling.prompt_logprobs is not None:

@@ -86,6 +86,8 @@ async def _respond(request, engine, reqs, *, chat: bool, model: str, stream: boo
             for i, final in enumerate(finals):
                 text = "".join(texts[i])
                 choice = {"index": i, "finish_reason": _finish_reason(final)}
+                if final.error:                  # why it ended there (a grammar that could not go on)
+                    choice["finish_message"] = final.error
                 if chat:
                     reasoning, content, calls = read_reply(text, scoring.shape)
                     choice["message"] = {"role": "assistant", "content": content}
@@ -164,6 +166,8 @@ async def _respond(request, engine, reqs, *, chat: bool, model: str, stream: boo
                     choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}
                 else:
                     choice = {"index": i, "text": event.text, "logprobs": lp, "finish_reason": reason}
+                if reason is not None and event.error:
+                    choice["finish_message"] = event.error
                 pending.append(chunk([choice]))
             if pending and not more:
                 await response.write(b"".join(pending))

@@ -12,9 +12,14 @@ def sse(payload: dict) -> bytes:
     return b"data: " + json.dumps(payload, ensure_ascii=False).encode("utf-8") + b"\n\n"
 
 
-def details(req: Request, finish_reason: Optional[str]) -> dict:
-    return {"finish_reason": finish_reason, "generated_tokens": len(req.output_ids),
-            "prompt_tokens": len(req.prompt_ids), "seed": req.seed if not req.sampling.greedy else None}
+def details(req: Request, finish_reason: Optional[str], message: Optional[str] = None) -> dict:
+    """TGI's details of a finished request; `finish_message` says why when the engine says (a grammar that could not
+    go on ends with "length" and the limit it hit)."""
+    out = {"finish_reason": finish_reason, "generated_tokens": len(req.output_ids),
+           "prompt_tokens": len(req.prompt_ids), "seed": req.seed if not req.sampling.greedy else None}
+    if message:
+        out["finish_message"] = message
+    return out
 
 
 def token_details(event: TokenEvent, tokenizer) -> dict:
@@ -36,7 +41,7 @@ def token_event(event: TokenEvent, generated_text: Optional[str], req: Request, 
     final = event.finish_reason is not None
     out = {"token": token,
            "generated_text": generated_text if final else None,
-           "details": details(req, event.finish_reason) if final else None}
+           "details": details(req, event.finish_reason, event.error) if final else None}
     if req.sampling.top_logprobs and tokenizer is not None:
         out["top_tokens"] = top_tokens(event, tokenizer)
     return out

@@ -231,3 +231,153 @@ def test_a_row_whose_controls_fail_is_left_without_them_and_the_others_are_writt
     assert buffers.mask_on.tolist() == [1, 7, 0] and buffers.bias_len.tolist() == [1, 7, 0]
     assert buffers.token_mask[0].tolist() == bits_of([3], 40).tolist() and buffers.bias_ids[0, 0] == 5
     assert bad.error.startswith("its logit controls could not be written: boom") and good.error is None
+
+
+# --- hostile grammars: refused when compiled, or cut short within bounded steps ---------------------------------------
+
+def _stories_grammars(stories_dir):
+    tok = SentencePieceTokenizer(str(stories_dir / "hf" / "tokenizer.model"))
+    return tok, Grammars(tok, tok.vocab_size)
+
+
+def _steps(grammars, spec, tok, max_steps, seed=0):
+    """Random allowed tokens (EOS only when nothing else is), as _walk, until the grammar ends, fails or is cut short:
+    (its LogitsState, the tokens taken, the slowest step's seconds: its mask and its token)."""
+    state = LogitsState(SamplingParams(grammar=spec), set(tok.eos_ids), grammars.vocab_size,
+                        grammars.compile_now(spec))
+    row = np.zeros(grammars.mask_words, np.int32)
+    rng, out, slowest = random.Random(seed), [], 0.0
+    for _ in range(max_steps):
+        t0 = time.perf_counter()
+        state.write(row, out)
+        if state.cut_short or state.error:
+            break
+        allowed = np.nonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))[0].tolist()
+        token = rng.choice([t for t in allowed if t not in tok.eos_ids] or allowed)
+        accepted = state.accept(token)
+        slowest = max(slowest, time.perf_counter() - t0)
+        if not accepted:
+            break
+        out.append(token)
+        if state.complete:
+            break
+    return state, out, slowest
+
+
+def test_grammars_that_would_hit_a_limit_at_once_are_refused_when_compiled_naming_their_field(stories_dir):
+    """Each used to pass compilation and fail its request at the first token (a 500); now a 400 before it is queued,
+    saying what is wrong. The cases already bounded stay refused the same way."""
+    tok, grammars = _stories_grammars(stories_dir)
+    alternatives = "start: " + " | ".join(f'"w{i:04d}"' for i in range(3000))
+    nested = {"type": "integer"}
+    for _ in range(300):
+        nested = {"type": "array", "items": nested}
+    cases = [(GrammarSpec("regex", "(a{1000}){1000}", "guided_regex"), "forces 497508 bytes before the model"),
+             (GrammarSpec("grammar", alternatives, "guided_grammar"), "too complex for the grammar engine (Parser "
+                                                                      "Error: Current row has 3001 items; max is 500"),
+             (GrammarSpec.json_schema({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                                       "$ref": "#/$defs/a"}, "response_format"), "no text the model can write"),
+             (GrammarSpec.json_schema(nested, "guided_json"), "recursion limit"),
+             (GrammarSpec.json_schema({"enum": [f"value number {i}" for i in range(10000)]}, "guided_json"),
+              "is too large")]
+    for spec, words in cases:
+        with pytest.raises(GrammarError) as info:
+            grammars.compile_now(spec)
+        assert info.value.param == spec.field and str(info.value).startswith(spec.field)
+        assert words in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+def test_large_but_bounded_grammars_are_served(stories_dir):
+    """A choice of 10,000 strings (one lexeme: as a rule it would hit the row limit at its first token), a JSON enum
+    of 3,000, a left-recursive list, a long forced text: each walks with every step's mask quick."""
+    tok, grammars = _stories_grammars(stories_dir)
+    words = tuple(f"w{i:05d}" for i in range(10000))
+    for seed in range(2):
+        state, out, slowest = _steps(grammars, GrammarSpec("choice", words, "guided_choice"), tok, 20, seed)
+        assert state.complete and tok.decode(out) in words and slowest < 0.5, tok.decode(out)
+    enum = [f"value {i}" for i in range(3000)]
+    state, out, _ = _steps(grammars, GrammarSpec.json_schema({"enum": enum}, "guided_json"), tok, 30)
+    assert state.complete and json.loads(tok.decode(out)) in enum
+    state, out, slowest = _steps(grammars, GrammarSpec("grammar", 'start: list\nlist: list "," item | item\n'
+                                                                   'item: /[0-9]/', "g"), tok, 300)
+    assert not (state.cut_short or state.error) and len(out) == 300 and slowest < 0.5
+    state, out, slowest = _steps(grammars, GrammarSpec("regex", "a{60000}b", "guided_regex"), tok, 40)
+    assert not (state.cut_short or state.error) and set(tok.decode(out)) == {"a"} and slowest < 0.5
+
+
+def test_a_long_forced_text_is_tokenized_canonically_at_its_head_and_spelled_whole(stories_dir):
+    """llguidance tokenizes a grammar's forced text at every step: beyond its head, greedily (fast), but spelling
+    exactly the same bytes."""
+    tok, grammars = _stories_grammars(stories_dir)
+    lltok = grammars.lltokenizer()
+    text = "Once upon a time, a little bird sang. " * 2000
+    t0 = time.perf_counter()
+    ids = lltok.tokenize_str(text)
+    assert time.perf_counter() - t0 < 0.5
+    assert lltok.decode_str(ids) == text and ids[:50] == tok.encode_verbatim(text)[:50]
+
+
+def test_a_grammar_that_hits_a_limit_mid_output_is_cut_short_within_bounded_steps(stories_dir):
+    """A regex that forces a million bytes after its first token exhausts the lexer's fuel; an ambiguous grammar's
+    Earley rows grow with its output until the row limit (with llguidance's defaults its steps pass half a second
+    and it runs on). Both are cut short ("length", master/logits.py), not failed, and no step is slow."""
+    tok, grammars = _stories_grammars(stories_dir)
+    for spec, words, most in ((GrammarSpec("regex", "[bc](a{1000}){1000}", "r"), "too many expressions", 5),
+                              (GrammarSpec("grammar", 'start: s\ns: s s | s s s | "a" | "b" | ""', "g"),
+                               "Current row has 501 items; max is 500", 300)):
+        state, out, slowest = _steps(grammars, spec, tok, most)
+        assert state.error is None and state.cut_short is not None, (state.error, len(out))
+        assert state.cut_short.startswith("the output stopped where its grammar could not go on: the grammar is too "
+                                          "complex for the grammar engine") and words in state.cut_short
+        assert slowest < 0.5 and len(out) < most
+
+
+class _FailingMatcher:
+    """An llguidance-like matcher that takes `tokens`, then fails with `message`: computing the next mask
+    (`at_mask`) or taking the next token."""
+
+    def __init__(self, tokens, message, at_mask):
+        self.tokens, self.message, self.at_mask, self.failed = list(tokens), message, at_mask, False
+
+    def is_error(self):
+        self.failed = self.failed or (self.at_mask and not self.tokens)
+        return self.failed
+
+    def consume_token(self, token):
+        if self.tokens and self.tokens[0] == token:
+            self.tokens.pop(0)
+            return True
+        self.failed = True
+        return False
+
+    def get_error(self):
+        return self.message + "\n<non-verbose/>" if self.failed else ""
+
+    def is_stopped(self):
+        return self.failed
+
+
+@pytest.mark.parametrize("at_mask, message, reason, kept", [
+    (True, "lexer error: too many expressions constructed", "length", [11]),
+    (False, "Parser Error: Current row has 501 items; max is 500; consider ...", "length", [11, 12]),
+    (True, "NoExtensionBias", "length", [11]),
+    (False, "token 12 not allowed", "error", [11, 12])])
+def test_a_request_whose_grammar_cannot_go_on_ends_with_length_and_says_why(at_mask, message, reason, kept):
+    """A limit hit (or no token left) computing the mask: the token sampled under it is not kept; taking a token:
+    it is (the mask allowed it). Either way "length" with the reason; any other failure stays an "error"."""
+    from llm_serving.master.step_io import StepOutputs
+    from tests.unit.test_output_processor import running
+    from tests.unit.test_scheduler import make_scheduler
+
+    sched = make_scheduler(num_blocks=16)
+    (req,), outputs = running(sched, [5, 6], max_new_tokens=8)
+    req.logits = LogitsState(req.sampling, [2], 128, _FailingMatcher([11], message, at_mask))
+    for token in (11, 12):
+        req.logits.write(np.zeros(4, np.int32), req.output_ids, filled=True)    # (as RowWriter, after fill_masks)
+        (result,) = outputs.update_from_output(sched.schedule(), StepOutputs([token], [0.0]))
+    assert result.finish_reason == reason and req.finished and req.output_ids == [10] + kept
+    if reason == "length":
+        assert result.error.startswith("the output stopped where its grammar could not go on: ")
+        assert ("too complex" in result.error) == ("NoExtension" not in message) and "\n" not in result.error
+    else:
+        assert result.error == "the grammar does not allow token 12 here: token 12 not allowed"
