@@ -30,8 +30,8 @@ setup(
         # torch and transformers: the reference the model families are compared with (tests/families.py); torch's
         # exact pin lets pip take the CPU wheel kept on the test machines
         "test": ["pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "matplotlib", "tqdm", "openai", "anthropic",
-                 "ollama", "huggingface_hub", "selenium", "kubernetes-validate", "jsonschema", "torch==2.13.0",
-                 "transformers>=5,<6"],
+                 "ollama", "huggingface_hub", "selenium", "kubernetes-validate", "jsonschema", "schemathesis",
+                 "torch==2.13.0", "transformers>=5,<6"],
         "ascend": ["mindformers"],
     },
     entry_points={"console_scripts": ["llm-serving=llm_serving.cli:main"]},

@@ -82,6 +82,9 @@ class LogitsState:
                 self._failed("its grammar could not compute the next token's mask")
             if self.allowed is not None:
                 mask_row &= self.allowed
+                if self.cut_short is None and not mask_row.any():   # (the token sampled under it is not kept)
+                    self.cut_short = ("the output stopped where its grammar could not go on: no token of "
+                                      "allowed_token_ids continues it here")
         elif self.allowed is not None:
             mask_row[:] = self.allowed
         bias = self.bias

@@ -306,13 +306,15 @@ async def detokenize(request: web.Request) -> web.Response:
 
 
 async def openapi(request: web.Request) -> web.Response:
-    """The OpenAPI document of the HTTP API, built from the request models (server/api/)."""
+    """The OpenAPI document of the HTTP API, built from the request models (server/api/) and what is served."""
     from importlib.metadata import PackageNotFoundError, version
     try:
         served = version("llm-serving")
     except PackageNotFoundError:
         served = "0"
-    return web.json_response(document.openapi(served))
+    engine = request.app[ENGINE]
+    return web.json_response(document.openapi(served, engine.served_models(), engine.vocab_size,
+                                              engine.max_model_len))
 
 
 def add_routes(app: web.Application) -> None:

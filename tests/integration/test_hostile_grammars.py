@@ -103,3 +103,14 @@ def test_an_ambiguous_grammar_is_cut_short_while_a_normal_request_keeps_its_text
     assert choice["finish_reason"] == "length" and reply["usage"]["completion_tokens"] < 400, reply
     assert "too complex" in choice["finish_message"], reply
     assert re.fullmatch("[ab]*", choice["text"]), reply
+
+
+def test_allowed_token_ids_that_leave_a_grammar_no_token_end_the_reply_cleanly(smollm2_server):
+    """allowed_token_ids and a grammar with no token in common (here the EOS alone, which `a+` does not allow first):
+    nothing can be sampled, so the reply ends with "length" and says why, not a 500 (schemathesis found the 500)."""
+    status, reply = post(smollm2_server.url, "/v1/completions", {"model": MODEL, "prompt": "Once", "max_tokens": 5,
+                                                                 "guided_regex": "a+", "allowed_token_ids": [0]})
+    assert status == 200, reply
+    choice = reply["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["text"] == "", reply
+    assert "allowed_token_ids" in choice["finish_message"], reply

@@ -9,8 +9,10 @@ import re
 import pytest
 
 from llm_serving.master.grammar import GrammarError
+from llm_serving.server.api.anthropic import MessagesRequest
 from llm_serving.server.api.base import read_json, validate
-from llm_serving.server.api.document import openapi
+from llm_serving.server.api.document import API_MODULES, openapi
+from llm_serving.server.api.ollama import ShowRequest
 from llm_serving.server.api.openai import ChatCompletionRequest, CompletionRequest, TokenizeRequest
 from llm_serving.server.api.tgi import GenerateRequest
 from llm_serving.server.errors import ValidationError
@@ -136,3 +138,153 @@ def test_the_document_lists_each_route_with_its_model():
     refs = re.findall(r'"\$ref": "#/components/schemas/([^"]+)"', json.dumps(doc))
     assert refs and set(refs) <= set(schemas)           # every reference resolves (names of two APIs told apart)
     assert not [n for n in schemas if "__" in n]
+
+
+# --- the OpenAPI document says what validation takes ----------------------------------------------------------------
+
+SERVED = {"models": ["hf", "lora1"], "vocab_size": 512, "max_model_len": 256}
+
+
+def _body_schema(doc: dict, model: type) -> dict:
+    """The document's schema of `model`'s bodies (at its first route)."""
+    path = next(path for module in API_MODULES for path, m, _ in module.ROUTES if m is model)
+    return {**doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"],
+            "components": doc["components"]}
+
+
+def test_the_served_documents_fields_name_the_served_model_and_bound_its_vocabulary_and_context():
+    doc = openapi("1", **SERVED)
+    schemas = doc["components"]["schemas"]
+    assert schemas["ChatCompletionRequest"]["properties"]["model"]["enum"] == ["hf", "lora1"]
+    assert schemas["TokenizeRequest"]["properties"]["model"]["enum"] == ["hf", "lora1", None]     # (null: the model)
+    assert schemas["TGIParameters"]["properties"]["adapter_id"]["enum"] == ["lora1", None]
+    assert schemas["ChatCompletionRequest"]["properties"]["max_tokens"]["maximum"] == 255
+    assert schemas["DetokenizeRequest"]["properties"]["tokens"]["items"] == {"type": "integer", "minimum": 0,
+                                                                              "maximum": 511}
+    assert doc["paths"]["/models/{model}/generate"]["post"]["parameters"][0]["schema"]["enum"] == ["hf", "lora1"]
+    show = json.dumps(schemas["ShowRequest"])
+    assert '"enum": ["hf", "lora1", "hf:latest", "lora1:latest"]' in show
+    # a document built without a server has no served values, and no marks left
+    unserved = json.dumps(openapi("1"))
+    assert '"x-served"' not in unserved and '"x-served"' not in json.dumps(doc) and '"hf"' not in unserved
+
+
+# bodies validation takes: the document takes them too
+TAKEN = [
+    (CompletionRequest, {"model": "hf", "prompt": "x", "stop": ["a", "b"], "logit_bias": {" 5 ": -100, "-0": 1}}),
+    (CompletionRequest, {"model": "hf", "prompt": ["x"], "response_format": {"type": "text"}, "guided_regex": "a"}),
+    (CompletionRequest, {"model": "hf", "prompt": [1, 511], "stream": True, "stream_options": {"include_usage": True}}),
+    (ChatCompletionRequest, {"model": "lora1", "messages": [
+        {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f"}}]},
+        {"role": "tool", "tool_call_id": "c", "content": ""}], "logprobs": True, "top_logprobs": 3}),
+    (TokenizeRequest, {"messages": USER, "tools": [WEATHER], "tool_choice": "required", "model": None}),
+    (TokenizeRequest, {"prompt": "x", "add_special_tokens": True, "tool_choice": None}),
+    (GenerateRequest, {"inputs": "x", "parameters": {"grammar": {"type": "json", "value": "{}"}, "stop": "x"}}),
+    (ShowRequest, {"model": "hf:latest", "name": "any name"}),
+    (ShowRequest, {"name": "lora1"}),
+]
+# bodies validation refuses, by a rule the document states
+REFUSED = [
+    (CompletionRequest, {"model": "hf", "prompt": ["a", "b"]}),
+    (CompletionRequest, {"model": "hf", "prompt": "x", "stop": [""]}),
+    (CompletionRequest, {"model": "hf", "prompt": "x", "logit_bias": {"-1": 2}}),
+    (CompletionRequest, {"model": "hf", "prompt": "x", "guided_regex": "a", "guided_choice": ["a"]}),
+    (CompletionRequest, {"model": "hf", "prompt": "x", "stream_options": {"include_usage": True}}),
+    (ChatCompletionRequest, {"model": "hf", "messages": [{"role": "user"}]}),
+    (ChatCompletionRequest, {"model": "hf", "messages": [{"role": "tool", "content": "x"}]}),
+    (ChatCompletionRequest, {"model": "hf", "messages": USER, "top_logprobs": 2}),
+    (ChatCompletionRequest, {"model": "hf", "messages": USER, "chat_template_kwargs": {"messages": []}}),
+    (TokenizeRequest, {"prompt": "x", "messages": USER}),
+    (TokenizeRequest, {"prompt": "x", "tools": [WEATHER]}),
+    (TokenizeRequest, {"messages": USER, "tool_choice": "auto"}),
+    (GenerateRequest, {"inputs": " "}),
+    (GenerateRequest, {"inputs": "x", "parameters": {"grammar": {"type": "regex", "value": " "}}}),
+    (ShowRequest, {"name": None}),
+]
+# bodies validation takes and the routes refuse, for what only the served model knows: the document refuses them
+NOT_SERVED = [
+    (CompletionRequest, {"model": "other", "prompt": "x"}),
+    (CompletionRequest, {"model": "hf", "prompt": [512]}),
+    (CompletionRequest, {"model": "hf", "prompt": "x", "max_tokens": 256}),
+    (GenerateRequest, {"inputs": "x", "parameters": {"adapter_id": "hf"}}),
+    (ShowRequest, {"model": "hf:v2", "name": "hf"}),
+]
+
+
+def _documented(model, body) -> bool:
+    jsonschema = pytest.importorskip("jsonschema")
+    return jsonschema.Draft202012Validator(_body_schema(openapi("1", **SERVED), model)).is_valid(body)
+
+
+def _validates(model, body) -> bool:
+    try:
+        validate(model, body, unknown="parameter" if model is GenerateRequest else "field")
+    except ValidationError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("model, body", TAKEN)
+def test_the_served_document_takes_what_validation_takes(model, body):
+    assert _validates(model, body) and _documented(model, body)
+
+
+@pytest.mark.parametrize("model, body", REFUSED)
+def test_the_served_document_states_the_rules_validation_refuses_by(model, body):
+    assert not _validates(model, body) and not _documented(model, body)
+
+
+@pytest.mark.parametrize("model, body", NOT_SERVED)
+def test_the_served_document_refuses_what_only_the_served_model_refuses(model, body):
+    assert _validates(model, body) and not _documented(model, body)
+
+
+def test_each_apis_error_body_is_the_shape_its_routes_document():
+    jsonschema = pytest.importorskip("jsonschema")
+    from llm_serving.server import routes_anthropic, routes_ollama, routes_openai, streaming
+    doc = openapi("1")
+    shapes = {"/v1/chat/completions": routes_openai.error_body(400, "bad", "validation", "stop"),
+              "/tokenize": routes_openai.error_body(404, "no such model", "not_found"),
+              "/v1/responses": routes_openai.error_body(400, "bad", "validation", None),
+              "/generate": streaming.error_body("bad", "validation"),
+              "/v1/messages": routes_anthropic.error_body(400, "bad", "validation", "max_tokens"),
+              "/api/chat": routes_ollama.error_body(400, "bad", "validation", "format")}
+    for path, body in shapes.items():
+        schema = doc["paths"][path]["post"]["responses"]["4XX"]["content"]["application/json"]["schema"]
+        assert jsonschema.Draft202012Validator({**schema, "components": doc["components"]}).is_valid(body), path
+    anthropics = doc["paths"]["/v1/messages"]["post"]["responses"]["4XX"]["content"]["application/json"]["schema"]
+    assert not jsonschema.Draft202012Validator({**anthropics, "components": doc["components"]}).is_valid(
+        shapes["/generate"])
+
+
+def test_schemathesis_can_generate_every_request_the_document_describes():
+    """Rules between fields are intersections a JSON schema generator must combine: too many in one body and it
+    gives up (schemathesis: 'outgrew_intersections'), and the route cannot be fuzzed (test_openapi_fuzz.py)."""
+    schemathesis = pytest.importorskip("schemathesis")
+    from hypothesis import HealthCheck, Phase, given, settings
+    schema = schemathesis.openapi.from_dict(openapi("1", **SERVED))
+    bodies = {}
+    for result in schema.get_all_operations():
+        op = result.ok()
+        if op.body:
+            @settings(max_examples=1, database=None, phases=[Phase.generate], deadline=None,
+                      suppress_health_check=list(HealthCheck))
+            @given(case=op.as_strategy(generation_mode=schemathesis.GenerationMode.POSITIVE))
+            def draw(case):
+                bodies[op.label] = case.body
+            draw()
+    assert set(bodies) == {f"POST {path}" for module in API_MODULES for path, _, _ in module.ROUTES}
+    assert bodies["POST /v1/chat/completions"]["model"] in SERVED["models"]
+
+
+def test_a_content_block_whose_type_is_no_string_is_a_400_naming_its_field():
+    """Found by schemathesis (test_openapi_fuzz.py): an object as a block's type was looked up in a dict, and the
+    TypeError (unhashable) was a 500."""
+    for system in ([{"type": {}, "text": ""}], [{"type": ["text"], "text": ""}]):
+        with pytest.raises(ValidationError) as info:
+            validate(MessagesRequest, {"model": "m", "max_tokens": 1, "messages": USER, "system": system})
+        assert info.value.param == "system" and "unknown content block type" in str(info.value), str(info.value)
+    with pytest.raises(ValidationError) as info:
+        validate(MessagesRequest, {"model": "m", "max_tokens": 1, "messages": [
+            {"role": "user", "content": [{"type": {"a": 1}}]}]})
+    assert info.value.param == "messages" and "messages[0].content[0]" in str(info.value), str(info.value)

@@ -8,11 +8,12 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 
-from pydantic import Discriminator, Field, PrivateAttr, Tag, model_validator
+from pydantic import ConfigDict, Discriminator, Field, PrivateAttr, Tag, model_validator
 
 from llm_serving.master.grammar import GrammarSpec
 from llm_serving.master.request import SamplingParams
-from llm_serving.server.api.base import Body, Open, stop_strings
+from llm_serving.server.api.base import (GIVEN, MAX_STOP_STRINGS, SERVED_MODEL, STOP_STRING, TOOLS_GIVEN, Body,
+                                         Open, needs, rules, stop_strings, when)
 from llm_serving.server.errors import ValidationError
 from llm_serving.server.translate import ApiRequest
 
@@ -62,6 +63,7 @@ class RedactedThinkingBlock(Body):
 
 class Unserved(Open):
     """A content block this server does not take: its validator says why, naming the block."""
+    model_config = ConfigDict(json_schema_extra={"not": {}})      # (the document: no such block is taken)
     type: Any = None
 
     @model_validator(mode="after")
@@ -69,7 +71,7 @@ class Unserved(Open):
         kind = self.type
         if kind in _MEDIA:
             raise ValidationError(f"{kind} blocks are not supported: the served model reads text only")
-        if kind in _BELONGS:
+        if isinstance(kind, str) and kind in _BELONGS:       # (an object or a list as the type: unknown)
             raise ValidationError(f"{kind} blocks belong in {_BELONGS[kind]} messages")
         raise ValidationError(f"unknown content block type {kind!r}")
 
@@ -163,7 +165,8 @@ class CustomTool(Body):
     """A client tool. Anthropic's server tools (web search, code execution, ...) are not served here."""
     name: str = Field(pattern=TOOL_NAME, description="1-128 letters, digits, _ or -")
     description: Optional[str] = None
-    input_schema: Dict[str, Any] = Field(description="a JSON schema of the input, of type object")
+    input_schema: Dict[str, Any] = Field(description="a JSON schema of the input, of type object",
+                                         json_schema_extra=needs({"type": {"const": "object"}}))
     type: Optional[Literal["custom"]] = None
     cache_control: Optional[CacheControl] = None
     strict: Optional[bool] = Field(None, description="accepted: a forced call always follows the schema")
@@ -188,6 +191,9 @@ class CustomTool(Body):
 
 
 class ToolChoice(Body):
+    model_config = ConfigDict(json_schema_extra=rules(
+        when("type", {"const": "tool"}, needs({"name": GIVEN})),
+        when("type", {"not": {"const": "tool"}}, {"not": needs({"name": GIVEN})})))
     type: Literal["auto", "any", "tool", "none"] = Field(description="any: some tool must be called (its input "
                                                                      "follows its schema); tool: the named one")
     name: Optional[str] = Field(None, description="with type tool")
@@ -201,6 +207,9 @@ class ToolChoice(Body):
 
 
 class Thinking(Body):
+    model_config = ConfigDict(json_schema_extra=rules(
+        when("type", {"const": "enabled"}, needs({"budget_tokens": GIVEN})),
+        when("type", {"not": {"const": "enabled"}}, {"not": needs({"budget_tokens": GIVEN})})))
     type: Literal["enabled", "disabled", "adaptive"] = Field(
         description="the chat template's enable_thinking: true (enabled, adaptive) or false")
     budget_tokens: Optional[int] = Field(None, ge=1024, description="with enabled; accepted, not enforced: the "
@@ -228,7 +237,12 @@ class OutputConfig(Body):
 
 class _Chat(Body):
     """What messages and count_tokens share: the conversation, the tools, and what the template is given."""
-    model: str = Field(min_length=1, description="the served model's id, or a LoRA adapter's (GET /v1/models)")
+    model_config = ConfigDict(json_schema_extra=rules(     # a tool_choice but none needs tools; a forced one, no format
+        when("tool_choice", needs({"type": {"not": {"const": "none"}}}), TOOLS_GIVEN),
+        when("tool_choice", needs({"type": {"enum": ["any", "tool"]}}),
+             {"not": needs({"output_config": needs({"format": GIVEN})})})))
+    model: str = Field(min_length=1, description="the served model's id, or a LoRA adapter's (GET /v1/models)",
+                       json_schema_extra=SERVED_MODEL)
     messages: List[Message] = Field(min_length=1)
     system: Optional[Union[str, TextBlocks]] = Field(None, description="a string or text blocks")
     tools: Optional[List[CustomTool]] = Field(None, max_length=MAX_TOOLS)
@@ -325,7 +339,8 @@ class MessagesRequest(_Chat):
     """POST /v1/messages."""
     max_tokens: int = Field(ge=1, le=1 << 20, description="the most tokens the reply may have")
     stop_sequences: Optional[List[str]] = Field(None, description="at most 16 strings of 1 to 256 characters; the "
-                                                                  "reply ends before the first one it writes")
+                                                "reply ends before the first one it writes",
+                                                json_schema_extra={"items": STOP_STRING, "maxItems": MAX_STOP_STRINGS})
     temperature: float = Field(1.0, ge=0.0, le=1.0, description="0 = greedy")
     top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
     top_k: Optional[int] = Field(None, ge=0, le=1 << 20, description="0 = off")

@@ -20,6 +20,14 @@ from llm_serving.server.errors import ValidationError
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
 INT64 = dict(ge=-(1 << 63), le=(1 << 64) - 1)
 
+# What only the served model knows (its names, its vocabulary, its context) marks a field's JSON schema; the OpenAPI
+# document of the server at hand makes the mark an enum or a bound (api/document.py); the routes check them
+SERVED_MODEL = {"x-served": "model"}            # the model's name or a LoRA adapter's
+SERVED_ADAPTER = {"x-served": "adapter"}        # a LoRA adapter's name
+OLLAMA_MODEL = {"x-served": "ollama-model"}     # either, or either with ":latest"
+TOKEN_ID = {"type": "integer", "minimum": 0, "x-served": "token-id"}  # below the vocabulary's size
+NEW_TOKENS = {"x-served": "new-tokens"}         # a reply's length: below the context's (the prompt takes one at least)
+
 
 class Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
@@ -80,6 +88,40 @@ def nonempty(value: Optional[str], field: str) -> Optional[str]:
     if value is not None and not value.strip():
         raise ValidationError(f"'{field}' must be a non-empty string", param=field)
     return value
+
+
+# --- the validators' rules as JSON schema, for the OpenAPI document --------------------------------------------------
+# (clients and fuzzers read them, validation does not): a field's rule is its json_schema_extra, rules between fields
+# a model's (`rules`)
+
+STOP_STRING = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
+STOP = {"anyOf": [STOP_STRING, {"type": "array", "items": STOP_STRING, "maxItems": MAX_STOP_STRINGS}, {"type": "null"}]}
+NOT_BLANK = {"pattern": r"\S"}
+GIVEN = {"not": {"type": "null"}}
+
+
+def when(field: str, schema: dict, then: dict) -> dict:
+    """A rule between fields: when `field` is given and matches `schema`, the body matches `then`."""
+    return {"if": {"required": [field], "properties": {field: schema}}, "then": then}
+
+
+def needs(schemas: dict) -> dict:
+    """A body that has each field of `schemas`, matching its schema."""
+    return {"required": list(schemas), "properties": schemas}
+
+
+TOOLS_GIVEN = needs({"tools": {"type": "array", "minItems": 1}})         # a body with a tool at least
+
+
+def at_most_one(schemas: dict) -> list:
+    """Rules that at most one field of `schemas` ({field: the schema of its being given}) is given."""
+    return [when(field, schema, {"not": {"anyOf": [needs({other: s}) for other, s in schemas.items()
+                                                   if other != field]}}) for field, schema in schemas.items()]
+
+
+def rules(*schemas: dict) -> dict:
+    """A model's json_schema_extra: every rule of `schemas` holds."""
+    return {"allOf": list(schemas)}
 
 
 # --- validation -----------------------------------------------------------------------------------------------------

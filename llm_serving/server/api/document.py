@@ -1,8 +1,13 @@
-"""The server's OpenAPI 3.1 document (GET /openapi.json), its request bodies the models the routes validate with."""
+"""The server's OpenAPI 3.1 document (GET /openapi.json), its request bodies the models the routes validate with.
+
+What only the served model knows (its names, its vocabulary, its context) is marked in the models' fields (api.base:
+SERVED_MODEL, TOKEN_ID, ...): the document of a serving server makes each mark an enum or a bound, so that a client
+or a fuzzer reading it sends what the server takes."""
 from __future__ import annotations
 
 import json
 import re
+from typing import Optional, Sequence
 
 from pydantic.json_schema import models_json_schema
 
@@ -17,34 +22,134 @@ GETS = [("/health", "200 when the engine serves"), ("/info", "the served model a
         ("/v1/models", "the served model and its LoRA adapters"), ("/metrics", "Prometheus metrics"),
         ("/stats", "the engine's counters"), ("/openapi.json", "this document")]
 
+# each API's error body (its routes module's error_body), the answer of its 4xx
+_TEXT, _TEXT_OR_NULL = {"type": "string"}, {"type": ["string", "null"]}
+ERRORS = {
+    "OpenAIError": {"type": "object", "required": ["error"], "properties": {"error": {
+        "type": "object", "required": ["message", "type", "param", "code"],
+        "properties": {"message": _TEXT, "type": _TEXT, "param": _TEXT_OR_NULL, "code": _TEXT_OR_NULL}}}},
+    "TGIError": {"type": "object", "required": ["error", "error_type"],
+                 "properties": {"error": _TEXT, "error_type": _TEXT}},
+    "AnthropicError": {"type": "object", "required": ["type", "error"], "properties": {
+        "type": {"const": "error"},
+        "error": {"type": "object", "required": ["type", "message"], "properties": {"type": _TEXT, "message": _TEXT}}}},
+    "OllamaError": {"type": "object", "required": ["error"], "properties": {"error": _TEXT}},
+}
+# the error body of each API module's routes (Responses' are OpenAI's: routes_openai owns /v1/)
+MODULE_ERRORS = {"openai": "OpenAIError", "tgi": "TGIError", "responses": "OpenAIError",
+                 "anthropic": "AnthropicError", "ollama": "OllamaError"}
 
-def openapi(version: str) -> dict:
-    """The OpenAPI 3.1 document of the HTTP API, its request bodies from the API models."""
-    routes = [route for module in API_MODULES for route in module.ROUTES]
-    refs, defs = models_json_schema([(m, "validation") for m in dict.fromkeys(m for _, m, _ in routes)],
+# the JSON replies of some routes (routes_openai.py writes them); a streamed one is text/event-stream
+STREAMED = {"/v1/completions", "/v1/chat/completions"}
+_COUNT = {"type": "integer", "minimum": 0}
+_USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+          "properties": {"prompt_tokens": _COUNT, "completion_tokens": _COUNT, "total_tokens": _COUNT}}
+
+
+def _completion(kind: str, choice: dict) -> dict:
+    """An OpenAI completion object whose choices have the fields of `choice` ({field: schema})."""
+    choice = {"index": _COUNT, "finish_reason": {"enum": ["stop", "length", "tool_calls", "abort"]},
+              "logprobs": {"type": ["object", "null"]}, **choice}
+    return {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"], "properties": {
+        "id": _TEXT, "object": {"const": kind}, "created": _COUNT, "model": _TEXT, "usage": _USAGE,
+        "choices": {"type": "array", "minItems": 1,
+                    "items": {"type": "object", "required": list(choice), "properties": choice}}}}
+
+
+REPLIES = {
+    "/v1/completions": _completion("text_completion", {"text": _TEXT}),
+    "/v1/chat/completions": _completion("chat.completion", {"message": {
+        "type": "object", "required": ["role", "content"],
+        "properties": {"role": {"const": "assistant"}, "content": _TEXT_OR_NULL, "reasoning_content": _TEXT,
+                       "tool_calls": {"type": "array", "minItems": 1}}}}),
+    "/tokenize": {"type": "object", "required": ["count", "max_model_len", "tokens", "token_strs"], "properties": {
+        "count": _COUNT, "max_model_len": _COUNT, "tokens": {"type": "array", "items": _COUNT},
+        "token_strs": {"type": ["array", "null"], "items": _TEXT}}},
+    "/detokenize": {"type": "object", "required": ["prompt"], "properties": {"prompt": _TEXT}},
+    "/v1/models": {"type": "object", "required": ["object", "data"], "properties": {
+        "object": {"const": "list"}, "data": {"type": "array", "minItems": 1, "items": {
+            "type": "object", "required": ["id", "object", "created", "owned_by", "max_model_len"],
+            "properties": {"id": _TEXT, "object": {"const": "model"}, "max_model_len": _COUNT}}}}},
+}
+
+
+def openapi(version: str, models: Sequence[str] = (), vocab_size: Optional[int] = None,
+            max_model_len: Optional[int] = None) -> dict:
+    """The OpenAPI 3.1 document of the HTTP API, its request bodies from the API models. A serving server gives what
+    it serves: `models` (the model's name, then its LoRA adapters'), the vocabulary's size and the context's length;
+    without them the fields that name or count them stay as open as their models."""
+    routes = [(module, route) for module in API_MODULES for route in module.ROUTES]
+    refs, defs = models_json_schema([(m, "validation") for m in dict.fromkeys(m for _, (_, m, _) in routes)],
                                     ref_template="#/components/schemas/{model}")
-    error = {"description": "a bad request: the API's error shape, naming the field"}
+    model_names = {"type": "string", **({"enum": list(models)} if models else {})}
     paths: dict = {}
-    for path, model, summary in routes:
+    for module, (path, model, summary) in routes:
         op = {"summary": summary, "requestBody": {"required": True, "content": {"application/json": {
             "schema": refs[(model, "validation")]}}},
-              "responses": {"200": {"description": "the reply (text/event-stream when streamed)"}, "400": error}}
+              "responses": {"200": _reply(path, "the reply (text/event-stream when streamed)"),
+                            **_errors(MODULE_ERRORS[module.__name__.rsplit(".", 1)[1]])}}
         if "{model}" in path:
-            op["parameters"] = [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]
+            op["parameters"] = [{"name": "model", "in": "path", "required": True, "schema": model_names}]
         paths[path] = {"post": op}
-    others = [("get", path, summary) for path, summary in GETS]
-    others += [op for module in API_MODULES for op in getattr(module, "OPERATIONS", ())]
-    for method, path, summary in others:
-        op = {"summary": summary, "responses": {"200": {"description": summary}}}
+    others = [("get", path, summary, "OpenAIError" if path.startswith("/v1/") else "TGIError")
+              for path, summary in GETS]
+    others += [(*op, MODULE_ERRORS[module.__name__.rsplit(".", 1)[1]])
+               for module in API_MODULES for op in getattr(module, "OPERATIONS", ())]
+    for method, path, summary, error in others:
+        op = {"summary": summary, "responses": {"200": _reply(path, summary), **_errors(error)}}
         names = [part[1:-1] for part in path.split("/") if part.startswith("{")]
         if names:
             op["parameters"] = [{"name": n, "in": "path", "required": True, "schema": {"type": "string"}}
                                 for n in names]
         paths.setdefault(path, {})[method] = op
     doc = {"openapi": "3.1.0", "info": {"title": "llm-serving", "version": version}, "paths": paths,
-           "components": {"schemas": defs.get("$defs", {})}}
+           "components": {"schemas": {**defs.get("$defs", {}), **ERRORS}}}
+    _resolve(doc, _served(models, vocab_size, max_model_len))
     # two APIs' models of one name (a ToolCall in OpenAI's and Ollama's) are told apart by their module, which
     # pydantic spells as a path: named by their API instead (OllamaToolCall)
     text = re.sub(r"llm_serving__server__api__([a-z]+)__(\w+)", lambda m: API_NAMES.get(m[1], m[1].title()) + m[2],
                   json.dumps(doc))
     return json.loads(text)
+
+
+def _reply(path: str, description: str) -> dict:
+    """A 200 answer: its JSON's schema when REPLIES has it (and a stream's media type, without one)."""
+    if path not in REPLIES:
+        return {"description": description}
+    content = {"application/json": {"schema": REPLIES[path]}}
+    if path in STREAMED:
+        content["text/event-stream"] = {}
+    return {"description": description, "content": content}
+
+
+def _errors(name: str) -> dict:
+    """An operation's error answers (a bad request, a name not served, too many requests), in its API's shape."""
+    return {"4XX": {"description": "a request the server refuses: the API's error shape, naming the field",
+                    "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}}}}
+
+
+def _served(models: Sequence[str], vocab_size: Optional[int], max_model_len: Optional[int]) -> dict:
+    """Each mark of api.base (its x-served) as the JSON schema keywords it becomes on this server."""
+    served: dict = {}
+    if models:
+        served.update({"model": {"enum": list(models)}, "adapter": {"enum": list(models[1:])},
+                       "ollama-model": {"enum": [*models, *(m + ":latest" for m in models)]}})
+    if vocab_size:
+        served["token-id"] = {"maximum": vocab_size - 1}
+    if max_model_len:
+        served["new-tokens"] = {"maximum": max_model_len - 1}
+    return served
+
+
+def _resolve(node, served: dict) -> None:
+    """Every mark in `node` made its keywords (an enum keeps null for a field that may be null), or dropped."""
+    if isinstance(node, list):
+        for item in node:
+            _resolve(item, served)
+    elif isinstance(node, dict):
+        keywords = dict(served.get(node.pop("x-served", None), {}))
+        if "enum" in keywords and any(branch.get("type") == "null" for branch in node.get("anyOf", ())):
+            keywords["enum"] = [*keywords["enum"], None]
+        node.update(keywords)
+        for value in node.values():
+            _resolve(value, served)

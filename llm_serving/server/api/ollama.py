@@ -7,11 +7,12 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, List, Literal, Optional, Union
 
-from pydantic import Field, PrivateAttr, create_model, field_validator, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, create_model, field_validator, model_validator
 
 from llm_serving.master.grammar import GrammarSpec
 from llm_serving.master.request import SamplingParams
-from llm_serving.server.api.base import INT64, Body, Open, stop_strings
+from llm_serving.server.api.base import (GIVEN, INT64, OLLAMA_MODEL, STOP, Body, Open, needs, rules, stop_strings,
+                                         when)
 from llm_serving.server.api.openai import MAX_TOOLS, Tool
 from llm_serving.server.errors import ValidationError
 from llm_serving.server.translate import ApiRequest
@@ -54,14 +55,15 @@ class _ServedOptions(Body):
     num_predict: Optional[int] = Field(None, ge=-2, le=UNLIMITED, description="the most tokens of the reply, cut to "
                                        "what the context leaves; -1, -2 or 0: as long as the context allows")
     seed: Optional[int] = Field(None, **INT64, description="negative: a random one")
-    stop: Optional[Union[str, List[str]]] = Field(None, description="at most 16 stop strings of 1 to 256 characters")
+    stop: Optional[Union[str, List[str]]] = Field(None, description="at most 16 stop strings of 1 to 256 characters",
+                                                  json_schema_extra=STOP)
     repeat_penalty: float = Field(1.0, gt=0.0, le=10.0, description="HF's repetition_penalty over the prompt and "
                                                                     "the reply; 1 = off")
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    typical_p: Optional[float] = Field(None, description="only 1 (off)")
-    tfs_z: Optional[float] = Field(None, description="only 1 (off)")
-    mirostat: Optional[int] = Field(None, description="only 0 (off)")
+    typical_p: Optional[float] = Field(None, description="only 1 (off)", json_schema_extra={"enum": [1, None]})
+    tfs_z: Optional[float] = Field(None, description="only 1 (off)", json_schema_extra={"enum": [1, None]})
+    mirostat: Optional[int] = Field(None, description="only 0 (off)", json_schema_extra={"enum": [0, None]})
 
     @field_validator("stop")
     @classmethod
@@ -85,10 +87,16 @@ Options = create_model("Options", __base__=_ServedOptions, **{
     for name, why in IGNORED_OPTIONS.items()})
 
 
+_LOGPROBS_RULE = when("top_logprobs", {"minimum": 1}, needs({"logprobs": {"const": True}}))
+
+
 class _Generation(Body):
     """What chat and generate share: the model, the output's format, options, streaming, thinking, logprobs."""
-    model: str = Field(min_length=1, description="the served model's name (or a LoRA adapter's), :latest or not")
-    format: Any = Field(None, description='"json" (any JSON object) or a JSON schema the reply follows')
+    model_config = ConfigDict(json_schema_extra=rules(_LOGPROBS_RULE))
+    model: str = Field(min_length=1, description="the served model's name (or a LoRA adapter's), :latest or not",
+                       json_schema_extra=OLLAMA_MODEL)
+    format: Any = Field(None, description='"json" (any JSON object) or a JSON schema the reply follows',
+                        json_schema_extra={"anyOf": [{"enum": [None, "", "json"]}, {"type": "object"}]})
     options: Optional[Options] = Field(None, description="sampling and length (Ollama's names); null: defaults")
     stream: Optional[bool] = Field(None, description="default true: NDJSON, a line per piece of the reply")
     keep_alive: Optional[Union[str, int, float]] = Field(None, description="accepted: the one model stays loaded")
@@ -162,11 +170,14 @@ class ToolCall(Open):
 
 class Message(Open):
     """A message: role system, user, assistant (content, thinking, tool_calls) or tool (its tool_name)."""
+    model_config = ConfigDict(json_schema_extra=when("tool_calls", {"type": "array", "minItems": 1},
+                                                     needs({"role": {"const": "assistant"}})))
     role: Literal["system", "user", "assistant", "tool"]
     content: Optional[str] = Field("", description="missing or null: empty")
     thinking: Optional[str] = Field(None, description="an assistant's reasoning, given to the template as "
                                                       "reasoning_content")
-    images: Optional[List[Any]] = Field(None, description="none: this server serves text models")
+    images: Optional[List[Any]] = Field(None, description="none: this server serves text models",
+                                        json_schema_extra={"maxItems": 0})
     tool_calls: Optional[List[ToolCall]] = None
     tool_name: Optional[str] = Field(None, description="a tool message's tool")
     tool_call_id: Optional[str] = None
@@ -237,15 +248,20 @@ class ChatRequest(_Generation):
 
 class GenerateRequest(_Generation):
     """POST /api/generate; an empty prompt: Ollama's "load the model" (answered done at once)."""
+    model_config = ConfigDict(json_schema_extra=rules(_LOGPROBS_RULE, when("raw", {"const": True}, {"not": {"anyOf": [
+        needs({"system": {"type": "string", "minLength": 1}}), needs({"think": {"not": {"enum": [None, False]}}})]}})))
     prompt: Optional[str] = Field("", description="raw: the text as it is; else a user message through the chat "
                                                   "template")
     raw: Optional[bool] = Field(None, description="true: no template")
     system: Optional[str] = Field(None, description="the system message (not with raw)")
-    suffix: Optional[str] = Field(None, description="only empty: fill-in-the-middle is not served")
-    template: Optional[str] = Field(None, description="only empty: the model's chat template is used")
+    suffix: Optional[str] = Field(None, description="only empty: fill-in-the-middle is not served",
+                                  json_schema_extra={"maxLength": 0})
+    template: Optional[str] = Field(None, description="only empty: the model's chat template is used",
+                                    json_schema_extra={"maxLength": 0})
     context: Optional[List[int]] = Field(None, description="only empty: a conversation goes through /api/chat "
-                                                           "(its messages)")
-    images: Optional[List[Any]] = Field(None, description="none: this server serves text models")
+                                                           "(its messages)", json_schema_extra={"maxItems": 0})
+    images: Optional[List[Any]] = Field(None, description="none: this server serves text models",
+                                        json_schema_extra={"maxItems": 0})
 
     @model_validator(mode="after")
     def _generate_rules(self):
@@ -276,6 +292,9 @@ class GenerateRequest(_Generation):
 
 class ShowRequest(Body):
     """POST /api/show: {model} (Ollama's older `name` too)."""
+    model_config = ConfigDict(json_schema_extra={"anyOf": [      # a served name: the model's, else the name's
+        needs({"model": {**GIVEN, **OLLAMA_MODEL}}),
+        {"not": needs({"model": GIVEN}), **needs({"name": {**GIVEN, **OLLAMA_MODEL}})}]})
     model: Optional[str] = Field(None, min_length=1)
     name: Optional[str] = Field(None, min_length=1, description="Ollama's older name of `model`")
     verbose: Optional[bool] = Field(None, description="accepted: model_info is the same either way")

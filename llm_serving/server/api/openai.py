@@ -7,15 +7,18 @@ from __future__ import annotations
 import re
 from typing import Any, Dict, List, Literal, Optional, Union
 
-from pydantic import Field, PrivateAttr, field_validator, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from llm_serving.master.grammar import GrammarSpec
 from llm_serving.master.request import SamplingParams
-from llm_serving.server.api.base import INT64, MAX_STOP_CHARS, Body, Open, stop_strings, stop_token_ids
+from llm_serving.server.api.base import (GIVEN, INT64, MAX_STOP_CHARS, NEW_TOKENS, NOT_BLANK, SERVED_MODEL, STOP,
+                                         TOKEN_ID, TOOLS_GIVEN, Body, Open, at_most_one, needs, rules, stop_strings,
+                                         stop_token_ids, when)
 from llm_serving.server.errors import ValidationError
 from llm_serving.server.translate import ApiRequest
 from llm_serving.shm.layout import TOP_LOGPROBS
 from llm_serving.tokenization import ChatTemplateError, check_variables
+from llm_serving.tokenization.chat_template import reserved_variables
 
 MAX_N = 16
 MAX_TOOLS = 128
@@ -25,6 +28,12 @@ MAX_ALLOWED_TOKEN_IDS = 1 << 17
 TOOL_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# each field that says what the output must match, as the schema of its being given (a text response_format is not)
+OUTPUT_GIVEN = {"response_format": {"type": "object", "properties": {"type": {"not": {"const": "text"}}}},
+                "structured_outputs": GIVEN, **{k: GIVEN for k in GUIDED}}
+# the rules between the fields the validators check, for the OpenAPI document
+SAMPLING_RULES = [when("stream_options", GIVEN, needs({"stream": {"const": True}})), *at_most_one(OUTPUT_GIVEN)]
+TOOL_CHOICE_RULE = when("tool_choice", {"not": {"enum": [None, "none"]}}, TOOLS_GIVEN)
 
 
 class StreamOptions(Body):
@@ -39,6 +48,7 @@ class JsonSchemaFormat(Open):
 
 
 class ResponseFormat(Body):
+    model_config = ConfigDict(json_schema_extra=when("type", {"const": "json_schema"}, needs({"json_schema": GIVEN})))
     type: Literal["text", "json_object", "json_schema"]
     json_schema: Optional[JsonSchemaFormat] = None
 
@@ -90,14 +100,16 @@ def _grammar(kind: str, value, field: str) -> GrammarSpec:
 
 class _Sampling(Body):
     """What completions and chat share: sampling, stops, logit controls, structured outputs."""
-    model: str = Field(description="the served model's id, or a LoRA adapter's (GET /v1/models)", min_length=1)
+    model_config = ConfigDict(json_schema_extra=rules(*SAMPLING_RULES))
+    model: str = Field(description="the served model's id, or a LoRA adapter's (GET /v1/models)", min_length=1,
+                       json_schema_extra=SERVED_MODEL)
     stream: bool = Field(False, description="server-sent events, a chunk per token")
     stream_options: Optional[StreamOptions] = Field(None, description="only with stream: true")
     n: int = Field(1, ge=1, le=MAX_N, description="choices, each its own request (with a seed: choice i uses seed + i)")
     stop: Optional[Union[str, List[str]]] = Field(None, description="stop strings (not in the text): at most 16, "
-                                                                    "each of 1 to 256 characters")
+                                                  "each of 1 to 256 characters", json_schema_extra=STOP)
     stop_token_ids: Optional[List[int]] = Field(None, max_length=16, description="more tokens that end the reply "
-                                                                                 "(vLLM)")
+                                                "(vLLM)", json_schema_extra={"items": TOKEN_ID})
     seed: Optional[int] = Field(None, **INT64)
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 = greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -107,24 +119,28 @@ class _Sampling(Body):
     skip_special_tokens: bool = Field(True, description="the reply's text leaves special tokens out; false keeps "
                                                         "them (vLLM; a gpt-oss chat keeps them to read its format)")
     user: Optional[str] = None
-    max_tokens: Optional[int] = Field(None, ge=0, le=1 << 20,
+    max_tokens: Optional[int] = Field(None, ge=0, le=1 << 20, json_schema_extra=NEW_TOKENS,
                                       description="0 only with echo or prompt_logprobs: the prompt is scored")
     min_tokens: int = Field(0, ge=0, le=1 << 20, description="stop tokens are banned until this many (vLLM)")
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="HF/vLLM, 1 = off")
     logit_bias: Optional[Dict[str, Union[int, float]]] = Field(
-        None, max_length=MAX_LOGIT_BIAS_ENTRIES, description="{token id: bias in [-100, 100]}")
+        None, max_length=MAX_LOGIT_BIAS_ENTRIES, description="{token id: bias in [-100, 100]}", json_schema_extra={
+            "propertyNames": {"pattern": r"^\s*(-0{1,9}|[0-9]{1,9})\s*$"},
+            "additionalProperties": {"minimum": -100, "maximum": 100}})
     bad_words: Optional[List[str]] = Field(None, max_length=MAX_BAD_WORDS,
-                                           description="words the reply never contains (vLLM)")
+                                           description="words the reply never contains (vLLM)",
+                                           json_schema_extra={"items": {**NOT_BLANK, "maxLength": MAX_STOP_CHARS}})
     allowed_token_ids: Optional[List[int]] = Field(None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS,
-                                                   description="the only tokens the reply may use (vLLM)")
+                                                   description="the only tokens the reply may use (vLLM)",
+                                                   json_schema_extra={"items": TOKEN_ID})
     response_format: Optional[ResponseFormat] = None
     structured_outputs: Optional[StructuredOutputs] = None
     guided_json: Optional[Union[Dict[str, Any], bool, str]] = None
-    guided_regex: Optional[str] = None
-    guided_choice: Optional[List[str]] = None
-    guided_grammar: Optional[str] = None
+    guided_regex: Optional[str] = Field(None, json_schema_extra=NOT_BLANK)
+    guided_choice: Optional[List[str]] = Field(None, json_schema_extra={"minItems": 1, "items": {"minLength": 1}})
+    guided_grammar: Optional[str] = Field(None, json_schema_extra=NOT_BLANK)
     prompt_logprobs: Optional[int] = Field(None, ge=0, le=TOP_LOGPROBS,
                                            description="each prompt token's log-probability, with this many top ones (vLLM)")
     speculative: bool = Field(True, description="false keeps the request out of speculative decoding")
@@ -237,7 +253,11 @@ class _Sampling(Body):
 class CompletionRequest(_Sampling):
     """POST /v1/completions."""
     prompt: Union[str, List[str], List[int]] = Field(
-        description="a non-empty string, a list of one string, or token ids (one prompt per request)")
+        description="a non-empty string, a list of one string, or token ids (one prompt per request)",
+        json_schema_extra={"anyOf": [{"type": "string", "minLength": 1},
+                                     {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1,
+                                      "maxItems": 1},
+                                     {"type": "array", "items": TOKEN_ID, "minItems": 1}]})
     echo: bool = Field(False, description="the reply starts with the prompt (its tokens' logprobs too)")
     logprobs: Optional[int] = Field(None, ge=0, le=5, description="top log-probabilities per token, besides the chosen")
     suffix: None = None
@@ -301,6 +321,9 @@ class ToolCall(Open):
 
 class ChatMessage(Open):
     """A message: role system, developer, user, assistant (content, or tool_calls) or tool (its tool_call_id)."""
+    model_config = ConfigDict(json_schema_extra=rules(
+        {"anyOf": [needs({"content": GIVEN}), needs({"role": {"const": "assistant"}, "tool_calls": GIVEN})]},
+        when("role", {"const": "tool"}, needs({"tool_call_id": GIVEN}))))
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, List[TextPart]]] = Field(None, description="a string or text parts")
     tool_calls: Optional[List[ToolCall]] = Field(None, min_length=1)
@@ -340,7 +363,8 @@ class _Tools(Body):
     """What chat and tokenize share: the tools, which to call, and the template's variables."""
     tools: Optional[List[Tool]] = Field(None, max_length=MAX_TOOLS)
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedTool]] = None
-    chat_template_kwargs: Optional[Dict[str, Any]] = Field(None, description=_TEMPLATE_KWARGS)
+    chat_template_kwargs: Optional[Dict[str, Any]] = Field(None, description=_TEMPLATE_KWARGS, json_schema_extra={
+        "propertyNames": {"not": {"enum": sorted(reserved_variables())}}})
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -378,10 +402,14 @@ class _Tools(Body):
 
 class ChatCompletionRequest(_Tools, _Sampling):
     """POST /v1/chat/completions."""
+    # (without the tool rules, tool_choice and parallel_tool_calls need tools: with them too, the rules outgrow what
+    # schemathesis's JSON schema generator combines, and the route could not be fuzzed)
+    model_config = ConfigDict(json_schema_extra=rules(
+        *SAMPLING_RULES, when("top_logprobs", {"minimum": 1}, needs({"logprobs": {"const": True}}))))
     messages: List[ChatMessage] = Field(min_length=1)
     logprobs: Optional[bool] = None
     top_logprobs: int = Field(0, ge=0, le=TOP_LOGPROBS, description="only with logprobs: true")
-    max_completion_tokens: Optional[int] = Field(None, ge=0, le=1 << 20)
+    max_completion_tokens: Optional[int] = Field(None, ge=0, le=1 << 20, json_schema_extra=NEW_TOKENS)
     parallel_tool_calls: Optional[bool] = Field(None, description="only with tools")
     reasoning_effort: Optional[Literal["low", "medium", "high"]] = Field(
         None, description="OpenAI's: how much a reasoning model thinks, given to the chat template as its "
@@ -420,9 +448,16 @@ class ChatCompletionRequest(_Tools, _Sampling):
         return req
 
 
+_CHAT_ONLY = ("add_generation_prompt", "chat_template_kwargs", "tools", "tool_choice")     # not with a prompt
+
+
 class TokenizeRequest(_Tools):
     """vLLM's POST /tokenize: a prompt or a chat."""
-    model: Optional[str] = None
+    model_config = ConfigDict(json_schema_extra=rules(
+        TOOL_CHOICE_RULE, {"oneOf": [needs({"prompt": GIVEN}), needs({"messages": GIVEN})]},
+        when("prompt", GIVEN, {"not": {"anyOf": [needs({k: GIVEN}) for k in _CHAT_ONLY]}}),
+        when("messages", GIVEN, {"not": needs({"add_special_tokens": {"const": True}})})))
+    model: Optional[str] = Field(None, json_schema_extra=SERVED_MODEL)
     prompt: Optional[str] = None
     messages: Optional[List[ChatMessage]] = Field(None, min_length=1)
     add_special_tokens: Optional[bool] = Field(None, description="with prompt: add the BOS (default true)")
@@ -435,7 +470,7 @@ class TokenizeRequest(_Tools):
         if (self.prompt is None) == (self.messages is None):
             raise ValidationError("give exactly one of 'prompt' (a string) or 'messages' (a chat)", param="prompt")
         if self.prompt is not None:
-            for field in ("add_generation_prompt", "chat_template_kwargs", "tools", "tool_choice"):
+            for field in _CHAT_ONLY:
                 if getattr(self, field) is not None:
                     raise ValidationError(f"{field} goes with 'messages'", param=field)
             return self
@@ -451,8 +486,9 @@ class TokenizeRequest(_Tools):
 
 
 class DetokenizeRequest(Body):
-    model: Optional[str] = None
-    tokens: List[int] = Field(description="token ids, each below the vocabulary's size")
+    model: Optional[str] = Field(None, json_schema_extra=SERVED_MODEL)
+    tokens: List[int] = Field(description="token ids, each below the vocabulary's size",
+                              json_schema_extra={"items": TOKEN_ID})
 
 
 class LoadLoraRequest(Body):

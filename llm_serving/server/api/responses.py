@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Literal, Optional, Union
 
-from pydantic import Discriminator, Field, PrivateAttr, Tag, field_validator, model_validator
+from pydantic import ConfigDict, Discriminator, Field, PrivateAttr, Tag, field_validator, model_validator
 from typing_extensions import Annotated
 
 from llm_serving.master.grammar import GrammarSpec
 from llm_serving.master.request import SamplingParams
-from llm_serving.server.api.base import Body, Open
+from llm_serving.server.api.base import GIVEN, NEW_TOKENS, SERVED_MODEL, TOOLS_GIVEN, Body, Open, needs, rules, when
 from llm_serving.server.api.openai import MAX_TOOLS, TOOL_NAME
 from llm_serving.server.errors import ValidationError
 from llm_serving.server.translate import ApiRequest
@@ -94,6 +94,7 @@ class FunctionChoice(Body):
 
 class ResponseTextFormat(Body):
     """text.format: plain text, any JSON object, or JSON that follows `schema`."""
+    model_config = ConfigDict(json_schema_extra=when("type", {"const": "json_schema"}, needs({"schema": GIVEN})))
     type: Literal["text", "json_object", "json_schema"]
     name: Optional[str] = Field(None, max_length=64)
     schema_: Optional[Union[Dict[str, Any], bool]] = Field(None, alias="schema")
@@ -122,16 +123,22 @@ class ReasoningConfig(Body):
 
 class ResponsesRequest(Body):
     """POST /v1/responses."""
-    model: str = Field(min_length=1, description="the served model's id, or a LoRA adapter's (GET /v1/models)")
+    model_config = ConfigDict(json_schema_extra=when(      # a forced call needs tools, and follows no text.format
+        "tool_choice", {"not": {"enum": ["auto", "none"]}}, rules(TOOLS_GIVEN, {
+            "not": needs({"text": needs({"format": needs({"type": {"enum": ["json_object", "json_schema"]}})})})})))
+    model: str = Field(min_length=1, description="the served model's id, or a LoRA adapter's (GET /v1/models)",
+                       json_schema_extra=SERVED_MODEL)
     input: Union[str, List[InputItem]] = Field(description="a user message's text, or items: messages, "
-                                                           "function_call, function_call_output, reasoning")
+                                                           "function_call, function_call_output, reasoning",
+                                               json_schema_extra={"minLength": 1, "minItems": 1,
+                                                                  "maxItems": MAX_INPUT_ITEMS})
     instructions: Optional[str] = Field(None, description="a system message before the input (a continued "
                                                           "response's own are not carried over)")
     tools: Optional[List[FunctionTool]] = Field(None, max_length=MAX_TOOLS, description="function tools only")
     tool_choice: Union[Literal["auto", "none", "required"], FunctionChoice] = "auto"
     parallel_tool_calls: bool = True
     text: Optional[ResponseText] = None
-    max_output_tokens: Optional[int] = Field(None, ge=1, le=1 << 20)
+    max_output_tokens: Optional[int] = Field(None, ge=1, le=1 << 20, json_schema_extra=NEW_TOKENS)
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 = greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     reasoning: Optional[ReasoningConfig] = None
@@ -140,7 +147,8 @@ class ResponsesRequest(Body):
                                           "1,000, for a day)")
     previous_response_id: Optional[str] = Field(None, min_length=1, description="continue a stored response: its "
                                                                                 "input and output come first")
-    metadata: Optional[Dict[str, str]] = Field(None, max_length=MAX_METADATA)
+    metadata: Optional[Dict[str, str]] = Field(None, max_length=MAX_METADATA, json_schema_extra={
+        "propertyNames": {"maxLength": 64}, "additionalProperties": {"maxLength": 512}})
     user: Optional[str] = None
     truncation: Optional[Literal["disabled"]] = Field(None, description="only disabled: a prompt too long is refused")
     include: Optional[List[str]] = Field(None, description="accepted (Codex sends it): every item comes whole")

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import Any, List, Literal, Optional, Union
 
-from pydantic import Field, PrivateAttr, field_validator, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from llm_serving.master.grammar import GrammarSpec
 from llm_serving.master.request import SamplingParams
-from llm_serving.server.api.base import Body, stop_strings, stop_token_ids
+from llm_serving.server.api.base import (NEW_TOKENS, NOT_BLANK, SERVED_ADAPTER, STOP, TOKEN_ID, Body, needs, rules,
+                                         stop_strings, stop_token_ids, when)
 from llm_serving.server.errors import ValidationError
 from llm_serving.server.translate import ApiRequest
 from llm_serving.shm.layout import TOP_LOGPROBS
@@ -17,6 +18,9 @@ DEFAULT_MAX_NEW_TOKENS = 64
 
 
 class TGIGrammar(Body):
+    model_config = ConfigDict(json_schema_extra=rules(
+        when("type", {"const": "regex"}, needs({"value": {"type": "string", **NOT_BLANK}})),
+        when("type", {"const": "json"}, needs({"value": {"type": ["object", "boolean", "string"]}}))))
     type: Literal["json", "regex", "json_object"]
     value: Any = Field(None, description="json: a JSON schema (an object or its text); regex: a pattern")
 
@@ -32,7 +36,7 @@ class TGIGrammar(Body):
 
 
 class TGIParameters(Body):
-    max_new_tokens: Optional[int] = Field(None, ge=1, le=1 << 20)
+    max_new_tokens: Optional[int] = Field(None, ge=1, le=1 << 20, json_schema_extra=NEW_TOKENS)
     do_sample: bool = False
     temperature: Optional[float] = Field(None, ge=0.0, le=100.0)
     top_k: int = Field(0, ge=0, le=1 << 20)
@@ -43,14 +47,16 @@ class TGIParameters(Body):
     details: bool = False
     decoder_input_details: bool = Field(False, description="details.prefill: the prompt tokens' log-probabilities "
                                                            "(not with a stream)")
-    stop: Optional[Union[str, List[str]]] = Field(None, description="at most 16 stop strings of 1 to 256 characters")
-    stop_token_ids: Optional[List[int]] = Field(None, max_length=16)
+    stop: Optional[Union[str, List[str]]] = Field(None, description="at most 16 stop strings of 1 to 256 characters",
+                                                  json_schema_extra=STOP)
+    stop_token_ids: Optional[List[int]] = Field(None, max_length=16, json_schema_extra={"items": TOKEN_ID})
     top_n_tokens: int = Field(0, ge=0, le=TOP_LOGPROBS)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     speculative: bool = True
-    adapter_id: Optional[str] = Field(None, min_length=1, description="a LoRA adapter served here (GET /v1/models)")
+    adapter_id: Optional[str] = Field(None, min_length=1, description="a LoRA adapter served here (GET /v1/models)",
+                                      json_schema_extra=SERVED_ADAPTER)
     grammar: Optional[TGIGrammar] = None
     truncate: None = None
     typical_p: None = None
@@ -95,7 +101,7 @@ class TGIParameters(Body):
 
 class GenerateRequest(Body):
     """POST /generate, /generate_stream, /models/{model}/generate[_stream], and TGI's POST /."""
-    inputs: str = Field(description="the prompt (not blank)")
+    inputs: str = Field(description="the prompt (not blank)", json_schema_extra=NOT_BLANK)
     parameters: Optional[TGIParameters] = Field(default_factory=TGIParameters)
     stream: Optional[bool] = Field(None, description="default: false on generate routes, true on _stream ones")
 
