@@ -22,6 +22,7 @@ class StopStrings:
         self.text = ""          # everything pushed, up to the stop string once one matched
         self.sent = 0           # characters of text already released
         self.stopped = False
+        self.matched = None     # the stop string that ended the text (Anthropic's stop_sequence names it)
 
     def push(self, piece: str) -> str:
         """Add a token's text; return what may be shown now. Sets `stopped` when a stop string completed:
@@ -30,10 +31,11 @@ class StopStrings:
             return ""
         start = max(len(self.text) - self.hold, 0)     # a new match must end inside `piece`
         self.text += piece
-        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        hits = [(i, s) for i, s in ((self.text.find(s, start), s) for s in self.stops) if i >= 0]
         if hits:
+            at, self.matched = min(hits, key=lambda hit: hit[0])
             self.stopped = True
-            self.text = self.text[:min(hits)]
+            self.text = self.text[:at]
             return self._release(len(self.text))
         return self._release(len(self.text) - self._open_prefix())
 

@@ -68,18 +68,16 @@ def content_blocks(reasoning, content, calls) -> list:
     return blocks + [tool_use(c) for c in calls]
 
 
-def stop_reason(req, finish_reason: str, called: bool, tokenizer) -> tuple:
-    """(stop_reason, stop_sequence) of a finished request: a stop string is told from EOS by the request's stop
-    strings (the engine's StopStrings marks a match); which one matched is the earliest in its output's text."""
+def stop_reason(req, finish_reason: str, called: bool) -> tuple:
+    """(stop_reason, stop_sequence) of a finished request: a stop string is told from EOS, and named, by the
+    engine's StopStrings of the request (master/stop.py)."""
     if finish_reason == "length":
         return "max_tokens", None
     if called:
         return "tool_use", None
-    if req.stop_strings is None or not req.stop_strings.stopped:
+    if req.stop_strings is None or req.stop_strings.matched is None:
         return "end_turn", None
-    text = tokenizer.decode(req.output_ids, skip_special=req.sampling.skip_special_tokens)
-    found = sorted((text.find(s), len(s), s) for s in req.sampling.stop if s in text)
-    return "stop_sequence", found[0][2] if found else None
+    return "stop_sequence", req.stop_strings.matched
 
 
 def _usage(req) -> dict:
@@ -155,7 +153,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
         if event.finish_reason in ("error", "abort"):
             return web.json_response(_failed(event), status=500)
         reasoning, content, calls = read_reply("".join(texts), shape)
-        stop = stop_reason(req, event.finish_reason, bool(calls), engine.tokenizer)
+        stop = stop_reason(req, event.finish_reason, bool(calls))
         return web.json_response(_message(msg_id, r.model, content_blocks(reasoning, content, calls), stop,
                                           _usage(req)))
     finally:
@@ -177,7 +175,7 @@ async def _stream(request, engine, req, shape, start: dict) -> web.StreamRespons
             thought, text, calls = thought + more_thought, text + rest, calls + more_calls
         pending += blocks.push(thought, text, calls)
         if event.finish_reason is not None:
-            stop = stop_reason(req, event.finish_reason, bool(reply.calls), engine.tokenizer)
+            stop = stop_reason(req, event.finish_reason, bool(reply.calls))
             pending += blocks.close()
             pending.append(_sse({"type": "message_delta", "delta": {"stop_reason": stop[0], "stop_sequence": stop[1]},
                                  "usage": {"output_tokens": len(req.output_ids)}}))

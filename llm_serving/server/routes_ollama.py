@@ -194,29 +194,27 @@ def _check_think(engine, r) -> None:
         raise ValidationError(f"model '{r.model}' does not support thinking", param="think")
 
 
-async def chat(request: web.Request) -> web.StreamResponse:
+async def _serve(request: web.Request, body_type: type) -> web.StreamResponse:
+    """/api/chat or /api/generate: the body validated, an empty one answered as Ollama's "load", the rest prepared
+    and answered line by line. A raw prompt's reply (generate's raw) is read as it is."""
     started = time.monotonic()
     engine = request.app[ENGINE]
-    r = api.validate(ChatRequest, api.read_json(await request.read()))
-    model, lines = served_name(engine, r.model), Lines(r.model, chat=True)
+    r = api.validate(body_type, api.read_json(await request.read()))
+    model, lines = served_name(engine, r.model), Lines(r.model, chat=body_type is ChatRequest)
     if r.loads_only:
         return await _loaded(request, lines, r.streams)
     _check_think(engine, r)
     prepared = prepare(r.to_request(model), engine)
-    return await _answer(request, engine, prepared, reply_shape(engine, prepared), lines, r, started)
+    shape = ReplyShape() if getattr(r, "raw", False) else reply_shape(engine, prepared)
+    return await _answer(request, engine, prepared, shape, lines, r, started)
+
+
+async def chat(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, ChatRequest)
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
-    started = time.monotonic()
-    engine = request.app[ENGINE]
-    r = api.validate(GenerateRequest, api.read_json(await request.read()))
-    model, lines = served_name(engine, r.model), Lines(r.model, chat=False)
-    if r.loads_only:
-        return await _loaded(request, lines, r.streams)
-    _check_think(engine, r)
-    prepared = prepare(r.to_request(model), engine)
-    shape = ReplyShape() if r.raw else reply_shape(engine, prepared)      # a raw prompt's reply is read as it is
-    return await _answer(request, engine, prepared, shape, lines, r, started)
+    return await _serve(request, GenerateRequest)
 
 
 # --- the served model, described ------------------------------------------------------------------------------------

@@ -281,13 +281,8 @@ def test_a_block_opens_on_its_first_text_that_is_not_blank():
     assert routes.BlockStream().push("", "\n\n", []) == []      # a reply of blanks: no block, as a whole one
 
 
-class _Tokenizer:
-    def decode(self, ids, skip_special=True):
-        return "".join(ids)
-
-
 def _finished(pieces, stops=()) -> SimpleNamespace:
-    """A request that produced `pieces` (the tokenizer above decodes a token as itself) with these stop strings."""
+    """A request that produced `pieces` (a token as its text) with these stop strings."""
     sampling = SamplingParams(stop=tuple(stops))
     req = SimpleNamespace(sampling=sampling, output_ids=list(pieces),
                           stop_strings=StopStrings(stops) if stops else None)
@@ -298,16 +293,15 @@ def _finished(pieces, stops=()) -> SimpleNamespace:
 
 
 def test_stop_reason_tells_a_stop_sequence_from_eos_and_names_it():
-    tok = _Tokenizer()
     stopped = _finished(["The", " end", " is", " HERE", "!"], stops=("is HE", "end", "HERE!"))
-    assert routes.stop_reason(stopped, "stop", False, tok) == ("stop_sequence", "end")
+    assert routes.stop_reason(stopped, "stop", False) == ("stop_sequence", "end")
     late = _finished(["a", "b", "c", "STO", "P"], stops=("STOP", "xyz"))
-    assert routes.stop_reason(late, "stop", False, tok) == ("stop_sequence", "STOP")
+    assert routes.stop_reason(late, "stop", False) == ("stop_sequence", "STOP")
     eos = _finished(["a", "b"], stops=("STOP",))
-    assert routes.stop_reason(eos, "stop", False, tok) == ("end_turn", None)
-    assert routes.stop_reason(_finished(["a"]), "stop", False, tok) == ("end_turn", None)
-    assert routes.stop_reason(_finished(["a"]), "stop", True, tok) == ("tool_use", None)
-    assert routes.stop_reason(_finished(["a"]), "length", True, tok) == ("max_tokens", None)
+    assert routes.stop_reason(eos, "stop", False) == ("end_turn", None)
+    assert routes.stop_reason(_finished(["a"]), "stop", False) == ("end_turn", None)
+    assert routes.stop_reason(_finished(["a"]), "stop", True) == ("tool_use", None)
+    assert routes.stop_reason(_finished(["a"]), "length", True) == ("max_tokens", None)
 
 
 @pytest.mark.parametrize("status, kind", [(400, "invalid_request_error"), (401, "authentication_error"),
@@ -375,7 +369,7 @@ def _stream_of(token_events) -> list:
         for k, (text, finish, error) in enumerate(token_events):
             req.output_ids.append(k)
             req.events.put_nowait(TokenEvent(k, text, 0.0, False, finish_reason=finish, error=error))
-        engine = SimpleNamespace(tokenizer=_Tokenizer())
+        engine = SimpleNamespace()
 
         async def handler(request):
             return await routes._stream(request, engine, req, ReplyShape(), {"type": "message", "content": []})

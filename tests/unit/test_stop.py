@@ -27,6 +27,9 @@ def test_only_a_tail_that_may_begin_a_stop_is_held_back():
 
 def test_earliest_of_several_stops_wins_and_no_stops_changes_nothing():
     assert run(["b", "abc"], ["xab", "c"]) == ("xa", True)
+    s = StopStrings(["abc", "b"])                # the match says which stop it was (Anthropic's stop_sequence)
+    assert s.push("xab") == "xa" and s.matched == "b"
+    assert StopStrings(["b"]).matched is None
     assert run([], ["a", "b"]) == ("ab", False)
     assert run(["."], [".", "x"]) == ("", True)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Optional
 
 from pydantic import BaseModel, ConfigDict
 from pydantic import ValidationError as PydanticError
@@ -82,12 +81,6 @@ def stop_token_ids(value, field: str, param: str) -> tuple:
     if len(value) > MAX_STOP_STRINGS or any(v < 0 for v in value):
         raise ValidationError(f"{field} must be a list of at most {MAX_STOP_STRINGS} token ids (>= 0)", param=param)
     return tuple(value)
-
-
-def nonempty(value: Optional[str], field: str) -> Optional[str]:
-    if value is not None and not value.strip():
-        raise ValidationError(f"'{field}' must be a non-empty string", param=field)
-    return value
 
 
 # --- the validators' rules as JSON schema, for the OpenAPI document --------------------------------------------------
