@@ -27,6 +27,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_NUM_SEQS = 64    # running sequences when neither max_num_seqs nor decode buckets are given
 SCHEDULING_POLICIES = ("prefill_first", "longest_output_first", "fcfs")   # see master/scheduler.py
 ATTENTION_KERNELS = ("auto", "on", "off")      # CPU kernel switches (attention, layer); see models/runner.py
+POOLING_MODES = ("auto", "mean", "last", "cls")   # embeddings' pooling; see models/pooling.py
+SCORE_METHODS = ("auto", "yes_no", "similarity")  # how /rerank and /score score; see server/routes_embeddings.py
 SPEC_METHODS = ("off", "ngram", "draft", "tree", "draft_tree")   # speculative decoding proposers; see
                                                                  # master/speculative/ (ngram.py, draft.py)
 
@@ -117,6 +119,17 @@ class ModelConfig:
     model_dtype: str = "float32"
     num_layers: Optional[int] = None          # serve only the checkpoint's first N layers (with its final norm
                                               # and head): a cheap draft model cut from a model; None = all
+    hidden_size: Optional[int] = None         # if given, must match the checkpoint; decided at start from it
+                                              # (startup/kv_memory.py): the width of the pooled hidden states an
+                                              # embedding step writes (shm/layout.py); None = no embeddings
+    pooling: str = "auto"                     # embeddings: the final hidden states' 'mean', the 'last' token's or
+                                              # the first ('cls'), L2-normalized; auto = what the model declares
+                                              # (sentence-transformers' 1_Pooling/config.json), else mean
+                                              # (models/pooling.py)
+    score_method: str = "auto"                # /rerank and /score: 'yes_no' (a reranker's relevance as P("yes") of
+                                              # Qwen3-Reranker's judgement prompt) or 'similarity' (the cosine of
+                                              # the two texts' embeddings); auto = yes_no when the model's name
+                                              # says it is a reranker, else similarity
 
     def __post_init__(self) -> None:
         if self.num_layers is not None:
@@ -129,6 +142,12 @@ class ModelConfig:
             _check_int_list("model_config.end_token", ids, min_value=0)
         if self.vocab_size is not None:
             _check_int("model_config.vocab_size", self.vocab_size)
+        if self.hidden_size is not None:
+            _check_int("model_config.hidden_size", self.hidden_size)
+        _check(self.pooling in POOLING_MODES, "model_config.pooling", self.pooling,
+               f"must be one of {', '.join(POOLING_MODES)}")
+        _check(self.score_method in SCORE_METHODS, "model_config.score_method", self.score_method,
+               f"must be one of {', '.join(SCORE_METHODS)}")
         self.seq_length = _check_int_list("model_config.seq_length", self.seq_length)
         self.prefill_batch_size = _check_int_list("model_config.prefill_batch_size", self.prefill_batch_size)
         if self.decode_batch_size is not None:
@@ -667,9 +686,10 @@ class Config:
 
     def with_decided(self, *, max_generate_length: Optional[int] = None,
                      num_blocks: Optional[int] = None, vocab_size: Optional[int] = None,
-                     window_blocks: Optional[int] = None, window_tokens: Optional[int] = None) -> "Config":
+                     window_blocks: Optional[int] = None, window_tokens: Optional[int] = None,
+                     hidden_size: Optional[int] = None) -> "Config":
         """This configuration with what `auto` left to the start decided (startup/kv_memory.py: the model's
-        context, the KV blocks and the window pool's, its vocabulary's size), checked again; a value not given
+        context, the KV blocks and the window pool's, its vocabulary's size and hidden width), checked again; a value not given
         stays as it is."""
         raw = self.to_dict()
         if window_blocks is not None:
@@ -678,6 +698,8 @@ class Config:
             raw["pa_config"]["window_tokens"] = window_tokens
         if vocab_size is not None:
             raw["model_config"]["vocab_size"] = vocab_size
+        if hidden_size is not None:
+            raw["model_config"]["hidden_size"] = hidden_size
         if max_generate_length is not None:
             raw["model_config"]["max_generate_length"] = max_generate_length
         if num_blocks is not None:

@@ -211,8 +211,22 @@ class Worker:
         self.num_steps += 1
         return model_s
 
+    def _embed(self, view: StepView) -> float:
+        """An embed step: each row's pooled hidden state into out_pooled (ModelRunner._execute_embed)."""
+        if view.out_pooled is None or view.out_pooled.shape[1] != self.runner.config.hidden_size:
+            raise ValueError(f"embed step: the step buffers hold pooled states of "
+                             f"{0 if view.out_pooled is None else view.out_pooled.shape[1]} values, the model's hidden "
+                             f"size is {self.runner.config.hidden_size} (model_config.hidden_size)")
+        t0 = time.perf_counter()
+        pooled = self.runner.execute(view)
+        model_s = time.perf_counter() - t0
+        if self.tp.writes_outputs:
+            view.out_pooled[...] = pooled
+        self.num_steps += 1
+        return model_s
+
     _HANDLERS = {StepKind.PREFILL: _step, StepKind.DECODE: _step, StepKind.VERIFY: _verify_step,
-                 StepKind.DECODE_RUN: _decode_run}
+                 StepKind.DECODE_RUN: _decode_run, StepKind.EMBED: _embed}
 
     def load_lora(self, slot: int, name: str | None, path: str | None) -> dict:
         """LoRA slot `slot` holds the adapter at `path` (read and checked against the model: LoraError, and the

@@ -39,6 +39,7 @@ from llm_serving.master.speculative.planner import SpeculativePlanner, Speculati
 from llm_serving.master.speculative.stats import SpecStats
 from llm_serving.master.step_io import StepIO
 from llm_serving.master.supervisor import Supervisor
+from llm_serving.models.pooling import EmbeddingSpec, embedding_spec, score_method
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,11 @@ class Engine:
         self.grammars = (Grammars(tokenizer, vocab, eos_ids=sorted(self.stop_token_ids)) if vocab
                          else None)             # structured outputs (grammar.py)
         self.chat_template = load_chat_template(config.tokenizer.chat_template, model_dir, tokenizer)
+        # embeddings (models/pooling.py): the pooling and widths, None without the hidden size (decided at start)
+        hidden = mc.hidden_size
+        self.embedding: Optional[EmbeddingSpec] = (embedding_spec(mc.pooling, model_dir, hidden) if hidden
+                                                   else None)
+        self.score_method = score_method(mc.score_method, model_dir, model_name)
         self.requests: dict = {}
         self._detok: dict = {}
         self._wakeup = asyncio.Event()
@@ -241,10 +247,7 @@ class Engine:
         request). Raises QueueFullError past the queue bounds, DuplicateRequestError when req_id names a request
         still in flight, KeyError for an adapter not served here, UnsupportedRequestError for what the agents
         cannot do."""
-        if self.failed_reason or self.draining_reason or not self.running:
-            raise EngineStoppedError(self.failed_reason or self.draining_reason or "engine is not running")
-        if req_id is not None and req_id in self.requests:
-            raise DuplicateRequestError(f"request id {req_id!r} is already in use by a request in flight")
+        self._check_open(req_id)
         if sampling.prompt_logprobs is not None and self.agents.agents and self.agents.agents[0].info is not None \
                 and not self.agents.agents[0].info.scores_prompts:
             raise UnsupportedRequestError("prompt log-probabilities (echo with logprobs, prompt_logprobs, "
@@ -263,6 +266,35 @@ class Engine:
         self._detok[req.req_id] = self.tokenizer.detokenizer(prompt_ids, skip_special=req.sampling.skip_special_tokens)
         self._wakeup.set()
         return req
+
+    def submit_embedding(self, prompt_ids: list, req_id: Optional[str] = None) -> Request:
+        """Queue an embedding of prompt_ids: fed in embed steps on the same step loop as generation (the scheduler
+        keeps a step's rows all embeddings or none), its final hidden states pooled as `self.embedding` says;
+        its final event ends it ("stop": `req.embedding` holds the normalized vector). Raises as `submit` does,
+        and UnsupportedRequestError when these agents cannot pool."""
+        self._check_open(req_id)
+        if self.embedding is None:
+            raise UnsupportedRequestError("embeddings need the model's hidden size, which this server was started "
+                                          "without (model_config.hidden_size)", "input")
+        info = self.agents.agents[0].info if self.agents.agents else None
+        if info is not None and not info.scores_prompts:
+            raise UnsupportedRequestError("embeddings need the CPU kernel's packed prefill; these agents pad prefill "
+                                          "steps (attention_kernel off, or Ascend)", "input")
+        if not prompt_ids:
+            raise UnsupportedRequestError("an embedding's input has no tokens", "input")
+        req = Request(prompt_ids, SamplingParams(max_new_tokens=1), frozenset(), req_id=req_id,
+                      pooling=self.embedding.pooling)
+        self.scheduler.add(req)
+        self.num_prompt_tokens += len(req.prompt_ids)
+        self.requests[req.req_id] = req
+        self._wakeup.set()
+        return req
+
+    def _check_open(self, req_id: Optional[str]) -> None:
+        if self.failed_reason or self.draining_reason or not self.running:
+            raise EngineStoppedError(self.failed_reason or self.draining_reason or "engine is not running")
+        if req_id is not None and req_id in self.requests:
+            raise DuplicateRequestError(f"request id {req_id!r} is already in use by a request in flight")
 
     async def compile_grammar(self, spec: GrammarSpec):
         """A request's grammar compiled before it is submitted (in a worker thread): the matcher to pass to
@@ -474,8 +506,13 @@ class Engine:
         if result.finish_reason == "error":
             self._close(req, "error", error=result.error)
             return
+        n = len(result.token_ids)
+        if not n:                   # (an embedding's end, or a step that ended the request before any token)
+            if result.finish_reason is not None:
+                self._close(req, result.finish_reason, error=result.error)
+            return
         t0 = time.perf_counter()
-        detok, n = self._detok[req.req_id], len(result.token_ids)
+        detok = self._detok[req.req_id]
         for k, (token_id, logprob) in enumerate(zip(result.token_ids, result.logprobs)):
             hidden = token_id in req.stop_token_ids          # a stop token ends the text, never shows in it
             special = hidden or self.tokenizer.is_special(token_id)
@@ -500,8 +537,6 @@ class Engine:
                 return
             req.events.put_nowait(event)
         self.profile["detokenize"] += time.perf_counter() - t0
-        if not n and result.finish_reason is not None:
-            self._close(req, result.finish_reason, error=result.error)
 
     # --- observability -----------------------------------------------------------------------------
 

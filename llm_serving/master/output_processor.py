@@ -20,8 +20,9 @@ detokenizing, stop strings and streaming (master/engine.py); a stop string insid
 request there, and the tokens after it leave its output (`drop_last`). Pure Python, unit-tested with a fake
 runner.
 
-Every step kind has its rule in `_TOKENS` (a new step kind adds one): which tokens a row that reached its end
-gets, and how many of them beyond the first already have their KV in place. (The loop runs for every row of
+An embed step's rows get no tokens: each one's pooled hidden state joins its request's, and a request whose input
+is all fed ends with its embedding (`_pool`). Every other step kind has its rule in `_TOKENS` (a new step kind adds
+one): which tokens a row that reached its end gets, and how many of them beyond the first already have their KV in place. (The loop runs for every row of
 every step, 64 rows a few hundred times a second: rules return plain tuples, and a row's common case, one
 token, takes no slicing or second pass.)
 """
@@ -31,6 +32,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Optional
+
+import numpy as np
 
 from llm_serving.master.batch import ScheduledBatch
 from llm_serving.master.request import Request, RequestStatus
@@ -75,6 +78,8 @@ class OutputProcessor:
             self.spec_stats.verify_steps += 1
         if out.prompt is not None:
             self._score_prompts(batch, out)
+        if batch.kind is StepKind.EMBED:
+            return self._pool(batch, out)
         rule = self._TOKENS[batch.kind]
         now = self.clock()
         results = []
@@ -126,6 +131,35 @@ class OutputProcessor:
 
     _TOKENS = {StepKind.PREFILL: _sampled, StepKind.DECODE: _sampled, StepKind.DECODE_RUN: _run,
                StepKind.VERIFY: _verified}
+
+    # --- embeddings --------------------------------------------------------------------------------
+
+    def _pool(self, batch: ScheduledBatch, out: StepOutputs) -> list:
+        """An embed step: each row's pooled part joins its request's (a part from the input's first token starts
+        it again: a preempted request computes it again); a request whose input is all fed ends ("stop") with its
+        embedding, normalized (mean pooling: the sum over its tokens divided by their count first). Its blocks are
+        never cached for other prompts: they are free once it ends."""
+        results = []
+        now = self.clock()
+        for row, (req, fed) in enumerate(zip(batch.requests, batch.num_new_tokens)):
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            part = out.pooled[row].astype(np.float64)
+            if req.num_computed_tokens == 0 or req.pooled is None or req.pooling == "last":
+                req.pooled = part
+            elif req.pooling == "mean":
+                req.pooled += part          # (cls: the first part's)
+            req.num_computed_tokens += fed
+            self.bm.release_window(req.req_id, req.num_computed_tokens)
+            if req.num_computed_tokens < req.num_tokens:
+                continue
+            pooled = req.pooled / req.num_tokens if req.pooling == "mean" else req.pooled
+            norm = float(np.linalg.norm(pooled))
+            req.embedding = (pooled / norm if norm > 0 else pooled).astype(np.float32)
+            req.first_token_time = now
+            self.scheduler.finish(req, "stop")
+            results.append(RequestOutput(req, [], [], None, "stop"))
+        return results
 
     # --- the request's side ------------------------------------------------------------------------
 

@@ -99,7 +99,7 @@ class Request:
 
     def __init__(self, prompt_ids: list, sampling: SamplingParams, stop_token_ids: frozenset,
                  req_id: Optional[str] = None, lora_slot: int = 0, lora_root: int = 0,
-                 lora_adapter: Optional[str] = None):
+                 lora_adapter: Optional[str] = None, pooling: Optional[str] = None):
         self.number = next(_req_counter)     # unique in this master; written to shm per row (request_ids)
         self.req_id = req_id or f"req-{self.number}"
         self.prompt_ids = list(prompt_ids)
@@ -126,6 +126,11 @@ class Request:
         # sampling.prompt_logprobs: per prompt position (None for the first) a PromptLogprob, as prefill steps score them
         self.prompt_scores: Optional[list] = None if sampling.prompt_logprobs is None else [None] * len(prompt_ids)
         self.seed = sampling.seed if sampling.seed is not None else int(np.random.SeedSequence().entropy % (1 << 63))
+        # an embedding request (models/pooling.py's pooling: mean, last or cls; None: generation): its input is fed
+        # and its final hidden states pooled (embed steps), nothing generated; `embedding` is the normalized result
+        self.pooling = pooling
+        self.pooled: Optional[np.ndarray] = None      # the pooled state so far (float64; mean: the sum)
+        self.embedding: Optional[np.ndarray] = None   # float32, unit norm, set when the request ends with "stop"
 
     @property
     def num_tokens(self) -> int:

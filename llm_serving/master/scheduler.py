@@ -21,6 +21,13 @@ Policies (`scheduler_config.policy`), each one ordering plus one step rule:
 With `chunked_prefill`, a prompt longer than what is left of the step's token budget is split across
 steps (at most `max_chunk_tokens` per step); without it a prompt is fed whole.
 
+Embedding requests (`Request.pooling`) are prompt work of their own: a step's rows are all embeddings (an embed
+step, `StepKind.EMBED`, up to `max_embed_rows` rows) or none are, and the queue's order holds across both (the head
+of the queue blocks the rest). An embedding's input is fed in chunks of `max_chunk_tokens` from its first token,
+whatever the step's budget (a chunk waits for a step with room, or runs alone), so its pooled sums are the same
+reductions over the same tokens whatever else runs; it never adopts cached blocks (every token's hidden state is
+needed) and its blocks are freed when it ends.
+
 Speculative decoding is planned by speculative/planner.py: a decode step of at most `spec_max_rows` rows is
 marked `may_speculate` and left as it is; the planner makes it a verify step (proposals attached), a decode run
 (`make_run`, when nothing was proposed) or leaves it plain. Blocks for proposals are taken through the scheduler
@@ -86,6 +93,7 @@ class SchedulerSpec:
     decode_steps: int = 1                    # steps of a decode run (1: none); the engine lowers it to the agents'
     decode_steps_max_rows: int = 0           # decode runs for steps of at most this many rows
     max_model_len: Optional[int] = None      # tokens a request may hold
+    max_embed_rows: Optional[int] = None     # rows of an embed step (None: max_prefill_rows)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -105,7 +113,8 @@ class SchedulerSpec:
                    prefill_wait_s=sched.prefill_wait_ms / 1e3,
                    spec_max_rows=spec.max_batch_size if spec.enabled else 0, decode_steps=sched.decode_steps,
                    decode_steps_max_rows=sched.decode_steps_max_rows or mc.decode_batch_size[-1],
-                   max_model_len=config.max_model_len)
+                   max_model_len=config.max_model_len,
+                   max_embed_rows=max(mc.prefill_batch_size[-1], mc.decode_batch_size[-1]))
 
 
 class Scheduler:
@@ -190,15 +199,15 @@ class Scheduler:
         if batch is None:
             return None
         in_step = set(map(id, batch.requests))
-        left_out = any(r.num_new_tokens == 1 and id(r) not in in_step for r in self.running)
+        left_out = any(_decoding(r) and id(r) not in in_step for r in self.running)
         self.decode_wait = self.decode_wait + 1 if left_out else 0
-        self._last_was_decode = not batch.is_prefill
+        self._last_was_decode = batch.kind not in (StepKind.PREFILL, StepKind.EMBED)
         return batch
 
     def _compose(self) -> Optional[ScheduledBatch]:
         if self.spec.policy == "fcfs":
             return self._fcfs_step()
-        decoding = any(r.num_new_tokens == 1 for r in self.running)
+        decoding = any(map(_decoding, self.running))
         starving = decoding and self.decode_wait >= self.spec.max_decode_wait_steps
         batch = None if starving or (decoding and self._hold_prefill()) else self._prefill_step()
         return batch if batch is not None else self._decode_step()
@@ -206,12 +215,27 @@ class Scheduler:
     # --- step kinds --------------------------------------------------------------------------------
 
     def _prefill_step(self) -> Optional[ScheduledBatch]:
-        """Prompt work only: running requests' next chunks first, then waiting requests."""
+        """Prompt work only: running requests' next chunks first, then waiting requests; embeddings or
+        generation, as the first of them is."""
+        first = next((r for r in self.running if _prompt_work(r)), self.waiting[0] if self.waiting else None)
+        if first is None:
+            return None
+        embed = first.pooling is not None
         rows, counts = [], []
-        max_rows = self.spec.max_prefill_rows
-        budget = self._add_running(rows, counts, self.spec.max_num_batched_tokens, max_rows, prompts=True)
-        self._admit(rows, counts, budget, max_rows)
-        return ScheduledBatch(rows, counts) if rows else None
+        max_rows = self._prompt_rows(embed)
+        budget = self._add_running(rows, counts, self.spec.max_num_batched_tokens, max_rows, prompts=True,
+                                   embed=embed)
+        self._admit(rows, counts, budget, max_rows, embed=embed)
+        return self._batch(rows, counts, embed)
+
+    def _prompt_rows(self, embed: bool) -> int:
+        return (self.spec.max_embed_rows or self.spec.max_prefill_rows) if embed else self.spec.max_prefill_rows
+
+    @staticmethod
+    def _batch(rows: list, counts: list, embed: bool = False) -> Optional[ScheduledBatch]:
+        if not rows:
+            return None
+        return ScheduledBatch(rows, counts, kind=StepKind.EMBED if embed else None)
 
     def _decode_step(self) -> Optional[ScheduledBatch]:
         rows, counts = [], []
@@ -270,7 +294,7 @@ class Scheduler:
         """prefill_wait_s > 0: while requests are decoding, let new prompts gather into fuller prefill
         steps (llm-serving's batch_waiting_time): no prefill step until a prefill bucket's rows are waiting
         or the oldest has waited prefill_wait_s. Prompts being chunked are never held."""
-        if self.spec.prefill_wait_s <= 0 or any(r.num_new_tokens > 1 for r in self.running):
+        if self.spec.prefill_wait_s <= 0 or any(map(_prompt_work, self.running)):
             return False
         if len(self.waiting) >= self.spec.max_prefill_rows or not self.waiting:
             return False
@@ -280,14 +304,16 @@ class Scheduler:
     def _fcfs_step(self) -> Optional[ScheduledBatch]:
         """Everything in one step when the rows fit a prefill bucket; else decode and prefill take turns."""
         pending = len(self.running) + (1 if self.waiting else 0)
-        if pending <= self.spec.max_prefill_rows:
+        embeds = any(r.pooling is not None for r in self.running) or (self.waiting and
+                                                                      self.waiting[0].pooling is not None)
+        if pending <= self.spec.max_prefill_rows and not embeds:
             rows, counts = [], []
             budget = self._add_running(rows, counts, self.spec.max_num_batched_tokens, self.spec.max_prefill_rows,
                                        prompts=None)
             if len(rows) == len(self.running):          # nothing running was left out: admit behind it
                 self._admit(rows, counts, budget, self.spec.max_prefill_rows)
-            return ScheduledBatch(rows, counts) if rows else None
-        has_decode = any(r.num_new_tokens == 1 for r in self.running)
+            return self._batch(rows, counts)
+        has_decode = any(map(_decoding, self.running))
         if self._last_was_decode or not has_decode:
             batch = self._prefill_step()
             if batch is not None:
@@ -296,8 +322,12 @@ class Scheduler:
 
     # --- composing a step --------------------------------------------------------------------------
 
-    def _chunk(self, need: int, budget: int, first_row: bool) -> int:
-        """Tokens a row needing `need` may feed with `budget` left (0 = it does not fit this step)."""
+    def _chunk(self, need: int, budget: int, first_row: bool, embed: bool = False) -> int:
+        """Tokens a row needing `need` may feed with `budget` left (0 = it does not fit this step); an embedding's
+        next chunk is fixed by its input alone (see the module docstring)."""
+        if embed:
+            q = min(need, self.spec.max_chunk_tokens or self.spec.max_num_batched_tokens)
+            return q if q <= budget or first_row else 0
         if need == 1:
             return 1 if budget >= 1 else 0
         if self.spec.chunked_prefill:
@@ -306,17 +336,18 @@ class Scheduler:
             return need
         return 0
 
-    def _add_running(self, rows: list, counts: list, budget: int, max_rows: int, prompts: Optional[bool]) -> int:
+    def _add_running(self, rows: list, counts: list, budget: int, max_rows: int, prompts: Optional[bool],
+                     embed: bool = False) -> int:
         """Add running requests in admission order: those with prompt work (prompts=True), decode-ready
-        ones (False) or both (None), each with the blocks for what it feeds, preempting the
-        lowest-priority running request when blocks run out. Returns the token budget left."""
+        ones (False) or both (None), embeddings or not (`embed`), each with the blocks for what it feeds,
+        preempting the lowest-priority running request when blocks run out. Returns the token budget left."""
         for req in list(self.running):
-            if req.status is not RequestStatus.RUNNING or len(rows) >= max_rows:
+            if req.status is not RequestStatus.RUNNING or len(rows) >= max_rows or (req.pooling is not None) != embed:
                 continue
             need = req.num_new_tokens
-            if prompts is not None and (need > 1) != prompts:
+            if prompts is not None and _prompt_work(req) != prompts:
                 continue
-            q = self._chunk(need, budget, first_row=not rows)
+            q = self._chunk(need, budget, first_row=not rows, embed=embed)
             if q == 0:
                 break
             if not self._reserve(req, req.num_computed_tokens + q, rows, counts):
@@ -340,18 +371,19 @@ class Scheduler:
         self.bm.allocate(req.req_id, num_tokens)
         return True
 
-    def _admit(self, rows: list, counts: list, budget: int, max_rows: int) -> int:
-        """Move waiting requests into the step in queue order while they fit (the head blocks the rest,
-        so nothing overtakes it); returns the budget left."""
+    def _admit(self, rows: list, counts: list, budget: int, max_rows: int, embed: bool = False) -> int:
+        """Move waiting requests into the step in queue order while they fit and are embeddings or not as the
+        step is (`embed`; the head blocks the rest, so nothing overtakes it); returns the budget left."""
         while self.waiting and len(rows) < max_rows and len(self.running) < self.spec.max_num_seqs:
             req = self.waiting[0]
-            if req.lora_slot < 0:          # its LoRA adapter is not in a slot yet (the engine loads it)
-                break
-            # (a prompt still to be scored is computed whole: cached blocks would skip its log-probabilities)
-            prefix = [] if req.prompt_scores is not None and req.prompt_scores[-1] is None \
-                else self.bm.match_prefix(req.tokens(0, req.num_tokens), req.lora_root)
+            if req.lora_slot < 0 or (req.pooling is not None) != embed:   # (lora_slot < 0: its LoRA adapter is
+                break                                                     # not in a slot yet; the engine loads it)
+            # (a prompt still to be scored, or an embedding, is computed whole: cached blocks would skip its
+            # log-probabilities or hidden states)
+            whole = req.pooling is not None or (req.prompt_scores is not None and req.prompt_scores[-1] is None)
+            prefix = [] if whole else self.bm.match_prefix(req.tokens(0, req.num_tokens), req.lora_root)
             cached = len(prefix) * self.bm.block_size
-            q = self._chunk(req.num_tokens - cached, budget, first_row=not rows)
+            q = self._chunk(req.num_tokens - cached, budget, first_row=not rows, embed=embed)
             reserve = self.spec.watermark_blocks if self.running else 0
             if q == 0 or not self.bm.can_allocate(req.req_id, cached + q, prefix, reserve=reserve):
                 break
@@ -391,3 +423,13 @@ class Scheduler:
     def prefix_cache_hit_rate(self) -> Optional[float]:
         """Share of admitted tokens whose KV came from the prefix cache."""
         return self.num_cached_tokens / self.num_admitted_tokens if self.num_admitted_tokens else None
+
+
+def _prompt_work(req: Request) -> bool:
+    """req's next step feeds prompt tokens (a decode-ready request feeds one token and samples; an embedding is
+    prompt work to its last token)."""
+    return req.num_new_tokens > 1 or req.pooling is not None
+
+
+def _decoding(req: Request) -> bool:
+    return not _prompt_work(req)

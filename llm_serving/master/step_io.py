@@ -44,6 +44,7 @@ class StepOutputs:
     top_ids: Optional[np.ndarray] = None
     top_logprobs: Optional[np.ndarray] = None
     prompt: Optional[tuple] = None      # a prefill step scoring prompts: the out_prompt_* arrays (rows, tokens, ...)
+    pooled: Optional[np.ndarray] = None     # an embed step: each row's pooled hidden state (rows, hidden), a copy
 
     def prompt_logprob(self, row: int, j: int, top: int) -> PromptLogprob:
         """The score of the prompt token after row's new token j."""
@@ -336,8 +337,10 @@ class StepIO:
     @staticmethod
     def read_outputs(b: StepBuffers, batch: ScheduledBatch) -> StepOutputs:
         """The batch's outputs, row by row; a verify step's or a decode run's (a token per new token or per step)
-        as per-row lists of tokens."""
+        as per-row lists of tokens; an embed step's pooled states."""
         n = batch.num_rows
+        if batch.kind is StepKind.EMBED:
+            return StepOutputs([], [], pooled=b.out_pooled[:n].copy())
         if batch.kind.per_token_outputs:
             verify_width = max(batch.max_query_len, batch.steps)
             return StepOutputs(b.out_verify_ids[:n, :verify_width].tolist(),

@@ -410,12 +410,35 @@ class LlamaForCausalLM(nn.Cell):
         # lora (B,) int32: each row's LoRA adapter slot (0: none); window_slots (B, S), window_tables (B, W) int32: the
         # window pool's slot_mapping and block_tables (the sliding layers', when the pool is on)
         b, s = input_ids.shape
-        x = self.embed_tokens(input_ids.reshape(-1))                                    # (T, H)
-        flat_pos = positions.reshape(-1)                                                 # (T,)
         fused = s == 1 and b <= self.layer_kernel_rows          # small decode-shaped steps: one kernel per layer
         flat_slots = slot_mapping.reshape(-1)                                            # (T,)
+        x = self.hidden_states(input_ids, positions, slot_mapping, block_tables, context_lens, tree_bits, lora,
+                               window_slots, window_tables)                              # (T, H)
+        if s > 1 and sample_index.shape[0] == b:       # each row's last new token (else every token: verify)
+            last = ops.arange(0, b, dtype=ms.int32) * s + query_lens - 1                 # (B,)
+            x = ops.gather(x, last, 0)                                                   # (B, H)
+        elif s == 1 and sample_index.shape[0] != b:
+            x = ops.gather(x, sample_index, 0)                                           # (R, H)
+            flat_slots = ops.gather(flat_slots, sample_index, 0)                         # (R,)
+        if not self.writes_outputs:
+            return x                                                                     # (R, H)
         if fused:
-            x = self.fused_layers(x, flat_pos, flat_slots, block_tables, context_lens, tree_bits, lora,
+            logits, token, logprob = self.fused_logits(x, flat_slots)                    # (R, V), (R,), (R,)
+            return token, logprob, logits
+        logits = self.matmul_t(_rms_normalize(x, self.eps), self.lm_head)                # (R, V)
+        token, logprob = greedy_pick(logits)                                             # (R,), (R,)
+        return token, logprob, logits
+
+    def hidden_states(self, input_ids, positions, slot_mapping, block_tables, context_lens, tree_bits, lora,
+                      window_slots, window_tables):
+        """The last decoder layer's output for every token (T, H), before the final norm: what construct takes its
+        rows' logits from and an embed step pools (Embedder). Arguments as construct's."""
+        b, s = input_ids.shape
+        x = self.embed_tokens(input_ids.reshape(-1))                                    # (T, H)
+        flat_pos = positions.reshape(-1)                                                 # (T,)
+        fused = s == 1 and b <= self.layer_kernel_rows
+        if fused:
+            x = self.fused_layers(x, flat_pos, slot_mapping.reshape(-1), block_tables, context_lens, tree_bits, lora,
                                   window_slots.reshape(-1), window_tables)                      # (T, H)
         else:
             ropes = ()                                                                   # per kept kind
@@ -434,20 +457,7 @@ class LlamaForCausalLM(nn.Cell):
             for layer in self.layers:
                 cos, sin = ropes[layer.rope_index]
                 x = layer(x, cos, sin, metas[layer.window_index], lora_tok)              # (T, H)
-        if s > 1 and sample_index.shape[0] == b:       # each row's last new token (else every token: verify)
-            last = ops.arange(0, b, dtype=ms.int32) * s + query_lens - 1                 # (B,)
-            x = ops.gather(x, last, 0)                                                   # (B, H)
-        elif s == 1 and sample_index.shape[0] != b:
-            x = ops.gather(x, sample_index, 0)                                           # (R, H)
-            flat_slots = ops.gather(flat_slots, sample_index, 0)                         # (R,)
-        if not self.writes_outputs:
-            return x                                                                     # (R, H)
-        if fused:
-            logits, token, logprob = self.fused_logits(x, flat_slots)                    # (R, V), (R,), (R,)
-            return token, logprob, logits
-        logits = self.matmul_t(_rms_normalize(x, self.eps), self.lm_head)                # (R, V)
-        token, logprob = greedy_pick(logits)                                             # (R,), (R,)
-        return token, logprob, logits
+        return x
 
     def embed_tokens(self, ids):
         """ids (T,) -> their embeddings (T, H): the EmbedTokens kernel on the stored rows, or a float32 gather."""
@@ -513,3 +523,20 @@ class DecodeRun(nn.Cell):
             tokens += (ids,)
             logprobs += (logprob,)
         return ops.stack(tokens), ops.stack(logprobs)                                    # (K, B) each
+
+
+class Embedder(nn.Cell):
+    """construct(input_ids, positions, slot_mapping (T, 1), block_tables (T, W), context_lens (T,), tree_bits (T,),
+    lora (T,), window_slots (T, 1), window_tables (T, W)) -> the last decoder layer's output (T, H) float32 for
+    every token of a packed step (as the model's packed prefill feeds them: a token a row with its own table and
+    context), before the final norm: an embed step's hidden states, which the runner normalizes and pools on the
+    host (models/pooling.py). No logits are computed. The model's parameters and KV cache are shared."""
+
+    def __init__(self, model: LlamaForCausalLM):
+        super().__init__(auto_prefix=False)       # model's parameters keep their names (they are shared)
+        self.model = model
+
+    def construct(self, input_ids, positions, slot_mapping, block_tables, context_lens, tree_bits, lora, window_slots,
+                  window_tables):
+        return self.model.hidden_states(input_ids, positions, slot_mapping, block_tables, context_lens, tree_bits,
+                                        lora, window_slots, window_tables)

@@ -35,6 +35,7 @@ from llm_serving.shm.layout import TOP_LOGPROBS, StepKind, StepView
 from .buckets import Buckets
 from .logit_controls import apply_controls, read_controls, uses_controls
 from .mindspore_env import GraphCalls, claim_compile_cache, close_compile_cache, setup_mindspore
+from .pooling import embedding_spec
 from .parallel import TensorParallel, TensorParallelError, all_reduce_kernel, make_all_reduce
 from .runner_spec import KERNEL_ONLY_ROWS, RunnerSpec
 from .step_inputs import StepInputs, StepLimits
@@ -150,6 +151,7 @@ class ModelRunner:
         lora_slots, lora_rank, num_layers = spec.lora_slots, spec.lora_rank, spec.num_layers
         num_threads = spec.num_threads
         self.spec = spec
+        self.model_dir = model_dir
         for key, val in (("num_blocks", num_blocks), ("block_size", block_size),
                          ("max_blocks_per_seq", max_blocks_per_seq)):
             if not isinstance(val, (int, np.integer)) or val < 1:
@@ -287,7 +289,7 @@ class ModelRunner:
     def _build_graphs(self, weights, quantized: dict, kernel_threads: int, reduce_kernel,
                       tp_timeout_s: float) -> None:
         import mindspore as ms
-        from .llama import DecodeRun, LlamaForCausalLM
+        from .llama import DecodeRun, Embedder, LlamaForCausalLM
         from .sampler import KernelSampler, Penalizer, Sampler, TopLogprobs
 
         cfg = self.config
@@ -306,6 +308,11 @@ class ModelRunner:
                                       kv_cache_dtype=self.spec.kv_cache_dtype, batch_invariant=self.batch_invariant,
                                       window_pool_slots=self.window_num_slots)
         self.decode_run = DecodeRun(self.model, self.decode_run_steps) if self.decode_run_steps > 1 else None
+        self.embedder = Embedder(self.model)        # embed steps: the hidden states, no logits (_execute_embed)
+        self.embedder.set_train(False)
+        # embed steps normalize and pool on the host: the final norm's gain and how to pool (models/pooling.py)
+        self.final_norm_gain = np.array(weights["model.norm.weight"], np.float32)             # (H,)
+        self.pooling = embedding_spec(self.spec.pooling, self.model_dir, cfg.hidden_size).pooling
         self.sampler = Sampler(cfg.vocab_size, filters=True)          # some sampling row uses top-k/top-p
         # temperature only: the layer kernel library's SampleLogits where there is one (MindSpore's graph of it keeps
         # ~7 logits-sized buffers per batch size for the life of the process)
@@ -607,8 +614,61 @@ class ModelRunner:
         ids[valid], lps[valid] = token[flat], logprob[flat]
         return ids, lps
 
+    def _execute_embed(self, step: StepView) -> np.ndarray:
+        """An embed step: every token's final hidden state, through the Embedder graph in packed pieces as a packed
+        prefill runs them (their K/V written as any step's: a row's later chunk attends to them), then on the host the
+        final RMS norm and each row's pooling (`self.pooling`): mean, the sum of its new tokens' states (the master
+        divides the whole input's sum by its count); last, its last new token's; cls, its first token's when the
+        step feeds position 0. Returns (n, H) float32 (zeros on tensor-parallel ranks other than 0, which run the
+        graph for its all-reduces). Each row's sum is one reduction over its own tokens in order, so it is the same
+        whatever else the step holds (with batch-invariant steps, to the bit)."""
+        if not self.buckets.packed:
+            raise ValueError("ModelRunner.execute: embeddings need the CPU kernel's packed prefill (attention_kernel "
+                             "on)")
+        inputs = StepInputs.make(self.limits, step, sampler=False)
+        h = self.config.hidden_size
+        flat = self._flat_tokens(inputs)
+        t = int(inputs.query_lens.sum())
+        states = np.empty((t, h), np.float32)
+        start = 0
+        for tb in self.buckets.token_pieces(t):
+            stop = min(start + tb, t)
+            states[start:stop] = self._call_embed(inputs, flat, start, stop, tb)[:stop - start]
+            start = stop
+        pooled = np.zeros((inputs.n, h), np.float32)
+        if not self.tp.writes_outputs:
+            return pooled
+        eps = self.config.rms_norm_eps
+        states *= (1.0 / np.sqrt(np.mean(states * states, axis=1, keepdims=True, dtype=np.float64) + eps)
+                   ).astype(np.float32)
+        states *= self.final_norm_gain
+        ends = np.cumsum(inputs.query_lens)
+        for i, (a, b) in enumerate(zip(ends - inputs.query_lens, ends)):
+            if self.pooling == "mean":
+                pooled[i] = states[a:b].sum(axis=0, dtype=np.float64)
+            elif self.pooling == "last":
+                pooled[i] = states[b - 1]
+            elif inputs.positions[i, 0] == 0:            # cls: the input's first token is in this step
+                pooled[i] = states[a]
+        return pooled
+
+    def _call_embed(self, step: StepInputs, flat: tuple, start: int, stop: int, tb: int) -> np.ndarray:
+        """The Embedder graph of `tb` tokens on the step's real tokens start..stop-1 (as `_call_packed`); (tb, H)."""
+        T = self._ms.Tensor
+        row_of, ids, pos, slots, context = (a[start:stop] for a in flat[1:6])
+        window_slots = None if flat[6] is None else flat[6][start:stop]
+        window_tables = None if window_slots is None else step.window_tables[row_of]
+        kv = self._kv_inputs(slots, step.block_tables[row_of], window_slots, window_tables, (tb,),
+                             self.max_blocks_per_seq, self._layer_kernel_runs(tb))
+        kv_slots, tables, kv_window_slots, kv_window_tables = self._kv_tensors(kv, (tb, 1))
+        args = (T(_pad(ids, tb, 0).reshape(tb, 1)), T(_pad(pos, tb, 0).reshape(tb, 1)), kv_slots, tables,
+                T(_pad(context, tb, 0)), T(np.full(tb, -1, np.int32)), T(_pad(step.lora[row_of], tb, 0)),
+                kv_window_slots, kv_window_tables)
+        return self._call("embed", (tb,), self.embedder, *args).asnumpy()
+
     _EXECUTE = {StepKind.PREFILL: _execute_step, StepKind.DECODE: _execute_step,
-                StepKind.VERIFY: _execute_verify_step, StepKind.DECODE_RUN: _execute_decode_run}
+                StepKind.VERIFY: _execute_verify_step, StepKind.DECODE_RUN: _execute_decode_run,
+                StepKind.EMBED: _execute_embed}
 
     def _no_outputs(self, n: int, return_logits: bool, wants_top: bool) -> list:
         """All-zero outputs for n rows, shaped as execute returns them."""
@@ -770,7 +830,7 @@ class ModelRunner:
         kernel failed). The graph is waited for here (a device may run it asynchronously), so that a
         failure surfaces in this step, and every completed one is counted in `collective_calls`, which
         each step's reply carries: ranks that report the same count are in step."""
-        if self.all_reduce is None or cell is not self.model:
+        if self.all_reduce is None or (cell is not self.model and cell is not self.embedder):
             return self._graphs(cell, *args)
         try:
             out = self._graphs(cell, *args)

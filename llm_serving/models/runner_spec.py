@@ -57,6 +57,7 @@ class RunnerSpec:
     batch_invariant: Union[bool, str] = "auto"
     window_blocks: int = 0
     window_tokens: Optional[int] = None
+    pooling: str = "auto"                      # embed steps' pooling (models/pooling.py; auto: as declared)
 
     def __post_init__(self) -> None:
         from llm_serving.config import KV_CACHE_VALUE_BYTES
@@ -90,4 +91,4 @@ class RunnerSpec:
                    decode_run_steps=sched.decode_steps, decode_run_rows=sched.decode_steps_max_rows,
                    keep_quantized=mc.keep_quantized, lora_slots=lc.max_loras if lc.enabled else 0,
                    lora_rank=lc.max_lora_rank, kv_cache_dtype=config.kv_cache_dtype,
-                   batch_invariant=mc.batch_invariant)
+                   batch_invariant=mc.batch_invariant, pooling=mc.pooling)

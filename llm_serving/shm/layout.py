@@ -17,6 +17,7 @@ name, sliced to the step's rows and tokens by their shape class:
   mask         (max_rows, ceil(vocab_size / 32))  [:n]   (a bit per token of the model's vocabulary)
   bias         (max_rows, MAX_LOGIT_BIAS)         [:n]
   token_top    (max_prefill_rows, max_tokens, TOP_LOGPROBS)  [:n, :s]   (prefill steps only)
+  hidden       (max_rows, hidden_size)            [:n]   (embedding steps: a row's pooled hidden state)
   flag         (1,)                               [:1]   (one value for the step)
 
 Readers: `model` arrays are read by every rank's model work (what rank 0 broadcasts to ranks on other nodes,
@@ -59,6 +60,8 @@ class StepKind(str, enum.Enum):
     DECODE = "decode"           # one token per row
     VERIFY = "verify"           # speculative decoding: rows feed proposals too, a token is sampled after each
     DECODE_RUN = "decode_run"   # `steps` greedy decode steps in one graph, each row's token fed to the next
+    EMBED = "embed"             # embedding requests' inputs, fed whole: each row's final hidden states pooled into
+                                # out_pooled (models/pooling.py), nothing sampled; their KV is not kept after
 
     @classmethod
     def of_rows(cls, max_query_len: int) -> "StepKind":
@@ -79,7 +82,8 @@ class StepKind(str, enum.Enum):
 
 # Lower runs first in an agent's queue: control commands (0) before prefill (new requests' first token)
 # before decode; a verify step is the decode step of speculating requests, a decode run a few decode steps.
-STEP_PRIORITY = {StepKind.PREFILL: 1, StepKind.DECODE: 2, StepKind.VERIFY: 2, StepKind.DECODE_RUN: 2}
+STEP_PRIORITY = {StepKind.PREFILL: 1, StepKind.EMBED: 1, StepKind.DECODE: 2, StepKind.VERIFY: 2,
+                 StepKind.DECODE_RUN: 2}
 
 
 @dataclass(frozen=True)
@@ -143,6 +147,7 @@ out_prompt_logprobs  float32  token    agent0   master   log-probability of prom
 out_prompt_ranks     int32    token    agent0   master   its rank among the vocabulary (1 = the likeliest)
 out_prompt_top_ids   int32    token_top agent0  master   the most likely tokens after each new token, most likely first
 out_prompt_top_logprobs float32 token_top agent0 master  their log-probabilities
+out_pooled           float32  hidden   agent0   master   an embedding step's row: the sum of its tokens' final (normed) hidden states (mean pooling), its last token's (last) or its first's (cls)
 """
 ARRAYS = tuple(ArrayDecl(name, np.dtype(dtype).type, shape_class, writer, reader, meaning)
                for name, dtype, shape_class, writer, reader, meaning
@@ -203,6 +208,7 @@ class StepLayout:
     max_verify: int = 1             # tokens a speculating row feeds in a verify step, or steps of a decode run
     vocab_size: int = 0             # the model's vocabulary (token masks; 0: none, constrained rows refused)
     max_prefill_rows: int = 0       # rows of a prefill step (prompt scores); 0: max_rows
+    hidden_size: int = 0            # the model's hidden width (embedding steps' pooled states; 0: none)
 
     @classmethod
     def from_config(cls, config) -> "StepLayout":
@@ -211,7 +217,8 @@ class StepLayout:
                    max_tokens=mc.seq_length[-1], max_blocks_per_seq=config.max_blocks_per_seq,
                    max_context=config.max_blocks_per_seq * config.pa_config.block_size,
                    max_verify=max(config.spec_config.tokens_per_row, config.scheduler_config.decode_steps),
-                   vocab_size=mc.vocab_size or 0, max_prefill_rows=mc.prefill_batch_size[-1])
+                   vocab_size=mc.vocab_size or 0, max_prefill_rows=mc.prefill_batch_size[-1],
+                   hidden_size=mc.hidden_size or 0)
 
     def shape(self, shape_class: str) -> tuple:
         """The full shape of an array of a shape class."""
@@ -219,7 +226,8 @@ class StepLayout:
         return {"token": (r, self.max_tokens), "row": (r,), "table": (r, self.max_blocks_per_seq),
                 "history": (r, max(self.max_context, 1)), "verify": (r, self.max_verify),
                 "top": (r, TOP_LOGPROBS), "mask": (r, self.mask_words), "bias": (r, MAX_LOGIT_BIAS),
-                "token_top": (self.max_prefill_rows or r, self.max_tokens, TOP_LOGPROBS), "flag": (1,)}[shape_class]
+                "token_top": (self.max_prefill_rows or r, self.max_tokens, TOP_LOGPROBS), "flag": (1,),
+                "hidden": (r, self.hidden_size)}[shape_class]
 
     @property
     def mask_words(self) -> int:

@@ -228,14 +228,14 @@ def memory_after_weights(model_path: str, shape, available_bytes: int) -> int:
 
 
 def size_for_model(config: Config, model_path: str, available_bytes: Optional[int] = None) -> Config:
-    """`config` with what depends on the model decided: `model_config.vocab_size` when not given,
+    """`config` with what depends on the model decided: `model_config.vocab_size` and `hidden_size` when not given,
     `model_config.max_generate_length` when it is `auto` (`model_context`), then `pa_config.num_blocks` and
     `pa_config.window_blocks` when they are `auto` (the model's shape read from its checkpoint, the draft's too);
     `config` itself when all are set. `available_bytes`: the memory the KV cache is sized from; None: what the
     machine has now less the model's weights (`memory_after_weights`, which refuses a model that does not fit)."""
     pa = config.pa_config
     if (pa.num_blocks != "auto" and (pa.window_blocks == 0 or pa.window_tokens is not None)
-            and config.context_decided and config.model_config.vocab_size):
+            and config.context_decided and config.model_config.vocab_size and config.model_config.hidden_size):
         return config
     spec = config.spec_config
     try:
@@ -247,6 +247,8 @@ def size_for_model(config: Config, model_path: str, available_bytes: Optional[in
     _check_mixture(config, shape)
     if config.model_config.vocab_size is None:        # the token masks' width in the step buffers (shm/layout.py)
         config = config.with_decided(vocab_size=shape.vocab_size)
+    if config.model_config.hidden_size is None:       # the pooled hidden states' width (embeddings: shm/layout.py)
+        config = config.with_decided(hidden_size=shape.hidden_size)
     layers = config.model_config.num_layers or shape.num_layers       # a served cut keeps only its layers
     dtype = config.kv_cache_dtype
     per_token = bytes_per_block(layers, shape.num_kv_heads, shape.head_dim, 1, dtype)

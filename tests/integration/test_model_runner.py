@@ -772,3 +772,34 @@ def test_weight_parameters_share_the_loaded_arrays_memory():
     np.testing.assert_array_equal(q.asnumpy(), stored)
     floats[1, 2], stored[1, 3] = -7.0, 200          # written after: seen through the Parameters
     assert p.asnumpy()[1, 2] == -7.0 and q.asnumpy()[1, 3] == 200
+
+
+# ----------------------------------------------------------------------------------------------- embed steps
+def _embed(runner, seqs, new_tokens):
+    """An embed step's pooled states (n, H) for `seqs` feeding `new_tokens`."""
+    return runner.execute(step_view(runner, seqs, new_tokens, kind="embed"))
+
+
+def test_an_embed_step_pools_the_final_hidden_states_as_transformers_computes_them(runner, tokenizer):
+    """An embed step (mean pooling: stories260K declares none) writes each row's sum of its tokens' final-normed
+    hidden states: divided by the count and normalized, it is transformers' mean-pooled last_hidden_state (the float32
+    cache here: within 1e-4 of it). A row's sum is the same to the bit whatever row is beside it, and an input fed
+    in two chunks sums to the whole within float32 rounding."""
+    from tests.families import needs_transformers
+    torch, transformers = needs_transformers()
+    assert runner.pooling == "mean"
+    texts = ["Once upon a time, there was a little girl", "The cat sat"]
+    ids = [[BOS] + tokenizer.encode(t) for t in texts]
+    together = _embed(runner, [Seq([1, 2]), Seq([3, 4])], ids)
+    model = transformers.AutoModel.from_pretrained(str(MODEL_DIR), torch_dtype=torch.float32)
+    for row, toks in enumerate(ids):
+        with torch.no_grad():
+            hidden = model(torch.tensor([toks])).last_hidden_state[0].numpy()             # (T, H), final-normed
+        want = hidden.mean(axis=0)
+        got = together[row] / len(toks)
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+    alone = _embed(runner, [Seq([5, 6])], [ids[1]])
+    assert np.array_equal(alone[0], together[1])                 # the same bits beside another row or alone
+    seq = Seq([7, 8])
+    first, second = _embed(runner, [seq], [ids[0][:5]]), _embed(runner, [seq], [ids[0][5:]])
+    np.testing.assert_allclose(first[0] + second[0], together[0], rtol=1e-5, atol=1e-5)

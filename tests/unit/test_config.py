@@ -310,4 +310,5 @@ def test_the_default_yaml_spells_out_every_default():
     listed, code = config_from_dict(raw).to_dict(), config_from_dict({}).to_dict()
     assert listed == code
     missing = [f"{s}.{k}" for s in code for k in code[s] if k not in (raw.get(s) or {})]
-    assert missing == ["model_config.vocab_size", "model_config.model_dtype", "pa_config.window_tokens"], missing
+    assert missing == ["model_config.vocab_size", "model_config.model_dtype", "model_config.hidden_size",
+                       "pa_config.window_tokens"], missing

@@ -99,7 +99,8 @@ def test_the_model_shape_is_read_from_the_checkpoint_and_a_draft_adds_its_layers
 
 def test_a_given_block_count_is_kept():
     cfg = config_from_dict({}, ("pa_config.num_blocks=100", "model_config.max_generate_length=512",
-                                "model_config.vocab_size=512", "pa_config.window_blocks=0"))
+                                "model_config.vocab_size=512", "model_config.hidden_size=64",
+                                "pa_config.window_blocks=0"))
     assert size_for_model(cfg, "/nonexistent", available_bytes=0) is cfg
 
 

@@ -283,8 +283,10 @@ def test_a_failed_model_graph_under_tensor_parallelism_is_fatal_and_completed_on
     runner.collective_calls = 0
     runner._graphs = lambda cell, *args: cell(*args)       # (GraphCalls needs Tensors)
     runner.model = lambda *args: ("token", "logprob", "logits")
+    runner.embedder = lambda *args: "hidden states"         # (an embed step's graph all-reduces too)
     assert runner._call("model", (8, 1), runner.model, 1, 2) == ("token", "logprob", "logits")
     assert runner._call("packed", (64, 4), runner.model) and runner.collective_calls == 2
+    assert runner._call("embed", (64,), runner.embedder) == "hidden states" and runner.collective_calls == 3
     with pytest.raises(RuntimeError, match="Launch kernel failed") as err:
         runner._call("sampler", (8,), broken)
     assert not isinstance(err.value, TensorParallelError)
@@ -294,7 +296,7 @@ def test_a_failed_model_graph_under_tensor_parallelism_is_fatal_and_completed_on
     runner.all_reduce = SimpleNamespace(error=lambda: "rank 0 waited 120 s for rank 1")
     with pytest.raises(TensorParallelError, match="waited 120 s for rank 1"):
         runner._call("model", (8, 1), runner.model)
-    assert runner.collective_calls == 2
+    assert runner.collective_calls == 3
 
 
 def test_a_sampling_failure_on_rank_0_still_runs_the_remaining_packed_pieces_with_the_peers():
