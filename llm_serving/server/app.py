@@ -11,10 +11,10 @@ from llm_serving.master.engine import (DuplicateRequestError, EngineStoppedError
                                        UnsupportedRequestError)
 from llm_serving.master.grammar import GrammarError
 from llm_serving.master.scheduler import QueueFullError
-from llm_serving.server import (metrics, routes_anthropic, routes_llm_serving, routes_ollama,
+from llm_serving.server import (metrics, routes_anthropic, routes_embeddings, routes_llm_serving, routes_ollama,
                                 routes_openai, routes_responses, streaming)
 from llm_serving.server.keys import ENGINE
-from llm_serving.server.errors import ModelNotFoundError, ValidationError
+from llm_serving.server.errors import EngineFailedError, ModelNotFoundError, ValidationError
 
 logger = logging.getLogger(__name__)
 
@@ -33,13 +33,15 @@ ERROR_STATUS = {
     DuplicateRequestError: (409, "conflict"),
     LoraConflictError: (409, "conflict"),
     QueueFullError: (429, "overloaded"),
+    EngineFailedError: (500, "server_error"),
     EngineStoppedError: (503, "unavailable"),
 }
 # the route modules, each with add_routes(app); one whose API has an error shape of its own says which paths are its
 # (`owns(path)`) and writes its errors (`error_body(status, message, kind, param)`): the first that owns a path
 # shapes its errors, llm-serving's / TGI's shape the rest. A new API adds its module here (before OpenAI's if its
 # paths are under /v1/ too).
-ROUTE_MODULES = (routes_llm_serving, routes_anthropic, routes_responses, routes_ollama, routes_openai)
+ROUTE_MODULES = (routes_llm_serving, routes_anthropic, routes_responses, routes_ollama, routes_embeddings,
+                 routes_openai)
 
 
 def error_response(request: web.Request, status: int, message: str, kind: str, param=None) -> web.Response:

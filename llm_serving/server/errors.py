@@ -14,3 +14,8 @@ class ValidationError(ValueError):
 
 class ModelNotFoundError(LookupError):
     """The request names a model this server does not serve; answered with 404."""
+
+
+class EngineFailedError(RuntimeError):
+    """The engine failed a request whose reply is whole or nothing (an embedding, a rerank's judgement): answered
+    with 500 and the engine's reason."""

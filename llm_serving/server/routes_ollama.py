@@ -1,5 +1,6 @@
 """Ollama's API: `POST /api/chat` and `POST /api/generate` (NDJSON lines by default, one JSON object with
-"stream": false), `GET /api/tags`, `POST /api/show`, `GET /api/ps`, `GET /api/version`.
+"stream": false), `GET /api/tags`, `POST /api/show`, `GET /api/ps`, `GET /api/version`, `POST /api/embed` and the
+older `POST /api/embeddings` (server/embedding.py, as OpenAI's /v1/embeddings).
 
 Requests go through translate.prepare and generation as every API's do; chat replies (and generate's through the
 template) are read by server/reply.py: reasoning as `thinking`, tool calls as `message.tool_calls` with their
@@ -19,7 +20,8 @@ from aiohttp import web
 
 from llm_serving.server.api import base as api
 from llm_serving.server.api.ollama import (DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P, ChatRequest,
-                                           GenerateRequest, ShowRequest)
+                                           EmbeddingsRequest, EmbedRequest, GenerateRequest, ShowRequest)
+from llm_serving.server.embedding import check_dimensions, embed, embedding_of, input_ids, shorten
 from llm_serving.server.errors import ModelNotFoundError, ValidationError
 from llm_serving.server.generation import events, submit
 from llm_serving.server.keys import ENGINE
@@ -294,6 +296,51 @@ async def show(request: web.Request) -> web.Response:
                               "modified_at": created_at(facts.modified_at or engine.start_time)})
 
 
+# --- embeddings -----------------------------------------------------------------------------------------------------
+
+def _embedding_model(engine, name: str) -> str:
+    """The served model a request to embed names (a LoRA adapter does not embed)."""
+    served = served_name(engine, name)
+    if served != engine.model_name:
+        raise ValidationError(f"model '{name}' is a LoRA adapter; embeddings are the model's own "
+                              f"('{engine.model_name}')", param="model")
+    return served
+
+
+async def embed_route(request: web.Request) -> web.Response:
+    """POST /api/embed: {model, embeddings: [[...]], total_duration, load_duration, prompt_eval_count}; `truncate`
+    (default true) cuts an input to the context's first tokens, false refuses a longer one."""
+    started = time.monotonic()
+    engine = request.app[ENGINE]
+    r = api.validate(EmbedRequest, api.read_json(await request.read()))
+    _embedding_model(engine, r.model)
+    texts = r.inputs()
+    vectors, num_tokens = [], 0
+    if texts:                           # (none: Ollama's "load the model")
+        embedding_of(engine)
+        check_dimensions(engine, r.dimensions)
+        ids = [input_ids(engine, t, "input" if isinstance(r.input, str) else f"input[{k}]",
+                         fit=r.truncate is not False) for k, t in enumerate(texts)]
+        vectors = [shorten(v, r.dimensions).tolist() for v in await embed(engine, ids)]
+        num_tokens = sum(map(len, ids))
+    return web.json_response({"model": r.model, "embeddings": vectors,
+                              "total_duration": max(int((time.monotonic() - started) * 1e9), 0),
+                              "load_duration": 0, "prompt_eval_count": num_tokens})
+
+
+async def embeddings_route(request: web.Request) -> web.Response:
+    """POST /api/embeddings (Ollama's older route): {embedding: [...]} of `prompt` (normalized here, as /api/embed's;
+    an empty prompt: []), a prompt longer than the context a 400."""
+    engine = request.app[ENGINE]
+    r = api.validate(EmbeddingsRequest, api.read_json(await request.read()))
+    _embedding_model(engine, r.model)
+    if not r.prompt:
+        return web.json_response({"embedding": []})
+    embedding_of(engine)
+    [vector] = await embed(engine, [input_ids(engine, r.prompt, "prompt")])
+    return web.json_response({"embedding": vector.tolist()})
+
+
 async def version(request: web.Request) -> web.Response:
     return web.json_response({"version": OLLAMA_VERSION})
 
@@ -306,3 +353,5 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/api/show", show)
     app.router.add_get("/api/ps", ps)
     app.router.add_get("/api/version", version)
+    app.router.add_post("/api/embed", embed_route)
+    app.router.add_post("/api/embeddings", embeddings_route)

@@ -236,12 +236,18 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def models(request: web.Request) -> web.Response:
+    """The served model and its LoRA adapters (as vLLM lists them); the model says what it serves besides generation:
+    its `embedding` (pooling, dimensions; null when this server cannot embed) and how rerank and score score
+    (`score_method`: yes_no or similarity). An adapter serves neither (both null)."""
     engine = request.app[ENGINE]
     base = {"id": engine.model_name, "object": "model", "created": int(engine.start_time), "owned_by": "llm-serving",
             "max_model_len": engine.max_model_len}
-    adapters = [{**base, "id": name, "parent": engine.model_name, "root": engine.model_name}
-                for name in engine.lora_paths]                  # LoRA adapters, as vLLM lists them
-    return web.json_response({"object": "list", "data": [base, *adapters]})
+    spec = engine.embedding
+    served = {"embedding": None if spec is None else {"pooling": spec.pooling, "dimensions": spec.dimensions},
+              "score_method": engine.score_method}
+    adapters = [{**base, "id": name, "parent": engine.model_name, "root": engine.model_name, "embedding": None,
+                 "score_method": None} for name in engine.lora_paths]
+    return web.json_response({"object": "list", "data": [{**base, **served}, *adapters]})
 
 
 async def load_lora_adapter(request: web.Request) -> web.Response:
@@ -265,7 +271,7 @@ ROOT_ROUTES = ("/tokenize", "/detokenize")     # vLLM's, outside /v1/, with Open
 # OpenAI's error `type` for a status (its clients read error.type and error.code)
 OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
                 409: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-                503: "service_unavailable"}
+                500: "server_error", 503: "service_unavailable"}
 
 
 def owns(path: str) -> bool:
@@ -313,8 +319,10 @@ async def openapi(request: web.Request) -> web.Response:
     except PackageNotFoundError:
         served = "0"
     engine = request.app[ENGINE]
+    spec = engine.embedding             # the widths a request may ask its embeddings for
+    widths = None if spec is None else [d for d in range(1, spec.dimensions + 1) if spec.check_dimensions(d) is None]
     return web.json_response(document.openapi(served, engine.served_models(), engine.vocab_size,
-                                              engine.max_model_len))
+                                              engine.max_model_len, widths))
 
 
 def add_routes(app: web.Application) -> None:

@@ -26,7 +26,9 @@ class Tokenizer(Protocol):
     """What the master needs of a model's vocabulary, whatever file it came from (`load_tokenizer` gives one):
     a sentencepiece model (`SentencePieceTokenizer`), a tokenizer.json (`HFTokenizer`) or a GGUF's own
     vocabulary (rebuilt as one of the two). `bos_id` is None for a vocabulary without BOS; `eos_ids` are all the
-    ids that end generation (`eos_id` first); `add_bos`: whether prompts start with BOS; `chat_template`: the
+    ids that end generation (`eos_id` first); `add_bos`: whether prompts start with BOS; `input_suffix`: the ids the
+    model's tokenizer appends to a text it encodes whole (a tokenizer.json post-processor's, as Qwen3-Embedding's
+    `<|endoftext|>`; a GGUF's add_eos_token): an embedding's input ends with them; `chat_template`: the
     model's own Jinja template, if it ships one; `model_file`: where the vocabulary was read from."""
 
     vocab_size: int
@@ -35,6 +37,7 @@ class Tokenizer(Protocol):
     eos_ids: list
     pad_id: int
     add_bos: bool
+    input_suffix: tuple
     chat_template: Optional[str]
     model_file: str
 

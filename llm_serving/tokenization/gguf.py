@@ -194,7 +194,8 @@ def _build(path: str) -> GGUFVocabulary:
              "end_ids": [i for i in (meta("tokenizer.ggml.eot_token_id"), meta("tokenizer.ggml.eom_token_id"))
                          if i is not None],
              "pad": meta("tokenizer.ggml.padding_token_id"), "chat_template": meta("tokenizer.chat_template"),
-             "add_bos": bool(meta("tokenizer.ggml.add_bos_token", kind == "llama"))}
+             "add_bos": bool(meta("tokenizer.ggml.add_bos_token", kind == "llama")),
+             "add_eos": bool(meta("tokenizer.ggml.add_eos_token", False))}
     if kind == "gpt2":
         if facts["eos"] is None:
             raise ValueError(f"{path}: tokenizer.ggml.eos_token_id is missing")

@@ -66,7 +66,8 @@ class HFTokenizer:
     model names no pad token."""
 
     def __init__(self, tok, *, model_file: str, bos_id: Optional[int], eos_id: int, eos_ids: Iterable[int] = (),
-                 pad_id: Optional[int] = None, add_bos: bool = False, chat_template: Optional[str] = None):
+                 pad_id: Optional[int] = None, add_bos: bool = False, chat_template: Optional[str] = None,
+                 input_suffix: Optional[tuple] = None):
         self._tok = tok
         self.model_file = model_file
         added = tok.get_added_tokens_decoder()                        # id -> AddedToken
@@ -79,6 +80,14 @@ class HFTokenizer:
         self.pad_id = pad_id if pad_id is not None else eos_id
         self.add_bos = bool(add_bos and bos_id is not None)
         self.chat_template = chat_template
+        # what the library's post-processor appends to a text (given: a GGUF's add_eos_token); the text "a" with and
+        # without it tells
+        if input_suffix is None:
+            plain = tok.encode("a", add_special_tokens=False).ids
+            full = tok.encode("a", add_special_tokens=True).ids
+            at = next((k for k in range(len(full) - len(plain) + 1) if full[k:k + len(plain)] == plain), None)
+            input_suffix = tuple(full[at + len(plain):]) if plain and at is not None else ()
+        self.input_suffix = tuple(input_suffix)
         from tokenizers import decoders
 
         # (the decoder object, not the tokenizer's JSON: serializing a large vocabulary is a cost of every start)

@@ -62,6 +62,8 @@ def _gguf_tokenizer(path: str, vocab: GGUFVocabulary) -> Tokenizer:
     if vocab.kind == "gpt2":
         return HFTokenizer(vocab.built, model_file=path, bos_id=facts["bos"], eos_id=int(facts["eos"]),
                            eos_ids=facts["end_ids"], pad_id=facts["pad"], add_bos=facts["add_bos"],
-                           chat_template=facts["chat_template"])
+                           chat_template=facts["chat_template"],
+                           input_suffix=(int(facts["eos"]),) if facts.get("add_eos") else ())
     return SentencePieceTokenizer(model_proto=vocab.built, source=path, add_bos=facts["add_bos"],
+                                  add_eos=bool(facts.get("add_eos")),
                                   eos_ids=facts["end_ids"], chat_template=facts["chat_template"])

@@ -42,10 +42,11 @@ class SentencePieceTokenizer:
     """
 
     def __init__(self, model_file: Union[str, Path, None] = None, *, model_proto: Optional[bytes] = None,
-                 source: Optional[str] = None, add_bos: bool = True, eos_ids: Iterable[int] = (),
-                 chat_template: Optional[str] = None):
+                 source: Optional[str] = None, add_bos: bool = True, add_eos: bool = False,
+                 eos_ids: Iterable[int] = (), chat_template: Optional[str] = None):
         """From a .model file, or from a serialized model (`model_proto`, e.g. rebuilt from a GGUF vocabulary,
-        named by `source`). add_bos: whether prompts start with BOS; eos_ids: more ids that end generation."""
+        named by `source`). add_bos: whether prompts start with BOS; add_eos: whether a text encoded whole ends with
+        EOS (a GGUF's add_eos_token: an embedding's input); eos_ids: more ids that end generation."""
         if model_proto is None and not Path(model_file).is_file():
             raise FileNotFoundError(f"sentencepiece tokenizer model not found: {model_file}")
         self.model_file = str(source or "<model proto>") if model_proto is not None else str(Path(model_file).resolve())
@@ -61,6 +62,7 @@ class SentencePieceTokenizer:
         self.eos_ids: list = list(dict.fromkeys([self.eos_id, *map(int, eos_ids)]))
         self.pad_id: int = sp.pad_id() if sp.pad_id() >= 0 else 0
         self.add_bos = bool(add_bos and self.bos_id is not None)
+        self.input_suffix = (self.eos_id,) if add_eos else ()
         self.chat_template = chat_template
         self._special_ids = frozenset(
             i for i in range(self.vocab_size) if sp.is_control(i) or sp.is_unknown(i))

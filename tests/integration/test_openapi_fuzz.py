@@ -22,8 +22,9 @@ from schemathesis.config import SchemathesisConfig                              
 from schemathesis.specs.openapi.checks import response_schema_conformance           # noqa: E402
 
 FUZZ_EXAMPLES = 10
-# what stories_server serves (configs/stories260K.yaml on tests/assets/stories260K/hf): its name, vocabulary, context
-SERVED = {"models": ["hf"], "vocab_size": 512, "max_model_len": 256}
+# what stories_server serves (configs/stories260K.yaml on tests/assets/stories260K/hf): its name, vocabulary, context,
+# its embeddings' one width (its hidden size: not a Matryoshka model)
+SERVED = {"models": ["hf"], "vocab_size": 512, "max_model_len": 256, "dimensions": [64]}
 # operations not fuzzed, and why
 EXCLUDED = {"/v1/load_lora_adapter": "it loads an adapter from a path on the server's disk: generated paths would "
                                      "have the server read whatever they name"}

@@ -109,6 +109,22 @@ def test_llama3_style_directory_bos_from_the_post_processor_and_every_eos(tmp_pa
     assert not load_tokenizer(str(plain)).add_bos
 
 
+def test_what_the_post_processor_appends_to_a_whole_text_is_the_input_suffix(tmp_path):
+    """Qwen3-Embedding's tokenizer.json appends <|endoftext|> to a text ("$A <|endoftext|>"), whose state its last-token
+    pooling takes: `input_suffix` says so (an embedding's input ends with it), while prompts never get it; a tokenizer
+    whose post-processor appends nothing has none."""
+    from tokenizers import processors
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    post = processors.TemplateProcessing(single="$A <|endoftext|>", special_tokens=[("<|endoftext|>", 0)])
+    folder = train_byte_level(tmp_path, "qwen2", specials, config={"eos_token": "<|im_end|>"}, post_processor=post)
+    tok = load_tokenizer(str(folder))
+    assert tok.input_suffix == (0,) and not tok.add_bos
+    assert 0 not in tok.encode("the cat sat")
+    plain = train_byte_level(tmp_path / "plain", "qwen2", specials, config={"eos_token": "<|im_end|>"})
+    assert load_tokenizer(str(plain)).input_suffix == ()
+
+
 def test_config_decides_add_bos_pad_and_named_chat_templates(tmp_path):
     folder = train_byte_level(tmp_path, "gpt2", ["<s>", "</s>", "<pad>"], config={
         "bos_token": {"content": "<s>"}, "eos_token": "</s>", "pad_token": "<pad>", "add_bos_token": False,

@@ -8,5 +8,6 @@ from the same models.
   reader, and the field types several APIs share (stop strings)
 - openai.py: OpenAI's completions and chat (with vLLM's extra fields), vLLM's tokenize/detokenize and LoRA routes
 - tgi.py: llm-serving's / TGI's generate
+- embeddings.py: OpenAI's embeddings, the Jina/Cohere rerank, vLLM's score
 - document.py: the OpenAPI document
 """

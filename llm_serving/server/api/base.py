@@ -22,10 +22,13 @@ INT64 = dict(ge=-(1 << 63), le=(1 << 64) - 1)
 # What only the served model knows (its names, its vocabulary, its context) marks a field's JSON schema; the OpenAPI
 # document of the server at hand makes the mark an enum or a bound (api/document.py); the routes check them
 SERVED_MODEL = {"x-served": "model"}            # the model's name or a LoRA adapter's
+BASE_MODEL = {"x-served": "base-model"}         # the model's name alone (embeddings, rerank, score)
 SERVED_ADAPTER = {"x-served": "adapter"}        # a LoRA adapter's name
 OLLAMA_MODEL = {"x-served": "ollama-model"}     # either, or either with ":latest"
+OLLAMA_BASE_MODEL = {"x-served": "ollama-base-model"}   # the model's name, with ":latest" or not
 TOKEN_ID = {"type": "integer", "minimum": 0, "x-served": "token-id"}  # below the vocabulary's size
 NEW_TOKENS = {"x-served": "new-tokens"}         # a reply's length: below the context's (the prompt takes one at least)
+DIMENSIONS = {"x-served": "dimensions"}         # an embedding's width: those the model serves
 
 
 class Body(BaseModel):

@@ -11,12 +11,13 @@ from typing import Optional, Sequence
 
 from pydantic.json_schema import models_json_schema
 
-from llm_serving.server.api import anthropic, ollama, openai, responses, tgi
+from llm_serving.server.api import anthropic, embeddings, ollama, openai, responses, tgi
 
 # every API module's routes: ROUTES, POSTs with a body [(path, request model, summary)], and OPERATIONS without one
 # [(method, path, summary)] if it has them; a new API adds its module here
-API_MODULES = (openai, tgi, responses, anthropic, ollama)
-API_NAMES = {"openai": "OpenAI", "tgi": "TGI", "responses": "Responses", "anthropic": "Anthropic", "ollama": "Ollama"}
+API_MODULES = (openai, tgi, responses, anthropic, ollama, embeddings)
+API_NAMES = {"openai": "OpenAI", "tgi": "TGI", "responses": "Responses", "anthropic": "Anthropic", "ollama": "Ollama",
+             "embeddings": "Embeddings"}
 # the server's own operations without a body
 GETS = [("/health", "200 when the engine serves"), ("/info", "the served model and limits (TGI's)"),
         ("/v1/models", "the served model and its LoRA adapters"), ("/metrics", "Prometheus metrics"),
@@ -35,9 +36,10 @@ ERRORS = {
         "error": {"type": "object", "required": ["type", "message"], "properties": {"type": _TEXT, "message": _TEXT}}}},
     "OllamaError": {"type": "object", "required": ["error"], "properties": {"error": _TEXT}},
 }
-# the error body of each API module's routes (Responses' are OpenAI's: routes_openai owns /v1/)
+# the error body of each API module's routes (Responses' are OpenAI's: routes_openai owns /v1/; embeddings, rerank
+# and score are OpenAI's too, outside /v1/ as well: routes_embeddings)
 MODULE_ERRORS = {"openai": "OpenAIError", "tgi": "TGIError", "responses": "OpenAIError",
-                 "anthropic": "AnthropicError", "ollama": "OllamaError"}
+                 "anthropic": "AnthropicError", "ollama": "OllamaError", "embeddings": "OpenAIError"}
 
 # the JSON replies of some routes (routes_openai.py writes them); a streamed one is text/event-stream
 STREAMED = {"/v1/completions", "/v1/chat/completions"}
@@ -56,6 +58,20 @@ def _completion(kind: str, choice: dict) -> dict:
                     "items": {"type": "object", "required": list(choice), "properties": choice}}}}
 
 
+_NUMBER = {"type": "number"}
+_RERANK = {"type": "object", "required": ["id", "model", "usage", "results"], "properties": {
+    "id": _TEXT, "model": _TEXT, "usage": {"type": "object", "required": ["total_tokens"],
+                                           "properties": {"total_tokens": _COUNT}},
+    "results": {"type": "array", "minItems": 1, "items": {
+        "type": "object", "required": ["index", "relevance_score"],
+        "properties": {"index": _COUNT, "relevance_score": _NUMBER,
+                       "document": {"type": "object", "required": ["text"], "properties": {"text": _TEXT}}}}}}}
+_SCORE = {"type": "object", "required": ["id", "object", "created", "model", "data", "usage"], "properties": {
+    "id": _TEXT, "object": {"const": "list"}, "created": _COUNT, "model": _TEXT, "usage": _USAGE,
+    "data": {"type": "array", "minItems": 1, "items": {
+        "type": "object", "required": ["index", "object", "score"],
+        "properties": {"index": _COUNT, "object": {"const": "score"}, "score": _NUMBER}}}}}
+
 REPLIES = {
     "/v1/completions": _completion("text_completion", {"text": _TEXT}),
     "/v1/chat/completions": _completion("chat.completion", {"message": {
@@ -68,16 +84,38 @@ REPLIES = {
     "/detokenize": {"type": "object", "required": ["prompt"], "properties": {"prompt": _TEXT}},
     "/v1/models": {"type": "object", "required": ["object", "data"], "properties": {
         "object": {"const": "list"}, "data": {"type": "array", "minItems": 1, "items": {
-            "type": "object", "required": ["id", "object", "created", "owned_by", "max_model_len"],
-            "properties": {"id": _TEXT, "object": {"const": "model"}, "max_model_len": _COUNT}}}}},
+            "type": "object", "required": ["id", "object", "created", "owned_by", "max_model_len", "embedding",
+                                           "score_method"],
+            "properties": {"id": _TEXT, "object": {"const": "model"}, "max_model_len": _COUNT,
+                           "embedding": {"anyOf": [{"type": "null"}, {
+                               "type": "object", "required": ["pooling", "dimensions"],
+                               "properties": {"pooling": {"enum": ["mean", "last", "cls"]}, "dimensions": _COUNT}}]},
+                           "score_method": {"enum": ["yes_no", "similarity", None]}}}}}},
+    "/v1/embeddings": {"type": "object", "required": ["object", "model", "data", "usage"], "properties": {
+        "object": {"const": "list"}, "model": _TEXT,
+        "data": {"type": "array", "minItems": 1, "items": {
+            "type": "object", "required": ["object", "index", "embedding"],
+            "properties": {"object": {"const": "embedding"}, "index": _COUNT,
+                           "embedding": {"anyOf": [{"type": "array", "items": _NUMBER, "minItems": 1}, _TEXT]}}}},
+        "usage": {"type": "object", "required": ["prompt_tokens", "total_tokens"],
+                  "properties": {"prompt_tokens": _COUNT, "total_tokens": _COUNT}}}},
+    "/score": _SCORE,
+    "/v1/score": _SCORE,
+    "/api/embed": {"type": "object", "required": ["model", "embeddings", "prompt_eval_count"], "properties": {
+        "model": _TEXT, "embeddings": {"type": "array", "items": {"type": "array", "items": _NUMBER, "minItems": 1}},
+        "total_duration": _COUNT, "load_duration": _COUNT, "prompt_eval_count": _COUNT}},
+    "/api/embeddings": {"type": "object", "required": ["embedding"],
+                        "properties": {"embedding": {"type": "array", "items": _NUMBER}}},
+    **{path: _RERANK for path in ("/v1/rerank", "/rerank", "/v2/rerank")},
 }
 
 
 def openapi(version: str, models: Sequence[str] = (), vocab_size: Optional[int] = None,
-            max_model_len: Optional[int] = None) -> dict:
+            max_model_len: Optional[int] = None, dimensions: Optional[Sequence[int]] = None) -> dict:
     """The OpenAPI 3.1 document of the HTTP API, its request bodies from the API models. A serving server gives what
-    it serves: `models` (the model's name, then its LoRA adapters'), the vocabulary's size and the context's length;
-    without them the fields that name or count them stay as open as their models."""
+    it serves: `models` (the model's name, then its LoRA adapters'), the vocabulary's size, the context's length and
+    the widths its embeddings may be asked for (`dimensions`, ascending: the model's own last); without them the
+    fields that name or count them stay as open as their models."""
     routes = [(module, route) for module in API_MODULES for route in module.ROUTES]
     refs, defs = models_json_schema([(m, "validation") for m in dict.fromkeys(m for _, (_, m, _) in routes)],
                                     ref_template="#/components/schemas/{model}")
@@ -104,7 +142,7 @@ def openapi(version: str, models: Sequence[str] = (), vocab_size: Optional[int] 
         paths.setdefault(path, {})[method] = op
     doc = {"openapi": "3.1.0", "info": {"title": "llm-serving", "version": version}, "paths": paths,
            "components": {"schemas": {**defs.get("$defs", {}), **ERRORS}}}
-    _resolve(doc, _served(models, vocab_size, max_model_len))
+    _resolve(doc, _served(models, vocab_size, max_model_len, dimensions))
     # two APIs' models of one name (a ToolCall in OpenAI's and Ollama's) are told apart by their module, which
     # pydantic spells as a path: named by their API instead (OllamaToolCall)
     text = re.sub(r"llm_serving__server__api__([a-z]+)__(\w+)", lambda m: API_NAMES.get(m[1], m[1].title()) + m[2],
@@ -128,12 +166,19 @@ def _errors(name: str) -> dict:
                     "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}}}}
 
 
-def _served(models: Sequence[str], vocab_size: Optional[int], max_model_len: Optional[int]) -> dict:
+def _served(models: Sequence[str], vocab_size: Optional[int], max_model_len: Optional[int],
+            dimensions: Optional[Sequence[int]]) -> dict:
     """Each mark of api.base (its x-served) as the JSON schema keywords it becomes on this server."""
     served: dict = {}
+    if dimensions:                  # every width up to the model's (a Matryoshka model without a list): a bound
+        widths = list(dimensions)
+        served["dimensions"] = {"maximum": widths[-1]} if widths == list(range(1, widths[-1] + 1)) else \
+            {"enum": widths}
     if models:
         served.update({"model": {"enum": list(models)}, "adapter": {"enum": list(models[1:])},
-                       "ollama-model": {"enum": [*models, *(m + ":latest" for m in models)]}})
+                       "ollama-model": {"enum": [*models, *(m + ":latest" for m in models)]},
+                       "base-model": {"enum": [models[0]]}, "ollama-base-model": {"enum": [models[0],
+                                                                                            models[0] + ":latest"]}})
     if vocab_size:
         served["token-id"] = {"maximum": vocab_size - 1}
     if max_model_len:

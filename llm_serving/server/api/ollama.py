@@ -1,7 +1,8 @@
-"""Ollama's request bodies (POST /api/chat, /api/generate, /api/show): every rule about their shape, and
-`to_request()`, their translation into the internal request (server/translate.py). Ollama's own defaults hold:
-stream true, temperature 0.8, top_k 40, top_p 0.9, a reply as long as the context allows. What needs the served
-model (its name, its template's thinking) is the routes' (server/routes_ollama.py) and translate.prepare's."""
+"""Ollama's request bodies (POST /api/chat, /api/generate, /api/show, /api/embed, /api/embeddings): every rule
+about their shape, and `to_request()`, their translation into the internal request (server/translate.py). Ollama's
+own defaults hold: stream true, temperature 0.8, top_k 40, top_p 0.9, a reply as long as the context allows. What
+needs the served model (its name, its template's thinking, its embeddings) is the routes' (server/routes_ollama.py)
+and translate.prepare's."""
 from __future__ import annotations
 
 import json
@@ -11,8 +12,9 @@ from pydantic import ConfigDict, Field, PrivateAttr, create_model, field_validat
 
 from llm_serving.master.grammar import GrammarSpec
 from llm_serving.master.request import SamplingParams
-from llm_serving.server.api.base import (GIVEN, INT64, OLLAMA_MODEL, STOP, Body, Open, needs, rules, stop_strings,
-                                         when)
+from llm_serving.server.api.base import (DIMENSIONS, GIVEN, INT64, OLLAMA_BASE_MODEL, OLLAMA_MODEL, STOP, Body,
+                                         Open, needs, rules, stop_strings, when)
+from llm_serving.server.api.embeddings import MAX_INPUTS
 from llm_serving.server.api.openai import MAX_TOOLS, Tool
 from llm_serving.server.errors import ValidationError
 from llm_serving.server.translate import ApiRequest
@@ -310,9 +312,53 @@ class ShowRequest(Body):
         return self.model or self.name
 
 
+class _Embedding(Body):
+    """What /api/embed and /api/embeddings share: the model (its embeddings are the served model's own), options and
+    keep_alive accepted (neither changes an embedding)."""
+    model: str = Field(min_length=1, description="the served model's name, :latest or not (LoRA adapters do not "
+                                                 "embed)", json_schema_extra=OLLAMA_BASE_MODEL)
+    options: Optional[Options] = Field(None, description="accepted: no option changes an embedding")
+    keep_alive: Optional[Union[str, int, float]] = Field(None, description="accepted: the one model stays loaded")
+
+
+class EmbedRequest(_Embedding):
+    """POST /api/embed: each input's embedding, L2-normalized; no input: Ollama's "load the model" (no embeddings)."""
+    input: Optional[Union[str, List[str]]] = Field(None, description="a string or a list of strings; empty: none",
+                                                   json_schema_extra={"anyOf": [
+                                                       {"type": "string"}, {"type": "null"},
+                                                       {"type": "array", "items": {"type": "string", "minLength": 1},
+                                                        "maxItems": MAX_INPUTS}]})
+    truncate: Optional[bool] = Field(None, description="default true: an input longer than the context is cut to "
+                                                       "its first tokens; false: it is a 400")
+    dimensions: Optional[int] = Field(None, ge=1, le=1 << 20, description="a Matryoshka model's width to cut the "
+                                      "vectors to (normalized again); any other model only its own",
+                                      json_schema_extra=DIMENSIONS)
+
+    @field_validator("input")
+    @classmethod
+    def _inputs(cls, value):
+        if isinstance(value, list) and (len(value) > MAX_INPUTS or not all(value)):
+            raise ValidationError(f"input must be a string or a list of at most {MAX_INPUTS} non-empty strings",
+                                  param="input")
+        return value
+
+    def inputs(self) -> list:
+        """The texts to embed ([] for none)."""
+        if not self.input:
+            return []
+        return [self.input] if isinstance(self.input, str) else list(self.input)
+
+
+class EmbeddingsRequest(_Embedding):
+    """POST /api/embeddings (Ollama's older route): one prompt's embedding; no prompt: none."""
+    prompt: Optional[str] = Field(None, description="the text; empty: an empty embedding")
+
+
 ROUTES = [("/api/chat", ChatRequest, "Ollama chat: NDJSON stream by default, tools, format, think"),
           ("/api/generate", GenerateRequest, "Ollama generate: a prompt (raw or through the chat template)"),
-          ("/api/show", ShowRequest, "Ollama: the served model's template, parameters, details and capabilities")]
+          ("/api/show", ShowRequest, "Ollama: the served model's template, parameters, details and capabilities"),
+          ("/api/embed", EmbedRequest, "Ollama: embeddings of a string or strings, normalized"),
+          ("/api/embeddings", EmbeddingsRequest, "Ollama's older embeddings route: one prompt's embedding")]
 OPERATIONS = [("get", "/api/tags", "Ollama: the served model and its LoRA adapters"),
               ("get", "/api/ps", "Ollama: the models loaded (always the served one)"),
               ("get", "/api/version", "Ollama: the Ollama API version this server speaks")]
