@@ -311,7 +311,8 @@ class ModelRunner:
         self.embedder = Embedder(self.model)        # embed steps: the hidden states, no logits (_execute_embed)
         self.embedder.set_train(False)
         # embed steps normalize and pool on the host: the final norm's gain and how to pool (models/pooling.py)
-        self.final_norm_gain = np.array(weights["model.norm.weight"], np.float32)             # (H,)
+        norm = weights.get("model.norm.weight")     # (tensor-parallel ranks but 0 hold none: they never pool)
+        self.final_norm_gain = None if norm is None else np.array(norm, np.float32)             # (H,)
         self.pooling = embedding_spec(self.spec.pooling, self.model_dir, cfg.hidden_size).pooling
         self.sampler = Sampler(cfg.vocab_size, filters=True)          # some sampling row uses top-k/top-p
         # temperature only: the layer kernel library's SampleLogits where there is one (MindSpore's graph of it keeps
