@@ -248,7 +248,8 @@ async def models(request: web.Request) -> web.Response:
     data = []
     for name, entry in fleet.entries.items():
         if entry.state == "loaded":
-            data += _loaded_model(entry.engine, entry.state)
+            model, *adapters = _loaded_model(entry.engine, entry.state)
+            data += [{**model, "size_bytes": entry.size_bytes}, *adapters]
         else:
             data.append({"id": name, "object": "model", "created": None, "owned_by": "llm-serving",
                          "state": entry.state, **({"error": entry.error} if entry.error else {})})
