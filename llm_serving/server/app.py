@@ -109,10 +109,13 @@ async def dashboard(request: web.Request) -> web.FileResponse:
 
 
 async def health(request: web.Request) -> web.Response:
-    """The default model's health (200 while it can serve), and every model's state."""
+    """The default model's health (200 while it can serve: loaded and its agents up, or unloaded and loadable; 503
+    when its agents are down or its last load failed), and every model's state."""
     engine = default_engine(request)
     fleet = request.app[FLEET]
-    reason = "the default model is not loaded" if engine is None else engine.unavailable_reason()
+    entry = fleet.entries[fleet.default]
+    reason = (f"the default model failed to load: {entry.error}" if entry.state == "failed"
+              else engine.unavailable_reason() if engine is not None else None)
     body = {"status": "ok" if reason is None else "unavailable", "model": fleet.default,
             "agents": engine.agent_info() if engine is not None else [],
             "agent_restarts": engine.num_agent_restarts if engine is not None else 0,
