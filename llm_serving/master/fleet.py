@@ -77,6 +77,8 @@ class ModelEntry:
     loading: Optional[asyncio.Task] = None
     keep_alive: Optional[float] = None          # seconds idle before unloading; None: never
     loads: int = 0
+    waits: int = 0                              # requests that waited for a load, and their seconds waited
+    wait_s: float = 0.0
 
     @property
     def name(self) -> str:
@@ -165,6 +167,7 @@ class Fleet:
         self.prepare = prepare
         self.clock = clock
         self.listeners: list = []            # callables(name, engine or None): a model loaded or unloaded
+        self._stopping: set = set()          # engines' stops under way (each runs to its end)
         self._sweeper: Optional[asyncio.Task] = None
         self._draining: Optional[str] = None
 
@@ -202,14 +205,22 @@ class Fleet:
     # --- holding an engine --------------------------------------------------------------------------
 
     async def acquire(self, name: Optional[str]):
-        """The engine serving `name`, loaded first if it is not; held until `release(engine)`."""
+        """The engine serving `name`, loaded first if it is not (the seconds waited for it: `last_wait_s`, and the
+        model's `waits` and `wait_s`); held until `release(engine)`."""
         entry = self.entry_of(name)
-        if entry.state != "loaded":
+        t0 = self.clock()
+        waited = False
+        while entry.state != "loaded":       # (a load that succeeded may be undone before this waiter runs: again)
             if self._draining:
                 raise ModelLoadError(self._draining)
             await self._wait_loaded(entry)
+            waited = True
         entry.holders += 1
         entry.last_used = self.clock()
+        if waited:
+            entry.waits += 1
+            entry.wait_s += entry.last_used - t0
+        self.last_wait_s = entry.last_used - t0 if waited else 0.0
         return entry.engine
 
     def set_keep_alive(self, engine, seconds: float) -> None:
@@ -229,13 +240,13 @@ class Fleet:
     async def _wait_loaded(self, entry: ModelEntry) -> None:
         if entry.loading is None:
             entry.loading = asyncio.ensure_future(self._load(entry))
-        try:
-            await asyncio.wait_for(asyncio.shield(entry.loading), self.load_timeout_s)
+        try:     # (the outcome of the load this waiter waited for: a later attempt may have begun since)
+            error = await asyncio.wait_for(asyncio.shield(entry.loading), self.load_timeout_s)
         except asyncio.TimeoutError:
             raise ModelLoadError(f"model {entry.name!r} did not load within serving_config.load_timeout_s="
                                  f"{self.load_timeout_s:g} s; it is still loading") from None
-        if entry.state != "loaded":
-            raise ModelLoadError(f"model {entry.name!r} failed to load: {entry.error}")
+        if error is not None:
+            raise ModelLoadError(f"model {entry.name!r} failed to load: {error}")
 
     # --- loading and unloading ----------------------------------------------------------------------
 
@@ -248,9 +259,10 @@ class Fleet:
         raw["serving_config"]["models"], raw["serving_config"]["models_dir"] = [], None
         return config_from_dict(raw, spec.overrides)
 
-    async def _load(self, entry: ModelEntry) -> None:
+    async def _load(self, entry: ModelEntry) -> Optional[str]:
         """Load a model (its decisions in a thread, room made in the budget, its engine started); the entry says how
-        it went. Never raises: a failure is the entry's state and error."""
+        it went, and so does the result: None, or the load's error. Never raises: a failure is the entry's state and
+        error."""
         t0 = self.clock()
         entry.state, entry.error = "loading", None
         try:
@@ -273,7 +285,7 @@ class Fleet:
             entry.state, entry.error = "failed", f"{type(exc).__name__}: {exc}" if not isinstance(
                 exc, (ConfigError, FleetFullError)) else str(exc)
             logger.error("model %r failed to load: %s", entry.name, entry.error)
-            return
+            return entry.error
         finally:
             entry.loading = None
             entry.loads += 1
@@ -287,8 +299,10 @@ class Fleet:
         logger.info("model %r loaded in %.1f s (%.0f MiB with its KV cache)", entry.name, entry.load_s, size / 2**20)
         for listener in self.listeners:
             listener(entry.name, engine)
+        return None
 
     _preloaded: Optional[tuple] = None
+    last_wait_s: float = 0.0        # what the last acquire waited for a load (the caller reads it at once)
 
     async def _make_room(self, entry: ModelEntry, size: int) -> None:
         """Unload idle models, least recently used first, until `size` more bytes fit the budget; FleetFullError if
@@ -328,12 +342,21 @@ class Fleet:
         return self.describe(entry.name)
 
     async def _unload(self, entry: ModelEntry) -> None:
+        """Stop a model's engine; the stop runs to its end whoever waits for it (a client that went away, the sweep
+        cancelled as the server stops: `stop` waits for it), so its agents and segments are always freed."""
         engine = entry.engine
         entry.engine, entry.state, entry.size_bytes = None, "unloaded", 0
         for listener in self.listeners:
             listener(entry.name, None)
+        task = asyncio.ensure_future(self._stop_engine(entry.name, engine))
+        self._stopping.add(task)
+        task.add_done_callback(self._stopping.discard)
+        await asyncio.shield(task)
+
+    @staticmethod
+    async def _stop_engine(name: str, engine) -> None:
         await engine.stop()
-        logger.info("model %r unloaded", entry.name)
+        logger.info("model %r unloaded", name)
 
     def describe(self, name: str) -> dict:
         return {"id": name, **self.entries[name].describe()}
@@ -380,6 +403,8 @@ class Fleet:
     async def stop(self) -> None:
         if self._sweeper is not None:
             self._sweeper.cancel()
+        if self._stopping:                   # (unloads under way finish first)
+            await asyncio.gather(*self._stopping, return_exceptions=True)
         for entry in self.entries.values():
             if entry.loading is not None:
                 entry.loading.cancel()

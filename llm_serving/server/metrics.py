@@ -40,6 +40,10 @@ class _FleetCollector:
         for name, entry in self.fleet.entries.items():
             add("gauge", "model_loaded", "1 while the model is loaded (its agents serve), 0 while it is not",
                 1 if entry.state == "loaded" else 0, name)
+            add("counter", "model_loads", "Times the model was loaded (or tried)", entry.loads, name)
+            add("counter", "model_load_waits", "Requests that waited for the model to load", entry.waits, name)
+            add("counter", "model_load_wait_seconds", "Seconds requests waited for the model to load, summed",
+                entry.wait_s, name)
         for name, e in self.fleet.engines():
             sched, bm = e.scheduler, e.block_manager
             gauge = lambda metric, doc, value, extra=None: add("gauge", metric, doc, value, name, extra)  # noqa: E731

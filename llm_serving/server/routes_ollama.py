@@ -27,7 +27,7 @@ from llm_serving.server.generation import events, submit
 from llm_serving.config import ConfigError, parse_duration
 from llm_serving.master.fleet import UnknownModelError
 from llm_serving.server.keys import ENGINE
-from llm_serving.server.served import engine_for, fleet_of
+from llm_serving.server.served import LOAD_WAIT, engine_for, fleet_of
 from llm_serving.server.model_facts import ModelFacts, parameter_size, read_facts
 from llm_serving.server.reply import ReplyShape, ReplyStream, read_reply, reply_shape
 from llm_serving.server.translate import prepare
@@ -78,15 +78,15 @@ def ollama_calls(calls: list, first_index: int = 0) -> list:
             for k, c in enumerate(calls)]
 
 
-def metrics(req, started: float, now: float) -> dict:
+def metrics(req, started: float, now: float, load_s: float = 0.0) -> dict:
     """Ollama's counts and durations (ns) of a finished request, from time.monotonic() times: `started` when the
-    route took it, `now` as it answers. The model was loaded before any request: load_duration is 0."""
+    route took it, `now` as it answers; `load_s`: what it waited for its model to load (load_duration)."""
     end = req.finish_time or now
     first = req.first_token_time or end
 
     def ns(seconds: float) -> int:
         return max(int(seconds * 1e9), 0)
-    return {"total_duration": ns(now - started), "load_duration": 0, "prompt_eval_count": len(req.prompt_ids),
+    return {"total_duration": ns(now - started), "load_duration": ns(load_s), "prompt_eval_count": len(req.prompt_ids),
             "prompt_eval_duration": ns(first - req.arrival_time), "eval_count": len(req.output_ids),
             "eval_duration": ns(end - first)}
 
@@ -157,7 +157,8 @@ async def _answer(request: web.Request, engine, prepared, shape: ReplyShape, lin
             if final.finish_reason == "error":
                 return web.json_response({"error": final.error or "generation failed"}, status=500)
             reasoning, content, calls = read_reply("".join(texts), shape)
-            return web.json_response(lines.done(final.finish_reason, metrics(req, started, time.monotonic()),
+            return web.json_response(lines.done(final.finish_reason, metrics(req, started, time.monotonic(),
+                                                                             request.get(LOAD_WAIT, 0.0)),
                                                 content=content or "", thinking=reasoning or "", calls=calls,
                                                 logprobs=logprobs if want_logprobs else None))
 
@@ -179,7 +180,8 @@ async def _answer(request: web.Request, engine, prepared, shape: ReplyShape, lin
                                                    logprobs if want_logprobs else None)))
                 logprobs = []
             if event.finish_reason is not None:
-                pending.append(_ndjson(lines.done(event.finish_reason, metrics(req, started, time.monotonic()),
+                pending.append(_ndjson(lines.done(event.finish_reason, metrics(req, started, time.monotonic(),
+                                                                                      request.get(LOAD_WAIT, 0.0)),
                                                   logprobs=logprobs if want_logprobs else None)))
             if pending and not more:
                 await response.write(b"".join(pending))
@@ -371,7 +373,8 @@ async def embed_route(request: web.Request) -> web.Response:
         num_tokens = sum(map(len, ids))
     return web.json_response({"model": r.model, "embeddings": vectors,
                               "total_duration": max(int((time.monotonic() - started) * 1e9), 0),
-                              "load_duration": 0, "prompt_eval_count": num_tokens})
+                              "load_duration": max(int(request.get(LOAD_WAIT, 0.0) * 1e9), 0),
+                              "prompt_eval_count": num_tokens})
 
 
 async def embeddings_route(request: web.Request) -> web.Response:

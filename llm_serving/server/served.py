@@ -10,6 +10,7 @@ from aiohttp import web
 from llm_serving.server.keys import ENGINE, FLEET
 
 HELD = web.RequestKey("held_engines", list)
+LOAD_WAIT = web.RequestKey("load_wait_s", float)   # seconds the request waited for its model to load
 
 
 async def engine_for(request: web.Request, name: Optional[str]):
@@ -18,6 +19,7 @@ async def engine_for(request: web.Request, name: Optional[str]):
     if fleet is None:
         return request.app[ENGINE]
     engine = await fleet.acquire(name)
+    request[LOAD_WAIT] = request.get(LOAD_WAIT, 0.0) + fleet.last_wait_s
     held = request.get(HELD)
     if held is None:                      # (no middleware: released at once, as a request outside a response)
         fleet.release(engine)
