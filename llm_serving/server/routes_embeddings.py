@@ -26,7 +26,7 @@ from llm_serving.server.api.embeddings import DEFAULT_INSTRUCTION, EmbeddingRequ
 from llm_serving.server.embedding import (check_dimensions, embed, embedding_of, final_event, input_ids,
                                           shorten)
 from llm_serving.server.errors import ValidationError
-from llm_serving.server.keys import ENGINE
+from llm_serving.server.served import engine_for
 from llm_serving.server.translate import adapter_of
 
 PATHS = frozenset({"/v1/embeddings", "/v1/rerank", "/rerank", "/v2/rerank", "/score", "/v1/score"})
@@ -52,8 +52,8 @@ error_body = routes_openai.error_body
 
 async def _read(request: web.Request, model_type: type):
     """(engine, the body validated as model_type), its model the served one (a LoRA adapter does not embed)."""
-    engine = request.app[ENGINE]
     r = api.validate(model_type, api.read_json(await request.read()))
+    engine = await engine_for(request, r.model)
     if adapter_of(engine, r.model) is not None:
         raise ValidationError(f"{r.model!r} is a LoRA adapter; embeddings, rerank and score are the model's own "
                               f"({engine.model_name!r})", param="model")

@@ -12,6 +12,7 @@ from llm_serving.server.api import base as api
 from llm_serving.server.api.tgi import GenerateRequest
 from llm_serving.server.errors import ModelNotFoundError, ValidationError
 from llm_serving.server.keys import ENGINE
+from llm_serving.server.served import engine_for, fleet_of
 from llm_serving.server.translate import prepare, request_id
 
 # Clients may name their request (to abort it by id); the server echoes the id it used in responses.
@@ -34,8 +35,8 @@ class _Generate:
 async def _read_request(request: web.Request, stream_default: bool):
     """(engine, the request, its prompt ids, its request id, its LoRA adapter or None): the path's model (the base
     model or an adapter's name) or TGI's parameters.adapter_id picks the adapter."""
-    engine = request.app[ENGINE]
     model = request.match_info.get("model")
+    engine = await engine_for(request, model)       # (the path's model, or the default: TGI's /generate names none)
     if model is not None and model not in engine.served_models():
         raise ModelNotFoundError(f"model {model!r} is not served here; this server serves "
                                  f"{', '.join(map(repr, engine.served_models()))}")
@@ -63,7 +64,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     req = engine.submit(prompt_ids, gen.sampling, req_id=req_id, adapter=adapter, grammar=gen.compiled)
     try:
         if gen.stream:
-            return await _stream(request, req, gen)
+            return await _stream(request, engine, req, gen)
         text, tops, tokens = [], [], []
         while True:
             event = await req.events.get()
@@ -98,7 +99,7 @@ async def generate_stream(request: web.Request) -> web.StreamResponse:
     gen.stream = True
     req = engine.submit(prompt_ids, gen.sampling, req_id=req_id, adapter=adapter, grammar=gen.compiled)
     try:
-        return await _stream(request, req, gen)
+        return await _stream(request, engine, req, gen)
     finally:
         engine.release(req)
 
@@ -106,17 +107,19 @@ async def generate_stream(request: web.Request) -> web.StreamResponse:
 async def abort(request: web.Request) -> web.Response:
     """POST /abort/{request_id}: end a request in flight (its client gets finish_reason "abort")."""
     req_id = request.match_info["request_id"]
-    if not request.app[ENGINE].abort(req_id, reason="aborted through /abort"):
+    fleet = fleet_of(request)
+    engines = [request.app[ENGINE]] if fleet is None else [engine for _, engine in fleet.engines()]
+    if not any(engine.abort(req_id, reason="aborted through /abort") for engine in engines):
         return web.json_response(streaming.error_body(f"no request {req_id!r} in flight", "not_found"), status=404)
     return web.json_response({"request_id": req_id, "aborted": True})
 
 
-async def _stream(request: web.Request, req, gen) -> web.StreamResponse:
+async def _stream(request: web.Request, engine, req, gen) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            REQUEST_ID_HEADER: req.req_id})
     await response.prepare(request)
     text = [gen.inputs] if gen.return_full_text else []
-    profile = request.app[ENGINE].profile
+    profile = engine.profile
     pending = []                  # events that came together (a decode run, a verify step): one write
     final = False
     while not final:
@@ -127,7 +130,7 @@ async def _stream(request: web.Request, req, gen) -> web.StreamResponse:
         if event.finish_reason == "error":
             body = streaming.failed_body(req, event.error or "generation failed")
         else:
-            body = streaming.token_event(event, "".join(text) if final else None, req, request.app[ENGINE].tokenizer)
+            body = streaming.token_event(event, "".join(text) if final else None, req, engine.tokenizer)
         pending.append(streaming.sse(body))
         if final or req.events.empty():
             await response.write(b"".join(pending))

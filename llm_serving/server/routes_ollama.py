@@ -24,7 +24,10 @@ from llm_serving.server.api.ollama import (DEFAULT_TEMPERATURE, DEFAULT_TOP_K, D
 from llm_serving.server.embedding import check_dimensions, embed, embedding_of, input_ids, shorten
 from llm_serving.server.errors import ModelNotFoundError, ValidationError
 from llm_serving.server.generation import events, submit
+from llm_serving.config import ConfigError, parse_duration
+from llm_serving.master.fleet import UnknownModelError
 from llm_serving.server.keys import ENGINE
+from llm_serving.server.served import LOAD_WAIT, engine_for, fleet_of
 from llm_serving.server.model_facts import ModelFacts, parameter_size, read_facts
 from llm_serving.server.reply import ReplyShape, ReplyStream, read_reply, reply_shape
 from llm_serving.server.translate import prepare
@@ -75,15 +78,15 @@ def ollama_calls(calls: list, first_index: int = 0) -> list:
             for k, c in enumerate(calls)]
 
 
-def metrics(req, started: float, now: float) -> dict:
+def metrics(req, started: float, now: float, load_s: float = 0.0) -> dict:
     """Ollama's counts and durations (ns) of a finished request, from time.monotonic() times: `started` when the
-    route took it, `now` as it answers. The model was loaded before any request: load_duration is 0."""
+    route took it, `now` as it answers; `load_s`: what it waited for its model to load (load_duration)."""
     end = req.finish_time or now
     first = req.first_token_time or end
 
     def ns(seconds: float) -> int:
         return max(int(seconds * 1e9), 0)
-    return {"total_duration": ns(now - started), "load_duration": 0, "prompt_eval_count": len(req.prompt_ids),
+    return {"total_duration": ns(now - started), "load_duration": ns(load_s), "prompt_eval_count": len(req.prompt_ids),
             "prompt_eval_duration": ns(first - req.arrival_time), "eval_count": len(req.output_ids),
             "eval_duration": ns(end - first)}
 
@@ -154,7 +157,8 @@ async def _answer(request: web.Request, engine, prepared, shape: ReplyShape, lin
             if final.finish_reason == "error":
                 return web.json_response({"error": final.error or "generation failed"}, status=500)
             reasoning, content, calls = read_reply("".join(texts), shape)
-            return web.json_response(lines.done(final.finish_reason, metrics(req, started, time.monotonic()),
+            return web.json_response(lines.done(final.finish_reason, metrics(req, started, time.monotonic(),
+                                                                             request.get(LOAD_WAIT, 0.0)),
                                                 content=content or "", thinking=reasoning or "", calls=calls,
                                                 logprobs=logprobs if want_logprobs else None))
 
@@ -176,7 +180,8 @@ async def _answer(request: web.Request, engine, prepared, shape: ReplyShape, lin
                                                    logprobs if want_logprobs else None)))
                 logprobs = []
             if event.finish_reason is not None:
-                pending.append(_ndjson(lines.done(event.finish_reason, metrics(req, started, time.monotonic()),
+                pending.append(_ndjson(lines.done(event.finish_reason, metrics(req, started, time.monotonic(),
+                                                                                      request.get(LOAD_WAIT, 0.0)),
                                                   logprobs=logprobs if want_logprobs else None)))
             if pending and not more:
                 await response.write(b"".join(pending))
@@ -200,8 +205,8 @@ async def _serve(request: web.Request, body_type: type) -> web.StreamResponse:
     """/api/chat or /api/generate: the body validated, an empty one answered as Ollama's "load", the rest prepared
     and answered line by line. A raw prompt's reply (generate's raw) is read as it is."""
     started = time.monotonic()
-    engine = request.app[ENGINE]
     r = api.validate(body_type, api.read_json(await request.read()))
+    engine = await _engine(request, r.model, r.keep_alive)
     model, lines = served_name(engine, r.model), Lines(r.model, chat=body_type is ChatRequest)
     if r.loads_only:
         return await _loaded(request, lines, r.streams)
@@ -227,13 +232,36 @@ def details(facts: ModelFacts, parent: str = "") -> dict:
             "quantization_level": facts.quantization}
 
 
+async def _engine(request: web.Request, name: str, keep_alive=None):
+    """The engine serving Ollama's model name (X or X:latest), loaded first if it is not; a request's keep_alive
+    (Ollama's: how long the model stays loaded after it; 0 unloads it once idle) given to the fleet."""
+    fleet = fleet_of(request)
+    if fleet is not None and name not in fleet.names and name.endswith(":latest"):
+        name = name[:-len(":latest")]
+    try:
+        engine = await engine_for(request, name)
+    except UnknownModelError:
+        raise ModelNotFoundError(f"model '{name}' not found") from None
+    if fleet is not None and keep_alive is not None:
+        try:
+            fleet.set_keep_alive(engine, parse_duration(keep_alive, -1.0, key="keep_alive"))
+        except ConfigError as exc:
+            raise ValidationError(str(exc), param="keep_alive") from None
+    return engine
+
+
+async def _facts(app: web.Application, path: str) -> ModelFacts:
+    """A checkpoint's facts, its files read once, off the loop."""
+    cache = app[FACTS]
+    if path not in cache:
+        cache[path] = await asyncio.to_thread(read_facts, path)
+    return cache[path]
+
+
 async def _served(app: web.Application, engine) -> list:
     """[(name, its facts, its details)]: the model (its files read once, off the loop), then each LoRA adapter
     (its own files' size and digest, the model's details, the model as its parent)."""
-    cache = app[FACTS]
-    if engine.model_path not in cache:
-        cache[engine.model_path] = await asyncio.to_thread(read_facts, engine.model_path)
-    base = cache[engine.model_path]
+    base = await _facts(app, engine.model_path)
     served = [(engine.model_name, base, details(base))]
     for name, path in engine.lora_paths.items():
         served.append((name, await asyncio.to_thread(read_facts, path), details(base, tagged(engine.model_name))))
@@ -246,21 +274,41 @@ def _listed(name: str, facts: ModelFacts, described: dict) -> dict:
 
 
 async def tags(request: web.Request) -> web.Response:
-    """GET /api/tags: the served model and its LoRA adapters, named as Ollama lists models."""
-    engine = request.app[ENGINE]
-    served = await _served(request.app, engine)
+    """GET /api/tags: every model the server serves, loaded or not, and the loaded ones' LoRA adapters, named as
+    Ollama lists models."""
+    fleet = fleet_of(request)
+    if fleet is None:
+        loaded = [request.app[ENGINE]]
+        listed = await _served(request.app, loaded[0])
+    else:
+        listed = []
+        for name, entry in fleet.entries.items():
+            if entry.state == "loaded":
+                listed += await _served(request.app, entry.engine)
+            else:
+                facts = await _facts(request.app, entry.spec.path)
+                listed.append((name, facts, details(facts)))
     return web.json_response({"models": [
-        {**_listed(name, facts, described), "modified_at": created_at(facts.modified_at or engine.start_time)}
-        for name, facts, described in served]})
+        {**_listed(name, facts, described), "modified_at": created_at(facts.modified_at or time.time())}
+        for name, facts, described in listed]})
 
 
 async def ps(request: web.Request) -> web.Response:
-    """GET /api/ps: what is loaded: all of it, for good, in the server's memory (size_vram 0)."""
-    engine = request.app[ENGINE]
-    served = await _served(request.app, engine)
-    return web.json_response({"models": [
-        {**_listed(name, facts, described), "expires_at": NEVER, "size_vram": 0,
-         "context_length": engine.max_model_len} for name, facts, described in served]})
+    """GET /api/ps: the loaded models (and their adapters), each until when it stays loaded (its keep_alive after
+    its last request; Ollama's far date when it stays for good), in the server's memory (size_vram 0)."""
+    fleet = fleet_of(request)
+    loaded = ([(request.app[ENGINE], None)] if fleet is None else
+              [(entry.engine, entry) for entry in fleet.loaded()])
+    models = []
+    for engine, entry in loaded:
+        expires = NEVER
+        if entry is not None and entry.keep_alive is not None:
+            left = entry.last_used + entry.keep_alive - time.monotonic()
+            expires = datetime.fromtimestamp(time.time() + max(left, 0), timezone.utc).isoformat()
+        models += [{**_listed(name, facts, described), "expires_at": expires, "size_vram": 0,
+                    "context_length": engine.max_model_len}
+                   for name, facts, described in await _served(request.app, engine)]
+    return web.json_response({"models": models})
 
 
 def capabilities(template) -> list:
@@ -273,8 +321,8 @@ def capabilities(template) -> list:
 async def show(request: web.Request) -> web.Response:
     """POST /api/show: the model's template (its Jinja source: "" for the built-in LLaMA-2 format), the defaults
     requests start from, details, GGUF-style model_info (its context_length the served one) and capabilities."""
-    engine = request.app[ENGINE]
     r = api.validate(ShowRequest, api.read_json(await request.read()))
+    engine = await _engine(request, r.named)
     name = served_name(engine, r.named)
     facts, described = next((f, d) for n, f, d in await _served(request.app, engine) if n == name)
     base_facts = request.app[FACTS][engine.model_path]
@@ -311,8 +359,8 @@ async def embed_route(request: web.Request) -> web.Response:
     """POST /api/embed: {model, embeddings: [[...]], total_duration, load_duration, prompt_eval_count}; `truncate`
     (default true) cuts an input to the context's first tokens, false refuses a longer one."""
     started = time.monotonic()
-    engine = request.app[ENGINE]
     r = api.validate(EmbedRequest, api.read_json(await request.read()))
+    engine = await _engine(request, r.model, r.keep_alive)
     _embedding_model(engine, r.model)
     texts = r.inputs()
     vectors, num_tokens = [], 0
@@ -325,14 +373,15 @@ async def embed_route(request: web.Request) -> web.Response:
         num_tokens = sum(map(len, ids))
     return web.json_response({"model": r.model, "embeddings": vectors,
                               "total_duration": max(int((time.monotonic() - started) * 1e9), 0),
-                              "load_duration": 0, "prompt_eval_count": num_tokens})
+                              "load_duration": max(int(request.get(LOAD_WAIT, 0.0) * 1e9), 0),
+                              "prompt_eval_count": num_tokens})
 
 
 async def embeddings_route(request: web.Request) -> web.Response:
     """POST /api/embeddings (Ollama's older route): {embedding: [...]} of `prompt` (normalized here, as /api/embed's;
     an empty prompt: []), a prompt longer than the context a 400."""
-    engine = request.app[ENGINE]
     r = api.validate(EmbeddingsRequest, api.read_json(await request.read()))
+    engine = await _engine(request, r.model, getattr(r, "keep_alive", None))
     _embedding_model(engine, r.model)
     if not r.prompt:
         return web.json_response({"embedding": []})

@@ -23,6 +23,7 @@ from llm_serving.server.api import base as api
 from llm_serving.server.api import document, openai as openai_api
 from llm_serving.server.errors import ModelNotFoundError, ValidationError
 from llm_serving.server.keys import ENGINE
+from llm_serving.server.served import default_engine, engine_for, fleet_of
 from llm_serving.server.reply import ReplyShape, ReplyStream, read_reply, reply_shape
 from llm_serving.server.tools import ToolRequest
 from llm_serving.server.generation import events, submit
@@ -31,7 +32,8 @@ from llm_serving.server.translate import adapter_of, chat_ids, prepare
 
 async def _read(request: web.Request, model_type: type):
     """(engine, the body validated as model_type)."""
-    return request.app[ENGINE], api.validate(model_type, api.read_json(await request.read()))
+    r = api.validate(model_type, api.read_json(await request.read()))
+    return await engine_for(request, getattr(r, "model", None)), r
 
 
 def _usage(reqs, score_only: bool = False) -> dict:
@@ -236,18 +238,33 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def models(request: web.Request) -> web.Response:
-    """The served model and its LoRA adapters (as vLLM lists them); the model says what it serves besides generation:
+    """Every model the server serves, with its state (loaded, loading, unloaded, failed: its error too), and a loaded
+    one's LoRA adapters (as vLLM lists them); a loaded model says its context and what it serves besides generation:
     its `embedding` (pooling, dimensions; null when this server cannot embed) and how rerank and score score
     (`score_method`: yes_no or similarity). An adapter serves neither (both null)."""
-    engine = request.app[ENGINE]
+    fleet = fleet_of(request)
+    if fleet is None:                                   # (an app around one engine)
+        return web.json_response({"object": "list", "data": _loaded_model(request.app[ENGINE], "loaded")})
+    data = []
+    for name, entry in fleet.entries.items():
+        if entry.state == "loaded":
+            model, *adapters = _loaded_model(entry.engine, entry.state)
+            data += [{**model, "size_bytes": entry.size_bytes}, *adapters]
+        else:
+            data.append({"id": name, "object": "model", "created": None, "owned_by": "llm-serving",
+                         "state": entry.state, **({"error": entry.error} if entry.error else {})})
+    return web.json_response({"object": "list", "data": data})
+
+
+def _loaded_model(engine, state: str) -> list:
     base = {"id": engine.model_name, "object": "model", "created": int(engine.start_time), "owned_by": "llm-serving",
-            "max_model_len": engine.max_model_len}
+            "max_model_len": engine.max_model_len, "state": state}
     spec = engine.embedding
     served = {"embedding": None if spec is None else {"pooling": spec.pooling, "dimensions": spec.dimensions},
               "score_method": engine.score_method}
     adapters = [{**base, "id": name, "parent": engine.model_name, "root": engine.model_name, "embedding": None,
                  "score_method": None} for name in engine.lora_paths]
-    return web.json_response({"object": "list", "data": [{**base, **served}, *adapters]})
+    return [{**base, **served}, *adapters]
 
 
 async def load_lora_adapter(request: web.Request) -> web.Response:
@@ -318,11 +335,11 @@ async def openapi(request: web.Request) -> web.Response:
         served = version("llm-serving")
     except PackageNotFoundError:
         served = "0"
-    engine = request.app[ENGINE]
+    engine, fleet = default_engine(request), fleet_of(request)     # (the default model's vocabulary and context)
     spec = engine.embedding             # the widths a request may ask its embeddings for
     widths = None if spec is None else [d for d in range(1, spec.dimensions + 1) if spec.check_dimensions(d) is None]
-    return web.json_response(document.openapi(served, engine.served_models(), engine.vocab_size,
-                                              engine.max_model_len, widths))
+    names = engine.served_models() + ([n for n in fleet.names if n != engine.model_name] if fleet else [])
+    return web.json_response(document.openapi(served, names, engine.vocab_size, engine.max_model_len, widths))
 
 
 def add_routes(app: web.Application) -> None:

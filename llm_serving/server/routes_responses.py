@@ -21,7 +21,8 @@ from llm_serving.server import streaming
 from llm_serving.server.api import base as api
 from llm_serving.server.api.responses import ResponsesRequest
 from llm_serving.server.generation import events, submit
-from llm_serving.server.keys import ENGINE, RESPONSES
+from llm_serving.server.keys import RESPONSES
+from llm_serving.server.served import engine_for
 from llm_serving.server.reply import ReplyStream, read_reply, reply_shape
 from llm_serving.server.translate import prepare
 
@@ -241,8 +242,9 @@ def _failure(event) -> Optional[str]:
 
 
 async def create(request: web.Request) -> web.StreamResponse:
-    engine, store = request.app[ENGINE], request.app[RESPONSES]
+    store = request.app[RESPONSES]
     r = api.validate(ResponsesRequest, api.read_json(await request.read()))
+    engine = await engine_for(request, r.model)
     history: tuple = ()
     if r.previous_response_id is not None:      # OpenAI's answer: 400 naming the field, not 404
         previous = store.get(r.previous_response_id)

@@ -84,9 +84,11 @@ REPLIES = {
     "/detokenize": {"type": "object", "required": ["prompt"], "properties": {"prompt": _TEXT}},
     "/v1/models": {"type": "object", "required": ["object", "data"], "properties": {
         "object": {"const": "list"}, "data": {"type": "array", "minItems": 1, "items": {
-            "type": "object", "required": ["id", "object", "created", "owned_by", "max_model_len", "embedding",
-                                           "score_method"],
+            # (a model not loaded says its state, and its load's error if it failed; a loaded one what it serves)
+            "type": "object", "required": ["id", "object", "owned_by", "state"],
             "properties": {"id": _TEXT, "object": {"const": "model"}, "max_model_len": _COUNT,
+                           "state": {"enum": ["loaded", "loading", "unloaded", "failed"]}, "error": _TEXT,
+                           "created": {"type": ["integer", "null"]}, "size_bytes": _COUNT,
                            "embedding": {"anyOf": [{"type": "null"}, {
                                "type": "object", "required": ["pooling", "dimensions"],
                                "properties": {"pooling": {"enum": ["mean", "last", "cls"]}, "dimensions": _COUNT}}]},

@@ -101,7 +101,9 @@ class _Generation(Body):
                         json_schema_extra={"anyOf": [{"enum": [None, "", "json"]}, {"type": "object"}]})
     options: Optional[Options] = Field(None, description="sampling and length (Ollama's names); null: defaults")
     stream: Optional[bool] = Field(None, description="default true: NDJSON, a line per piece of the reply")
-    keep_alive: Optional[Union[str, int, float]] = Field(None, description="accepted: the one model stays loaded")
+    keep_alive: Optional[Union[str, int, float]] = Field(
+        None, description="how long the model stays loaded after this request: seconds or 5m, 1h; -1 for good, 0 "
+                          "unloaded once idle")
     think: Optional[Union[bool, Literal["low", "medium", "high"]]] = Field(
         None, description="true/false: the template's enable_thinking; low/medium/high: its reasoning_effort")
     logprobs: Optional[bool] = Field(None, description="each reply token's log-probability")
@@ -318,7 +320,9 @@ class _Embedding(Body):
     model: str = Field(min_length=1, description="the served model's name, :latest or not (LoRA adapters do not "
                                                  "embed)", json_schema_extra=OLLAMA_BASE_MODEL)
     options: Optional[Options] = Field(None, description="accepted: no option changes an embedding")
-    keep_alive: Optional[Union[str, int, float]] = Field(None, description="accepted: the one model stays loaded")
+    keep_alive: Optional[Union[str, int, float]] = Field(
+        None, description="how long the model stays loaded after this request: seconds or 5m, 1h; -1 for good, 0 "
+                          "unloaded once idle")
 
 
 class EmbedRequest(_Embedding):

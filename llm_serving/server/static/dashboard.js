@@ -66,8 +66,14 @@ function quantile(metrics, name, q) {
 
 async function poll() {
   try {
-    const [stats, health, metrics] = await Promise.all([
-      api("/stats").then((r) => r.json()), api("/health").then((r) => r.json()), api("/metrics").then((r) => r.text())]);
+    const [stats, health, metrics, models] = await Promise.all([
+      api("/stats").then((r) => r.json()), api("/health").then((r) => r.json()), api("/metrics").then((r) => r.text()),
+      api("/v1/models").then((r) => r.json())]);
+    // every model the server serves: its state, and a loaded one's memory (weights + KV cache); the cards below are
+    // the default model's
+    document.getElementById("models").textContent = "models: " + models.data.filter((m) => !m.parent).map((m) =>
+      `${m.id} ${m.state || "loaded"}` + (m.size_bytes ? ` (${Math.round(m.size_bytes / 1048576)} MiB)` : "")
+      + (m.id === health.model ? " [default]" : "")).join(" · ");
     const now = performance.now();
     const stepSeconds = Object.values(stats.step_time_s || {}).reduce((a, b) => a + b, 0);
     let rows = 0;

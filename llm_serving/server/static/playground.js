@@ -56,7 +56,9 @@ async function loadModels() {
   const response = await api("/v1/models");
   const data = (await response.json()).data || [];
   for (const m of data) contextOf[m.id] = m.max_model_len;
-  $("model").replaceChildren(...data.map((m) => el("option", {value: m.id, text: m.parent ? `${m.id} (adapter of ${m.parent})` : m.id})));
+  // (a model not loaded yet loads when it is first asked: its state is shown)
+  $("model").replaceChildren(...data.map((m) => el("option", {value: m.id, text: m.parent ? `${m.id} (adapter of ${m.parent})`
+    : m.state && m.state !== "loaded" ? `${m.id} (${m.state})` : m.id})));
 }
 
 function settings() {

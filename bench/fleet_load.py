@@ -1,0 +1,150 @@
+#!/usr/bin/env python
+"""Several models in one server (issue 52): how long a model takes to load on demand, cold (an empty compile cache:
+every kernel graph compiled) and warm (the cache filled, the weights read before), where that time goes (the
+agent's log: process start and model load, graph warmup), and what serving two models at once costs against one.
+
+    python bench/fleet_load.py                                # stories260K twice (its HF directory and its .bin)
+    python bench/fleet_load.py --first PATH --second PATH --streams 16 --tokens 64
+
+The second model loads on demand: cold in a server with an empty cache directory, then warm (unloaded through POST
+/models/NAME/unload and asked again, and in a second server on the filled cache). Throughput: S streams on the
+first model alone, then S/2 on each model at once, alternating rounds. Writes JSON (default
+bench_results/fleet_load.json).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import log_dir, machine, table, write_json  # noqa: E402
+from llm_serving.server_process import ServerProcess, http  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+STORIES = REPO / "tests" / "assets" / "stories260K"
+PROMPT = "Once upon a time, there was a little dog"
+
+
+def names(url: str) -> list:
+    return [m["id"] for m in http("GET", url + "/v1/models")[1]["data"] if not m.get("parent")]
+
+
+def timed_request(url: str, model: str) -> float:
+    t0 = time.perf_counter()
+    status, body = http("POST", url + "/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": 4,
+                                                          "temperature": 0})
+    if status != 200:
+        raise RuntimeError(f"{model}: {status} {body}")
+    return time.perf_counter() - t0
+
+
+def phases(log: Path, since: int) -> dict:
+    """The last load's phases from the server log (its text after offset `since`): the agent's model load and
+    warmup, and the engine's whole start."""
+    text = log.read_text(errors="replace")[since:]
+    found = {}
+    for key, pattern in (("agent_model_load_s", r"model loaded in ([\d.]+) s"), ("warmup_s", r"warmup done in ([\d.]+) s"),
+                         ("engine_ready_s", r"engine ready in ([\d.]+) s")):
+        values = re.findall(pattern, text)
+        if values:
+            found[key] = float(values[-1])
+    return found
+
+
+def load_times(args, cache: str, label: str) -> list:
+    """A server on `cache`: the second model asked twice (loaded, unloaded, loaded again)."""
+    log = log_dir() / f"fleet_load_{label}.log"
+    env = {**os.environ, "LLM_SERVING_CACHE": cache}
+    server = ServerProcess(["--model", args.first, "--model", args.second] + sum((["--set", s] for s in args.set), []),
+                           log, env=env)
+    rows = []
+    try:
+        server.wait_ready(timeout_s=1800)
+        second = names(server.url)[1]
+        for attempt in ("first load", "after an unload"):
+            offset = len(log.read_text(errors="replace"))
+            wall = timed_request(server.url, second)
+            info = http("GET", server.url + f"/models/{second}")[1]
+            rows.append({"server": label, "load": attempt, "first_answer_s": wall, "load_s": info["load_s"],
+                         **phases(log, offset)})
+            status, body = http("POST", server.url + f"/models/{second}/unload")
+            if status != 200:
+                raise RuntimeError(f"unload: {status} {body}")
+    finally:
+        server.stop()
+    return rows
+
+
+async def streams(url: str, plan: list, tokens: int) -> float:
+    """Concurrent streamed completions ([(model, count)]); the wall time until the last ends and the tokens."""
+    body = lambda model: {"model": model, "prompt": PROMPT, "max_tokens": tokens, "temperature": 0,  # noqa: E731
+                          "ignore_eos": True, "stream": True}
+    async with aiohttp.ClientSession() as session:
+        async def one(model):
+            async with session.post(url + "/v1/completions", json=body(model)) as resp:
+                await resp.read()
+                if resp.status != 200:
+                    raise RuntimeError(f"{model}: {resp.status}")
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(model) for model, count in plan for _ in range(count)))
+        return time.perf_counter() - t0
+
+
+def throughput(args) -> dict:
+    server = ServerProcess(["--model", args.first, "--model", args.second, "--set", "serving_config.keep_alive=-1"]
+                           + sum((["--set", s] for s in args.set), []), log_dir() / "fleet_load_throughput.log")
+    half = args.streams // 2
+    walls: dict = {"one model": [], "two models": []}
+    try:
+        server.wait_ready(timeout_s=1800)
+        first, second = names(server.url)[:2]
+        plans = {"one model": [(first, args.streams)], "two models": [(first, half), (second, args.streams - half)]}
+        for plan in plans.values():                      # warm-up: both loaded, every graph used
+            asyncio.run(streams(server.url, plan, args.tokens))
+        for _ in range(args.rounds):
+            for label, plan in plans.items():
+                walls[label].append(asyncio.run(streams(server.url, plan, args.tokens)))
+    finally:
+        server.stop()
+    tokens = args.streams * args.tokens
+    return {label: {"wall_s": statistics.median(w), "tok_s": tokens / statistics.median(w)} for label, w in walls.items()}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--first", default=str(STORIES / "hf"))
+    p.add_argument("--second", default=str(STORIES / "stories260K.bin"))
+    p.add_argument("--set", action="append", default=[])
+    p.add_argument("--streams", type=int, default=16)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--out", default="bench_results/fleet_load.json")
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="fleet-cold-") as cold:
+        (Path(cold) / "kernels").symlink_to(Path(os.environ.get("LLM_SERVING_CACHE", Path.home() / ".cache" /
+                                                                  "llm-serving")) / "kernels")
+        rows = load_times(args, cold, "cold cache") + load_times(args, cold, "warm cache")
+    print(table(rows, [("server", "server", "{}"), ("load", "load", "{}"), ("first_answer_s", "first answer s", "{:.2f}"),
+                       ("load_s", "load s", "{:.2f}"), ("agent_model_load_s", "agent: model s", "{}"),
+                       ("warmup_s", "agent: warmup s", "{}")]))
+    both = throughput(args)
+    ratio = both["two models"]["tok_s"] / both["one model"]["tok_s"]
+    print(f"\n{args.streams} streams x {args.tokens} tokens: one model {both['one model']['tok_s']:.0f} tok/s, the "
+          f"same streams split over two models {both['two models']['tok_s']:.0f} tok/s ({ratio:.2f}x)")
+    write_json(args.out, {"machine": machine(), "args": vars(args), "loads": rows, "throughput": both,
+                          "two_over_one": ratio})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""Which engine serves a request: the model it names, through the server's fleet (master/fleet.py: loaded first when
+it is not), held until the response is done (`hold_middleware`), so that a model is never unloaded under a request.
+An app built around one engine (a test's: `keys.ENGINE`, no fleet) serves that one."""
+from __future__ import annotations
+
+from typing import Optional
+
+from aiohttp import web
+
+from llm_serving.server.keys import ENGINE, FLEET
+
+HELD = web.RequestKey("held_engines", list)
+LOAD_WAIT = web.RequestKey("load_wait_s", float)   # seconds the request waited for its model to load
+
+
+async def engine_for(request: web.Request, name: Optional[str]):
+    """The engine serving model `name` (None: the default model), held until this request's response is done."""
+    fleet = request.app.get(FLEET)
+    if fleet is None:
+        return request.app[ENGINE]
+    engine = await fleet.acquire(name)
+    request[LOAD_WAIT] = request.get(LOAD_WAIT, 0.0) + fleet.last_wait_s
+    held = request.get(HELD)
+    if held is None:                      # (no middleware: released at once, as a request outside a response)
+        fleet.release(engine)
+    else:
+        held.append(engine)
+    return engine
+
+
+def default_engine(request: web.Request):
+    """The default model's engine, loaded or not (None then): what model-less routes (/health, /stats) describe."""
+    fleet = request.app.get(FLEET)
+    return request.app[ENGINE] if fleet is None else fleet.default_engine()
+
+
+def fleet_of(request: web.Request):
+    return request.app.get(FLEET)
+
+
+@web.middleware
+async def hold_middleware(request: web.Request, handler):
+    """The engines a request acquired are released when its response is done (streamed to its end, or failed)."""
+    request[HELD] = []
+    try:
+        return await handler(request)
+    finally:
+        fleet = request.app.get(FLEET)
+        for engine in request[HELD]:
+            fleet.release(engine)
