@@ -42,7 +42,7 @@ def names(url: str) -> list:
 def timed_request(url: str, model: str) -> float:
     t0 = time.perf_counter()
     status, body = http("POST", url + "/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": 4,
-                                                          "temperature": 0})
+                                                          "temperature": 0}, timeout=1800)
     if status != 200:
         raise RuntimeError(f"{model}: {status} {body}")
     return time.perf_counter() - t0
