@@ -24,6 +24,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.api_overhead import one_round as streamed_round  # noqa: E402
 from bench.common import log_dir, machine, server_args, table, write_json  # noqa: E402
 from llm_serving.server_process import ServerProcess, http  # noqa: E402
 
@@ -41,18 +42,13 @@ def texts(count: int) -> list:
     return [f"Sentence number {i} is about a cat that sat on mat number {i % 7}." for i in range(count)]
 
 
-async def generate(session, url: str, model: str, streams: int, tokens: int) -> float:
-    """S concurrent streamed completions of `tokens` tokens each; the wall time until the last ends."""
+async def generate(url: str, model: str, streams: int, tokens: int) -> float:
+    """S concurrent streamed completions of `tokens` tokens each (api_overhead's round); the wall time until the last
+    ends."""
     body = {"model": model, "prompt": PROMPT, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
             "stream": True}
-
-    async def one():
-        async with session.post(url + "/v1/completions", json=body) as resp:
-            data = await resp.read()
-            if resp.status != 200:
-                raise RuntimeError(f"completions: {resp.status} {data[:300]!r}")
     t0 = time.perf_counter()
-    await asyncio.gather(*(one() for _ in range(streams)))
+    await streamed_round(url, "/v1/completions", body, streams)
     return time.perf_counter() - t0
 
 
@@ -81,7 +77,7 @@ async def one_round(url: str, model: str, what: str, args, inputs: list) -> dict
         e0 = embed_seconds(url)
         jobs = []
         if what in ("generation", "mixed"):
-            jobs.append(generate(session, url, model, args.streams, args.tokens))
+            jobs.append(generate(url, model, args.streams, args.tokens))
         if what in ("mixed", "embeddings"):
             jobs.append(embed(session, url, model, inputs, args.batch, args.clients))
         walls = await asyncio.gather(*jobs)

@@ -21,6 +21,7 @@ The fleet knows nothing of HTTP: the server asks it for engines (server/app.py `
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import time
@@ -31,7 +32,7 @@ from llm_serving.config import Config, ConfigError, config_from_dict, parse_byte
 
 logger = logging.getLogger(__name__)
 
-STATES = ("unloaded", "loading", "loaded", "failed")
+STATES = ("loaded", "loading", "unloaded", "failed")     # a model's, as /v1/models says it
 SWEEP_S = 1.0               # how often idle models are checked against their keep_alive
 
 
@@ -124,7 +125,7 @@ def specs_from_config(config: Config, default_name: str, default_path: str, extr
         _, name, _ = resolve_model(config_from_dict(raw))
         specs.append(ModelSpec(name, path))
     for item in config.serving_config.models:
-        sets = tuple(f"{k}={_yaml_value(v)}" for k, v in (item.get("set") or {}).items())
+        sets = tuple(f"{k}={json.dumps(v)}" for k, v in (item.get("set") or {}).items())   # (JSON is YAML)
         specs.append(ModelSpec(item["name"], item["path"], sets,
                                None if item.get("keep_alive") is None else parse_duration(item["keep_alive"], -1.0)))
     if config.serving_config.models_dir:
@@ -138,11 +139,6 @@ def specs_from_config(config: Config, default_name: str, default_path: str, extr
         seen.add(spec.name)
         unique.append(spec)
     return unique
-
-
-def _yaml_value(value) -> str:
-    import json
-    return json.dumps(value)
 
 
 class Fleet:
@@ -170,6 +166,7 @@ class Fleet:
         self._stopping: set = set()          # engines' stops under way (each runs to its end)
         self._sweeper: Optional[asyncio.Task] = None
         self._draining: Optional[str] = None
+        self._preloaded: Optional[tuple] = None     # the default model's decisions, made before the server started
 
     # --- the models ---------------------------------------------------------------------------------
 
@@ -205,8 +202,8 @@ class Fleet:
     # --- holding an engine --------------------------------------------------------------------------
 
     async def acquire(self, name: Optional[str]):
-        """The engine serving `name`, loaded first if it is not (the seconds waited for it: `last_wait_s`, and the
-        model's `waits` and `wait_s`); held until `release(engine)`."""
+        """The engine serving `name`, loaded first if it is not (the model's `waits` and `wait_s` count the requests
+        that waited and their seconds); held until `release(engine)`."""
         entry = self.entry_of(name)
         t0 = self.clock()
         waited = False
@@ -220,22 +217,23 @@ class Fleet:
         if waited:
             entry.waits += 1
             entry.wait_s += entry.last_used - t0
-        self.last_wait_s = entry.last_used - t0 if waited else 0.0
         return entry.engine
+
+    def _entry_running(self, engine) -> Optional[ModelEntry]:
+        return next((entry for entry in self.entries.values() if entry.engine is engine), None)
 
     def set_keep_alive(self, engine, seconds: float) -> None:
         """The model of `engine` stays loaded this long after its last request (a request's own keep_alive, as
         Ollama's; negative: for good, 0: unloaded once idle)."""
-        for entry in self.entries.values():
-            if entry.engine is engine:
-                entry.keep_alive = None if seconds < 0 else seconds
+        entry = self._entry_running(engine)
+        if entry is not None:
+            entry.keep_alive = None if seconds < 0 else seconds
 
     def release(self, engine) -> None:
-        for entry in self.entries.values():
-            if entry.engine is engine:
-                entry.holders = max(entry.holders - 1, 0)
-                entry.last_used = self.clock()
-                return
+        entry = self._entry_running(engine)
+        if entry is not None:
+            entry.holders = max(entry.holders - 1, 0)
+            entry.last_used = self.clock()
 
     async def _wait_loaded(self, entry: ModelEntry) -> None:
         if entry.loading is None:
@@ -300,9 +298,6 @@ class Fleet:
         for listener in self.listeners:
             listener(entry.name, engine)
         return None
-
-    _preloaded: Optional[tuple] = None
-    last_wait_s: float = 0.0        # what the last acquire waited for a load (the caller reads it at once)
 
     async def _make_room(self, entry: ModelEntry, size: int) -> None:
         """Unload idle models, least recently used first, until `size` more bytes fit the budget; FleetFullError if

@@ -654,17 +654,13 @@ class ModelRunner:
         return pooled
 
     def _call_embed(self, step: StepInputs, flat: tuple, start: int, stop: int, tb: int) -> np.ndarray:
-        """The Embedder graph of `tb` tokens on the step's real tokens start..stop-1 (as `_call_packed`); (tb, H)."""
+        """The Embedder graph of `tb` tokens on the step's real tokens start..stop-1 (inputs as `_call_packed`'s);
+        (tb, H)."""
         T = self._ms.Tensor
-        row_of, ids, pos, slots, context = (a[start:stop] for a in flat[1:6])
-        window_slots = None if flat[6] is None else flat[6][start:stop]
-        window_tables = None if window_slots is None else step.window_tables[row_of]
-        kv = self._kv_inputs(slots, step.block_tables[row_of], window_slots, window_tables, (tb,),
-                             self.max_blocks_per_seq, self._layer_kernel_runs(tb))
+        ids, pos, kv, context, lora = self._packed_inputs(step, flat, start, stop, tb)
         kv_slots, tables, kv_window_slots, kv_window_tables = self._kv_tensors(kv, (tb, 1))
-        args = (T(_pad(ids, tb, 0).reshape(tb, 1)), T(_pad(pos, tb, 0).reshape(tb, 1)), kv_slots, tables,
-                T(_pad(context, tb, 0)), T(np.full(tb, -1, np.int32)), T(_pad(step.lora[row_of], tb, 0)),
-                kv_window_slots, kv_window_tables)
+        args = (T(ids.reshape(tb, 1)), T(pos.reshape(tb, 1)), kv_slots, tables, T(context),
+                T(np.full(tb, -1, np.int32)), T(lora), kv_window_slots, kv_window_tables)
         return self._call("embed", (tb,), self.embedder, *args).asnumpy()
 
     _EXECUTE = {StepKind.PREFILL: _execute_step, StepKind.DECODE: _execute_step,
@@ -789,18 +785,21 @@ class ModelRunner:
                      tree_bits: Optional[np.ndarray] = None):
         """The model graph of `tb` tokens on the step's real tokens start..stop-1 (`flat`: _flat_tokens(step)),
         padding after them; tree_bits: each real token's visible keys (a token tree's nodes; default all)."""
-        k = stop - start
+        ids, pos, kv, context, lora = self._packed_inputs(step, flat, start, stop, tb)
+        bits = np.full(tb, -1, np.int32)
+        if tree_bits is not None:
+            bits[:stop - start] = tree_bits[start:stop]
+        return self._run_packed(tb, ids, pos, kv, context, sample_index, bits, lora)
+
+    def _packed_inputs(self, step: StepInputs, flat: tuple, start: int, stop: int, tb: int) -> tuple:
+        """(ids, positions, KV inputs, context, LoRA slot) of the step's real tokens start..stop-1 padded to `tb`:
+        each token its row's tables (padded as _call_padded's), context 0 for padding, each token its adapter."""
         row_of, ids, pos, slots, context = (a[start:stop] for a in flat[1:6])
         window_slots = None if flat[6] is None else flat[6][start:stop]
         window_tables = None if window_slots is None else step.window_tables[row_of]
-        # each token its row's tables (padded as _call_padded's)
         kv = self._kv_inputs(slots, step.block_tables[row_of], window_slots, window_tables, (tb,),
                              self.max_blocks_per_seq, self._layer_kernel_runs(tb))
-        bits = np.full(tb, -1, np.int32)
-        if tree_bits is not None:
-            bits[:k] = tree_bits[start:stop]
-        return self._run_packed(tb, _pad(ids, tb, 0), _pad(pos, tb, 0), kv, _pad(context, tb, 0), sample_index,
-                                bits, _pad(step.lora[row_of], tb, 0))   # context 0: padding; each token its adapter
+        return _pad(ids, tb, 0), _pad(pos, tb, 0), kv, _pad(context, tb, 0), _pad(step.lora[row_of], tb, 0)
 
     def _run_packed(self, tb, ids, pos, kv, context, sample_index, tree_bits=None, lora=None,
                     compile_only: bool = False):

@@ -3,6 +3,7 @@ it is not), held until the response is done (`hold_middleware`), so that a model
 An app built around one engine (a test's: `keys.ENGINE`, no fleet) serves that one."""
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 from aiohttp import web
@@ -18,8 +19,10 @@ async def engine_for(request: web.Request, name: Optional[str]):
     fleet = request.app.get(FLEET)
     if fleet is None:
         return request.app[ENGINE]
+    loaded, t0 = fleet.entry_of(name).state == "loaded", time.monotonic()
     engine = await fleet.acquire(name)
-    request[LOAD_WAIT] = request.get(LOAD_WAIT, 0.0) + fleet.last_wait_s
+    if not loaded:                          # (the request waited for its model's load)
+        request[LOAD_WAIT] = request.get(LOAD_WAIT, 0.0) + time.monotonic() - t0
     held = request.get(HELD)
     if held is None:                      # (no middleware: released at once, as a request outside a response)
         fleet.release(engine)

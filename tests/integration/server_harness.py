@@ -16,7 +16,7 @@ from llm_serving.server_process import ServerProcess, free_port, http, parse_sse
 from llm_serving.shm.buffers import segment_prefix
 
 __all__ = ["REPO", "ServerProcess", "free_port", "http", "leftovers", "parse_sse", "precision_gate",
-           "project_shm_segments", "serving"]
+           "project_shm_segments", "serving", "tagged_processes"]
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -51,6 +51,18 @@ def project_shm_segments() -> list:
         return sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix))
     except FileNotFoundError:
         return []
+
+
+def tagged_processes(tag: str) -> list:
+    """Live processes whose environment carries tag (LLM_SERVING_TEST_TAG: a master and everything it started)."""
+    found = []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if p.environ().get("LLM_SERVING_TEST_TAG") == tag and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(f"{p.pid}: {' '.join(p.cmdline())[:100]}")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return found
 
 
 def leftovers(server: ServerProcess) -> list:

@@ -14,7 +14,8 @@ import psutil
 import pytest
 
 from llm_serving.agents.launch import token_file
-from tests.integration.server_harness import REPO, ServerProcess, http, leftovers, project_shm_segments
+from tests.integration.server_harness import (REPO, ServerProcess, http, leftovers, project_shm_segments,
+                                              tagged_processes)
 from tests.integration.test_serving import STORY_PROMPTS, assert_greedy_reference
 
 pytestmark = pytest.mark.usefixtures("needs_mindspore")
@@ -226,22 +227,10 @@ def test_hung_agent_times_out_and_a_crash_loop_is_given_up(server_factory):
 
 # --- the master's death and start-up failures -------------------------------------------------------
 
-def _tagged_processes(tag: str) -> list:
-    """Live processes whose environment carries tag (the master and everything it started)."""
-    found = []
-    for p in psutil.process_iter(["pid"]):
-        try:
-            if p.environ().get("LLM_SERVING_TEST_TAG") == tag and p.status() != psutil.STATUS_ZOMBIE:
-                found.append(f"{p.pid}: {' '.join(p.cmdline())[:100]}")
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    return found
-
-
 def _gone_within(seconds: float, tag: str, shm_before: set) -> bool:
     """Whether every process tagged `tag` and every new shm segment are gone within `seconds`."""
     deadline = time.monotonic() + seconds
-    while _tagged_processes(tag) or set(project_shm_segments()) - shm_before:
+    while tagged_processes(tag) or set(project_shm_segments()) - shm_before:
         if time.monotonic() > deadline:
             return False
         time.sleep(0.05)
@@ -254,7 +243,7 @@ def test_master_killed_leaves_no_process_and_no_shared_memory(server_factory, si
     tag = uuid.uuid4().hex
     shm_before = set(project_shm_segments())
     server = server_factory(env={"LLM_SERVING_TEST_TAG": tag})
-    assert len(_tagged_processes(tag)) >= 2                       # the master and its agent
+    assert len(tagged_processes(tag)) >= 2                       # the master and its agent
     assert set(project_shm_segments()) - shm_before                # the step buffers exist
 
     async def kill_mid_stream():
@@ -268,7 +257,7 @@ def test_master_killed_leaves_no_process_and_no_shared_memory(server_factory, si
                 assert sig == signal.SIGINT and events[-1]["details"]["finish_reason"] == "length"
     asyncio.run(kill_mid_stream())
     server.proc.wait(60)
-    assert _gone_within(5.0, tag, shm_before), (_tagged_processes(tag), server.log())
+    assert _gone_within(5.0, tag, shm_before), (tagged_processes(tag), server.log())
 
 
 def test_startup_failure_stops_the_agents_and_frees_everything(server_factory):
@@ -283,7 +272,7 @@ def test_startup_failure_stops_the_agents_and_frees_everything(server_factory):
     log = server.log()
     assert "agent 0 (pid" in log and "address already in use" in log.lower(), log
     # the master's resource tracker notices its exit a moment later
-    assert _gone_within(5.0, tag, shm_before), (_tagged_processes(tag), log)
+    assert _gone_within(5.0, tag, shm_before), (tagged_processes(tag), log)
 
 
 # --- graceful shutdown and the API key ---------------------------------------------------------------

@@ -29,7 +29,7 @@ import sentencepiece as spm
 import yaml
 
 from llm_serving.agents.launch import ENV_CONFIG
-from tests.integration.server_harness import http, leftovers, project_shm_segments, serving
+from tests.integration.server_harness import http, leftovers, project_shm_segments, serving, tagged_processes
 from tests.integration.test_serving import STORY_PROMPTS
 
 pytestmark = pytest.mark.usefixtures("needs_mindspore")
@@ -661,17 +661,6 @@ def test_an_unload_whose_client_goes_away_still_frees_the_model(fleet):
 
 # --- nothing left after the server stops ----------------------------------------------------------------------------
 
-def _tagged(tag: str) -> list:
-    found = []
-    for p in psutil.process_iter(["pid"]):
-        try:
-            if p.environ().get("LLM_SERVING_TEST_TAG") == tag and p.status() != psutil.STATUS_ZOMBIE:
-                found.append(f"{p.pid}: {' '.join(p.cmdline())[:100]}")
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    return found
-
-
 def test_nothing_is_left_after_the_server_stops(fleet):
     """The server stops (SIGTERM) with hf loaded while stories260K is being unloaded by its keep_alive: every agent it
     ever started is gone, and every segment and port; and stories260K's unload was let finish (its engine stopped,
@@ -685,7 +674,7 @@ def test_nothing_is_left_after_the_server_stops(fleet):
     assert fleet.stop() == 0
     assert leftovers(fleet) == [], fleet.log()
     assert set(project_shm_segments()) - fleet.shm_before == set()
-    assert _wait(lambda: not _tagged(fleet.tag), 10), _tagged(fleet.tag)
+    assert _wait(lambda: not tagged_processes(fleet.tag), 10), tagged_processes(fleet.tag)
     assert len(fleet.agent_pids_seen) >= 6 and all(_gone(pid) for pid in fleet.agent_pids_seen)
     assert not any(_accepting(port) for port in ports)
     log = fleet.log_path.read_text(errors="replace")

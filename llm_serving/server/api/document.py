@@ -11,6 +11,7 @@ from typing import Optional, Sequence
 
 from pydantic.json_schema import models_json_schema
 
+from llm_serving.master.fleet import STATES as MODEL_STATES
 from llm_serving.server.api import anthropic, embeddings, ollama, openai, responses, tgi
 
 # every API module's routes: ROUTES, POSTs with a body [(path, request model, summary)], and OPERATIONS without one
@@ -87,7 +88,7 @@ REPLIES = {
             # (a model not loaded says its state, and its load's error if it failed; a loaded one what it serves)
             "type": "object", "required": ["id", "object", "owned_by", "state"],
             "properties": {"id": _TEXT, "object": {"const": "model"}, "max_model_len": _COUNT,
-                           "state": {"enum": ["loaded", "loading", "unloaded", "failed"]}, "error": _TEXT,
+                           "state": {"enum": list(MODEL_STATES)}, "error": _TEXT,
                            "created": {"type": ["integer", "null"]}, "size_bytes": _COUNT,
                            "embedding": {"anyOf": [{"type": "null"}, {
                                "type": "object", "required": ["pooling", "dimensions"],
