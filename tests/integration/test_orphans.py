@@ -13,8 +13,7 @@ import psutil
 import pytest
 
 from tests.integration.server_harness import (REPO, ServerProcess, http, leftovers, private_cache,
-                                              project_shm_segments)
-from tests.integration.test_faults import _tagged_processes
+                                              project_shm_segments, tagged_processes)
 from tests.integration.test_tensor_parallel import MS_TP2
 
 STORIES = ["--config", str(REPO / "configs" / "stories260K.yaml")]
@@ -104,9 +103,9 @@ def test_master_killed_during_warmup_leaves_no_agent_lock_or_segment(stories_dir
         # the agents (and the cluster's scheduler) die with the master, however busy compiling, and the compile
         # cache's lock goes with its holder (a process releases its files after its memory: wait for both)
         deadline = time.monotonic() + 10
-        while (_tagged_processes(tag) or leftovers(first) or _locked(locks)) and time.monotonic() < deadline:
+        while (tagged_processes(tag) or leftovers(first) or _locked(locks)) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert _tagged_processes(tag) == [], first.log()
+        assert tagged_processes(tag) == [], first.log()
         assert leftovers(first) == []
         assert _locked(locks) == [], "the compile cache is still locked: the next start would wait"
         left = [n for n in set(project_shm_segments()) - shm_before if f"_p{master}n" in n]
