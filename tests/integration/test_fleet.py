@@ -281,11 +281,14 @@ def test_an_unloaded_model_loads_on_request_while_another_streams(fleet):
             await _wait_tokens(times, 20)
 
             async def watch():          # tales's state in /v1/models, collapsed to its changes
-                while not stop.is_set():
+                while True:             # the last poll starts after stop is set: it sees the state the answers left
+                    last = stop.is_set()
                     async with session.get(f"{fleet.url}/v1/models", headers=AUTH) as r:
                         state = {m["id"]: m["state"] for m in (await r.json())["data"]}["tales"]
                     if not seen or seen[-1] != state:
                         seen.append(state)
+                    if last:
+                        return
                     await asyncio.sleep(0.05)
             watcher = asyncio.create_task(watch())
 
