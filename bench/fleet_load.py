@@ -7,7 +7,9 @@ agent's log: process start and model load, graph warmup), and what serving two m
     python bench/fleet_load.py --first PATH --second PATH --streams 16 --tokens 64
 
 The second model loads on demand: cold in a server with an empty cache directory, then warm (unloaded through POST
-/models/NAME/unload and asked again, and in a second server on the filled cache). Throughput: S streams on the
+/models/NAME/unload and asked again, and in two more servers on the filled cache: one whose agents compile every
+graph before ready (serving_config.warmup=full), one staged, the default: ready once a first request's graphs are
+read, models/warmup.py). Throughput: S streams on the
 first model alone, then S/2 on each model at once, alternating rounds. Writes JSON (default
 bench_results/fleet_load.json).
 """
@@ -61,11 +63,13 @@ def phases(log: Path, since: int) -> dict:
     return found
 
 
-def load_times(args, cache: str, label: str) -> list:
-    """A server on `cache`: the second model asked twice (loaded, unloaded, loaded again)."""
-    log = log_dir() / f"fleet_load_{label}.log"
+def load_times(args, cache: str, label: str, warmup: str = "staged") -> list:
+    """A server on `cache`: the second model asked twice (loaded, unloaded, loaded again); warmup: its agents'
+    serving_config.warmup (staged: ready once a first request's graphs are read, on a cache that knows the rest)."""
+    log = log_dir() / f"fleet_load_{label.replace(' ', '_').replace(',', '')}.log"
     env = {**os.environ, "LLM_SERVING_CACHE": cache}
-    server = ServerProcess(["--model", args.first, "--model", args.second] + sum((["--set", s] for s in args.set), []),
+    sets = args.set + [f"serving_config.warmup={warmup}"]
+    server = ServerProcess(["--model", args.first, "--model", args.second] + sum((["--set", s] for s in sets), []),
                            log, env=env)
     rows = []
     try:
@@ -133,7 +137,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="fleet-cold-") as cold:
         (Path(cold) / "kernels").symlink_to(Path(os.environ.get("LLM_SERVING_CACHE", Path.home() / ".cache" /
                                                                   "llm-serving")) / "kernels")
-        rows = load_times(args, cold, "cold cache") + load_times(args, cold, "warm cache")
+        rows = (load_times(args, cold, "cold cache") + load_times(args, cold, "warm cache, full warmup", "full")
+                + load_times(args, cold, "warm cache"))
     print(table(rows, [("server", "server", "{}"), ("load", "load", "{}"), ("first_answer_s", "first answer s", "{:.2f}"),
                        ("load_s", "load s", "{:.2f}"), ("agent_model_load_s", "agent: model s", "{}"),
                        ("warmup_s", "agent: warmup s", "{}")]))

@@ -255,6 +255,10 @@ class ServingConfig:
     max_waiting_requests: int = 1024          # queue bound; past it requests get 429
     step_timeout_s: float = 120.0             # an agent that does not answer a step in time is dead
     agent_start_timeout_s: float = 900.0      # load + compile every bucket
+    # staged: an agent on a compile cache a full warmup filled is ready once the graphs a first request needs are
+    # read (SmolLM2: 3 of 17), and reads the rest when idle or just before a step needs one (models/warmup.py);
+    # full: every graph before ready (no step then waits for a graph). A cold cache or tensor parallelism: full
+    warmup: str = "staged"
     # agents back their allocations with transparent huge pages (glibc's malloc.hugetlb tunable in their
     # environment): on small models a decode step streaming every weight pays ~20% for 4 KiB pages' walks
     # (SmolLM2 1.19x, the float32 bench model 1.11x at one stream), while on a 1B Q4_K_M they changed no speed
@@ -341,6 +345,7 @@ class ServingConfig:
         self.agent_huge_pages = _yaml_switch(self.agent_huge_pages)
         _check(self.agent_huge_pages in ("auto", "on", "off"), "serving_config.agent_huge_pages",
                self.agent_huge_pages, "must be auto, on or off")
+        _check(self.warmup in ("staged", "full"), "serving_config.warmup", self.warmup, "must be staged or full")
         _check(isinstance(self.models, list), "serving_config.models", self.models,
                "must be a list of {name, path, keep_alive, set} entries")
         names = set()

@@ -30,6 +30,8 @@ from llm_serving.config import config_from_dict
 logger = logging.getLogger("llm_serving.agent")
 
 _DETACH = "_detach"     # queued by a reader thread (not a wire command): the master's connection dropped
+WARM_IDLE_S = 0.02      # a staged warmup's next entry runs after this long without a command (agent_server loop)
+WARM_EVERY_S = 1.0      # ... or after this long since the last, however busy
 EXIT_PEERS_GONE = 3     # exit code: left while stuck in a step whose peers or master are gone (no crash of its own)
 
 
@@ -118,7 +120,13 @@ class AgentServer:
         logger.info("agent %d: model loaded in %.1f s; compiling buckets", self.rank, time.perf_counter() - t0)
         t0 = time.perf_counter()
         self.worker.warmup()
-        logger.info("agent %d: warmup done in %.1f s", self.rank, time.perf_counter() - t0)
+        runner = self.worker.runner
+        if runner.warming:
+            logger.info("agent %d: warmup done in %.1f s for a first request; the rest when idle", self.rank,
+                        time.perf_counter() - t0)
+        else:
+            logger.info("agent %d: warmup done in %.1f s", self.rank, time.perf_counter() - t0)
+        self._last_warm = time.perf_counter()
 
     def init_watchdog(self) -> None:
         self._parent_pid = expected_parent()
@@ -266,7 +274,9 @@ class AgentServer:
         from llm_serving.models.parallel import TensorParallelError
 
         while not self._stop.is_set():
-            frame, conn = self._queue.get()
+            frame, conn = self._next_command()
+            if frame is None:
+                continue
             if frame.command == _DETACH:          # the master's connection dropped
                 self.worker.detach()
                 continue
@@ -285,6 +295,29 @@ class AgentServer:
             if conn is not None:
                 conn.send(proto.encode(frame.seq, out))
         self.shutdown()
+
+    def _next_command(self):
+        """The next command, (frame, conn); (None, None) after running a warmup entry instead. While a staged
+        warmup has entries left (models/warmup.py), one runs whenever no command comes for WARM_IDLE_S, and at
+        least every WARM_EVERY_S however busy the agent is, so that the rest of the plan ends (and the compile
+        cache's lock is free for the next agent) within seconds of ready."""
+        runner = self.worker.runner
+        if not runner.warming:
+            return self._queue.get()
+        try:
+            if time.perf_counter() - self._last_warm < WARM_EVERY_S:
+                return self._queue.get(timeout=WARM_IDLE_S)
+        except queue.Empty:
+            pass
+        try:
+            runner.warm_next()
+        except Exception as exc:  # noqa: BLE001 - the graphs then compile when a step needs them
+            logger.error("agent %d: warmup after ready failed (the rest compile when a step needs them): %s",
+                         self.rank, exc, exc_info=not isinstance(exc, ValueError))
+        self._last_warm = time.perf_counter()
+        if not runner.warming:
+            logger.info("agent %d: warmup complete", self.rank)
+        return None, None
 
     def shutdown(self) -> None:
         self._stop.set()

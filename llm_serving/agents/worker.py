@@ -67,7 +67,8 @@ class Worker:
         if self.broadcast is not None:     # before the first all-reduce: the ranks' graphs must be the same
             self.broadcast.check_same(self.group_sections())
         # logs one line per compiled bucket; tensor-parallel peers may still be loading: wait as long as start-up
-        self.runner.warmup(peer_timeout_s=self._start_timeout_s)
+        self.runner.warmup(peer_timeout_s=self._start_timeout_s,
+                           staged=self.config.serving_config.warmup == "staged" and self.tp.world == 1)
         if self.broadcast is not None:
             times = self.broadcast.warmup()
             logger.info("step-input broadcast from rank 0 (words: ms): %s",

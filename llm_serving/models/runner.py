@@ -34,11 +34,12 @@ from llm_serving.shm.layout import TOP_LOGPROBS, StepKind, StepView
 
 from .buckets import Buckets
 from .logit_controls import apply_controls, read_controls, uses_controls
-from .mindspore_env import GraphCalls, claim_compile_cache, close_compile_cache, setup_mindspore
+from .mindspore_env import GraphCalls, claim_compile_cache, setup_mindspore
 from .pooling import embedding_spec
 from .parallel import TensorParallel, TensorParallelError, all_reduce_kernel, make_all_reduce
 from .runner_spec import KERNEL_ONLY_ROWS, RunnerSpec
 from .step_inputs import StepInputs, StepLimits
+from .warmup import Entry, WarmupPlan
 from .weights import LlamaConfig, load_llama_weights, load_quantized
 from .weights.gguf import KEPT_QUANTIZED
 
@@ -103,9 +104,9 @@ def _pad(arr: np.ndarray, size: int, fill) -> np.ndarray:
     return out
 
 
-# the order in which _warmup_buckets compiles the graphs (part of the compile-cache key: cached graphs are named by
+# the order in which _warmup_entries lists the graphs (part of the compile-cache key: cached graphs are named by
 # their compile index)
-_WARMUP_ORDER = "decode runs, then buckets"
+_WARMUP_ORDER = "first request's graphs, decode runs, then buckets (warmup.py)"
 
 _GGML_TYPE_NAMES = {code: name for name, code in KEPT_QUANTIZED.items()}
 
@@ -143,6 +144,9 @@ class ModelRunner:
     keeps compiled graphs under the project cache dir, keyed by everything that decides warmup's compile
     sequence; only the first runner of a process can use it. tp: this rank of a tensor-parallel group.
     """
+
+    warmup_plan: Optional[WarmupPlan] = None    # warmup's entries and how far they have run (warmup.py)
+    _plan: Optional[WarmupPlan] = None          # the same while entries are left (checked at every graph call)
 
     def __init__(self, model_dir: str, spec: RunnerSpec, tp: Optional["TensorParallel"] = None):
         num_blocks, block_size, max_blocks_per_seq = spec.num_blocks, spec.block_size, spec.max_blocks_per_seq
@@ -812,6 +816,8 @@ class ModelRunner:
         args = (T(ids.reshape(tb, 1)), T(pos.reshape(tb, 1)), slots, tables, T(context),
                 T(np.ones(tb, np.int32)), T(sample_index), T(bits), T(lora), window_slots, window_tables)
         if compile_only:                 # warmup: compiled (or loaded from the compile cache), not run
+            if self._plan is not None:
+                self._plan.before_call(("packed", (tb, sample_index.shape[0])))
             return self.model.compile(*args)
         return self._call("packed", (tb, sample_index.shape[0]), self.model, *args)
 
@@ -830,6 +836,8 @@ class ModelRunner:
         kernel failed). The graph is waited for here (a device may run it asynchronously), so that a
         failure surfaces in this step, and every completed one is counted in `collective_calls`, which
         each step's reply carries: ranks that report the same count are in step."""
+        if self._plan is not None:          # a staged warmup's entries left: this graph's may come first
+            self._plan.before_call((kind, shape))
         if self.all_reduce is None or (cell is not self.model and cell is not self.embedder):
             return self._graphs(cell, *args)
         try:
@@ -888,67 +896,86 @@ class ModelRunner:
         """(kind, batch, seq, decode width) of every model graph warmup compiles, in order."""
         return self.buckets.graphs()
 
-    def warmup(self, progress: Optional[Callable[[str], None]] = None, peer_timeout_s: Optional[float] = None) -> None:
-        """Compile and run once every bucket (the KV cache is left as it was, apart from the scratch block).
-        Under tensor parallelism every rank warms up the same buckets in the same order, each graph's
-        all-reduces meeting the peers' (which may still be loading or compiling: they wait up to
-        peer_timeout_s, then the step timeout again)."""
+    def warmup(self, progress: Optional[Callable[[str], None]] = None, peer_timeout_s: Optional[float] = None,
+               staged: bool = False) -> None:
+        """Compile and run once every bucket (the KV cache is left as it was, apart from the scratch block), in the
+        warmup plan's order (warmup.py). staged: only the graphs a first request needs, when the compile cache
+        knows the rest; those follow by `warm_next` (when idle) or before a step that calls one (`_call`), and
+        `warming` says whether any is left. Under tensor parallelism every rank warms up the same buckets in the
+        same order, each graph's all-reduces meeting the peers' (which may still be loading or compiling: they
+        wait up to peer_timeout_s, then the step timeout again): never staged."""
         if self.all_reduce is not None and peer_timeout_s is not None:
             self.all_reduce.set_timeout(peer_timeout_s)
+        plan = WarmupPlan(self._warmup_entries(), self._cache_dir)
+        self.warmup_plan = self._plan = plan
         try:
-            self._warmup(progress)
+            plan.run(staged and self.tp.world == 1, progress)
+        except BaseException:
+            plan.abandon()
+            raise
         finally:
             if self.all_reduce is not None:
                 self.all_reduce.set_timeout(self.tp_timeout_s)
+            if not plan.pending:
+                self._plan = None
 
-    def _warmup(self, progress: Optional[Callable[[str], None]]) -> None:
-        """Every model graph, and the temperature sampler of every row count, compiled in a fixed order (the
-        compile cache's condition, see mindspore_env.py); the graphs only some requests need (top-k/top-p
-        sampler, top logprobs, penalties) compile on first use, outside the cache (their order depends on
-        the traffic)."""
+    @property
+    def warming(self) -> bool:
+        """Whether warmup entries are left (a staged warmup's, until `warm_next` or steps have run them all)."""
+        return self._plan is not None
+
+    def warm_next(self, progress: Optional[Callable[[str], None]] = None) -> bool:
+        """Run the next pending warmup entry; whether any is left. An entry that fails ends the plan (its graphs
+        and the rest's compile when a step needs them, outside the cache) and raises."""
+        plan = self._plan
+        if plan is None:
+            return False
         try:
-            self._warmup_buckets(progress)
+            plan.warm_next(progress)
+        except BaseException:
+            plan.abandon()
+            raise
         finally:
-            close_compile_cache()
+            if not plan.pending:
+                self._plan = None
+        return self._plan is not None
 
-    def _warmup_buckets(self, progress: Optional[Callable[[str], None]]) -> None:
-        # the decode runs' graphs first: the first one's compile leaves ~80 MiB of freed heap behind (glibc keeps
-        # it, among live blocks), which the later graphs' compile state then fills instead of growing the heap
-        for b in self.decode_run_batch_sizes():
-            t0 = time.perf_counter()
-            self._run_decode_run(b, None, None)
-            msg = (f"warmup: decode run ({self.decode_run_steps} steps, B={b}) ready in "
-                   f"{time.perf_counter() - t0:.1f}s")
-            logger.info(msg)
-            if progress is not None:
-                progress(msg)
-
-        buckets = self.graph_buckets()
-        for i, (kind, b, s, w) in enumerate(buckets):
-            t0 = time.perf_counter()
-            if kind == "packed" and b != self.prefill_token_sizes[0]:
-                # a larger bucket's model graph is compiled (or loaded from the cache) but not run: running the
-                # largest buckets of a deep model costs seconds each
-                self._run_dummy_packed(b, 0.0, compile_only=True)
-            elif kind == "packed":
-                for temperature in (0.0, 1.0):          # greedy, then the temperature sampler for its rows
-                    self._run_dummy_packed(b, temperature)
-            elif kind == "verify":
-                for temperature in (0.0, 1.0):
-                    self._run_dummy_verify(b, temperature)
-            else:
-                self._run_dummy(b, s, 0.0, w)       # the model graph (greedy)
-                if w is None or w == self.decode_block_widths[0]:   # the sampler depends on the batch size only
-                    self._run_dummy(b, s, 1.0, w)   # + the temperature-only sampler for this batch size
+    def _warmup_entries(self) -> list:
+        """The warmup plan's entries in compile order: the graphs a first request needs (the smallest decode run,
+        decode bucket and prefill bucket), then the other decode runs, decode buckets, prefill and verify buckets.
+        A decode run's compile leaves ~80 MiB of freed heap behind (glibc keeps it, among live blocks), which the
+        later graphs' compile state then fills instead of growing the heap: one comes first."""
+        entries = []
+        for i, b in enumerate(self.decode_run_batch_sizes()):
+            entries.append(Entry(f"decode run ({self.decode_run_steps} steps, B={b})",
+                                 lambda b=b: self._run_decode_run(b, None, None), first=i == 0))
+        seen_kinds = set()
+        for kind, b, s, w in self.graph_buckets():
+            name = kind if kind in ("decode", "verify") else "prefill"
             shape = (f"T={b} tokens, {self.prefill_batch_sizes[-1]} rows" if kind == "packed"
                      else f"T={b} tokens" if kind == "verify" and s is None
                      else f"B={b}, S={s}" + (f", W={w}" if w is not None else ""))
-            name = kind if kind in ("decode", "verify") else "prefill"
-            msg = (f"warmup {i + 1}/{len(buckets)}: {name} bucket ({shape}) "
-                   f"ready in {time.perf_counter() - t0:.1f}s")
-            logger.info(msg)
-            if progress is not None:
-                progress(msg)
+            first = kind != "verify" and kind not in seen_kinds
+            seen_kinds.add(kind)
+            entries.append(Entry(f"{name} bucket ({shape})", lambda k=(kind, b, s, w): self._warm_bucket(*k),
+                                 first=first))
+        return sorted(entries, key=lambda e: not e.first)          # (stable: the order within each part kept)
+
+    def _warm_bucket(self, kind: str, b: int, s: Optional[int], w: Optional[int]) -> None:
+        if kind == "packed" and b != self.prefill_token_sizes[0]:
+            # a larger bucket's model graph is compiled (or loaded from the cache) but not run: running the
+            # largest buckets of a deep model costs seconds each
+            self._run_dummy_packed(b, 0.0, compile_only=True)
+        elif kind == "packed":
+            for temperature in (0.0, 1.0):          # greedy, then the temperature sampler for its rows
+                self._run_dummy_packed(b, temperature)
+        elif kind == "verify":
+            for temperature in (0.0, 1.0):
+                self._run_dummy_verify(b, temperature)
+        else:
+            self._run_dummy(b, s, 0.0, w)       # the model graph (greedy)
+            if w is None or w == self.decode_block_widths[0]:   # the sampler depends on the batch size only
+                self._run_dummy(b, s, 1.0, w)   # + the temperature-only sampler for this batch size
 
     def reset(self) -> None:
         """Zero the KV cache."""

@@ -759,6 +759,94 @@ def test_compile_cache_survives_a_change_of_buckets(tmp_path):
     np.testing.assert_allclose(results[3], results[0], rtol=1e-5, atol=1e-5)
 
 
+_STAGED_RUN = r"""
+import json, sys
+from pathlib import Path
+import numpy as np
+from llm_serving.models.runner import ModelRunner
+from llm_serving.models.runner_spec import RunnerSpec
+from llm_serving.shm.layout import StepView
+NAMES = ("input_ids", "positions", "slot_mapping", "block_tables", "context_lens", "query_lens", "temperature",
+         "top_k", "top_p", "random_u")
+def view(kind, *arrays):
+    return StepView(kind, return_logits=True, **dict(zip(NAMES, arrays)))
+r = ModelRunner(sys.argv[1], RunnerSpec(num_blocks=8, block_size=16, max_blocks_per_seq=2,
+                                        decode_batch_sizes=[1, 2, 4, 8], prefill_batch_sizes=[1], prefill_seq_lens=[16],
+                                        num_threads=2, compile_cache=True))
+r.warmup(staged=sys.argv[2] == "staged")
+plan = r.warmup_plan
+out = {"labels": [e.label for e in plan.entries], "first": sum(e.first for e in plan.entries), "done": [plan.done]}
+ids = [1, 403, 407, 261, 378]
+_, _, lg = r.execute(view("prefill", [ids], [list(range(5))], [list(range(5))], [[0]], [5], [5], [0.0], [0], [1.0],
+                          [0.0]))
+logits, tok = [lg[0]], int(np.argmax(lg[0]))
+_, _, lg = r.execute(view("decode", [[tok]], [[5]], [[5]], [[0]], [6], [1], [0.0], [0], [1.0], [0.0]))
+logits.append(lg[0])
+out["done"].append(plan.done)
+# a top-k draw: its sampler is in no entry (compiled outside the cache, taking no compile index)
+toks, _, lg = r.execute(view("decode", [[int(np.argmax(lg[0]))]], [[6]], [[6]], [[0]], [7], [1], [1.0], [3], [1.0],
+                             [0.3]))
+logits.append(lg[0])
+out["done"].append(plan.done)
+out["sampled"] = tok = int(toks[0])
+# three rows: the B=4 bucket (rows 1-2 write the scratch block)
+_, _, lg = r.execute(view("decode", [[tok]] * 3, [[7]] * 3, [[7], [-1], [-1]], [[0]] * 3, [8] * 3, [1] * 3, [0.0] * 3,
+                          [0] * 3, [1.0] * 3, [0.0] * 3))
+logits.append(lg[0])
+out["done"].append(plan.done)
+while r.warm_next():
+    pass
+out["done"].append(plan.done)
+out["warming"] = r.warming
+out["mindir"] = len(list(Path(r._cache_dir).rglob("*.mindir")))
+np.save(sys.argv[3], np.stack(logits))
+Path(sys.argv[4]).write_text(json.dumps(out))
+"""
+
+
+def test_a_staged_warmup_compiles_the_rest_in_the_caches_order_whatever_the_steps_ask(tmp_path):
+    """On a compile cache a full warmup filled (and recorded: plan.json), a staged warmup reads only a first
+    request's graphs (models/warmup.py); a step that needs a later entry's graph runs the plan through that entry
+    first, a graph in no entry compiles outside the cache, and the rest follow by warm_next. MindSpore names
+    cached graphs by compile index with no shape check, so one graph out of order would hand every later call the
+    wrong graph: the logits, the sampled token and the files on disk are those of a full warmup, to the bit."""
+    pytest.importorskip("mindspore")
+    import os
+    import subprocess
+    import sys
+
+    from tests.integration.server_harness import private_cache
+    env = {**os.environ, "LLM_SERVING_CACHE": str(private_cache(tmp_path / "cache")), "GLOG_v": "3"}
+    script = tmp_path / "staged_run.py"      # MindSpore hashes the entry script into the cache's key
+    script.write_text(_STAGED_RUN)
+    runs = []
+    for i, mode in enumerate(("staged", "staged", "full")):  # an empty cache: staged warms up whole (nothing recorded)
+        logits, facts = tmp_path / f"run{i}.npy", tmp_path / f"run{i}.json"
+        proc = subprocess.run([sys.executable, str(script), str(MODEL_DIR), mode, str(logits), str(facts)],
+                              env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs.append((np.load(logits), json.loads(facts.read_text())))
+    [cache] = (tmp_path / "cache" / "ms_compile").iterdir()
+    assert (cache / "plan.json").exists()
+    (cold, cold_facts), (staged, facts), (full, full_facts) = runs
+    total = len(facts["labels"])
+    assert cold_facts["done"] == [total] * 5 and full_facts["done"] == [total] * 5
+    # staged: the first request's entries at start; the prefill and a one-row decode need nothing more
+    firsts = facts["labels"][:facts["first"]]
+    assert "decode bucket (B=1, S=1" in " ".join(firsts) and any(e.startswith("prefill bucket") for e in firsts)
+    assert all(e.startswith(("decode run", "decode bucket (B=1,", "prefill bucket")) for e in firsts), firsts
+    assert 1 <= facts["first"] < total and facts["done"][:2] == [facts["first"]] * 2, facts
+    assert facts["done"][2] == facts["first"], facts         # the top-k draw: no entry
+    # three rows: the plan ran through the B=4 decode bucket's entry, no further (B=8's is left)
+    b4 = next(i for i, e in enumerate(facts["labels"]) if e.startswith("decode bucket (B=4"))
+    assert facts["done"][3] == b4 + 1 < total, facts
+    assert facts["done"][4] == total and not facts["warming"]
+    np.testing.assert_array_equal(staged, cold)
+    np.testing.assert_array_equal(full, cold)
+    assert facts["sampled"] == cold_facts["sampled"] == full_facts["sampled"]
+    assert facts["mindir"] == cold_facts["mindir"] == full_facts["mindir"] > 0
+
+
 def test_weight_parameters_share_the_loaded_arrays_memory():
     """The model's Parameters are the loaded arrays themselves, not copies: a copy doubled the agent's memory at
     start (an 18 GB mixture of experts needed 36 GB and was killed by the OOM killer before it served)."""

@@ -87,6 +87,7 @@ model_path:
     ({"serving_config": {"agent_restart_window_s": 0}}, "serving_config.agent_restart_window_s=0"),
     ({"serving_config": {"shutdown_grace_s": -1}}, "serving_config.shutdown_grace_s=-1"),
     ({"serving_config": {"agent_huge_pages": "sometimes"}}, "serving_config.agent_huge_pages='sometimes'"),
+    ({"serving_config": {"warmup": "lazy"}}, "serving_config.warmup='lazy'"),
     ({"serving_config": {"api_key": "short"}}, "serving_config.api_key='<hidden>'"),
     ({"serving_config": {"api_key": "has a space in it"}}, "without spaces"),
 ])
