@@ -36,14 +36,23 @@ _cache_lock = None              # the open lock file of the cache directory in u
 
 
 def model_source_digest() -> str:
-    """Hash of the graph-defining sources and the MindSpore version (part of the compile-cache key)."""
+    """Hash of the graph-defining sources, the MindSpore version and the process's entry script (part of the
+    compile-cache key). MindSpore checks a cache against a hash of the entry script (and what it imports from
+    outside sys.path) and, when that differs, compiles every graph again and rewrites the cache: keyed by it, a
+    changed agent script (or a test's own script) gets a cache of its own instead, and a staged warmup
+    (warmup.py) never meets a cache whose graphs all compile cold."""
     import mindspore as ms
 
     h = hashlib.sha1(ms.__version__.encode())
     here = os.path.dirname(os.path.abspath(__file__))
-    for name in _GRAPH_SOURCES:
-        with open(os.path.join(here, name), "rb") as f:
-            h.update(f.read())
+    for path in [os.path.join(here, name) for name in _GRAPH_SOURCES] + [os.path.realpath(sys.argv[0] or "-")]:
+        try:
+            with open(path, "rb") as f:
+                h.update(f.read())
+        except OSError:
+            if os.path.dirname(path) == here:
+                raise
+            h.update(path.encode())        # (an interactive interpreter or `python -c`: no script)
     return h.hexdigest()
 
 
@@ -140,9 +149,14 @@ def quicken_compiles(on: bool) -> None:
     if on:
         gc.freeze()
         if ms_api is not None and _dep_files is None and hasattr(ms_api, "_get_compile_cache_dep_files"):
-            _dep_files = ms_api._get_compile_cache_dep_files
-            listed = _dep_files()
-            ms_api._get_compile_cache_dep_files = lambda: list(listed)
+            _dep_files = original = ms_api._get_compile_cache_dep_files
+            listed: list = []           # (made at MindSpore's first call: it calls only with the cache on)
+
+            def once():
+                if not listed:
+                    listed.append(original())
+                return list(listed[0])
+            ms_api._get_compile_cache_dep_files = once
     else:
         gc.unfreeze()
         if ms_api is not None and _dep_files is not None:
