@@ -310,13 +310,12 @@ class AgentServer:
         except queue.Empty:
             pass
         try:
-            runner.warm_next()
+            if not runner.warm_next():
+                logger.info("agent %d: warmup complete", self.rank)
         except Exception as exc:  # noqa: BLE001 - the graphs then compile when a step needs them
             logger.error("agent %d: warmup after ready failed (the rest compile when a step needs them): %s",
                          self.rank, exc, exc_info=not isinstance(exc, ValueError))
         self._last_warm = time.perf_counter()
-        if not runner.warming:
-            logger.info("agent %d: warmup complete", self.rank)
         return None, None
 
     def shutdown(self) -> None:

@@ -106,7 +106,7 @@ def _pad(arr: np.ndarray, size: int, fill) -> np.ndarray:
 
 # the order in which _warmup_entries lists the graphs (part of the compile-cache key: cached graphs are named by
 # their compile index)
-_WARMUP_ORDER = "first request's graphs, decode runs, then buckets (warmup.py)"
+_WARMUP_ORDER = "first request's graphs (verify's too), decode runs, then buckets (warmup.py)"
 
 _GGML_TYPE_NAMES = {code: name for name, code in KEPT_QUANTIZED.items()}
 
@@ -942,7 +942,8 @@ class ModelRunner:
 
     def _warmup_entries(self) -> list:
         """The warmup plan's entries in compile order: the graphs a first request needs (the smallest decode run,
-        decode bucket and prefill bucket), then the other decode runs, decode buckets, prefill and verify buckets.
+        decode bucket, prefill bucket and verify bucket: prompt lookup, on by default, verifies as soon as a reply
+        repeats itself), then the other decode runs, decode buckets, prefill and verify buckets.
         A decode run's compile leaves ~80 MiB of freed heap behind (glibc keeps it, among live blocks), which the
         later graphs' compile state then fills instead of growing the heap: one comes first."""
         entries = []
@@ -955,7 +956,7 @@ class ModelRunner:
             shape = (f"T={b} tokens, {self.prefill_batch_sizes[-1]} rows" if kind == "packed"
                      else f"T={b} tokens" if kind == "verify" and s is None
                      else f"B={b}, S={s}" + (f", W={w}" if w is not None else ""))
-            first = kind != "verify" and kind not in seen_kinds
+            first = kind not in seen_kinds
             seen_kinds.add(kind)
             entries.append(Entry(f"{name} bucket ({shape})", lambda k=(kind, b, s, w): self._warm_bucket(*k),
                                  first=first))
