@@ -106,7 +106,7 @@ def _pad(arr: np.ndarray, size: int, fill) -> np.ndarray:
 
 # the order in which _warmup_entries lists the graphs (part of the compile-cache key: cached graphs are named by
 # their compile index)
-_WARMUP_ORDER = "first request's graphs (verify's too), decode runs, then buckets (warmup.py)"
+_WARMUP_ORDER = "first request's graphs, the first verify bucket, decode runs, then buckets (warmup.py)"
 
 _GGML_TYPE_NAMES = {code: name for name, code in KEPT_QUANTIZED.items()}
 
@@ -942,25 +942,26 @@ class ModelRunner:
 
     def _warmup_entries(self) -> list:
         """The warmup plan's entries in compile order: the graphs a first request needs (the smallest decode run,
-        decode bucket, prefill bucket and verify bucket: prompt lookup, on by default, verifies as soon as a reply
-        repeats itself), then the other decode runs, decode buckets, prefill and verify buckets.
-        A decode run's compile leaves ~80 MiB of freed heap behind (glibc keeps it, among live blocks), which the
-        later graphs' compile state then fills instead of growing the heap: one comes first."""
-        entries = []
+        decode bucket and prefill bucket), then the smallest verify bucket (prompt lookup, on by default, verifies as
+        soon as a reply repeats itself: on demand, it is the one entry read), then the other decode runs, decode
+        buckets, prefill and verify buckets. A decode run's compile leaves ~80 MiB of freed heap behind (glibc keeps
+        it, among live blocks), which the later graphs' compile state then fills instead of growing the heap: one
+        comes first."""
+        ranked = []                                 # (0: a first request's, 1: the first verify bucket, 2: the rest)
         for i, b in enumerate(self.decode_run_batch_sizes()):
-            entries.append(Entry(f"decode run ({self.decode_run_steps} steps, B={b})",
-                                 lambda b=b: self._run_decode_run(b, None, None), first=i == 0))
+            ranked.append((0 if i == 0 else 2, Entry(f"decode run ({self.decode_run_steps} steps, B={b})",
+                                                     lambda b=b: self._run_decode_run(b, None, None), first=i == 0)))
         seen_kinds = set()
         for kind, b, s, w in self.graph_buckets():
             name = kind if kind in ("decode", "verify") else "prefill"
             shape = (f"T={b} tokens, {self.prefill_batch_sizes[-1]} rows" if kind == "packed"
                      else f"T={b} tokens" if kind == "verify" and s is None
                      else f"B={b}, S={s}" + (f", W={w}" if w is not None else ""))
-            first = kind not in seen_kinds
+            rank = 2 if kind in seen_kinds else 1 if kind == "verify" else 0
             seen_kinds.add(kind)
-            entries.append(Entry(f"{name} bucket ({shape})", lambda k=(kind, b, s, w): self._warm_bucket(*k),
-                                 first=first))
-        return sorted(entries, key=lambda e: not e.first)          # (stable: the order within each part kept)
+            ranked.append((rank, Entry(f"{name} bucket ({shape})", lambda k=(kind, b, s, w): self._warm_bucket(*k),
+                                       first=rank == 0)))
+        return [entry for _, entry in sorted(ranked, key=lambda r: r[0])]      # (stable: each part's order kept)
 
     def _warm_bucket(self, kind: str, b: int, s: Optional[int], w: Optional[int]) -> None:
         if kind == "packed" and b != self.prefill_token_sizes[0]:
