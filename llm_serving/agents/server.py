@@ -30,7 +30,8 @@ from llm_serving.config import config_from_dict
 logger = logging.getLogger("llm_serving.agent")
 
 _DETACH = "_detach"     # queued by a reader thread (not a wire command): the master's connection dropped
-WARM_IDLE_S = 0.02      # a staged warmup's next entry runs after this long without a command (agent_server loop)
+WARM_IDLE_S = 0.1       # a staged warmup's next entry runs after this long without a command (a running request's
+                        # steps come closer together than this; an entry holds the agent 0.1-0.4 s)
 WARM_EVERY_S = 1.0      # ... or after this long since the last, however busy
 EXIT_PEERS_GONE = 3     # exit code: left while stuck in a step whose peers or master are gone (no crash of its own)
 
