@@ -106,7 +106,7 @@ def _pad(arr: np.ndarray, size: int, fill) -> np.ndarray:
 
 # the order in which _warmup_entries lists the graphs (part of the compile-cache key: cached graphs are named by
 # their compile index)
-_WARMUP_ORDER = "first request's graphs, the first verify bucket, decode runs, then buckets (warmup.py)"
+_WARMUP_ORDER = "first request's graphs, prefill buckets, the first verify bucket, the rest (warmup.py)"
 
 _GGML_TYPE_NAMES = {code: name for name, code in KEPT_QUANTIZED.items()}
 
@@ -942,14 +942,16 @@ class ModelRunner:
 
     def _warmup_entries(self) -> list:
         """The warmup plan's entries in compile order: the graphs a first request needs (the smallest decode run,
-        decode bucket and prefill bucket), then the smallest verify bucket (prompt lookup, on by default, verifies as
-        soon as a reply repeats itself: on demand, it is the one entry read), then the other decode runs, decode
-        buckets, prefill and verify buckets. A decode run's compile leaves ~80 MiB of freed heap behind (glibc keeps
-        it, among live blocks), which the later graphs' compile state then fills instead of growing the heap: one
-        comes first."""
-        ranked = []                                 # (0: a first request's, 1: the first verify bucket, 2: the rest)
+        decode bucket and prefill bucket), then what a first request's longer prompt needs (the other prefill
+        buckets, smallest first: a chat template's system prompt alone fills SmolLM2's smallest), then the smallest
+        verify bucket (prompt lookup, on by default, verifies as soon as a reply repeats itself), then what
+        concurrent requests need (the other decode runs and decode buckets, the other verify buckets). Read on
+        demand, a first request's longer prompt or first verify step costs one entry or a few. A decode run's
+        compile leaves ~80 MiB of freed heap behind (glibc keeps it, among live blocks), which the later graphs'
+        compile state then fills instead of growing the heap: one comes first."""
+        ranked = []         # (0: a first request's, 1: the other prefill buckets, 2: the first verify one, 3: the rest)
         for i, b in enumerate(self.decode_run_batch_sizes()):
-            ranked.append((0 if i == 0 else 2, Entry(f"decode run ({self.decode_run_steps} steps, B={b})",
+            ranked.append((0 if i == 0 else 3, Entry(f"decode run ({self.decode_run_steps} steps, B={b})",
                                                      lambda b=b: self._run_decode_run(b, None, None), first=i == 0)))
         seen_kinds = set()
         for kind, b, s, w in self.graph_buckets():
@@ -957,7 +959,8 @@ class ModelRunner:
             shape = (f"T={b} tokens, {self.prefill_batch_sizes[-1]} rows" if kind == "packed"
                      else f"T={b} tokens" if kind == "verify" and s is None
                      else f"B={b}, S={s}" + (f", W={w}" if w is not None else ""))
-            rank = 2 if kind in seen_kinds else 1 if kind == "verify" else 0
+            rank = (0 if kind not in seen_kinds and kind != "verify" else 1 if kind in ("packed", "prefill")
+                    else 2 if kind not in seen_kinds else 3)
             seen_kinds.add(kind)
             ranked.append((rank, Entry(f"{name} bucket ({shape})", lambda k=(kind, b, s, w): self._warm_bucket(*k),
                                        first=rank == 0)))
