@@ -49,13 +49,18 @@ def error_body(status: int, message: str, kind: str, param=None) -> dict:
     return {"error": message}
 
 
+def untagged(name: str, known) -> str:
+    """Ollama's X:latest as X, where `known` holds X (and not X:latest); any other name as it is."""
+    bare = name[:-len(":latest")] if name.endswith(":latest") else None
+    return bare if bare is not None and name not in known and bare in known else name
+
+
 def served_name(engine, name: str) -> str:
     """The served model or LoRA adapter a request names (X or X:latest reach X), or a 404 in Ollama's words."""
     served = engine.served_models()
+    name = untagged(name, served)
     if name in served:
         return name
-    if name.endswith(":latest") and name[:-len(":latest")] in served:
-        return name[:-len(":latest")]
     raise ModelNotFoundError(f"model '{name}' not found")
 
 
@@ -236,8 +241,8 @@ async def _engine(request: web.Request, name: str, keep_alive=None):
     """The engine serving Ollama's model name (X or X:latest), loaded first if it is not; a request's keep_alive
     (Ollama's: how long the model stays loaded after it; 0 unloads it once idle) given to the fleet."""
     fleet = fleet_of(request)
-    if fleet is not None and name not in fleet.names and name.endswith(":latest"):
-        name = name[:-len(":latest")]
+    if fleet is not None:
+        name = untagged(name, fleet.names)
     try:
         engine = await engine_for(request, name)
     except UnknownModelError:

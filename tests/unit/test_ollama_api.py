@@ -159,6 +159,11 @@ def test_names_resolve_with_or_without_latest_and_an_unknown_one_is_ollamas_404(
     assert [served_name(engine, n) for n in ("m", "m:latest", "ad:latest")] == ["m", "m", "ad"]
     with pytest.raises(ModelNotFoundError, match="^model 'x:7b' not found$"):
         served_name(engine, "x:7b")
+    with pytest.raises(ModelNotFoundError, match="^model 'x:latest' not found$"):
+        served_name(engine, "x:latest")
+    # a model listed with its tag keeps it; only a name known bare loses :latest
+    assert [routes_ollama.untagged(n, ["m", "t:latest"]) for n in ("m:latest", "t:latest", "q:latest", "m")] == \
+        ["m", "t:latest", "q:latest", "m"]
     assert routes_ollama.tagged("m") == "m:latest" and routes_ollama.tagged("m:q4") == "m:q4"
     assert routes_ollama.error_body(404, "model 'x' not found", "not_found", None) == {"error": "model 'x' not found"}
     assert routes_ollama.owns("/api/chat") and not routes_ollama.owns("/v1/chat/completions")
