@@ -231,7 +231,10 @@ def test_greedy_reproduces_llama2c(runner, tokenizer, reference):
     # 2 decode batches (one width: the kernel), packed prefill token buckets 16, 32, 64 (= 2 rows x 32)
     assert runner.prefill_token_sizes == [16, 32, 64]
     assert len(progress) == 2 + 3 and all("ready" in m for m in progress)
-    assert "prefill bucket (T=64 tokens, 2 rows)" in progress[-1]
+    # in the plan's order (models/warmup.py): a first request's entries, the other prefill buckets, the rest
+    assert [m.split(": ", 1)[1].split(" ready in ")[0] for m in progress] == [
+        "decode bucket (B=1, S=1, W=13)", "prefill bucket (T=16 tokens, 2 rows)", "prefill bucket (T=32 tokens, 2 rows)",
+        "prefill bucket (T=64 tokens, 2 rows)", "decode bucket (B=2, S=1, W=13)"], progress
     runner.reset()
     singles = []
     for item in reference:
