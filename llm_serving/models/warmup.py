@@ -4,9 +4,10 @@ Warmup compiles every graph a step may need (the decode runs, each bucket's mode
 of each row count) in one fixed order: the compile cache's condition (mindspore_env.py: MindSpore names a cached
 graph by its compile index in the process). Read from a filled cache the whole plan still takes seconds (SmolLM2:
 17 entries, about 3.5 s), and a first request needs three of its entries: the smallest decode run, decode bucket
-and prefill bucket (a longer prompt, the next prefill buckets; when prompt lookup finds a match, the smallest verify
-bucket: the entries that follow). So, staged (one agent on a cache a full warmup filled), only the entries marked `first` run
-before the agent is ready, and the rest after it, still in order and still through the cache:
+and prefill bucket (a longer prompt needs the next prefill buckets, and a prompt-lookup match the smallest verify
+bucket: the runner lists them next, ModelRunner._warmup_entries). So, staged (one agent on a cache a full warmup
+filled), only the entries marked `first` run before the agent is ready, and the rest after it, still in order and
+still through the cache:
 
 - when the agent is idle (`warm_next`, one entry at a time, called between commands);
 - on demand: a step about to call a graph that a pending entry compiles first runs the plan through that entry
