@@ -19,6 +19,7 @@ without the cache instead.
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import logging
 import os
@@ -149,14 +150,9 @@ def quicken_compiles(on: bool) -> None:
     if on:
         gc.freeze()
         if ms_api is not None and _dep_files is None and hasattr(ms_api, "_get_compile_cache_dep_files"):
-            _dep_files = original = ms_api._get_compile_cache_dep_files
-            listed: list = []           # (made at MindSpore's first call: it calls only with the cache on)
-
-            def once():
-                if not listed:
-                    listed.append(original())
-                return list(listed[0])
-            ms_api._get_compile_cache_dep_files = once
+            _dep_files = ms_api._get_compile_cache_dep_files
+            listed = functools.cache(_dep_files)    # (made at MindSpore's first call: it calls only with the cache on)
+            ms_api._get_compile_cache_dep_files = lambda: list(listed())
     else:
         gc.unfreeze()
         if ms_api is not None and _dep_files is not None:

@@ -228,6 +228,14 @@ async def _keep_streaming(session, url: str, name: str, n: int, stop: asyncio.Ev
         i += 1
 
 
+async def _streaming(session, url: str, name: str, stop: asyncio.Event, times: list, finals: list) -> list:
+    """Two streams of 64 tokens kept going to `name` (staggered), once 20 tokens have come: their tasks."""
+    busy = [asyncio.create_task(_keep_streaming(session, url, name, 64, stop, times, finals, i * 0.2))
+            for i in range(2)]
+    await _wait_tokens(times, 20)
+    return busy
+
+
 async def _wait_tokens(times: list, count: int, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while len(times) < count:
@@ -276,9 +284,7 @@ def test_an_unloaded_model_loads_on_request_while_another_streams(fleet):
         times, finals, seen = [], [], []
         stop = asyncio.Event()
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=180)) as session:
-            busy = [asyncio.create_task(_keep_streaming(session, fleet.url, "hf", 64, stop, times, finals, i * 0.2))
-                    for i in range(2)]
-            await _wait_tokens(times, 20)
+            busy = await _streaming(session, fleet.url, "hf", stop, times, finals)
 
             async def watch():          # tales's state in /v1/models, collapsed to its changes
                 while True:             # the last poll starts after stop is set: it sees the state the answers left
@@ -536,9 +542,7 @@ def test_an_agent_killed_in_one_model_is_restarted_while_another_streams(fleet):
         times, finals, health = [], [], []
         stop = asyncio.Event()
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=180)) as session:
-            busy = [asyncio.create_task(_keep_streaming(session, fleet.url, "hf", 64, stop, times, finals, i * 0.2))
-                    for i in range(2)]
-            await _wait_tokens(times, 20)
+            busy = await _streaming(session, fleet.url, "hf", stop, times, finals)
             t0 = time.monotonic()
             os.kill(victim, signal.SIGKILL)
             deadline = t0 + 120
@@ -587,9 +591,7 @@ def test_explicit_load_and_unload_behind_the_api_key(fleet):
         times, finals = [], []
         stop = asyncio.Event()
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
-            busy = [asyncio.create_task(_keep_streaming(session, fleet.url, "tales", 64, stop, times, finals, i * 0.2))
-                    for i in range(2)]
-            await _wait_tokens(times, 20)
+            busy = await _streaming(session, fleet.url, "tales", stop, times, finals)
             async with session.post(f"{fleet.url}/models/tales/unload", headers=AUTH) as r:
                 answer = r.status, await r.json()
             stop.set()
