@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_NUM_SEQS = 64    # running sequences when neither max_num_seqs nor decode buckets are given
 SCHEDULING_POLICIES = ("prefill_first", "longest_output_first", "fcfs")   # see master/scheduler.py
 ATTENTION_KERNELS = ("auto", "on", "off")      # CPU kernel switches (attention, layer); see models/runner.py
+UNKNOWN_FIELD_POLICIES = ("ignore", "reject")   # a request body's unknown fields; see server/api/base.py
 POOLING_MODES = ("auto", "mean", "last", "cls")   # embeddings' pooling; see models/pooling.py
 SCORE_METHODS = ("auto", "yes_no", "similarity")  # how /rerank and /score score; see server/routes_embeddings.py
 SPEC_METHODS = ("off", "ngram", "draft", "tree", "draft_tree")   # speculative decoding proposers; see
@@ -266,6 +267,9 @@ class ServingConfig:
     # (agents/launch.py; docs/benchmarks/JOURNAL.md). No effect where THP is off or glibc is old.
     agent_huge_pages: Any = "auto"
     max_body_bytes: int = 1 << 20             # HTTP request body limit
+    # a request body's fields no API model names (clients add some every month): ignore = left out, each named once
+    # in the log (vLLM's way); reject = a 400 naming them. Bad values of the fields that are served are refused either way
+    unknown_fields: str = "ignore"
     # supervision: a dead or hung agent fails the requests it was running, then the group restarts after
     # a back-off that doubles per failure; more than max_agent_restarts failures within
     # agent_restart_window_s and the server stops restarting (health 503, reason given)
@@ -294,6 +298,8 @@ class ServingConfig:
             _check(isinstance(getattr(self, key), str) and getattr(self, key), f"serving_config.{key}",
                    getattr(self, key), "must be a host name or address")
         _check_int("serving_config.server_port", self.server_port, min_value=0)
+        _check(self.unknown_fields in UNKNOWN_FIELD_POLICIES, "serving_config.unknown_fields", self.unknown_fields,
+               f"must be one of {', '.join(UNKNOWN_FIELD_POLICIES)}")
         _check(self.server_port <= 65535, "serving_config.server_port", self.server_port, "must be <= 65535")
         ports = self.agent_ports
         _check(isinstance(ports, list) and ports, "serving_config.agent_ports", ports,

@@ -15,7 +15,8 @@ from llm_serving.master.grammar import GrammarError
 from llm_serving.master.scheduler import QueueFullError
 from llm_serving.server import (metrics, routes_anthropic, routes_embeddings, routes_llm_serving, routes_ollama,
                                 routes_openai, routes_responses, streaming)
-from llm_serving.server.keys import FLEET
+from llm_serving.server.api.base import UnknownFields
+from llm_serving.server.keys import FLEET, UNKNOWN_FIELDS
 from llm_serving.server.served import default_engine, hold_middleware
 from llm_serving.server.errors import EngineFailedError, ModelNotFoundError, ValidationError
 
@@ -177,6 +178,7 @@ def create_app(fleet) -> web.Application:
     middlewares = [error_middleware] + ([api_key_middleware(sc.api_key)] if sc.api_key else []) + [hold_middleware]
     app = web.Application(middlewares=middlewares, client_max_size=sc.max_body_bytes)
     app[FLEET] = fleet
+    app[UNKNOWN_FIELDS] = UnknownFields(sc.unknown_fields)
     app.router.add_get("/", playground)
     app.router.add_get("/dashboard", dashboard)
     app.router.add_static("/static/", STATIC, show_index=False)

@@ -5,3 +5,4 @@ ENGINE = web.AppKey("engine", object)           # one engine (a test's app); a s
 FLEET = web.AppKey("fleet", object)             # master/fleet.Fleet: the server's models by name (server/served.py)
 METRICS = web.AppKey("metrics", object)
 RESPONSES = web.AppKey("responses", object)      # routes_responses.ResponseStore: stored Responses
+UNKNOWN_FIELDS = web.AppKey("unknown_fields", object)   # api/base.UnknownFields: what unknown body fields get

@@ -137,7 +137,7 @@ class BlockStream:
 
 
 async def messages(request: web.Request) -> web.StreamResponse:
-    r = api.validate(MessagesRequest, api.read_json(await request.read()))
+    r = await api.read_body(request, MessagesRequest)
     engine = await engine_for(request, r.model)
     prepared = prepare(r.to_request(), engine)
     shape = reply_shape(engine, prepared)
@@ -191,7 +191,7 @@ async def _stream(request, engine, req, shape, start: dict) -> web.StreamRespons
 
 async def count_tokens(request: web.Request) -> web.Response:
     """The prompt's tokens as /v1/messages would feed it: the chat template with the system prompt and tools."""
-    r = api.validate(CountTokensRequest, api.read_json(await request.read()))
+    r = await api.read_body(request, CountTokensRequest)
     engine = await engine_for(request, r.model)
     adapter_of(engine, r.model)
     tools = ToolRequest.of(r.tool_dicts(), r.choice, r.parallel, engine.chat_template)

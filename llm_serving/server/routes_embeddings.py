@@ -52,7 +52,7 @@ error_body = routes_openai.error_body
 
 async def _read(request: web.Request, model_type: type):
     """(engine, the body validated as model_type), its model the served one (a LoRA adapter does not embed)."""
-    r = api.validate(model_type, api.read_json(await request.read()))
+    r = await api.read_body(request, model_type)
     engine = await engine_for(request, r.model)
     if adapter_of(engine, r.model) is not None:
         raise ValidationError(f"{r.model!r} is a LoRA adapter; embeddings, rerank and score are the model's own "

@@ -40,7 +40,7 @@ async def _read_request(request: web.Request, stream_default: bool):
     if model is not None and model not in engine.served_models():
         raise ModelNotFoundError(f"model {model!r} is not served here; this server serves "
                                  f"{', '.join(map(repr, engine.served_models()))}")
-    r = api.validate(GenerateRequest, api.read_json(await request.read()), unknown="parameter")
+    r = await api.read_body(request, GenerateRequest, unknown="parameter")
     adapter_id = r.parameters.adapter_id
     if adapter_id is not None:
         if adapter_id not in engine.lora_paths:

@@ -210,7 +210,7 @@ async def _serve(request: web.Request, body_type: type) -> web.StreamResponse:
     """/api/chat or /api/generate: the body validated, an empty one answered as Ollama's "load", the rest prepared
     and answered line by line. A raw prompt's reply (generate's raw) is read as it is."""
     started = time.monotonic()
-    r = api.validate(body_type, api.read_json(await request.read()))
+    r = await api.read_body(request, body_type)
     engine = await _engine(request, r.model, r.keep_alive)
     model, lines = served_name(engine, r.model), Lines(r.model, chat=body_type is ChatRequest)
     if r.loads_only:
@@ -326,7 +326,7 @@ def capabilities(template) -> list:
 async def show(request: web.Request) -> web.Response:
     """POST /api/show: the model's template (its Jinja source: "" for the built-in LLaMA-2 format), the defaults
     requests start from, details, GGUF-style model_info (its context_length the served one) and capabilities."""
-    r = api.validate(ShowRequest, api.read_json(await request.read()))
+    r = await api.read_body(request, ShowRequest)
     engine = await _engine(request, r.named)
     name = served_name(engine, r.named)
     facts, described = next((f, d) for n, f, d in await _served(request.app, engine) if n == name)
@@ -364,7 +364,7 @@ async def embed_route(request: web.Request) -> web.Response:
     """POST /api/embed: {model, embeddings: [[...]], total_duration, load_duration, prompt_eval_count}; `truncate`
     (default true) cuts an input to the context's first tokens, false refuses a longer one."""
     started = time.monotonic()
-    r = api.validate(EmbedRequest, api.read_json(await request.read()))
+    r = await api.read_body(request, EmbedRequest)
     engine = await _engine(request, r.model, r.keep_alive)
     _embedding_model(engine, r.model)
     texts = r.inputs()
@@ -385,7 +385,7 @@ async def embed_route(request: web.Request) -> web.Response:
 async def embeddings_route(request: web.Request) -> web.Response:
     """POST /api/embeddings (Ollama's older route): {embedding: [...]} of `prompt` (normalized here, as /api/embed's;
     an empty prompt: []), a prompt longer than the context a 400."""
-    r = api.validate(EmbeddingsRequest, api.read_json(await request.read()))
+    r = await api.read_body(request, EmbeddingsRequest)
     engine = await _engine(request, r.model, getattr(r, "keep_alive", None))
     _embedding_model(engine, r.model)
     if not r.prompt:

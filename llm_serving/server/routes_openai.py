@@ -32,7 +32,7 @@ from llm_serving.server.translate import adapter_of, chat_ids, prepare
 
 async def _read(request: web.Request, model_type: type):
     """(engine, the body validated as model_type)."""
-    r = api.validate(model_type, api.read_json(await request.read()))
+    r = await api.read_body(request, model_type)
     return await engine_for(request, getattr(r, "model", None)), r
 
 

@@ -243,7 +243,7 @@ def _failure(event) -> Optional[str]:
 
 async def create(request: web.Request) -> web.StreamResponse:
     store = request.app[RESPONSES]
-    r = api.validate(ResponsesRequest, api.read_json(await request.read()))
+    r = await api.read_body(request, ResponsesRequest)
     engine = await engine_for(request, r.model)
     history: tuple = ()
     if r.previous_response_id is not None:      # OpenAI's answer: 400 naming the field, not 404

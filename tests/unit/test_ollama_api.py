@@ -341,7 +341,7 @@ def test_errors_are_ollamas_shape_with_the_status_and_a_failed_stream_ends_with_
     status, _, text = call(engine, "POST", "/api/chat", chat())
     assert status == 200 and lines_of(text)[-1] == {"error": "agent 0 died"}
     for body, want in ((chat(model="llama3.2"), (404, "model 'llama3.2' not found")),
-                       (chat(options={"foo": 1}), (400, "unknown field(s): options.foo")),
+                       (chat(options={"temperature": "hot"}), (400, "options.temperature must be a number, got 'hot'")),
                        (chat(think=True), (400, "model 'm' does not support thinking"))):
         status, _, text = call(engine, "POST", "/api/chat", body)
         assert (status, json.loads(text)) == (want[0], {"error": want[1]}), body

@@ -1,20 +1,31 @@
 """What every API's request models share: the strict body base, `validate` (a body into its model, or a
 ValidationError naming the field in the API's words), the JSON body reader, and the field rules several APIs use.
 
-The models are strict ("5" is not an integer, 1 is not true, NaN is not a number). A validator that finds a rule
-broken raises errors.ValidationError with the request's field as `param`; `validate` passes it on as it is, the
-field's path in the body (messages[2]) put before its message when the rule is a nested model's.
+The models are strict about the fields they name ("5" is not an integer, 1 is not true, NaN is not a number). A
+validator that finds a rule broken raises errors.ValidationError with the request's field as `param`; `validate` passes
+it on as it is, the field's path in the body (messages[2]) put before its message when the rule is a nested model's.
+Fields they do not name are another matter: clients add fields every month (Codex's `client_metadata`, Claude Code's
+`context_management`), and a server that refuses them breaks on the next release of every agent. `UnknownFields` (the
+app's, from `serving_config.unknown_fields`) drops them and names each once in the log, as vLLM does; `reject` refuses
+them with a 400 naming them, for a deployment that wants to know.
 """
 from __future__ import annotations
 
 import json
+import logging
 import re
+from dataclasses import dataclass, field
+
+from typing import Optional
 
 from pydantic import BaseModel, ConfigDict
 from pydantic import ValidationError as PydanticError
 
 from llm_serving.master.grammar import GrammarError
 from llm_serving.server.errors import ValidationError
+from llm_serving.server.keys import UNKNOWN_FIELDS
+
+logger = logging.getLogger(__name__)
 
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
 INT64 = dict(ge=-(1 << 63), le=(1 << 64) - 1)
@@ -38,6 +49,13 @@ class Body(BaseModel):
 class Open(BaseModel):
     """A part of a body that may carry fields of its own beyond those named (a message, a tool's function)."""
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+
+async def read_body(request, model: type, unknown: str = "field"):
+    """A request's JSON body as `model`, its unknown fields as the app's `UnknownFields` says (ignored unless the
+    server was told to refuse them)."""
+    fields = request.app.get(UNKNOWN_FIELDS) or UnknownFields()
+    return fields.validate(model, read_json(await request.read()), f"{request.method} {request.path}", unknown)
 
 
 def read_json(raw: bytes) -> dict:
@@ -123,6 +141,30 @@ def rules(*schemas: dict) -> dict:
 # --- validation -----------------------------------------------------------------------------------------------------
 
 _TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "literal"}
+_PRUNE_ROUNDS = 4
+
+
+def _without(body, locations) -> dict:
+    """A copy of `body` without the fields at `locations` (pydantic's error locations: keys and list indexes, with a
+    union's branch tags among them, which name nothing in the body and are passed over)."""
+    def copy(node):
+        if isinstance(node, dict):
+            return {k: copy(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [copy(v) for v in node]
+        return node
+    out = copy(body)
+    for loc in locations:
+        parent, key = None, None
+        node = out
+        for part in loc:
+            if isinstance(node, dict) and isinstance(part, str) and part in node:
+                parent, key, node = node, part, node[part]
+            elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+                parent, key, node = node, part, node[part]
+        if isinstance(parent, dict):
+            parent.pop(key, None)
+    return out
 
 
 def _path(loc) -> str:
@@ -143,13 +185,24 @@ _KINDS = {"int_type": "an integer", "bool_type": "true or false", "float_type": 
           "none_required": "null (not supported)", "too_short": "non-empty"}
 
 
-def validate(model: type, body: dict, unknown: str = "field"):
+def validate(model: type, body: dict, unknown: str = "field", ignored: Optional[list] = None):
     """`body` as `model`, or a ValidationError naming the first field that is wrong (unknown fields together):
-    its path in the message (messages[0].role), the request's field as `param` (TGI's: the parameter)."""
-    try:
-        return model.model_validate(body)
-    except PydanticError as exc:
-        errors = exc.errors()
+    its path in the message (messages[0].role), the request's field as `param` (TGI's: the parameter).
+    With a list as `ignored`, unknown fields are not wrong: they are left out of the body (a copy) and their paths
+    appended to the list."""
+    for _ in range(_PRUNE_ROUNDS):
+        try:
+            return model.model_validate(body)
+        except PydanticError as exc:
+            errors = exc.errors()
+        extra = [e for e in errors if e["type"] == "extra_forbidden"]
+        if ignored is None or not extra:
+            break
+        # an unknown field left out can uncover another one inside a part that failed before: a few rounds
+        body = _without(body, [e["loc"] for e in extra])
+        ignored.extend(sorted({_path(e["loc"]) for e in extra}))
+    else:
+        errors = [e for e in errors if e["type"] != "extra_forbidden"] or errors
     extra = [e for e in errors if e["type"] == "extra_forbidden"]
     if extra:
         names = sorted({_path(e["loc"]) for e in extra})
@@ -188,3 +241,25 @@ def validate(model: type, body: dict, unknown: str = "field"):
     else:
         message = f"{path}: {first['msg']}"
     raise ValidationError(message, param=field)
+
+
+@dataclass
+class UnknownFields:
+    """What a request's unknown fields get (`serving_config.unknown_fields`): `ignore` leaves them out and names each
+    once in the log (by route and path: a client sends the same ones on every request); `reject` refuses the body
+    with a 400 naming them."""
+    policy: str = "ignore"
+    _named: set = field(default_factory=set)
+
+    def validate(self, model: type, body: dict, route: str, unknown: str = "field"):
+        """`body` as `model` (`validate`), its unknown fields as the policy says."""
+        if self.policy == "reject":
+            return validate(model, body, unknown)
+        ignored: list = []
+        out = validate(model, body, unknown, ignored)
+        new = [name for name in dict.fromkeys(ignored) if (route, name) not in self._named]
+        if new:
+            self._named.update((route, name) for name in new)
+            logger.warning("%s: ignored unknown %s(s) %s (named once; serving_config.unknown_fields=reject refuses "
+                           "them)", route, unknown, ", ".join(new))
+        return out
