@@ -19,7 +19,7 @@ from aiohttp import web
 
 from llm_serving.server import streaming
 from llm_serving.server.api import base as api
-from llm_serving.server.api.responses import ResponsesRequest
+from llm_serving.server.api.responses import ResponsesRequest, qualified
 from llm_serving.server.generation import events, submit
 from llm_serving.server.keys import RESPONSES
 from llm_serving.server.served import engine_for
@@ -100,8 +100,9 @@ class OutputBuilder:
     A message opens at its first non-blank text: blank text before it waits, and is dropped if a call or the end
     comes first (a newline between the reasoning and a call is no message)."""
 
-    def __init__(self, response: dict):
+    def __init__(self, response: dict, call_name=lambda name: {"name": name}):
         self.response = response
+        self.call_name = call_name              # a call's name as its item gives it (ResponsesRequest.call_name)
         self.seq = 0
         self.open: Optional[dict] = None        # the item taking deltas (reasoning or message)
         self.blank = ""                         # blank text waiting for a message to open
@@ -176,7 +177,7 @@ class OutputBuilder:
             self.blank = ""
             out += self._close()
             item = {"type": "function_call", "id": _new_id("fc_"), "call_id": call["id"],
-                    "name": call["function"]["name"], "arguments": "", "status": "in_progress"}
+                    **self.call_name(call["function"]["name"]), "arguments": "", "status": "in_progress"}
             out += self._add(item)
             item["arguments"], item["status"] = call["function"]["arguments"], "completed"
             where = self._where(item)
@@ -208,7 +209,8 @@ class OutputBuilder:
     def as_message(self) -> Optional[dict]:
         """The output as the assistant's chat message a continuation is given (reasoning left out)."""
         text = "".join(i["content"][0]["text"] for i in self.output if i["type"] == "message")
-        calls = [{"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
+        calls = [{"id": i["call_id"], "type": "function",
+                  "function": {"name": qualified(i.get("namespace"), i["name"]), "arguments": i["arguments"]}}
                  for i in self.output if i["type"] == "function_call"]
         message = {"role": "assistant", "content": text}
         return {**message, "tool_calls": calls} if calls else message
@@ -255,7 +257,7 @@ async def create(request: web.Request) -> web.StreamResponse:
     prepared = prepare(r.to_request(engine.max_model_len, history), engine)
     shape = reply_shape(engine, prepared)
     [req] = await submit(engine, prepared, 1)
-    builder = OutputBuilder(response_object(r, _new_id("resp_"), int(time.time())))
+    builder = OutputBuilder(response_object(r, _new_id("resp_"), int(time.time())), r.call_name)
 
     def finish(reason: str) -> list:
         out = builder.finish(reason, _usage(req, engine, builder.reasoning_text()))

@@ -62,9 +62,10 @@ def assistant(*blocks):
      "messages[1].content[0].content[0]: image blocks are not supported"),
     ({"system": [{"type": "image"}]}, "system", "system[0]: image blocks are not supported"),
     ({"system": 5}, "system", "system must be"),
-    ({"tools": [{"type": "web_search_20250305", "name": "web_search", "max_uses": 5}]}, "tools",
-     "tools[0]: tool type 'web_search_20250305' is not served here"),
-    ({"tools": [{"type": "bash_20250124", "name": "bash"}]}, "tools", "'bash_20250124' is not served here"),
+    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}], "tool_choice": {"type": "any"}},
+     "tool_choice", "tool_choice 'any' needs tools"),
+    ({"tools": [WEATHER, {"type": "bash_20250124", "name": "bash"}], "tool_choice": {"type": "tool", "name": "bash"}},
+     "tool_choice", "names 'bash', which is not one of the tools"),
     ({"tools": [{"name": "a b", "input_schema": {"type": "object"}}]}, "tools", "tools[0].name must match"),
     ({"tools": [{"name": "a", "input_schema": {"type": "string"}}]}, "tools", "input_schema must be a JSON schema"),
     ({"tools": [{"name": "a"}]}, "tools", "'tools[0].input_schema' is required"),
@@ -111,6 +112,23 @@ def test_fields_clients_send_that_change_nothing_are_accepted():
     assert req.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
     assert req.sampling == SamplingParams(max_new_tokens=16, temperature=1.0)
     assert req.variables is None and req.tool_choice == "auto" and req.parallel_tool_calls
+
+
+def test_server_tools_are_left_out_and_claude_codes_fields_accepted():
+    """Anthropic's server tools (typed by version) run on Anthropic's servers: left out (`left_out` names them for
+    the log), the client's tools served. Claude Code's context_management and adaptive thinking are accepted."""
+    r = validate(MessagesRequest, body(
+        tools=[{"type": "web_search_20250305", "name": "web_search", "max_uses": 5}, WEATHER,
+               {"type": "bash_20250124", "name": "bash"}],
+        thinking={"type": "adaptive"}, output_config={"effort": "high"},
+        context_management={"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}))
+    req = r.to_request()
+    assert [t["function"]["name"] for t in req.tools] == ["get_weather"]
+    assert r.left_out() == ["tools of type 'web_search_20250305' (this server runs no server tools)",
+                            "tools of type 'bash_20250124' (this server runs no server tools)"]
+    assert req.variables == {"enable_thinking": True, "reasoning_effort": "high"}
+    assert validate(MessagesRequest, body(tools=[{"type": "web_search_20250305", "name": "w"}])).to_request().tools \
+        is None
 
 
 def test_a_conversation_with_tool_calls_translates_into_openai_shaped_messages():

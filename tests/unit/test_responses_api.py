@@ -44,8 +44,11 @@ def request(**fields) -> ResponsesRequest:
      "input[0].content[0].type must be 'input_text' or 'output_text'"),
     (dict(input=[{"type": "function_call", "name": "f", "arguments": "{}"}]), "input", "input[0].call_id"),
     (dict(input=[{"type": "web_search_call", "id": "ws_1"}]), "input", "item type 'web_search_call' is not served"),
-    (dict(tools=[{"type": "web_search"}]), "tools", "tool type 'web_search' is not served"),
-    (dict(tools=[WEATHER, {"type": "file_search", "vector_store_ids": []}]), "tools", "tools[1]: tool type"),
+    (dict(tools=[WEATHER, "web_search"]), "tools", "tools[1] must be an object with a string 'type'"),
+    (dict(tools=[{"type": "namespace", "name": "mcp", "tools": []}]), "tools", "tools[0].tools"),
+    (dict(tools=[{"type": "namespace", "name": "m", "tools": [{**WEATHER, "name": "a.b"}, WEATHER]},
+                 {**WEATHER, "name": "m.weather"}]), "tools", "'m.weather' is given twice"),
+    (dict(tools=[{"type": "web_search"}], tool_choice="required"), "tool_choice", "needs tools"),
     (dict(tools=[{**WEATHER, "name": "a b"}]), "tools", "must match"),
     (dict(tools=[WEATHER, WEATHER]), "tools", "given twice"),
     (dict(tools=[{**WEATHER, "function": {}}]), "tools", "unknown field"),
@@ -72,6 +75,33 @@ def test_a_bad_request_names_its_field(fields, param, words):
     assert err.value.param == param
     if words is not None:
         assert words in str(err.value)
+
+
+def test_hosted_tools_are_left_out_and_namespaces_served_as_qualified_functions():
+    """Codex sends web_search (OpenAI's servers run it; this one has none: left out, and `left_out` names it for the
+    log) and its MCP tools as a namespace (the client runs them: each a function the model calls by
+    namespace.name, whose call item gives name and namespace apart, and whose history joins them again)."""
+    close = {"type": "function", "name": "close_agent", "description": "close one",
+             "parameters": {"type": "object", "properties": {"id": {"type": "string"}}}}
+    r = request(tools=[WEATHER, {"type": "namespace", "name": "agents", "description": "sub-agents", "tools": [close]},
+                       {"type": "web_search", "external_web_access": False}], tool_choice="required")
+    assert [f["function"]["name"] for f in r.functions()] == ["weather", "agents.close_agent"]
+    assert r.functions()[1]["function"]["parameters"] == close["parameters"]
+    assert r.left_out() == ["tools of type 'web_search' (this server runs no hosted tools)"]
+    assert r.call_name("agents.close_agent") == {"name": "close_agent", "namespace": "agents"}
+    assert r.call_name("weather") == {"name": "weather"} and r.call_name("agents.x") == {"name": "agents.x"}
+    assert [t["function"]["name"] for t in r.to_request(64).tools] == ["weather", "agents.close_agent"]
+    # the call given back with its namespace is the qualified call in the chat history
+    given = request(input=[{"type": "function_call", "call_id": "c1", "name": "close_agent", "namespace": "agents",
+                            "arguments": "{}"}, {"type": "function_call_output", "call_id": "c1", "output": "ok"}])
+    assert given.input_messages()[0]["tool_calls"][0]["function"]["name"] == "agents.close_agent"
+    # the output item of such a call, and the message a continuation is given
+    builder = OutputBuilder(response_object(r, "resp_1", 0), r.call_name)
+    builder.push("", "", [{"id": "c2", "type": "function", "function": {"name": "agents.close_agent",
+                                                                       "arguments": "{}"}}])
+    [item] = builder.output
+    assert (item["name"], item["namespace"]) == ("close_agent", "agents")
+    assert builder.as_message()["tool_calls"][0]["function"]["name"] == "agents.close_agent"
 
 
 def test_codex_fields_are_accepted():

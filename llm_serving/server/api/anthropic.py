@@ -162,7 +162,7 @@ Message = Annotated[Union[Annotated[UserMessage, Tag("user message")],
 
 
 class CustomTool(Body):
-    """A client tool. Anthropic's server tools (web search, code execution, ...) are not served here."""
+    """A client tool (the client runs it)."""
     name: str = Field(pattern=TOOL_NAME, description="1-128 letters, digits, _ or -")
     description: Optional[str] = None
     input_schema: Dict[str, Any] = Field(description="a JSON schema of the input, of type object",
@@ -170,14 +170,6 @@ class CustomTool(Body):
     type: Optional[Literal["custom"]] = None
     cache_control: Optional[CacheControl] = None
     strict: Optional[bool] = Field(None, description="accepted: a forced call always follows the schema")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _client_tool(cls, value):
-        if isinstance(value, dict) and value.get("type") not in (None, "custom"):
-            raise ValidationError(f"tool type {value['type']!r} is not served here: only client tools "
-                                  "{name, description, input_schema}")
-        return value
 
     @model_validator(mode="after")
     def _object_schema(self):
@@ -188,6 +180,29 @@ class CustomTool(Body):
     def as_dict(self) -> dict:
         about = {"description": self.description} if self.description is not None else {}
         return {"type": "function", "function": {"name": self.name, **about, "parameters": self.input_schema}}
+
+
+class ServerTool(Open):
+    """One of Anthropic's server tools (web_search_20250305, code_execution_..., bash_..., text_editor_...: typed by
+    version): this server runs none, so the request is answered without it (the model is not told of it) and the log
+    names it once."""
+    type: str = Field(json_schema_extra={"not": {"const": "custom"}})
+
+
+def _tool_kind(value) -> str:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return "type=custom" if kind in (None, "custom") else "type=server"
+
+
+# a tool with no type (or "custom") is the client's; any other type is a server tool (left out)
+Tool = Annotated[Union[Annotated[CustomTool, Tag("type=custom")], Annotated[ServerTool, Tag("type=server")]],
+                 Discriminator(_tool_kind)]
+
+
+class ContextManagement(Open):
+    """Claude Code's context edits (clear_thinking, clear_tool_uses): accepted. Thinking blocks are never fed back
+    here (what clear_thinking asks); tool uses are kept, the prompt is checked against the context as it is."""
+    edits: Optional[List[Dict[str, Any]]] = None
 
 
 class ToolChoice(Body):
@@ -245,12 +260,14 @@ class _Chat(Body):
                        json_schema_extra=SERVED_MODEL)
     messages: List[Message] = Field(min_length=1)
     system: Optional[Union[str, TextBlocks]] = Field(None, description="a string or text blocks")
-    tools: Optional[List[CustomTool]] = Field(None, max_length=MAX_TOOLS)
+    tools: Optional[List[Tool]] = Field(None, max_length=MAX_TOOLS, description="client tools; server tools "
+                                        "(web search, code execution, ...) are left out")
     tool_choice: Optional[ToolChoice] = None
     thinking: Optional[Thinking] = None
     output_config: Optional[OutputConfig] = None
     cache_control: Optional[CacheControl] = None
     speed: Optional[Literal["standard", "fast"]] = Field(None, description="accepted and ignored")
+    context_management: Optional[ContextManagement] = Field(None, description="accepted (Claude Code sends it)")
 
     _grammar: Optional[GrammarSpec] = PrivateAttr(None)
 
@@ -260,14 +277,22 @@ class _Chat(Body):
         self._check_tool_results()
         fmt = self.output_config.format if self.output_config is not None else None
         if fmt is not None:
-            if self.choice not in ("auto", "none") and self.tools:
+            if self.choice not in ("auto", "none") and self.client_tools():
                 raise ValidationError(f"tool_choice {self.tool_choice.type!r} forces a tool call; it cannot also "
                                       "follow output_config.format", param="tool_choice")
             self._grammar = GrammarSpec.json_schema(fmt.schema_, "output_config.format.schema")
         return self
 
+    def client_tools(self) -> list:
+        return [t for t in self.tools or () if isinstance(t, CustomTool)]
+
+    def left_out(self) -> list:
+        """What of the request is not served and left out (the log names it once): server tools by type."""
+        return [f"tools of type {t.type!r} (this server runs no server tools)" for t in self.tools or ()
+                if isinstance(t, ServerTool)]
+
     def _check_tools(self) -> None:
-        names = [t.name for t in self.tools or ()]
+        names = [t.name for t in self.client_tools()]
         twice = next((n for k, n in enumerate(names) if n in names[:k]), None)
         if twice is not None:
             raise ValidationError(f"tools: the tool name {twice!r} is given twice", param="tools")
@@ -318,7 +343,7 @@ class _Chat(Body):
         return out
 
     def tool_dicts(self) -> Optional[list]:
-        return [t.as_dict() for t in self.tools] if self.tools else None
+        return [t.as_dict() for t in self.client_tools()] or None
 
     def variables(self) -> Optional[dict]:
         """The chat template's variables: enable_thinking (Qwen3's), reasoning_effort (gpt-oss's)."""

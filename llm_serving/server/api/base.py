@@ -257,9 +257,14 @@ class UnknownFields:
             return validate(model, body, unknown)
         ignored: list = []
         out = validate(model, body, unknown, ignored)
-        new = [name for name in dict.fromkeys(ignored) if (route, name) not in self._named]
+        self._name_once(route, f"ignored unknown {unknown}(s)", ignored,
+                        "serving_config.unknown_fields=reject refuses them")
+        # what a body's own model leaves out of a served request (hosted tools: `left_out()`), named the same way
+        self._name_once(route, "left out", out.left_out() if hasattr(out, "left_out") else [], "not served here")
+        return out
+
+    def _name_once(self, route: str, what: str, names: list, why: str) -> None:
+        new = [name for name in dict.fromkeys(names) if (route, name) not in self._named]
         if new:
             self._named.update((route, name) for name in new)
-            logger.warning("%s: ignored unknown %s(s) %s (named once; serving_config.unknown_fields=reject refuses "
-                           "them)", route, unknown, ", ".join(new))
-        return out
+            logger.warning("%s: %s %s (%s; named once)", route, what, ", ".join(new), why)

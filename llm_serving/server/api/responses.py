@@ -41,10 +41,11 @@ class MessageItem(Open):
 
 
 class FunctionCallItem(Open):
-    """A call the model made (a response's output item given back)."""
+    """A call the model made (a response's output item given back; a namespace's function with its namespace)."""
     type: Literal["function_call"]
     call_id: str = Field(min_length=1)
     name: str = Field(min_length=1)
+    namespace: Optional[str] = None
     arguments: str = Field(description="the arguments as JSON text")
 
 
@@ -81,10 +82,43 @@ class FunctionTool(Body):
     parameters: Optional[Dict[str, Any]] = Field(None, description="a JSON schema of the arguments")
     strict: Optional[bool] = None
 
-    def as_chat_tool(self) -> dict:
-        """The tool in OpenAI chat's shape, as translate.prepare takes tools."""
-        function = {"name": self.name, "description": self.description, "parameters": self.parameters}
+    def as_chat_tool(self, namespace: Optional[str] = None) -> dict:
+        """The tool in OpenAI chat's shape, as translate.prepare takes tools; a namespace's function by its
+        qualified name (namespace.name), the name the model sees and calls."""
+        function = {"name": qualified(namespace, self.name), "description": self.description,
+                    "parameters": self.parameters}
         return {"type": "function", "function": {k: v for k, v in function.items() if v is not None}}
+
+
+class NamespaceTool(Body):
+    """Functions grouped under a name (Codex's MCP servers: the client runs them): each served as a function the
+    model calls by `namespace.name`; a call comes back with `name` and `namespace` apart, as OpenAI gives it."""
+    type: Literal["namespace"]
+    name: str = Field(pattern=TOOL_NAME)
+    description: Optional[str] = None
+    tools: List[FunctionTool] = Field(min_length=1, max_length=MAX_TOOLS)
+
+
+class HostedTool(Open):
+    """A tool OpenAI's servers run (web_search, file_search, code_interpreter, image_generation, mcp, ...) or a
+    free-form custom tool: this server runs none of them, so the request is answered without it (the model is not
+    told of it) and the log names it once."""
+    type: str = Field(description="a hosted tool's type: left out", json_schema_extra={"not": {"enum": [
+        "function", "namespace"]}})
+
+
+def _tool_kind(value) -> str:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return f"type={kind}" if kind in ("function", "namespace") else "type=hosted"
+
+
+# a tool's "type" picks its model: a function, a namespace of functions, or anything else (hosted: left out)
+Tool = Annotated[Union[Annotated[FunctionTool, Tag("type=function")], Annotated[NamespaceTool, Tag("type=namespace")],
+                       Annotated[HostedTool, Tag("type=hosted")]], Discriminator(_tool_kind)]
+
+
+def qualified(namespace: Optional[str], name: str) -> str:
+    return f"{namespace}.{name}" if namespace else name
 
 
 class FunctionChoice(Body):
@@ -134,7 +168,8 @@ class ResponsesRequest(Body):
                                                                   "maxItems": MAX_INPUT_ITEMS})
     instructions: Optional[str] = Field(None, description="a system message before the input (a continued "
                                                           "response's own are not carried over)")
-    tools: Optional[List[FunctionTool]] = Field(None, max_length=MAX_TOOLS, description="function tools only")
+    tools: Optional[List[Tool]] = Field(None, max_length=MAX_TOOLS, description="function tools, namespaces of "
+                                        "them (served as namespace.name); hosted tools (web_search, ...) are left out")
     tool_choice: Union[Literal["auto", "none", "required"], FunctionChoice] = "auto"
     parallel_tool_calls: bool = True
     text: Optional[ResponseText] = None
@@ -154,18 +189,18 @@ class ResponsesRequest(Body):
     include: Optional[List[str]] = Field(None, description="accepted (Codex sends it): every item comes whole")
     prompt_cache_key: Optional[str] = Field(None, description="accepted: the prefix cache needs no key")
     service_tier: Optional[str] = Field(None, description="accepted: one tier")
+    client_metadata: Optional[Dict[str, Any]] = Field(None, description="accepted (Codex sends it): the client's "
+                                                                        "own labels, not used")
 
     _grammar: Optional[GrammarSpec] = PrivateAttr(None)
 
     @field_validator("tools", mode="before")
     @classmethod
-    def _function_tools(cls, value):
+    def _tool_objects(cls, value):
         if isinstance(value, list):
             for k, tool in enumerate(value):
-                kind = tool.get("type") if isinstance(tool, dict) else None
-                if kind != "function":
-                    raise ValidationError(f"tools[{k}]: tool type {kind!r} is not served; only 'function' tools "
-                                          "(the client runs them)", param="tools")
+                if not isinstance(tool, dict) or not isinstance(tool.get("type"), str):
+                    raise ValidationError(f"tools[{k}] must be an object with a string 'type'", param="tools")
         return value
 
     @field_validator("input", mode="before")
@@ -202,7 +237,7 @@ class ResponsesRequest(Body):
 
     @model_validator(mode="after")
     def _rules(self):
-        names = [t.name for t in self.tools or ()]
+        names = [f["function"]["name"] for f in self.functions()]
         twice = next((n for k, n in enumerate(names) if n in names[:k]), None)
         if twice is not None:
             raise ValidationError(f"tools: the function name {twice!r} is given twice", param="tools")
@@ -221,6 +256,31 @@ class ResponsesRequest(Body):
             raise ValidationError(f"tool_choice {self.choice!r} forces a function call; it cannot also follow "
                                   "text.format", param="tool_choice")
         return self
+
+    def functions(self) -> list:
+        """The functions the model may call, in OpenAI chat's shape: the function tools and the namespaces'
+        (by their qualified names); hosted tools left out."""
+        out = []
+        for tool in self.tools or ():
+            if isinstance(tool, FunctionTool):
+                out.append(tool.as_chat_tool())
+            elif isinstance(tool, NamespaceTool):
+                out += [f.as_chat_tool(tool.name) for f in tool.tools]
+        return out
+
+    def left_out(self) -> list:
+        """What of the request is not served and left out (the log names it once): hosted tools by type."""
+        return [f"tools of type {t.type!r} (this server runs no hosted tools)" for t in self.tools or ()
+                if isinstance(t, HostedTool)]
+
+    def call_name(self, name: str) -> dict:
+        """A call's name as a function_call item gives it: a namespace's function as its name and namespace."""
+        for tool in self.tools or ():
+            if isinstance(tool, NamespaceTool) and name.startswith(tool.name + "."):
+                inner = name[len(tool.name) + 1:]
+                if any(f.name == inner for f in tool.tools):
+                    return {"name": inner, "namespace": tool.name}
+        return {"name": name}
 
     @property
     def choice(self) -> str:
@@ -249,7 +309,7 @@ class ResponsesRequest(Body):
         effort = self.reasoning.effort if self.reasoning is not None else None
         variables = {"reasoning_effort": "low" if effort == "minimal" else effort} if effort else None
         return ApiRequest(sampling, messages=messages, variables=variables,
-                          tools=[t.as_chat_tool() for t in self.tools] if self.tools else None,
+                          tools=self.functions() or None,
                           tool_choice=self.choice, parallel_tool_calls=self.parallel_tool_calls, model=self.model,
                           max_tokens_field="max_output_tokens",
                           max_tokens_given=self.max_output_tokens is not None, stream=self.stream)
@@ -264,7 +324,7 @@ def as_messages(items) -> list:
             out.append({"role": "system" if item.role == "developer" else item.role, "content": _text(item.content)})
         elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function",
-                    "function": {"name": item.name, "arguments": item.arguments}}
+                    "function": {"name": qualified(item.namespace, item.name), "arguments": item.arguments}}
             if out and out[-1]["role"] == "assistant":
                 last = out[-1]
                 out[-1] = {**last, "tool_calls": [*last.get("tool_calls", ()), call]}
