@@ -270,6 +270,9 @@ class ServingConfig:
     # a request body's fields no API model names (clients add some every month): ignore = left out, each named once
     # in the log (vLLM's way); reject = a 400 naming them. Bad values of the fields that are served are refused either way
     unknown_fields: str = "ignore"
+    # a reply's length when the request gives none (Codex never does; Anthropic's max_tokens is a ceiling, cut to
+    # what the context leaves): null = up to the context's end, as OpenAI's APIs do (llama-server's --n-predict)
+    default_max_tokens: Optional[int] = None
     # supervision: a dead or hung agent fails the requests it was running, then the group restarts after
     # a back-off that doubles per failure; more than max_agent_restarts failures within
     # agent_restart_window_s and the server stops restarting (health 503, reason given)
@@ -298,6 +301,8 @@ class ServingConfig:
             _check(isinstance(getattr(self, key), str) and getattr(self, key), f"serving_config.{key}",
                    getattr(self, key), "must be a host name or address")
         _check_int("serving_config.server_port", self.server_port, min_value=0)
+        if self.default_max_tokens is not None:
+            _check_int("serving_config.default_max_tokens", self.default_max_tokens, min_value=1)
         _check(self.unknown_fields in UNKNOWN_FIELD_POLICIES, "serving_config.unknown_fields", self.unknown_fields,
                f"must be one of {', '.join(UNKNOWN_FIELD_POLICIES)}")
         _check(self.server_port <= 65535, "serving_config.server_port", self.server_port, "must be <= 65535")

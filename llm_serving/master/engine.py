@@ -70,6 +70,7 @@ class Engine:
         lc = config.lora_config
         self.lora = LoraRegistry(lc.adapters, lc.slot_of(), lc.max_loras)   # the LoRA adapters served
         self.max_model_len = config.max_model_len
+        self.default_max_tokens = config.serving_config.default_max_tokens   # a reply's length when none is asked
         pa = config.pa_config
         self.block_manager = BlockManager(pa.num_blocks, pa.block_size,
                                           enable_prefix_caching=config.scheduler_config.enable_prefix_caching,

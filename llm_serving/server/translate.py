@@ -33,6 +33,8 @@ class ApiRequest:
     model: Optional[str] = None               # the model or LoRA adapter it names (None: the served model)
     max_tokens_field: str = "max_tokens"      # the API's name for the reply's length (errors name it)
     max_tokens_given: bool = True             # else the default length is fitted into what the context leaves
+    max_tokens_ceiling: bool = False          # the length given is a ceiling, cut to what the context leaves
+                                              # (Anthropic's max_tokens: required, and clients ask 32,000)
     n: int = 1
     stream: bool = False
 
@@ -59,28 +61,30 @@ def adapter_of(engine, model: Optional[str]) -> Optional[str]:
 
 
 def prepare(req: ApiRequest, engine) -> Prepared:
-    """`req` on the served model: a ValidationError (400) naming the field for what the model refuses."""
+    """`req` on the served model: a ValidationError (400) naming the field for what the model refuses. The prompt's
+    length is checked as soon as the prompt is made, before anything else a long request (an agent's: thousands of
+    tokens of tools) might fail on, so that a prompt the model cannot take is what its error says."""
     adapter = adapter_of(engine, req.model)
-    vocab = engine.vocab_size
-    sp = replace(req.sampling, **_vocabulary_fields(req, engine.tokenizer, vocab))
     tools, harmony = None, False
     if req.messages is not None:
         template = engine.chat_template
         tools = ToolRequest.of(req.tools, req.tool_choice, req.parallel_tool_calls, template)
         prompt_ids = chat_ids(engine, req.messages, tools, req.variables)
         harmony = template.harmony
-        if harmony:             # gpt-oss: its channels are special tokens; <|return|>, <|call|> end the reply
-            ends = [ids[0] for ids in (engine.tokenizer.encode(s, add_bos=False) for s in HARMONY_STOPS)
-                    if len(ids) == 1]
-            sp = replace(sp, skip_special_tokens=False, stop_token_ids=tuple(dict.fromkeys((*sp.stop_token_ids,
-                                                                                           *ends))))
-        if tools is not None and tools.forced:      # a call is forced by its grammar
-            sp = replace(sp, grammar=tools.grammar() if not harmony else GrammarSpec(
-                "grammar", harmony_call_lark([t["function"] for t in tools.allowed]), "tools"))
     else:
         prompt_ids = prompt_ids_of(engine, req.prompt)
-    sp.max_new_tokens = fit_length(sp.max_new_tokens, req.max_tokens_given, len(prompt_ids), engine.max_model_len,
-                                   req.max_tokens_field)
+    check_context(len(prompt_ids), engine.max_model_len, "messages" if req.messages is not None else "prompt")
+    sp = replace(req.sampling, **_vocabulary_fields(req, engine.tokenizer, engine.vocab_size))
+    if harmony:                 # gpt-oss: its channels are special tokens; <|return|>, <|call|> end the reply
+        ends = [ids[0] for ids in (engine.tokenizer.encode(s, add_bos=False) for s in HARMONY_STOPS) if len(ids) == 1]
+        sp = replace(sp, skip_special_tokens=False, stop_token_ids=tuple(dict.fromkeys((*sp.stop_token_ids, *ends))))
+    if tools is not None and tools.forced:      # a call is forced by its grammar
+        sp = replace(sp, grammar=tools.grammar() if not harmony else GrammarSpec(
+            "grammar", harmony_call_lark([t["function"] for t in tools.allowed]), "tools"))
+    if not req.max_tokens_given and engine.default_max_tokens is not None:
+        sp.max_new_tokens = min(sp.max_new_tokens, engine.default_max_tokens)
+    sp.max_new_tokens = fit_length(sp.max_new_tokens, req.max_tokens_given and not req.max_tokens_ceiling,
+                                   len(prompt_ids), engine.max_model_len, req.max_tokens_field)
     return Prepared(prompt_ids, sp, adapter, tools, harmony)
 
 
@@ -128,14 +132,20 @@ def chat_ids(engine, messages: list, tools: Optional[ToolRequest], variables: Op
         raise ValidationError(str(exc), param="messages") from None
 
 
+def check_context(num_prompt_tokens: int, max_model_len: int, param: Optional[str] = None) -> None:
+    """A prompt the model cannot take: a ValidationError saying its tokens, the limit and what to do."""
+    if num_prompt_tokens >= max_model_len:
+        raise ValidationError(
+            f"prompt has {num_prompt_tokens} tokens; this model accepts at most {max_model_len - 1} prompt tokens "
+            f"({max_model_len} tokens per request, prompt + new tokens). Shorten the prompt (fewer or shorter "
+            "messages, fewer tools), or serve a model with a longer context", param=param)
+
+
 def fit_length(max_new_tokens: int, given: bool, num_prompt_tokens: int, max_model_len: int,
                field: str = "max_new_tokens") -> int:
     """The reply's length in what the context leaves: a prompt the model cannot take is refused; a length the
     request gave must fit, a default one is cut to fit."""
-    if num_prompt_tokens >= max_model_len:
-        raise ValidationError(f"prompt has {num_prompt_tokens} tokens; this model accepts at most "
-                              f"{max_model_len - 1} prompt tokens ({max_model_len} tokens per request, "
-                              "prompt + new tokens)")
+    check_context(num_prompt_tokens, max_model_len)
     room = max_model_len - num_prompt_tokens
     if not given:
         return min(max_new_tokens, room)

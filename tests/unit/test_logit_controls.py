@@ -173,7 +173,7 @@ class _Tok:
 
 class _Engine:
     """What translate.prepare reads of the engine for a completion."""
-    model_name, vocab_size, max_model_len, tokenizer = "m", 100, 64, _Tok()
+    model_name, vocab_size, max_model_len, tokenizer, default_max_tokens = "m", 100, 64, _Tok(), None
 
     def served_models(self):
         return ["m"]

@@ -240,6 +240,7 @@ class _Template:
 class _Engine:
     """Answers every request with the scripted texts (token ids from 1000), the last one finishing with `reason`."""
     model_name, vocab_size, max_model_len, lora_paths = "m", 1 << 17, 4096, {}
+    default_max_tokens = None
 
     def __init__(self, texts=("Hi", " there"), reason="stop", error=None, template=None):
         self.texts, self.reason, self.error = list(texts), reason, error

@@ -386,7 +386,8 @@ class MessagesRequest(_Chat):
             stop=stop_strings(self.stop_sequences, "stop_sequences", "stop_sequences"), grammar=self._grammar)
         return ApiRequest(sampling, messages=self.chat_messages(), variables=self.variables(),
                           tools=self.tool_dicts(), tool_choice=self.choice, parallel_tool_calls=self.parallel,
-                          model=self.model, stream=self.stream)
+                          model=self.model, stream=self.stream,
+                          max_tokens_ceiling=True)    # (Claude Code asks 32,000): cut to what the context leaves
 
 
 class CountTokensRequest(_Chat):
