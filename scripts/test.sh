@@ -7,4 +7,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/_os_packages.sh
 LLM_SERVING_EXTRAS="[test]" . scripts/_venv.sh
+. scripts/_agent_clis.sh
 exec python -m pytest -n "${LLM_SERVING_TEST_WORKERS:-2}" --dist loadfile "${@:-tests}"

@@ -129,7 +129,45 @@ def chat_ids(engine, messages: list, tools: Optional[ToolRequest], variables: Op
     try:
         return template.encode(messages, rendered, variables)
     except ChatTemplateError as exc:
+        folded = fold_system_messages(messages)
+        if folded == messages:
+            raise ValidationError(str(exc), param="messages") from None
+    try:        # a template that takes the system prompt only first (most do): the later ones folded in
+        return template.encode(folded, rendered, variables)
+    except ChatTemplateError as exc:
         raise ValidationError(str(exc), param="messages") from None
+
+
+def fold_system_messages(messages: list) -> list:
+    """The conversation with one system message at most, first: the system messages that open it joined, and each
+    later one (Claude Code's and Codex's instructions mid-conversation) put before the text of the user turn that
+    follows it (after the last one's, when none follows), where a template that refuses them mid-conversation still
+    shows them in their place."""
+    out: list = []
+    pending: list = []          # later system texts waiting for the next user turn
+    for m in messages:
+        if m["role"] == "system" and all(o["role"] == "system" for o in out):
+            out = [{"role": "system", "content": "\n\n".join([*(o["content"] for o in out), _text_of(m)])}]
+        elif m["role"] == "system":
+            pending.append(_text_of(m))
+        elif m["role"] == "user" and pending:
+            out.append({**m, "content": "\n\n".join([*pending, _text_of(m)])})
+            pending = []
+        else:
+            out.append(m)
+    if pending:
+        last = max((k for k, m in enumerate(out) if m["role"] == "user"), default=None)
+        if last is None:
+            out.append({"role": "user", "content": "\n\n".join(pending)})
+        else:
+            out[last] = {**out[last], "content": "\n\n".join([_text_of(out[last]), *pending])}
+    return out
+
+
+def _text_of(message: dict) -> str:
+    content = message.get("content") or ""
+    return content if isinstance(content, str) else "".join(p.get("text", "") for p in content
+                                                            if isinstance(p, dict))
 
 
 def check_context(num_prompt_tokens: int, max_model_len: int, param: Optional[str] = None) -> None:

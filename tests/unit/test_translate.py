@@ -66,3 +66,19 @@ def test_anthropics_max_tokens_is_a_ceiling_cut_to_what_the_context_leaves():
     assert prepare(validate(MessagesRequest, chat).to_request(), _Engine(10)).sampling.max_new_tokens == 59
     chat["max_tokens"] = 7
     assert prepare(validate(MessagesRequest, chat).to_request(), _Engine(10)).sampling.max_new_tokens == 7
+
+
+def test_system_messages_mid_conversation_are_folded_for_a_template_that_refuses_them():
+    """Claude Code and Codex send instructions as system messages after the first turn; a template that takes the
+    system prompt only first gets them before the user turn that follows (the opening ones joined)."""
+    from llm_serving.server.translate import fold_system_messages
+    conversation = [{"role": "system", "content": "A"}, {"role": "system", "content": "B"},
+                    {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+                    {"role": "system", "content": "C"}, {"role": "user", "content": [{"type": "text", "text": "go"}]},
+                    {"role": "assistant", "content": "ok"}, {"role": "system", "content": "D"}]
+    assert fold_system_messages(conversation) == [
+        {"role": "system", "content": "A\n\nB"}, {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yo"}, {"role": "user", "content": "C\n\ngo\n\nD"},
+        {"role": "assistant", "content": "ok"}]
+    plain = [{"role": "system", "content": "A"}, {"role": "user", "content": "hi"}]
+    assert fold_system_messages(plain) == plain
