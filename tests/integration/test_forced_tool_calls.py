@@ -217,16 +217,16 @@ PROMPTS = [f"{q} {city}?" for q in ("Weather in", "Add the numbers for") for cit
 def test_responses_and_messages_give_the_chats_forced_calls_streamed_or_not(server, mode):
     """Greedy on 20 prompts: every API and stream gives the chat's calls, token count and ending, and no text; the
     Responses API's items are function calls only (completed), Messages' blocks tool_use only."""
+    ways = [(api, stream) for api in (responses, messages) for stream in (False, True)]
     jobs = []
     for prompt in PROMPTS:
-        jobs += [(chat, server.url, mode, False, prompt)] + [(api, server.url, mode, stream, prompt)
-                                                              for api in (responses, messages) for stream in (False, True)]
+        jobs += [(chat, server.url, mode, False, prompt)] + [(api, server.url, mode, s, prompt) for api, s in ways]
     replies = _run(jobs)
     for k, prompt in enumerate(PROMPTS):
         expected, *others = replies[5 * k:5 * k + 5]
         assert expected.end == "calls" and expected.text == "", (prompt, expected)
         _valid(expected.calls, mode)
-        for reply, (api, stream) in zip(others, [(a, s) for a in ("responses", "messages") for s in (False, True)]):
+        for reply, (api, stream) in zip(others, [(a.__name__, s) for a, s in ways]):
             assert (reply.calls, reply.text, reply.end, reply.tokens) == \
                 (expected.calls, "", "calls", expected.tokens), (prompt, api, stream, reply, expected)
             assert set(reply.kinds) == {"function_call" if api == "responses" else "tool_use"}, reply
