@@ -35,8 +35,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-__all__ = ["GrammarError", "GrammarSpec", "Grammars", "JSON_OPTIONS", "limits", "one_line", "tool_call_lark",
-           "why_stuck"]
+__all__ = ["GrammarError", "GrammarSpec", "Grammars", "JSON_OPTIONS", "limits", "one_line", "why_stuck"]
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -141,18 +140,6 @@ def one_line(message: str) -> str:
     message = message.replace("<non-verbose/>", "")        # (where the state would be, with verbose errors)
     text = " ".join(line.strip() for line in message.splitlines() if line.strip() and set(line.strip()) != {"^"})
     return text[:500]
-
-
-def tool_call_lark(schemas: list, *, open_tag: str, close_tag: str, parallel: bool) -> str:
-    """A Lark grammar for one tool call (or, `parallel`, one or more) between `open_tag` and `close_tag`, each a
-    JSON object {"name": <a tool's name>, "arguments": <that tool's parameters>}: `schemas` are the objects'
-    JSON schemas, one per tool allowed."""
-    one = {"anyOf": schemas} if len(schemas) > 1 else schemas[0]
-    body = json.dumps({**one, "x-guidance": JSON_OPTIONS})
-    calls = 'call ("\\n" call)*' if parallel else "call"
-    return (f"start: {calls}\n"
-            f"call: {json.dumps(open_tag + chr(10))} obj {json.dumps(chr(10) + close_tag)}\n"
-            f"obj: %json {body}\n")
 
 
 class _Vocabulary:

@@ -17,11 +17,14 @@ from llm_serving.server.translate import Prepared
 @dataclass(frozen=True)
 class ReplyShape:
     """How a chat reply's text is read: `tool_format` the tools' call format (None: no tools, or harmony's own),
-    `reasoning` a <think> block is split out (`thinking`: the reply starts inside it), `harmony` gpt-oss's format."""
+    `reasoning` a <think> block is split out (`thinking`: the reply starts inside it), `harmony` gpt-oss's format,
+    `forced` a grammar forces calls (tool_choice required or named): its reply has no content; anything but whole
+    calls in it is a call max_tokens cut, dropped."""
     tool_format: Optional[str] = None
     reasoning: bool = False
     thinking: bool = False
     harmony: bool = False
+    forced: bool = False
 
 
 def reply_shape(engine, prepared: Prepared) -> ReplyShape:
@@ -34,7 +37,8 @@ def reply_shape(engine, prepared: Prepared) -> ReplyShape:
     grammar = prepared.sampling.grammar
     reasons = start != AFTER and (grammar is None or "</think>" in str(grammar.value)) and not prepared.harmony
     tools = prepared.tools.format if prepared.tools is not None and not prepared.harmony else None
-    return ReplyShape(tools, reasons, reasons and start == INSIDE, prepared.harmony)
+    return ReplyShape(tools, reasons, reasons and start == INSIDE, prepared.harmony,
+                      tools is not None and prepared.tools.forced)
 
 
 def read_reply(text: str, shape: ReplyShape) -> tuple:
@@ -47,8 +51,9 @@ def read_reply(text: str, shape: ReplyShape) -> tuple:
         reasoning, text = split_reasoning(text, shape.thinking)
     if shape.tool_format is not None:
         content, calls = parse_calls(text, shape.tool_format)
-        if calls:
-            return reasoning, content, calls
+        if calls or shape.forced:
+            return reasoning, None if shape.forced else content, calls
+        text = content or ""    # (a call the reply ends inside dropped)
     return reasoning, text, calls
 
 
@@ -60,6 +65,7 @@ class ReplyStream:
         self.thinks = ReasoningStream(shape.thinking) if shape.reasoning else None
         self.harmony = HarmonyStream() if shape.harmony else None
         self.tools = CallStream(shape.tool_format) if shape.tool_format is not None else None
+        self.forced = shape.forced
 
     @property
     def calls(self) -> list:
@@ -75,7 +81,7 @@ class ReplyStream:
             thought, text, found = self.harmony.push(text)
         if self.tools is not None:
             text, found = self.tools.push(text)
-        return thought, text, found
+        return thought, "" if self.forced else text, found
 
     def flush(self) -> tuple:
         """At the end: (reasoning, content, [calls]) held back until now."""
@@ -88,7 +94,7 @@ class ReplyStream:
             text, found = self.tools.push(text)
             rest, more = self.tools.flush()
             text, found = text + rest, found + more
-        return thought, text, found
+        return thought, "" if self.forced else text, found
 
     def finish_reason(self, reason: str) -> str:
         """The reply's finish reason: "tool_calls" where it stopped after calling a tool."""

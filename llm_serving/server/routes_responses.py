@@ -2,9 +2,10 @@
 `GET` / `DELETE /v1/responses/{response_id}` of the responses kept in memory (`ResponseStore`).
 
 A request is a chat (api/responses.py translates its items); its reply is read by server/reply.py into reasoning,
-text and function calls, which `OutputBuilder` makes the response's output items — reasoning, then a message, then
-a function_call per call — and the stream events that tell them as they come. The non-streamed reply goes through
-the same builder, whole, so both give the same response. Errors have OpenAI's shape (routes_openai owns /v1/)."""
+text and function calls, which `OutputBuilder` makes the response's output items — reasoning, a message, a
+function_call per call, in the order the reply has them — and the stream events that tell them as they come. The
+non-streamed reply goes through the same reading and builder, piece by piece as a stream would, so both give the
+same response. Errors have OpenAI's shape (routes_openai owns /v1/)."""
 from __future__ import annotations
 
 import copy
@@ -23,7 +24,7 @@ from llm_serving.server.api.responses import ResponsesRequest, qualified
 from llm_serving.server.generation import events, submit
 from llm_serving.server.keys import RESPONSES
 from llm_serving.server.served import engine_for
-from llm_serving.server.reply import ReplyStream, read_reply, reply_shape
+from llm_serving.server.reply import ReplyStream, reply_shape
 from llm_serving.server.translate import prepare
 
 MAX_STORED_RESPONSES = 1_000
@@ -265,15 +266,15 @@ async def create(request: web.Request) -> web.StreamResponse:
             store.put(builder.response, (*history, *r.input_messages(), builder.as_message()))
         return out
     try:
-        if not r.stream:
-            pieces, final = [], None
+        if not r.stream:          # built as the stream is (its events left unsent): the same items, in its order
+            reply, final = ReplyStream(shape), None
             async for _, event, _ in events([req]):
-                pieces.append(event.text)
+                builder.push(*reply.push(event.text))
                 final = event
             failure = _failure(final)
             if failure is not None:
                 return _error(500, failure)
-            builder.push(*_pieces(read_reply("".join(pieces), shape)))
+            builder.push(*reply.flush())
             finish(final.finish_reason)
             return web.json_response(builder.response)
 
@@ -298,12 +299,6 @@ async def create(request: web.Request) -> web.StreamResponse:
         return response
     finally:
         engine.release(req)
-
-
-def _pieces(reply: tuple) -> tuple:
-    """read_reply's (reasoning or None, content or None, calls) as OutputBuilder.push takes them."""
-    reasoning, content, calls = reply
-    return reasoning or "", content or "", calls
 
 
 async def retrieve(request: web.Request) -> web.Response:

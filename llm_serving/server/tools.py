@@ -1,7 +1,9 @@
 """Tool calling on the chat route: a request's `tools` and `tool_choice` for the served model's template
 (`ToolRequest.of`; their shape is checked by api/openai.py), the conversation rendered with them
 (`ToolRequest.conversation`), the grammar that forces a call (`required`, a named function: any model then writes a
-call whose arguments validate against the function's parameters), and the reply's calls parsed, whole (`parse_calls`) or as a stream goes (`CallStream`).
+call whose arguments validate against the function's parameters, and the reply may end as soon as a call is whole:
+`call_lark`), and the reply's calls parsed, whole (`parse_calls`) or as a stream goes (`CallStream`); a call the reply
+ends inside (max_tokens cut it) is dropped, its markup never content (`cut_call`).
 
 Formats. A chat template that takes `tools` (Qwen2.5's, Llama-3.1's) renders them itself, and the model writes
 calls as its template taught it: Hermes/Qwen's `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, or
@@ -19,7 +21,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Optional
 
-from llm_serving.master.grammar import JSON_OPTIONS, GrammarSpec, tool_call_lark
+from llm_serving.master.grammar import JSON_OPTIONS, GrammarSpec
 from llm_serving.server.reasoning import partial_tag
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -77,8 +79,7 @@ class ToolRequest:
         if self.format == "llama3_json":
             one = {"anyOf": schemas} if len(schemas) > 1 else schemas[0]
             return GrammarSpec("json", json.dumps({**one, "x-guidance": JSON_OPTIONS}), "tools")
-        return GrammarSpec("grammar", tool_call_lark(schemas, open_tag=OPEN, close_tag=CLOSE, parallel=self.parallel),
-                           "tools")
+        return GrammarSpec("grammar", call_lark(schemas, self.parallel), "tools")
 
     def conversation(self, messages: list) -> tuple:
         """(messages, tools) to render: as they are for a template that takes tools; else the tools described in
@@ -86,6 +87,21 @@ class ToolRequest:
         if self.takes_tools:
             return [_with_argument_objects(m) for m in messages], self.tools
         return describe_tools(self.tools, history_as_text(messages)), None
+
+
+def call_lark(schemas: list, parallel: bool) -> str:
+    """A Lark grammar of Hermes calls: `<tool_call>` blocks, each a JSON object {"name", "arguments"} that one of
+    `schemas` (one per tool allowed) validates. One call: the grammar ends with it, and so does the reply, on the
+    token that closes it. Parallel calls: `call ("\\n" call)* "\\n"?` -- after a whole call the reply may end (EOS,
+    the template's end token: the engine's stop tokens, which llguidance allows wherever the grammar may end), or
+    write a newline; after that newline, the next call's tag or the end. A model's own newline after its call (what
+    it writes before its end token) does not commit it to another call, and no text but a whole call can follow
+    one; a call is cut only by max_tokens, and reading the reply drops what was cut (`parse_calls`, `CallStream`)."""
+    one = {"anyOf": schemas} if len(schemas) > 1 else schemas[0]
+    calls = 'call ("\\n" call)* "\\n"?' if parallel else "call"
+    return (f"start: {calls}\n"
+            f"call: {json.dumps(OPEN + chr(10))} obj {json.dumps(chr(10) + CLOSE)}\n"
+            f"obj: %json {json.dumps({**one, 'x-guidance': JSON_OPTIONS})}\n")
 
 
 def _hoisted(schema: dict, prefix: str, defs: dict) -> dict:
@@ -211,9 +227,16 @@ def parse_calls(text: str, fmt: str) -> tuple:
         calls.append(call)
         rest.append(text[last:match.start()])
         last = match.end()
-    rest.append(text[last:])
-    content = "".join(rest).strip() if calls else text
+    rest.append(cut_call(text[last:]))
+    content = "".join(rest).strip() if calls else "".join(rest)
     return (content or None), calls
+
+
+def cut_call(text: str) -> str:
+    """`text` without a `<tool_call>` block that it ends inside (one max_tokens cut): a call cut short is no call,
+    and its markup is no content."""
+    start = text.rfind(OPEN)
+    return text[:start] if start >= 0 and CLOSE not in text[start:] else text
 
 
 class CallStream:
@@ -263,10 +286,11 @@ class CallStream:
                 content += block
 
     def flush(self) -> tuple:
-        """At the end: (content left, [calls left])."""
+        """At the end: (content left, [calls left]); a call the reply ends inside is dropped (`cut_call`)."""
         text, self.buffer = self.buffer, ""
         if self.fmt == "llama3_json" and self.started:
             content, calls = parse_calls(text, "llama3_json")
             self.calls += calls
             return content or "", calls
+        text = cut_call(text)
         return ("" if self.calls and not text.strip() else text), []

@@ -244,3 +244,41 @@ def test_tool_requests_that_cannot_be_served_are_400s_naming_the_field(smollm2_s
         assert status == 400 and body["error"]["param"] == param, (fields, body)
     status, body = chat(url, "Hi", messages=[{"role": "tool", "content": "x"}])
     assert status == 400 and "tool_call_id" in body["error"]["message"], body
+
+
+def test_a_forced_call_with_parallel_calls_allowed_ends_after_its_calls_or_drops_a_cut_one(smollm2_server):
+    """tool_choice required with parallel calls allowed (the default), sampled: SmolLM2 writes one call or repeats
+    it. A reply that ends ends within two tokens of its last call (a newline, EOS): finish_reason tool_calls; one
+    that max_tokens cuts inside a later call gives the calls before it and finish_reason length. Never content,
+    whole or streamed (n=4: seeds 0..3)."""
+    url = smollm2_server.url
+    body = {"model": MODEL, "tools": TOOLS, "tool_choice": "required", "temperature": 1.0, "seed": 0, "n": 4,
+            "max_tokens": 60, "logprobs": True,
+            "messages": [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]}
+    status, whole = http("POST", url + "/v1/chat/completions", body)
+    assert status == 200, whole
+    ends = []
+    for choice in whole["choices"]:
+        message, tokens = choice["message"], [e["token"] for e in choice["logprobs"]["content"]]
+        assert message["content"] is None and message["tool_calls"], choice
+        for call in message["tool_calls"]:
+            fn = next(t["function"] for t in TOOLS if t["function"]["name"] == call["function"]["name"])
+            jsonschema.validate(json.loads(call["function"]["arguments"]), fn["parameters"])
+        text = "".join(tokens)
+        closed = text.rindex("</tool_call>") + len("</tool_call>")
+        after = len(tokens) - next(k for k in range(len(tokens)) if len("".join(tokens[:k + 1])) >= closed) - 1
+        if choice["finish_reason"] == "tool_calls":
+            assert after <= 2 and not text[closed:].strip(), text
+        else:
+            assert choice["finish_reason"] == "length" and len(tokens) == 60 and "<tool_call>" in text[closed:]
+        ends.append((choice["finish_reason"], [c["function"]["arguments"] for c in message["tool_calls"]]))
+    assert "length" in [reason for reason, _ in ends], ends          # (the case this checks: a later call cut)
+    status, text = http("POST", url + "/v1/chat/completions", {**body, "stream": True, "logprobs": False})
+    streamed = {}
+    for event in chunks(text):
+        for c in event["choices"]:
+            assert not c["delta"].get("content"), c
+            got = streamed.setdefault(c["index"], [None, []])
+            got[1] += [d["function"]["arguments"] for d in c["delta"].get("tool_calls") or []]
+            got[0] = c["finish_reason"] or got[0]
+    assert [tuple(streamed[i]) for i in range(4)] == [(reason, calls) for reason, calls in ends]

@@ -323,3 +323,34 @@ def test_the_response_echoes_the_request():
                                       "strict": True}}
     assert obj["reasoning"] == {"effort": "high", "summary": None} and obj["tools"][0] == WEATHER
     assert response_object(request(), "resp_1", 0)["text"] == {"format": {"type": "text"}}
+
+
+def _read_as_the_route_does(text: str, shape, reason: str) -> Response:
+    """A reply's text token by token (3 characters here) through ReplyStream into a builder, as POST /v1/responses
+    reads it, streamed or not: the events replayed through the SDK."""
+    from llm_serving.server.reply import ReplyStream
+
+    b, reply = builder(), ReplyStream(shape)
+    events = b.start()
+    for k in range(0, len(text), 3):
+        events += b.push(*reply.push(text[k:k + 3]))
+    events += b.push(*reply.flush()) + b.finish(reason, USAGE)
+    response = replay(events)
+    whole = Response.model_validate(b.response)                                # (the non-streamed body)
+    assert [(i.type, i.id) for i in whole.output] == [(i.type, i.id) for i in response.output]
+    return response
+
+
+def test_items_come_in_the_replys_order_and_a_cut_call_is_no_item():
+    from llm_serving.server.reply import ReplyShape
+
+    call = '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    response = _read_as_the_route_does(f"Let me look.\n{call}\nIt is sunny.", ReplyShape(tool_format="hermes"),
+                                       "stop")
+    assert [i.type for i in response.output] == ["message", "function_call", "message"]
+    assert [i.content[0].text for i in response.output if i.type == "message"] == ["Let me look.\n", "\nIt is sunny."]
+    # tool_choice required, max_output_tokens cut a second call: the first, completed, and nothing else
+    forced = ReplyShape(tool_format="hermes", forced=True)
+    response = _read_as_the_route_does(f'{call}\n<tool_call>\n{{"name": "wea', forced, "length")
+    assert [(i.type, i.status) for i in response.output] == [("function_call", "completed")]
+    assert response.status == "incomplete" and response.output_text == ""

@@ -1,14 +1,19 @@
 """Tool calling's pure parts: checking tools and tool_choice, rendering them through templates that take tools and
-templates that do not, the grammar that forces a call, and parsing calls whole and streamed in both formats."""
+templates that do not, the grammar that forces a call (walked token by token as a random model would: where it may
+end), and parsing calls whole and streamed in both formats (a call max_tokens cut dropped; a forced reply's text)."""
 from __future__ import annotations
 
 import json
+import random
+import re
 
+import numpy as np
 import pytest
 
 from llm_serving.server.api.base import validate
 from llm_serving.server.api.openai import ChatCompletionRequest
 from llm_serving.server.errors import ValidationError
+from llm_serving.server.reply import ReplyShape, ReplyStream, read_reply
 from llm_serving.server.tools import CallStream, ToolRequest, history_as_text, parse_calls
 from llm_serving.tokenization.chat_template import ChatTemplate
 
@@ -145,10 +150,6 @@ def test_a_stream_passes_content_on_and_each_call_once_it_closes(cut):
 def test_a_forced_call_compiles_tools_whose_parameters_refer_to_their_own_defs(stories_dir):
     """pydantic writes nested types as $defs and $refs; nested under a call's arguments they must still resolve,
     each tool's apart from another's of the same name."""
-    import random
-
-    import numpy as np
-
     from llm_serving.master.grammar import Grammars
     from llm_serving.master.logits import LogitsState
     from llm_serving.master.request import SamplingParams
@@ -187,3 +188,112 @@ def test_llama3_calls_keep_semicolons_inside_their_strings():
                                  '"parameters": {}}', "llama3_json")
     assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"q": "SELECT 1; SELECT 2"}
     assert [c["function"]["name"] for c in calls] == ["sql", "x"]
+
+
+GO = {"type": "function", "function": {"name": "go", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["to"],
+    "properties": {"to": {"enum": ["north", "south"]}}}}}
+HALT = {"type": "function", "function": {"name": "halt", "parameters": {
+    "type": "object", "additionalProperties": False, "properties": {}}}}
+# whole calls, one after another on their own lines, and a newline after the last: where a parallel reply may end
+WHOLE_CALLS = re.compile(r"<tool_call>\n[^\n]*\n</tool_call>(\n<tool_call>\n[^\n]*\n</tool_call>)*\n?")
+
+
+def _walk(tok, grammars, spec, seed: int) -> list:
+    """A reply a random model writes under the grammar (each token drawn from those its mask allows, EOS among
+    them): [(the text so far, whether EOS is allowed there)] up to its end (EOS, or the grammar complete)."""
+    from llm_serving.master.logits import LogitsState
+    from llm_serving.master.request import SamplingParams
+
+    state = LogitsState(SamplingParams(grammar=spec), set(tok.eos_ids), tok.vocab_size, grammars.compile_now(spec))
+    row, out, rng, seen = np.zeros(grammars.mask_words, np.int32), [], random.Random(seed), []
+    for _ in range(400):
+        state.write(row, out)
+        allowed = np.nonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))[0].tolist()
+        seen.append((tok.decode(out), tok.eos_id in allowed))
+        if state.complete:
+            return seen
+        token = rng.choice(allowed)
+        if token in tok.eos_ids:
+            return seen
+        assert state.accept(token), state.error
+        out.append(token)
+    raise AssertionError(f"no end after 400 tokens: {tok.decode(out)!r}")
+
+
+def test_a_forced_call_may_end_after_each_whole_call_and_nowhere_else(stories_dir):
+    """Parallel calls allowed: EOS is allowed exactly where the reply is whole calls (and a newline after the last),
+    never inside a call or after a newline that went on into the next tag; random replies end after one call, after
+    several, and after the newline that follows one. One call (required without parallel calls, or a named one):
+    the grammar is complete, and the reply ends, on the token that closes the call; EOS is never allowed before."""
+    from llm_serving.master.grammar import Grammars
+    from llm_serving.tokenization import SentencePieceTokenizer
+
+    tok = SentencePieceTokenizer(str(stories_dir / "hf" / "tokenizer.model"))
+    grammars = Grammars(tok, tok.vocab_size)
+    parallel = _tools({"tools": [GO, HALT], "tool_choice": "required"}).grammar()
+    assert parallel.value.startswith('start: call ("\\n" call)* "\\n"?\n')
+    ends = []
+    for seed in range(40):
+        seen = _walk(tok, grammars, parallel, seed)
+        for text, eos in seen:
+            assert eos == bool(WHOLE_CALLS.fullmatch(text)), (seed, text)
+        text = seen[-1][0]
+        _, calls = parse_calls(text, "hermes")
+        assert text.count("</tool_call>") == len(calls) >= 1
+        ends.append((len(calls), text.endswith("\n")))
+    assert {n for n, _ in ends} > {1} and {newline for _, newline in ends} == {True, False}, ends
+    for choice in ("required", {"type": "function", "function": {"name": "go"}}):
+        one = _tools({"tools": [GO, HALT], "tool_choice": choice, "parallel_tool_calls": False}).grammar()
+        for seed in range(10):
+            seen = _walk(tok, grammars, one, seed)
+            assert not any(eos for _, eos in seen[:-1])
+            text = seen[-1][0]
+            assert text.startswith("<tool_call>\n") and text.endswith("\n</tool_call>") and \
+                len(parse_calls(text, "hermes")[1]) == 1, text
+            assert choice == "required" or json.loads(text.split("\n")[1])["name"] == "go"
+
+
+CALL_TEXT = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("cut", ["\n<tool_call>", '\n<tool_call>\n{"name": "ad', "\n<tool_call>\n{}\n</tool_c"])
+def test_a_call_the_reply_ends_inside_is_dropped_whole_or_streamed(cut):
+    """max_tokens cut a second call: the first alone, and nothing of the second as content."""
+    text = CALL_TEXT + cut
+    content, calls = parse_calls(text, "hermes")
+    assert content is None and [c["function"]["name"] for c in calls] == ["add"]
+    for step in (1, 4, 1000):
+        stream, streamed, found = CallStream("hermes"), "", []
+        for k in range(0, len(text), step):
+            c, more = stream.push(text[k:k + step])
+            streamed, found = streamed + c, found + more
+        c, more = stream.flush()
+        assert streamed + c == "" and [f["function"]["arguments"] for f in found + more] == ['{"a": 1, "b": 2}']
+    # a call cut after text (tool_choice auto): the text stays, the call's markup goes
+    assert parse_calls("Let me add.\n" + cut.lstrip("\n"), "hermes") == ("Let me add.\n", [])
+    stream = CallStream("hermes")
+    assert stream.push("Let me add.\n" + cut.lstrip("\n"))[0] + stream.flush()[0] == "Let me add.\n"
+
+
+@pytest.mark.parametrize("fmt, text, names", [
+    ("hermes", CALL_TEXT + "\n<tool_", ["add"]),          # cut inside the next call's tag
+    ("hermes", "<tool_ca", []),                           # inside the first
+    ("hermes", CALL_TEXT + "\n", ["add"]),                # the newline the grammar allows before the end
+    ("llama3_json", '{"name": "add", "parameters": {"a": 1', []),
+    ("llama3_json", '{"name": "add", "parameters": {"a": 1}}', ["add"])])
+def test_a_forced_reply_has_no_content_whole_or_streamed(fmt, text, names):
+    """A grammar forced the reply to be calls: whatever is not a whole call in it is a call cut short, never text."""
+    shape = ReplyShape(tool_format=fmt, forced=True)
+    reasoning, content, calls = read_reply(text, shape)
+    assert reasoning is None and content is None and [c["function"]["name"] for c in calls] == names
+    for step in (1, 3, 1000):
+        reply, streamed, found = ReplyStream(shape), "", []
+        for k in range(0, len(text), step):
+            _, piece, more = reply.push(text[k:k + step])
+            streamed, found = streamed + piece, found + more
+        _, piece, more = reply.flush()
+        assert streamed + piece == "" and [c["function"]["name"] for c in found + more] == names
+    # not forced (tool_choice auto), the same text of a cut Llama-3 call is the model's text
+    if fmt == "llama3_json" and not names:
+        assert read_reply(text, ReplyShape(tool_format=fmt))[1] == text
