@@ -79,7 +79,7 @@ class ToolRequest:
         if self.format == "llama3_json":
             one = {"anyOf": schemas} if len(schemas) > 1 else schemas[0]
             return GrammarSpec("json", json.dumps({**one, "x-guidance": JSON_OPTIONS}), "tools")
-        return GrammarSpec("grammar", call_lark(schemas, self.parallel), "tools")
+        return GrammarSpec("grammar", call_lark(schemas), "tools")
 
     def conversation(self, messages: list) -> tuple:
         """(messages, tools) to render: as they are for a template that takes tools; else the tools described in
@@ -89,17 +89,15 @@ class ToolRequest:
         return describe_tools(self.tools, history_as_text(messages)), None
 
 
-def call_lark(schemas: list, parallel: bool) -> str:
-    """A Lark grammar of Hermes calls: `<tool_call>` blocks, each a JSON object {"name", "arguments"} that one of
-    `schemas` (one per tool allowed) validates. One call: the grammar ends with it, and so does the reply, on the
-    token that closes it. Parallel calls: `call ("\\n" call)* "\\n"?` -- after a whole call the reply may end (EOS,
-    the template's end token: the engine's stop tokens, which llguidance allows wherever the grammar may end), or
-    write a newline; after that newline, the next call's tag or the end. A model's own newline after its call (what
-    it writes before its end token) does not commit it to another call, and no text but a whole call can follow
-    one; a call is cut only by max_tokens, and reading the reply drops what was cut (`parse_calls`, `CallStream`)."""
+def call_lark(schemas: list) -> str:
+    """A Lark grammar of one Hermes call: a `<tool_call>` block holding a JSON object {"name", "arguments"} that one of
+    `schemas` (one per tool allowed) validates. The grammar ends with the call, and so does the reply, on the token
+    that closes it (finish_reason tool_calls). A forced reply is one call even where parallel calls are allowed:
+    neither OpenAI's nor Anthropic's API says how many a client wants, and a grammar that lets a model open another
+    call after its first lets a small model repeat it until max_tokens (SmolLM2 gives the next "<" 0.99); several
+    calls come with tool_choice auto. A call cut by max_tokens is dropped when the reply is read (`cut_call`)."""
     one = {"anyOf": schemas} if len(schemas) > 1 else schemas[0]
-    calls = 'call ("\\n" call)* "\\n"?' if parallel else "call"
-    return (f"start: {calls}\n"
+    return (f"start: call\n"
             f"call: {json.dumps(OPEN + chr(10))} obj {json.dumps(chr(10) + CLOSE)}\n"
             f"obj: %json {json.dumps({**one, 'x-guidance': JSON_OPTIONS})}\n")
 

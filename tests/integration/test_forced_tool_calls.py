@@ -181,13 +181,13 @@ def _run(jobs: list) -> list:
 @pytest.mark.parametrize("mode", MODES)
 def test_a_sampled_forced_call_ends_within_two_tokens_of_its_last_call_on_20_seeds(server, mode):
     """Seeds 0..19 at temperature 1: finish_reason tool_calls, no content, calls valid against their schemas, and at
-    most a newline and EOS after the last call (nothing: one call is all the grammar takes); streamed, the same."""
+    the reply ends on the token that closes its call (one call is all a forced reply's grammar takes); streamed, the same."""
     whole = _run([(_sampled_chat, server.url, mode, False, seed) for seed in SEEDS])
     streamed = _run([(_sampled_chat, server.url, mode, True, seed) for seed in SEEDS])
     for seed, (reply, after), (again, _) in zip(SEEDS, whole, streamed):
         assert reply.end == "calls" and reply.text == "", (seed, reply)
         _valid(reply.calls, mode)
-        assert len(after) <= (2 if mode == "parallel" else 0) and "".join(after).strip() == "", (seed, after, reply)
+        assert after == [], (seed, after, reply)
         assert again == reply, seed
 
 
@@ -233,32 +233,24 @@ def test_responses_and_messages_give_the_chats_forced_calls_streamed_or_not(serv
 
 
 def test_a_budget_cut_inside_a_call_drops_it_in_every_api(server):
-    """With parallel calls allowed a greedy reply that writes a second call, cut by max_tokens inside it: the first
-    call alone, no text, and the reply said cut (length, max_tokens, incomplete), in every API, streamed or not; the
-    Responses API's items the same streamed and not. Cut inside the first call: no call, no text."""
+    """A forced reply cut by max_tokens inside its call: no call, no text, and the reply said cut (length,
+    max_tokens, incomplete), in every API, streamed or not; the Responses API's items the same streamed and not."""
     url = server.url
-    written = _run([(_greedy_tokens, url, prompt) for prompt in PROMPTS])
-    found = [(prompt, tokens) for prompt, tokens in zip(PROMPTS, written) if "".join(tokens).count(CLOSE) >= 2]
-    assert found, "no prompt's greedy reply writes two calls"
-    prompt, tokens = found[0]
-    text, at, first_end, second_open = "".join(tokens), 0, None, None
-    first_close = text.index(CLOSE) + len(CLOSE)
-    second_start = text.index("<tool_call>", first_close)
+    prompt = PROMPTS[0]
+    tokens = _greedy_tokens(url, prompt)
+    text, at, first_end = "".join(tokens), 0, None
+    assert text.count(CLOSE) == 1 and text.endswith(CLOSE), text      # one call, and the reply ends with it
     for k, token in enumerate(tokens):
         at += len(token)
-        if first_end is None and at >= first_close:
+        if at >= len(text):
             first_end = k + 1
-        if second_open is None and at > second_start:
-            second_open = k + 1
-    whole = chat(url, "parallel", False, prompt)
-    for budget, expected in ((second_open + 3, whole.calls[:1]), (first_end - 3, [])):
-        assert budget < len(tokens)
-        replies = _run([(chat, url, "parallel", s, prompt, {"max_tokens": budget}) for s in (False, True)] +
-                       [(api, url, "parallel", s, prompt, budget) for api in (responses, messages)
-                        for s in (False, True)])
-        for reply in replies:
-            assert (reply.calls, reply.text, reply.end, reply.tokens) == (expected, "", "cut", budget), (budget, reply)
-        assert replies[2].kinds == replies[3].kinds == ["function_call"] * len(expected)
+            break
+    budget = first_end - 3
+    replies = _run([(chat, url, "parallel", s, prompt, {"max_tokens": budget}) for s in (False, True)] +
+                   [(api, url, "parallel", s, prompt, budget) for api in (responses, messages) for s in (False, True)])
+    for reply in replies:
+        assert (reply.calls, reply.text, reply.end, reply.tokens) == ([], "", "cut", budget), (budget, reply)
+    assert replies[2].kinds == replies[3].kinds == []
 
 
 def _greedy_tokens(url: str, prompt: str) -> list:
