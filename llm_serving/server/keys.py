@@ -5,3 +5,4 @@ ENGINE = web.AppKey("engine", object)           # one engine (a test's app); a s
 FLEET = web.AppKey("fleet", object)             # master/fleet.Fleet: the server's models by name (server/served.py)
 METRICS = web.AppKey("metrics", object)
 RESPONSES = web.AppKey("responses", object)      # routes_responses.ResponseStore: stored Responses
+LOAD_WAIT = web.RequestKey("load_wait_s", float)   # seconds a request waited for its model to load (served.py)

@@ -20,7 +20,7 @@ import numpy as np
 from aiohttp import web
 
 from llm_serving.master.request import SamplingParams
-from llm_serving.server import routes_openai
+from llm_serving.server import access_log, routes_openai
 from llm_serving.server.api import base as api
 from llm_serving.server.api.embeddings import DEFAULT_INSTRUCTION, EmbeddingRequest, RerankRequest, ScoreRequest
 from llm_serving.server.embedding import (check_dimensions, embed, embedding_of, final_event, input_ids,
@@ -147,6 +147,7 @@ async def _judged(engine, pairs: list, instruction: str, field: str) -> tuple:
         for ids in prompts:
             reqs.append(engine.submit(ids, SamplingParams(max_new_tokens=1, temperature=0.0,
                                                           allowed_token_ids=(no_id, yes_id))))
+            access_log.track(reqs[-1:])
         scores = []
         for req in reqs:
             event = await final_event(req)
