@@ -10,7 +10,8 @@ nginx's 499. `serving_config.access_log: false` turns the log off (the middlewar
 
 Fields (each only where it applies): `model` the name the request asked for (a 400 before the route read its model:
 the body's `model`); `prompt_tokens` and `completion_tokens` as the reply's usage counts them (a prompt of n choices
-once; an embedding's inputs each; a score's judgement prompts each, their one answer token counted as completion);
+once; an embedding's inputs each; a score's judgement prompts each, their one answer token counted as completion,
+as is the token a `max_tokens: 0` completion computes and drops, whose usage says 0);
 `ttft_ms` from the request's arrival to its first generated token; `load_ms` the time it waited for its model to
 load; `total_ms` to the response's end; `finish` the engine's finish reasons (stop, length, abort, error).
 
@@ -20,7 +21,7 @@ nothing along); `served.engine_for` names the model (`note_model`) and every eng
 request is tracked where it is submitted (`track`: generation.submit, embedding.embed, the TGI routes, the yes_no
 judgements). The engine's `Request`s carry the rest (prompt and output ids, first token time, finish reason).
 
-Polling: GET /health, /metrics and /stats answered 2xx are logged at DEBUG (LLM_SERVING_LOG_LEVEL=DEBUG shows them),
+Polling: GET /health, /metrics and /stats answered below 400 are logged at DEBUG (LLM_SERVING_LOG_LEVEL=DEBUG shows them),
 everything else at INFO. A Kubernetes probe, a Prometheus scrape and the dashboard (three requests a second) would
 otherwise bury the requests a user is looking for; when they fail (a 503 /health) they are logged at INFO."""
 from __future__ import annotations
