@@ -295,6 +295,9 @@ class ServingConfig:
     memory_budget: Any = "auto"               # what the loaded models may take together (weights + KV cache):
                                               # bytes or "12GiB"; auto = 90% of the machine's memory. Past it the
                                               # least recently used idle model is unloaded first
+    # one line per HTTP request when its response is done (server/access_log.py: uvicorn's line with the model, the
+    # token counts, TTFT and total time, and a 4xx/5xx's reason), logged by `llm_serving.access`
+    access_log: bool = True
 
     def __post_init__(self) -> None:
         for key in ("server_ip", "agent_ip"):
@@ -353,6 +356,8 @@ class ServingConfig:
             _check(isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0,
                    f"serving_config.{key}", value, "must be a number of seconds >= 0")
         _check_int("serving_config.max_agent_restarts", self.max_agent_restarts, min_value=0)
+        _check(isinstance(self.access_log, bool), "serving_config.access_log", self.access_log,
+               "must be true or false")
         self.agent_huge_pages = _yaml_switch(self.agent_huge_pages)
         _check(self.agent_huge_pages in ("auto", "on", "off"), "serving_config.agent_huge_pages",
                self.agent_huge_pages, "must be auto, on or off")

@@ -66,7 +66,7 @@ class ServerProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log(6000)}")
             try:
                 status, _ = http("GET", self.url + "/health", timeout=2)
                 if status == 200:
@@ -75,12 +75,15 @@ class ServerProcess:
             except (urllib.error.URLError, ConnectionError, OSError):
                 pass
             time.sleep(0.5)
-        raise RuntimeError(f"server not ready after {timeout_s} s:\n{self.log()}")
+        raise RuntimeError(f"server not ready after {timeout_s} s:\n{self.log(6000)}")
 
-    def log(self) -> str:
+    def log(self, tail_chars: int | None = None) -> str:
+        """The server's output so far, whole (the start-up lines tests look for stay in it however many requests'
+        access-log lines follow), or its last `tail_chars` (an error message's)."""
         if not self._log.closed:
             self._log.flush()
-        return self.log_path.read_text(errors="replace")[-6000:]
+        text = self.log_path.read_text(errors="replace")
+        return text if tail_chars is None else text[-tail_chars:]
 
     def refresh_children(self) -> list:
         """Re-read the master's child processes (agents restarted since wait_ready are new processes); the

@@ -13,8 +13,8 @@ from llm_serving.master.engine import (DuplicateRequestError, EngineStoppedError
 from llm_serving.master.fleet import FleetFullError, ModelBusyError, ModelLoadError, UnknownModelError
 from llm_serving.master.grammar import GrammarError
 from llm_serving.master.scheduler import QueueFullError
-from llm_serving.server import (metrics, routes_anthropic, routes_embeddings, routes_llm_serving, routes_ollama,
-                                routes_openai, routes_responses, streaming)
+from llm_serving.server import (access_log, metrics, routes_anthropic, routes_embeddings, routes_llm_serving,
+                                routes_ollama, routes_openai, routes_responses, streaming)
 from llm_serving.server.api.base import UnknownFields
 from llm_serving.server.keys import FLEET, UNKNOWN_FIELDS
 from llm_serving.server.served import default_engine, hold_middleware
@@ -175,7 +175,9 @@ async def stats(request: web.Request) -> web.Response:
 def create_app(fleet) -> web.Application:
     """The server's app over `fleet` (master/fleet.py), its default model loaded."""
     sc = fleet.base.serving_config
-    middlewares = [error_middleware] + ([api_key_middleware(sc.api_key)] if sc.api_key else []) + [hold_middleware]
+    # the access log outermost: it sees every answer as sent (error_middleware's bodies, the key's 401s)
+    middlewares = ([access_log.access_middleware] if sc.access_log else []) + [error_middleware] + \
+        ([api_key_middleware(sc.api_key)] if sc.api_key else []) + [hold_middleware]
     app = web.Application(middlewares=middlewares, client_max_size=sc.max_body_bytes)
     app[FLEET] = fleet
     app[UNKNOWN_FIELDS] = UnknownFields(sc.unknown_fields)

@@ -10,6 +10,7 @@ from typing import Optional
 import numpy as np
 
 from llm_serving.master.engine import EngineStoppedError
+from llm_serving.server import access_log
 from llm_serving.server.errors import EngineFailedError, ValidationError
 
 
@@ -80,6 +81,7 @@ async def embed(engine, inputs: list) -> list:
     try:
         for ids in inputs:
             reqs.append(engine.submit_embedding(ids))
+            access_log.track(reqs[-1:])
         for req in reqs:
             await final_event(req)
         return [req.embedding for req in reqs]

@@ -1,11 +1,13 @@
-"""A prepared request run on the engine: `submit` queues it n times (its grammar compiled once, off the event loop),
-`events` reads their token events as they come. Every API's routes run their requests through these and release
-them when their reply is done (Engine.release: a client that went away frees its blocks)."""
+"""A prepared request run on the engine: `submit` queues it n times (its grammar compiled once, off the event loop;
+the access log counts them: server/access_log.py), `events` reads their token events as they come. Every API's routes
+run their requests through these and release them when their reply is done (Engine.release: a client that went away
+frees its blocks)."""
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 
+from llm_serving.server import access_log
 from llm_serving.server.translate import Prepared
 
 
@@ -24,6 +26,7 @@ async def submit(engine, prepared: Prepared, n: int) -> list:
         for req in reqs:
             engine.release(req)
         raise
+    access_log.track(reqs)
     return reqs
 
 

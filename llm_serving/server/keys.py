@@ -6,3 +6,4 @@ FLEET = web.AppKey("fleet", object)             # master/fleet.Fleet: the server
 METRICS = web.AppKey("metrics", object)
 RESPONSES = web.AppKey("responses", object)      # routes_responses.ResponseStore: stored Responses
 UNKNOWN_FIELDS = web.AppKey("unknown_fields", object)   # api/base.UnknownFields: what unknown body fields get
+LOAD_WAIT = web.RequestKey("load_wait_s", float)   # seconds a request waited for its model to load (served.py)

@@ -1,5 +1,6 @@
-"""Embeddings, rerank and score: OpenAI's `POST /v1/embeddings`; `POST /v1/rerank`, `/rerank`, `/v2/rerank` (Jina's
-and Cohere's shape, as vLLM serves them) and vLLM's `POST /score`, `/v1/score`. Errors are OpenAI's.
+"""Embeddings, rerank and score: OpenAI's `POST /v1/embeddings`; `POST /v1/rerank`, `/rerank` (Jina's and Cohere's
+shape, as vLLM serves them), `/v2/rerank` (Cohere's v2: no documents in its results unless asked) and vLLM's
+`POST /score`, `/v1/score`. Errors are OpenAI's.
 
 An embeddings request's inputs are embedded together (server/embedding.py: an engine request each, batched with the
 generation traffic). Rerank and score score each (query, document) pair by the model's `score_method` (GET
@@ -20,9 +21,10 @@ import numpy as np
 from aiohttp import web
 
 from llm_serving.master.request import SamplingParams
-from llm_serving.server import routes_openai
+from llm_serving.server import access_log, routes_openai
 from llm_serving.server.api import base as api
-from llm_serving.server.api.embeddings import DEFAULT_INSTRUCTION, EmbeddingRequest, RerankRequest, ScoreRequest
+from llm_serving.server.api.embeddings import (DEFAULT_INSTRUCTION, CohereRerankRequest, EmbeddingRequest,
+                                              RerankRequest, ScoreRequest)
 from llm_serving.server.embedding import (check_dimensions, embed, embedding_of, final_event, input_ids,
                                           shorten)
 from llm_serving.server.errors import ValidationError
@@ -147,6 +149,7 @@ async def _judged(engine, pairs: list, instruction: str, field: str) -> tuple:
         for ids in prompts:
             reqs.append(engine.submit(ids, SamplingParams(max_new_tokens=1, temperature=0.0,
                                                           allowed_token_ids=(no_id, yes_id))))
+            access_log.track(reqs[-1:])
         scores = []
         for req in reqs:
             event = await final_event(req)
@@ -159,7 +162,9 @@ async def _judged(engine, pairs: list, instruction: str, field: str) -> tuple:
 
 
 async def rerank(request: web.Request) -> web.Response:
-    engine, r = await _read(request, RerankRequest)
+    """Jina's /v1/rerank and /rerank (each result's document unless return_documents is false); Cohere's /v2/rerank
+    (its document only when return_documents is true)."""
+    engine, r = await _read(request, CohereRerankRequest if request.path == "/v2/rerank" else RerankRequest)
     documents = r.texts()
     scores, num_tokens = await score_pairs(engine, [(r.query, d) for d in documents], r.instruction,
                                            ("query", "documents"))

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from llm_serving.server import streaming
+from llm_serving.server import access_log, streaming
 from llm_serving.server.api import base as api
 from llm_serving.server.api.tgi import GenerateRequest
 from llm_serving.server.errors import ModelNotFoundError, ValidationError
@@ -62,6 +62,7 @@ async def _read_request(request: web.Request, stream_default: bool):
 async def generate(request: web.Request) -> web.StreamResponse:
     engine, gen, prompt_ids, req_id, adapter = await _read_request(request, stream_default=False)
     req = engine.submit(prompt_ids, gen.sampling, req_id=req_id, adapter=adapter, grammar=gen.compiled)
+    access_log.track([req])
     try:
         if gen.stream:
             return await _stream(request, engine, req, gen)
@@ -98,6 +99,7 @@ async def generate_stream(request: web.Request) -> web.StreamResponse:
     engine, gen, prompt_ids, req_id, adapter = await _read_request(request, stream_default=True)
     gen.stream = True
     req = engine.submit(prompt_ids, gen.sampling, req_id=req_id, adapter=adapter, grammar=gen.compiled)
+    access_log.track([req])
     try:
         return await _stream(request, engine, req, gen)
     finally:

@@ -30,6 +30,7 @@ from llm_serving.server.keys import ENGINE
 from llm_serving.server.served import LOAD_WAIT, engine_for, fleet_of
 from llm_serving.server.model_facts import ModelFacts, parameter_size, read_facts
 from llm_serving.server.reply import ReplyShape, ReplyStream, read_reply, reply_shape
+from llm_serving.server.tools import serves_tools
 from llm_serving.server.translate import prepare
 
 # an Ollama release whose API this serves (think, tool_name): clients compare /api/version with Ollama's releases
@@ -316,10 +317,18 @@ async def ps(request: web.Request) -> web.Response:
     return web.json_response({"models": models})
 
 
-def capabilities(template) -> list:
-    """What Ollama's clients may ask of the model: completion; tools when its template renders them (any chat
-    still takes tools, described in a system message: server/tools.py); thinking when it reasons."""
-    return ["completion"] + (["tools"] if template.takes_tools else []) + \
+def capabilities(engine) -> list:
+    """What Ollama's clients may ask of the model, in Ollama's sense and order: `embedding` for an embedding model
+    (its pooling declared by its files, sentence-transformers' 1_Pooling, or set by model_config.pooling: Ollama's
+    GGUF pooling_type), which Ollama's clients then embed with instead of chatting; else `completion`, `tools` when a
+    chat with a tool is served (`tools.serves_tools`: a template that takes them, or any that takes a system message,
+    where they are described, and the prompt fits the context; the calls are parsed either way), `thinking` when it
+    reasons (`<think>`, harmony)."""
+    spec = engine.embedding
+    if spec is not None and spec.source != "default":
+        return ["embedding"]
+    template = engine.chat_template
+    return ["completion"] + (["tools"] if serves_tools(template, engine.max_model_len) else []) + \
         (["thinking"] if template.reasons or template.harmony else [])
 
 
@@ -345,7 +354,7 @@ async def show(request: web.Request) -> web.Response:
     modelfile += [f"PARAMETER {line}" for line in parameters.splitlines()]
     return web.json_response({"modelfile": "\n".join(modelfile) + "\n", "parameters": parameters,
                               "template": template, "details": described, "model_info": info,
-                              "capabilities": capabilities(engine.chat_template),
+                              "capabilities": capabilities(engine),
                               "modified_at": created_at(facts.modified_at or engine.start_time)})
 
 

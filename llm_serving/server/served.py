@@ -8,17 +8,19 @@ from typing import Optional
 
 from aiohttp import web
 
-from llm_serving.server.keys import ENGINE, FLEET
+from llm_serving.server import access_log
+from llm_serving.server.keys import ENGINE, FLEET, LOAD_WAIT
 
 HELD = web.RequestKey("held_engines", list)
-LOAD_WAIT = web.RequestKey("load_wait_s", float)   # seconds the request waited for its model to load
 
 
 async def engine_for(request: web.Request, name: Optional[str]):
     """The engine serving model `name` (None: the default model), held until this request's response is done."""
     fleet = request.app.get(FLEET)
     if fleet is None:
+        access_log.note_model(name or request.app[ENGINE].model_name)
         return request.app[ENGINE]
+    access_log.note_model(name or fleet.default)
     loaded, t0 = fleet.entry_of(name).state == "loaded", time.monotonic()
     engine = await fleet.acquire(name)
     if not loaded:                          # (the request waited for its model's load)

@@ -23,6 +23,7 @@ from typing import Optional
 
 from llm_serving.master.grammar import JSON_OPTIONS, GrammarSpec
 from llm_serving.server.reasoning import partial_tag
+from llm_serving.tokenization import ChatTemplateError
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 DEFAULT_TOOL_PROMPT = (
@@ -141,6 +142,24 @@ def _with_argument_objects(message: dict) -> dict:
             pass
         calls.append({**call, "function": fn})
     return {**message, "tool_calls": calls}
+
+
+PROBE_TOOL = {"type": "function", "function": {"name": "get_time", "description": "the current time",
+                                               "parameters": {"type": "object", "properties": {}}}}
+
+
+def serves_tools(template, max_model_len: int) -> bool:
+    """Whether a chat with one small tool is served with this template, its prompt made as a request's would be
+    (`ToolRequest.conversation`) and left room for a reply in the context: true for a template that takes tools and
+    for any other that takes a system message (the tools are described there) when that fits; false for one that
+    refuses a system message (Gemma's raise "System role not supported") and takes no tools, or a context the
+    prompt does not fit (stories260K's 256 tokens)."""
+    tools = ToolRequest.of([PROBE_TOOL], "auto", True, template)
+    messages, rendered = tools.conversation([{"role": "user", "content": "What time is it?"}])
+    try:
+        return len(template.encode(messages, rendered)) < max_model_len
+    except ChatTemplateError:
+        return False
 
 
 def describe_tools(tools: list, messages: list) -> list:

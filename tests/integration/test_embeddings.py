@@ -131,8 +131,15 @@ def test_rerank_and_score_replies_by_similarity(stories_server, client):
         results = body["results"]
         assert [r["index"] for r in results] == sorted(range(3), key=lambda k: -want[k])
         assert [r["relevance_score"] for r in results] == pytest.approx(sorted(want, reverse=True), abs=1e-5)
-        assert [r["document"]["text"] for r in results] == [texts[r["index"]] for r in results]
+        if path == "/v2/rerank":        # Cohere's v2: no documents unless asked
+            assert all(set(r) == {"index", "relevance_score"} for r in results), results
+        else:
+            assert [r["document"]["text"] for r in results] == [texts[r["index"]] for r in results]
         assert body["model"] == "hf" and body["usage"]["total_tokens"] > 0
+    status, body = http("POST", stories_server.url + "/v2/rerank", {"query": query, "documents": documents,
+                                                                    "return_documents": True})
+    assert status == 200 and [r["document"]["text"] for r in body["results"]] == \
+        [texts[r["index"]] for r in body["results"]]
     status, body = http("POST", stories_server.url + "/rerank", {"query": query, "documents": documents, "top_n": 2,
                                                                  "return_documents": False})
     assert status == 200 and len(body["results"]) == 2 and "document" not in body["results"][0]
@@ -288,6 +295,8 @@ def test_a_declared_last_token_pooling_is_transformers_last_hidden_state(reranke
     model = http("GET", reranker.url + "/v1/models")[1]["data"][0]
     assert model["embedding"] == {"pooling": "last", "dimensions": 64} and model["score_method"] == "yes_no"
     _check_embeddings(reranker, qwen3_dirs[0], lambda hidden: hidden[-1])
+    # an embedding model, as Ollama says it (its clients then embed with it rather than chat)
+    assert ollama.Client(host=reranker.url, timeout=60).show(model["id"]).capabilities == ["embedding"]
     status, body = http("POST", reranker.url + "/v1/embeddings", {"model": model["id"], "input": "a", "dimensions": 8})
     assert status == 400 and body["error"]["param"] == "dimensions"
 
@@ -295,6 +304,8 @@ def test_a_declared_last_token_pooling_is_transformers_last_hidden_state(reranke
 def test_without_a_declaration_the_pooling_is_the_mean_over_the_tokens(mean_server, qwen3_dirs):
     model = http("GET", mean_server.url + "/v1/models")[1]["data"][0]
     assert model["embedding"] == {"pooling": "mean", "dimensions": 64} and model["score_method"] == "similarity"
+    shown = ollama.Client(host=mean_server.url, timeout=60).show(model["id"])
+    assert shown.capabilities[0] == "completion" and "embedding" not in shown.capabilities
     _check_embeddings(mean_server, qwen3_dirs[1], lambda hidden: hidden.mean(axis=0))
 
 

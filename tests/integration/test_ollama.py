@@ -89,7 +89,12 @@ def test_list_show_ps_and_version_describe_the_served_model(client, stories_serv
     assert (listed.details.format, listed.details.family, listed.details.quantization_level) == \
         ("safetensors", "llama", "F32")
     shown = client.show("hf")
-    assert shown.capabilities == ["completion"] and shown.template == ""      # the built-in LLaMA-2 format
+    assert shown.template == ""                                    # the built-in LLaMA-2 format
+    # no tools: its format takes none, and the system message that would describe them does not fit its context
+    assert shown.capabilities == ["completion"]
+    with pytest.raises(ollama.ResponseError) as err:
+        client.chat(model="hf", messages=[{"role": "user", "content": "A cat"}], tools=[WEATHER], options=GREEDY)
+    assert err.value.status_code == 400 and "this model accepts at most 255 prompt tokens" in err.value.error
     assert shown.modelinfo["llama.context_length"] == info["max_total_tokens"]
     assert shown.modelinfo["general.parameter_count"] > 0 and "temperature 0.8" in shown.parameters
     (running,) = client.ps().models
@@ -154,6 +159,7 @@ def test_tools_and_a_calls_history_reach_smollm2s_template(smollm2):
                           options={"temperature": 0, "num_predict": 40})
     assert "41" in answer.message.content and answer.done_reason == "stop"
     shown = smollm2.show(SMOLLM2)
+    assert shown.capabilities == ["completion", "tools"]       # (its template renders no tools: a system message does)
     assert shown.details.format == "gguf" and shown.details.quantization_level == "Q4_1"
     assert shown.details.parameter_size == "134.52M" and "{%" in shown.template
     with pytest.raises(ollama.ResponseError) as err:       # its template does not reason
@@ -175,7 +181,7 @@ def test_think_reaches_a_thinking_template_and_show_says_it_thinks(stories_dir, 
             "--set", f"tokenizer.chat_template={template}"]
     with serving(args, tmp_path / "server.log") as server:
         client = ollama.Client(host=server.url, timeout=120)
-        assert client.show("hf").capabilities == ["completion", "thinking"]
+        assert client.show("hf").capabilities == ["completion", "thinking"]      # (tools: as test_list_show_...)
         assert client.show("hf").template == SWITCH
         ask = dict(model="hf", messages=[{"role": "user", "content": "Once upon a time"}], options=GREEDY)
         on, off = client.chat(**ask, think=True), client.chat(**ask, think=False)

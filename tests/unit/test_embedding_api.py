@@ -301,7 +301,10 @@ def test_rerank_by_similarity_sorts_best_first_and_cuts_to_top_n():
         status, body = call(engine, path, {"model": "m", "query": "abc", "documents": documents})
         assert status == 200 and body["model"] == "m" and body["id"].startswith("rerank-")
         assert [r["index"] for r in body["results"]] == [1, 2, 0]
-        assert [r["document"]["text"] for r in body["results"]] == ["abc", "abd", "zzz"]
+        if path == "/v2/rerank":        # Cohere's v2: index and relevance_score alone
+            assert all(set(r) == {"index", "relevance_score"} for r in body["results"])
+        else:                           # Jina's: each result's document unless return_documents is false
+            assert [r["document"]["text"] for r in body["results"]] == ["abc", "abd", "zzz"]
         assert body["results"][0]["relevance_score"] == pytest.approx(1.0, abs=1e-6)
         assert body["results"][1]["relevance_score"] == pytest.approx(2 / 3, abs=1e-6)
         assert body["usage"] == {"total_tokens": 9}     # each distinct text embedded once (the query and "abc" are one)
@@ -309,6 +312,21 @@ def test_rerank_by_similarity_sorts_best_first_and_cuts_to_top_n():
                                             "return_documents": False})
     assert status == 200 and body["results"] == [{"index": 1, "relevance_score": body["results"][0]["relevance_score"]}]
     assert body["model"] == "m"                                 # (the served model, when none is named)
+    status, body = call(engine, "/v2/rerank", {"query": "abc", "documents": documents, "return_documents": True})
+    assert status == 200 and [r["document"]["text"] for r in body["results"]] == ["abc", "abd", "zzz"]
+    status, body = call(engine, "/v2/rerank", {"query": "abc", "documents": documents, "return_documents": "yes"})
+    assert status == 400 and body["error"]["param"] == "return_documents"
+
+
+def test_the_document_says_which_rerank_returns_documents_by_default():
+    doc = openapi("1", models=["m"])
+
+    def body_schema(path):
+        ref = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        return doc["components"]["schemas"][ref.rsplit("/", 1)[1]]
+    assert body_schema("/v1/rerank")["properties"]["return_documents"]["default"] is True
+    assert body_schema("/rerank")["properties"]["return_documents"]["default"] is True
+    assert body_schema("/v2/rerank")["properties"]["return_documents"]["default"] is False
 
 
 def test_score_pairs_one_text_against_each_or_pairwise():

@@ -16,6 +16,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from llm_serving.master.grammar import GrammarSpec
 from llm_serving.master.request import TokenEvent
+from llm_serving.models.pooling import EmbeddingSpec
 from llm_serving.server import routes_ollama
 from llm_serving.server.api.base import validate
 from llm_serving.server.api.document import openapi
@@ -241,6 +242,7 @@ class _Engine:
     """Answers every request with the scripted texts (token ids from 1000), the last one finishing with `reason`."""
     model_name, vocab_size, max_model_len, lora_paths = "m", 1 << 17, 4096, {}
     default_max_tokens = None
+    embedding = None                        # (models/pooling.py's EmbeddingSpec: how it embeds, when it does)
 
     def __init__(self, texts=("Hi", " there"), reason="stop", error=None, template=None):
         self.texts, self.reason, self.error = list(texts), reason, error
@@ -372,6 +374,12 @@ def test_tags_show_ps_and_version_describe_the_served_model():
     status, _, text = call(engine, "POST", "/api/show", {"model": "m:latest"})
     shown = json.loads(text)
     assert status == 200 and shown["capabilities"] == ["completion", "tools", "thinking"]
+    engine.embedding = EmbeddingSpec("mean", "default", 64)            # (any model embeds: that is not a declaration)
+    assert json.loads(call(engine, "POST", "/api/show", {"model": "m"})[2])["capabilities"] == \
+        ["completion", "tools", "thinking"]
+    engine.embedding = EmbeddingSpec("last", "1_Pooling/config.json", 64)     # an embedding model, as Ollama says it
+    assert json.loads(call(engine, "POST", "/api/show", {"model": "m"})[2])["capabilities"] == ["embedding"]
+    engine.embedding = None
     assert shown["model_info"]["llama.context_length"] == 4096 and shown["template"] == "{{ messages }}"
     assert "temperature 0.8" in shown["parameters"] and "FROM " + str(STORIES_HF) in shown["modelfile"]
     assert call(engine, "POST", "/api/show", {"model": "nope"})[0] == 404

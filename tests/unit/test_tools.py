@@ -13,7 +13,7 @@ from llm_serving.server.api.base import validate
 from llm_serving.server.api.openai import ChatCompletionRequest
 from llm_serving.server.errors import ValidationError
 from llm_serving.server.reply import ReplyShape, ReplyStream, read_reply
-from llm_serving.server.tools import CallStream, ToolRequest, history_as_text, parse_calls
+from llm_serving.server.tools import CallStream, ToolRequest, history_as_text, parse_calls, serves_tools
 from llm_serving.tokenization.chat_template import ChatTemplate
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
@@ -96,6 +96,24 @@ def test_a_template_that_takes_tools_renders_them_with_argument_objects():
     assert '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>' in text
     assert ChatTemplate(_Tok(), LLAMA3_LIKE).tool_format == "llama3_json"
     assert not ChatTemplate(_Tok(), PLAIN).takes_tools
+
+
+# Gemma's way: no system role, no tools
+NO_SYSTEM = ("{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('System role not supported') }}"
+             "{% endif %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+
+
+def test_tools_are_served_by_a_template_that_takes_them_or_a_system_message_when_they_fit():
+    assert serves_tools(ChatTemplate(_Tok(), QWEN_LIKE), 4096)
+    assert serves_tools(ChatTemplate(_Tok(), LLAMA3_LIKE), 4096)
+    plain = ChatTemplate(_Tok(), PLAIN)
+    assert serves_tools(plain, 4096)                              # (described in a system message)
+    described = len(plain.encode(*ToolRequest.of([WEATHER], "auto", True, plain).conversation(
+        [{"role": "user", "content": "What time is it?"}])))
+    assert 400 < described and not serves_tools(plain, 256)      # the description alone fills a small context
+    assert not serves_tools(ChatTemplate(_Tok(), NO_SYSTEM), 4096)
+    takes_them = NO_SYSTEM.replace("{% for m", "{% if tools %}TOOLS{% endif %}{% for m", 1)
+    assert serves_tools(ChatTemplate(_Tok(), takes_them), 4096)   # (rendered by the template, no system message)
 
 
 def test_the_forcing_grammar_allows_only_the_chosen_tools_in_the_models_format():

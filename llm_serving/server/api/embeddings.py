@@ -80,8 +80,8 @@ class RerankDocument(Body):
 
 
 class RerankRequest(Body):
-    """POST /v1/rerank, /rerank, /v2/rerank (Jina's and Cohere's body, as vLLM serves it): the documents by their
-    relevance to the query, most relevant first."""
+    """POST /v1/rerank, /rerank (Jina's and Cohere's body, as vLLM serves it): the documents by their relevance to the
+    query, most relevant first."""
     model: Optional[str] = Field(None, description="the served model's id (default: it)", json_schema_extra=BASE_MODEL)
     query: str = Field(min_length=1)
     documents: List[Union[NonEmpty, RerankDocument]] = Field(min_length=1, max_length=MAX_DOCUMENTS,
@@ -93,6 +93,14 @@ class RerankRequest(Body):
 
     def texts(self) -> list:
         return [d.text if isinstance(d, RerankDocument) else d for d in self.documents]
+
+
+class CohereRerankRequest(RerankRequest):
+    """POST /v2/rerank: as /v1/rerank, but its results are Cohere's v2: each result's index and relevance_score, its
+    document only when `return_documents` is true (Cohere's v2 API has no such field and never returns them; the
+    field is kept for the clients that send it)."""
+    return_documents: bool = Field(False, description="each result carries its document's text (Cohere's v2: not "
+                                                      "unless asked)")
 
 
 class ScoreRequest(Body):
@@ -140,6 +148,7 @@ class ScoreRequest(Body):
 ROUTES = [("/v1/embeddings", EmbeddingRequest, "OpenAI embeddings: the served model's pooling, normalized"),
           ("/v1/rerank", RerankRequest, "rerank (Jina's and Cohere's shape): documents by relevance to a query"),
           ("/rerank", RerankRequest, "rerank, as /v1/rerank"),
-          ("/v2/rerank", RerankRequest, "rerank (Cohere's v2 path), as /v1/rerank"),
+          ("/v2/rerank", CohereRerankRequest, "rerank (Cohere's v2): as /v1/rerank, its results without their "
+                                              "documents unless return_documents is true"),
           ("/score", ScoreRequest, "vLLM: the relevance of text pairs"),
           ("/v1/score", ScoreRequest, "vLLM: the relevance of text pairs, as /score")]
