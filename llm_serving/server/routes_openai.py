@@ -22,7 +22,7 @@ from llm_serving.server import streaming
 from llm_serving.server.api import base as api
 from llm_serving.server.api import document, openai as openai_api
 from llm_serving.server.errors import ModelNotFoundError, ValidationError
-from llm_serving.server.keys import ENGINE
+from llm_serving.server.keys import ENGINE, UNKNOWN_FIELDS
 from llm_serving.server.served import default_engine, engine_for, fleet_of
 from llm_serving.server.reply import ReplyShape, ReplyStream, read_reply, reply_shape
 from llm_serving.server.tools import ToolRequest
@@ -339,7 +339,8 @@ async def openapi(request: web.Request) -> web.Response:
     spec = engine.embedding             # the widths a request may ask its embeddings for
     widths = None if spec is None else [d for d in range(1, spec.dimensions + 1) if spec.check_dimensions(d) is None]
     names = engine.served_models() + ([n for n in fleet.names if n != engine.model_name] if fleet else [])
-    return web.json_response(document.openapi(served, names, engine.vocab_size, engine.max_model_len, widths))
+    closed = request.app[UNKNOWN_FIELDS].policy == "reject"
+    return web.json_response(document.openapi(served, names, engine.vocab_size, engine.max_model_len, widths, closed))
 
 
 def add_routes(app: web.Application) -> None:

@@ -101,3 +101,9 @@ def test_a_coding_agents_request_as_captured_and_with_20_unknown_fields_translat
     assert (got.messages, got.tools, got.sampling) == (want.messages, want.tools, want.sampling)
     with pytest.raises(ValidationError, match="unknown field"):
         UnknownFields("reject").validate(model, with_unknown_fields(captured["body"]), captured["path"])
+
+
+def test_the_openapi_document_says_whether_unknown_fields_are_taken():
+    from llm_serving.server.api.document import openapi
+    closed, open_ = json.dumps(openapi("1", closed=True)), json.dumps(openapi("1"))
+    assert '"additionalProperties": false' in closed and '"additionalProperties": false' not in open_

@@ -114,11 +114,14 @@ REPLIES = {
 
 
 def openapi(version: str, models: Sequence[str] = (), vocab_size: Optional[int] = None,
-            max_model_len: Optional[int] = None, dimensions: Optional[Sequence[int]] = None) -> dict:
+            max_model_len: Optional[int] = None, dimensions: Optional[Sequence[int]] = None,
+            closed: bool = False) -> dict:
     """The OpenAPI 3.1 document of the HTTP API, its request bodies from the API models. A serving server gives what
     it serves: `models` (the model's name, then its LoRA adapters'), the vocabulary's size, the context's length and
     the widths its embeddings may be asked for (`dimensions`, ascending: the model's own last); without them the
-    fields that name or count them stay as open as their models."""
+    fields that name or count them stay as open as their models. `closed` (serving_config.unknown_fields reject):
+    the bodies take no field they do not name (additionalProperties false); else unknown fields are ignored, and
+    the document says so by leaving them open."""
     routes = [(module, route) for module in API_MODULES for route in module.ROUTES]
     refs, defs = models_json_schema([(m, "validation") for m in dict.fromkeys(m for _, (_, m, _) in routes)],
                                     ref_template="#/components/schemas/{model}")
@@ -150,7 +153,16 @@ def openapi(version: str, models: Sequence[str] = (), vocab_size: Optional[int] 
     # pydantic spells as a path: named by their API instead (OllamaToolCall)
     text = re.sub(r"llm_serving__server__api__([a-z]+)__(\w+)", lambda m: API_NAMES.get(m[1], m[1].title()) + m[2],
                   json.dumps(doc))
-    return json.loads(text)
+    return json.loads(text) if closed else _open(json.loads(text))
+
+
+def _open(node):
+    """The document with every `"additionalProperties": false` (a strict body's) left out: unknown fields ignored."""
+    if isinstance(node, dict):
+        return {k: _open(v) for k, v in node.items() if not (k == "additionalProperties" and v is False)}
+    if isinstance(node, list):
+        return [_open(v) for v in node]
+    return node
 
 
 def _reply(path: str, description: str) -> dict:
