@@ -339,7 +339,7 @@ async def openapi(request: web.Request) -> web.Response:
     spec = engine.embedding             # the widths a request may ask its embeddings for
     widths = None if spec is None else [d for d in range(1, spec.dimensions + 1) if spec.check_dimensions(d) is None]
     names = engine.served_models() + ([n for n in fleet.names if n != engine.model_name] if fleet else [])
-    closed = request.app[UNKNOWN_FIELDS].policy == "reject"
+    closed = getattr(request.app.get(UNKNOWN_FIELDS), "policy", "ignore") == "reject"
     return web.json_response(document.openapi(served, names, engine.vocab_size, engine.max_model_len, widths, closed))
 
 

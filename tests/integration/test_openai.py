@@ -181,7 +181,7 @@ def test_tokenize_and_detokenize_in_vllms_shapes(client, stories_server, tokeniz
                              ("/tokenize", {"prompt": PROMPT, "model": "nope"}, None),
                              ("/tokenize", {"messages": messages, "add_generation_prompt": False},
                               "add_generation_prompt"),
-                             ("/tokenize", {"prompt": PROMPT, "truncate": 3}, "truncate"),
+                             ("/tokenize", {"prompt": PROMPT, "add_special_tokens": "yes"}, "add_special_tokens"),
                              ("/detokenize", {"tokens": [1, 10 ** 6]}, "tokens"),
                              ("/detokenize", {"tokens": "1 2"}, "tokens")):
         status, err = http("POST", url + path, bad)
@@ -214,7 +214,7 @@ def test_the_openapi_document_describes_the_request_bodies_and_they_are_checked_
             ("/v1/chat/completions", {"model": "hf", "messages": [{"role": "robot", "content": "x"}]}, "messages",
              "messages[0].role must be"),
             ("/v1/chat/completions", {"model": "hf", "messages": [], "top_k": 1}, "messages", "non-empty"),
-            ("/v1/completions", {"model": "hf", "prompt": "x", "colour": "red"}, "colour", "unknown field(s): colour")):
+            ("/v1/completions", {"model": "hf", "prompt": "x", "colour": "red", "top_p": 0}, "top_p", "> 0")):
         status, err = http("POST", url + path, body)
         assert status == 400 and err["error"]["param"] == param and words in err["error"]["message"], (body, err)
     status, err = http("POST", url + "/generate", {"inputs": "x", "parameters": {"top_k": -1}})

@@ -103,7 +103,7 @@ def test_a_stored_response_is_read_continued_and_deleted_by_id(stories, stories_
 
 
 def test_what_cannot_be_served_is_a_400_naming_the_field(stories):
-    for fields, param in (({"tools": [{"type": "web_search"}]}, "tools"),
+    for fields, param in (({"tools": [{"type": "web_search"}], "tool_choice": "required"}, "tool_choice"),
                           ({"input": [{"type": "input_image", "image_url": "x"}]}, "input"),
                           ({"tool_choice": "required"}, "tool_choice"),
                           ({"model": "nope"}, None)):
