@@ -14,7 +14,8 @@ server with transformers (the reference) and a HuggingFace directory with its GG
 - `ENCODERS`, `make_bert_model(name, path, seed)`: a tiny random BERT encoder as sentence-transformers ships one
   (BertModel's safetensors, modules.json and 1_Pooling/config.json naming its pooling, a WordPiece tokenizer.json
   whose post-processor adds [CLS] ... [SEP]); `transformers_embedding(path, ids, pooling)`: sentence-transformers'
-  vector computed with transformers (its pooling over the model's last hidden states, L2-normalized).
+  vector computed with transformers (its pooling over the model's last hidden states, L2-normalized);
+  `write_bert_gguf(hf_path, out_path, qtype)`: its GGUF as convert_hf_to_gguf.py's BertModel writes it.
 - `write_gguf(family, hf_path, out_path, qtype)`: the directory as llama.cpp's convert_hf_to_gguf.py writes it
   (tensor names from the gguf package's map, q/k rows permuted for the architectures whose llama.cpp RoPE pairs
   neighbours, Gemma's norms stored as 1 + w, Phi-3's fused tensors and longrope factors, the metadata keys; the
@@ -35,7 +36,7 @@ from typing import Optional
 
 import numpy as np
 
-__all__ = ["ENCODERS", "FAMILIES", "SPECIAL_TOKENS", "make_bert_model", "transformers_embedding", "config_json_v4", "make_hf_model", "needs_transformers",
+__all__ = ["ENCODERS", "FAMILIES", "SPECIAL_TOKENS", "make_bert_model", "transformers_embedding", "write_bert_gguf", "config_json_v4", "make_hf_model", "needs_transformers",
            "quantize_mxfp4_hf", "transformers_greedy", "transformers_logits", "write_gguf", "write_mxfp4_hf",
            "write_tokenizer"]
 
@@ -432,6 +433,68 @@ def _bert_model(path: str):
     torch, transformers = needs_transformers()
     return transformers.BertModel.from_pretrained(path, dtype=torch.float32, attn_implementation="eager",
                                                   add_pooling_layer=False).eval()
+
+
+def write_bert_gguf(hf_path, out_path, qtype=None) -> Path:
+    """make_bert_model's directory as a GGUF, as llama.cpp's converter (convert_hf_to_gguf.py's BertModel) writes it:
+    `bert.*` hyperparameters (causal false, the pooling type its 1_Pooling/config.json declares), the vocabulary in
+    llama.cpp's phantom-space form (a word's first piece "▁"-prefixed, a "##" continuation bare, [..] specials as
+    they are) with the special ids gguf's SpecialVocab reads ([CLS] its BOS, [SEP] its EOS, both added), the tensors
+    under the gguf package's BERT names (position_ids and the pooler left out); matrices as `qtype` (default F32),
+    1-D tensors F32."""
+    import gguf
+
+    hf_path, out_path = Path(hf_path), Path(out_path)
+    cfg = json.loads((hf_path / "config.json").read_text())
+    pooling = json.loads((hf_path / "1_Pooling" / "config.json").read_text())
+    qtype = gguf.GGMLQuantizationType.F32 if qtype is None else qtype
+    w = gguf.GGUFWriter(str(out_path), "bert")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_layer_norm_eps(cfg["layer_norm_eps"])
+    w.add_causal_attention(False)
+    w.add_pooling_type(gguf.PoolingType.CLS if pooling["pooling_mode_cls_token"] else gguf.PoolingType.MEAN)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32 if qtype == gguf.GGMLQuantizationType.F32
+                    else getattr(gguf.LlamaFileType, f"MOSTLY_{qtype.name}"))
+    tok = json.loads((hf_path / "tokenizer.json").read_text(encoding="utf-8"))
+    vocab = tok["model"]["vocab"]
+    specials = {t["content"] for t in tok["added_tokens"] if t.get("special")}
+
+    def phantom(piece: str) -> str:
+        if piece.startswith("[") and piece.endswith("]"):
+            return piece
+        return piece[2:] if piece.startswith("##") else "\u2581" + piece
+
+    tokens = sorted(vocab, key=vocab.get)
+    w.add_token_type_count(cfg["type_vocab_size"])
+    w.add_tokenizer_model("bert")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([phantom(t) for t in tokens])
+    w.add_token_types([gguf.TokenType.CONTROL if t in specials else gguf.TokenType.NORMAL for t in tokens])
+    gguf.SpecialVocab(str(hf_path), n_vocab=len(tokens)).add_to_gguf(w)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.BERT, cfg["num_hidden_layers"])
+    from safetensors.numpy import load_file
+
+    for name, arr in load_file(str(hf_path / "model.safetensors")).items():
+        if name.endswith("position_ids") or name.startswith("pooler."):
+            continue
+        base, suffix = name.rsplit(".", 1)
+        out = names.get_name(base)
+        if out is None:
+            raise KeyError(f"write_bert_gguf: no GGUF name for {name}")
+        arr = np.ascontiguousarray(arr, np.float32)
+        if arr.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+            w.add_tensor(f"{out}.{suffix}", gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(f"{out}.{suffix}", arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out_path
 
 
 # ------------------------------------------------------------------------------------------ GGUF twins

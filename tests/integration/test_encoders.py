@@ -9,6 +9,8 @@ makes: all-MiniLM's shape (mean pooling declared in 1_Pooling/config.json) and b
 - the similarity scores (/v1/rerank by similarity, /score) order the documents as transformers' cosines do.
 - every generation route refuses the model with a 400 naming it; Ollama's /api/show says it embeds only.
 - an input longer than the context is refused, or cut by truncate_prompt_tokens (its last tokens, as vLLM does).
+- a Q8_0 GGUF twin (as llama.cpp's converter writes a bert GGUF): its vocabulary, pooling and stored matrices
+  served, each vector the float64 reference's on its dequantized weights.
 
 Tolerance: the KV cache is float16 (tests/integration/test_embeddings.py says why 1e-3 of a component holds).
 """
@@ -17,7 +19,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.families import ENCODERS, make_bert_model, needs_transformers, transformers_embedding
+from llm_serving.reference_llama import ReferenceLlama
+from tests.families import ENCODERS, make_bert_model, needs_transformers, transformers_embedding, write_bert_gguf
 from tests.integration.server_harness import http, serving
 
 EMBEDDING_ATOL = 1e-3
@@ -147,3 +150,16 @@ def test_an_input_past_the_context_is_refused_or_truncated(encoders, mean_server
     assert status == 400 and "at most 128 tokens" in body["error"]["message"], body
     got = embeddings(mean_server, text, truncate_prompt_tokens=100)[0]
     check_close(got, transformers_embedding(directory, ids[-100:], "mean"), "truncated")
+
+
+def test_a_quantized_gguf_twin_serves_the_references_embeddings(encoders, tmp_path_factory):
+    import gguf
+
+    root = tmp_path_factory.mktemp("bert-gguf")
+    twin = write_bert_gguf(encoders["bert-cls"], root / "bert-cls-q8.gguf", gguf.GGMLQuantizationType.Q8_0)
+    ref = ReferenceLlama(str(twin))
+    with serving(["--model", str(twin)], root / "server.log") as server:
+        model = http("GET", server.url + "/v1/models")[1]["data"][0]
+        assert model["embedding"]["pooling"] == "cls"                   # its bert.pooling_type
+        for text, got in zip(TEXTS, embeddings(server, TEXTS)):
+            check_close(got, ref.embed(ids_of(encoders["bert-cls"], text), "cls"), text)

@@ -1,6 +1,7 @@
 """BERT encoders as data of the one model: config.json read into LlamaConfig's encoder switches, the checkpoint's
 tensors under the internal names, and the float64 reference's embeddings against transformers' (sentence-
-transformers' pooling computed with transformers) on tiny random BERTs that transformers makes (tests/families.py)."""
+transformers' pooling computed with transformers) on tiny random BERTs that transformers makes (tests/families.py);
+their GGUF twins (as llama.cpp's converter writes a bert GGUF) read as the same model, vocabulary and pooling."""
 from __future__ import annotations
 
 import json
@@ -11,7 +12,7 @@ import pytest
 from llm_serving.models.weights import WeightLoadError, expected_shapes, load_llama_weights
 from llm_serving.models.weights.hf_config import load_config
 from llm_serving.reference_llama import ReferenceLlama
-from tests.families import ENCODERS, make_bert_model, needs_transformers, transformers_embedding
+from tests.families import ENCODERS, make_bert_model, needs_transformers, transformers_embedding, write_bert_gguf
 
 TEXTS = ["the little cat sat on the mat", "once upon a time there was a girl named lily",
          "lily and ben played in the park with a red ball", "the dog ran"]
@@ -122,3 +123,46 @@ def test_the_encoders_attention_is_bidirectional(encoders):
         ref.forward(seq, ids, 0)
     with pytest.raises(ValueError, match="whole input"):
         ref._hidden(seq, ids[2:], 2)
+
+
+@pytest.mark.parametrize("name", list(ENCODERS))
+def test_a_bert_gguf_is_the_same_model_vocabulary_and_pooling(encoders, name, tmp_path):
+    """The F32 GGUF twin: every config field and tensor the HF directory's (exactly), the pooling its pooling_type
+    declares, and its rebuilt WordPiece vocabulary (phantom-space pieces back in HF's form) giving each text the HF
+    tokenizer's ids, [CLS] ... [SEP]."""
+    import dataclasses
+
+    from llm_serving.models.pooling import declared_pooling
+    from llm_serving.tokenization import load_tokenizer
+
+    directory = encoders[name]
+    twin = write_bert_gguf(directory, tmp_path / f"{name}.gguf")
+    cfg, weights = load_llama_weights(str(directory))
+    cfg2, weights2 = load_llama_weights(str(twin))
+    for field in dataclasses.fields(cfg):          # (GGUF keeps floats as float32: the epsilon to 1e-6)
+        want, got = getattr(cfg, field.name), getattr(cfg2, field.name)
+        assert got == pytest.approx(want, rel=1e-6) if isinstance(want, float) else got == want, field.name
+    assert set(weights2) == set(weights)
+    for tensor, arr in weights.items():
+        np.testing.assert_array_equal(weights2[tensor], arr, err_msg=tensor)
+    assert declared_pooling(str(twin))[0] == ENCODERS[name][1]
+    tok = load_tokenizer(str(twin))
+    for text in TEXTS + ["Lily's dog, Max, ran FAST!"]:
+        assert tok.encode(text, add_bos=True) + list(tok.input_suffix) == encode(directory, text), text
+
+
+def test_a_quantized_bert_gguf_keeps_its_matrices_as_stored_and_its_tables_float32(encoders, tmp_path):
+    """Q8_0: the layers' matrices and the word embedding are the CPU kernels' stored rows; the position and token
+    type rows (the embedding's float32 tables) are not; the reference on the dequantized weights stays close to
+    transformers' (Q8_0's rounding)."""
+    import gguf
+
+    from llm_serving.models.weights import load_quantized
+
+    twin = write_bert_gguf(encoders["bert"], tmp_path / "bert-q8.gguf", gguf.GGMLQuantizationType.Q8_0)
+    stored = load_quantized(str(twin))
+    assert "model.layers.0.mlp.up_proj.weight" in stored and "model.embed_tokens.weight" in stored
+    assert not {"model.embed_positions.weight", "model.embed_token_types.weight"} & set(stored)
+    ids = encode(encoders["bert"], TEXTS[1])
+    got = ReferenceLlama(str(twin)).embed(ids, "mean")
+    assert float(got @ transformers_embedding(encoders["bert"], ids, "mean")) > 0.999
