@@ -4,9 +4,10 @@
 the width of the step buffers' token masks) when not given, and its task (`model_config.task`: `decide_task`):
 `size_for_model` decides them all.
 
-A bidirectional encoder (BERT) embeds only (task embed) and computes each input whole in one step: its context is
-at most the largest of `model_config.seq_length` (a step's row) and its learned positions, and it runs where the CPU
-kernel's packed steps run (one CPU agent with the attention kernel: `_check_encoder`).
+A bidirectional encoder (BERT) embeds only (task embed), and runs where the CPU kernel's packed steps run (one CPU
+agent with the attention kernel: `_check_encoder`). An embedding model (task embed) computes each input whole in one
+step: its context is at most the largest of `model_config.seq_length` (a step's row) and an encoder's learned
+positions.
 
 Every agent allocates the same number of blocks (the master's block tables index them all); a block holds
 `block_size` tokens of keys and values for every layer and KV head, in pa_config.kv_cache_dtype (float16 and
@@ -246,24 +247,27 @@ def _check_encoder(config: Config, shape) -> None:
                           "serve it")
 
 
-def _encoder_context(config: Config, shape, n: int) -> int:
-    """The context a bidirectional encoder is served with: `n` (the trained context, or the cache's) at most a step's
-    row (model_config.seq_length's largest: the whole input is one step) and its learned positions."""
+def _whole_input_context(config: Config, shape, n: int) -> int:
+    """The context an embedding model (task embed: its inputs computed whole, one step each) is served with: `n` (the
+    trained context, or the cache's) at most a step's row (model_config.seq_length's largest)."""
     row = config.model_config.seq_length[-1]
     if n > row:
         logger.warning("model_config.max_generate_length=auto: %d tokens per input (model_config.seq_length's "
-                       "largest: an encoder computes an input whole, in one step's row; the model has %d "
-                       "positions)", row, shape.max_position_embeddings)
+                       "largest: an embedding model's input is computed whole, in one step's row; the model has "
+                       "%d positions)", row, shape.max_position_embeddings)
     return min(n, row)
 
 
-def _check_encoder_context(config: Config, shape) -> None:
-    """ConfigError when a given context exceeds what an encoder can compute whole (a step's row, its positions)."""
+def _check_whole_input_context(config: Config, shape) -> None:
+    """ConfigError when a given context exceeds what an embedding model computes whole (a step's row; an encoder's
+    learned positions)."""
     n, row = config.max_model_len, config.model_config.seq_length[-1]
-    if n > row or n > shape.max_position_embeddings:
-        raise ConfigError(f"model_config.max_generate_length={n}: a bidirectional encoder computes an input whole, "
-                          f"in one step's row of at most model_config.seq_length's largest ({row}) tokens, at the "
-                          f"model's {shape.max_position_embeddings} learned positions; lower it or leave it auto")
+    positions = shape.max_position_embeddings if shape.learned_positions else n
+    if n > row or n > positions:
+        raise ConfigError(f"model_config.max_generate_length={n}: an embedding model (task embed) computes an input "
+                          f"whole, in one step's row of at most model_config.seq_length's largest ({row}) tokens"
+                          + (f", at the model's {positions} learned positions" if shape.learned_positions else "")
+                          + "; lower it or leave it auto")
 
 
 def weight_bytes(model_path: str, shape) -> int:
@@ -340,11 +344,11 @@ def size_for_model(config: Config, model_path: str, available_bytes: Optional[in
         n, why, cut = model_context(shape, config, per_token, available_bytes, pool)
         (logger.warning if cut else logger.info)("model_config.max_generate_length=auto: %d tokens per request, %s",
                                                  n, why)
-        if not shape.causal:
-            n = _encoder_context(config, shape, n)
+        if task == "embed":
+            n = _whole_input_context(config, shape, n)
         config = config.with_decided(max_generate_length=n)
-    elif not shape.causal:
-        _check_encoder_context(config, shape)
+    elif task == "embed":
+        _check_whole_input_context(config, shape)
     if pa.num_blocks != "auto":
         if pa.window_blocks == "auto" and window_blocks >= pa.num_blocks:
             window_blocks = 0                         # it would save nothing

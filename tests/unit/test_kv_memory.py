@@ -308,9 +308,15 @@ def test_an_encoder_is_decided_an_embedding_model(encoder_shape):
 
 
 def test_a_decoder_is_decided_a_generating_model_unless_told_to_embed(stories_hf):
+    """A decoder generates (task auto); told to embed only, its inputs are computed whole too: its context at most a
+    step's row (128 here, of its 512 positions), a larger one given refused."""
     assert size_for_model(config_from_dict({}), stories_hf, available_bytes=2**30).model_config.task == "generate"
-    decoder_embeds = config_from_dict({"model_config": {"task": "embed"}})
-    assert size_for_model(decoder_embeds, stories_hf, available_bytes=2**30).model_config.task == "embed"
+    decoder_embeds = config_from_dict({"model_config": {"task": "embed", "seq_length": [32, 128]}})
+    sized = size_for_model(decoder_embeds, stories_hf, available_bytes=2**30)
+    assert sized.model_config.task == "embed" and sized.max_model_len == 128
+    given = config_from_dict({"model_config": {"task": "embed", "seq_length": [32, 128], "max_generate_length": 256}})
+    with pytest.raises(ConfigError, match=r"max_generate_length=256: an embedding model \(task embed\)"):
+        size_for_model(given, stories_hf, available_bytes=2**30)
 
 
 @pytest.mark.parametrize("sets, named", [
