@@ -240,7 +240,8 @@ def _check_encoder(config: Config, shape) -> None:
         ("model_config.device_target", mc.device_target, mc.device_target != "CPU"),
         ("model_config.attention_kernel", mc.attention_kernel, mc.attention_kernel == "off"),
         ("serving_config.agent_ports (tensor parallelism)", config.serving_config.agent_ports,
-         len(config.serving_config.agent_ports) > 1)) if bad]
+         len(config.serving_config.agent_ports) > 1),
+        ("lora_config (LoRA adapters: they do not embed)", "enabled", config.lora_config.enabled)) if bad]
     if wrong:
         raise ConfigError(f"the model is a bidirectional encoder ({shape.architecture}), served for embeddings on one "
                           f"CPU agent with the attention kernel's packed steps only; {', '.join(wrong)} would not "

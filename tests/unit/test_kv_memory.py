@@ -325,6 +325,7 @@ def test_a_decoder_is_decided_a_generating_model_unless_told_to_embed(stories_hf
     ({"model_config": {"attention_kernel": "off"}}, "attention_kernel=off"),
     ({"model_config": {"device_target": "Ascend"}}, "device_target=Ascend"),
     ({"serving_config": {"agent_ports": [0, 0]}}, "tensor parallelism"),
+    ({"lora_config": {"enable_lora": True}}, "LoRA adapters"),
     ({"model_config": {"max_generate_length": 1024}}, "max_generate_length=1024"),
 ])
 def test_what_cannot_serve_an_encoder_is_refused_at_start_naming_the_setting(encoder_shape, sets, named):
