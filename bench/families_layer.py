@@ -76,6 +76,8 @@ def step_arrays(rng, shape: dict, kind: str, n: int, context: int, form: tuple, 
         x=x, positions=positions, slots=slots, block_tables=tables, context_lens=positions + 1,
         tree_bits=np.full(n, -1, np.int32), cos=cos, sin=sin, lora=np.zeros(n, np.int32),
         qkv_bias=np.zeros(nqkv, np.float32), o_bias=np.zeros(h, np.float32), sinks=np.zeros(nh, np.float32),
+        gate_up_bias=np.zeros(2 * shape["inter"], np.float32), down_bias=np.zeros(h, np.float32),
+        norm_bias=np.zeros((4, h), np.float32),
         input_gain=gain(h), post_gain=gain(h), q_norm=gain(d), k_norm=gain(d),
         attn_out_gain=gain(h), mlp_out_gain=gain(h), key_cache=cache[0], value_cache=cache[1], iconfig=icfg,
         fconfig=fcfg, **weights, **lora), np.empty_like(x)]

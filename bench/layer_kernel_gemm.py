@@ -117,6 +117,8 @@ def step_arrays(rng, batch: int, prefill: bool, weights: dict, kind: str, cache:
         x=x, positions=positions, slots=slots, block_tables=tables, context_lens=context.astype(np.int32),
         tree_bits=np.full(batch, -1, np.int32), cos=cos, sin=sin, lora=np.zeros(batch, np.int32),
         qkv_bias=np.zeros(nqkv, np.float32), o_bias=np.zeros(H, np.float32), sinks=np.zeros(NH, np.float32),
+        gate_up_bias=np.zeros(2 * INTER, np.float32), down_bias=np.zeros(H, np.float32),
+        norm_bias=np.zeros((4, H), np.float32),
         input_gain=np.ones(H, np.float32), post_gain=np.ones(H, np.float32),
         q_norm=np.ones(D, np.float32), k_norm=np.ones(D, np.float32), attn_out_gain=np.ones(H, np.float32),
         mlp_out_gain=np.ones(H, np.float32), key_cache=cache[0], value_cache=cache[1], iconfig=icfg, fconfig=np.array([1e-5], np.float32),

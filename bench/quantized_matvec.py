@@ -107,6 +107,8 @@ class Step:
             x=self.x, positions=self.positions, slots=self.slots, block_tables=self.tables,
             context_lens=self.context, tree_bits=self.tree, cos=self.cos, sin=self.sin, lora=self.lora,
             qkv_bias=self.bias, o_bias=np.zeros(len(self.gain), np.float32), sinks=np.zeros(self.nh, np.float32),
+            gate_up_bias=np.zeros(2 * self.i, np.float32), down_bias=np.zeros(len(self.gain), np.float32),
+            norm_bias=np.zeros((4, len(self.gain)), np.float32),
             **weights, input_gain=self.gain, post_gain=self.gain, key_cache=self.keys,
             q_norm=np.ones(self.d, np.float32), k_norm=np.ones(self.d, np.float32), attn_out_gain=self.gain,
             mlp_out_gain=self.gain,

@@ -30,6 +30,7 @@ ATTENTION_KERNELS = ("auto", "on", "off")      # CPU kernel switches (attention,
 UNKNOWN_FIELD_POLICIES = ("ignore", "reject")   # a request body's unknown fields; see server/api/base.py
 POOLING_MODES = ("auto", "mean", "last", "cls")   # embeddings' pooling; see models/pooling.py
 SCORE_METHODS = ("auto", "yes_no", "similarity")  # how /rerank and /score score; see server/routes_embeddings.py
+TASKS = ("auto", "generate", "embed")             # what the served model does; see startup/kv_memory.py
 SPEC_METHODS = ("off", "ngram", "draft", "tree", "draft_tree")   # speculative decoding proposers; see
                                                                  # master/speculative/ (ngram.py, draft.py)
 
@@ -160,6 +161,11 @@ class ModelConfig:
                                               # the first ('cls'), L2-normalized; auto = what the model declares
                                               # (sentence-transformers' 1_Pooling/config.json), else mean
                                               # (models/pooling.py)
+    task: str = "auto"                        # 'generate' (text and embeddings) or 'embed' (embeddings only: the
+                                              # generation routes refuse it, and an embedding's input is fed whole,
+                                              # in one step); auto = decided at start from the model
+                                              # (startup/kv_memory.py): embed for a bidirectional encoder (BERT),
+                                              # which cannot generate, else generate
     score_method: str = "auto"                # /rerank and /score: 'yes_no' (a reranker's relevance as P("yes") of
                                               # Qwen3-Reranker's judgement prompt) or 'similarity' (the cosine of
                                               # the two texts' embeddings); auto = yes_no when the model's name
@@ -182,6 +188,7 @@ class ModelConfig:
                f"must be one of {', '.join(POOLING_MODES)}")
         _check(self.score_method in SCORE_METHODS, "model_config.score_method", self.score_method,
                f"must be one of {', '.join(SCORE_METHODS)}")
+        _check(self.task in TASKS, "model_config.task", self.task, f"must be one of {', '.join(TASKS)}")
         self.seq_length = _check_int_list("model_config.seq_length", self.seq_length)
         self.prefill_batch_size = _check_int_list("model_config.prefill_batch_size", self.prefill_batch_size)
         if self.decode_batch_size is not None:
@@ -776,9 +783,9 @@ class Config:
     def with_decided(self, *, max_generate_length: Optional[int] = None,
                      num_blocks: Optional[int] = None, vocab_size: Optional[int] = None,
                      window_blocks: Optional[int] = None, window_tokens: Optional[int] = None,
-                     hidden_size: Optional[int] = None) -> "Config":
+                     hidden_size: Optional[int] = None, task: Optional[str] = None) -> "Config":
         """This configuration with what `auto` left to the start decided (startup/kv_memory.py: the model's
-        context, the KV blocks and the window pool's, its vocabulary's size and hidden width), checked again; a value not given
+        context, the KV blocks and the window pool's, its vocabulary's size and hidden width, its task), checked again; a value not given
         stays as it is."""
         raw = self.to_dict()
         if window_blocks is not None:
@@ -789,6 +796,8 @@ class Config:
             raw["model_config"]["vocab_size"] = vocab_size
         if hidden_size is not None:
             raw["model_config"]["hidden_size"] = hidden_size
+        if task is not None:
+            raw["model_config"]["task"] = task
         if max_generate_length is not None:
             raw["model_config"]["max_generate_length"] = max_generate_length
         if num_blocks is not None:

@@ -9,16 +9,21 @@ families change, read from the loader's LlamaConfig and computed here in transfo
 over each head's first dimensions (Phi-4-mini: pairs (i, i + r/2), not reordered), longrope's factors and scale
 (Phi-3), sliding-window layers with their own RoPE base (Gemma 3, Mistral), layers without RoPE (SmolLM3), mixtures of
 experts (Qwen3-MoE, Mixtral: a token's top-k experts by its router's logits), gpt-oss's biases, attention sinks and
-clamped SwiGLU.
+clamped SwiGLU; and a bidirectional encoder's (BERT): learned positions and token type 0 added to the embedding, its
+LayerNorm, every token seeing the whole input, LayerNorms after each residual add, biases, an ungated GELU (erf) MLP.
+`embed(ids, pooling)` is an input's embedding (final hidden states, the final norm where the model has one, pooled
+and L2-normalized), as /v1/embeddings serves it.
 
     ref = ReferenceLlama("../shared/models/stories260K/hf")
     seq = ref.new_sequence()
     logits = ref.forward(seq, token_ids, start=0)      # (len(token_ids), vocab) float64
     logits = ref.forward(seq, [next_id], start=len(token_ids))
+    vector = ref.embed(token_ids, "mean")              # (H,) float64, unit length
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import numpy as np
@@ -98,7 +103,17 @@ class ReferenceLlama:
     def new_sequence(self) -> ReferenceSequence:
         return ReferenceSequence(self.config.num_layers)
 
-    def _norm(self, x: np.ndarray, gain: np.ndarray) -> np.ndarray:
+    def _norm(self, x: np.ndarray, name: str) -> np.ndarray:
+        """Norm `name`'s (its `.weight` gain, a LayerNorm's `.bias` too) of x over the last axis: RMSNorm, or
+        LayerNorm (the mean subtracted first) as the config says."""
+        c, w = self.config, self.w
+        if c.norm == "layer":
+            x = x - x.mean(axis=-1, keepdims=True)
+            return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + c.rms_norm_eps) * w[name + ".weight"] \
+                + w[name + ".bias"]
+        return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + c.rms_norm_eps) * w[name + ".weight"]
+
+    def _rms(self, x: np.ndarray, gain: np.ndarray) -> np.ndarray:
         return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + self.config.rms_norm_eps) * gain
 
     def _rope(self, x: np.ndarray, positions: np.ndarray, layer: int) -> np.ndarray:
@@ -118,7 +133,25 @@ class ReferenceLlama:
     def forward(self, seq: ReferenceSequence, token_ids, start: int) -> np.ndarray:
         """Feed token_ids at positions start, start+1, ...; keys cached beyond `start` are dropped first
         (a recomputed prefill). Returns logits (len(token_ids), vocab) float64."""
+        if not self.config.generates:
+            raise ValueError(f"reference: {self.config.architecture} is an embedding model; it has no lm_head")
+        x = self._hidden(seq, token_ids, start)
+        return self._norm(x, "model.norm") @ self.w["lm_head.weight"].T
+
+    def embed(self, token_ids, pooling: str = "mean") -> np.ndarray:
+        """The input's embedding (H,) float64: its final hidden states (after the final norm where the model has
+        one), pooled ("mean" over its tokens, the "last" token's, the first's: "cls"), L2-normalized."""
+        x = self._hidden(self.new_sequence(), token_ids, 0)
+        if not self.config.post_norm:
+            x = self._norm(x, "model.norm")
+        pooled = {"mean": lambda: x.mean(axis=0), "last": lambda: x[-1], "cls": lambda: x[0]}[pooling]()
+        return pooled / np.linalg.norm(pooled)
+
+    def _hidden(self, seq: ReferenceSequence, token_ids, start: int) -> np.ndarray:
+        """The last layer's output (T, H) for token_ids fed at positions start.. (an encoder's whole input at 0)."""
         c, w = self.config, self.w
+        if not c.causal and start != 0:
+            raise ValueError("reference: a bidirectional encoder computes a whole input at once (start 0)")
         if start > seq.length:
             raise ValueError(f"reference: tokens start at position {start} but only {seq.length} are cached")
         seq.truncate(start)
@@ -128,14 +161,20 @@ class ReferenceLlama:
         nh, kvh, d = c.num_heads, c.num_kv_heads, c.head_dim
         group = nh // kvh
         x = w["model.embed_tokens.weight"][ids] * c.embed_scale                 # (T, H)
+        if c.learned_positions:                 # BERT: each position's row and token type 0's (one text)
+            x = x + w["model.embed_positions.weight"][start:start + t]
+            if c.type_vocab_size:
+                x = x + w["model.embed_token_types.weight"][0]
+        if c.embed_norm:
+            x = self._norm(x, "model.embed_norm")
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
-            h = self._norm(x, w[p + "input_layernorm.weight"])
+            h = x if c.post_norm else self._norm(x, p + "input_layernorm")
             q = (h @ w[p + "self_attn.q_proj.weight"].T + w.get(p + "self_attn.q_proj.bias", 0.0)).reshape(t, nh, d)
             k = (h @ w[p + "self_attn.k_proj.weight"].T + w.get(p + "self_attn.k_proj.bias", 0.0)).reshape(t, kvh, d)
             v = (h @ w[p + "self_attn.v_proj.weight"].T + w.get(p + "self_attn.v_proj.bias", 0.0)).reshape(t, kvh, d)
             if c.qk_norm:
-                q, k = self._norm(q, w[p + "self_attn.q_norm.weight"]), self._norm(k, w[p + "self_attn.k_norm.weight"])
+                q, k = self._rms(q, w[p + "self_attn.q_norm.weight"]), self._rms(k, w[p + "self_attn.k_norm.weight"])
             q, k = self._rope(q, positions, i), self._rope(k, positions, i)
             window = c.layer_window(i)
             keys = k if seq.keys[i] is None else np.concatenate([seq.keys[i], k])      # (start+T, KVH, D)
@@ -146,7 +185,8 @@ class ReferenceLlama:
             for head in range(nh):
                 kv = head // group
                 scores = q[:, head, :] @ keys[:, kv, :].T * c.attention_scale         # (T, start+T)
-                visible = key_pos[None, :] <= positions[:, None]
+                # causal: each token sees the keys up to its own; an encoder's every token sees all of them
+                visible = key_pos[None, :] <= (positions[:, None] if c.causal else math.inf)
                 if window is not None:
                     visible &= key_pos[None, :] > positions[:, None] - window
                 scores = np.where(visible, scores, -np.inf)
@@ -158,19 +198,36 @@ class ReferenceLlama:
                 out[:, head, :] = (scores / total) @ values[:, kv, :]
             o = out.reshape(t, nh * d) @ w[p + "self_attn.o_proj.weight"].T + w.get(p + "self_attn.o_proj.bias", 0.0)
             if c.sandwich_norms:
-                o = self._norm(o, w[p + "attn_output_norm.weight"])
+                o = self._norm(o, p + "attn_output_norm")
             x = x + o
-            h = self._norm(x, w[p + "post_attention_layernorm.weight"])
+            if c.post_norm:                         # BERT: the norm after the residual add
+                x = self._norm(x, p + "attn_output_norm")
+            h = x if c.post_norm else self._norm(x, p + "post_attention_layernorm")
             if c.layer_moe(i):
                 down = self._experts(h, p)
-            else:
+            elif c.gated_mlp:
                 down = self._mlp(h, w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"],
-                                 w[p + "mlp.down_proj.weight"])
+                                 w[p + "mlp.down_proj.weight"],
+                                 tuple(w.get(p + f"mlp.{n}.bias", 0.0) for n in ("gate_proj", "up_proj", "down_proj")))
+            else:                                   # BERT: down(f(up h + b)) + b
+                up = h @ w[p + "mlp.up_proj.weight"].T + w.get(p + "mlp.up_proj.bias", 0.0)
+                down = self._act(up) @ w[p + "mlp.down_proj.weight"].T + w.get(p + "mlp.down_proj.bias", 0.0)
             if c.sandwich_norms:
-                down = self._norm(down, w[p + "mlp_output_norm.weight"])
+                down = self._norm(down, p + "mlp_output_norm")
             x = x + down
+            if c.post_norm:
+                x = self._norm(x, p + "mlp_output_norm")
         seq.length = start + t
-        return self._norm(x, w["model.norm.weight"]) @ w["lm_head.weight"].T
+        return x
+
+    def _act(self, g: np.ndarray) -> np.ndarray:
+        """The MLP's activation of g: SiLU, GELU's tanh approximation, or GELU (erf)."""
+        kind = self.config.hidden_act
+        if kind == "gelu_tanh":
+            return 0.5 * g * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (g + 0.044715 * g ** 3)))
+        if kind == "gelu":
+            return 0.5 * g * (1.0 + np.vectorize(math.erf)(g / math.sqrt(2.0)))
+        return g / (1.0 + np.exp(-g))
 
     def _mlp(self, h: np.ndarray, gate_w: np.ndarray, up_w: np.ndarray, down_w: np.ndarray, biases=(0.0, 0.0, 0.0),
              act: str = "") -> np.ndarray:
@@ -181,11 +238,7 @@ class ReferenceLlama:
             c = self.config
             gate, up = np.minimum(gate, c.swiglu_limit), np.clip(up, -c.swiglu_limit, c.swiglu_limit)
             return (gate / (1.0 + np.exp(-c.swiglu_alpha * gate)) * (up + 1.0)) @ down_w.T + biases[2]
-        if self.config.hidden_act == "gelu_tanh":
-            act = 0.5 * gate * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (gate + 0.044715 * gate ** 3)))
-        else:
-            act = gate / (1.0 + np.exp(-gate))
-        return (act * up) @ down_w.T
+        return (self._act(gate) * up) @ down_w.T + biases[2]
 
     def _experts(self, h: np.ndarray, p: str) -> np.ndarray:
         """A mixture of experts as transformers computes it: each token's router logits, its experts_per_token

@@ -11,6 +11,11 @@ server with transformers (the reference) and a HuggingFace directory with its GG
   `quantize_mxfp4_hf`.
 - `transformers_logits(path, ids)`, `transformers_greedy(path, prompt_ids, n)`: what transformers computes (an MXFP4
   directory dequantized by transformers itself).
+- `ENCODERS`, `make_bert_model(name, path, seed)`: a tiny random BERT encoder as sentence-transformers ships one
+  (BertModel's safetensors, modules.json and 1_Pooling/config.json naming its pooling, a WordPiece tokenizer.json
+  whose post-processor adds [CLS] ... [SEP]); `transformers_embedding(path, ids, pooling)`: sentence-transformers'
+  vector computed with transformers (its pooling over the model's last hidden states, L2-normalized);
+  `write_bert_gguf(hf_path, out_path, qtype)`: its GGUF as convert_hf_to_gguf.py's BertModel writes it.
 - `write_gguf(family, hf_path, out_path, qtype)`: the directory as llama.cpp's convert_hf_to_gguf.py writes it
   (tensor names from the gguf package's map, q/k rows permuted for the architectures whose llama.cpp RoPE pairs
   neighbours, Gemma's norms stored as 1 + w, Phi-3's fused tensors and longrope factors, the metadata keys; the
@@ -31,7 +36,7 @@ from typing import Optional
 
 import numpy as np
 
-__all__ = ["FAMILIES", "SPECIAL_TOKENS", "config_json_v4", "make_hf_model", "needs_transformers",
+__all__ = ["ENCODERS", "FAMILIES", "SPECIAL_TOKENS", "make_bert_model", "transformers_embedding", "write_bert_gguf", "config_json_v4", "make_hf_model", "needs_transformers",
            "quantize_mxfp4_hf", "transformers_greedy", "transformers_logits", "write_gguf", "write_mxfp4_hf",
            "write_tokenizer"]
 
@@ -338,6 +343,158 @@ def transformers_greedy(path, prompt_ids: list, n: int) -> list:
     for _ in range(n):
         ids.append(int(transformers_logits(path, ids)[-1].argmax()))
     return ids[len(prompt_ids):]
+
+
+# ------------------------------------------------------------------------------------------ BERT encoders
+
+# name -> (BertConfig's settings, the pooling sentence-transformers' 1_Pooling/config.json declares): all-MiniLM's
+# shape of it (mean pooling), and bge's (the [CLS] token's state)
+_BERT = dict(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,
+             max_position_embeddings=128, type_vocab_size=2, layer_norm_eps=1e-12, hidden_act="gelu", pad_token_id=0)
+ENCODERS = {"bert": (_BERT, "mean"), "bert-cls": (dict(_BERT, hidden_size=96, num_attention_heads=6), "cls")}
+BERT_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]           # ids 0-4
+_POOLING_KEYS = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token",
+                 "last": "pooling_mode_lasttoken"}
+
+
+@functools.lru_cache(maxsize=None)
+def _wordpiece_json(vocab_size: int) -> str:
+    """A lower-casing WordPiece tokenizer.json of exactly `vocab_size` tokens (BERT_SPECIALS first), trained on the
+    story corpus, whose post-processor puts [CLS] before a text and [SEP] after it, as BERT's do. Like
+    all-MiniLM's, it also carries a truncation (16 tokens) and a fixed padding (to 24), which the library applies
+    to every encode unless the loader turns them off."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    tok.train_from_iterator(_corpus(), trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=BERT_SPECIALS))
+    if tok.get_vocab_size() != vocab_size:
+        raise AssertionError(f"the tokenizer has {tok.get_vocab_size()} tokens, not the model's {vocab_size}")
+    cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+                                                       special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
+    tok.enable_truncation(16)
+    tok.enable_padding(length=24, pad_id=0, pad_token="[PAD]")
+    return tok.to_str()
+
+
+def make_bert_model(name: str, path, seed: int = 0) -> Path:
+    """ENCODERS[name] as a random BertModel (torch.manual_seed(seed)): its matrices 4x transformers' init (std
+    0.02), its LayerNorms' gains about 1 and biases about 0 and the products' biases random, so that a norm, a bias
+    or the attention read wrong shows in the embeddings; saved as sentence-transformers ships a model (float32
+    safetensors, modules.json, 1_Pooling/config.json declaring the pooling, 2_Normalize) with `_wordpiece_json`'s
+    tokenizer and a BertTokenizer's tokenizer_config.json. Returns the directory."""
+    torch, transformers = needs_transformers()
+    settings, pooling = ENCODERS[name]
+    path = Path(path)
+    torch.manual_seed(seed)
+    model = transformers.BertModel(transformers.BertConfig(**settings), add_pooling_layer=False).float()
+    with torch.no_grad():
+        for pname, param in model.named_parameters():
+            if param.ndim >= 2:
+                param.mul_(4.0)
+            elif pname.endswith("LayerNorm.weight"):
+                param.copy_(1.0 + torch.randn(param.shape) * 0.2)
+            else:                                       # LayerNorm biases and the products' biases
+                param.copy_(torch.randn(param.shape) * 0.2)
+    model.save_pretrained(str(path))
+    (path / "tokenizer.json").write_text(_wordpiece_json(settings["vocab_size"]), encoding="utf-8")
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"cls_token": "[CLS]", "sep_token": "[SEP]", "pad_token": "[PAD]", "unk_token": "[UNK]", "mask_token": "[MASK]",
+         "do_lower_case": True, "tokenizer_class": "BertTokenizer", "model_max_length": 512}), encoding="utf-8")
+    (path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    (path / "1_Pooling").mkdir(exist_ok=True)
+    (path / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": settings["hidden_size"],
+         **{key: mode == pooling for mode, key in _POOLING_KEYS.items()}}))
+    (path / "2_Normalize").mkdir(exist_ok=True)
+    return path
+
+
+def transformers_embedding(path, ids: list, pooling: str) -> np.ndarray:
+    """sentence-transformers' embedding of one input `ids` (its [CLS] and [SEP] included) with transformers:
+    BertModel's last hidden states pooled (mean over the tokens, the first's: cls), L2-normalized; float64 (H,)."""
+    torch, transformers = needs_transformers()
+    model = _bert_model(str(path))
+    with torch.no_grad():
+        states = model(input_ids=torch.tensor([list(ids)]), token_type_ids=torch.zeros(1, len(ids), dtype=torch.long)
+                       ).last_hidden_state[0].double().numpy()
+    pooled = states.mean(axis=0) if pooling == "mean" else states[0] if pooling == "cls" else states[-1]
+    return pooled / np.linalg.norm(pooled)
+
+
+@functools.lru_cache(maxsize=4)
+def _bert_model(path: str):
+    torch, transformers = needs_transformers()
+    return transformers.BertModel.from_pretrained(path, dtype=torch.float32, attn_implementation="eager",
+                                                  add_pooling_layer=False).eval()
+
+
+def write_bert_gguf(hf_path, out_path, qtype=None) -> Path:
+    """make_bert_model's directory as a GGUF, as llama.cpp's converter (convert_hf_to_gguf.py's BertModel) writes it:
+    `bert.*` hyperparameters (causal false, the pooling type its 1_Pooling/config.json declares), the vocabulary in
+    llama.cpp's phantom-space form (a word's first piece "▁"-prefixed, a "##" continuation bare, [..] specials as
+    they are) with the special ids gguf's SpecialVocab reads ([CLS] its BOS, [SEP] its EOS, both added), the tensors
+    under the gguf package's BERT names (position_ids and the pooler left out); matrices as `qtype` (default F32),
+    1-D tensors F32."""
+    import gguf
+
+    hf_path, out_path = Path(hf_path), Path(out_path)
+    cfg = json.loads((hf_path / "config.json").read_text())
+    pooling = json.loads((hf_path / "1_Pooling" / "config.json").read_text())
+    qtype = gguf.GGMLQuantizationType.F32 if qtype is None else qtype
+    w = gguf.GGUFWriter(str(out_path), "bert")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_layer_norm_eps(cfg["layer_norm_eps"])
+    w.add_causal_attention(False)
+    w.add_pooling_type(gguf.PoolingType.CLS if pooling["pooling_mode_cls_token"] else gguf.PoolingType.MEAN)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32 if qtype == gguf.GGMLQuantizationType.F32
+                    else getattr(gguf.LlamaFileType, f"MOSTLY_{qtype.name}"))
+    tok = json.loads((hf_path / "tokenizer.json").read_text(encoding="utf-8"))
+    vocab = tok["model"]["vocab"]
+    specials = {t["content"] for t in tok["added_tokens"] if t.get("special")}
+
+    def phantom(piece: str) -> str:
+        if piece.startswith("[") and piece.endswith("]"):
+            return piece
+        return piece[2:] if piece.startswith("##") else "\u2581" + piece
+
+    tokens = sorted(vocab, key=vocab.get)
+    w.add_token_type_count(cfg["type_vocab_size"])
+    w.add_tokenizer_model("bert")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([phantom(t) for t in tokens])
+    w.add_token_types([gguf.TokenType.CONTROL if t in specials else gguf.TokenType.NORMAL for t in tokens])
+    gguf.SpecialVocab(str(hf_path), n_vocab=len(tokens)).add_to_gguf(w)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.BERT, cfg["num_hidden_layers"])
+    from safetensors.numpy import load_file
+
+    for name, arr in load_file(str(hf_path / "model.safetensors")).items():
+        if name.endswith("position_ids") or name.startswith("pooler."):
+            continue
+        base, suffix = name.rsplit(".", 1)
+        out = names.get_name(base)
+        if out is None:
+            raise KeyError(f"write_bert_gguf: no GGUF name for {name}")
+        arr = np.ascontiguousarray(arr, np.float32)
+        if arr.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+            w.add_tensor(f"{out}.{suffix}", gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(f"{out}.{suffix}", arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out_path
 
 
 # ------------------------------------------------------------------------------------------ GGUF twins

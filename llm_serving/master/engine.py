@@ -108,7 +108,10 @@ class Engine:
         hidden = mc.hidden_size
         self.embedding: Optional[EmbeddingSpec] = (embedding_spec(mc.pooling, model_dir, hidden) if hidden
                                                    else None)
-        self.score_method = score_method(mc.score_method, model_dir, model_name)
+        # an embedding model (model_config.task embed, decided at start: a bidirectional encoder) does not generate,
+        # so it scores by similarity (a yes/no judgement is generated)
+        self.generates = mc.task != "embed"
+        self.score_method = score_method(mc.score_method, model_dir, model_name) if self.generates else "similarity"
         self.requests: dict = {}
         self._detok: dict = {}
         self._wakeup = asyncio.Event()
@@ -247,8 +250,9 @@ class Engine:
         name in self.lora_paths); `grammar`: its grammar's matcher as `compile_grammar` gave it (copied: one per
         request). Raises QueueFullError past the queue bounds, DuplicateRequestError when req_id names a request
         still in flight, KeyError for an adapter not served here, UnsupportedRequestError for what the agents
-        cannot do."""
+        cannot do, or when the model does not generate (`check_generates`)."""
         self._check_open(req_id)
+        self.check_generates()
         if sampling.prompt_logprobs is not None and self.agents.agents and self.agents.agents[0].info is not None \
                 and not self.agents.agents[0].info.scores_prompts:
             raise UnsupportedRequestError("prompt log-probabilities (echo with logprobs, prompt_logprobs, "
@@ -290,6 +294,12 @@ class Engine:
         self.requests[req.req_id] = req
         self._wakeup.set()
         return req
+
+    def check_generates(self) -> None:
+        """UnsupportedRequestError (400, naming the model) when the served model is an embedding model."""
+        if not self.generates:
+            raise UnsupportedRequestError(f"model {self.model_name!r} is an embedding model; it does not generate "
+                                          "(it serves /v1/embeddings, /api/embed, rerank and score)", "model")
 
     def _check_open(self, req_id: Optional[str]) -> None:
         if self.failed_reason or self.draining_reason or not self.running:

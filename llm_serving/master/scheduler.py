@@ -26,7 +26,8 @@ step, `StepKind.EMBED`, up to `max_embed_rows` rows) or none are, and the queue'
 of the queue blocks the rest). An embedding's input is fed in chunks of `max_chunk_tokens` from its first token,
 whatever the step's budget (a chunk waits for a step with room, or runs alone), so its pooled sums are the same
 reductions over the same tokens whatever else runs; it never adopts cached blocks (every token's hidden state is
-needed) and its blocks are freed when it ends.
+needed) and its blocks are freed when it ends. An embedding model's (`whole_embeddings`: model_config.task embed, a
+bidirectional encoder's) input is fed whole, in one step: a chunk's tokens could not attend to later ones.
 
 Speculative decoding is planned by speculative/planner.py: a decode step of at most `spec_max_rows` rows is
 marked `may_speculate` and left as it is; the planner makes it a verify step (proposals attached), a decode run
@@ -94,6 +95,7 @@ class SchedulerSpec:
     decode_steps_max_rows: int = 0           # decode runs for steps of at most this many rows
     max_model_len: Optional[int] = None      # tokens a request may hold
     max_embed_rows: Optional[int] = None     # rows of an embed step (None: max_prefill_rows)
+    whole_embeddings: bool = False           # an embedding's input in one step (an embedding model: task embed)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -114,7 +116,8 @@ class SchedulerSpec:
                    spec_max_rows=spec.max_batch_size if spec.enabled else 0, decode_steps=sched.decode_steps,
                    decode_steps_max_rows=sched.decode_steps_max_rows or mc.decode_batch_size[-1],
                    max_model_len=config.max_model_len,
-                   max_embed_rows=max(mc.prefill_batch_size[-1], mc.decode_batch_size[-1]))
+                   max_embed_rows=max(mc.prefill_batch_size[-1], mc.decode_batch_size[-1]),
+                   whole_embeddings=mc.task == "embed")
 
 
 class Scheduler:
@@ -326,7 +329,8 @@ class Scheduler:
         """Tokens a row needing `need` may feed with `budget` left (0 = it does not fit this step); an embedding's
         next chunk is fixed by its input alone (see the module docstring)."""
         if embed:
-            q = min(need, self.spec.max_chunk_tokens or self.spec.max_num_batched_tokens)
+            q = need if self.spec.whole_embeddings else min(need, self.spec.max_chunk_tokens
+                                                            or self.spec.max_num_batched_tokens)
             return q if q <= budget or first_row else 0
         if need == 1:
             return 1 if budget >= 1 else 0

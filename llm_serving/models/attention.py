@@ -48,9 +48,10 @@ MASK_VALUE = -1e9
 
 
 def paged_metadata(block_tables, positions, slot_mapping, context_lens, block_size: int, num_kv_heads: int,
-                   tree_bits=None, window: int = 0):
+                   tree_bits=None, window: int = 0, causal: bool = True):
     """Per-step values shared by the layers of one attention window (`window` > 0: a sliding window, each query
-    sees the last `window` keys up to its own, as LlamaConfig.layer_window; 0: all keys).
+    sees the last `window` keys up to its own, as LlamaConfig.layer_window; 0: all keys). causal False (a
+    bidirectional encoder): each query sees every key of its row's context, later positions too.
 
     block_tables (B, W), positions (B, S), slot_mapping (B, S), context_lens (B,) int32, tree_bits (B,) int32
     (decode kernel only: which of each token's last 32 keys it sees, see kernels/paged_attention_cpu.cc;
@@ -70,8 +71,11 @@ def paged_metadata(block_tables, positions, slot_mapping, context_lens, block_si
     slots = (block_tables.reshape(b, w, 1) * block_size + offsets).reshape(b, 1, n_keys)      # (B, 1, L)
     gather_idx = slots * kvh + heads.reshape(1, kvh, 1)                                      # (B, KVH, L)
     key_pos = ops.arange(0, n_keys, dtype=ms.int32).reshape(1, 1, n_keys)                    # (1, 1, L)
-    visible = ops.logical_and(key_pos <= positions.reshape(b, s, 1),                         # (B, S, L)
-                              key_pos < context_lens.reshape(b, 1, 1))
+    visible = key_pos < context_lens.reshape(b, 1, 1)                                        # (B, 1, L)
+    if causal:
+        visible = ops.logical_and(key_pos <= positions.reshape(b, s, 1), visible)             # (B, S, L)
+    else:
+        visible = ops.broadcast_to(visible, (b, s, n_keys))                                   # (B, S, L)
     if window > 0:
         visible = ops.logical_and(visible, key_pos > positions.reshape(b, s, 1) - window)     # (B, S, L)
     zeros = ops.zeros((b, s, n_keys), ms.float32)

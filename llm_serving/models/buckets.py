@@ -138,6 +138,30 @@ class Buckets:
             t -= below
         return pieces
 
+    def row_pieces(self, lengths) -> list:
+        """(start, stop, bucket) graph calls over rows of `lengths` tokens side by side, each row whole within one
+        call (a bidirectional encoder's input: its keys must all be written before any of its tokens attends):
+        consecutive rows while they fit the largest token bucket, each call in the smallest bucket that holds its
+        tokens; a row longer than the largest bucket alone, in the largest times the power of two that holds it."""
+        sizes = self.prefill_token_sizes
+        pieces, start, run = [], 0, 0
+
+        def close(tokens: int) -> None:
+            i = bisect.bisect_left(sizes, tokens)
+            size = sizes[i] if i < len(sizes) else sizes[-1]
+            while size < tokens:
+                size *= 2
+            pieces.append((start, start + tokens, size))
+
+        for n in (int(v) for v in lengths):
+            if run and run + n > sizes[-1]:
+                close(run)
+                start, run = start + run, 0
+            run += n
+        if run:
+            close(run)
+        return pieces
+
     def graphs(self) -> list:
         """(kind, batch, seq, decode width) of every model graph warmup compiles, in order."""
         out = [("decode", b, 1, w) for b in self.decode_batch_sizes for w in self.decode_block_widths]

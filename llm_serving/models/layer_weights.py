@@ -8,13 +8,18 @@ Load-time rewrites of a decoder layer (`prepare_layer`):
   norm -> gate/up), so a norm is x * rsqrt(mean(x^2) + eps);
 - a partial rotation's q and k rows (their biases, stored rows, q/k norm gains and LoRA rows too) reordered head by
   head (rope.rotary_permutation), so that every path rotates a whole head;
-- the gains no product folds in (the q/k heads' norms, the sandwich norms: `extra_gains`) kept beside them;
+- the gains no product folds in (the q/k heads' norms, the sandwich norms, a BERT layer's post norms:
+  `extra_gains`) kept beside them, and a LayerNorm's biases (`norm_biases`);
+- an ungated MLP (BERT's down(f(up x))): its up rows are the `gate_up` product alone, and the layer kernel's gate_w a
+  placeholder; MLP biases (gate's and up's, down's) beside the products;
 - for the CPU layer kernel (`kernel`, kernels/decoder_layer_cpu.cc): each product's matrix as the checkpoint
   stores it where every part is block-quantized with one type (a GGUF's rows, untouched; the kernel multiplies
   the normalized activations by the norm's gain instead of having it folded in), else the float32 one; with
   the kernel's config, under the names of its inputs (kernels/signatures.DECODER_LAYER);
 - LoRA adapters stacked by slot (`LoraStack`) in the layouts of the layer kernel and of MindSpore's ops.
-`prepare_head` does the same for the final norm and the lm_head (the FinalLogits kernel's inputs).
+`prepare_head` does the same for the final norm and the lm_head (the FinalLogits kernel's inputs);
+`prepare_embedding_extras` what a BERT encoder adds to the embedding (its position rows with token type 0's row
+folded in, its LayerNorm).
 
 Under tensor parallelism `w` holds only this rank's part of each split tensor (weights.load_llama_weights(path,
 tp)); the prepared matrices are then this rank's, and a LoRA stack cuts each adapter to match them.
@@ -31,8 +36,9 @@ from .parallel import TensorParallel
 from .rope import rotary_permutation
 from .weights import LlamaConfig, QuantizedTensor
 
-__all__ = ["HeadWeights", "KERNEL_PARTS", "KernelInputs", "LORA_PRODUCTS", "LayerKernelConfig", "LayerWeights",
-           "LoraStack", "MoeKernelInputs", "kernel_lora_arrays", "prepare_head", "prepare_layer"]
+__all__ = ["EmbeddingExtras", "HeadWeights", "KERNEL_PARTS", "KernelInputs", "LORA_PRODUCTS", "LayerKernelConfig",
+           "LayerWeights", "LoraStack", "MoeKernelInputs", "kernel_lora_arrays", "prepare_embedding_extras",
+           "prepare_head", "prepare_layer"]
 
 # a decoder layer's products that LoRA adapts: name -> (its parts, in the order of its output rows)
 LORA_PRODUCTS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
@@ -48,7 +54,12 @@ _NORMS = {"qkv": ("input_layernorm", "input_gain"), "gate_up": ("post_attention_
 _EXTRA_GAINS = {"q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm", "attn_out_gain": "attn_output_norm",
                 "mlp_out_gain": "mlp_output_norm"}
 # the layer kernel's activation codes (iconfig): LlamaConfig.hidden_act
-_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
+# the layer kernel's norm codes (iconfig): LlamaConfig.norm
+_NORM_CODES = {"rms": 0, "layer": 1}
+# a LayerNorm's biases, by the row of the kernel's norm_bias input: the input, post-attention, attention-output and
+# MLP-output norms' (a BERT layer's post norms are the last two)
+_NORM_BIAS_ROWS = ("input_layernorm", "post_attention_layernorm", "attn_output_norm", "mlp_output_norm")
 
 
 class LoraStack:
@@ -149,14 +160,18 @@ class KernelInputs:
     qkv_bias: np.ndarray    # ((NH+2KVH)*D,) the LayerWeights' bias itself, or zeros for a model without one
     o_bias: np.ndarray      # (H,) o_proj's bias, or zeros
     sinks: np.ndarray       # (NH,) each query head's attention sink logit, or zeros (iconfig says whether)
+    gate_up_bias: np.ndarray  # (2I,) gate's then up's biases, or zeros (iconfig says whether)
+    down_bias: np.ndarray   # (H,) down's bias, or zeros
+    norm_bias: np.ndarray   # (4, H) a LayerNorm's biases (_NORM_BIAS_ROWS), or zeros
     gains: dict             # "input_gain", "post_gain" -> (H,): 1 where folded into the float32 matrix; "q_norm",
                             # "k_norm" (D,) and "attn_out_gain", "mlp_out_gain" (H,): ones where the model has none
     lora: dict              # "lora_qkv_a", "lora_qkv_b", ... -> the stacks' kernel arrays themselves, or (without
                             # adapter slots) one all-zero slot of rank 1, which the kernel skips
-    iconfig: np.ndarray     # (18,) int32 [block_size, NH, KVH, threads, *types, batch-invariant (1 or 0),
-                            # activation (0 SiLU, 1 GELU-tanh), q/k norms (1 or 0), sandwich norms (1 or 0),
+    iconfig: np.ndarray     # (22,) int32 [block_size, NH, KVH, threads, *types, batch-invariant (1 or 0),
+                            # activation (0 SiLU, 1 GELU-tanh, 2 GELU), q/k norms (1 or 0), sandwich norms (1 or 0),
                             # sliding window (0: none), the layer's own MLP (1, or 0: a mixture's, MoeMlp's),
-                            # attention sinks (1 or 0)]
+                            # attention sinks (1 or 0), norm (0 RMSNorm, 1 LayerNorm), post norms (1 or 0), gated
+                            # MLP (1 or 0), MLP biases (1 or 0)]
     fconfig: np.ndarray     # (2,) float32 [rms_norm_eps, attention scale]
 
 
@@ -186,11 +201,15 @@ class LayerWeights:
     qkv: Optional[np.ndarray]           # ((NH+2KVH)*D, H) float32, the input norm's gain folded in
     qkv_bias: Optional[np.ndarray]      # ((NH+2KVH)*D,) where the model has q/k/v biases (not touched by the fold)
     o: Optional[np.ndarray]             # (H, NH*D)
-    gate_up: Optional[np.ndarray]       # (2I, H), the post-attention norm's gain folded in
+    gate_up: Optional[np.ndarray]       # (2I, H), the post-attention norm's gain folded in; an ungated MLP's: up (I, H)
     down: Optional[np.ndarray]          # (H, I)
     # the model's other gains where it has them (else None): q_norm, k_norm (D,) in the q/k rows' order;
-    # attn_out_gain, mlp_out_gain (H,) (_EXTRA_GAINS)
+    # attn_out_gain, mlp_out_gain (H,) (_EXTRA_GAINS: a sandwich's or a BERT layer's post norms)
     extra_gains: dict = field(default_factory=dict)
+    # a LayerNorm's biases (H,) by its norm (_NORM_BIAS_ROWS), where the model has them
+    norm_biases: dict = field(default_factory=dict)
+    # the MLP's biases where it has them: gate_proj, up_proj (I,), down_proj (H,) (gate_up: an ungated MLP's is up's)
+    mlp_biases: dict = field(default_factory=dict)
     lora_stacks: dict = field(default_factory=dict)     # product (LORA_PRODUCTS) -> LoraStack; {}: no adapter slots
     kernel: Optional[KernelInputs] = None               # None: no layer kernel
     moe: Optional[MoeKernelInputs] = None               # a mixture-of-experts layer's MLP (the kernel's only)
@@ -214,8 +233,13 @@ def prepare_layer(cfg: LlamaConfig, w: dict, i: int, *, tp: TensorParallel = Ten
     if moe and (kernel is None or ops_graphs or tp.world > 1):
         raise ValueError(f"layer {i} is a mixture of experts, which runs on the CPU layer kernel only, on every step "
                          "(no tensor parallelism, no op-by-op graphs: layer_kernel on, layer_kernel_rows unset)")
-    # the products the layer's own weights make (a mixture's MLP is MoeMlp's: its layer kernel runs no MLP)
+    if not cfg.causal and lora_slots:
+        raise ValueError("LoRA adapters on a bidirectional encoder (an embedding model) are not supported")
+    # the products the layer's own weights make (a mixture's MLP is MoeMlp's: its layer kernel runs no MLP; an
+    # ungated MLP's first product is up alone)
     products = {key: parts for key, parts in LORA_PRODUCTS.items() if not (moe and key in ("gate_up", "down"))}
+    if not cfg.gated_mlp and "gate_up" in products:
+        products["gate_up"] = ("mlp.up_proj",)
     nh, kvh, d = cfg.num_heads // tp.world, cfg.num_kv_heads // tp.world, cfg.head_dim
     inter, h = cfg.intermediate_size // tp.world, cfg.hidden_size
     perm = rotary_permutation(cfg)
@@ -223,10 +247,11 @@ def prepare_layer(cfg: LlamaConfig, w: dict, i: int, *, tp: TensorParallel = Ten
     if perm is not None:                 # a partial rotation: q/k rows (and what follows them) reordered per head
         orders = {"self_attn.q_proj": _head_order(perm, nh), "self_attn.k_proj": _head_order(perm, kvh)}
         w, quantized = _reordered(w, p, orders, perm), _reordered(quantized, p, orders, perm)
-    gain = {key: w[f"{p}{norm}.weight"] for key, (norm, _) in _NORMS.items()}                # (H,) each
-    post_gain = gain["gate_up"]
+    # the pre norms' gains, folded into the float32 products (a post-norm layer's input is normalized already)
+    gain = ({} if cfg.post_norm else {key: w[f"{p}{norm}.weight"] for key, (norm, _) in _NORMS.items()})   # (H,) each
+    post_gain = gain.get("gate_up")
     if moe:
-        del gain["gate_up"]
+        gain.pop("gate_up", None)
     # the float32 form of the products whose parts `w` holds (a product the kernel runs as stored for every step
     # was not read as float32 at all: weights.load_llama_weights' `skip`)
     f32 = {key: _fused(w, p, parts) for key, parts in products.items()
@@ -238,7 +263,11 @@ def prepare_layer(cfg: LlamaConfig, w: dict, i: int, *, tp: TensorParallel = Ten
     layer = LayerWeights(qkv=f32.get("qkv"), qkv_bias=bias, o=f32.get("o"), gate_up=f32.get("gate_up"),
                          down=f32.get("down"),
                          extra_gains={key: w[f"{p}{norm}.weight"] for key, norm in _EXTRA_GAINS.items()
-                                      if f"{p}{norm}.weight" in w})
+                                      if f"{p}{norm}.weight" in w},
+                         norm_biases={norm: w[f"{p}{norm}.bias"] for norm in _NORM_BIAS_ROWS
+                                      if f"{p}{norm}.bias" in w},
+                         mlp_biases={part: w[f"{p}mlp.{part}.bias"] for part in ("gate_proj", "up_proj", "down_proj")
+                                     if f"{p}mlp.{part}.bias" in w})
     # each part the kernel reads as stored (a product with any such part gets its norm's gain from the kernel,
     # not folded in: LoRA's A then leaves it to the kernel too)
     stored = {}
@@ -260,7 +289,7 @@ def prepare_layer(cfg: LlamaConfig, w: dict, i: int, *, tp: TensorParallel = Ten
                              for key, (parts, k) in shapes.items() if key in products}
     if kernel is not None:
         layer.kernel = _kernel_inputs(layer, w, p, stored, gain, nh, kvh, d, 1 if moe else inter, h, kernel, cfg, i,
-                                      lora_slots, lora_rank)
+                                      products, lora_slots, lora_rank)
     if moe:
         layer.moe = _moe_inputs(cfg, w, quantized, p, post_gain, kernel)
     return layer
@@ -321,13 +350,14 @@ def _reordered(tensors: dict, p: str, orders: dict, perm: np.ndarray) -> dict:
 
 
 def _kernel_inputs(layer: LayerWeights, w: dict, p: str, stored: dict, gain: dict, nh: int, kvh: int, d: int,
-                   inter: int, h: int, config: LayerKernelConfig, cfg: LlamaConfig, i: int, lora_slots: int = 0,
-                   lora_rank: int = 0) -> KernelInputs:
+                   inter: int, h: int, config: LayerKernelConfig, cfg: LlamaConfig, i: int, products: dict,
+                   lora_slots: int = 0, lora_rank: int = 0) -> KernelInputs:
     """The layer kernel's view of `layer`, part by part (KERNEL_PARTS): a part's stored rows where `stored` has
     them; else float32: its rows of the product's float32 matrix (the norm's gain folded in), or, in a product
     with stored parts too, the checkpoint's own rows (the kernel applies that product's gain to the activations).
     A mixture-of-experts layer (layer.moe; `inter` 1) runs no MLP here: its gate/up/down are (1, H), (1, H) and
-    (H, 1) placeholders the kernel does not read (iconfig's MLP entry 0), their LoRA inputs zeros of their shape."""
+    (H, 1) placeholders the kernel does not read (iconfig's MLP entry 0), their LoRA inputs zeros of their shape;
+    an ungated MLP's gate_w a (1, H) placeholder (iconfig's gated entry 0)."""
     one = np.ones(h, np.float32)
     moe = cfg.layer_moe(i)
     matrices, types, gains = {}, [], {}
@@ -341,7 +371,10 @@ def _kernel_inputs(layer: LayerWeights, w: dict, p: str, stored: dict, gain: dic
             continue
         kept = stored.get(key, {})
         row = 0
-        for part, name in zip(parts, KERNEL_PARTS[key]):
+        if key == "gate_up" and not cfg.gated_mlp:          # an ungated MLP: no gate rows (a placeholder)
+            matrices["gate_w"] = np.zeros((1, h), np.float32)
+            types.append(0)
+        for part, name in zip(products[key], KERNEL_PARTS[key][-len(products[key]):]):
             rows = {"self_attn.q_proj": nh * d, "self_attn.k_proj": kvh * d, "self_attn.v_proj": kvh * d,
                     "mlp.gate_proj": inter, "mlp.up_proj": inter}.get(part, h)           # o_proj, down_proj: H
             if part in kept:
@@ -353,7 +386,7 @@ def _kernel_inputs(layer: LayerWeights, w: dict, p: str, stored: dict, gain: dic
             types.append(int(qtype))
             row += rows
         if key in _NORMS:
-            gains[_NORMS[key][1]] = gain[key] if kept else one
+            gains[_NORMS[key][1]] = gain[key] if kept and key in gain else one
     for name in _EXTRA_GAINS:
         gains[name] = layer.extra_gains.get(name, np.ones(d if name in ("q_norm", "k_norm") else h, np.float32))
     nqkv = (nh + 2 * kvh) * d
@@ -367,12 +400,44 @@ def _kernel_inputs(layer: LayerWeights, w: dict, p: str, stored: dict, gain: dic
     qkv_bias = layer.qkv_bias if layer.qkv_bias is not None else np.zeros(nqkv, np.float32)
     o_bias = np.ascontiguousarray(w.get(f"{p}self_attn.o_proj.bias", np.zeros(h, np.float32)), np.float32)
     sinks = np.ascontiguousarray(w.get(f"{p}self_attn.sinks", np.zeros(nh, np.float32)), np.float32)
+    biases = layer.mlp_biases
+    zeros = np.zeros(inter, np.float32)
+    gate_up_bias = np.concatenate([biases.get("gate_proj", zeros), biases.get("up_proj", zeros)]).astype(np.float32)
+    down_bias = np.ascontiguousarray(biases.get("down_proj", np.zeros(h, np.float32)), np.float32)
+    norm_bias = np.stack([layer.norm_biases.get(norm, np.zeros(h, np.float32)) for norm in _NORM_BIAS_ROWS]
+                         ).astype(np.float32)
     iconfig = np.array([config.block_size, nh, kvh, config.threads, *types, int(config.batch_invariant),
                         _ACTIVATIONS[cfg.hidden_act], int(cfg.qk_norm), int(cfg.sandwich_norms),
-                        cfg.layer_window(i) or 0, 0 if moe else 1, int(cfg.attention_sinks)], np.int32)
+                        cfg.layer_window(i) or 0, 0 if moe else 1, int(cfg.attention_sinks), _NORM_CODES[cfg.norm],
+                        int(cfg.post_norm), int(cfg.gated_mlp), int(cfg.mlp_bias and not moe)], np.int32)
     return KernelInputs(matrices=matrices, types=tuple(types), qkv_bias=qkv_bias, o_bias=o_bias, sinks=sinks,
-                        gains=gains, lora=lora,
+                        gate_up_bias=gate_up_bias, down_bias=down_bias, norm_bias=norm_bias, gains=gains, lora=lora,
                         iconfig=iconfig, fconfig=np.array([cfg.rms_norm_eps, cfg.attention_scale], np.float32))
+
+
+@dataclass
+class EmbeddingExtras:
+    """What the embedding adds to a token's row besides its scale (a BERT encoder's; None where the model has none):
+    a learned row per position, token type 0's row folded in (a single text is type 0), then a LayerNorm."""
+
+    positions: Optional[np.ndarray] = None      # (P, H) float32: position p's row + token type 0's
+    norm_gain: Optional[np.ndarray] = None      # (H,) the embedding LayerNorm's gain
+    norm_bias: Optional[np.ndarray] = None      # (H,) and bias
+
+
+def prepare_embedding_extras(cfg: LlamaConfig, weights: dict) -> EmbeddingExtras:
+    """The embedding's extras of `cfg` (`learned_positions`, `embed_norm`) from the checkpoint's float32 tensors."""
+    extras = EmbeddingExtras()
+    if cfg.learned_positions:
+        rows = np.asarray(weights["model.embed_positions.weight"], np.float32)
+        if cfg.type_vocab_size:
+            rows = rows + np.asarray(weights["model.embed_token_types.weight"][0], np.float32)[None, :]
+        extras.positions = np.ascontiguousarray(rows, np.float32)
+    if cfg.embed_norm:
+        extras.norm_gain = np.ascontiguousarray(weights["model.embed_norm.weight"], np.float32)
+        extras.norm_bias = np.ascontiguousarray(weights.get("model.embed_norm.bias", np.zeros(cfg.hidden_size)),
+                                                np.float32)
+    return extras
 
 
 @dataclass

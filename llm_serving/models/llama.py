@@ -35,8 +35,8 @@ from mindspore.common.initializer import Zero, initializer
 
 from .attention import PagedAttention, paged_metadata
 from .kernels.signatures import DECODER_LAYER, EMBED_TOKENS, FINAL_LOGITS, MOE_MLP
-from .layer_weights import (LORA_PRODUCTS, KernelInputs, LayerKernelConfig, kernel_lora_arrays, prepare_head,
-                            prepare_layer)
+from .layer_weights import (LORA_PRODUCTS, KernelInputs, LayerKernelConfig, kernel_lora_arrays,
+                            prepare_embedding_extras, prepare_head, prepare_layer)
 from .parallel import TensorParallel
 from .rope import ROPE_KINDS, rope_tables
 from .runner_spec import KERNEL_ONLY_ROWS
@@ -84,9 +84,21 @@ def _rms_normalize(x, eps: float):
     return x * ops.rsqrt(ops.mean(x * x, -1, keep_dims=True) + eps)    # (..., N)
 
 
+def _layer_normalize(x, eps: float):
+    # x (..., N) -> (x - mean) / sqrt(mean((x - mean)^2) + eps) over the last axis (LayerNorm; BERT), before its gain
+    # and bias
+    centred = x - ops.mean(x, -1, keep_dims=True)                                    # (..., N)
+    return centred * ops.rsqrt(ops.mean(centred * centred, -1, keep_dims=True) + eps)
+
+
 def _gelu_tanh(x):
     # GELU with the tanh approximation (Gemma's gelu_pytorch_tanh), written out: the same formula as the kernel's
     return 0.5 * x * (1.0 + ops.tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
+
+
+def _gelu_erf(x):
+    # GELU's exact form (BERT's gelu), written out: the kernel's formula
+    return 0.5 * x * (1.0 + ops.erf(x * 0.7071067811865476))
 
 
 class LlamaDecoderLayer(nn.Cell):
@@ -104,7 +116,10 @@ class LlamaDecoderLayer(nn.Cell):
         self.rope_kind = cfg.layer_rope(i)
         self.window = cfg.layer_window(i)
         self.in_window_pool = self.window is not None and window_pool_slots > 0
-        self.gelu = cfg.hidden_act == "gelu_tanh"
+        self.act = cfg.hidden_act                   # the MLP's activation: silu, gelu_tanh or gelu (erf)
+        # a BERT layer: its norms after the residual adds (LayerNorm, gain and bias), an ungated MLP, biases
+        self.sandwich, self.post_norm, self.gated = cfg.sandwich_norms, cfg.post_norm, cfg.gated_mlp
+        self.layer_norm = cfg.norm == "layer"      # (LlamaConfig: only as post norms)
         # this rank's heads and MLP units (all of them when world == 1): `w` holds only this rank's part of
         # each split tensor (weights.load_llama_weights(path, tp); the split is parallel.SPLIT_AXIS)
         self.nh, self.kvh, self.d = cfg.num_heads // world, cfg.num_kv_heads // world, cfg.head_dim
@@ -124,6 +139,17 @@ class LlamaDecoderLayer(nn.Cell):
         self.qkv_bias = None
         if prepared.qkv_bias is not None:
             self.qkv_bias = _param(prepared.qkv_bias, f"layers.{i}.qkv_bias")       # ((NH+2KVH)*D,)
+        # MindSpore's ops' other biases, where the model has them: o_proj's (H,), the MLP's first product's ((2)I,:
+        # gate's then up's, or an ungated MLP's up's) and down's (H,), and the post norms' LayerNorm biases (H,)
+        ops_biases = {"o_bias": w.get(f"model.layers.{i}.self_attn.o_proj.bias"),
+                      "gate_up_bias": (np.concatenate([prepared.mlp_biases[n] for n in ("gate_proj", "up_proj")
+                                                       if n in prepared.mlp_biases])
+                                       if prepared.mlp_biases else None),
+                      "down_bias": prepared.mlp_biases.get("down_proj"),
+                      "attn_out_bias": prepared.norm_biases.get("attn_output_norm"),
+                      "mlp_out_bias": prepared.norm_biases.get("mlp_output_norm")}
+        for name, array in ops_biases.items():
+            setattr(self, name, _param(array, f"layers.{i}.{name}") if ops_graphs and array is not None else None)
         # the q/k heads' norms (D,) and the sandwich norms (H,), where the model has them (Qwen3, Gemma 3)
         for name in ("q_norm", "k_norm", "attn_out_gain", "mlp_out_gain"):
             gain = prepared.extra_gains.get(name)
@@ -187,6 +213,9 @@ class LlamaDecoderLayer(nn.Cell):
                                                                                       f"layers.{i}.qkv_bias0")
         self.kernel_o_bias = _param(k.o_bias, f"layers.{i}.kernel_o_bias")                          # (H,)
         self.kernel_sinks = _param(k.sinks, f"layers.{i}.kernel_sinks")                             # (NH,)
+        self.kernel_gate_up_bias = _param(k.gate_up_bias, f"layers.{i}.kernel_gate_up_bias")       # (2I,)
+        self.kernel_down_bias = _param(k.down_bias, f"layers.{i}.kernel_down_bias")                 # (H,)
+        self.kernel_norm_bias = _param(k.norm_bias, f"layers.{i}.kernel_norm_bias")                 # (4, H)
         self.kernel_input_gain = _param(k.gains["input_gain"], f"layers.{i}.kernel_input_gain")       # (H,)
         self.kernel_post_gain = _param(k.gains["post_gain"], f"layers.{i}.kernel_post_gain")         # (H,)
         # q_norm, k_norm (D,), attn_out_gain, mlp_out_gain (H,): the ops' Parameter where there is one, else ones
@@ -204,6 +233,7 @@ class LlamaDecoderLayer(nn.Cell):
         # the same objects in the kernel's order, which `fused` passes after the step's inputs
         self.kernel_held = DECODER_LAYER.held(
             qkv_bias=self.kernel_qkv_bias, o_bias=self.kernel_o_bias, sinks=self.kernel_sinks,
+            gate_up_bias=self.kernel_gate_up_bias, down_bias=self.kernel_down_bias, norm_bias=self.kernel_norm_bias,
             input_gain=self.kernel_input_gain, post_gain=self.kernel_post_gain,
             q_norm=self.kernel_q_norm, k_norm=self.kernel_k_norm, attn_out_gain=self.kernel_attn_out_gain,
             mlp_out_gain=self.kernel_mlp_out_gain,
@@ -249,7 +279,7 @@ class LlamaDecoderLayer(nn.Cell):
         # x (T, H); cos, sin (T, NH+2KVH, D); meta: paged_metadata's tuple; lora (T, 1) each token's adapter slot
         t = x.shape[0]
         nh, kvh, d = self.nh, self.kvh, self.d
-        xn = _rms_normalize(x, self.eps)                                                  # (T, H)
+        xn = x if self.post_norm else _rms_normalize(x, self.eps)     # (T, H) (post norms: normalized already)
         qkv = self.matmul_t(xn, self.qkv_w)                                               # (T, (NH+2KVH)*D)
         if self.has_lora:
             qkv = qkv + self.lora_delta(0, xn, lora)
@@ -271,23 +301,52 @@ class LlamaDecoderLayer(nn.Cell):
             o = o + self.lora_delta(1, attn, lora)
         if self.parallel:
             o = self.all_reduce(o)                                                        # (T, H) summed over ranks
-        if self.attn_out_gain is not None:             # sandwich norms (Gemma 3): the output normalized first
+        if self.o_bias is not None:
+            o = o + self.o_bias                                                           # (T, H)
+        if self.sandwich:                              # sandwich norms (Gemma 3): the output normalized first
             o = _rms_normalize(o, self.eps) * self.attn_out_gain
         x = x + o
-        xn = _rms_normalize(x, self.eps)                                                  # (T, H)
-        gate_up = self.matmul_t(xn, self.gate_up_w)                                       # (T, 2I)
+        if self.post_norm:                             # BERT: x = LayerNorm(x + o), the MLP's input as it is
+            x = self._post_normalize(x, self.attn_out_gain, self.attn_out_bias)           # (T, H)
+            xn = x
+        else:
+            xn = _rms_normalize(x, self.eps)                                              # (T, H)
+        gate_up = self.matmul_t(xn, self.gate_up_w)                                       # (T, 2I); ungated: (T, I)
         if self.has_lora:
             gate_up = gate_up + self.lora_delta(2, xn, lora)
-        gate, up = ops.split(gate_up, self.inter, 1)                                      # (T, I) each
-        act = (_gelu_tanh(gate) if self.gelu else ops.silu(gate)) * up                    # (T, I)
+        if self.gate_up_bias is not None:
+            gate_up = gate_up + self.gate_up_bias
+        if self.gated:
+            gate, up = ops.split(gate_up, self.inter, 1)                                  # (T, I) each
+            act = self._activation(gate) * up                                             # (T, I)
+        else:
+            act = self._activation(gate_up)                                               # (T, I): f(up)
         down = self.matmul_t(act, self.down_w)                                            # (T, H)
         if self.has_lora:
             down = down + self.lora_delta(3, act, lora)
         if self.parallel:
             down = self.all_reduce(down)                                                  # (T, H) summed over ranks
-        if self.mlp_out_gain is not None:
+        if self.down_bias is not None:
+            down = down + self.down_bias
+        if self.sandwich:
             down = _rms_normalize(down, self.eps) * self.mlp_out_gain
+        if self.post_norm:
+            return self._post_normalize(x + down, self.mlp_out_gain, self.mlp_out_bias)   # (T, H)
         return x + down                                                                   # (T, H)
+
+    def _post_normalize(self, x, gain, bias):
+        """A post norm of x (T, H): LayerNorm with its gain and bias, or RMSNorm with its gain."""
+        if self.layer_norm:
+            return _layer_normalize(x, self.eps) * gain + bias
+        return _rms_normalize(x, self.eps) * gain
+
+    def _activation(self, g):
+        """The MLP's activation of g (its gate's sums, or an ungated MLP's up's)."""
+        if self.act == "gelu_tanh":
+            return _gelu_tanh(g)
+        if self.act == "gelu":
+            return _gelu_erf(g)
+        return ops.silu(g)
 
 
 class LlamaForCausalLM(nn.Cell):
@@ -346,6 +405,15 @@ class LlamaForCausalLM(nn.Cell):
                                                 iconfig=Tensor(np.array([table.qtype], np.int32)))
         else:
             self.embed = _param(weights["model.embed_tokens.weight"], "embed")        # (V, H)
+        # a BERT encoder's embedding extras: a row per position (token type 0's folded in), then a LayerNorm
+        extras = prepare_embedding_extras(cfg, weights)
+        self.embed_positions = (None if extras.positions is None
+                                else _param(extras.positions, "embed_positions"))                    # (P, H)
+        self.embed_norm_gain = None if extras.norm_gain is None else _param(extras.norm_gain, "embed_norm_gain")
+        self.embed_norm_bias = None if extras.norm_bias is None else _param(extras.norm_bias, "embed_norm_bias")
+        # a causal model attends to the keys up to each token's own; an encoder's tokens to their whole input
+        self.causal = cfg.causal
+        self.generates = cfg.generates             # (an embedding model has no lm_head: it runs Embedder only)
         # layer_kernel_rows None: the layer kernel runs every step, and MindSpore's op-by-op layers never do
         kernel_only = layer_kernel is not None and layer_kernel_rows is None
         self.layers = nn.CellList([LlamaDecoderLayer(cfg, weights, i, num_slots, device_target, block_size,
@@ -358,7 +426,7 @@ class LlamaForCausalLM(nn.Cell):
         self.window_pool = any(layer.in_window_pool for layer in self.layers)
         self.layer_kernel_rows = (0 if layer_kernel is None else KERNEL_ONLY_ROWS if kernel_only
                                   else layer_kernel_rows)
-        if self.writes_outputs:                    # (the logits' tensors are loaded on rank 0 only)
+        if self.writes_outputs and self.generates:      # (the logits' tensors are loaded on rank 0 only)
             head = prepare_head(cfg, weights, kernel_threads=kernel_threads if layer_kernel is not None else None,
                                 quantized=quantized, batch_invariant=batch_invariant)
             self.lm_head = None if head.lm_head is None else _param(head.lm_head, "lm_head")   # (V, H)
@@ -434,8 +502,8 @@ class LlamaForCausalLM(nn.Cell):
         """The last decoder layer's output for every token (T, H), before the final norm: what construct takes its
         rows' logits from and an embed step pools (Embedder). Arguments as construct's."""
         b, s = input_ids.shape
-        x = self.embed_tokens(input_ids.reshape(-1))                                    # (T, H)
         flat_pos = positions.reshape(-1)                                                 # (T,)
+        x = self.embed_tokens(input_ids.reshape(-1), flat_pos)                          # (T, H)
         fused = s == 1 and b <= self.layer_kernel_rows
         if fused:
             x = self.fused_layers(x, flat_pos, slot_mapping.reshape(-1), block_tables, context_lens, tree_bits, lora,
@@ -452,18 +520,23 @@ class LlamaForCausalLM(nn.Cell):
                 pool = window > 0 and self.window_pool
                 metas += (paged_metadata(window_tables if pool else block_tables, positions,
                                          window_slots if pool else slot_mapping, context_lens, self.block_size,
-                                         self.kvh, tree_bits, window),)
+                                         self.kvh, tree_bits, window, self.causal),)
             lora_tok = ops.broadcast_to(lora.reshape(b, 1), (b, s)).reshape(b * s, 1)     # (T, 1)
             for layer in self.layers:
                 cos, sin = ropes[layer.rope_index]
                 x = layer(x, cos, sin, metas[layer.window_index], lora_tok)              # (T, H)
         return x
 
-    def embed_tokens(self, ids):
-        """ids (T,) -> their embeddings (T, H): the EmbedTokens kernel on the stored rows, or a float32 gather."""
+    def embed_tokens(self, ids, positions):
+        """ids, positions (T,) -> the tokens' embeddings (T, H): the EmbedTokens kernel on the stored rows, or a
+        float32 gather; a BERT encoder's position rows added and the sum LayerNorm-ed."""
         x = self.embed_kernel(ids, *self.embed_held) if self.embed_stored else ops.gather(self.embed, ids, 0)
         if self.embed_scale != 1.0:                    # Gemma: the rows times sqrt(hidden)
             x = x * self.embed_scale
+        if self.embed_positions is not None:
+            x = x + ops.gather(self.embed_positions, positions, 0)                       # (T, H)
+        if self.embed_norm_gain is not None:
+            x = _layer_normalize(x, self.eps) * self.embed_norm_gain + self.embed_norm_bias
         return x
 
     def fused_layers(self, x, positions, slots, block_tables, context_lens, tree_bits, lora, window_slots,
@@ -517,7 +590,7 @@ class DecodeRun(nn.Cell):
         ids = input_ids
         tokens, logprobs = (), ()
         for i in range(self.steps):
-            x = m.fused_layers(m.embed_tokens(ids), positions[i], slot_mapping[i], block_tables,
+            x = m.fused_layers(m.embed_tokens(ids, positions[i]), positions[i], slot_mapping[i], block_tables,
                                context_lens[i], tree_bits, lora, window_slots[i], window_tables)   # (B, H)
             _, ids, logprob = m.fused_logits(x, slot_mapping[i])                         # (B,) each
             tokens += (ids,)

@@ -4,7 +4,8 @@ hidden states, and the widths a request may ask for.
 - pooling: `mean` over the input's tokens, the `last` token's (decoder embedding models such as Qwen3-Embedding)
   or the first token's (`cls`), each L2-normalized. `model_config.pooling: auto` takes what the model declares in
   sentence-transformers' files (`modules.json` naming a Pooling module, whose `config.json` says
-  `pooling_mode_lasttoken`, `pooling_mode_mean_tokens` or `pooling_mode_cls_token`), else mean.
+  `pooling_mode_lasttoken`, `pooling_mode_mean_tokens` or `pooling_mode_cls_token`; a GGUF's `<arch>.pooling_type`,
+  as llama.cpp's converter writes it from those files), else mean.
 - dimensions: the hidden size; a Matryoshka model (config.json's `matryoshka_dimensions`, or `is_matryoshka`)
   may be asked for fewer (the first d of the pooled vector, normalized again); any other model only for its own.
 
@@ -22,6 +23,21 @@ POOLINGS = ("mean", "last", "cls")
 POOLING_CODES = {"mean": 0, "last": 1, "cls": 2}         # as the agent's pooled output reads them
 _DECLARED = (("pooling_mode_lasttoken", "last"), ("pooling_mode_mean_tokens", "mean"),
              ("pooling_mode_cls_token", "cls"))
+_GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}         # llama.cpp's pooling_type (0: none, 4: rank)
+
+
+def _gguf_pooling(path: str) -> Optional[tuple]:
+    """(pooling, key) a GGUF's `<arch>.pooling_type` declares, or None."""
+    from llm_serving.gguf_file import open_gguf
+
+    try:
+        reader = open_gguf(path)
+        arch = reader.fields["general.architecture"].contents()
+        field = reader.fields.get(f"{arch}.pooling_type")
+        kind = None if field is None else int(field.contents())
+    except Exception:               # not readable here: the weight loader says why
+        return None
+    return (_GGUF_POOLING[kind], f"{arch}.pooling_type") if kind in _GGUF_POOLING else None
 
 
 @dataclass(frozen=True)
@@ -50,7 +66,9 @@ class EmbeddingSpec:
 
 
 def declared_pooling(model_dir: Optional[str]) -> Optional[tuple]:
-    """(pooling, file) a sentence-transformers model declares, or None."""
+    """(pooling, file) a sentence-transformers model declares (a GGUF: its pooling_type), or None."""
+    if model_dir and os.path.isfile(model_dir) and model_dir.endswith(".gguf"):
+        return _gguf_pooling(model_dir)
     if not model_dir or not os.path.isdir(model_dir):
         return None
     modules_file = os.path.join(model_dir, "modules.json")

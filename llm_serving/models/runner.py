@@ -219,6 +219,16 @@ class ModelRunner:
         skip = frozenset(quantized) if self.kernel_serves_all else frozenset()
         self.config, weights = load_llama_weights(model_dir, self.tp, num_layers, skip=skip)   # this rank's part
         cfg: LlamaConfig = self.config
+        if not cfg.generates:
+            # a bidirectional encoder only embeds: no lm_head, so no decode runs; its whole input in one graph call
+            # (_execute_embed), which tensor parallelism's step pieces do not keep to
+            if self.tp.world > 1:
+                raise ValueError(f"ModelRunner: {cfg.architecture} is an embedding model (a bidirectional encoder); "
+                                 "tensor parallelism does not serve it (serve it on one agent)")
+            if not self.buckets.packed:
+                raise ValueError(f"ModelRunner: {cfg.architecture} is an embedding model, and embeddings need the "
+                                 "CPU kernel's packed steps (attention_kernel on, a CPU agent)")
+            self.decode_run_steps, self.decode_run_rows = 1, 0
         # the window pool: the sliding layers' own cache, of window_blocks blocks and a scratch block
         if not isinstance(spec.window_blocks, (int, np.integer)) or spec.window_blocks < 0:
             raise ValueError(f"ModelRunner: window_blocks must be an integer >= 0, got {spec.window_blocks!r}")
@@ -318,6 +328,7 @@ class ModelRunner:
         norm = weights.get("model.norm.weight")     # (tensor-parallel ranks but 0 hold none: they never pool)
         self.final_norm_gain = None if norm is None else np.array(norm, np.float32)             # (H,)
         self.pooling = embedding_spec(self.spec.pooling, self.model_dir, cfg.hidden_size).pooling
+        self.final_norm = not cfg.post_norm        # (post norms: the last layer's output is normalized already)
         self.sampler = Sampler(cfg.vocab_size, filters=True)          # some sampling row uses top-k/top-p
         # temperature only: the layer kernel library's SampleLogits where there is one (MindSpore's graph of it keeps
         # ~7 logits-sized buffers per batch size for the life of the process)
@@ -373,6 +384,9 @@ class ModelRunner:
         writes into the step's out_prompt_logprobs / _ranks / _top_ids / _top_logprobs the log-probability after
         each new token of that row's prompt_target (`PromptScores`).
         """
+        if not self.config.generates and step.kind is not StepKind.EMBED:
+            raise ValueError(f"ModelRunner.execute: {self.config.architecture} is an embedding model; it runs embed "
+                             f"steps only, not {step.kind.name.lower()} steps")
         return self._EXECUTE[step.kind](self, step)
 
     def _execute_step(self, step: StepView):
@@ -622,31 +636,44 @@ class ModelRunner:
     def _execute_embed(self, step: StepView) -> np.ndarray:
         """An embed step: every token's final hidden state, through the Embedder graph in packed pieces as a packed
         prefill runs them (their K/V written as any step's: a row's later chunk attends to them), then on the host the
-        final RMS norm and each row's pooling (`self.pooling`): mean, the sum of its new tokens' states (the master
-        divides the whole input's sum by its count); last, its last new token's; cls, its first token's when the
-        step feeds position 0. Returns (n, H) float32 (zeros on tensor-parallel ranks other than 0, which run the
-        graph for its all-reduces). Each row's sum is one reduction over its own tokens in order, so it is the same
-        whatever else the step holds (with batch-invariant steps, to the bit)."""
+        final norm (RMS; a model of post norms has none) and each row's pooling (`self.pooling`): mean, the sum of
+        its new tokens' states (the master divides the whole input's sum by its count); last, its last new token's;
+        cls, its first token's when the step feeds position 0. Returns (n, H) float32 (zeros on tensor-parallel ranks
+        other than 0, which run the graph for its all-reduces). Each row's sum is one reduction over its own tokens in
+        order, so it is the same whatever else the step holds (with batch-invariant steps, to the bit).
+        A bidirectional encoder's rows are whole inputs (the scheduler feeds them whole), each token seeing all of
+        its input's keys (its context: the row's), and each row runs within one graph call (`Buckets.row_pieces`):
+        its keys must all be written before any of its tokens attends."""
         if not self.buckets.packed:
             raise ValueError("ModelRunner.execute: embeddings need the CPU kernel's packed prefill (attention_kernel "
                              "on)")
         inputs = StepInputs.make(self.limits, step, sampler=False)
-        h = self.config.hidden_size
+        cfg = self.config
+        h = cfg.hidden_size
         flat = self._flat_tokens(inputs)
         t = int(inputs.query_lens.sum())
+        if cfg.causal:
+            pieces, start = [], 0
+            for tb in self.buckets.token_pieces(t):
+                pieces.append((start, min(start + tb, t), tb))
+                start += tb
+        else:
+            if (inputs.context_lens != inputs.query_lens).any():
+                raise ValueError("ModelRunner.execute: a bidirectional encoder's embed step feeds whole inputs (each "
+                                 "row's context its query length)")
+            flat = flat[:5] + (inputs.context_lens[flat[1]].astype(np.int32),) + flat[6:]    # every key of its input
+            pieces = self.buckets.row_pieces(inputs.query_lens)
         states = np.empty((t, h), np.float32)
-        start = 0
-        for tb in self.buckets.token_pieces(t):
-            stop = min(start + tb, t)
+        for start, stop, tb in pieces:
             states[start:stop] = self._call_embed(inputs, flat, start, stop, tb)[:stop - start]
-            start = stop
         pooled = np.zeros((inputs.n, h), np.float32)
         if not self.tp.writes_outputs:
             return pooled
-        eps = self.config.rms_norm_eps
-        states *= (1.0 / np.sqrt(np.mean(states * states, axis=1, keepdims=True, dtype=np.float64) + eps)
-                   ).astype(np.float32)
-        states *= self.final_norm_gain
+        if self.final_norm:
+            eps = cfg.rms_norm_eps
+            states *= (1.0 / np.sqrt(np.mean(states * states, axis=1, keepdims=True, dtype=np.float64) + eps)
+                       ).astype(np.float32)
+            states *= self.final_norm_gain
         ends = np.cumsum(inputs.query_lens)
         for i, (a, b) in enumerate(zip(ends - inputs.query_lens, ends)):
             if self.pooling == "mean":
@@ -878,6 +905,24 @@ class ModelRunner:
                    "top_n": np.zeros(rows, np.int32)}
         self._finish(outputs, rows, rows, per_row, False)
 
+    def _run_dummy_embed(self, tokens: int, compile_only: bool = False) -> None:
+        """The Embedder graph of `tokens` padding tokens (nothing written but the scratch block, nothing attended); with
+        compile_only only compiled (the larger buckets: running them costs a deep model seconds)."""
+        none, no_tables = np.zeros(0, np.int32), np.zeros((0, 1), np.int32)    # every token padding
+        kv = self._kv_inputs(none, no_tables, none if self.window_blocks else None, no_tables, (tokens,),
+                             self.max_blocks_per_seq, self._layer_kernel_runs(tokens))
+        T = self._ms.Tensor
+        zeros = np.zeros(tokens, np.int32)
+        slots, tables, window_slots, window_tables = self._kv_tensors(kv, (tokens, 1))
+        args = (T(zeros.reshape(tokens, 1)), T(zeros.reshape(tokens, 1)), slots, tables, T(zeros),
+                T(np.full(tokens, -1, np.int32)), T(zeros), window_slots, window_tables)
+        if compile_only:
+            if self._plan is not None:
+                self._plan.before_call(("embed", (tokens,)))
+            self.embedder.compile(*args)
+            return
+        self._call("embed", (tokens,), self.embedder, *args)
+
     def _run_dummy_verify(self, size: int, temperature: float) -> None:
         """One verify step filling verify bucket `size` (its tokens packed, its rows unpacked) with padding
         tokens (scratch block only)."""
@@ -949,6 +994,9 @@ class ModelRunner:
         demand, a first request's longer prompt or first verify step costs one entry or a few. A decode run's
         compile leaves ~80 MiB of freed heap behind (glibc keeps it, among live blocks), which the later graphs'
         compile state then fills instead of growing the heap: one comes first."""
+        if not self.config.generates:           # an embedding model: its embed graphs, the smallest first
+            return [Entry(f"embed bucket (T={tb} tokens)", lambda tb=tb: self._run_dummy_embed(tb, compile_only=i > 0),
+                          first=i == 0) for i, tb in enumerate(self.prefill_token_sizes)]
         ranked = []         # (0: a first request's, 1: the other prefill buckets, 2: the first verify one, 3: the rest)
         for i, b in enumerate(self.decode_run_batch_sizes()):
             ranked.append((0 if i == 0 else 3, Entry(f"decode run ({self.decode_run_steps} steps, B={b})",

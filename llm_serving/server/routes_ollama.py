@@ -319,13 +319,14 @@ async def ps(request: web.Request) -> web.Response:
 
 def capabilities(engine) -> list:
     """What Ollama's clients may ask of the model, in Ollama's sense and order: `embedding` for an embedding model
-    (its pooling declared by its files, sentence-transformers' 1_Pooling, or set by model_config.pooling: Ollama's
-    GGUF pooling_type), which Ollama's clients then embed with instead of chatting; else `completion`, `tools` when a
-    chat with a tool is served (`tools.serves_tools`: a template that takes them, or any that takes a system message,
-    where they are described, and the prompt fits the context; the calls are parsed either way), `thinking` when it
-    reasons (`<think>`, harmony)."""
+    (one that does not generate: model_config.task embed, a BERT encoder's; or one whose pooling its files declare,
+    sentence-transformers' 1_Pooling, or model_config.pooling sets: Ollama's GGUF pooling_type), which Ollama's clients
+    then embed with instead of chatting; else `completion`, `tools` when a chat with a tool is served
+    (`tools.serves_tools`: a template that takes them, or any that takes a system message, where they are described,
+    and the prompt fits the context; the calls are parsed either way), `thinking` when it reasons (`<think>`,
+    harmony)."""
     spec = engine.embedding
-    if spec is not None and spec.source != "default":
+    if not engine.generates or (spec is not None and spec.source != "default"):
         return ["embedding"]
     template = engine.chat_template
     return ["completion"] + (["tools"] if serves_tools(template, engine.max_model_len) else []) + \

@@ -61,9 +61,11 @@ def adapter_of(engine, model: Optional[str]) -> Optional[str]:
 
 
 def prepare(req: ApiRequest, engine) -> Prepared:
-    """`req` on the served model: a ValidationError (400) naming the field for what the model refuses. The prompt's
-    length is checked as soon as the prompt is made, before anything else a long request (an agent's: thousands of
-    tokens of tools) might fail on, so that a prompt the model cannot take is what its error says."""
+    """`req` on the served model: a ValidationError (400) naming the field for what the model refuses (an embedding
+    model refuses every generation, first). The prompt's length is checked as soon as the prompt is made, before
+    anything else a long request (an agent's: thousands of tokens of tools) might fail on, so that a prompt the model
+    cannot take is what its error says."""
+    engine.check_generates()
     adapter = adapter_of(engine, req.model)
     tools, harmony = None, False
     if req.messages is not None:

@@ -1,7 +1,13 @@
 """What is decided from the model when a server starts: the tokens a request may reach when
 `model_config.max_generate_length` is `auto` (`model_context`), and how many KV-cache blocks to allocate when
 `pa_config.num_blocks` is `auto` (both the defaults), and the model's vocabulary size (`model_config.vocab_size`,
-the width of the step buffers' token masks) when not given: `size_for_model` decides all three.
+the width of the step buffers' token masks) when not given, and its task (`model_config.task`: `decide_task`):
+`size_for_model` decides them all.
+
+A bidirectional encoder (BERT) embeds only (task embed), and runs where the CPU kernel's packed steps run (one CPU
+agent with the attention kernel: `_check_encoder`). An embedding model (task embed) computes each input whole in one
+step: its context is at most the largest of `model_config.seq_length` (a step's row) and an encoder's learned
+positions.
 
 Every agent allocates the same number of blocks (the master's block tables index them all); a block holds
 `block_size` tokens of keys and values for every layer and KV head, in pa_config.kv_cache_dtype (float16 and
@@ -207,6 +213,64 @@ def _check_mixture(config: Config, shape) -> None:
                           "MindSpore's ops, which have no mixture layer")
 
 
+def decide_task(config: Config, shape) -> str:
+    """model_config.task as the model decides it: `embed` for a bidirectional encoder (which has no lm_head: asking it
+    to generate is a ConfigError), else the setting (auto: `generate`)."""
+    task = config.model_config.task
+    if shape.causal:
+        task = "generate" if task == "auto" else task
+    elif task == "generate":
+        raise ConfigError(f"model_config.task=generate: the model is a bidirectional encoder ({shape.architecture}), "
+                          "which has no lm_head and only embeds; leave model_config.task auto or set it to embed")
+    else:
+        _check_encoder(config, shape)
+        task = "embed"
+    if task == "embed" and config.model_config.score_method == "yes_no":
+        raise ConfigError("model_config.score_method=yes_no: an embedding model (task embed) does not generate the "
+                          "judgement's token; it scores by similarity (leave score_method auto)")
+    return task
+
+
+def _check_encoder(config: Config, shape) -> None:
+    """ConfigError before any agent starts when the settings cannot serve a bidirectional encoder: its embeddings
+    need the CPU kernel's packed steps on one agent (an input's keys all written before any of its tokens attends,
+    within one graph call)."""
+    mc = config.model_config
+    wrong = [f"{name}={value}" for name, value, bad in (
+        ("model_config.device_target", mc.device_target, mc.device_target != "CPU"),
+        ("model_config.attention_kernel", mc.attention_kernel, mc.attention_kernel == "off"),
+        ("serving_config.agent_ports (tensor parallelism)", config.serving_config.agent_ports,
+         len(config.serving_config.agent_ports) > 1),
+        ("lora_config (LoRA adapters: they do not embed)", "enabled", config.lora_config.enabled)) if bad]
+    if wrong:
+        raise ConfigError(f"the model is a bidirectional encoder ({shape.architecture}), served for embeddings on one "
+                          f"CPU agent with the attention kernel's packed steps only; {', '.join(wrong)} would not "
+                          "serve it")
+
+
+def _whole_input_context(config: Config, shape, n: int) -> int:
+    """The context an embedding model (task embed: its inputs computed whole, one step each) is served with: `n` (the
+    trained context, or the cache's) at most a step's row (model_config.seq_length's largest)."""
+    row = config.model_config.seq_length[-1]
+    if n > row:
+        logger.warning("model_config.max_generate_length=auto: %d tokens per input (model_config.seq_length's "
+                       "largest: an embedding model's input is computed whole, in one step's row; the model has "
+                       "%d positions)", row, shape.max_position_embeddings)
+    return min(n, row)
+
+
+def _check_whole_input_context(config: Config, shape) -> None:
+    """ConfigError when a given context exceeds what an embedding model computes whole (a step's row; an encoder's
+    learned positions)."""
+    n, row = config.max_model_len, config.model_config.seq_length[-1]
+    positions = shape.max_position_embeddings if shape.learned_positions else n
+    if n > row or n > positions:
+        raise ConfigError(f"model_config.max_generate_length={n}: an embedding model (task embed) computes an input "
+                          f"whole, in one step's row of at most model_config.seq_length's largest ({row}) tokens"
+                          + (f", at the model's {positions} learned positions" if shape.learned_positions else "")
+                          + "; lower it or leave it auto")
+
+
 def weight_bytes(model_path: str, shape) -> int:
     """The memory the agents' weights take: a GGUF's file size (its matrices are kept as stored), else every tensor
     of the model as float32 (how the other formats are read)."""
@@ -235,7 +299,8 @@ def size_for_model(config: Config, model_path: str, available_bytes: Optional[in
     machine has now less the model's weights (`memory_after_weights`, which refuses a model that does not fit)."""
     pa = config.pa_config
     if (pa.num_blocks != "auto" and (pa.window_blocks == 0 or pa.window_tokens is not None)
-            and config.context_decided and config.model_config.vocab_size and config.model_config.hidden_size):
+            and config.context_decided and config.model_config.vocab_size and config.model_config.hidden_size
+            and config.model_config.task != "auto"):
         return config
     spec = config.spec_config
     try:
@@ -245,6 +310,9 @@ def size_for_model(config: Config, model_path: str, available_bytes: Optional[in
         raise ConfigError(f"cannot read the model's shape, vocabulary and context (to decide model_config.vocab_size, "
                           f"max_generate_length and pa_config.num_blocks auto): {e}") from None
     _check_mixture(config, shape)
+    task = decide_task(config, shape)
+    if task != config.model_config.task:
+        config = config.with_decided(task=task)
     if config.model_config.vocab_size is None:        # the token masks' width in the step buffers (shm/layout.py)
         config = config.with_decided(vocab_size=shape.vocab_size)
     if config.model_config.hidden_size is None:       # the pooled hidden states' width (embeddings: shm/layout.py)
@@ -277,7 +345,11 @@ def size_for_model(config: Config, model_path: str, available_bytes: Optional[in
         n, why, cut = model_context(shape, config, per_token, available_bytes, pool)
         (logger.warning if cut else logger.info)("model_config.max_generate_length=auto: %d tokens per request, %s",
                                                  n, why)
+        if task == "embed":
+            n = _whole_input_context(config, shape, n)
         config = config.with_decided(max_generate_length=n)
+    elif task == "embed":
+        _check_whole_input_context(config, shape)
     if pa.num_blocks != "auto":
         if pa.window_blocks == "auto" and window_blocks >= pa.num_blocks:
             window_blocks = 0                         # it would save nothing

@@ -8,6 +8,10 @@ loader.py makes the tokenizer of it), with the libraries that do the real work (
   the pre-tokenizer that `tokenizer.ggml.pre` names (its split rules are the model's, so a wrong one changes
   the ids; an unknown name logs a warning and splits as GPT-2 does); control tokens (type 3) become special
   added tokens, user-defined ones (4) added tokens, for `HFTokenizer` (hf.py).
+- `bert` (WordPiece: BERT encoders, as convert_hf_to_gguf.py's BertModel writes them: a word's first piece with
+  sentencepiece's "▁" in front, a continuation bare, bracketed special tokens as they are): a `tokenizers`
+  WordPiece over the pieces in HF's form again (a continuation "##"-prefixed), with BERT's normalizer (lower case,
+  as llama.cpp's WPM tokenizer always does) and pre-tokenizer; [CLS] (its BOS) and [SEP] (its EOS) around a text.
 - `llama` (sentencepiece BPE: LLaMA-1/2, Mistral, Gemma): a sentencepiece model rebuilt from the pieces, scores
   and types (the types mean the same in both formats), so `SentencePieceTokenizer` and its detokenizer
   apply. Like llama.cpp it keeps repeated spaces (no extra-whitespace removal) unless the metadata says
@@ -103,6 +107,31 @@ def _byte_level(path: str, meta, tokens: list, types: list):
     return tok
 
 
+def _wordpiece(path: str, meta, tokens: list, types: list):
+    """A GGUF `bert` vocabulary as a `tokenizers` WordPiece (see the module's docstring)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    vocab = {}
+    for i, (text, kind) in enumerate(zip(tokens, types)):
+        if kind == _CONTROL or (text.startswith("[") and text.endswith("]")):
+            piece = text
+        elif text.startswith("\u2581"):
+            piece = text[1:]
+        else:
+            piece = "##" + text
+        vocab.setdefault(piece, i)
+    unk = meta("tokenizer.ggml.unknown_token_id", types.index(_UNKNOWN) if _UNKNOWN in types else None)
+    if unk is None:
+        raise ValueError(f"{path}: a bert GGUF vocabulary needs tokenizer.ggml.unknown_token_id")
+    tok = Tokenizer(models.WordPiece(vocab, unk_token=tokens[int(unk)]))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, k in zip(tokens, types) if k == _CONTROL])
+    return tok
+
+
 def _sentencepiece_proto(meta, tokens: list, types: list) -> bytes:
     from sentencepiece import sentencepiece_model_pb2 as pb
 
@@ -137,7 +166,7 @@ def _sentencepiece_proto(meta, tokens: list, types: list) -> bytes:
 
 @dataclass(frozen=True)
 class GGUFVocabulary:
-    """A GGUF file's vocabulary, rebuilt: `kind` "gpt2" with `built` a `tokenizers.Tokenizer`, or "llama" with
+    """A GGUF file's vocabulary, rebuilt: `kind` "gpt2" or "bert" with `built` a `tokenizers.Tokenizer`, or "llama" with
     `built` a serialized sentencepiece model; `facts`: bos, eos, end_ids (more ids that end generation), pad,
     chat_template, add_bos, as the metadata says them."""
 
@@ -187,15 +216,22 @@ def _build(path: str) -> GGUFVocabulary:
     tokens = meta("tokenizer.ggml.tokens")
     if kind is None or tokens is None:
         raise ValueError(f"{path}: the GGUF has no vocabulary (tokenizer.ggml.model / tokens); pass --tokenizer")
-    if kind not in ("gpt2", "llama"):
-        raise ValueError(f"{path}: GGUF tokenizer model {kind!r} is not supported (supported: gpt2, llama)")
+    if kind not in ("gpt2", "llama", "bert"):
+        raise ValueError(f"{path}: GGUF tokenizer model {kind!r} is not supported (supported: gpt2, llama, bert)")
     types = meta("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
     facts = {"bos": meta("tokenizer.ggml.bos_token_id"), "eos": meta("tokenizer.ggml.eos_token_id"),
              "end_ids": [i for i in (meta("tokenizer.ggml.eot_token_id"), meta("tokenizer.ggml.eom_token_id"))
                          if i is not None],
              "pad": meta("tokenizer.ggml.padding_token_id"), "chat_template": meta("tokenizer.chat_template"),
-             "add_bos": bool(meta("tokenizer.ggml.add_bos_token", kind == "llama")),
-             "add_eos": bool(meta("tokenizer.ggml.add_eos_token", False))}
+             "add_bos": bool(meta("tokenizer.ggml.add_bos_token", kind in ("llama", "bert"))),
+             "add_eos": bool(meta("tokenizer.ggml.add_eos_token", kind == "bert"))}
+    if kind == "bert":                      # ([CLS] and [SEP], the converter's BOS and EOS)
+        facts["bos"] = meta("tokenizer.ggml.cls_token_id", facts["bos"])
+        facts["eos"] = meta("tokenizer.ggml.seperator_token_id", facts["eos"])
+        if facts["bos"] is None or facts["eos"] is None:
+            raise ValueError(f"{path}: a bert GGUF vocabulary needs its [CLS] and [SEP] ids "
+                             "(tokenizer.ggml.cls_token_id / seperator_token_id, or bos / eos)")
+        return GGUFVocabulary(kind, _wordpiece(path, meta, tokens, types), facts)
     if kind == "gpt2":
         if facts["eos"] is None:
             raise ValueError(f"{path}: tokenizer.ggml.eos_token_id is missing")
@@ -208,7 +244,7 @@ def _save(folder: Path, vocab: GGUFVocabulary) -> None:
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=folder.parent))
-        if vocab.kind == "gpt2":
+        if vocab.kind in ("gpt2", "bert"):
             vocab.built.save(str(tmp / "tokenizer.json"))
         else:
             (tmp / "tokenizer.model").write_bytes(vocab.built)
@@ -224,7 +260,7 @@ def _save(folder: Path, vocab: GGUFVocabulary) -> None:
 def _from_cache(folder: Path) -> GGUFVocabulary:
     facts = json.loads((folder / "meta.json").read_text())
     kind = facts.pop("kind")
-    if kind == "gpt2":
+    if kind in ("gpt2", "bert"):
         from tokenizers import Tokenizer
 
         built = Tokenizer.from_file(str(folder / "tokenizer.json"))

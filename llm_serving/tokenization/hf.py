@@ -68,6 +68,10 @@ class HFTokenizer:
     def __init__(self, tok, *, model_file: str, bos_id: Optional[int], eos_id: int, eos_ids: Iterable[int] = (),
                  pad_id: Optional[int] = None, add_bos: bool = False, chat_template: Optional[str] = None,
                  input_suffix: Optional[tuple] = None):
+        # a tokenizer.json may carry a truncation and a padding (all-MiniLM's: 128 tokens, padded to 128), which the
+        # library would apply to every encode: lengths are this server's to decide (the context, truncate options)
+        tok.no_truncation()
+        tok.no_padding()
         self._tok = tok
         self.model_file = model_file
         added = tok.get_added_tokens_decoder()                        # id -> AddedToken
@@ -98,7 +102,9 @@ class HFTokenizer:
     @classmethod
     def from_directory(cls, directory: str, tokenizer_json: Optional[str] = None) -> "HFTokenizer":
         """`tokenizer.json` with `tokenizer_config.json` (bos/eos/pad tokens, add_bos_token, chat_template) and
-        `generation_config.json` (eos_token_id: an id or a list, all of which end generation) beside it."""
+        `generation_config.json` (eos_token_id: an id or a list, all of which end generation) beside it. A BERT
+        tokenizer names no BOS or EOS: its cls_token ([CLS], which its post-processor puts first) stands for BOS and
+        its sep_token ([SEP], last) for EOS."""
         from tokenizers import Tokenizer as _Tok
 
         folder = Path(directory)
@@ -122,6 +128,10 @@ class HFTokenizer:
         gen_eos = gen_eos if isinstance(gen_eos, list) else [] if gen_eos is None else [gen_eos]
         if bos is None:
             bos = gen.get("bos_token_id", model_cfg.get("bos_token_id"))
+        if bos is None:
+            bos = token_id("cls_token")
+        if eos is None and not gen_eos:
+            eos = token_id("sep_token")
         if eos is None:
             if not gen_eos:
                 raise ValueError(f"{folder}: no EOS token (tokenizer_config.json eos_token, or eos_token_id in "

@@ -59,7 +59,7 @@ def load_tokenizer(model_path: str, vocab_file: Optional[str] = None) -> Tokeniz
 
 def _gguf_tokenizer(path: str, vocab: GGUFVocabulary) -> Tokenizer:
     facts = vocab.facts
-    if vocab.kind == "gpt2":
+    if vocab.kind in ("gpt2", "bert"):
         return HFTokenizer(vocab.built, model_file=path, bos_id=facts["bos"], eos_id=int(facts["eos"]),
                            eos_ids=facts["end_ids"], pad_id=facts["pad"], add_bos=facts["add_bos"],
                            chat_template=facts["chat_template"],

@@ -359,3 +359,24 @@ def test_made_gpt_oss_body_has_biases_sinks_and_expert_stacks():
     assert "blk.0.ffn_norm.weight" not in oss and oss["blk.0.post_attention_norm.weight"] == ((2880,), "norm")
     assert 5.1e9 < sum(int(np.prod(s)) for s, _ in oss.values()) < 5.3e9
     assert not tensor_values("blk.0.attn_q.bias", (4,), "bias", 0).any()
+
+
+def test_retrieval_scores_rank_each_querys_own_document(tmp_path):
+    """bench/retrieval.py: recall@k and MRR from the cosine ranks (query i's document is i), and the sample: seeded,
+    outputs too short or repeated left out, an input joined to its instruction."""
+    import numpy as np
+
+    from bench.retrieval import sample, scores
+
+    docs = np.eye(4)
+    queries = docs[[0, 1, 3, 2]] * 0.9 + 0.1 * docs                # queries 2 and 3 nearest the other's document
+    assert scores(queries / np.linalg.norm(queries, axis=1, keepdims=True), docs) == {
+        "recall@1": 0.5, "recall@5": 1.0, "mrr": 0.75}
+    records = [{"instruction": f"Q{i}", "input": "ctx" if i == 1 else "", "output": f"an answer long enough {i}"}
+               for i in range(6)] + [{"instruction": "Short", "input": "", "output": "No"},
+                                     {"instruction": "Again", "input": "", "output": "an answer long enough 0"}]
+    (tmp_path / "alpaca.json").write_text(__import__("json").dumps(records))
+    q, d = sample(tmp_path / "alpaca.json", 6, seed=1)
+    assert sorted(d) == sorted(f"an answer long enough {i}" for i in range(6))
+    assert all(qi == f"Q{di[-1]}" + ("\nctx" if di.endswith("1") else "") for qi, di in zip(q, d))
+    assert sample(tmp_path / "alpaca.json", 6, seed=1) == (q, d)

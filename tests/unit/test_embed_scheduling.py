@@ -108,6 +108,22 @@ def test_an_embeddings_chunks_start_at_multiples_of_the_chunk_size_whatever_else
     np.testing.assert_allclose(emb.embedding, expected(emb.prompt_ids, "mean"), rtol=1e-6)
 
 
+def test_an_embedding_models_inputs_are_fed_whole_in_one_step():
+    """whole_embeddings (model_config.task embed: a bidirectional encoder, whose chunk could not attend to its later
+    tokens): each input in one step, several side by side while the budget holds them, one longer than the budget (or
+    than max_chunk_tokens) alone; none ever split."""
+    sched = scheduler(max_num_batched_tokens=12, whole_embeddings=True)
+    reqs = [embedding(range(100 * i, 100 * i + n), name=f"e{i}") for i, n in enumerate((5, 6, 29, 3, 9, 4))]
+    for req in reqs:
+        sched.add(req)
+    steps = run(sched)
+    fed = [[(r.req_id, start, q) for r, start, q in zip(batch.requests, starts, batch.num_new_tokens)]
+           for batch, starts in steps]
+    assert fed == [[("e0", 0, 5), ("e1", 0, 6)], [("e2", 0, 29)], [("e3", 0, 3), ("e4", 0, 9)], [("e5", 0, 4)]]
+    for req in reqs:
+        np.testing.assert_allclose(req.embedding, expected(req.prompt_ids, "mean"), rtol=1e-6)
+
+
 @pytest.mark.parametrize("pooling", ["last", "cls"])
 def test_last_and_cls_pooling_take_one_tokens_state_across_chunks(pooling):
     sched = scheduler()

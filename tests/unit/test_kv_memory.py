@@ -100,7 +100,7 @@ def test_the_model_shape_is_read_from_the_checkpoint_and_a_draft_adds_its_layers
 def test_a_given_block_count_is_kept():
     cfg = config_from_dict({}, ("pa_config.num_blocks=100", "model_config.max_generate_length=512",
                                 "model_config.vocab_size=512", "model_config.hidden_size=64",
-                                "pa_config.window_blocks=0"))
+                                "pa_config.window_blocks=0", "model_config.task=generate"))
     assert size_for_model(cfg, "/nonexistent", available_bytes=0) is cfg
 
 
@@ -282,3 +282,52 @@ def test_a_mixture_on_mindspores_ops_is_refused_at_start_naming_the_setting(tmp_
     with pytest.raises(ConfigError, match=f"mixture of experts \\(mixtral, 4 experts\\).*{named}"):
         size_for_model(config_from_dict(sets), str(tmp_path), available_bytes=2**30)
     assert size_for_model(config_from_dict({}), str(tmp_path), available_bytes=2**30).pa_config.num_blocks > 0
+
+
+@pytest.fixture
+def encoder_shape(tmp_path, monkeypatch):
+    """A BERT encoder's shape (512 learned positions) read as the checkpoint's, without a checkpoint."""
+    from llm_serving.models.weights import LlamaConfig
+    from llm_serving.startup import kv_memory
+
+    bert = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=4,
+                       head_dim=16, max_position_embeddings=512, architecture="bert", causal=False, norm="layer",
+                       post_norm=True, gated_mlp=False, mlp_bias=True, hidden_act="gelu", learned_positions=True,
+                       type_vocab_size=2, embed_norm=True, attention_bias=True, o_bias=True)
+    monkeypatch.setattr(kv_memory, "model_shape", lambda path: bert)
+    return str(tmp_path)
+
+
+def test_an_encoder_is_decided_an_embedding_model(encoder_shape):
+    """task auto: embed for a bidirectional encoder, its context at most a step's row (seq_length's largest, 512 by
+    default; 128 here) and its positions."""
+    sized = size_for_model(config_from_dict({}), encoder_shape, available_bytes=2**30)
+    assert sized.model_config.task == "embed" and sized.max_model_len == 512
+    row = config_from_dict({"model_config": {"seq_length": [32, 128]}})
+    assert size_for_model(row, encoder_shape, available_bytes=2**30).max_model_len == 128
+
+
+def test_a_decoder_is_decided_a_generating_model_unless_told_to_embed(stories_hf):
+    """A decoder generates (task auto); told to embed only, its inputs are computed whole too: its context at most a
+    step's row (128 here, of its 512 positions), a larger one given refused."""
+    assert size_for_model(config_from_dict({}), stories_hf, available_bytes=2**30).model_config.task == "generate"
+    decoder_embeds = config_from_dict({"model_config": {"task": "embed", "seq_length": [32, 128]}})
+    sized = size_for_model(decoder_embeds, stories_hf, available_bytes=2**30)
+    assert sized.model_config.task == "embed" and sized.max_model_len == 128
+    given = config_from_dict({"model_config": {"task": "embed", "seq_length": [32, 128], "max_generate_length": 256}})
+    with pytest.raises(ConfigError, match=r"max_generate_length=256: an embedding model \(task embed\)"):
+        size_for_model(given, stories_hf, available_bytes=2**30)
+
+
+@pytest.mark.parametrize("sets, named", [
+    ({"model_config": {"task": "generate"}}, "task=generate: the model is a bidirectional encoder"),
+    ({"model_config": {"score_method": "yes_no"}}, "score_method=yes_no"),
+    ({"model_config": {"attention_kernel": "off"}}, "attention_kernel=off"),
+    ({"model_config": {"device_target": "Ascend"}}, "device_target=Ascend"),
+    ({"serving_config": {"agent_ports": [0, 0]}}, "tensor parallelism"),
+    ({"lora_config": {"enable_lora": True}}, "LoRA adapters"),
+    ({"model_config": {"max_generate_length": 1024}}, "max_generate_length=1024"),
+])
+def test_what_cannot_serve_an_encoder_is_refused_at_start_naming_the_setting(encoder_shape, sets, named):
+    with pytest.raises(ConfigError, match=named):
+        size_for_model(config_from_dict(sets), encoder_shape, available_bytes=2**30)

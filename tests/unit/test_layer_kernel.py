@@ -199,6 +199,19 @@ def gelu_tanh(g):
     return 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3)))
 
 
+def gelu_erf(g):
+    """GELU's exact form (BERT's "gelu")."""
+    import math
+
+    return 0.5 * g * (1 + np.vectorize(math.erf)(g / math.sqrt(2)))
+
+
+def layer_norm(x, eps=1e-5):
+    x = x.astype(np.float64)
+    x = x - x.mean(-1, keepdims=True)
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps)
+
+
 def tree_visible(context: int, bits: int) -> list:
     """The key indices a row of `context` keys sees under its tree bits (bit m: the key m places before the
     last; keys further back than 32 always)."""
@@ -248,6 +261,11 @@ class Layer:
         self.attention_scale = None
         # gpt-oss's parts: o_proj's bias (zeros: none) and each query head's attention sink (None: none)
         self.o_b, self.sinks = np.zeros(hidden, np.float32), None
+        # a BERT encoder's parts (iconfig[18..21]): LayerNorm (its biases: norm_b's rows), post norms, an ungated MLP,
+        # MLP biases; LLaMA's unless with_encoder() ran
+        self.norm, self.post, self.gated, self.mlp_bias = 0, False, True, False
+        self.gate_up_b, self.down_b = np.zeros(2 * inter, np.float32), np.zeros(hidden, np.float32)
+        self.norm_b = np.zeros((4, hidden), np.float32)
         self.iconfig_len = None
         p = max(64, width * block_size)
         angles = np.arange(p)[:, None] / 10000.0 ** (np.arange(0, head_dim, 2) / head_dim)[None, :]
@@ -283,6 +301,33 @@ class Layer:
         if sandwich:
             self.attn_out_gain, self.mlp_out_gain = gains(self.h), gains(self.h)
         return self
+
+    def with_encoder(self, rng, *, norm=1, post=True, gated=False, mlp_bias=True, activation=2):
+        """A BERT layer's parts (by default all of them): LayerNorm with random biases, post norms (random gains),
+        an ungated MLP (gate_w a (1, H) placeholder; up's rows are gate_up_w's second half), random biases on
+        gate/up and down, GELU (erf); RoPE off (cos 1, sin 0: learned positions are the embedding's)."""
+        self.norm, self.post, self.gated, self.mlp_bias, self.activation = norm, post, gated, mlp_bias, activation
+        gains = lambda n: (1 + 0.3 * rng.standard_normal(n)).astype(np.float32)      # noqa: E731
+        small = lambda *n: (0.3 * rng.standard_normal(n)).astype(np.float32)          # noqa: E731
+        self.norm_b = small(4, self.h) if norm else self.norm_b
+        self.attn_out_gain, self.mlp_out_gain = gains(self.h), gains(self.h)
+        self.in_gain, self.post_gain = gains(self.h), gains(self.h)
+        if mlp_bias:
+            self.gate_up_b, self.down_b = small(2 * self.i), small(self.h)
+        if not gated:
+            self.kernel_weights["gate_w"] = (np.full((1, self.h), np.nan, np.float32), 0)      # (not read)
+        self.cos, self.sin = np.ones_like(self.cos), np.zeros_like(self.sin)
+        return self
+
+    def as_inputs(self, rng, lengths):
+        """The step's rows as whole inputs of a bidirectional encoder, side by side: input i of lengths[i] tokens
+        at positions 0.., each with its own scattered blocks, every token seeing all of its input's keys (context
+        = its length)."""
+        self.as_prompts(rng, [(0, n) for n in lengths])
+        row = 0
+        for n in lengths:
+            self.context[row:row + n] = n
+            row += n
 
     def _rows(self, part: str) -> slice:
         """The rows of its fused matrix that kernel weight `part` is."""
@@ -340,11 +385,12 @@ class Layer:
         (the process's setting, KernelInvariant)."""
         w = self.kernel_weights
         features = [self.activation, int(self.qk_norm), int(self.sandwich), self.window]
-        length = self.iconfig_len or (18 if self.sinks is not None else 16 if any(features)
-                                      else 11 if invariant is None else 12)
+        encoder = [self.norm, int(self.post), int(self.gated), int(self.mlp_bias)]
+        length = self.iconfig_len or (22 if encoder != [0, 0, 1, 0] else 18 if self.sinks is not None
+                                      else 16 if any(features) else 11 if invariant is None else 12)
         icfg = np.array(([self.bs, self.nh, self.kvh, threads] + [w[n][1] for n in PARTS]
                          + [-1 if invariant is None else invariant] + features
-                         + [1, int(self.sinks is not None)])[:length], np.int32)
+                         + [1, int(self.sinks is not None)] + encoder)[:length], np.int32)
         fcfg = [1e-5] + ([] if self.attention_scale is None else [self.attention_scale])
         out = np.full_like(self.x, np.nan) if out is None else out
         lora = {f"lora_{n}_{ab}": arr for n in ("qkv", "o", "gate_up", "down")
@@ -355,7 +401,8 @@ class Layer:
             o_bias=self.o_b, sinks=np.zeros(self.nh, np.float32) if self.sinks is None else self.sinks,
             **{n: np.ascontiguousarray(w[n][0]) for n in PARTS},
             post_gain=self.post_gain, q_norm=self.q_norm, k_norm=self.k_norm, attn_out_gain=self.attn_out_gain,
-            mlp_out_gain=self.mlp_out_gain, key_cache=self.cache.arg(self.key_cache),
+            mlp_out_gain=self.mlp_out_gain, gate_up_bias=self.gate_up_b, down_bias=self.down_b, norm_bias=self.norm_b,
+            key_cache=self.cache.arg(self.key_cache),
             value_cache=self.cache.arg(self.value_cache), lora=self.lora,
             iconfig=icfg, fconfig=np.array(fcfg, np.float32), **lora), out]
 
@@ -369,10 +416,15 @@ class Layer:
         while computed > 0 and self.slots[computed - 1] < 0:
             computed -= 1
         paths = {parts: integer_path(library, computed, [self.kernel_weights[n][1] for n in parts])
-                 for parts in (("q_w", "k_w", "v_w"), ("o_w",), ("gate_w", "up_w"), ("down_w",))}
+                 for parts in (("q_w", "k_w", "v_w"), ("o_w",), ("gate_w", "up_w"), ("up_w",), ("down_w",))}
         path = lambda *parts: paths[parts]                                       # noqa: E731
         self.rounded = any(paths.values())
-        xn = rms(self.x) * self.in_gain
+        nb = self.norm_b.astype(np.float64)
+
+        def norm(x, gain, row):             # the layer's norm: RMSNorm, or LayerNorm with norm_b[row]
+            return layer_norm(x) * gain + nb[row] if self.norm else rms(x) * gain
+
+        xn = self.x.astype(np.float64) if self.post else norm(self.x, self.in_gain, 0)
         nq, nk = nh * d, (nh + kvh) * d
         qkv = rounded(xn, path("q_w", "k_w", "v_w")) @ self.qkv_w.T.astype(np.float64) + self.qkv_b
         qkv = (qkv + self._lora_delta("qkv", xn, ((0, nq), (nq, nk), (nk, nk + kvh * d)))).reshape(b, nh + 2 * kvh, d)
@@ -393,13 +445,22 @@ class Layer:
         attn = attention_reference(q.reshape(b, kvh, nh // kvh, d), keys, values, self.tables, self.context,
                                    self.bs, visible, self.window, sinks).reshape(b, -1)
         o = rounded(attn, path("o_w")) @ self.o_w.T + self.o_b + self._lora_delta("o", attn, ((0, self.h),))
-        x1 = self.x + (rms(o) * self.attn_out_gain if self.sandwich else o)
-        xn1 = rms(x1) * self.post_gain
-        gate_up = rounded(xn1, path("gate_w", "up_w")) @ self.gate_up_w.T + self._lora_delta("gate_up", xn1, ((0, self.i), (self.i, 2 * self.i)))
+        x1 = self.x + (norm(o, self.attn_out_gain, 2) if self.sandwich else o)
+        if self.post:                           # BERT: the norm after the residual add, the MLP's input as it is
+            x1 = norm(x1, self.attn_out_gain, 2)
+        xn1 = x1 if self.post else norm(x1, self.post_gain, 1)
+        gate_up = rounded(xn1, path("gate_w", "up_w") if self.gated else path("up_w")) @ self.gate_up_w.T \
+            + self._lora_delta("gate_up", xn1, ((0, self.i), (self.i, 2 * self.i)))
+        gate_up = gate_up + (self.gate_up_b if self.mlp_bias else 0)
         gate, up = gate_up[:, :self.i], gate_up[:, self.i:]
-        act = (gelu_tanh(gate) if self.activation == 1 else gate / (1 + np.exp(-gate))) * up
+        if not self.gated:                      # f(up)
+            gate, up = up, 1.0
+        f = {0: lambda g: g / (1 + np.exp(-g)), 1: gelu_tanh, 2: gelu_erf}[self.activation]
+        act = f(gate) * up
         down = rounded(act, path("down_w")) @ self.down_w.T + self._lora_delta("down", act, ((0, self.h),))
-        return x1 + (rms(down) * self.mlp_out_gain if self.sandwich else down), keys, values
+        down = down + (self.down_b if self.mlp_bias else 0)
+        out = x1 + (norm(down, self.mlp_out_gain, 3) if self.sandwich else down)
+        return (norm(out, self.mlp_out_gain, 3) if self.post else out), keys, values
 
 
 # hidden sizes and MLP widths that are not multiples of the 16-float vectors, batches not multiples of the
@@ -1234,6 +1295,77 @@ def test_each_part_changes_the_output(library):
             assert not np.isclose(output(**features), base, rtol=1e-4, atol=1e-5).all(axis=1).any(), features
 
 
+# a BERT encoder's parts, alone and together (the encoder's layer: every one of them)
+ENCODER_PARTS = {
+    "layer_norm": dict(norm=1, post=False, gated=True, mlp_bias=False, activation=0),
+    "post_norms": dict(norm=0, post=True, gated=True, mlp_bias=False, activation=0),
+    "ungated": dict(norm=0, post=False, gated=False, mlp_bias=False, activation=1),
+    "mlp_bias": dict(norm=0, post=False, gated=True, mlp_bias=True, activation=0),
+    "gelu_erf": dict(norm=0, post=False, gated=True, mlp_bias=False, activation=2),
+    "bert": {},
+}
+
+
+@pytest.mark.parametrize("part", list(ENCODER_PARTS))
+@pytest.mark.parametrize("lengths,threads,qtype", [((3,), 1, None), ((5, 1, 7), 2, None), ((11, 9), 3, None),
+                                                   ((2, 4), 2, "Q8_0"), ((13, 8), 2, "Q4_0")])
+def test_encoder_parts_match_numpy(library, invariant_mode, part, lengths, threads, qtype):
+    """Each of a BERT layer's parts alone and all together, on whole inputs side by side whose every token sees its
+    whole input (context = its length: bidirectional attention), in the few-row, tile and batched paths (3, 13, 20
+    rows) and on quantized weights (the integer paths' rounding in the reference too)."""
+    import gguf
+
+    rng = np.random.default_rng(sum(lengths) * 7 + threads)
+    layer = Layer(rng, hidden=64, heads=4, kv_heads=4, head_dim=16, inter=96, batch=sum(lengths),
+                  num_blocks=sum(lengths) * 6 + 6)
+    layer.as_inputs(rng, lengths)
+    layer.with_encoder(rng, **ENCODER_PARTS[part])
+    if qtype is not None:
+        layer.quantize({n: getattr(gguf.GGMLQuantizationType, qtype) for n in ("qkv_w", "o_w", "up_w", "down_w")},
+                       rng)
+    layer.iconfig_len = 22
+    assert check_layer(library, layer, threads)[ICFG].shape == (22,)
+
+
+def test_an_encoders_tokens_see_their_whole_input_and_only_it(library):
+    """Bidirectional attention is each token's context: the first token of an input changes when its last one does,
+    and an input beside another is computed as it is alone (to the bit, batch-invariant)."""
+    library.KernelInvariant(1)
+
+    rng = np.random.default_rng(5)
+    layer = Layer(rng, hidden=64, heads=4, kv_heads=4, head_dim=16, inter=96, batch=15, num_blocks=96)
+    layer.as_inputs(rng, (6, 9))
+    layer.with_encoder(rng)
+    arrays = layer.arrays(2)
+    assert invoke(library.DecoderLayer, arrays) == 0
+    beside = arrays[-1][:6].copy()
+    for name in ("x", "positions", "slots", "tables", "context", "tree", "lora"):     # the first input alone
+        setattr(layer, name, np.ascontiguousarray(getattr(layer, name)[:6]))
+    layer.b = 6
+    arrays = layer.arrays(2)
+    assert invoke(library.DecoderLayer, arrays) == 0
+    np.testing.assert_array_equal(arrays[-1], beside)
+    alone = arrays[-1].copy()
+    layer.x[5] *= 3.0                                # its last token changed: its first token's output changes
+    arrays = layer.arrays(2)
+    assert invoke(library.DecoderLayer, arrays) == 0
+    assert np.abs(arrays[-1][0] - alone[0]).max() > 1e-3
+
+
+def test_encoder_iconfig_refusals(library):
+    """Post norms with sandwich norms, an unknown norm or activation, and a non-flag entry are refused (2)."""
+    rng = np.random.default_rng(3)
+    layer = Layer(rng, hidden=64, heads=4, kv_heads=4, head_dim=16, inter=96, batch=4)
+    layer.with_encoder(rng)
+    for at, value in ((14, 1), (18, 2), (12, 3), (19, 2), (20, 5), (21, -1)):
+        arrays = layer.arrays(1)
+        arrays[ICFG][at] = value
+        assert invoke(library.DecoderLayer, arrays) == 2, (at, value)
+    arrays = layer.arrays(1)
+    arrays[DECODER_LAYER.index("norm_bias")] = np.zeros((3, 64), np.float32)
+    assert invoke(library.DecoderLayer, arrays) == 2
+
+
 @pytest.mark.parametrize("length", [11, 12])
 def test_llama_iconfigs_of_11_and_12_entries_are_an_iconfig_of_16_with_every_part_off(library, invariant_mode, length):
     """An iconfig without the parts' entries (today's callers) and an fconfig of one entry give the same bits as
@@ -1399,7 +1531,7 @@ def test_a_layer_without_its_mlp_is_its_attention_and_residual(library):
     layer.key_cache[...], layer.value_cache[...] = keys, values
     bare = layer.arrays(2)
     bare[DECODER_LAYER.index("iconfig")] = np.append(bare[DECODER_LAYER.index("iconfig")], 0).astype(np.int32)
-    for name, shape in (("gate_w", (1, 64)), ("up_w", (1, 64)), ("down_w", (64, 1))):
+    for name, shape in (("gate_w", (1, 64)), ("up_w", (1, 64)), ("down_w", (64, 1)), ("gate_up_bias", (2,))):
         bare[DECODER_LAYER.index(name)] = np.full(shape, np.nan, np.float32)             # never read
     for name in ("lora_gate_up_b", "lora_down_a"):
         at = DECODER_LAYER.index(name)
@@ -1410,17 +1542,17 @@ def test_a_layer_without_its_mlp_is_its_attention_and_residual(library):
 
 
 def test_model_family_parts_refusals(library):
-    """iconfig of another length, an unknown activation, a flag not 0 or 1, a negative window, an fconfig of
-    three, gains of the wrong size: refused (2) before any write."""
+    """iconfig of another length (13, 23), an unknown activation, a flag not 0 or 1, a negative window, an fconfig
+    of three, gains of the wrong size: refused (2) before any write."""
     layer = Layer(np.random.default_rng(2), hidden=64, heads=4, kv_heads=2, head_dim=16, inter=96, batch=2)
     layer.iconfig_len = 16
     good = layer.arrays(1)
     assert invoke(library.DecoderLayer, good) == 0
     icfg, fcfg = DECODER_LAYER.index("iconfig"), DECODER_LAYER.index("fconfig")
-    bad = [(icfg, good[icfg][:13].copy()), (icfg, np.append(good[icfg], [1, 0, 0]).astype(np.int32)),
+    bad = [(icfg, good[icfg][:13].copy()), (icfg, np.append(good[icfg], [1, 0, 0, 0, 1, 0, 0]).astype(np.int32)),
            (icfg, np.append(good[icfg], 2).astype(np.int32)), (icfg, np.append(good[icfg], [1, 2]).astype(np.int32)),
            (fcfg, np.array([1e-5, 0.1, 0.2], np.float32))]
-    for at, value in ((12, 2), (12, -1), (13, 2), (14, -1), (15, -1)):
+    for at, value in ((12, 3), (12, -1), (13, 2), (14, -1), (15, -1)):
         changed = good[icfg].copy()
         changed[at] = value
         bad.append((icfg, changed))

@@ -86,8 +86,10 @@ def test_the_kernel_reads_stored_rows_untouched_and_the_gain_beside_them():
     assert k.matrices["o_w"].base is layer.o or k.matrices["o_w"] is layer.o
     np.testing.assert_array_equal(k.matrices["o_w"], layer.o)
     assert k.types == (8, 8, 8, 0, 8, 2, 0)
-    # not invariant; SiLU, no q/k norms, no sandwich norms, no window, the layer's own MLP
-    assert k.iconfig.tolist() == [16, CFG.num_heads, CFG.num_kv_heads, 3, 8, 8, 8, 0, 8, 2, 0, 0, 0, 0, 0, 0, 1, 0]
+    # not invariant; SiLU, no q/k norms, no sandwich norms, no window, the layer's own MLP, no sinks, RMSNorm, pre
+    # norms, a gated MLP without biases
+    assert k.iconfig.tolist() == [16, CFG.num_heads, CFG.num_kv_heads, 3, 8, 8, 8, 0, 8, 2, 0, 0, 0, 0, 0, 0, 1, 0,
+                                  0, 0, 1, 0]
     assert k.iconfig.dtype == np.int32
     assert k.fconfig.tolist() == [np.float32(1e-6), np.float32(CFG.head_dim ** -0.5)] and k.qkv_bias is layer.qkv_bias
     # the float32 copy the graphs use is still folded
@@ -115,6 +117,7 @@ def test_the_kernel_inputs_are_named_and_shaped_as_the_kernel_declares_them():
     layer = prepare_layer(CFG, checkpoint(), 1, kernel=LayerKernelConfig(block_size=4, threads=1))
     k = layer.kernel
     held = {**k.matrices, **k.gains, **k.lora, "qkv_bias": k.qkv_bias, "o_bias": k.o_bias, "sinks": k.sinks,
+            "gate_up_bias": k.gate_up_bias, "down_bias": k.down_bias, "norm_bias": k.norm_bias,
             "iconfig": k.iconfig, "fconfig": k.fconfig}
     params = {p.name: p for p in DECODER_LAYER.inputs}
     for name, array in held.items():
@@ -302,7 +305,7 @@ def test_a_partial_rotation_reorders_q_and_k_rows_their_norms_and_their_lora_row
     np.testing.assert_array_equal(k.gains["k_norm"], w[P + "self_attn.k_norm.weight"][perm])
     np.testing.assert_array_equal(k.gains["attn_out_gain"], w[P + "attn_output_norm.weight"])
     np.testing.assert_array_equal(layer.extra_gains["q_norm"], k.gains["q_norm"])
-    assert k.iconfig.tolist()[12:] == [1, 1, 1, 6, 1, 0] and k.fconfig.tolist() == [np.float32(1e-6), 0.125]
+    assert k.iconfig.tolist()[12:] == [1, 1, 1, 6, 1, 0, 0, 0, 1, 0] and k.fconfig.tolist() == [np.float32(1e-6), 0.125]
     # LoRA: a q/k delta's B rows follow the base rows; the kernel's A is the raw one where k is stored
     a, b = rng.standard_normal((2, cfg.hidden_size)).astype(np.float32), rng.standard_normal((nq, 2)).astype(np.float32)
     names = [f"{P}{n}.weight" for n in LORA_PRODUCTS["qkv"]]

@@ -178,6 +178,9 @@ class _Engine:
     def served_models(self):
         return ["m"]
 
+    def check_generates(self):          # (a model that generates)
+        return None
+
 
 def _structured(body):
     return validate(CompletionRequest, {"model": "m", "prompt": "p", **body})._grammar

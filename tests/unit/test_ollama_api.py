@@ -240,7 +240,7 @@ class _Template:
 
 class _Engine:
     """Answers every request with the scripted texts (token ids from 1000), the last one finishing with `reason`."""
-    model_name, vocab_size, max_model_len, lora_paths = "m", 1 << 17, 4096, {}
+    model_name, vocab_size, max_model_len, lora_paths, generates = "m", 1 << 17, 4096, {}, True
     default_max_tokens = None
     embedding = None                        # (models/pooling.py's EmbeddingSpec: how it embeds, when it does)
 
@@ -252,6 +252,9 @@ class _Engine:
 
     def served_models(self):
         return ["m"]
+
+    def check_generates(self):          # (a model that generates)
+        return None
 
     async def compile_grammar(self, spec):
         return spec

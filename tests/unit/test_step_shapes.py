@@ -35,6 +35,26 @@ def test_a_step_is_split_into_pieces_that_pad_less_than_the_smallest_bucket():
         assert sum(pieces) >= t and sum(pieces) - t <= 16, t
 
 
+def test_an_encoders_rows_stay_whole_within_one_graph_call():
+    """row_pieces (a bidirectional encoder's embed step): rows side by side while they fit the largest bucket, each
+    call in the smallest bucket holding it, a row longer than the largest alone in a doubled bucket; every row
+    whole within one call and every token in exactly one."""
+    b = make(prefill_batch_sizes=[1], prefill_seq_lens=[16, 64])              # buckets 16, 32, 64
+    assert b.row_pieces([5, 7]) == [(0, 12, 16)]
+    assert b.row_pieces([40, 30, 3]) == [(0, 40, 64), (40, 73, 64)]
+    assert b.row_pieces([10, 100, 2]) == [(0, 10, 16), (10, 110, 128), (110, 112, 16)]
+    assert b.row_pieces([300]) == [(0, 300, 512)]
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        lengths = rng.integers(1, 150, rng.integers(1, 8))
+        pieces = b.row_pieces(lengths)
+        ends = np.cumsum(lengths)
+        assert pieces[0][0] == 0 and pieces[-1][1] == ends[-1]
+        for (start, stop, size), nxt in zip(pieces, pieces[1:] + [None]):
+            assert stop - start <= size and (nxt is None or nxt[0] == stop)
+            assert start in set(ends - lengths) and stop in set(ends)            # rows whole
+
+
 def test_bucket_and_width_pick_the_smallest_that_fits_and_say_what_does_not_fit():
     b = make(decode_batch_sizes=[2, 8], decode_block_widths=[1, 2], one_width=False, packed=False,
              max_blocks_per_seq=6)

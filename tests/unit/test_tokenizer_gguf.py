@@ -119,7 +119,9 @@ def test_gpt2_metadata_end_ids_pad_user_defined_tokens_and_template(tmp_path):
 
 
 def test_unsupported_or_missing_vocabularies_are_value_errors(tmp_path):
-    with pytest.raises(ValueError, match="'bert' is not supported"):
+    with pytest.raises(ValueError, match="'t5' is not supported"):
+        load_tokenizer(str(write_gguf(tmp_path / "t5.gguf", "t5", ["<pad>", "a"], [3, 1])))
+    with pytest.raises(ValueError, match=r"needs its \[CLS\] and \[SEP\] ids"):
         load_tokenizer(str(write_gguf(tmp_path / "bert.gguf", "bert", ["[PAD]", "a"], [3, 1])))
     with pytest.raises(ValueError, match="has no vocabulary"):
         load_tokenizer(str(write_gguf(tmp_path / "none.gguf", None, None, None)))

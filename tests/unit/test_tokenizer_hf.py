@@ -125,6 +125,31 @@ def test_what_the_post_processor_appends_to_a_whole_text_is_the_input_suffix(tmp
     assert load_tokenizer(str(plain)).input_suffix == ()
 
 
+def test_a_bert_tokenizer_gives_cls_text_sep_whatever_its_padding_and_truncation(tmp_path):
+    """BERT's WordPiece tokenizer.json (tests/families.py's, like all-MiniLM's: a truncation and a fixed padding in the
+    file) and a tokenizer_config.json naming no BOS or EOS: [CLS] is the BOS its post-processor puts first, [SEP] the
+    EOS it appends (the input suffix), and no encode is padded or truncated: an embedding's ids are the library's
+    own encoding with its special tokens."""
+    from tokenizers import Tokenizer
+
+    from tests.families import BERT_SPECIALS, _wordpiece_json
+
+    (tmp_path / "tokenizer.json").write_text(_wordpiece_json(320), encoding="utf-8")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"cls_token": "[CLS]", "sep_token": "[SEP]", "pad_token": "[PAD]", "unk_token": "[UNK]",
+         "tokenizer_class": "BertTokenizer"}))
+    tok = load_tokenizer(str(tmp_path / "tokenizer.json"))
+    cls, sep, pad = (BERT_SPECIALS.index(t) for t in ("[CLS]", "[SEP]", "[PAD]"))
+    assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.add_bos, tuple(tok.input_suffix)) == (cls, sep, pad, True, (sep,))
+    library = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    library.no_padding()
+    library.no_truncation()
+    for text in ("The little cat sat on the mat.", " ".join(["once upon a time there was a girl"] * 4)):
+        ids = tok.encode(text, add_bos=True) + list(tok.input_suffix)
+        assert ids == library.encode(text).ids and ids[0] == cls and ids[-1] == sep and pad not in ids
+    assert len(tok.encode(" ".join(["lily"] * 40), add_bos=False)) == 40      # (the file truncates to 16, pads to 24)
+
+
 def test_config_decides_add_bos_pad_and_named_chat_templates(tmp_path):
     folder = train_byte_level(tmp_path, "gpt2", ["<s>", "</s>", "<pad>"], config={
         "bos_token": {"content": "<s>"}, "eos_token": "</s>", "pad_token": "<pad>", "add_bos_token": False,

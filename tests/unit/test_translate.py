@@ -33,6 +33,9 @@ class _Engine:
     def served_models(self):
         return ["m"]
 
+    def check_generates(self):          # (a model that generates)
+        return None
+
 
 def test_a_prompt_past_the_context_is_the_error_whatever_else_is_wrong():
     body = {"model": "m", "prompt": "x" * 80, "max_tokens": 8, "logit_bias": {"100": 1}}

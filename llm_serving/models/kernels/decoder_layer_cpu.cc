@@ -1,5 +1,6 @@
-// A whole LLaMA-family decoder layer (LLaMA, Qwen2/3, Mistral, Phi-3, Gemma 3), and the final norm + lm_head, as
-// single CPU kernels for small decode batches.
+// A whole LLaMA-family decoder layer (LLaMA, Qwen2/3, Mistral, Phi-3, Gemma 3, gpt-oss; and a BERT encoder's layer:
+// LayerNorms after the residual adds, biases, an ungated GELU MLP), and the final norm + lm_head, as single CPU
+// kernels for small decode batches.
 //
 // At batch 1..16 a decode step is a chain of matrix-vector products (the weights are read once per step,
 // the rows of the batch are few), and MindSpore's kernel-by-kernel CPU runtime spends more time between
@@ -47,8 +48,8 @@
 //
 // DecoderLayer(x, positions, slots, block_tables, context_lens, tree_bits, cos, sin, lora, q_w, k_w, v_w, qkv_bias,
 //              o_w, o_bias, gate_w, up_w, down_w, input_gain, post_gain, q_norm, k_norm, attn_out_gain, mlp_out_gain,
-//              sinks, key_cache, value_cache, lora_qkv_a, lora_qkv_b, lora_o_a, lora_o_b, lora_gate_up_a, lora_gate_up_b,
-//              lora_down_a, lora_down_b, iconfig, fconfig) -> out
+//              sinks, gate_up_bias, down_bias, norm_bias, key_cache, value_cache, lora_qkv_a, lora_qkv_b, lora_o_a,
+//              lora_o_b, lora_gate_up_a, lora_gate_up_b, lora_down_a, lora_down_b, iconfig, fconfig) -> out
 //   x            (B, H)                 float32  the layer's input hidden states, one decode token per row
 //   positions    (B,)                   int32    each token's position (< P)
 //   slots        (B,)                   int32    the cache slot its K/V go to; < 0: the row sits this step out
@@ -56,7 +57,10 @@
 //                                                such rows at the end of the batch are not computed at all
 //                                                (out = x there), so padding costs nothing
 //   block_tables (B, W)                 int32    as the decode kernel takes them
-//   context_lens (B,)                   int32    keys 0 .. context_len-1 visible (the new token included)
+//   context_lens (B,)                   int32    keys 0 .. context_len-1 visible (the new token included; a
+//                                                bidirectional encoder's tokens each see their whole input: the
+//                                                input's length, its keys all written by this call before any
+//                                                row attends)
 //   tree_bits    (B,)                   int32    token-tree visibility of the last 32 keys (-1: all)
 //   cos, sin     (P, D)                 float32  rope tables, rotate_half layout, sin signed [-sin, sin]
 //   lora         (B,)                   int32    each row's LoRA adapter slot (0: none; < S)
@@ -66,7 +70,12 @@
 //   o_w          (H, NH*D)
 //   o_bias       (H,)                   float32  added to o's product (zeros for models without one)
 //   sinks        (NH,)                  float32  each query head's sink logit (iconfig[17]; else unread)
-//   gate_w, up_w (I, H)                          down_w (H, I)    (weights: float32, or uint8 rows as above)
+//   gate_up_bias (2I,)                  float32  gate's then up's biases, added before the activation, and
+//   down_bias    (H,)                   float32  down's, added to its product (iconfig[21]; else unread)
+//   norm_bias    (4, H)                 float32  LayerNorm's biases (iconfig[18]) of the input, post-attention,
+//                                                attention-output and MLP-output norms, in that order (else unread)
+//   gate_w, up_w (I, H)                          down_w (H, I)    (weights: float32, or uint8 rows as above; an
+//                                                ungated MLP's gate_w a (1, H) placeholder, not read)
 //   input_gain, post_gain (H,)          float32  the norms' gains for q/k/v and for gate/up (1 where folded)
 //   q_norm, k_norm (D,)                 float32  qk norm (iconfig[13]): the gains of each query's and key's head
 //                                                RMSNorm, after q/k/v (+ bias, + LoRA), before RoPE (else unread)
@@ -82,11 +91,11 @@
 //   lora_*_b     (S, R, N)              float32  per slot, B transposed (scale folded in): column j for output
 //                                                row j, which reads its part's R-wide slice of A x (slot 0 and
 //                                                modules an adapter leaves alone: zeros)
-//   iconfig      (11,), (12,), (16-18,) int32    [block_size, num_heads, num_kv_heads, threads,
+//   iconfig      (11,), (12,), (16-22,) int32    [block_size, num_heads, num_kv_heads, threads,
 //                                                 q type, k type, v type, o type, gate type, up type, down type,
 //                                                 batch-invariant: 1 on, 0 off, -1 or absent: the process's
 //                                                 setting (KernelInvariant, for tests and benchmarks),
-//                                                 activation: 0 SiLU, 1 GELU (tanh approximation),
+//                                                 activation: 0 SiLU, 1 GELU (tanh approximation), 2 GELU (erf),
 //                                                 qk norm: 1 on, 0 off, sandwich norms: 1 on, 0 off,
 //                                                 window: W > 0, each row sees the last W of its visible keys
 //                                                 (sliding-window attention), 0 all,
@@ -94,9 +103,17 @@
 //                                                 mixture-of-experts layer, MoeMlp next; gate_w, up_w (1, H) and
 //                                                 down_w (H, 1) placeholders, not read),
 //                                                 attention sinks: 1 each query head's softmax has sinks[head] in its
-//                                                 denominator (gpt-oss), 0 none]; absent entries: SiLU, no qk norm,
-//                                                 no sandwich norms, no window, the MLP, no sinks
-//   fconfig      (1,) or (2,)           float32  [rms_norm_eps (every RMSNorm's), attention scale (the queries'
+//                                                 denominator (gpt-oss), 0 none,
+//                                                 norm: 0 RMSNorm, 1 LayerNorm (every norm of the layer; BERT),
+//                                                 post norms: 1 out = norm(x + attention) then norm(out + MLP), the
+//                                                 input and post-attention norms not applied (BERT; the gains are
+//                                                 attn_out_gain and mlp_out_gain), 0 pre norms,
+//                                                 gated MLP: 1 f(gate) * up, 0 f(up) (BERT),
+//                                                 MLP biases: 1 gate_up_bias and down_bias added, 0 none];
+//                                                 activation 2: GELU (erf); absent entries: SiLU, no qk norm, no
+//                                                 sandwich norms, no window, the MLP, no sinks, RMSNorm, pre norms, a
+//                                                 gated MLP without biases
+//   fconfig      (1,) or (2,)           float32  [rms_norm_eps (every norm's), attention scale (the queries'
 //                                                 factor; absent: 1/sqrt(D))]
 //   out          (B, H)                 float32
 // FinalLogits(x (R, H), slots (R,), lm_head (V, H), gain (H,), iconfig [threads, lm_head type(, batch-invariant
@@ -2113,6 +2130,31 @@ void rms_normalize(const float* x, int64_t batch, int64_t h, float eps, const fl
   }
 }
 
+// The layer's norm (iconfig[18]): RMSNorm (a gain) or LayerNorm (the mean subtracted, a gain and a bias: BERT)
+enum Norm : int32_t { kRmsNorm = 0, kLayerNorm = 1 };
+
+// One row of h: y = (x - mean) / sqrt(var + eps) * gain + bias, mean and variance summed in double (BERT's eps is
+// 1e-12: the variance's rounding must not dominate it); y may be x
+inline void layer_normalize_row(const float* x, int64_t h, float eps, const float* gain, const float* bias, float* y) {
+  double sum = 0.0;
+  for (int64_t e = 0; e < h; ++e) sum += x[e];
+  const double mean = sum / static_cast<double>(h);
+  double ss = 0.0;
+  for (int64_t e = 0; e < h; ++e) ss += (x[e] - mean) * (x[e] - mean);
+  const double inv = 1.0 / std::sqrt(ss / static_cast<double>(h) + static_cast<double>(eps));
+  for (int64_t e = 0; e < h; ++e) y[e] = static_cast<float>((x[e] - mean) * inv) * gain[e] + bias[e];
+}
+
+// y[b] = norm(x[b]) * gain (+ bias: LayerNorm) for rows b of x (B, h): rms_normalize's bits for RMSNorm
+void normalize(int32_t norm, const float* x, int64_t batch, int64_t h, float eps, const float* gain, const float* bias,
+               float* y) {
+  if (norm == kRmsNorm) {
+    rms_normalize(x, batch, h, eps, gain, y);
+    return;
+  }
+  for (int64_t b = 0; b < batch; ++b) layer_normalize_row(x + b * h, h, eps, gain, bias, y + b * h);
+}
+
 // One product's LoRA adapters, stacked by slot: A (S, parts*R, K) and B transposed, (S, R, N), the scale folded
 // into B. Output row j belongs to part part_of(j) (q/k/v of the q/k/v product, gate/up of gate_up; one part for
 // o and down), whose R-wide slice of u = A[slot] x it reads: out[j] += sum_k u[part][k] B[slot][k][j], summed
@@ -2183,8 +2225,8 @@ struct LoraProduct {
 
 };
 
-// The MLP's activation (iconfig[12]): act = f(gate) * up
-enum Activation : int32_t { kSiLU = 0, kGeluTanh = 1 };
+// The MLP's activation (iconfig[12]): act = f(gate) * up (an ungated MLP: f(up), up = 1 here)
+enum Activation : int32_t { kSiLU = 0, kGeluTanh = 1, kGeluErf = 2 };
 
 // g * sigmoid(z) * u, with the exponential of a non-positive argument only
 inline float sigmoid_times(float g, float z, float u) {
@@ -2202,12 +2244,18 @@ inline float gelu_times(float g, float u) {
   return sigmoid_times(g, 1.5957691216057308f * (g + 0.044715f * g * g * g), u);
 }
 
-// silu_times and gelu_times of 8 values (not inlined: one compiled copy each)
+// gelu(g) * u with GELU's exact form, 0.5 g (1 + erf(g / sqrt(2))) (BERT's "gelu")
+inline float gelu_erf_times(float g, float u) { return 0.5f * g * (1.f + std::erf(g * 0.7071067811865476f)) * u; }
+
+// silu_times, gelu_times and gelu_erf_times of 8 values (not inlined: one compiled copy each)
 __attribute__((noinline)) void silu8(const float* g, const float* u, float* out) {
   for (int i = 0; i < 8; ++i) out[i] = silu_times(g[i], u[i]);
 }
 __attribute__((noinline)) void gelu8(const float* g, const float* u, float* out) {
   for (int i = 0; i < 8; ++i) out[i] = gelu_times(g[i], u[i]);
+}
+__attribute__((noinline)) void gelu_erf8(const float* g, const float* u, float* out) {
+  for (int i = 0; i < 8; ++i) out[i] = gelu_erf_times(g[i], u[i]);
 }
 
 // out[i] = f(g[i]) * u[i] for the activation f, i < n, 8 at a time through silu8 or gelu8 (the last ones
@@ -2215,7 +2263,8 @@ __attribute__((noinline)) void gelu8(const float* g, const float* u, float* out)
 // silu_times inlined into a loop is vectorized there and its remainder not, and the two need not agree to the bit
 // (batch-invariant steps would then differ between their few-row and many-row routes).
 void activation_span(int32_t activation, const float* g, const float* u, int64_t n, float* out) {
-  void (*const act8)(const float*, const float*, float*) = activation == kGeluTanh ? gelu8 : silu8;
+  void (*const act8)(const float*, const float*, float*) = activation == kGeluTanh ? gelu8
+                                                            : activation == kGeluErf ? gelu_erf8 : silu8;
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) act8(g + i, u + i, out + i);
   if (i < n) {
@@ -2227,25 +2276,38 @@ void activation_span(int32_t activation, const float* g, const float* u, int64_t
   }
 }
 
-// act[b * ld + i] = gelu_times(gate[i][b], up[i][b]) for i < n, b < bb: the few-row MLP's GELU, out of line (inlined
-// beside that loop's SiLU, it made GCC compile the SiLU models' few-row steps 4-8% slower)
-__attribute__((noinline)) void gelu_block(const float gate[4][4], const float up[4][4], int64_t n, int bb, float* act,
-                                          int64_t ld) {
+// act[b * ld + i] = f(gate[i][b]) * up[i][b] for i < n, b < bb, f GELU (tanh approximation or erf): the few-row MLP's
+// GELU, out of line (inlined beside that loop's SiLU, it made GCC compile the SiLU models' few-row steps 4-8% slower)
+__attribute__((noinline)) void gelu_block(int32_t activation, const float gate[4][4], const float up[4][4], int64_t n,
+                                          int bb, float* act, int64_t ld) {
   for (int64_t i = 0; i < n; ++i)
-    for (int b = 0; b < bb; ++b) act[b * ld + i] = gelu_times(gate[i][b], up[i][b]);
+    for (int b = 0; b < bb; ++b)
+      act[b * ld + i] = activation == kGeluErf ? gelu_erf_times(gate[i][b], up[i][b]) : gelu_times(gate[i][b], up[i][b]);
 }
 
-// out[b] = res[b] + y[b] / sqrt(mean(y[b]^2) + eps) * gain for rows b = first, first + step, ... < rows of (rows, h)
+// out[b] = res[b] + norm(y[b]) * gain (+ bias: LayerNorm) for rows b = first, first + step, ... < rows of (rows, h)
 // (a sandwich norm on a product's result before the residual); out may be res
-void add_normalized(const float* y, const float* res, int64_t first, int64_t step, int64_t rows, int64_t h, float eps,
-                    const float* gain, float* out) {
+void add_normalized(int32_t norm, const float* y, const float* res, int64_t first, int64_t step, int64_t rows,
+                    int64_t h, float eps, const float* gain, const float* bias, float* out, float* scratch) {
   for (int64_t b = first; b < rows; b += step) {
     const float* yb = y + b * h;
+    if (norm == kLayerNorm) {
+      layer_normalize_row(yb, h, eps, gain, bias, scratch);
+      for (int64_t e = 0; e < h; ++e) out[b * h + e] = res[b * h + e] + scratch[e];
+      continue;
+    }
     float ss = 0.f;
     for (int64_t e = 0; e < h; ++e) ss += yb[e] * yb[e];
     const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
     for (int64_t e = 0; e < h; ++e) out[b * h + e] = res[b * h + e] + yb[e] * inv * gain[e];
   }
+}
+
+// x[b] = norm(x[b]) * gain (+ bias) in place for rows b = first, first + step, ... < rows of (rows, h): a post norm
+// after the residual add (BERT: x = LayerNorm(x + attention), x = LayerNorm(x + mlp))
+void normalize_in_place(int32_t norm, float* x, int64_t first, int64_t step, int64_t rows, int64_t h, float eps,
+                        const float* gain, const float* bias) {
+  for (int64_t b = first; b < rows; b += step) normalize(norm, x + b * h, 1, h, eps, gain, bias, x + b * h);
 }
 
 // v (n, d): each d-vector v / sqrt(mean(v^2) + eps) * gain, in place (Qwen3's and Gemma 3's q and k norms)
@@ -2276,6 +2338,8 @@ void normalize_heads(float* v, int64_t n, int64_t d, float eps, const float* gai
   P(POST_GAIN, "post_gain", 1, "float32") P(Q_NORM, "q_norm", 1, "float32") P(K_NORM, "k_norm", 1, "float32")   \
   P(ATTN_OUT_GAIN, "attn_out_gain", 1, "float32") P(MLP_OUT_GAIN, "mlp_out_gain", 1, "float32")                  \
   P(SINKS, "sinks", 1, "float32")                                                                                \
+  P(GATE_UP_B, "gate_up_bias", 1, "float32") P(DOWN_B, "down_bias", 1, "float32")                                \
+  P(NORM_B, "norm_bias", 2, "float32")                                                                           \
   P(KEYS, "key_cache", 2, "cache") P(VALUES, "value_cache", 2, "cache")                                          \
   P(LORA_QKV_A, "lora_qkv_a", 3, "float32") P(LORA_QKV_B, "lora_qkv_b", 3, "float32")                            \
   P(LORA_O_A, "lora_o_a", 3, "float32") P(LORA_O_B, "lora_o_b", 3, "float32")                                    \
@@ -2414,7 +2478,7 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
   enum { DECODER_LAYER_PARAMS(LLM_SERVING_PARAM_ENUM) NPARAM };
   if (!llm_serving::params_match(kDecoderLayerParams, NPARAM, nparam, ndims, dtypes)) return 1;
   const int64_t icfg_len = shapes[ICFG][0], fcfg_len = shapes[FCFG][0];
-  if ((icfg_len != 11 && icfg_len != 12 && (icfg_len < 16 || icfg_len > 18)) || (fcfg_len != 1 && fcfg_len != 2)) {
+  if ((icfg_len != 11 && icfg_len != 12 && (icfg_len < 16 || icfg_len > 22)) || (fcfg_len != 1 && fcfg_len != 2)) {
     return 2;
   }
   const auto* x = static_cast<const float*>(params[X]);
@@ -2433,6 +2497,9 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
   const auto* k_norm = static_cast<const float*>(params[K_NORM]);
   const auto* attn_out_gain = static_cast<const float*>(params[ATTN_OUT_GAIN]);
   const auto* mlp_out_gain = static_cast<const float*>(params[MLP_OUT_GAIN]);
+  const auto* gate_up_b = static_cast<const float*>(params[GATE_UP_B]);
+  const auto* down_b = static_cast<const float*>(params[DOWN_B]);
+  const auto* norm_b = static_cast<const float*>(params[NORM_B]);
   void* const key_cache = params[KEYS];
   void* const value_cache = params[VALUES];
   const llm_serving::CacheType cache_type = llm_serving::cache_type(dtypes[KEYS]);
@@ -2451,16 +2518,23 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
   const bool mlp = icfg_len <= 16 || icfg[16] == 1;
   const bool has_sinks = icfg_len > 17 && icfg[17] == 1;           // attention sinks (iconfig[17])
   const float* sinks = has_sinks ? static_cast<const float*>(params[SINKS]) : nullptr;
+  // a BERT encoder's parts (iconfig[18..21]): LayerNorm, post norms, an ungated MLP, MLP biases
+  const int32_t norm = icfg_len > 18 ? icfg[18] : kRmsNorm;
+  const bool post = icfg_len > 19 && icfg[19] == 1;
+  const bool gated = icfg_len <= 20 || icfg[20] == 1;
+  const bool mlp_biased = icfg_len > 21 && icfg[21] == 1;
   auto is_flag = [](int32_t v) { return v == 0 || v == 1; };
-  const bool flags_valid = icfg_len <= 13 || (is_flag(icfg[13]) && is_flag(icfg[14]) &&
-                                              (icfg_len <= 16 || is_flag(icfg[16])) &&
-                                              (icfg_len <= 17 || is_flag(icfg[17])));
-  if ((activation != kSiLU && activation != kGeluTanh) || !flags_valid || window < 0) return 2;
+  bool flags_valid = icfg_len <= 13 || (is_flag(icfg[13]) && is_flag(icfg[14]));
+  for (int64_t at = 16; at < icfg_len; ++at) flags_valid = flags_valid && is_flag(icfg[at]);
+  if ((activation != kSiLU && activation != kGeluTanh && activation != kGeluErf) || !flags_valid || window < 0 ||
+      (post && sandwich)) {
+    return 2;
+  }
 
   const int64_t batch = shapes[X][0], h = shapes[X][1];
   const int64_t bs = icfg[0], nh = icfg[1], kvh = icfg[2];
   const int64_t d = shapes[COS][1], max_pos = shapes[COS][0], width = shapes[TABLES][1];
-  const int64_t nqkv = (nh + 2 * kvh) * d, inter = shapes[GATE_W][0];
+  const int64_t nqkv = (nh + 2 * kvh) * d, inter = shapes[UP_W][0];
   const int64_t cache_rows = shapes[KEYS][0];
   Matrix q_w, k_w, v_w, o_w, gate_w, up_w, down_w;
   const int64_t vec = llm_serving::cache_vector(cache_type, d);   // cache elements per head vector
@@ -2471,11 +2545,12 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
       shapes[SIN][1] != d || shapes[QKV_B][0] != nqkv || shapes[IN_GAIN][0] != h || shapes[POST_GAIN][0] != h ||
       shapes[Q_NORM][0] != d || shapes[K_NORM][0] != d || shapes[ATTN_OUT_GAIN][0] != h ||
       shapes[MLP_OUT_GAIN][0] != h || shapes[O_B][0] != h || shapes[SINKS][0] != nh ||
+      shapes[GATE_UP_B][0] != 2 * inter || shapes[DOWN_B][0] != h || shapes[NORM_B][0] != 4 || shapes[NORM_B][1] != h ||
       !as_matrix(params[Q_W], dtypes[Q_W], shapes[Q_W], icfg[4], nh * d, h, &q_w) ||
       !as_matrix(params[K_W], dtypes[K_W], shapes[K_W], icfg[5], kvh * d, h, &k_w) ||
       !as_matrix(params[V_W], dtypes[V_W], shapes[V_W], icfg[6], kvh * d, h, &v_w) ||
       !as_matrix(params[O_W], dtypes[O_W], shapes[O_W], icfg[7], h, nh * d, &o_w) ||
-      !as_matrix(params[GATE_W], dtypes[GATE_W], shapes[GATE_W], icfg[8], inter, h, &gate_w) ||
+      !as_matrix(params[GATE_W], dtypes[GATE_W], shapes[GATE_W], icfg[8], gated ? inter : 1, h, &gate_w) ||
       !as_matrix(params[UP_W], dtypes[UP_W], shapes[UP_W], icfg[9], inter, h, &up_w) ||
       !as_matrix(params[DOWN_W], dtypes[DOWN_W], shapes[DOWN_W], icfg[10], h, inter, &down_w) ||
       !layer_type(q_w.type) || !layer_type(k_w.type) || !layer_type(v_w.type) || !layer_type(o_w.type) ||
@@ -2530,12 +2605,15 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
                        (!mlp || (gate_w.type == kF32 && up_w.type == kF32 && down_w.type == kF32));
   // which products run on the integer tiles (gemm_amx_int.h): q/k/v, o, gate/up, down
   const Matrix* gate_up[2] = {&gate_w, &up_w};
+  // the MLP's first product: gate and up, or up alone (an ungated MLP: gate_w is a placeholder, not read)
+  const Matrix* const* mlp_w = gated ? gate_up : gate_up + 1;
+  const int mlp_parts = gated ? 2 : 1;
   const Matrix* qkv_parts[3] = {&q_w, &k_w, &v_w};
   const Matrix* o_part[1] = {&o_w};
   const Matrix* down_part[1] = {&down_w};
   const bool ints = int_enabled(amx);
   int int_qkv = integer_product(qkv_parts, 3, ints), int_o = integer_product(o_part, 1, ints),
-      int_gate_up = integer_product(gate_up, 2, ints), int_down = integer_product(down_part, 1, ints);
+      int_gate_up = integer_product(mlp_w, mlp_parts, ints), int_down = integer_product(down_part, 1, ints);
   const bool all_int = int_qkv != kNoInt && int_o != kNoInt && (!mlp || (int_gate_up != kNoInt && int_down != kNoInt));
   const bool invariant = invariant_of(icfg, shapes[ICFG][0], 11);
   const bool batched = !invariant && rows >= (all_int ? kIntGemmRows : gemm_rows(amx, float32));
@@ -2549,7 +2627,7 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
     return amx_ints == kNoInt && avx2_int_product(parts, n, avx2_ints) ? Route::kInt : route;
   };
   const Route route_qkv = route_for(qkv_parts, 3, int_qkv), route_o = route_for(o_part, 1, int_o),
-              route_gu = route_for(gate_up, 2, int_gate_up), route_down = route_for(down_part, 1, int_down);
+              route_gu = route_for(mlp_w, mlp_parts, int_gate_up), route_down = route_for(down_part, 1, int_down);
   const Route routes[4] = {route_qkv, route_o, route_gu, route_down};
   // the routes' buffers: x packed (shared), per thread a group of weight rows and C (or lane sums, or kInt's)
   RouteFloats sizes{0, 0, 0};
@@ -2567,6 +2645,8 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
   // gate/up: together in groups of units (batched, lanes), or each product by rows, then f (invariant, kInt)
   const bool gate_up_units = route_gu != Route::kInt && (batched || lanes);
   float* silu = gate_up_units ? Scratch::sized(s.silu, threads * 3 * rows) : nullptr;
+  // an ungated MLP's f(up) is f(up) * 1: the activations' second factor, ones
+  std::vector<float> ones(gated ? 0 : std::max(rows, inter), 1.f);
   float* up_sums = !gate_up_units && (invariant || route_gu == Route::kInt) ? Scratch::sized(s.up, rows * inter)
                                                                             : nullptr;
   // the computed rows that have a LoRA adapter, sorted by slot; thread t takes a contiguous share of them, so
@@ -2669,14 +2749,16 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
     auto add_rows = [&](const LoraProduct& lp, float* y, int64_t stride) {
       by_slot([&](int32_t slot, const int64_t* rs, int64_t count) { lp.add(slot, rs, count, lora_u, lora_width, y, stride); });
     };
-    rms_normalize(x, rows, h, eps, in_gain, xn);
-    project(lora_qkv, xn, h);
-    const float* xq = packed(0, route_qkv, xn, h, int_qkv);
+    // (post norms: the layer's input is normalized already, the previous layer's last norm)
+    if (!post) normalize(norm, x, rows, h, eps, in_gain, norm_b, xn);
+    const float* xin = post ? x : xn;
+    project(lora_qkv, xin, h);
+    const float* xq = packed(0, route_qkv, xin, h, int_qkv);
     for (int part = 0; part < 3; ++part) {           // q, k then v rows: no barrier between them
       const Matrix& w = *qkv_parts[part];
       const int64_t first = qkv_first[part];
       claim_rows(next_qkv[part], w.rows, nthreads, [&](int64_t r0, int64_t r1) {
-        product_rows(route_qkv, w, xn, xq, rows, r0, r1, tile, wbuf, cbuf, amx, [&](int64_t b, int64_t r, float v) {
+        product_rows(route_qkv, w, xin, xq, rows, r0, r1, tile, wbuf, cbuf, amx, [&](int64_t b, int64_t r, float v) {
           qkv[b * nqkv + first + r] = v + qkv_b[first + r];
         }, int_qkv);
       }, align_of(route_qkv, h));
@@ -2752,14 +2834,22 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
       barrier.wait();
     }
     if (sandwich) {
-      add_normalized(sandwiched, x, tid, nthreads, rows, h, eps, attn_out_gain, out);
+      add_normalized(norm, sandwiched, x, tid, nthreads, rows, h, eps, attn_out_gain, norm_b + 2 * h, out, xn);
+      barrier.wait();
+    }
+    if (post) {                                     // out = norm(x + o) (BERT)
+      normalize_in_place(norm, out, tid, nthreads, rows, h, eps, attn_out_gain, norm_b + 2 * h);
       barrier.wait();
     }
     if (!mlp) return;                               // (MoeMlp follows)
-    // 5. act = f(gate) * up (f: SiLU or GELU), each chunk of units j (gate row j, up row I + j) by one thread
-    rms_normalize(out, rows, h, eps, post_gain, xn);
+    // 5. act = f(gate) * up (f: SiLU or GELU), each chunk of units j (gate row j, up row I + j) by one thread; an
+    // ungated MLP's act = f(up) (its products' rows: up's); with MLP biases, gate's and up's added before f
+    if (!post) normalize(norm, out, rows, h, eps, post_gain, norm_b + h, xn);
+    const float* xm = post ? out : xn;              // the MLP's input
+    const float* gate_b = mlp_biased && gated ? gate_up_b : nullptr;
+    const float* up_b = mlp_biased ? gate_up_b + inter : nullptr;
     if (adapted) {                                  // each adapted row's gate/up deltas, whole, before the tiles
-      project(lora_gate_up, xn, h);
+      project(lora_gate_up, xm, h);
       by_slot([&](int32_t, const int64_t* rs, int64_t count) {
         for (int64_t at = 0; at < count; ++at) std::fill(lora_gu + rs[at] * 2 * inter, lora_gu + (rs[at] + 1) * 2 * inter, 0.f);
       });
@@ -2767,56 +2857,78 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
       barrier.wait();
     }
     if (gate_up_units) {                            // gate and up rows of a group of units together, then f
-      const float* xg = packed(2, route_gu, xn, h, int_gate_up);
+      const float* xg = packed(2, route_gu, xm, h, int_gate_up);
       claim_rows(next_unit, inter, nthreads, [&](int64_t r0, int64_t r1) {
-        units(gate_up, 2, r0, r1, xn, xg, [&](int64_t j, int64_t n, const float* c, int64_t ldc) {
+        units(mlp_w, mlp_parts, r0, r1, xm, xg, [&](int64_t j, int64_t n, const float* c, int64_t ldc) {
           // unit by unit: its gate and up sums of every row are contiguous in C (one vectorized pass), then
           // written to each row of act (a row's strided access rather than C's)
-          // (LoRA rows' deltas added first; activation_span, as the few-row invariant steps)
+          // (LoRA rows' deltas and the biases added first; activation_span, as the few-row invariant steps)
           float* g = silu_row + rows;
           float* v = silu_row + 2 * rows;
           for (int64_t i = 0; i < n; ++i) {
+            // an ungated MLP's sums are up's (its one part): f's argument, times ones
             const float* gate = c + i * ldc;
-            const float* up = c + (n + i) * ldc;
+            const float* up = gated ? c + (n + i) * ldc : nullptr;
+            const float bias = gated ? (gate_b ? gate_b[j + i] : 0.f) : (up_b ? up_b[j + i] : 0.f);
+            const int64_t delta = gated ? j + i : inter + j + i;     // gate's LoRA delta, or up's
             for (int64_t b = 0; b < rows; ++b) {
               const bool lora_row = adapted && lora[b] > 0 && slots[b] >= 0;
-              g[b] = lora_row ? gate[b] + lora_gu[b * 2 * inter + j + i] : gate[b];
-              v[b] = lora_row ? up[b] + lora_gu[b * 2 * inter + inter + j + i] : up[b];
+              g[b] = lora_row ? gate[b] + lora_gu[b * 2 * inter + delta] : gate[b];
+              if (mlp_biased) g[b] += bias;
+              if (gated) {
+                v[b] = lora_row ? up[b] + lora_gu[b * 2 * inter + inter + j + i] : up[b];
+                if (up_b) v[b] += up_b[j + i];
+              }
             }
-            activation_span(activation, g, v, rows, silu_row);
+            activation_span(activation, g, gated ? v : ones.data(), rows, silu_row);
             for (int64_t b = 0; b < rows; ++b) act[b * inter + j + i] = silu_row[b];
           }
         }, int_gate_up);
       }, lanes ? kLaneGroup / 2 : gemm_group(h, amx) / 2);
     } else if (up_sums != nullptr) {                // gate's sums into act, up's beside, then f by row
-      const float* xg = packed(2, route_gu, xn, h, kNoInt);
+      const float* xg = packed(2, route_gu, xm, h, kNoInt);
       claim_rows(next_unit, inter, nthreads, [&](int64_t r0, int64_t r1) {
-        product_rows(route_gu, gate_w, xn, xg, rows, r0, r1, tile, wbuf, cbuf, amx,
+        // (an ungated MLP: up's sums into act, f's argument)
+        product_rows(route_gu, gated ? gate_w : up_w, xm, xg, rows, r0, r1, tile, wbuf, cbuf, amx,
                      [&](int64_t b, int64_t j, float v) { act[b * inter + j] = v; });
-        product_rows(route_gu, up_w, xn, xg, rows, r0, r1, tile, wbuf, cbuf, amx,
-                     [&](int64_t b, int64_t j, float v) { up_sums[b * inter + j] = v; });
+        if (gated) {
+          product_rows(route_gu, up_w, xm, xg, rows, r0, r1, tile, wbuf, cbuf, amx,
+                       [&](int64_t b, int64_t j, float v) { up_sums[b * inter + j] = v; });
+        }
         for (int64_t b = 0; b < rows; ++b) {
           float* g = act + b * inter + r0;
-          float* v = up_sums + b * inter + r0;
+          float* v = gated ? up_sums + b * inter + r0 : nullptr;
           if (adapted && lora[b] > 0 && slots[b] >= 0) {
             const float* delta = lora_gu + b * 2 * inter + r0;
             for (int64_t j = 0; j < r1 - r0; ++j) {
-              g[j] += delta[j];
-              v[j] += delta[inter + j];
+              if (gated) {
+                g[j] += delta[j];
+                v[j] += delta[inter + j];
+              } else {
+                g[j] += delta[inter + j];
+              }
             }
           }
-          activation_span(activation, g, v, r1 - r0, g);
+          if (mlp_biased) {
+            const float* gb = gated ? gate_b : up_b;
+            for (int64_t j = 0; j < r1 - r0; ++j) g[j] += gb[r0 + j];
+            if (gated)
+              for (int64_t j = 0; j < r1 - r0; ++j) v[j] += up_b[r0 + j];
+          }
+          activation_span(activation, g, gated ? v : ones.data(), r1 - r0, g);
         }
       }, align_of(route_gu, h));
     } else {
       claim_rows(next_unit, inter, nthreads, [&](int64_t r0, int64_t r1) {
         for (int64_t j = r0; j < r1; j += 4) {
           const int64_t n = std::min<int64_t>(4, r1 - j);
-          // rows j .. j+n-1 of gate and of up (each in its own type): decoded in registers, or from a tile
-          const bool gate_fused = gate_w.type != kF32 && rows <= kFusedRows;
+          // rows j .. j+n-1 of gate and of up (each in its own type): decoded in registers, or from a tile (an
+          // ungated MLP: up's, as `gate`, f's argument)
+          const Matrix& first_w = gated ? gate_w : up_w;
+          const bool gate_fused = first_w.type != kF32 && rows <= kFusedRows;
           const bool up_fused = up_w.type != kF32 && rows <= kFusedRows;
-          const float* gate_rows = gate_fused ? nullptr : gate_w.tile_rows(j, n, tile);
-          const float* up_rows = up_fused ? nullptr : up_w.tile_rows(j, n, tile + 4 * kmax);
+          const float* gate_rows = gate_fused ? nullptr : first_w.tile_rows(j, n, tile);
+          const float* up_rows = up_fused || !gated ? nullptr : up_w.tile_rows(j, n, tile + 4 * kmax);
           auto dots = [&](const Matrix& w, bool fused, const float* tiled, const float* xb, int bb, float out4[4][4]) {
             if (fused) {
               qdot(w, j, static_cast<int>(n), xb, bb, out4);
@@ -2829,19 +2941,36 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
           float gate[4][4], up[4][4];
           for (int64_t b0 = 0; b0 < rows; b0 += 4) {
             const int bb = static_cast<int>(std::min<int64_t>(4, rows - b0));
-            dots(gate_w, gate_fused, gate_rows, xn + b0 * h, bb, gate);
-            dots(up_w, up_fused, up_rows, xn + b0 * h, bb, up);
+            dots(first_w, gate_fused, gate_rows, xm + b0 * h, bb, gate);
+            if (gated) {
+              dots(up_w, up_fused, up_rows, xm + b0 * h, bb, up);
+            } else {
+              for (int64_t i = 0; i < n; ++i)
+                for (int b = 0; b < bb; ++b) up[i][b] = 1.f;
+            }
             for (int b = 0; adapted && b < bb; ++b) {
               const int64_t row = b0 + b;
               if (lora[row] <= 0 || slots[row] < 0) continue;
               const float* g = lora_gu + row * 2 * inter + j;
               for (int64_t i = 0; i < n; ++i) {
-                gate[i][b] += g[i];
-                up[i][b] += g[inter + i];
+                if (gated) {
+                  gate[i][b] += g[i];
+                  up[i][b] += g[inter + i];
+                } else {
+                  gate[i][b] += g[inter + i];
+                }
               }
             }
-            if (activation == kGeluTanh) {
-              gelu_block(gate, up, n, bb, act + b0 * inter + j, inter);
+            if (mlp_biased) {
+              const float* gb = gated ? gate_b : up_b;
+              for (int64_t i = 0; i < n; ++i)
+                for (int b = 0; b < bb; ++b) {
+                  gate[i][b] += gb[j + i];
+                  if (gated) up[i][b] += up_b[j + i];
+                }
+            }
+            if (activation != kSiLU) {
+              gelu_block(activation, gate, up, n, bb, act + b0 * inter + j, inter);
             } else {
               for (int64_t i = 0; i < n; ++i)
                 for (int b = 0; b < bb; ++b) act[(b0 + b) * inter + j + i] = silu_times(gate[i][b], up[i][b]);
@@ -2851,13 +2980,18 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
       });
     }
     barrier.wait();
-    // 6. out += act . down_w^T (sandwich: out += rmsnorm(act . down_w^T) * mlp_out_gain, as step 4)
+    // 6. out += act . down_w^T (+ its bias) (sandwich: out += norm(act . down_w^T) * mlp_out_gain, as step 4; post
+    // norms: out = norm(out + act . down_w^T))
     project(lora_down, act, inter);
     const float* xd = packed(3, route_down, act, inter, int_down);
+    const float* db = mlp_biased ? down_b : nullptr;
     claim_rows(next_down, h, nthreads, [&](int64_t r0, int64_t r1) {
       if (sandwich) {
         product_rows(route_down, down_w, act, xd, rows, r0, r1, tile, wbuf, cbuf, amx,
-                     [&](int64_t b, int64_t r, float v) { sandwiched[b * h + r] = v; }, int_down);
+                     [&](int64_t b, int64_t r, float v) { sandwiched[b * h + r] = db ? v + db[r] : v; }, int_down);
+      } else if (db) {
+        product_rows(route_down, down_w, act, xd, rows, r0, r1, tile, wbuf, cbuf, amx,
+                     [&](int64_t b, int64_t r, float v) { out[b * h + r] += v + db[r]; }, int_down);
       } else {
         product_rows(route_down, down_w, act, xd, rows, r0, r1, tile, wbuf, cbuf, amx,
                      [&](int64_t b, int64_t r, float v) { out[b * h + r] += v; }, int_down);
@@ -2869,7 +3003,11 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
     }
     if (sandwich) {
       barrier.wait();
-      add_normalized(sandwiched, out, tid, nthreads, rows, h, eps, mlp_out_gain, out);
+      add_normalized(norm, sandwiched, out, tid, nthreads, rows, h, eps, mlp_out_gain, norm_b + 3 * h, out, xn);
+    }
+    if (post) {
+      barrier.wait();
+      normalize_in_place(norm, out, tid, nthreads, rows, h, eps, mlp_out_gain, norm_b + 3 * h);
     }
   });
   return 0;

@@ -115,6 +115,7 @@ DECODER_LAYER = KernelSignature(
                  _p("up_w", 2, "weight"), _p("down_w", 2, "weight"), _p("input_gain", 1, "float32"),
                  _p("post_gain", 1, "float32"), _p("q_norm", 1, "float32"), _p("k_norm", 1, "float32"),
                  _p("attn_out_gain", 1, "float32"), _p("mlp_out_gain", 1, "float32"), _p("sinks", 1, "float32"),
+                 _p("gate_up_bias", 1, "float32"), _p("down_bias", 1, "float32"), _p("norm_bias", 2, "float32"),
                  _p("key_cache", 2, "cache"),
                  _p("value_cache", 2, "cache"),
                  _p("lora_qkv_a", 3, "float32"), _p("lora_qkv_b", 3, "float32"), _p("lora_o_a", 3, "float32"),

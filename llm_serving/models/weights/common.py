@@ -10,7 +10,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-__all__ = ["HIDDEN_ACTS", "LlamaConfig", "QuantizedTensor", "StoredTensor", "WeightLoadError", "check_shape",
+__all__ = ["HIDDEN_ACTS", "NORMS", "LlamaConfig", "QuantizedTensor", "StoredTensor", "WeightLoadError", "check_shape",
            "expected_shapes", "first_id", "rotate_half_rows", "split_fused", "stack_rows"]
 
 
@@ -97,7 +97,20 @@ class LlamaConfig:
       `expert_act`: the experts' activation, "silu" (SwiGLU) or "swiglu_oai" (gpt-oss's: gate clamped to at most
       `swiglu_limit`, up to +-limit, gate * sigmoid(`swiglu_alpha` * gate) * (up + 1)).
     - `o_bias`: o_proj has a bias (gpt-oss). `attention_sinks`: each query head has a learned logit
-      (`self_attn.sinks`, (NH,)) in its softmax's denominator (gpt-oss)."""
+      (`self_attn.sinks`, (NH,)) in its softmax's denominator (gpt-oss).
+
+    A bidirectional encoder (BERT and its kin: all-MiniLM, bge) is the same layer with these switched:
+    - `causal` False: every token of an input sees every token of it (the input is computed in one step); the model
+      has no lm_head and does not generate: it embeds only.
+    - `norm`: "rms" (RMSNorm, a gain) or "layer" (LayerNorm: the mean subtracted, a gain and a bias, `<norm>.bias`
+      beside each `<norm>.weight`). `rms_norm_eps` is every norm's epsilon.
+    - `post_norm`: the norms come after each residual add, x = norm(x + attention(x)), x = norm(x + mlp(x)) (gains
+      and biases `attn_output_norm`, `mlp_output_norm`), instead of before each part; there is no final norm.
+    - `gated_mlp` False: the MLP is down(f(up x)) (no gate_proj); `mlp_bias`: up (gate) and down have biases.
+    - `hidden_act` "gelu": GELU's exact (erf) form.
+    - `learned_positions`: the embedding adds a learned row per position (`model.embed_positions.weight`, (P, H))
+      and token type 0's row (`model.embed_token_types.weight`, (T, H): a single text is type 0), and no layer
+      rotates (RoPE); `embed_norm`: the sum is normalized (`model.embed_norm.weight` and `.bias`)."""
 
     vocab_size: int
     hidden_size: int
@@ -139,13 +152,21 @@ class LlamaConfig:
     swiglu_limit: float = 7.0
     o_bias: bool = False
     attention_sinks: bool = False
+    causal: bool = True
+    norm: str = "rms"
+    post_norm: bool = False
+    gated_mlp: bool = True
+    mlp_bias: bool = False
+    learned_positions: bool = False
+    type_vocab_size: int = 0
+    embed_norm: bool = False
 
     def __post_init__(self):
         if self.hidden_act not in HIDDEN_ACTS:
             raise WeightLoadError(f"{self.architecture}: hidden activation {self.hidden_act!r} is not supported "
                                   f"(supported: {', '.join(HIDDEN_ACTS)})")
         rot = self.rotary_dim if self.rotary_dim is not None else self.head_dim
-        if rot % 2 or not 0 < rot <= self.head_dim:
+        if not self.learned_positions and (rot % 2 or not 0 < rot <= self.head_dim):
             raise WeightLoadError(f"{self.architecture}: rotary dimension {rot} must be even and at most "
                                   f"head_dim={self.head_dim}")
         if self.layer_types is not None:
@@ -157,6 +178,19 @@ class LlamaConfig:
         if any(not 0 <= i < self.num_layers for i in self.nope_layers):
             raise WeightLoadError(f"{self.architecture}: nope_layers {list(self.nope_layers)} name layers past "
                                   f"the model's {self.num_layers}")
+        if self.norm not in NORMS:
+            raise WeightLoadError(f"{self.architecture}: norm {self.norm!r} is not supported (supported: "
+                                  f"{', '.join(NORMS)})")
+        if self.norm == "layer" and not self.post_norm:
+            raise WeightLoadError(f"{self.architecture}: LayerNorm is supported as post norms only (BERT's); a "
+                                  "pre-norm LayerNorm model is not")
+        if self.post_norm and self.sandwich_norms:
+            raise WeightLoadError(f"{self.architecture}: post norms and sandwich norms exclude each other")
+        if not self.gated_mlp and self.num_experts:
+            raise WeightLoadError(f"{self.architecture}: a mixture of experts has gated experts")
+        if not self.causal and self.num_experts:
+            raise WeightLoadError(f"{self.architecture}: a bidirectional encoder with a mixture of experts is not "
+                                  "supported")
         if self.expert_act not in EXPERT_ACTS:
             raise WeightLoadError(f"{self.architecture}: expert activation {self.expert_act!r} is not supported "
                                   f"(supported: {', '.join(EXPERT_ACTS)})")
@@ -187,10 +221,15 @@ class LlamaConfig:
         sliding = self.layer_types is None or self.layer_types[i] == "sliding"
         return int(self.sliding_window) if sliding else None
 
+    @property
+    def generates(self) -> bool:
+        """Whether the model has an lm_head and generates text (a causal decoder); else it only embeds."""
+        return self.causal
+
     def layer_rope(self, i: int) -> str:
         """Which RoPE layer i applies: "global" (rope_theta, scaled as configured), "local" (a sliding layer of
-        a model with local_rope_theta) or "none"."""
-        if i in self.nope_layers:
+        a model with local_rope_theta) or "none" (also every layer of a model with learned positions)."""
+        if i in self.nope_layers or self.learned_positions:
             return "none"
         if self.local_rope_theta is not None and self.layer_window(i) is not None:
             return "local"
@@ -198,7 +237,8 @@ class LlamaConfig:
 
 
 # the gated MLP's activations the model computes (LlamaConfig.hidden_act), and a mixture's experts' (expert_act)
-HIDDEN_ACTS = ("silu", "gelu_tanh")
+HIDDEN_ACTS = ("silu", "gelu_tanh", "gelu")
+NORMS = ("rms", "layer")
 EXPERT_ACTS = ("silu", "swiglu_oai")
 
 
@@ -214,12 +254,32 @@ def first_id(value) -> Optional[int]:
 def expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the model needs (HF names) and its shape."""
     h, d = cfg.hidden_size, cfg.head_dim
-    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,),
-              "lm_head.weight": (cfg.vocab_size, h)}
+    layer_norm = cfg.norm == "layer"
+
+    def norm(shapes: dict, name: str) -> None:             # a norm's gain, and its bias for a LayerNorm
+        shapes[name + ".weight"] = (h,)
+        if layer_norm:
+            shapes[name + ".bias"] = (h,)
+
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
+    if cfg.learned_positions:
+        shapes["model.embed_positions.weight"] = (cfg.max_position_embeddings, h)
+        if cfg.type_vocab_size:
+            shapes["model.embed_token_types.weight"] = (cfg.type_vocab_size, h)
+    if cfg.embed_norm:
+        norm(shapes, "model.embed_norm")
+    if not cfg.post_norm:                                  # (post norms: the last layer's output is normalized)
+        norm(shapes, "model.norm")
+    if cfg.generates:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        if cfg.post_norm:
+            norm(shapes, p + "attn_output_norm")
+            norm(shapes, p + "mlp_output_norm")
+        else:
+            norm(shapes, p + "input_layernorm")
+            norm(shapes, p + "post_attention_layernorm")
         shapes[p + "self_attn.q_proj.weight"] = (cfg.num_heads * d, h)
         shapes[p + "self_attn.k_proj.weight"] = (cfg.num_kv_heads * d, h)
         shapes[p + "self_attn.v_proj.weight"] = (cfg.num_kv_heads * d, h)
@@ -236,8 +296,8 @@ def expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.q_norm.weight"] = (d,)
             shapes[p + "self_attn.k_norm.weight"] = (d,)
         if cfg.sandwich_norms:
-            shapes[p + "attn_output_norm.weight"] = (h,)
-            shapes[p + "mlp_output_norm.weight"] = (h,)
+            norm(shapes, p + "attn_output_norm")
+            norm(shapes, p + "mlp_output_norm")
         if cfg.layer_moe(i):                # the experts stacked by rows: expert e's are e * rows .. (e + 1) * rows - 1
             e, inter = cfg.num_experts, cfg.expert_intermediate_size
             shapes[p + "mlp.router.weight"] = (e, h)
@@ -250,9 +310,14 @@ def expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
                 shapes[p + "mlp.experts.up_proj.bias"] = (e * inter,)
                 shapes[p + "mlp.experts.down_proj.bias"] = (e * h,)
             continue
-        shapes[p + "mlp.gate_proj.weight"] = (cfg.intermediate_size, h)
-        shapes[p + "mlp.up_proj.weight"] = (cfg.intermediate_size, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, cfg.intermediate_size)
+        inter = cfg.intermediate_size
+        for part in (("gate_proj", "up_proj") if cfg.gated_mlp else ("up_proj",)):
+            shapes[p + f"mlp.{part}.weight"] = (inter, h)
+            if cfg.mlp_bias:
+                shapes[p + f"mlp.{part}.bias"] = (inter,)
+        shapes[p + "mlp.down_proj.weight"] = (h, inter)
+        if cfg.mlp_bias:
+            shapes[p + "mlp.down_proj.bias"] = (h,)
     return shapes
 
 

@@ -1,7 +1,7 @@
 """GGUF checkpoints (llama.cpp's format) for `load_llama_weights` (loader.py), read through the `gguf` package.
 
-Architectures `llama` (Mistral's, and Mixtral's with its experts), `qwen2`, `qwen3`, `qwen3moe`, `gemma3`, `phi3` and
-`smollm3`, as llama.cpp's converter
+Architectures `llama` (Mistral's, and Mixtral's with its experts), `qwen2`, `qwen3`, `qwen3moe`, `gemma3`, `phi3`,
+`smollm3`, `gpt-oss` and `bert` (an encoder: its config from `bert.*` and `_gguf_bert`), as llama.cpp's converter
 (convert_hf_to_gguf.py) writes them: hyperparameters from the `<arch>.*` metadata, and where the converter writes
 nothing, llama.cpp's own fixed rules (Gemma 3: every 6th layer full, a local RoPE base of 10000, the attention
 scale; SmolLM3: every 4th layer without RoPE); tensors renamed to the internal (LLaMA HF) names and dequantized to
@@ -63,15 +63,23 @@ _GGUF_LAYER_NAMES = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.wei
                      # in the file, read as E * rows)
                      "attn_output.bias": "self_attn.o_proj.bias", "attn_sinks.weight": "self_attn.sinks",
                      "ffn_gate_inp.bias": "mlp.router.bias", "ffn_gate_exps.bias": "mlp.experts.gate_proj.bias",
-                     "ffn_up_exps.bias": "mlp.experts.up_proj.bias", "ffn_down_exps.bias": "mlp.experts.down_proj.bias"}
+                     "ffn_up_exps.bias": "mlp.experts.up_proj.bias", "ffn_down_exps.bias": "mlp.experts.down_proj.bias",
+                     # a BERT encoder's: its post norms (LayerNorms: gain and bias) and the MLP's biases
+                     "attn_output_norm.weight": "attn_output_norm.weight", "attn_output_norm.bias": "attn_output_norm.bias",
+                     "layer_output_norm.weight": "mlp_output_norm.weight",
+                     "layer_output_norm.bias": "mlp_output_norm.bias", "ffn_up.bias": "mlp.up_proj.bias",
+                     "ffn_down.bias": "mlp.down_proj.bias"}
 # an architecture's own meaning of a tensor name: gpt-oss's post_attention_norm is its MLP's input norm (Gemma 3's is a
 # sandwich norm)
 _GGUF_ARCH_LAYER_NAMES = {"gpt-oss": {"post_attention_norm.weight": "post_attention_layernorm.weight"}}
 # GGUF architecture -> LlamaConfig.architecture, where they differ (the HF reader's name)
 _GGUF_CONFIG_ARCH = {"gpt-oss": "gptoss"}
 _GGUF_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-               "output.weight": "lm_head.weight"}
-_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "phi3", "smollm3", "gpt-oss")
+               "output.weight": "lm_head.weight",
+               # a BERT encoder's embedding: its position and token type rows, its LayerNorm
+               "position_embd.weight": "model.embed_positions.weight", "token_types.weight": "model.embed_token_types.weight",
+               "token_embd_norm.weight": "model.embed_norm.weight", "token_embd_norm.bias": "model.embed_norm.bias"}
+_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "phi3", "smollm3", "gpt-oss", "bert")
 # the architectures whose q/k rows the converter permutes for llama.cpp's RoPE of neighbouring pairs
 _INTERLEAVED_ROPE = ("llama", "smollm3")
 _gguf_types_checked: dict = {}
@@ -160,8 +168,10 @@ def _load_gguf(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
         elif len(shape) == 2 and name.endswith("_exps.bias"):       # their biases (E, rows) as E * rows
             tensor = _Stacked(tensor)
             shape = (shape[0] * shape[1],)
-        # (a router is read as float32 whatever its type: MoeMlp takes float32 logits weights)
+        # (a router is read as float32 whatever its type: MoeMlp takes float32 logits weights; so are a BERT's
+        # position and token type rows, which the embedding adds as float32 tables)
         qtype = (KEPT_QUANTIZED.get(tensor.tensor_type.name) if len(shape) == 2 and not hf.endswith("router.weight")
+                 and not hf.startswith(("model.embed_positions", "model.embed_token_types"))
                  and (tensor.tensor_type.name not in EXPERTS_ONLY or ".mlp.experts." in hf) else None)
         kind = tensor.tensor_type.name
         out[hf] = StoredTensor(shape, _gguf_reader(tensor), qtype, _block_reader(tensor) if qtype is not None else None,
@@ -213,9 +223,33 @@ def _gguf_experts(path: str, arch: str, meta: Callable, tensors: dict, num_layer
     return out
 
 
+def _gguf_bert(path: str, meta: Callable, tensors: dict) -> LlamaConfig:
+    """A BERT encoder's LlamaConfig from `bert.*` (convert_hf_to_gguf.py's BertModel): its layers' shape, context,
+    LayerNorm epsilon, and the encoder's switches (LlamaConfig's; GELU in its exact form, as the HF model it was
+    converted from computes it). A causal `bert.attention.causal` is refused."""
+    if meta("bert.attention.causal", False, required=False):
+        raise WeightLoadError(f"{path}: GGUF bert.attention.causal=true is not supported (a bidirectional encoder)")
+    hidden, heads = int(meta("bert.embedding_length")), int(meta("bert.attention.head_count"))
+    for name in ("token_embd.weight", "position_embd.weight", "token_embd_norm.weight"):
+        if name not in tensors:
+            raise WeightLoadError(f"{path}: GGUF tensor {name!r} is missing")
+    types = tensors.get("token_types.weight")
+    return LlamaConfig(
+        vocab_size=int(tensors["token_embd.weight"].shape[-1]), hidden_size=hidden,
+        intermediate_size=int(meta("bert.feed_forward_length")), num_layers=int(meta("bert.block_count")),
+        num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads,
+        rms_norm_eps=float(meta("bert.attention.layer_norm_epsilon", 1e-12)),
+        max_position_embeddings=int(meta("bert.context_length", 512)), bos_token_id=None, eos_token_id=None,
+        architecture="bert", attention_bias=True, o_bias=True, causal=False, norm="layer", post_norm=True,
+        gated_mlp=False, mlp_bias=True, hidden_act="gelu", learned_positions=True,
+        type_vocab_size=0 if types is None else int(types.shape[-1]), embed_norm=True)
+
+
 def _gguf_config(path: str, arch: str, meta: Callable, tensors: dict) -> LlamaConfig:
     """The LlamaConfig of a GGUF's `<arch>.*` metadata and tensors, with llama.cpp's fixed rules where its
     converter writes nothing (Gemma 3's attention scale and local RoPE base, SmolLM3's NoPE layers)."""
+    if arch == "bert":
+        return _gguf_bert(path, meta, tensors)
     hidden, heads = int(meta(f"{arch}.embedding_length")), int(meta(f"{arch}.attention.head_count"))
     kv_heads = int(meta(f"{arch}.attention.head_count_kv", heads))
     head_dim = int(meta(f"{arch}.attention.key_length", hidden // heads))

@@ -5,7 +5,7 @@
 `load_hf` gives the tensors under the internal (LLaMA HF) names `expected_shapes` lists: Phi-3's fused matrices split
 into row parts that read only their own rows, Gemma's norms renamed and read as 1 + the stored weight (its RMSNorm
 computes x * (1 + w)), a multimodal checkpoint's text model (`language_model.model.*` or `model.language_model.*`)
-under the text model's names. Embeddings tied (`tie_word_embeddings`, or no `lm_head.weight`) or not. A mixture's
+under the text model's names, a BERT encoder's (`_bert_name`) under the internal names of its parts. Embeddings tied (`tie_word_embeddings`, or no `lm_head.weight`) or not. A mixture's
 experts, one tensor each (Qwen3-MoE's `mlp.experts.E.gate_proj`, Mixtral's `block_sparse_moe.experts.E.w1`), are
 stacked by rows into one matrix per part and layer (`mlp.experts.gate_proj.weight`: E * I rows), its router renamed
 `mlp.router.weight`. gpt-oss's experts, one 3-D tensor per part and layer, are cut into those stacks too: float
@@ -135,8 +135,36 @@ _EXPERT_PARTS = {"gate_proj.weight": "gate_proj", "up_proj.weight": "up_proj", "
 _EXPERT_PREFIXES = ("mlp.experts.", "block_sparse_moe.experts.")
 
 
+# a BERT encoder's tensors (BertModel's names; a head's checkpoint has them under "bert.") -> the internal names:
+# the embedding's parts, and per layer (after "encoder.layer.N.") its products and post norms
+_BERT_EMBEDDINGS = {"embeddings.word_embeddings.weight": "model.embed_tokens.weight",
+                    "embeddings.position_embeddings.weight": "model.embed_positions.weight",
+                    "embeddings.token_type_embeddings.weight": "model.embed_token_types.weight",
+                    "embeddings.LayerNorm.weight": "model.embed_norm.weight",
+                    "embeddings.LayerNorm.bias": "model.embed_norm.bias"}
+_BERT_LAYER = {"attention.self.query": "self_attn.q_proj", "attention.self.key": "self_attn.k_proj",
+               "attention.self.value": "self_attn.v_proj", "attention.output.dense": "self_attn.o_proj",
+               "attention.output.LayerNorm": "attn_output_norm", "intermediate.dense": "mlp.up_proj",
+               "output.dense": "mlp.down_proj", "output.LayerNorm": "mlp_output_norm"}
+
+
+def _bert_name(name: str) -> str:
+    """The internal name of a BERT checkpoint's tensor (a name the model does not use stays as it is)."""
+    name = name.removeprefix("bert.")
+    if name in _BERT_EMBEDDINGS:
+        return _BERT_EMBEDDINGS[name]
+    if name.startswith("encoder.layer."):
+        _, _, layer, rest = name.split(".", 3)
+        module, _, kind = rest.rpartition(".")
+        if module in _BERT_LAYER and kind in ("weight", "bias"):
+            return f"model.layers.{layer}.{_BERT_LAYER[module]}.{kind}"
+    return name
+
+
 def _internal_name(name: str, arch: str) -> str:
     """The internal name of checkpoint tensor `name` (a name the model does not use stays as it is)."""
+    if arch == "bert":
+        return _bert_name(name)
     for prefix, text in _TEXT_PREFIXES:
         if name.startswith(prefix):
             name = text + name[len(prefix):]

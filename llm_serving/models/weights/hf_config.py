@@ -13,7 +13,11 @@ and as 5.x does (`rope_parameters`, per layer type for Gemma 3), into a LlamaCon
 - Phi3ForCausalLM (Phi-3, Phi-4-mini): `partial_rotary_factor`, longrope scaling, fused qkv_proj and gate_up_proj;
 - Gemma3ForCausalLM and Gemma3ForConditionalGeneration's text model (`text_config`; the vision tower's tensors are
   not read): GeGLU, embeddings times sqrt(hidden), query_pre_attn_scalar, q/k norms and sandwich norms, sliding
-  layers (`layer_types` or every 6th layer full) with their own RoPE base; its defaults where the config is silent.
+  layers (`layer_types` or every 6th layer full) with their own RoPE base; its defaults where the config is silent;
+- BERT encoders (`model_type: bert`: BertModel as sentence-transformers ships all-MiniLM and bge, or a head's
+  checkpoint of one, BertForMaskedLM, ...): bidirectional, post-LayerNorm (`layer_norm_eps`), biases on every
+  product, an ungated GELU MLP, learned absolute positions and token types, an embedding LayerNorm (`_bert`).
+  nomic-bert (`nomic_bert`, rotary and SwiGLU, shipped as remote code) is refused by name.
 Anything else fails naming the architecture; an option the model would compute wrong without (a RoPE type, an
 activation, softcapping, biases) fails naming the option.
 """
@@ -34,7 +38,12 @@ __all__ = ["HF_ARCHITECTURES", "llama3_rope_factors", "load_config", "yarn_atten
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral",
                      "Qwen3ForCausalLM": "qwen3", "SmolLM3ForCausalLM": "smollm3", "Phi3ForCausalLM": "phi3",
                      "Gemma3ForCausalLM": "gemma3", "Gemma3ForConditionalGeneration": "gemma3",
-                     "Qwen3MoeForCausalLM": "qwen3moe", "MixtralForCausalLM": "mixtral", "GptOssForCausalLM": "gptoss"}
+                     "Qwen3MoeForCausalLM": "qwen3moe", "MixtralForCausalLM": "mixtral", "GptOssForCausalLM": "gptoss",
+                     "BertModel": "bert"}
+# config.json model_types that are BERT encoders whatever head the checkpoint names (BertForMaskedLM, ...)
+_BERT_TYPES = ("bert",)
+# BERT's hidden_act -> LlamaConfig.hidden_act (transformers' "gelu" is the exact, erf form)
+_BERT_ACTS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
 # what transformers' Gemma3TextConfig assumes for a key a config.json leaves out (Gemma 3 4B/12B/27B's text_config
 # names only what differs from these)
 _GEMMA3_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
@@ -275,6 +284,33 @@ def _text_config(raw: dict, arch: str) -> dict:
     return {**_GEMMA3_DEFAULTS, **text} if arch == "gemma3" else text
 
 
+def _bert(raw: dict, path: str) -> LlamaConfig:
+    """A BERT encoder's LlamaConfig: every difference from LLaMA switched (LlamaConfig's encoder fields); an option
+    it would compute wrong without (relative positions, a decoder, another activation) fails naming it."""
+    kind = raw.get("position_embedding_type", "absolute")
+    if kind != "absolute":
+        raise WeightLoadError(f"{path}: position_embedding_type={kind!r} is not supported (only absolute)")
+    if raw.get("is_decoder") or raw.get("add_cross_attention"):
+        raise WeightLoadError(f"{path}: a BERT decoder (is_decoder / add_cross_attention) is not supported; only "
+                              "the bidirectional encoder")
+    act = raw.get("hidden_act", "gelu")
+    if act not in _BERT_ACTS:
+        raise WeightLoadError(f"{path}: hidden_act={act!r} is not supported for bert (supported: "
+                              f"{', '.join(_BERT_ACTS)})")
+    try:
+        hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
+        return LlamaConfig(
+            vocab_size=int(raw["vocab_size"]), hidden_size=hidden, intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]), num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads,
+            rms_norm_eps=float(raw.get("layer_norm_eps", 1e-12)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 512)), bos_token_id=None,
+            eos_token_id=None, architecture="bert", attention_bias=True, o_bias=True, causal=False, norm="layer",
+            post_norm=True, gated_mlp=False, mlp_bias=True, hidden_act=_BERT_ACTS[act], learned_positions=True,
+            type_vocab_size=int(raw.get("type_vocab_size", 2)), embed_norm=True)
+    except KeyError as e:
+        raise WeightLoadError(f"{path}: missing key {e.args[0]!r}") from None
+
+
 def load_config(model_dir: str) -> LlamaConfig:
     """The LlamaConfig of a HuggingFace directory's config.json (the architectures above); anything else fails
     naming the architecture, an option the model does not compute naming the option."""
@@ -286,11 +322,18 @@ def load_config(model_dir: str) -> LlamaConfig:
         raise WeightLoadError(f"{path}: config.json not found (expected a HuggingFace LLaMA directory)") from None
     except json.JSONDecodeError as e:
         raise WeightLoadError(f"{path}: invalid JSON: {e}") from None
+    if raw.get("model_type") in _BERT_TYPES:
+        return _bert(raw, path)
+    if raw.get("model_type") == "nomic_bert":
+        raise WeightLoadError(f"{path}: nomic_bert (rotary, SwiGLU; its modelling code ships with the checkpoint) is "
+                              "not supported; BERT encoders (model_type bert: all-MiniLM, bge, ...) are")
     names = raw.get("architectures") or ["LlamaForCausalLM"]
     arch = HF_ARCHITECTURES.get(names[0])
     if arch is None:
         raise WeightLoadError(f"{path}: architecture {names[0]!r} is not supported (supported: "
                               f"{', '.join(HF_ARCHITECTURES)})")
+    if arch == "bert":
+        return _bert(raw, path)
     raw = _text_config(raw, arch)
 
     def need(key):

@@ -60,7 +60,8 @@ def model_shape(path: str) -> LlamaConfig:
 
 
 def _checked_stored(path: str, num_layers: Optional[int]) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
-    """The checkpoint's config and tensors (not read yet), `lm_head.weight` present, every shape checked."""
+    """The checkpoint's config and tensors (not read yet), `lm_head.weight` present (a model that generates), every
+    shape checked."""
     cfg, stored = READERS[detect_format(path)](path)
     if num_layers is not None:
         if not 1 <= num_layers <= cfg.num_layers:
@@ -68,7 +69,7 @@ def _checked_stored(path: str, num_layers: Optional[int]) -> tuple[LlamaConfig, 
         cfg = dataclasses.replace(cfg, num_layers=num_layers,
                                   layer_types=None if cfg.layer_types is None else tuple(cfg.layer_types[:num_layers]),
                                   nope_layers=tuple(i for i in cfg.nope_layers if i < num_layers))
-    if "lm_head.weight" not in stored or cfg.tie_word_embeddings:
+    if cfg.generates and ("lm_head.weight" not in stored or cfg.tie_word_embeddings):
         if "model.embed_tokens.weight" in stored:
             stored["lm_head.weight"] = stored["model.embed_tokens.weight"]
     for name, shape in expected_shapes(cfg).items():
