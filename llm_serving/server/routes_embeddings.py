@@ -91,9 +91,25 @@ def _base64(vector: np.ndarray) -> str:
 
 # --- scoring --------------------------------------------------------------------------------------------------------
 
+def check_ranks(engine) -> None:
+    """A model that can rank: a reranker (score_method yes_no), an embedding model, or a model whose pooling is
+    declared (its files' sentence-transformers config, or model_config.pooling). A chat model's hidden states'
+    average is no ranking (it put "taxes" above "a cat" for "pets"): its rerank and score are a 400 saying what to
+    load instead."""
+    spec = engine.embedding
+    if engine.score_method == "yes_no" or not engine.generates or (spec is not None and spec.source != "default"):
+        return
+    raise ValidationError(
+        f"model {engine.model_name!r} is a chat model: its embeddings are its hidden states' average, which ranks "
+        "poorly. Serve an embedding model (all-MiniLM-L6-v2, bge, Qwen3-Embedding) or a reranker (Qwen3-Reranker) "
+        "beside it (--model again, or serving_config.models) and name it in 'model'; or start this one with "
+        "--set model_config.pooling=mean to rank by its average anyway", param="model")
+
+
 async def score_pairs(engine, pairs: list, instruction, fields: tuple) -> tuple:
     """([relevance of each (query, document) pair], tokens read) by the model's score_method; `fields`: the body's
     names of the queries and the documents (errors name them)."""
+    check_ranks(engine)
     if engine.score_method == "yes_no":
         return await _judged(engine, pairs, instruction or DEFAULT_INSTRUCTION, fields[1])
     return await _similarity(engine, pairs, fields)

@@ -2,9 +2,10 @@
 
 On the shared stories260K server (mean pooling: its directory declares none; score_method similarity): the openai
 SDK's `embeddings.create` (float and base64 give one vector; a batch in input order; a text twice gives the same bits;
-unit norms; an embedding while generation streams run is the one alone, to the bit), rerank and score replies in
-their shapes and order, Ollama's client's `embed` and `embeddings`, and the errors (dimensions refused, empty input,
-an input past the context, an unknown model).
+unit norms; an embedding while generation streams run is the one alone, to the bit), Ollama's client's `embed` and
+`embeddings`, and the errors (dimensions refused, empty input, an input past the context, an unknown model); its
+rerank and score refused (a chat model's average: the 400 says what to load). The same model started with
+`model_config.pooling=mean` (a declared pooling) ranks: rerank and score replies in their shapes and order.
 
 Against transformers, on a tiny random Qwen3 (tests/families.py) whose tokenizer has "yes" and "no" as single tokens
 (families.py's 320-token BPE has neither: this module trains its own BPE of the same size with them in the corpus):
@@ -120,7 +121,26 @@ def test_an_embedding_among_generation_streams_is_the_one_alone_to_the_bit(clien
     assert np.array_equal(among, alone)
 
 
-def test_rerank_and_score_replies_by_similarity(stories_server, client):
+@pytest.fixture(scope="module")
+def pooled_stories(stories_dir, tmp_path_factory):
+    """stories260K told to rank by its mean (model_config.pooling: a declared pooling)."""
+    from tests.integration.server_harness import REPO
+    with serving(["--config", str(REPO / "configs" / "stories260K.yaml"), "--model", str(stories_dir / "hf"),
+                  "--set", "model_config.pooling=mean"], tmp_path_factory.mktemp("pooled") / "server.log") as server:
+        yield server
+
+
+def test_a_chat_models_rerank_and_score_say_what_to_load(stories_server):
+    for path, body in (("/v1/rerank", {"query": "pets", "documents": ["a cat", "taxes"]}),
+                       ("/score", {"text_1": "pets", "text_2": ["a cat"]})):
+        status, err = http("POST", stories_server.url + path, body)
+        assert status == 400 and err["error"]["param"] == "model", err
+        assert "is a chat model" in err["error"]["message"] and "model_config.pooling=mean" in err["error"]["message"]
+
+
+def test_rerank_and_score_replies_by_similarity(pooled_stories):
+    stories_server = pooled_stories
+    client = openai.OpenAI(base_url=stories_server.url + "/v1", api_key="not-needed", max_retries=0, timeout=60)
     query, documents = "The dog ran to the park.", ["Tom had a big box of toys.", TEXTS[1], {"text": "A dog ran."}]
     texts = [documents[0], documents[1], "A dog ran."]
     vectors = _vectors(client.embeddings.create(model="hf", input=[query, *texts], encoding_format="float"))
@@ -192,7 +212,8 @@ def test_errors_are_openais_naming_the_field(client, fields, status, param, word
     assert info.value.status_code == status and error["param"] == param and words in error["message"], error
 
 
-def test_score_and_rerank_errors_name_the_field(stories_server):
+def test_score_and_rerank_errors_name_the_field(pooled_stories):
+    stories_server = pooled_stories
     status, body = http("POST", stories_server.url + "/rerank", {"query": "a", "documents": ["Once upon " * 200]})
     assert status == 400 and body["error"]["param"] == "documents" and "documents[0] has" in body["error"]["message"]
     status, body = http("POST", stories_server.url + "/score", {"text_1": ["a", "b"], "text_2": ["c"]})

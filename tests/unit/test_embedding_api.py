@@ -171,7 +171,7 @@ def _letters(text: str) -> np.ndarray:
 class _Engine:
     """Embeds a text as its letter counts (normalized); judges a prompt relevant (P(yes) 0.9) when its document says
     "relevant", else 0.2. `fail`: the engine fails the request of that input (by its text)."""
-    model_name, lora_paths, start_time = "m", {"ad": "/adapters/ad"}, 0.0
+    model_name, lora_paths, start_time, generates = "m", {"ad": "/adapters/ad"}, 0.0, True
 
     def __init__(self, score_method="similarity", embedding=EmbeddingSpec("last", "1_Pooling/config.json", DIMS),
                  words=("yes", "no"), fail=None, max_model_len=64):
@@ -456,3 +456,20 @@ def test_every_input_is_submitted_before_any_is_awaited():
     engine.submit_embedding = submit_recording
     status, _ = call(engine, "/v1/embeddings", emb(input=["a", "b", "c"]))
     assert status == 200 and seen == [3, 3, 3]
+
+
+def test_a_chat_models_average_does_not_rank_it_says_what_to_load():
+    """A generating model whose pooling is only the default mean: rerank and score are a 400 naming what to serve
+    instead; a declared pooling, model_config.pooling, an embedding model or a yes/no reranker rank."""
+    from llm_serving.server.routes_embeddings import check_ranks
+    chat = _Engine(embedding=EmbeddingSpec("mean", "default", DIMS))
+    with pytest.raises(ValidationError) as err:
+        check_ranks(chat)
+    assert err.value.param == "model" and "is a chat model" in str(err.value) and \
+        "model_config.pooling=mean" in str(err.value)
+    for ranks in (_Engine(), _Engine(embedding=EmbeddingSpec("mean", "model_config.pooling", DIMS)),
+                  _Engine(score_method="yes_no", embedding=EmbeddingSpec("mean", "default", DIMS))):
+        check_ranks(ranks)
+    encoder = _Engine(embedding=EmbeddingSpec("mean", "default", DIMS))
+    encoder.generates = False
+    check_ranks(encoder)
