@@ -183,9 +183,8 @@ def check_context(num_prompt_tokens: int, max_model_len: int, param: Optional[st
 
 def fit_length(max_new_tokens: int, given: bool, num_prompt_tokens: int, max_model_len: int,
                field: str = "max_new_tokens") -> int:
-    """The reply's length in what the context leaves: a prompt the model cannot take is refused; a length the
-    request gave must fit, a default one is cut to fit."""
-    check_context(num_prompt_tokens, max_model_len)
+    """The reply's length in what the context leaves (the prompt fits: `check_context`): a length the request gave
+    must fit, a default one is cut to fit."""
     room = max_model_len - num_prompt_tokens
     if not given:
         return min(max_new_tokens, room)

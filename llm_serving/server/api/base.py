@@ -11,11 +11,11 @@ them with a 400 naming them, for a deployment that wants to know.
 """
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import re
 from dataclasses import dataclass, field
-
 from typing import Optional
 
 from pydantic import BaseModel, ConfigDict
@@ -44,6 +44,11 @@ DIMENSIONS = {"x-served": "dimensions"}         # an embedding's width: those th
 
 class Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    def left_out(self) -> list:
+        """What of the request is not served and is left out (named once in the log: `UnknownFields`); a body with
+        parts it drops (hosted tools) says which."""
+        return []
 
 
 class Open(BaseModel):
@@ -147,13 +152,7 @@ _PRUNE_ROUNDS = 4
 def _without(body, locations) -> dict:
     """A copy of `body` without the fields at `locations` (pydantic's error locations: keys and list indexes, with a
     union's branch tags among them, which name nothing in the body and are passed over)."""
-    def copy(node):
-        if isinstance(node, dict):
-            return {k: copy(v) for k, v in node.items()}
-        if isinstance(node, list):
-            return [copy(v) for v in node]
-        return node
-    out = copy(body)
+    out = copy.deepcopy(body)
     for loc in locations:
         parent, key = None, None
         node = out
@@ -260,7 +259,7 @@ class UnknownFields:
         self._name_once(route, f"ignored unknown {unknown}(s)", ignored,
                         "serving_config.unknown_fields=reject refuses them")
         # what a body's own model leaves out of a served request (hosted tools: `left_out()`), named the same way
-        self._name_once(route, "left out", out.left_out() if hasattr(out, "left_out") else [], "not served here")
+        self._name_once(route, "left out", out.left_out(), "not served here")
         return out
 
     def _name_once(self, route: str, what: str, names: list, why: str) -> None:
