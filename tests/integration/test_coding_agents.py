@@ -11,7 +11,9 @@ On the default model (SmolLM2, 8,192 tokens) both run, but not in the suite: Cla
 tools (`--tools ""`), Codex's without its multi-agent and goal tools (5,800 tokens; 9,149 with them), and SmolLM2,
 sampled at their temperature 1 (neither sends another), often does not end its reply before their length limit,
 which both CLIs call an error (Claude Code: "response exceeded the N output token maximum"; Codex: "Incomplete
-response returned"): whether a run exits 0 there is the model's behaviour, not the server's.
+response returned"): whether a run exits 0 there is the model's behaviour, not the server's. Greedy does not save it
+(measured with both APIs' default temperature set to 0: Claude Code's 1,484-token prompt got 6,708 tokens to the
+length limit, Codex's 5,755-token prompt 2,437 tokens repeating its instructions).
 
 A field a new release refuses shows up here, and in tests/unit/test_unknown_fields.py's replay of their captured
 requests, before a user meets it."""
