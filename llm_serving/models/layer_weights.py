@@ -174,6 +174,13 @@ class KernelInputs:
                             # MLP (1 or 0), MLP biases (1 or 0)]
     fconfig: np.ndarray     # (2,) float32 [rms_norm_eps, attention scale]
 
+    def with_matrices(self, matrices: dict, types: tuple) -> "KernelInputs":
+        """These inputs with other matrices and type codes (the iconfig's types too): the kernel library's
+        repacked rows (kernels/repack.py)."""
+        iconfig = self.iconfig.copy()
+        iconfig[4:4 + len(types)] = types
+        return dataclasses.replace(self, matrices=matrices, types=tuple(int(t) for t in types), iconfig=iconfig)
+
 
 @dataclass
 class MoeKernelInputs:

@@ -34,6 +34,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Zero, initializer
 
 from .attention import PagedAttention, paged_metadata
+from .kernels.repack import repack_rows
 from .kernels.signatures import DECODER_LAYER, EMBED_TOKENS, FINAL_LOGITS, MOE_MLP
 from .layer_weights import (LORA_PRODUCTS, KernelInputs, LayerKernelConfig, kernel_lora_arrays,
                             prepare_embedding_extras, prepare_head, prepare_layer)
@@ -64,6 +65,16 @@ def _param(array: np.ndarray, name: str) -> Parameter:
 def _stored_param(array: np.ndarray, name: str) -> Parameter:
     """A quantized matrix's stored bytes (uint8), as the layer kernel reads them."""
     return _shared_param(Tensor.from_numpy(np.ascontiguousarray(array, dtype=np.uint8)), name)
+
+
+def _repacked(library: str, k: KernelInputs) -> KernelInputs:
+    """The layer kernel's inputs with each stored matrix the library repacks (kernels/repack.py: Q4_K, 8 rows
+    interleaved) in its repacked form; the stored rows are then no longer held."""
+    matrices, types = {}, []
+    for (name, array), qtype in zip(k.matrices.items(), k.types):
+        matrices[name], to = repack_rows(library, array, qtype)
+        types.append(to)
+    return k if tuple(types) == tuple(k.types) else k.with_matrices(matrices, tuple(types))
 
 
 def _lora_param(array: np.ndarray, name: str) -> Parameter:
@@ -177,7 +188,7 @@ class LlamaDecoderLayer(nn.Cell):
             # the whole layer as one CPU kernel (kernels/decoder_layer_cpu.cc) for small decode-shaped steps
             self.layer_kernel = ops.Custom(f"{layer_kernel}:DecoderLayer", out_shape=lambda x, *_: x,
                                            out_dtype=lambda x, *_: x, func_type="aot")
-            self._hold_kernel_inputs(prepared.kernel, i)
+            self._hold_kernel_inputs(_repacked(layer_kernel, prepared.kernel), i)
             DECODER_LAYER.check_call(self.fused)
         # a mixture-of-experts layer: its MLP as the MoeMlp kernel after the layer kernel (which then runs none)
         self.moe = prepared.moe is not None

@@ -33,6 +33,7 @@ from llm_serving.config import ATTENTION_KERNELS, KERNEL_ONLY_CACHES
 from llm_serving.shm.layout import TOP_LOGPROBS, StepKind, StepView
 
 from .buckets import Buckets
+from .kernels.repack import repacked_types
 from .logit_controls import apply_controls, read_controls, uses_controls
 from .mindspore_env import GraphCalls, claim_compile_cache, setup_mindspore
 from .pooling import embedding_spec
@@ -242,9 +243,14 @@ class ModelRunner:
         self.window_num_slots = (self.window_blocks + 1) * self.block_size if self.window_blocks else 0
         self.window_scratch_slot = self.window_blocks * self.block_size     # first slot of its scratch block
         self.quantized_matrices = _describe_quantized(quantized, float32_copy=not self.kernel_serves_all)
+        # the stored types the layer kernel's library repacks at load (kernels/repack.py), where the model has some
+        stored_types = {_GGML_TYPE_NAMES.get(t.qtype) for t in (quantized or {}).values()}
+        self.repacked = tuple(t for t in repacked_types(self.layer_kernel) if t in stored_types) \
+            if self.layer_kernel is not None and device_target == "CPU" else ()
         if self.quantized_matrices:
-            logger.info("the layer kernel reads the checkpoint's quantized matrices as stored (%s)",
-                        self.quantized_matrices)
+            logger.info("the layer kernel reads the checkpoint's quantized matrices as stored (%s)%s",
+                        self.quantized_matrices, f"; {', '.join(self.repacked)} rows repacked at load, 8 rows "
+                        "interleaved, for its integer products" if self.repacked else "")
         self.limits = StepLimits(vocab_size=cfg.vocab_size, max_context=self.max_context,
                                  num_blocks=self.num_blocks, max_blocks_per_seq=self.max_blocks_per_seq,
                                  scratch_slot=self.scratch_slot, lora_slots=self.lora_slots,
@@ -258,7 +264,7 @@ class ModelRunner:
             (cfg, self.num_blocks, self.window_blocks, self.block_size, self.buckets, device_target,
              (self.tp.rank, self.tp.world, self.tp.backend, self.tp.across_nodes) if self.tp.world > 1 else None,
              self.decode_kernel, reduce_kernel, self.layer_kernel, self.layer_kernel_rows, self.decode_run_steps,
-             self.decode_run_rows, self.quantized_matrices, self.lora_slots, self.lora_rank, spec.kv_cache_dtype,
+             self.decode_run_rows, self.quantized_matrices, self.repacked, self.lora_slots, self.lora_rank, spec.kv_cache_dtype,
              kernel_threads, self.batch_invariant, _WARMUP_ORDER)
             if spec.compile_cache else None)
         self._cache_dir = setup_mindspore(device_target, spec.device_id, num_threads, cache_key,

@@ -11,6 +11,10 @@ decoder_layer_cpu.cc) instead of each compiling it at once. A kernel whose param
 by name (signatures.py) is checked against the list its library exports before it is used: a
 `KernelSignatureError` names the first difference.
 
+$LLM_SERVING_KERNEL_MARCH (for example `x86-64-v3` or `znver3`: AVX2 without AVX-512) replaces `native` in
+`-march=`: a machine with AVX-512 then builds, runs and measures the AVX2 paths (16 vector registers, no EVEX
+encodings), as an AVX2-only CPU runs them. The value is part of the digest.
+
 Flags: -O3 plus the floating-point relaxations that let the compiler vectorise the dot products
 (reassociation, no errno, no signed zeros, no traps), but not -ffast-math: linking a shared library
 with it sets flush-to-zero for the whole process, which would change every other kernel's results.
@@ -58,6 +62,12 @@ def _cpu_identity() -> str:
     return ident
 
 
+def flags() -> list:
+    """The compiler's flags: FLAGS, with $LLM_SERVING_KERNEL_MARCH in place of -march=native when set."""
+    march = os.environ.get("LLM_SERVING_KERNEL_MARCH", "").strip()
+    return [f"-march={march}" if f == "-march=native" and march else f for f in FLAGS]
+
+
 def _compiler() -> Optional[str]:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
 
@@ -77,7 +87,7 @@ def build_kernel(name: str, func: str, cache_dir: Optional[Path] = None) -> str:
         raise KernelBuildError(f"cannot run the C++ compiler {cxx}: {e}") from e
     digest = hashlib.sha1()
     headers = [h.read_bytes() for h in sorted(_HERE.glob("*.h"))]          # what the sources may include
-    for part in (source.read_bytes(), *headers, version.encode(), " ".join(FLAGS).encode(),
+    for part in (source.read_bytes(), *headers, version.encode(), " ".join(flags()).encode(),
                  _cpu_identity().encode()):
         digest.update(part)
     out_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir() / "kernels"
@@ -108,7 +118,7 @@ def _compile(cxx: str, source: Path, out_dir: Path, target: Path) -> None:
     except OSError as e:
         raise KernelBuildError(f"cannot write the kernel library under {out_dir}: {e}") from e
     try:
-        proc = subprocess.run([cxx, *FLAGS, "-o", tmp, str(source)], capture_output=True, text=True, timeout=300)
+        proc = subprocess.run([cxx, *flags(), "-o", tmp, str(source)], capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             raise KernelBuildError(f"{cxx} failed to build {source.name}:\n{proc.stderr.strip()[-2000:]}")
         os.replace(tmp, target)

@@ -429,12 +429,16 @@ inline void dot_rows(const float* w, int64_t k, const float* x, int64_t ldx, int
 
 enum WeightType : int32_t {
   kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
-  kBF16 = 30, kMXFP4 = 39
+  kBF16 = 30, kMXFP4 = 39,
+  kQ4_K_R8 = 112          // Q4_K repacked at load, 8 rows interleaved (gemm_avx2_int.h; RepackRows): products only
 };
 
 // Whether DecoderLayer and FinalLogits take a matrix of this type (MXFP4, gpt-oss's experts' type, only MoeMlp
 // and the dequantizing readers: the few-row decoders below have no MXFP4 case)
 inline bool layer_type(int32_t type) { return type != kMXFP4; }
+
+// A type this library repacked at load (RepackRows), which only gemm_avx2_int.h's products read
+inline bool repacked(int32_t type) { return type == kQ4_K_R8; }
 
 // Bytes of one row of k weights of `type`, or -1: a type these kernels do not read, or k not whole blocks.
 int64_t row_bytes_of(int32_t type, int64_t k) {
@@ -449,6 +453,7 @@ int64_t row_bytes_of(int32_t type, int64_t k) {
     case kQ8_0: return k % 32 ? -1 : k / 32 * 34;      // f16 scale, 32 signed bytes
     // super-blocks of 256 weights (8 or 16 sub-blocks, each with its own quantized scale)
     case kQ4_K: return k % 256 ? -1 : k / 256 * 144;   // f16 d, f16 dmin, 12 bytes of 6-bit scales/mins, nibbles
+    case kQ4_K_R8: return k % 256 ? -1 : k / 256 * 144;   // the same bytes, 8 rows' panels (a row-block: 8 rows)
     case kQ5_K: return k % 256 ? -1 : k / 256 * 176;   // as Q4_K, plus 32 bytes of fifth bits before the nibbles
     case kQ6_K: return k % 256 ? -1 : k / 256 * 210;   // 128 bytes low nibbles, 64 of 2-bit highs, 16 int8 scales, f16 d
     case kMXFP4: return k % 32 ? -1 : k / 32 * 17;     // E8M0 scale byte, 16 bytes of E2M1 nibbles
@@ -1277,12 +1282,15 @@ inline void qdot(const Matrix& w, int64_t r, int rb, const float* x, int bb, flo
 // dequantized tile in memory.
 constexpr int64_t kFusedRows = 2;
 
+bool avx2_int_enabled();
+
 // The Matrix of a kernel parameter: float32 (rows, k) when type is F32, else uint8 (rows, row_bytes_of(type,
 // k)); false if the dtype, type or shape does not fit.
 bool as_matrix(const void* data, const char* dtype, const int64_t* shape, int32_t type, int64_t rows, int64_t k,
                Matrix* m) {
   const int64_t bytes = row_bytes_of(type, k);
   if (bytes < 0 || shape[0] != rows) return false;
+  if (repacked(type) && (rows % 8 != 0 || !avx2_int_enabled())) return false;    // only gemm_avx2_int.h reads it
   if (type == kF32 ? (std::strcmp(dtype, "float32") != 0 || shape[1] != k)
                    : (std::strcmp(dtype, "uint8") != 0 || shape[1] != bytes)) {
     return false;
@@ -2409,6 +2417,24 @@ extern "C" int IntegerProduct(int32_t type, const uint8_t* w, int64_t rows, int6
 #else
   (void)type, (void)w, (void)rows, (void)k, (void)x, (void)m, (void)out;
   return 2;
+#endif
+}
+
+// `rows` stored rows of GGML type `type` (row_bytes bytes each) at src repacked for this library's products
+// (gemm_avx2_int.h's row-interleaved layout, the same bytes in another order) into dst (as many bytes; nullptr:
+// only ask): returns the repacked type that DecoderLayer's iconfig then names, or 0 where they stay as stored: a
+// type not repacked (Q4_K is), rows not a multiple of 8, or products that would not read it (the integer products
+// off, or a build with AMX's integer tiles, which read the stored rows).
+extern "C" int32_t RepackRows(int32_t type, const uint8_t* src, int64_t rows, int64_t row_bytes, uint8_t* dst) {
+#if defined(LLM_SERVING_AVX2_INT) && !defined(LLM_SERVING_AMX_INT)
+  namespace ai = llm_serving::avx2_int;
+  const int64_t k = type == kQ4_K && row_bytes % 144 == 0 ? row_bytes / 144 * 256 : 0;
+  const int32_t to = avx2_int_enabled() && k > 0 ? ai::repacked_type(type, rows, k) : 0;
+  if (to != 0 && dst != nullptr) ai::repack_rows(src, rows, k, dst);
+  return to;
+#else
+  (void)type, (void)src, (void)rows, (void)row_bytes, (void)dst;
+  return 0;
 #endif
 }
 

@@ -1,0 +1,48 @@
+"""Weights repacked at load for the layer kernel's products: the stored rows of a type the library repacks (Q4_K,
+into gemm_avx2_int.h's row-interleaved layout: 8 rows a panel, the same bytes in another order) are replaced by
+their repacked copy, and their type code by the library's own (the GGML type + 100), which the kernel's iconfig
+then names. The library decides (`RepackRows`): where its products would not read the layout (the integer paths
+off, AMX's integer tiles, rows not a multiple of 8), the rows stay as stored."""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import numpy as np
+
+__all__ = ["repack_rows", "repacked_types"]
+
+# the GGML types a library may repack, and a row's bytes for one super-block of each (a probe of 8 such rows)
+_REPACKABLE = {"Q4_K": (12, 144)}
+
+
+@functools.lru_cache(maxsize=None)
+def _repack_function(library: str):
+    fn = ctypes.CDLL(library).RepackRows
+    fn.restype = ctypes.c_int32
+    fn.argtypes = [ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    return fn
+
+
+def repack_rows(library: str, rows: np.ndarray, qtype: int) -> tuple:
+    """(rows, qtype) as the library's products read them best: a repacked copy and its type, or `rows` and `qtype`
+    themselves. `library`: the layer kernel's shared library (its path); rows: uint8 (n, bytes per row)."""
+    if qtype == 0 or rows.dtype != np.uint8 or rows.ndim != 2:
+        return rows, qtype
+    fn = _repack_function(library)
+    src = np.ascontiguousarray(rows)
+    to = fn(int(qtype), src.ctypes.data, src.shape[0], src.shape[1], None)
+    if to == 0:
+        return rows, qtype
+    out = np.empty_like(src)
+    fn(int(qtype), src.ctypes.data, src.shape[0], src.shape[1], out.ctypes.data)
+    return out, int(to)
+
+
+def repacked_types(library: str) -> tuple:
+    """The names of the GGML types this library repacks in this process (its build and the integer paths' setting
+    decide), for the log and the compile cache's key (a graph holds the kernel's iconfig, type codes included)."""
+    fn = _repack_function(library)
+    probe = np.zeros((8, max(b for _, b in _REPACKABLE.values())), np.uint8)
+    return tuple(name for name, (code, row_bytes) in _REPACKABLE.items()
+                 if fn(code, probe.ctypes.data, 8, row_bytes, None) != 0)

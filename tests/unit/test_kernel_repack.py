@@ -1,0 +1,131 @@
+"""Weights repacked at load (kernels/gemm_avx2_int.h's row-interleaved layout, through the library's RepackRows):
+the same bytes in another order, and products of the repacked rows are the stored rows' products to the bit, at
+every row count of x (one row, a few, the prefill tiles), so batch invariance holds whichever layout a matrix has.
+The library built here is the agents' (-march=native, or $LLM_SERVING_KERNEL_MARCH)."""
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from llm_serving.models.kernels import build_kernel
+from tests.unit.test_layer_kernel import random_k_blocks
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None and not os.environ.get("CXX"),
+                                reason="no C++ compiler on this machine (the runner runs layers op by op)")
+
+Q4_K = 12
+
+
+@pytest.fixture(scope="module")
+def library():
+    lib = ctypes.CDLL(build_kernel("decoder_layer_cpu", "DecoderLayer").rsplit(":", 1)[0])
+    u8, f32 = np.ctypeslib.ndpointer(np.uint8, flags="C"), np.ctypeslib.ndpointer(np.float32, flags="C")
+    lib.RepackRows.argtypes = [ctypes.c_int32, u8, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    lib.RepackRows.restype = ctypes.c_int32
+    lib.IntegerProduct.argtypes = [ctypes.c_int32, u8, ctypes.c_int64, ctypes.c_int64, f32, ctypes.c_int64, f32]
+    lib.KernelInt.argtypes = [ctypes.c_int]
+    return lib
+
+
+@pytest.fixture
+def repacks(library):
+    """Skips where this build keeps Q4_K as stored (no AVX2 integer products, or AMX's integer tiles read it)."""
+    probe = np.zeros((8, 144), np.uint8)
+    if library.RepackRows(Q4_K, probe, 8, 144, None) == 0:
+        pytest.skip("this CPU's build reads Q4_K as stored (no AVX2 integer path, or AMX's integer tiles)")
+
+
+def repack(library, rows: np.ndarray) -> tuple:
+    out = np.empty_like(rows)
+    code = library.RepackRows(Q4_K, rows, rows.shape[0], rows.shape[1], out.ctypes.data)
+    return code, out
+
+
+def product(library, code: int, rows: np.ndarray, k: int, x: np.ndarray) -> np.ndarray:
+    out = np.zeros((x.shape[0], rows.shape[0]), np.float32)
+    assert library.IntegerProduct(code, rows, rows.shape[0], k, np.ascontiguousarray(x), x.shape[0], out) == 0
+    return out
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 17])
+@pytest.mark.parametrize("n,k", [(16, 256), (40, 512), (8, 2048)])
+def test_repacked_products_equal_the_stored_rows_products_to_the_bit(library, repacks, m, n, k):
+    rng = np.random.default_rng(1000 * m + n)
+    rows = random_k_blocks(n, k, _q4k(), rng)
+    code, packed = repack(library, rows)
+    assert code == Q4_K + 100
+    assert packed.nbytes == rows.nbytes and not np.array_equal(packed, rows)
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    want = product(library, Q4_K, rows, k, x)
+    got = product(library, code, packed, k, x)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), np.abs(got - want).max()
+
+
+def test_repacking_keeps_every_byte(library, repacks):
+    """A permutation of the stored bytes' information: the same multiset of code nibbles, each row's f16 scales
+    as stored."""
+    rng = np.random.default_rng(7)
+    k, n = 512, 16
+    rows = random_k_blocks(n, k, _q4k(), rng)
+    rows[:, 4:16] = rng.integers(0, 256, (n, 12))            # every 6-bit scale and min pattern, not a few
+    _, packed = repack(library, rows)
+    stored = rows.reshape(n // 8, 8, k // 256, 144)
+    panels = packed.reshape(n // 8, k // 256, 1152)
+    d = stored[..., 0:2].transpose(0, 2, 1, 3).reshape(n // 8, k // 256, 16)
+    assert np.array_equal(panels[..., 0:16], d)
+    nibbles = lambda b: np.sort(np.concatenate([b & 15, b >> 4], axis=-1), axis=-1)     # noqa: E731
+    codes_stored = stored[..., 16:].transpose(0, 2, 1, 3).reshape(n // 8, k // 256, 1024)
+    assert np.array_equal(nibbles(panels[..., 128:]), nibbles(codes_stored))
+
+
+def test_what_is_not_repacked(library, repacks):
+    rng = np.random.default_rng(3)
+    rows = random_k_blocks(12, 256, _q4k(), rng)
+    assert library.RepackRows(Q4_K, rows, 12, 144, None) == 0          # rows not a multiple of 8
+    assert library.RepackRows(Q4_K, rows[:8], 8, 100, None) == 0       # not whole super-blocks
+    assert library.RepackRows(14, np.zeros((8, 210), np.uint8), 8, 210, None) == 0    # Q6_K: stored
+    before = library.KernelInt(-1)
+    try:
+        library.KernelInt(0)                                              # the float paths would read it
+        assert library.RepackRows(Q4_K, rows[:8], 8, 144, None) == 0
+    finally:
+        library.KernelInt(1 if before else 0)
+
+
+def _q4k():
+    import gguf
+    return gguf.GGMLQuantizationType.Q4_K
+
+
+def test_a_layer_on_repacked_rows_gives_the_stored_rows_bits_in_any_step(library, repacks):
+    """llama.cpp's Q4_K_M mix in a whole DecoderLayer (q/k/o/gate/up Q4_K, v and down Q6_K: q/k/v mix a repacked
+    and a stored type in one product), batch-invariant steps: with the Q4_K matrices repacked (type 112 in the
+    iconfig), a sequence's rows and K/V are the stored rows' bits, whole prompt, chunked, decoded alone or among
+    others, on 2 threads and 1."""
+    from tests.unit.test_batch_invariance import MORE_WEIGHTS, Steps, prompt_in_steps, PROMPT
+
+    library.KernelInvariant.argtypes = [ctypes.c_int]
+    before = library.KernelInvariant(1)
+    try:
+        for threads in (2, 1):
+            steps = Steps(np.random.default_rng(23), "float16", MORE_WEIGHTS["q4_k_m"], threads=threads, inter=512)
+            steps.library = library
+            want, want_kv = prompt_in_steps(steps, [PROMPT])
+            for name, (rows, qtype) in list(steps.layer.kernel_weights.items()):
+                if qtype == Q4_K:
+                    code, packed = repack(library, rows)
+                    steps.layer.kernel_weights[name] = (packed, code)
+            assert sum(t == Q4_K + 100 for _, t in steps.layer.kernel_weights.values()) == 5
+            for chunks, batch, beside in [([PROMPT], 1, 0), ([16, 30, 24], 1, 0), ([5, 17], 64, 0), ([], 3, 0),
+                                          ([40], 2, 0), ([PROMPT], 40, 25)]:
+                steps.reset()
+                got, got_kv = prompt_in_steps(steps, chunks, batch, beside)
+                np.testing.assert_array_equal(got, want, err_msg=f"{threads} threads, chunks {chunks}, {batch} rows")
+                for g, w in zip(got_kv, want_kv):
+                    np.testing.assert_array_equal(g, w, err_msg=f"K/V, chunks {chunks}, {batch} rows")
+    finally:
+        library.KernelInvariant(before)
