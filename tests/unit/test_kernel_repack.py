@@ -17,7 +17,7 @@ from tests.unit.test_layer_kernel import random_k_blocks
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None and not os.environ.get("CXX"),
                                 reason="no C++ compiler on this machine (the runner runs layers op by op)")
 
-Q4_K = 12
+Q4_K, Q5_K, Q6_K = 12, 13, 14
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +39,9 @@ def repacks(library):
         pytest.skip("this CPU's build reads Q4_K as stored (no AVX2 integer path, or AMX's integer tiles)")
 
 
-def repack(library, rows: np.ndarray) -> tuple:
+def repack(library, rows: np.ndarray, qtype: int = Q4_K) -> tuple:
     out = np.empty_like(rows)
-    code = library.RepackRows(Q4_K, rows, rows.shape[0], rows.shape[1], out.ctypes.data)
+    code = library.RepackRows(qtype, rows, rows.shape[0], rows.shape[1], out.ctypes.data)
     return code, out
 
 
@@ -53,14 +53,15 @@ def product(library, code: int, rows: np.ndarray, k: int, x: np.ndarray) -> np.n
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 17])
 @pytest.mark.parametrize("n,k", [(16, 256), (40, 512), (8, 2048)])
-def test_repacked_products_equal_the_stored_rows_products_to_the_bit(library, repacks, m, n, k):
+@pytest.mark.parametrize("qtype", [Q4_K, Q6_K], ids=["Q4_K", "Q6_K"])
+def test_repacked_products_equal_the_stored_rows_products_to_the_bit(library, repacks, qtype, m, n, k):
     rng = np.random.default_rng(1000 * m + n)
-    rows = random_k_blocks(n, k, _q4k(), rng)
-    code, packed = repack(library, rows)
-    assert code == Q4_K + 100
+    rows = random_k_blocks(n, k, _gguf_type(qtype), rng)
+    code, packed = repack(library, rows, qtype)
+    assert code == qtype + 100
     assert packed.nbytes == rows.nbytes and not np.array_equal(packed, rows)
     x = rng.standard_normal((m, k), dtype=np.float32)
-    want = product(library, Q4_K, rows, k, x)
+    want = product(library, qtype, rows, k, x)
     got = product(library, code, packed, k, x)
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), np.abs(got - want).max()
 
@@ -70,7 +71,7 @@ def test_repacking_keeps_every_byte(library, repacks):
     as stored."""
     rng = np.random.default_rng(7)
     k, n = 512, 16
-    rows = random_k_blocks(n, k, _q4k(), rng)
+    rows = random_k_blocks(n, k, _gguf_type(Q4_K), rng)
     rows[:, 4:16] = rng.integers(0, 256, (n, 12))            # every 6-bit scale and min pattern, not a few
     _, packed = repack(library, rows)
     stored = rows.reshape(n // 8, 8, k // 256, 144)
@@ -84,10 +85,11 @@ def test_repacking_keeps_every_byte(library, repacks):
 
 def test_what_is_not_repacked(library, repacks):
     rng = np.random.default_rng(3)
-    rows = random_k_blocks(12, 256, _q4k(), rng)
+    rows = random_k_blocks(12, 256, _gguf_type(Q4_K), rng)
     assert library.RepackRows(Q4_K, rows, 12, 144, None) == 0          # rows not a multiple of 8
     assert library.RepackRows(Q4_K, rows[:8], 8, 100, None) == 0       # not whole super-blocks
-    assert library.RepackRows(14, np.zeros((8, 210), np.uint8), 8, 210, None) == 0    # Q6_K: stored
+    assert library.RepackRows(Q5_K, np.zeros((8, 176), np.uint8), 8, 176, None) == 0    # Q5_K: stored
+    assert library.RepackRows(Q6_K, np.zeros((8, 210), np.uint8), 8, 210, None) == Q6_K + 100
     before = library.KernelInt(-1)
     try:
         library.KernelInt(0)                                              # the float paths would read it
@@ -96,15 +98,15 @@ def test_what_is_not_repacked(library, repacks):
         library.KernelInt(1 if before else 0)
 
 
-def _q4k():
+def _gguf_type(code: int):
     import gguf
-    return gguf.GGMLQuantizationType.Q4_K
+    return gguf.GGMLQuantizationType(code)
 
 
 def test_a_layer_on_repacked_rows_gives_the_stored_rows_bits_in_any_step(library, repacks):
-    """llama.cpp's Q4_K_M mix in a whole DecoderLayer (q/k/o/gate/up Q4_K, v and down Q6_K: q/k/v mix a repacked
-    and a stored type in one product), batch-invariant steps: with the Q4_K matrices repacked (type 112 in the
-    iconfig), a sequence's rows and K/V are the stored rows' bits, whole prompt, chunked, decoded alone or among
+    """llama.cpp's Q4_K_M mix in a whole DecoderLayer (q/k/o/gate/up Q4_K, v and down Q6_K: q/k/v mix types in one
+    product), batch-invariant steps: with the matrices repacked (types 112 and 114 in the iconfig), a sequence's
+    rows and K/V are the stored rows' bits, whole prompt, chunked, decoded alone or among
     others, on 2 threads and 1."""
     from tests.unit.test_batch_invariance import MORE_WEIGHTS, Steps, prompt_in_steps, PROMPT
 
@@ -116,10 +118,10 @@ def test_a_layer_on_repacked_rows_gives_the_stored_rows_bits_in_any_step(library
             steps.library = library
             want, want_kv = prompt_in_steps(steps, [PROMPT])
             for name, (rows, qtype) in list(steps.layer.kernel_weights.items()):
-                if qtype == Q4_K:
-                    code, packed = repack(library, rows)
+                if qtype in (Q4_K, Q6_K):
+                    code, packed = repack(library, rows, qtype)
                     steps.layer.kernel_weights[name] = (packed, code)
-            assert sum(t == Q4_K + 100 for _, t in steps.layer.kernel_weights.values()) == 5
+            assert sorted(t for _, t in steps.layer.kernel_weights.values()) == [112] * 5 + [114] * 2
             for chunks, batch, beside in [([PROMPT], 1, 0), ([16, 30, 24], 1, 0), ([5, 17], 64, 0), ([], 3, 0),
                                           ([40], 2, 0), ([PROMPT], 40, 25)]:
                 steps.reset()

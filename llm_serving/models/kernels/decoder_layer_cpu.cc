@@ -430,7 +430,8 @@ inline void dot_rows(const float* w, int64_t k, const float* x, int64_t ldx, int
 enum WeightType : int32_t {
   kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
   kBF16 = 30, kMXFP4 = 39,
-  kQ4_K_R8 = 112          // Q4_K repacked at load, 8 rows interleaved (gemm_avx2_int.h; RepackRows): products only
+  kQ4_K_R8 = 112, kQ6_K_R8 = 114   // Q4_K, Q6_K repacked at load, 8 rows interleaved (gemm_avx2_int.h;
+                                   // RepackRows): products only
 };
 
 // Whether DecoderLayer and FinalLogits take a matrix of this type (MXFP4, gpt-oss's experts' type, only MoeMlp
@@ -438,7 +439,7 @@ enum WeightType : int32_t {
 inline bool layer_type(int32_t type) { return type != kMXFP4; }
 
 // A type this library repacked at load (RepackRows), which only gemm_avx2_int.h's products read
-inline bool repacked(int32_t type) { return type == kQ4_K_R8; }
+inline bool repacked(int32_t type) { return type == kQ4_K_R8 || type == kQ6_K_R8; }
 
 // Bytes of one row of k weights of `type`, or -1: a type these kernels do not read, or k not whole blocks.
 int64_t row_bytes_of(int32_t type, int64_t k) {
@@ -454,6 +455,7 @@ int64_t row_bytes_of(int32_t type, int64_t k) {
     // super-blocks of 256 weights (8 or 16 sub-blocks, each with its own quantized scale)
     case kQ4_K: return k % 256 ? -1 : k / 256 * 144;   // f16 d, f16 dmin, 12 bytes of 6-bit scales/mins, nibbles
     case kQ4_K_R8: return k % 256 ? -1 : k / 256 * 144;   // the same bytes, 8 rows' panels (a row-block: 8 rows)
+    case kQ6_K_R8: return k % 256 ? -1 : k / 256 * 210;
     case kQ5_K: return k % 256 ? -1 : k / 256 * 176;   // as Q4_K, plus 32 bytes of fifth bits before the nibbles
     case kQ6_K: return k % 256 ? -1 : k / 256 * 210;   // 128 bytes low nibbles, 64 of 2-bit highs, 16 int8 scales, f16 d
     case kMXFP4: return k % 32 ? -1 : k / 32 * 17;     // E8M0 scale byte, 16 bytes of E2M1 nibbles
@@ -2428,9 +2430,10 @@ extern "C" int IntegerProduct(int32_t type, const uint8_t* w, int64_t rows, int6
 extern "C" int32_t RepackRows(int32_t type, const uint8_t* src, int64_t rows, int64_t row_bytes, uint8_t* dst) {
 #if defined(LLM_SERVING_AVX2_INT) && !defined(LLM_SERVING_AMX_INT)
   namespace ai = llm_serving::avx2_int;
-  const int64_t k = type == kQ4_K && row_bytes % 144 == 0 ? row_bytes / 144 * 256 : 0;
+  const int64_t group = type == kQ4_K || type == kQ6_K ? row_bytes_of(type, 256) : 0;   // bytes per 256 weights
+  const int64_t k = group > 0 && row_bytes % group == 0 ? row_bytes / group * 256 : 0;
   const int32_t to = avx2_int_enabled() && k > 0 ? ai::repacked_type(type, rows, k) : 0;
-  if (to != 0 && dst != nullptr) ai::repack_rows(src, rows, k, dst);
+  if (to != 0 && dst != nullptr) ai::repack_rows(type, src, rows, k, dst);
   return to;
 #else
   (void)type, (void)src, (void)rows, (void)row_bytes, (void)dst;

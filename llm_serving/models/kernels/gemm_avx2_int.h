@@ -69,11 +69,11 @@ constexpr int32_t kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K =
 // Types of this library's own, repacked at load (below: "row-interleaved layout"): the GGML type + kRepacked.
 // Only product() reads them.
 constexpr int32_t kRepacked = 100;
-constexpr int32_t kQ4_K_R8 = kQ4_K + kRepacked;
+constexpr int32_t kQ4_K_R8 = kQ4_K + kRepacked, kQ6_K_R8 = kQ6_K + kRepacked;
 
 inline bool reads(int32_t type) {
   return type == kQ4_0 || type == kQ4_1 || type == kQ5_0 || type == kQ5_1 || type == kQ8_0 || type == kQ4_K ||
-         type == kQ5_K || type == kQ6_K || type == kMXFP4 || type == kQ4_K_R8;
+         type == kQ5_K || type == kQ6_K || type == kMXFP4 || type == kQ4_K_R8 || type == kQ6_K_R8;
 }
 
 constexpr int64_t kGroup = 256;            // weights per group
@@ -654,79 +654,114 @@ void tiles(const uint8_t* wbuf, int64_t k, int64_t n, const uint8_t* xp, int64_t
 // ---- the row-interleaved layout (weights repacked once, at load: repack_rows): rows read 8 at a time
 //
 // Why: the products above take one weight row at a time, so a block's 32 products land in the lanes of a vector
-// and must be summed across them (pair_sums, finish_halves), and the codes are split into even and odd weights
-// (5 ands and shifts per 2 vectors). With 8 rows interleaved, 32-bit lane r of every vector is row r: a
-// multiply-add of a row-interleaved code vector by a broadcast word of x (2 values) adds to the 8 rows' block
-// sums at once, so no sum crosses lanes, and the epilogue scales 8 rows with one instruction.
+// and must be summed across them (pair_sums, finish_halves), and the codes are split into even and odd weights.
+// With 8 rows interleaved, 32-bit lane r of every vector is row r: a multiply-add of a row-interleaved code vector
+// by a broadcast word of x (2 values) adds to the 8 rows' block sums at once, so no sum crosses lanes, and the
+// epilogue scales 8 rows with one instruction.
 //
-// A panel: 8 rows (8i .. 8i + 7) x one group of 256 weights, 1152 bytes (8 x 144: the stored rows' size, the
-// same codes and scales, nothing lost), a row-block's ng panels in k order:
-//   [0, 16)     d of each row (f16), lane r: row r
-//   [16, 32)    dmin of each row (f16)
-//   [32, 64)    lo03: 32-bit lane r, byte j (j < 4): sc[j] & 15 | (m[j] & 15) << 4 (the 6-bit scale and min of
-//               sub-block j of row r)
-//   [64, 96)    lo47: the same for j = 4..7
-//   [96, 128)   hi: 32-bit lane r, byte j (j < 4): sc[j] >> 4 | (m[j] >> 4) << 2 | (sc[j + 4] >> 4) << 4 |
-//               (m[j + 4] >> 4) << 6
-//   [128, 1152) the codes: 32 chunks of 32 bytes, chunk 4j + l holding block j's weights 8l .. 8l + 7 of the 8
-//               rows: 32-bit lane r holds row r's 8 codes as 4 int16 pairs of nibbles, pair i (bits 4i..4i+3 of
-//               the low half, and of the high half) matching 32-bit word W_i of x's block j record (pack_rows;
-//               natural layout: its even vector's words E_t = (n_4t, n_4t+2), then its odd one's O_t = (n_4t+1,
-//               n_4t+3)): W_0 = E_2l, W_1 = E_2l+1, W_2 = O_2l, W_3 = O_2l+1. So (lane >> 4i) & 0x000F000F is a
-//               vector whose multiply-add with W_i broadcast gives each row's 2 products of those weights.
-// The epilogue is the header's, per output, in the same order (8 accumulators of the block positions j, the
-// groups in k order, sum8's tree at the end, as vertical adds): the outputs are the same floats as the stored
-// rows' products give (tests/unit/test_kernel_repack.py checks them equal to the bit), so batch invariance
-// holds across the layouts.
+// A panel: 8 rows (8i .. 8i + 7) x one group of 256 weights, 8 stored groups' bytes (the same codes and scales,
+// nothing lost), a row-block's ng panels in k order. The codes' low 4 bits, both types:
+//   1024 bytes, 32 chunks of 32: chunk 4j + l holds block j's weights 8l .. 8l + 7 of the 8 rows: 32-bit lane r
+//   holds row r's 8 as 4 int16 pairs of nibbles, pair i (bits 4i..4i+3 of the low half, and of the high half)
+//   matching 32-bit word W_i of x's block j record (pack_rows, natural layout: its even vector's words E_t =
+//   (n_4t, n_4t+2), then its odd one's O_t = (n_4t+1, n_4t+3)): W_0 = E_2l, W_1 = E_2l+1, W_2 = O_2l, W_3 =
+//   O_2l+1. So (lane >> 4i) & 0x000F000F is a vector whose multiply-add with W_i broadcast gives each row's 2
+//   products of those weights.
+// Q4_K (1152 bytes = 8 x 144):
+//   [0, 16) d of each row (f16, lane r: row r), [16, 32) dmin
+//   [32, 64) lo03: 32-bit lane r, byte j (j < 4): sc[j] & 15 | (m[j] & 15) << 4 (row r's 6-bit scale and min of
+//   sub-block j); [64, 96) lo47: the same for j = 4..7; [96, 128) hi: lane r, byte j (j < 4): sc[j] >> 4 |
+//   (m[j] >> 4) << 2 | (sc[j + 4] >> 4) << 4 | (m[j + 4] >> 4) << 6
+//   [128, 1152) the codes
+// Q6_K (1680 bytes = 8 x 210):
+//   [0, 16) d of each row (f16); [16, 144) the int8 scales, 8 bytes per 16 weights s (s = 0..15: byte r row r's)
+//   [144, 1168) the codes' low 4 bits; [1168, 1680) their top 2 bits, 16 vectors: vector c / 2 holds chunk c's
+//   in 32-bit lane r, bits 2i..2i+1 of each 16-bit half (pair i's weights), chunk c + 1's at bits 8 + 2i..
+// The epilogue is the header's, per output, in the same order (8 accumulators of the block positions j, the groups
+// in k order; Q6_K's first 16 then second 16 of each block; sum8's tree at the end, as vertical adds): the outputs
+// are the same floats as the stored rows' products (tests/unit/test_kernel_repack.py checks them to the bit), so
+// batch invariance holds across the layouts.
 
 constexpr int64_t kPanelRows = 8;
-constexpr int64_t kPanelBytes = 1152;
-constexpr int64_t kPanelCodes = 128;       // where the codes start
+template <int32_t T>
+constexpr int64_t panel_bytes() { return kPanelRows * group_bytes(T); }
+template <int32_t T>
+constexpr int64_t panel_codes() { return T == kQ4_K ? 128 : 144; }       // where the low 4 bits start
+constexpr int64_t kPanelHigh = 1168;                                      // Q6_K: where the top 2 bits start
 
-// What repack_rows makes of `type`, or 0: the types it repacks (Q4_K), rows a multiple of 8, k of whole groups
+// What repack_rows makes of `type`, or 0: the types it repacks (Q4_K, Q6_K), rows a multiple of 8, k of whole
+// groups
 inline int32_t repacked_type(int32_t type, int64_t rows, int64_t k) {
-  return type == kQ4_K && rows > 0 && rows % kPanelRows == 0 && k > 0 && k % kGroup == 0 ? kQ4_K_R8 : 0;
+  const bool takes = type == kQ4_K || type == kQ6_K;
+  return takes && rows > 0 && rows % kPanelRows == 0 && k > 0 && k % kGroup == 0 ? type + kRepacked : 0;
 }
 
-// The GGML type a repacked type was made from (itself for the others)
-constexpr int32_t stored_type(int32_t type) { return type > kRepacked ? type - kRepacked : type; }
+// Stored code of weight pos (0..255) of a group at p (without the offset Q6_K's epilogue takes off)
+template <int32_t T>
+inline int stored_code(const uint8_t* p, int pos) {
+  const int j = pos / 32;
+  if constexpr (T == kQ4_K) {                        // sub-block j: nibbles (low: j even) of bytes 32(j/2)..
+    return (p[16 + 32 * (j / 2) + pos % 32] >> (4 * (j % 2))) & 15;
+  } else {                                           // as decode_pair's Q6_K
+    const int h = pos / 128, i = (pos % 128) / 32, l = pos % 32;
+    const int lo = (p[64 * h + l + 32 * (i & 1)] >> (i < 2 ? 0 : 4)) & 15;
+    return lo | ((p[128 + 32 * h + l] >> (2 * i)) & 3) << 4;
+  }
+}
 
-// rows x k stored Q4_K rows (src, 144 bytes per 256) into the row-interleaved layout (dst, as many bytes). Once at
-// load: plain code, clear rather than fast.
-inline void repack_rows(const uint8_t* src, int64_t rows, int64_t k, uint8_t* dst) {
-  const int64_t ng = k / kGroup, row_bytes = ng * 144;
-  // x word W_i of a chunk l: its two weights' positions in the block (the header's pairing)
-  auto first = [](int l, int i) { return i < 2 ? 4 * (2 * l + i) : 4 * (2 * l + i - 2) + 1; };
+// rows x k stored rows of type T (src) into panels (dst, as many bytes). Once at load: plain code, clear rather
+// than fast.
+template <int32_t T>
+void repack_typed(const uint8_t* src, int64_t rows, int64_t k, uint8_t* dst) {
+  const int64_t ng = k / kGroup, row_bytes = ng * group_bytes(T), pb = panel_bytes<T>();
+  // x word W_i of chunk l: its first weight's position in the block (the second is 2 on)
+  auto first = [](int l, int i) { return i < 2 ? 8 * l + 4 * i : 8 * l + 4 * (i - 2) + 1; };
   for (int64_t rb = 0; rb < rows / kPanelRows; ++rb) {
     for (int64_t g = 0; g < ng; ++g) {
-      uint8_t* panel = dst + (rb * ng + g) * kPanelBytes;
-      std::memset(panel, 0, kPanelBytes);
+      uint8_t* panel = dst + (rb * ng + g) * pb;
+      std::memset(panel, 0, pb);
       for (int r = 0; r < kPanelRows; ++r) {
-        const uint8_t* p = src + (rb * kPanelRows + r) * row_bytes + g * 144;
-        std::memcpy(panel + 2 * r, p, 2);                // d
-        std::memcpy(panel + 16 + 2 * r, p + 2, 2);       // dmin
-        const uint8_t* q = p + 4;                        // the 12 bytes of 6-bit scales and mins
-        for (int j = 0; j < 8; ++j) {
-          const int sc = j < 4 ? q[j] & 63 : (q[j + 4] & 15) | (q[j - 4] >> 6) << 4;
-          const int mn = j < 4 ? q[j + 4] & 63 : (q[j + 4] >> 4) | (q[j] >> 6) << 4;
-          panel[(j < 4 ? 32 : 64) + 4 * r + j % 4] = static_cast<uint8_t>((sc & 15) | (mn & 15) << 4);
-          panel[96 + 4 * r + j % 4] |= static_cast<uint8_t>(((sc >> 4) | (mn >> 4) << 2) << (j < 4 ? 0 : 4));
+        const uint8_t* p = src + (rb * kPanelRows + r) * row_bytes + g * group_bytes(T);
+        if constexpr (T == kQ4_K) {
+          std::memcpy(panel + 2 * r, p, 2);                // d
+          std::memcpy(panel + 16 + 2 * r, p + 2, 2);       // dmin
+          const uint8_t* q = p + 4;                        // the 12 bytes of 6-bit scales and mins
+          for (int j = 0; j < 8; ++j) {
+            const int sc = j < 4 ? q[j] & 63 : (q[j + 4] & 15) | (q[j - 4] >> 6) << 4;
+            const int mn = j < 4 ? q[j + 4] & 63 : (q[j + 4] >> 4) | (q[j] >> 6) << 4;
+            panel[(j < 4 ? 32 : 64) + 4 * r + j % 4] = static_cast<uint8_t>((sc & 15) | (mn & 15) << 4);
+            panel[96 + 4 * r + j % 4] |= static_cast<uint8_t>(((sc >> 4) | (mn >> 4) << 2) << (j < 4 ? 0 : 4));
+          }
+        } else {
+          std::memcpy(panel + 2 * r, p + 208, 2);          // d
+          for (int sub = 0; sub < 16; ++sub) panel[16 + 8 * sub + r] = p[192 + sub];
         }
-        const uint8_t* codes = p + 16;                   // sub-block j: nibbles (low: j even) of bytes 32(j/2)..
-        auto code = [&](int j, int pos) { return (codes[32 * (j / 2) + pos] >> (4 * (j % 2))) & 15; };
         for (int j = 0; j < 8; ++j)
           for (int l = 0; l < 4; ++l) {
-            uint32_t lane = 0;
+            const int c = 4 * j + l;
+            uint32_t lane = 0, high = 0;
             for (int i = 0; i < 4; ++i) {
-              const int pos = 8 * l + first(l, i) % 8;   // (first() is within the block: 8l + 0..7)
-              lane |= static_cast<uint32_t>(code(j, pos)) << (4 * i);
-              lane |= static_cast<uint32_t>(code(j, pos + 2)) << (16 + 4 * i);
+              const int a = stored_code<T>(p, 32 * j + first(l, i)), b = stored_code<T>(p, 32 * j + first(l, i) + 2);
+              lane |= static_cast<uint32_t>(a & 15) << (4 * i) | static_cast<uint32_t>(b & 15) << (16 + 4 * i);
+              high |= static_cast<uint32_t>(a >> 4) << (2 * i) | static_cast<uint32_t>(b >> 4) << (16 + 2 * i);
             }
-            std::memcpy(panel + kPanelCodes + (4 * j + l) * 32 + 4 * r, &lane, 4);
+            std::memcpy(panel + panel_codes<T>() + c * 32 + 4 * r, &lane, 4);
+            if constexpr (T == kQ6_K) {
+              uint32_t word;
+              uint8_t* at = panel + kPanelHigh + (c / 2) * 32 + 4 * r;
+              std::memcpy(&word, at, 4);
+              word |= high << (8 * (c % 2));
+              std::memcpy(at, &word, 4);
+            }
           }
       }
     }
   }
+}
+
+inline void repack_rows(int32_t type, const uint8_t* src, int64_t rows, int64_t k, uint8_t* dst) {
+  if (type == kQ4_K) repack_typed<kQ4_K>(src, rows, k, dst);
+  else if (type == kQ6_K) repack_typed<kQ6_K>(src, rows, k, dst);
 }
 
 // Byte offset of 32-bit word w (0..7: the even vector's, 8..15: the odd one's) of block j in a group's x record:
@@ -750,18 +785,27 @@ inline __m256i dot_add(__m256i s, __m256i a, __m256i b) {
 
 // Independent sums a block's products go to (then added: exact integers, any order), so that the adds' chain is
 // not the bound: VNNI's multiply-add-accumulate has a few cycles' latency (one sum a panel kept Zen 4 at a third
-// of its rate), AVX2's add one
-// (kChains in all, over a tile's P x BB sums: more would spill)
+// of its rate), AVX2's add one (kChains in all, over a tile's P x BB sums: more would spill)
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
 constexpr int kChains = 8;
 #else
 constexpr int kChains = 4;
 #endif
 
-// A panel's scales for the epilogue: ab[j] = d * sc[j] (8 rows), ab[8 + j] = -(dmin * m[j])
+// A panel's scales for the epilogue (8 rows each): Q4_K ab[j] = d sc[j], ab[8 + j] = -(dmin m[j]); Q6_K ab[j] =
+// d sc[2j], ab[8 + j] = d sc[2j + 1] (as group_scales gives them, lane j there)
+template <int32_t T>
 inline void panel_scales(const uint8_t* panel, __m256* ab) {
-  const __m256 d = _mm256_cvtph_ps(load16(panel)), dmin = _mm256_cvtph_ps(load16(panel + 16));
-  const __m256 neg_dmin = _mm256_xor_ps(dmin, _mm256_set1_ps(-0.f));
+  const __m256 d = _mm256_cvtph_ps(load16(panel));
+  if constexpr (T == kQ6_K) {
+    for (int j = 0; j < 8; ++j)
+      for (int h = 0; h < 2; ++h) {
+        const __m128i sc = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(panel + 16 + 8 * (2 * j + h)));
+        ab[8 * h + j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)), d);
+      }
+    return;
+  }
+  const __m256 neg_dmin = _mm256_xor_ps(_mm256_cvtph_ps(load16(panel + 16)), _mm256_set1_ps(-0.f));
   const __m256i lo03 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + 32));
   const __m256i lo47 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + 64));
   const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + 96));
@@ -784,41 +828,70 @@ inline void panel_scales(const uint8_t* panel, __m256* ab) {
   }
 }
 
+// Pair i's codes of chunk c of a panel (lanes: rows), from its low-4-bit vector q (and Q6_K's top bits hv)
+template <int32_t T>
+inline __m256i panel_codes_of(__m256i q, __m256i hv, int c, int i) {
+  const __m256i nib = _mm256_set1_epi16(15);
+  const __m256i lo = i == 3 ? _mm256_srli_epi16(q, 12) : _mm256_and_si256(i == 0 ? q : _mm256_srli_epi16(q, 4 * i), nib);
+  if constexpr (T == kQ6_K) {                    // bits 8(c % 2) + 2i.. of each half to 4..5
+    const int at = 8 * (c % 2) + 2 * i;
+    const __m256i top = at < 4 ? _mm256_slli_epi16(hv, 4 - at) : at == 4 ? hv : _mm256_srli_epi16(hv, at - 4);
+    return _mm256_or_si256(lo, _mm256_and_si256(top, _mm256_set1_epi16(0x30)));
+  } else {
+    (void)hv, (void)c;
+    return lo;
+  }
+}
+
 // P panels (P x 8 weight rows; panel p's row-block at w + p * pstride) times BB rows of x (packed in the Lanes
 // layout or not, stride xstride) over the ng groups: acc[(p * BB + b) * 8 + j] (8 rows each) the epilogue's 8
 // accumulators, from zero. Per chunk of codes: one load, its 4 vectors decoded once for the BB rows of x.
-template <int P, int BB, bool Lanes>
+template <int32_t T, int P, int BB, bool Lanes>
 void panel_tile(const uint8_t* w, int64_t pstride, int64_t ng, const uint8_t* xp, int64_t xstride, __m256* acc) {
   constexpr int C = kChains / (P * BB) > 1 ? kChains / (P * BB) : 1;      // each sum's chains
+  constexpr int64_t PB = panel_bytes<T>();
   for (int i = 0; i < P * BB * 8; ++i) acc[i] = _mm256_setzero_ps();
-  const __m256i nib = _mm256_set1_epi16(15);
   for (int64_t g = 0; g < ng; ++g) {
     const uint8_t* panel[P];
     __m256 ab[P][16];
     for (int p = 0; p < P; ++p) {
-      panel[p] = w + p * pstride + g * kPanelBytes;
+      panel[p] = w + p * pstride + g * PB;
       // the same group of the row-blocks the next call takes (P row-blocks on; the rows of a thread's chunk are
       // consecutive), asked for a call ahead as the stored rows' decoders do (kAhead rows): a row-block's own
       // next panels, a few hundred bytes on, are the hardware prefetcher's
-      for (int at = 0; at < kPanelBytes; at += 64)
+      for (int at = 0; at < PB; at += 64)
         _mm_prefetch(reinterpret_cast<const char*>(panel[p] + P * pstride + at), _MM_HINT_T1);
-      panel_scales(panel[p], ab[p]);
+      panel_scales<T>(panel[p], ab[p]);
     }
     const uint8_t* xg = xp + g * kXRecord;
     for (int j = 0; j < 8; ++j) {
-      __m256i s[P][BB][C];
-      for (int p = 0; p < P; ++p)
-        for (int b = 0; b < BB; ++b)
-          for (int q = 0; q < C; ++q) s[p][b][q] = _mm256_setzero_si256();
-      for (int l = 0; l < 4; ++l) {
-        __m256i v[P];
+      __m256i s[P][BB][C], first[P][BB];
+      auto clear = [&] {
         for (int p = 0; p < P; ++p)
-          v[p] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel[p] + kPanelCodes + (4 * j + l) * 32));
+          for (int b = 0; b < BB; ++b)
+            for (int q = 0; q < C; ++q) s[p][b][q] = _mm256_setzero_si256();
+      };
+      auto total = [&](int p, int b) {
+        __m256i t = s[p][b][0];
+        for (int q = 1; q < C; ++q) t = _mm256_add_epi32(t, s[p][b][q]);
+        return t;
+      };
+      clear();
+      // (every loop below unrolled: its indices pick registers, shifts and offsets at compile time; GCC left
+      // Q6_K's rolled, its sums in memory: 3x slower)
+#pragma GCC unroll 4
+      for (int l = 0; l < 4; ++l) {
+        const int c = 4 * j + l;
+        __m256i v[P], hv[P];
+        for (int p = 0; p < P; ++p) {
+          v[p] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel[p] + panel_codes<T>() + c * 32));
+          hv[p] = T == kQ6_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel[p] + kPanelHigh + c / 2 * 32))
+                             : _mm256_setzero_si256();
+        }
+#pragma GCC unroll 4
         for (int i = 0; i < 4; ++i) {
-          __m256i c[P];
-          for (int p = 0; p < P; ++p)
-            c[p] = i == 3 ? _mm256_srli_epi16(v[p], 12)
-                          : _mm256_and_si256(i == 0 ? v[p] : _mm256_srli_epi16(v[p], 4 * i), nib);
+          __m256i cv[P];
+          for (int p = 0; p < P; ++p) cv[p] = panel_codes_of<T>(v[p], hv[p], c, i);
           const int word = i < 2 ? 2 * l + i : 8 + 2 * l + i - 2;
           for (int b = 0; b < BB; ++b) {
             int32_t xw;
@@ -826,23 +899,36 @@ void panel_tile(const uint8_t* w, int64_t pstride, int64_t ng, const uint8_t* xp
             const __m256i xb = _mm256_set1_epi32(xw);
             for (int p = 0; p < P; ++p) {
               __m256i& sum = s[p][b][i % C];
-              sum = dot_add(sum, c[p], xb);
+              sum = dot_add(sum, cv[p], xb);
               // (kept in its register here: else GCC re-associates the block's 16 adds into a tree whose 16
               // products, all live at once, spill to the stack: 1.5x slower)
               asm("" : "+x"(sum));
             }
           }
         }
+        if (T == kQ6_K && l == 1) {            // the block's first 16 weights: their own sums (and scale)
+          for (int p = 0; p < P; ++p)
+            for (int b = 0; b < BB; ++b) first[p][b] = total(p, b);
+          clear();
+        }
       }
       for (int b = 0; b < BB; ++b) {
         const float* xf = reinterpret_cast<const float*>(xg + b * xstride + kXFloats);
-        const __m256 sx = _mm256_set1_ps(xf[j]), xs = _mm256_set1_ps(xf[8 + j]);
+        const __m256 sx = _mm256_set1_ps(xf[j]);
         for (int p = 0; p < P; ++p) {
           __m256& a = acc[(p * BB + b) * 8 + j];
-          __m256i t = s[p][b][0];
-          for (int q = 1; q < C; ++q) t = _mm256_add_epi32(t, s[p][b][q]);
-          a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(sx, ab[p][j]), a);
-          a = _mm256_fmadd_ps(ab[p][8 + j], xs, a);
+          if constexpr (T == kQ6_K) {          // q - 32: 32 x (the sum of n over each half) off
+            int32_t na, nb;
+            std::memcpy(&na, xf + 16 + j, 4);
+            std::memcpy(&nb, xf + 24 + j, 4);
+            const __m256i lo = _mm256_sub_epi32(first[p][b], _mm256_set1_epi32(na << 5));
+            const __m256i hi = _mm256_sub_epi32(total(p, b), _mm256_set1_epi32(nb << 5));
+            a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(sx, ab[p][j]), a);
+            a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(sx, ab[p][8 + j]), a);
+          } else {
+            a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total(p, b)), _mm256_mul_ps(sx, ab[p][j]), a);
+            a = _mm256_fmadd_ps(ab[p][8 + j], _mm256_set1_ps(xf[8 + j]), a);
+          }
         }
       }
     }
@@ -855,15 +941,13 @@ inline __m256 panel_sums(const __m256* a) {
                        _mm256_add_ps(_mm256_add_ps(a[1], a[5]), _mm256_add_ps(a[3], a[7])));
 }
 
-// out[i * ldo + b] for n (a multiple of 8, <= kTileRows) repacked rows from row-block `rows` (row_bytes: a stored
-// row's bytes, so a row-block is 8 x row_bytes) and m rows of x: two panels at a time for one row of x (x's words
-// broadcast once for 16 rows), else one panel and up to 4 rows of x at a time (each chunk of codes decoded once
-// for them).
-template <int P, int BB, bool Lanes>
+// out[i * ldo + b] for P panels from row-block w (row_bytes: a stored row's bytes, so a row-block is 8 x
+// row_bytes) and BB rows of x
+template <int32_t T, int P, int BB, bool Lanes>
 void panel_out(const uint8_t* w, int64_t row_bytes, int64_t ng, const uint8_t* xp, int64_t xstride, float* out,
                int64_t ldo) {
   __m256 acc[P * BB * 8];
-  panel_tile<P, BB, Lanes>(w, kPanelRows * row_bytes, ng, xp, xstride, acc);
+  panel_tile<T, P, BB, Lanes>(w, kPanelRows * row_bytes, ng, xp, xstride, acc);
   for (int p = 0; p < P; ++p)
     for (int b = 0; b < BB; ++b) {
       alignas(32) float y[8];
@@ -872,34 +956,26 @@ void panel_out(const uint8_t* w, int64_t row_bytes, int64_t ng, const uint8_t* x
     }
 }
 
-template <bool Lanes>
-void panel_rows_x(const uint8_t* w, int64_t row_bytes, int64_t ng, const uint8_t* xp, int64_t xstride, int bb,
-                  float* out, int64_t ldo) {
-  switch (bb) {
-    case 1: panel_out<1, 1, Lanes>(w, row_bytes, ng, xp, xstride, out, ldo); break;
-    case 2: panel_out<1, 2, Lanes>(w, row_bytes, ng, xp, xstride, out, ldo); break;
-    case 3: panel_out<1, 3, Lanes>(w, row_bytes, ng, xp, xstride, out, ldo); break;
-    default: panel_out<1, 4, Lanes>(w, row_bytes, ng, xp, xstride, out, ldo); break;
-  }
-}
-
 // n repacked rows (a multiple of 8) unpacked into the records `unpack` makes of stored rows (the lanes layout: the
 // same bytes, so tiles() gives the same floats): per panel, the 8 blocks' vectors of one x word (lanes: rows)
 // transposed to the 8 rows' vectors of it (lanes: blocks), and the scales likewise.
-inline void unpack_repacked(const uint8_t* rows, int64_t row_bytes, int64_t k, int64_t n, uint8_t* wbuf) {
+template <int32_t T>
+void unpack_repacked(const uint8_t* rows, int64_t row_bytes, int64_t k, int64_t n, uint8_t* wbuf) {
   const int64_t ng = groups(k), ws = w_bytes(k);
-  const __m256i nib = _mm256_set1_epi16(15);
   for (int64_t r0 = 0; r0 < n; r0 += kPanelRows) {
     const uint8_t* block = rows + r0 * row_bytes;
     for (int64_t g = 0; g < ng; ++g) {
-      const uint8_t* panel = block + g * kPanelBytes;
+      const uint8_t* panel = block + g * panel_bytes<T>();
       uint8_t* rec = wbuf + r0 * ws + g * kWRecord;                  // row r0 + r's record of group g: + r * ws
       for (int l = 0; l < 4; ++l)
         for (int i = 0; i < 4; ++i) {
           __m256i v[8];
           for (int j = 0; j < 8; ++j) {
-            const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + kPanelCodes + (4 * j + l) * 32));
-            v[j] = i == 3 ? _mm256_srli_epi16(q, 12) : _mm256_and_si256(i == 0 ? q : _mm256_srli_epi16(q, 4 * i), nib);
+            const int c = 4 * j + l;
+            const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + panel_codes<T>() + c * 32));
+            const __m256i hv = T == kQ6_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + kPanelHigh + c / 2 * 32))
+                                          : _mm256_setzero_si256();
+            v[j] = panel_codes_of<T>(q, hv, c, i);
           }
           transpose8(v);                                            // v[r]: row r's word, lane j: block j's
           const int word = i < 2 ? 2 * l + i : 8 + 2 * l + i - 2;
@@ -907,7 +983,7 @@ inline void unpack_repacked(const uint8_t* rows, int64_t row_bytes, int64_t k, i
           for (int r = 0; r < kPanelRows; ++r) _mm256_store_si256(reinterpret_cast<__m256i*>(rec + r * ws + at), v[r]);
         }
       __m256 ab[16];
-      panel_scales(panel, ab);
+      panel_scales<T>(panel, ab);
       for (int h = 0; h < 2; ++h) {
         __m256i t[8];
         for (int j = 0; j < 8; ++j) t[j] = _mm256_castps_si256(ab[8 * h + j]);
@@ -919,32 +995,63 @@ inline void unpack_repacked(const uint8_t* rows, int64_t row_bytes, int64_t k, i
   }
 }
 
-// Up to this many rows of x, the repacked rows are read in place (panel_out); more, unpacked once into the
-// stored rows' records and multiplied by tiles() (whose register tiles reuse each loaded weight for 4 rows of x)
-constexpr int64_t kPanelXRows = 4;
+// Up to this many rows of x, the repacked rows are read in place (panel_out); more, unpacked once into the stored
+// rows' records and multiplied by tiles(): only Q6_K without VNNI (16 vector registers: its two sums a block and
+// its top bits' decoding spill, 0.85x the stored rows' tiles at 64 rows on a Zen 4 built for AVX2)
+template <int32_t T>
+constexpr int64_t panel_x_rows() {
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+  return INT64_MAX;
+#else
+  return T == kQ6_K ? 16 : INT64_MAX;
+#endif
+}
 
-inline void product_repacked(const uint8_t* rows, int64_t row_bytes, int64_t k, int64_t n, const uint8_t* xp,
-                             int64_t m, uint8_t* wbuf, float* out, int64_t ldo) {
+// out[i * ldo + b] for n (a multiple of 8, <= kTileRows) repacked rows of type T (+ kRepacked) from row-block
+// `rows` and m rows of x, two panels at a time (x's words broadcast once for their 16 rows), up to 4 rows of x at a
+// time (each chunk of codes decoded once for them), or unpacked for tiles() (panel_x_rows)
+template <int32_t T>
+void product_repacked(const uint8_t* rows, int64_t row_bytes, int64_t k, int64_t n, const uint8_t* xp, int64_t m,
+                      uint8_t* wbuf, float* out, int64_t ldo) {
   const int64_t ng = groups(k), xstride = x_bytes(k);
-  if (m > kPanelXRows) {
-    unpack_repacked(rows, row_bytes, k, n, wbuf);
-    tiles<kOffset, 0>(wbuf, k, n, xp, m, reinterpret_cast<float*>(wbuf + n * w_bytes(k)), out, ldo);
+  if (m > panel_x_rows<T>()) {
+    unpack_repacked<T>(rows, row_bytes, k, n, wbuf);
+    tiles<kind_of(T), bias_of(T)>(wbuf, k, n, xp, m, reinterpret_cast<float*>(wbuf + n * w_bytes(k)), out, ldo);
     return;
   }
-  if (m <= 2) {                     // x's words broadcast once for two panels
+  if (m <= 2) {
     int64_t r = 0;
     for (; r + 2 * kPanelRows <= n; r += 2 * kPanelRows) {
-      if (m == 1) panel_out<2, 1, false>(rows + r * row_bytes, row_bytes, ng, xp, xstride, out + r * ldo, ldo);
-      else panel_out<2, 2, false>(rows + r * row_bytes, row_bytes, ng, xp, xstride, out + r * ldo, ldo);
+      if (m == 1) panel_out<T, 2, 1, false>(rows + r * row_bytes, row_bytes, ng, xp, xstride, out + r * ldo, ldo);
+      else panel_out<T, 2, 2, false>(rows + r * row_bytes, row_bytes, ng, xp, xstride, out + r * ldo, ldo);
     }
     for (; r < n; r += kPanelRows) {
-      if (m == 1) panel_out<1, 1, false>(rows + r * row_bytes, row_bytes, ng, xp, xstride, out + r * ldo, ldo);
-      else panel_out<1, 2, false>(rows + r * row_bytes, row_bytes, ng, xp, xstride, out + r * ldo, ldo);
+      if (m == 1) panel_out<T, 1, 1, false>(rows + r * row_bytes, row_bytes, ng, xp, xstride, out + r * ldo, ldo);
+      else panel_out<T, 1, 2, false>(rows + r * row_bytes, row_bytes, ng, xp, xstride, out + r * ldo, ldo);
     }
     return;
   }
-  for (int64_t r = 0; r < n; r += kPanelRows)
-    panel_rows_x<true>(rows + r * row_bytes, row_bytes, ng, xp, xstride, static_cast<int>(m), out + r * ldo, ldo);
+  for (int64_t b0 = 0; b0 < m; b0 += 4) {
+    const int64_t bb = std::min<int64_t>(4, m - b0);
+    const uint8_t* x = xp + b0 * xstride;
+    int64_t r = 0;
+    for (; r + 2 * kPanelRows <= n; r += 2 * kPanelRows) {
+      const uint8_t* w = rows + r * row_bytes;
+      float* o = out + r * ldo + b0;
+      if (bb == 1) panel_out<T, 2, 1, true>(w, row_bytes, ng, x, xstride, o, ldo);
+      else if (bb == 2) panel_out<T, 2, 2, true>(w, row_bytes, ng, x, xstride, o, ldo);
+      else if (bb == 3) panel_out<T, 2, 3, true>(w, row_bytes, ng, x, xstride, o, ldo);
+      else panel_out<T, 2, 4, true>(w, row_bytes, ng, x, xstride, o, ldo);
+    }
+    for (; r < n; r += kPanelRows) {
+      const uint8_t* w = rows + r * row_bytes;
+      float* o = out + r * ldo + b0;
+      if (bb == 1) panel_out<T, 1, 1, true>(w, row_bytes, ng, x, xstride, o, ldo);
+      else if (bb == 2) panel_out<T, 1, 2, true>(w, row_bytes, ng, x, xstride, o, ldo);
+      else if (bb == 3) panel_out<T, 1, 3, true>(w, row_bytes, ng, x, xstride, o, ldo);
+      else panel_out<T, 1, 4, true>(w, row_bytes, ng, x, xstride, o, ldo);
+    }
+  }
 }
 
 template <int32_t T>
@@ -977,7 +1084,8 @@ __attribute__((noinline)) inline void product(int32_t type, const uint8_t* rows,
     case kQ4_K: product_typed<kQ4_K>(rows, row_bytes, k, n, xp, m, wbuf, out, ldo); break;
     case kQ5_K: product_typed<kQ5_K>(rows, row_bytes, k, n, xp, m, wbuf, out, ldo); break;
     case kQ6_K: product_typed<kQ6_K>(rows, row_bytes, k, n, xp, m, wbuf, out, ldo); break;
-    case kQ4_K_R8: product_repacked(rows, row_bytes, k, n, xp, m, wbuf, out, ldo); break;
+    case kQ4_K_R8: product_repacked<kQ4_K>(rows, row_bytes, k, n, xp, m, wbuf, out, ldo); break;
+    case kQ6_K_R8: product_repacked<kQ6_K>(rows, row_bytes, k, n, xp, m, wbuf, out, ldo); break;
     default: break;                                      // not reads(type): never called
   }
 }
