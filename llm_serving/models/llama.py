@@ -26,6 +26,7 @@ their norm gains are applied to the activations instead of folded in.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import numpy as np
@@ -36,7 +37,7 @@ from mindspore.common.initializer import Zero, initializer
 from .attention import PagedAttention, paged_metadata
 from .kernels.repack import repack_rows
 from .kernels.signatures import DECODER_LAYER, EMBED_TOKENS, FINAL_LOGITS, MOE_MLP
-from .layer_weights import (LORA_PRODUCTS, KernelInputs, LayerKernelConfig, kernel_lora_arrays,
+from .layer_weights import (LORA_PRODUCTS, KernelInputs, LayerKernelConfig, MoeKernelInputs, kernel_lora_arrays,
                             prepare_embedding_extras, prepare_head, prepare_layer)
 from .parallel import TensorParallel
 from .rope import ROPE_KINDS, rope_tables
@@ -75,6 +76,20 @@ def _repacked(library: str, k: KernelInputs) -> KernelInputs:
         matrices[name], to = repack_rows(library, array, qtype)
         types.append(to)
     return k if tuple(types) == tuple(k.types) else k.with_matrices(matrices, tuple(types))
+
+
+def _repacked_experts(library: str, m: MoeKernelInputs, cfg: LlamaConfig) -> MoeKernelInputs:
+    """MoeMlp's inputs with each stored experts' stack the library repacks in its repacked form (kernels/repack.py),
+    where every expert's rows are whole panels of 8 (an expert's rows start a panel: MoeMlp reads them by expert)."""
+    if cfg.expert_intermediate_size % 8 or cfg.hidden_size % 8:
+        return m
+    matrices, types = {}, []
+    for (name, array), qtype in zip(m.matrices.items(), m.types):
+        matrices[name], to = repack_rows(library, array, qtype)
+        types.append(to)
+    iconfig = m.iconfig.copy()
+    iconfig[2:2 + len(types)] = types                  # [threads, experts per token, gate, up, down types, ...]
+    return dataclasses.replace(m, matrices=matrices, types=tuple(types), iconfig=iconfig)
 
 
 def _lora_param(array: np.ndarray, name: str) -> Parameter:
@@ -193,7 +208,7 @@ class LlamaDecoderLayer(nn.Cell):
         # a mixture-of-experts layer: its MLP as the MoeMlp kernel after the layer kernel (which then runs none)
         self.moe = prepared.moe is not None
         if self.moe:
-            m = prepared.moe
+            m = _repacked_experts(layer_kernel, prepared.moe, cfg)
             self.moe_kernel = ops.Custom(f"{layer_kernel}:MoeMlp", out_shape=lambda x, *_: x,
                                          out_dtype=lambda x, *_: x, func_type="aot")
             weights = {name: (_stored_param(array, f"layers.{i}.experts_{name.removesuffix('_w')}_stored") if qtype
@@ -449,8 +464,11 @@ class LlamaForCausalLM(nn.Cell):
                     self.kernel_lm_head = self.lm_head
                 elif self.embed_stored and head.kernel_lm_head is quantized["model.embed_tokens.weight"].data:
                     self.kernel_lm_head = self.embed_table           # tied: the embedding's stored rows, once
-                else:
-                    self.kernel_lm_head = _stored_param(head.kernel_lm_head, "lm_head_stored")
+                else:                                                # its own rows: repacked where the library does
+                    rows, lm_type = repack_rows(layer_kernel, head.kernel_lm_head, head.kernel_type)
+                    head.iconfig[1] = lm_type
+                    head.kernel_type = lm_type
+                    self.kernel_lm_head = _stored_param(rows, "lm_head_stored")
                 self.kernel_norm_gain = _param(head.kernel_gain, "kernel_final_norm_gain")         # (H,)
                 self.kernel_lm_type = head.kernel_type
                 self.logits_icfg = Tensor(head.iconfig)                                      # (3,) int32

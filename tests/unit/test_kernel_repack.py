@@ -131,3 +131,46 @@ def test_a_layer_on_repacked_rows_gives_the_stored_rows_bits_in_any_step(library
                     np.testing.assert_array_equal(g, w, err_msg=f"K/V, chunks {chunks}, {batch} rows")
     finally:
         library.KernelInvariant(before)
+
+
+@pytest.mark.parametrize("qtype", [Q4_K, Q6_K], ids=["Q4_K", "Q6_K"])
+def test_repacked_experts_give_the_stored_experts_bits(library, repacks, qtype):
+    """MoeMlp on experts' stacks repacked whole (each expert's rows whole panels: MoeMlp reads an expert from its
+    first row): the stored stacks' bits, for 1, 3 and 9 rows."""
+    from tests.unit.test_moe_kernel import Block
+
+    rng = np.random.default_rng(qtype)
+    block = Block(rng, hidden=256, inter=256, experts=6, used=2, qtype=_gguf_type(qtype))
+    x = rng.standard_normal((9, block.h)).astype(np.float32)
+    want = [block.call(library, x[:m]) for m in (1, 3, 9)]
+    for name, rows in list(block.stored.items()):
+        code, block.stored[name] = repack(library, rows, qtype)
+        assert code == qtype + 100
+    block.qtype = qtype + 100
+    for m, w in zip((1, 3, 9), want):
+        assert np.array_equal(block.call(library, x[:m]), w), m
+
+
+def test_a_repacked_lm_head_gives_the_stored_rows_logits_token_and_logprob(library, repacks):
+    """FinalLogits on a Q6_K lm_head (a Q4_K_M file's) of 696 rows (87 panels: the last tile of 16 rows half one)
+    repacked: the stored rows' logits, tokens and log-probabilities to the bit, for 1, 2, 5 and 40 rows."""
+    from llm_serving.models.kernels.aot_call import invoke
+    from tests.unit.test_layer_kernel import logits_args
+
+    rng = np.random.default_rng(9)
+    h, vocab = 512, 696
+    raw = random_k_blocks(vocab, h, _gguf_type(Q6_K), rng)
+    code, packed = repack(library, raw, Q6_K)
+    gain = (1 + 0.3 * rng.standard_normal(h)).astype(np.float32)
+    x = rng.standard_normal((40, h)).astype(np.float32)
+
+    def call(rows, qtype, m):
+        out = np.empty((m, vocab), np.float32), np.empty(m, np.int32), np.empty(m, np.float32)
+        cfg = [np.array([2, qtype], np.int32), np.array([1e-5], np.float32)]
+        assert invoke(library.FinalLogits, logits_args(np.ascontiguousarray(x[:m]), rows, gain,
+                                                       np.arange(m, dtype=np.int32), cfg, *out)) == 0
+        return out
+
+    for m in (1, 2, 5, 40):
+        for got, want in zip(call(packed, code, m), call(raw, Q6_K, m)):
+            np.testing.assert_array_equal(got, want, err_msg=f"{m} rows")
