@@ -2425,11 +2425,17 @@ extern "C" int IntegerProduct(int32_t type, const uint8_t* w, int64_t rows, int6
 // `rows` stored rows of GGML type `type` (row_bytes bytes each) at src repacked for this library's products
 // (gemm_avx2_int.h's row-interleaved layout, the same bytes in another order) into dst (as many bytes; nullptr:
 // only ask): returns the repacked type that DecoderLayer's iconfig then names, or 0 where they stay as stored: a
-// type not repacked (Q4_K is), rows not a multiple of 8, or products that would not read it (the integer products
-// off, or a build with AMX's integer tiles, which read the stored rows).
+// type not repacked (Q4_K and Q6_K are), rows not a multiple of 8, products that would not read it (the integer
+// products off, or a build with AMX's integer tiles, which read the stored rows), or LLM_SERVING_KERNEL_REPACK=0 in
+// the environment (read once: the stored rows' products, for comparisons; the same floats either way).
 extern "C" int32_t RepackRows(int32_t type, const uint8_t* src, int64_t rows, int64_t row_bytes, uint8_t* dst) {
 #if defined(LLM_SERVING_AVX2_INT) && !defined(LLM_SERVING_AMX_INT)
   namespace ai = llm_serving::avx2_int;
+  static const bool allowed = [] {
+    const char* env = std::getenv("LLM_SERVING_KERNEL_REPACK");
+    return env == nullptr || std::strcmp(env, "0") != 0;
+  }();
+  if (!allowed) return 0;
   const int64_t group = type == kQ4_K || type == kQ6_K ? row_bytes_of(type, 256) : 0;   // bytes per 256 weights
   const int64_t k = group > 0 && row_bytes % group == 0 ? row_bytes / group * 256 : 0;
   const int32_t to = avx2_int_enabled() && k > 0 ? ai::repacked_type(type, rows, k) : 0;
