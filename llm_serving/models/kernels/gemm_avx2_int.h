@@ -677,7 +677,8 @@ void tiles(const uint8_t* wbuf, int64_t k, int64_t n, const uint8_t* xp, int64_t
 // Q6_K (1680 bytes = 8 x 210):
 //   [0, 16) d of each row (f16); [16, 144) the int8 scales, 8 bytes per 16 weights s (s = 0..15: byte r row r's)
 //   [144, 1168) the codes' low 4 bits; [1168, 1680) their top 2 bits, 16 vectors: vector c / 2 holds chunk c's
-//   in 32-bit lane r, bits 2i..2i+1 of each 16-bit half (pair i's weights), chunk c + 1's at bits 8 + 2i..
+//   (c even) in 32-bit lane r, pair i's weights' at bits top_bit(i), top_bit(i) + 1 of each 16-bit half, chunk
+//   c + 1's 2 bits higher
 // The epilogue is the header's, per output, in the same order (8 accumulators of the block positions j, the groups
 // in k order; Q6_K's first 16 then second 16 of each block; sum8's tree at the end, as vertical adds): the outputs
 // are the same floats as the stored rows' products (tests/unit/test_kernel_repack.py checks them to the bit), so
@@ -734,6 +735,11 @@ inline void stored_codes(const uint8_t* p, uint8_t* codes) {
   }
 }
 
+// Q6_K: where pair i's top 2 bits sit in each 16-bit half of its chunk's word (the even chunk's; the odd one's 2
+// higher): just above its low 4 bits (bits 4i + 4, 4i + 5), so that one mask-and-merge and one shift give the
+// code; pair 3's at bits 0, 1 (above its low bits is past the half)
+constexpr int top_bit(int i) { return i < 3 ? 4 * i + 4 : 0; }
+
 template <int32_t T>
 void repack_typed(const uint8_t* src, int64_t rows, int64_t k, uint8_t* dst) {
   const int64_t ng = k / kGroup, row_bytes = ng * group_bytes(T), pb = panel_bytes<T>();
@@ -776,14 +782,14 @@ void repack_typed(const uint8_t* src, int64_t rows, int64_t k, uint8_t* dst) {
           for (int i = 0; i < 4; ++i) {
             const uint32_t a = codes[o[2 * i]], b = codes[o[2 * i + 1]];
             lane |= (a & 15) << (4 * i) | (b & 15) << (16 + 4 * i);
-            high |= (a >> 4) << (2 * i) | (b >> 4) << (16 + 2 * i);
+            high |= (a >> 4) << top_bit(i) | (b >> 4) << (16 + top_bit(i));
           }
           std::memcpy(panel + panel_codes<T>() + c * 32 + 4 * r, &lane, 4);
           if constexpr (T == kQ6_K) {
             uint32_t word;
             uint8_t* at = panel + kPanelHigh + (c / 2) * 32 + 4 * r;
             std::memcpy(&word, at, 4);
-            word |= high << (8 * (c % 2));
+            word |= high << (2 * (c % 2));
             std::memcpy(at, &word, 4);
           }
         }
@@ -861,19 +867,27 @@ inline void panel_scales(const uint8_t* panel, __m256* ab) {
   }
 }
 
-// Pair i's codes of chunk c of a panel (lanes: rows), from its low-4-bit vector q (and Q6_K's top bits hv)
+// Pair i's codes of chunk c of a panel (lanes: rows), from its low-4-bit vector q (and Q6_K's top bits hv, the
+// chunk pair's vector shifted right by 2 (c % 2) already: top_bit's places)
 template <int32_t T>
-inline __m256i panel_codes_of(__m256i q, __m256i hv, int c, int i) {
-  const __m256i nib = _mm256_set1_epi16(15);
-  const __m256i lo = i == 3 ? _mm256_srli_epi16(q, 12) : _mm256_and_si256(i == 0 ? q : _mm256_srli_epi16(q, 4 * i), nib);
-  if constexpr (T == kQ6_K) {                    // bits 8(c % 2) + 2i.. of each half to 4..5
-    const int at = 8 * (c % 2) + 2 * i;
-    const __m256i top = at < 4 ? _mm256_slli_epi16(hv, 4 - at) : at == 4 ? hv : _mm256_srli_epi16(hv, at - 4);
-    return _mm256_or_si256(lo, _mm256_and_si256(top, _mm256_set1_epi16(0x30)));
+inline __m256i panel_codes_of(__m256i q, __m256i hv, int i) {
+  if constexpr (T == kQ6_K) {
+    if (i == 3)
+      return _mm256_or_si256(_mm256_srli_epi16(q, 12), _mm256_slli_epi16(_mm256_and_si256(hv, _mm256_set1_epi16(3)), 4));
+    const __m256i merged = _mm256_or_si256(_mm256_and_si256(q, _mm256_set1_epi16(static_cast<int16_t>(0xF << (4 * i)))),
+                                           _mm256_and_si256(hv, _mm256_set1_epi16(static_cast<int16_t>(0x30 << (4 * i)))));
+    return i == 0 ? merged : _mm256_srli_epi16(merged, 4 * i);
   } else {
-    (void)hv, (void)c;
-    return lo;
+    (void)hv;
+    const __m256i nib = _mm256_set1_epi16(15);
+    return i == 3 ? _mm256_srli_epi16(q, 12) : _mm256_and_si256(i == 0 ? q : _mm256_srli_epi16(q, 4 * i), nib);
   }
+}
+
+// Q6_K's top bits of chunk c, in top_bit's places (its chunk pair's vector, the odd chunk's shifted down)
+inline __m256i panel_top_bits(const uint8_t* panel, int c) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + kPanelHigh + c / 2 * 32));
+  return c % 2 ? _mm256_srli_epi16(h, 2) : h;
 }
 
 // P panels (P x 8 weight rows; panel p's row-block at w + p * pstride) times BB rows of x (packed in the Lanes
@@ -918,13 +932,12 @@ void panel_tile(const uint8_t* w, int64_t pstride, int64_t ng, const uint8_t* xp
         __m256i v[P], hv[P];
         for (int p = 0; p < P; ++p) {
           v[p] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel[p] + panel_codes<T>() + c * 32));
-          hv[p] = T == kQ6_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel[p] + kPanelHigh + c / 2 * 32))
-                             : _mm256_setzero_si256();
+          hv[p] = T == kQ6_K ? panel_top_bits(panel[p], c) : _mm256_setzero_si256();
         }
 #pragma GCC unroll 4
         for (int i = 0; i < 4; ++i) {
           __m256i cv[P];
-          for (int p = 0; p < P; ++p) cv[p] = panel_codes_of<T>(v[p], hv[p], c, i);
+          for (int p = 0; p < P; ++p) cv[p] = panel_codes_of<T>(v[p], hv[p], i);
           const int word = i < 2 ? 2 * l + i : 8 + 2 * l + i - 2;
           for (int b = 0; b < BB; ++b) {
             int32_t xw;
@@ -1006,9 +1019,8 @@ void unpack_repacked(const uint8_t* rows, int64_t row_bytes, int64_t k, int64_t 
           for (int j = 0; j < 8; ++j) {
             const int c = 4 * j + l;
             const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + panel_codes<T>() + c * 32));
-            const __m256i hv = T == kQ6_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + kPanelHigh + c / 2 * 32))
-                                          : _mm256_setzero_si256();
-            v[j] = panel_codes_of<T>(q, hv, c, i);
+            const __m256i hv = T == kQ6_K ? panel_top_bits(panel, c) : _mm256_setzero_si256();
+            v[j] = panel_codes_of<T>(q, hv, i);
           }
           transpose8(v);                                            // v[r]: row r's word, lane j: block j's
           const int word = i < 2 ? 2 * l + i : 8 + 2 * l + i - 2;
