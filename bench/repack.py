@@ -9,7 +9,7 @@ unless --stream (then --copies copies, round robin, several times the cache): in
 kernels' instructions; streamed, at one row of x, the memory's bytes too. One thread; the layer's own figures at
 batch 1 on two threads are bench/quantized_matvec.py --paths int,repacked.
 
-    python bench/repack.py                                  # Q4_K and Q6_K, m = 1, 2, 4, 8, 16, 64
+    python bench/repack.py                                  # every type it repacks, m = 1, 2, 4, 8, 16, 64
     LLM_SERVING_KERNEL_MARCH=x86-64-v3 python bench/repack.py    # the AVX2 build, on an AVX-512 machine
 
 Writes JSON (default bench_results/repack.json).
@@ -29,13 +29,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import machine, table, write_json  # noqa: E402
 from llm_serving.models.kernels import build_kernel, flags  # noqa: E402
 
-TYPES = {"Q4_K": (12, 144, (0, 2)), "Q6_K": (14, 210, (208,))}     # code, bytes per 256, f16 scale offsets
+# code, weights and bytes per block, f16 scale offsets in a block
+TYPES = {"Q4_K": (12, 256, 144, (0, 2)), "Q6_K": (14, 256, 210, (208,)), "Q8_0": (8, 32, 34, (0,)),
+         "Q4_0": (2, 32, 18, (0,)), "Q4_1": (3, 32, 20, (0, 2))}
 
 
 def random_rows(rng, name: str, rows: int, k: int) -> np.ndarray:
-    """(rows, row bytes) of valid super-blocks: random codes and sub-block scales, f16 super-block scales ~1e-3."""
-    code, size, scale_at = TYPES[name]
-    blocks = rng.integers(0, 256, (rows * k // 256, size), dtype=np.uint8)
+    """(rows, row bytes) of valid blocks: random codes (and sub-block scales), f16 scales ~1e-3."""
+    code, weights, size, scale_at = TYPES[name]
+    blocks = rng.integers(0, 256, (rows * k // weights, size), dtype=np.uint8)
     for at in scale_at:
         blocks[:, at:at + 2] = np.full((len(blocks), 1), 1e-3, np.float16).view(np.uint8)
     return blocks.reshape(rows, -1)
@@ -43,7 +45,7 @@ def random_rows(rng, name: str, rows: int, k: int) -> np.ndarray:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--types", default="Q4_K,Q6_K")
+    ap.add_argument("--types", default="Q4_K,Q6_K,Q8_0,Q4_0,Q4_1")
     ap.add_argument("--rows", type=int, default=4096, help="weight rows (a multiple of 8)")
     ap.add_argument("--k", type=int, default=2048, help="weights per row (a multiple of 256)")
     ap.add_argument("--m", default="1,2,4,8,16,64", help="rows of x, comma separated")

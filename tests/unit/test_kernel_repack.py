@@ -17,7 +17,16 @@ from tests.unit.test_layer_kernel import random_k_blocks
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None and not os.environ.get("CXX"),
                                 reason="no C++ compiler on this machine (the runner runs layers op by op)")
 
-Q4_K, Q5_K, Q6_K = 12, 13, 14
+Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 8, 12, 13, 14
+TYPES = {"Q4_K": Q4_K, "Q6_K": Q6_K, "Q8_0": Q8_0, "Q4_0": Q4_0, "Q4_1": Q4_1}
+
+
+def stored_rows(qtype: int, n: int, k: int, rng) -> np.ndarray:
+    """(n, row bytes) of valid stored rows: random K-quant super-blocks, or gguf's quantization of random rows."""
+    from tests.unit.test_layer_kernel import quantized_rows
+    if qtype in (Q4_K, Q6_K):
+        return random_k_blocks(n, k, _gguf_type(qtype), rng)
+    return np.ascontiguousarray(quantized_rows(rng.standard_normal((n, k)).astype(np.float32), _gguf_type(qtype), rng))
 
 
 @pytest.fixture(scope="module")
@@ -53,10 +62,10 @@ def product(library, code: int, rows: np.ndarray, k: int, x: np.ndarray) -> np.n
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 17])
 @pytest.mark.parametrize("n,k", [(16, 256), (40, 512), (8, 2048)])
-@pytest.mark.parametrize("qtype", [Q4_K, Q6_K], ids=["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", list(TYPES.values()), ids=list(TYPES))
 def test_repacked_products_equal_the_stored_rows_products_to_the_bit(library, repacks, qtype, m, n, k):
     rng = np.random.default_rng(1000 * m + n)
-    rows = random_k_blocks(n, k, _gguf_type(qtype), rng)
+    rows = stored_rows(qtype, n, k, rng)
     code, packed = repack(library, rows, qtype)
     assert code == qtype + 100
     assert packed.nbytes == rows.nbytes and not np.array_equal(packed, rows)
@@ -90,6 +99,8 @@ def test_what_is_not_repacked(library, repacks):
     assert library.RepackRows(Q4_K, rows[:8], 8, 100, None) == 0       # not whole super-blocks
     assert library.RepackRows(Q5_K, np.zeros((8, 176), np.uint8), 8, 176, None) == 0    # Q5_K: stored
     assert library.RepackRows(Q6_K, np.zeros((8, 210), np.uint8), 8, 210, None) == Q6_K + 100
+    assert library.RepackRows(Q4_1, np.zeros((8, 180), np.uint8), 8, 180, None) == 0   # 9 blocks: a short group
+    assert library.RepackRows(Q4_1, np.zeros((8, 320), np.uint8), 8, 320, None) == Q4_1 + 100
     before = library.KernelInt(-1)
     try:
         library.KernelInt(0)                                              # the float paths would read it

@@ -430,8 +430,8 @@ inline void dot_rows(const float* w, int64_t k, const float* x, int64_t ldx, int
 enum WeightType : int32_t {
   kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
   kBF16 = 30, kMXFP4 = 39,
-  kQ4_K_R8 = 112, kQ6_K_R8 = 114   // Q4_K, Q6_K repacked at load, 8 rows interleaved (gemm_avx2_int.h;
-                                   // RepackRows): products only
+  // repacked at load, 8 rows interleaved (gemm_avx2_int.h; RepackRows): the GGML type + 100, products only
+  kQ4_0_R8 = 102, kQ4_1_R8 = 103, kQ8_0_R8 = 108, kQ4_K_R8 = 112, kQ6_K_R8 = 114
 };
 
 // Whether DecoderLayer and FinalLogits take a matrix of this type (MXFP4, gpt-oss's experts' type, only MoeMlp
@@ -439,7 +439,9 @@ enum WeightType : int32_t {
 inline bool layer_type(int32_t type) { return type != kMXFP4; }
 
 // A type this library repacked at load (RepackRows), which only gemm_avx2_int.h's products read
-inline bool repacked(int32_t type) { return type == kQ4_K_R8 || type == kQ6_K_R8; }
+inline bool repacked(int32_t type) {
+  return type == kQ4_K_R8 || type == kQ6_K_R8 || type == kQ8_0_R8 || type == kQ4_0_R8 || type == kQ4_1_R8;
+}
 
 // Bytes of one row of k weights of `type`, or -1: a type these kernels do not read, or k not whole blocks.
 int64_t row_bytes_of(int32_t type, int64_t k) {
@@ -456,6 +458,9 @@ int64_t row_bytes_of(int32_t type, int64_t k) {
     case kQ4_K: return k % 256 ? -1 : k / 256 * 144;   // f16 d, f16 dmin, 12 bytes of 6-bit scales/mins, nibbles
     case kQ4_K_R8: return k % 256 ? -1 : k / 256 * 144;   // the same bytes, 8 rows' panels (a row-block: 8 rows)
     case kQ6_K_R8: return k % 256 ? -1 : k / 256 * 210;
+    case kQ8_0_R8: return k % 256 ? -1 : k / 32 * 34;
+    case kQ4_0_R8: return k % 256 ? -1 : k / 32 * 18;
+    case kQ4_1_R8: return k % 256 ? -1 : k / 32 * 20;
     case kQ5_K: return k % 256 ? -1 : k / 256 * 176;   // as Q4_K, plus 32 bytes of fifth bits before the nibbles
     case kQ6_K: return k % 256 ? -1 : k / 256 * 210;   // 128 bytes low nibbles, 64 of 2-bit highs, 16 int8 scales, f16 d
     case kMXFP4: return k % 32 ? -1 : k / 32 * 17;     // E8M0 scale byte, 16 bytes of E2M1 nibbles
@@ -2425,7 +2430,7 @@ extern "C" int IntegerProduct(int32_t type, const uint8_t* w, int64_t rows, int6
 // `rows` stored rows of GGML type `type` (row_bytes bytes each) at src repacked for this library's products
 // (gemm_avx2_int.h's row-interleaved layout, the same bytes in another order) into dst (as many bytes; nullptr:
 // only ask): returns the repacked type that DecoderLayer's iconfig then names, or 0 where they stay as stored: a
-// type not repacked (Q4_K and Q6_K are), rows not a multiple of 8, products that would not read it (the integer
+// type not repacked (Q4_K, Q6_K, Q8_0, Q4_0 and Q4_1 are; a row of blocks of 32 must be whole groups of 256), rows not a multiple of 8, products that would not read it (the integer
 // products off, or a build with AMX's integer tiles, which read the stored rows), or LLM_SERVING_KERNEL_REPACK=0 in
 // the environment (read once: the stored rows' products, for comparisons; the same floats either way).
 extern "C" int32_t RepackRows(int32_t type, const uint8_t* src, int64_t rows, int64_t row_bytes, uint8_t* dst) {
@@ -2436,7 +2441,8 @@ extern "C" int32_t RepackRows(int32_t type, const uint8_t* src, int64_t rows, in
     return env == nullptr || std::strcmp(env, "0") != 0;
   }();
   if (!allowed) return 0;
-  const int64_t group = type == kQ4_K || type == kQ6_K ? row_bytes_of(type, 256) : 0;   // bytes per 256 weights
+  const bool takes = type == kQ4_K || type == kQ6_K || type == kQ8_0 || type == kQ4_0 || type == kQ4_1;
+  const int64_t group = takes ? row_bytes_of(type, 256) : 0;          // bytes per 256 weights
   const int64_t k = group > 0 && row_bytes % group == 0 ? row_bytes / group * 256 : 0;
   const int32_t to = avx2_int_enabled() && k > 0 ? ai::repacked_type(type, rows, k) : 0;
   if (to != 0 && dst != nullptr) ai::repack_rows(type, src, rows, k, dst);

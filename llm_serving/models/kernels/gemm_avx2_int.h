@@ -70,11 +70,13 @@ constexpr int32_t kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K =
 // Types of this library's own, repacked at load (below: "row-interleaved layout"): the GGML type + kRepacked.
 // Only product() reads them.
 constexpr int32_t kRepacked = 100;
-constexpr int32_t kQ4_K_R8 = kQ4_K + kRepacked, kQ6_K_R8 = kQ6_K + kRepacked;
+constexpr int32_t kQ4_K_R8 = kQ4_K + kRepacked, kQ6_K_R8 = kQ6_K + kRepacked, kQ8_0_R8 = kQ8_0 + kRepacked,
+                  kQ4_0_R8 = kQ4_0 + kRepacked, kQ4_1_R8 = kQ4_1 + kRepacked;
 
 inline bool reads(int32_t type) {
   return type == kQ4_0 || type == kQ4_1 || type == kQ5_0 || type == kQ5_1 || type == kQ8_0 || type == kQ4_K ||
-         type == kQ5_K || type == kQ6_K || type == kMXFP4 || type == kQ4_K_R8 || type == kQ6_K_R8;
+         type == kQ5_K || type == kQ6_K || type == kMXFP4 || type == kQ4_K_R8 || type == kQ6_K_R8 || type == kQ8_0_R8 ||
+         type == kQ4_0_R8 || type == kQ4_1_R8;
 }
 
 constexpr int64_t kGroup = 256;            // weights per group
@@ -688,13 +690,16 @@ constexpr int64_t kPanelRows = 8;
 template <int32_t T>
 constexpr int64_t panel_bytes() { return kPanelRows * group_bytes(T); }
 template <int32_t T>
-constexpr int64_t panel_codes() { return T == kQ4_K ? 128 : 144; }       // where the low 4 bits start
+constexpr int64_t panel_codes() { return T == kQ6_K ? 144 : T == kQ4_1 ? 256 : 128; }   // where the codes start
+// bytes of a chunk's codes: Q8_0's 8 bits a code take two vectors, the others' low 4 bits one
+template <int32_t T>
+constexpr int64_t chunk_bytes() { return T == kQ8_0 ? 64 : 32; }
 constexpr int64_t kPanelHigh = 1168;                                      // Q6_K: where the top 2 bits start
 
-// What repack_rows makes of `type`, or 0: the types it repacks (Q4_K, Q6_K), rows a multiple of 8, k of whole
-// groups
+// What repack_rows makes of `type`, or 0: the types it repacks (Q4_K, Q6_K, Q8_0, Q4_0, Q4_1), rows a multiple
+// of 8, k of whole groups (a row of blocks of 32 whose last group is short stays as stored)
 inline int32_t repacked_type(int32_t type, int64_t rows, int64_t k) {
-  const bool takes = type == kQ4_K || type == kQ6_K;
+  const bool takes = type == kQ4_K || type == kQ6_K || type == kQ8_0 || type == kQ4_0 || type == kQ4_1;
   return takes && rows > 0 && rows % kPanelRows == 0 && k > 0 && k % kGroup == 0 ? type + kRepacked : 0;
 }
 
@@ -723,6 +728,19 @@ inline void stored_codes(const uint8_t* p, uint8_t* codes) {
         codes[64 * half + l] = q & 15;
         codes[64 * half + 32 + l] = q >> 4;
       }
+  } else if constexpr (T == kQ8_0 || T == kQ4_0 || T == kQ4_1) {   // block j's 32 at 32j (Q8_0: int8 as a byte)
+    constexpr int64_t B = block_bytes(T), at = T == kQ8_0 ? 2 : T == kQ4_0 ? 2 : 4;
+    for (int j = 0; j < 8; ++j) {
+      const uint8_t* q = p + j * B + at;
+      if constexpr (T == kQ8_0) {
+        std::memcpy(codes + 32 * j, q, 32);
+      } else {
+        for (int l = 0; l < 16; ++l) {
+          codes[32 * j + l] = q[l] & 15;
+          codes[32 * j + 16 + l] = q[l] >> 4;
+        }
+      }
+    }
   } else {                                           // stored_code's, a byte of each of ql and qh at a time
     for (int h = 0; h < 2; ++h)
       for (int l = 0; l < 32; ++l) {
@@ -770,14 +788,26 @@ void repack_typed(const uint8_t* src, int64_t rows, int64_t k, uint8_t* dst) {
             panel[(j < 4 ? 32 : 64) + 4 * r + j % 4] = static_cast<uint8_t>((sc & 15) | (mn & 15) << 4);
             panel[96 + 4 * r + j % 4] |= static_cast<uint8_t>(((sc >> 4) | (mn >> 4) << 2) << (j < 4 ? 0 : 4));
           }
-        } else {
+        } else if constexpr (T == kQ6_K) {
           std::memcpy(panel + 2 * r, p + 208, 2);          // d
           for (int sub = 0; sub < 16; ++sub) panel[16 + 8 * sub + r] = p[192 + sub];
+        } else {                                           // blocks of 32: d (and Q4_1's m) of block j at 16j
+          for (int j = 0; j < 8; ++j) {
+            std::memcpy(panel + 16 * j + 2 * r, p + j * block_bytes(T), 2);
+            if constexpr (T == kQ4_1) std::memcpy(panel + 128 + 16 * j + 2 * r, p + j * block_bytes(T) + 2, 2);
+          }
         }
         alignas(32) uint8_t codes[256];
         stored_codes<T>(p, codes);
         for (int c = 0; c < 32; ++c) {
           const uint8_t* o = order[c].data();
+          if constexpr (T == kQ8_0) {              // 2 pairs a vector: bytes first(i), first(i + 1), second(i),
+            for (int v = 0; v < 2; ++v) {          // second(i + 1) (i = 2v): a shift pair sign-extends each
+              const uint8_t bytes[4] = {codes[o[4 * v]], codes[o[4 * v + 2]], codes[o[4 * v + 1]], codes[o[4 * v + 3]]};
+              std::memcpy(panel + panel_codes<T>() + c * 64 + 32 * v + 4 * r, bytes, 4);
+            }
+            continue;
+          }
           uint32_t lane = 0, high = 0;
           for (int i = 0; i < 4; ++i) {
             const uint32_t a = codes[o[2 * i]], b = codes[o[2 * i + 1]];
@@ -799,8 +829,14 @@ void repack_typed(const uint8_t* src, int64_t rows, int64_t k, uint8_t* dst) {
 }
 
 inline void repack_rows(int32_t type, const uint8_t* src, int64_t rows, int64_t k, uint8_t* dst) {
-  if (type == kQ4_K) repack_typed<kQ4_K>(src, rows, k, dst);
-  else if (type == kQ6_K) repack_typed<kQ6_K>(src, rows, k, dst);
+  switch (type) {
+    case kQ4_K: repack_typed<kQ4_K>(src, rows, k, dst); break;
+    case kQ6_K: repack_typed<kQ6_K>(src, rows, k, dst); break;
+    case kQ8_0: repack_typed<kQ8_0>(src, rows, k, dst); break;
+    case kQ4_0: repack_typed<kQ4_0>(src, rows, k, dst); break;
+    case kQ4_1: repack_typed<kQ4_1>(src, rows, k, dst); break;
+    default: break;
+  }
 }
 
 // Byte offset of 32-bit word w (0..7: the even vector's, 8..15: the odd one's) of block j in a group's x record:
@@ -835,6 +871,13 @@ constexpr int kChains = 4;
 // d sc[2j], ab[8 + j] = d sc[2j + 1] (as group_scales gives them, lane j there)
 template <int32_t T>
 inline void panel_scales(const uint8_t* panel, __m256* ab) {
+  if constexpr (T == kQ8_0 || T == kQ4_0 || T == kQ4_1) {   // d (Q4_1: and m) of each block, 0 for the others'
+    for (int j = 0; j < 8; ++j) {
+      ab[j] = _mm256_cvtph_ps(load16(panel + 16 * j));
+      ab[8 + j] = T == kQ4_1 ? _mm256_cvtph_ps(load16(panel + 128 + 16 * j)) : _mm256_setzero_ps();
+    }
+    return;
+  }
   const __m256 d = _mm256_cvtph_ps(load16(panel));
   if constexpr (T == kQ6_K) {
     for (int j = 0; j < 8; ++j)
@@ -871,7 +914,10 @@ inline void panel_scales(const uint8_t* panel, __m256* ab) {
 // chunk pair's vector shifted right by 2 (c % 2) already: top_bit's places)
 template <int32_t T>
 inline __m256i panel_codes_of(__m256i q, __m256i hv, int i) {
-  if constexpr (T == kQ6_K) {
+  if constexpr (T == kQ8_0) {                    // q: pairs 0, 1; hv: pairs 2, 3 (bytes sign-extended in place)
+    const __m256i v = i < 2 ? q : hv;
+    return i % 2 == 0 ? _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8) : _mm256_srai_epi16(v, 8);
+  } else if constexpr (T == kQ6_K) {
     if (i == 3)
       return _mm256_or_si256(_mm256_srli_epi16(q, 12), _mm256_slli_epi16(_mm256_and_si256(hv, _mm256_set1_epi16(3)), 4));
     const __m256i merged = _mm256_or_si256(_mm256_and_si256(q, _mm256_set1_epi16(static_cast<int16_t>(0xF << (4 * i)))),
@@ -931,8 +977,10 @@ void panel_tile(const uint8_t* w, int64_t pstride, int64_t ng, const uint8_t* xp
         const int c = 4 * j + l;
         __m256i v[P], hv[P];
         for (int p = 0; p < P; ++p) {
-          v[p] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel[p] + panel_codes<T>() + c * 32));
-          hv[p] = T == kQ6_K ? panel_top_bits(panel[p], c) : _mm256_setzero_si256();
+          const uint8_t* chunk = panel[p] + panel_codes<T>() + c * chunk_bytes<T>();
+          v[p] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk));
+          hv[p] = T == kQ6_K ? panel_top_bits(panel[p], c)
+                  : T == kQ8_0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 32)) : _mm256_setzero_si256();
         }
 #pragma GCC unroll 4
         for (int i = 0; i < 4; ++i) {
@@ -971,9 +1019,18 @@ void panel_tile(const uint8_t* w, int64_t pstride, int64_t ng, const uint8_t* xp
             const __m256i hi = _mm256_sub_epi32(total(p, b), _mm256_set1_epi32(nb << 5));
             a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(sx, ab[p][j]), a);
             a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(sx, ab[p][8 + j]), a);
-          } else {
+          } else if constexpr (kind_of(T) == kOffset) {    // Q4_K, Q4_1: + b xs
             a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total(p, b)), _mm256_mul_ps(sx, ab[p][j]), a);
             a = _mm256_fmadd_ps(ab[p][8 + j], _mm256_set1_ps(xf[8 + j]), a);
+          } else {                                          // Q8_0; Q4_0: q - 8, 8 x (the block's sum of n) off
+            __m256i t = total(p, b);
+            if constexpr (bias_of(T) != 0) {
+              int32_t na, nb;
+              std::memcpy(&na, xf + 16 + j, 4);
+              std::memcpy(&nb, xf + 24 + j, 4);
+              t = _mm256_sub_epi32(t, _mm256_set1_epi32((na + nb) * bias_of(T)));
+            }
+            a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(sx, ab[p][j]), a);
           }
         }
       }
@@ -1018,8 +1075,11 @@ void unpack_repacked(const uint8_t* rows, int64_t row_bytes, int64_t k, int64_t 
           __m256i v[8];
           for (int j = 0; j < 8; ++j) {
             const int c = 4 * j + l;
-            const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + panel_codes<T>() + c * 32));
-            const __m256i hv = T == kQ6_K ? panel_top_bits(panel, c) : _mm256_setzero_si256();
+            const uint8_t* chunk = panel + panel_codes<T>() + c * chunk_bytes<T>();
+            const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk));
+            const __m256i hv = T == kQ6_K ? panel_top_bits(panel, c)
+                               : T == kQ8_0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 32))
+                                            : _mm256_setzero_si256();
             v[j] = panel_codes_of<T>(q, hv, i);
           }
           transpose8(v);                                            // v[r]: row r's word, lane j: block j's
@@ -1131,6 +1191,9 @@ __attribute__((noinline)) inline void product(int32_t type, const uint8_t* rows,
     case kQ6_K: product_typed<kQ6_K>(rows, row_bytes, k, n, xp, m, wbuf, out, ldo); break;
     case kQ4_K_R8: product_repacked<kQ4_K>(rows, row_bytes, k, n, xp, m, wbuf, out, ldo); break;
     case kQ6_K_R8: product_repacked<kQ6_K>(rows, row_bytes, k, n, xp, m, wbuf, out, ldo); break;
+    case kQ8_0_R8: product_repacked<kQ8_0>(rows, row_bytes, k, n, xp, m, wbuf, out, ldo); break;
+    case kQ4_0_R8: product_repacked<kQ4_0>(rows, row_bytes, k, n, xp, m, wbuf, out, ldo); break;
+    case kQ4_1_R8: product_repacked<kQ4_1>(rows, row_bytes, k, n, xp, m, wbuf, out, ldo); break;
     default: break;                                      // not reads(type): never called
   }
 }

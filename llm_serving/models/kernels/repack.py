@@ -1,5 +1,5 @@
-"""Weights repacked at load for the layer kernel's products: the stored rows of a type the library repacks (Q4_K
-and Q6_K, into gemm_avx2_int.h's row-interleaved layout: 8 rows a panel, the same bytes in another order) are replaced by
+"""Weights repacked at load for the layer kernel's products: the stored rows of a type the library repacks (Q4_K,
+Q6_K, Q8_0, Q4_0, Q4_1, into gemm_avx2_int.h's row-interleaved layout: 8 rows a panel, the same bytes in another order) are replaced by
 their repacked copy, and their type code by the library's own (the GGML type + 100), which the kernel's iconfig
 then names. The library decides (`RepackRows`): where its products would not read the layout (the integer paths
 off, AMX's integer tiles, rows not a multiple of 8), the rows stay as stored."""
@@ -13,7 +13,7 @@ import numpy as np
 __all__ = ["repack_rows", "repacked_types"]
 
 # the GGML types a library may repack, and a row's bytes for one super-block of each (a probe of 8 such rows)
-_REPACKABLE = {"Q4_K": (12, 144), "Q6_K": (14, 210)}
+_REPACKABLE = {"Q4_K": (12, 144), "Q6_K": (14, 210), "Q8_0": (8, 272), "Q4_0": (2, 144), "Q4_1": (3, 160)}
 
 
 @functools.lru_cache(maxsize=None)
