@@ -68,14 +68,20 @@ def _stored_param(array: np.ndarray, name: str) -> Parameter:
     return _shared_param(Tensor.from_numpy(np.ascontiguousarray(array, dtype=np.uint8)), name)
 
 
+def _repack_all(library: str, matrices: dict, types: tuple) -> tuple:
+    """(matrices, types) with each stored matrix the library repacks (kernels/repack.py: 8 rows interleaved) in its
+    repacked form and type; the stored rows are then no longer held."""
+    out, codes = {}, []
+    for (name, array), qtype in zip(matrices.items(), types):
+        out[name], to = repack_rows(library, array, qtype)
+        codes.append(to)
+    return out, tuple(codes)
+
+
 def _repacked(library: str, k: KernelInputs) -> KernelInputs:
-    """The layer kernel's inputs with each stored matrix the library repacks (kernels/repack.py: Q4_K, 8 rows
-    interleaved) in its repacked form; the stored rows are then no longer held."""
-    matrices, types = {}, []
-    for (name, array), qtype in zip(k.matrices.items(), k.types):
-        matrices[name], to = repack_rows(library, array, qtype)
-        types.append(to)
-    return k if tuple(types) == tuple(k.types) else k.with_matrices(matrices, tuple(types))
+    """The layer kernel's inputs with its stored matrices repacked where the library repacks them."""
+    matrices, types = _repack_all(library, k.matrices, k.types)
+    return k if types == tuple(k.types) else k.with_matrices(matrices, types)
 
 
 def _repacked_experts(library: str, m: MoeKernelInputs, cfg: LlamaConfig) -> MoeKernelInputs:
@@ -83,10 +89,7 @@ def _repacked_experts(library: str, m: MoeKernelInputs, cfg: LlamaConfig) -> Moe
     where every expert's rows are whole panels of 8 (an expert's rows start a panel: MoeMlp reads them by expert)."""
     if cfg.expert_intermediate_size % 8 or cfg.hidden_size % 8:
         return m
-    matrices, types = {}, []
-    for (name, array), qtype in zip(m.matrices.items(), m.types):
-        matrices[name], to = repack_rows(library, array, qtype)
-        types.append(to)
+    matrices, types = _repack_all(library, m.matrices, m.types)
     iconfig = m.iconfig.copy()
     iconfig[2:2 + len(types)] = types                  # [threads, experts per token, gate, up, down types, ...]
     return dataclasses.replace(m, matrices=matrices, types=tuple(types), iconfig=iconfig)

@@ -2441,8 +2441,7 @@ extern "C" int32_t RepackRows(int32_t type, const uint8_t* src, int64_t rows, in
     return env == nullptr || std::strcmp(env, "0") != 0;
   }();
   if (!allowed) return 0;
-  const bool takes = type == kQ4_K || type == kQ6_K || type == kQ8_0 || type == kQ4_0 || type == kQ4_1;
-  const int64_t group = takes ? row_bytes_of(type, 256) : 0;          // bytes per 256 weights
+  const int64_t group = row_bytes_of(type, 256);                      // bytes per 256 weights
   const int64_t k = group > 0 && row_bytes % group == 0 ? row_bytes / group * 256 : 0;
   const int32_t to = avx2_int_enabled() && k > 0 ? ai::repacked_type(type, rows, k) : 0;
   if (to != 0 && dst != nullptr) ai::repack_rows(type, src, rows, k, dst);

@@ -60,6 +60,7 @@
 #include <array>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace llm_serving {
 namespace avx2_int {
@@ -703,22 +704,9 @@ inline int32_t repacked_type(int32_t type, int64_t rows, int64_t k) {
   return takes && rows > 0 && rows % kPanelRows == 0 && k > 0 && k % kGroup == 0 ? type + kRepacked : 0;
 }
 
-// Stored code of weight pos (0..255) of a group at p (without the offset Q6_K's epilogue takes off)
-template <int32_t T>
-inline int stored_code(const uint8_t* p, int pos) {
-  const int j = pos / 32;
-  if constexpr (T == kQ4_K) {                        // sub-block j: nibbles (low: j even) of bytes 32(j/2)..
-    return (p[16 + 32 * (j / 2) + pos % 32] >> (4 * (j % 2))) & 15;
-  } else {                                           // as decode_pair's Q6_K
-    const int h = pos / 128, i = (pos % 128) / 32, l = pos % 32;
-    const int lo = (p[64 * h + l + 32 * (i & 1)] >> (i < 2 ? 0 : 4)) & 15;
-    return lo | ((p[128 + 32 * h + l] >> (2 * i)) & 3) << 4;
-  }
-}
-
 // rows x k stored rows of type T (src) into panels (dst, as many bytes), once at load: each row's group of codes
-// unpacked to bytes (stored_codes), then placed by a table of the panel's nibble order (about 10x a weight-by-weight
-// stored_code loop: a 4B model's 2.5 GB in seconds, not a minute)
+// unpacked to bytes (stored_codes: the 256 codes of a group at p in weight order, without the offset the
+// epilogue takes off), then placed by a table of the panel's order (about 1 ns a weight: a 4B model in 2-3 s)
 template <int32_t T>
 inline void stored_codes(const uint8_t* p, uint8_t* codes) {
   if constexpr (T == kQ4_K) {
@@ -741,7 +729,7 @@ inline void stored_codes(const uint8_t* p, uint8_t* codes) {
         }
       }
     }
-  } else {                                           // stored_code's, a byte of each of ql and qh at a time
+  } else {                                           // Q6_K (as decode_pair), a byte of each of ql and qh at a time
     for (int h = 0; h < 2; ++h)
       for (int l = 0; l < 32; ++l) {
         const uint8_t q0 = p[64 * h + l], q1 = p[64 * h + 32 + l], qh = p[128 + 32 * h + l];
@@ -1115,6 +1103,21 @@ constexpr int64_t panel_x_rows() {
 // out[i * ldo + b] for n (a multiple of 8, <= kTileRows) repacked rows of type T (+ kRepacked) from row-block
 // `rows` and m rows of x, two panels at a time (x's words broadcast once for their 16 rows), up to 4 rows of x at a
 // time (each chunk of codes decoded once for them), or unpacked for tiles() (panel_x_rows)
+// P panels from row-block w times bb (1..4) rows of x, x in the lanes layout or not
+template <int32_t T, int P>
+void panels_x(bool lanes, int64_t bb, const uint8_t* w, int64_t row_bytes, int64_t ng, const uint8_t* x,
+              int64_t xstride, float* o, int64_t ldo) {
+  auto run = [&](auto lanes_c) {
+    constexpr bool L = decltype(lanes_c)::value;
+    if (bb == 1) panel_out<T, P, 1, L>(w, row_bytes, ng, x, xstride, o, ldo);
+    else if (bb == 2) panel_out<T, P, 2, L>(w, row_bytes, ng, x, xstride, o, ldo);
+    else if (bb == 3) panel_out<T, P, 3, L>(w, row_bytes, ng, x, xstride, o, ldo);
+    else panel_out<T, P, 4, L>(w, row_bytes, ng, x, xstride, o, ldo);
+  };
+  if (lanes) run(std::true_type{});
+  else run(std::false_type{});
+}
+
 template <int32_t T>
 void product_repacked(const uint8_t* rows, int64_t row_bytes, int64_t k, int64_t n, const uint8_t* xp, int64_t m,
                       uint8_t* wbuf, float* out, int64_t ldo) {
@@ -1124,38 +1127,14 @@ void product_repacked(const uint8_t* rows, int64_t row_bytes, int64_t k, int64_t
     tiles<kind_of(T), bias_of(T)>(wbuf, k, n, xp, m, reinterpret_cast<float*>(wbuf + n * w_bytes(k)), out, ldo);
     return;
   }
-  if (m <= 2) {
-    int64_t r = 0;
-    for (; r + 2 * kPanelRows <= n; r += 2 * kPanelRows) {
-      if (m == 1) panel_out<T, 2, 1, false>(rows + r * row_bytes, row_bytes, ng, xp, xstride, out + r * ldo, ldo);
-      else panel_out<T, 2, 2, false>(rows + r * row_bytes, row_bytes, ng, xp, xstride, out + r * ldo, ldo);
-    }
-    for (; r < n; r += kPanelRows) {
-      if (m == 1) panel_out<T, 1, 1, false>(rows + r * row_bytes, row_bytes, ng, xp, xstride, out + r * ldo, ldo);
-      else panel_out<T, 1, 2, false>(rows + r * row_bytes, row_bytes, ng, xp, xstride, out + r * ldo, ldo);
-    }
-    return;
-  }
+  const bool lanes = lanes_layout(m);                 // (how pack_rows packed x for m rows)
   for (int64_t b0 = 0; b0 < m; b0 += 4) {
     const int64_t bb = std::min<int64_t>(4, m - b0);
-    const uint8_t* x = xp + b0 * xstride;
     int64_t r = 0;
-    for (; r + 2 * kPanelRows <= n; r += 2 * kPanelRows) {
-      const uint8_t* w = rows + r * row_bytes;
-      float* o = out + r * ldo + b0;
-      if (bb == 1) panel_out<T, 2, 1, true>(w, row_bytes, ng, x, xstride, o, ldo);
-      else if (bb == 2) panel_out<T, 2, 2, true>(w, row_bytes, ng, x, xstride, o, ldo);
-      else if (bb == 3) panel_out<T, 2, 3, true>(w, row_bytes, ng, x, xstride, o, ldo);
-      else panel_out<T, 2, 4, true>(w, row_bytes, ng, x, xstride, o, ldo);
-    }
-    for (; r < n; r += kPanelRows) {
-      const uint8_t* w = rows + r * row_bytes;
-      float* o = out + r * ldo + b0;
-      if (bb == 1) panel_out<T, 1, 1, true>(w, row_bytes, ng, x, xstride, o, ldo);
-      else if (bb == 2) panel_out<T, 1, 2, true>(w, row_bytes, ng, x, xstride, o, ldo);
-      else if (bb == 3) panel_out<T, 1, 3, true>(w, row_bytes, ng, x, xstride, o, ldo);
-      else panel_out<T, 1, 4, true>(w, row_bytes, ng, x, xstride, o, ldo);
-    }
+    for (; r + 2 * kPanelRows <= n; r += 2 * kPanelRows)
+      panels_x<T, 2>(lanes, bb, rows + r * row_bytes, row_bytes, ng, xp + b0 * xstride, xstride, out + r * ldo + b0, ldo);
+    for (; r < n; r += kPanelRows)
+      panels_x<T, 1>(lanes, bb, rows + r * row_bytes, row_bytes, ng, xp + b0 * xstride, xstride, out + r * ldo + b0, ldo);
   }
 }
 
