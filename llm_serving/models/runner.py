@@ -264,8 +264,8 @@ class ModelRunner:
             (cfg, self.num_blocks, self.window_blocks, self.block_size, self.buckets, device_target,
              (self.tp.rank, self.tp.world, self.tp.backend, self.tp.across_nodes) if self.tp.world > 1 else None,
              self.decode_kernel, reduce_kernel, self.layer_kernel, self.layer_kernel_rows, self.decode_run_steps,
-             self.decode_run_rows, self.quantized_matrices, self.repacked, self.lora_slots, self.lora_rank, spec.kv_cache_dtype,
-             kernel_threads, self.batch_invariant, _WARMUP_ORDER)
+             self.decode_run_rows, self.quantized_matrices, self.repacked, self.lora_slots, self.lora_rank,
+             spec.kv_cache_dtype, kernel_threads, self.batch_invariant, _WARMUP_ORDER)
             if spec.compile_cache else None)
         self._cache_dir = setup_mindspore(device_target, spec.device_id, num_threads, cache_key,
                                           wait_for_cache=self.tp.world == 1)
