@@ -306,6 +306,26 @@ inline void tile_scores4(const float* q, int64_t d, const float* kt, float* s) {
   }
   for (int r = 0; r < 4; ++r)
     for (int c = 0; c < 4; ++c) _mm512_storeu_ps(s + r * kKeyTile + c * 16, a[r][c]);
+#elif defined(__AVX2__) && defined(__FMA__)
+  // 16 vector registers: 16 keys (two vectors) x 4 queries a pass, each pass over all of d (the same FMAs, in
+  // the same order per score, as the 64-key blocks above: the same floats)
+  for (int64_t c0 = 0; c0 < kKeyTile; c0 += 16) {
+    __m256 a[4][2];
+    for (int r = 0; r < 4; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
+    for (int64_t e = 0; e < d; ++e) {
+      const float* k = kt + e * kKeyTile + c0;
+      const __m256 k0 = _mm256_loadu_ps(k), k1 = _mm256_loadu_ps(k + 8);
+      for (int r = 0; r < 4; ++r) {
+        const __m256 qv = _mm256_broadcast_ss(q + r * d + e);
+        a[r][0] = _mm256_fmadd_ps(qv, k0, a[r][0]);
+        a[r][1] = _mm256_fmadd_ps(qv, k1, a[r][1]);
+      }
+    }
+    for (int r = 0; r < 4; ++r) {
+      _mm256_storeu_ps(s + r * kKeyTile + c0, a[r][0]);
+      _mm256_storeu_ps(s + r * kKeyTile + c0 + 8, a[r][1]);
+    }
+  }
 #else
   for (int r = 0; r < 4; ++r) {
     float* sr = s + r * kKeyTile;
@@ -340,6 +360,27 @@ inline void tile_values4(const float* p, const float* v, int64_t kn, int64_t d, 
     }
     for (int r = 0; r < 4; ++r)
       for (int c = 0; c < 4; ++c) _mm512_storeu_ps(o + r * d + c0 + c * 16, a[r][c]);
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  for (int64_t c0 = 0; c0 < d; c0 += 16) {                  // 16 dims x 4 queries a pass (as tile_scores4)
+    __m256 a[4][2];
+    for (int r = 0; r < 4; ++r) {
+      a[r][0] = _mm256_loadu_ps(o + r * d + c0);
+      a[r][1] = _mm256_loadu_ps(o + r * d + c0 + 8);
+    }
+    for (int64_t j = 0; j < kn; ++j) {
+      const float* vj = v + j * d + c0;
+      const __m256 v0 = _mm256_loadu_ps(vj), v1 = _mm256_loadu_ps(vj + 8);
+      for (int r = 0; r < 4; ++r) {
+        const __m256 pv = _mm256_broadcast_ss(p + r * kKeyTile + j);
+        a[r][0] = _mm256_fmadd_ps(pv, v0, a[r][0]);
+        a[r][1] = _mm256_fmadd_ps(pv, v1, a[r][1]);
+      }
+    }
+    for (int r = 0; r < 4; ++r) {
+      _mm256_storeu_ps(o + r * d + c0, a[r][0]);
+      _mm256_storeu_ps(o + r * d + c0 + 8, a[r][1]);
+    }
   }
 #else
   for (int r = 0; r < 4; ++r) {

@@ -1,0 +1,75 @@
+"""The kernel library built for an AVX2-only CPU (LLM_SERVING_KERNEL_MARCH=x86-64-v3: AVX2 and FMA, no AVX-512, no
+VNNI), tested on a machine whose own build takes the AVX-512 paths: many users' CPUs run the AVX2 code (the
+attention tiles' FMAs, the integer products without VNNI, the row-interleaved panels' passes), and the other test
+modules only run the build this machine's agents load. The tests are theirs, collected again here with this
+module's `library`: attention tiles against the float64 reference, batch invariance in any step, and the
+repacked rows' products and layers equal to the stored rows' to the bit. Skipped where the native build is the
+AVX2 one already (those modules test it)."""
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from llm_serving.models.kernels import build_kernel
+
+from .test_batch_invariance import (invariant,  # noqa: F401  (fixtures and tests collected again)
+                                    test_a_sequence_gives_the_same_bits_in_any_step,
+                                    test_integer_weights_give_a_sequence_the_same_bits_in_any_step_on_any_threads)
+from .test_kernel_repack import (repacks, test_a_layer_on_repacked_rows_gives_the_stored_rows_bits_in_any_step,  # noqa: F401
+                                 test_repacked_products_equal_the_stored_rows_products_to_the_bit)
+from .test_layer_kernel import (fastest_paths, invariant_mode,  # noqa: F401
+                                test_a_prompts_rows_attend_together_as_tiles)
+
+MARCH = "x86-64-v3"
+
+
+def _native_has_avx512() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " avx512f" in line for line in f)
+    except OSError:
+        return False
+
+
+pytestmark = [
+    pytest.mark.skipif(shutil.which("g++") is None and not os.environ.get("CXX"),
+                       reason="no C++ compiler on this machine (the runner runs layers op by op)"),
+    pytest.mark.skipif(not _native_has_avx512(),
+                       reason="this machine's own build is AVX2 already: the other kernel modules test it"),
+]
+
+
+@pytest.fixture(scope="module")
+def library_path():
+    """The library built with -march=x86-64-v3 (its own cache file: the march is part of the digest)."""
+    before = os.environ.get("LLM_SERVING_KERNEL_MARCH")
+    os.environ["LLM_SERVING_KERNEL_MARCH"] = MARCH
+    try:
+        return build_kernel("decoder_layer_cpu", "DecoderLayer").rsplit(":", 1)[0]
+    finally:
+        if before is None:
+            del os.environ["LLM_SERVING_KERNEL_MARCH"]
+        else:
+            os.environ["LLM_SERVING_KERNEL_MARCH"] = before
+
+
+@pytest.fixture(scope="module")
+def library(library_path):
+    """The AVX2 build, with the argument types test_kernel_repack's calls need."""
+    lib = ctypes.CDLL(library_path)
+    u8, f32 = np.ctypeslib.ndpointer(np.uint8, flags="C"), np.ctypeslib.ndpointer(np.float32, flags="C")
+    lib.RepackRows.argtypes = [ctypes.c_int32, u8, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    lib.RepackRows.restype = ctypes.c_int32
+    lib.IntegerProduct.argtypes = [ctypes.c_int32, u8, ctypes.c_int64, ctypes.c_int64, f32, ctypes.c_int64, f32]
+    lib.KernelInt.argtypes = [ctypes.c_int]
+    return lib
+
+
+def test_the_build_is_avx2s(library_path):
+    """The library under test is not the native one: the march reached the compiler (a different cache file)."""
+    native = build_kernel("decoder_layer_cpu", "DecoderLayer").rsplit(":", 1)[0]
+    assert os.path.exists(library_path) and library_path != native
