@@ -466,7 +466,16 @@ class LlamaForCausalLM(nn.Cell):
                 if head.kernel_type == 0:
                     self.kernel_lm_head = self.lm_head
                 elif self.embed_stored and head.kernel_lm_head is quantized["model.embed_tokens.weight"].data:
-                    self.kernel_lm_head = self.embed_table           # tied: the embedding's stored rows, once
+                    # tied: the embedding's rows, once, repacked where the library does (EmbedTokens reads a row's
+                    # stored bytes back from the panels)
+                    rows, lm_type = repack_rows(layer_kernel, head.kernel_lm_head, head.kernel_type)
+                    if lm_type != head.kernel_type:
+                        self.embed_table = _stored_param(rows, "embed_stored")
+                        self.embed_held = EMBED_TOKENS.held(table=self.embed_table,
+                                                            iconfig=Tensor(np.array([lm_type], np.int32)))
+                        head.iconfig[1] = lm_type
+                        head.kernel_type = lm_type
+                    self.kernel_lm_head = self.embed_table
                 else:                                                # its own rows: repacked where the library does
                     rows, lm_type = repack_rows(layer_kernel, head.kernel_lm_head, head.kernel_type)
                     head.iconfig[1] = lm_type

@@ -185,3 +185,28 @@ def test_a_repacked_lm_head_gives_the_stored_rows_logits_token_and_logprob(libra
     for m in (1, 2, 5, 40):
         for got, want in zip(call(packed, code, m), call(raw, Q6_K, m)):
             np.testing.assert_array_equal(got, want, err_msg=f"{m} rows")
+
+
+@pytest.mark.parametrize("qtype", list(TYPES.values()), ids=list(TYPES))
+def test_a_tied_tables_repacked_rows_embed_as_the_stored_rows(library, repacks, qtype):
+    """A tied embedding whose table is the lm_head's repacked panels (llama.py repacks it once for both):
+    EmbedTokens reads each token's stored bytes back from the panels, so the embedding is the stored rows' to the
+    bit, for tokens in every lane of a panel, repeated and out of order."""
+    from llm_serving.models.kernels.aot_call import invoke
+
+    rng = np.random.default_rng(qtype + 40)
+    vocab, h = 48, 512
+    raw = stored_rows(qtype, vocab, h, rng)
+    code, packed = repack(library, raw, qtype)
+    assert code == qtype + 100
+    ids = np.array([0, 7, 8, 47, 13, 13, 40, 1, 46, 25], np.int32)
+
+    def embed(table, table_type):
+        out = np.empty((len(ids), h), np.float32)
+        args = [ids, np.ascontiguousarray(table), np.array([table_type], np.int32), out]
+        assert invoke(library.EmbedTokens, args) == 0
+        return out
+
+    want = embed(raw, qtype)
+    assert np.isfinite(want).all() and np.abs(want).max() > 0
+    np.testing.assert_array_equal(embed(packed, code).view(np.uint32), want.view(np.uint32))

@@ -254,6 +254,7 @@ inline void attend_row(const float* qb, const Cache* kc, const Cache* vc, const 
 constexpr int64_t kKeyTile = 64;     // keys per tile
 constexpr int64_t kTileRows = 32;    // query rows per tile (x the KV head's G query heads)
 constexpr int64_t kDecodeTileKeys = 256;   // a lone row (decode) attends as a tile from this many keys on
+constexpr int64_t kPrefetchKeys = 8;       // attend_tile asks for a key's K and V this many keys ahead
 
 // Floats of attend_tile's scratch for a KV head's G query heads of up to kTileRows rows, head dim D.
 inline int64_t tile_scratch_floats(int64_t g, int64_t d) {
@@ -452,13 +453,24 @@ inline void attend_tile(const float* q, int64_t q_stride, int64_t rows, int64_t 
   const int64_t walk0 = window > 0 ? std::max<int64_t>(0, ctx0 - window) / kKeyTile * kKeyTile : 0;
   for (int64_t j0 = walk0; j0 < nkeys; j0 += kKeyTile) {
     const int64_t kn = std::min<int64_t>(kKeyTile, nkeys - j0);
+    auto slot_at = [&](int64_t j) { return (static_cast<int64_t>(table[j / bs]) * bs + j % bs) * row + kh * sh.vec; };
     for (int64_t jj = 0; jj < kKeyTile; ++jj) {             // the tile's keys (widened) and values
       if (jj >= kn) {
         key_rows[jj] = zeros;
         continue;
       }
+      // this head's K and V of the key kPrefetchKeys on (its own slot, in another block as often as not: the
+      // hardware's prefetchers do not follow a block table), asked for while this one is widened: a decode row
+      // reads each key once, from memory, and waited on each in turn (half of its attention's time)
+      if (j0 + jj + kPrefetchKeys < nkeys) {
+        const int64_t ahead = slot_at(key_at(j0 + jj + kPrefetchKeys));
+        for (int64_t b = 0; b < static_cast<int64_t>(sh.vec * sizeof(*kc)); b += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(kc + ahead) + b, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(vc + ahead) + b, _MM_HINT_T0);
+        }
+      }
       const int64_t j = key_at(j0 + jj);
-      const int64_t at = (static_cast<int64_t>(table[j / bs]) * bs + j % bs) * row + kh * sh.vec;
+      const int64_t at = slot_at(j);
       key_rows[jj] = widened(kc + at, d, keys + jj * d);
       const float* v = widened(vc + at, d, vt + jj * d);
       if (v != vt + jj * d) std::memcpy(vt + jj * d, v, d * sizeof(float));

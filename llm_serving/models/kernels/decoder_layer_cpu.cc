@@ -3447,7 +3447,8 @@ extern "C" int FinalLogits(int nparam, void** params, int* ndims, int64_t** shap
 
 // EmbedTokens(ids (T,) int32, table (V, K) weight, iconfig [table type]) -> out (T, K) float32: each token's row
 // of the embedding, read from the table as stored (a GGUF's quantized rows dequantized one row per token), so
-// the embedding needs no float32 copy. Ids outside [0, V) return 3.
+// the embedding needs no float32 copy; a tied lm_head's repacked panels (a repacked type) give each row's stored
+// bytes back first (avx2_int::stored_row), the same floats. Ids outside [0, V) return 3.
 #define EMBED_TOKENS_PARAMS(P) \
   P(IDS, "ids", 1, "int32") P(TABLE, "table", 2, "weight") P(ICFG, "iconfig", 1, "int32") P(OUT, "out", 2, "float32")
 
@@ -3475,6 +3476,18 @@ extern "C" int EmbedTokens(int nparam, void** params, int* ndims, int64_t** shap
   for (int64_t t = 0; t < tokens; ++t) {
     if (ids[t] < 0 || ids[t] >= vocab) return 3;
   }
+#if defined(LLM_SERVING_AVX2_INT)
+  if (repacked(table.type)) {                  // the tied lm_head's panels: each row's stored bytes back first
+    Matrix stored = table;
+    stored.type = table.type - llm_serving::avx2_int::kRepacked;
+    std::vector<uint8_t> row(table.row_bytes);
+    for (int64_t t = 0; t < tokens; ++t) {
+      llm_serving::avx2_int::stored_row(table.type, table.data, table.row_bytes, k, ids[t], row.data());
+      stored.dequantize_row(row.data(), out + t * k);
+    }
+    return 0;
+  }
+#endif
   for (int64_t t = 0; t < tokens; ++t) {
     const uint8_t* row = table.data + ids[t] * table.row_bytes;
     if (table.type == kF32) {

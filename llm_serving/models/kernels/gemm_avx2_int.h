@@ -61,6 +61,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 namespace llm_serving {
 namespace avx2_int {
@@ -679,9 +680,11 @@ void tiles(const uint8_t* wbuf, int64_t k, int64_t n, const uint8_t* xp, int64_t
 //   [128, 1152) the codes
 // Q6_K (1680 bytes = 8 x 210):
 //   [0, 16) d of each row (f16); [16, 144) the int8 scales, 8 bytes per 16 weights s (s = 0..15: byte r row r's)
-//   [144, 1168) the codes' low 4 bits; [1168, 1680) their top 2 bits, 16 vectors: vector c / 2 holds chunk c's
-//   (c even) in 32-bit lane r, pair i's weights' at bits top_bit(i), top_bit(i) + 1 of each 16-bit half, chunk
-//   c + 1's 2 bits higher
+//   [144, 1680) the 6-bit codes, 32 chunks of 48 bytes (the same weights and pairs as above, other bits): 32 bytes
+//   A whose 16-bit half t (lane t / 2's low or high half) holds pair 0's code at bits 0-5, pair 1's at 6-11 and
+//   the low 4 bits of pair 3's at 12-15, then 16 bytes B whose byte t holds pair 2's code at bits 0-5 and the top
+//   2 bits of pair 3's at 6-7. Decoding a chunk's 4 vectors takes 9 instructions (A & 63; A >> 6 & 63; B widened
+//   to 16 bits, & 63; A >> 12 | B >> 2 & 48), against 17 when the top bits were a vector of their own
 // The epilogue is the header's, per output, in the same order (8 accumulators of the block positions j, the groups
 // in k order; Q6_K's first 16 then second 16 of each block; sum8's tree at the end, as vertical adds): the outputs
 // are the same floats as the stored rows' products (tests/unit/test_kernel_repack.py checks them to the bit), so
@@ -692,10 +695,9 @@ template <int32_t T>
 constexpr int64_t panel_bytes() { return kPanelRows * group_bytes(T); }
 template <int32_t T>
 constexpr int64_t panel_codes() { return T == kQ6_K ? 144 : T == kQ4_1 ? 256 : 128; }   // where the codes start
-// bytes of a chunk's codes: Q8_0's 8 bits a code take two vectors, the others' low 4 bits one
+// bytes of a chunk's codes: Q8_0's 8 bits a code take two vectors, Q6_K's 6 one and a half, the others' 4 one
 template <int32_t T>
-constexpr int64_t chunk_bytes() { return T == kQ8_0 ? 64 : 32; }
-constexpr int64_t kPanelHigh = 1168;                                      // Q6_K: where the top 2 bits start
+constexpr int64_t chunk_bytes() { return T == kQ8_0 ? 64 : T == kQ6_K ? 48 : 32; }
 
 // What repack_rows makes of `type`, or 0: the types it repacks (Q4_K, Q6_K, Q8_0, Q4_0, Q4_1), rows a multiple
 // of 8, k of whole groups (a row of blocks of 32 whose last group is short stays as stored)
@@ -740,11 +742,6 @@ inline void stored_codes(const uint8_t* p, uint8_t* codes) {
       }
   }
 }
-
-// Q6_K: where pair i's top 2 bits sit in each 16-bit half of its chunk's word (the even chunk's; the odd one's 2
-// higher): just above its low 4 bits (bits 4i + 4, 4i + 5), so that one mask-and-merge and one shift give the
-// code; pair 3's at bits 0, 1 (above its low bits is past the half)
-constexpr int top_bit(int i) { return i < 3 ? 4 * i + 4 : 0; }
 
 template <int32_t T>
 void repack_typed(const uint8_t* src, int64_t rows, int64_t k, uint8_t* dst) {
@@ -796,20 +793,19 @@ void repack_typed(const uint8_t* src, int64_t rows, int64_t k, uint8_t* dst) {
             }
             continue;
           }
-          uint32_t lane = 0, high = 0;
-          for (int i = 0; i < 4; ++i) {
-            const uint32_t a = codes[o[2 * i]], b = codes[o[2 * i + 1]];
-            lane |= (a & 15) << (4 * i) | (b & 15) << (16 + 4 * i);
-            high |= (a >> 4) << top_bit(i) | (b >> 4) << (16 + top_bit(i));
+          uint8_t* chunk = panel + panel_codes<T>() + c * chunk_bytes<T>();
+          if constexpr (T == kQ6_K) {              // A's halves 2r, 2r + 1 (the pairs' two weights), B's bytes
+            for (int h = 0; h < 2; ++h) {
+              const uint32_t c0 = codes[o[h]], c1 = codes[o[2 + h]], c2 = codes[o[4 + h]], c3 = codes[o[6 + h]];
+              const uint16_t a = static_cast<uint16_t>(c0 | c1 << 6 | (c3 & 15) << 12);
+              std::memcpy(chunk + 2 * (2 * r + h), &a, 2);
+              chunk[32 + 2 * r + h] = static_cast<uint8_t>(c2 | (c3 >> 4) << 6);
+            }
+            continue;
           }
-          std::memcpy(panel + panel_codes<T>() + c * 32 + 4 * r, &lane, 4);
-          if constexpr (T == kQ6_K) {
-            uint32_t word;
-            uint8_t* at = panel + kPanelHigh + (c / 2) * 32 + 4 * r;
-            std::memcpy(&word, at, 4);
-            word |= high << (2 * (c % 2));
-            std::memcpy(at, &word, 4);
-          }
+          uint32_t lane = 0;
+          for (int i = 0; i < 4; ++i) lane |= uint32_t{codes[o[2 * i]]} << (4 * i) | uint32_t{codes[o[2 * i + 1]]} << (16 + 4 * i);
+          std::memcpy(chunk + 4 * r, &lane, 4);
         }
       }
     }
@@ -823,6 +819,60 @@ inline void repack_rows(int32_t type, const uint8_t* src, int64_t rows, int64_t 
     case kQ8_0: repack_typed<kQ8_0>(src, rows, k, dst); break;
     case kQ4_0: repack_typed<kQ4_0>(src, rows, k, dst); break;
     case kQ4_1: repack_typed<kQ4_1>(src, rows, k, dst); break;
+    default: break;
+  }
+}
+
+// A stored row back from its panels (row r of rows repacked by repack_rows; out: the stored row's bytes), for what
+// reads rows one at a time: the embedding, when its table is the tied lm_head's repacked rows. repack_typed moves
+// bits and computes none (each panel bit is one stored bit: codes, scales, d), so a table per type, made once by
+// repacking one-hot groups, gives each stored bit of a panel's row r its place in the panel: about 2 ns a bit,
+// 20 us for a 2,560-wide Q6_K row.
+template <int32_t T>
+const std::vector<uint16_t>& stored_bit_places() {
+  static const std::vector<uint16_t> places = [] {
+    const int64_t gb = group_bytes(T), pb = panel_bytes<T>();
+    std::vector<uint16_t> at(pb * 8, 0xFFFF);             // [(row * gb + byte) * 8 + bit]: a bit of the panel
+    std::vector<uint8_t> src(pb), dst(pb);
+    for (int64_t i = 0; i < pb * 8; ++i) {
+      std::fill(src.begin(), src.end(), 0);
+      src[i / 8] = static_cast<uint8_t>(1u << (i % 8));
+      repack_typed<T>(src.data(), kPanelRows, kGroup, dst.data());
+      for (int64_t b = 0; b < pb; ++b)
+        if (dst[b] != 0) at[i] = static_cast<uint16_t>(8 * b + __builtin_ctz(dst[b]));
+    }
+    return at;
+  }();
+  return places;
+}
+
+template <int32_t T>
+void stored_row_typed(const uint8_t* rows, int64_t row_bytes, int64_t k, int64_t r, uint8_t* out) {
+  const int64_t gb = group_bytes(T), pb = panel_bytes<T>(), ng = k / kGroup;
+  const uint16_t* at = stored_bit_places<T>().data() + (r % kPanelRows) * gb * 8;
+  const uint8_t* block = rows + (r / kPanelRows) * kPanelRows * row_bytes;
+  for (int64_t g = 0; g < ng; ++g) {
+    const uint8_t* panel = block + g * pb;
+    uint8_t* o = out + g * gb;
+    for (int64_t byte = 0; byte < gb; ++byte) {
+      unsigned v = 0;
+      for (int bit = 0; bit < 8; ++bit) {
+        const uint16_t p = at[8 * byte + bit];
+        v |= ((panel[p >> 3] >> (p & 7)) & 1u) << bit;
+      }
+      o[byte] = static_cast<uint8_t>(v);
+    }
+  }
+}
+
+// type: a repacked type (repacked_type's); k a multiple of kGroup
+inline void stored_row(int32_t type, const uint8_t* rows, int64_t row_bytes, int64_t k, int64_t r, uint8_t* out) {
+  switch (type - kRepacked) {
+    case kQ4_K: stored_row_typed<kQ4_K>(rows, row_bytes, k, r, out); break;
+    case kQ6_K: stored_row_typed<kQ6_K>(rows, row_bytes, k, r, out); break;
+    case kQ8_0: stored_row_typed<kQ8_0>(rows, row_bytes, k, r, out); break;
+    case kQ4_0: stored_row_typed<kQ4_0>(rows, row_bytes, k, r, out); break;
+    case kQ4_1: stored_row_typed<kQ4_1>(rows, row_bytes, k, r, out); break;
     default: break;
   }
 }
@@ -898,19 +948,19 @@ inline void panel_scales(const uint8_t* panel, __m256* ab) {
   }
 }
 
-// Pair i's codes of chunk c of a panel (lanes: rows), from its low-4-bit vector q (and Q6_K's top bits hv, the
-// chunk pair's vector shifted right by 2 (c % 2) already: top_bit's places)
+// Pair i's codes of a chunk of a panel (lanes: rows), from the chunk's vectors: q its first 32 bytes, hv Q8_0's
+// second 32 or Q6_K's B widened to 16 bits (chunk_vectors)
 template <int32_t T>
 inline __m256i panel_codes_of(__m256i q, __m256i hv, int i) {
   if constexpr (T == kQ8_0) {                    // q: pairs 0, 1; hv: pairs 2, 3 (bytes sign-extended in place)
     const __m256i v = i < 2 ? q : hv;
     return i % 2 == 0 ? _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8) : _mm256_srai_epi16(v, 8);
   } else if constexpr (T == kQ6_K) {
-    if (i == 3)
-      return _mm256_or_si256(_mm256_srli_epi16(q, 12), _mm256_slli_epi16(_mm256_and_si256(hv, _mm256_set1_epi16(3)), 4));
-    const __m256i merged = _mm256_or_si256(_mm256_and_si256(q, _mm256_set1_epi16(static_cast<int16_t>(0xF << (4 * i)))),
-                                           _mm256_and_si256(hv, _mm256_set1_epi16(static_cast<int16_t>(0x30 << (4 * i)))));
-    return i == 0 ? merged : _mm256_srli_epi16(merged, 4 * i);
+    const __m256i six = _mm256_set1_epi16(63);
+    if (i == 0) return _mm256_and_si256(q, six);
+    if (i == 1) return _mm256_and_si256(_mm256_srli_epi16(q, 6), six);
+    if (i == 2) return _mm256_and_si256(hv, six);
+    return _mm256_or_si256(_mm256_srli_epi16(q, 12), _mm256_and_si256(_mm256_srli_epi16(hv, 2), _mm256_set1_epi16(48)));
   } else {
     (void)hv;
     const __m256i nib = _mm256_set1_epi16(15);
@@ -918,10 +968,13 @@ inline __m256i panel_codes_of(__m256i q, __m256i hv, int i) {
   }
 }
 
-// Q6_K's top bits of chunk c, in top_bit's places (its chunk pair's vector, the odd chunk's shifted down)
-inline __m256i panel_top_bits(const uint8_t* panel, int c) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + kPanelHigh + c / 2 * 32));
-  return c % 2 ? _mm256_srli_epi16(h, 2) : h;
+// A chunk's code vectors as panel_codes_of takes them: q its first 32 bytes; hv Q8_0's next 32, Q6_K's 16 bytes B
+// widened to 16-bit halves (byte t to half t), else unused
+template <int32_t T>
+inline void chunk_vectors(const uint8_t* chunk, __m256i* q, __m256i* hv) {
+  *q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk));
+  *hv = T == kQ6_K ? _mm256_cvtepu8_epi16(load16(chunk + 32))
+        : T == kQ8_0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 32)) : _mm256_setzero_si256();
 }
 
 // P panels (P x 8 weight rows; panel p's row-block at w + p * pstride) times BB rows of x (packed in the Lanes
@@ -965,12 +1018,7 @@ void panel_tile(const uint8_t* w, int64_t pstride, int64_t ng, const uint8_t* xp
       for (int l = 0; l < 4; ++l) {
         const int c = 4 * j + l;
         __m256i v[P], hv[P];
-        for (int p = 0; p < P; ++p) {
-          const uint8_t* chunk = panel[p] + panel_codes<T>() + c * chunk_bytes<T>();
-          v[p] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk));
-          hv[p] = T == kQ6_K ? panel_top_bits(panel[p], c)
-                  : T == kQ8_0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 32)) : _mm256_setzero_si256();
-        }
+        for (int p = 0; p < P; ++p) chunk_vectors<T>(panel[p] + panel_codes<T>() + c * chunk_bytes<T>(), &v[p], &hv[p]);
 #pragma GCC unroll 4
         for (int i = 0; i < 4; ++i) {
           __m256i cv[P];
@@ -1064,11 +1112,8 @@ void unpack_repacked(const uint8_t* rows, int64_t row_bytes, int64_t k, int64_t 
           __m256i v[8];
           for (int j = 0; j < 8; ++j) {
             const int c = 4 * j + l;
-            const uint8_t* chunk = panel + panel_codes<T>() + c * chunk_bytes<T>();
-            const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk));
-            const __m256i hv = T == kQ6_K ? panel_top_bits(panel, c)
-                               : T == kQ8_0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 32))
-                                            : _mm256_setzero_si256();
+            __m256i q, hv;
+            chunk_vectors<T>(panel + panel_codes<T>() + c * chunk_bytes<T>(), &q, &hv);
             v[j] = panel_codes_of<T>(q, hv, i);
           }
           transpose8(v);                                            // v[r]: row r's word, lane j: block j's
@@ -1091,7 +1136,7 @@ void unpack_repacked(const uint8_t* rows, int64_t row_bytes, int64_t k, int64_t 
 
 // Up to this many rows of x, the repacked rows are read in place (panel_out); more, unpacked once into the stored
 // rows' records and multiplied by tiles(): only Q6_K without VNNI (16 vector registers: its two sums a block and
-// its top bits' decoding spill, 0.85x the stored rows' tiles at 64 rows on a Zen 4 built for AVX2)
+// its decoding spill, 0.91-0.93x the stored rows' tiles at 64 and 512 rows on a Zen 4 built for AVX2)
 template <int32_t T>
 constexpr int64_t panel_x_rows() {
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
