@@ -43,7 +43,7 @@ from .parallel import TensorParallel
 from .rope import ROPE_KINDS, rope_tables
 from .runner_spec import KERNEL_ONLY_ROWS
 from .sampler import greedy_pick
-from .weights import LlamaConfig
+from .weights import LlamaConfig, QuantizedTensor
 
 __all__ = ["LlamaForCausalLM"]
 
@@ -82,6 +82,18 @@ def _repacked(library: str, k: KernelInputs) -> KernelInputs:
     """The layer kernel's inputs with its stored matrices repacked where the library repacks them."""
     matrices, types = _repack_all(library, k.matrices, k.types)
     return k if types == tuple(k.types) else k.with_matrices(matrices, types)
+
+
+def _repacked_tied_table(library: str, quantized: dict) -> QuantizedTensor:
+    """A tied embedding's stored rows, which FinalLogits reads as the lm_head on every step: repacked where the
+    library repacks them (EmbedTokens then reads each token's stored bytes back from the panels, the same floats),
+    in place of the stored rows under both names, so that nothing holds a second copy."""
+    table = quantized["model.embed_tokens.weight"]
+    rows, qtype = repack_rows(library, table.data, table.qtype)
+    if qtype != table.qtype:
+        table = dataclasses.replace(table, data=rows, qtype=qtype)
+        quantized["model.embed_tokens.weight"] = quantized["lm_head.weight"] = table
+    return table
 
 
 def _repacked_experts(library: str, m: MoeKernelInputs, cfg: LlamaConfig) -> MoeKernelInputs:
@@ -425,6 +437,8 @@ class LlamaForCausalLM(nn.Cell):
             if table is None or layer_kernel is None:
                 raise ValueError("LlamaForCausalLM: the embedding has no float32 weights and no stored rows the "
                                  "CPU kernels read")
+            if cfg.generates and self.writes_outputs and quantized.get("lm_head.weight") is table:
+                table = _repacked_tied_table(layer_kernel, quantized)
             hidden = cfg.hidden_size
             self.embed_kernel = ops.Custom(f"{layer_kernel}:EmbedTokens", func_type="aot",
                                            out_shape=lambda ids, *_: (ids[0], hidden),
@@ -466,16 +480,7 @@ class LlamaForCausalLM(nn.Cell):
                 if head.kernel_type == 0:
                     self.kernel_lm_head = self.lm_head
                 elif self.embed_stored and head.kernel_lm_head is quantized["model.embed_tokens.weight"].data:
-                    # tied: the embedding's rows, once, repacked where the library does (EmbedTokens reads a row's
-                    # stored bytes back from the panels)
-                    rows, lm_type = repack_rows(layer_kernel, head.kernel_lm_head, head.kernel_type)
-                    if lm_type != head.kernel_type:
-                        self.embed_table = _stored_param(rows, "embed_stored")
-                        self.embed_held = EMBED_TOKENS.held(table=self.embed_table,
-                                                            iconfig=Tensor(np.array([lm_type], np.int32)))
-                        head.iconfig[1] = lm_type
-                        head.kernel_type = lm_type
-                    self.kernel_lm_head = self.embed_table
+                    self.kernel_lm_head = self.embed_table           # tied: the embedding's rows (repacked above)
                 else:                                                # its own rows: repacked where the library does
                     rows, lm_type = repack_rows(layer_kernel, head.kernel_lm_head, head.kernel_type)
                     head.iconfig[1] = lm_type
