@@ -73,3 +73,40 @@ def test_the_build_is_avx2s(library_path):
     """The library under test is not the native one: the march reached the compiler (a different cache file)."""
     native = build_kernel("decoder_layer_cpu", "DecoderLayer").rsplit(":", 1)[0]
     assert os.path.exists(library_path) and library_path != native
+
+
+_TWO_BUILDS = """
+import ctypes, sys
+import numpy as np
+from llm_serving.models.kernels.aot_call import invoke
+from tests.unit.test_layer_kernel import logits_args
+rng = np.random.default_rng(3)
+x = rng.standard_normal((64, 256)).astype(np.float32)
+w = rng.standard_normal((1000, 256)).astype(np.float32)
+want = (x / np.sqrt((x.astype(np.float64) ** 2).mean(1, keepdims=True) + 1e-5)) @ w.T.astype(np.float64)
+for path in sys.argv[1:]:
+    lib = ctypes.CDLL(path)
+    lib.KernelInvariant.argtypes = [ctypes.c_int]
+    lib.KernelInvariant(0)
+    out = np.empty((64, 1000), np.float32), np.empty(64, np.int32), np.empty(64, np.float32)
+    cfg = [np.array([2, 0], np.int32), np.array([1e-5], np.float32)]
+    assert invoke(lib.FinalLogits, logits_args(x, w, np.ones(256, np.float32), np.arange(64, dtype=np.int32),
+                                               cfg, *out)) == 0
+    assert np.abs(out[0] - want).max() < 1e-3 * np.abs(want).max(), path
+"""
+
+
+def test_two_builds_in_one_process_keep_their_own_kernels(library_path):
+    """The AVX2 build loaded first, then the native one, in one process (as a test worker that ran this module
+    and then another does): each calls its own kernels. Built with GCC's default STB_GNU_UNIQUE statics, the
+    native library took the AVX2 library's table of float GEMM kernels (gemm_cpu.h's kernel_for) and crashed on
+    its first batched lm_head; -fno-gnu-unique keeps each library's statics its own."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    native = build_kernel("decoder_layer_cpu", "DecoderLayer").rsplit(":", 1)[0]
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", _TWO_BUILDS, library_path, native], cwd=root, timeout=120,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]

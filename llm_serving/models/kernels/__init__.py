@@ -18,6 +18,10 @@ encodings), as an AVX2-only CPU runs them. The value is part of the digest.
 Flags: -O3 plus the floating-point relaxations that let the compiler vectorise the dot products
 (reassociation, no errno, no signed zeros, no traps), but not -ffast-math: linking a shared library
 with it sets flush-to-zero for the whole process, which would change every other kernel's results.
+-fno-gnu-unique: GCC otherwise gives the static locals of inline functions (gemm_cpu.h's table of kernels
+chosen for this CPU, attention's buffers) STB_GNU_UNIQUE binding, which the dynamic loader makes one object per
+process whatever library defines it: a process that loaded two builds of a library (the tests load the AVX2 build
+beside the native one) had the second call the first's kernels on its own layouts, and crashed.
 """
 from __future__ import annotations
 
@@ -40,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).resolve().parent
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
-         "-fno-trapping-math", "-std=c++17", "-shared", "-fPIC", "-pthread"]
+         "-fno-trapping-math", "-fno-gnu-unique", "-std=c++17", "-shared", "-fPIC", "-pthread"]
 
 
 class KernelBuildError(RuntimeError):
