@@ -66,10 +66,17 @@ def _cpu_identity() -> str:
     return ident
 
 
-def flags() -> list:
-    """The compiler's flags: FLAGS, with $LLM_SERVING_KERNEL_MARCH in place of -march=native when set."""
+# GCC's own: clang gives inline functions' statics no STB_GNU_UNIQUE binding, and does not take the flag
+_GCC_ONLY = ("-fno-gnu-unique",)
+
+
+def flags(compiler_version: str = "") -> list:
+    """The compiler's flags: FLAGS, with $LLM_SERVING_KERNEL_MARCH in place of -march=native when set, without the
+    GCC-only ones for clang (its `--version` text)."""
     march = os.environ.get("LLM_SERVING_KERNEL_MARCH", "").strip()
-    return [f"-march={march}" if f == "-march=native" and march else f for f in FLAGS]
+    clang = "clang" in compiler_version.lower()
+    return [f"-march={march}" if f == "-march=native" and march else f for f in FLAGS
+            if not (clang and f in _GCC_ONLY)]
 
 
 def _compiler() -> Optional[str]:
@@ -91,7 +98,7 @@ def build_kernel(name: str, func: str, cache_dir: Optional[Path] = None) -> str:
         raise KernelBuildError(f"cannot run the C++ compiler {cxx}: {e}") from e
     digest = hashlib.sha1()
     headers = [h.read_bytes() for h in sorted(_HERE.glob("*.h"))]          # what the sources may include
-    for part in (source.read_bytes(), *headers, version.encode(), " ".join(flags()).encode(),
+    for part in (source.read_bytes(), *headers, version.encode(), " ".join(flags(version)).encode(),
                  _cpu_identity().encode()):
         digest.update(part)
     out_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir() / "kernels"
@@ -105,7 +112,7 @@ def build_kernel(name: str, func: str, cache_dir: Optional[Path] = None) -> str:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not target.exists():              # (another process may have built it while this one waited)
-                _compile(cxx, source, out_dir, target)
+                _compile(cxx, flags(version), source, out_dir, target)
         finally:
             os.close(lock)                       # (which releases the lock)
     signatures = KERNEL_SIGNATURES.get(name, ())
@@ -114,7 +121,7 @@ def build_kernel(name: str, func: str, cache_dir: Optional[Path] = None) -> str:
     return f"{target}:{func}"
 
 
-def _compile(cxx: str, source: Path, out_dir: Path, target: Path) -> None:
+def _compile(cxx: str, cxx_flags: list, source: Path, out_dir: Path, target: Path) -> None:
     """Compile `source` into a temporary file under out_dir, then rename it to `target`."""
     try:
         fd, tmp = tempfile.mkstemp(suffix=".so", prefix=f".{source.stem}-", dir=out_dir)
@@ -122,7 +129,7 @@ def _compile(cxx: str, source: Path, out_dir: Path, target: Path) -> None:
     except OSError as e:
         raise KernelBuildError(f"cannot write the kernel library under {out_dir}: {e}") from e
     try:
-        proc = subprocess.run([cxx, *flags(), "-o", tmp, str(source)], capture_output=True, text=True, timeout=300)
+        proc = subprocess.run([cxx, *cxx_flags, "-o", tmp, str(source)], capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             raise KernelBuildError(f"{cxx} failed to build {source.name}:\n{proc.stderr.strip()[-2000:]}")
         os.replace(tmp, target)
