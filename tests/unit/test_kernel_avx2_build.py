@@ -11,7 +11,6 @@ import ctypes
 import os
 import shutil
 
-import numpy as np
 import pytest
 
 from llm_serving.models.kernels import build_kernel
@@ -20,7 +19,7 @@ from .test_batch_invariance import (invariant,  # noqa: F401  (fixtures and test
                                     test_a_sequence_gives_the_same_bits_in_any_step,
                                     test_integer_weights_give_a_sequence_the_same_bits_in_any_step_on_any_threads)
 from .test_kernel_repack import (repacks, test_a_layer_on_repacked_rows_gives_the_stored_rows_bits_in_any_step,  # noqa: F401
-                                 test_repacked_products_equal_the_stored_rows_products_to_the_bit)
+                                 test_repacked_products_equal_the_stored_rows_products_to_the_bit, with_product_calls)
 from .test_layer_kernel import (fastest_paths, invariant_mode,  # noqa: F401
                                 test_a_prompts_rows_attend_together_as_tiles)
 
@@ -60,13 +59,7 @@ def library_path():
 @pytest.fixture(scope="module")
 def library(library_path):
     """The AVX2 build, with the argument types test_kernel_repack's calls need."""
-    lib = ctypes.CDLL(library_path)
-    u8, f32 = np.ctypeslib.ndpointer(np.uint8, flags="C"), np.ctypeslib.ndpointer(np.float32, flags="C")
-    lib.RepackRows.argtypes = [ctypes.c_int32, u8, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
-    lib.RepackRows.restype = ctypes.c_int32
-    lib.IntegerProduct.argtypes = [ctypes.c_int32, u8, ctypes.c_int64, ctypes.c_int64, f32, ctypes.c_int64, f32]
-    lib.KernelInt.argtypes = [ctypes.c_int]
-    return lib
+    return with_product_calls(ctypes.CDLL(library_path))
 
 
 def test_the_build_is_avx2s(library_path):

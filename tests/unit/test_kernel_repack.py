@@ -29,15 +29,19 @@ def stored_rows(qtype: int, n: int, k: int, rng) -> np.ndarray:
     return np.ascontiguousarray(quantized_rows(rng.standard_normal((n, k)).astype(np.float32), _gguf_type(qtype), rng))
 
 
-@pytest.fixture(scope="module")
-def library():
-    lib = ctypes.CDLL(build_kernel("decoder_layer_cpu", "DecoderLayer").rsplit(":", 1)[0])
+def with_product_calls(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """`lib` with the argument types of the calls these tests make (RepackRows, IntegerProduct, KernelInt)."""
     u8, f32 = np.ctypeslib.ndpointer(np.uint8, flags="C"), np.ctypeslib.ndpointer(np.float32, flags="C")
     lib.RepackRows.argtypes = [ctypes.c_int32, u8, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
     lib.RepackRows.restype = ctypes.c_int32
     lib.IntegerProduct.argtypes = [ctypes.c_int32, u8, ctypes.c_int64, ctypes.c_int64, f32, ctypes.c_int64, f32]
     lib.KernelInt.argtypes = [ctypes.c_int]
     return lib
+
+
+@pytest.fixture(scope="module")
+def library():
+    return with_product_calls(ctypes.CDLL(build_kernel("decoder_layer_cpu", "DecoderLayer").rsplit(":", 1)[0]))
 
 
 @pytest.fixture

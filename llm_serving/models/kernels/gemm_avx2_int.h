@@ -701,8 +701,22 @@ constexpr int64_t chunk_bytes() { return T == kQ8_0 ? 64 : T == kQ6_K ? 48 : 32;
 
 // What repack_rows makes of `type`, or 0: the types it repacks (Q4_K, Q6_K, Q8_0, Q4_0, Q4_1), rows a multiple
 // of 8, k of whole groups (a row of blocks of 32 whose last group is short stays as stored)
+// f(std::integral_constant<int32_t, T>) for the stored type T that `type` names if it is one repack_rows takes;
+// whether it is: the one list of those types (repacking, the products, a row read back)
+template <typename F>
+inline bool with_repackable(int32_t type, F&& f) {
+  switch (type) {
+    case kQ4_K: f(std::integral_constant<int32_t, kQ4_K>{}); return true;
+    case kQ6_K: f(std::integral_constant<int32_t, kQ6_K>{}); return true;
+    case kQ8_0: f(std::integral_constant<int32_t, kQ8_0>{}); return true;
+    case kQ4_0: f(std::integral_constant<int32_t, kQ4_0>{}); return true;
+    case kQ4_1: f(std::integral_constant<int32_t, kQ4_1>{}); return true;
+    default: return false;
+  }
+}
+
 inline int32_t repacked_type(int32_t type, int64_t rows, int64_t k) {
-  const bool takes = type == kQ4_K || type == kQ6_K || type == kQ8_0 || type == kQ4_0 || type == kQ4_1;
+  const bool takes = with_repackable(type, [](auto) {});
   return takes && rows > 0 && rows % kPanelRows == 0 && k > 0 && k % kGroup == 0 ? type + kRepacked : 0;
 }
 
@@ -813,14 +827,7 @@ void repack_typed(const uint8_t* src, int64_t rows, int64_t k, uint8_t* dst) {
 }
 
 inline void repack_rows(int32_t type, const uint8_t* src, int64_t rows, int64_t k, uint8_t* dst) {
-  switch (type) {
-    case kQ4_K: repack_typed<kQ4_K>(src, rows, k, dst); break;
-    case kQ6_K: repack_typed<kQ6_K>(src, rows, k, dst); break;
-    case kQ8_0: repack_typed<kQ8_0>(src, rows, k, dst); break;
-    case kQ4_0: repack_typed<kQ4_0>(src, rows, k, dst); break;
-    case kQ4_1: repack_typed<kQ4_1>(src, rows, k, dst); break;
-    default: break;
-  }
+  with_repackable(type, [&](auto t) { repack_typed<decltype(t)::value>(src, rows, k, dst); });
 }
 
 // A stored row back from its panels (row r of rows repacked by repack_rows; out: the stored row's bytes), for what
@@ -867,14 +874,7 @@ void stored_row_typed(const uint8_t* rows, int64_t row_bytes, int64_t k, int64_t
 
 // type: a repacked type (repacked_type's); k a multiple of kGroup
 inline void stored_row(int32_t type, const uint8_t* rows, int64_t row_bytes, int64_t k, int64_t r, uint8_t* out) {
-  switch (type - kRepacked) {
-    case kQ4_K: stored_row_typed<kQ4_K>(rows, row_bytes, k, r, out); break;
-    case kQ6_K: stored_row_typed<kQ6_K>(rows, row_bytes, k, r, out); break;
-    case kQ8_0: stored_row_typed<kQ8_0>(rows, row_bytes, k, r, out); break;
-    case kQ4_0: stored_row_typed<kQ4_0>(rows, row_bytes, k, r, out); break;
-    case kQ4_1: stored_row_typed<kQ4_1>(rows, row_bytes, k, r, out); break;
-    default: break;
-  }
+  with_repackable(type - kRepacked, [&](auto t) { stored_row_typed<decltype(t)::value>(rows, row_bytes, k, r, out); });
 }
 
 // Byte offset of 32-bit word w (0..7: the even vector's, 8..15: the odd one's) of block j in a group's x record:
@@ -992,7 +992,9 @@ void panel_tile(const uint8_t* w, int64_t pstride, int64_t ng, const uint8_t* xp
       panel[p] = w + p * pstride + g * PB;
       // the same group of the row-blocks the next call takes (P row-blocks on; the rows of a thread's chunk are
       // consecutive), asked for a call ahead as the stored rows' decoders do (kAhead rows): a row-block's own
-      // next panels, a few hundred bytes on, are the hardware prefetcher's
+      // next panels, a few hundred bytes on, are the hardware prefetcher's. One row of x only: with more, the call
+      // makes a pass per few rows of x over the same panels, and asking each pass for the next call's bytes again
+      // gained nothing (bench/repack.py, 4-256 rows)
       if constexpr (BB == 1)
         for (int at = 0; at < PB; at += 64)
           _mm_prefetch(reinterpret_cast<const char*>(panel[p] + P * pstride + at), _MM_HINT_T1);
@@ -1160,9 +1162,8 @@ void panels_x(bool lanes, int64_t bb, const uint8_t* w, int64_t row_bytes, int64
     panel_out<T, P, decltype(rows_c)::value, decltype(lanes_c)::value>(w, row_bytes, ng, x, xstride, o, ldo);
   };
   auto rows = [&](auto lanes_c) {
-    using R = std::integral_constant<int, 1>;
     switch (bb) {
-      case 1: run(lanes_c, R{}); break;
+      case 1: run(lanes_c, std::integral_constant<int, 1>{}); break;
       case 2: run(lanes_c, std::integral_constant<int, 2>{}); break;
       case 3: run(lanes_c, std::integral_constant<int, 3>{}); break;
       case 4: run(lanes_c, std::integral_constant<int, 4>{}); break;
@@ -1228,6 +1229,8 @@ __attribute__((noinline)) inline void product(int32_t type, const uint8_t* rows,
     case kQ4_K: product_typed<kQ4_K>(rows, row_bytes, k, n, xp, m, wbuf, out, ldo); break;
     case kQ5_K: product_typed<kQ5_K>(rows, row_bytes, k, n, xp, m, wbuf, out, ldo); break;
     case kQ6_K: product_typed<kQ6_K>(rows, row_bytes, k, n, xp, m, wbuf, out, ldo); break;
+    // (the repacked types spelled out, not with_repackable: through its lambda GCC compiled the stored rows' Q4_K
+    // path above 2x slower at one row of x)
     case kQ4_K_R8: product_repacked<kQ4_K>(rows, row_bytes, k, n, xp, m, wbuf, out, ldo); break;
     case kQ6_K_R8: product_repacked<kQ6_K>(rows, row_bytes, k, n, xp, m, wbuf, out, ldo); break;
     case kQ8_0_R8: product_repacked<kQ8_0>(rows, row_bytes, k, n, xp, m, wbuf, out, ldo); break;
