@@ -119,6 +119,41 @@ class Comparator:
             self.failure = exc
 
 
+def served_token_errors(ref_logits: np.ndarray, prompt_len: int, tokens, logprobs) -> dict:
+    """A served greedy continuation against the reference, teacher-forced: `ref_logits` are the reference's logits
+    (prompt_len + len(tokens) - 1, vocab) of the prompt and the served tokens but the last, so row prompt_len - 1 + j
+    is its distribution for served token j, given the served tokens before it. Per served token: whether it is the
+    reference's greedy choice there (`agrees`), the error of the log-probability the server gave it (`lp_error`,
+    nats, served - reference), and the reference's own margin between its top two tokens (`margin`, nats: where it
+    is below the server's error a disagreement is a near tie, not a wrong turn). Any server that reports its chosen
+    tokens' log-probabilities can be measured so (llama-server's n_probs, this server's details)."""
+    tokens = np.asarray(tokens, dtype=np.int64)
+    rows = ref_logits[prompt_len - 1:prompt_len - 1 + len(tokens)]
+    if len(rows) != len(tokens):
+        raise ValueError(f"precision: {len(tokens)} served tokens after a {prompt_len}-token prompt need "
+                         f"{prompt_len + len(tokens) - 1} reference rows, got {len(ref_logits)}")
+    shifted = rows - rows.max(axis=-1, keepdims=True)
+    log_softmax = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+    top2 = np.sort(log_softmax, axis=-1)[:, -2:]
+    return {"agrees": rows.argmax(axis=-1) == tokens,
+            "lp_error": np.asarray(logprobs, dtype=np.float64) - log_softmax[np.arange(len(tokens)), tokens],
+            "margin": top2[:, 1] - top2[:, 0]}
+
+
+def summarize_token_errors(per_request: list) -> dict:
+    """served_token_errors of many requests as one row: greedy agreement (its share of the tokens, and the share
+    of disagreements that were near ties), the log-probability error's mean, 99th percentile and largest
+    magnitude (nats), and the tokens counted."""
+    agrees = np.concatenate([e["agrees"] for e in per_request])
+    err = np.abs(np.concatenate([e["lp_error"] for e in per_request]))
+    margin = np.concatenate([e["margin"] for e in per_request])
+    wrong = ~agrees
+    return {"tokens": int(agrees.size), "greedy_agreement": float(agrees.mean()),
+            "disagreements": int(wrong.sum()), "near_ties": int((wrong & (margin <= err)).sum()),
+            "lp_error_mean": float(err.mean()), "lp_error_p99": float(np.percentile(err, 99)),
+            "lp_error_max": float(err.max())}
+
+
 async def replay(url: str, model: str, prompts: list, max_new_tokens: int, rate: float) -> list:
     async def one(session, i, prompt):
         if rate > 0:

@@ -19,6 +19,10 @@ and L2-normalized), as /v1/embeddings serves it.
     logits = ref.forward(seq, token_ids, start=0)      # (len(token_ids), vocab) float64
     logits = ref.forward(seq, [next_id], start=len(token_ids))
     vector = ref.embed(token_ids, "mean")              # (H,) float64, unit length
+    many = ref.forward_many([ids_a, ids_b])            # each list's logits, every layer read once for all
+
+A model whose float64 weights pass RESIDENT_BYTES (a 4B: 32 GB) is held a layer at a time, read (dequantized) as
+each forward pass reaches it: forward_many is the way to score many sequences there.
 """
 from __future__ import annotations
 
@@ -28,7 +32,10 @@ import os
 
 import numpy as np
 
-from llm_serving.models.weights import load_llama_weights
+from llm_serving.models.weights import expected_shapes, load_llama_weights, stored_llama_weights
+
+# Below this many bytes of float64 weights the reference holds them all (every model the tests use); above, one\n# layer's at a time (a 4B's float64 copy is 32 GB): forward_many() then reads each layer once for many sequences.
+RESIDENT_BYTES = 8 << 30
 
 
 def _hf_rope_scaling(model_path: str):
@@ -61,6 +68,43 @@ def _llama3_inv_freq(inv_freq: np.ndarray, s: dict) -> np.ndarray:
     return np.array(out)
 
 
+class _LayerAtATime:
+    """The checkpoint's tensors as float64, each read (dequantized) on first use. A decoder layer's are dropped when
+    another layer's are asked for; the others (embedding, final norm, lm_head) stay. So a forward pass holds one
+    layer at a time, and reads every layer again: forward_many() shares one pass among many sequences."""
+
+    def __init__(self, stored: dict, names):
+        self.stored, self.names = stored, frozenset(names)
+        self.held: dict = {}
+        self.layer = None
+
+    def _read(self, name: str) -> np.ndarray:
+        tensor = self.stored[name]
+        return np.asarray(tensor.read(tuple(slice(None) for _ in tensor.shape)), dtype=np.float64)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self.held:
+            if name not in self.names:
+                raise KeyError(name)
+            if name.startswith("model.layers."):
+                layer = name.split(".")[2]
+                if layer != self.layer:
+                    self.held = {k: v for k, v in self.held.items() if not k.startswith("model.layers.")}
+                    self.layer = layer
+            tied = next((k for k, v in self.held.items() if self.stored[k] is self.stored[name]), None)
+            self.held[name] = self.held[tied] if tied is not None else self._read(name)
+        return self.held[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.names
+
+    def get(self, name: str, default=None):
+        return self[name] if name in self.names else default
+
+    def __setitem__(self, name: str, value: np.ndarray) -> None:
+        raise TypeError("reference: a model read a layer at a time cannot have its weights replaced")
+
+
 class ReferenceSequence:
     """One sequence's cached keys and values: per layer, (positions, kv_heads, head_dim) float64."""
 
@@ -78,12 +122,19 @@ class ReferenceSequence:
 
 class ReferenceLlama:
     """`max_context`: the context the model is served with, which picks longrope's factors (long ones past the
-    original context, as the server does); None: the original context (short factors)."""
+    original context, as the server does); None: the original context (short factors). `resident`: hold every
+    weight as float64 (True) or a layer's at a time (False); None: as RESIDENT_BYTES says."""
 
-    def __init__(self, model_path: str, max_context: int | None = None):
-        self.config, weights = load_llama_weights(model_path)
-        self.w = {name: np.asarray(t, dtype=np.float64) for name, t in weights.items()}
-        c = self.config
+    def __init__(self, model_path: str, max_context: int | None = None, resident: bool | None = None):
+        c, stored = stored_llama_weights(model_path)
+        if resident is None:
+            resident = sum(math.prod(shape) for shape in expected_shapes(c).values()) * 8 <= RESIDENT_BYTES
+        self.config, self.resident = c, resident
+        if resident:
+            weights = load_llama_weights(model_path)[1]
+            self.w = {name: np.asarray(t, dtype=np.float64) for name, t in weights.items()}
+        else:
+            self.w = _LayerAtATime(stored, expected_shapes(c))
         r = c.rotary_dims
         base = np.arange(0, r, 2, dtype=np.float64) / r
         self.inv_freq = 1.0 / (c.rope_theta ** base)
@@ -138,6 +189,22 @@ class ReferenceLlama:
         x = self._hidden(seq, token_ids, start)
         return self._norm(x, "model.norm") @ self.w["lm_head.weight"].T
 
+    def forward_many(self, token_lists) -> list:
+        """Each list's logits (len, vocab) float64, fed from position 0 on a sequence of its own: forward's values,
+        computed layer by layer across the lists, so that a model held a layer at a time reads each layer once
+        (a 4B: about a minute to read, where a forward per list would take that each)."""
+        if not self.config.generates:
+            raise ValueError(f"reference: {self.config.architecture} is an embedding model; it has no lm_head")
+        ids = [np.asarray(t, dtype=np.int64) for t in token_lists]
+        seqs = [self.new_sequence() for _ in ids]
+        positions = [np.arange(len(t), dtype=np.float64) for t in ids]
+        xs = [self._embed(t, 0) for t in ids]
+        for i in range(self.config.num_layers):
+            xs = [self._layer(i, x, seq, pos, 0) for x, seq, pos in zip(xs, seqs, positions)]
+        for seq, t in zip(seqs, ids):
+            seq.length = len(t)
+        return [self._norm(x, "model.norm") @ self.w["lm_head.weight"].T for x in xs]
+
     def embed(self, token_ids, pooling: str = "mean") -> np.ndarray:
         """The input's embedding (H,) float64: its final hidden states (after the final norm where the model has
         one), pooled ("mean" over its tokens, the "last" token's, the first's: "cls"), L2-normalized."""
@@ -149,17 +216,25 @@ class ReferenceLlama:
 
     def _hidden(self, seq: ReferenceSequence, token_ids, start: int) -> np.ndarray:
         """The last layer's output (T, H) for token_ids fed at positions start.. (an encoder's whole input at 0)."""
-        c, w = self.config, self.w
+        c = self.config
         if not c.causal and start != 0:
             raise ValueError("reference: a bidirectional encoder computes a whole input at once (start 0)")
         if start > seq.length:
             raise ValueError(f"reference: tokens start at position {start} but only {seq.length} are cached")
         seq.truncate(start)
         ids = np.asarray(token_ids, dtype=np.int64)
+        positions = np.arange(start, start + len(ids), dtype=np.float64)
+        x = self._embed(ids, start)
+        for i in range(c.num_layers):
+            x = self._layer(i, x, seq, positions, start)
+        seq.length = start + len(ids)
+        return x
+
+    def _embed(self, ids: np.ndarray, start: int) -> np.ndarray:
+        """The first layer's input (T, H) for ids at positions start..: embedding rows (scaled), and a BERT's
+        positions, token type and norm."""
+        c, w = self.config, self.w
         t = len(ids)
-        positions = np.arange(start, start + t, dtype=np.float64)
-        nh, kvh, d = c.num_heads, c.num_kv_heads, c.head_dim
-        group = nh // kvh
         x = w["model.embed_tokens.weight"][ids] * c.embed_scale                 # (T, H)
         if c.learned_positions:                 # BERT: each position's row and token type 0's (one text)
             x = x + w["model.embed_positions.weight"][start:start + t]
@@ -167,57 +242,64 @@ class ReferenceLlama:
                 x = x + w["model.embed_token_types.weight"][0]
         if c.embed_norm:
             x = self._norm(x, "model.embed_norm")
-        for i in range(c.num_layers):
-            p = f"model.layers.{i}."
-            h = x if c.post_norm else self._norm(x, p + "input_layernorm")
-            q = (h @ w[p + "self_attn.q_proj.weight"].T + w.get(p + "self_attn.q_proj.bias", 0.0)).reshape(t, nh, d)
-            k = (h @ w[p + "self_attn.k_proj.weight"].T + w.get(p + "self_attn.k_proj.bias", 0.0)).reshape(t, kvh, d)
-            v = (h @ w[p + "self_attn.v_proj.weight"].T + w.get(p + "self_attn.v_proj.bias", 0.0)).reshape(t, kvh, d)
-            if c.qk_norm:
-                q, k = self._rms(q, w[p + "self_attn.q_norm.weight"]), self._rms(k, w[p + "self_attn.k_norm.weight"])
-            q, k = self._rope(q, positions, i), self._rope(k, positions, i)
-            window = c.layer_window(i)
-            keys = k if seq.keys[i] is None else np.concatenate([seq.keys[i], k])      # (start+T, KVH, D)
-            values = v if seq.values[i] is None else np.concatenate([seq.values[i], v])
-            seq.keys[i], seq.values[i] = keys, values
-            out = np.empty((t, nh, d))
-            key_pos = np.arange(start + t)
-            for head in range(nh):
-                kv = head // group
-                scores = q[:, head, :] @ keys[:, kv, :].T * c.attention_scale         # (T, start+T)
-                # causal: each token sees the keys up to its own; an encoder's every token sees all of them
-                visible = key_pos[None, :] <= (positions[:, None] if c.causal else math.inf)
-                if window is not None:
-                    visible &= key_pos[None, :] > positions[:, None] - window
-                scores = np.where(visible, scores, -np.inf)
-                top = scores.max(axis=-1, keepdims=True)
-                scores = np.exp(scores - top)
-                total = scores.sum(axis=-1, keepdims=True)
-                if c.attention_sinks:               # gpt-oss: the head's sink logit in the denominator
-                    total = total + np.exp(w[p + "self_attn.sinks"][head] - top)
-                out[:, head, :] = (scores / total) @ values[:, kv, :]
-            o = out.reshape(t, nh * d) @ w[p + "self_attn.o_proj.weight"].T + w.get(p + "self_attn.o_proj.bias", 0.0)
-            if c.sandwich_norms:
-                o = self._norm(o, p + "attn_output_norm")
-            x = x + o
-            if c.post_norm:                         # BERT: the norm after the residual add
-                x = self._norm(x, p + "attn_output_norm")
-            h = x if c.post_norm else self._norm(x, p + "post_attention_layernorm")
-            if c.layer_moe(i):
-                down = self._experts(h, p)
-            elif c.gated_mlp:
-                down = self._mlp(h, w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"],
-                                 w[p + "mlp.down_proj.weight"],
-                                 tuple(w.get(p + f"mlp.{n}.bias", 0.0) for n in ("gate_proj", "up_proj", "down_proj")))
-            else:                                   # BERT: down(f(up h + b)) + b
-                up = h @ w[p + "mlp.up_proj.weight"].T + w.get(p + "mlp.up_proj.bias", 0.0)
-                down = self._act(up) @ w[p + "mlp.down_proj.weight"].T + w.get(p + "mlp.down_proj.bias", 0.0)
-            if c.sandwich_norms:
-                down = self._norm(down, p + "mlp_output_norm")
-            x = x + down
-            if c.post_norm:
-                x = self._norm(x, p + "mlp_output_norm")
-        seq.length = start + t
+        return x
+
+    def _layer(self, i: int, x: np.ndarray, seq: ReferenceSequence, positions: np.ndarray, start: int) -> np.ndarray:
+        """Decoder layer i's output for its input x (T, H) at `positions` (start..), its keys and values appended
+        to seq's."""
+        c, w = self.config, self.w
+        t = len(x)
+        nh, kvh, d = c.num_heads, c.num_kv_heads, c.head_dim
+        group = nh // kvh
+        p = f"model.layers.{i}."
+        h = x if c.post_norm else self._norm(x, p + "input_layernorm")
+        q = (h @ w[p + "self_attn.q_proj.weight"].T + w.get(p + "self_attn.q_proj.bias", 0.0)).reshape(t, nh, d)
+        k = (h @ w[p + "self_attn.k_proj.weight"].T + w.get(p + "self_attn.k_proj.bias", 0.0)).reshape(t, kvh, d)
+        v = (h @ w[p + "self_attn.v_proj.weight"].T + w.get(p + "self_attn.v_proj.bias", 0.0)).reshape(t, kvh, d)
+        if c.qk_norm:
+            q, k = self._rms(q, w[p + "self_attn.q_norm.weight"]), self._rms(k, w[p + "self_attn.k_norm.weight"])
+        q, k = self._rope(q, positions, i), self._rope(k, positions, i)
+        window = c.layer_window(i)
+        keys = k if seq.keys[i] is None else np.concatenate([seq.keys[i], k])      # (start+T, KVH, D)
+        values = v if seq.values[i] is None else np.concatenate([seq.values[i], v])
+        seq.keys[i], seq.values[i] = keys, values
+        out = np.empty((t, nh, d))
+        key_pos = np.arange(start + t)
+        for head in range(nh):
+            kv = head // group
+            scores = q[:, head, :] @ keys[:, kv, :].T * c.attention_scale         # (T, start+T)
+            # causal: each token sees the keys up to its own; an encoder's every token sees all of them
+            visible = key_pos[None, :] <= (positions[:, None] if c.causal else math.inf)
+            if window is not None:
+                visible &= key_pos[None, :] > positions[:, None] - window
+            scores = np.where(visible, scores, -np.inf)
+            top = scores.max(axis=-1, keepdims=True)
+            scores = np.exp(scores - top)
+            total = scores.sum(axis=-1, keepdims=True)
+            if c.attention_sinks:               # gpt-oss: the head's sink logit in the denominator
+                total = total + np.exp(w[p + "self_attn.sinks"][head] - top)
+            out[:, head, :] = (scores / total) @ values[:, kv, :]
+        o = out.reshape(t, nh * d) @ w[p + "self_attn.o_proj.weight"].T + w.get(p + "self_attn.o_proj.bias", 0.0)
+        if c.sandwich_norms:
+            o = self._norm(o, p + "attn_output_norm")
+        x = x + o
+        if c.post_norm:                         # BERT: the norm after the residual add
+            x = self._norm(x, p + "attn_output_norm")
+        h = x if c.post_norm else self._norm(x, p + "post_attention_layernorm")
+        if c.layer_moe(i):
+            down = self._experts(h, p)
+        elif c.gated_mlp:
+            down = self._mlp(h, w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"],
+                             w[p + "mlp.down_proj.weight"],
+                             tuple(w.get(p + f"mlp.{n}.bias", 0.0) for n in ("gate_proj", "up_proj", "down_proj")))
+        else:                                   # BERT: down(f(up h + b)) + b
+            up = h @ w[p + "mlp.up_proj.weight"].T + w.get(p + "mlp.up_proj.bias", 0.0)
+            down = self._act(up) @ w[p + "mlp.down_proj.weight"].T + w.get(p + "mlp.down_proj.bias", 0.0)
+        if c.sandwich_norms:
+            down = self._norm(down, p + "mlp_output_norm")
+        x = x + down
+        if c.post_norm:
+            x = self._norm(x, p + "mlp_output_norm")
         return x
 
     def _act(self, g: np.ndarray) -> np.ndarray:

@@ -28,8 +28,9 @@ entry in `READERS`.
 """
 from .common import LlamaConfig, QuantizedTensor, StoredTensor, WeightLoadError, expected_shapes, rotate_half_rows
 from .hf import llama3_rope_factors, load_config, stored_safetensors
-from .loader import checkpoint_config, detect_format, load_llama_weights, load_quantized, model_shape
+from .loader import (checkpoint_config, detect_format, load_llama_weights, load_quantized, model_shape,
+                     stored_llama_weights)
 
 __all__ = ["LlamaConfig", "QuantizedTensor", "StoredTensor", "WeightLoadError", "checkpoint_config", "detect_format",
            "expected_shapes", "llama3_rope_factors", "load_config", "load_llama_weights", "load_quantized",
-           "model_shape", "rotate_half_rows", "stored_safetensors"]
+           "model_shape", "rotate_half_rows", "stored_llama_weights", "stored_safetensors"]

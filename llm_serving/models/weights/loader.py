@@ -80,6 +80,12 @@ def _checked_stored(path: str, num_layers: Optional[int]) -> tuple[LlamaConfig, 
     return cfg, stored
 
 
+def stored_llama_weights(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
+    """(config, {hf_name: StoredTensor}) of any supported checkpoint, every shape checked, nothing read yet: for a
+    reader that takes a few tensors at a time (the float64 reference of a model whose float64 copy would not fit)."""
+    return _checked_stored(os.fspath(path), None)
+
+
 def checkpoint_config(path: str) -> LlamaConfig:
     """The LlamaConfig of any supported checkpoint (its tensors checked but not read)."""
     return _checked_stored(os.fspath(path), None)[0]
