@@ -34,7 +34,7 @@
 // sums in the order written.
 //
 // Two ways to the same T (product, called by whichever thread claimed a tile of kTileRows weight rows:
-// decoder_layer_cpu.cc's claim_rows splits each product's output rows among the pool's threads):
+// thread_pool_cpu.h's claim_rows splits each product's output rows among the pool's threads):
 //   - up to kFusedRows rows of x (decode: memory-bound, every weight byte read once per call), each weight row is
 //     decoded a group at a time in registers and used at once; a block's products land in the 8 lanes of one
 //     vector and are summed across lanes (halves): x and the codes in the "natural" layout below.
@@ -496,7 +496,7 @@ __attribute__((noinline)) inline void pack_rows(const float* x, int64_t ldx, int
 // Up to kFusedRows rows of x: out[i * ldo + b] for RB weight rows (row_bytes apart) and BB rows of x (packed,
 // stride xstride), decoded in registers a pair of blocks at a time and used at once, x's vectors loaded once for
 // the RB rows (x is 2 bytes a weight: two weight rows a pass ran 1.1-1.3x faster for 2 rows of x on a Zen 3,
-// about even for one). Asks for the rows a few ahead as it goes (as decoder_layer_cpu.cc's decoders: memory read
+// about even for one). Asks for the rows a few ahead as it goes (as weight_matrix_cpu.h's decoders: memory read
 // while blocks are decoded).
 template <int32_t T, int RB, int BB>
 void fused_rows(const uint8_t* rows, int64_t row_bytes, int64_t k, const uint8_t* xp, int64_t xstride, float* out,
