@@ -113,6 +113,22 @@ def test_what_is_not_repacked(library, repacks):
         library.KernelInt(1 if before else 0)
 
 
+
+def test_the_weight_types_table_agrees_with_gguf_the_loader_and_the_repacker(library, repacks):
+    """The library's table of weight types (weight_types.h, exported by WeightTypes()) has gguf's block sizes, names
+    by their codes the types the loader keeps as stored (every one but F32: gguf.KEPT_QUANTIZED), and as repackable
+    exactly the types RepackRows repacks, into the codes it gives."""
+    import gguf
+    from llm_serving.models.kernels.repack import weight_types
+    from llm_serving.models.weights.gguf import KEPT_QUANTIZED
+    table = weight_types(library._name)
+    assert {name: t.code for name, t in table.items() if name != "F32"} == KEPT_QUANTIZED
+    for name, t in table.items():
+        assert t.code == gguf.GGMLQuantizationType[name].value, name
+        assert (t.block, t.bytes) == gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]], name
+        row_bytes = 256 // t.block * t.bytes                       # one group of the panels
+        assert library.RepackRows(t.code, np.zeros((8, row_bytes), np.uint8), 8, row_bytes, None) == t.repacked, name
+
 def _gguf_type(code: int):
     import gguf
     return gguf.GGMLQuantizationType(code)

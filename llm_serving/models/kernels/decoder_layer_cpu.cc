@@ -186,6 +186,12 @@ const llm_serving::ParamSpec kFinalLogitsParams[] = {FINAL_LOGITS_PARAMS(LLM_SER
 extern "C" const char* DecoderLayerParams() { return LLM_SERVING_DESCRIBED(kDecoderLayerParams); }
 extern "C" const char* FinalLogitsParams() { return LLM_SERVING_DESCRIBED(kFinalLogitsParams); }
 
+// The weight types' table (weight_types.h) as text: kernels/repack.py reads what may be repacked from it
+extern "C" const char* WeightTypes() {
+  static const std::string text = describe_weight_types();
+  return text.c_str();
+}
+
 // `rows` rows of k weights of GGML type `type` at data (row_bytes_of(type, k) bytes each), dequantized into out
 // (rows, k) float32, as the kernels read them (for tests and benchmarks). 0, or 2: a type the kernels do not
 // read, or k not whole blocks of it.
@@ -1282,7 +1288,7 @@ extern "C" int EmbedTokens(int nparam, void** params, int* ndims, int64_t** shap
 #if defined(LLM_SERVING_AVX2_INT)
   if (repacked(table.type)) {                  // the tied lm_head's panels: each row's stored bytes back first
     Matrix stored = table;
-    stored.type = table.type - llm_serving::avx2_int::kRepacked;
+    stored.type = table.type - kRepacked;
     std::vector<uint8_t> row(table.row_bytes);
     for (int64_t t = 0; t < tokens; ++t) {
       llm_serving::avx2_int::stored_row(table.type, table.data, table.row_bytes, k, ids[t], row.data());

@@ -63,17 +63,14 @@
 #include <type_traits>
 #include <vector>
 
+#include "weight_types.h"
+
 namespace llm_serving {
 namespace avx2_int {
 
-// The GGML type codes read here (decoder_layer_cpu.cc's WeightType)
-constexpr int32_t kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
-                  kMXFP4 = 39;
-// Types of this library's own, repacked at load (below: "row-interleaved layout"): the GGML type + kRepacked.
-// Only product() reads them.
-constexpr int32_t kRepacked = 100;
-constexpr int32_t kQ4_K_R8 = kQ4_K + kRepacked, kQ6_K_R8 = kQ6_K + kRepacked, kQ8_0_R8 = kQ8_0 + kRepacked,
-                  kQ4_0_R8 = kQ4_0 + kRepacked, kQ4_1_R8 = kQ4_1 + kRepacked;
+// The types' codes and blocks (weight_types.h); the repacked ones (k<name>_R8, below: "row-interleaved layout")
+// only product() reads
+using namespace llm_serving::weight_types;
 
 inline bool reads(int32_t type) {
   return type == kQ4_0 || type == kQ4_1 || type == kQ5_0 || type == kQ5_1 || type == kQ8_0 || type == kQ4_K ||
@@ -82,6 +79,7 @@ inline bool reads(int32_t type) {
 }
 
 constexpr int64_t kGroup = 256;            // weights per group
+static_assert(kGroup == kRepackGroup, "a repacked row is whole groups");
 constexpr int64_t kXRecord = 640;          // bytes of a group of x: 512 of int16, 8 + 8 floats, 8 + 8 int32
 constexpr int64_t kXFloats = 512;          // where its floats start
 constexpr int64_t kWRecord = 576;          // bytes of an unpacked weight group: 512 of int16, 8 + 8 floats
@@ -135,14 +133,8 @@ inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cas
 // shifts and masks in place give both (the widening instructions cost 1.5-2 cycles of shuffle unit a vector on a
 // Zen 3).
 
-constexpr int64_t block_bytes(int32_t type) {
-  return type == kQ4_0 ? 18 : type == kQ4_1 ? 20 : type == kQ5_0 ? 22 : type == kQ5_1 ? 24 : type == kMXFP4 ? 17 : 34;
-}
-
 // bytes of a group in a row of this type
-constexpr int64_t group_bytes(int32_t type) {
-  return type == kQ4_K ? 144 : type == kQ5_K ? 176 : type == kQ6_K ? 210 : 8 * block_bytes(type);
-}
+constexpr int64_t group_bytes(int32_t type) { return kGroup / block_weights_of(type) * block_bytes_of(type); }
 
 // The offset inside the codes, taken off each block's sum as bias x sum(n) (exact in int32)
 constexpr int bias_of(int32_t type) { return type == kQ4_0 ? 8 : type == kQ5_0 ? 16 : type == kQ6_K ? 32 : 0; }
@@ -217,7 +209,7 @@ inline void group_scales(const uint8_t* p, int nv, __m256* a, __m256* b) {
   } else if constexpr (T == kMXFP4) {     // each block's E8M0 byte e as 2^(e - 128) (half the power of two: its
                                           // codes are E2M1 values doubled, as ggml_e8m0_to_fp32_half; denormal for
                                           // e < 2), 0 past nv
-    constexpr int64_t B = block_bytes(T);
+    constexpr int64_t B = block_bytes_of(T);
     const __m256i e = nv == 8 ? _mm256_setr_epi32(p[0], p[B], p[2 * B], p[3 * B], p[4 * B], p[5 * B], p[6 * B], p[7 * B])
                               : _mm256_setr_epi32(p[0], nv > 1 ? p[B] : 0, nv > 2 ? p[2 * B] : 0, nv > 3 ? p[3 * B] : 0,
                                                   nv > 4 ? p[4 * B] : 0, nv > 5 ? p[5 * B] : 0, nv > 6 ? p[6 * B] : 0,
@@ -229,7 +221,7 @@ inline void group_scales(const uint8_t* p, int nv, __m256* a, __m256* b) {
     *a = _mm256_castsi256_ps(_mm256_and_si256(bits, valid));
     *b = _mm256_setzero_ps();
   } else {
-    constexpr int64_t B = block_bytes(T);
+    constexpr int64_t B = block_bytes_of(T);
     *a = halves8(p, B, nv);
     *b = T == kQ4_1 || T == kQ5_1 ? halves8(p + 2, B, nv) : _mm256_setzero_ps();
   }
@@ -276,7 +268,7 @@ inline void decode_pair(const uint8_t* p, int c, int nv, __m256i* v) {
       v[2 * t + 1] = _mm256_or_si256(low_o, _mm256_and_si256(high_o, top));
     }
   } else {
-    constexpr int64_t B = block_bytes(T);
+    constexpr int64_t B = block_bytes_of(T);
     for (int t = 0; t < 2; ++t) {
       const int j = 2 * c + t;
       const uint8_t* q = p + j * B;
@@ -733,7 +725,7 @@ inline void stored_codes(const uint8_t* p, uint8_t* codes) {
         codes[64 * half + 32 + l] = q >> 4;
       }
   } else if constexpr (T == kQ8_0 || T == kQ4_0 || T == kQ4_1) {   // block j's 32 at 32j (Q8_0: int8 as a byte)
-    constexpr int64_t B = block_bytes(T), at = T == kQ8_0 ? 2 : T == kQ4_0 ? 2 : 4;
+    constexpr int64_t B = block_bytes_of(T), at = T == kQ8_0 ? 2 : T == kQ4_0 ? 2 : 4;
     for (int j = 0; j < 8; ++j) {
       const uint8_t* q = p + j * B + at;
       if constexpr (T == kQ8_0) {
@@ -792,8 +784,8 @@ void repack_typed(const uint8_t* src, int64_t rows, int64_t k, uint8_t* dst) {
           for (int sub = 0; sub < 16; ++sub) panel[16 + 8 * sub + r] = p[192 + sub];
         } else {                                           // blocks of 32: d (and Q4_1's m) of block j at 16j
           for (int j = 0; j < 8; ++j) {
-            std::memcpy(panel + 16 * j + 2 * r, p + j * block_bytes(T), 2);
-            if constexpr (T == kQ4_1) std::memcpy(panel + 128 + 16 * j + 2 * r, p + j * block_bytes(T) + 2, 2);
+            std::memcpy(panel + 16 * j + 2 * r, p + j * block_bytes_of(T), 2);
+            if constexpr (T == kQ4_1) std::memcpy(panel + 128 + 16 * j + 2 * r, p + j * block_bytes_of(T) + 2, 2);
           }
         }
         alignas(32) uint8_t codes[256];

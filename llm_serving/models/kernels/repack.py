@@ -7,13 +7,29 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["repack_rows", "repacked_types"]
+__all__ = ["WeightType", "repack_rows", "repacked_types", "weight_types"]
 
-# the GGML types a library may repack, and a row's bytes for one super-block of each (a probe of 8 such rows)
-_REPACKABLE = {"Q4_K": (12, 144), "Q6_K": (14, 210), "Q8_0": (8, 272), "Q4_0": (2, 144), "Q4_1": (3, 160)}
+
+class WeightType(NamedTuple):
+    """A row of the library's table of weight types (weight_types.h)."""
+    code: int           # GGML's number
+    block: int          # weights per block (1: F32/F16/BF16)
+    bytes: int          # bytes per block
+    repacked: int       # the code of its repacked form, or 0: never repacked
+
+
+@functools.lru_cache(maxsize=None)
+def weight_types(library: str) -> dict:
+    """GGML type name -> WeightType, as the library at `library` (its path) describes them (WeightTypes())."""
+    fn = ctypes.CDLL(library).WeightTypes
+    fn.restype = ctypes.c_char_p
+    fn.argtypes = []
+    rows = (row.split(":") for row in fn().decode().split(","))
+    return {name: WeightType(*map(int, numbers)) for name, *numbers in rows}
 
 
 @functools.lru_cache(maxsize=None)
@@ -43,6 +59,8 @@ def repacked_types(library: str) -> tuple:
     """The names of the GGML types this library repacks in this process (its build and the integer paths' setting
     decide), for the log and the compile cache's key (a graph holds the kernel's iconfig, type codes included)."""
     fn = _repack_function(library)
-    probe = np.zeros((8, max(b for _, b in _REPACKABLE.values())), np.uint8)
-    return tuple(name for name, (code, row_bytes) in _REPACKABLE.items()
+    # a probe of 8 rows of 256 weights (one group of the panels) of each type the table says may be repacked
+    repackable = {name: (t.code, 256 // t.block * t.bytes) for name, t in weight_types(library).items() if t.repacked}
+    probe = np.zeros((8, max(b for _, b in repackable.values())), np.uint8)
+    return tuple(name for name, (code, row_bytes) in repackable.items()
                  if fn(code, probe.ctypes.data, 8, row_bytes, None) != 0)

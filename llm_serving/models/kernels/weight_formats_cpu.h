@@ -11,46 +11,30 @@
 #endif
 
 #include "float_products_cpu.h"
+#include "weight_types.h"
 
 namespace {
 
-enum WeightType : int32_t {
-  kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
-  kBF16 = 30, kMXFP4 = 39,
-  // repacked at load, 8 rows interleaved (gemm_avx2_int.h; RepackRows): the GGML type + 100, products only
-  kQ4_0_R8 = 102, kQ4_1_R8 = 103, kQ8_0_R8 = 108, kQ4_K_R8 = 112, kQ6_K_R8 = 114
-};
+using namespace llm_serving::weight_types;      // the types' codes (kQ4_K, kQ4_K_R8, ...) and blocks
 
 // Whether DecoderLayer and FinalLogits take a matrix of this type (MXFP4, gpt-oss's experts' type, only MoeMlp
 // and the dequantizing readers: the few-row decoders of weight_matrix_cpu.h have no MXFP4 case)
 inline bool layer_type(int32_t type) { return type != kMXFP4; }
 
 // A type this library repacked at load (RepackRows), which only gemm_avx2_int.h's products read
-inline bool repacked(int32_t type) {
-  return type == kQ4_K_R8 || type == kQ6_K_R8 || type == kQ8_0_R8 || type == kQ4_0_R8 || type == kQ4_1_R8;
-}
+inline bool repacked(int32_t type) { return is_repacked(type); }
 
-// Bytes of one row of k weights of `type`, or -1: a type these kernels do not read, or k not whole blocks.
+// Bytes of one row of k weights of `type`, or -1: a type these kernels do not read, or k not whole blocks (a
+// repacked type: not whole groups of its panels)
 int64_t row_bytes_of(int32_t type, int64_t k) {
   switch (type) {
-    case kF32: return 4 * k;
-    case kF16: return 2 * k;
-    case kBF16: return 2 * k;
-    case kQ4_0: return k % 32 ? -1 : k / 32 * 18;      // f16 scale, 16 bytes of nibbles
-    case kQ4_1: return k % 32 ? -1 : k / 32 * 20;      // f16 scale, f16 minimum, 16 bytes of nibbles
-    case kQ5_0: return k % 32 ? -1 : k / 32 * 22;      // f16 scale, 4 bytes of fifth bits, 16 bytes of nibbles
-    case kQ5_1: return k % 32 ? -1 : k / 32 * 24;      // f16 scale, f16 minimum, fifth bits, nibbles
-    case kQ8_0: return k % 32 ? -1 : k / 32 * 34;      // f16 scale, 32 signed bytes
-    // super-blocks of 256 weights (8 or 16 sub-blocks, each with its own quantized scale)
-    case kQ4_K: return k % 256 ? -1 : k / 256 * 144;   // f16 d, f16 dmin, 12 bytes of 6-bit scales/mins, nibbles
-    case kQ4_K_R8: return k % 256 ? -1 : k / 256 * 144;   // the same bytes, 8 rows' panels (a row-block: 8 rows)
-    case kQ6_K_R8: return k % 256 ? -1 : k / 256 * 210;
-    case kQ8_0_R8: return k % 256 ? -1 : k / 32 * 34;
-    case kQ4_0_R8: return k % 256 ? -1 : k / 32 * 18;
-    case kQ4_1_R8: return k % 256 ? -1 : k / 32 * 20;
-    case kQ5_K: return k % 256 ? -1 : k / 256 * 176;   // as Q4_K, plus 32 bytes of fifth bits before the nibbles
-    case kQ6_K: return k % 256 ? -1 : k / 256 * 210;   // 128 bytes low nibbles, 64 of 2-bit highs, 16 int8 scales, f16 d
-    case kMXFP4: return k % 32 ? -1 : k / 32 * 17;     // E8M0 scale byte, 16 bytes of E2M1 nibbles
+#define LLM_SERVING_ROW_BYTES(name, code, block, bytes, repacked)                                               \
+  case code: return k % block ? -1 : k / block * bytes;                                                        \
+  LLM_SERVING_ROW_BYTES_##repacked(code, block, bytes)
+#define LLM_SERVING_ROW_BYTES_R8(code, block, bytes) \
+  case code + kRepacked: return k % kRepackGroup ? -1 : k / block * bytes;
+#define LLM_SERVING_ROW_BYTES_NONE(code, block, bytes)
+    LLM_SERVING_WEIGHT_TYPES(LLM_SERVING_ROW_BYTES)
     default: return -1;
   }
 }
@@ -179,11 +163,10 @@ inline __m512 iota16() { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
 
 inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
 
-// One block of 32 weights of type T (F16: 32 halves) at p as two vectors: weights 0..15 and 16..31.
+// A block of 32 weights of type T (F16: 32 halves): its bytes, and (decode_block) at p as two vectors: weights
+// 0..15 and 16..31.
 template <int32_t T>
-constexpr int64_t block_bytes() {
-  return T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : T == kQ5_0 ? 22 : T == kQ5_1 ? 24 : T == kQ8_0 ? 34 : T == kMXFP4 ? 17 : 64;
-}
+constexpr int64_t block_bytes() { return bytes_per_32(T); }
 
 // Q5_0 (f16 d, 32 fifth bits, 16 bytes of nibbles: w = d * (q - 16)) and Q5_1 (f16 d, f16 m, fifth bits,
 // nibbles: w = d * q + m). Weight i's low 4 bits are byte i's low nibble (i < 16) or byte i-16's high one; its
@@ -266,9 +249,9 @@ inline void decode_block(const uint8_t* p, v16* lo, v16* hi) {
 // weights for Q4_K/Q5_K, a pair of sub-blocks sharing their bytes; 128 for Q6_K, a half).
 
 template <int32_t T>
-constexpr bool is_super() { return T == kQ4_K || T == kQ5_K || T == kQ6_K; }
+constexpr bool is_super() { return super_blocks(T); }
 template <int32_t T>
-constexpr int64_t super_bytes() { return T == kQ4_K ? 144 : T == kQ5_K ? 176 : 210; }
+constexpr int64_t super_bytes() { return block_bytes_of(T); }
 template <int32_t T>
 constexpr int group_weights() { return T == kQ6_K ? 128 : 64; }
 
