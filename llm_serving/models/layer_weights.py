@@ -32,6 +32,7 @@ from typing import Optional
 
 import numpy as np
 
+from .kernels.signatures import DECODER_LAYER, FINAL_LOGITS, MOE_MLP
 from .parallel import TensorParallel
 from .rope import rotary_permutation
 from .weights import LlamaConfig, QuantizedTensor
@@ -46,6 +47,10 @@ LORA_PRODUCTS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_pr
 # the layer kernel's weight inputs for each product's parts (kernels/signatures.DECODER_LAYER), in that order: each
 # part in its own type (a Q4_K_M file stores some layers' v_proj as Q6_K beside Q4_K q/k), run as one product
 KERNEL_PARTS = {"qkv": ("q_w", "k_w", "v_w"), "o": ("o_w",), "gate_up": ("gate_w", "up_w"), "down": ("down_w",)}
+# the iconfig entries of the parts' type codes, in KERNEL_PARTS' order ("q_w" -> "q_type"); MoeMlp's, of its experts'
+# gate, up and down stacks
+_TYPE_ENTRIES = tuple(f"{name[:-len('_w')]}_type" for parts in KERNEL_PARTS.values() for name in parts)
+_MOE_TYPE_ENTRIES = ("gate_type", "up_type", "down_type")
 # the norm whose gain a product's input carries (folded into its float32 matrix), and the layer kernel's input
 # for that gain
 _NORMS = {"qkv": ("input_layernorm", "input_gain"), "gate_up": ("post_attention_layernorm", "post_gain")}
@@ -167,18 +172,15 @@ class KernelInputs:
                             # "k_norm" (D,) and "attn_out_gain", "mlp_out_gain" (H,): ones where the model has none
     lora: dict              # "lora_qkv_a", "lora_qkv_b", ... -> the stacks' kernel arrays themselves, or (without
                             # adapter slots) one all-zero slot of rank 1, which the kernel skips
-    iconfig: np.ndarray     # (22,) int32 [block_size, NH, KVH, threads, *types, batch-invariant (1 or 0),
-                            # activation (0 SiLU, 1 GELU-tanh, 2 GELU), q/k norms (1 or 0), sandwich norms (1 or 0),
-                            # sliding window (0: none), the layer's own MLP (1, or 0: a mixture's, MoeMlp's),
-                            # attention sinks (1 or 0), norm (0 RMSNorm, 1 LayerNorm), post norms (1 or 0), gated
-                            # MLP (1 or 0), MLP biases (1 or 0)]
+    iconfig: np.ndarray     # (22,) int32, by DECODER_LAYER.iconfig's names (what each says: the C++ list)
     fconfig: np.ndarray     # (2,) float32 [rms_norm_eps, attention scale]
 
     def with_matrices(self, matrices: dict, types: tuple) -> "KernelInputs":
         """These inputs with other matrices and type codes (the iconfig's types too): the kernel library's
         repacked rows (kernels/repack.py)."""
         iconfig = self.iconfig.copy()
-        iconfig[4:4 + len(types)] = types
+        for name, code in zip(_TYPE_ENTRIES, types):
+            iconfig[DECODER_LAYER.iconfig_index(name)] = code
         return dataclasses.replace(self, matrices=matrices, types=tuple(int(t) for t in types), iconfig=iconfig)
 
 
@@ -194,9 +196,15 @@ class MoeKernelInputs:
                             # (uint8) where the checkpoint keeps them quantized, else float32
     types: tuple            # their GGML type codes, in that order (0: float32)
     post_gain: np.ndarray   # (H,) the post-attention norm's gain
-    iconfig: np.ndarray     # (7,) int32 [threads, experts per token, gate type, up type, down type, renormalize,
-                            # activation (0 SiLU, 1 gpt-oss's clamped SwiGLU)]
+    iconfig: np.ndarray     # (7,) int32, by MOE_MLP.iconfig's names
     fconfig: np.ndarray     # (3,) float32 [rms_norm_eps, swiglu alpha, swiglu limit]
+
+    def with_matrices(self, matrices: dict, types: tuple) -> "MoeKernelInputs":
+        """These inputs with other expert stacks and type codes (the iconfig's too): the library's repacked rows."""
+        iconfig = self.iconfig.copy()
+        for name, code in zip(_MOE_TYPE_ENTRIES, types):
+            iconfig[MOE_MLP.iconfig_index(name)] = code
+        return dataclasses.replace(self, matrices=matrices, types=tuple(int(t) for t in types), iconfig=iconfig)
 
 
 @dataclass
@@ -328,8 +336,9 @@ def _moe_inputs(cfg: LlamaConfig, w: dict, quantized: dict, p: str, post_gain: n
                 "up_bias": bias("mlp.experts.up_proj.bias", e * inter),
                 "down_bias": bias("mlp.experts.down_proj.bias", e * h)},
         matrices=matrices, types=tuple(types), post_gain=np.ascontiguousarray(post_gain, np.float32),
-        iconfig=np.array([kernel.threads, cfg.experts_per_token, *types, int(cfg.norm_topk_prob),
-                          int(cfg.expert_act == "swiglu_oai")], np.int32),
+        iconfig=MOE_MLP.iconfig_array(threads=kernel.threads, experts_per_token=cfg.experts_per_token,
+                                      **dict(zip(_MOE_TYPE_ENTRIES, types)), renormalize=int(cfg.norm_topk_prob),
+                                      activation=int(cfg.expert_act == "swiglu_oai")),
         fconfig=np.array([cfg.rms_norm_eps, cfg.swiglu_alpha, cfg.swiglu_limit], np.float32))
 
 
@@ -413,10 +422,13 @@ def _kernel_inputs(layer: LayerWeights, w: dict, p: str, stored: dict, gain: dic
     down_bias = np.ascontiguousarray(biases.get("down_proj", np.zeros(h, np.float32)), np.float32)
     norm_bias = np.stack([layer.norm_biases.get(norm, np.zeros(h, np.float32)) for norm in _NORM_BIAS_ROWS]
                          ).astype(np.float32)
-    iconfig = np.array([config.block_size, nh, kvh, config.threads, *types, int(config.batch_invariant),
-                        _ACTIVATIONS[cfg.hidden_act], int(cfg.qk_norm), int(cfg.sandwich_norms),
-                        cfg.layer_window(i) or 0, 0 if moe else 1, int(cfg.attention_sinks), _NORM_CODES[cfg.norm],
-                        int(cfg.post_norm), int(cfg.gated_mlp), int(cfg.mlp_bias and not moe)], np.int32)
+    iconfig = DECODER_LAYER.iconfig_array(
+        block_size=config.block_size, num_heads=nh, num_kv_heads=kvh, threads=config.threads,
+        **dict(zip(_TYPE_ENTRIES, types)), batch_invariant=int(config.batch_invariant),
+        activation=_ACTIVATIONS[cfg.hidden_act], qk_norm=int(cfg.qk_norm), sandwich_norms=int(cfg.sandwich_norms),
+        window=cfg.layer_window(i) or 0, mlp=0 if moe else 1, attention_sinks=int(cfg.attention_sinks),
+        norm=_NORM_CODES[cfg.norm], post_norms=int(cfg.post_norm), gated_mlp=int(cfg.gated_mlp),
+        mlp_biases=int(cfg.mlp_bias and not moe))
     return KernelInputs(matrices=matrices, types=tuple(types), qkv_bias=qkv_bias, o_bias=o_bias, sinks=sinks,
                         gate_up_bias=gate_up_bias, down_bias=down_bias, norm_bias=norm_bias, gains=gains, lora=lora,
                         iconfig=iconfig, fconfig=np.array([cfg.rms_norm_eps, cfg.attention_scale], np.float32))
@@ -455,7 +467,7 @@ class HeadWeights:
     kernel_lm_head: Optional[np.ndarray] = None  # FinalLogits': the same array, or the stored rows (uint8)
     kernel_gain: Optional[np.ndarray] = None     # (H,): 1 where folded
     kernel_type: int = 0                         # the GGML type code FinalLogits reads (0: float32)
-    iconfig: Optional[np.ndarray] = None         # (3,) int32 [threads, lm_head type, batch-invariant (1 or 0)]
+    iconfig: Optional[np.ndarray] = None         # (3,) int32, by FINAL_LOGITS.iconfig's names
     fconfig: Optional[np.ndarray] = None         # (1,) float32 [rms_norm_eps]
 
 
@@ -476,6 +488,7 @@ def prepare_head(cfg: LlamaConfig, weights: dict, *, kernel_threads: Optional[in
             head.kernel_lm_head, head.kernel_gain = lm_head, np.ones(cfg.hidden_size, np.float32)
         else:
             (head.kernel_lm_head, head.kernel_type), head.kernel_gain = kept, weights["model.norm.weight"]
-        head.iconfig = np.array([kernel_threads, head.kernel_type, int(batch_invariant)], np.int32)
+        head.iconfig = FINAL_LOGITS.iconfig_array(threads=kernel_threads, lm_head_type=head.kernel_type,
+                                                  batch_invariant=int(batch_invariant))
         head.fconfig = np.array([cfg.rms_norm_eps], np.float32)
     return head

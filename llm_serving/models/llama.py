@@ -101,10 +101,7 @@ def _repacked_experts(library: str, m: MoeKernelInputs, cfg: LlamaConfig) -> Moe
     where every expert's rows are whole panels of 8 (an expert's rows start a panel: MoeMlp reads them by expert)."""
     if cfg.expert_intermediate_size % 8 or cfg.hidden_size % 8:
         return m
-    matrices, types = _repack_all(library, m.matrices, m.types)
-    iconfig = m.iconfig.copy()
-    iconfig[2:2 + len(types)] = types                  # [threads, experts per token, gate, up, down types, ...]
-    return dataclasses.replace(m, matrices=matrices, types=tuple(types), iconfig=iconfig)
+    return m.with_matrices(*_repack_all(library, m.matrices, m.types))
 
 
 def _lora_param(array: np.ndarray, name: str) -> Parameter:
@@ -445,7 +442,7 @@ class LlamaForCausalLM(nn.Cell):
                                            out_dtype=lambda *_: ms.float32)
             self.embed_table = _stored_param(table.data, "embed_stored")                  # (V, row bytes)
             self.embed_held = EMBED_TOKENS.held(table=self.embed_table,
-                                                iconfig=Tensor(np.array([table.qtype], np.int32)))
+                                                iconfig=Tensor(EMBED_TOKENS.iconfig_array(table_type=table.qtype)))
         else:
             self.embed = _param(weights["model.embed_tokens.weight"], "embed")        # (V, H)
         # a BERT encoder's embedding extras: a row per position (token type 0's folded in), then a LayerNorm
@@ -483,7 +480,7 @@ class LlamaForCausalLM(nn.Cell):
                     self.kernel_lm_head = self.embed_table           # tied: the embedding's rows (repacked above)
                 else:                                                # its own rows: repacked where the library does
                     rows, lm_type = repack_rows(layer_kernel, head.kernel_lm_head, head.kernel_type)
-                    head.iconfig[1] = lm_type
+                    head.iconfig[FINAL_LOGITS.iconfig_index("lm_head_type")] = lm_type
                     head.kernel_type = lm_type
                     self.kernel_lm_head = _stored_param(rows, "lm_head_stored")
                 self.kernel_norm_gain = _param(head.kernel_gain, "kernel_final_norm_gain")         # (H,)

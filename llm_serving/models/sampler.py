@@ -21,7 +21,6 @@ batch 32. Splitting keeps greedy steps at the cost of greedy only.
 """
 from __future__ import annotations
 
-import numpy as np
 import mindspore as ms
 from mindspore import Tensor, nn, ops
 
@@ -113,7 +112,7 @@ class KernelSampler(nn.Cell):
         self.kernel = ops.Custom(f"{layer_kernel}:SampleLogits", func_type="aot",
                                  out_shape=lambda logits, *_: ((logits[0],), (logits[0],)),
                                  out_dtype=lambda *_: (ms.int32, ms.float32))
-        self.held = SAMPLE_LOGITS.held(iconfig=Tensor(np.array([threads], np.int32)))
+        self.held = SAMPLE_LOGITS.held(iconfig=Tensor(SAMPLE_LOGITS.iconfig_array(threads=threads)))
         SAMPLE_LOGITS.check_call(self.sample)
 
     def sample(self, logits, temperature, random_u):

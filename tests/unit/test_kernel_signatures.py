@@ -11,8 +11,9 @@ import subprocess
 import numpy as np
 import pytest
 
-from llm_serving.models.kernels.signatures import (DECODER_LAYER, FINAL_LOGITS, KernelParam, KernelSignatureError,
-                                                   check_library, check_params)
+from llm_serving.models.kernels.signatures import (DECODER_LAYER, FINAL_LOGITS, KERNEL_SIGNATURES, MOE_MLP,
+                                                   KernelParam, KernelSignatureError, check_iconfig, check_library,
+                                                   check_params)
 
 needs_compiler = pytest.mark.skipif(shutil.which("g++") is None and not os.environ.get("CXX"),
                                     reason="no C++ compiler on this machine")
@@ -121,3 +122,60 @@ def test_a_library_with_another_list_is_refused(tmp_path):
         check_library(libs["swapped"], (FINAL_LOGITS,), "swapped.cc")
     with pytest.raises(KernelSignatureError, match="exports no DecoderLayerParams"):
         check_library(libs["silent"], (DECODER_LAYER,))
+
+
+def test_an_iconfig_is_built_by_its_entries_names():
+    values = {name: i for i, name in enumerate(reversed(DECODER_LAYER.iconfig))}
+    icfg = DECODER_LAYER.iconfig_array(**values)
+    assert icfg.dtype == np.int32 and list(icfg) == [values[n] for n in DECODER_LAYER.iconfig]
+    assert icfg[DECODER_LAYER.iconfig_index("window")] == values["window"]
+    del values["mlp"]
+    with pytest.raises(TypeError, match="DecoderLayer's iconfig: no value for its entry 'mlp'"):
+        DECODER_LAYER.iconfig_array(**values)
+    with pytest.raises(TypeError, match="no entry named 'mlp_bias' here"):
+        DECODER_LAYER.iconfig_array(**values, mlp=1, mlp_bias=0)
+    with pytest.raises(KeyError, match="MoeMlp's iconfig has no entry 'window'"):
+        MOE_MLP.iconfig_index("window")
+
+
+def test_an_iconfig_list_that_differs_is_named():
+    names = list(DECODER_LAYER.iconfig)
+    check_iconfig(DECODER_LAYER, ",".join(names))
+    i, j = names.index("qk_norm"), names.index("sandwich_norms")
+    swapped = names.copy()
+    swapped[i], swapped[j] = swapped[j], swapped[i]
+    with pytest.raises(KernelSignatureError, match=rf"DecoderLayer's iconfig: entry {i} is 'sandwich_norms' in the "
+                                                   r"C\+\+ list but 'qk_norm' in kernels/signatures.py"):
+        check_iconfig(DECODER_LAYER, ",".join(swapped))
+    with pytest.raises(KernelSignatureError, match=r"'attention_sinks' \(entry 17 in kernels/signatures.py\) is "
+                                                   r"missing from the C\+\+ list"):
+        check_iconfig(DECODER_LAYER, ",".join(n for n in names if n != "attention_sinks"))
+    with pytest.raises(KernelSignatureError, match=r"'rope_scale' \(entry 22 in the C\+\+ list\) is missing from "
+                                                   r"kernels/signatures.py"):
+        check_iconfig(DECODER_LAYER, ",".join([*names, "rope_scale"]))
+
+
+@needs_compiler
+def test_a_library_with_another_iconfig_list_is_refused(tmp_path):
+    """A library whose parameters agree but whose iconfig names another entry (or has no list) is refused by the
+    build's check, the entry named."""
+    cxx = os.environ.get("CXX") or shutil.which("g++")
+    params = f'extern "C" const char* DecoderLayerParams() {{ return "{exported(DECODER_LAYER)}"; }}\n'
+    renamed = ",".join(DECODER_LAYER.iconfig).replace("gated_mlp", "ungated_mlp")
+    sources = {"renamed": params + f'extern "C" const char* DecoderLayerIconfig() {{ return "{renamed}"; }}\n',
+               "unlisted": params}
+    libs = {}
+    for name, text in sources.items():
+        (tmp_path / f"{name}.cc").write_text(text)
+        libs[name] = tmp_path / f"{name}.so"
+        subprocess.run([cxx, "-shared", "-fPIC", "-o", str(libs[name]), str(tmp_path / f"{name}.cc")], check=True)
+    at = DECODER_LAYER.iconfig.index("gated_mlp")
+    with pytest.raises(KernelSignatureError, match=rf"renamed.cc: DecoderLayer's iconfig: 'gated_mlp' \(entry {at} in "
+                                                   r"kernels/signatures.py\) is missing from the C\+\+ list"):
+        check_library(libs["renamed"], (DECODER_LAYER,), "renamed.cc")
+    with pytest.raises(KernelSignatureError, match="unlisted.cc exports no DecoderLayerIconfig"):
+        check_library(libs["unlisted"], (DECODER_LAYER,), "unlisted.cc")
+
+
+def test_every_kernel_of_the_layer_library_declares_its_iconfig():
+    assert all(sig.iconfig for sig in KERNEL_SIGNATURES["decoder_layer_cpu"])

@@ -105,7 +105,8 @@ def test_a_product_with_stored_and_float32_parts_gives_the_kernel_unfolded_float
     quantized = {P + "self_attn.v_proj.weight": stored(nkv, rng)}
     k = prepare_layer(CFG, w, 1, kernel=LayerKernelConfig(block_size=16, threads=1, batch_invariant=True),
                       quantized=quantized).kernel
-    assert k.types[:3] == (0, 0, 8) and k.iconfig[11] == 1                   # batch-invariant, in every call
+    assert k.types[:3] == (0, 0, 8)
+    assert k.iconfig[DECODER_LAYER.iconfig_index("batch_invariant")] == 1          # in every call
     assert k.matrices["q_w"] is w[P + "self_attn.q_proj.weight"] and k.matrices["k_w"] is w[P + "self_attn.k_proj.weight"]
     np.testing.assert_array_equal(k.gains["input_gain"], w[P + "input_layernorm.weight"])
     np.testing.assert_array_equal(k.gains["post_gain"], np.ones(CFG.hidden_size, np.float32))
@@ -317,4 +318,4 @@ def test_a_partial_rotation_reorders_q_and_k_rows_their_norms_and_their_lora_row
     np.testing.assert_array_equal(plain.kernel.gains["q_norm"], np.ones(8, np.float32))
     full = prepare_layer(cfg, {k.replace(P, "model.layers.0."): v for k, v in w.items()}, 0,
                          kernel=LayerKernelConfig(4, 1))
-    assert full.kernel.iconfig[15] == 0
+    assert full.kernel.iconfig[DECODER_LAYER.iconfig_index("window")] == 0

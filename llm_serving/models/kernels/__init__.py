@@ -8,8 +8,8 @@ place, so agents starting together never load a half-written library, and it hol
 flock on the directory itself: no file left behind, dropped when its holder dies), so processes that need the same
 library together (TP ranks, a test run's workers and servers) wait for one build (about a minute on 2 cores for
 decoder_layer_cpu.cc) instead of each compiling it at once. A kernel whose parameters are declared
-by name (signatures.py) is checked against the list its library exports before it is used: a
-`KernelSignatureError` names the first difference.
+by name (signatures.py) is checked against the lists its library exports (its parameters, its iconfig's entries)
+before it is used: a `KernelSignatureError` names the first difference.
 
 $LLM_SERVING_KERNEL_MARCH (for example `x86-64-v3` or `znver3`: AVX2 without AVX-512) replaces `native` in
 `-march=`: a machine with AVX-512 then builds, runs and measures the AVX2 paths (16 vector registers, no EVEX

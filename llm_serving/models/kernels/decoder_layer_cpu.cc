@@ -16,9 +16,9 @@
 // the build checks); built and cached by kernels/__init__.py. The weights are layer_weights.py's load-time
 // forms: q/k/v fused, gate/up fused.
 //
-// Weight matrices come in two forms, chosen per matrix by a type code in iconfig (GGML's numbering):
-//   0 (F32)   float32 (rows, K), the MindSpore graphs' own tensors (norm gains folded in: the gains passed are 1)
-//   1 (F16), 30 (BF16), 2 (Q4_0), 3 (Q4_1), 6 (Q5_0), 7 (Q5_1), 8 (Q8_0), 12 (Q4_K), 13 (Q5_K), 14 (Q6_K)
+// Weight matrices come in two forms, chosen per matrix by a type code in iconfig (GGML's numbering; weight_types.h):
+//   F32       float32 (rows, K), the MindSpore graphs' own tensors (norm gains folded in: the gains passed are 1)
+//   the other types of weight_types.h (MXFP4: MoeMlp's only)
 //             a GGUF tensor's own bytes, uint8 (rows, row_bytes): each row K weights in blocks of 32 (F16/BF16:
 //             K halves; the K-quants: super-blocks of 256, so K a multiple of 256), decoded in registers for one
 //             or two rows of x (qdot) or a tile of rows at a time into a thread's scratch for more, so a decode
@@ -50,17 +50,18 @@
 //   qkv_bias     ((NH+2KVH)*D,)         float32  zeros for models without one
 //   o_w          (H, NH*D)
 //   o_bias       (H,)                   float32  added to o's product (zeros for models without one)
-//   sinks        (NH,)                  float32  each query head's sink logit (iconfig[17]; else unread)
+//   sinks        (NH,)                  float32  each query head's sink logit (iconfig's attention_sinks; else
+//                                                unread)
 //   gate_up_bias (2I,)                  float32  gate's then up's biases, added before the activation, and
-//   down_bias    (H,)                   float32  down's, added to its product (iconfig[21]; else unread)
-//   norm_bias    (4, H)                 float32  LayerNorm's biases (iconfig[18]) of the input, post-attention,
+//   down_bias    (H,)                   float32  down's, added to its product (iconfig's mlp_biases; else unread)
+//   norm_bias    (4, H)                 float32  LayerNorm's biases (iconfig's norm) of the input, post-attention,
 //                                                attention-output and MLP-output norms, in that order (else unread)
 //   gate_w, up_w (I, H)                          down_w (H, I)    (weights: float32, or uint8 rows as above; an
 //                                                ungated MLP's gate_w a (1, H) placeholder, not read)
 //   input_gain, post_gain (H,)          float32  the norms' gains for q/k/v and for gate/up (1 where folded)
-//   q_norm, k_norm (D,)                 float32  qk norm (iconfig[13]): the gains of each query's and key's head
+//   q_norm, k_norm (D,)                 float32  iconfig's qk_norm: the gains of each query's and key's head
 //                                                RMSNorm, after q/k/v (+ bias, + LoRA), before RoPE (else unread)
-//   attn_out_gain, mlp_out_gain (H,)    float32  sandwich norms (iconfig[14]): the gains of the RMSNorm of the o
+//   attn_out_gain, mlp_out_gain (H,)    float32  iconfig's sandwich_norms: the gains of the RMSNorm of the o
 //                                                product's and of the down product's result (+ LoRA) before each
 //                                                residual: out = x + rmsnorm(o) * attn_out_gain (else unread)
 //   key_cache, value_cache (N*KVH, D)   float32, float16 or bfloat16 (both the same; pa_config.kv_cache_dtype)
@@ -72,33 +73,15 @@
 //   lora_*_b     (S, R, N)              float32  per slot, B transposed (scale folded in): column j for output
 //                                                row j, which reads its part's R-wide slice of A x (slot 0 and
 //                                                modules an adapter leaves alone: zeros)
-//   iconfig      (11,), (12,), (16-22,) int32    [block_size, num_heads, num_kv_heads, threads,
-//                                                 q type, k type, v type, o type, gate type, up type, down type,
-//                                                 batch-invariant: 1 on, 0 off, -1 or absent: the process's
-//                                                 setting (KernelInvariant, for tests and benchmarks),
-//                                                 activation: 0 SiLU, 1 GELU (tanh approximation), 2 GELU (erf),
-//                                                 qk norm: 1 on, 0 off, sandwich norms: 1 on, 0 off,
-//                                                 window: W > 0, each row sees the last W of its visible keys
-//                                                 (sliding-window attention), 0 all,
-//                                                 MLP: 1 the layer's gate/up/down, 0 none (out = x + attention: a
-//                                                 mixture-of-experts layer, MoeMlp next; gate_w, up_w (1, H) and
-//                                                 down_w (H, 1) placeholders, not read),
-//                                                 attention sinks: 1 each query head's softmax has sinks[head] in its
-//                                                 denominator (gpt-oss), 0 none,
-//                                                 norm: 0 RMSNorm, 1 LayerNorm (every norm of the layer; BERT),
-//                                                 post norms: 1 out = norm(x + attention) then norm(out + MLP), the
-//                                                 input and post-attention norms not applied (BERT; the gains are
-//                                                 attn_out_gain and mlp_out_gain), 0 pre norms,
-//                                                 gated MLP: 1 f(gate) * up, 0 f(up) (BERT),
-//                                                 MLP biases: 1 gate_up_bias and down_bias added, 0 none];
-//                                                 activation 2: GELU (erf); absent entries: SiLU, no qk norm, no
-//                                                 sandwich norms, no window, the MLP, no sinks, RMSNorm, pre norms, a
-//                                                 gated MLP without biases
+//   iconfig      (11,), (12,), (16-22,) int32    DECODER_LAYER_ICONFIG's entries (below: what each says), in
+//                                                its order; an iconfig may end after down_type, after
+//                                                batch_invariant or anywhere from window on: absent entries take
+//                                                their defaults (a LLaMA layer)
 //   fconfig      (1,) or (2,)           float32  [rms_norm_eps (every norm's), attention scale (the queries'
 //                                                 factor; absent: 1/sqrt(D))]
 //   out          (B, H)                 float32
-// FinalLogits(x (R, H), slots (R,), lm_head (V, H), gain (H,), iconfig [threads, lm_head type(, batch-invariant
-//             as DecoderLayer's)], fconfig [eps])
+// FinalLogits(x (R, H), slots (R,), lm_head (V, H), gain (H,), iconfig (FINAL_LOGITS_ICONFIG's entries, the last
+//             optional), fconfig [eps])
 //   -> logits (R, V), the greedy token (R,) int32 (the first index of the largest logit) and its
 //   log-probability (R,) float32; rows whose slot is < 0 at the end of the batch (padding; a decode run's rows
 //   that ended) are not computed: tokens and log-probabilities 0, logits left as they are
@@ -170,10 +153,52 @@
   P(ICFG, "iconfig", 1, "int32") P(FCFG, "fconfig", 1, "float32")                                                \
   P(LOGITS, "logits", 2, "float32") P(TOKEN, "token", 1, "int32") P(LOGPROB, "logprob", 1, "float32")
 
+
+// DecoderLayer's iconfig, entry by entry: I(index, name). kernels/signatures.py declares the same names (the model
+// builds the iconfig by them) and the build checks the two through DecoderLayerIconfig() below.
+#define DECODER_LAYER_ICONFIG(I)                                                                                  \
+  I(BLOCK_SIZE, "block_size") I(NUM_HEADS, "num_heads") I(NUM_KV_HEADS, "num_kv_heads") I(THREADS, "threads")    \
+  /* each matrix's type code (weight_types.h) */                                                                 \
+  I(Q_TYPE, "q_type") I(K_TYPE, "k_type") I(V_TYPE, "v_type") I(O_TYPE, "o_type") I(GATE_TYPE, "gate_type")      \
+  I(UP_TYPE, "up_type") I(DOWN_TYPE, "down_type")                                                                \
+  /* 1 on, 0 off, -1 or absent: the process's setting (KernelInvariant, for tests and benchmarks) */             \
+  I(INVARIANT, "batch_invariant")                                                                                \
+  /* 0 SiLU (absent), 1 GELU (tanh approximation), 2 GELU (erf) */                                               \
+  I(ACTIVATION, "activation")                                                                                    \
+  /* 1 on, 0 off (absent): each query's and key's head RMSNorm; the o and down products' RMSNorm */               \
+  I(QK_NORM, "qk_norm") I(SANDWICH, "sandwich_norms")                                                            \
+  /* W > 0: each row sees the last W of its visible keys (sliding-window attention); 0 (absent) all */           \
+  I(WINDOW, "window")                                                                                            \
+  /* 1 (absent) the layer's gate/up/down; 0 none, out = x + attention: a mixture-of-experts layer, MoeMlp next   \
+     (gate_w, up_w (1, H) and down_w (H, 1) placeholders, not read) */                                           \
+  I(MLP, "mlp")                                                                                                  \
+  /* 1: each query head's softmax has sinks[head] in its denominator (gpt-oss); 0 (absent) none */               \
+  I(SINKS, "attention_sinks")                                                                                    \
+  /* 0 RMSNorm (absent), 1 LayerNorm (every norm of the layer; BERT) */                                          \
+  I(NORM, "norm")                                                                                                \
+  /* 1: out = norm(x + attention), then norm(out + MLP), the input and post-attention norms not applied (BERT;   \
+     the gains are attn_out_gain and mlp_out_gain); 0 (absent) pre norms */                                      \
+  I(POST_NORMS, "post_norms")                                                                                    \
+  /* 1 (absent) f(gate) * up, 0 f(up) (BERT) */                                                                  \
+  I(GATED, "gated_mlp")                                                                                          \
+  /* 1: gate_up_bias and down_bias added, 0 (absent) none */                                                     \
+  I(MLP_BIASES, "mlp_biases")
+// FinalLogits' iconfig: threads, the lm_head's type code, batch-invariant as DecoderLayer's (absent: the process's)
+#define FINAL_LOGITS_ICONFIG(I) I(THREADS, "threads") I(LM_HEAD_TYPE, "lm_head_type") I(INVARIANT, "batch_invariant")
+
 namespace {
 
 const llm_serving::ParamSpec kDecoderLayerParams[] = {DECODER_LAYER_PARAMS(LLM_SERVING_PARAM_SPEC)};
 const llm_serving::ParamSpec kFinalLogitsParams[] = {FINAL_LOGITS_PARAMS(LLM_SERVING_PARAM_SPEC)};
+// the iconfigs' entries by name: layer_cfg::WINDOW, logits_cfg::LM_HEAD_TYPE
+namespace layer_cfg {
+enum : int64_t { DECODER_LAYER_ICONFIG(LLM_SERVING_FIELD_ENUM) COUNT };
+const char* const kNames[] = {DECODER_LAYER_ICONFIG(LLM_SERVING_FIELD_NAME)};
+}  // namespace layer_cfg
+namespace logits_cfg {
+enum : int64_t { FINAL_LOGITS_ICONFIG(LLM_SERVING_FIELD_ENUM) COUNT };
+const char* const kNames[] = {FINAL_LOGITS_ICONFIG(LLM_SERVING_FIELD_NAME)};
+}  // namespace logits_cfg
 }  // namespace
 
 // A kernel's list as text, built once per kernel (each expansion is its own lambda, with its own static).
@@ -185,6 +210,16 @@ const llm_serving::ParamSpec kFinalLogitsParams[] = {FINAL_LOGITS_PARAMS(LLM_SER
 
 extern "C" const char* DecoderLayerParams() { return LLM_SERVING_DESCRIBED(kDecoderLayerParams); }
 extern "C" const char* FinalLogitsParams() { return LLM_SERVING_DESCRIBED(kFinalLogitsParams); }
+
+// An iconfig's entries as text ("name,name,..."), built once per kernel, for the build to check
+#define LLM_SERVING_NAMED(names)                                                                          \
+  ([] {                                                                                                  \
+    static const std::string text = llm_serving::describe_fields(names, sizeof(names) / sizeof(names[0])); \
+    return text.c_str();                                                                                 \
+  }())
+
+extern "C" const char* DecoderLayerIconfig() { return LLM_SERVING_NAMED(layer_cfg::kNames); }
+extern "C" const char* FinalLogitsIconfig() { return LLM_SERVING_NAMED(logits_cfg::kNames); }
 
 // The weight types' table (weight_types.h) as text: kernels/repack.py reads what may be repacked from it
 extern "C" const char* WeightTypes() {
@@ -326,8 +361,12 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
   (void)extra;
   enum { DECODER_LAYER_PARAMS(LLM_SERVING_PARAM_ENUM) NPARAM };
   if (!llm_serving::params_match(kDecoderLayerParams, NPARAM, nparam, ndims, dtypes)) return 1;
+  namespace c = layer_cfg;
   const int64_t icfg_len = shapes[ICFG][0], fcfg_len = shapes[FCFG][0];
-  if ((icfg_len != 11 && icfg_len != 12 && (icfg_len < 16 || icfg_len > 22)) || (fcfg_len != 1 && fcfg_len != 2)) {
+  // an iconfig ends after the types, after batch_invariant, or anywhere from window on (the rest: defaults)
+  const bool icfg_whole = icfg_len == c::DOWN_TYPE + 1 || icfg_len == c::INVARIANT + 1 ||
+                          (icfg_len > c::WINDOW && icfg_len <= c::COUNT);
+  if (!icfg_whole || (fcfg_len != 1 && fcfg_len != 2)) {
     return 2;
   }
   const auto* x = static_cast<const float*>(params[X]);
@@ -358,30 +397,31 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
   const auto* fcfg = static_cast<const float*>(params[FCFG]);
   const float eps = fcfg[0];
   auto* out = static_cast<float*>(params[OUT]);
-  // the model family's parts (iconfig[12..15]; an iconfig of 11 or 12 entries: LLaMA's)
-  const int32_t activation = icfg_len > 12 ? icfg[12] : kSiLU;
-  const bool qk_norm = icfg_len > 13 && icfg[13] == 1, sandwich = icfg_len > 14 && icfg[14] == 1;
-  const int64_t window = icfg_len > 15 ? icfg[15] : 0;
-  // the layer's own MLP (iconfig[16]: 1 or absent), or none (0: out = x + attention; a mixture-of-experts layer,
-  // whose MLP is MoeMlp's, passes placeholder gate/up/down matrices, which are not read)
-  const bool mlp = icfg_len <= 16 || icfg[16] == 1;
-  const bool has_sinks = icfg_len > 17 && icfg[17] == 1;           // attention sinks (iconfig[17])
+  // the model family's parts (an iconfig that ends before them: LLaMA's)
+  const int32_t activation = icfg_len > c::ACTIVATION ? icfg[c::ACTIVATION] : kSiLU;
+  const bool qk_norm = icfg_len > c::QK_NORM && icfg[c::QK_NORM] == 1;
+  const bool sandwich = icfg_len > c::SANDWICH && icfg[c::SANDWICH] == 1;
+  const int64_t window = icfg_len > c::WINDOW ? icfg[c::WINDOW] : 0;
+  // the layer's own MLP (1 or absent), or none (0: out = x + attention; a mixture-of-experts layer, whose MLP is
+  // MoeMlp's, passes placeholder gate/up/down matrices, which are not read)
+  const bool mlp = icfg_len <= c::MLP || icfg[c::MLP] == 1;
+  const bool has_sinks = icfg_len > c::SINKS && icfg[c::SINKS] == 1;
   const float* sinks = has_sinks ? static_cast<const float*>(params[SINKS]) : nullptr;
-  // a BERT encoder's parts (iconfig[18..21]): LayerNorm, post norms, an ungated MLP, MLP biases
-  const int32_t norm = icfg_len > 18 ? icfg[18] : kRmsNorm;
-  const bool post = icfg_len > 19 && icfg[19] == 1;
-  const bool gated = icfg_len <= 20 || icfg[20] == 1;
-  const bool mlp_biased = icfg_len > 21 && icfg[21] == 1;
+  // a BERT encoder's parts: LayerNorm, post norms, an ungated MLP, MLP biases
+  const int32_t norm = icfg_len > c::NORM ? icfg[c::NORM] : kRmsNorm;
+  const bool post = icfg_len > c::POST_NORMS && icfg[c::POST_NORMS] == 1;
+  const bool gated = icfg_len <= c::GATED || icfg[c::GATED] == 1;
+  const bool mlp_biased = icfg_len > c::MLP_BIASES && icfg[c::MLP_BIASES] == 1;
   auto is_flag = [](int32_t v) { return v == 0 || v == 1; };
-  bool flags_valid = icfg_len <= 13 || (is_flag(icfg[13]) && is_flag(icfg[14]));
-  for (int64_t at = 16; at < icfg_len; ++at) flags_valid = flags_valid && is_flag(icfg[at]);
+  bool flags_valid = icfg_len <= c::QK_NORM || (is_flag(icfg[c::QK_NORM]) && is_flag(icfg[c::SANDWICH]));
+  for (int64_t at = c::MLP; at < icfg_len; ++at) flags_valid = flags_valid && is_flag(icfg[at]);
   if ((activation != kSiLU && activation != kGeluTanh && activation != kGeluErf) || !flags_valid || window < 0 ||
       (post && sandwich)) {
     return 2;
   }
 
   const int64_t batch = shapes[X][0], h = shapes[X][1];
-  const int64_t bs = icfg[0], nh = icfg[1], kvh = icfg[2];
+  const int64_t bs = icfg[c::BLOCK_SIZE], nh = icfg[c::NUM_HEADS], kvh = icfg[c::NUM_KV_HEADS];
   const int64_t d = shapes[COS][1], max_pos = shapes[COS][0], width = shapes[TABLES][1];
   const int64_t nqkv = (nh + 2 * kvh) * d, inter = shapes[UP_W][0];
   const int64_t cache_rows = shapes[KEYS][0];
@@ -395,13 +435,13 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
       shapes[Q_NORM][0] != d || shapes[K_NORM][0] != d || shapes[ATTN_OUT_GAIN][0] != h ||
       shapes[MLP_OUT_GAIN][0] != h || shapes[O_B][0] != h || shapes[SINKS][0] != nh ||
       shapes[GATE_UP_B][0] != 2 * inter || shapes[DOWN_B][0] != h || shapes[NORM_B][0] != 4 || shapes[NORM_B][1] != h ||
-      !as_matrix(params[Q_W], dtypes[Q_W], shapes[Q_W], icfg[4], nh * d, h, &q_w) ||
-      !as_matrix(params[K_W], dtypes[K_W], shapes[K_W], icfg[5], kvh * d, h, &k_w) ||
-      !as_matrix(params[V_W], dtypes[V_W], shapes[V_W], icfg[6], kvh * d, h, &v_w) ||
-      !as_matrix(params[O_W], dtypes[O_W], shapes[O_W], icfg[7], h, nh * d, &o_w) ||
-      !as_matrix(params[GATE_W], dtypes[GATE_W], shapes[GATE_W], icfg[8], gated ? inter : 1, h, &gate_w) ||
-      !as_matrix(params[UP_W], dtypes[UP_W], shapes[UP_W], icfg[9], inter, h, &up_w) ||
-      !as_matrix(params[DOWN_W], dtypes[DOWN_W], shapes[DOWN_W], icfg[10], h, inter, &down_w) ||
+      !as_matrix(params[Q_W], dtypes[Q_W], shapes[Q_W], icfg[c::Q_TYPE], nh * d, h, &q_w) ||
+      !as_matrix(params[K_W], dtypes[K_W], shapes[K_W], icfg[c::K_TYPE], kvh * d, h, &k_w) ||
+      !as_matrix(params[V_W], dtypes[V_W], shapes[V_W], icfg[c::V_TYPE], kvh * d, h, &v_w) ||
+      !as_matrix(params[O_W], dtypes[O_W], shapes[O_W], icfg[c::O_TYPE], h, nh * d, &o_w) ||
+      !as_matrix(params[GATE_W], dtypes[GATE_W], shapes[GATE_W], icfg[c::GATE_TYPE], gated ? inter : 1, h, &gate_w) ||
+      !as_matrix(params[UP_W], dtypes[UP_W], shapes[UP_W], icfg[c::UP_TYPE], inter, h, &up_w) ||
+      !as_matrix(params[DOWN_W], dtypes[DOWN_W], shapes[DOWN_W], icfg[c::DOWN_TYPE], h, inter, &down_w) ||
       !layer_type(q_w.type) || !layer_type(k_w.type) || !layer_type(v_w.type) || !layer_type(o_w.type) ||
       !layer_type(gate_w.type) || !layer_type(up_w.type) || !layer_type(down_w.type) ||
       shapes[OUT][0] != batch || shapes[OUT][1] != h || shapes[LORA][0] != batch) {
@@ -436,7 +476,7 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
   if (rows == 0) return 0;                            // a decode run's step after all its rows ended
 
   const Timed timed(0);
-  Pool& p = pool(std::max(1, icfg[3]));
+  Pool& p = pool(std::max(1, icfg[c::THREADS]));
   std::lock_guard<std::mutex> lock(p.call_mutex());
   const int threads = p.threads();
   Scratch& s = p.scratch();
@@ -464,7 +504,7 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
   int int_qkv = integer_product(qkv_parts, 3, ints), int_o = integer_product(o_part, 1, ints),
       int_gate_up = integer_product(mlp_w, mlp_parts, ints), int_down = integer_product(down_part, 1, ints);
   const bool all_int = int_qkv != kNoInt && int_o != kNoInt && (!mlp || (int_gate_up != kNoInt && int_down != kNoInt));
-  const bool invariant = invariant_of(icfg, shapes[ICFG][0], 11);
+  const bool invariant = invariant_of(icfg, shapes[ICFG][0], c::INVARIANT);
   const bool batched = !invariant && rows >= (all_int ? kIntGemmRows : gemm_rows(amx, float32));
   const Route route = route_of(invariant, batched, rows);
   const bool lanes = route == Route::kLanes;
@@ -874,11 +914,7 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
 //   down_w       (E*H, I)      weight   expert e's rows e*H .. e*H + H - 1
 //   gate_bias, up_bias (E*I,), down_bias (E*H,)  float32  the experts' biases, stacked alike (zeros: none)
 //   post_gain    (H,)          float32  the post-attention norm's gain
-//   iconfig      (7,)          int32    [threads, experts per token K, gate type, up type, down type,
-//                                        renormalize: 1 the chosen K's weights are a softmax over their own
-//                                        logits (Mixtral; Qwen3-MoE's norm_topk_prob; gpt-oss), 0 their
-//                                        probabilities among all E (Qwen3-MoE without it),
-//                                        activation: 0 SiLU, 1 gpt-oss's clamped SwiGLU]
+//   iconfig      (7,)          int32    MOE_MLP_ICONFIG's entries (below)
 //   fconfig      (3,)          float32  [rms_norm_eps, alpha, limit (the clamped SwiGLU's)]
 //   out          (B, H)        float32  x + sum over the row's K experts e of w_e * down_e(act(gate_e(xn), up_e(xn))),
 //                                       xn = rmsnorm(x) * post_gain; act SiLU(g) * u, or gpt-oss's
@@ -898,9 +934,21 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
   P(DOWN_W, "down_w", 2, "weight") P(GATE_B, "gate_bias", 1, "float32") P(UP_B, "up_bias", 1, "float32")        \
   P(DOWN_B, "down_bias", 1, "float32") P(POST_GAIN, "post_gain", 1, "float32") P(ICFG, "iconfig", 1, "int32")     \
   P(FCFG, "fconfig", 1, "float32") P(OUT, "out", 2, "float32")
+#define MOE_MLP_ICONFIG(I)                                                                                       \
+  I(THREADS, "threads") I(EXPERTS_PER_TOKEN, "experts_per_token")                                                \
+  I(GATE_TYPE, "gate_type") I(UP_TYPE, "up_type") I(DOWN_TYPE, "down_type")                                      \
+  /* 1: the chosen K's weights are a softmax over their own logits (Mixtral; Qwen3-MoE's norm_topk_prob;         \
+     gpt-oss), 0 their probabilities among all E (Qwen3-MoE without it) */                                       \
+  I(RENORMALIZE, "renormalize")                                                                                  \
+  /* 0 SiLU, 1 gpt-oss's clamped SwiGLU */                                                                       \
+  I(ACTIVATION, "activation")
 
 namespace {
 const llm_serving::ParamSpec kMoeMlpParams[] = {MOE_MLP_PARAMS(LLM_SERVING_PARAM_SPEC)};
+namespace moe_cfg {
+enum : int64_t { MOE_MLP_ICONFIG(LLM_SERVING_FIELD_ENUM) COUNT };
+const char* const kNames[] = {MOE_MLP_ICONFIG(LLM_SERVING_FIELD_NAME)};
+}  // namespace moe_cfg
 
 // x . w over k values, 8 running sums (one compiled copy: the same float for a row whoever calls it)
 __attribute__((noinline)) float router_logit(const float* x, const float* w, int64_t k) {
@@ -946,6 +994,7 @@ inline Matrix expert_rows(const Matrix& w, int64_t e, int64_t per) {
 }  // namespace
 
 extern "C" const char* MoeMlpParams() { return LLM_SERVING_DESCRIBED(kMoeMlpParams); }
+extern "C" const char* MoeMlpIconfig() { return LLM_SERVING_NAMED(moe_cfg::kNames); }
 
 extern "C" int MoeMlp(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void* stream,
                       void* extra) {
@@ -962,33 +1011,36 @@ extern "C" int MoeMlp(int nparam, void** params, int* ndims, int64_t** shapes, c
   const auto* gate_b = static_cast<const float*>(params[GATE_B]);
   const auto* up_b = static_cast<const float*>(params[UP_B]);
   const auto* down_b = static_cast<const float*>(params[DOWN_B]);
+  namespace c = moe_cfg;
   const auto* icfg = static_cast<const int32_t*>(params[ICFG]);
   const auto* fcfg = static_cast<const float*>(params[FCFG]);
   const float eps = fcfg[0], alpha = fcfg[1], limit = fcfg[2];
-  const bool clamped = icfg[6] == 1;
+  const bool clamped = icfg[c::ACTIVATION] == 1;
   auto* out = static_cast<float*>(params[OUT]);
-  const int64_t batch = shapes[X][0], h = shapes[X][1], experts = shapes[ROUTER][0], k = icfg[1];
+  const int64_t batch = shapes[X][0], h = shapes[X][1], experts = shapes[ROUTER][0], k = icfg[c::EXPERTS_PER_TOKEN];
   const int64_t inter = experts > 0 ? shapes[GATE_W][0] / experts : 0;
   Matrix gate_w, up_w, down_w;
-  if (experts < 1 || k < 1 || k > experts || inter < 1 || shapes[GATE_W][0] != experts * inter ||
-      (icfg[5] != 0 && icfg[5] != 1) || (icfg[6] != 0 && icfg[6] != 1) || shapes[GATE_B][0] != experts * inter ||
+  if (shapes[ICFG][0] != c::COUNT || experts < 1 || k < 1 || k > experts || inter < 1 ||
+      shapes[GATE_W][0] != experts * inter ||
+      (icfg[c::RENORMALIZE] != 0 && icfg[c::RENORMALIZE] != 1) ||
+      (icfg[c::ACTIVATION] != 0 && icfg[c::ACTIVATION] != 1) || shapes[GATE_B][0] != experts * inter ||
       shapes[UP_B][0] != experts * inter || shapes[DOWN_B][0] != experts * h ||
       shapes[SLOTS][0] != batch || shapes[ROUTER][1] != h ||
       shapes[ROUTER_B][0] != experts || shapes[POST_GAIN][0] != h || shapes[OUT][0] != batch ||
       shapes[OUT][1] != h ||
-      !as_matrix(params[GATE_W], dtypes[GATE_W], shapes[GATE_W], icfg[2], experts * inter, h, &gate_w) ||
-      !as_matrix(params[UP_W], dtypes[UP_W], shapes[UP_W], icfg[3], experts * inter, h, &up_w) ||
-      !as_matrix(params[DOWN_W], dtypes[DOWN_W], shapes[DOWN_W], icfg[4], experts * h, inter, &down_w)) {
+      !as_matrix(params[GATE_W], dtypes[GATE_W], shapes[GATE_W], icfg[c::GATE_TYPE], experts * inter, h, &gate_w) ||
+      !as_matrix(params[UP_W], dtypes[UP_W], shapes[UP_W], icfg[c::UP_TYPE], experts * inter, h, &up_w) ||
+      !as_matrix(params[DOWN_W], dtypes[DOWN_W], shapes[DOWN_W], icfg[c::DOWN_TYPE], experts * h, inter, &down_w)) {
     return 2;
   }
-  const bool renormalize = icfg[5] == 1;
+  const bool renormalize = icfg[c::RENORMALIZE] == 1;
   int64_t rows = batch;
   while (rows > 0 && slots[rows - 1] < 0) --rows;
   if (rows < batch) std::memcpy(out + rows * h, x + rows * h, (batch - rows) * h * sizeof(float));
   if (rows == 0) return 0;
 
   const Timed timed(0);
-  Pool& p = pool(std::max(1, icfg[0]));
+  Pool& p = pool(std::max(1, icfg[c::THREADS]));
   std::lock_guard<std::mutex> lock(p.call_mutex());
   const int threads = p.threads();
   Scratch& s = p.scratch();
@@ -1152,7 +1204,9 @@ extern "C" int FinalLogits(int nparam, void** params, int* ndims, int64_t** shap
   const int64_t rows = shapes[X][0], h = shapes[X][1], vocab = shapes[W][0];
   const auto* icfg = static_cast<const int32_t*>(params[ICFG]);
   Matrix w;
-  if ((shapes[ICFG][0] != 2 && shapes[ICFG][0] != 3) || !as_matrix(params[W], dtypes[W], shapes[W], icfg[1], vocab, h, &w) ||
+  namespace c = logits_cfg;
+  if ((shapes[ICFG][0] != c::INVARIANT && shapes[ICFG][0] != c::COUNT) ||
+      !as_matrix(params[W], dtypes[W], shapes[W], icfg[c::LM_HEAD_TYPE], vocab, h, &w) ||
       !layer_type(w.type) ||
       shapes[GAIN][0] != h || shapes[SLOTS][0] != rows || shapes[LOGITS][0] != rows ||
       shapes[LOGITS][1] != vocab || shapes[TOKEN][0] != rows || shapes[LOGPROB][0] != rows || vocab < 1) {
@@ -1161,7 +1215,7 @@ extern "C" int FinalLogits(int nparam, void** params, int* ndims, int64_t** shap
   const auto* x = static_cast<const float*>(params[X]);
   const auto* gain = static_cast<const float*>(params[GAIN]);
   const auto* slots = static_cast<const int32_t*>(params[SLOTS]);
-  const int threads = std::max(1, icfg[0]);
+  const int threads = std::max(1, icfg[c::THREADS]);
   const float eps = static_cast<const float*>(params[FCFG])[0];
   auto* logits = static_cast<float*>(params[LOGITS]);
   auto* token = static_cast<int32_t*>(params[TOKEN]);
@@ -1185,7 +1239,7 @@ extern "C" int FinalLogits(int nparam, void** params, int* ndims, int64_t** shap
   const int lm_ints = integer_product(lm_part, 1, int_enabled(amx));
   // batch-invariant: dot_gemm or lane_units, and chunks of the vocabulary of one size whatever the rows (a row's
   // log-probability sums its chunks' parts in order)
-  const bool invariant = invariant_of(icfg, shapes[ICFG][0], 2);
+  const bool invariant = invariant_of(icfg, shapes[ICFG][0], c::INVARIANT);
   const bool batched = !invariant && live >= (lm_ints != kNoInt ? kIntGemmRows : gemm_rows(amx, w.type == kF32));
   const int ints = batched ? lm_ints : kNoInt;
   // integer codes that AMX's tiles do not take: gemm_avx2_int.h, at any rows (chunks of one size whatever the rows)
@@ -1254,18 +1308,24 @@ extern "C" int FinalLogits(int nparam, void** params, int* ndims, int64_t** shap
   return 0;
 }
 
-// EmbedTokens(ids (T,) int32, table (V, K) weight, iconfig [table type]) -> out (T, K) float32: each token's row
+// EmbedTokens(ids (T,) int32, table (V, K) weight, iconfig [table_type]) -> out (T, K) float32: each token's row
 // of the embedding, read from the table as stored (a GGUF's quantized rows dequantized one row per token), so
 // the embedding needs no float32 copy; a tied lm_head's repacked panels (a repacked type) give each row's stored
 // bytes back first (avx2_int::stored_row), the same floats. Ids outside [0, V) return 3.
 #define EMBED_TOKENS_PARAMS(P) \
   P(IDS, "ids", 1, "int32") P(TABLE, "table", 2, "weight") P(ICFG, "iconfig", 1, "int32") P(OUT, "out", 2, "float32")
+#define EMBED_TOKENS_ICONFIG(I) I(TABLE_TYPE, "table_type")
 
 namespace {
 const llm_serving::ParamSpec kEmbedTokensParams[] = {EMBED_TOKENS_PARAMS(LLM_SERVING_PARAM_SPEC)};
+namespace embed_cfg {
+enum : int64_t { EMBED_TOKENS_ICONFIG(LLM_SERVING_FIELD_ENUM) COUNT };
+const char* const kNames[] = {EMBED_TOKENS_ICONFIG(LLM_SERVING_FIELD_NAME)};
+}  // namespace embed_cfg
 }  // namespace
 
 extern "C" const char* EmbedTokensParams() { return LLM_SERVING_DESCRIBED(kEmbedTokensParams); }
+extern "C" const char* EmbedTokensIconfig() { return LLM_SERVING_NAMED(embed_cfg::kNames); }
 
 extern "C" int EmbedTokens(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
                            void* stream, void* extra) {
@@ -1276,8 +1336,8 @@ extern "C" int EmbedTokens(int nparam, void** params, int* ndims, int64_t** shap
   const int64_t tokens = shapes[IDS][0], vocab = shapes[TABLE][0], k = shapes[OUT][1];
   const auto* icfg = static_cast<const int32_t*>(params[ICFG]);
   Matrix table;
-  if (shapes[ICFG][0] != 1 || shapes[OUT][0] != tokens ||
-      !as_matrix(params[TABLE], dtypes[TABLE], shapes[TABLE], icfg[0], vocab, k, &table)) {
+  if (shapes[ICFG][0] != embed_cfg::COUNT || shapes[OUT][0] != tokens ||
+      !as_matrix(params[TABLE], dtypes[TABLE], shapes[TABLE], icfg[embed_cfg::TABLE_TYPE], vocab, k, &table)) {
     return 2;
   }
   const auto* ids = static_cast<const int32_t*>(params[IDS]);
@@ -1320,12 +1380,18 @@ extern "C" int EmbedTokens(int nparam, void** params, int* ndims, int64_t** shap
   P(LOGITS, "logits", 2, "float32") P(TEMPERATURE, "temperature", 1, "float32")                                  \
   P(RANDOM_U, "random_u", 1, "float32") P(ICFG, "iconfig", 1, "int32")                                           \
   P(TOKEN, "token", 1, "int32") P(LOGPROB, "logprob", 1, "float32")
+#define SAMPLE_LOGITS_ICONFIG(I) I(THREADS, "threads")
 
 namespace {
 const llm_serving::ParamSpec kSampleLogitsParams[] = {SAMPLE_LOGITS_PARAMS(LLM_SERVING_PARAM_SPEC)};
+namespace sample_cfg {
+enum : int64_t { SAMPLE_LOGITS_ICONFIG(LLM_SERVING_FIELD_ENUM) COUNT };
+const char* const kNames[] = {SAMPLE_LOGITS_ICONFIG(LLM_SERVING_FIELD_NAME)};
+}  // namespace sample_cfg
 }  // namespace
 
 extern "C" const char* SampleLogitsParams() { return LLM_SERVING_DESCRIBED(kSampleLogitsParams); }
+extern "C" const char* SampleLogitsIconfig() { return LLM_SERVING_NAMED(sample_cfg::kNames); }
 
 extern "C" int SampleLogits(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
                             void* stream, void* extra) {
@@ -1334,14 +1400,14 @@ extern "C" int SampleLogits(int nparam, void** params, int* ndims, int64_t** sha
   enum { SAMPLE_LOGITS_PARAMS(LLM_SERVING_PARAM_ENUM) NPARAM };
   if (!llm_serving::params_match(kSampleLogitsParams, NPARAM, nparam, ndims, dtypes)) return 1;
   const int64_t rows = shapes[LOGITS][0], vocab = shapes[LOGITS][1];
-  if (shapes[TEMPERATURE][0] != rows || shapes[RANDOM_U][0] != rows || shapes[ICFG][0] != 1 ||
+  if (shapes[TEMPERATURE][0] != rows || shapes[RANDOM_U][0] != rows || shapes[ICFG][0] != sample_cfg::COUNT ||
       shapes[TOKEN][0] != rows || shapes[LOGPROB][0] != rows || vocab < 1) {
     return 2;
   }
   const auto* logits = static_cast<const float*>(params[LOGITS]);
   const auto* temperature = static_cast<const float*>(params[TEMPERATURE]);
   const auto* random_u = static_cast<const float*>(params[RANDOM_U]);
-  const int threads = std::max(1, static_cast<const int32_t*>(params[ICFG])[0]);
+  const int threads = std::max(1, static_cast<const int32_t*>(params[ICFG])[sample_cfg::THREADS]);
   auto* token = static_cast<int32_t*>(params[TOKEN]);
   auto* logprob = static_cast<float*>(params[LOGPROB]);
   if (rows == 0) return 0;

@@ -10,6 +10,15 @@
 // dtype "weight": float32, or a GGUF type's stored bytes (uint8); the kernel checks it with its type code.
 // dtype "cache": a KV cache's element type, float32, float16, bfloat16 or int8 (pa_config.kv_cache_dtype); the
 // kernel reads it from the call's dtype.
+//
+// A kernel's iconfig (its int32 settings, one entry each) is declared the same way: a list of its entries, from
+// which come their indices and an exported list of their names (<Kernel>Iconfig(): "name,name,..."), which the
+// build compares with the names kernels/signatures.py builds the iconfig from. A new entry: one line in each, at
+// the same place.
+//
+//   #define MY_KERNEL_ICONFIG(I) I(THREADS, "threads") I(W_TYPE, "w_type")
+//   namespace my_cfg { enum : int64_t { MY_KERNEL_ICONFIG(LLM_SERVING_FIELD_ENUM) COUNT }; }   // icfg[my_cfg::W_TYPE]
+//   const char* const kNames[] = {MY_KERNEL_ICONFIG(LLM_SERVING_FIELD_NAME)};
 #pragma once
 
 #include <cstring>
@@ -25,6 +34,8 @@ struct ParamSpec {
 
 #define LLM_SERVING_PARAM_ENUM(id, name, ndims, dtype) id,
 #define LLM_SERVING_PARAM_SPEC(id, name, ndims, dtype) {name, ndims, dtype},
+#define LLM_SERVING_FIELD_ENUM(id, name) id,
+#define LLM_SERVING_FIELD_NAME(id, name) name,
 
 // The call passes exactly `count` parameters with the declared ranks and dtypes.
 inline bool params_match(const ParamSpec* spec, int count, int nparam, const int* ndims, const char** dtypes) {
@@ -50,6 +61,16 @@ inline std::string describe_params(const ParamSpec* spec, int count) {
   for (int i = 0; i < count; ++i) {
     if (i > 0) out += ',';
     out += std::string(spec[i].name) + ':' + std::to_string(spec[i].ndims) + ':' + spec[i].dtype;
+  }
+  return out;
+}
+
+// "name,name,..." in order: what a kernel's exported <Kernel>Iconfig() returns.
+inline std::string describe_fields(const char* const* names, int count) {
+  std::string out;
+  for (int i = 0; i < count; ++i) {
+    if (i > 0) out += ',';
+    out += names[i];
   }
   return out;
 }

@@ -12,6 +12,11 @@ that runs the kernel (`check_call` holds it to the declared order), a held one a
 dtype "weight": float32, or a GGUF type's stored bytes (uint8), which the kernel checks with the type code its
 iconfig gives. dtype "cache": a KV cache, float32, float16, bfloat16 or int8 (pa_config.kv_cache_dtype), read from
 the call.
+
+A kernel's iconfig (its int32 settings: shapes, threads, type codes, switches) is declared the same way: its entries'
+names in order, once in the C++ source (`<KERNEL>_ICONFIG`, exported as `<Func>Iconfig()`: "name,name,...") and
+once here (`KernelSignature.iconfig`), compared by the build like the parameters; the model builds the array by
+name (`iconfig_array`). What each entry means: the C++ list.
 """
 from __future__ import annotations
 
@@ -19,8 +24,10 @@ import ctypes
 import inspect
 from dataclasses import dataclass
 
+import numpy as np
+
 __all__ = ["DECODER_LAYER", "EMBED_TOKENS", "FINAL_LOGITS", "KERNEL_SIGNATURES", "MOE_MLP", "SAMPLE_LOGITS",
-           "KernelParam", "KernelSignature", "KernelSignatureError", "check_library", "check_params"]
+           "KernelParam", "KernelSignature", "KernelSignatureError", "check_iconfig", "check_library", "check_params"]
 
 
 class KernelSignatureError(RuntimeError):
@@ -50,6 +57,7 @@ class KernelSignature:
     call_inputs: tuple
     held_inputs: tuple
     outputs: tuple
+    iconfig: tuple = ()     # the names of its iconfig's entries, in order
 
     @property
     def inputs(self) -> tuple:
@@ -67,14 +75,24 @@ class KernelSignature:
         """The position of parameter `name` among the kernel's parameters (inputs, then outputs)."""
         return [p.name for p in self.params].index(name)
 
+    def iconfig_index(self, name: str) -> int:
+        """The position of entry `name` in the kernel's iconfig."""
+        if name not in self.iconfig:
+            raise KeyError(f"{self.func}'s iconfig has no entry {name!r} (these: {', '.join(self.iconfig)})")
+        return self.iconfig.index(name)
+
+    def iconfig_array(self, **values) -> np.ndarray:
+        """The kernel's iconfig, int32, from values given by name (every entry, nothing else)."""
+        return np.array(_ordered(f"{self.func}'s iconfig", self.iconfig, values, "entry"), np.int32)
+
     def args(self, **values) -> tuple:
         """All the kernel's inputs in its order, from values given by name (every input, nothing else)."""
-        return _ordered(self.func, self.inputs, values)
+        return _ordered(self.func, self.input_names, values)
 
     def held(self, **values) -> tuple:
         """The held inputs in the kernel's order, from values given by name (every held input, nothing else): the
         tuple the model passes after a step's inputs."""
-        return _ordered(self.func, self.held_inputs, values)
+        return _ordered(self.func, tuple(p.name for p in self.held_inputs), values)
 
     def check_call(self, method) -> None:
         """TypeError unless `method` (the model's, that runs the kernel) takes exactly the call inputs, by their
@@ -89,14 +107,13 @@ class KernelSignature:
                             f"{have[i] if i < len(have) else None!r}")
 
 
-def _ordered(func: str, params: tuple, values: dict) -> tuple:
-    names = [p.name for p in params]
+def _ordered(func: str, names: tuple, values: dict, kind: str = "input") -> tuple:
     missing = [n for n in names if n not in values]
     if missing:
-        raise TypeError(f"{func}: no value for its input {missing[0]!r}")
+        raise TypeError(f"{func}: no value for its {kind} {missing[0]!r}")
     unknown = [n for n in values if n not in names]
     if unknown:
-        raise TypeError(f"{func}: it has no input named {unknown[0]!r} here (these: {', '.join(names)})")
+        raise TypeError(f"{func}: it has no {kind} named {unknown[0]!r} here (these: {', '.join(names)})")
     return tuple(values[n] for n in names)
 
 
@@ -122,7 +139,10 @@ DECODER_LAYER = KernelSignature(
                  _p("lora_o_b", 3, "float32"), _p("lora_gate_up_a", 3, "float32"),
                  _p("lora_gate_up_b", 3, "float32"), _p("lora_down_a", 3, "float32"),
                  _p("lora_down_b", 3, "float32"), _p("iconfig", 1, "int32"), _p("fconfig", 1, "float32")),
-    outputs=(_p("out", 2, "float32"),))
+    outputs=(_p("out", 2, "float32"),),
+    iconfig=("block_size", "num_heads", "num_kv_heads", "threads", "q_type", "k_type", "v_type", "o_type", "gate_type",
+             "up_type", "down_type", "batch_invariant", "activation", "qk_norm", "sandwich_norms", "window", "mlp",
+             "attention_sinks", "norm", "post_norms", "gated_mlp", "mlp_biases"))
 
 # decoder_layer_cpu.cc's FinalLogits
 FINAL_LOGITS = KernelSignature(
@@ -130,7 +150,8 @@ FINAL_LOGITS = KernelSignature(
     call_inputs=(_p("x", 2, "float32"), _p("slots", 1, "int32")),
     held_inputs=(_p("lm_head", 2, "weight"), _p("gain", 1, "float32"), _p("iconfig", 1, "int32"),
                  _p("fconfig", 1, "float32")),
-    outputs=(_p("logits", 2, "float32"), _p("token", 1, "int32"), _p("logprob", 1, "float32")))
+    outputs=(_p("logits", 2, "float32"), _p("token", 1, "int32"), _p("logprob", 1, "float32")),
+    iconfig=("threads", "lm_head_type", "batch_invariant"))
 
 # decoder_layer_cpu.cc's MoeMlp: a mixture-of-experts layer's MLP, after its DecoderLayer without one
 MOE_MLP = KernelSignature(
@@ -140,21 +161,24 @@ MOE_MLP = KernelSignature(
                  _p("up_w", 2, "weight"), _p("down_w", 2, "weight"), _p("gate_bias", 1, "float32"),
                  _p("up_bias", 1, "float32"), _p("down_bias", 1, "float32"), _p("post_gain", 1, "float32"),
                  _p("iconfig", 1, "int32"), _p("fconfig", 1, "float32")),
-    outputs=(_p("out", 2, "float32"),))
+    outputs=(_p("out", 2, "float32"),),
+    iconfig=("threads", "experts_per_token", "gate_type", "up_type", "down_type", "renormalize", "activation"))
 
 # decoder_layer_cpu.cc's EmbedTokens: the embedding's rows read from the table as stored
 EMBED_TOKENS = KernelSignature(
     "EmbedTokens",
     call_inputs=(_p("ids", 1, "int32"),),
     held_inputs=(_p("table", 2, "weight"), _p("iconfig", 1, "int32")),
-    outputs=(_p("out", 2, "float32"),))
+    outputs=(_p("out", 2, "float32"),),
+    iconfig=("table_type",))
 
 # decoder_layer_cpu.cc's SampleLogits: sampler.py's temperature-only Sampler as one kernel
 SAMPLE_LOGITS = KernelSignature(
     "SampleLogits",
     call_inputs=(_p("logits", 2, "float32"), _p("temperature", 1, "float32"), _p("random_u", 1, "float32")),
     held_inputs=(_p("iconfig", 1, "int32"),),
-    outputs=(_p("token", 1, "int32"), _p("logprob", 1, "float32")))
+    outputs=(_p("token", 1, "int32"), _p("logprob", 1, "float32")),
+    iconfig=("threads",))
 
 # kernel source -> the signatures its library is checked against when built
 KERNEL_SIGNATURES = {"decoder_layer_cpu": (DECODER_LAYER, FINAL_LOGITS, MOE_MLP, EMBED_TOKENS, SAMPLE_LOGITS)}
@@ -184,15 +208,40 @@ def check_params(signature: KernelSignature, compiled: str, source: str = "the k
                                    "same order")
 
 
+def check_iconfig(signature: KernelSignature, compiled: str, source: str = "the kernel library") -> None:
+    """KernelSignatureError naming the first entry where `compiled` (a library's "name,name,..." iconfig list) and
+    `signature.iconfig` differ."""
+    have, want = [n for n in compiled.split(",") if n], list(signature.iconfig)
+    for i in range(max(len(have), len(want))):
+        h, w = (have[i] if i < len(have) else None), (want[i] if i < len(want) else None)
+        if h == w:
+            continue
+        if w is not None and w not in have:
+            problem = f"{w!r} (entry {i} in kernels/signatures.py) is missing from the C++ list"
+        elif h is not None and h not in want:
+            problem = f"{h!r} (entry {i} in the C++ list) is missing from kernels/signatures.py"
+        else:
+            problem = f"entry {i} is {h!r} in the C++ list but {w!r} in kernels/signatures.py (the order differs)"
+        raise KernelSignatureError(f"{source}: {signature.func}'s iconfig: {problem}; the two lists must name the "
+                                   "same entries in the same order")
+
+
+def _exported_text(lib, name: str, what: str, source: str) -> str:
+    try:
+        describe = getattr(lib, name)
+    except AttributeError:
+        raise KernelSignatureError(f"{source} exports no {name}(): its {what} cannot be checked against "
+                                   "kernels/signatures.py") from None
+    describe.restype = ctypes.c_char_p
+    describe.argtypes = []
+    return describe().decode()
+
+
 def check_library(path: str, signatures, source: str = "the kernel library") -> None:
-    """Check each signature against the parameter list the library at `path` exports for it."""
+    """Check each signature against the parameter list (and iconfig list, where it declares one) the library at
+    `path` exports for it."""
     lib = ctypes.CDLL(str(path))
     for sig in signatures:
-        try:
-            describe = getattr(lib, f"{sig.func}Params")
-        except AttributeError:
-            raise KernelSignatureError(f"{source} exports no {sig.func}Params(): its parameters cannot be checked "
-                                       "against kernels/signatures.py") from None
-        describe.restype = ctypes.c_char_p
-        describe.argtypes = []
-        check_params(sig, describe().decode(), source)
+        check_params(sig, _exported_text(lib, f"{sig.func}Params", "parameters", source), source)
+        if sig.iconfig:
+            check_iconfig(sig, _exported_text(lib, f"{sig.func}Iconfig", "iconfig", source), source)
