@@ -79,6 +79,30 @@ def test_repacked_products_equal_the_stored_rows_products_to_the_bit(library, re
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), np.abs(got - want).max()
 
 
+@pytest.mark.parametrize("m", [1, 2, 7])
+@pytest.mark.parametrize("qtype", [Q4_K, Q4_0, Q4_1], ids=["Q4_K", "Q4_0", "Q4_1"])
+def test_the_largest_sums_are_exact(library, repacks, qtype, m):
+    """Every code 15 and every x the same: each block's integer sums at their largest. One row of x takes the
+    4-bit codes in place, pair 2's times 256, a block's sums kept in int32 before they are shifted back: they must
+    not overflow there. w is 15 d (Q4_K: sub-block scales 63, minimums 0), 7 d (Q4_0) or 15 d + m (Q4_1)."""
+    n, k = 16, 2048
+    half = lambda v: np.frombuffer(np.float16(v).tobytes(), np.uint8)        # noqa: E731
+    if qtype == Q4_K:
+        block = np.concatenate([half(1.0), half(0.0), np.full(12, 0xFF, np.uint8), np.full(128, 0xFF, np.uint8)])
+        weight = 63 * 15 * 1.0
+    elif qtype == Q4_0:
+        block, weight = np.concatenate([half(0.5), np.full(16, 0xFF, np.uint8)]), 7 * 0.5
+    else:
+        block, weight = np.concatenate([half(0.5), half(0.25), np.full(16, 0xFF, np.uint8)]), 15 * 0.5 + 0.25
+    rows = np.ascontiguousarray(np.tile(block, (n, k * block.size // (256 if qtype == Q4_K else 32) // block.size)))
+    code, packed = repack(library, rows, qtype)
+    x = np.full((m, k), 3.0, np.float32)
+    want = product(library, qtype, rows, k, x)
+    got = product(library, code, packed, k, x)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    np.testing.assert_allclose(got, np.full((m, n), weight * 3.0 * k), rtol=1e-6)
+
+
 def test_repacking_keeps_every_byte(library, repacks):
     """A permutation of the stored bytes' information: the same multiset of code nibbles, each row's f16 scales
     as stored."""
