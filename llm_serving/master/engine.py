@@ -6,9 +6,9 @@ The engine owns the requests and the step loop; its helpers own the rest: the Sc
 next, master/scheduler.py), speculative planning (master/speculative/), StepIO (the step buffers,
 master/step_io.py), the AgentGroup (the agent processes, master/agent_group.py), the OutputProcessor (a
 step's outcome: tokens appended, token-level stops, KV counted, finished requests freed,
-master/output_processor.py), the Supervisor (restarts after an agent is lost, master/supervisor.py) and the
-LoraLoader (adapters loaded on the agents, master/lora_loader.py). What needs text stays here: detokenizing,
-stop strings and streaming each request's events. A step an agent answers with a failure ends exactly the
+master/output_processor.py), the RequestStreams (each request's events: detokenizing, stop strings, the final
+event, master/request_streams.py), the Supervisor (restarts after an agent is lost, master/supervisor.py) and the
+LoraLoader (adapters loaded on the agents, master/lora_loader.py). A step an agent answers with a failure ends exactly the
 requests in it; a reply saying an agent's KV cache was reset behind the master's back (agent-ctl reset)
 discards the step and computes every running request again from its tokens, with the prefix cache forgotten."""
 from __future__ import annotations
@@ -30,12 +30,11 @@ from llm_serving.master.logits import LogitsState
 from llm_serving.master.lora_loader import LoraLoader
 from llm_serving.master.lora_registry import (LoraConflictError, LoraRefusedError,  # noqa: F401 (server/app.py's)
                                              LoraRegistry)
-from llm_serving.master.output_processor import OutputProcessor, RequestOutput
+from llm_serving.master.output_processor import OutputProcessor
 from llm_serving.master.request import Request, SamplingParams, TokenEvent
+from llm_serving.master.request_streams import RequestStreams
 from llm_serving.master.scheduler import Scheduler, SchedulerSpec
-from llm_serving.master.speculative.draft import DraftProposer
-from llm_serving.master.speculative.ngram import NgramProposer
-from llm_serving.master.speculative.planner import SpeculativePlanner, SpeculativeSpec
+from llm_serving.master.speculative.setup import build_speculation, unsupported
 from llm_serving.master.speculative.stats import SpecStats
 from llm_serving.master.step_io import StepIO
 from llm_serving.master.supervisor import Supervisor
@@ -85,19 +84,9 @@ class Engine:
         self.lora_loader = LoraLoader(lc, model_dir, model_name, self.lora, self.agents, self.scheduler,
                                       lambda req, error: self._finish(req, "error", error=error))
         self.step_io = StepIO(self.block_manager)
-        self.drafter: Optional[DraftProposer] = None     # spec_config.method draft: the draft model's agent
-        self.speculation: Optional[SpeculativePlanner] = None
-        sc = config.spec_config
-        if sc.enabled:                                   # one proposer, n-gram lookup or a draft model
-            spec = SpeculativeSpec.from_config(config)
-            if sc.uses_draft:
-                draft_dir = sc.draft_model or model_dir
-                self.drafter = proposer = DraftProposer(config.draft_config(draft_dir), draft_dir, self.block_manager,
-                                                        self._forget_draft, width=spec.tree_width or 1)
-            else:
-                proposer = NgramProposer(sc.num_speculative_tokens, sc.ngram_max, sc.ngram_min,
-                                         tree_width=spec.tree_width)
-            self.speculation = SpeculativePlanner(spec, proposer, self.scheduler)
+        # one proposer behind the planner, n-gram lookup or a draft model (its agent: drafter); None with it off
+        self.drafter, self.speculation = build_speculation(config, model_dir, self.block_manager, self.scheduler,
+                                                           self._forget_draft)
         vocab = config.model_config.vocab_size         # (decided at start: startup/kv_memory.py)
         # token ids a request may name: the tokenizer's that the model has too
         self.vocab_size = min(tokenizer.vocab_size, vocab) if vocab else tokenizer.vocab_size
@@ -113,7 +102,6 @@ class Engine:
         self.generates = mc.task != "embed"
         self.score_method = score_method(mc.score_method, model_dir, model_name) if self.generates else "similarity"
         self.requests: dict = {}
-        self._detok: dict = {}
         self._wakeup = asyncio.Event()
         self._loop_task: Optional[asyncio.Task] = None
         self.running = False
@@ -122,10 +110,12 @@ class Engine:
         self.step_time_s: Counter = Counter()     # kind -> total seconds spent in agent steps
         self.step_time_by_batch: Counter = Counter()  # (kind, rows) -> total seconds, for benchmarks
         self.num_prompt_tokens = 0                # of every admitted request
-        self.num_finished: Counter = Counter()    # finish_reason -> requests
-        self.finish_listeners: list = []          # callables(request), called as each request ends (metrics)
         # seconds per phase of the step loop, summed over steps (see step_profile in stats())
         self.profile: Counter = Counter()
+        # each request's events: tokens detokenized, stop strings, the final event (request_streams.py)
+        self.streams = RequestStreams(tokenizer, self.scheduler, self.outputs, self.profile, self._forget)
+        self.num_finished = self.streams.num_finished            # finish_reason -> requests
+        self.finish_listeners = self.streams.finish_listeners    # callables(request), as each request ends (metrics)
         self.num_cache_resets = 0                   # agents' KV caches reset behind the master's back
         self.failed_reason: Optional[str] = None    # the engine serves nothing more (agents given up, a bug)
         self.draining_reason: Optional[str] = None  # shutting down: no new requests
@@ -137,14 +127,8 @@ class Engine:
         groups = [self.agents] + ([self.drafter] if self.drafter is not None else [])
         started = await asyncio.gather(*(g.start() for g in groups), return_exceptions=True)
         failed = [r for r in started if isinstance(r, BaseException)]
-        if not failed and self.drafter is not None and self.drafter.vocab_size != self.agents.agents[0].info.vocab_size:
-            failed = [ValueError(f"spec_config.draft_model: the draft's vocabulary ({self.drafter.vocab_size} "
-                                 f"tokens) is not the target's ({self.agents.agents[0].info.vocab_size}); a draft "
-                                 "model must share the target's tokenizer")]
-        if not failed and self.config.spec_config.is_tree and not self.agents.agents[0].info.token_trees:
-            failed = [ValueError(f"spec_config.method {self.config.spec_config.method}: token trees need the CPU "
-                                 "paged-attention kernel (model_config.attention_kernel on, and a C++ compiler); "
-                                 "these agents pad verify steps — use method ngram or draft (chains)")]
+        if not failed and (why := unsupported(self.config, self.drafter, self.agents.agents[0].info)) is not None:
+            failed = [why]
         if failed:
             for g in groups:
                 await g.stop()
@@ -258,7 +242,7 @@ class Engine:
             raise UnsupportedRequestError("prompt log-probabilities (echo with logprobs, prompt_logprobs, "
                                           "decoder_input_details) need the CPU kernel's packed prefill; these agents "
                                           "pad prefill steps (attention_kernel off, or Ascend)", "prompt_logprobs")
-        logits = self._logits_state(sampling, grammar)
+        logits = LogitsState.of_request(sampling, self.grammars, self.stop_token_ids, grammar)
         slot, root = self.lora.place(adapter) if adapter is not None else (0, 0)   # slot -1: loaded before admitted
         req = Request(prompt_ids, sampling, self.stop_token_ids, req_id=req_id, lora_slot=slot, lora_root=root,
                       lora_adapter=adapter)
@@ -268,7 +252,7 @@ class Engine:
             self.lora.hold(adapter)
         self.num_prompt_tokens += len(req.prompt_ids)
         self.requests[req.req_id] = req
-        self._detok[req.req_id] = self.tokenizer.detokenizer(prompt_ids, skip_special=req.sampling.skip_special_tokens)
+        self.streams.open(req)
         self._wakeup.set()
         return req
 
@@ -315,18 +299,6 @@ class Engine:
                                "without (model_config.vocab_size)", spec.field)
         return await self.grammars.compile(spec)
 
-    def _logits_state(self, sampling: SamplingParams, grammar=None) -> Optional[LogitsState]:
-        if not sampling.controls_logits:
-            return None
-        if self.grammars is None:
-            raise GrammarError("logit controls and structured outputs need the model's vocabulary size, which this "
-                               "server was started without (model_config.vocab_size)")
-        stop = frozenset() if sampling.ignore_eos else self.stop_token_ids
-        matcher = None
-        if sampling.grammar is not None:         # (compiled off the loop by compile_grammar; a cache hit otherwise)
-            matcher = grammar.deep_copy() if grammar is not None else self.grammars.compile_now(sampling.grammar)
-        return LogitsState(sampling, stop | set(sampling.stop_token_ids), self.grammars.vocab_size, matcher)
-
     def served_models(self) -> list:
         """The names requests may give: the model's, then its LoRA adapters'."""
         return [self.model_name, *self.lora_paths]
@@ -362,26 +334,12 @@ class Engine:
                 last: Optional[TokenEvent] = None) -> None:
         """End req now: free its blocks and close its stream."""
         self.scheduler.finish(req, reason)
-        self._close(req, reason, error, last)
+        self.streams.close(req, reason, error, last)
 
-    def _close(self, req: Request, reason: str, error: Optional[str] = None,
-               last: Optional[TokenEvent] = None) -> None:
-        """The stream of a request the scheduler has finished: its final event, the last token (if any) carrying
-        the finish reason and the text held back."""
+    def _forget(self, req: Request) -> None:
+        """A request's stream is closing: it is no longer in flight, and its LoRA adapter is free again."""
         if self.requests.pop(req.req_id, None) is req and req.lora_adapter is not None:
             self.lora.release(req.lora_adapter)
-        detok = self._detok.pop(req.req_id, None)
-        tail = detok.flush() if detok is not None else ""
-        if req.stop_strings is not None:          # release what was held back (never a stop string)
-            tail = req.stop_strings.push(tail) + req.stop_strings.flush()
-        event = last or TokenEvent(-1, "", 0.0, True)
-        event.text += tail
-        event.finish_reason, event.error = reason, error
-        req.events.put_nowait(event)
-        req.finish_time = time.monotonic()
-        self.num_finished[reason] += 1
-        for listener in self.finish_listeners:
-            listener(req)
 
     # --- the step loop -----------------------------------------------------------------------------
 
@@ -447,7 +405,7 @@ class Engine:
             return
         t_read = time.perf_counter()
         for result in self.outputs.update_from_output(batch, self.step_io.read_outputs(self.agents.buffers, batch)):
-            self._stream(result)
+            self.streams.stream(result)
         prof["output"] += time.perf_counter() - t_read
 
     def _write_controls(self) -> None:
@@ -504,50 +462,6 @@ class Engine:
         dropped = self.block_manager.forget_cached()
         logger.warning("an agent's KV cache was reset: step %d discarded, %d running request(s) computed again, "
                        "%d cached block(s) forgotten", step, recomputed, dropped)
-
-    # --- outputs -----------------------------------------------------------------------------------
-
-    def _stream(self, result: RequestOutput) -> None:
-        """A request's tokens from a step (the OutputProcessor appended them and applied the token-level stops):
-        detokenize each, check the stop strings, put it on the request's event queue; the last one closes the
-        stream when the step ended the request (with the result's `error`, which also says why a grammar cut it
-        short), or a stop string ends it there. A request the step ended with an error streams none of the
-        step's tokens."""
-        req = result.request
-        if result.finish_reason == "error":
-            self._close(req, "error", error=result.error)
-            return
-        n = len(result.token_ids)
-        if not n:                   # (an embedding's end, or a step that ended the request before any token)
-            if result.finish_reason is not None:
-                self._close(req, result.finish_reason, error=result.error)
-            return
-        t0 = time.perf_counter()
-        detok = self._detok[req.req_id]
-        for k, (token_id, logprob) in enumerate(zip(result.token_ids, result.logprobs)):
-            hidden = token_id in req.stop_token_ids          # a stop token ends the text, never shows in it
-            special = hidden or self.tokenizer.is_special(token_id)
-            text = "" if hidden else detok.push(token_id)
-            stopped = False
-            if req.stop_strings is not None:
-                text = req.stop_strings.push(text)
-                stopped = req.stop_strings.stopped
-            event = TokenEvent(token_id, text, logprob, special,
-                               top=result.tops[k] if result.tops is not None else None)
-            if stopped:                  # the output ends at this token: the step's later ones are dropped
-                self.outputs.drop_last(req, n - 1 - k)
-                self.profile["detokenize"] += time.perf_counter() - t0
-                if result.finish_reason is None:
-                    self.scheduler.finish(req, "stop")
-                req.finish_reason = "stop"
-                self._close(req, "stop", last=event)
-                return
-            if k == n - 1 and result.finish_reason is not None:
-                self.profile["detokenize"] += time.perf_counter() - t0
-                self._close(req, result.finish_reason, error=result.error, last=event)
-                return
-            req.events.put_nowait(event)
-        self.profile["detokenize"] += time.perf_counter() - t0
 
     # --- observability -----------------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ from typing import Optional
 
 import numpy as np
 
-from llm_serving.master.grammar import one_line, why_stuck
+from llm_serving.master.grammar import GrammarError, one_line, why_stuck
 from llm_serving.master.request import SamplingParams
 from llm_serving.shm.layout import BAN_BIAS, MAX_LOGIT_BIAS
 
@@ -48,6 +48,23 @@ def bits_of(tokens, vocab_size: int) -> np.ndarray:
 class LogitsState:
     """One request's logit controls as its output grows (see the module docstring). `matcher`: its grammar's
     llguidance matcher (master/grammar.py), None without a grammar."""
+
+    @classmethod
+    def of_request(cls, sampling: SamplingParams, grammars, stop_token_ids, compiled=None) -> Optional["LogitsState"]:
+        """A request's state, or None when its sampling controls no logits. `grammars`: the engine's (None: started
+        without the vocabulary size, which controls need: GrammarError); `stop_token_ids`: the model's end tokens,
+        which stop unless the request ignores them; `compiled`: its grammar's matcher as the engine compiled it
+        (copied, one per request), else compiled now (a cache hit as a rule)."""
+        if not sampling.controls_logits:
+            return None
+        if grammars is None:
+            raise GrammarError("logit controls and structured outputs need the model's vocabulary size, which this "
+                               "server was started without (model_config.vocab_size)")
+        stop = frozenset() if sampling.ignore_eos else frozenset(stop_token_ids)
+        matcher = None
+        if sampling.grammar is not None:
+            matcher = compiled.deep_copy() if compiled is not None else grammars.compile_now(sampling.grammar)
+        return cls(sampling, stop | set(sampling.stop_token_ids), grammars.vocab_size, matcher)
 
     def __init__(self, sampling: SamplingParams, stop_token_ids, vocab_size: int, matcher=None):
         self.matcher = matcher

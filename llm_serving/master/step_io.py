@@ -229,41 +229,63 @@ class StepIO:
         if self._buffers is not b:                  # new buffers (first step, or agents restarted)
             self._rows, self._buffers = [], b
             self._writer = RowWriter(b, self.block_manager.block_size, self.window_scratch)
-        w = self._writer
-        bm = self.block_manager
-        n = batch.num_rows
-        tables = bm.block_tables
-        verify = batch.kind is StepKind.VERIFY
-        if batch.max_query_len == 1:                # decode: token i feeds position num_computed_tokens
-            ids, pos, slots = [], [], []
-            for i, req in enumerate(batch.requests):
-                p = req.num_computed_tokens
-                ids.append(req.token_at(p))
-                pos.append(p)
-                slots.append(bm.slot(req.req_id, p))
-                self._write_row_state(i, req, tables[req.req_id])
-            window_slots = [bm.window_slot(req.req_id, p) for req, p in zip(batch.requests, pos)] \
-                if self.window else None
-            w.decode(n, ids, pos, slots, window_slots)
-            for j in range(1, batch.steps):         # a decode run: the slots of its later steps (-1: sat out)
-                rows = list(zip(batch.requests, pos, batch.run_lens))
-                w.run_slots(n, j, [bm.slot(req.req_id, p + j) if j < steps else -1 for req, p, steps in rows],
-                            [bm.window_slot(req.req_id, p + j) if j < steps else -1 for req, p, steps in rows]
-                            if self.window else None)
+        if batch.max_query_len == 1:
+            self._write_decode(batch)
         else:
-            proposals = batch.proposals or [()] * n
-            for i, (req, q, proposal) in enumerate(zip(batch.requests, batch.num_new_tokens, proposals)):
-                start = req.num_computed_tokens
-                stop = start + q
-                self._write_row_state(i, req, tables[req.req_id])
-                positions = None
-                if proposal:                        # each node's position is its depth's (a chain's: its slot's)
-                    positions = np.arange(start, stop, dtype=np.int32)
-                    own = q - len(proposal)             # the row's own tokens, then the nodes
-                    positions[own:] = stop - len(proposal) - 1 + np.asarray(node_depths(batch.parents[i]))
-                w.tokens(i, req.tokens(start, stop - len(proposal)) + list(proposal), start, positions,
-                         pad_to=batch.max_query_len)    # the agent reads the step's width only
-        controlled = []                             # rows whose logits the master controls this step
+            self._write_tokens(batch)
+        controlled = self._write_sampling(batch)    # rows whose logits the master controls this step
+        self._controlled = controlled              # written by write_controls, once the frame is out
+        n = batch.num_rows
+        b.controls_on[:n] = 0
+        for i, _, _ in controlled:
+            b.controls_on[i] = 1
+        b.controls_pending[0] = 1 if controlled else 0
+
+    def _write_decode(self, batch: ScheduledBatch) -> None:
+        """A decode step's rows: token i feeds position num_computed_tokens; a decode run's later steps get their
+        slots too."""
+        w, bm, n = self._writer, self.block_manager, batch.num_rows
+        tables = bm.block_tables
+        ids, pos, slots = [], [], []
+        for i, req in enumerate(batch.requests):
+            p = req.num_computed_tokens
+            ids.append(req.token_at(p))
+            pos.append(p)
+            slots.append(bm.slot(req.req_id, p))
+            self._write_row_state(i, req, tables[req.req_id])
+        window_slots = [bm.window_slot(req.req_id, p) for req, p in zip(batch.requests, pos)] \
+            if self.window else None
+        w.decode(n, ids, pos, slots, window_slots)
+        for j in range(1, batch.steps):         # a decode run: the slots of its later steps (-1: sat out)
+            rows = list(zip(batch.requests, pos, batch.run_lens))
+            w.run_slots(n, j, [bm.slot(req.req_id, p + j) if j < steps else -1 for req, p, steps in rows],
+                        [bm.window_slot(req.req_id, p + j) if j < steps else -1 for req, p, steps in rows]
+                        if self.window else None)
+
+    def _write_tokens(self, batch: ScheduledBatch) -> None:
+        """A prefill, embed or verify step's rows: each row's new tokens (a verify row's proposals after its own,
+        each node at its depth's position)."""
+        w, tables = self._writer, self.block_manager.block_tables
+        proposals = batch.proposals or [()] * batch.num_rows
+        for i, (req, q, proposal) in enumerate(zip(batch.requests, batch.num_new_tokens, proposals)):
+            start = req.num_computed_tokens
+            stop = start + q
+            self._write_row_state(i, req, tables[req.req_id])
+            positions = None
+            if proposal:                        # each node's position is its depth's (a chain's: its slot's)
+                positions = np.arange(start, stop, dtype=np.int32)
+                own = q - len(proposal)             # the row's own tokens, then the nodes
+                positions[own:] = stop - len(proposal) - 1 + np.asarray(node_depths(batch.parents[i]))
+            w.tokens(i, req.tokens(start, stop - len(proposal)) + list(proposal), start, positions,
+                     pad_to=batch.max_query_len)    # the agent reads the step's width only
+
+    def _write_sampling(self, batch: ScheduledBatch) -> list:
+        """Each row's sampling inputs: a verify row's tree and uniform numbers, a sampled row's uniform number, the
+        prompt tokens it scores, its penalty history. Returns (row, LogitsState, output ids) of the rows whose
+        logits the master controls this step (those that sample)."""
+        w = self._writer
+        verify = batch.kind is StepKind.VERIFY
+        controlled = []
         for i, (req, q) in enumerate(zip(batch.requests, batch.num_new_tokens)):
             if verify:                              # the row's own tokens: each one's parent is the one before
                 tree = batch.parents[i]
@@ -289,11 +311,7 @@ class StepIO:
                 if row.history_written < total:
                     w.history(i, req.tokens(row.history_written, total), row.history_written)
                     row.history_written = total
-        self._controlled = controlled              # written by write_controls, once the frame is out
-        b.controls_on[:n] = 0
-        for i, _, _ in controlled:
-            b.controls_on[i] = 1
-        b.controls_pending[0] = 1 if controlled else 0
+        return controlled
 
     def write_controls(self) -> None:
         """The logit controls of the step write_inputs wrote last (its rows' grammar masks and bias entries), then

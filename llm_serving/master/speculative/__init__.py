@@ -23,7 +23,8 @@ else):
 - `draft.py`: a draft model in an agent group of its own (`draft`, and `draft_tree`: its likeliest first
   tokens as branches);
 - `tree.py`: token trees (from paths, trimmed, walked) and the acceptance rule (`accept`);
-- `stats.py`: what speculation did, for /stats.
+- `stats.py`: what speculation did, for /stats;
+- `setup.py`: the engine's speculation from the config (`build_speculation`), and what the agents must support.
 The outcome of a verify step (tokens appended, stops, KV counted, statistics) is the OutputProcessor's
 (master/output_processor.py), like every step's.
 
