@@ -57,133 +57,179 @@ class Scoring:
     shape: ReplyShape = ReplyShape()    # chat: how the reply is read into reasoning, content and tool calls
 
 
+@dataclasses.dataclass(frozen=True)
+class _Reply:
+    """What every part of one reply shares: its id and time, the API (chat or completions), what was asked of it."""
+    reqs: list
+    tokenizer: object
+    rid: str
+    created: int
+    model: str
+    chat: bool
+    include_usage: bool
+    logprobs: bool
+    scoring: Scoring
+
+    def chunk(self, choices, usage=None) -> bytes:
+        """One server-sent event of a streamed reply."""
+        payload = {"id": self.rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                   "created": self.created, "model": self.model, "choices": choices}
+        if self.include_usage:
+            payload["usage"] = usage
+        return streaming.sse(payload)
+
+
 async def _respond(request, engine, reqs, *, chat: bool, model: str, stream: bool, include_usage: bool,
                    logprobs: bool, scoring: Scoring = Scoring()):
-    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-    created = int(time.time())
-    obj = "chat.completion" if chat else "text_completion"
-
-    tok = engine.tokenizer
-
-    def chat_logprob(event):
-        return {"token": event.text, "logprob": event.logprob, "bytes": list(event.text.encode()),
-                "top_logprobs": [{"token": tok.token_text(i), "logprob": lp,
-                                  "bytes": list(tok.token_text(i).encode())} for i, lp in event.top or ()]}
-
+    """The reply to `reqs` (the request's `n` choices), whole or streamed; every request released at its end."""
+    reply = _Reply(reqs, engine.tokenizer, ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
+                   int(time.time()), model, chat, include_usage, logprobs, scoring)
     try:
-        if not stream:
-            texts, lps, finals = [[] for _ in reqs], [[] for _ in reqs], [None] * len(reqs)
-            async for i, event, _ in events(reqs):
-                if not scoring.score_only:
-                    texts[i].append(event.text)
-                    if event.token_id >= 0:
-                        lps[i].append(event)
-                if event.finish_reason is not None:
-                    finals[i] = event
-            errors = [f for f in finals if f.finish_reason == "error"]
-            if errors:
-                return web.json_response(streaming.openai_error_body(errors[0].error or "generation failed",
-                                                                     "server_error"), status=500)
-            choices = []
-            for i, final in enumerate(finals):
-                text = "".join(texts[i])
-                choice = {"index": i, "finish_reason": _finish_reason(final)}
-                if final.error:                  # why it ended there (a grammar that could not go on)
-                    choice["finish_message"] = final.error
-                if chat:
-                    reasoning, content, calls = read_reply(text, scoring.shape)
-                    choice["message"] = {"role": "assistant", "content": content}
-                    if reasoning is not None:
-                        choice["message"]["reasoning_content"] = reasoning
-                    if calls:
-                        choice["message"]["tool_calls"] = calls
-                        if final.finish_reason == "stop":
-                            choice["finish_reason"] = "tool_calls"
-                    choice["logprobs"] = {"content": [chat_logprob(e) for e in lps[i]]} if logprobs else None
-                else:
-                    choice["text"] = (scoring.echo or "") + text
-                    choice["logprobs"] = _completion_logprobs(lps[i], tok, reqs[i] if scoring.echo is not None
-                                                              else None) if logprobs else None
-                    if scoring.prompt_logprobs:
-                        choice["prompt_logprobs"] = streaming.vllm_prompt_logprobs(reqs[i], tok)
-                if scoring.score_only:
-                    choice["finish_reason"] = "length"
-                choices.append(choice)
-            body = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices,
-                    "usage": _usage(reqs, scoring.score_only)}
-            if chat and scoring.prompt_logprobs:       # (vLLM's place for a chat's)
-                body["prompt_logprobs"] = streaming.vllm_prompt_logprobs(reqs[0], tok)
-            return web.json_response(body)
-
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
-        chunk_obj = "chat.completion.chunk" if chat else "text_completion"
-
-        def chunk(choices, usage=None):
-            payload = {"id": rid, "object": chunk_obj, "created": created, "model": model, "choices": choices}
-            if include_usage:
-                payload["usage"] = usage
-            return streaming.sse(payload)
-        if chat:
-            for i in range(len(reqs)):
-                await response.write(chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                                             "logprobs": None, "finish_reason": None}]))
-        pending = []                             # chunks of events that came together, written at once
-        replies = [ReplyStream(scoring.shape) for _ in reqs] if chat else None
-        first = [scoring.echo is None and not scoring.prompt_logprobs] * len(reqs)
-        async for i, event, more in events(reqs):
-            if event.finish_reason == "error":
-                pending.append(streaming.sse(streaming.openai_error_body(event.error or "generation failed",
-                                                                         "server_error")))
-                break
-            reason = _finish_reason(event) if event.finish_reason else None
-            text, found, thought = event.text, [], ""
-            if replies is not None:              # reasoning, content, and each tool call once it is whole
-                thought, text, found = replies[i].push(text)
-                if reason is not None:
-                    more_thought, rest, more_calls = replies[i].flush()
-                    thought, text, found = thought + more_thought, text + rest, found + more_calls
-                    reason = replies[i].finish_reason(reason)
-            if not first[i]:                     # the prompt was scored by now: its echo and log-probabilities
-                first[i] = True
-                if scoring.echo is not None:
-                    lp = _completion_logprobs([], tok, reqs[i]) if logprobs else None
-                    pending.append(chunk([{"index": i, "text": scoring.echo, "logprobs": lp, "finish_reason": None}]))
-                if scoring.prompt_logprobs:
-                    extra = {"index": i, "prompt_logprobs": streaming.vllm_prompt_logprobs(reqs[i], tok),
-                             "finish_reason": None}
-                    pending.append(chunk([{**extra, "delta": {}, "logprobs": None} if chat else
-                                          {**extra, "text": "", "logprobs": None}]))
-            if text or found or thought or reason is not None:  # (else held back: stop strings, a special token, a call)
-                lp = None
-                if logprobs and event.token_id >= 0:
-                    lp = {"content": [chat_logprob(event)]} if chat else _completion_logprobs([event], tok)
-                if chat:
-                    delta = {"content": text} if text else {}
-                    if thought:
-                        delta["reasoning_content"] = thought
-                    if found:
-                        base = len(replies[i].calls) - len(found)
-                        delta["tool_calls"] = [{"index": base + k, **call} for k, call in enumerate(found)]
-                    choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}
-                else:
-                    choice = {"index": i, "text": event.text, "logprobs": lp, "finish_reason": reason}
-                if reason is not None and event.error:
-                    choice["finish_message"] = event.error
-                pending.append(chunk([choice]))
-            if pending and not more:
-                await response.write(b"".join(pending))
-                pending.clear()
-        else:                                    # every choice ended without an error
-            if include_usage:
-                pending.append(chunk([], _usage(reqs)))
-        pending.append(b"data: [DONE]\n\n")
-        await response.write(b"".join(pending))
-        await response.write_eof()
-        return response
+        return await (_stream(request, reply) if stream else _whole(reply))
     finally:
         for req in reqs:
             engine.release(req)
+
+
+def _chat_logprob(event, tok) -> dict:
+    """A chat reply's log-probability entry for one generated token (and its top alternatives)."""
+    return {"token": event.text, "logprob": event.logprob, "bytes": list(event.text.encode()),
+            "top_logprobs": [{"token": tok.token_text(i), "logprob": lp,
+                              "bytes": list(tok.token_text(i).encode())} for i, lp in event.top or ()]}
+
+
+async def _whole(reply: _Reply) -> web.Response:
+    """A reply not streamed: every choice's events gathered, then one JSON body (a 500 if any choice failed)."""
+    reqs, scoring = reply.reqs, reply.scoring
+    texts, lps, finals = [[] for _ in reqs], [[] for _ in reqs], [None] * len(reqs)
+    async for i, event, _ in events(reqs):
+        if not scoring.score_only:
+            texts[i].append(event.text)
+            if event.token_id >= 0:
+                lps[i].append(event)
+        if event.finish_reason is not None:
+            finals[i] = event
+    errors = [f for f in finals if f.finish_reason == "error"]
+    if errors:
+        return web.json_response(streaming.openai_error_body(errors[0].error or "generation failed",
+                                                             "server_error"), status=500)
+    choices = [_whole_choice(reply, i, final, "".join(texts[i]), lps[i]) for i, final in enumerate(finals)]
+    body = {"id": reply.rid, "object": "chat.completion" if reply.chat else "text_completion",
+            "created": reply.created, "model": reply.model, "choices": choices,
+            "usage": _usage(reqs, scoring.score_only)}
+    if reply.chat and scoring.prompt_logprobs:       # (vLLM's place for a chat's)
+        body["prompt_logprobs"] = streaming.vllm_prompt_logprobs(reqs[0], reply.tokenizer)
+    return web.json_response(body)
+
+
+def _whole_choice(reply: _Reply, i: int, final, text: str, lps: list) -> dict:
+    """Choice i of a whole reply: its text (chat: read into reasoning, content and tool calls), log-probabilities
+    and finish reason."""
+    scoring, tok = reply.scoring, reply.tokenizer
+    choice = {"index": i, "finish_reason": _finish_reason(final)}
+    if final.error:                  # why it ended there (a grammar that could not go on)
+        choice["finish_message"] = final.error
+    if reply.chat:
+        reasoning, content, calls = read_reply(text, scoring.shape)
+        choice["message"] = {"role": "assistant", "content": content}
+        if reasoning is not None:
+            choice["message"]["reasoning_content"] = reasoning
+        if calls:
+            choice["message"]["tool_calls"] = calls
+            if final.finish_reason == "stop":
+                choice["finish_reason"] = "tool_calls"
+        choice["logprobs"] = {"content": [_chat_logprob(e, tok) for e in lps]} if reply.logprobs else None
+    else:
+        choice["text"] = (scoring.echo or "") + text
+        choice["logprobs"] = _completion_logprobs(lps, tok, reply.reqs[i] if scoring.echo is not None
+                                                  else None) if reply.logprobs else None
+        if scoring.prompt_logprobs:
+            choice["prompt_logprobs"] = streaming.vllm_prompt_logprobs(reply.reqs[i], tok)
+    if scoring.score_only:
+        choice["finish_reason"] = "length"
+    return choice
+
+
+async def _stream(request: web.Request, reply: _Reply) -> web.StreamResponse:
+    """A streamed reply: server-sent events as the choices' tokens come (those that came together written at
+    once), an error event if a choice fails, the usage if asked for, then [DONE]."""
+    reqs, scoring = reply.reqs, reply.scoring
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    if reply.chat:
+        for i in range(len(reqs)):
+            await response.write(reply.chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                               "logprobs": None, "finish_reason": None}]))
+    pending = []                             # chunks of events that came together, written at once
+    replies = [ReplyStream(scoring.shape) for _ in reqs] if reply.chat else None
+    first = [scoring.echo is None and not scoring.prompt_logprobs] * len(reqs)
+    async for i, event, more in events(reqs):
+        if event.finish_reason == "error":
+            pending.append(streaming.sse(streaming.openai_error_body(event.error or "generation failed",
+                                                                     "server_error")))
+            break
+        if not first[i]:                     # the prompt was scored by now: its echo and log-probabilities
+            first[i] = True
+            pending += _prompt_chunks(reply, i)
+        choice = _stream_choice(reply, i, event, replies)
+        if choice is not None:
+            pending.append(reply.chunk([choice]))
+        if pending and not more:
+            await response.write(b"".join(pending))
+            pending.clear()
+    else:                                    # every choice ended without an error
+        if reply.include_usage:
+            pending.append(reply.chunk([], _usage(reqs)))
+    pending.append(b"data: [DONE]\n\n")
+    await response.write(b"".join(pending))
+    await response.write_eof()
+    return response
+
+
+def _prompt_chunks(reply: _Reply, i: int) -> list:
+    """Choice i's chunks about its prompt, once it is scored: its echo (completions) and vLLM's prompt_logprobs."""
+    scoring, tok, chunks = reply.scoring, reply.tokenizer, []
+    if scoring.echo is not None:
+        lp = _completion_logprobs([], tok, reply.reqs[i]) if reply.logprobs else None
+        chunks.append(reply.chunk([{"index": i, "text": scoring.echo, "logprobs": lp, "finish_reason": None}]))
+    if scoring.prompt_logprobs:
+        extra = {"index": i, "prompt_logprobs": streaming.vllm_prompt_logprobs(reply.reqs[i], tok),
+                 "finish_reason": None}
+        chunks.append(reply.chunk([{**extra, "delta": {}, "logprobs": None} if reply.chat else
+                                   {**extra, "text": "", "logprobs": None}]))
+    return chunks
+
+
+def _stream_choice(reply: _Reply, i: int, event, replies) -> "dict | None":
+    """The streamed choice one event of choice i makes, or None while its text is held back (stop strings, a
+    special token, a tool call not yet whole). Chat: reasoning, content and each tool call once it is whole."""
+    reason = _finish_reason(event) if event.finish_reason else None
+    text, found, thought = event.text, [], ""
+    if replies is not None:
+        thought, text, found = replies[i].push(text)
+        if reason is not None:
+            more_thought, rest, more_calls = replies[i].flush()
+            thought, text, found = thought + more_thought, text + rest, found + more_calls
+            reason = replies[i].finish_reason(reason)
+    if not (text or found or thought or reason is not None):
+        return None
+    lp = None
+    if reply.logprobs and event.token_id >= 0:
+        lp = {"content": [_chat_logprob(event, reply.tokenizer)]} if reply.chat else \
+            _completion_logprobs([event], reply.tokenizer)
+    if reply.chat:
+        delta = {"content": text} if text else {}
+        if thought:
+            delta["reasoning_content"] = thought
+        if found:
+            base = len(replies[i].calls) - len(found)
+            delta["tool_calls"] = [{"index": base + k, **call} for k, call in enumerate(found)]
+        choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}
+    else:
+        choice = {"index": i, "text": event.text, "logprobs": lp, "finish_reason": reason}
+    if reason is not None and event.error:
+        choice["finish_message"] = event.error
+    return choice
 
 
 def _completion_logprobs(events, tokenizer, echoed=None) -> dict:
