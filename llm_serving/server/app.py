@@ -13,9 +13,10 @@ from llm_serving.master.engine import (DuplicateRequestError, EngineStoppedError
 from llm_serving.master.fleet import FleetFullError, ModelBusyError, ModelLoadError, UnknownModelError
 from llm_serving.master.grammar import GrammarError
 from llm_serving.master.scheduler import QueueFullError
-from llm_serving.server import (access_log, metrics, routes_anthropic, routes_embeddings, routes_llm_serving,
-                                routes_ollama, routes_openai, routes_responses, streaming)
+from llm_serving.server import access_log, metrics
+from llm_serving.server.api import document
 from llm_serving.server.api.base import UnknownFields
+from llm_serving.server.apis import APIS, error_shape
 from llm_serving.server.keys import FLEET, UNKNOWN_FIELDS
 from llm_serving.server.served import default_engine, hold_middleware
 from llm_serving.server.errors import EngineFailedError, ModelNotFoundError, ValidationError
@@ -44,18 +45,11 @@ ERROR_STATUS = {
     FleetFullError: (503, "unavailable"),
     ModelLoadError: (503, "unavailable"),
 }
-# the route modules, each with add_routes(app); one whose API has an error shape of its own says which paths are its
-# (`owns(path)`) and writes its errors (`error_body(status, message, kind, param)`): the first that owns a path
-# shapes its errors, llm-serving's / TGI's shape the rest. A new API adds its module here (before OpenAI's if its
-# paths are under /v1/ too).
-ROUTE_MODULES = (routes_llm_serving, routes_anthropic, routes_responses, routes_ollama, routes_embeddings,
-                 routes_openai)
 
 
 def error_response(request: web.Request, status: int, message: str, kind: str, param=None) -> web.Response:
-    """The error body of the API the path belongs to (`ROUTE_MODULES`)."""
-    owner = next((m for m in ROUTE_MODULES if hasattr(m, "owns") and m.owns(request.path)), None)
-    body = owner.error_body(status, message, kind, param) if owner is not None else streaming.error_body(message, kind)
+    """The error body of the API the path belongs to (apis.error_shape)."""
+    body = error_shape(request.path).body(status, message, kind, param)
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
     return web.json_response(body, status=status, headers=headers)
 
@@ -190,7 +184,8 @@ def create_app(fleet) -> web.Application:
     app.router.add_get("/models/{model}", model_info)
     app.router.add_post("/models/{model}/load", load_model)
     app.router.add_post("/models/{model}/unload", unload_model)
-    for module in ROUTE_MODULES:
-        module.add_routes(app)
+    app.router.add_get("/openapi.json", document.serve)
+    for api in APIS:                    # every API's routes (server/apis.py)
+        api.routes.add_routes(app)
     metrics.add_routes(app, fleet)
     return app

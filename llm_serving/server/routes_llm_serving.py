@@ -142,6 +142,11 @@ async def _stream(request: web.Request, engine, req, gen) -> web.StreamResponse:
     return response
 
 
+def error_body(status: int, message: str, kind: str, param=None) -> dict:
+    """llm-serving's / TGI's error shape: the message and its kind."""
+    return streaming.error_body(message, kind)
+
+
 def add_routes(app: web.Application) -> None:
     app.router.add_post("/", generate)         # TGI's compatibility route: generate, or a stream with "stream": true
     app.router.add_post("/models/{model}/generate", generate)

@@ -20,10 +20,10 @@ from aiohttp import web
 
 from llm_serving.server import streaming
 from llm_serving.server.api import base as api
-from llm_serving.server.api import document, openai as openai_api
+from llm_serving.server.api import openai as openai_api
 from llm_serving.server.errors import ModelNotFoundError, ValidationError
-from llm_serving.server.keys import ENGINE, UNKNOWN_FIELDS
-from llm_serving.server.served import default_engine, engine_for, fleet_of
+from llm_serving.server.keys import ENGINE
+from llm_serving.server.served import engine_for, fleet_of
 from llm_serving.server.reply import ReplyShape, ReplyStream, read_reply, reply_shape
 from llm_serving.server.tools import ToolRequest
 from llm_serving.server.generation import events, submit
@@ -374,23 +374,7 @@ async def detokenize(request: web.Request) -> web.Response:
     return web.json_response({"prompt": engine.tokenizer.decode(r.tokens, skip_special=False)})
 
 
-async def openapi(request: web.Request) -> web.Response:
-    """The OpenAPI document of the HTTP API, built from the request models (server/api/) and what is served."""
-    from importlib.metadata import PackageNotFoundError, version
-    try:
-        served = version("llm-serving")
-    except PackageNotFoundError:
-        served = "0"
-    engine, fleet = default_engine(request), fleet_of(request)     # (the default model's vocabulary and context)
-    spec = engine.embedding             # the widths a request may ask its embeddings for
-    widths = None if spec is None else [d for d in range(1, spec.dimensions + 1) if spec.check_dimensions(d) is None]
-    names = engine.served_models() + ([n for n in fleet.names if n != engine.model_name] if fleet else [])
-    closed = getattr(request.app.get(UNKNOWN_FIELDS), "policy", "ignore") == "reject"
-    return web.json_response(document.openapi(served, names, engine.vocab_size, engine.max_model_len, widths, closed))
-
-
 def add_routes(app: web.Application) -> None:
-    app.router.add_get("/openapi.json", openapi)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/v1/models", models)

@@ -11,7 +11,8 @@ import pytest
 from llm_serving.master.grammar import GrammarError
 from llm_serving.server.api.anthropic import MessagesRequest
 from llm_serving.server.api.base import read_json, validate
-from llm_serving.server.api.document import API_MODULES, openapi
+from llm_serving.server.api.document import openapi
+from llm_serving.server.apis import APIS, error_shape
 from llm_serving.server.api.ollama import ShowRequest
 from llm_serving.server.api.openai import ChatCompletionRequest, CompletionRequest, TokenizeRequest
 from llm_serving.server.api.tgi import GenerateRequest
@@ -147,7 +148,7 @@ SERVED = {"models": ["hf", "lora1"], "vocab_size": 512, "max_model_len": 256}
 
 def _body_schema(doc: dict, model: type) -> dict:
     """The document's schema of `model`'s bodies (at its first route)."""
-    path = next(path for module in API_MODULES for path, m, _ in module.ROUTES if m is model)
+    path = next(path for api in APIS for path, m, _ in api.bodies.ROUTES if m is model)
     return {**doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"],
             "components": doc["components"]}
 
@@ -257,6 +258,16 @@ def test_each_apis_error_body_is_the_shape_its_routes_document():
         shapes["/generate"])
 
 
+def test_each_apis_paths_get_the_error_shape_its_row_documents():
+    """The document gives an API's operations its row's error shape; the app shapes a path's errors by the API that
+    owns it (apis.error_shape): the two agree on every path the document lists."""
+    for api in APIS:
+        paths = [path for path, _, _ in api.bodies.ROUTES] + \
+            [path for _, path, _ in getattr(api.bodies, "OPERATIONS", ())]
+        assert paths and all(error_shape(path) is api.error for path in paths), api.name
+    assert error_shape("/health").name == "TGIError" and error_shape("/v1/models").name == "OpenAIError"
+
+
 def test_schemathesis_can_generate_every_request_the_document_describes():
     """Rules between fields are intersections a JSON schema generator must combine: too many in one body and it
     gives up (schemathesis: 'outgrew_intersections'), and the route cannot be fuzzed (test_openapi_fuzz.py)."""
@@ -273,7 +284,7 @@ def test_schemathesis_can_generate_every_request_the_document_describes():
             def draw(case):
                 bodies[op.label] = case.body
             draw()
-    assert set(bodies) == {f"POST {path}" for module in API_MODULES for path, _, _ in module.ROUTES}
+    assert set(bodies) == {f"POST {path}" for api in APIS for path, _, _ in api.bodies.ROUTES}
     assert bodies["POST /v1/chat/completions"]["model"] in SERVED["models"]
 
 

@@ -20,6 +20,7 @@ from llm_serving.models.pooling import EmbeddingSpec
 from llm_serving.server import app as server_app
 from llm_serving.server import routes_embeddings, routes_ollama, routes_openai
 from llm_serving.server.api.base import validate
+from llm_serving.server.api import document
 from llm_serving.server.api.document import openapi
 from llm_serving.server.api.embeddings import EmbeddingRequest, RerankRequest, ScoreRequest
 from llm_serving.server.api.ollama import EmbeddingsRequest, EmbedRequest
@@ -219,6 +220,7 @@ def call(engine, path, body=None, method="POST", key=None, headers=None):
         middlewares = [server_app.error_middleware] + ([server_app.api_key_middleware(key)] if key else [])
         app = web.Application(middlewares=middlewares)
         app[ENGINE] = engine
+        app.router.add_get("/openapi.json", document.serve)
         for module in (routes_ollama, routes_embeddings, routes_openai):
             module.add_routes(app)
         async with TestClient(TestServer(app)) as client:

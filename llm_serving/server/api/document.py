@@ -9,38 +9,19 @@ import json
 import re
 from typing import Optional, Sequence
 
+from aiohttp import web
 from pydantic.json_schema import models_json_schema
 
 from llm_serving.master.fleet import STATES as MODEL_STATES
-from llm_serving.server.api import anthropic, embeddings, ollama, openai, responses, tgi
+from llm_serving.server.apis import APIS, ERROR_SHAPES, error_shape
+from llm_serving.server.keys import UNKNOWN_FIELDS
+from llm_serving.server.served import default_engine, fleet_of
 
-# every API module's routes: ROUTES, POSTs with a body [(path, request model, summary)], and OPERATIONS without one
-# [(method, path, summary)] if it has them; a new API adds its module here
-API_MODULES = (openai, tgi, responses, anthropic, ollama, embeddings)
-API_NAMES = {"openai": "OpenAI", "tgi": "TGI", "responses": "Responses", "anthropic": "Anthropic", "ollama": "Ollama",
-             "embeddings": "Embeddings"}
-# the server's own operations without a body
+# the server's own operations without a body (each API's are its module's in server/api/: apis.APIS)
 GETS = [("/health", "200 when the engine serves"), ("/info", "the served model and limits (TGI's)"),
         ("/v1/models", "the served model and its LoRA adapters"), ("/metrics", "Prometheus metrics"),
         ("/stats", "the engine's counters"), ("/openapi.json", "this document")]
-
-# each API's error body (its routes module's error_body), the answer of its 4xx
 _TEXT, _TEXT_OR_NULL = {"type": "string"}, {"type": ["string", "null"]}
-ERRORS = {
-    "OpenAIError": {"type": "object", "required": ["error"], "properties": {"error": {
-        "type": "object", "required": ["message", "type", "param", "code"],
-        "properties": {"message": _TEXT, "type": _TEXT, "param": _TEXT_OR_NULL, "code": _TEXT_OR_NULL}}}},
-    "TGIError": {"type": "object", "required": ["error", "error_type"],
-                 "properties": {"error": _TEXT, "error_type": _TEXT}},
-    "AnthropicError": {"type": "object", "required": ["type", "error"], "properties": {
-        "type": {"const": "error"},
-        "error": {"type": "object", "required": ["type", "message"], "properties": {"type": _TEXT, "message": _TEXT}}}},
-    "OllamaError": {"type": "object", "required": ["error"], "properties": {"error": _TEXT}},
-}
-# the error body of each API module's routes (Responses' are OpenAI's: routes_openai owns /v1/; embeddings, rerank
-# and score are OpenAI's too, outside /v1/ as well: routes_embeddings)
-MODULE_ERRORS = {"openai": "OpenAIError", "tgi": "TGIError", "responses": "OpenAIError",
-                 "anthropic": "AnthropicError", "ollama": "OllamaError", "embeddings": "OpenAIError"}
 
 # the JSON replies of some routes (routes_openai.py writes them); a streamed one is text/event-stream
 STREAMED = {"/v1/completions", "/v1/chat/completions"}
@@ -122,23 +103,21 @@ def openapi(version: str, models: Sequence[str] = (), vocab_size: Optional[int] 
     fields that name or count them stay as open as their models. `closed` (serving_config.unknown_fields reject):
     the bodies take no field they do not name (additionalProperties false); else unknown fields are ignored, and
     the document says so by leaving them open."""
-    routes = [(module, route) for module in API_MODULES for route in module.ROUTES]
+    routes = [(api, route) for api in APIS for route in api.bodies.ROUTES]
     refs, defs = models_json_schema([(m, "validation") for m in dict.fromkeys(m for _, (_, m, _) in routes)],
                                     ref_template="#/components/schemas/{model}")
     model_names = {"type": "string", **({"enum": list(models)} if models else {})}
     paths: dict = {}
-    for module, (path, model, summary) in routes:
+    for api, (path, model, summary) in routes:
         op = {"summary": summary, "requestBody": {"required": True, "content": {"application/json": {
             "schema": refs[(model, "validation")]}}},
               "responses": {"200": _reply(path, "the reply (text/event-stream when streamed)"),
-                            **_errors(MODULE_ERRORS[module.__name__.rsplit(".", 1)[1]])}}
+                            **_errors(api.error.name)}}
         if "{model}" in path:
             op["parameters"] = [{"name": "model", "in": "path", "required": True, "schema": model_names}]
         paths[path] = {"post": op}
-    others = [("get", path, summary, "OpenAIError" if path.startswith("/v1/") else "TGIError")
-              for path, summary in GETS]
-    others += [(*op, MODULE_ERRORS[module.__name__.rsplit(".", 1)[1]])
-               for module in API_MODULES for op in getattr(module, "OPERATIONS", ())]
+    others = [("get", path, summary, error_shape(path).name) for path, summary in GETS]
+    others += [(*op, api.error.name) for api in APIS for op in getattr(api.bodies, "OPERATIONS", ())]
     for method, path, summary, error in others:
         op = {"summary": summary, "responses": {"200": _reply(path, summary), **_errors(error)}}
         names = [part[1:-1] for part in path.split("/") if part.startswith("{")]
@@ -147,13 +126,29 @@ def openapi(version: str, models: Sequence[str] = (), vocab_size: Optional[int] 
                                 for n in names]
         paths.setdefault(path, {})[method] = op
     doc = {"openapi": "3.1.0", "info": {"title": "llm-serving", "version": version}, "paths": paths,
-           "components": {"schemas": {**defs.get("$defs", {}), **ERRORS}}}
+           "components": {"schemas": {**defs.get("$defs", {}), **{e.name: e.schema for e in ERROR_SHAPES}}}}
     _resolve(doc, _served(models, vocab_size, max_model_len, dimensions))
     # two APIs' models of one name (a ToolCall in OpenAI's and Ollama's) are told apart by their module, which
     # pydantic spells as a path: named by their API instead (OllamaToolCall)
-    text = re.sub(r"llm_serving__server__api__([a-z]+)__(\w+)", lambda m: API_NAMES.get(m[1], m[1].title()) + m[2],
+    names = {api.bodies.__name__.rsplit(".", 1)[1]: api.name for api in APIS}
+    text = re.sub(r"llm_serving__server__api__([a-z]+)__(\w+)", lambda m: names.get(m[1], m[1].title()) + m[2],
                   json.dumps(doc))
     return json.loads(text) if closed else _open(json.loads(text))
+
+
+async def serve(request: web.Request) -> web.Response:
+    """GET /openapi.json: the document of what this server serves (its default model's vocabulary and context)."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        served = version("llm-serving")
+    except PackageNotFoundError:
+        served = "0"
+    engine, fleet = default_engine(request), fleet_of(request)
+    spec = engine.embedding             # the widths a request may ask its embeddings for
+    widths = None if spec is None else [d for d in range(1, spec.dimensions + 1) if spec.check_dimensions(d) is None]
+    names = engine.served_models() + ([n for n in fleet.names if n != engine.model_name] if fleet else [])
+    closed = getattr(request.app.get(UNKNOWN_FIELDS), "policy", "ignore") == "reject"
+    return web.json_response(openapi(served, names, engine.vocab_size, engine.max_model_len, widths, closed))
 
 
 def _open(node):
