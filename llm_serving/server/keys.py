@@ -1,7 +1,6 @@
 """Typed keys for state shared through the aiohttp application."""
 from aiohttp import web
 
-ENGINE = web.AppKey("engine", object)           # one engine (a test's app); a server's app has a fleet instead
 FLEET = web.AppKey("fleet", object)             # master/fleet.Fleet: the server's models by name (server/served.py)
 METRICS = web.AppKey("metrics", object)
 RESPONSES = web.AppKey("responses", object)      # routes_responses.ResponseStore: stored Responses

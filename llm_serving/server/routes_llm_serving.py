@@ -11,7 +11,6 @@ from llm_serving.server import access_log, streaming
 from llm_serving.server.api import base as api
 from llm_serving.server.api.tgi import GenerateRequest
 from llm_serving.server.errors import ModelNotFoundError, ValidationError
-from llm_serving.server.keys import ENGINE
 from llm_serving.server.served import engine_for, fleet_of
 from llm_serving.server.translate import prepare, request_id
 
@@ -109,8 +108,7 @@ async def generate_stream(request: web.Request) -> web.StreamResponse:
 async def abort(request: web.Request) -> web.Response:
     """POST /abort/{request_id}: end a request in flight (its client gets finish_reason "abort")."""
     req_id = request.match_info["request_id"]
-    fleet = fleet_of(request)
-    engines = [request.app[ENGINE]] if fleet is None else [engine for _, engine in fleet.engines()]
+    engines = [engine for _, engine in fleet_of(request).engines()]
     if not any(engine.abort(req_id, reason="aborted through /abort") for engine in engines):
         return web.json_response(streaming.error_body(f"no request {req_id!r} in flight", "not_found"), status=404)
     return web.json_response({"request_id": req_id, "aborted": True})

@@ -26,7 +26,6 @@ from llm_serving.server.errors import ModelNotFoundError, ValidationError
 from llm_serving.server.generation import events, submit
 from llm_serving.config import ConfigError, parse_duration
 from llm_serving.master.fleet import UnknownModelError
-from llm_serving.server.keys import ENGINE
 from llm_serving.server.served import LOAD_WAIT, engine_for, fleet_of
 from llm_serving.server.model_facts import ModelFacts, parameter_size, read_facts
 from llm_serving.server.reply import ReplyShape, ReplyStream, read_reply, reply_shape
@@ -242,13 +241,12 @@ async def _engine(request: web.Request, name: str, keep_alive=None):
     """The engine serving Ollama's model name (X or X:latest), loaded first if it is not; a request's keep_alive
     (Ollama's: how long the model stays loaded after it; 0 unloads it once idle) given to the fleet."""
     fleet = fleet_of(request)
-    if fleet is not None:
-        name = untagged(name, fleet.names)
+    name = untagged(name, fleet.names)
     try:
         engine = await engine_for(request, name)
     except UnknownModelError:
         raise ModelNotFoundError(f"model '{name}' not found") from None
-    if fleet is not None and keep_alive is not None:
+    if keep_alive is not None:
         try:
             fleet.set_keep_alive(engine, parse_duration(keep_alive, -1.0, key="keep_alive"))
         except ConfigError as exc:
@@ -282,18 +280,13 @@ def _listed(name: str, facts: ModelFacts, described: dict) -> dict:
 async def tags(request: web.Request) -> web.Response:
     """GET /api/tags: every model the server serves, loaded or not, and the loaded ones' LoRA adapters, named as
     Ollama lists models."""
-    fleet = fleet_of(request)
-    if fleet is None:
-        loaded = [request.app[ENGINE]]
-        listed = await _served(request.app, loaded[0])
-    else:
-        listed = []
-        for name, entry in fleet.entries.items():
-            if entry.state == "loaded":
-                listed += await _served(request.app, entry.engine)
-            else:
-                facts = await _facts(request.app, entry.spec.path)
-                listed.append((name, facts, details(facts)))
+    listed = []
+    for name, entry in fleet_of(request).entries.items():
+        if entry.state == "loaded":
+            listed += await _served(request.app, entry.engine)
+        else:
+            facts = await _facts(request.app, entry.spec.path)
+            listed.append((name, facts, details(facts)))
     return web.json_response({"models": [
         {**_listed(name, facts, described), "modified_at": created_at(facts.modified_at or time.time())}
         for name, facts, described in listed]})
@@ -302,13 +295,10 @@ async def tags(request: web.Request) -> web.Response:
 async def ps(request: web.Request) -> web.Response:
     """GET /api/ps: the loaded models (and their adapters), each until when it stays loaded (its keep_alive after
     its last request; Ollama's far date when it stays for good), in the server's memory (size_vram 0)."""
-    fleet = fleet_of(request)
-    loaded = ([(request.app[ENGINE], None)] if fleet is None else
-              [(entry.engine, entry) for entry in fleet.loaded()])
     models = []
-    for engine, entry in loaded:
-        expires = NEVER
-        if entry is not None and entry.keep_alive is not None:
+    for entry in fleet_of(request).loaded():
+        engine, expires = entry.engine, NEVER
+        if entry.keep_alive is not None:
             left = entry.last_used + entry.keep_alive - time.monotonic()
             expires = datetime.fromtimestamp(time.time() + max(left, 0), timezone.utc).isoformat()
         models += [{**_listed(name, facts, described), "expires_at": expires, "size_vram": 0,

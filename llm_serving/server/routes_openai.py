@@ -22,7 +22,6 @@ from llm_serving.server import streaming
 from llm_serving.server.api import base as api
 from llm_serving.server.api import openai as openai_api
 from llm_serving.server.errors import ModelNotFoundError, ValidationError
-from llm_serving.server.keys import ENGINE
 from llm_serving.server.served import engine_for, fleet_of
 from llm_serving.server.reply import ReplyShape, ReplyStream, read_reply, reply_shape
 from llm_serving.server.tools import ToolRequest
@@ -289,8 +288,6 @@ async def models(request: web.Request) -> web.Response:
     its `embedding` (pooling, dimensions; null when this server cannot embed) and how rerank and score score
     (`score_method`: yes_no or similarity). An adapter serves neither (both null)."""
     fleet = fleet_of(request)
-    if fleet is None:                                   # (an app around one engine)
-        return web.json_response({"object": "list", "data": _loaded_model(request.app[ENGINE], "loaded")})
     data = []
     for name, entry in fleet.entries.items():
         if entry.state == "loaded":

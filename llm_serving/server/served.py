@@ -1,6 +1,5 @@
 """Which engine serves a request: the model it names, through the server's fleet (master/fleet.py: loaded first when
-it is not), held until the response is done (`hold_middleware`), so that a model is never unloaded under a request.
-An app built around one engine (a test's: `keys.ENGINE`, no fleet) serves that one."""
+it is not), held until the response is done (`hold_middleware`), so that a model is never unloaded under a request."""
 from __future__ import annotations
 
 import time
@@ -9,17 +8,14 @@ from typing import Optional
 from aiohttp import web
 
 from llm_serving.server import access_log
-from llm_serving.server.keys import ENGINE, FLEET, LOAD_WAIT
+from llm_serving.server.keys import FLEET, LOAD_WAIT
 
 HELD = web.RequestKey("held_engines", list)
 
 
 async def engine_for(request: web.Request, name: Optional[str]):
     """The engine serving model `name` (None: the default model), held until this request's response is done."""
-    fleet = request.app.get(FLEET)
-    if fleet is None:
-        access_log.note_model(name or request.app[ENGINE].model_name)
-        return request.app[ENGINE]
+    fleet = request.app[FLEET]
     access_log.note_model(name or fleet.default)
     loaded, t0 = fleet.entry_of(name).state == "loaded", time.monotonic()
     engine = await fleet.acquire(name)
@@ -35,12 +31,11 @@ async def engine_for(request: web.Request, name: Optional[str]):
 
 def default_engine(request: web.Request):
     """The default model's engine, loaded or not (None then): what model-less routes (/health, /stats) describe."""
-    fleet = request.app.get(FLEET)
-    return request.app[ENGINE] if fleet is None else fleet.default_engine()
+    return request.app[FLEET].default_engine()
 
 
 def fleet_of(request: web.Request):
-    return request.app.get(FLEET)
+    return request.app[FLEET]
 
 
 @web.middleware
@@ -50,6 +45,6 @@ async def hold_middleware(request: web.Request, handler):
     try:
         return await handler(request)
     finally:
-        fleet = request.app.get(FLEET)
+        fleet = request.app[FLEET]
         for engine in request[HELD]:
             fleet.release(engine)

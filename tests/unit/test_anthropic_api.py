@@ -350,19 +350,16 @@ def test_the_openapi_document_has_the_routes():
 def test_the_api_key_comes_in_x_api_key_and_a_refusal_is_anthropics_shape():
     """The server's own middlewares in front of these routes (no engine: a body the route refuses shows the key
     was taken)."""
-    from aiohttp import web
     from aiohttp.test_utils import TestClient, TestServer
 
-    from llm_serving.server import app as server_app
-    from llm_serving.server.keys import ENGINE
+    from tests.apps import app_of_one
 
     async def run():
-        app = web.Application(middlewares=[server_app.error_middleware, server_app.api_key_middleware("k-1")])
-        app[ENGINE] = None
-        routes.add_routes(app)
+        app = app_of_one(None, {"api_key": "key-0001"})
         async with TestClient(TestServer(app, host="127.0.0.1")) as client:
             out = []
-            for headers in ({}, {"x-api-key": "wrong"}, {"x-api-key": "k-1"}, {"Authorization": "Bearer k-1"}):
+            for headers in ({}, {"x-api-key": "wrong"}, {"x-api-key": "key-0001"},
+                            {"Authorization": "Bearer key-0001"}):
                 resp = await client.post("/v1/messages/count_tokens", json={"model": "m"}, headers={
                     "anthropic-version": "2023-06-01", **headers})
                 out.append((resp.status, await resp.json()))

@@ -12,21 +12,17 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from llm_serving.master.request import TokenEvent
 from llm_serving.models.pooling import EmbeddingSpec
-from llm_serving.server import app as server_app
-from llm_serving.server import routes_embeddings, routes_ollama, routes_openai
 from llm_serving.server.api.base import validate
-from llm_serving.server.api import document
 from llm_serving.server.api.document import openapi
 from llm_serving.server.api.embeddings import EmbeddingRequest, RerankRequest, ScoreRequest
 from llm_serving.server.api.ollama import EmbeddingsRequest, EmbedRequest
 from llm_serving.server.errors import ValidationError
-from llm_serving.server.keys import ENGINE
 from llm_serving.server.routes_embeddings import judgement_prompt
+from tests.apps import app_of_one
 
 
 # --- the request models ---------------------------------------------------------------------------------------------
@@ -217,12 +213,7 @@ class _Engine:
 def call(engine, path, body=None, method="POST", key=None, headers=None):
     """(status, JSON body) of one request to the embedding, Ollama and OpenAI routes on `engine`."""
     async def run():
-        middlewares = [server_app.error_middleware] + ([server_app.api_key_middleware(key)] if key else [])
-        app = web.Application(middlewares=middlewares)
-        app[ENGINE] = engine
-        app.router.add_get("/openapi.json", document.serve)
-        for module in (routes_ollama, routes_embeddings, routes_openai):
-            module.add_routes(app)
+        app = app_of_one(engine, {"api_key": key} if key else None)
         async with TestClient(TestServer(app)) as client:
             response = await client.request(method, path, json=body, headers=headers)
             return response.status, await response.json()
@@ -413,9 +404,9 @@ def test_v1_models_says_what_the_model_serves_besides_generation():
 def test_the_new_routes_need_the_api_key_when_one_is_set():
     for path, body in (("/v1/embeddings", emb()), ("/rerank", {"query": "q", "documents": ["d"]}),
                        ("/score", {"text_1": "a", "text_2": "b"}), ("/api/embed", {"model": "m", "input": "a"})):
-        status, reply = call(_Engine(), path, body, key="k-1")
+        status, reply = call(_Engine(), path, body, key="key-0001")
         assert status == 401, path
-        status, reply = call(_Engine(), path, body, key="k-1", headers={"Authorization": "Bearer k-1"})
+        status, reply = call(_Engine(), path, body, key="key-0001", headers={"Authorization": "Bearer key-0001"})
         assert status == 200, (path, reply)
 
 

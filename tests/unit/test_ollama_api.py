@@ -11,7 +11,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from llm_serving.master.grammar import GrammarSpec
@@ -21,11 +20,10 @@ from llm_serving.server import routes_ollama
 from llm_serving.server.api.base import validate
 from llm_serving.server.api.document import openapi
 from llm_serving.server.api.ollama import UNLIMITED, ChatRequest, GenerateRequest, ShowRequest
-from llm_serving.server.app import error_middleware
 from llm_serving.server.errors import ModelNotFoundError, ValidationError
-from llm_serving.server.keys import ENGINE
 from llm_serving.server.model_facts import parameter_size, read_facts
 from llm_serving.server.routes_ollama import Lines, metrics, served_name
+from tests.apps import app_of_one
 
 STORIES_HF = Path(__file__).resolve().parents[1] / "assets" / "stories260K" / "hf"
 USER = [{"role": "user", "content": "hi"}]
@@ -279,9 +277,7 @@ class _Engine:
 def call(engine, method, path, body=None):
     """(status, content type, body text) of one request to the Ollama routes on `engine`."""
     async def run():
-        app = web.Application(middlewares=[error_middleware])
-        app[ENGINE] = engine
-        routes_ollama.add_routes(app)
+        app = app_of_one(engine)
         async with TestClient(TestServer(app)) as client:
             response = await client.request(method, path, json=body)
             return response.status, response.content_type, await response.text()

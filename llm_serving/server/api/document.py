@@ -146,7 +146,7 @@ async def serve(request: web.Request) -> web.Response:
     engine, fleet = default_engine(request), fleet_of(request)
     spec = engine.embedding             # the widths a request may ask its embeddings for
     widths = None if spec is None else [d for d in range(1, spec.dimensions + 1) if spec.check_dimensions(d) is None]
-    names = engine.served_models() + ([n for n in fleet.names if n != engine.model_name] if fleet else [])
+    names = engine.served_models() + [n for n in fleet.names if n != engine.model_name]
     closed = getattr(request.app.get(UNKNOWN_FIELDS), "policy", "ignore") == "reject"
     return web.json_response(openapi(served, names, engine.vocab_size, engine.max_model_len, widths, closed))
 
