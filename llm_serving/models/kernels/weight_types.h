@@ -49,27 +49,21 @@ enum WeightType : int32_t {
 #define LLM_SERVING_R8_CASE_R8(code) case code + kRepacked:
 #define LLM_SERVING_R8_CASE_NONE(code)
 
-// Weights per block of `type` (a repacked type: its stored type's), or 0: not a type of the table
-constexpr int64_t block_weights_of(int32_t type) {
+// The block of `type`: its weights and bytes (a repacked type: its stored type's); {0, 0}: not a type of the table
+struct TypeBlock {
+  int64_t weights, bytes;
+};
+constexpr TypeBlock block_of(int32_t type) {
   switch (type) {
 #define LLM_SERVING_TYPE_CASE(name, code, block, bytes, repacked) \
-  case code: LLM_SERVING_R8_CASE_##repacked(code) return block;
+  case code: LLM_SERVING_R8_CASE_##repacked(code) return TypeBlock{block, bytes};
     LLM_SERVING_WEIGHT_TYPES(LLM_SERVING_TYPE_CASE)
 #undef LLM_SERVING_TYPE_CASE
-    default: return 0;
+    default: return TypeBlock{0, 0};
   }
 }
-
-// Bytes per block of `type` (a repacked type: its stored type's), or 0: not a type of the table
-constexpr int64_t block_bytes_of(int32_t type) {
-  switch (type) {
-#define LLM_SERVING_TYPE_CASE(name, code, block, bytes, repacked) \
-  case code: LLM_SERVING_R8_CASE_##repacked(code) return bytes;
-    LLM_SERVING_WEIGHT_TYPES(LLM_SERVING_TYPE_CASE)
-#undef LLM_SERVING_TYPE_CASE
-    default: return 0;
-  }
-}
+constexpr int64_t block_weights_of(int32_t type) { return block_of(type).weights; }
+constexpr int64_t block_bytes_of(int32_t type) { return block_of(type).bytes; }
 
 // Whether `type` is a repacked one (k<name>_R8)
 constexpr bool is_repacked(int32_t type) {
