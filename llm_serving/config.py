@@ -415,20 +415,50 @@ class ServingConfig:
         return mine.index(rank), len(mine)
 
 
-KV_CACHE_VALUE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "int8": 1}   # pa_config.kv_cache_dtype's types
-KV_CACHE_DTYPES = ("auto", *KV_CACHE_VALUE_BYTES)
-KV_INT8_SCALE_BYTES = 4      # int8: each head vector's float32 scale, after its codes (models/kernels/cpu_kernel_common.h)
-KERNEL_ONLY_CACHES = ("bfloat16", "int8")   # read by the CPU layer kernel only (MindSpore's CPU ops cannot scatter them)
+@dataclass(frozen=True)
+class KvCacheType:
+    """One element type of the paged KV cache (pa_config.kv_cache_dtype): its name (the MindSpore dtype's), the
+    bytes of each value, the bytes each head vector adds after its values (int8: its float32 scale, read by the
+    CPU kernels, models/kernels/cpu_kernel_common.h), and whether only the CPU layer kernel reads it (MindSpore's
+    CPU ScatterUpdate has no bfloat16, and its ops do not read an int8 cache's scales). The setting is checked once,
+    where the config is read (`kv_cache_type`); the config, the runner spec and the model carry this value."""
+
+    name: str
+    value_bytes: int
+    scale_bytes: int = 0
+    kernel_only: bool = False
+
+    def vector_bytes(self, head_dim: int) -> int:
+        """Bytes of one token's K (or V) of one KV head."""
+        return head_dim * self.value_bytes + self.scale_bytes
+
+    def __str__(self) -> str:
+        return self.name
 
 
-def kv_vector_bytes(dtype: str, head_dim: int) -> int:
+KV_CACHE_TYPES = {t.name: t for t in (KvCacheType("float16", 2), KvCacheType("bfloat16", 2, kernel_only=True),
+                                      KvCacheType("float32", 4), KvCacheType("int8", 1, 4, kernel_only=True))}
+KV_CACHE_DTYPES = ("auto", *KV_CACHE_TYPES)     # pa_config.kv_cache_dtype's settings
+
+
+def kv_cache_type(setting: "Union[str, KvCacheType]") -> KvCacheType:
+    """The KV cache type a pa_config.kv_cache_dtype setting names, auto decided (float16, on the CPU and on
+    Ascend); a KvCacheType is itself. ValueError (a ConfigError) naming the setting for anything else."""
+    if isinstance(setting, KvCacheType):
+        return setting
+    kind = KV_CACHE_TYPES.get("float16" if setting == "auto" else setting)
+    _check(kind is not None, "pa_config.kv_cache_dtype", setting, f"must be one of {', '.join(KV_CACHE_DTYPES)}")
+    return kind
+
+
+def kv_vector_bytes(dtype: "Union[str, KvCacheType]", head_dim: int) -> int:
     """Bytes of one token's K (or V) of one KV head in a cache of this element type."""
-    return head_dim * KV_CACHE_VALUE_BYTES[dtype] + (KV_INT8_SCALE_BYTES if dtype == "int8" else 0)
+    return kv_cache_type(dtype).vector_bytes(head_dim)
 
 
 def resolve_kv_cache_dtype(setting: str) -> str:
     """pa_config.kv_cache_dtype with auto decided: float16 (on the CPU and on Ascend)."""
-    return "float16" if setting == "auto" else setting
+    return kv_cache_type(setting).name
 
 
 @dataclass
@@ -470,8 +500,7 @@ class PAConfig:
         _check(isinstance(f, (int, float)) and not isinstance(f, bool) and 0 < f <= 0.9,
                "pa_config.kv_memory_fraction", f, "must be a fraction in (0, 0.9]")
         _check_int("pa_config.block_size", self.block_size)
-        _check(self.kv_cache_dtype in KV_CACHE_DTYPES, "pa_config.kv_cache_dtype", self.kv_cache_dtype,
-               f"must be one of {', '.join(KV_CACHE_DTYPES)}")
+        kv_cache_type(self.kv_cache_dtype)
         if self.decode_seq_length is not None:
             _check_int("pa_config.decode_seq_length", self.decode_seq_length)
 
@@ -722,7 +751,7 @@ class Config:
                    "a number (the master's log of a one-node start says what 'auto' chose)")
         _check(pa.kv_cache_dtype in ("auto", "float16") or mc.device_target != "Ascend", "pa_config.kv_cache_dtype",
                pa.kv_cache_dtype, "must be float16 (or auto) on Ascend, whose fused attention kernels read float16")
-        if pa.kv_cache_dtype in KERNEL_ONLY_CACHES:      # MindSpore's CPU ops cannot scatter it (models/runner.py)
+        if self.kv_cache_type.kernel_only:      # MindSpore's CPU ops cannot scatter it (models/runner/kernels.py)
             _check(mc.layer_kernel != "off" and mc.attention_kernel != "off" and mc.layer_kernel_max_tokens is None
                    and len(sc.agent_ports) == 1, "pa_config.kv_cache_dtype", pa.kv_cache_dtype,
                    f"{pa.kv_cache_dtype} is read by the CPU layer kernel only, which must then serve every step: one "
@@ -750,9 +779,14 @@ class Config:
         return min(self.model_config.max_generate_length, self.model_config.seq_length[-1])
 
     @property
-    def kv_cache_dtype(self) -> str:
+    def kv_cache_type(self) -> KvCacheType:
         """The KV cache's element type: pa_config.kv_cache_dtype with auto decided (float16)."""
-        return resolve_kv_cache_dtype(self.pa_config.kv_cache_dtype)
+        return kv_cache_type(self.pa_config.kv_cache_dtype)
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """The KV cache's element type's name (what /info and the logs say)."""
+        return self.kv_cache_type.name
 
     @property
     def window_blocks(self) -> int:

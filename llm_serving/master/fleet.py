@@ -430,7 +430,7 @@ def _kv_bytes(config: Config, model_dir: str) -> int:
     pa = config.pa_config
     layers = config.model_config.num_layers or shape.num_layers
     return int(pa.num_blocks) * bytes_per_block(layers, shape.num_kv_heads, shape.head_dim, pa.block_size,
-                                                config.kv_cache_dtype)
+                                                config.kv_cache_type)
 
 
 def _auto_budget() -> int:

@@ -39,7 +39,7 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Zero, initializer
 
-from llm_serving.config import KV_INT8_SCALE_BYTES
+from llm_serving.config import KV_CACHE_TYPES, KvCacheType
 
 __all__ = ["MASK_VALUE", "PagedAttention", "paged_metadata"]
 
@@ -92,7 +92,7 @@ class PagedAttention(nn.Cell):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, num_slots: int, *,
                  layer_id: int, device_target: str = "CPU", block_size: int = 16,
-                 decode_kernel: Optional[str] = None, kernel_threads: int = 1, cache_dtype: str = "float16",
+                 decode_kernel: Optional[str] = None, kernel_threads: int = 1, cache: KvCacheType = KV_CACHE_TYPES["float16"],
                  window: Optional[int] = None):
         super().__init__()
         self.window = window                # a sliding window (LlamaConfig.layer_window), or None: every key
@@ -114,9 +114,8 @@ class PagedAttention(nn.Cell):
             self.paged_attention = AscendPagedAttention(num_heads, 1.0, num_kv_heads)   # q is pre-scaled
         else:
             # flat [num_slots, KVH, D]; int8: each head vector's D codes, then its float32 scale's 4 bytes
-            shape = (num_slots * num_kv_heads, head_dim + (KV_INT8_SCALE_BYTES if cache_dtype == "int8" else 0))
-            dtype = {"float16": ms.float16, "bfloat16": ms.bfloat16, "float32": ms.float32,
-                     "int8": ms.int8}[cache_dtype]
+            shape = (num_slots * num_kv_heads, head_dim + cache.scale_bytes)
+            dtype = getattr(ms, cache.name)
         # zeros allocated by MindSpore when the graph first needs them (a numpy copy cost 0.35 s per start for
         # SmolLM2's 377 MB cache)
         self.key_cache = Parameter(initializer(Zero(), shape, dtype), name=f"key_cache.{layer_id}", requires_grad=False)

@@ -34,6 +34,8 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Zero, initializer
 
+from llm_serving.config import KV_CACHE_TYPES, KvCacheType
+
 from .attention import PagedAttention, paged_metadata
 from .kernels.repack import repack_rows
 from .kernels.signatures import DECODER_LAYER, EMBED_TOKENS, FINAL_LOGITS, MOE_MLP
@@ -143,7 +145,7 @@ class LlamaDecoderLayer(nn.Cell):
     def __init__(self, cfg: LlamaConfig, w: dict, i: int, num_slots: int, device_target: str, block_size: int,
                  decode_kernel: Optional[str], kernel_threads: int, tp: TensorParallel, all_reduce,
                  layer_kernel: Optional[str] = None, quantized: Optional[dict] = None, lora_slots: int = 0,
-                 lora_rank: int = 0, ops_graphs: bool = True, kv_cache_dtype: str = "float16",
+                 lora_rank: int = 0, ops_graphs: bool = True, kv_cache: KvCacheType = KV_CACHE_TYPES["float16"],
                  batch_invariant: bool = False, window_pool_slots: int = 0):
         super().__init__()
         world = tp.world
@@ -206,7 +208,7 @@ class LlamaDecoderLayer(nn.Cell):
                                    window_pool_slots if self.in_window_pool else num_slots,
                                    layer_id=i, device_target=device_target, block_size=block_size,
                                    decode_kernel=decode_kernel, kernel_threads=kernel_threads,
-                                   cache_dtype=kv_cache_dtype, window=self.window)
+                                   cache=kv_cache, window=self.window)
         self.matmul_t = ops.MatMul(transpose_b=True)
         self.parallel = all_reduce is not None            # o_proj and down_proj outputs are partial sums
         self.all_reduce = all_reduce.op if self.parallel else None
@@ -407,7 +409,8 @@ class LlamaForCausalLM(nn.Cell):
                  kernel_threads: int = 1, tp: TensorParallel = TensorParallel(), all_reduce=None,
                  layer_kernel: Optional[str] = None, layer_kernel_rows: Optional[int] = 0,
                  quantized: Optional[dict] = None, lora_slots: int = 0, lora_rank: int = 0,
-                 kv_cache_dtype: str = "float16", batch_invariant: bool = False, window_pool_slots: int = 0):
+                 kv_cache: KvCacheType = KV_CACHE_TYPES["float16"], batch_invariant: bool = False,
+                 window_pool_slots: int = 0):
         super().__init__()
         tp.check(cfg)
         if batch_invariant and (layer_kernel is None or layer_kernel_rows is not None):
@@ -459,7 +462,7 @@ class LlamaForCausalLM(nn.Cell):
         self.layers = nn.CellList([LlamaDecoderLayer(cfg, weights, i, num_slots, device_target, block_size,
                                                      decode_kernel, kernel_threads, tp, all_reduce,
                                                      layer_kernel, quantized, lora_slots, lora_rank,
-                                                     ops_graphs=not kernel_only, kv_cache_dtype=kv_cache_dtype,
+                                                     ops_graphs=not kernel_only, kv_cache=kv_cache,
                                                      batch_invariant=batch_invariant,
                                                      window_pool_slots=window_pool_slots)
                                    for i in range(cfg.num_layers)])

@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
+import numpy as np
+
+from llm_serving.config import ATTENTION_KERNELS, KV_CACHE_TYPES, KvCacheType, kv_cache_type
+
 KERNEL_ONLY_ROWS = 1 << 30      # the layer kernel's row limit when it runs every step (layer_kernel_rows None)
 
 
@@ -12,8 +16,9 @@ KERNEL_ONLY_ROWS = 1 << 30      # the layer kernel's row limit when it runs ever
 class RunnerSpec:
     """A runner's KV cache, graph buckets, kernels and step kinds (see ModelRunner for what each does).
 
-    num_blocks, block_size, max_blocks_per_seq, kv_cache_dtype: the paged KV cache (plus the runner's scratch
-    block) and its element type ("float16", "bfloat16", "float32" or "int8"). window_blocks: the window pool's blocks
+    num_blocks, block_size, max_blocks_per_seq, kv_cache: the paged KV cache (plus the runner's scratch block) and
+    its element type (config.KvCacheType; its name, "float16", "bfloat16", "float32" or "int8", is taken and
+    checked by config.kv_cache_type). window_blocks: the window pool's blocks
     (0: none), the cache of the sliding-window layers (plus its own scratch block), read through the step's
     window_tables and window_slots (shm/layout.py); a model without sliding layers ignores it. window_tokens: the window
     the master frees those blocks by (pa_config.window_tokens), which must be the model's longest sliding window.
@@ -23,7 +28,8 @@ class RunnerSpec:
     attention_kernel, layer_kernel, layer_kernel_rows, keep_quantized: the CPU kernels (config.ATTENTION_KERNELS);
     layer_kernel_rows None: the layer kernel runs every step, on the weights as stored (no float32 copy).
     batch_invariant: the layer kernel's steps batch-invariant: 'auto' (where the kernel serves every step), True or
-    False; the runner resolves it (ModelRunner.batch_invariant) and puts it in each kernel call's iconfig.
+    False; the runner resolves it (runner/kernels.py: KernelChoice.batch_invariant) and puts it in each kernel call's
+    iconfig.
     num_layers: run only the checkpoint's first N layers (a draft model cut from it).
     lora_slots, lora_rank: LoRA adapter slots (0: none) and the largest rank they hold.
     device_target, device_id, num_threads, compile_cache, tp_timeout_s: the process's device and threads, the
@@ -53,18 +59,23 @@ class RunnerSpec:
     keep_quantized: bool = True
     lora_slots: int = 0
     lora_rank: int = 16
-    kv_cache_dtype: str = "float16"
+    kv_cache: KvCacheType = KV_CACHE_TYPES["float16"]
     batch_invariant: Union[bool, str] = "auto"
     window_blocks: int = 0
     window_tokens: Optional[int] = None
     pooling: str = "auto"                      # embed steps' pooling (models/pooling.py; auto: as declared)
 
     def __post_init__(self) -> None:
-        from llm_serving.config import KV_CACHE_VALUE_BYTES
-
-        if self.kv_cache_dtype not in KV_CACHE_VALUE_BYTES:
-            raise ValueError(f"RunnerSpec.kv_cache_dtype must be one of {', '.join(KV_CACHE_VALUE_BYTES)}, got "
-                             f"{self.kv_cache_dtype!r}")
+        """The spec's own checks, once: the runner and its rooms take its values as they are. (A spec from the config
+        meets them already: config.py checks every setting; these name the spec's field for one built by hand.)"""
+        object.__setattr__(self, "kv_cache", kv_cache_type(self.kv_cache))
+        for name in ("num_blocks", "block_size", "max_blocks_per_seq", "lora_slots", "lora_rank", "window_blocks"):
+            value, least = getattr(self, name), 0 if name in ("lora_slots", "window_blocks") else 1
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < least:
+                raise ValueError(f"RunnerSpec.{name} must be an integer >= {least}, got {value!r}")
+        for name in ("attention_kernel", "layer_kernel"):
+            if getattr(self, name) not in ATTENTION_KERNELS:
+                raise ValueError(f"RunnerSpec.{name} must be one of {ATTENTION_KERNELS}, got {getattr(self, name)!r}")
         for name in ("decode_batch_sizes", "prefill_batch_sizes", "prefill_seq_lens", "decode_block_widths"):
             value = getattr(self, name)
             if isinstance(value, list):          # (frozen: a list would be shared with the caller)
@@ -90,5 +101,5 @@ class RunnerSpec:
                    layer_kernel=mc.layer_kernel, layer_kernel_rows=mc.layer_kernel_max_tokens,
                    decode_run_steps=sched.decode_steps, decode_run_rows=sched.decode_steps_max_rows,
                    keep_quantized=mc.keep_quantized, lora_slots=lc.max_loras if lc.enabled else 0,
-                   lora_rank=lc.max_lora_rank, kv_cache_dtype=config.kv_cache_dtype,
+                   lora_rank=lc.max_lora_rank, kv_cache=config.kv_cache_type,
                    batch_invariant=mc.batch_invariant, pooling=mc.pooling)

@@ -5,8 +5,8 @@ of each row count) in one fixed order: the compile cache's condition (mindspore_
 graph by its compile index in the process). Read from a filled cache the whole plan still takes seconds (SmolLM2:
 17 entries, about 3.5 s), and a first request needs three of its entries: the smallest decode run, decode bucket
 and prefill bucket (a longer prompt needs the next prefill buckets, and a prompt-lookup match the smallest verify
-bucket: the runner lists them next, ModelRunner._warmup_entries). So, staged (one agent on a cache a full warmup
-filled), only the entries marked `first` run before the agent is ready, and the rest after it, still in order and
+bucket: the runner lists them next, runner/warm.py's `RunnerWarmup.entries`). So, staged (one agent on a cache a
+full warmup filled), only the entries marked `first` run before the agent is ready, and the rest after it, still in order and
 still through the cache:
 
 - when the agent is idle (`warm_next`, one entry at a time, called between commands);

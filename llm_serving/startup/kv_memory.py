@@ -45,11 +45,11 @@ import logging
 import math
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import psutil
 
-from llm_serving.config import Config, ConfigError, kv_vector_bytes
+from llm_serving.config import Config, ConfigError, KvCacheType, kv_vector_bytes
 from llm_serving.models.weights import WeightLoadError, expected_shapes, model_shape
 
 logger = logging.getLogger(__name__)
@@ -117,7 +117,8 @@ def window_need(config: Config, window: int) -> int:
             + -(-_step_tokens(config) // config.pa_config.block_size) + config.model_config.prefill_batch_size[-1])
 
 
-def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: str = "float16") -> int:
+def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
+                    dtype: Union[str, KvCacheType] = "float16") -> int:
     return 2 * num_layers * num_kv_heads * kv_vector_bytes(dtype, head_dim) * block_size
 
 
@@ -318,7 +319,7 @@ def size_for_model(config: Config, model_path: str, available_bytes: Optional[in
     if config.model_config.hidden_size is None:       # the pooled hidden states' width (embeddings: shm/layout.py)
         config = config.with_decided(hidden_size=shape.hidden_size)
     layers = config.model_config.num_layers or shape.num_layers       # a served cut keeps only its layers
-    dtype = config.kv_cache_dtype
+    dtype = config.kv_cache_type
     per_token = bytes_per_block(layers, shape.num_kv_heads, shape.head_dim, 1, dtype)
     if spec.uses_draft:
         per_token += bytes_per_block(spec.draft_num_layers or draft.num_layers, draft.num_kv_heads, draft.head_dim, 1,

@@ -80,7 +80,7 @@ def _generate(path: str, prompt: list, *, cache: str = "float16", layer_kernel: 
 
     runner = ModelRunner(path, RunnerSpec(num_blocks=16, block_size=16, max_blocks_per_seq=4, decode_batch_sizes=[1],
                                           prefill_batch_sizes=[1], prefill_seq_lens=[CHUNK], num_threads=2,
-                                          kv_cache_dtype=cache, layer_kernel=layer_kernel,
+                                          kv_cache=cache, layer_kernel=layer_kernel,
                                           layer_kernel_rows=None if layer_kernel != "off" else 0,
                                           keep_quantized=keep_quantized))
     return greedy_logits(runner, prompt, NEW_TOKENS, chunk=CHUNK)
@@ -144,7 +144,7 @@ def test_rows_routed_to_different_experts_in_one_step_get_their_own_tokens(model
     prompts = [SHORT, LONG[:20], LONG[7:30], [1, 200, 13, 77, 4, 150]]
     runner = ModelRunner(path, RunnerSpec(num_blocks=32, block_size=16, max_blocks_per_seq=4, decode_batch_sizes=[4],
                                           prefill_batch_sizes=[4], prefill_seq_lens=[32], num_threads=2,
-                                          kv_cache_dtype="float32"))
+                                          kv_cache="float32"))
     ref = ReferenceLlama(path)
     states = [ref.new_sequence() for _ in prompts]
     seqs = [Seq([4 * i + j for j in range(4)]) for i in range(len(prompts))]
@@ -294,7 +294,7 @@ def test_lora_rows_get_the_merged_models_logits(models, family, tmp_path):
     adapter = load_lora_adapter("a", write_peft_adapter(tmp_path / "a", tensors, r=4, lora_alpha=8), cfg, max_rank=4)
     runner = ModelRunner(path, RunnerSpec(num_blocks=16, block_size=16, max_blocks_per_seq=4, decode_batch_sizes=[2],
                                           prefill_batch_sizes=[2], prefill_seq_lens=[32], num_threads=2,
-                                          kv_cache_dtype="float32", lora_slots=1, lora_rank=4, layer_kernel_rows=16))
+                                          kv_cache="float32", lora_slots=1, lora_rank=4, layer_kernel_rows=16))
     runner.set_lora(1, adapter)
     refs = [ReferenceLlama(path), ReferenceLlama(path)]
     refs[1].w = {k: np.asarray(v, np.float64) for k, v in merge_lora(weights, adapter).items()}
@@ -335,7 +335,7 @@ def test_a_mixtures_lora_rows_get_the_merged_models_logits(models, family, tmp_p
     adapter = load_lora_adapter("a", write_peft_adapter(tmp_path / "a", tensors, r=4, lora_alpha=8), cfg, max_rank=4)
     runner = ModelRunner(path, RunnerSpec(num_blocks=16, block_size=16, max_blocks_per_seq=4, decode_batch_sizes=[2],
                                           prefill_batch_sizes=[2], prefill_seq_lens=[32], num_threads=2,
-                                          kv_cache_dtype="float32", lora_slots=1, lora_rank=4))
+                                          kv_cache="float32", lora_slots=1, lora_rank=4))
     runner.set_lora(1, adapter)
     refs = [ReferenceLlama(path), ReferenceLlama(path)]
     refs[1].w = {k: np.asarray(v, np.float64) for k, v in merge_lora(weights, adapter).items()}

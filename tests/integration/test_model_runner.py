@@ -21,7 +21,7 @@ TOTAL_STEPS = 200     # llama2.c `steps`: forwards at positions 0..199, BOS and 
 # float16 cache's rounding turns their last-bit differences into float16 steps (the default cache is compared
 # across paths in test_paged_attention_kernel_matches_the_gather_path, and served in test_correctness)
 STORIES_RUNNER = dict(num_blocks=64, block_size=16, max_blocks_per_seq=13, decode_batch_sizes=[1, 2],
-                      prefill_batch_sizes=[1, 2], prefill_seq_lens=[16, 32], num_threads=2, kv_cache_dtype="float32")
+                      prefill_batch_sizes=[1, 2], prefill_seq_lens=[16, 32], num_threads=2, kv_cache="float32")
 
 
 @pytest.fixture(scope="module")
@@ -267,8 +267,8 @@ def test_a_kernel_only_cache_is_read_by_the_layer_kernel_and_refused_elsewhere(t
     tables = [[int(b) for b in perm] for perm in np.random.default_rng(5).permutation(64)[:26].reshape(2, 13)]
     results = {}
     for dtype in ("float32", cache):
-        runner = ModelRunner(str(MODEL_DIR), RunnerSpec(**{**STORIES_RUNNER, "kv_cache_dtype": dtype}))
-        assert runner.kernel_serves_all and str(runner._caches[0].dtype).lower() == dtype
+        runner = ModelRunner(str(MODEL_DIR), RunnerSpec(**{**STORIES_RUNNER, "kv_cache": dtype}))
+        assert runner.kernel_serves_all and str(runner.graphs.caches[0].dtype).lower() == dtype
         generate(runner, prompts[:1], tables[:1], max_len=20)
         runner.reset()                                        # (zeros in the cache's own type)
         results[dtype] = generate(runner, prompts, tables, max_len=80)
@@ -280,7 +280,7 @@ def test_a_kernel_only_cache_is_read_by_the_layer_kernel_and_refused_elsewhere(t
         np.testing.assert_allclose(a[:n], b[:n], atol=atol)
         assert not np.allclose(a[:n], b[:n], atol=1e-6)      # the cache's rounding is there
     with pytest.raises(ValueError, match=f"kv_cache_dtype {cache} is read by the CPU layer kernel only"):
-        ModelRunner(str(MODEL_DIR), RunnerSpec(**{**STORIES_RUNNER, "kv_cache_dtype": cache},
+        ModelRunner(str(MODEL_DIR), RunnerSpec(**{**STORIES_RUNNER, "kv_cache": cache},
                                                attention_kernel="off"))
 
 
@@ -292,13 +292,13 @@ def test_paged_attention_kernel_matches_the_gather_path(tokenizer, reference, ca
     cache's rounding can turn into a float16 step (2^-11 of the value) for a few of them: log-probabilities
     within FLOAT16_CACHE_LOGPROB_ATOL (tests/conftest.py says why)."""
     from llm_serving.models.runner import ModelRunner
-    runner = ModelRunner(str(MODEL_DIR), RunnerSpec(**{**STORIES_RUNNER, "kv_cache_dtype": cache}))
+    runner = ModelRunner(str(MODEL_DIR), RunnerSpec(**{**STORIES_RUNNER, "kv_cache": cache}))
     assert runner.decode_kernel is not None and runner.decode_kernel.endswith(":PagedDecodeAttention")
     assert runner.decode_block_widths == [13]            # the kernel reads real context only: one width
-    gather = ModelRunner(str(MODEL_DIR), RunnerSpec(**{**STORIES_RUNNER, "kv_cache_dtype": cache},
+    gather = ModelRunner(str(MODEL_DIR), RunnerSpec(**{**STORIES_RUNNER, "kv_cache": cache},
                                                     attention_kernel="off"))
     assert gather.decode_kernel is None
-    assert {str(r._caches[0].dtype) for r in (runner, gather)} == {"Float16" if cache == "float16" else "Float32"}
+    assert {str(r.graphs.caches[0].dtype) for r in (runner, gather)} == {"Float16" if cache == "float16" else "Float32"}
     prompts = [[BOS] + tokenizer.encode(item["prompt"]) for item in reference]
     tables = [[int(b) for b in perm] for perm in np.random.default_rng(5).permutation(64)[:26].reshape(2, 13)]
     results = []
@@ -456,9 +456,9 @@ def test_graph_calls_skip_cell_call_once_a_shape_is_compiled(runner, monkeypatch
     with pytest.raises(AssertionError, match="reached"):
         calls(cell, Tensor(np.ones(5, np.float32)), Tensor(np.ones(5, np.float32)))
     monkeypatch.undo()
-    runner._run_dummy(1, 1, 0.0)
-    runner._run_dummy(1, 1, 0.0)
-    assert runner._graphs._phases                                           # the runner's graphs, called directly
+    runner.warm.step(1, 1, 0.0)
+    runner.warm.step(1, 1, 0.0)
+    assert runner.graphs.graph_calls._phases                                           # the runner's graphs, called directly
 
 
 def test_without_a_compiler_auto_falls_back_and_on_fails(monkeypatch, tmp_path, caplog):
@@ -638,9 +638,9 @@ def test_execute_rejects_what_no_bucket_fits(runner):
 
 def test_reset_zeroes_the_cache(runner):
     step(runner, [Seq([5])], [[BOS, 20, 30]])
-    assert any(np.abs(p.asnumpy()).max() > 0 for p in runner._caches)
+    assert any(np.abs(p.asnumpy()).max() > 0 for p in runner.graphs.caches)
     runner.reset()
-    assert all(np.abs(p.asnumpy()).max() == 0 for p in runner._caches)
+    assert all(np.abs(p.asnumpy()).max() == 0 for p in runner.graphs.caches)
 
 
 # ------------------------------------------------------------------------------------- weight loading

@@ -192,7 +192,7 @@ def test_every_step_kind_gives_what_it_gives_without_the_pool(runners):
     for _ in range(3):                                                           # 3 rows: a padding row in bucket 4
         ids, _, _ = feed(off, on, pool, rows, [[last[id(r)]] for r in rows])
         last = {id(r): int(t) for r, t in zip(rows, ids)}
-    if on.decode_run is not None:                                                # B ends after 2 of the run's steps
+    if on.graphs.decode_run is not None:                                                # B ends after 2 of the run's steps
         tokens, logprobs = decode_run(off, on, pool, rows, [last[id(r)] for r in rows], [RUN_STEPS, 2, RUN_STEPS])
         assert (tokens[1, 2:] == -1).all() and (tokens >= 0).sum() == 2 * RUN_STEPS + 2
         last = {id(r): int(t[t >= 0][-1]) for r, t in zip(rows, tokens)}
@@ -239,7 +239,7 @@ def test_the_pool_needs_the_window_arrays_and_checks_them(runners):
                             window_tables=np.zeros((1, 2), np.int32)))
     run = dict(input_ids=[[3]], positions=[[3]], slot_mapping=np.array([[3, 4, -1, -1]], np.int32),
                block_tables=np.zeros((1, 4), np.int32), context_lens=[4], window_tables=np.zeros((1, 4), np.int32))
-    if on.decode_run is not None:
+    if on.graphs.decode_run is not None:
         with pytest.raises(ValueError, match=r"window_slots must be \(1, 4\), >= 0 exactly where"):
             on.execute(StepView("decode_run", **run, window_slots=np.array([[3, 4, 5, -1]], np.int32)))
 

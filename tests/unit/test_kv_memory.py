@@ -35,6 +35,24 @@ def test_a_float32_cache_gets_half_the_blocks_of_the_same_memory(stories_hf):
     assert blocks == {"auto": 100, "float16": 100, "bfloat16": 100, "float32": 50}
 
 
+def test_a_kv_cache_type_is_one_typed_value_from_the_setting_on():
+    """pa_config.kv_cache_dtype becomes a KvCacheType once (kv_cache_type: auto decided, anything else refused by
+    name), which the config, the runner spec and the model carry: its bytes per head vector (int8: 64 codes and a
+    float32 scale) and whether only the CPU layer kernel reads it."""
+    from llm_serving.config import KV_CACHE_TYPES, kv_cache_type
+    from llm_serving.models.runner_spec import RunnerSpec
+
+    assert [(t.name, t.vector_bytes(64), t.kernel_only) for t in KV_CACHE_TYPES.values()] == [
+        ("float16", 128, False), ("bfloat16", 128, True), ("float32", 256, False), ("int8", 68, True)]
+    assert kv_cache_type("auto") is KV_CACHE_TYPES["float16"] and kv_cache_type(KV_CACHE_TYPES["int8"]).scale_bytes == 4
+    config = config_from_dict({"pa_config": {"num_blocks": 8}}, ("pa_config.kv_cache_dtype=int8",))
+    assert config.kv_cache_type is KV_CACHE_TYPES["int8"] and config.kv_cache_dtype == "int8"
+    assert RunnerSpec.from_config(config.with_decided(max_generate_length=64)).kv_cache is KV_CACHE_TYPES["int8"]
+    with pytest.raises(ConfigError, match="pa_config.kv_cache_dtype.*'fp8'.*must be one of auto, float16"):
+        RunnerSpec(num_blocks=8, block_size=16, max_blocks_per_seq=4, decode_batch_sizes=(1,),
+                   prefill_batch_sizes=(1,), prefill_seq_lens=(16,), kv_cache="fp8")
+
+
 def test_kv_cache_dtype_is_checked_and_float32_is_refused_on_ascend():
     assert config_from_dict({}).kv_cache_dtype == "float16"
     assert config_from_dict({}, ("pa_config.kv_cache_dtype=float32",)).kv_cache_dtype == "float32"

@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from llm_serving.config import config_from_dict
+from llm_serving.config import KV_CACHE_TYPES, config_from_dict
 from llm_serving.master.step_io import RowWriter
 from llm_serving.models.runner_spec import RunnerSpec
 from llm_serving.models.step_inputs import StepInputs, StepLimits
@@ -87,14 +87,18 @@ def test_the_row_writer_writes_what_the_runners_step_inputs_read():
 
 def test_the_runner_spec_is_made_from_the_config_in_one_place():
     config = config_from_dict({"spec_config": {"method": "ngram"}, "lora_config": {"enable_lora": True},
-                              "model_config": {"max_generate_length": 512}})
+                              "model_config": {"max_generate_length": 512}, "pa_config": {"num_blocks": 64}})
     spec = RunnerSpec.from_config(config, device_id=3, num_threads=2, compile_cache=True)
     mc = config.model_config
     assert (spec.device_id, spec.num_threads, spec.compile_cache) == (3, 2, True)
     assert spec.decode_batch_sizes == tuple(mc.decode_batch_size) and spec.block_size == config.pa_config.block_size
     assert spec.verify_width == config.spec_config.tokens_per_row and spec.lora_slots == config.lora_config.max_loras
     assert RunnerSpec.from_config(config).num_threads == mc.num_threads       # the config's unless the rank's own
-    assert RunnerSpec.from_config(config_from_dict({}).with_decided(max_generate_length=512)).lora_slots == 0
+    assert RunnerSpec.from_config(config_from_dict({"pa_config": {"num_blocks": 64}}).with_decided(
+        max_generate_length=512)).lora_slots == 0
+    assert spec.kv_cache is KV_CACHE_TYPES["float16"] and spec.num_blocks == 64    # (auto decided: typed values)
+    with pytest.raises(ValueError, match="RunnerSpec.num_blocks must be an integer >= 1, got 'auto'"):
+        RunnerSpec.from_config(config_from_dict({"model_config": {"max_generate_length": 512}}))
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.num_blocks = 1
     assert dataclasses.replace(spec, layer_kernel="off").layer_kernel == "off"

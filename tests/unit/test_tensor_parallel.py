@@ -269,34 +269,34 @@ def test_cluster_env_is_what_msrun_gives_the_scheduler_and_each_worker():
 # --- which graph failures are the group's ------------------------------------------------------------------
 
 def test_a_failed_model_graph_under_tensor_parallelism_is_fatal_and_completed_ones_are_counted():
-    """ModelRunner._call with stand-in graphs (no MindSpore): the model graph all-reduces with the peers, so
-    its failure, whatever the cause, is a TensorParallelError (the group restarts); a rank-0-only graph
-    (sampler) fails as itself; every completed model graph counts in collective_calls."""
-    from llm_serving.models.runner import ModelRunner
+    """RunnerGraphs.call with stand-in graphs (no MindSpore): the model graph all-reduces with the peers, so its
+    failure, whatever the cause, is a TensorParallelError (the group restarts); a rank-0-only graph (sampler) fails
+    as itself; every completed model graph counts in collective_calls."""
+    from llm_serving.models.runner.graphs import RunnerGraphs
 
     def broken(*args):
         raise RuntimeError("Launch kernel failed: MatMul")
 
-    runner = object.__new__(ModelRunner)
-    runner.all_reduce = SimpleNamespace(error=lambda: None)
-    runner._ms = SimpleNamespace(runtime=SimpleNamespace(synchronize=lambda: None))
-    runner.collective_calls = 0
-    runner._graphs = lambda cell, *args: cell(*args)       # (GraphCalls needs Tensors)
-    runner.model = lambda *args: ("token", "logprob", "logits")
-    runner.embedder = lambda *args: "hidden states"         # (an embed step's graph all-reduces too)
-    assert runner._call("model", (8, 1), runner.model, 1, 2) == ("token", "logprob", "logits")
-    assert runner._call("packed", (64, 4), runner.model) and runner.collective_calls == 2
-    assert runner._call("embed", (64,), runner.embedder) == "hidden states" and runner.collective_calls == 3
+    graphs = RunnerGraphs()
+    graphs.all_reduce = SimpleNamespace(error=lambda: None)
+    graphs.ms = SimpleNamespace(runtime=SimpleNamespace(synchronize=lambda: None))
+    graphs.collective_calls = 0
+    graphs.graph_calls = lambda cell, *args: cell(*args)       # (GraphCalls needs Tensors)
+    graphs.model = lambda *args: ("token", "logprob", "logits")
+    graphs.embedder = lambda *args: "hidden states"         # (an embed step's graph all-reduces too)
+    assert graphs.call("model", (8, 1), graphs.model, 1, 2) == ("token", "logprob", "logits")
+    assert graphs.call("packed", (64, 4), graphs.model) and graphs.collective_calls == 2
+    assert graphs.call("embed", (64,), graphs.embedder) == "hidden states" and graphs.collective_calls == 3
     with pytest.raises(RuntimeError, match="Launch kernel failed") as err:
-        runner._call("sampler", (8,), broken)
+        graphs.call("sampler", (8,), broken)
     assert not isinstance(err.value, TensorParallelError)
-    runner.model = broken
+    graphs.model = broken
     with pytest.raises(TensorParallelError, match=r"model graph \(8, 1\): RuntimeError: Launch kernel failed"):
-        runner._call("model", (8, 1), runner.model)
-    runner.all_reduce = SimpleNamespace(error=lambda: "rank 0 waited 120 s for rank 1")
+        graphs.call("model", (8, 1), graphs.model)
+    graphs.all_reduce = SimpleNamespace(error=lambda: "rank 0 waited 120 s for rank 1")
     with pytest.raises(TensorParallelError, match="waited 120 s for rank 1"):
-        runner._call("model", (8, 1), runner.model)
-    assert runner.collective_calls == 3
+        graphs.call("model", (8, 1), graphs.model)
+    assert graphs.collective_calls == 3
 
 
 def test_a_sampling_failure_on_rank_0_still_runs_the_remaining_packed_pieces_with_the_peers():
@@ -305,23 +305,24 @@ def test_a_sampling_failure_on_rank_0_still_runs_the_remaining_packed_pieces_wit
     rank 0 runs that call too, then fails the step (so the ranks' collective_calls still agree). A single
     agent fails at once."""
     from llm_serving.models.buckets import Buckets
-    from llm_serving.models.runner import ModelRunner
+    from llm_serving.models.runner.kernels import KernelChoice
+    from llm_serving.models.runner.kv_inputs import KvLayout
+    from llm_serving.models.runner.token_steps import TokenSteps
     from llm_serving.models.step_inputs import StepInputs
 
     def packed_runner(all_reduce):
-        runner = object.__new__(ModelRunner)
-        runner.all_reduce = all_reduce
-        runner.buckets = Buckets(decode_batch_sizes=[1], decode_block_widths=[4], prefill_batch_sizes=[2],
-                                 prefill_seq_lens=[4], prefill_token_sizes=[4, 8], max_blocks_per_seq=4, packed=True)
-        runner.scratch_slot, runner.block_size, runner.max_blocks_per_seq = 64, 16, 4
-        runner.layer_kernel = None                                 # (tensor parallelism: MindSpore's ops)
-        runner.calls = []
-        runner._run_packed = lambda tb, *args: runner.calls.append(tb)
+        buckets = Buckets(decode_batch_sizes=[1], decode_block_widths=[4], prefill_batch_sizes=[2],
+                          prefill_seq_lens=[4], prefill_token_sizes=[4, 8], max_blocks_per_seq=4, packed=True)
+        kernels = KernelChoice(decode_kernel="attention", layer_kernel=None, serves_all=False, layer_kernel_rows=0,
+                               batch_invariant=False, decode_run_steps=1, decode_run_rows=0)   # (tensor parallel)
 
         def finish(*args):
             raise OSError("sampler failed")
-        runner._finish = finish
-        return runner
+        steps = TokenSteps(buckets, SimpleNamespace(max_blocks_per_seq=4), KvLayout(4, 16), kernels,
+                           SimpleNamespace(all_reduce=all_reduce), SimpleNamespace(finish=finish), True)
+        steps.calls = []
+        steps.run_packed = lambda tb, *args: steps.calls.append(tb)
+        return steps
 
     n, s = 2, 6
     args = (StepInputs(np.ones((n, s), np.int32), np.tile(np.arange(s, dtype=np.int32), (n, 1)),
@@ -330,9 +331,9 @@ def test_a_sampling_failure_on_rank_0_still_runs_the_remaining_packed_pieces_wit
             False)
     rank0 = packed_runner(SimpleNamespace(error=lambda: None))
     with pytest.raises(OSError, match="sampler failed"):
-        rank0._execute_packed(*args)
+        rank0.packed(*args)
     assert rank0.calls == [8, 4]
     alone = packed_runner(None)
     with pytest.raises(OSError, match="sampler failed"):
-        alone._execute_packed(*args)
+        alone.packed(*args)
     assert alone.calls == [8]

@@ -9,7 +9,7 @@ from llm_serving.models.warmup import RECORD, Entry, WarmupPlan
 
 
 class Graphs:
-    """Stands in for the runner: each entry 'calls' graphs by name through the plan, as ModelRunner._call does."""
+    """Stands in for the runner: each entry 'calls' graphs by name through the plan, as RunnerGraphs.call does."""
 
     def __init__(self):
         self.plan = None
