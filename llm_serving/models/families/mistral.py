@@ -1,0 +1,17 @@
+"""Mistral: LLaMA whose config's `sliding_window` slides every layer (its `layer_types`, if any, are not read).
+
+Its GGUF is llama.cpp's `llama`, read as LLaMA's (LlamaConfig.architecture "llama"): the file names the window in
+`llama.attention.sliding_window`.
+"""
+from . import Family
+
+FAMILY = Family(
+    name="mistral", title="Mistral",
+    hf_architectures=("MistralForCausalLM",), gguf_architecture=None, gguf_as="llama",
+    config_keys=("sliding_window",),
+    window="always",
+    readme_row="Mistral, Qwen2",
+    tests=("tests/integration/test_families.py", "tests/unit/test_weights_formats.py"
+           "::test_architectures_and_sliding_windows_from_config_json"),
+    test_models=("mistral-swa",),
+)
