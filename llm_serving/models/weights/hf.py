@@ -3,10 +3,12 @@
 `safetensors`; BF16, which numpy lacks, widened to float32 by hand).
 
 `load_hf` gives the tensors under the internal (LLaMA HF) names `expected_shapes` lists: Phi-3's fused matrices split
-into row parts that read only their own rows, Gemma's norms renamed and read as 1 + the stored weight (its RMSNorm
-computes x * (1 + w)), a multimodal checkpoint's text model (`language_model.model.*` or `model.language_model.*`)
-under the text model's names, a BERT encoder's (`_bert_name`) under the internal names of its parts. Embeddings tied (`tie_word_embeddings`, or no `lm_head.weight`) or not. A mixture's
-experts, one tensor each (Qwen3-MoE's `mlp.experts.E.gate_proj`, Mixtral's `block_sparse_moe.experts.E.w1`), are
+into row parts that read only their own rows, a multimodal checkpoint's text model (`language_model.model.*` or
+`model.language_model.*`) under the text model's names, and where a family names a tensor otherwise, under the name
+its family maps it to (`models/families/`: Gemma's norms, read as 1 + the stored weight since its RMSNorm computes
+x * (1 + w); a BERT encoder's parts; a mixture's router). Embeddings tied (`tie_word_embeddings`, or no
+`lm_head.weight`) or not. A mixture's experts, one tensor each (as its family names them: Qwen3-MoE's
+`mlp.experts.E.gate_proj`, Mixtral's `block_sparse_moe.experts.E.w1`), are
 stacked by rows into one matrix per part and layer (`mlp.experts.gate_proj.weight`: E * I rows), its router renamed
 `mlp.router.weight`. gpt-oss's experts, one 3-D tensor per part and layer, are cut into those stacks too: float
 (`gate_up_proj`, gate and up interleaved) or, as openai's checkpoints ship them (`quantization_config` mxfp4), MXFP4
@@ -24,6 +26,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from .. import families
 from .common import LlamaConfig, StoredTensor, WeightLoadError, expected_shapes, split_fused, stack_rows
 from .hf_config import llama3_rope_factors, load_config
 
@@ -115,82 +118,38 @@ def stored_safetensors(files: dict[str, str], wanted: set[str]) -> dict[str, Sto
     return out
 
 
-# Gemma's norms (after "model.layers.N.") -> the internal names; each gain is read as 1 + the stored weight
-_GEMMA_NORMS = {"input_layernorm.weight": "input_layernorm.weight",
-                "pre_feedforward_layernorm.weight": "post_attention_layernorm.weight",
-                "post_attention_layernorm.weight": "attn_output_norm.weight",
-                "post_feedforward_layernorm.weight": "mlp_output_norm.weight",
-                "self_attn.q_norm.weight": "self_attn.q_norm.weight",
-                "self_attn.k_norm.weight": "self_attn.k_norm.weight"}
 # a multimodal checkpoint's text model as transformers names it (4.x and 5.x's save_pretrained: language_model.model.*;
 # 5.x's modules: model.language_model.*) -> the text model's own names
 _TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
                   ("language_model.lm_head.", "lm_head."))
 _FUSED = ("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight")
-# a mixture's tensors (after "model.layers.N."): the router, and each expert's matrices (after "...experts.E."), as
-# Qwen3-MoE and Mixtral name them -> the internal router and the part its expert stack is of
-_ROUTERS = {"mlp.gate.weight": "mlp.router.weight", "block_sparse_moe.gate.weight": "mlp.router.weight"}
-_EXPERT_PARTS = {"gate_proj.weight": "gate_proj", "up_proj.weight": "up_proj", "down_proj.weight": "down_proj",
-                 "w1.weight": "gate_proj", "w3.weight": "up_proj", "w2.weight": "down_proj"}
-_EXPERT_PREFIXES = ("mlp.experts.", "block_sparse_moe.experts.")
-
-
-# a BERT encoder's tensors (BertModel's names; a head's checkpoint has them under "bert.") -> the internal names:
-# the embedding's parts, and per layer (after "encoder.layer.N.") its products and post norms
-_BERT_EMBEDDINGS = {"embeddings.word_embeddings.weight": "model.embed_tokens.weight",
-                    "embeddings.position_embeddings.weight": "model.embed_positions.weight",
-                    "embeddings.token_type_embeddings.weight": "model.embed_token_types.weight",
-                    "embeddings.LayerNorm.weight": "model.embed_norm.weight",
-                    "embeddings.LayerNorm.bias": "model.embed_norm.bias"}
-_BERT_LAYER = {"attention.self.query": "self_attn.q_proj", "attention.self.key": "self_attn.k_proj",
-               "attention.self.value": "self_attn.v_proj", "attention.output.dense": "self_attn.o_proj",
-               "attention.output.LayerNorm": "attn_output_norm", "intermediate.dense": "mlp.up_proj",
-               "output.dense": "mlp.down_proj", "output.LayerNorm": "mlp_output_norm"}
-
-
-def _bert_name(name: str) -> str:
-    """The internal name of a BERT checkpoint's tensor (a name the model does not use stays as it is)."""
-    name = name.removeprefix("bert.")
-    if name in _BERT_EMBEDDINGS:
-        return _BERT_EMBEDDINGS[name]
-    if name.startswith("encoder.layer."):
-        _, _, layer, rest = name.split(".", 3)
-        module, _, kind = rest.rpartition(".")
-        if module in _BERT_LAYER and kind in ("weight", "bias"):
-            return f"model.layers.{layer}.{_BERT_LAYER[module]}.{kind}"
-    return name
-
-
-def _internal_name(name: str, arch: str) -> str:
-    """The internal name of checkpoint tensor `name` (a name the model does not use stays as it is)."""
-    if arch == "bert":
-        return _bert_name(name)
+def _internal_name(name: str, family: families.Family) -> str:
+    """The internal name of checkpoint tensor `name` (a name the model does not use stays as it is): the family's
+    renaming of its names, else a text model's names with the family's own after "model.layers.N."."""
+    if family.hf_tensor_name is not None:
+        return family.hf_tensor_name(name)
     for prefix, text in _TEXT_PREFIXES:
         if name.startswith(prefix):
             name = text + name[len(prefix):]
             break
-    if arch == "gemma3" and name.startswith("model.layers."):
+    if name.startswith("model.layers.") and name.count(".") >= 3:
         _, _, layer, rest = name.split(".", 3)
-        if rest in _GEMMA_NORMS:
-            return f"model.layers.{layer}.{_GEMMA_NORMS[rest]}"
-    if name.startswith("model.layers.") and name.count(".") > 3:
-        _, _, layer, rest = name.split(".", 3)
-        if rest in _ROUTERS:
-            return f"model.layers.{layer}.{_ROUTERS[rest]}"
+        if rest in family.hf_layer_names:
+            return f"model.layers.{layer}.{family.hf_layer_names[rest]}"
     return name
 
 
-def _expert_of(name: str) -> Optional[tuple]:
-    """(layer, part, expert) of one expert's matrix (`model.layers.3.mlp.experts.7.up_proj.weight`: (3, "up_proj",
-    7)), or None."""
-    if not name.startswith("model.layers."):
+def _expert_of(name: str, family: families.Family) -> Optional[tuple]:
+    """(layer, part, expert) of one expert's matrix, as the family names them
+    (`model.layers.3.mlp.experts.7.up_proj.weight`: (3, "up_proj", 7)), or None."""
+    prefix = family.hf_expert_prefix
+    if prefix is None or not name.startswith("model.layers."):
         return None
     _, _, layer, rest = name.split(".", 3)
-    for prefix in _EXPERT_PREFIXES:
-        if rest.startswith(prefix):
-            expert, _, tail = rest[len(prefix):].partition(".")
-            if expert.isdigit() and tail in _EXPERT_PARTS:
-                return int(layer), _EXPERT_PARTS[tail], int(expert)
+    if rest.startswith(prefix):
+        expert, _, tail = rest[len(prefix):].partition(".")
+        if expert.isdigit() and tail in family.hf_expert_parts:
+            return int(layer), family.hf_expert_parts[tail], int(expert)
     return None
 
 
@@ -384,30 +343,31 @@ def load_hf(model_dir: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
     files = _shard_files(model_dir)
     needed = set(expected_shapes(cfg))
     fused = {f"model.layers.{i}.{name}" for i in range(cfg.num_layers) for name in _FUSED}
-    names = {n: _internal_name(n, cfg.architecture) for n in _checkpoint_names(files)}
-    expert_parts = {n: _expert_of(internal) for n, internal in names.items()} if cfg.num_experts else {}
-    oss = cfg.architecture == "gptoss"
+    family = families.FAMILIES[cfg.architecture]
+    names = {n: _internal_name(n, family) for n in _checkpoint_names(files)}
+    expert_parts = {n: _expert_of(internal, family) for n, internal in names.items()} if cfg.num_experts else {}
+    experts_3d = family.fused_experts          # (gpt-oss's: one 3-D tensor per part)
     # gpt-oss's experts: (layer, name) of each 3-D tensor, float or MXFP4 (its blocks and scales are not float: they
     # are read from the memory-mapped file, not through stored_safetensors)
     oss_experts = {n: (int(n.split(".")[2]), n.rsplit(".", 1)[1]) for n in names
-                   if oss and n.startswith("model.layers.") and ".mlp.experts." in n}
+                   if experts_3d and n.startswith("model.layers.") and ".mlp.experts." in n}
     fused_experts = {n: key for n, key in oss_experts.items() if key[1] in _FUSED_EXPERTS}
     mxfp4 = {n: key for n, key in oss_experts.items() if key[1] in _MXFP4_EXPERTS}
-    packed = _packed_tensors(files, mxfp4) if oss and (mxfp4 or _quant_method(model_dir) == "mxfp4") else None
+    packed = _packed_tensors(files, mxfp4) if experts_3d and (mxfp4 or _quant_method(model_dir) == "mxfp4") else None
     wanted = {n for n, internal in names.items()
               if internal in needed or internal in fused or expert_parts.get(n) or n in fused_experts}
     stored, experts, by_layer = {}, {}, {}
     for name, tensor in stored_safetensors(files, wanted).items():
         internal = names[name]
-        gemma_norm = cfg.architecture == "gemma3" and internal.endswith("norm.weight")
+        plus_one = family.norm_gain_plus_one and internal.endswith("norm.weight")
         if expert_parts.get(name):
             experts[expert_parts[name]] = tensor
         elif name in fused_experts:
             by_layer[fused_experts[name]] = tensor
         else:
-            stored[internal] = _plus_one(tensor) if gemma_norm else tensor
+            stored[internal] = _plus_one(tensor) if plus_one else tensor
     split_fused(cfg, stored)
-    if oss:
+    if experts_3d:
         stored.update(_gpt_oss_experts(cfg, by_layer, model_dir, packed))
     elif cfg.num_experts:
         stored.update(_stack_experts(cfg, experts, model_dir))
