@@ -1,14 +1,15 @@
 """GGUF checkpoints (llama.cpp's format) for `load_llama_weights` (loader.py), read through the `gguf` package.
 
-Architectures `llama` (Mistral's, and Mixtral's with its experts), `qwen2`, `qwen3`, `qwen3moe`, `gemma3`, `phi3`,
-`smollm3`, `gpt-oss` and `bert` (an encoder: its config from `bert.*` and `_gguf_bert`), as llama.cpp's converter
-(convert_hf_to_gguf.py) writes them: hyperparameters from the `<arch>.*` metadata, and where the converter writes
-nothing, llama.cpp's own fixed rules (Gemma 3: every 6th layer full, a local RoPE base of 10000, the attention
-scale; SmolLM3: every 4th layer without RoPE); tensors renamed to the internal (LLaMA HF) names and dequantized to
+The architectures the families own (`models/families/`: `llama`, which Mistral's and Mixtral's files are too,
+`qwen2`, `qwen3`, `smollm3`, `phi3`, `gemma3`, `qwen3moe`, `gpt-oss` and `bert`, an encoder whose config its family
+reads from `bert.*`), as llama.cpp's converter (convert_hf_to_gguf.py) writes them: hyperparameters from the
+`<arch>.*` metadata, and where the converter writes nothing, llama.cpp's own fixed rules, which the family states
+(Gemma 3: every 6th layer full, a local RoPE base of 10000, the attention scale; SmolLM3: every 4th layer without
+RoPE; gpt-oss: every other layer full, its experts' constants); tensors renamed to the internal (LLaMA HF) names and dequantized to
 float32 by `gguf.quants.dequantize` as they are read (F32, F16, BF16, Q4_0/1, Q5_0/1, Q8_0, the K-quants and
 whatever else that package dequantizes; a tensor-parallel rank's rows are cut before). The converter interleaves the
-rotary pairs of q/k rows for the architectures whose llama.cpp RoPE pairs neighbours (llama, smollm3; as llama2.c
-does): undone here; the NEOX-RoPE ones keep HF's layout. Fused `attn_qkv` and Phi-3's `ffn_up` (gate and up) are
+rotary pairs of q/k rows for the architectures whose llama.cpp RoPE pairs neighbours (`gguf_interleaved_rope`:
+llama, smollm3; as llama2.c does): undone here; the NEOX-RoPE ones keep HF's layout. Fused `attn_qkv` and Phi-3's `ffn_up` (gate and up) are
 split into row parts. Gemma's norm gains are stored already as the multiplier (1 + w). A Llama-3.1 file's
 `rope_freqs` tensor and linear scaling become `LlamaConfig.rope_freq_factors`, Phi-3's `rope_factors_short/long`
 its longrope factors. An unsupported architecture, RoPE type, softcapping or tensor type is a WeightLoadError naming
@@ -27,10 +28,11 @@ import math
 import os
 import shutil
 import tempfile
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 
+from .. import families
 from .common import LlamaConfig, StoredTensor, WeightLoadError, rotate_half_rows, split_fused
 from .hf_config import yarn_attention_factor, yarn_rope_factors
 
@@ -69,19 +71,11 @@ _GGUF_LAYER_NAMES = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.wei
                      "layer_output_norm.weight": "mlp_output_norm.weight",
                      "layer_output_norm.bias": "mlp_output_norm.bias", "ffn_up.bias": "mlp.up_proj.bias",
                      "ffn_down.bias": "mlp.down_proj.bias"}
-# an architecture's own meaning of a tensor name: gpt-oss's post_attention_norm is its MLP's input norm (Gemma 3's is a
-# sandwich norm)
-_GGUF_ARCH_LAYER_NAMES = {"gpt-oss": {"post_attention_norm.weight": "post_attention_layernorm.weight"}}
-# GGUF architecture -> LlamaConfig.architecture, where they differ (the HF reader's name)
-_GGUF_CONFIG_ARCH = {"gpt-oss": "gptoss"}
 _GGUF_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                "output.weight": "lm_head.weight",
                # a BERT encoder's embedding: its position and token type rows, its LayerNorm
                "position_embd.weight": "model.embed_positions.weight", "token_types.weight": "model.embed_token_types.weight",
                "token_embd_norm.weight": "model.embed_norm.weight", "token_embd_norm.bias": "model.embed_norm.bias"}
-_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "phi3", "smollm3", "gpt-oss", "bert")
-# the architectures whose q/k rows the converter permutes for llama.cpp's RoPE of neighbouring pairs
-_INTERLEAVED_ROPE = ("llama", "smollm3")
 _gguf_types_checked: dict = {}
 
 
@@ -142,16 +136,17 @@ def _load_gguf(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
         return field.contents()
 
     arch = meta("general.architecture")
-    if arch not in _GGUF_ARCHITECTURES:
+    family = families.by_gguf_architecture(arch)
+    if family is None:
         raise WeightLoadError(f"{path}: GGUF architecture {arch!r} is not supported (supported: "
-                              f"{', '.join(_GGUF_ARCHITECTURES)})")
+                              f"{', '.join(families.supported_gguf_architectures())})")
     tensors = {t.name: t for t in reader.tensors}
-    cfg = _gguf_config(path, arch, meta, tensors)
+    cfg = _gguf_config(path, arch, family, meta, tensors)
     out: dict[str, StoredTensor] = {}
     for name, tensor in tensors.items():
         if name.startswith("blk."):
             _, layer, rest = name.split(".", 2)
-            hf = _GGUF_ARCH_LAYER_NAMES.get(arch, {}).get(rest) or _GGUF_LAYER_NAMES.get(rest)
+            hf = family.gguf_layer_names.get(rest) or _GGUF_LAYER_NAMES.get(rest)
             hf = hf and f"model.layers.{layer}.{hf}"
         else:
             hf = _GGUF_NAMES.get(name)
@@ -182,7 +177,7 @@ def _load_gguf(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
         if up is not None and p + "mlp.gate_proj.weight" not in out and up.shape[0] == 2 * cfg.intermediate_size:
             out[p + "mlp.gate_up_proj.weight"] = out.pop(p + "mlp.up_proj.weight")
     split_fused(cfg, out)
-    if arch in _INTERLEAVED_ROPE:
+    if family.gguf_interleaved_rope:
         for name, t in out.items():
             if name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
                 blocks = t.read_blocks and _interleaved_to_halves_rows(t.read_blocks, cfg.head_dim)
@@ -202,11 +197,12 @@ class _Stacked:
 
 
 
-def _gguf_experts(path: str, arch: str, meta: Callable, tensors: dict, num_layers: int) -> dict:
+def _gguf_experts(path: str, arch: str, family: families.Family, meta: Callable, tensors: dict,
+                  num_layers: int) -> dict:
     """The LlamaConfig fields of a mixture of experts (`<arch>.expert_count` > 0; Mixtral is `llama` with them):
     the experts used per token, their size (`expert_feed_forward_length`, else the layers' `feed_forward_length`),
-    renormalized unless `expert_weights_norm` says not (llama.cpp renormalizes qwen3moe and Mixtral), and the
-    layers without a router (dense)."""
+    renormalized unless `expert_weights_norm` says not (llama.cpp renormalizes qwen3moe and Mixtral), the layers
+    without a router (dense), and what the family fixes that the file does not say (gpt-oss's SwiGLU, biases)."""
     experts = int(meta(f"{arch}.expert_count", 0, required=False) or 0)
     if not experts:
         return {}
@@ -218,38 +214,15 @@ def _gguf_experts(path: str, arch: str, meta: Callable, tensors: dict, num_layer
     out = {"num_experts": experts, "experts_per_token": int(meta(f"{arch}.expert_used_count")),
            "expert_intermediate_size": int(size),
            "norm_topk_prob": bool(meta(f"{arch}.expert_weights_norm", True, required=False)), "dense_layers": dense}
-    if arch == "gpt-oss":                   # (llama.cpp's constants for it: the file names none)
-        out.update(norm_topk_prob=True, moe_bias=True, expert_act="swiglu_oai", swiglu_alpha=1.702, swiglu_limit=7.0)
-    return out
+    return {**out, **family.gguf_expert_fields}        # (llama.cpp's constants for gpt-oss: the file names none)
 
 
-def _gguf_bert(path: str, meta: Callable, tensors: dict) -> LlamaConfig:
-    """A BERT encoder's LlamaConfig from `bert.*` (convert_hf_to_gguf.py's BertModel): its layers' shape, context,
-    LayerNorm epsilon, and the encoder's switches (LlamaConfig's; GELU in its exact form, as the HF model it was
-    converted from computes it). A causal `bert.attention.causal` is refused."""
-    if meta("bert.attention.causal", False, required=False):
-        raise WeightLoadError(f"{path}: GGUF bert.attention.causal=true is not supported (a bidirectional encoder)")
-    hidden, heads = int(meta("bert.embedding_length")), int(meta("bert.attention.head_count"))
-    for name in ("token_embd.weight", "position_embd.weight", "token_embd_norm.weight"):
-        if name not in tensors:
-            raise WeightLoadError(f"{path}: GGUF tensor {name!r} is missing")
-    types = tensors.get("token_types.weight")
-    return LlamaConfig(
-        vocab_size=int(tensors["token_embd.weight"].shape[-1]), hidden_size=hidden,
-        intermediate_size=int(meta("bert.feed_forward_length")), num_layers=int(meta("bert.block_count")),
-        num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads,
-        rms_norm_eps=float(meta("bert.attention.layer_norm_epsilon", 1e-12)),
-        max_position_embeddings=int(meta("bert.context_length", 512)), bos_token_id=None, eos_token_id=None,
-        architecture="bert", attention_bias=True, o_bias=True, causal=False, norm="layer", post_norm=True,
-        gated_mlp=False, mlp_bias=True, hidden_act="gelu", learned_positions=True,
-        type_vocab_size=0 if types is None else int(types.shape[-1]), embed_norm=True)
-
-
-def _gguf_config(path: str, arch: str, meta: Callable, tensors: dict) -> LlamaConfig:
-    """The LlamaConfig of a GGUF's `<arch>.*` metadata and tensors, with llama.cpp's fixed rules where its
-    converter writes nothing (Gemma 3's attention scale and local RoPE base, SmolLM3's NoPE layers)."""
-    if arch == "bert":
-        return _gguf_bert(path, meta, tensors)
+def _gguf_config(path: str, arch: str, family: families.Family, meta: Callable, tensors: dict) -> LlamaConfig:
+    """The LlamaConfig of a GGUF's `<arch>.*` metadata and tensors (biases, sinks and q/k norms by the tensors
+    present), with the family's llama.cpp rules where its converter writes nothing (Gemma 3's attention scale and
+    local RoPE base, SmolLM3's NoPE layers); a family whose config is its own kind (BERT's) reads it itself."""
+    if family.gguf_config is not None:
+        return family.gguf_config(path, meta, tensors)
     hidden, heads = int(meta(f"{arch}.embedding_length")), int(meta(f"{arch}.attention.head_count"))
     kv_heads = int(meta(f"{arch}.attention.head_count_kv", heads))
     head_dim = int(meta(f"{arch}.attention.key_length", hidden // heads))
@@ -264,14 +237,12 @@ def _gguf_config(path: str, arch: str, meta: Callable, tensors: dict) -> LlamaCo
             raise WeightLoadError(f"{path}: GGUF {arch}.{key}={meta(f'{arch}.{key}')} is not supported (softcapping "
                                   "is not computed)")
     rope = _gguf_rope(path, arch, meta, tensors, head_dim)
-    window, layer_types = _gguf_sliding_layers(path, arch, meta, num_layers)
-    gemma = arch == "gemma3"
-    if gemma and window:                    # (llama.cpp's default for a file that does not say)
-        rope["local_rope_theta"] = float(meta(f"{arch}.rope.freq_base_swa", 10000.0))
-    query_scale = None
-    if gemma:                               # llama.cpp: 1/sqrt(hidden/heads) for Gemma 3 27B (62 layers), else head_dim
-        query_scale = float(meta(f"{arch}.attention.scale", 0.0, required=False)) or \
-            float(hidden // heads if num_layers == 62 else head_dim) ** -0.5
+    window, layer_types = _gguf_sliding_layers(path, arch, family.gguf_window_pattern, meta, num_layers)
+    if family.gguf_local_rope_base is not None and window:      # (llama.cpp's base for a file that does not say)
+        rope["local_rope_theta"] = float(meta(f"{arch}.rope.freq_base_swa", family.gguf_local_rope_base))
+    query_scale = family.gguf_query_scale(meta, arch, hidden, heads, head_dim, num_layers) \
+        if family.gguf_query_scale else None
+    every = family.gguf_nope_interval
     return LlamaConfig(
         vocab_size=int(meta(f"{arch}.vocab_size", tensors["token_embd.weight"].shape[-1])), hidden_size=hidden,
         intermediate_size=int(meta(f"{arch}.feed_forward_length")), num_layers=num_layers, num_heads=heads,
@@ -280,14 +251,14 @@ def _gguf_config(path: str, arch: str, meta: Callable, tensors: dict) -> LlamaCo
         max_position_embeddings=int(meta(f"{arch}.context_length", 2048)),
         bos_token_id=meta("tokenizer.ggml.bos_token_id", required=False),
         eos_token_id=meta("tokenizer.ggml.eos_token_id", required=False),
-        tie_word_embeddings="output.weight" not in tensors, architecture=_GGUF_CONFIG_ARCH.get(arch, arch),
+        tie_word_embeddings="output.weight" not in tensors, architecture=family.name,
         o_bias="blk.0.attn_output.bias" in tensors, attention_sinks="blk.0.attn_sinks.weight" in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors,
         sliding_window=window, layer_types=layer_types, qk_norm="blk.0.attn_q_norm.weight" in tensors,
-        sandwich_norms=gemma, embed_scale=math.sqrt(hidden) if gemma else 1.0,
-        **_gguf_experts(path, arch, meta, tensors, num_layers),
-        hidden_act="gelu_tanh" if gemma else "silu", query_scale=query_scale,
-        nope_layers=tuple(i for i in range(num_layers) if (i + 1) % 4 == 0) if arch == "smollm3" else (),
+        sandwich_norms=family.sandwich_norms, embed_scale=math.sqrt(hidden) if family.scaled_embedding else 1.0,
+        **_gguf_experts(path, arch, family, meta, tensors, num_layers),
+        hidden_act=family.hidden_act, query_scale=query_scale,
+        nope_layers=tuple(i for i in range(num_layers) if (i + 1) % every == 0) if every else (),
         **rope)
 
 
@@ -329,14 +300,13 @@ def _gguf_rope(path: str, arch: str, meta: Callable, tensors: dict, head_dim: in
     return out
 
 
-def _gguf_sliding_layers(path: str, arch: str, meta: Callable, num_layers: int):
+def _gguf_sliding_layers(path: str, arch: str, default: Optional[int], meta: Callable, num_layers: int):
     """(sliding_window, layer_types) of LlamaConfig from `attention.sliding_window` (0, or the context's length:
-    none) and `attention.sliding_window_pattern` (a flag per layer, or n: every n-th layer full); Gemma 3 without a
-    pattern has llama.cpp's 6, the others slide in every layer."""
+    none) and `attention.sliding_window_pattern` (a flag per layer, or n: every n-th layer full); without a pattern
+    the family's `default` (llama.cpp's: Gemma 3's 6, gpt-oss's 2), or every layer slides."""
     window = int(meta(f"{arch}.attention.sliding_window", 0))
     if window <= 0 or window >= int(meta(f"{arch}.context_length", 2048)):
         return None, None                   # (a window as long as the context is none: Phi-4-mini's 262144)
-    default = {"gemma3": 6, "gpt-oss": 2}.get(arch)       # (llama.cpp's: every 6th layer full; every other one)
     pattern = meta(f"{arch}.attention.sliding_window_pattern", default, required=False)
     if pattern is None:
         return window, None
