@@ -76,9 +76,11 @@ class Family:
     # that family's): Mistral and Mixtral are llama.cpp's `llama` (Mixtral's experts from `llama.expert_count`)
     gguf_as: Optional[str] = None
     hf_model_types: tuple = ()              # config.json model_types that are this family whatever head is named
-    refused_model_types: Mapping[str, str] = field(default_factory=dict)      # model_type -> why it is not this family (refused)
+    # config.json model_types near it that are refused: model_type -> why
+    refused_model_types: Mapping[str, str] = field(default_factory=dict)
     config_keys: tuple = ()                 # config.json keys it reads beyond the common ones
-    hf_defaults: Mapping[str, object] = field(default_factory=dict)           # what transformers assumes for a key the config omits
+    # what transformers assumes for a key its config.json omits
+    hf_defaults: Mapping[str, object] = field(default_factory=dict)
     # what it fixes (FIXED_FIELDS: the LlamaConfig fields of the same names)
     attention_bias: bool = False            # q/k/v biases
     o_bias: bool = False                    # o_proj's bias

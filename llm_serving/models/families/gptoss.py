@@ -21,8 +21,8 @@ FAMILY = Family(
     config_keys=("num_local_experts", "num_experts_per_tok", "sliding_window", "layer_types", "swiglu_alpha",
                  "swiglu_limit", "attention_bias", "quantization_config"),
     attention_bias=True, o_bias=True, attention_sinks=True,
-    refusals=(Refusal("attention_bias", "false",
-                      "attention_bias=false is not supported for gpt-oss (its projections have biases)", default=True),),
+    refusals=(Refusal("attention_bias", "false", "attention_bias=false is not supported for gpt-oss (its projections "
+                      "have biases)", default=True),),
     window="layer_types",
     moe_routing="the top k of the router's logits (with its bias), weighted by their softmax (renormalized)",
     experts=experts, fused_experts=True,
@@ -36,7 +36,8 @@ FAMILY = Family(
     chat_code=("llm_serving/tokenization/chat_template.py:harmony", "llm_serving/server/harmony.py:HarmonyStream"),
     readme_row="gpt-oss",
     tests=("tests/integration/test_families.py",
-           "tests/integration/test_families.py::test_gptoss_with_mxfp4_experts_from_safetensors_gives_transformers_greedy_tokens",
+           "tests/integration/test_families.py"
+           "::test_gptoss_with_mxfp4_experts_from_safetensors_gives_transformers_greedy_tokens",
            "tests/unit/test_mxfp4_safetensors.py", "tests/unit/test_harmony.py",
            "tests/integration/test_reasoning.py::test_a_gpt_oss_reply_comes_apart_by_its_channels_whole_and_streamed"),
     test_models=("gptoss",),

@@ -24,6 +24,7 @@ FAMILY = Family(
     hf_layer_names={"block_sparse_moe.gate.weight": "mlp.router.weight"},
     hf_expert_prefix="block_sparse_moe.experts.", hf_expert_parts=EXPERT_PARTS,
     readme_row="Qwen3-MoE, Mixtral (mixtures of experts)",
-    tests=("tests/integration/test_families.py", "tests/unit/test_moe_kernel.py"),
+    tests=("tests/integration/test_families.py", "tests/unit/test_weights_formats.py"
+           "::test_a_family_loads_the_same_from_its_hf_directory_and_its_gguf"),
     test_models=("mixtral",),
 )
