@@ -7,21 +7,23 @@ format, and where it is tested and documented. The readers in `models/weights/` 
 branching on its name; one model (`models/llama.py`, the CPU kernels, `reference_llama.py`) computes them all.
 
 Each family is a module here defining `FAMILY` (llama.py, gemma3.py, ...), with whatever it computes from a config
-of its own (Gemma 3's defaults, SmolLM3's NoPE layers, BERT's whole config). `FAMILIES` lists them in the order the
-readers' error messages name their architectures.
+of its own (Gemma 3's defaults, SmolLM3's NoPE layers, BERT's whole config); `FAMILIES` is every module's, found
+when this package is imported, in the modules' order (which the readers' lists of supported architectures follow).
 
-A new family that differs from one here only in data is one module and its test:
-- `families/<name>.py` with its `FAMILY` (start from the nearest one: qwen3.py for a dense model with q/k norms), and
-  its name in the import and `FAMILIES` below;
-- its tiny model in `tests/families.py` (`FAMILIES`: a config.json at test size; `write_gguf` knows its GGUF
-  architecture from `_GGUF_ARCH`) and its name in `tests/integration/test_families.py`'s lists;
-- its row in README.md's family table (`readme_row`) and its architecture in the HuggingFace-directory row;
-  `tests/unit/test_families_registry.py` fails until the README names it.
-A family that computes something new (a new LlamaConfig field, a kernel) also needs that field in
-`models/weights/common.py`, the kernels and `reference_llama.py`.
+A new family that differs from one here only in data is one module and its test, nothing else in llm_serving:
+- `families/<name>.py` defining `FAMILY = Family(name="<name>", ...)` (start from the nearest one: qwen3.py for a
+  dense model with q/k norms; `tests` and `test_models` name the next two);
+- its tiny model in `tests/families.py` (`FAMILIES`: a config.json at test size; for its GGUF twin, its
+  architecture in `_GGUF_ARCH`) and that name in `tests/integration/test_families.py`'s lists;
+- its row in README.md's family table (`readme_row`) and its architecture in the HuggingFace-directory (and GGUF)
+  row: `tests/unit/test_families_registry.py` fails until README names it, or while a tiny model has no family.
+A family that computes something new (a new LlamaConfig field) also needs that field in `models/weights/common.py`,
+the model and kernels that compute it and `reference_llama.py`.
 """
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional
 
@@ -149,13 +151,19 @@ class Family:
         return next((message for message in checked if message), None)
 
 
-# (imported here, below Family and Refusal, which each module uses)
-from . import (bert, gemma3, gptoss, llama, mistral, mixtral, phi3, qwen2, qwen3,  # noqa: E402
-               qwen3moe, smollm3)
+def _discover() -> dict:
+    """Every module here's FAMILY by its name, in the modules' order (a new family is a new module)."""
+    out = {}
+    for module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
+        family = importlib.import_module(f"{__name__}.{module}").FAMILY
+        if family.name != module:
+            raise ValueError(f"families/{module}.py names its family {family.name!r}: a family's module is its name")
+        out[module] = family
+    return out
 
-# name -> Family, in the order the readers' messages list their architectures
-FAMILIES: dict[str, Family] = {m.FAMILY.name: m.FAMILY for m in (
-    llama, qwen2, mistral, qwen3, smollm3, phi3, gemma3, qwen3moe, mixtral, gptoss, bert)}
+
+# name -> Family (found below Family and Refusal, which each module imports)
+FAMILIES: dict[str, Family] = _discover()
 _BY_HF = {arch: f for f in FAMILIES.values() for arch in f.hf_architectures}
 _BY_GGUF = {f.gguf_architecture: f for f in FAMILIES.values() if f.gguf_architecture}
 _BY_MODEL_TYPE = {kind: f for f in FAMILIES.values() for kind in f.hf_model_types}

@@ -4,10 +4,10 @@ tensor-parallel rank's part (`load_llama_weights(path, tp)`). This package's int
 A module per format, each a reader `path -> (LlamaConfig, {HF name: StoredTensor})`, told apart by
 `loader.detect_format` and named in `loader.READERS`:
 
-- **hf** (`hf.py`): a HuggingFace directory, `config.json` plus safetensors; `LlamaForCausalLM`,
-  `Qwen2ForCausalLM` (q/k/v biases) and `MistralForCausalLM`, their differences kept as data in `LlamaConfig`
-  (`load_config`).
-- **gguf** (`gguf.py`): a llama.cpp `.gguf` file: `llama` and `qwen2`, dequantized per tensor, cached as float32.
+- **hf** (`hf.py`): a HuggingFace directory, `config.json` plus safetensors, of any family `models/families/` names
+  (its `architectures`), the family's differences kept as data in `LlamaConfig` (`load_config`).
+- **gguf** (`gguf.py`): a llama.cpp `.gguf` file of a family's `general.architecture`, dequantized per tensor,
+  cached as float32.
 - **llama2c** (`llama2c.py`): a llama2.c `.bin` file, legacy (v0) export; q/k rows permuted to rotate-half.
 - **mindformers** (`mindformers.py`): a directory with one MindFormers `*.ckpt` and a `config.json` or `*.yaml`.
 

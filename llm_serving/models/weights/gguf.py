@@ -5,15 +5,16 @@ The architectures the families own (`models/families/`: `llama`, which Mistral's
 reads from `bert.*`), as llama.cpp's converter (convert_hf_to_gguf.py) writes them: hyperparameters from the
 `<arch>.*` metadata, and where the converter writes nothing, llama.cpp's own fixed rules, which the family states
 (Gemma 3: every 6th layer full, a local RoPE base of 10000, the attention scale; SmolLM3: every 4th layer without
-RoPE; gpt-oss: every other layer full, its experts' constants); tensors renamed to the internal (LLaMA HF) names and dequantized to
-float32 by `gguf.quants.dequantize` as they are read (F32, F16, BF16, Q4_0/1, Q5_0/1, Q8_0, the K-quants and
-whatever else that package dequantizes; a tensor-parallel rank's rows are cut before). The converter interleaves the
-rotary pairs of q/k rows for the architectures whose llama.cpp RoPE pairs neighbours (`gguf_interleaved_rope`:
-llama, smollm3; as llama2.c does): undone here; the NEOX-RoPE ones keep HF's layout. Fused `attn_qkv` and Phi-3's `ffn_up` (gate and up) are
-split into row parts. Gemma's norm gains are stored already as the multiplier (1 + w). A Llama-3.1 file's
-`rope_freqs` tensor and linear scaling become `LlamaConfig.rope_freq_factors`, Phi-3's `rope_factors_short/long`
-its longrope factors. An unsupported architecture, RoPE type, softcapping or tensor type is a WeightLoadError naming
-it. `load_gguf` keeps the float32 result in the cache directory for the next start.
+RoPE; gpt-oss: every other layer full, its experts' constants); tensors renamed to the internal (LLaMA HF) names and
+dequantized to float32 by `gguf.quants.dequantize` as they are read (F32, F16, BF16, Q4_0/1, Q5_0/1, Q8_0, the
+K-quants and whatever else that package dequantizes; a tensor-parallel rank's rows are cut before). The converter
+interleaves the rotary pairs of q/k rows for the architectures whose llama.cpp RoPE pairs neighbours
+(`gguf_interleaved_rope`: llama, smollm3; as llama2.c does): undone here; the NEOX-RoPE ones keep HF's layout. Fused
+`attn_qkv` and Phi-3's `ffn_up` (gate and up) are split into row parts. Gemma's norm gains are stored already as the
+multiplier (1 + w). A Llama-3.1 file's `rope_freqs` tensor and linear scaling become
+`LlamaConfig.rope_freq_factors`, Phi-3's `rope_factors_short/long` its longrope factors. An unsupported
+architecture, RoPE type, softcapping or tensor type is a WeightLoadError naming it. `load_gguf` keeps the float32
+result in the cache directory for the next start.
 
 Matrices stored in a type of KEPT_QUANTIZED (the block formats the CPU kernels read) also offer their stored bytes
 (`StoredTensor.read_blocks`, rows permuted as the float32 rows are). The cache keeps only those bytes for them (no
