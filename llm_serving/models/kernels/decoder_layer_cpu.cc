@@ -123,6 +123,7 @@
 #include "invariant_products_cpu.h"   // batch-invariant products: dot_gemm, lane_units
 #include "product_routes_cpu.h"       // the process's settings, the batched products, each product's route
 #include "layer_parts_cpu.h"          // norms, LoRA, the MLP's activation
+#include "layer_stack_cpu.h"          // the decoder layers registered as one call (DecoderStack)
 
 // The kernels' parameters in the order ops.Custom passes them (inputs, then outputs): (index, name, rank, dtype).
 // The inputs a step gives come first, then those the model holds (weights, caches, config). kernels/signatures.py
@@ -1465,5 +1466,112 @@ extern "C" int SampleLogits(int nparam, void** params, int* ndims, int64_t** sha
       logprob[b] = (l[tok] - mx) - std::log(sum1);
     }
   }, /*last_of_step=*/true);
+  return 0;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The decoder layers as one call (layer_stack_cpu.h says why). The Python side registers a stack once at load
+// (StackCreate, then StackAddCall per layer kernel call, in order) and releases it with the model (StackRelease);
+// DecoderStack runs it: its parameters are x (T, H), the step's inputs and the KV caches (whatever the calls' sources
+// name), then the stack's handle (int32 (1,)), then out (T, H). Each call's output feeds the next (two buffers in
+// turn), the last call's is out.
+
+extern "C" int32_t StackCreate() {
+  namespace ls = llm_serving::layer_stack;
+  static int32_t next = 1;
+  std::lock_guard<std::mutex> lock(ls::registry_mutex());
+  const int32_t handle = next++;
+  ls::registry()[handle] = std::make_shared<ls::Stack>();
+  return handle;
+}
+
+// Adds a call of `kernel` (0 DecoderLayer, 1 MoeMlp) with `nparam` parameters: source[i] (>= 0 the stack call's
+// parameter, -1 held, -2 the hidden state, -3 the output); for held ones ptrs[i], ndims[i], shapes[4 i ..] and the
+// i-th of the comma-separated dtypes. 0, or 1 for an unknown stack, kernel or parameter count.
+extern "C" int StackAddCall(int32_t handle, int32_t kernel, int32_t nparam, const int32_t* source, void* const* ptrs,
+                            const int32_t* ndims, const int64_t* shapes, const char* dtypes) {
+  namespace ls = llm_serving::layer_stack;
+  auto stack = ls::find(handle);
+  const std::vector<std::string> names = ls::split_names(dtypes);
+  if (!stack || (kernel != ls::kDecoderLayer && kernel != ls::kMoeMlp) || nparam < 2 ||
+      static_cast<int32_t>(names.size()) != nparam) {
+    return 1;
+  }
+  ls::Call call;
+  call.kernel = kernel;
+  call.source.assign(source, source + nparam);
+  call.held.resize(nparam);
+  for (int32_t i = 0; i < nparam; ++i) {
+    if (source[i] >= 0) stack->inputs = std::max(stack->inputs, source[i] + 1);
+    if (source[i] != ls::kHeld) continue;
+    if (ndims[i] < 0 || ndims[i] > 4) return 1;
+    ls::Param& p = call.held[i];
+    p.ptr = ptrs[i];
+    p.ndims = ndims[i];
+    for (int d = 0; d < ndims[i]; ++d) p.shape[d] = shapes[4 * i + d];
+    p.dtype = names[i];
+  }
+  std::lock_guard<std::mutex> lock(ls::registry_mutex());
+  stack->calls.push_back(std::move(call));
+  return 0;
+}
+
+extern "C" int StackRelease(int32_t handle) {
+  namespace ls = llm_serving::layer_stack;
+  std::lock_guard<std::mutex> lock(ls::registry_mutex());
+  return ls::registry().erase(handle) == 1 ? 0 : 1;
+}
+
+extern "C" int DecoderStack(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
+                            void* stream, void* extra) {
+  namespace ls = llm_serving::layer_stack;
+  if (nparam < 3 || ndims[0] != 2 || std::strcmp(dtypes[0], "float32") != 0 || ndims[nparam - 2] != 1 ||
+      std::strcmp(dtypes[nparam - 2], "int32") != 0) {
+    return 1;
+  }
+  const auto stack = ls::find(static_cast<const int32_t*>(params[nparam - 2])[0]);
+  if (!stack || stack->inputs > nparam - 2) return 1;
+  const int64_t t = shapes[0][0], h = shapes[0][1];
+  auto* out = static_cast<float*>(params[nparam - 1]);
+  if (stack->calls.empty()) {
+    std::memcpy(out, params[0], static_cast<size_t>(t * h) * sizeof(float));
+    return 0;
+  }
+  thread_local std::vector<float> buffers[2];
+  for (auto& b : buffers) {
+    if (static_cast<int64_t>(b.size()) < t * h) b.resize(static_cast<size_t>(t * h));
+  }
+  void* hidden = params[0];
+  std::vector<void*> p;
+  std::vector<int> nd;
+  std::vector<int64_t*> sh;
+  std::vector<const char*> dt;
+  for (size_t c = 0; c < stack->calls.size(); ++c) {
+    ls::Call& call = stack->calls[c];
+    const bool last = c + 1 == stack->calls.size();
+    void* output = last ? static_cast<void*>(out) : (hidden == buffers[0].data() ? buffers[1].data()
+                                                                                : buffers[0].data());
+    const size_t n = call.source.size();
+    p.resize(n);
+    nd.resize(n);
+    sh.resize(n);
+    dt.resize(n);
+    for (size_t i = 0; i < n; ++i) {
+      const int32_t s = call.source[i];
+      if (s >= 0) {
+        p[i] = params[s], nd[i] = ndims[s], sh[i] = shapes[s], dt[i] = dtypes[s];
+      } else if (s == ls::kHeld) {
+        ls::Param& held = call.held[i];
+        p[i] = held.ptr, nd[i] = held.ndims, sh[i] = held.shape, dt[i] = held.dtype.c_str();
+      } else {
+        p[i] = s == ls::kHidden ? hidden : output, nd[i] = 2, sh[i] = shapes[0], dt[i] = dtypes[0];
+      }
+    }
+    const int rc = call.kernel == ls::kDecoderLayer
+                       ? DecoderLayer(static_cast<int>(n), p.data(), nd.data(), sh.data(), dt.data(), stream, extra)
+                       : MoeMlp(static_cast<int>(n), p.data(), nd.data(), sh.data(), dt.data(), stream, extra);
+    if (rc != 0) return 100 * static_cast<int>(c + 1) + rc;     // which call failed, and its own code
+    hidden = output;
+  }
   return 0;
 }
