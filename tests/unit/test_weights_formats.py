@@ -511,16 +511,22 @@ def test_loading_a_quantized_gguf_peaks_under_twice_the_float32_model(tmp_path, 
 
 
 def test_a_gguf_is_read_once_then_from_the_cache(tmp_path, private_cache, monkeypatch):
-    """The cache holds float32 arrays only of what the kernels do not read as stored (here the norms): the Q8_0
-    matrices are there as their blocks alone, and a float32 reader dequantizes those."""
+    """The cache holds float32 arrays only of what the kernels do not read as stored (here the norms). Of the Q8_0
+    matrices it keeps where their bytes lie in the file (regions.json, memory-mapped from the file at load), and the
+    bytes themselves only of those whose rows the reader reorders (a llama GGUF's q and k: interleaved RoPE rows put
+    in rotate-half order); a float32 reader dequantizes either. So the cache is a small part of the file."""
     _, (_, ref) = _hf(tmp_path, hidden_size=256, intermediate_size=256)
     path = write_gguf(tmp_path / "m.gguf", ref, qtype=Q.Q8_0, rope_freqs=np.linspace(1, 4, 8))
     cfg, first = load_llama_weights(path)
     [entry] = (private_cache / "gguf").iterdir()
     assert (entry / "config.json").is_file()
+    reordered = {n for n, a in first.items() if a.ndim == 2 and n.endswith(("q_proj.weight", "k_proj.weight"))}
     assert {p.name for p in entry.glob("*.npy")} == \
-        {f"{n}.npy" for n, a in first.items() if a.ndim == 1} | \
-        {f"{n}.blocks.npy" for n, a in first.items() if a.ndim == 2}            # Q8_0 kept
+        {f"{n}.npy" for n, a in first.items() if a.ndim == 1} | {f"{n}.blocks.npy" for n in reordered}
+    regions = json.loads((entry / "regions.json").read_text())
+    assert set(regions) == {n for n, a in first.items() if a.ndim == 2} - reordered          # Q8_0 kept in place
+    written = sum(p.stat().st_size for p in entry.iterdir())
+    assert written < 0.35 * path.stat().st_size, (written, path.stat().st_size)
     from llm_serving.models.weights import gguf as gguf_weights
     monkeypatch.setattr(gguf_weights, "_load_gguf", lambda p: pytest.fail("the GGUF was read again"))
     cfg2, again = load_llama_weights(path)

@@ -32,6 +32,9 @@ class StoredTensor:
     # the type the checkpoint stores it in, where reading it as float32 converts it (a GGUF's "Q3_K", "F16", ...):
     # what load_llama_weights names when it makes a float32 copy of such a matrix
     stored_type: Optional[str] = None
+    # where its stored bytes lie whole in the checkpoint file, rows in order: (byte offset, rows, bytes per row); None
+    # when they do not (rows reordered, or no stored bytes). A cache may then keep the place instead of the bytes.
+    region: Optional[tuple] = None
 
     @classmethod
     def of(cls, array: np.ndarray) -> "StoredTensor":
@@ -45,10 +48,14 @@ class StoredTensor:
             first, last, step = rows.indices(stop - start)
             return slice(start + first, start + last, step)
 
-        blocks = self.read_blocks
+        blocks, region = self.read_blocks, self.region
+        if region is not None:
+            offset, _, row_bytes = region
+            region = (offset + start * row_bytes, stop - start, row_bytes)
         return StoredTensor((stop - start,) + tuple(self.shape[1:]),
                             lambda index: self.read((shifted(index[0]),) + tuple(index[1:])), self.qtype,
-                            None if blocks is None else (lambda rows: blocks(shifted(rows))), self.stored_type)
+                            None if blocks is None else (lambda rows: blocks(shifted(rows))), self.stored_type,
+                            region)
 
 
 @dataclass(frozen=True)

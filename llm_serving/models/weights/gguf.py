@@ -170,8 +170,9 @@ def _load_gguf(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
                  and not hf.startswith(("model.embed_positions", "model.embed_token_types"))
                  and (tensor.tensor_type.name not in EXPERTS_ONLY or ".mlp.experts." in hf) else None)
         kind = tensor.tensor_type.name
+        region = (int(tensor.data_offset), shape[0], int(tensor.n_bytes) // shape[0]) if qtype is not None else None
         out[hf] = StoredTensor(shape, _gguf_reader(tensor), qtype, _block_reader(tensor) if qtype is not None else None,
-                               None if kind == "F32" else kind)
+                               None if kind == "F32" else kind, region)
     for i in range(cfg.num_layers):         # Phi-3's ffn_up: gate and up, 2I rows (gate first)
         p = f"model.layers.{i}."
         up = out.get(p + "mlp.up_proj.weight")
@@ -193,6 +194,7 @@ class _Stacked:
 
     def __init__(self, tensor):
         self.name, self.tensor_type = tensor.name, tensor.tensor_type
+        self.data_offset, self.n_bytes = tensor.data_offset, tensor.n_bytes
         data = tensor.data
         self.data = data.reshape(data.shape[0] * data.shape[1], *data.shape[2:])
 
@@ -343,13 +345,23 @@ def _interleaved_to_halves_rows(read_blocks: Callable[[slice], np.ndarray], head
 GGUF_CACHE_ENV = "LLM_SERVING_GGUF_CACHE"     # "0": dequantize the GGUF at every start instead
 
 
+def _blocks_tensor(name: str, blocks: np.ndarray, qtype: int, kind, region=None) -> StoredTensor:
+    """A matrix read from its stored bytes (uint8 (rows, bytes per row), memory-mapped): read_blocks copies the rows
+    asked for, read dequantizes them."""
+    shape = (blocks.shape[0], _row_length(qtype, blocks.shape[1]))
+    return StoredTensor(shape, _dequantizing_reader(blocks, qtype, shape), qtype,
+                        lambda rows, b=blocks: np.array(b[rows]), kind, region)
+
+
 def load_gguf(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
     """`_load_gguf` through a cache of what it read: parsing a GGUF's metadata and dequantizing the tensors the
     kernels do not read as stored costs seconds of every start, memory-mapping last time's arrays almost nothing.
     The cache is `<cache>/gguf/<key>/` (key: the file's path, size and modification time): `config.json`, one
     float32 `.npy` per tensor the kernels do not read as stored (norms, types outside KEPT_QUANTIZED), and for the
-    others only their stored bytes (`<name>.blocks.npy`, q/k rows already in rotate-half order; types in
-    `quantized.json`), written into a temporary directory that is then renamed into place."""
+    others (types in `quantized.json`) where their stored bytes lie in the file, memory-mapped from it at load
+    (`regions.json`: no second copy of them on disk), or, for rows the reader reorders (q/k rows of the
+    interleaved-RoPE architectures, put in rotate-half order), those bytes (`<name>.blocks.npy`); written into a
+    temporary directory that is then renamed into place."""
     from dataclasses import asdict
 
     from llm_serving.cache_dir import default_cache_dir
@@ -365,14 +377,19 @@ def load_gguf(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
             folder.parent.mkdir(parents=True, exist_ok=True)
             tmp = tempfile.mkdtemp(prefix=".tmp-", dir=folder.parent)
             try:
+                regions = {}
                 for name, tensor in stored.items():
-                    if tensor.read_blocks is not None:      # the stored bytes only: float32 is made from them
+                    if tensor.region is not None:           # its bytes as they lie in the file: their place only
+                        regions[name] = list(tensor.region)
+                    elif tensor.read_blocks is not None:    # the stored bytes only: float32 is made from them
                         np.save(os.path.join(tmp, name + ".blocks.npy"), tensor.read_blocks(slice(None)))
                     else:
                         np.save(os.path.join(tmp, name + ".npy"),
                                 np.ascontiguousarray(tensor.read((slice(None),) * len(tensor.shape)), np.float32))
                 with open(os.path.join(tmp, "quantized.json"), "w", encoding="utf-8") as f:
                     json.dump({n: t.qtype for n, t in stored.items() if t.read_blocks is not None}, f)
+                with open(os.path.join(tmp, "regions.json"), "w", encoding="utf-8") as f:
+                    json.dump(regions, f)
                 with open(os.path.join(tmp, "types.json"), "w", encoding="utf-8") as f:
                     json.dump({n: t.stored_type for n, t in stored.items() if t.stored_type is not None}, f)
                 with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
@@ -392,16 +409,19 @@ def load_gguf(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
         qtypes = json.load(f)
     with open(folder / "types.json", encoding="utf-8") as f:
         kinds = json.load(f)
+    regions = {}
+    if (folder / "regions.json").is_file():          # (a cache written before regions were kept has none)
+        with open(folder / "regions.json", encoding="utf-8") as f:
+            regions = json.load(f)
     stored = {}
+    for name, (offset, rows, row_bytes) in regions.items():     # the file's own bytes, memory-mapped where they lie
+        blocks = np.memmap(path, np.uint8, "r", offset, (rows, row_bytes))
+        stored[name] = _blocks_tensor(name, blocks, qtypes[name], kinds.get(name), (offset, rows, row_bytes))
     for npy in folder.glob("*.npy"):
         name = npy.name[:-len(".npy")]
         if name.endswith(".blocks"):
             name = name[:-len(".blocks")]
-            blocks = np.load(npy, mmap_mode="r")
-            qtype = qtypes[name]
-            shape = (blocks.shape[0], _row_length(qtype, blocks.shape[1]))
-            stored[name] = StoredTensor(shape, _dequantizing_reader(blocks, qtype, shape),
-                                        qtype, lambda rows, b=blocks: np.array(b[rows]), kinds.get(name))
+            stored[name] = _blocks_tensor(name, np.load(npy, mmap_mode="r"), qtypes[name], kinds.get(name))
             continue
         array = np.load(npy, mmap_mode="r")
         stored[name] = StoredTensor(array.shape, lambda index, a=array: np.array(a[index]),
