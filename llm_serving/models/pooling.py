@@ -28,13 +28,12 @@ _GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}         # llama.cpp's pooling_t
 
 def _gguf_pooling(path: str) -> Optional[tuple]:
     """(pooling, key) a GGUF's `<arch>.pooling_type` declares, or None."""
-    from llm_serving.gguf_file import open_gguf
+    from llm_serving.gguf_file import read_scalars
 
     try:
-        reader = open_gguf(path)
-        arch = reader.fields["general.architecture"].contents()
-        field = reader.fields.get(f"{arch}.pooling_type")
-        kind = None if field is None else int(field.contents())
+        meta = read_scalars(path)
+        arch = meta["general.architecture"]
+        kind = meta.get(f"{arch}.pooling_type")
     except Exception:               # not readable here: the weight loader says why
         return None
     return (_GGUF_POOLING[kind], f"{arch}.pooling_type") if kind in _GGUF_POOLING else None

@@ -16,8 +16,10 @@ still through the cache:
 The cache is on only while an entry runs, so a graph a step compiles in between (a top-k sampler, an embed
 bucket) takes no compile index. Which names an entry calls is recorded in the cache directory (`plan.json`) by
 the first process that ran the whole plan on it; without that record (a cold cache, which compiles every graph
-anyway) the whole plan runs before ready. A graph a step needs is compiled by its own entry or never through the
-cache, so every process compiles the cached graphs in the same order, whichever requests came first.
+anyway) only the `first` entries run before ready too, and a step about to call a graph that no entry run so far
+called runs the whole rest of the plan first (one wait, on a model's first start). A graph a step needs is compiled
+by its own entry or never through the cache, so every process compiles the cached graphs in the same order,
+whichever requests came first.
 """
 from __future__ import annotations
 
@@ -56,6 +58,7 @@ class WarmupPlan:
         self._cache_dir = cache_dir
         self._calls: Optional[set] = None   # the names the running entry calls
         self._seen: list = []               # per entry run in this process, the names it called
+        self._bad_record = False            # a record of other entries, or unreadable: nothing staged
         self._index = self._read_record()   # name -> the first entry that calls it; None: no record
 
     @property
@@ -64,8 +67,9 @@ class WarmupPlan:
 
     @property
     def can_stage(self) -> bool:
-        """Whether the rest may wait until after ready: the cache is in use and knows each entry's graphs."""
-        return self._index is not None
+        """Whether the rest may wait until after ready: the cache is in use (knowing each entry's graphs from its
+        record, or, on a cache without one, running the whole rest before a graph no entry run so far called)."""
+        return self._cache_dir is not None and not self._bad_record
 
     def run(self, staged: bool, progress: Optional[Callable[[str], None]] = None) -> None:
         """The start's part: every entry, or, staged on a recorded cache, the `first` ones."""
@@ -85,7 +89,15 @@ class WarmupPlan:
         if self._calls is not None:
             self._calls.add(name)
             return
-        i = None if self._index is None else self._index.get(name)
+        if self._index is None:
+            # no record: which pending entry calls it is not known, so unless a finished entry called it, all of them
+            # run first (a first start's first request of another shape waits for the rest of the plan once)
+            if self.pending and not any(name in names for names in self._seen):
+                logger.info("warmup on demand: %s %s needs the rest of the plan first (entries %d-%d)", name[0],
+                            name[1], self.done + 1, len(self.entries))
+                self._run_through(len(self.entries) - 1, None)
+            return
+        i = self._index.get(name)
         if i is not None and i >= self.done:
             logger.info("warmup on demand: %s %s needs entries %d-%d first", name[0], name[1], self.done + 1, i + 1)
             self._run_through(i, None)
@@ -136,6 +148,7 @@ class WarmupPlan:
             if record["labels"] != self._labels() or len(record["calls"]) != len(self.entries):
                 logger.warning("warmup record %s names other entries: the whole plan runs before ready",
                                os.path.join(self._cache_dir, RECORD))
+                self._bad_record = True
                 return None
             index: dict = {}
             for i, names in enumerate(record["calls"]):
@@ -146,6 +159,7 @@ class WarmupPlan:
             return None
         except (OSError, ValueError, KeyError, TypeError) as e:
             logger.warning("warmup record unreadable (%s): the whole plan runs before ready", e)
+            self._bad_record = True
             return None
 
     def _write_record(self) -> None:

@@ -37,14 +37,32 @@ class Graphs:
 def test_without_a_record_the_whole_plan_runs_at_start_and_is_recorded(tmp_path):
     g = Graphs()
     plan = g.make(tmp_path)
-    assert not plan.can_stage
-    plan.run(staged=True)
+    plan.run(staged=False)
     assert not plan.pending and len(g.ran) == 6
     record = json.loads((tmp_path / RECORD).read_text())
     assert record["labels"] == g.ran
     # each entry's names, "plain" (4,) under both prefill entries and decode B=4: every entry that called it
     assert record["calls"][3] == [["model", [4, 1]], ["plain", [4]]]
     assert record["calls"][2] == [["packed", [32, 4]], ["plain", [4]]]
+
+
+def test_staged_without_a_record_a_graph_no_run_entry_called_runs_the_rest_first(tmp_path):
+    """A first start (a cold cache, no record): the first entries before ready, as on a recorded cache; which
+    pending entry calls a graph is not known, so a step about to call one that no entry run so far called runs all
+    of the rest first, in order, and the plan is then recorded. A graph an entry already called waits for nothing."""
+    g = Graphs()
+    plan = g.make(tmp_path)
+    assert plan.can_stage
+    plan.run(staged=True)
+    assert g.ran == ["run B=1", "decode B=1", "prefill T=32"] and plan.done == 3
+    plan.before_call(("plain", (4,)))           # called by prefill T=32, run: nothing
+    assert plan.done == 3 and not (tmp_path / RECORD).exists()
+    plan.before_call(("model", (4, 1)))         # not called so far: the whole rest
+    assert g.ran[3:] == ["decode B=4", "prefill T=64", "verify T=5"] and not plan.pending
+    assert json.loads((tmp_path / RECORD).read_text())["labels"] == g.ran
+    again = Graphs()
+    again.make(tmp_path).run(staged=True)       # the next start reads the record: the first entries, as below
+    assert again.ran == ["run B=1", "decode B=1", "prefill T=32"]
 
 
 def test_staged_on_a_record_runs_the_first_entries_then_the_rest_in_order(tmp_path):

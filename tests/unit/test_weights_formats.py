@@ -974,3 +974,23 @@ def test_yarn_rope_scaling_is_transformers_own(tmp_path):
         base = 1.0 / 150000.0 ** (np.arange(0, 48, 2) / 48)
         np.testing.assert_allclose(base / np.array(cfg.rope_freq_factors), inv_freq.numpy(), rtol=1e-6)
         assert cfg.rope_scale == pytest.approx(attention_factor) == pytest.approx(0.1 * math.log(32) + 1)
+
+
+def test_a_ggufs_scalar_metadata_is_read_without_parsing_its_arrays(tmp_path):
+    """gguf_file.read_scalars: every number, boolean and string key the gguf package's reader gives, the same
+    values, arrays (a vocabulary's tokens, rope tables) skipped; a file that is no GGUF, or is cut short, refused."""
+    from llm_serving.gguf_file import open_gguf, read_scalars
+
+    _, (_, ref) = _hf(tmp_path, hidden_size=64, intermediate_size=128)
+    path = write_gguf(tmp_path / "m.gguf", ref, qtype=Q.Q8_0, rope_freqs=np.linspace(1, 4, 8))
+    fields = open_gguf(str(path)).fields
+    scalars = {k: f.contents() for k, f in fields.items()
+               if not k.startswith("GGUF.") and f.types and f.types[0] != gguf.GGUFValueType.ARRAY}
+    got = read_scalars(str(path))
+    assert got == scalars and got["general.architecture"] == "llama" and "llama.block_count" in got
+    (tmp_path / "cut.gguf").write_bytes(path.read_bytes()[:40])
+    with pytest.raises(ValueError, match="cut short"):
+        read_scalars(str(tmp_path / "cut.gguf"))
+    (tmp_path / "not.gguf").write_bytes(b"\0" * 64)
+    with pytest.raises(ValueError, match="not a little-endian GGUF"):
+        read_scalars(str(tmp_path / "not.gguf"))
