@@ -43,7 +43,8 @@ and its agents). TTFT alone: --ttft-len (512) token prompts, one request at a ti
 on the first level's server), the median of three different prompts. Start: seconds from starting the process to
 /health answering 200 (llama-server: its first level's server); with --start-times this server starts twice on a
 fresh, empty cache directory (LLM_SERVING_CACHE): cold (every kernel built, the GGUF dequantized), then warm
-(the load runs on the warm one). The "llama-server f32" build (a dequantized copy) is left out for files with
+(the load runs on the warm one); with --kernels-built too, the first of them finds this machine's kernels built (a
+first start on the model). The "llama-server f32" build (a dequantized copy) is left out for files with
 K-quant tensors (an f32 copy is not the better build there, and llama.cpp reads K-quants fast) or above 1 GB
 (an 8B f32 copy is 32 GB), and the output says so.
 Writes JSON (default bench_results/peers.json).
@@ -387,6 +388,9 @@ def main(argv=None) -> int:
                                                  "(default: the longest request, padded, x the most streams)")
     p.add_argument("--start-times", action="store_true", help="this server: a cold start (fresh cache directory) "
                                                               "and a warm one (same cache), both timed")
+    p.add_argument("--kernels-built", action="store_true",
+                   help="with --start-times: the fresh cache directory has this machine's kernels (linked from the "
+                        "default cache): a first start on the model, not on the machine")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--set", action="append", default=[], help="config overrides for this project's server")
     p.add_argument("--out", default="bench_results/peers.json")
@@ -448,9 +452,13 @@ def main(argv=None) -> int:
             ours_facts = {}
             if args.start_times:                   # cold: a fresh cache directory, then warm: the same one again
                 cold_log = log_dir() / "peers_llm_serving_cold.log"
-                srv, ours_facts["start_cold_s"] = start_ours(ours, cold_log, fresh_cache)
+                kind = "start_cold_s"
+                if args.kernels_built:             # a first start on the model: this machine's kernels already built
+                    (Path(fresh_cache) / "kernels").symlink_to(default_cache_dir() / "kernels")
+                    kind = "start_first_s"
+                srv, ours_facts[kind] = start_ours(ours, cold_log, fresh_cache)
                 srv.stop()
-                print(f"llm-serving: cold start {ours_facts['start_cold_s']:.1f} s", flush=True)
+                print(f"llm-serving: {kind[6:-2]} start {ours_facts[kind]:.1f} s", flush=True)
             srv, started = start_ours(ours, log, fresh_cache if args.start_times else None)
             ours_facts["start_warm_s" if args.start_times else "start_s"] = started
             try:
@@ -535,6 +543,7 @@ def main(argv=None) -> int:
     srows = [{"server": server, **f} for server, f in facts.items()]
     print(f"\nstart and TTFT of one {args.ttft_len}-token prompt alone:")
     scols = [("server", "server", "{}"), ("start_s", "start s", "{:.1f}"), ("start_cold_s", "cold start s", "{:.1f}"),
+             ("start_first_s", "first start s", "{:.1f}"),
              ("start_warm_s", "warm start s", "{:.1f}"), ("ttft_alone_ms", f"TTFT {args.ttft_len} ms", "{:.0f}")]
     print(table(srows, [c for c in scols if any(r.get(c[0]) is not None for r in srows)]))
     for peer, why in skipped.items():

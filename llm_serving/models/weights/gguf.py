@@ -346,11 +346,12 @@ GGUF_CACHE_ENV = "LLM_SERVING_GGUF_CACHE"     # "0": dequantize the GGUF at ever
 
 
 def _blocks_tensor(name: str, blocks: np.ndarray, qtype: int, kind, region=None) -> StoredTensor:
-    """A matrix read from its stored bytes (uint8 (rows, bytes per row), memory-mapped): read_blocks copies the rows
-    asked for, read dequantizes them."""
+    """A matrix read from its stored bytes (uint8 (rows, bytes per row), memory-mapped, read-only): read_blocks gives
+    the rows asked for as a view of the map (no copy: the kernels read them, or their repacked copy, where they lie),
+    read dequantizes them."""
     shape = (blocks.shape[0], _row_length(qtype, blocks.shape[1]))
     return StoredTensor(shape, _dequantizing_reader(blocks, qtype, shape), qtype,
-                        lambda rows, b=blocks: np.array(b[rows]), kind, region)
+                        lambda rows, b=blocks: b[rows].view(np.ndarray), kind, region)
 
 
 def load_gguf(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
