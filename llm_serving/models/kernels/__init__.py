@@ -33,6 +33,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -112,7 +113,11 @@ def build_kernel(name: str, func: str, cache_dir: Optional[Path] = None) -> str:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not target.exists():              # (another process may have built it while this one waited)
+                logger.info("building the CPU kernel %s for this machine (once: kept in %s; the layer kernel takes "
+                            "30-60 s on 2 cores)", source.name, out_dir)
+                started = time.perf_counter()
                 _compile(cxx, flags(version), source, out_dir, target)
+                logger.info("built the CPU kernel %s in %.0f s", source.name, time.perf_counter() - started)
         finally:
             os.close(lock)                       # (which releases the lock)
     signatures = KERNEL_SIGNATURES.get(name, ())
@@ -133,7 +138,6 @@ def _compile(cxx: str, cxx_flags: list, source: Path, out_dir: Path, target: Pat
         if proc.returncode != 0:
             raise KernelBuildError(f"{cxx} failed to build {source.name}:\n{proc.stderr.strip()[-2000:]}")
         os.replace(tmp, target)
-        logger.info("built CPU kernel %s -> %s", source.name, target)
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelBuildError(f"building {source.name} with {cxx} failed: {e}") from e
     finally:
