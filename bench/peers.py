@@ -68,7 +68,7 @@ from bench.common import (SHARED, PeerServer, info, log_dir, machine, replay, sy
 from bench.make_models import resolve_short_name  # noqa: E402
 from llm_serving.server_process import ServerProcess, free_port  # noqa: E402
 from llm_serving.cache_dir import default_cache_dir  # noqa: E402
-from llm_serving.config import kv_vector_bytes, resolve_kv_cache_dtype  # noqa: E402
+from llm_serving.config import kv_cache_type, kv_vector_bytes  # noqa: E402
 
 SETUP = "bench/setup_peers.sh"
 BENCH_MODEL = dict(layers=8, hidden=512, heads=8, kv_heads=4, intermediate=1408)   # the issue 23 bench model
@@ -438,8 +438,8 @@ def main(argv=None) -> int:
     extra_sets, block = kv_sets(args.set, kv_tokens, ctx)
     shape = kv_shape(model)
     kv_note = {"tokens": kv_tokens, "request_tokens": ctx}
-    kv_dtype = resolve_kv_cache_dtype(next((item.split("=", 1)[1].strip() for item in args.set
-                                             if item.split("=", 1)[0].strip() == "pa_config.kv_cache_dtype"), "auto"))
+    kv_dtype = kv_cache_type(next((item.split("=", 1)[1].strip() for item in args.set
+                                   if item.split("=", 1)[0].strip() == "pa_config.kv_cache_dtype"), "auto")).name
     if shape:
         per_token = 2 * shape[0] * shape[1] * shape[2]                    # K and V values per token
         vectors = 2 * shape[0] * shape[1]                                   # K and V head vectors per token

@@ -456,11 +456,6 @@ def kv_vector_bytes(dtype: "Union[str, KvCacheType]", head_dim: int) -> int:
     return kv_cache_type(dtype).vector_bytes(head_dim)
 
 
-def resolve_kv_cache_dtype(setting: str) -> str:
-    """pa_config.kv_cache_dtype with auto decided: float16 (on the CPU and on Ascend)."""
-    return kv_cache_type(setting).name
-
-
 @dataclass
 class PAConfig:
     """`pa_config`: the paged KV cache."""

@@ -213,7 +213,7 @@ class Worker:
         return model_s
 
     def _embed(self, view: StepView) -> float:
-        """An embed step: each row's pooled hidden state into out_pooled (EmbedSteps.execute, models/runner/embed_steps.py)."""
+        """An embed step: each row's pooled hidden state into out_pooled (models/runner/embed_steps.py)."""
         if view.out_pooled is None or view.out_pooled.shape[1] != self.runner.config.hidden_size:
             raise ValueError(f"embed step: the step buffers hold pooled states of "
                              f"{0 if view.out_pooled is None else view.out_pooled.shape[1]} values, the model's hidden "

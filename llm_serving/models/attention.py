@@ -92,8 +92,8 @@ class PagedAttention(nn.Cell):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, num_slots: int, *,
                  layer_id: int, device_target: str = "CPU", block_size: int = 16,
-                 decode_kernel: Optional[str] = None, kernel_threads: int = 1, cache: KvCacheType = KV_CACHE_TYPES["float16"],
-                 window: Optional[int] = None):
+                 decode_kernel: Optional[str] = None, kernel_threads: int = 1,
+                 cache: KvCacheType = KV_CACHE_TYPES["float16"], window: Optional[int] = None):
         super().__init__()
         self.window = window                # a sliding window (LlamaConfig.layer_window), or None: every key
         self.num_kv_heads = num_kv_heads

@@ -2,12 +2,12 @@
 
 Warmup compiles every graph a step may need (the decode runs, each bucket's model graph, the temperature sampler
 of each row count) in one fixed order: the compile cache's condition (mindspore_env.py: MindSpore names a cached
-graph by its compile index in the process). Read from a filled cache the whole plan still takes seconds (SmolLM2:
-17 entries, about 3.5 s), and a first request needs three of its entries: the smallest decode run, decode bucket
-and prefill bucket (a longer prompt needs the next prefill buckets, and a prompt-lookup match the smallest verify
-bucket: the runner lists them next, runner/warm.py's `RunnerWarmup.entries`). So, staged (one agent on a cache a
-full warmup filled), only the entries marked `first` run before the agent is ready, and the rest after it, still in order and
-still through the cache:
+graph by its compile index in the process). The whole plan takes seconds (SmolLM2: 17 entries, about 4 s compiled,
+under 1 s read from a filled cache), and a first request needs three of its entries: the smallest decode run,
+decode bucket and prefill bucket (a longer prompt needs the next prefill buckets, and a prompt-lookup match the
+smallest verify bucket: the runner lists them next, runner/warm.py's `RunnerWarmup.entries`). So, staged (one agent,
+the compile cache on), only the entries marked `first` run before the agent is ready, and the rest after it, still
+in order and still through the cache:
 
 - when the agent is idle (`warm_next`, one entry at a time, called between commands);
 - on demand: a step about to call a graph that a pending entry compiles first runs the plan through that entry

@@ -810,8 +810,8 @@ Path(sys.argv[4]).write_text(json.dumps(out))
 def test_a_staged_warmup_compiles_the_rest_in_the_caches_order_whatever_the_steps_ask(tmp_path):
     """On an empty compile cache a staged warmup compiles a first request's graphs, and the whole rest before a graph
     no entry run so far called (it has no record of which entry calls what). On a cache a warmup filled and
-    recorded (plan.json), a staged warmup reads only a first request's graphs (models/warmup.py); a step that needs a later entry's graph runs the plan through that entry
-    first, a graph in no entry compiles outside the cache, and the rest follow by warm_next. MindSpore names
+    recorded (plan.json), a staged warmup reads only a first request's graphs (models/warmup.py); a step that
+    needs a later entry's graph runs the plan through that entry first, a graph in no entry compiles outside the cache, and the rest follow by warm_next. MindSpore names
     cached graphs by compile index with no shape check, so one graph out of order would hand every later call the
     wrong graph: the logits, the sampled token and the files on disk are those of a full warmup, to the bit."""
     pytest.importorskip("mindspore")

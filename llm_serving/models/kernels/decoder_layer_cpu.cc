@@ -1501,8 +1501,9 @@ extern "C" int StackAddCall(int32_t handle, int32_t kernel, int32_t nparam, cons
   call.kernel = kernel;
   call.source.assign(source, source + nparam);
   call.held.resize(nparam);
+  int32_t inputs = 0;
   for (int32_t i = 0; i < nparam; ++i) {
-    if (source[i] >= 0) stack->inputs = std::max(stack->inputs, source[i] + 1);
+    if (source[i] >= 0) inputs = std::max(inputs, source[i] + 1);
     if (source[i] != ls::kHeld) continue;
     if (ndims[i] < 0 || ndims[i] > 4) return 1;
     ls::Param& p = call.held[i];
@@ -1512,6 +1513,7 @@ extern "C" int StackAddCall(int32_t handle, int32_t kernel, int32_t nparam, cons
     p.dtype = names[i];
   }
   std::lock_guard<std::mutex> lock(ls::registry_mutex());
+  stack->inputs = std::max(stack->inputs, inputs);
   stack->calls.push_back(std::move(call));
   return 0;
 }
@@ -1542,10 +1544,10 @@ extern "C" int DecoderStack(int nparam, void** params, int* ndims, int64_t** sha
     if (static_cast<int64_t>(b.size()) < t * h) b.resize(static_cast<size_t>(t * h));
   }
   void* hidden = params[0];
-  std::vector<void*> p;
-  std::vector<int> nd;
-  std::vector<int64_t*> sh;
-  std::vector<const char*> dt;
+  thread_local std::vector<void*> p;            // a call's parameters, assembled per call (kept: no allocation a step)
+  thread_local std::vector<int> nd;
+  thread_local std::vector<int64_t*> sh;
+  thread_local std::vector<const char*> dt;
   for (size_t c = 0; c < stack->calls.size(); ++c) {
     ls::Call& call = stack->calls[c];
     const bool last = c + 1 == stack->calls.size();

@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import ctypes
 import weakref
-from typing import Optional
-
-import numpy as np
 
 from .signatures import DECODER_LAYER, MOE_MLP, KernelSignature
 
-__all__ = ["HIDDEN", "LayerStack", "OUTPUT", "STACK_INPUTS"]
+__all__ = ["HIDDEN", "LayerStack", "OUTPUT", "STACK_INPUTS", "cache_sources", "step_sources"]
 
 # the stack call's parameters: the step's inputs (their indices are the sources a layer's call names), then each
 # layer's key and value caches (from len(STACK_INPUTS) on, two a layer), then the stack's handle, then out
@@ -82,12 +79,11 @@ def cache_sources(layer: int) -> dict:
     return {"key_cache": at, "value_cache": at + 1}
 
 
-def step_sources(window_pool: bool, extra: Optional[dict] = None) -> dict:
+def step_sources(window_pool: bool) -> dict:
     """A DecoderLayer call's step inputs as the stack call's parameters: x the running hidden state; a layer whose
     K/V lie in the window pool reads the window slots and tables."""
     index = {name: i for i, name in enumerate(STACK_INPUTS)}
-    out = {"x": HIDDEN, "positions": index["positions"], "context_lens": index["context_lens"],
+    return {"x": HIDDEN, "positions": index["positions"], "context_lens": index["context_lens"],
            "tree_bits": index["tree_bits"], "lora": index["lora"],
            "slots": index["window_slots" if window_pool else "slots"],
            "block_tables": index["window_tables" if window_pool else "block_tables"]}
-    return {**out, **(extra or {})}

@@ -17,7 +17,7 @@ from ..weights import LlamaConfig, load_llama_weights, load_quantized
 from .decode_runs import DecodeRuns
 from .embed_steps import EmbedSteps
 from .graphs import RunnerGraphs
-from .kernels import KernelChoice, choose_kernels, describe_quantized, repacked_for
+from .kernels import choose_kernels, describe_quantized, repacked_for
 from .kv_inputs import KvLayout
 from .lora_slots import LoraSlots
 from .outputs import StepOutputs

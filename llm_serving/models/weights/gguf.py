@@ -13,8 +13,8 @@ interleaves the rotary pairs of q/k rows for the architectures whose llama.cpp R
 `attn_qkv` and Phi-3's `ffn_up` (gate and up) are split into row parts. Gemma's norm gains are stored already as the
 multiplier (1 + w). A Llama-3.1 file's `rope_freqs` tensor and linear scaling become
 `LlamaConfig.rope_freq_factors`, Phi-3's `rope_factors_short/long` its longrope factors. An unsupported
-architecture, RoPE type, softcapping or tensor type is a WeightLoadError naming it. `load_gguf` keeps the float32
-result in the cache directory for the next start.
+architecture, RoPE type, softcapping or tensor type is a WeightLoadError naming it. `load_gguf` keeps what it read
+in the cache directory for the next start: where the stored bytes lie in the file, and float32 arrays of the rest.
 
 Matrices stored in a type of KEPT_QUANTIZED (the block formats the CPU kernels read) also offer their stored bytes
 (`StoredTensor.read_blocks`, rows permuted as the float32 rows are). The cache keeps only those bytes for them (no
@@ -345,7 +345,7 @@ def _interleaved_to_halves_rows(read_blocks: Callable[[slice], np.ndarray], head
 GGUF_CACHE_ENV = "LLM_SERVING_GGUF_CACHE"     # "0": dequantize the GGUF at every start instead
 
 
-def _blocks_tensor(name: str, blocks: np.ndarray, qtype: int, kind, region=None) -> StoredTensor:
+def _blocks_tensor(blocks: np.ndarray, qtype: int, kind, region=None) -> StoredTensor:
     """A matrix read from its stored bytes (uint8 (rows, bytes per row), memory-mapped, read-only): read_blocks gives
     the rows asked for as a view of the map (no copy: the kernels read them, or their repacked copy, where they lie),
     read dequantizes them."""
@@ -417,12 +417,12 @@ def load_gguf(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
     stored = {}
     for name, (offset, rows, row_bytes) in regions.items():     # the file's own bytes, memory-mapped where they lie
         blocks = np.memmap(path, np.uint8, "r", offset, (rows, row_bytes))
-        stored[name] = _blocks_tensor(name, blocks, qtypes[name], kinds.get(name), (offset, rows, row_bytes))
+        stored[name] = _blocks_tensor(blocks, qtypes[name], kinds.get(name), (offset, rows, row_bytes))
     for npy in folder.glob("*.npy"):
         name = npy.name[:-len(".npy")]
         if name.endswith(".blocks"):
             name = name[:-len(".blocks")]
-            stored[name] = _blocks_tensor(name, np.load(npy, mmap_mode="r"), qtypes[name], kinds.get(name))
+            stored[name] = _blocks_tensor(np.load(npy, mmap_mode="r"), qtypes[name], kinds.get(name))
             continue
         array = np.load(npy, mmap_mode="r")
         stored[name] = StoredTensor(array.shape, lambda index, a=array: np.array(a[index]),
