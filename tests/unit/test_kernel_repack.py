@@ -254,3 +254,21 @@ def test_a_tied_tables_repacked_rows_embed_as_the_stored_rows(library, repacks, 
     want = embed(raw, qtype)
     assert np.isfinite(want).all() and np.abs(want).max() > 0
     np.testing.assert_array_equal(embed(packed, code).view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype", [Q4_K, Q6_K, Q4_1], ids=["Q4_K", "Q6_K", "Q4_1"])
+def test_repack_rows_on_threads_gives_one_calls_bytes(library, repacks, qtype, monkeypatch):
+    """kernels/repack.repack_rows splits a matrix into spans of whole panels, one per thread: the bytes of one call
+    on the whole matrix, whatever the spans' count and their bounds (a span's rows not a multiple of the threads')."""
+    from llm_serving.models.kernels import repack as repack_module
+
+    rng = np.random.default_rng(11)
+    rows = stored_rows(qtype, 8 * 37, 512, rng)                 # 37 panels: spans of unequal size
+    path = build_kernel("decoder_layer_cpu", "DecoderLayer").rsplit(":", 1)[0]
+    code, whole = repack(library, rows, qtype)
+    monkeypatch.setattr(repack_module, "_SPAN_BYTES", 1)       # every matrix split, as a model's are
+    for workers in (2, 3, 5):
+        monkeypatch.setattr(repack_module, "_workers", lambda n=workers: n)
+        assert len(repack_module._spans(rows.shape[0], rows.shape[1])) == workers
+        got, got_code = repack_module.repack_rows(path, rows, qtype)
+        assert got_code == code and np.array_equal(got, whole)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import numpy as np
@@ -51,8 +53,35 @@ def repack_rows(library: str, rows: np.ndarray, qtype: int) -> tuple:
     if to == 0:
         return rows, qtype
     out = np.empty_like(src)
-    fn(int(qtype), src.ctypes.data, src.shape[0], src.shape[1], out.ctypes.data)
+    spans = _spans(src.shape[0], src.shape[1])
+    if len(spans) == 1:
+        fn(int(qtype), src.ctypes.data, src.shape[0], src.shape[1], out.ctypes.data)
+    else:       # each panel is 8 rows' bytes in place: a span of whole panels repacks alone, on its own thread
+        list(_pool().map(lambda span: fn(int(qtype), src[span[0]:span[1]].ctypes.data, span[1] - span[0],
+                                         src.shape[1], out[span[0]:span[1]].ctypes.data), spans))
     return out, int(to)
+
+
+_SPAN_BYTES = 1 << 20           # a span at least this big: smaller matrices repack on the calling thread
+
+
+@functools.lru_cache(maxsize=None)
+def _pool() -> ThreadPoolExecutor:
+    """The load's repack threads, one per CPU this process may run on (ctypes lets go of the GIL in the call)."""
+    return ThreadPoolExecutor(max_workers=_workers(), thread_name_prefix="repack")
+
+
+def _workers() -> int:
+    return max(1, len(os.sched_getaffinity(0)))
+
+
+def _spans(rows: int, row_bytes: int) -> list:
+    """[start, end) row spans of whole panels (multiples of 8 rows), one per repack thread where each is at least
+    _SPAN_BYTES, else one span."""
+    panels = rows // 8
+    n = max(1, min(_workers(), rows * row_bytes // _SPAN_BYTES, panels))
+    bounds = [8 * (panels * i // n) for i in range(n)] + [rows]
+    return [(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
 def repacked_types(library: str) -> tuple:
