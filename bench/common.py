@@ -72,7 +72,7 @@ class PeerServer:
                     return
             except OSError:
                 pass
-            time.sleep(0.5)
+            time.sleep(0.05 if time.monotonic() < deadline - timeout_s + 60 else 0.5)   # (a start-up's time to 50 ms)
         raise RuntimeError(f"{self.name} not ready after {timeout_s} s; see {self.log.name}")
 
     def stop(self) -> None:

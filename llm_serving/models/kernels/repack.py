@@ -6,6 +6,7 @@ the kernel's iconfig then names. The library decides (`RepackRows`): where its p
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -13,7 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["WeightType", "repack_rows", "repacked_types", "weight_types"]
+__all__ = ["Repacker", "WeightType", "repack_rows", "repacked_types", "weight_types"]
 
 
 class WeightType(NamedTuple):
@@ -42,16 +43,23 @@ def _repack_function(library: str):
     return fn
 
 
-def repack_rows(library: str, rows: np.ndarray, qtype: int) -> tuple:
+def repack_rows(library: str, rows: np.ndarray, qtype: int, store=None) -> tuple:
     """(rows, qtype) as the library's products read them best: a repacked copy and its type, or `rows` and `qtype`
-    themselves. `library`: the layer kernel's shared library (its path); rows: uint8 (n, bytes per row)."""
+    themselves. `library`: the layer kernel's shared library (its path); rows: uint8 (n, bytes per row). With a
+    PanelStore (kernels/panel_store.py), rows that are the model file's own bytes come from the panels an earlier
+    start kept, or are kept by it once repacked."""
     if qtype == 0 or rows.dtype != np.uint8 or rows.ndim != 2:
         return rows, qtype
     fn = _repack_function(library)
-    src = np.ascontiguousarray(rows)
-    to = fn(int(qtype), src.ctypes.data, src.shape[0], src.shape[1], None)
+    to = fn(int(qtype), rows.ctypes.data, rows.shape[0], rows.shape[1], None)   # (asks: reads nothing)
     if to == 0:
         return rows, qtype
+    at = store.offset(rows) if store is not None else None
+    if at is not None:
+        kept = store.panel(at, rows.shape)
+        if kept is not None:
+            return kept, int(to)
+    src = np.ascontiguousarray(rows)
     out = np.empty_like(src)
     spans = _spans(src.shape[0], src.shape[1])
     if len(spans) == 1:
@@ -59,7 +67,20 @@ def repack_rows(library: str, rows: np.ndarray, qtype: int) -> tuple:
     else:       # each panel is 8 rows' bytes in place: a span of whole panels repacks alone, on its own thread
         list(_pool().map(lambda span: fn(int(qtype), src[span[0]:span[1]].ctypes.data, span[1] - span[0],
                                          src.shape[1], out[span[0]:span[1]].ctypes.data), spans))
+    if at is not None:
+        store.keep(at, out)
     return out, int(to)
+
+
+@dataclasses.dataclass(frozen=True)
+class Repacker:
+    """A model's repacking at load: the layer kernel's library (its path) and the model file's PanelStore, if any."""
+    library: str
+    store: object = None
+
+    def rows(self, rows: np.ndarray, qtype: int) -> tuple:
+        """repack_rows(library, rows, qtype, store)."""
+        return repack_rows(self.library, rows, qtype, self.store)
 
 
 _SPAN_BYTES = 1 << 20           # a span at least this big: smaller matrices repack on the calling thread

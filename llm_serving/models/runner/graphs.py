@@ -9,10 +9,15 @@ after a staged warmup's entries that hold its graph (warmup.py), and under tenso
 """
 from __future__ import annotations
 
+import logging
+
 import numpy as np
+
+from llm_serving.cache_dir import default_cache_dir
 
 from llm_serving.shm.layout import TOP_LOGPROBS
 
+from ..kernels.panel_store import PanelStore
 from ..mindspore_env import GraphCalls
 from ..parallel import TensorParallel, TensorParallelError, make_all_reduce
 from ..pooling import embedding_spec
@@ -22,6 +27,8 @@ from .kernels import KernelChoice
 from .kv_inputs import KvLayout
 
 __all__ = ["RunnerGraphs"]
+
+logger = logging.getLogger(__name__)
 
 
 class RunnerGraphs:
@@ -48,6 +55,8 @@ class RunnerGraphs:
         # the group's all-reduce (None for one agent); its wait for peers is start-up-sized until warmup ends
         self.all_reduce = make_all_reduce(tp, spec.device_target, timeout_s=spec.tp_timeout_s, kernel=reduce_kernel)
         self.collective_calls = 0
+        panels = (PanelStore.open(model_dir, kernels.layer_kernel, default_cache_dir())
+                  if kernels.layer_kernel is not None else None)
         self.model = LlamaForCausalLM(cfg, weights, num_slots=layout.num_slots, block_size=layout.block_size,
                                       max_positions=max_context, device_target=spec.device_target,
                                       decode_kernel=kernels.decode_kernel, kernel_threads=kernel_threads, tp=tp,
@@ -55,7 +64,11 @@ class RunnerGraphs:
                                       layer_kernel_rows=spec.layer_kernel_rows, quantized=quantized,
                                       lora_slots=spec.lora_slots, lora_rank=spec.lora_rank, kv_cache=spec.kv_cache,
                                       batch_invariant=kernels.batch_invariant,
-                                      window_pool_slots=layout.window_num_slots)
+                                      window_pool_slots=layout.window_num_slots, panels=panels)
+        if panels is not None and (panels.read or panels.written):
+            logger.info("repacked weights: %.2f GB memory-mapped as an earlier start kept them, %.2f GB repacked "
+                        "into files kept for the next (%s)", panels.read / 1e9, panels.written / 1e9, panels.folder)
+            panels.finish_later()          # (flushed and put in place on a thread: the start does not wait)
         self.decode_run = DecodeRun(self.model, kernels.decode_run_steps) if kernels.decode_run_steps > 1 else None
         self.embedder = Embedder(self.model)
         # embed steps normalize and pool on the host: the final norm's gain and how to pool (models/pooling.py)
