@@ -93,6 +93,19 @@ class PeerServer:
         self.stop()
 
 
+def start_settled(log_text: str) -> bool:
+    """Whether a start of this server has done what it goes on doing after /health answers: a staged warmup's rest
+    (models/warmup.py, run when idle) and the write of its repacked panels for the next start (a thread:
+    kernels/panel_store.py). A measurement waits for it, so that neither lands in its figures and a warm start
+    after a first one finds what the first one left."""
+    import re
+
+    warming = "for a first request" in log_text and "warmup complete" not in log_text
+    kept = re.search(r"([0-9.]+) GB repacked into files kept for the next", log_text)
+    writing = kept is not None and float(kept.group(1)) > 0 and "kept on disk for the next start" not in log_text
+    return not warming and not writing
+
+
 def with_llama_server(cmd: list, log_path: Path, work, extra: Optional[list] = None) -> tuple:
     """(work(peer), the extra flags it needed) for a llama-server started with `cmd` (its binary and flags, without
     --port) on a free port. A build made with GGML_NATIVE on a CPU with AMX runs AMX tile instructions for

@@ -63,8 +63,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import (SHARED, PeerServer, info, log_dir, machine, replay, synthetic_samples, table,  # noqa: E402
-                          tree_memory, with_llama_server, write_json)
+from bench.common import (SHARED, PeerServer, info, log_dir, machine, replay, start_settled,  # noqa: E402
+                          synthetic_samples, table, tree_memory, with_llama_server, write_json)
 from bench.make_models import resolve_short_name  # noqa: E402
 from llm_serving.server_process import ServerProcess, free_port  # noqa: E402
 from llm_serving.cache_dir import default_cache_dir  # noqa: E402
@@ -358,8 +358,9 @@ def run_vllm(python, model_dir, name, samples, ctx, threads, probes) -> tuple[di
 
 def start_ours(args: list, log: Path, cache=None) -> tuple:
     """(started ServerProcess, seconds from its start to /health 200); `cache`: its LLM_SERVING_CACHE. A staged start
-    warms the rest of its graphs when idle (models/warmup.py); the measurements wait for that, so that no compile of a
-    graph the first start had not compiled yet lands inside them."""
+    warms the rest of its graphs when idle (models/warmup.py), and a first start writes its repacked panels on a
+    thread (kernels/panel_store.py); the measurements wait for both (bench.common.start_settled), so that no compile
+    of a graph the first start had not compiled yet lands inside them, and the warm start finds the panels."""
     t0 = time.perf_counter()
     srv = ServerProcess(args, log, env={"LLM_SERVING_CACHE": cache} if cache else None)
     try:
@@ -370,8 +371,7 @@ def start_ours(args: list, log: Path, cache=None) -> tuple:
     started = time.perf_counter() - t0
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
-        text = log.read_text(errors="replace")
-        if "for a first request" not in text or "warmup complete" in text:
+        if start_settled(log.read_text(errors="replace")):
             break
         time.sleep(0.2)
     return srv, started

@@ -20,13 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import log_dir, machine, table, write_json  # noqa: E402
+from bench.common import log_dir, machine, start_settled, table, write_json  # noqa: E402
 from llm_serving.cache_dir import default_cache_dir  # noqa: E402
 from llm_serving.server_process import ServerProcess, http  # noqa: E402
-
-
-def _rest_running(log: str) -> bool:
-    return "for a first request" in log and "warmup complete" not in log
 
 
 def one_start(args: list, cache: str, log_path: Path) -> dict:
@@ -43,8 +39,8 @@ def one_start(args: list, cache: str, log_path: Path) -> dict:
         answered = time.perf_counter() - t0
         if status != 200:
             raise RuntimeError(f"first request: {status} {body}")
-        deadline = time.monotonic() + 120          # a staged warmup's rest, run when idle: until it is done
-        while time.monotonic() < deadline and _rest_running(log_path.read_text(errors="replace")):
+        deadline = time.monotonic() + 120          # a staged warmup's rest, the panels' write: until they are done
+        while time.monotonic() < deadline and not start_settled(log_path.read_text(errors="replace")):
             time.sleep(0.2)
         log = log_path.read_text(errors="replace")
     finally:

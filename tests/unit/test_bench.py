@@ -380,3 +380,18 @@ def test_retrieval_scores_rank_each_querys_own_document(tmp_path):
     assert sorted(d) == sorted(f"an answer long enough {i}" for i in range(6))
     assert all(qi == f"Q{di[-1]}" + ("\nctx" if di.endswith("1") else "") for qi, di in zip(q, d))
     assert sample(tmp_path / "alpaca.json", 6, seed=1) == (q, d)
+
+
+def test_a_start_is_settled_once_its_warmup_rest_and_its_panels_write_are_done():
+    from bench.common import start_settled
+
+    ready = "agent 0: warmup done in 0.1 s for a first request; the rest when idle\n"
+    assert start_settled("agent 0: warmup done in 9.0 s\n")                       # not staged, nothing written
+    assert not start_settled(ready)
+    assert start_settled(ready + "agent 0: warmup complete\n")
+    writing = ("repacked weights: 0.00 GB memory-mapped as an earlier start kept them, 2.27 GB repacked into files "
+               "kept for the next (/c/panels/k)\n")
+    assert not start_settled(ready + "agent 0: warmup complete\n" + writing)
+    assert start_settled(ready + writing + "agent 0: warmup complete\nrepacked weights kept on disk for the next "
+                                           "start: 2.27 GB in 4.5 s (/c/panels/k)\n")
+    assert start_settled(writing.replace("2.27 GB repacked", "0.00 GB repacked"))     # all read: nothing to write
