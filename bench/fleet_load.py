@@ -5,13 +5,15 @@ agent's log: process start and model load, graph warmup), and what serving two m
 
     python bench/fleet_load.py                                # stories260K twice (its HF directory and its .bin)
     python bench/fleet_load.py --first PATH --second PATH --streams 16 --tokens 64
+    python bench/fleet_load.py --first 1B.gguf --second SmolLM2.gguf --beside --tokens 256 --rounds 3
 
 The second model loads on demand: cold in a server with an empty cache directory, then warm (unloaded through POST
 /models/NAME/unload and asked again, and in two more servers on the filled cache: one whose agents compile every
 graph before ready (serving_config.warmup=full), one staged, the default: ready once a first request's graphs are
 read, models/warmup.py). Throughput: S streams on the
-first model alone, then S/2 on each model at once, alternating rounds. Writes JSON (default
-bench_results/fleet_load.json).
+first model alone, then S/2 on each model at once, alternating rounds. --beside: S streams on the first model while
+the second (loaded before, then unloaded) loads on demand, their tok/s in the load's window (from the request to its
+first token) against a round without a load, alternating. Writes JSON (default bench_results/fleet_load.json).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import aiohttp
 
@@ -124,6 +127,84 @@ def throughput(args) -> dict:
     return {label: {"wall_s": statistics.median(w), "tok_s": tokens / statistics.median(w)} for label, w in walls.items()}
 
 
+async def _timed_streams(url: str, model: str, count: int, tokens: int, arrivals: list) -> None:
+    """`count` streamed completions of `tokens` tokens on `model`; each event's arrival time into `arrivals`."""
+    body = {"model": model, "prompt": PROMPT, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    async with aiohttp.ClientSession() as session:
+        async def one():
+            async with session.post(url + "/v1/completions", json=body) as resp:
+                if resp.status != 200:
+                    raise RuntimeError(f"{model}: {resp.status} {await resp.text()}")
+                async for line in resp.content:
+                    if line.startswith(b"data: {"):
+                        arrivals.append(time.perf_counter())
+        await asyncio.gather(*(one() for _ in range(count)))
+
+
+async def _round_beside(url: str, first: str, second: Optional[str], args) -> dict:
+    """One round: args.streams streams on `first`; `args.lead_s` in, `second` is asked for a first token (loading
+    it on demand), or, with second None, nothing is (the same round alone). The first model's events per second
+    in the window [lead, lead + the load's time to its first token] (alone: the window of --window-s)."""
+    arrivals: list = []
+    task = asyncio.create_task(_timed_streams(url, first, args.streams, args.tokens, arrivals))
+    await asyncio.sleep(args.lead_s)
+    t0 = time.perf_counter()
+    ttft = None
+    if second is not None:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url + "/v1/completions", json={
+                    "model": second, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "stream": True}) as resp:
+                async for line in resp.content:
+                    if line.startswith(b"data: {"):
+                        ttft = time.perf_counter() - t0
+                        break
+                await resp.read()
+        if ttft is None:
+            raise RuntimeError(f"{second}: no token")
+    else:
+        await asyncio.sleep(args.window_s)
+    t1 = time.perf_counter()
+    await task
+    if t1 > max(arrivals):
+        raise RuntimeError("the streams ended before the window did: raise --tokens")
+    inside = sum(t0 <= t < t1 for t in arrivals)
+    return {"window_s": t1 - t0, "tok_s": inside / (t1 - t0), "second_first_token_s": ttft}
+
+
+def beside_load(args) -> dict:
+    """16 streams on the first model while the second, loaded here before and unloaded, loads on demand: the first
+    model's tok/s in the load's window against rounds without a load (alternating), and the load's first token."""
+    server = ServerProcess(["--model", args.first, "--model", args.second]
+                           + sum((["--set", s] for s in args.set), []), log_dir() / "fleet_load_beside.log")
+    rows = []
+    try:
+        server.wait_ready(timeout_s=1800)
+        first, second = names(server.url)[:2]
+
+        def unload():
+            status, body = http("POST", server.url + f"/models/{second}/unload")
+            if status != 200:
+                raise RuntimeError(f"unload: {status} {body}")
+
+        timed_request(server.url, second)            # started here before (its caches and panels written)
+        time.sleep(args.settle_s)
+        unload()
+        asyncio.run(streams(server.url, [(first, args.streams)], args.tokens))       # the first model's graphs
+        for _ in range(args.rounds):
+            alone = asyncio.run(_round_beside(server.url, first, None, args))
+            loading = asyncio.run(_round_beside(server.url, first, second, args))
+            unload()
+            rows.append({"alone_tok_s": alone["tok_s"], "beside_tok_s": loading["tok_s"],
+                         "window_s": loading["window_s"], "second_first_token_s": loading["second_first_token_s"]})
+    finally:
+        server.stop()
+    alone = statistics.median(r["alone_tok_s"] for r in rows)
+    beside = statistics.median(r["beside_tok_s"] for r in rows)
+    return {"rounds": rows, "alone_tok_s": alone, "beside_tok_s": beside, "kept": beside / alone,
+            "second_first_token_s": statistics.median(r["second_first_token_s"] for r in rows)}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--first", default=str(STORIES / "hf"))
@@ -133,7 +214,24 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--out", default="bench_results/fleet_load.json")
+    p.add_argument("--beside", action="store_true", help="only the load beside streams: --streams on the first "
+                   "model while the second (started before, unloaded) loads on demand, against rounds without")
+    p.add_argument("--lead-s", type=float, default=2.0, help="--beside: the streams' time before the load is asked")
+    p.add_argument("--window-s", type=float, default=2.0, help="--beside: the window of a round without a load")
+    p.add_argument("--settle-s", type=float, default=15.0,
+                   help="--beside: after the second model's first load, before its unload (its panels written)")
     args = p.parse_args(argv)
+    if args.beside:
+        got = beside_load(args)
+        print(table(got["rounds"], [("alone_tok_s", "alone tok/s", "{:.1f}"), ("beside_tok_s", "beside a load tok/s",
+                                                                                 "{:.1f}"),
+                                    ("window_s", "load window s", "{:.2f}"),
+                                    ("second_first_token_s", "load: first token s", "{:.2f}")]))
+        print(f"\n{args.streams} streams on the first model: {got['alone_tok_s']:.1f} tok/s alone, "
+              f"{got['beside_tok_s']:.1f} during the second's load ({got['kept']:.2f}x); the load's first token in "
+              f"{got['second_first_token_s']:.2f} s (medians of {args.rounds})")
+        write_json(args.out, {"machine": machine(), "args": vars(args), "beside": got})
+        return 0
     with tempfile.TemporaryDirectory(prefix="fleet-cold-") as cold:
         (Path(cold) / "kernels").symlink_to(Path(os.environ.get("LLM_SERVING_CACHE", Path.home() / ".cache" /
                                                                   "llm-serving")) / "kernels")

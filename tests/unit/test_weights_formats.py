@@ -976,6 +976,35 @@ def test_yarn_rope_scaling_is_transformers_own(tmp_path):
         assert cfg.rope_scale == pytest.approx(attention_factor) == pytest.approx(0.1 * math.log(32) + 1)
 
 
+def test_read_gguf_gives_the_gguf_packages_fields_and_tensors_but_string_arrays(tmp_path):
+    """gguf_file.read_gguf (the weight loader's reader): every field of the gguf package's reader but arrays of
+    strings, the same values (arrays of numbers as lists); every tensor's name, type, dimensions, size, offset and
+    data (typed for F32/F16, else the rows' bytes); a file cut inside its header or its data refused."""
+    from llm_serving.gguf_file import open_gguf, read_gguf
+
+    _, (_, ref) = _hf(tmp_path, hidden_size=64, intermediate_size=128)
+    path = write_gguf(tmp_path / "m.gguf", ref, qtype=Q.Q8_0, rope_freqs=np.linspace(1, 4, 8))
+    ours, theirs = read_gguf(str(path)), open_gguf(str(path))
+    want = {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")
+            and not (f.types[0] == gguf.GGUFValueType.ARRAY and f.types[-1] == gguf.GGUFValueType.STRING)}
+    assert ours.fields == want and "tokenizer.ggml.tokens" not in ours.fields
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    kinds = set()
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert (a.tensor_type, a.shape.tolist(), a.n_elements, a.n_bytes, a.data_offset) == \
+            (b.tensor_type, b.shape.tolist(), b.n_elements, b.n_bytes, b.data_offset), a.name
+        assert a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data), a.name
+        kinds.add(a.tensor_type.name)
+    assert {"F32", "Q8_0"} <= kinds
+    data = path.read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[:200])
+    with pytest.raises(ValueError, match="cut short"):
+        read_gguf(str(tmp_path / "cut.gguf"))
+    (tmp_path / "short.gguf").write_bytes(data[:-100])
+    with pytest.raises(ValueError, match="past the end"):
+        read_gguf(str(tmp_path / "short.gguf"))
+
+
 def test_a_ggufs_scalar_metadata_is_read_without_parsing_its_arrays(tmp_path):
     """gguf_file.read_scalars: every number, boolean and string key the gguf package's reader gives, the same
     values, arrays (a vocabulary's tokens, rope tables) skipped; a file that is no GGUF, or is cut short, refused."""

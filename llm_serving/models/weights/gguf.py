@@ -121,20 +121,20 @@ def _load_gguf(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
     """A GGUF file (llama.cpp's format): the config from its metadata (`_gguf_config`), the tensors renamed to the
     internal names and dequantized as they are read; fused ones split, q/k rows of the interleaved-RoPE
     architectures put back in HF's (rotate-half) order."""
-    from llm_serving.gguf_file import open_gguf
+    from llm_serving.gguf_file import read_gguf
 
     try:
-        reader = open_gguf(path)
+        reader = read_gguf(path)
     except Exception as e:          # not GGUF, truncated, unknown version
         raise WeightLoadError(f"{path}: cannot read GGUF file: {e}") from e
 
     def meta(key, default=None, required=True):
-        field = reader.fields.get(key)
-        if field is None:
+        value = reader.fields.get(key)
+        if value is None:
             if required and default is None:
                 raise WeightLoadError(f"{path}: GGUF metadata {key!r} is missing")
             return default
-        return field.contents()
+        return value
 
     arch = meta("general.architecture")
     family = families.by_gguf_architecture(arch)
