@@ -1,6 +1,7 @@
-"""Opening GGUF files (llama.cpp's format) through the `gguf` package, for the tokenizer; reading a GGUF's
-metadata and tensors without its vocabulary's strings, for the weight loader (`read_gguf`), and its scalar metadata
-alone (`read_scalars`), both by a scan of the header, fast.
+"""Reading GGUF files (llama.cpp's format) by a scan of the header: metadata and tensors (`read_gguf`: the weight
+loader's, and the tokenizer's with the vocabulary's strings) and the scalar metadata alone (`read_scalars`); and
+opening them through the `gguf` package (`open_gguf`, for what wants its reader's objects: the model facts, the
+bench scripts).
 
 `gguf.GGUFReader` parses every metadata field when it opens a file, slicing its memory map once per string,
 and for a vocabulary of tens of thousands of tokens and merges most of its time goes into creating
@@ -40,8 +41,8 @@ class GgufTensor:
 
 @dataclass(frozen=True)
 class GgufContents:
-    """`read_gguf`'s: `fields` key -> value (a number, boolean or string; a list of them for an array of numbers;
-    an array of strings, such as a vocabulary, is left out) and the tensors in file order."""
+    """`read_gguf`'s: `fields` key -> value (a number, boolean or string; a list of them for an array; an array of
+    strings, such as a vocabulary, left out unless asked for) and the tensors in file order."""
     fields: dict
     tensors: list
 
@@ -74,16 +75,17 @@ def read_scalars(path: str) -> dict:
             raise ValueError(f"{path}: GGUF metadata cut short ({e})") from None
 
 
-def read_gguf(path: str) -> GgufContents:
-    """A GGUF's metadata (but arrays of strings) and its tensors, the data of each a view of one read-only memory
-    map of the file (which the views keep open): what the weight loader reads, in milliseconds where the gguf
-    package's reader takes seconds to parse a vocabulary. ValueError for a file that is not a little-endian GGUF of
-    version 2 or 3, is cut short, or names a tensor type the gguf package does not know."""
+def read_gguf(path: str, strings: bool = False) -> GgufContents:
+    """A GGUF's metadata (arrays of strings, such as a vocabulary, only with `strings`) and its tensors, the data of
+    each a view of one read-only memory map of the file (which the views keep open): what the weight loader and the
+    tokenizer read, in milliseconds (a vocabulary's strings: about 0.1 s) where the gguf package's reader takes a
+    second or two. ValueError for a file that is not a little-endian GGUF of version 2 or 3, is cut short, holds a
+    string that is not UTF-8, or names a tensor type the gguf package does not know."""
     import gguf
 
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         try:
-            fields, at, n_tensors = _scan(buf, arrays=True)
+            fields, at, n_tensors = _scan(buf, arrays=True, strings=strings)
             entries = []
             for _ in range(n_tensors):
                 (size,) = struct.unpack_from("<Q", buf, at)
@@ -125,9 +127,10 @@ def read_gguf(path: str) -> GgufContents:
     return GgufContents(fields, tensors)
 
 
-def _scan(buf, arrays: bool = False):
-    """The metadata (scalars and strings; with `arrays`, arrays of numbers too, as lists) -- and with `arrays`, also
-    where the tensors' entries start and their count: (metadata, offset, count)."""
+def _scan(buf, arrays: bool = False, strings: bool = False):
+    """The metadata (scalars and strings; with `arrays`, arrays of numbers too, as lists, and with `strings` arrays
+    of strings as lists) -- and with `arrays`, also where the tensors' entries start and their count: (metadata,
+    offset, count)."""
     magic, version, n_tensors, count = struct.unpack_from("<4sIQQ", buf, 0)
     if magic != b"GGUF" or version not in (2, 3):
         raise ValueError(f"not a little-endian GGUF of version 2 or 3 (magic {magic!r}, version {version})")
@@ -154,9 +157,14 @@ def _scan(buf, arrays: bool = False):
                     out[key] = np.frombuffer(buf, np.dtype(_SCALARS[item]), n, at).tolist()
                 at += n * struct.calcsize(_SCALARS[item])
             elif item == _STRING:
+                items = [] if strings else None
                 for _ in range(n):
                     (size,) = struct.unpack_from("<Q", buf, at)
+                    if items is not None:
+                        items.append(bytes(buf[at + 8:at + 8 + size]).decode("utf-8"))
                     at += 8 + size
+                if items is not None:
+                    out[key] = items
             else:
                 raise ValueError(f"metadata {key!r}: an array of type {item} is not read here")
         else:

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Callable, Optional, TypeVar
 
 from llm_serving.cache_dir import default_cache_dir
-from llm_serving.gguf_file import open_gguf
+from llm_serving.gguf_file import read_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -204,13 +204,13 @@ def _cache_dir(path: str) -> Optional[Path]:
 def _build(path: str) -> GGUFVocabulary:
     """The vocabulary rebuilt from the GGUF metadata."""
     try:
-        reader = open_gguf(path)
+        fields = read_gguf(path, strings=True).fields
     except Exception as exc:      # not GGUF, truncated, unknown version
         raise ValueError(f"{path}: cannot read GGUF file: {exc}") from None
 
     def meta(key: str, default=None):
-        field = reader.fields.get(key)
-        return default if field is None else field.contents()
+        value = fields.get(key)
+        return default if value is None else value
 
     kind = meta("tokenizer.ggml.model")
     tokens = meta("tokenizer.ggml.tokens")
