@@ -790,6 +790,23 @@ void repack_typed(const uint8_t* src, int64_t rows, int64_t k, uint8_t* dst) {
         }
         alignas(32) uint8_t codes[256];
         stored_codes<T>(p, codes);
+        if constexpr (T != kQ8_0 && T != kQ6_K) {   // 4-bit codes: each chunk's lane at once, 4 chunks a vector
+          // chunk c = 4j + l takes block j's codes 8l..8l+7 (q0..q7, `order`), its lane's bytes q0 | q4 << 4,
+          // q1 | q5 << 4, q2 | q6 << 4, q3 | q7 << 4: a shuffle to q0 q4 q1 q5 q2 q6 q3 q7, then each pair's
+          // first + 16 x its second (codes < 16: exact), packed back to bytes. The scalar loop's lanes, 4x faster
+          const __m128i to_pairs = _mm_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+          const __m128i one_sixteen = _mm_set1_epi16(0x1001);
+          alignas(16) uint8_t lanes[128];
+          for (int j = 0; j < 8; ++j) {
+            const __m128i* at = reinterpret_cast<const __m128i*>(codes + 32 * j);
+            const __m128i a = _mm_maddubs_epi16(_mm_shuffle_epi8(_mm_load_si128(at), to_pairs), one_sixteen);
+            const __m128i b = _mm_maddubs_epi16(_mm_shuffle_epi8(_mm_load_si128(at + 1), to_pairs), one_sixteen);
+            _mm_store_si128(reinterpret_cast<__m128i*>(lanes + 16 * j), _mm_packus_epi16(a, b));
+          }
+          uint8_t* out = panel + panel_codes<T>() + 4 * r;
+          for (int c = 0; c < 32; ++c) std::memcpy(out + c * chunk_bytes<T>(), lanes + 4 * c, 4);
+          continue;
+        }
         for (int c = 0; c < 32; ++c) {
           const uint8_t* o = order[c].data();
           if constexpr (T == kQ8_0) {              // 2 pairs a vector: bytes first(i), first(i + 1), second(i),
@@ -800,18 +817,12 @@ void repack_typed(const uint8_t* src, int64_t rows, int64_t k, uint8_t* dst) {
             continue;
           }
           uint8_t* chunk = panel + panel_codes<T>() + c * chunk_bytes<T>();
-          if constexpr (T == kQ6_K) {              // A's halves 2r, 2r + 1 (the pairs' two weights), B's bytes
-            for (int h = 0; h < 2; ++h) {
-              const uint32_t c0 = codes[o[h]], c1 = codes[o[2 + h]], c2 = codes[o[4 + h]], c3 = codes[o[6 + h]];
-              const uint16_t a = static_cast<uint16_t>(c0 | c1 << 6 | (c3 & 15) << 12);
-              std::memcpy(chunk + 2 * (2 * r + h), &a, 2);
-              chunk[32 + 2 * r + h] = static_cast<uint8_t>(c2 | (c3 >> 4) << 6);
-            }
-            continue;
+          for (int h = 0; h < 2; ++h) {              // Q6_K: A's halves 2r, 2r + 1 (the pairs' two weights), B's
+            const uint32_t c0 = codes[o[h]], c1 = codes[o[2 + h]], c2 = codes[o[4 + h]], c3 = codes[o[6 + h]];
+            const uint16_t a = static_cast<uint16_t>(c0 | c1 << 6 | (c3 & 15) << 12);
+            std::memcpy(chunk + 2 * (2 * r + h), &a, 2);
+            chunk[32 + 2 * r + h] = static_cast<uint8_t>(c2 | (c3 >> 4) << 6);
           }
-          uint32_t lane = 0;
-          for (int i = 0; i < 4; ++i) lane |= uint32_t{codes[o[2 * i]]} << (4 * i) | uint32_t{codes[o[2 * i + 1]]} << (16 + 4 * i);
-          std::memcpy(chunk + 4 * r, &lane, 4);
         }
       }
     }
