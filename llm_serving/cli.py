@@ -203,6 +203,11 @@ def cmd_start(args) -> int:
         print(f"llm-serving: config error: {exc}", file=sys.stderr)
         return 2
     logger.info("model %r from %s", model_name, model_dir)
+    sc = config.serving_config
+    if sc.spare_agent != "off" and not sc.remote_ranks and len(sc.agent_ports) == 1:
+        from llm_serving.master import spare_agents    # its agent imports MindSpore while this process goes on
+
+        spare_agents.start(launch.agent_huge_pages(sc.agent_huge_pages, model_dir))
     sweep_stale_segments()          # of servers killed with their resource tracker (the OOM killer, kill -9)
     try:
         asyncio.run(serve(config, model_dir, model_name, vocab_file, given=given, specs=specs))

@@ -273,6 +273,11 @@ class ServingConfig:
     # and added ~400 MiB (2 MiB pages only partly used); auto: on for checkpoints under HUGE_PAGES_MAX_BYTES
     # (agents/launch.py; docs/benchmarks/JOURNAL.md). No effect where THP is off or glibc is old.
     agent_huge_pages: Any = "auto"
+    # an agent process started ahead of need, its MindSpore imported (master/spare_agents.py): auto = one at start
+    # (the default model's, taken as soon as it is decided) and, with several models, another after each load for
+    # the next on-demand load (~400 MiB while it waits); on = also kept for a one-model server (its restarts);
+    # off = every agent starts when it is needed
+    spare_agent: Any = "auto"
     max_body_bytes: int = 1 << 20             # HTTP request body limit
     # a request body's fields no API model names (clients add some every month): ignore = left out, each named once
     # in the log (vLLM's way); reject = a 400 naming them. Bad values of the fields that are served are refused either way
@@ -366,6 +371,9 @@ class ServingConfig:
         _check(isinstance(self.access_log, bool), "serving_config.access_log", self.access_log,
                "must be true or false")
         self.agent_huge_pages = _yaml_switch(self.agent_huge_pages)
+        self.spare_agent = _yaml_switch(self.spare_agent)
+        _check(self.spare_agent in ("auto", "on", "off"), "serving_config.spare_agent", self.spare_agent,
+               "must be auto, on or off")
         _check(self.agent_huge_pages in ("auto", "on", "off"), "serving_config.agent_huge_pages",
                self.agent_huge_pages, "must be auto, on or off")
         _check(self.warmup in ("staged", "full"), "serving_config.warmup", self.warmup, "must be staged or full")

@@ -2,8 +2,9 @@
 
 The master starts an agent as `python -m llm_serving.agents.server` (another node's `llm-serving agent` too,
 agents/node.py) with the environment `child_env` builds: what the agent is (ENV_CONFIG), the secret every
-connect must carry (ENV_TOKEN) and the pipe it reports its status on (ENV_STATUS_FD). What travels once the
-agent listens is the wire protocol's (agents/protocol.py).
+connect must carry (ENV_TOKEN) and the pipe it reports its status on (ENV_STATUS_FD); or, started ahead of need as
+a spare (ENV_SPARE, master/spare_agents.py), the first two on its standard input once it is given a model. What
+travels once the agent listens is the wire protocol's (agents/protocol.py).
 """
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ ENV_CONFIG = "LLM_SERVING_AGENT_CONFIG"    # JSON: {"config": {...}, "model_dir"
 #                                                 "remote": started on another node by `llm-serving agent`}
 ENV_TOKEN = "LLM_SERVING_AGENT_TOKEN"      # per-launch secret every connect must carry; never logged
 ENV_STATUS_FD = "LLM_SERVING_AGENT_STATUS_FD"   # pipe for the agent's status lines (listening/ready/failed)
+# "1": a spare agent (master/spare_agents.py): it imports MindSpore and the runner first, then reads the rest of its
+# environment (ENV_CONFIG, ENV_TOKEN) as one JSON line {"env": {...}} on its standard input; EOF: it exits
+ENV_SPARE = "LLM_SERVING_AGENT_SPARE"
 # glibc >= 2.35: malloc asks for transparent huge pages (madvise) on the memory it maps, which is where MindSpore's
 # CPU tensors live; weight streaming reads 2 MiB pages instead of 4 KiB ones (serving_config.agent_huge_pages)
 HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"

@@ -53,7 +53,7 @@ def _die_with(parent_pid: int):
     return preexec
 
 
-def spawn(args: list, env: dict, cwd=None, pass_fds=()) -> subprocess.Popen:
+def spawn(args: list, env: dict, cwd=None, pass_fds=(), stdin=None) -> subprocess.Popen:
     """subprocess.Popen(args) in a session of its own (a terminal's Ctrl-C reaches the parent only, which then
     stops its children in order), killed by the kernel when this process dies (see the module docstring)."""
     pid = os.getpid()
@@ -63,7 +63,7 @@ def spawn(args: list, env: dict, cwd=None, pass_fds=()) -> subprocess.Popen:
     elif _prctl is not None:
         logger.warning("%s started from thread %r, not the main thread: it will not be killed with this process "
                        "by the kernel, only by its own watcher", args[-1], threading.current_thread().name)
-    return subprocess.Popen(args, env={**env, PARENT_PID_ENV: str(pid)}, cwd=cwd, pass_fds=pass_fds,
+    return subprocess.Popen(args, env={**env, PARENT_PID_ENV: str(pid)}, cwd=cwd, pass_fds=pass_fds, stdin=stdin,
                             start_new_session=True, preexec_fn=preexec)
 
 

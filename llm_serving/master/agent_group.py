@@ -19,10 +19,12 @@ import secrets
 import socket
 import subprocess
 import sys
+import time
 from typing import Callable, Optional
 
 from llm_serving.agents import launch, protocol as proto
 from llm_serving.agents.lifetime import spawn
+from llm_serving.master import spare_agents
 from llm_serving.models.parallel import all_reduce_backend, cluster_env
 from llm_serving.shm.buffers import StepBuffers
 from llm_serving.shm.comm import CommSegment
@@ -396,18 +398,28 @@ class AgentGroup:
                     self._cluster_port)
 
     async def _spawn(self, rank: int) -> AgentClient:
-        read_fd, write_fd = os.pipe()
         config = self.agent_config()
-        env, workdir = launch.child_env({
-            **(cluster_env(len(self.config.serving_config.agent_ports), self._cluster_port, rank,
-                           host=self.config.serving_config.cluster_host)
-               if self.scheduler is not None else {}),
-            launch.ENV_CONFIG: json.dumps({"config": config, "model_dir": self.model_dir, "rank": rank,
-                                          "tp_comm": self.comm.name if self.comm is not None else None}),
-            launch.ENV_TOKEN: self._token, launch.ENV_STATUS_FD: str(write_fd)},
-            huge_pages=launch.agent_huge_pages(self.config.serving_config.agent_huge_pages, self.model_dir))
-        process = spawn([sys.executable, "-m", "llm_serving.agents.server"], env, workdir, pass_fds=(write_fd,))
-        os.close(write_fd)
+        given = {launch.ENV_CONFIG: json.dumps({"config": config, "model_dir": self.model_dir, "rank": rank,
+                                                "tp_comm": self.comm.name if self.comm is not None else None}),
+                 launch.ENV_TOKEN: self._token}
+        huge_pages = launch.agent_huge_pages(self.config.serving_config.agent_huge_pages, self.model_dir)
+        # a spare agent that has imported MindSpore already (master/spare_agents.py), where one of this kind waits
+        # (not for a cluster's ranks: MindSpore's cluster environment is read at exec)
+        spare = spare_agents.take(huge_pages) if self.scheduler is None else None
+        if spare is not None:
+            spare.launch(given)
+            logger.info("agent %d: the spare agent (pid %d) started %.1f s ago", rank, spare.process.pid,
+                        time.perf_counter() - spare.started)
+            process, read_fd = spare.process, spare.status_fd
+        else:
+            read_fd, write_fd = os.pipe()
+            env, workdir = launch.child_env({
+                **(cluster_env(len(self.config.serving_config.agent_ports), self._cluster_port, rank,
+                               host=self.config.serving_config.cluster_host)
+                   if self.scheduler is not None else {}),
+                **given, launch.ENV_STATUS_FD: str(write_fd)}, huge_pages=huge_pages)
+            process = spawn([sys.executable, "-m", "llm_serving.agents.server"], env, workdir, pass_fds=(write_fd,))
+            os.close(write_fd)
         reader = asyncio.StreamReader()
         loop = asyncio.get_running_loop()
         await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(read_fd, "rb"))

@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from llm_serving.agents import launch
 from llm_serving.config import Config, ConfigError, config_from_dict, parse_bytes, parse_duration
 
 logger = logging.getLogger(__name__)
@@ -149,7 +150,7 @@ class Fleet:
     or a test's)."""
 
     def __init__(self, base: Config, specs: list, make_engine: Callable, prepare: Callable,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, start_spare: Optional[Callable[[bool], None]] = None):
         if not specs:
             raise ValueError("Fleet: no models")
         self.base = base
@@ -167,6 +168,7 @@ class Fleet:
         self._sweeper: Optional[asyncio.Task] = None
         self._draining: Optional[str] = None
         self._preloaded: Optional[tuple] = None     # the default model's decisions, made before the server started
+        self.start_spare = start_spare       # start_spare(huge_pages): a spare agent for the next load, or None: none
 
     # --- the models ---------------------------------------------------------------------------------
 
@@ -370,9 +372,10 @@ class Fleet:
         self._sweeper = asyncio.ensure_future(self._sweep())
 
     async def _sweep(self) -> None:
-        """Unload the models idle for their keep_alive."""
+        """Unload the models idle for their keep_alive; keep a spare agent for the next load."""
         while True:
             await asyncio.sleep(SWEEP_S)
+            self._keep_spare()
             now = self.clock()
             for entry in self.loaded():
                 if entry.keep_alive is not None and not entry.busy and now - entry.last_used >= entry.keep_alive:
@@ -382,6 +385,20 @@ class Fleet:
                         await self._unload(entry)
                     except Exception:      # noqa: BLE001 - one model's stop must not end the sweep
                         logger.exception("unloading model %r failed", entry.name)
+
+    def _keep_spare(self) -> None:
+        """With several models (serving_config.spare_agent auto) or always (on): a spare agent waiting for the next
+        load (`start_spare`: master/spare_agents.start), of the kind the first model not loaded needs, started while
+        nothing is served or loading (its import takes a core for a second)."""
+        sc = self.base.serving_config
+        wanted = sc.spare_agent == "on" or (sc.spare_agent == "auto" and len(self.entries) > 1)
+        if self.start_spare is None or not wanted or len(sc.agent_ports) != 1 or sc.remote_ranks or \
+                self._draining is not None:
+            return
+        if self.requests or any(e.loading is not None for e in self.entries.values()):
+            return
+        waiting = [e for e in self.entries.values() if e.engine is None] or list(self.entries.values())
+        self.start_spare(launch.agent_huge_pages(sc.agent_huge_pages, waiting[0].spec.path))
 
     def drain(self, reason: str) -> None:
         self._draining = reason

@@ -20,6 +20,7 @@ async def serve(config, model_dir: str, model_name: str, vocab_file: str, given=
 
     from llm_serving.hosts import is_loopback
     from llm_serving.master.engine import Engine
+    from llm_serving.master import spare_agents
     from llm_serving.master.fleet import Fleet, ModelSpec
     from llm_serving.startup import decide
     from llm_serving.tokenization import load_tokenizer
@@ -29,7 +30,8 @@ async def serve(config, model_dir: str, model_name: str, vocab_file: str, given=
         return decided, path, load_tokenizer(path, vocab)
 
     tokenizer = load_tokenizer(model_dir, vocab_file)
-    fleet = Fleet(given or config, [ModelSpec(model_name, model_dir), *specs], Engine, prepare)
+    fleet = Fleet(given or config, [ModelSpec(model_name, model_dir), *specs], Engine, prepare,
+                  start_spare=spare_agents.start)
     stop, force = asyncio.Event(), asyncio.Event()   # first SIGTERM/SIGINT drains, a second one aborts now
     loop = asyncio.get_running_loop()
 
@@ -76,6 +78,7 @@ async def serve(config, model_dir: str, model_name: str, vocab_file: str, given=
         if runner is not None:
             await runner.cleanup()
         await fleet.stop()
+        spare_agents.close()
 
 
 async def drain(fleet, grace_s: float, force: asyncio.Event) -> None:

@@ -83,8 +83,10 @@ def fleet(models, stories_server, tmp_path_factory):
     config = _write_config(d / "fleet.yaml", models=[
         {"name": "tales", "path": str(models["tales"]), "keep_alive": -1},
         {"name": "broken", "path": str(models["broken"])}])
+    # (no spare agents: these tests tell an agent's model by its launch environment, which a spare, given its model
+    # on its standard input, does not hold; tests/integration/test_spare_agents.py tests them)
     args = ["--config", str(config), "--model", str(models["hf"]), "--model", str(models["stories260K"]),
-            "--set", "serving_config.keep_alive=2s"]
+            "--set", "serving_config.keep_alive=2s", "--set", "serving_config.spare_agent=off"]
     tag = uuid.uuid4().hex
     shm_before = set(project_shm_segments())
     with serving(args, d / "server.log", env={"LLM_SERVING_API_KEY": KEY, "LLM_SERVING_TEST_TAG": tag}) as server:

@@ -191,3 +191,32 @@ def test_keep_alive_and_budget_settings_read_as_ollama_writes_them_and_bad_ones_
                             ("models", [{"name": "x", "path": "/p"}, {"name": "x", "path": "/q"}], "distinct")):
         with pytest.raises(ConfigError, match=why):
             config_from_dict({"serving_config": {key: value}})
+
+
+@pytest.mark.parametrize("setting,names,want", [("auto", ("a", "b"), True), ("auto", ("a",), False),
+                                                ("on", ("a",), True), ("off", ("a", "b"), False)])
+def test_a_spare_agent_is_kept_for_the_next_load_only_when_idle(tmp_path, setting, names, want):
+    """master/fleet.py's sweep keeps a spare agent waiting (master/spare_agents.py) where the setting asks for one
+    (auto: with several models), of the huge-pages kind the first model not loaded needs, and starts it only while
+    nothing is served or loading."""
+    async def main():
+        fleet, _ = make_fleet(tmp_path, names=names)
+        fleet.base = config_from_dict({}, (f"serving_config.spare_agent={setting}", "pa_config.num_blocks=4"))
+        started = []
+        fleet.start_spare = started.append
+        await fleet.start((fleet.base, str(tmp_path / "a.gguf"), None))
+        fleet._keep_spare()
+        assert started == ([True] if want else [])          # (a 1 MiB checkpoint: huge pages, auto)
+        if want:
+            engine = fleet.entries["a"].engine
+            engine.requests["r"] = object()                   # serving: no spare now
+            fleet._keep_spare()
+            assert started == [True]
+        await fleet.stop()
+    run(main())
+
+
+def test_the_spare_agent_setting_is_checked():
+    assert config_from_dict({}, ("serving_config.spare_agent=off",)).serving_config.spare_agent == "off"
+    with pytest.raises(ConfigError, match="spare_agent"):
+        config_from_dict({}, ("serving_config.spare_agent=sometimes",))
