@@ -194,6 +194,7 @@ def beside_load(args) -> dict:
         unload()
         asyncio.run(streams(server.url, [(first, args.streams)], args.tokens))       # the first model's graphs
         for _ in range(args.rounds):
+            time.sleep(args.gap_s)       # idle: the server may start a spare agent (master/spare_agents.py)
             alone = asyncio.run(_round_beside(server.url, first, None, args))
             loading = asyncio.run(_round_beside(server.url, first, second, args))
             unload()
@@ -226,6 +227,7 @@ def main(argv=None) -> int:
                    "model while the second (started before, unloaded) loads on demand, against rounds without")
     p.add_argument("--lead-s", type=float, default=2.0, help="--beside: the streams' time before the load is asked")
     p.add_argument("--window-s", type=float, default=2.0, help="--beside: the window of a round without a load")
+    p.add_argument("--gap-s", type=float, default=4.0, help="--beside: idle seconds before each pair of rounds")
     p.add_argument("--settle-s", type=float, default=15.0,
                    help="--beside: after the second model's first load, before its unload (its panels written)")
     args = p.parse_args(argv)

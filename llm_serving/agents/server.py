@@ -33,6 +33,7 @@ _DETACH = "_detach"     # queued by a reader thread (not a wire command): the ma
 WARM_IDLE_S = 0.1       # a staged warmup's next entry runs after this long without a command (a running request's
                         # steps come closer together than this; an entry holds the agent 0.1-0.4 s)
 WARM_EVERY_S = 1.0      # ... or after this long since the last, however busy
+WARM_BUSY_EVERY_S = 10.0    # ... but while every core is busy, only after this long
 EXIT_PEERS_GONE = 3     # exit code: left while stuck in a step whose peers or master are gone (no crash of its own)
 
 
@@ -301,12 +302,20 @@ class AgentServer:
         """The next command, (frame, conn); (None, None) after running a warmup entry instead. While a staged
         warmup has entries left (models/warmup.py), one runs whenever no command comes for WARM_IDLE_S, and at
         least every WARM_EVERY_S however busy the agent is, so that the rest of the plan ends (and the compile
-        cache's lock is free for the next agent) within seconds of ready."""
+        cache's lock is free for the next agent) within seconds of ready -- but while the machine's cores are all
+        busy (other models' agents serving: a load on demand beside them), only every WARM_BUSY_EVERY_S: the rest
+        of a plan is graphs read from the compile cache, which a step that needs one reads itself (0.1 s)."""
         runner = self.worker.runner
         if not runner.warming:
             return self._queue.get()
+        since = time.perf_counter() - self._last_warm
+        if since < WARM_BUSY_EVERY_S and _cores_busy():
+            try:
+                return self._queue.get(timeout=WARM_IDLE_S)
+            except queue.Empty:
+                return None, None
         try:
-            if time.perf_counter() - self._last_warm < WARM_EVERY_S:
+            if since < WARM_EVERY_S:
                 return self._queue.get(timeout=WARM_IDLE_S)
         except queue.Empty:
             pass
@@ -337,6 +346,21 @@ def report_status(status_fd: int | None, event: str, **fields) -> None:
         os.write(status_fd, (json.dumps({"event": event, **fields}) + "\n").encode())
     except OSError:
         pass
+
+
+_busy = [0.0, False]            # when the machine's CPU share was last measured, and whether its cores were busy
+
+
+def _cores_busy() -> bool:
+    """Whether the machine's cores were all but busy (less than half a core free: psutil's system-wide CPU share)
+    over the half second or more before the last measurement, measured again once half a second has passed."""
+    import psutil
+
+    now = time.perf_counter()
+    if now - _busy[0] >= 0.5:
+        cores = psutil.cpu_count() or 1
+        _busy[:] = [now, psutil.cpu_percent(interval=None) > 100.0 * (cores - 0.5) / cores]
+    return _busy[1]
 
 
 def _wait_as_spare() -> bool:
