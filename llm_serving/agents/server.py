@@ -33,7 +33,8 @@ _DETACH = "_detach"     # queued by a reader thread (not a wire command): the ma
 WARM_IDLE_S = 0.1       # a staged warmup's next entry runs after this long without a command (a running request's
                         # steps come closer together than this; an entry holds the agent 0.1-0.4 s)
 WARM_EVERY_S = 1.0      # ... or after this long since the last, however busy
-WARM_BUSY_EVERY_S = 10.0    # ... but while every core is busy, only after this long
+WARM_BUSY_DEFER_S = 15.0    # ... but while every core is busy, none in this long after ready (a load beside
+                            # other models' streams: the rest waits until the load's first seconds are over)
 EXIT_PEERS_GONE = 3     # exit code: left while stuck in a step whose peers or master are gone (no crash of its own)
 
 
@@ -129,6 +130,7 @@ class AgentServer:
         else:
             logger.info("agent %d: warmup done in %.1f s", self.rank, time.perf_counter() - t0)
         self._last_warm = time.perf_counter()
+        self._warm_busy_until = self._last_warm + WARM_BUSY_DEFER_S
 
     def init_watchdog(self) -> None:
         self._parent_pid = expected_parent()
@@ -302,14 +304,15 @@ class AgentServer:
         """The next command, (frame, conn); (None, None) after running a warmup entry instead. While a staged
         warmup has entries left (models/warmup.py), one runs whenever no command comes for WARM_IDLE_S, and at
         least every WARM_EVERY_S however busy the agent is, so that the rest of the plan ends (and the compile
-        cache's lock is free for the next agent) within seconds of ready -- but while the machine's cores are all
-        busy (other models' agents serving: a load on demand beside them), only every WARM_BUSY_EVERY_S: the rest
-        of a plan is graphs read from the compile cache, which a step that needs one reads itself (0.1 s)."""
+        cache's lock is free for the next agent) within seconds of ready -- but none while the machine's cores are
+        all busy (other models' agents serving: a load on demand beside them) in the first WARM_BUSY_DEFER_S after
+        ready: the rest of a plan is graphs read from the compile cache, which a step that needs one reads itself
+        (0.1 s), and the load's first seconds are the other models' too."""
         runner = self.worker.runner
         if not runner.warming:
             return self._queue.get()
         since = time.perf_counter() - self._last_warm
-        if since < WARM_BUSY_EVERY_S and _cores_busy():
+        if time.perf_counter() < self._warm_busy_until and _cores_busy():
             try:
                 return self._queue.get(timeout=WARM_IDLE_S)
             except queue.Empty:
