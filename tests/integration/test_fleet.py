@@ -28,7 +28,7 @@ import pytest
 import sentencepiece as spm
 import yaml
 
-from llm_serving.agents.launch import ENV_CONFIG
+from llm_serving.agents.launch import ENV_CONFIG, ENV_SPARE
 from tests.integration.server_harness import http, leftovers, project_shm_segments, serving, tagged_processes
 from tests.integration.test_serving import STORY_PROMPTS
 
@@ -128,18 +128,31 @@ def _generate(server, name: str, prompt: str = "Once upon a time", n: int = 8):
 
 
 def _agents(server) -> dict:
-    """name -> [pid] of the live agent processes of each model (an agent's launch config says its model's path)."""
+    """name -> [pid] of the live agent processes of each model (an agent's launch config says its model's path; a
+    spare agent's, given on its standard input, is not in its environment: the server's /models/{name} names its
+    agents)."""
     server.refresh_children()
     by_path = {os.path.realpath(p): name for name, p in server.models.items()}
     found: dict = {}
+    spares = set()
     for p in psutil.Process(server.proc.pid).children(recursive=True):
         try:
             if p.status() == psutil.STATUS_ZOMBIE or "llm_serving.agents.server" not in " ".join(p.cmdline()):
                 continue
-            model_dir = json.loads(p.environ()[ENV_CONFIG])["model_dir"]
+            env = p.environ()
+            if ENV_CONFIG not in env:
+                if env.get(ENV_SPARE) == "1":
+                    spares.add(p.pid)
+                continue
+            model_dir = json.loads(env[ENV_CONFIG])["model_dir"]
         except (psutil.NoSuchProcess, psutil.AccessDenied, KeyError):
             continue
         found.setdefault(by_path.get(os.path.realpath(model_dir), model_dir), []).append(p.pid)
+    for name in server.models if spares else ():
+        status, info = http("GET", f"{server.url}/models/{name}", headers=AUTH)
+        for agent in info.get("agents", []) if status == 200 else ():
+            if agent["pid"] in spares:
+                found.setdefault(name, []).append(agent["pid"])
     if hasattr(server, "agent_pids_seen"):
         server.agent_pids_seen.update(pid for pids in found.values() for pid in pids)
     return found
