@@ -385,11 +385,11 @@ def run_agent_process() -> int:
     """Entry point of an agent process; tells the parent through the status pipe if start-up fails."""
     logging.basicConfig(level=os.environ.get("LLM_SERVING_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if os.environ.get(launch.ENV_SPARE) == "1" and not _wait_as_spare():
-        return 0
     status_fd = int(os.environ[launch.ENV_STATUS_FD]) if os.environ.get(launch.ENV_STATUS_FD) else None
     server = None
     try:
+        if os.environ.get(launch.ENV_SPARE) == "1" and not _wait_as_spare():
+            return 0
         spec = json.loads(os.environ[launch.ENV_CONFIG])
         token = os.environ.pop(launch.ENV_TOKEN)
         config = config_from_dict(spec["config"])
