@@ -807,21 +807,37 @@ void repack_typed(const uint8_t* src, int64_t rows, int64_t k, uint8_t* dst) {
           for (int c = 0; c < 32; ++c) std::memcpy(out + c * chunk_bytes<T>(), lanes + 4 * c, 4);
           continue;
         }
-        for (int c = 0; c < 32; ++c) {
-          const uint8_t* o = order[c].data();
-          if constexpr (T == kQ8_0) {              // 2 pairs a vector: bytes first(i), first(i + 1), second(i),
-            for (int v = 0; v < 2; ++v) {          // second(i + 1) (i = 2v): a shift pair sign-extends each
-              const uint8_t bytes[4] = {codes[o[4 * v]], codes[o[4 * v + 2]], codes[o[4 * v + 1]], codes[o[4 * v + 3]]};
-              std::memcpy(panel + panel_codes<T>() + c * 64 + 32 * v + 4 * r, bytes, 4);
-            }
-            continue;
+        if constexpr (T == kQ6_K) {   // 6-bit codes: chunk c's half h takes c0..c3 = q(2h), q(2h + 4), q(2h + 1),
+          // q(2h + 5) of its 8 codes (`order`): the same shuffle gives each half's four as one 32-bit lane x, whose
+          // A = c0 | c1 << 6 | (c3 & 15) << 12 and B = c2 | (c3 >> 4) << 6 are shifts and masks, 4 halves a vector
+          const __m128i to_pairs = _mm_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+          const __m128i six = _mm_set1_epi32(63), four = _mm_set1_epi32(15);
+          alignas(16) uint32_t a32[64], b32[64];
+          for (int v = 0; v < 16; ++v) {
+            const __m128i x = _mm_shuffle_epi8(_mm_load_si128(reinterpret_cast<const __m128i*>(codes + 16 * v)),
+                                               to_pairs);
+            const __m128i a = _mm_or_si128(
+                _mm_or_si128(_mm_and_si128(x, six), _mm_slli_epi32(_mm_and_si128(_mm_srli_epi32(x, 8), six), 6)),
+                _mm_slli_epi32(_mm_and_si128(_mm_srli_epi32(x, 24), four), 12));
+            const __m128i b = _mm_or_si128(_mm_and_si128(_mm_srli_epi32(x, 16), six),
+                                           _mm_slli_epi32(_mm_srli_epi32(x, 28), 6));
+            _mm_store_si128(reinterpret_cast<__m128i*>(a32 + 4 * v), a);
+            _mm_store_si128(reinterpret_cast<__m128i*>(b32 + 4 * v), b);
           }
-          uint8_t* chunk = panel + panel_codes<T>() + c * chunk_bytes<T>();
-          for (int h = 0; h < 2; ++h) {              // Q6_K: A's halves 2r, 2r + 1 (the pairs' two weights), B's
-            const uint32_t c0 = codes[o[h]], c1 = codes[o[2 + h]], c2 = codes[o[4 + h]], c3 = codes[o[6 + h]];
-            const uint16_t a = static_cast<uint16_t>(c0 | c1 << 6 | (c3 & 15) << 12);
-            std::memcpy(chunk + 2 * (2 * r + h), &a, 2);
-            chunk[32 + 2 * r + h] = static_cast<uint8_t>(c2 | (c3 >> 4) << 6);
+          for (int c = 0; c < 32; ++c) {
+            uint8_t* chunk = panel + panel_codes<T>() + c * chunk_bytes<T>();
+            const uint16_t a[2] = {static_cast<uint16_t>(a32[2 * c]), static_cast<uint16_t>(a32[2 * c + 1])};
+            std::memcpy(chunk + 4 * r, a, 4);
+            chunk[32 + 2 * r] = static_cast<uint8_t>(b32[2 * c]);
+            chunk[32 + 2 * r + 1] = static_cast<uint8_t>(b32[2 * c + 1]);
+          }
+          continue;
+        }
+        for (int c = 0; c < 32; ++c) {             // Q8_0: 2 pairs a vector: bytes first(i), first(i + 1),
+          const uint8_t* o = order[c].data();      // second(i), second(i + 1) (i = 2v): a shift pair sign-extends
+          for (int v = 0; v < 2; ++v) {
+            const uint8_t bytes[4] = {codes[o[4 * v]], codes[o[4 * v + 2]], codes[o[4 * v + 1]], codes[o[4 * v + 3]]};
+            std::memcpy(panel + panel_codes<T>() + c * 64 + 32 * v + 4 * r, bytes, 4);
           }
         }
       }
