@@ -203,10 +203,10 @@ def cmd_start(args) -> int:
         print(f"llm-serving: config error: {exc}", file=sys.stderr)
         return 2
     logger.info("model %r from %s", model_name, model_dir)
-    sc = config.serving_config
-    if sc.spare_agent != "off" and not sc.remote_ranks and len(sc.agent_ports) == 1:
-        from llm_serving.master import spare_agents    # its agent imports MindSpore while this process goes on
+    from llm_serving.master import spare_agents
 
+    sc = config.serving_config
+    if spare_agents.wanted(sc, 1 + len(specs), at_start=True):     # it imports MindSpore while this process goes on
         spare_agents.start(launch.agent_huge_pages(sc.agent_huge_pages, model_dir))
     sweep_stale_segments()          # of servers killed with their resource tracker (the OOM killer, kill -9)
     try:

@@ -371,11 +371,11 @@ class ServingConfig:
         _check(isinstance(self.access_log, bool), "serving_config.access_log", self.access_log,
                "must be true or false")
         self.agent_huge_pages = _yaml_switch(self.agent_huge_pages)
+        _check(self.agent_huge_pages in ("auto", "on", "off"), "serving_config.agent_huge_pages",
+               self.agent_huge_pages, "must be auto, on or off")
         self.spare_agent = _yaml_switch(self.spare_agent)
         _check(self.spare_agent in ("auto", "on", "off"), "serving_config.spare_agent", self.spare_agent,
                "must be auto, on or off")
-        _check(self.agent_huge_pages in ("auto", "on", "off"), "serving_config.agent_huge_pages",
-               self.agent_huge_pages, "must be auto, on or off")
         _check(self.warmup in ("staged", "full"), "serving_config.warmup", self.warmup, "must be staged or full")
         _check(isinstance(self.models, list), "serving_config.models", self.models,
                "must be a list of {name, path, keep_alive, set} entries")

@@ -30,6 +30,7 @@ from typing import Callable, Optional
 
 from llm_serving.agents import launch
 from llm_serving.config import Config, ConfigError, config_from_dict, parse_bytes, parse_duration
+from llm_serving.master import spare_agents
 
 logger = logging.getLogger(__name__)
 
@@ -391,9 +392,7 @@ class Fleet:
         load (`start_spare`: master/spare_agents.start), of the kind the first model not loaded needs, started while
         nothing is served or loading (its import takes a core for a second)."""
         sc = self.base.serving_config
-        wanted = sc.spare_agent == "on" or (sc.spare_agent == "auto" and len(self.entries) > 1)
-        if self.start_spare is None or not wanted or len(sc.agent_ports) != 1 or sc.remote_ranks or \
-                self._draining is not None:
+        if self.start_spare is None or not spare_agents.wanted(sc, len(self.entries)) or self._draining is not None:
             return
         if self.requests or any(e.loading is not None for e in self.entries.values()):
             return

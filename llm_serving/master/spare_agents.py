@@ -7,8 +7,8 @@ environment: its config and launch token (`launch`). `AgentGroup` takes one for 
 waits (the same huge-pages setting, which glibc reads at exec; not for tensor parallelism, whose ranks need the
 cluster's environment at exec) and starts a process of its own otherwise. `llm-serving start` starts one as soon as
 its model is decided, before the master's own imports and the tokenizer; with several models
-(`serving_config.spare_agent: auto`) the fleet starts another after each load, for the next. A spare that dies is
-never taken; the master's exit ends them (their standard input closes).
+(`serving_config.spare_agent: auto`; `wanted`) the fleet's sweep starts another while nothing is served or loading,
+for the next load. A spare that dies is never taken; the master's exit ends them (their standard input closes).
 
 The pool is the master process's: one per process, module state like the logging configuration.
 """
@@ -26,7 +26,7 @@ from typing import Optional
 from llm_serving.agents import launch
 from llm_serving.agents.lifetime import spawn
 
-__all__ = ["Spare", "close", "start", "take"]
+__all__ = ["Spare", "close", "start", "take", "wanted"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,15 @@ class Spare:
 
 
 _spares: list = []
+
+
+def wanted(sc, models: int, at_start: bool = False) -> bool:
+    """Whether a server of `models` models with these serving settings (`serving_config`) keeps a spare waiting: not
+    with spare_agent off, nor for agents a spare cannot be (several ranks, or ranks on other nodes); at start always,
+    afterwards with several models (auto) or always (on)."""
+    if sc.spare_agent == "off" or sc.remote_ranks or len(sc.agent_ports) != 1:
+        return False
+    return at_start or sc.spare_agent == "on" or models > 1
 
 
 def start(huge_pages: bool) -> None:
