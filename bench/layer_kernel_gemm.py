@@ -5,8 +5,8 @@ Llama-3.2-1B-shaped layer (hidden 2048, 32 heads x 64, 8 KV heads, FFN 8192) and
 float32 or GGUF-quantized (gguf.quants.quantize), at decode batches of 1..256 rows (each row its own sequence,
 ~64 keys of context) and one 512-token prefill (positions 0..511 of one sequence, causal context).
 
-"before" is decoder_layer_cpu.cc (and its headers) as git holds them at --baseline (default: main), compiled with
-the same flags into a temporary directory; "after" is the working tree's. The two libraries are called
+"before" is decoder_layer_cpu.cc (its other units and its headers) as git holds them at --baseline (default: main),
+compiled with the same flags into a temporary directory; "after" is the working tree's. The two libraries are called
 alternately, so that the machine's noise (2 shared cores) falls on both alike: compare them as ratios. Both take
 the same parameters (q/k/v and gate/up as separate inputs: a baseline from before they were split cannot be
 called with these arguments).
@@ -39,7 +39,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import machine, table, write_json  # noqa: E402
-from llm_serving.models.kernels import FLAGS, _compiler, build_kernel  # noqa: E402
+from llm_serving.models.kernels import FLAGS, _compiler, build_kernel, compile_libraries, sources  # noqa: E402
 from llm_serving.models.kernels.aot_call import invoke  # noqa: E402
 from llm_serving.models.kernels.signatures import DECODER_LAYER, FINAL_LOGITS  # noqa: E402
 
@@ -59,7 +59,8 @@ def build_baseline(ref: str, out_dir: Path) -> Path:
                                   capture_output=True).stdout
             (out_dir / name).write_bytes(text)
     target = out_dir / "decoder_layer_cpu_baseline.so"
-    subprocess.run([_compiler(), *FLAGS, "-o", str(target), str(out_dir / "decoder_layer_cpu.cc")], check=True)
+    units = [out_dir / unit for unit in sources("decoder_layer_cpu") if (out_dir / unit).exists()]   # (a ref
+    compile_libraries(_compiler(), FLAGS, [(units, target)])                     # before the split: its one .cc)
     return target
 
 

@@ -195,6 +195,7 @@ def cmd_start(args) -> int:
 
     try:
         given = build_config(args)
+        _build_kernels_ahead(given)
         config, model_dir, model_name, vocab_file = decide(given)
         specs = tuple(specs_from_config(given, model_name, model_dir, tuple((args.model or [])[1:]))[1:])
         if config.serving_config.agent_token_file:
@@ -215,6 +216,16 @@ def cmd_start(args) -> int:
         logger.error("llm-serving failed: %s", exc)
         return 1
     return 0
+
+
+def _build_kernels_ahead(config) -> None:
+    """The CPU kernels' build started now, on a thread (only a machine's first start has one to do): the agent
+    then finds them built, or waits for this build, instead of starting it after its MindSpore import."""
+    from llm_serving.models import kernels
+
+    mc = config.model_config
+    kernels.prebuild(kernels.libraries_for(mc.device_target, mc.attention_kernel, mc.layer_kernel,
+                                           len(config.serving_config.agent_ports)))
 
 
 def cmd_agent_ctl(args) -> int:

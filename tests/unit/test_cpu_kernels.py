@@ -241,3 +241,97 @@ def test_build_is_cached_and_reports_compiler_failures(tmp_path, monkeypatch):
     with pytest.raises(KernelBuildError, match="failed to build"):
         build_kernel("paged_attention_cpu", "PagedDecodeAttention", tmp_path / "other")
     assert not any((tmp_path / "other").glob("*.so"))
+
+
+@pytest.fixture
+def tiny_sources(tmp_path, monkeypatch):
+    """kernels/ replaced by two tiny libraries: `two` of two units (one calling a hidden function of the other) and
+    `one` of one; the compiler a wrapper that logs each run's start and end (by its last argument), a second
+    apart."""
+    from llm_serving.models import kernels
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "shared.h").write_text("#pragma GCC visibility push(hidden)\nint helper();\n#pragma GCC visibility pop\n")
+    (src / "two.cc").write_text('#include "shared.h"\nextern "C" int Two() { return helper() + 1; }\n')
+    (src / "part.cc").write_text('#include "shared.h"\nint helper() { return 41; }\n')
+    (src / "one.cc").write_text('extern "C" int One() { return 1; }\n')
+    monkeypatch.setattr(kernels, "_HERE", src)
+    monkeypatch.setattr(kernels, "SOURCES", {"two": ("two.cc", "part.cc")})
+    compiler = shutil.which("g++") or os.environ["CXX"]
+    log = tmp_path / "compiles.log"
+    wrapper = tmp_path / "cxx"
+    wrapper.write_text(f'#!/bin/sh\ncase "$*" in *" -o "*)\n  unit=$(basename "$(eval echo \\${{$#}})")\n'
+                       f'  echo "start $unit $(date +%s.%N)" >> {log}; sleep 1\n'
+                       f'  {compiler} "$@"; rc=$?\n  echo "end $unit $(date +%s.%N)" >> {log}; exit $rc;;\nesac\n'
+                       f'exec {compiler} "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CXX", str(wrapper))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2})      # three compilers at once
+    return src, log
+
+
+def _times(log) -> dict:
+    """{(start|end, unit): time} from the wrapper's log."""
+    return {(kind, unit): float(at) for kind, unit, at in (line.split() for line in log.read_text().splitlines())}
+
+
+def test_a_library_of_several_units_compiles_them_at_once_then_links_them(tiny_sources, tmp_path):
+    from llm_serving.models.kernels import build_libraries
+
+    _, log = tiny_sources
+    out = tmp_path / "kernels"
+    two, one = build_libraries(["two", "one"], out)
+    assert ctypes.CDLL(str(two)).Two() == 42 and ctypes.CDLL(str(one)).One() == 1
+    times = _times(log)
+    units = ("two.cc", "part.cc", "one.cc")
+    assert set(times) >= {(kind, unit) for kind in ("start", "end") for unit in units}
+    assert max(times["start", u] for u in units) < min(times["end", u] for u in units)   # all three side by side
+    link = times["start", "part.o"]                          # (the link's last argument: an object)
+    assert link >= max(times["end", "two.cc"], times["end", "part.cc"])
+    assert sorted(p.name for p in out.iterdir()) == sorted([two.name, one.name])     # no object or temporary left
+    assert not hasattr(ctypes.CDLL(str(two)), "_Z6helperv")    # hidden: another build's would not be called
+
+
+def test_a_unit_that_fails_names_itself_and_the_other_libraries_are_still_built(tiny_sources, tmp_path):
+    from llm_serving.models.kernels import build_libraries
+
+    src, _ = tiny_sources
+    (src / "part.cc").write_text("int helper() { return }\n")
+    out = tmp_path / "kernels"
+    with pytest.raises(KernelBuildError, match=r"failed to build part\.cc:(.|\n)*error"):
+        build_libraries(["two", "one"], out)
+    [built] = out.iterdir()                                   # one's library, nothing of two's
+    assert built.name.startswith("one-") and ctypes.CDLL(str(built)).One() == 1
+
+
+def test_a_killed_builds_temporary_files_are_removed_by_the_next_build(tiny_sources, tmp_path):
+    from llm_serving.models.kernels import build_libraries
+
+    out = tmp_path / "kernels"
+    out.mkdir()
+    (out / ".two-dead.so").write_bytes(b"")                  # what a build killed half-way leaves
+    (out / ".two-dead").mkdir()
+    (out / ".two-dead" / "part.o").write_bytes(b"")
+    [one] = build_libraries(["one"], out)
+    assert [p.name for p in out.iterdir()] == [one.name]
+
+
+def test_the_libraries_an_agent_builds_and_their_build_ahead_of_it(tiny_sources, tmp_path, monkeypatch):
+    from llm_serving.models.kernels import build_libraries, libraries_for, prebuild
+
+    assert libraries_for("CPU", "auto", "auto") == ("paged_attention_cpu", "decoder_layer_cpu")
+    assert libraries_for("CPU", "on", "off") == ("paged_attention_cpu",)
+    assert libraries_for("CPU", "auto", "auto", ranks=2) == ("paged_attention_cpu",)    # tensor parallel
+    assert libraries_for("CPU", "off", "auto") == () and libraries_for("Ascend", "auto", "auto") == ()
+    assert prebuild(()) is None
+    monkeypatch.setenv("LLM_SERVING_CACHE", str(tmp_path / "cache"))
+    thread = prebuild(("two", "one"))
+    thread.join(timeout=120)
+    assert not thread.is_alive()
+    built = sorted(p.name for p in (tmp_path / "cache" / "kernels").iterdir())
+    assert built == sorted(p.name for p in build_libraries(["two", "one"]))     # the same paths, not rebuilt
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    failing = prebuild(("one",))                 # (a failure is the agent's to report: the thread only ends)
+    failing.join(timeout=60)
+    assert not failing.is_alive()

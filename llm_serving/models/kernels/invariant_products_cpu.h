@@ -112,12 +112,12 @@ __attribute__((noinline)) float dot_finish(const float* lanes, const float* w, c
   return v;
 }
 
-// For weight rows [r0, r1) of w and every row b of x (m rows of w.k): emit(b, r, w[r] . x[b]), each the same
+// For weight rows [r0, r1) of w and every row b of x (m rows of w.k): w[r] . x[b] to `out`, each the same
 // float whatever m and [r0, r1). wbuf: dot_w_floats(k), lanes: dot_lane_floats(), the calling thread's.
-template <typename Emit>
-void dot_gemm(const Matrix& w, const float* x, int64_t m, int64_t r0, int64_t r1, float* wbuf, float* lanes,
-              Emit emit) {
+inline void dot_gemm(const Matrix& w, const float* x, int64_t m, int64_t r0, int64_t r1, float* wbuf, float* lanes,
+                     const Outputs& out) {
   const int64_t k = w.k, k16 = k / 16 * 16;
+  float done[kDotGroup * kDotRows];
   for (int64_t g0 = r0; g0 < r1; g0 += kDotGroup) {
     const int64_t n = std::min(kDotGroup, r1 - g0);
     const float* wg = reinterpret_cast<const float*>(w.data) + g0 * k;
@@ -144,11 +144,10 @@ void dot_gemm(const Matrix& w, const float* x, int64_t m, int64_t r0, int64_t r1
           }
         }
       }
-      for (int64_t i = 0; i < n; ++i) {
-        for (int64_t b = 0; b < xm; ++b) {
-          emit(x0 + b, g0 + i, dot_finish(lanes + (i * kDotRows + b) * 16, wg + i * k, xb + b * k, k16, k));
-        }
-      }
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t b = 0; b < xm; ++b)
+          done[i * xm + b] = dot_finish(lanes + (i * kDotRows + b) * 16, wg + i * k, xb + b * k, k16, k);
+      out(g0, n, x0, xm, done, xm, 1);
     }
   }
 }

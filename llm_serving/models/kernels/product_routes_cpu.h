@@ -263,22 +263,20 @@ inline void pack_x_int(std::atomic<int64_t>& next, const float* x, int64_t m, in
 }
 
 // Weight rows [r0, r1) of w (its type one gemm_avx2_int.h reads) times the m rows of x packed by pack_x_int:
-// emit(b, r, w[r] . x[b]), a tile of kTileRows weight rows at a time (out: kTileRows x m floats, wbuf: the tile's
+// w[r] . x[b] to `to`, a tile of kTileRows weight rows at a time (out: kTileRows x m floats, wbuf: the tile's
 // unpacked rows, both the calling thread's).
-template <typename Emit>
-void int_rows(const Matrix& w, const float* xp, int64_t m, int64_t r0, int64_t r1, float* wbuf, float* out,
-              Emit emit) {
+inline void int_rows(const Matrix& w, const float* xp, int64_t m, int64_t r0, int64_t r1, float* wbuf, float* out,
+                     const Outputs& to) {
 #if defined(LLM_SERVING_AVX2_INT)
   namespace ai = llm_serving::avx2_int;
   for (int64_t r = r0; r < r1; r += ai::kTileRows) {
     const int64_t n = std::min(ai::kTileRows, r1 - r);
     ai::product(w.type, w.data + r * w.row_bytes, w.row_bytes, w.k, n, reinterpret_cast<const uint8_t*>(xp), m,
                 reinterpret_cast<uint8_t*>(wbuf), out, m);
-    for (int64_t b = 0; b < m; ++b)
-      for (int64_t i = 0; i < n; ++i) emit(b, r + i, out[i * m + b]);
+    to(r, n, 0, m, out, m, 1);
   }
 #else
-  (void)w, (void)xp, (void)m, (void)r0, (void)r1, (void)wbuf, (void)out, (void)emit;
+  (void)w, (void)xp, (void)m, (void)r0, (void)r1, (void)wbuf, (void)out, (void)to;
 #endif
 }
 
@@ -474,18 +472,18 @@ inline void pack_for(Route route, std::atomic<int64_t>& next, const float* x, in
 // Rows [r0, r1) of w times every row of x (batch rows of w.k): emit(b, r, w[r] . x[b]), by the product's route:
 // matvec with tile, gemm_units (xp: x packed by pack_x), or, batch-invariant, dot_gemm or lane_units (xp: x
 // packed by pack_lanes; wbuf and c: the route's buffers), or int_rows (xp: x packed by pack_x_int).
-template <typename Emit>
-void product_rows(Route route, const Matrix& w, const float* x, const float* xp, int64_t batch, int64_t r0,
-                  int64_t r1, float* tile, float* wbuf, float* c, bool amx, Emit emit, int ints = kNoInt) {
+// (product_rows' routes, compiled once: see Outputs)
+__attribute__((noinline)) void route_rows(Route route, const Matrix& w, const float* x, const float* xp,
+                                          int64_t batch, int64_t r0, int64_t r1, float* tile, float* wbuf, float* c,
+                                          bool amx, const Outputs& out, int ints) {
   switch (route) {
-    case Route::kTiles: matvec(w, x, batch, r0, r1, tile, emit); return;
-    case Route::kDot: dot_gemm(w, x, batch, r0, r1, wbuf, c, emit); return;
-    case Route::kInt: int_rows(w, xp, batch, r0, r1, wbuf, c, emit); return;
+    case Route::kTiles: matvec(w, x, batch, r0, r1, tile, out); return;
+    case Route::kDot: dot_gemm(w, x, batch, r0, r1, wbuf, c, out); return;
+    case Route::kInt: int_rows(w, xp, batch, r0, r1, wbuf, c, out); return;
     case Route::kLanes: {
       const Matrix* ws[1] = {&w};
       lane_units(ws, 1, r0, r1, x, xp, batch, wbuf, c, [&](int64_t u, int64_t n, const float* cc, int64_t ldc) {
-        for (int64_t b = 0; b < batch; ++b)
-          for (int64_t i = 0; i < n; ++i) emit(b, u + i, cc[i * ldc + b]);
+        out(u, n, 0, batch, cc, ldc, 1);
       });
       return;
     }
@@ -493,9 +491,14 @@ void product_rows(Route route, const Matrix& w, const float* x, const float* xp,
   }
   const Matrix* ws[1] = {&w};
   gemm_units(ws, 1, r0, r1, xp, batch, wbuf, c, amx, [&](int64_t u, int64_t n, const float* cc, int64_t ldc) {
-    for (int64_t b = 0; b < batch; ++b)
-      for (int64_t i = 0; i < n; ++i) emit(b, u + i, cc[i * ldc + b]);
+    out(u, n, 0, batch, cc, ldc, 1);
   }, ints);
+}
+
+template <typename Emit>
+void product_rows(Route route, const Matrix& w, const float* x, const float* xp, int64_t batch, int64_t r0,
+                  int64_t r1, float* tile, float* wbuf, float* c, bool amx, Emit emit, int ints = kNoInt) {
+  route_rows(route, w, x, xp, batch, r0, r1, tile, wbuf, c, amx, outputs_of(emit), ints);
 }
 
 }  // namespace

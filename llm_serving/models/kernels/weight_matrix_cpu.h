@@ -508,23 +508,44 @@ bool as_matrix(const void* data, const char* dtype, const int64_t* shape, int32_
   return true;
 }
 
-// For weight rows [r0, r1) of w and every row b of x (B, w.k): emit(b, r, w[r] . x[b]). tile: 4*k floats of
-// the calling thread's own (quantized rows are dequantized there, a tile of 4 at a time).
+// Where a product's outputs go, a block at a time: (*this)(r, n, b0, nb, v, ldi, ldb) hands over v[i * ldi + b *
+// ldb] = weight row r + i (i < n) times x row b0 + b (b < nb). `outputs_of(emit)` calls a caller's emit(b, r, value)
+// for each: the products below take an Outputs, not the caller's lambda, so that they are compiled once, not once
+// per lambda (which cost a sixth of the library's build time), and its call per block costs nothing measurable.
+struct Outputs {
+  void* ctx;
+  void (*fn)(void* ctx, int64_t r, int64_t n, int64_t b0, int64_t nb, const float* v, int64_t ldi, int64_t ldb);
+  void operator()(int64_t r, int64_t n, int64_t b0, int64_t nb, const float* v, int64_t ldi, int64_t ldb) const {
+    fn(ctx, r, n, b0, nb, v, ldi, ldb);
+  }
+};
+
 template <typename Emit>
-void matvec(const Matrix& w, const float* x, int64_t batch, int64_t r0, int64_t r1, float* tile, Emit emit) {
+Outputs outputs_of(Emit& emit) {
+  return {&emit, [](void* ctx, int64_t r, int64_t n, int64_t b0, int64_t nb, const float* v, int64_t ldi,
+                    int64_t ldb) {
+    Emit& e = *static_cast<Emit*>(ctx);
+    for (int64_t b = 0; b < nb; ++b)
+      for (int64_t i = 0; i < n; ++i) e(b0 + b, r + i, v[i * ldi + b * ldb]);
+  }};
+}
+
+// For weight rows [r0, r1) of w and every row b of x (B, w.k): w[r] . x[b] to `out`. tile: 4*k floats of
+// the calling thread's own (quantized rows are dequantized there, a tile of 4 at a time).
+__attribute__((noinline)) void matvec(const Matrix& w, const float* x, int64_t batch, int64_t r0, int64_t r1, float* tile,
+                   const Outputs& out) {
   // weight rows outer: a tile of 4 rows (4 k floats) stays in L1 while every row of x passes over it, so the
   // weights are read from memory (and dequantized) once per call whatever the batch
   const int64_t k = w.k;
-  float out[4][4];
+  float o[4][4];
   for (int64_t r = r0; r < r1; r += 4) {
     const int rb = static_cast<int>(std::min<int64_t>(4, r1 - r));
     w.prefetch(r + 4, std::min<int64_t>(4, r1 - r - 4));
     if (w.type != kF32 && batch <= kFusedRows) {
       for (int64_t b0 = 0; b0 < batch; b0 += 4) {
         const int bb = static_cast<int>(std::min<int64_t>(4, batch - b0));
-        qdot(w, r, rb, x + b0 * k, bb, out);
-        for (int i = 0; i < rb; ++i)
-          for (int b = 0; b < bb; ++b) emit(b0 + b, r + i, out[i][b]);
+        qdot(w, r, rb, x + b0 * k, bb, o);
+        out(r, rb, b0, bb, &o[0][0], 4, 1);
       }
       continue;
     }
@@ -532,12 +553,11 @@ void matvec(const Matrix& w, const float* x, int64_t batch, int64_t r0, int64_t 
     for (int64_t b0 = 0; b0 < batch; b0 += 4) {
       const int bb = static_cast<int>(std::min<int64_t>(4, batch - b0));
       if (rb == 4) {
-        dot_rows<4>(rows, k, x + b0 * k, k, bb, out);
+        dot_rows<4>(rows, k, x + b0 * k, k, bb, o);
       } else {
-        for (int i = 0; i < rb; ++i) dot_rows<1>(rows + i * k, k, x + b0 * k, k, bb, out + i);
+        for (int i = 0; i < rb; ++i) dot_rows<1>(rows + i * k, k, x + b0 * k, k, bb, o + i);
       }
-      for (int i = 0; i < rb; ++i)
-        for (int b = 0; b < bb; ++b) emit(b0 + b, r + i, out[i][b]);
+      out(r, rb, b0, bb, &o[0][0], 4, 1);
     }
   }
 }
