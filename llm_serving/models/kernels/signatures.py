@@ -24,8 +24,6 @@ import ctypes
 import inspect
 from dataclasses import dataclass
 
-import numpy as np
-
 __all__ = ["DECODER_LAYER", "EMBED_TOKENS", "FINAL_LOGITS", "KERNEL_SIGNATURES", "MOE_MLP", "SAMPLE_LOGITS",
            "KernelParam", "KernelSignature", "KernelSignatureError", "check_iconfig", "check_library", "check_params"]
 
@@ -81,8 +79,10 @@ class KernelSignature:
             raise KeyError(f"{self.func}'s iconfig has no entry {name!r} (these: {', '.join(self.iconfig)})")
         return self.iconfig.index(name)
 
-    def iconfig_array(self, **values) -> np.ndarray:
+    def iconfig_array(self, **values) -> "np.ndarray":
         """The kernel's iconfig, int32, from values given by name (every entry, nothing else)."""
+        import numpy as np      # (here: the kernels' build, which imports this module, runs before numpy is installed)
+
         return np.array(_ordered(f"{self.func}'s iconfig", self.iconfig, values, "entry"), np.int32)
 
     def args(self, **values) -> tuple:
