@@ -93,6 +93,26 @@ class PeerServer:
         self.stop()
 
 
+def set_file_cache(path: str, state: str) -> None:
+    """Put the file at `path` in the page cache ('cached': read through once) or out of it ('dropped': its clean
+    pages let go, as after a reboot or when memory pressure took them), or leave it ('as-is'), so that two servers'
+    starts read the same model file from the same place. A directory: every file under it."""
+    if state == "as-is" or not os.path.exists(path):
+        return
+    files = [path] if os.path.isfile(path) else [os.path.join(d, f) for d, _, names in os.walk(path)
+                                                 for f in sorted(names)]
+    for name in files:
+        fd = os.open(name, os.O_RDONLY)
+        try:
+            if state == "dropped":
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            else:
+                while os.read(fd, 16 << 20):
+                    pass
+        finally:
+            os.close(fd)
+
+
 def start_settled(log_text: str) -> bool:
     """Whether a start of this server has done what it goes on doing after /health answers: a staged warmup's rest
     (models/warmup.py, run when idle) and the write of its repacked panels for the next start (a thread:

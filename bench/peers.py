@@ -63,8 +63,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import (SHARED, PeerServer, info, log_dir, machine, replay, start_settled,  # noqa: E402
-                          synthetic_samples, table, tree_memory, with_llama_server, write_json)
+from bench.common import (SHARED, PeerServer, info, log_dir, machine, replay, set_file_cache,  # noqa: E402
+                          start_settled, synthetic_samples, table, tree_memory, with_llama_server, write_json)
 from bench.make_models import resolve_short_name  # noqa: E402
 from llm_serving.server_process import ServerProcess, free_port  # noqa: E402
 from llm_serving.cache_dir import default_cache_dir  # noqa: E402
@@ -400,6 +400,9 @@ def main(argv=None) -> int:
     p.add_argument("--kernels-built", action="store_true",
                    help="with --start-times: the fresh cache directory has this machine's kernels (linked from the "
                         "default cache): a first start on the model, not on the machine")
+    p.add_argument("--file-cache", choices=("as-is", "dropped", "cached"), default="as-is",
+                   help="the model file's pages before each server's first start and this server's warm start: "
+                        "dropped from the page cache (read from the disk, as after a reboot), read into it, or left")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--set", action="append", default=[], help="config overrides for this project's server")
     p.add_argument("--out", default="bench_results/peers.json")
@@ -465,9 +468,12 @@ def main(argv=None) -> int:
                 if args.kernels_built:             # a first start on the model: this machine's kernels already built
                     (Path(fresh_cache) / "kernels").symlink_to(default_cache_dir() / "kernels")
                     kind = "start_first_s"
+                set_file_cache(model, args.file_cache)
                 srv, ours_facts[kind] = start_ours(ours, cold_log, fresh_cache)
                 srv.stop()
                 print(f"llm-serving: {kind[6:-2]} start {ours_facts[kind]:.1f} s", flush=True)
+                set_file_cache(model, args.file_cache)       # and the panels the first start kept
+                set_file_cache(str(Path(fresh_cache) / "panels"), args.file_cache)
             srv, started = start_ours(ours, log, fresh_cache if args.start_times else None)
             ours_facts["start_warm_s" if args.start_times else "start_s"] = started
             try:
@@ -496,6 +502,7 @@ def main(argv=None) -> int:
             else:
                 skipped["llama-server f32"] = why
         for label, path in builds.items():
+            set_file_cache(path, args.file_cache)
             runs[label], flags, facts[label] = run_llama_server(llama, path, name, samples, kv_tokens, args.threads,
                                                                 probes)
             llama_flags = sorted(set(llama_flags) | set(flags))

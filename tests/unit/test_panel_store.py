@@ -160,3 +160,39 @@ def test_repack_rows_reads_back_the_bytes_it_kept(model, tmp_path):
     assert again.read == first.nbytes and again.written == 0
     third, _ = repack_rows(library, np.array(region), 12, again)               # a copy: repacked, not kept
     assert np.array_equal(third, first) and again.written == 0
+
+
+def test_a_load_reads_ahead_the_panels_kept_else_the_model_file(model, library, tmp_path, monkeypatch):
+    """weights/page_cache.py: what a load will read is asked into the page cache: the model file on a first start, the
+    panels kept by it on the next (not the model file's matrices), a directory's weight files, nothing past half
+    the memory available."""
+    from llm_serving.models.weights import page_cache as ra
+
+    cache = tmp_path / "cache"
+    assert PanelStore.kept(str(model), str(library), cache) == []
+    assert ra.weight_files(str(model), PanelStore.kept(str(model), str(library), cache)) == [model]
+    store = PanelStore.open(str(model), str(library), cache)
+    store.keep(8192, np.ones((16, 144), np.uint8))
+    store.finish()
+    kept = PanelStore.kept(str(model), str(library), cache)
+    assert [p.name for p in kept] == ["8192.npy"]
+    assert ra.weight_files(str(model), kept) == kept
+    assert PanelStore.kept(str(model), str(tmp_path / "lib-other.so"), cache) == []     # another build's: none
+    monkeypatch.setenv(PANEL_CACHE_ENV, "0")
+    assert PanelStore.kept(str(model), str(library), cache) == []
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    for name in ("model-00002.safetensors", "model-00001.safetensors", "config.json", "tokenizer.json"):
+        (hf / name).write_bytes(b"x")
+    assert [p.name for p in ra.weight_files(str(hf))] == ["model-00001.safetensors", "model-00002.safetensors"]
+
+    asked = []
+    monkeypatch.setattr(ra.os, "posix_fadvise", lambda fd, at, n, advice: asked.append((os.fstat(fd).st_size,
+                                                                                         at, n, advice)))
+    ra.read_ahead([model, kept[0]]).join(timeout=30)
+    assert asked == [(model.stat().st_size, 0, 0, os.POSIX_FADV_WILLNEED),
+                     (kept[0].stat().st_size, 0, 0, os.POSIX_FADV_WILLNEED)]
+    asked.clear()
+    monkeypatch.setattr(ra.psutil, "virtual_memory", lambda: namedtuple("M", "available")(model.stat().st_size))
+    ra.read_ahead([model]).join(timeout=30)          # more than half of what is available: not asked
+    assert asked == []

@@ -51,7 +51,8 @@ from typing import Optional
 
 from .signatures import KERNEL_SIGNATURES, KernelSignatureError, check_library
 
-__all__ = ["KernelBuildError", "KernelSignatureError", "build_kernel", "build_libraries", "libraries_for", "prebuild"]
+__all__ = ["KernelBuildError", "KernelSignatureError", "build_kernel", "build_libraries", "libraries_for", "library_path",
+           "prebuild"]
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +126,40 @@ def build_libraries(names, cache_dir: Optional[Path] = None) -> list:
     """The paths of libraries `names`, each built first if it is not yet: those missing are compiled together,
     holding the directory's lock, their units side by side (compile_libraries). KernelBuildError if one cannot
     be built (after the others are)."""
+    cxx, cxx_flags, libraries = _libraries(names, cache_dir)
+    out_dir = libraries[0].target.parent if libraries else None
+    if not all(lib.target.exists() for lib in libraries):
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            lock = os.open(out_dir, os.O_RDONLY)         # the directory's flock: one build at a time in it
+        except OSError as e:
+            raise KernelBuildError(f"cannot write the kernel library under {out_dir}: {e}") from e
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            missing = [lib for lib in libraries if not lib.target.exists()]   # (another process may have built
+            if missing:                                                     # some while this one waited)
+                _remove_leftovers(out_dir)
+                what = ", ".join(lib.units[0].name for lib in missing)
+                logger.info("building the CPU kernels %s for this machine (once: kept in %s; the layer kernel takes "
+                            "15-40 s on 2 cores)", what, out_dir)
+                started = time.perf_counter()
+                compile_libraries(cxx, cxx_flags, [(lib.units, lib.target) for lib in missing])
+                logger.info("built the CPU kernels %s in %.0f s", what, time.perf_counter() - started)
+        finally:
+            os.close(lock)                       # (which releases the lock)
+    return [lib.target for lib in libraries]
+
+
+def library_path(name: str, cache_dir: Optional[Path] = None) -> Optional[Path]:
+    """Where library `name` is (or will be) once built for this machine, or None when no compiler runs."""
+    try:
+        return _libraries([name], cache_dir)[2][0].target
+    except KernelBuildError:
+        return None
+
+
+def _libraries(names, cache_dir: Optional[Path]) -> tuple:
+    """(the compiler, its flags, a _Library per name: its units and its target, named by their digest)."""
     from llm_serving.cache_dir import default_cache_dir
 
     cxx = _compiler()
@@ -146,26 +181,7 @@ def build_libraries(names, cache_dir: Optional[Path] = None) -> list:
         for part in (*(unit.read_bytes() for unit in units), *common):
             digest.update(part)
         libraries.append(_Library(name, units, out_dir / f"{name}-{digest.hexdigest()[:16]}.so"))
-    if not all(lib.target.exists() for lib in libraries):
-        try:
-            out_dir.mkdir(parents=True, exist_ok=True)
-            lock = os.open(out_dir, os.O_RDONLY)         # the directory's flock: one build at a time in it
-        except OSError as e:
-            raise KernelBuildError(f"cannot write the kernel library under {out_dir}: {e}") from e
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            missing = [lib for lib in libraries if not lib.target.exists()]   # (another process may have built
-            if missing:                                                     # some while this one waited)
-                _remove_leftovers(out_dir)
-                what = ", ".join(lib.units[0].name for lib in missing)
-                logger.info("building the CPU kernels %s for this machine (once: kept in %s; the layer kernel takes "
-                            "15-40 s on 2 cores)", what, out_dir)
-                started = time.perf_counter()
-                compile_libraries(cxx, cxx_flags, [(lib.units, lib.target) for lib in missing])
-                logger.info("built the CPU kernels %s in %.0f s", what, time.perf_counter() - started)
-        finally:
-            os.close(lock)                       # (which releases the lock)
-    return [lib.target for lib in libraries]
+    return cxx, cxx_flags, libraries
 
 
 def compile_libraries(cxx: str, cxx_flags: list, libraries: list) -> None:

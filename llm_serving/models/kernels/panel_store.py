@@ -70,9 +70,7 @@ class PanelStore:
             return None
         source = os.path.abspath(model_path)
         st = os.stat(source)
-        key = hashlib.sha1(repr((source, st.st_size, st.st_mtime_ns, os.path.basename(library),
-                                 _FORMAT)).encode()).hexdigest()[:16]
-        folder = cache_dir / "panels" / key
+        folder = cls._folder(source, st, library, cache_dir)
         try:
             folder.mkdir(parents=True, exist_ok=True)
             marker = folder / "source.json"
@@ -92,6 +90,21 @@ class PanelStore:
                         "keeps max(%.0f GB, %.0f%%) free); they are repacked at every start", free.free / 1e9,
                         free.total / 1e9, st.st_size / 1e9, MIN_FREE_BYTES / 1e9, MIN_FREE_SHARE * 100)
         return cls(folder, source, writes)
+
+    @staticmethod
+    def _folder(source: str, st: os.stat_result, library: str, cache_dir: Path) -> Path:
+        key = hashlib.sha1(repr((source, st.st_size, st.st_mtime_ns, os.path.basename(library),
+                                 _FORMAT)).encode()).hexdigest()[:16]
+        return cache_dir / "panels" / key
+
+    @classmethod
+    def kept(cls, model_path: str, library: str, cache_dir: Path) -> list:
+        """The panel files an earlier start kept of `model_path` for `library` (what a load maps instead of
+        repacking), without opening the store; [] if none."""
+        if os.environ.get(PANEL_CACHE_ENV, "1") == "0" or not os.path.isfile(model_path):
+            return []
+        source = os.path.abspath(model_path)
+        return sorted(cls._folder(source, os.stat(source), library, cache_dir).glob("*.npy"))
 
     def offset(self, rows: np.ndarray) -> Optional[int]:
         """Where `rows` start in the model file, when they are a whole memory map of its bytes (a region, or a

@@ -6,14 +6,16 @@ import logging
 import os
 from typing import Callable, Optional
 
+from llm_serving.cache_dir import default_cache_dir
 from llm_serving.shm.layout import StepKind, StepView
 
 from ..buckets import Buckets
+from ..kernels.panel_store import PanelStore
 from ..mindspore_env import claim_compile_cache, setup_mindspore
 from ..parallel import TensorParallel, all_reduce_kernel
 from ..runner_spec import RunnerSpec
 from ..step_inputs import StepLimits
-from ..weights import LlamaConfig, load_llama_weights, load_quantized
+from ..weights import LlamaConfig, load_llama_weights, load_quantized, read_ahead, weight_files
 from .decode_runs import DecodeRuns
 from .embed_steps import EmbedSteps
 from .graphs import RunnerGraphs
@@ -53,6 +55,8 @@ class ModelRunner:
         self.max_context = self.max_blocks_per_seq * self.block_size
         self.tp = tp if tp is not None else TensorParallel()
         self.kernels = choose_kernels(spec, self.tp)
+        read_ahead(weight_files(model_dir, PanelStore.kept(model_dir, self.kernels.layer_kernel, default_cache_dir())
+                                if self.kernels.layer_kernel else ()))       # (the master asked too: not cached yet?)
         self.buckets = Buckets.make(
             decode_batch_sizes=list(spec.decode_batch_sizes), prefill_batch_sizes=list(spec.prefill_batch_sizes),
             prefill_seq_lens=list(spec.prefill_seq_lens),
