@@ -13,6 +13,8 @@ called with these arguments).
 --invariant sets both libraries' batch invariance (KernelInvariant; the calls' iconfig does not say): 1 the serving
 default (model_config.batch_invariant auto), 0 the fastest path per row count; unset, each library's own process
 setting (off unless LLM_SERVING_KERNEL_INVARIANT=1).
+--repack repacks the quantized weights as the runner does at load (where the library repacks the type), and each
+row says whether the two libraries gave the same bits.
 GFLOP/s counts the weight products only (2 * weights * rows per call); attention is in the time, not in the FLOPs.
 "GF/s/core" divides the same FLOPs by the process's CPU time per call (every thread of the kernel): on a machine
 other processes share, the wall time says how much of the cores the kernel got, the CPU time what its work cost.
@@ -20,6 +22,7 @@ other processes share, the wall time says how much of the cores the kernel got, 
     python bench/layer_kernel_gemm.py
     python bench/layer_kernel_gemm.py --batches 16,64 --types q8_0 --baseline HEAD~1
     python bench/layer_kernel_gemm.py --types q4_k,q6_k,q8_0 --batches 1,4,16,64,512 --invariant 1
+    python bench/layer_kernel_gemm.py --baseline HEAD~3 --repack --types q4_k,q6_k,q8_0,q4_1,f32 --batches 1,16,512
 
 Prints a table and writes JSON (default bench_results/layer_kernel_gemm.json).
 """
@@ -41,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import machine, table, write_json  # noqa: E402
 from llm_serving.models.kernels import FLAGS, _compiler, build_kernel, compile_libraries, sources  # noqa: E402
 from llm_serving.models.kernels.aot_call import invoke  # noqa: E402
+from llm_serving.models.kernels.repack import repack_rows  # noqa: E402
 from llm_serving.models.kernels.signatures import DECODER_LAYER, FINAL_LOGITS  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -88,9 +92,9 @@ def layer_weights(rng) -> dict:
             "gate_w": f32(INTER, H), "up_w": f32(INTER, H), "down_w": f32(H, INTER)}
 
 
-def step_arrays(rng, batch: int, prefill: bool, weights: dict, kind: str, cache: tuple, threads: int) -> list:
+def step_arrays(rng, batch: int, prefill: bool, weights: dict, code: int, cache: tuple, threads: int) -> list:
     """DecoderLayer's parameters for one step: `batch` decode rows (own blocks, 64 keys each) or one prefill of
-    `batch` tokens (positions 0..batch-1, causal)."""
+    `batch` tokens (positions 0..batch-1, causal); `code`: the weights' type code (TYPES, or a repacked one)."""
     if prefill:
         width = (batch + BS - 1) // BS
         tables = np.tile(np.arange(width, dtype=np.int32), (batch, 1))
@@ -112,7 +116,7 @@ def step_arrays(rng, batch: int, prefill: bool, weights: dict, kind: str, cache:
                               ("down", 1, INTER, H)):
         lora[f"lora_{name}_a"] = np.zeros((1, parts, k), np.float32)
         lora[f"lora_{name}_b"] = np.zeros((1, 1, n), np.float32)
-    icfg = np.array([BS, NH, KVH, threads] + [TYPES[kind]] * 7, np.int32)
+    icfg = np.array([BS, NH, KVH, threads] + [code] * 7, np.int32)
     x = rng.standard_normal((batch, H), dtype=np.float32)
     return [*DECODER_LAYER.args(
         x=x, positions=positions, slots=slots, block_tables=tables, context_lens=context.astype(np.int32),
@@ -176,6 +180,9 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=1.0, help="least time per measurement and library")
     ap.add_argument("--invariant", type=int, choices=(0, 1), default=None,
                     help="both libraries' batch invariance (KernelInvariant): 1 on, 0 off (unset: their own setting)")
+    ap.add_argument("--repack", action="store_true",
+                    help="repack the quantized weights as the runner does at load (kernels/repack.py) where the type "
+                         "is one the library repacks")
     ap.add_argument("--out", default="bench_results/layer_kernel_gemm.json")
     args = ap.parse_args()
 
@@ -183,7 +190,8 @@ def main() -> None:
     tmp = tempfile.TemporaryDirectory()
     if args.baseline:
         libs["before"] = ctypes.CDLL(str(build_baseline(args.baseline, Path(tmp.name))))
-    libs["after"] = ctypes.CDLL(build_kernel("decoder_layer_cpu", "DecoderLayer", Path(tmp.name)).rsplit(":", 1)[0])
+    after = build_kernel("decoder_layer_cpu", "DecoderLayer", Path(tmp.name)).rsplit(":", 1)[0]
+    libs["after"] = ctypes.CDLL(after)
     if args.invariant is not None:
         for lib in libs.values():
             lib.KernelInvariant.argtypes = [ctypes.c_int]
@@ -197,11 +205,22 @@ def main() -> None:
     rows = []
     for kind in args.types.split(","):
         kw = {n: as_kernel_weight(w, kind) for n, w in weights.items()}
+        code = TYPES[kind]
+        if args.repack and kind != "f32":          # (the same layout from both libraries: a test holds them to it)
+            kw = {n: repack_rows(after, w, code) for n, w in kw.items()}
+            code = next(iter(kw.values()))[1]
+            kw = {n: w for n, (w, _) in kw.items()}
         for batch in batches:
             prefill = batch == args.prefill
-            arrays = step_arrays(rng, batch, prefill, kw, kind, cache, args.threads)
+            arrays = step_arrays(rng, batch, prefill, kw, code, cache, args.threads)
+            outs = []
+            for lib in libs.values():               # the same bits from both?
+                assert invoke(lib.DecoderLayer, arrays) == 0
+                outs.append(arrays[-1].copy())
             secs = time_pair({n: lib.DecoderLayer for n, lib in libs.items()}, arrays, 3, args.seconds)
-            row = {"kernel": "layer", "weights": kind, "rows": batch, "step": "prefill" if prefill else "decode"}
+            row = {"kernel": "layer", "weights": kind + (" repacked" if code >= 100 else ""), "rows": batch,
+                   "step": "prefill" if prefill else "decode",
+                   "same_bits": all(np.array_equal(outs[0], o) for o in outs[1:])}
             rows.append(record(row, secs, 2 * n_weights * batch))
     del weights
     head = rng.standard_normal((args.vocab, H), dtype=np.float32) * 0.02
@@ -213,6 +232,8 @@ def main() -> None:
             row = {"kernel": "logits", "weights": kind, "rows": batch, "step": "decode"}
             rows.append(record(row, secs, 2 * head.size * batch))
     cols = [("kernel", "kernel", "{}"), ("weights", "weights", "{}"), ("rows", "rows", "{}"), ("step", "step", "{}")]
+    if "before" in libs:
+        cols.append(("same_bits", "same bits", "{}"))
     for name in libs:
         cols += [(f"{name}_ms", f"{name} ms", "{:.2f}"), (f"{name}_gflops", f"{name} GF/s", "{:.1f}"),
                  (f"{name}_gflops_per_core", f"{name} GF/s/core", "{:.1f}")]
