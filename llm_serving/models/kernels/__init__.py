@@ -51,8 +51,8 @@ from typing import Optional
 
 from .signatures import KERNEL_SIGNATURES, KernelSignatureError, check_library
 
-__all__ = ["KernelBuildError", "KernelSignatureError", "build_kernel", "build_libraries", "libraries_for", "library_path",
-           "prebuild"]
+__all__ = ["KernelBuildError", "KernelSignatureError", "build_kernel", "build_libraries", "libraries_for",
+           "library_path", "prebuild"]
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +117,6 @@ def build_kernel(name: str, func: str, cache_dir: Optional[Path] = None) -> str:
 
 @dataclass(frozen=True)
 class _Library:
-    name: str
     units: tuple          # its .cc files (Paths), its own first
     target: Path          # <cache>/kernels/<name>-<digest>.so
 
@@ -126,8 +125,7 @@ def build_libraries(names, cache_dir: Optional[Path] = None) -> list:
     """The paths of libraries `names`, each built first if it is not yet: those missing are compiled together,
     holding the directory's lock, their units side by side (compile_libraries). KernelBuildError if one cannot
     be built (after the others are)."""
-    cxx, cxx_flags, libraries = _libraries(names, cache_dir)
-    out_dir = libraries[0].target.parent if libraries else None
+    cxx, cxx_flags, out_dir, libraries = _libraries(names, cache_dir)
     if not all(lib.target.exists() for lib in libraries):
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
@@ -153,13 +151,14 @@ def build_libraries(names, cache_dir: Optional[Path] = None) -> list:
 def library_path(name: str, cache_dir: Optional[Path] = None) -> Optional[Path]:
     """Where library `name` is (or will be) once built for this machine, or None when no compiler runs."""
     try:
-        return _libraries([name], cache_dir)[2][0].target
+        return _libraries([name], cache_dir)[3][0].target
     except KernelBuildError:
         return None
 
 
 def _libraries(names, cache_dir: Optional[Path]) -> tuple:
-    """(the compiler, its flags, a _Library per name: its units and its target, named by their digest)."""
+    """(the compiler, its flags, the libraries' directory, a _Library per name: its units and its target, named by
+    their digest)."""
     from llm_serving.cache_dir import default_cache_dir
 
     cxx = _compiler()
@@ -180,8 +179,8 @@ def _libraries(names, cache_dir: Optional[Path]) -> tuple:
         digest = hashlib.sha1()
         for part in (*(unit.read_bytes() for unit in units), *common):
             digest.update(part)
-        libraries.append(_Library(name, units, out_dir / f"{name}-{digest.hexdigest()[:16]}.so"))
-    return cxx, cxx_flags, libraries
+        libraries.append(_Library(units, out_dir / f"{name}-{digest.hexdigest()[:16]}.so"))
+    return cxx, cxx_flags, out_dir, libraries
 
 
 def compile_libraries(cxx: str, cxx_flags: list, libraries: list) -> None:

@@ -10,7 +10,6 @@ from llm_serving.cache_dir import default_cache_dir
 from llm_serving.shm.layout import StepKind, StepView
 
 from ..buckets import Buckets
-from ..kernels.panel_store import PanelStore
 from ..mindspore_env import claim_compile_cache, setup_mindspore
 from ..parallel import TensorParallel, all_reduce_kernel
 from ..runner_spec import RunnerSpec
@@ -55,8 +54,8 @@ class ModelRunner:
         self.max_context = self.max_blocks_per_seq * self.block_size
         self.tp = tp if tp is not None else TensorParallel()
         self.kernels = choose_kernels(spec, self.tp)
-        read_ahead(weight_files(model_dir, PanelStore.kept(model_dir, self.kernels.layer_kernel, default_cache_dir())
-                                if self.kernels.layer_kernel else ()))       # (the master asked too: not cached yet?)
+        read_ahead(weight_files(model_dir, self.kernels.layer_kernel, default_cache_dir()))   # (the master's decide
+        # asked too; this one is for what it has not read yet, and for runners no master started)
         self.buckets = Buckets.make(
             decode_batch_sizes=list(spec.decode_batch_sizes), prefill_batch_sizes=list(spec.prefill_batch_sizes),
             prefill_seq_lens=list(spec.prefill_seq_lens),

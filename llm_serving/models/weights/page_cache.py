@@ -21,11 +21,16 @@ logger = logging.getLogger(__name__)
 _SUFFIXES = (".gguf", ".safetensors", ".bin")
 
 
-def weight_files(model_path: str, kept=()) -> list:
-    """What a load of `model_path` reads: `kept` (the panels an earlier start kept) when there are any, else the
-    model file, or a directory's weight files (safetensors, GGUF, llama2.c)."""
-    if kept:
-        return list(kept)
+def weight_files(model_path: str, library=None, cache_dir=None) -> list:
+    """What a load of `model_path` reads: the panels an earlier start kept for the layer kernel's `library` (its
+    path; None: no layer kernel) in `cache_dir` when there are any, else the model file, or a directory's weight
+    files (safetensors, GGUF, llama2.c)."""
+    if library is not None:
+        from ..kernels.panel_store import PanelStore
+
+        kept = PanelStore.kept(model_path, str(library), Path(cache_dir))
+        if kept:
+            return kept
     path = Path(model_path)
     if path.is_file():
         return [path]
@@ -35,15 +40,13 @@ def weight_files(model_path: str, kept=()) -> list:
 
 
 def read_ahead_model(model_path: str, layer_kernel: bool, cache_dir: Path) -> threading.Thread:
-    """What a load of `model_path` reads, asked for on a thread (`read_ahead`): the panels an earlier start kept
-    for this machine's layer kernel (when `layer_kernel`: a CPU agent runs it), else the model's files. The master
-    asks as soon as a model is decided (startup.decide), before its agent imports MindSpore."""
+    """`read_ahead` of what a load of `model_path` reads (`weight_files`, with this machine's layer kernel when
+    `layer_kernel`: a CPU agent runs it), its library's path found on the thread too. The master asks as soon as a
+    model is decided (startup.decide), before its agent imports MindSpore."""
     def find_and_read() -> None:
         from ..kernels import library_path
-        from ..kernels.panel_store import PanelStore
 
-        library = library_path("decoder_layer_cpu") if layer_kernel else None
-        _read(weight_files(model_path, PanelStore.kept(model_path, str(library), cache_dir) if library else ()))
+        _read(weight_files(model_path, library_path("decoder_layer_cpu") if layer_kernel else None, cache_dir))
     thread = threading.Thread(target=find_and_read, name="read-ahead", daemon=True)
     thread.start()
     return thread
