@@ -46,7 +46,10 @@ LEAN = {                                           # one graph per shape the tes
     "spec_config": {"method": "off"},
 }
 MAX_GAP_S = 1.5          # the longest pause allowed between two tokens of a stream while another model loads (a load
-                         # takes 5-15 s here; the tokens come in decode runs of 8, 0.1-0.5 s apart on a busy machine)
+                         # takes 3-15 s here; the tokens come in decode runs of 8, 0.1-0.5 s apart on a busy machine)
+GAP_SHARE = 0.6          # ... or this share of the load's (or restart's) time, when more: a master that held the
+                         # stream's steps behind the load would pause it for all of the load, while a 2-core CI machine
+                         # running another test file beside this one paused it 1.56 s in a 3.1 s load (alone: 0.2-0.3 s)
 
 
 @pytest.fixture(scope="module")
@@ -347,7 +350,7 @@ def test_an_unloaded_model_loads_on_request_while_another_streams(fleet):
     assert _loads(fleet, "tales") == loads_before + 1
     assert len(_agents(fleet)["tales"]) == 1
     # the other model's streams were not held up by the load: tokens kept coming, every one finished
-    assert gap < MAX_GAP_S, f"hf's stream paused {gap:.2f} s during tales's {waited:.1f} s load"
+    assert gap < max(MAX_GAP_S, GAP_SHARE * waited), f"hf's stream paused {gap:.2f} s in tales's {waited:.1f} s load"
     assert tokens_during >= 5 * waited, (tokens_during, waited)
     _assert_finished(finals, 64)
     assert _agents(fleet)["hf"] == [hf_agent]
@@ -584,7 +587,7 @@ def test_an_agent_killed_in_one_model_is_restarted_while_another_streams(fleet):
     finals, health, gap, took = asyncio.run(run())
     assert restarted(), _stats(fleet, "tales")
     _assert_finished(finals, 64)                   # hf's streams all finished, ...
-    assert gap < MAX_GAP_S, f"hf's stream paused {gap:.2f} s while tales's agent was restarted ({took:.1f} s)"
+    assert gap < max(MAX_GAP_S, GAP_SHARE * took), f"hf's stream paused {gap:.2f} s in tales's {took:.1f} s restart"
     assert set(health) == {200}, health            # ... /health (the default's) stayed 200
     assert _gone(victim) and _agents(fleet)["hf"] == [hf_agent]
     [new] = _agents(fleet)["tales"]
