@@ -42,7 +42,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import machine, table, write_json  # noqa: E402
-from llm_serving.models.kernels import FLAGS, _compiler, build_kernel, compile_libraries, sources  # noqa: E402
+from llm_serving.models.kernels import (FLAGS, INT_TYPES, TYPED_UNITS, _compiler, _Unit, build_kernel,  # noqa: E402
+                                        compile_libraries, sources)
 from llm_serving.models.kernels.aot_call import invoke  # noqa: E402
 from llm_serving.models.kernels.repack import repack_rows  # noqa: E402
 from llm_serving.models.kernels.signatures import DECODER_LAYER, FINAL_LOGITS  # noqa: E402
@@ -64,7 +65,10 @@ def build_baseline(ref: str, out_dir: Path) -> Path:
             (out_dir / name).write_bytes(text)
     target = out_dir / "decoder_layer_cpu_baseline.so"
     units = [out_dir / unit for unit in sources("decoder_layer_cpu") if (out_dir / unit).exists()]   # (a ref
-    compile_libraries(_compiler(), FLAGS, [(units, target)])                     # before the split: its one .cc)
+    typed = out_dir / TYPED_UNITS["decoder_layer_cpu"]                       # before the split: its one .cc)
+    if typed.exists() and b"LLM_SERVING_INT_TYPE" in typed.read_bytes():   # (a ref of a unit per integer type)
+        units += [_Unit(typed, name) for name in INT_TYPES]
+    compile_libraries(_compiler(), FLAGS, [(units, target)])
     return target
 
 

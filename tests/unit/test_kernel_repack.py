@@ -272,3 +272,24 @@ def test_repack_rows_on_threads_gives_one_calls_bytes(library, repacks, qtype, m
         assert len(repack_module._spans(rows.shape[0], rows.shape[1])) == workers
         got, got_code = repack_module.repack_rows(path, rows, qtype)
         assert got_code == code and np.array_equal(got, whole)
+
+
+def test_a_library_of_the_models_types_reads_those_alone_to_the_same_bits(library, repacks):
+    """The layer kernel built for a model's stored types (ModelRunner: weights.stored_types) links their integer
+    products only: Q4_1's products (stored and repacked) and repacking are the full library's to the bit, and a
+    type it was not built for is refused (IntegerProduct's 2, RepackRows' 0: the kernel routes it elsewhere)."""
+    path = build_kernel("decoder_layer_cpu", "DecoderLayer", types={"Q4_1", "F32"}).rsplit(":", 1)[0]
+    assert path.endswith("-q4_1.so") and path != library._name
+    lean = with_product_calls(ctypes.CDLL(path))
+    rng = np.random.default_rng(5)
+    n, k = 16, 512
+    rows = stored_rows(Q4_1, n, k, rng)
+    x = rng.standard_normal((3, k), dtype=np.float32)
+    (code, packed), (full_code, full_packed) = repack(lean, rows, Q4_1), repack(library, rows, Q4_1)
+    assert code == full_code == Q4_1 + 100 and np.array_equal(packed, full_packed)
+    for c, r in ((Q4_1, rows), (code, packed)):
+        assert np.array_equal(product(lean, c, r, k, x).view(np.uint32), product(library, c, r, k, x).view(np.uint32))
+    q4k = stored_rows(Q4_K, n, k, rng)
+    assert repack(lean, q4k, Q4_K)[0] == 0
+    out = np.zeros((3, n), np.float32)
+    assert lean.IntegerProduct(Q4_K, q4k, n, k, x, 3, out) == 2

@@ -291,6 +291,23 @@ def test_only_the_kernels_block_types_are_kept(tmp_path):
     assert "model.layers.1.self_attn.q_proj.weight" in kept and "lm_head.weight" in kept
 
 
+def test_the_stored_types_are_the_kept_matrices_types(tmp_path):
+    """stored_types (what the layer kernel is built for before the load): the types load_quantized keeps, from
+    the header alone; none for a float checkpoint; None for what cannot be read."""
+    from llm_serving.models.weights import stored_types
+    from llm_serving.models.weights.gguf import KEPT_QUANTIZED
+
+    hf, (_, ref) = _hf(tmp_path, **WIDE)
+    blocks = np.random.default_rng(1).integers(0, 256, (256, 256 // 256 * 84), dtype=np.uint8)
+    blocks.reshape(-1, 84)[:, 80:84] = np.full((256, 2), 0.01, np.float16).view(np.uint8)    # Q2_K's d, dmin
+    mixed = write_gguf(tmp_path / "mixed.gguf", ref, qtype=Q.Q8_0, raw={"blk.0.attn_q.weight": (blocks, Q.Q2_K)})
+    kept = {name for t in load_quantized(mixed).values() for name, code in KEPT_QUANTIZED.items() if code == t.qtype}
+    assert stored_types(mixed) == kept == {"Q8_0"}                       # (Q2_K: dequantized, not kept)
+    assert stored_types(write_gguf(tmp_path / "q41.gguf", ref, qtype=Q.Q4_1)) >= {"Q4_1"}
+    assert stored_types(write_gguf(tmp_path / "f32.gguf", ref)) == frozenset() == stored_types(hf)
+    assert stored_types(tmp_path / "missing.gguf") is None
+
+
 def test_a_type_the_kernels_do_not_read_is_dequantized_with_a_logged_line(tmp_path, caplog):
     """A matrix in a type outside KEPT_QUANTIZED (Q2_K here) becomes float32, and the load says so: its type,
     how many, and the memory the copies take; the matrices kept as stored (skipped) are not named."""

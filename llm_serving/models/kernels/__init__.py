@@ -62,11 +62,29 @@ FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-
 
 # A library's translation units after its own <name>.cc, each compiled on its own core (the longest first)
 SOURCES = {"decoder_layer_cpu": ("decoder_layer_cpu.cc", "gemm_avx2_int.cc")}
+# A library's unit compiled once more for each integer type it reads (-DLLM_SERVING_INT_TYPE=<code>: that type's
+# products, repacking and rows read back); a library links the units of the types asked for (`types`), all of them
+# when none are named
+TYPED_UNITS = {"decoder_layer_cpu": "gemm_avx2_int.cc"}
+# The stored types those units are compiled for, by GGUF name, and their codes (gemm_avx2_int.h: integer_type)
+INT_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "MXFP4": 39}
 
 
 def sources(name: str) -> tuple:
     """The .cc files library `name` is built from (its own first)."""
     return SOURCES.get(name, (f"{name}.cc",))
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """One compile of a library: its .cc, the integer type it is compiled for (None: as it is), and the object it
+    makes, kept for every library that links it (None: a library of one unit, compiled straight to the .so)."""
+    source: Path
+    int_type: Optional[str] = None
+    object: Optional[Path] = None
+
+    def defines(self) -> list:
+        return [] if self.int_type is None else [f"-DLLM_SERVING_INT_TYPE={INT_TYPES[self.int_type]}"]
 
 
 class KernelBuildError(RuntimeError):
@@ -105,10 +123,10 @@ def _compiler() -> Optional[str]:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
 
 
-def build_kernel(name: str, func: str, cache_dir: Optional[Path] = None) -> str:
+def build_kernel(name: str, func: str, cache_dir: Optional[Path] = None, types=None) -> str:
     """Compile kernels/<name>.cc and its units (once) and return "<path>.so:<func>" for ops.Custom; KernelBuildError
-    if it cannot be built."""
-    target, = build_libraries([name], cache_dir)
+    if it cannot be built. types: the integer types it reads (INT_TYPES' names; others are ignored), None: all."""
+    target, = build_libraries([name], cache_dir, types)
     signatures = KERNEL_SIGNATURES.get(name, ())
     if signatures:
         check_library(target, signatures, sources(name)[0])    # KernelSignatureError: the .cc and Python disagree
@@ -117,15 +135,16 @@ def build_kernel(name: str, func: str, cache_dir: Optional[Path] = None) -> str:
 
 @dataclass(frozen=True)
 class _Library:
-    units: tuple          # its .cc files (Paths), its own first
-    target: Path          # <cache>/kernels/<name>-<digest>.so
+    units: tuple          # its _Units, its own .cc first
+    target: Path          # <cache>/kernels/<name>-<digest>[-<its integer types>].so
 
 
-def build_libraries(names, cache_dir: Optional[Path] = None) -> list:
+def build_libraries(names, cache_dir: Optional[Path] = None, types=None) -> list:
     """The paths of libraries `names`, each built first if it is not yet: those missing are compiled together,
-    holding the directory's lock, their units side by side (compile_libraries). KernelBuildError if one cannot
-    be built (after the others are)."""
-    cxx, cxx_flags, out_dir, libraries = _libraries(names, cache_dir)
+    holding the directory's lock, their units side by side (compile_libraries), the objects of units already
+    compiled for another library linked again. types: the integer types the libraries read (INT_TYPES' names;
+    others are ignored), None: all. KernelBuildError if one cannot be built (after the others are)."""
+    cxx, cxx_flags, out_dir, libraries = _libraries(names, cache_dir, types)
     if not all(lib.target.exists() for lib in libraries):
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
@@ -137,7 +156,7 @@ def build_libraries(names, cache_dir: Optional[Path] = None) -> list:
             missing = [lib for lib in libraries if not lib.target.exists()]   # (another process may have built
             if missing:                                                     # some while this one waited)
                 _remove_leftovers(out_dir)
-                what = ", ".join(lib.units[0].name for lib in missing)
+                what = ", ".join(lib.target.name for lib in missing)
                 logger.info("building the CPU kernels %s for this machine (once: kept in %s; the layer kernel takes "
                             "15-40 s on 2 cores)", what, out_dir)
                 started = time.perf_counter()
@@ -148,17 +167,18 @@ def build_libraries(names, cache_dir: Optional[Path] = None) -> list:
     return [lib.target for lib in libraries]
 
 
-def library_path(name: str, cache_dir: Optional[Path] = None) -> Optional[Path]:
-    """Where library `name` is (or will be) once built for this machine, or None when no compiler runs."""
+def library_path(name: str, cache_dir: Optional[Path] = None, types=None) -> Optional[Path]:
+    """Where library `name` (reading integer `types`, None: all) is or will be once built for this machine, or None
+    when no compiler runs."""
     try:
-        return _libraries([name], cache_dir)[3][0].target
+        return _libraries([name], cache_dir, types)[3][0].target
     except KernelBuildError:
         return None
 
 
-def _libraries(names, cache_dir: Optional[Path]) -> tuple:
+def _libraries(names, cache_dir: Optional[Path], types=None) -> tuple:
     """(the compiler, its flags, the libraries' directory, a _Library per name: its units and its target, named by
-    their digest)."""
+    their sources' digest, and by the integer types it reads unless all)."""
     from llm_serving.cache_dir import default_cache_dir
 
     cxx = _compiler()
@@ -173,50 +193,79 @@ def _libraries(names, cache_dir: Optional[Path]) -> tuple:
     cxx_flags = flags(version)
     common = [*(h.read_bytes() for h in sorted(_HERE.glob("*.h"))),      # what the sources may include
               version.encode(), " ".join(cxx_flags).encode(), _cpu_identity().encode()]
+    wanted = sorted(INT_TYPES) if types is None else sorted({str(t).upper() for t in types} & set(INT_TYPES))
     libraries = []
     for name in names:
-        units = tuple(_HERE / unit for unit in sources(name))
+        files = [_HERE / unit for unit in sources(name)]
+        typed = TYPED_UNITS.get(name)
+        if len(files) == 1 and typed is None:
+            units = (_Unit(files[0]),)
+        else:
+            units = tuple(_Unit(f, None, _object(f, None, common, out_dir)) for f in files) + tuple(
+                _Unit(_HERE / typed, t, _object(_HERE / typed, t, common, out_dir)) for t in (wanted if typed else ()))
         digest = hashlib.sha1()
-        for part in (*(unit.read_bytes() for unit in units), *common):
+        for part in (*(f.read_bytes() for f in files), *common):
             digest.update(part)
-        libraries.append(_Library(units, out_dir / f"{name}-{digest.hexdigest()[:16]}.so"))
+        suffix = "" if typed is None or len(wanted) == len(INT_TYPES) else "-" + ("+".join(wanted).lower() or "float")
+        libraries.append(_Library(units, out_dir / f"{name}-{digest.hexdigest()[:16]}{suffix}.so"))
     return cxx, cxx_flags, out_dir, libraries
+
+
+def _object(source: Path, int_type: Optional[str], common: list, out_dir: Path) -> Path:
+    """Where the object of `source` (compiled for `int_type`) is kept: <dir>/objects/<stem>[-<type>]-<digest>.o."""
+    digest = hashlib.sha1(source.read_bytes())
+    for part in (*common, (int_type or "").encode()):
+        digest.update(part)
+    tag = "" if int_type is None else f"-{int_type.lower()}"
+    return out_dir / "objects" / f"{source.stem}{tag}-{digest.hexdigest()[:16]}.o"
 
 
 def compile_libraries(cxx: str, cxx_flags: list, libraries: list) -> None:
     """Compile each (units, target) of `libraries` into its shared library target, through a temporary file in
-    its directory renamed into place. Every unit of every library compiles at once, one compiler each on as many
-    CPUs as this process may use (the largest source first), a library of several units into objects then
-    linked, one of a single unit straight to its library. KernelBuildError naming the first that failed, after
-    the others are built."""
+    its directory renamed into place. A unit is a _Unit or a .cc's Path. Every unit not compiled yet, of every
+    library, compiles at once, one compiler each on as many CPUs as this process may use (the largest source
+    first): a library of several units into objects then linked (a _Unit's object kept where it says, for the
+    next library that links it), one of a single unit straight to its library. KernelBuildError naming the first
+    that failed, after the others are built."""
     workers = max(1, len(os.sched_getaffinity(0)))
     compile_only = [f for f in cxx_flags if f != "-shared"] + ["-c"]
-    temps, jobs, links = [], [], []
+    temps, jobs, links = [], {}, []          # jobs: {object or library file: (unit, its compile's arguments)}
     try:
         for units, target in libraries:
+            units = [u if isinstance(u, _Unit) else _Unit(Path(u)) for u in units]
             fd, tmp = tempfile.mkstemp(suffix=".so", prefix=f".{target.stem}-", dir=target.parent)
             os.close(fd)
             temps.append(tmp)
-            if len(units) == 1:
-                jobs.append((units[0], [*cxx_flags, "-o", tmp, str(units[0])]))
-                links.append((None, tmp, target, units))
+            if len(units) == 1 and units[0].object is None:
+                jobs[tmp] = (units[0], [*cxx_flags, *units[0].defines(), "-o", tmp, str(units[0].source)])
+                links.append((None, tmp, target, [tmp]))
                 continue
-            objects = tempfile.mkdtemp(prefix=f".{target.stem}-", dir=target.parent)
-            temps.append(objects)
-            outs = [os.path.join(objects, f"{unit.stem}.o") for unit in units]
-            jobs += [(unit, [*compile_only, "-o", out, str(unit)]) for unit, out in zip(units, outs)]
-            links.append((outs, tmp, target, units))
+            scratch = None
+            outs = []
+            for unit in units:
+                if unit.object is None:                         # (a unit of a library built without a cache)
+                    scratch = scratch or tempfile.mkdtemp(prefix=f".{target.stem}-", dir=target.parent)
+                    tag = f"-{unit.int_type.lower()}" if unit.int_type else ""
+                    outs.append(os.path.join(scratch, f"{unit.source.stem}{tag}.o"))
+                else:
+                    outs.append(str(unit.object))
+                if outs[-1] not in jobs and not os.path.exists(outs[-1]):
+                    jobs[outs[-1]] = (unit, [*compile_only, *unit.defines()])
+            if scratch:
+                temps.append(scratch)
+            links.append((outs, tmp, target, outs))
     except OSError as e:
         _remove(temps)
         raise KernelBuildError(f"cannot write the kernel library under {libraries[0][1].parent}: {e}") from e
     try:
-        jobs.sort(key=lambda job: job[0].stat().st_size, reverse=True)
-        with ThreadPoolExecutor(max_workers=min(len(jobs), workers)) as pool:
-            failed = dict(zip((job[0] for job in jobs),
-                              pool.map(lambda job: _run(cxx, job[1], job[0].name), jobs)))
+        order = sorted(jobs, key=lambda out: jobs[out][0].source.stat().st_size, reverse=True)
+        failed = {}
+        if order:
+            with ThreadPoolExecutor(max_workers=min(len(order), workers)) as pool:
+                failed = dict(zip(order, pool.map(lambda out: _compile(cxx, out, *jobs[out]), order)))
         errors = []
-        for outs, tmp, target, units in links:
-            error = next((failed[unit] for unit in units if failed[unit]), None)
+        for outs, tmp, target, made in links:
+            error = next((failed[out] for out in made if failed.get(out)), None)
             if error is None and outs is not None:
                 error = _run(cxx, ["-shared", "-fPIC", "-pthread", "-o", tmp, *outs], target.name)
             if error is None:
@@ -226,9 +275,27 @@ def compile_libraries(cxx: str, cxx_flags: list, libraries: list) -> None:
         if errors:
             raise KernelBuildError(errors[0])
     except OSError as e:
-        raise KernelBuildError(f"building {libraries[0][0][0].name} with {cxx} failed: {e}") from e
+        raise KernelBuildError(f"building {libraries[0][1].name} with {cxx} failed: {e}") from e
     finally:
         _remove(temps)
+
+
+def _compile(cxx: str, out: str, unit: _Unit, args: list) -> Optional[str]:
+    """One unit's compile to `out`: a library (args end with its -o and source) or an object, written to a
+    temporary file beside it renamed into place (a kept object is whole or absent). None, or what went wrong."""
+    what = unit.source.name + (f" for {unit.int_type}" if unit.int_type else "")
+    if args[-1] == str(unit.source):
+        return _run(cxx, args, what)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".o", prefix=".", dir=os.path.dirname(out))
+    os.close(fd)
+    try:
+        error = _run(cxx, [*args, "-o", tmp, str(unit.source)], what)
+        if error is None:
+            os.replace(tmp, out)
+        return error
+    finally:
+        _remove([tmp])
 
 
 _COMPILERS: set = set()       # the compilers this process is running, killed if it exits first
@@ -267,13 +334,14 @@ def _remove(paths) -> None:
 
 
 def _remove_leftovers(out_dir: Path) -> None:
-    """The temporary files and object directories of builds that did not finish (their process killed): with the
-    directory's lock held, no build is running in it."""
-    try:
-        names = [entry for entry in os.listdir(out_dir) if entry.startswith(".")]
-    except OSError:
-        return
-    _remove(out_dir / entry for entry in names)
+    """The temporary files and object directories of builds that did not finish (their process killed), beside
+    the libraries and the kept objects: with the directory's lock held, no build is running in it."""
+    for folder in (out_dir, out_dir / "objects"):
+        try:
+            names = [entry for entry in os.listdir(folder) if entry.startswith(".")]
+        except OSError:
+            continue
+        _remove(folder / entry for entry in names)
 
 
 def libraries_for(device_target: str, attention_kernel: str, layer_kernel: str, ranks: int = 1) -> tuple:
@@ -287,17 +355,18 @@ def libraries_for(device_target: str, attention_kernel: str, layer_kernel: str, 
     return ("paged_attention_cpu", "decoder_layer_cpu")
 
 
-def prebuild(names) -> Optional[threading.Thread]:
+def prebuild(names, types_of=None) -> Optional[threading.Thread]:
     """Start building libraries `names` on a thread of this process, when some are not built yet: `llm-serving
     start` calls it first, so that the build of a machine's first start runs while the master decides and its
     agent imports MindSpore, and the agent finds the libraries built (or waits on the directory's lock for this
-    build to end). A failure is only logged here: the agent's own build then says what went wrong."""
+    build to end). types_of: called on the thread, the integer types they read (the model's: the agent builds
+    the same; None: every type). A failure is only logged here: the agent's own build then says what went wrong."""
     if not names:
         return None
 
     def build() -> None:
         try:
-            build_libraries(names)
+            build_libraries(names, types=None if types_of is None else types_of())
         except Exception as e:  # noqa: BLE001 (the agent's build reports it)
             logger.debug("building the CPU kernels ahead of the agent failed: %s", e)
     thread = threading.Thread(target=build, name="kernel-build", daemon=True)

@@ -1,6 +1,10 @@
 // gemm_avx2_int.h's integer products, the weights' repacking and x's rounding: the file's header says how they
-// work. A translation unit of its own, so that the build compiles it beside decoder_layer_cpu.cc on another core
-// (kernels/__init__.py: SOURCES); its five entry points are declared in the header, everything here is hidden.
+// work. Compiled beside decoder_layer_cpu.cc on other cores (kernels/__init__.py: SOURCES), in two ways:
+//   - as it is: x's rounding (pack_rows), and the entry points that find a type's code in the table of the types
+//     linked (reads, product, repacked_type, repack_rows, stored_row);
+//   - with -DLLM_SERVING_INT_TYPE=<a type's code>, once per type a library reads: that type's code (the templates
+//     below, instantiated for it alone), entered in the table when the library loads.
+// The entry points are declared in the header; everything here is hidden.
 #include "gemm_avx2_int.h"
 
 #if defined(LLM_SERVING_AVX2_INT)
@@ -328,7 +332,8 @@ inline void store_lanes(const __m256i* v, __m256i* out) {
 // Whether a product of m rows of x runs the lanes layout (x packed so, weights unpacked so)
 inline bool lanes_layout(int64_t m) { return m > kFusedRows; }
 
-// (gemm_avx2_int.h says what each of these five does)
+#if !defined(LLM_SERVING_INT_TYPE)
+// (gemm_avx2_int.h says what it does)
 void pack_rows(const float* x, int64_t ldx, int64_t k, int64_t m, int64_t b0, int64_t b1, uint8_t* xp) {
   const int64_t nb = k / 32, ng = groups(k), stride = x_bytes(k);
   const __m256 sign = _mm256_set1_ps(-0.f);
@@ -388,6 +393,7 @@ void pack_rows(const float* x, int64_t ldx, int64_t k, int64_t m, int64_t b0, in
     }
   }
 }
+#endif
 
 // ---- products
 
@@ -597,27 +603,6 @@ constexpr int64_t panel_codes() { return T == kQ6_K ? 144 : T == kQ4_1 ? 256 : 1
 template <int32_t T>
 constexpr int64_t chunk_bytes() { return T == kQ8_0 ? 64 : T == kQ6_K ? 48 : 32; }
 
-// What repack_rows makes of `type`, or 0: the types it repacks (Q4_K, Q6_K, Q8_0, Q4_0, Q4_1), rows a multiple
-// of 8, k of whole groups (a row of blocks of 32 whose last group is short stays as stored)
-// f(std::integral_constant<int32_t, T>) for the stored type T that `type` names if it is one repack_rows takes;
-// whether it is: the one list of those types (repacking, the products, a row read back)
-template <typename F>
-inline bool with_repackable(int32_t type, F&& f) {
-  switch (type) {
-    case kQ4_K: f(std::integral_constant<int32_t, kQ4_K>{}); return true;
-    case kQ6_K: f(std::integral_constant<int32_t, kQ6_K>{}); return true;
-    case kQ8_0: f(std::integral_constant<int32_t, kQ8_0>{}); return true;
-    case kQ4_0: f(std::integral_constant<int32_t, kQ4_0>{}); return true;
-    case kQ4_1: f(std::integral_constant<int32_t, kQ4_1>{}); return true;
-    default: return false;
-  }
-}
-
-int32_t repacked_type(int32_t type, int64_t rows, int64_t k) {
-  const bool takes = with_repackable(type, [](auto) {});
-  return takes && rows > 0 && rows % kPanelRows == 0 && k > 0 && k % kGroup == 0 ? type + kRepacked : 0;
-}
-
 // rows x k stored rows of type T (src) into panels (dst, as many bytes), once at load: each row's group of codes
 // unpacked to bytes (stored_codes: the 256 codes of a group at p in weight order, without the offset the
 // epilogue takes off), then placed by a table of the panel's order (about 1 ns a weight: a 4B model in 2-3 s)
@@ -751,10 +736,6 @@ void repack_typed(const uint8_t* src, int64_t rows, int64_t k, uint8_t* dst) {
   }
 }
 
-void repack_rows(int32_t type, const uint8_t* src, int64_t rows, int64_t k, uint8_t* dst) {
-  with_repackable(type, [&](auto t) { repack_typed<decltype(t)::value>(src, rows, k, dst); });
-}
-
 // A stored row back from its panels (row r of rows repacked by repack_rows; out: the stored row's bytes), for what
 // reads rows one at a time: the embedding, when its table is the tied lm_head's repacked rows. repack_typed moves
 // bits and computes none (each panel bit is one stored bit: codes, scales, d), so a table per type, made once by
@@ -795,11 +776,6 @@ void stored_row_typed(const uint8_t* rows, int64_t row_bytes, int64_t k, int64_t
       o[byte] = static_cast<uint8_t>(v);
     }
   }
-}
-
-// type: a repacked type (repacked_type's); k a multiple of kGroup
-void stored_row(int32_t type, const uint8_t* rows, int64_t row_bytes, int64_t k, int64_t r, uint8_t* out) {
-  with_repackable(type - kRepacked, [&](auto t) { stored_row_typed<decltype(t)::value>(rows, row_bytes, k, r, out); });
 }
 
 // Byte offset of 32-bit word w (0..7: the even vector's, 8..15: the odd one's) of block j in a group's x record:
@@ -1157,28 +1133,78 @@ void product_typed(const uint8_t* rows, int64_t row_bytes, int64_t k, int64_t n,
   }
 }
 
+#if defined(LLM_SERVING_INT_TYPE)
+
+// ---- this unit's type: its entry points, entered in the library's table when it loads
+
+namespace {
+constexpr int32_t kUnitType = LLM_SERVING_INT_TYPE;
+static_assert(integer_type(kUnitType), "LLM_SERVING_INT_TYPE: a type these products read");
+
+TypeOps unit_ops() {
+  TypeOps ops{&product_typed<kUnitType>, nullptr, nullptr, nullptr};
+  if constexpr (repackable(kUnitType)) {
+    ops.product_repacked = &product_repacked<kUnitType>;
+    ops.repack = &repack_typed<kUnitType>;
+    ops.stored_row = &stored_row_typed<kUnitType>;
+  }
+  return ops;
+}
+
+const bool entered = enter_type(kUnitType, unit_ops());
+}  // namespace
+
+#else
+
+// ---- the table of the types linked, and the entry points that look a type up in it
+
+namespace {
+constexpr int32_t kTableTypes = 64;               // stored types' codes (MXFP4's 39 the largest read)
+static_assert(kMXFP4 < kTableTypes, "a stored type's code indexes the table");
+TypeOps table[kTableTypes];                       // (zeros until the types' units enter themselves, at load)
+
+// The entry of stored type `type`, or nullptr: not one these products read, or its unit not linked
+const TypeOps* ops_of(int32_t type) {
+  return type >= 0 && type < kTableTypes && table[type].product != nullptr ? &table[type] : nullptr;
+}
+}  // namespace
+
+bool enter_type(int32_t type, const TypeOps& ops) {
+  table[type] = ops;
+  return true;
+}
+
+bool reads(int32_t type) {
+  const bool repacked = type >= kRepacked;
+  const TypeOps* ops = ops_of(repacked ? type - kRepacked : type);
+  return ops != nullptr && (!repacked || ops->product_repacked != nullptr);
+}
+
+int32_t repacked_type(int32_t type, int64_t rows, int64_t k) {
+  const TypeOps* ops = ops_of(type);
+  return ops != nullptr && ops->repack != nullptr && rows > 0 && rows % kPanelRows == 0 && k > 0 &&
+                 k % kGroup == 0 ? type + kRepacked : 0;
+}
+
+void repack_rows(int32_t type, const uint8_t* src, int64_t rows, int64_t k, uint8_t* dst) {
+  ops_of(type)->repack(src, rows, k, dst);                  // (a type repacked_type repacks)
+}
+
+// type: a repacked type (repacked_type's); k a multiple of kGroup
+void stored_row(int32_t type, const uint8_t* rows, int64_t row_bytes, int64_t k, int64_t r, uint8_t* out) {
+  ops_of(type - kRepacked)->stored_row(rows, row_bytes, k, r, out);
+}
+
 void product(int32_t type, const uint8_t* rows, int64_t row_bytes, int64_t k, int64_t n, const uint8_t* xp,
-             int64_t m, uint8_t* wbuf, float* out, int64_t ldo) {
-  switch (type) {
-    case kQ4_0: product_typed<kQ4_0>(rows, row_bytes, k, n, xp, m, wbuf, out, ldo); break;
-    case kQ4_1: product_typed<kQ4_1>(rows, row_bytes, k, n, xp, m, wbuf, out, ldo); break;
-    case kQ5_0: product_typed<kQ5_0>(rows, row_bytes, k, n, xp, m, wbuf, out, ldo); break;
-    case kQ5_1: product_typed<kQ5_1>(rows, row_bytes, k, n, xp, m, wbuf, out, ldo); break;
-    case kQ8_0: product_typed<kQ8_0>(rows, row_bytes, k, n, xp, m, wbuf, out, ldo); break;
-    case kMXFP4: product_typed<kMXFP4>(rows, row_bytes, k, n, xp, m, wbuf, out, ldo); break;
-    case kQ4_K: product_typed<kQ4_K>(rows, row_bytes, k, n, xp, m, wbuf, out, ldo); break;
-    case kQ5_K: product_typed<kQ5_K>(rows, row_bytes, k, n, xp, m, wbuf, out, ldo); break;
-    case kQ6_K: product_typed<kQ6_K>(rows, row_bytes, k, n, xp, m, wbuf, out, ldo); break;
-    // (the repacked types spelled out, not with_repackable: through its lambda GCC compiled the stored rows' Q4_K
-    // path above 2x slower at one row of x)
-    case kQ4_K_R8: product_repacked<kQ4_K>(rows, row_bytes, k, n, xp, m, wbuf, out, ldo); break;
-    case kQ6_K_R8: product_repacked<kQ6_K>(rows, row_bytes, k, n, xp, m, wbuf, out, ldo); break;
-    case kQ8_0_R8: product_repacked<kQ8_0>(rows, row_bytes, k, n, xp, m, wbuf, out, ldo); break;
-    case kQ4_0_R8: product_repacked<kQ4_0>(rows, row_bytes, k, n, xp, m, wbuf, out, ldo); break;
-    case kQ4_1_R8: product_repacked<kQ4_1>(rows, row_bytes, k, n, xp, m, wbuf, out, ldo); break;
-    default: break;                                      // not reads(type): never called
+             int64_t m, uint8_t* wbuf, float* out, int64_t ldo) {       // (reads(type))
+  if (type >= kRepacked) {
+    ops_of(type - kRepacked)->product_repacked(rows, row_bytes, k, n, xp, m, wbuf, out, ldo);
+  } else {
+    ops_of(type)->product(rows, row_bytes, k, n, xp, m, wbuf, out, ldo);
   }
 }
+
+#endif
 
 }  // namespace avx2_int
 }  // namespace llm_serving

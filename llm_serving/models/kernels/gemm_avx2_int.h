@@ -76,10 +76,13 @@ namespace avx2_int {
 // only product() reads
 using namespace llm_serving::weight_types;
 
-inline bool reads(int32_t type) {
+// The stored types these products read, and those repack_rows repacks (the one list of each)
+constexpr bool integer_type(int32_t type) {
   return type == kQ4_0 || type == kQ4_1 || type == kQ5_0 || type == kQ5_1 || type == kQ8_0 || type == kQ4_K ||
-         type == kQ5_K || type == kQ6_K || type == kMXFP4 || type == kQ4_K_R8 || type == kQ6_K_R8 || type == kQ8_0_R8 ||
-         type == kQ4_0_R8 || type == kQ4_1_R8;
+         type == kQ5_K || type == kQ6_K || type == kMXFP4;
+}
+constexpr bool repackable(int32_t type) {
+  return type == kQ4_K || type == kQ6_K || type == kQ8_0 || type == kQ4_0 || type == kQ4_1;
 }
 
 constexpr int64_t kGroup = 256;            // weights per group
@@ -107,8 +110,27 @@ constexpr int kind_of(int32_t type) {
   return type == kQ4_1 || type == kQ5_1 || type == kQ4_K || type == kQ5_K ? kOffset : type == kQ6_K ? kSplit : kPlain;
 }
 
-// ---- defined in gemm_avx2_int.cc: a translation unit of its own, compiled beside decoder_layer_cpu.cc (on
-// another core) and linked into the same library
+// ---- defined in gemm_avx2_int.cc, compiled beside decoder_layer_cpu.cc (on other cores) and linked into the same
+// library: once as it is (the entry points below, and the table of the types linked), and once more for each type
+// the library reads (-DLLM_SERVING_INT_TYPE=<its code>: that type's products, repacking and rows read back,
+// entered into the table when the library loads). A library links the units of its model's types only
+// (kernels/__init__.py: a Q4_1 model's compiles in a fifth of the time of all nine types').
+
+// Whether this library reads `type` (a stored or repacked type): integer_type, and its unit linked
+bool reads(int32_t type);
+
+// A type's entry points, as its unit enters them in the table (repack, stored_row, product_repacked: nullptr
+// for a type not repacked)
+struct TypeOps {
+  void (*product)(const uint8_t* rows, int64_t row_bytes, int64_t k, int64_t n, const uint8_t* xp, int64_t m,
+                  uint8_t* wbuf, float* out, int64_t ldo);
+  void (*product_repacked)(const uint8_t* rows, int64_t row_bytes, int64_t k, int64_t n, const uint8_t* xp,
+                           int64_t m, uint8_t* wbuf, float* out, int64_t ldo);
+  void (*repack)(const uint8_t* src, int64_t rows, int64_t k, uint8_t* dst);
+  void (*stored_row)(const uint8_t* rows, int64_t row_bytes, int64_t k, int64_t r, uint8_t* out);
+};
+// Enters a type's unit in the table (its static initializer, when the library loads); true
+bool enter_type(int32_t type, const TypeOps& ops);
 
 // Rows [b0, b1) of m rows of x (stride ldx floats, k values, k a multiple of 32) into xp: row b at xp + b *
 // x_bytes(k), a record per group: [n: per block of 32, its 16 even then 16 odd values (int16); for more rows than

@@ -52,12 +52,13 @@ class KernelChoice:
         return dataclasses.replace(self, decode_run_steps=1, decode_run_rows=0)
 
 
-def choose_kernels(spec: RunnerSpec, tp: TensorParallel) -> KernelChoice:
-    """The kernels `spec` asks for, built (or loaded from the kernel cache) on this machine; ValueError for a spec
-    that needs the layer kernel on every step where it does not serve them, KernelBuildError for a kernel set to
-    `on` that does not build."""
+def choose_kernels(spec: RunnerSpec, tp: TensorParallel, types=None) -> KernelChoice:
+    """The kernels `spec` asks for, built (or loaded from the kernel cache) on this machine, the layer kernel's
+    integer products for the stored `types` only (weights.stored_types: the model's; None: every type); ValueError
+    for a spec that needs the layer kernel on every step where it does not serve them, KernelBuildError for a
+    kernel set to `on` that does not build."""
     decode_kernel = _build_decode_kernel(spec.device_target, spec.attention_kernel)
-    layer_kernel = _build_layer_kernel(spec.device_target, spec.layer_kernel, tp, decode_kernel)
+    layer_kernel = _build_layer_kernel(spec.device_target, spec.layer_kernel, tp, decode_kernel, types)
     serves_all = layer_kernel is not None and spec.layer_kernel_rows is None
     rows = 0 if layer_kernel is None else KERNEL_ONLY_ROWS if serves_all else int(spec.layer_kernel_rows)
     if spec.kv_cache.kernel_only and not serves_all:
@@ -96,7 +97,7 @@ def _build_decode_kernel(device_target: str, attention_kernel: str) -> Optional[
 
 
 def _build_layer_kernel(device_target: str, layer_kernel: str, tp: TensorParallel,
-                        decode_kernel: Optional[str]) -> Optional[str]:
+                        decode_kernel: Optional[str], types=None) -> Optional[str]:
     """The library of the whole-layer CPU kernel (kernels/decoder_layer_cpu.cc) that serves every step (or those of
     up to layer_kernel_rows tokens), or None: 'off', not a CPU, tensor parallel (its all-reduces sit inside the
     layer), no paged-attention kernel (the padded path), or it does not build ('auto')."""
@@ -107,7 +108,7 @@ def _build_layer_kernel(device_target: str, layer_kernel: str, tp: TensorParalle
         return None
     from ..kernels import KernelBuildError, build_kernel
     try:
-        return build_kernel("decoder_layer_cpu", "DecoderLayer").rsplit(":", 1)[0]
+        return build_kernel("decoder_layer_cpu", "DecoderLayer", types=types).rsplit(":", 1)[0]
     except KernelBuildError as e:
         if layer_kernel == "on":
             raise

@@ -21,7 +21,8 @@ from .mindformers import load_mindformers, mindformers_dir_config
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["READERS", "checkpoint_config", "detect_format", "load_llama_weights", "load_quantized", "model_shape"]
+__all__ = ["READERS", "checkpoint_config", "detect_format", "load_llama_weights", "load_quantized", "model_shape",
+           "stored_types"]
 
 # detect_format's name -> the reader of that format: path -> (config, {HF name: StoredTensor}), not read yet
 READERS: dict[str, Callable[[str], tuple[LlamaConfig, dict[str, StoredTensor]]]] = {
@@ -140,6 +141,19 @@ def _log_float32_copies(stored: dict, read: dict, skip: frozenset) -> None:
     for kind, (count, nbytes) in sorted(by_type.items()):
         logger.info("%d %s matrices dequantized to float32: %.1f MB in memory (the CPU kernels read F32, %s as "
                     "stored)", count, kind, nbytes / 1e6, ", ".join(sorted(KEPT_QUANTIZED)))
+
+
+def stored_types(path: str) -> Optional[frozenset]:
+    """The GGUF type names of the block-quantized tensors the checkpoint at `path` stores (what load_quantized and
+    a mixture's expert stacks keep: {"Q4_1", "Q8_0"} for SmolLM2's Q4_1 GGUF, none for a float checkpoint), from its
+    header and index alone (0.1 s for a 30B GGUF), so that the CPU layer kernel can be built for those types before
+    the load; None when the checkpoint cannot be read (the load says why)."""
+    names = {code: name for name, code in KEPT_QUANTIZED.items()}
+    try:
+        cfg, stored = _checked_stored(os.fspath(path), None)
+    except (OSError, ValueError, KeyError, WeightLoadError):
+        return None
+    return frozenset(names.get(t.qtype, str(t.qtype)) for t in stored.values() if t.read_blocks is not None)
 
 
 def load_quantized(path: str, num_layers: Optional[int] = None) -> dict[str, QuantizedTensor]:

@@ -45,8 +45,10 @@ def read_ahead_model(model_path: str, layer_kernel: bool, cache_dir: Path) -> th
     model is decided (startup.decide), before its agent imports MindSpore."""
     def find_and_read() -> None:
         from ..kernels import library_path
+        from .loader import stored_types
 
-        _read(weight_files(model_path, library_path("decoder_layer_cpu") if layer_kernel else None, cache_dir))
+        library = library_path("decoder_layer_cpu", types=stored_types(model_path)) if layer_kernel else None
+        _read(weight_files(model_path, library, cache_dir))
     thread = threading.Thread(target=find_and_read, name="read-ahead", daemon=True)
     thread.start()
     return thread
