@@ -9,13 +9,17 @@ library exports (its parameters, its iconfig's entries) before it is used: a `Ke
 first difference.
 
 The build (`build_libraries`): the libraries missing are compiled together, every translation unit of them at
-once, one compiler each on as many CPUs as the process may use, then linked. The layer kernel is two units,
-decoder_layer_cpu.cc and gemm_avx2_int.cc (its integer products, half the compile), so a 2-core machine builds it
-in 18 s instead of 37 (a Zen 4), and a machine of more cores no slower. Each library goes to a temporary file
-renamed into place, so agents starting together never load a half-written library, and the build holds the
-directory's lock (an flock on the directory itself, dropped when its holder dies), so processes that need the same
-libraries together (TP ranks, a test run's workers and servers) wait for one build instead of each compiling them
-at once; the temporary files of a build whose process was killed are removed by the next. `llm-serving start`
+once, one compiler each on as many CPUs as the process may use, then linked. The layer kernel's units are
+decoder_layer_cpu.cc, gemm_avx2_int.cc as it is, and gemm_avx2_int.cc once more per integer type it reads
+(TYPED_UNITS: Q4_1's products are 4 s of a core, the nine types' 23 s): the runner asks for the types its
+checkpoint stores (`types`), so a SmolLM2's first start on a 2-core machine (a Zen 4) compiles for 13 s, not the
+18 s of every type, and a model of other types later compiles its types alone. The objects are kept in
+`<cache>/kernels/objects/`, named by their own digest, and linked again by each library that needs them (a link:
+0.1 s); a library of some types is named by them (`decoder_layer_cpu-<digest>-q4_1+q8_0.so`). Each library goes
+to a temporary file renamed into place (an object too), so agents starting together never load a half-written
+library, and the build holds the directory's lock (an flock on the directory itself, dropped when its holder
+dies), so processes that need the same libraries together (TP ranks, a test run's workers and servers) wait for one
+build instead of each compiling them at once; the temporary files of a build whose process was killed are removed by the next. `llm-serving start`
 starts the build on a thread of the master before anything else (`prebuild`, `libraries_for`), so that a machine's
 first start compiles while the master decides and the agent imports MindSpore.
 
