@@ -161,11 +161,15 @@ def build_libraries(names, cache_dir: Optional[Path] = None, types=None) -> list
             if missing:                                                     # some while this one waited)
                 _remove_leftovers(out_dir)
                 what = ", ".join(lib.target.name for lib in missing)
-                logger.info("building the CPU kernels %s for this machine (once: kept in %s; the layer kernel takes "
-                            "15-40 s on 2 cores)", what, out_dir)
+                compiles = [u.source.name for lib in missing for u in lib.units
+                            if u.object is None or not u.object.exists()]
+                if compiles:
+                    logger.info("building the CPU kernels %s for this machine (once: kept in %s; %d unit(s) to "
+                                "compile, the layer kernel's 10-40 s on 2 cores)", what, out_dir, len(compiles))
                 started = time.perf_counter()
                 compile_libraries(cxx, cxx_flags, [(lib.units, lib.target) for lib in missing])
-                logger.info("built the CPU kernels %s in %.0f s", what, time.perf_counter() - started)
+                logger.info("%s the CPU kernels %s in %.1f s", "built" if compiles else "linked the objects kept into",
+                            what, time.perf_counter() - started)
         finally:
             os.close(lock)                       # (which releases the lock)
     return [lib.target for lib in libraries]
