@@ -193,22 +193,24 @@ def cmd_start(args) -> int:
     from llm_serving.master.fleet import specs_from_config
     from llm_serving.startup import decide
 
+    from llm_serving.master import spare_agents
+
     try:
         given = build_config(args)
         _build_kernels_ahead(given)
+        _start_spare_ahead(given)
         config, model_dir, model_name, vocab_file = decide(given)
         specs = tuple(specs_from_config(given, model_name, model_dir, tuple((args.model or [])[1:]))[1:])
         if config.serving_config.agent_token_file:
             launch.read_token_file(config.serving_config.agent_token_file)
     except (ConfigError, ValueError, OSError) as exc:
+        spare_agents.close()
         print(f"llm-serving: config error: {exc}", file=sys.stderr)
         return 2
     logger.info("model %r from %s", model_name, model_dir)
-    from llm_serving.master import spare_agents
-
     sc = config.serving_config
-    if spare_agents.wanted(sc, 1 + len(specs), at_start=True):     # it imports MindSpore while this process goes on
-        spare_agents.start(launch.agent_huge_pages(sc.agent_huge_pages, model_dir))
+    if spare_agents.wanted(sc, 1 + len(specs), at_start=True):     # (the one started ahead, unless the decided
+        spare_agents.start(launch.agent_huge_pages(sc.agent_huge_pages, model_dir))     # model wants another kind)
     sweep_stale_segments()          # of servers killed with their resource tracker (the OOM killer, kill -9)
     try:
         asyncio.run(serve(config, model_dir, model_name, vocab_file, given=given, specs=specs))
@@ -216,6 +218,19 @@ def cmd_start(args) -> int:
         logger.error("llm-serving failed: %s", exc)
         return 1
     return 0
+
+
+def _start_spare_ahead(config) -> None:
+    """The first agent's process started now, before the model is decided (master/spare_agents.py): its MindSpore
+    import (1.2-1.8 s) runs beside the master's decisions (0.5-0.7 s) instead of after them; its huge-pages kind from
+    the checkpoint the decision will serve (startup.model.checkpoint_path), as the decided start asks for it."""
+    from llm_serving.agents import launch
+    from llm_serving.master import spare_agents
+    from llm_serving.startup.model import checkpoint_path
+
+    sc = config.serving_config
+    if spare_agents.wanted(sc, 1, at_start=True):
+        spare_agents.start(launch.agent_huge_pages(sc.agent_huge_pages, checkpoint_path(config)))
 
 
 def _build_kernels_ahead(config) -> None:

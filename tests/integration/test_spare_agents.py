@@ -112,3 +112,14 @@ def test_a_spare_told_nothing_exits(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, out.decode(errors="replace")[-2000:]
+
+
+def test_a_start_that_cannot_decide_its_model_ends_the_spare_it_began(tmp_path):
+    """`llm-serving start` begins its first agent before it decides the model (its MindSpore import beside the
+    master's decisions); a model that cannot be decided is a config error (exit 2) and that spare ends with it."""
+    tag = uuid.uuid4().hex
+    env = {**os.environ, "LLM_SERVING_TEST_TAG": tag, "LLM_SERVING_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-m", "llm_serving.cli", "start", "--model", str(tmp_path / "none.gguf"),
+                           "--port", "0"], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "config error" in proc.stderr, proc.stderr[-2000:]
+    assert not tagged_processes(tag)     # ended with the master, not left importing MindSpore
