@@ -6,8 +6,12 @@ from __future__ import annotations
 import ctypes
 import os
 import shutil
+import subprocess
+import sys
+import time
 
 import numpy as np
+import psutil
 import pytest
 
 from llm_serving.models.kernels import KernelBuildError, build_kernel
@@ -379,3 +383,20 @@ def test_the_libraries_an_agent_builds_and_their_build_ahead_of_it(tiny_sources,
     failing = prebuild(("one",))                 # (a failure is the agent's to report: the thread only ends)
     failing.join(timeout=60)
     assert not failing.is_alive()
+
+
+def test_a_process_that_exits_during_a_build_is_not_held_by_its_compilers(tmp_path):
+    """`prebuild` began, then the process ends (a config error found after it): the exit kills the compilers
+    instead of waiting for them (a compiler here: 60 s of sleep)."""
+    slow = tmp_path / "cxx"
+    slow.write_text('#!/bin/sh\ncase "$*" in *--version*) echo "g++ (slow) 1"; exit 0;; esac\nexec sleep 60\n')
+    slow.chmod(0o755)
+    env = {**os.environ, "CXX": str(slow), "LLM_SERVING_CACHE": str(tmp_path / "cache")}
+    code = ("import time\nfrom llm_serving.models import kernels\n"
+            "kernels.prebuild(('paged_attention_cpu', 'decoder_layer_cpu'))\ntime.sleep(1)\n")
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert time.monotonic() - started < 30, "the exit waited for the compilers"
+    left = [p for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [])[:2] == ["sleep", "60"]]
+    assert not left, left

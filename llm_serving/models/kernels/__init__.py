@@ -48,7 +48,6 @@ import subprocess
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -267,10 +266,7 @@ def compile_libraries(cxx: str, cxx_flags: list, libraries: list) -> None:
         raise KernelBuildError(f"cannot write the kernel library under {libraries[0][1].parent}: {e}") from e
     try:
         order = sorted(jobs, key=lambda out: jobs[out][0].source.stat().st_size, reverse=True)
-        failed = {}
-        if order:
-            with ThreadPoolExecutor(max_workers=min(len(order), workers)) as pool:
-                failed = dict(zip(order, pool.map(lambda out: _compile(cxx, out, *jobs[out]), order)))
+        failed = _run_jobs(order, lambda out: _compile(cxx, out, *jobs[out]), workers)
         errors = []
         for outs, tmp, target, made in links:
             error = next((failed[out] for out in made if failed.get(out)), None)
@@ -286,6 +282,31 @@ def compile_libraries(cxx: str, cxx_flags: list, libraries: list) -> None:
         raise KernelBuildError(f"building {libraries[0][1].name} with {cxx} failed: {e}") from e
     finally:
         _remove(temps)
+
+
+def _run_jobs(items: list, run, workers: int) -> dict:
+    """{item: run(item)}, `workers` at a time, on daemon threads: a process that exits during a build (a config
+    error after `prebuild` began, a signal) is not held until its compilers finish, as a ThreadPoolExecutor's
+    threads would hold it (the interpreter joins them at exit); the atexit hook kills the compilers instead."""
+    results, queue, lock = {}, list(items), threading.Lock()
+
+    def work() -> None:
+        while True:
+            with lock:
+                if not queue:
+                    return
+                item = queue.pop(0)
+            try:
+                results[item] = run(item)
+            except OSError as e:            # (a temporary file that cannot be written: the job's error)
+                results[item] = f"building {item} failed: {e}"
+    threads = [threading.Thread(target=work, name="kernel-compile", daemon=True)
+               for _ in range(min(len(items), workers))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
 
 
 def _compile(cxx: str, out: str, unit: _Unit, args: list) -> Optional[str]:
