@@ -190,10 +190,9 @@ def cmd_start(args) -> int:
     from llm_serving.config import ConfigError
     from llm_serving.server.run import serve
     from llm_serving.shm.sweep import sweep_stale_segments
+    from llm_serving.master import spare_agents
     from llm_serving.master.fleet import specs_from_config
     from llm_serving.startup import decide
-
-    from llm_serving.master import spare_agents
 
     try:
         given = build_config(args)

@@ -19,9 +19,10 @@ checkpoint stores (`types`), so a SmolLM2's first start on a 2-core machine (a Z
 to a temporary file renamed into place (an object too), so agents starting together never load a half-written
 library, and the build holds the directory's lock (an flock on the directory itself, dropped when its holder
 dies), so processes that need the same libraries together (TP ranks, a test run's workers and servers) wait for one
-build instead of each compiling them at once; the temporary files of a build whose process was killed are removed by the next. `llm-serving start`
-starts the build on a thread of the master before anything else (`prebuild`, `libraries_for`), so that a machine's
-first start compiles while the master decides and the agent imports MindSpore.
+build instead of each compiling them at once; the temporary files of a build whose process was killed are removed
+by the next. `llm-serving start` starts the build on a thread of the master before anything else (`prebuild`,
+`libraries_for`, the model's types), so that a machine's first start compiles while the master decides and the
+agent imports MindSpore; the compilers run on daemon threads, killed at the process's exit rather than waited for.
 
 $LLM_SERVING_KERNEL_MARCH (for example `x86-64-v3` or `znver3`: AVX2 without AVX-512) replaces `native` in
 `-march=`: a machine with AVX-512 then builds, runs and measures the AVX2 paths (16 vector registers, no EVEX
@@ -260,7 +261,7 @@ def compile_libraries(cxx: str, cxx_flags: list, libraries: list) -> None:
                     jobs[outs[-1]] = (unit, [*compile_only, *unit.defines()])
             if scratch:
                 temps.append(scratch)
-            links.append((outs, tmp, target, outs))
+            links.append((outs, tmp, target, outs))         # (made: the files its link needs)
     except OSError as e:
         _remove(temps)
         raise KernelBuildError(f"cannot write the kernel library under {libraries[0][1].parent}: {e}") from e
