@@ -239,12 +239,12 @@ def _build_kernels_ahead(config) -> None:
 
     mc = config.model_config
 
-    def model_types():              # (the runner's choice: the types the checkpoint stores, when it keeps them)
-        from llm_serving.models.weights import stored_types
+    def model_types():              # (the runner's choice; None from checkpoint_path: the built-in float model)
+        from llm_serving.models.weights import kernel_types
         from llm_serving.startup.model import checkpoint_path
 
         path = checkpoint_path(config)
-        return stored_types(path) if mc.keep_quantized and path is not None else ()
+        return kernel_types(path, mc.keep_quantized) if path is not None else ()
     kernels.prebuild(kernels.libraries_for(mc.device_target, mc.attention_kernel, mc.layer_kernel,
                                            len(config.serving_config.agent_ports)), model_types)
 

@@ -29,5 +29,5 @@ def decide(config: Config) -> tuple:
     mc = config.model_config
     layer_kernel = "decoder_layer_cpu" in libraries_for(mc.device_target, mc.attention_kernel, mc.layer_kernel,
                                                         len(config.serving_config.agent_ports))
-    read_ahead_model(model_dir, layer_kernel, default_cache_dir())
+    read_ahead_model(model_dir, layer_kernel, mc.keep_quantized, default_cache_dir())
     return size_for_model(config, model_dir), model_dir, model_name, vocab_file

@@ -14,7 +14,7 @@ from ..mindspore_env import claim_compile_cache, setup_mindspore
 from ..parallel import TensorParallel, all_reduce_kernel
 from ..runner_spec import RunnerSpec
 from ..step_inputs import StepLimits
-from ..weights import LlamaConfig, load_llama_weights, load_quantized, read_ahead, stored_types, weight_files
+from ..weights import LlamaConfig, kernel_types, load_llama_weights, load_quantized, read_ahead, weight_files
 from .decode_runs import DecodeRuns
 from .embed_steps import EmbedSteps
 from .graphs import RunnerGraphs
@@ -55,7 +55,7 @@ class ModelRunner:
         self.tp = tp if tp is not None else TensorParallel()
         # (the layer kernel built for the types the checkpoint stores: a model's first start on a machine compiles
         # its own types' products only, and its next finds them kept)
-        self.kernels = choose_kernels(spec, self.tp, stored_types(model_dir) if spec.keep_quantized else ())
+        self.kernels = choose_kernels(spec, self.tp, kernel_types(model_dir, spec.keep_quantized))
         read_ahead(weight_files(model_dir, self.kernels.layer_kernel, default_cache_dir()))   # (the master's decide
         # asked too; this one is for what it has not read yet, and for runners no master started)
         self.buckets = Buckets.make(

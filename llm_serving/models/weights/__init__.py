@@ -28,11 +28,11 @@ entry in `READERS`.
 """
 from .common import LlamaConfig, QuantizedTensor, StoredTensor, WeightLoadError, expected_shapes, rotate_half_rows
 from .hf import llama3_rope_factors, load_config, stored_safetensors
-from .loader import (checkpoint_config, detect_format, load_llama_weights, load_quantized, model_shape,
+from .loader import (checkpoint_config, detect_format, kernel_types, load_llama_weights, load_quantized, model_shape,
                      stored_llama_weights, stored_types)
 from .page_cache import read_ahead, weight_files
 
 __all__ = ["LlamaConfig", "QuantizedTensor", "StoredTensor", "WeightLoadError", "checkpoint_config", "detect_format",
-           "expected_shapes", "llama3_rope_factors", "load_config", "load_llama_weights", "load_quantized",
-           "model_shape", "read_ahead", "rotate_half_rows", "stored_llama_weights", "stored_safetensors",
-           "stored_types", "weight_files"]
+           "expected_shapes", "kernel_types", "llama3_rope_factors", "load_config", "load_llama_weights",
+           "load_quantized", "model_shape", "read_ahead", "rotate_half_rows", "stored_llama_weights",
+           "stored_safetensors", "stored_types", "weight_files"]

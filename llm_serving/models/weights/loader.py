@@ -21,8 +21,8 @@ from .mindformers import load_mindformers, mindformers_dir_config
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["READERS", "checkpoint_config", "detect_format", "load_llama_weights", "load_quantized", "model_shape",
-           "stored_types"]
+__all__ = ["READERS", "checkpoint_config", "detect_format", "kernel_types", "load_llama_weights", "load_quantized",
+           "model_shape", "stored_types"]
 
 # detect_format's name -> the reader of that format: path -> (config, {HF name: StoredTensor}), not read yet
 READERS: dict[str, Callable[[str], tuple[LlamaConfig, dict[str, StoredTensor]]]] = {
@@ -154,6 +154,13 @@ def stored_types(path: str) -> Optional[frozenset]:
     except (OSError, ValueError, KeyError, WeightLoadError):
         return None
     return frozenset(names.get(t.qtype, str(t.qtype)) for t in stored.values() if t.read_blocks is not None)
+
+
+def kernel_types(path: str, keep_quantized: bool) -> Optional[frozenset]:
+    """The stored types the CPU layer kernel is built for (kernels.build_kernel's `types`): the checkpoint's
+    (stored_types) when the runner keeps its matrices as stored (model_config.keep_quantized), else none. The
+    runner, the master's build ahead of it and its read-ahead all ask here, so they name one library."""
+    return stored_types(path) if keep_quantized else frozenset()
 
 
 def load_quantized(path: str, num_layers: Optional[int] = None) -> dict[str, QuantizedTensor]:

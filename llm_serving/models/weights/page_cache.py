@@ -39,15 +39,17 @@ def weight_files(model_path: str, library=None, cache_dir=None) -> list:
     return []
 
 
-def read_ahead_model(model_path: str, layer_kernel: bool, cache_dir: Path) -> threading.Thread:
+def read_ahead_model(model_path: str, layer_kernel: bool, keep_quantized: bool,
+                     cache_dir: Path) -> threading.Thread:
     """`read_ahead` of what a load of `model_path` reads (`weight_files`, with this machine's layer kernel when
-    `layer_kernel`: a CPU agent runs it), its library's path found on the thread too. The master asks as soon as a
-    model is decided (startup.decide), before its agent imports MindSpore."""
+    `layer_kernel`: a CPU agent runs it, built for `kernel_types`), its library's path found on the thread too. The
+    master asks as soon as a model is decided (startup.decide), before its agent imports MindSpore."""
     def find_and_read() -> None:
         from ..kernels import library_path
-        from .loader import stored_types
+        from .loader import kernel_types
 
-        library = library_path("decoder_layer_cpu", types=stored_types(model_path)) if layer_kernel else None
+        library = (library_path("decoder_layer_cpu", types=kernel_types(model_path, keep_quantized))
+                   if layer_kernel else None)
         _read(weight_files(model_path, library, cache_dir))
     thread = threading.Thread(target=find_and_read, name="read-ahead", daemon=True)
     thread.start()
