@@ -115,15 +115,20 @@ def set_file_cache(path: str, state: str) -> None:
 
 def start_settled(log_text: str) -> bool:
     """Whether a start of this server has done what it goes on doing after /health answers: a staged warmup's rest
-    (models/warmup.py, run when idle) and the write of its repacked panels for the next start (a thread:
-    kernels/panel_store.py). A measurement waits for it, so that neither lands in its figures and a warm start
-    after a first one finds what the first one left."""
+    (models/warmup.py, run when idle), the repack of the matrices left for after the load (threads:
+    kernels/repack.py's LaterRepacks) and the write of its repacked panels for the next start (kernels/panel_store.py).
+    A measurement waits for it, so that none lands in its figures and a warm start after a first one finds what the
+    first one left."""
     import re
 
     warming = "for a first request" in log_text and "warmup complete" not in log_text
     kept = re.search(r"([0-9.]+) GB repacked into files kept for the next", log_text)
-    writing = kept is not None and float(kept.group(1)) > 0 and "kept on disk for the next start" not in log_text
-    return not warming and not writing
+    later = re.search(r"([0-9.]+) GB to repack after the load, on background threads(, its panels then written)?",
+                      log_text)
+    repacking = later is not None and "repacked after the load:" not in log_text
+    writes = (kept is not None and float(kept.group(1)) > 0) or (later is not None and later.group(2) is not None)
+    writing = writes and "kept on disk for the next start" not in log_text
+    return not warming and not repacking and not writing
 
 
 def with_llama_server(cmd: list, log_path: Path, work, extra: Optional[list] = None) -> tuple:

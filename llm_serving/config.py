@@ -142,6 +142,9 @@ class ModelConfig:
                                               # on a float32 copy of every matrix
     keep_quantized: bool = True               # the CPU kernels read a GGUF's quantized and F16 matrices as stored
                                               # (fewer bytes per step); False = a float32 copy
+    repack_after_load: bool = True            # the layer kernel's 8-row panels of the layers' matrices made on
+                                              # background threads after the load, the stored rows serving until
+                                              # then (the same bits); False = at load, before ready
     batch_invariant: Union[bool, str] = "auto"   # the layer kernel's steps batch-invariant: a request's tokens
                                               # and log-probabilities the same to the bit whatever else runs (other
                                               # rows, chunking, preemption, speculation). 'auto' (the default) = on
@@ -208,6 +211,8 @@ class ModelConfig:
         if self.layer_kernel_max_tokens is not None:
             _check_int("model_config.layer_kernel_max_tokens", self.layer_kernel_max_tokens)
         _check(isinstance(self.keep_quantized, bool), "model_config.keep_quantized", self.keep_quantized,
+               "must be true or false")
+        _check(isinstance(self.repack_after_load, bool), "model_config.repack_after_load", self.repack_after_load,
                "must be true or false")
         _check(isinstance(self.batch_invariant, bool) or self.batch_invariant == "auto",
                "model_config.batch_invariant", self.batch_invariant, "must be true, false or 'auto'")

@@ -87,6 +87,19 @@ def _repacked(repacker: Repacker, k: KernelInputs) -> KernelInputs:
     return k if types == tuple(k.types) else k.with_matrices(matrices, types)
 
 
+def _kept_or_stored(repacker: Repacker, inputs):
+    """(KernelInputs or MoeKernelInputs with each stored matrix as the load serves it until LaterRepacks repacks
+    it: the panels an earlier start kept, else the stored rows; {name: the type it is repacked into} of the
+    matrices left to LaterRepacks)."""
+    matrices, types, later = {}, [], {}
+    for (name, array), qtype in zip(inputs.matrices.items(), inputs.types):
+        matrices[name], code, to = repacker.kept_or_stored(array, qtype)
+        types.append(code)
+        if to:
+            later[name] = to
+    return (inputs if tuple(types) == tuple(inputs.types) else inputs.with_matrices(matrices, tuple(types))), later
+
+
 def _repacked_tied_table(repacker: Repacker, quantized: dict) -> QuantizedTensor:
     """A tied embedding's stored rows, which FinalLogits reads as the lm_head on every step: repacked where the
     library repacks them (EmbedTokens then reads each token's stored bytes back from the panels, the same floats),
@@ -232,8 +245,13 @@ class LlamaDecoderLayer(nn.Cell):
         # the layer kernel on every step: the model runs its layers as one call (kernels/layer_stack.py), which reads
         # the arrays this layer keeps (`stack_held`, `moe_stack_held`); no Parameter holds them
         self.stacked = layer_kernel is not None and not ops_graphs
+        # (stacked, with a LaterRepacks: the matrices no earlier start kept are served as stored and repacked after
+        # the load, `stack_later` {name: its repacked type}; the model queues them once its stack holds them)
+        later = self.stacked and repacker.later is not None
+        self.stack_later, self.moe_stack_later = {}, {}
         if self.stacked:
-            k = _repacked(repacker, prepared.kernel)
+            k, self.stack_later = (_kept_or_stored(repacker, prepared.kernel) if later
+                                   else (_repacked(repacker, prepared.kernel), {}))
             self.stack_held = _stack_arrays(DECODER_LAYER, {
                 **k.matrices, **k.gains, **k.lora, "qkv_bias": k.qkv_bias, "o_bias": k.o_bias, "sinks": k.sinks,
                 "gate_up_bias": k.gate_up_bias, "down_bias": k.down_bias, "norm_bias": k.norm_bias,
@@ -247,7 +265,9 @@ class LlamaDecoderLayer(nn.Cell):
         # a mixture-of-experts layer: its MLP as the MoeMlp kernel after the layer kernel (which then runs none)
         self.moe = prepared.moe is not None
         if self.moe and self.stacked:
-            m = _repacked_experts(repacker, prepared.moe, cfg)
+            repacks = cfg.expert_intermediate_size % 8 == 0 and cfg.hidden_size % 8 == 0     # (_repacked_experts)
+            m, self.moe_stack_later = (_kept_or_stored(repacker, prepared.moe) if later and repacks
+                                       else (_repacked_experts(repacker, prepared.moe, cfg), {}))
             self.moe_stack_held = _stack_arrays(MOE_MLP, {
                 **m.matrices, **m.biases, "router": m.router,
                 "router_bias": m.router_bias, "post_gain": m.post_gain, "iconfig": m.iconfig, "fconfig": m.fconfig})
@@ -433,7 +453,9 @@ class LlamaForCausalLM(nn.Cell):
     `weights` that hold only that rank's part (load_llama_weights(path, tp)); ranks other than 0 have no
     lm_head and return only the final hidden state (R, H). `quantized` (weights.load_quantized's, one agent): the
     matrices the CPU kernels read as the checkpoint stores them; `panels` (kernels/panel_store.py's PanelStore of the
-    model file, or None): where the layer kernel's repacked matrices are kept between starts."""
+    model file, or None): where the layer kernel's repacked matrices are kept between starts; `later`
+    (kernels/repack.py's LaterRepacks, or None): repacks the layer stack's matrices after the load (queued here,
+    started by the caller), the stored rows serving until then."""
 
     def __init__(self, cfg: LlamaConfig, weights: dict, *, num_slots: int, block_size: int,
                  max_positions: int, device_target: str = "CPU", decode_kernel: Optional[str] = None,
@@ -441,10 +463,10 @@ class LlamaForCausalLM(nn.Cell):
                  layer_kernel: Optional[str] = None, layer_kernel_rows: Optional[int] = 0,
                  quantized: Optional[dict] = None, lora_slots: int = 0, lora_rank: int = 0,
                  kv_cache: KvCacheType = KV_CACHE_TYPES["float16"], batch_invariant: bool = False,
-                 window_pool_slots: int = 0, panels=None):
+                 window_pool_slots: int = 0, panels=None, later=None):
         super().__init__()
         tp.check(cfg)
-        repacker = Repacker(layer_kernel, panels) if layer_kernel is not None else None
+        repacker = Repacker(layer_kernel, panels, later) if layer_kernel is not None else None
         if batch_invariant and (layer_kernel is None or layer_kernel_rows is not None):
             raise ValueError("LlamaForCausalLM: batch-invariant steps need the layer kernel on every step")
         if layer_kernel is not None and (tp.world > 1 or device_target != "CPU"):
@@ -539,7 +561,8 @@ class LlamaForCausalLM(nn.Cell):
         self.stack, self.stacked = None, kernel_only       # (a bool for construct: the stack is no graph value)
         if kernel_only:
             self._stack_layers(layer_kernel, [(np.ascontiguousarray(cos, np.float32),
-                                               np.ascontiguousarray(sin, np.float32)) for cos, sin in tables])
+                                               np.ascontiguousarray(sin, np.float32)) for cos, sin in tables],
+                               repacker.later)
         self.embed_scale = float(cfg.embed_scale)
         # Per-head multipliers for the fused qkv: q heads carry the attention scale, v heads no rotation.
         nh, kvh = cfg.num_heads // tp.world, cfg.num_kv_heads // tp.world
@@ -550,21 +573,37 @@ class LlamaForCausalLM(nn.Cell):
         self.head_keep = _param(keep, "rope_head_keep")                                 # (1, NH+2KVH, 1)
         self.matmul_t = ops.MatMul(transpose_b=True)
 
-    def _stack_layers(self, layer_kernel: str, tables: list) -> None:
+    def _stack_layers(self, layer_kernel: str, tables: list, later) -> None:
         """The layers as one DecoderStack call (kernels/layer_stack.py): each layer's DecoderLayer (and MoeMlp) with
-        the arrays it keeps and its RoPE tables, its caches the call's inputs; the KV caches stay Parameters."""
+        the arrays it keeps and its RoPE tables, its caches the call's inputs; the KV caches stay Parameters. The
+        matrices a layer left to `later` (LaterRepacks) are queued with the call that reads them."""
         self.stack = LayerStack(layer_kernel)
         for i, layer in enumerate(self.layers):
             cos, sin = tables[layer.rope_index]
             sources = {**step_sources(layer.in_window_pool), **cache_sources(i)}
             self.stack.add(DECODER_LAYER, sources, {**layer.stack_held, "cos": cos, "sin": sin})
+            self._queue_later(later, DECODER_LAYER, layer.stack_held, layer.stack_later)
             if layer.moe:
                 self.stack.add(MOE_MLP, {"x": HIDDEN, "slots": sources["slots"]}, layer.moe_stack_held)
+                self._queue_later(later, MOE_MLP, layer.moe_stack_held, layer.moe_stack_later)
         self.stack_kernel = ops.Custom(f"{layer_kernel}:DecoderStack", out_shape=lambda x, *_: x,
                                        out_dtype=lambda x, *_: x, func_type="aot")
         self.stack_caches = tuple(p for layer in self.layers for p in (layer.attn.key_cache, layer.attn.value_cache))
         self.stack_handle = Parameter(Tensor(np.array([self.stack.handle], np.int32)), name="layer_stack",
                                       requires_grad=False)
+
+    def _queue_later(self, later, signature, held: dict, to_later: dict) -> None:
+        """Queue with `later` the matrices of the stack's last call left to it ({name: repacked type}): each copy
+        replaces the stored rows in the stack, and its type code theirs in the call's iconfig (`held`'s, which the
+        library reads at every call)."""
+        call = self.stack.calls - 1
+        for name, to in to_later.items():
+            def use(panels, code, name=name, index=signature.iconfig_index(f"{name.removesuffix('_w')}_type")):
+                self.stack.replace(call, name, panels)
+                held[name] = panels
+                held["iconfig"][index] = code
+            later.add(held[name], held["iconfig"][signature.iconfig_index(f"{name.removesuffix('_w')}_type")], to,
+                      use)
 
     def construct(self, input_ids, positions, slot_mapping, block_tables, context_lens, query_lens, sample_index,
                   tree_bits, lora, window_slots, window_tables):

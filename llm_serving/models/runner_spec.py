@@ -27,6 +27,8 @@ class RunnerSpec:
     decode_run_steps, decode_run_rows: decode runs (None rows: every batch the layer kernel takes).
     attention_kernel, layer_kernel, layer_kernel_rows, keep_quantized: the CPU kernels (config.ATTENTION_KERNELS);
     layer_kernel_rows None: the layer kernel runs every step, on the weights as stored (no float32 copy).
+    repack_after_load: the layer stack's matrices the kernel repacks, repacked after the load (kernels/repack.py's
+    LaterRepacks; no earlier start kept their panels), the stored rows serving until then.
     batch_invariant: the layer kernel's steps batch-invariant: 'auto' (where the kernel serves every step), True or
     False; the runner resolves it (runner/kernels.py: KernelChoice.batch_invariant) and puts it in each kernel call's
     iconfig.
@@ -57,6 +59,7 @@ class RunnerSpec:
     decode_run_steps: int = 1
     decode_run_rows: Optional[int] = 0
     keep_quantized: bool = True
+    repack_after_load: bool = True
     lora_slots: int = 0
     lora_rank: int = 16
     kv_cache: KvCacheType = KV_CACHE_TYPES["float16"]
@@ -100,6 +103,7 @@ class RunnerSpec:
                    verify_width=spec.tokens_per_row, verify_rows=spec.max_batch_size, num_layers=mc.num_layers,
                    layer_kernel=mc.layer_kernel, layer_kernel_rows=mc.layer_kernel_max_tokens,
                    decode_run_steps=sched.decode_steps, decode_run_rows=sched.decode_steps_max_rows,
-                   keep_quantized=mc.keep_quantized, lora_slots=lc.max_loras if lc.enabled else 0,
+                   keep_quantized=mc.keep_quantized, repack_after_load=mc.repack_after_load,
+                   lora_slots=lc.max_loras if lc.enabled else 0,
                    lora_rank=lc.max_lora_rank, kv_cache=config.kv_cache_type,
                    batch_invariant=mc.batch_invariant, pooling=mc.pooling)

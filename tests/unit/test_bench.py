@@ -395,3 +395,13 @@ def test_a_start_is_settled_once_its_warmup_rest_and_its_panels_write_are_done()
     assert start_settled(ready + writing + "agent 0: warmup complete\nrepacked weights kept on disk for the next "
                                            "start: 2.27 GB in 4.5 s (/c/panels/k)\n")
     assert start_settled(writing.replace("2.27 GB repacked", "0.00 GB repacked"))     # all read: nothing to write
+    # repacked after the load (kernels/repack.py's LaterRepacks): settled once repacked, and the panels written
+    nothing_kept = writing.replace("2.27 GB repacked", "0.00 GB repacked")
+    later = "2.17 GB to repack after the load, on background threads; the stored rows serve until then\n"
+    done = "repacked after the load: 2.17 GB in 3.9 s\n"
+    assert not start_settled(later)
+    assert start_settled(later + done)
+    kept_later = later.replace("threads;", "threads, its panels then written for the next start;")
+    assert not start_settled(nothing_kept + kept_later + done)
+    assert start_settled(nothing_kept + kept_later + done + "repacked weights kept on disk for the next start: 2.27 "
+                                                            "GB in 7.5 s (/c/panels/k)\n")

@@ -293,3 +293,62 @@ def test_a_library_of_the_models_types_reads_those_alone_to_the_same_bits(librar
     assert repack(lean, q4k, Q4_K)[0] == 0
     out = np.zeros((3, n), np.float32)
     assert lean.IntegerProduct(Q4_K, q4k, n, k, x, 3, out) == 2
+
+
+def test_matrices_repacked_after_the_load_reach_their_use_with_one_calls_bytes_and_are_kept(library, repacks,
+                                                                                           tmp_path):
+    """kernels/repack.py's LaterRepacks: the rows a load serves as stored (Repacker.kept_or_stored: no panels kept)
+    are repacked by its threads, each copy handed to its use by `apply` only (the thread that runs the steps), the
+    library's bytes and type; the copies of the file's own rows are written to the PanelStore, so that the next
+    load's kept_or_stored serves those panels at once and leaves nothing for later."""
+    from llm_serving.models.kernels.panel_store import PanelStore
+    from llm_serving.models.kernels.repack import LaterRepacks, Repacker
+
+    rng = np.random.default_rng(17)
+    parts = [(stored_rows(Q4_K, 64, 512, rng), Q4_K), (stored_rows(Q6_K, 32, 256, rng), Q6_K),
+             (stored_rows(Q4_1, 24, 256, rng), Q4_1)]
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"".join(rows.tobytes() for rows, _ in parts))
+    offsets = np.cumsum([0] + [rows.nbytes for rows, _ in parts])
+    mapped = [(np.memmap(model, np.uint8, "r", int(at), rows.shape), qtype)
+              for at, (rows, qtype) in zip(offsets, parts)]
+    path = build_kernel("decoder_layer_cpu", "DecoderLayer").rsplit(":", 1)[0]
+    store = PanelStore.open(str(model), path, tmp_path / "cache")
+    later = LaterRepacks(path, store)
+    repacker = Repacker(path, store, later)
+    got = {}
+    for i, (rows, qtype) in enumerate(mapped):
+        served, code, to = repacker.kept_or_stored(rows, qtype)
+        assert served is rows and code == qtype and to == repack(library, np.array(rows), qtype)[0] != 0
+        later.add(rows, qtype, to, lambda panels, code, i=i: got.__setitem__(i, (panels, code)))
+    assert later.pending and later.bytes == sum(rows.nbytes for rows, _ in parts)
+    later.start()
+    assert later.wait(60) and later.error is None and later.ready == len(parts)
+    assert got == {}                            # (handed over by apply only)
+    assert later.apply() == len(parts) and not later.pending and later.apply() == 0
+    for i, (rows, qtype) in enumerate(mapped):
+        code, want = repack(library, np.array(rows), qtype)
+        assert got[i][1] == code and np.array_equal(got[i][0], want)
+    assert len(list(store.folder.glob("*.npy"))) == len(parts)
+
+    again = Repacker(path, PanelStore.open(str(model), path, tmp_path / "cache"), LaterRepacks(path))
+    for i, (rows, qtype) in enumerate(mapped):
+        served, code, to = again.kept_or_stored(rows, qtype)
+        assert to == 0 and code == got[i][1] and isinstance(served, np.memmap) and np.array_equal(served, got[i][0])
+
+
+def test_matrices_left_for_later_are_dropped_when_closed(library, repacks):
+    """LaterRepacks.close: the threads stop after the matrix each is on, nothing is handed over and nothing is
+    pending any more (the stored rows serve on)."""
+    from llm_serving.models.kernels.repack import LaterRepacks
+
+    path = build_kernel("decoder_layer_cpu", "DecoderLayer").rsplit(":", 1)[0]
+    rows = stored_rows(Q4_K, 64, 512, np.random.default_rng(2))
+    later = LaterRepacks(path)
+    used = []
+    for _ in range(50):
+        later.add(rows, Q4_K, Q4_K + 100, lambda panels, code: used.append(code))
+    later.close()
+    later.start()
+    assert later.wait(30) and not later.pending
+    assert later.apply() == 0 and used == []

@@ -1518,6 +1518,20 @@ extern "C" int StackAddCall(int32_t handle, int32_t kernel, int32_t nparam, cons
   return 0;
 }
 
+// Points call `call`'s held parameter `param` at `ptr`: memory of the same shape and dtype as the one registered
+// (a matrix repacked after the load, kernels/repack.py's LaterRepacks). The caller makes sure no DecoderStack call
+// runs meanwhile. 0, or 1 for an unknown stack, call or a parameter that is not held.
+extern "C" int StackSetHeld(int32_t handle, int32_t call, int32_t param, void* ptr) {
+  namespace ls = llm_serving::layer_stack;
+  auto stack = ls::find(handle);
+  std::lock_guard<std::mutex> lock(ls::registry_mutex());
+  if (!stack || call < 0 || call >= static_cast<int32_t>(stack->calls.size())) return 1;
+  ls::Call& c = stack->calls[static_cast<size_t>(call)];
+  if (param < 0 || param >= static_cast<int32_t>(c.source.size()) || c.source[param] != ls::kHeld) return 1;
+  c.held[static_cast<size_t>(param)].ptr = ptr;
+  return 0;
+}
+
 extern "C" int StackRelease(int32_t handle) {
   namespace ls = llm_serving::layer_stack;
   std::lock_guard<std::mutex> lock(ls::registry_mutex());

@@ -3,8 +3,9 @@ DecoderStack, kernels/layer_stack_cpu.h): each layer's DecoderLayer call (and a 
 arrays the model holds for it, so that a graph runs every layer as one operator whose inputs are the step's and the
 KV caches. A graph's compile time then no longer grows with the layers' weights (see layer_stack_cpu.h).
 
-The library reads the registered arrays where they lie: this object keeps them alive, and a LoRA write changes them
-in place (LoraStack.write). The stack is released with this object.
+The library reads the registered arrays where they lie: this object keeps them alive, a LoRA write changes them
+in place (LoraStack.write), and `replace` points a call at another array of the same shape (a matrix repacked after
+the load: kernels/repack.py's LaterRepacks). The stack is released with this object.
 """
 from __future__ import annotations
 
@@ -33,11 +34,13 @@ class LayerStack:
         lib.StackAddCall.argtypes = [ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32),
                                      ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int32),
                                      ctypes.POINTER(ctypes.c_int64), ctypes.c_char_p]
+        lib.StackSetHeld.argtypes = [ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p]
         lib.StackRelease.argtypes = [ctypes.c_int32]
         self._lib = lib
         self.handle = int(lib.StackCreate())
         self.calls = 0
-        self._arrays: list = []              # what the library reads: alive as long as the stack
+        self._arrays: dict = {}              # (call, parameter index) -> what the library reads: alive as the stack
+        self._params: list = []              # per call, its signature's parameter names
         weakref.finalize(self, lib.StackRelease, self.handle)
 
     def add(self, signature: KernelSignature, sources: dict, held: dict) -> None:
@@ -65,12 +68,27 @@ class LayerStack:
             for d, size in enumerate(array.shape):
                 shapes[4 * i + d] = size
             dtypes.append(array.dtype.name)
-            self._arrays.append(array)
+            self._arrays[self.calls, i] = array
         rc = self._lib.StackAddCall(self.handle, _KERNELS[signature.func], n, source, ptrs, ndims, shapes,
                                     ",".join(dtypes).encode())
         if rc != 0:
             raise RuntimeError(f"LayerStack: the library refused {signature.func}'s call {self.calls} ({rc})")
+        self._params.append(params)
         self.calls += 1
+
+    def replace(self, call: int, name: str, array) -> None:
+        """Call `call` (its index in the order added) reads its held input `name` from `array` from now on: the
+        same shape and dtype as the array it replaces, C-contiguous; the old one is no longer kept. No stack call
+        may run meanwhile (the caller's steps run on its own thread, between which it replaces)."""
+        i = self._params[call].index(name)
+        old = self._arrays[call, i]
+        if array.shape != old.shape or array.dtype != old.dtype or not array.flags["C_CONTIGUOUS"]:
+            raise ValueError(f"LayerStack.replace: {name} of call {call} is {old.dtype}{old.shape}; got "
+                             f"{array.dtype}{array.shape}"
+                             + ("" if array.flags["C_CONTIGUOUS"] else ", not contiguous"))
+        if self._lib.StackSetHeld(self.handle, call, i, array.ctypes.data) != 0:
+            raise RuntimeError(f"LayerStack.replace: the library refused {name} of call {call}")
+        self._arrays[call, i] = array
 
 
 def cache_sources(layer: int) -> dict:

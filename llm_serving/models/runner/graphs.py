@@ -5,7 +5,8 @@ steps in one call); the Embedder (hidden states, no logits); the sampler, one pe
 without top-k/top-p; the temperature-only one is the layer kernel library's SampleLogits where there is one), run on
 those logits only when some row has temperature > 0; top log-probabilities and penalties, each one per batch size,
 when some row asks. `call` runs one, through `GraphCalls` (a compiled graph without Cell.__call__'s per-call Python),
-after a staged warmup's entries that hold its graph (warmup.py), and under tensor parallelism as the group's.
+after a staged warmup's entries that hold its graph (warmup.py), after pointing the layer stack at the matrices repacked
+since the last call (kernels/repack.py's LaterRepacks), and under tensor parallelism as the group's.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from llm_serving.cache_dir import default_cache_dir
 from llm_serving.shm.layout import TOP_LOGPROBS
 
 from ..kernels.panel_store import PanelStore
+from ..kernels.repack import LaterRepacks
 from ..mindspore_env import GraphCalls
 from ..parallel import TensorParallel, TensorParallelError, make_all_reduce
 from ..pooling import embedding_spec
@@ -38,9 +40,11 @@ class RunnerGraphs:
     plain_sampler, top_logprobs, penalizer; all_reduce (the group's, None for one agent); collective_calls (model
     graph calls completed: all-reduces made with the peers); final_norm_gain (H,) float32 (None on tensor-parallel
     ranks but 0, which never pool) and pooling (models/pooling.py) for embed steps; plan (warmup.py's WarmupPlan
-    while a staged warmup's entries are left)."""
+    while a staged warmup's entries are left); later (LaterRepacks while some matrix repacked after the load is not
+    in use yet)."""
 
     plan = None
+    later = None
 
     @classmethod
     def build(cls, cfg: LlamaConfig, weights: dict, quantized: dict, *, spec: RunnerSpec, model_dir: str,
@@ -57,6 +61,8 @@ class RunnerGraphs:
         self.collective_calls = 0
         panels = (PanelStore.open(model_dir, kernels.layer_kernel, default_cache_dir())
                   if kernels.layer_kernel is not None else None)
+        self.later = (LaterRepacks(kernels.layer_kernel, panels)
+                      if kernels.layer_kernel is not None and spec.repack_after_load else None)
         self.model = LlamaForCausalLM(cfg, weights, num_slots=layout.num_slots, block_size=layout.block_size,
                                       max_positions=max_context, device_target=spec.device_target,
                                       decode_kernel=kernels.decode_kernel, kernel_threads=kernel_threads, tp=tp,
@@ -64,11 +70,21 @@ class RunnerGraphs:
                                       layer_kernel_rows=spec.layer_kernel_rows, quantized=quantized,
                                       lora_slots=spec.lora_slots, lora_rank=spec.lora_rank, kv_cache=spec.kv_cache,
                                       batch_invariant=kernels.batch_invariant,
-                                      window_pool_slots=layout.window_num_slots, panels=panels)
-        if panels is not None and (panels.read or panels.written):
+                                      window_pool_slots=layout.window_num_slots, panels=panels,
+                                      later=self.later)
+        later_bytes = self.later.bytes if self.later is not None else 0
+        if panels is not None and (panels.read or panels.written or later_bytes):
             logger.info("repacked weights: %.2f GB memory-mapped as an earlier start kept them, %.2f GB repacked "
                         "into files kept for the next (%s)", panels.read / 1e9, panels.written / 1e9, panels.folder)
-            panels.finish_later()          # (flushed and put in place on a thread: the start does not wait)
+        if later_bytes:
+            logger.info("%.2f GB to repack after the load, on background threads%s; the stored rows serve until then",
+                        later_bytes / 1e9, ", its panels then written for the next start" if panels is not None and
+                        panels.writes else "")
+            self.later.start()             # (then the panels kept are written on its threads)
+        else:
+            self.later = None
+            if panels is not None:
+                panels.finish_later()      # (flushed and put in place on a thread: the start does not wait)
         self.decode_run = DecodeRun(self.model, kernels.decode_run_steps) if kernels.decode_run_steps > 1 else None
         self.embedder = Embedder(self.model)
         # embed steps normalize and pool on the host: the final norm's gain and how to pool (models/pooling.py)
@@ -101,6 +117,8 @@ class RunnerGraphs:
         count are in step."""
         if self.plan is not None:           # a staged warmup's entries left: this graph's may come first
             self.plan.before_call((kind, shape))
+        if self.later is not None:
+            self.use_repacked()
         if self.all_reduce is None or (cell is not self.model and cell is not self.embedder):
             return self.graph_calls(cell, *args)
         try:
@@ -111,6 +129,15 @@ class RunnerGraphs:
             raise TensorParallelError(f"{kind} graph {shape}: {why}") from exc
         self.collective_calls += 1
         return out
+
+    def use_repacked(self) -> None:
+        """Point the layer stack at the matrices LaterRepacks finished since the last graph call (a step of this
+        thread has finished: its outputs were read); None once all are."""
+        if self.later.ready:
+            self.ms.runtime.synchronize()
+            self.later.apply()
+        if not self.later.pending:
+            self.later = None
 
     def compile(self, kind: str, shape: tuple, cell, *args) -> None:
         """Compile a graph (or load it from the compile cache) without running it: warmup's larger buckets."""
