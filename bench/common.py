@@ -123,11 +123,10 @@ def start_settled(log_text: str) -> bool:
 
     warming = "for a first request" in log_text and "warmup complete" not in log_text
     kept = re.search(r"([0-9.]+) GB repacked into files kept for the next", log_text)
-    later = re.search(r"([0-9.]+) GB to repack after the load, on background threads(, its panels then written)?",
-                      log_text)
-    repacking = later is not None and "repacked after the load:" not in log_text
-    writes = (kept is not None and float(kept.group(1)) > 0) or (later is not None and later.group(2) is not None)
-    writing = writes and "kept on disk for the next start" not in log_text
+    # (repacked after the load: its line comes once the panels kept, those of the load's too, are written)
+    repacking = "GB to repack after the load" in log_text and "repacked after the load:" not in log_text
+    writing = (kept is not None and float(kept.group(1)) > 0 and "GB to repack after the load" not in log_text
+               and "kept on disk for the next start" not in log_text)
     return not warming and not repacking and not writing
 
 

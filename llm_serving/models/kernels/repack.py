@@ -206,11 +206,11 @@ class LaterRepacks:
             self._running -= 1
             last = self._running == 0
         if last and not self._closed.is_set():
-            logger.info("repacked after the load: %.2f GB in %.1f s", self.bytes / 1e9,
-                        time.perf_counter() - self._t0)
-            if self.store is not None:
+            seconds = time.perf_counter() - self._t0
+            if self.store is not None:          # (the load's panels kept, these and any repacked at load)
                 self.writing = True
                 self.store.finish()
+            logger.info("repacked after the load: %.2f GB in %.1f s", self.bytes / 1e9, seconds)
 
     def apply(self) -> int:
         """Hand each repacked copy finished since the last call to its `use` (on the thread that runs the steps,

@@ -77,9 +77,8 @@ class RunnerGraphs:
             logger.info("repacked weights: %.2f GB memory-mapped as an earlier start kept them, %.2f GB repacked "
                         "into files kept for the next (%s)", panels.read / 1e9, panels.written / 1e9, panels.folder)
         if later_bytes:
-            logger.info("%.2f GB to repack after the load, on background threads%s; the stored rows serve until then",
-                        later_bytes / 1e9, ", its panels then written for the next start" if panels is not None and
-                        panels.writes else "")
+            logger.info("%.2f GB to repack after the load, on background threads; the stored rows serve until then",
+                        later_bytes / 1e9)
             self.later.start()             # (then the panels kept are written on its threads)
         else:
             self.later = None
