@@ -118,17 +118,17 @@ class AgentServer:
     def init_worker(self) -> None:
         from llm_serving.agents.worker import Worker
 
-        t0 = time.perf_counter()
+        # (each phase's wall time, and the CPU time the process spent in it, all its threads: on a machine whose
+        # cores serve other models, the CPU is what a load takes from them)
+        t0, c0 = time.perf_counter(), time.process_time()
         self.worker = Worker(self.config, self.model_dir, self.rank, self.device_id, self.tp_comm)
-        logger.info("agent %d: model loaded in %.1f s; compiling buckets", self.rank, time.perf_counter() - t0)
-        t0 = time.perf_counter()
+        logger.info("agent %d: model loaded in %.1f s, %.1f s of CPU; compiling buckets", self.rank,
+                    time.perf_counter() - t0, time.process_time() - c0)
+        t0, c0 = time.perf_counter(), time.process_time()
         self.worker.warmup()
         runner = self.worker.runner
-        if runner.warming:
-            logger.info("agent %d: warmup done in %.1f s for a first request; the rest when idle", self.rank,
-                        time.perf_counter() - t0)
-        else:
-            logger.info("agent %d: warmup done in %.1f s", self.rank, time.perf_counter() - t0)
+        logger.info("agent %d: warmup done in %.1f s, %.1f s of CPU%s", self.rank, time.perf_counter() - t0,
+                    time.process_time() - c0, ", for a first request; the rest when idle" if runner.warming else "")
         self._last_warm = time.perf_counter()
         self._warm_busy_until = self._last_warm + WARM_BUSY_DEFER_S
 
