@@ -1,8 +1,8 @@
-"""Weights repacked at load for the layer kernel's products: the stored rows of a type the library repacks (Q4_K,
-Q6_K, Q8_0, Q4_0, Q4_1, into gemm_avx2_int.h's row-interleaved layout: 8 rows a panel, the same bytes in another
-order) are replaced by their repacked copy, and their type code by the library's own (the GGML type + 100), which
-the kernel's iconfig then names. The library decides (`RepackRows`): where its products would not read the layout
-(the integer paths off, AMX's integer tiles, rows not a multiple of 8), the rows stay as stored.
+"""Weights repacked, at load or after it, for the layer kernel's products: the stored rows of a type the library
+repacks (Q4_K, Q6_K, Q8_0, Q4_0, Q4_1, into gemm_avx2_int.h's row-interleaved layout: 8 rows a panel, the same bytes
+in another order) are replaced by their repacked copy, and their type code by the library's own (the GGML type +
+100), which the kernel's iconfig then names. The library decides (`RepackRows`): where its products would not read
+the layout (the integer paths off, AMX's integer tiles, rows not a multiple of 8), the rows stay as stored.
 
 A model whose layers run as one stack call (kernels/layer_stack.py) repacks them after its load (`LaterRepacks`):
 it serves from the stored rows at once, since their products are the repacked rows' to the bit

@@ -37,7 +37,8 @@ class ModelRunner:
     scratch blocks), limits (StepLimits), graphs (RunnerGraphs), lora (LoraSlots), num_blocks, block_size,
     max_blocks_per_seq, max_context (max_blocks_per_seq * block_size), window_blocks (the window pool's blocks:
     spec.window_blocks for a model with sliding-window layers, else 0, the pool off), quantized_matrices and
-    repacked (what the layer kernel reads as stored, and which of those types it repacks at load).
+    repacked (what the layer kernel reads as stored, and which of those types it repacks: at load, or after it,
+    runner/graphs.py).
 
     spec (RunnerSpec, runner_spec.py; an agent's from `RunnerSpec.from_config`): the cache, buckets, kernels
     and step kinds. Its num_layers runs only the checkpoint's first N layers with its final norm and head (a
@@ -77,7 +78,7 @@ class ModelRunner:
         self.repacked = repacked_for(self.kernels, quantized, spec.device_target)
         if self.quantized_matrices:
             logger.info("the layer kernel reads the checkpoint's quantized matrices as stored (%s)%s",
-                        self.quantized_matrices, f"; {', '.join(self.repacked)} rows repacked at load, 8 rows "
+                        self.quantized_matrices, f"; {', '.join(self.repacked)} rows repacked into panels of 8 rows "
                         "interleaved, for its integer products" if self.repacked else "")
         reduce_kernel = all_reduce_kernel(self.tp, spec.device_target)
         kernel_threads = spec.num_threads or len(os.sched_getaffinity(0))      # the CPU kernels' pool
