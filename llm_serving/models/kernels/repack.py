@@ -64,17 +64,12 @@ def repack_rows(library: str, rows: np.ndarray, qtype: int, store=None) -> tuple
     themselves. `library`: the layer kernel's shared library (its path); rows: uint8 (n, bytes per row). With a
     PanelStore (kernels/panel_store.py), rows that are the model file's own bytes come from the panels an earlier
     start kept, or are kept by it once repacked."""
-    if qtype == 0 or rows.dtype != np.uint8 or rows.ndim != 2:
-        return rows, qtype
-    fn = _repack_function(library)
-    to = repacked_type(library, rows, qtype)
+    to, at, kept = _kept(library, rows, qtype, store)
     if to == 0:
         return rows, qtype
-    at = store.offset(rows) if store is not None else None
-    if at is not None:
-        kept = store.panel(at, rows.shape)
-        if kept is not None:
-            return kept, int(to)
+    if kept is not None:
+        return kept, to
+    fn = _repack_function(library)
     src = np.ascontiguousarray(rows)
     out = np.empty_like(src)
     spans = _spans(src.shape[0], src.shape[1])
@@ -85,7 +80,17 @@ def repack_rows(library: str, rows: np.ndarray, qtype: int, store=None) -> tuple
                                          src.shape[1], out[span[0]:span[1]].ctypes.data), spans))
     if at is not None:
         store.keep(at, out)
-    return out, int(to)
+    return out, to
+
+
+def _kept(library: str, rows: np.ndarray, qtype: int, store) -> tuple:
+    """(the type the library repacks these rows into, 0 where it reads them as stored; where they start in the model
+    file, if a store keeps their panels; the panels an earlier start kept, or None)."""
+    if qtype == 0 or rows.dtype != np.uint8 or rows.ndim != 2:
+        return 0, None, None
+    to = repacked_type(library, rows, qtype)
+    at = store.offset(rows) if to and store is not None else None
+    return to, at, store.panel(at, rows.shape) if at is not None else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,13 +109,9 @@ class Repacker:
         """(rows, qtype, to) for a matrix repacked after the load: the panels an earlier start kept and their type
         (to 0), or, where the library repacks these rows, the rows themselves and the type `later` repacks them
         into (to), or the rows as stored (to 0)."""
-        if qtype == 0 or rows.dtype != np.uint8 or rows.ndim != 2:
-            return rows, qtype, 0
-        to = repacked_type(self.library, rows, qtype)
+        to, _, kept = _kept(self.library, rows, qtype, self.store)
         if to == 0:
             return rows, qtype, 0
-        at = self.store.offset(rows) if self.store is not None else None
-        kept = self.store.panel(at, rows.shape) if at is not None else None
         return (kept, to, 0) if kept is not None else (rows, qtype, to)
 
 
