@@ -561,6 +561,24 @@ def test_a_gguf_is_read_once_then_from_the_cache(tmp_path, private_cache, monkey
     assert len(list((private_cache / "gguf").iterdir())) == 2
 
 
+def test_a_cached_gguf_s_shape_maps_none_of_its_tensors(tmp_path, private_cache, monkeypatch):
+    """model_shape (the master's sizing before every load) reads a cached GGUF's config.json alone: none of its
+    tensors is memory-mapped. On a first start it fills the cache, and its config is the one the load reads."""
+    from llm_serving.models.weights import gguf as gguf_weights
+    from llm_serving.models.weights.loader import model_shape
+
+    _, (_, ref) = _hf(tmp_path, hidden_size=256, intermediate_size=256)
+    path = write_gguf(tmp_path / "m.gguf", ref, qtype=Q.Q8_0)
+    first = model_shape(str(path))
+    assert (next((private_cache / "gguf").iterdir()) / "config.json").is_file()
+    cfg, _ = load_llama_weights(path)
+    assert first == cfg
+    monkeypatch.setattr(gguf_weights, "_load_gguf", lambda p: pytest.fail("the GGUF was read again"))
+    monkeypatch.setattr(np, "load", lambda *a, **k: pytest.fail("a tensor was mapped"))
+    monkeypatch.setattr(np, "memmap", lambda *a, **k: pytest.fail("a tensor was mapped"))
+    assert model_shape(str(path)) == cfg
+
+
 @pytest.mark.parametrize("fmt", ["hf", "llama2c"])
 def test_a_layer_cut_keeps_the_first_layers_the_final_norm_and_the_head(stories_dir, fmt):
     """model_config.num_layers (a draft model cut from a checkpoint): the first N layers' tensors, exactly as

@@ -39,7 +39,7 @@ from .hf_config import yarn_attention_factor, yarn_rope_factors
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["load_gguf", "GGUF_CACHE_ENV", "KEPT_QUANTIZED"]
+__all__ = ["gguf_config", "load_gguf", "GGUF_CACHE_ENV", "KEPT_QUANTIZED"]
 
 # GGML type name -> code (GGML's numbering, which the layer kernel's iconfig uses)
 KEPT_QUANTIZED = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13,
@@ -365,13 +365,9 @@ def load_gguf(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
     temporary directory that is then renamed into place."""
     from dataclasses import asdict
 
-    from llm_serving.cache_dir import default_cache_dir
-
     if os.environ.get(GGUF_CACHE_ENV, "1") == "0":
         return _load_gguf(path)
-    st = os.stat(path)
-    key = hashlib.sha1(repr((os.path.abspath(path), st.st_size, st.st_mtime_ns, 5)).encode()).hexdigest()[:16]
-    folder = default_cache_dir() / "gguf" / key
+    folder = _cache_folder(path)
     if not (folder / "config.json").is_file():
         cfg, stored = _load_gguf(path)
         try:
@@ -403,9 +399,7 @@ def load_gguf(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
         except OSError as e:
             logger.warning("GGUF not cached as float32 (%s): it is dequantized at every start", e)
             return cfg, stored
-    with open(folder / "config.json", encoding="utf-8") as f:
-        raw = json.load(f)
-    cfg = LlamaConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
+    cfg = _cached_config(folder)
     with open(folder / "quantized.json", encoding="utf-8") as f:
         qtypes = json.load(f)
     with open(folder / "types.json", encoding="utf-8") as f:
@@ -428,6 +422,31 @@ def load_gguf(path: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
         stored[name] = StoredTensor(array.shape, lambda index, a=array: np.array(a[index]),
                                     stored_type=kinds.get(name))
     return cfg, stored
+
+
+def gguf_config(path: str) -> LlamaConfig:
+    """A GGUF's LlamaConfig from `load_gguf`'s cache alone (its config.json: none of the tensors' maps), which a
+    first start fills. The master sizes a model's KV cache with it before every load."""
+    if os.environ.get(GGUF_CACHE_ENV, "1") != "0":
+        folder = _cache_folder(path)
+        if (folder / "config.json").is_file():
+            return _cached_config(folder)
+    return load_gguf(path)[0]
+
+
+def _cache_folder(path: str):
+    """`load_gguf`'s cache folder of this file: keyed on its path, size and modification time."""
+    from llm_serving.cache_dir import default_cache_dir
+
+    st = os.stat(path)
+    key = hashlib.sha1(repr((os.path.abspath(path), st.st_size, st.st_mtime_ns, 5)).encode()).hexdigest()[:16]
+    return default_cache_dir() / "gguf" / key
+
+
+def _cached_config(folder) -> LlamaConfig:
+    with open(folder / "config.json", encoding="utf-8") as f:
+        raw = json.load(f)
+    return LlamaConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
 
 
 def _row_length(qtype: int, row_bytes: int) -> int:
