@@ -579,6 +579,39 @@ def test_a_cached_gguf_s_shape_maps_none_of_its_tensors(tmp_path, private_cache,
     assert model_shape(str(path)) == cfg
 
 
+def test_a_cached_gguf_is_mapped_once_for_the_reads_of_one_load(tmp_path, private_cache, monkeypatch):
+    """A load reads a GGUF three times (the kernel's types, the matrices kept as stored, the rest as float32): its
+    cache entry's arrays are memory-mapped on the first only. Each read gets a dict of its own (a caller adds the
+    tied lm_head to it), and a cache entry written anew is mapped anew."""
+    from llm_serving.models.weights import gguf as gguf_weights
+
+    _, (_, ref) = _hf(tmp_path, hidden_size=256, intermediate_size=256)
+    path = write_gguf(tmp_path / "m.gguf", ref, qtype=Q.Q8_0)
+    cfg, first = load_llama_weights(path)                       # (fills the cache)
+    maps = []
+    real_load = np.load
+    monkeypatch.setattr(np, "load", lambda *a, **k: maps.append(a[0]) or real_load(*a, **k))
+    monkeypatch.setattr(gguf_weights, "_last_read", None)
+    _, one = gguf_weights.load_gguf(str(path))
+    mapped = len(maps)
+    assert mapped > 0
+    one["extra"] = one["model.norm.weight"]
+    _, two = gguf_weights.load_gguf(str(path))
+    assert len(maps) == mapped and "extra" not in two
+    assert two["model.norm.weight"] is one["model.norm.weight"]
+    _, again = load_llama_weights(path)
+    assert len(maps) == mapped
+    for name in first:
+        np.testing.assert_array_equal(again[name], first[name], err_msg=name)
+    [entry] = (private_cache / "gguf").iterdir()
+    config = entry / "config.json"
+    text = config.read_text()
+    config.unlink()
+    config.write_text(text)                                    # (a new file: another inode)
+    gguf_weights.load_gguf(str(path))
+    assert len(maps) == 2 * mapped
+
+
 @pytest.mark.parametrize("fmt", ["hf", "llama2c"])
 def test_a_layer_cut_keeps_the_first_layers_the_final_norm_and_the_head(stories_dir, fmt):
     """model_config.num_layers (a draft model cut from a checkpoint): the first N layers' tensors, exactly as
