@@ -4,6 +4,7 @@ each image's tokens within 1e-5 (relative) of `get_image_features`'s; the checkp
 names and 4.x's (`vision_tower.vision_model.*`, `language_model.model.*`); the checkpoint's faults named."""
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 
@@ -134,3 +135,82 @@ def test_the_checkpoint_s_faults_are_named(gemma3_vl, tmp_path, stories_dir):
         vision_checkpoint(str(tmp_path))
     with pytest.raises(ValueError, match=r"pixels of shape \(N, 3, 56, 56\)"):
         _tower(directory)[1].encode(np.zeros((1, 3, 28, 28), np.float32))
+
+
+_MMPROJ_LAYER = {"layer_norm1": "ln1", "layer_norm2": "ln2", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                 "self_attn.v_proj": "attn_v", "self_attn.out_proj": "attn_out", "mlp.fc1": "ffn_up",
+                 "mlp.fc2": "ffn_down"}
+
+
+def write_mmproj(hf_dir, path, scale_factor=None):
+    """The mmproj GGUF llama.cpp's `convert_hf_to_gguf.py --mmproj --outtype f32` writes of a Gemma 3 (its names,
+    keys and types: the projection F16, the soft-embedding norm's gain stored as 1 + w), from the HF directory;
+    `scale_factor`: the pooling, which only a test model's file states (llama.cpp's tinygemma3)."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    config = json.loads((hf_dir / "config.json").read_text())
+    vision = config["vision_config"]
+    writer = gguf.GGUFWriter(str(path), "clip")
+    writer.add_string("general.type", "mmproj")
+    writer.add_bool("clip.has_vision_encoder", True)
+    writer.add_string("clip.projector_type", "gemma3")
+    for key, value in (("projection_dim", config["text_config"]["hidden_size"]), ("image_size", vision["image_size"]),
+                       ("patch_size", vision["patch_size"]), ("embedding_length", vision["hidden_size"]),
+                       ("feed_forward_length", vision["intermediate_size"]),
+                       ("block_count", vision["num_hidden_layers"]),
+                       ("attention.head_count", vision["num_attention_heads"])):
+        writer.add_uint32(f"clip.vision.{key}", value)
+    writer.add_float32("clip.vision.attention.layer_norm_epsilon", vision.get("layer_norm_eps", 1e-6))
+    writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
+    writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+    if scale_factor is not None:
+        writer.add_uint32("clip.vision.projector.scale_factor", scale_factor)
+    for name, array in load_file(str(hf_dir / "model.safetensors")).items():
+        name = name[len("model."):] if name.startswith("model.") else name
+        name = name.replace("vision_tower.vision_model.", "vision_tower.")
+        if name.startswith("vision_tower.encoder.layers."):
+            index, _, rest = name[len("vision_tower.encoder.layers."):].partition(".")
+            part, _, kind = rest.rpartition(".")
+            ours = f"v.blk.{index}.{_MMPROJ_LAYER[part]}.{kind}"
+        elif name.startswith("vision_tower.embeddings."):
+            ours = name.replace("vision_tower.embeddings.patch_embedding.", "v.patch_embd.").replace(
+                "vision_tower.embeddings.position_embedding.", "v.position_embd.")
+        elif name.startswith("vision_tower.post_layernorm."):
+            ours = name.replace("vision_tower.post_layernorm.", "v.post_ln.")
+        elif name == "multi_modal_projector.mm_input_projection_weight":
+            ours, array = "mm.input_projection.weight", array.astype(np.float16)
+        elif name == "multi_modal_projector.mm_soft_emb_norm.weight":
+            ours, array = "mm.soft_emb_norm.weight", array + 1.0
+        else:
+            continue
+        writer.add_tensor(ours, np.ascontiguousarray(array))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_an_mmproj_gguf_reads_the_same_tower(gemma3_vl, tmp_path):
+    """llama.cpp's mmproj layout: the tower from it equals the HF directory's, but for the projection's F16 rounding;
+    without the scale factor a Gemma 3 pools 4 x 4 patches (here: one token an image), as llama.cpp does."""
+    from llm_serving.models.vision_tower import VisionTower
+    from llm_serving.models.weights import WeightLoadError
+    from llm_serving.models.weights.vision import mmproj_checkpoint
+
+    directory, _ = gemma3_vl
+    write_mmproj(directory, tmp_path / "mmproj.gguf", scale_factor=2)
+    cfg, weights = mmproj_checkpoint(str(tmp_path / "mmproj.gguf"))
+    hf_cfg, hf_tower = _tower(directory)
+    assert cfg == dataclasses.replace(hf_cfg, image_token_id=None, boi_token_id=None, eoi_token_id=None,
+                                      layer_norm_eps=cfg.layer_norm_eps)     # (the ids are the text model's)
+    assert cfg.layer_norm_eps == pytest.approx(hf_cfg.layer_norm_eps)      # (a float32 key)
+    pixels = np.random.default_rng(3).standard_normal((2, 3, 56, 56)).astype(np.float32)
+    theirs = hf_tower.encode(pixels)
+    ours = VisionTower(cfg, weights).encode(pixels)
+    np.testing.assert_allclose(ours, theirs, atol=2e-3 * np.abs(theirs).max())
+    write_mmproj(directory, tmp_path / "default.gguf")
+    assert mmproj_checkpoint(str(tmp_path / "default.gguf"))[0].tokens_per_image == 1
+    (tmp_path / "text.gguf").write_bytes((tmp_path / "mmproj.gguf").read_bytes().replace(b"gemma3", b"llava_"))
+    with pytest.raises(WeightLoadError, match="not a Gemma 3 mmproj"):
+        mmproj_checkpoint(str(tmp_path / "text.gguf"))

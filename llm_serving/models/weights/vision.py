@@ -2,7 +2,9 @@
 wrote them.
 
 `vision_checkpoint(model_dir)`: (`VisionConfig`, {name: StoredTensor}) of a HF directory whose config has a
-`vision_config`, or None for a text model. The names: `vision_tower.<...>` (SigLIP's `embeddings.*`, `encoder.layers.N.*`,
+`vision_config`, or None for a text model. `mmproj_checkpoint(path)`: the same of llama.cpp's mmproj GGUF (the
+tower and projector its converter writes beside the text model's GGUF: `v.*` and `mm.*` tensors, `clip.vision.*`
+keys; Gemma 3's norm gain stored as 1 + w, as llama.cpp computes it, and taken back to w here). The names: `vision_tower.<...>` (SigLIP's `embeddings.*`, `encoder.layers.N.*`,
 `post_layernorm.*`) and `multi_modal_projector.<...>`, with transformers 4.x's `vision_tower.vision_model.` and 5.x's
 leading `model.` taken off. SigLIP's pooling head (`vision_tower.head.*`) is not read: the projector takes the last
 hidden state. Gemma 3 (SigLIP and its average-pooling projector) is the family read here.
@@ -14,10 +16,12 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
+
 from .common import StoredTensor, WeightLoadError, check_shape
 from .hf import _checkpoint_names, _shard_files, stored_safetensors
 
-__all__ = ["VisionConfig", "vision_checkpoint", "vision_shapes"]
+__all__ = ["VisionConfig", "mmproj_checkpoint", "vision_checkpoint", "vision_shapes"]
 
 _ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
 
@@ -142,3 +146,87 @@ def vision_checkpoint(model_dir: str) -> Optional[tuple[VisionConfig, dict[str, 
         check_shape(name, tensors[name], shape)
     return cfg, tensors
 
+
+
+# llama.cpp's mmproj names (its converter's, for Gemma 3) -> ours; `blk.N.` parts of a layer's
+_MMPROJ_NAMES = {"v.patch_embd.": "vision_tower.embeddings.patch_embedding.",
+                 "v.position_embd.": "vision_tower.embeddings.position_embedding.",
+                 "v.post_ln.": "vision_tower.post_layernorm.",
+                 "mm.input_projection.weight": "multi_modal_projector.mm_input_projection_weight",
+                 "mm.soft_emb_norm.": "multi_modal_projector.mm_soft_emb_norm."}
+_MMPROJ_LAYER = {"ln1.": "layer_norm1.", "ln2.": "layer_norm2.", "attn_q.": "self_attn.q_proj.",
+                 "attn_k.": "self_attn.k_proj.", "attn_v.": "self_attn.v_proj.", "attn_out.": "self_attn.out_proj.",
+                 "ffn_up.": "mlp.fc1.", "ffn_down.": "mlp.fc2."}
+
+
+def _mmproj_name(name: str) -> Optional[str]:
+    if name.startswith("v.blk."):
+        index, _, rest = name[len("v.blk."):].partition(".")
+        for theirs, ours in _MMPROJ_LAYER.items():
+            if rest.startswith(theirs):
+                return f"vision_tower.encoder.layers.{index}.{ours}{rest[len(theirs):]}"
+        return None
+    for theirs, ours in _MMPROJ_NAMES.items():
+        if name.startswith(theirs):
+            return ours + name[len(theirs):]
+    return None
+
+
+def mmproj_checkpoint(path: str) -> tuple[VisionConfig, dict[str, StoredTensor]]:
+    """(config, {name: StoredTensor}) of llama.cpp's mmproj GGUF of a Gemma 3 (`clip.projector_type` gemma3), every
+    shape checked; the tensors read as float32 (F32, F16 and the types the gguf package dequantizes). The image
+    tokens' pooling: `clip.vision.projector.scale_factor` patches a side, 4 (every Gemma 3's) when the file does
+    not say. The placeholder token ids are the text model's (its vocabulary), not known here. WeightLoadError for
+    a file that is not such an mmproj, a missing tensor or a wrong shape."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from llm_serving.gguf_file import read_gguf
+
+    try:
+        contents = read_gguf(path)
+    except Exception as e:          # noqa: BLE001 - not GGUF, truncated, unknown version: said with its name
+        raise WeightLoadError(f"{path}: cannot read GGUF file: {e}") from e
+    fields = contents.fields
+    kind = (fields.get("general.architecture"), fields.get("clip.projector_type"))
+    if kind != ("clip", "gemma3"):
+        raise WeightLoadError(f"{path}: not a Gemma 3 mmproj GGUF (general.architecture {kind[0]!r}, "
+                              f"clip.projector_type {kind[1]!r}; served: clip with gemma3)")
+    try:
+        image, patch = int(fields["clip.vision.image_size"]), int(fields["clip.vision.patch_size"])
+        pool = int(fields.get("clip.vision.projector.scale_factor", 4))
+        side = image // patch // pool if pool > 0 else 0
+        cfg = _config({"vision_config": {
+            "hidden_size": fields["clip.vision.embedding_length"],
+            "intermediate_size": fields["clip.vision.feed_forward_length"],
+            "num_hidden_layers": fields["clip.vision.block_count"],
+            "num_attention_heads": fields["clip.vision.attention.head_count"],
+            "image_size": image, "patch_size": patch,
+            "layer_norm_eps": fields.get("clip.vision.attention.layer_norm_epsilon", 1e-6)},
+            "text_config": {"hidden_size": fields["clip.vision.projection_dim"]},
+            "mm_tokens_per_image": side * side}, path)
+    except KeyError as e:
+        raise WeightLoadError(f"{path}: GGUF metadata {e} is missing") from None
+    tensors = {}
+    for tensor in contents.tensors:
+        name = _mmproj_name(tensor.name)
+        if name is None:
+            continue
+        dims = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        if tensor.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            array = np.asarray(tensor.data, np.float32).reshape(dims)
+        else:
+            try:
+                array = dequantize(np.asarray(tensor.data), tensor.tensor_type).reshape(dims)
+            except (NotImplementedError, ValueError) as e:
+                raise WeightLoadError(f"{path}: tensor {tensor.name!r} of type {tensor.tensor_type.name} cannot be "
+                                      f"read: {e}") from None
+        if name == "multi_modal_projector.mm_soft_emb_norm.weight":
+            array = array - 1.0                                 # (llama.cpp stores Gemma's gain 1 + w)
+        tensors[name] = StoredTensor.of(np.ascontiguousarray(array, np.float32))
+    for name, shape in vision_shapes(cfg).items():
+        if name not in tensors:
+            raise WeightLoadError(f"tensor {name!r} of the vision tower is missing from {path} "
+                                  f"(expected shape {shape})")
+        check_shape(name, tensors[name], shape)
+    return cfg, tensors
