@@ -1,0 +1,95 @@
+#!/usr/bin/env python
+"""The vision tower's time per image (issue 67): Gemma 3's SigLIP tower and projector (models/vision_tower.py) at a
+real model's shape with random weights (default: Gemma-3-4B's, SigLIP-400M: 27 layers of 1,152, an 896-pixel image
+in 4,096 patches, 256 tokens of 2,560), the first call (its graph compiled) and the next ones, with the rate of
+float32 arithmetic they reach. The tower only: nothing serves an image yet, so llama-server's --mmproj is not
+driven here (the next part of issue 67 adds it). As one graph the tower keeps every layer's attention scores (1 GiB
+a layer at 4,096 patches): about 1.5 GB of peak memory a layer, so the default 27 layers do not fit in 24 GiB yet.
+
+    python bench/vision_tower.py                      # Gemma-3-4B's tower, 3 runs of one image
+    python bench/vision_tower.py --layers 4 --runs 2  # a shallower tower, for a quick look
+
+Writes JSON (default bench_results/vision_tower.json).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import machine, write_json  # noqa: E402
+
+
+def random_tower(cfg, seed: int = 0) -> dict:
+    """{name: float32 array} of every tensor the tower reads, random at the scale a trained tower's have."""
+    from llm_serving.models.weights.vision import vision_shapes
+
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, shape in vision_shapes(cfg).items():
+        if len(shape) == 1:
+            base = 1.0 if name.endswith(("norm1.weight", "norm2.weight", "post_layernorm.weight")) else 0.0
+            out[name] = (base + 0.02 * rng.standard_normal(shape)).astype(np.float32)
+        else:
+            fan_in = int(np.prod(shape[1:])) if "projection" not in name else shape[0]
+            out[name] = (rng.standard_normal(shape, dtype=np.float32) / np.sqrt(fan_in)).astype(np.float32)
+    return out
+
+
+def flops(cfg) -> float:
+    """Multiply-adds x 2 of one image through the tower and projector."""
+    t, d, m = cfg.patches_per_side ** 2, cfg.hidden_size, cfg.intermediate_size
+    per_layer = 2 * t * d * 4 * d + 2 * 2 * t * t * d + 2 * 2 * t * d * m
+    return (2 * t * 3 * cfg.patch_size ** 2 * d + cfg.num_layers * per_layer
+            + 2 * cfg.tokens_per_image * d * cfg.text_hidden_size)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=27)
+    ap.add_argument("--hidden", type=int, default=1152)
+    ap.add_argument("--intermediate", type=int, default=4304)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--image", type=int, default=896)
+    ap.add_argument("--patch", type=int, default=14)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--text-hidden", type=int, default=2560)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--out", default="bench_results/vision_tower.json")
+    args = ap.parse_args(argv)
+
+    from llm_serving.models.mindspore_env import setup_mindspore
+    from llm_serving.models.vision_tower import VisionTower
+    from llm_serving.models.weights.vision import VisionConfig
+
+    setup_mindspore("CPU", 0, None, None)
+    cfg = VisionConfig(args.hidden, args.intermediate, args.layers, args.heads, args.image, args.patch, 3, 1e-6,
+                       args.tokens, args.text_hidden)
+    t0 = time.perf_counter()
+    tower = VisionTower(cfg, random_tower(cfg))
+    built = time.perf_counter() - t0
+    pixels = np.random.default_rng(1).uniform(-1, 1, (1, 3, args.image, args.image)).astype(np.float32)
+    times = []
+    for _ in range(args.runs):
+        t0 = time.perf_counter()
+        out = tower.encode(pixels)
+        times.append(time.perf_counter() - t0)
+    assert out.shape == (1, cfg.tokens_per_image, cfg.text_hidden_size) and np.isfinite(out).all()
+    work = flops(cfg)
+    best = min(times[1:]) if len(times) > 1 else times[0]
+    print(f"tower: {cfg.num_layers} layers of {cfg.hidden_size}, {cfg.patches_per_side ** 2} patches an image, "
+          f"{work / 1e12:.2f} TFLOP; built in {built:.1f} s")
+    print(f"first image (graph compiled): {times[0]:.1f} s; then {', '.join(f'{t:.1f}' for t in times[1:])} s; "
+          f"best {best:.1f} s = {work / best / 1e9:.0f} GFLOP/s")
+    write_json(args.out, {"machine": machine(), "config": cfg.__dict__, "flops": work, "build_s": built,
+                          "seconds": times, "gflops": work / best / 1e9})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
