@@ -97,8 +97,8 @@ class ImageSpec:
 
     @classmethod
     def from_dir(cls, model_dir: str) -> Optional["ImageSpec"]:
-        """The processor of a HF model directory, or None when it has none (a text model). ImageError-free: a
-        config that cannot be read is a ValueError naming the file."""
+        """The processor of a HF model directory, or None when it has none (a text model); a config that cannot be
+        read is a ValueError naming the file."""
         raw, where = None, None
         for name in ("preprocessor_config.json", "processor_config.json"):
             path = os.path.join(model_dir, name)

@@ -11,7 +11,7 @@ from typing import Callable, Optional
 import numpy as np
 
 __all__ = ["HIDDEN_ACTS", "NORMS", "LlamaConfig", "QuantizedTensor", "StoredTensor", "WeightLoadError", "check_shape",
-           "expected_shapes", "first_id", "rotate_half_rows", "split_fused", "stack_rows"]
+           "check_tensors", "expected_shapes", "first_id", "rotate_half_rows", "split_fused", "stack_rows"]
 
 
 class WeightLoadError(ValueError):
@@ -379,6 +379,15 @@ def rotate_half_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     d = rows // n_heads
     return np.ascontiguousarray(w.reshape(n_heads, d // 2, 2, cols).transpose(0, 2, 1, 3).reshape(rows, cols))
 
+
+
+def check_tensors(stored: dict, shapes: dict, where: str) -> None:
+    """WeightLoadError naming the first tensor of `shapes` ({name: shape}) that `stored` lacks or holds in another
+    shape; `where`: what was read ("the checkpoint in PATH")."""
+    for name, shape in shapes.items():
+        if name not in stored:
+            raise WeightLoadError(f"tensor {name!r} is missing from {where} (expected shape {tuple(shape)})")
+        check_shape(name, stored[name], shape)
 
 
 def check_shape(name: str, arr, shape: tuple) -> None:

@@ -13,7 +13,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from ..parallel import TensorParallel
-from .common import LlamaConfig, QuantizedTensor, StoredTensor, WeightLoadError, check_shape, expected_shapes
+from .common import LlamaConfig, QuantizedTensor, StoredTensor, WeightLoadError, check_tensors, expected_shapes
 from .gguf import KEPT_QUANTIZED, gguf_config, load_gguf
 from .hf import load_hf
 from .llama2c import load_llama2c
@@ -75,11 +75,7 @@ def _checked_stored(path: str, num_layers: Optional[int]) -> tuple[LlamaConfig, 
     if cfg.generates and ("lm_head.weight" not in stored or cfg.tie_word_embeddings):
         if "model.embed_tokens.weight" in stored:
             stored["lm_head.weight"] = stored["model.embed_tokens.weight"]
-    for name, shape in expected_shapes(cfg).items():
-        if name not in stored:
-            raise WeightLoadError(f"tensor {name!r} is missing from the checkpoint in {path} "
-                                  f"(expected shape {shape})")
-        check_shape(name, stored[name], shape)
+    check_tensors(stored, expected_shapes(cfg), f"the checkpoint in {path}")
     return cfg, stored
 
 

@@ -18,7 +18,7 @@ from typing import Optional
 
 import numpy as np
 
-from .common import StoredTensor, WeightLoadError, check_shape
+from .common import StoredTensor, WeightLoadError, check_tensors
 from .hf import _checkpoint_names, _shard_files, stored_safetensors
 
 __all__ = ["VisionConfig", "mmproj_checkpoint", "vision_checkpoint", "vision_shapes"]
@@ -139,11 +139,7 @@ def vision_checkpoint(model_dir: str) -> Optional[tuple[VisionConfig, dict[str, 
     names = {name: ours for name in _checkpoint_names(files) if (ours := _our_name(name))}
     stored = stored_safetensors(files, set(names))
     tensors = {names[name]: tensor for name, tensor in stored.items()}
-    for name, shape in vision_shapes(cfg).items():
-        if name not in tensors:
-            raise WeightLoadError(f"tensor {name!r} of the vision tower is missing from {model_dir} "
-                                  f"(expected shape {shape})")
-        check_shape(name, tensors[name], shape)
+    check_tensors(tensors, vision_shapes(cfg), f"the vision tower in {model_dir}")
     return cfg, tensors
 
 
@@ -224,9 +220,5 @@ def mmproj_checkpoint(path: str) -> tuple[VisionConfig, dict[str, StoredTensor]]
         if name == "multi_modal_projector.mm_soft_emb_norm.weight":
             array = array - 1.0                                 # (llama.cpp stores Gemma's gain 1 + w)
         tensors[name] = StoredTensor.of(np.ascontiguousarray(array, np.float32))
-    for name, shape in vision_shapes(cfg).items():
-        if name not in tensors:
-            raise WeightLoadError(f"tensor {name!r} of the vision tower is missing from {path} "
-                                  f"(expected shape {shape})")
-        check_shape(name, tensors[name], shape)
+    check_tensors(tensors, vision_shapes(cfg), f"the vision tower in {path}")
     return cfg, tensors
