@@ -1,4 +1,4 @@
-"""The vision tower: images' pixels to the text model's embeddings of them, as one MindSpore graph.
+"""The vision tower: images' pixels to the text model's embeddings of them, in MindSpore graphs.
 
 Gemma 3's (`VisionTower`):
 - SigLIP: the image cut into patch_size-square patches, each a row of the patch embedding's matrix (the
@@ -18,15 +18,15 @@ import math
 
 import numpy as np
 
-from mindspore import Parameter, Tensor, nn, ops
+from mindspore import Tensor, nn, ops
 
 from llm_serving.models.weights.vision import VisionConfig, vision_shapes
 
 __all__ = ["VisionTower"]
 
 
-def _param(array: np.ndarray, name: str) -> Parameter:
-    return Parameter(Tensor(np.ascontiguousarray(array, np.float32)), name=name, requires_grad=False)
+def _tensor(array: np.ndarray):
+    return Tensor(np.ascontiguousarray(array, np.float32))
 
 
 def _layer_norm(x, gain, bias, eps: float):
@@ -40,51 +40,96 @@ def _gelu_tanh(x):
     return 0.5 * x * (1.0 + ops.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x * x * x)))
 
 
-class _EncoderLayer(nn.Cell):
-    """One SigLIP encoder layer (see the module docstring); q, k and v as one matrix."""
+# an encoder layer's weights, in the order _EncoderLayer.construct takes them after x
+_LAYER_INPUTS = ("norm1_gain", "norm1_bias", "qkv", "qkv_bias", "out", "out_bias", "norm2_gain", "norm2_bias",
+                 "fc1", "fc1_bias", "fc2", "fc2_bias")
 
-    def __init__(self, cfg: VisionConfig, read, index: int):
+
+def _layer_weights(read, index: int) -> tuple:
+    """Layer `index`'s weights as _EncoderLayer takes them (_LAYER_INPUTS): q, k and v as one (D, 3D) matrix, every
+    matrix as (in, out)."""
+    at = f"vision_tower.encoder.layers.{index}."
+    w = {"norm1_gain": read(at + "layer_norm1.weight"), "norm1_bias": read(at + "layer_norm1.bias"),
+         "norm2_gain": read(at + "layer_norm2.weight"), "norm2_bias": read(at + "layer_norm2.bias"),
+         "qkv": np.concatenate([read(at + f"self_attn.{p}_proj.weight") for p in "qkv"], 0).T,
+         "qkv_bias": np.concatenate([read(at + f"self_attn.{p}_proj.bias") for p in "qkv"]),
+         "out": read(at + "self_attn.out_proj.weight").T, "out_bias": read(at + "self_attn.out_proj.bias"),
+         "fc1": read(at + "mlp.fc1.weight").T, "fc1_bias": read(at + "mlp.fc1.bias"),
+         "fc2": read(at + "mlp.fc2.weight").T, "fc2_bias": read(at + "mlp.fc2.bias")}
+    return tuple(_tensor(w[name]) for name in _LAYER_INPUTS)
+
+
+class _Patches(nn.Cell):
+    """Pixels (N, C, S, S) to the first layer's input (N, G G, D): each patch a row of one matmul, plus its
+    position's row."""
+
+    def __init__(self, cfg: VisionConfig):
         super().__init__()
-        at = f"vision_tower.encoder.layers.{index}."
+        self.cfg = cfg
+        self.matmul = ops.MatMul()
+
+    def construct(self, pixels, patch, patch_bias, positions):
+        cfg = self.cfg
+        n = pixels.shape[0]
+        g, p, c, d = cfg.patches_per_side, cfg.patch_size, cfg.num_channels, cfg.hidden_size
+        rows = pixels.reshape(n, c, g, p, g, p).transpose(0, 2, 4, 1, 3, 5).reshape(n * g * g, c * p * p)
+        return (self.matmul(rows, patch) + patch_bias).reshape(n, g * g, d) + positions
+
+
+class _EncoderLayer(nn.Cell):
+    """One SigLIP encoder layer (see the module docstring), its weights inputs (_LAYER_INPUTS): one graph that
+    every layer runs."""
+
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
         self.eps, self.heads, self.head_dim = cfg.layer_norm_eps, cfg.num_heads, cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
-        self.norm1_gain, self.norm1_bias = (_param(read(at + f"layer_norm1.{k}"), f"v{index}_n1{k[0]}")
-                                            for k in ("weight", "bias"))
-        self.norm2_gain, self.norm2_bias = (_param(read(at + f"layer_norm2.{k}"), f"v{index}_n2{k[0]}")
-                                            for k in ("weight", "bias"))
-        qkv = [read(at + f"self_attn.{p}_proj.weight") for p in "qkv"]
-        self.qkv = _param(np.concatenate(qkv, 0).T, f"v{index}_qkv")                           # (D, 3D)
-        self.qkv_bias = _param(np.concatenate([read(at + f"self_attn.{p}_proj.bias") for p in "qkv"]),
-                               f"v{index}_qkv_b")
-        self.out = _param(read(at + "self_attn.out_proj.weight").T, f"v{index}_out")             # (D, D)
-        self.out_bias = _param(read(at + "self_attn.out_proj.bias"), f"v{index}_out_b")
-        self.fc1 = _param(read(at + "mlp.fc1.weight").T, f"v{index}_fc1")                        # (D, M)
-        self.fc1_bias = _param(read(at + "mlp.fc1.bias"), f"v{index}_fc1_b")
-        self.fc2 = _param(read(at + "mlp.fc2.weight").T, f"v{index}_fc2")                        # (M, D)
-        self.fc2_bias = _param(read(at + "mlp.fc2.bias"), f"v{index}_fc2_b")
         self.matmul = ops.MatMul()
         self.scores = ops.BatchMatMul(transpose_b=True)
         self.weighted = ops.BatchMatMul()
 
-    def construct(self, x):
+    def construct(self, x, norm1_gain, norm1_bias, qkv_w, qkv_bias, out_w, out_bias, norm2_gain, norm2_bias,
+                  fc1, fc1_bias, fc2, fc2_bias):
         n, t, d = x.shape
-        h = _layer_norm(x, self.norm1_gain, self.norm1_bias, self.eps).reshape(n * t, d)
-        qkv = (self.matmul(h, self.qkv) + self.qkv_bias).reshape(n, t, 3, self.heads, self.head_dim)
+        h = _layer_norm(x, norm1_gain, norm1_bias, self.eps).reshape(n * t, d)
+        qkv = (self.matmul(h, qkv_w) + qkv_bias).reshape(n, t, 3, self.heads, self.head_dim)
         qkv = qkv.transpose(2, 0, 3, 1, 4)                                      # (3, N, heads, T, head_dim)
         probs = ops.softmax(self.scores(qkv[0], qkv[1]) * self.scale, axis=-1)
         attended = self.weighted(probs, qkv[2]).transpose(0, 2, 1, 3).reshape(n * t, d)
-        x = x + (self.matmul(attended, self.out) + self.out_bias).reshape(n, t, d)
-        h = _layer_norm(x, self.norm2_gain, self.norm2_bias, self.eps).reshape(n * t, d)
-        h = _gelu_tanh(self.matmul(h, self.fc1) + self.fc1_bias)
-        return x + (self.matmul(h, self.fc2) + self.fc2_bias).reshape(n, t, d)
+        x = x + (self.matmul(attended, out_w) + out_bias).reshape(n, t, d)
+        h = _layer_norm(x, norm2_gain, norm2_bias, self.eps).reshape(n * t, d)
+        h = _gelu_tanh(self.matmul(h, fc1) + fc1_bias)
+        return x + (self.matmul(h, fc2) + fc2_bias).reshape(n, t, d)
 
 
-class VisionTower(nn.Cell):
+class _Projector(nn.Cell):
+    """The last layer's output (N, G G, D) to the text model's embeddings (N, tokens, H): the post LayerNorm, the
+    average pool, Gemma's RMS norm (its gain 1 + w, given whole), the projection."""
+
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.matmul = ops.MatMul()
+
+    def construct(self, x, post_gain, post_bias, soft_gain, projection):
+        cfg = self.cfg
+        n, d = x.shape[0], cfg.hidden_size
+        x = _layer_norm(x, post_gain, post_bias, cfg.layer_norm_eps)
+        s, k = cfg.tokens_per_side, cfg.pool
+        pooled = x.reshape(n, s, k, s, k, d).mean(axis=(2, 4)).reshape(n * s * s, d)
+        normed = pooled * ops.rsqrt((pooled * pooled).mean(axis=-1, keep_dims=True) + cfg.layer_norm_eps)
+        return self.matmul(normed * soft_gain, projection).reshape(n, s * s, cfg.text_hidden_size)
+
+
+class VisionTower:
     """Gemma 3's SigLIP tower and projector (the module docstring). `weights`: {name: StoredTensor} as
-    weights/vision.py's `vision_checkpoint` gives them (or arrays under the same names)."""
+    weights/vision.py's `vision_checkpoint` gives them (or arrays under the same names).
+
+    Three graphs: the patches, one encoder layer (run once per layer, the layer's weights its inputs), the
+    projector. A layer at a time keeps one layer's attention scores alive (num_heads x patches^2 floats: 1 GiB at
+    Gemma 3's 4,096 patches), where one graph of every layer kept them all."""
 
     def __init__(self, cfg: VisionConfig, weights: dict):
-        super().__init__()
         shapes = vision_shapes(cfg)
 
         def read(name: str) -> np.ndarray:
@@ -95,34 +140,27 @@ class VisionTower(nn.Cell):
         self.cfg = cfg
         d, p = cfg.hidden_size, cfg.patch_size
         patch = read("vision_tower.embeddings.patch_embedding.weight").reshape(d, cfg.num_channels * p * p)
-        self.patch = _param(patch.T, "v_patch")                                           # (3 P P, D)
-        self.patch_bias = _param(read("vision_tower.embeddings.patch_embedding.bias"), "v_patch_b")
-        self.positions = _param(read("vision_tower.embeddings.position_embedding.weight"), "v_positions")  # (G G, D)
-        self.layers = nn.CellList([_EncoderLayer(cfg, read, i) for i in range(cfg.num_layers)])
-        self.post_gain = _param(read("vision_tower.post_layernorm.weight"), "v_post_g")
-        self.post_bias = _param(read("vision_tower.post_layernorm.bias"), "v_post_b")
-        self.soft_gain = _param(1.0 + read("multi_modal_projector.mm_soft_emb_norm.weight"), "v_soft_g")
-        self.projection = _param(read("multi_modal_projector.mm_input_projection_weight"), "v_projection")  # (D, H)
-        self.matmul = ops.MatMul()
+        self.embed_weights = (_tensor(patch.T), _tensor(read("vision_tower.embeddings.patch_embedding.bias")),
+                              _tensor(read("vision_tower.embeddings.position_embedding.weight")))   # (3PP, D) ...
+        self.layer_weights = [_layer_weights(read, i) for i in range(cfg.num_layers)]
+        self.head_weights = (_tensor(read("vision_tower.post_layernorm.weight")),
+                             _tensor(read("vision_tower.post_layernorm.bias")),
+                             _tensor(1.0 + read("multi_modal_projector.mm_soft_emb_norm.weight")),
+                             _tensor(read("multi_modal_projector.mm_input_projection_weight")))    # (D, H)
+        self.patches, self.layer, self.projector = _Patches(cfg), _EncoderLayer(cfg), _Projector(cfg)
 
-    def construct(self, pixels):
-        cfg = self.cfg
-        n = pixels.shape[0]
-        g, p, c, d = cfg.patches_per_side, cfg.patch_size, cfg.num_channels, cfg.hidden_size
-        patches = pixels.reshape(n, c, g, p, g, p).transpose(0, 2, 4, 1, 3, 5).reshape(n * g * g, c * p * p)
-        x = (self.matmul(patches, self.patch) + self.patch_bias).reshape(n, g * g, d) + self.positions
-        for layer in self.layers:
-            x = layer(x)
-        x = _layer_norm(x, self.post_gain, self.post_bias, cfg.layer_norm_eps)
-        s, k = cfg.tokens_per_side, cfg.pool
-        pooled = x.reshape(n, s, k, s, k, d).mean(axis=(2, 4)).reshape(n * s * s, d)
-        normed = pooled * ops.rsqrt((pooled * pooled).mean(axis=-1, keep_dims=True) + cfg.layer_norm_eps)
-        return self.matmul(normed * self.soft_gain, self.projection).reshape(n, s * s, cfg.text_hidden_size)
+    @property
+    def nbytes(self) -> int:
+        """The bytes its weights take."""
+        tensors = [*self.embed_weights, *self.head_weights, *(t for w in self.layer_weights for t in w)]
+        return sum(t.nbytes for t in tensors)
 
     def encode(self, pixels: np.ndarray) -> np.ndarray:
         """(N, tokens_per_image, text hidden) float32 embeddings of N images' pixels (N, 3, size, size)."""
         size = self.cfg.image_size
         if pixels.ndim != 4 or pixels.shape[1:] != (self.cfg.num_channels, size, size):
             raise ValueError(f"VisionTower.encode: pixels of shape (N, 3, {size}, {size}), not {pixels.shape}")
-        return self(Tensor(np.ascontiguousarray(pixels, np.float32))).asnumpy()
-
+        x = self.patches(_tensor(pixels), *self.embed_weights)
+        for weights in self.layer_weights:
+            x = self.layer(x, *weights)
+        return self.projector(x, *self.head_weights).asnumpy()
