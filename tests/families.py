@@ -232,15 +232,15 @@ HARMONY_TEMPLATE = ("{% if tools %}<|start|>developer<|message|>{% for t in tool
 
 
 @functools.lru_cache(maxsize=None)
-def _tokenizer_json(vocab_size: int, harmony: bool = False) -> str:
-    """A byte-level BPE (GPT-2's split) of exactly `vocab_size` tokens: SPECIAL_TOKENS (and HARMONY_TOKENS), the 256
-    bytes, merges."""
+def _tokenizer_json(vocab_size: int, harmony: bool = False, extra: tuple = ()) -> str:
+    """A byte-level BPE (GPT-2's split) of exactly `vocab_size` tokens: SPECIAL_TOKENS (and HARMONY_TOKENS, then the
+    `extra` special tokens), the 256 bytes, merges."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    specials = SPECIAL_TOKENS + (HARMONY_TOKENS if harmony else [])
+    specials = SPECIAL_TOKENS + (HARMONY_TOKENS if harmony else []) + list(extra)
     tok.train_from_iterator(_corpus(), trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
                                                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     if tok.get_vocab_size() != vocab_size:
@@ -248,15 +248,17 @@ def _tokenizer_json(vocab_size: int, harmony: bool = False) -> str:
     return tok.to_str()
 
 
-def write_tokenizer(path, vocab_size: int, harmony: bool = False) -> Path:
+def write_tokenizer(path, vocab_size: int, harmony: bool = False, extra: tuple = (),
+                    template: Optional[str] = None) -> Path:
     """tokenizer.json (`_tokenizer_json`) and tokenizer_config.json (bos <|im_start|>, eos <|im_end|>, pad
-    <|endoftext|>, no BOS added, a ChatML template; `harmony`: gpt-oss's special tokens too, and a harmony template)
-    in directory `path`."""
+    <|endoftext|>, no BOS added, a ChatML template; `harmony`: gpt-oss's special tokens too, and a harmony template;
+    `extra`: more special tokens, after those; `template`: another chat template) in directory `path`."""
     path = Path(path)
-    (path / "tokenizer.json").write_text(_tokenizer_json(vocab_size, harmony), encoding="utf-8")
+    (path / "tokenizer.json").write_text(_tokenizer_json(vocab_size, harmony, tuple(extra)), encoding="utf-8")
     (path / "tokenizer_config.json").write_text(json.dumps(
         {"bos_token": SPECIAL_TOKENS[1], "eos_token": SPECIAL_TOKENS[2], "pad_token": SPECIAL_TOKENS[0],
-         "add_bos_token": False, "chat_template": HARMONY_TEMPLATE if harmony else CHATML}), encoding="utf-8")
+         "add_bos_token": False,
+         "chat_template": template or (HARMONY_TEMPLATE if harmony else CHATML)}), encoding="utf-8")
     return path
 
 
@@ -343,6 +345,45 @@ def transformers_greedy(path, prompt_ids: list, n: int) -> list:
     for _ in range(n):
         ids.append(int(transformers_logits(path, ids)[-1].argmax()))
     return ids[len(prompt_ids):]
+
+
+# ---------------------------------------------------------------------------------- vision-language models
+
+# Gemma 3's image tokens, as the tiny vision model's tokenizer holds them (ids 3, 4, 5: after SPECIAL_TOKENS)
+GEMMA3_IMAGE_TOKENS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
+# a ChatML template that, as Gemma 3's does, puts <start_of_image> where a message's image part is
+VISION_CHATML = ("{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n'}}{% if m['content'] is string %}"
+                 "{{ m['content'] }}{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}"
+                 "{{ '<start_of_image>' }}{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}"
+                 "{{ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{'<|im_start|>assistant\n'}}"
+                 "{% endif %}")
+
+
+def make_gemma3_vl(path, seed: int = 1, tokenizer: bool = True):
+    """A tiny Gemma3ForConditionalGeneration that transformers makes, every weight random (transformers starts the
+    projection at zero): a 56-pixel image in 14-pixel patches (a 4 x 4 grid) pooled to 4 tokens, a 2-layer text
+    model of 300 tokens (sliding window 32); its image processor beside it, and (`tokenizer`) a tokenizer holding
+    Gemma 3's image tokens (GEMMA3_IMAGE_TOKENS, ids 3-5) with VISION_CHATML. Returns the model (eval mode)."""
+    torch, transformers = needs_transformers()
+    path = Path(path)
+    boi, eoi, image = (len(SPECIAL_TOKENS) + k for k in range(3))
+    cfg = transformers.Gemma3Config(
+        text_config=dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=32,
+                         max_position_embeddings=512),
+        vision_config=dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                           image_size=56, patch_size=14, vision_use_head=False),
+        mm_tokens_per_image=4, image_token_index=image, boi_token_index=boi, eoi_token_index=eoi)
+    model = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) * (0.5 if p.ndim == 1 else 0.2))
+    model.save_pretrained(path)
+    transformers.Gemma3ImageProcessor(size={"height": 56, "width": 56}).save_pretrained(path)
+    if tokenizer:
+        write_tokenizer(path, 300, extra=GEMMA3_IMAGE_TOKENS, template=VISION_CHATML)
+    return model
 
 
 # ------------------------------------------------------------------------------------------ BERT encoders

@@ -8,7 +8,8 @@ and how many rows and tokens per row to read.
 Commands (llm-serving's letters) and their messages, the dataclasses below (one per command and reply;
 `encode` writes any of them, `Message.from_payload` reads and checks one):
   '#' Connect      token, shm: {array: segment name} | null      -> ConnectReply (geometry, cache_epoch)
-  's' Step         kind, step, num_rows, max_query_len, steps    -> StepReply (model_ms, agent_ms, ...)
+  's' Step         kind, step, num_rows, max_query_len, steps,   -> StepReply (model_ms, agent_ms, ...)
+                   images (a prefill step's: where its images' tokens are, their pixels' shm segment)
                    kind (shm/layout.py's StepKind): prefill, decode (one new token per row), verify
                    (speculative decoding: a token is sampled after every new token of a row, not only its
                    last) or decode_run (`steps` greedy decode steps, each row's token fed to the next)
@@ -187,6 +188,7 @@ class Step(Message):
     num_rows: int
     max_query_len: int = 1
     steps: int = 1                  # a decode run's steps
+    images: Optional[list] = None   # a prefill step's images: StepImage's fields, a dict each
 
     def __post_init__(self) -> None:
         try:
@@ -194,6 +196,37 @@ class Step(Message):
         except ValueError:
             raise ProtocolError(f"Step: kind must be one of {', '.join(k.value for k in StepKind)}, "
                                 f"got {self.kind!r}") from None
+
+    def payload(self) -> dict:
+        out = asdict(self)
+        if out["images"] is None:          # (most steps: nothing said)
+            del out["images"]
+        return out
+
+    def step_images(self) -> tuple:
+        """The step's images as StepImage's (ProtocolError for one that is malformed)."""
+        return tuple(StepImage.from_payload(entry) if isinstance(entry, dict) else _not_an_image(entry)
+                     for entry in self.images or ())
+
+
+def _not_an_image(entry):
+    raise ProtocolError(f"Step: each of images must be an object, got {entry!r}")
+
+
+@dataclass(frozen=True)
+class StepImage(Message):
+    """An image whose tokens a prefill step feeds (models/runner/images.py): row `row`'s new tokens offset..offset +
+    count - 1 are the image's tokens first..first + count - 1 of `length`; `key` names its content (the encoded-image
+    cache's key), `segment` the shared memory holding its float32 pixels of `shape` (shm/images.py)."""
+    COMMAND: ClassVar[str] = STEP
+    row: int
+    offset: int
+    first: int
+    count: int
+    length: int
+    key: str
+    segment: str
+    shape: list
 
 
 
@@ -265,6 +298,7 @@ class ConnectReply(Reply):
     decode_steps: int = 1           # steps a decode run may have (1: the agent runs no decode runs)
     decode_run_rows: int = 0        # the most rows a decode run may have
     batch_invariant: bool = False   # its steps are batch-invariant (model_config.batch_invariant, as it resolved)
+    image_tokens: int = 0           # the tokens an image becomes in its prefill steps (0: it takes no images)
 
 
 @dataclass(frozen=True)

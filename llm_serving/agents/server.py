@@ -227,10 +227,11 @@ class AgentServer:
                                   scores_prompts=self.worker.runner.buckets.packed,
                                   decode_steps=self.worker.runner.decode_run_steps,
                                   decode_run_rows=self.worker.runner.decode_run_max_rows(),
-                                  batch_invariant=self.worker.runner.batch_invariant)
+                                  batch_invariant=self.worker.runner.batch_invariant,
+                                  image_tokens=self.worker.runner.image_tokens)
 
     def on_step(self, msg: proto.Step, frame, conn) -> proto.StepReply:
-        model_s = self.worker.step(msg.kind, msg.num_rows, msg.max_query_len, msg.steps)
+        model_s = self.worker.step(msg.kind, msg.num_rows, msg.max_query_len, msg.steps, msg.step_images())
         agent_s = time.perf_counter() - frame.received
         return proto.StepReply(step=msg.step, model_ms=round(model_s * 1e3, 4), agent_ms=round(agent_s * 1e3, 4),
                                cache_epoch=self.worker.cache_epoch, collective_calls=self._collective_calls(msg))

@@ -116,11 +116,11 @@ class Worker:
         else:
             self.buffers.unpack_inputs(self.broadcast(None, size), kind, n, s, steps)
 
-    def step(self, kind: StepKind, n: int, s: int = 1, steps: int = 1) -> float:
+    def step(self, kind: StepKind, n: int, s: int = 1, steps: int = 1, images: tuple = ()) -> float:
         """Run a step of `kind` over rows 0..n-1 with s new tokens per row (s = 1 for decode); returns the
         seconds spent in the model (ModelRunner.execute: padding, graphs, copying ids back). A verify step
         samples after every new token (out_verify_ids, out_verify_logprobs); a decode run (`steps` steps) puts
-        each step's greedy token there."""
+        each step's greedy token there. `images`: a prefill step's (protocol.StepImage's)."""
         kind = StepKind(kind)
         b = self.buffers
         if b is None:
@@ -139,7 +139,9 @@ class Worker:
             t0 = time.perf_counter()
             self._share_inputs(kind, n, s, steps)
             shared_s = time.perf_counter() - t0
-        return shared_s + self._HANDLERS[kind](self, b.view(kind, n, s, steps))
+        view = b.view(kind, n, s, steps)
+        view.images = images
+        return shared_s + self._HANDLERS[kind](self, view)
 
     def _step(self, view: StepView) -> float:
         """A prefill or decode step."""

@@ -26,6 +26,7 @@ from llm_serving.master.agent_group import AgentError, AgentGroup
 from llm_serving.master.batch import ScheduledBatch
 from llm_serving.master.block_manager import BlockManager
 from llm_serving.master.grammar import GrammarError, GrammarSpec, Grammars
+from llm_serving.master.images import ImageTable
 from llm_serving.master.logits import LogitsState
 from llm_serving.master.lora_loader import LoraLoader
 from llm_serving.master.lora_registry import (LoraConflictError, LoraRefusedError,  # noqa: F401 (server/app.py's)
@@ -39,6 +40,7 @@ from llm_serving.master.speculative.stats import SpecStats
 from llm_serving.master.step_io import StepIO
 from llm_serving.master.supervisor import Supervisor
 from llm_serving.models.pooling import EmbeddingSpec, embedding_spec, score_method
+from llm_serving.vision import image_facts
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +103,8 @@ class Engine:
         # so it scores by similarity (a yes/no judgement is generated)
         self.generates = mc.task != "embed"
         self.score_method = score_method(mc.score_method, model_dir, model_name) if self.generates else "similarity"
+        self.image_facts = self._image_facts(model_dir, mc.mmproj)   # (vision/model.py; None: it takes no images)
+        self.image_table = ImageTable()
         self.requests: dict = {}
         self._wakeup = asyncio.Event()
         self._loop_task: Optional[asyncio.Task] = None
@@ -141,6 +145,11 @@ class Engine:
             decode_steps = 1
         self.scheduler.spec = dataclasses.replace(spec, decode_steps=decode_steps, decode_steps_max_rows=min(
             spec.decode_steps_max_rows, info.decode_run_rows))
+        if self.image_facts is not None and info.image_tokens != self.image_facts.tokens_per_image:
+            logger.warning("images off: the agents encode %s (the model's images are %d tokens each); image "
+                           "requests are refused", f"{info.image_tokens} tokens an image" if info.image_tokens
+                           else "no images", self.image_facts.tokens_per_image)
+            self.image_facts = None
         self.running = True
         self._loop_task = asyncio.create_task(self._step_loop(), name="engine-step-loop")
         self._loop_task.add_done_callback(self._step_loop_ended)
@@ -162,6 +171,7 @@ class Engine:
         await self.agents.stop()
         if self.drafter is not None:
             await self.drafter.stop()
+        self.image_table.step_done()                 # (no step runs now: every spent image's pixels go)
 
     def _step_loop_ended(self, task: asyncio.Task) -> None:
         """A bug that ends the step loop must not leave requests hanging and /health green: say so, end them."""
@@ -229,14 +239,17 @@ class Engine:
     # --- requests ----------------------------------------------------------------------------------
 
     def submit(self, prompt_ids: list, sampling: SamplingParams, req_id: Optional[str] = None,
-               adapter: Optional[str] = None, grammar=None) -> Request:
+               adapter: Optional[str] = None, grammar=None, images: Optional[list] = None) -> Request:
         """Queue a validated request (see server/translate.py), on the base model or LoRA adapter `adapter` (a
         name in self.lora_paths); `grammar`: its grammar's matcher as `compile_grammar` gave it (copied: one per
         request). Raises QueueFullError past the queue bounds, DuplicateRequestError when req_id names a request
         still in flight, KeyError for an adapter not served here, UnsupportedRequestError for what the agents
-        cannot do, or when the model does not generate (`check_generates`)."""
+        cannot do, or when the model does not generate (`check_generates`). `images`: master/images.py's
+        PromptImageInput's of the prompt's images (their placeholders already in prompt_ids)."""
         self._check_open(req_id)
         self.check_generates()
+        if images and self.image_facts is None:
+            raise UnsupportedRequestError(f"model {self.model_name!r} does not take images", "messages")
         if sampling.prompt_logprobs is not None and self.agents.agents and self.agents.agents[0].info is not None \
                 and not self.agents.agents[0].info.scores_prompts:
             raise UnsupportedRequestError("prompt log-probabilities (echo with logprobs, prompt_logprobs, "
@@ -247,6 +260,8 @@ class Engine:
         req = Request(prompt_ids, sampling, self.stop_token_ids, req_id=req_id, lora_slot=slot, lora_root=root,
                       lora_adapter=adapter)
         req.logits = logits
+        if images:
+            self.image_table.attach(req, images)
         self.scheduler.add(req)
         if adapter is not None:
             self.lora.hold(adapter)
@@ -278,6 +293,17 @@ class Engine:
         self.requests[req.req_id] = req
         self._wakeup.set()
         return req
+
+    def _image_facts(self, model_dir: str, mmproj: Optional[str]):
+        """What the served model's images are (vision/model.py's ImageFacts), or None: a text model, or a vision
+        model whose files disagree (said in the log)."""
+        if not self.generates:
+            return None
+        try:
+            return image_facts(model_dir, mmproj, self.tokenizer)
+        except ValueError as e:
+            logger.warning("images off: %s", e)
+            return None
 
     def check_generates(self) -> None:
         """UnsupportedRequestError (400, naming the model) when the served model is an embedding model."""
@@ -340,6 +366,8 @@ class Engine:
         """A request's stream is closing: it is no longer in flight, and its LoRA adapter is free again."""
         if self.requests.pop(req.req_id, None) is req and req.lora_adapter is not None:
             self.lora.release(req.lora_adapter)
+        if req.images:
+            self.image_table.release(req)
 
     # --- the step loop -----------------------------------------------------------------------------
 
@@ -379,7 +407,9 @@ class Engine:
         self.step_io.write_inputs(self.agents.buffers, batch)
         t0 = time.perf_counter()
         prof["shm_write"] += t0 - t_write
-        command = proto.Step(batch.kind, self.num_steps, n, batch.max_query_len, batch.steps)
+        images = self.image_table.step_images(batch) if batch.kind is proto.StepKind.PREFILL else None
+        command = proto.Step(batch.kind, self.num_steps, n, batch.max_query_len, batch.steps, images)
+        self.image_table.in_flight = True
         try:
             replies, cache_reset = await self.agents.step(command, after_send=self._write_controls)
             model_s, agent_s = replies[0].model_ms / 1e3, replies[0].agent_ms / 1e3
@@ -396,6 +426,7 @@ class Engine:
                         self._finish(req, "error", error=str(exc))
             return
         finally:
+            self.image_table.step_done()
             self.num_steps += 1
             kind, elapsed = batch.kind.stats_name, time.perf_counter() - t0
             self.step_time_s[kind] += elapsed

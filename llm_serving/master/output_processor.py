@@ -169,7 +169,7 @@ class OutputProcessor:
         keep: its computed tokens, and `draft_may_hold` proposals of this step still to be judged."""
         if num_tokens:
             req.num_computed_tokens += num_tokens
-            self.bm.cache_full_blocks(req.req_id, req.tokens, req.num_computed_tokens, req.lora_root)
+            self.bm.cache_full_blocks(req.req_id, req.cache_tokens, req.num_computed_tokens, req.lora_root)
             self.bm.release_window(req.req_id, req.num_computed_tokens)
         req.num_draft_computed = min(req.num_draft_computed, req.num_computed_tokens + draft_may_hold)
 

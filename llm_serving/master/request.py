@@ -69,6 +69,17 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+@dataclass(frozen=True)
+class PromptImage:
+    """An image in a request's prompt: its `length` placeholder tokens from `start` on, its content `key` (the
+    prefix cache's and the agents' encoded-image cache's), and the shared memory holding its pixels (the engine's:
+    shm/images.py's PixelSegment, whose `name` and `shape` the step frame carries)."""
+    start: int
+    length: int
+    key: str
+    pixels: object
+
+
 @dataclass
 class PromptLogprob:
     """A prompt token's log-probability given the tokens before it, its rank (1 = the likeliest) and the top
@@ -131,6 +142,8 @@ class Request:
         self.pooling = pooling
         self.pooled: Optional[np.ndarray] = None      # the pooled state so far (float64; mean: the sum)
         self.embedding: Optional[np.ndarray] = None   # float32, unit norm, set when the request ends with "stop"
+        # images in the prompt (PromptImage's, in order): where their placeholder tokens are, what they are
+        self.images: tuple = ()
 
     @property
     def num_tokens(self) -> int:
@@ -144,6 +157,20 @@ class Request:
     def token_at(self, index: int) -> int:
         p = len(self.prompt_ids)
         return self.prompt_ids[index] if index < p else self.output_ids[index - p]
+
+    def cache_tokens(self, start: int, stop: int) -> list:
+        """tokens(start, stop) as the prefix cache keys them: an image's placeholder tokens as (its content key, its
+        index) each, so the same tokens around another image never share its KV."""
+        out = self.tokens(start, stop)
+        for image in self.images:
+            a, b = max(start, image.start), min(stop, image.start + image.length)
+            for k in range(a, b):
+                out[k - start] = (image.key, k - image.start)
+        return out
+
+    def image_at(self, start: int, stop: int) -> list:
+        """The images whose placeholders tokens start..stop-1 hold some of."""
+        return [image for image in self.images if image.start < stop and start < image.start + image.length]
 
     def tokens(self, start: int, stop: int) -> list:
         p = len(self.prompt_ids)

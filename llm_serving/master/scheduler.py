@@ -352,6 +352,7 @@ class Scheduler:
             if prompts is not None and _prompt_work(req) != prompts:
                 continue
             q = self._chunk(need, budget, first_row=not rows, embed=embed)
+            q = _whole_images(req, req.num_computed_tokens, q, budget, first_row=not rows)
             if q == 0:
                 break
             if not self._reserve(req, req.num_computed_tokens + q, rows, counts):
@@ -385,9 +386,10 @@ class Scheduler:
             # (a prompt still to be scored, or an embedding, is computed whole: cached blocks would skip its
             # log-probabilities or hidden states)
             whole = req.pooling is not None or (req.prompt_scores is not None and req.prompt_scores[-1] is None)
-            prefix = [] if whole else self.bm.match_prefix(req.tokens(0, req.num_tokens), req.lora_root)
+            prefix = [] if whole else self.bm.match_prefix(req.cache_tokens(0, req.num_tokens), req.lora_root)
             cached = len(prefix) * self.bm.block_size
             q = self._chunk(req.num_tokens - cached, budget, first_row=not rows, embed=embed)
+            q = _whole_images(req, cached, q, budget, first_row=not rows)
             reserve = self.spec.watermark_blocks if self.running else 0
             if q == 0 or not self.bm.can_allocate(req.req_id, cached + q, prefix, reserve=reserve):
                 break
@@ -427,6 +429,23 @@ class Scheduler:
     def prefix_cache_hit_rate(self) -> Optional[float]:
         """Share of admitted tokens whose KV came from the prefix cache."""
         return self.num_cached_tokens / self.num_admitted_tokens if self.num_admitted_tokens else None
+
+
+def _whole_images(req: Request, computed: int, q: int, budget: int, first_row: bool) -> int:
+    """A chunk of q tokens from `computed` on, cut so that it ends at no point inside an image's placeholders (an
+    image's tokens attend to each other: they are computed in one step): it ends before the image, or (when the
+    image starts it) takes the image whole if the budget allows (a lone row: whatever it is), else nothing."""
+    if not req.images or q == 0:
+        return q
+    stop = computed + q
+    for image in req.images:
+        end = image.start + image.length
+        if image.start < stop < end:
+            if image.start > computed:
+                return image.start - computed
+            whole = end - computed
+            return whole if whole <= budget or first_row else 0
+    return q
 
 
 def _prompt_work(req: Request) -> bool:

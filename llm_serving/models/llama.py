@@ -463,7 +463,7 @@ class LlamaForCausalLM(nn.Cell):
                  layer_kernel: Optional[str] = None, layer_kernel_rows: Optional[int] = 0,
                  quantized: Optional[dict] = None, lora_slots: int = 0, lora_rank: int = 0,
                  kv_cache: KvCacheType = KV_CACHE_TYPES["float16"], batch_invariant: bool = False,
-                 window_pool_slots: int = 0, panels=None, later=None):
+                 window_pool_slots: int = 0, panels=None, later=None, image_rows: int = 0):
         super().__init__()
         tp.check(cfg)
         repacker = Repacker(layer_kernel, panels, later) if layer_kernel is not None else None
@@ -502,6 +502,13 @@ class LlamaForCausalLM(nn.Cell):
                                                 iconfig=Tensor(EMBED_TOKENS.iconfig_array(table_type=table.qtype)))
         else:
             self.embed = _param(weights["model.embed_tokens.weight"], "embed")        # (V, H)
+        # images (a vision-language model: image_rows > 0): a token id V + j (V the vocabulary) takes row j of
+        # image_buffer, which the runner fills with the tower's rows before a graph call (runner/images.py), in place
+        # of its embedding (Gemma's scale not applied: the projector's rows are the text model's inputs as they are)
+        self.vocab = cfg.vocab_size
+        self.image_buffer = np.zeros((image_rows, cfg.hidden_size), np.float32) if image_rows else None
+        self.image_rows = (None if not image_rows
+                           else _shared_param(Tensor.from_numpy(self.image_buffer), "image_rows"))     # (M, H)
         # a BERT encoder's embedding extras: a row per position (token type 0's folded in), then a LayerNorm
         extras = prepare_embedding_extras(cfg, weights)
         self.embed_positions = (None if extras.positions is None
@@ -667,10 +674,21 @@ class LlamaForCausalLM(nn.Cell):
 
     def embed_tokens(self, ids, positions):
         """ids, positions (T,) -> the tokens' embeddings (T, H): the EmbedTokens kernel on the stored rows, or a
-        float32 gather; a BERT encoder's position rows added and the sum LayerNorm-ed."""
-        x = self.embed_kernel(ids, *self.embed_held) if self.embed_stored else ops.gather(self.embed, ids, 0)
+        float32 gather; a BERT encoder's position rows added and the sum LayerNorm-ed; an image's token (id V + j)
+        row j of the image rows."""
+        if self.image_rows is not None:
+            image = ids >= self.vocab                                                    # (T,)
+            text_ids = ops.select(image, ops.zeros_like(ids), ids)
+        else:
+            text_ids = ids
+        x = (self.embed_kernel(text_ids, *self.embed_held) if self.embed_stored
+             else ops.gather(self.embed, text_ids, 0))
         if self.embed_scale != 1.0:                    # Gemma: the rows times sqrt(hidden)
             x = x * self.embed_scale
+        if self.image_rows is not None:
+            rows = ops.clip_by_value(ids - self.vocab, 0, self.image_rows.shape[0] - 1)
+            picked = ops.gather(self.image_rows, rows, 0)                                # (T, H)
+            x = ops.select(ops.broadcast_to(image.reshape(-1, 1), x.shape), picked, x)
         if self.embed_positions is not None:
             x = x + ops.gather(self.embed_positions, positions, 0)                       # (T, H)
         if self.embed_norm_gain is not None:

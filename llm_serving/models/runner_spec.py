@@ -67,6 +67,9 @@ class RunnerSpec:
     window_blocks: int = 0
     window_tokens: Optional[int] = None
     pooling: str = "auto"                      # embed steps' pooling (models/pooling.py; auto: as declared)
+    mmproj: Optional[str] = None               # a GGUF model's vision tower (llama.cpp's mmproj GGUF); a HF
+                                               # directory's is read from it (runner/images.py)
+    image_cache_mb: int = 256                  # the encoded images kept (0: none)
 
     def __post_init__(self) -> None:
         """The spec's own checks, once: the runner and its rooms take its values as they are. (A spec from the config
@@ -106,4 +109,5 @@ class RunnerSpec:
                    keep_quantized=mc.keep_quantized, repack_after_load=mc.repack_after_load,
                    lora_slots=lc.max_loras if lc.enabled else 0,
                    lora_rank=lc.max_lora_rank, kv_cache=config.kv_cache_type,
-                   batch_invariant=mc.batch_invariant, pooling=mc.pooling)
+                   batch_invariant=mc.batch_invariant, pooling=mc.pooling, mmproj=mc.mmproj,
+                   image_cache_mb=sc.image_cache_mb)

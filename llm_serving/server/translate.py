@@ -5,17 +5,20 @@ chat's stops, the grammar that forces a tool call, the prompt's length against t
 engine is handed (`Prepared`). Every rule that needs no model is the API models' (checked once, by pydantic)."""
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass, replace
 from typing import Optional, Union
 
 from llm_serving.master.grammar import GrammarSpec
+from llm_serving.master.images import PromptImageInput
 from llm_serving.master.request import SamplingParams
 from llm_serving.server.errors import ModelNotFoundError, ValidationError
 from llm_serving.server.harmony import STOPS as HARMONY_STOPS
 from llm_serving.server.harmony import call_lark as harmony_call_lark
 from llm_serving.server.tools import ToolRequest, history_as_text
 from llm_serving.tokenization import ChatTemplateError
+from llm_serving.vision import ImageError, decode, pixels
 
 
 @dataclass
@@ -37,6 +40,8 @@ class ApiRequest:
                                               # (Anthropic's max_tokens: required, and clients ask 32,000)
     n: int = 1
     stream: bool = False
+    images: tuple = ()                        # the chat's images' file bytes, in the order their marks ({"type":
+                                              # "image"} content parts) come in its messages
 
 
 @dataclass
@@ -48,6 +53,7 @@ class Prepared:
     adapter: Optional[str] = None
     tools: Optional[ToolRequest] = None
     harmony: bool = False
+    images: Optional[list] = None             # master/images.py's PromptImageInput's (None: no image)
 
 
 def adapter_of(engine, model: Optional[str]) -> Optional[str]:
@@ -67,12 +73,16 @@ def prepare(req: ApiRequest, engine) -> Prepared:
     cannot take is what its error says."""
     engine.check_generates()
     adapter = adapter_of(engine, req.model)
-    tools, harmony = None, False
+    tools, harmony, images = None, False, None
     if req.messages is not None:
         template = engine.chat_template
         tools = ToolRequest.of(req.tools, req.tool_choice, req.parallel_tool_calls, template)
-        prompt_ids = chat_ids(engine, req.messages, tools, req.variables)
+        decoded = decode_images(engine, req.images)
+        expand = engine.image_facts.expand if req.images else None
+        prompt_ids = chat_ids(engine, req.messages, tools, req.variables, expand)
         harmony = template.harmony
+        if req.images:
+            images = place_images(engine, prompt_ids, req.images, decoded)
     else:
         prompt_ids = prompt_ids_of(engine, req.prompt)
     check_context(len(prompt_ids), engine.max_model_len, "messages" if req.messages is not None else "prompt")
@@ -87,7 +97,48 @@ def prepare(req: ApiRequest, engine) -> Prepared:
         sp.max_new_tokens = min(sp.max_new_tokens, engine.default_max_tokens)
     sp.max_new_tokens = fit_length(sp.max_new_tokens, req.max_tokens_given and not req.max_tokens_ceiling,
                                    len(prompt_ids), engine.max_model_len, req.max_tokens_field)
-    return Prepared(prompt_ids, sp, adapter, tools, harmony)
+    return Prepared(prompt_ids, sp, adapter, tools, harmony, images)
+
+
+def decode_images(engine, images: tuple) -> list:
+    """The chat's images decoded (Pillow images), each checked: a ValidationError for a model that takes none,
+    more than serving_config.max_images, or an image larger than serving_config.max_image_bytes, that is not one,
+    is cut short, or has more pixels than serving_config.max_image_pixels."""
+    if not images:
+        return []
+    if engine.image_facts is None:
+        raise ValidationError(f"model {engine.model_name!r} does not take images (a text model, or one whose vision "
+                              "tower is not served)", param="messages")
+    limits = engine.config.serving_config
+    if len(images) > limits.max_images:
+        raise ValidationError(f"the request has {len(images)} images; at most {limits.max_images} are taken "
+                              "(serving_config.max_images)", param="messages")
+    out = []
+    for k, data in enumerate(images):
+        if len(data) > limits.max_image_bytes:
+            raise ValidationError(f"image {k + 1} of {len(images)} has {len(data)} bytes; at most "
+                                  f"{limits.max_image_bytes} are taken (serving_config.max_image_bytes)",
+                                  param="messages")
+        try:
+            out.append(decode(data, max_pixels=limits.max_image_pixels))
+        except ImageError as e:
+            raise ValidationError(f"image {k + 1} of {len(images)}: {e}", param="messages") from None
+    return out
+
+
+def place_images(engine, prompt_ids: list, images: tuple, decoded: list) -> list:
+    """The images' placeholders found in the prompt (in order, one run per image: a template that leaves an image
+    out, or a prompt that spells placeholder tokens itself, is a ValidationError), and their pixels."""
+    facts = engine.image_facts
+    try:
+        spans = facts.spans(prompt_ids)
+    except ValueError as e:
+        raise ValidationError(str(e), param="messages") from None
+    if len(spans) != len(images):
+        raise ValidationError(f"the chat template placed {len(spans)} of the request's {len(images)} images (its "
+                              "messages' image parts must be in user turns)", param="messages")
+    return [PromptImageInput(start, length, hashlib.sha256(data).hexdigest(), pixels(image, facts.spec))
+            for (start, length), data, image in zip(spans, images, decoded)]
 
 
 def _vocabulary_fields(req: ApiRequest, tokenizer, vocab: int) -> dict:
@@ -119,23 +170,26 @@ def prompt_ids_of(engine, prompt) -> list:
     return list(prompt)
 
 
-def chat_ids(engine, messages: list, tools: Optional[ToolRequest], variables: Optional[dict]) -> list:
+def chat_ids(engine, messages: list, tools: Optional[ToolRequest], variables: Optional[dict],
+             expand=None) -> list:
     """A chat's prompt ids: through the chat template, with the tools (server/tools.py) and the request's extra
-    template variables; a history of tool calls and results as text for a template that does not take them."""
+    template variables; a history of tool calls and results as text for a template that does not take them;
+    `expand` (the text's image marks made their placeholders) as ChatTemplate.encode's."""
     template = engine.chat_template
     rendered = None
     if tools is not None:
         messages, rendered = tools.conversation(messages)
     elif not template.takes_tools and any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
         messages = history_as_text(messages)
+    images = {} if expand is None else {"expand": expand}
     try:
-        return template.encode(messages, rendered, variables)
+        return template.encode(messages, rendered, variables, **images)
     except ChatTemplateError as exc:
         folded = fold_system_messages(messages)
         if folded == messages:
             raise ValidationError(str(exc), param="messages") from None
     try:        # a template that takes the system prompt only first (most do): the later ones folded in
-        return template.encode(folded, rendered, variables)
+        return template.encode(folded, rendered, variables, **images)
     except ChatTemplateError as exc:
         raise ValidationError(str(exc), param="messages") from None
 
@@ -153,7 +207,7 @@ def fold_system_messages(messages: list) -> list:
         elif m["role"] == "system":
             pending.append(_text_of(m))
         elif m["role"] == "user" and pending:
-            out.append({**m, "content": "\n\n".join([*pending, _text_of(m)])})
+            out.append(_with_text(m, "\n\n".join(pending), before=True))
             pending = []
         else:
             out.append(m)
@@ -162,8 +216,19 @@ def fold_system_messages(messages: list) -> list:
         if last is None:
             out.append({"role": "user", "content": "\n\n".join(pending)})
         else:
-            out[last] = {**out[last], "content": "\n\n".join([_text_of(out[last]), *pending])}
+            out[last] = _with_text(out[last], "\n\n".join(pending), before=False)
     return out
+
+
+def _with_text(message: dict, text: str, before: bool) -> dict:
+    """A user message with `text` joined before or after its own (a message of parts, images among them, keeps
+    them: the text is a part of its own)."""
+    content = message.get("content")
+    if isinstance(content, list) and any(p.get("type") == "image" for p in content if isinstance(p, dict)):
+        part = {"type": "text", "text": text}
+        return {**message, "content": [part, *content] if before else [*content, part]}
+    joined = [text, _text_of(message)] if before else [_text_of(message), text]
+    return {**message, "content": "\n\n".join(joined)}
 
 
 def _text_of(message: dict) -> str:

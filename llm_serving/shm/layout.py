@@ -162,14 +162,15 @@ class StepView:
     """One step's arrays by name (the declared ones, `ARRAYS`), as numpy views of its part of the step
     buffers (`StepBuffers.view`) or as arrays a caller made (tests, tools, warmup). This is the object
     `ModelRunner.execute` takes: `kind`, `return_logits` (the logits at each row's last token too, for
-    capture) and the input arrays; an input not given (a test's penalties, say) is None: the runner's
+    capture), `images` (a prefill step's images, from its frame) and the input arrays; an input not given (a test's penalties, say) is None: the runner's
     default ("off")."""
 
-    def __init__(self, kind, *, return_logits: bool = False, **arrays):
+    def __init__(self, kind, *, return_logits: bool = False, images: tuple = (), **arrays):
         if not _NAMES.issuperset(arrays):
             raise TypeError(f"StepView: no step array named {', '.join(sorted(set(arrays) - _NAMES))}")
         self.kind = StepKind(kind)
         self.return_logits = return_logits
+        self.images = images            # a prefill step's images (agents/protocol.py's StepImage): not in shm
         self.__dict__.update(arrays)
 
     def __getattr__(self, name):         # only reached for an array not given

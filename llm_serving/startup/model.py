@@ -10,6 +10,7 @@ from llm_serving.config import Config, ConfigError
 from llm_serving.models import default_model
 from llm_serving.models.lora import LoraError, load_lora_adapter
 from llm_serving.models.weights import WeightLoadError, checkpoint_config, detect_format
+from llm_serving.models.weights.vision import mmproj_config
 from llm_serving.tokenization import find_tokenizer_file
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ def resolve_model(config: Config) -> tuple:
         name = model_path.stem if model_path.is_file() else model_path.name
     name = mc.model_name or name
     _check_draft_model(config)
+    _check_mmproj(config, model_path)
     _check_lora_adapters(config, str(model_path), name)
     try:
         vocab = find_tokenizer_file(str(model_path), config.tokenizer.vocab_file)
@@ -71,6 +73,23 @@ def _check_draft_model(config: Config) -> None:
     except WeightLoadError as e:
         raise ConfigError(f"spec_config.draft_model={spec.draft_model!r}: {e}") from None
     spec.draft_model = str(draft)
+
+
+def _check_mmproj(config: Config, model_path) -> None:
+    """model_config.mmproj, when given, checked now (a GGUF model, the file read as llama.cpp's mmproj: its tower's
+    config) and made absolute."""
+    mc = config.model_config
+    if mc.mmproj is None:
+        return
+    path = Path(mc.mmproj).expanduser().resolve()
+    if detect_format(str(model_path)) != "gguf":
+        raise ConfigError(f"model_config.mmproj={mc.mmproj!r}: an mmproj goes with a GGUF model; a HF directory's "
+                          "vision tower is read from the directory itself")
+    try:
+        mmproj_config(str(path))
+    except (WeightLoadError, OSError) as e:
+        raise ConfigError(f"model_config.mmproj={mc.mmproj!r}: {e}") from None
+    mc.mmproj = str(path)
 
 
 def _check_lora_adapters(config: Config, model_path: str, model_name: str) -> None:

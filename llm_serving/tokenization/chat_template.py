@@ -22,7 +22,7 @@ import math
 import re
 from datetime import datetime
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from .base import config_chat_template
 
@@ -123,12 +123,16 @@ class ChatTemplate:
         system message (server/tools.py)."""
         return self._takes_tools
 
-    def encode(self, messages: list, tools: Optional[list] = None, variables: Optional[dict] = None) -> list:
+    def encode(self, messages: list, tools: Optional[list] = None, variables: Optional[dict] = None,
+               expand: Optional[Callable[[str], str]] = None) -> list:
         """Token ids of a conversation ([{"role", "content"}], `tools` for a template that takes them, a request's
-        extra `variables`; the built-in format has none and ignores them); ChatTemplateError if it does not fit."""
+        extra `variables`; the built-in format has none and ignores them); ChatTemplateError if it does not fit.
+        `expand`: the rendered text made what is tokenized (an image's mark made its placeholders: vision/model.py)."""
         if not messages:
             raise ChatTemplateError("messages must not be empty")
         if self._template is None:
+            if expand is not None:
+                raise ChatTemplateError("the built-in LLaMA-2 chat format places no images")
             check_variables(variables)
             try:
                 return self.tokenizer.encode_chat(messages)
@@ -136,6 +140,8 @@ class ChatTemplate:
                 raise ChatTemplateError(str(exc)) from None
         ids: list = []
         text = self.render(messages, tools, variables)
+        if expand is not None:
+            text = expand(text)
         for part in (self._split.split(text) if self._split else [text]):
             if part in self._specials:
                 ids.append(self._specials[part])

@@ -11,37 +11,17 @@ import json
 import numpy as np
 import pytest
 
-from tests.families import needs_transformers
+from tests.families import make_gemma3_vl, needs_transformers
 
 pytest.importorskip("mindspore")
 pytest.importorskip("PIL", reason="Pillow reads the images (pip install -e .)")
 
 
-def _gemma3_vl(directory, torch, transformers):
-    """A tiny Gemma 3 with a 56-pixel image in 14-pixel patches (a 4 x 4 grid), pooled to 4 tokens, every weight
-    random (transformers starts the projection at zero); its image processor beside it."""
-    cfg = transformers.Gemma3Config(
-        text_config=dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=32,
-                         max_position_embeddings=512),
-        vision_config=dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                           image_size=56, patch_size=14, vision_use_head=False),
-        mm_tokens_per_image=4, image_token_index=299, boi_token_index=297, eoi_token_index=298)
-    model = transformers.Gemma3ForConditionalGeneration(cfg).eval()
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for _, p in model.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=generator) * (0.5 if p.ndim == 1 else 0.2))
-    model.save_pretrained(directory)
-    transformers.Gemma3ImageProcessor(size={"height": 56, "width": 56}).save_pretrained(directory)
-    return model
-
-
 @pytest.fixture(scope="module")
 def gemma3_vl(tmp_path_factory):
-    torch, transformers = needs_transformers()
+    needs_transformers()
     directory = tmp_path_factory.mktemp("gemma3_vl")
-    return directory, _gemma3_vl(directory, torch, transformers)
+    return directory, make_gemma3_vl(directory, tokenizer=False)
 
 
 def _images():
@@ -74,7 +54,7 @@ def test_the_tower_s_tokens_are_transformers_for_decoded_images(gemma3_vl):
 
     directory, model = gemma3_vl
     cfg, tower = _tower(directory)
-    assert (cfg.tokens_per_image, cfg.pool, cfg.text_hidden_size, cfg.image_token_id) == (4, 2, 64, 299)
+    assert (cfg.tokens_per_image, cfg.pool, cfg.text_hidden_size, cfg.image_token_id) == (4, 2, 64, 5)
     spec = ImageSpec.from_dir(str(directory))
     ours_pixels = np.stack([pixels(decode(data), spec) for data in _images()])
     processor = transformers.Gemma3ImageProcessor.from_pretrained(str(directory))

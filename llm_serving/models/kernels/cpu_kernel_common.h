@@ -174,17 +174,20 @@ inline int64_t window_start(int64_t n, uint32_t tree_bits, int64_t window) {
 // the last `window` of its visible keys (sliding-window attention; window_start), read from there on, so a long
 // context costs the window. Writes ob (NH, D). scores: room for NH * W * BS floats. Only KV heads
 // [kv_begin, kv_end) (and their query heads) when given. sinks (NH,), when given: each head's learned logit in its
-// softmax's denominator (gpt-oss: exp(sink) more weight on no key at all). Cache is the cache's element type: float, Half,
-// BFloat16 or int8_t (pa_config.kv_cache_dtype), widened as it is read.
+// softmax's denominator (gpt-oss: exp(sink) more weight on no key at all). window_keys >= 0: the window counts back
+// from key window_keys - 1 rather than from the last visible key (an image token, which sees its image's later
+// tokens: its own position + 1). Cache is the cache's element type: float, Half, BFloat16 or int8_t
+// (pa_config.kv_cache_dtype), widened as it is read.
 template <typename Cache>
 inline void attend_row(const float* qb, const Cache* kc, const Cache* vc, const int32_t* table, int64_t context,
                        uint32_t tree_bits, float* ob, const AttentionShape& sh, float* scores,
-                       int64_t kv_begin = 0, int64_t kv_end = -1, int64_t window = 0, const float* sinks = nullptr) {
+                       int64_t kv_begin = 0, int64_t kv_end = -1, int64_t window = 0, const float* sinks = nullptr,
+                       int64_t window_keys = -1) {
   const int64_t kvh = sh.kvh, g = sh.g, d = sh.d, bs = sh.bs;
   const int64_t row = kvh * sh.vec;                   // cache elements per slot
   const int64_t h0 = kv_begin * g, h1 = (kv_end < 0 ? kvh : kv_end) * g;   // this call's query heads [h0, h1)
   const int64_t last = std::max<int64_t>(0, std::min<int64_t>(context, sh.w * bs));   // keys 0 .. last-1
-  const int64_t first = window_start(last, tree_bits, window);    // the first key the window leaves
+  const int64_t first = window_start(window_keys < 0 ? last : std::min(window_keys, last), tree_bits, window);
   const int64_t n = last - first;                     // keys first .. last-1, scores[head][j - first]
   auto hidden = [&](int64_t j) {                      // key j masked out by the token tree
     const int64_t m = last - 1 - j;
@@ -408,12 +411,13 @@ inline void tile_values4(const float* p, const float* v, int64_t kn, int64_t d, 
 // `window` of its visible keys). The walk over the key tiles starts at the first row's bound rounded down to a
 // whole tile, so that the tiles keep the boundaries they have without a window: a row's keys fall in the same
 // tiles, masked alike, alone or in any chunk (the tiles below its own bound are no-ops for it), and a long
-// context costs the window.
+// context costs the window. window_ctx0 >= 0 (an ordinary row's, not a tree's): the window's bounds count from it
+// instead of ctx0 (attend_row's window_keys).
 template <typename Cache>
 inline void attend_tile(const float* q, int64_t q_stride, int64_t rows, int64_t ctx0, const Cache* kc, const Cache* vc,
                         const int32_t* table, int64_t kh, float* out, int64_t o_stride, const AttentionShape& sh,
                         float* scratch, uint32_t tree_bits = 0xFFFFFFFFu, int64_t window = 0,
-                        const float* sinks = nullptr) {
+                        const float* sinks = nullptr, int64_t window_ctx0 = -1) {
   const int64_t g = sh.g, d = sh.d, bs = sh.bs, row = sh.kvh * sh.vec;
   const int64_t mq = rows * g, mq4 = (mq + 3) / 4 * 4;       // query vectors: i = r * G + head within kh
   float* qb = scratch;                                       // (mq4, D)
@@ -450,7 +454,9 @@ inline void attend_tile(const float* q, int64_t q_stride, int64_t rows, int64_t 
     ctx0 = nkeys;
   }
   auto key_at = [&](int64_t i) { return i < start ? i : tail[i - start]; };
-  const int64_t walk0 = window > 0 ? std::max<int64_t>(0, ctx0 - window) / kKeyTile * kKeyTile : 0;
+  const bool tree_row = rows == 1 && tree_bits != 0xFFFFFFFFu;
+  const int64_t w0 = window_ctx0 >= 0 && !tree_row ? std::min(window_ctx0, ctx0) : ctx0;   // the window's anchor
+  const int64_t walk0 = window > 0 ? std::max<int64_t>(0, w0 - window) / kKeyTile * kKeyTile : 0;
   for (int64_t j0 = walk0; j0 < nkeys; j0 += kKeyTile) {
     const int64_t kn = std::min<int64_t>(kKeyTile, nkeys - j0);
     auto slot_at = [&](int64_t j) { return (static_cast<int64_t>(table[j / bs]) * bs + j % bs) * row + kh * sh.vec; };
@@ -487,7 +493,7 @@ inline void attend_tile(const float* q, int64_t q_stride, int64_t rows, int64_t 
       float* s = sc + i * kKeyTile;
       // the query's keys in this tile: [from, visible) (its window's bound, its causal one)
       const int64_t visible = i < mq ? std::min<int64_t>(kn, ctx0 + i / g - j0) : 0;
-      const int64_t from = window > 0 ? std::max<int64_t>(0, ctx0 + i / g - window - j0) : 0;
+      const int64_t from = window > 0 ? std::max<int64_t>(0, w0 + i / g - window - j0) : 0;
       if (visible <= from) {
         std::fill(s, s + kKeyTile, 0.f);
         continue;

@@ -41,7 +41,8 @@
 //   context_lens (B,)                   int32    keys 0 .. context_len-1 visible (the new token included; a
 //                                                bidirectional encoder's tokens each see their whole input: the
 //                                                input's length, its keys all written by this call before any
-//                                                row attends)
+//                                                row attends; an image's tokens see up to its last, and a sliding
+//                                                window still counts back from the token's own position)
 //   tree_bits    (B,)                   int32    token-tree visibility of the last 32 keys (-1: all)
 //   cos, sin     (P, D)                 float32  rope tables, rotate_half layout, sin signed [-sin, sin]
 //   lora         (B,)                   int32    each row's LoRA adapter slot (0: none; < S)
@@ -692,15 +693,19 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
     for (int64_t i = next_row.fetch_add(1); i < num_items; i = next_row.fetch_add(1)) {
       const AttnItem& it = attn_items[i];
       const int64_t b = it.b;
+      // a lone row that sees keys past its own (an image's token: its image's later tokens) counts its window back
+      // from its own position, as the causal rows do
+      const int64_t window_keys = it.n == 1 && tree[b] == -1 && positions[b] + 1 < context[b] ? positions[b] + 1 : -1;
       llm_serving::with_cache(cache_type, key_cache, value_cache, [&](const auto* kc, const auto* vc) {
         if (it.tile) {
           llm_serving::attend_tile(qkv + b * nqkv, nqkv, it.n, context[b], kc, vc, tables + (b + it.n - 1) * width,
                                    it.k0, attn + b * nh * d, nh * d, ash, attn_tiles + tid * tile_floats,
-                                   it.n == 1 ? static_cast<uint32_t>(tree[b]) : 0xFFFFFFFFu, window, sinks);
+                                   it.n == 1 ? static_cast<uint32_t>(tree[b]) : 0xFFFFFFFFu, window, sinks,
+                                   window_keys);
         } else {
           llm_serving::attend_row(qkv + b * nqkv, kc, vc, tables + b * width, context[b],
                                   static_cast<uint32_t>(tree[b]), attn + b * nh * d, ash,
-                                  scores + tid * nh * width * bs, it.k0, it.k1, window, sinks);
+                                  scores + tid * nh * width * bs, it.k0, it.k1, window, sinks, window_keys);
         }
       });
     }

@@ -49,7 +49,7 @@ class RunnerGraphs:
     @classmethod
     def build(cls, cfg: LlamaConfig, weights: dict, quantized: dict, *, spec: RunnerSpec, model_dir: str,
               tp: TensorParallel, kernels: KernelChoice, layout: KvLayout, max_context: int, kernel_threads: int,
-              reduce_kernel) -> "RunnerGraphs":
+              reduce_kernel, image_rows: int = 0) -> "RunnerGraphs":
         import mindspore as ms
         from ..llama import DecodeRun, Embedder, LlamaForCausalLM
         from ..sampler import KernelSampler, Penalizer, Sampler, TopLogprobs
@@ -71,7 +71,7 @@ class RunnerGraphs:
                                       lora_slots=spec.lora_slots, lora_rank=spec.lora_rank, kv_cache=spec.kv_cache,
                                       batch_invariant=kernels.batch_invariant,
                                       window_pool_slots=layout.window_num_slots, panels=panels,
-                                      later=self.later)
+                                      later=self.later, image_rows=image_rows)
         later_bytes = self.later.bytes if self.later is not None else 0
         if panels is not None and (panels.read or panels.written or later_bytes):
             logger.info("repacked weights: %.2f GB memory-mapped as an earlier start kept them, %.2f GB repacked "

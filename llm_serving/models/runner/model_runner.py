@@ -18,6 +18,7 @@ from ..weights import LlamaConfig, kernel_types, load_llama_weights, load_quanti
 from .decode_runs import DecodeRuns
 from .embed_steps import EmbedSteps
 from .graphs import RunnerGraphs
+from .images import ImageEncoder, vision_checkpoint_of
 from .kernels import choose_kernels, describe_quantized, repacked_for
 from .kv_inputs import KvLayout
 from .lora_slots import LoraSlots
@@ -81,13 +82,18 @@ class ModelRunner:
                         self.quantized_matrices, f"; {', '.join(self.repacked)} rows repacked into panels of 8 rows "
                         "interleaved, for its integer products" if self.repacked else "")
         reduce_kernel = all_reduce_kernel(self.tp, spec.device_target)
+        vision = self._vision_checkpoint()
         kernel_threads = spec.num_threads or len(os.sched_getaffinity(0))      # the CPU kernels' pool
         self._cache_dir = setup_mindspore(spec.device_target, spec.device_id, spec.num_threads,
-                                          self._compile_cache_key(reduce_kernel, kernel_threads),
+                                          self._compile_cache_key(reduce_kernel, kernel_threads,
+                                                                  vision[0] if vision else None),
                                           wait_for_cache=self.tp.world == 1)
+        self.images = (None if vision is None
+                       else ImageEncoder.build(vision, spec.image_cache_mb))   # (MindSpore's tensors: after its set-up)
         self.graphs = RunnerGraphs.build(self.config, weights, quantized, spec=spec, model_dir=model_dir, tp=self.tp,
                                          kernels=self.kernels, layout=self.layout, max_context=self.max_context,
-                                         kernel_threads=kernel_threads, reduce_kernel=reduce_kernel)
+                                         kernel_threads=kernel_threads, reduce_kernel=reduce_kernel,
+                                         image_rows=self.buckets.prefill_token_sizes[-1] if self.images else 0)
         self._compose()
 
     def _load_weights(self) -> tuple:
@@ -111,6 +117,26 @@ class ModelRunner:
             self.kernels = kernels.without_decode_runs()
         return quantized, weights
 
+    def _vision_checkpoint(self) -> Optional[tuple]:
+        """The model's vision tower as stored (VisionConfig, tensors: runner/images.py), or None: a text model, or one
+        whose images these steps cannot take (said in the log): they need one agent's packed prefill (the CPU
+        kernel) and a packed call that holds an image's tokens. Its graphs read the image rows (llama.py), so the
+        config is part of the compile cache's key."""
+        checkpoint = vision_checkpoint_of(self.model_dir, self.spec.mmproj)
+        if checkpoint is None:
+            return None
+        tokens, largest = checkpoint[0].tokens_per_image, self.buckets.prefill_token_sizes[-1]
+        why = None
+        if self.tp.world > 1 or not self.buckets.packed:
+            why = "images need one agent's packed prefill (attention_kernel on, a CPU agent, no tensor parallelism)"
+        elif largest < tokens:
+            why = (f"an image's {tokens} tokens need a packed graph call of as many (the largest holds {largest}: "
+                   "serving_config.max_num_batched_tokens)")
+        if why is not None:
+            logger.warning("the model's vision tower is not used: %s; image requests are refused", why)
+            return None
+        return checkpoint
+
     def _window_blocks(self) -> int:
         """The window pool's blocks: the sliding layers' own cache (0: the model has none, or the pool is off)."""
         spec, cfg = self.spec, self.config
@@ -123,7 +149,7 @@ class ModelRunner:
                              f"window ({max(windows)} tokens); leave it unset: it is read from the model at start")
         return blocks
 
-    def _compile_cache_key(self, reduce_kernel, kernel_threads: int) -> Optional[str]:
+    def _compile_cache_key(self, reduce_kernel, kernel_threads: int, vision) -> Optional[str]:
         """The compile cache's key (None: not wanted, or another runner of this process came first): everything
         that decides which graphs warmup compiles, and in which order, the kernel libraries the graphs name, and the
         kernels' config tensors, which a compiled graph holds as constants (the thread count and batch invariance:
@@ -136,14 +162,15 @@ class ModelRunner:
              spec.device_target, (tp.rank, tp.world, tp.backend, tp.across_nodes) if tp.world > 1 else None,
              k.decode_kernel, reduce_kernel, k.layer_kernel, k.layer_kernel_rows, k.decode_run_steps,
              k.decode_run_rows, self.quantized_matrices, self.repacked, self.lora.slots, self.lora.rank,
-             spec.kv_cache.name, kernel_threads, k.batch_invariant, WARMUP_ORDER))
+             spec.kv_cache.name, kernel_threads, k.batch_invariant, vision, WARMUP_ORDER))
 
     def _compose(self) -> None:
         """The rooms that run steps, over the graphs."""
         writes = self.tp.writes_outputs
         self.lora.attach(self.graphs.model, self.config.num_layers)
         outputs = StepOutputs(self.graphs, writes)
-        self.tokens = TokenSteps(self.buckets, self.limits, self.layout, self.kernels, self.graphs, outputs, writes)
+        self.tokens = TokenSteps(self.buckets, self.limits, self.layout, self.kernels, self.graphs, outputs, writes,
+                                 self.images)
         self.runs = DecodeRuns(self.buckets, self.limits, self.layout, self.kernels, self.graphs)
         self.embeds = EmbedSteps(self.config, self.buckets, self.layout, self.graphs, self.tokens, writes)
         self.warm = RunnerWarmup(self.execute, self.config.generates, self.layout, self.max_context, self.graphs,
@@ -164,6 +191,7 @@ class ModelRunner:
     lora_slots = property(lambda self: self.lora.slots)
     lora_rank = property(lambda self: self.lora.rank)
     lora_slot_bytes = property(lambda self: self.lora.slot_bytes)
+    image_tokens = property(lambda self: self.images.tokens_per_image if self.images is not None else 0)
     model = property(lambda self: self.graphs.model)
     collective_calls = property(lambda self: self.graphs.collective_calls)
     pooling = property(lambda self: self.graphs.pooling)

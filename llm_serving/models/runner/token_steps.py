@@ -13,11 +13,12 @@ from typing import Optional
 
 import numpy as np
 
-from llm_serving.shm.layout import StepView
+from llm_serving.shm.layout import StepKind, StepView
 
 from ..buckets import Buckets
 from ..step_inputs import StepInputs, StepLimits
 from .graphs import RunnerGraphs
+from .images import ImageEncoder, Placed, pieces, place
 from .kernels import KernelChoice
 from .kv_inputs import KvLayout, flat_tokens, pad
 from .outputs import PromptScores, StepOutputs
@@ -30,9 +31,11 @@ class TokenSteps:
     outputs)."""
 
     def __init__(self, buckets: Buckets, limits: StepLimits, layout: KvLayout, kernels: KernelChoice,
-                 graphs: RunnerGraphs, outputs: StepOutputs, writes_outputs: bool):
+                 graphs: RunnerGraphs, outputs: StepOutputs, writes_outputs: bool,
+                 images: Optional[ImageEncoder] = None):
         self.buckets, self.limits, self.layout, self.kernels = buckets, limits, layout, kernels
         self.graphs, self.outputs, self.writes_outputs = graphs, outputs, writes_outputs
+        self.images = images            # the model's tower and encoded images (None: a model without images)
 
     def layer_kernel_runs(self, tokens: int) -> bool:
         """Whether a one-token-per-row step of `tokens` rows runs the layer kernel (LlamaForCausalLM's `fused`),
@@ -42,18 +45,23 @@ class TokenSteps:
     def execute(self, step: StepView):
         """A prefill or decode step."""
         inputs = StepInputs.make(self.limits, step, sampler=self.writes_outputs)
+        images = step.images
+        if images and (self.images is None or not self.buckets.packed or step.kind is not StepKind.PREFILL):
+            raise ValueError("ModelRunner.execute: this step carries images, which "
+                             + ("this model does not take" if self.images is None else
+                                "only a prefill step of the CPU kernel's packed path takes"))
         nb, sb = self.buckets.bucket(inputs.n, inputs.s)
         if inputs.scores_prompt:             # (rank 0's: other ranks have no logits and run the step plainly)
             if not self.buckets.packed:
                 raise ValueError("ModelRunner.execute: prompt log-probabilities need the CPU kernel's packed prefill "
                                  "(attention_kernel on)")
             scores = PromptScores(inputs.n, inputs.s, int(inputs.prompt_top.max()))
-            out = self.packed(inputs, step.return_logits, scores)
+            out = self.packed(inputs, step.return_logits, scores, images)
             if step.out_prompt_logprobs is not None:
                 scores.write(step)
             return out
-        if inputs.s > 1 and self.buckets.packed:
-            return self.packed(inputs, step.return_logits)
+        if (inputs.s > 1 or images) and self.buckets.packed:
+            return self.packed(inputs, step.return_logits, images=images)
         outputs = self.call_padded(inputs, nb, sb, all_tokens=False)
         return self.outputs.finish(outputs, inputs.n, nb, inputs.per_row, step.return_logits, inputs.live)
 
@@ -76,28 +84,36 @@ class TokenSteps:
                       T(pad(cl, nb, 1)), T(pad(ql, nb, 1)), T(sample_index), T(np.full(nb, -1, np.int32)),
                       T(pad(step.lora, nb, 0)), window_slot_p, window_bt_p)
 
-    def packed(self, step: StepInputs, return_logits: bool, scores: Optional[PromptScores] = None):
+    def packed(self, step: StepInputs, return_logits: bool, scores: Optional[PromptScores] = None,
+               images: tuple = ()):
         """A prefill step as its real tokens side by side, run as one or more graph calls in order
         (`Buckets.token_pieces`); each call samples the rows whose last token it holds (sample_index). Padding
         tokens write to the scratch block and attend to nothing. With `scores` (a step that scores prompt tokens)
         every call returns the logits of all its tokens, from which `scores` takes the prompt tokens'
-        log-probabilities and the rows' samplers their last token's."""
+        log-probabilities and the rows' samplers their last token's. `images` (StepImage's): their tokens take the
+        tower's rows and see their whole image, each image within one call (runner/images.py)."""
         ql, per_row = step.query_lens, step.per_row
         t = int(ql.sum())
         flat = flat_tokens(step)
         last = np.cumsum(ql) - 1                                                       # (n,) each row's last token
         rows = self.buckets.prefill_batch_sizes[-1]
-        results, failure, start = [], None, 0
-        for tb in self.buckets.token_pieces(t):
-            stop = min(start + tb, t)
+        placed = place(images, self.images, ql, flat[3], flat[5]) if images else None
+        if placed is None:
+            calls, start = [], 0
+            for tb in self.buckets.token_pieces(t):
+                calls.append((start, min(start + tb, t), tb))
+                start += tb
+        else:
+            calls = pieces(t, self.buckets.prefill_token_sizes, placed.spans)
+        results, failure = [], None
+        for start, stop, tb in calls:
             mine = np.nonzero((last >= start) & (last < stop))[0]                      # rows sampled by this call
             sample_index = pad((last[mine] - start).astype(np.int32), rows, 0)
             if scores is None:
-                outputs = self.call_packed(step, flat, start, stop, tb, sample_index)
+                outputs = self.call_packed(step, flat, start, stop, tb, sample_index, placed=placed)
             else:                       # every token's logits: the prompt's scores, then the rows' last tokens'
-                outputs = self.call_packed(step, flat, start, stop, tb, np.arange(tb, dtype=np.int32))
+                outputs = self.call_packed(step, flat, start, stop, tb, np.arange(tb, dtype=np.int32), placed=placed)
                 outputs = self.outputs.scored(outputs, step, flat, start, stop, sample_index, scores)
-            start = stop
             if failure is not None:
                 continue
             sub = {key: arr[mine] for key, arr in per_row.items()}
@@ -118,10 +134,14 @@ class TokenSteps:
         return tuple(out)
 
     def call_packed(self, step: StepInputs, flat: tuple, start: int, stop: int, tb: int, sample_index,
-                    tree_bits: Optional[np.ndarray] = None):
+                    tree_bits: Optional[np.ndarray] = None, placed: Optional[Placed] = None):
         """The model graph of `tb` tokens on the step's real tokens start..stop-1 (`flat`: flat_tokens(step)),
-        padding after them; tree_bits: each real token's visible keys (a token tree's nodes; default all)."""
+        padding after them; tree_bits: each real token's visible keys (a token tree's nodes; default all); placed:
+        the step's image tokens (their rows and contexts)."""
         ids, pos, kv, context, lora = self.packed_inputs(step, flat, start, stop, tb)
+        if placed is not None:
+            context[:stop - start] = placed.context[start:stop]
+            placed.fill(start, stop, ids, self.graphs.model.image_buffer, self.graphs.vocab_size)
         bits = np.full(tb, -1, np.int32)
         if tree_bits is not None:
             bits[:stop - start] = tree_bits[start:stop]

@@ -21,7 +21,7 @@ import numpy as np
 from .common import StoredTensor, WeightLoadError, check_tensors
 from .hf import _checkpoint_names, _shard_files, stored_safetensors
 
-__all__ = ["VisionConfig", "mmproj_checkpoint", "vision_checkpoint", "vision_shapes"]
+__all__ = ["VisionConfig", "mmproj_checkpoint", "mmproj_config", "vision_checkpoint", "vision_shapes"]
 
 _ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
 
@@ -168,31 +168,34 @@ def _mmproj_name(name: str) -> Optional[str]:
     return None
 
 
-def mmproj_checkpoint(path: str) -> tuple[VisionConfig, dict[str, StoredTensor]]:
-    """(config, {name: StoredTensor}) of llama.cpp's mmproj GGUF of a Gemma 3 (`clip.projector_type` gemma3), every
-    shape checked; the tensors read as float32 (F32, F16 and the types the gguf package dequantizes). The image
-    tokens' pooling: `clip.vision.projector.scale_factor` patches a side, 4 (every Gemma 3's) when the file does
-    not say. The placeholder token ids are the text model's (its vocabulary), not known here. WeightLoadError for
-    a file that is not such an mmproj, a missing tensor or a wrong shape."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
+def _mmproj_fields(path: str, contents=None):
+    """An mmproj GGUF's read contents (gguf_file.read_gguf's), checked to be a Gemma 3 mmproj."""
     from llm_serving.gguf_file import read_gguf
 
-    try:
-        contents = read_gguf(path)
-    except Exception as e:          # noqa: BLE001 - not GGUF, truncated, unknown version: said with its name
-        raise WeightLoadError(f"{path}: cannot read GGUF file: {e}") from e
+    if contents is None:
+        try:
+            contents = read_gguf(path)
+        except Exception as e:          # noqa: BLE001 - not GGUF, truncated, unknown version: said with its name
+            raise WeightLoadError(f"{path}: cannot read GGUF file: {e}") from e
     fields = contents.fields
     kind = (fields.get("general.architecture"), fields.get("clip.projector_type"))
     if kind != ("clip", "gemma3"):
         raise WeightLoadError(f"{path}: not a Gemma 3 mmproj GGUF (general.architecture {kind[0]!r}, "
                               f"clip.projector_type {kind[1]!r}; served: clip with gemma3)")
+    return contents
+
+
+def mmproj_config(path: str, contents=None) -> VisionConfig:
+    """The VisionConfig of llama.cpp's mmproj GGUF of a Gemma 3 (`clip.projector_type` gemma3). The image tokens'
+    pooling: `clip.vision.projector.scale_factor` patches a side, 4 (every Gemma 3's) when the file does not say.
+    The placeholder token ids are the text model's (its vocabulary), not known here. WeightLoadError for a file
+    that is not such an mmproj."""
+    fields = _mmproj_fields(path, contents).fields
     try:
         image, patch = int(fields["clip.vision.image_size"]), int(fields["clip.vision.patch_size"])
         pool = int(fields.get("clip.vision.projector.scale_factor", 4))
         side = image // patch // pool if pool > 0 else 0
-        cfg = _config({"vision_config": {
+        return _config({"vision_config": {
             "hidden_size": fields["clip.vision.embedding_length"],
             "intermediate_size": fields["clip.vision.feed_forward_length"],
             "num_hidden_layers": fields["clip.vision.block_count"],
@@ -203,6 +206,17 @@ def mmproj_checkpoint(path: str) -> tuple[VisionConfig, dict[str, StoredTensor]]
             "mm_tokens_per_image": side * side}, path)
     except KeyError as e:
         raise WeightLoadError(f"{path}: GGUF metadata {e} is missing") from None
+
+
+def mmproj_checkpoint(path: str) -> tuple[VisionConfig, dict[str, StoredTensor]]:
+    """(config, {name: StoredTensor}) of llama.cpp's mmproj GGUF of a Gemma 3 (`mmproj_config`), every shape
+    checked; the tensors read as float32 (F32, F16 and the types the gguf package dequantizes). WeightLoadError for
+    a file that is not such an mmproj, a missing tensor or a wrong shape."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    contents = _mmproj_fields(path)
+    cfg = mmproj_config(path, contents)
     tensors = {}
     for tensor in contents.tensors:
         name = _mmproj_name(tensor.name)

@@ -5,9 +5,9 @@ template, the model's name) is translate.prepare's."""
 from __future__ import annotations
 
 import re
-from typing import Any, Dict, List, Literal, Optional, Union
+from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 
-from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import ConfigDict, Discriminator, Field, PrivateAttr, Tag, field_validator, model_validator
 
 from llm_serving.master.grammar import GrammarSpec
 from llm_serving.master.request import SamplingParams
@@ -19,6 +19,7 @@ from llm_serving.server.translate import ApiRequest
 from llm_serving.shm.layout import TOP_LOGPROBS
 from llm_serving.tokenization import ChatTemplateError, check_variables
 from llm_serving.tokenization.chat_template import reserved_variables
+from llm_serving.vision import ImageError, decode_data_url
 
 MAX_N = 16
 MAX_TOOLS = 128
@@ -304,8 +305,45 @@ class NamedTool(Body):
 
 
 class TextPart(Open):
-    type: Literal["text"] = Field(description="only text parts are served")
+    type: Literal["text"]
     text: str
+
+
+class ImageUrl(Open):
+    url: str = Field(description="the image as a base64 data: URL (data:image/png;base64,...)")
+    detail: Optional[Literal["auto", "low", "high"]] = Field(None, description="accepted; every image is read at "
+                                                                               "the model's one resolution")
+
+
+class ImagePart(Open):
+    """An image in a user message (a vision-language model's): its bytes as a base64 data: URL."""
+    type: Literal["image_url"]
+    image_url: Union[ImageUrl, str]
+
+    def data(self) -> bytes:
+        url = self.image_url if isinstance(self.image_url, str) else self.image_url.url
+        try:
+            return decode_data_url(url)
+        except ImageError as e:
+            raise ValidationError(f"image_url: {e}", param="messages") from None
+
+
+class _OtherPart(Open):
+    """A part of a type no other part model takes: refused by its type."""
+    type: Literal["text", "image_url"]
+
+
+_PART_TAGS = {"text": "text part", "image_url": "image part"}
+
+
+def _part_kind(part) -> str:
+    kind = part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
+    return _PART_TAGS.get(kind, "other part") if isinstance(kind, str) else "other part"
+
+
+# (tags with a space: they name no field, so an error's path leaves them out: api/base.py)
+Part = Annotated[Union[Annotated[TextPart, Tag("text part")], Annotated[ImagePart, Tag("image part")],
+                       Annotated[_OtherPart, Tag("other part")]], Discriminator(_part_kind)]
 
 
 class CalledFunction(Open):
@@ -325,7 +363,8 @@ class ChatMessage(Open):
         {"anyOf": [needs({"content": GIVEN}), needs({"role": {"const": "assistant"}, "tool_calls": GIVEN})]},
         when("role", {"const": "tool"}, needs({"tool_call_id": GIVEN}))))
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Optional[Union[str, List[TextPart]]] = Field(None, description="a string or text parts")
+    content: Optional[Union[str, List[Part]]] = Field(None, description="a string, or text parts and (in a user "
+                                                                        "message) image parts")
     tool_calls: Optional[List[ToolCall]] = Field(None, min_length=1)
     tool_call_id: Optional[str] = None
     name: Optional[str] = None
@@ -337,10 +376,20 @@ class ChatMessage(Open):
                                   param="messages")
         if self.role == "tool" and self.tool_call_id is None:
             raise ValidationError("a tool message needs the tool_call_id it answers", param="messages")
+        if self.role != "user" and self.images():
+            raise ValidationError(f"image parts go in user messages, not in a {self.role} message", param="messages")
         return self
 
+    def images(self) -> list:
+        """The message's image parts, in order."""
+        return [p for p in self.content if isinstance(p, ImagePart)] if isinstance(self.content, list) else []
+
     def as_dict(self) -> dict:
-        """The message as the chat template takes it: its text, developer as system, tool calls and ids."""
+        """The message as the chat template takes it: its text (with images: its parts, an image as {"type":
+        "image"}), developer as system, tool calls and ids."""
+        if self.images():
+            return {"role": self.role, "content": [{"type": "image"} if isinstance(p, ImagePart)
+                                                   else {"type": "text", "text": p.text} for p in self.content]}
         content = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
         role = "system" if self.role == "developer" else self.role
         if role == "assistant" and self.tool_calls:
@@ -443,7 +492,8 @@ class ChatCompletionRequest(_Tools, _Sampling):
             variables = {"reasoning_effort": self.reasoning_effort, **(variables or {})}
         req = self._request(max_model_len, messages=[m.as_dict() for m in self.messages], variables=variables,
                             tools=self.tool_dicts(), tool_choice=self.choice,
-                            parallel_tool_calls=self.parallel_tool_calls is not False)
+                            parallel_tool_calls=self.parallel_tool_calls is not False,
+                            images=tuple(p.data() for m in self.messages for p in m.images()))
         req.sampling.top_logprobs = self.top_logprobs
         return req
 

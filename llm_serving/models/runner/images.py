@@ -1,0 +1,171 @@
+"""A prefill step's images: the tower's rows put where the prompt holds their placeholders.
+
+The master's step frame names each image a prefill step feeds (`StepImage`, agents/protocol.py): its row, where
+its tokens start among the row's new tokens, which of the image's tokens the step holds (an image is never split
+across steps, but a prefix-cache hit may start a step inside one), the image's content key, and the shared-memory
+segment of its pixels. `ImageEncoder.rows` gives an image's (tokens, H) rows: from its cache of encoded images
+(keyed by content, least recently used dropped first past its byte cap) or by running the tower on the pixels.
+
+`place` turns a step's images into what the packed graph calls read (`Placed`): for each of the step's real tokens,
+the row of the stacked image rows it takes (-1: its own embedding), and its context. Gemma 3's attention among an
+image's tokens is bidirectional: an image token sees every key up to its image's last token (the causal limit
+elsewhere), and the keys of a graph call's tokens are all written before any attends, so an image must lie within
+one graph call (`pieces`). Before each call, `fill` copies the call's image rows into the model's image buffer and
+gives their tokens the ids V + j that select them (llama.py's `embed_tokens`).
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import os
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+__all__ = ["ImageEncoder", "Placed", "pieces", "place", "vision_checkpoint_of"]
+
+logger = logging.getLogger(__name__)
+
+
+class ImageEncoder:
+    """The tower and the encoded-image cache (`cache_bytes`: at most this many bytes of rows kept, 0: none)."""
+
+    def __init__(self, tower, cache_bytes: int):
+        self.tower, self.cfg = tower, tower.cfg
+        self.cache_bytes = int(cache_bytes)
+        self._cache: OrderedDict = OrderedDict()         # key -> (tokens, H) float32
+        self._bytes = 0
+        self.encoded = 0                                 # images the tower ran on (a test and /stats read it)
+        self.hits = 0
+
+    @classmethod
+    def build(cls, checkpoint: tuple, cache_mb: int) -> "ImageEncoder":
+        """The encoder of a tower as stored (`vision_checkpoint_of`'s), its weights read now."""
+        from ..vision_tower import VisionTower
+
+        t0 = time.perf_counter()
+        tower = VisionTower(*checkpoint)
+        logger.info("vision tower: %d layers of %d, %d tokens an image, %.2f GB of float32 weights, read in %.1f s",
+                    tower.cfg.num_layers, tower.cfg.hidden_size, tower.cfg.tokens_per_image, tower.nbytes / 1e9,
+                    time.perf_counter() - t0)
+        return cls(tower, cache_mb << 20)
+
+    @property
+    def tokens_per_image(self) -> int:
+        return self.cfg.tokens_per_image
+
+    def rows(self, key: str, segment: str, shape) -> np.ndarray:
+        """The image's (tokens_per_image, H) rows: cached under `key`, else the tower's on the pixels in `segment`."""
+        from llm_serving.shm.images import read_pixels
+
+        rows = self._cache.get(key)
+        if rows is not None:
+            self._cache.move_to_end(key)
+            self.hits += 1
+            return rows
+        size, c = self.cfg.image_size, self.cfg.num_channels
+        if tuple(shape) != (c, size, size):
+            raise ValueError(f"an image's pixels are {tuple(shape)}; the tower reads ({c}, {size}, {size})")
+        t0 = time.perf_counter()
+        rows = self.tower.encode(read_pixels(segment, shape)[None])[0]
+        self.encoded += 1
+        logger.info("image %s encoded in %.2f s", key[:12], time.perf_counter() - t0)
+        if rows.nbytes <= self.cache_bytes:
+            self._cache[key] = rows
+            self._bytes += rows.nbytes
+            while self._bytes > self.cache_bytes:
+                _, dropped = self._cache.popitem(last=False)
+                self._bytes -= dropped.nbytes
+        return rows
+
+    def clear(self) -> None:
+        self._cache.clear()
+        self._bytes = 0
+
+
+def vision_checkpoint_of(model_path: str, mmproj: Optional[str]) -> Optional[tuple]:
+    """(VisionConfig, tensors) of the model's tower: from the mmproj GGUF beside a GGUF model, or from a HF
+    directory; None for a model without one."""
+    from ..weights.vision import mmproj_checkpoint, vision_checkpoint
+
+    if mmproj is not None:
+        return mmproj_checkpoint(mmproj)
+    if not os.path.isdir(model_path) or not os.path.isfile(os.path.join(model_path, "config.json")):
+        return None
+    return vision_checkpoint(model_path)
+
+
+@dataclass
+class Placed:
+    """A packed step's image tokens (`place`): per real token, its row in `rows` (-1: none); the stacked rows of the
+    step's images; each image's (first, stop) among the step's tokens; and every token's context, an image token's
+    reaching its image's end."""
+    source: np.ndarray           # (t,) int32
+    rows: np.ndarray             # (K, H) float32
+    spans: list                  # [(first, stop)]
+    context: np.ndarray          # (t,) int32
+
+    def fill(self, start: int, stop: int, ids: np.ndarray, buffer: np.ndarray, vocab: int) -> None:
+        """Ready the graph call of tokens start..stop-1 (ids: theirs, padded): their image rows into `buffer` (the
+        model's image_buffer), their ids V + j."""
+        source = self.source[start:stop]
+        mine = np.nonzero(source >= 0)[0]
+        if not len(mine):
+            return
+        if len(mine) > len(buffer):
+            raise ValueError(f"a graph call holds {len(mine)} image tokens; the image buffer has {len(buffer)} rows")
+        buffer[:len(mine)] = self.rows[source[mine]]
+        ids[mine] = vocab + np.arange(len(mine), dtype=np.int32)
+
+
+def place(images: list, encoder: ImageEncoder, query_lens: np.ndarray, positions: np.ndarray,
+          context: np.ndarray) -> Placed:
+    """The step's images (`StepImage`s) on its real tokens; positions and context: flat_tokens' (t,) arrays."""
+    starts = np.concatenate([[0], np.cumsum(query_lens)[:-1]]).astype(np.int64)       # each row's first token
+    t = len(positions)
+    source = np.full(t, -1, np.int32)
+    context = np.array(context, np.int32)
+    parts, spans, at = [], [], 0
+    for image in images:
+        if not 0 <= image.row < len(query_lens):
+            raise ValueError(f"an image names row {image.row}; the step has {len(query_lens)}")
+        if not (0 <= image.first and image.count >= 1 and image.first + image.count <= image.length
+                == encoder.tokens_per_image and 0 <= image.offset
+                and image.offset + image.count <= query_lens[image.row]):
+            raise ValueError(f"an image's tokens {image.first}..{image.first + image.count - 1} of {image.length} at "
+                             f"offset {image.offset} do not fit row {image.row} ({int(query_lens[image.row])} new "
+                             f"tokens) or the tower's {encoder.tokens_per_image} tokens an image")
+        rows = encoder.rows(image.key, image.segment, image.shape)
+        first = int(starts[image.row]) + image.offset
+        stop = first + image.count
+        source[first:stop] = at + np.arange(image.count, dtype=np.int32)
+        parts.append(rows[image.first:image.first + image.count])
+        at += image.count
+        # every token of the image sees up to its last: the position of the image's first token + its length
+        context[first:stop] = positions[first] - image.first + image.length
+        spans.append((first, stop))
+    rows = np.concatenate(parts) if parts else np.zeros((0, 0), np.float32)
+    return Placed(source, rows, sorted(spans), context)
+
+
+def pieces(t: int, sizes: list, spans: list) -> list:
+    """(start, stop, bucket) graph calls over t tokens with token buckets `sizes` (ascending), no span of `spans`
+    cut between two calls: each call as long as the largest bucket allows, ending before an image it would cut,
+    in the smallest bucket that holds it. ValueError for an image longer than the largest bucket."""
+    out, start = [], 0
+    largest = sizes[-1]
+    while start < t:
+        stop = min(start + largest, t)
+        for first, end in spans:
+            if first < stop < end:
+                if first > start:
+                    stop = first
+                else:
+                    raise ValueError(f"an image of {end - first} tokens does not fit one graph call of at most "
+                                     f"{largest} tokens (serving_config.max_num_batched_tokens)")
+        out.append((start, stop, sizes[bisect.bisect_left(sizes, stop - start)]))
+        start = stop
+    return out

@@ -1,0 +1,171 @@
+"""Images in, end to end (issue 67): the real server on a tiny random Gemma3ForConditionalGeneration that transformers
+makes (tests/families.py's `make_gemma3_vl`), image questions through OpenAI's chat API, each reply's greedy tokens
+and their log-probabilities transformers' own (its forward with the pixels and the image tokens' bidirectional mask,
+`token_type_ids`), with chunked prefill cutting around an image, the prefix cache and the encoded-image cache in play;
+the bad images refused with a 400 that says why, and the server serving on."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+
+import numpy as np
+import pytest
+
+from tests.families import GEMMA3_IMAGE_TOKENS, make_gemma3_vl, needs_transformers
+from tests.integration.server_harness import http, serving
+
+pytest.importorskip("mindspore")
+pytest.importorskip("PIL", reason="Pillow reads the images (pip install -e .)")
+
+NEW_TOKENS = 6
+MODEL = "gemma3-vl"            # the served name (--set model_config.model_name)
+BOI, IMAGE = 3, 5              # the tiny model's <start_of_image> and <image_soft_token> ids
+
+
+@pytest.fixture(scope="module")
+def vl_model(tmp_path_factory):
+    needs_transformers()
+    directory = tmp_path_factory.mktemp("gemma3_vl")
+    make_gemma3_vl(directory, seed=3)
+    return directory
+
+
+def _png(seed: int, shape=(70, 91, 3)) -> bytes:
+    from PIL import Image
+
+    mode = "RGBA" if shape[-1] == 4 else "RGB"
+    image = Image.fromarray(np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8), mode)
+    buffer = io.BytesIO()
+    image.save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def _url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def _prompt_ids(path, turns: list) -> list:
+    """The prompt transformers' processor makes of a chat (VISION_CHATML rendered by hand, each image mark made its
+    placeholders as Gemma3Processor does), tokenized by the tokenizers library: nothing of the server's own."""
+    from tokenizers import Tokenizer
+
+    boi, eoi, image = GEMMA3_IMAGE_TOKENS
+    text = "".join(f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in turns) + "<|im_start|>assistant\n"
+    full = f"\n\n{boi}{image * 4}{eoi}\n\n"
+    return Tokenizer.from_file(str(path / "tokenizer.json")).encode(text.replace(boi, full)).ids
+
+
+def _reference(path, ids: list, images: list) -> tuple:
+    """transformers' greedy tokens after `ids` with `images` (PNG bytes), and each one's log-probability: a whole
+    forward per token (no cache), the images' pixels from its Gemma 3 processor, token_type_ids marking the image
+    tokens (their attention among themselves bidirectional)."""
+    torch, transformers = needs_transformers()
+    from PIL import Image
+
+    model = transformers.Gemma3ForConditionalGeneration.from_pretrained(str(path), dtype=torch.float32,
+                                                                        attn_implementation="eager").eval()
+    processor = transformers.Gemma3ImageProcessor.from_pretrained(str(path))
+    pixels = torch.from_numpy(processor(images=[Image.open(io.BytesIO(d)) for d in images],
+                                        return_tensors="np")["pixel_values"])
+    tokens, logprobs = [], []
+    for _ in range(NEW_TOKENS):
+        x = torch.tensor([ids + tokens])
+        with torch.no_grad():
+            logits = model(input_ids=x, pixel_values=pixels, token_type_ids=(x == IMAGE).long(),
+                           use_cache=False).logits[0, -1].double()
+        lp = torch.log_softmax(logits, -1)
+        tokens.append(int(lp.argmax()))
+        logprobs.append(float(lp.max()))
+    return tokens, logprobs
+
+
+async def _chats(url: str, bodies: list) -> list:
+    """The chat requests sent together (so that they share steps)."""
+    return await asyncio.gather(*(asyncio.to_thread(http, "POST", url + "/v1/chat/completions", body)
+                                  for body in bodies))
+
+
+def _body(messages: list) -> dict:
+    return {"model": MODEL, "messages": messages, "max_tokens": NEW_TOKENS, "temperature": 0,
+            "logprobs": True}
+
+
+def _user(text: str, *images: bytes, image_first: bool = False) -> dict:
+    parts = [{"type": "image_url", "image_url": {"url": _url(d)}} for d in images]
+    text_part = [{"type": "text", "text": text}]
+    return {"role": "user", "content": parts + text_part if image_first else text_part + parts}
+
+
+def test_image_questions_get_transformers_tokens_and_logprobs(vl_model, tmp_path):
+    """Four image chats at once and one after, chunked prefill in 16-token chunks (an image's placeholders at 29-34
+    would be cut at 32: the chunk ends before the image instead), the prefix cache on 8-token blocks (the repeated
+    image's conversation reuses its blocks, another image's never) and the encoded-image cache (the repeated image is
+    not encoded again): each reply is transformers' greedy tokens, with their log-probabilities."""
+    from tokenizers import Tokenizer
+
+    a, b, c = _png(0), _png(1), _png(2, (30, 20, 4))
+    chats = [  # (messages, the turns as the template renders them, their images in order)
+        ([_user("What is in this picture?", a)], [("user", "What is in this picture?<start_of_image>")], [a]),
+        ([_user("What is in this picture?", b)], [("user", "What is in this picture?<start_of_image>")], [b]),
+        ([_user("Compare them:", a, c)], [("user", "Compare them:<start_of_image><start_of_image>")], [a, c]),
+        ([_user("Describe", c, image_first=True)], [("user", "<start_of_image>Describe")], [c]),
+    ]
+    follow = [_user("What is in this picture?", a), {"role": "assistant", "content": "a cat"},
+              {"role": "user", "content": "Are you sure?"}]
+    chats.append((follow, [("user", "What is in this picture?<start_of_image>"), ("assistant", "a cat"),
+                           ("user", "Are you sure?")], [a]))
+    tok = Tokenizer.from_file(str(vl_model / "tokenizer.json"))
+    args = ["--model", str(vl_model), "--set", f"model_config.model_name={MODEL}",
+            "--set", "model_config.max_generate_length=128", "--set", "pa_config.block_size=8",
+            "--set", "scheduler_config.chunked_prefill=true", "--set", "scheduler_config.max_chunk_tokens=16",
+            "--set", "serving_config.max_num_batched_tokens=32", "--set", "serving_config.max_num_seqs=8",
+            "--set", "scheduler_config.enable_prefix_caching=true", "--set", "pa_config.kv_cache_dtype=float32"]
+    with serving(args, tmp_path / "server.log") as server:
+        first = asyncio.run(_chats(server.url, [_body(m) for m, _, _ in chats[:4]]))
+        last = asyncio.run(_chats(server.url, [_body(chats[4][0])]))
+        stats = http("GET", server.url + "/stats")[1]
+        log = (tmp_path / "server.log").read_text()
+    for (messages, turns, images), (status, body) in zip(chats, first + last):
+        assert status == 200, body
+        ids = _prompt_ids(vl_model, turns)
+        assert ids.count(IMAGE) == 4 * len(images)
+        assert body["usage"]["prompt_tokens"] == len(ids)
+        want, want_lps = _reference(vl_model, ids, images)
+        assert body["choices"][0]["message"]["content"] == tok.decode(want, skip_special_tokens=True), turns
+        got_lps = [e["logprob"] for e in body["choices"][0]["logprobs"]["content"]]
+        np.testing.assert_allclose(got_lps, want_lps, atol=2e-3, err_msg=str(turns))
+    # the three images were each encoded once (the fifth chat's image a came from the cache)
+    assert log.count(" encoded in ") == 3, log
+    assert stats["prefix_cache_hit_rate"] > 0, stats
+    # an image changes the reply's log-probabilities: a and b gave different ones
+    assert first[0][1]["choices"][0]["logprobs"] != first[1][1]["choices"][0]["logprobs"]
+
+
+def test_bad_images_are_refused_by_name_and_the_server_serves_on(vl_model, tmp_path):
+    """Each bad image is a 400 that says what is wrong with it; a good request after them is answered."""
+    good = _png(0)
+    truncated = good[:len(good) // 2]
+    cases = [
+        (_body([_user("x", b"not an image at all")]), "not an image"),
+        (_body([_user("x", truncated)]), "image 1 of 1"),
+        (_body([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]),
+         "data: URL"),
+        (_body([{"role": "user", "content": [{"type": "image_url", "image_url": "data:text/plain;base64,aGk="}]}]),
+         "not an image"),
+        (_body([_user("x", good, good, good)]), "at most 2"),
+        (_body([{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
+            {"type": "image_url", "image_url": {"url": _url(good)}}]}]), "user messages"),
+        (_body([_user("x", _png(4, (700, 700, 3)))]), "max_image_bytes"),
+    ]
+    args = ["--model", str(vl_model), "--set", f"model_config.model_name={MODEL}",
+            "--set", "model_config.max_generate_length=128", "--set", "serving_config.max_images=2", "--set", "serving_config.max_image_bytes=1000000"]
+    with serving(args, tmp_path / "server.log") as server:
+        for body, says in cases:
+            status, reply = http("POST", server.url + "/v1/chat/completions", body)
+            assert status == 400, (says, reply)
+            assert says in json.dumps(reply), (says, reply)
+        status, reply = http("POST", server.url + "/v1/chat/completions", _body([_user("x", good)]))
+        assert status == 200, reply
+        assert reply["usage"]["completion_tokens"] == NEW_TOKENS
