@@ -360,8 +360,8 @@ VISION_CHATML = ("{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n'}}{%
 
 
 def make_gemma3_vl(path, seed: int = 1, tokenizer: bool = True):
-    """A tiny Gemma3ForConditionalGeneration that transformers makes, every weight random (transformers starts the
-    projection at zero): a 56-pixel image in 14-pixel patches (a 4 x 4 grid) pooled to 4 tokens, a 2-layer text
+    """A tiny Gemma3ForConditionalGeneration that transformers makes, random (the tower's weights drawn afresh:
+    transformers starts the projection at zero; the text model's scaled as make_hf_model's gemma3-mm): a 56-pixel image in 14-pixel patches (a 4 x 4 grid) pooled to 4 tokens, a 2-layer text
     model of 300 tokens (sliding window 32); its image processor beside it, and (`tokenizer`) a tokenizer holding
     Gemma 3's image tokens (GEMMA3_IMAGE_TOKENS, ids 3-5) with VISION_CHATML. Returns the model (eval mode)."""
     torch, transformers = needs_transformers()
@@ -374,11 +374,18 @@ def make_gemma3_vl(path, seed: int = 1, tokenizer: bool = True):
         vision_config=dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                            image_size=56, patch_size=14, vision_use_head=False),
         mm_tokens_per_image=4, image_token_index=image, boi_token_index=boi, eoi_token_index=eoi)
+    torch.manual_seed(seed)
     model = transformers.Gemma3ForConditionalGeneration(cfg).eval()
     generator = torch.Generator().manual_seed(seed)
+    embedding, matrices = _SCALES["gemma3-mm"]
     with torch.no_grad():
-        for _, p in model.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=generator) * (0.5 if p.ndim == 1 else 0.2))
+        for name, p in model.named_parameters():
+            if "vision" in name or "multi_modal" in name:       # the tower: every weight drawn afresh
+                p.copy_(torch.randn(p.shape, generator=generator) * (0.5 if p.ndim == 1 else 0.2))
+            elif p.ndim >= 2:                                   # the text model: as make_hf_model's gemma3-mm
+                p.mul_(embedding if "embed_tokens" in name else matrices)
+            else:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.1 + _gemma_gain("gemma3-mm", name) - 1.0)
     model.save_pretrained(path)
     transformers.Gemma3ImageProcessor(size={"height": 56, "width": 56}).save_pretrained(path)
     if tokenizer:

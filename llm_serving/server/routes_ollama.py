@@ -311,7 +311,8 @@ def capabilities(engine) -> list:
     """What Ollama's clients may ask of the model, in Ollama's sense and order: `embedding` for an embedding model
     (one that does not generate: model_config.task embed, a BERT encoder's; or one whose pooling its files declare,
     sentence-transformers' 1_Pooling, or model_config.pooling sets: Ollama's GGUF pooling_type), which Ollama's clients
-    then embed with instead of chatting; else `completion`, `tools` when a chat with a tool is served
+    then embed with instead of chatting; else `completion`, `vision` when it takes images (its vision tower
+    served), `tools` when a chat with a tool is served
     (`tools.serves_tools`: a template that takes them, or any that takes a system message, where they are described,
     and the prompt fits the context; the calls are parsed either way), `thinking` when it reasons (`<think>`,
     harmony)."""
@@ -319,7 +320,8 @@ def capabilities(engine) -> list:
     if not engine.generates or (spec is not None and spec.source != "default"):
         return ["embedding"]
     template = engine.chat_template
-    return ["completion"] + (["tools"] if serves_tools(template, engine.max_model_len) else []) + \
+    return ["completion"] + (["vision"] if getattr(engine, "image_facts", None) is not None else []) + \
+        (["tools"] if serves_tools(template, engine.max_model_len) else []) + \
         (["thinking"] if template.reasons or template.harmony else [])
 
 

@@ -285,8 +285,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def models(request: web.Request) -> web.Response:
     """Every model the server serves, with its state (loaded, loading, unloaded, failed: its error too), and a loaded
     one's LoRA adapters (as vLLM lists them); a loaded model says its context and what it serves besides generation:
-    its `embedding` (pooling, dimensions; null when this server cannot embed) and how rerank and score score
-    (`score_method`: yes_no or similarity). An adapter serves neither (both null)."""
+    its `embedding` (pooling, dimensions; null when this server cannot embed), how rerank and score score
+    (`score_method`: yes_no or similarity) and what its prompts may hold (`input_modalities`: text, and image for a
+    vision-language model whose tower is served). An adapter serves neither embeddings nor scores (both null)."""
     fleet = fleet_of(request)
     data = []
     for name, entry in fleet.entries.items():
@@ -303,6 +304,7 @@ def _loaded_model(engine, state: str) -> list:
     base = {"id": engine.model_name, "object": "model", "created": int(engine.start_time), "owned_by": "llm-serving",
             "max_model_len": engine.max_model_len, "state": state}
     spec = engine.embedding
+    base["input_modalities"] = ["text", "image"] if getattr(engine, "image_facts", None) is not None else ["text"]
     served = {"embedding": None if spec is None else {"pooling": spec.pooling, "dimensions": spec.dimensions},
               "score_method": engine.score_method}
     adapters = [{**base, "id": name, "parent": engine.model_name, "root": engine.model_name, "embedding": None,

@@ -170,6 +170,15 @@ def describe_tools(tools: list, messages: list) -> list:
     return [{"role": "system", "content": text}, *messages]
 
 
+def join_contents(a, b, sep: str = "\n"):
+    """Two turns' contents as one: strings joined by `sep`; with parts (a user turn's images), the parts in order,
+    `sep` a text part between them."""
+    if isinstance(a, str) and isinstance(b, str):
+        return a + sep + b
+    parts = [{"type": "text", "text": a}] if isinstance(a, str) else list(a)
+    return parts + [{"type": "text", "text": sep}] + ([{"type": "text", "text": b}] if isinstance(b, str) else list(b))
+
+
 def history_as_text(messages: list) -> list:
     """Assistant tool calls as the `<tool_call>` blocks the model wrote, tool results as user turns (consecutive
     user turns joined), for a template that knows neither."""
@@ -184,7 +193,7 @@ def history_as_text(messages: list) -> list:
         elif role == "tool":
             role, content = "user", f"<tool_response>\n{content}\n</tool_response>"
         if out and role == "user" and out[-1]["role"] == "user":
-            out[-1] = {"role": "user", "content": out[-1]["content"] + "\n" + content}
+            out[-1] = {"role": "user", "content": join_contents(out[-1]["content"], content)}
         else:
             out.append({"role": role, "content": content})
     return out

@@ -27,7 +27,9 @@ class ApiRequest:
     sampling: SamplingParams          # every field but those the vocabulary decides (checked or made by prepare)
     prompt: Union[str, list, None] = None     # a completion's text (the BOS added) or its token ids
     messages: Optional[list] = None           # or a chat: [{role, content, tool_calls?, tool_call_id?}] (developer:
-                                              # system), rendered by the chat template
+                                              # system), rendered by the chat template; a user turn's content may
+                                              # be parts, {"type": "text", "text"} and {"type": "image", "image": its
+                                              # file's bytes}
     variables: Optional[dict] = None          # the chat template's extra variables (chat_template_kwargs)
     tools: Optional[list] = None              # [{"type": "function", "function": {name, description, parameters}}]
     tool_choice: str = "auto"                 # auto, required, none, or a tool's name
@@ -40,8 +42,6 @@ class ApiRequest:
                                               # (Anthropic's max_tokens: required, and clients ask 32,000)
     n: int = 1
     stream: bool = False
-    images: tuple = ()                        # the chat's images' file bytes, in the order their marks ({"type":
-                                              # "image"} content parts) come in its messages
 
 
 @dataclass
@@ -77,12 +77,13 @@ def prepare(req: ApiRequest, engine) -> Prepared:
     if req.messages is not None:
         template = engine.chat_template
         tools = ToolRequest.of(req.tools, req.tool_choice, req.parallel_tool_calls, template)
-        decoded = decode_images(engine, req.images)
-        expand = engine.image_facts.expand if req.images else None
+        files = message_images(req.messages)
+        decoded = decode_images(engine, files)
+        expand = engine.image_facts.expand if files else None
         prompt_ids = chat_ids(engine, req.messages, tools, req.variables, expand)
         harmony = template.harmony
-        if req.images:
-            images = place_images(engine, prompt_ids, req.images, decoded)
+        if files:
+            images = place_images(engine, prompt_ids, files, decoded)
     else:
         prompt_ids = prompt_ids_of(engine, req.prompt)
     check_context(len(prompt_ids), engine.max_model_len, "messages" if req.messages is not None else "prompt")
@@ -98,6 +99,12 @@ def prepare(req: ApiRequest, engine) -> Prepared:
     sp.max_new_tokens = fit_length(sp.max_new_tokens, req.max_tokens_given and not req.max_tokens_ceiling,
                                    len(prompt_ids), engine.max_model_len, req.max_tokens_field)
     return Prepared(prompt_ids, sp, adapter, tools, harmony, images)
+
+
+def message_images(messages: list) -> tuple:
+    """The files of a chat's images ({"type": "image", "image": bytes} parts), in order."""
+    return tuple(p["image"] for m in messages if isinstance(m.get("content"), list)
+                 for p in m["content"] if isinstance(p, dict) and p.get("type") == "image")
 
 
 def decode_images(engine, images: tuple) -> list:

@@ -28,7 +28,7 @@ BOI, IMAGE = 3, 5              # the tiny model's <start_of_image> and <image_so
 def vl_model(tmp_path_factory):
     needs_transformers()
     directory = tmp_path_factory.mktemp("gemma3_vl")
-    make_gemma3_vl(directory, seed=3)
+    make_gemma3_vl(directory, seed=6)                  # (a seed whose replies differ by image)
     return directory
 
 
@@ -103,7 +103,7 @@ def test_image_questions_get_transformers_tokens_and_logprobs(vl_model, tmp_path
     would be cut at 32: the chunk ends before the image instead), the prefix cache on 8-token blocks (the repeated
     image's conversation reuses its blocks, another image's never) and the encoded-image cache (the repeated image is
     not encoded again): each reply is transformers' greedy tokens, with their log-probabilities."""
-    from tokenizers import Tokenizer
+    from llm_serving.tokenization import load_tokenizer
 
     a, b, c = _png(0), _png(1), _png(2, (30, 20, 4))
     chats = [  # (messages, the turns as the template renders them, their images in order)
@@ -116,7 +116,7 @@ def test_image_questions_get_transformers_tokens_and_logprobs(vl_model, tmp_path
               {"role": "user", "content": "Are you sure?"}]
     chats.append((follow, [("user", "What is in this picture?<start_of_image>"), ("assistant", "a cat"),
                            ("user", "Are you sure?")], [a]))
-    tok = Tokenizer.from_file(str(vl_model / "tokenizer.json"))
+    tok = load_tokenizer(str(vl_model / "tokenizer.json"))
     args = ["--model", str(vl_model), "--set", f"model_config.model_name={MODEL}",
             "--set", "model_config.max_generate_length=128", "--set", "pa_config.block_size=8",
             "--set", "scheduler_config.chunked_prefill=true", "--set", "scheduler_config.max_chunk_tokens=16",
@@ -133,18 +133,21 @@ def test_image_questions_get_transformers_tokens_and_logprobs(vl_model, tmp_path
         assert ids.count(IMAGE) == 4 * len(images)
         assert body["usage"]["prompt_tokens"] == len(ids)
         want, want_lps = _reference(vl_model, ids, images)
-        assert body["choices"][0]["message"]["content"] == tok.decode(want, skip_special_tokens=True), turns
+        assert body["choices"][0]["message"]["content"] == tok.decode(want), turns
         got_lps = [e["logprob"] for e in body["choices"][0]["logprobs"]["content"]]
         np.testing.assert_allclose(got_lps, want_lps, atol=2e-3, err_msg=str(turns))
     # the three images were each encoded once (the fifth chat's image a came from the cache)
     assert log.count(" encoded in ") == 3, log
     assert stats["prefix_cache_hit_rate"] > 0, stats
-    # an image changes the reply's log-probabilities: a and b gave different ones
-    assert first[0][1]["choices"][0]["logprobs"] != first[1][1]["choices"][0]["logprobs"]
+    # an image changes the reply: a and b gave other log-probabilities
+    lps = [[e["logprob"] for e in r[1]["choices"][0]["logprobs"]["content"]] for r in first[:2]]
+    assert np.abs(np.subtract(*lps)).max() > 5 * 2e-3, lps           # (five times the match's tolerance)
 
 
-def test_bad_images_are_refused_by_name_and_the_server_serves_on(vl_model, tmp_path):
-    """Each bad image is a 400 that says what is wrong with it; a good request after them is answered."""
+def test_bad_images_are_refused_by_name_and_every_api_carries_an_image(vl_model, tmp_path):
+    """Each bad image is a 400 that says what is wrong with it; a good request after them is answered, and the same
+    image question through OpenAI's chat and Responses, Anthropic's Messages and Ollama's chat and generate gets the
+    same reply; /v1/models and /api/show say the model takes images."""
     good = _png(0)
     truncated = good[:len(good) // 2]
     cases = [
@@ -169,3 +172,37 @@ def test_bad_images_are_refused_by_name_and_the_server_serves_on(vl_model, tmp_p
         status, reply = http("POST", server.url + "/v1/chat/completions", _body([_user("x", good)]))
         assert status == 200, reply
         assert reply["usage"]["completion_tokens"] == NEW_TOKENS
+        # every API that carries an image: the same question gets the same reply (Ollama's images come before the
+        # text, as its templates place them)
+        b64 = base64.b64encode(good).decode()
+        replies = {}
+        for name, path, body, pick in [
+            ("openai", "/v1/chat/completions", _body([_user("What is it?", good)]),
+             lambda r: r["choices"][0]["message"]["content"]),
+            ("openai first", "/v1/chat/completions", _body([_user("What is it?", good, image_first=True)]),
+             lambda r: r["choices"][0]["message"]["content"]),
+            ("anthropic", "/v1/messages", {"model": MODEL, "max_tokens": NEW_TOKENS, "temperature": 0, "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "What is it?"}, {"type": "image", "source": {
+                    "type": "base64", "media_type": "image/png", "data": b64}}]}]}, lambda r: r["content"][0]["text"]),
+            ("responses", "/v1/responses", {"model": MODEL, "max_output_tokens": NEW_TOKENS, "temperature": 0,
+                                            "input": [{"role": "user", "content": [
+                                                {"type": "input_text", "text": "What is it?"},
+                                                {"type": "input_image", "image_url": _url(good)}]}]},
+             lambda r: r["output"][-1]["content"][0]["text"]),
+            ("ollama chat", "/api/chat", {"model": MODEL, "stream": False, "options": {
+                "temperature": 0, "num_predict": NEW_TOKENS}, "messages": [
+                {"role": "user", "content": "What is it?", "images": [b64]}]}, lambda r: r["message"]["content"]),
+            ("ollama generate", "/api/generate", {"model": MODEL, "stream": False, "prompt": "What is it?",
+                                                  "images": [b64], "options": {"temperature": 0,
+                                                                               "num_predict": NEW_TOKENS}},
+             lambda r: r["response"]),
+        ]:
+            status, reply = http("POST", server.url + path, body)
+            assert status == 200, (name, reply)
+            replies[name] = pick(reply)
+        models = http("GET", server.url + "/v1/models")[1]["data"]
+        shown = http("POST", server.url + "/api/show", {"model": MODEL})[1]
+    assert replies["openai"] == replies["anthropic"] == replies["responses"], replies
+    assert replies["openai first"] == replies["ollama chat"] == replies["ollama generate"], replies
+    assert models[0]["input_modalities"] == ["text", "image"]
+    assert "vision" in shown["capabilities"]

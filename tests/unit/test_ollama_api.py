@@ -41,8 +41,10 @@ def gen(**fields):
 
 
 @pytest.mark.parametrize("model, body, param, words", [
-    (ChatRequest, chat(messages=[{"role": "user", "content": "x", "images": ["aGk="]}]), "messages",
-     "images are not supported"),
+    (ChatRequest, chat(messages=[{"role": "assistant", "content": "x", "images": ["aGk="]}]), "messages",
+     "images go in user messages"),
+    (ChatRequest, chat(messages=[{"role": "user", "content": "x", "images": ["%%"]}]), "messages",
+     "images[0]: "),
     (ChatRequest, chat(messages=[{"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f"}}]}]),
      "messages", "only an assistant"),
     (ChatRequest, chat(messages=[{"role": "robot", "content": "x"}]), "messages", "messages[0].role must be"),
@@ -66,7 +68,8 @@ def gen(**fields):
     (GenerateRequest, gen(suffix="end"), "suffix", "fill-in-the-middle"),
     (GenerateRequest, gen(template="{{ .Prompt }}"), "template", "chat template"),
     (GenerateRequest, gen(context=[1, 2]), "context", "/api/chat"),
-    (GenerateRequest, gen(images=["aGk="]), "images", "text model"),
+    (GenerateRequest, gen(images=["aGk="], raw=True), "images", "images go with raw false"),
+    (GenerateRequest, gen(images=["%%"]), "images", "images[0]: "),
     (GenerateRequest, gen(raw=True, system="be brief"), "system", "raw false"),
     (GenerateRequest, gen(raw=True, think=True), "think", "raw false"),
     (ShowRequest, {"verbose": True}, "model", "'model' is required"),

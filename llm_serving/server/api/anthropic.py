@@ -2,7 +2,8 @@
 their translation into the internal request (server/translate.py). Content blocks become OpenAI-shaped chat
 messages — an assistant's tool_use blocks its `tool_calls` (arguments as JSON text), a user's tool_result blocks
 `tool` messages — tools become OpenAI's functions, `thinking` the chat template's `enable_thinking` (Qwen3's switch).
-What the server cannot serve (images, documents, Anthropic's server tools) is refused by name, never dropped."""
+What the server cannot serve (documents, Anthropic's server tools, images outside a user turn) is refused by name, never
+dropped; an image block in a user turn is taken (a model without images refuses it in translate.py)."""
 from __future__ import annotations
 
 import json
@@ -15,14 +16,16 @@ from llm_serving.master.request import SamplingParams
 from llm_serving.server.api.base import (GIVEN, MAX_STOP_STRINGS, SERVED_MODEL, STOP_STRING, TOOLS_GIVEN, Body,
                                          Open, needs, rules, stop_strings, when)
 from llm_serving.server.errors import ValidationError
+from llm_serving.server.tools import join_contents
 from llm_serving.server.translate import ApiRequest
+from llm_serving.vision import ImageError, decode_data_url
 
 MAX_TOOLS = 128
 TOOL_NAME = r"^[A-Za-z0-9_-]{1,128}$"
 # where a block that a message of the other role takes belongs
 _BELONGS = {"tool_use": "assistant", "thinking": "assistant", "redacted_thinking": "assistant",
             "tool_result": "user"}
-_MEDIA = ("image", "document", "search_result", "container_upload")
+_MEDIA = ("image", "document", "search_result", "container_upload")     # (an image is taken in a user turn only)
 
 
 class CacheControl(Body):
@@ -69,8 +72,10 @@ class Unserved(Open):
     @model_validator(mode="after")
     def _refuse(self):
         kind = self.type
+        if kind == "image":
+            raise ValidationError("image blocks are taken in a user message's content, not here")
         if kind in _MEDIA:
-            raise ValidationError(f"{kind} blocks are not supported: the served model reads text only")
+            raise ValidationError(f"{kind} blocks are not supported: the served model reads text and images only")
         if isinstance(kind, str) and kind in _BELONGS:       # (an object or a list as the type: unknown)
             raise ValidationError(f"{kind} blocks belong in {_BELONGS[kind]} messages")
         raise ValidationError(f"unknown content block type {kind!r}")
@@ -104,6 +109,36 @@ class ToolResultBlock(Body):
                 else text}
 
 
+class ImageSource(Body):
+    type: Literal["base64", "url"]
+    media_type: Optional[str] = Field(None, description="image/jpeg, image/png, image/gif or image/webp (base64)")
+    data: Optional[str] = Field(None, description="the image file, base64 (type base64)")
+    url: Optional[str] = Field(None, description="refused: images are not fetched")
+
+
+class ImageBlock(Body):
+    """An image in a user message (a vision-language model's), its file as base64."""
+    type: Literal["image"]
+    source: ImageSource
+    cache_control: Optional[CacheControl] = None
+    _data: bytes = PrivateAttr(b"")
+
+    @model_validator(mode="after")
+    def _decoded(self):
+        source = self.source
+        if source.type == "url" or source.data is None:
+            raise ValidationError("an image's source must be base64 (type base64, media_type, data): image URLs are "
+                                  "not fetched", param="messages")
+        try:
+            self._data = decode_data_url(f"data:{source.media_type or 'image/png'};base64,{source.data}")
+        except ImageError as e:
+            raise ValidationError(f"image block: {e}", param="messages") from None
+        return self
+
+    def data(self) -> bytes:
+        return self._data
+
+
 def _text(content) -> str:
     """A content's text: a string, or its text blocks joined by newlines (as vLLM joins text parts)."""
     return content if isinstance(content, str) else "\n".join(b.text for b in content)
@@ -111,14 +146,22 @@ def _text(content) -> str:
 
 class UserMessage(Body):
     role: Literal["user"]
-    content: Union[str, List[_blocks(text=TextBlock, tool_result=ToolResultBlock)]] = Field(
-        description="a string or blocks: text, tool_result")
+    content: Union[str, List[_blocks(text=TextBlock, tool_result=ToolResultBlock, image=ImageBlock)]] = Field(
+        description="a string or blocks: text, tool_result, image")
+
+    def images(self) -> list:
+        return [b for b in self.content if b.type == "image"] if not isinstance(self.content, str) else []
 
     def as_dicts(self) -> list:
-        """Its tool results as tool messages, then its text as one user message."""
+        """Its tool results as tool messages, then its text as one user message (with images: its text and images
+        as parts, an image as {"type": "image", "image": its file}, in order)."""
         if isinstance(self.content, str):
             return [{"role": "user", "content": self.content}]
         out = [b.as_dict() for b in self.content if b.type == "tool_result"]
+        if self.images():
+            return out + [{"role": "user", "content": [{"type": "image", "image": b.data()} if b.type == "image" else
+                                                       {"type": "text", "text": b.text}
+                                                       for b in self.content if b.type in ("image", "text")]}]
         texts = [b for b in self.content if b.type == "text"]
         return out + ([{"role": "user", "content": _text(texts)}] if texts or not out else [])
 
@@ -333,7 +376,7 @@ class _Chat(Body):
             for message in m.as_dicts():
                 last = out[-1] if out else None
                 if last is not None and last["role"] == message["role"] == "user":
-                    last["content"] += "\n" + message["content"]
+                    last["content"] = join_contents(last["content"], message["content"])
                 elif last is not None and last["role"] == message["role"] == "assistant":
                     calls = last.get("tool_calls", []) + message.get("tool_calls", [])
                     out[-1] = {**last, "content": last["content"] + message["content"],
@@ -344,6 +387,7 @@ class _Chat(Body):
 
     def tool_dicts(self) -> Optional[list]:
         return [t.as_dict() for t in self.client_tools()] or None
+
 
     def variables(self) -> Optional[dict]:
         """The chat template's variables: enable_thinking (Qwen3's), reasoning_effort (gpt-oss's)."""

@@ -19,6 +19,7 @@ from llm_serving.server.api.openai import MAX_TOOLS, Tool
 from llm_serving.server.errors import ValidationError
 from llm_serving.server.translate import ApiRequest
 from llm_serving.shm.layout import TOP_LOGPROBS
+from llm_serving.vision import ImageError, decode_data_url
 
 DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P = 0.8, 40, 0.9      # Ollama's, when a request sets none
 UNLIMITED = 1 << 20          # num_predict -1, -2 (or none): cut by translate.fit_length to what the context leaves
@@ -180,19 +181,35 @@ class Message(Open):
     content: Optional[str] = Field("", description="missing or null: empty")
     thinking: Optional[str] = Field(None, description="an assistant's reasoning, given to the template as "
                                                       "reasoning_content")
-    images: Optional[List[Any]] = Field(None, description="none: this server serves text models",
-                                        json_schema_extra={"maxItems": 0})
+    images: Optional[List[str]] = Field(None, description="a user message's images, each its file as base64 (a "
+                                                          "vision-language model's), put before its text")
     tool_calls: Optional[List[ToolCall]] = None
     tool_name: Optional[str] = Field(None, description="a tool message's tool")
     tool_call_id: Optional[str] = None
 
+    _data: tuple = PrivateAttr(())
+
     @model_validator(mode="after")
     def _role_rules(self):
-        if self.images:
-            raise ValidationError("images are not supported: this server serves a text model", param="messages")
+        if self.images and self.role != "user":
+            raise ValidationError(f"images go in user messages, not in a {self.role} message", param="messages")
+        self._data = image_files(self.images, "messages")
         if self.tool_calls and self.role != "assistant":
             raise ValidationError("only an assistant message has tool_calls", param="messages")
         return self
+
+
+def image_files(images: Optional[list], field: str) -> tuple:
+    """Ollama's images (each a file as base64, or a data: URL) as their files' bytes; a ValidationError naming the
+    image that is not base64."""
+    out = []
+    for k, image in enumerate(images or ()):
+        url = image if image.startswith("data:") else f"data:image/png;base64,{image}"
+        try:
+            out.append(decode_data_url(url))
+        except ImageError as e:
+            raise ValidationError(f"images[{k}]: {e}", param=field) from None
+    return tuple(out)
 
 
 def _conversation(messages: List[Message]) -> list:
@@ -201,6 +218,9 @@ def _conversation(messages: List[Message]) -> list:
     out, open_calls = [], []
     for m in messages:
         message = {"role": m.role, "content": m.content or ""}
+        if m.images:              # (as Ollama's templates place them: before the message's text)
+            message["content"] = [*({"type": "image", "image": d} for d in m._data),
+                                  {"type": "text", "text": m.content or ""}]
         if m.tool_calls:
             message["tool_calls"] = [
                 {"id": c.id or f"call_{len(out)}_{k}", "type": "function",
@@ -264,14 +284,18 @@ class GenerateRequest(_Generation):
                                     json_schema_extra={"maxLength": 0})
     context: Optional[List[int]] = Field(None, description="only empty: a conversation goes through /api/chat "
                                                            "(its messages)", json_schema_extra={"maxItems": 0})
-    images: Optional[List[Any]] = Field(None, description="none: this server serves text models",
-                                        json_schema_extra={"maxItems": 0})
+    images: Optional[List[str]] = Field(None, description="images, each its file as base64 (a vision-language "
+                                                          "model's), put before the prompt (not with raw)")
+    _data: tuple = PrivateAttr(())
 
     @model_validator(mode="after")
     def _generate_rules(self):
         refused = {"suffix": "fill-in-the-middle is not served", "template": "the model's own chat template is "
                    "used (raw: true sends a prompt as it is)", "context": "send the conversation to /api/chat as "
-                   "messages", "images": "this server serves a text model"}
+                   "messages"}
+        if self.raw and self.images:
+            raise ValidationError("images go with raw false: the chat template places them", param="images")
+        self._data = image_files(self.images, "images")
         for field, why in refused.items():
             if getattr(self, field):
                 raise ValidationError(f"{field} is not supported: {why}", param=field)
@@ -290,7 +314,9 @@ class GenerateRequest(_Generation):
         if self.raw:
             return self._request(model, prompt=self.prompt)
         messages = [{"role": "system", "content": self.system}] if self.system else []
-        return self._request(model, messages=[*messages, {"role": "user", "content": self.prompt}],
+        content = self.prompt if not self.images else [*({"type": "image", "image": d} for d in self._data),
+                                                       {"type": "text", "text": self.prompt}]
+        return self._request(model, messages=[*messages, {"role": "user", "content": content}],
                              variables=self.variables())
 
 

@@ -319,13 +319,19 @@ class ImagePart(Open):
     """An image in a user message (a vision-language model's): its bytes as a base64 data: URL."""
     type: Literal["image_url"]
     image_url: Union[ImageUrl, str]
+    _data: bytes = PrivateAttr(b"")
 
-    def data(self) -> bytes:
+    @model_validator(mode="after")
+    def _decoded(self):
         url = self.image_url if isinstance(self.image_url, str) else self.image_url.url
         try:
-            return decode_data_url(url)
+            self._data = decode_data_url(url)
         except ImageError as e:
             raise ValidationError(f"image_url: {e}", param="messages") from None
+        return self
+
+    def data(self) -> bytes:
+        return self._data
 
 
 class _OtherPart(Open):
@@ -386,9 +392,9 @@ class ChatMessage(Open):
 
     def as_dict(self) -> dict:
         """The message as the chat template takes it: its text (with images: its parts, an image as {"type":
-        "image"}), developer as system, tool calls and ids."""
+        "image", "image": its file}), developer as system, tool calls and ids."""
         if self.images():
-            return {"role": self.role, "content": [{"type": "image"} if isinstance(p, ImagePart)
+            return {"role": self.role, "content": [{"type": "image", "image": p.data()} if isinstance(p, ImagePart)
                                                    else {"type": "text", "text": p.text} for p in self.content]}
         content = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
         role = "system" if self.role == "developer" else self.role
@@ -492,8 +498,7 @@ class ChatCompletionRequest(_Tools, _Sampling):
             variables = {"reasoning_effort": self.reasoning_effort, **(variables or {})}
         req = self._request(max_model_len, messages=[m.as_dict() for m in self.messages], variables=variables,
                             tools=self.tool_dicts(), tool_choice=self.choice,
-                            parallel_tool_calls=self.parallel_tool_calls is not False,
-                            images=tuple(p.data() for m in self.messages for p in m.images()))
+                            parallel_tool_calls=self.parallel_tool_calls is not False)
         req.sampling.top_logprobs = self.top_logprobs
         return req
 

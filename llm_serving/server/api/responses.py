@@ -16,6 +16,7 @@ from llm_serving.server.api.base import GIVEN, NEW_TOKENS, SERVED_MODEL, TOOLS_G
 from llm_serving.server.api.openai import MAX_TOOLS, TOOL_NAME
 from llm_serving.server.errors import ValidationError
 from llm_serving.server.translate import ApiRequest
+from llm_serving.vision import ImageError, decode_data_url
 
 MAX_INPUT_ITEMS = 10_000
 MAX_METADATA = 16                 # OpenAI's: 16 pairs, keys of at most 64 characters, values of at most 512
@@ -25,19 +26,73 @@ ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 class ItemText(Open):
     """A message's text: input_text (the user's, the system's) or output_text (an assistant's, as a response gave
     it, its annotations and logprobs along)."""
-    type: Literal["input_text", "output_text"] = Field(description="only text parts are served")
+    type: Literal["input_text", "output_text"]
     text: str
 
 
+class ItemImage(Open):
+    """An image in a user message (a vision-language model's): its file as a base64 data: URL."""
+    type: Literal["input_image"]
+    image_url: Optional[str] = Field(None, description="a base64 data: URL (data:image/png;base64,...)")
+    file_id: Optional[str] = Field(None, description="refused: no files are stored here")
+    detail: Optional[Literal["auto", "low", "high"]] = Field(None, description="accepted; every image is read at "
+                                                                               "the model's one resolution")
+    _data: bytes = PrivateAttr(b"")
+
+    @model_validator(mode="after")
+    def _decoded(self):
+        if self.image_url is None:
+            raise ValidationError("input_image needs image_url, a base64 data: URL (file_id: no files are stored "
+                                  "here)", param="input")
+        try:
+            self._data = decode_data_url(self.image_url)
+        except ImageError as e:
+            raise ValidationError(f"input_image: {e}", param="input") from None
+        return self
+
+
+class _OtherPart(Open):
+    type: Literal["input_text", "output_text", "input_image"]
+
+
+def _part_kind(part) -> str:
+    kind = part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
+    return {"input_text": "text part", "output_text": "text part", "input_image": "image part"}.get(kind, "other part") \
+        if isinstance(kind, str) else "other part"
+
+
+# (tags with a space: they name no field in an error's path, api/base.py)
+Part = Annotated[Union[Annotated[ItemText, Tag("text part")], Annotated[ItemImage, Tag("image part")],
+                       Annotated[_OtherPart, Tag("other part")]], Discriminator(_part_kind)]
+
+
 def _text(content) -> str:
-    return content if isinstance(content, str) else "".join(p.text for p in content)
+    return content if isinstance(content, str) else "".join(p.text for p in content if isinstance(p, ItemText))
 
 
 class MessageItem(Open):
     """A message, with or without "type": "message" (an output message given back carries its id and status)."""
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: Union[str, List[ItemText]] = Field(description="a string or text parts")
+    content: Union[str, List[Part]] = Field(description="a string, or text parts and (a user's) input_image parts")
+
+    @model_validator(mode="after")
+    def _images_in_user_turns(self):
+        if self.role != "user" and self.images():
+            raise ValidationError(f"input_image parts go in user messages, not in a {self.role} message",
+                                  param="input")
+        return self
+
+    def images(self) -> list:
+        return [p for p in self.content if isinstance(p, ItemImage)] if isinstance(self.content, list) else []
+
+    def as_dict(self) -> dict:
+        """As a chat message: its text, or (with images) its parts, an image as {"type": "image", "image": bytes}."""
+        role = "system" if self.role == "developer" else self.role
+        if self.images():
+            return {"role": role, "content": [{"type": "image", "image": p._data} if isinstance(p, ItemImage)
+                                              else {"type": "text", "text": p.text} for p in self.content]}
+        return {"role": role, "content": _text(self.content)}
 
 
 class FunctionCallItem(Open):
@@ -321,7 +376,7 @@ def as_messages(items) -> list:
     out: list = []
     for item in items:
         if isinstance(item, MessageItem):
-            out.append({"role": "system" if item.role == "developer" else item.role, "content": _text(item.content)})
+            out.append(item.as_dict())
         elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": qualified(item.namespace, item.name), "arguments": item.arguments}}

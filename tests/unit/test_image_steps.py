@@ -1,0 +1,185 @@
+"""The pure logic of images in a prompt (issue 67), without MindSpore: the placeholders found and expanded
+(vision/model.py), the prefix cache's keys and the scheduler's chunks around an image (master/request.py,
+master/scheduler.py), the step frame's image entries and the pixels' segments (master/images.py, shm/images.py,
+agents/protocol.py), and the agent's placement of an image's rows and its graph calls (models/runner/images.py)."""
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+
+from llm_serving.agents import protocol as proto
+from llm_serving.master.batch import ScheduledBatch
+from llm_serving.master.images import ImageTable, PromptImageInput
+from llm_serving.master.request import PromptImage, Request, SamplingParams
+from llm_serving.master.scheduler import _whole_images
+from llm_serving.models.runner.images import pieces, place
+from llm_serving.shm.images import PixelSegment, read_pixels
+from llm_serving.vision import ImageFacts, ImageSpec
+
+IMG = 9                                      # the placeholder id of these tests
+
+
+def _facts(tokens: int = 4) -> ImageFacts:
+    return ImageFacts(tokens, IMG, "<boi>", "<eoi>", "<img>", ImageSpec(8, 8))
+
+
+def _request(ids: list, images: tuple = ()) -> Request:
+    req = Request(ids, SamplingParams(), frozenset())
+    req.images = images
+    return req
+
+
+def test_an_image_mark_becomes_gemma_3_s_placeholder_sequence_and_its_runs_are_found():
+    facts = _facts()
+    assert facts.expand("a<boi>b<boi>") == ("a\n\n<boi><img><img><img><img><eoi>\n\nb"
+                                             "\n\n<boi><img><img><img><img><eoi>\n\n")
+    ids = [1, 2, IMG, IMG, IMG, IMG, 3, IMG, IMG, IMG, IMG]
+    assert facts.spans(ids) == [(2, 4), (7, 4)]
+    with pytest.raises(ValueError, match="3 image placeholder tokens in a row at 2"):
+        facts.spans([1, 2, IMG, IMG, IMG, 3])
+
+
+def test_the_prefix_cache_keys_an_image_s_tokens_by_its_content():
+    ids = [1, 2, IMG, IMG, IMG, IMG, 3]
+    a = _request(ids, (PromptImage(2, 4, "aaa", None),))
+    a2 = _request(ids, (PromptImage(2, 4, "aaa", None),))
+    b = _request(ids, (PromptImage(2, 4, "bbb", None),))
+    assert a.cache_tokens(0, 7) == [1, 2, ("aaa", 0), ("aaa", 1), ("aaa", 2), ("aaa", 3), 3]
+    assert a.cache_tokens(3, 5) == [("aaa", 1), ("aaa", 2)]
+    assert a.cache_tokens(0, 7) == a2.cache_tokens(0, 7) != b.cache_tokens(0, 7)
+    assert a.tokens(0, 7) == ids                        # (the tokens themselves unchanged)
+    assert [i.key for i in a.image_at(5, 7)] == ["aaa"] and a.image_at(6, 7) == []
+
+
+@pytest.mark.parametrize("computed, q, budget, first_row, want", [
+    (0, 4, 16, False, 2),          # a chunk ending inside the image ends before it
+    (0, 8, 16, False, 8),          # one past it: as asked
+    (0, 6, 16, False, 6),          # ending where it ends
+    (2, 2, 16, False, 4),          # starting at it: the image whole, the budget allows
+    (2, 2, 3, False, 0),           # ... or nothing when it does not
+    (2, 2, 3, True, 4),            # ... unless the row is the step's first (alone: it must make progress)
+    (4, 1, 16, False, 2),          # starting inside it (a prefix-cache hit): the rest of it
+])
+def test_a_chunk_never_ends_inside_an_image(computed, q, budget, first_row, want):
+    req = _request([1, 2, IMG, IMG, IMG, IMG, 3, 4], (PromptImage(2, 4, "k", None),))
+    assert _whole_images(req, computed, q, budget, first_row) == want
+    assert _whole_images(_request([1, 2, 3, 4]), computed, q, budget, first_row) == q
+
+
+def test_a_step_frame_names_the_image_tokens_each_row_feeds():
+    seg = types.SimpleNamespace(name="seg-a", shape=(3, 8, 8))
+    image = PromptImage(3, 4, "k", seg)
+    fresh = _request([1, 2, 3, IMG, IMG, IMG, IMG, 5], (image,))
+    resumed = _request([1, 2, 3, IMG, IMG, IMG, IMG, 5], (image,))
+    resumed.num_computed_tokens = 5                      # (a prefix-cache hit inside the image)
+    text = _request([1, 2, 3])
+    batch = ScheduledBatch([text, fresh, resumed], [3, 8, 3])
+    entries = ImageTable.step_images(batch)
+    assert entries == [
+        {"row": 1, "offset": 3, "first": 0, "count": 4, "length": 4, "key": "k", "segment": "seg-a", "shape": [3, 8, 8]},
+        {"row": 2, "offset": 0, "first": 2, "count": 2, "length": 4, "key": "k", "segment": "seg-a", "shape": [3, 8, 8]}]
+    assert ImageTable.step_images(ScheduledBatch([text], [3])) is None
+    # what the agent reads back from the frame, and a malformed entry named
+    step = proto.Step.from_payload({"kind": "prefill", "step": 1, "num_rows": 3, "max_query_len": 8,
+                                    "images": entries})
+    assert [(i.row, i.first, i.count, i.segment) for i in step.step_images()] == [(1, 0, 4, "seg-a"),
+                                                                                (2, 2, 2, "seg-a")]
+    assert "images" not in proto.Step("decode", 2, 1).payload()
+    with pytest.raises(proto.ProtocolError, match="'count' must be int"):
+        proto.Step.from_payload({"kind": "prefill", "step": 1, "num_rows": 1,
+                                 "images": [{**entries[0], "count": "4"}]}).step_images()
+    with pytest.raises(proto.ProtocolError, match="must be an object"):
+        proto.Step.from_payload({"kind": "prefill", "step": 1, "num_rows": 1, "images": [3]}).step_images()
+
+
+def test_pixels_live_in_shared_memory_until_the_step_that_may_read_them_is_done():
+    pixels = np.random.default_rng(0).standard_normal((3, 8, 8)).astype(np.float32)
+    table = ImageTable()
+    req = _request([1, IMG, IMG, IMG, IMG])
+    table.attach(req, [PromptImageInput(1, 4, "k", pixels)])
+    segment = req.images[0].pixels
+    np.testing.assert_array_equal(read_pixels(segment.name, segment.shape), pixels)
+    table.in_flight = True                   # the request ends while a step runs: its pixels stay for that step
+    table.release(req)
+    assert req.images == ()
+    np.testing.assert_array_equal(read_pixels(segment.name, (3, 8, 8)), pixels)
+    table.step_done()
+    with pytest.raises(ValueError, match="gone"):
+        read_pixels(segment.name, (3, 8, 8))
+    with pytest.raises(ValueError, match="holds"):          # a shape larger than the segment
+        other = PixelSegment.create(pixels)
+        try:
+            read_pixels(other.name, (3, 9, 9))
+        finally:
+            other.unlink()
+
+
+class _Encoder:
+    """The tower's stand-in: image `key`'s rows are key's number in every column of row i + that number * 10."""
+    tokens_per_image = 4
+
+    def rows(self, key, segment, shape):
+        base = float(key)
+        return np.array([[base * 10 + i] * 3 for i in range(4)], np.float32)
+
+
+def test_an_image_s_rows_replace_its_placeholders_and_it_sees_its_whole_image():
+    # row 0: 3 text tokens; row 1: text, image "1" whole at offset 1, text; row 2: image "2"'s last two tokens
+    query_lens = np.array([3, 6, 2])
+    positions = np.concatenate([np.arange(3), np.arange(10, 16), np.arange(20, 22)]).astype(np.int32)
+    context = positions + 1
+    images = [proto.StepImage(1, 1, 0, 4, 4, "1", "s", [3, 8, 8]), proto.StepImage(2, 0, 2, 2, 4, "2", "s", [3, 8, 8])]
+    placed = place(images, _Encoder(), query_lens, positions, context)
+    assert placed.source.tolist() == [-1, -1, -1, -1, 0, 1, 2, 3, -1, 4, 5]
+    assert placed.rows[:, 0].tolist() == [10, 11, 12, 13, 22, 23]
+    assert placed.spans == [(4, 8), (9, 11)]
+    # each image token sees up to its image's last token (position 14 for image "1", 21 for "2"); the rest causal
+    assert placed.context.tolist() == [1, 2, 3, 11, 15, 15, 15, 15, 16, 22, 22]
+    ids = np.arange(100, 111, dtype=np.int32)
+    buffer = np.zeros((8, 3), np.float32)
+    placed.fill(3, 11, ids[3:], buffer, vocab=50)           # a graph call of tokens 3..10
+    assert ids.tolist() == [100, 101, 102, 103, 50, 51, 52, 53, 108, 54, 55]
+    assert buffer[:6, 0].tolist() == [10, 11, 12, 13, 22, 23]
+    with pytest.raises(ValueError, match="do not fit row 0"):
+        place([proto.StepImage(0, 1, 0, 4, 4, "1", "s", [3, 8, 8])], _Encoder(), query_lens, positions, context)
+
+
+@pytest.mark.parametrize("t, spans, want", [
+    (20, [], [(0, 8, 8), (8, 16, 8), (16, 20, 4)]),
+    (20, [(6, 10)], [(0, 6, 8), (6, 14, 8), (14, 20, 8)]),         # the call that would cut the image ends before it
+    (10, [(0, 8)], [(0, 8, 8), (8, 10, 2)]),
+    (12, [(2, 6), (8, 12)], [(0, 8, 8), (8, 12, 4)]),
+])
+def test_graph_calls_never_cut_an_image(t, spans, want):
+    assert pieces(t, [2, 4, 8], spans) == want
+
+
+def test_an_image_larger_than_a_graph_call_is_named():
+    with pytest.raises(ValueError, match="an image of 10 tokens does not fit one graph call of at most 8"):
+        pieces(12, [2, 4, 8], [(0, 10)])
+
+
+def test_a_text_model_and_bad_images_are_refused_before_anything_runs():
+    from llm_serving.server.errors import ValidationError
+    from llm_serving.server.translate import decode_images
+
+    limits = types.SimpleNamespace(max_images=2, max_image_bytes=1000, max_image_pixels=1 << 20)
+    engine = types.SimpleNamespace(image_facts=None, model_name="text-model",
+                                   config=types.SimpleNamespace(serving_config=limits))
+    assert decode_images(engine, ()) == []
+    with pytest.raises(ValidationError, match="model 'text-model' does not take images"):
+        decode_images(engine, (b"x",))
+    engine.image_facts = _facts()
+    with pytest.raises(ValidationError, match="3 images; at most 2"):
+        decode_images(engine, (b"x", b"y", b"z"))
+    with pytest.raises(ValidationError, match="image 1 of 1 has 2000 bytes"):
+        decode_images(engine, (b"x" * 2000,))
+    with pytest.raises(ValidationError, match="image 2 of 2: .*not an image"):
+        import io
+
+        from PIL import Image
+        png = io.BytesIO()
+        Image.new("RGB", (4, 4)).save(png, "PNG")
+        decode_images(engine, (png.getvalue(), b"garbage"))
