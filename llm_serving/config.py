@@ -268,7 +268,8 @@ class ServingConfig:
                                               # largest model_config.decode_batch_size, or DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = 1024        # prompt tokens in one prefill step (and the largest packed bucket)
     max_waiting_requests: int = 1024          # queue bound; past it requests get 429
-    step_timeout_s: float = 120.0             # an agent that does not answer a step in time is dead
+    step_timeout_s: float = 120.0             # an agent that does not answer a step in time is dead (a step
+                                              # that carries images: this long more per image, for the tower)
     agent_start_timeout_s: float = 900.0      # load + compile every bucket
     # staged: an agent on a compile cache a full warmup filled is ready once the graphs a first request needs are
     # read (SmolLM2: 3 of 17), and reads the rest when idle or just before a step needs one (models/warmup.py);

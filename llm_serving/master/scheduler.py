@@ -96,6 +96,8 @@ class SchedulerSpec:
     max_model_len: Optional[int] = None      # tokens a request may hold
     max_embed_rows: Optional[int] = None     # rows of an embed step (None: max_prefill_rows)
     whole_embeddings: bool = False           # an embedding's input in one step (an embedding model: task embed)
+    max_step_images: int = 1                 # images a prefill step may feed (the agent may run its vision tower
+                                             # on each, tens of seconds: one at a time lets decode steps between)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -352,7 +354,7 @@ class Scheduler:
             if prompts is not None and _prompt_work(req) != prompts:
                 continue
             q = self._chunk(need, budget, first_row=not rows, embed=embed)
-            q = _whole_images(req, req.num_computed_tokens, q, budget, first_row=not rows)
+            q = _whole_images(req, req.num_computed_tokens, q, budget, not rows, self._image_room(rows, counts))
             if q == 0:
                 break
             if not self._reserve(req, req.num_computed_tokens + q, rows, counts):
@@ -361,6 +363,12 @@ class Scheduler:
             counts.append(q)
             budget -= q
         return budget
+
+    def _image_room(self, rows: list, counts: list) -> int:
+        """Images the step being composed may still feed (max_step_images less those its rows feed)."""
+        fed = sum(len(r.image_at(r.num_computed_tokens, r.num_computed_tokens + c))
+                  for r, c in zip(rows, counts) if r.images)
+        return self.spec.max_step_images - fed
 
     def _reserve(self, req: Request, num_tokens: int, rows: list, counts: list) -> bool:
         """Allocate req's blocks for num_tokens, preempting from the lowest priority up until they exist;
@@ -389,7 +397,7 @@ class Scheduler:
             prefix = [] if whole else self.bm.match_prefix(req.cache_tokens(0, req.num_tokens), req.lora_root)
             cached = len(prefix) * self.bm.block_size
             q = self._chunk(req.num_tokens - cached, budget, first_row=not rows, embed=embed)
-            q = _whole_images(req, cached, q, budget, first_row=not rows)
+            q = _whole_images(req, cached, q, budget, not rows, self._image_room(rows, counts))
             reserve = self.spec.watermark_blocks if self.running else 0
             if q == 0 or not self.bm.can_allocate(req.req_id, cached + q, prefix, reserve=reserve):
                 break
@@ -431,15 +439,19 @@ class Scheduler:
         return self.num_cached_tokens / self.num_admitted_tokens if self.num_admitted_tokens else None
 
 
-def _whole_images(req: Request, computed: int, q: int, budget: int, first_row: bool) -> int:
+def _whole_images(req: Request, computed: int, q: int, budget: int, first_row: bool, room: int = 1 << 30) -> int:
     """A chunk of q tokens from `computed` on, cut so that it ends at no point inside an image's placeholders (an
     image's tokens attend to each other: they are computed in one step): it ends before the image, or (when the
-    image starts it) takes the image whole if the budget allows (a lone row: whatever it is), else nothing."""
+    image starts it) takes the image whole if the budget allows (a lone row: whatever it is), else nothing; and it
+    feeds at most `room` images (the step's others count against max_step_images), ending before the next one."""
     if not req.images or q == 0:
         return q
     stop = computed + q
-    for image in req.images:
+    for image in req.image_at(computed, stop):
         end = image.start + image.length
+        if room <= 0:
+            return max(image.start - computed, 0)
+        room -= 1
         if image.start < stop < end:
             if image.start > computed:
                 return image.start - computed

@@ -68,6 +68,16 @@ def test_a_chunk_never_ends_inside_an_image(computed, q, budget, first_row, want
     assert _whole_images(_request([1, 2, 3, 4]), computed, q, budget, first_row) == q
 
 
+def test_a_step_feeds_at_most_its_room_of_images():
+    images = (PromptImage(1, 2, "a", None), PromptImage(4, 2, "b", None))
+    req = _request([1, IMG, IMG, 2, IMG, IMG, 3], images)
+    assert _whole_images(req, 0, 7, 16, False, room=2) == 7
+    assert _whole_images(req, 0, 7, 16, False, room=1) == 4          # ends before the second image
+    assert _whole_images(req, 0, 7, 16, False, room=0) == 1          # ends before the first
+    assert _whole_images(req, 1, 6, 16, True, room=0) == 0           # starts at one: nothing this step
+    assert _whole_images(req, 6, 1, 16, False, room=0) == 1          # past both: the step's images do not matter
+
+
 def test_a_step_frame_names_the_image_tokens_each_row_feeds():
     seg = types.SimpleNamespace(name="seg-a", shape=(3, 8, 8))
     image = PromptImage(3, 4, "k", seg)
@@ -183,3 +193,35 @@ def test_a_text_model_and_bad_images_are_refused_before_anything_runs():
         png = io.BytesIO()
         Image.new("RGB", (4, 4)).save(png, "PNG")
         decode_images(engine, (png.getvalue(), b"garbage"))
+
+
+def test_the_scheduler_feeds_one_image_a_step_and_never_splits_one():
+    """Three prompts with an image each, queued together, chunked prefill of 6-token chunks: a chunk that would cut
+    an image ends before it, the next starts with it whole, and no step feeds two images; all three prompts are
+    fed in a few steps."""
+    import dataclasses
+
+    from llm_serving.master.block_manager import BlockManager
+    from llm_serving.master.scheduler import Scheduler, SchedulerSpec
+
+    spec = SchedulerSpec(max_num_seqs=8, max_num_batched_tokens=64, max_prefill_rows=4, max_waiting_requests=10,
+                         chunked_prefill=True, max_chunk_tokens=6)
+    sched = Scheduler(dataclasses.replace(spec), BlockManager(64, 4))
+    reqs = []
+    for k in range(3):
+        req = _request([1, 2, 3, IMG, IMG, IMG, IMG, 4, 5], (PromptImage(3, 4, f"k{k}", None),))
+        sched.add(req)
+        reqs.append(req)
+    fed = []
+    while any(r.num_computed_tokens < 9 for r in reqs) and len(fed) < 10:
+        batch = sched.schedule()
+        images = 0
+        for r, q in zip(batch.requests, batch.num_new_tokens):
+            for image in r.image_at(r.num_computed_tokens, r.num_computed_tokens + q):     # whole in the step
+                assert r.num_computed_tokens <= image.start and image.start + 4 <= r.num_computed_tokens + q
+                images += 1
+            r.num_computed_tokens += q
+        fed.append(([reqs.index(r) for r in batch.requests], list(batch.num_new_tokens), images))
+    assert fed[0] == ([0, 1, 2], [3, 3, 3], 0)          # (a chunk of 6 would cut each image: it ends before)
+    assert all(images <= 1 for _, _, images in fed), fed
+    assert sum(images for _, _, images in fed) == 3 and len(fed) == 4, fed
