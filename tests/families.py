@@ -16,6 +16,9 @@ server with transformers (the reference) and a HuggingFace directory with its GG
   whose post-processor adds [CLS] ... [SEP]); `transformers_embedding(path, ids, pooling)`: sentence-transformers'
   vector computed with transformers (its pooling over the model's last hidden states, L2-normalized);
   `write_bert_gguf(hf_path, out_path, qtype)`: its GGUF as convert_hf_to_gguf.py's BertModel writes it.
+- `make_gemma3_vl(path, seed)`: a tiny random Gemma3ForConditionalGeneration with its SigLIP tower, image processor and
+  a tokenizer holding Gemma 3's image tokens (a ChatML template that marks an image part); `vision_prompt_ids(path,
+  turns)`: the prompt ids transformers' Gemma 3 processor makes of a chat, tokenized apart from the server.
 - `write_gguf(family, hf_path, out_path, qtype)`: the directory as llama.cpp's convert_hf_to_gguf.py writes it
   (tensor names from the gguf package's map, q/k rows permuted for the architectures whose llama.cpp RoPE pairs
   neighbours, Gemma's norms stored as 1 + w, Phi-3's fused tensors and longrope factors, the metadata keys; the
@@ -391,6 +394,17 @@ def make_gemma3_vl(path, seed: int = 1, tokenizer: bool = True):
     if tokenizer:
         write_tokenizer(path, 300, extra=GEMMA3_IMAGE_TOKENS, template=VISION_CHATML)
     return model
+
+
+def vision_prompt_ids(path, turns: list) -> list:
+    """The prompt transformers' processor makes of a chat (VISION_CHATML rendered by hand, each image mark made its
+    placeholders as Gemma3Processor does), tokenized by the tokenizers library: nothing of the server's own."""
+    from tokenizers import Tokenizer
+
+    boi, eoi, image = GEMMA3_IMAGE_TOKENS
+    text = "".join(f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in turns) + "<|im_start|>assistant\n"
+    full = f"\n\n{boi}{image * 4}{eoi}\n\n"
+    return Tokenizer.from_file(str(Path(path) / "tokenizer.json")).encode(text.replace(boi, full)).ids
 
 
 # ------------------------------------------------------------------------------------------ BERT encoders

@@ -155,6 +155,17 @@ class VisionTower:
         tensors = [*self.embed_weights, *self.head_weights, *(t for w in self.layer_weights for t in w)]
         return sum(t.nbytes for t in tensors)
 
+    def compile(self) -> None:
+        """Compile the three graphs for one image without running them (a first image then costs its arithmetic
+        only: about 15 s less at Gemma-3-4B's shape on two cores)."""
+        cfg = self.cfg
+        g = cfg.patches_per_side
+        pixels = Tensor(np.zeros((1, cfg.num_channels, cfg.image_size, cfg.image_size), np.float32))
+        x = Tensor(np.zeros((1, g * g, cfg.hidden_size), np.float32))
+        self.patches.compile(pixels, *self.embed_weights)
+        self.layer.compile(x, *self.layer_weights[0])
+        self.projector.compile(x, *self.head_weights)
+
     def encode(self, pixels: np.ndarray) -> np.ndarray:
         """(N, tokens_per_image, text hidden) float32 embeddings of N images' pixels (N, 3, size, size)."""
         size = self.cfg.image_size

@@ -79,8 +79,7 @@ def prepare(req: ApiRequest, engine) -> Prepared:
         tools = ToolRequest.of(req.tools, req.tool_choice, req.parallel_tool_calls, template)
         files = message_images(req.messages)
         decoded = decode_images(engine, files)
-        expand = engine.image_facts.expand if files else None
-        prompt_ids = chat_ids(engine, req.messages, tools, req.variables, expand)
+        prompt_ids = chat_ids(engine, req.messages, tools, req.variables)
         harmony = template.harmony
         if files:
             images = place_images(engine, prompt_ids, files, decoded)
@@ -177,12 +176,19 @@ def prompt_ids_of(engine, prompt) -> list:
     return list(prompt)
 
 
-def chat_ids(engine, messages: list, tools: Optional[ToolRequest], variables: Optional[dict],
-             expand=None) -> list:
+def chat_ids(engine, messages: list, tools: Optional[ToolRequest], variables: Optional[dict]) -> list:
     """A chat's prompt ids: through the chat template, with the tools (server/tools.py) and the request's extra
-    template variables; a history of tool calls and results as text for a template that does not take them;
-    `expand` (the text's image marks made their placeholders) as ChatTemplate.encode's."""
+    template variables; a history of tool calls and results as text for a template that does not take them; its
+    images' marks made their placeholders (vision/model.py: what /tokenize and count_tokens count too), or a
+    ValidationError for images to a model that takes none."""
     template = engine.chat_template
+    expand = None
+    if message_images(messages):
+        facts = getattr(engine, "image_facts", None)
+        if facts is None:
+            raise ValidationError(f"model {engine.model_name!r} does not take images (a text model, or one whose "
+                                  "vision tower is not served)", param="messages")
+        expand = facts.expand
     rendered = None
     if tools is not None:
         messages, rendered = tools.conversation(messages)

@@ -13,7 +13,7 @@ import json
 import numpy as np
 import pytest
 
-from tests.families import GEMMA3_IMAGE_TOKENS, make_gemma3_vl, needs_transformers
+from tests.families import make_gemma3_vl, needs_transformers, vision_prompt_ids
 from tests.integration.server_harness import http, serving
 
 pytest.importorskip("mindspore")
@@ -44,17 +44,6 @@ def _png(seed: int, shape=(70, 91, 3)) -> bytes:
 
 def _url(data: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(data).decode()
-
-
-def _prompt_ids(path, turns: list) -> list:
-    """The prompt transformers' processor makes of a chat (VISION_CHATML rendered by hand, each image mark made its
-    placeholders as Gemma3Processor does), tokenized by the tokenizers library: nothing of the server's own."""
-    from tokenizers import Tokenizer
-
-    boi, eoi, image = GEMMA3_IMAGE_TOKENS
-    text = "".join(f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in turns) + "<|im_start|>assistant\n"
-    full = f"\n\n{boi}{image * 4}{eoi}\n\n"
-    return Tokenizer.from_file(str(path / "tokenizer.json")).encode(text.replace(boi, full)).ids
 
 
 def _reference(path, ids: list, images: list) -> tuple:
@@ -129,7 +118,7 @@ def test_image_questions_get_transformers_tokens_and_logprobs(vl_model, tmp_path
         log = (tmp_path / "server.log").read_text()
     for (messages, turns, images), (status, body) in zip(chats, first + last):
         assert status == 200, body
-        ids = _prompt_ids(vl_model, turns)
+        ids = vision_prompt_ids(vl_model, turns)
         assert ids.count(IMAGE) == 4 * len(images)
         assert body["usage"]["prompt_tokens"] == len(ids)
         want, want_lps = _reference(vl_model, ids, images)
@@ -202,7 +191,15 @@ def test_bad_images_are_refused_by_name_and_every_api_carries_an_image(vl_model,
             replies[name] = pick(reply)
         models = http("GET", server.url + "/v1/models")[1]["data"]
         shown = http("POST", server.url + "/api/show", {"model": MODEL})[1]
+        # what the image question's prompt is counted as, by every route that counts one: the same
+        question = [_user("What is it?", good)]
+        asked = http("POST", server.url + "/v1/chat/completions", _body(question))[1]["usage"]["prompt_tokens"]
+        tokenized = http("POST", server.url + "/tokenize", {"model": MODEL, "messages": question})[1]["count"]
+        counted = http("POST", server.url + "/v1/messages/count_tokens", {"model": MODEL, "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "What is it?"}, {"type": "image", "source": {
+                "type": "base64", "media_type": "image/png", "data": b64}}]}]})[1]["input_tokens"]
     assert replies["openai"] == replies["anthropic"] == replies["responses"], replies
     assert replies["openai first"] == replies["ollama chat"] == replies["ollama generate"], replies
+    assert asked == tokenized == counted, (asked, tokenized, counted)
     assert models[0]["input_modalities"] == ["text", "image"]
     assert "vision" in shown["capabilities"]

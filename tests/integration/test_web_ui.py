@@ -281,3 +281,56 @@ def test_json_output_and_tool_calls_in_the_playground(browser, smollm2_server):
     stats, error = _turn(browser, "It is 41 degrees celsius and sunny.", 40, 2)
     assert error is None and "41" in browser.find_elements(By.CSS_SELECTOR, ".msg.assistant .body")[-1].text
     assert _errors(browser) == []
+
+
+def test_an_image_attached_in_the_playground_reaches_the_model(browser, tmp_path_factory):
+    """A vision-language model (the tiny random Gemma 3 with a tower): the attach control shows for it (and hides
+    in completion mode), an image attached by the file input shows in the user's turn, and the reply's context counts
+    the image's tokens (its 4 placeholders, their marks and newlines, as transformers' processor makes them)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+    from selenium.webdriver.common.by import By
+
+    from tests.families import make_gemma3_vl, vision_prompt_ids
+    from tests.integration.server_harness import serving
+
+    model = tmp_path_factory.mktemp("gemma3_vl")
+    make_gemma3_vl(model, seed=6)
+    picture = model / "picture.png"
+    buffer = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (40, 50, 3), dtype=np.uint8)).save(buffer, "PNG")
+    picture.write_bytes(buffer.getvalue())
+    args = ["--model", str(model), "--set", "model_config.max_generate_length=128"]
+    with serving(args, tmp_path_factory.mktemp("log") / "server.log") as server:
+        _open_playground(browser, server.url)
+        box = _wait(browser, lambda d: d.find_element(By.ID, "image-box").is_displayed() and
+                    d.find_element(By.ID, "image-box"), what="the attach control")
+        browser.find_element(By.ID, "completion").click()
+        assert not box.is_displayed()
+        browser.find_element(By.ID, "completion").click()
+        _set(browser, "temperature", 0)
+        _set(browser, "max_tokens", 4)
+
+        def turn(text, image):
+            if image:
+                browser.find_element(By.ID, "image").send_keys(str(picture))
+                _wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#attached img"), what="the thumbnail")
+            n = len(browser.find_elements(By.CSS_SELECTOR, ".msg.assistant .stats"))
+            _set(browser, "input", text)
+            browser.find_element(By.ID, "send").click()
+            stats = _wait(browser, lambda d: [s.text for s in d.find_elements(By.CSS_SELECTOR, ".msg.assistant .stats")
+                                              if "context" in s.text][n:], what="the reply's statistics")[0]
+            return int(stats.split("context ")[1].split()[0])
+
+        with_image = turn("What is this?", True)
+        assert browser.find_elements(By.CSS_SELECTOR, ".msg.user .thumbs img")
+        assert not browser.find_elements(By.CSS_SELECTOR, "#attached img")       # (sent: the next turn has none)
+        browser.find_element(By.ID, "clear").click()
+        without = turn("What is this?", False)
+        # (the prompts as transformers' processor makes them, tokenized apart from the server)
+        want = (len(vision_prompt_ids(model, [("user", "<start_of_image>What is this?")]))
+                - len(vision_prompt_ids(model, [("user", "What is this?")])))
+        assert want > 4 and with_image - without == want, (with_image, without, want)
+        assert _errors(browser) == []

@@ -38,8 +38,9 @@ class ImageEncoder:
         self.cache_bytes = int(cache_bytes)
         self._cache: OrderedDict = OrderedDict()         # key -> (tokens, H) float32
         self._bytes = 0
-        self.encoded = 0                                 # images the tower ran on (a test and /stats read it)
+        self.encoded = 0                                 # images the tower ran on
         self.hits = 0
+        self.compiled = False                            # the tower's graphs (compile: when the agent is idle)
 
     @classmethod
     def build(cls, checkpoint: tuple, cache_mb: int) -> "ImageEncoder":
@@ -72,6 +73,7 @@ class ImageEncoder:
         t0 = time.perf_counter()
         rows = self.tower.encode(read_pixels(segment, shape)[None])[0]
         self.encoded += 1
+        self.compiled = True
         logger.info("image %s encoded in %.2f s", key[:12], time.perf_counter() - t0)
         if rows.nbytes <= self.cache_bytes:
             self._cache[key] = rows
@@ -80,6 +82,19 @@ class ImageEncoder:
                 _, dropped = self._cache.popitem(last=False)
                 self._bytes -= dropped.nbytes
         return rows
+
+    def compile(self) -> None:
+        """Compile the tower's graphs ahead of the first image, outside the compile cache (whose graphs are named by
+        their compile order: warmup's)."""
+        from ..mindspore_env import set_compile_cache
+
+        if self.compiled:
+            return
+        set_compile_cache(False)
+        t0 = time.perf_counter()
+        self.tower.compile()
+        self.compiled = True
+        logger.info("vision tower compiled in %.1f s", time.perf_counter() - t0)
 
     def clear(self) -> None:
         self._cache.clear()

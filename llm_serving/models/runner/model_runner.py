@@ -196,7 +196,8 @@ class ModelRunner:
     collective_calls = property(lambda self: self.graphs.collective_calls)
     pooling = property(lambda self: self.graphs.pooling)
     warmup_plan = property(lambda self: self.warm.plan)
-    warming = property(lambda self: self.warm.warming)
+    # (warming: warmup entries left, or the vision tower's graphs not compiled yet: both run when the agent is idle)
+    warming = property(lambda self: self.warm.warming or (self.images is not None and not self.images.compiled))
     # the bucket lists, as the runner's own (tests and tools read them)
     decode_batch_sizes = property(lambda self: self.buckets.decode_batch_sizes)
     decode_block_widths = property(lambda self: self.buckets.decode_block_widths)
@@ -271,8 +272,13 @@ class ModelRunner:
                          self.spec.tp_timeout_s)
 
     def warm_next(self, progress: Optional[Callable[[str], None]] = None) -> bool:
-        """Run the next pending warmup entry; whether any is left (`RunnerWarmup.warm_next`)."""
-        return self.warm.warm_next(progress)
+        """Run the next pending warmup entry (`RunnerWarmup.warm_next`), then the vision tower's compile; whether
+        any is left."""
+        if self.warm.warming:
+            return self.warm.warm_next(progress) or self.warming
+        if self.images is not None and not self.images.compiled:
+            self.images.compile()
+        return False
 
     def reset(self) -> None:
         """Zero the KV cache."""

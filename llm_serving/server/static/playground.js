@@ -4,6 +4,8 @@ const $ = (id) => document.getElementById(id);
 let messages = [];          // the conversation: [{role, content}] (assistant turns with tool_calls, tool results)
 let controller = null;      // the request in flight (stop aborts it: the server frees its blocks)
 const contextOf = {};       // model id -> its tokens per request (prompt + reply), from /v1/models
+const takesImages = {};     // model id -> whether its prompts take images (/v1/models' input_modalities)
+let attached = [];          // the images for the next user turn, as data: URLs
 
 // Markdown, safely: the model's text only ever becomes text nodes (code fences -> <pre><code>, lists, headings,
 // `code`, **bold**)
@@ -43,9 +45,10 @@ function inline(node, text) {
   return node;
 }
 
-function bubble(role, text) {
+function bubble(role, text, images = []) {
   const body = el("div", {class: "body"});
   const node = el("div", {class: "msg " + role}, body);
+  if (images.length) node.prepend(el("div", {class: "thumbs"}, ...images.map((src) => el("img", {src}))));
   renderMarkdown(body, text);
   $("log").append(node);
   $("log").scrollTop = $("log").scrollHeight;
@@ -55,10 +58,14 @@ function bubble(role, text) {
 async function loadModels() {
   const response = await api("/v1/models");
   const data = (await response.json()).data || [];
-  for (const m of data) contextOf[m.id] = m.max_model_len;
+  for (const m of data) {
+    contextOf[m.id] = m.max_model_len;
+    takesImages[m.id] = (m.input_modalities || []).includes("image");
+  }
   // (a model not loaded yet loads when it is first asked: its state is shown)
   $("model").replaceChildren(...data.map((m) => el("option", {value: m.id, text: m.parent ? `${m.id} (adapter of ${m.parent})`
     : m.state && m.state !== "loaded" ? `${m.id} (${m.state})` : m.id})));
+  showAttach();
 }
 
 function settings() {
@@ -102,12 +109,36 @@ function lastToolCall() {
   return last && last.tool_calls ? last.tool_calls[0] : null;
 }
 
+// images: attached by the file input, pasted or dropped on the input; only for a model that takes them, in chat mode
+function showAttach() {
+  const shown = Boolean(takesImages[$("model").value]) && !$("completion").checked;
+  $("image-box").hidden = !shown;
+  if (!shown) setAttached([]);
+}
+
+function setAttached(images) {
+  attached = images;
+  $("attached").replaceChildren(...attached.map((src) => el("img", {src})));
+}
+
+function attach(files) {
+  if ($("image-box").hidden) return;
+  for (const file of files) {
+    if (!file.type.startsWith("image/")) continue;
+    const reader = new FileReader();
+    reader.onload = () => setAttached(attached.concat([reader.result]));
+    reader.readAsDataURL(file);
+  }
+}
+
 async function send() {
   const text = $("input").value;
-  if (!text.trim() || controller) return;
+  if ((!text.trim() && !attached.length) || controller) return;
   $("input").value = "";
   const completion = $("completion").checked;
-  bubble("user", text);
+  const images = completion ? [] : attached;
+  setAttached([]);
+  bubble("user", text, images);
   const reply = bubble("assistant", "");
   const body = reply.querySelector(".body");
   const stats = el("div", {class: "stats"});
@@ -126,7 +157,9 @@ async function send() {
   } else {
     path = "/v1/chat/completions";
     const call = $("tool-result").checked ? lastToolCall() : null;
-    messages.push(call ? {role: "tool", tool_call_id: call.id, content: text} : {role: "user", content: text});
+    const content = images.length ? images.map((url) => ({type: "image_url", image_url: {url}}))
+      .concat([{type: "text", text}]) : text;
+    messages.push(call ? {role: "tool", tool_call_id: call.id, content: text} : {role: "user", content});
     const system = $("system").value.trim();
     request.messages = (system ? [{role: "system", content: system}] : []).concat(messages);
   }
@@ -210,9 +243,16 @@ $("input").addEventListener("keydown", (e) => { if (e.key === "Enter" && e.ctrlK
 $("stop-button").addEventListener("click", () => { if (controller) controller.abort(); });
 $("clear").addEventListener("click", () => {
   messages = [];
+  setAttached([]);
   $("log").replaceChildren();
   $("tool-result-box").hidden = true;
   $("tool-result").checked = false;
 });
 $("format").addEventListener("change", () => { $("schema-box").hidden = $("format").value !== "json_schema"; });
+$("model").addEventListener("change", showAttach);
+$("completion").addEventListener("change", showAttach);
+$("image").addEventListener("change", () => { attach($("image").files); $("image").value = ""; });
+$("input").addEventListener("paste", (e) => attach(e.clipboardData ? e.clipboardData.files : []));
+$("input").addEventListener("dragover", (e) => e.preventDefault());
+$("input").addEventListener("drop", (e) => { e.preventDefault(); attach(e.dataTransfer ? e.dataTransfer.files : []); });
 loadModels().catch((err) => { $("status").textContent = "cannot list models: " + err.message; });
