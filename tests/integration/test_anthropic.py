@@ -86,7 +86,7 @@ def test_errors_are_anthropics_shape_through_the_sdk(stories_server):
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}]}])
     assert err.value.status_code == 400 and err.value.body["type"] == "error"
     assert err.value.body["error"]["type"] == "invalid_request_error"
-    assert err.value.body["error"]["message"].startswith("messages[0].content[1]: image blocks are not supported")
+    assert "model 'hf' does not take images" in err.value.body["error"]["message"]    # (a text model)
     with pytest.raises(anthropic.BadRequestError) as err:       # a served field's bad value, whatever comes with it
         client.messages.create(model="hf", max_tokens=8, messages=STORY, extra_body={"best_of": 2, "top_k": -1})
     assert err.value.body["error"]["message"].startswith("top_k must be >= 0")
