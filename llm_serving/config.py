@@ -326,11 +326,19 @@ class ServingConfig:
     max_image_bytes: int = 20 << 20
     max_image_pixels: int = 32 << 20
     image_cache_mb: int = 256
+    # image URLs (http, https) are fetched only from these hosts (server/image_urls.py): [] = none, every URL refused
+    # (send images as base64 data: URLs); each fetch within image_fetch_timeout_s, no redirects followed
+    image_url_hosts: list = field(default_factory=list)
+    image_fetch_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         for key in ("max_images", "max_image_bytes", "max_image_pixels"):
             _check_int(f"serving_config.{key}", getattr(self, key), min_value=1)
         _check_int("serving_config.image_cache_mb", self.image_cache_mb, min_value=0)
+        _check(isinstance(self.image_url_hosts, list) and all(isinstance(h, str) and h for h in self.image_url_hosts),
+               "serving_config.image_url_hosts", self.image_url_hosts, "must be a list of host names")
+        _check(isinstance(self.image_fetch_timeout_s, (int, float)) and self.image_fetch_timeout_s > 0,
+               "serving_config.image_fetch_timeout_s", self.image_fetch_timeout_s, "must be a positive number")
         for key in ("server_ip", "agent_ip"):
             _check(isinstance(getattr(self, key), str) and getattr(self, key), f"serving_config.{key}",
                    getattr(self, key), "must be a host name or address")

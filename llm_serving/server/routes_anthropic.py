@@ -12,6 +12,7 @@ from aiohttp import web
 from llm_serving.server.api import base as api
 from llm_serving.server.api.anthropic import CountTokensRequest, MessagesRequest
 from llm_serving.server.generation import events, submit
+from llm_serving.server.image_urls import fetch_images
 from llm_serving.server.served import engine_for
 from llm_serving.server.reply import ReplyStream, read_reply, reply_shape
 from llm_serving.server.tools import ToolRequest
@@ -139,7 +140,9 @@ class BlockStream:
 async def messages(request: web.Request) -> web.StreamResponse:
     r = await api.read_body(request, MessagesRequest)
     engine = await engine_for(request, r.model)
-    prepared = prepare(r.to_request(), engine)
+    req = r.to_request()
+    await fetch_images(req, engine.config)
+    prepared = prepare(req, engine)
     shape = reply_shape(engine, prepared)
     (req,) = await submit(engine, prepared, 1)
     msg_id = "msg_" + uuid.uuid4().hex[:24]

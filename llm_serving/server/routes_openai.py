@@ -26,6 +26,7 @@ from llm_serving.server.served import engine_for, fleet_of
 from llm_serving.server.reply import ReplyShape, ReplyStream, read_reply, reply_shape
 from llm_serving.server.tools import ToolRequest
 from llm_serving.server.generation import events, submit
+from llm_serving.server.image_urls import fetch_images
 from llm_serving.server.translate import adapter_of, chat_ids, prepare
 
 
@@ -274,7 +275,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     engine, r = await _read(request, openai_api.ChatCompletionRequest)
-    prepared = prepare(r.to_request(engine.max_model_len), engine)
+    req = r.to_request(engine.max_model_len)
+    await fetch_images(req, engine.config)
+    prepared = prepare(req, engine)
     reqs = await submit(engine, prepared, r.n)
     scoring = Scoring(prompt_logprobs=r.prompt_logprobs is not None, score_only=r.score_only,
                       shape=reply_shape(engine, prepared))

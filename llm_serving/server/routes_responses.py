@@ -22,6 +22,7 @@ from llm_serving.server import streaming
 from llm_serving.server.api import base as api
 from llm_serving.server.api.responses import ResponsesRequest, qualified
 from llm_serving.server.generation import events, submit
+from llm_serving.server.image_urls import fetch_images
 from llm_serving.server.keys import RESPONSES
 from llm_serving.server.served import engine_for
 from llm_serving.server.reply import ReplyStream, reply_shape
@@ -255,7 +256,9 @@ async def create(request: web.Request) -> web.StreamResponse:
             return _error(400, f"Previous response with id '{r.previous_response_id}' not found.",
                           "previous_response_id", "previous_response_not_found")
         history = previous.history
-    prepared = prepare(r.to_request(engine.max_model_len, history), engine)
+    req = r.to_request(engine.max_model_len, history)
+    await fetch_images(req, engine.config)
+    prepared = prepare(req, engine)
     shape = reply_shape(engine, prepared)
     [req] = await submit(engine, prepared, 1)
     builder = OutputBuilder(response_object(r, _new_id("resp_"), int(time.time())), r.call_name)

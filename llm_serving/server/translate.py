@@ -101,8 +101,9 @@ def prepare(req: ApiRequest, engine) -> Prepared:
 
 
 def message_images(messages: list) -> tuple:
-    """The files of a chat's images ({"type": "image", "image": bytes} parts), in order."""
-    return tuple(p["image"] for m in messages if isinstance(m.get("content"), list)
+    """The files of a chat's images ({"type": "image", "image": bytes} parts; None for one given by a URL not
+    fetched: server/image_urls.py), in order."""
+    return tuple(p.get("image") for m in messages if isinstance(m.get("content"), list)
                  for p in m["content"] if isinstance(p, dict) and p.get("type") == "image")
 
 
@@ -121,6 +122,9 @@ def decode_images(engine, images: tuple) -> list:
                               "(serving_config.max_images)", param="messages")
     out = []
     for k, data in enumerate(images):
+        if data is None:
+            raise ValidationError(f"image {k + 1} of {len(images)} is a URL this route does not fetch; send it as a "
+                                  "base64 data: URL", param="messages")
         if len(data) > limits.max_image_bytes:
             raise ValidationError(f"image {k + 1} of {len(images)} has {len(data)} bytes; at most "
                                   f"{limits.max_image_bytes} are taken (serving_config.max_image_bytes)",

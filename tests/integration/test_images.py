@@ -203,3 +203,76 @@ def test_bad_images_are_refused_by_name_and_every_api_carries_an_image(vl_model,
     assert asked == tokenized == counted, (asked, tokenized, counted)
     assert models[0]["input_modalities"] == ["text", "image"]
     assert "vision" in shown["capabilities"]
+
+
+def test_image_urls_are_fetched_only_from_the_allowed_hosts(vl_model, tmp_path):
+    """serving_config.image_url_hosts: an image URL on a listed host (a loopback HTTP server here) is fetched and
+    answers as its data: URL does, through OpenAI's chat, Anthropic's url source and the Responses API; a host not
+    listed, a 404, a redirect, an image over max_image_bytes and a server slower than image_fetch_timeout_s are each a
+    400 naming the URL; a server without the setting refuses every URL."""
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    good, big = _png(0), _png(4, (700, 700, 3))
+
+    class Images(BaseHTTPRequestHandler):
+        def do_GET(self):              # noqa: N802 - the standard library's name
+            if self.path == "/slow.png":
+                time.sleep(3)
+            body = {"/a.png": good, "/slow.png": good, "/big.png": big}.get(self.path)
+            if self.path == "/moved.png":
+                self.send_response(302)
+                self.send_header("Location", "/a.png")
+                self.end_headers()
+                return
+            self.send_response(200 if body is not None else 404)
+            self.send_header("Content-Length", str(len(body or b"")))
+            self.end_headers()
+            self.wfile.write(body or b"")
+
+        def log_message(self, *args):
+            pass
+
+    images = ThreadingHTTPServer(("127.0.0.1", 0), Images)
+    threading.Thread(target=images.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{images.server_address[1]}"
+
+    def chat(url):
+        return _body([{"role": "user", "content": [{"type": "text", "text": "What is it?"},
+                                                   {"type": "image_url", "image_url": {"url": url}}]}])
+
+    args = ["--model", str(vl_model), "--set", f"model_config.model_name={MODEL}",
+            "--set", "model_config.max_generate_length=128", "--set", "serving_config.max_image_bytes=1000000",
+            "--set", "serving_config.image_url_hosts=[127.0.0.1]", "--set", "serving_config.image_fetch_timeout_s=1"]
+    try:
+        with serving(args, tmp_path / "server.log") as server:
+            want = http("POST", server.url + "/v1/chat/completions", chat(_url(good)))[1]
+            got = http("POST", server.url + "/v1/chat/completions", chat(base + "/a.png"))[1]
+            anthropic = http("POST", server.url + "/v1/messages", {
+                "model": MODEL, "max_tokens": NEW_TOKENS, "temperature": 0, "messages": [{"role": "user", "content": [
+                    {"type": "text", "text": "What is it?"},
+                    {"type": "image", "source": {"type": "url", "url": base + "/a.png"}}]}]})[1]
+            responses = http("POST", server.url + "/v1/responses", {
+                "model": MODEL, "max_output_tokens": NEW_TOKENS, "temperature": 0, "input": [{"role": "user", "content": [
+                    {"type": "input_text", "text": "What is it?"}, {"type": "input_image", "image_url": base + "/a.png"}]}]})[1]
+            refusals = {}
+            for name, url in [("other host", f"http://localhost:{images.server_address[1]}/a.png"),
+                              ("404", base + "/none.png"), ("redirect", base + "/moved.png"),
+                              ("too large", base + "/big.png"), ("slow", base + "/slow.png")]:
+                refusals[name] = http("POST", server.url + "/v1/chat/completions", chat(url))
+            after = http("POST", server.url + "/v1/chat/completions", chat(base + "/a.png"))
+        text = want["choices"][0]["message"]["content"]
+        assert got["choices"][0]["message"]["content"] == text
+        assert anthropic["content"][0]["text"] == text and responses["output"][-1]["content"][0]["text"] == text
+        for name, says in [("other host", "image_url_hosts"), ("404", "answered 404"), ("redirect", "answered 302"),
+                           ("too large", "more than 1000000 bytes"), ("slow", "did not answer within 1")]:
+            status, reply = refusals[name]
+            assert status == 400 and says in json.dumps(reply), (name, reply)
+        assert after[0] == 200
+        with serving(["--model", str(vl_model), "--set", f"model_config.model_name={MODEL}",
+                      "--set", "model_config.max_generate_length=128"], tmp_path / "server2.log") as server:
+            status, reply = http("POST", server.url + "/v1/chat/completions", chat(base + "/a.png"))
+        assert status == 400 and "images are not fetched" in json.dumps(reply), reply
+    finally:
+        images.shutdown()

@@ -113,7 +113,8 @@ class ImageSource(Body):
     type: Literal["base64", "url"]
     media_type: Optional[str] = Field(None, description="image/jpeg, image/png, image/gif or image/webp (base64)")
     data: Optional[str] = Field(None, description="the image file, base64 (type base64)")
-    url: Optional[str] = Field(None, description="refused: images are not fetched")
+    url: Optional[str] = Field(None, description="an http(s) URL of a host the server fetches from "
+                                                 "(serving_config.image_url_hosts; type url)")
 
 
 class ImageBlock(Body):
@@ -121,22 +122,26 @@ class ImageBlock(Body):
     type: Literal["image"]
     source: ImageSource
     cache_control: Optional[CacheControl] = None
-    _data: bytes = PrivateAttr(b"")
+    _part: dict = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _decoded(self):
         source = self.source
+        if source.type == "url" and isinstance(source.url, str) and source.url.startswith(("http://", "https://")):
+            self._part = {"type": "image", "url": source.url}       # (fetched from the allowed hosts only)
+            return self
         if source.type == "url" or source.data is None:
-            raise ValidationError("an image's source must be base64 (type base64, media_type, data): image URLs are "
-                                  "not fetched", param="messages")
+            raise ValidationError("an image's source must be base64 (type base64, media_type, data) or an http(s) "
+                                  "url", param="messages")
         try:
-            self._data = decode_data_url(f"data:{source.media_type or 'image/png'};base64,{source.data}")
+            self._part = {"type": "image", "image": decode_data_url(
+                f"data:{source.media_type or 'image/png'};base64,{source.data}")}
         except ImageError as e:
             raise ValidationError(f"image block: {e}", param="messages") from None
         return self
 
-    def data(self) -> bytes:
-        return self._data
+    def part(self) -> dict:
+        return self._part
 
 
 def _text(content) -> str:
@@ -159,7 +164,7 @@ class UserMessage(Body):
             return [{"role": "user", "content": self.content}]
         out = [b.as_dict() for b in self.content if b.type == "tool_result"]
         if self.images():
-            return out + [{"role": "user", "content": [{"type": "image", "image": b.data()} if b.type == "image" else
+            return out + [{"role": "user", "content": [b.part() if b.type == "image" else
                                                        {"type": "text", "text": b.text}
                                                        for b in self.content if b.type in ("image", "text")]}]
         texts = [b for b in self.content if b.type == "text"]

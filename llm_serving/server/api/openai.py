@@ -310,7 +310,8 @@ class TextPart(Open):
 
 
 class ImageUrl(Open):
-    url: str = Field(description="the image as a base64 data: URL (data:image/png;base64,...)")
+    url: str = Field(description="the image as a base64 data: URL (data:image/png;base64,...), or an http(s) URL "
+                                 "of a host the server fetches from (serving_config.image_url_hosts)")
     detail: Optional[Literal["auto", "low", "high"]] = Field(None, description="accepted; every image is read at "
                                                                                "the model's one resolution")
 
@@ -319,19 +320,28 @@ class ImagePart(Open):
     """An image in a user message (a vision-language model's): its bytes as a base64 data: URL."""
     type: Literal["image_url"]
     image_url: Union[ImageUrl, str]
-    _data: bytes = PrivateAttr(b"")
+    _part: dict = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _decoded(self):
         url = self.image_url if isinstance(self.image_url, str) else self.image_url.url
-        try:
-            self._data = decode_data_url(url)
-        except ImageError as e:
-            raise ValidationError(f"image_url: {e}", param="messages") from None
+        self._part = image_part(url, "image_url")
         return self
 
-    def data(self) -> bytes:
-        return self._data
+    def part(self) -> dict:
+        """The image as a chat message's part: its file's bytes, or the URL the server fetches (image_urls.py)."""
+        return self._part
+
+
+def image_part(url: str, where: str) -> dict:
+    """An image URL as a chat message's part: a data: URL's bytes, an http(s) URL as it is (fetched before the
+    request is prepared, from the allowed hosts only); a ValidationError for another one."""
+    if isinstance(url, str) and url.startswith(("http://", "https://")):
+        return {"type": "image", "url": url}
+    try:
+        return {"type": "image", "image": decode_data_url(url)}
+    except ImageError as e:
+        raise ValidationError(f"{where}: {e}", param="messages" if where == "image_url" else "input") from None
 
 
 class _OtherPart(Open):
@@ -392,9 +402,9 @@ class ChatMessage(Open):
 
     def as_dict(self) -> dict:
         """The message as the chat template takes it: its text (with images: its parts, an image as {"type":
-        "image", "image": its file}), developer as system, tool calls and ids."""
+        "image", "image": its file} or {"type": "image", "url"}), developer as system, tool calls and ids."""
         if self.images():
-            return {"role": self.role, "content": [{"type": "image", "image": p.data()} if isinstance(p, ImagePart)
+            return {"role": self.role, "content": [p.part() if isinstance(p, ImagePart)
                                                    else {"type": "text", "text": p.text} for p in self.content]}
         content = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
         role = "system" if self.role == "developer" else self.role

@@ -13,10 +13,9 @@ from typing_extensions import Annotated
 from llm_serving.master.grammar import GrammarSpec
 from llm_serving.master.request import SamplingParams
 from llm_serving.server.api.base import GIVEN, NEW_TOKENS, SERVED_MODEL, TOOLS_GIVEN, Body, Open, needs, rules, when
-from llm_serving.server.api.openai import MAX_TOOLS, TOOL_NAME
+from llm_serving.server.api.openai import MAX_TOOLS, TOOL_NAME, image_part
 from llm_serving.server.errors import ValidationError
 from llm_serving.server.translate import ApiRequest
-from llm_serving.vision import ImageError, decode_data_url
 
 MAX_INPUT_ITEMS = 10_000
 MAX_METADATA = 16                 # OpenAI's: 16 pairs, keys of at most 64 characters, values of at most 512
@@ -37,17 +36,14 @@ class ItemImage(Open):
     file_id: Optional[str] = Field(None, description="refused: no files are stored here")
     detail: Optional[Literal["auto", "low", "high"]] = Field(None, description="accepted; every image is read at "
                                                                                "the model's one resolution")
-    _data: bytes = PrivateAttr(b"")
+    _part: dict = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _decoded(self):
         if self.image_url is None:
             raise ValidationError("input_image needs image_url, a base64 data: URL (file_id: no files are stored "
                                   "here)", param="input")
-        try:
-            self._data = decode_data_url(self.image_url)
-        except ImageError as e:
-            raise ValidationError(f"input_image: {e}", param="input") from None
+        self._part = image_part(self.image_url, "input_image")
         return self
 
 
@@ -90,7 +86,7 @@ class MessageItem(Open):
         """As a chat message: its text, or (with images) its parts, an image as {"type": "image", "image": bytes}."""
         role = "system" if self.role == "developer" else self.role
         if self.images():
-            return {"role": role, "content": [{"type": "image", "image": p._data} if isinstance(p, ItemImage)
+            return {"role": role, "content": [p._part if isinstance(p, ItemImage)
                                               else {"type": "text", "text": p.text} for p in self.content]}
         return {"role": role, "content": _text(self.content)}
 
