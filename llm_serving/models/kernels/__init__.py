@@ -329,15 +329,20 @@ def _compile(cxx: str, out: str, unit: _Unit, args: list) -> Optional[str]:
 
 
 _COMPILERS: set = set()       # the compilers this process is running, killed if it exits first
+_COMPILERS_LOCK = threading.Lock()
+_EXITING = False              # the process is exiting: no compiler starts (one started now would outlive it)
 
 
 def _run(cxx: str, args: list, what: str) -> Optional[str]:
     """One compiler run: None, or what went wrong (the end of its errors)."""
-    try:
-        proc = subprocess.Popen([cxx, *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    except OSError as e:
-        return f"building {what} with {cxx} failed: {e}"
-    _COMPILERS.add(proc)
+    with _COMPILERS_LOCK:     # (a start and the exit's kills never interleave: no compiler is left running)
+        if _EXITING:
+            return f"building {what}: the process is exiting"
+        try:
+            proc = subprocess.Popen([cxx, *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        except OSError as e:
+            return f"building {what} with {cxx} failed: {e}"
+        _COMPILERS.add(proc)
     try:
         _, err = proc.communicate(timeout=300)
     except subprocess.TimeoutExpired:
@@ -351,8 +356,11 @@ def _run(cxx: str, args: list, what: str) -> Optional[str]:
 
 @atexit.register
 def _stop_compilers() -> None:
-    for proc in list(_COMPILERS):
-        proc.kill()
+    global _EXITING
+    with _COMPILERS_LOCK:
+        _EXITING = True
+        for proc in list(_COMPILERS):
+            proc.kill()
 
 
 def _remove(paths) -> None:
