@@ -354,7 +354,8 @@ class Scheduler:
             if prompts is not None and _prompt_work(req) != prompts:
                 continue
             q = self._chunk(need, budget, first_row=not rows, embed=embed)
-            q = _whole_images(req, req.num_computed_tokens, q, budget, not rows, self._image_room(rows, counts))
+            if req.images:          # (an image whole, one a step; the room is counted only for these rows)
+                q = _whole_images(req, req.num_computed_tokens, q, budget, not rows, self._image_room(rows, counts))
             if q == 0:
                 break
             if not self._reserve(req, req.num_computed_tokens + q, rows, counts):
@@ -397,7 +398,8 @@ class Scheduler:
             prefix = [] if whole else self.bm.match_prefix(req.cache_tokens(0, req.num_tokens), req.lora_root)
             cached = len(prefix) * self.bm.block_size
             q = self._chunk(req.num_tokens - cached, budget, first_row=not rows, embed=embed)
-            q = _whole_images(req, cached, q, budget, not rows, self._image_room(rows, counts))
+            if req.images:
+                q = _whole_images(req, cached, q, budget, not rows, self._image_room(rows, counts))
             reserve = self.spec.watermark_blocks if self.running else 0
             if q == 0 or not self.bm.can_allocate(req.req_id, cached + q, prefix, reserve=reserve):
                 break

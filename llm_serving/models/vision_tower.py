@@ -14,12 +14,11 @@ row of the pooled grid).
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from mindspore import Tensor, nn, ops
 
+from llm_serving.models.llama import _gelu_tanh, _layer_normalize, _rms_normalize
 from llm_serving.models.weights.vision import VisionConfig, vision_shapes
 
 __all__ = ["VisionTower"]
@@ -30,14 +29,7 @@ def _tensor(array: np.ndarray):
 
 
 def _layer_norm(x, gain, bias, eps: float):
-    mean = x.mean(axis=-1, keep_dims=True)
-    centred = x - mean
-    var = (centred * centred).mean(axis=-1, keep_dims=True)
-    return centred * ops.rsqrt(var + eps) * gain + bias
-
-
-def _gelu_tanh(x):
-    return 0.5 * x * (1.0 + ops.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x * x * x)))
+    return _layer_normalize(x, eps) * gain + bias
 
 
 # an encoder layer's weights, in the order _EncoderLayer.construct takes them after x
@@ -117,8 +109,7 @@ class _Projector(nn.Cell):
         x = _layer_norm(x, post_gain, post_bias, cfg.layer_norm_eps)
         s, k = cfg.tokens_per_side, cfg.pool
         pooled = x.reshape(n, s, k, s, k, d).mean(axis=(2, 4)).reshape(n * s * s, d)
-        normed = pooled * ops.rsqrt((pooled * pooled).mean(axis=-1, keep_dims=True) + cfg.layer_norm_eps)
-        return self.matmul(normed * soft_gain, projection).reshape(n, s * s, cfg.text_hidden_size)
+        return self.matmul(_rms_normalize(pooled, cfg.layer_norm_eps) * soft_gain, projection).reshape(n, s * s, cfg.text_hidden_size)
 
 
 class VisionTower:

@@ -21,8 +21,8 @@ async def submit(engine, prepared: Prepared, n: int) -> list:
         for i in range(n):
             sp = sampling if i == 0 or sampling.seed is None else \
                 dataclasses.replace(sampling, seed=(sampling.seed + i) % (1 << 63))
-            images = {"images": prepared.images} if prepared.images else {}
-            reqs.append(engine.submit(prepared.prompt_ids, sp, adapter=prepared.adapter, grammar=compiled, **images))
+            reqs.append(engine.submit(prepared.prompt_ids, sp, adapter=prepared.adapter, grammar=compiled,
+                                      images=prepared.images))
     except BaseException:
         for req in reqs:
             engine.release(req)

@@ -107,15 +107,22 @@ def message_images(messages: list) -> tuple:
                  for p in m["content"] if isinstance(p, dict) and p.get("type") == "image")
 
 
+def served_image_facts(engine):
+    """The served model's ImageFacts (vision/model.py), or a ValidationError: it takes no images."""
+    facts = engine.image_facts
+    if facts is None:
+        raise ValidationError(f"model {engine.model_name!r} does not take images (a text model, or one whose vision "
+                              "tower is not served)", param="messages")
+    return facts
+
+
 def decode_images(engine, images: tuple) -> list:
     """The chat's images decoded (Pillow images), each checked: a ValidationError for a model that takes none,
     more than serving_config.max_images, or an image larger than serving_config.max_image_bytes, that is not one,
     is cut short, or has more pixels than serving_config.max_image_pixels."""
     if not images:
         return []
-    if engine.image_facts is None:
-        raise ValidationError(f"model {engine.model_name!r} does not take images (a text model, or one whose vision "
-                              "tower is not served)", param="messages")
+    served_image_facts(engine)
     limits = engine.config.serving_config
     if len(images) > limits.max_images:
         raise ValidationError(f"the request has {len(images)} images; at most {limits.max_images} are taken "
@@ -186,27 +193,20 @@ def chat_ids(engine, messages: list, tools: Optional[ToolRequest], variables: Op
     images' marks made their placeholders (vision/model.py: what /tokenize and count_tokens count too), or a
     ValidationError for images to a model that takes none."""
     template = engine.chat_template
-    expand = None
-    if message_images(messages):
-        facts = getattr(engine, "image_facts", None)
-        if facts is None:
-            raise ValidationError(f"model {engine.model_name!r} does not take images (a text model, or one whose "
-                                  "vision tower is not served)", param="messages")
-        expand = facts.expand
+    expand = served_image_facts(engine).expand if message_images(messages) else None
     rendered = None
     if tools is not None:
         messages, rendered = tools.conversation(messages)
     elif not template.takes_tools and any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
         messages = history_as_text(messages)
-    images = {} if expand is None else {"expand": expand}
     try:
-        return template.encode(messages, rendered, variables, **images)
+        return template.encode(messages, rendered, variables, expand)
     except ChatTemplateError as exc:
         folded = fold_system_messages(messages)
         if folded == messages:
             raise ValidationError(str(exc), param="messages") from None
     try:        # a template that takes the system prompt only first (most do): the later ones folded in
-        return template.encode(folded, rendered, variables, **images)
+        return template.encode(folded, rendered, variables, expand)
     except ChatTemplateError as exc:
         raise ValidationError(str(exc), param="messages") from None
 

@@ -196,7 +196,7 @@ class _Engine:
             req.events.put_nowait(TokenEvent(-1, "", 0.0, False, "stop"))
         return req
 
-    def submit(self, prompt_ids, sampling, req_id=None, adapter=None, grammar=None):
+    def submit(self, prompt_ids, sampling, req_id=None, adapter=None, grammar=None, images=None):
         req = self._req(prompt_ids)
         self.sampling.append(sampling)
         document = self.tokenizer.text(prompt_ids).split("<Document>: ")[1]

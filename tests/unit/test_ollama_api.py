@@ -233,7 +233,7 @@ class _Template:
     def __init__(self, reasons=False, takes_tools=False):
         self.reasons, self.takes_tools, self.rendered = reasons, takes_tools, []
 
-    def encode(self, messages, tools=None, variables=None):
+    def encode(self, messages, tools=None, variables=None, expand=None):
         self.rendered.append((messages, variables))
         think = self.reasons and (variables or {}).get("enable_thinking", True)
         return [ord(c) for c in "|".join(m["content"] for m in messages) + ("<think>" if think else "")]
@@ -260,7 +260,7 @@ class _Engine:
     async def compile_grammar(self, spec):
         return spec
 
-    def submit(self, prompt_ids, sampling, adapter=None, grammar=None):
+    def submit(self, prompt_ids, sampling, adapter=None, grammar=None, images=None):
         req = SimpleNamespace(prompt_ids=prompt_ids, output_ids=[], events=asyncio.Queue(), sampling=sampling,
                               arrival_time=time.monotonic(), first_token_time=None, finish_time=None)
         for k, text in enumerate(self.texts):

@@ -20,7 +20,7 @@ class _Tok:
 class _Template:
     harmony, takes_tools, tool_format = False, False, "hermes"
 
-    def encode(self, messages, tools=None, variables=None):
+    def encode(self, messages, tools=None, variables=None, expand=None):
         return [ord(c) % 100 for m in messages for c in m["content"]]
 
 

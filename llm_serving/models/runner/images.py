@@ -38,8 +38,6 @@ class ImageEncoder:
         self.cache_bytes = int(cache_bytes)
         self._cache: OrderedDict = OrderedDict()         # key -> (tokens, H) float32
         self._bytes = 0
-        self.encoded = 0                                 # images the tower ran on
-        self.hits = 0
         self.compiled = False                            # the tower's graphs (compile: when the agent is idle)
 
     @classmethod
@@ -65,14 +63,12 @@ class ImageEncoder:
         rows = self._cache.get(key)
         if rows is not None:
             self._cache.move_to_end(key)
-            self.hits += 1
             return rows
         size, c = self.cfg.image_size, self.cfg.num_channels
         if tuple(shape) != (c, size, size):
             raise ValueError(f"an image's pixels are {tuple(shape)}; the tower reads ({c}, {size}, {size})")
         t0 = time.perf_counter()
         rows = self.tower.encode(read_pixels(segment, shape)[None])[0]
-        self.encoded += 1
         self.compiled = True
         logger.info("image %s encoded in %.2f s", key[:12], time.perf_counter() - t0)
         if rows.nbytes <= self.cache_bytes:
@@ -95,10 +91,6 @@ class ImageEncoder:
         self.tower.compile()
         self.compiled = True
         logger.info("vision tower compiled in %.1f s", time.perf_counter() - t0)
-
-    def clear(self) -> None:
-        self._cache.clear()
-        self._bytes = 0
 
 
 def vision_checkpoint_of(model_path: str, mmproj: Optional[str]) -> Optional[tuple]:
