@@ -3,11 +3,13 @@
 real model's shape with random weights (default: Gemma-3-4B's, SigLIP-400M: 27 layers of 1,152, an 896-pixel image
 in 4,096 patches, 256 tokens of 2,560), the first call (its graph compiled) and the next ones, with the rate of
 float32 arithmetic they reach, and the peak memory. The tower runs a layer at a time (one graph, each layer's
-weights its inputs), so it keeps one layer's attention scores (1 GiB at 4,096 patches): Gemma-3-4B's 27 layers peak
-at 7.6 GB of resident memory (1.7 GB of it the float32 weights).
+weights its inputs). Its attention and GELU run on the CPU kernels (kernels/vision_layer_cpu.cc: no scores written)
+or on MindSpore's ops (one layer's (heads, patches, patches) scores, 1 GiB at 4,096 patches, written and read back);
+by default both, in turn on the same weights and image, with their ratio and how far apart their outputs are.
 
-    python bench/vision_tower.py                      # Gemma-3-4B's tower, 3 runs of one image
+    python bench/vision_tower.py                      # Gemma-3-4B's tower, 3 runs of one image, both attentions
     python bench/vision_tower.py --layers 4 --runs 2  # a shallower tower, for a quick look
+    python bench/vision_tower.py --attention kernel   # one of them (its peak memory alone)
 
 Writes JSON (default bench_results/vision_tower.json).
 """
@@ -61,9 +63,16 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--text-hidden", type=int, default=2560)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--attention", choices=("kernel", "ops", "both"), default="both",
+                    help="the layers' attention and GELU: the CPU kernels (kernels/vision_layer_cpu.cc), MindSpore's "
+                         "ops, or both in turn on the same weights and image (their ratio, and how far apart they are)")
+    ap.add_argument("--threads", type=int, default=None, help="the kernels' threads (default: the CPUs)")
     ap.add_argument("--out", default="bench_results/vision_tower.json")
     args = ap.parse_args(argv)
 
+    import os
+
+    from llm_serving.models.kernels import build_kernel
     from llm_serving.models.mindspore_env import setup_mindspore
     from llm_serving.models.vision_tower import VisionTower
     from llm_serving.models.weights.vision import VisionConfig
@@ -71,27 +80,45 @@ def main(argv=None) -> int:
     setup_mindspore("CPU", 0, None, None)
     cfg = VisionConfig(args.hidden, args.intermediate, args.layers, args.heads, args.image, args.patch, 3, 1e-6,
                        args.tokens, args.text_hidden)
-    t0 = time.perf_counter()
-    tower = VisionTower(cfg, random_tower(cfg))
-    built = time.perf_counter() - t0
-    pixels = np.random.default_rng(1).uniform(-1, 1, (1, 3, args.image, args.image)).astype(np.float32)
-    times = []
-    for _ in range(args.runs):
+    kinds = ("kernel", "ops") if args.attention == "both" else (args.attention,)
+    threads = args.threads or len(os.sched_getaffinity(0))
+    weights = random_tower(cfg)
+    towers, built = {}, {}
+    for kind in kinds:
         t0 = time.perf_counter()
-        out = tower.encode(pixels)
-        times.append(time.perf_counter() - t0)
-    assert out.shape == (1, cfg.tokens_per_image, cfg.text_hidden_size) and np.isfinite(out).all()
+        kernels = build_kernel("vision_layer_cpu", "VisionAttention").rsplit(":", 1)[0] if kind == "kernel" else None
+        towers[kind] = VisionTower(cfg, weights, kernels=kernels, threads=threads)
+        built[kind] = time.perf_counter() - t0
+    pixels = np.random.default_rng(1).uniform(-1, 1, (1, 3, args.image, args.image)).astype(np.float32)
+    times, outs = {kind: [] for kind in kinds}, {}
+    for _ in range(args.runs):
+        for kind in kinds:                       # in turn: both see the machine's same moments
+            t0 = time.perf_counter()
+            outs[kind] = towers[kind].encode(pixels)
+            times[kind].append(time.perf_counter() - t0)
     work = flops(cfg)
-    best = min(times[1:]) if len(times) > 1 else times[0]
     print(f"tower: {cfg.num_layers} layers of {cfg.hidden_size}, {cfg.patches_per_side ** 2} patches an image, "
-          f"{work / 1e12:.2f} TFLOP; built in {built:.1f} s")
-    print(f"first image (graph compiled): {times[0]:.1f} s; then {', '.join(f'{t:.1f}' for t in times[1:])} s; "
-          f"best {best:.1f} s = {work / best / 1e9:.0f} GFLOP/s")
+          f"{work / 1e12:.2f} TFLOP; {machine().get('cpu', '')}")
+    result = {"machine": machine(), "config": cfg.__dict__, "flops": work, "threads": threads}
+    for kind in kinds:
+        out = outs[kind]
+        assert out.shape == (1, cfg.tokens_per_image, cfg.text_hidden_size) and np.isfinite(out).all()
+        best = min(times[kind][1:]) if len(times[kind]) > 1 else times[kind][0]
+        print(f"{kind:>6}: first image (graph compiled) {times[kind][0]:.1f} s; then "
+              f"{', '.join(f'{t:.1f}' for t in times[kind][1:])} s; best {best:.1f} s = {work / best / 1e9:.0f} "
+              f"GFLOP/s ({best / cfg.num_layers:.2f} s a layer)")
+        result[kind] = {"build_s": built[kind], "seconds": times[kind], "best_s": best, "gflops": work / best / 1e9}
+    if len(kinds) == 2:
+        k, o = outs["kernel"], outs["ops"]
+        result["kernel_over_ops"] = result["kernel"]["best_s"] / result["ops"]["best_s"]
+        result["max_relative_difference"] = float(np.abs(k - o).max() / np.abs(o).max())
+        print(f"kernel / ops time: {result['kernel_over_ops']:.2f}x; outputs apart by "
+              f"{result['max_relative_difference']:.1e} of their largest")
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6            # (kB on Linux)
-    print(f"peak resident memory {peak:.1f} GB, of which the weights {tower.nbytes / 1e9:.1f} GB")
-    write_json(args.out, {"machine": machine(), "config": cfg.__dict__, "flops": work, "build_s": built,
-                          "seconds": times, "gflops": work / best / 1e9, "peak_rss_gb": peak,
-                          "weights_gb": tower.nbytes / 1e9})
+    result.update(peak_rss_gb=peak, weights_gb=towers[kinds[0]].nbytes / 1e9)
+    print(f"peak resident memory {peak:.1f} GB, of which the weights {towers[kinds[0]].nbytes / 1e9:.1f} GB"
+          + (" (shared by both towers)" if len(kinds) == 2 else ""))
+    write_json(args.out, result)
     return 0
 
 

@@ -14,6 +14,8 @@ row of the pooled grid).
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 
 from mindspore import Tensor, nn, ops
@@ -70,27 +72,51 @@ class _Patches(nn.Cell):
 
 class _EncoderLayer(nn.Cell):
     """One SigLIP encoder layer (see the module docstring), its weights inputs (_LAYER_INPUTS): one graph that
-    every layer runs."""
+    every layer runs. `kernels`: the path of the CPU kernel library (kernels/vision_layer_cpu.cc), whose
+    VisionAttention reads the q|k|v rows as they are (their bias added as it reads them) and never writes the
+    scores, whose VisionBiasGelu is fc1's bias and GELU in one pass and whose VisionLayerNorm is the two LayerNorms,
+    run on `threads` threads; None: MindSpore's ops (the heads split out, the (N, heads, T, T) scores written, a
+    softmax, the heads put back; the bias add's, the GELU's and the LayerNorms' several passes)."""
 
-    def __init__(self, cfg: VisionConfig):
+    def __init__(self, cfg: VisionConfig, kernels: Optional[str] = None, threads: int = 1):
         super().__init__()
         self.eps, self.heads, self.head_dim = cfg.layer_norm_eps, cfg.num_heads, cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
         self.matmul = ops.MatMul()
         self.scores = ops.BatchMatMul(transpose_b=True)
         self.weighted = ops.BatchMatMul()
+        self.on_kernels = kernels is not None
+        if kernels is not None:
+            # (N T, 3 D) q|k|v rows and their bias -> (N T, D): the heads side by side, as out_proj reads them
+            self.attend = ops.Custom(f"{kernels}:VisionAttention", out_shape=lambda qkv, *_: (qkv[0], qkv[1] // 3),
+                                     out_dtype=lambda qkv, *_: qkv, func_type="aot")
+            self.bias_gelu = ops.Custom(f"{kernels}:VisionBiasGelu", out_shape=lambda x, *_: x,
+                                        out_dtype=lambda x, *_: x, func_type="aot")
+            self.layer_norm = ops.Custom(f"{kernels}:VisionLayerNorm", out_shape=lambda x, *_: x,
+                                         out_dtype=lambda x, *_: x, func_type="aot")
+            self.eps_tensor = Tensor(np.array([cfg.layer_norm_eps], np.float32))
+            self.attention_config = Tensor(np.array([cfg.patches_per_side ** 2, cfg.num_heads, threads], np.int32))
+            self.threads = Tensor(np.array([threads], np.int32))
 
     def construct(self, x, norm1_gain, norm1_bias, qkv_w, qkv_bias, out_w, out_bias, norm2_gain, norm2_bias,
                   fc1, fc1_bias, fc2, fc2_bias):
         n, t, d = x.shape
-        h = _layer_norm(x, norm1_gain, norm1_bias, self.eps).reshape(n * t, d)
-        qkv = (self.matmul(h, qkv_w) + qkv_bias).reshape(n, t, 3, self.heads, self.head_dim)
-        qkv = qkv.transpose(2, 0, 3, 1, 4)                                      # (3, N, heads, T, head_dim)
-        probs = ops.softmax(self.scores(qkv[0], qkv[1]) * self.scale, axis=-1)
-        attended = self.weighted(probs, qkv[2]).transpose(0, 2, 1, 3).reshape(n * t, d)
+        if self.on_kernels:
+            h = self.layer_norm(x.reshape(n * t, d), norm1_gain, norm1_bias, self.eps_tensor, self.threads)
+            attended = self.attend(self.matmul(h, qkv_w), qkv_bias, self.attention_config)
+        else:
+            h = _layer_norm(x, norm1_gain, norm1_bias, self.eps).reshape(n * t, d)
+            qkv = (self.matmul(h, qkv_w) + qkv_bias).reshape(n, t, 3, self.heads, self.head_dim)
+            qkv = qkv.transpose(2, 0, 3, 1, 4)                                      # (3, N, heads, T, head_dim)
+            probs = ops.softmax(self.scores(qkv[0], qkv[1]) * self.scale, axis=-1)
+            attended = self.weighted(probs, qkv[2]).transpose(0, 2, 1, 3).reshape(n * t, d)
         x = x + (self.matmul(attended, out_w) + out_bias).reshape(n, t, d)
-        h = _layer_norm(x, norm2_gain, norm2_bias, self.eps).reshape(n * t, d)
-        h = _gelu_tanh(self.matmul(h, fc1) + fc1_bias)
+        if self.on_kernels:
+            h = self.layer_norm(x.reshape(n * t, d), norm2_gain, norm2_bias, self.eps_tensor, self.threads)
+            h = self.bias_gelu(self.matmul(h, fc1), fc1_bias, self.threads)
+        else:
+            h = _gelu_tanh(self.matmul(_layer_norm(x, norm2_gain, norm2_bias, self.eps).reshape(n * t, d), fc1)
+                           + fc1_bias)
         return x + (self.matmul(h, fc2) + fc2_bias).reshape(n, t, d)
 
 
@@ -114,13 +140,14 @@ class _Projector(nn.Cell):
 
 class VisionTower:
     """Gemma 3's SigLIP tower and projector (the module docstring). `weights`: {name: StoredTensor} as
-    weights/vision.py's `vision_checkpoint` gives them (or arrays under the same names).
+    weights/vision.py's `vision_checkpoint` gives them (or arrays under the same names). `kernels`, `threads`:
+    the layers' CPU kernel library and its threads (_EncoderLayer; None: MindSpore's ops).
 
     Three graphs: the patches, one encoder layer (run once per layer, the layer's weights its inputs), the
     projector. A layer at a time keeps one layer's attention scores alive (num_heads x patches^2 floats: 1 GiB at
     Gemma 3's 4,096 patches), where one graph of every layer kept them all."""
 
-    def __init__(self, cfg: VisionConfig, weights: dict):
+    def __init__(self, cfg: VisionConfig, weights: dict, kernels: Optional[str] = None, threads: int = 1):
         shapes = vision_shapes(cfg)
 
         def read(name: str) -> np.ndarray:
@@ -138,7 +165,8 @@ class VisionTower:
                              _tensor(read("vision_tower.post_layernorm.bias")),
                              _tensor(1.0 + read("multi_modal_projector.mm_soft_emb_norm.weight")),
                              _tensor(read("multi_modal_projector.mm_input_projection_weight")))    # (D, H)
-        self.patches, self.layer, self.projector = _Patches(cfg), _EncoderLayer(cfg), _Projector(cfg)
+        self.patches, self.projector = _Patches(cfg), _Projector(cfg)
+        self.layer = _EncoderLayer(cfg, kernels, threads)
 
     @property
     def nbytes(self) -> int:

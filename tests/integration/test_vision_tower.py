@@ -1,6 +1,6 @@
 """Gemma 3's vision tower (models/vision_tower.py) against transformers' on a tiny random Gemma3ForConditionalGeneration:
-an image decoded and made into pixels here (llm_serving/vision), then SigLIP and the projector as one MindSpore graph,
-each image's tokens within 1e-5 (relative) of `get_image_features`'s; the checkpoint read under transformers 5.x's
+an image decoded and made into pixels here (llm_serving/vision), then SigLIP and the projector in MindSpore graphs (on
+its ops, and on the CPU kernels), each image's tokens within 1e-5 (relative) of `get_image_features`'s; the checkpoint read under transformers 5.x's
 names and 4.x's (`vision_tower.vision_model.*`, `language_model.model.*`); the checkpoint's faults named."""
 from __future__ import annotations
 
@@ -38,22 +38,26 @@ def _images():
     return out
 
 
-def _tower(directory):
+def _tower(directory, kernels: bool = False):
     from llm_serving.models.mindspore_env import setup_mindspore
+    from llm_serving.models.runner.kernels import build_vision_kernels
     from llm_serving.models.vision_tower import VisionTower
     from llm_serving.models.weights.vision import vision_checkpoint
 
     setup_mindspore("CPU", 0, None, None)
     cfg, weights = vision_checkpoint(str(directory))
-    return cfg, VisionTower(cfg, weights)
+    library = build_vision_kernels("CPU", "on") if kernels else None
+    return cfg, VisionTower(cfg, weights, kernels=library, threads=3)
 
 
-def test_the_tower_s_tokens_are_transformers_for_decoded_images(gemma3_vl):
+@pytest.mark.parametrize("kernels", [False, True], ids=["ops", "kernels"])
+def test_the_tower_s_tokens_are_transformers_for_decoded_images(gemma3_vl, kernels):
+    """On MindSpore's ops, and on the CPU kernels (kernels/vision_layer_cpu.cc: attention, LayerNorm, GELU)."""
     torch, transformers = needs_transformers()
     from llm_serving.vision import ImageSpec, decode, pixels
 
     directory, model = gemma3_vl
-    cfg, tower = _tower(directory)
+    cfg, tower = _tower(directory, kernels)
     assert (cfg.tokens_per_image, cfg.pool, cfg.text_hidden_size, cfg.image_token_id) == (4, 2, 64, 5)
     spec = ImageSpec.from_dir(str(directory))
     ours_pixels = np.stack([pixels(decode(data), spec) for data in _images()])

@@ -41,12 +41,14 @@ class ImageEncoder:
         self.compiled = False                            # the tower's graphs (compile: when the agent is idle)
 
     @classmethod
-    def build(cls, checkpoint: tuple, cache_mb: int) -> "ImageEncoder":
-        """The encoder of a tower as stored (`vision_checkpoint_of`'s), its weights read now."""
+    def build(cls, checkpoint: tuple, cache_mb: int, threads: int = 1,
+              kernels: Optional[str] = None) -> "ImageEncoder":
+        """The encoder of a tower as stored (`vision_checkpoint_of`'s), its weights read now; `kernels`: the CPU
+        kernel library its layers run on `threads` threads (runner/kernels.py's build_vision_kernels)."""
         from ..vision_tower import VisionTower
 
         t0 = time.perf_counter()
-        tower = VisionTower(*checkpoint)
+        tower = VisionTower(*checkpoint, kernels=kernels, threads=threads)
         logger.info("vision tower: %d layers of %d, %d tokens an image, %.2f GB of float32 weights, read in %.1f s",
                     tower.cfg.num_layers, tower.cfg.hidden_size, tower.cfg.tokens_per_image, tower.nbytes / 1e9,
                     time.perf_counter() - t0)

@@ -22,7 +22,7 @@ from ..weights.gguf import KEPT_QUANTIZED
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GGML_TYPE_NAMES", "KernelChoice", "choose_kernels", "describe_quantized", "repacked_for"]
+__all__ = ["GGML_TYPE_NAMES", "KernelChoice", "build_vision_kernels", "choose_kernels", "describe_quantized", "repacked_for"]
 
 GGML_TYPE_NAMES = {code: name for name, code in KEPT_QUANTIZED.items()}
 
@@ -93,6 +93,22 @@ def _build_decode_kernel(device_target: str, attention_kernel: str) -> Optional[
         if attention_kernel == "on":
             raise
         logger.warning("CPU paged-attention kernel unavailable; decode steps gather keys instead: %s", e)
+        return None
+
+
+def build_vision_kernels(device_target: str, attention_kernel: str) -> Optional[str]:
+    """The path of the CPU vision tower's kernel library (kernels/vision_layer_cpu.cc: its attention, fc1's bias
+    and GELU) when it builds; the setting and the fallback are the decode kernel's (`attention_kernel`; MindSpore's
+    ops, which write every head's scores)."""
+    if device_target != "CPU" or attention_kernel == "off":
+        return None
+    from ..kernels import KernelBuildError, build_kernel
+    try:
+        return build_kernel("vision_layer_cpu", "VisionAttention").rsplit(":", 1)[0]
+    except KernelBuildError as e:
+        if attention_kernel == "on":
+            raise
+        logger.warning("CPU vision-tower kernels unavailable; the tower runs on MindSpore's ops: %s", e)
         return None
 
 

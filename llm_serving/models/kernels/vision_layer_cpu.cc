@@ -1,0 +1,353 @@
+// A vision tower's encoder-layer kernels for the CPU (models/vision_tower.py), loaded by MindSpore as
+// `ops.Custom(func_type="aot")` kernels; built and cached by kernels/__init__.py. Between the layer's four matrix
+// products (MindSpore's MatMul, near this CPU's float32 peak), the work MindSpore's ops did in many passes over
+// (patches x width) tensors is done here in one:
+//   VisionAttention: self-attention, every patch of an image attending to every patch of it (no mask), read from
+//                    the q|k|v product's rows with its bias added as they are read, written as the output
+//                    projection reads it;
+//   VisionBiasGelu:  fc1's bias and the tanh GELU (0.23 s a layer as MindSpore's ops at Gemma 3's 4,096 x 4,304 on
+//                    two Zen 3 cores, 0.014 s here; their composed form was the fastest of theirs);
+//   VisionLayerNorm: the layer's two LayerNorms (0.09 s each as MindSpore's ops at 4,096 x 1,152).
+//
+// VisionAttention (MindSpore passes inputs then outputs in `params`):
+//   qkv       (N*T, 3*D) float32  each patch's row of the q, k and v projections, q then k then v, each H heads of
+//                                 hd = D/H values side by side (SigLIP's layout), before their bias
+//   qkv_bias  (3*D,)     float32
+//   config    (3,)       int32    [T (patches an image), H (heads), threads]
+//   out       (N*T, D)   float32  softmax(q k^T / sqrt(hd)) v of each image and head, the heads side by side
+//
+// Why a kernel: as MindSpore ops the attention split q|k|v into (3, N, H, T, hd) (a transpose of every value),
+// wrote the (N, H, T, T) scores (1 GiB at Gemma 3's 4,096 patches and 16 heads), read them back for the
+// softmax, wrote the probabilities, and transposed the result back: about half of an encoder layer's time beside
+// the products. Here a block of kQueryRows queries of one head runs over the image's keys kKeyBlock at a time,
+// with an online softmax (each query's running maximum and sum, as flash attention does): the scores of one
+// block live in L1/L2, and nothing of size T^2 is ever written.
+//
+// Everything runs transposed, queries along the vectors' lanes: S^T = K Q^T and O^T += V^T P^T, each a
+// register-blocked product of kRows rows (keys, or head dims) x 2 vectors of queries, broadcasting a scalar of K
+// or V (read as the rows store them) into every FMA with a vector of Q^T or P^T. The softmax then runs down a
+// block's key rows lane by lane (each query's maximum, exponentials and sum are vector operations: no
+// horizontal reductions), and a query block's output is transposed once, when it is written.
+//
+// Two phases, each spread over `threads` threads (the calling one included):
+//   1. each (image, head)'s keys and values copied out to (T', hd) rows (T' = T rounded up to kKeyBlock, zeros
+//      past the end);
+//   2. each (image, head, query block) task: Q^T scaled, then for each key block S^T, the online softmax,
+//      O^T += V^T P^T; then O^T / sum written out.
+// Sums run in float32 along hd (scores) and along the keys in order (outputs), a query's the same whatever the
+// other queries, images and threads: the result does not depend on the batch.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "cpu_kernel_common.h"
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;
+constexpr int kRows = 12;          // 12 x 2 accumulators of 32 registers
+#else
+constexpr int64_t kLanes = 8;
+constexpr int kRows = 4;           // 4 x 2 accumulators of 16 registers, 2 vectors of Q^T or P^T, a broadcast: 6 loads
+                                   // for 8 FMAs (6 rows spilled an accumulator, whose store and reload then chained
+                                   // every iteration)
+#endif
+typedef float vf __attribute__((vector_size(kLanes * sizeof(float))));
+
+constexpr int64_t kQueries = 4 * kLanes;   // queries per task: 2 passes of the micro-kernel's 2 vectors
+constexpr int64_t kKeyBlock = 96;          // keys per block (a whole number of kRows-key panels)
+static_assert(kKeyBlock % kRows == 0, "a key block is whole panels");
+
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+struct Shape {
+  int64_t n, t, h, hd, d;   // images, patches an image, heads, head dim, H * hd
+  int64_t tp;               // T rounded up to kKeyBlock
+};
+
+// c (R rows, stride kQueries)[.. 2 vectors from q0] (+)= a (R rows of `depth`: a[r][k] at a[r + k * ks]) .
+// b (depth rows of kQueries)[.. from q0]: a's R scalars of each k side by side, each broadcast; b's 2 vectors
+// loaded once for all R rows and kept in registers (GCC otherwise reloads them as every FMA's memory operand: 18
+// loads for 12 FMAs, which Zen 3 issues at 2 a cycle)
+template <int R>
+inline void rows_by_queries(const float* a, int64_t ks, const float* b, int64_t depth, float* c, int64_t q0,
+                            bool accumulate) {
+  vf acc[R][2];
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) {
+    acc[r][0] = accumulate ? load(c + r * kQueries + q0) : vf{};
+    acc[r][1] = accumulate ? load(c + r * kQueries + q0 + kLanes) : vf{};
+  }
+  for (int64_t k = 0; k < depth; ++k) {
+    vf b0 = load(b + k * kQueries + q0), b1 = load(b + k * kQueries + q0 + kLanes);
+    asm("" : "+x"(b0), "+x"(b1));
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      const vf x = vf{} + a[r + k * ks];
+      acc[r][0] += x * b0;
+      acc[r][1] += x * b1;
+    }
+  }
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) {
+    store(c + r * kQueries + q0, acc[r][0]);
+    store(c + r * kQueries + q0 + kLanes, acc[r][1]);
+  }
+}
+
+// O^T (hd, kQueries) += V^T P^T: V's key block (kKeyBlock, hd) read in place, kRows head dims (side by side in
+// each key's row) at a time, the rest one at a time
+void values_product(const float* v, int64_t hd, const float* pt, float* ot) {
+  for (int64_t q0 = 0; q0 < kQueries; q0 += 2 * kLanes) {
+    int64_t e = 0;
+    for (; e + kRows <= hd; e += kRows) rows_by_queries<kRows>(v + e, hd, pt, kKeyBlock, ot + e * kQueries, q0, true);
+    for (; e < hd; ++e) rows_by_queries<1>(v + e, hd, pt, kKeyBlock, ot + e * kQueries, q0, true);
+  }
+}
+
+// S^T (kKeyBlock, kQueries) = K Q^T: the key block's panels of kRows keys (pack_head's), each (hd, kRows)
+void scores_product(const float* panels, int64_t hd, const float* qt, float* st) {
+  for (int64_t q0 = 0; q0 < kQueries; q0 += 2 * kLanes) {
+    for (int64_t j = 0; j < kKeyBlock; j += kRows) {
+      rows_by_queries<kRows>(panels + j * hd, kRows, qt, hd, st + j * kQueries, q0, false);
+    }
+  }
+}
+
+// Phase 1: image n's head h: its keys in panels of kRows keys, each panel (hd, kRows) (the scores' product
+// broadcasts a panel's kRows keys of one dim from one place), then its values as (tp, hd) rows; zero past the last
+// patch.
+void pack_head(const float* qkv, const float* bias, const Shape& sh, int64_t n, int64_t h, float* k, float* v) {
+  const int64_t stride = 3 * sh.d, last_panel = sh.t / kRows * kRows * sh.hd;
+  const float* rows = qkv + n * sh.t * stride + sh.d + h * sh.hd;
+  const float* kb = bias + sh.d + h * sh.hd;
+  const float* vb = kb + sh.d;
+  std::memset(k + last_panel, 0, sizeof(float) * (sh.tp * sh.hd - last_panel));
+  std::memset(v + sh.t * sh.hd, 0, sizeof(float) * (sh.tp - sh.t) * sh.hd);
+  for (int64_t j = 0; j < sh.t; ++j) {
+    const float* src = rows + j * stride;
+    float* panel = k + j / kRows * kRows * sh.hd + j % kRows;
+    for (int64_t e = 0; e < sh.hd; ++e) {
+      panel[e * kRows] = src[e] + kb[e];
+      v[j * sh.hd + e] = src[sh.d + e] + vb[e];
+    }
+  }
+}
+
+struct Scratch {   // a thread's: Q^T (hd, kQueries), S^T and P^T (kKeyBlock, kQueries), O^T (hd, kQueries)
+  std::vector<float> qt, st, ot, mx, sum;
+  explicit Scratch(const Shape& sh)
+      : qt(sh.hd * kQueries), st(kKeyBlock * kQueries), ot(sh.hd * kQueries), mx(kQueries), sum(kQueries) {}
+};
+
+// Phase 2: image n, head h, queries i0 .. i0 + kQueries (those past T computed on zeros, never written).
+void attend_block(const float* qkv, const float* bias, const float* k, const float* v, const Shape& sh, int64_t n,
+                  int64_t h, int64_t i0, float scale, Scratch* w, float* out) {
+  const int64_t stride = 3 * sh.d, queries = std::min(kQueries, sh.t - i0);
+  std::fill(w->qt.begin(), w->qt.end(), 0.f);
+  for (int64_t i = 0; i < queries; ++i) {
+    const float* src = qkv + (n * sh.t + i0 + i) * stride + h * sh.hd;
+    for (int64_t e = 0; e < sh.hd; ++e) w->qt[e * kQueries + i] = (src[e] + bias[h * sh.hd + e]) * scale;
+  }
+  std::fill(w->ot.begin(), w->ot.end(), 0.f);
+  std::fill(w->mx.begin(), w->mx.end(), -INFINITY);
+  std::fill(w->sum.begin(), w->sum.end(), 0.f);
+  float* st = w->st.data();
+  float* mx = w->mx.data();
+  float* sum = w->sum.data();
+  for (int64_t j0 = 0; j0 < sh.tp; j0 += kKeyBlock) {
+    scores_product(k + j0 * sh.hd, sh.hd, w->qt.data(), st);
+    // the padding past the last key: its e^(-inf - m) is e^-87 (exp_nonpositive's floor), on value rows of zeros
+    for (int64_t j = std::min(kKeyBlock, sh.t - j0); j < kKeyBlock; ++j) {
+      std::fill(st + j * kQueries, st + (j + 1) * kQueries, -INFINITY);
+    }
+    float top[kQueries], alpha[kQueries];
+    for (int64_t i = 0; i < kQueries; i += kLanes) {    // (vectors: GCC leaves std::max's loop scalar)
+      vf m = load(mx + i);
+      for (int64_t j = 0; j < kKeyBlock; ++j) {
+        const vf x = load(st + j * kQueries + i);
+        m = x > m ? x : m;
+      }
+      store(top + i, m);
+    }
+    for (int64_t i = 0; i < kQueries; ++i) {
+      alpha[i] = llm_serving::exp_nonpositive(mx[i] - top[i]);      // 0 on the first block (-inf)
+      sum[i] *= alpha[i];
+      mx[i] = top[i];
+    }
+    for (int64_t j = 0; j < kKeyBlock; ++j) {
+      for (int64_t i = 0; i < kQueries; ++i) {
+        const float p = llm_serving::exp_nonpositive(st[j * kQueries + i] - top[i]);
+        st[j * kQueries + i] = p;
+        sum[i] += p;
+      }
+    }
+    for (int64_t e = 0; e < sh.hd; ++e) {
+      for (int64_t i = 0; i < kQueries; ++i) w->ot[e * kQueries + i] *= alpha[i];
+    }
+    values_product(v + j0 * sh.hd, sh.hd, st, w->ot.data());
+  }
+  for (int64_t i = 0; i < queries; ++i) {
+    float* dst = out + (n * sh.t + i0 + i) * sh.d + h * sh.hd;
+    const float inv = 1.f / sum[i];
+    for (int64_t e = 0; e < sh.hd; ++e) dst[e] = w->ot[e * kQueries + i] * inv;
+  }
+}
+// body() on `threads` threads at once (the calling one included), until each returns
+template <typename Body>
+void on_threads(int64_t threads, Body body) {
+  std::vector<std::thread> pool;
+  for (int64_t t = 1; t < threads; ++t) pool.emplace_back(body);
+  body();
+  for (auto& th : pool) th.join();
+}
+
+}  // namespace
+
+extern "C" int VisionAttention(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
+                               void* stream, void* extra) {
+  (void)stream;
+  (void)extra;
+  if (nparam != 4 || ndims[0] != 2 || ndims[1] != 1 || ndims[2] != 1 || ndims[3] != 2 ||
+      std::strcmp(dtypes[0], "float32") != 0 || std::strcmp(dtypes[1], "float32") != 0 ||
+      std::strcmp(dtypes[2], "int32") != 0 || std::strcmp(dtypes[3], "float32") != 0 || shapes[2][0] != 3) {
+    return 1;
+  }
+  const auto* qkv = static_cast<const float*>(params[0]);
+  const auto* bias = static_cast<const float*>(params[1]);
+  const auto* cfg = static_cast<const int32_t*>(params[2]);
+  auto* out = static_cast<float*>(params[3]);
+  const int64_t t = cfg[0], h = cfg[1], threads = std::max<int32_t>(1, cfg[2]);
+  const int64_t d = shapes[3][1];
+  if (t < 1 || h < 1 || d % h != 0 || shapes[0][1] != 3 * d || shapes[1][0] != 3 * d || shapes[0][0] % t != 0 ||
+      shapes[3][0] != shapes[0][0]) {
+    return 2;
+  }
+  Shape sh{shapes[0][0] / t, t, h, d / h, d, round_up(t, kKeyBlock)};
+  const int64_t heads = sh.n * sh.h, head_floats = 2 * sh.tp * sh.hd;
+  std::vector<float> packed(static_cast<size_t>(heads * head_floats));
+  std::atomic<int64_t> next{0};
+  on_threads(std::min(threads, heads), [&] {
+    for (int64_t i = next.fetch_add(1); i < heads; i = next.fetch_add(1)) {
+      float* kv = packed.data() + i * head_floats;
+      pack_head(qkv, bias, sh, i / sh.h, i % sh.h, kv, kv + sh.tp * sh.hd);
+    }
+  });
+  const int64_t blocks = (t + kQueries - 1) / kQueries;
+  const float scale = 1.f / std::sqrt(static_cast<float>(sh.hd));
+  next = 0;
+  on_threads(std::min(threads, heads * blocks), [&] {
+    Scratch w(sh);
+    for (int64_t i = next.fetch_add(1); i < heads * blocks; i = next.fetch_add(1)) {
+      const float* kv = packed.data() + i / blocks * head_floats;
+      attend_block(qkv, bias, kv, kv + sh.tp * sh.hd, sh, i / blocks / sh.h, i / blocks % sh.h,
+                   i % blocks * kQueries, scale, &w, out);
+    }
+  });
+  return 0;
+}
+
+// VisionBiasGelu: out = gelu_tanh(x + bias), one pass.
+//   x       (R, M) float32   fc1's product
+//   bias    (M,)   float32
+//   config  (1,)   int32     [threads]
+//   out     (R, M) float32   0.5 y (1 + tanh(sqrt(2/pi) (y + 0.044715 y^3))), y = x + bias
+// tanh(u) = sign(u) (1 - e) / (1 + e) with e = e^(-2|u|) (exp_nonpositive: relative error ~1e-7).
+extern "C" int VisionBiasGelu(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
+                              void* stream, void* extra) {
+  (void)stream;
+  (void)extra;
+  if (nparam != 4 || ndims[0] != 2 || ndims[1] != 1 || ndims[2] != 1 || ndims[3] != 2 ||
+      std::strcmp(dtypes[0], "float32") != 0 || std::strcmp(dtypes[1], "float32") != 0 ||
+      std::strcmp(dtypes[2], "int32") != 0 || std::strcmp(dtypes[3], "float32") != 0) {
+    return 1;
+  }
+  const int64_t rows = shapes[0][0], m = shapes[0][1];
+  if (shapes[1][0] != m || shapes[3][0] != rows || shapes[3][1] != m || shapes[2][0] != 1) return 2;
+  const auto* x = static_cast<const float*>(params[0]);
+  const auto* bias = static_cast<const float*>(params[1]);
+  const int64_t threads = std::max<int32_t>(1, static_cast<const int32_t*>(params[2])[0]);
+  auto* out = static_cast<float*>(params[3]);
+  constexpr int64_t kChunk = 16;     // rows a claim
+  std::atomic<int64_t> next{0};
+  on_threads(std::min(threads, (rows + kChunk - 1) / kChunk), [&] {
+    for (int64_t r0 = next.fetch_add(kChunk); r0 < rows; r0 = next.fetch_add(kChunk)) {
+      for (int64_t r = r0; r < std::min(rows, r0 + kChunk); ++r) {
+        const float* src = x + r * m;
+        float* dst = out + r * m;
+        for (int64_t c = 0; c < m; ++c) {
+          const float y = src[c] + bias[c];
+          const float u = 0.7978845608028654f * (y + 0.044715f * y * y * y);
+          const float e = llm_serving::exp_nonpositive(-2.f * std::fabs(u));
+          const float t = std::copysign((1.f - e) / (1.f + e), u);
+          dst[c] = 0.5f * y * (1.f + t);
+        }
+      }
+    }
+  });
+  return 0;
+}
+
+// VisionLayerNorm: out = (x - mean) / sqrt(var + eps) * gain + bias over each row, one pass to read it and one to
+// write (MindSpore's composed LayerNorm made several over 4,096 x 1,152: 0.09 s of a layer, twice).
+//   x       (R, D) float32
+//   gain    (D,)   float32
+//   bias    (D,)   float32
+//   eps     (1,)   float32
+//   config  (1,)   int32    [threads]
+//   out     (R, D) float32
+// The mean and variance in float64 (two passes over the row, which is in L1).
+extern "C" int VisionLayerNorm(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
+                               void* stream, void* extra) {
+  (void)stream;
+  (void)extra;
+  if (nparam != 6 || ndims[0] != 2 || ndims[1] != 1 || ndims[2] != 1 || ndims[3] != 1 || ndims[4] != 1 ||
+      ndims[5] != 2 || std::strcmp(dtypes[4], "int32") != 0) {
+    return 1;
+  }
+  for (int i : {0, 1, 2, 3, 5}) {
+    if (std::strcmp(dtypes[i], "float32") != 0) return 1;
+  }
+  const int64_t rows = shapes[0][0], d = shapes[0][1];
+  if (shapes[1][0] != d || shapes[2][0] != d || shapes[3][0] != 1 || shapes[4][0] != 1 || shapes[5][0] != rows ||
+      shapes[5][1] != d) {
+    return 2;
+  }
+  const auto* x = static_cast<const float*>(params[0]);
+  const auto* gain = static_cast<const float*>(params[1]);
+  const auto* bias = static_cast<const float*>(params[2]);
+  const float eps = static_cast<const float*>(params[3])[0];
+  const int64_t threads = std::max<int32_t>(1, static_cast<const int32_t*>(params[4])[0]);
+  auto* out = static_cast<float*>(params[5]);
+  constexpr int64_t kChunk = 32;     // rows a claim
+  std::atomic<int64_t> next{0};
+  on_threads(std::min(threads, (rows + kChunk - 1) / kChunk), [&] {
+    for (int64_t r0 = next.fetch_add(kChunk); r0 < rows; r0 = next.fetch_add(kChunk)) {
+      for (int64_t r = r0; r < std::min(rows, r0 + kChunk); ++r) {
+        const float* src = x + r * d;
+        double sum = 0.0;
+        for (int64_t c = 0; c < d; ++c) sum += src[c];
+        const double mean = sum / static_cast<double>(d);
+        double squares = 0.0;
+        for (int64_t c = 0; c < d; ++c) squares += (src[c] - mean) * (src[c] - mean);
+        const float m = static_cast<float>(mean);
+        const float inv = static_cast<float>(1.0 / std::sqrt(squares / static_cast<double>(d) + eps));
+        float* dst = out + r * d;
+        for (int64_t c = 0; c < d; ++c) dst[c] = (src[c] - m) * inv * gain[c] + bias[c];
+      }
+    }
+  });
+  return 0;
+}

@@ -1,0 +1,123 @@
+"""The vision tower's CPU kernels (kernels/vision_layer_cpu.cc), called through ctypes exactly as MindSpore's AOT
+Custom op calls them: the attention against a float64 numpy softmax attention, fc1's bias and GELU against the tanh
+GELU in float64, the LayerNorm against numpy's. No MindSpore needed."""
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from llm_serving.models.kernels import build_kernel
+from llm_serving.models.kernels.aot_call import invoke
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None and not os.environ.get("CXX"),
+                                reason="no C++ compiler on this machine (the tower then attends with MindSpore's ops)")
+
+
+@pytest.fixture(scope="module")
+def library():
+    path, _ = build_kernel("vision_layer_cpu", "VisionAttention").rsplit(":", 1)
+    return ctypes.CDLL(path)
+
+
+@pytest.fixture(scope="module")
+def kernel(library):
+    return library.VisionAttention
+
+
+def attend(kernel, qkv: np.ndarray, patches: int, heads: int, threads: int = 2, bias=None) -> np.ndarray:
+    out = np.full((qkv.shape[0], qkv.shape[1] // 3), np.nan, np.float32)
+    bias = np.zeros(qkv.shape[1], np.float32) if bias is None else bias
+    assert invoke(kernel, [qkv, bias, np.array([patches, heads, threads], np.int32), out]) == 0
+    return out
+
+
+def reference(qkv: np.ndarray, patches: int, heads: int, bias=0.0) -> np.ndarray:
+    rows, width = qkv.shape
+    d = width // 3
+    x = (qkv.astype(np.float64) + bias).reshape(rows // patches, patches, 3, heads, d // heads).transpose(2, 0, 3, 1, 4)
+    s = x[0] @ x[1].transpose(0, 1, 3, 2) / np.sqrt(d // heads)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return (p @ x[2]).transpose(0, 2, 1, 3).reshape(rows, d)
+
+
+@pytest.mark.parametrize("images,patches,heads,head_dim", [
+    (1, 64, 2, 72),      # SigLIP's head size
+    (2, 200, 3, 72),     # patches not a multiple of the key block (128) or the query block (48)
+    (1, 131, 4, 64),
+    (2, 50, 2, 16),
+    (1, 300, 1, 40),     # a head size that is not a whole number of vectors
+])
+def test_it_matches_softmax_attention_per_image_and_head(kernel, images, patches, heads, head_dim):
+    rng = np.random.default_rng(patches)
+    qkv = (rng.standard_normal((images * patches, 3 * heads * head_dim)) * 2).astype(np.float32)
+    bias = rng.standard_normal(3 * heads * head_dim).astype(np.float32)
+    got = attend(kernel, qkv, patches, heads, bias=bias)
+    want = reference(qkv, patches, heads, bias)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_large_scores_stay_finite_and_exact(kernel):
+    """Scores in the hundreds (a trained tower's outliers): the online softmax rescales, never overflows."""
+    rng = np.random.default_rng(1)
+    qkv = (rng.standard_normal((300, 3 * 2 * 72)) * 12).astype(np.float32)
+    got = attend(kernel, qkv, 300, 2)
+    want = reference(qkv, 300, 2)
+    assert np.isfinite(got).all()
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+
+
+def test_an_images_rows_do_not_depend_on_the_threads_or_the_other_images(kernel):
+    rng = np.random.default_rng(2)
+    a, b = (rng.standard_normal((2, 150, 3 * 4 * 72)) * 2).astype(np.float32)
+    alone = attend(kernel, a, 150, 4, threads=1)
+    together = attend(kernel, np.concatenate([a, b]), 150, 4, threads=3)
+    np.testing.assert_array_equal(together[:150], alone)
+    assert not np.array_equal(together[150:], alone)
+
+
+@pytest.mark.parametrize("rows,width,patches,heads", [
+    (100, 3 * 96, 30, 4),     # 100 rows are not whole images of 30 patches
+    (60, 3 * 96, 30, 5),      # 96 is not 5 heads
+    (60, 3 * 96, 0, 4),
+])
+def test_a_call_of_the_wrong_shape_is_refused(kernel, rows, width, patches, heads):
+    qkv = np.zeros((rows, width), np.float32)
+    out = np.zeros((rows, width // 3), np.float32)
+    assert invoke(kernel, [qkv, np.zeros(width, np.float32), np.array([patches, heads, 2], np.int32), out]) == 2
+
+
+def test_bias_gelu_is_the_tanh_gelu_of_the_biased_rows(library):
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((37, 301)) * 4).astype(np.float32)     # tails far out: tanh's -1 and 1
+    x[0, :5] = [0.0, -30.0, 30.0, 1e-8, -1e-8]
+    bias = rng.standard_normal(301).astype(np.float32)
+    out = np.full_like(x, np.nan)
+    assert invoke(library.VisionBiasGelu, [x, bias, np.array([3], np.int32), out]) == 0
+    y = x.astype(np.float64) + bias
+    want = 0.5 * y * (1 + np.tanh(np.sqrt(2 / np.pi) * (y + 0.044715 * y ** 3)))
+    np.testing.assert_allclose(out, want, rtol=2e-6, atol=1e-6)
+
+
+def test_bias_gelu_refuses_a_bias_of_another_width(library):
+    x = np.zeros((4, 8), np.float32)
+    out = np.zeros_like(x)
+    assert invoke(library.VisionBiasGelu, [x, np.zeros(7, np.float32), np.array([2], np.int32), out]) == 2
+
+
+def test_layer_norm_is_each_rows_layer_norm(library):
+    rng = np.random.default_rng(4)
+    x = (rng.standard_normal((45, 200)) * 3 + 5).astype(np.float32)      # an offset: the mean matters
+    gain, bias = rng.standard_normal((2, 200)).astype(np.float32)
+    out = np.full_like(x, np.nan)
+    eps = np.array([1e-6], np.float32)
+    assert invoke(library.VisionLayerNorm, [x, gain, bias, eps, np.array([2], np.int32), out]) == 0
+    y = x.astype(np.float64)
+    want = (y - y.mean(-1, keepdims=True)) / np.sqrt(y.var(-1, keepdims=True) + 1e-6) * gain + bias
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+    wrong = np.zeros(199, np.float32)
+    assert invoke(library.VisionLayerNorm, [x, wrong, bias, eps, np.array([2], np.int32), out]) == 2
