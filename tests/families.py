@@ -396,6 +396,51 @@ def make_gemma3_vl(path, seed: int = 1, tokenizer: bool = True):
     return model
 
 
+# SmolVLM's image tokens (ids 3-9 of the tiny model's tokenizer): the marker around a frame's tokens, the
+# placeholder, the global image's tag, and the tiles' row/column tags of a grid of up to 2 x 2
+SMOLVLM_IMAGE_TOKENS = ("<fake_token_around_image>", "<image>", "<global-img>", "<row_1_col_1>", "<row_1_col_2>",
+                        "<row_2_col_1>", "<row_2_col_2>")
+# a ChatML template that, as SmolVLM's does, puts <image> where a message's image part is
+SMOLVLM_CHATML = VISION_CHATML.replace("<start_of_image>", "<image>")
+
+
+def make_smolvlm(path, seed: int = 1, tokenizer: bool = True):
+    """A tiny SmolVLMForConditionalGeneration that transformers makes, random (every weight drawn afresh, the text
+    model's as make_hf_model's llama): 32-pixel frames in 8-pixel patches (a 4 x 4 grid), pixel-shuffled by 2 to 4
+    tokens a frame; an image's longest edge resized to 64 pixels and split into up to 2 x 2 frames plus the whole
+    image as a global frame; a 2-layer Llama text model of 300 tokens. Its image processor beside it, and
+    (`tokenizer`) a tokenizer holding SMOLVLM_IMAGE_TOKENS with SMOLVLM_CHATML. Returns the model (eval mode)."""
+    torch, transformers = needs_transformers()
+    path = Path(path)
+    image = len(SPECIAL_TOKENS) + 1
+    cfg = transformers.SmolVLMConfig(
+        text_config=dict(model_type="llama", vocab_size=300, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         max_position_embeddings=512, tie_word_embeddings=False),
+        vision_config=dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                           image_size=32, patch_size=8),
+        scale_factor=2, image_token_id=image, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = transformers.SmolVLMForConditionalGeneration(cfg).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "text_model" not in name and "lm_head" not in name:     # the tower and the connector
+                p.copy_(torch.randn(p.shape, generator=generator) * (0.5 if p.ndim == 1 else 0.2))
+            elif p.ndim >= 2:
+                p.copy_(torch.randn(p.shape, generator=generator) * (0.5 if "embed_tokens" in name else 0.1))
+            else:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=generator))
+    model.save_pretrained(path)
+    transformers.SmolVLMImageProcessor(size={"longest_edge": 64}, max_image_size={"longest_edge": 32}
+                                       ).save_pretrained(path)
+    (path / "processor_config.json").write_text(json.dumps({"image_seq_len": 4, "processor_class": "SmolVLMProcessor"}),
+                                               encoding="utf-8")
+    if tokenizer:
+        write_tokenizer(path, 300, extra=SMOLVLM_IMAGE_TOKENS, template=SMOLVLM_CHATML)
+    return model
+
+
 def vision_prompt_ids(path, turns: list) -> list:
     """The prompt transformers' processor makes of a chat (VISION_CHATML rendered by hand, each image mark made its
     placeholders as Gemma3Processor does), tokenized by the tokenizers library: nothing of the server's own."""

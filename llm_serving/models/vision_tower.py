@@ -1,12 +1,13 @@
 """The vision tower: images' pixels to the text model's embeddings of them, in MindSpore graphs.
 
-Gemma 3's (`VisionTower`):
+Gemma 3's and SmolVLM's (`VisionTower`; SmolVLM's frames are its images here, vision/images.py):
 - SigLIP: the image cut into patch_size-square patches, each a row of the patch embedding's matrix (the
   checkpoint's stride-equal-kernel convolution, as a matmul), plus a learned position row;
 - num_layers pre-norm encoder layers: LayerNorm, bidirectional attention over every patch (biases on q, k, v and
   out), a residual; LayerNorm, fc1, tanh GELU, fc2, a residual; then the post LayerNorm;
-- the projector: the patch grid average-pooled to tokens_per_side squared tokens, Gemma's RMS norm (gain 1 + w),
-  and the projection to the text model's width.
+- the projector: Gemma 3's patch grid average-pooled to tokens_per_side squared tokens, Gemma's RMS norm (gain
+  1 + w), and the projection to the text model's width; or SmolVLM's pixel shuffle (each scale_factor-square block
+  of patches one token) and a projection without a bias.
 
 In float32 throughout, the weights as the checkpoint stores them widened once. `encode(pixels)` runs a batch of
 images (N, 3, image_size, image_size), each image's tokens in the order the prompt's placeholders take them (row by
@@ -120,6 +121,25 @@ class _EncoderLayer(nn.Cell):
         return x + (self.matmul(h, fc2) + fc2_bias).reshape(n, t, d)
 
 
+class _ShuffleProjector(nn.Cell):
+    """SmolVLM's (Idefics3's): the last layer's output (N, G G, D) to (N, (G / s)^2, H): the post LayerNorm, the
+    pixel shuffle (each s x s block of patches one row of s^2 D: a block row's s patches side by side, then the
+    block's s rows), the projection (no bias)."""
+
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.matmul = ops.MatMul()
+
+    def construct(self, x, post_gain, post_bias, projection):
+        cfg = self.cfg
+        n, d, g, s = x.shape[0], cfg.hidden_size, cfg.patches_per_side, cfg.scale_factor
+        x = _layer_norm(x, post_gain, post_bias, cfg.layer_norm_eps)
+        x = x.reshape(n, g, g // s, d * s).transpose(0, 2, 1, 3).reshape(n, g // s, g // s, d * s * s)
+        x = x.transpose(0, 2, 1, 3).reshape(n * (g // s) ** 2, d * s * s)
+        return self.matmul(x, projection).reshape(n, (g // s) ** 2, cfg.text_hidden_size)
+
+
 class _Projector(nn.Cell):
     """The last layer's output (N, G G, D) to the text model's embeddings (N, tokens, H): the post LayerNorm, the
     average pool, Gemma's RMS norm (its gain 1 + w, given whole), the projection."""
@@ -139,8 +159,8 @@ class _Projector(nn.Cell):
 
 
 class VisionTower:
-    """Gemma 3's SigLIP tower and projector (the module docstring). `weights`: {name: StoredTensor} as
-    weights/vision.py's `vision_checkpoint` gives them (or arrays under the same names). `kernels`, `threads`:
+    """A SigLIP tower and its projector, Gemma 3's or SmolVLM's (the module docstring). `weights`: {name:
+    StoredTensor} as weights/vision.py's `vision_checkpoint` gives them (or arrays under the same names). `kernels`, `threads`:
     the layers' CPU kernel library and its threads (_EncoderLayer; None: MindSpore's ops).
 
     Three graphs: the patches, one encoder layer (run once per layer, the layer's weights its inputs), the
@@ -161,11 +181,15 @@ class VisionTower:
         self.embed_weights = (_tensor(patch.T), _tensor(read("vision_tower.embeddings.patch_embedding.bias")),
                               _tensor(read("vision_tower.embeddings.position_embedding.weight")))   # (3PP, D) ...
         self.layer_weights = [_layer_weights(read, i) for i in range(cfg.num_layers)]
-        self.head_weights = (_tensor(read("vision_tower.post_layernorm.weight")),
-                             _tensor(read("vision_tower.post_layernorm.bias")),
-                             _tensor(1.0 + read("multi_modal_projector.mm_soft_emb_norm.weight")),
-                             _tensor(read("multi_modal_projector.mm_input_projection_weight")))    # (D, H)
-        self.patches, self.projector = _Patches(cfg), _Projector(cfg)
+        post = (_tensor(read("vision_tower.post_layernorm.weight")), _tensor(read("vision_tower.post_layernorm.bias")))
+        if cfg.projector == "shuffle":
+            self.head_weights = (*post, _tensor(read("multi_modal_projector.proj.weight").T))        # (s^2 D, H)
+            self.projector = _ShuffleProjector(cfg)
+        else:
+            self.head_weights = (*post, _tensor(1.0 + read("multi_modal_projector.mm_soft_emb_norm.weight")),
+                                 _tensor(read("multi_modal_projector.mm_input_projection_weight")))  # (D, H)
+            self.projector = _Projector(cfg)
+        self.patches = _Patches(cfg)
         self.layer = _EncoderLayer(cfg, kernels, threads)
 
     @property

@@ -18,7 +18,7 @@ from llm_serving.server.harmony import STOPS as HARMONY_STOPS
 from llm_serving.server.harmony import call_lark as harmony_call_lark
 from llm_serving.server.tools import ToolRequest, history_as_text
 from llm_serving.tokenization import ChatTemplateError
-from llm_serving.vision import ImageError, decode, pixels
+from llm_serving.vision import ImageError, decode, image_size
 
 
 @dataclass
@@ -144,18 +144,37 @@ def decode_images(engine, images: tuple) -> list:
 
 
 def place_images(engine, prompt_ids: list, images: tuple, decoded: list) -> list:
-    """The images' placeholders found in the prompt (in order, one run per image: a template that leaves an image
-    out, or a prompt that spells placeholder tokens itself, is a ValidationError), and their pixels."""
+    """The images' placeholders found in the prompt (in order, one run per frame: a Gemma 3 image is one frame, a
+    SmolVLM image its tiles and the whole; a template that leaves an image out, or a prompt that spells placeholder
+    tokens itself, is a ValidationError), and each frame's pixels, keyed by its image's content and its place."""
     facts = engine.image_facts
     try:
         spans = facts.spans(prompt_ids)
     except ValueError as e:
         raise ValidationError(str(e), param="messages") from None
-    if len(spans) != len(images):
-        raise ValidationError(f"the chat template placed {len(spans)} of the request's {len(images)} images (its "
-                              "messages' image parts must be in user turns)", param="messages")
-    return [PromptImageInput(start, length, hashlib.sha256(data).hexdigest(), pixels(image, facts.spec))
-            for (start, length), data, image in zip(spans, images, decoded)]
+    frames = [(hashlib.sha256(data).hexdigest(), k, pixels)
+              for data, image in zip(images, decoded) for k, pixels in enumerate(facts.frames(image))]
+    if len(spans) != len(frames):
+        raise ValidationError(f"the chat template placed {len(spans)} of the request's {len(frames)} image frames "
+                              f"({len(images)} images; its messages' image parts must be in user turns)",
+                              param="messages")
+    return [PromptImageInput(start, length, digest if k == 0 else f"{digest}/{k}", pixels)
+            for (start, length), (digest, k, pixels) in zip(spans, frames)]
+
+
+def image_sizes(images: tuple) -> list:
+    """(width, height) of each image's file from its header (SmolVLM's prompt needs its grid before the pixels are
+    made); a ValidationError naming the image that is not one, or a URL not fetched."""
+    out = []
+    for k, data in enumerate(images):
+        if data is None:
+            raise ValidationError(f"image {k + 1} of {len(images)} is a URL this route does not fetch; send it as a "
+                                  "base64 data: URL", param="messages")
+        try:
+            out.append(image_size(data))
+        except ImageError as e:
+            raise ValidationError(f"image {k + 1} of {len(images)}: {e}", param="messages") from None
+    return out
 
 
 def _vocabulary_fields(req: ApiRequest, tokenizer, vocab: int) -> dict:
@@ -193,7 +212,11 @@ def chat_ids(engine, messages: list, tools: Optional[ToolRequest], variables: Op
     images' marks made their placeholders (vision/model.py: what /tokenize and count_tokens count too), or a
     ValidationError for images to a model that takes none."""
     template = engine.chat_template
-    expand = served_image_facts(engine).expand if message_images(messages) else None
+    expand, images = None, message_images(messages)
+    if images:
+        facts = served_image_facts(engine)
+        sizes = image_sizes(images) if facts.needs_sizes else ()
+        expand = lambda text: facts.expand(text, sizes)                   # noqa: E731
     rendered = None
     if tools is not None:
         messages, rendered = tools.conversation(messages)

@@ -8,6 +8,12 @@
   factor, the per-channel mean and standard deviation.
 - `pixels`: the image as the tower reads it, float32 (3, height, width): converted to RGB, resized to the spec's
   fixed size (Gemma 3's SigLIP: 896 x 896), rescaled, normalized.
+- `frames`: SmolVLM's (Idefics3's) image splitting, as transformers' PIL image processor does it: the image resized
+  so that its longest edge is `size.longest_edge`, then to whole tiles of `max_image_size.longest_edge` (the aspect
+  kept, each edge rounded up), cut into its rows x cols tiles, and the whole image resized to one tile after them
+  (the global frame); an image of one tile is that tile alone (0 x 0). Every resize on the 8-bit RGB image, with
+  the spec's filter (LANCZOS); each frame then rescaled and normalized. `grid` gives (rows, cols) from the image's
+  size alone: the prompt's expansion needs it before the pixels are made.
 """
 from __future__ import annotations
 
@@ -22,7 +28,8 @@ from typing import Optional
 
 import numpy as np
 
-__all__ = ["DEFAULT_MAX_PIXELS", "ImageError", "ImageSpec", "decode", "decode_data_url", "pixels"]
+__all__ = ["DEFAULT_MAX_PIXELS", "ImageError", "ImageSpec", "decode", "decode_data_url", "frames", "grid",
+           "image_size", "pixels"]
 
 # an image's pixels at most (width x height) unless the operator sets otherwise: a 32-megapixel photo decodes to
 # 96 MB of RGB before it is resized, and Pillow's own guard (89 M pixels) is far above what a request should cost
@@ -87,13 +94,16 @@ def decode(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS):
 
 @dataclass(frozen=True)
 class ImageSpec:
-    """A model's image processor: what `pixels` makes of an image for its tower."""
+    """A model's image processor: what `pixels` (or, with a `tile`, `frames`) makes of an image for its tower."""
     height: int
     width: int
-    resample: int = 2                     # Pillow's filter code (2: bilinear, 3: bicubic)
+    resample: int = 2                     # Pillow's filter code (1: LANCZOS, 2: bilinear, 3: bicubic)
     rescale: float = 1 / 255
     mean: tuple = (0.5, 0.5, 0.5)
     std: tuple = (0.5, 0.5, 0.5)
+    tile: Optional[int] = None            # SmolVLM's frames: the tower's image (max_image_size.longest_edge) ...
+    longest_edge: Optional[int] = None    # ... the longest edge an image is first resized to (size.longest_edge)
+    split: bool = True                    # ... cut into tiles (do_image_splitting), else the image as one tile
 
     @classmethod
     def from_dir(cls, model_dir: str) -> Optional["ImageSpec"]:
@@ -119,6 +129,15 @@ class ImageSpec:
         size = raw.get("size") or {}
         if isinstance(size, int):
             size = {"height": size, "width": size}
+        tiling = {}
+        if isinstance(size, dict) and "longest_edge" in size:          # SmolVLM's, Idefics3's
+            try:
+                tile = int((raw.get("max_image_size") or {})["longest_edge"])
+                tiling = {"tile": tile, "longest_edge": int(size["longest_edge"]),
+                          "split": bool(raw.get("do_image_splitting", True))}
+                size = {"height": tile, "width": tile}
+            except (KeyError, TypeError, ValueError):
+                raise ValueError(f"{where}: size.longest_edge needs max_image_size.longest_edge (the tile)") from None
         try:
             height, width = int(size["height"]), int(size["width"])
         except (KeyError, TypeError, ValueError):
@@ -132,20 +151,98 @@ class ImageSpec:
         rescale = float(raw.get("rescale_factor", 1 / 255)) if raw.get("do_rescale", True) else 1.0
         if len(mean) != 3 or len(std) != 3 or min(std) <= 0:
             raise ValueError(f"{where}: image_mean and image_std must be three values each, the std positive")
-        return cls(height, width, int(raw.get("resample", 2)), rescale, mean, std)
+        return cls(height, width, int(raw.get("resample", 2)), rescale, mean, std, **tiling)
+
+
+def image_size(data: bytes) -> tuple:
+    """(width, height) of an image's file, from its header (nothing decoded); ImageError when it is not one."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        return Image.open(io.BytesIO(data)).size
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError):
+        raise ImageError("the data is not an image (PNG, JPEG, WebP, GIF, BMP and the other formats Pillow "
+                         "reads)") from None
+
+
+def _rgb(image):
+    """`image` as RGB, transparent parts over white (as the models' processors do)."""
+    if image.mode == "RGB":
+        return image
+    from PIL import Image
+
+    rgba = image.convert("RGBA")
+    return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255)), rgba).convert("RGB")
+
+
+def _normalized(rgb, spec: ImageSpec) -> np.ndarray:
+    array = np.asarray(rgb, dtype=np.float32) * np.float32(spec.rescale)
+    array = (array - np.asarray(spec.mean, np.float32)) / np.asarray(spec.std, np.float32)
+    return np.ascontiguousarray(array.transpose(2, 0, 1))
 
 
 def pixels(image, spec: ImageSpec) -> np.ndarray:
     """`image` (a Pillow image) as the tower reads it: float32 (3, spec.height, spec.width), RGB (transparency over
     white), resized with the spec's filter, times its rescale factor, less its mean, over its standard deviation."""
-    rgb = image
-    if image.mode != "RGB":                 # transparent parts over white, as the models' processors do
-        from PIL import Image
-
-        rgba = image.convert("RGBA")
-        rgb = Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255)), rgba).convert("RGB")
+    rgb = _rgb(image)
     if rgb.size != (spec.width, spec.height):
         rgb = rgb.resize((spec.width, spec.height), resample=spec.resample)
-    array = np.asarray(rgb, dtype=np.float32) * np.float32(spec.rescale)
-    array = (array - np.asarray(spec.mean, np.float32)) / np.asarray(spec.std, np.float32)
-    return np.ascontiguousarray(array.transpose(2, 0, 1))
+    return _normalized(rgb, spec)
+
+
+_MAX_EDGE = 4096        # transformers' SmolVLM processors: no edge beyond this after the first resize
+
+
+def _resized_sizes(width: int, height: int, spec: ImageSpec) -> tuple:
+    """((w1, h1), (w2, h2)): the size of the first resize (the longest edge made spec.longest_edge, the other edge
+    even, none past 4,096), then of the resize to whole tiles (each edge rounded up to spec.tile)."""
+    aspect = width / height
+    if width >= height:
+        w1 = spec.longest_edge
+        h1 = int(w1 / aspect)
+        h1 += h1 % 2
+    else:
+        h1 = spec.longest_edge
+        w1 = int(h1 * aspect)
+        w1 += w1 % 2
+    w1, h1 = max(w1, 1), max(h1, 1)
+    aspect = w1 / h1
+    if w1 >= h1 and w1 > _MAX_EDGE:
+        w1, h1 = _MAX_EDGE, max(int(_MAX_EDGE / aspect), 1)
+    elif h1 > w1 and h1 > _MAX_EDGE:
+        h1, w1 = _MAX_EDGE, max(int(_MAX_EDGE * aspect), 1)
+    tile, aspect = spec.tile, w1 / h1
+    if w1 >= h1:
+        w2 = -(-w1 // tile) * tile
+        h2 = -(-int(w2 / aspect) // tile) * tile
+    else:
+        h2 = -(-h1 // tile) * tile
+        w2 = -(-int(h2 * aspect) // tile) * tile
+    return (w1, h1), (w2, h2)
+
+
+def grid(width: int, height: int, spec: ImageSpec) -> tuple:
+    """(rows, cols) of tiles an image of this size is cut into by `frames` ((0, 0): one frame, the whole image)."""
+    if spec.tile is None or not spec.split:
+        return 0, 0
+    _, (w2, h2) = _resized_sizes(width, height, spec)
+    return (h2 // spec.tile, w2 // spec.tile) if w2 > spec.tile or h2 > spec.tile else (0, 0)
+
+
+def frames(image, spec: ImageSpec) -> list:
+    """The float32 (3, tile, tile) frames of `image` the tower reads, in the prompt's order: its tiles row by row,
+    then the whole image (see the module docstring); one frame for a spec without tiles (`pixels`)."""
+    if spec.tile is None:
+        return [pixels(image, spec)]
+    rgb = _rgb(image)
+    tile = spec.tile
+    if not spec.split:
+        return [_normalized(rgb.resize((tile, tile), resample=spec.resample), spec)]
+    first, whole = _resized_sizes(*rgb.size, spec)
+    rgb = rgb.resize(first, resample=spec.resample).resize(whole, resample=spec.resample)
+    rows, cols = grid(*image.size, spec)
+    if (rows, cols) == (0, 0):
+        return [_normalized(rgb, spec)]
+    out = [_normalized(rgb.crop((c * tile, r * tile, (c + 1) * tile, (r + 1) * tile)), spec)
+           for r in range(rows) for c in range(cols)]
+    return out + [_normalized(rgb.resize((tile, tile), resample=spec.resample), spec)]

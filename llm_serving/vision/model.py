@@ -8,6 +8,14 @@ tokenizing (`ImageFacts.expand`), and the model's embedding of each `<image_soft
 tower's output for that image. Read from a HF directory (config.json's `vision_config` and token ids, the processor
 config beside it) or from llama.cpp's mmproj GGUF beside a GGUF model (its `clip.vision.*` keys; the token ids from
 the vocabulary).
+
+SmolVLM and Idefics3 (`family` "smolvlm", HF directories): the template puts `<image>` where an image goes; the image
+is cut into frames (vision/images.py's `frames`: rows x cols tiles and the whole image), and the mark becomes, as
+transformers' SmolVLMProcessor writes it, each tile's `<fake_token_around_image><row_R_col_C>` + image_seq_len x
+`<image>` (a newline after each row of tiles), then "\n" + `<fake_token_around_image><global-img>` + image_seq_len x
+`<image>` + `<fake_token_around_image>` (an image of one tile: that last part alone). Each frame's run of
+placeholders is an image to the rest of the server (its own pixels, tower rows and cache key); the expansion needs
+each image's size (`expand(text, sizes)`), which the file's header gives.
 """
 from __future__ import annotations
 
@@ -16,29 +24,60 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from .images import ImageSpec
+from .images import ImageSpec, frames, grid
 
 __all__ = ["ImageFacts", "image_facts"]
 
 # Gemma 3's placeholder tokens, by their text (a GGUF's vocabulary has them under these names too)
 _GEMMA3 = {"boi": "<start_of_image>", "eoi": "<end_of_image>", "image": "<image_soft_token>"}
+_SMOLVLM = {"fake": "<fake_token_around_image>", "image": "<image>", "global": "<global-img>"}
 _ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
+_SMOLVLM_ARCHITECTURES = ("SmolVLMForConditionalGeneration", "Idefics3ForConditionalGeneration")
 
 
 @dataclass(frozen=True)
 class ImageFacts:
     """A vision-language model's images as the master sees them (the module docstring)."""
-    tokens_per_image: int
+    tokens_per_image: int        # (of a frame, for SmolVLM)
     image_token_id: int          # the placeholder the prompt holds once per image token
-    boi: str                     # the text the chat template marks an image with, and the token before its tokens
-    eoi: str
+    boi: str                     # the text the chat template marks an image with (Gemma 3: and the token before
+    eoi: str                     # its tokens, eoi the one after; SmolVLM: the placeholder itself)
     image_token: str
     spec: ImageSpec              # the model's image processor
+    family: str = "gemma3"       # or "smolvlm"
+    fake: str = ""               # SmolVLM's token around a frame's placeholders, and its global frame's tag
+    global_tag: str = ""
 
-    def expand(self, text: str) -> str:
-        """`text` with every image mark made the image's full placeholder sequence."""
-        full = f"\n\n{self.boi}{self.image_token * self.tokens_per_image}{self.eoi}\n\n"
-        return text.replace(self.boi, full)
+    @property
+    def needs_sizes(self) -> bool:
+        """Whether `expand` needs the images' sizes (SmolVLM's: its grid of tiles)."""
+        return self.family == "smolvlm"
+
+    def expand(self, text: str, sizes=()) -> str:
+        """`text` with every image mark made the image's full placeholder sequence; sizes: the images' (width,
+        height) in order (SmolVLM's; a mark past them is left as it is)."""
+        if self.family != "smolvlm":
+            full = f"\n\n{self.boi}{self.image_token * self.tokens_per_image}{self.eoi}\n\n"
+            return text.replace(self.boi, full)
+        parts = text.split(self.boi)
+        out = [parts[0]]
+        for k, part in enumerate(parts[1:]):
+            out.append(self._smolvlm_prompt(*grid(*sizes[k], self.spec)) if k < len(sizes) else self.boi)
+            out.append(part)
+        return "".join(out)
+
+    def _smolvlm_prompt(self, rows: int, cols: int) -> str:
+        frame = self.image_token * self.tokens_per_image
+        whole = f"{self.fake}{self.global_tag}{frame}{self.fake}"
+        if rows == 0:
+            return whole
+        tiles = "".join("".join(f"{self.fake}<row_{r + 1}_col_{c + 1}>{frame}" for c in range(cols)) + "\n"
+                        for r in range(rows))
+        return f"{tiles}\n{whole}"
+
+    def frames(self, image) -> list:
+        """The float32 frames of a decoded image the tower reads, one per run of placeholders `expand` makes."""
+        return frames(image, self.spec)
 
     def spans(self, ids: list) -> list:
         """(start, length) of each image's placeholder run in prompt ids, in order: runs of image_token_id, each
@@ -79,8 +118,11 @@ def image_facts(model_path: str, mmproj: Optional[str], tokenizer) -> Optional[I
             raw = json.load(f)
     except (OSError, json.JSONDecodeError):
         return None                  # (the weight loader says what is wrong with it)
-    if not isinstance(raw.get("vision_config"), dict) or (raw.get("architectures") or [None])[0] not in _ARCHITECTURES:
+    arch = (raw.get("architectures") or [None])[0]
+    if not isinstance(raw.get("vision_config"), dict) or arch not in _ARCHITECTURES + _SMOLVLM_ARCHITECTURES:
         return None
+    if arch in _SMOLVLM_ARCHITECTURES:
+        return _smolvlm_facts(model_path, raw, tokenizer, config)
     ids = {"boi": raw.get("boi_token_index"), "eoi": raw.get("eoi_token_index"),
            "image": raw.get("image_token_index", raw.get("image_token_id"))}
     found = {key: _one_token(tokenizer, text, config) for key, text in _GEMMA3.items()}
@@ -92,6 +134,37 @@ def image_facts(model_path: str, mmproj: Optional[str], tokenizer) -> Optional[I
     spec = ImageSpec.from_dir(model_path) or ImageSpec(size, size)
     return ImageFacts(int(raw.get("mm_tokens_per_image", 256)), found["image"], _GEMMA3["boi"], _GEMMA3["eoi"],
                       _GEMMA3["image"], spec)
+
+
+def _smolvlm_facts(model_path: str, raw: dict, tokenizer, config: str) -> ImageFacts:
+    """SmolVLM's and Idefics3's: a frame's tokens from the tower's grid over scale_factor squared (the processor
+    config's image_seq_len must agree), the tokens from the tokenizer, the tiling from the image processor."""
+    vision = raw["vision_config"]
+    try:
+        side = int(vision["image_size"]) // int(vision["patch_size"])
+        tokens = side * side // int(raw.get("scale_factor", 1)) ** 2
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        raise ValueError(f"{config}: vision_config needs image_size and patch_size, and scale_factor a positive "
+                         "number") from None
+    spec = ImageSpec.from_dir(model_path)
+    if spec is None or spec.tile is None:
+        raise ValueError(f"{model_path}: a SmolVLM needs its image processor's config (preprocessor_config.json "
+                         "with size.longest_edge and max_image_size.longest_edge)")
+    processor = os.path.join(model_path, "processor_config.json")
+    if os.path.isfile(processor):
+        try:
+            with open(processor, encoding="utf-8") as f:
+                seq_len = json.load(f).get("image_seq_len", tokens)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"{processor}: not a readable processor config ({e})") from None
+        if seq_len != tokens:
+            raise ValueError(f"{processor}: image_seq_len {seq_len}, but the tower makes {tokens} tokens a frame")
+    ids = {key: _one_token(tokenizer, text, config) for key, text in _SMOLVLM.items()}
+    given = raw.get("image_token_id")
+    if given is not None and given != ids["image"]:
+        raise ValueError(f"{config}: its image token is {given}, but the tokenizer's <image> is {ids['image']}")
+    return ImageFacts(tokens, ids["image"], _SMOLVLM["image"], "", _SMOLVLM["image"], spec, family="smolvlm",
+                      fake=_SMOLVLM["fake"], global_tag=_SMOLVLM["global"])
 
 
 def _mmproj_facts(path: str, tokenizer) -> ImageFacts:

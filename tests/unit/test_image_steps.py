@@ -4,6 +4,7 @@ master/scheduler.py), the step frame's image entries and the pixels' segments (m
 agents/protocol.py), and the agent's placement of an image's rows and its graph calls (models/runner/images.py)."""
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import numpy as np
@@ -127,8 +128,12 @@ def test_pixels_live_in_shared_memory_until_the_step_that_may_read_them_is_done(
 
 
 class _Encoder:
-    """The tower's stand-in: image `key`'s rows are key's number in every column of row i + that number * 10."""
+    """The tower's stand-in: image `key`'s rows are key's number in every column of row i + that number * 10;
+    `bidirectional`: its image tokens see their whole image (Gemma 3's), else causal (SmolVLM's)."""
     tokens_per_image = 4
+
+    def __init__(self, bidirectional: bool = True):
+        self.cfg = types.SimpleNamespace(bidirectional=bidirectional)
 
     def rows(self, key, segment, shape):
         base = float(key)
@@ -154,6 +159,42 @@ def test_an_image_s_rows_replace_its_placeholders_and_it_sees_its_whole_image():
     assert buffer[:6, 0].tolist() == [10, 11, 12, 13, 22, 23]
     with pytest.raises(ValueError, match="do not fit row 0"):
         place([proto.StepImage(0, 1, 0, 4, 4, "1", "s", [3, 8, 8])], _Encoder(), query_lens, positions, context)
+    # a model whose image tokens are causal (SmolVLM's): the same rows, every context its own position + 1
+    causal = place(images, _Encoder(bidirectional=False), query_lens, positions, context)
+    assert causal.source.tolist() == placed.source.tolist() and causal.context.tolist() == context.tolist()
+
+
+def _smolvlm_facts():
+    from llm_serving.vision import ImageFacts, ImageSpec
+
+    spec = ImageSpec(32, 32, 1, tile=32, longest_edge=64)
+    return ImageFacts(4, 9, "<image>", "", "<image>", spec, family="smolvlm", fake="<F>", global_tag="<G>")
+
+
+@pytest.mark.parametrize("size, want", [
+    ((70, 50), (2, 2)),      # wide: 64 x 46 (even), then whole tiles 64 x 64
+    ((10, 100), (2, 1)),     # tall: 6 x 64, then 32 x 64
+    ((30, 20), (2, 2)),      # small: upscaled to 64 x 42, then 64 x 64
+    ((65, 31), (1, 2)),      # 64 x 30, then 64 x 32
+])
+def test_smolvlm_grid_follows_its_processor_s_resizes(size, want):
+    from llm_serving.vision.images import grid
+
+    assert grid(*size, _smolvlm_facts().spec) == want
+
+
+def test_smolvlm_expansion_writes_each_tile_then_the_whole_image():
+    facts = _smolvlm_facts()
+    frame = "<image>" * 4
+    got = facts.expand("a<image>b<image>c", [(70, 50), (65, 31)])
+    first = f"<F><row_1_col_1>{frame}<F><row_1_col_2>{frame}\n<F><row_2_col_1>{frame}<F><row_2_col_2>{frame}\n"
+    second = f"<F><row_1_col_1>{frame}<F><row_1_col_2>{frame}\n"
+    whole = f"\n<F><G>{frame}<F>"
+    assert got == f"a{first}{whole}b{second}{whole}c"
+    # one tile's image (no split): the global frame alone; a mark past the images given stays a mark
+    single = dataclasses.replace(facts, spec=dataclasses.replace(facts.spec, longest_edge=32))
+    assert single.expand("<image>x<image>", [(10, 20)]) == f"<F><G>{frame}<F>x<image>"
+    assert facts.needs_sizes and not dataclasses.replace(facts, family="gemma3").needs_sizes
 
 
 @pytest.mark.parametrize("t, spans, want", [

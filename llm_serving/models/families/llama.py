@@ -10,7 +10,9 @@ _BIASES = "attention_bias/mlp_bias (o_proj or MLP biases) are not supported for 
 
 FAMILY = Family(
     name="llama", title="LLaMA",
-    hf_architectures=("LlamaForCausalLM",), gguf_architecture="llama",
+    # SmolVLM's and Idefics3's text models (their towers: weights/vision.py)
+    hf_architectures=("LlamaForCausalLM", "SmolVLMForConditionalGeneration", "Idefics3ForConditionalGeneration"),
+    gguf_architecture="llama",
     refusals=(Refusal("attention_bias", "true", _BIASES), Refusal("mlp_bias", "true", _BIASES)),
     window="none", gguf_interleaved_rope=True,
     readme_row=None,

@@ -111,7 +111,7 @@ def vision_checkpoint_of(model_path: str, mmproj: Optional[str]) -> Optional[tup
 class Placed:
     """A packed step's image tokens (`place`): per real token, its row in `rows` (-1: none); the stacked rows of the
     step's images; each image's (first, stop) among the step's tokens; and every token's context, an image token's
-    reaching its image's end."""
+    reaching its image's end where the model's image tokens attend both ways (Gemma 3's; SmolVLM's are causal)."""
     source: np.ndarray           # (t,) int32
     rows: np.ndarray             # (K, H) float32
     spans: list                  # [(first, stop)]
@@ -153,8 +153,9 @@ def place(images: list, encoder: ImageEncoder, query_lens: np.ndarray, positions
         source[first:stop] = at + np.arange(image.count, dtype=np.int32)
         parts.append(rows[image.first:image.first + image.count])
         at += image.count
-        # every token of the image sees up to its last: the position of the image's first token + its length
-        context[first:stop] = positions[first] - image.first + image.length
+        if encoder.cfg.bidirectional:
+            # every token of the image sees up to its last: the position of the image's first token + its length
+            context[first:stop] = positions[first] - image.first + image.length
         spans.append((first, stop))
     rows = np.concatenate(parts) if parts else np.zeros((0, 0), np.float32)
     return Placed(source, rows, sorted(spans), context)

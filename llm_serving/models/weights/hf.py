@@ -119,9 +119,9 @@ def stored_safetensors(files: dict[str, str], wanted: set[str]) -> dict[str, Sto
 
 
 # a multimodal checkpoint's text model as transformers names it (4.x and 5.x's save_pretrained: language_model.model.*;
-# 5.x's modules: model.language_model.*) -> the text model's own names
+# 5.x's modules: model.language_model.*; SmolVLM's and Idefics3's: model.text_model.*) -> the text model's own names
 _TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
-                  ("language_model.lm_head.", "lm_head."))
+                  ("language_model.lm_head.", "lm_head."), ("model.text_model.", "model."))
 _FUSED = ("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight")
 def _internal_name(name: str, family: families.Family) -> str:
     """The internal name of checkpoint tensor `name` (a name the model does not use stays as it is): the family's

@@ -7,7 +7,14 @@ tower and projector its converter writes beside the text model's GGUF: `v.*` and
 keys; Gemma 3's norm gain stored as 1 + w, as llama.cpp computes it, and taken back to w here). The names: `vision_tower.<...>` (SigLIP's `embeddings.*`, `encoder.layers.N.*`,
 `post_layernorm.*`) and `multi_modal_projector.<...>`, with transformers 4.x's `vision_tower.vision_model.` and 5.x's
 leading `model.` taken off. SigLIP's pooling head (`vision_tower.head.*`) is not read: the projector takes the last
-hidden state. Gemma 3 (SigLIP and its average-pooling projector) is the family read here.
+hidden state. Two families are read here, both SigLIP towers:
+- Gemma 3 (`Gemma3ForConditionalGeneration`): a fixed 896-pixel image, its patch grid average-pooled to 256 tokens,
+  Gemma's RMS norm and a projection (`projector` "pool"); its image tokens attend to their whole image;
+- SmolVLM and Idefics3 (`SmolVLMForConditionalGeneration`, `Idefics3ForConditionalGeneration`): each frame of an
+  image (its tiles and the whole image, vision/images.py) through the tower, the patch grid pixel-shuffled by
+  `scale_factor` (each s x s block of patches one token of s^2 x the width) and projected without a bias
+  (`projector` "shuffle"; `model.vision_model.*` and `model.connector.modality_projection.proj.weight` read as
+  `vision_tower.*` and `multi_modal_projector.proj.weight`); its image tokens are causal, as text.
 """
 from __future__ import annotations
 
@@ -23,13 +30,17 @@ from .hf import _checkpoint_names, _shard_files, stored_safetensors
 
 __all__ = ["VisionConfig", "mmproj_checkpoint", "mmproj_config", "vision_checkpoint", "vision_shapes"]
 
-_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
+_ARCHITECTURES = ("Gemma3ForConditionalGeneration", "SmolVLMForConditionalGeneration",
+                  "Idefics3ForConditionalGeneration")
+_SHUFFLED = ("SmolVLMForConditionalGeneration", "Idefics3ForConditionalGeneration")
 
 
 @dataclass(frozen=True)
 class VisionConfig:
-    """A SigLIP tower and Gemma 3's projector: the image's patches, the tower's width and depth, and what the
-    projector makes of its last hidden state (`tokens_per_image` tokens of the text model's width)."""
+    """A SigLIP tower and its projector: the image's (or frame's) patches, the tower's width and depth, and what the
+    projector makes of its last hidden state (`tokens_per_image` tokens of the text model's width): Gemma 3's
+    average pool ("pool") or SmolVLM's pixel shuffle ("shuffle", by `scale_factor`). `bidirectional`: the text
+    model's image tokens attend to every token of their image (Gemma 3's), else causally."""
     hidden_size: int
     intermediate_size: int
     num_layers: int
@@ -43,6 +54,9 @@ class VisionConfig:
     image_token_id: Optional[int] = None        # the placeholder the prompt holds once per image token
     boi_token_id: Optional[int] = None          # the tokens around an image's placeholders
     eoi_token_id: Optional[int] = None
+    projector: str = "pool"
+    scale_factor: int = 1
+    bidirectional: bool = True
 
     @property
     def patches_per_side(self) -> int:
@@ -54,7 +68,7 @@ class VisionConfig:
 
     @property
     def pool(self) -> int:
-        """The side of the projector's average pooling window, in patches."""
+        """The side of the projector's average pooling window (or pixel shuffle's block), in patches."""
         return self.patches_per_side // self.tokens_per_side
 
     @property
@@ -64,6 +78,7 @@ class VisionConfig:
 
 def _config(raw: dict, path: str) -> VisionConfig:
     vision, text = raw["vision_config"], raw.get("text_config") or {}
+    shuffled = (raw.get("architectures") or [None])[0] in _SHUFFLED
     act = vision.get("hidden_act", "gelu_pytorch_tanh")
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise WeightLoadError(f"{path}: vision_config.hidden_act {act!r}: the tower runs the tanh GELU only")
@@ -73,10 +88,13 @@ def _config(raw: dict, path: str) -> VisionConfig:
             num_layers=int(vision["num_hidden_layers"]), num_heads=int(vision["num_attention_heads"]),
             image_size=int(vision["image_size"]), patch_size=int(vision["patch_size"]),
             num_channels=int(vision.get("num_channels", 3)), layer_norm_eps=float(vision.get("layer_norm_eps", 1e-6)),
-            tokens_per_image=int(raw.get("mm_tokens_per_image", 256)), text_hidden_size=int(text["hidden_size"]),
+            tokens_per_image=(shuffled_tokens(vision, raw) if shuffled else int(raw.get("mm_tokens_per_image", 256))),
+            text_hidden_size=int(text["hidden_size"]),
             image_token_id=raw.get("image_token_index", raw.get("image_token_id")),
-            boi_token_id=raw.get("boi_token_index"), eoi_token_id=raw.get("eoi_token_index"))
-    except (KeyError, TypeError, ValueError) as e:
+            boi_token_id=raw.get("boi_token_index"), eoi_token_id=raw.get("eoi_token_index"),
+            projector="shuffle" if shuffled else "pool", scale_factor=int(raw.get("scale_factor", 1)),
+            bidirectional=not shuffled)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
         raise WeightLoadError(f"{path}: vision_config or text_config lacks or mistypes {e}") from None
     side = cfg.tokens_per_side
     if (cfg.image_size % cfg.patch_size or side * side != cfg.tokens_per_image
@@ -87,15 +105,24 @@ def _config(raw: dict, path: str) -> VisionConfig:
     return cfg
 
 
+def shuffled_tokens(vision: dict, raw: dict) -> int:
+    """A pixel-shuffled frame's tokens: its patches over scale_factor squared (SmolVLM's image_seq_len)."""
+    side = int(vision["image_size"]) // int(vision["patch_size"])
+    return side * side // int(raw.get("scale_factor", 1)) ** 2
+
+
 def vision_shapes(cfg: VisionConfig) -> dict:
     """{name: shape} of every tensor the tower and projector read."""
     d, m, p = cfg.hidden_size, cfg.intermediate_size, cfg.patch_size
     shapes = {"vision_tower.embeddings.patch_embedding.weight": (d, cfg.num_channels, p, p),
               "vision_tower.embeddings.patch_embedding.bias": (d,),
               "vision_tower.embeddings.position_embedding.weight": (cfg.patches_per_side ** 2, d),
-              "vision_tower.post_layernorm.weight": (d,), "vision_tower.post_layernorm.bias": (d,),
-              "multi_modal_projector.mm_soft_emb_norm.weight": (d,),
-              "multi_modal_projector.mm_input_projection_weight": (d, cfg.text_hidden_size)}
+              "vision_tower.post_layernorm.weight": (d,), "vision_tower.post_layernorm.bias": (d,)}
+    if cfg.projector == "shuffle":
+        shapes["multi_modal_projector.proj.weight"] = (cfg.text_hidden_size, d * cfg.scale_factor ** 2)
+    else:
+        shapes["multi_modal_projector.mm_soft_emb_norm.weight"] = (d,)
+        shapes["multi_modal_projector.mm_input_projection_weight"] = (d, cfg.text_hidden_size)
     for i in range(cfg.num_layers):
         at = f"vision_tower.encoder.layers.{i}."
         for norm in ("layer_norm1", "layer_norm2"):
@@ -113,6 +140,10 @@ def _our_name(name: str) -> Optional[str]:
         name = name[len("model."):]
     if name.startswith("vision_tower.vision_model."):
         name = "vision_tower." + name[len("vision_tower.vision_model."):]
+    if name.startswith("vision_model."):                                    # SmolVLM's, Idefics3's
+        name = "vision_tower." + name[len("vision_model."):]
+    if name == "connector.modality_projection.proj.weight":
+        return "multi_modal_projector.proj.weight"
     if name.startswith("vision_tower.head."):
         return None
     return name if name.startswith(("vision_tower.", "multi_modal_projector.")) else None
