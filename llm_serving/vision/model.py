@@ -9,7 +9,7 @@ tower's output for that image. Read from a HF directory (config.json's `vision_c
 config beside it) or from llama.cpp's mmproj GGUF beside a GGUF model (its `clip.vision.*` keys; the token ids from
 the vocabulary).
 
-SmolVLM and Idefics3 (`family` "smolvlm", HF directories): the template puts `<image>` where an image goes; the image
+SmolVLM and Idefics3 (`family` "smolvlm", from a HF directory or an idefics3 mmproj GGUF): the template puts `<image>` where an image goes; the image
 is cut into frames (vision/images.py's `frames`: rows x cols tiles and the whole image), and the mark becomes, as
 transformers' SmolVLMProcessor writes it, each tile's `<fake_token_around_image><row_R_col_C>` + image_seq_len x
 `<image>` (a newline after each row of tiles), then "\n" + `<fake_token_around_image><global-img>` + image_seq_len x
@@ -168,6 +168,9 @@ def _smolvlm_facts(model_path: str, raw: dict, tokenizer, config: str) -> ImageF
 
 
 def _mmproj_facts(path: str, tokenizer) -> ImageFacts:
+    """An mmproj GGUF's: Gemma 3's (projector type gemma3) or SmolVLM's (idefics3: its tiles of image_size, the
+    longest edge `clip.vision.preproc_image_size`, LANCZOS as its processor; its tokens from the text model's
+    vocabulary)."""
     from llm_serving.gguf_file import read_gguf
 
     fields = read_gguf(path).fields             # (a header scan: the tensors' data is not read)
@@ -177,9 +180,15 @@ def _mmproj_facts(path: str, tokenizer) -> ImageFacts:
         raise ValueError(f"{path}: an mmproj GGUF without clip.vision.image_size and patch_size") from None
     pool = int(fields.get("clip.vision.projector.scale_factor", 4))
     side = size // patch // pool
-    spec = ImageSpec.from_config({"size": size,
-                                  "image_mean": [float(v) for v in fields.get("clip.vision.image_mean", [0.5] * 3)],
-                                  "image_std": [float(v) for v in fields.get("clip.vision.image_std", [0.5] * 3)]},
-                                 path)
+    normalize = {"image_mean": [float(v) for v in fields.get("clip.vision.image_mean", [0.5] * 3)],
+                 "image_std": [float(v) for v in fields.get("clip.vision.image_std", [0.5] * 3)]}
+    if fields.get("clip.projector_type") == "idefics3":
+        longest = int(fields.get("clip.vision.preproc_image_size", size))
+        spec = ImageSpec.from_config({"size": {"longest_edge": longest}, "max_image_size": {"longest_edge": size},
+                                      "resample": 1, **normalize}, path)
+        ids = {key: _one_token(tokenizer, text, path) for key, text in _SMOLVLM.items()}
+        return ImageFacts(side * side, ids["image"], _SMOLVLM["image"], "", _SMOLVLM["image"], spec,
+                          family="smolvlm", fake=_SMOLVLM["fake"], global_tag=_SMOLVLM["global"])
+    spec = ImageSpec.from_config({"size": size, **normalize}, path)
     return ImageFacts(side * side, _one_token(tokenizer, _GEMMA3["image"], path), _GEMMA3["boi"], _GEMMA3["eoi"],
                       _GEMMA3["image"], spec)

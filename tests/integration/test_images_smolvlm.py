@@ -176,3 +176,30 @@ def test_smolvlm_image_questions_get_transformers_tokens_and_logprobs(smolvlm, t
     # 13 frames of three images, each encoded once (the follow-up's wide image came from the cache)
     assert log.count(" encoded in ") == 5 + 3 + 5, log
     assert models["data"][0].get("input_modalities", ["text"]).count("image") == 1, models
+
+
+def test_an_mmproj_gguf_reads_the_same_smolvlm(smolvlm, tmp_path):
+    """llama.cpp's idefics3 mmproj layout (tests/integration/test_vision_tower.py's `write_mmproj`): the same tower
+    config, the tower's tokens equal the HF directory's but for the projection's F16 rounding, and the same image
+    facts (the tiling from `clip.vision.preproc_image_size`, the tokens from the text model's vocabulary)."""
+    import dataclasses
+
+    from llm_serving.models.mindspore_env import setup_mindspore
+    from llm_serving.models.vision_tower import VisionTower
+    from llm_serving.models.weights.vision import mmproj_checkpoint, vision_checkpoint
+    from llm_serving.tokenization import load_tokenizer
+    from llm_serving.vision import image_facts
+    from tests.integration.test_vision_tower import write_mmproj
+
+    write_mmproj(smolvlm, tmp_path / "mmproj.gguf")
+    setup_mindspore("CPU", 0, None, None)
+    cfg, weights = mmproj_checkpoint(str(tmp_path / "mmproj.gguf"))
+    hf_cfg, hf_weights = vision_checkpoint(str(smolvlm))
+    assert cfg == dataclasses.replace(hf_cfg, image_token_id=None, layer_norm_eps=cfg.layer_norm_eps)
+    pixels = np.random.default_rng(3).standard_normal((3, 3, 32, 32)).astype(np.float32)
+    theirs = VisionTower(hf_cfg, hf_weights).encode(pixels)
+    ours = VisionTower(cfg, weights).encode(pixels)
+    np.testing.assert_allclose(ours, theirs, atol=2e-3 * np.abs(theirs).max())
+    tokenizer = load_tokenizer(str(smolvlm / "tokenizer.json"))
+    assert image_facts("model.gguf", str(tmp_path / "mmproj.gguf"), tokenizer) == image_facts(str(smolvlm), None,
+                                                                                               tokenizer)

@@ -128,17 +128,19 @@ _MMPROJ_LAYER = {"layer_norm1": "ln1", "layer_norm2": "ln2", "self_attn.q_proj":
 
 def write_mmproj(hf_dir, path, scale_factor=None):
     """The mmproj GGUF llama.cpp's `convert_hf_to_gguf.py --mmproj --outtype f32` writes of a Gemma 3 (its names,
-    keys and types: the projection F16, the soft-embedding norm's gain stored as 1 + w), from the HF directory;
-    `scale_factor`: the pooling, which only a test model's file states (llama.cpp's tinygemma3)."""
+    keys and types: the projection F16, the soft-embedding norm's gain stored as 1 + w) or of a SmolVLM (projector
+    type idefics3: `mm.model.fc.weight` F16, the scale factor and the processor's longest edge), from the HF
+    directory; `scale_factor`: Gemma 3's pooling, which only a test model's file states (llama.cpp's tinygemma3)."""
     import gguf
     from safetensors.numpy import load_file
 
     config = json.loads((hf_dir / "config.json").read_text())
     vision = config["vision_config"]
+    smolvlm = config["architectures"][0] == "SmolVLMForConditionalGeneration"
     writer = gguf.GGUFWriter(str(path), "clip")
     writer.add_string("general.type", "mmproj")
     writer.add_bool("clip.has_vision_encoder", True)
-    writer.add_string("clip.projector_type", "gemma3")
+    writer.add_string("clip.projector_type", "idefics3" if smolvlm else "gemma3")
     for key, value in (("projection_dim", config["text_config"]["hidden_size"]), ("image_size", vision["image_size"]),
                        ("patch_size", vision["patch_size"]), ("embedding_length", vision["hidden_size"]),
                        ("feed_forward_length", vision["intermediate_size"]),
@@ -148,11 +150,15 @@ def write_mmproj(hf_dir, path, scale_factor=None):
     writer.add_float32("clip.vision.attention.layer_norm_epsilon", vision.get("layer_norm_eps", 1e-6))
     writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
     writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
-    if scale_factor is not None:
+    if smolvlm:
+        processor = json.loads((hf_dir / "preprocessor_config.json").read_text())
+        writer.add_uint32("clip.vision.projector.scale_factor", config["scale_factor"])
+        writer.add_uint32("clip.vision.preproc_image_size", processor["size"]["longest_edge"])
+    elif scale_factor is not None:
         writer.add_uint32("clip.vision.projector.scale_factor", scale_factor)
     for name, array in load_file(str(hf_dir / "model.safetensors")).items():
         name = name[len("model."):] if name.startswith("model.") else name
-        name = name.replace("vision_tower.vision_model.", "vision_tower.")
+        name = name.replace("vision_tower.vision_model.", "vision_tower.").replace("vision_model.", "vision_tower.")
         if name.startswith("vision_tower.encoder.layers."):
             index, _, rest = name[len("vision_tower.encoder.layers."):].partition(".")
             part, _, kind = rest.rpartition(".")
@@ -166,6 +172,8 @@ def write_mmproj(hf_dir, path, scale_factor=None):
             ours, array = "mm.input_projection.weight", array.astype(np.float16)
         elif name == "multi_modal_projector.mm_soft_emb_norm.weight":
             ours, array = "mm.soft_emb_norm.weight", array + 1.0
+        elif name == "connector.modality_projection.proj.weight":
+            ours, array = "mm.model.fc.weight", array.astype(np.float16)
         else:
             continue
         writer.add_tensor(ours, np.ascontiguousarray(array))
@@ -196,5 +204,5 @@ def test_an_mmproj_gguf_reads_the_same_tower(gemma3_vl, tmp_path):
     write_mmproj(directory, tmp_path / "default.gguf")
     assert mmproj_checkpoint(str(tmp_path / "default.gguf"))[0].tokens_per_image == 1
     (tmp_path / "text.gguf").write_bytes((tmp_path / "mmproj.gguf").read_bytes().replace(b"gemma3", b"llava_"))
-    with pytest.raises(WeightLoadError, match="not a Gemma 3 mmproj"):
+    with pytest.raises(WeightLoadError, match="not a Gemma 3 or SmolVLM mmproj"):
         mmproj_checkpoint(str(tmp_path / "text.gguf"))

@@ -33,6 +33,8 @@ __all__ = ["VisionConfig", "mmproj_checkpoint", "mmproj_config", "vision_checkpo
 _ARCHITECTURES = ("Gemma3ForConditionalGeneration", "SmolVLMForConditionalGeneration",
                   "Idefics3ForConditionalGeneration")
 _SHUFFLED = ("SmolVLMForConditionalGeneration", "Idefics3ForConditionalGeneration")
+# llama.cpp's mmproj projector types read here -> the architecture whose tower and projector they hold
+MMPROJ_PROJECTORS = {"gemma3": "Gemma3ForConditionalGeneration", "idefics3": "Idefics3ForConditionalGeneration"}
 
 
 @dataclass(frozen=True)
@@ -180,6 +182,7 @@ _MMPROJ_NAMES = {"v.patch_embd.": "vision_tower.embeddings.patch_embedding.",
                  "v.position_embd.": "vision_tower.embeddings.position_embedding.",
                  "v.post_ln.": "vision_tower.post_layernorm.",
                  "mm.input_projection.weight": "multi_modal_projector.mm_input_projection_weight",
+                 "mm.model.fc.weight": "multi_modal_projector.proj.weight",              # SmolVLM's, Idefics3's
                  "mm.soft_emb_norm.": "multi_modal_projector.mm_soft_emb_norm."}
 _MMPROJ_LAYER = {"ln1.": "layer_norm1.", "ln2.": "layer_norm2.", "attn_q.": "self_attn.q_proj.",
                  "attn_k.": "self_attn.k_proj.", "attn_v.": "self_attn.v_proj.", "attn_out.": "self_attn.out_proj.",
@@ -200,7 +203,8 @@ def _mmproj_name(name: str) -> Optional[str]:
 
 
 def _mmproj_fields(path: str, contents=None):
-    """An mmproj GGUF's read contents (gguf_file.read_gguf's), checked to be a Gemma 3 mmproj."""
+    """An mmproj GGUF's read contents (gguf_file.read_gguf's), checked to be a Gemma 3 or SmolVLM (Idefics3)
+    mmproj."""
     from llm_serving.gguf_file import read_gguf
 
     if contents is None:
@@ -210,23 +214,25 @@ def _mmproj_fields(path: str, contents=None):
             raise WeightLoadError(f"{path}: cannot read GGUF file: {e}") from e
     fields = contents.fields
     kind = (fields.get("general.architecture"), fields.get("clip.projector_type"))
-    if kind != ("clip", "gemma3"):
-        raise WeightLoadError(f"{path}: not a Gemma 3 mmproj GGUF (general.architecture {kind[0]!r}, "
-                              f"clip.projector_type {kind[1]!r}; served: clip with gemma3)")
+    if kind[0] != "clip" or kind[1] not in MMPROJ_PROJECTORS:
+        raise WeightLoadError(f"{path}: not a Gemma 3 or SmolVLM mmproj GGUF (general.architecture {kind[0]!r}, "
+                              f"clip.projector_type {kind[1]!r}; served: clip with gemma3 or idefics3)")
     return contents
 
 
 def mmproj_config(path: str, contents=None) -> VisionConfig:
-    """The VisionConfig of llama.cpp's mmproj GGUF of a Gemma 3 (`clip.projector_type` gemma3). The image tokens'
-    pooling: `clip.vision.projector.scale_factor` patches a side, 4 (every Gemma 3's) when the file does not say.
-    The placeholder token ids are the text model's (its vocabulary), not known here. WeightLoadError for a file
-    that is not such an mmproj."""
+    """The VisionConfig of llama.cpp's mmproj GGUF of a Gemma 3 (`clip.projector_type` gemma3) or a SmolVLM
+    (idefics3). The image tokens' pooling or pixel shuffle: `clip.vision.projector.scale_factor` patches a side, 4
+    (every Gemma 3's) when the file does not say. The placeholder token ids are the text model's (its vocabulary),
+    not known here. WeightLoadError for a file that is not such an mmproj."""
     fields = _mmproj_fields(path, contents).fields
     try:
         image, patch = int(fields["clip.vision.image_size"]), int(fields["clip.vision.patch_size"])
         pool = int(fields.get("clip.vision.projector.scale_factor", 4))
         side = image // patch // pool if pool > 0 else 0
-        return _config({"vision_config": {
+        shuffled = fields["clip.projector_type"] == "idefics3"
+        return _config({"architectures": [MMPROJ_PROJECTORS[fields["clip.projector_type"]]],
+                        **({"scale_factor": pool} if shuffled else {}), "vision_config": {
             "hidden_size": fields["clip.vision.embedding_length"],
             "intermediate_size": fields["clip.vision.feed_forward_length"],
             "num_hidden_layers": fields["clip.vision.block_count"],
