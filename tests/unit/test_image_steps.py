@@ -207,6 +207,16 @@ def test_graph_calls_never_cut_an_image(t, spans, want):
     assert pieces(t, [2, 4, 8], spans) == want
 
 
+def test_graph_calls_around_an_image_pad_as_little_as_text_steps_do():
+    """A Gemma 3 image question of 290 tokens (its image at 5..260): 32 + 256 + 32 tokens of buckets, not one call
+    of 512 (222 tokens of padding through every layer); an image at the start of a call is held whole."""
+    sizes = [32, 64, 128, 256, 512, 1024]
+    assert pieces(290, sizes, [(5, 261)]) == [(0, 5, 32), (5, 261, 256), (261, 290, 32)]
+    assert pieces(290, sizes, [(20, 276)]) == [(0, 20, 32), (20, 276, 256), (276, 290, 32)]
+    assert pieces(300, sizes, [(0, 280)]) == [(0, 280, 512), (280, 300, 32)]
+    assert pieces(290, sizes, []) == [(0, 256, 256), (256, 290, 64)]
+
+
 def test_an_image_larger_than_a_graph_call_is_named():
     with pytest.raises(ValueError, match="an image of 10 tokens does not fit one graph call of at most 8"):
         pieces(12, [2, 4, 8], [(0, 10)])

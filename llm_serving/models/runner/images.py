@@ -82,17 +82,17 @@ class ImageEncoder:
         return rows
 
     def compile(self) -> None:
-        """Compile the tower's graphs ahead of the first image, outside the compile cache (whose graphs are named by
-        their compile order: warmup's)."""
+        """Compile and warm the tower's graphs ahead of the first image (`VisionTower.warm`: one run of each on
+        zeros), outside the compile cache (whose graphs are named by their compile order: warmup's)."""
         from ..mindspore_env import set_compile_cache
 
         if self.compiled:
             return
         set_compile_cache(False)
         t0 = time.perf_counter()
-        self.tower.compile()
+        self.tower.warm()
         self.compiled = True
-        logger.info("vision tower compiled in %.1f s", time.perf_counter() - t0)
+        logger.info("vision tower compiled and warmed in %.1f s", time.perf_counter() - t0)
 
 
 def vision_checkpoint_of(model_path: str, mmproj: Optional[str]) -> Optional[tuple]:
@@ -163,16 +163,24 @@ def place(images: list, encoder: ImageEncoder, query_lens: np.ndarray, positions
 
 def pieces(t: int, sizes: list, spans: list) -> list:
     """(start, stop, bucket) graph calls over t tokens with token buckets `sizes` (ascending), no span of `spans`
-    cut between two calls: each call as long as the largest bucket allows, ending before an image it would cut,
-    in the smallest bucket that holds it. ValueError for an image longer than the largest bucket."""
+    cut between two calls. Each call as Buckets.token_pieces would cut a text step (the largest bucket's worth, or
+    the rest in the smallest bucket that holds it, unless that pads more than the smallest bucket: then the largest
+    bucket that fits first, so a 290-token image question runs as 256 + 32 + 32 tokens, not 512), ending before an
+    image it would cut, or at the end of an image it starts with. ValueError for an image longer than the largest
+    bucket."""
     out, start = [], 0
     largest = sizes[-1]
     while start < t:
-        stop = min(start + largest, t)
+        n = min(t - start, largest)
+        if sizes[bisect.bisect_left(sizes, n)] - n > sizes[0] and n >= sizes[0]:
+            n = sizes[bisect.bisect_right(sizes, n) - 1]        # too much padding: the bucket below first
+        stop = start + n
         for first, end in spans:
             if first < stop < end:
                 if first > start:
                     stop = first
+                elif end - start <= largest:
+                    stop = end                                   # (an image starting the call: held whole)
                 else:
                     raise ValueError(f"an image of {end - first} tokens does not fit one graph call of at most "
                                      f"{largest} tokens (serving_config.max_num_batched_tokens)")
