@@ -12,6 +12,10 @@ with --outtype f16). Measured, for each server in turn:
     python bench/vision_serving.py                          # made files, 1 + 4 questions, 32 tokens each
     python bench/vision_serving.py --streams 16 --tokens 32
 
+Both servers run at once for `--paired N` rounds of alone questions sent to each in turn (a new picture each round,
+the order swapped each round; the idle server waits on its socket), so that each ratio compares the same minutes of a
+VM whose speed drifts; then each server's own measures below, one after the other.
+
 The files (made once, under the peers directory's models/, beside the text model):
   - `bench-llama-gemma3-4b-vl-Q4_K_M.gguf`: the text model with three of SmolLM2's unused special tokens (ids 4-6)
     renamed Gemma 3's `<start_of_image>`, `<end_of_image>`, `<image_soft_token>` and a ChatML template that places
@@ -176,6 +180,19 @@ def measure(url: str, model: str, streams: int, tokens: int) -> dict:
             "again": again}
 
 
+def paired(ours: str, theirs: str, model: str, rounds: int, tokens: int) -> dict:
+    """Alone questions to the two servers in turn, both running (the idle one waits on its socket), each round a new
+    picture to both and the order swapped every round: on a VM whose speed drifts by 10% over minutes, each ratio
+    compares the same minutes."""
+    ttft = {"ours": [], "llama": []}
+    for k in range(rounds):
+        picture = image(1000 + k)
+        for name in (("ours", "llama") if k % 2 == 0 else ("llama", "ours")):
+            ttft[name].append(ask(ours if name == "ours" else theirs, model, picture, tokens)["ttft_s"])
+    ratios = [o / t for o, t in zip(ttft["ours"], ttft["llama"])]
+    return {**ttft, "ratios": ratios, "ratio_median": float(np.median(ratios))}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--text", default=None, help="the text model (default: bench/make_models.py's gemma3-4b Q4_K_M)")
@@ -183,6 +200,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--only", choices=("ours", "llama"), default=None)
+    ap.add_argument("--paired", type=int, default=2,
+                    help="rounds of alone questions to both servers in turn, both running (0: none)")
     ap.add_argument("--out", default="bench_results/vision_serving.json")
     args = ap.parse_args(argv)
 
@@ -198,33 +217,48 @@ def main(argv=None) -> int:
     result = {"machine": machine(), "text": str(vl), "mmproj": str(proj), "streams": args.streams,
               "tokens": args.tokens}
     name = "gemma3-4b-vl"
-    if args.only != "llama":
-        log = log_dir() / "vision_serving_ours.log"
-        srv, started = start_ours(["--model", str(vl), "--set", f"model_config.mmproj={proj}",
-                                   "--set", f"model_config.model_name={name}",
-                                   "--set", "model_config.max_generate_length=1024",
-                                   "--set", f"serving_config.max_num_seqs={max(16, args.streams)}"], log)
+    ours_args = ["--model", str(vl), "--set", f"model_config.mmproj={proj}", "--set", f"model_config.model_name={name}",
+                 "--set", "model_config.max_generate_length=1024",
+                 "--set", f"serving_config.max_num_seqs={max(16, args.streams)}"]
+    llama_cmd = ["-m", str(vl), "--mmproj", str(proj), "--alias", name, "--host", "127.0.0.1", "-t", str(args.threads),
+                 "-np", str(args.streams), "-c", str(1024 * args.streams), "--jinja"]
+    binary, version = find_llama_server(None) if args.only != "ours" else (None, "not asked for")
+    if args.only is None and binary is not None:
+        # both servers up: the paired alone questions, then each server's own measures with the other idle
+        srv, started = start_ours(ours_args, log_dir() / "vision_serving_ours.log")
+        try:
+            def both(peer) -> dict:
+                out = {"paired": paired(srv.url, peer.url, name, args.paired, args.tokens)}
+                print("paired alone questions:", json.dumps(out["paired"]), flush=True)
+                out["ours"] = {"start_s": started, **measure(srv.url, name, args.streams, args.tokens)}
+                print("ours:", json.dumps(out["ours"]), flush=True)
+                out["llama"] = {**measure(peer.url, name, args.streams, args.tokens), "version": version}
+                print("llama-server:", json.dumps(out["llama"]), flush=True)
+                return out
+            measured, _ = with_llama_server([binary, *llama_cmd], log_dir() / "vision_serving_llama.log", both)
+            result.update(measured)
+        finally:
+            srv.stop()
+    if args.only == "ours" or (args.only is None and binary is None):
+        srv, started = start_ours(ours_args, log_dir() / "vision_serving_ours.log")
         try:
             result["ours"] = {"start_s": started, **measure(srv.url, name, args.streams, args.tokens)}
         finally:
             srv.stop()
         print("ours:", json.dumps(result["ours"]), flush=True)
-    if args.only != "ours":
-        binary, version = find_llama_server(None)
+    if args.only == "llama":
         if binary is None:
             print(f"llama-server: {version}")
         else:
-            log = log_dir() / "vision_serving_llama.log"
-            ctx = 1024 * args.streams
             result["llama"], _ = with_llama_server(
-                [binary, "-m", str(vl), "--mmproj", str(proj), "--alias", name, "--host", "127.0.0.1", "-t",
-                 str(args.threads), "-np", str(args.streams), "-c", str(ctx), "--jinja"], log,
+                [binary, *llama_cmd], log_dir() / "vision_serving_llama.log",
                 lambda peer: measure(peer.url, name, args.streams, args.tokens))
             result["llama"]["version"] = version
             print("llama-server:", json.dumps(result["llama"]), flush=True)
     if "ours" in result and "llama" in result:
         o, ll = result["ours"], result["llama"]
         result["ratios"] = {"ttft_alone": o["alone"]["ttft_s"] / ll["alone"]["ttft_s"],
+                            **({"ttft_paired_median": result["paired"]["ratio_median"]} if "paired" in result else {}),
                             "tok_s": o["concurrent"]["tok_s"] / ll["concurrent"]["tok_s"],
                             "ttft_again": o["again"]["ttft_s"] / ll["again"]["ttft_s"]}
         print("ratios (ours / llama-server):", json.dumps(result["ratios"]))

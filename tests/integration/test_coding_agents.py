@@ -31,7 +31,9 @@ from tests.integration.server_harness import REPO, http, serving
 
 CLIS = Path(os.environ.get("LLM_SERVING_AGENT_CLIS", REPO / ".venv" / "clis")) / "node_modules" / ".bin"
 TASK = "say hello"
-RUN_TIMEOUT_S = 300
+# a captured Claude Code request (its long system prompt and tools) took 106 s alone on a 2-core Zen 3 (AVX2) and over
+# 300 s beside the suite's other worker there: the bound is for a hang, not a speed check
+RUN_TIMEOUT_S = 600
 
 
 def cli(name: str) -> str:

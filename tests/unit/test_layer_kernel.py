@@ -636,7 +636,10 @@ def test_final_logits_token_and_logprob(library, invariant_mode, vocab, rows, th
         first_tokens, first_logprobs = token.copy(), logprob.copy()
         assert invoke(library.FinalLogits, logits_args(x, w, gain, tail, cfg, logits, token, logprob)) == 0
         assert token[:-1].tolist() == first_tokens[:-1].tolist() and token[-1] == 0 and logprob[-1] == 0
-        np.testing.assert_array_equal(logprob[:-1], first_logprobs[:-1])
+        if invariant_mode:      # the same bits whatever the rows; the fastest products pick their route by the
+            np.testing.assert_array_equal(logprob[:-1], first_logprobs[:-1])     # rows (AVX2: 1 ulp apart)
+        else:
+            np.testing.assert_allclose(logprob[:-1], first_logprobs[:-1], rtol=1e-6, atol=1e-6)
     # every row sitting out (a decode run's step after all its rows ended): nothing computed, tokens 0
     logits[:] = np.nan
     none = np.full(rows, -1, np.int32)
