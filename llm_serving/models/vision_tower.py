@@ -161,8 +161,8 @@ class _Projector(nn.Cell):
 
 class VisionTower:
     """A SigLIP tower and its projector, Gemma 3's or SmolVLM's (the module docstring). `weights`: {name:
-    StoredTensor} as weights/vision.py's `vision_checkpoint` gives them (or arrays under the same names). `kernels`, `threads`:
-    the layers' CPU kernel library and its threads (_EncoderLayer; None: MindSpore's ops).
+    StoredTensor} as weights/vision.py's `vision_checkpoint` gives them (or arrays under the same names).
+    `kernels`, `threads`: the layers' CPU kernel library and its threads (_EncoderLayer; None: MindSpore's ops).
 
     Three graphs: the patches, one encoder layer (run once per layer, the layer's weights its inputs), the
     projector. A layer at a time keeps one layer's attention scores alive (num_heads x patches^2 floats: 1 GiB at

@@ -1,8 +1,8 @@
 """Images in: a request's image bytes decoded and checked (`images.decode`), and made into the pixel array a model's
-vision tower reads, as its processor's config says (`images.ImageSpec`, `images.pixels`, or SmolVLM's tiles `images.frames`). Pure Python over Pillow
-and numpy: the master decodes and checks what a request carries, the agent's tower reads the pixels
-(models/vision_tower.py). `model.image_facts`: what the master knows of a served model's images (how many tokens an
-image becomes, its placeholders, its processor).
+vision tower reads, as its processor's config says (`images.ImageSpec`, `images.pixels`, or SmolVLM's tiles
+`images.frames`). Pure Python over Pillow and numpy: the master decodes and checks what a request carries, the agent's
+tower reads the pixels (models/vision_tower.py). `model.image_facts`: what the master knows of a served model's images
+(how many tokens an image becomes, its placeholders, its processor).
 """
 from .images import ImageError, ImageSpec, decode, decode_data_url, frames, image_size, pixels
 from .model import ImageFacts, image_facts

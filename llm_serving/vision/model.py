@@ -9,13 +9,14 @@ tower's output for that image. Read from a HF directory (config.json's `vision_c
 config beside it) or from llama.cpp's mmproj GGUF beside a GGUF model (its `clip.vision.*` keys; the token ids from
 the vocabulary).
 
-SmolVLM and Idefics3 (`family` "smolvlm", from a HF directory or an idefics3 mmproj GGUF): the template puts `<image>` where an image goes; the image
-is cut into frames (vision/images.py's `frames`: rows x cols tiles and the whole image), and the mark becomes, as
-transformers' SmolVLMProcessor writes it, each tile's `<fake_token_around_image><row_R_col_C>` + image_seq_len x
-`<image>` (a newline after each row of tiles), then "\n" + `<fake_token_around_image><global-img>` + image_seq_len x
-`<image>` + `<fake_token_around_image>` (an image of one tile: that last part alone). Each frame's run of
-placeholders is an image to the rest of the server (its own pixels, tower rows and cache key); the expansion needs
-each image's size (`expand(text, sizes)`), which the file's header gives.
+SmolVLM and Idefics3 (`family` "smolvlm", from a HF directory or an idefics3 mmproj GGUF): the template puts `<image>`
+where an image goes; the image is cut into frames (vision/images.py's `frames`: rows x cols tiles and the whole
+image), and the mark becomes, as transformers' SmolVLMProcessor writes it, each tile's
+`<fake_token_around_image><row_R_col_C>` + image_seq_len x `<image>` (a newline after each row of tiles), then "\\n" +
+`<fake_token_around_image><global-img>` + image_seq_len x `<image>` + `<fake_token_around_image>` (an image of one
+tile: that last part alone). Each frame's run of placeholders is an image to the rest of the server (its own pixels,
+tower rows and cache key); the expansion needs each image's size (`expand(text, sizes)`), which the file's header
+gives.
 """
 from __future__ import annotations
 

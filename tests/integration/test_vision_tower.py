@@ -1,7 +1,8 @@
 """Gemma 3's vision tower (models/vision_tower.py) against transformers' on a tiny random Gemma3ForConditionalGeneration:
 an image decoded and made into pixels here (llm_serving/vision), then SigLIP and the projector in MindSpore graphs (on
-its ops, and on the CPU kernels), each image's tokens within 1e-5 (relative) of `get_image_features`'s; the checkpoint read under transformers 5.x's
-names and 4.x's (`vision_tower.vision_model.*`, `language_model.model.*`); the checkpoint's faults named."""
+its ops, and on the CPU kernels), each image's tokens within 1e-5 (relative) of `get_image_features`'s; the checkpoint
+read under transformers 5.x's names and 4.x's (`vision_tower.vision_model.*`, `language_model.model.*`); the
+checkpoint's faults named."""
 from __future__ import annotations
 
 import dataclasses

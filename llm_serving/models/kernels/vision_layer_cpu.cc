@@ -19,7 +19,7 @@
 // Why a kernel: as MindSpore ops the attention split q|k|v into (3, N, H, T, hd) (a transpose of every value),
 // wrote the (N, H, T, T) scores (1 GiB at Gemma 3's 4,096 patches and 16 heads), read them back for the
 // softmax, wrote the probabilities, and transposed the result back: about half of an encoder layer's time beside
-// the products. Here a block of kQueryRows queries of one head runs over the image's keys kKeyBlock at a time,
+// the products. Here a block of kQueries queries of one head runs over the image's keys kKeyBlock at a time,
 // with an online softmax (each query's running maximum and sum, as flash attention does): the scores of one
 // block live in L1/L2, and nothing of size T^2 is ever written.
 //
@@ -30,8 +30,8 @@
 // horizontal reductions), and a query block's output is transposed once, when it is written.
 //
 // Two phases, each spread over `threads` threads (the calling one included):
-//   1. each (image, head)'s keys and values copied out to (T', hd) rows (T' = T rounded up to kKeyBlock, zeros
-//      past the end);
+//   1. each (image, head)'s keys copied out in panels of kRows keys and its values to (T', hd) rows (T' = T
+//      rounded up to kKeyBlock, zeros past the end), their biases added;
 //   2. each (image, head, query block) task: Q^T scaled, then for each key block S^T, the online softmax,
 //      O^T += V^T P^T; then O^T / sum written out.
 // Sums run in float32 along hd (scores) and along the keys in order (outputs), a query's the same whatever the
@@ -53,9 +53,9 @@ constexpr int64_t kLanes = 16;
 constexpr int kRows = 12;          // 12 x 2 accumulators of 32 registers
 #else
 constexpr int64_t kLanes = 8;
-constexpr int kRows = 4;           // 4 x 2 accumulators of 16 registers, 2 vectors of Q^T or P^T, a broadcast: 6 loads
-                                   // for 8 FMAs (6 rows spilled an accumulator, whose store and reload then chained
-                                   // every iteration)
+constexpr int kRows = 4;           // 4 x 2 accumulators of 16 registers, 2 vectors of Q^T or P^T, a broadcast: 6
+                                   // loads for 8 FMAs (6 rows spilled an accumulator, whose store and reload then
+                                   // chained every iteration; 3 x 3 and 2 x 4 measured slower)
 #endif
 typedef float vf __attribute__((vector_size(kLanes * sizeof(float))));
 
@@ -92,7 +92,11 @@ inline void rows_by_queries(const float* a, int64_t ks, const float* b, int64_t 
   }
   for (int64_t k = 0; k < depth; ++k) {
     vf b0 = load(b + k * kQueries + q0), b1 = load(b + k * kQueries + q0 + kLanes);
+#if defined(__AVX512F__)
+    asm("" : "+v"(b0), "+v"(b1));          // (any of the 32 registers)
+#else
     asm("" : "+x"(b0), "+x"(b1));
+#endif
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
       const vf x = vf{} + a[r + k * ks];

@@ -22,7 +22,8 @@ from ..weights.gguf import KEPT_QUANTIZED
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GGML_TYPE_NAMES", "KernelChoice", "build_vision_kernels", "choose_kernels", "describe_quantized", "repacked_for"]
+__all__ = ["GGML_TYPE_NAMES", "KernelChoice", "build_vision_kernels", "choose_kernels", "describe_quantized",
+           "repacked_for"]
 
 GGML_TYPE_NAMES = {code: name for name, code in KEPT_QUANTIZED.items()}
 
