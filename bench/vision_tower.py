@@ -72,7 +72,7 @@ def main(argv=None) -> int:
 
     import os
 
-    from llm_serving.models.kernels import build_kernel
+    from llm_serving.models.runner.kernels import build_vision_kernels
     from llm_serving.models.mindspore_env import setup_mindspore
     from llm_serving.models.vision_tower import VisionTower
     from llm_serving.models.weights.vision import VisionConfig
@@ -86,7 +86,7 @@ def main(argv=None) -> int:
     towers, built = {}, {}
     for kind in kinds:
         t0 = time.perf_counter()
-        kernels = build_kernel("vision_layer_cpu", "VisionAttention").rsplit(":", 1)[0] if kind == "kernel" else None
+        kernels = build_vision_kernels("CPU", "on") if kind == "kernel" else None
         towers[kind] = VisionTower(cfg, weights, kernels=kernels, threads=threads)
         built[kind] = time.perf_counter() - t0
     pixels = np.random.default_rng(1).uniform(-1, 1, (1, 3, args.image, args.image)).astype(np.float32)

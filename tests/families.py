@@ -352,6 +352,20 @@ def transformers_greedy(path, prompt_ids: list, n: int) -> list:
 
 # ---------------------------------------------------------------------------------- vision-language models
 
+def greedy_with_logprobs(last_logits, ids: list, n: int) -> tuple:
+    """`n` greedy tokens after `ids` and each one's log-probability, `last_logits(ids)` giving the last position's
+    logits (a torch tensor) of a whole forward over `ids` (no cache)."""
+    import torch
+
+    tokens, logprobs = [], []
+    for _ in range(n):
+        with torch.no_grad():
+            lp = torch.log_softmax(last_logits(ids + tokens).double(), -1)
+        tokens.append(int(lp.argmax()))
+        logprobs.append(float(lp.max()))
+    return tokens, logprobs
+
+
 # Gemma 3's image tokens, as the tiny vision model's tokenizer holds them (ids 3, 4, 5: after SPECIAL_TOKENS)
 GEMMA3_IMAGE_TOKENS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
 # a ChatML template that, as Gemma 3's does, puts <start_of_image> where a message's image part is

@@ -117,26 +117,8 @@ class Buckets:
         return self.decode_block_widths[bisect.bisect_left(self.decode_block_widths, needed)]
 
     def token_pieces(self, t: int) -> list:
-        """Token buckets whose sum covers t tokens: the smallest bucket that holds them, unless that would
-        pad more than the smallest bucket's worth of tokens — then the largest bucket that fits runs first
-        and the rest is split the same way (272 tokens with buckets ..., 256, 512: 256 + 32, not 512);
-        more tokens than the largest bucket fill it as often as needed."""
-        sizes = self.prefill_token_sizes
-        pieces = []
-        while t > 0:
-            i = bisect.bisect_left(sizes, t)
-            if i == len(sizes):                  # more than the largest bucket (max_step_tokens): fill it
-                pieces.append(sizes[-1])
-                t -= sizes[-1]
-                continue
-            fit = sizes[i]
-            below = sizes[bisect.bisect_right(sizes, t) - 1] if t >= sizes[0] else None
-            if below is None or fit - t <= sizes[0]:
-                pieces.append(fit)
-                break
-            pieces.append(below)
-            t -= below
-        return pieces
+        """`token_pieces` over this runner's prefill token buckets."""
+        return token_pieces(self.prefill_token_sizes, t)
 
     def row_pieces(self, lengths) -> list:
         """(start, stop, bucket) graph calls over rows of `lengths` tokens side by side, each row whole within one
@@ -170,3 +152,25 @@ class Buckets:
             return out + [("verify", t, None, None) for t in self.verify_sizes]
         out += [("prefill", b, s, None) for b in self.prefill_batch_sizes for s in self.prefill_seq_lens]
         return out + [("verify", b, self.verify_width, None) for b in self.verify_sizes]
+
+
+def token_pieces(sizes: list, t: int) -> list:
+    """Token buckets of `sizes` (ascending) whose sum covers t tokens: the smallest bucket that holds them, unless
+    that would pad more than the smallest bucket's worth of tokens — then the largest bucket that fits runs first
+    and the rest is split the same way (272 tokens with buckets ..., 256, 512: 256 + 32, not 512); more tokens than
+    the largest bucket fill it as often as needed."""
+    pieces = []
+    while t > 0:
+        i = bisect.bisect_left(sizes, t)
+        if i == len(sizes):                  # more than the largest bucket (max_step_tokens): fill it
+            pieces.append(sizes[-1])
+            t -= sizes[-1]
+            continue
+        fit = sizes[i]
+        below = sizes[bisect.bisect_right(sizes, t) - 1] if t >= sizes[0] else None
+        if below is None or fit - t <= sizes[0]:
+            pieces.append(fit)
+            break
+        pieces.append(below)
+        t -= below
+    return pieces

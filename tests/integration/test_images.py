@@ -13,7 +13,7 @@ import json
 import numpy as np
 import pytest
 
-from tests.families import make_gemma3_vl, needs_transformers, vision_prompt_ids
+from tests.families import greedy_with_logprobs, make_gemma3_vl, needs_transformers, vision_prompt_ids
 from tests.integration.server_harness import http, serving
 
 pytest.importorskip("mindspore")
@@ -58,16 +58,12 @@ def _reference(path, ids: list, images: list) -> tuple:
     processor = transformers.Gemma3ImageProcessor.from_pretrained(str(path))
     pixels = torch.from_numpy(processor(images=[Image.open(io.BytesIO(d)) for d in images],
                                         return_tensors="np")["pixel_values"])
-    tokens, logprobs = [], []
-    for _ in range(NEW_TOKENS):
-        x = torch.tensor([ids + tokens])
-        with torch.no_grad():
-            logits = model(input_ids=x, pixel_values=pixels, token_type_ids=(x == IMAGE).long(),
-                           use_cache=False).logits[0, -1].double()
-        lp = torch.log_softmax(logits, -1)
-        tokens.append(int(lp.argmax()))
-        logprobs.append(float(lp.max()))
-    return tokens, logprobs
+
+    def last_logits(context: list):
+        x = torch.tensor([context])
+        return model(input_ids=x, pixel_values=pixels, token_type_ids=(x == IMAGE).long(),
+                     use_cache=False).logits[0, -1]
+    return greedy_with_logprobs(last_logits, ids, NEW_TOKENS)
 
 
 async def _chats(url: str, bodies: list) -> list:

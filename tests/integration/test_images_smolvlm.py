@@ -14,7 +14,7 @@ import io
 import numpy as np
 import pytest
 
-from tests.families import SMOLVLM_IMAGE_TOKENS, make_smolvlm, needs_transformers
+from tests.families import SMOLVLM_IMAGE_TOKENS, greedy_with_logprobs, make_smolvlm, needs_transformers
 from tests.integration.server_harness import http, serving
 
 pytest.importorskip("mindspore")
@@ -78,15 +78,9 @@ def _reference(path, ids: list, images: list) -> tuple:
                                                                          attn_implementation="eager").eval()
     out = _processor(path)(images=[[Image.open(io.BytesIO(d)) for d in images]], return_tensors="np")
     pixels, mask = torch.from_numpy(out["pixel_values"]), torch.from_numpy(out["pixel_attention_mask"])
-    tokens, logprobs = [], []
-    for _ in range(NEW_TOKENS):
-        with torch.no_grad():
-            logits = model(input_ids=torch.tensor([ids + tokens]), pixel_values=pixels, pixel_attention_mask=mask,
-                           use_cache=False).logits[0, -1].double()
-        lp = torch.log_softmax(logits, -1)
-        tokens.append(int(lp.argmax()))
-        logprobs.append(float(lp.max()))
-    return tokens, logprobs
+    return greedy_with_logprobs(lambda context: model(input_ids=torch.tensor([context]), pixel_values=pixels,
+                                                      pixel_attention_mask=mask, use_cache=False).logits[0, -1],
+                                ids, NEW_TOKENS)
 
 
 def _user(text: str, *images: bytes) -> dict:

@@ -45,6 +45,7 @@
 #include <vector>
 
 #include "cpu_kernel_common.h"
+#include "layer_parts_cpu.h"     // layer_normalize_row, gelu_times: the decoder layer's own
 
 namespace {
 
@@ -218,6 +219,17 @@ void on_threads(int64_t threads, Body body) {
   for (auto& th : pool) th.join();
 }
 
+// work(i) for i < tasks on up to `threads` threads, each claiming `chunk` consecutive tasks at a time
+template <typename Work>
+void for_each_task(int64_t threads, int64_t tasks, int64_t chunk, Work work) {
+  std::atomic<int64_t> next{0};
+  on_threads(std::min(threads, (tasks + chunk - 1) / chunk), [&] {
+    for (int64_t i0 = next.fetch_add(chunk); i0 < tasks; i0 = next.fetch_add(chunk)) {
+      for (int64_t i = i0; i < std::min(tasks, i0 + chunk); ++i) work(i);
+    }
+  });
+}
+
 }  // namespace
 
 extern "C" int VisionAttention(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
@@ -242,16 +254,13 @@ extern "C" int VisionAttention(int nparam, void** params, int* ndims, int64_t** 
   Shape sh{shapes[0][0] / t, t, h, d / h, d, round_up(t, kKeyBlock)};
   const int64_t heads = sh.n * sh.h, head_floats = 2 * sh.tp * sh.hd;
   std::vector<float> packed(static_cast<size_t>(heads * head_floats));
-  std::atomic<int64_t> next{0};
-  on_threads(std::min(threads, heads), [&] {
-    for (int64_t i = next.fetch_add(1); i < heads; i = next.fetch_add(1)) {
-      float* kv = packed.data() + i * head_floats;
-      pack_head(qkv, bias, sh, i / sh.h, i % sh.h, kv, kv + sh.tp * sh.hd);
-    }
+  for_each_task(threads, heads, 1, [&](int64_t i) {
+    float* kv = packed.data() + i * head_floats;
+    pack_head(qkv, bias, sh, i / sh.h, i % sh.h, kv, kv + sh.tp * sh.hd);
   });
   const int64_t blocks = (t + kQueries - 1) / kQueries;
   const float scale = 1.f / std::sqrt(static_cast<float>(sh.hd));
-  next = 0;
+  std::atomic<int64_t> next{0};
   on_threads(std::min(threads, heads * blocks), [&] {
     Scratch w(sh);
     for (int64_t i = next.fetch_add(1); i < heads * blocks; i = next.fetch_add(1)) {
@@ -268,7 +277,7 @@ extern "C" int VisionAttention(int nparam, void** params, int* ndims, int64_t** 
 //   bias    (M,)   float32
 //   config  (1,)   int32     [threads]
 //   out     (R, M) float32   0.5 y (1 + tanh(sqrt(2/pi) (y + 0.044715 y^3))), y = x + bias
-// tanh(u) = sign(u) (1 - e) / (1 + e) with e = e^(-2|u|) (exp_nonpositive: relative error ~1e-7).
+// The decoder layer's gelu_times (layer_parts_cpu.h: as a sigmoid, no cancellation for negative y).
 extern "C" int VisionBiasGelu(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
                               void* stream, void* extra) {
   (void)stream;
@@ -284,22 +293,8 @@ extern "C" int VisionBiasGelu(int nparam, void** params, int* ndims, int64_t** s
   const auto* bias = static_cast<const float*>(params[1]);
   const int64_t threads = std::max<int32_t>(1, static_cast<const int32_t*>(params[2])[0]);
   auto* out = static_cast<float*>(params[3]);
-  constexpr int64_t kChunk = 16;     // rows a claim
-  std::atomic<int64_t> next{0};
-  on_threads(std::min(threads, (rows + kChunk - 1) / kChunk), [&] {
-    for (int64_t r0 = next.fetch_add(kChunk); r0 < rows; r0 = next.fetch_add(kChunk)) {
-      for (int64_t r = r0; r < std::min(rows, r0 + kChunk); ++r) {
-        const float* src = x + r * m;
-        float* dst = out + r * m;
-        for (int64_t c = 0; c < m; ++c) {
-          const float y = src[c] + bias[c];
-          const float u = 0.7978845608028654f * (y + 0.044715f * y * y * y);
-          const float e = llm_serving::exp_nonpositive(-2.f * std::fabs(u));
-          const float t = std::copysign((1.f - e) / (1.f + e), u);
-          dst[c] = 0.5f * y * (1.f + t);
-        }
-      }
-    }
+  for_each_task(threads, rows, 16, [&](int64_t r) {
+    for (int64_t c = 0; c < m; ++c) out[r * m + c] = gelu_times(x[r * m + c] + bias[c], 1.f);
   });
   return 0;
 }
@@ -312,7 +307,7 @@ extern "C" int VisionBiasGelu(int nparam, void** params, int* ndims, int64_t** s
 //   eps     (1,)   float32
 //   config  (1,)   int32    [threads]
 //   out     (R, D) float32
-// The mean and variance in float64 (two passes over the row, which is in L1).
+// The decoder layer's layer_normalize_row (layer_parts_cpu.h: the mean and variance in float64).
 extern "C" int VisionLayerNorm(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
                                void* stream, void* extra) {
   (void)stream;
@@ -335,23 +330,6 @@ extern "C" int VisionLayerNorm(int nparam, void** params, int* ndims, int64_t** 
   const float eps = static_cast<const float*>(params[3])[0];
   const int64_t threads = std::max<int32_t>(1, static_cast<const int32_t*>(params[4])[0]);
   auto* out = static_cast<float*>(params[5]);
-  constexpr int64_t kChunk = 32;     // rows a claim
-  std::atomic<int64_t> next{0};
-  on_threads(std::min(threads, (rows + kChunk - 1) / kChunk), [&] {
-    for (int64_t r0 = next.fetch_add(kChunk); r0 < rows; r0 = next.fetch_add(kChunk)) {
-      for (int64_t r = r0; r < std::min(rows, r0 + kChunk); ++r) {
-        const float* src = x + r * d;
-        double sum = 0.0;
-        for (int64_t c = 0; c < d; ++c) sum += src[c];
-        const double mean = sum / static_cast<double>(d);
-        double squares = 0.0;
-        for (int64_t c = 0; c < d; ++c) squares += (src[c] - mean) * (src[c] - mean);
-        const float m = static_cast<float>(mean);
-        const float inv = static_cast<float>(1.0 / std::sqrt(squares / static_cast<double>(d) + eps));
-        float* dst = out + r * d;
-        for (int64_t c = 0; c < d; ++c) dst[c] = (src[c] - m) * inv * gain[c] + bias[c];
-      }
-    }
-  });
+  for_each_task(threads, rows, 32, [&](int64_t r) { layer_normalize_row(x + r * d, d, eps, gain, bias, out + r * d); });
   return 0;
 }

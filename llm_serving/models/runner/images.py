@@ -25,6 +25,8 @@ from typing import Optional
 
 import numpy as np
 
+from ..buckets import token_pieces
+
 __all__ = ["ImageEncoder", "Placed", "pieces", "place", "vision_checkpoint_of"]
 
 logger = logging.getLogger(__name__)
@@ -163,18 +165,13 @@ def place(images: list, encoder: ImageEncoder, query_lens: np.ndarray, positions
 
 def pieces(t: int, sizes: list, spans: list) -> list:
     """(start, stop, bucket) graph calls over t tokens with token buckets `sizes` (ascending), no span of `spans`
-    cut between two calls. Each call as Buckets.token_pieces would cut a text step (the largest bucket's worth, or
-    the rest in the smallest bucket that holds it, unless that pads more than the smallest bucket: then the largest
-    bucket that fits first, so a 290-token image question runs as 256 + 32 + 32 tokens, not 512), ending before an
-    image it would cut, or at the end of an image it starts with. ValueError for an image longer than the largest
-    bucket."""
+    cut between two calls. Each call is the first piece `buckets.token_pieces` cuts of the tokens left, as a text
+    step's (so a 290-token image question runs as 32 + 256 + 32 tokens, not 512), ending before an image it would
+    cut, or at the end of an image it starts with. ValueError for an image longer than the largest bucket."""
     out, start = [], 0
     largest = sizes[-1]
     while start < t:
-        n = min(t - start, largest)
-        if sizes[bisect.bisect_left(sizes, n)] - n > sizes[0] and n >= sizes[0]:
-            n = sizes[bisect.bisect_right(sizes, n) - 1]        # too much padding: the bucket below first
-        stop = start + n
+        stop = start + min(t - start, token_pieces(sizes, t - start)[0])
         for first, end in spans:
             if first < stop < end:
                 if first > start:
