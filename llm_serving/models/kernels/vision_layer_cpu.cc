@@ -27,7 +27,9 @@
 // register-blocked product of kRows rows (keys, or head dims) x 2 vectors of queries, broadcasting a scalar of K
 // or V (read as the rows store them) into every FMA with a vector of Q^T or P^T. The softmax then runs down a
 // block's key rows lane by lane (each query's maximum, exponentials and sum are vector operations: no
-// horizontal reductions), and a query block's output is transposed once, when it is written.
+// horizontal reductions), and a query block's output is transposed once, when it is written. The scores are
+// taken in log2 units (Q scaled by log2(e) / sqrt(hd)) so that the softmax's exponentials are 2^x
+// (exp2_nonpositive: six FMAs a vector, the rest on the add and integer pipes).
 //
 // Two phases, each spread over `threads` threads (the calling one included):
 //   1. each (image, head)'s keys copied out in panels of kRows keys and its values to (T', hd) rows (T' = T
@@ -44,6 +46,10 @@
 #include <thread>
 #include <vector>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include "cpu_kernel_common.h"
 #include "layer_parts_cpu.h"     // layer_normalize_row, gelu_times: the decoder layer's own
 
@@ -54,9 +60,13 @@ constexpr int64_t kLanes = 16;
 constexpr int kRows = 12;          // 12 x 2 accumulators of 32 registers
 #else
 constexpr int64_t kLanes = 8;
-constexpr int kRows = 4;           // 4 x 2 accumulators of 16 registers, 2 vectors of Q^T or P^T, a broadcast: 6
-                                   // loads for 8 FMAs (6 rows spilled an accumulator, whose store and reload then
-                                   // chained every iteration; 3 x 3 and 2 x 4 measured slower)
+#if defined(__x86_64__) && defined(__AVX2__) && defined(__FMA__)
+#define VISION_ASM_6X2 1
+constexpr int kRows = 6;           // 6 x 2 accumulators of 16 registers, in assembly (rows_6x2): as C++, GCC
+                                   // spilled one of 6 x 2 and 4 x 2 left the FMA pipes idle on their latency
+#else
+constexpr int kRows = 4;           // (AVX2 without an x86-64 assembler: 4 x 2, which GCC keeps in registers)
+#endif
 #endif
 typedef float vf __attribute__((vector_size(kLanes * sizeof(float))));
 
@@ -71,6 +81,50 @@ inline vf load(const float* p) {
 }
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
+
+typedef int32_t vi __attribute__((vector_size(kLanes * sizeof(int32_t))));
+inline vf max(vf a, vf b) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_max_ps((__m512)a, (__m512)b);
+#elif defined(__AVX__)
+  return (vf)_mm256_max_ps((__m256)a, (__m256)b);
+#else
+  return a > b ? a : b;
+#endif
+}
+// v kept as computed: -fassociative-math would otherwise fold x - ((x + magic) - magic) to 0
+inline void opaque(vf& v) {
+#if defined(__AVX512F__)
+  asm("" : "+v"(v));
+#elif defined(__AVX__)
+  asm("" : "+x"(v));
+#else
+  asm("" : "+m"(v));
+#endif
+}
+
+// 2^x for x <= 0 (or -inf), lanewise: x clamped to -125 (2^-125 ~ 2e-38: a normal float), n = round(x) by the
+// 1.5 * 2^23 trick (its low bits hold n), 2^(x - n) on [-0.5, 0.5] by a degree-6 polynomial (relative error
+// ~2e-7), times 2^n by adding n to the exponent field. Six FMAs of the two FMA pipes, the rest on the add and
+// integer pipes: the softmax's exponentials cost a third of what exp_nonpositive's did beside the products.
+inline vf exp2_nonpositive(vf x) {
+  const vf magic = vf{} + 12582912.f;
+  x = max(x, vf{} + -125.f);
+  vf t = x + magic;
+  opaque(t);
+  vf n = t - magic;
+  opaque(n);
+  const vf f = x - n;
+  vf p = vf{} + 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.f;
+  return (vf)((vi)p + ((vi)t << 23));
+}
+
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 struct Shape {
@@ -82,9 +136,72 @@ struct Shape {
 // b (depth rows of kQueries)[.. from q0]: a's R scalars of each k side by side, each broadcast; b's 2 vectors
 // loaded once for all R rows and kept in registers (GCC otherwise reloads them as every FMA's memory operand: 18
 // loads for 12 FMAs, which Zen 3 issues at 2 a cycle)
+
+#if defined(VISION_ASM_6X2)
+// rows_by_queries<6> on AVX2 in assembly: 12 accumulators, the 2 vectors of b, 2 broadcasts (16 registers)
+inline void rows_6x2(const float* a, int64_t ks, const float* b, int64_t depth, float* c, bool accumulate) {
+  const int64_t ks_bytes = ks * 4;
+  asm volatile(
+      "testl %k[acc], %k[acc]\n\t"
+      "jz 2f\n\t"
+      "vmovups 0(%[c]), %%ymm0\n\t vmovups 32(%[c]), %%ymm1\n\t"
+      "vmovups 128(%[c]), %%ymm2\n\t vmovups 160(%[c]), %%ymm3\n\t"
+      "vmovups 256(%[c]), %%ymm4\n\t vmovups 288(%[c]), %%ymm5\n\t"
+      "vmovups 384(%[c]), %%ymm6\n\t vmovups 416(%[c]), %%ymm7\n\t"
+      "vmovups 512(%[c]), %%ymm8\n\t vmovups 544(%[c]), %%ymm9\n\t"
+      "vmovups 640(%[c]), %%ymm10\n\t vmovups 672(%[c]), %%ymm11\n\t"
+      "jmp 3f\n"
+      "2:\n\t"
+      "vxorps %%ymm0, %%ymm0, %%ymm0\n\t vxorps %%ymm1, %%ymm1, %%ymm1\n\t"
+      "vxorps %%ymm2, %%ymm2, %%ymm2\n\t vxorps %%ymm3, %%ymm3, %%ymm3\n\t"
+      "vxorps %%ymm4, %%ymm4, %%ymm4\n\t vxorps %%ymm5, %%ymm5, %%ymm5\n\t"
+      "vxorps %%ymm6, %%ymm6, %%ymm6\n\t vxorps %%ymm7, %%ymm7, %%ymm7\n\t"
+      "vxorps %%ymm8, %%ymm8, %%ymm8\n\t vxorps %%ymm9, %%ymm9, %%ymm9\n\t"
+      "vxorps %%ymm10, %%ymm10, %%ymm10\n\t vxorps %%ymm11, %%ymm11, %%ymm11\n"
+      "3:\n\t"
+      "testq %[n], %[n]\n\t"
+      "jz 5f\n"
+      "4:\n\t"
+      "vmovups (%[b]), %%ymm12\n\t vmovups 32(%[b]), %%ymm13\n\t"
+      "vbroadcastss (%[a]), %%ymm14\n\t"
+      "vfmadd231ps %%ymm12, %%ymm14, %%ymm0\n\t vfmadd231ps %%ymm13, %%ymm14, %%ymm1\n\t"
+      "vbroadcastss 4(%[a]), %%ymm15\n\t"
+      "vfmadd231ps %%ymm12, %%ymm15, %%ymm2\n\t vfmadd231ps %%ymm13, %%ymm15, %%ymm3\n\t"
+      "vbroadcastss 8(%[a]), %%ymm14\n\t"
+      "vfmadd231ps %%ymm12, %%ymm14, %%ymm4\n\t vfmadd231ps %%ymm13, %%ymm14, %%ymm5\n\t"
+      "vbroadcastss 12(%[a]), %%ymm15\n\t"
+      "vfmadd231ps %%ymm12, %%ymm15, %%ymm6\n\t vfmadd231ps %%ymm13, %%ymm15, %%ymm7\n\t"
+      "vbroadcastss 16(%[a]), %%ymm14\n\t"
+      "vfmadd231ps %%ymm12, %%ymm14, %%ymm8\n\t vfmadd231ps %%ymm13, %%ymm14, %%ymm9\n\t"
+      "vbroadcastss 20(%[a]), %%ymm15\n\t"
+      "vfmadd231ps %%ymm12, %%ymm15, %%ymm10\n\t vfmadd231ps %%ymm13, %%ymm15, %%ymm11\n\t"
+      "addq %[ksb], %[a]\n\t"
+      "addq $128, %[b]\n\t"
+      "decq %[n]\n\t"
+      "jnz 4b\n"
+      "5:\n\t"
+      "vmovups %%ymm0, 0(%[c])\n\t vmovups %%ymm1, 32(%[c])\n\t"
+      "vmovups %%ymm2, 128(%[c])\n\t vmovups %%ymm3, 160(%[c])\n\t"
+      "vmovups %%ymm4, 256(%[c])\n\t vmovups %%ymm5, 288(%[c])\n\t"
+      "vmovups %%ymm6, 384(%[c])\n\t vmovups %%ymm7, 416(%[c])\n\t"
+      "vmovups %%ymm8, 512(%[c])\n\t vmovups %%ymm9, 544(%[c])\n\t"
+      "vmovups %%ymm10, 640(%[c])\n\t vmovups %%ymm11, 672(%[c])\n\t"
+      : [a] "+r"(a), [b] "+r"(b), [n] "+r"(depth)
+      : [c] "r"(c), [acc] "r"(static_cast<int>(accumulate)), [ksb] "r"(ks_bytes)
+      : "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10",
+        "xmm11", "xmm12", "xmm13", "xmm14", "xmm15");
+}
+static_assert(kQueries * sizeof(float) == 128, "rows_6x2's strides");
+#endif
 template <int R>
 inline void rows_by_queries(const float* a, int64_t ks, const float* b, int64_t depth, float* c, int64_t q0,
                             bool accumulate) {
+#if defined(VISION_ASM_6X2)
+  if constexpr (R == 6) {
+    rows_6x2(a, ks, b + q0, depth, c + q0, accumulate);
+    return;
+  }
+#endif
   vf acc[R][2];
 #pragma GCC unroll 12
   for (int r = 0; r < R; ++r) {
@@ -93,11 +210,8 @@ inline void rows_by_queries(const float* a, int64_t ks, const float* b, int64_t 
   }
   for (int64_t k = 0; k < depth; ++k) {
     vf b0 = load(b + k * kQueries + q0), b1 = load(b + k * kQueries + q0 + kLanes);
-#if defined(__AVX512F__)
-    asm("" : "+v"(b0), "+v"(b1));          // (any of the 32 registers)
-#else
-    asm("" : "+x"(b0), "+x"(b1));
-#endif
+    opaque(b0);
+    opaque(b1);
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
       const vf x = vf{} + a[r + k * ks];
@@ -118,6 +232,8 @@ void values_product(const float* v, int64_t hd, const float* pt, float* ot) {
   for (int64_t q0 = 0; q0 < kQueries; q0 += 2 * kLanes) {
     int64_t e = 0;
     for (; e + kRows <= hd; e += kRows) rows_by_queries<kRows>(v + e, hd, pt, kKeyBlock, ot + e * kQueries, q0, true);
+    for (; e + 4 <= hd; e += 4) rows_by_queries<4>(v + e, hd, pt, kKeyBlock, ot + e * kQueries, q0, true);
+    for (; e + 2 <= hd; e += 2) rows_by_queries<2>(v + e, hd, pt, kKeyBlock, ot + e * kQueries, q0, true);
     for (; e < hd; ++e) rows_by_queries<1>(v + e, hd, pt, kKeyBlock, ot + e * kQueries, q0, true);
   }
 }
@@ -178,29 +294,23 @@ void attend_block(const float* qkv, const float* bias, const float* k, const flo
     for (int64_t j = std::min(kKeyBlock, sh.t - j0); j < kKeyBlock; ++j) {
       std::fill(st + j * kQueries, st + (j + 1) * kQueries, -INFINITY);
     }
-    float top[kQueries], alpha[kQueries];
-    for (int64_t i = 0; i < kQueries; i += kLanes) {    // (vectors: GCC leaves std::max's loop scalar)
+    alignas(64) float alpha[kQueries];
+    for (int64_t i = 0; i < kQueries; i += kLanes) {
       vf m = load(mx + i);
+      for (int64_t j = 0; j < kKeyBlock; ++j) m = max(m, load(st + j * kQueries + i));
+      const vf a = exp2_nonpositive(load(mx + i) - m);       // 2^-125 on the first block (mx = -inf): sum, O are 0
+      vf total = load(sum + i) * a;
       for (int64_t j = 0; j < kKeyBlock; ++j) {
-        const vf x = load(st + j * kQueries + i);
-        m = x > m ? x : m;
+        const vf p = exp2_nonpositive(load(st + j * kQueries + i) - m);
+        store(st + j * kQueries + i, p);
+        total += p;
       }
-      store(top + i, m);
-    }
-    for (int64_t i = 0; i < kQueries; ++i) {
-      alpha[i] = llm_serving::exp_nonpositive(mx[i] - top[i]);      // 0 on the first block (-inf)
-      sum[i] *= alpha[i];
-      mx[i] = top[i];
-    }
-    for (int64_t j = 0; j < kKeyBlock; ++j) {
-      for (int64_t i = 0; i < kQueries; ++i) {
-        const float p = llm_serving::exp_nonpositive(st[j * kQueries + i] - top[i]);
-        st[j * kQueries + i] = p;
-        sum[i] += p;
-      }
+      store(sum + i, total);
+      store(mx + i, m);
+      store(alpha + i, a);
     }
     for (int64_t e = 0; e < sh.hd; ++e) {
-      for (int64_t i = 0; i < kQueries; ++i) w->ot[e * kQueries + i] *= alpha[i];
+      for (int64_t i = 0; i < kQueries; i += kLanes) store(w->ot.data() + e * kQueries + i, load(w->ot.data() + e * kQueries + i) * load(alpha + i));
     }
     values_product(v + j0 * sh.hd, sh.hd, st, w->ot.data());
   }
@@ -259,7 +369,7 @@ extern "C" int VisionAttention(int nparam, void** params, int* ndims, int64_t** 
     pack_head(qkv, bias, sh, i / sh.h, i % sh.h, kv, kv + sh.tp * sh.hd);
   });
   const int64_t blocks = (t + kQueries - 1) / kQueries;
-  const float scale = 1.f / std::sqrt(static_cast<float>(sh.hd));
+  const float scale = 1.4426950408889634f / std::sqrt(static_cast<float>(sh.hd));   // scores in log2 units
   std::atomic<int64_t> next{0};
   on_threads(std::min(threads, heads * blocks), [&] {
     Scratch w(sh);
