@@ -2,10 +2,11 @@
 """The vision tower's time per image (issue 67): Gemma 3's SigLIP tower and projector (models/vision_tower.py) at a
 real model's shape with random weights (default: Gemma-3-4B's, SigLIP-400M: 27 layers of 1,152, an 896-pixel image
 in 4,096 patches, 256 tokens of 2,560), the first call (its graph compiled) and the next ones, with the rate of
-float32 arithmetic they reach, and the peak memory. The tower runs a layer at a time (one graph, each layer's
-weights its inputs). Its attention and GELU run on the CPU kernels (kernels/vision_layer_cpu.cc: no scores written)
-or on MindSpore's ops (one layer's (heads, patches, patches) scores, 1 GiB at 4,096 patches, written and read back);
-by default both, in turn on the same weights and image, with their ratio and how far apart their outputs are.
+float32 arithmetic they reach, the peak memory and what each tower's weights take. The tower runs a layer at a time
+(one graph, each layer's weights its inputs). Its layer runs on the CPU kernels (kernels/vision_layer_cpu.cc: the
+products on the matrices as the checkpoint stores them, the attention writing no scores) or on MindSpore's ops
+(MatMul on float32 copies; one layer's (heads, patches, patches) scores, 1 GiB at 4,096 patches, written and read
+back); by default both, in turn on the same weights and image, with their ratio and how far apart their outputs are.
 
     python bench/vision_tower.py                      # Gemma-3-4B's tower, 3 runs of one image, both attentions
     python bench/vision_tower.py --layers 4 --runs 2  # a shallower tower, for a quick look
@@ -44,6 +45,26 @@ def random_tower(cfg, seed: int = 0) -> dict:
     return out
 
 
+def stored_as(arrays: dict, kind: str) -> dict:
+    """The tower's tensors as a checkpoint storing its matrices (2-D and up) in `kind` gives them: each rounded to
+    that type, read as float32, its StoredTensor's stored_type saying which."""
+    from llm_serving.models.weights.common import StoredTensor
+
+    if kind == "F32":
+        return arrays
+    out = {}
+    for name, a in arrays.items():
+        if a.ndim < 2:
+            out[name] = a
+            continue
+        if kind == "F16":
+            a = a.astype(np.float16).astype(np.float32)
+        else:
+            a = ((a.view(np.uint32) + 0x7FFF + ((a.view(np.uint32) >> 16) & 1)) & 0xFFFF0000).view(np.float32)
+        out[name] = StoredTensor(a.shape, lambda index, a=a: a[index], stored_type=kind)
+    return out
+
+
 def flops(cfg) -> float:
     """Multiply-adds x 2 of one image through the tower and projector."""
     t, d, m = cfg.patches_per_side ** 2, cfg.hidden_size, cfg.intermediate_size
@@ -67,6 +88,9 @@ def main(argv=None) -> int:
                     help="the layers' attention and GELU: the CPU kernels (kernels/vision_layer_cpu.cc), MindSpore's "
                          "ops, or both in turn on the same weights and image (their ratio, and how far apart they are)")
     ap.add_argument("--threads", type=int, default=None, help="the kernels' threads (default: the CPUs)")
+    ap.add_argument("--stored", choices=("F16", "BF16", "F32"), default="F16",
+                    help="the type the checkpoint stores the matrices in (default F16, as llama.cpp's mmproj GGUFs "
+                         "do; BF16: HF's Gemma 3 safetensors): the kernels keep them so, MindSpore's ops widen them")
     ap.add_argument("--out", default="bench_results/vision_tower.json")
     args = ap.parse_args(argv)
 
@@ -82,7 +106,7 @@ def main(argv=None) -> int:
                        args.tokens, args.text_hidden)
     kinds = ("kernel", "ops") if args.attention == "both" else (args.attention,)
     threads = args.threads or len(os.sched_getaffinity(0))
-    weights = random_tower(cfg)
+    weights = stored_as(random_tower(cfg), args.stored)
     towers, built = {}, {}
     for kind in kinds:
         t0 = time.perf_counter()
@@ -115,9 +139,10 @@ def main(argv=None) -> int:
         print(f"kernel / ops time: {result['kernel_over_ops']:.2f}x; outputs apart by "
               f"{result['max_relative_difference']:.1e} of their largest")
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6            # (kB on Linux)
-    result.update(peak_rss_gb=peak, weights_gb=towers[kinds[0]].nbytes / 1e9)
-    print(f"peak resident memory {peak:.1f} GB, of which the weights {towers[kinds[0]].nbytes / 1e9:.1f} GB"
-          + (" (shared by both towers)" if len(kinds) == 2 else ""))
+    result.update(peak_rss_gb=peak, stored=args.stored,
+                  weights_gb={kind: towers[kind].nbytes / 1e9 for kind in kinds})
+    print(f"peak resident memory {peak:.1f} GB; the weights ({args.stored} in the checkpoint) "
+          + ", ".join(f"{kind} {towers[kind].nbytes / 1e9:.2f} GB" for kind in kinds))
     write_json(args.out, result)
     return 0
 

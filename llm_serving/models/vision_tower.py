@@ -20,6 +20,7 @@ from typing import Optional
 import numpy as np
 
 from mindspore import Tensor, nn, ops
+from mindspore.common import dtype as mstype
 
 from llm_serving.models.llama import _gelu_tanh, _layer_normalize, _rms_normalize
 from llm_serving.models.weights.vision import VisionConfig, vision_shapes
@@ -40,19 +41,43 @@ _LAYER_INPUTS = ("norm1_gain", "norm1_bias", "qkv", "qkv_bias", "out", "out_bias
                  "fc1", "fc1_bias", "fc2", "fc2_bias")
 
 
-def _layer_weights(read, index: int) -> tuple:
-    """Layer `index`'s weights as _EncoderLayer takes them (_LAYER_INPUTS): q, k and v as one (3D, D) matrix, every
-    matrix as stored, (out, in): MindSpore's CPU MatMul with transpose_b ran these products 5-12% faster than on
-    (in, out) copies (Zen 3, 4,096 patches)."""
+def _layer_weights(read, index: int, stored_type=None) -> tuple:
+    """Layer `index`'s weights as _EncoderLayer takes them (_LAYER_INPUTS): q, k and v as one (3D, D) matrix.
+    `stored_type(name)`: the type the checkpoint stores a tensor in ("F16", "BF16", ...), given when the layer runs
+    on the CPU kernels: the four matrices are then packed for VisionLinear (`_panels`) in that type. Otherwise every
+    matrix is float32 as stored, (out, in): MindSpore's CPU MatMul with transpose_b ran these products 5-12% faster
+    than on (in, out) copies (Zen 3, 4,096 patches)."""
     at = f"vision_tower.encoder.layers.{index}."
+    names = {"qkv": [at + f"self_attn.{p}_proj.weight" for p in "qkv"], "out": [at + "self_attn.out_proj.weight"],
+             "fc1": [at + "mlp.fc1.weight"], "fc2": [at + "mlp.fc2.weight"]}
     w = {"norm1_gain": read(at + "layer_norm1.weight"), "norm1_bias": read(at + "layer_norm1.bias"),
          "norm2_gain": read(at + "layer_norm2.weight"), "norm2_bias": read(at + "layer_norm2.bias"),
-         "qkv": np.concatenate([read(at + f"self_attn.{p}_proj.weight") for p in "qkv"], 0),
          "qkv_bias": np.concatenate([read(at + f"self_attn.{p}_proj.bias") for p in "qkv"]),
-         "out": read(at + "self_attn.out_proj.weight"), "out_bias": read(at + "self_attn.out_proj.bias"),
-         "fc1": read(at + "mlp.fc1.weight"), "fc1_bias": read(at + "mlp.fc1.bias"),
-         "fc2": read(at + "mlp.fc2.weight"), "fc2_bias": read(at + "mlp.fc2.bias")}
-    return tuple(_tensor(w[name]) for name in _LAYER_INPUTS)
+         "out_bias": read(at + "self_attn.out_proj.bias"),
+         "fc1_bias": read(at + "mlp.fc1.bias"), "fc2_bias": read(at + "mlp.fc2.bias")}
+    for key, parts in names.items():
+        matrix = np.concatenate([read(name) for name in parts], 0)
+        w[key] = _tensor(matrix) if stored_type is None else _panels(matrix, {stored_type(n) for n in parts})
+    return tuple(w[name] if isinstance(w[name], Tensor) else _tensor(w[name]) for name in _LAYER_INPUTS)
+
+
+_PANEL_COLUMNS = 16     # vision_layer_cpu.cc's kPanelCols
+
+
+def _panels(matrix: np.ndarray, stored: set) -> Tensor:
+    """An (N, K) matrix as VisionLinear reads it: (ceil(N / 16), K, 16), panel j holding columns 16 j .. 16 j + 15
+    k-major (zeros past N), in the type the checkpoint stores it when that is float16 or bfloat16 (both exact from
+    the float32 it was read as; the kernel widens a panel's slice at a time), else float32."""
+    n, k = matrix.shape
+    count = -(-n // _PANEL_COLUMNS)
+    padded = np.zeros((count * _PANEL_COLUMNS, k), np.float32)
+    padded[:n] = matrix
+    panels = np.ascontiguousarray(padded.reshape(count, _PANEL_COLUMNS, k).transpose(0, 2, 1))
+    if stored == {"F16"}:
+        return Tensor(panels.astype(np.float16))
+    if stored == {"BF16"}:
+        return Tensor(panels, mstype.bfloat16)
+    return Tensor(panels)
 
 
 class _Patches(nn.Cell):
@@ -74,11 +99,12 @@ class _Patches(nn.Cell):
 
 class _EncoderLayer(nn.Cell):
     """One SigLIP encoder layer (see the module docstring), its weights inputs (_LAYER_INPUTS): one graph that
-    every layer runs. `kernels`: the path of the CPU kernel library (kernels/vision_layer_cpu.cc), whose
-    VisionAttention reads the q|k|v rows as they are (their bias added as it reads them) and never writes the
-    scores, whose VisionBiasGelu is fc1's bias and GELU in one pass and whose VisionLayerNorm is the two LayerNorms,
-    run on `threads` threads; None: MindSpore's ops (the heads split out, the (N, heads, T, T) scores written, a
-    softmax, the heads put back; the bias add's, the GELU's and the LayerNorms' several passes)."""
+    every layer runs. `kernels`: the path of the CPU kernel library (kernels/vision_layer_cpu.cc), run on `threads`
+    threads: VisionLinear's four products on the matrices as `_panels` packed them (the bias added, fc1's GELU
+    applied, as each block of the result is made), VisionAttention reading the q|k|v rows as they are and never
+    writing the scores, VisionLayerNorm the two LayerNorms. None: MindSpore's ops (MatMul; the heads split out, the
+    (N, heads, T, T) scores written, a softmax, the heads put back; the bias adds', the GELU's and the LayerNorms'
+    several passes)."""
 
     def __init__(self, cfg: VisionConfig, kernels: Optional[str] = None, threads: int = 1):
         super().__init__()
@@ -89,36 +115,40 @@ class _EncoderLayer(nn.Cell):
         self.weighted = ops.BatchMatMul()
         self.on_kernels = kernels is not None
         if kernels is not None:
-            # (N T, 3 D) q|k|v rows and their bias -> (N T, D): the heads side by side, as out_proj reads them
+            # x (R, K), the panels, bias (N,), [threads, gelu] -> (R, N)
+            self.linear = ops.Custom(f"{kernels}:VisionLinear", out_shape=lambda x, w, bias, *_: (x[0], bias[0]),
+                                     out_dtype=lambda x, *_: x, func_type="aot")
+            # (N T, 3 D) q|k|v rows and a bias -> (N T, D): the heads side by side, as out_proj reads them
             self.attend = ops.Custom(f"{kernels}:VisionAttention", out_shape=lambda qkv, *_: (qkv[0], qkv[1] // 3),
                                      out_dtype=lambda qkv, *_: qkv, func_type="aot")
-            self.bias_gelu = ops.Custom(f"{kernels}:VisionBiasGelu", out_shape=lambda x, *_: x,
-                                        out_dtype=lambda x, *_: x, func_type="aot")
             self.layer_norm = ops.Custom(f"{kernels}:VisionLayerNorm", out_shape=lambda x, *_: x,
                                          out_dtype=lambda x, *_: x, func_type="aot")
             self.eps_tensor = Tensor(np.array([cfg.layer_norm_eps], np.float32))
             self.attention_config = Tensor(np.array([cfg.patches_per_side ** 2, cfg.num_heads, threads], np.int32))
+            self.no_qkv_bias = Tensor(np.zeros(3 * cfg.hidden_size, np.float32))    # (VisionLinear added it)
             self.threads = Tensor(np.array([threads], np.int32))
+            self.plain = Tensor(np.array([threads, 0], np.int32))
+            self.gelu = Tensor(np.array([threads, 1], np.int32))
 
     def construct(self, x, norm1_gain, norm1_bias, qkv_w, qkv_bias, out_w, out_bias, norm2_gain, norm2_bias,
                   fc1, fc1_bias, fc2, fc2_bias):
         n, t, d = x.shape
         if self.on_kernels:
             h = self.layer_norm(x.reshape(n * t, d), norm1_gain, norm1_bias, self.eps_tensor, self.threads)
-            attended = self.attend(self.matmul(h, qkv_w), qkv_bias, self.attention_config)
-        else:
-            h = _layer_norm(x, norm1_gain, norm1_bias, self.eps).reshape(n * t, d)
-            qkv = (self.matmul(h, qkv_w) + qkv_bias).reshape(n, t, 3, self.heads, self.head_dim)
-            qkv = qkv.transpose(2, 0, 3, 1, 4)                                      # (3, N, heads, T, head_dim)
-            probs = ops.softmax(self.scores(qkv[0], qkv[1]) * self.scale, axis=-1)
-            attended = self.weighted(probs, qkv[2]).transpose(0, 2, 1, 3).reshape(n * t, d)
-        x = x + (self.matmul(attended, out_w) + out_bias).reshape(n, t, d)
-        if self.on_kernels:
+            qkv = self.linear(h, qkv_w, qkv_bias, self.plain)
+            attended = self.attend(qkv, self.no_qkv_bias, self.attention_config)
+            x = x + self.linear(attended, out_w, out_bias, self.plain).reshape(n, t, d)
             h = self.layer_norm(x.reshape(n * t, d), norm2_gain, norm2_bias, self.eps_tensor, self.threads)
-            h = self.bias_gelu(self.matmul(h, fc1), fc1_bias, self.threads)
-        else:
-            h = _gelu_tanh(self.matmul(_layer_norm(x, norm2_gain, norm2_bias, self.eps).reshape(n * t, d), fc1)
-                           + fc1_bias)
+            h = self.linear(h, fc1, fc1_bias, self.gelu)
+            return x + self.linear(h, fc2, fc2_bias, self.plain).reshape(n, t, d)
+        h = _layer_norm(x, norm1_gain, norm1_bias, self.eps).reshape(n * t, d)
+        qkv = (self.matmul(h, qkv_w) + qkv_bias).reshape(n, t, 3, self.heads, self.head_dim)
+        qkv = qkv.transpose(2, 0, 3, 1, 4)                                      # (3, N, heads, T, head_dim)
+        probs = ops.softmax(self.scores(qkv[0], qkv[1]) * self.scale, axis=-1)
+        attended = self.weighted(probs, qkv[2]).transpose(0, 2, 1, 3).reshape(n * t, d)
+        x = x + (self.matmul(attended, out_w) + out_bias).reshape(n, t, d)
+        h = _gelu_tanh(self.matmul(_layer_norm(x, norm2_gain, norm2_bias, self.eps).reshape(n * t, d), fc1)
+                       + fc1_bias)
         return x + (self.matmul(h, fc2) + fc2_bias).reshape(n, t, d)
 
 
@@ -181,7 +211,8 @@ class VisionTower:
         patch = read("vision_tower.embeddings.patch_embedding.weight").reshape(d, cfg.num_channels * p * p)
         self.embed_weights = (_tensor(patch.T), _tensor(read("vision_tower.embeddings.patch_embedding.bias")),
                               _tensor(read("vision_tower.embeddings.position_embedding.weight")))   # (3PP, D) ...
-        self.layer_weights = [_layer_weights(read, i) for i in range(cfg.num_layers)]
+        stored_type = None if kernels is None else (lambda name: getattr(weights[name], "stored_type", None))
+        self.layer_weights = [_layer_weights(read, i, stored_type) for i in range(cfg.num_layers)]
         post = (_tensor(read("vision_tower.post_layernorm.weight")), _tensor(read("vision_tower.post_layernorm.bias")))
         if cfg.projector == "shuffle":
             self.head_weights = (*post, _tensor(read("multi_modal_projector.proj.weight").T))        # (s^2 D, H)

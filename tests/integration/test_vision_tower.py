@@ -76,6 +76,43 @@ def test_the_tower_s_tokens_are_transformers_for_decoded_images(gemma3_vl, kerne
     np.testing.assert_allclose(tower.encode(ours_pixels[1:]), ours[1:], atol=1e-6 * scale)
 
 
+@pytest.mark.parametrize("kind", ["F16", "BF16"])
+def test_a_half_precision_checkpoint_s_matrices_stay_half_on_the_kernels(gemma3_vl, tmp_path, kind):
+    """A checkpoint storing the layers' matrices in F16 or BF16: the kernels keep them so (half the float32 tower's
+    bytes), and the tokens are transformers' on the same rounded weights."""
+    import copy
+    import shutil
+
+    from mindspore.common import dtype as mstype
+    from safetensors.torch import load_file, save_file
+
+    torch, _ = needs_transformers()
+    directory, model = gemma3_vl
+    half = torch.float16 if kind == "F16" else torch.bfloat16
+    shutil.copytree(directory, tmp_path / "m")
+    tensors = load_file(str(directory / "model.safetensors"))
+    layers = {name for name, t in tensors.items() if "encoder.layers." in name and t.ndim == 2}
+    assert len(layers) == 2 * 6                                  # q, k, v, out, fc1, fc2 of 2 layers
+    save_file({name: t.to(half) if name in layers else t for name, t in tensors.items()},
+              str(tmp_path / "m" / "model.safetensors"), metadata={"format": "pt"})
+    _, tower = _tower(tmp_path / "m", kernels=True)
+    _, float_tower = _tower(directory, kernels=True)
+    assert tower.layer_weights[0][2].dtype == (mstype.float16 if kind == "F16" else mstype.bfloat16)
+    def matrices(t):                                             # qkv, out, fc1, fc2 (_LAYER_INPUTS)
+        return sum(layer[i].nbytes for layer in t.layer_weights for i in (2, 4, 8, 10))
+
+    assert matrices(tower) * 2 == matrices(float_tower)
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            if "encoder.layers." in name and p.ndim == 2:
+                p.copy_(p.to(half).to(torch.float32))
+    pixels = np.random.default_rng(4).standard_normal((2, 3, 56, 56)).astype(np.float32)
+    with torch.no_grad():
+        theirs = reference.model.get_image_features(torch.from_numpy(pixels)).pooler_output.numpy()
+    np.testing.assert_allclose(tower.encode(pixels), theirs, atol=1e-5 * np.abs(theirs).max())
+
+
 def test_transformers_4_names_read_the_same_tower(gemma3_vl, tmp_path):
     from safetensors.numpy import load_file, save_file
 

@@ -1,6 +1,6 @@
 """The vision tower's CPU kernels (kernels/vision_layer_cpu.cc), called through ctypes exactly as MindSpore's AOT
-Custom op calls them: the attention against a float64 numpy softmax attention, fc1's bias and GELU against the tanh
-GELU in float64, the LayerNorm against numpy's. No MindSpore needed."""
+Custom op calls them: the attention against a float64 numpy softmax attention, the products (float32, float16 and
+bfloat16 panels, fc1's GELU) against float64 ones, the LayerNorm against numpy's. No MindSpore needed."""
 from __future__ import annotations
 
 import ctypes
@@ -91,22 +91,87 @@ def test_a_call_of_the_wrong_shape_is_refused(kernel, rows, width, patches, head
     assert invoke(kernel, [qkv, np.zeros(width, np.float32), np.array([patches, heads, 2], np.int32), out]) == 2
 
 
-def test_bias_gelu_is_the_tanh_gelu_of_the_biased_rows(library):
+def panels(w: np.ndarray) -> np.ndarray:
+    """(N, K) -> (ceil(N / 16), K, 16) float32, as vision_tower._panels packs a matrix (zeros past N)."""
+    n, k = w.shape
+    padded = np.zeros((-(-n // 16) * 16, k), np.float32)
+    padded[:n] = w
+    return np.ascontiguousarray(padded.reshape(-1, 16, k).transpose(0, 2, 1))
+
+
+def as_bfloat16(a: np.ndarray) -> np.ndarray:
+    """float32 values as the bfloat16 bits nearest them (ties to even), and those bits."""
+    bits = a.astype(np.float32).view(np.uint32)
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    return bits
+
+
+def linear(library, x, w_panels, bias, gelu=False, threads=2):
+    out = np.full((x.shape[0], bias.shape[0]), np.nan, np.float32)
+    rc = invoke(library.VisionLinear, [x, w_panels, bias, np.array([threads, int(gelu)], np.int32), out])
+    return rc, out
+
+
+@pytest.mark.parametrize("rows,k,n", [
+    (1, 8, 16),           # one row, one panel
+    (7, 40, 37),          # a last tile of 1 row, a last panel of 5 columns
+    (300, 300, 100),      # several row blocks' tiles and depth blocks (256) with a remainder
+    (601, 520, 48),       # more rows than a task's block (288): three tasks
+])
+@pytest.mark.parametrize("kind", ["float32", "float16", "bfloat16"])
+def test_linear_is_x_times_w_transposed_plus_bias(library, rows, k, n, kind):
+    rng = np.random.default_rng(rows + k)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    bias = rng.standard_normal(n).astype(np.float32)
+    if kind == "float16":
+        w = w.astype(np.float16).astype(np.float32)
+        packed = panels(w).astype(np.float16)
+    elif kind == "bfloat16":
+        bits = as_bfloat16(w)
+        w = (bits.astype(np.uint32) << 16).view(np.float32)
+        packed = (as_bfloat16(panels(w)), "bfloat16")
+    else:
+        packed = panels(w)
+    rc, got = linear(library, x, packed, bias)
+    assert rc == 0
+    want = x.astype(np.float64) @ w.astype(np.float64).T + bias
+    assert np.abs(got - want).max() <= 2e-6 * np.sqrt(k) * np.abs(want).max()
+
+
+def test_linear_with_gelu_is_the_tanh_gelu_of_the_product(library):
     rng = np.random.default_rng(3)
-    x = (rng.standard_normal((37, 301)) * 4).astype(np.float32)     # tails far out: tanh's -1 and 1
-    x[0, :5] = [0.0, -30.0, 30.0, 1e-8, -1e-8]
+    x = (rng.standard_normal((37, 64)) * 2).astype(np.float32)
+    w = rng.standard_normal((301, 64)).astype(np.float32)     # products far out on both sides: tanh's -1 and 1
     bias = rng.standard_normal(301).astype(np.float32)
-    out = np.full_like(x, np.nan)
-    assert invoke(library.VisionBiasGelu, [x, bias, np.array([3], np.int32), out]) == 0
-    y = x.astype(np.float64) + bias
+    bias[:3] = [0.0, -300.0, 300.0]
+    rc, got = linear(library, x, panels(w), bias, gelu=True, threads=3)
+    assert rc == 0
+    y = x.astype(np.float64) @ w.astype(np.float64).T + bias
     want = 0.5 * y * (1 + np.tanh(np.sqrt(2 / np.pi) * (y + 0.044715 * y ** 3)))
-    np.testing.assert_allclose(out, want, rtol=2e-6, atol=1e-6)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
 
 
-def test_bias_gelu_refuses_a_bias_of_another_width(library):
-    x = np.zeros((4, 8), np.float32)
-    out = np.zeros_like(x)
-    assert invoke(library.VisionBiasGelu, [x, np.zeros(7, np.float32), np.array([2], np.int32), out]) == 2
+def test_a_rows_product_does_not_depend_on_the_threads_or_the_other_rows(library):
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((700, 96)).astype(np.float32)
+    w = panels(rng.standard_normal((40, 96)).astype(np.float32))
+    bias = rng.standard_normal(40).astype(np.float32)
+    _, alone = linear(library, x[:5], w, bias, threads=1)
+    _, together = linear(library, x, w, bias, threads=3)
+    np.testing.assert_array_equal(together[:5], alone)
+
+
+@pytest.mark.parametrize("w_shape,bias_len,dtype", [
+    ((2, 96, 16), 40, np.float32),     # 40 columns need 3 panels
+    ((3, 95, 16), 40, np.float32),     # the panels' depth is not x's
+    ((3, 96, 8), 40, np.float32),      # panels of 8 columns
+    ((3, 96, 16), 40, np.int32),       # not a float type
+])
+def test_linear_refuses_panels_that_do_not_fit(library, w_shape, bias_len, dtype):
+    x = np.zeros((4, 96), np.float32)
+    rc, _ = linear(library, x, np.zeros(w_shape, dtype), np.zeros(bias_len, np.float32))
+    assert rc in (1, 2)
 
 
 def test_layer_norm_is_each_rows_layer_norm(library):

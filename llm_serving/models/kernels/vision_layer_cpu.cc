@@ -1,12 +1,13 @@
 // A vision tower's encoder-layer kernels for the CPU (models/vision_tower.py), loaded by MindSpore as
-// `ops.Custom(func_type="aot")` kernels; built and cached by kernels/__init__.py. Between the layer's four matrix
-// products (MindSpore's MatMul, near this CPU's float32 peak), the work MindSpore's ops did in many passes over
-// (patches x width) tensors is done here in one:
+// `ops.Custom(func_type="aot")` kernels; built and cached by kernels/__init__.py. The work MindSpore's ops did in
+// many passes over (patches x width) tensors is done here in one:
+//   VisionLinear:    the layer's four products, on the matrices in the checkpoint's own type (float16, bfloat16 or
+//                    float32) packed in panels at load, the bias added and fc1's tanh GELU applied as each block of
+//                    the result is made (as MindSpore's ops, the bias and GELU alone took 0.23 s a layer at Gemma 3's
+//                    4,096 x 4,304 on two Zen 3 cores, and the matrices were float32 copies: twice an F16 tower);
 //   VisionAttention: self-attention, every patch of an image attending to every patch of it (no mask), read from
 //                    the q|k|v product's rows with its bias added as they are read, written as the output
 //                    projection reads it;
-//   VisionBiasGelu:  fc1's bias and the tanh GELU (0.23 s a layer as MindSpore's ops at Gemma 3's 4,096 x 4,304 on
-//                    two Zen 3 cores, 0.014 s here; their composed form was the fastest of theirs);
 //   VisionLayerNorm: the layer's two LayerNorms (0.09 s each as MindSpore's ops at 4,096 x 1,152).
 //
 // VisionAttention (MindSpore passes inputs then outputs in `params`):
@@ -340,6 +341,171 @@ void for_each_task(int64_t threads, int64_t tasks, int64_t chunk, Work work) {
   });
 }
 
+
+// ---- VisionLinear's product: out (R, N) = x (R, K) W^T + bias, W packed in panels of 16 output columns ----
+//
+// The layout, as the runner packs the checkpoint's (N, K) matrix once at load (vision_tower.py's pack_panels):
+// (P, K, 16), P = ceil(N / 16), panel j holding columns 16 j .. 16 j + 15 k-major (zeros past N), in the
+// checkpoint's own type (float16, bfloat16 or float32: nothing is widened in memory). A task is a block of kBlockRows
+// rows of x: for each depth block of kDepth columns it packs its rows into tiles of kTileRows rows (kDepth, kTileRows),
+// and for each panel widens the panel's (kDepth, 16) slice to float32 (16 KB: L1) once and multiplies every tile of
+// the block by it (the tiles, 288 x 256 floats, stay in L2). The micro-kernel keeps a kTileRows x 16 block of out in
+// registers: per k, the panel's 16 values (2 vectors on AVX2, 1 on AVX-512) and each row's x broadcast, one FMA per
+// vector (AVX2: 6 x 2 accumulators in assembly, rows_6x2; AVX-512: 12 x 1). out starts as the bias; each row's sums
+// run along k in order, whatever the other rows and the threads: a row's result does not depend on the batch.
+#if defined(VISION_ASM_6X2)
+constexpr int64_t kTileRows = 6;
+#elif defined(__AVX512F__)
+constexpr int64_t kTileRows = 12;
+#else
+constexpr int64_t kTileRows = 4;
+#endif
+constexpr int64_t kPanelCols = 16;
+constexpr int64_t kGemmDepth = 256;
+constexpr int64_t kBlockRows = 48 * kTileRows;
+
+// c (kTileRows rows, stride ldc) = (init: each row starts as its 16 values; null: as c holds) + a (depth x
+// kTileRows, k-major) . b (depth x 16, k-major)
+inline void tile_product(const float* a, const float* b, int64_t depth, float* c, int64_t ldc, const float* init) {
+#if defined(VISION_ASM_6X2)
+  const int64_t ldc_bytes = ldc * 4;
+  float* c3 = c + 3 * ldc;
+  asm volatile(
+      "testq %[init], %[init]\n\t"
+      "jz 3f\n\t"
+      "vmovups (%[init]), %%ymm0\n\t vmovups 32(%[init]), %%ymm1\n\t"
+      "vmovaps %%ymm0, %%ymm2\n\t vmovaps %%ymm1, %%ymm3\n\t vmovaps %%ymm0, %%ymm4\n\t vmovaps %%ymm1, %%ymm5\n\t"
+      "vmovaps %%ymm0, %%ymm6\n\t vmovaps %%ymm1, %%ymm7\n\t vmovaps %%ymm0, %%ymm8\n\t vmovaps %%ymm1, %%ymm9\n\t"
+      "vmovaps %%ymm0, %%ymm10\n\t vmovaps %%ymm1, %%ymm11\n\t"
+      "jmp 4f\n"
+      "3:\n\t"
+      "vmovups (%[c]), %%ymm0\n\t vmovups 32(%[c]), %%ymm1\n\t"
+      "vmovups (%[c],%[ldc],1), %%ymm2\n\t vmovups 32(%[c],%[ldc],1), %%ymm3\n\t"
+      "vmovups (%[c],%[ldc],2), %%ymm4\n\t vmovups 32(%[c],%[ldc],2), %%ymm5\n\t"
+      "vmovups (%[c3]), %%ymm6\n\t vmovups 32(%[c3]), %%ymm7\n\t"
+      "vmovups (%[c3],%[ldc],1), %%ymm8\n\t vmovups 32(%[c3],%[ldc],1), %%ymm9\n\t"
+      "vmovups (%[c3],%[ldc],2), %%ymm10\n\t vmovups 32(%[c3],%[ldc],2), %%ymm11\n"
+      "4:\n\t"
+      "testq %[n], %[n]\n\t"
+      "jz 2f\n"
+      "1:\n\t"
+      "vmovups (%[b]), %%ymm12\n\t vmovups 32(%[b]), %%ymm13\n\t"
+      "vbroadcastss (%[a]), %%ymm14\n\t"
+      "vfmadd231ps %%ymm12, %%ymm14, %%ymm0\n\t vfmadd231ps %%ymm13, %%ymm14, %%ymm1\n\t"
+      "vbroadcastss 4(%[a]), %%ymm15\n\t"
+      "vfmadd231ps %%ymm12, %%ymm15, %%ymm2\n\t vfmadd231ps %%ymm13, %%ymm15, %%ymm3\n\t"
+      "vbroadcastss 8(%[a]), %%ymm14\n\t"
+      "vfmadd231ps %%ymm12, %%ymm14, %%ymm4\n\t vfmadd231ps %%ymm13, %%ymm14, %%ymm5\n\t"
+      "vbroadcastss 12(%[a]), %%ymm15\n\t"
+      "vfmadd231ps %%ymm12, %%ymm15, %%ymm6\n\t vfmadd231ps %%ymm13, %%ymm15, %%ymm7\n\t"
+      "vbroadcastss 16(%[a]), %%ymm14\n\t"
+      "vfmadd231ps %%ymm12, %%ymm14, %%ymm8\n\t vfmadd231ps %%ymm13, %%ymm14, %%ymm9\n\t"
+      "vbroadcastss 20(%[a]), %%ymm15\n\t"
+      "vfmadd231ps %%ymm12, %%ymm15, %%ymm10\n\t vfmadd231ps %%ymm13, %%ymm15, %%ymm11\n\t"
+      "addq $24, %[a]\n\t"
+      "addq $64, %[b]\n\t"
+      "decq %[n]\n\t"
+      "jnz 1b\n"
+      "2:\n\t"
+      "vmovups %%ymm0, (%[c])\n\t vmovups %%ymm1, 32(%[c])\n\t"
+      "vmovups %%ymm2, (%[c],%[ldc],1)\n\t vmovups %%ymm3, 32(%[c],%[ldc],1)\n\t"
+      "vmovups %%ymm4, (%[c],%[ldc],2)\n\t vmovups %%ymm5, 32(%[c],%[ldc],2)\n\t"
+      "vmovups %%ymm6, (%[c3])\n\t vmovups %%ymm7, 32(%[c3])\n\t"
+      "vmovups %%ymm8, (%[c3],%[ldc],1)\n\t vmovups %%ymm9, 32(%[c3],%[ldc],1)\n\t"
+      "vmovups %%ymm10, (%[c3],%[ldc],2)\n\t vmovups %%ymm11, 32(%[c3],%[ldc],2)\n\t"
+      : [a] "+r"(a), [b] "+r"(b), [n] "+r"(depth)
+      : [c] "r"(c), [c3] "r"(c3), [ldc] "r"(ldc_bytes), [init] "r"(init)
+      : "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10",
+        "xmm11", "xmm12", "xmm13", "xmm14", "xmm15");
+#else
+  constexpr int V = kPanelCols / kLanes;
+  vf acc[kTileRows][V];
+  for (int r = 0; r < kTileRows; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = load(init != nullptr ? init + v * kLanes : c + r * ldc + v * kLanes);
+  for (int64_t k = 0; k < depth; ++k) {
+    vf bv[V];
+    for (int v = 0; v < V; ++v) {
+      bv[v] = load(b + k * kPanelCols + v * kLanes);
+      opaque(bv[v]);
+    }
+    for (int r = 0; r < kTileRows; ++r) {
+      const vf x = vf{} + a[k * kTileRows + r];
+      for (int v = 0; v < V; ++v) acc[r][v] += x * bv[v];
+    }
+  }
+  for (int r = 0; r < kTileRows; ++r)
+    for (int v = 0; v < V; ++v) store(c + r * ldc + v * kLanes, acc[r][v]);
+#endif
+}
+
+// n panel values (a panel's slice of depth rows) as float32: in place, or widened into buf
+inline const float* widened_panel(const float* src, int64_t, float*) { return src; }
+inline const float* widened_panel(const llm_serving::Half* src, int64_t n, float* buf) {
+  return llm_serving::widened(src, n, buf);
+}
+inline const float* widened_panel(const llm_serving::BFloat16* src, int64_t n, float* buf) {
+  return llm_serving::widened(src, n, buf);
+}
+
+// Rows [r0, r1) of out = x W^T + bias (gelu: then the tanh GELU of each value).
+template <typename W>
+void linear_rows(const float* x, int64_t k, const W* w, const float* bias, int64_t n, bool gelu, int64_t r0,
+                 int64_t r1, float* out, std::vector<float>* scratch) {
+  const int64_t rows = r1 - r0, tiles = (rows + kTileRows - 1) / kTileRows, panels = (n + kPanelCols - 1) / kPanelCols;
+  scratch->resize(tiles * kTileRows * kGemmDepth + kGemmDepth * kPanelCols + 2 * kTileRows * kPanelCols);
+  float* ap = scratch->data();
+  float* bp = ap + tiles * kTileRows * kGemmDepth;
+  float* edge = bp + kGemmDepth * kPanelCols;       // a tile that runs past the last row or column
+  std::vector<float> bias_panels(panels * kPanelCols, 0.f);     // (the last panel's columns past n: zeros)
+  std::copy(bias, bias + n, bias_panels.begin());
+  for (int64_t k0 = 0; k0 < k; k0 += kGemmDepth) {
+    const int64_t depth = std::min(kGemmDepth, k - k0);
+    for (int64_t t = 0; t < tiles; ++t) {                // the block's rows of this depth block, tile by tile
+      float* dst = ap + t * kTileRows * kGemmDepth;
+      for (int64_t i = 0; i < kTileRows; ++i) {
+        const int64_t r = r0 + t * kTileRows + i;
+        for (int64_t e = 0; e < depth; ++e) dst[e * kTileRows + i] = r < r1 ? x[r * k + k0 + e] : 0.f;
+      }
+    }
+    for (int64_t j = 0; j < panels; ++j) {
+      const W* slice = w + (j * k + k0) * kPanelCols;
+      if (j + 1 < panels) {                               // the next panel's slice, on its way during this one's
+        const char* next = reinterpret_cast<const char*>(slice + k * kPanelCols);
+        for (int64_t at = 0; at < static_cast<int64_t>(depth * kPanelCols * sizeof(W)); at += 64) {
+          __builtin_prefetch(next + at, 0, 3);
+        }
+      }
+      const float* panel = widened_panel(slice, depth * kPanelCols, bp);
+      const int64_t c0 = j * kPanelCols, cols = std::min(kPanelCols, n - c0);
+      const float* init = k0 == 0 ? bias_panels.data() + c0 : nullptr;      // out starts as the bias
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t first = r0 + t * kTileRows, valid = std::min(kTileRows, r1 - first);
+        // the next tile's rows of out, asked for now: the block's out (288 rows x N) is out of L2 by the next
+        // depth block, and the micro-kernel would otherwise start on 12 cache misses
+        for (int64_t i = 0; i < kTileRows && first + kTileRows + i < r1; ++i) {
+          __builtin_prefetch(out + (first + kTileRows + i) * n + c0, 1, 3);
+          __builtin_prefetch(out + (first + kTileRows + i) * n + c0 + kPanelCols - 1, 1, 3);
+        }
+        if (valid == kTileRows && cols == kPanelCols) {
+          tile_product(ap + t * kTileRows * kGemmDepth, panel, depth, out + first * n + c0, n, init);
+          continue;
+        }
+        std::fill(edge, edge + kTileRows * kPanelCols, 0.f);
+        for (int64_t i = 0; i < valid && init == nullptr; ++i) {
+          std::memcpy(edge + i * kPanelCols, out + (first + i) * n + c0, cols * 4);
+        }
+        tile_product(ap + t * kTileRows * kGemmDepth, panel, depth, edge, kPanelCols, init);
+        for (int64_t i = 0; i < valid; ++i) std::memcpy(out + (first + i) * n + c0, edge + i * kPanelCols, cols * 4);
+      }
+    }
+  }
+  if (gelu) {
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t c = 0; c < n; ++c) out[r * n + c] = gelu_times(out[r * n + c], 1.f);
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" int VisionAttention(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
@@ -382,30 +548,55 @@ extern "C" int VisionAttention(int nparam, void** params, int* ndims, int64_t** 
   return 0;
 }
 
-// VisionBiasGelu: out = gelu_tanh(x + bias), one pass.
-//   x       (R, M) float32   fc1's product
-//   bias    (M,)   float32
-//   config  (1,)   int32     [threads]
-//   out     (R, M) float32   0.5 y (1 + tanh(sqrt(2/pi) (y + 0.044715 y^3))), y = x + bias
-// The decoder layer's gelu_times (layer_parts_cpu.h: as a sigmoid, no cancellation for negative y).
-extern "C" int VisionBiasGelu(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
-                              void* stream, void* extra) {
+// VisionLinear: out = x W^T + bias, or gelu_tanh of it (fc1's), W as the runner packed it (linear_rows).
+//   x       (R, K)      float32
+//   w       (P, K, 16)  float16, bfloat16 or float32   the (N, K) matrix in panels of 16 output columns
+//   bias    (N,)        float32
+//   config  (2,)        int32     [threads, gelu (0 or 1)]
+//   out     (R, N)      float32
+// Tasks of at most kBlockRows rows spread over the threads (the calling one included).
+extern "C" int VisionLinear(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
+                            void* stream, void* extra) {
   (void)stream;
   (void)extra;
-  if (nparam != 4 || ndims[0] != 2 || ndims[1] != 1 || ndims[2] != 1 || ndims[3] != 2 ||
-      std::strcmp(dtypes[0], "float32") != 0 || std::strcmp(dtypes[1], "float32") != 0 ||
-      std::strcmp(dtypes[2], "int32") != 0 || std::strcmp(dtypes[3], "float32") != 0) {
+  if (nparam != 5 || ndims[0] != 2 || ndims[1] != 3 || ndims[2] != 1 || ndims[3] != 1 || ndims[4] != 2 ||
+      std::strcmp(dtypes[0], "float32") != 0 || std::strcmp(dtypes[2], "float32") != 0 ||
+      std::strcmp(dtypes[3], "int32") != 0 || std::strcmp(dtypes[4], "float32") != 0 || shapes[3][0] != 2) {
     return 1;
   }
-  const int64_t rows = shapes[0][0], m = shapes[0][1];
-  if (shapes[1][0] != m || shapes[3][0] != rows || shapes[3][1] != m || shapes[2][0] != 1) return 2;
+  const int64_t rows = shapes[0][0], k = shapes[0][1], n = shapes[2][0];
+  if (shapes[1][0] != (n + kPanelCols - 1) / kPanelCols || shapes[1][1] != k || shapes[1][2] != kPanelCols ||
+      shapes[4][0] != rows || shapes[4][1] != n) {
+    return 2;
+  }
   const auto* x = static_cast<const float*>(params[0]);
-  const auto* bias = static_cast<const float*>(params[1]);
-  const int64_t threads = std::max<int32_t>(1, static_cast<const int32_t*>(params[2])[0]);
-  auto* out = static_cast<float*>(params[3]);
-  for_each_task(threads, rows, 16, [&](int64_t r) {
-    for (int64_t c = 0; c < m; ++c) out[r * m + c] = gelu_times(x[r * m + c] + bias[c], 1.f);
-  });
+  const auto* bias = static_cast<const float*>(params[2]);
+  const auto* cfg = static_cast<const int32_t*>(params[3]);
+  auto* out = static_cast<float*>(params[4]);
+  const int64_t threads = std::max<int32_t>(1, cfg[0]);
+  const bool gelu = cfg[1] != 0;
+  // blocks of at most kBlockRows rows, as many as a multiple of the threads (15 blocks of 288 rows on two threads
+  // left one idle for a block's time: 16 of 258)
+  const int64_t tasks = round_up((rows + kBlockRows - 1) / kBlockRows, threads);
+  const int64_t block = round_up((rows + tasks - 1) / tasks, kTileRows), blocks = (rows + block - 1) / block;
+  auto run = [&](auto* w) {
+    std::atomic<int64_t> next{0};
+    on_threads(std::min(threads, blocks), [&] {
+      std::vector<float> scratch;
+      for (int64_t b = next.fetch_add(1); b < blocks; b = next.fetch_add(1)) {
+        linear_rows(x, k, w, bias, n, gelu, b * block, std::min(rows, (b + 1) * block), out, &scratch);
+      }
+    });
+  };
+  if (std::strcmp(dtypes[1], "float32") == 0) {
+    run(static_cast<const float*>(params[1]));
+  } else if (std::strcmp(dtypes[1], "float16") == 0) {
+    run(static_cast<const llm_serving::Half*>(params[1]));
+  } else if (std::strcmp(dtypes[1], "bfloat16") == 0) {
+    run(static_cast<const llm_serving::BFloat16*>(params[1]));
+  } else {
+    return 1;
+  }
   return 0;
 }
 

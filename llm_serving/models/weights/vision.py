@@ -18,15 +18,17 @@ hidden state. Two families are read here, both SigLIP towers:
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import struct
 from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 
 from .common import StoredTensor, WeightLoadError, check_tensors
-from .hf import _checkpoint_names, _shard_files, stored_safetensors
+from .hf import _checkpoint_names, _safetensors_header, _shard_files, stored_safetensors
 
 __all__ = ["VisionConfig", "mmproj_checkpoint", "mmproj_config", "vision_checkpoint", "vision_shapes"]
 
@@ -171,9 +173,24 @@ def vision_checkpoint(model_dir: str) -> Optional[tuple[VisionConfig, dict[str, 
     files = _shard_files(model_dir)
     names = {name: ours for name in _checkpoint_names(files) if (ours := _our_name(name))}
     stored = stored_safetensors(files, set(names))
-    tensors = {names[name]: tensor for name, tensor in stored.items()}
+    kinds = _safetensors_types(files, set(stored))
+    tensors = {names[name]: dataclasses.replace(tensor, stored_type=kinds.get(name)) for name, tensor in stored.items()}
     check_tensors(tensors, vision_shapes(cfg), f"the vision tower in {model_dir}")
     return cfg, tensors
+
+
+def _safetensors_types(files: dict[str, str], names: set) -> dict:
+    """{name: "F16" or "BF16"} of the named tensors the checkpoint stores in half precision (the tower's CPU kernels
+    then keep its matrices so, vision_tower._panels)."""
+    kinds = {}
+    for fpath in {files.get(name, files.get("")) for name in names} - {None}:
+        try:
+            header = _safetensors_header(fpath)[1]
+        except (OSError, ValueError, struct.error) as e:
+            raise WeightLoadError(f"{fpath}: cannot read safetensors file: {e}") from e
+        kinds.update({name: info["dtype"] for name, info in header.items()
+                      if name in names and isinstance(info, dict) and info.get("dtype") in ("F16", "BF16")})
+    return kinds
 
 
 
@@ -260,6 +277,12 @@ def mmproj_checkpoint(path: str) -> tuple[VisionConfig, dict[str, StoredTensor]]
         if name is None:
             continue
         dims = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        if tensor.tensor_type == GGMLQuantizationType.F16 and name != "multi_modal_projector.mm_soft_emb_norm.weight":
+            # the file's float16 values, memory-mapped: read as float32 where they are used, kept as float16 by the
+            # tower's CPU kernels (stored_type)
+            half = np.asarray(tensor.data).reshape(dims)
+            tensors[name] = StoredTensor(dims, lambda index, a=half: np.asarray(a[index], np.float32), stored_type="F16")
+            continue
         if tensor.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
             array = np.asarray(tensor.data, np.float32).reshape(dims)
         else:
