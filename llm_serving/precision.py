@@ -14,7 +14,13 @@ prefill (preemption) restarts from its first position. Per row:
 
     relative error = max_v |logits[v] - ref[v]| / max_v |ref[v]|
 
-and the run passes when the largest over all rows is <= --threshold (default 0.005). Prints
+and the run passes when the largest over all rows is <= --threshold (default 0.005).
+
+Images (`--images N`, a model that takes them): N of the prompts carry a picture each (`gate_image`: seeded color
+fields and noise, `--image-seed`), sent through the chat API. The agent's capture then holds each step's images (where
+their tokens are, and each picture's pixels once); the reference runs the tower and projector on those pixels in
+float64 (reference_vision.py), puts the rows at the image's tokens and gives them the family's mask (Gemma 3's
+image tokens see their whole image): the tower is inside the gate's bound, not beside it. Prints
 max / mean / p99 relative error and the greedy-token agreement (of the rows whose token is served: a chunk
 inside a prompt is compared but samples nothing); writes JSON (--out); exit 0 on pass,
 1 on fail. The weights the reference loads are the server's (/info model_path) unless --model is given.
@@ -37,6 +43,7 @@ from llm_serving.agents import protocol as proto
 from llm_serving.agents.control import ControlClient
 from llm_serving.server_process import http
 from llm_serving.reference_llama import ReferenceLlama
+from llm_serving.reference_vision import ReferenceVision
 from llm_serving.tokenization import load_tokenizer
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "datasets" / "alpaca_5000.json"
@@ -62,10 +69,15 @@ def load_prompts(path: str, n: int) -> list:
 
 
 class Comparator:
-    """Consumes capture files in step order, keeping one reference sequence per request number."""
+    """Consumes capture files in step order, keeping one reference sequence per request number. `vision`: the
+    float64 tower (reference_vision.py) that makes a captured image's rows from its captured pixels."""
 
-    def __init__(self, reference: ReferenceLlama, directory: str, prompt_ids: list = ()):
+    def __init__(self, reference: ReferenceLlama, directory: str, prompt_ids: list = (),
+                 vision: ReferenceVision | None = None):
         self.ref = reference
+        self.vision = vision
+        self.image_rows: dict = {}      # an image's key -> the reference tower's (tokens, H) rows of it
+        self.images = 0                 # images the reference tower encoded
         self.dir = directory
         self.prompt_ids = [list(p) for p in prompt_ids]   # the replayed prompts, tokenized as the server does
         self.sequences: dict = {}
@@ -87,25 +99,55 @@ class Comparator:
         return done
 
     def _compare(self, step) -> None:
+        images = self._step_images(step)
         for i, rid in enumerate(step["request_ids"].tolist()):
             q = int(step["query_lens"][i])
             positions = step["positions"][i, :q]
             seq = self.sequences.setdefault(rid, self.ref.new_sequence())
-            tokens = step["input_ids"][i, :q].tolist()
+            served_ids = step["input_ids"][i, :q].tolist()
+            tokens, mine = list(served_ids), images.get(i, [])
+            for offset, rows, _ in mine:            # (ids the embedding never reads: their rows are the image's)
+                tokens[offset:offset + len(rows)] = [0] * len(rows)
             if int(positions[0]) > seq.length:      # the server took the prefix from its prefix cache
-                self.ref.forward(seq, self._prefix_of(tokens, int(positions[0])), 0)
-            ref = self.ref.forward(seq, tokens, int(positions[0]))[-1]
+                self.ref.forward(seq, self._prefix_of(served_ids, int(positions[0])), 0)
+            ref = self.ref.forward(seq, tokens, int(positions[0]), mine)[-1]
             served = step["logits"][i].astype(np.float64)
             self.errors.append(float(np.max(np.abs(served - ref)) / np.max(np.abs(ref))))
             if int(positions[-1]) + 1 >= int(step["prompt_lens"][i]):   # the row's token is served
                 self.sampled += 1
                 self.agree += int(int(step["token_ids"][i]) == int(np.argmax(ref)))
 
+    def _step_images(self, step) -> dict:
+        """{row: [(offset, rows, bidirectional), ...]} of a captured step's images (worker.py's image_places,
+        image_keys, image_pixels_<j>), each one's rows the reference tower's of its pixels."""
+        if "image_places" not in step.files:
+            return {}
+        if self.vision is None:
+            raise ValueError("precision: the server fed images, and the reference has no vision tower")
+        out: dict = {}
+        for j, ((row, offset, first, count, length), key) in enumerate(zip(step["image_places"].tolist(),
+                                                                          step["image_keys"].tolist())):
+            if key not in self.image_rows:
+                if f"image_pixels_{j}" not in step.files:
+                    raise ValueError(f"precision: image {key} was captured without its pixels")
+                self.image_rows[key] = self.vision.encode(step[f"image_pixels_{j}"])
+                self.images += 1
+            if self.vision.bidirectional and (first, count) != (0, length):
+                raise ValueError(f"precision: a step feeds tokens {first}..{first + count - 1} of a {length}-token "
+                                 "image whose tokens see each other; the reference needs it whole")
+            out.setdefault(row, []).append((offset, self.image_rows[key][first:first + count],
+                                            self.vision.bidirectional))
+        return out
+
     def _prefix_of(self, tokens: list, start: int) -> list:
         """The first `start` tokens of the replayed prompt that has `tokens` at positions start... (a
         prompt whose first row starts past 0 shares its head with a prompt served earlier)."""
         for ids in self.prompt_ids:
             if ids[start:start + len(tokens)] == tokens:
+                if self.vision is not None and self.vision.config.image_token_id in ids[:start]:
+                    raise ValueError(f"precision: a row at position {start} took an image's tokens from the "
+                                     "prefix cache (this server saw these pictures before: rerun with another "
+                                     "--image-seed)")
                 return ids[:start]
         raise ValueError(f"precision: a row starts at position {start} and matches no replayed prompt")
 
@@ -154,13 +196,47 @@ def summarize_token_errors(per_request: list) -> dict:
             "lp_error_max": float(err.max())}
 
 
+def gate_image(index: int, seed: int = 0) -> bytes:
+    """The picture of image prompt `index`: a PNG of 300 x 220 pixels, smooth color fields plus noise, seeded by
+    the index and `seed` (each prompt its own picture: the prefix cache never hands one prompt's image to another)."""
+    import io
+
+    from PIL import Image
+
+    rng = np.random.default_rng([seed, 1000 + index])
+    y, x = np.mgrid[0:220, 0:300] / 100.0
+    fields = [np.sin(x * rng.uniform(1, 4) + y * rng.uniform(1, 4) + rng.uniform(0, 6)) for _ in range(3)]
+    rgb = (np.stack(fields, -1) * 90 + 128 + rng.normal(0, 20, (220, 300, 3))).clip(0, 255).astype(np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(rgb).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def image_messages(prompt: str, image: bytes) -> list:
+    """A one-turn chat: the picture (a data: URL), then the prompt."""
+    import base64
+
+    url = "data:image/png;base64," + base64.b64encode(image).decode()
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": prompt}]}]
+
+
 async def replay(url: str, model: str, prompts: list, max_new_tokens: int, rate: float) -> list:
+    """Each prompt (text, or a chat's messages: image prompts) sent greedy; the tokens each reply generated."""
     async def one(session, i, prompt):
         if rate > 0:
             await asyncio.sleep(i / rate)
         # no speculative decoding: a verify step is not captured (agents/worker.py), and the gate follows each
         # request step by step; past an end-of-sequence token too, so every request is compared over
         # max_new_tokens steps whatever the model writes
+        if isinstance(prompt, list):        # an image prompt: through the chat API, which carries images
+            body = {"model": model, "messages": prompt, "max_tokens": max_new_tokens, "temperature": 0,
+                    "ignore_eos": True, "speculative": False}
+            async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
+                answer = await resp.json()
+                if resp.status != 200:
+                    raise RuntimeError(f"request {i} failed with HTTP {resp.status}: {answer}")
+                return answer["usage"]["completion_tokens"]
         body = {"inputs": prompt, "parameters": {"max_new_tokens": max_new_tokens, "speculative": False,
                                                  "ignore_eos": True}}
         async with session.post(f"{url}/models/{model}/generate", json=body) as resp:
@@ -184,10 +260,22 @@ def run(args) -> dict:
     prompts = load_prompts(args.prompts, args.num_prompts)
     tokenizer = load_tokenizer(info["model_path"], info["tokenizer_path"])
     prompt_ids = [tokenizer.encode(p, add_bos=True) for p in prompts]
+    vision = None
+    if args.images:
+        # the tower as the server reads it: the HF directory's, or the GGUF's mmproj (/info)
+        vision = ReferenceVision(args.model or info["model_path"], mmproj=None if args.model else info.get("mmproj"))
+        every = max(1, len(prompts) // args.images)
+        for j, i in enumerate(range(0, len(prompts), every)[:args.images]):
+            prompts[i] = image_messages(prompts[i], gate_image(j, args.image_seed))
+            status, body = http("POST", args.url + "/tokenize", {"model": info["model_id"], "messages": prompts[i],
+                                                                 "add_generation_prompt": True})
+            if status != 200:
+                raise SystemExit(f"precision: /tokenize refused image prompt {i}: {body}")
+            prompt_ids[i] = body["tokens"]
 
     with tempfile.TemporaryDirectory(prefix="llm-serving-capture-") as capture_dir, \
             ControlClient(port) as agent:
-        comparator = Comparator(reference, capture_dir, prompt_ids)
+        comparator = Comparator(reference, capture_dir, prompt_ids, vision)
         stop = threading.Event()
         worker = threading.Thread(target=comparator.run_until, args=(stop,), daemon=True)
         agent.request(proto.Capture(dir=capture_dir, max_steps=args.max_steps))
@@ -209,7 +297,8 @@ def run(args) -> dict:
         "model": info["model_id"], "model_path": args.model or info["model_path"],
         "kv_cache_dtype": info.get("kv_cache_dtype"),     # (the reference keeps K/V in float64: a float16 cache's
                                                           # rounding is part of the error measured)
-        "prompts": len(prompts), "generated_tokens": int(sum(generated)), "steps": captured,
+        "prompts": len(prompts), "image_prompts": sum(isinstance(p, list) for p in prompts),
+        "images_encoded": comparator.images, "generated_tokens": int(sum(generated)), "steps": captured,
         "rows": int(errors.size), "sampled_rows": comparator.sampled, "max_rel_error": float(errors.max()), "mean_rel_error": float(errors.mean()),
         "p99_rel_error": float(np.percentile(errors, 99)),
         "greedy_agreement": comparator.agree / max(comparator.sampled, 1), "threshold": args.threshold,
@@ -225,6 +314,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-n", "--num-prompts", type=int, default=200)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--rate", type=float, default=0.0, help="requests per second (0: all at once)")
+    parser.add_argument("--images", type=int, default=0,
+                        help="this many of the prompts carry a picture each (a model that takes images: sent through "
+                             "the chat API, the reference running the tower in float64 on the captured pixels)")
+    parser.add_argument("--image-seed", type=int, default=0, help="the pictures' seed (a server that saw them "
+                        "already serves their tokens from its prefix cache, which the gate cannot replay)")
     parser.add_argument("--threshold", type=float, default=0.005)
     parser.add_argument("--max-steps", type=int, default=100_000, help="capture stops by itself after this")
     parser.add_argument("--out", default="bench_results/precision.json")
@@ -233,7 +327,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run_cli(args) -> int:
     """Run the gate, print the figures, write the JSON; exit code 0 on pass, 1 on fail."""
     result = run(args)
-    print(f"model {result['model']} (KV cache {result['kv_cache_dtype']}): {result['prompts']} prompts, "
+    print(f"model {result['model']} (KV cache {result['kv_cache_dtype']}): {result['prompts']} prompts "
+          f"({result['image_prompts']} with an image, {result['images_encoded']} images through the reference tower), "
           f"{result['generated_tokens']} tokens, "
           f"{result['steps']} steps, {result['rows']} rows compared ({result['sampled_rows']} sampled) in {result['wall_s']} s")
     print(f"relative error  max {result['max_rel_error']:.3e}  mean {result['mean_rel_error']:.3e}  "

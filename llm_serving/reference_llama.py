@@ -181,12 +181,16 @@ class ReferenceLlama:
         x1, x2, rest = x[..., :half], x[..., half:r], x[..., r:]
         return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
 
-    def forward(self, seq: ReferenceSequence, token_ids, start: int) -> np.ndarray:
+    def forward(self, seq: ReferenceSequence, token_ids, start: int, images=()) -> np.ndarray:
         """Feed token_ids at positions start, start+1, ...; keys cached beyond `start` are dropped first
-        (a recomputed prefill). Returns logits (len(token_ids), vocab) float64."""
+        (a recomputed prefill). Returns logits (len(token_ids), vocab) float64.
+        `images`: (offset, rows, bidirectional) of each image among the tokens: its rows (count, H) (a
+        ReferenceVision's) take the embedding's place at token_ids[offset:offset + count], after the embedding's
+        scale, as transformers scatters image features; bidirectional (Gemma 3's): those tokens also see each other,
+        the mask being causal OR the same image, within each query's own sliding window."""
         if not self.config.generates:
             raise ValueError(f"reference: {self.config.architecture} is an embedding model; it has no lm_head")
-        x = self._hidden(seq, token_ids, start)
+        x = self._hidden(seq, token_ids, start, images)
         return self._norm(x, "model.norm") @ self.w["lm_head.weight"].T
 
     def forward_many(self, token_lists) -> list:
@@ -214,8 +218,9 @@ class ReferenceLlama:
         pooled = {"mean": lambda: x.mean(axis=0), "last": lambda: x[-1], "cls": lambda: x[0]}[pooling]()
         return pooled / np.linalg.norm(pooled)
 
-    def _hidden(self, seq: ReferenceSequence, token_ids, start: int) -> np.ndarray:
-        """The last layer's output (T, H) for token_ids fed at positions start.. (an encoder's whole input at 0)."""
+    def _hidden(self, seq: ReferenceSequence, token_ids, start: int, images=()) -> np.ndarray:
+        """The last layer's output (T, H) for token_ids fed at positions start.. (an encoder's whole input at 0);
+        `images` as forward's."""
         c = self.config
         if not c.causal and start != 0:
             raise ValueError("reference: a bidirectional encoder computes a whole input at once (start 0)")
@@ -225,8 +230,16 @@ class ReferenceLlama:
         ids = np.asarray(token_ids, dtype=np.int64)
         positions = np.arange(start, start + len(ids), dtype=np.float64)
         x = self._embed(ids, start)
+        spans = []                              # (first, last) positions of each image whose tokens see it all
+        for offset, rows, bidirectional in images:
+            rows = np.asarray(rows, np.float64)
+            if offset < 0 or offset + len(rows) > len(ids) or rows.shape[1:] != x.shape[1:]:
+                raise ValueError(f"reference: {rows.shape} image rows at token {offset} of {len(ids)}")
+            x[offset:offset + len(rows)] = rows
+            if bidirectional:
+                spans.append((start + offset, start + offset + len(rows) - 1))
         for i in range(c.num_layers):
-            x = self._layer(i, x, seq, positions, start)
+            x = self._layer(i, x, seq, positions, start, spans)
         seq.length = start + len(ids)
         return x
 
@@ -244,9 +257,10 @@ class ReferenceLlama:
             x = self._norm(x, "model.embed_norm")
         return x
 
-    def _layer(self, i: int, x: np.ndarray, seq: ReferenceSequence, positions: np.ndarray, start: int) -> np.ndarray:
+    def _layer(self, i: int, x: np.ndarray, seq: ReferenceSequence, positions: np.ndarray, start: int,
+               spans=()) -> np.ndarray:
         """Decoder layer i's output for its input x (T, H) at `positions` (start..), its keys and values appended
-        to seq's."""
+        to seq's; `spans`: (first, last) positions whose tokens see each other (forward's bidirectional images)."""
         c, w = self.config, self.w
         t = len(x)
         nh, kvh, d = c.num_heads, c.num_kv_heads, c.head_dim
@@ -270,6 +284,9 @@ class ReferenceLlama:
             scores = q[:, head, :] @ keys[:, kv, :].T * c.attention_scale         # (T, start+T)
             # causal: each token sees the keys up to its own; an encoder's every token sees all of them
             visible = key_pos[None, :] <= (positions[:, None] if c.causal else math.inf)
+            for first, last in spans:
+                visible |= (((positions >= first) & (positions <= last))[:, None]
+                            & ((key_pos >= first) & (key_pos <= last))[None, :])
             if window is not None:
                 visible &= key_pos[None, :] > positions[:, None] - window
             scores = np.where(visible, scores, -np.inf)

@@ -4,7 +4,9 @@ Logits capture (the `c` command, rank 0 only): while on, every step also writes
 <dir>/step_<NNNNNNNN>.npz (written to a temporary name, then renamed, so a reader never sees half a file)
 holding, for rows 0..n-1: request_ids (n,) int64, input_ids / positions (n, s) int32, query_lens,
 context_lens, prompt_lens (n,) int32, token_ids (n,) int32, and logits (n, vocab) float32 at each row's last
-new token. `llm-serving precision` replays these through a float64 reference. Verify steps (speculative
+new token; a prefill step with images also image_places (m, 5) int32 (each image's row, offset in the row's new
+tokens, first of its tokens there, count, length: protocol.StepImage's), image_keys (m,) and, the first time a key
+is captured, image_pixels_<j> (its float32 pixels). `llm-serving precision` replays these through a float64 reference. Verify steps (speculative
 decoding) are not captured: precision's requests do not speculate. A decode run is captured step by step (the
 agent runs its steps one at a time while capturing).
 """
@@ -17,6 +19,7 @@ import time
 import numpy as np
 
 from llm_serving.shm.buffers import StepBuffers
+from llm_serving.shm.images import read_pixels
 from llm_serving.shm.layout import StepKind, StepLayout, StepView
 
 logger = logging.getLogger(__name__)
@@ -47,6 +50,7 @@ class Worker:
         self.num_steps = 0
         self.cache_epoch = 0       # KV-cache resets so far; every step reply carries it (see protocol.py)
         self.capture_dir: str | None = None
+        self.captured_images: set = set()     # the keys of the images whose pixels this capture has written
         self.capture_left = 0
         self.captured = 0
         # one runner per agent process, warmed up in a fixed order: it keeps the compile cache
@@ -161,7 +165,7 @@ class Worker:
                 view.out_top_ids[:, :k] = top_ids
                 view.out_top_logprobs[:, :k] = top_lps
         if capture:
-            self._write_capture(slice(None, n), s, token_ids, logits)
+            self._write_capture(slice(None, n), s, token_ids, logits, view.images or ())
         self.num_steps += 1
         return model_s
 
@@ -256,19 +260,31 @@ class Worker:
                 raise ValueError("logits capture runs on rank 0 only")
             os.makedirs(directory, mode=0o700, exist_ok=True)
             self.captured = 0
+            self.captured_images = set()
         self.capture_dir, self.capture_left = directory, (max_steps if directory is not None else 0)
         return {"dir": directory, "steps": self.captured}
 
-    def _write_capture(self, rows, s: int, token_ids, logits) -> None:
-        """One capture file: the step's rows (a slice or index array of shm rows), s tokens each."""
+    def _write_capture(self, rows, s: int, token_ids, logits, images=()) -> None:
+        """One capture file: the step's rows (a slice or index array of shm rows), s tokens each, and a prefill
+        step's images (protocol.StepImage's: where their tokens are, and each image's pixels the first time its
+        key is captured)."""
         b = self.buffers
         path = os.path.join(self.capture_dir, f"step_{self.num_steps:08d}.npz")
+        extra = {}
+        if images:
+            extra = {"image_places": np.array([[im.row, im.offset, im.first, im.count, im.length] for im in images],
+                                              np.int32),
+                     "image_keys": np.array([im.key for im in images])}
+            for j, im in enumerate(images):
+                if im.key not in self.captured_images:
+                    extra[f"image_pixels_{j}"] = read_pixels(im.segment, tuple(im.shape))
+                    self.captured_images.add(im.key)
         with open(path + ".tmp", "wb") as f:
             np.savez(f, request_ids=b.request_ids[rows], input_ids=b.input_ids[rows, :s],
                      positions=b.positions[rows, :s], query_lens=b.query_lens[rows],
                      context_lens=b.context_lens[rows], prompt_lens=b.prompt_len[rows],
                      token_ids=np.asarray(token_ids, np.int32),
-                     logits=np.asarray(logits, np.float32))
+                     logits=np.asarray(logits, np.float32), **extra)
         os.replace(path + ".tmp", path)
         self.captured += 1
         self.capture_left -= 1

@@ -9,7 +9,9 @@ Gemma 3's and SmolVLM's (`VisionTower`; SmolVLM's frames are its images here, vi
   1 + w), and the projection to the text model's width; or SmolVLM's pixel shuffle (each scale_factor-square block
   of patches one token) and a projection without a bias.
 
-In float32 throughout, the weights as the checkpoint stores them widened once. `encode(pixels)` runs a batch of
+Arithmetic in float32 throughout. On MindSpore's ops the weights are widened to float32 once; on the CPU kernels
+the layers' matrices stay in the checkpoint's type (F16, BF16), widened a panel's slice at a time as they are
+multiplied (`_panels`). `encode(pixels)` runs a batch of
 images (N, 3, image_size, image_size), each image's tokens in the order the prompt's placeholders take them (row by
 row of the pooled grid).
 """

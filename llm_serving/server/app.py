@@ -143,6 +143,7 @@ async def model_info(request: web.Request) -> web.Response:
                               "kv_cache_blocks": engine.config.pa_config.num_blocks,
                               "kv_block_size": engine.config.pa_config.block_size,
                               "model_path": engine.model_path, "tokenizer_path": engine.tokenizer.model_file,
+                              "mmproj": mc.mmproj,
                               "size_bytes": entry.size_bytes, "load_s": entry.load_s,
                               "keep_alive_s": entry.keep_alive, "agents": engine.agent_info()})
 

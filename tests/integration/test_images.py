@@ -129,6 +129,41 @@ def test_image_questions_get_transformers_tokens_and_logprobs(vl_model, tmp_path
     assert np.abs(np.subtract(*lps)).max() > 5 * 2e-3, lps           # (five times the match's tolerance)
 
 
+def test_the_precision_gate_covers_image_prompts(vl_model, tmp_path):
+    """`llm-serving precision --images`: image prompts through the chat API, chunked prefill cutting around the
+    images, the captured pixels through the float64 reference tower (reference_vision.py): every row within the
+    gate's 0.5%; against a reference whose projector is another (x 1.5), the gate fails: the tower is checked."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from tests.integration.server_harness import precision_gate
+
+    altered = tmp_path / "altered"
+    shutil.copytree(vl_model, altered)
+    tensors = load_file(str(altered / "model.safetensors"))
+    name = next(n for n in tensors if n.endswith("mm_input_projection_weight"))
+    save_file({**tensors, name: tensors[name] * 1.5}, str(altered / "model.safetensors"), metadata={"format": "pt"})
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("what is this\nname three colors\ndescribe it\ncount to five\n")
+    args = ["--model", str(vl_model), "--set", f"model_config.model_name={MODEL}",
+            "--set", "model_config.max_generate_length=128", "--set", "pa_config.block_size=8",
+            "--set", "scheduler_config.chunked_prefill=true", "--set", "scheduler_config.max_chunk_tokens=16",
+            "--set", "serving_config.max_num_batched_tokens=32", "--set", "serving_config.max_num_seqs=8",
+            "--set", "scheduler_config.enable_prefix_caching=true"]
+    gate = ["-n", "4", "--images", "2", "--max-new-tokens", "4", "--prompts", str(prompts)]
+    (tmp_path / "altered_run").mkdir()
+    with serving(args, tmp_path / "server.log") as server:
+        proc, result = precision_gate(server.url, tmp_path, *gate)
+        failed, other = precision_gate(server.url, tmp_path / "altered_run", *gate, "--model", str(altered),
+                                       "--image-seed", "1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (result["image_prompts"], result["images_encoded"]) == (2, 2), result
+    assert result["max_rel_error"] < 5e-3 and result["greedy_agreement"] == 1.0, result
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    assert other["images_encoded"] == 2 and other["max_rel_error"] > 5e-3, other
+
+
 def test_bad_images_are_refused_by_name_and_every_api_carries_an_image(vl_model, tmp_path):
     """Each bad image is a 400 that says what is wrong with it; a good request after them is answered, and the same
     image question through OpenAI's chat and Responses, Anthropic's Messages and Ollama's chat and generate gets the
