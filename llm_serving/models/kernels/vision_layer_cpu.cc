@@ -63,7 +63,7 @@ constexpr int kRows = 12;          // 12 x 2 accumulators of 32 registers
 constexpr int64_t kLanes = 8;
 #if defined(__x86_64__) && defined(__AVX2__) && defined(__FMA__)
 #define VISION_ASM_6X2 1
-constexpr int kRows = 6;           // 6 x 2 accumulators of 16 registers, in assembly (rows_6x2): as C++, GCC
+constexpr int kRows = 6;           // 6 x 2 accumulators of 16 registers, in assembly (fma_6x16): as C++, GCC
                                    // spilled one of 6 x 2 and 4 x 2 left the FMA pipes idle on their latency
 #else
 constexpr int kRows = 4;           // (AVX2 without an x86-64 assembler: 4 x 2, which GCC keeps in registers)
@@ -139,30 +139,33 @@ struct Shape {
 // loads for 12 FMAs, which Zen 3 issues at 2 a cycle)
 
 #if defined(VISION_ASM_6X2)
-// rows_by_queries<6> on AVX2 in assembly: 12 accumulators, the 2 vectors of b, 2 broadcasts (16 registers)
-inline void rows_6x2(const float* a, int64_t ks, const float* b, int64_t depth, float* c, bool accumulate) {
-  const int64_t ks_bytes = ks * 4;
+// The AVX2 micro-kernel of both products here (the attention's and VisionLinear's), in assembly: 6 rows x 16
+// columns of c in 12 accumulators, the 2 vectors of b and 2 broadcasts (16 registers; as C++, GCC spilled one).
+// Per k: b's 16 values at b + k * b_step floats, the 6 rows' scalars side by side at a + k * a_step floats.
+// c's rows ldc floats apart start as init's 16 values (each row alike) or, init null, as c holds them.
+inline void fma_6x16(const float* a, int64_t a_step, const float* b, int64_t b_step, int64_t depth, float* c,
+                     int64_t ldc, const float* init) {
+  const int64_t a_bytes = a_step * 4, b_bytes = b_step * 4, ldc_bytes = ldc * 4;
+  float* c3 = c + 3 * ldc;
   asm volatile(
-      "testl %k[acc], %k[acc]\n\t"
-      "jz 2f\n\t"
-      "vmovups 0(%[c]), %%ymm0\n\t vmovups 32(%[c]), %%ymm1\n\t"
-      "vmovups 128(%[c]), %%ymm2\n\t vmovups 160(%[c]), %%ymm3\n\t"
-      "vmovups 256(%[c]), %%ymm4\n\t vmovups 288(%[c]), %%ymm5\n\t"
-      "vmovups 384(%[c]), %%ymm6\n\t vmovups 416(%[c]), %%ymm7\n\t"
-      "vmovups 512(%[c]), %%ymm8\n\t vmovups 544(%[c]), %%ymm9\n\t"
-      "vmovups 640(%[c]), %%ymm10\n\t vmovups 672(%[c]), %%ymm11\n\t"
-      "jmp 3f\n"
-      "2:\n\t"
-      "vxorps %%ymm0, %%ymm0, %%ymm0\n\t vxorps %%ymm1, %%ymm1, %%ymm1\n\t"
-      "vxorps %%ymm2, %%ymm2, %%ymm2\n\t vxorps %%ymm3, %%ymm3, %%ymm3\n\t"
-      "vxorps %%ymm4, %%ymm4, %%ymm4\n\t vxorps %%ymm5, %%ymm5, %%ymm5\n\t"
-      "vxorps %%ymm6, %%ymm6, %%ymm6\n\t vxorps %%ymm7, %%ymm7, %%ymm7\n\t"
-      "vxorps %%ymm8, %%ymm8, %%ymm8\n\t vxorps %%ymm9, %%ymm9, %%ymm9\n\t"
-      "vxorps %%ymm10, %%ymm10, %%ymm10\n\t vxorps %%ymm11, %%ymm11, %%ymm11\n"
+      "testq %[init], %[init]\n\t"
+      "jz 3f\n\t"
+      "vmovups (%[init]), %%ymm0\n\t vmovups 32(%[init]), %%ymm1\n\t"
+      "vmovaps %%ymm0, %%ymm2\n\t vmovaps %%ymm1, %%ymm3\n\t vmovaps %%ymm0, %%ymm4\n\t vmovaps %%ymm1, %%ymm5\n\t"
+      "vmovaps %%ymm0, %%ymm6\n\t vmovaps %%ymm1, %%ymm7\n\t vmovaps %%ymm0, %%ymm8\n\t vmovaps %%ymm1, %%ymm9\n\t"
+      "vmovaps %%ymm0, %%ymm10\n\t vmovaps %%ymm1, %%ymm11\n\t"
+      "jmp 4f\n"
       "3:\n\t"
-      "testq %[n], %[n]\n\t"
-      "jz 5f\n"
+      "vmovups (%[c]), %%ymm0\n\t vmovups 32(%[c]), %%ymm1\n\t"
+      "vmovups (%[c],%[ldc],1), %%ymm2\n\t vmovups 32(%[c],%[ldc],1), %%ymm3\n\t"
+      "vmovups (%[c],%[ldc],2), %%ymm4\n\t vmovups 32(%[c],%[ldc],2), %%ymm5\n\t"
+      "vmovups (%[c3]), %%ymm6\n\t vmovups 32(%[c3]), %%ymm7\n\t"
+      "vmovups (%[c3],%[ldc],1), %%ymm8\n\t vmovups 32(%[c3],%[ldc],1), %%ymm9\n\t"
+      "vmovups (%[c3],%[ldc],2), %%ymm10\n\t vmovups 32(%[c3],%[ldc],2), %%ymm11\n"
       "4:\n\t"
+      "testq %[n], %[n]\n\t"
+      "jz 2f\n"
+      "1:\n\t"
       "vmovups (%[b]), %%ymm12\n\t vmovups 32(%[b]), %%ymm13\n\t"
       "vbroadcastss (%[a]), %%ymm14\n\t"
       "vfmadd231ps %%ymm12, %%ymm14, %%ymm0\n\t vfmadd231ps %%ymm13, %%ymm14, %%ymm1\n\t"
@@ -176,30 +179,30 @@ inline void rows_6x2(const float* a, int64_t ks, const float* b, int64_t depth, 
       "vfmadd231ps %%ymm12, %%ymm14, %%ymm8\n\t vfmadd231ps %%ymm13, %%ymm14, %%ymm9\n\t"
       "vbroadcastss 20(%[a]), %%ymm15\n\t"
       "vfmadd231ps %%ymm12, %%ymm15, %%ymm10\n\t vfmadd231ps %%ymm13, %%ymm15, %%ymm11\n\t"
-      "addq %[ksb], %[a]\n\t"
-      "addq $128, %[b]\n\t"
+      "addq %[ab], %[a]\n\t"
+      "addq %[bb], %[b]\n\t"
       "decq %[n]\n\t"
-      "jnz 4b\n"
-      "5:\n\t"
-      "vmovups %%ymm0, 0(%[c])\n\t vmovups %%ymm1, 32(%[c])\n\t"
-      "vmovups %%ymm2, 128(%[c])\n\t vmovups %%ymm3, 160(%[c])\n\t"
-      "vmovups %%ymm4, 256(%[c])\n\t vmovups %%ymm5, 288(%[c])\n\t"
-      "vmovups %%ymm6, 384(%[c])\n\t vmovups %%ymm7, 416(%[c])\n\t"
-      "vmovups %%ymm8, 512(%[c])\n\t vmovups %%ymm9, 544(%[c])\n\t"
-      "vmovups %%ymm10, 640(%[c])\n\t vmovups %%ymm11, 672(%[c])\n\t"
+      "jnz 1b\n"
+      "2:\n\t"
+      "vmovups %%ymm0, (%[c])\n\t vmovups %%ymm1, 32(%[c])\n\t"
+      "vmovups %%ymm2, (%[c],%[ldc],1)\n\t vmovups %%ymm3, 32(%[c],%[ldc],1)\n\t"
+      "vmovups %%ymm4, (%[c],%[ldc],2)\n\t vmovups %%ymm5, 32(%[c],%[ldc],2)\n\t"
+      "vmovups %%ymm6, (%[c3])\n\t vmovups %%ymm7, 32(%[c3])\n\t"
+      "vmovups %%ymm8, (%[c3],%[ldc],1)\n\t vmovups %%ymm9, 32(%[c3],%[ldc],1)\n\t"
+      "vmovups %%ymm10, (%[c3],%[ldc],2)\n\t vmovups %%ymm11, 32(%[c3],%[ldc],2)\n\t"
       : [a] "+r"(a), [b] "+r"(b), [n] "+r"(depth)
-      : [c] "r"(c), [acc] "r"(static_cast<int>(accumulate)), [ksb] "r"(ks_bytes)
+      : [c] "r"(c), [c3] "r"(c3), [ldc] "r"(ldc_bytes), [init] "r"(init), [ab] "r"(a_bytes), [bb] "r"(b_bytes)
       : "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10",
         "xmm11", "xmm12", "xmm13", "xmm14", "xmm15");
 }
-static_assert(kQueries * sizeof(float) == 128, "rows_6x2's strides");
+alignas(32) constexpr float kZeros16[16] = {};
 #endif
 template <int R>
 inline void rows_by_queries(const float* a, int64_t ks, const float* b, int64_t depth, float* c, int64_t q0,
                             bool accumulate) {
 #if defined(VISION_ASM_6X2)
   if constexpr (R == 6) {
-    rows_6x2(a, ks, b + q0, depth, c + q0, accumulate);
+    fma_6x16(a, ks, b + q0, kQueries, depth, c + q0, kQueries, accumulate ? nullptr : kZeros16);
     return;
   }
 #endif
@@ -351,7 +354,7 @@ void for_each_task(int64_t threads, int64_t tasks, int64_t chunk, Work work) {
 // and for each panel widens the panel's (kDepth, 16) slice to float32 (16 KB: L1) once and multiplies every tile of
 // the block by it (the tiles, 288 x 256 floats, stay in L2). The micro-kernel keeps a kTileRows x 16 block of out in
 // registers: per k, the panel's 16 values (2 vectors on AVX2, 1 on AVX-512) and each row's x broadcast, one FMA per
-// vector (AVX2: 6 x 2 accumulators in assembly, rows_6x2; AVX-512: 12 x 1). out starts as the bias; each row's sums
+// vector (AVX2: 6 x 2 accumulators in assembly, fma_6x16; AVX-512: 12 x 1). out starts as the bias; each row's sums
 // run along k in order, whatever the other rows and the threads: a row's result does not depend on the batch.
 #if defined(VISION_ASM_6X2)
 constexpr int64_t kTileRows = 6;
@@ -368,55 +371,7 @@ constexpr int64_t kBlockRows = 48 * kTileRows;
 // kTileRows, k-major) . b (depth x 16, k-major)
 inline void tile_product(const float* a, const float* b, int64_t depth, float* c, int64_t ldc, const float* init) {
 #if defined(VISION_ASM_6X2)
-  const int64_t ldc_bytes = ldc * 4;
-  float* c3 = c + 3 * ldc;
-  asm volatile(
-      "testq %[init], %[init]\n\t"
-      "jz 3f\n\t"
-      "vmovups (%[init]), %%ymm0\n\t vmovups 32(%[init]), %%ymm1\n\t"
-      "vmovaps %%ymm0, %%ymm2\n\t vmovaps %%ymm1, %%ymm3\n\t vmovaps %%ymm0, %%ymm4\n\t vmovaps %%ymm1, %%ymm5\n\t"
-      "vmovaps %%ymm0, %%ymm6\n\t vmovaps %%ymm1, %%ymm7\n\t vmovaps %%ymm0, %%ymm8\n\t vmovaps %%ymm1, %%ymm9\n\t"
-      "vmovaps %%ymm0, %%ymm10\n\t vmovaps %%ymm1, %%ymm11\n\t"
-      "jmp 4f\n"
-      "3:\n\t"
-      "vmovups (%[c]), %%ymm0\n\t vmovups 32(%[c]), %%ymm1\n\t"
-      "vmovups (%[c],%[ldc],1), %%ymm2\n\t vmovups 32(%[c],%[ldc],1), %%ymm3\n\t"
-      "vmovups (%[c],%[ldc],2), %%ymm4\n\t vmovups 32(%[c],%[ldc],2), %%ymm5\n\t"
-      "vmovups (%[c3]), %%ymm6\n\t vmovups 32(%[c3]), %%ymm7\n\t"
-      "vmovups (%[c3],%[ldc],1), %%ymm8\n\t vmovups 32(%[c3],%[ldc],1), %%ymm9\n\t"
-      "vmovups (%[c3],%[ldc],2), %%ymm10\n\t vmovups 32(%[c3],%[ldc],2), %%ymm11\n"
-      "4:\n\t"
-      "testq %[n], %[n]\n\t"
-      "jz 2f\n"
-      "1:\n\t"
-      "vmovups (%[b]), %%ymm12\n\t vmovups 32(%[b]), %%ymm13\n\t"
-      "vbroadcastss (%[a]), %%ymm14\n\t"
-      "vfmadd231ps %%ymm12, %%ymm14, %%ymm0\n\t vfmadd231ps %%ymm13, %%ymm14, %%ymm1\n\t"
-      "vbroadcastss 4(%[a]), %%ymm15\n\t"
-      "vfmadd231ps %%ymm12, %%ymm15, %%ymm2\n\t vfmadd231ps %%ymm13, %%ymm15, %%ymm3\n\t"
-      "vbroadcastss 8(%[a]), %%ymm14\n\t"
-      "vfmadd231ps %%ymm12, %%ymm14, %%ymm4\n\t vfmadd231ps %%ymm13, %%ymm14, %%ymm5\n\t"
-      "vbroadcastss 12(%[a]), %%ymm15\n\t"
-      "vfmadd231ps %%ymm12, %%ymm15, %%ymm6\n\t vfmadd231ps %%ymm13, %%ymm15, %%ymm7\n\t"
-      "vbroadcastss 16(%[a]), %%ymm14\n\t"
-      "vfmadd231ps %%ymm12, %%ymm14, %%ymm8\n\t vfmadd231ps %%ymm13, %%ymm14, %%ymm9\n\t"
-      "vbroadcastss 20(%[a]), %%ymm15\n\t"
-      "vfmadd231ps %%ymm12, %%ymm15, %%ymm10\n\t vfmadd231ps %%ymm13, %%ymm15, %%ymm11\n\t"
-      "addq $24, %[a]\n\t"
-      "addq $64, %[b]\n\t"
-      "decq %[n]\n\t"
-      "jnz 1b\n"
-      "2:\n\t"
-      "vmovups %%ymm0, (%[c])\n\t vmovups %%ymm1, 32(%[c])\n\t"
-      "vmovups %%ymm2, (%[c],%[ldc],1)\n\t vmovups %%ymm3, 32(%[c],%[ldc],1)\n\t"
-      "vmovups %%ymm4, (%[c],%[ldc],2)\n\t vmovups %%ymm5, 32(%[c],%[ldc],2)\n\t"
-      "vmovups %%ymm6, (%[c3])\n\t vmovups %%ymm7, 32(%[c3])\n\t"
-      "vmovups %%ymm8, (%[c3],%[ldc],1)\n\t vmovups %%ymm9, 32(%[c3],%[ldc],1)\n\t"
-      "vmovups %%ymm10, (%[c3],%[ldc],2)\n\t vmovups %%ymm11, 32(%[c3],%[ldc],2)\n\t"
-      : [a] "+r"(a), [b] "+r"(b), [n] "+r"(depth)
-      : [c] "r"(c), [c3] "r"(c3), [ldc] "r"(ldc_bytes), [init] "r"(init)
-      : "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10",
-        "xmm11", "xmm12", "xmm13", "xmm14", "xmm15");
+  fma_6x16(a, kTileRows, b, kPanelCols, depth, c, ldc, init);
 #else
   constexpr int V = kPanelCols / kLanes;
   vf acc[kTileRows][V];
