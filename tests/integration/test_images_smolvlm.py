@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from tests.families import SMOLVLM_IMAGE_TOKENS, greedy_with_logprobs, make_smolvlm, needs_transformers
-from tests.integration.server_harness import http, serving
+from tests.integration.server_harness import http, precision_gate, serving
 
 pytest.importorskip("mindspore")
 pytest.importorskip("PIL", reason="Pillow reads the images (pip install -e .)")
@@ -135,7 +135,8 @@ def test_smolvlm_image_questions_get_transformers_tokens_and_logprobs(smolvlm, t
     """Three image chats at once and a follow-up after: a wide image (2 x 2 tiles), a tall one (2 x 1) with a
     transparent small one (2 x 2, upscaled), chunked prefill in 16-token chunks (cut between frames, never inside
     one), the prefix cache on 8-token blocks and the encoded-frame cache: each reply is transformers' greedy tokens,
-    with their log-probabilities, and its prompt as many tokens as transformers' processor makes."""
+    with their log-probabilities, and its prompt as many tokens as transformers' processor makes; then the precision
+    gate with picture prompts passes."""
     from llm_serving.tokenization import load_tokenizer
 
     wide, tall, small = _png(0, (50, 70, 3)), _png(1, (100, 10, 3)), _png(2, (20, 30, 4))
@@ -159,6 +160,15 @@ def test_smolvlm_image_questions_get_transformers_tokens_and_logprobs(smolvlm, t
         last = asyncio.run(_chats(server.url, [_body(chats[3][0])]))
         models = http("GET", server.url + "/v1/models")[1]
         log = (tmp_path / "server.log").read_text()
+        # the precision gate with two picture prompts (each 4 + 1 frames, causal): the reference's float64 tower on
+        # the captured frames, every row within 0.5%
+        prompts = tmp_path / "prompts.txt"
+        prompts.write_text("what is this\nname three colors\ndescribe it\n")
+        (tmp_path / "gate").mkdir()
+        proc, gate = precision_gate(server.url, tmp_path / "gate", "-n", "3", "--images", "2", "--max-new-tokens", "3",
+                                    "--prompts", str(prompts))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (gate["image_prompts"], gate["images_encoded"]) == (2, 10) and gate["max_rel_error"] < 5e-3, gate
     for (messages, turns, images), (status, body) in zip(chats, first + last):
         assert status == 200, body
         ids = _prompt_ids(smolvlm, turns, images)
