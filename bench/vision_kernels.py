@@ -1,0 +1,100 @@
+#!/usr/bin/env python
+"""The vision tower's CPU kernels alone (kernels/vision_layer_cpu.cc), called through ctypes as MindSpore calls them,
+at Gemma-3-4B's SigLIP shape (4,096 patches, width 1,152, 16 heads, MLP 4,304): VisionAttention's seconds and
+GFLOP/s, and VisionLinear's four products of a layer (q|k|v, out, fc1, fc2) on F16 panels against numpy's float32
+matmul (OpenBLAS) on the same values, in turn, so that the machine's noise falls on both; the best of --runs each.
+
+    python bench/vision_kernels.py
+    python bench/vision_kernels.py --threads 1 --runs 5
+
+Writes JSON (default bench_results/vision_kernels.json).
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import machine, write_json  # noqa: E402
+
+PATCHES, WIDTH, HEADS, MLP = 4096, 1152, 16, 4304
+PRODUCTS = {"qkv": (WIDTH, 3 * WIDTH), "out": (WIDTH, WIDTH), "fc1": (WIDTH, MLP), "fc2": (MLP, WIDTH)}   # (K, N)
+
+
+def panels(w: np.ndarray) -> np.ndarray:
+    """(N, K) float16 as VisionLinear reads it (models/vision_tower.py's _panels)."""
+    n, k = w.shape
+    padded = np.zeros((-(-n // 16) * 16, k), w.dtype)
+    padded[:n] = w
+    return np.ascontiguousarray(padded.reshape(-1, 16, k).transpose(0, 2, 1))
+
+
+def best(fn, runs: int) -> float:
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--out", default="bench_results/vision_kernels.json")
+    args = ap.parse_args(argv)
+
+    from llm_serving.models.kernels import build_kernel
+    from llm_serving.models.kernels.aot_call import invoke
+
+    library = ctypes.CDLL(build_kernel("vision_layer_cpu", "VisionAttention").rsplit(":", 1)[0])
+    rng = np.random.default_rng(0)
+    result = {"machine": machine(), "threads": args.threads}
+
+    qkv = rng.standard_normal((PATCHES, 3 * WIDTH), dtype=np.float32)
+    out = np.zeros((PATCHES, WIDTH), np.float32)
+    config = np.array([PATCHES, HEADS, args.threads], np.int32)
+    attention = best(lambda: invoke(library.VisionAttention, [qkv, np.zeros(3 * WIDTH, np.float32), config, out]),
+                     args.runs)
+    flops = 4.0 * PATCHES * PATCHES * WIDTH
+    result["attention"] = {"seconds": attention, "gflops": flops / attention / 1e9}
+    print(f"{machine().get('cpu', '')}, {args.threads} threads")
+    print(f"VisionAttention, {HEADS} heads x {PATCHES} patches: {attention:.3f} s ({flops / attention / 1e9:.0f} GFLOP/s)")
+
+    totals = {"kernel": 0.0, "numpy": 0.0}
+    for name, (k, n) in PRODUCTS.items():
+        x = rng.standard_normal((PATCHES, k), dtype=np.float32)
+        w = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float16)
+        packed, wide, bias = panels(w), w.astype(np.float32), np.zeros(n, np.float32)
+        y = np.zeros((PATCHES, n), np.float32)
+        config = np.array([args.threads, 0], np.int32)
+        times = {"kernel": [], "numpy": []}
+        for _ in range(args.runs):                  # in turn
+            times["kernel"].append(best(lambda: invoke(library.VisionLinear, [x, packed, bias, config, y]), 1))
+            times["numpy"].append(best(lambda: x @ wide.T, 1))
+        gap = float(np.abs(y - x @ wide.T).max() / np.abs(y).max())
+        flops = 2.0 * PATCHES * k * n
+        row = {kind: {"seconds": min(t), "gflops": flops / min(t) / 1e9} for kind, t in times.items()}
+        result[name] = {**row, "max_relative_difference": gap}
+        for kind in totals:
+            totals[kind] += row[kind]["seconds"]
+        print(f"{name} ({PATCHES} x {k} x {n}): VisionLinear on F16 panels {row['kernel']['seconds']:.3f} s "
+              f"({row['kernel']['gflops']:.0f} GFLOP/s), numpy float32 {row['numpy']['seconds']:.3f} s "
+              f"({row['numpy']['gflops']:.0f}); apart by {gap:.1e}")
+    result["layer_products"] = totals
+    print(f"a layer's four products: VisionLinear {totals['kernel']:.3f} s, numpy {totals['numpy']:.3f} s "
+          f"({totals['kernel'] / totals['numpy']:.2f}x)")
+    write_json(args.out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
