@@ -12,20 +12,21 @@ import pytest
 from tests.families import make_gemma3_vl, make_smolvlm, needs_transformers
 
 
+def _float64_model(tmp_path_factory, make, name: str) -> tuple:
+    """The tiny model `make` writes (its directory), and a float64 copy of it for the comparisons."""
+    torch, _ = needs_transformers()
+    directory = tmp_path_factory.mktemp(name)
+    return directory, copy.deepcopy(make(directory, tokenizer=False)).to(torch.float64)
+
+
 @pytest.fixture(scope="module")
 def gemma3_vl(tmp_path_factory):
-    torch, _ = needs_transformers()
-    directory = tmp_path_factory.mktemp("gemma3_vl_reference")
-    model = make_gemma3_vl(directory, tokenizer=False)
-    return directory, copy.deepcopy(model).to(torch.float64)
+    return _float64_model(tmp_path_factory, make_gemma3_vl, "gemma3_vl_reference")
 
 
 @pytest.fixture(scope="module")
 def smolvlm(tmp_path_factory):
-    torch, _ = needs_transformers()
-    directory = tmp_path_factory.mktemp("smolvlm_reference")
-    model = make_smolvlm(directory, tokenizer=False)
-    return directory, copy.deepcopy(model).to(torch.float64)
+    return _float64_model(tmp_path_factory, make_smolvlm, "smolvlm_reference")
 
 
 # transformers' RMS norms compute in float32 whatever the model's dtype (Gemma's `x.float()`, Llama's `.to(float32)`):

@@ -82,7 +82,6 @@ inline vf load(const float* p) {
 }
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
-
 typedef int32_t vi __attribute__((vector_size(kLanes * sizeof(int32_t))));
 inline vf max(vf a, vf b) {
 #if defined(__AVX512F__)
@@ -132,11 +131,6 @@ struct Shape {
   int64_t n, t, h, hd, d;   // images, patches an image, heads, head dim, H * hd
   int64_t tp;               // T rounded up to kKeyBlock
 };
-
-// c (R rows, stride kQueries)[.. 2 vectors from q0] (+)= a (R rows of `depth`: a[r][k] at a[r + k * ks]) .
-// b (depth rows of kQueries)[.. from q0]: a's R scalars of each k side by side, each broadcast; b's 2 vectors
-// loaded once for all R rows and kept in registers (GCC otherwise reloads them as every FMA's memory operand: 18
-// loads for 12 FMAs, which Zen 3 issues at 2 a cycle)
 
 #if defined(VISION_ASM_6X2)
 // The AVX2 micro-kernel of both products here (the attention's and VisionLinear's), in assembly: 6 rows x 16
@@ -197,6 +191,12 @@ inline void fma_6x16(const float* a, int64_t a_step, const float* b, int64_t b_s
 }
 alignas(32) constexpr float kZeros16[16] = {};
 #endif
+
+// c (R rows, stride kQueries)[.. 2 vectors from q0] (+)= a (R rows of `depth`: a[r][k] at a[r + k * ks]) .
+// b (depth rows of kQueries)[.. from q0]: a's R scalars of each k side by side, each broadcast; b's 2 vectors
+// loaded once for all R rows and kept in registers (GCC otherwise reloads them as every FMA's memory operand: 18
+// loads for 12 FMAs, which Zen 3 issues at 2 a cycle)
+
 template <int R>
 inline void rows_by_queries(const float* a, int64_t ks, const float* b, int64_t depth, float* c, int64_t q0,
                             bool accumulate) {
@@ -314,7 +314,8 @@ void attend_block(const float* qkv, const float* bias, const float* k, const flo
       store(alpha + i, a);
     }
     for (int64_t e = 0; e < sh.hd; ++e) {
-      for (int64_t i = 0; i < kQueries; i += kLanes) store(w->ot.data() + e * kQueries + i, load(w->ot.data() + e * kQueries + i) * load(alpha + i));
+      float* o = w->ot.data() + e * kQueries;
+      for (int64_t i = 0; i < kQueries; i += kLanes) store(o + i, load(o + i) * load(alpha + i));
     }
     values_product(v + j0 * sh.hd, sh.hd, st, w->ot.data());
   }
@@ -344,10 +345,9 @@ void for_each_task(int64_t threads, int64_t tasks, int64_t chunk, Work work) {
   });
 }
 
-
 // ---- VisionLinear's product: out (R, N) = x (R, K) W^T + bias, W packed in panels of 16 output columns ----
 //
-// The layout, as the runner packs the checkpoint's (N, K) matrix once at load (vision_tower.py's pack_panels):
+// The layout, as the runner packs the checkpoint's (N, K) matrix once at load (vision_tower.py's _panels):
 // (P, K, 16), P = ceil(N / 16), panel j holding columns 16 j .. 16 j + 15 k-major (zeros past N), in the
 // checkpoint's own type (float16, bfloat16 or float32: nothing is widened in memory). A task is a block of kBlockRows
 // rows of x: for each depth block of kDepth columns it packs its rows into tiles of kTileRows rows (kDepth, kTileRows),

@@ -277,8 +277,8 @@ def mmproj_checkpoint(path: str) -> tuple[VisionConfig, dict[str, StoredTensor]]
         if name is None:
             continue
         dims = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-        if tensor.tensor_type == GGMLQuantizationType.F16 and name != "multi_modal_projector.mm_soft_emb_norm.weight":
-            # the file's float16 values, memory-mapped: read as float32 where they are used, kept as float16 by the
+        if tensor.tensor_type == GGMLQuantizationType.F16 and len(dims) >= 2:
+            # a matrix's float16 values, memory-mapped: read as float32 where they are used, kept as float16 by the
             # tower's CPU kernels (stored_type)
             half = np.asarray(tensor.data).reshape(dims)
             tensors[name] = StoredTensor(dims, lambda index, a=half: np.asarray(a[index], np.float32), stored_type="F16")
