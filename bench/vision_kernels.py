@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """The vision tower's CPU kernels alone (kernels/vision_layer_cpu.cc), called through ctypes as MindSpore calls them,
 at Gemma-3-4B's SigLIP shape (4,096 patches, width 1,152, 16 heads, MLP 4,304): VisionAttention's seconds and
-GFLOP/s, and VisionLinear's four products of a layer (q|k|v, out, fc1, fc2) on F16 panels against numpy's float32
-matmul (OpenBLAS) on the same values, in turn, so that the machine's noise falls on both; the best of --runs each.
+GFLOP/s, and VisionLinear's four products of a layer (q|k|v, out, fc1, fc2) on F16 panels and on int16 panels
+(model_config.vision_int16) against numpy's float32 matmul (OpenBLAS) on the same values, in turn, so that the
+machine's noise falls on all three; the best of --runs each, and each one's error against the float64 product.
 
     python bench/vision_kernels.py
     python bench/vision_kernels.py --threads 1 --runs 5
@@ -28,14 +29,6 @@ PATCHES, WIDTH, HEADS, MLP = 4096, 1152, 16, 4304
 PRODUCTS = {"qkv": (WIDTH, 3 * WIDTH), "out": (WIDTH, WIDTH), "fc1": (WIDTH, MLP), "fc2": (MLP, WIDTH)}   # (K, N)
 
 
-def panels(w: np.ndarray) -> np.ndarray:
-    """(N, K) float16 as VisionLinear reads it (models/vision_tower.py's _panels)."""
-    n, k = w.shape
-    padded = np.zeros((-(-n // 16) * 16, k), w.dtype)
-    padded[:n] = w
-    return np.ascontiguousarray(padded.reshape(-1, 16, k).transpose(0, 2, 1))
-
-
 def best(fn, runs: int) -> float:
     times = []
     for _ in range(runs):
@@ -54,6 +47,7 @@ def main(argv=None) -> int:
 
     from llm_serving.models.kernels import build_kernel
     from llm_serving.models.kernels.aot_call import invoke
+    from llm_serving.models.kernels.vision_panels import float_panels, int16_panels
 
     library = ctypes.CDLL(build_kernel("vision_layer_cpu", "VisionAttention").rsplit(":", 1)[0])
     rng = np.random.default_rng(0)
@@ -69,29 +63,39 @@ def main(argv=None) -> int:
     print(f"{machine().get('cpu', '')}, {args.threads} threads")
     print(f"VisionAttention, {HEADS} heads x {PATCHES} patches: {attention:.3f} s ({flops / attention / 1e9:.0f} GFLOP/s)")
 
-    totals = {"kernel": 0.0, "numpy": 0.0}
+    totals = {"kernel": 0.0, "int16": 0.0, "numpy": 0.0}
     for name, (k, n) in PRODUCTS.items():
         x = rng.standard_normal((PATCHES, k), dtype=np.float32)
         w = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float16)
-        packed, wide, bias = panels(w), w.astype(np.float32), np.zeros(n, np.float32)
-        y = np.zeros((PATCHES, n), np.float32)
+        wide, bias = w.astype(np.float32), np.zeros(n, np.float32)
+        packed = float_panels(wide).astype(np.float16)
+        codes, steps = int16_panels(wide)
+        outs = {kind: np.zeros((PATCHES, n), np.float32) for kind in ("kernel", "int16")}
         config = np.array([args.threads, 0], np.int32)
-        times = {"kernel": [], "numpy": []}
+        calls = {"kernel": lambda: invoke(library.VisionLinear, [x, packed, bias, config, outs["kernel"]]),
+                 "int16": lambda: invoke(library.VisionLinear, [x, codes, np.stack([bias, steps]), config,
+                                                                outs["int16"]]),
+                 "numpy": lambda: x @ wide.T}
+        times = {kind: [] for kind in calls}
         for _ in range(args.runs):                  # in turn
-            times["kernel"].append(best(lambda: invoke(library.VisionLinear, [x, packed, bias, config, y]), 1))
-            times["numpy"].append(best(lambda: x @ wide.T, 1))
-        gap = float(np.abs(y - x @ wide.T).max() / np.abs(y).max())
+            for kind, call in calls.items():
+                times[kind].append(best(call, 1))
+        exact = x.astype(np.float64) @ wide.T.astype(np.float64)
+        gaps = {kind: float(np.abs(out - exact).max() / np.abs(exact).max()) for kind, out in outs.items()}
         flops = 2.0 * PATCHES * k * n
         row = {kind: {"seconds": min(t), "gflops": flops / min(t) / 1e9} for kind, t in times.items()}
-        result[name] = {**row, "max_relative_difference": gap}
+        result[name] = {**row, "max_relative_error": gaps}
         for kind in totals:
             totals[kind] += row[kind]["seconds"]
         print(f"{name} ({PATCHES} x {k} x {n}): VisionLinear on F16 panels {row['kernel']['seconds']:.3f} s "
-              f"({row['kernel']['gflops']:.0f} GFLOP/s), numpy float32 {row['numpy']['seconds']:.3f} s "
-              f"({row['numpy']['gflops']:.0f}); apart by {gap:.1e}")
+              f"({row['kernel']['gflops']:.0f} GFLOP/s), on int16 panels {row['int16']['seconds']:.3f} s "
+              f"({row['int16']['gflops']:.0f}), numpy float32 {row['numpy']['seconds']:.3f} s "
+              f"({row['numpy']['gflops']:.0f}); off the float64 product by {gaps['kernel']:.1e} (F16 panels), "
+              f"{gaps['int16']:.1e} (int16)")
     result["layer_products"] = totals
-    print(f"a layer's four products: VisionLinear {totals['kernel']:.3f} s, numpy {totals['numpy']:.3f} s "
-          f"({totals['kernel'] / totals['numpy']:.2f}x)")
+    print(f"a layer's four products: VisionLinear {totals['kernel']:.3f} s on F16 panels, {totals['int16']:.3f} s on "
+          f"int16 ({totals['int16'] / totals['kernel']:.2f}x), numpy {totals['numpy']:.3f} s "
+          f"(F16 panels {totals['kernel'] / totals['numpy']:.2f}x, int16 {totals['int16'] / totals['numpy']:.2f}x)")
     write_json(args.out, result)
     return 0
 

@@ -4,13 +4,15 @@ real model's shape with random weights (default: Gemma-3-4B's, SigLIP-400M: 27 l
 in 4,096 patches, 256 tokens of 2,560), the first call (its graph compiled) and the next ones, with the rate of
 float32 arithmetic they reach, the peak memory and what each tower's weights take. The tower runs a layer at a time
 (one graph, each layer's weights its inputs). Its layer runs on the CPU kernels (kernels/vision_layer_cpu.cc: the
-products on the matrices as the checkpoint stores them, the attention writing no scores) or on MindSpore's ops
-(MatMul on float32 copies; one layer's (heads, patches, patches) scores, 1 GiB at 4,096 patches, written and read
-back); by default both, in turn on the same weights and image, with their ratio and how far apart their outputs are.
+products on the matrices as the checkpoint stores them, the attention writing no scores), on the same kernels with
+the products in int16 (model_config.vision_int16), or on MindSpore's ops (MatMul on float32 copies; one layer's
+(heads, patches, patches) scores, 1 GiB at 4,096 patches, written and read back); by default all three, in turn on
+the same weights and image, with their ratios and how far apart their outputs are.
 
-    python bench/vision_tower.py                      # Gemma-3-4B's tower, 3 runs of one image, both attentions
+    python bench/vision_tower.py                      # Gemma-3-4B's tower, 3 runs of one image, all three
     python bench/vision_tower.py --layers 4 --runs 2  # a shallower tower, for a quick look
     python bench/vision_tower.py --attention kernel   # one of them (its peak memory alone)
+    python bench/vision_tower.py --attention int16,kernel
 
 Writes JSON (default bench_results/vision_tower.json).
 """
@@ -84,9 +86,11 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--text-hidden", type=int, default=2560)
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--attention", choices=("kernel", "ops", "both"), default="both",
-                    help="the layers' attention and GELU: the CPU kernels (kernels/vision_layer_cpu.cc), MindSpore's "
-                         "ops, or both in turn on the same weights and image (their ratio, and how far apart they are)")
+    ap.add_argument("--attention", default="all",
+                    help="the layers' arithmetic, comma-separated: kernel (the CPU kernels, kernels/"
+                         "vision_layer_cpu.cc, float32 products), int16 (the same, the products in int16), ops "
+                         "(MindSpore's); both = kernel,ops; all (default) = int16,kernel,ops; in turn on the same "
+                         "weights and image (their ratios, and how far apart they are)")
     ap.add_argument("--threads", type=int, default=None, help="the kernels' threads (default: the CPUs)")
     ap.add_argument("--stored", choices=("F16", "BF16", "F32"), default="F16",
                     help="the type the checkpoint stores the matrices in (default F16, as llama.cpp's mmproj GGUFs "
@@ -104,14 +108,17 @@ def main(argv=None) -> int:
     setup_mindspore("CPU", 0, None, None)
     cfg = VisionConfig(args.hidden, args.intermediate, args.layers, args.heads, args.image, args.patch, 3, 1e-6,
                        args.tokens, args.text_hidden)
-    kinds = ("kernel", "ops") if args.attention == "both" else (args.attention,)
+    kinds = {"both": ("kernel", "ops"), "all": ("int16", "kernel", "ops")}.get(
+        args.attention, tuple(args.attention.split(",")))
+    if not kinds or any(kind not in ("int16", "kernel", "ops") for kind in kinds):
+        ap.error(f"--attention: kernel, int16, ops (comma-separated), both or all, not {args.attention!r}")
     threads = args.threads or len(os.sched_getaffinity(0))
     weights = stored_as(random_tower(cfg), args.stored)
     towers, built = {}, {}
     for kind in kinds:
         t0 = time.perf_counter()
-        kernels = build_vision_kernels("CPU", "on") if kind == "kernel" else None
-        towers[kind] = VisionTower(cfg, weights, kernels=kernels, threads=threads)
+        kernels = build_vision_kernels("CPU", "on") if kind != "ops" else None
+        towers[kind] = VisionTower(cfg, weights, kernels=kernels, threads=threads, int16=kind == "int16")
         built[kind] = time.perf_counter() - t0
     pixels = np.random.default_rng(1).uniform(-1, 1, (1, 3, args.image, args.image)).astype(np.float32)
     times, outs = {kind: [] for kind in kinds}, {}
@@ -132,12 +139,14 @@ def main(argv=None) -> int:
               f"{', '.join(f'{t:.1f}' for t in times[kind][1:])} s; best {best:.1f} s = {work / best / 1e9:.0f} "
               f"GFLOP/s ({best / cfg.num_layers:.2f} s a layer)")
         result[kind] = {"build_s": built[kind], "seconds": times[kind], "best_s": best, "gflops": work / best / 1e9}
-    if len(kinds) == 2:
-        k, o = outs["kernel"], outs["ops"]
-        result["kernel_over_ops"] = result["kernel"]["best_s"] / result["ops"]["best_s"]
-        result["max_relative_difference"] = float(np.abs(k - o).max() / np.abs(o).max())
-        print(f"kernel / ops time: {result['kernel_over_ops']:.2f}x; outputs apart by "
-              f"{result['max_relative_difference']:.1e} of their largest")
+    reference = "kernel" if "kernel" in kinds else "ops"
+    for kind in kinds:
+        if kind == reference:
+            continue
+        ratio = result[kind]["best_s"] / result[reference]["best_s"]
+        apart = float(np.abs(outs[kind] - outs[reference]).max() / np.abs(outs[reference]).max())
+        result[f"{kind}_over_{reference}"], result[f"{kind}_{reference}_max_relative_difference"] = ratio, apart
+        print(f"{kind} / {reference} time: {ratio:.2f}x; outputs apart by {apart:.1e} of their largest")
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6            # (kB on Linux)
     result.update(peak_rss_gb=peak, stored=args.stored,
                   weights_gb={kind: towers[kind].nbytes / 1e9 for kind in kinds})

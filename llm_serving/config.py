@@ -135,6 +135,10 @@ class ModelConfig:
     num_threads: Optional[int] = None         # MindSpore CPU threads per agent; None = MindSpore's default
     attention_kernel: str = "auto"            # CPU decode attention: the C++ paged kernel ('on'), the key gather
                                               # ('off'), or the kernel when a C++ compiler builds it ('auto')
+    vision_int16: str = "auto"                # the CPU vision tower's products in 16-bit integers: 13-bit
+                                              # columns times 14-bit x per 64 (about 3e-4 of a product's size),
+                                              # 1.4x the float32 products' rate on AVX2; 'auto' = on where that loop
+                                              # is AVX2 assembly (no AVX-512), 'on', 'off' (float32 products)
     layer_kernel: str = "auto"                # CPU steps of few tokens: each decoder layer as one C++ kernel
                                               # ('on'), layer by layer in MindSpore ops ('off'), 'auto' = the
                                               # kernel when it builds, on one agent with the attention kernel
@@ -207,6 +211,9 @@ class ModelConfig:
         self.attention_kernel = _yaml_switch(self.attention_kernel)
         _check(self.attention_kernel in ATTENTION_KERNELS, "model_config.attention_kernel",
                self.attention_kernel, f"must be one of {', '.join(ATTENTION_KERNELS)}")
+        self.vision_int16 = _yaml_switch(self.vision_int16)
+        _check(self.vision_int16 in ATTENTION_KERNELS, "model_config.vision_int16", self.vision_int16,
+               f"must be one of {', '.join(ATTENTION_KERNELS)}")
         self.layer_kernel = _yaml_switch(self.layer_kernel)
         _check(self.layer_kernel in ATTENTION_KERNELS, "model_config.layer_kernel", self.layer_kernel,
                f"must be one of {', '.join(ATTENTION_KERNELS)}")

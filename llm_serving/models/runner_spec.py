@@ -70,6 +70,7 @@ class RunnerSpec:
     mmproj: Optional[str] = None               # a GGUF model's vision tower (llama.cpp's mmproj GGUF); a HF
                                                # directory's is read from it (runner/images.py)
     image_cache_mb: int = 256                  # the encoded images kept (0: none)
+    vision_int16: str = "auto"                 # the tower's products in int16 (runner/kernels.py's vision_int16)
 
     def __post_init__(self) -> None:
         """The spec's own checks, once: the runner and its rooms take its values as they are. (A spec from the config
@@ -79,7 +80,7 @@ class RunnerSpec:
             value, least = getattr(self, name), 0 if name in ("lora_slots", "window_blocks") else 1
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < least:
                 raise ValueError(f"RunnerSpec.{name} must be an integer >= {least}, got {value!r}")
-        for name in ("attention_kernel", "layer_kernel"):
+        for name in ("attention_kernel", "layer_kernel", "vision_int16"):
             if getattr(self, name) not in ATTENTION_KERNELS:
                 raise ValueError(f"RunnerSpec.{name} must be one of {ATTENTION_KERNELS}, got {getattr(self, name)!r}")
         for name in ("decode_batch_sizes", "prefill_batch_sizes", "prefill_seq_lens", "decode_block_widths"):
@@ -110,4 +111,4 @@ class RunnerSpec:
                    lora_slots=lc.max_loras if lc.enabled else 0,
                    lora_rank=lc.max_lora_rank, kv_cache=config.kv_cache_type,
                    batch_invariant=mc.batch_invariant, pooling=mc.pooling, mmproj=mc.mmproj,
-                   image_cache_mb=sc.image_cache_mb)
+                   image_cache_mb=sc.image_cache_mb, vision_int16=mc.vision_int16)

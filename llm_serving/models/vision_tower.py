@@ -9,11 +9,13 @@ Gemma 3's and SmolVLM's (`VisionTower`; SmolVLM's frames are its images here, vi
   1 + w), and the projection to the text model's width; or SmolVLM's pixel shuffle (each scale_factor-square block
   of patches one token) and a projection without a bias.
 
-Arithmetic in float32 throughout. On MindSpore's ops the weights are widened to float32 once; on the CPU kernels
-the layers' matrices stay in the checkpoint's type (F16, BF16), widened a panel's slice at a time as they are
-multiplied (`_panels`). `encode(pixels)` runs a batch of
-images (N, 3, image_size, image_size), each image's tokens in the order the prompt's placeholders take them (row by
-row of the pooled grid).
+Arithmetic in float32 throughout, but for the int16 products below. On MindSpore's ops the weights are widened to
+float32 once; on the CPU kernels the layers' matrices stay in the checkpoint's type (F16, BF16), widened a panel's
+slice at a time as they are multiplied (`_panels`), or (`int16`, the default where AVX2 has no AVX-512: 1.4x the
+float products' rate there) are quantized once to 13-bit columns and multiplied by 14-bit x in vpmaddwd's exact
+integer sums (kernels/vision_panels.py's `int16_panels`), as the text model's kernels multiply 16-bit x.
+`encode(pixels)` runs a batch of images (N, 3, image_size, image_size), each image's tokens in the order the
+prompt's placeholders take them (row by row of the pooled grid).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import numpy as np
 from mindspore import Tensor, nn, ops
 from mindspore.common import dtype as mstype
 
+from llm_serving.models.kernels.vision_panels import float_panels, int16_panels
 from llm_serving.models.llama import _gelu_tanh, _layer_normalize, _rms_normalize
 from llm_serving.models.weights.vision import VisionConfig, vision_shapes
 
@@ -43,12 +46,13 @@ _LAYER_INPUTS = ("norm1_gain", "norm1_bias", "qkv", "qkv_bias", "out", "out_bias
                  "fc1", "fc1_bias", "fc2", "fc2_bias")
 
 
-def _layer_weights(read, index: int, stored_type=None) -> tuple:
+def _layer_weights(read, index: int, stored_type=None, int16: bool = False) -> tuple:
     """Layer `index`'s weights as _EncoderLayer takes them (_LAYER_INPUTS): q, k and v as one (3D, D) matrix.
     `stored_type(name)`: the type the checkpoint stores a tensor in ("F16", "BF16", ...), given when the layer runs
-    on the CPU kernels: the four matrices are then packed for VisionLinear (`_panels`) in that type. Otherwise every
-    matrix is float32 as stored, (out, in): MindSpore's CPU MatMul with transpose_b ran these products 5-12% faster
-    than on (in, out) copies (Zen 3, 4,096 patches)."""
+    on the CPU kernels: the four matrices are then packed for VisionLinear (`_panels`) in that type, or (`int16`)
+    quantized to its int16 panels (kernels/vision_panels.py), each bias then (2, N): the bias and the columns' steps.
+    Otherwise every matrix is float32 as stored, (out, in): MindSpore's CPU MatMul with transpose_b ran these
+    products 5-12% faster than on (in, out) copies (Zen 3, 4,096 patches)."""
     at = f"vision_tower.encoder.layers.{index}."
     names = {"qkv": [at + f"self_attn.{p}_proj.weight" for p in "qkv"], "out": [at + "self_attn.out_proj.weight"],
              "fc1": [at + "mlp.fc1.weight"], "fc2": [at + "mlp.fc2.weight"]}
@@ -59,22 +63,21 @@ def _layer_weights(read, index: int, stored_type=None) -> tuple:
          "fc1_bias": read(at + "mlp.fc1.bias"), "fc2_bias": read(at + "mlp.fc2.bias")}
     for key, parts in names.items():
         matrix = np.concatenate([read(name) for name in parts], 0)
-        w[key] = _tensor(matrix) if stored_type is None else _panels(matrix, {stored_type(n) for n in parts})
+        if stored_type is None:
+            w[key] = _tensor(matrix)
+        elif int16:
+            panels, steps = int16_panels(matrix)
+            w[key], w[key + "_bias"] = Tensor(panels), np.stack([w[key + "_bias"], steps])
+        else:
+            w[key] = _panels(matrix, {stored_type(n) for n in parts})
     return tuple(w[name] if isinstance(w[name], Tensor) else _tensor(w[name]) for name in _LAYER_INPUTS)
 
 
-_PANEL_COLUMNS = 16     # vision_layer_cpu.cc's kPanelCols
-
-
 def _panels(matrix: np.ndarray, stored: set) -> Tensor:
-    """An (N, K) matrix as VisionLinear reads it: (ceil(N / 16), K, 16), panel j holding columns 16 j .. 16 j + 15
-    k-major (zeros past N), in the type the checkpoint stores it when that is float16 or bfloat16 (both exact from
-    the float32 it was read as; the kernel widens a panel's slice at a time), else float32."""
-    n, k = matrix.shape
-    count = -(-n // _PANEL_COLUMNS)
-    padded = np.zeros((count * _PANEL_COLUMNS, k), np.float32)
-    padded[:n] = matrix
-    panels = np.ascontiguousarray(padded.reshape(count, _PANEL_COLUMNS, k).transpose(0, 2, 1))
+    """An (N, K) matrix as VisionLinear reads it (kernels/vision_panels.py's float_panels), in the type the
+    checkpoint stores it when that is float16 or bfloat16 (both exact from the float32 it was read as; the kernel
+    widens a panel's slice at a time), else float32."""
+    panels = float_panels(matrix)
     if stored == {"F16"}:
         return Tensor(panels.astype(np.float16))
     if stored == {"BF16"}:
@@ -117,8 +120,8 @@ class _EncoderLayer(nn.Cell):
         self.weighted = ops.BatchMatMul()
         self.on_kernels = kernels is not None
         if kernels is not None:
-            # x (R, K), the panels, bias (N,), [threads, gelu] -> (R, N)
-            self.linear = ops.Custom(f"{kernels}:VisionLinear", out_shape=lambda x, w, bias, *_: (x[0], bias[0]),
+            # x (R, K), the panels, bias (N,) (int16 panels: (2, N), the bias and the steps), [threads, gelu] -> (R, N)
+            self.linear = ops.Custom(f"{kernels}:VisionLinear", out_shape=lambda x, w, bias, *_: (x[0], bias[-1]),
                                      out_dtype=lambda x, *_: x, func_type="aot")
             # (N T, 3 D) q|k|v rows and a bias -> (N T, D): the heads side by side, as out_proj reads them
             self.attend = ops.Custom(f"{kernels}:VisionAttention", out_shape=lambda qkv, *_: (qkv[0], qkv[1] // 3),
@@ -194,13 +197,16 @@ class _Projector(nn.Cell):
 class VisionTower:
     """A SigLIP tower and its projector, Gemma 3's or SmolVLM's (the module docstring). `weights`: {name:
     StoredTensor} as weights/vision.py's `vision_checkpoint` gives them (or arrays under the same names).
-    `kernels`, `threads`: the layers' CPU kernel library and its threads (_EncoderLayer; None: MindSpore's ops).
+    `kernels`, `threads`: the layers' CPU kernel library and its threads (_EncoderLayer; None: MindSpore's ops);
+    `int16`: on the kernels, the layers' products in 16-bit integers (vision_panels.int16_panels; the runner's
+    vision_int16).
 
     Three graphs: the patches, one encoder layer (run once per layer, the layer's weights its inputs), the
     projector. A layer at a time keeps one layer's attention scores alive (num_heads x patches^2 floats: 1 GiB at
     Gemma 3's 4,096 patches), where one graph of every layer kept them all."""
 
-    def __init__(self, cfg: VisionConfig, weights: dict, kernels: Optional[str] = None, threads: int = 1):
+    def __init__(self, cfg: VisionConfig, weights: dict, kernels: Optional[str] = None, threads: int = 1,
+                 int16: bool = False):
         shapes = vision_shapes(cfg)
 
         def read(name: str) -> np.ndarray:
@@ -214,7 +220,8 @@ class VisionTower:
         self.embed_weights = (_tensor(patch.T), _tensor(read("vision_tower.embeddings.patch_embedding.bias")),
                               _tensor(read("vision_tower.embeddings.position_embedding.weight")))   # (3PP, D) ...
         stored_type = None if kernels is None else (lambda name: getattr(weights[name], "stored_type", None))
-        self.layer_weights = [_layer_weights(read, i, stored_type) for i in range(cfg.num_layers)]
+        self.int16 = int16 and kernels is not None
+        self.layer_weights = [_layer_weights(read, i, stored_type, self.int16) for i in range(cfg.num_layers)]
         post = (_tensor(read("vision_tower.post_layernorm.weight")), _tensor(read("vision_tower.post_layernorm.bias")))
         if cfg.projector == "shuffle":
             self.head_weights = (*post, _tensor(read("multi_modal_projector.proj.weight").T))        # (s^2 D, H)

@@ -39,7 +39,7 @@ def _images():
     return out
 
 
-def _tower(directory, kernels: bool = False):
+def _tower(directory, kernels: bool = False, int16: bool = False):
     from llm_serving.models.mindspore_env import setup_mindspore
     from llm_serving.models.runner.kernels import build_vision_kernels
     from llm_serving.models.vision_tower import VisionTower
@@ -48,17 +48,21 @@ def _tower(directory, kernels: bool = False):
     setup_mindspore("CPU", 0, None, None)
     cfg, weights = vision_checkpoint(str(directory))
     library = build_vision_kernels("CPU", "on") if kernels else None
-    return cfg, VisionTower(cfg, weights, kernels=library, threads=3)
+    return cfg, VisionTower(cfg, weights, kernels=library, threads=3, int16=int16)
 
 
-@pytest.mark.parametrize("kernels", [False, True], ids=["ops", "kernels"])
-def test_the_tower_s_tokens_are_transformers_for_decoded_images(gemma3_vl, kernels):
-    """On MindSpore's ops, and on the CPU kernels (kernels/vision_layer_cpu.cc: attention, LayerNorm, GELU)."""
+@pytest.mark.parametrize("kernels,int16", [(False, False), (True, False), (True, True)],
+                         ids=["ops", "kernels", "kernels-int16"])
+def test_the_tower_s_tokens_are_transformers_for_decoded_images(gemma3_vl, kernels, int16):
+    """On MindSpore's ops, on the CPU kernels (kernels/vision_layer_cpu.cc: attention, LayerNorm, GELU), and with
+    the kernels' products in int16 (within the quantization's ~1e-3, not float32's 1e-5)."""
     torch, transformers = needs_transformers()
     from llm_serving.vision import ImageSpec, decode, pixels
 
     directory, model = gemma3_vl
-    cfg, tower = _tower(directory, kernels)
+    cfg, tower = _tower(directory, kernels, int16)
+    assert tower.int16 == int16
+    assert {str(w[2].dtype) for w in tower.layer_weights} == ({"Int16"} if int16 else {"Float32"})
     assert (cfg.tokens_per_image, cfg.pool, cfg.text_hidden_size, cfg.image_token_id) == (4, 2, 64, 5)
     spec = ImageSpec.from_dir(str(directory))
     ours_pixels = np.stack([pixels(decode(data), spec) for data in _images()])
@@ -71,7 +75,9 @@ def test_the_tower_s_tokens_are_transformers_for_decoded_images(gemma3_vl, kerne
     assert ours.shape == theirs.shape == (2, 4, 64)
     scale = np.abs(theirs).max()
     assert scale > 1.0                                  # (random weights: not a projection of zeros)
-    np.testing.assert_allclose(ours, theirs, atol=1e-5 * scale)
+    np.testing.assert_allclose(ours, theirs, atol=(3e-3 if int16 else 1e-5) * scale)
+    if int16:               # ... and not float32's: the int16 products are what runs
+        assert np.abs(ours - theirs).max() > 1e-5 * scale
     # one image alone gives its own tokens: nothing of the other image leaks into a batch's rows
     np.testing.assert_allclose(tower.encode(ours_pixels[1:]), ours[1:], atol=1e-6 * scale)
 

@@ -12,6 +12,8 @@ import pytest
 
 from llm_serving.models.kernels import build_kernel
 from llm_serving.models.kernels.aot_call import invoke
+from llm_serving.models.kernels.vision_panels import INT16_DEPTH, INT16_WEIGHT_MAX, float_panels
+from llm_serving.models.kernels.vision_panels import int16_panels as pack_int16
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None and not os.environ.get("CXX"),
                                 reason="no C++ compiler on this machine (the tower then attends with MindSpore's ops)")
@@ -92,11 +94,8 @@ def test_a_call_of_the_wrong_shape_is_refused(kernel, rows, width, patches, head
 
 
 def panels(w: np.ndarray) -> np.ndarray:
-    """(N, K) -> (ceil(N / 16), K, 16) float32, as vision_tower._panels packs a matrix (zeros past N)."""
-    n, k = w.shape
-    padded = np.zeros((-(-n // 16) * 16, k), np.float32)
-    padded[:n] = w
-    return np.ascontiguousarray(padded.reshape(-1, 16, k).transpose(0, 2, 1))
+    """(N, K) -> (ceil(N / 16), K, 16) float32, as the tower packs a matrix (zeros past N)."""
+    return float_panels(w.astype(np.float32))
 
 
 def as_bfloat16(a: np.ndarray) -> np.ndarray:
@@ -107,7 +106,7 @@ def as_bfloat16(a: np.ndarray) -> np.ndarray:
 
 
 def linear(library, x, w_panels, bias, gelu=False, threads=2):
-    out = np.full((x.shape[0], bias.shape[0]), np.nan, np.float32)
+    out = np.full((x.shape[0], bias.shape[-1]), np.nan, np.float32)
     rc = invoke(library.VisionLinear, [x, w_panels, bias, np.array([threads, int(gelu)], np.int32), out])
     return rc, out
 
@@ -171,6 +170,102 @@ def test_a_rows_product_does_not_depend_on_the_threads_or_the_other_rows(library
 def test_linear_refuses_panels_that_do_not_fit(library, w_shape, bias_len, dtype):
     x = np.zeros((4, 96), np.float32)
     rc, _ = linear(library, x, np.zeros(w_shape, dtype), np.zeros(bias_len, np.float32))
+    assert rc in (1, 2)
+
+
+# ---- int16 panels (kernels/vision_panels.py; the kernel's kActivationMax, 2 kChunkPairs) ----
+X_MAX, CHUNK = 8191, INT16_DEPTH
+
+
+def int16_panels(w: np.ndarray) -> tuple:
+    """(the tower's int16 panels of w, its columns' steps, w's codes: each column in its steps)."""
+    packed, steps = pack_int16(w)
+    assert packed.shape == (-(-w.shape[0] // 16), -(-w.shape[1] // CHUNK) * CHUNK, 16) and packed.dtype == np.int16
+    codes = np.rint(w / steps.astype(np.float64)[:, None]).astype(np.int16)
+    assert np.abs(codes).max() == INT16_WEIGHT_MAX
+    return packed, steps, codes
+
+
+def int16_reference(x: np.ndarray, codes: np.ndarray, w_steps: np.ndarray, bias: np.ndarray) -> np.ndarray:
+    """What the int16 product computes, in float64: each row's 64-value chunks quantized (float32, to nearest
+    even) in steps of the chunk's largest / 8,191, the exact integer sums times the steps, plus the bias."""
+    rows, k = x.shape
+    out = np.zeros((rows, codes.shape[0]))
+    for c0 in range(0, k, CHUNK):
+        chunk = x[:, c0:c0 + CHUNK]
+        top = np.abs(chunk).max(axis=1)
+        inverse = np.where(top > 0, np.float32(X_MAX) / np.where(top > 0, top, 1), 0).astype(np.float32)
+        q = np.rint(chunk * inverse[:, None]).astype(np.int64)
+        step = np.where(top > 0, top / np.float32(X_MAX), 1).astype(np.float32)
+        out += (q @ codes[:, c0:c0 + CHUNK].T.astype(np.int64)) * step.astype(np.float64)[:, None]
+    return out * w_steps + bias
+
+
+@pytest.mark.parametrize("rows,k,n", [
+    (1, 8, 16),           # one row, one panel, a chunk mostly zeros
+    (7, 40, 37),          # a last tile of 1 row, a last panel of 5 columns
+    (300, 300, 100),      # several tiles and depth blocks (256 pairs) with a remainder, K not whole chunks
+    (601, 520, 48),       # more rows than a task's block (288): three tasks
+])
+def test_int16_linear_is_its_quantized_product_and_near_the_float_one(library, rows, k, n):
+    rng = np.random.default_rng(rows + k + 1)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    bias = rng.standard_normal(n).astype(np.float32)
+    packed, steps, codes = int16_panels(w)
+    rc, got = linear(library, x, packed, np.stack([bias, steps]))
+    assert rc == 0
+    scale = np.abs(got).max()
+    assert np.abs(got - int16_reference(x, codes, steps, bias)).max() <= 1e-6 * scale
+    exact = x.astype(np.float64) @ w.astype(np.float64).T + bias      # the quantization's cost: about 3e-4
+    assert np.abs(got - exact).max() <= 2e-3 * scale
+    assert np.sqrt(((got - exact) ** 2).mean()) <= 5e-4 * np.sqrt((exact ** 2).mean())
+
+
+def test_int16_x_is_stepped_per_chunk_so_an_outlier_channel_costs_only_its_chunk(library):
+    """A channel 1,000x the others in every row (as ViTs have), its weights zero: stepped per row, every value of
+    x would lose ~7 bits; stepped per 64, only the outlier's chunk's do (here one chunk of ten: about 1/3 the
+    error, which grows with K)."""
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((50, 640)).astype(np.float32)
+    x[:, 3] = 1000.0
+    w = rng.standard_normal((32, 640)).astype(np.float32)
+    w[:, 3] = 0.0
+    packed, steps, codes = int16_panels(w)
+    rc, got = linear(library, x, packed, np.stack([np.zeros(32, np.float32), steps]))
+    assert rc == 0
+    exact = x.astype(np.float64) @ w.astype(np.float64).T
+    row_step = np.abs(x).max(axis=1, keepdims=True) / X_MAX
+    per_row = (np.rint(x / row_step) @ codes.T.astype(np.float64)) * row_step * steps
+    assert np.abs(got - exact).max() <= 0.5 * np.abs(per_row - exact).max()
+
+
+def test_int16_linear_with_gelu_and_its_rows_alone_or_together(library):
+    rng = np.random.default_rng(9)
+    x = (rng.standard_normal((700, 200)) * 2).astype(np.float32)
+    w = rng.standard_normal((45, 200)).astype(np.float32)
+    bias = rng.standard_normal(45).astype(np.float32)
+    packed, steps, codes = int16_panels(w)
+    both = np.stack([bias, steps])
+    rc, together = linear(library, x, packed, both, gelu=True, threads=3)
+    assert rc == 0
+    y = int16_reference(x, codes, steps, bias)
+    want = 0.5 * y * (1 + np.tanh(np.sqrt(2 / np.pi) * (y + 0.044715 * y ** 3)))
+    np.testing.assert_allclose(together, want, rtol=1e-5, atol=1e-4)
+    _, alone = linear(library, x[:5], packed, both, gelu=True, threads=1)
+    np.testing.assert_array_equal(together[:5], alone)       # a row's bits whatever the threads and other rows
+
+
+@pytest.mark.parametrize("w_shape,bias_shape", [
+    ((3, 128, 16), (40,)),             # int16 panels without the steps
+    ((3, 96, 16), (2, 40)),            # depth not rounded up to 64 (x's K is 96: 128)
+    ((3, 128, 16), (3, 40)),           # three rows of bias
+])
+def test_int16_linear_refuses_what_does_not_fit(library, w_shape, bias_shape):
+    x = np.zeros((4, 96), np.float32)
+    out = np.zeros((4, 40), np.float32)
+    rc = invoke(library.VisionLinear, [x, np.zeros(w_shape, np.int16), np.zeros(bias_shape, np.float32),
+                                       np.array([2, 0], np.int32), out])
     assert rc in (1, 2)
 
 

@@ -461,6 +461,231 @@ void linear_rows(const float* x, int64_t k, const W* w, const float* bias, int64
   }
 }
 
+// ---- VisionLinear on int16 panels: the same product in 16-bit integers, for AVX2 ----
+//
+// AVX2's float FMA does 8 multiply-adds an instruction; vpmaddwd does 16 on int16 pairs (two depths' products of 8
+// columns summed into int32), and with the vpaddd that accumulates them the panel loop runs about 1.5x FMA's loop
+// on Zen 3 (measured in L1: 53-58 against 36 GMAC/s a core, the broadcasts included). The matrix is quantized once
+// at load, each column to kWeightMax steps of its largest value (13 bits); x at each call, each row's chunk of
+// 2 kChunkPairs values to kActivationMax steps of the chunk's largest (14 bits: a channel of outliers costs only
+// the chunks it sits in, as the text kernels' 16-bit x per block of 32). The integer products are exact, and a
+// chunk's sums cannot overflow int32 (64 x 8,191 x 4,095 < 2^31): each is widened to float32, times the row's step
+// for the chunk, and added to out's (in order along k, whatever the batch). At the end, times the column's step,
+// plus the bias. The layout (kernels/vision_panels.py's int16_panels): (P, Kp, 16), Kp = K rounded up to
+// 2 kChunkPairs (zeros past K), each panel pair-major: pair p's 32 values are the 16 columns' (k = 2p, 2p + 1)
+// side by side, as vpmaddwd takes them. A tile of x: (pairs, kTileRows, 2) int16, a row's pair one 32-bit
+// broadcast; its steps (chunks, kTileRows) float32.
+constexpr int kActivationMax = 8191;
+constexpr int kWeightMax = 4095;
+constexpr int64_t kChunkPairs = 32;
+static_assert(2 * kChunkPairs * int64_t{kActivationMax} * kWeightMax < (int64_t{1} << 31), "a chunk fits int32");
+constexpr int64_t kPairBlock = kGemmDepth / 2;      // pairs a panel's slice holds (8 KB of int16)
+static_assert(kPairBlock % kChunkPairs == 0, "a slice is whole chunks");
+constexpr float kOnes16[16] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+
+#if defined(VISION_ASM_6X2)
+// 6 rows x 16 columns of c (rows ldc floats apart) = (first: nothing; else c) + the sum over `chunks` chunks of
+// kChunkPairs pairs of step[chunk][row] * (a . b): a's pairs 24 bytes apart (6 rows' 2 int16), b's 64 (16
+// columns' 2 int16), steps 24 bytes a chunk. 12 int32 accumulators, the 2 vectors of b, a broadcast and a product
+// (16 registers). The broadcasts are vbroadcastss (the same 32 bits): on Zen 3 vpbroadcastd's took 10% longer.
+inline void madd_6x16(const int16_t* a, const int16_t* b, const float* steps, int64_t chunks, float* c, int64_t ldc,
+                      int64_t first) {
+  const int64_t ldc_bytes = ldc * 4;
+  float* c3 = c + 3 * ldc;
+  int64_t left;
+#define VL_ROW(off, lo, hi)                                                              \
+  "vbroadcastss " #off "(%[a]), %%ymm14\n\t"                                              \
+  "vpmaddwd %%ymm12, %%ymm14, %%ymm15\n\t vpaddd %%ymm15, %%ymm" #lo ", %%ymm" #lo "\n\t" \
+  "vpmaddwd %%ymm13, %%ymm14, %%ymm15\n\t vpaddd %%ymm15, %%ymm" #hi ", %%ymm" #hi "\n\t"
+#define VL_STORE(off, lo, hi, at_lo, at_hi)                                                                    \
+  "vbroadcastss " #off "(%[s]), %%ymm14\n\t"                                                                    \
+  "vcvtdq2ps %%ymm" #lo ", %%ymm" #lo "\n\t vmulps %%ymm14, %%ymm" #lo ", %%ymm" #lo "\n\t"                      \
+  "vmovups %%ymm" #lo ", " at_lo "\n\t"                                                                         \
+  "vcvtdq2ps %%ymm" #hi ", %%ymm" #hi "\n\t vmulps %%ymm14, %%ymm" #hi ", %%ymm" #hi "\n\t"                      \
+  "vmovups %%ymm" #hi ", " at_hi "\n\t"
+#define VL_ADD(off, lo, hi, at_lo, at_hi)                                                                      \
+  "vbroadcastss " #off "(%[s]), %%ymm14\n\t"                                                                    \
+  "vcvtdq2ps %%ymm" #lo ", %%ymm" #lo "\n\t vfmadd213ps " at_lo ", %%ymm14, %%ymm" #lo "\n\t"                    \
+  "vmovups %%ymm" #lo ", " at_lo "\n\t"                                                                         \
+  "vcvtdq2ps %%ymm" #hi ", %%ymm" #hi "\n\t vfmadd213ps " at_hi ", %%ymm14, %%ymm" #hi "\n\t"                    \
+  "vmovups %%ymm" #hi ", " at_hi "\n\t"
+#define VL_EACH(op)                                                                                            \
+  op(0, 0, 1, "(%[c])", "32(%[c])") op(4, 2, 3, "(%[c],%[ldc],1)", "32(%[c],%[ldc],1)")                          \
+  op(8, 4, 5, "(%[c],%[ldc],2)", "32(%[c],%[ldc],2)") op(12, 6, 7, "(%[c3])", "32(%[c3])")                       \
+  op(16, 8, 9, "(%[c3],%[ldc],1)", "32(%[c3],%[ldc],1)") op(20, 10, 11, "(%[c3],%[ldc],2)", "32(%[c3],%[ldc],2)")
+  asm volatile(
+      "testq %[n], %[n]\n\t"
+      "jz 9f\n"
+      "1:\n\t"
+      "vpxor %%xmm0, %%xmm0, %%xmm0\n\t vpxor %%xmm1, %%xmm1, %%xmm1\n\t vpxor %%xmm2, %%xmm2, %%xmm2\n\t"
+      "vpxor %%xmm3, %%xmm3, %%xmm3\n\t vpxor %%xmm4, %%xmm4, %%xmm4\n\t vpxor %%xmm5, %%xmm5, %%xmm5\n\t"
+      "vpxor %%xmm6, %%xmm6, %%xmm6\n\t vpxor %%xmm7, %%xmm7, %%xmm7\n\t vpxor %%xmm8, %%xmm8, %%xmm8\n\t"
+      "vpxor %%xmm9, %%xmm9, %%xmm9\n\t vpxor %%xmm10, %%xmm10, %%xmm10\n\t vpxor %%xmm11, %%xmm11, %%xmm11\n\t"
+      "movq $32, %[left]\n"
+      "2:\n\t"
+      "vmovdqu (%[b]), %%ymm12\n\t vmovdqu 32(%[b]), %%ymm13\n\t"
+      VL_ROW(0, 0, 1) VL_ROW(4, 2, 3) VL_ROW(8, 4, 5) VL_ROW(12, 6, 7) VL_ROW(16, 8, 9) VL_ROW(20, 10, 11)
+      "addq $24, %[a]\n\t"
+      "addq $64, %[b]\n\t"
+      "decq %[left]\n\t"
+      "jnz 2b\n\t"
+      "testq %[first], %[first]\n\t"
+      "jz 3f\n\t"
+      VL_EACH(VL_STORE)
+      "xorq %[first], %[first]\n\t"
+      "jmp 4f\n"
+      "3:\n\t"
+      VL_EACH(VL_ADD)
+      "4:\n\t"
+      "addq $24, %[s]\n\t"
+      "decq %[n]\n\t"
+      "jnz 1b\n"
+      "9:\n\t"
+      : [a] "+r"(a), [b] "+r"(b), [s] "+r"(steps), [n] "+r"(chunks), [first] "+r"(first), [left] "=&r"(left)
+      : [c] "r"(c), [c3] "r"(c3), [ldc] "r"(ldc_bytes)
+      : "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10",
+        "xmm11", "xmm12", "xmm13", "xmm14", "xmm15");
+#undef VL_ROW
+#undef VL_STORE
+#undef VL_ADD
+#undef VL_EACH
+}
+static_assert(kChunkPairs == 32 && kTileRows == 6, "madd_6x16 counts 32 pairs a chunk, 6 rows a tile");
+#endif
+
+// c (kTileRows rows, stride ldc) = (first: nothing; else c) + the sum over `pairs` pairs (whole chunks) of a . b,
+// each chunk's int32 sums widened to float32 and times its row's step (steps: (chunks, kTileRows))
+inline void tile_madd(const int16_t* a, const int16_t* b, const float* steps, int64_t pairs, float* c, int64_t ldc,
+                      bool first) {
+#if defined(VISION_ASM_6X2)
+  madd_6x16(a, b, steps, pairs / kChunkPairs, c, ldc, first ? 1 : 0);
+#else
+  for (int64_t p0 = 0; p0 < pairs; p0 += kChunkPairs, first = false, steps += kTileRows) {
+    int32_t acc[kTileRows][kPanelCols] = {};
+    for (int64_t p = p0; p < p0 + kChunkPairs; ++p) {
+      const int16_t* ap = a + p * kTileRows * 2;
+      const int16_t* bp = b + p * kPanelCols * 2;
+      for (int r = 0; r < kTileRows; ++r) {
+        for (int j = 0; j < kPanelCols; ++j) {
+          acc[r][j] += int32_t{ap[2 * r]} * bp[2 * j] + int32_t{ap[2 * r + 1]} * bp[2 * j + 1];
+        }
+      }
+    }
+    for (int r = 0; r < kTileRows; ++r) {
+      for (int j = 0; j < kPanelCols; ++j) {
+        const float v = static_cast<float>(acc[r][j]) * steps[r];
+        c[r * ldc + j] = first ? v : c[r * ldc + j] + v;
+      }
+    }
+  }
+#endif
+}
+
+// Row x's k values in chunks of 2 kChunkPairs, each to kActivationMax steps of its largest magnitude: kp int16 into
+// q (zeros past k), each chunk's step into steps[chunk * stride] (1 for a chunk of zeros).
+inline void quantize_row(const float* x, int64_t k, int64_t kp, int16_t* q, float* steps, int64_t stride) {
+  constexpr int64_t kChunk = 2 * kChunkPairs;
+  for (int64_t e0 = 0, chunk = 0; e0 < kp; e0 += kChunk, ++chunk) {
+    const int64_t count = std::max<int64_t>(0, std::min(kChunk, k - e0));
+    float v[kChunk] = {};
+    std::memcpy(v, x + e0, count * sizeof(float));
+    float top = 0.f;
+#if defined(__AVX2__)
+    __m256 m = _mm256_setzero_ps();
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int64_t e = 0; e < kChunk; e += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(v + e), magnitude));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    top = _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+#else
+    for (int64_t e = 0; e < kChunk; ++e) top = std::max(top, std::fabs(v[e]));
+#endif
+    const float inverse = top > 0.f ? kActivationMax / top : 0.f;
+    steps[chunk * stride] = top > 0.f ? top / kActivationMax : 1.f;
+#if defined(__AVX2__)
+    const __m256 scale = _mm256_set1_ps(inverse);
+    for (int64_t e = 0; e < kChunk; e += 16) {         // rounded to nearest even; |v| * inverse <= kActivationMax
+      const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + e), scale));
+      const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + e + 8), scale));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + e0 + e),
+                          _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xd8));
+    }
+#else
+    for (int64_t e = 0; e < kChunk; ++e) q[e0 + e] = static_cast<int16_t>(std::nearbyint(v[e] * inverse));
+#endif
+  }
+}
+
+struct Int16Scratch {
+  std::vector<int16_t> tiles, row;
+  std::vector<float> steps, edge;
+};
+
+// Rows [r0, r1) of out = (x W^T) + bias (gelu: then the tanh GELU), W int16 panels of depth kp, each column's step
+// in w_step.
+void linear_rows_int16(const float* x, int64_t k, const int16_t* w, int64_t kp, const float* w_step,
+                       const float* bias, int64_t n, bool gelu, int64_t r0, int64_t r1, float* out,
+                       Int16Scratch* s) {
+  const int64_t rows = r1 - r0, tiles = (rows + kTileRows - 1) / kTileRows, panels = (n + kPanelCols - 1) / kPanelCols;
+  const int64_t pairs = kp / 2, chunks = pairs / kChunkPairs;
+  s->tiles.resize(tiles * kTileRows * kp);
+  s->row.resize(kp);
+  s->steps.assign(tiles * chunks * kTileRows, 1.f);
+  s->edge.resize(kTileRows * kPanelCols);
+  // every row of the block quantized once, into its tile: (pairs, kTileRows, 2), a pair one 32-bit word
+  auto* words = reinterpret_cast<int32_t*>(s->tiles.data());
+  const auto* row_words = reinterpret_cast<const int32_t*>(s->row.data());
+  for (int64_t i = 0; i < tiles * kTileRows; ++i) {
+    const int64_t r = r0 + i, t = i / kTileRows, at = i % kTileRows;
+    if (r < r1) {
+      quantize_row(x + r * k, k, kp, s->row.data(), s->steps.data() + t * chunks * kTileRows + at, kTileRows);
+    } else {
+      std::fill(s->row.begin(), s->row.end(), int16_t{0});
+    }
+    int32_t* dst = words + t * pairs * kTileRows + at;
+    for (int64_t p = 0; p < pairs; ++p) dst[p * kTileRows] = row_words[p];
+  }
+  float* edge = s->edge.data();
+  for (int64_t p0 = 0; p0 < pairs; p0 += kPairBlock) {
+    const int64_t block = std::min(kPairBlock, pairs - p0);
+    const bool first = p0 == 0, last = p0 + block == pairs;
+    for (int64_t j = 0; j < panels; ++j) {
+      const int16_t* slice = w + (j * pairs + p0) * kPanelCols * 2;
+      if (j + 1 < panels) {                               // the next panel's slice, on its way during this one's
+        const char* next = reinterpret_cast<const char*>(slice + pairs * kPanelCols * 2);
+        for (int64_t at = 0; at < block * kPanelCols * 2 * 2; at += 64) __builtin_prefetch(next + at, 0, 3);
+      }
+      const int64_t c0 = j * kPanelCols, cols = std::min(kPanelCols, n - c0);
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t row0 = r0 + t * kTileRows, valid = std::min(kTileRows, r1 - row0);
+        for (int64_t i = 0; i < kTileRows && row0 + kTileRows + i < r1; ++i) {
+          __builtin_prefetch(out + (row0 + kTileRows + i) * n + c0, 1, 3);
+          __builtin_prefetch(out + (row0 + kTileRows + i) * n + c0 + kPanelCols - 1, 1, 3);
+        }
+        const int16_t* a = s->tiles.data() + (t * pairs + p0) * kTileRows * 2;
+        const float* steps = s->steps.data() + (t * chunks + p0 / kChunkPairs) * kTileRows;
+        const bool whole = valid == kTileRows && cols == kPanelCols;
+        float* c = whole ? out + row0 * n + c0 : edge;
+        const int64_t ldc = whole ? n : kPanelCols;
+        if (!whole && !first) {
+          for (int64_t i = 0; i < valid; ++i) std::memcpy(edge + i * kPanelCols, out + (row0 + i) * n + c0, cols * 4);
+        }
+        tile_madd(a, slice, steps, block, c, ldc, first);
+        if (last) {                                       // the columns' steps, the bias, the GELU: the tile is in L1
+          for (int64_t i = 0; i < valid; ++i) {
+            float* y = c + i * ldc;
+            for (int64_t e = 0; e < cols; ++e) y[e] = y[e] * w_step[c0 + e] + bias[c0 + e];
+            if (gelu) activation_span(kGeluTanh, y, kOnes16, cols, y);
+          }
+        }
+        if (!whole) {
+          for (int64_t i = 0; i < valid; ++i) std::memcpy(out + (row0 + i) * n + c0, edge + i * kPanelCols, cols * 4);
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" int VisionAttention(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
@@ -503,10 +728,14 @@ extern "C" int VisionAttention(int nparam, void** params, int* ndims, int64_t** 
   return 0;
 }
 
-// VisionLinear: out = x W^T + bias, or gelu_tanh of it (fc1's), W as the runner packed it (linear_rows).
+// VisionLinear: out = x W^T + bias, or gelu_tanh of it (fc1's), W as the runner packed it (linear_rows, or
+// linear_rows_int16 for int16 panels).
 //   x       (R, K)      float32
 //   w       (P, K, 16)  float16, bfloat16 or float32   the (N, K) matrix in panels of 16 output columns
+//           (P, Kp, 16) int16                           or quantized, depth pairs side by side (Kp: K rounded up
+//                                                       to 32)
 //   bias    (N,)        float32
+//           (2, N)      float32   with int16 panels: the bias, then each column's step
 //   config  (2,)        int32     [threads, gelu (0 or 1)]
 //   out     (R, N)      float32
 // Tasks of at most kBlockRows rows spread over the threads (the calling one included).
@@ -514,14 +743,16 @@ extern "C" int VisionLinear(int nparam, void** params, int* ndims, int64_t** sha
                             void* stream, void* extra) {
   (void)stream;
   (void)extra;
-  if (nparam != 5 || ndims[0] != 2 || ndims[1] != 3 || ndims[2] != 1 || ndims[3] != 1 || ndims[4] != 2 ||
-      std::strcmp(dtypes[0], "float32") != 0 || std::strcmp(dtypes[2], "float32") != 0 ||
+  if (nparam != 5 || ndims[0] != 2 || ndims[1] != 3 || ndims[2] < 1 || ndims[2] > 2 || ndims[3] != 1 ||
+      ndims[4] != 2 || std::strcmp(dtypes[0], "float32") != 0 || std::strcmp(dtypes[2], "float32") != 0 ||
       std::strcmp(dtypes[3], "int32") != 0 || std::strcmp(dtypes[4], "float32") != 0 || shapes[3][0] != 2) {
     return 1;
   }
-  const int64_t rows = shapes[0][0], k = shapes[0][1], n = shapes[2][0];
-  if (shapes[1][0] != (n + kPanelCols - 1) / kPanelCols || shapes[1][1] != k || shapes[1][2] != kPanelCols ||
-      shapes[4][0] != rows || shapes[4][1] != n) {
+  const bool int16 = std::strcmp(dtypes[1], "int16") == 0;
+  const int64_t rows = shapes[0][0], k = shapes[0][1], n = shapes[2][ndims[2] - 1];
+  const int64_t depth = int16 ? round_up(k, 2 * kChunkPairs) : k;
+  if (shapes[1][0] != (n + kPanelCols - 1) / kPanelCols || shapes[1][1] != depth || shapes[1][2] != kPanelCols ||
+      shapes[4][0] != rows || shapes[4][1] != n || ndims[2] != (int16 ? 2 : 1) || (int16 && shapes[2][0] != 2)) {
     return 2;
   }
   const auto* x = static_cast<const float*>(params[0]);
@@ -543,7 +774,17 @@ extern "C" int VisionLinear(int nparam, void** params, int* ndims, int64_t** sha
       }
     });
   };
-  if (std::strcmp(dtypes[1], "float32") == 0) {
+  if (int16) {
+    const auto* w = static_cast<const int16_t*>(params[1]);
+    std::atomic<int64_t> next{0};
+    on_threads(std::min(threads, blocks), [&] {
+      Int16Scratch scratch;
+      for (int64_t b = next.fetch_add(1); b < blocks; b = next.fetch_add(1)) {
+        linear_rows_int16(x, k, w, depth, bias + n, bias, n, gelu, b * block, std::min(rows, (b + 1) * block), out,
+                          &scratch);
+      }
+    });
+  } else if (std::strcmp(dtypes[1], "float32") == 0) {
     run(static_cast<const float*>(params[1]));
   } else if (std::strcmp(dtypes[1], "float16") == 0) {
     run(static_cast<const llm_serving::Half*>(params[1]));
@@ -588,4 +829,14 @@ extern "C" int VisionLayerNorm(int nparam, void** params, int* ndims, int64_t** 
   auto* out = static_cast<float*>(params[5]);
   for_each_task(threads, rows, 32, [&](int64_t r) { layer_normalize_row(x + r * d, d, eps, gain, bias, out + r * d); });
   return 0;
+}
+
+// 1 when VisionLinear's int16 panels run on the assembly loop (AVX2 without AVX-512: madd_6x16), where they beat
+// the float panels; 0 where they run as plain C++ (correct, slower): the runner's 'auto' asks (vision_int16).
+extern "C" int VisionLinearInt16Native() {
+#if defined(VISION_ASM_6X2)
+  return 1;
+#else
+  return 0;
+#endif
 }

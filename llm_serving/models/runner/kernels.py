@@ -23,7 +23,7 @@ from ..weights.gguf import KEPT_QUANTIZED
 logger = logging.getLogger(__name__)
 
 __all__ = ["GGML_TYPE_NAMES", "KernelChoice", "build_vision_kernels", "choose_kernels", "describe_quantized",
-           "repacked_for"]
+           "repacked_for", "vision_int16"]
 
 GGML_TYPE_NAMES = {code: name for name, code in KEPT_QUANTIZED.items()}
 
@@ -111,6 +111,18 @@ def build_vision_kernels(device_target: str, attention_kernel: str) -> Optional[
             raise
         logger.warning("CPU vision-tower kernels unavailable; the tower runs on MindSpore's ops: %s", e)
         return None
+
+
+def vision_int16(kernels: Optional[str], setting: str) -> bool:
+    """Whether the vision tower's products run in int16 (vision_layer_cpu.cc's int16 panels) on the kernel library
+    `kernels`: 'on' wherever the library runs (plain C++ off AVX2: slower than its float panels), 'off' never,
+    'auto' where its int16 loop is the AVX2 assembly (VisionLinearInt16Native: AVX2 without AVX-512)."""
+    if kernels is None or setting == "off":
+        return False
+    if setting == "on":
+        return True
+    import ctypes
+    return bool(ctypes.CDLL(kernels).VisionLinearInt16Native())
 
 
 def _build_layer_kernel(device_target: str, layer_kernel: str, tp: TensorParallel,

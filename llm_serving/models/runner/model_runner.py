@@ -19,7 +19,7 @@ from .decode_runs import DecodeRuns
 from .embed_steps import EmbedSteps
 from .graphs import RunnerGraphs
 from .images import ImageEncoder, vision_checkpoint_of
-from .kernels import build_vision_kernels, choose_kernels, describe_quantized, repacked_for
+from .kernels import build_vision_kernels, choose_kernels, describe_quantized, repacked_for, vision_int16
 from .kv_inputs import KvLayout
 from .lora_slots import LoraSlots
 from .outputs import StepOutputs
@@ -88,9 +88,10 @@ class ModelRunner:
                                           self._compile_cache_key(reduce_kernel, kernel_threads,
                                                                   vision[0] if vision else None),
                                           wait_for_cache=self.tp.world == 1)
+        vision_kernels = None if vision is None else build_vision_kernels(spec.device_target, spec.attention_kernel)
         self.images = (None if vision is None      # (MindSpore's tensors: after its set-up)
-                       else ImageEncoder.build(vision, spec.image_cache_mb, kernel_threads,
-                                               build_vision_kernels(spec.device_target, spec.attention_kernel)))
+                       else ImageEncoder.build(vision, spec.image_cache_mb, kernel_threads, vision_kernels,
+                                               vision_int16(vision_kernels, spec.vision_int16)))
         self.graphs = RunnerGraphs.build(self.config, weights, quantized, spec=spec, model_dir=model_dir, tp=self.tp,
                                          kernels=self.kernels, layout=self.layout, max_context=self.max_context,
                                          kernel_threads=kernel_threads, reduce_kernel=reduce_kernel,
