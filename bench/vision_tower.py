@@ -5,14 +5,15 @@ in 4,096 patches, 256 tokens of 2,560), the first call (its graph compiled) and 
 float32 arithmetic they reach, the peak memory and what each tower's weights take. The tower runs a layer at a time
 (one graph, each layer's weights its inputs). Its layer runs on the CPU kernels (kernels/vision_layer_cpu.cc: the
 products on the matrices as the checkpoint stores them, the attention writing no scores), on the same kernels with
-the products in int16 (model_config.vision_int16), or on MindSpore's ops (MatMul on float32 copies; one layer's
-(heads, patches, patches) scores, 1 GiB at 4,096 patches, written and read back); by default all three, in turn on
-the same weights and image, with their ratios and how far apart their outputs are.
+the products and the attention's values in int16 (model_config.vision_int16; with int16_scores its scores too), or
+on MindSpore's ops (MatMul on float32 copies; one layer's (heads, patches, patches) scores, 1 GiB at 4,096 patches,
+written and read back); by default int16, kernel and ops, in turn on the same weights and image, with their ratios
+and how far apart their outputs are.
 
-    python bench/vision_tower.py                      # Gemma-3-4B's tower, 3 runs of one image, all three
+    python bench/vision_tower.py                      # Gemma-3-4B's tower, 3 runs of one image, int16/kernel/ops
     python bench/vision_tower.py --layers 4 --runs 2  # a shallower tower, for a quick look
     python bench/vision_tower.py --attention kernel   # one of them (its peak memory alone)
-    python bench/vision_tower.py --attention int16,kernel
+    python bench/vision_tower.py --attention int16,int16_scores,kernel
 
 Writes JSON (default bench_results/vision_tower.json).
 """
@@ -88,9 +89,11 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--attention", default="all",
                     help="the layers' arithmetic, comma-separated: kernel (the CPU kernels, kernels/"
-                         "vision_layer_cpu.cc, float32 products), int16 (the same, the products in int16), ops "
-                         "(MindSpore's); both = kernel,ops; all (default) = int16,kernel,ops; in turn on the same "
-                         "weights and image (their ratios, and how far apart they are)")
+                         "vision_layer_cpu.cc, float32 products), int16 (the same, the products and the attention's "
+                         "values in int16: model_config.vision_int16), int16_scores (and the attention's scores: "
+                         "vision_int16_scores), ops (MindSpore's); both = kernel,ops; all (default) = "
+                         "int16,kernel,ops; in turn on the same weights and image (their ratios, and how far apart "
+                         "they are)")
     ap.add_argument("--threads", type=int, default=None, help="the kernels' threads (default: the CPUs)")
     ap.add_argument("--stored", choices=("F16", "BF16", "F32"), default="F16",
                     help="the type the checkpoint stores the matrices in (default F16, as llama.cpp's mmproj GGUFs "
@@ -110,15 +113,17 @@ def main(argv=None) -> int:
                        args.tokens, args.text_hidden)
     kinds = {"both": ("kernel", "ops"), "all": ("int16", "kernel", "ops")}.get(
         args.attention, tuple(args.attention.split(",")))
-    if not kinds or any(kind not in ("int16", "kernel", "ops") for kind in kinds):
-        ap.error(f"--attention: kernel, int16, ops (comma-separated), both or all, not {args.attention!r}")
+    if not kinds or any(kind not in ("int16", "int16_scores", "kernel", "ops") for kind in kinds):
+        ap.error(f"--attention: kernel, int16, int16_scores, ops (comma-separated), both or all, not "
+                 f"{args.attention!r}")
     threads = args.threads or len(os.sched_getaffinity(0))
     weights = stored_as(random_tower(cfg), args.stored)
     towers, built = {}, {}
     for kind in kinds:
         t0 = time.perf_counter()
         kernels = build_vision_kernels("CPU", "on") if kind != "ops" else None
-        towers[kind] = VisionTower(cfg, weights, kernels=kernels, threads=threads, int16=kind == "int16")
+        towers[kind] = VisionTower(cfg, weights, kernels=kernels, threads=threads, int16=kind.startswith("int16"),
+                                   int16_scores=kind == "int16_scores")
         built[kind] = time.perf_counter() - t0
     pixels = np.random.default_rng(1).uniform(-1, 1, (1, 3, args.image, args.image)).astype(np.float32)
     times, outs = {kind: [] for kind in kinds}, {}
@@ -135,7 +140,7 @@ def main(argv=None) -> int:
         out = outs[kind]
         assert out.shape == (1, cfg.tokens_per_image, cfg.text_hidden_size) and np.isfinite(out).all()
         best = min(times[kind][1:]) if len(times[kind]) > 1 else times[kind][0]
-        print(f"{kind:>6}: first image (graph compiled) {times[kind][0]:.1f} s; then "
+        print(f"{kind:>12}: first image (graph compiled) {times[kind][0]:.1f} s; then "
               f"{', '.join(f'{t:.1f}' for t in times[kind][1:])} s; best {best:.1f} s = {work / best / 1e9:.0f} "
               f"GFLOP/s ({best / cfg.num_layers:.2f} s a layer)")
         result[kind] = {"build_s": built[kind], "seconds": times[kind], "best_s": best, "gflops": work / best / 1e9}

@@ -137,8 +137,13 @@ class ModelConfig:
                                               # ('off'), or the kernel when a C++ compiler builds it ('auto')
     vision_int16: str = "auto"                # the CPU vision tower's products in 16-bit integers: 13-bit
                                               # columns times 14-bit x per 64 (about 3e-4 of a product's size),
-                                              # 1.4x the float32 products' rate on AVX2; 'auto' = on where that loop
-                                              # is AVX2 assembly (no AVX-512), 'on', 'off' (float32 products)
+                                              # 1.4x the float32 products' rate on AVX2, and its attention's
+                                              # values times probabilities; 'auto' = on where that loop is AVX2
+                                              # assembly (no AVX-512), 'on', 'off' (float32 products)
+    vision_int16_scores: bool = False         # with vision_int16, the attention's scores too (q k in 13 bits each:
+                                              # an error of ~3e-4 of a score's typical size, which the softmax
+                                              # turns into 1e-3 of the output at moderate scores, 4e-2 at scores in
+                                              # the hundreds); opt-in
     layer_kernel: str = "auto"                # CPU steps of few tokens: each decoder layer as one C++ kernel
                                               # ('on'), layer by layer in MindSpore ops ('off'), 'auto' = the
                                               # kernel when it builds, on one agent with the attention kernel
@@ -214,6 +219,8 @@ class ModelConfig:
         self.vision_int16 = _yaml_switch(self.vision_int16)
         _check(self.vision_int16 in ATTENTION_KERNELS, "model_config.vision_int16", self.vision_int16,
                f"must be one of {', '.join(ATTENTION_KERNELS)}")
+        _check(isinstance(self.vision_int16_scores, bool), "model_config.vision_int16_scores",
+               self.vision_int16_scores, "must be true or false")
         self.layer_kernel = _yaml_switch(self.layer_kernel)
         _check(self.layer_kernel in ATTENTION_KERNELS, "model_config.layer_kernel", self.layer_kernel,
                f"must be one of {', '.join(ATTENTION_KERNELS)}")

@@ -71,6 +71,7 @@ class RunnerSpec:
                                                # directory's is read from it (runner/images.py)
     image_cache_mb: int = 256                  # the encoded images kept (0: none)
     vision_int16: str = "auto"                 # the tower's products in int16 (runner/kernels.py's vision_int16)
+    vision_int16_scores: bool = False          # ... and its attention's scores (with vision_int16)
 
     def __post_init__(self) -> None:
         """The spec's own checks, once: the runner and its rooms take its values as they are. (A spec from the config
@@ -111,4 +112,5 @@ class RunnerSpec:
                    lora_slots=lc.max_loras if lc.enabled else 0,
                    lora_rank=lc.max_lora_rank, kv_cache=config.kv_cache_type,
                    batch_invariant=mc.batch_invariant, pooling=mc.pooling, mmproj=mc.mmproj,
-                   image_cache_mb=sc.image_cache_mb, vision_int16=mc.vision_int16)
+                   image_cache_mb=sc.image_cache_mb, vision_int16=mc.vision_int16,
+                   vision_int16_scores=mc.vision_int16_scores)

@@ -107,11 +107,14 @@ class _EncoderLayer(nn.Cell):
     every layer runs. `kernels`: the path of the CPU kernel library (kernels/vision_layer_cpu.cc), run on `threads`
     threads: VisionLinear's four products on the matrices as `_panels` packed them (the bias added, fc1's GELU
     applied, as each block of the result is made), VisionAttention reading the q|k|v rows as they are and never
-    writing the scores, VisionLayerNorm the two LayerNorms. None: MindSpore's ops (MatMul; the heads split out, the
+    writing the scores, VisionLayerNorm the two LayerNorms; `int16`: the products and the attention's values in
+    int16 (the int16 panels; VisionAttention's int16 path), and its scores too with `int16_scores`. None: MindSpore's
+    ops (MatMul; the heads split out, the
     (N, heads, T, T) scores written, a softmax, the heads put back; the bias adds', the GELU's and the LayerNorms'
     several passes)."""
 
-    def __init__(self, cfg: VisionConfig, kernels: Optional[str] = None, threads: int = 1):
+    def __init__(self, cfg: VisionConfig, kernels: Optional[str] = None, threads: int = 1, int16: bool = False,
+                 int16_scores: bool = False):
         super().__init__()
         self.eps, self.heads, self.head_dim = cfg.layer_norm_eps, cfg.num_heads, cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
@@ -129,7 +132,9 @@ class _EncoderLayer(nn.Cell):
             self.layer_norm = ops.Custom(f"{kernels}:VisionLayerNorm", out_shape=lambda x, *_: x,
                                          out_dtype=lambda x, *_: x, func_type="aot")
             self.eps_tensor = Tensor(np.array([cfg.layer_norm_eps], np.float32))
-            self.attention_config = Tensor(np.array([cfg.patches_per_side ** 2, cfg.num_heads, threads], np.int32))
+            level = 2 if int16 and int16_scores else 1 if int16 else 0     # VisionAttention's int16 path
+            self.attention_config = Tensor(np.array([cfg.patches_per_side ** 2, cfg.num_heads, threads, level],
+                                                    np.int32))
             self.no_qkv_bias = Tensor(np.zeros(3 * cfg.hidden_size, np.float32))    # (VisionLinear added it)
             self.threads = Tensor(np.array([threads], np.int32))
             self.plain = Tensor(np.array([threads, 0], np.int32))
@@ -198,15 +203,16 @@ class VisionTower:
     """A SigLIP tower and its projector, Gemma 3's or SmolVLM's (the module docstring). `weights`: {name:
     StoredTensor} as weights/vision.py's `vision_checkpoint` gives them (or arrays under the same names).
     `kernels`, `threads`: the layers' CPU kernel library and its threads (_EncoderLayer; None: MindSpore's ops);
-    `int16`: on the kernels, the layers' products in 16-bit integers (vision_panels.int16_panels; the runner's
-    vision_int16).
+    `int16`: on the kernels, the layers' products and the attention's values in 16-bit integers
+    (vision_panels.int16_panels; the runner's vision_int16); `int16_scores`: the attention's scores too (opt-in:
+    vision_int16_scores).
 
     Three graphs: the patches, one encoder layer (run once per layer, the layer's weights its inputs), the
     projector. A layer at a time keeps one layer's attention scores alive (num_heads x patches^2 floats: 1 GiB at
     Gemma 3's 4,096 patches), where one graph of every layer kept them all."""
 
     def __init__(self, cfg: VisionConfig, weights: dict, kernels: Optional[str] = None, threads: int = 1,
-                 int16: bool = False):
+                 int16: bool = False, int16_scores: bool = False):
         shapes = vision_shapes(cfg)
 
         def read(name: str) -> np.ndarray:
@@ -231,7 +237,8 @@ class VisionTower:
                                  _tensor(read("multi_modal_projector.mm_input_projection_weight")))  # (D, H)
             self.projector = _Projector(cfg)
         self.patches = _Patches(cfg)
-        self.layer = _EncoderLayer(cfg, kernels, threads)
+        self.int16_scores = self.int16 and int16_scores
+        self.layer = _EncoderLayer(cfg, kernels, threads, self.int16, self.int16_scores)
 
     @property
     def nbytes(self) -> int:

@@ -79,7 +79,8 @@ def test_the_tower_s_tokens_are_transformers_for_decoded_images(gemma3_vl, kerne
     if int16:               # ... and not float32's: the int16 products are what runs
         assert np.abs(ours - theirs).max() > 1e-5 * scale
     # one image alone gives its own tokens: nothing of the other image leaks into a batch's rows
-    np.testing.assert_allclose(tower.encode(ours_pixels[1:]), ours[1:], atol=1e-6 * scale)
+    # (int16: a last-bit difference upstream, in MindSpore's patch matmul, may round a value of x to the next step)
+    np.testing.assert_allclose(tower.encode(ours_pixels[1:]), ours[1:], atol=(1e-4 if int16 else 1e-6) * scale)
 
 
 @pytest.mark.parametrize("kind", ["F16", "BF16"])

@@ -1,6 +1,7 @@
 """The vision tower's CPU kernels (kernels/vision_layer_cpu.cc), called through ctypes exactly as MindSpore's AOT
-Custom op calls them: the attention against a float64 numpy softmax attention, the products (float32, float16 and
-bfloat16 panels, fc1's GELU) against float64 ones, the LayerNorm against numpy's. No MindSpore needed."""
+Custom op calls them: the attention (float32, and its int16 paths) against a float64 numpy softmax attention, the
+products (float32, float16, bfloat16 and int16 panels, fc1's GELU) against float64 ones, the LayerNorm against
+numpy's. No MindSpore needed."""
 from __future__ import annotations
 
 import ctypes
@@ -30,10 +31,13 @@ def kernel(library):
     return library.VisionAttention
 
 
-def attend(kernel, qkv: np.ndarray, patches: int, heads: int, threads: int = 2, bias=None) -> np.ndarray:
+def attend(kernel, qkv: np.ndarray, patches: int, heads: int, threads: int = 2, bias=None, level=None) -> np.ndarray:
+    """The kernel's output; `level`: its config's 4th value (0 float, 1 the values' product in int16, 2 the scores'
+    too), None: a 3-value config."""
     out = np.full((qkv.shape[0], qkv.shape[1] // 3), np.nan, np.float32)
     bias = np.zeros(qkv.shape[1], np.float32) if bias is None else bias
-    assert invoke(kernel, [qkv, bias, np.array([patches, heads, threads], np.int32), out]) == 0
+    config = [patches, heads, threads] + ([] if level is None else [level])
+    assert invoke(kernel, [qkv, bias, np.array(config, np.int32), out]) == 0
     return out
 
 
@@ -80,6 +84,61 @@ def test_an_images_rows_do_not_depend_on_the_threads_or_the_other_images(kernel)
     together = attend(kernel, np.concatenate([a, b]), 150, 4, threads=3)
     np.testing.assert_array_equal(together[:150], alone)
     assert not np.array_equal(together[150:], alone)
+
+
+@pytest.mark.parametrize("images,patches,heads,head_dim", [
+    (1, 64, 2, 72),      # SigLIP's head size: 72 dims, 36 pairs
+    (2, 200, 3, 72),     # patches not a multiple of the key block or the query block
+    (1, 131, 4, 64),     # 64 dims padded to 66 (a multiple of the 6-row tiles)
+    (1, 300, 1, 40),
+])
+@pytest.mark.parametrize("level", [1, 2])
+def test_int16_attention_is_near_softmax_attention(kernel, images, patches, heads, head_dim, level):
+    """Level 1 (vision_int16): P V in int16, ~3e-4 of the output; level 2 (vision_int16_scores): q k too, ~1e-3 at
+    these scores (a few units)."""
+    rng = np.random.default_rng(patches + level)
+    qkv = (rng.standard_normal((images * patches, 3 * heads * head_dim)) * 2).astype(np.float32)
+    bias = rng.standard_normal(3 * heads * head_dim).astype(np.float32)
+    got = attend(kernel, qkv, patches, heads, bias=bias, level=level)
+    want = reference(qkv, patches, heads, bias)
+    error = np.abs(got - want).max() / np.abs(want).max()
+    assert error <= (1e-3 if level == 1 else 3e-3)
+    assert error > 1e-5                                            # (not the float path)
+
+
+def test_int16_values_stay_near_at_large_scores_where_int16_scores_do_not(kernel):
+    """Scores in the hundreds: the values' int16 error does not grow with them (it is the probabilities' and values'
+    rounding), the scores' does (a score's error is a fraction of q.k, which the softmax exponentiates). This is why
+    vision_int16_scores is opt-in."""
+    rng = np.random.default_rng(11)
+    qkv = (rng.standard_normal((300, 3 * 2 * 72)) * 12).astype(np.float32)
+    want = reference(qkv, 300, 2)
+    values = np.abs(attend(kernel, qkv, 300, 2, level=1) - want).max() / np.abs(want).max()
+    scores = np.abs(attend(kernel, qkv, 300, 2, level=2) - want).max() / np.abs(want).max()
+    assert values <= 1e-3 < scores
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_int16_attention_rows_do_not_depend_on_the_threads_or_the_other_images(kernel, level):
+    rng = np.random.default_rng(12)
+    a, b = (rng.standard_normal((2, 150, 3 * 4 * 72)) * 2).astype(np.float32)
+    alone = attend(kernel, a, 150, 4, threads=1, level=level)
+    together = attend(kernel, np.concatenate([a, b]), 150, 4, threads=3, level=level)
+    np.testing.assert_array_equal(together[:150], alone)
+
+
+def test_int16_attention_past_128_head_dims_is_the_float_path(kernel):
+    """hd x 4,095^2 must fit int32: past 128 dims (padded) the kernel attends in float32, to the bit."""
+    rng = np.random.default_rng(13)
+    qkv = rng.standard_normal((40, 3 * 136)).astype(np.float32)
+    np.testing.assert_array_equal(attend(kernel, qkv, 40, 1, level=2), attend(kernel, qkv, 40, 1))
+    np.testing.assert_array_equal(attend(kernel, qkv, 40, 1, level=0), attend(kernel, qkv, 40, 1))
+
+
+def test_an_unknown_attention_level_is_refused(kernel):
+    qkv = np.zeros((30, 3 * 96), np.float32)
+    out = np.zeros((30, 96), np.float32)
+    assert invoke(kernel, [qkv, np.zeros(3 * 96, np.float32), np.array([30, 4, 2, 3], np.int32), out]) == 2
 
 
 @pytest.mark.parametrize("rows,width,patches,heads", [

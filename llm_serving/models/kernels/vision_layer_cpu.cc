@@ -2,9 +2,10 @@
 // `ops.Custom(func_type="aot")` kernels; built and cached by kernels/__init__.py. The work MindSpore's ops did in
 // many passes over (patches x width) tensors is done here in one:
 //   VisionLinear:    the layer's four products, on the matrices in the checkpoint's own type (float16, bfloat16 or
-//                    float32) packed in panels at load, the bias added and fc1's tanh GELU applied as each block of
-//                    the result is made (as MindSpore's ops, the bias and GELU alone took 0.23 s a layer at Gemma 3's
-//                    4,096 x 4,304 on two Zen 3 cores, and the matrices were float32 copies: twice an F16 tower);
+//                    float32) packed in panels at load, or quantized to int16 panels (AVX2's faster products), the
+//                    bias added and fc1's tanh GELU applied as each block of the result is made (as MindSpore's ops,
+//                    the bias and GELU alone took 0.23 s a layer at Gemma 3's 4,096 x 4,304 on two Zen 3 cores, and
+//                    the matrices were float32 copies: twice an F16 tower);
 //   VisionAttention: self-attention, every patch of an image attending to every patch of it (no mask), read from
 //                    the q|k|v product's rows with its bias added as they are read, written as the output
 //                    projection reads it;
@@ -14,7 +15,8 @@
 //   qkv       (N*T, 3*D) float32  each patch's row of the q, k and v projections, q then k then v, each H heads of
 //                                 hd = D/H values side by side (SigLIP's layout), before their bias
 //   qkv_bias  (3*D,)     float32
-//   config    (3,)       int32    [T (patches an image), H (heads), threads]
+//   config    (3,) (4,)  int32    [T (patches an image), H (heads), threads(, level)]: level 1 the values'
+//                                 product in int16, 2 the scores' too (the int16 path below), 0 or none float32
 //   out       (N*T, D)   float32  softmax(q k^T / sqrt(hd)) v of each image and head, the heads side by side
 //
 // Why a kernel: as MindSpore ops the attention split q|k|v into (3, N, H, T, hd) (a transpose of every value),
@@ -192,6 +194,116 @@ inline void fma_6x16(const float* a, int64_t a_step, const float* b, int64_t b_s
 alignas(32) constexpr float kZeros16[16] = {};
 #endif
 
+// ---- The int16 micro-kernel: VisionLinear's int16 panels, VisionAttention's int16 path ----
+//
+// AVX2's float FMA does 8 multiply-adds an instruction; vpmaddwd does 16 on int16 pairs (two depths' products of 8
+// columns summed into int32), and with the vpaddd that accumulates them a panel loop runs about 1.5x FMA's on Zen 3
+// (measured in L1, broadcasts included: 53-58 against 36 GMAC/s a core). The integer sums are exact; each chunk of
+// pairs is kept short enough that its sums cannot overflow int32, then widened to float32, times its row's step,
+// and added to c's (in order along the depth, whatever the batch).
+constexpr int64_t kMaddRows = 6;      // rows of c a tile (12 int32 accumulators with the 16 columns)
+constexpr int64_t kMaddCols = 16;
+
+#if defined(VISION_ASM_6X2)
+// 6 rows x 16 columns of c (rows ldc floats apart) = (first: nothing; else c) + the sum over `chunks` chunks of
+// `chunk_pairs` pairs of steps[row] * (a . b), steps moving s_step floats a chunk. Per pair: the 6 rows' int16 pairs
+// side by side at a (a_step int16 to the next pair), the 16 columns' pairs at b (b_step). 12 int32 accumulators,
+// the 2 vectors of b, a broadcast and a product (16 registers). The broadcasts are vbroadcastss (the same 32
+// bits): on Zen 3 vpbroadcastd took 10% longer.
+inline void madd_6x16(const int16_t* a, int64_t a_step, const int16_t* b, int64_t b_step, const float* steps,
+                      int64_t s_step, int64_t chunks, int64_t chunk_pairs, float* c, int64_t ldc, int64_t first) {
+  const int64_t a_bytes = a_step * 2, b_bytes = b_step * 2, s_bytes = s_step * 4, ldc_bytes = ldc * 4;
+  float* c3 = c + 3 * ldc;
+  int64_t left;
+#define VL_ROW(off, lo, hi)                                                              \
+  "vbroadcastss " #off "(%[a]), %%ymm14\n\t"                                              \
+  "vpmaddwd %%ymm12, %%ymm14, %%ymm15\n\t vpaddd %%ymm15, %%ymm" #lo ", %%ymm" #lo "\n\t" \
+  "vpmaddwd %%ymm13, %%ymm14, %%ymm15\n\t vpaddd %%ymm15, %%ymm" #hi ", %%ymm" #hi "\n\t"
+#define VL_STORE(off, lo, hi, at_lo, at_hi)                                                                    \
+  "vbroadcastss " #off "(%[s]), %%ymm14\n\t"                                                                    \
+  "vcvtdq2ps %%ymm" #lo ", %%ymm" #lo "\n\t vmulps %%ymm14, %%ymm" #lo ", %%ymm" #lo "\n\t"                      \
+  "vmovups %%ymm" #lo ", " at_lo "\n\t"                                                                         \
+  "vcvtdq2ps %%ymm" #hi ", %%ymm" #hi "\n\t vmulps %%ymm14, %%ymm" #hi ", %%ymm" #hi "\n\t"                      \
+  "vmovups %%ymm" #hi ", " at_hi "\n\t"
+#define VL_ADD(off, lo, hi, at_lo, at_hi)                                                                      \
+  "vbroadcastss " #off "(%[s]), %%ymm14\n\t"                                                                    \
+  "vcvtdq2ps %%ymm" #lo ", %%ymm" #lo "\n\t vfmadd213ps " at_lo ", %%ymm14, %%ymm" #lo "\n\t"                    \
+  "vmovups %%ymm" #lo ", " at_lo "\n\t"                                                                         \
+  "vcvtdq2ps %%ymm" #hi ", %%ymm" #hi "\n\t vfmadd213ps " at_hi ", %%ymm14, %%ymm" #hi "\n\t"                    \
+  "vmovups %%ymm" #hi ", " at_hi "\n\t"
+#define VL_EACH(op)                                                                                            \
+  op(0, 0, 1, "(%[c])", "32(%[c])") op(4, 2, 3, "(%[c],%[ldc],1)", "32(%[c],%[ldc],1)")                          \
+  op(8, 4, 5, "(%[c],%[ldc],2)", "32(%[c],%[ldc],2)") op(12, 6, 7, "(%[c3])", "32(%[c3])")                       \
+  op(16, 8, 9, "(%[c3],%[ldc],1)", "32(%[c3],%[ldc],1)") op(20, 10, 11, "(%[c3],%[ldc],2)", "32(%[c3],%[ldc],2)")
+  asm volatile(
+      "testq %[n], %[n]\n\t"
+      "jz 9f\n"
+      "1:\n\t"
+      "vpxor %%xmm0, %%xmm0, %%xmm0\n\t vpxor %%xmm1, %%xmm1, %%xmm1\n\t vpxor %%xmm2, %%xmm2, %%xmm2\n\t"
+      "vpxor %%xmm3, %%xmm3, %%xmm3\n\t vpxor %%xmm4, %%xmm4, %%xmm4\n\t vpxor %%xmm5, %%xmm5, %%xmm5\n\t"
+      "vpxor %%xmm6, %%xmm6, %%xmm6\n\t vpxor %%xmm7, %%xmm7, %%xmm7\n\t vpxor %%xmm8, %%xmm8, %%xmm8\n\t"
+      "vpxor %%xmm9, %%xmm9, %%xmm9\n\t vpxor %%xmm10, %%xmm10, %%xmm10\n\t vpxor %%xmm11, %%xmm11, %%xmm11\n\t"
+      "movq %[cp], %[left]\n"
+      "2:\n\t"
+      "vmovdqu (%[b]), %%ymm12\n\t vmovdqu 32(%[b]), %%ymm13\n\t"
+      VL_ROW(0, 0, 1) VL_ROW(4, 2, 3) VL_ROW(8, 4, 5) VL_ROW(12, 6, 7) VL_ROW(16, 8, 9) VL_ROW(20, 10, 11)
+      "addq %[ab], %[a]\n\t"
+      "addq %[bb], %[b]\n\t"
+      "decq %[left]\n\t"
+      "jnz 2b\n\t"
+      "testq %[first], %[first]\n\t"
+      "jz 3f\n\t"
+      VL_EACH(VL_STORE)
+      "xorq %[first], %[first]\n\t"
+      "jmp 4f\n"
+      "3:\n\t"
+      VL_EACH(VL_ADD)
+      "4:\n\t"
+      "addq %[sb], %[s]\n\t"
+      "decq %[n]\n\t"
+      "jnz 1b\n"
+      "9:\n\t"
+      : [a] "+r"(a), [b] "+r"(b), [s] "+r"(steps), [n] "+r"(chunks), [first] "+r"(first), [left] "=&r"(left)
+      : [c] "r"(c), [c3] "r"(c3), [ldc] "r"(ldc_bytes), [ab] "r"(a_bytes), [bb] "r"(b_bytes), [sb] "m"(s_bytes),
+        [cp] "m"(chunk_pairs)
+      : "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10",
+        "xmm11", "xmm12", "xmm13", "xmm14", "xmm15");
+#undef VL_ROW
+#undef VL_STORE
+#undef VL_ADD
+#undef VL_EACH
+}
+#endif
+
+// c (kMaddRows rows, stride ldc) (+)= the sum over `chunks` chunks of `chunk_pairs` pairs of steps[row] * (a . b)
+// (madd_6x16's operands; chunk_pairs >= 1): the assembly on AVX2, else the same sums in plain C++
+inline void madd_tile(const int16_t* a, int64_t a_step, const int16_t* b, int64_t b_step, const float* steps,
+                      int64_t s_step, int64_t chunks, int64_t chunk_pairs, float* c, int64_t ldc, bool first) {
+#if defined(VISION_ASM_6X2)
+  madd_6x16(a, a_step, b, b_step, steps, s_step, chunks, chunk_pairs, c, ldc, first ? 1 : 0);
+#else
+  for (int64_t chunk = 0; chunk < chunks; ++chunk, first = false, steps += s_step) {
+    int32_t acc[kMaddRows][kMaddCols] = {};
+    for (int64_t p = 0; p < chunk_pairs; ++p, a += a_step, b += b_step) {
+      for (int r = 0; r < kMaddRows; ++r) {
+        for (int j = 0; j < kMaddCols; ++j) {
+          acc[r][j] += int32_t{a[2 * r]} * b[2 * j] + int32_t{a[2 * r + 1]} * b[2 * j + 1];
+        }
+      }
+    }
+    for (int r = 0; r < kMaddRows; ++r) {
+      for (int j = 0; j < kMaddCols; ++j) {
+        const float v = static_cast<float>(acc[r][j]) * steps[r];
+        c[r * ldc + j] = first ? v : c[r * ldc + j] + v;
+      }
+    }
+  }
+#endif
+}
+
+// x rounded to the nearest integer, halves away from zero (vectorizes where nearbyint may not)
+inline int32_t rounded(float x) { return static_cast<int32_t>(x + (x >= 0.f ? 0.5f : -0.5f)); }
+
 // c (R rows, stride kQueries)[.. 2 vectors from q0] (+)= a (R rows of `depth`: a[r][k] at a[r + k * ks]) .
 // b (depth rows of kQueries)[.. from q0]: a's R scalars of each k side by side, each broadcast; b's 2 vectors
 // loaded once for all R rows and kept in registers (GCC otherwise reloads them as every FMA's memory operand: 18
@@ -325,6 +437,168 @@ void attend_block(const float* qkv, const float* bias, const float* k, const flo
     for (int64_t e = 0; e < sh.hd; ++e) dst[e] = w->ot[e * kQueries + i] * inv;
   }
 }
+
+// ---- VisionAttention in int16 (config's 4th value 1: the tower's vision_int16) ----
+//
+// The same blocks and online softmax, both products on madd_tile:
+//   S^T = K Q^T: each key (its hd values) rounded to kKeyMax steps of its largest, each query (scaled to log2
+//     units) to kQueryMax steps of its own: a score is the exact integer sum times the key's step (madd_tile's row
+//     step) times the query's (in the softmax). hd x 4,095^2 < 2^31 for hd <= kInt16HeadDims: one chunk.
+//   O^T += V^T P^T: each head dim's values over the image rounded to kValueMax steps of that dim's largest, the
+//     probabilities (<= 1: relative to the query's running maximum) to steps of 1 / kProbMax, in chunks of
+//     kValuePairs key pairs (48 keys x 16,383 x 2,047 < 2^31); O^T / kProbMax at the end.
+// Head dims are padded with zeros to hdp, a multiple of kMaddRows (72: 72; 64: 66). Layouts, per (image, head):
+//   keys:   (tp / 6 panels, hdp / 2 pairs, 6 keys, 2) int16, and a step per key
+//   values: (hdp / 6 groups of dims, tp / 2 key pairs, 6 dims, 2) int16, and a step per dim
+//   Q^T:    (hdp / 2 pairs, kQueries, 2) int16;  P^T: (kKeyBlock / 2 key pairs, kQueries, 2) int16
+constexpr int kKeyMax = 4095, kQueryMax = 4095, kProbMax = 16383, kValueMax = 2047;
+constexpr int64_t kInt16HeadDims = 128;
+constexpr int64_t kValuePairs = 24;
+static_assert(kInt16HeadDims * int64_t{kKeyMax} * kQueryMax < (int64_t{1} << 31), "a score fits int32");
+static_assert(2 * kValuePairs * int64_t{kProbMax} * kValueMax < (int64_t{1} << 31), "a values chunk fits int32");
+static_assert(kKeyBlock % (2 * kValuePairs) == 0 && kKeyBlock % kMaddRows == 0, "a key block is whole chunks");
+static_assert(kQueries % kMaddCols == 0, "a query block is whole tiles");
+
+inline int64_t padded_head_dims(int64_t hd) { return round_up(hd, kMaddRows); }
+
+// x's n values rounded to `top_steps` steps of their largest magnitude into out[i * stride]; returns the step
+inline float quantize_span(const float* x, int64_t n, int top_steps, int16_t* out, int64_t stride) {
+  float top = 0.f;
+  for (int64_t e = 0; e < n; ++e) top = std::max(top, std::fabs(x[e]));
+  const float inverse = top > 0.f ? top_steps / top : 0.f;
+  for (int64_t e = 0; e < n; ++e) out[e * stride] = static_cast<int16_t>(rounded(x[e] * inverse));
+  return top > 0.f ? top / top_steps : 1.f;
+}
+
+// Phase 1 of the int16 path: image n's head h, its keys and values rounded and packed (the layouts above)
+void pack_head_int16(const float* qkv, const float* bias, const Shape& sh, int64_t n, int64_t h, int16_t* k,
+                     float* k_steps, float* k_float, int16_t* v, float* v_steps) {
+  const int64_t stride = 3 * sh.d, hdp = padded_head_dims(sh.hd), pairs = sh.tp / 2;
+  const float* rows = qkv + n * sh.t * stride + sh.d + h * sh.hd;
+  const float* kb = bias + sh.d + h * sh.hd;
+  const float* vb = kb + sh.d;
+  if (k != nullptr) std::fill(k, k + sh.tp * hdp, int16_t{0});
+  std::fill(v, v + sh.tp * hdp, int16_t{0});
+  std::fill(k_steps, k_steps + sh.tp, 1.f);
+  if (k_float != nullptr) std::fill(k_float, k_float + sh.tp * sh.hd, 0.f);
+  float row[kInt16HeadDims], top[kInt16HeadDims] = {}, inverse[kInt16HeadDims];
+  for (int64_t j = 0; j < sh.t; ++j) {
+    const float* src = rows + j * stride;
+    for (int64_t e = 0; e < sh.hd; ++e) {
+      row[e] = src[e] + kb[e];
+      top[e] = std::max(top[e], std::fabs(src[sh.d + e] + vb[e]));
+    }
+    if (k_float != nullptr) {                          // float keys: pack_head's panels
+      float* panel = k_float + j / kRows * kRows * sh.hd + j % kRows;
+      for (int64_t e = 0; e < sh.hd; ++e) panel[e * kRows] = row[e];
+      continue;
+    }
+    int16_t codes[kInt16HeadDims];
+    k_steps[j] = quantize_span(row, sh.hd, kKeyMax, codes, 1);
+    int16_t* panel = k + j / kMaddRows * kMaddRows * hdp + j % kMaddRows * 2;     // dim e at (e / 2, key, e % 2)
+    for (int64_t e = 0; e < sh.hd; ++e) panel[e / 2 * 2 * kMaddRows + e % 2] = codes[e];
+  }
+  for (int64_t e = 0; e < hdp; ++e) {
+    v_steps[e] = e < sh.hd && top[e] > 0.f ? top[e] / kValueMax : 1.f;
+    inverse[e] = e < sh.hd && top[e] > 0.f ? kValueMax / top[e] : 0.f;
+  }
+  for (int64_t j = 0; j < sh.t; ++j) {
+    const float* src = rows + j * stride + sh.d;
+    for (int64_t e = 0; e < sh.hd; ++e) {
+      v[((e / kMaddRows * pairs + j / 2) * kMaddRows + e % kMaddRows) * 2 + j % 2] =
+          static_cast<int16_t>(rounded((src[e] + vb[e]) * inverse[e]));
+    }
+  }
+}
+
+struct Int16Scratch16 {   // a thread's: Q^T (int16, or float) and P^T, S^T and O^T, the queries' steps, maxima, sums
+  std::vector<int16_t> qt, pt;
+  std::vector<float> qt_float, st, ot, q_steps, mx, sum;
+  explicit Int16Scratch16(const Shape& sh)
+      : qt(padded_head_dims(sh.hd) * kQueries), pt(kKeyBlock * kQueries), qt_float(sh.hd * kQueries),
+        st(kKeyBlock * kQueries), ot(padded_head_dims(sh.hd) * kQueries), q_steps(kQueries), mx(kQueries),
+        sum(kQueries) {}
+};
+
+// Phase 2 of the int16 path: image n, head h, queries i0 .. i0 + kQueries
+void attend_block_int16(const float* qkv, const float* bias, const int16_t* k, const float* k_steps,
+                        const float* k_float, const int16_t* v, const float* v_steps, const Shape& sh, int64_t n,
+                        int64_t h, int64_t i0, float scale, Int16Scratch16* w, float* out) {
+  const int64_t stride = 3 * sh.d, queries = std::min(kQueries, sh.t - i0), hdp = padded_head_dims(sh.hd);
+  const int64_t pairs = sh.tp / 2;
+  std::fill(w->qt.begin(), w->qt.end(), int16_t{0});
+  std::fill(w->qt_float.begin(), w->qt_float.end(), 0.f);
+  std::fill(w->q_steps.begin(), w->q_steps.end(), 1.f);
+  for (int64_t i = 0; i < queries; ++i) {
+    const float* src = qkv + (n * sh.t + i0 + i) * stride + h * sh.hd;
+    float row[kInt16HeadDims];
+    for (int64_t e = 0; e < sh.hd; ++e) row[e] = (src[e] + bias[h * sh.hd + e]) * scale;
+    if (k_float != nullptr) {
+      for (int64_t e = 0; e < sh.hd; ++e) w->qt_float[e * kQueries + i] = row[e];
+      continue;
+    }
+    int16_t codes[kInt16HeadDims];
+    w->q_steps[i] = quantize_span(row, sh.hd, kQueryMax, codes, 1);
+    for (int64_t e = 0; e < sh.hd; ++e) w->qt[(e / 2 * kQueries + i) * 2 + e % 2] = codes[e];
+  }
+  std::fill(w->ot.begin(), w->ot.end(), 0.f);
+  std::fill(w->mx.begin(), w->mx.end(), -INFINITY);
+  std::fill(w->sum.begin(), w->sum.end(), 0.f);
+  float* st = w->st.data();
+  float* mx = w->mx.data();
+  float* sum = w->sum.data();
+  int16_t* pt = w->pt.data();
+  for (int64_t j0 = 0; j0 < sh.tp; j0 += kKeyBlock) {
+    if (k_float != nullptr) scores_product(k_float + j0 * sh.hd, sh.hd, w->qt_float.data(), st);
+    for (int64_t q0 = 0; q0 < kQueries && k_float == nullptr; q0 += kMaddCols) {   // S^T: integer sums x steps
+      for (int64_t j = 0; j < kKeyBlock; j += kMaddRows) {
+        madd_tile(k + (j0 + j) * hdp, 2 * kMaddRows, w->qt.data() + 2 * q0, 2 * kQueries, k_steps + j0 + j, 0, 1,
+                  hdp / 2, st + j * kQueries + q0, kQueries, true);
+      }
+    }
+    for (int64_t j = std::min(kKeyBlock, sh.t - j0); j < kKeyBlock; ++j) {
+      std::fill(st + j * kQueries, st + (j + 1) * kQueries, -INFINITY);
+    }
+    alignas(64) float alpha[kQueries];
+    for (int64_t i = 0; i < kQueries; i += kLanes) {
+      const vf q_step = load(w->q_steps.data() + i);
+      vf m = load(mx + i);
+      for (int64_t j = 0; j < kKeyBlock; ++j) m = max(m, load(st + j * kQueries + i) * q_step);
+      const vf a = exp2_nonpositive(load(mx + i) - m);
+      vf total = load(sum + i) * a;
+      for (int64_t j = 0; j < kKeyBlock; j += 2) {                    // P^T as int16 pairs of keys, one word each
+        const vf p0 = exp2_nonpositive(load(st + j * kQueries + i) * q_step - m);
+        const vf p1 = exp2_nonpositive(load(st + (j + 1) * kQueries + i) * q_step - m);
+        total += p0;
+        total += p1;
+        const vi c0 = __builtin_convertvector(p0 * static_cast<float>(kProbMax) + 0.5f, vi);
+        const vi c1 = __builtin_convertvector(p1 * static_cast<float>(kProbMax) + 0.5f, vi);
+        const vi word = c0 | (c1 << 16);
+        std::memcpy(pt + (j / 2 * kQueries + i) * 2, &word, sizeof word);
+      }
+      store(sum + i, total);
+      store(mx + i, m);
+      store(alpha + i, a);
+    }
+    for (int64_t e = 0; e < sh.hd; ++e) {
+      float* o = w->ot.data() + e * kQueries;
+      for (int64_t i = 0; i < kQueries; i += kLanes) store(o + i, load(o + i) * load(alpha + i));
+    }
+    for (int64_t q0 = 0; q0 < kQueries; q0 += kMaddCols) {          // O^T += V^T P^T, chunks of kValuePairs pairs
+      for (int64_t e = 0; e < hdp; e += kMaddRows) {
+        madd_tile(v + (e / kMaddRows * pairs + j0 / 2) * 2 * kMaddRows, 2 * kMaddRows, pt + 2 * q0, 2 * kQueries,
+                  v_steps + e, 0, kKeyBlock / (2 * kValuePairs), kValuePairs, w->ot.data() + e * kQueries + q0,
+                  kQueries, false);
+      }
+    }
+  }
+  for (int64_t i = 0; i < queries; ++i) {
+    float* dst = out + (n * sh.t + i0 + i) * sh.d + h * sh.hd;
+    const float inv = 1.f / (sum[i] * kProbMax);
+    for (int64_t e = 0; e < sh.hd; ++e) dst[e] = w->ot[e * kQueries + i] * inv;
+  }
+}
+
 // body() on `threads` threads at once (the calling one included), until each returns
 template <typename Body>
 void on_threads(int64_t threads, Body body) {
@@ -461,125 +735,23 @@ void linear_rows(const float* x, int64_t k, const W* w, const float* bias, int64
   }
 }
 
-// ---- VisionLinear on int16 panels: the same product in 16-bit integers, for AVX2 ----
+// ---- VisionLinear on int16 panels: the same product in 16-bit integers (madd_tile), for AVX2 ----
 //
-// AVX2's float FMA does 8 multiply-adds an instruction; vpmaddwd does 16 on int16 pairs (two depths' products of 8
-// columns summed into int32), and with the vpaddd that accumulates them the panel loop runs about 1.5x FMA's loop
-// on Zen 3 (measured in L1: 53-58 against 36 GMAC/s a core, the broadcasts included). The matrix is quantized once
-// at load, each column to kWeightMax steps of its largest value (13 bits); x at each call, each row's chunk of
-// 2 kChunkPairs values to kActivationMax steps of the chunk's largest (14 bits: a channel of outliers costs only
-// the chunks it sits in, as the text kernels' 16-bit x per block of 32). The integer products are exact, and a
-// chunk's sums cannot overflow int32 (64 x 8,191 x 4,095 < 2^31): each is widened to float32, times the row's step
-// for the chunk, and added to out's (in order along k, whatever the batch). At the end, times the column's step,
-// plus the bias. The layout (kernels/vision_panels.py's int16_panels): (P, Kp, 16), Kp = K rounded up to
-// 2 kChunkPairs (zeros past K), each panel pair-major: pair p's 32 values are the 16 columns' (k = 2p, 2p + 1)
-// side by side, as vpmaddwd takes them. A tile of x: (pairs, kTileRows, 2) int16, a row's pair one 32-bit
-// broadcast; its steps (chunks, kTileRows) float32.
+// The matrix is quantized once at load, each column to kWeightMax steps of its largest value (13 bits); x at each
+// call, each row's chunk of 2 kChunkPairs values to kActivationMax steps of the chunk's largest (14 bits: a channel
+// of outliers costs only the chunks it sits in, as the text kernels' 16-bit x per block of 32). A chunk's sums
+// cannot overflow int32 (64 x 8,191 x 4,095 < 2^31). At the end, times the column's step, plus the bias. The layout
+// (kernels/vision_panels.py's int16_panels): (P, Kp, 16), Kp = K rounded up to 2 kChunkPairs (zeros past K), each
+// panel pair-major: pair p's 32 values are the 16 columns' (k = 2p, 2p + 1) side by side, as vpmaddwd takes them.
+// A tile of x: (pairs, kMaddRows, 2) int16, a row's pair one 32-bit broadcast; its steps (chunks, kMaddRows).
 constexpr int kActivationMax = 8191;
 constexpr int kWeightMax = 4095;
 constexpr int64_t kChunkPairs = 32;
 static_assert(2 * kChunkPairs * int64_t{kActivationMax} * kWeightMax < (int64_t{1} << 31), "a chunk fits int32");
 constexpr int64_t kPairBlock = kGemmDepth / 2;      // pairs a panel's slice holds (8 KB of int16)
 static_assert(kPairBlock % kChunkPairs == 0, "a slice is whole chunks");
+static_assert(kPanelCols == kMaddCols, "a panel is a tile's columns");
 constexpr float kOnes16[16] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
-
-#if defined(VISION_ASM_6X2)
-// 6 rows x 16 columns of c (rows ldc floats apart) = (first: nothing; else c) + the sum over `chunks` chunks of
-// kChunkPairs pairs of step[chunk][row] * (a . b): a's pairs 24 bytes apart (6 rows' 2 int16), b's 64 (16
-// columns' 2 int16), steps 24 bytes a chunk. 12 int32 accumulators, the 2 vectors of b, a broadcast and a product
-// (16 registers). The broadcasts are vbroadcastss (the same 32 bits): on Zen 3 vpbroadcastd's took 10% longer.
-inline void madd_6x16(const int16_t* a, const int16_t* b, const float* steps, int64_t chunks, float* c, int64_t ldc,
-                      int64_t first) {
-  const int64_t ldc_bytes = ldc * 4;
-  float* c3 = c + 3 * ldc;
-  int64_t left;
-#define VL_ROW(off, lo, hi)                                                              \
-  "vbroadcastss " #off "(%[a]), %%ymm14\n\t"                                              \
-  "vpmaddwd %%ymm12, %%ymm14, %%ymm15\n\t vpaddd %%ymm15, %%ymm" #lo ", %%ymm" #lo "\n\t" \
-  "vpmaddwd %%ymm13, %%ymm14, %%ymm15\n\t vpaddd %%ymm15, %%ymm" #hi ", %%ymm" #hi "\n\t"
-#define VL_STORE(off, lo, hi, at_lo, at_hi)                                                                    \
-  "vbroadcastss " #off "(%[s]), %%ymm14\n\t"                                                                    \
-  "vcvtdq2ps %%ymm" #lo ", %%ymm" #lo "\n\t vmulps %%ymm14, %%ymm" #lo ", %%ymm" #lo "\n\t"                      \
-  "vmovups %%ymm" #lo ", " at_lo "\n\t"                                                                         \
-  "vcvtdq2ps %%ymm" #hi ", %%ymm" #hi "\n\t vmulps %%ymm14, %%ymm" #hi ", %%ymm" #hi "\n\t"                      \
-  "vmovups %%ymm" #hi ", " at_hi "\n\t"
-#define VL_ADD(off, lo, hi, at_lo, at_hi)                                                                      \
-  "vbroadcastss " #off "(%[s]), %%ymm14\n\t"                                                                    \
-  "vcvtdq2ps %%ymm" #lo ", %%ymm" #lo "\n\t vfmadd213ps " at_lo ", %%ymm14, %%ymm" #lo "\n\t"                    \
-  "vmovups %%ymm" #lo ", " at_lo "\n\t"                                                                         \
-  "vcvtdq2ps %%ymm" #hi ", %%ymm" #hi "\n\t vfmadd213ps " at_hi ", %%ymm14, %%ymm" #hi "\n\t"                    \
-  "vmovups %%ymm" #hi ", " at_hi "\n\t"
-#define VL_EACH(op)                                                                                            \
-  op(0, 0, 1, "(%[c])", "32(%[c])") op(4, 2, 3, "(%[c],%[ldc],1)", "32(%[c],%[ldc],1)")                          \
-  op(8, 4, 5, "(%[c],%[ldc],2)", "32(%[c],%[ldc],2)") op(12, 6, 7, "(%[c3])", "32(%[c3])")                       \
-  op(16, 8, 9, "(%[c3],%[ldc],1)", "32(%[c3],%[ldc],1)") op(20, 10, 11, "(%[c3],%[ldc],2)", "32(%[c3],%[ldc],2)")
-  asm volatile(
-      "testq %[n], %[n]\n\t"
-      "jz 9f\n"
-      "1:\n\t"
-      "vpxor %%xmm0, %%xmm0, %%xmm0\n\t vpxor %%xmm1, %%xmm1, %%xmm1\n\t vpxor %%xmm2, %%xmm2, %%xmm2\n\t"
-      "vpxor %%xmm3, %%xmm3, %%xmm3\n\t vpxor %%xmm4, %%xmm4, %%xmm4\n\t vpxor %%xmm5, %%xmm5, %%xmm5\n\t"
-      "vpxor %%xmm6, %%xmm6, %%xmm6\n\t vpxor %%xmm7, %%xmm7, %%xmm7\n\t vpxor %%xmm8, %%xmm8, %%xmm8\n\t"
-      "vpxor %%xmm9, %%xmm9, %%xmm9\n\t vpxor %%xmm10, %%xmm10, %%xmm10\n\t vpxor %%xmm11, %%xmm11, %%xmm11\n\t"
-      "movq $32, %[left]\n"
-      "2:\n\t"
-      "vmovdqu (%[b]), %%ymm12\n\t vmovdqu 32(%[b]), %%ymm13\n\t"
-      VL_ROW(0, 0, 1) VL_ROW(4, 2, 3) VL_ROW(8, 4, 5) VL_ROW(12, 6, 7) VL_ROW(16, 8, 9) VL_ROW(20, 10, 11)
-      "addq $24, %[a]\n\t"
-      "addq $64, %[b]\n\t"
-      "decq %[left]\n\t"
-      "jnz 2b\n\t"
-      "testq %[first], %[first]\n\t"
-      "jz 3f\n\t"
-      VL_EACH(VL_STORE)
-      "xorq %[first], %[first]\n\t"
-      "jmp 4f\n"
-      "3:\n\t"
-      VL_EACH(VL_ADD)
-      "4:\n\t"
-      "addq $24, %[s]\n\t"
-      "decq %[n]\n\t"
-      "jnz 1b\n"
-      "9:\n\t"
-      : [a] "+r"(a), [b] "+r"(b), [s] "+r"(steps), [n] "+r"(chunks), [first] "+r"(first), [left] "=&r"(left)
-      : [c] "r"(c), [c3] "r"(c3), [ldc] "r"(ldc_bytes)
-      : "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10",
-        "xmm11", "xmm12", "xmm13", "xmm14", "xmm15");
-#undef VL_ROW
-#undef VL_STORE
-#undef VL_ADD
-#undef VL_EACH
-}
-static_assert(kChunkPairs == 32 && kTileRows == 6, "madd_6x16 counts 32 pairs a chunk, 6 rows a tile");
-#endif
-
-// c (kTileRows rows, stride ldc) = (first: nothing; else c) + the sum over `pairs` pairs (whole chunks) of a . b,
-// each chunk's int32 sums widened to float32 and times its row's step (steps: (chunks, kTileRows))
-inline void tile_madd(const int16_t* a, const int16_t* b, const float* steps, int64_t pairs, float* c, int64_t ldc,
-                      bool first) {
-#if defined(VISION_ASM_6X2)
-  madd_6x16(a, b, steps, pairs / kChunkPairs, c, ldc, first ? 1 : 0);
-#else
-  for (int64_t p0 = 0; p0 < pairs; p0 += kChunkPairs, first = false, steps += kTileRows) {
-    int32_t acc[kTileRows][kPanelCols] = {};
-    for (int64_t p = p0; p < p0 + kChunkPairs; ++p) {
-      const int16_t* ap = a + p * kTileRows * 2;
-      const int16_t* bp = b + p * kPanelCols * 2;
-      for (int r = 0; r < kTileRows; ++r) {
-        for (int j = 0; j < kPanelCols; ++j) {
-          acc[r][j] += int32_t{ap[2 * r]} * bp[2 * j] + int32_t{ap[2 * r + 1]} * bp[2 * j + 1];
-        }
-      }
-    }
-    for (int r = 0; r < kTileRows; ++r) {
-      for (int j = 0; j < kPanelCols; ++j) {
-        const float v = static_cast<float>(acc[r][j]) * steps[r];
-        c[r * ldc + j] = first ? v : c[r * ldc + j] + v;
-      }
-    }
-  }
-#endif
-}
 
 // Row x's k values in chunks of 2 kChunkPairs, each to kActivationMax steps of its largest magnitude: kp int16 into
 // q (zeros past k), each chunk's step into steps[chunk * stride] (1 for a chunk of zeros).
@@ -626,24 +798,24 @@ struct Int16Scratch {
 void linear_rows_int16(const float* x, int64_t k, const int16_t* w, int64_t kp, const float* w_step,
                        const float* bias, int64_t n, bool gelu, int64_t r0, int64_t r1, float* out,
                        Int16Scratch* s) {
-  const int64_t rows = r1 - r0, tiles = (rows + kTileRows - 1) / kTileRows, panels = (n + kPanelCols - 1) / kPanelCols;
+  const int64_t rows = r1 - r0, tiles = (rows + kMaddRows - 1) / kMaddRows, panels = (n + kPanelCols - 1) / kPanelCols;
   const int64_t pairs = kp / 2, chunks = pairs / kChunkPairs;
-  s->tiles.resize(tiles * kTileRows * kp);
+  s->tiles.resize(tiles * kMaddRows * kp);
   s->row.resize(kp);
-  s->steps.assign(tiles * chunks * kTileRows, 1.f);
-  s->edge.resize(kTileRows * kPanelCols);
-  // every row of the block quantized once, into its tile: (pairs, kTileRows, 2), a pair one 32-bit word
+  s->steps.assign(tiles * chunks * kMaddRows, 1.f);
+  s->edge.resize(kMaddRows * kPanelCols);
+  // every row of the block quantized once, into its tile: (pairs, kMaddRows, 2), a pair one 32-bit word
   auto* words = reinterpret_cast<int32_t*>(s->tiles.data());
   const auto* row_words = reinterpret_cast<const int32_t*>(s->row.data());
-  for (int64_t i = 0; i < tiles * kTileRows; ++i) {
-    const int64_t r = r0 + i, t = i / kTileRows, at = i % kTileRows;
+  for (int64_t i = 0; i < tiles * kMaddRows; ++i) {
+    const int64_t r = r0 + i, t = i / kMaddRows, at = i % kMaddRows;
     if (r < r1) {
-      quantize_row(x + r * k, k, kp, s->row.data(), s->steps.data() + t * chunks * kTileRows + at, kTileRows);
+      quantize_row(x + r * k, k, kp, s->row.data(), s->steps.data() + t * chunks * kMaddRows + at, kMaddRows);
     } else {
       std::fill(s->row.begin(), s->row.end(), int16_t{0});
     }
-    int32_t* dst = words + t * pairs * kTileRows + at;
-    for (int64_t p = 0; p < pairs; ++p) dst[p * kTileRows] = row_words[p];
+    int32_t* dst = words + t * pairs * kMaddRows + at;
+    for (int64_t p = 0; p < pairs; ++p) dst[p * kMaddRows] = row_words[p];
   }
   float* edge = s->edge.data();
   for (int64_t p0 = 0; p0 < pairs; p0 += kPairBlock) {
@@ -657,20 +829,21 @@ void linear_rows_int16(const float* x, int64_t k, const int16_t* w, int64_t kp, 
       }
       const int64_t c0 = j * kPanelCols, cols = std::min(kPanelCols, n - c0);
       for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t row0 = r0 + t * kTileRows, valid = std::min(kTileRows, r1 - row0);
-        for (int64_t i = 0; i < kTileRows && row0 + kTileRows + i < r1; ++i) {
-          __builtin_prefetch(out + (row0 + kTileRows + i) * n + c0, 1, 3);
-          __builtin_prefetch(out + (row0 + kTileRows + i) * n + c0 + kPanelCols - 1, 1, 3);
+        const int64_t row0 = r0 + t * kMaddRows, valid = std::min(kMaddRows, r1 - row0);
+        for (int64_t i = 0; i < kMaddRows && row0 + kMaddRows + i < r1; ++i) {
+          __builtin_prefetch(out + (row0 + kMaddRows + i) * n + c0, 1, 3);
+          __builtin_prefetch(out + (row0 + kMaddRows + i) * n + c0 + kPanelCols - 1, 1, 3);
         }
-        const int16_t* a = s->tiles.data() + (t * pairs + p0) * kTileRows * 2;
-        const float* steps = s->steps.data() + (t * chunks + p0 / kChunkPairs) * kTileRows;
-        const bool whole = valid == kTileRows && cols == kPanelCols;
+        const int16_t* a = s->tiles.data() + (t * pairs + p0) * kMaddRows * 2;
+        const float* steps = s->steps.data() + (t * chunks + p0 / kChunkPairs) * kMaddRows;
+        const bool whole = valid == kMaddRows && cols == kPanelCols;
         float* c = whole ? out + row0 * n + c0 : edge;
         const int64_t ldc = whole ? n : kPanelCols;
         if (!whole && !first) {
           for (int64_t i = 0; i < valid; ++i) std::memcpy(edge + i * kPanelCols, out + (row0 + i) * n + c0, cols * 4);
         }
-        tile_madd(a, slice, steps, block, c, ldc, first);
+        madd_tile(a, 2 * kMaddRows, slice, 2 * kPanelCols, steps, kMaddRows, block / kChunkPairs, kChunkPairs, c, ldc,
+                  first);
         if (last) {                                       // the columns' steps, the bias, the GELU: the tile is in L1
           for (int64_t i = 0; i < valid; ++i) {
             float* y = c + i * ldc;
@@ -694,7 +867,8 @@ extern "C" int VisionAttention(int nparam, void** params, int* ndims, int64_t** 
   (void)extra;
   if (nparam != 4 || ndims[0] != 2 || ndims[1] != 1 || ndims[2] != 1 || ndims[3] != 2 ||
       std::strcmp(dtypes[0], "float32") != 0 || std::strcmp(dtypes[1], "float32") != 0 ||
-      std::strcmp(dtypes[2], "int32") != 0 || std::strcmp(dtypes[3], "float32") != 0 || shapes[2][0] != 3) {
+      std::strcmp(dtypes[2], "int32") != 0 || std::strcmp(dtypes[3], "float32") != 0 ||
+      (shapes[2][0] != 3 && shapes[2][0] != 4)) {
     return 1;
   }
   const auto* qkv = static_cast<const float*>(params[0]);
@@ -708,15 +882,38 @@ extern "C" int VisionAttention(int nparam, void** params, int* ndims, int64_t** 
     return 2;
   }
   Shape sh{shapes[0][0] / t, t, h, d / h, d, round_up(t, kKeyBlock)};
-  const int64_t heads = sh.n * sh.h, head_floats = 2 * sh.tp * sh.hd;
+  const int64_t heads = sh.n * sh.h, blocks = (t + kQueries - 1) / kQueries;
+  const float scale = 1.4426950408889634f / std::sqrt(static_cast<float>(sh.hd));   // scores in log2 units
+  std::atomic<int64_t> next{0};
+  const int32_t level = shapes[2][0] == 4 ? cfg[3] : 0;    // 0: float; 1: the values' product in int16; 2: both
+  if (level < 0 || level > 2) return 2;
+  if (level > 0 && padded_head_dims(sh.hd) <= kInt16HeadDims) {      // the int16 path
+    const int64_t hdp = padded_head_dims(sh.hd), codes = sh.tp * hdp, floats = level == 1 ? sh.tp * sh.hd : 0;
+    std::vector<int16_t> keys(level == 2 ? heads * codes : 0), values(heads * codes);
+    std::vector<float> key_steps(heads * sh.tp), value_steps(heads * hdp), float_keys(heads * floats);
+    for_each_task(threads, heads, 1, [&](int64_t i) {
+      pack_head_int16(qkv, bias, sh, i / sh.h, i % sh.h, level == 2 ? keys.data() + i * codes : nullptr,
+                      key_steps.data() + i * sh.tp, level == 1 ? float_keys.data() + i * floats : nullptr,
+                      values.data() + i * codes, value_steps.data() + i * hdp);
+    });
+    on_threads(std::min(threads, heads * blocks), [&] {
+      Int16Scratch16 w(sh);
+      for (int64_t i = next.fetch_add(1); i < heads * blocks; i = next.fetch_add(1)) {
+        const int64_t head = i / blocks;
+        attend_block_int16(qkv, bias, level == 2 ? keys.data() + head * codes : nullptr,
+                           key_steps.data() + head * sh.tp, level == 1 ? float_keys.data() + head * floats : nullptr,
+                           values.data() + head * codes, value_steps.data() + head * hdp, sh, head / sh.h,
+                           head % sh.h, i % blocks * kQueries, scale, &w, out);
+      }
+    });
+    return 0;
+  }
+  const int64_t head_floats = 2 * sh.tp * sh.hd;
   std::vector<float> packed(static_cast<size_t>(heads * head_floats));
   for_each_task(threads, heads, 1, [&](int64_t i) {
     float* kv = packed.data() + i * head_floats;
     pack_head(qkv, bias, sh, i / sh.h, i % sh.h, kv, kv + sh.tp * sh.hd);
   });
-  const int64_t blocks = (t + kQueries - 1) / kQueries;
-  const float scale = 1.4426950408889634f / std::sqrt(static_cast<float>(sh.hd));   // scores in log2 units
-  std::atomic<int64_t> next{0};
   on_threads(std::min(threads, heads * blocks), [&] {
     Scratch w(sh);
     for (int64_t i = next.fetch_add(1); i < heads * blocks; i = next.fetch_add(1)) {

@@ -44,14 +44,15 @@ class ImageEncoder:
 
     @classmethod
     def build(cls, checkpoint: tuple, cache_mb: int, threads: int = 1,
-              kernels: Optional[str] = None, int16: bool = False) -> "ImageEncoder":
+              kernels: Optional[str] = None, int16: bool = False, int16_scores: bool = False) -> "ImageEncoder":
         """The encoder of a tower as stored (`vision_checkpoint_of`'s), its weights read now; `kernels`: the CPU
         kernel library its layers run on `threads` threads (runner/kernels.py's build_vision_kernels), their
-        products in int16 when `int16` (runner/kernels.py's vision_int16)."""
+        products and attention values in int16 when `int16` (runner/kernels.py's vision_int16), the attention's
+        scores too with `int16_scores`."""
         from ..vision_tower import VisionTower
 
         t0 = time.perf_counter()
-        tower = VisionTower(*checkpoint, kernels=kernels, threads=threads, int16=int16)
+        tower = VisionTower(*checkpoint, kernels=kernels, threads=threads, int16=int16, int16_scores=int16_scores)
         logger.info("vision tower: %d layers of %d, %d tokens an image, %.2f GB of weights (%s products), read in "
                     "%.1f s", tower.cfg.num_layers, tower.cfg.hidden_size, tower.cfg.tokens_per_image,
                     tower.nbytes / 1e9, "int16" if tower.int16 else "float32", time.perf_counter() - t0)

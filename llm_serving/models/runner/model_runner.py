@@ -91,7 +91,8 @@ class ModelRunner:
         vision_kernels = None if vision is None else build_vision_kernels(spec.device_target, spec.attention_kernel)
         self.images = (None if vision is None      # (MindSpore's tensors: after its set-up)
                        else ImageEncoder.build(vision, spec.image_cache_mb, kernel_threads, vision_kernels,
-                                               vision_int16(vision_kernels, spec.vision_int16)))
+                                               vision_int16(vision_kernels, spec.vision_int16),
+                                               spec.vision_int16_scores))
         self.graphs = RunnerGraphs.build(self.config, weights, quantized, spec=spec, model_dir=model_dir, tp=self.tp,
                                          kernels=self.kernels, layout=self.layout, max_context=self.max_context,
                                          kernel_threads=kernel_threads, reduce_kernel=reduce_kernel,
