@@ -1,9 +1,10 @@
 #!/usr/bin/env python
 """The vision tower's CPU kernels alone (kernels/vision_layer_cpu.cc), called through ctypes as MindSpore calls them,
 at Gemma-3-4B's SigLIP shape (4,096 patches, width 1,152, 16 heads, MLP 4,304): VisionAttention's seconds and
-GFLOP/s, and VisionLinear's four products of a layer (q|k|v, out, fc1, fc2) on F16 panels and on int16 panels
-(model_config.vision_int16) against numpy's float32 matmul (OpenBLAS) on the same values, in turn, so that the
-machine's noise falls on all three; the best of --runs each, and each one's error against the float64 product.
+GFLOP/s (float32, the values' product in int16, and the scores' too), and VisionLinear's four products of a layer
+(q|k|v, out, fc1, fc2) on F16 panels and on int16 panels (model_config.vision_int16) against numpy's float32 matmul
+(OpenBLAS) on the same values, in turn, so that the machine's noise falls on all of them; the best of --runs each,
+and each one's error (the products' against the float64 product, the attention's against its float32 kernel).
 
     python bench/vision_kernels.py
     python bench/vision_kernels.py --threads 1 --runs 5
@@ -53,15 +54,26 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     result = {"machine": machine(), "threads": args.threads}
 
-    qkv = rng.standard_normal((PATCHES, 3 * WIDTH), dtype=np.float32)
-    out = np.zeros((PATCHES, WIDTH), np.float32)
-    config = np.array([PATCHES, HEADS, args.threads], np.int32)
-    attention = best(lambda: invoke(library.VisionAttention, [qkv, np.zeros(3 * WIDTH, np.float32), config, out]),
-                     args.runs)
+    qkv = (rng.standard_normal((PATCHES, 3 * WIDTH)) * 2).astype(np.float32)    # scores of a few units
+    no_bias = np.zeros(3 * WIDTH, np.float32)
+    outs = {level: np.zeros((PATCHES, WIDTH), np.float32) for level in range(3)}   # float32, int16 values, and scores
+    calls = {level: (lambda level=level: invoke(library.VisionAttention, [
+        qkv, no_bias, np.array([PATCHES, HEADS, args.threads, level], np.int32), outs[level]])) for level in outs}
+    times = {level: [] for level in outs}
+    for _ in range(args.runs):                      # in turn
+        for level, call in calls.items():
+            times[level].append(best(call, 1))
     flops = 4.0 * PATCHES * PATCHES * WIDTH
-    result["attention"] = {"seconds": attention, "gflops": flops / attention / 1e9}
     print(f"{machine().get('cpu', '')}, {args.threads} threads")
-    print(f"VisionAttention, {HEADS} heads x {PATCHES} patches: {attention:.3f} s ({flops / attention / 1e9:.0f} GFLOP/s)")
+    names = {0: "float32", 1: "int16 values (vision_int16)", 2: "int16 scores too (vision_int16_scores)"}
+    result["attention"] = {}
+    for level, name in names.items():
+        seconds = min(times[level])
+        apart = float(np.abs(outs[level] - outs[0]).max() / np.abs(outs[0]).max())
+        result["attention"][name] = {"seconds": seconds, "gflops": flops / seconds / 1e9, "apart_from_float32": apart}
+        print(f"VisionAttention, {HEADS} heads x {PATCHES} patches, {name}: {seconds:.3f} s "
+              f"({flops / seconds / 1e9:.0f} GFLOP/s; {seconds / min(times[0]):.2f}x float32's time), apart from "
+              f"float32's output by {apart:.1e} of its largest")
 
     totals = {"kernel": 0.0, "int16": 0.0, "numpy": 0.0}
     for name, (k, n) in PRODUCTS.items():

@@ -202,6 +202,8 @@ def main(argv=None) -> int:
     ap.add_argument("--only", choices=("ours", "llama"), default=None)
     ap.add_argument("--paired", type=int, default=2,
                     help="rounds of alone questions to both servers in turn, both running (0: none)")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="a setting of this server's (llm-serving start --set), e.g. model_config.vision_int16=off")
     ap.add_argument("--out", default="bench_results/vision_serving.json")
     args = ap.parse_args(argv)
 
@@ -215,11 +217,12 @@ def main(argv=None) -> int:
     proj = mmproj(models / "bench-gemma3-4b-mmproj-f16.gguf")
     print(f"files ready in {time.perf_counter() - t0:.0f} s: {vl.name}, {proj.name}", flush=True)
     result = {"machine": machine(), "text": str(vl), "mmproj": str(proj), "streams": args.streams,
-              "tokens": args.tokens}
+              "tokens": args.tokens, "settings": args.set}
     name = "gemma3-4b-vl"
     ours_args = ["--model", str(vl), "--set", f"model_config.mmproj={proj}", "--set", f"model_config.model_name={name}",
                  "--set", "model_config.max_generate_length=1024",
-                 "--set", f"serving_config.max_num_seqs={max(16, args.streams)}"]
+                 "--set", f"serving_config.max_num_seqs={max(16, args.streams)}",
+                 *(arg for setting in args.set for arg in ("--set", setting))]
     llama_cmd = ["-m", str(vl), "--mmproj", str(proj), "--alias", name, "--host", "127.0.0.1", "-t", str(args.threads),
                  "-np", str(args.streams), "-c", str(1024 * args.streams), "--jinja"]
     binary, version = find_llama_server(None) if args.only != "ours" else (None, "not asked for")

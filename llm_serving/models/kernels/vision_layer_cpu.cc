@@ -438,15 +438,17 @@ void attend_block(const float* qkv, const float* bias, const float* k, const flo
   }
 }
 
-// ---- VisionAttention in int16 (config's 4th value 1: the tower's vision_int16) ----
+// ---- VisionAttention in int16: its config's level 1 (vision_int16) or 2 (vision_int16_scores) ----
 //
-// The same blocks and online softmax, both products on madd_tile:
-//   S^T = K Q^T: each key (its hd values) rounded to kKeyMax steps of its largest, each query (scaled to log2
-//     units) to kQueryMax steps of its own: a score is the exact integer sum times the key's step (madd_tile's row
-//     step) times the query's (in the softmax). hd x 4,095^2 < 2^31 for hd <= kInt16HeadDims: one chunk.
-//   O^T += V^T P^T: each head dim's values over the image rounded to kValueMax steps of that dim's largest, the
-//     probabilities (<= 1: relative to the query's running maximum) to steps of 1 / kProbMax, in chunks of
-//     kValuePairs key pairs (48 keys x 16,383 x 2,047 < 2^31); O^T / kProbMax at the end.
+// The same blocks and online softmax, the products on madd_tile:
+//   S^T = K Q^T (level 2; level 1 keeps the float32 scores_product): each key (its hd values) rounded to kKeyMax
+//     steps of its largest, each query (scaled to log2 units) to kQueryMax steps of its own: a score is the exact
+//     integer sum times the key's step (madd_tile's row step) times the query's (in the softmax). hd x 4,095^2 <
+//     2^31 for hd <= kInt16HeadDims: one chunk. A score's error is then a fraction (~3e-4) of q.k, which the
+//     softmax exponentiates: opt-in.
+//   O^T += V^T P^T (levels 1 and 2): each head dim's values over the image rounded to kValueMax steps of that
+//     dim's largest, the probabilities (<= 1: relative to the query's running maximum) to steps of 1 / kProbMax,
+//     in chunks of kValuePairs key pairs (48 keys x 16,383 x 2,047 < 2^31); O^T / kProbMax at the end.
 // Head dims are padded with zeros to hdp, a multiple of kMaddRows (72: 72; 64: 66). Layouts, per (image, head):
 //   keys:   (tp / 6 panels, hdp / 2 pairs, 6 keys, 2) int16, and a step per key
 //   values: (hdp / 6 groups of dims, tp / 2 key pairs, 6 dims, 2) int16, and a step per dim
@@ -461,12 +463,12 @@ static_assert(kQueries % kMaddCols == 0, "a query block is whole tiles");
 
 inline int64_t padded_head_dims(int64_t hd) { return round_up(hd, kMaddRows); }
 
-// x's n values rounded to `top_steps` steps of their largest magnitude into out[i * stride]; returns the step
-inline float quantize_span(const float* x, int64_t n, int top_steps, int16_t* out, int64_t stride) {
+// x's n values rounded to `top_steps` steps of their largest magnitude into out; returns the step
+inline float quantize_span(const float* x, int64_t n, int top_steps, int16_t* out) {
   float top = 0.f;
   for (int64_t e = 0; e < n; ++e) top = std::max(top, std::fabs(x[e]));
   const float inverse = top > 0.f ? top_steps / top : 0.f;
-  for (int64_t e = 0; e < n; ++e) out[e * stride] = static_cast<int16_t>(rounded(x[e] * inverse));
+  for (int64_t e = 0; e < n; ++e) out[e] = static_cast<int16_t>(rounded(x[e] * inverse));
   return top > 0.f ? top / top_steps : 1.f;
 }
 
@@ -494,7 +496,7 @@ void pack_head_int16(const float* qkv, const float* bias, const Shape& sh, int64
       continue;
     }
     int16_t codes[kInt16HeadDims];
-    k_steps[j] = quantize_span(row, sh.hd, kKeyMax, codes, 1);
+    k_steps[j] = quantize_span(row, sh.hd, kKeyMax, codes);
     int16_t* panel = k + j / kMaddRows * kMaddRows * hdp + j % kMaddRows * 2;     // dim e at (e / 2, key, e % 2)
     for (int64_t e = 0; e < sh.hd; ++e) panel[e / 2 * 2 * kMaddRows + e % 2] = codes[e];
   }
@@ -511,10 +513,11 @@ void pack_head_int16(const float* qkv, const float* bias, const Shape& sh, int64
   }
 }
 
-struct Int16Scratch16 {   // a thread's: Q^T (int16, or float) and P^T, S^T and O^T, the queries' steps, maxima, sums
+struct AttentionScratch16 {   // a thread's: Q^T (int16, or float) and P^T, S^T and O^T, the queries' steps, maxima
+                              // and sums
   std::vector<int16_t> qt, pt;
   std::vector<float> qt_float, st, ot, q_steps, mx, sum;
-  explicit Int16Scratch16(const Shape& sh)
+  explicit AttentionScratch16(const Shape& sh)
       : qt(padded_head_dims(sh.hd) * kQueries), pt(kKeyBlock * kQueries), qt_float(sh.hd * kQueries),
         st(kKeyBlock * kQueries), ot(padded_head_dims(sh.hd) * kQueries), q_steps(kQueries), mx(kQueries),
         sum(kQueries) {}
@@ -523,7 +526,7 @@ struct Int16Scratch16 {   // a thread's: Q^T (int16, or float) and P^T, S^T and 
 // Phase 2 of the int16 path: image n, head h, queries i0 .. i0 + kQueries
 void attend_block_int16(const float* qkv, const float* bias, const int16_t* k, const float* k_steps,
                         const float* k_float, const int16_t* v, const float* v_steps, const Shape& sh, int64_t n,
-                        int64_t h, int64_t i0, float scale, Int16Scratch16* w, float* out) {
+                        int64_t h, int64_t i0, float scale, AttentionScratch16* w, float* out) {
   const int64_t stride = 3 * sh.d, queries = std::min(kQueries, sh.t - i0), hdp = padded_head_dims(sh.hd);
   const int64_t pairs = sh.tp / 2;
   std::fill(w->qt.begin(), w->qt.end(), int16_t{0});
@@ -538,7 +541,7 @@ void attend_block_int16(const float* qkv, const float* bias, const int16_t* k, c
       continue;
     }
     int16_t codes[kInt16HeadDims];
-    w->q_steps[i] = quantize_span(row, sh.hd, kQueryMax, codes, 1);
+    w->q_steps[i] = quantize_span(row, sh.hd, kQueryMax, codes);
     for (int64_t e = 0; e < sh.hd; ++e) w->qt[(e / 2 * kQueries + i) * 2 + e % 2] = codes[e];
   }
   std::fill(w->ot.begin(), w->ot.end(), 0.f);
@@ -788,7 +791,7 @@ inline void quantize_row(const float* x, int64_t k, int64_t kp, int16_t* q, floa
   }
 }
 
-struct Int16Scratch {
+struct LinearScratch16 {
   std::vector<int16_t> tiles, row;
   std::vector<float> steps, edge;
 };
@@ -797,7 +800,7 @@ struct Int16Scratch {
 // in w_step.
 void linear_rows_int16(const float* x, int64_t k, const int16_t* w, int64_t kp, const float* w_step,
                        const float* bias, int64_t n, bool gelu, int64_t r0, int64_t r1, float* out,
-                       Int16Scratch* s) {
+                       LinearScratch16* s) {
   const int64_t rows = r1 - r0, tiles = (rows + kMaddRows - 1) / kMaddRows, panels = (n + kPanelCols - 1) / kPanelCols;
   const int64_t pairs = kp / 2, chunks = pairs / kChunkPairs;
   s->tiles.resize(tiles * kMaddRows * kp);
@@ -897,7 +900,7 @@ extern "C" int VisionAttention(int nparam, void** params, int* ndims, int64_t** 
                       values.data() + i * codes, value_steps.data() + i * hdp);
     });
     on_threads(std::min(threads, heads * blocks), [&] {
-      Int16Scratch16 w(sh);
+      AttentionScratch16 w(sh);
       for (int64_t i = next.fetch_add(1); i < heads * blocks; i = next.fetch_add(1)) {
         const int64_t head = i / blocks;
         attend_block_int16(qkv, bias, level == 2 ? keys.data() + head * codes : nullptr,
@@ -975,7 +978,7 @@ extern "C" int VisionLinear(int nparam, void** params, int* ndims, int64_t** sha
     const auto* w = static_cast<const int16_t*>(params[1]);
     std::atomic<int64_t> next{0};
     on_threads(std::min(threads, blocks), [&] {
-      Int16Scratch scratch;
+      LinearScratch16 scratch;
       for (int64_t b = next.fetch_add(1); b < blocks; b = next.fetch_add(1)) {
         linear_rows_int16(x, k, w, depth, bias + n, bias, n, gelu, b * block, std::min(rows, (b + 1) * block), out,
                           &scratch);
