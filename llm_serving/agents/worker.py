@@ -7,8 +7,8 @@ context_lens, prompt_lens (n,) int32, token_ids (n,) int32, and logits (n, vocab
 new token; a prefill step with images also image_places (m, 5) int32 (each image's row, offset in the row's new
 tokens, first of its tokens there, count, length: protocol.StepImage's), image_keys (m,) and, the first time a key
 is captured, image_pixels_<j> (its float32 pixels). `llm-serving precision` replays these through a float64
-reference. Verify steps (speculative decoding) are not captured: precision's requests do not speculate. A decode run is captured step by step (the
-agent runs its steps one at a time while capturing).
+reference. Verify steps (speculative decoding) are not captured: precision's requests do not speculate. A decode
+run is captured step by step (the agent runs its steps one at a time while capturing).
 """
 from __future__ import annotations
 

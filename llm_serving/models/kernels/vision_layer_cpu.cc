@@ -383,6 +383,24 @@ void pack_head(const float* qkv, const float* bias, const Shape& sh, int64_t n, 
   }
 }
 
+// O^T's first `rows` rows (kQueries each) times alpha: each query's rescale when its running maximum rose
+inline void rescale_rows(float* ot, int64_t rows, const float* alpha) {
+  for (int64_t e = 0; e < rows; ++e) {
+    float* o = ot + e * kQueries;
+    for (int64_t i = 0; i < kQueries; i += kLanes) store(o + i, load(o + i) * load(alpha + i));
+  }
+}
+
+// A query block's outputs, O^T / (sum * divisor), into out's rows of image n's queries i0 .. i0 + queries, head h
+inline void write_queries(const float* ot, const float* sum, float divisor, const Shape& sh, int64_t n, int64_t h,
+                          int64_t i0, int64_t queries, float* out) {
+  for (int64_t i = 0; i < queries; ++i) {
+    float* dst = out + (n * sh.t + i0 + i) * sh.d + h * sh.hd;
+    const float inv = 1.f / (sum[i] * divisor);
+    for (int64_t e = 0; e < sh.hd; ++e) dst[e] = ot[e * kQueries + i] * inv;
+  }
+}
+
 struct Scratch {   // a thread's: Q^T (hd, kQueries), S^T and P^T (kKeyBlock, kQueries), O^T (hd, kQueries)
   std::vector<float> qt, st, ot, mx, sum;
   explicit Scratch(const Shape& sh)
@@ -425,17 +443,10 @@ void attend_block(const float* qkv, const float* bias, const float* k, const flo
       store(mx + i, m);
       store(alpha + i, a);
     }
-    for (int64_t e = 0; e < sh.hd; ++e) {
-      float* o = w->ot.data() + e * kQueries;
-      for (int64_t i = 0; i < kQueries; i += kLanes) store(o + i, load(o + i) * load(alpha + i));
-    }
+    rescale_rows(w->ot.data(), sh.hd, alpha);
     values_product(v + j0 * sh.hd, sh.hd, st, w->ot.data());
   }
-  for (int64_t i = 0; i < queries; ++i) {
-    float* dst = out + (n * sh.t + i0 + i) * sh.d + h * sh.hd;
-    const float inv = 1.f / sum[i];
-    for (int64_t e = 0; e < sh.hd; ++e) dst[e] = w->ot[e * kQueries + i] * inv;
-  }
+  write_queries(w->ot.data(), sum, 1.f, sh, n, h, i0, queries, out);
 }
 
 // ---- VisionAttention in int16: its config's level 1 (vision_int16) or 2 (vision_int16_scores) ----
@@ -583,10 +594,7 @@ void attend_block_int16(const float* qkv, const float* bias, const int16_t* k, c
       store(mx + i, m);
       store(alpha + i, a);
     }
-    for (int64_t e = 0; e < sh.hd; ++e) {
-      float* o = w->ot.data() + e * kQueries;
-      for (int64_t i = 0; i < kQueries; i += kLanes) store(o + i, load(o + i) * load(alpha + i));
-    }
+    rescale_rows(w->ot.data(), sh.hd, alpha);
     for (int64_t q0 = 0; q0 < kQueries; q0 += kMaddCols) {          // O^T += V^T P^T, chunks of kValuePairs pairs
       for (int64_t e = 0; e < hdp; e += kMaddRows) {
         madd_tile(v + (e / kMaddRows * pairs + j0 / 2) * 2 * kMaddRows, 2 * kMaddRows, pt + 2 * q0, 2 * kQueries,
@@ -595,11 +603,7 @@ void attend_block_int16(const float* qkv, const float* bias, const int16_t* k, c
       }
     }
   }
-  for (int64_t i = 0; i < queries; ++i) {
-    float* dst = out + (n * sh.t + i0 + i) * sh.d + h * sh.hd;
-    const float inv = 1.f / (sum[i] * kProbMax);
-    for (int64_t e = 0; e < sh.hd; ++e) dst[e] = w->ot[e * kQueries + i] * inv;
-  }
+  write_queries(w->ot.data(), sum, kProbMax, sh, n, h, i0, queries, out);
 }
 
 // body() on `threads` threads at once (the calling one included), until each returns
