@@ -919,7 +919,7 @@ void panel_tile(const uint8_t* w, int64_t pstride, int64_t ng, const uint8_t* xp
     }
     const uint8_t* xg = xp + g * kXRecord;
     for (int j = 0; j < 8; ++j) {
-      __m256i s[P][BB][C], first[P][BB];
+      __m256i s[P][BB][C];
       auto clear = [&] {
         for (int p = 0; p < P; ++p)
           for (int b = 0; b < BB; ++b)
@@ -959,9 +959,20 @@ void panel_tile(const uint8_t* w, int64_t pstride, int64_t ng, const uint8_t* xp
             }
           }
         }
-        if (T == kQ6_K && l == 1) {            // the block's first 16 weights: their own sums (and scale)
-          for (int p = 0; p < P; ++p)
-            for (int b = 0; b < BB; ++b) first[p][b] = total(p, b);
+        if (T == kQ6_K && l == 1) {
+          // the block's first 16 weights (their own scale): scaled into the accumulators at once, before the
+          // second 16's, the header's order, so that no second set of sums holds registers through the block
+          for (int b = 0; b < BB; ++b) {
+            const float* xf = reinterpret_cast<const float*>(xg + b * xstride + kXFloats);
+            const __m256 sx = _mm256_set1_ps(xf[j]);
+            int32_t na;
+            std::memcpy(&na, xf + 16 + j, 4);
+            for (int p = 0; p < P; ++p) {
+              const __m256i lo = _mm256_sub_epi32(total(p, b), _mm256_set1_epi32(na << 5));  // q - 32: 32 sum(n) off
+              __m256& a = acc[(p * BB + b) * 8 + j];
+              a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(sx, ab[p][j]), a);
+            }
+          }
           clear();
         }
       }
@@ -970,13 +981,10 @@ void panel_tile(const uint8_t* w, int64_t pstride, int64_t ng, const uint8_t* xp
         const __m256 sx = _mm256_set1_ps(xf[j]);
         for (int p = 0; p < P; ++p) {
           __m256& a = acc[(p * BB + b) * 8 + j];
-          if constexpr (T == kQ6_K) {          // q - 32: 32 x (the sum of n over each half) off
-            int32_t na, nb;
-            std::memcpy(&na, xf + 16 + j, 4);
+          if constexpr (T == kQ6_K) {          // the second 16 weights
+            int32_t nb;
             std::memcpy(&nb, xf + 24 + j, 4);
-            const __m256i lo = _mm256_sub_epi32(first[p][b], _mm256_set1_epi32(na << 5));
             const __m256i hi = _mm256_sub_epi32(total(p, b), _mm256_set1_epi32(nb << 5));
-            a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(sx, ab[p][j]), a);
             a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(sx, ab[p][8 + j]), a);
           } else if constexpr (kind_of(T) == kOffset) {    // Q4_K, Q4_1: + b xs
             a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total(p, b)), _mm256_mul_ps(sx, ab[p][j]), a);
@@ -1018,59 +1026,10 @@ void panel_out(const uint8_t* w, int64_t row_bytes, int64_t ng, const uint8_t* x
     }
 }
 
-// n repacked rows (a multiple of 8) unpacked into the records `unpack` makes of stored rows (the lanes layout: the
-// same bytes, so tiles() gives the same floats): per panel, the 8 blocks' vectors of one x word (lanes: rows)
-// transposed to the 8 rows' vectors of it (lanes: blocks), and the scales likewise.
-template <int32_t T>
-void unpack_repacked(const uint8_t* rows, int64_t row_bytes, int64_t k, int64_t n, uint8_t* wbuf) {
-  const int64_t ng = groups(k), ws = w_bytes(k);
-  for (int64_t r0 = 0; r0 < n; r0 += kPanelRows) {
-    const uint8_t* block = rows + r0 * row_bytes;
-    for (int64_t g = 0; g < ng; ++g) {
-      const uint8_t* panel = block + g * panel_bytes<T>();
-      uint8_t* rec = wbuf + r0 * ws + g * kWRecord;                  // row r0 + r's record of group g: + r * ws
-      for (int l = 0; l < 4; ++l)
-        for (int i = 0; i < 4; ++i) {
-          __m256i v[8];
-          for (int j = 0; j < 8; ++j) {
-            const int c = 4 * j + l;
-            __m256i q, hv;
-            chunk_vectors<T>(panel + panel_codes<T>() + c * chunk_bytes<T>(), &q, &hv);
-            v[j] = panel_codes_of<T>(q, hv, i);
-          }
-          transpose8(v);                                            // v[r]: row r's word, lane j: block j's
-          const int word = i < 2 ? 2 * l + i : 8 + 2 * l + i - 2;
-          const int64_t at = x_word<true>(0, word);                 // the lanes layout's vector of that word
-          for (int r = 0; r < kPanelRows; ++r) _mm256_store_si256(reinterpret_cast<__m256i*>(rec + r * ws + at), v[r]);
-        }
-      __m256 ab[16];
-      panel_scales<T>(panel, ab);
-      for (int h = 0; h < 2; ++h) {
-        __m256i t[8];
-        for (int j = 0; j < 8; ++j) t[j] = _mm256_castps_si256(ab[8 * h + j]);
-        transpose8(t);
-        for (int r = 0; r < kPanelRows; ++r)
-          _mm256_store_si256(reinterpret_cast<__m256i*>(rec + r * ws + kWFloats + 32 * h), t[r]);
-      }
-    }
-  }
-}
-
-// Up to this many rows of x, the repacked rows are read in place (panel_out); more, unpacked once into the stored
-// rows' records and multiplied by tiles(): only Q6_K without VNNI (16 vector registers: its two sums a block and
-// its decoding spill, 0.91-0.93x the stored rows' tiles at 64 and 512 rows on a Zen 4 built for AVX2)
-template <int32_t T>
-constexpr int64_t panel_x_rows() {
-#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
-  return INT64_MAX;
-#else
-  return T == kQ6_K ? 16 : INT64_MAX;
-#endif
-}
-
 // Rows of x a pass of panel_tile takes at most: each chunk of codes is decoded once for them. Six, not four, where
 // the registers allow (two panels' 12 sums): 3-5% faster for Q4_K, Q8_0, Q4_0, Q4_1 on a Zen 4, AVX2 or VNNI
-// (bench/repack.py); Q6_K's decoding and its second sum a block want the registers (6 rows: 0.94x with VNNI).
+// (bench/repack.py); Q6_K's decoding wants the registers (6 rows: 0.94x with VNNI; no faster than 4 on a Zen 3
+// built for AVX2, where 4 ran 1.18-1.23x the stored rows' tiles at 256 rows and 6 1.09-1.12x).
 template <int32_t T>
 constexpr int64_t panel_pass_rows() { return T == kQ6_K ? 4 : 6; }
 
@@ -1097,16 +1056,11 @@ void panels_x(bool lanes, int64_t bb, const uint8_t* w, int64_t row_bytes, int64
 
 // out[i * ldo + b] for n (a multiple of 8, <= kTileRows) repacked rows of type T (+ kRepacked) from row-block
 // `rows` and m rows of x, two panels at a time (x's words broadcast once for their 16 rows), panel_pass_rows rows
-// of x at a time, or unpacked for tiles() (panel_x_rows)
+// of x at a time, the panels read in place at every row count (no buffer: the stored rows' products take wbuf)
 template <int32_t T>
 void product_repacked(const uint8_t* rows, int64_t row_bytes, int64_t k, int64_t n, const uint8_t* xp, int64_t m,
-                      uint8_t* wbuf, float* out, int64_t ldo) {
+                      uint8_t* /*wbuf*/, float* out, int64_t ldo) {
   const int64_t ng = groups(k), xstride = x_bytes(k);
-  if (m > panel_x_rows<T>()) {
-    unpack_repacked<T>(rows, row_bytes, k, n, wbuf);
-    tiles<kind_of(T), bias_of(T)>(wbuf, k, n, xp, m, reinterpret_cast<float*>(wbuf + n * w_bytes(k)), out, ldo);
-    return;
-  }
   const bool lanes = lanes_layout(m);                 // (how pack_rows packed x for m rows)
   constexpr int64_t pass = panel_pass_rows<T>();
   for (int64_t b0 = 0; b0 < m; b0 += pass) {
