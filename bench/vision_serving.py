@@ -11,6 +11,7 @@ with --outtype f16). Measured, for each server in turn:
 
     python bench/vision_serving.py                          # made files, 1 + 4 questions, 32 tokens each
     python bench/vision_serving.py --streams 16 --tokens 32
+    python bench/vision_serving.py --beside 2               # a text stream's waits while 2 image questions come
 
 Both servers run at once for `--paired N` rounds of alone questions sent to each in turn (a new picture each round,
 the order swapped each round; the idle server waits on its socket), so that each ratio compares the same minutes of a
@@ -180,6 +181,43 @@ def measure(url: str, model: str, streams: int, tokens: int) -> dict:
             "again": again}
 
 
+def beside(url: str, model: str, images: int, tokens: int, lead_s: float = 5.0) -> dict:
+    """A text stream decoding while `images` image questions come at once (`--beside`): how long the stream waits
+    between its tokens while the images are served (a server that runs an image's tower inside one step stalls every
+    stream for it), the images' time to first token, and the stream's tokens meanwhile."""
+    import threading
+
+    body = {"model": model, "max_tokens": tokens, "temperature": 0, "stream": True, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "Write a very long story about a lighthouse keeper."}]}
+    times, started, stop = [], threading.Event(), threading.Event()
+
+    def stream() -> None:
+        req = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=3600) as r:
+            for line in r:
+                if line.startswith(b"data:") and b'"content"' in line and not stop.is_set():
+                    times.append(time.perf_counter())
+                    started.set()
+                if stop.is_set():
+                    return                  # (closing the connection aborts the request)
+    thread = threading.Thread(target=stream, daemon=True)
+    thread.start()
+    started.wait(600)
+    time.sleep(lead_s)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(images) as pool:
+        runs = list(pool.map(lambda k: ask(url, model, image(200 + k), 8), range(images)))
+    t1 = time.perf_counter()
+    stop.set()
+    during = [t for t in times if t0 <= t <= t1]
+    gaps = np.diff([t0, *during, t1])
+    return {"images": images, "image_ttft_s": sorted(r["ttft_s"] for r in runs), "images_wall_s": t1 - t0,
+            "stream_tokens_during": len(during), "stream_lasted": bool(times) and times[-1] >= t1 - 1.0,
+            "max_gap_s": float(gaps.max()), "median_gap_s": float(np.median(gaps)),
+            "gaps_over_10s": int((gaps > 10).sum())}
+
+
 def paired(ours: str, theirs: str, model: str, rounds: int, tokens: int) -> dict:
     """Alone questions to the two servers in turn, both running (the idle one waits on its socket), each round a new
     picture to both and the order swapped every round: on a VM whose speed drifts by 10% over minutes, each ratio
@@ -204,8 +242,13 @@ def main(argv=None) -> int:
                     help="rounds of alone questions to both servers in turn, both running (0: none)")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="a setting of this server's (llm-serving start --set), e.g. model_config.vision_int16=off")
+    ap.add_argument("--beside", type=int, default=0, metavar="N",
+                    help="instead: a text stream decoding while N image questions come at once, on each server in turn "
+                         "(the stream's longest wait between tokens)")
     ap.add_argument("--out", default="bench_results/vision_serving.json")
     args = ap.parse_args(argv)
+    if args.beside:
+        args.streams = max(args.streams, args.beside + 1)
 
     models = peers_dir() / "models"
     text = Path(args.text) if args.text else model_path("gemma3-4b")
@@ -226,6 +269,21 @@ def main(argv=None) -> int:
     llama_cmd = ["-m", str(vl), "--mmproj", str(proj), "--alias", name, "--host", "127.0.0.1", "-t", str(args.threads),
                  "-np", str(args.streams), "-c", str(1024 * args.streams), "--jinja"]
     binary, version = find_llama_server(None) if args.only != "ours" else (None, "not asked for")
+    if args.beside:
+        run = lambda url: beside(url, name, args.beside, 900)           # noqa: E731
+        if args.only != "llama":
+            srv, started = start_ours(ours_args, log_dir() / "vision_serving_ours.log")
+            try:
+                result["ours"] = {"start_s": started, "beside": run(srv.url)}
+            finally:
+                srv.stop()
+            print("ours:", json.dumps(result["ours"]), flush=True)
+        if args.only != "ours" and binary is not None:
+            result["llama"], _ = with_llama_server([binary, *llama_cmd], log_dir() / "vision_serving_llama.log",
+                                                   lambda peer: {"beside": run(peer.url), "version": version})
+            print("llama-server:", json.dumps(result["llama"]), flush=True)
+        write_json(args.out, result)
+        return 0
     if args.only is None and binary is not None:
         # both servers up: the paired alone questions, then each server's own measures with the other idle
         srv, started = start_ours(ours_args, log_dir() / "vision_serving_ours.log")

@@ -567,6 +567,9 @@ class SchedulerConfig:
                                               # decode run: one graph, one round trip; needs the layer kernel)
     decode_steps_max_rows: Optional[int] = None   # decode runs for steps of at most this many rows; null = every
                                               # decode batch the layer kernel takes (model_config.layer_kernel_max_tokens)
+    image_encode_ms: float = 3000.0           # while requests decode, an image's vision tower runs ahead of its
+                                              # prefill step in slices of about this long, one a step (at least a
+                                              # layer); 0 = the tower runs whole inside the image's prefill step
 
     def __post_init__(self) -> None:
         _check(self.policy in SCHEDULING_POLICIES, "scheduler_config.policy", self.policy,
@@ -586,6 +589,9 @@ class SchedulerConfig:
         pw = self.prefill_wait_ms
         _check(isinstance(pw, (int, float)) and not isinstance(pw, bool) and 0 <= pw <= 10_000,
                "scheduler_config.prefill_wait_ms", pw, "must be a number of milliseconds in [0, 10000]")
+        ms = self.image_encode_ms
+        _check(isinstance(ms, (int, float)) and not isinstance(ms, bool) and 0 <= ms <= 600_000,
+               "scheduler_config.image_encode_ms", ms, "must be a number of milliseconds in [0, 600000]")
         w = self.kv_watermark
         _check(isinstance(w, (int, float)) and not isinstance(w, bool) and 0 <= w < 0.5, "scheduler_config.kv_watermark",
                w, "must be a fraction in [0, 0.5)")

@@ -9,7 +9,9 @@ Commands (llm-serving's letters) and their messages, the dataclasses below (one 
 `encode` writes any of them, `Message.from_payload` reads and checks one):
   '#' Connect      token, shm: {array: segment name} | null      -> ConnectReply (geometry, cache_epoch)
   's' Step         kind, step, num_rows, max_query_len, steps,   -> StepReply (model_ms, agent_ms, ...)
-                   images (a prefill step's: where its images' tokens are, their pixels' shm segment)
+                   images (a prefill step's: where its images' tokens are, their pixels' shm segment),
+                   encode (an image whose vision tower runs a few layers ahead of its prefill step, before the
+                   step's model: `EncodeSlice`; the reply's `encoded` says whether it is done)
                    kind (shm/layout.py's StepKind): prefill, decode (one new token per row), verify
                    (speculative decoding: a token is sampled after every new token of a row, not only its
                    last) or decode_run (`steps` greedy decode steps, each row's token fed to the next)
@@ -189,6 +191,7 @@ class Step(Message):
     max_query_len: int = 1
     steps: int = 1                  # a decode run's steps
     images: Optional[list] = None   # a prefill step's images: StepImage's fields, a dict each
+    encode: Optional[dict] = None   # an image to encode ahead, before the step: EncodeSlice's fields
 
     def __post_init__(self) -> None:
         try:
@@ -199,9 +202,18 @@ class Step(Message):
 
     def payload(self) -> dict:
         out = asdict(self)
-        if out["images"] is None:          # (most steps: nothing said)
-            del out["images"]
+        for key in ("images", "encode"):
+            if out[key] is None:           # (most steps: nothing said)
+                del out[key]
         return out
+
+    def encode_slice(self) -> Optional["EncodeSlice"]:
+        """The image this step encodes ahead, if any (ProtocolError for one that is malformed)."""
+        if self.encode is None:
+            return None
+        if not isinstance(self.encode, dict):
+            raise ProtocolError(f"Step: encode must be an object, got {self.encode!r}")
+        return EncodeSlice.from_payload(self.encode)
 
     def step_images(self) -> tuple:
         """The step's images as StepImage's (ProtocolError for one that is malformed)."""
@@ -227,6 +239,18 @@ class StepImage(Message):
     key: str
     segment: str
     shape: list
+
+
+@dataclass(frozen=True)
+class EncodeSlice(Message):
+    """Run about `budget_ms` (at least one layer) more of the vision tower's layers on the image `key` (its float32
+    pixels of `shape` in shared memory `segment`), ahead of the prefill step that feeds it (models/runner/images.py's
+    `advance`): while other requests decode, an image's tens of seconds of tower are spread over their steps."""
+    COMMAND: ClassVar[str] = STEP
+    key: str
+    segment: str
+    shape: list
+    budget_ms: float
 
 
 
@@ -308,6 +332,8 @@ class StepReply(Reply):
     agent_ms: float                 # from reading the frame to the reply (queueing, shm reads and writes)
     cache_epoch: int
     collective_calls: Optional[int] = None     # tensor parallelism only
+    encoded: Optional[bool] = None  # a step with `encode`: the image's tower is done (or its rows were cached)
+    encode_error: Optional[str] = None         # ... or why it could not run (the image's request ends with it)
 
 
 @dataclass(frozen=True)

@@ -231,10 +231,13 @@ class AgentServer:
                                   image_tokens=self.worker.runner.image_tokens)
 
     def on_step(self, msg: proto.Step, frame, conn) -> proto.StepReply:
-        model_s = self.worker.step(msg.kind, msg.num_rows, msg.max_query_len, msg.steps, msg.step_images())
+        images, ahead = msg.step_images(), msg.encode_slice()
+        encoded, encode_error, encode_s = self.worker.encode_ahead(ahead) if ahead is not None else (None, None, 0.0)
+        model_s = encode_s + self.worker.step(msg.kind, msg.num_rows, msg.max_query_len, msg.steps, images)
         agent_s = time.perf_counter() - frame.received
         return proto.StepReply(step=msg.step, model_ms=round(model_s * 1e3, 4), agent_ms=round(agent_s * 1e3, 4),
-                               cache_epoch=self.worker.cache_epoch, collective_calls=self._collective_calls(msg))
+                               cache_epoch=self.worker.cache_epoch, collective_calls=self._collective_calls(msg),
+                               encoded=encoded, encode_error=encode_error)
 
     def _collective_calls(self, msg) -> int | None:
         """What a tensor-parallel rank's step reply (ok or failed) tells the master about the group: the

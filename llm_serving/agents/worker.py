@@ -147,6 +147,20 @@ class Worker:
         view.images = images
         return shared_s + self._HANDLERS[kind](self, view)
 
+    def encode_ahead(self, ahead) -> tuple:
+        """Run some of an image's tower layers ahead of its prefill step (protocol.EncodeSlice): (done, error,
+        seconds). A failure is the image's alone: it is reported (error), and the step it came with runs on."""
+        t0 = time.perf_counter()
+        encoder = self.runner.images
+        try:
+            if encoder is None:
+                raise ValueError("this model takes no images")
+            done = encoder.advance(ahead.key, ahead.segment, tuple(ahead.shape), ahead.budget_ms / 1e3)
+        except Exception as exc:            # (the pixels' segment gone, a malformed shape: the image's own fault)
+            logger.warning("image %s: encoding ahead failed: %s", ahead.key[:12], exc)
+            return False, f"{type(exc).__name__}: {exc}", time.perf_counter() - t0
+        return done, None, time.perf_counter() - t0
+
     def _step(self, view: StepView) -> float:
         """A prefill or decode step."""
         capture = self.capture_dir is not None and self.rank == 0

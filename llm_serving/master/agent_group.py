@@ -437,9 +437,10 @@ class AgentGroup:
         order, whether some agent's KV cache was reset since the last step: its contents are gone). Raises
         AgentError if any fails, dies or times out (`fatal` when the group cannot go on: see _in_step).
         `after_send`: work done once the frames are out, while the agents compute (the step's logit controls).
-        A step that carries images may take step_timeout_s more per image: the agent may run its vision tower on
-        each (tens of seconds an image on a few cores)."""
-        timeout = self.config.serving_config.step_timeout_s * (1 + len(getattr(command, "images", None) or ()))
+        A step that carries images, or encodes one ahead, may take step_timeout_s more per image: the agent may run
+        its vision tower on each (tens of seconds an image on a few cores)."""
+        images = len(getattr(command, "images", None) or ()) + (getattr(command, "encode", None) is not None)
+        timeout = self.config.serving_config.step_timeout_s * (1 + images)
         # Frames go out before this coroutine yields: HTTP handlers woken by the previous step then run
         # while the agents compute, instead of delaying the next step's start.
         sent = []

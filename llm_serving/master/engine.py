@@ -111,6 +111,7 @@ class Engine:
         self.running = False
         self.start_time = time.time()
         self.num_steps = 0
+        self.num_encode_ahead_steps = 0      # steps that ran some of an image's tower ahead (scheduler.py)
         self.step_time_s: Counter = Counter()     # kind -> total seconds spent in agent steps
         self.step_time_by_batch: Counter = Counter()  # (kind, rows) -> total seconds, for benchmarks
         self.num_prompt_tokens = 0                # of every admitted request
@@ -408,10 +409,16 @@ class Engine:
         t0 = time.perf_counter()
         prof["shm_write"] += t0 - t_write
         images = self.image_table.step_images(batch) if batch.kind is proto.StepKind.PREFILL else None
-        command = proto.Step(batch.kind, self.num_steps, n, batch.max_query_len, batch.steps, images)
+        ahead = self.scheduler.image_to_encode(batch) if self.image_facts is not None else None
+        encode = None if ahead is None else {
+            "key": ahead[1].key, "segment": ahead[1].pixels.name, "shape": list(ahead[1].pixels.shape),
+            "budget_ms": self.config.scheduler_config.image_encode_ms}
+        command = proto.Step(batch.kind, self.num_steps, n, batch.max_query_len, batch.steps, images, encode)
         self.image_table.in_flight = True
         try:
             replies, cache_reset = await self.agents.step(command, after_send=self._write_controls)
+            if ahead is not None:
+                self._encoded_ahead(*ahead, replies[0])
             model_s, agent_s = replies[0].model_ms / 1e3, replies[0].agent_ms / 1e3
             prof["model"] += model_s
             prof["agent_other"] += agent_s - model_s
@@ -438,6 +445,15 @@ class Engine:
         for result in self.outputs.update_from_output(batch, self.step_io.read_outputs(self.agents.buffers, batch)):
             self.streams.stream(result)
         prof["output"] += time.perf_counter() - t_read
+
+    def _encoded_ahead(self, req: Request, image, reply) -> None:
+        """What the agent did with the image it encoded ahead with the step (scheduler.py's `image_to_encode`)."""
+        self.num_encode_ahead_steps += 1
+        if reply.encode_error is not None:
+            if not req.finished:
+                self._finish(req, "error", error=f"its image could not be encoded: {reply.encode_error}")
+        elif reply.encoded:
+            self.scheduler.mark_encoded(image.key)
 
     def _write_controls(self) -> None:
         """The step's logit controls (grammar masks, bias entries), written while the agents run the model."""
@@ -531,6 +547,7 @@ class Engine:
             "num_generated_tokens": self.num_generated_tokens,
             "decode_runs": {"steps": sched.spec.decode_steps, "max_rows": sched.spec.decode_steps_max_rows,
                             "runs": sched.num_decode_runs},
+            "image_encode_ahead_steps": self.num_encode_ahead_steps,
             "step_time_s": dict(self.step_time_s),
             "step_profile_ms": self.step_profile(),
             "step_profile_total_s": {k: round(v, 6) for k, v in sorted(self.profile.items())},

@@ -41,6 +41,13 @@ Decode runs: while no request waits, a decode step of at most `decode_steps_max_
 run of `decode_steps` steps that the agent does in one call, feeding each row's token to the next step
 itself (one round trip and one graph launch per K tokens instead of per token; see `make_run`).
 
+Images ahead (`encode_ahead`): an image's vision tower takes tens of seconds on a CPU, all inside the prefill step
+that feeds the image. While requests decode, that would stall them, so an image whose tower has not run is not fed
+then: its request's chunk ends before it, and the engine has the agent run the tower a slice at a time ahead of it,
+in the decode steps (`image_to_encode`; the agent's reply says when it is done: `mark_encoded`).
+With no request decoding, an image is fed at once, its tower inside the step (nothing is waiting on tokens). A
+waiting request whose first token to feed is an image is fed so too (it cannot be admitted with nothing to feed).
+
 The budgets and rules are one frozen `SchedulerSpec`, built from the config in one place
 (`SchedulerSpec.from_config`).
 
@@ -98,6 +105,8 @@ class SchedulerSpec:
     whole_embeddings: bool = False           # an embedding's input in one step (an embedding model: task embed)
     max_step_images: int = 1                 # images a prefill step may feed (the agent may run its vision tower
                                              # on each, tens of seconds: one at a time lets decode steps between)
+    encode_ahead: bool = False               # while requests decode, an image is fed only once its tower ran
+                                             # ahead of it (see the module docstring)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -119,7 +128,7 @@ class SchedulerSpec:
                    decode_steps_max_rows=sched.decode_steps_max_rows or mc.decode_batch_size[-1],
                    max_model_len=config.max_model_len,
                    max_embed_rows=max(mc.prefill_batch_size[-1], mc.decode_batch_size[-1]),
-                   whole_embeddings=mc.task == "embed")
+                   whole_embeddings=mc.task == "embed", encode_ahead=sched.image_encode_ms > 0)
 
 
 class Scheduler:
@@ -136,6 +145,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_admitted_tokens = 0     # tokens of admitted requests, and of those, tokens found in the
         self.num_cached_tokens = 0       # prefix cache (the prefix-cache hit rate is their ratio)
+        self.encoded: dict = {}          # content keys of the images the agents have encoded ahead (oldest first)
+        self._defer = False              # this step feeds no image that is not in `encoded` (encode_ahead)
 
     # --- requests in and out -----------------------------------------------------------------------
 
@@ -210,9 +221,10 @@ class Scheduler:
         return batch
 
     def _compose(self) -> Optional[ScheduledBatch]:
+        decoding = any(map(_decoding, self.running))
+        self._defer = self.spec.encode_ahead and decoding
         if self.spec.policy == "fcfs":
             return self._fcfs_step()
-        decoding = any(map(_decoding, self.running))
         starving = decoding and self.decode_wait >= self.spec.max_decode_wait_steps
         batch = None if starving or (decoding and self._hold_prefill()) else self._prefill_step()
         return batch if batch is not None else self._decode_step()
@@ -248,7 +260,9 @@ class Scheduler:
         self._add_running(rows, counts, self.spec.max_num_batched_tokens, max_rows, prompts=False)
         if not rows:
             return None
-        if len(rows) <= self.spec.spec_max_rows:    # the planner decides: a verify step, a run, or as it is
+        # the planner decides: a verify step, a run, or as it is; but a step that carries an image's tower ahead
+        # (seconds) is a decode run where it can be, whose K tokens a row make the most of the step
+        if len(rows) <= self.spec.spec_max_rows and not (self._defer and self._image_ahead({}) is not None):
             return ScheduledBatch(rows, counts, may_speculate=True)
         return self.make_run(ScheduledBatch(rows, counts))
 
@@ -355,7 +369,11 @@ class Scheduler:
                 continue
             q = self._chunk(need, budget, first_row=not rows, embed=embed)
             if req.images:          # (an image whole, one a step; the room is counted only for these rows)
-                q = _whole_images(req, req.num_computed_tokens, q, budget, not rows, self._image_room(rows, counts))
+                room = self._image_room(rows, counts)
+                whole = _whole_images(req, req.num_computed_tokens, q, budget, not rows, room)
+                q = _whole_images(req, req.num_computed_tokens, q, budget, not rows, room, self._not_encoded)
+                if q == 0 < whole:
+                    continue        # (its next image is being encoded ahead: the rows behind it go on)
             if q == 0:
                 break
             if not self._reserve(req, req.num_computed_tokens + q, rows, counts):
@@ -398,8 +416,10 @@ class Scheduler:
             prefix = [] if whole else self.bm.match_prefix(req.cache_tokens(0, req.num_tokens), req.lora_root)
             cached = len(prefix) * self.bm.block_size
             q = self._chunk(req.num_tokens - cached, budget, first_row=not rows, embed=embed)
-            if req.images:
-                q = _whole_images(req, cached, q, budget, not rows, self._image_room(rows, counts))
+            if req.images:          # (an image starting what it feeds is fed now, encoded ahead or not)
+                room = self._image_room(rows, counts)
+                q = (_whole_images(req, cached, q, budget, not rows, room, self._not_encoded)
+                     or _whole_images(req, cached, q, budget, not rows, room))
             reserve = self.spec.watermark_blocks if self.running else 0
             if q == 0 or not self.bm.can_allocate(req.req_id, cached + q, prefix, reserve=reserve):
                 break
@@ -415,6 +435,39 @@ class Scheduler:
             counts.append(q)
             budget -= q
         return budget
+
+    # --- images encoded ahead (encode_ahead) ---------------------------------------------------------
+
+    def _not_encoded(self, key: str) -> bool:
+        """This step leaves out the image `key` (see the module docstring)."""
+        return self._defer and key not in self.encoded
+
+    def image_to_encode(self, batch: ScheduledBatch):
+        """(request, PromptImage): the image whose tower the agent should run some of with `batch`, a step that
+        decodes: the next image of the first running request (admission order) that steps leave out for it; None if
+        there is none, or if `batch` decodes no row (a prompt's step is long enough: the tower waits for the next)."""
+        if not self._defer or all(map(_prompt_work, batch.requests)):
+            return None
+        return self._image_ahead({id(r): q for r, q in zip(batch.requests, batch.num_new_tokens)})
+
+    def _image_ahead(self, in_step: dict):
+        """The first running request's next image not yet encoded ahead, past the tokens `in_step` feeds it
+        ({id(request): tokens}); None if there is none."""
+        for req in self.running:
+            if not req.images or req.status is not RequestStatus.RUNNING or not _prompt_work(req):
+                continue
+            done = req.num_computed_tokens + in_step.get(id(req), 0)
+            image = next((im for im in req.images if im.start + im.length > done), None)
+            if image is not None and image.key not in self.encoded:
+                return req, image
+        return None
+
+    def mark_encoded(self, key: str) -> None:
+        """The agent's reply: the image `key`'s tower is done (its rows are ready, or were cached)."""
+        self.encoded.pop(key, None)
+        self.encoded[key] = None
+        while len(self.encoded) > _ENCODED_KEYS:
+            del self.encoded[next(iter(self.encoded))]
 
     def recompute_all(self) -> int:
         """The KV cache's contents are gone (an agent's cache was reset): every running request goes back to
@@ -441,17 +494,22 @@ class Scheduler:
         return self.num_cached_tokens / self.num_admitted_tokens if self.num_admitted_tokens else None
 
 
-def _whole_images(req: Request, computed: int, q: int, budget: int, first_row: bool, room: int = 1 << 30) -> int:
+_ENCODED_KEYS = 256      # images the scheduler remembers as encoded ahead (a key forgotten is only encoded again)
+
+
+def _whole_images(req: Request, computed: int, q: int, budget: int, first_row: bool, room: int = 1 << 30,
+                  left_out=None) -> int:
     """A chunk of q tokens from `computed` on, cut so that it ends at no point inside an image's placeholders (an
     image's tokens attend to each other: they are computed in one step): it ends before the image, or (when the
     image starts it) takes the image whole if the budget allows (a lone row: whatever it is), else nothing; and it
-    feeds at most `room` images (the step's others count against max_step_images), ending before the next one."""
+    feeds at most `room` images (the step's others count against max_step_images), ending before the next one,
+    and none whose key `left_out` (a predicate) names."""
     if not req.images or q == 0:
         return q
     stop = computed + q
     for image in req.image_at(computed, stop):
         end = image.start + image.length
-        if room <= 0:
+        if room <= 0 or (left_out is not None and left_out(image.key)):
             return max(image.start - computed, 0)
         room -= 1
         if image.start < stop < end:

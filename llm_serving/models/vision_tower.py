@@ -263,7 +263,23 @@ class VisionTower:
         size = self.cfg.image_size
         if pixels.ndim != 4 or pixels.shape[1:] != (self.cfg.num_channels, size, size):
             raise ValueError(f"VisionTower.encode: pixels of shape (N, 3, {size}, {size}), not {pixels.shape}")
-        x = self.patches(_tensor(pixels), *self.embed_weights)
-        for weights in self.layer_weights:
+        return self.project(self.run_layers(self.embed(pixels), 0, self.cfg.num_layers))
+
+    # An image's encoding in parts, the same graphs on the same values in the same order as `encode`'s (so its rows
+    # are the same to the bit): the patches, then layers a..b-1 as often as wanted, then the projector. The agent
+    # runs an image's layers a few at a time while other requests decode (runner/images.py's `advance`).
+
+    def embed(self, pixels: np.ndarray):
+        """The patches' embeddings of N images' pixels (a MindSpore tensor: the layers' input)."""
+        return self.patches(_tensor(pixels), *self.embed_weights)
+
+    def run_layers(self, x, start: int, stop: int):
+        """x (a tensor, or its numpy array) through encoder layers start..stop-1."""
+        x = _tensor(x) if isinstance(x, np.ndarray) else x
+        for weights in self.layer_weights[start:stop]:
             x = self.layer(x, *weights)
+        return x
+
+    def project(self, x) -> np.ndarray:
+        """The projector's (N, tokens_per_image, text hidden) float32 rows of the last layer's x."""
         return self.projector(x, *self.head_weights).asnumpy()

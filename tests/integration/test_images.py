@@ -129,6 +129,65 @@ def test_image_questions_get_transformers_tokens_and_logprobs(vl_model, tmp_path
     assert np.abs(np.subtract(*lps)).max() > 5 * 2e-3, lps           # (five times the match's tolerance)
 
 
+def test_an_image_beside_a_stream_is_encoded_ahead_in_the_stream_s_steps(vl_model, tmp_path):
+    """A text stream decodes; an image question comes while it streams: its tower runs ahead of its prefill a layer a
+    step (scheduler_config.image_encode_ms=1: at least one layer, no more) in the stream's steps, instead of whole in
+    one prefill step that the stream would wait for. The image's reply is transformers' greedy tokens with their
+    log-probabilities, the stream's text is what it gets alone, and /stats counts the steps that encoded ahead."""
+    import aiohttp
+
+    from llm_serving.tokenization import load_tokenizer
+
+    a = _png(3)
+    text = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 90,
+            "temperature": 0, "ignore_eos": True}
+    args = ["--model", str(vl_model), "--set", f"model_config.model_name={MODEL}",
+            "--set", "model_config.max_generate_length=128", "--set", "scheduler_config.image_encode_ms=1",
+            "--set", "scheduler_config.decode_steps=1", "--set", "pa_config.kv_cache_dtype=float32"]
+
+    async def beside(url: str) -> tuple:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+            async def stream() -> str:
+                pieces = []
+                async with session.post(url + "/v1/chat/completions", json={**text, "stream": True}) as r:
+                    assert r.status == 200, await r.text()
+                    async for line in r.content:
+                        line = line.decode().strip()
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        delta = json.loads(line[6:])["choices"][0]["delta"].get("content")
+                        if delta:
+                            pieces.append(delta)
+                            if len(pieces) == 3:
+                                started.set()
+                return "".join(pieces)
+
+            async def ask() -> dict:
+                await started.wait()                 # (the stream is decoding)
+                async with session.post(url + "/v1/chat/completions",
+                                        json=_body([_user("What is in this picture?", a)])) as r:
+                    assert r.status == 200, await r.text()
+                    return await r.json()
+            started = asyncio.Event()
+            return await asyncio.gather(stream(), ask())
+
+    with serving(args, tmp_path / "server.log") as server:
+        status, alone = http("POST", server.url + "/v1/chat/completions", text)
+        assert status == 200, alone
+        streamed, answer = asyncio.run(beside(server.url))
+        stats = http("GET", server.url + "/stats")[1]
+        log = (tmp_path / "server.log").read_text()
+    assert streamed == alone["choices"][0]["message"]["content"]
+    ids = vision_prompt_ids(vl_model, [("user", "What is in this picture?<start_of_image>")])
+    want, want_lps = _reference(vl_model, ids, [a])
+    assert answer["choices"][0]["message"]["content"] == load_tokenizer(str(vl_model / "tokenizer.json")).decode(want)
+    np.testing.assert_allclose([e["logprob"] for e in answer["choices"][0]["logprobs"]["content"]], want_lps,
+                               atol=2e-3)
+    # the tiny tower's 2 layers ran in 2 steps ahead of the prefill step, which added the projector
+    assert stats["image_encode_ahead_steps"] == 2, stats
+    assert log.count(" encoded in ") == 1 and "(over 3 steps: 2 of 2 layers ahead)" in log, log
+
+
 def test_the_precision_gate_covers_image_prompts(vl_model, tmp_path):
     """`llm-serving precision --images`: image prompts through the chat API, chunked prefill cutting around the
     images, the captured pixels through the float64 reference tower (reference_vision.py): every row within the

@@ -251,3 +251,37 @@ def test_an_mmproj_gguf_reads_the_same_tower(gemma3_vl, tmp_path):
     (tmp_path / "text.gguf").write_bytes((tmp_path / "mmproj.gguf").read_bytes().replace(b"gemma3", b"llava_"))
     with pytest.raises(WeightLoadError, match="not a Gemma 3 or SmolVLM mmproj"):
         mmproj_checkpoint(str(tmp_path / "text.gguf"))
+
+
+def test_an_image_encoded_ahead_a_layer_a_step_gives_the_rows_of_one_go(gemma3_vl):
+    """ImageEncoder.advance (runner/images.py) with no time budget runs one layer a call, from the pixels' shared
+    memory, and says done after the last; `rows` then adds the projector: the rows `encode` gives in one go, to the
+    bit (the int16 kernels, this machine's default where AVX2 is). A cached image is done at once; past MAX_PARTIAL
+    images under way the oldest is set aside, and its rows are still the tower's (run whole)."""
+    from llm_serving.models.runner.images import ImageEncoder
+    from llm_serving.shm.images import PixelSegment
+    from llm_serving.vision import ImageSpec, decode, pixels
+
+    directory, _ = gemma3_vl
+    cfg, tower = _tower(directory, kernels=True, int16=True)
+    spec = ImageSpec.from_dir(str(directory))
+    images = [pixels(decode(data), spec) for data in _images()]
+    images.append(images[0][:, ::-1].copy())
+    whole = [tower.encode(p[None])[0] for p in images]
+    segments = [PixelSegment.create(p) for p in images]
+    try:
+        encoder = ImageEncoder(tower, cache_bytes=1 << 20)
+        seg = segments[0]
+        done = [encoder.advance("a", seg.name, seg.shape, 0.0) for _ in range(cfg.num_layers)]
+        assert cfg.num_layers >= 2 and done == [False] * (cfg.num_layers - 1) + [True]
+        assert np.array_equal(encoder.rows("a", seg.name, seg.shape), whole[0])
+        assert encoder.advance("a", seg.name, seg.shape, 0.0)                        # cached: done, no work
+        for key, seg in zip("bcd", segments):                  # three under way: b is set aside, c and d kept
+            encoder.advance(key, seg.name, seg.shape, 0.0)
+        assert list(encoder._partial) == ["c", "d"]
+        for key, seg, want in zip("bcd", segments, whole):
+            assert np.array_equal(encoder.rows(key, seg.name, seg.shape), want), key
+        assert not encoder._partial                            # nothing kept per image past its rows
+    finally:
+        for seg in segments:
+            seg.unlink()

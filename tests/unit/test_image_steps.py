@@ -276,3 +276,149 @@ def test_the_scheduler_feeds_one_image_a_step_and_never_splits_one():
     assert fed[0] == ([0, 1, 2], [3, 3, 3], 0)          # (a chunk of 6 would cut each image: it ends before)
     assert all(images <= 1 for _, _, images in fed), fed
     assert sum(images for _, _, images in fed) == 3 and len(fed) == 4, fed
+
+
+def _encode_ahead_scheduler(on: bool = True):
+    from llm_serving.master.block_manager import BlockManager
+    from llm_serving.master.scheduler import Scheduler, SchedulerSpec
+
+    spec = SchedulerSpec(max_num_seqs=8, max_num_batched_tokens=64, max_prefill_rows=4, max_waiting_requests=10,
+                         chunked_prefill=True, encode_ahead=on, decode_steps=1)
+    return Scheduler(spec, BlockManager(64, 4))
+
+
+def _ran(batch) -> list:
+    """The step's rows and counts, then each row's tokens computed (and a token sampled at a prompt's end, as the
+    output processor appends one)."""
+    out = []
+    for r, q in zip(batch.requests, batch.num_new_tokens):
+        out.append((r.prompt_ids[0], q))
+        r.num_computed_tokens += q
+        if r.num_computed_tokens == r.num_tokens:
+            r.output_ids.append(7)
+    return out
+
+
+def test_while_requests_decode_an_image_is_fed_only_once_its_tower_ran_ahead():
+    """A text request decodes (T); an image question (I) arrives: its admission feeds the 3 tokens before its image;
+    the next steps decode T (the image is left out) and carry the image's tower ahead, until the agent says it is
+    encoded; then a prefill step feeds the image whole. With encode_ahead off, or with nothing decoding, the image
+    is fed at once (its tower inside the step)."""
+    def scenario(on: bool, decoding: bool) -> tuple:
+        sched = _encode_ahead_scheduler(on)
+        text = _request([50, 2, 3])
+        if decoding:
+            sched.add(text)
+            assert _ran(sched.schedule()) == [(50, 3)]
+        image = PromptImage(3, 4, "k", None)
+        req = _request([60, 2, 3, IMG, IMG, IMG, IMG, 4, 5], (image,))
+        sched.add(req)
+        steps = []
+        for _ in range(4):
+            batch = sched.schedule()
+            ahead = sched.image_to_encode(batch)
+            steps.append((_ran(batch), None if ahead is None else (ahead[0] is req, ahead[1].key)))
+            if len(steps) == 3:
+                sched.mark_encoded("k")          # (the agent's reply to the third step: the tower is done)
+        return steps
+
+    assert scenario(True, True) == [
+        ([(60, 3)], None),                       # admitted up to its image (a prompt's step: no tower in it)
+        ([(50, 1)], (True, "k")),                # T decodes (the image row left out), the tower goes on
+        ([(50, 1)], (True, "k")),
+        ([(60, 6)], None),                       # encoded: the image and the tokens after it, whole
+    ]
+    assert scenario(False, True)[0] == ([(60, 9)], None)                 # off: the image in its admission step
+    assert scenario(True, False)[0] == ([(60, 9)], None)                 # no one decoding: at once
+
+
+def test_an_image_starting_a_waiting_request_s_new_tokens_is_fed_whole():
+    """A waiting request whose first token to feed is an image cannot be admitted feeding nothing: it is fed whole,
+    encoded ahead or not; a running one behind an image being encoded ahead does not hold up the rows after it."""
+    sched = _encode_ahead_scheduler()
+    text = _request([50, 2, 3])
+    sched.add(text)
+    _ran(sched.schedule())
+    first = _request([IMG, IMG, IMG, IMG, 4], (PromptImage(0, 4, "a", None),))
+    sched.add(first)
+    assert _ran(sched.schedule()) == [(IMG, 5)]
+    held = _request([60, IMG, IMG, IMG, IMG], (PromptImage(1, 4, "b", None),))
+    other = _request([70, 2, 3, 4, 5, 6, 7, 8, 9, 10])
+    sched.add(held)
+    assert _ran(sched.schedule()) == [(60, 1)]
+    sched.add(other)
+    batch = sched.schedule()
+    assert _ran(batch) == [(70, 10)]          # the prefill step: `held` left out, `other` behind it admitted
+    batch = sched.schedule()
+    assert sched.image_to_encode(batch)[1].key == "b" and _ran(batch) == [(50, 1), (IMG, 1), (70, 1)]
+
+
+def test_an_image_encoded_ahead_travels_in_the_step_frame_and_its_failure_is_its_request_s_alone():
+    """A step's `encode` (protocol.EncodeSlice) reads back as sent and is named when malformed; the agent's
+    `Worker.encode_ahead` turns the encoder's failure into the reply's `encode_error` (the step it came with runs on),
+    and the engine then ends the image's request with it, where a done image is recorded for the scheduler."""
+    from llm_serving.agents.worker import Worker
+    from llm_serving.master.engine import Engine
+
+    ahead = {"key": "k" * 16, "segment": "seg-a", "shape": [3, 8, 8], "budget_ms": 3000}
+    step = proto.read_command(proto.decode_body(proto.encode(4, proto.Step("decode", 9, 2, encode=ahead))
+                                                [proto.HEADER.size:]))
+    assert step.encode_slice() == proto.EncodeSlice("k" * 16, "seg-a", [3, 8, 8], 3000)
+    assert proto.Step("decode", 9, 2).encode_slice() is None and "encode" not in proto.Step("decode", 9, 2).payload()
+    with pytest.raises(proto.ProtocolError, match="'budget_ms' must be float"):
+        proto.Step.from_payload({"kind": "decode", "step": 1, "num_rows": 1,
+                                 "encode": {**ahead, "budget_ms": "3"}}).encode_slice()
+
+    class Encoder:
+        def __init__(self, fault=None):
+            self.fault, self.calls = fault, []
+
+        def advance(self, key, segment, shape, budget_s):
+            self.calls.append((key, segment, shape, budget_s))
+            if self.fault:
+                raise self.fault
+            return True
+    ok, gone = Encoder(), Encoder(FileNotFoundError("no segment seg-a"))
+    assert Worker.encode_ahead(types.SimpleNamespace(runner=types.SimpleNamespace(images=ok)),
+                               step.encode_slice())[:2] == (True, None)
+    assert ok.calls == [("k" * 16, "seg-a", (3, 8, 8), 3.0)]
+    assert Worker.encode_ahead(types.SimpleNamespace(runner=types.SimpleNamespace(images=gone)),
+                               step.encode_slice())[:2] == (False, "FileNotFoundError: no segment seg-a")
+
+    ended, marked = [], []
+    engine = types.SimpleNamespace(num_encode_ahead_steps=0, scheduler=types.SimpleNamespace(mark_encoded=marked.append),
+                                   _finish=lambda req, reason, error=None: ended.append((req.prompt_ids, reason, error)))
+    req = _request([1, IMG, IMG, IMG, IMG], (PromptImage(1, 4, "k", None),))
+    Engine._encoded_ahead(engine, req, req.images[0], types.SimpleNamespace(encoded=False, encode_error=None))
+    Engine._encoded_ahead(engine, req, req.images[0], types.SimpleNamespace(encoded=True, encode_error=None))
+    assert marked == ["k"] and not ended
+    Engine._encoded_ahead(engine, req, req.images[0], types.SimpleNamespace(encoded=False, encode_error="gone"))
+    assert ended == [([1, IMG, IMG, IMG, IMG], "error", "its image could not be encoded: gone")]
+    assert engine.num_encode_ahead_steps == 3
+
+
+def test_a_decode_step_that_carries_an_image_ahead_is_a_decode_run_not_left_to_speculation():
+    """With speculation on (decode steps of few rows are left to the planner), a decode step while an image is encoded
+    ahead is a decode run instead: the step carries seconds of tower, and K greedy tokens a row make the most of it;
+    once no image awaits, decode steps are the planner's again."""
+    from llm_serving.master.block_manager import BlockManager
+    from llm_serving.master.scheduler import Scheduler, SchedulerSpec
+    from llm_serving.shm.layout import StepKind
+
+    spec = SchedulerSpec(max_num_seqs=8, max_num_batched_tokens=64, max_prefill_rows=4, max_waiting_requests=10,
+                         chunked_prefill=True, encode_ahead=True, decode_steps=4, decode_steps_max_rows=4,
+                         spec_max_rows=4)
+    sched = Scheduler(spec, BlockManager(64, 4))
+    text = _request([50, 2, 3])
+    text.sampling = SamplingParams(temperature=0.0, max_new_tokens=40)
+    sched.add(text)
+    _ran(sched.schedule())
+    assert sched.schedule().may_speculate                       # (nothing to encode: the planner's)
+    text.num_computed_tokens = text.num_tokens - 1
+    sched.add(_request([60, 2, IMG, IMG, IMG, IMG], (PromptImage(2, 4, "k", None),)))
+    _ran(sched.schedule())                                      # admitted up to its image
+    batch = sched.schedule()
+    assert batch.kind is StepKind.DECODE_RUN and batch.steps == 4 and not batch.may_speculate
+    assert sched.image_to_encode(batch)[1].key == "k"
+    sched.mark_encoded("k")
+    assert [r.prompt_ids[0] for r in sched.schedule().requests] == [60]      # the image, fed

@@ -6,6 +6,12 @@ across steps, but a prefix-cache hit may start a step inside one), the image's c
 segment of its pixels. `ImageEncoder.rows` gives an image's (tokens, H) rows: from its cache of encoded images
 (keyed by content, least recently used dropped first past its byte cap) or by running the tower on the pixels.
 
+While other requests decode, the master has an image's tower run ahead of its prefill step, a few layers a step
+(`Step.encode`, agents/protocol.py's `EncodeSlice`): `ImageEncoder.advance` keeps the image's patches between steps
+(`_partial`, a few images at most), and `rows` finishes them with the projector when the prefill step comes. An image
+encoded in parts gives the rows `encode` gives in one go, to the bit: the same graphs on the same values in the same
+order (vision_tower.py's `embed`, `run_layers`, `project`).
+
 `place` turns a step's images into what the packed graph calls read (`Placed`): for each of the step's real tokens,
 the row of the stacked image rows it takes (-1: its own embedding), and its context. Gemma 3's attention among an
 image's tokens is bidirectional: an image token sees every key up to its image's last token (the causal limit
@@ -35,11 +41,14 @@ logger = logging.getLogger(__name__)
 class ImageEncoder:
     """The tower and the encoded-image cache (`cache_bytes`: at most this many bytes of rows kept, 0: none)."""
 
+    MAX_PARTIAL = 2          # images whose encoding is under way (patches of hidden size each: 19 MB at Gemma 3's)
+
     def __init__(self, tower, cache_bytes: int):
         self.tower, self.cfg = tower, tower.cfg
         self.cache_bytes = int(cache_bytes)
         self._cache: OrderedDict = OrderedDict()         # key -> (tokens, H) float32
         self._bytes = 0
+        self._partial: OrderedDict = OrderedDict()       # key -> [x (1, patches, D) float32, layers done, seconds, steps]
         self.compiled = False                            # the tower's graphs (compile: when the agent is idle)
 
     @classmethod
@@ -63,27 +72,74 @@ class ImageEncoder:
         return self.cfg.tokens_per_image
 
     def rows(self, key: str, segment: str, shape) -> np.ndarray:
-        """The image's (tokens_per_image, H) rows: cached under `key`, else the tower's on the pixels in `segment`."""
-        from llm_serving.shm.images import read_pixels
-
+        """The image's (tokens_per_image, H) rows: cached under `key`, else the tower's on the pixels in `segment`
+        (from where `advance` left them, if it began)."""
         rows = self._cache.get(key)
         if rows is not None:
             self._cache.move_to_end(key)
             return rows
+        layers = self.cfg.num_layers
+        partial = self._partial.pop(key, None)
+        t0 = time.perf_counter()
+        if partial is None:
+            partial = [self._embed(segment, shape), 0, 0.0, 0]
+        x, done, seconds, steps = partial
+        rows = self.tower.project(self.tower.run_layers(x, done, layers))[0]
+        self.compiled = True
+        seconds += time.perf_counter() - t0
+        logger.info("image %s encoded in %.2f s%s", key[:12], seconds,
+                    f" (over {steps + 1} steps: {done} of {layers} layers ahead)" if steps else "")
+        self._keep(key, rows)
+        return rows
+
+    def advance(self, key: str, segment: str, shape, budget_s: float) -> bool:
+        """Run the image's tower layers for about `budget_s` (at least one layer; from its pixels in `segment` the
+        first time), ahead of its prefill step; whether its encoding is now done (its rows cached, or every layer
+        run: `rows` has only the projector left). Never more than MAX_PARTIAL images under way: the oldest is
+        dropped (its prefill step then runs its tower whole)."""
+        if key in self._cache:
+            return True
+        partial = self._partial.get(key)
+        t0 = time.perf_counter()
+        if partial is None:
+            partial = self._partial[key] = [self._embed(segment, shape), 0, 0.0, 0]
+            while len(self._partial) > self.MAX_PARTIAL:
+                dropped, _ = self._partial.popitem(last=False)
+                logger.info("image %s: its encoding set aside (%d images under way at most)", dropped[:12],
+                            self.MAX_PARTIAL)
+        self._partial.move_to_end(key)
+        x, done, layers = partial[0], partial[1], self.cfg.num_layers
+        ran = 0
+        while done < layers:        # (a layer more only if one more like the last ones still fits the budget)
+            x = self.tower.run_layers(x, done, done + 1)
+            done, ran = done + 1, ran + 1
+            spent = time.perf_counter() - t0
+            if spent + spent / ran > budget_s:
+                break
+        if ran:
+            partial[0], partial[1] = x.asnumpy(), done
+            self.compiled = True
+        partial[2] += time.perf_counter() - t0
+        partial[3] += 1
+        return done == layers
+
+    def _embed(self, segment: str, shape) -> np.ndarray:
+        """The patches' embeddings of the pixels in `segment` (float32, kept between steps as numpy)."""
+        from llm_serving.shm.images import read_pixels
+
         size, c = self.cfg.image_size, self.cfg.num_channels
         if tuple(shape) != (c, size, size):
             raise ValueError(f"an image's pixels are {tuple(shape)}; the tower reads ({c}, {size}, {size})")
-        t0 = time.perf_counter()
-        rows = self.tower.encode(read_pixels(segment, shape)[None])[0]
-        self.compiled = True
-        logger.info("image %s encoded in %.2f s", key[:12], time.perf_counter() - t0)
+        return self.tower.embed(read_pixels(segment, shape)[None]).asnumpy()
+
+    def _keep(self, key: str, rows: np.ndarray) -> None:
+        """Cache an image's rows (least recently used dropped past cache_bytes)."""
         if rows.nbytes <= self.cache_bytes:
             self._cache[key] = rows
             self._bytes += rows.nbytes
             while self._bytes > self.cache_bytes:
                 _, dropped = self._cache.popitem(last=False)
                 self._bytes -= dropped.nbytes
-        return rows
 
     def compile(self) -> None:
         """Compile and warm the tower's graphs ahead of the first image (`VisionTower.warm`: one run of each on
