@@ -10,7 +10,7 @@ Commands (llm-serving's letters) and their messages, the dataclasses below (one 
   '#' Connect      token, shm: {array: segment name} | null      -> ConnectReply (geometry, cache_epoch)
   's' Step         kind, step, num_rows, max_query_len, steps,   -> StepReply (model_ms, agent_ms, ...)
                    images (a prefill step's: where its images' tokens are, their pixels' shm segment),
-                   encode (an image whose vision tower runs a few layers ahead of its prefill step, before the
+                   encode (an image whose vision tower runs about budget_ms ahead of its prefill step, before the
                    step's model: `EncodeSlice`; the reply's `encoded` says whether it is done)
                    kind (shm/layout.py's StepKind): prefill, decode (one new token per row), verify
                    (speculative decoding: a token is sampled after every new token of a row, not only its

@@ -410,9 +410,9 @@ class Engine:
         prof["shm_write"] += t0 - t_write
         images = self.image_table.step_images(batch) if batch.kind is proto.StepKind.PREFILL else None
         ahead = self.scheduler.image_to_encode(batch) if self.image_facts is not None else None
-        encode = None if ahead is None else {
-            "key": ahead[1].key, "segment": ahead[1].pixels.name, "shape": list(ahead[1].pixels.shape),
-            "budget_ms": self.config.scheduler_config.image_encode_ms}
+        encode = None if ahead is None else proto.EncodeSlice(
+            ahead[1].key, ahead[1].pixels.name, list(ahead[1].pixels.shape),
+            self.config.scheduler_config.image_encode_ms).payload()
         command = proto.Step(batch.kind, self.num_steps, n, batch.max_query_len, batch.steps, images, encode)
         self.image_table.in_flight = True
         try:

@@ -6,7 +6,7 @@ across steps, but a prefix-cache hit may start a step inside one), the image's c
 segment of its pixels. `ImageEncoder.rows` gives an image's (tokens, H) rows: from its cache of encoded images
 (keyed by content, least recently used dropped first past its byte cap) or by running the tower on the pixels.
 
-While other requests decode, the master has an image's tower run ahead of its prefill step, a few layers a step
+While other requests decode, the master has an image's tower run ahead of its prefill step, for a time budget a step
 (`Step.encode`, agents/protocol.py's `EncodeSlice`): `ImageEncoder.advance` keeps the image's patches between steps
 (`_partial`, a few images at most), and `rows` finishes them with the projector when the prefill step comes. An image
 encoded in parts gives the rows `encode` gives in one go, to the bit: the same graphs on the same values in the same
