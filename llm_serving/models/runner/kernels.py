@@ -115,8 +115,9 @@ def build_vision_kernels(device_target: str, attention_kernel: str) -> Optional[
 
 def vision_int16(kernels: Optional[str], setting: str) -> bool:
     """Whether the vision tower's products run in int16 (vision_layer_cpu.cc's int16 panels) on the kernel library
-    `kernels`: 'on' wherever the library runs (plain C++ off AVX2: slower than its float panels), 'off' never,
-    'auto' where its int16 loop is the AVX2 assembly (VisionLinearInt16Native: AVX2 without AVX-512)."""
+    `kernels`: 'on' wherever the library runs (plain C++ elsewhere: slower than its float panels), 'off' never,
+    'auto' where its int16 loop is native (VisionLinearInt16Native: AVX2's vpmaddwd assembly where there is no
+    AVX-512, vpdpwssd where AVX-512 has VNNI)."""
     if kernels is None or setting == "off":
         return False
     if setting == "on":
