@@ -137,7 +137,7 @@ class ModelConfig:
                                               # ('off'), or the kernel when a C++ compiler builds it ('auto')
     vision_int16: str = "auto"                # the CPU vision tower's products in 16-bit integers: 13-bit
                                               # columns times 14-bit x per 64 (about 3e-4 of a product's size),
-                                              # 1.4x the float32 products' rate on AVX2, 2x on AVX-512 VNNI, and
+                                              # 1.4x the float32 products' rate on AVX2, 2x on Zen 4's VNNI, and
                                               # its attention's values times probabilities; 'auto' = on where that
                                               # loop is native (AVX2 assembly, or AVX-512 VNNI), 'on', 'off'
     vision_int16_scores: bool = False         # with vision_int16, the attention's scores too (q k in 13 bits each:
