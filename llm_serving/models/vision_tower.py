@@ -12,8 +12,9 @@ Gemma 3's and SmolVLM's (`VisionTower`; SmolVLM's frames are its images here, vi
 Arithmetic in float32 throughout, but for the int16 products below. On MindSpore's ops the weights are widened to
 float32 once; on the CPU kernels the layers' matrices stay in the checkpoint's type (F16, BF16), widened a panel's
 slice at a time as they are multiplied (`_panels`), or (`int16`, the default where AVX2 has no AVX-512, 1.4x the
-float products' rate there, and where AVX-512 has VNNI, 2x on a Zen 4) are quantized once to 13-bit columns and multiplied by
-14-bit x in vpmaddwd's or vpdpwssd's exact integer sums (kernels/vision_panels.py's `int16_panels`), as the text model's kernels multiply 16-bit x.
+float products' rate there, and where AVX-512 has VNNI, 2x on a Zen 4) are quantized once to 13-bit columns and
+multiplied by 14-bit x in vpmaddwd's or vpdpwssd's exact integer sums (kernels/vision_panels.py's `int16_panels`),
+as the text model's kernels multiply 16-bit x.
 `encode(pixels)` runs a batch of images (N, 3, image_size, image_size), each image's tokens in the order the
 prompt's placeholders take them (row by row of the pooled grid).
 """

@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 
-from llm_serving.models.kernels import build_kernel
+from llm_serving.models.kernels import build_kernel, cpu_flags
 
 from .test_batch_invariance import (invariant,  # noqa: F401  (fixtures and tests collected again)
                                     test_a_sequence_gives_the_same_bits_in_any_step,
@@ -27,11 +27,7 @@ MARCH = "x86-64-v3"
 
 
 def _native_has_avx512() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and " avx512f" in line for line in f)
-    except OSError:
-        return False
+    return "avx512f" in cpu_flags()
 
 
 pytestmark = [

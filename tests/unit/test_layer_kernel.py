@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from llm_serving.models.kernels import build_kernel
+from llm_serving.models.kernels import build_kernel, cpu_flags
 from llm_serving.models.kernels.aot_call import invoke
 from tests.cache_types import Cache
 from llm_serving.models.kernels.signatures import DECODER_LAYER, FINAL_LOGITS, check_library
@@ -1032,11 +1032,7 @@ INTEGER_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
 def has_amx_int8() -> bool:
     """Whether this CPU has AMX's int8 tiles (the amx_int8 flag of /proc/cpuinfo)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and "amx_int8" in line.split() for line in f)
-    except OSError:
-        return False
+    return "amx_int8" in cpu_flags()
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import shutil
 import numpy as np
 import pytest
 
-from llm_serving.models.kernels import build_kernel
+from llm_serving.models.kernels import build_kernel, cpu_flags
 from llm_serving.models.kernels.aot_call import invoke
 from llm_serving.models.kernels.vision_panels import INT16_DEPTH, INT16_WEIGHT_MAX, float_panels
 from llm_serving.models.kernels.vision_panels import int16_panels as pack_int16
@@ -342,15 +342,11 @@ def test_layer_norm_is_each_rows_layer_norm(library):
     assert invoke(library.VisionLayerNorm, [x, wrong, bias, eps, np.array([2], np.int32), out]) == 2
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/cpuinfo") or bool(os.environ.get("LLM_SERVING_KERNEL_MARCH")),
+@pytest.mark.skipif(not cpu_flags() or bool(os.environ.get("LLM_SERVING_KERNEL_MARCH")),
                     reason="reads the CPU's flags from /proc/cpuinfo and the library built for them (-march=native)")
 def test_the_int16_loop_is_native_where_avx2_without_avx512_or_avx512_vnni_is(library):
     """model_config.vision_int16 'auto' asks VisionLinearInt16Native: AVX2's vpmaddwd assembly where there is no
     AVX-512, vpdpwssd where AVX-512 has VNNI; elsewhere the int16 loop is plain C++, slower than the float panels."""
-    flags = set()
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            break
+    flags = cpu_flags()
     native = "avx2" in flags and "fma" in flags and ("avx512f" not in flags or "avx512_vnni" in flags)
     assert library.VisionLinearInt16Native() == int(native)

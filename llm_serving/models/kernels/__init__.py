@@ -110,6 +110,15 @@ def _cpu_identity() -> str:
     return ident
 
 
+def cpu_flags() -> frozenset:
+    """This CPU's feature flags as /proc/cpuinfo names them (avx2, avx512f, avx512_vnni, amx_int8, ...): what
+    -march=native compiles for; empty where there is no /proc/cpuinfo."""
+    for line in _cpu_identity().splitlines():
+        if line.startswith(("flags", "Features")):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
 # GCC's own: clang gives inline functions' statics no STB_GNU_UNIQUE binding, and does not take the flag
 _GCC_ONLY = ("-fno-gnu-unique",)
 
