@@ -1,15 +1,18 @@
 """What every tokenizer shares: the interface the rest of the code uses (`Tokenizer`), the incremental
 detokenizer's base (`DetokenizerBase`), the built-in LLaMA-2 chat format over any vocabulary (`llama2_chat_ids`)
-and the chat template of a tokenizer_config.json (`config_chat_template`).
+and a model directory's chat template (`config_chat_template` of a tokenizer_config.json, `folder_chat_template`).
 
 The readers (sentencepiece.py, hf.py, gguf.py) import this module and nothing else of the package; the loader
 (loader.py) imports the readers.
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Callable, Iterable, Optional, Protocol
 
-__all__ = ["DetokenizerBase", "Detokenizer", "Tokenizer", "config_chat_template", "llama2_chat_ids"]
+__all__ = ["DetokenizerBase", "Detokenizer", "Tokenizer", "config_chat_template", "folder_chat_template",
+           "llama2_chat_ids"]
 
 
 class Detokenizer(Protocol):
@@ -114,6 +117,30 @@ def config_chat_template(config: dict) -> Optional[str]:
         template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
                         None)
     return template if isinstance(template, str) and template.strip() else None
+
+
+def folder_chat_template(folder: Path, config: dict) -> tuple:
+    """(template, the file it is from) of a model directory, where each writer of HF directories puts it, in the
+    order llama.cpp's converter reads them: tokenizer_config.json's (`config`, read by the caller), else
+    `chat_template.jinja` (transformers 5.x, and 4.x's processors from 4.50), else `chat_template.json`'s (the
+    processors of older 4.x releases: the vision-language models on the Hub, Gemma 3, SmolVLM, Qwen2.5-VL, ship
+    one); (None, None) when there is none. A chat_template.json that is not JSON is a ValueError naming it."""
+    template = config_chat_template(config)
+    if template:
+        return template, str(folder / "tokenizer_config.json")
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        text = jinja.read_text(encoding="utf-8")
+        return (text, str(jinja)) if text.strip() else (None, None)
+    path = folder / "chat_template.json"
+    if not path.is_file():
+        return None, None
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a readable chat template ({e})") from None
+    template = config_chat_template(raw) if isinstance(raw, dict) else None
+    return (template, str(path)) if template else (None, None)
 
 
 class DetokenizerBase:

@@ -1,5 +1,5 @@
 """Chat prompts to token ids: the built-in LLaMA-2 format, or a Jinja chat template (the model's own, from its
-GGUF metadata, tokenizer_config.json or chat_template.jinja, or one given in the config).
+GGUF metadata, tokenizer_config.json, chat_template.jinja or chat_template.json, or one given in the config).
 
 Each model is trained on one conversation format, so a chat request is only answered well when its messages
 are laid out exactly as the model's template says; HuggingFace and llama.cpp models carry that template as
@@ -24,7 +24,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Callable, Optional
 
-from .base import config_chat_template
+from .base import folder_chat_template
 
 BUILTIN = "llama2"
 
@@ -170,14 +170,16 @@ class ChatTemplate:
 
 def load_chat_template(setting: Optional[str], model_dir: str, tokenizer) -> ChatTemplate:
     """The chat template a config asks for (see TokenizerConfig.chat_template). ValueError if unusable. Unset:
-    the tokenizer's own (a GGUF's tokenizer.chat_template, tokenizer_config.json's, chat_template.jinja), else
-    the model directory's tokenizer_config.json's, else the built-in LLaMA-2 format."""
+    the tokenizer's own (a GGUF's tokenizer.chat_template, or its directory's: tokenizer_config.json's,
+    chat_template.jinja, chat_template.json), else the model directory's (`folder_chat_template`), else the
+    built-in LLaMA-2 format."""
     if setting is None and tokenizer.chat_template:
         return ChatTemplate(tokenizer, tokenizer.chat_template, source=tokenizer.model_file)
     if setting is None:
         path = Path(model_dir) / "tokenizer_config.json"
-        template = config_chat_template(json.loads(path.read_text(encoding="utf-8"))) if path.is_file() else None
-        return ChatTemplate(tokenizer, template, source=str(path)) if template else ChatTemplate(tokenizer)
+        raw = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+        template, source = folder_chat_template(Path(model_dir), raw) if Path(model_dir).is_dir() else (None, None)
+        return ChatTemplate(tokenizer, template, source=source) if template else ChatTemplate(tokenizer)
     if setting == BUILTIN:
         return ChatTemplate(tokenizer)
     if "{" not in setting:

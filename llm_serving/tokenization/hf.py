@@ -24,7 +24,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Iterable, Optional
 
-from .base import DetokenizerBase, config_chat_template, llama2_chat_ids
+from .base import DetokenizerBase, folder_chat_template, llama2_chat_ids
 
 __all__ = ["HFTokenizer", "ByteLevelDetokenizer", "WindowDetokenizer", "byte_decoder"]
 
@@ -140,10 +140,7 @@ class HFTokenizer:
         add_bos = cfg.get("add_bos_token")
         if add_bos is None:
             add_bos = bos is not None and _post_processor_starts_with(tok, bos)
-        template = config_chat_template(cfg)
-        jinja = folder / "chat_template.jinja"
-        if not template and jinja.is_file():
-            template = jinja.read_text(encoding="utf-8")
+        template = folder_chat_template(folder, cfg)[0]
         return cls(tok, model_file=str(path.resolve()), bos_id=bos, eos_id=int(eos), eos_ids=map(int, gen_eos),
                    pad_id=token_id("pad_token"), add_bos=bool(add_bos), chat_template=template or None)
 

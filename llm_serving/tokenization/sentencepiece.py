@@ -24,7 +24,7 @@ from typing import Iterable, Optional, Union
 
 import sentencepiece as spm
 
-from .base import DetokenizerBase, config_chat_template, llama2_chat_ids
+from .base import DetokenizerBase, folder_chat_template, llama2_chat_ids
 
 __all__ = ["IncrementalDetokenizer", "SentencePieceTokenizer"]
 
@@ -74,20 +74,19 @@ class SentencePieceTokenizer:
 
     @classmethod
     def from_file(cls, path: str) -> "SentencePieceTokenizer":
-        """A tokenizer.model with, beside it, a tokenizer_config.json's BOS rule and chat template and a
-        generation_config.json's EOS ids."""
+        """A tokenizer.model with, beside it, a tokenizer_config.json's BOS rule, the directory's chat template
+        (`folder_chat_template`) and a generation_config.json's EOS ids."""
         folder = Path(path).parent
         eos_ids: list = []
         gen = folder / "generation_config.json"
         if gen.is_file():
             value = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id")
             eos_ids = value if isinstance(value, list) else [] if value is None else [value]
-        add_bos, template = True, None
-        config = folder / "tokenizer_config.json"
+        config, raw = folder / "tokenizer_config.json", {}
         if config.is_file():
             raw = json.loads(config.read_text(encoding="utf-8"))
-            add_bos = raw.get("add_bos_token", True) is not False
-            template = config_chat_template(raw)
+        add_bos = raw.get("add_bos_token", True) is not False
+        template = folder_chat_template(folder, raw)[0]
         return cls(path, add_bos=add_bos, eos_ids=eos_ids, chat_template=template)
 
     def _find_anchor(self) -> tuple[int, str]:

@@ -109,6 +109,48 @@ def test_llama3_style_directory_bos_from_the_post_processor_and_every_eos(tmp_pa
     assert not load_tokenizer(str(plain)).add_bos
 
 
+def test_the_chat_template_is_read_where_each_writer_puts_it(tmp_path, llama_tokenizer_standin):
+    """tokenizer_config.json's first, else chat_template.jinja, else chat_template.json's (the processors of older
+    transformers 4.x wrote only that one: Gemma 3's, SmolVLM's, Qwen2.5-VL's directories on the Hub have it), as
+    llama.cpp's converter reads them; both readers (tokenizer.json and tokenizer.model) and the server's fallback for
+    a tokenizer without one (load_chat_template)."""
+    import shutil
+
+    from llm_serving.tokenization.chat_template import load_chat_template
+    from llm_serving.tokenization.sentencepiece import SentencePieceTokenizer
+
+    in_json = "{% for m in messages %}[{{ m.content }}]{% endfor %}"
+    in_jinja = "{% for m in messages %}<{{ m.content }}>{% endfor %}"
+    in_config = "{% for m in messages %}({{ m.content }}){% endfor %}"
+    folder = train_byte_level(tmp_path / "hf", config={"bos_token": "<s>", "eos_token": "</s>"})
+    assert load_tokenizer(str(folder)).chat_template is None
+    (folder / "chat_template.json").write_text(json.dumps({"chat_template": in_json}))
+    assert load_tokenizer(str(folder)).chat_template == in_json
+    (folder / "chat_template.jinja").write_text(in_jinja)
+    assert load_tokenizer(str(folder)).chat_template == in_jinja
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
+                                                              "chat_template": in_config}))
+    assert load_tokenizer(str(folder)).chat_template == in_config
+
+    spm = tmp_path / "spm"
+    spm.mkdir()
+    shutil.copy(llama_tokenizer_standin, spm / "tokenizer.model")
+    assert SentencePieceTokenizer.from_file(str(spm / "tokenizer.model")).chat_template is None
+    (spm / "chat_template.json").write_text(json.dumps({"chat_template": [{"name": "tool_use", "template": "x"},
+                                                                          {"name": "default", "template": in_json}]}))
+    tok = SentencePieceTokenizer.from_file(str(spm / "tokenizer.model"))
+    assert tok.chat_template == in_json
+    # a tokenizer with no template of its own takes the model directory's
+    bare = SentencePieceTokenizer(str(spm / "tokenizer.model"))
+    assert bare.chat_template is None
+    assert load_chat_template(None, str(spm), bare).text == in_json
+    assert load_chat_template(None, str(spm), bare).source == str(spm / "chat_template.json")
+    assert load_chat_template(None, str(tmp_path / "nowhere"), bare).text is None       # the built-in format
+    (spm / "chat_template.json").write_text("{not json")
+    with pytest.raises(ValueError, match="chat_template.json: not a readable chat template"):
+        SentencePieceTokenizer.from_file(str(spm / "tokenizer.model"))
+
+
 def test_what_the_post_processor_appends_to_a_whole_text_is_the_input_suffix(tmp_path):
     """Qwen3-Embedding's tokenizer.json appends <|endoftext|> to a text ("$A <|endoftext|>"), whose state its last-token
     pooling takes: `input_suffix` says so (an embedding's input ends with it), while prompts never get it; a tokenizer
