@@ -322,7 +322,9 @@ class ConnectReply(Reply):
     decode_steps: int = 1           # steps a decode run may have (1: the agent runs no decode runs)
     decode_run_rows: int = 0        # the most rows a decode run may have
     batch_invariant: bool = False   # its steps are batch-invariant (model_config.batch_invariant, as it resolved)
-    image_tokens: int = 0           # the tokens an image becomes in its prefill steps (0: it takes no images)
+    image_tokens: int = 0           # the tokens an image becomes in its prefill steps (0: it takes no images; -1:
+                                    # as many as its size makes, Qwen2.5-VL's)
+    max_image_tokens: int = 0       # the most tokens an image may have (its tokens go in one graph call)
 
 
 @dataclass(frozen=True)

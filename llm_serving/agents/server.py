@@ -228,7 +228,8 @@ class AgentServer:
                                   decode_steps=self.worker.runner.decode_run_steps,
                                   decode_run_rows=self.worker.runner.decode_run_max_rows(),
                                   batch_invariant=self.worker.runner.batch_invariant,
-                                  image_tokens=self.worker.runner.image_tokens)
+                                  image_tokens=self.worker.runner.image_tokens,
+                                  max_image_tokens=self.worker.runner.max_image_tokens)
 
     def on_step(self, msg: proto.Step, frame, conn) -> proto.StepReply:
         images, ahead = msg.step_images(), msg.encode_slice()

@@ -151,6 +151,8 @@ class Engine:
                            "requests are refused", f"{info.image_tokens} tokens an image" if info.image_tokens
                            else "no images", self.image_facts.tokens_per_image)
             self.image_facts = None
+        elif self.image_facts is not None:      # (an image's tokens by its size: at most one graph call's)
+            self.image_facts = self.image_facts.within(info.max_image_tokens)
         self.running = True
         self._loop_task = asyncio.create_task(self._step_loop(), name="engine-step-loop")
         self._loop_task.add_done_callback(self._step_loop_ended)

@@ -20,10 +20,12 @@ __all__ = ["ImageTable", "PromptImageInput"]
 
 class PromptImageInput:
     """An image a prepared request carries: its placeholders' (start, length) in the prompt, its content key, its
-    float32 pixels (3, H, W)."""
+    float32 pixels (as the family's processor makes them: (3, H, W), or Qwen2.5-VL's patches), and how far it
+    advances the RoPE positions after it past its token count (PromptImage.rope_advance)."""
 
-    def __init__(self, start: int, length: int, key: str, pixels):
+    def __init__(self, start: int, length: int, key: str, pixels, rope_advance: int = 0):
         self.start, self.length, self.key, self.pixels = start, length, key, pixels
+        self.rope_advance = rope_advance
 
 
 class ImageTable:
@@ -39,7 +41,8 @@ class ImageTable:
         made = []
         try:
             for image in images:
-                made.append(PromptImage(image.start, image.length, image.key, PixelSegment.create(image.pixels)))
+                made.append(PromptImage(image.start, image.length, image.key, PixelSegment.create(image.pixels),
+                                        image.rope_advance))
         except BaseException:
             for image in made:
                 image.pixels.unlink()

@@ -73,11 +73,14 @@ class SamplingParams:
 class PromptImage:
     """An image in a request's prompt: its `length` placeholder tokens from `start` on, its content `key` (the
     prefix cache's and the agents' encoded-image cache's), and the shared memory holding its pixels (the engine's:
-    shm/images.py's PixelSegment, whose `name` and `shape` the step frame carries)."""
+    shm/images.py's PixelSegment, whose `name` and `shape` the step frame carries). `rope_advance`: how much
+    further the RoPE positions of the tokens after it are than their places (multimodal RoPE: an image of
+    rows x cols tokens advances them by max(rows, cols), not by its token count; 0 elsewhere)."""
     start: int
     length: int
     key: str
     pixels: object
+    rope_advance: int = 0
 
 
 @dataclass
@@ -171,6 +174,11 @@ class Request:
     def image_at(self, start: int, stop: int) -> list:
         """The images whose placeholders tokens start..stop-1 hold some of."""
         return [image for image in self.images if image.start < stop and start < image.start + image.length]
+
+    def rope_delta(self, position: int) -> int:
+        """What the RoPE position of the token at `position` adds to it: the rope_advance of every image that ends
+        before it (multimodal RoPE; 0 for the other families and for a prompt without images)."""
+        return sum(image.rope_advance for image in self.images if image.start + image.length <= position)
 
     def tokens(self, start: int, stop: int) -> list:
         p = len(self.prompt_ids)

@@ -157,6 +157,11 @@ class RowWriter:
         if self.window:
             self.b.window_slots[:n, step] = window_slots
 
+    def rope_delta(self, i: int, delta: int) -> None:
+        """Row i's multimodal RoPE offset (added to its positions for RoPE alone: its slots and context are its
+        positions')."""
+        self.b.rope_delta[i] = delta
+
     def random_u(self, i: int, u: float) -> None:
         """Row i's uniform number for sampling its next token."""
         self.b.random_u[i] = u
@@ -210,6 +215,11 @@ class RowWriter:
         self.b.history_len[i] = stop
 
 
+def _rope_delta(req, position: int) -> int:
+    """A row's multimodal RoPE offset at its first new token (a draft model's view of a request has none)."""
+    return req.rope_delta(position) if getattr(req, "images", ()) else 0
+
+
 class StepIO:
     """Writes each scheduled step of one agent group into its step buffers; reads the outputs. A row is any
     object with a request's attributes (`Request`, or a draft model's view of one). `window`: the agents' sliding
@@ -253,6 +263,7 @@ class StepIO:
             pos.append(p)
             slots.append(bm.slot(req.req_id, p))
             self._write_row_state(i, req, tables[req.req_id])
+            w.rope_delta(i, _rope_delta(req, p))
         window_slots = [bm.window_slot(req.req_id, p) for req, p in zip(batch.requests, pos)] \
             if self.window else None
         w.decode(n, ids, pos, slots, window_slots)
@@ -271,6 +282,7 @@ class StepIO:
             start = req.num_computed_tokens
             stop = start + q
             self._write_row_state(i, req, tables[req.req_id])
+            w.rope_delta(i, _rope_delta(req, start))
             positions = None
             if proposal:                        # each node's position is its depth's (a chain's: its slot's)
                 positions = np.arange(start, stop, dtype=np.int32)

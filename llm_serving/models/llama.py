@@ -558,6 +558,16 @@ class LlamaForCausalLM(nn.Cell):
         # metadata tuple per step; every layer takes its own by index
         kinds = [kind for kind in ROPE_KINDS if kind in {layer.rope_kind for layer in self.layers}]
         tables = [rope_tables(cfg, max_positions, kind) for kind in kinds]
+        # multimodal RoPE with images (kernel_only): an image token's (t, h, w) rows are written before a graph
+        # call into the image_rows rows after the positions' (the runner's `mrope`), and the token is given the
+        # position max_positions + j (its row among the call's image tokens, as its image_buffer row)
+        self.mrope = None
+        if cfg.mrope_section is not None and image_rows and kernel_only:
+            if kinds != ["global"] or cfg.sliding_window:
+                raise ValueError("LlamaForCausalLM: multimodal RoPE with sliding or NoPE layers is not supported")
+            tables = [tuple(np.ascontiguousarray(np.concatenate([t, np.repeat(t[:1], image_rows, 0)]), np.float32)
+                            for t in tables[0])]
+            self.mrope = (cfg, max_positions, tables[0])     # (the arrays the stack reads: contiguous float32)
         self.cos_tables = ms.ParameterTuple([_param(cos, f"rope_cos_{kind}")                            # (P, D)
                                              for (cos, _), kind in zip(tables, kinds)])
         self.sin_tables = ms.ParameterTuple([_param(sin, f"rope_sin_{kind}") for (_, sin), kind in zip(tables, kinds)])

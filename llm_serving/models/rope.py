@@ -17,7 +17,7 @@ import numpy as np
 
 from .weights import LlamaConfig
 
-__all__ = ["ROPE_KINDS", "rope_tables", "rotary_permutation"]
+__all__ = ["ROPE_KINDS", "mrope_rows", "rope_tables", "rotary_permutation"]
 
 # the kinds of RoPE a layer applies (LlamaConfig.layer_rope), in the order the model keeps their tables
 ROPE_KINDS = ("global", "local", "none")
@@ -41,9 +41,29 @@ def rope_tables(cfg: LlamaConfig, max_positions: int, kind: str = "global") -> t
     sin signed [-sin, sin]. "global": rope_theta, divided per frequency by rope_freq_factors (longrope: its long
     factors when the served context `max_positions` is longer than the original one, as llama.cpp chooses), cos
     and sin times rope_scale; "local": local_rope_theta, unscaled; "none": cos 1, sin 0."""
-    d, r = cfg.head_dim, cfg.rotary_dims
+    d = cfg.head_dim
     if kind == "none":
         return np.ones((max_positions, d), np.float32), np.zeros((max_positions, d), np.float32)
+    inv_freq, scale = _frequencies(cfg, max_positions, kind)
+    angles = np.arange(max_positions, dtype=np.float64)[:, None] * inv_freq[None, :]            # (P, r/2)
+    return _tables(cfg, angles, scale)
+
+
+def mrope_rows(cfg: LlamaConfig, max_positions: int, t: np.ndarray, h: np.ndarray,
+               w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Multimodal RoPE (cfg.mrope_section): the cos and signed sin rows, each (n, head_dim) float32 in
+    rope_tables' layout, of n tokens at positions (t, h, w): the head's first mrope_section[0] frequencies turned by
+    t, the next mrope_section[1] by h, the last by w. A token whose three are one number p gets rope_tables' row p
+    to the bit (the same float64 angles, cast once)."""
+    inv_freq, scale = _frequencies(cfg, max_positions, "global")
+    which = np.repeat([0, 1, 2], cfg.mrope_section)                                            # (r/2,)
+    pos = np.stack([np.asarray(t), np.asarray(h), np.asarray(w)]).astype(np.float64)           # (3, n)
+    return _tables(cfg, pos[which].T * inv_freq[None, :], scale)                               # (n, r/2) angles
+
+
+def _frequencies(cfg: LlamaConfig, max_positions: int, kind: str) -> tuple[np.ndarray, float]:
+    """(the rotated frequencies (r/2,) float64, the cos/sin multiplier) of the layers of `kind`."""
+    r = cfg.rotary_dims
     theta = cfg.local_rope_theta if kind == "local" else cfg.rope_theta
     inv_freq = 1.0 / (theta ** (np.arange(0, r, 2, dtype=np.float64) / r))                      # (r/2,)
     scale = 1.0
@@ -54,9 +74,14 @@ def rope_tables(cfg: LlamaConfig, max_positions: int, kind: str = "global") -> t
         if factors is not None:                   # RoPE scaling (Llama-3.1, linear, longrope): a divisor per frequency
             inv_freq = inv_freq / np.asarray(factors, np.float64)
         scale = cfg.rope_scale
-    angles = np.arange(max_positions, dtype=np.float64)[:, None] * inv_freq[None, :]            # (P, r/2)
+    return inv_freq, scale
+
+
+def _tables(cfg: LlamaConfig, angles: np.ndarray, scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos and signed sin rows (n, head_dim) float32 of angles (n, r/2), in the rotate_half layout."""
+    n, d, r = len(angles), cfg.head_dim, cfg.rotary_dims
     rest = (d - r) // 2
-    ones, zeros = np.ones((max_positions, rest)), np.zeros((max_positions, rest))
+    ones, zeros = np.ones((n, rest)), np.zeros((n, rest))
     cos, sin = np.cos(angles) * scale, np.sin(angles) * scale
     cos_t = np.concatenate([cos, ones, cos, ones], axis=-1)                                      # (P, D)
     sin_t = np.concatenate([-sin, zeros, sin, zeros], axis=-1)                                   # (P, D)

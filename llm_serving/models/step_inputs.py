@@ -77,10 +77,18 @@ class StepInputs:
     window_slots: Optional[np.ndarray] = None     # (n, s): the window pool's slots (None: no pool)
     window_tables: Optional[np.ndarray] = None    # (n, w'): the window pool's block tables (None: no pool)
     live: object = None                       # the step view (its logit controls are written while the model runs)
+    rope_delta: Optional[np.ndarray] = None   # (n,): multimodal RoPE's offset of each row's positions (None: all 0)
 
     def __post_init__(self) -> None:
         if self.lora is None:
             self.lora = np.zeros(self.input_ids.shape[0], np.int32)
+
+    def rope_positions(self, positions: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """`positions` (KV positions of tokens of rows `rows`, any shape alike) as the RoPE positions: each plus its
+        row's rope_delta (multimodal RoPE after an image; the same array when no row has one)."""
+        if self.rope_delta is None:
+            return positions
+        return (positions + self.rope_delta[rows]).astype(np.int32)
 
     @property
     def n(self) -> int:
@@ -190,8 +198,17 @@ class StepInputs:
                                      prompt_target, -1)
             if prompt_target.min() < -1 or prompt_target.max() >= limits.vocab_size or prompt_top.max() > TOP_LOGPROBS:
                 _fail(f"prompt_target must be token ids or -1 and prompt_top at most {TOP_LOGPROBS}")
+        rope_delta = None
+        if step.rope_delta is not None and np.any(np.asarray(step.rope_delta)):
+            rope_delta = np.asarray(step.rope_delta, np.int32)
+            if rope_delta.shape != (n,):
+                _fail(f"rope_delta has shape {rope_delta.shape}, expected ({n},)")
+            shifted = positions + np.where(np.arange(s)[None, :] < ql[:, None], rope_delta[:, None], 0)
+            if shifted.min() < 0:
+                _fail(f"rope_delta {rope_delta.tolist()} takes a position below 0")
         return cls(input_ids, positions, slot_mapping, block_tables, cl, ql, per_row, verify_u, verify_parent, lora,
-                   prompt_target, prompt_top, window_slots=window_slots, window_tables=window_tables, live=step)
+                   prompt_target, prompt_top, window_slots=window_slots, window_tables=window_tables, live=step,
+                   rope_delta=rope_delta)
 
     def tree_bits(self) -> np.ndarray:
         """(t,) int32 for the step's real tokens in row-major order: which of its last 32 keys each token sees

@@ -152,13 +152,20 @@ def place_images(engine, prompt_ids: list, images: tuple, decoded: list) -> list
         spans = facts.spans(prompt_ids)
     except ValueError as e:
         raise ValidationError(str(e), param="messages") from None
-    frames = [(hashlib.sha256(data).hexdigest(), k, pixels)
-              for data, image in zip(images, decoded) for k, pixels in enumerate(facts.frames(image))]
+    try:
+        frames = [(hashlib.sha256(data).hexdigest(), k, pixels)
+                  for data, image in zip(images, decoded) for k, pixels in enumerate(facts.frames(image))]
+    except ImageError as e:
+        raise ValidationError(f"an image cannot be made the model's pixels: {e}", param="messages") from None
     if len(spans) != len(frames):
         raise ValidationError(f"the chat template placed {len(spans)} of the request's {len(frames)} image frames "
                               f"({len(images)} images; its messages' image parts must be in user turns)",
                               param="messages")
-    return [PromptImageInput(start, length, digest if k == 0 else f"{digest}/{k}", pixels)
+    for (start, length), (_, _, pixels) in zip(spans, frames):
+        if length != facts.tokens_of(pixels):
+            raise ValidationError(f"the prompt holds {length} image placeholder tokens in a row at {start}; its "
+                                  f"image is {facts.tokens_of(pixels)}", param="messages")
+    return [PromptImageInput(start, length, digest if k == 0 else f"{digest}/{k}", pixels, facts.rope_advance(pixels))
             for (start, length), (digest, k, pixels) in zip(spans, frames)]
 
 
@@ -216,6 +223,11 @@ def chat_ids(engine, messages: list, tools: Optional[ToolRequest], variables: Op
     if images:
         facts = served_image_facts(engine)
         sizes = image_sizes(images) if facts.needs_sizes else ()
+        for k, size in enumerate(sizes):
+            try:
+                facts.tokens_of_size(*size)
+            except ImageError as e:         # (Qwen2.5-VL's grid: an image too narrow for it)
+                raise ValidationError(f"image {k + 1} of {len(images)}: {e}", param="messages") from None
         expand = lambda text: facts.expand(text, sizes)                   # noqa: E731
     rendered = None
     if tools is not None:

@@ -134,6 +134,7 @@ bias_values          float32  bias     master   sampler  added to their logits (
 prompt_top           int32    row      master   sampler  -1 = none; else the row's prompt log-probabilities are wanted, with this many top ones
 prompt_target        int32    token    master   sampler  the prompt token after each new token, whose log-probability is wanted (-1 = none)
 lora                 int32    row      master   model    LoRA adapter slot per row (0 = none)
+rope_delta           int32    row      master   model    multimodal RoPE (Qwen2.5-VL): added to the row's positions for RoPE, from its images before its first new token (0 = none)
 request_ids          int64    row      master   trace    request number per row (tracing, logits capture)
 verify_random_u      float32  verify   master   model    uniform [0, 1) per new token of a sampling row
 verify_parent        int32    verify   master   model    each new token's parent among its row's new tokens (-1 first)

@@ -17,55 +17,103 @@ image), and the mark becomes, as transformers' SmolVLMProcessor writes it, each 
 tile: that last part alone). Each frame's run of placeholders is an image to the rest of the server (its own pixels,
 tower rows and cache key); the expansion needs each image's size (`expand(text, sizes)`), which the file's header
 gives.
+
+Qwen2.5-VL (`family` "qwen2_5_vl", from a HF directory): the template puts `<|vision_start|><|image_pad|>
+<|vision_end|>` where an image goes; the image is resized to whole merged patches within the processor's pixel bounds
+(vision/images.py's `qwen_grid`, `qwen_patches`), and its one `<|image_pad|>` becomes one per token of its grid of
+merged patches, rows x cols of them (`tokens_per_image` -1: as many as its size makes). Its text model's multimodal
+RoPE places the image's tokens by their row and column, and the tokens after it go on from the larger side of its
+grid, not from its token count (`rope_advance`). The agents hold an image within one graph call, so the largest
+image is the largest call's tokens (`within`: the processor's max_pixels lowered to it, where transformers' would
+make more tokens).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
 from typing import Optional
 
-from .images import ImageSpec, frames, grid
+from .images import ImageSpec, frames, grid, qwen_grid
 
 __all__ = ["ImageFacts", "image_facts"]
 
 # Gemma 3's placeholder tokens, by their text (a GGUF's vocabulary has them under these names too)
 _GEMMA3 = {"boi": "<start_of_image>", "eoi": "<end_of_image>", "image": "<image_soft_token>"}
 _SMOLVLM = {"fake": "<fake_token_around_image>", "image": "<image>", "global": "<global-img>"}
+_QWEN_VL = {"start": "<|vision_start|>", "end": "<|vision_end|>", "image": "<|image_pad|>"}
 _ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
 _SMOLVLM_ARCHITECTURES = ("SmolVLMForConditionalGeneration", "Idefics3ForConditionalGeneration")
+_QWEN_VL_ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration",)
 
 
 @dataclass(frozen=True)
 class ImageFacts:
     """A vision-language model's images as the master sees them (the module docstring)."""
-    tokens_per_image: int        # (of a frame, for SmolVLM)
+    tokens_per_image: int        # (of a frame, for SmolVLM; -1: by the image's size, Qwen2.5-VL's)
     image_token_id: int          # the placeholder the prompt holds once per image token
     boi: str                     # the text the chat template marks an image with (Gemma 3: and the token before
     eoi: str                     # its tokens, eoi the one after; SmolVLM: the placeholder itself)
     image_token: str
     spec: ImageSpec              # the model's image processor
-    family: str = "gemma3"       # or "smolvlm"
+    family: str = "gemma3"       # or "smolvlm", "qwen2_5_vl"
     fake: str = ""               # SmolVLM's token around a frame's placeholders, and its global frame's tag
     global_tag: str = ""
 
     @property
     def needs_sizes(self) -> bool:
-        """Whether `expand` needs the images' sizes (SmolVLM's: its grid of tiles)."""
-        return self.family == "smolvlm"
+        """Whether `expand` needs the images' sizes (SmolVLM's: its grid of tiles; Qwen2.5-VL's: its tokens)."""
+        return self.family in ("smolvlm", "qwen2_5_vl")
 
     def expand(self, text: str, sizes=()) -> str:
         """`text` with every image mark made the image's full placeholder sequence; sizes: the images' (width,
-        height) in order (SmolVLM's; a mark past them is left as it is)."""
-        if self.family != "smolvlm":
+        height) in order (SmolVLM's, Qwen2.5-VL's; a mark past them is left as it is)."""
+        if self.family == "gemma3":
             full = f"\n\n{self.boi}{self.image_token * self.tokens_per_image}{self.eoi}\n\n"
             return text.replace(self.boi, full)
         parts = text.split(self.boi)
         out = [parts[0]]
         for k, part in enumerate(parts[1:]):
-            out.append(self._smolvlm_prompt(*grid(*sizes[k], self.spec)) if k < len(sizes) else self.boi)
+            if k >= len(sizes):
+                out.append(self.boi)
+            elif self.family == "smolvlm":
+                out.append(self._smolvlm_prompt(*grid(*sizes[k], self.spec)))
+            else:
+                out.append(self.image_token * self.tokens_of_size(*sizes[k]))
             out.append(part)
         return "".join(out)
+
+    def tokens_of_size(self, width: int, height: int) -> int:
+        """The tokens an image of this size becomes (a frame's, for SmolVLM)."""
+        if self.tokens_per_image > 0:
+            return self.tokens_per_image
+        gh, gw = qwen_grid(width, height, self.spec)
+        return (gh // self.spec.merge) * (gw // self.spec.merge)
+
+    def tokens_of(self, pixels) -> int:
+        """The tokens a frame's pixels (as `frames` made them) become."""
+        return self.tokens_per_image if self.tokens_per_image > 0 else int(pixels.shape[0] * pixels.shape[1])
+
+    def rope_advance(self, pixels) -> int:
+        """How much further than its token count an image moves the RoPE positions of the tokens after it: its
+        grid's larger side less its tokens for multimodal RoPE (Qwen2.5-VL), else 0."""
+        if self.family != "qwen2_5_vl":
+            return 0
+        rows, cols = int(pixels.shape[0]), int(pixels.shape[1])
+        return max(rows, cols) - rows * cols
+
+    def within(self, max_tokens: int) -> "ImageFacts":
+        """These facts for agents that take an image of at most `max_tokens` tokens: a Qwen2.5-VL processor's
+        max_pixels lowered so that no image makes more (an image over it is resized down, as one over the
+        processor's own bound is); the others as they are."""
+        if self.tokens_per_image > 0 or max_tokens <= 0:
+            return self
+        unit = (self.spec.patch * self.spec.merge) ** 2
+        if self.spec.max_pixels <= max_tokens * unit:
+            return self
+        return dataclasses.replace(self, spec=dataclasses.replace(
+            self.spec, max_pixels=max(max_tokens * unit, self.spec.min_pixels)))
 
     def _smolvlm_prompt(self, rows: int, cols: int) -> str:
         frame = self.image_token * self.tokens_per_image
@@ -82,7 +130,8 @@ class ImageFacts:
 
     def spans(self, ids: list) -> list:
         """(start, length) of each image's placeholder run in prompt ids, in order: runs of image_token_id, each
-        tokens_per_image long. ValueError for a run of another length (a prompt that spells placeholders itself)."""
+        tokens_per_image long (any length for -1: the caller holds each to its image's). ValueError for a run of
+        another length (a prompt that spells placeholders itself)."""
         out, k, n = [], 0, len(ids)
         while k < n:
             if ids[k] != self.image_token_id:
@@ -91,7 +140,7 @@ class ImageFacts:
             start = k
             while k < n and ids[k] == self.image_token_id:
                 k += 1
-            if k - start != self.tokens_per_image:
+            if self.tokens_per_image > 0 and k - start != self.tokens_per_image:
                 raise ValueError(f"the prompt holds {k - start} image placeholder tokens in a row at {start}; an "
                                  f"image is {self.tokens_per_image}")
             out.append((start, k - start))
@@ -120,10 +169,13 @@ def image_facts(model_path: str, mmproj: Optional[str], tokenizer) -> Optional[I
     except (OSError, json.JSONDecodeError):
         return None                  # (the weight loader says what is wrong with it)
     arch = (raw.get("architectures") or [None])[0]
-    if not isinstance(raw.get("vision_config"), dict) or arch not in _ARCHITECTURES + _SMOLVLM_ARCHITECTURES:
+    if not isinstance(raw.get("vision_config"), dict) or \
+            arch not in _ARCHITECTURES + _SMOLVLM_ARCHITECTURES + _QWEN_VL_ARCHITECTURES:
         return None
     if arch in _SMOLVLM_ARCHITECTURES:
         return _smolvlm_facts(model_path, raw, tokenizer, config)
+    if arch in _QWEN_VL_ARCHITECTURES:
+        return _qwen_vl_facts(model_path, raw, tokenizer, config)
     ids = {"boi": raw.get("boi_token_index"), "eoi": raw.get("eoi_token_index"),
            "image": raw.get("image_token_index", raw.get("image_token_id"))}
     found = {key: _one_token(tokenizer, text, config) for key, text in _GEMMA3.items()}
@@ -166,6 +218,27 @@ def _smolvlm_facts(model_path: str, raw: dict, tokenizer, config: str) -> ImageF
         raise ValueError(f"{config}: its image token is {given}, but the tokenizer's <image> is {ids['image']}")
     return ImageFacts(tokens, ids["image"], _SMOLVLM["image"], "", _SMOLVLM["image"], spec, family="smolvlm",
                       fake=_SMOLVLM["fake"], global_tag=_SMOLVLM["global"])
+
+
+def _qwen_vl_facts(model_path: str, raw: dict, tokenizer, config: str) -> ImageFacts:
+    """Qwen2.5-VL's: its tokens from the tokenizer (the config's ids must agree), its image processor from the
+    processor config (Qwen2VLImageProcessor's pixel bounds, patches and merge)."""
+    ids = {key: _one_token(tokenizer, text, config) for key, text in _QWEN_VL.items()}
+    for key, name in (("image", "image_token_id"), ("start", "vision_start_token_id"), ("end", "vision_end_token_id")):
+        given = raw.get(name)
+        if given is not None and given != ids[key]:
+            raise ValueError(f"{config}: its {name} is {given}, but the tokenizer's {_QWEN_VL[key]!r} is {ids[key]}")
+    spec = ImageSpec.from_dir(model_path)
+    if spec is None or spec.patch is None:
+        raise ValueError(f"{model_path}: a Qwen2.5-VL needs its image processor's config (preprocessor_config.json "
+                         "of a Qwen2VLImageProcessor: patch_size, merge_size, min_pixels, max_pixels)")
+    vision = raw["vision_config"]
+    if (int(vision.get("patch_size", spec.patch)), int(vision.get("spatial_merge_size", spec.merge))) != \
+            (spec.patch, spec.merge):
+        raise ValueError(f"{model_path}: the image processor's patches ({spec.patch}, merged {spec.merge} x "
+                         f"{spec.merge}) are not the tower's ({vision.get('patch_size')}, "
+                         f"{vision.get('spatial_merge_size')})")
+    return ImageFacts(-1, ids["image"], _QWEN_VL["image"], "", _QWEN_VL["image"], spec, family="qwen2_5_vl")
 
 
 def _mmproj_facts(path: str, tokenizer) -> ImageFacts:

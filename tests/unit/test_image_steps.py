@@ -135,6 +135,12 @@ class _Encoder:
     def __init__(self, bidirectional: bool = True):
         self.cfg = types.SimpleNamespace(bidirectional=bidirectional)
 
+    def grid(self, shape):
+        return None
+
+    def tokens_of(self, shape):
+        return self.tokens_per_image
+
     def rows(self, key, segment, shape):
         base = float(key)
         return np.array([[base * 10 + i] * 3 for i in range(4)], np.float32)

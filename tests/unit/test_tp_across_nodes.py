@@ -93,8 +93,9 @@ def _filled(layout):
     return buffers
 
 
-# the per-row arrays every rank's model work reads (the sampling parameters and adapter slots)
-ROW_INPUTS = ("context_lens", "query_lens", "temperature", "top_k", "top_p", "random_u", "top_n", "lora")
+# the per-row arrays every rank's model work reads (the sampling parameters, adapter slots, multimodal RoPE offsets)
+ROW_INPUTS = ("context_lens", "query_lens", "temperature", "top_k", "top_p", "random_u", "top_n", "lora",
+              "rope_delta")
 
 
 @pytest.mark.parametrize("kind, n, s, run", [("decode", 1, 1, 1), ("prefill", 3, 8, 1), ("verify", 4, 5, 1),

@@ -87,7 +87,7 @@ class DecodeRuns:
             block_tables=step.block_tables, context_lens=step.context_lens, query_lens=np.ones(n, np.int32),
             temperature=zeros, top_k=np.zeros(n, np.int32), top_p=np.ones(n, np.float32), random_u=zeros,
             lora=step.lora, window_slots=None if window_slots is None else window_slots[:, :1],
-            window_tables=step.window_tables))
+            window_tables=step.window_tables, rope_delta=step.rope_delta))
         if first.window_slots is None:
             return first, None                  # (no window pool: not read)
         if (window_slots.shape != slot_mapping.shape or ((window_slots >= 0) != active).any()
@@ -133,7 +133,7 @@ class DecodeRuns:
         if step is not None:
             lora[:n] = step.lora
             offsets = np.arange(k, dtype=np.int32)[:, None]
-            pos[:, :n] = step.positions[:, 0] + offsets
+            pos[:, :n] = step.rope_positions(step.positions[:, 0], np.arange(n)) + offsets
             context[:, :n] = step.context_lens + offsets
             sat_out = slots.T < 0               # positions and contexts of steps sat out stay in range
             pos[sat_out], context[sat_out] = 0, 1

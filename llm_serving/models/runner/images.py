@@ -32,6 +32,7 @@ from typing import Optional
 import numpy as np
 
 from ..buckets import token_pieces
+from ..rope import mrope_rows
 
 __all__ = ["ImageEncoder", "Placed", "pieces", "place", "vision_checkpoint_of"]
 
@@ -57,19 +58,38 @@ class ImageEncoder:
         """The encoder of a tower as stored (`vision_checkpoint_of`'s), its weights read now; `kernels`: the CPU
         kernel library its layers run on `threads` threads (runner/kernels.py's build_vision_kernels), their
         products and attention values in int16 when `int16` (runner/kernels.py's vision_int16), the attention's
-        scores too with `int16_scores`."""
+        scores too with `int16_scores`. A Qwen2.5-VL tower (models/vision_qwen.py) runs on MindSpore's ops."""
+        from ..vision_qwen import QwenVisionTower
         from ..vision_tower import VisionTower
+        from ..weights.vision import QwenVisionConfig
 
         t0 = time.perf_counter()
-        tower = VisionTower(*checkpoint, kernels=kernels, threads=threads, int16=int16, int16_scores=int16_scores)
-        logger.info("vision tower: %d layers of %d, %d tokens an image, %.2f GB of weights (%s products), read in "
-                    "%.1f s", tower.cfg.num_layers, tower.cfg.hidden_size, tower.cfg.tokens_per_image,
+        if isinstance(checkpoint[0], QwenVisionConfig):
+            tower = QwenVisionTower(*checkpoint)
+        else:
+            tower = VisionTower(*checkpoint, kernels=kernels, threads=threads, int16=int16, int16_scores=int16_scores)
+        encoder = cls(tower, cache_mb << 20)
+        tokens = encoder.tokens_per_image
+        logger.info("vision tower: %d layers of %d, %s, %.2f GB of weights (%s products), read in %.1f s",
+                    tower.cfg.num_layers, tower.cfg.hidden_size,
+                    f"{tokens} tokens an image" if tokens > 0 else "an image's tokens by its size",
                     tower.nbytes / 1e9, "int16" if tower.int16 else "float32", time.perf_counter() - t0)
-        return cls(tower, cache_mb << 20)
+        return encoder
 
     @property
     def tokens_per_image(self) -> int:
-        return self.cfg.tokens_per_image
+        """The tokens every image becomes, or -1: as many as its size makes (Qwen2.5-VL's grid)."""
+        return getattr(self.cfg, "tokens_per_image", -1)
+
+    def grid(self, shape) -> Optional[tuple]:
+        """(rows, cols) of an image's tokens where the model places them by their grid (multimodal RoPE: the
+        pixels' shape is Qwen2.5-VL's patches, (rows, cols, merge^2, features)); None for the other families."""
+        return (int(shape[0]), int(shape[1])) if self.tokens_per_image < 0 else None
+
+    def tokens_of(self, shape) -> int:
+        """The tokens an image of pixels `shape` becomes."""
+        grid = self.grid(shape)
+        return self.tokens_per_image if grid is None else grid[0] * grid[1]
 
     def rows(self, key: str, segment: str, shape) -> np.ndarray:
         """The image's (tokens_per_image, H) rows: cached under `key`, else the tower's on the pixels in `segment`
@@ -127,6 +147,13 @@ class ImageEncoder:
         """The patches' embeddings of the pixels in `segment` (float32, kept between steps as numpy)."""
         from llm_serving.shm.images import read_pixels
 
+        if self.tokens_per_image < 0:           # Qwen2.5-VL: its patches, (rows, cols, merge^2, features)
+            cfg = self.cfg
+            m = cfg.spatial_merge_size
+            if len(shape) != 4 or min(shape[:2]) < 1 or tuple(shape[2:]) != (m * m, cfg.patch_features):
+                raise ValueError(f"an image's patches are {tuple(shape)}; the tower reads (rows, cols, {m * m}, "
+                                 f"{cfg.patch_features})")
+            return self.tower.embed(read_pixels(segment, shape)).asnumpy()
         size, c = self.cfg.image_size, self.cfg.num_channels
         if tuple(shape) != (c, size, size):
             raise ValueError(f"an image's pixels are {tuple(shape)}; the tower reads ({c}, {size}, {size})")
@@ -171,15 +198,20 @@ def vision_checkpoint_of(model_path: str, mmproj: Optional[str]) -> Optional[tup
 class Placed:
     """A packed step's image tokens (`place`): per real token, its row in `rows` (-1: none); the stacked rows of the
     step's images; each image's (first, stop) among the step's tokens; and every token's context, an image token's
-    reaching its image's end where the model's image tokens attend both ways (Gemma 3's; SmolVLM's are causal)."""
+    reaching its image's end where the model's image tokens attend both ways (Gemma 3's; SmolVLM's are causal).
+    With multimodal RoPE, `grid` (K, 3): each stacked row's (t, h, w) RoPE positions."""
     source: np.ndarray           # (t,) int32
     rows: np.ndarray             # (K, H) float32
     spans: list                  # [(first, stop)]
     context: np.ndarray          # (t,) int32
+    grid: Optional[np.ndarray] = None
 
-    def fill(self, start: int, stop: int, ids: np.ndarray, buffer: np.ndarray, vocab: int) -> None:
-        """Ready the graph call of tokens start..stop-1 (ids: theirs, padded): their image rows into `buffer` (the
-        model's image_buffer), their ids V + j."""
+    def fill(self, start: int, stop: int, ids: np.ndarray, buffer: np.ndarray, vocab: int,
+             pos: Optional[np.ndarray] = None, mrope: Optional[tuple] = None) -> None:
+        """Ready the graph call of tokens start..stop-1 (ids, pos: theirs, padded): their image rows into `buffer`
+        (the model's image_buffer), their ids V + j; with multimodal RoPE (`mrope`: the model's (config, first
+        row, its cos and sin tables)) their (t, h, w) rows into the tables' rows first + j and their positions
+        those rows."""
         source = self.source[start:stop]
         mine = np.nonzero(source >= 0)[0]
         if not len(mine):
@@ -187,26 +219,35 @@ class Placed:
         if len(mine) > len(buffer):
             raise ValueError(f"a graph call holds {len(mine)} image tokens; the image buffer has {len(buffer)} rows")
         buffer[:len(mine)] = self.rows[source[mine]]
-        ids[mine] = vocab + np.arange(len(mine), dtype=np.int32)
+        j = np.arange(len(mine), dtype=np.int32)
+        ids[mine] = vocab + j
+        if self.grid is not None and mrope is not None:
+            cfg, first, (cos, sin) = mrope
+            cos[first:first + len(mine)], sin[first:first + len(mine)] = mrope_rows(
+                cfg, first, *self.grid[source[mine]].T)
+            pos[mine] = first + j
 
 
 def place(images: list, encoder: ImageEncoder, query_lens: np.ndarray, positions: np.ndarray,
-          context: np.ndarray) -> Placed:
-    """The step's images (`StepImage`s) on its real tokens; positions and context: flat_tokens' (t,) arrays."""
+          context: np.ndarray, rope: Optional[np.ndarray] = None) -> Placed:
+    """The step's images (`StepImage`s) on its real tokens; positions and context: flat_tokens' (t,) arrays. `rope`
+    (multimodal RoPE: the tokens' RoPE positions, each row's rope_delta added): the tokens after an image in its
+    row moved on by the image's advance (its grid's larger side, less its token count), and each image token's
+    (t, h, w) in `grid`: the image's start, and that plus its row and its column in the image's grid."""
     starts = np.concatenate([[0], np.cumsum(query_lens)[:-1]]).astype(np.int64)       # each row's first token
     t = len(positions)
     source = np.full(t, -1, np.int32)
     context = np.array(context, np.int32)
-    parts, spans, at = [], [], 0
-    for image in images:
+    parts, spans, grids, at = [], [], [], 0
+    for image in sorted(images, key=lambda im: (im.row, im.offset)):
         if not 0 <= image.row < len(query_lens):
             raise ValueError(f"an image names row {image.row}; the step has {len(query_lens)}")
+        tokens = encoder.tokens_of(image.shape)
         if not (0 <= image.first and image.count >= 1 and image.first + image.count <= image.length
-                == encoder.tokens_per_image and 0 <= image.offset
-                and image.offset + image.count <= query_lens[image.row]):
+                == tokens and 0 <= image.offset and image.offset + image.count <= query_lens[image.row]):
             raise ValueError(f"an image's tokens {image.first}..{image.first + image.count - 1} of {image.length} at "
                              f"offset {image.offset} do not fit row {image.row} ({int(query_lens[image.row])} new "
-                             f"tokens) or the tower's {encoder.tokens_per_image} tokens an image")
+                             f"tokens) or the tower's {tokens} tokens for it")
         rows = encoder.rows(image.key, image.segment, image.shape)
         first = int(starts[image.row]) + image.offset
         stop = first + image.count
@@ -216,9 +257,18 @@ def place(images: list, encoder: ImageEncoder, query_lens: np.ndarray, positions
         if encoder.cfg.bidirectional:
             # every token of the image sees up to its last: the position of the image's first token + its length
             context[first:stop] = positions[first] - image.first + image.length
+        grid = encoder.grid(image.shape)
+        if rope is not None and grid is not None:
+            cols = grid[1]
+            s = rope[first] - image.first                    # the image's start: its first token's RoPE position
+            k = np.arange(image.first, image.first + image.count)
+            grids.append(np.stack([np.full(image.count, s), s + k // cols, s + k % cols], 1).astype(np.int32))
+            if image.first + image.count == image.length:    # the image ends in this step: the row's later tokens
+                row_end = int(starts[image.row] + query_lens[image.row])
+                rope[stop:row_end] += max(grid) - image.length
         spans.append((first, stop))
     rows = np.concatenate(parts) if parts else np.zeros((0, 0), np.float32)
-    return Placed(source, rows, sorted(spans), context)
+    return Placed(source, rows, sorted(spans), context, np.concatenate(grids) if grids else None)
 
 
 def pieces(t: int, sizes: list, spans: list) -> list:

@@ -128,10 +128,14 @@ class ModelRunner:
         checkpoint = vision_checkpoint_of(self.model_dir, self.spec.mmproj)
         if checkpoint is None:
             return None
-        tokens, largest = checkpoint[0].tokens_per_image, self.buckets.prefill_token_sizes[-1]
+        # (a Qwen2.5-VL image's tokens vary with its size: the master keeps them within the largest call)
+        tokens, largest = getattr(checkpoint[0], "tokens_per_image", 0), self.buckets.prefill_token_sizes[-1]
         why = None
         if self.tp.world > 1 or not self.buckets.packed:
             why = "images need one agent's packed prefill (attention_kernel on, a CPU agent, no tensor parallelism)"
+        elif self.config.mrope_section is not None and not self.kernels.serves_all:
+            why = ("multimodal RoPE's image positions need every step on the layer kernel (model_config.layer_kernel "
+                   "on, layer_kernel_rows unset)")
         elif largest < tokens:
             why = (f"an image's {tokens} tokens need a packed graph call of as many (the largest holds {largest}: "
                    "serving_config.max_num_batched_tokens)")
@@ -195,6 +199,7 @@ class ModelRunner:
     lora_rank = property(lambda self: self.lora.rank)
     lora_slot_bytes = property(lambda self: self.lora.slot_bytes)
     image_tokens = property(lambda self: self.images.tokens_per_image if self.images is not None else 0)
+    max_image_tokens = property(lambda self: self.buckets.prefill_token_sizes[-1] if self.images is not None else 0)
     model = property(lambda self: self.graphs.model)
     collective_calls = property(lambda self: self.graphs.collective_calls)
     pooling = property(lambda self: self.graphs.pooling)

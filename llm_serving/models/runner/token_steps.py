@@ -37,6 +37,12 @@ class TokenSteps:
         self.graphs, self.outputs, self.writes_outputs = graphs, outputs, writes_outputs
         self.images = images            # the model's tower and encoded images (None: a model without images)
 
+    @property
+    def mrope(self) -> Optional[tuple]:
+        """The model's multimodal RoPE rows for image tokens (llama.py's `mrope`: its config, the first scratch row,
+        the cos and sin tables), or None."""
+        return getattr(getattr(self.graphs, "model", None), "mrope", None)
+
     def layer_kernel_runs(self, tokens: int) -> bool:
         """Whether a one-token-per-row step of `tokens` rows runs the layer kernel (LlamaForCausalLM's `fused`),
         whose padding rows sit out (slot -1) and cost nothing; MindSpore's ops need them in the scratch block."""
@@ -74,7 +80,8 @@ class TokenSteps:
         ids_p = np.zeros((nb, sb), np.int32)
         pos_p = np.zeros((nb, sb), np.int32)
         ids_p[:n, :s] = step.input_ids
-        pos_p[:n, :s] = step.positions
+        pos_p[:n, :s] = np.where(np.arange(s)[None, :] < step.query_lens[:, None],
+                                 step.rope_positions(step.positions, np.arange(n)[:, None]), step.positions)
         kernel = sb == 1 and self.layer_kernel_runs(nb)
         g, T = self.graphs, self.graphs.ms.Tensor
         slot_p, bt_p, window_slot_p, window_bt_p = g.tensors(self.layout.inputs(
@@ -97,7 +104,12 @@ class TokenSteps:
         flat = flat_tokens(step)
         last = np.cumsum(ql) - 1                                                       # (n,) each row's last token
         rows = self.buckets.prefill_batch_sizes[-1]
-        placed = place(images, self.images, ql, flat[3], flat[5]) if images else None
+        rope = step.rope_positions(flat[3], flat[1])                                  # (t,) RoPE's positions
+        mrope = self.mrope
+        if mrope is not None and rope is flat[3]:
+            rope = flat[3].copy()                                                      # (place moves some)
+        placed = place(images, self.images, ql, flat[3], flat[5], rope if mrope is not None else None) \
+            if images else None
         if placed is None:
             calls, start = [], 0
             for tb in self.buckets.token_pieces(t):
@@ -110,9 +122,10 @@ class TokenSteps:
             mine = np.nonzero((last >= start) & (last < stop))[0]                      # rows sampled by this call
             sample_index = pad((last[mine] - start).astype(np.int32), rows, 0)
             if scores is None:
-                outputs = self.call_packed(step, flat, start, stop, tb, sample_index, placed=placed)
+                outputs = self.call_packed(step, flat, start, stop, tb, sample_index, placed=placed, rope=rope)
             else:                       # every token's logits: the prompt's scores, then the rows' last tokens'
-                outputs = self.call_packed(step, flat, start, stop, tb, np.arange(tb, dtype=np.int32), placed=placed)
+                outputs = self.call_packed(step, flat, start, stop, tb, np.arange(tb, dtype=np.int32), placed=placed,
+                                           rope=rope)
                 outputs = self.outputs.scored(outputs, step, flat, start, stop, sample_index, scores)
             if failure is not None:
                 continue
@@ -134,14 +147,18 @@ class TokenSteps:
         return tuple(out)
 
     def call_packed(self, step: StepInputs, flat: tuple, start: int, stop: int, tb: int, sample_index,
-                    tree_bits: Optional[np.ndarray] = None, placed: Optional[Placed] = None):
+                    tree_bits: Optional[np.ndarray] = None, placed: Optional[Placed] = None,
+                    rope: Optional[np.ndarray] = None):
         """The model graph of `tb` tokens on the step's real tokens start..stop-1 (`flat`: flat_tokens(step)),
         padding after them; tree_bits: each real token's visible keys (a token tree's nodes; default all); placed:
-        the step's image tokens (their rows and contexts)."""
+        the step's image tokens (their rows and contexts); rope: the step's tokens' RoPE positions where they are
+        not their positions (multimodal RoPE)."""
         ids, pos, kv, context, lora = self.packed_inputs(step, flat, start, stop, tb)
+        if rope is not None:
+            pos[:stop - start] = rope[start:stop]
         if placed is not None:
             context[:stop - start] = placed.context[start:stop]
-            placed.fill(start, stop, ids, self.graphs.model.image_buffer, self.graphs.vocab_size)
+            placed.fill(start, stop, ids, self.graphs.model.image_buffer, self.graphs.vocab_size, pos, self.mrope)
         bits = np.full(tb, -1, np.int32)
         if tree_bits is not None:
             bits[:stop - start] = tree_bits[start:stop]
@@ -187,7 +204,8 @@ class TokenSteps:
         if self.buckets.packed:
             rows, flat = size, np.arange(t)
             bits = step.tree_bits() if step.verify_parent is not None else None
-            outputs = self.call_packed(step, tokens, 0, t, size, np.arange(size, dtype=np.int32), bits)
+            outputs = self.call_packed(step, tokens, 0, t, size, np.arange(size, dtype=np.int32), bits,
+                                       rope=step.rope_positions(tokens[3], tokens[1]))
         elif step.verify_parent is not None:
             raise ValueError("ModelRunner.execute: token trees need the CPU paged-attention kernel (packed verify "
                              "steps); this runner pads verify steps (attention_kernel off, or Ascend)")

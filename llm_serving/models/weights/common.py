@@ -94,6 +94,11 @@ class LlamaConfig:
       only the last `sliding_window` keys (the token's own included). `layer_types` None: every layer slides when
       `sliding_window` is set (Mistral v0.1, Qwen2 with use_sliding_window), none otherwise.
     - `local_rope_theta`: the sliding layers' own RoPE base, unscaled (Gemma 3's rope_local_base_freq).
+    - `mrope_section`: multimodal RoPE (Qwen2.5-VL's M-RoPE): a head's rotary frequencies in three runs of these
+      lengths (summing to rotary_dim / 2), each rotated by one of a token's three positions (time, row, column).
+      A text token's three are one number, so that text alone is plain RoPE; an image's tokens take their place in
+      the image's grid (the runner's rope rows, models/rope.py's `mrope_rows`), and the tokens after an image go on
+      from its largest position, not from its token count.
     - `nope_layers`: the layers without RoPE (SmolLM3's no_rope_layers).
     - `num_experts` > 0: a mixture of experts (Qwen3-MoE, Mixtral): each layer's MLP is `num_experts` gated MLPs of
       `expert_intermediate_size` units, of which a router (a linear layer over the experts) picks the
@@ -167,6 +172,7 @@ class LlamaConfig:
     learned_positions: bool = False
     type_vocab_size: int = 0
     embed_norm: bool = False
+    mrope_section: Optional[tuple] = None
 
     def __post_init__(self):
         if self.hidden_act not in HIDDEN_ACTS:
@@ -176,6 +182,10 @@ class LlamaConfig:
         if not self.learned_positions and (rot % 2 or not 0 < rot <= self.head_dim):
             raise WeightLoadError(f"{self.architecture}: rotary dimension {rot} must be even and at most "
                                   f"head_dim={self.head_dim}")
+        if self.mrope_section is not None and (len(self.mrope_section) != 3 or min(self.mrope_section) < 0
+                                               or 2 * sum(self.mrope_section) != rot):
+            raise WeightLoadError(f"{self.architecture}: mrope_section {self.mrope_section} must be three lengths "
+                                  f"summing to half the rotary dimension ({rot // 2})")
         if self.layer_types is not None:
             if len(self.layer_types) != self.num_layers or set(self.layer_types) - {"full", "sliding"}:
                 raise WeightLoadError(f"{self.architecture}: layer_types must name 'full' or 'sliding' for each of "

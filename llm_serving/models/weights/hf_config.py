@@ -94,6 +94,12 @@ def _rope_settings(raw: dict, path: str, head_dim: int) -> dict:
     rotary = int(head_dim * float(full.get("partial_rotary_factor") or 1.0))
     out = {"rope_theta": theta, "rotary_dim": rotary if rotary != head_dim else None}
     kind = full.get("rope_type") or full.get("type") or "default"
+    if full.get("mrope_section") is not None or full.get("type") == "mrope":    # (Qwen2.5-VL's: 4.x names the type
+        try:                                                                      # mrope, 5.x keeps rope_type default)
+            out["mrope_section"] = tuple(int(v) for v in full["mrope_section"])
+        except (KeyError, TypeError, ValueError):
+            raise WeightLoadError(f"{path}: mrope RoPE needs mrope_section (three lengths)") from None
+        kind = "default" if kind == "mrope" else kind
     if kind == "linear":
         out["rope_freq_factors"] = (float(full["factor"]),) * (rotary // 2)
     elif kind == "llama3":
