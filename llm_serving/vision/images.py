@@ -14,6 +14,11 @@
   (the global frame); an image of one tile is that tile alone (0 x 0). Every resize on the 8-bit RGB image, with
   the spec's filter (LANCZOS); each frame then rescaled and normalized. `grid` gives (rows, cols) from the image's
   size alone: the prompt's expansion needs it before the pixels are made.
+- `qwen_patches`: Qwen2-VL's and Qwen2.5-VL's processor (transformers' PIL Qwen2VLImageProcessor): the image resized
+  so that each edge is a whole number of merge units (`patch` x `merge` pixels) and its area within
+  [min_pixels, max_pixels], the aspect kept as nearly as that allows (`qwen_grid`, from the size alone); rescaled,
+  normalized, and cut into patches grouped by merge unit, each patch's values repeated `temporal` times (a still
+  image is a clip of that many equal frames to the tower's 3-D patch embedding).
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import base64
 import binascii
 import io
 import json
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -29,7 +35,7 @@ from typing import Optional
 import numpy as np
 
 __all__ = ["DEFAULT_MAX_PIXELS", "ImageError", "ImageSpec", "decode", "decode_data_url", "frames", "grid",
-           "image_size", "pixels"]
+           "image_size", "pixels", "qwen_grid", "qwen_patches"]
 
 # an image's pixels at most (width x height) unless the operator sets otherwise: a 32-megapixel photo decodes to
 # 96 MB of RGB before it is resized, and Pillow's own guard (89 M pixels) is far above what a request should cost
@@ -94,7 +100,8 @@ def decode(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS):
 
 @dataclass(frozen=True)
 class ImageSpec:
-    """A model's image processor: what `pixels` (or, with a `tile`, `frames`) makes of an image for its tower."""
+    """A model's image processor: what `pixels` (or, with a `tile`, `frames`; with a `patch`, `qwen_patches`) makes
+    of an image for its tower."""
     height: int
     width: int
     resample: int = 2                     # Pillow's filter code (1: LANCZOS, 2: bilinear, 3: bicubic)
@@ -104,6 +111,11 @@ class ImageSpec:
     tile: Optional[int] = None            # SmolVLM's frames: the tower's image (max_image_size.longest_edge) ...
     longest_edge: Optional[int] = None    # ... the longest edge an image is first resized to (size.longest_edge)
     split: bool = True                    # ... cut into tiles (do_image_splitting), else the image as one tile
+    patch: Optional[int] = None           # Qwen2-VL's (height and width then 0: the size follows the image): the
+    merge: int = 2                        # patch side in pixels, merge x merge patches one token (spatial_merge_size),
+    temporal: int = 2                     # the frames a patch spans (temporal_patch_size), and the bounds of the
+    min_pixels: int = 56 * 56             # resized image's area
+    max_pixels: int = 28 * 28 * 1280
 
     @classmethod
     def from_dir(cls, model_dir: str) -> Optional["ImageSpec"]:
@@ -126,6 +138,8 @@ class ImageSpec:
 
     @classmethod
     def from_config(cls, raw: dict, where: str = "the processor config") -> "ImageSpec":
+        if _is_qwen(raw):
+            return cls._qwen(raw, where)
         size = raw.get("size") or {}
         if isinstance(size, int):
             size = {"height": size, "width": size}
@@ -152,6 +166,47 @@ class ImageSpec:
         if len(mean) != 3 or len(std) != 3 or min(std) <= 0:
             raise ValueError(f"{where}: image_mean and image_std must be three values each, the std positive")
         return cls(height, width, int(raw.get("resample", 2)), rescale, mean, std, **tiling)
+
+    @classmethod
+    def _qwen(cls, raw: dict, where: str) -> "ImageSpec":
+        """Qwen2-VL's processor config: the area bounds from `min_pixels` / `max_pixels` (the Hub's files), else from
+        `size` as {"shortest_edge": min, "longest_edge": max} (what transformers 5.x writes; areas, despite the
+        names) or {"min_pixels", "max_pixels"} (early 4.x); the keys beside `size` win, as transformers reads
+        them. Bicubic and CLIP's mean and std when the file does not say."""
+        size = raw.get("size") if isinstance(raw.get("size"), dict) else {}
+        bounds = {"min_pixels": size.get("shortest_edge", size.get("min_pixels", 56 * 56)),
+                  "max_pixels": size.get("longest_edge", size.get("max_pixels", 28 * 28 * 1280))}
+        bounds.update({key: raw[key] for key in bounds if raw.get(key) is not None})
+        try:
+            fields = {"patch": int(raw.get("patch_size", 14)), "merge": int(raw.get("merge_size", 2)),
+                      "temporal": int(raw.get("temporal_patch_size", 2)),
+                      **{key: int(value) for key, value in bounds.items()}}
+        except (TypeError, ValueError):
+            raise ValueError(f"{where}: patch_size, merge_size, temporal_patch_size, min_pixels and max_pixels must "
+                             "be whole numbers") from None
+        if min(fields.values()) < 1 or fields["min_pixels"] > fields["max_pixels"]:
+            raise ValueError(f"{where}: patch_size, merge_size, temporal_patch_size and the pixel bounds must be "
+                             f"positive, min_pixels at most max_pixels ({fields})")
+        normalize, rescaled = raw.get("do_normalize", True), raw.get("do_rescale", True)
+        mean = tuple(float(v) for v in raw.get("image_mean", _CLIP_MEAN)) if normalize else (0.0, 0.0, 0.0)
+        std = tuple(float(v) for v in raw.get("image_std", _CLIP_STD)) if normalize else (1.0, 1.0, 1.0)
+        if len(mean) != 3 or len(std) != 3 or min(std) <= 0:
+            raise ValueError(f"{where}: image_mean and image_std must be three values each, the std positive")
+        rescale = float(raw.get("rescale_factor", 1 / 255)) if rescaled else 1.0
+        return cls(0, 0, int(raw.get("resample", 3)), rescale, mean, std, **fields)
+
+
+# OpenAI CLIP's per-channel mean and standard deviation: Qwen2-VL's processor's when its file gives none
+_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+def _is_qwen(raw: dict) -> bool:
+    """Whether a processor config is Qwen2-VL's (Qwen2.5-VL's is the same processor): by its type, or by the keys
+    only it has (the temporal patch beside the patch or merge size)."""
+    if "Qwen2VL" in str(raw.get("image_processor_type", "")):
+        return True
+    return "temporal_patch_size" in raw and ("merge_size" in raw or "patch_size" in raw)
 
 
 def image_size(data: bytes) -> tuple:
@@ -231,7 +286,10 @@ def grid(width: int, height: int, spec: ImageSpec) -> tuple:
 
 def frames(image, spec: ImageSpec) -> list:
     """The float32 (3, tile, tile) frames of `image` the tower reads, in the prompt's order: its tiles row by row,
-    then the whole image (see the module docstring); one frame for a spec without tiles (`pixels`)."""
+    then the whole image (see the module docstring); one frame for a spec without tiles (`pixels`); for Qwen2-VL's,
+    one frame of the whole image's merge units (`qwen_patches`)."""
+    if spec.patch is not None:
+        return [qwen_patches(image, spec)]
     if spec.tile is None:
         return [pixels(image, spec)]
     rgb = _rgb(image)
@@ -246,3 +304,57 @@ def frames(image, spec: ImageSpec) -> list:
     out = [_normalized(rgb.crop((c * tile, r * tile, (c + 1) * tile, (r + 1) * tile)), spec)
            for r in range(rows) for c in range(cols)]
     return out + [_normalized(rgb.resize((tile, tile), resample=spec.resample), spec)]
+
+
+# transformers' Qwen2-VL processors refuse an image whose long edge is more than this many times its short one
+_QWEN_MAX_ASPECT = 200
+
+
+def _qwen_size(width: int, height: int, spec: ImageSpec) -> tuple:
+    """(width, height) the image is resized to (transformers' smart_resize): each edge rounded to the nearest whole
+    number of merge units (Python's round: halves to even), then, if the area is past max_pixels, both edges scaled
+    by the same factor and rounded down (at least one unit), or, if short of min_pixels, scaled and rounded up."""
+    if spec.patch is None:
+        raise ValueError("a Qwen2-VL size needs a Qwen2-VL image processor (ImageSpec.patch)")
+    if max(width, height) / min(width, height) > _QWEN_MAX_ASPECT:
+        raise ImageError(f"the image is {width} x {height} pixels: its long edge may be at most "
+                         f"{_QWEN_MAX_ASPECT} times its short one")
+    unit = spec.patch * spec.merge
+    h, w = round(height / unit) * unit, round(width / unit) * unit
+    if h * w > spec.max_pixels:
+        beta = math.sqrt(height * width / spec.max_pixels)
+        h = max(unit, math.floor(height / beta / unit) * unit)
+        w = max(unit, math.floor(width / beta / unit) * unit)
+    elif h * w < spec.min_pixels:
+        beta = math.sqrt(spec.min_pixels / (height * width))
+        h = math.ceil(height * beta / unit) * unit
+        w = math.ceil(width * beta / unit) * unit
+    return w, h
+
+
+def qwen_grid(width: int, height: int, spec: ImageSpec) -> tuple:
+    """(gh, gw): the patch grid (in patches of spec.patch pixels) of an image of this size after its resize, from
+    the size alone (the prompt's expansion needs its token count, (gh // merge) * (gw // merge), before the pixels
+    are made). ImageError for an image transformers refuses (an aspect ratio past 200)."""
+    w, h = _qwen_size(width, height, spec)
+    return h // spec.patch, w // spec.patch
+
+
+def qwen_patches(image, spec: ImageSpec) -> np.ndarray:
+    """`image` (a Pillow image) as Qwen2-VL's tower reads it: float32 (gh // m, gw // m, m * m, C * T * P * P) for
+    merge m, temporal T and patch P. RGB (transparency over white), resized on its 8-bit values to `qwen_grid`'s size
+    with the spec's filter, rescaled (in float64, then float32, as transformers), normalized; then the merge units
+    row by row, each unit's m x m patches row by row, each patch's values channel by channel, the T equal frames of
+    a channel one after the other, a frame's P x P pixels row by row: transformers' `pixel_values` rows of the image
+    (gh * gw of them), in their order."""
+    rgb = _rgb(image)
+    w, h = _qwen_size(*rgb.size, spec)
+    if rgb.size != (w, h):
+        rgb = rgb.resize((w, h), resample=spec.resample)
+    array = (np.asarray(rgb, np.float64) * spec.rescale).astype(np.float32)
+    array = (array - np.asarray(spec.mean, np.float32)) / np.asarray(spec.std, np.float32)       # (H, W, C)
+    p, m, t, c = spec.patch, spec.merge, spec.temporal, array.shape[2]
+    gh2, gw2 = h // (p * m), w // (p * m)
+    units = array.reshape(gh2, m, p, gw2, m, p, c).transpose(0, 3, 1, 4, 6, 2, 5)    # (gh2, gw2, m, m, C, P, P)
+    clip = np.broadcast_to(units[:, :, :, :, :, None], units.shape[:5] + (t, p, p))         # (..., C, T, P, P)
+    return np.ascontiguousarray(clip, np.float32).reshape(gh2, gw2, m * m, c * t * p * p)
