@@ -299,11 +299,12 @@ def _qwen_config(raw: dict, path: str) -> QwenVisionConfig:
 def qwen_vision_shapes(cfg: QwenVisionConfig) -> dict:
     """{name: shape} of every tensor Qwen2.5-VL's tower and merger read (`visual.<...>`)."""
     d, m, c = cfg.hidden_size, cfg.intermediate_size, cfg.spatial_merge_size ** 2 * cfg.hidden_size
+    out = cfg.out_hidden_size
     shapes = {"visual.patch_embed.proj.weight": (d, cfg.num_channels, cfg.temporal_patch_size, cfg.patch_size,
                                                  cfg.patch_size),
               "visual.merger.ln_q.weight": (d,),
               "visual.merger.mlp.0.weight": (c, c), "visual.merger.mlp.0.bias": (c,),
-              "visual.merger.mlp.2.weight": (cfg.out_hidden_size, c), "visual.merger.mlp.2.bias": (cfg.out_hidden_size,)}
+              "visual.merger.mlp.2.weight": (out, c), "visual.merger.mlp.2.bias": (out,)}
     for i in range(cfg.num_layers):
         at = f"visual.blocks.{i}."
         shapes.update({at + "norm1.weight": (d,), at + "norm2.weight": (d,),
