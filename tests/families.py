@@ -19,6 +19,8 @@ server with transformers (the reference) and a HuggingFace directory with its GG
 - `make_gemma3_vl(path, seed)`: a tiny random Gemma3ForConditionalGeneration with its SigLIP tower, image processor and
   a tokenizer holding Gemma 3's image tokens (a ChatML template that marks an image part); `vision_prompt_ids(path,
   turns)`: the prompt ids transformers' Gemma 3 processor makes of a chat, tokenized apart from the server.
+  `make_smolvlm` and `make_qwen25_vl`: the same of SmolVLM and of Qwen2.5-VL (its windowed tower, an image at its
+  own size, M-RoPE in the text model).
 - `write_gguf(family, hf_path, out_path, qtype)`: the directory as llama.cpp's convert_hf_to_gguf.py writes it
   (tensor names from the gguf package's map, q/k rows permuted for the architectures whose llama.cpp RoPE pairs
   neighbours, Gemma's norms stored as 1 + w, Phi-3's fused tensors and longrope factors, the metadata keys; the
@@ -452,6 +454,62 @@ def make_smolvlm(path, seed: int = 1, tokenizer: bool = True):
                                                encoding="utf-8")
     if tokenizer:
         write_tokenizer(path, 300, extra=SMOLVLM_IMAGE_TOKENS, template=SMOLVLM_CHATML)
+    return model
+
+
+# Qwen2.5-VL's image and video tokens (ids 3-6 of the tiny model's tokenizer): the marks around an image's
+# placeholders, the image's placeholder and the video's
+QWEN_VL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+# a ChatML template that, as Qwen2.5-VL's does, puts <|vision_start|><|image_pad|><|vision_end|> where a message's
+# image part is (the processor then repeats <|image_pad|> once per token of the image)
+QWEN_VL_CHATML = VISION_CHATML.replace("<start_of_image>", "<|vision_start|><|image_pad|><|vision_end|>")
+
+
+def qwen2vl_pil_processor(**kwargs):
+    """transformers' PIL Qwen2VLImageProcessor (5.x's Qwen2VLImageProcessorPil; 4.x's Qwen2VLImageProcessor, its
+    "slow" one), the reference of vision/images.py's qwen_patches; it saves the same config as the torchvision one."""
+    _, transformers = needs_transformers()
+    return getattr(transformers, "Qwen2VLImageProcessorPil", transformers.Qwen2VLImageProcessor)(**kwargs)
+
+
+def make_qwen25_vl(path, seed: int = 1, tokenizer: bool = True):
+    """A tiny Qwen2_5_VLForConditionalGeneration that transformers makes, random (every weight drawn afresh: the
+    tower's as make_smolvlm's, the text model's too, its q/k/v biases as make_hf_model's Qwen2's): a 4-block tower of
+    width 32 in 14-pixel patches, merged 2 x 2 into tokens of the text model's width 64, windows of 2 x 2 merge
+    units (56 pixels) but in blocks 1 and 3 (full attention); a 2-layer text model of 300 tokens with M-RoPE
+    (sections 2, 3, 3 of its 8 frequencies). Its image processor beside it (Qwen2VLImageProcessor, areas 56 x 56 to
+    28 x 28 x 16: at most 16 tokens an image), and (`tokenizer`) a tokenizer holding QWEN_VL_TOKENS with
+    QWEN_VL_CHATML. Returns the model (eval mode)."""
+    torch, transformers = needs_transformers()
+    path = Path(path)
+    start, end, image, video = (len(SPECIAL_TOKENS) + k for k in range(4))
+    cfg = transformers.Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rope_theta=1e6,
+                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, tie_word_embeddings=False,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0),
+        vision_config=dict(depth=4, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1, 3],
+                           out_hidden_size=64),
+        image_token_id=image, vision_start_token_id=start, vision_end_token_id=end, video_token_id=video,
+        tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(cfg).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "visual" in name:                                        # the tower and the merger
+                p.copy_(torch.randn(p.shape, generator=generator) * (0.5 if p.ndim == 1 else 0.2))
+            elif p.ndim >= 2:
+                p.copy_(torch.randn(p.shape, generator=generator) * (0.5 if "embed_tokens" in name else 0.1))
+            elif name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=generator))
+            else:                                                       # the q/k/v biases
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.5)
+    model.save_pretrained(path)
+    qwen2vl_pil_processor(min_pixels=56 * 56, max_pixels=28 * 28 * 16).save_pretrained(path)
+    if tokenizer:
+        write_tokenizer(path, 300, extra=QWEN_VL_TOKENS, template=QWEN_VL_CHATML)
     return model
 
 

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from tests.families import needs_transformers
+from tests.families import needs_transformers, qwen2vl_pil_processor
 
 pytest.importorskip("PIL", reason="Pillow reads the images (pip install -e .)")
 from PIL import Image  # noqa: E402
@@ -42,8 +42,7 @@ IMAGES = [(56, 56, "RGB", "square, one resize-free unit grid"), (200, 60, "RGB",
 def test_patches_are_transformers_pixel_values(width, height, mode):
     """Each image alone: its rows, in transformers' order, within 1e-6 (they agree to the bit: the same Pillow resize
     on the 8-bit image, the rescale in float64, the normalization in float32)."""
-    _, transformers = needs_transformers()
-    processor = transformers.Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=28 * 28 * 16)
+    processor = qwen2vl_pil_processor(min_pixels=56 * 56, max_pixels=28 * 28 * 16)
     spec = ImageSpec.from_config(processor.to_dict())
     image = _image(width * height, width, height, mode)
     theirs = processor(images=[image], return_tensors="np")
@@ -58,9 +57,7 @@ def test_patches_are_transformers_pixel_values(width, height, mode):
 
 def test_the_default_bounds_and_the_hub_s_config_give_transformers_rows():
     """The Hub's 4.x file (its bounds; bicubic, as transformers defaults) on a photo-sized image."""
-    _, transformers = needs_transformers()
-    processor = transformers.Qwen2VLImageProcessorPil(min_pixels=HUB_4X["min_pixels"],
-                                                       max_pixels=HUB_4X["max_pixels"])
+    processor = qwen2vl_pil_processor(min_pixels=HUB_4X["min_pixels"], max_pixels=HUB_4X["max_pixels"])
     spec = ImageSpec.from_config(HUB_4X)
     image = _image(5, 333, 250)
     theirs = processor(images=[image], return_tensors="np")
@@ -72,7 +69,7 @@ def test_the_default_bounds_and_the_hub_s_config_give_transformers_rows():
 def test_the_grid_is_transformers_from_the_size_alone():
     """smart_resize's rounding (halves to even), its max_pixels cut (rounded down) and min_pixels raise (rounded
     up), and its refusal of an aspect ratio past 200, for sizes whose pixels are never made."""
-    _, transformers = needs_transformers()
+    needs_transformers()
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
     for bounds in ((56 * 56, 28 * 28 * 16), (HUB_4X["min_pixels"], HUB_4X["max_pixels"]),

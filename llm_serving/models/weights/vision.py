@@ -15,6 +15,11 @@ hidden state. Two families are read here, both SigLIP towers:
   `scale_factor` (each s x s block of patches one token of s^2 x the width) and projected without a bias
   (`projector` "shuffle"; `model.vision_model.*` and `model.connector.modality_projection.proj.weight` read as
   `vision_tower.*` and `multi_modal_projector.proj.weight`); its image tokens are causal, as text.
+A third family's tower is another kind (`QwenVisionConfig`, models/vision_qwen.py):
+- Qwen2.5-VL (`Qwen2_5_VLForConditionalGeneration`): an image at its own size in patches of temporal x patch x patch
+  values, RMS norms, 2-D rotary positions, windowed attention but in the `fullatt_block_indexes` layers, a SwiGLU
+  MLP with biases, and the merger (each merge x merge patches one token of the text model's width); its tensors
+  `visual.<...>` (the Hub's 4.x files; transformers 5.x may write `model.visual.<...>`, read the same).
 """
 from __future__ import annotations
 
@@ -30,11 +35,13 @@ import numpy as np
 from .common import StoredTensor, WeightLoadError, check_tensors
 from .hf import _checkpoint_names, _safetensors_header, _shard_files, stored_safetensors
 
-__all__ = ["VisionConfig", "mmproj_checkpoint", "mmproj_config", "vision_checkpoint", "vision_shapes"]
+__all__ = ["QwenVisionConfig", "VisionConfig", "mmproj_checkpoint", "mmproj_config", "qwen_vision_shapes",
+           "vision_checkpoint", "vision_shapes"]
 
 _ARCHITECTURES = ("Gemma3ForConditionalGeneration", "SmolVLMForConditionalGeneration",
                   "Idefics3ForConditionalGeneration")
 _SHUFFLED = ("SmolVLMForConditionalGeneration", "Idefics3ForConditionalGeneration")
+_QWEN_ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration",)
 # llama.cpp's mmproj projector types read here -> the architecture whose tower and projector they hold
 MMPROJ_PROJECTORS = {"gemma3": "Gemma3ForConditionalGeneration", "idefics3": "Idefics3ForConditionalGeneration"}
 
@@ -153,10 +160,11 @@ def _our_name(name: str) -> Optional[str]:
     return name if name.startswith(("vision_tower.", "multi_modal_projector.")) else None
 
 
-def vision_checkpoint(model_dir: str) -> Optional[tuple[VisionConfig, dict[str, StoredTensor]]]:
+def vision_checkpoint(model_dir: str) -> Optional[tuple]:
     """(config, {name: StoredTensor}) of a HF model directory's vision tower and projector, every shape checked,
-    nothing read yet; None when its config.json has no vision_config. WeightLoadError for a family whose tower is
-    not read here, a missing tensor or a wrong shape."""
+    nothing read yet: a `VisionConfig` (SigLIP's towers) or, for a Qwen2.5-VL, a `QwenVisionConfig`; None when its
+    config.json has no vision_config. WeightLoadError for a family whose tower is not read here, a config the tower
+    cannot run, a missing tensor or a wrong shape."""
     path = os.path.join(model_dir, "config.json")
     try:
         with open(path, encoding="utf-8") as f:
@@ -166,17 +174,26 @@ def vision_checkpoint(model_dir: str) -> Optional[tuple[VisionConfig, dict[str, 
     if not isinstance(raw.get("vision_config"), dict):
         return None
     arch = (raw.get("architectures") or ["?"])[0]
-    if arch not in _ARCHITECTURES:
+    if arch not in _ARCHITECTURES + _QWEN_ARCHITECTURES:
         raise WeightLoadError(f"{path}: the vision tower of {arch} is not read here (served: "
-                              f"{', '.join(_ARCHITECTURES)})")
+                              f"{', '.join(_ARCHITECTURES + _QWEN_ARCHITECTURES)})")
+    if arch in _QWEN_ARCHITECTURES:
+        cfg = _qwen_config(raw, path)
+        return cfg, _stored(model_dir, _qwen_name, qwen_vision_shapes(cfg))
     cfg = _config(raw, path)
+    return cfg, _stored(model_dir, _our_name, vision_shapes(cfg))
+
+
+def _stored(model_dir: str, our_name, shapes: dict) -> dict[str, StoredTensor]:
+    """{our name: StoredTensor} of the checkpoint's tensors `our_name` maps (None: not the vision side's), with the
+    half-precision types they are stored in, checked against `shapes`."""
     files = _shard_files(model_dir)
-    names = {name: ours for name in _checkpoint_names(files) if (ours := _our_name(name))}
+    names = {name: ours for name in _checkpoint_names(files) if (ours := our_name(name))}
     stored = stored_safetensors(files, set(names))
     kinds = _safetensors_types(files, set(stored))
     tensors = {names[name]: dataclasses.replace(tensor, stored_type=kinds.get(name)) for name, tensor in stored.items()}
-    check_tensors(tensors, vision_shapes(cfg), f"the vision tower in {model_dir}")
-    return cfg, tensors
+    check_tensors(tensors, shapes, f"the vision tower in {model_dir}")
+    return tensors
 
 
 def _safetensors_types(files: dict[str, str], names: set) -> dict:
@@ -192,6 +209,119 @@ def _safetensors_types(files: dict[str, str], names: set) -> dict:
                       if name in names and isinstance(info, dict) and info.get("dtype") in ("F16", "BF16")})
     return kinds
 
+
+@dataclass(frozen=True)
+class QwenVisionConfig:
+    """Qwen2.5-VL's tower and merger (the module docstring): patches of num_channels x temporal_patch_size x
+    patch_size x patch_size values embedded to hidden_size, num_layers blocks of num_heads heads (full attention in
+    `fullatt_block_indexes`, else within windows of `window_size` pixels a side), spatial_merge_size squared patches
+    merged into one token of out_hidden_size (the text model's width). `eps`: every RMS norm's (transformers fixes
+    it at 1e-6); `rope_theta`: the 2-D rotary positions' base. The token ids: the placeholder the prompt holds once
+    per image token, and the tokens around an image's placeholders."""
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    window_size: int
+    fullatt_block_indexes: tuple
+    out_hidden_size: int
+    num_channels: int = 3
+    eps: float = 1e-6
+    image_token_id: Optional[int] = None
+    vision_start_token_id: Optional[int] = None
+    vision_end_token_id: Optional[int] = None
+    rope_theta: float = 10000.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_features(self) -> int:
+        """The values of one patch (a row of the processor's pixel_values): C x T x P x P."""
+        return self.num_channels * self.temporal_patch_size * self.patch_size ** 2
+
+    @property
+    def window_units(self) -> int:
+        """A window's side in merge units (transformers' vit_merger_window_size)."""
+        return self.window_size // self.spatial_merge_size // self.patch_size
+
+
+def _qwen_config(raw: dict, path: str) -> QwenVisionConfig:
+    """The QwenVisionConfig of a Qwen2.5-VL config.json: 5.x's (text_config nested, the vision rotary base in
+    vision_config.rope_parameters) or the Hub's 4.x (the text model's keys at the top, `in_chans`)."""
+    vision = raw["vision_config"]
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    act = vision.get("hidden_act", "silu")
+    if act != "silu":
+        raise WeightLoadError(f"{path}: vision_config.hidden_act {act!r}: the tower's MLP runs SwiGLU (silu) only")
+    rope = vision.get("rope_parameters") or {}
+    try:
+        cfg = QwenVisionConfig(
+            hidden_size=int(vision["hidden_size"]), intermediate_size=int(vision["intermediate_size"]),
+            num_layers=int(vision["depth"]), num_heads=int(vision["num_heads"]),
+            patch_size=int(vision["patch_size"]), temporal_patch_size=int(vision["temporal_patch_size"]),
+            spatial_merge_size=int(vision["spatial_merge_size"]), window_size=int(vision["window_size"]),
+            fullatt_block_indexes=tuple(int(i) for i in vision["fullatt_block_indexes"]),
+            out_hidden_size=int(vision["out_hidden_size"]),
+            num_channels=int(vision.get("in_channels", vision.get("in_chans", 3))),
+            image_token_id=raw.get("image_token_id"), vision_start_token_id=raw.get("vision_start_token_id"),
+            vision_end_token_id=raw.get("vision_end_token_id"),
+            rope_theta=float(rope.get("rope_theta", vision.get("rope_theta", 10000.0))))
+    except (KeyError, TypeError, ValueError) as e:
+        raise WeightLoadError(f"{path}: vision_config lacks or mistypes {e}") from None
+    if min(cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.num_heads, cfg.patch_size,
+           cfg.temporal_patch_size, cfg.spatial_merge_size, cfg.window_size, cfg.out_hidden_size) < 1:
+        raise WeightLoadError(f"{path}: vision_config: every size must be positive ({cfg})")
+    unit = cfg.spatial_merge_size * cfg.patch_size
+    problems = []
+    if cfg.hidden_size % cfg.num_heads or cfg.head_dim % 4:
+        problems.append(f"{cfg.num_heads} heads of hidden_size {cfg.hidden_size} are not heads of a multiple of 4 "
+                        "values (the 2-D rotary positions take a quarter of a head each way, twice)")
+    if cfg.window_size % unit or cfg.window_size < unit:
+        problems.append(f"window_size {cfg.window_size} is not a whole number of merge units of {unit} pixels")
+    if any(not 0 <= i < cfg.num_layers for i in cfg.fullatt_block_indexes):
+        problems.append(f"fullatt_block_indexes {list(cfg.fullatt_block_indexes)} name a layer outside the "
+                        f"{cfg.num_layers} (0 to {cfg.num_layers - 1})")
+    if cfg.num_channels != 3:
+        problems.append(f"the images have {cfg.num_channels} channels, not RGB's 3")
+    if text.get("hidden_size") is not None and int(text["hidden_size"]) != cfg.out_hidden_size:
+        problems.append(f"out_hidden_size {cfg.out_hidden_size} is not the text model's hidden_size "
+                        f"{text['hidden_size']}")
+    if problems:
+        raise WeightLoadError(f"{path}: vision_config: {'; '.join(problems)}")
+    return cfg
+
+
+def qwen_vision_shapes(cfg: QwenVisionConfig) -> dict:
+    """{name: shape} of every tensor Qwen2.5-VL's tower and merger read (`visual.<...>`)."""
+    d, m, c = cfg.hidden_size, cfg.intermediate_size, cfg.spatial_merge_size ** 2 * cfg.hidden_size
+    out = cfg.out_hidden_size
+    shapes = {"visual.patch_embed.proj.weight": (d, cfg.num_channels, cfg.temporal_patch_size, cfg.patch_size,
+                                                 cfg.patch_size),
+              "visual.merger.ln_q.weight": (d,),
+              "visual.merger.mlp.0.weight": (c, c), "visual.merger.mlp.0.bias": (c,),
+              "visual.merger.mlp.2.weight": (out, c), "visual.merger.mlp.2.bias": (out,)}
+    for i in range(cfg.num_layers):
+        at = f"visual.blocks.{i}."
+        shapes.update({at + "norm1.weight": (d,), at + "norm2.weight": (d,),
+                       at + "attn.qkv.weight": (3 * d, d), at + "attn.qkv.bias": (3 * d,),
+                       at + "attn.proj.weight": (d, d), at + "attn.proj.bias": (d,),
+                       at + "mlp.gate_proj.weight": (m, d), at + "mlp.gate_proj.bias": (m,),
+                       at + "mlp.up_proj.weight": (m, d), at + "mlp.up_proj.bias": (m,),
+                       at + "mlp.down_proj.weight": (d, m), at + "mlp.down_proj.bias": (d,)})
+    return shapes
+
+
+def _qwen_name(name: str) -> Optional[str]:
+    """A Qwen2.5-VL checkpoint name as the tower knows it (`visual.<...>`: the Hub's; 5.x's `model.visual.<...>`
+    too), or None for the text model's."""
+    if name.startswith("model.visual."):
+        name = name[len("model."):]
+    return name if name.startswith("visual.") else None
 
 
 # llama.cpp's mmproj names (its converter's, for Gemma 3) -> ours; `blk.N.` parts of a layer's

@@ -1,0 +1,281 @@
+"""Qwen2.5-VL's vision tower and merger: an image's patches to the text model's embeddings of it, in MindSpore graphs.
+
+What it computes (transformers' Qwen2_5_VisionTransformerPretrainedModel):
+- the patches (vision/images.py's `qwen_patches`: merge units row by row, each unit's m x m patches, each patch's
+  C x T x P x P values) each a row of one matmul with the 3-D convolution's kernel (stride = kernel, no bias);
+- num_layers pre-norm blocks: RMS norm, attention (q|k|v one product with a bias, each head's q and k rotated by the
+  patch's row in the first half of the head and its column in the second, 2-D rotary positions), its projection,
+  a residual; RMS norm, SwiGLU (gate and up with biases, silu) and down (a bias), a residual. The attention of the
+  `fullatt_block_indexes` layers is over every patch of the image; the others' within windows of window_units x
+  window_units merge units (the grid cut from its top left, the last row and column of windows partial);
+- the merger: RMS norm (ln_q), each unit's m x m patches side by side as one row, Linear, exact (erf) GELU, Linear
+  to the text model's width: one token a merge unit, row by row, as the prompt's placeholders take them.
+
+How: the state between calls is the patches in merge-unit order, (gh2, gw2, m m, D), so the grid travels with it
+(the agent keeps it as numpy between steps). `run_layers` lays it out in windows for its layers: every window
+padded to window_units^2 units (T = window_units^2 m^2 rows), (W, T, D), the padding rows set to zero before each
+layer and masked out of every attention as keys. A windowed layer attends within each of the W windows at once
+(W x heads x T x T scores, never patches^2); a full layer over all W T rows, its queries QUERY_ROWS at a time (a
+chunk's scores alive, not all of them). The graphs' shapes then depend on the number of windows alone (the
+layers') or the grid (the patch embedding's and the merger's), and each image's rotary tables and window layout
+are made once per grid (`_Layout`, a few cached). Arithmetic in float32 throughout.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+
+from mindspore import Tensor, nn, ops
+
+from llm_serving.models.llama import _gelu_erf, _rms_normalize
+from llm_serving.models.weights.vision import QwenVisionConfig, qwen_vision_shapes
+
+__all__ = ["QwenVisionTower"]
+
+# a full-attention layer's queries per chunk (rounded to whole windows): its scores then take heads x QUERY_ROWS x
+# patches floats at a time (16 heads, 5,120 patches: 335 MB), not heads x patches^2 (1.7 GB)
+QUERY_ROWS = 1024
+# what a padding key's score gets: exp of it, less the row's maximum, is exactly 0 (never -inf: no inf - inf)
+_MASKED = -1e30
+
+
+def _tensor(array: np.ndarray):
+    return Tensor(np.ascontiguousarray(array, np.float32))
+
+
+class _Layout:
+    """An image's grid of merge units (gh2 x gw2) laid out in windows: `index` (W T,), the raster row (in the
+    (gh2 gw2 m m) order) of each window slot's patch, -1 for padding; `keep` (W, T, 1) where a slot holds a patch;
+    `key_bias` (W, T), 0 there and _MASKED elsewhere; `cos`, `sin` (W, T, head_dim), each slot's rotary table."""
+
+    def __init__(self, cfg: QwenVisionConfig, gh2: int, gw2: int):
+        m, wu, mm = cfg.spatial_merge_size, cfg.window_units, cfg.spatial_merge_size ** 2
+        rows_of_windows, cols_of_windows = -(-gh2 // wu), -(-gw2 // wu)
+        self.windows, self.per_window = rows_of_windows * cols_of_windows, wu * wu * mm
+        a, b, sr, sc, k = np.meshgrid(np.arange(rows_of_windows), np.arange(cols_of_windows), np.arange(wu),
+                                      np.arange(wu), np.arange(mm), indexing="ij")     # window, unit in it, patch
+        unit_row, unit_col = a * wu + sr, b * wu + sc
+        valid = ((unit_row < gh2) & (unit_col < gw2)).reshape(-1)
+        self.index = np.where(valid, ((unit_row * gw2 + unit_col) * mm + k).reshape(-1), -1)
+        self.slots = np.nonzero(valid)[0]                   # the padded slots of the patches
+        self.order = np.argsort(self.index[self.slots])     # ... in raster order
+        shape = (self.windows, self.per_window)
+        self.keep = Tensor(valid.reshape(*shape, 1))
+        self.key_bias = _tensor(np.where(valid, 0.0, _MASKED).reshape(shape))
+        # the patch's row and column in the grid of patches (the rotary positions)
+        rows, cols = (unit_row * m + k // m).reshape(-1), (unit_col * m + k % m).reshape(-1)
+        half = cfg.head_dim // 2
+        inv_freq = np.float32(1.0) / np.float32(cfg.rope_theta) ** (np.arange(0, half, 2, dtype=np.float32)
+                                                                    / np.float32(half))
+        angles = np.concatenate([rows[:, None].astype(np.float32) * inv_freq,
+                                 cols[:, None].astype(np.float32) * inv_freq], axis=1)
+        angles = np.concatenate([angles, angles], axis=1).reshape(*shape, cfg.head_dim)
+        self.cos, self.sin = _tensor(np.cos(angles)), _tensor(np.sin(angles))
+
+    def windowed(self, x: np.ndarray) -> np.ndarray:
+        """(gh2 gw2 m m, D) raster rows -> (W, T, D), padding zero."""
+        out = np.zeros((self.windows * self.per_window, x.shape[-1]), np.float32)
+        out[self.slots] = x[self.index[self.slots]]
+        return out.reshape(self.windows, self.per_window, -1)
+
+    def raster(self, x: np.ndarray) -> np.ndarray:
+        """(W, T, D) -> (gh2 gw2 m m, D): the patches' rows back in raster order."""
+        return x.reshape(-1, x.shape[-1])[self.slots[self.order]]
+
+
+class _Embed(nn.Cell):
+    """Patches (gh2, gw2, m m, F) -> (gh2, gw2, m m, D): each patch a row of one matmul with the kernel (D, F)."""
+
+    def __init__(self):
+        super().__init__()
+        self.matmul = ops.MatMul(transpose_b=True)
+
+    def construct(self, patches, kernel):
+        gh2, gw2, mm, f = patches.shape
+        return self.matmul(patches.reshape(gh2 * gw2 * mm, f), kernel).reshape(gh2, gw2, mm, kernel.shape[0])
+
+
+# a block's weights, in the order _Block.construct takes them after x and the layout's tensors
+_BLOCK_INPUTS = ("norm1", "qkv", "qkv_bias", "proj", "proj_bias", "norm2", "gate_up", "gate_up_bias", "down",
+                 "down_bias")
+
+
+def _block_weights(read, index: int) -> tuple:
+    """Block `index`'s weights as _Block takes them (_BLOCK_INPUTS): matrices (out, in) as stored, gate and up as one
+    (2 I, D)."""
+    at = f"visual.blocks.{index}."
+    w = {"norm1": read(at + "norm1.weight"), "norm2": read(at + "norm2.weight"),
+         "qkv": read(at + "attn.qkv.weight"), "qkv_bias": read(at + "attn.qkv.bias"),
+         "proj": read(at + "attn.proj.weight"), "proj_bias": read(at + "attn.proj.bias"),
+         "gate_up": np.concatenate([read(at + "mlp.gate_proj.weight"), read(at + "mlp.up_proj.weight")]),
+         "gate_up_bias": np.concatenate([read(at + "mlp.gate_proj.bias"), read(at + "mlp.up_proj.bias")]),
+         "down": read(at + "mlp.down_proj.weight"), "down_bias": read(at + "mlp.down_proj.bias")}
+    return tuple(_tensor(w[name]) for name in _BLOCK_INPUTS)
+
+
+class _Block(nn.Cell):
+    """One block (the module docstring) on the windowed layout (W, T, D); `full`: its attention over every row of
+    every window (the padding masked), in chunks of whole windows of about QUERY_ROWS queries; else within each
+    window."""
+
+    def __init__(self, cfg: QwenVisionConfig, full: bool):
+        super().__init__()
+        self.full, self.eps = full, cfg.eps
+        self.heads, self.head_dim, self.inner = cfg.num_heads, cfg.head_dim, cfg.intermediate_size
+        self.scale = cfg.head_dim ** -0.5
+        self.chunk_windows = max(1, QUERY_ROWS // (cfg.window_units ** 2 * cfg.spatial_merge_size ** 2))
+        self.matmul = ops.MatMul(transpose_b=True)             # (the weights as stored: (out, in))
+        self.scores = ops.BatchMatMul(transpose_b=True)
+        self.weighted = ops.BatchMatMul()
+
+    def _rotated(self, x, cos, sin):
+        # x (W, T, heads, hd); cos, sin (W, T, 1, hd): x cos + rotate_half(x) sin
+        half = self.head_dim // 2
+        return x * cos + ops.concat((-x[..., half:], x[..., :half]), -1) * sin
+
+    def _attend_windows(self, q, k, v, key_bias):
+        # q, k, v (W, T, heads, hd) -> (W T, D): each window's queries over its keys
+        w, t = q.shape[0], q.shape[1]
+        q, k, v = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)   # (W, heads, T, hd)
+        scores = self.scores(q, k) * self.scale + key_bias.reshape(w, 1, 1, t)                # (W, heads, T, T)
+        out = self.weighted(ops.softmax(scores, axis=-1), v)                                  # (W, heads, T, hd)
+        return out.transpose(0, 2, 1, 3).reshape(w * t, self.heads * self.head_dim)
+
+    def _attend_all(self, q, k, v, key_bias):
+        # q, k, v (W, T, heads, hd) -> (W T, D): every query over every key, chunk_windows windows of queries a time
+        w, t = q.shape[0], q.shape[1]
+        q = q.reshape(w * t, self.heads, self.head_dim).transpose(1, 0, 2)                   # (heads, W T, hd)
+        k = k.reshape(w * t, self.heads, self.head_dim).transpose(1, 0, 2)
+        v = v.reshape(w * t, self.heads, self.head_dim).transpose(1, 0, 2)
+        bias = key_bias.reshape(1, 1, w * t)
+        rows = self.chunk_windows * t
+        outs = []
+        for start in range(0, w * t, rows):
+            scores = self.scores(q[:, start:start + rows], k) * self.scale + bias                 # (heads, rows, WT)
+            outs.append(self.weighted(ops.softmax(scores, axis=-1), v))                          # (heads, rows, hd)
+        out = outs[0] if len(outs) == 1 else ops.concat(outs, 1)
+        return out.transpose(1, 0, 2).reshape(w * t, self.heads * self.head_dim)
+
+    def construct(self, x, keep, key_bias, cos, sin, norm1, qkv_w, qkv_bias, proj_w, proj_bias, norm2, gate_up,
+                  gate_up_bias, down_w, down_bias):
+        w, t, d = x.shape
+        x = ops.select(keep, x, ops.zeros_like(x))             # (the padding rows: zero whatever came before)
+        h = (_rms_normalize(x, self.eps) * norm1).reshape(w * t, d)
+        qkv = (self.matmul(h, qkv_w) + qkv_bias).reshape(w, t, 3, self.heads, self.head_dim)
+        cos, sin = cos.reshape(w, t, 1, self.head_dim), sin.reshape(w, t, 1, self.head_dim)
+        q, k = self._rotated(qkv[:, :, 0], cos, sin), self._rotated(qkv[:, :, 1], cos, sin)  # (W, T, heads, hd)
+        attend = self._attend_all if self.full else self._attend_windows
+        attended = attend(q, k, qkv[:, :, 2], key_bias)                                      # (W T, D)
+        x = x + (self.matmul(attended, proj_w) + proj_bias).reshape(w, t, d)
+        h = (_rms_normalize(x, self.eps) * norm2).reshape(w * t, d)
+        gate_up = self.matmul(h, gate_up) + gate_up_bias                                     # (W T, 2 I)
+        h = ops.silu(gate_up[:, :self.inner]) * gate_up[:, self.inner:]
+        return x + (self.matmul(h, down_w) + down_bias).reshape(w, t, d)
+
+
+class _Merger(nn.Cell):
+    """The last block's output (gh2, gw2, m m, D) -> (1, gh2 gw2, out_hidden): ln_q, each unit's patches as one row
+    of m m D, Linear, GELU (erf), Linear."""
+
+    def __init__(self, cfg: QwenVisionConfig):
+        super().__init__()
+        self.eps = cfg.eps
+        self.matmul = ops.MatMul(transpose_b=True)
+
+    def construct(self, x, ln_q, fc1, fc1_bias, fc2, fc2_bias):
+        gh2, gw2, mm, d = x.shape
+        h = (_rms_normalize(x, self.eps) * ln_q).reshape(gh2 * gw2, mm * d)
+        h = _gelu_erf(self.matmul(h, fc1) + fc1_bias)
+        return (self.matmul(h, fc2) + fc2_bias).reshape(1, gh2 * gw2, fc2.shape[0])
+
+
+class QwenVisionTower:
+    """Qwen2.5-VL's tower and merger (the module docstring). `weights`: {name: StoredTensor} as weights/vision.py's
+    `vision_checkpoint` gives them (or arrays under the same names). The interface the runner uses is the SigLIP
+    tower's (`embed`, `run_layers`, `project`, `encode`, `warm`, `nbytes`), on one image at a time whose grid its
+    state carries: (gh2, gw2, m m, D)."""
+
+    MAX_LAYOUTS = 8             # grids whose window layout and rotary tables are kept
+
+    def __init__(self, cfg: QwenVisionConfig, weights: dict):
+        shapes = qwen_vision_shapes(cfg)
+
+        def read(name: str) -> np.ndarray:
+            tensor = weights[name]
+            array = tensor if isinstance(tensor, np.ndarray) else tensor.read((slice(None),) * len(shapes[name]))
+            return np.asarray(array, np.float32)
+
+        self.cfg = cfg
+        self.int16 = False              # (the SigLIP tower's int16 products: none here; the runner logs it)
+        self.kernel = _tensor(read("visual.patch_embed.proj.weight").reshape(cfg.hidden_size, cfg.patch_features))
+        self.layer_weights = [_block_weights(read, i) for i in range(cfg.num_layers)]
+        self.merger_weights = tuple(_tensor(read(f"visual.merger.{name}")) for name in (
+            "ln_q.weight", "mlp.0.weight", "mlp.0.bias", "mlp.2.weight", "mlp.2.bias"))
+        self.embedding = _Embed()
+        self.window_block, self.full_block = _Block(cfg, full=False), _Block(cfg, full=True)
+        self.merger = _Merger(cfg)
+        self._layouts: OrderedDict = OrderedDict()
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes its weights take."""
+        return sum(t.nbytes for t in (self.kernel, *self.merger_weights, *(t for w in self.layer_weights for t in w)))
+
+    def _layout(self, gh2: int, gw2: int) -> _Layout:
+        layout = self._layouts.get((gh2, gw2))
+        if layout is None:
+            layout = self._layouts[(gh2, gw2)] = _Layout(self.cfg, gh2, gw2)
+            while len(self._layouts) > self.MAX_LAYOUTS:
+                self._layouts.popitem(last=False)
+        self._layouts.move_to_end((gh2, gw2))
+        return layout
+
+    def warm(self) -> None:
+        """Compile the graphs and run each once on one merge unit of zeros (one window): the patch embedding, a
+        windowed and a full block, the merger. Another image's number of windows (or grid, for the embedding and
+        the merger) compiles its graphs when it first comes."""
+        cfg = self.cfg
+        x = self.embed(np.zeros((1, 1, cfg.spatial_merge_size ** 2, cfg.patch_features), np.float32))
+        windowed = [i for i in range(cfg.num_layers) if i not in cfg.fullatt_block_indexes][:1]
+        for i in windowed + list(cfg.fullatt_block_indexes[:1]):
+            self.run_layers(x, i, i + 1)
+        self.project(x)
+
+    def encode(self, patches: np.ndarray) -> np.ndarray:
+        """(1, gh2 gw2, out_hidden) float32 embeddings of one image's patches (gh2, gw2, m m, C T P P), as
+        vision/images.py's `qwen_patches` makes them: a token a merge unit, row by row."""
+        cfg = self.cfg
+        mm = cfg.spatial_merge_size ** 2
+        if patches.ndim != 4 or patches.shape[2:] != (mm, cfg.patch_features) or min(patches.shape[:2]) < 1:
+            raise ValueError(f"QwenVisionTower.encode: patches of shape (gh2, gw2, {mm}, {cfg.patch_features}), "
+                             f"not {patches.shape}")
+        return self.project(self.run_layers(self.embed(patches), 0, cfg.num_layers))
+
+    # An image's encoding in parts, the same graphs on the same values in the same order as `encode`'s (so its rows
+    # are the same to the bit): the patches, then layers a..b-1 as often as wanted, then the merger. The agent
+    # runs an image's layers a few at a time while other requests decode (runner/images.py's `advance`).
+
+    def embed(self, patches: np.ndarray):
+        """The patches' embeddings (gh2, gw2, m m, D) (a MindSpore tensor: the first layer's input)."""
+        return self.embedding(_tensor(patches), self.kernel)
+
+    def run_layers(self, x, start: int, stop: int):
+        """x (gh2, gw2, m m, D), a tensor or its numpy array, through blocks start..stop-1: a tensor of the same
+        shape. Each call lays the patches out in windows and back (exact copies), the padding zero at every
+        block's start, so a block's output is the same whichever call runs it."""
+        if start >= stop:
+            return _tensor(x) if isinstance(x, np.ndarray) else x
+        array = x if isinstance(x, np.ndarray) else x.asnumpy()
+        gh2, gw2, mm, d = array.shape
+        layout = self._layout(gh2, gw2)
+        h = _tensor(layout.windowed(array.reshape(gh2 * gw2 * mm, d)))
+        for i in range(start, stop):
+            block = self.full_block if i in self.cfg.fullatt_block_indexes else self.window_block
+            h = block(h, layout.keep, layout.key_bias, layout.cos, layout.sin, *self.layer_weights[i])
+        return _tensor(layout.raster(h.asnumpy()).reshape(gh2, gw2, mm, d))
+
+    def project(self, x) -> np.ndarray:
+        """The merger's (1, gh2 gw2, out_hidden) float32 rows of the last block's x (gh2, gw2, m m, D)."""
+        x = _tensor(x) if isinstance(x, np.ndarray) else x
+        return self.merger(x, *self.merger_weights).asnumpy()
