@@ -245,6 +245,11 @@ class QwenVisionConfig:
         return self.num_channels * self.temporal_patch_size * self.patch_size ** 2
 
     @property
+    def bidirectional(self) -> bool:
+        """Qwen2.5-VL's image tokens attend causally in the text model, as its text does."""
+        return False
+
+    @property
     def window_units(self) -> int:
         """A window's side in merge units (transformers' vit_merger_window_size)."""
         return self.window_size // self.spatial_merge_size // self.patch_size

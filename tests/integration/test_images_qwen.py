@@ -1,0 +1,179 @@
+"""Images in, Qwen2.5-VL (issue 67): the real server on a tiny random Qwen2_5_VLForConditionalGeneration that
+transformers makes (tests/families.py's `make_qwen25_vl`: an image resized within 4 to 16 merged patches of 28
+pixels, each one token; a windowed tower; a Qwen2 text model with multimodal RoPE). Image questions through OpenAI's
+chat API get transformers' greedy tokens and log-probabilities (its forward with its PIL image processor's pixels,
+the prompt its processor's expansion, its M-RoPE positions), with chunked prefill cutting between images, the prefix
+cache and the encoded-image cache in play, decode runs after an image, and a text-only question too."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+
+import numpy as np
+import pytest
+
+from tests.families import greedy_with_logprobs, make_qwen25_vl, needs_transformers
+from tests.integration.server_harness import http, serving
+
+pytest.importorskip("mindspore")
+pytest.importorskip("PIL", reason="Pillow reads the images (pip install -e .)")
+
+NEW_TOKENS = 6
+MODEL = "qwen-vl"
+PAD = "<|image_pad|>"
+
+
+@pytest.fixture(scope="module")
+def qwen_vl(tmp_path_factory):
+    needs_transformers()
+    directory = tmp_path_factory.mktemp("qwen25vl")
+    make_qwen25_vl(directory, seed=3)
+    return directory
+
+
+def _png(seed: int, shape) -> bytes:
+    from PIL import Image
+
+    mode = "RGBA" if shape[-1] == 4 else "RGB"
+    image = Image.fromarray(np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8), mode)
+    buffer = io.BytesIO()
+    image.save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def _processed(path, images: list, max_pixels=None) -> dict:
+    """transformers' PIL image processor on the images (PNG bytes): pixel_values and image_grid_thw (numpy);
+    `max_pixels`: its bound lowered to that."""
+    _, transformers = needs_transformers()
+    from PIL import Image
+
+    kind = getattr(transformers, "Qwen2VLImageProcessorPil", transformers.Qwen2VLImageProcessor)   # (5.x: 4.x)
+    processor = kind.from_pretrained(str(path), **({} if max_pixels is None else {"max_pixels": max_pixels}))
+    return processor(images=[Image.open(io.BytesIO(d)) for d in images], return_tensors="np")
+
+
+def _prompt_ids(path, turns: list, images: list, max_pixels=None) -> list:
+    """The prompt transformers' Qwen2.5-VL processor makes (the template rendered by hand, each <|image_pad|> made as
+    many as the image's grid of merged patches holds, the grid its PIL image processor's), tokenized by the
+    tokenizers library: nothing of the server's own."""
+    from tokenizers import Tokenizer
+
+    text = "".join(f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in turns) + "<|im_start|>assistant\n"
+    parts = text.split(PAD)
+    assert len(parts) == len(images) + 1
+    grids = _processed(path, images, max_pixels)["image_grid_thw"].tolist() if images else []
+    expanded = parts[0]
+    for (t, gh, gw), part in zip(grids, parts[1:]):
+        expanded += PAD * (t * gh * gw // 4) + part
+    return Tokenizer.from_file(str(path / "tokenizer.json")).encode(expanded).ids
+
+
+def _reference(path, ids: list, images: list, max_pixels=None) -> tuple:
+    """transformers' greedy tokens after `ids` with `images` (PNG bytes), and each one's log-probability: a whole
+    forward per token (no cache: its M-RoPE positions made afresh from the ids and the images' grids each time)."""
+    torch, transformers = needs_transformers()
+    model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        str(path), dtype=torch.float32, attn_implementation="eager").eval()
+    extra = {}
+    if images:
+        out = _processed(path, images, max_pixels)
+        extra = {"pixel_values": torch.from_numpy(out["pixel_values"]),
+                 "image_grid_thw": torch.from_numpy(out["image_grid_thw"])}
+    image_id = model.config.image_token_id
+
+    def logits(context: list):
+        # (transformers 5.x computes M-RoPE positions only when told which tokens are an image's: the processor's
+        # mm_token_type_ids, 1 at each <|image_pad|>)
+        types = {"mm_token_type_ids": torch.tensor([[int(t == image_id) for t in context]])} if images else {}
+        return model(input_ids=torch.tensor([context]), use_cache=False, **extra, **types).logits[0, -1]
+    return greedy_with_logprobs(logits, ids, NEW_TOKENS)
+
+
+def _user(text: str, *images: bytes) -> dict:
+    return {"role": "user", "content": [{"type": "text", "text": text}] + [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(d).decode()}}
+        for d in images]}
+
+
+def _body(messages: list) -> dict:
+    return {"model": MODEL, "messages": messages, "max_tokens": NEW_TOKENS, "temperature": 0, "logprobs": True}
+
+
+async def _chats(url: str, bodies: list) -> list:
+    return await asyncio.gather(*(asyncio.to_thread(http, "POST", url + "/v1/chat/completions", body)
+                                  for body in bodies))
+
+
+def test_qwen_vl_image_questions_get_transformers_tokens_and_logprobs(qwen_vl, tmp_path):
+    """Three image chats at once (a wide image, then text; a tall one and a small transparent one in one turn; the
+    small one alone), a text-only chat, then a follow-up re-sending the first picture: chunked prefill in 16-token
+    chunks (never inside an image), the prefix cache on 8-token blocks, the encoded-image cache: each reply is
+    transformers' greedy tokens with their log-probabilities (its M-RoPE positions: the image's tokens by their row
+    and column, the text after an image from the grid's larger side), its prompt as many tokens as transformers'
+    processor makes."""
+    from llm_serving.tokenization import load_tokenizer
+
+    wide, tall, small = _png(0, (40, 130, 3)), _png(1, (120, 50, 3)), _png(2, (30, 20, 4))
+    image = f"<|vision_start|>{PAD}<|vision_end|>"
+    chats = [  # (messages, the turns as the template renders them, their images in order)
+        ([_user("What is in this picture? Say it briefly.", wide)],
+         [("user", f"What is in this picture? Say it briefly.{image}")], [wide]),
+        ([_user("Compare them:", tall, small)], [("user", f"Compare them:{image}{image}")], [tall, small]),
+        ([_user("What is it?", small)], [("user", f"What is it?{image}")], [small]),
+        ([{"role": "user", "content": "Name three colors."}], [("user", "Name three colors.")], []),
+    ]
+    follow = [_user("What is in this picture? Say it briefly.", wide), {"role": "assistant", "content": "a cat"},
+              {"role": "user", "content": "Are you sure?"}]
+    chats.append((follow, [("user", f"What is in this picture? Say it briefly.{image}"), ("assistant", "a cat"),
+                           ("user", "Are you sure?")], [wide]))
+    tok = load_tokenizer(str(qwen_vl / "tokenizer.json"))
+    args = ["--model", str(qwen_vl), "--set", f"model_config.model_name={MODEL}",
+            "--set", "model_config.max_generate_length=256", "--set", "pa_config.block_size=8",
+            "--set", "scheduler_config.chunked_prefill=true", "--set", "scheduler_config.max_chunk_tokens=16",
+            "--set", "serving_config.max_num_batched_tokens=32", "--set", "serving_config.max_num_seqs=8",
+            "--set", "scheduler_config.enable_prefix_caching=true", "--set", "pa_config.kv_cache_dtype=float32"]
+    with serving(args, tmp_path / "server.log") as server:
+        first = asyncio.run(_chats(server.url, [_body(m) for m, _, _ in chats[:4]]))
+        last = asyncio.run(_chats(server.url, [_body(chats[4][0])]))
+        models = http("GET", server.url + "/v1/models")[1]
+        log = (tmp_path / "server.log").read_text()
+    for (messages, turns, images), (status, body) in zip(chats, first + last):
+        assert status == 200, body
+        ids = _prompt_ids(qwen_vl, turns, images)
+        assert body["usage"]["prompt_tokens"] == len(ids), turns
+        want, want_lps = _reference(qwen_vl, ids, images)
+        assert body["choices"][0]["message"]["content"] == tok.decode(want), turns
+        got_lps = [e["logprob"] for e in body["choices"][0]["logprobs"]["content"]]
+        np.testing.assert_allclose(got_lps, want_lps, atol=2e-3, err_msg=str(turns))
+    # three images, each encoded once (the follow-up's came from the cache)
+    assert log.count(" encoded in ") == 3, log
+    assert models["data"][0].get("input_modalities", ["text"]).count("image") == 1, models
+
+
+def test_an_image_past_the_agents_largest_call_is_made_smaller_and_a_bad_one_is_a_400(qwen_vl, tmp_path):
+    """Graph calls of 8 tokens at most: an image of 16 tokens by the processor's bounds is resized within 8 tokens'
+    pixels (the processor's max_pixels lowered: transformers' answer for that bound), and an image too narrow for
+    the grid (its long edge 300 times its short one) is a 400 naming it while the server goes on serving."""
+    from llm_serving.tokenization import load_tokenizer
+
+    big = _png(4, (100, 100, 3))
+    args = ["--model", str(qwen_vl), "--set", f"model_config.model_name={MODEL}",
+            "--set", "model_config.max_generate_length=128", "--set", "model_config.seq_length=[8]",
+            "--set", "serving_config.max_num_batched_tokens=8", "--set", "serving_config.max_num_seqs=4",
+            "--set", "scheduler_config.chunked_prefill=true",
+            "--set", "scheduler_config.max_chunk_tokens=8", "--set", "pa_config.kv_cache_dtype=float32"]
+    with serving(args, tmp_path / "server.log") as server:
+        status, body = http("POST", server.url + "/v1/chat/completions", _body([_user("What is it?", big)]))
+        narrow_status, narrow = http("POST", server.url + "/v1/chat/completions",
+                                     _body([_user("And this?", _png(5, (1, 300, 3)))]))
+        again = http("POST", server.url + "/v1/chat/completions", _body([_user("What is it?", big)]))
+    assert status == 200, body
+    turns = [("user", f"What is it?<|vision_start|>{PAD}<|vision_end|>")]
+    assert len(_prompt_ids(qwen_vl, turns, [big])) == body["usage"]["prompt_tokens"] + 16 - 4   # 4 tokens, not 16
+    ids = _prompt_ids(qwen_vl, turns, [big], max_pixels=8 * 28 * 28)
+    assert body["usage"]["prompt_tokens"] == len(ids)
+    want, want_lps = _reference(qwen_vl, ids, [big], max_pixels=8 * 28 * 28)
+    assert body["choices"][0]["message"]["content"] == load_tokenizer(str(qwen_vl / "tokenizer.json")).decode(want)
+    assert narrow_status == 400 and "image 1 of 1" in narrow["error"]["message"], narrow
+    assert again[0] == 200 and again[1]["choices"][0]["message"]["content"] == body["choices"][0]["message"]["content"]
