@@ -682,7 +682,8 @@ def write_bert_gguf(hf_path, out_path, qtype=None) -> Path:
 _GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
               "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3", "Gemma3ForConditionalGeneration": "gemma3",
               "Phi3ForCausalLM": "phi3", "SmolLM3ForCausalLM": "smollm3", "Qwen3MoeForCausalLM": "qwen3moe",
-              "MixtralForCausalLM": "llama", "GptOssForCausalLM": "gpt-oss"}
+              "MixtralForCausalLM": "llama", "GptOssForCausalLM": "gpt-oss",
+              "Qwen2_5_VLForConditionalGeneration": "qwen2vl"}
 # one expert's matrix (model.layers.N.<prefix>E.<part>.weight) -> the name the converter gives their stack (E, rows,
 # cols) before mapping it (Qwen3MoeModel / the Mixtral path of LlamaModel: experts merged)
 _EXPERT_STACKS = {"mlp.experts.": ("gate_proj", "up_proj", "down_proj"), "block_sparse_moe.experts.": ("w1", "w2", "w3")}
@@ -737,7 +738,8 @@ def write_gguf(family: str, hf_path, out_path, qtype=None, expert_qtype=None) ->
     raw = json.loads((hf_path / "config.json").read_text())
     cfg = _text(raw)
     arch = _GGUF_ARCH[raw["architectures"][0]]
-    assert raw["architectures"] == FAMILIES[family]["architectures"], (family, raw["architectures"])
+    # (family None: a directory not among FAMILIES' tiny models, such as make_qwen25_vl's)
+    assert family is None or raw["architectures"] == FAMILIES[family]["architectures"], (family, raw["architectures"])
     qtype = gguf.GGMLQuantizationType.F32 if qtype is None else qtype
     layers, hidden, heads = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"]
     kv_heads, head_dim = cfg["num_key_value_heads"], cfg.get("head_dim") or hidden // heads
@@ -780,6 +782,8 @@ def write_gguf(family: str, hf_path, out_path, qtype=None, expert_qtype=None) ->
             raise NotImplementedError(f"write_gguf: RoPE type {full['rope_type']!r}")
         if local is not None:
             w.add_rope_freq_base_swa(local["rope_theta"])
+        if full.get("mrope_section"):       # (TextModel.set_gguf_parameters: the sections padded to four)
+            w.add_rope_dimension_sections((list(full["mrope_section"]) + [0] * 4)[:4])
         if "head_dim" in cfg:
             w.add_key_length(head_dim)
             w.add_value_length(head_dim)

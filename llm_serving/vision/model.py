@@ -241,13 +241,21 @@ def _qwen_vl_facts(model_path: str, raw: dict, tokenizer, config: str) -> ImageF
     return ImageFacts(-1, ids["image"], _QWEN_VL["image"], "", _QWEN_VL["image"], spec, family="qwen2_5_vl")
 
 
+# a Qwen2.5-VL mmproj's image bounds, in tokens, where the file gives none: llama.cpp's (8 to 4,096), not the
+# processor's own (its Hub file's max_pixels make 16,384)
+_QWEN_MMPROJ_TOKENS = (8, 4096)
+
+
 def _mmproj_facts(path: str, tokenizer) -> ImageFacts:
     """An mmproj GGUF's: Gemma 3's (projector type gemma3) or SmolVLM's (idefics3: its tiles of image_size, the
     longest edge `clip.vision.preproc_image_size`, LANCZOS as its processor; its tokens from the text model's
-    vocabulary)."""
+    vocabulary); Qwen2.5-VL's (qwen2.5vl_merger: bicubic, its pixel bounds `clip.vision.image_min_pixels` /
+    `image_max_pixels` or llama.cpp's 8 to 4,096 tokens)."""
     from llm_serving.gguf_file import read_gguf
 
     fields = read_gguf(path).fields             # (a header scan: the tensors' data is not read)
+    if fields.get("clip.projector_type") == "qwen2.5vl_merger":
+        return _qwen_mmproj_facts(path, fields, tokenizer)
     try:
         size, patch = int(fields["clip.vision.image_size"]), int(fields["clip.vision.patch_size"])
     except (KeyError, TypeError, ValueError):
@@ -266,3 +274,23 @@ def _mmproj_facts(path: str, tokenizer) -> ImageFacts:
     spec = ImageSpec.from_config({"size": size, **normalize}, path)
     return ImageFacts(side * side, _one_token(tokenizer, _GEMMA3["image"], path), _GEMMA3["boi"], _GEMMA3["eoi"],
                       _GEMMA3["image"], spec)
+
+
+def _qwen_mmproj_facts(path: str, fields: dict, tokenizer) -> ImageFacts:
+    try:
+        patch, merge = int(fields["clip.vision.patch_size"]), int(fields.get("clip.vision.spatial_merge_size", 2))
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"{path}: an mmproj GGUF without clip.vision.patch_size") from None
+    unit = (patch * merge) ** 2
+    spec = ImageSpec.from_config({
+        "image_processor_type": "Qwen2VLImageProcessor", "patch_size": patch, "merge_size": merge,
+        "temporal_patch_size": 2, "resample": 3,
+        "min_pixels": int(fields.get("clip.vision.image_min_pixels", _QWEN_MMPROJ_TOKENS[0] * unit)),
+        "max_pixels": int(fields.get("clip.vision.image_max_pixels", _QWEN_MMPROJ_TOKENS[1] * unit)),
+        "image_mean": [float(v) for v in fields.get("clip.vision.image_mean", (0.48145466, 0.4578275, 0.40821073))],
+        "image_std": [float(v) for v in fields.get("clip.vision.image_std", (0.26862954, 0.26130258, 0.27577711))]},
+        path)
+    image = _one_token(tokenizer, _QWEN_VL["image"], path)
+    for key in ("start", "end"):
+        _one_token(tokenizer, _QWEN_VL[key], path)
+    return ImageFacts(-1, image, _QWEN_VL["image"], "", _QWEN_VL["image"], spec, family="qwen2_5_vl")

@@ -177,3 +177,93 @@ def test_an_image_past_the_agents_largest_call_is_made_smaller_and_a_bad_one_is_
     assert body["choices"][0]["message"]["content"] == load_tokenizer(str(qwen_vl / "tokenizer.json")).decode(want)
     assert narrow_status == 400 and "image 1 of 1" in narrow["error"]["message"], narrow
     assert again[0] == 200 and again[1]["choices"][0]["message"]["content"] == body["choices"][0]["message"]["content"]
+
+
+def write_qwen_mmproj(hf_dir, path):
+    """The mmproj GGUF llama.cpp's `convert_hf_to_gguf.py --mmproj --outtype f32` writes of a Qwen2.5-VL (projector
+    type qwen2.5vl_merger: q, k and v apart, the 3-D patch kernel as two 2-D ones `v.patch_embd.weight` and
+    `.weight.1`, the merger's norm `v.post_ln`, its MLP `mm.0` and `mm.2`; `n_wa_pattern` for the full-attention
+    layers), checked name by name and value by value against the converter's own file of make_qwen25_vl's model.
+    One key more than the converter writes: `clip.vision.window_size`, which llama.cpp reads where it is given and
+    takes as 112 (every Qwen2.5-VL's) where it is not: the tiny model's windows are 56 pixels."""
+    import json
+
+    import gguf
+    from safetensors.numpy import load_file
+
+    config = json.loads((hf_dir / "config.json").read_text())
+    vision = config["vision_config"]
+    writer = gguf.GGUFWriter(str(path), "clip")
+    writer.add_string("general.type", "mmproj")
+    writer.add_bool("clip.has_vision_encoder", True)
+    writer.add_string("clip.projector_type", "qwen2.5vl_merger")
+    for key, value in (("projection_dim", vision["out_hidden_size"]), ("image_size", 560),
+                       ("patch_size", vision["patch_size"]), ("embedding_length", vision["hidden_size"]),
+                       ("feed_forward_length", vision["intermediate_size"]), ("block_count", vision["depth"]),
+                       ("attention.head_count", vision["num_heads"]),
+                       ("n_wa_pattern", vision["fullatt_block_indexes"][0] + 1),
+                       ("window_size", vision["window_size"])):
+        writer.add_uint32(f"clip.vision.{key}", value)
+    writer.add_bool("clip.use_silu", True)
+    writer.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
+    writer.add_array("clip.vision.image_mean", [0.48145466, 0.4578275, 0.40821073])
+    writer.add_array("clip.vision.image_std", [0.26862954, 0.26130258, 0.27577711])
+    layer = {"norm1": "ln1", "norm2": "ln2", "attn.proj": "attn_out", "mlp.gate_proj": "ffn_gate",
+             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for name, array in load_file(str(hf_dir / "model.safetensors")).items():
+        if name.startswith("visual.blocks."):
+            index, _, rest = name[len("visual.blocks."):].partition(".")
+            part, _, kind = rest.rpartition(".")
+            if part == "attn.qkv":
+                for k, piece in enumerate(np.split(array, 3, 0)):
+                    writer.add_tensor(f"v.blk.{index}.attn_{'qkv'[k]}.{kind}", np.ascontiguousarray(piece))
+                continue
+            writer.add_tensor(f"v.blk.{index}.{layer[part]}.{kind}", array)
+        elif name == "visual.patch_embed.proj.weight":
+            writer.add_tensor("v.patch_embd.weight", np.ascontiguousarray(array[:, :, 0]))
+            writer.add_tensor("v.patch_embd.weight.1", np.ascontiguousarray(array[:, :, 1]))
+        elif name.startswith("visual.merger."):
+            ours = name.replace("visual.merger.ln_q.", "v.post_ln.").replace("visual.merger.mlp.", "mm.")
+            writer.add_tensor(ours, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_gguf_and_its_mmproj_serve_the_same_image_questions(qwen_vl, tmp_path):
+    """The text model as llama.cpp's `qwen2vl` GGUF (its M-RoPE sections in `rope.dimension_sections`) and the tower
+    as its qwen2.5vl_merger mmproj: the tower's tensors are the HF directory's, and image questions get transformers'
+    greedy tokens (images whose grids llama.cpp's bounds, 8 to 4,096 tokens, leave as the tiny processor's)."""
+    from llm_serving.models.weights import load_llama_weights
+    from llm_serving.models.weights.vision import mmproj_checkpoint, vision_checkpoint
+    from llm_serving.tokenization import load_tokenizer
+    from tests.families import write_gguf
+
+    text, mmproj = write_gguf(None, qwen_vl, tmp_path / "qwen-vl.gguf"), tmp_path / "mmproj.gguf"
+    write_qwen_mmproj(qwen_vl, mmproj)
+    cfg, tensors = mmproj_checkpoint(str(mmproj))
+    hf_cfg, hf_tensors = vision_checkpoint(str(qwen_vl))
+    assert cfg.fullatt_block_indexes == hf_cfg.fullatt_block_indexes and cfg.window_size == hf_cfg.window_size
+    assert sorted(tensors) == sorted(hf_tensors)
+    for name, tensor in tensors.items():
+        index = (slice(None),) * len(tensor.shape)
+        np.testing.assert_array_equal(tensor.read(index), hf_tensors[name].read(index), err_msg=name)
+    assert load_llama_weights(str(text))[0].mrope_section == (2, 3, 3)
+    wide, square = _png(1, (50, 120, 3)), _png(4, (100, 100, 3))          # 2 x 4 and 4 x 4 tokens either way
+    image = f"<|vision_start|>{PAD}<|vision_end|>"
+    chats = [([_user("What is it?", wide)], [("user", f"What is it?{image}")], [wide]),
+             ([_user("Compare:", square, wide)], [("user", f"Compare:{image}{image}")], [square, wide])]
+    args = ["--model", str(text), "--set", f"model_config.mmproj={mmproj}", "--set", f"model_config.model_name={MODEL}",
+            "--set", "model_config.max_generate_length=256", "--set", "pa_config.kv_cache_dtype=float32"]
+    with serving(args, tmp_path / "server.log") as server:
+        replies = asyncio.run(_chats(server.url, [_body(m) for m, _, _ in chats]))
+    tok = load_tokenizer(str(qwen_vl / "tokenizer.json"))
+    for (messages, turns, images), (status, body) in zip(chats, replies):
+        assert status == 200, body
+        ids = _prompt_ids(qwen_vl, turns, images)
+        assert body["usage"]["prompt_tokens"] == len(ids)
+        want, want_lps = _reference(qwen_vl, ids, images)
+        assert body["choices"][0]["message"]["content"] == tok.decode(want), turns
+        np.testing.assert_allclose([e["logprob"] for e in body["choices"][0]["logprobs"]["content"]], want_lps,
+                                   atol=2e-3, err_msg=str(turns))

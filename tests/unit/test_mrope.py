@@ -55,7 +55,7 @@ def test_the_config_says_mrope_in_transformers_4_and_5_forms(tmp_path):
     for raw in (four, five):
         (tmp_path / "config.json").write_text(json.dumps(raw))
         cfg = load_config(str(tmp_path))
-        assert (cfg.architecture, cfg.mrope_section, cfg.attention_bias, cfg.rope_theta) == ("qwen2", (2, 3, 3),
+        assert (cfg.architecture, cfg.mrope_section, cfg.attention_bias, cfg.rope_theta) == ("qwen2vl", (2, 3, 3),
                                                                                              True, 1e6)
     (tmp_path / "config.json").write_text(json.dumps({**four, "rope_scaling": {"type": "mrope",
                                                                                "mrope_section": [2, 3, 4]}}))

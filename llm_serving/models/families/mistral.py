@@ -10,7 +10,7 @@ FAMILY = Family(
     hf_architectures=("MistralForCausalLM",), gguf_architecture=None, gguf_as="llama",
     config_keys=("sliding_window",),
     window="always",
-    readme_row="Mistral, Qwen2, Qwen2.5-VL",
+    readme_row="Mistral, Qwen2",
     tests=("tests/integration/test_families.py", "tests/unit/test_weights_formats.py"
            "::test_architectures_and_sliding_windows_from_config_json"),
     test_models=("mistral-swa",),

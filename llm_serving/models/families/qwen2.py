@@ -1,7 +1,6 @@
 """Qwen2: LLaMA with q/k/v biases, and sliding layers only with `use_sliding_window`: those from
 `max_window_layers` on (transformers 4.x's rule, which Qwen3 and Qwen3-MoE share), or those `layer_types` names.
-Qwen2.5-VL's text model is Qwen2 with multimodal RoPE (`rope_scaling.mrope_section`: LlamaConfig.mrope_section);
-its vision tower is models/vision_qwen.py's.
+Qwen2.5-VL's text model is Qwen2 with multimodal RoPE: qwen2vl.py.
 """
 from . import Family
 
@@ -14,13 +13,12 @@ def window_layers(raw: dict, num_layers: int, path: str) -> list:
 
 FAMILY = Family(
     name="qwen2", title="Qwen2",
-    hf_architectures=("Qwen2ForCausalLM", "Qwen2_5_VLForConditionalGeneration"), gguf_architecture="qwen2",
-    config_keys=("use_sliding_window", "sliding_window", "max_window_layers", "layer_types", "text_config",
-                 "rope_scaling"),
+    hf_architectures=("Qwen2ForCausalLM",), gguf_architecture="qwen2",
+    config_keys=("use_sliding_window", "sliding_window", "max_window_layers", "layer_types"),
     attention_bias=True,
     window="optional", sliding_layers=window_layers,
     chat_format="ChatML (the template's own)",
-    readme_row="Mistral, Qwen2, Qwen2.5-VL",
+    readme_row="Mistral, Qwen2",
     tests=("tests/integration/test_families.py",
            "tests/unit/test_weights_formats.py::test_qwen2_safetensors_biases_are_required_and_loaded",
            "tests/unit/test_weights_formats.py::test_qwen2_gguf_keeps_hf_layout_and_biases",

@@ -266,11 +266,18 @@ def _gguf_config(path: str, arch: str, family: families.Family, meta: Callable, 
 
 
 def _gguf_rope(path: str, arch: str, meta: Callable, tensors: dict, head_dim: int) -> dict:
-    """rope_theta, rotary_dim (`rope.dimension_count`), and the scaling: Llama-3.1's `rope_freqs`, linear
-    `rope.scaling.*`, Phi-3's longrope (`rope_factors_short/long`, the original context and attention factor)."""
+    """rope_theta, rotary_dim (`rope.dimension_count`), multimodal RoPE's mrope_section (`rope.dimension_sections`),
+    and the scaling: Llama-3.1's `rope_freqs`, linear `rope.scaling.*`, Phi-3's longrope (`rope_factors_short/long`,
+    the original context and attention factor)."""
     rotary = int(meta(f"{arch}.rope.dimension_count", head_dim))
     out = {"rope_theta": float(meta(f"{arch}.rope.freq_base", 10000.0)),
            "rotary_dim": rotary if rotary != head_dim else None}
+    sections = meta(f"{arch}.rope.dimension_sections", required=False)
+    if sections is not None and any(int(v) for v in sections):    # multimodal RoPE (Qwen2.5-VL's: t, h, w, 0)
+        if len(sections) < 3 or any(int(v) for v in sections[3:]):
+            raise WeightLoadError(f"{path}: GGUF rope.dimension_sections {list(sections)}: three sections (time, "
+                                  "row, column) are computed, not a fourth")
+        out["mrope_section"] = tuple(int(v) for v in sections[:3])
 
     def vector(name):
         return tuple(float(v) for v in _gguf_reader(tensors[name])((slice(None),)))

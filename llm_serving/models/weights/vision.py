@@ -43,7 +43,8 @@ _ARCHITECTURES = ("Gemma3ForConditionalGeneration", "SmolVLMForConditionalGenera
 _SHUFFLED = ("SmolVLMForConditionalGeneration", "Idefics3ForConditionalGeneration")
 _QWEN_ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration",)
 # llama.cpp's mmproj projector types read here -> the architecture whose tower and projector they hold
-MMPROJ_PROJECTORS = {"gemma3": "Gemma3ForConditionalGeneration", "idefics3": "Idefics3ForConditionalGeneration"}
+MMPROJ_PROJECTORS = {"gemma3": "Gemma3ForConditionalGeneration", "idefics3": "Idefics3ForConditionalGeneration",
+                     "qwen2.5vl_merger": "Qwen2_5_VLForConditionalGeneration"}
 
 
 @dataclass(frozen=True)
@@ -355,8 +356,8 @@ def _mmproj_name(name: str) -> Optional[str]:
 
 
 def _mmproj_fields(path: str, contents=None):
-    """An mmproj GGUF's read contents (gguf_file.read_gguf's), checked to be a Gemma 3 or SmolVLM (Idefics3)
-    mmproj."""
+    """An mmproj GGUF's read contents (gguf_file.read_gguf's), checked to be a Gemma 3, SmolVLM (Idefics3) or
+    Qwen2.5-VL mmproj."""
     from llm_serving.gguf_file import read_gguf
 
     if contents is None:
@@ -367,17 +368,21 @@ def _mmproj_fields(path: str, contents=None):
     fields = contents.fields
     kind = (fields.get("general.architecture"), fields.get("clip.projector_type"))
     if kind[0] != "clip" or kind[1] not in MMPROJ_PROJECTORS:
-        raise WeightLoadError(f"{path}: not a Gemma 3 or SmolVLM mmproj GGUF (general.architecture {kind[0]!r}, "
-                              f"clip.projector_type {kind[1]!r}; served: clip with gemma3 or idefics3)")
+        raise WeightLoadError(f"{path}: not a Gemma 3, SmolVLM or Qwen2.5-VL mmproj GGUF (general.architecture "
+                              f"{kind[0]!r}, clip.projector_type {kind[1]!r}; served: clip with "
+                              f"{', '.join(MMPROJ_PROJECTORS)})")
     return contents
 
 
-def mmproj_config(path: str, contents=None) -> VisionConfig:
+def mmproj_config(path: str, contents=None):
     """The VisionConfig of llama.cpp's mmproj GGUF of a Gemma 3 (`clip.projector_type` gemma3) or a SmolVLM
     (idefics3). The image tokens' pooling or pixel shuffle: `clip.vision.projector.scale_factor` patches a side, 4
     (every Gemma 3's) when the file does not say. The placeholder token ids are the text model's (its vocabulary),
-    not known here. WeightLoadError for a file that is not such an mmproj."""
+    not known here. A Qwen2.5-VL's (qwen2.5vl_merger): its QwenVisionConfig (`_qwen_mmproj_config`). WeightLoadError
+    for a file that is not such an mmproj."""
     fields = _mmproj_fields(path, contents).fields
+    if fields["clip.projector_type"] == "qwen2.5vl_merger":
+        return _qwen_mmproj_config(path, fields)
     try:
         image, patch = int(fields["clip.vision.image_size"]), int(fields["clip.vision.patch_size"])
         pool = int(fields.get("clip.vision.projector.scale_factor", 4))
@@ -397,15 +402,77 @@ def mmproj_config(path: str, contents=None) -> VisionConfig:
         raise WeightLoadError(f"{path}: GGUF metadata {e} is missing") from None
 
 
-def mmproj_checkpoint(path: str) -> tuple[VisionConfig, dict[str, StoredTensor]]:
-    """(config, {name: StoredTensor}) of llama.cpp's mmproj GGUF of a Gemma 3 (`mmproj_config`), every shape
-    checked; the tensors read as float32 (F32, F16 and the types the gguf package dequantizes). WeightLoadError for
-    a file that is not such an mmproj, a missing tensor or a wrong shape."""
+def _qwen_mmproj_config(path: str, fields: dict) -> QwenVisionConfig:
+    """A Qwen2.5-VL mmproj's tower, from its `clip.vision.*` keys as llama.cpp's converter writes them: the full-
+    attention layers every `n_wa_pattern`-th (the converter's one rule for fullatt_block_indexes), the windows
+    `window_size` pixels (112, every Qwen2.5-VL's, when the file does not say, as llama.cpp assumes), the merge
+    `spatial_merge_size` (2), the temporal patch the two kernels `v.patch_embd.weight` and `.weight.1`."""
+    try:
+        layers, pattern = int(fields["clip.vision.block_count"]), int(fields["clip.vision.n_wa_pattern"])
+        return _qwen_config({"vision_config": {
+            "hidden_size": fields["clip.vision.embedding_length"],
+            "intermediate_size": fields["clip.vision.feed_forward_length"], "depth": layers,
+            "num_heads": fields["clip.vision.attention.head_count"], "patch_size": fields["clip.vision.patch_size"],
+            "temporal_patch_size": 2, "spatial_merge_size": fields.get("clip.vision.spatial_merge_size", 2),
+            "window_size": fields.get("clip.vision.window_size", 112),
+            "fullatt_block_indexes": [i for i in range(layers) if pattern > 0 and (i + 1) % pattern == 0],
+            "out_hidden_size": fields["clip.vision.projection_dim"]}}, path)
+    except KeyError as e:
+        raise WeightLoadError(f"{path}: GGUF metadata {e} is missing") from None
+
+
+# a Qwen2.5-VL mmproj's names (llama.cpp's converter's) -> ours: `v.blk.N.` parts, then the rest
+_QWEN_MMPROJ_LAYER = {"ln1.": "norm1.", "ln2.": "norm2.", "attn_out.": "attn.proj.", "ffn_gate.": "mlp.gate_proj.",
+                      "ffn_up.": "mlp.up_proj.", "ffn_down.": "mlp.down_proj."}
+_QWEN_MMPROJ_NAMES = {"v.post_ln.": "visual.merger.ln_q.", "mm.0.": "visual.merger.mlp.0.",
+                      "mm.2.": "visual.merger.mlp.2."}
+
+
+def _qwen_mmproj_tensors(arrays: dict, path: str) -> dict:
+    """Our `visual.*` tensors of a Qwen2.5-VL mmproj's float32 arrays (its names): q, k and v joined into qkv (the
+    converter splits them), the two temporal slices of the patch kernel stacked back into its 3-D kernel."""
+    out = {}
+    for name, array in arrays.items():
+        if name.startswith("v.blk."):
+            index, _, rest = name[len("v.blk."):].partition(".")
+            if rest.startswith(("attn_q.", "attn_k.", "attn_v.")):
+                continue
+            ours = next((f"visual.blocks.{index}.{o}{rest[len(t):]}" for t, o in _QWEN_MMPROJ_LAYER.items()
+                         if rest.startswith(t)), None)
+            if ours is not None:
+                out[ours] = array
+        elif name in ("v.patch_embd.weight", "v.patch_embd.weight.1"):
+            continue
+        else:
+            ours = next((o + name[len(t):] for t, o in _QWEN_MMPROJ_NAMES.items() if name.startswith(t)), None)
+            if ours is not None:
+                out[ours] = array
+    for name in [n for n in arrays if n.startswith("v.blk.") and ".attn_q." in n]:
+        parts = [arrays.get(name.replace(".attn_q.", f".attn_{p}.")) for p in "qkv"]
+        if any(p is None for p in parts):
+            raise WeightLoadError(f"{path}: {name} without its attn_k and attn_v")
+        index, kind = name.split(".")[2], name.rsplit(".", 1)[1]
+        out[f"visual.blocks.{index}.attn.qkv.{kind}"] = np.concatenate(parts, 0)
+    if "v.patch_embd.weight" in arrays and "v.patch_embd.weight.1" in arrays:
+        out["visual.patch_embed.proj.weight"] = np.stack([arrays["v.patch_embd.weight"],
+                                                          arrays["v.patch_embd.weight.1"]], 2)   # (D, C, T, P, P)
+    return {name: StoredTensor.of(np.ascontiguousarray(array, np.float32)) for name, array in out.items()}
+
+
+def mmproj_checkpoint(path: str) -> tuple:
+    """(config, {name: StoredTensor}) of llama.cpp's mmproj GGUF of a Gemma 3 or SmolVLM (`mmproj_config`), or of a
+    Qwen2.5-VL (a QwenVisionConfig; its tensors under the HF directory's names), every shape checked; the tensors
+    read as float32 (F32, F16 and the types the gguf package dequantizes). WeightLoadError for a file that is not
+    such an mmproj, a missing tensor or a wrong shape."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
     contents = _mmproj_fields(path)
     cfg = mmproj_config(path, contents)
+    if isinstance(cfg, QwenVisionConfig):
+        tensors = _qwen_mmproj_tensors({t.name: _mmproj_array(t, path) for t in contents.tensors}, path)
+        check_tensors(tensors, qwen_vision_shapes(cfg), f"the vision tower in {path}")
+        return cfg, tensors
     tensors = {}
     for tensor in contents.tensors:
         name = _mmproj_name(tensor.name)
@@ -431,3 +498,19 @@ def mmproj_checkpoint(path: str) -> tuple[VisionConfig, dict[str, StoredTensor]]
         tensors[name] = StoredTensor.of(np.ascontiguousarray(array, np.float32))
     check_tensors(tensors, vision_shapes(cfg), f"the vision tower in {path}")
     return cfg, tensors
+
+
+def _mmproj_array(tensor, path: str) -> np.ndarray:
+    """An mmproj tensor's values as float32, in the HF layout's order of dimensions (GGUF lists them innermost
+    first)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    dims = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    if tensor.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        return np.asarray(tensor.data, np.float32).reshape(dims)
+    try:
+        return dequantize(np.asarray(tensor.data), tensor.tensor_type).reshape(dims)
+    except (NotImplementedError, ValueError) as e:
+        raise WeightLoadError(f"{path}: tensor {tensor.name!r} of type {tensor.tensor_type.name} cannot be read: "
+                              f"{e}") from None
