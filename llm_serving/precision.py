@@ -77,6 +77,7 @@ class Comparator:
         self.ref = reference
         self.vision = vision
         self.image_rows: dict = {}      # an image's key -> the reference tower's (tokens, H) rows of it
+        self.image_grids: dict = {}     # ... -> its (rows, cols) of tokens (multimodal RoPE's), or None
         self.images = 0                 # images the reference tower encoded
         self.dir = directory
         self.prompt_ids = [list(p) for p in prompt_ids]   # the replayed prompts, tokenized as the server does
@@ -106,7 +107,7 @@ class Comparator:
             seq = self.sequences.setdefault(rid, self.ref.new_sequence())
             served_ids = step["input_ids"][i, :q].tolist()
             tokens, mine = list(served_ids), images.get(i, [])
-            for offset, rows, _ in mine:            # (ids the embedding never reads: their rows are the image's)
+            for offset, rows, *_ in mine:           # (ids the embedding never reads: their rows are the image's)
                 tokens[offset:offset + len(rows)] = [0] * len(rows)
             if int(positions[0]) > seq.length:      # the server took the prefix from its prefix cache
                 self.ref.forward(seq, self._prefix_of(served_ids, int(positions[0])), 0)
@@ -118,8 +119,9 @@ class Comparator:
                 self.agree += int(int(step["token_ids"][i]) == int(np.argmax(ref)))
 
     def _step_images(self, step) -> dict:
-        """{row: [(offset, rows, bidirectional), ...]} of a captured step's images (worker.py's image_places,
-        image_keys, image_pixels_<j>), each one's rows the reference tower's of its pixels."""
+        """{row: [(offset, rows, bidirectional, grid), ...]} of a captured step's images (worker.py's image_places,
+        image_keys, image_pixels_<j>), each one's rows the reference tower's of its pixels, its grid of tokens
+        (rows, cols) where its pixels are Qwen2.5-VL's patches (rows, cols, merge^2, features), else None."""
         if "image_places" not in step.files:
             return {}
         if self.vision is None:
@@ -130,13 +132,18 @@ class Comparator:
             if key not in self.image_rows:
                 if f"image_pixels_{j}" not in step.files:
                     raise ValueError(f"precision: image {key} was captured without its pixels")
-                self.image_rows[key] = self.vision.encode(step[f"image_pixels_{j}"])
+                pixels = step[f"image_pixels_{j}"]
+                self.image_rows[key] = self.vision.encode(pixels)
+                self.image_grids[key] = tuple(pixels.shape[:2]) if pixels.ndim == 4 else None
                 self.images += 1
             if self.vision.bidirectional and (first, count) != (0, length):
                 raise ValueError(f"precision: a step feeds tokens {first}..{first + count - 1} of a {length}-token "
                                  "image whose tokens see each other; the reference needs it whole")
+            if self.image_grids[key] is not None and (first, count) != (0, length):
+                raise ValueError(f"precision: a step feeds tokens {first}..{first + count - 1} of a {length}-token "
+                                 "image placed by its grid; the reference needs it whole")
             out.setdefault(row, []).append((offset, self.image_rows[key][first:first + count],
-                                            self.vision.bidirectional))
+                                            self.vision.bidirectional, self.image_grids[key]))
         return out
 
     def _prefix_of(self, tokens: list, start: int) -> list:

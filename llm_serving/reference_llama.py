@@ -9,7 +9,8 @@ families change, read from the loader's LlamaConfig and computed here in transfo
 over each head's first dimensions (Phi-4-mini: pairs (i, i + r/2), not reordered), longrope's factors and scale
 (Phi-3), sliding-window layers with their own RoPE base (Gemma 3, Mistral), layers without RoPE (SmolLM3), mixtures of
 experts (Qwen3-MoE, Mixtral: a token's top-k experts by its router's logits), gpt-oss's biases, attention sinks and
-clamped SwiGLU; and a bidirectional encoder's (BERT): learned positions and token type 0 added to the embedding, its
+clamped SwiGLU, multimodal RoPE (Qwen2.5-VL: an image's tokens rotated by their time, row and column, the text after
+an image going on from its grid's larger side, as transformers' get_rope_index places them); and a bidirectional encoder's (BERT): learned positions and token type 0 added to the embedding, its
 LayerNorm, every token seeing the whole input, LayerNorms after each residual add, biases, an ungated GELU (erf) MLP.
 `embed(ids, pooling)` is an input's embedding (final hidden states, the final norm where the model has one, pooled
 and L2-normalized), as /v1/embeddings serves it.
@@ -106,18 +107,26 @@ class _LayerAtATime:
 
 
 class ReferenceSequence:
-    """One sequence's cached keys and values: per layer, (positions, kv_heads, head_dim) float64."""
+    """One sequence's cached keys and values: per layer, (positions, kv_heads, head_dim) float64; and, for
+    multimodal RoPE, the images fed so far: (the position after each one, how far it moved the RoPE positions of the
+    tokens after it past its token count)."""
 
     def __init__(self, num_layers: int):
         self.keys = [None] * num_layers
         self.values = [None] * num_layers
         self.length = 0
+        self.rope_moves: list = []
+
+    def rope_delta(self, position: int) -> int:
+        """What the RoPE position of the token at `position` adds to it (multimodal RoPE; 0 without images)."""
+        return sum(move for end, move in self.rope_moves if end <= position)
 
     def truncate(self, length: int) -> None:
         for i, (k, v) in enumerate(zip(self.keys, self.values)):
             if k is not None:
                 self.keys[i], self.values[i] = k[:length], v[:length]
         self.length = min(self.length, length)
+        self.rope_moves = [(end, move) for end, move in self.rope_moves if end <= length]
 
 
 class ReferenceLlama:
@@ -169,14 +178,19 @@ class ReferenceLlama:
 
     def _rope(self, x: np.ndarray, positions: np.ndarray, layer: int) -> np.ndarray:
         # x (T, heads, D): of the first r dimensions, pairs (i, i + r/2) rotate by angle position * inv_freq[i];
-        # the rest pass through
+        # the rest pass through. Multimodal RoPE: positions (T, 3), frequency i turned by the position of its
+        # section (time, row, column: mrope_section's runs of frequencies)
         kind = self.config.layer_rope(layer)
         if kind == "none":
             return x
         inv_freq, scale = (self.local_inv_freq, 1.0) if kind == "local" else (self.inv_freq, self.rope_scale)
         r = self.config.rotary_dims
         half = r // 2
-        angle = positions[:, None, None] * inv_freq[None, None, :]              # (T, 1, r/2)
+        if positions.ndim == 2:
+            which = np.repeat([0, 1, 2], self.config.mrope_section)
+            angle = (positions[:, which] * inv_freq[None, :])[:, None, :]          # (T, 1, r/2)
+        else:
+            angle = positions[:, None, None] * inv_freq[None, None, :]          # (T, 1, r/2)
         cos, sin = np.cos(angle) * scale, np.sin(angle) * scale
         x1, x2, rest = x[..., :half], x[..., half:r], x[..., r:]
         return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
@@ -187,7 +201,8 @@ class ReferenceLlama:
         `images`: (offset, rows, bidirectional) of each image among the tokens: its rows (count, H) (a
         ReferenceVision's) take the embedding's place at token_ids[offset:offset + count], after the embedding's
         scale, as transformers scatters image features; bidirectional (Gemma 3's): those tokens also see each other,
-        the mask being causal OR the same image, within each query's own sliding window."""
+        the mask being causal OR the same image, within each query's own sliding window. With multimodal RoPE, a
+        fourth entry: the image's (rows, cols) grid of tokens (the image whole in this call)."""
         if not self.config.generates:
             raise ValueError(f"reference: {self.config.architecture} is an embedding model; it has no lm_head")
         x = self._hidden(seq, token_ids, start, images)
@@ -231,17 +246,40 @@ class ReferenceLlama:
         positions = np.arange(start, start + len(ids), dtype=np.float64)
         x = self._embed(ids, start)
         spans = []                              # (first, last) positions of each image whose tokens see it all
-        for offset, rows, bidirectional in images:
+        for offset, rows, bidirectional, *_ in images:
             rows = np.asarray(rows, np.float64)
             if offset < 0 or offset + len(rows) > len(ids) or rows.shape[1:] != x.shape[1:]:
                 raise ValueError(f"reference: {rows.shape} image rows at token {offset} of {len(ids)}")
             x[offset:offset + len(rows)] = rows
             if bidirectional:
                 spans.append((start + offset, start + offset + len(rows) - 1))
+        rope = self._mrope_positions(seq, start, len(ids), images) if c.mrope_section is not None else positions
         for i in range(c.num_layers):
-            x = self._layer(i, x, seq, positions, start, spans)
+            x = self._layer(i, x, seq, positions, start, spans, rope)
         seq.length = start + len(ids)
         return x
+
+    @staticmethod
+    def _mrope_positions(seq: ReferenceSequence, start: int, t: int, images) -> np.ndarray:
+        """(t, 3) multimodal RoPE positions (time, row, column) of t tokens fed at start.. (transformers'
+        get_rope_index): a text token's three are its place plus the moves of the images before it; an image's
+        tokens sit at its start (where its first token would be as text) plus (0, row, column) in its grid, and it
+        moves the tokens after it by its grid's larger side less its token count (kept in seq for later calls)."""
+        out = np.repeat((np.arange(start, start + t) + seq.rope_delta(start)).astype(np.float64)[:, None], 3, 1)
+        for offset, rows, _, *grid in sorted(images, key=lambda im: im[0]):
+            if not grid or grid[0] is None:
+                continue
+            height, width = grid[0]
+            n = len(rows)
+            if n != height * width:
+                raise ValueError(f"reference: an image of {n} tokens in a {height} x {width} grid")
+            first = out[offset, 0]
+            k = np.arange(n)
+            out[offset:offset + n] = np.stack([np.full(n, first), first + k // width, first + k % width], 1)
+            move = max(height, width) - n
+            out[offset + n:] += move
+            seq.rope_moves.append((start + offset + n, move))
+        return out
 
     def _embed(self, ids: np.ndarray, start: int) -> np.ndarray:
         """The first layer's input (T, H) for ids at positions start..: embedding rows (scaled), and a BERT's
@@ -258,9 +296,10 @@ class ReferenceLlama:
         return x
 
     def _layer(self, i: int, x: np.ndarray, seq: ReferenceSequence, positions: np.ndarray, start: int,
-               spans=()) -> np.ndarray:
+               spans=(), rope=None) -> np.ndarray:
         """Decoder layer i's output for its input x (T, H) at `positions` (start..), its keys and values appended
-        to seq's; `spans`: (first, last) positions whose tokens see each other (forward's bidirectional images)."""
+        to seq's; `spans`: (first, last) positions whose tokens see each other (forward's bidirectional images);
+        `rope`: the positions RoPE turns them by, where they are not `positions` (multimodal RoPE's (T, 3))."""
         c, w = self.config, self.w
         t = len(x)
         nh, kvh, d = c.num_heads, c.num_kv_heads, c.head_dim
@@ -272,7 +311,8 @@ class ReferenceLlama:
         v = (h @ w[p + "self_attn.v_proj.weight"].T + w.get(p + "self_attn.v_proj.bias", 0.0)).reshape(t, kvh, d)
         if c.qk_norm:
             q, k = self._rms(q, w[p + "self_attn.q_norm.weight"]), self._rms(k, w[p + "self_attn.k_norm.weight"])
-        q, k = self._rope(q, positions, i), self._rope(k, positions, i)
+        rope = positions if rope is None else rope
+        q, k = self._rope(q, rope, i), self._rope(k, rope, i)
         window = c.layer_window(i)
         keys = k if seq.keys[i] is None else np.concatenate([seq.keys[i], k])      # (start+T, KVH, D)
         values = v if seq.values[i] is None else np.concatenate([seq.values[i], v])

@@ -267,3 +267,41 @@ def test_a_gguf_and_its_mmproj_serve_the_same_image_questions(qwen_vl, tmp_path)
         assert body["choices"][0]["message"]["content"] == tok.decode(want), turns
         np.testing.assert_allclose([e["logprob"] for e in body["choices"][0]["logprobs"]["content"]], want_lps,
                                    atol=2e-3, err_msg=str(turns))
+
+
+def test_the_float64_reference_places_images_as_transformers_does(qwen_vl):
+    """The precision gate's float64 text model (reference_llama.py) with transformers' own image features in place
+    of two images' placeholders: its logits at every token, fed in three calls (text and the first image; the
+    second image; a token after), are transformers' float64 forward's, M-RoPE positions and all."""
+    torch, transformers = needs_transformers()
+    from llm_serving.reference_llama import ReferenceLlama
+
+    wide, square = _png(1, (50, 120, 3)), _png(4, (100, 100, 3))
+    image = f"<|vision_start|>{PAD}<|vision_end|>"
+    ids = _prompt_ids(qwen_vl, [("user", f"Compare:{image} and{image} now")], [wide, square])
+    out = _processed(qwen_vl, [wide, square])
+    model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        str(qwen_vl), dtype=torch.float64, attn_implementation="eager").eval()
+    image_id = model.config.image_token_id
+    pixels, grid = torch.from_numpy(out["pixel_values"]).double(), torch.from_numpy(out["image_grid_thw"])
+    with torch.no_grad():
+        want = model(input_ids=torch.tensor([ids]), pixel_values=pixels, image_grid_thw=grid, use_cache=False,
+                     mm_token_type_ids=torch.tensor([[int(t == image_id) for t in ids]])).logits[0].numpy()
+        features = model.model.get_image_features(pixels, grid)
+    features = getattr(features, "pooler_output", features)
+    rows = [np.asarray(f, np.float64) for f in (features if isinstance(features, (list, tuple)) else
+                                                torch.split(features, [int(g.prod()) // 4 for g in grid]))]
+    runs = [k for k in range(len(ids)) if ids[k] == image_id and (k == 0 or ids[k - 1] != image_id)]
+    grids = [(int(g[1]) // 2, int(g[2]) // 2) for g in grid]
+    ref = ReferenceLlama(str(qwen_vl))
+    seq = ref.new_sequence()
+    cut = runs[1] - 1                       # the first call: up to the token before the second image
+    got = [ref.forward(seq, ids[:cut], 0, [(runs[0], rows[0], False, grids[0])]),
+           ref.forward(seq, ids[cut:-1], cut, [(runs[1] - cut, rows[1], False, grids[1])]),
+           ref.forward(seq, ids[-1:], len(ids) - 1)]
+    relative = lambda a: float(np.abs(a - want).max() / np.abs(want).max())       # noqa: E731
+    # (transformers turns float64 queries by float32 angles: ~1e-7 apart, as the other families' reference tests)
+    assert relative(np.concatenate(got)) < 2e-6
+    # the images' tokens placed as text (no grid) are another model: the test can tell
+    plain = ref.forward(ref.new_sequence(), ids, 0, [(runs[0], rows[0], False), (runs[1], rows[1], False)])
+    assert relative(plain) > 1e-3
