@@ -18,7 +18,11 @@ layer and masked out of every attention as keys. A windowed layer attends within
 (W x heads x T x T scores, never patches^2); a full layer over all W T rows, its queries QUERY_ROWS at a time (a
 chunk's scores alive, not all of them). The graphs' shapes then depend on the number of windows alone (the
 layers') or the grid (the patch embedding's and the merger's), and each image's rotary tables and window layout
-are made once per grid (`_Layout`, a few cached). Arithmetic in float32 throughout.
+are made once per grid (`_Layout`, a few cached). Arithmetic in float32 throughout, but for the products on the CPU
+kernels: where the vision kernel library builds (`kernels`), a block's four products (q|k|v, its projection, gate|up,
+down) are its VisionLinear, on the matrices in the checkpoint's own type (F16, BF16 or F32 panels) or, with `int16`,
+on int16 panels (13 bits a column, x 14 bits per 64 values: kernels/vision_panels.py, as the SigLIP towers' are),
+their biases added as each block of the result is made; the attention, norms and the merger stay MindSpore's.
 """
 from __future__ import annotations
 
@@ -28,7 +32,9 @@ import numpy as np
 
 from mindspore import Tensor, nn, ops
 
+from llm_serving.models.kernels.vision_panels import int16_panels
 from llm_serving.models.llama import _gelu_erf, _rms_normalize
+from llm_serving.models.vision_tower import _panels
 from llm_serving.models.weights.vision import QwenVisionConfig, qwen_vision_shapes
 
 __all__ = ["QwenVisionTower"]
@@ -101,17 +107,29 @@ _BLOCK_INPUTS = ("norm1", "qkv", "qkv_bias", "proj", "proj_bias", "norm2", "gate
                  "down_bias")
 
 
-def _block_weights(read, index: int) -> tuple:
+# a block's matrices (after its name in _BLOCK_INPUTS) and the checkpoint tensors they are made of
+_MATRICES = {"qkv": ("attn.qkv",), "proj": ("attn.proj",), "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+             "down": ("mlp.down_proj",)}
+
+
+def _block_weights(read, index: int, stored_type=None, int16: bool = False) -> tuple:
     """Block `index`'s weights as _Block takes them (_BLOCK_INPUTS): matrices (out, in) as stored, gate and up as one
-    (2 I, D)."""
+    (2 I, D). `stored_type(name)`: the type the checkpoint stores a tensor in, given when the block runs on the CPU
+    kernels: the matrices are then VisionLinear's panels of that type (vision_tower.py's `_panels`), or (`int16`)
+    its int16 panels, each bias then (2, N): the bias and the columns' steps."""
     at = f"visual.blocks.{index}."
-    w = {"norm1": read(at + "norm1.weight"), "norm2": read(at + "norm2.weight"),
-         "qkv": read(at + "attn.qkv.weight"), "qkv_bias": read(at + "attn.qkv.bias"),
-         "proj": read(at + "attn.proj.weight"), "proj_bias": read(at + "attn.proj.bias"),
-         "gate_up": np.concatenate([read(at + "mlp.gate_proj.weight"), read(at + "mlp.up_proj.weight")]),
-         "gate_up_bias": np.concatenate([read(at + "mlp.gate_proj.bias"), read(at + "mlp.up_proj.bias")]),
-         "down": read(at + "mlp.down_proj.weight"), "down_bias": read(at + "mlp.down_proj.bias")}
-    return tuple(_tensor(w[name]) for name in _BLOCK_INPUTS)
+    w = {"norm1": read(at + "norm1.weight"), "norm2": read(at + "norm2.weight")}
+    for key, parts in _MATRICES.items():
+        matrix = np.concatenate([read(at + part + ".weight") for part in parts])
+        bias = np.concatenate([read(at + part + ".bias") for part in parts])
+        if stored_type is None:
+            w[key], w[key + "_bias"] = matrix, bias
+        elif int16:
+            panels, steps = int16_panels(matrix)
+            w[key], w[key + "_bias"] = Tensor(panels), np.stack([bias, steps])
+        else:
+            w[key], w[key + "_bias"] = _panels(matrix, {stored_type(at + part + ".weight") for part in parts}), bias
+    return tuple(w[name] if isinstance(w[name], Tensor) else _tensor(w[name]) for name in _BLOCK_INPUTS)
 
 
 class _Block(nn.Cell):
@@ -119,15 +137,27 @@ class _Block(nn.Cell):
     every window (the padding masked), in chunks of whole windows of about QUERY_ROWS queries; else within each
     window."""
 
-    def __init__(self, cfg: QwenVisionConfig, full: bool):
+    def __init__(self, cfg: QwenVisionConfig, full: bool, kernels=None, threads: int = 1):
         super().__init__()
         self.full, self.eps = full, cfg.eps
         self.heads, self.head_dim, self.inner = cfg.num_heads, cfg.head_dim, cfg.intermediate_size
         self.scale = cfg.head_dim ** -0.5
         self.chunk_windows = max(1, QUERY_ROWS // (cfg.window_units ** 2 * cfg.spatial_merge_size ** 2))
         self.matmul = ops.MatMul(transpose_b=True)             # (the weights as stored: (out, in))
+        self.on_kernels = kernels is not None
+        if kernels is not None:
+            # x (R, K), the panels, bias (N,) (int16 panels: (2, N), the bias and the steps), [threads, gelu] -> (R, N)
+            self.linear = ops.Custom(f"{kernels}:VisionLinear", out_shape=lambda x, w, bias, *_: (x[0], bias[-1]),
+                                     out_dtype=lambda x, *_: x, func_type="aot")
+            self.plain = Tensor(np.array([threads, 0], np.int32))
         self.scores = ops.BatchMatMul(transpose_b=True)
         self.weighted = ops.BatchMatMul()
+
+    def _product(self, x, w, bias):
+        # x (R, K) times the matrix (N, K) plus its bias: VisionLinear on the kernels' panels, else MindSpore's
+        if self.on_kernels:
+            return self.linear(x, w, bias, self.plain)
+        return self.matmul(x, w) + bias
 
     def _rotated(self, x, cos, sin):
         # x (W, T, heads, hd); cos, sin (W, T, 1, hd): x cos + rotate_half(x) sin
@@ -162,16 +192,16 @@ class _Block(nn.Cell):
         w, t, d = x.shape
         x = ops.select(keep, x, ops.zeros_like(x))             # (the padding rows: zero whatever came before)
         h = (_rms_normalize(x, self.eps) * norm1).reshape(w * t, d)
-        qkv = (self.matmul(h, qkv_w) + qkv_bias).reshape(w, t, 3, self.heads, self.head_dim)
+        qkv = self._product(h, qkv_w, qkv_bias).reshape(w, t, 3, self.heads, self.head_dim)
         cos, sin = cos.reshape(w, t, 1, self.head_dim), sin.reshape(w, t, 1, self.head_dim)
         q, k = self._rotated(qkv[:, :, 0], cos, sin), self._rotated(qkv[:, :, 1], cos, sin)  # (W, T, heads, hd)
         attend = self._attend_all if self.full else self._attend_windows
         attended = attend(q, k, qkv[:, :, 2], key_bias)                                      # (W T, D)
-        x = x + (self.matmul(attended, proj_w) + proj_bias).reshape(w, t, d)
+        x = x + self._product(attended, proj_w, proj_bias).reshape(w, t, d)
         h = (_rms_normalize(x, self.eps) * norm2).reshape(w * t, d)
-        gate_up = self.matmul(h, gate_up) + gate_up_bias                                     # (W T, 2 I)
+        gate_up = self._product(h, gate_up, gate_up_bias)                                    # (W T, 2 I)
         h = ops.silu(gate_up[:, :self.inner]) * gate_up[:, self.inner:]
-        return x + (self.matmul(h, down_w) + down_bias).reshape(w, t, d)
+        return x + self._product(h, down_w, down_bias).reshape(w, t, d)
 
 
 class _Merger(nn.Cell):
@@ -194,11 +224,12 @@ class QwenVisionTower:
     """Qwen2.5-VL's tower and merger (the module docstring). `weights`: {name: StoredTensor} as weights/vision.py's
     `vision_checkpoint` gives them (or arrays under the same names). The interface the runner uses is the SigLIP
     tower's (`embed`, `run_layers`, `project`, `encode`, `warm`, `nbytes`), on one image at a time whose grid its
-    state carries: (gh2, gw2, m m, D)."""
+    state carries: (gh2, gw2, m m, D). `kernels`, `threads`: the CPU vision kernel library its blocks' products run
+    on and its threads (None: MindSpore's ops); `int16`: those products on int16 panels (the runner's vision_int16)."""
 
     MAX_LAYOUTS = 8             # grids whose window layout and rotary tables are kept
 
-    def __init__(self, cfg: QwenVisionConfig, weights: dict):
+    def __init__(self, cfg: QwenVisionConfig, weights: dict, kernels=None, threads: int = 1, int16: bool = False):
         shapes = qwen_vision_shapes(cfg)
 
         def read(name: str) -> np.ndarray:
@@ -207,13 +238,15 @@ class QwenVisionTower:
             return np.asarray(array, np.float32)
 
         self.cfg = cfg
-        self.int16 = False              # (the SigLIP tower's int16 products: none here; the runner logs it)
+        self.int16 = int16 and kernels is not None
+        stored_type = None if kernels is None else (lambda name: getattr(weights[name], "stored_type", None))
         self.kernel = _tensor(read("visual.patch_embed.proj.weight").reshape(cfg.hidden_size, cfg.patch_features))
-        self.layer_weights = [_block_weights(read, i) for i in range(cfg.num_layers)]
+        self.layer_weights = [_block_weights(read, i, stored_type, self.int16) for i in range(cfg.num_layers)]
         self.merger_weights = tuple(_tensor(read(f"visual.merger.{name}")) for name in (
             "ln_q.weight", "mlp.0.weight", "mlp.0.bias", "mlp.2.weight", "mlp.2.bias"))
         self.embedding = _Embed()
-        self.window_block, self.full_block = _Block(cfg, full=False), _Block(cfg, full=True)
+        self.window_block = _Block(cfg, full=False, kernels=kernels, threads=threads)
+        self.full_block = _Block(cfg, full=True, kernels=kernels, threads=threads)
         self.merger = _Merger(cfg)
         self._layouts: OrderedDict = OrderedDict()
 

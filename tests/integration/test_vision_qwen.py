@@ -44,14 +44,14 @@ def _png(name: str) -> bytes:
     return buffer.getvalue()
 
 
-def _tower(directory):
+def _tower(directory, **kernels):
     from llm_serving.models.mindspore_env import setup_mindspore
     from llm_serving.models.vision_qwen import QwenVisionTower
     from llm_serving.models.weights.vision import vision_checkpoint
 
     setup_mindspore("CPU", 0, None, None)
     cfg, weights = vision_checkpoint(str(directory))
-    return cfg, QwenVisionTower(cfg, weights)
+    return cfg, QwenVisionTower(cfg, weights, **kernels)
 
 
 def _patches(directory, names) -> list:
@@ -121,6 +121,30 @@ def test_layers_run_in_parts_give_the_bits_of_one_go(qwen_vl, monkeypatch):
             assert np.array_equal(t.project(x.asnumpy()), whole), name
             np.testing.assert_allclose(whole[0], theirs, atol=1e-5 * np.abs(theirs).max(), rtol=0, err_msg=name)
     tower.warm()                                                  # (one merge unit: the graphs of one window)
+
+
+def test_the_products_on_the_cpu_kernels_are_transformers_within_their_level(qwen_vl):
+    """The blocks' four products on the vision kernels' VisionLinear: on the checkpoint's own float panels as near
+    transformers as MindSpore's matmuls; on int16 panels (13-bit columns, 14-bit x) within the level the SigLIP
+    towers' int16 products keep (about 1e-3 of the largest); in parts the bits of one go either way."""
+    from llm_serving.models.runner.kernels import build_vision_kernels
+
+    directory, model = qwen_vl
+    kernels = build_vision_kernels("CPU", "on")
+    names = ["wide", "partial both ways"]
+    patches = _patches(directory, names)
+    for int16, tolerance in ((False, 1e-5), (True, 5e-3)):
+        _, tower = _tower(directory, kernels=kernels, threads=2, int16=int16)
+        assert tower.int16 is int16
+        for name, image, theirs in zip(names, patches, _theirs(model, patches)):
+            whole = tower.encode(image)
+            scale = np.abs(theirs).max()
+            error = float(np.abs(whole[0] - theirs).max() / scale)
+            assert error < tolerance, (name, int16, error)
+            x = tower.embed(image)
+            for start, stop in ((0, 2), (2, 4)):
+                x = tower.run_layers(x.asnumpy(), start, stop)
+            assert np.array_equal(tower.project(x.asnumpy()), whole), (name, int16)
 
 
 def _v4_config(config: dict) -> dict:

@@ -58,14 +58,15 @@ class ImageEncoder:
         """The encoder of a tower as stored (`vision_checkpoint_of`'s), its weights read now; `kernels`: the CPU
         kernel library its layers run on `threads` threads (runner/kernels.py's build_vision_kernels), their
         products and attention values in int16 when `int16` (runner/kernels.py's vision_int16), the attention's
-        scores too with `int16_scores`. A Qwen2.5-VL tower (models/vision_qwen.py) runs on MindSpore's ops."""
+        scores too with `int16_scores`. A Qwen2.5-VL tower (models/vision_qwen.py): its products on those kernels,
+        its attention on MindSpore's ops."""
         from ..vision_qwen import QwenVisionTower
         from ..vision_tower import VisionTower
         from ..weights.vision import QwenVisionConfig
 
         t0 = time.perf_counter()
         if isinstance(checkpoint[0], QwenVisionConfig):
-            tower = QwenVisionTower(*checkpoint)
+            tower = QwenVisionTower(*checkpoint, kernels=kernels, threads=threads, int16=int16)
         else:
             tower = VisionTower(*checkpoint, kernels=kernels, threads=threads, int16=int16, int16_scores=int16_scores)
         encoder = cls(tower, cache_mb << 20)
