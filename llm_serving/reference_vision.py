@@ -7,11 +7,22 @@ encoder layers (LayerNorm, every patch attending to every patch with biased q/k/
 tanh GELU, fc2, a residual), the post LayerNorm; then Gemma 3's projector (the patch grid average-pooled, Gemma's RMS
 norm with gain 1 + w, the projection) or SmolVLM's / Idefics3's (the pixel shuffle, a projection without bias).
 
+Qwen2.5-VL's tower (a `QwenVisionConfig`) is another: the image at its own size, its patches of C x T x P x P values
+embedded by the 3-D convolution (a product with the flattened kernel, no bias); the 2-D rotary positions (head_dim / 4
+frequencies times the patch's row, the same times its column, that half repeated, q and k rotated by halves);
+the patches put in window order (the grid of merge units cut into windows of `window_units` units a side from the top
+left, the last ones partial, each window's units row by row); pre-norm blocks (RMS norm, attention with a joined
+biased qkv, over every patch in the `fullatt_block_indexes` blocks and within each window in the others, a residual;
+RMS norm, the SwiGLU MLP with biases, a residual); the merger (ln_q's RMS norm, each unit's m x m patches side by
+side as one row, Linear, the exact erf GELU, Linear); then the window order undone, so the rows are the merge units
+row by row, as the prompt's image tokens are.
+
     ref = ReferenceVision(model_dir)                 # or ReferenceVision(None, mmproj="mmproj.gguf")
     rows = ref.encode(pixels)                        # (3, S, S) float32 pixels -> (tokens_per_image, text width)
+    rows = ref.encode(patches)                       # Qwen2.5-VL: (gh2, gw2, m m, C T P P) -> (gh2 gw2, text width)
 
-Pixels are the model's processor's (llm_serving/vision, checked against transformers' processors by the tests):
-the reference starts where the tower does.
+Pixels are the model's processor's (llm_serving/vision, checked against transformers' processors by the tests; for
+Qwen2.5-VL `qwen_patches`'): the reference starts where the tower does.
 """
 from __future__ import annotations
 
@@ -20,21 +31,20 @@ from typing import Optional
 
 import numpy as np
 
-from llm_serving.models.weights.vision import VisionConfig, mmproj_checkpoint, vision_checkpoint
+from llm_serving.models.weights.vision import QwenVisionConfig, mmproj_checkpoint, vision_checkpoint
 
 __all__ = ["ReferenceVision"]
 
 
 class ReferenceVision:
-    """The tower of a HF model directory (`model_path`) or of llama.cpp's mmproj GGUF (`mmproj`), in float64."""
+    """The tower of a HF model directory (`model_path`) or of llama.cpp's mmproj GGUF (`mmproj`), in float64: a
+    SigLIP tower and its projector, or Qwen2.5-VL's tower and merger (`config` a QwenVisionConfig; both readers give
+    its tensors the same `visual.*` names)."""
 
     def __init__(self, model_path: Optional[str], mmproj: Optional[str] = None):
         found = mmproj_checkpoint(mmproj) if mmproj else vision_checkpoint(model_path)
         if found is None:
             raise ValueError(f"reference: {model_path} has no vision tower")
-        if not isinstance(found[0], VisionConfig):
-            raise ValueError(f"reference: {model_path}'s vision tower (Qwen2.5-VL's) has no float64 reference yet; the "
-                             "precision gate checks its text model without --images")
         self.config, tensors = found
         self.w = {name: np.asarray(t.read((slice(None),) * len(t.shape)), np.float64) for name, t in tensors.items()}
 
@@ -44,7 +54,10 @@ class ReferenceVision:
         return self.config.bidirectional
 
     def encode(self, pixels: np.ndarray) -> np.ndarray:
-        """(tokens_per_image, text hidden) float64 rows of one image's (or frame's) pixels (C, S, S)."""
+        """(tokens_per_image, text hidden) float64 rows of one image's (or frame's) pixels (C, S, S); for Qwen2.5-VL,
+        (gh2 gw2, out_hidden) rows of one image's patches (gh2, gw2, m m, C T P P), the merge units row by row."""
+        if isinstance(self.config, QwenVisionConfig):
+            return self._qwen_encode(pixels)
         c, w = self.config, self.w
         g, p, d = c.patches_per_side, c.patch_size, c.hidden_size
         x = np.asarray(pixels, np.float64).reshape(c.num_channels, g, p, g, p).transpose(1, 3, 0, 2, 4)
@@ -97,3 +110,77 @@ class ReferenceVision:
         y = y.transpose(1, 0, 2).reshape(side // s, side // s, d * s * s)
         y = y.transpose(1, 0, 2).reshape(side * side // (s * s), d * s * s)
         return y @ self.w["multi_modal_projector.proj.weight"].T
+
+    # ---------------------------------------------------------------------------------------------- Qwen2.5-VL
+
+    def _qwen_encode(self, patches: np.ndarray) -> np.ndarray:
+        """The tower on the patches in window order (the module docstring), the merger's rows put back in the
+        prompt's order."""
+        c, w = self.config, self.w
+        gh2, gw2, units = patches.shape[:3]
+        m, d = c.spatial_merge_size, c.hidden_size
+        if units != m * m or patches.shape[3] != c.patch_features:
+            raise ValueError(f"reference: Qwen2.5-VL patches are (gh2, gw2, {m * m}, {c.patch_features}), not "
+                             f"{patches.shape}")
+        x = np.asarray(patches, np.float64).reshape(-1, c.patch_features)
+        x = x @ w["visual.patch_embed.proj.weight"].reshape(d, -1).T                      # (S, D)
+        cos, sin = self._qwen_rotary(gh2, gw2)                                             # (S, head_dim) each
+        order, windows = self._qwen_windows(gh2, gw2)
+        # rows gathered by merge unit: a unit's m m patches stay together, in their own order
+        patch_order = (order[:, None] * m * m + np.arange(m * m)).reshape(-1)
+        x, cos, sin = x[patch_order], cos[patch_order], sin[patch_order]
+        whole = [len(x)]
+        for i in range(c.num_layers):
+            x = self._qwen_block(x, f"visual.blocks.{i}.", cos, sin,
+                                 whole if i in c.fullatt_block_indexes else windows)
+        h = self._rms_norm(x, "visual.merger.ln_q").reshape(-1, m * m * d)                 # (units, m m D)
+        h = self._linear(h, "visual.merger.mlp.0")
+        h = 0.5 * h * (1.0 + np.vectorize(math.erf)(h / math.sqrt(2.0)))
+        merged = self._linear(h, "visual.merger.mlp.2")                                    # (units, out_hidden)
+        rows = np.empty_like(merged)
+        rows[order] = merged
+        return rows
+
+    def _qwen_rotary(self, gh2: int, gw2: int) -> tuple:
+        """cos and sin of each patch's angles (in the patches' order: units row by row, a unit's patches row by
+        row): head_dim / 4 frequencies times the patch's row, the same times its column, that half repeated."""
+        c = self.config
+        m, half = c.spatial_merge_size, c.head_dim // 2
+        inv_freq = 1.0 / c.rope_theta ** (np.arange(0, half, 2, dtype=np.float64) / half)      # (head_dim / 4,)
+        rows, cols = np.meshgrid(np.arange(gh2 * m), np.arange(gw2 * m), indexing="ij")
+        rows = rows.reshape(gh2, m, gw2, m).transpose(0, 2, 1, 3).reshape(-1)
+        cols = cols.reshape(gh2, m, gw2, m).transpose(0, 2, 1, 3).reshape(-1)
+        angles = np.concatenate([rows[:, None] * inv_freq, cols[:, None] * inv_freq], axis=-1)   # (S, head_dim / 2)
+        angles = np.concatenate([angles, angles], axis=-1)                                  # (S, head_dim)
+        return np.cos(angles), np.sin(angles)
+
+    def _qwen_windows(self, gh2: int, gw2: int) -> tuple:
+        """(the merge units' indices in window order, each window's patch count): windows of window_units units a
+        side from the top left, those at the right and bottom edges partial, row of windows by row; a window's
+        units row by row."""
+        u, per_unit = self.config.window_units, self.config.spatial_merge_size ** 2
+        grid = np.arange(gh2 * gw2).reshape(gh2, gw2)
+        windows = [grid[top:top + u, left:left + u].reshape(-1)
+                   for top in range(0, gh2, u) for left in range(0, gw2, u)]
+        return np.concatenate(windows), [len(units) * per_unit for units in windows]
+
+    def _rms_norm(self, x: np.ndarray, name: str) -> np.ndarray:
+        return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + self.config.eps) * self.w[name + ".weight"]
+
+    def _qwen_block(self, x: np.ndarray, at: str, cos: np.ndarray, sin: np.ndarray, lengths: list) -> np.ndarray:
+        """One block; attention within each run of `lengths` consecutive patches (the windows, or all as one)."""
+        c = self.config
+        t, heads, hd = len(x), c.num_heads, c.head_dim
+        qkv = self._linear(self._rms_norm(x, at + "norm1"), at + "attn.qkv").reshape(t, 3, heads, hd)
+        q, k, v = (qkv[:, j].transpose(1, 0, 2) for j in range(3))                         # (heads, S, hd) each
+        q, k = (y * cos + np.concatenate([-y[..., hd // 2:], y[..., :hd // 2]], axis=-1) * sin for y in (q, k))
+        attended = np.empty_like(q)
+        for start, n in zip(np.cumsum([0] + lengths[:-1]), lengths):
+            part = slice(start, start + n)
+            scores = q[:, part] @ k[:, part].transpose(0, 2, 1) / math.sqrt(hd)           # (heads, n, n)
+            scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
+            attended[:, part] = (scores / scores.sum(axis=-1, keepdims=True)) @ v[:, part]
+        x = x + self._linear(attended.transpose(1, 0, 2).reshape(t, heads * hd), at + "attn.proj")
+        h = self._rms_norm(x, at + "norm2")
+        gate, up = self._linear(h, at + "mlp.gate_proj"), self._linear(h, at + "mlp.up_proj")
+        return x + self._linear(gate / (1.0 + np.exp(-gate)) * up, at + "mlp.down_proj")

@@ -1,7 +1,10 @@
 """The float64 references for images (llm_serving/reference_vision.py's tower, reference_llama.py's forward with image
 rows) against transformers run in float64 on tiny random Gemma 3 and SmolVLM models: the tower's rows and every
 position's logits of an image prompt agree to 2e-6 (relative: transformers' norms run in float32), and dropping Gemma 3's bidirectional image mask
-changes them. No MindSpore: these are the precision gate's yardsticks, not the served model."""
+changes them. Qwen2.5-VL's tower and merger on a tiny random model, images of several shapes: its rows are
+transformers' to 2e-6, and to 1e-10 once transformers' float32 steps are float64, whether its weights are read from
+the HF directory or from llama.cpp's mmproj. No MindSpore: these are the precision gate's yardsticks, not the served
+model."""
 from __future__ import annotations
 
 import copy
@@ -9,7 +12,7 @@ import copy
 import numpy as np
 import pytest
 
-from tests.families import make_gemma3_vl, make_smolvlm, needs_transformers
+from tests.families import make_gemma3_vl, make_qwen25_vl, make_smolvlm, needs_transformers
 
 
 def _float64_model(tmp_path_factory, make, name: str) -> tuple:
@@ -27,6 +30,11 @@ def gemma3_vl(tmp_path_factory):
 @pytest.fixture(scope="module")
 def smolvlm(tmp_path_factory):
     return _float64_model(tmp_path_factory, make_smolvlm, "smolvlm_reference")
+
+
+@pytest.fixture(scope="module")
+def qwen25_vl(tmp_path_factory):
+    return _float64_model(tmp_path_factory, make_qwen25_vl, "qwen25_vl_reference")
 
 
 # transformers' RMS norms compute in float32 whatever the model's dtype (Gemma's `x.float()`, Llama's `.to(float32)`):
@@ -101,3 +109,69 @@ def test_smolvlm_s_tower_and_image_prompt_logits_are_transformers(smolvlm):
     text = ReferenceLlama(str(directory))
     got = text.forward(text.new_sequence(), ids, 0, [(s, rows, False) for s, rows in zip(starts, ours)])
     assert _relative(got, want) < TOLERANCE
+
+
+def _float64_qwen_tower(monkeypatch) -> None:
+    """transformers' Qwen2.5-VL tower with its float32 steps in float64: the RMS norms (cast to float32 and back), the
+    rotary angles (float32 frequencies times float32 positions) and their application (q and k cast to float32).
+    The rest of its code runs as it is."""
+    torch, _ = needs_transformers()
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as qwen
+
+    def rms_norm(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    def rotary(self, x, position_ids):          # compute_axial_rope_parameters' frequencies, in float64
+        base, half = self.config.rope_parameters["rope_theta"], self.config.hidden_size // self.config.num_heads // 2
+        inv_freq = 1.0 / base ** (torch.arange(0, half, 2, dtype=torch.float64) / half)
+        angles = position_ids[..., None].double() * inv_freq
+        return self.recomposition_frequencies(angles.cos()), self.recomposition_frequencies(angles.sin())
+
+    def rotate(q, k, cos, sin):
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+        return q * cos + qwen.rotate_half(q) * sin, k * cos + qwen.rotate_half(k) * sin
+
+    monkeypatch.setattr(qwen.Qwen2_5_VLRMSNorm, "forward", rms_norm)
+    monkeypatch.setattr(qwen.Qwen2_5_VLVisionRotaryEmbedding, "forward", rotary)
+    monkeypatch.setattr(qwen, "apply_rotary_pos_emb_vision", rotate)
+
+
+def test_qwen25_vl_s_tower_is_transformers_from_the_directory_and_the_mmproj(qwen25_vl, tmp_path, monkeypatch):
+    torch, _ = needs_transformers()
+    from PIL import Image
+
+    from llm_serving.reference_vision import ReferenceVision
+    from llm_serving.vision.images import ImageSpec, qwen_patches
+    from tests.integration.test_images_qwen import write_qwen_mmproj
+
+    directory, model = qwen25_vl
+    vision = ReferenceVision(str(directory))
+    write_qwen_mmproj(directory, tmp_path / "mmproj.gguf")
+    from_mmproj = ReferenceVision(None, mmproj=str(tmp_path / "mmproj.gguf"))
+    assert not vision.bidirectional and vision.config.window_units == 2
+    rng = np.random.default_rng(4)
+    # (height, width, channels) -> merge units (windows of 2 x 2 units): square 4 x 4 (four whole windows), wide
+    # 2 x 7 and tall 7 x 2 (a half window at the end), 3 x 5 (partial windows right and below), a transparent 4 x 4
+    shapes = {(112, 112, 3): (4, 4), (60, 200, 3): (2, 7), (200, 60, 3): (7, 2), (84, 140, 3): (3, 5),
+              (100, 100, 4): (4, 4)}
+    images = [Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8), "RGBA" if shape[2] == 4 else "RGB")
+              for shape in shapes]
+    patches = [qwen_patches(image, ImageSpec.from_dir(str(directory))) for image in images]
+    assert [p.shape[:2] for p in patches] == list(shapes.values())
+
+    def transformers_rows(p):
+        gh2, gw2, units, features = p.shape         # transformers' pixel_values: the same rows, in the same order
+        with torch.no_grad():
+            found = model.model.get_image_features(torch.from_numpy(p.reshape(gh2 * gw2 * units, features)),
+                                                   torch.tensor([[1, 2 * gh2, 2 * gw2]]))
+        return found.pooler_output[0].numpy()       # (one image's tokens, 64)
+
+    ours = [vision.encode(p) for p in patches]
+    as_they_run = [transformers_rows(p) for p in patches]
+    _float64_qwen_tower(monkeypatch)
+    in_float64 = [transformers_rows(p) for p in patches]
+    for p, rows, theirs, exact in zip(patches, ours, as_they_run, in_float64):
+        assert rows.dtype == np.float64 and rows.shape == theirs.shape == (p.shape[0] * p.shape[1], 64)
+        assert _relative(rows, theirs) < TOLERANCE
+        assert _relative(rows, exact) < 1e-10
+        assert _relative(from_mmproj.encode(p), rows) < 1e-12
