@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tests.families import greedy_with_logprobs, make_qwen25_vl, needs_transformers
-from tests.integration.server_harness import http, serving
+from tests.integration.server_harness import http, precision_gate, serving
 
 pytest.importorskip("mindspore")
 pytest.importorskip("PIL", reason="Pillow reads the images (pip install -e .)")
@@ -111,7 +111,7 @@ def test_qwen_vl_image_questions_get_transformers_tokens_and_logprobs(qwen_vl, t
     chunks (never inside an image), the prefix cache on 8-token blocks, the encoded-image cache: each reply is
     transformers' greedy tokens with their log-probabilities (its M-RoPE positions: the image's tokens by their row
     and column, the text after an image from the grid's larger side), its prompt as many tokens as transformers'
-    processor makes."""
+    processor makes; then the precision gate with picture prompts passes."""
     from llm_serving.tokenization import load_tokenizer
 
     wide, tall, small = _png(0, (40, 130, 3)), _png(1, (120, 50, 3)), _png(2, (30, 20, 4))
@@ -138,6 +138,15 @@ def test_qwen_vl_image_questions_get_transformers_tokens_and_logprobs(qwen_vl, t
         last = asyncio.run(_chats(server.url, [_body(chats[4][0])]))
         models = http("GET", server.url + "/v1/models")[1]
         log = (tmp_path / "server.log").read_text()
+        # the precision gate with two picture prompts: the reference's float64 tower on the captured patches, its
+        # text model placing them by their grids (M-RoPE), every row within 0.5%
+        prompts = tmp_path / "prompts.txt"
+        prompts.write_text("what is this\nname three colors\ndescribe it\n")
+        (tmp_path / "gate").mkdir()
+        proc, gate = precision_gate(server.url, tmp_path / "gate", "-n", "3", "--images", "2", "--max-new-tokens", "3",
+                                    "--prompts", str(prompts))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (gate["image_prompts"], gate["images_encoded"]) == (2, 2) and gate["max_rel_error"] < 5e-3, gate
     for (messages, turns, images), (status, body) in zip(chats, first + last):
         assert status == 200, body
         ids = _prompt_ids(qwen_vl, turns, images)
