@@ -104,12 +104,10 @@ class TokenSteps:
         flat = flat_tokens(step)
         last = np.cumsum(ql) - 1                                                       # (n,) each row's last token
         rows = self.buckets.prefill_batch_sizes[-1]
-        rope = step.rope_positions(flat[3], flat[1])                                  # (t,) RoPE's positions
-        mrope = self.mrope
-        if mrope is not None and rope is flat[3]:
-            rope = flat[3].copy()                                                      # (place moves some)
-        placed = place(images, self.images, ql, flat[3], flat[5], rope if mrope is not None else None) \
-            if images else None
+        rope, mrope = None, self.mrope is not None       # multimodal RoPE: (t,) its positions (place moves some)
+        if mrope or step.rope_delta is not None:
+            rope = np.array(step.rope_positions(flat[3], flat[1]), np.int32)
+        placed = place(images, self.images, ql, flat[3], flat[5], rope if mrope else None) if images else None
         if placed is None:
             calls, start = [], 0
             for tb in self.buckets.token_pieces(t):

@@ -1,0 +1,177 @@
+#!/usr/bin/env python
+"""Qwen2.5-VL's tower served (issue 67): this server against llama.cpp's `llama-server --mmproj` on the same files, a
+real-shaped Qwen2.5-VL-3B vision tower (random weights: 32 blocks of 1,280, windows of 112 pixels, full attention in
+every 8th block, the merger) as llama.cpp's qwen2.5vl_merger mmproj GGUF (F16 matrices, as its converter writes them
+with --outtype f16), beside a tiny `qwen2vl` text model (tests/families.py's make_qwen25_vl, its GGUF twin: 2 layers
+of 64, so that an image question's time is the tower's). Measured, for each server in turn: the time to the first
+token of one image question (a 1,024 x 768 photo: 999 tokens, 3,996 patches, as both servers' bounds resize it), for
+--rounds new pictures of that size; this server with its defaults and with `--set` settings (--variant, repeatable).
+
+    python bench/vision_qwen.py
+    python bench/vision_qwen.py --rounds 3 --variant model_config.vision_int16=off
+
+The files are made once under the peers directory's models/ (transformers makes the tiny text model: a bench's
+cross-check, never the product). Writes JSON (default bench_results/vision_qwen.json).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import log_dir, machine, with_llama_server, write_json  # noqa: E402
+from bench.make_models import peers_dir  # noqa: E402
+from bench.peers import find_llama_server, start_ours  # noqa: E402
+from bench.vision_serving import image  # noqa: E402
+
+# Qwen2.5-VL-3B's vision tower (its config.json's vision_config); the merger's output is the tiny text model's width
+TOWER = dict(hidden=1280, intermediate=3420, layers=32, heads=16, patch=14, window=112, every=8, text_hidden=64)
+QUESTION = "Describe this picture in detail."
+NAME = "qwen25vl-bench"
+
+
+def text_model(out: Path) -> Path:
+    """The tiny Qwen2.5-VL's text model as a `qwen2vl` GGUF (F32) with its tokenizer and template (made once)."""
+    if out.is_file():
+        return out
+    from tests.families import make_qwen25_vl, write_gguf
+
+    with tempfile.TemporaryDirectory() as tmp:
+        make_qwen25_vl(Path(tmp), seed=0)
+        write_gguf(None, Path(tmp), Path(str(out) + ".part"))
+    Path(str(out) + ".part").rename(out)
+    return out
+
+
+def mmproj(out: Path, seed: int = 0) -> Path:
+    """A random Qwen2.5-VL-3B tower and merger as llama.cpp's mmproj GGUF (the converter's names and keys: q, k, v
+    apart, the patch kernel as two 2-D kernels; F16 matrices, F32 norms and biases), made once."""
+    import gguf
+
+    if out.is_file():
+        return out
+    t = TOWER
+    d, m, p, c = t["hidden"], t["intermediate"], t["patch"], 4 * t["hidden"]
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(out) + ".part", "clip")
+    writer.add_string("general.type", "mmproj")
+    writer.add_bool("clip.has_vision_encoder", True)
+    writer.add_string("clip.projector_type", "qwen2.5vl_merger")
+    for key, value in (("projection_dim", t["text_hidden"]), ("image_size", 560), ("patch_size", p),
+                       ("embedding_length", d), ("feed_forward_length", m), ("block_count", t["layers"]),
+                       ("attention.head_count", t["heads"]), ("n_wa_pattern", t["every"])):
+        writer.add_uint32(f"clip.vision.{key}", value)
+    writer.add_bool("clip.use_silu", True)
+    writer.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
+    writer.add_array("clip.vision.image_mean", [0.48145466, 0.4578275, 0.40821073])
+    writer.add_array("clip.vision.image_std", [0.26862954, 0.26130258, 0.27577711])
+
+    def matrix(shape, fan_in):
+        return (rng.standard_normal(shape, dtype=np.float32) / np.sqrt(fan_in)).astype(np.float16)
+
+    def vector(n, base=0.0):
+        return (base + 0.02 * rng.standard_normal(n)).astype(np.float32)
+
+    for k in ("", ".1"):
+        writer.add_tensor("v.patch_embd.weight" + k, matrix((d, 3, p, p), 6 * p * p))
+    for i in range(t["layers"]):
+        at = f"v.blk.{i}."
+        for norm in ("ln1", "ln2"):
+            writer.add_tensor(at + norm + ".weight", vector(d, 1.0))
+        for proj in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            writer.add_tensor(at + proj + ".weight", matrix((d, d), d))
+            writer.add_tensor(at + proj + ".bias", vector(d))
+        for proj in ("ffn_gate", "ffn_up"):
+            writer.add_tensor(at + proj + ".weight", matrix((m, d), d))
+            writer.add_tensor(at + proj + ".bias", vector(m))
+        writer.add_tensor(at + "ffn_down.weight", matrix((d, m), m))
+        writer.add_tensor(at + "ffn_down.bias", vector(d))
+    writer.add_tensor("v.post_ln.weight", vector(d, 1.0))
+    writer.add_tensor("mm.0.weight", matrix((c, c), c))
+    writer.add_tensor("mm.0.bias", vector(c))
+    writer.add_tensor("mm.2.weight", matrix((t["text_hidden"], c), c))
+    writer.add_tensor("mm.2.bias", vector(t["text_hidden"]))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    Path(str(out) + ".part").rename(out)
+    return out
+
+
+def ask(url: str, picture: str) -> dict:
+    """One image question, 2 tokens: seconds to the reply (its first token is the second's step), its prompt's
+    tokens."""
+    import urllib.request
+
+    body = {"model": NAME, "max_tokens": 2, "temperature": 0,
+            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": picture}},
+                                                      {"type": "text", "text": QUESTION}]}]}
+    req = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=3600) as r:
+        reply = json.loads(r.read())
+    return {"seconds": time.perf_counter() - t0, "prompt_tokens": (reply.get("usage") or {}).get("prompt_tokens")}
+
+
+def rounds(url: str, count: int) -> list:
+    return [ask(url, image(500 + k)) for k in range(count)]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--variant", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="this server again with this setting (repeatable: one run each)")
+    ap.add_argument("--only", choices=("ours", "llama"), default=None)
+    ap.add_argument("--out", default="bench_results/vision_qwen.json")
+    args = ap.parse_args(argv)
+
+    models = peers_dir() / "models"
+    models.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    text = text_model(models / "bench-qwen25vl-tiny-text.gguf")
+    proj = mmproj(models / "bench-qwen25vl-3b-mmproj-f16.gguf")
+    print(f"files ready in {time.perf_counter() - t0:.0f} s: {text.name}, {proj.name}", flush=True)
+    result = {"machine": machine(), "tower": TOWER, "rounds": args.rounds}
+    base = ["--model", str(text), "--set", f"model_config.mmproj={proj}", "--set", f"model_config.model_name={NAME}",
+            "--set", "model_config.max_generate_length=2048", "--set", "model_config.seq_length=[32,128,512,1024]",
+            "--set", "serving_config.max_num_batched_tokens=1024"]
+    if args.only != "llama":
+        for variant in [None, *args.variant]:
+            extra = [] if variant is None else ["--set", variant]
+            srv, started = start_ours(base + extra, log_dir() / "vision_qwen_ours.log")
+            try:
+                runs = rounds(srv.url, args.rounds)
+            finally:
+                srv.stop()
+            result.setdefault("ours", {})[variant or "defaults"] = {"start_s": started, "runs": runs}
+            print(f"ours ({variant or 'defaults'}):", json.dumps(runs), flush=True)
+    binary, version = find_llama_server(None) if args.only != "ours" else (None, "not asked for")
+    if binary is not None:
+        cmd = [binary, "-m", str(text), "--mmproj", str(proj), "--alias", NAME, "--host", "127.0.0.1",
+               "-t", str(args.threads), "-c", "4096", "--jinja"]
+        runs, _ = with_llama_server(cmd, log_dir() / "vision_qwen_llama.log",
+                                    lambda peer: rounds(peer.url, args.rounds))
+        result["llama"] = {"runs": runs, "version": version}
+        print("llama-server:", json.dumps(runs), flush=True)
+    if "ours" in result and "llama" in result:
+        best = lambda runs: min(r["seconds"] for r in runs[1:] or runs)          # noqa: E731 (the first compiles)
+        theirs = best(result["llama"]["runs"])
+        result["ratios"] = {k: best(v["runs"]) / theirs for k, v in result["ours"].items()}
+        print("image question, ours / llama-server (best after the first):", json.dumps(result["ratios"]))
+    write_json(args.out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
