@@ -38,13 +38,17 @@ NAME = "qwen25vl-bench"
 
 
 def text_model(out: Path) -> Path:
-    """The tiny Qwen2.5-VL's text model as a `qwen2vl` GGUF (F32) with its tokenizer and template (made once)."""
+    """The tiny Qwen2.5-VL's text model as a `qwen2vl` GGUF (F32) with its tokenizer and template, its context
+    4,096 tokens (made once)."""
     if out.is_file():
         return out
     from tests.families import make_qwen25_vl, write_gguf
 
     with tempfile.TemporaryDirectory() as tmp:
         make_qwen25_vl(Path(tmp), seed=0)
+        config = json.loads((Path(tmp) / "config.json").read_text())
+        config["text_config"]["max_position_embeddings"] = 4096       # (llama-server caps a slot at it)
+        (Path(tmp) / "config.json").write_text(json.dumps(config))
         write_gguf(None, Path(tmp), Path(str(out) + ".part"))
     Path(str(out) + ".part").rename(out)
     return out

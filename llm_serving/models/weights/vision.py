@@ -428,10 +428,12 @@ _QWEN_MMPROJ_NAMES = {"v.post_ln.": "visual.merger.ln_q.", "mm.0.": "visual.merg
                       "mm.2.": "visual.merger.mlp.2."}
 
 
-def _qwen_mmproj_tensors(arrays: dict, path: str) -> dict:
+def _qwen_mmproj_tensors(arrays: dict, path: str, types: dict) -> dict:
     """Our `visual.*` tensors of a Qwen2.5-VL mmproj's float32 arrays (its names): q, k and v joined into qkv (the
-    converter splits them), the two temporal slices of the patch kernel stacked back into its 3-D kernel."""
-    out = {}
+    converter splits them), the two temporal slices of the patch kernel stacked back into its 3-D kernel; each
+    matrix's `stored_type` its file's (`types`: name -> "F16", ...; q|k|v's where all three agree), so that the
+    tower's CPU kernels keep the halves as stored."""
+    out, stored = {}, {}
     for name, array in arrays.items():
         if name.startswith("v.blk."):
             index, _, rest = name[len("v.blk."):].partition(".")
@@ -440,23 +442,28 @@ def _qwen_mmproj_tensors(arrays: dict, path: str) -> dict:
             ours = next((f"visual.blocks.{index}.{o}{rest[len(t):]}" for t, o in _QWEN_MMPROJ_LAYER.items()
                          if rest.startswith(t)), None)
             if ours is not None:
-                out[ours] = array
+                out[ours], stored[ours] = array, types.get(name)
         elif name in ("v.patch_embd.weight", "v.patch_embd.weight.1"):
             continue
         else:
             ours = next((o + name[len(t):] for t, o in _QWEN_MMPROJ_NAMES.items() if name.startswith(t)), None)
             if ours is not None:
-                out[ours] = array
+                out[ours], stored[ours] = array, types.get(name)
     for name in [n for n in arrays if n.startswith("v.blk.") and ".attn_q." in n]:
         parts = [arrays.get(name.replace(".attn_q.", f".attn_{p}.")) for p in "qkv"]
         if any(p is None for p in parts):
             raise WeightLoadError(f"{path}: {name} without its attn_k and attn_v")
         index, kind = name.split(".")[2], name.rsplit(".", 1)[1]
-        out[f"visual.blocks.{index}.attn.qkv.{kind}"] = np.concatenate(parts, 0)
+        ours = f"visual.blocks.{index}.attn.qkv.{kind}"
+        out[ours] = np.concatenate(parts, 0)
+        kinds = {types.get(name.replace(".attn_q.", f".attn_{p}.")) for p in "qkv"}
+        stored[ours] = kinds.pop() if len(kinds) == 1 else None
     if "v.patch_embd.weight" in arrays and "v.patch_embd.weight.1" in arrays:
         out["visual.patch_embed.proj.weight"] = np.stack([arrays["v.patch_embd.weight"],
                                                           arrays["v.patch_embd.weight.1"]], 2)   # (D, C, T, P, P)
-    return {name: StoredTensor.of(np.ascontiguousarray(array, np.float32)) for name, array in out.items()}
+    return {name: dataclasses.replace(StoredTensor.of(np.ascontiguousarray(array, np.float32)),
+                                      stored_type=stored.get(name) if array.ndim >= 2 else None)
+            for name, array in out.items()}
 
 
 def mmproj_checkpoint(path: str) -> tuple:
@@ -470,7 +477,8 @@ def mmproj_checkpoint(path: str) -> tuple:
     contents = _mmproj_fields(path)
     cfg = mmproj_config(path, contents)
     if isinstance(cfg, QwenVisionConfig):
-        tensors = _qwen_mmproj_tensors({t.name: _mmproj_array(t, path) for t in contents.tensors}, path)
+        tensors = _qwen_mmproj_tensors({t.name: _mmproj_array(t, path) for t in contents.tensors}, path,
+                                       {t.name: t.tensor_type.name for t in contents.tensors})
         check_tensors(tensors, qwen_vision_shapes(cfg), f"the vision tower in {path}")
         return cfg, tensors
     tensors = {}
