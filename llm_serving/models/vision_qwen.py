@@ -22,7 +22,10 @@ are made once per grid (`_Layout`, a few cached). Arithmetic in float32 througho
 kernels: where the vision kernel library builds (`kernels`), a block's four products (q|k|v, its projection, gate|up,
 down) are its VisionLinear, on the matrices in the checkpoint's own type (F16, BF16 or F32 panels) or, with `int16`,
 on int16 panels (13 bits a column, x 14 bits per 64 values: kernels/vision_panels.py, as the SigLIP towers' are),
-their biases added as each block of the result is made; the attention, norms and the merger stay MindSpore's.
+their biases added as each block of the result is made; and a full-attention block runs in raster order on
+VisionAttention (`_FullBlock`: its scores never written, its values in int16 with `int16`), since a graph per image
+size with its chunks' scores written cost an image size's first run half again its time (the graph's memory planned
+and touched per shape); the windowed attention, norms and the merger stay MindSpore's.
 """
 from __future__ import annotations
 
@@ -78,6 +81,12 @@ class _Layout:
                                  cols[:, None].astype(np.float32) * inv_freq], axis=1)
         angles = np.concatenate([angles, angles], axis=1).reshape(*shape, cfg.head_dim)
         self.cos, self.sin = _tensor(np.cos(angles)), _tensor(np.sin(angles))
+        # the same rotary tables in raster order (the full-attention blocks on the CPU kernels), and their
+        # VisionAttention config: one image of every patch
+        raster = self.slots[self.order]
+        flat = angles.reshape(-1, cfg.head_dim)[raster]
+        self.raster_cos, self.raster_sin = _tensor(np.cos(flat)), _tensor(np.sin(flat))
+        self.patches = len(raster)
 
     def windowed(self, x: np.ndarray) -> np.ndarray:
         """(gh2 gw2 m m, D) raster rows -> (W, T, D), padding zero."""
@@ -204,6 +213,41 @@ class _Block(nn.Cell):
         return x + self._product(h, down_w, down_bias).reshape(w, t, d)
 
 
+class _FullBlock(nn.Cell):
+    """A full-attention block on the CPU kernels, in raster order (N, D) (no window padding): the products on
+    VisionLinear, q and k rotated, the attention VisionAttention's (every patch over every patch, its scores never
+    written, so that no buffer of heads x patches^2 exists for any image size), the norms and SwiGLU MindSpore's."""
+
+    def __init__(self, cfg: QwenVisionConfig, kernels: str, threads: int, level: int):
+        super().__init__()
+        self.eps, self.heads, self.head_dim, self.inner = cfg.eps, cfg.num_heads, cfg.head_dim, cfg.intermediate_size
+        self.linear = ops.Custom(f"{kernels}:VisionLinear", out_shape=lambda x, w, bias, *_: (x[0], bias[-1]),
+                                 out_dtype=lambda x, *_: x, func_type="aot")
+        # (N, 3 D) q|k|v rows and a bias, [patches, heads, threads, level] -> (N, D)
+        self.attend = ops.Custom(f"{kernels}:VisionAttention", out_shape=lambda qkv, *_: (qkv[0], qkv[1] // 3),
+                                 out_dtype=lambda qkv, *_: qkv, func_type="aot")
+        self.plain = Tensor(np.array([threads, 0], np.int32))
+        self.no_bias = Tensor(np.zeros(3 * cfg.hidden_size, np.float32))
+        self.threads, self.level = threads, level
+
+    def _rotated(self, x, cos, sin):
+        half = self.head_dim // 2
+        return x * cos + ops.concat((-x[..., half:], x[..., :half]), -1) * sin
+
+    def construct(self, x, cos, sin, config, norm1, qkv_w, qkv_bias, proj_w, proj_bias, norm2, gate_up, gate_up_bias,
+                  down_w, down_bias):
+        n, d = x.shape
+        qkv = self.linear(_rms_normalize(x, self.eps) * norm1, qkv_w, qkv_bias, self.plain).reshape(
+            n, 3, self.heads, self.head_dim)
+        cos, sin = cos.reshape(n, 1, self.head_dim), sin.reshape(n, 1, self.head_dim)
+        q, k = self._rotated(qkv[:, 0], cos, sin), self._rotated(qkv[:, 1], cos, sin)
+        rows = ops.concat((q.reshape(n, d), k.reshape(n, d), qkv[:, 2].reshape(n, d)), 1)      # (N, 3 D)
+        x = x + self.linear(self.attend(rows, self.no_bias, config), proj_w, proj_bias, self.plain)
+        gate_up = self.linear(_rms_normalize(x, self.eps) * norm2, gate_up, gate_up_bias, self.plain)
+        h = ops.silu(gate_up[:, :self.inner]) * gate_up[:, self.inner:]
+        return x + self.linear(h, down_w, down_bias, self.plain)
+
+
 class _Merger(nn.Cell):
     """The last block's output (gh2, gw2, m m, D) -> (1, gh2 gw2, out_hidden): ln_q, each unit's patches as one row
     of m m D, Linear, GELU (erf), Linear."""
@@ -247,6 +291,8 @@ class QwenVisionTower:
         self.embedding = _Embed()
         self.window_block = _Block(cfg, full=False, kernels=kernels, threads=threads)
         self.full_block = _Block(cfg, full=True, kernels=kernels, threads=threads)
+        self.threads, self.level = threads, 1 if self.int16 else 0     # (VisionAttention's int16 values with int16)
+        self.full_kernel_block = None if kernels is None else _FullBlock(cfg, kernels, threads, self.level)
         self.merger = _Merger(cfg)
         self._layouts: OrderedDict = OrderedDict()
 
@@ -302,11 +348,23 @@ class QwenVisionTower:
         array = x if isinstance(x, np.ndarray) else x.asnumpy()
         gh2, gw2, mm, d = array.shape
         layout = self._layout(gh2, gw2)
-        h = _tensor(layout.windowed(array.reshape(gh2 * gw2 * mm, d)))
+        raster, h = array.reshape(gh2 * gw2 * mm, d), None     # the state: raster rows (numpy) or windows (tensor)
         for i in range(start, stop):
-            block = self.full_block if i in self.cfg.fullatt_block_indexes else self.window_block
+            full = i in self.cfg.fullatt_block_indexes
+            if full and self.full_kernel_block is not None:    # (in raster order: VisionAttention over every patch)
+                if h is not None:
+                    raster, h = layout.raster(h.asnumpy()), None
+                config = Tensor(np.array([layout.patches, self.cfg.num_heads, self.threads, self.level], np.int32))
+                raster = self.full_kernel_block(_tensor(raster), layout.raster_cos, layout.raster_sin, config,
+                                                *self.layer_weights[i]).asnumpy()
+                continue
+            if h is None:
+                h = _tensor(layout.windowed(raster))
+            block = self.full_block if full else self.window_block
             h = block(h, layout.keep, layout.key_bias, layout.cos, layout.sin, *self.layer_weights[i])
-        return _tensor(layout.raster(h.asnumpy()).reshape(gh2, gw2, mm, d))
+        if h is not None:
+            raster = layout.raster(h.asnumpy())
+        return _tensor(raster.reshape(gh2, gw2, mm, d))
 
     def project(self, x) -> np.ndarray:
         """The merger's (1, gh2 gw2, out_hidden) float32 rows of the last block's x (gh2, gw2, m m, D)."""
