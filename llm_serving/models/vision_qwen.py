@@ -37,7 +37,7 @@ from mindspore import Tensor, nn, ops
 
 from llm_serving.models.kernels.vision_panels import int16_panels
 from llm_serving.models.llama import _gelu_erf, _rms_normalize
-from llm_serving.models.vision_tower import _panels
+from llm_serving.models.vision_tower import _panels, _reader
 from llm_serving.models.weights.vision import QwenVisionConfig, qwen_vision_shapes
 
 __all__ = ["QwenVisionTower"]
@@ -274,13 +274,7 @@ class QwenVisionTower:
     MAX_LAYOUTS = 8             # grids whose window layout and rotary tables are kept
 
     def __init__(self, cfg: QwenVisionConfig, weights: dict, kernels=None, threads: int = 1, int16: bool = False):
-        shapes = qwen_vision_shapes(cfg)
-
-        def read(name: str) -> np.ndarray:
-            tensor = weights[name]
-            array = tensor if isinstance(tensor, np.ndarray) else tensor.read((slice(None),) * len(shapes[name]))
-            return np.asarray(array, np.float32)
-
+        read = _reader(weights, qwen_vision_shapes(cfg))
         self.cfg = cfg
         self.int16 = int16 and kernels is not None
         stored_type = None if kernels is None else (lambda name: getattr(weights[name], "stored_type", None))
@@ -290,7 +284,8 @@ class QwenVisionTower:
             "ln_q.weight", "mlp.0.weight", "mlp.0.bias", "mlp.2.weight", "mlp.2.bias"))
         self.embedding = _Embed()
         self.window_block = _Block(cfg, full=False, kernels=kernels, threads=threads)
-        self.full_block = _Block(cfg, full=True, kernels=kernels, threads=threads)
+        # (on the kernels the full-attention blocks are _FullBlock's, in raster order)
+        self.full_block = _Block(cfg, full=True) if kernels is None else None
         self.threads, self.level = threads, 1 if self.int16 else 0     # (VisionAttention's int16 values with int16)
         self.full_kernel_block = None if kernels is None else _FullBlock(cfg, kernels, threads, self.level)
         self.merger = _Merger(cfg)

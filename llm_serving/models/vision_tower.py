@@ -74,6 +74,16 @@ def _layer_weights(read, index: int, stored_type=None, int16: bool = False) -> t
     return tuple(w[name] if isinstance(w[name], Tensor) else _tensor(w[name]) for name in _LAYER_INPUTS)
 
 
+def _reader(weights: dict, shapes: dict):
+    """read(name): a tower tensor of `weights` ({name: StoredTensor} as weights/vision.py gives them, or arrays under
+    the same names) whole, as float32 (its shape from `shapes`)."""
+    def read(name: str) -> np.ndarray:
+        tensor = weights[name]
+        array = tensor if isinstance(tensor, np.ndarray) else tensor.read((slice(None),) * len(shapes[name]))
+        return np.asarray(array, np.float32)
+    return read
+
+
 def _panels(matrix: np.ndarray, stored: set) -> Tensor:
     """An (N, K) matrix as VisionLinear reads it (kernels/vision_panels.py's float_panels), in the type the
     checkpoint stores it when that is float16 or bfloat16 (both exact from the float32 it was read as; the kernel
@@ -214,13 +224,7 @@ class VisionTower:
 
     def __init__(self, cfg: VisionConfig, weights: dict, kernels: Optional[str] = None, threads: int = 1,
                  int16: bool = False, int16_scores: bool = False):
-        shapes = vision_shapes(cfg)
-
-        def read(name: str) -> np.ndarray:
-            tensor = weights[name]
-            array = tensor if isinstance(tensor, np.ndarray) else tensor.read((slice(None),) * len(shapes[name]))
-            return np.asarray(array, np.float32)
-
+        read = _reader(weights, vision_shapes(cfg))
         self.cfg = cfg
         d, p = cfg.hidden_size, cfg.patch_size
         patch = read("vision_tower.embeddings.patch_embedding.weight").reshape(d, cfg.num_channels * p * p)
