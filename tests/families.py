@@ -513,6 +513,52 @@ def make_qwen25_vl(path, seed: int = 1, tokenizer: bool = True):
     return model
 
 
+def make_qwen3_vl(path, seed: int = 1, tokenizer: bool = True):
+    """A tiny Qwen3VLForConditionalGeneration that transformers makes, random (every weight drawn afresh, as
+    make_qwen25_vl's): a 4-block tower of width 32 in 16-pixel patches (LayerNorms with biases, GELU-tanh MLPs, a
+    learned 4 x 4 grid of position rows interpolated to each image's grid, 2-D rotary positions, full attention in
+    every block), merged 2 x 2 into tokens of the text model's width 64, with DeepStack mergers after blocks 1 and 2
+    (their rows added to the text model's hidden states after its layers 0 and 1); a 3-layer Qwen3 text model (q/k
+    norms) of 300 tokens with interleaved M-RoPE (sections 2, 3, 3 of its 8 frequencies). Its image processor beside
+    it (Qwen2VLImageProcessor with 16-pixel patches and Qwen3-VL's mean and std of 0.5, areas 64 x 64 to 32 x 32 x
+    16: at most 16 tokens an image), and (`tokenizer`) a tokenizer holding QWEN_VL_TOKENS with QWEN_VL_CHATML.
+    Returns the model (eval mode)."""
+    torch, transformers = needs_transformers()
+    path = Path(path)
+    start, end, image, video = (len(SPECIAL_TOKENS) + k for k in range(4))
+    cfg = transformers.Qwen3VLConfig(
+        text_config=dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                         rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [2, 3, 3],
+                                          "mrope_interleaved": True},
+                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0),
+        vision_config=dict(depth=4, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16,
+                           spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64,
+                           num_position_embeddings=16, deepstack_visual_indexes=[1, 2]),
+        image_token_id=image, vision_start_token_id=start, vision_end_token_id=end, video_token_id=video,
+        tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = transformers.Qwen3VLForConditionalGeneration(cfg).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "visual" in name:                                        # the tower and the mergers
+                if name.endswith("norm1.weight") or name.endswith("norm2.weight") or name.endswith("norm.weight"):
+                    p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=generator))
+                else:
+                    p.copy_(torch.randn(p.shape, generator=generator) * (0.5 if p.ndim == 1 else 0.2))
+            elif p.ndim >= 2:
+                p.copy_(torch.randn(p.shape, generator=generator) * (0.5 if "embed_tokens" in name else 0.1))
+            else:                                                       # the RMS norms' gains
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=generator))
+    model.save_pretrained(path)
+    qwen2vl_pil_processor(patch_size=16, min_pixels=64 * 64, max_pixels=32 * 32 * 16, image_mean=[0.5] * 3,
+                          image_std=[0.5] * 3).save_pretrained(path)
+    if tokenizer:
+        write_tokenizer(path, 300, extra=QWEN_VL_TOKENS, template=QWEN_VL_CHATML)
+    return model
+
+
 def vision_prompt_ids(path, turns: list) -> list:
     """The prompt transformers' processor makes of a chat (VISION_CHATML rendered by hand, each image mark made its
     placeholders as Gemma3Processor does), tokenized by the tokenizers library: nothing of the server's own."""
