@@ -1,13 +1,20 @@
 #!/usr/bin/env python
-"""Qwen2.5-VL's tower served (issue 67): this server against llama.cpp's `llama-server --mmproj` on the same files, a
-real-shaped Qwen2.5-VL-3B vision tower (random weights: 32 blocks of 1,280, windows of 112 pixels, full attention in
-every 8th block, the merger) as llama.cpp's qwen2.5vl_merger mmproj GGUF (F16 matrices, as its converter writes them
-with --outtype f16), beside a tiny `qwen2vl` text model (tests/families.py's make_qwen25_vl, its GGUF twin: 2 layers
-of 64, so that an image question's time is the tower's). Measured, for each server in turn: the time to the first
-token of one image question (a 1,024 x 768 photo: 999 tokens, 3,996 patches, as both servers' bounds resize it), for
---rounds new pictures of that size; this server with its defaults and with `--set` settings (--variant, repeatable).
+"""Qwen2.5-VL's and Qwen3-VL's towers served (issue 67): this server against llama.cpp's `llama-server --mmproj` on
+the same files, a real-shaped vision tower with random weights as llama.cpp's mmproj GGUF (F16 matrices, as its
+converter writes them with --outtype f16), beside a tiny text model of its family (tests/families.py's tiny models,
+their GGUF twins: 2 or 3 layers of 64, so that an image question's time is the tower's):
+- `--family qwen2.5` (the default): Qwen2.5-VL-3B's tower (32 blocks of 1,280, windows of 112 pixels, full attention
+  in every 8th block, the merger; qwen2.5vl_merger), a `qwen2vl` text model; a 1,024 x 768 photo is 999 tokens
+  (3,996 patches of 14 pixels);
+- `--family qwen3`: Qwen3-VL-4B's and -8B's tower (24 blocks of 1,024, full attention, learned position rows,
+  DeepStack mergers after blocks 5, 11 and 17; qwen3vl_merger), a `qwen3vl` text model; the photo is 768 tokens
+  (3,072 patches of 16 pixels).
+Measured, for each server in turn: the time to the first token of one image question (the photo, as both servers'
+bounds leave it), for --rounds new pictures of that size; this server with its defaults and with `--set` settings
+(--variant, repeatable).
 
     python bench/vision_qwen.py
+    python bench/vision_qwen.py --family qwen3
     python bench/vision_qwen.py --rounds 3 --variant model_config.vision_int16=off
 
 The files are made once under the peers directory's models/ (transformers makes the tiny text model: a bench's
@@ -31,21 +38,25 @@ from bench.make_models import peers_dir  # noqa: E402
 from bench.peers import find_llama_server, start_ours  # noqa: E402
 from bench.vision_serving import image  # noqa: E402
 
-# Qwen2.5-VL-3B's vision tower (its config.json's vision_config); the merger's output is the tiny text model's width
-TOWER = dict(hidden=1280, intermediate=3420, layers=32, heads=16, patch=14, window=112, every=8, text_hidden=64)
+# Qwen2.5-VL-3B's and Qwen3-VL-4B's vision towers (their config.json's vision_config); the merger's output is the
+# tiny text model's width
+TOWERS = {"qwen2.5": dict(hidden=1280, intermediate=3420, layers=32, heads=16, patch=14, window=112, every=8,
+                          text_hidden=64),
+          "qwen3": dict(hidden=1024, intermediate=4096, layers=24, heads=16, patch=16, positions=2304,
+                        deepstack=(5, 11, 17), text_hidden=64)}
 QUESTION = "Describe this picture in detail."
 NAME = "qwen25vl-bench"
 
 
-def text_model(out: Path) -> Path:
-    """The tiny Qwen2.5-VL's text model as a `qwen2vl` GGUF (F32) with its tokenizer and template, its context
-    4,096 tokens (made once)."""
+def text_model(out: Path, family: str = "qwen2.5") -> Path:
+    """The tiny Qwen2.5-VL's (or Qwen3-VL's) text model as a `qwen2vl` (`qwen3vl`) GGUF (F32) with its tokenizer and
+    template, its context 4,096 tokens (made once)."""
     if out.is_file():
         return out
-    from tests.families import make_qwen25_vl, write_gguf
+    from tests.families import make_qwen3_vl, make_qwen25_vl, write_gguf
 
     with tempfile.TemporaryDirectory() as tmp:
-        make_qwen25_vl(Path(tmp), seed=0)
+        (make_qwen3_vl if family == "qwen3" else make_qwen25_vl)(Path(tmp), seed=0)
         config = json.loads((Path(tmp) / "config.json").read_text())
         config["text_config"]["max_position_embeddings"] = 4096       # (llama-server caps a slot at it)
         (Path(tmp) / "config.json").write_text(json.dumps(config))
@@ -61,7 +72,7 @@ def mmproj(out: Path, seed: int = 0) -> Path:
 
     if out.is_file():
         return out
-    t = TOWER
+    t = TOWERS["qwen2.5"]
     d, m, p, c = t["hidden"], t["intermediate"], t["patch"], 4 * t["hidden"]
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(str(out) + ".part", "clip")
@@ -110,6 +121,67 @@ def mmproj(out: Path, seed: int = 0) -> Path:
     return out
 
 
+def mmproj_qwen3(out: Path, seed: int = 0) -> Path:
+    """A random Qwen3-VL-4B tower, merger and DeepStack mergers as llama.cpp's qwen3vl_merger mmproj GGUF (the
+    converter's names and keys: q|k|v one matrix, the patch kernel as two 2-D kernels and a bias, the position rows,
+    `v.deepstack.L.*` by layer; F16 matrices, F32 norms, biases and position rows), made once."""
+    import gguf
+
+    if out.is_file():
+        return out
+    t = TOWERS["qwen3"]
+    d, m, p, c = t["hidden"], t["intermediate"], t["patch"], 4 * t["hidden"]
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(out) + ".part", "clip")
+    writer.add_string("general.type", "mmproj")
+    writer.add_bool("clip.has_vision_encoder", True)
+    writer.add_string("clip.projector_type", "qwen3vl_merger")
+    side = int(round(t["positions"] ** 0.5))
+    for key, value in (("projection_dim", t["text_hidden"]), ("image_size", side * p), ("patch_size", p),
+                       ("embedding_length", d), ("feed_forward_length", m), ("block_count", t["layers"]),
+                       ("attention.head_count", t["heads"]), ("spatial_merge_size", 2)):
+        writer.add_uint32(f"clip.vision.{key}", value)
+    writer.add_bool("clip.use_gelu", True)
+    writer.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
+    writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
+    writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+    writer.add_array("clip.vision.is_deepstack_layers", [i in t["deepstack"] for i in range(t["layers"])])
+
+    def matrix(shape, fan_in):
+        return (rng.standard_normal(shape, dtype=np.float32) / np.sqrt(fan_in)).astype(np.float16)
+
+    def vector(n, base=0.0):
+        return (base + 0.02 * rng.standard_normal(n)).astype(np.float32)
+
+    for k in ("", ".1"):
+        writer.add_tensor("v.patch_embd.weight" + k, matrix((d, 3, p, p), 6 * p * p))
+    writer.add_tensor("v.patch_embd.bias", vector(d))
+    writer.add_tensor("v.position_embd.weight", (0.02 * rng.standard_normal((t["positions"], d))).astype(np.float32))
+    for i in range(t["layers"]):
+        at = f"v.blk.{i}."
+        for norm in ("ln1", "ln2"):
+            writer.add_tensor(at + norm + ".weight", vector(d, 1.0))
+            writer.add_tensor(at + norm + ".bias", vector(d))
+        for proj, rows, cols in (("attn_qkv", 3 * d, d), ("attn_out", d, d), ("ffn_up", m, d), ("ffn_down", d, m)):
+            writer.add_tensor(at + proj + ".weight", matrix((rows, cols), cols))
+            writer.add_tensor(at + proj + ".bias", vector(rows))
+    for at, width in [("v.post_ln", d), *((f"v.deepstack.{i}.norm", c) for i in t["deepstack"])]:
+        writer.add_tensor(at + ".weight", vector(width, 1.0))
+        writer.add_tensor(at + ".bias", vector(width))
+    for first, second in [("mm.0", "mm.2"), *((f"v.deepstack.{i}.fc1", f"v.deepstack.{i}.fc2")
+                                              for i in t["deepstack"])]:
+        writer.add_tensor(first + ".weight", matrix((c, c), c))
+        writer.add_tensor(first + ".bias", vector(c))
+        writer.add_tensor(second + ".weight", matrix((t["text_hidden"], c), c))
+        writer.add_tensor(second + ".bias", vector(t["text_hidden"]))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    Path(str(out) + ".part").rename(out)
+    return out
+
+
 def ask(url: str, picture: str) -> dict:
     """One image question, 2 tokens: seconds to the reply (its first token is the second's step), its prompt's
     tokens."""
@@ -132,21 +204,26 @@ def rounds(url: str, count: int) -> list:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--family", choices=tuple(TOWERS), default="qwen2.5")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--variant", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="this server again with this setting (repeatable: one run each)")
     ap.add_argument("--only", choices=("ours", "llama"), default=None)
-    ap.add_argument("--out", default="bench_results/vision_qwen.json")
+    ap.add_argument("--out", default=None, help="default bench_results/vision_qwen.json (vision_qwen3.json)")
     args = ap.parse_args(argv)
 
     models = peers_dir() / "models"
     models.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    text = text_model(models / "bench-qwen25vl-tiny-text.gguf")
-    proj = mmproj(models / "bench-qwen25vl-3b-mmproj-f16.gguf")
+    if args.family == "qwen3":
+        text = text_model(models / "bench-qwen3vl-tiny-text.gguf", "qwen3")
+        proj = mmproj_qwen3(models / "bench-qwen3vl-4b-mmproj-f16.gguf")
+    else:
+        text = text_model(models / "bench-qwen25vl-tiny-text.gguf")
+        proj = mmproj(models / "bench-qwen25vl-3b-mmproj-f16.gguf")
     print(f"files ready in {time.perf_counter() - t0:.0f} s: {text.name}, {proj.name}", flush=True)
-    result = {"machine": machine(), "tower": TOWER, "rounds": args.rounds}
+    result = {"machine": machine(), "family": args.family, "tower": TOWERS[args.family], "rounds": args.rounds}
     base = ["--model", str(text), "--set", f"model_config.mmproj={proj}", "--set", f"model_config.model_name={NAME}",
             "--set", "model_config.max_generate_length=2048", "--set", "model_config.seq_length=[32,128,512,1024]",
             "--set", "serving_config.max_num_batched_tokens=1024"]
@@ -173,7 +250,7 @@ def main(argv=None) -> int:
         theirs = best(result["llama"]["runs"])
         result["ratios"] = {k: best(v["runs"]) / theirs for k, v in result["ours"].items()}
         print("image question, ours / llama-server (best after the first):", json.dumps(result["ratios"]))
-    write_json(args.out, result)
+    write_json(args.out or f"bench_results/vision_{'qwen3' if args.family == 'qwen3' else 'qwen'}.json", result)
     return 0
 
 

@@ -10,8 +10,10 @@ over each head's first dimensions (Phi-4-mini: pairs (i, i + r/2), not reordered
 (Phi-3), sliding-window layers with their own RoPE base (Gemma 3, Mistral), layers without RoPE (SmolLM3), mixtures of
 experts (Qwen3-MoE, Mixtral: a token's top-k experts by its router's logits), gpt-oss's biases, attention sinks and
 clamped SwiGLU, multimodal RoPE (Qwen2.5-VL: an image's tokens rotated by their time, row and column, the text after
-an image going on from its grid's larger side, as transformers' get_rope_index places them); and a bidirectional encoder's (BERT): learned positions and token type 0 added to the embedding, its
-LayerNorm, every token seeing the whole input, LayerNorms after each residual add, biases, an ungated GELU (erf) MLP.
+an image going on from its grid's larger side, as transformers' get_rope_index places them; Qwen3-VL's frequencies
+interleaved, and its DeepStack rows added to an image's tokens after the first layers); and a bidirectional
+encoder's (BERT): learned positions and token type 0 added to the embedding, its LayerNorm, every token seeing the
+whole input, LayerNorms after each residual add, biases, an ungated GELU (erf) MLP.
 `embed(ids, pooling)` is an input's embedding (final hidden states, the final norm where the model has one, pooled
 and L2-normalized), as /v1/embeddings serves it.
 
@@ -188,6 +190,11 @@ class ReferenceLlama:
         half = r // 2
         if positions.ndim == 2:
             which = np.repeat([0, 1, 2], self.config.mrope_section)
+            if self.config.mrope_interleaved:      # Qwen3-VL: t's frequencies, h's at 1, 4, .., w's at 2, 5, ..
+                _, h_count, w_count = self.config.mrope_section
+                which = np.zeros(half, np.int64)
+                which[1:3 * h_count:3] = 1
+                which[2:3 * w_count:3] = 2
             angle = (positions[:, which] * inv_freq[None, :])[:, None, :]          # (T, 1, r/2)
         else:
             angle = positions[:, None, None] * inv_freq[None, None, :]          # (T, 1, r/2)
@@ -245,17 +252,24 @@ class ReferenceLlama:
         ids = np.asarray(token_ids, dtype=np.int64)
         positions = np.arange(start, start + len(ids), dtype=np.float64)
         x = self._embed(ids, start)
+        h = x.shape[1]
         spans = []                              # (first, last) positions of each image whose tokens see it all
+        deep = []                               # (offset, rows): DeepStack's rows after the embedding's (Qwen3-VL)
         for offset, rows, bidirectional, *_ in images:
             rows = np.asarray(rows, np.float64)
-            if offset < 0 or offset + len(rows) > len(ids) or rows.shape[1:] != x.shape[1:]:
+            if offset < 0 or offset + len(rows) > len(ids) or rows.ndim != 2 \
+                    or rows.shape[1] != h * (1 + c.deepstack_layers):
                 raise ValueError(f"reference: {rows.shape} image rows at token {offset} of {len(ids)}")
-            x[offset:offset + len(rows)] = rows
+            x[offset:offset + len(rows)] = rows[:, :h]
+            deep.append((offset, rows[:, h:]))
             if bidirectional:
                 spans.append((start + offset, start + offset + len(rows) - 1))
         rope = self._mrope_positions(seq, start, len(ids), images) if c.mrope_section is not None else positions
         for i in range(c.num_layers):
             x = self._layer(i, x, seq, positions, start, spans, rope)
+            if i < c.deepstack_layers:          # DeepStack: the image tokens' row i + 1 added after layer i
+                for offset, rows in deep:
+                    x[offset:offset + len(rows)] += rows[:, i * h:(i + 1) * h]
         seq.length = start + len(ids)
         return x
 

@@ -729,7 +729,7 @@ _GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2
               "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3", "Gemma3ForConditionalGeneration": "gemma3",
               "Phi3ForCausalLM": "phi3", "SmolLM3ForCausalLM": "smollm3", "Qwen3MoeForCausalLM": "qwen3moe",
               "MixtralForCausalLM": "llama", "GptOssForCausalLM": "gpt-oss",
-              "Qwen2_5_VLForConditionalGeneration": "qwen2vl"}
+              "Qwen2_5_VLForConditionalGeneration": "qwen2vl", "Qwen3VLForConditionalGeneration": "qwen3vl"}
 # one expert's matrix (model.layers.N.<prefix>E.<part>.weight) -> the name the converter gives their stack (E, rows,
 # cols) before mapping it (Qwen3MoeModel / the Mixtral path of LlamaModel: experts merged)
 _EXPERT_STACKS = {"mlp.experts.": ("gate_proj", "up_proj", "down_proj"), "block_sparse_moe.experts.": ("w1", "w2", "w3")}
@@ -753,7 +753,7 @@ def _text_tensors(hf_path: Path) -> dict:
             if name.startswith(prefix):
                 name = text + name[len(prefix):]
                 break
-        if name.startswith(("model.", "lm_head.")):
+        if name.startswith(("model.", "lm_head.")) and not name.startswith("model.visual."):
             out[name] = arr
     return out
 
@@ -833,6 +833,9 @@ def write_gguf(family: str, hf_path, out_path, qtype=None, expert_qtype=None) ->
         if "head_dim" in cfg:
             w.add_key_length(head_dim)
             w.add_value_length(head_dim)
+    deepstack = (raw.get("vision_config") or {}).get("deepstack_visual_indexes")
+    if arch == "qwen3vl":                   # Qwen3VLTextModel.set_gguf_parameters
+        w.add_num_deepstack_layers(len(deepstack or ()))
     if arch in _INTERLEAVED:                # LlamaModel.set_gguf_parameters
         w.add_vocab_size(cfg["vocab_size"])
         w.add_rope_dimension_count(head_dim)

@@ -504,11 +504,16 @@ class LlamaForCausalLM(nn.Cell):
             self.embed = _param(weights["model.embed_tokens.weight"], "embed")        # (V, H)
         # images (a vision-language model: image_rows > 0): a token id V + j (V the vocabulary) takes row j of
         # image_buffer, which the runner fills with the tower's rows before a graph call (runner/images.py), in place
-        # of its embedding (Gemma's scale not applied: the projector's rows are the text model's inputs as they are)
+        # of its embedding (Gemma's scale not applied: the projector's rows are the text model's inputs as they are).
+        # DeepStack (Qwen3-VL: cfg.deepstack_layers = n): a row is n + 1 rows of H side by side, the first the
+        # embedding, row k + 1 added to the token's hidden state after decoder layer k (`_deepstack`)
         self.vocab = cfg.vocab_size
-        self.image_buffer = np.zeros((image_rows, cfg.hidden_size), np.float32) if image_rows else None
+        self.deepstack = cfg.deepstack_layers if image_rows else 0
+        self.image_buffer = (np.zeros((image_rows, cfg.hidden_size * (1 + self.deepstack)), np.float32)
+                             if image_rows else None)
         self.image_rows = (None if not image_rows
-                           else _shared_param(Tensor.from_numpy(self.image_buffer), "image_rows"))     # (M, H)
+                           else _shared_param(Tensor.from_numpy(self.image_buffer), "image_rows"))  # (M, (1+n) H)
+        self.hidden = cfg.hidden_size
         # a BERT encoder's embedding extras: a row per position (token type 0's folded in), then a LayerNorm
         extras = prepare_embedding_extras(cfg, weights)
         self.embed_positions = (None if extras.positions is None
@@ -575,7 +580,7 @@ class LlamaForCausalLM(nn.Cell):
         for layer in self.layers:
             layer.rope_index = kinds.index(layer.rope_kind)
             layer.window_index = self.windows.index(layer.window or 0)
-        self.stack, self.stacked = None, kernel_only       # (a bool for construct: the stack is no graph value)
+        self.stacks, self.stacked = [], kernel_only        # (a bool for construct: the stacks are no graph value)
         if kernel_only:
             self._stack_layers(layer_kernel, [(np.ascontiguousarray(cos, np.float32),
                                                np.ascontiguousarray(sin, np.float32)) for cos, sin in tables],
@@ -593,32 +598,42 @@ class LlamaForCausalLM(nn.Cell):
     def _stack_layers(self, layer_kernel: str, tables: list, later) -> None:
         """The layers as one DecoderStack call (kernels/layer_stack.py): each layer's DecoderLayer (and MoeMlp) with
         the arrays it keeps and its RoPE tables, its caches the call's inputs; the KV caches stay Parameters. The
-        matrices a layer left to `later` (LaterRepacks) are queued with the call that reads them."""
-        self.stack = LayerStack(layer_kernel)
-        for i, layer in enumerate(self.layers):
-            cos, sin = tables[layer.rope_index]
-            sources = {**step_sources(layer.in_window_pool), **cache_sources(i)}
-            self.stack.add(DECODER_LAYER, sources, {**layer.stack_held, "cos": cos, "sin": sin})
-            self._queue_later(later, DECODER_LAYER, layer.stack_held, layer.stack_later)
-            if layer.moe:
-                self.stack.add(MOE_MLP, {"x": HIDDEN, "slots": sources["slots"]}, layer.moe_stack_held)
-                self._queue_later(later, MOE_MLP, layer.moe_stack_held, layer.moe_stack_later)
+        matrices a layer left to `later` (LaterRepacks) are queued with the call that reads them. With DeepStack
+        (n layers), a stack per layer of the first n and one of the rest (`stack_bounds`), the image rows added
+        between them."""
+        n = self.deepstack
+        self.stack_bounds = (tuple(range(n + 1)) + (len(self.layers),)) if n < len(self.layers) else \
+            tuple(range(n + 1))
+        for first, stop in zip(self.stack_bounds, self.stack_bounds[1:]):
+            stack = LayerStack(layer_kernel)
+            for i in range(first, stop):
+                layer = self.layers[i]
+                cos, sin = tables[layer.rope_index]
+                sources = {**step_sources(layer.in_window_pool), **cache_sources(i - first)}
+                stack.add(DECODER_LAYER, sources, {**layer.stack_held, "cos": cos, "sin": sin})
+                self._queue_later(later, stack, DECODER_LAYER, layer.stack_held, layer.stack_later)
+                if layer.moe:
+                    stack.add(MOE_MLP, {"x": HIDDEN, "slots": sources["slots"]}, layer.moe_stack_held)
+                    self._queue_later(later, stack, MOE_MLP, layer.moe_stack_held, layer.moe_stack_later)
+            self.stacks.append(stack)
         self.stack_kernel = ops.Custom(f"{layer_kernel}:DecoderStack", out_shape=lambda x, *_: x,
                                        out_dtype=lambda x, *_: x, func_type="aot")
         self.stack_caches = tuple(p for layer in self.layers for p in (layer.attn.key_cache, layer.attn.value_cache))
-        self.stack_handle = Parameter(Tensor(np.array([self.stack.handle], np.int32)), name="layer_stack",
-                                      requires_grad=False)
+        self.stack_handles = ms.ParameterTuple([
+            Parameter(Tensor(np.array([stack.handle], np.int32)), name="layer_stack" if k == 0 else f"layer_stack_{k}",
+                      requires_grad=False) for k, stack in enumerate(self.stacks)])
 
-    def _queue_later(self, later, signature, held: dict, to_later: dict) -> None:
-        """Queue with `later` the matrices of the stack's last call left to it ({name: repacked type}): each copy
+    @staticmethod
+    def _queue_later(later, stack: LayerStack, signature, held: dict, to_later: dict) -> None:
+        """Queue with `later` the matrices of `stack`'s last call left to it ({name: repacked type}): each copy
         replaces the stored rows in the stack, and its type code theirs in the call's iconfig (`held`'s, which the
         library reads at every call)."""
-        call = self.stack.calls - 1
+        call = stack.calls - 1
         for name, to in to_later.items():
             index = signature.iconfig_index(f"{name.removesuffix('_w')}_type")
 
             def use(panels, code, name=name, index=index):
-                self.stack.replace(call, name, panels)
+                stack.replace(call, name, panels)
                 held[name] = panels
                 held["iconfig"][index] = code
             later.add(held[name], held["iconfig"][index], to, use)
@@ -658,11 +673,12 @@ class LlamaForCausalLM(nn.Cell):
         rows' logits from and an embed step pools (Embedder). Arguments as construct's."""
         b, s = input_ids.shape
         flat_pos = positions.reshape(-1)                                                 # (T,)
-        x = self.embed_tokens(input_ids.reshape(-1), flat_pos)                          # (T, H)
+        flat_ids = input_ids.reshape(-1)
+        x = self.embed_tokens(flat_ids, flat_pos)                                        # (T, H)
         fused = s == 1 and b <= self.layer_kernel_rows
         if fused:
             x = self.fused_layers(x, flat_pos, slot_mapping.reshape(-1), block_tables, context_lens, tree_bits, lora,
-                                  window_slots.reshape(-1), window_tables)                      # (T, H)
+                                  window_slots.reshape(-1), window_tables, flat_ids)            # (T, H)
         else:
             ropes = ()                                                                   # per kept kind
             for cos_table, sin_table in zip(self.cos_tables, self.sin_tables):
@@ -677,10 +693,20 @@ class LlamaForCausalLM(nn.Cell):
                                          window_slots if pool else slot_mapping, context_lens, self.block_size,
                                          self.kvh, tree_bits, window, self.causal),)
             lora_tok = ops.broadcast_to(lora.reshape(b, 1), (b, s)).reshape(b * s, 1)     # (T, 1)
-            for layer in self.layers:
+            for i, layer in enumerate(self.layers):
                 cos, sin = ropes[layer.rope_index]
                 x = layer(x, cos, sin, metas[layer.window_index], lora_tok)              # (T, H)
+                if i < self.deepstack:
+                    x = self._deepstack(x, flat_ids, i)
         return x
+
+    def _deepstack(self, x, ids, k):
+        """x (T, H) after decoder layer k < deepstack: each image token's (id V + j) row j's part k + 1 added."""
+        image = (ids >= self.vocab).reshape(-1, 1)                                       # (T, 1)
+        rows = ops.clip_by_value(ids - self.vocab, 0, self.image_rows.shape[0] - 1)
+        h = self.hidden
+        part = ops.gather(self.image_rows, rows, 0)[:, (k + 1) * h:(k + 2) * h]         # (T, H)
+        return x + ops.select(ops.broadcast_to(image, x.shape), part, ops.zeros_like(x))
 
     def embed_tokens(self, ids, positions):
         """ids, positions (T,) -> the tokens' embeddings (T, H): the EmbedTokens kernel on the stored rows, or a
@@ -697,7 +723,7 @@ class LlamaForCausalLM(nn.Cell):
             x = x * self.embed_scale
         if self.image_rows is not None:
             rows = ops.clip_by_value(ids - self.vocab, 0, self.image_rows.shape[0] - 1)
-            picked = ops.gather(self.image_rows, rows, 0)                                # (T, H)
+            picked = ops.gather(self.image_rows, rows, 0)[:, :self.hidden]               # (T, H)
             x = ops.select(ops.broadcast_to(image.reshape(-1, 1), x.shape), picked, x)
         if self.embed_positions is not None:
             x = x + ops.gather(self.embed_positions, positions, 0)                       # (T, H)
@@ -706,18 +732,27 @@ class LlamaForCausalLM(nn.Cell):
         return x
 
     def fused_layers(self, x, positions, slots, block_tables, context_lens, tree_bits, lora, window_slots,
-                     window_tables):
+                     window_tables, ids=None):
         """Every decoder layer as the layer kernel, on T decode-shaped tokens (x (T, H); the rest (T,), tables
         (T, W)), each over its cache's slots and tables (the window pool's for a layer in it); (T, H). With the
-        kernel on every step, all of them as one call (DecoderStack)."""
+        kernel on every step, all of them as one call (DecoderStack; with DeepStack, a call per stack of
+        `stack_bounds`). `ids` (T,): the tokens' ids, which DeepStack's image rows are added by (None: no image)."""
         if self.stacked:
-            return self.stack_kernel(x, positions, slots, block_tables, context_lens, tree_bits, lora, window_slots,
-                                     window_tables, *self.stack_caches, self.stack_handle)
-        for layer in self.layers:
+            bounds = self.stack_bounds
+            for k in range(len(bounds) - 1):
+                x = self.stack_kernel(x, positions, slots, block_tables, context_lens, tree_bits, lora, window_slots,
+                                      window_tables, *self.stack_caches[2 * bounds[k]:2 * bounds[k + 1]],
+                                      self.stack_handles[k])
+                if ids is not None and k < self.deepstack:
+                    x = self._deepstack(x, ids, k)
+            return x
+        for i, layer in enumerate(self.layers):
             pool = layer.in_window_pool
             x = layer.fused(x, positions, window_slots if pool else slots, window_tables if pool else block_tables,
                             context_lens, tree_bits, self.cos_tables[layer.rope_index],
                             self.sin_tables[layer.rope_index], lora)
+            if ids is not None and i < self.deepstack:
+                x = self._deepstack(x, ids, i)
         return x
 
     def write_lora(self, slot: int, adapter) -> None:

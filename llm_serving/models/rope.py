@@ -17,7 +17,7 @@ import numpy as np
 
 from .weights import LlamaConfig
 
-__all__ = ["ROPE_KINDS", "mrope_rows", "rope_tables", "rotary_permutation"]
+__all__ = ["ROPE_KINDS", "mrope_axes", "mrope_rows", "rope_tables", "rotary_permutation"]
 
 # the kinds of RoPE a layer applies (LlamaConfig.layer_rope), in the order the model keeps their tables
 ROPE_KINDS = ("global", "local", "none")
@@ -53,12 +53,25 @@ def mrope_rows(cfg: LlamaConfig, max_positions: int, t: np.ndarray, h: np.ndarra
                w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Multimodal RoPE (cfg.mrope_section): the cos and signed sin rows, each (n, head_dim) float32 in
     rope_tables' layout, of n tokens at positions (t, h, w): the head's first mrope_section[0] frequencies turned by
-    t, the next mrope_section[1] by h, the last by w. A token whose three are one number p gets rope_tables' row p
-    to the bit (the same float64 angles, cast once)."""
+    t, the next mrope_section[1] by h, the last by w (`mrope_axes`). A token whose three are one number p gets
+    rope_tables' row p to the bit (the same float64 angles, cast once)."""
     inv_freq, scale = _frequencies(cfg, max_positions, "global")
-    which = np.repeat([0, 1, 2], cfg.mrope_section)                                            # (r/2,)
+    which = mrope_axes(cfg)                                                                    # (r/2,)
     pos = np.stack([np.asarray(t), np.asarray(h), np.asarray(w)]).astype(np.float64)           # (3, n)
     return _tables(cfg, pos[which].T * inv_freq[None, :], scale)                               # (n, r/2) angles
+
+
+def mrope_axes(cfg: LlamaConfig) -> np.ndarray:
+    """Which of a token's three positions (0 t, 1 h, 2 w) turns each of a head's r/2 rotary frequencies: three runs
+    of mrope_section's lengths (Qwen2.5-VL), or with cfg.mrope_interleaved (Qwen3-VL) in turn t, h, w, t, h, w, ...
+    for as long as h and w have frequencies left (mrope_section[1] and [2] each), t the rest."""
+    t, h, w = cfg.mrope_section
+    if not cfg.mrope_interleaved:
+        return np.repeat([0, 1, 2], cfg.mrope_section)
+    which = np.zeros(t + h + w, np.int64)
+    which[1:3 * h:3] = 1
+    which[2:3 * w:3] = 2
+    return which
 
 
 def _frequencies(cfg: LlamaConfig, max_positions: int, kind: str) -> tuple[np.ndarray, float]:

@@ -18,7 +18,8 @@ tile: that last part alone). Each frame's run of placeholders is an image to the
 tower rows and cache key); the expansion needs each image's size (`expand(text, sizes)`), which the file's header
 gives.
 
-Qwen2.5-VL (`family` "qwen2_5_vl", from a HF directory): the template puts `<|vision_start|><|image_pad|>
+Qwen2.5-VL and Qwen3-VL (`family` "qwen2_5_vl", from a HF directory or a qwen2.5vl_merger / qwen3vl_merger mmproj
+GGUF): the template puts `<|vision_start|><|image_pad|>
 <|vision_end|>` where an image goes; the image is resized to whole merged patches within the processor's pixel bounds
 (vision/images.py's `qwen_grid`, `qwen_patches`), and its one `<|image_pad|>` becomes one per token of its grid of
 merged patches, rows x cols of them (`tokens_per_image` -1: as many as its size makes). Its text model's multimodal
@@ -45,7 +46,11 @@ _SMOLVLM = {"fake": "<fake_token_around_image>", "image": "<image>", "global": "
 _QWEN_VL = {"start": "<|vision_start|>", "end": "<|vision_end|>", "image": "<|image_pad|>"}
 _ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
 _SMOLVLM_ARCHITECTURES = ("SmolVLMForConditionalGeneration", "Idefics3ForConditionalGeneration")
-_QWEN_VL_ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration",)
+_QWEN_VL_ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
+# llama.cpp's projector types of the Qwen-VL mmprojs, and each one's mean and std where the file gives none
+_QWEN_MMPROJ_NORMALIZE = {
+    "qwen2.5vl_merger": ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)),
+    "qwen3vl_merger": ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))}
 
 
 @dataclass(frozen=True)
@@ -249,12 +254,12 @@ _QWEN_MMPROJ_TOKENS = (8, 4096)
 def _mmproj_facts(path: str, tokenizer) -> ImageFacts:
     """An mmproj GGUF's: Gemma 3's (projector type gemma3) or SmolVLM's (idefics3: its tiles of image_size, the
     longest edge `clip.vision.preproc_image_size`, LANCZOS as its processor; its tokens from the text model's
-    vocabulary); Qwen2.5-VL's (qwen2.5vl_merger: bicubic, its pixel bounds `clip.vision.image_min_pixels` /
-    `image_max_pixels` or llama.cpp's 8 to 4,096 tokens)."""
+    vocabulary); Qwen2.5-VL's and Qwen3-VL's (qwen2.5vl_merger, qwen3vl_merger: bicubic, its pixel bounds
+    `clip.vision.image_min_pixels` / `image_max_pixels` or llama.cpp's 8 to 4,096 tokens)."""
     from llm_serving.gguf_file import read_gguf
 
     fields = read_gguf(path).fields             # (a header scan: the tensors' data is not read)
-    if fields.get("clip.projector_type") == "qwen2.5vl_merger":
+    if fields.get("clip.projector_type") in _QWEN_MMPROJ_NORMALIZE:
         return _qwen_mmproj_facts(path, fields, tokenizer)
     try:
         size, patch = int(fields["clip.vision.image_size"]), int(fields["clip.vision.patch_size"])
@@ -282,13 +287,14 @@ def _qwen_mmproj_facts(path: str, fields: dict, tokenizer) -> ImageFacts:
     except (KeyError, TypeError, ValueError):
         raise ValueError(f"{path}: an mmproj GGUF without clip.vision.patch_size") from None
     unit = (patch * merge) ** 2
+    mean, std = _QWEN_MMPROJ_NORMALIZE[fields["clip.projector_type"]]
     spec = ImageSpec.from_config({
         "image_processor_type": "Qwen2VLImageProcessor", "patch_size": patch, "merge_size": merge,
         "temporal_patch_size": 2, "resample": 3,
         "min_pixels": int(fields.get("clip.vision.image_min_pixels", _QWEN_MMPROJ_TOKENS[0] * unit)),
         "max_pixels": int(fields.get("clip.vision.image_max_pixels", _QWEN_MMPROJ_TOKENS[1] * unit)),
-        "image_mean": [float(v) for v in fields.get("clip.vision.image_mean", (0.48145466, 0.4578275, 0.40821073))],
-        "image_std": [float(v) for v in fields.get("clip.vision.image_std", (0.26862954, 0.26130258, 0.27577711))]},
+        "image_mean": [float(v) for v in fields.get("clip.vision.image_mean", mean)],
+        "image_std": [float(v) for v in fields.get("clip.vision.image_std", std)]},
         path)
     image = _one_token(tokenizer, _QWEN_VL["image"], path)
     for key in ("start", "end"):

@@ -70,11 +70,13 @@ def _prompt_ids(path, turns: list, images: list, max_pixels=None) -> list:
 
 
 def _reference(path, ids: list, images: list, max_pixels=None) -> tuple:
-    """transformers' greedy tokens after `ids` with `images` (PNG bytes), and each one's log-probability: a whole
-    forward per token (no cache: its M-RoPE positions made afresh from the ids and the images' grids each time)."""
+    """transformers' greedy tokens after `ids` with `images` (PNG bytes), and each one's log-probability (the model
+    its config.json's architecture: Qwen2.5-VL's or Qwen3-VL's): a whole forward per token (no cache: its M-RoPE positions made afresh from the ids and the images' grids each time)."""
+    import json
+
     torch, transformers = needs_transformers()
-    model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
-        str(path), dtype=torch.float32, attn_implementation="eager").eval()
+    kind = getattr(transformers, json.loads((path / "config.json").read_text())["architectures"][0])
+    model = kind.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager").eval()
     extra = {}
     if images:
         out = _processed(path, images, max_pixels)

@@ -13,7 +13,7 @@ import pytest
 from llm_serving.agents import protocol as proto
 from llm_serving.master.request import PromptImage, Request, SamplingParams
 from llm_serving.master.step_io import _rope_delta
-from llm_serving.models.rope import mrope_rows, rope_tables
+from llm_serving.models.rope import mrope_axes, mrope_rows, rope_tables
 from llm_serving.models.runner.images import place
 from llm_serving.models.weights import LlamaConfig, WeightLoadError
 from llm_serving.models.weights.hf_config import load_config
@@ -63,6 +63,54 @@ def test_the_config_says_mrope_in_transformers_4_and_5_forms(tmp_path):
         load_config(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({**four, "rope_scaling": {"type": "mrope"}}))
     with pytest.raises(WeightLoadError, match="needs mrope_section"):
+        load_config(str(tmp_path))
+
+
+def test_interleaved_sections_turn_frequencies_t_h_w_in_turn_as_transformers_qwen3_vl():
+    """Qwen3-VL's interleaved M-RoPE (transformers' recomposition: h at frequencies 1, 4, .. below 3 x its section,
+    w at 2, 5, .., t the rest): the Hub's sections (24, 20, 20) and the tiny model's (2, 3, 3), whose w runs out
+    first; a token's three equal positions still give plain RoPE to the bit."""
+    for section in ((24, 20, 20), (2, 3, 3)):
+        cfg = _cfg(head_dim=2 * sum(section), mrope_section=section, mrope_interleaved=True)
+        want = np.zeros(sum(section), np.int64)             # transformers': freqs_thw[..., offset:3 * n:3] = freq[dim]
+        for axis, offset in ((1, 1), (2, 2)):
+            want[offset:3 * section[axis]:3] = axis
+        assert np.array_equal(mrope_axes(cfg), want), section
+        assert np.bincount(mrope_axes(cfg), minlength=3)[1] == section[1]      # (h's all there; w's may run out)
+        t, h, w = np.array([5]), np.array([7]), np.array([11])
+        inv = 1.0 / (1e6 ** (np.arange(0, cfg.head_dim, 2) / cfg.head_dim))
+        angle = np.array([5, 7, 11])[mrope_axes(cfg)] * inv
+        cos, sin = mrope_rows(cfg, 64, t, h, w)
+        np.testing.assert_allclose(cos[0], np.cos(np.concatenate([angle, angle])), rtol=1e-6)
+        p = np.array([0, 3, 63])
+        table = rope_tables(cfg, 64)
+        got = mrope_rows(cfg, 64, p, p, p)
+        assert np.array_equal(got[0], table[0][p]) and np.array_equal(got[1], table[1][p])
+    assert np.array_equal(mrope_axes(_cfg()), np.repeat([0, 1, 2], (2, 3, 3)))     # (Qwen2.5-VL's runs)
+
+
+def test_a_qwen3_vl_config_says_interleaved_mrope_and_deepstack_in_both_forms(tmp_path):
+    """The Hub's config.json (text_config with rope_scaling, 4.x) and transformers 5.x's (rope_parameters): qwen3vl
+    with q/k norms, interleaved M-RoPE and one DeepStack layer per vision_config.deepstack_visual_indexes entry; a
+    DeepStack deeper than the text model is refused naming it."""
+    text = {"vocab_size": 64, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 512,
+            "model_type": "qwen3_vl_text"}
+    vision = {"deepstack_visual_indexes": [1, 2], "depth": 4, "model_type": "qwen3_vl"}
+    hub = {"architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl", "vision_config": vision,
+           "text_config": {**text, "rope_theta": 5e6, "rope_scaling": {"mrope_interleaved": True,
+                                                                       "mrope_section": [2, 3, 3],
+                                                                       "rope_type": "default"}}}
+    five = {**hub, "text_config": {**text, "rope_parameters": {"mrope_interleaved": True, "mrope_section": [2, 3, 3],
+                                                               "rope_theta": 5e6, "rope_type": "default"}}}
+    for raw in (hub, five):
+        (tmp_path / "config.json").write_text(json.dumps(raw))
+        cfg = load_config(str(tmp_path))
+        assert (cfg.architecture, cfg.qk_norm, cfg.mrope_section, cfg.mrope_interleaved, cfg.deepstack_layers,
+                cfg.rope_theta) == ("qwen3vl", True, (2, 3, 3), True, 2, 5e6)
+    (tmp_path / "config.json").write_text(json.dumps({**five, "vision_config": {
+        **vision, "deepstack_visual_indexes": [0, 1, 2, 3]}}))
+    with pytest.raises(WeightLoadError, match="4 DeepStack layers, but the model has 3 decoder layers"):
         load_config(str(tmp_path))
 
 

@@ -118,9 +118,11 @@ class Family:
     fused_experts: bool = False
     # its GGUF: names after "blk.N." that mean something else than gguf.py's table says; q/k rows interleaved for
     # llama.cpp's RoPE of neighbouring pairs; llama.cpp's rules where the converter writes nothing (every n-th layer
-    # full, every n-th without RoPE, the sliding layers' RoPE base, the score scale, the experts' constants)
+    # full, every n-th without RoPE, the sliding layers' RoPE base, the score scale, the experts' constants, a
+    # multimodal RoPE's frequencies taken in turn t, h, w)
     gguf_layer_names: Mapping[str, str] = field(default_factory=dict)
     gguf_interleaved_rope: bool = False
+    gguf_mrope_interleaved: bool = False
     gguf_window_pattern: Optional[int] = None
     gguf_nope_interval: Optional[int] = None
     gguf_local_rope_base: Optional[float] = None

@@ -142,6 +142,11 @@ class ModelRunner:
         if why is not None:
             logger.warning("the model's vision tower is not used: %s; image requests are refused", why)
             return None
+        width, cfg = getattr(checkpoint[0], "row_width", None), self.config
+        if width is not None and width != cfg.hidden_size * (1 + cfg.deepstack_layers):
+            deep = f" x {1 + cfg.deepstack_layers} (DeepStack)" if cfg.deepstack_layers else ""
+            raise ValueError(f"ModelRunner: the vision tower gives rows of {width} values a token; the text model "
+                             f"takes {cfg.hidden_size} (hidden_size){deep}: is the mmproj this model's?")
         return checkpoint
 
     def _window_blocks(self) -> int:

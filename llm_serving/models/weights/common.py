@@ -98,7 +98,12 @@ class LlamaConfig:
       lengths (summing to rotary_dim / 2), each rotated by one of a token's three positions (time, row, column).
       A text token's three are one number, so that text alone is plain RoPE; an image's tokens take their place in
       the image's grid (the runner's rope rows, models/rope.py's `mrope_rows`), and the tokens after an image go on
-      from its largest position, not from its token count.
+      from its largest position, not from its token count. `mrope_interleaved` (Qwen3-VL's): the frequencies taken
+      in turn t, h, w, t, h, w, ... (h's the first mrope_section[1] such, w's the first mrope_section[2], t's the
+      rest) rather than in three runs.
+    - `deepstack_layers` (Qwen3-VL's DeepStack): an image token's tower rows are 1 + deepstack_layers rows of
+      hidden_size side by side; the first is its embedding, and row k + 1 is added to its hidden state after
+      decoder layer k (k < deepstack_layers).
     - `nope_layers`: the layers without RoPE (SmolLM3's no_rope_layers).
     - `num_experts` > 0: a mixture of experts (Qwen3-MoE, Mixtral): each layer's MLP is `num_experts` gated MLPs of
       `expert_intermediate_size` units, of which a router (a linear layer over the experts) picks the
@@ -173,6 +178,8 @@ class LlamaConfig:
     type_vocab_size: int = 0
     embed_norm: bool = False
     mrope_section: Optional[tuple] = None
+    mrope_interleaved: bool = False
+    deepstack_layers: int = 0
 
     def __post_init__(self):
         if self.hidden_act not in HIDDEN_ACTS:
@@ -186,6 +193,9 @@ class LlamaConfig:
                                                or 2 * sum(self.mrope_section) != rot):
             raise WeightLoadError(f"{self.architecture}: mrope_section {self.mrope_section} must be three lengths "
                                   f"summing to half the rotary dimension ({rot // 2})")
+        if not 0 <= self.deepstack_layers <= self.num_layers:
+            raise WeightLoadError(f"{self.architecture}: {self.deepstack_layers} DeepStack layers, but the model has "
+                                  f"{self.num_layers} decoder layers")
         if self.layer_types is not None:
             if len(self.layer_types) != self.num_layers or set(self.layer_types) - {"full", "sliding"}:
                 raise WeightLoadError(f"{self.architecture}: layer_types must name 'full' or 'sliding' for each of "

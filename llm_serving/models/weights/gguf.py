@@ -246,6 +246,8 @@ def _gguf_config(path: str, arch: str, family: families.Family, meta: Callable, 
     query_scale = family.gguf_query_scale(meta, arch, hidden, heads, head_dim, num_layers) \
         if family.gguf_query_scale else None
     every = family.gguf_nope_interval
+    if "mrope_section" in rope:             # (llama.cpp's qwen3vl: interleaved, which its file does not say)
+        rope["mrope_interleaved"] = family.gguf_mrope_interleaved
     return LlamaConfig(
         vocab_size=int(meta(f"{arch}.vocab_size", tensors["token_embd.weight"].shape[-1])), hidden_size=hidden,
         intermediate_size=int(meta(f"{arch}.feed_forward_length")), num_layers=num_layers, num_heads=heads,
@@ -262,6 +264,7 @@ def _gguf_config(path: str, arch: str, family: families.Family, meta: Callable, 
         **_gguf_experts(path, arch, family, meta, tensors, num_layers),
         hidden_act=family.hidden_act, query_scale=query_scale,
         nope_layers=tuple(i for i in range(num_layers) if (i + 1) % every == 0) if every else (),
+        deepstack_layers=int(meta(f"{arch}.n_deepstack_layers", 0)),
         **rope)
 
 

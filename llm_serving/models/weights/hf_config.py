@@ -100,6 +100,7 @@ def _rope_settings(raw: dict, path: str, head_dim: int) -> dict:
         except (KeyError, TypeError, ValueError):
             raise WeightLoadError(f"{path}: mrope RoPE needs mrope_section (three lengths)") from None
         kind = "default" if kind == "mrope" else kind
+        out["mrope_interleaved"] = bool(full.get("mrope_interleaved"))               # (Qwen3-VL's)
     if kind == "linear":
         out["rope_freq_factors"] = (float(full["factor"]),) * (rotary // 2)
     elif kind == "llama3":
@@ -212,6 +213,9 @@ def _text_config(raw: dict, family: families.Family) -> dict:
     if isinstance(raw.get("text_config"), dict):
         outer = {k: raw[k] for k in ("bos_token_id", "eos_token_id", "tie_word_embeddings") if k in raw}
         text = {**outer, **raw["text_config"], "architectures": raw.get("architectures")}
+        vision = raw.get("vision_config")
+        if isinstance(vision, dict) and vision.get("deepstack_visual_indexes"):     # (Qwen3-VL's DeepStack)
+            text["deepstack_layers"] = len(vision["deepstack_visual_indexes"])
     return {**family.hf_defaults, **text}
 
 
@@ -296,6 +300,7 @@ def _decoder_config(raw: dict, family: families.Family, path: str) -> LlamaConfi
         hidden_act=act,
         query_scale=family.query_scale(raw) if family.query_scale else None,
         nope_layers=family.nope_layers(raw, num_layers, path) if family.nope_layers else (),
+        deepstack_layers=int(raw.get("deepstack_layers", 0)),
         **_experts(raw, family, num_layers, path),
         **rope,
     )

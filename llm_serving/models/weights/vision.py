@@ -44,7 +44,8 @@ _SHUFFLED = ("SmolVLMForConditionalGeneration", "Idefics3ForConditionalGeneratio
 _QWEN_ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration",)
 # llama.cpp's mmproj projector types read here -> the architecture whose tower and projector they hold
 MMPROJ_PROJECTORS = {"gemma3": "Gemma3ForConditionalGeneration", "idefics3": "Idefics3ForConditionalGeneration",
-                     "qwen2.5vl_merger": "Qwen2_5_VLForConditionalGeneration"}
+                     "qwen2.5vl_merger": "Qwen2_5_VLForConditionalGeneration",
+                     "qwen3vl_merger": "Qwen3VLForConditionalGeneration"}
 
 
 @dataclass(frozen=True)
@@ -368,7 +369,7 @@ def _mmproj_fields(path: str, contents=None):
     fields = contents.fields
     kind = (fields.get("general.architecture"), fields.get("clip.projector_type"))
     if kind[0] != "clip" or kind[1] not in MMPROJ_PROJECTORS:
-        raise WeightLoadError(f"{path}: not a Gemma 3, SmolVLM or Qwen2.5-VL mmproj GGUF (general.architecture "
+        raise WeightLoadError(f"{path}: not a Gemma 3, SmolVLM, Qwen2.5-VL or Qwen3-VL mmproj GGUF (general.architecture "
                               f"{kind[0]!r}, clip.projector_type {kind[1]!r}; served: clip with "
                               f"{', '.join(MMPROJ_PROJECTORS)})")
     return contents
@@ -383,6 +384,8 @@ def mmproj_config(path: str, contents=None):
     fields = _mmproj_fields(path, contents).fields
     if fields["clip.projector_type"] == "qwen2.5vl_merger":
         return _qwen_mmproj_config(path, fields)
+    if fields["clip.projector_type"] == "qwen3vl_merger":
+        return _qwen3_mmproj_config(path, fields, contents)
     try:
         image, patch = int(fields["clip.vision.image_size"]), int(fields["clip.vision.patch_size"])
         pool = int(fields.get("clip.vision.projector.scale_factor", 4))
@@ -421,49 +424,107 @@ def _qwen_mmproj_config(path: str, fields: dict) -> QwenVisionConfig:
         raise WeightLoadError(f"{path}: GGUF metadata {e} is missing") from None
 
 
-# a Qwen2.5-VL mmproj's names (llama.cpp's converter's) -> ours: `v.blk.N.` parts, then the rest
-_QWEN_MMPROJ_LAYER = {"ln1.": "norm1.", "ln2.": "norm2.", "attn_out.": "attn.proj.", "ffn_gate.": "mlp.gate_proj.",
-                      "ffn_up.": "mlp.up_proj.", "ffn_down.": "mlp.down_proj."}
+def _qwen3_mmproj_config(path: str, fields: dict, contents) -> QwenVisionConfig:
+    """A Qwen3-VL mmproj's tower (projector qwen3vl_merger), from llama.cpp's converter's keys: the DeepStack layers
+    `is_deepstack_layers` (a flag a layer), the learned position rows `v.position_embd.weight`'s (the file keeps
+    only the derived image_size), the merge `spatial_merge_size` (2), every block's attention full."""
+    try:
+        layers = int(fields["clip.vision.block_count"])
+        deep = [bool(v) for v in fields.get("clip.vision.is_deepstack_layers", [])]
+        positions = next((t for t in (contents or _mmproj_fields(path)).tensors if t.name == "v.position_embd.weight"),
+                         None)
+        if positions is None:
+            raise WeightLoadError(f"{path}: a qwen3vl_merger mmproj without v.position_embd.weight")
+        return _qwen_config({"architectures": ["Qwen3VLForConditionalGeneration"], "vision_config": {
+            "hidden_size": fields["clip.vision.embedding_length"],
+            "intermediate_size": fields["clip.vision.feed_forward_length"], "depth": layers,
+            "num_heads": fields["clip.vision.attention.head_count"], "patch_size": fields["clip.vision.patch_size"],
+            "temporal_patch_size": 2, "spatial_merge_size": fields.get("clip.vision.spatial_merge_size", 2),
+            "hidden_act": "gelu_pytorch_tanh", "num_position_embeddings": int(positions.shape[-1]),
+            "deepstack_visual_indexes": [i for i, flag in enumerate(deep) if flag],
+            "out_hidden_size": fields["clip.vision.projection_dim"]}}, path)
+    except KeyError as e:
+        raise WeightLoadError(f"{path}: GGUF metadata {e} is missing") from None
+
+
+# a Qwen-VL mmproj's names (llama.cpp's converter's) -> ours: `v.blk.N.` parts, then the rest (Qwen2.5-VL's, and
+# what Qwen3-VL's name otherwise; its DeepStack mergers `v.deepstack.L.` by their layer L)
+_QWEN_MMPROJ_LAYER = {"ln1.": "norm1.", "ln2.": "norm2.", "attn_out.": "attn.proj.", "attn_qkv.": "attn.qkv.",
+                      "ffn_gate.": "mlp.gate_proj.", "ffn_up.": "mlp.up_proj.", "ffn_down.": "mlp.down_proj."}
+_QWEN3_MMPROJ_LAYER = {**_QWEN_MMPROJ_LAYER, "ffn_up.": "mlp.linear_fc1.", "ffn_down.": "mlp.linear_fc2."}
 _QWEN_MMPROJ_NAMES = {"v.post_ln.": "visual.merger.ln_q.", "mm.0.": "visual.merger.mlp.0.",
                       "mm.2.": "visual.merger.mlp.2."}
+_QWEN3_MMPROJ_NAMES = {"v.post_ln.": "visual.merger.norm.", "mm.0.": "visual.merger.linear_fc1.",
+                       "mm.2.": "visual.merger.linear_fc2.", "v.patch_embd.bias": "visual.patch_embed.proj.bias",
+                       "v.position_embd.": "visual.pos_embed."}
+_QWEN3_DEEPSTACK = {"norm.": "norm.", "fc1.": "linear_fc1.", "fc2.": "linear_fc2."}
 
 
-def _qwen_mmproj_tensors(arrays: dict, path: str, types: dict) -> dict:
-    """Our `visual.*` tensors of a Qwen2.5-VL mmproj's float32 arrays (its names): q, k and v joined into qkv (the
-    converter splits them), the two temporal slices of the patch kernel stacked back into its 3-D kernel; each
-    matrix's `stored_type` its file's (`types`: name -> "F16", ...; q|k|v's where all three agree), so that the
-    tower's CPU kernels keep the halves as stored."""
-    out, stored = {}, {}
-    for name, array in arrays.items():
+def _joined(parts: list, axis: int, stored: Optional[str]) -> StoredTensor:
+    """The tensors `parts` (StoredTensors) as one, joined along `axis` (concatenated: 0; stacked: a new axis), read
+    when the tower reads it: nothing of it is held in memory until then."""
+    if axis == 0:
+        shape = (sum(p.shape[0] for p in parts),) + tuple(parts[0].shape[1:])
+    else:
+        shape = tuple(parts[0].shape[:axis]) + (len(parts),) + tuple(parts[0].shape[axis:])
+
+    def read(index):
+        whole = [p.read((slice(None),) * len(p.shape)) for p in parts]
+        return (np.concatenate(whole, 0) if axis == 0 else np.stack(whole, axis))[index]
+    return StoredTensor(shape, read, stored_type=stored)
+
+
+def _qwen_mmproj_tensors(contents, path: str, cfg: QwenVisionConfig) -> dict:
+    """Our `visual.*` tensors of a Qwen-VL mmproj (its GGUF tensors, memory-mapped), each read as float32 only when
+    the tower reads it (the file's F16 matrices stay in the file until then: no float32 copy of the whole tower):
+    Qwen2.5-VL's q, k and v joined into qkv (the converter splits them), the two temporal slices of the patch kernel
+    stacked back into its 3-D kernel; each matrix's `stored_type` its file's ("F16", ...; q|k|v's where all three
+    agree), so that the tower's CPU kernels keep the halves as stored."""
+    qwen3 = cfg.family == "qwen3_vl"
+    layer_names, names = (_QWEN3_MMPROJ_LAYER, _QWEN3_MMPROJ_NAMES) if qwen3 else (_QWEN_MMPROJ_LAYER,
+                                                                                   _QWEN_MMPROJ_NAMES)
+    deep = {layer: k for k, layer in enumerate(cfg.deepstack_visual_indexes)}
+    tensors = {t.name: t for t in contents.tensors}
+    stored = {name: _mmproj_stored(t, path) for name, t in tensors.items()}
+    out = {}
+    for name in tensors:
+        ours = None
         if name.startswith("v.blk."):
             index, _, rest = name[len("v.blk."):].partition(".")
-            if rest.startswith(("attn_q.", "attn_k.", "attn_v.")):
-                continue
-            ours = next((f"visual.blocks.{index}.{o}{rest[len(t):]}" for t, o in _QWEN_MMPROJ_LAYER.items()
+            ours = next((f"visual.blocks.{index}.{o}{rest[len(t):]}" for t, o in layer_names.items()
                          if rest.startswith(t)), None)
-            if ours is not None:
-                out[ours], stored[ours] = array, types.get(name)
-        elif name in ("v.patch_embd.weight", "v.patch_embd.weight.1"):
-            continue
-        else:
-            ours = next((o + name[len(t):] for t, o in _QWEN_MMPROJ_NAMES.items() if name.startswith(t)), None)
-            if ours is not None:
-                out[ours], stored[ours] = array, types.get(name)
-    for name in [n for n in arrays if n.startswith("v.blk.") and ".attn_q." in n]:
-        parts = [arrays.get(name.replace(".attn_q.", f".attn_{p}.")) for p in "qkv"]
+        elif name.startswith("v.deepstack.") and qwen3:
+            layer, _, rest = name[len("v.deepstack."):].partition(".")
+            if not layer.isdigit() or int(layer) not in deep:
+                raise WeightLoadError(f"{path}: {name} is a DeepStack merger of a layer clip.vision."
+                                      "is_deepstack_layers does not flag")
+            ours = next((f"visual.deepstack_merger_list.{deep[int(layer)]}.{o}{rest[len(t):]}"
+                         for t, o in _QWEN3_DEEPSTACK.items() if rest.startswith(t)), None)
+        elif not name.startswith("v.patch_embd.weight"):
+            ours = next((o + name[len(t):] for t, o in names.items() if name.startswith(t)), None)
+        if ours is not None:
+            out[ours] = stored[name]
+    for name in [n for n in tensors if n.startswith("v.blk.") and ".attn_q." in n]:
+        parts = [stored.get(name.replace(".attn_q.", f".attn_{p}.")) for p in "qkv"]
         if any(p is None for p in parts):
             raise WeightLoadError(f"{path}: {name} without its attn_k and attn_v")
         index, kind = name.split(".")[2], name.rsplit(".", 1)[1]
-        ours = f"visual.blocks.{index}.attn.qkv.{kind}"
-        out[ours] = np.concatenate(parts, 0)
-        kinds = {types.get(name.replace(".attn_q.", f".attn_{p}.")) for p in "qkv"}
-        stored[ours] = kinds.pop() if len(kinds) == 1 else None
-    if "v.patch_embd.weight" in arrays and "v.patch_embd.weight.1" in arrays:
-        out["visual.patch_embed.proj.weight"] = np.stack([arrays["v.patch_embd.weight"],
-                                                          arrays["v.patch_embd.weight.1"]], 2)   # (D, C, T, P, P)
-    return {name: dataclasses.replace(StoredTensor.of(np.ascontiguousarray(array, np.float32)),
-                                      stored_type=stored.get(name) if array.ndim >= 2 else None)
-            for name, array in out.items()}
+        kinds = {p.stored_type for p in parts}
+        out[f"visual.blocks.{index}.attn.qkv.{kind}"] = _joined(parts, 0, kinds.pop() if len(kinds) == 1 else None)
+    if "v.patch_embd.weight" in stored and "v.patch_embd.weight.1" in stored:
+        out["visual.patch_embed.proj.weight"] = _joined([stored["v.patch_embd.weight"],
+                                                         stored["v.patch_embd.weight.1"]], 2, None)   # (D, C, T, P, P)
+    return out
+
+
+def _mmproj_stored(tensor, path: str) -> StoredTensor:
+    """One mmproj tensor, in the HF layout's order of dimensions (GGUF lists them innermost first), read as float32
+    when asked (F32 and F16 from the memory-mapped file; another type dequantized then); a matrix's `stored_type`
+    its file's."""
+    dims = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    kind = tensor.tensor_type.name
+    return StoredTensor(dims, lambda index: _mmproj_array(tensor, path)[index],
+                        stored_type=kind if len(dims) >= 2 else None)
 
 
 def mmproj_checkpoint(path: str) -> tuple:
@@ -477,8 +538,7 @@ def mmproj_checkpoint(path: str) -> tuple:
     contents = _mmproj_fields(path)
     cfg = mmproj_config(path, contents)
     if isinstance(cfg, QwenVisionConfig):
-        tensors = _qwen_mmproj_tensors({t.name: _mmproj_array(t, path) for t in contents.tensors}, path,
-                                       {t.name: t.tensor_type.name for t in contents.tensors})
+        tensors = _qwen_mmproj_tensors(contents, path, cfg)
         check_tensors(tensors, qwen_vision_shapes(cfg), f"the vision tower in {path}")
         return cfg, tensors
     tensors = {}

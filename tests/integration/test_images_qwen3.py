@@ -1,0 +1,219 @@
+"""Images in, Qwen3-VL (issue 67): the real server on a tiny random Qwen3VLForConditionalGeneration that transformers
+makes (tests/families.py's `make_qwen3_vl`: an image resized within 4 to 16 merged patches of 32 pixels, each one
+token; a tower with learned position rows and DeepStack mergers; a Qwen3 text model with interleaved M-RoPE whose
+first two layers add the DeepStack rows to the image's tokens). Image questions through OpenAI's chat API get
+transformers' greedy tokens and log-probabilities, from the HF directory and from a `qwen3vl` GGUF with its
+qwen3vl_merger mmproj, with chunked prefill cutting between images, the prefix cache and the encoded-image cache in
+play; the float64 reference places the images and their DeepStack rows as transformers does. The shared helpers are
+test_images_qwen.py's (Qwen2.5-VL's: the same processor, prompt and API)."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+import pytest
+
+from tests.families import make_qwen3_vl, needs_transformers
+from tests.integration.server_harness import http, precision_gate, serving
+from tests.integration.test_images_qwen import (MODEL, PAD, _body, _chats, _png, _processed, _prompt_ids, _reference,
+                                                _user)
+
+pytest.importorskip("mindspore")
+pytest.importorskip("PIL", reason="Pillow reads the images (pip install -e .)")
+
+IMAGE = f"<|vision_start|>{PAD}<|vision_end|>"
+
+
+@pytest.fixture(scope="module")
+def qwen3_vl(tmp_path_factory):
+    needs_transformers()
+    directory = tmp_path_factory.mktemp("qwen3vl")
+    make_qwen3_vl(directory, seed=5)
+    return directory
+
+
+def _check_replies(path, chats: list, replies: list) -> None:
+    """Each reply is transformers' greedy tokens with their log-probabilities, its prompt as many tokens as
+    transformers' processor makes."""
+    from llm_serving.tokenization import load_tokenizer
+
+    tok = load_tokenizer(str(path / "tokenizer.json"))
+    for (_, turns, images), (status, body) in zip(chats, replies):
+        assert status == 200, body
+        ids = _prompt_ids(path, turns, images)
+        assert body["usage"]["prompt_tokens"] == len(ids), turns
+        want, want_lps = _reference(path, ids, images)
+        assert body["choices"][0]["message"]["content"] == tok.decode(want), turns
+        np.testing.assert_allclose([e["logprob"] for e in body["choices"][0]["logprobs"]["content"]], want_lps,
+                                   atol=2e-3, err_msg=str(turns))
+
+
+def test_qwen3_vl_image_questions_get_transformers_tokens_and_logprobs(qwen3_vl, tmp_path):
+    """Three image chats at once (a wide image; a tall one and a small transparent one in one turn; the small one
+    alone), a text-only chat, then a follow-up re-sending the first picture: chunked prefill in 16-token chunks
+    (never inside an image), the prefix cache on 8-token blocks, the encoded-image cache: each reply is transformers'
+    (its DeepStack rows added after the first two layers, its interleaved M-RoPE); then the precision gate with
+    picture prompts passes (the float64 tower's rows, DeepStack's among them)."""
+    wide, tall, small = _png(0, (40, 130, 3)), _png(1, (120, 50, 3)), _png(2, (30, 20, 4))
+    chats = [  # (messages, the turns as the template renders them, their images in order)
+        ([_user("What is in this picture? Say it briefly.", wide)],
+         [("user", f"What is in this picture? Say it briefly.{IMAGE}")], [wide]),
+        ([_user("Compare them:", tall, small)], [("user", f"Compare them:{IMAGE}{IMAGE}")], [tall, small]),
+        ([_user("What is it?", small)], [("user", f"What is it?{IMAGE}")], [small]),
+        ([{"role": "user", "content": "Name three colors."}], [("user", "Name three colors.")], []),
+    ]
+    follow = [_user("What is in this picture? Say it briefly.", wide), {"role": "assistant", "content": "a cat"},
+              {"role": "user", "content": "Are you sure?"}]
+    chats.append((follow, [("user", f"What is in this picture? Say it briefly.{IMAGE}"), ("assistant", "a cat"),
+                           ("user", "Are you sure?")], [wide]))
+    args = ["--model", str(qwen3_vl), "--set", f"model_config.model_name={MODEL}",
+            "--set", "model_config.max_generate_length=256", "--set", "pa_config.block_size=8",
+            "--set", "scheduler_config.chunked_prefill=true", "--set", "scheduler_config.max_chunk_tokens=16",
+            "--set", "serving_config.max_num_batched_tokens=32", "--set", "serving_config.max_num_seqs=8",
+            "--set", "scheduler_config.enable_prefix_caching=true", "--set", "pa_config.kv_cache_dtype=float32"]
+    with serving(args, tmp_path / "server.log") as server:
+        first = asyncio.run(_chats(server.url, [_body(m) for m, _, _ in chats[:4]]))
+        last = asyncio.run(_chats(server.url, [_body(chats[4][0])]))
+        models = http("GET", server.url + "/v1/models")[1]
+        log = (tmp_path / "server.log").read_text()
+        prompts = tmp_path / "prompts.txt"
+        prompts.write_text("what is this\nname three colors\ndescribe it\n")
+        (tmp_path / "gate").mkdir()
+        proc, gate = precision_gate(server.url, tmp_path / "gate", "-n", "3", "--images", "2", "--max-new-tokens", "3",
+                                    "--prompts", str(prompts))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (gate["image_prompts"], gate["images_encoded"]) == (2, 2) and gate["max_rel_error"] < 5e-3, gate
+    _check_replies(qwen3_vl, chats, first + last)
+    assert log.count(" encoded in ") == 3, log          # three images, each encoded once (the follow-up's cached)
+    assert models["data"][0].get("input_modalities", ["text"]).count("image") == 1, models
+
+
+def write_qwen3_mmproj(hf_dir, path):
+    """The mmproj GGUF llama.cpp's `convert_hf_to_gguf.py --mmproj --outtype f32` writes of a Qwen3-VL (projector
+    type qwen3vl_merger: q|k|v as one `attn_qkv`, the MLP `ffn_up` / `ffn_down`, the 3-D patch kernel as two 2-D ones
+    `v.patch_embd.weight` and `.weight.1` with its bias, the position rows `v.position_embd`, the merger's norm
+    `v.post_ln` and its MLP `mm.0` / `mm.2`, each DeepStack merger `v.deepstack.L.{norm,fc1,fc2}` by its layer L, and
+    `clip.vision.is_deepstack_layers` a flag a layer), as the converter's own file of make_qwen3_vl's model has them,
+    name by name."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    config = json.loads((hf_dir / "config.json").read_text())
+    vision = config["vision_config"]
+    deep = vision["deepstack_visual_indexes"]
+    writer = gguf.GGUFWriter(str(path), "clip")
+    writer.add_string("general.type", "mmproj")
+    writer.add_bool("clip.has_vision_encoder", True)
+    writer.add_string("clip.projector_type", "qwen3vl_merger")
+    side = int(round(vision["num_position_embeddings"] ** 0.5))
+    for key, value in (("projection_dim", vision["out_hidden_size"]), ("image_size", side * vision["patch_size"]),
+                       ("patch_size", vision["patch_size"]), ("embedding_length", vision["hidden_size"]),
+                       ("feed_forward_length", vision["intermediate_size"]), ("block_count", vision["depth"]),
+                       ("attention.head_count", vision["num_heads"]),
+                       ("spatial_merge_size", vision["spatial_merge_size"])):
+        writer.add_uint32(f"clip.vision.{key}", value)
+    writer.add_bool("clip.use_gelu", True)
+    writer.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
+    writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
+    writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+    writer.add_array("clip.vision.is_deepstack_layers", [i in deep for i in range(vision["depth"])])
+    layer = {"norm1": "ln1", "norm2": "ln2", "attn.qkv": "attn_qkv", "attn.proj": "attn_out",
+             "mlp.linear_fc1": "ffn_up", "mlp.linear_fc2": "ffn_down"}
+    merger = {"norm": "v.post_ln", "linear_fc1": "mm.0", "linear_fc2": "mm.2"}
+    stack = {"norm": "norm", "linear_fc1": "fc1", "linear_fc2": "fc2"}
+    for name, array in load_file(str(hf_dir / "model.safetensors")).items():
+        name = name.removeprefix("model.")
+        if name.startswith("visual.blocks."):
+            index, _, rest = name[len("visual.blocks."):].partition(".")
+            part, _, kind = rest.rpartition(".")
+            writer.add_tensor(f"v.blk.{index}.{layer[part]}.{kind}", array)
+        elif name == "visual.patch_embed.proj.weight":
+            writer.add_tensor("v.patch_embd.weight", np.ascontiguousarray(array[:, :, 0]))
+            writer.add_tensor("v.patch_embd.weight.1", np.ascontiguousarray(array[:, :, 1]))
+        elif name == "visual.patch_embed.proj.bias":
+            writer.add_tensor("v.patch_embd.bias", array)
+        elif name == "visual.pos_embed.weight":
+            writer.add_tensor("v.position_embd.weight", array)
+        elif name.startswith("visual.merger."):
+            part, _, kind = name[len("visual.merger."):].rpartition(".")
+            writer.add_tensor(f"{merger[part]}.{kind}", array)
+        elif name.startswith("visual.deepstack_merger_list."):
+            k, _, rest = name[len("visual.deepstack_merger_list."):].partition(".")
+            part, _, kind = rest.rpartition(".")
+            writer.add_tensor(f"v.deepstack.{deep[int(k)]}.{stack[part]}.{kind}", array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_qwen3vl_gguf_and_its_mmproj_serve_the_same_image_questions(qwen3_vl, tmp_path):
+    """The text model as llama.cpp's `qwen3vl` GGUF (its M-RoPE sections in `rope.dimension_sections`, interleaved as
+    llama.cpp computes the architecture; `n_deepstack_layers`) and the tower as its qwen3vl_merger mmproj: the
+    tower's config and tensors are the HF directory's, and image questions get transformers' greedy tokens."""
+    from llm_serving.models.weights import load_llama_weights
+    from llm_serving.models.weights.vision import mmproj_checkpoint, vision_checkpoint
+    from tests.families import write_gguf
+
+    text, mmproj = write_gguf(None, qwen3_vl, tmp_path / "qwen3-vl.gguf"), tmp_path / "mmproj.gguf"
+    write_qwen3_mmproj(qwen3_vl, mmproj)
+    cfg, tensors = mmproj_checkpoint(str(mmproj))
+    hf_cfg, hf_tensors = vision_checkpoint(str(qwen3_vl))
+    assert cfg == hf_cfg.__class__(**{**hf_cfg.__dict__, **{k: getattr(cfg, k) for k in (
+        "image_token_id", "vision_start_token_id", "vision_end_token_id")}})      # (the ids: the text model's)
+    assert sorted(tensors) == sorted(hf_tensors)
+    for name, tensor in tensors.items():
+        index = (slice(None),) * len(tensor.shape)
+        np.testing.assert_array_equal(tensor.read(index), hf_tensors[name].read(index), err_msg=name)
+    text_cfg = load_llama_weights(str(text))[0]
+    assert (text_cfg.mrope_section, text_cfg.mrope_interleaved, text_cfg.deepstack_layers) == ((2, 3, 3), True, 2)
+    wide, square = _png(1, (50, 120, 3)), _png(4, (100, 100, 3))
+    chats = [([_user("What is it?", wide)], [("user", f"What is it?{IMAGE}")], [wide]),
+             ([_user("Compare:", square, wide)], [("user", f"Compare:{IMAGE}{IMAGE}")], [square, wide])]
+    args = ["--model", str(text), "--set", f"model_config.mmproj={mmproj}", "--set", f"model_config.model_name={MODEL}",
+            "--set", "model_config.max_generate_length=256", "--set", "pa_config.kv_cache_dtype=float32"]
+    with serving(args, tmp_path / "server.log") as server:
+        replies = asyncio.run(_chats(server.url, [_body(m) for m, _, _ in chats]))
+    _check_replies(qwen3_vl, chats, replies)
+
+
+def test_the_float64_reference_adds_deepstack_rows_as_transformers_does(qwen3_vl):
+    """The precision gate's float64 text model with transformers' own image features (the merger's rows and the two
+    DeepStack mergers' side by side) in place of two images' placeholders, fed in two calls: its logits at every
+    token are transformers' float64 forward's; without the DeepStack rows, or with the M-RoPE frequencies in runs
+    instead of interleaved, they are not (the test can tell)."""
+    import dataclasses
+
+    torch, transformers = needs_transformers()
+    from llm_serving.reference_llama import ReferenceLlama
+
+    wide, square = _png(1, (50, 120, 3)), _png(4, (100, 100, 3))
+    ids = _prompt_ids(qwen3_vl, [("user", f"Compare:{IMAGE} and{IMAGE} now")], [wide, square])
+    out = _processed(qwen3_vl, [wide, square])
+    model = transformers.Qwen3VLForConditionalGeneration.from_pretrained(
+        str(qwen3_vl), dtype=torch.float64, attn_implementation="eager").eval()
+    image_id = model.config.image_token_id
+    pixels, grid = torch.from_numpy(out["pixel_values"]).double(), torch.from_numpy(out["image_grid_thw"])
+    with torch.no_grad():
+        want = model(input_ids=torch.tensor([ids]), pixel_values=pixels, image_grid_thw=grid, use_cache=False,
+                     mm_token_type_ids=torch.tensor([[int(t == image_id) for t in ids]])).logits[0].numpy()
+        vision = model.model.visual(pixels, grid_thw=grid)
+    features = torch.cat([vision.pooler_output, *vision.deepstack_features], -1).numpy()
+    sizes = [int(g.prod()) // 4 for g in grid]
+    rows = np.split(features, np.cumsum(sizes)[:-1])
+    runs = [k for k in range(len(ids)) if ids[k] == image_id and (k == 0 or ids[k - 1] != image_id)]
+    grids = [(int(g[1]) // 2, int(g[2]) // 2) for g in grid]
+    relative = lambda a: float(np.abs(a - want).max() / np.abs(want).max())       # noqa: E731
+
+    def forward(ref, images_rows):
+        seq = ref.new_sequence()
+        cut = runs[1] - 1
+        return np.concatenate([ref.forward(seq, ids[:cut], 0, [(runs[0], images_rows[0], False, grids[0])]),
+                               ref.forward(seq, ids[cut:], cut, [(runs[1] - cut, images_rows[1], False, grids[1])])])
+    ref = ReferenceLlama(str(qwen3_vl))
+    assert relative(forward(ref, rows)) < 2e-6
+    flat = [np.concatenate([r[:, :64], np.zeros_like(r[:, 64:])], 1) for r in rows]
+    assert relative(forward(ref, flat)) > 1e-3
+    ref.config = dataclasses.replace(ref.config, mrope_interleaved=False)
+    assert relative(forward(ref, rows)) > 1e-4
