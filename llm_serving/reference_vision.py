@@ -17,9 +17,19 @@ RMS norm, the SwiGLU MLP with biases, a residual); the merger (ln_q's RMS norm, 
 side as one row, Linear, the exact erf GELU, Linear); then the window order undone, so the rows are the merge units
 row by row, as the prompt's image tokens are.
 
+Qwen3-VL's (`family` "qwen3_vl") keeps the patches in their order (every block attends over every patch): the patch
+embedding with its bias, plus each patch's position row (the learned side x side grid interpolated bilinearly with
+align_corners to the image's patch grid: at i of n patches an axis samples the grid at i (side - 1) / (n - 1), between
+its rows floor and floor + 1 weighted by 1 - the distance); pre-norm blocks (LayerNorm, attention with the same 2-D
+rotary positions, a residual; LayerNorm, fc1, the tanh GELU, fc2, a residual); the merger (LayerNorm per patch, a
+unit's patches as one row, Linear, erf GELU, Linear), and after each block of deepstack_visual_indexes its DeepStack
+merger (a unit's patches as one row, LayerNorm over it, Linear, erf GELU, Linear): a token's row the merger's, then the
+DeepStack mergers', side by side.
+
     ref = ReferenceVision(model_dir)                 # or ReferenceVision(None, mmproj="mmproj.gguf")
     rows = ref.encode(pixels)                        # (3, S, S) float32 pixels -> (tokens_per_image, text width)
     rows = ref.encode(patches)                       # Qwen2.5-VL: (gh2, gw2, m m, C T P P) -> (gh2 gw2, text width)
+    rows = ref.encode(patches)                       # Qwen3-VL: ... -> (gh2 gw2, text width x (1 + DeepStack layers))
 
 Pixels are the model's processor's (llm_serving/vision, checked against transformers' processors by the tests; for
 Qwen2.5-VL `qwen_patches`'): the reference starts where the tower does.
@@ -38,8 +48,8 @@ __all__ = ["ReferenceVision"]
 
 class ReferenceVision:
     """The tower of a HF model directory (`model_path`) or of llama.cpp's mmproj GGUF (`mmproj`), in float64: a
-    SigLIP tower and its projector, or Qwen2.5-VL's tower and merger (`config` a QwenVisionConfig; both readers give
-    its tensors the same `visual.*` names)."""
+    SigLIP tower and its projector, or Qwen2.5-VL's or Qwen3-VL's tower and mergers (`config` a QwenVisionConfig;
+    both readers give Qwen2.5-VL's tensors the same `visual.*` names)."""
 
     def __init__(self, model_path: Optional[str], mmproj: Optional[str] = None):
         found = mmproj_checkpoint(mmproj) if mmproj else vision_checkpoint(model_path)
@@ -54,10 +64,11 @@ class ReferenceVision:
         return self.config.bidirectional
 
     def encode(self, pixels: np.ndarray) -> np.ndarray:
-        """(tokens_per_image, text hidden) float64 rows of one image's (or frame's) pixels (C, S, S); for Qwen2.5-VL,
-        (gh2 gw2, out_hidden) rows of one image's patches (gh2, gw2, m m, C T P P), the merge units row by row."""
+        """(tokens_per_image, text hidden) float64 rows of one image's (or frame's) pixels (C, S, S); for Qwen2.5-VL
+        and Qwen3-VL, (gh2 gw2, row_width) rows of one image's patches (gh2, gw2, m m, C T P P), the merge units row
+        by row."""
         if isinstance(self.config, QwenVisionConfig):
-            return self._qwen_encode(pixels)
+            return self._qwen3_encode(pixels) if self.config.family == "qwen3_vl" else self._qwen_encode(pixels)
         c, w = self.config, self.w
         g, p, d = c.patches_per_side, c.patch_size, c.hidden_size
         x = np.asarray(pixels, np.float64).reshape(c.num_channels, g, p, g, p).transpose(1, 3, 0, 2, 4)
@@ -70,9 +81,10 @@ class ReferenceVision:
         return self._shuffle(x) if c.projector == "shuffle" else self._pool(x)
 
     def _layer_norm(self, x: np.ndarray, name: str) -> np.ndarray:
+        eps = self.config.eps if isinstance(self.config, QwenVisionConfig) else self.config.layer_norm_eps
         mean = x.mean(axis=-1, keepdims=True)
         var = ((x - mean) ** 2).mean(axis=-1, keepdims=True)
-        return (x - mean) / np.sqrt(var + self.config.layer_norm_eps) * self.w[name + ".weight"] + self.w[name + ".bias"]
+        return (x - mean) / np.sqrt(var + eps) * self.w[name + ".weight"] + self.w[name + ".bias"]
 
     def _linear(self, x: np.ndarray, name: str) -> np.ndarray:
         return x @ self.w[name + ".weight"].T + self.w[name + ".bias"]
@@ -184,3 +196,63 @@ class ReferenceVision:
         h = self._rms_norm(x, at + "norm2")
         gate, up = self._linear(h, at + "mlp.gate_proj"), self._linear(h, at + "mlp.up_proj")
         return x + self._linear(gate / (1.0 + np.exp(-gate)) * up, at + "mlp.down_proj")
+
+    # ---------------------------------------------------------------------------------------------- Qwen3-VL
+
+    def _qwen3_encode(self, patches: np.ndarray) -> np.ndarray:
+        """The tower on the patches in their order (the module docstring): the merger's rows, then the DeepStack
+        mergers', side by side."""
+        c, w = self.config, self.w
+        gh2, gw2, units = patches.shape[:3]
+        m, d = c.spatial_merge_size, c.hidden_size
+        if units != m * m or patches.shape[3] != c.patch_features:
+            raise ValueError(f"reference: Qwen3-VL patches are (gh2, gw2, {m * m}, {c.patch_features}), not "
+                             f"{patches.shape}")
+        x = np.asarray(patches, np.float64).reshape(-1, c.patch_features)
+        x = x @ w["visual.patch_embed.proj.weight"].reshape(d, -1).T + w["visual.patch_embed.proj.bias"]
+        x = x + self._qwen3_positions(gh2, gw2)
+        cos, sin = self._qwen_rotary(gh2, gw2)
+        deepstack = []
+        for i in range(c.num_layers):
+            x = self._qwen3_block(x, f"visual.blocks.{i}.", cos, sin)
+            if i in c.deepstack_visual_indexes:
+                at = f"visual.deepstack_merger_list.{c.deepstack_visual_indexes.index(i)}."
+                deepstack.append(self._qwen3_merged(self._layer_norm(x.reshape(-1, m * m * d), at + "norm"), at))
+        merged = self._qwen3_merged(self._layer_norm(x, "visual.merger.norm").reshape(-1, m * m * d),
+                                    "visual.merger.")
+        return np.concatenate([merged, *deepstack], axis=1)
+
+    def _qwen3_positions(self, gh2: int, gw2: int) -> np.ndarray:
+        """(S, D) position rows of the patches (units row by row, a unit's patches row by row): pos_embed's side x
+        side grid interpolated bilinearly, corners aligned, to the (2 gh2) x (2 gw2) patch grid."""
+        c = self.config
+        m, side = c.spatial_merge_size, c.position_side
+        grid = self.w["visual.pos_embed.weight"].reshape(side, side, -1)
+
+        def axis(n: int) -> np.ndarray:              # (n, side): each patch's weights over the grid's rows
+            src = np.arange(n) * (side - 1) / max(n - 1, 1)
+            return np.maximum(0.0, 1.0 - np.abs(src[:, None] - np.arange(side)))
+
+        rows = np.einsum("hi,ijd->hjd", axis(gh2 * m), grid)
+        positions = np.einsum("wj,hjd->hwd", axis(gw2 * m), rows)                         # (H, W, D)
+        return positions.reshape(gh2, m, gw2, m, -1).transpose(0, 2, 1, 3, 4).reshape(gh2 * gw2 * m * m, -1)
+
+    def _qwen3_block(self, x: np.ndarray, at: str, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        """One block: every patch attends to every patch."""
+        c = self.config
+        t, heads, hd = len(x), c.num_heads, c.head_dim
+        qkv = self._linear(self._layer_norm(x, at + "norm1"), at + "attn.qkv").reshape(t, 3, heads, hd)
+        q, k, v = (qkv[:, j].transpose(1, 0, 2) for j in range(3))                         # (heads, S, hd) each
+        q, k = (y * cos + np.concatenate([-y[..., hd // 2:], y[..., :hd // 2]], axis=-1) * sin for y in (q, k))
+        scores = q @ k.transpose(0, 2, 1) / math.sqrt(hd)                                   # (heads, S, S)
+        scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        attended = (scores / scores.sum(axis=-1, keepdims=True)) @ v
+        x = x + self._linear(attended.transpose(1, 0, 2).reshape(t, heads * hd), at + "attn.proj")
+        h = self._linear(self._layer_norm(x, at + "norm2"), at + "mlp.linear_fc1")
+        h = 0.5 * h * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (h + 0.044715 * h ** 3)))
+        return x + self._linear(h, at + "mlp.linear_fc2")
+
+    def _qwen3_merged(self, h: np.ndarray, at: str) -> np.ndarray:
+        """A merger's Linear, exact GELU, Linear on its normed rows (units, m m D)."""
+        h = self._linear(h, at + "linear_fc1")
+        return self._linear(0.5 * h * (1.0 + np.vectorize(math.erf)(h / math.sqrt(2.0))), at + "linear_fc2")

@@ -1,4 +1,5 @@
-"""Qwen2.5-VL's vision tower and merger: an image's patches to the text model's embeddings of it, in MindSpore graphs.
+"""Qwen2.5-VL's and Qwen3-VL's vision towers and mergers: an image's patches to the text model's embeddings of it, in
+MindSpore graphs.
 
 What it computes (transformers' Qwen2_5_VisionTransformerPretrainedModel):
 - the patches (vision/images.py's `qwen_patches`: merge units row by row, each unit's m x m patches, each patch's
@@ -11,36 +12,50 @@ What it computes (transformers' Qwen2_5_VisionTransformerPretrainedModel):
 - the merger: RMS norm (ln_q), each unit's m x m patches side by side as one row, Linear, exact (erf) GELU, Linear
   to the text model's width: one token a merge unit, row by row, as the prompt's placeholders take them.
 
+Qwen3-VL's (transformers' Qwen3VLVisionModel; `cfg.family` "qwen3_vl") differs in: the patch embedding's bias, and
+each patch's position row added after it, the learned grid of num_position_embeddings rows (side x side)
+interpolated bilinearly (align_corners) to the image's patch grid: four rows weighted (`_position_taps`); LayerNorms
+(gain and bias) for norm1 and norm2; the MLP linear_fc1, tanh GELU, linear_fc2 (biases, no gate); full attention in
+every block (its config's windows are single merge units: the raster order, never padded); the merger's LayerNorm
+over each patch (D) before a unit's m x m patches become one row; and DeepStack: after each block of
+`deepstack_visual_indexes`, a merger of its own (each unit's m m D values one row first, its LayerNorm over all of
+them, Linear, exact GELU, Linear) gives each token a row. An image token's row (row_width values) is the merger's,
+then each DeepStack merger's in deepstack_visual_indexes order, side by side.
+
 How: the state between calls is the patches in merge-unit order, (gh2, gw2, m m, D), so the grid travels with it
-(the agent keeps it as numpy between steps). `run_layers` lays it out in windows for its layers: every window
+(the agent keeps it as numpy between steps: `kept`); with DeepStack mergers, a `QwenState` of the patches and the
+DeepStack rows of the blocks run so far (each made right after its block, so no block's output outlives the call).
+`run_layers` lays the patches out in windows for its layers: every window
 padded to window_units^2 units (T = window_units^2 m^2 rows), (W, T, D), the padding rows set to zero before each
 layer and masked out of every attention as keys. A windowed layer attends within each of the W windows at once
 (W x heads x T x T scores, never patches^2); a full layer over all W T rows, its queries QUERY_ROWS at a time (a
 chunk's scores alive, not all of them). The graphs' shapes then depend on the number of windows alone (the
 layers') or the grid (the patch embedding's and the merger's), and each image's rotary tables and window layout
 are made once per grid (`_Layout`, a few cached). Arithmetic in float32 throughout, but for the products on the CPU
-kernels: where the vision kernel library builds (`kernels`), a block's four products (q|k|v, its projection, gate|up,
-down) are its VisionLinear, on the matrices in the checkpoint's own type (F16, BF16 or F32 panels) or, with `int16`,
-on int16 panels (13 bits a column, x 14 bits per 64 values: kernels/vision_panels.py, as the SigLIP towers' are),
-their biases added as each block of the result is made; and a full-attention block runs in raster order on
-VisionAttention (`_FullBlock`: its scores never written, its values in int16 with `int16`), since a graph per image
-size with its chunks' scores written cost an image size's first run half again its time (the graph's memory planned
-and touched per shape); the windowed attention, norms and the merger stay MindSpore's.
+kernels: where the vision kernel library builds (`kernels`), a block's four products (q|k|v, its projection, gate|up
+or fc1 with its tanh GELU, down or fc2) are its VisionLinear, on the matrices in the checkpoint's own type (F16, BF16
+or F32 panels) or, with `int16`, on int16 panels (13 bits a column, x 14 bits per 64 values:
+kernels/vision_panels.py, as the SigLIP towers' are), their biases added as each block of the result is made; and a
+full-attention block runs in raster order on VisionAttention (`_FullBlock`: its scores never written, its values in
+int16 with `int16`; Qwen3-VL's LayerNorms on VisionLayerNorm), since a graph per image size with its chunks' scores
+written cost an image size's first run half again its time (the graph's memory planned and touched per shape); the
+windowed attention, Qwen2.5-VL's norms and the mergers stay MindSpore's.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import numpy as np
 
 from mindspore import Tensor, nn, ops
 
 from llm_serving.models.kernels.vision_panels import int16_panels
-from llm_serving.models.llama import _gelu_erf, _rms_normalize
+from llm_serving.models.llama import _gelu_erf, _layer_normalize, _rms_normalize
 from llm_serving.models.vision_tower import _panels, _reader
 from llm_serving.models.weights.vision import QwenVisionConfig, qwen_vision_shapes
 
-__all__ = ["QwenVisionTower"]
+__all__ = ["QwenState", "QwenVisionTower"]
 
 # a full-attention layer's queries per chunk (rounded to whole windows): its scores then take heads x QUERY_ROWS x
 # patches floats at a time (16 heads, 5,120 patches: 335 MB), not heads x patches^2 (1.7 GB)
@@ -53,10 +68,41 @@ def _tensor(array: np.ndarray):
     return Tensor(np.ascontiguousarray(array, np.float32))
 
 
+def _gelu_tanh(x):
+    # the tanh GELU as the kernel writes it (layer_parts_cpu.h's gelu_times): 0.5 (1 + tanh(u)) = sigmoid(2 u).
+    # MindSpore's CPU tanh is off by up to 1e-4 (its sigmoid by 1e-6): llama.py's tanh form put Qwen3-VL's rows 5e-6
+    # from transformers', this one 1e-6
+    return x * ops.sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x))
+
+
+def _position_taps(cfg: QwenVisionConfig, gh2: int, gw2: int) -> tuple:
+    """Qwen3-VL's position rows of an image's patches, in their order (units row by row, a unit's patches row by
+    row), as transformers' get_vision_interpolation_indices_and_weights makes them (bilinear, align_corners, in
+    float32): (N, 4) int32 rows of pos_embed and (N, 4) float32 weights, a patch's position row the weighted sum
+    of its four. Per axis, a patch at i of `size` sits at i (side - 1) / (size - 1) of the learned grid, between rows
+    floor and floor + 1 (the last clamped to the grid), weighted 1 - its distance to each."""
+    m, side = cfg.spatial_merge_size, cfg.position_side
+    unit_row, unit_col, k = np.meshgrid(np.arange(gh2), np.arange(gw2), np.arange(m * m), indexing="ij")
+    rows, cols = (unit_row * m + k // m).reshape(-1), (unit_col * m + k % m).reshape(-1)
+
+    def axis(index: np.ndarray, size: int) -> tuple:
+        src = index.astype(np.float32) * np.float32(side - 1) / np.float32(max(size - 1, 1))
+        floor = np.floor(src)
+        taps = np.minimum(floor.astype(np.int32)[:, None] + np.arange(2, dtype=np.int32), side - 1)    # (N, 2)
+        distance = np.abs((src - floor)[:, None] - np.arange(2, dtype=np.float32))
+        return taps, np.maximum(np.float32(1) - distance, np.float32(0))
+
+    row_taps, row_weights = axis(rows, gh2 * m)
+    col_taps, col_weights = axis(cols, gw2 * m)
+    taps = (row_taps[:, :, None] * side + col_taps[:, None, :]).reshape(-1, 4)
+    return taps.astype(np.int32), (row_weights[:, :, None] * col_weights[:, None, :]).reshape(-1, 4)
+
+
 class _Layout:
     """An image's grid of merge units (gh2 x gw2) laid out in windows: `index` (W T,), the raster row (in the
     (gh2 gw2 m m) order) of each window slot's patch, -1 for padding; `keep` (W, T, 1) where a slot holds a patch;
-    `key_bias` (W, T), 0 there and _MASKED elsewhere; `cos`, `sin` (W, T, head_dim), each slot's rotary table."""
+    `key_bias` (W, T), 0 there and _MASKED elsewhere; `cos`, `sin` (W, T, head_dim), each slot's rotary table.
+    Qwen3-VL's: `taps`, `tap_weights` (N, 4), the patches' position rows (`_position_taps`)."""
 
     def __init__(self, cfg: QwenVisionConfig, gh2: int, gw2: int):
         m, wu, mm = cfg.spatial_merge_size, cfg.window_units, cfg.spatial_merge_size ** 2
@@ -87,6 +133,9 @@ class _Layout:
         flat = angles.reshape(-1, cfg.head_dim)[raster]
         self.raster_cos, self.raster_sin = _tensor(np.cos(flat)), _tensor(np.sin(flat))
         self.patches = len(raster)
+        if cfg.family == "qwen3_vl":
+            taps, weights = _position_taps(cfg, gh2, gw2)
+            self.taps, self.tap_weights = Tensor(taps), _tensor(weights)
 
     def windowed(self, x: np.ndarray) -> np.ndarray:
         """(gh2 gw2 m m, D) raster rows -> (W, T, D), padding zero."""
@@ -111,24 +160,50 @@ class _Embed(nn.Cell):
         return self.matmul(patches.reshape(gh2 * gw2 * mm, f), kernel).reshape(gh2, gw2, mm, kernel.shape[0])
 
 
-# a block's weights, in the order _Block.construct takes them after x and the layout's tensors
-_BLOCK_INPUTS = ("norm1", "qkv", "qkv_bias", "proj", "proj_bias", "norm2", "gate_up", "gate_up_bias", "down",
-                 "down_bias")
+class _PositionedEmbed(nn.Cell):
+    """Qwen3-VL's: patches (gh2, gw2, m m, F) -> (gh2, gw2, m m, D): each patch's row of the matmul with the kernel
+    (D, F), plus the bias, plus its position row: the rows `taps` (N, 4) of pos_embed weighted by `weights` (N, 4),
+    a tap at a time (no (N, 4, D) gather alive)."""
+
+    def __init__(self):
+        super().__init__()
+        self.matmul = ops.MatMul(transpose_b=True)
+
+    def construct(self, patches, kernel, bias, pos_embed, taps, weights):
+        gh2, gw2, mm, f = patches.shape
+        n, d = gh2 * gw2 * mm, kernel.shape[0]
+        x = self.matmul(patches.reshape(n, f), kernel) + bias                             # (N, D)
+        positions = ops.gather(pos_embed, taps[:, 0], 0) * weights[:, 0:1]
+        for j in range(1, 4):
+            positions = positions + ops.gather(pos_embed, taps[:, j], 0) * weights[:, j:j + 1]
+        return (x + positions).reshape(gh2, gw2, mm, d)
 
 
-# a block's matrices (after its name in _BLOCK_INPUTS) and the checkpoint tensors they are made of
-_MATRICES = {"qkv": ("attn.qkv",), "proj": ("attn.proj",), "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
-             "down": ("mlp.down_proj",)}
+# a block's weights, in the order _Block.construct takes them after x and the layout's tensors. A norm: Qwen2.5-VL's
+# RMS norm gain (D,), or Qwen3-VL's LayerNorm gain and bias stacked (2, D); up: gate|up (2 I, D) or linear_fc1
+# (I, D); down: down_proj or linear_fc2 (D, I)
+_BLOCK_INPUTS = ("norm1", "qkv", "qkv_bias", "proj", "proj_bias", "norm2", "up", "up_bias", "down", "down_bias")
 
 
-def _block_weights(read, index: int, stored_type=None, int16: bool = False) -> tuple:
+# a block's matrices (after its name in _BLOCK_INPUTS) and the checkpoint tensors they are made of, by family
+_MATRICES = {"qwen2_5_vl": {"qkv": ("attn.qkv",), "proj": ("attn.proj",), "up": ("mlp.gate_proj", "mlp.up_proj"),
+                            "down": ("mlp.down_proj",)},
+             "qwen3_vl": {"qkv": ("attn.qkv",), "proj": ("attn.proj",), "up": ("mlp.linear_fc1",),
+                          "down": ("mlp.linear_fc2",)}}
+
+
+def _block_weights(read, cfg: QwenVisionConfig, index: int, stored_type=None, int16: bool = False) -> tuple:
     """Block `index`'s weights as _Block takes them (_BLOCK_INPUTS): matrices (out, in) as stored, gate and up as one
-    (2 I, D). `stored_type(name)`: the type the checkpoint stores a tensor in, given when the block runs on the CPU
-    kernels: the matrices are then VisionLinear's panels of that type (vision_tower.py's `_panels`), or (`int16`)
-    its int16 panels, each bias then (2, N): the bias and the columns' steps."""
+    (2 I, D), a LayerNorm's gain and bias as one (2, D). `stored_type(name)`: the type the checkpoint stores a tensor
+    in, given when the block runs on the CPU kernels: the matrices are then VisionLinear's panels of that type
+    (vision_tower.py's `_panels`), or (`int16`) its int16 panels, each bias then (2, N): the bias and the columns'
+    steps."""
     at = f"visual.blocks.{index}."
-    w = {"norm1": read(at + "norm1.weight"), "norm2": read(at + "norm2.weight")}
-    for key, parts in _MATRICES.items():
+    if cfg.family == "qwen3_vl":
+        w = {norm: np.stack([read(at + norm + ".weight"), read(at + norm + ".bias")]) for norm in ("norm1", "norm2")}
+    else:
+        w = {norm: read(at + norm + ".weight") for norm in ("norm1", "norm2")}
+    for key, parts in _MATRICES[cfg.family].items():
         matrix = np.concatenate([read(at + part + ".weight") for part in parts])
         bias = np.concatenate([read(at + part + ".bias") for part in parts])
         if stored_type is None:
@@ -150,6 +225,7 @@ class _Block(nn.Cell):
         super().__init__()
         self.full, self.eps = full, cfg.eps
         self.heads, self.head_dim, self.inner = cfg.num_heads, cfg.head_dim, cfg.intermediate_size
+        self.qwen3 = cfg.family == "qwen3_vl"
         self.scale = cfg.head_dim ** -0.5
         self.chunk_windows = max(1, QUERY_ROWS // (cfg.window_units ** 2 * cfg.spatial_merge_size ** 2))
         self.matmul = ops.MatMul(transpose_b=True)             # (the weights as stored: (out, in))
@@ -167,6 +243,19 @@ class _Block(nn.Cell):
         if self.on_kernels:
             return self.linear(x, w, bias, self.plain)
         return self.matmul(x, w) + bias
+
+    def _norm(self, x, norm):
+        # Qwen3-VL's LayerNorm (norm: gain and bias, (2, D)), else Qwen2.5-VL's RMS norm (norm: its gain)
+        if self.qwen3:
+            return _layer_normalize(x, self.eps) * norm[0] + norm[1]
+        return _rms_normalize(x, self.eps) * norm
+
+    def _mlp(self, h, up, up_bias, down, down_bias):
+        # h (R, D) -> (R, D): Qwen3-VL's fc1, tanh GELU, fc2; Qwen2.5-VL's gate|up, silu(gate) up, down
+        if self.qwen3:
+            return self._product(_gelu_tanh(self._product(h, up, up_bias)), down, down_bias)
+        gate_up = self._product(h, up, up_bias)                                              # (R, 2 I)
+        return self._product(ops.silu(gate_up[:, :self.inner]) * gate_up[:, self.inner:], down, down_bias)
 
     def _rotated(self, x, cos, sin):
         # x (W, T, heads, hd); cos, sin (W, T, 1, hd): x cos + rotate_half(x) sin
@@ -196,37 +285,43 @@ class _Block(nn.Cell):
         out = outs[0] if len(outs) == 1 else ops.concat(outs, 1)
         return out.transpose(1, 0, 2).reshape(w * t, self.heads * self.head_dim)
 
-    def construct(self, x, keep, key_bias, cos, sin, norm1, qkv_w, qkv_bias, proj_w, proj_bias, norm2, gate_up,
-                  gate_up_bias, down_w, down_bias):
+    def construct(self, x, keep, key_bias, cos, sin, norm1, qkv_w, qkv_bias, proj_w, proj_bias, norm2, up, up_bias,
+                  down, down_bias):
         w, t, d = x.shape
         x = ops.select(keep, x, ops.zeros_like(x))             # (the padding rows: zero whatever came before)
-        h = (_rms_normalize(x, self.eps) * norm1).reshape(w * t, d)
+        h = self._norm(x, norm1).reshape(w * t, d)
         qkv = self._product(h, qkv_w, qkv_bias).reshape(w, t, 3, self.heads, self.head_dim)
         cos, sin = cos.reshape(w, t, 1, self.head_dim), sin.reshape(w, t, 1, self.head_dim)
         q, k = self._rotated(qkv[:, :, 0], cos, sin), self._rotated(qkv[:, :, 1], cos, sin)  # (W, T, heads, hd)
         attend = self._attend_all if self.full else self._attend_windows
         attended = attend(q, k, qkv[:, :, 2], key_bias)                                      # (W T, D)
         x = x + self._product(attended, proj_w, proj_bias).reshape(w, t, d)
-        h = (_rms_normalize(x, self.eps) * norm2).reshape(w * t, d)
-        gate_up = self._product(h, gate_up, gate_up_bias)                                    # (W T, 2 I)
-        h = ops.silu(gate_up[:, :self.inner]) * gate_up[:, self.inner:]
-        return x + self._product(h, down_w, down_bias).reshape(w, t, d)
+        h = self._norm(x, norm2).reshape(w * t, d)
+        return x + self._mlp(h, up, up_bias, down, down_bias).reshape(w, t, d)
 
 
 class _FullBlock(nn.Cell):
     """A full-attention block on the CPU kernels, in raster order (N, D) (no window padding): the products on
-    VisionLinear, q and k rotated, the attention VisionAttention's (every patch over every patch, its scores never
-    written, so that no buffer of heads x patches^2 exists for any image size), the norms and SwiGLU MindSpore's."""
+    VisionLinear (Qwen3-VL's fc1 with its tanh GELU), q and k rotated, the attention VisionAttention's (every patch
+    over every patch, its scores never written, so that no buffer of heads x patches^2 exists for any image size),
+    Qwen3-VL's LayerNorms VisionLayerNorm's; Qwen2.5-VL's RMS norms and SwiGLU MindSpore's."""
 
     def __init__(self, cfg: QwenVisionConfig, kernels: str, threads: int, level: int):
         super().__init__()
         self.eps, self.heads, self.head_dim, self.inner = cfg.eps, cfg.num_heads, cfg.head_dim, cfg.intermediate_size
+        self.qwen3 = cfg.family == "qwen3_vl"
         self.linear = ops.Custom(f"{kernels}:VisionLinear", out_shape=lambda x, w, bias, *_: (x[0], bias[-1]),
                                  out_dtype=lambda x, *_: x, func_type="aot")
         # (N, 3 D) q|k|v rows and a bias, [patches, heads, threads, level] -> (N, D)
         self.attend = ops.Custom(f"{kernels}:VisionAttention", out_shape=lambda qkv, *_: (qkv[0], qkv[1] // 3),
                                  out_dtype=lambda qkv, *_: qkv, func_type="aot")
+        # x (R, D), gain, bias, [eps], [threads] -> (R, D)
+        self.layer_norm = ops.Custom(f"{kernels}:VisionLayerNorm", out_shape=lambda x, *_: x,
+                                     out_dtype=lambda x, *_: x, func_type="aot")
+        self.eps_tensor = Tensor(np.array([cfg.eps], np.float32))
         self.plain = Tensor(np.array([threads, 0], np.int32))
+        self.gelu = Tensor(np.array([threads, 1], np.int32))
+        self.threads_tensor = Tensor(np.array([threads], np.int32))
         self.no_bias = Tensor(np.zeros(3 * cfg.hidden_size, np.float32))
         self.threads, self.level = threads, level
 
@@ -234,18 +329,26 @@ class _FullBlock(nn.Cell):
         half = self.head_dim // 2
         return x * cos + ops.concat((-x[..., half:], x[..., :half]), -1) * sin
 
-    def construct(self, x, cos, sin, config, norm1, qkv_w, qkv_bias, proj_w, proj_bias, norm2, gate_up, gate_up_bias,
-                  down_w, down_bias):
+    def _norm(self, x, norm):
+        if self.qwen3:
+            return self.layer_norm(x, norm[0], norm[1], self.eps_tensor, self.threads_tensor)
+        return _rms_normalize(x, self.eps) * norm
+
+    def _mlp(self, h, up, up_bias, down, down_bias):
+        if self.qwen3:
+            return self.linear(self.linear(h, up, up_bias, self.gelu), down, down_bias, self.plain)
+        gate_up = self.linear(h, up, up_bias, self.plain)
+        return self.linear(ops.silu(gate_up[:, :self.inner]) * gate_up[:, self.inner:], down, down_bias, self.plain)
+
+    def construct(self, x, cos, sin, config, norm1, qkv_w, qkv_bias, proj_w, proj_bias, norm2, up, up_bias, down,
+                  down_bias):
         n, d = x.shape
-        qkv = self.linear(_rms_normalize(x, self.eps) * norm1, qkv_w, qkv_bias, self.plain).reshape(
-            n, 3, self.heads, self.head_dim)
+        qkv = self.linear(self._norm(x, norm1), qkv_w, qkv_bias, self.plain).reshape(n, 3, self.heads, self.head_dim)
         cos, sin = cos.reshape(n, 1, self.head_dim), sin.reshape(n, 1, self.head_dim)
         q, k = self._rotated(qkv[:, 0], cos, sin), self._rotated(qkv[:, 1], cos, sin)
         rows = ops.concat((q.reshape(n, d), k.reshape(n, d), qkv[:, 2].reshape(n, d)), 1)      # (N, 3 D)
         x = x + self.linear(self.attend(rows, self.no_bias, config), proj_w, proj_bias, self.plain)
-        gate_up = self.linear(_rms_normalize(x, self.eps) * norm2, gate_up, gate_up_bias, self.plain)
-        h = ops.silu(gate_up[:, :self.inner]) * gate_up[:, self.inner:]
-        return x + self.linear(h, down_w, down_bias, self.plain)
+        return x + self._mlp(self._norm(x, norm2), up, up_bias, down, down_bias)
 
 
 class _Merger(nn.Cell):
@@ -264,37 +367,91 @@ class _Merger(nn.Cell):
         return (self.matmul(h, fc2) + fc2_bias).reshape(1, gh2 * gw2, fc2.shape[0])
 
 
+class _LayerNormMerger(nn.Cell):
+    """Qwen3-VL's merger (Qwen3VLVisionPatchMerger): a block's output (gh2, gw2, m m, D) -> (gh2 gw2, out_hidden).
+    LayerNorm over each patch, each unit's patches as one row of m m D; or (`postshuffle`, the DeepStack mergers')
+    the row first, then its LayerNorm over all m m D; then Linear, GELU (erf), Linear."""
+
+    def __init__(self, cfg: QwenVisionConfig, postshuffle: bool):
+        super().__init__()
+        self.eps, self.postshuffle = cfg.eps, postshuffle
+        self.matmul = ops.MatMul(transpose_b=True)
+
+    def construct(self, x, gain, bias, fc1, fc1_bias, fc2, fc2_bias):
+        gh2, gw2, mm, d = x.shape
+        if self.postshuffle:
+            h = _layer_normalize(x.reshape(gh2 * gw2, mm * d), self.eps) * gain + bias
+        else:
+            h = (_layer_normalize(x, self.eps) * gain + bias).reshape(gh2 * gw2, mm * d)
+        h = _gelu_erf(self.matmul(h, fc1) + fc1_bias)
+        return self.matmul(h, fc2) + fc2_bias
+
+
+@dataclass(frozen=True)
+class QwenState:
+    """An image between `run_layers` calls of a tower with DeepStack mergers (Qwen3-VL's): `x` its patches
+    (gh2, gw2, m m, D), a tensor (or numpy, as the runner keeps it between steps: `QwenVisionTower.kept`); `deepstack`
+    the DeepStack mergers' rows of the blocks run so far, (gh2 gw2, out_hidden) float32 numpy each, in
+    deepstack_visual_indexes order. (A tower without them passes the patches alone.)"""
+    x: object
+    deepstack: tuple = ()
+
+
+def _numpy(x) -> np.ndarray:
+    return x if isinstance(x, np.ndarray) else x.asnumpy()
+
+
 class QwenVisionTower:
-    """Qwen2.5-VL's tower and merger (the module docstring). `weights`: {name: StoredTensor} as weights/vision.py's
-    `vision_checkpoint` gives them (or arrays under the same names). The interface the runner uses is the SigLIP
-    tower's (`embed`, `run_layers`, `project`, `encode`, `warm`, `nbytes`), on one image at a time whose grid its
-    state carries: (gh2, gw2, m m, D). `kernels`, `threads`: the CPU vision kernel library its blocks' products run
-    on and its threads (None: MindSpore's ops); `int16`: those products on int16 panels (the runner's vision_int16)."""
+    """Qwen2.5-VL's or Qwen3-VL's tower and mergers (the module docstring; `cfg.family`). `weights`: {name:
+    StoredTensor} as weights/vision.py's `vision_checkpoint` gives them (or arrays under the same names). The
+    interface the runner uses is the SigLIP tower's (`embed`, `run_layers`, `project`, `kept`, `encode`, `warm`,
+    `nbytes`), on one image at a time whose grid its state carries: (gh2, gw2, m m, D), in a `QwenState` with the
+    DeepStack rows made so far where the tower has DeepStack mergers. `kernels`, `threads`: the CPU vision kernel
+    library its blocks' products run on and its threads (None: MindSpore's ops); `int16`: those products on int16
+    panels (the runner's vision_int16)."""
 
     MAX_LAYOUTS = 8             # grids whose window layout and rotary tables are kept
 
     def __init__(self, cfg: QwenVisionConfig, weights: dict, kernels=None, threads: int = 1, int16: bool = False):
         read = _reader(weights, qwen_vision_shapes(cfg))
         self.cfg = cfg
+        self.qwen3 = cfg.family == "qwen3_vl"
         self.int16 = int16 and kernels is not None
         stored_type = None if kernels is None else (lambda name: getattr(weights[name], "stored_type", None))
-        self.kernel = _tensor(read("visual.patch_embed.proj.weight").reshape(cfg.hidden_size, cfg.patch_features))
-        self.layer_weights = [_block_weights(read, i, stored_type, self.int16) for i in range(cfg.num_layers)]
-        self.merger_weights = tuple(_tensor(read(f"visual.merger.{name}")) for name in (
-            "ln_q.weight", "mlp.0.weight", "mlp.0.bias", "mlp.2.weight", "mlp.2.bias"))
-        self.embedding = _Embed()
-        self.window_block = _Block(cfg, full=False, kernels=kernels, threads=threads)
+        kernel = _tensor(read("visual.patch_embed.proj.weight").reshape(cfg.hidden_size, cfg.patch_features))
+        self.layer_weights = [_block_weights(read, cfg, i, stored_type, self.int16) for i in range(cfg.num_layers)]
+        if self.qwen3:
+            self.embed_weights = (kernel, _tensor(read("visual.patch_embed.proj.bias")),
+                                  _tensor(read("visual.pos_embed.weight")))
+            self.embedding = _PositionedEmbed()
+            merger = ("norm.weight", "norm.bias", "linear_fc1.weight", "linear_fc1.bias", "linear_fc2.weight",
+                      "linear_fc2.bias")
+            self.merger_weights = tuple(_tensor(read(f"visual.merger.{name}")) for name in merger)
+            self.deepstack_weights = [tuple(_tensor(read(f"visual.deepstack_merger_list.{k}.{name}"))
+                                            for name in merger) for k in range(cfg.deepstack_layers)]
+            self.merger = _LayerNormMerger(cfg, postshuffle=False)
+            self.deepstack_merger = _LayerNormMerger(cfg, postshuffle=True)
+        else:
+            self.embed_weights = (kernel,)
+            self.embedding = _Embed()
+            self.merger_weights = tuple(_tensor(read(f"visual.merger.{name}")) for name in (
+                "ln_q.weight", "mlp.0.weight", "mlp.0.bias", "mlp.2.weight", "mlp.2.bias"))
+            self.deepstack_weights = []
+            self.merger = _Merger(cfg)
+        windowed = len(set(cfg.fullatt_block_indexes)) < cfg.num_layers         # (Qwen3-VL's: none)
+        self.window_block = _Block(cfg, full=False, kernels=kernels, threads=threads) if windowed else None
         # (on the kernels the full-attention blocks are _FullBlock's, in raster order)
         self.full_block = _Block(cfg, full=True) if kernels is None else None
         self.threads, self.level = threads, 1 if self.int16 else 0     # (VisionAttention's int16 values with int16)
         self.full_kernel_block = None if kernels is None else _FullBlock(cfg, kernels, threads, self.level)
-        self.merger = _Merger(cfg)
         self._layouts: OrderedDict = OrderedDict()
 
     @property
     def nbytes(self) -> int:
         """The bytes its weights take."""
-        return sum(t.nbytes for t in (self.kernel, *self.merger_weights, *(t for w in self.layer_weights for t in w)))
+        tensors = [*self.embed_weights, *self.merger_weights, *(t for w in self.deepstack_weights for t in w),
+                   *(t for w in self.layer_weights for t in w)]
+        return sum(t.nbytes for t in tensors)
 
     def _layout(self, gh2: int, gw2: int) -> _Layout:
         layout = self._layouts.get((gh2, gw2))
@@ -307,18 +464,22 @@ class QwenVisionTower:
 
     def warm(self) -> None:
         """Compile the graphs and run each once on one merge unit of zeros (one window): the patch embedding, a
-        windowed and a full block, the merger. Another image's number of windows (or grid, for the embedding and
-        the merger) compiles its graphs when it first comes."""
+        windowed and a full block, the mergers. Another image's number of windows (or grid, for the embedding and
+        the mergers) compiles its graphs when it first comes."""
         cfg = self.cfg
-        x = self.embed(np.zeros((1, 1, cfg.spatial_merge_size ** 2, cfg.patch_features), np.float32))
+        state = self.embed(np.zeros((1, 1, cfg.spatial_merge_size ** 2, cfg.patch_features), np.float32))
         windowed = [i for i in range(cfg.num_layers) if i not in cfg.fullatt_block_indexes][:1]
-        for i in windowed + list(cfg.fullatt_block_indexes[:1]):
-            self.run_layers(x, i, i + 1)
-        self.project(x)
+        for i in windowed + list(cfg.fullatt_block_indexes[:1]):     # (Qwen3-VL's: block 0, before any DeepStack)
+            self.run_layers(state, i, i + 1)
+        x = self._unpacked(state)[0]
+        self.merger(x, *self.merger_weights).asnumpy()
+        for weights in self.deepstack_weights[:1]:
+            self.deepstack_merger(x, *weights).asnumpy()
 
     def encode(self, patches: np.ndarray) -> np.ndarray:
-        """(1, gh2 gw2, out_hidden) float32 embeddings of one image's patches (gh2, gw2, m m, C T P P), as
-        vision/images.py's `qwen_patches` makes them: a token a merge unit, row by row."""
+        """(1, gh2 gw2, row_width) float32 rows of one image's patches (gh2, gw2, m m, C T P P), as vision/images.py's
+        `qwen_patches` makes them: a token a merge unit, row by row; each row the merger's (out_hidden), then each
+        DeepStack merger's (Qwen3-VL's), side by side."""
         cfg = self.cfg
         mm = cfg.spatial_merge_size ** 2
         if patches.ndim != 4 or patches.shape[2:] != (mm, cfg.patch_features) or min(patches.shape[:2]) < 1:
@@ -327,23 +488,51 @@ class QwenVisionTower:
         return self.project(self.run_layers(self.embed(patches), 0, cfg.num_layers))
 
     # An image's encoding in parts, the same graphs on the same values in the same order as `encode`'s (so its rows
-    # are the same to the bit): the patches, then layers a..b-1 as often as wanted, then the merger. The agent
-    # runs an image's layers a few at a time while other requests decode (runner/images.py's `advance`).
+    # are the same to the bit): the patches, then layers a..b-1 as often as wanted, then the mergers. The agent
+    # runs an image's layers a few at a time while other requests decode (runner/images.py's `advance`), keeping
+    # the state between steps as `kept` gives it.
+
+    def _state(self, x, deepstack=()):
+        # what embed and run_layers give: the patches, with the DeepStack rows so far where the tower makes them
+        return QwenState(x, tuple(deepstack)) if self.deepstack_weights else x
+
+    @staticmethod
+    def _unpacked(state) -> tuple:
+        # (the patches, the DeepStack rows so far) of a state
+        return (state.x, state.deepstack) if isinstance(state, QwenState) else (state, ())
+
+    def kept(self, state):
+        """`state` as the runner keeps it between steps: its tensors as numpy (exact copies)."""
+        x, deepstack = self._unpacked(state)
+        return self._state(_numpy(x), deepstack)
 
     def embed(self, patches: np.ndarray):
-        """The patches' embeddings (gh2, gw2, m m, D) (a MindSpore tensor: the first layer's input)."""
-        return self.embedding(_tensor(patches), self.kernel)
+        """The patches' embeddings (gh2, gw2, m m, D) (a MindSpore tensor: the first layer's input; in a QwenState
+        with DeepStack mergers)."""
+        if self.qwen3:
+            layout = self._layout(*patches.shape[:2])
+            x = self.embedding(_tensor(patches), *self.embed_weights, layout.taps, layout.tap_weights)
+        else:
+            x = self.embedding(_tensor(patches), *self.embed_weights)
+        return self._state(x)
 
-    def run_layers(self, x, start: int, stop: int):
-        """x (gh2, gw2, m m, D), a tensor or its numpy array, through blocks start..stop-1: a tensor of the same
-        shape. Each call lays the patches out in windows and back (exact copies), the padding zero at every
-        block's start, so a block's output is the same whichever call runs it."""
+    def run_layers(self, state, start: int, stop: int):
+        """`state` (the patches (gh2, gw2, m m, D), a tensor or its numpy array; a QwenState with DeepStack mergers)
+        through blocks start..stop-1: a state of the same kind, its patches a tensor, with the rows of the
+        DeepStack mergers of those blocks added. Each call lays the patches out in windows and back (exact copies),
+        the padding zero at every block's start, so a block's output is the same whichever call runs it."""
+        x, deepstack = self._unpacked(state)
+        made = sum(i < start for i in self.cfg.deepstack_visual_indexes)
+        if len(deepstack) != made:
+            raise ValueError(f"run_layers from block {start}: the state holds {len(deepstack)} DeepStack rows, not "
+                             f"the {made} of the blocks before it")
         if start >= stop:
-            return _tensor(x) if isinstance(x, np.ndarray) else x
-        array = x if isinstance(x, np.ndarray) else x.asnumpy()
+            return self._state(_tensor(x) if isinstance(x, np.ndarray) else x, deepstack)
+        array = _numpy(x)
         gh2, gw2, mm, d = array.shape
         layout = self._layout(gh2, gw2)
         raster, h = array.reshape(gh2 * gw2 * mm, d), None     # the state: raster rows (numpy) or windows (tensor)
+        deepstack = list(deepstack)
         for i in range(start, stop):
             full = i in self.cfg.fullatt_block_indexes
             if full and self.full_kernel_block is not None:    # (in raster order: VisionAttention over every patch)
@@ -352,16 +541,29 @@ class QwenVisionTower:
                 config = Tensor(np.array([layout.patches, self.cfg.num_heads, self.threads, self.level], np.int32))
                 raster = self.full_kernel_block(_tensor(raster), layout.raster_cos, layout.raster_sin, config,
                                                 *self.layer_weights[i]).asnumpy()
-                continue
-            if h is None:
-                h = _tensor(layout.windowed(raster))
-            block = self.full_block if full else self.window_block
-            h = block(h, layout.keep, layout.key_bias, layout.cos, layout.sin, *self.layer_weights[i])
+            else:
+                if h is None:
+                    h = _tensor(layout.windowed(raster))
+                block = self.full_block if full else self.window_block
+                h = block(h, layout.keep, layout.key_bias, layout.cos, layout.sin, *self.layer_weights[i])
+            if i in self.cfg.deepstack_visual_indexes:         # (its merger on the block's output, in raster order)
+                if h is not None:
+                    raster, h = layout.raster(h.asnumpy()), None
+                weights = self.deepstack_weights[self.cfg.deepstack_visual_indexes.index(i)]
+                deepstack.append(self.deepstack_merger(_tensor(raster.reshape(gh2, gw2, mm, d)), *weights).asnumpy())
         if h is not None:
             raster = layout.raster(h.asnumpy())
-        return _tensor(raster.reshape(gh2, gw2, mm, d))
+        return self._state(_tensor(raster.reshape(gh2, gw2, mm, d)), deepstack)
 
-    def project(self, x) -> np.ndarray:
-        """The merger's (1, gh2 gw2, out_hidden) float32 rows of the last block's x (gh2, gw2, m m, D)."""
+    def project(self, state) -> np.ndarray:
+        """The (1, gh2 gw2, row_width) float32 rows of the last block's state: the merger's rows of its patches
+        (gh2, gw2, m m, D), then (Qwen3-VL's) the DeepStack rows, side by side."""
+        x, deepstack = self._unpacked(state)
+        if len(deepstack) != self.cfg.deepstack_layers:
+            raise ValueError(f"project: the state holds {len(deepstack)} DeepStack rows, not "
+                             f"{self.cfg.deepstack_layers}: its blocks have not all run")
         x = _tensor(x) if isinstance(x, np.ndarray) else x
-        return self.merger(x, *self.merger_weights).asnumpy()
+        if not self.qwen3:
+            return self.merger(x, *self.merger_weights).asnumpy()
+        rows = self.merger(x, *self.merger_weights).asnumpy()                                # (units, out_hidden)
+        return np.concatenate([rows, *deepstack], axis=1)[None]

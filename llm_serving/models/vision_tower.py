@@ -285,6 +285,10 @@ class VisionTower:
             x = self.layer(x, *weights)
         return x
 
+    def kept(self, x) -> np.ndarray:
+        """x as the runner keeps it between steps: numpy (an exact copy)."""
+        return x if isinstance(x, np.ndarray) else x.asnumpy()
+
     def project(self, x) -> np.ndarray:
         """The projector's (N, tokens_per_image, text hidden) float32 rows of the last layer's x."""
         return self.projector(x, *self.head_weights).asnumpy()

@@ -3,8 +3,9 @@ rows) against transformers run in float64 on tiny random Gemma 3 and SmolVLM mod
 position's logits of an image prompt agree to 2e-6 (relative: transformers' norms run in float32), and dropping Gemma 3's bidirectional image mask
 changes them. Qwen2.5-VL's tower and merger on a tiny random model, images of several shapes: its rows are
 transformers' to 2e-6, and to 1e-10 once transformers' float32 steps are float64, whether its weights are read from
-the HF directory or from llama.cpp's mmproj. No MindSpore: these are the precision gate's yardsticks, not the served
-model."""
+the HF directory or from llama.cpp's mmproj. Qwen3-VL's tower, mergers and DeepStack mergers likewise: its rows
+transformers' to 2e-6, and to 1e-10 with transformers' float32 rotary steps in float64 where the position rows'
+weights are exact in float32. No MindSpore: these are the precision gate's yardsticks, not the served model."""
 from __future__ import annotations
 
 import copy
@@ -12,7 +13,7 @@ import copy
 import numpy as np
 import pytest
 
-from tests.families import make_gemma3_vl, make_qwen25_vl, make_smolvlm, needs_transformers
+from tests.families import make_gemma3_vl, make_qwen3_vl, make_qwen25_vl, make_smolvlm, needs_transformers
 
 
 def _float64_model(tmp_path_factory, make, name: str) -> tuple:
@@ -35,6 +36,11 @@ def smolvlm(tmp_path_factory):
 @pytest.fixture(scope="module")
 def qwen25_vl(tmp_path_factory):
     return _float64_model(tmp_path_factory, make_qwen25_vl, "qwen25_vl_reference")
+
+
+@pytest.fixture(scope="module")
+def qwen3_vl(tmp_path_factory):
+    return _float64_model(tmp_path_factory, make_qwen3_vl, "qwen3_vl_reference")
 
 
 # transformers' RMS norms compute in float32 whatever the model's dtype (Gemma's `x.float()`, Llama's `.to(float32)`):
@@ -175,3 +181,57 @@ def test_qwen25_vl_s_tower_is_transformers_from_the_directory_and_the_mmproj(qwe
         assert _relative(rows, theirs) < TOLERANCE
         assert _relative(rows, exact) < 1e-10
         assert _relative(from_mmproj.encode(p), rows) < 1e-12
+
+
+def _float64_qwen3_tower(monkeypatch) -> None:
+    """transformers' Qwen3-VL tower with its float32 rotary steps in float64: the angles (float32 frequencies times
+    float32 positions) and their application (q and k cast to float32). The position rows' interpolation weights
+    stay float32 (vision_utils computes them so): exact where an axis of n patches samples the 4-row grid at
+    i 3 / (n - 1) for n of 2 or 4."""
+    torch, _ = needs_transformers()
+    from transformers.models.qwen3_vl import modeling_qwen3_vl as qwen3
+
+    def rotary(self, x, position_ids):          # compute_axial_rope_parameters' frequencies, in float64
+        base, half = self.config.rope_parameters["rope_theta"], self.config.hidden_size // self.config.num_heads // 2
+        inv_freq = 1.0 / base ** (torch.arange(0, half, 2, dtype=torch.float64) / half)
+        angles = position_ids[..., None].double() * inv_freq
+        return self.recomposition_frequencies(angles.cos()), self.recomposition_frequencies(angles.sin())
+
+    def rotate(q, k, cos, sin):
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+        return q * cos + qwen3.rotate_half(q) * sin, k * cos + qwen3.rotate_half(k) * sin
+
+    monkeypatch.setattr(qwen3.Qwen3VLVisionRotaryEmbedding, "forward", rotary)
+    monkeypatch.setattr(qwen3, "apply_rotary_pos_emb_vision", rotate)
+
+
+def test_qwen3_vl_s_tower_and_deepstack_rows_are_transformers(qwen3_vl, monkeypatch):
+    torch, _ = needs_transformers()
+    from llm_serving.reference_vision import ReferenceVision
+
+    directory, model = qwen3_vl
+    vision = ReferenceVision(str(directory))
+    cfg = vision.config
+    assert not vision.bidirectional and cfg.family == "qwen3_vl" and cfg.row_width == 3 * 64
+    rng = np.random.default_rng(6)
+    # merge units (gh2, gw2), the patch grid twice each: 1 and 2 units a side sample the 4 x 4 position grid at its
+    # rows (weights 0 and 1), 3 to 5 between them; square, wide, tall
+    units = [(1, 1), (2, 2), (1, 2), (2, 1), (3, 5), (4, 4), (5, 2)]
+    patches = [rng.standard_normal((gh2, gw2, 4, cfg.patch_features)) for gh2, gw2 in units]
+
+    def transformers_rows(p):
+        gh2, gw2, _, features = p.shape             # transformers' pixel_values: the same rows, in the same order
+        with torch.no_grad():
+            out = model.model.visual(torch.from_numpy(p.reshape(-1, features)), torch.tensor([[1, 2 * gh2, 2 * gw2]]))
+        return torch.cat([out.pooler_output, *out.deepstack_features], 1).numpy()   # (tokens, 3 x 64)
+
+    ours = [vision.encode(p) for p in patches]
+    as_they_run = [transformers_rows(p) for p in patches]
+    _float64_qwen3_tower(monkeypatch)
+    in_float64 = [transformers_rows(p) for p in patches]
+    for (gh2, gw2), rows, theirs, exact in zip(units, ours, as_they_run, in_float64):
+        assert rows.dtype == np.float64 and rows.shape == theirs.shape == (gh2 * gw2, 3 * 64)
+        for part in range(3):                       # the merger's, then each DeepStack merger's
+            assert _relative(rows[:, 64 * part:64 * (part + 1)], theirs[:, 64 * part:64 * (part + 1)]) < TOLERANCE
+        if max(gh2, gw2) <= 2:
+            assert _relative(rows, exact) < 1e-10, (gh2, gw2)

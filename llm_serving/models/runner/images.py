@@ -7,10 +7,11 @@ segment of its pixels. `ImageEncoder.rows` gives an image's (tokens, H) rows: fr
 (keyed by content, least recently used dropped first past its byte cap) or by running the tower on the pixels.
 
 While other requests decode, the master has an image's tower run ahead of its prefill step, for a time budget a step
-(`Step.encode`, agents/protocol.py's `EncodeSlice`): `ImageEncoder.advance` keeps the image's patches between steps
-(`_partial`, a few images at most), and `rows` finishes them with the projector when the prefill step comes. An image
-encoded in parts gives the rows `encode` gives in one go, to the bit: the same graphs on the same values in the same
-order (vision_tower.py's `embed`, `run_layers`, `project`).
+(`Step.encode`, agents/protocol.py's `EncodeSlice`): `ImageEncoder.advance` keeps the image's state between steps
+(`_partial`, a few images at most, as the tower's `kept` gives it: its patches as numpy, and Qwen3-VL's DeepStack rows
+so far), and `rows` finishes it with the projector when the prefill step comes. An image encoded in parts gives the
+rows `encode` gives in one go, to the bit: the same graphs on the same values in the same order (vision_tower.py's
+and vision_qwen.py's `embed`, `run_layers`, `project`).
 
 `place` turns a step's images into what the packed graph calls read (`Placed`): for each of the step's real tokens,
 the row of the stacked image rows it takes (-1: its own embedding), and its context. Gemma 3's attention among an
@@ -49,7 +50,7 @@ class ImageEncoder:
         self.cache_bytes = int(cache_bytes)
         self._cache: OrderedDict = OrderedDict()         # key -> (tokens, H) float32
         self._bytes = 0
-        self._partial: OrderedDict = OrderedDict()       # key -> [x (1, patches, D) float32, layers done, seconds, steps]
+        self._partial: OrderedDict = OrderedDict()       # key -> [state (tower.kept's), layers done, seconds, steps]
         self.compiled = False                            # the tower's graphs (compile: when the agent is idle)
 
     @classmethod
@@ -58,8 +59,9 @@ class ImageEncoder:
         """The encoder of a tower as stored (`vision_checkpoint_of`'s), its weights read now; `kernels`: the CPU
         kernel library its layers run on `threads` threads (runner/kernels.py's build_vision_kernels), their
         products and attention values in int16 when `int16` (runner/kernels.py's vision_int16), the attention's
-        scores too with `int16_scores`. A Qwen2.5-VL tower (models/vision_qwen.py): its products on those kernels,
-        its attention on MindSpore's ops."""
+        scores too with `int16_scores`. A Qwen2.5-VL or Qwen3-VL tower (models/vision_qwen.py): its products and
+        full attention on those kernels, the rest on MindSpore's ops; Qwen3-VL's rows are row_width wide (the
+        merger's, then the DeepStack mergers')."""
         from ..vision_qwen import QwenVisionTower
         from ..vision_tower import VisionTower
         from ..weights.vision import QwenVisionConfig
@@ -79,7 +81,7 @@ class ImageEncoder:
 
     @property
     def tokens_per_image(self) -> int:
-        """The tokens every image becomes, or -1: as many as its size makes (Qwen2.5-VL's grid)."""
+        """The tokens every image becomes, or -1: as many as its size makes (Qwen2.5-VL's and Qwen3-VL's grid)."""
         return getattr(self.cfg, "tokens_per_image", -1)
 
     def grid(self, shape) -> Optional[tuple]:
@@ -93,8 +95,8 @@ class ImageEncoder:
         return self.tokens_per_image if grid is None else grid[0] * grid[1]
 
     def rows(self, key: str, segment: str, shape) -> np.ndarray:
-        """The image's (tokens_per_image, H) rows: cached under `key`, else the tower's on the pixels in `segment`
-        (from where `advance` left them, if it began)."""
+        """The image's (tokens, H) rows (H: Qwen3-VL's row_width): cached under `key`, else the tower's on the pixels
+        in `segment` (from where `advance` left them, if it began)."""
         rows = self._cache.get(key)
         if rows is not None:
             self._cache.move_to_end(key)
@@ -138,27 +140,27 @@ class ImageEncoder:
             if spent + spent / ran > budget_s:
                 break
         if ran:
-            partial[0], partial[1] = x.asnumpy(), done
+            partial[0], partial[1] = self.tower.kept(x), done
             self.compiled = True
         partial[2] += time.perf_counter() - t0
         partial[3] += 1
         return done == layers
 
     def _embed(self, segment: str, shape) -> np.ndarray:
-        """The patches' embeddings of the pixels in `segment` (float32, kept between steps as numpy)."""
+        """The patches' embeddings of the pixels in `segment`, as kept between steps (numpy: the tower's `kept`)."""
         from llm_serving.shm.images import read_pixels
 
-        if self.tokens_per_image < 0:           # Qwen2.5-VL: its patches, (rows, cols, merge^2, features)
+        if self.tokens_per_image < 0:           # Qwen2.5-VL, Qwen3-VL: its patches, (rows, cols, merge^2, features)
             cfg = self.cfg
             m = cfg.spatial_merge_size
             if len(shape) != 4 or min(shape[:2]) < 1 or tuple(shape[2:]) != (m * m, cfg.patch_features):
                 raise ValueError(f"an image's patches are {tuple(shape)}; the tower reads (rows, cols, {m * m}, "
                                  f"{cfg.patch_features})")
-            return self.tower.embed(read_pixels(segment, shape)).asnumpy()
+            return self.tower.kept(self.tower.embed(read_pixels(segment, shape)))
         size, c = self.cfg.image_size, self.cfg.num_channels
         if tuple(shape) != (c, size, size):
             raise ValueError(f"an image's pixels are {tuple(shape)}; the tower reads ({c}, {size}, {size})")
-        return self.tower.embed(read_pixels(segment, shape)[None]).asnumpy()
+        return self.tower.kept(self.tower.embed(read_pixels(segment, shape)[None]))
 
     def _keep(self, key: str, rows: np.ndarray) -> None:
         """Cache an image's rows (least recently used dropped past cache_bytes)."""

@@ -15,16 +15,21 @@ hidden state. Two families are read here, both SigLIP towers:
   `scale_factor` (each s x s block of patches one token of s^2 x the width) and projected without a bias
   (`projector` "shuffle"; `model.vision_model.*` and `model.connector.modality_projection.proj.weight` read as
   `vision_tower.*` and `multi_modal_projector.proj.weight`); its image tokens are causal, as text.
-A third family's tower is another kind (`QwenVisionConfig`, models/vision_qwen.py):
+Two more families' towers are another kind (`QwenVisionConfig`, models/vision_qwen.py):
 - Qwen2.5-VL (`Qwen2_5_VLForConditionalGeneration`): an image at its own size in patches of temporal x patch x patch
   values, RMS norms, 2-D rotary positions, windowed attention but in the `fullatt_block_indexes` layers, a SwiGLU
   MLP with biases, and the merger (each merge x merge patches one token of the text model's width); its tensors
-  `visual.<...>` (the Hub's 4.x files; transformers 5.x may write `model.visual.<...>`, read the same).
+  `visual.<...>` (the Hub's 4.x files; transformers 5.x may write `model.visual.<...>`, read the same);
+- Qwen3-VL (`Qwen3VLForConditionalGeneration`): the same patches and rotary positions, with a biased patch
+  embedding plus learned position rows, LayerNorms, full attention in every block, a GELU-tanh MLP, a LayerNorm
+  merger, and DeepStack mergers after the `deepstack_visual_indexes` blocks (each a row more per token); its tensors
+  `model.visual.<...>` (the Hub's and 5.x's), read as `visual.<...>`.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -41,7 +46,11 @@ __all__ = ["QwenVisionConfig", "VisionConfig", "mmproj_checkpoint", "mmproj_conf
 _ARCHITECTURES = ("Gemma3ForConditionalGeneration", "SmolVLMForConditionalGeneration",
                   "Idefics3ForConditionalGeneration")
 _SHUFFLED = ("SmolVLMForConditionalGeneration", "Idefics3ForConditionalGeneration")
-_QWEN_ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration",)
+# the Qwen families' architectures (and model types, for a config.json without architectures) -> QwenVisionConfig's
+# family
+_QWEN_ARCHITECTURES = {"Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+                       "Qwen3VLForConditionalGeneration": "qwen3_vl"}
+_QWEN_MODEL_TYPES = {family: arch for arch, family in _QWEN_ARCHITECTURES.items()}
 # llama.cpp's mmproj projector types read here -> the architecture whose tower and projector they hold
 MMPROJ_PROJECTORS = {"gemma3": "Gemma3ForConditionalGeneration", "idefics3": "Idefics3ForConditionalGeneration",
                      "qwen2.5vl_merger": "Qwen2_5_VLForConditionalGeneration",
@@ -164,9 +173,9 @@ def _our_name(name: str) -> Optional[str]:
 
 def vision_checkpoint(model_dir: str) -> Optional[tuple]:
     """(config, {name: StoredTensor}) of a HF model directory's vision tower and projector, every shape checked,
-    nothing read yet: a `VisionConfig` (SigLIP's towers) or, for a Qwen2.5-VL, a `QwenVisionConfig`; None when its
-    config.json has no vision_config. WeightLoadError for a family whose tower is not read here, a config the tower
-    cannot run, a missing tensor or a wrong shape."""
+    nothing read yet: a `VisionConfig` (SigLIP's towers) or, for a Qwen2.5-VL or Qwen3-VL, a `QwenVisionConfig`;
+    None when its config.json has no vision_config. WeightLoadError for a family whose tower is not read here, a
+    config the tower cannot run, a missing tensor or a wrong shape."""
     path = os.path.join(model_dir, "config.json")
     try:
         with open(path, encoding="utf-8") as f:
@@ -175,12 +184,12 @@ def vision_checkpoint(model_dir: str) -> Optional[tuple]:
         raise WeightLoadError(f"{path}: cannot read it ({e})") from None
     if not isinstance(raw.get("vision_config"), dict):
         return None
-    arch = (raw.get("architectures") or ["?"])[0]
-    if arch not in _ARCHITECTURES + _QWEN_ARCHITECTURES:
+    arch = (raw.get("architectures") or [_QWEN_MODEL_TYPES.get(raw.get("model_type"), "?")])[0]
+    if arch not in _ARCHITECTURES + tuple(_QWEN_ARCHITECTURES):
         raise WeightLoadError(f"{path}: the vision tower of {arch} is not read here (served: "
-                              f"{', '.join(_ARCHITECTURES + _QWEN_ARCHITECTURES)})")
+                              f"{', '.join(_ARCHITECTURES + tuple(_QWEN_ARCHITECTURES))})")
     if arch in _QWEN_ARCHITECTURES:
-        cfg = _qwen_config(raw, path)
+        cfg = _qwen_config(raw, path, _QWEN_ARCHITECTURES[arch])
         return cfg, _stored(model_dir, _qwen_name, qwen_vision_shapes(cfg))
     cfg = _config(raw, path)
     return cfg, _stored(model_dir, _our_name, vision_shapes(cfg))
@@ -214,12 +223,15 @@ def _safetensors_types(files: dict[str, str], names: set) -> dict:
 
 @dataclass(frozen=True)
 class QwenVisionConfig:
-    """Qwen2.5-VL's tower and merger (the module docstring): patches of num_channels x temporal_patch_size x
-    patch_size x patch_size values embedded to hidden_size, num_layers blocks of num_heads heads (full attention in
-    `fullatt_block_indexes`, else within windows of `window_size` pixels a side), spatial_merge_size squared patches
-    merged into one token of out_hidden_size (the text model's width). `eps`: every RMS norm's (transformers fixes
-    it at 1e-6); `rope_theta`: the 2-D rotary positions' base. The token ids: the placeholder the prompt holds once
-    per image token, and the tokens around an image's placeholders."""
+    """Qwen2.5-VL's or Qwen3-VL's tower and merger (the module docstring; `family` "qwen2_5_vl" or "qwen3_vl"):
+    patches of num_channels x temporal_patch_size x patch_size x patch_size values embedded to hidden_size,
+    num_layers blocks of num_heads heads (full attention in `fullatt_block_indexes`, else within windows of
+    `window_size` pixels a side), spatial_merge_size squared patches merged into one token of out_hidden_size (the
+    text model's width). `eps`: every norm's (transformers fixes it at 1e-6); `rope_theta`: the 2-D rotary
+    positions' base. The token ids: the placeholder the prompt holds once per image token, and the tokens around an
+    image's placeholders. Qwen3-VL's: every block full (`fullatt_block_indexes` all of them, `window_size` one merge
+    unit: its windows are the merge units in raster order, never padded), `num_position_embeddings` learned position
+    rows (a square grid), and a DeepStack merger after each block of `deepstack_visual_indexes` (increasing)."""
     hidden_size: int
     intermediate_size: int
     num_layers: int
@@ -236,10 +248,29 @@ class QwenVisionConfig:
     vision_start_token_id: Optional[int] = None
     vision_end_token_id: Optional[int] = None
     rope_theta: float = 10000.0
+    family: str = "qwen2_5_vl"
+    num_position_embeddings: int = 0
+    deepstack_visual_indexes: tuple = ()
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+    @property
+    def deepstack_layers(self) -> int:
+        """The DeepStack mergers (Qwen3-VL's; none for Qwen2.5-VL): each gives every image token a row more."""
+        return len(self.deepstack_visual_indexes)
+
+    @property
+    def row_width(self) -> int:
+        """The width of an image token's row from the tower: the merger's out_hidden_size, then each DeepStack
+        merger's, side by side."""
+        return self.out_hidden_size * (1 + self.deepstack_layers)
+
+    @property
+    def position_side(self) -> int:
+        """The side of Qwen3-VL's learned grid of position rows (0: none)."""
+        return math.isqrt(self.num_position_embeddings)
 
     @property
     def patch_features(self) -> int:
@@ -248,7 +279,7 @@ class QwenVisionConfig:
 
     @property
     def bidirectional(self) -> bool:
-        """Qwen2.5-VL's image tokens attend causally in the text model, as its text does."""
+        """Qwen2.5-VL's and Qwen3-VL's image tokens attend causally in the text model, as its text does."""
         return False
 
     @property
@@ -257,27 +288,40 @@ class QwenVisionConfig:
         return self.window_size // self.spatial_merge_size // self.patch_size
 
 
-def _qwen_config(raw: dict, path: str) -> QwenVisionConfig:
+# each Qwen family's vision MLP activation (the only one its tower runs) and what that MLP is
+_QWEN_ACTIVATIONS = {"qwen2_5_vl": ("silu", "SwiGLU (silu)"), "qwen3_vl": ("gelu_pytorch_tanh", "the tanh GELU")}
+
+
+def _qwen_config(raw: dict, path: str, family: str = "qwen2_5_vl") -> QwenVisionConfig:
     """The QwenVisionConfig of a Qwen2.5-VL config.json: 5.x's (text_config nested, the vision rotary base in
-    vision_config.rope_parameters) or the Hub's 4.x (the text model's keys at the top, `in_chans`)."""
+    vision_config.rope_parameters) or the Hub's 4.x (the text model's keys at the top, `in_chans`); or (`family`
+    "qwen3_vl") of a Qwen3-VL one: 5.x's or the Hub's (text_config nested in both, the Hub's without a vision
+    rotary base: 10,000 as its code fixes), every block full, its position grid and DeepStack layers checked."""
     vision = raw["vision_config"]
     text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
-    act = vision.get("hidden_act", "silu")
-    if act != "silu":
-        raise WeightLoadError(f"{path}: vision_config.hidden_act {act!r}: the tower's MLP runs SwiGLU (silu) only")
+    want, mlp = _QWEN_ACTIVATIONS[family]
+    act = vision.get("hidden_act", want)
+    if act != want:
+        raise WeightLoadError(f"{path}: vision_config.hidden_act {act!r}: the tower's MLP runs {mlp} only")
     rope = vision.get("rope_parameters") or {}
     try:
+        if family == "qwen3_vl":
+            unit, depth = int(vision["spatial_merge_size"]) * int(vision["patch_size"]), int(vision["depth"])
+            own = dict(window_size=unit, fullatt_block_indexes=tuple(range(depth)),
+                       num_position_embeddings=int(vision["num_position_embeddings"]),
+                       deepstack_visual_indexes=tuple(int(i) for i in vision["deepstack_visual_indexes"]))
+        else:
+            own = dict(window_size=int(vision["window_size"]),
+                       fullatt_block_indexes=tuple(int(i) for i in vision["fullatt_block_indexes"]))
         cfg = QwenVisionConfig(
             hidden_size=int(vision["hidden_size"]), intermediate_size=int(vision["intermediate_size"]),
             num_layers=int(vision["depth"]), num_heads=int(vision["num_heads"]),
             patch_size=int(vision["patch_size"]), temporal_patch_size=int(vision["temporal_patch_size"]),
-            spatial_merge_size=int(vision["spatial_merge_size"]), window_size=int(vision["window_size"]),
-            fullatt_block_indexes=tuple(int(i) for i in vision["fullatt_block_indexes"]),
-            out_hidden_size=int(vision["out_hidden_size"]),
+            spatial_merge_size=int(vision["spatial_merge_size"]), out_hidden_size=int(vision["out_hidden_size"]),
             num_channels=int(vision.get("in_channels", vision.get("in_chans", 3))),
             image_token_id=raw.get("image_token_id"), vision_start_token_id=raw.get("vision_start_token_id"),
             vision_end_token_id=raw.get("vision_end_token_id"),
-            rope_theta=float(rope.get("rope_theta", vision.get("rope_theta", 10000.0))))
+            rope_theta=float(rope.get("rope_theta", vision.get("rope_theta", 10000.0))), family=family, **own)
     except (KeyError, TypeError, ValueError) as e:
         raise WeightLoadError(f"{path}: vision_config lacks or mistypes {e}") from None
     if min(cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.num_heads, cfg.patch_size,
@@ -290,9 +334,17 @@ def _qwen_config(raw: dict, path: str) -> QwenVisionConfig:
                         "values (the 2-D rotary positions take a quarter of a head each way, twice)")
     if cfg.window_size % unit or cfg.window_size < unit:
         problems.append(f"window_size {cfg.window_size} is not a whole number of merge units of {unit} pixels")
-    if any(not 0 <= i < cfg.num_layers for i in cfg.fullatt_block_indexes):
-        problems.append(f"fullatt_block_indexes {list(cfg.fullatt_block_indexes)} name a layer outside the "
-                        f"{cfg.num_layers} (0 to {cfg.num_layers - 1})")
+    for key in ("fullatt_block_indexes", "deepstack_visual_indexes"):
+        if any(not 0 <= i < cfg.num_layers for i in getattr(cfg, key)):
+            problems.append(f"{key} {list(getattr(cfg, key))} name a layer outside the {cfg.num_layers} (0 to "
+                            f"{cfg.num_layers - 1})")
+    if list(cfg.deepstack_visual_indexes) != sorted(set(cfg.deepstack_visual_indexes)):
+        problems.append(f"deepstack_visual_indexes {list(cfg.deepstack_visual_indexes)} are not increasing (the "
+                        "DeepStack rows come in the order of the layers)")
+    if family == "qwen3_vl" and (cfg.num_position_embeddings < 1
+                                 or cfg.position_side ** 2 != cfg.num_position_embeddings):
+        problems.append(f"num_position_embeddings {cfg.num_position_embeddings} is not a square grid of position "
+                        "rows")
     if cfg.num_channels != 3:
         problems.append(f"the images have {cfg.num_channels} channels, not RGB's 3")
     if text.get("hidden_size") is not None and int(text["hidden_size"]) != cfg.out_hidden_size:
@@ -304,28 +356,43 @@ def _qwen_config(raw: dict, path: str) -> QwenVisionConfig:
 
 
 def qwen_vision_shapes(cfg: QwenVisionConfig) -> dict:
-    """{name: shape} of every tensor Qwen2.5-VL's tower and merger read (`visual.<...>`)."""
+    """{name: shape} of every tensor Qwen2.5-VL's or Qwen3-VL's tower and mergers read (`visual.<...>`)."""
     d, m, c = cfg.hidden_size, cfg.intermediate_size, cfg.spatial_merge_size ** 2 * cfg.hidden_size
     out = cfg.out_hidden_size
     shapes = {"visual.patch_embed.proj.weight": (d, cfg.num_channels, cfg.temporal_patch_size, cfg.patch_size,
-                                                 cfg.patch_size),
-              "visual.merger.ln_q.weight": (d,),
-              "visual.merger.mlp.0.weight": (c, c), "visual.merger.mlp.0.bias": (c,),
-              "visual.merger.mlp.2.weight": (out, c), "visual.merger.mlp.2.bias": (out,)}
+                                                 cfg.patch_size)}
+    if cfg.family == "qwen3_vl":
+        shapes.update({"visual.patch_embed.proj.bias": (d,),
+                       "visual.pos_embed.weight": (cfg.num_position_embeddings, d)})
+        mergers = [("visual.merger.", d)] + [(f"visual.deepstack_merger_list.{k}.", c)
+                                             for k in range(cfg.deepstack_layers)]
+        for at, norm in mergers:                # (the DeepStack mergers' LayerNorm over a unit's m m patches)
+            shapes.update({at + "norm.weight": (norm,), at + "norm.bias": (norm,),
+                           at + "linear_fc1.weight": (c, c), at + "linear_fc1.bias": (c,),
+                           at + "linear_fc2.weight": (out, c), at + "linear_fc2.bias": (out,)})
+    else:
+        shapes.update({"visual.merger.ln_q.weight": (d,),
+                       "visual.merger.mlp.0.weight": (c, c), "visual.merger.mlp.0.bias": (c,),
+                       "visual.merger.mlp.2.weight": (out, c), "visual.merger.mlp.2.bias": (out,)})
     for i in range(cfg.num_layers):
         at = f"visual.blocks.{i}."
         shapes.update({at + "norm1.weight": (d,), at + "norm2.weight": (d,),
                        at + "attn.qkv.weight": (3 * d, d), at + "attn.qkv.bias": (3 * d,),
-                       at + "attn.proj.weight": (d, d), at + "attn.proj.bias": (d,),
-                       at + "mlp.gate_proj.weight": (m, d), at + "mlp.gate_proj.bias": (m,),
-                       at + "mlp.up_proj.weight": (m, d), at + "mlp.up_proj.bias": (m,),
-                       at + "mlp.down_proj.weight": (d, m), at + "mlp.down_proj.bias": (d,)})
+                       at + "attn.proj.weight": (d, d), at + "attn.proj.bias": (d,)})
+        if cfg.family == "qwen3_vl":
+            shapes.update({at + "norm1.bias": (d,), at + "norm2.bias": (d,),
+                           at + "mlp.linear_fc1.weight": (m, d), at + "mlp.linear_fc1.bias": (m,),
+                           at + "mlp.linear_fc2.weight": (d, m), at + "mlp.linear_fc2.bias": (d,)})
+        else:
+            shapes.update({at + "mlp.gate_proj.weight": (m, d), at + "mlp.gate_proj.bias": (m,),
+                           at + "mlp.up_proj.weight": (m, d), at + "mlp.up_proj.bias": (m,),
+                           at + "mlp.down_proj.weight": (d, m), at + "mlp.down_proj.bias": (d,)})
     return shapes
 
 
 def _qwen_name(name: str) -> Optional[str]:
-    """A Qwen2.5-VL checkpoint name as the tower knows it (`visual.<...>`: the Hub's; 5.x's `model.visual.<...>`
-    too), or None for the text model's."""
+    """A Qwen2.5-VL or Qwen3-VL checkpoint name as the tower knows it (`visual.<...>`: Qwen2.5-VL's on the Hub;
+    `model.visual.<...>`, 5.x's and Qwen3-VL's on the Hub, too), or None for the text model's."""
     if name.startswith("model.visual."):
         name = name[len("model."):]
     return name if name.startswith("visual.") else None
