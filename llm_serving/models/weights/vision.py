@@ -502,14 +502,14 @@ def _qwen3_mmproj_config(path: str, fields: dict, contents) -> QwenVisionConfig:
                          None)
         if positions is None:
             raise WeightLoadError(f"{path}: a qwen3vl_merger mmproj without v.position_embd.weight")
-        return _qwen_config({"architectures": ["Qwen3VLForConditionalGeneration"], "vision_config": {
+        return _qwen_config({"vision_config": {
             "hidden_size": fields["clip.vision.embedding_length"],
             "intermediate_size": fields["clip.vision.feed_forward_length"], "depth": layers,
             "num_heads": fields["clip.vision.attention.head_count"], "patch_size": fields["clip.vision.patch_size"],
             "temporal_patch_size": 2, "spatial_merge_size": fields.get("clip.vision.spatial_merge_size", 2),
             "hidden_act": "gelu_pytorch_tanh", "num_position_embeddings": int(positions.shape[-1]),
             "deepstack_visual_indexes": [i for i, flag in enumerate(deep) if flag],
-            "out_hidden_size": fields["clip.vision.projection_dim"]}}, path)
+            "out_hidden_size": fields["clip.vision.projection_dim"]}}, path, "qwen3_vl")
     except KeyError as e:
         raise WeightLoadError(f"{path}: GGUF metadata {e} is missing") from None
 
