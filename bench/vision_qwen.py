@@ -56,7 +56,10 @@ def text_model(out: Path, family: str = "qwen2.5") -> Path:
     from tests.families import make_qwen3_vl, make_qwen25_vl, write_gguf
 
     with tempfile.TemporaryDirectory() as tmp:
-        (make_qwen3_vl if family == "qwen3" else make_qwen25_vl)(Path(tmp), seed=0)
+        if family == "qwen3":           # (the real tower's three DeepStack layers; four text layers: llama.cpp
+            make_qwen3_vl(Path(tmp), seed=0, text_layers=4, deepstack=(1, 2, 3))    # needs more than DeepStack's)
+        else:
+            make_qwen25_vl(Path(tmp), seed=0)
         config = json.loads((Path(tmp) / "config.json").read_text())
         config["text_config"]["max_position_embeddings"] = 4096       # (llama-server caps a slot at it)
         (Path(tmp) / "config.json").write_text(json.dumps(config))

@@ -513,7 +513,7 @@ def make_qwen25_vl(path, seed: int = 1, tokenizer: bool = True):
     return model
 
 
-def make_qwen3_vl(path, seed: int = 1, tokenizer: bool = True):
+def make_qwen3_vl(path, seed: int = 1, tokenizer: bool = True, text_layers: int = 3, deepstack=(1, 2)):
     """A tiny Qwen3VLForConditionalGeneration that transformers makes, random (every weight drawn afresh, as
     make_qwen25_vl's): a 4-block tower of width 32 in 16-pixel patches (LayerNorms with biases, GELU-tanh MLPs, a
     learned 4 x 4 grid of position rows interpolated to each image's grid, 2-D rotary positions, full attention in
@@ -522,19 +522,20 @@ def make_qwen3_vl(path, seed: int = 1, tokenizer: bool = True):
     norms) of 300 tokens with interleaved M-RoPE (sections 2, 3, 3 of its 8 frequencies). Its image processor beside
     it (Qwen2VLImageProcessor with 16-pixel patches and Qwen3-VL's mean and std of 0.5, areas 64 x 64 to 32 x 32 x
     16: at most 16 tokens an image), and (`tokenizer`) a tokenizer holding QWEN_VL_TOKENS with QWEN_VL_CHATML.
-    Returns the model (eval mode)."""
+    `text_layers`, `deepstack`: other depths (bench/vision_qwen.py's: a real tower's three DeepStack layers, four
+    text layers, as llama.cpp needs more layers than DeepStack rows). Returns the model (eval mode)."""
     torch, transformers = needs_transformers()
     path = Path(path)
     start, end, image, video = (len(SPECIAL_TOKENS) + k for k in range(4))
     cfg = transformers.Qwen3VLConfig(
-        text_config=dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        text_config=dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=text_layers,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
                          rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [2, 3, 3],
                                           "mrope_interleaved": True},
                          tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0),
         vision_config=dict(depth=4, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16,
                            spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64,
-                           num_position_embeddings=16, deepstack_visual_indexes=[1, 2]),
+                           num_position_embeddings=16, deepstack_visual_indexes=list(deepstack)),
         image_token_id=image, vision_start_token_id=start, vision_end_token_id=end, video_token_id=video,
         tie_word_embeddings=False)
     torch.manual_seed(seed)
