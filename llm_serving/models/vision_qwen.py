@@ -131,7 +131,7 @@ class _Layout:
         # VisionAttention config: one image of every patch
         raster = self.slots[self.order]
         flat = angles.reshape(-1, cfg.head_dim)[raster]
-        self.raster_cos, self.raster_sin = _tensor(np.cos(flat)), _tensor(np.sin(flat))
+        self.raster_rope = _tensor(np.concatenate([np.cos(flat), np.sin(flat)], 1))      # (N, 2 hd): cos, sin
         self.patches = len(raster)
         if cfg.family == "qwen3_vl":
             taps, weights = _position_taps(cfg, gh2, gw2)
@@ -302,9 +302,11 @@ class _Block(nn.Cell):
 
 class _FullBlock(nn.Cell):
     """A full-attention block on the CPU kernels, in raster order (N, D) (no window padding): the products on
-    VisionLinear (Qwen3-VL's fc1 with its tanh GELU), q and k rotated, the attention VisionAttention's (every patch
-    over every patch, its scores never written, so that no buffer of heads x patches^2 exists for any image size),
-    Qwen3-VL's LayerNorms VisionLayerNorm's; Qwen2.5-VL's RMS norms and SwiGLU MindSpore's."""
+    VisionLinear (Qwen3-VL's fc1 with its tanh GELU), the attention VisionAttention's (every patch over every patch,
+    its scores never written, so that no buffer of heads x patches^2 exists for any image size; q and k rotated by
+    the patches' rotary tables `rope` (N, 2 hd) as the kernel reads them: as MindSpore's ops, the rotation and
+    the q|k|v rows put back together took more time than the attention), Qwen3-VL's LayerNorms VisionLayerNorm's;
+    Qwen2.5-VL's RMS norms and SwiGLU MindSpore's."""
 
     def __init__(self, cfg: QwenVisionConfig, kernels: str, threads: int, level: int):
         super().__init__()
@@ -312,7 +314,7 @@ class _FullBlock(nn.Cell):
         self.qwen3 = cfg.family == "qwen3_vl"
         self.linear = ops.Custom(f"{kernels}:VisionLinear", out_shape=lambda x, w, bias, *_: (x[0], bias[-1]),
                                  out_dtype=lambda x, *_: x, func_type="aot")
-        # (N, 3 D) q|k|v rows and a bias, [patches, heads, threads, level] -> (N, D)
+        # (N, 3 D) q|k|v rows and a bias, [patches, heads, threads, level], rotary tables (N, 2 hd) -> (N, D)
         self.attend = ops.Custom(f"{kernels}:VisionAttention", out_shape=lambda qkv, *_: (qkv[0], qkv[1] // 3),
                                  out_dtype=lambda qkv, *_: qkv, func_type="aot")
         # x (R, D), gain, bias, [eps], [threads] -> (R, D)
@@ -325,10 +327,6 @@ class _FullBlock(nn.Cell):
         self.no_bias = Tensor(np.zeros(3 * cfg.hidden_size, np.float32))
         self.threads, self.level = threads, level
 
-    def _rotated(self, x, cos, sin):
-        half = self.head_dim // 2
-        return x * cos + ops.concat((-x[..., half:], x[..., :half]), -1) * sin
-
     def _norm(self, x, norm):
         if self.qwen3:
             return self.layer_norm(x, norm[0], norm[1], self.eps_tensor, self.threads_tensor)
@@ -340,14 +338,10 @@ class _FullBlock(nn.Cell):
         gate_up = self.linear(h, up, up_bias, self.plain)
         return self.linear(ops.silu(gate_up[:, :self.inner]) * gate_up[:, self.inner:], down, down_bias, self.plain)
 
-    def construct(self, x, cos, sin, config, norm1, qkv_w, qkv_bias, proj_w, proj_bias, norm2, up, up_bias, down,
+    def construct(self, x, rope, config, norm1, qkv_w, qkv_bias, proj_w, proj_bias, norm2, up, up_bias, down,
                   down_bias):
-        n, d = x.shape
-        qkv = self.linear(self._norm(x, norm1), qkv_w, qkv_bias, self.plain).reshape(n, 3, self.heads, self.head_dim)
-        cos, sin = cos.reshape(n, 1, self.head_dim), sin.reshape(n, 1, self.head_dim)
-        q, k = self._rotated(qkv[:, 0], cos, sin), self._rotated(qkv[:, 1], cos, sin)
-        rows = ops.concat((q.reshape(n, d), k.reshape(n, d), qkv[:, 2].reshape(n, d)), 1)      # (N, 3 D)
-        x = x + self.linear(self.attend(rows, self.no_bias, config), proj_w, proj_bias, self.plain)
+        qkv = self.linear(self._norm(x, norm1), qkv_w, qkv_bias, self.plain)                   # (N, 3 D)
+        x = x + self.linear(self.attend(qkv, self.no_bias, config, rope), proj_w, proj_bias, self.plain)
         return x + self._mlp(self._norm(x, norm2), up, up_bias, down, down_bias)
 
 
@@ -539,7 +533,7 @@ class QwenVisionTower:
                 if h is not None:
                     raster, h = layout.raster(h.asnumpy()), None
                 config = Tensor(np.array([layout.patches, self.cfg.num_heads, self.threads, self.level], np.int32))
-                raster = self.full_kernel_block(_tensor(raster), layout.raster_cos, layout.raster_sin, config,
+                raster = self.full_kernel_block(_tensor(raster), layout.raster_rope, config,
                                                 *self.layer_weights[i]).asnumpy()
             else:
                 if h is None:

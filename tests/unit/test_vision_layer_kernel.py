@@ -135,6 +135,42 @@ def test_int16_attention_past_128_head_dims_is_the_float_path(kernel):
     np.testing.assert_array_equal(attend(kernel, qkv, 40, 1, level=0), attend(kernel, qkv, 40, 1))
 
 
+def _rotated(qkv: np.ndarray, bias: np.ndarray, rope: np.ndarray, heads: int) -> np.ndarray:
+    """q and k of every head, their bias added, rotated by each patch's cos and sin rows as a Qwen-VL tower does
+    (x cos + rotate_half(x) sin, in float64); v with its bias; (rows, 3 D)."""
+    rows, width = qkv.shape
+    hd, half = width // 3 // heads, width // 6 // heads
+    x = (qkv.astype(np.float64) + bias).reshape(rows, 3, heads, hd)
+    cos, sin = rope[:, None, :hd].astype(np.float64), rope[:, None, hd:].astype(np.float64)
+    for part in (0, 1):
+        y = x[:, part]
+        x[:, part] = y * cos + np.concatenate([-y[..., half:], y[..., :half]], -1) * sin
+    return x.reshape(rows, width)
+
+
+@pytest.mark.parametrize("level", [None, 1, 2])
+def test_rotary_tables_rotate_q_and_k_as_they_are_read(kernel, level):
+    """A fifth input, each patch's cos and sin rows (N, 2 hd): the kernel's output is softmax attention over q and k
+    rotated by them after their bias (a Qwen-VL tower's 2-D rotary positions), v untouched; to float32's precision,
+    and within the int16 levels' own error; without the tables it is another output (the test can tell)."""
+    rng = np.random.default_rng(21)
+    images, patches, heads, hd = 2, 150, 2, 64
+    qkv = (rng.standard_normal((images * patches, 3 * heads * hd)) * 2).astype(np.float32)
+    bias = rng.standard_normal(3 * heads * hd).astype(np.float32)
+    angles = rng.uniform(0, 40, (images * patches, hd // 2))
+    angles = np.concatenate([angles, angles], 1)
+    rope = np.concatenate([np.cos(angles), np.sin(angles)], 1).astype(np.float32)
+    out = np.full((qkv.shape[0], heads * hd), np.nan, np.float32)
+    config = [patches, heads, 2] + ([] if level is None else [level])
+    assert invoke(kernel, [qkv, bias, np.array(config, np.int32), rope, out]) == 0
+    want = reference(_rotated(qkv, bias, rope, heads), patches, heads)
+    error = np.abs(out - want).max() / np.abs(want).max()
+    assert error <= {None: 1e-5, 1: 1e-3, 2: 3e-3}[level], error
+    assert np.abs(attend(kernel, qkv, patches, heads, bias=bias) - want).max() > 1e-2 * np.abs(want).max()
+    wrong = np.zeros((qkv.shape[0], hd), np.float32)                          # (tables of hd, not 2 hd)
+    assert invoke(kernel, [qkv, bias, np.array(config, np.int32), wrong, out]) == 2
+
+
 def test_an_unknown_attention_level_is_refused(kernel):
     qkv = np.zeros((30, 3 * 96), np.float32)
     out = np.zeros((30, 96), np.float32)

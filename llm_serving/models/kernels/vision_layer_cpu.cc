@@ -17,6 +17,11 @@
 //   qkv_bias  (3*D,)     float32
 //   config    (3,) (4,)  int32    [T (patches an image), H (heads), threads(, level)]: level 1 the values'
 //                                 product in int16, 2 the scores' too (the int16 path below), 0 or none float32
+//   rope      (N*T, 2*hd) float32 (optional) each patch's cos then sin: q and k, their bias added, rotated by them
+//                                 (rotate_half, as a Qwen-VL tower's 2-D rotary positions) as they are read, so
+//                                 that the rotation costs no pass of its own (as MindSpore's ops, the rotation and
+//                                 the q|k|v concatenation took 0.15 s a block at Qwen3-VL's 3,072 patches of 1,024
+//                                 on two Zen 5 cores, more than the attention itself)
 //   out       (N*T, D)   float32  softmax(q k^T / sqrt(hd)) v of each image and head, the heads side by side
 //
 // Why a kernel: as MindSpore ops the attention split q|k|v into (3, N, H, T, hd) (a transpose of every value),
@@ -129,10 +134,31 @@ inline vf exp2_nonpositive(vf x) {
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
+constexpr int64_t kMaxHeadDims = 256;     // (a head's values copied to the stack: SigLIP's 72, Qwen-VL's 64 and 80)
+
 struct Shape {
   int64_t n, t, h, hd, d;   // images, patches an image, heads, head dim, H * hd
   int64_t tp;               // T rounded up to kKeyBlock
+  const float* rope;        // (N T, 2 hd): each patch's cos then sin of its 2-D rotary positions, or null
 };
+
+// Patch `row`'s q or k of one head (src: its hd values in the q|k|v row, b: their bias): src + b, rotated as a
+// Qwen-VL tower's q and k are (rotate_half: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), by the patch's
+// rows of sh.rope) where sh.rope is given; into dst.
+inline void head_values(const float* src, const float* b, const Shape& sh, int64_t row, float* dst) {
+  if (sh.rope == nullptr) {
+    for (int64_t e = 0; e < sh.hd; ++e) dst[e] = src[e] + b[e];
+    return;
+  }
+  const int64_t half = sh.hd / 2;
+  const float* cos = sh.rope + row * 2 * sh.hd;
+  const float* sin = cos + sh.hd;
+  for (int64_t e = 0; e < half; ++e) {
+    const float x1 = src[e] + b[e], x2 = src[e + half] + b[e + half];
+    dst[e] = x1 * cos[e] - x2 * sin[e];
+    dst[e + half] = x2 * cos[e + half] + x1 * sin[e + half];
+  }
+}
 
 #if defined(VISION_ASM_6X2)
 // The AVX2 micro-kernel of both products here (the attention's and VisionLinear's), in assembly: 6 rows x 16
@@ -418,11 +444,13 @@ void pack_head(const float* qkv, const float* bias, const Shape& sh, int64_t n, 
   const float* vb = kb + sh.d;
   std::memset(k + last_panel, 0, sizeof(float) * (sh.tp * sh.hd - last_panel));
   std::memset(v + sh.t * sh.hd, 0, sizeof(float) * (sh.tp - sh.t) * sh.hd);
+  float key[kMaxHeadDims];
   for (int64_t j = 0; j < sh.t; ++j) {
     const float* src = rows + j * stride;
     float* panel = k + j / kRows * kRows * sh.hd + j % kRows;
+    head_values(src, kb, sh, n * sh.t + j, key);
     for (int64_t e = 0; e < sh.hd; ++e) {
-      panel[e * kRows] = src[e] + kb[e];
+      panel[e * kRows] = key[e];
       v[j * sh.hd + e] = src[sh.d + e] + vb[e];
     }
   }
@@ -457,9 +485,10 @@ void attend_block(const float* qkv, const float* bias, const float* k, const flo
                   int64_t h, int64_t i0, float scale, Scratch* w, float* out) {
   const int64_t stride = 3 * sh.d, queries = std::min(kQueries, sh.t - i0);
   std::fill(w->qt.begin(), w->qt.end(), 0.f);
+  float query[kMaxHeadDims];
   for (int64_t i = 0; i < queries; ++i) {
-    const float* src = qkv + (n * sh.t + i0 + i) * stride + h * sh.hd;
-    for (int64_t e = 0; e < sh.hd; ++e) w->qt[e * kQueries + i] = (src[e] + bias[h * sh.hd + e]) * scale;
+    head_values(qkv + (n * sh.t + i0 + i) * stride + h * sh.hd, bias + h * sh.hd, sh, n * sh.t + i0 + i, query);
+    for (int64_t e = 0; e < sh.hd; ++e) w->qt[e * kQueries + i] = query[e] * scale;
   }
   std::fill(w->ot.begin(), w->ot.end(), 0.f);
   std::fill(w->mx.begin(), w->mx.end(), -INFINITY);
@@ -542,10 +571,8 @@ void pack_head_int16(const float* qkv, const float* bias, const Shape& sh, int64
   float row[kInt16HeadDims], top[kInt16HeadDims] = {}, inverse[kInt16HeadDims];
   for (int64_t j = 0; j < sh.t; ++j) {
     const float* src = rows + j * stride;
-    for (int64_t e = 0; e < sh.hd; ++e) {
-      row[e] = src[e] + kb[e];
-      top[e] = std::max(top[e], std::fabs(src[sh.d + e] + vb[e]));
-    }
+    head_values(src, kb, sh, n * sh.t + j, row);
+    for (int64_t e = 0; e < sh.hd; ++e) top[e] = std::max(top[e], std::fabs(src[sh.d + e] + vb[e]));
     if (k_float != nullptr) {                          // float keys: pack_head's panels
       float* panel = k_float + j / kRows * kRows * sh.hd + j % kRows;
       for (int64_t e = 0; e < sh.hd; ++e) panel[e * kRows] = row[e];
@@ -589,9 +616,9 @@ void attend_block_int16(const float* qkv, const float* bias, const int16_t* k, c
   std::fill(w->qt_float.begin(), w->qt_float.end(), 0.f);
   std::fill(w->q_steps.begin(), w->q_steps.end(), 1.f);
   for (int64_t i = 0; i < queries; ++i) {
-    const float* src = qkv + (n * sh.t + i0 + i) * stride + h * sh.hd;
     float row[kInt16HeadDims];
-    for (int64_t e = 0; e < sh.hd; ++e) row[e] = (src[e] + bias[h * sh.hd + e]) * scale;
+    head_values(qkv + (n * sh.t + i0 + i) * stride + h * sh.hd, bias + h * sh.hd, sh, n * sh.t + i0 + i, row);
+    for (int64_t e = 0; e < sh.hd; ++e) row[e] *= scale;
     if (k_float != nullptr) {
       for (int64_t e = 0; e < sh.hd; ++e) w->qt_float[e * kQueries + i] = row[e];
       continue;
@@ -917,23 +944,27 @@ extern "C" int VisionAttention(int nparam, void** params, int* ndims, int64_t** 
                                void* stream, void* extra) {
   (void)stream;
   (void)extra;
-  if (nparam != 4 || ndims[0] != 2 || ndims[1] != 1 || ndims[2] != 1 || ndims[3] != 2 ||
+  const int o = nparam - 1;                      // the output's index: 3, or 4 after the rotary tables
+  if ((nparam != 4 && nparam != 5) || ndims[0] != 2 || ndims[1] != 1 || ndims[2] != 1 || ndims[o] != 2 ||
       std::strcmp(dtypes[0], "float32") != 0 || std::strcmp(dtypes[1], "float32") != 0 ||
-      std::strcmp(dtypes[2], "int32") != 0 || std::strcmp(dtypes[3], "float32") != 0 ||
-      (shapes[2][0] != 3 && shapes[2][0] != 4)) {
+      std::strcmp(dtypes[2], "int32") != 0 || std::strcmp(dtypes[o], "float32") != 0 ||
+      (shapes[2][0] != 3 && shapes[2][0] != 4) ||
+      (nparam == 5 && (ndims[3] != 2 || std::strcmp(dtypes[3], "float32") != 0))) {
     return 1;
   }
   const auto* qkv = static_cast<const float*>(params[0]);
   const auto* bias = static_cast<const float*>(params[1]);
   const auto* cfg = static_cast<const int32_t*>(params[2]);
-  auto* out = static_cast<float*>(params[3]);
+  const auto* rope = nparam == 5 ? static_cast<const float*>(params[3]) : nullptr;
+  auto* out = static_cast<float*>(params[o]);
   const int64_t t = cfg[0], h = cfg[1], threads = std::max<int32_t>(1, cfg[2]);
-  const int64_t d = shapes[3][1];
-  if (t < 1 || h < 1 || d % h != 0 || shapes[0][1] != 3 * d || shapes[1][0] != 3 * d || shapes[0][0] % t != 0 ||
-      shapes[3][0] != shapes[0][0]) {
+  const int64_t d = shapes[o][1];
+  if (t < 1 || h < 1 || d % h != 0 || d / h > kMaxHeadDims || shapes[0][1] != 3 * d || shapes[1][0] != 3 * d ||
+      shapes[0][0] % t != 0 || shapes[o][0] != shapes[0][0] ||
+      (rope != nullptr && (shapes[3][0] != shapes[0][0] || shapes[3][1] != 2 * (d / h) || (d / h) % 2 != 0))) {
     return 2;
   }
-  Shape sh{shapes[0][0] / t, t, h, d / h, d, round_up(t, kKeyBlock)};
+  Shape sh{shapes[0][0] / t, t, h, d / h, d, round_up(t, kKeyBlock), rope};
   const int64_t heads = sh.n * sh.h, blocks = (t + kQueries - 1) / kQueries;
   const float scale = 1.4426950408889634f / std::sqrt(static_cast<float>(sh.hd));   // scores in log2 units
   std::atomic<int64_t> next{0};

@@ -436,8 +436,8 @@ def _mmproj_fields(path: str, contents=None):
     fields = contents.fields
     kind = (fields.get("general.architecture"), fields.get("clip.projector_type"))
     if kind[0] != "clip" or kind[1] not in MMPROJ_PROJECTORS:
-        raise WeightLoadError(f"{path}: not a Gemma 3, SmolVLM, Qwen2.5-VL or Qwen3-VL mmproj GGUF (general.architecture "
-                              f"{kind[0]!r}, clip.projector_type {kind[1]!r}; served: clip with "
+        raise WeightLoadError(f"{path}: not a Gemma 3, SmolVLM, Qwen2.5-VL or Qwen3-VL mmproj GGUF "
+                              f"(general.architecture {kind[0]!r}, clip.projector_type {kind[1]!r}; served: clip with "
                               f"{', '.join(MMPROJ_PROJECTORS)})")
     return contents
 
