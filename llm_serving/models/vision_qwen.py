@@ -31,15 +31,19 @@ layer and masked out of every attention as keys. A windowed layer attends within
 (W x heads x T x T scores, never patches^2); a full layer over all W T rows, its queries QUERY_ROWS at a time (a
 chunk's scores alive, not all of them). The graphs' shapes then depend on the number of windows alone (the
 layers') or the grid (the patch embedding's and the merger's), and each image's rotary tables and window layout
-are made once per grid (`_Layout`, a few cached). Arithmetic in float32 throughout, but for the products on the CPU
-kernels: where the vision kernel library builds (`kernels`), a block's four products (q|k|v, its projection, gate|up
-or fc1 with its tanh GELU, down or fc2) are its VisionLinear, on the matrices in the checkpoint's own type (F16, BF16
-or F32 panels) or, with `int16`, on int16 panels (13 bits a column, x 14 bits per 64 values:
-kernels/vision_panels.py, as the SigLIP towers' are), their biases added as each block of the result is made; and a
-full-attention block runs in raster order on VisionAttention (`_FullBlock`: its scores never written, its values in
-int16 with `int16`; Qwen3-VL's LayerNorms on VisionLayerNorm), since a graph per image size with its chunks' scores
-written cost an image size's first run half again its time (the graph's memory planned and touched per shape); the
-windowed attention, Qwen2.5-VL's norms and the mergers stay MindSpore's.
+are made once per grid (`_Layout`, a few cached). That is the MindSpore ops' path (`_Block`), in float32.
+
+Where the vision kernel library builds (`kernels`), every block runs on it (`_FullBlock`): its four products (q|k|v,
+its projection, gate|up or fc1 with its tanh GELU, down or fc2) and the mergers' two are VisionLinear's, on the
+matrices in the checkpoint's own type (F16, BF16 or F32 panels) or, with `int16`, on int16 panels (13 bits a column,
+x 14 bits per 64 values: kernels/vision_panels.py, as the SigLIP towers' are), their biases added as each block of
+the result is made; the attention is VisionAttention's, its scores never written, its values in int16 with `int16`,
+q and k rotated by the patches' rotary tables as it reads them: a full block's over every patch in raster order, a
+windowed block's within each window of the windowed layout, each window an "image" of T patches whose padding rows
+come last and are never keys (`_Layout.keys`); Qwen3-VL's LayerNorms are VisionLayerNorm's. Qwen2.5-VL's RMS norms
+and SwiGLU, the mergers' norms and GELU, and the position rows stay MindSpore's. (On two Zen 5 cores the windowed
+blocks on MindSpore's ops took 0.68 s each at 3,996 patches, 0.40 s on the kernels; the rotation and the q|k|v rows
+put back together in MindSpore's ops took more than the attention itself: 0.15 s a block at Qwen3-VL's 3,072 patches.)
 """
 from __future__ import annotations
 
@@ -100,9 +104,12 @@ def _position_taps(cfg: QwenVisionConfig, gh2: int, gw2: int) -> tuple:
 
 class _Layout:
     """An image's grid of merge units (gh2 x gw2) laid out in windows: `index` (W T,), the raster row (in the
-    (gh2 gw2 m m) order) of each window slot's patch, -1 for padding; `keep` (W, T, 1) where a slot holds a patch;
-    `key_bias` (W, T), 0 there and _MASKED elsewhere; `cos`, `sin` (W, T, head_dim), each slot's rotary table.
-    Qwen3-VL's: `taps`, `tap_weights` (N, 4), the patches' position rows (`_position_taps`)."""
+    (gh2 gw2 m m) order) of each window slot's patch, -1 for padding, a window's patches in its first slots (the
+    attention within it does not depend on their order) and its padding after them; `keep` (W, T, 1) where a slot
+    holds a patch; `key_bias` (W, T), 0 there and _MASKED elsewhere; `cos`, `sin` (W, T, head_dim), each slot's
+    rotary table; for VisionAttention, `keys` (W,) each window's patches and `window_rope` (W T, 2 head_dim) the
+    slots' cos and sin side by side (the raster order's: `raster_keys`, `raster_rope`). Qwen3-VL's: `taps`,
+    `tap_weights` (N, 4), the patches' position rows (`_position_taps`)."""
 
     def __init__(self, cfg: QwenVisionConfig, gh2: int, gw2: int):
         m, wu, mm = cfg.spatial_merge_size, cfg.window_units, cfg.spatial_merge_size ** 2
@@ -110,9 +117,15 @@ class _Layout:
         self.windows, self.per_window = rows_of_windows * cols_of_windows, wu * wu * mm
         a, b, sr, sc, k = np.meshgrid(np.arange(rows_of_windows), np.arange(cols_of_windows), np.arange(wu),
                                       np.arange(wu), np.arange(mm), indexing="ij")     # window, unit in it, patch
-        unit_row, unit_col = a * wu + sr, b * wu + sc
-        valid = ((unit_row < gh2) & (unit_col < gw2)).reshape(-1)
-        self.index = np.where(valid, ((unit_row * gw2 + unit_col) * mm + k).reshape(-1), -1)
+        unit_row, unit_col = (a * wu + sr).reshape(-1), (b * wu + sc).reshape(-1)
+        k = k.reshape(-1)
+        valid = (unit_row < gh2) & (unit_col < gw2)
+        # each window's patches first (stable: in their order), its padding after
+        first = (np.argsort(~valid.reshape(self.windows, self.per_window), axis=1, kind="stable")
+                 + np.arange(self.windows)[:, None] * self.per_window).reshape(-1)
+        unit_row, unit_col, k, valid = unit_row[first], unit_col[first], k[first], valid[first]
+        self.keys = Tensor(valid.reshape(self.windows, self.per_window).sum(1).astype(np.int32))
+        self.index = np.where(valid, (unit_row * gw2 + unit_col) * mm + k, -1)
         self.slots = np.nonzero(valid)[0]                   # the padded slots of the patches
         self.order = np.argsort(self.index[self.slots])     # ... in raster order
         shape = (self.windows, self.per_window)
@@ -127,12 +140,15 @@ class _Layout:
                                  cols[:, None].astype(np.float32) * inv_freq], axis=1)
         angles = np.concatenate([angles, angles], axis=1).reshape(*shape, cfg.head_dim)
         self.cos, self.sin = _tensor(np.cos(angles)), _tensor(np.sin(angles))
+        flat = angles.reshape(-1, cfg.head_dim)
+        self.window_rope = _tensor(np.concatenate([np.cos(flat), np.sin(flat)], 1))        # (W T, 2 hd)
         # the same rotary tables in raster order (the full-attention blocks on the CPU kernels), and their
         # VisionAttention config: one image of every patch
         raster = self.slots[self.order]
         flat = angles.reshape(-1, cfg.head_dim)[raster]
         self.raster_rope = _tensor(np.concatenate([np.cos(flat), np.sin(flat)], 1))      # (N, 2 hd): cos, sin
         self.patches = len(raster)
+        self.raster_keys = Tensor(np.array([self.patches], np.int32))
         if cfg.family == "qwen3_vl":
             taps, weights = _position_taps(cfg, gh2, gw2)
             self.taps, self.tap_weights = Tensor(taps), _tensor(weights)
@@ -234,11 +250,11 @@ def _block_weights(read, cfg: QwenVisionConfig, index: int, stored_type=None, in
 
 
 class _Block(nn.Cell):
-    """One block (the module docstring) on the windowed layout (W, T, D); `full`: its attention over every row of
-    every window (the padding masked), in chunks of whole windows of about QUERY_ROWS queries; else within each
-    window."""
+    """One block (the module docstring) on MindSpore's ops (where the vision kernels do not build: on them every
+    block is _FullBlock's), on the windowed layout (W, T, D); `full`: its attention over every row of every window
+    (the padding masked), in chunks of whole windows of about QUERY_ROWS queries; else within each window."""
 
-    def __init__(self, cfg: QwenVisionConfig, full: bool, kernels=None, threads: int = 1):
+    def __init__(self, cfg: QwenVisionConfig, full: bool):
         super().__init__()
         self.full, self.eps = full, cfg.eps
         self.heads, self.head_dim, self.inner = cfg.num_heads, cfg.head_dim, cfg.intermediate_size
@@ -246,19 +262,11 @@ class _Block(nn.Cell):
         self.scale = cfg.head_dim ** -0.5
         self.chunk_windows = max(1, QUERY_ROWS // (cfg.window_units ** 2 * cfg.spatial_merge_size ** 2))
         self.matmul = ops.MatMul(transpose_b=True)             # (the weights as stored: (out, in))
-        self.on_kernels = kernels is not None
-        if kernels is not None:
-            # x (R, K), the panels, bias (N,) (int16 panels: (2, N), the bias and the steps), [threads, gelu] -> (R, N)
-            self.linear = ops.Custom(f"{kernels}:VisionLinear", out_shape=lambda x, w, bias, *_: (x[0], bias[-1]),
-                                     out_dtype=lambda x, *_: x, func_type="aot")
-            self.plain = Tensor(np.array([threads, 0], np.int32))
         self.scores = ops.BatchMatMul(transpose_b=True)
         self.weighted = ops.BatchMatMul()
 
     def _product(self, x, w, bias):
-        # x (R, K) times the matrix (N, K) plus its bias: VisionLinear on the kernels' panels, else MindSpore's
-        if self.on_kernels:
-            return self.linear(x, w, bias, self.plain)
+        # x (R, K) times the matrix (N, K) plus its bias
         return self.matmul(x, w) + bias
 
     def _norm(self, x, norm):
@@ -318,7 +326,9 @@ class _Block(nn.Cell):
 
 
 class _FullBlock(nn.Cell):
-    """A full-attention block on the CPU kernels, in raster order (N, D) (no window padding): the products on
+    """A block on the CPU kernels: full attention in raster order (N, D), or windowed attention on the windowed
+    layout (W T, D), each window an image of T patches to VisionAttention, its padding rows last and never its keys
+    (`_Layout.keys`; they are rows like any other to the rest, and never reach a patch's): the products on
     VisionLinear (Qwen3-VL's fc1 with its tanh GELU), the attention VisionAttention's (every patch over every patch,
     its scores never written, so that no buffer of heads x patches^2 exists for any image size; q and k rotated by
     the patches' rotary tables `rope` (N, 2 hd) as the kernel reads them: as MindSpore's ops, the rotation and
@@ -331,7 +341,8 @@ class _FullBlock(nn.Cell):
         self.qwen3 = cfg.family == "qwen3_vl"
         self.linear = ops.Custom(f"{kernels}:VisionLinear", out_shape=lambda x, w, bias, *_: (x[0], bias[-1]),
                                  out_dtype=lambda x, *_: x, func_type="aot")
-        # (N, 3 D) q|k|v rows and a bias, [patches, heads, threads, level], rotary tables (N, 2 hd) -> (N, D)
+        # (N T, 3 D) q|k|v rows and a bias, [T, heads, threads, level], rotary tables (N T, 2 hd), each image's keys
+        # (N,) -> (N T, D): one image of every patch (raster order), or each window an image of T (its padding last)
         self.attend = ops.Custom(f"{kernels}:VisionAttention", out_shape=lambda qkv, *_: (qkv[0], qkv[1] // 3),
                                  out_dtype=lambda qkv, *_: qkv, func_type="aot")
         # x (R, D), gain, bias, [eps], [threads] -> (R, D)
@@ -355,10 +366,10 @@ class _FullBlock(nn.Cell):
         gate_up = self.linear(h, up, up_bias, self.plain)
         return self.linear(ops.silu(gate_up[:, :self.inner]) * gate_up[:, self.inner:], down, down_bias, self.plain)
 
-    def construct(self, x, rope, config, norm1, qkv_w, qkv_bias, proj_w, proj_bias, norm2, up, up_bias, down,
+    def construct(self, x, rope, config, keys, norm1, qkv_w, qkv_bias, proj_w, proj_bias, norm2, up, up_bias, down,
                   down_bias):
         qkv = self.linear(self._norm(x, norm1), qkv_w, qkv_bias, self.plain)                   # (N, 3 D)
-        x = x + self.linear(self.attend(qkv, self.no_bias, config, rope), proj_w, proj_bias, self.plain)
+        x = x + self.linear(self.attend(qkv, self.no_bias, config, rope, keys), proj_w, proj_bias, self.plain)
         return x + self._mlp(self._norm(x, norm2), up, up_bias, down, down_bias)
 
 
@@ -472,8 +483,8 @@ class QwenVisionTower:
             self.deepstack_weights = []
             self.merger = _Merger(cfg, kernels, threads)
         windowed = len(set(cfg.fullatt_block_indexes)) < cfg.num_layers         # (Qwen3-VL's: none)
-        self.window_block = _Block(cfg, full=False, kernels=kernels, threads=threads) if windowed else None
-        # (on the kernels the full-attention blocks are _FullBlock's, in raster order)
+        # (on the kernels every block is _FullBlock's: the full ones in raster order, the windowed on the windows)
+        self.window_block = _Block(cfg, full=False) if windowed and kernels is None else None
         self.full_block = _Block(cfg, full=True) if kernels is None else None
         self.threads, self.level = threads, 1 if self.int16 else 0     # (VisionAttention's int16 values with int16)
         self.full_kernel_block = None if kernels is None else _FullBlock(cfg, kernels, threads, self.level)
@@ -566,14 +577,21 @@ class QwenVisionTower:
         layout = self._layout(gh2, gw2)
         raster, h = array.reshape(gh2 * gw2 * mm, d), None     # the state: raster rows (numpy) or windows (tensor)
         deepstack = list(deepstack)
+        heads = self.cfg.num_heads
         for i in range(start, stop):
             full = i in self.cfg.fullatt_block_indexes
-            if full and self.full_kernel_block is not None:    # (in raster order: VisionAttention over every patch)
-                if h is not None:
-                    raster, h = layout.raster(h.asnumpy()), None
-                config = Tensor(np.array([layout.patches, self.cfg.num_heads, self.threads, self.level], np.int32))
-                raster = self.full_kernel_block(_tensor(raster), layout.raster_rope, config,
-                                                *self.layer_weights[i]).asnumpy()
+            if self.full_kernel_block is not None:             # (VisionAttention: over every patch in raster order,
+                if full:                                       # or within each window, the windowed layout's rows)
+                    if h is not None:
+                        raster, h = layout.raster(h.asnumpy()), None
+                    config = Tensor(np.array([layout.patches, heads, self.threads, self.level], np.int32))
+                    raster = self.full_kernel_block(_tensor(raster), layout.raster_rope, config, layout.raster_keys,
+                                                    *self.layer_weights[i]).asnumpy()
+                else:
+                    if h is None:
+                        h = _tensor(layout.windowed(raster).reshape(-1, d))
+                    config = Tensor(np.array([layout.per_window, heads, self.threads, self.level], np.int32))
+                    h = self.full_kernel_block(h, layout.window_rope, config, layout.keys, *self.layer_weights[i])
             else:
                 if h is None:
                     h = _tensor(layout.windowed(raster))

@@ -171,6 +171,31 @@ def test_rotary_tables_rotate_q_and_k_as_they_are_read(kernel, level):
     assert invoke(kernel, [qkv, bias, np.array(config, np.int32), wrong, out]) == 2
 
 
+@pytest.mark.parametrize("level", [None, 1, 2])
+def test_each_images_key_count_leaves_its_padding_out(kernel, level):
+    """A sixth input, each image's key count (N,): image n's first keys[n] patches attend among themselves exactly as
+    an image of that many patches alone (a Qwen2.5-VL window at the grid's edge, padded to the window's size), its
+    padding rows (anything, even inf) never reaching them; a count of 0 or past T is refused."""
+    rng = np.random.default_rng(22)
+    patches, heads, hd, keys = 64, 2, 64, [64, 23, 1, 40]
+    qkv = (rng.standard_normal((len(keys) * patches, 3 * heads * hd)) * 2).astype(np.float32)
+    for n, count in enumerate(keys):
+        qkv[n * patches + count:(n + 1) * patches] = np.inf                   # (padding: must not be read as keys)
+    angles = rng.uniform(0, 40, (qkv.shape[0], hd // 2))
+    rope = np.concatenate([np.cos(angles), np.cos(angles), np.sin(angles), np.sin(angles)], 1).astype(np.float32)
+    bias = rng.standard_normal(3 * heads * hd).astype(np.float32)
+    out = np.full((qkv.shape[0], heads * hd), np.nan, np.float32)
+    config = np.array([patches, heads, 2] + ([] if level is None else [level]), np.int32)
+    assert invoke(kernel, [qkv, bias, config, rope, np.array(keys, np.int32), out]) == 0
+    for n, count in enumerate(keys):
+        rows = slice(n * patches, n * patches + count)
+        want = reference(_rotated(qkv[rows], bias, rope[rows], heads), count, heads)
+        error = np.abs(out[rows] - want).max() / np.abs(want).max()
+        assert error <= {None: 1e-5, 1: 1e-3, 2: 3e-3}[level], (n, error)
+    for bad in ([64, 0, 1, 40], [64, 65, 1, 40]):
+        assert invoke(kernel, [qkv, bias, config, rope, np.array(bad, np.int32), out]) == 2
+
+
 def test_an_unknown_attention_level_is_refused(kernel):
     qkv = np.zeros((30, 3 * 96), np.float32)
     out = np.zeros((30, 96), np.float32)

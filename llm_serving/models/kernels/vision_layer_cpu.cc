@@ -22,6 +22,9 @@
 //                                 that the rotation costs no pass of its own (as MindSpore's ops, the rotation and
 //                                 the q|k|v concatenation took 0.15 s a block at Qwen3-VL's 3,072 patches of 1,024
 //                                 on two Zen 5 cores, more than the attention itself)
+//   keys      (N,)       int32    (optional, after rope) image n's keys: its first keys[n] patches, 1 to T (the
+//                                 rest padding, never attended to: a Qwen2.5-VL window at the grid's edge, each
+//                                 window one "image" of T patches); its padding rows are queries all the same
 //   out       (N*T, D)   float32  softmax(q k^T / sqrt(hd)) v of each image and head, the heads side by side
 //
 // Why a kernel: as MindSpore ops the attention split q|k|v into (3, N, H, T, hd) (a transpose of every value),
@@ -140,6 +143,9 @@ struct Shape {
   int64_t n, t, h, hd, d;   // images, patches an image, heads, head dim, H * hd
   int64_t tp;               // T rounded up to kKeyBlock
   const float* rope;        // (N T, 2 hd): each patch's cos then sin of its 2-D rotary positions, or null
+  const int32_t* keys;      // (N,): image n's first keys[n] patches are its keys (the rest padding), or null: all T
+
+  int64_t keys_of(int64_t n) const { return keys == nullptr ? t : keys[n]; }
 };
 
 // Patch `row`'s q or k of one head (src: its hd values in the q|k|v row, b: their bias): src + b, rotated as a
@@ -438,14 +444,14 @@ void scores_product(const float* panels, int64_t hd, const float* qt, float* st)
 // broadcasts a panel's kRows keys of one dim from one place), then its values as (tp, hd) rows; zero past the last
 // patch.
 void pack_head(const float* qkv, const float* bias, const Shape& sh, int64_t n, int64_t h, float* k, float* v) {
-  const int64_t stride = 3 * sh.d, last_panel = sh.t / kRows * kRows * sh.hd;
+  const int64_t stride = 3 * sh.d, keys = sh.keys_of(n), last_panel = keys / kRows * kRows * sh.hd;
   const float* rows = qkv + n * sh.t * stride + sh.d + h * sh.hd;
   const float* kb = bias + sh.d + h * sh.hd;
   const float* vb = kb + sh.d;
   std::memset(k + last_panel, 0, sizeof(float) * (sh.tp * sh.hd - last_panel));
-  std::memset(v + sh.t * sh.hd, 0, sizeof(float) * (sh.tp - sh.t) * sh.hd);
+  std::memset(v + keys * sh.hd, 0, sizeof(float) * (sh.tp - keys) * sh.hd);
   float key[kMaxHeadDims];
-  for (int64_t j = 0; j < sh.t; ++j) {
+  for (int64_t j = 0; j < keys; ++j) {
     const float* src = rows + j * stride;
     float* panel = k + j / kRows * kRows * sh.hd + j % kRows;
     head_values(src, kb, sh, n * sh.t + j, key);
@@ -499,7 +505,7 @@ void attend_block(const float* qkv, const float* bias, const float* k, const flo
   for (int64_t j0 = 0; j0 < sh.tp; j0 += kKeyBlock) {
     scores_product(k + j0 * sh.hd, sh.hd, w->qt.data(), st);
     // the padding past the last key: its e^(-inf - m) is e^-87 (exp_nonpositive's floor), on value rows of zeros
-    for (int64_t j = std::min(kKeyBlock, sh.t - j0); j < kKeyBlock; ++j) {
+    for (int64_t j = std::max<int64_t>(0, std::min(kKeyBlock, sh.keys_of(n) - j0)); j < kKeyBlock; ++j) {
       std::fill(st + j * kQueries, st + (j + 1) * kQueries, -INFINITY);
     }
     alignas(64) float alpha[kQueries];
@@ -569,7 +575,8 @@ void pack_head_int16(const float* qkv, const float* bias, const Shape& sh, int64
   std::fill(k_steps, k_steps + sh.tp, 1.f);
   if (k_float != nullptr) std::fill(k_float, k_float + sh.tp * sh.hd, 0.f);
   float row[kInt16HeadDims], top[kInt16HeadDims] = {}, inverse[kInt16HeadDims];
-  for (int64_t j = 0; j < sh.t; ++j) {
+  const int64_t keys = sh.keys_of(n);
+  for (int64_t j = 0; j < keys; ++j) {
     const float* src = rows + j * stride;
     head_values(src, kb, sh, n * sh.t + j, row);
     for (int64_t e = 0; e < sh.hd; ++e) top[e] = std::max(top[e], std::fabs(src[sh.d + e] + vb[e]));
@@ -587,7 +594,7 @@ void pack_head_int16(const float* qkv, const float* bias, const Shape& sh, int64
     v_steps[e] = e < sh.hd && top[e] > 0.f ? top[e] / kValueMax : 1.f;
     inverse[e] = e < sh.hd && top[e] > 0.f ? kValueMax / top[e] : 0.f;
   }
-  for (int64_t j = 0; j < sh.t; ++j) {
+  for (int64_t j = 0; j < keys; ++j) {
     const float* src = rows + j * stride + sh.d;
     for (int64_t e = 0; e < sh.hd; ++e) {
       v[((e / kMaddRows * pairs + j / 2) * kMaddRows + e % kMaddRows) * 2 + j % 2] =
@@ -642,7 +649,7 @@ void attend_block_int16(const float* qkv, const float* bias, const int16_t* k, c
                   hdp / 2, st + j * kQueries + q0, kQueries, true);
       }
     }
-    for (int64_t j = std::min(kKeyBlock, sh.t - j0); j < kKeyBlock; ++j) {
+    for (int64_t j = std::max<int64_t>(0, std::min(kKeyBlock, sh.keys_of(n) - j0)); j < kKeyBlock; ++j) {
       std::fill(st + j * kQueries, st + (j + 1) * kQueries, -INFINITY);
     }
     alignas(64) float alpha[kQueries];
@@ -944,27 +951,33 @@ extern "C" int VisionAttention(int nparam, void** params, int* ndims, int64_t** 
                                void* stream, void* extra) {
   (void)stream;
   (void)extra;
-  const int o = nparam - 1;                      // the output's index: 3, or 4 after the rotary tables
-  if ((nparam != 4 && nparam != 5) || ndims[0] != 2 || ndims[1] != 1 || ndims[2] != 1 || ndims[o] != 2 ||
+  const int o = nparam - 1;     // the output's index: 3, 4 after the rotary tables, 5 after the images' keys
+  if (nparam < 4 || nparam > 6 || ndims[0] != 2 || ndims[1] != 1 || ndims[2] != 1 || ndims[o] != 2 ||
       std::strcmp(dtypes[0], "float32") != 0 || std::strcmp(dtypes[1], "float32") != 0 ||
       std::strcmp(dtypes[2], "int32") != 0 || std::strcmp(dtypes[o], "float32") != 0 ||
       (shapes[2][0] != 3 && shapes[2][0] != 4) ||
-      (nparam == 5 && (ndims[3] != 2 || std::strcmp(dtypes[3], "float32") != 0))) {
+      (nparam >= 5 && (ndims[3] != 2 || std::strcmp(dtypes[3], "float32") != 0)) ||
+      (nparam == 6 && (ndims[4] != 1 || std::strcmp(dtypes[4], "int32") != 0))) {
     return 1;
   }
   const auto* qkv = static_cast<const float*>(params[0]);
   const auto* bias = static_cast<const float*>(params[1]);
   const auto* cfg = static_cast<const int32_t*>(params[2]);
-  const auto* rope = nparam == 5 ? static_cast<const float*>(params[3]) : nullptr;
+  const auto* rope = nparam >= 5 ? static_cast<const float*>(params[3]) : nullptr;
+  const auto* keys = nparam == 6 ? static_cast<const int32_t*>(params[4]) : nullptr;
   auto* out = static_cast<float*>(params[o]);
   const int64_t t = cfg[0], h = cfg[1], threads = std::max<int32_t>(1, cfg[2]);
   const int64_t d = shapes[o][1];
   if (t < 1 || h < 1 || d % h != 0 || d / h > kMaxHeadDims || shapes[0][1] != 3 * d || shapes[1][0] != 3 * d ||
       shapes[0][0] % t != 0 || shapes[o][0] != shapes[0][0] ||
-      (rope != nullptr && (shapes[3][0] != shapes[0][0] || shapes[3][1] != 2 * (d / h) || (d / h) % 2 != 0))) {
+      (rope != nullptr && (shapes[3][0] != shapes[0][0] || shapes[3][1] != 2 * (d / h) || (d / h) % 2 != 0)) ||
+      (keys != nullptr && shapes[4][0] != shapes[0][0] / t)) {
     return 2;
   }
-  Shape sh{shapes[0][0] / t, t, h, d / h, d, round_up(t, kKeyBlock), rope};
+  for (int64_t n = 0; keys != nullptr && n < shapes[0][0] / t; ++n) {
+    if (keys[n] < 1 || keys[n] > t) return 2;
+  }
+  Shape sh{shapes[0][0] / t, t, h, d / h, d, round_up(t, kKeyBlock), rope, keys};
   const int64_t heads = sh.n * sh.h, blocks = (t + kQueries - 1) / kQueries;
   const float scale = 1.4426950408889634f / std::sqrt(static_cast<float>(sh.hd));   // scores in log2 units
   std::atomic<int64_t> next{0};
