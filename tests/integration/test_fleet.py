@@ -47,9 +47,10 @@ LEAN = {                                           # one graph per shape the tes
 }
 MAX_GAP_S = 1.5          # the longest pause allowed between two tokens of a stream while another model loads (a load
                          # takes 3-15 s here; the tokens come in decode runs of 8, 0.1-0.5 s apart on a busy machine)
-GAP_SHARE = 0.6          # ... or this share of the load's (or restart's) time, when more: a master that held the
+GAP_SHARE = 0.75         # ... or this share of the load's (or restart's) time, when more: a master that held the
                          # stream's steps behind the load would pause it for all of the load, while a 2-core CI machine
-                         # running another test file beside this one paused it 1.56 s in a 3.1 s load (alone: 0.2-0.3 s)
+                         # running another test file beside this one paused it 1.56 s in a 3.1 s load, and a 2-core
+                         # Zen 5 1.66 s in a 2.5 s one (alone: 0.2-0.3 s)
 
 
 @pytest.fixture(scope="module")
