@@ -40,8 +40,8 @@ x 14 bits per 64 values: kernels/vision_panels.py, as the SigLIP towers' are), t
 the result is made; the attention is VisionAttention's, its scores never written, its values in int16 with `int16`,
 q and k rotated by the patches' rotary tables as it reads them: a full block's over every patch in raster order, a
 windowed block's within each window of the windowed layout, each window an "image" of T patches whose padding rows
-come last and are never keys (`_Layout.keys`); Qwen3-VL's LayerNorms are VisionLayerNorm's. Qwen2.5-VL's RMS norms
-and SwiGLU, the mergers' norms and GELU, and the position rows stay MindSpore's. (On two Zen 5 cores the windowed
+come last and are never keys (`_Layout.keys`); Qwen3-VL's LayerNorms are VisionLayerNorm's, Qwen2.5-VL's RMS norms
+VisionRmsNorm's and its SwiGLU VisionGated's. The mergers' norms and GELU and the position rows stay MindSpore's. (On two Zen 5 cores the windowed
 blocks on MindSpore's ops took 0.68 s each at 3,996 patches, 0.40 s on the kernels; the rotation and the q|k|v rows
 put back together in MindSpore's ops took more than the attention itself: 0.15 s a block at Qwen3-VL's 3,072 patches.)
 """
@@ -333,7 +333,7 @@ class _FullBlock(nn.Cell):
     its scores never written, so that no buffer of heads x patches^2 exists for any image size; q and k rotated by
     the patches' rotary tables `rope` (N, 2 hd) as the kernel reads them: as MindSpore's ops, the rotation and
     the q|k|v rows put back together took more time than the attention), Qwen3-VL's LayerNorms VisionLayerNorm's;
-    Qwen2.5-VL's RMS norms and SwiGLU MindSpore's."""
+    Qwen2.5-VL's RMS norms VisionRmsNorm's and its SwiGLU VisionGated's."""
 
     def __init__(self, cfg: QwenVisionConfig, kernels: str, threads: int, level: int):
         super().__init__()
@@ -348,6 +348,12 @@ class _FullBlock(nn.Cell):
         # x (R, D), gain, bias, [eps], [threads] -> (R, D)
         self.layer_norm = ops.Custom(f"{kernels}:VisionLayerNorm", out_shape=lambda x, *_: x,
                                      out_dtype=lambda x, *_: x, func_type="aot")
+        # x (R, D), gain, [eps], [threads] -> (R, D); gate|up (R, 2 I), [threads, activation] -> (R, I)
+        self.rms_norm = ops.Custom(f"{kernels}:VisionRmsNorm", out_shape=lambda x, *_: x,
+                                   out_dtype=lambda x, *_: x, func_type="aot")
+        self.gated = ops.Custom(f"{kernels}:VisionGated", out_shape=lambda gu, *_: (gu[0], gu[1] // 2),
+                                out_dtype=lambda gu, *_: gu, func_type="aot")
+        self.silu = Tensor(np.array([threads, 0], np.int32))
         self.eps_tensor = Tensor(np.array([cfg.eps], np.float32))
         self.plain = Tensor(np.array([threads, 0], np.int32))
         self.gelu = Tensor(np.array([threads, 1], np.int32))
@@ -358,13 +364,13 @@ class _FullBlock(nn.Cell):
     def _norm(self, x, norm):
         if self.qwen3:
             return self.layer_norm(x, norm[0], norm[1], self.eps_tensor, self.threads_tensor)
-        return _rms_normalize(x, self.eps) * norm
+        return self.rms_norm(x, norm, self.eps_tensor, self.threads_tensor)
 
     def _mlp(self, h, up, up_bias, down, down_bias):
         if self.qwen3:
             return self.linear(self.linear(h, up, up_bias, self.gelu), down, down_bias, self.plain)
-        gate_up = self.linear(h, up, up_bias, self.plain)
-        return self.linear(ops.silu(gate_up[:, :self.inner]) * gate_up[:, self.inner:], down, down_bias, self.plain)
+        gate_up = self.linear(h, up, up_bias, self.plain)                                    # (R, 2 I)
+        return self.linear(self.gated(gate_up, self.silu), down, down_bias, self.plain)
 
     def construct(self, x, rope, config, keys, norm1, qkv_w, qkv_bias, proj_w, proj_bias, norm2, up, up_bias, down,
                   down_bias):

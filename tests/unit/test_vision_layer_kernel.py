@@ -405,6 +405,44 @@ def test_layer_norm_is_each_rows_layer_norm(library):
 
 @pytest.mark.skipif(not cpu_flags() or bool(os.environ.get("LLM_SERVING_KERNEL_MARCH")),
                     reason="reads the CPU's flags from /proc/cpuinfo and the library built for them (-march=native)")
+def test_rms_norm_is_each_rows_rms_norm(library):
+    """VisionRmsNorm (Qwen2.5-VL's tower's norms): x / sqrt(mean(x^2) + eps) * gain, each row on its own, whatever
+    the threads."""
+    rng = np.random.default_rng(31)
+    x = (rng.standard_normal((37, 80)) * 3).astype(np.float32)
+    gain = rng.standard_normal(80).astype(np.float32)
+    want = x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-6) * gain
+    outs = []
+    for threads in (1, 3):
+        out = np.full_like(x, np.nan)
+        assert invoke(library.VisionRmsNorm, [x, gain, np.array([1e-6], np.float32),
+                                              np.array([threads], np.int32), out]) == 0
+        outs.append(out)
+    np.testing.assert_allclose(outs[0], want, rtol=2e-6, atol=2e-6 * np.abs(want).max())
+    np.testing.assert_array_equal(outs[0], outs[1])
+    assert invoke(library.VisionRmsNorm, [x, gain[:79], np.array([1e-6], np.float32), np.array([2], np.int32),
+                                          np.zeros_like(x)]) == 2
+
+
+@pytest.mark.parametrize("activation", [0, 1, 2])
+def test_gated_is_the_activation_of_the_gate_times_the_up(library, activation):
+    """VisionGated (Qwen2.5-VL's SwiGLU): a gate|up product's rows (R, 2 I) to act(gate) * up (R, I): SiLU, GELU-tanh
+    or GELU-erf, as the text kernels' activations."""
+    from math import erf
+
+    rng = np.random.default_rng(32 + activation)
+    gu = (rng.standard_normal((21, 2 * 75)) * 3).astype(np.float32)
+    g, u = gu[:, :75].astype(np.float64), gu[:, 75:].astype(np.float64)
+    act = {0: lambda v: v / (1 + np.exp(-v)),
+           1: lambda v: 0.5 * v * (1 + np.tanh(np.sqrt(2 / np.pi) * (v + 0.044715 * v ** 3))),
+           2: lambda v: 0.5 * v * (1 + np.vectorize(erf)(v / np.sqrt(2)))}[activation]
+    out = np.full((21, 75), np.nan, np.float32)
+    assert invoke(library.VisionGated, [gu, np.array([2, activation], np.int32), out]) == 0
+    want = act(g) * u
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    assert invoke(library.VisionGated, [gu, np.array([2, 3], np.int32), out]) == 2
+
+
 def test_the_int16_loop_is_native_where_avx2_without_avx512_or_avx512_vnni_is(library):
     """model_config.vision_int16 'auto' asks VisionLinearInt16Native: AVX2's vpmaddwd assembly where there is no
     AVX-512, vpdpwssd where AVX-512 has VNNI; elsewhere the int16 loop is plain C++, slower than the float panels."""
