@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import log_dir, machine, with_llama_server, write_json  # noqa: E402
 from bench.make_models import peers_dir  # noqa: E402
 from bench.peers import find_llama_server, start_ours  # noqa: E402
-from bench.vision_serving import image  # noqa: E402
+from bench.vision_serving import finish_gguf, image, mmproj_writer, random_weights  # noqa: E402
 
 # Qwen2.5-VL-3B's and Qwen3-VL-4B's vision towers (their config.json's vision_config); the merger's output is the
 # tiny text model's width
@@ -71,32 +71,16 @@ def text_model(out: Path, family: str = "qwen2.5") -> Path:
 def mmproj(out: Path, seed: int = 0) -> Path:
     """A random Qwen2.5-VL-3B tower and merger as llama.cpp's mmproj GGUF (the converter's names and keys: q, k, v
     apart, the patch kernel as two 2-D kernels; F16 matrices, F32 norms and biases), made once."""
-    import gguf
-
     if out.is_file():
         return out
     t = TOWERS["qwen2.5"]
     d, m, p, c = t["hidden"], t["intermediate"], t["patch"], 4 * t["hidden"]
-    rng = np.random.default_rng(seed)
-    writer = gguf.GGUFWriter(str(out) + ".part", "clip")
-    writer.add_string("general.type", "mmproj")
-    writer.add_bool("clip.has_vision_encoder", True)
-    writer.add_string("clip.projector_type", "qwen2.5vl_merger")
-    for key, value in (("projection_dim", t["text_hidden"]), ("image_size", 560), ("patch_size", p),
-                       ("embedding_length", d), ("feed_forward_length", m), ("block_count", t["layers"]),
-                       ("attention.head_count", t["heads"]), ("n_wa_pattern", t["every"])):
-        writer.add_uint32(f"clip.vision.{key}", value)
+    writer = mmproj_writer(out, "qwen2.5vl_merger", {
+        "projection_dim": t["text_hidden"], "image_size": 560, "patch_size": p, "embedding_length": d,
+        "feed_forward_length": m, "block_count": t["layers"], "attention.head_count": t["heads"],
+        "n_wa_pattern": t["every"]}, ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)))
     writer.add_bool("clip.use_silu", True)
-    writer.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
-    writer.add_array("clip.vision.image_mean", [0.48145466, 0.4578275, 0.40821073])
-    writer.add_array("clip.vision.image_std", [0.26862954, 0.26130258, 0.27577711])
-
-    def matrix(shape, fan_in):
-        return (rng.standard_normal(shape, dtype=np.float32) / np.sqrt(fan_in)).astype(np.float16)
-
-    def vector(n, base=0.0):
-        return (base + 0.02 * rng.standard_normal(n)).astype(np.float32)
-
+    matrix, vector = random_weights(seed)
     for k in ("", ".1"):
         writer.add_tensor("v.patch_embd.weight" + k, matrix((d, 3, p, p), 6 * p * p))
     for i in range(t["layers"]):
@@ -116,50 +100,28 @@ def mmproj(out: Path, seed: int = 0) -> Path:
     writer.add_tensor("mm.0.bias", vector(c))
     writer.add_tensor("mm.2.weight", matrix((t["text_hidden"], c), c))
     writer.add_tensor("mm.2.bias", vector(t["text_hidden"]))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    Path(str(out) + ".part").rename(out)
-    return out
+    return finish_gguf(writer, out)
 
 
 def mmproj_qwen3(out: Path, seed: int = 0) -> Path:
     """A random Qwen3-VL-4B tower, merger and DeepStack mergers as llama.cpp's qwen3vl_merger mmproj GGUF (the
     converter's names and keys: q|k|v one matrix, the patch kernel as two 2-D kernels and a bias, the position rows,
     `v.deepstack.L.*` by layer; F16 matrices, F32 norms, biases and position rows), made once."""
-    import gguf
-
     if out.is_file():
         return out
     t = TOWERS["qwen3"]
     d, m, p, c = t["hidden"], t["intermediate"], t["patch"], 4 * t["hidden"]
-    rng = np.random.default_rng(seed)
-    writer = gguf.GGUFWriter(str(out) + ".part", "clip")
-    writer.add_string("general.type", "mmproj")
-    writer.add_bool("clip.has_vision_encoder", True)
-    writer.add_string("clip.projector_type", "qwen3vl_merger")
-    side = int(round(t["positions"] ** 0.5))
-    for key, value in (("projection_dim", t["text_hidden"]), ("image_size", side * p), ("patch_size", p),
-                       ("embedding_length", d), ("feed_forward_length", m), ("block_count", t["layers"]),
-                       ("attention.head_count", t["heads"]), ("spatial_merge_size", 2)):
-        writer.add_uint32(f"clip.vision.{key}", value)
+    writer = mmproj_writer(out, "qwen3vl_merger", {
+        "projection_dim": t["text_hidden"], "image_size": int(round(t["positions"] ** 0.5)) * p, "patch_size": p,
+        "embedding_length": d, "feed_forward_length": m, "block_count": t["layers"],
+        "attention.head_count": t["heads"], "spatial_merge_size": 2}, ((0.5,) * 3, (0.5,) * 3))
     writer.add_bool("clip.use_gelu", True)
-    writer.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
-    writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
-    writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
     writer.add_array("clip.vision.is_deepstack_layers", [i in t["deepstack"] for i in range(t["layers"])])
-
-    def matrix(shape, fan_in):
-        return (rng.standard_normal(shape, dtype=np.float32) / np.sqrt(fan_in)).astype(np.float16)
-
-    def vector(n, base=0.0):
-        return (base + 0.02 * rng.standard_normal(n)).astype(np.float32)
-
+    matrix, vector = random_weights(seed)
     for k in ("", ".1"):
         writer.add_tensor("v.patch_embd.weight" + k, matrix((d, 3, p, p), 6 * p * p))
     writer.add_tensor("v.patch_embd.bias", vector(d))
-    writer.add_tensor("v.position_embd.weight", (0.02 * rng.standard_normal((t["positions"], d))).astype(np.float32))
+    writer.add_tensor("v.position_embd.weight", np.stack([vector(d) for _ in range(t["positions"])]))
     for i in range(t["layers"]):
         at = f"v.blk.{i}."
         for norm in ("ln1", "ln2"):
@@ -177,12 +139,7 @@ def mmproj_qwen3(out: Path, seed: int = 0) -> Path:
         writer.add_tensor(first + ".bias", vector(c))
         writer.add_tensor(second + ".weight", matrix((t["text_hidden"], c), c))
         writer.add_tensor(second + ".bias", vector(t["text_hidden"]))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    Path(str(out) + ".part").rename(out)
-    return out
+    return finish_gguf(writer, out)
 
 
 def ask(url: str, picture: str) -> dict:

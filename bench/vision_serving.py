@@ -77,33 +77,57 @@ def vl_text_model(src: Path, out: Path) -> Path:
     return out
 
 
-def mmproj(out: Path, seed: int = 0) -> Path:
-    """A random SigLIP-400M tower and Gemma 3 projector as llama.cpp's mmproj GGUF (F16 matrices; the position
-    table, norms, biases and the projection's norm gain, stored 1 + w, F32), made once."""
+def mmproj_writer(out: Path, projector: str, keys: dict, normalize: tuple):
+    """A GGUF writer of an mmproj (to `out`.part) with its converter's header: the projector type, `keys`
+    (clip.vision.<key>: uint32), the image mean and std."""
     import gguf
 
-    if out.is_file():
-        return out
-    t = TOWER
-    d, m, p = t["hidden"], t["intermediate"], t["patch"]
-    rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(str(out) + ".part", "clip")
     writer.add_string("general.type", "mmproj")
     writer.add_bool("clip.has_vision_encoder", True)
-    writer.add_string("clip.projector_type", "gemma3")
-    for key, value in (("projection_dim", t["text_hidden"]), ("image_size", t["image"]), ("patch_size", p),
-                       ("embedding_length", d), ("feed_forward_length", m), ("block_count", t["layers"]),
-                       ("attention.head_count", t["heads"])):
+    writer.add_string("clip.projector_type", projector)
+    for key, value in keys.items():
         writer.add_uint32(f"clip.vision.{key}", value)
     writer.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
-    writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
-    writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+    writer.add_array("clip.vision.image_mean", list(normalize[0]))
+    writer.add_array("clip.vision.image_std", list(normalize[1]))
+    return writer
+
+
+def random_weights(seed: int) -> tuple:
+    """matrix(shape, fan_in): F16 normal weights at a trained tower's scale; vector(n, base): F32 near `base`."""
+    rng = np.random.default_rng(seed)
 
     def matrix(shape, fan_in):
         return (rng.standard_normal(shape, dtype=np.float32) / np.sqrt(fan_in)).astype(np.float16)
 
     def vector(n, base=0.0):
         return (base + 0.02 * rng.standard_normal(n)).astype(np.float32)
+    return matrix, vector
+
+
+def finish_gguf(writer, out: Path) -> Path:
+    """Write the GGUF and move it to `out` (it is whole or absent)."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    Path(str(out) + ".part").rename(out)
+    return out
+
+
+def mmproj(out: Path, seed: int = 0) -> Path:
+    """A random SigLIP-400M tower and Gemma 3 projector as llama.cpp's mmproj GGUF (F16 matrices; the position
+    table, norms, biases and the projection's norm gain, stored 1 + w, F32), made once."""
+    if out.is_file():
+        return out
+    t = TOWER
+    d, m, p = t["hidden"], t["intermediate"], t["patch"]
+    writer = mmproj_writer(out, "gemma3", {
+        "projection_dim": t["text_hidden"], "image_size": t["image"], "patch_size": p, "embedding_length": d,
+        "feed_forward_length": m, "block_count": t["layers"], "attention.head_count": t["heads"]},
+        ((0.5,) * 3, (0.5,) * 3))
+    matrix, vector = random_weights(seed)
 
     grid = t["image"] // p
     writer.add_tensor("v.patch_embd.weight", matrix((d, 3, p, p), 3 * p * p))
@@ -125,12 +149,7 @@ def mmproj(out: Path, seed: int = 0) -> Path:
     writer.add_tensor("v.post_ln.bias", vector(d))
     writer.add_tensor("mm.input_projection.weight", matrix((d, t["text_hidden"]), d))
     writer.add_tensor("mm.soft_emb_norm.weight", vector(d, 1.0))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    Path(str(out) + ".part").rename(out)
-    return out
+    return finish_gguf(writer, out)
 
 
 def image(seed: int) -> str:

@@ -601,9 +601,8 @@ class LlamaForCausalLM(nn.Cell):
         matrices a layer left to `later` (LaterRepacks) are queued with the call that reads them. With DeepStack
         (n layers), a stack per layer of the first n and one of the rest (`stack_bounds`), the image rows added
         between them."""
-        n = self.deepstack
-        self.stack_bounds = (tuple(range(n + 1)) + (len(self.layers),)) if n < len(self.layers) else \
-            tuple(range(n + 1))
+        n, layers = self.deepstack, len(self.layers)
+        self.stack_bounds = tuple(range(n + 1)) + ((layers,) if n < layers else ())    # (0, N), or (0, 1, .., n, N)
         for first, stop in zip(self.stack_bounds, self.stack_bounds[1:]):
             stack = LayerStack(layer_kernel)
             for i in range(first, stop):

@@ -570,7 +570,8 @@ class QwenVisionTower:
         """`state` (the patches (gh2, gw2, m m, D), a tensor or its numpy array; a QwenState with DeepStack mergers)
         through blocks start..stop-1: a state of the same kind, its patches a tensor, with the rows of the
         DeepStack mergers of those blocks added. Each call lays the patches out in windows and back (exact copies),
-        the padding zero at every block's start, so a block's output is the same whichever call runs it."""
+        the padding zero where it lays them out (and, on MindSpore's ops, at every block's start; on the kernels no
+        padding row reaches a patch's), so a block's output is the same whichever call runs it."""
         x, deepstack = self._unpacked(state)
         made = sum(i < start for i in self.cfg.deepstack_visual_indexes)
         if len(deepstack) != made:
@@ -583,21 +584,22 @@ class QwenVisionTower:
         layout = self._layout(gh2, gw2)
         raster, h = array.reshape(gh2 * gw2 * mm, d), None     # the state: raster rows (numpy) or windows (tensor)
         deepstack = list(deepstack)
-        heads = self.cfg.num_heads
+        heads = self.cfg.num_heads       # VisionAttention's configs: every patch one image, or each window one
+        full_config = Tensor(np.array([layout.patches, heads, self.threads, self.level], np.int32))
+        window_config = Tensor(np.array([layout.per_window, heads, self.threads, self.level], np.int32))
         for i in range(start, stop):
             full = i in self.cfg.fullatt_block_indexes
             if self.full_kernel_block is not None:             # (VisionAttention: over every patch in raster order,
                 if full:                                       # or within each window, the windowed layout's rows)
                     if h is not None:
                         raster, h = layout.raster(h.asnumpy()), None
-                    config = Tensor(np.array([layout.patches, heads, self.threads, self.level], np.int32))
-                    raster = self.full_kernel_block(_tensor(raster), layout.raster_rope, config, layout.raster_keys,
-                                                    *self.layer_weights[i]).asnumpy()
+                    raster = self.full_kernel_block(_tensor(raster), layout.raster_rope, full_config,
+                                                    layout.raster_keys, *self.layer_weights[i]).asnumpy()
                 else:
                     if h is None:
                         h = _tensor(layout.windowed(raster).reshape(-1, d))
-                    config = Tensor(np.array([layout.per_window, heads, self.threads, self.level], np.int32))
-                    h = self.full_kernel_block(h, layout.window_rope, config, layout.keys, *self.layer_weights[i])
+                    h = self.full_kernel_block(h, layout.window_rope, window_config, layout.keys,
+                                               *self.layer_weights[i])
             else:
                 if h is None:
                     h = _tensor(layout.windowed(raster))

@@ -107,30 +107,45 @@ async def _chats(url: str, bodies: list) -> list:
                                   for body in bodies))
 
 
-def test_qwen_vl_image_questions_get_transformers_tokens_and_logprobs(qwen_vl, tmp_path):
-    """Three image chats at once (a wide image, then text; a tall one and a small transparent one in one turn; the
-    small one alone), a text-only chat, then a follow-up re-sending the first picture: chunked prefill in 16-token
-    chunks (never inside an image), the prefix cache on 8-token blocks, the encoded-image cache: each reply is
-    transformers' greedy tokens with their log-probabilities (its M-RoPE positions: the image's tokens by their row
-    and column, the text after an image from the grid's larger side), its prompt as many tokens as transformers'
-    processor makes; then the precision gate with picture prompts passes."""
+IMAGE = f"<|vision_start|>{PAD}<|vision_end|>"
+
+
+def check_replies(path, chats: list, replies: list) -> None:
+    """Each reply (status, body) to chats' (messages, turns as the template renders them, images) is transformers'
+    greedy tokens with their log-probabilities, its prompt as many tokens as transformers' processor makes."""
     from llm_serving.tokenization import load_tokenizer
 
+    tok = load_tokenizer(str(path / "tokenizer.json"))
+    for (_, turns, images), (status, body) in zip(chats, replies):
+        assert status == 200, body
+        ids = _prompt_ids(path, turns, images)
+        assert body["usage"]["prompt_tokens"] == len(ids), turns
+        want, want_lps = _reference(path, ids, images)
+        assert body["choices"][0]["message"]["content"] == tok.decode(want), turns
+        np.testing.assert_allclose([e["logprob"] for e in body["choices"][0]["logprobs"]["content"]], want_lps,
+                                   atol=2e-3, err_msg=str(turns))
+
+
+def served_image_chats(path, tmp_path) -> None:
+    """Three image chats at once (a wide image, then text; a tall one and a small transparent one in one turn; the
+    small one alone), a text-only chat, then a follow-up re-sending the first picture, to the tiny Qwen-VL model at
+    `path`: chunked prefill in 16-token chunks (never inside an image), the prefix cache on 8-token blocks, the
+    encoded-image cache. Each reply is transformers' (`check_replies`); the precision gate with two picture prompts
+    passes (the reference's float64 tower on the captured patches, its text model placing them by their grids, every
+    row within 0.5%); three images are encoded, each once (the follow-up's from the cache); /v1/models says images."""
     wide, tall, small = _png(0, (40, 130, 3)), _png(1, (120, 50, 3)), _png(2, (30, 20, 4))
-    image = f"<|vision_start|>{PAD}<|vision_end|>"
     chats = [  # (messages, the turns as the template renders them, their images in order)
         ([_user("What is in this picture? Say it briefly.", wide)],
-         [("user", f"What is in this picture? Say it briefly.{image}")], [wide]),
-        ([_user("Compare them:", tall, small)], [("user", f"Compare them:{image}{image}")], [tall, small]),
-        ([_user("What is it?", small)], [("user", f"What is it?{image}")], [small]),
+         [("user", f"What is in this picture? Say it briefly.{IMAGE}")], [wide]),
+        ([_user("Compare them:", tall, small)], [("user", f"Compare them:{IMAGE}{IMAGE}")], [tall, small]),
+        ([_user("What is it?", small)], [("user", f"What is it?{IMAGE}")], [small]),
         ([{"role": "user", "content": "Name three colors."}], [("user", "Name three colors.")], []),
     ]
     follow = [_user("What is in this picture? Say it briefly.", wide), {"role": "assistant", "content": "a cat"},
               {"role": "user", "content": "Are you sure?"}]
-    chats.append((follow, [("user", f"What is in this picture? Say it briefly.{image}"), ("assistant", "a cat"),
+    chats.append((follow, [("user", f"What is in this picture? Say it briefly.{IMAGE}"), ("assistant", "a cat"),
                            ("user", "Are you sure?")], [wide]))
-    tok = load_tokenizer(str(qwen_vl / "tokenizer.json"))
-    args = ["--model", str(qwen_vl), "--set", f"model_config.model_name={MODEL}",
+    args = ["--model", str(path), "--set", f"model_config.model_name={MODEL}",
             "--set", "model_config.max_generate_length=256", "--set", "pa_config.block_size=8",
             "--set", "scheduler_config.chunked_prefill=true", "--set", "scheduler_config.max_chunk_tokens=16",
             "--set", "serving_config.max_num_batched_tokens=32", "--set", "serving_config.max_num_seqs=8",
@@ -140,8 +155,6 @@ def test_qwen_vl_image_questions_get_transformers_tokens_and_logprobs(qwen_vl, t
         last = asyncio.run(_chats(server.url, [_body(chats[4][0])]))
         models = http("GET", server.url + "/v1/models")[1]
         log = (tmp_path / "server.log").read_text()
-        # the precision gate with two picture prompts: the reference's float64 tower on the captured patches, its
-        # text model placing them by their grids (M-RoPE), every row within 0.5%
         prompts = tmp_path / "prompts.txt"
         prompts.write_text("what is this\nname three colors\ndescribe it\n")
         (tmp_path / "gate").mkdir()
@@ -149,17 +162,31 @@ def test_qwen_vl_image_questions_get_transformers_tokens_and_logprobs(qwen_vl, t
                                     "--prompts", str(prompts))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (gate["image_prompts"], gate["images_encoded"]) == (2, 2) and gate["max_rel_error"] < 5e-3, gate
-    for (messages, turns, images), (status, body) in zip(chats, first + last):
-        assert status == 200, body
-        ids = _prompt_ids(qwen_vl, turns, images)
-        assert body["usage"]["prompt_tokens"] == len(ids), turns
-        want, want_lps = _reference(qwen_vl, ids, images)
-        assert body["choices"][0]["message"]["content"] == tok.decode(want), turns
-        got_lps = [e["logprob"] for e in body["choices"][0]["logprobs"]["content"]]
-        np.testing.assert_allclose(got_lps, want_lps, atol=2e-3, err_msg=str(turns))
-    # three images, each encoded once (the follow-up's came from the cache)
+    check_replies(path, chats, first + last)
     assert log.count(" encoded in ") == 3, log
     assert models["data"][0].get("input_modalities", ["text"]).count("image") == 1, models
+
+
+def served_gguf_chats(path, text, mmproj, tmp_path) -> None:
+    """Two image chats (one image; two in a turn) to the tiny Qwen-VL model at `path` served as the GGUF `text` with
+    its `mmproj` beside it: each reply is transformers' (`check_replies`; images whose grids llama.cpp's bounds, 8
+    to 4,096 tokens, leave as the tiny processor's)."""
+    wide, square = _png(1, (50, 120, 3)), _png(4, (100, 100, 3))
+    chats = [([_user("What is it?", wide)], [("user", f"What is it?{IMAGE}")], [wide]),
+             ([_user("Compare:", square, wide)], [("user", f"Compare:{IMAGE}{IMAGE}")], [square, wide])]
+    args = ["--model", str(text), "--set", f"model_config.mmproj={mmproj}", "--set", f"model_config.model_name={MODEL}",
+            "--set", "model_config.max_generate_length=256", "--set", "pa_config.kv_cache_dtype=float32"]
+    with serving(args, tmp_path / "server.log") as server:
+        replies = asyncio.run(_chats(server.url, [_body(m) for m, _, _ in chats]))
+    check_replies(path, chats, replies)
+
+
+def test_qwen_vl_image_questions_get_transformers_tokens_and_logprobs(qwen_vl, tmp_path):
+    """Image chats to a tiny Qwen2.5-VL (`served_image_chats`): each reply is transformers' greedy tokens with their
+    log-probabilities (its M-RoPE positions: the image's tokens by their row and column, the text after an image
+    from the grid's larger side), with chunked prefill, the prefix cache and the encoded-image cache in play; the
+    precision gate with picture prompts passes."""
+    served_image_chats(qwen_vl, tmp_path)
 
 
 def test_an_image_past_the_agents_largest_call_is_made_smaller_and_a_bad_one_is_a_400(qwen_vl, tmp_path):
@@ -180,7 +207,7 @@ def test_an_image_past_the_agents_largest_call_is_made_smaller_and_a_bad_one_is_
                                      _body([_user("And this?", _png(5, (1, 300, 3)))]))
         again = http("POST", server.url + "/v1/chat/completions", _body([_user("What is it?", big)]))
     assert status == 200, body
-    turns = [("user", f"What is it?<|vision_start|>{PAD}<|vision_end|>")]
+    turns = [("user", f"What is it?{IMAGE}")]
     assert len(_prompt_ids(qwen_vl, turns, [big])) == body["usage"]["prompt_tokens"] + 16 - 4   # 4 tokens, not 16
     ids = _prompt_ids(qwen_vl, turns, [big], max_pixels=8 * 28 * 28)
     assert body["usage"]["prompt_tokens"] == len(ids)
@@ -248,7 +275,6 @@ def test_a_gguf_and_its_mmproj_serve_the_same_image_questions(qwen_vl, tmp_path)
     greedy tokens (images whose grids llama.cpp's bounds, 8 to 4,096 tokens, leave as the tiny processor's)."""
     from llm_serving.models.weights import load_llama_weights
     from llm_serving.models.weights.vision import mmproj_checkpoint, vision_checkpoint
-    from llm_serving.tokenization import load_tokenizer
     from tests.families import write_gguf
 
     text, mmproj = write_gguf(None, qwen_vl, tmp_path / "qwen-vl.gguf"), tmp_path / "mmproj.gguf"
@@ -261,23 +287,7 @@ def test_a_gguf_and_its_mmproj_serve_the_same_image_questions(qwen_vl, tmp_path)
         index = (slice(None),) * len(tensor.shape)
         np.testing.assert_array_equal(tensor.read(index), hf_tensors[name].read(index), err_msg=name)
     assert load_llama_weights(str(text))[0].mrope_section == (2, 3, 3)
-    wide, square = _png(1, (50, 120, 3)), _png(4, (100, 100, 3))          # 2 x 4 and 4 x 4 tokens either way
-    image = f"<|vision_start|>{PAD}<|vision_end|>"
-    chats = [([_user("What is it?", wide)], [("user", f"What is it?{image}")], [wide]),
-             ([_user("Compare:", square, wide)], [("user", f"Compare:{image}{image}")], [square, wide])]
-    args = ["--model", str(text), "--set", f"model_config.mmproj={mmproj}", "--set", f"model_config.model_name={MODEL}",
-            "--set", "model_config.max_generate_length=256", "--set", "pa_config.kv_cache_dtype=float32"]
-    with serving(args, tmp_path / "server.log") as server:
-        replies = asyncio.run(_chats(server.url, [_body(m) for m, _, _ in chats]))
-    tok = load_tokenizer(str(qwen_vl / "tokenizer.json"))
-    for (messages, turns, images), (status, body) in zip(chats, replies):
-        assert status == 200, body
-        ids = _prompt_ids(qwen_vl, turns, images)
-        assert body["usage"]["prompt_tokens"] == len(ids)
-        want, want_lps = _reference(qwen_vl, ids, images)
-        assert body["choices"][0]["message"]["content"] == tok.decode(want), turns
-        np.testing.assert_allclose([e["logprob"] for e in body["choices"][0]["logprobs"]["content"]], want_lps,
-                                   atol=2e-3, err_msg=str(turns))
+    served_gguf_chats(qwen_vl, text, mmproj, tmp_path)          # (2 x 4 and 4 x 4 tokens either way)
 
 
 def test_the_float64_reference_places_images_as_transformers_does(qwen_vl):
@@ -288,8 +298,7 @@ def test_the_float64_reference_places_images_as_transformers_does(qwen_vl):
     from llm_serving.reference_llama import ReferenceLlama
 
     wide, square = _png(1, (50, 120, 3)), _png(4, (100, 100, 3))
-    image = f"<|vision_start|>{PAD}<|vision_end|>"
-    ids = _prompt_ids(qwen_vl, [("user", f"Compare:{image} and{image} now")], [wide, square])
+    ids = _prompt_ids(qwen_vl, [("user", f"Compare:{IMAGE} and{IMAGE} now")], [wide, square])
     out = _processed(qwen_vl, [wide, square])
     model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
         str(qwen_vl), dtype=torch.float64, attn_implementation="eager").eval()

@@ -4,25 +4,22 @@ token; a tower with learned position rows and DeepStack mergers; a Qwen3 text mo
 first two layers add the DeepStack rows to the image's tokens). Image questions through OpenAI's chat API get
 transformers' greedy tokens and log-probabilities, from the HF directory and from a `qwen3vl` GGUF with its
 qwen3vl_merger mmproj, with chunked prefill cutting between images, the prefix cache and the encoded-image cache in
-play; the float64 reference places the images and their DeepStack rows as transformers does. The shared helpers are
-test_images_qwen.py's (Qwen2.5-VL's: the same processor, prompt and API)."""
+play; the float64 reference places the images and their DeepStack rows as transformers does. The chats, the served
+checks and the helpers are test_images_qwen.py's (Qwen2.5-VL's: the same processor, prompt and API)."""
 from __future__ import annotations
 
-import asyncio
+import dataclasses
 import json
 
 import numpy as np
 import pytest
 
 from tests.families import make_qwen3_vl, needs_transformers
-from tests.integration.server_harness import http, precision_gate, serving
-from tests.integration.test_images_qwen import (MODEL, PAD, _body, _chats, _png, _processed, _prompt_ids, _reference,
-                                                _user)
+from tests.integration.test_images_qwen import (IMAGE, _png, _processed, _prompt_ids, served_gguf_chats,
+                                                served_image_chats)
 
 pytest.importorskip("mindspore")
 pytest.importorskip("PIL", reason="Pillow reads the images (pip install -e .)")
-
-IMAGE = f"<|vision_start|>{PAD}<|vision_end|>"
 
 
 @pytest.fixture(scope="module")
@@ -33,60 +30,12 @@ def qwen3_vl(tmp_path_factory):
     return directory
 
 
-def _check_replies(path, chats: list, replies: list) -> None:
-    """Each reply is transformers' greedy tokens with their log-probabilities, its prompt as many tokens as
-    transformers' processor makes."""
-    from llm_serving.tokenization import load_tokenizer
-
-    tok = load_tokenizer(str(path / "tokenizer.json"))
-    for (_, turns, images), (status, body) in zip(chats, replies):
-        assert status == 200, body
-        ids = _prompt_ids(path, turns, images)
-        assert body["usage"]["prompt_tokens"] == len(ids), turns
-        want, want_lps = _reference(path, ids, images)
-        assert body["choices"][0]["message"]["content"] == tok.decode(want), turns
-        np.testing.assert_allclose([e["logprob"] for e in body["choices"][0]["logprobs"]["content"]], want_lps,
-                                   atol=2e-3, err_msg=str(turns))
-
-
 def test_qwen3_vl_image_questions_get_transformers_tokens_and_logprobs(qwen3_vl, tmp_path):
-    """Three image chats at once (a wide image; a tall one and a small transparent one in one turn; the small one
-    alone), a text-only chat, then a follow-up re-sending the first picture: chunked prefill in 16-token chunks
-    (never inside an image), the prefix cache on 8-token blocks, the encoded-image cache: each reply is transformers'
-    (its DeepStack rows added after the first two layers, its interleaved M-RoPE); then the precision gate with
+    """Image chats to a tiny Qwen3-VL (test_images_qwen.py's `served_image_chats`): each reply is transformers'
+    greedy tokens with their log-probabilities (its DeepStack rows added after the first two layers, its interleaved
+    M-RoPE), with chunked prefill, the prefix cache and the encoded-image cache in play; the precision gate with
     picture prompts passes (the float64 tower's rows, DeepStack's among them)."""
-    wide, tall, small = _png(0, (40, 130, 3)), _png(1, (120, 50, 3)), _png(2, (30, 20, 4))
-    chats = [  # (messages, the turns as the template renders them, their images in order)
-        ([_user("What is in this picture? Say it briefly.", wide)],
-         [("user", f"What is in this picture? Say it briefly.{IMAGE}")], [wide]),
-        ([_user("Compare them:", tall, small)], [("user", f"Compare them:{IMAGE}{IMAGE}")], [tall, small]),
-        ([_user("What is it?", small)], [("user", f"What is it?{IMAGE}")], [small]),
-        ([{"role": "user", "content": "Name three colors."}], [("user", "Name three colors.")], []),
-    ]
-    follow = [_user("What is in this picture? Say it briefly.", wide), {"role": "assistant", "content": "a cat"},
-              {"role": "user", "content": "Are you sure?"}]
-    chats.append((follow, [("user", f"What is in this picture? Say it briefly.{IMAGE}"), ("assistant", "a cat"),
-                           ("user", "Are you sure?")], [wide]))
-    args = ["--model", str(qwen3_vl), "--set", f"model_config.model_name={MODEL}",
-            "--set", "model_config.max_generate_length=256", "--set", "pa_config.block_size=8",
-            "--set", "scheduler_config.chunked_prefill=true", "--set", "scheduler_config.max_chunk_tokens=16",
-            "--set", "serving_config.max_num_batched_tokens=32", "--set", "serving_config.max_num_seqs=8",
-            "--set", "scheduler_config.enable_prefix_caching=true", "--set", "pa_config.kv_cache_dtype=float32"]
-    with serving(args, tmp_path / "server.log") as server:
-        first = asyncio.run(_chats(server.url, [_body(m) for m, _, _ in chats[:4]]))
-        last = asyncio.run(_chats(server.url, [_body(chats[4][0])]))
-        models = http("GET", server.url + "/v1/models")[1]
-        log = (tmp_path / "server.log").read_text()
-        prompts = tmp_path / "prompts.txt"
-        prompts.write_text("what is this\nname three colors\ndescribe it\n")
-        (tmp_path / "gate").mkdir()
-        proc, gate = precision_gate(server.url, tmp_path / "gate", "-n", "3", "--images", "2", "--max-new-tokens", "3",
-                                    "--prompts", str(prompts))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert (gate["image_prompts"], gate["images_encoded"]) == (2, 2) and gate["max_rel_error"] < 5e-3, gate
-    _check_replies(qwen3_vl, chats, first + last)
-    assert log.count(" encoded in ") == 3, log          # three images, each encoded once (the follow-up's cached)
-    assert models["data"][0].get("input_modalities", ["text"]).count("image") == 1, models
+    served_image_chats(qwen3_vl, tmp_path)
 
 
 def write_qwen3_mmproj(hf_dir, path):
@@ -160,22 +109,15 @@ def test_a_qwen3vl_gguf_and_its_mmproj_serve_the_same_image_questions(qwen3_vl, 
     write_qwen3_mmproj(qwen3_vl, mmproj)
     cfg, tensors = mmproj_checkpoint(str(mmproj))
     hf_cfg, hf_tensors = vision_checkpoint(str(qwen3_vl))
-    assert cfg == hf_cfg.__class__(**{**hf_cfg.__dict__, **{k: getattr(cfg, k) for k in (
-        "image_token_id", "vision_start_token_id", "vision_end_token_id")}})      # (the ids: the text model's)
+    assert cfg == dataclasses.replace(hf_cfg, image_token_id=None, vision_start_token_id=None,
+                                      vision_end_token_id=None)      # (an mmproj has no token ids: the text model's)
     assert sorted(tensors) == sorted(hf_tensors)
     for name, tensor in tensors.items():
         index = (slice(None),) * len(tensor.shape)
         np.testing.assert_array_equal(tensor.read(index), hf_tensors[name].read(index), err_msg=name)
     text_cfg = load_llama_weights(str(text))[0]
     assert (text_cfg.mrope_section, text_cfg.mrope_interleaved, text_cfg.deepstack_layers) == ((2, 3, 3), True, 2)
-    wide, square = _png(1, (50, 120, 3)), _png(4, (100, 100, 3))
-    chats = [([_user("What is it?", wide)], [("user", f"What is it?{IMAGE}")], [wide]),
-             ([_user("Compare:", square, wide)], [("user", f"Compare:{IMAGE}{IMAGE}")], [square, wide])]
-    args = ["--model", str(text), "--set", f"model_config.mmproj={mmproj}", "--set", f"model_config.model_name={MODEL}",
-            "--set", "model_config.max_generate_length=256", "--set", "pa_config.kv_cache_dtype=float32"]
-    with serving(args, tmp_path / "server.log") as server:
-        replies = asyncio.run(_chats(server.url, [_body(m) for m, _, _ in chats]))
-    _check_replies(qwen3_vl, chats, replies)
+    served_gguf_chats(qwen3_vl, text, mmproj, tmp_path)
 
 
 def test_the_float64_reference_adds_deepstack_rows_as_transformers_does(qwen3_vl):

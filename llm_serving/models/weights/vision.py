@@ -446,13 +446,14 @@ def mmproj_config(path: str, contents=None):
     """The VisionConfig of llama.cpp's mmproj GGUF of a Gemma 3 (`clip.projector_type` gemma3) or a SmolVLM
     (idefics3). The image tokens' pooling or pixel shuffle: `clip.vision.projector.scale_factor` patches a side, 4
     (every Gemma 3's) when the file does not say. The placeholder token ids are the text model's (its vocabulary),
-    not known here. A Qwen2.5-VL's (qwen2.5vl_merger): its QwenVisionConfig (`_qwen_mmproj_config`). WeightLoadError
-    for a file that is not such an mmproj."""
-    fields = _mmproj_fields(path, contents).fields
+    not known here. A Qwen2.5-VL's (qwen2.5vl_merger) or Qwen3-VL's (qwen3vl_merger): its QwenVisionConfig
+    (`_qwen_mmproj_config`, `_qwen3_mmproj_config`). WeightLoadError for a file that is not such an mmproj."""
+    contents = _mmproj_fields(path, contents)
+    fields = contents.fields
     if fields["clip.projector_type"] == "qwen2.5vl_merger":
         return _qwen_mmproj_config(path, fields)
     if fields["clip.projector_type"] == "qwen3vl_merger":
-        return _qwen3_mmproj_config(path, fields, contents)
+        return _qwen3_mmproj_config(path, fields, contents.tensors)
     try:
         image, patch = int(fields["clip.vision.image_size"]), int(fields["clip.vision.patch_size"])
         pool = int(fields.get("clip.vision.projector.scale_factor", 4))
@@ -491,15 +492,14 @@ def _qwen_mmproj_config(path: str, fields: dict) -> QwenVisionConfig:
         raise WeightLoadError(f"{path}: GGUF metadata {e} is missing") from None
 
 
-def _qwen3_mmproj_config(path: str, fields: dict, contents) -> QwenVisionConfig:
+def _qwen3_mmproj_config(path: str, fields: dict, tensors) -> QwenVisionConfig:
     """A Qwen3-VL mmproj's tower (projector qwen3vl_merger), from llama.cpp's converter's keys: the DeepStack layers
     `is_deepstack_layers` (a flag a layer), the learned position rows `v.position_embd.weight`'s (the file keeps
     only the derived image_size), the merge `spatial_merge_size` (2), every block's attention full."""
     try:
         layers = int(fields["clip.vision.block_count"])
         deep = [bool(v) for v in fields.get("clip.vision.is_deepstack_layers", [])]
-        positions = next((t for t in (contents or _mmproj_fields(path)).tensors if t.name == "v.position_embd.weight"),
-                         None)
+        positions = next((t for t in tensors if t.name == "v.position_embd.weight"), None)
         if positions is None:
             raise WeightLoadError(f"{path}: a qwen3vl_merger mmproj without v.position_embd.weight")
         return _qwen_config({"vision_config": {
