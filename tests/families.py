@@ -560,6 +560,65 @@ def make_qwen3_vl(path, seed: int = 1, tokenizer: bool = True, text_layers: int 
     return model
 
 
+# Mistral 3's image tokens (ids 3-5 of the tiny model's tokenizer): an image's placeholder, the token that ends each
+# row of its placeholders, and the one that ends the image (in place of its last row's break)
+MISTRAL3_IMAGE_TOKENS = ("[IMG]", "[IMG_BREAK]", "[IMG_END]")
+# a ChatML template that, as Mistral Small 3.1's does, puts [IMG] where a message's image part is (the processor then
+# makes it the image's rows of [IMG] placeholders, each row ended by [IMG_BREAK], the last by [IMG_END])
+MISTRAL3_CHATML = VISION_CHATML.replace("<start_of_image>", "[IMG]")
+
+
+def pixtral_pil_processor(**kwargs):
+    """transformers' PIL PixtralImageProcessor (5.x's PixtralImageProcessorPil; 4.x's PixtralImageProcessor, its
+    "slow" one), the reference of vision/images.py's Pixtral sizes and patches."""
+    _, transformers = needs_transformers()
+    return getattr(transformers, "PixtralImageProcessorPil", transformers.PixtralImageProcessor)(**kwargs)
+
+
+def make_mistral3(path, seed: int = 1, tokenizer: bool = True):
+    """A tiny Mistral3ForConditionalGeneration that transformers makes, random (every weight drawn afresh, as
+    make_qwen25_vl's): a 3-block Pixtral tower of width 32 in 8-pixel patches (RMS norms, 2-D rotary positions, full
+    attention, SwiGLU), Mistral 3's projector (RMS norm, 2 x 2 patch merger, linear_1, GELU, linear_2) into tokens of
+    the text model's width 64; a 2-layer Mistral text model of 300 tokens. Its image processor beside it
+    (PixtralImageProcessor: the longest edge at most 64 pixels, so at most 4 x 4 tokens an image, each row of them
+    ended by a break), and (`tokenizer`) a tokenizer holding MISTRAL3_IMAGE_TOKENS with MISTRAL3_CHATML. Returns the
+    model (eval mode)."""
+    torch, transformers = needs_transformers()
+    path = Path(path)
+    image = len(SPECIAL_TOKENS)
+    cfg = transformers.Mistral3Config(
+        text_config=dict(model_type="mistral", vocab_size=300, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         max_position_embeddings=512, rope_theta=1e6, sliding_window=None, rms_norm_eps=1e-5,
+                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0),
+        vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                           num_attention_heads=2, head_dim=16, patch_size=8, image_size=64, rope_theta=10000.0,
+                           hidden_act="silu"),
+        image_token_index=image, spatial_merge_size=2, multimodal_projector_bias=False, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = transformers.Mistral3ForConditionalGeneration(cfg).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "vision_tower" in name or "multi_modal_projector" in name:
+                if p.ndim == 1:                                         # the RMS norms' gains
+                    p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=generator))
+                else:
+                    p.copy_(torch.randn(p.shape, generator=generator) * 0.2)
+            elif p.ndim >= 2:
+                p.copy_(torch.randn(p.shape, generator=generator) * (0.5 if "embed_tokens" in name else 0.1))
+            else:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=generator))
+    model.save_pretrained(path)
+    pixtral_pil_processor(patch_size={"height": 8, "width": 8}, size={"longest_edge": 64}).save_pretrained(path)
+    (path / "processor_config.json").write_text(json.dumps(
+        {"processor_class": "PixtralProcessor", "patch_size": 8, "spatial_merge_size": 2, "image_token": "[IMG]",
+         "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]"}), encoding="utf-8")
+    if tokenizer:
+        write_tokenizer(path, 300, extra=MISTRAL3_IMAGE_TOKENS, template=MISTRAL3_CHATML)
+    return model
+
+
 def vision_prompt_ids(path, turns: list) -> list:
     """The prompt transformers' processor makes of a chat (VISION_CHATML rendered by hand, each image mark made its
     placeholders as Gemma3Processor does), tokenized by the tokenizers library: nothing of the server's own."""

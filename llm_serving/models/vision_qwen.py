@@ -102,6 +102,23 @@ def _position_taps(cfg: QwenVisionConfig, gh2: int, gw2: int) -> tuple:
     return taps.astype(np.int32), (row_weights[:, :, None] * col_weights[:, None, :]).reshape(-1, 4)
 
 
+def _rotary_angles(cfg: QwenVisionConfig, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """(N, head_dim / 2) float32 2-D rotary angles of patches at (rows, cols) of the patch grid: the first half of
+    them the row's, the second the column's (each used twice over the head: rotate_half's pairs). Qwen's: both
+    halves the frequencies of a head_dim / 2 rotary, theta^(-4 j / head_dim); Pixtral's: the head's own frequencies
+    theta^(-2 i / head_dim), the even ones turned by the row, the odd ones by the column."""
+    if cfg.family == "pixtral":
+        inv_freq = np.float32(1.0) / np.float32(cfg.rope_theta) ** (
+            np.arange(0, cfg.head_dim, 2, dtype=np.float32) / np.float32(cfg.head_dim))
+        row_freq, col_freq = inv_freq[0::2], inv_freq[1::2]
+    else:
+        half = cfg.head_dim // 2
+        row_freq = col_freq = np.float32(1.0) / np.float32(cfg.rope_theta) ** (
+            np.arange(0, half, 2, dtype=np.float32) / np.float32(half))
+    return np.concatenate([rows[:, None].astype(np.float32) * row_freq, cols[:, None].astype(np.float32) * col_freq],
+                          axis=1)
+
+
 class _Layout:
     """An image's grid of merge units (gh2 x gw2) laid out in windows: `index` (W T,), the raster row (in the
     (gh2 gw2 m m) order) of each window slot's patch, -1 for padding, a window's patches in its first slots (the
@@ -133,11 +150,7 @@ class _Layout:
         self.key_bias = _tensor(np.where(valid, 0.0, _MASKED).reshape(shape))
         # the patch's row and column in the grid of patches (the rotary positions)
         rows, cols = (unit_row * m + k // m).reshape(-1), (unit_col * m + k % m).reshape(-1)
-        half = cfg.head_dim // 2
-        inv_freq = np.float32(1.0) / np.float32(cfg.rope_theta) ** (np.arange(0, half, 2, dtype=np.float32)
-                                                                    / np.float32(half))
-        angles = np.concatenate([rows[:, None].astype(np.float32) * inv_freq,
-                                 cols[:, None].astype(np.float32) * inv_freq], axis=1)
+        angles = _rotary_angles(cfg, rows, cols)
         angles = np.concatenate([angles, angles], axis=1).reshape(*shape, cfg.head_dim)
         self.cos, self.sin = _tensor(np.cos(angles)), _tensor(np.sin(angles))
         flat = angles.reshape(-1, cfg.head_dim)
@@ -176,6 +189,21 @@ class _Embed(nn.Cell):
         return self.matmul(patches.reshape(gh2 * gw2 * mm, f), kernel).reshape(gh2, gw2, mm, kernel.shape[0])
 
 
+class _NormedEmbed(nn.Cell):
+    """Pixtral's: patches (gh2, gw2, m m, F) -> (gh2, gw2, m m, D): each patch a row of one matmul with the kernel
+    (D, F), then ln_pre, an RMS norm (its gain) over each patch."""
+
+    def __init__(self, eps: float):
+        super().__init__()
+        self.matmul = ops.MatMul(transpose_b=True)
+        self.eps = eps
+
+    def construct(self, patches, kernel, gain):
+        gh2, gw2, mm, f = patches.shape
+        x = self.matmul(patches.reshape(gh2 * gw2 * mm, f), kernel)
+        return (_rms_normalize(x, self.eps) * gain).reshape(gh2, gw2, mm, kernel.shape[0])
+
+
 class _PositionedEmbed(nn.Cell):
     """Qwen3-VL's: patches (gh2, gw2, m m, F) -> (gh2, gw2, m m, D): each patch's row of the matmul with the kernel
     (D, F), plus the bias, plus its position row: the rows `taps` (N, 4) of pos_embed weighted by `weights` (N, 4),
@@ -205,16 +233,22 @@ _BLOCK_INPUTS = ("norm1", "qkv", "qkv_bias", "proj", "proj_bias", "norm2", "up",
 _MATRICES = {"qwen2_5_vl": {"qkv": ("attn.qkv",), "proj": ("attn.proj",), "up": ("mlp.gate_proj", "mlp.up_proj"),
                             "down": ("mlp.down_proj",)},
              "qwen3_vl": {"qkv": ("attn.qkv",), "proj": ("attn.proj",), "up": ("mlp.linear_fc1",),
-                          "down": ("mlp.linear_fc2",)}}
+                          "down": ("mlp.linear_fc2",)},
+             "pixtral": {"qkv": ("attn.q_proj", "attn.k_proj", "attn.v_proj"), "proj": ("attn.o_proj",),
+                         "up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}}
 
 
-def _matrix(read, names: list, stored_type=None, int16: bool = False) -> tuple:
-    """(matrix, bias) of the products `names` (checkpoint prefixes of a .weight and a .bias each) joined by rows:
-    (out, in) float32 and its bias as stored (stored_type None: MindSpore's MatMul), or as VisionLinear reads them:
-    panels of the checkpoint's type (vision_tower.py's `_panels`), or (`int16`) int16 panels with the bias (2, N),
-    the bias and the columns' steps."""
+def _matrix(read, names: list, stored_type=None, int16: bool = False, biased: bool = True, columns=None) -> tuple:
+    """(matrix, bias) of the products `names` (checkpoint prefixes of a .weight and a .bias each; without `biased`,
+    a .weight alone and the bias zeros) joined by rows: (out, in) float32 and its bias as stored (stored_type None:
+    MindSpore's MatMul), or as VisionLinear reads them: panels of the checkpoint's type (vision_tower.py's
+    `_panels`), or (`int16`) int16 panels with the bias (2, N), the bias and the columns' steps. `columns`: the
+    matrix's columns taken in that order (Pixtral's patch merger: its inputs as the state lays a unit out)."""
     matrix = np.concatenate([read(name + ".weight") for name in names])
-    bias = np.concatenate([read(name + ".bias") for name in names])
+    if columns is not None:
+        matrix = np.ascontiguousarray(matrix[:, columns])
+    bias = np.concatenate([read(name + ".bias") if biased else np.zeros(read(name + ".weight").shape[0], np.float32)
+                           for name in names])
     if stored_type is None:
         return matrix, bias
     if int16:
@@ -223,13 +257,17 @@ def _matrix(read, names: list, stored_type=None, int16: bool = False) -> tuple:
     return _panels(matrix, {stored_type(name + ".weight") for name in names}), bias
 
 
-def _merger_weights(read, names: tuple, stored_type=None, int16: bool = False) -> tuple:
-    """A merger's weights as _Merger / _LayerNormMerger take them: its norm's (a gain, or a gain and a bias), then
-    its two products as `_matrix` makes them (on the kernels: VisionLinear's panels)."""
-    *norm, fc1, fc2 = names
+def _merger_weights(read, names: tuple, stored_type=None, int16: bool = False, products: int = 2, biases=None,
+                    columns=None) -> tuple:
+    """A merger's weights as _Merger / _LayerNormMerger / _PixtralMerger take them: its norm's (a gain, or a gain and
+    a bias), then its last `products` names' products as `_matrix` makes them (on the kernels: VisionLinear's
+    panels), each with its bias where `biases` (a flag a product; None: every one) says, the first one's columns in
+    the order `columns` gives."""
+    norm, matrices = names[:-products], names[-products:]
+    biases = (True,) * products if biases is None else biases
     out = [read(name) for name in norm]
-    for name in (fc1, fc2):
-        out.extend(_matrix(read, [name], stored_type, int16))
+    for k, name in enumerate(matrices):
+        out.extend(_matrix(read, [name], stored_type, int16, biases[k], columns if k == 0 else None))
     return tuple(t if isinstance(t, Tensor) else _tensor(t) for t in out)
 
 
@@ -240,12 +278,13 @@ def _block_weights(read, cfg: QwenVisionConfig, index: int, stored_type=None, in
     (vision_tower.py's `_panels`), or (`int16`) its int16 panels, each bias then (2, N): the bias and the columns'
     steps."""
     at = f"visual.blocks.{index}."
+    biased = cfg.family != "pixtral"
     if cfg.family == "qwen3_vl":
         w = {norm: np.stack([read(at + norm + ".weight"), read(at + norm + ".bias")]) for norm in ("norm1", "norm2")}
     else:
         w = {norm: read(at + norm + ".weight") for norm in ("norm1", "norm2")}
     for key, parts in _MATRICES[cfg.family].items():
-        w[key], w[key + "_bias"] = _matrix(read, [at + part for part in parts], stored_type, int16)
+        w[key], w[key + "_bias"] = _matrix(read, [at + part for part in parts], stored_type, int16, biased)
     return tuple(w[name] if isinstance(w[name], Tensor) else _tensor(w[name]) for name in _BLOCK_INPUTS)
 
 
@@ -436,6 +475,33 @@ class _LayerNormMerger(nn.Cell):
         return self.products.product(_gelu_erf(self.products.product(h, fc1, fc1_bias)), fc2, fc2_bias)
 
 
+class _PixtralMerger(nn.Cell):
+    """Mistral 3's projector (Mistral3MultiModalProjector): the last block's output (gh2, gw2, m m, D) -> (1, gh2 gw2,
+    out_hidden): RMS norm over each patch (the text model's eps), each unit's m m patches one row of m m D (the patch
+    merger's matrix read with its columns in that order: transformers' unfold lays a unit out value by value, each
+    value's m m patches together), the merging product, linear_1, GELU (erf), linear_2 (the products
+    _MergerProducts')."""
+
+    def __init__(self, cfg: QwenVisionConfig, kernels=None, threads: int = 1):
+        super().__init__()
+        self.eps = cfg.merger_eps if cfg.merger_eps is not None else cfg.eps
+        self.products = _MergerProducts(kernels, threads)
+
+    def construct(self, x, gain, merging, merging_bias, fc1, fc1_bias, fc2, fc2_bias):
+        gh2, gw2, mm, d = x.shape
+        h = (_rms_normalize(x, self.eps) * gain).reshape(gh2 * gw2, mm * d)
+        h = _gelu_erf(self.products.product(self.products.product(h, merging, merging_bias), fc1, fc1_bias))
+        out = self.products.product(h, fc2, fc2_bias)
+        return out.reshape(1, gh2 * gw2, out.shape[-1])
+
+
+def pixtral_merger_columns(cfg: QwenVisionConfig) -> np.ndarray:
+    """The columns of Pixtral's patch merger matrix (D, D m m) in the order of a unit's row here (its patches k, each
+    patch's D values: k D + d), from transformers' order (each value d's m m patches: d m m + k)."""
+    mm, d = cfg.spatial_merge_size ** 2, cfg.hidden_size
+    return (np.arange(d)[None, :] * mm + np.arange(mm)[:, None]).reshape(-1)
+
+
 @dataclass(frozen=True)
 class QwenState:
     """An image between `run_layers` calls of a tower with DeepStack mergers (Qwen3-VL's): `x` its patches
@@ -469,7 +535,16 @@ class QwenVisionTower:
         stored_type = None if kernels is None else (lambda name: getattr(weights[name], "stored_type", None))
         kernel = _tensor(read("visual.patch_embed.proj.weight").reshape(cfg.hidden_size, cfg.patch_features))
         self.layer_weights = [_block_weights(read, cfg, i, stored_type, self.int16) for i in range(cfg.num_layers)]
-        if self.qwen3:
+        self.deepstack_weights = []
+        if cfg.family == "pixtral":
+            self.embed_weights = (kernel, _tensor(read("visual.ln_pre.weight")))
+            self.embedding = _NormedEmbed(cfg.eps)
+            merger = ("norm.weight", "merging_layer", "linear_1", "linear_2")
+            self.merger_weights = _merger_weights(
+                read, tuple(f"visual.merger.{n}" for n in merger), stored_type, self.int16, products=3,
+                biases=(False, cfg.projector_bias, cfg.projector_bias), columns=pixtral_merger_columns(cfg))
+            self.merger = _PixtralMerger(cfg, kernels, threads)
+        elif self.qwen3:
             self.embed_weights = (kernel, _tensor(read("visual.patch_embed.proj.bias")),
                                   _tensor(read("visual.pos_embed.weight")))
             self.embedding = _PositionedEmbed()
@@ -486,7 +561,6 @@ class QwenVisionTower:
             self.embedding = _Embed()
             self.merger_weights = _merger_weights(read, ("visual.merger.ln_q.weight", "visual.merger.mlp.0",
                                                          "visual.merger.mlp.2"), stored_type, self.int16)
-            self.deepstack_weights = []
             self.merger = _Merger(cfg, kernels, threads)
         windowed = len(set(cfg.fullatt_block_indexes)) < cfg.num_layers         # (Qwen3-VL's: none)
         # (on the kernels every block is _FullBlock's: the full ones in raster order, the windowed on the windows)

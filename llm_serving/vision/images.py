@@ -19,11 +19,15 @@
   [min_pixels, max_pixels], the aspect kept as nearly as that allows (`qwen_grid`, from the size alone); rescaled,
   normalized, and cut into patches grouped by merge unit, each patch's values repeated `temporal` times (a still
   image is a clip of that many equal frames to the tower's 3-D patch embedding).
+- Pixtral's (Mistral 3's; `ImageSpec.pixtral`): the image scaled down, each edge floored, until neither is past
+  `size.longest_edge`, then each edge rounded up to whole merge units, resized (bicubic) to that; its patches cut as
+  Qwen2-VL's are, one frame (`temporal` 1): merge units row by row, each unit's patches, each patch C x P x P.
 """
 from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import io
 import json
 import math
@@ -136,8 +140,16 @@ class ImageSpec:
             return None
         return cls.from_config(raw, where)
 
+    @property
+    def pixtral(self) -> bool:
+        """Whether this is Pixtral's processor (Mistral 3's): an image's size bounded by its longest edge, then each
+        edge rounded up to whole merge units (`_pixtral_size`), one frame of patches as Qwen2-VL's are cut."""
+        return self.patch is not None and self.longest_edge is not None
+
     @classmethod
     def from_config(cls, raw: dict, where: str = "the processor config") -> "ImageSpec":
+        if "Pixtral" in str(raw.get("image_processor_type", "")):
+            return cls._pixtral(raw, where)
         if _is_qwen(raw):
             return cls._qwen(raw, where)
         size = raw.get("size") or {}
@@ -194,6 +206,30 @@ class ImageSpec:
             raise ValueError(f"{where}: image_mean and image_std must be three values each, the std positive")
         rescale = float(raw.get("rescale_factor", 1 / 255)) if rescaled else 1.0
         return cls(0, 0, int(raw.get("resample", 3)), rescale, mean, std, **fields)
+
+
+    @classmethod
+    def _pixtral(cls, raw: dict, where: str) -> "ImageSpec":
+        """Pixtral's processor config (PixtralImageProcessor): `size.longest_edge` (or a square height and width),
+        `patch_size` an int or {"height", "width"} alike; one patch a merge unit here (`merge` 1: Mistral 3's merge
+        is its model config's, vision/model.py sets it); bicubic and CLIP's mean and std when the file does not
+        say."""
+        size, patch = raw.get("size") or {}, raw.get("patch_size", 16)
+        try:
+            if isinstance(patch, dict):
+                patch = int(patch["height"]) if int(patch["height"]) == int(patch["width"]) else -1
+            longest = int(size["longest_edge"]) if "longest_edge" in size else (
+                int(size["height"]) if int(size["height"]) == int(size["width"]) else -1)
+            patch = int(patch)
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{where}: a Pixtral processor needs size.longest_edge and patch_size (whole "
+                             "numbers)") from None
+        if min(patch, longest) < 1:
+            raise ValueError(f"{where}: a Pixtral processor's patch_size and size.longest_edge must be positive and "
+                             f"square ({raw.get('patch_size')!r}, {raw.get('size')!r})")
+        spec = cls._qwen({**raw, "patch_size": patch, "merge_size": 1, "temporal_patch_size": 1,
+                          "min_pixels": 1, "max_pixels": longest * longest}, where)
+        return dataclasses.replace(spec, longest_edge=longest)
 
 
 # OpenAI CLIP's per-channel mean and standard deviation: Qwen2-VL's processor's when its file gives none
@@ -316,6 +352,8 @@ def _qwen_size(width: int, height: int, spec: ImageSpec) -> tuple:
     by the same factor and rounded down (at least one unit), or, if short of min_pixels, scaled and rounded up."""
     if spec.patch is None:
         raise ValueError("a Qwen2-VL size needs a Qwen2-VL image processor (ImageSpec.patch)")
+    if spec.pixtral:
+        return _pixtral_size(width, height, spec)
     if max(width, height) / min(width, height) > _QWEN_MAX_ASPECT:
         raise ImageError(f"the image is {width} x {height} pixels: its long edge may be at most "
                          f"{_QWEN_MAX_ASPECT} times its short one")
@@ -330,6 +368,16 @@ def _qwen_size(width: int, height: int, spec: ImageSpec) -> tuple:
         h = math.ceil(height * beta / unit) * unit
         w = math.ceil(width * beta / unit) * unit
     return w, h
+
+
+def _pixtral_size(width: int, height: int, spec: ImageSpec) -> tuple:
+    """(width, height) Pixtral's processor resizes the image to: scaled down (each edge floored) so that neither edge
+    is past the longest edge, then each edge rounded up to whole merge units (at least one)."""
+    unit = spec.patch * spec.merge
+    ratio = max(height / spec.longest_edge, width / spec.longest_edge)
+    if ratio > 1:
+        height, width = max(int(math.floor(height / ratio)), 1), max(int(math.floor(width / ratio)), 1)
+    return ((width - 1) // unit + 1) * unit, ((height - 1) // unit + 1) * unit
 
 
 def qwen_grid(width: int, height: int, spec: ImageSpec) -> tuple:

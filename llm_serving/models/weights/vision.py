@@ -49,12 +49,14 @@ _SHUFFLED = ("SmolVLMForConditionalGeneration", "Idefics3ForConditionalGeneratio
 # the Qwen families' architectures (and model types, for a config.json without architectures) -> QwenVisionConfig's
 # family
 _QWEN_ARCHITECTURES = {"Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
-                       "Qwen3VLForConditionalGeneration": "qwen3_vl"}
-_QWEN_MODEL_TYPES = {family: arch for arch, family in _QWEN_ARCHITECTURES.items()}
+                       "Qwen3VLForConditionalGeneration": "qwen3_vl", "Mistral3ForConditionalGeneration": "pixtral"}
+_QWEN_MODEL_TYPES = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
+                     "mistral3": "Mistral3ForConditionalGeneration"}
 # llama.cpp's mmproj projector types read here -> the architecture whose tower and projector they hold
 MMPROJ_PROJECTORS = {"gemma3": "Gemma3ForConditionalGeneration", "idefics3": "Idefics3ForConditionalGeneration",
                      "qwen2.5vl_merger": "Qwen2_5_VLForConditionalGeneration",
-                     "qwen3vl_merger": "Qwen3VLForConditionalGeneration"}
+                     "qwen3vl_merger": "Qwen3VLForConditionalGeneration",
+                     "pixtral": "Mistral3ForConditionalGeneration"}
 
 
 @dataclass(frozen=True)
@@ -188,6 +190,9 @@ def vision_checkpoint(model_dir: str) -> Optional[tuple]:
     if arch not in _ARCHITECTURES + tuple(_QWEN_ARCHITECTURES):
         raise WeightLoadError(f"{path}: the vision tower of {arch} is not read here (served: "
                               f"{', '.join(_ARCHITECTURES + tuple(_QWEN_ARCHITECTURES))})")
+    if arch == "Mistral3ForConditionalGeneration":
+        cfg = _pixtral_config(raw, path)
+        return cfg, _stored(model_dir, _pixtral_name, qwen_vision_shapes(cfg))
     if arch in _QWEN_ARCHITECTURES:
         cfg = _qwen_config(raw, path, _QWEN_ARCHITECTURES[arch])
         return cfg, _stored(model_dir, _qwen_name, qwen_vision_shapes(cfg))
@@ -251,6 +256,8 @@ class QwenVisionConfig:
     family: str = "qwen2_5_vl"
     num_position_embeddings: int = 0
     deepstack_visual_indexes: tuple = ()
+    merger_eps: Optional[float] = None      # Pixtral's: the projector's RMS norm's (the text model's rms_norm_eps)
+    projector_bias: bool = False            # Pixtral's: the projector's linear_1 and linear_2 with biases
 
     @property
     def head_dim(self) -> int:
@@ -288,8 +295,53 @@ class QwenVisionConfig:
         return self.window_size // self.spatial_merge_size // self.patch_size
 
 
+def _pixtral_config(raw: dict, path: str) -> QwenVisionConfig:
+    """The QwenVisionConfig (family "pixtral") of a Mistral3ForConditionalGeneration's config.json (Mistral Small
+    3.1's: the Hub's 4.x file or 5.x's, the vision rotary base in vision_config.rope_theta or rope_parameters): a
+    Pixtral tower (patches of C x P x P, its RMS norm ln_pre, full attention in every block, 2-D rotary positions of
+    its own, SwiGLU without biases) and Mistral 3's projector (RMS norm of the text model's eps, the patch merger of
+    spatial_merge_size^2 patches, linear_1, GELU, linear_2). Only the last layer's output is read
+    (vision_feature_layer -1, every Mistral 3's); the projector's activation must be the exact GELU."""
+    vision = raw["vision_config"]
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
+    rope = vision.get("rope_parameters") or {}
+    problems = []
+    if vision.get("hidden_act", "silu") != "silu":
+        problems.append(f"vision_config.hidden_act {vision.get('hidden_act')!r}: the tower's MLP runs SwiGLU (silu) "
+                        "only")
+    if raw.get("projector_hidden_act", "gelu") != "gelu":
+        problems.append(f"projector_hidden_act {raw.get('projector_hidden_act')!r}: the projector runs the exact GELU "
+                        "only")
+    if raw.get("vision_feature_layer", -1) != -1:
+        problems.append(f"vision_feature_layer {raw.get('vision_feature_layer')!r}: only the last layer's output "
+                        "(-1) is read")
+    if problems:
+        raise WeightLoadError(f"{path}: {'; '.join(problems)}")
+    try:
+        hidden, heads = int(vision["hidden_size"]), int(vision["num_attention_heads"])
+        patch, merge = int(vision["patch_size"]), int(raw.get("spatial_merge_size", 2))
+        depth, head_dim = int(vision["num_hidden_layers"]), int(vision.get("head_dim") or 0)
+        out = int(text.get("hidden_size", 0))
+        raw_qwen = {"vision_config": {
+            "hidden_size": hidden, "intermediate_size": int(vision["intermediate_size"]), "depth": depth,
+            "num_heads": heads, "patch_size": patch, "temporal_patch_size": 1, "spatial_merge_size": merge,
+            "window_size": patch * merge, "fullatt_block_indexes": list(range(depth)), "out_hidden_size": out,
+            "in_channels": int(vision.get("num_channels", 3)),
+            "rope_parameters": {"rope_theta": float(rope.get("rope_theta", vision.get("rope_theta", 10000.0)))}},
+            "text_config": text, "image_token_id": raw.get("image_token_index", raw.get("image_token_id"))}
+        own = dict(eps=1e-5, merger_eps=float(text.get("rms_norm_eps", 1e-5)),      # (ln_pre's and the blocks' fixed)
+                   projector_bias=bool(raw.get("multimodal_projector_bias", False)))
+    except (KeyError, TypeError, ValueError) as e:
+        raise WeightLoadError(f"{path}: vision_config or text_config lacks or mistypes {e}") from None
+    if head_dim and head_dim * heads != hidden:
+        raise WeightLoadError(f"{path}: vision_config.head_dim {head_dim} is not hidden_size {hidden} over {heads} "
+                              "heads")
+    return dataclasses.replace(_qwen_config(raw_qwen, path, "pixtral"), **own)
+
+
 # each Qwen family's vision MLP activation (the only one its tower runs) and what that MLP is
-_QWEN_ACTIVATIONS = {"qwen2_5_vl": ("silu", "SwiGLU (silu)"), "qwen3_vl": ("gelu_pytorch_tanh", "the tanh GELU")}
+_QWEN_ACTIVATIONS = {"qwen2_5_vl": ("silu", "SwiGLU (silu)"), "qwen3_vl": ("gelu_pytorch_tanh", "the tanh GELU"),
+                     "pixtral": ("silu", "SwiGLU (silu)")}
 
 
 def _qwen_config(raw: dict, path: str, family: str = "qwen2_5_vl") -> QwenVisionConfig:
@@ -359,6 +411,20 @@ def qwen_vision_shapes(cfg: QwenVisionConfig) -> dict:
     """{name: shape} of every tensor Qwen2.5-VL's or Qwen3-VL's tower and mergers read (`visual.<...>`)."""
     d, m, c = cfg.hidden_size, cfg.intermediate_size, cfg.spatial_merge_size ** 2 * cfg.hidden_size
     out = cfg.out_hidden_size
+    if cfg.family == "pixtral":
+        shapes = {"visual.patch_embed.proj.weight": (d, cfg.num_channels, cfg.patch_size, cfg.patch_size),
+                  "visual.ln_pre.weight": (d,), "visual.merger.norm.weight": (d,),
+                  "visual.merger.merging_layer.weight": (d, c), "visual.merger.linear_1.weight": (out, d),
+                  "visual.merger.linear_2.weight": (out, out)}
+        if cfg.projector_bias:
+            shapes.update({"visual.merger.linear_1.bias": (out,), "visual.merger.linear_2.bias": (out,)})
+        for i in range(cfg.num_layers):
+            at = f"visual.blocks.{i}."
+            shapes.update({at + "norm1.weight": (d,), at + "norm2.weight": (d,),
+                           **{at + f"attn.{p}_proj.weight": (d, d) for p in "qkvo"},
+                           at + "mlp.gate_proj.weight": (m, d), at + "mlp.up_proj.weight": (m, d),
+                           at + "mlp.down_proj.weight": (d, m)})
+        return shapes
     shapes = {"visual.patch_embed.proj.weight": (d, cfg.num_channels, cfg.temporal_patch_size, cfg.patch_size,
                                                  cfg.patch_size)}
     if cfg.family == "qwen3_vl":
@@ -396,6 +462,29 @@ def _qwen_name(name: str) -> Optional[str]:
     if name.startswith("model.visual."):
         name = name[len("model."):]
     return name if name.startswith("visual.") else None
+
+
+# a Mistral 3 checkpoint's vision side (after `vision_tower.` or `multi_modal_projector.`) -> ours (`visual.`), and
+# the parts of a Pixtral layer (after `transformer.layers.N.`) -> a block's
+_PIXTRAL_NAMES = {"vision_tower.patch_conv.": "visual.patch_embed.proj.", "vision_tower.ln_pre.": "visual.ln_pre.",
+                  "multi_modal_projector.norm.": "visual.merger.norm.",
+                  "multi_modal_projector.patch_merger.merging_layer.": "visual.merger.merging_layer.",
+                  "multi_modal_projector.linear_1.": "visual.merger.linear_1.",
+                  "multi_modal_projector.linear_2.": "visual.merger.linear_2."}
+_PIXTRAL_LAYER = {"attention_norm.": "norm1.", "ffn_norm.": "norm2.", "attention.": "attn.", "feed_forward.": "mlp."}
+
+
+def _pixtral_name(name: str) -> Optional[str]:
+    """A Mistral 3 checkpoint name (the Hub's 4.x `vision_tower.*` / `multi_modal_projector.*`; 5.x's under `model.`)
+    as the tower knows it (`visual.*`: a block's `norm1`, `attn.q_proj`, ..., `mlp.gate_proj`, ...), or None for the
+    text model's."""
+    name = name.removeprefix("model.")
+    if name.startswith("vision_tower.transformer.layers."):
+        index, _, rest = name[len("vision_tower.transformer.layers."):].partition(".")
+        return next((f"visual.blocks.{index}.{ours}{rest[len(theirs):]}" for theirs, ours in _PIXTRAL_LAYER.items()
+                     if rest.startswith(theirs)), None)
+    return next((ours + name[len(theirs):] for theirs, ours in _PIXTRAL_NAMES.items() if name.startswith(theirs)),
+                None)
 
 
 # llama.cpp's mmproj names (its converter's, for Gemma 3) -> ours; `blk.N.` parts of a layer's
