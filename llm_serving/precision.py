@@ -107,8 +107,9 @@ class Comparator:
             seq = self.sequences.setdefault(rid, self.ref.new_sequence())
             served_ids = step["input_ids"][i, :q].tolist()
             tokens, mine = list(served_ids), images.get(i, [])
-            for offset, rows, *_ in mine:           # (ids the embedding never reads: their rows are the image's)
-                tokens[offset:offset + len(rows)] = [0] * len(rows)
+            for offset, rows, *_ in mine:           # (ids the embedding never reads: their rows are the image's;
+                for k in np.nonzero(~np.isnan(rows[:, 0]))[0]:       # a NaN row's token, Pixtral's break, its own)
+                    tokens[offset + k] = 0
             if int(positions[0]) > seq.length:      # the server took the prefix from its prefix cache
                 self.ref.forward(seq, self._prefix_of(served_ids, int(positions[0])), 0)
             ref = self.ref.forward(seq, tokens, int(positions[0]), mine)[-1]

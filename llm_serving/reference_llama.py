@@ -207,7 +207,7 @@ class ReferenceLlama:
         (a recomputed prefill). Returns logits (len(token_ids), vocab) float64.
         `images`: (offset, rows, bidirectional) of each image among the tokens: its rows (count, H) (a
         ReferenceVision's) take the embedding's place at token_ids[offset:offset + count], after the embedding's
-        scale, as transformers scatters image features; bidirectional (Gemma 3's): those tokens also see each other,
+        scale, as transformers scatters image features (a NaN row leaves its token's own: Pixtral's breaks); bidirectional (Gemma 3's): those tokens also see each other,
         the mask being causal OR the same image, within each query's own sliding window. With multimodal RoPE, a
         fourth entry: the image's (rows, cols) grid of tokens (the image whole in this call)."""
         if not self.config.generates:
@@ -260,7 +260,8 @@ class ReferenceLlama:
             if offset < 0 or offset + len(rows) > len(ids) or rows.ndim != 2 \
                     or rows.shape[1] != h * (1 + c.deepstack_layers):
                 raise ValueError(f"reference: {rows.shape} image rows at token {offset} of {len(ids)}")
-            x[offset:offset + len(rows)] = rows[:, :h]
+            own = np.isnan(rows[:, 0])          # (a token among an image's that keeps its own embedding: Pixtral's)
+            x[offset:offset + len(rows)] = np.where(own[:, None], x[offset:offset + len(rows)], rows[:, :h])
             deep.append((offset, rows[:, h:]))
             if bidirectional:
                 spans.append((start + offset, start + offset + len(rows) - 1))

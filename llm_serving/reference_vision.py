@@ -26,10 +26,21 @@ unit's patches as one row, Linear, erf GELU, Linear), and after each block of de
 merger (a unit's patches as one row, LayerNorm over it, Linear, erf GELU, Linear): a token's row the merger's, then the
 DeepStack mergers', side by side.
 
+Pixtral's (Mistral 3's, `family` "pixtral") keeps the patches in their order too: the patch embedding without bias,
+ln_pre (RMS norm); blocks of RMS norms, attention over every patch with separate q, k, v, o without biases and its own
+2-D rotary positions (the head's head_dim / 2 frequencies, the even ones times the patch's row and the odd ones times
+its column, that half repeated), a SwiGLU MLP without biases; then Mistral 3's projector as transformers writes it:
+RMS norm (the text model's eps), each 2 x 2 block of patches unfolded value by value (a value's m m patches
+together), the merging Linear, linear_1, erf GELU, linear_2. Its rows are given at each of the image's tokens: the
+prompt ends each row of merge units with a break token (the last with the image's end), whose row is NaN (the token
+keeps its own embedding: reference_llama.py's forward leaves it).
+
     ref = ReferenceVision(model_dir)                 # or ReferenceVision(None, mmproj="mmproj.gguf")
     rows = ref.encode(pixels)                        # (3, S, S) float32 pixels -> (tokens_per_image, text width)
     rows = ref.encode(patches)                       # Qwen2.5-VL: (gh2, gw2, m m, C T P P) -> (gh2 gw2, text width)
     rows = ref.encode(patches)                       # Qwen3-VL: ... -> (gh2 gw2, text width x (1 + DeepStack layers))
+    rows = ref.encode(patches)                       # Pixtral: (gh2, gw2, m m, C P P) -> (gh2 (gw2 + 1), text width),
+                                                     # NaN at the row breaks' and end's tokens (their own embeddings)
 
 Pixels are the model's processor's (llm_serving/vision, checked against transformers' processors by the tests; for
 Qwen2.5-VL `qwen_patches`'): the reference starts where the tower does.
@@ -68,7 +79,9 @@ class ReferenceVision:
         and Qwen3-VL, (gh2 gw2, row_width) rows of one image's patches (gh2, gw2, m m, C T P P), the merge units row
         by row."""
         if isinstance(self.config, QwenVisionConfig):
-            return self._qwen3_encode(pixels) if self.config.family == "qwen3_vl" else self._qwen_encode(pixels)
+            encode = {"qwen3_vl": self._qwen3_encode, "pixtral": self._pixtral_encode}.get(self.config.family,
+                                                                                           self._qwen_encode)
+            return encode(pixels)
         c, w = self.config, self.w
         g, p, d = c.patches_per_side, c.patch_size, c.hidden_size
         x = np.asarray(pixels, np.float64).reshape(c.num_channels, g, p, g, p).transpose(1, 3, 0, 2, 4)
@@ -196,6 +209,59 @@ class ReferenceVision:
         h = self._rms_norm(x, at + "norm2")
         gate, up = self._linear(h, at + "mlp.gate_proj"), self._linear(h, at + "mlp.up_proj")
         return x + self._linear(gate / (1.0 + np.exp(-gate)) * up, at + "mlp.down_proj")
+
+    # ---------------------------------------------------------------------------------------------- Pixtral
+
+    def _pixtral_encode(self, patches: np.ndarray) -> np.ndarray:
+        """Mistral 3's tower and projector on an image's patches (the module docstring): (gh2 (gw2 + 1), out_hidden)
+        rows, a token's at each [IMG] of the image's rows and NaN at each row's break and the image's end."""
+        c, w = self.config, self.w
+        gh2, gw2, units = patches.shape[:3]
+        m, d, hd = c.spatial_merge_size, c.hidden_size, c.head_dim
+        if units != m * m or patches.shape[3] != c.patch_features:
+            raise ValueError(f"reference: Pixtral patches are (gh2, gw2, {m * m}, {c.patch_features}), not "
+                             f"{patches.shape}")
+        x = np.asarray(patches, np.float64).reshape(-1, c.patch_features) @ w[
+            "visual.patch_embed.proj.weight"].reshape(d, -1).T                               # (S, D)
+        x = self._rms_norm(x, "visual.ln_pre")
+        rows, cols = np.meshgrid(np.arange(gh2 * m), np.arange(gw2 * m), indexing="ij")
+        rows = rows.reshape(gh2, m, gw2, m).transpose(0, 2, 1, 3).reshape(-1)
+        cols = cols.reshape(gh2, m, gw2, m).transpose(0, 2, 1, 3).reshape(-1)
+        inv_freq = 1.0 / c.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd)          # (head_dim / 2,)
+        angles = np.concatenate([rows[:, None] * inv_freq[0::2], cols[:, None] * inv_freq[1::2]], axis=-1)
+        angles = np.concatenate([angles, angles], axis=-1)                                  # (S, head_dim)
+        cos, sin = np.cos(angles), np.sin(angles)
+        for i in range(c.num_layers):
+            x = self._pixtral_block(x, f"visual.blocks.{i}.", cos, sin)
+        eps = c.merger_eps if c.merger_eps is not None else c.eps
+        h = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w["visual.merger.norm.weight"]
+        h = h.reshape(-1, m * m, d).transpose(0, 2, 1).reshape(-1, d * m * m)               # unfold's order
+        h = h @ w["visual.merger.merging_layer.weight"].T
+        h = self._maybe_biased(h, "visual.merger.linear_1")
+        h = 0.5 * h * (1.0 + np.vectorize(math.erf)(h / math.sqrt(2.0)))
+        merged = self._maybe_biased(h, "visual.merger.linear_2")                             # (units, out)
+        out = np.full((gh2, gw2 + 1, merged.shape[1]), np.nan)
+        out[:, :gw2] = merged.reshape(gh2, gw2, -1)
+        return out.reshape(gh2 * (gw2 + 1), -1)
+
+    def _maybe_biased(self, x: np.ndarray, name: str) -> np.ndarray:
+        x = x @ self.w[name + ".weight"].T
+        return x + self.w[name + ".bias"] if name + ".bias" in self.w else x
+
+    def _pixtral_block(self, x: np.ndarray, at: str, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        c = self.config
+        t, heads, hd = len(x), c.num_heads, c.head_dim
+        h = self._rms_norm(x, at + "norm1")
+        q, k, v = ((h @ self.w[at + f"attn.{n}_proj.weight"].T).reshape(t, heads, hd).transpose(1, 0, 2)
+                   for n in "qkv")
+        q, k = (y * cos + np.concatenate([-y[..., hd // 2:], y[..., :hd // 2]], axis=-1) * sin for y in (q, k))
+        scores = q @ k.transpose(0, 2, 1) / math.sqrt(hd)                                   # (heads, S, S)
+        scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        attended = (scores / scores.sum(axis=-1, keepdims=True)) @ v
+        x = x + attended.transpose(1, 0, 2).reshape(t, heads * hd) @ self.w[at + "attn.o_proj.weight"].T
+        h = self._rms_norm(x, at + "norm2")
+        gate, up = h @ self.w[at + "mlp.gate_proj.weight"].T, h @ self.w[at + "mlp.up_proj.weight"].T
+        return x + (gate / (1.0 + np.exp(-gate)) * up) @ self.w[at + "mlp.down_proj.weight"].T
 
     # ---------------------------------------------------------------------------------------------- Qwen3-VL
 

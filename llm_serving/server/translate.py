@@ -165,6 +165,9 @@ def place_images(engine, prompt_ids: list, images: tuple, decoded: list) -> list
         if length != facts.tokens_of(pixels):
             raise ValidationError(f"the prompt holds {length} image placeholder tokens in a row at {start}; its "
                                   f"image is {facts.tokens_of(pixels)}", param="messages")
+        if prompt_ids[start:start + length] != facts.placeholder_ids(pixels):
+            raise ValidationError(f"the image placeholder tokens at {start} are not laid out as the image's "
+                                  f"{pixels.shape[0]} x {pixels.shape[1]} grid of tokens", param="messages")
     return [PromptImageInput(start, length, digest if k == 0 else f"{digest}/{k}", pixels, facts.rope_advance(pixels))
             for (start, length), (digest, k, pixels) in zip(spans, frames)]
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -44,9 +45,11 @@ __all__ = ["ImageFacts", "image_facts"]
 _GEMMA3 = {"boi": "<start_of_image>", "eoi": "<end_of_image>", "image": "<image_soft_token>"}
 _SMOLVLM = {"fake": "<fake_token_around_image>", "image": "<image>", "global": "<global-img>"}
 _QWEN_VL = {"start": "<|vision_start|>", "end": "<|vision_end|>", "image": "<|image_pad|>"}
+_PIXTRAL = {"image": "[IMG]", "break": "[IMG_BREAK]", "end": "[IMG_END]"}
 _ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
 _SMOLVLM_ARCHITECTURES = ("SmolVLMForConditionalGeneration", "Idefics3ForConditionalGeneration")
 _QWEN_VL_ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
+_PIXTRAL_ARCHITECTURES = ("Mistral3ForConditionalGeneration",)
 # llama.cpp's projector types of the Qwen-VL mmprojs, and each one's mean and std where the file gives none
 _QWEN_MMPROJ_NORMALIZE = {
     "qwen2.5vl_merger": ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)),
@@ -62,14 +65,16 @@ class ImageFacts:
     eoi: str                     # its tokens, eoi the one after; SmolVLM: the placeholder itself)
     image_token: str
     spec: ImageSpec              # the model's image processor
-    family: str = "gemma3"       # or "smolvlm", "qwen2_5_vl"
+    family: str = "gemma3"       # or "smolvlm", "qwen2_5_vl", "pixtral"
     fake: str = ""               # SmolVLM's token around a frame's placeholders, and its global frame's tag
     global_tag: str = ""
+    row_break_id: int = -1       # Pixtral's tokens that end a row of an image's placeholders, and the image
+    image_end_id: int = -1
 
     @property
     def needs_sizes(self) -> bool:
         """Whether `expand` needs the images' sizes (SmolVLM's: its grid of tiles; Qwen2.5-VL's: its tokens)."""
-        return self.family in ("smolvlm", "qwen2_5_vl")
+        return self.family in ("smolvlm", "qwen2_5_vl", "pixtral")
 
     def expand(self, text: str, sizes=()) -> str:
         """`text` with every image mark made the image's full placeholder sequence; sizes: the images' (width,
@@ -84,6 +89,10 @@ class ImageFacts:
                 out.append(self.boi)
             elif self.family == "smolvlm":
                 out.append(self._smolvlm_prompt(*grid(*sizes[k], self.spec)))
+            elif self.family == "pixtral":
+                rows, cols = self._units(*sizes[k])
+                out.append(((self.image_token * cols + _PIXTRAL["break"]) * rows)[:-len(_PIXTRAL["break"])]
+                           + _PIXTRAL["end"])
             else:
                 out.append(self.image_token * self.tokens_of_size(*sizes[k]))
             out.append(part)
@@ -93,12 +102,30 @@ class ImageFacts:
         """The tokens an image of this size becomes (a frame's, for SmolVLM)."""
         if self.tokens_per_image > 0:
             return self.tokens_per_image
+        rows, cols = self._units(width, height)
+        return rows * (cols + (self.family == "pixtral"))
+
+    def _units(self, width: int, height: int) -> tuple:
+        # (rows, cols) of merge units of an image of this size (Qwen2.5-VL's, Pixtral's: a token each)
         gh, gw = qwen_grid(width, height, self.spec)
-        return (gh // self.spec.merge) * (gw // self.spec.merge)
+        return gh // self.spec.merge, gw // self.spec.merge
 
     def tokens_of(self, pixels) -> int:
-        """The tokens a frame's pixels (as `frames` made them) become."""
-        return self.tokens_per_image if self.tokens_per_image > 0 else int(pixels.shape[0] * pixels.shape[1])
+        """The tokens a frame's pixels (as `frames` made them) become (Pixtral's: a token a merge unit and one after
+        each row of them)."""
+        if self.tokens_per_image > 0:
+            return self.tokens_per_image
+        rows, cols = int(pixels.shape[0]), int(pixels.shape[1])
+        return rows * (cols + (self.family == "pixtral"))
+
+    def placeholder_ids(self, pixels) -> list:
+        """The ids a frame's placeholder run holds: tokens_of(pixels) image tokens; Pixtral's rows of them, each but
+        the last ended by its break token, the last by its end token."""
+        if self.family != "pixtral":
+            return [self.image_token_id] * self.tokens_of(pixels)
+        rows, cols = int(pixels.shape[0]), int(pixels.shape[1])
+        return ([self.image_token_id] * cols + [self.row_break_id]) * (rows - 1) + [self.image_token_id] * cols + [
+            self.image_end_id]
 
     def rope_advance(self, pixels) -> int:
         """How much further than its token count an image moves the RoPE positions of the tokens after it: its
@@ -114,6 +141,12 @@ class ImageFacts:
         processor's own bound is); the others as they are."""
         if self.tokens_per_image > 0 or max_tokens <= 0:
             return self
+        if self.family == "pixtral":         # (a square image of s x s units is the most: s (s + 1) tokens)
+            unit, side = self.spec.patch * self.spec.merge, math.isqrt(max_tokens)
+            side -= side * (side + 1) > max_tokens
+            if self.spec.longest_edge <= max(side, 1) * unit:
+                return self
+            return dataclasses.replace(self, spec=dataclasses.replace(self.spec, longest_edge=max(side, 1) * unit))
         unit = (self.spec.patch * self.spec.merge) ** 2
         if self.spec.max_pixels <= max_tokens * unit:
             return self
@@ -135,8 +168,11 @@ class ImageFacts:
 
     def spans(self, ids: list) -> list:
         """(start, length) of each image's placeholder run in prompt ids, in order: runs of image_token_id, each
-        tokens_per_image long (any length for -1: the caller holds each to its image's). ValueError for a run of
-        another length (a prompt that spells placeholders itself)."""
+        tokens_per_image long (any length for -1: the caller holds each to its image's); Pixtral's from an image
+        token through its rows' breaks to the image's end token. ValueError for a run of another length, or a
+        Pixtral run that does not end with its end token (a prompt that spells placeholders itself)."""
+        if self.family == "pixtral":
+            return self._pixtral_spans(ids)
         out, k, n = [], 0, len(ids)
         while k < n:
             if ids[k] != self.image_token_id:
@@ -148,6 +184,25 @@ class ImageFacts:
             if self.tokens_per_image > 0 and k - start != self.tokens_per_image:
                 raise ValueError(f"the prompt holds {k - start} image placeholder tokens in a row at {start}; an "
                                  f"image is {self.tokens_per_image}")
+            out.append((start, k - start))
+        return out
+
+
+    def _pixtral_spans(self, ids: list) -> list:
+        out, k, n = [], 0, len(ids)
+        inside = (self.image_token_id, self.row_break_id)
+        while k < n:
+            if ids[k] not in (self.image_token_id, self.row_break_id, self.image_end_id):
+                k += 1
+                continue
+            start = k
+            while k < n and ids[k] in inside:
+                k += 1
+            if ids[start] != self.image_token_id or k == n or ids[k] != self.image_end_id:
+                raise ValueError(f"the prompt holds image placeholder tokens at {start} that are not an image's "
+                                 f"({_PIXTRAL['image']} rows, each but the last ended by {_PIXTRAL['break']}, the "
+                                 f"last by {_PIXTRAL['end']})")
+            k += 1
             out.append((start, k - start))
         return out
 
@@ -175,12 +230,14 @@ def image_facts(model_path: str, mmproj: Optional[str], tokenizer) -> Optional[I
         return None                  # (the weight loader says what is wrong with it)
     arch = (raw.get("architectures") or [None])[0]
     if not isinstance(raw.get("vision_config"), dict) or \
-            arch not in _ARCHITECTURES + _SMOLVLM_ARCHITECTURES + _QWEN_VL_ARCHITECTURES:
+            arch not in _ARCHITECTURES + _SMOLVLM_ARCHITECTURES + _QWEN_VL_ARCHITECTURES + _PIXTRAL_ARCHITECTURES:
         return None
     if arch in _SMOLVLM_ARCHITECTURES:
         return _smolvlm_facts(model_path, raw, tokenizer, config)
     if arch in _QWEN_VL_ARCHITECTURES:
         return _qwen_vl_facts(model_path, raw, tokenizer, config)
+    if arch in _PIXTRAL_ARCHITECTURES:
+        return _pixtral_facts(model_path, raw, tokenizer, config)
     ids = {"boi": raw.get("boi_token_index"), "eoi": raw.get("eoi_token_index"),
            "image": raw.get("image_token_index", raw.get("image_token_id"))}
     found = {key: _one_token(tokenizer, text, config) for key, text in _GEMMA3.items()}
@@ -244,6 +301,28 @@ def _qwen_vl_facts(model_path: str, raw: dict, tokenizer, config: str) -> ImageF
                          f"{spec.merge}) are not the tower's ({vision.get('patch_size')}, "
                          f"{vision.get('spatial_merge_size')})")
     return ImageFacts(-1, ids["image"], _QWEN_VL["image"], "", _QWEN_VL["image"], spec, family="qwen2_5_vl")
+
+
+def _pixtral_facts(model_path: str, raw: dict, tokenizer, config: str) -> ImageFacts:
+    """Mistral 3's (Pixtral's tower): its tokens from the tokenizer (config.json's image_token_index must agree),
+    its image processor's (PixtralImageProcessor: the longest edge, the patch) with config.json's
+    spatial_merge_size and the tower's patch, which must be the processor's."""
+    ids = {key: _one_token(tokenizer, text, config) for key, text in _PIXTRAL.items()}
+    given = raw.get("image_token_index", raw.get("image_token_id"))
+    if given is not None and given != ids["image"]:
+        raise ValueError(f"{config}: its image_token_index is {given}, but the tokenizer's {_PIXTRAL['image']!r} is "
+                         f"{ids['image']}")
+    spec = ImageSpec.from_dir(model_path)
+    if spec is None or not spec.pixtral:
+        raise ValueError(f"{model_path}: a Mistral 3 needs its image processor's config (preprocessor_config.json "
+                         "of a PixtralImageProcessor: size.longest_edge, patch_size)")
+    patch = raw["vision_config"].get("patch_size", spec.patch)
+    if patch != spec.patch:
+        raise ValueError(f"{model_path}: the image processor's patches ({spec.patch} pixels) are not the tower's "
+                         f"({patch})")
+    spec = dataclasses.replace(spec, merge=int(raw.get("spatial_merge_size", 2)))
+    return ImageFacts(-1, ids["image"], _PIXTRAL["image"], "", _PIXTRAL["image"], spec, family="pixtral",
+                      row_break_id=ids["break"], image_end_id=ids["end"])
 
 
 # a Qwen2.5-VL mmproj's image bounds, in tokens, where the file gives none: llama.cpp's (8 to 4,096), not the

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -110,7 +112,20 @@ async def _chats(url: str, bodies: list) -> list:
 IMAGE = f"<|vision_start|>{PAD}<|vision_end|>"
 
 
-def check_replies(path, chats: list, replies: list) -> None:
+@dataclass(frozen=True)
+class Kit:
+    """What the served-chat checks need of a family whose image's tokens follow its size: how its template marks an
+    image in a turn, transformers' prompt ids of turns with images ((path, turns, images) -> ids), and transformers'
+    greedy tokens and log-probabilities after them ((path, ids, images) -> (tokens, logprobs))."""
+    image: str
+    prompt_ids: Callable
+    reference: Callable
+
+
+QWEN = Kit(IMAGE, _prompt_ids, _reference)
+
+
+def check_replies(path, chats: list, replies: list, kit: Kit = QWEN) -> None:
     """Each reply (status, body) to chats' (messages, turns as the template renders them, images) is transformers'
     greedy tokens with their log-probabilities, its prompt as many tokens as transformers' processor makes."""
     from llm_serving.tokenization import load_tokenizer
@@ -118,15 +133,15 @@ def check_replies(path, chats: list, replies: list) -> None:
     tok = load_tokenizer(str(path / "tokenizer.json"))
     for (_, turns, images), (status, body) in zip(chats, replies):
         assert status == 200, body
-        ids = _prompt_ids(path, turns, images)
+        ids = kit.prompt_ids(path, turns, images)
         assert body["usage"]["prompt_tokens"] == len(ids), turns
-        want, want_lps = _reference(path, ids, images)
+        want, want_lps = kit.reference(path, ids, images)
         assert body["choices"][0]["message"]["content"] == tok.decode(want), turns
         np.testing.assert_allclose([e["logprob"] for e in body["choices"][0]["logprobs"]["content"]], want_lps,
                                    atol=2e-3, err_msg=str(turns))
 
 
-def served_image_chats(path, tmp_path) -> None:
+def served_image_chats(path, tmp_path, kit: Kit = QWEN) -> None:
     """Three image chats at once (a wide image, then text; a tall one and a small transparent one in one turn; the
     small one alone), a text-only chat, then a follow-up re-sending the first picture, to the tiny Qwen-VL model at
     `path`: chunked prefill in 16-token chunks (never inside an image), the prefix cache on 8-token blocks, the
@@ -134,16 +149,17 @@ def served_image_chats(path, tmp_path) -> None:
     passes (the reference's float64 tower on the captured patches, its text model placing them by their grids, every
     row within 0.5%); three images are encoded, each once (the follow-up's from the cache); /v1/models says images."""
     wide, tall, small = _png(0, (40, 130, 3)), _png(1, (120, 50, 3)), _png(2, (30, 20, 4))
+    image = kit.image
     chats = [  # (messages, the turns as the template renders them, their images in order)
         ([_user("What is in this picture? Say it briefly.", wide)],
-         [("user", f"What is in this picture? Say it briefly.{IMAGE}")], [wide]),
-        ([_user("Compare them:", tall, small)], [("user", f"Compare them:{IMAGE}{IMAGE}")], [tall, small]),
-        ([_user("What is it?", small)], [("user", f"What is it?{IMAGE}")], [small]),
+         [("user", f"What is in this picture? Say it briefly.{image}")], [wide]),
+        ([_user("Compare them:", tall, small)], [("user", f"Compare them:{image}{image}")], [tall, small]),
+        ([_user("What is it?", small)], [("user", f"What is it?{image}")], [small]),
         ([{"role": "user", "content": "Name three colors."}], [("user", "Name three colors.")], []),
     ]
     follow = [_user("What is in this picture? Say it briefly.", wide), {"role": "assistant", "content": "a cat"},
               {"role": "user", "content": "Are you sure?"}]
-    chats.append((follow, [("user", f"What is in this picture? Say it briefly.{IMAGE}"), ("assistant", "a cat"),
+    chats.append((follow, [("user", f"What is in this picture? Say it briefly.{image}"), ("assistant", "a cat"),
                            ("user", "Are you sure?")], [wide]))
     args = ["--model", str(path), "--set", f"model_config.model_name={MODEL}",
             "--set", "model_config.max_generate_length=256", "--set", "pa_config.block_size=8",
@@ -162,23 +178,23 @@ def served_image_chats(path, tmp_path) -> None:
                                     "--prompts", str(prompts))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (gate["image_prompts"], gate["images_encoded"]) == (2, 2) and gate["max_rel_error"] < 5e-3, gate
-    check_replies(path, chats, first + last)
+    check_replies(path, chats, first + last, kit)
     assert log.count(" encoded in ") == 3, log
     assert models["data"][0].get("input_modalities", ["text"]).count("image") == 1, models
 
 
-def served_gguf_chats(path, text, mmproj, tmp_path) -> None:
+def served_gguf_chats(path, text, mmproj, tmp_path, kit: Kit = QWEN) -> None:
     """Two image chats (one image; two in a turn) to the tiny Qwen-VL model at `path` served as the GGUF `text` with
     its `mmproj` beside it: each reply is transformers' (`check_replies`; images whose grids llama.cpp's bounds, 8
     to 4,096 tokens, leave as the tiny processor's)."""
     wide, square = _png(1, (50, 120, 3)), _png(4, (100, 100, 3))
-    chats = [([_user("What is it?", wide)], [("user", f"What is it?{IMAGE}")], [wide]),
-             ([_user("Compare:", square, wide)], [("user", f"Compare:{IMAGE}{IMAGE}")], [square, wide])]
+    chats = [([_user("What is it?", wide)], [("user", f"What is it?{kit.image}")], [wide]),
+             ([_user("Compare:", square, wide)], [("user", f"Compare:{kit.image}{kit.image}")], [square, wide])]
     args = ["--model", str(text), "--set", f"model_config.mmproj={mmproj}", "--set", f"model_config.model_name={MODEL}",
             "--set", "model_config.max_generate_length=256", "--set", "pa_config.kv_cache_dtype=float32"]
     with serving(args, tmp_path / "server.log") as server:
         replies = asyncio.run(_chats(server.url, [_body(m) for m, _, _ in chats]))
-    check_replies(path, chats, replies)
+    check_replies(path, chats, replies, kit)
 
 
 def test_qwen_vl_image_questions_get_transformers_tokens_and_logprobs(qwen_vl, tmp_path):

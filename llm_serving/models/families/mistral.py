@@ -1,4 +1,5 @@
-"""Mistral: LLaMA whose config's `sliding_window` slides every layer (its `layer_types`, if any, are not read).
+"""Mistral: LLaMA whose config's `sliding_window` slides every layer (its `layer_types`, if any, are not read); and
+Mistral 3's text model (Mistral3ForConditionalGeneration's `text_config`: Mistral Small 3.1, no window).
 
 Its GGUF is llama.cpp's `llama`, read as LLaMA's (LlamaConfig.architecture "llama"): the file names the window in
 `llama.attention.sliding_window`.
@@ -7,7 +8,9 @@ from . import Family
 
 FAMILY = Family(
     name="mistral", title="Mistral",
-    hf_architectures=("MistralForCausalLM",), gguf_architecture=None, gguf_as="llama",
+    # Mistral 3's text model (Mistral Small 3.1's; its Pixtral tower: weights/vision.py)
+    hf_architectures=("MistralForCausalLM", "Mistral3ForConditionalGeneration"), gguf_architecture=None,
+    gguf_as="llama",
     config_keys=("sliding_window",),
     window="always",
     readme_row="Mistral, Qwen2",

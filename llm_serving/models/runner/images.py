@@ -90,9 +90,22 @@ class ImageEncoder:
         return (int(shape[0]), int(shape[1])) if self.tokens_per_image < 0 else None
 
     def tokens_of(self, shape) -> int:
-        """The tokens an image of pixels `shape` becomes."""
+        """The tokens an image of pixels `shape` becomes (Pixtral's: its rows of merge units, each row ended by a
+        token of the text's own, a row break or the image's end)."""
         grid = self.grid(shape)
-        return self.tokens_per_image if grid is None else grid[0] * grid[1]
+        if grid is None:
+            return self.tokens_per_image
+        return grid[0] * (grid[1] + (getattr(self.cfg, "family", "") == "pixtral"))
+
+    def token_rows(self, shape) -> np.ndarray:
+        """(tokens,) each of an image's tokens' row among its tower rows, -1 for a token that keeps its own
+        embedding (Pixtral's row breaks and image end); the tokens' own rows in order for the other families."""
+        tokens = self.tokens_of(shape)
+        if getattr(self.cfg, "family", "") != "pixtral":
+            return np.arange(tokens)
+        cols = self.grid(shape)[1]
+        k = np.arange(tokens)
+        return np.where(k % (cols + 1) < cols, k // (cols + 1) * cols + k % (cols + 1), -1)
 
     def rows(self, key: str, segment: str, shape) -> np.ndarray:
         """The image's (tokens, H) rows (H: Qwen3-VL's row_width): cached under `key`, else the tower's on the pixels
@@ -254,9 +267,11 @@ def place(images: list, encoder: ImageEncoder, query_lens: np.ndarray, positions
         rows = encoder.rows(image.key, image.segment, image.shape)
         first = int(starts[image.row]) + image.offset
         stop = first + image.count
-        source[first:stop] = at + np.arange(image.count, dtype=np.int32)
-        parts.append(rows[image.first:image.first + image.count])
-        at += image.count
+        taken = encoder.token_rows(image.shape)[image.first:image.first + image.count]
+        used = taken >= 0                       # (Pixtral's row breaks and end keep their own embeddings)
+        source[first:stop] = np.where(used, at + np.cumsum(used) - 1, -1)
+        parts.append(rows[taken[used]])
+        at += int(used.sum())
         if encoder.cfg.bidirectional:
             # every token of the image sees up to its last: the position of the image's first token + its length
             context[first:stop] = positions[first] - image.first + image.length

@@ -1,0 +1,162 @@
+"""Images in, Mistral 3 (issue 67): the real server on a tiny random Mistral3ForConditionalGeneration that
+transformers makes (tests/families.py's `make_mistral3`: an image's longest edge at most 64 pixels, in merge units of
+16 pixels, each a token; a Pixtral tower; a Mistral text model). Its prompt puts an image as rows of [IMG] tokens,
+each row ended by [IMG_BREAK] and the last by [IMG_END], tokens of the text's own in the middle of the image. Image
+questions through OpenAI's chat API get transformers' greedy tokens and log-probabilities (its forward with its PIL
+image processor's pixels, the prompt as its PixtralProcessor expands it), with chunked prefill cutting between
+images, the prefix cache and the encoded-image cache in play, and the precision gate's picture prompts; the tower and
+the float64 reference are transformers'; a prompt that spells an image's tokens in another layout is a 400. The
+served checks are test_images_qwen.py's, given this family's prompt and reference (`Kit`)."""
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+
+from tests.families import MISTRAL3_IMAGE_TOKENS, greedy_with_logprobs, make_mistral3, needs_transformers
+from tests.integration.server_harness import http, serving
+from tests.integration.test_images_qwen import MODEL, NEW_TOKENS, Kit, _body, _png, _user, served_image_chats
+
+pytest.importorskip("mindspore")
+pytest.importorskip("PIL", reason="Pillow reads the images (pip install -e .)")
+
+IMG, BREAK, END = MISTRAL3_IMAGE_TOKENS
+
+
+@pytest.fixture(scope="module")
+def mistral3(tmp_path_factory):
+    needs_transformers()
+    directory = tmp_path_factory.mktemp("mistral3")
+    make_mistral3(directory, seed=7)
+    return directory
+
+
+def _unit(path) -> int:
+    config = json.loads((path / "config.json").read_text())
+    return config["vision_config"]["patch_size"] * config["spatial_merge_size"]
+
+
+def _processed(path, images: list) -> dict:
+    """transformers' PIL Pixtral image processor on the images (PNG bytes) as Mistral 3's processor calls it (its
+    patch the merge unit): pixel_values (padded to the largest) and image_sizes."""
+    _, transformers = needs_transformers()
+    from PIL import Image
+
+    kind = getattr(transformers, "PixtralImageProcessorPil", transformers.PixtralImageProcessor)
+    unit = _unit(path)
+    return kind.from_pretrained(str(path))(images=[Image.open(io.BytesIO(d)) for d in images],
+                                           patch_size={"height": unit, "width": unit}, return_tensors="np")
+
+
+def _prompt_ids(path, turns: list, images: list) -> list:
+    """The prompt transformers' PixtralProcessor makes (the template rendered by hand, each [IMG] made the image's
+    rows of [IMG], each row ended by [IMG_BREAK], the last by [IMG_END]), tokenized by the tokenizers library."""
+    from tokenizers import Tokenizer
+
+    text = "".join(f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in turns) + "<|im_start|>assistant\n"
+    parts = text.split(IMG)
+    assert len(parts) == len(images) + 1
+    sizes = _processed(path, images)["image_sizes"].tolist() if images else []
+    unit = _unit(path)
+    expanded = parts[0]
+    for (height, width), part in zip(sizes, parts[1:]):
+        rows = [[IMG] * (width // unit) + [BREAK] for _ in range(height // unit)]
+        rows[-1][-1] = END
+        expanded += "".join(t for row in rows for t in row) + part
+    return Tokenizer.from_file(str(path / "tokenizer.json")).encode(expanded).ids
+
+
+def _reference(path, ids: list, images: list) -> tuple:
+    """transformers' greedy tokens after `ids` with `images` (PNG bytes), and each one's log-probability: a whole
+    forward per token."""
+    torch, transformers = needs_transformers()
+    model = transformers.Mistral3ForConditionalGeneration.from_pretrained(
+        str(path), dtype=torch.float32, attn_implementation="eager").eval()
+    extra = {}
+    if images:
+        out = _processed(path, images)
+        extra = {"pixel_values": torch.from_numpy(out["pixel_values"]),
+                 "image_sizes": torch.from_numpy(out["image_sizes"])}
+
+    def logits(context: list):
+        return model(input_ids=torch.tensor([context]), use_cache=False, **extra).logits[0, -1]
+    return greedy_with_logprobs(logits, ids, NEW_TOKENS)
+
+
+MISTRAL3 = Kit(IMG, _prompt_ids, _reference)
+
+
+def test_mistral3_image_questions_get_transformers_tokens_and_logprobs(mistral3, tmp_path):
+    """Image chats to a tiny Mistral 3 (test_images_qwen.py's `served_image_chats`): each reply is transformers'
+    greedy tokens with their log-probabilities, the row breaks and the image's end embedded as the text's own tokens
+    between the tower's rows, with chunked prefill, the prefix cache and the encoded-image cache in play; the
+    precision gate with picture prompts passes (the float64 tower's rows at the image's [IMG] tokens)."""
+    served_image_chats(mistral3, tmp_path, MISTRAL3)
+
+
+def test_the_tower_and_the_float64_reference_are_transformers(mistral3):
+    """The served tower (MindSpore's ops, the CPU kernels' float32 products and their int16 ones) and the float64
+    reference on the processor's patches of a wide and a tall image: within float32's (int16's) reach of
+    transformers' float64 image features (the reference within its float32 rotary angles' 1e-7), the reference's
+    rows at the image's [IMG] tokens and NaN at its breaks and end."""
+    torch, transformers = needs_transformers()
+    from PIL import Image
+
+    from llm_serving.models.runner.kernels import build_vision_kernels
+    from llm_serving.models.vision_qwen import QwenVisionTower
+    from llm_serving.models.weights.vision import vision_checkpoint
+    from llm_serving.reference_vision import ReferenceVision
+    from llm_serving.vision.images import qwen_patches
+    from llm_serving.vision.model import image_facts
+    from llm_serving.tokenization import load_tokenizer
+
+    model = transformers.Mistral3ForConditionalGeneration.from_pretrained(
+        str(mistral3), dtype=torch.float64, attn_implementation="eager").eval()
+    facts = image_facts(str(mistral3), None, load_tokenizer(str(mistral3 / "tokenizer.json")))
+    cfg, tensors = vision_checkpoint(str(mistral3))
+    kernels = build_vision_kernels("CPU", "auto")
+    towers = [("mindspore", QwenVisionTower(cfg, tensors), 2e-6)]
+    if kernels is not None:
+        towers += [("kernels", QwenVisionTower(cfg, tensors, kernels=kernels, threads=2), 2e-6),
+                   ("int16", QwenVisionTower(cfg, tensors, kernels=kernels, threads=2, int16=True), 3e-3)]
+    reference = ReferenceVision(str(mistral3))
+    for data in (_png(0, (40, 130, 3)), _png(1, (64, 30, 3))):
+        out = _processed(mistral3, [data])
+        with torch.no_grad():
+            want = model.model.get_image_features(
+                pixel_values=torch.from_numpy(out["pixel_values"]).double(),
+                image_sizes=torch.from_numpy(out["image_sizes"])).pooler_output[0].numpy()
+        patches = qwen_patches(Image.open(io.BytesIO(data)), facts.spec)
+        rows, cols = patches.shape[:2]
+        assert want.shape[0] == rows * cols and facts.tokens_of(patches) == rows * (cols + 1)
+        scale = np.abs(want).max()
+        for name, tower, bound in towers:
+            got = tower.encode(patches)[0]
+            assert np.abs(got - want).max() / scale < bound, name
+        ref = reference.encode(patches).reshape(rows, cols + 1, -1)
+        assert np.isnan(ref[:, cols]).all() and not np.isnan(ref[:, :cols]).any()
+        # (transformers turns its float64 patches by float32 rotary angles: ~1e-7 apart, as Qwen2.5-VL's)
+        assert np.abs(ref[:, :cols].reshape(rows * cols, -1) - want).max() / scale < 1e-6
+
+
+def test_a_prompt_spelling_image_tokens_is_a_400(mistral3, tmp_path):
+    """A chat whose text spells image tokens beside its image (an [IMG] and a row break before the picture) is a 400
+    naming the image tokens, and the server goes on answering image questions: the wide image's prompt as
+    transformers' processor makes it (2 rows of 4 merge units: one row break, one end)."""
+    from tokenizers import Tokenizer
+
+    wide = _png(0, (40, 130, 3))
+    spelled = _user(f"Look: {IMG}{BREAK}", wide)
+    args = ["--model", str(mistral3), "--set", f"model_config.model_name={MODEL}",
+            "--set", "model_config.max_generate_length=128", "--set", "pa_config.kv_cache_dtype=float32"]
+    with serving(args, tmp_path / "server.log") as server:
+        bad = http("POST", server.url + "/v1/chat/completions", _body([spelled]))
+        fine = http("POST", server.url + "/v1/chat/completions", _body([_user("What is it?", wide)]))
+    assert bad[0] == 400 and "image" in bad[1]["error"]["message"], bad
+    assert fine[0] == 200, fine
+    ids = _prompt_ids(mistral3, [("user", f"What is it?{IMG}")], [wide])
+    assert fine[1]["usage"]["prompt_tokens"] == len(ids)
+    tok = Tokenizer.from_file(str(mistral3 / "tokenizer.json"))
+    assert [ids.count(tok.token_to_id(t)) for t in (IMG, BREAK, END)] == [8, 1, 1]
