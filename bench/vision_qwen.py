@@ -8,7 +8,11 @@ their GGUF twins: 2 or 3 layers of 64, so that an image question's time is the t
   (3,996 patches of 14 pixels);
 - `--family qwen3`: Qwen3-VL-4B's and -8B's tower (24 blocks of 1,024, full attention, learned position rows,
   DeepStack mergers after blocks 5, 11 and 17; qwen3vl_merger), a `qwen3vl` text model; the photo is 768 tokens
-  (3,072 patches of 16 pixels).
+  (3,072 patches of 16 pixels);
+- `--family mistral3`: Mistral Small 3.1's Pixtral tower (24 blocks of 1,024, full attention, 2-D rotary positions,
+  SwiGLU; the projector's RMS norm, patch merger and two products; pixtral), a `llama` text model (a tiny
+  Mistral3ForConditionalGeneration's); the photo 896 x 672 (llama.cpp takes at most 1,024 tokens of this tower, and
+  both servers leave this size as it is): 768 tokens and 24 row breaks (3,072 patches of 14 pixels).
 Measured, for each server in turn: the time to the first token of one image question (the photo, as both servers'
 bounds leave it), for --rounds new pictures of that size; this server with its defaults and with `--set` settings
 (--variant, repeatable).
@@ -43,7 +47,9 @@ from bench.vision_serving import finish_gguf, image, mmproj_writer, random_weigh
 TOWERS = {"qwen2.5": dict(hidden=1280, intermediate=3420, layers=32, heads=16, patch=14, window=112, every=8,
                           text_hidden=64),
           "qwen3": dict(hidden=1024, intermediate=4096, layers=24, heads=16, patch=16, positions=2304,
-                        deepstack=(5, 11, 17), text_hidden=64)}
+                        deepstack=(5, 11, 17), text_hidden=64),
+          "mistral3": dict(hidden=1024, intermediate=4096, layers=24, heads=16, patch=14, image=1540, text_hidden=64,
+                           picture=(896, 672))}
 QUESTION = "Describe this picture in detail."
 NAME = "qwen25vl-bench"
 
@@ -53,10 +59,12 @@ def text_model(out: Path, family: str = "qwen2.5") -> Path:
     template, its context 4,096 tokens (made once)."""
     if out.is_file():
         return out
-    from tests.families import make_qwen3_vl, make_qwen25_vl, write_gguf
+    from tests.families import make_mistral3, make_qwen3_vl, make_qwen25_vl, write_gguf
 
     with tempfile.TemporaryDirectory() as tmp:
-        if family == "qwen3":           # (the real tower's three DeepStack layers; four text layers: llama.cpp
+        if family == "mistral3":
+            make_mistral3(Path(tmp), seed=0)
+        elif family == "qwen3":           # (the real tower's three DeepStack layers; four text layers: llama.cpp
             make_qwen3_vl(Path(tmp), seed=0, text_layers=4, deepstack=(1, 2, 3))    # needs more than DeepStack's)
         else:
             make_qwen25_vl(Path(tmp), seed=0)
@@ -142,6 +150,36 @@ def mmproj_qwen3(out: Path, seed: int = 0) -> Path:
     return finish_gguf(writer, out)
 
 
+def mmproj_mistral3(out: Path, seed: int = 0) -> Path:
+    """A random Mistral Small 3.1 tower and projector as llama.cpp's pixtral mmproj GGUF (the converter's names and
+    keys; F16 matrices, F32 norms; `v.token_embd.img_break`, the row break's embedding llama.cpp reads), made once."""
+    if out.is_file():
+        return out
+    t = TOWERS["mistral3"]
+    d, m, p, out_hidden = t["hidden"], t["intermediate"], t["patch"], t["text_hidden"]
+    writer = mmproj_writer(out, "pixtral", {
+        "projection_dim": out_hidden, "image_size": t["image"], "patch_size": p, "embedding_length": d,
+        "feed_forward_length": m, "block_count": t["layers"], "attention.head_count": t["heads"],
+        "spatial_merge_size": 2}, ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)))
+    writer.add_bool("clip.use_silu", True)
+    matrix, vector = random_weights(seed)
+    writer.add_tensor("v.patch_embd.weight", matrix((d, 3, p, p), 3 * p * p))
+    writer.add_tensor("v.pre_ln.weight", vector(d, 1.0))
+    for i in range(t["layers"]):
+        at = f"v.blk.{i}."
+        for norm in ("ln1", "ln2"):
+            writer.add_tensor(at + norm + ".weight", vector(d, 1.0))
+        for proj, rows, cols in (("attn_q", d, d), ("attn_k", d, d), ("attn_v", d, d), ("attn_out", d, d),
+                                 ("ffn_gate", m, d), ("ffn_up", m, d), ("ffn_down", d, m)):
+            writer.add_tensor(at + proj + ".weight", matrix((rows, cols), cols))
+    writer.add_tensor("mm.input_norm.weight", vector(d, 1.0))
+    writer.add_tensor("mm.patch_merger.weight", matrix((d, 4 * d), 4 * d))
+    writer.add_tensor("mm.1.weight", matrix((out_hidden, d), d))
+    writer.add_tensor("mm.2.weight", matrix((out_hidden, out_hidden), out_hidden))
+    writer.add_tensor("v.token_embd.img_break", vector(out_hidden))
+    return finish_gguf(writer, out)
+
+
 def ask(url: str, picture: str) -> dict:
     """One image question, 2 tokens: seconds to the reply (its first token is the second's step), its prompt's
     tokens."""
@@ -158,8 +196,8 @@ def ask(url: str, picture: str) -> dict:
     return {"seconds": time.perf_counter() - t0, "prompt_tokens": (reply.get("usage") or {}).get("prompt_tokens")}
 
 
-def rounds(url: str, count: int) -> list:
-    return [ask(url, image(500 + k)) for k in range(count)]
+def rounds(url: str, count: int, size: tuple = (1024, 768)) -> list:
+    return [ask(url, image(500 + k, size)) for k in range(count)]
 
 
 def main(argv=None) -> int:
@@ -170,13 +208,17 @@ def main(argv=None) -> int:
     ap.add_argument("--variant", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="this server again with this setting (repeatable: one run each)")
     ap.add_argument("--only", choices=("ours", "llama"), default=None)
-    ap.add_argument("--out", default=None, help="default bench_results/vision_qwen.json (vision_qwen3.json)")
+    ap.add_argument("--out", default=None, help="default bench_results/vision_qwen.json (vision_qwen3.json, "
+                                                "vision_mistral3.json)")
     args = ap.parse_args(argv)
 
     models = peers_dir() / "models"
     models.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    if args.family == "qwen3":
+    if args.family == "mistral3":
+        text = text_model(models / "bench-mistral3-tiny-text.gguf", "mistral3")
+        proj = mmproj_mistral3(models / "bench-mistral-small-3.1-mmproj-f16.gguf")
+    elif args.family == "qwen3":
         text = text_model(models / "bench-qwen3vl-tiny-text.gguf", "qwen3")
         proj = mmproj_qwen3(models / "bench-qwen3vl-4b-mmproj-f16.gguf")
     else:
@@ -187,12 +229,16 @@ def main(argv=None) -> int:
     base = ["--model", str(text), "--set", f"model_config.mmproj={proj}", "--set", f"model_config.model_name={NAME}",
             "--set", "model_config.max_generate_length=2048", "--set", "model_config.seq_length=[32,128,512,1024]",
             "--set", "serving_config.max_num_batched_tokens=1024"]
+    size = TOWERS[args.family].get("picture", (1024, 768))
+    if args.family == "mistral3":       # (a square image of the longest edge must fit one call: 33 x 34 tokens)
+        base += ["--set", "model_config.seq_length=[32,128,512,1024,2048]",
+                 "--set", "serving_config.max_num_batched_tokens=2048"]
     if args.only != "llama":
         for variant in [None, *args.variant]:
             extra = [] if variant is None else ["--set", variant]
             srv, started = start_ours(base + extra, log_dir() / "vision_qwen_ours.log")
             try:
-                runs = rounds(srv.url, args.rounds)
+                runs = rounds(srv.url, args.rounds, size)
             finally:
                 srv.stop()
             result.setdefault("ours", {})[variant or "defaults"] = {"start_s": started, "runs": runs}
@@ -202,7 +248,7 @@ def main(argv=None) -> int:
         cmd = [binary, "-m", str(text), "--mmproj", str(proj), "--alias", NAME, "--host", "127.0.0.1",
                "-t", str(args.threads), "-c", "4096", "--jinja"]
         runs, _ = with_llama_server(cmd, log_dir() / "vision_qwen_llama.log",
-                                    lambda peer: rounds(peer.url, args.rounds))
+                                    lambda peer: rounds(peer.url, args.rounds, size))
         result["llama"] = {"runs": runs, "version": version}
         print("llama-server:", json.dumps(runs), flush=True)
     if "ours" in result and "llama" in result:
@@ -210,7 +256,8 @@ def main(argv=None) -> int:
         theirs = best(result["llama"]["runs"])
         result["ratios"] = {k: best(v["runs"]) / theirs for k, v in result["ours"].items()}
         print("image question, ours / llama-server (best after the first):", json.dumps(result["ratios"]))
-    write_json(args.out or f"bench_results/vision_{'qwen3' if args.family == 'qwen3' else 'qwen'}.json", result)
+    names = {"qwen2.5": "vision_qwen", "qwen3": "vision_qwen3", "mistral3": "vision_mistral3"}
+    write_json(args.out or f"bench_results/{names[args.family]}.json", result)
     return 0
 
 

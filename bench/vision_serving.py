@@ -152,13 +152,13 @@ def mmproj(out: Path, seed: int = 0) -> Path:
     return finish_gguf(writer, out)
 
 
-def image(seed: int) -> str:
-    """A photo-sized random picture (1,024 x 768, JPEG) as a data: URL."""
+def image(seed: int, size: tuple = (1024, 768)) -> str:
+    """A photo-sized random picture (`size`: 1,024 x 768, JPEG) as a data: URL."""
     from PIL import Image
 
     rng = np.random.default_rng(seed)
     small = rng.integers(0, 256, (48, 64, 3), dtype=np.uint8)            # smooth-ish blocks, as photos compress
-    picture = Image.fromarray(small).resize((1024, 768), Image.BILINEAR)
+    picture = Image.fromarray(small).resize(size, Image.BILINEAR)
     buffer = io.BytesIO()
     picture.save(buffer, "JPEG", quality=90)
     return "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode()

@@ -1,5 +1,5 @@
-"""Qwen2.5-VL's and Qwen3-VL's vision towers and mergers: an image's patches to the text model's embeddings of it, in
-MindSpore graphs.
+"""Qwen2.5-VL's, Qwen3-VL's and Mistral 3's (Pixtral's) vision towers and mergers: an image's patches to the text
+model's embeddings of it, in MindSpore graphs.
 
 What it computes (transformers' Qwen2_5_VisionTransformerPretrainedModel):
 - the patches (vision/images.py's `qwen_patches`: merge units row by row, each unit's m x m patches, each patch's
@@ -21,6 +21,15 @@ over each patch (D) before a unit's m x m patches become one row; and DeepStack:
 `deepstack_visual_indexes`, a merger of its own (each unit's m m D values one row first, its LayerNorm over all of
 them, Linear, exact GELU, Linear) gives each token a row. An image token's row (row_width values) is the merger's,
 then each DeepStack merger's in deepstack_visual_indexes order, side by side.
+
+Mistral 3's (transformers' PixtralVisionModel and Mistral3MultiModalProjector; `cfg.family` "pixtral") differs from
+Qwen2.5-VL's in: patches of C x P x P (one frame), embedded without a bias and then RMS-normed (ln_pre,
+`_NormedEmbed`); its 2-D rotary angles (`_rotary_angles`: the head's own head_dim / 2 frequencies, the even ones
+turned by the patch's row and the odd ones by its column, where Qwen's turn head_dim / 4 frequencies each way);
+separate q, k, v, o and a SwiGLU without biases (zero biases here); full attention in every block; and its projector
+(`_PixtralMerger`): RMS norm over each patch (the text model's eps), each unit's m m patches one row, the patch
+merger's product (its matrix's columns read in that row's order: transformers unfolds a unit value by value), then
+linear_1, exact GELU, linear_2.
 
 How: the state between calls is the patches in merge-unit order, (gh2, gw2, m m, D), so the grid travels with it
 (the agent keeps it as numpy between steps: `kept`); with DeepStack mergers, a `QwenState` of the patches and the

@@ -51,8 +51,9 @@ _SMOLVLM_ARCHITECTURES = ("SmolVLMForConditionalGeneration", "Idefics3ForConditi
 _QWEN_VL_ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
 _PIXTRAL_ARCHITECTURES = ("Mistral3ForConditionalGeneration",)
 # llama.cpp's projector types of the Qwen-VL mmprojs, and each one's mean and std where the file gives none
+_CLIP_MEAN, _CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
 _QWEN_MMPROJ_NORMALIZE = {
-    "qwen2.5vl_merger": ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)),
+    "qwen2.5vl_merger": (_CLIP_MEAN, _CLIP_STD),
     "qwen3vl_merger": ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))}
 
 
@@ -340,6 +341,8 @@ def _mmproj_facts(path: str, tokenizer) -> ImageFacts:
     fields = read_gguf(path).fields             # (a header scan: the tensors' data is not read)
     if fields.get("clip.projector_type") in _QWEN_MMPROJ_NORMALIZE:
         return _qwen_mmproj_facts(path, fields, tokenizer)
+    if fields.get("clip.projector_type") == "pixtral":
+        return _pixtral_mmproj_facts(path, fields, tokenizer)
     try:
         size, patch = int(fields["clip.vision.image_size"]), int(fields["clip.vision.patch_size"])
     except (KeyError, TypeError, ValueError):
@@ -358,6 +361,24 @@ def _mmproj_facts(path: str, tokenizer) -> ImageFacts:
     spec = ImageSpec.from_config({"size": size, **normalize}, path)
     return ImageFacts(side * side, _one_token(tokenizer, _GEMMA3["image"], path), _GEMMA3["boi"], _GEMMA3["eoi"],
                       _GEMMA3["image"], spec)
+
+
+def _pixtral_mmproj_facts(path: str, fields: dict, tokenizer) -> ImageFacts:
+    """A Mistral 3 mmproj's: Pixtral's processor with the longest edge `clip.vision.image_size` (the config's
+    image_size, which is its processor's longest edge: Mistral Small 3.1's 1,540), bicubic, the file's mean and std;
+    the merge `spatial_merge_size`; the tokens from the text model's vocabulary."""
+    try:
+        longest, patch = int(fields["clip.vision.image_size"]), int(fields["clip.vision.patch_size"])
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"{path}: an mmproj GGUF without clip.vision.image_size and patch_size") from None
+    spec = ImageSpec.from_config({
+        "image_processor_type": "PixtralImageProcessor", "patch_size": patch, "size": {"longest_edge": longest},
+        "resample": 3, "image_mean": [float(v) for v in fields.get("clip.vision.image_mean", _CLIP_MEAN)],
+        "image_std": [float(v) for v in fields.get("clip.vision.image_std", _CLIP_STD)]}, path)
+    spec = dataclasses.replace(spec, merge=int(fields.get("clip.vision.spatial_merge_size", 2)))
+    ids = {key: _one_token(tokenizer, text, path) for key, text in _PIXTRAL.items()}
+    return ImageFacts(-1, ids["image"], _PIXTRAL["image"], "", _PIXTRAL["image"], spec, family="pixtral",
+                      row_break_id=ids["break"], image_end_id=ids["end"])
 
 
 def _qwen_mmproj_facts(path: str, fields: dict, tokenizer) -> ImageFacts:

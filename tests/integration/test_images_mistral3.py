@@ -9,6 +9,7 @@ the float64 reference are transformers'; a prompt that spells an image's tokens 
 served checks are test_images_qwen.py's, given this family's prompt and reference (`Kit`)."""
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 
@@ -17,7 +18,8 @@ import pytest
 
 from tests.families import MISTRAL3_IMAGE_TOKENS, greedy_with_logprobs, make_mistral3, needs_transformers
 from tests.integration.server_harness import http, serving
-from tests.integration.test_images_qwen import MODEL, NEW_TOKENS, Kit, _body, _png, _user, served_image_chats
+from tests.integration.test_images_qwen import (MODEL, NEW_TOKENS, Kit, _body, _png, _user, served_gguf_chats,
+                                                served_image_chats)
 
 pytest.importorskip("mindspore")
 pytest.importorskip("PIL", reason="Pillow reads the images (pip install -e .)")
@@ -160,3 +162,108 @@ def test_a_prompt_spelling_image_tokens_is_a_400(mistral3, tmp_path):
     assert fine[1]["usage"]["prompt_tokens"] == len(ids)
     tok = Tokenizer.from_file(str(mistral3 / "tokenizer.json"))
     assert [ids.count(tok.token_to_id(t)) for t in (IMG, BREAK, END)] == [8, 1, 1]
+
+
+def write_mistral3_mmproj(hf_dir, path):
+    """The mmproj GGUF llama.cpp's `convert_hf_to_gguf.py --mmproj --outtype f32` writes of a Mistral 3 (projector
+    type pixtral: each block's q, k (their rows permuted to interleaved rotary pairs, the converter's
+    LlamaModel.permute), v, out, the gate/up/down MLP, norms ln1/ln2; the patch kernel `v.patch_embd`, ln_pre
+    `v.pre_ln`, the projector's norm `mm.input_norm`, its patch merger `mm.patch_merger`, linear_1 and linear_2
+    `mm.1` / `mm.2`), as the converter's own file of make_mistral3's model has them, key by key, name by name and
+    value by value; and one tensor more than the converter (of llama-cpp-python 0.3's sources) writes of a HF
+    directory: `v.token_embd.img_break`, the text model's embedding row of [IMG_BREAK], which its code means to
+    copy (its mmproj pass never sees the text's tensors) and llama.cpp's loader requires."""
+    import gguf
+    from safetensors.numpy import load_file
+    from tokenizers import Tokenizer
+
+    from tests.families import _llama_cpp_permute
+
+    config = json.loads((hf_dir / "config.json").read_text())
+    vision = config["vision_config"]
+    writer = gguf.GGUFWriter(str(path), "clip")
+    writer.add_string("general.type", "mmproj")
+    writer.add_bool("clip.has_vision_encoder", True)
+    for key, value in (("projection_dim", config["text_config"]["hidden_size"]), ("image_size", vision["image_size"]),
+                       ("patch_size", vision["patch_size"]), ("embedding_length", vision["hidden_size"]),
+                       ("feed_forward_length", vision["intermediate_size"]),
+                       ("block_count", vision["num_hidden_layers"]),
+                       ("attention.head_count", vision["num_attention_heads"])):
+        writer.add_uint32(f"clip.vision.{key}", value)
+    writer.add_array("clip.vision.image_mean", [0.48145466, 0.4578275, 0.40821073])
+    writer.add_array("clip.vision.image_std", [0.26862954, 0.26130258, 0.27577711])
+    writer.add_string("clip.projector_type", "pixtral")
+    writer.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-5)
+    writer.add_bool("clip.use_silu", True)
+    writer.add_uint32("clip.vision.spatial_merge_size", config["spatial_merge_size"])
+    layer = {"attention_norm": "ln1", "ffn_norm": "ln2", "attention.q_proj": "attn_q", "attention.k_proj": "attn_k",
+             "attention.v_proj": "attn_v", "attention.o_proj": "attn_out", "feed_forward.gate_proj": "ffn_gate",
+             "feed_forward.up_proj": "ffn_up", "feed_forward.down_proj": "ffn_down"}
+    rest = {"vision_tower.patch_conv": "v.patch_embd", "vision_tower.ln_pre": "v.pre_ln",
+            "multi_modal_projector.norm": "mm.input_norm",
+            "multi_modal_projector.patch_merger.merging_layer": "mm.patch_merger",
+            "multi_modal_projector.linear_1": "mm.1", "multi_modal_projector.linear_2": "mm.2"}
+    heads = vision["num_attention_heads"]
+    breaks = Tokenizer.from_file(str(hf_dir / "tokenizer.json")).token_to_id(BREAK)
+    for name, array in load_file(str(hf_dir / "model.safetensors")).items():
+        name = name.removeprefix("model.")
+        part, _, kind = name.rpartition(".")
+        if name.startswith("vision_tower.transformer.layers."):
+            index, _, inner = part[len("vision_tower.transformer.layers."):].partition(".")
+            if inner in ("attention.q_proj", "attention.k_proj"):
+                array = _llama_cpp_permute(array, heads)
+            writer.add_tensor(f"v.blk.{index}.{layer[inner]}.{kind}", np.ascontiguousarray(array))
+        elif part in rest:
+            writer.add_tensor(f"{rest[part]}.{kind}", array)
+        elif name.endswith("embed_tokens.weight"):
+            writer.add_tensor("v.token_embd.img_break", np.ascontiguousarray(array[breaks]))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_llama_gguf_and_its_pixtral_mmproj_serve_the_same_image_questions(mistral3, tmp_path):
+    """The text model as llama.cpp's converter writes Mistral 3's (a `llama` GGUF) and the tower as its pixtral
+    mmproj: the tower's config and tensors are the HF directory's (q and k rows back in halves), and image questions
+    get transformers' greedy tokens; Pixtral 12B's projector (no patch merger) is refused naming what it lacks."""
+    import gguf
+
+    from llm_serving.models.weights.common import WeightLoadError
+    from llm_serving.models.weights.vision import mmproj_checkpoint, vision_checkpoint
+    from tests.families import write_gguf
+
+    text, mmproj = write_gguf(None, mistral3, tmp_path / "mistral3.gguf"), tmp_path / "mmproj.gguf"
+    write_mistral3_mmproj(mistral3, mmproj)
+    cfg, tensors = mmproj_checkpoint(str(mmproj))
+    hf_cfg, hf_tensors = vision_checkpoint(str(mistral3))
+    assert cfg == dataclasses.replace(hf_cfg, image_token_id=None)       # (an mmproj has no token ids: the text's)
+    assert sorted(tensors) == sorted(hf_tensors)
+    for name, tensor in tensors.items():
+        index = (slice(None),) * len(tensor.shape)
+        np.testing.assert_array_equal(tensor.read(index), hf_tensors[name].read(index), err_msg=name)
+    served_gguf_chats(mistral3, text, mmproj, tmp_path, MISTRAL3)
+    reader = gguf.GGUFReader(str(mmproj))
+    old = gguf.GGUFWriter(str(tmp_path / "pixtral12b.gguf"), "clip")
+    for field in reader.fields.values():
+        if field.name.startswith(("clip.", "general.type")):
+            value = field.contents()
+            if isinstance(value, bool):
+                old.add_bool(field.name, value)
+            elif isinstance(value, str):
+                old.add_string(field.name, value)
+            elif isinstance(value, list):
+                old.add_array(field.name, value)
+            elif isinstance(value, float):
+                old.add_float32(field.name, value)
+            else:
+                old.add_uint32(field.name, value)
+    for tensor in reader.tensors:
+        if not tensor.name.startswith(("mm.input_norm", "mm.patch_merger")):
+            old.add_tensor(tensor.name, np.asarray(tensor.data).reshape(tuple(reversed(tensor.shape.tolist()))))
+    old.write_header_to_file()
+    old.write_kv_data_to_file()
+    old.write_tensors_to_file()
+    old.close()
+    with pytest.raises(WeightLoadError, match="mm.input_norm.weight and mm.patch_merger.weight"):
+        mmproj_checkpoint(str(tmp_path / "pixtral12b.gguf"))

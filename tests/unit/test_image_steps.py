@@ -141,9 +141,34 @@ class _Encoder:
     def tokens_of(self, shape):
         return self.tokens_per_image
 
+    def token_rows(self, shape):
+        return np.arange(self.tokens_per_image)
+
     def rows(self, key, segment, shape):
         base = float(key)
         return np.array([[base * 10 + i] * 3 for i in range(4)], np.float32)
+
+
+def test_a_pixtral_image_s_row_breaks_keep_their_own_tokens():
+    """Mistral 3's image of 2 x 3 merge units is 8 tokens, each row ended by a text token (the break, then the
+    image's end): the real encoder's token_rows gives those -1, `place` takes the tower's 6 rows for the other 6 and
+    leaves the two their own ids, whole or from a step that starts inside the image (a prefix-cache hit)."""
+    from llm_serving.models.runner.images import ImageEncoder
+
+    tower = types.SimpleNamespace(cfg=types.SimpleNamespace(family="pixtral", bidirectional=False))
+    encoder = ImageEncoder(tower, 1 << 20)
+    shape = [2, 3, 4, 12]                                   # (rows, cols, m m, features): the patches' shape
+    assert encoder.tokens_of(shape) == 8
+    assert encoder.token_rows(shape).tolist() == [0, 1, 2, -1, 3, 4, 5, -1]
+    encoder._keep("7", np.arange(6, dtype=np.float32)[:, None] * np.ones((1, 3), np.float32))
+    query_lens = np.array([10, 6])
+    positions = np.concatenate([np.arange(10), np.arange(30, 36)]).astype(np.int32)
+    images = [proto.StepImage(0, 1, 0, 8, 8, "7", "s", shape), proto.StepImage(1, 0, 2, 6, 8, "7", "s", shape)]
+    placed = place(images, encoder, query_lens, positions, positions + 1)
+    assert placed.source.tolist() == [-1, 0, 1, 2, -1, 3, 4, 5, -1, -1, 6, -1, 7, 8, 9, -1]
+    assert placed.rows[:, 0].tolist() == [0, 1, 2, 3, 4, 5, 2, 3, 4, 5]
+    assert placed.spans == [(1, 9), (10, 16)]
+    assert placed.context.tolist() == (positions + 1).tolist()          # (causal: Mistral 3's image tokens)
 
 
 def test_an_image_s_rows_replace_its_placeholders_and_it_sees_its_whole_image():

@@ -160,6 +160,9 @@ class _GridEncoder:
     def tokens_of(self, shape):
         return int(shape[0] * shape[1])
 
+    def token_rows(self, shape):
+        return np.arange(self.tokens_of(shape))
+
     def rows(self, key, segment, shape):
         return np.array([[float(key) * 10 + i] * 3 for i in range(self.tokens_of(shape))], np.float32)
 

@@ -18,7 +18,9 @@ the row of the stacked image rows it takes (-1: its own embedding), and its cont
 image's tokens is bidirectional: an image token sees every key up to its image's last token (the causal limit
 elsewhere), and the keys of a graph call's tokens are all written before any attends, so an image must lie within
 one graph call (`pieces`). Before each call, `fill` copies the call's image rows into the model's image buffer and
-gives their tokens the ids V + j that select them (llama.py's `embed_tokens`).
+gives their tokens the ids V + j that select them (llama.py's `embed_tokens`). A Mistral 3 image's tokens are its rows
+of merge units, each row ended by a token of the text's own (the row break, the image's end): `token_rows` says
+which of an image's tokens take a tower row, and the others keep their own ids and embeddings.
 """
 from __future__ import annotations
 

@@ -23,7 +23,12 @@ Two more families' towers are another kind (`QwenVisionConfig`, models/vision_qw
 - Qwen3-VL (`Qwen3VLForConditionalGeneration`): the same patches and rotary positions, with a biased patch
   embedding plus learned position rows, LayerNorms, full attention in every block, a GELU-tanh MLP, a LayerNorm
   merger, and DeepStack mergers after the `deepstack_visual_indexes` blocks (each a row more per token); its tensors
-  `model.visual.<...>` (the Hub's and 5.x's), read as `visual.<...>`.
+  `model.visual.<...>` (the Hub's and 5.x's), read as `visual.<...>`;
+- Mistral 3 (`Mistral3ForConditionalGeneration`, Mistral Small 3.1): a Pixtral tower (the image at its own size,
+  patches of C x P x P, ln_pre, RMS norms, its own 2-D rotary positions, full attention, SwiGLU without biases) and
+  Mistral 3's projector (RMS norm, the patch merger, linear_1, GELU, linear_2); its tensors `vision_tower.*` and
+  `multi_modal_projector.*` (under `model.` in 5.x), read as `visual.<...>` with Qwen's block names (`_pixtral_name`);
+  from llama.cpp's `pixtral` mmproj too, its q and k rows put back from interleaved pairs.
 """
 from __future__ import annotations
 
@@ -37,7 +42,7 @@ from typing import Optional
 
 import numpy as np
 
-from .common import StoredTensor, WeightLoadError, check_tensors
+from .common import StoredTensor, WeightLoadError, check_tensors, rotate_half_rows
 from .hf import _checkpoint_names, _safetensors_header, _shard_files, stored_safetensors
 
 __all__ = ["QwenVisionConfig", "VisionConfig", "mmproj_checkpoint", "mmproj_config", "qwen_vision_shapes",
@@ -525,7 +530,7 @@ def _mmproj_fields(path: str, contents=None):
     fields = contents.fields
     kind = (fields.get("general.architecture"), fields.get("clip.projector_type"))
     if kind[0] != "clip" or kind[1] not in MMPROJ_PROJECTORS:
-        raise WeightLoadError(f"{path}: not a Gemma 3, SmolVLM, Qwen2.5-VL or Qwen3-VL mmproj GGUF "
+        raise WeightLoadError(f"{path}: not a Gemma 3, SmolVLM, Qwen2.5-VL, Qwen3-VL or Mistral 3 mmproj GGUF "
                               f"(general.architecture {kind[0]!r}, clip.projector_type {kind[1]!r}; served: clip with "
                               f"{', '.join(MMPROJ_PROJECTORS)})")
     return contents
@@ -543,6 +548,8 @@ def mmproj_config(path: str, contents=None):
         return _qwen_mmproj_config(path, fields)
     if fields["clip.projector_type"] == "qwen3vl_merger":
         return _qwen3_mmproj_config(path, fields, contents.tensors)
+    if fields["clip.projector_type"] == "pixtral":
+        return _pixtral_mmproj_config(path, fields, contents.tensors)
     try:
         image, patch = int(fields["clip.vision.image_size"]), int(fields["clip.vision.patch_size"])
         pool = int(fields.get("clip.vision.projector.scale_factor", 4))
@@ -601,6 +608,67 @@ def _qwen3_mmproj_config(path: str, fields: dict, tensors) -> QwenVisionConfig:
             "out_hidden_size": fields["clip.vision.projection_dim"]}}, path, "qwen3_vl")
     except KeyError as e:
         raise WeightLoadError(f"{path}: GGUF metadata {e} is missing") from None
+
+
+def _pixtral_mmproj_config(path: str, fields: dict, tensors) -> QwenVisionConfig:
+    """A Mistral 3 mmproj's tower (projector pixtral, as llama.cpp's converter writes Mistral Small 3.1's): the
+    `clip.vision.*` keys as a Mistral3ForConditionalGeneration's config (the MLP SwiGLU with `clip.use_silu`, the
+    merge `spatial_merge_size`, the projector's norm eps the tower's `layer_norm_epsilon` (every Mistral 3's 1e-5),
+    its biases where `mm.1.bias` is, llama.cpp's rotary base 10,000). Pixtral 12B's (no patch merger, no
+    projector norm) is refused naming what it lacks."""
+    names = {t.name for t in tensors}
+    missing = [n for n in ("mm.input_norm.weight", "mm.patch_merger.weight") if n not in names]
+    if missing:
+        raise WeightLoadError(f"{path}: a pixtral mmproj without {' and '.join(missing)} (Pixtral 12B's projector); "
+                              "Mistral Small 3.1's (its RMS norm and patch merger) is the one served")
+    try:
+        eps = float(f"{float(fields.get('clip.vision.attention.layer_norm_epsilon', 1e-5)):.7g}")   # (float32's)
+        return _pixtral_config({
+            "spatial_merge_size": int(fields.get("clip.vision.spatial_merge_size", 2)),
+            "multimodal_projector_bias": "mm.1.bias" in names,
+            "vision_config": {
+                "hidden_size": fields["clip.vision.embedding_length"],
+                "intermediate_size": fields["clip.vision.feed_forward_length"],
+                "num_hidden_layers": fields["clip.vision.block_count"],
+                "num_attention_heads": fields["clip.vision.attention.head_count"],
+                "patch_size": fields["clip.vision.patch_size"], "image_size": fields["clip.vision.image_size"],
+                "hidden_act": "silu" if fields.get("clip.use_silu", True) else "gelu", "rope_theta": 10000.0},
+            "text_config": {"hidden_size": fields["clip.vision.projection_dim"], "rms_norm_eps": eps}}, path)
+    except KeyError as e:
+        raise WeightLoadError(f"{path}: GGUF metadata {e} is missing") from None
+
+
+# a Mistral 3 mmproj's names (llama.cpp's converter's) -> ours: `v.blk.N.` parts, then the rest; its q and k rows are
+# each head's rotary pairs interleaved (the converter's LlamaModel.permute), put back in halves as they are read
+_PIXTRAL_MMPROJ_LAYER = {"ln1.": "norm1.", "ln2.": "norm2.", "attn_q.": "attn.q_proj.", "attn_k.": "attn.k_proj.",
+                         "attn_v.": "attn.v_proj.", "attn_out.": "attn.o_proj.", "ffn_gate.": "mlp.gate_proj.",
+                         "ffn_up.": "mlp.up_proj.", "ffn_down.": "mlp.down_proj."}
+_PIXTRAL_MMPROJ_NAMES = {"v.patch_embd.": "visual.patch_embed.proj.", "v.pre_ln.": "visual.ln_pre.",
+                         "mm.input_norm.": "visual.merger.norm.", "mm.patch_merger.": "visual.merger.merging_layer.",
+                         "mm.1.": "visual.merger.linear_1.", "mm.2.": "visual.merger.linear_2."}
+
+
+def _pixtral_mmproj_tensors(contents, path: str, cfg: QwenVisionConfig) -> dict:
+    """Our `visual.*` tensors of a Mistral 3 mmproj, each read from the memory-mapped file only when the tower reads
+    it (as `_qwen_mmproj_tensors`'), q and k rows back in rotate-half order (`v.token_embd.img_break`, llama.cpp's
+    copy of the row break's embedding, is not read: the break token keeps the text model's own)."""
+    out = {}
+    for tensor in contents.tensors:
+        name, ours = tensor.name, None
+        if name.startswith("v.blk."):
+            index, _, rest = name[len("v.blk."):].partition(".")
+            ours = next((f"visual.blocks.{index}.{o}{rest[len(t):]}" for t, o in _PIXTRAL_MMPROJ_LAYER.items()
+                         if rest.startswith(t)), None)
+        else:
+            ours = next((o + name[len(t):] for t, o in _PIXTRAL_MMPROJ_NAMES.items() if name.startswith(t)), None)
+        if ours is None:
+            continue
+        stored = _mmproj_stored(tensor, path)
+        if ours.endswith(("attn.q_proj.weight", "attn.k_proj.weight")) and len(stored.shape) == 2:
+            stored = StoredTensor(stored.shape, lambda index, read=stored.read: rotate_half_rows(
+                read((slice(None), slice(None))), cfg.num_heads)[index], stored_type=stored.stored_type)
+        out[ours] = stored
+    return out
 
 
 # a Qwen-VL mmproj's names (llama.cpp's converter's) -> ours: `v.blk.N.` parts, then the rest (Qwen2.5-VL's, and
@@ -694,7 +762,8 @@ def mmproj_checkpoint(path: str) -> tuple:
     contents = _mmproj_fields(path)
     cfg = mmproj_config(path, contents)
     if isinstance(cfg, QwenVisionConfig):
-        tensors = _qwen_mmproj_tensors(contents, path, cfg)
+        read = _pixtral_mmproj_tensors if cfg.family == "pixtral" else _qwen_mmproj_tensors
+        tensors = read(contents, path, cfg)
         check_tensors(tensors, qwen_vision_shapes(cfg), f"the vision tower in {path}")
         return cfg, tensors
     tensors = {}
