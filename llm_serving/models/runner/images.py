@@ -61,7 +61,7 @@ class ImageEncoder:
         """The encoder of a tower as stored (`vision_checkpoint_of`'s), its weights read now; `kernels`: the CPU
         kernel library its layers run on `threads` threads (runner/kernels.py's build_vision_kernels), their
         products and attention values in int16 when `int16` (runner/kernels.py's vision_int16), the attention's
-        scores too with `int16_scores`. A Qwen2.5-VL or Qwen3-VL tower (models/vision_qwen.py): its products and
+        scores too with `int16_scores`. A Qwen2.5-VL, Qwen3-VL or Mistral 3 (Pixtral) tower (models/vision_qwen.py): its products and
         attention (full and windowed) on those kernels, its norms and activations on MindSpore's ops; Qwen3-VL's
         rows are row_width wide (the merger's, then the DeepStack mergers')."""
         from ..vision_qwen import QwenVisionTower

@@ -180,7 +180,7 @@ def _our_name(name: str) -> Optional[str]:
 
 def vision_checkpoint(model_dir: str) -> Optional[tuple]:
     """(config, {name: StoredTensor}) of a HF model directory's vision tower and projector, every shape checked,
-    nothing read yet: a `VisionConfig` (SigLIP's towers) or, for a Qwen2.5-VL or Qwen3-VL, a `QwenVisionConfig`;
+    nothing read yet: a `VisionConfig` (SigLIP's towers) or, for a Qwen2.5-VL, Qwen3-VL or Mistral 3, a `QwenVisionConfig`;
     None when its config.json has no vision_config. WeightLoadError for a family whose tower is not read here, a
     config the tower cannot run, a missing tensor or a wrong shape."""
     path = os.path.join(model_dir, "config.json")
