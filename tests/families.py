@@ -513,7 +513,8 @@ def make_qwen25_vl(path, seed: int = 1, tokenizer: bool = True):
     return model
 
 
-def make_qwen3_vl(path, seed: int = 1, tokenizer: bool = True, text_layers: int = 3, deepstack=(1, 2)):
+def make_qwen3_vl(path, seed: int = 1, tokenizer: bool = True, text_layers: int = 3, deepstack=(1, 2),
+                  moe: bool = False):
     """A tiny Qwen3VLForConditionalGeneration that transformers makes, random (every weight drawn afresh, as
     make_qwen25_vl's): a 4-block tower of width 32 in 16-pixel patches (LayerNorms with biases, GELU-tanh MLPs, a
     learned 4 x 4 grid of position rows interpolated to each image's grid, 2-D rotary positions, full attention in
@@ -523,23 +524,29 @@ def make_qwen3_vl(path, seed: int = 1, tokenizer: bool = True, text_layers: int 
     it (Qwen2VLImageProcessor with 16-pixel patches and Qwen3-VL's mean and std of 0.5, areas 64 x 64 to 32 x 32 x
     16: at most 16 tokens an image), and (`tokenizer`) a tokenizer holding QWEN_VL_TOKENS with QWEN_VL_CHATML.
     `text_layers`, `deepstack`: other depths (bench/vision_qwen.py's: a real tower's three DeepStack layers, four
-    text layers, as llama.cpp needs more layers than DeepStack rows). Returns the model (eval mode)."""
+    text layers, as llama.cpp needs more layers than DeepStack rows). `moe`: a Qwen3VLMoeForConditionalGeneration
+    instead, its text layers mixtures of 4 experts of 24 units (2 chosen a token) but layer 1, dense (mlp_only_layers),
+    saved as transformers 5 saves the fused experts (gate_up_proj (E, 2I, H), down_proj (E, H, I)). Returns the model
+    (eval mode)."""
     torch, transformers = needs_transformers()
     path = Path(path)
     start, end, image, video = (len(SPECIAL_TOKENS) + k for k in range(4))
-    cfg = transformers.Qwen3VLConfig(
+    experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, decoder_sparse_step=1,
+                   mlp_only_layers=[1]) if moe else {}
+    cfg = (transformers.Qwen3VLMoeConfig if moe else transformers.Qwen3VLConfig)(
         text_config=dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=text_layers,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
                          rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [2, 3, 3],
                                           "mrope_interleaved": True},
-                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0),
+                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0, **experts),
         vision_config=dict(depth=4, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16,
                            spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64,
                            num_position_embeddings=16, deepstack_visual_indexes=list(deepstack)),
         image_token_id=image, vision_start_token_id=start, vision_end_token_id=end, video_token_id=video,
         tie_word_embeddings=False)
     torch.manual_seed(seed)
-    model = transformers.Qwen3VLForConditionalGeneration(cfg).eval()
+    model = (transformers.Qwen3VLMoeForConditionalGeneration if moe else
+             transformers.Qwen3VLForConditionalGeneration)(cfg).eval()
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -790,7 +797,7 @@ _GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2
               "Phi3ForCausalLM": "phi3", "SmolLM3ForCausalLM": "smollm3", "Qwen3MoeForCausalLM": "qwen3moe",
               "MixtralForCausalLM": "llama", "GptOssForCausalLM": "gpt-oss",
               "Qwen2_5_VLForConditionalGeneration": "qwen2vl", "Qwen3VLForConditionalGeneration": "qwen3vl",
-              "Mistral3ForConditionalGeneration": "llama"}
+              "Qwen3VLMoeForConditionalGeneration": "qwen3vlmoe", "Mistral3ForConditionalGeneration": "llama"}
 # one expert's matrix (model.layers.N.<prefix>E.<part>.weight) -> the name the converter gives their stack (E, rows,
 # cols) before mapping it (Qwen3MoeModel / the Mixtral path of LlamaModel: experts merged)
 _EXPERT_STACKS = {"mlp.experts.": ("gate_proj", "up_proj", "down_proj"), "block_sparse_moe.experts.": ("w1", "w2", "w3")}
@@ -895,7 +902,7 @@ def write_gguf(family: str, hf_path, out_path, qtype=None, expert_qtype=None) ->
             w.add_key_length(head_dim)
             w.add_value_length(head_dim)
     deepstack = (raw.get("vision_config") or {}).get("deepstack_visual_indexes")
-    if arch == "qwen3vl":                   # Qwen3VLTextModel.set_gguf_parameters
+    if arch in ("qwen3vl", "qwen3vlmoe"):   # Qwen3VLTextModel's / Qwen3VLMoeTextModel's set_gguf_parameters
         w.add_num_deepstack_layers(len(deepstack or ()))
     if arch in _INTERLEAVED:                # LlamaModel.set_gguf_parameters
         w.add_vocab_size(cfg["vocab_size"])
@@ -929,6 +936,8 @@ def write_gguf(family: str, hf_path, out_path, qtype=None, expert_qtype=None) ->
     tensors = _text_tensors(hf_path)
     if arch == "gpt-oss":
         tensors = _gpt_oss_tensors(tensors)
+    elif arch == "qwen3vlmoe":
+        tensors = _halves_tensors(tensors)
     for name, arr in _stacked_experts(tensors).items():
         base, suffix = name.rsplit(".", 1)
         # (a dense layer of a mixture: llama.cpp's qwen3moe has no names for it, the reader takes LLaMA's)
@@ -977,6 +986,23 @@ def _gpt_oss_tensors(tensors: dict) -> dict:
         elif name.endswith("mlp.experts.down_proj_bias"):
             out[name.replace("down_proj_bias", "down_proj.bias")] = arr
         elif name.endswith("self_attn.sinks"):
+            out[name + ".weight"] = arr
+        else:
+            out[name] = arr
+    return out
+
+
+def _halves_tensors(tensors: dict) -> dict:
+    """Qwen3-VL-MoE's fused experts as Qwen3VLMoeTextModel.modify_tensors gives them: gate_up_proj cut into gate (its
+    first half of units) and up, each (E, I, H), and down_proj (E, H, I), from transformers 5's saved layout
+    (gate_up (E, 2I, H), down (E, H, I): the converter's (E, H, 2I) and (E, I, H) transposed, the same stacks)."""
+    out = {}
+    for name, arr in tensors.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            half = arr.shape[1] // 2
+            out[name.replace("gate_up_proj", "gate_proj.weight")] = np.ascontiguousarray(arr[:, :half, :])
+            out[name.replace("gate_up_proj", "up_proj.weight")] = np.ascontiguousarray(arr[:, half:, :])
+        elif name.endswith("mlp.experts.down_proj"):
             out[name + ".weight"] = arr
         else:
             out[name] = arr

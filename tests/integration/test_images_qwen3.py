@@ -159,3 +159,87 @@ def test_the_float64_reference_adds_deepstack_rows_as_transformers_does(qwen3_vl
     assert relative(forward(ref, flat)) > 1e-3
     ref.config = dataclasses.replace(ref.config, mrope_interleaved=False)
     assert relative(forward(ref, rows)) > 1e-4
+
+
+@pytest.fixture(scope="module")
+def qwen3_vl_moe(tmp_path_factory):
+    needs_transformers()
+    directory = tmp_path_factory.mktemp("qwen3vlmoe")
+    make_qwen3_vl(directory, seed=6, moe=True)
+    return directory
+
+
+def test_qwen3_vl_moe_image_questions_get_transformers_tokens_and_logprobs(qwen3_vl_moe, tmp_path):
+    """The same image chats to a tiny Qwen3-VL-MoE (make_qwen3_vl's `moe`: layers 0 and 2 mixtures of 4 experts, 2
+    chosen a token, their gate and up one fused tensor as transformers 5 saves it; layer 1 dense): each reply is
+    transformers' greedy tokens with their log-probabilities, and the precision gate passes."""
+    served_image_chats(qwen3_vl_moe, tmp_path)
+
+
+def test_qwen3_vl_moe_experts_read_the_same_in_the_hubs_orientation(qwen3_vl_moe, tmp_path):
+    """The Hub's Qwen3-VL-MoE files store each layer's experts as x @ W (gate_up (E, H, 2I), down (E, I, H)), the
+    transposes of what transformers 5 saves; the loader makes the same stacks of both (gate the first half of each
+    expert's units, up the second), and where the shapes cannot tell the two apart (H = 2I), config.json's
+    transformers_version does."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from llm_serving.models.weights.hf import load_hf
+
+    def stacks(directory):
+        _, tensors = load_hf(str(directory))
+        return {n: t.read((slice(None),) * len(t.shape)) for n, t in tensors.items() if ".mlp." in n}
+
+    hub = tmp_path / "hub"
+    shutil.copytree(qwen3_vl_moe, hub)
+    arrays = load_file(str(hub / "model.safetensors"))
+    for name in [n for n in arrays if n.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))]:
+        arrays[name] = np.ascontiguousarray(arrays[name].transpose(0, 2, 1))
+    save_file(arrays, str(hub / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((hub / "config.json").read_text())
+    config["transformers_version"] = "4.57.1"
+    (hub / "config.json").write_text(json.dumps(config))
+    ours, theirs = stacks(qwen3_vl_moe), stacks(hub)
+    assert sorted(ours) == sorted(theirs)
+    assert "model.layers.0.mlp.experts.gate_proj.weight" in ours and "model.layers.1.mlp.gate_proj.weight" in ours
+    for name in ours:
+        np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
+    gate_up = load_file(str(qwen3_vl_moe / "model.safetensors"))["model.language_model.layers.2.mlp.experts.gate_up_proj"]
+    np.testing.assert_array_equal(ours["model.layers.2.mlp.experts.up_proj.weight"][24:48], gate_up[1, 24:48])
+
+    # H = 2I (64 = 2 x 32): gate_up (E, 64, 64) in either orientation; the version decides (4.x: x @ W, the Hub's)
+    square = tmp_path / "square"
+    shutil.copytree(hub, square)
+    arrays = load_file(str(square / "model.safetensors"))
+    config = json.loads((square / "config.json").read_text())
+    config["text_config"]["moe_intermediate_size"] = 32
+    (square / "config.json").write_text(json.dumps(config))
+    rng = np.random.default_rng(0)
+    for name in [n for n in arrays if n.endswith("mlp.experts.gate_up_proj")]:
+        arrays[name] = rng.standard_normal((4, 64, 64)).astype(np.float32)          # (E, H, 2I) as stored
+    for name in [n for n in arrays if n.endswith("mlp.experts.down_proj")]:
+        arrays[name] = rng.standard_normal((4, 32, 64)).astype(np.float32)          # (E, I, H)
+    save_file(arrays, str(square / "model.safetensors"), metadata={"format": "pt"})
+    gate = stacks(square)["model.layers.0.mlp.experts.gate_proj.weight"]
+    stored = arrays["model.language_model.layers.0.mlp.experts.gate_up_proj"]
+    np.testing.assert_array_equal(gate[32:64], stored[1, :, :32].T)               # expert 1's gate, as x @ W
+    config["transformers_version"] = "5.24.0"
+    (square / "config.json").write_text(json.dumps(config))
+    np.testing.assert_array_equal(stacks(square)["model.layers.0.mlp.experts.gate_proj.weight"][32:64],
+                                  stored[1, :32, :])                                # as nn.Linear's rows
+
+
+def test_a_qwen3vlmoe_gguf_and_its_mmproj_serve_the_same_image_questions(qwen3_vl_moe, tmp_path):
+    """The text model as llama.cpp's `qwen3vlmoe` GGUF (the fused experts cut into ffn_gate_exps / ffn_up_exps /
+    ffn_down_exps stacks as its converter cuts them) and the tower as the qwen3vl_merger mmproj Qwen3-VL's is: image
+    questions get transformers' greedy tokens."""
+    from llm_serving.models.weights import load_llama_weights
+    from tests.families import write_gguf
+
+    text, mmproj = write_gguf(None, qwen3_vl_moe, tmp_path / "qwen3-vl-moe.gguf"), tmp_path / "mmproj.gguf"
+    write_qwen3_mmproj(qwen3_vl_moe, mmproj)
+    text_cfg = load_llama_weights(str(text))[0]
+    assert (text_cfg.architecture, text_cfg.num_experts, text_cfg.dense_layers, text_cfg.deepstack_layers,
+            text_cfg.mrope_interleaved) == ("qwen3vlmoe", 4, (1,), 2, True)
+    served_gguf_chats(qwen3_vl_moe, text, mmproj, tmp_path)

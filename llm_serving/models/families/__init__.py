@@ -115,7 +115,11 @@ class Family:
     hf_layer_names: Mapping[str, str] = field(default_factory=dict)
     hf_expert_prefix: Optional[str] = None
     hf_expert_parts: Mapping[str, str] = field(default_factory=dict)
-    fused_experts: bool = False
+    # its experts fused in one 3-D tensor per part: "interleaved" (gpt-oss's: gate_up (E, H, 2I) its gate and up
+    # columns alternating, biases, MXFP4 as openai ships them) or "halves" (Qwen3-VL-MoE's: gate_up's gate then up,
+    # no biases; (E, H, 2I) and down (E, I, H) as the Hub's files store them, (E, 2I, H) and (E, H, I) as
+    # transformers 5 saves them); None: one tensor an expert and part
+    fused_experts: Optional[str] = None
     # its GGUF: names after "blk.N." that mean something else than gguf.py's table says; q/k rows interleaved for
     # llama.cpp's RoPE of neighbouring pairs; llama.cpp's rules where the converter writes nothing (every n-th layer
     # full, every n-th without RoPE, the sliding layers' RoPE base, the score scale, the experts' constants, a

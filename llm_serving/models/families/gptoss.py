@@ -25,7 +25,7 @@ FAMILY = Family(
                       "have biases)", default=True),),
     window="layer_types",
     moe_routing="the top k of the router's logits (with its bias), weighted by their softmax (renormalized)",
-    experts=experts, fused_experts=True,
+    experts=experts, fused_experts="interleaved",
     # its post_attention_norm is its MLP's input norm (Gemma 3's is a sandwich norm)
     gguf_layer_names={"post_attention_norm.weight": "post_attention_layernorm.weight"},
     gguf_window_pattern=2,

@@ -279,6 +279,52 @@ def _gpt_oss_experts(cfg: LlamaConfig, fused: dict, path: str, packed: Optional[
     return out
 
 
+def _halves_experts(cfg: LlamaConfig, fused: dict, path: str) -> dict:
+    """Qwen3-VL-MoE's fused expert tensors ({(layer, name): StoredTensor}) of each mixture layer as the stacks the
+    model reads: gate (E*I, H) the first half of each expert's gate_up units, up the second, down (E*H, I). Either
+    orientation transformers stores: the Hub's (gate_up (E, H, 2I), down (E, I, H): each expert's x @ W) or 5.x's
+    save_pretrained's ((E, 2I, H), (E, H, I): nn.Linear's rows); where the shape cannot tell (H = 2I, or H = I),
+    config.json's transformers_version does (5 and later: rows)."""
+    e, h, inter = cfg.num_experts, cfg.hidden_size, cfg.expert_intermediate_size
+    rows_first = _saved_by_transformers_5(path)
+    out = {}
+    for i in range(cfg.num_layers):
+        if not cfg.layer_moe(i):
+            continue
+        p = f"model.layers.{i}.mlp.experts."
+        missing = [n for n in ("gate_up_proj", "down_proj") if (i, n) not in fused]
+        if missing:
+            raise WeightLoadError(f"{path}: tensor {p}{missing[0]} is missing (the config names {e} experts)")
+        gate_up, down = fused[(i, "gate_up_proj")], fused[(i, "down_proj")]
+        shapes = {"gate_up_proj": ((e, h, 2 * inter), (e, 2 * inter, h)), "down_proj": ((e, inter, h), (e, h, inter))}
+        laid = {}
+        for name, tensor in (("gate_up_proj", gate_up), ("down_proj", down)):
+            columns, rows = shapes[name]
+            shape = tuple(tensor.shape)
+            if shape not in (columns, rows):
+                raise WeightLoadError(f"{path}: tensor {p}{name} has shape {shape}, expected {columns} or {rows}")
+            laid[name] = shape == rows and (shape != columns or rows_first)
+        for part, half in (("gate_proj", slice(0, inter)), ("up_proj", slice(inter, 2 * inter))):
+            if laid["gate_up_proj"]:
+                fn = lambda a, s=half: a[:, s, :].reshape(e * inter, h)                   # noqa: E731
+            else:
+                fn = lambda a, s=half: a[:, :, s].transpose(0, 2, 1).reshape(e * inter, h)  # noqa: E731
+            out[f"{p}{part}.weight"] = _derived(gate_up, (e * inter, h), fn)
+        out[f"{p}down_proj.weight"] = _derived(down, (e * h, inter), (lambda a: a.reshape(e * h, inter)) if laid[
+            "down_proj"] else (lambda a: a.transpose(0, 2, 1).reshape(e * h, inter)))
+    return out
+
+
+def _saved_by_transformers_5(model_dir: str) -> bool:
+    """Whether config.json says transformers 5 or later wrote the checkpoint (`transformers_version`)."""
+    try:
+        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+            version = str(json.load(f).get("transformers_version", "0"))
+        return int(version.split(".")[0]) >= 5
+    except (OSError, ValueError, json.JSONDecodeError):
+        return False
+
+
 def _stack_experts(cfg: LlamaConfig, experts: dict, path: str) -> dict:
     """Each mixture layer's experts' matrices ({(layer, part, expert): StoredTensor}) as the stacks the model reads
     (`model.layers.N.mlp.experts.<part>.weight`, expert e's rows the e-th block); an expert missing fails naming
@@ -346,11 +392,11 @@ def load_hf(model_dir: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
     family = families.FAMILIES[cfg.architecture]
     names = {n: _internal_name(n, family) for n in _checkpoint_names(files)}
     expert_parts = {n: _expert_of(internal, family) for n, internal in names.items()} if cfg.num_experts else {}
-    experts_3d = family.fused_experts          # (gpt-oss's: one 3-D tensor per part)
+    experts_3d = family.fused_experts is not None       # (gpt-oss's, Qwen3-VL-MoE's: one 3-D tensor per part)
     # gpt-oss's experts: (layer, name) of each 3-D tensor, float or MXFP4 (its blocks and scales are not float: they
     # are read from the memory-mapped file, not through stored_safetensors)
-    oss_experts = {n: (int(n.split(".")[2]), n.rsplit(".", 1)[1]) for n in names
-                   if experts_3d and n.startswith("model.layers.") and ".mlp.experts." in n}
+    oss_experts = {n: (int(internal.split(".")[2]), internal.rsplit(".", 1)[1]) for n, internal in names.items()
+                   if experts_3d and internal.startswith("model.layers.") and ".mlp.experts." in internal}
     fused_experts = {n: key for n, key in oss_experts.items() if key[1] in _FUSED_EXPERTS}
     mxfp4 = {n: key for n, key in oss_experts.items() if key[1] in _MXFP4_EXPERTS}
     packed = _packed_tensors(files, mxfp4) if experts_3d and (mxfp4 or _quant_method(model_dir) == "mxfp4") else None
@@ -367,7 +413,9 @@ def load_hf(model_dir: str) -> tuple[LlamaConfig, dict[str, StoredTensor]]:
         else:
             stored[internal] = _plus_one(tensor) if plus_one else tensor
     split_fused(cfg, stored)
-    if experts_3d:
+    if family.fused_experts == "halves":
+        stored.update(_halves_experts(cfg, by_layer, model_dir))
+    elif experts_3d:
         stored.update(_gpt_oss_experts(cfg, by_layer, model_dir, packed))
     elif cfg.num_experts:
         stored.update(_stack_experts(cfg, experts, model_dir))

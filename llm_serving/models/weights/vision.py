@@ -54,10 +54,12 @@ _SHUFFLED = ("SmolVLMForConditionalGeneration", "Idefics3ForConditionalGeneratio
 # the Qwen families' architectures (and model types, for a config.json without architectures) -> QwenVisionConfig's
 # family
 _QWEN_ARCHITECTURES = {"Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
-                       "Qwen3VLForConditionalGeneration": "qwen3_vl", "Mistral3ForConditionalGeneration": "pixtral"}
+                       "Qwen3VLForConditionalGeneration": "qwen3_vl", "Qwen3VLMoeForConditionalGeneration": "qwen3_vl",
+                       "Mistral3ForConditionalGeneration": "pixtral"}
 _QWEN_MODEL_TYPES = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
-                     "mistral3": "Mistral3ForConditionalGeneration"}
-# llama.cpp's mmproj projector types read here -> the architecture whose tower and projector they hold
+                     "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration", "mistral3": "Mistral3ForConditionalGeneration"}
+# llama.cpp's mmproj projector types read here -> the architecture whose tower and projector they hold (qwen3vl_merger
+# is also Qwen3-VL-MoE's: the same tower)
 MMPROJ_PROJECTORS = {"gemma3": "Gemma3ForConditionalGeneration", "idefics3": "Idefics3ForConditionalGeneration",
                      "qwen2.5vl_merger": "Qwen2_5_VLForConditionalGeneration",
                      "qwen3vl_merger": "Qwen3VLForConditionalGeneration",
