@@ -31,6 +31,23 @@ def kernel(library):
     return library.VisionAttention
 
 
+@pytest.fixture(params=["fma", "amx"])
+def float_path(request, library):
+    """VisionLinear's float panels and VisionAttention's float path on AVX FMAs, or on AMX tiles (bfloat16 pieces)
+    where the CPU has them; the process's setting put back after."""
+    if request.param == "amx" and not library.VisionAmx(1):
+        pytest.skip("this CPU has no AMX tiles (or Linux did not grant them): the float panels run on FMAs only")
+    if request.param == "fma":
+        library.VisionAmx(0)
+    yield request.param
+    library.VisionAmx(1)
+
+
+# the float attention's error bound, of the largest output: float32 FMAs; AMX's (its scores to float32's precision,
+# its values' product in two bfloat16 pieces: ~2^-16 of sum p |v|)
+FLOAT_ATTENTION = {"fma": 1e-5, "amx": 5e-5}
+
+
 def attend(kernel, qkv: np.ndarray, patches: int, heads: int, threads: int = 2, bias=None, level=None) -> np.ndarray:
     """The kernel's output; `level`: its config's 4th value (0 float, 1 the values' product in int16, 2 the scores'
     too), None: a 3-value config."""
@@ -58,17 +75,18 @@ def reference(qkv: np.ndarray, patches: int, heads: int, bias=0.0) -> np.ndarray
     (2, 50, 2, 16),
     (1, 300, 1, 40),     # a head size that is not a whole number of vectors
 ])
-def test_it_matches_softmax_attention_per_image_and_head(kernel, images, patches, heads, head_dim):
+def test_it_matches_softmax_attention_per_image_and_head(kernel, float_path, images, patches, heads, head_dim):
     rng = np.random.default_rng(patches)
     qkv = (rng.standard_normal((images * patches, 3 * heads * head_dim)) * 2).astype(np.float32)
     bias = rng.standard_normal(3 * heads * head_dim).astype(np.float32)
     got = attend(kernel, qkv, patches, heads, bias=bias)
     want = reference(qkv, patches, heads, bias)
-    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    assert np.abs(got - want).max() <= FLOAT_ATTENTION[float_path] * np.abs(want).max()
 
 
-def test_large_scores_stay_finite_and_exact(kernel):
-    """Scores in the hundreds (a trained tower's outliers): the online softmax rescales, never overflows."""
+def test_large_scores_stay_finite_and_exact(kernel, float_path):
+    """Scores in the hundreds (a trained tower's outliers): the online softmax rescales, never overflows; on AMX
+    the scores keep float32's precision (their error would be exponentiated)."""
     rng = np.random.default_rng(1)
     qkv = (rng.standard_normal((300, 3 * 2 * 72)) * 12).astype(np.float32)
     got = attend(kernel, qkv, 300, 2)
@@ -77,7 +95,7 @@ def test_large_scores_stay_finite_and_exact(kernel):
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
 
 
-def test_an_images_rows_do_not_depend_on_the_threads_or_the_other_images(kernel):
+def test_an_images_rows_do_not_depend_on_the_threads_or_the_other_images(kernel, float_path):
     rng = np.random.default_rng(2)
     a, b = (rng.standard_normal((2, 150, 3 * 4 * 72)) * 2).astype(np.float32)
     alone = attend(kernel, a, 150, 4, threads=1)
@@ -149,7 +167,7 @@ def _rotated(qkv: np.ndarray, bias: np.ndarray, rope: np.ndarray, heads: int) ->
 
 
 @pytest.mark.parametrize("level", [None, 1, 2])
-def test_rotary_tables_rotate_q_and_k_as_they_are_read(kernel, level):
+def test_rotary_tables_rotate_q_and_k_as_they_are_read(kernel, float_path, level):
     """A fifth input, each patch's cos and sin rows (N, 2 hd): the kernel's output is softmax attention over q and k
     rotated by them after their bias (a Qwen-VL tower's 2-D rotary positions), v untouched; to float32's precision,
     and within the int16 levels' own error; without the tables it is another output (the test can tell)."""
@@ -165,14 +183,14 @@ def test_rotary_tables_rotate_q_and_k_as_they_are_read(kernel, level):
     assert invoke(kernel, [qkv, bias, np.array(config, np.int32), rope, out]) == 0
     want = reference(_rotated(qkv, bias, rope, heads), patches, heads)
     error = np.abs(out - want).max() / np.abs(want).max()
-    assert error <= {None: 1e-5, 1: 1e-3, 2: 3e-3}[level], error
+    assert error <= {None: FLOAT_ATTENTION[float_path], 1: 1e-3, 2: 3e-3}[level], error
     assert np.abs(attend(kernel, qkv, patches, heads, bias=bias) - want).max() > 1e-2 * np.abs(want).max()
     wrong = np.zeros((qkv.shape[0], hd), np.float32)                          # (tables of hd, not 2 hd)
     assert invoke(kernel, [qkv, bias, np.array(config, np.int32), wrong, out]) == 2
 
 
 @pytest.mark.parametrize("level", [None, 1, 2])
-def test_each_images_key_count_leaves_its_padding_out(kernel, level):
+def test_each_images_key_count_leaves_its_padding_out(kernel, float_path, level):
     """A sixth input, each image's key count (N,): image n's first keys[n] patches attend among themselves exactly as
     an image of that many patches alone (a Qwen2.5-VL window at the grid's edge, padded to the window's size), its
     padding rows (anything, even inf) never reaching them; a count of 0 or past T is refused."""
@@ -191,7 +209,7 @@ def test_each_images_key_count_leaves_its_padding_out(kernel, level):
         rows = slice(n * patches, n * patches + count)
         want = reference(_rotated(qkv[rows], bias, rope[rows], heads), count, heads)
         error = np.abs(out[rows] - want).max() / np.abs(want).max()
-        assert error <= {None: 1e-5, 1: 1e-3, 2: 3e-3}[level], (n, error)
+        assert error <= {None: FLOAT_ATTENTION[float_path], 1: 1e-3, 2: 3e-3}[level], (n, error)
     for bad in ([64, 0, 1, 40], [64, 65, 1, 40]):
         assert invoke(kernel, [qkv, bias, config, rope, np.array(bad, np.int32), out]) == 2
 
@@ -225,6 +243,25 @@ def as_bfloat16(a: np.ndarray) -> np.ndarray:
     return bits
 
 
+def within_path(got, x, w, bias, path, gelu=False):
+    """Asserts `got` is x w^T + bias (gelu: its tanh GELU) in float64 within the path's bound: float32 FMAs' 2e-6
+    sqrt(k) of the largest value; AMX's pieces (x to 16 bits, w0 + w1 exact for a 16-bit type and within 2^-18 for
+    float32, x1 w1 dropped: each product within 2^-16 of |x| |w|, plus float32 sums' k 2^-24) of sum |x| |w|, per
+    value."""
+    y = x.astype(np.float64) @ w.astype(np.float64).T + bias
+    if gelu:
+        y = 0.5 * y * (1 + np.tanh(np.sqrt(2 / np.pi) * (y + 0.044715 * y ** 3)))
+    k = x.shape[1]
+    if path == "fma":
+        assert np.abs(got - y).max() <= 2e-6 * np.sqrt(k) * np.abs(y).max()
+    else:
+        scale = np.abs(x.astype(np.float64)) @ np.abs(w.astype(np.float64)).T
+        bound = (2.0 ** -16 + k * 2.0 ** -24) * scale + 2e-7 * np.abs(y) + 1e-30
+        if gelu:                    # (GELU's slope is at most ~1.13; its own float32 error as the FMA test allows)
+            bound = 1.2 * bound + 1e-5 * np.abs(y) + 1e-4
+        assert np.all(np.abs(got - y) <= bound), np.max(np.abs(got - y) / bound)
+
+
 def linear(library, x, w_panels, bias, gelu=False, threads=2):
     out = np.full((x.shape[0], bias.shape[-1]), np.nan, np.float32)
     rc = invoke(library.VisionLinear, [x, w_panels, bias, np.array([threads, int(gelu)], np.int32), out])
@@ -236,9 +273,10 @@ def linear(library, x, w_panels, bias, gelu=False, threads=2):
     (7, 40, 37),          # a last tile of 1 row, a last panel of 5 columns
     (300, 300, 100),      # several row blocks' tiles and depth blocks (256) with a remainder
     (601, 520, 48),       # more rows than a task's block (288): three tasks
+    (40, 1200, 33),       # AMX: two depth slices (1,152 k), the last k block 16 long; a last panel alone
 ])
 @pytest.mark.parametrize("kind", ["float32", "float16", "bfloat16"])
-def test_linear_is_x_times_w_transposed_plus_bias(library, rows, k, n, kind):
+def test_linear_is_x_times_w_transposed_plus_bias(library, float_path, rows, k, n, kind):
     rng = np.random.default_rng(rows + k)
     x = rng.standard_normal((rows, k)).astype(np.float32)
     w = rng.standard_normal((n, k)).astype(np.float32)
@@ -254,11 +292,10 @@ def test_linear_is_x_times_w_transposed_plus_bias(library, rows, k, n, kind):
         packed = panels(w)
     rc, got = linear(library, x, packed, bias)
     assert rc == 0
-    want = x.astype(np.float64) @ w.astype(np.float64).T + bias
-    assert np.abs(got - want).max() <= 2e-6 * np.sqrt(k) * np.abs(want).max()
+    within_path(got, x, w, bias, float_path)
 
 
-def test_linear_with_gelu_is_the_tanh_gelu_of_the_product(library):
+def test_linear_with_gelu_is_the_tanh_gelu_of_the_product(library, float_path):
     rng = np.random.default_rng(3)
     x = (rng.standard_normal((37, 64)) * 2).astype(np.float32)
     w = rng.standard_normal((301, 64)).astype(np.float32)     # products far out on both sides: tanh's -1 and 1
@@ -266,19 +303,36 @@ def test_linear_with_gelu_is_the_tanh_gelu_of_the_product(library):
     bias[:3] = [0.0, -300.0, 300.0]
     rc, got = linear(library, x, panels(w), bias, gelu=True, threads=3)
     assert rc == 0
-    y = x.astype(np.float64) @ w.astype(np.float64).T + bias
-    want = 0.5 * y * (1 + np.tanh(np.sqrt(2 / np.pi) * (y + 0.044715 * y ** 3)))
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    if float_path == "fma":
+        y = x.astype(np.float64) @ w.astype(np.float64).T + bias
+        want = 0.5 * y * (1 + np.tanh(np.sqrt(2 / np.pi) * (y + 0.044715 * y ** 3)))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    else:
+        within_path(got, x, w, bias, float_path, gelu=True)
 
 
-def test_a_rows_product_does_not_depend_on_the_threads_or_the_other_rows(library):
+@pytest.mark.parametrize("kind", ["float32", "float16"])
+def test_a_rows_product_does_not_depend_on_the_threads_or_the_other_rows(library, float_path, kind):
     rng = np.random.default_rng(5)
-    x = rng.standard_normal((700, 96)).astype(np.float32)
-    w = panels(rng.standard_normal((40, 96)).astype(np.float32))
+    x = rng.standard_normal((700, 1300)).astype(np.float32)
+    w = panels(rng.standard_normal((40, 1300)).astype(np.float32)).astype(kind)
     bias = rng.standard_normal(40).astype(np.float32)
     _, alone = linear(library, x[:5], w, bias, threads=1)
     _, together = linear(library, x, w, bias, threads=3)
+    _, shifted = linear(library, x[3:300], w, bias, threads=2)
     np.testing.assert_array_equal(together[:5], alone)
+    np.testing.assert_array_equal(together[3:300], shifted)
+
+
+def test_amx_runs_where_the_cpu_has_its_bfloat16_tiles(library):
+    """VisionAmx says whether the float panels and the float attention run on AMX tiles: where the CPU has AMX's
+    tiles and their bfloat16 products (and Linux grants the tile state, which it does on the machines these tests meet); it can be
+    turned off and on, and the runner's vision_int16 'auto' then keeps the float panels (runner/kernels.py)."""
+    flags = cpu_flags()
+    has = {"amx_tile", "amx_bf16", "avx512_bf16"} <= flags
+    assert library.VisionAmx(-1) == int(has)
+    assert library.VisionAmx(0) == 0
+    assert library.VisionAmx(1) == int(has)
 
 
 @pytest.mark.parametrize("w_shape,bias_len,dtype", [

@@ -53,6 +53,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <thread>
 #include <vector>
@@ -62,6 +63,7 @@
 #endif
 
 #include "cpu_kernel_common.h"
+#include "gemm_amx.h"            // AMX's tile configuration, permission and bfloat16 split (LLM_SERVING_AMX)
 #include "layer_parts_cpu.h"     // layer_normalize_row, gelu_times: the decoder layer's own
 
 namespace {
@@ -480,6 +482,30 @@ inline void write_queries(const float* ot, const float* sum, float divisor, cons
   }
 }
 
+// A key block's scores S^T (kKeyBlock, kQueries; log2 units) to its probabilities P^T in place, the block's first
+// `valid` keys real (the rest padding: -inf, whose 2^(-inf - m) is 2^-125, exp2_nonpositive's floor, on value rows
+// of zeros): each query's running maximum mx and sum brought up to date, alpha the factor its O^T rows take (its
+// old maximum's 2^(old - new); 2^-125 on the first block, where mx is -inf and the sum and O^T are 0)
+inline void online_softmax(float* st, int64_t valid, float* mx, float* sum, float* alpha) {
+  for (int64_t j = std::max<int64_t>(0, std::min(kKeyBlock, valid)); j < kKeyBlock; ++j) {
+    std::fill(st + j * kQueries, st + (j + 1) * kQueries, -INFINITY);
+  }
+  for (int64_t i = 0; i < kQueries; i += kLanes) {
+    vf m = load(mx + i);
+    for (int64_t j = 0; j < kKeyBlock; ++j) m = max(m, load(st + j * kQueries + i));
+    const vf a = exp2_nonpositive(load(mx + i) - m);
+    vf total = load(sum + i) * a;
+    for (int64_t j = 0; j < kKeyBlock; ++j) {
+      const vf p = exp2_nonpositive(load(st + j * kQueries + i) - m);
+      store(st + j * kQueries + i, p);
+      total += p;
+    }
+    store(sum + i, total);
+    store(mx + i, m);
+    store(alpha + i, a);
+  }
+}
+
 struct Scratch {   // a thread's: Q^T (hd, kQueries), S^T and P^T (kKeyBlock, kQueries), O^T (hd, kQueries)
   std::vector<float> qt, st, ot, mx, sum;
   explicit Scratch(const Shape& sh)
@@ -500,33 +526,14 @@ void attend_block(const float* qkv, const float* bias, const float* k, const flo
   std::fill(w->mx.begin(), w->mx.end(), -INFINITY);
   std::fill(w->sum.begin(), w->sum.end(), 0.f);
   float* st = w->st.data();
-  float* mx = w->mx.data();
-  float* sum = w->sum.data();
   for (int64_t j0 = 0; j0 < sh.tp; j0 += kKeyBlock) {
     scores_product(k + j0 * sh.hd, sh.hd, w->qt.data(), st);
-    // the padding past the last key: its e^(-inf - m) is e^-87 (exp_nonpositive's floor), on value rows of zeros
-    for (int64_t j = std::max<int64_t>(0, std::min(kKeyBlock, sh.keys_of(n) - j0)); j < kKeyBlock; ++j) {
-      std::fill(st + j * kQueries, st + (j + 1) * kQueries, -INFINITY);
-    }
     alignas(64) float alpha[kQueries];
-    for (int64_t i = 0; i < kQueries; i += kLanes) {
-      vf m = load(mx + i);
-      for (int64_t j = 0; j < kKeyBlock; ++j) m = max(m, load(st + j * kQueries + i));
-      const vf a = exp2_nonpositive(load(mx + i) - m);       // 2^-125 on the first block (mx = -inf): sum, O are 0
-      vf total = load(sum + i) * a;
-      for (int64_t j = 0; j < kKeyBlock; ++j) {
-        const vf p = exp2_nonpositive(load(st + j * kQueries + i) - m);
-        store(st + j * kQueries + i, p);
-        total += p;
-      }
-      store(sum + i, total);
-      store(mx + i, m);
-      store(alpha + i, a);
-    }
+    online_softmax(st, sh.keys_of(n) - j0, w->mx.data(), w->sum.data(), alpha);
     rescale_rows(w->ot.data(), sh.hd, alpha);
     values_product(v + j0 * sh.hd, sh.hd, st, w->ot.data());
   }
-  write_queries(w->ot.data(), sum, 1.f, sh, n, h, i0, queries, out);
+  write_queries(w->ot.data(), w->sum.data(), 1.f, sh, n, h, i0, queries, out);
 }
 
 // ---- VisionAttention in int16: its config's level 1 (vision_int16) or 2 (vision_int16_scores) ----
@@ -945,6 +952,352 @@ void linear_rows_int16(const float* x, int64_t k, const int16_t* w, int64_t kp, 
   }
 }
 
+#if defined(LLM_SERVING_AMX)
+// ---- VisionLinear's float panels on AMX tiles (Sapphire Rapids and later) ----
+//
+// The same product as linear_rows, out = x W^T + bias (then fc1's GELU), on TDPBF16PS: each tile product is 16 x 16
+// float32 sums of 32-long bfloat16 dot products (~16 times the multiply-adds of AVX-512's FMAs a cycle). Both
+// operands are split into two bfloat16 pieces, v = v0 + v1 + (what is left): a stored float16 or bfloat16 weight
+// is exactly w0 + w1 (11 bits of mantissa in two 8-bit pieces), x to 16 bits. Three piece products are summed in
+// float32, x0 w1 + x0 w0 + x1 w0 (x1 w1 is below 2^-16 of each product and dropped): a product's error ~2^-17 of
+// |x| |w|, about 6e-6 where the int16 panels' is 3e-4 of the largest and float32 FMA's 1e-7 (the product's
+// float32 rounding is the same order as the int16 path's none: the gate's 0.5% is far).
+//
+// Operands: x is the A operand (rows of C are rows of out), a tile 16 rows of 32 consecutive k (its rows as they
+// are, two pieces); W the B operand, a tile 16 pairs of k x the panel's 16 columns ([k/2][column][2]), converted
+// from the stored panels once per call into a buffer of the calling thread (2 pieces x 2 bytes a weight: 20 MB at
+// Gemma 3's fc1, kept between calls), so that the weights stay in memory as stored. Tasks of kAmxTaskRows rows of
+// x: for each depth slice of kAmxSliceBlocks k blocks, the task's rows are split into pieces (256 x 1,152 x 4
+// bytes: L2) and every 32-column panel pair's slice (L1) runs over them in 32 x 32 blocks of C held in four tiles.
+// A row's sums run in one order (k blocks, then the three pieces, each slice's sums through out in float32),
+// whatever the other rows, the tasks and the threads: its result does not depend on the batch.
+namespace vamx = llm_serving::amx;
+constexpr int64_t kAmxSliceBlocks = 36;     // k blocks (32 k) of a depth slice: 1,152 k
+constexpr int64_t kAmxTaskRows = 256;
+constexpr int64_t kAmxPieces = 2;
+constexpr int64_t kAmxBlock = kAmxPieces * vamx::kTile;     // uint16 of a k block's pieces (one 16-row tile each)
+
+// Whether VisionLinear's float panels and VisionAttention's float path run on AMX tiles: compiled for a CPU that
+// has them, allowed (LLM_SERVING_KERNEL_AMX=0 in the environment, read once, or VisionAmx(0) turns it off) and
+// granted by Linux (the tile data permission, asked once per process), as the decoder layer's products decide
+// (product_routes_cpu.h).
+std::atomic<int> amx_vision_setting{-1};
+std::atomic<pid_t> amx_vision_asked_by{-1};
+std::atomic<bool> amx_vision_granted{false};
+
+bool vision_amx_enabled() {
+  if (amx_vision_setting.load(std::memory_order_relaxed) < 0) {
+    const char* env = std::getenv("LLM_SERVING_KERNEL_AMX");
+    int expected = -1;
+    amx_vision_setting.compare_exchange_strong(expected, env != nullptr && std::strcmp(env, "0") == 0 ? 0 : 1);
+  }
+  if (amx_vision_setting.load(std::memory_order_relaxed) == 0) return false;
+  const pid_t pid = getpid();
+  if (amx_vision_asked_by.load(std::memory_order_acquire) != pid) {
+    amx_vision_granted.store(vamx::request_permission(), std::memory_order_relaxed);
+    amx_vision_asked_by.store(pid, std::memory_order_release);
+  }
+  return amx_vision_granted.load(std::memory_order_relaxed);
+}
+
+// An A operand's row: 32 consecutive k (the first `valid` of v, the rest zeros) as its P bfloat16 pieces, piece p's
+// tile row at dst + p kTile
+template <int P = kAmxPieces>
+inline void a_row(const float* v, int64_t valid, uint16_t* dst) {
+  __m512 lo, hi;
+  if (valid >= 32) {
+    lo = _mm512_loadu_ps(v);
+    hi = _mm512_loadu_ps(v + 16);
+  } else {
+    const int n0 = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(16, valid)));
+    const int n1 = static_cast<int>(std::max<int64_t>(0, valid - 16));
+    lo = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n0) - 1), v);
+    hi = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n1) - 1), v + 16);
+  }
+  for (int p = 0; p < P; ++p) _mm512_storeu_si512(dst + p * vamx::kTile, vamx::round_bf16(&lo, &hi));
+}
+
+// A B operand's k block: 32 rows of 16 floats (k = r at rows + r * stride) as its P piece tiles at out + p kTile,
+// tile row q holding the 16 columns' pairs (k = 2 q, 2 q + 1) side by side
+template <int P = kAmxPieces>
+inline void b_tiles(const float* rows, int64_t stride, uint16_t* out) {
+  alignas(64) static const uint16_t kInterleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i order = _mm512_load_si512(kInterleave);
+  for (int q = 0; q < 16; ++q) {
+    __m512 a = _mm512_loadu_ps(rows + 2 * q * stride), c = _mm512_loadu_ps(rows + (2 * q + 1) * stride);
+    for (int p = 0; p < P; ++p) {
+      _mm512_storeu_si512(out + p * vamx::kTile + q * 32, _mm512_permutexvar_epi16(order, vamx::round_bf16(&a, &c)));
+    }
+  }
+}
+
+// k block b of a panel (its k-major (k, 16) slice in the stored type) as the B operand's two piece tiles at out
+template <typename W>
+void convert_panel_block(const W* panel, int64_t k, int64_t b, uint16_t* out) {
+  alignas(64) float buf[32 * kPanelCols];
+  const int64_t valid = std::min<int64_t>(32, k - 32 * b) * kPanelCols;
+  const float* rows = widened_panel(panel + 32 * b * kPanelCols, valid, buf);
+  if (valid < 32 * kPanelCols) {                         // the last block of a depth not a multiple of 32: zeros
+    if (rows != buf) std::memcpy(buf, rows, valid * sizeof(float));
+    std::fill(buf + valid, buf + 32 * kPanelCols, 0.f);
+    rows = buf;
+  }
+  b_tiles(rows, kPanelCols, out);
+}
+
+// Rows [r0, r1) of x, k blocks [b0, b1), as the A operand: row block rb's k block b's two piece tiles at
+// xa + (rb * (b1 - b0) + b - b0) * kAmxBlock; rows past r1 and k past the depth zeros
+void pack_rows_amx(const float* x, int64_t k, int64_t r0, int64_t r1, int64_t row_blocks, int64_t b0, int64_t b1,
+                   uint16_t* xa) {
+  const int64_t nb = b1 - b0;
+  for (int64_t rb = 0; rb < row_blocks; ++rb) {
+    for (int64_t i = 0; i < 16; ++i) {
+      const int64_t r = r0 + rb * 16 + i;
+      for (int64_t b = b0; b < b1; ++b) {
+        a_row(r < r1 ? x + r * k + 32 * b : x, r < r1 ? k - 32 * b : 0, xa + (rb * nb + b - b0) * kAmxBlock + i * 32);
+      }
+    }
+  }
+}
+
+// C (R row blocks x N panels of 16 x 16, R, N <= 2; stride ldc floats) over nb k blocks: tiles 0..3 C (r * 2 + n),
+// 4..5 x's row blocks, 6..7 the panels. Per k block x0 w1, x0 w0, x1 w0 (x0 stays loaded for two). xa: the first
+// row block's k block 0 (the second row_step further), wb: the first panel's (the second panel_step further).
+// first: C starts at zero, else at what c holds (an earlier depth slice's sums).
+template <int R, int N>
+void amx_block(const uint16_t* xa, int64_t row_step, const uint16_t* wb, int64_t panel_step, int64_t nb, float* c,
+               int64_t ldc, bool first) {
+  const int64_t stride = ldc * 4;
+#define LLM_SERVING_V_C(r, n, t, load)                                       \
+  if (R > r && N > n) {                                                      \
+    if (load) {                                                              \
+      if (first) _tile_zero(t);                                              \
+      else _tile_loadd(t, c + 16 * r * ldc + 16 * n, stride);               \
+    } else {                                                                 \
+      _tile_stored(t, c + 16 * r * ldc + 16 * n, stride);                   \
+    }                                                                        \
+  }
+  LLM_SERVING_V_C(0, 0, 0, true) LLM_SERVING_V_C(0, 1, 1, true) LLM_SERVING_V_C(1, 0, 2, true)
+  LLM_SERVING_V_C(1, 1, 3, true)
+#define LLM_SERVING_V_DP()                                 \
+  _tile_dpbf16ps(0, 4, 6);                                 \
+  if (N > 1) _tile_dpbf16ps(1, 4, 7);                      \
+  if (R > 1) _tile_dpbf16ps(2, 5, 6);                      \
+  if (R > 1 && N > 1) _tile_dpbf16ps(3, 5, 7);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint16_t* a = xa + b * kAmxBlock;
+    const uint16_t* w = wb + b * kAmxBlock;
+    _tile_loadd(4, a, 64);                                                  // x0
+    if (R > 1) _tile_loadd(5, a + row_step, 64);
+    _tile_loadd(6, w + vamx::kTile, 64);                                    // w1
+    if (N > 1) _tile_loadd(7, w + panel_step + vamx::kTile, 64);
+    LLM_SERVING_V_DP()
+    _tile_loadd(6, w, 64);                                                  // w0
+    if (N > 1) _tile_loadd(7, w + panel_step, 64);
+    LLM_SERVING_V_DP()
+    _tile_loadd(4, a + vamx::kTile, 64);                                    // x1
+    if (R > 1) _tile_loadd(5, a + row_step + vamx::kTile, 64);
+    LLM_SERVING_V_DP()
+  }
+  LLM_SERVING_V_C(0, 0, 0, false) LLM_SERVING_V_C(0, 1, 1, false) LLM_SERVING_V_C(1, 0, 2, false)
+  LLM_SERVING_V_C(1, 1, 3, false)
+#undef LLM_SERVING_V_DP
+#undef LLM_SERVING_V_C
+}
+
+// out (rows, n) = x W^T + bias (gelu: then the tanh GELU), W float panels (P, k, 16) in the stored type, on
+// `threads` threads (the calling one included)
+template <typename W>
+void linear_amx(const float* x, int64_t rows, int64_t k, const W* w, const float* bias, int64_t n, bool gelu,
+                int64_t threads, float* out) {
+  const int64_t panels = (n + kPanelCols - 1) / kPanelCols, kb = (k + 31) / 32;
+  thread_local std::vector<uint16_t> converted;          // (the calling thread's, kept: no page faults per call)
+  converted.resize(panels * kb * kAmxBlock);
+  uint16_t* wb = converted.data();
+  for_each_task(threads, panels, 4, [&](int64_t j) {
+    for (int64_t b = 0; b < kb; ++b) convert_panel_block(w + j * k * kPanelCols, k, b, wb + (j * kb + b) * kAmxBlock);
+  });
+  const int64_t tasks = (rows + kAmxTaskRows - 1) / kAmxTaskRows, panel_step = kb * kAmxBlock;
+  std::atomic<int64_t> next{0};
+  on_threads(std::min(threads, tasks), [&] {
+    vamx::Tiles tiles;
+    std::vector<uint16_t> xa(kAmxTaskRows / 16 * std::min(kb, kAmxSliceBlocks) * kAmxBlock);
+    alignas(64) float edge[32 * 32];
+    for (int64_t t = next.fetch_add(1); t < tasks; t = next.fetch_add(1)) {
+      const int64_t r0 = t * kAmxTaskRows, r1 = std::min(rows, r0 + kAmxTaskRows), row_blocks = (r1 - r0 + 15) / 16;
+      for (int64_t b0 = 0; b0 < kb; b0 += kAmxSliceBlocks) {
+        const int64_t b1 = std::min(kb, b0 + kAmxSliceBlocks), nb = b1 - b0;
+        const bool first = b0 == 0, last = b1 == kb;
+        pack_rows_amx(x, k, r0, r1, row_blocks, b0, b1, xa.data());
+        for (int64_t j = 0; j < panels; j += 2) {
+          const int64_t c0 = j * kPanelCols, cols = std::min<int64_t>(32, n - c0);
+          const uint16_t* wj = wb + (j * kb + b0) * kAmxBlock;
+          const bool two_n = j + 1 < panels;
+          for (int64_t rb = 0; rb < row_blocks; rb += 2) {
+            const int64_t row0 = r0 + rb * 16, valid = std::min<int64_t>(32, r1 - row0);
+            const bool two_r = rb + 1 < row_blocks, whole = valid == 32 && cols == 32;
+            float* c = whole ? out + row0 * n + c0 : edge;
+            const int64_t ldc = whole ? n : 32;
+            if (!whole && !first) {
+              for (int64_t i = 0; i < valid; ++i) std::memcpy(edge + i * 32, out + (row0 + i) * n + c0, cols * 4);
+            }
+            const uint16_t* xr = xa.data() + rb * nb * kAmxBlock;
+            if (two_r && two_n) amx_block<2, 2>(xr, nb * kAmxBlock, wj, panel_step, nb, c, ldc, first);
+            else if (two_r) amx_block<2, 1>(xr, nb * kAmxBlock, wj, panel_step, nb, c, ldc, first);
+            else if (two_n) amx_block<1, 2>(xr, nb * kAmxBlock, wj, panel_step, nb, c, ldc, first);
+            else amx_block<1, 1>(xr, nb * kAmxBlock, wj, panel_step, nb, c, ldc, first);
+            if (last) {                                   // the bias and the GELU while the block is in L1
+              for (int64_t i = 0; i < valid; ++i) {
+                float* y = c + i * ldc;
+                for (int64_t e = 0; e < cols; ++e) y[e] += bias[c0 + e];
+                for (int64_t e = 0; gelu && e < cols; e += 16) {     // (kOnes16: 16 columns a call)
+                  activation_span(kGeluTanh, y + e, kOnes16, std::min<int64_t>(16, cols - e), y + e);
+                }
+              }
+            }
+            if (!whole) {
+              for (int64_t i = 0; i < valid; ++i) std::memcpy(out + (row0 + i) * n + c0, edge + i * 32, cols * 4);
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+// ---- VisionAttention's float path on AMX tiles ----
+//
+// The float path's computation (attend_block: S^T = K Q^T a key block at a time, the online softmax down its key
+// rows, O^T += V^T P^T), its two products on TDPBF16PS: K and V^T the A operands (packed once per head), Q^T and
+// P^T the B operands (a query block's, and each key block's probabilities), S^T and O^T float32 in memory between
+// the products, the softmax between them on AVX-512 as the float path runs it (online_softmax). The scores keep
+// float32's precision (q and k in three pieces, the six piece products of gemm_amx.h's kernel: what is dropped is
+// ~2^-24 of sum |q_e k_e|), since the softmax exponentiates a score's error; the values' product takes two pieces
+// and three products (as linear_amx: ~2^-16 of sum p |v|, an error that does not grow with the scores). A query's
+// sums run in one order whatever the other queries, images and threads.
+constexpr int64_t kScoreBlock = vamx::kPieces * vamx::kTile;    // uint16 of a score operand's k block (3 pieces)
+struct AmxHeadShape {
+  int64_t kb, db, cb;        // q/k's depth in k blocks (hd rounded up to 32); V^T's 16-row blocks; the keys' k blocks
+  int64_t k_codes, v_codes;  // uint16 of a head's packed K and V^T
+  explicit AmxHeadShape(const Shape& sh)
+      : kb((sh.hd + 31) / 32), db((sh.hd + 15) / 16), cb(sh.tp / 32), k_codes(sh.tp / 16 * kb * kScoreBlock),
+        v_codes(db * cb * kAmxBlock) {}
+};
+static_assert(kKeyBlock % 32 == 0 && kQueries % 32 == 0, "a key block and a query block are whole tile pairs");
+
+// Phase 1: image n's head h: its keys (bias added, rotated) as S^T's A operand in three pieces (key block kt of 16,
+// depth block b: tiles at k + (kt * kb + b) * kScoreBlock) and its values transposed as O^T's in two (dims block dt
+// of 16, keys block c of 32: at v + (dt * cb + c) * kAmxBlock); zeros past the keys and the dims. vt: tp x hd
+// floats of scratch.
+void pack_head_amx(const float* qkv, const float* bias, const Shape& sh, const AmxHeadShape& hs, int64_t n,
+                   int64_t h, uint16_t* k, uint16_t* v, float* vt) {
+  const int64_t stride = 3 * sh.d, keys = sh.keys_of(n);
+  const float* rows = qkv + n * sh.t * stride + sh.d + h * sh.hd;
+  const float* kbias = bias + sh.d + h * sh.hd;
+  const float* vbias = kbias + sh.d;
+  float key[kMaxHeadDims];
+  for (int64_t j = 0; j < sh.tp; ++j) {
+    const bool real = j < keys;
+    if (real) head_values(rows + j * stride, kbias, sh, n * sh.t + j, key);
+    for (int64_t b = 0; b < hs.kb; ++b) {
+      a_row<vamx::kPieces>(key + 32 * b, real ? sh.hd - 32 * b : 0,
+                           k + (j / 16 * hs.kb + b) * kScoreBlock + j % 16 * 32);
+    }
+    for (int64_t e = 0; e < sh.hd; ++e) vt[e * sh.tp + j] = real ? rows[j * stride + sh.d + e] + vbias[e] : 0.f;
+  }
+  for (int64_t e = 0; e < hs.db * 16; ++e) {
+    for (int64_t c = 0; c < hs.cb; ++c) {
+      a_row(e < sh.hd ? vt + e * sh.tp + 32 * c : vt, e < sh.hd ? 32 : 0,
+            v + (e / 16 * hs.cb + c) * kAmxBlock + e % 16 * 32);
+    }
+  }
+}
+
+// Query blocks of kQueries a task runs together (512 queries): each key block's K and V^T tiles are read once for
+// all of them (a head's packed K alone is 2.3 MB at Gemma 3's 4,096 patches: read per query block, K and V^T came
+// from L3 every time)
+constexpr int64_t kAmxQueryBlocks = 8;
+
+struct AmxScratch {   // a thread's: S^T / P^T, Q^T, and each of its query blocks' O^T, maxima, sums and Q^T's pieces
+  std::vector<float> qt, st, ot, mx, sum;
+  std::vector<uint16_t> q, p;
+  int64_t o_floats, q_codes;
+  AmxScratch(const AmxHeadShape& hs)
+      : qt(hs.kb * 32 * kQueries), st(kKeyBlock * kQueries), ot(kAmxQueryBlocks * hs.db * 16 * kQueries),
+        mx(kAmxQueryBlocks * kQueries), sum(kAmxQueryBlocks * kQueries),
+        q(kAmxQueryBlocks * kQueries / 16 * hs.kb * kScoreBlock), p(kQueries / 16 * (kKeyBlock / 32) * kAmxBlock),
+        o_floats(hs.db * 16 * kQueries), q_codes(kQueries / 16 * hs.kb * kScoreBlock) {}
+};
+
+// Phase 2: image n, head h, query blocks i0 .. i0 + count kQueries (those past T computed on zeros, never written).
+// The calling thread holds the tiles.
+void attend_blocks_amx(const float* qkv, const float* bias, const uint16_t* k, const uint16_t* v, const Shape& sh,
+                       const AmxHeadShape& hs, int64_t n, int64_t h, int64_t i0, int64_t count, float scale,
+                       AmxScratch* w, float* out) {
+  const int64_t stride = 3 * sh.d, qblocks = kQueries / 16;
+  const int64_t kc = kKeyBlock / 32, q_step = hs.kb * kScoreBlock, p_step = kc * kAmxBlock;
+  float query[kMaxHeadDims];
+  for (int64_t s = 0; s < count; ++s) {              // each block's Q^T in pieces: query block qb, depth block b
+    const int64_t first = i0 + s * kQueries, queries = std::min(kQueries, sh.t - first);
+    std::fill(w->qt.begin(), w->qt.end(), 0.f);
+    for (int64_t i = 0; i < queries; ++i) {
+      head_values(qkv + (n * sh.t + first + i) * stride + h * sh.hd, bias + h * sh.hd, sh, n * sh.t + first + i,
+                  query);
+      for (int64_t e = 0; e < sh.hd; ++e) w->qt[e * kQueries + i] = query[e] * scale;
+    }
+    for (int64_t qb = 0; qb < qblocks; ++qb) {
+      for (int64_t b = 0; b < hs.kb; ++b) {
+        b_tiles<vamx::kPieces>(w->qt.data() + 32 * b * kQueries + 16 * qb, kQueries,
+                               w->q.data() + s * w->q_codes + qb * q_step + b * kScoreBlock);
+      }
+    }
+  }
+  std::fill(w->ot.begin(), w->ot.begin() + count * w->o_floats, 0.f);
+  std::fill(w->mx.begin(), w->mx.begin() + count * kQueries, -INFINITY);
+  std::fill(w->sum.begin(), w->sum.begin() + count * kQueries, 0.f);
+  float* st = w->st.data();
+  for (int64_t j0 = 0; j0 < sh.tp; j0 += kKeyBlock) {
+    const uint16_t* kj = k + j0 / 16 * q_step;
+    const uint16_t* vj = v + j0 / 32 * kAmxBlock;
+    for (int64_t s = 0; s < count; ++s) {
+      const uint16_t* qs = w->q.data() + s * w->q_codes;
+      float* ot = w->ot.data() + s * w->o_floats;
+      for (int64_t kt = 0; kt < kKeyBlock / 16; kt += 2) {    // S^T = K Q^T, 32 keys x 32 queries a call
+        for (int64_t qb = 0; qb < qblocks; qb += 2) {
+          vamx::kernel<2, 2>(kj + kt * q_step, vamx::kTile, q_step, qs + qb * q_step, vamx::kTile, q_step, 0, hs.kb,
+                             st + kt * 16 * kQueries + qb * 16, kQueries, true);
+        }
+      }
+      alignas(64) float alpha[kQueries];
+      online_softmax(st, sh.keys_of(n) - j0, w->mx.data() + s * kQueries, w->sum.data() + s * kQueries, alpha);
+      rescale_rows(ot, hs.db * 16, alpha);
+      for (int64_t qb = 0; qb < qblocks; ++qb) {      // P^T's pieces: query block qb, keys block c
+        for (int64_t c = 0; c < kc; ++c) b_tiles(st + 32 * c * kQueries + 16 * qb, kQueries,
+                                                 w->p.data() + qb * p_step + c * kAmxBlock);
+      }
+      for (int64_t dt = 0; dt < hs.db; dt += 2) {              // O^T += V^T P^T
+        for (int64_t qb = 0; qb < qblocks; qb += 2) {
+          float* c = ot + dt * 16 * kQueries + qb * 16;
+          if (dt + 1 < hs.db) {
+            amx_block<2, 2>(vj + dt * hs.cb * kAmxBlock, hs.cb * kAmxBlock, w->p.data() + qb * p_step, p_step, kc,
+                            c, kQueries, false);
+          } else {
+            amx_block<1, 2>(vj + dt * hs.cb * kAmxBlock, hs.cb * kAmxBlock, w->p.data() + qb * p_step, p_step, kc,
+                            c, kQueries, false);
+          }
+        }
+      }
+    }
+  }
+  for (int64_t s = 0; s < count; ++s) {
+    const int64_t first = i0 + s * kQueries;
+    write_queries(w->ot.data() + s * w->o_floats, w->sum.data() + s * kQueries, 1.f, sh, n, h, first,
+                  std::min(kQueries, sh.t - first), out);
+  }
+}
+#endif
+
 }  // namespace
 
 extern "C" int VisionAttention(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
@@ -1004,6 +1357,33 @@ extern "C" int VisionAttention(int nparam, void** params, int* ndims, int64_t** 
     });
     return 0;
   }
+#if defined(LLM_SERVING_AMX)
+  if (vision_amx_enabled()) {                                        // the float path on AMX tiles
+    const AmxHeadShape hs(sh);
+    const int64_t codes = hs.k_codes + hs.v_codes;
+    std::vector<uint16_t> packed(static_cast<size_t>(heads * codes));
+    on_threads(std::min(threads, heads), [&] {
+      std::vector<float> vt(sh.tp * sh.hd);
+      for (int64_t i = next.fetch_add(1); i < heads; i = next.fetch_add(1)) {
+        uint16_t* kv = packed.data() + i * codes;
+        pack_head_amx(qkv, bias, sh, hs, i / sh.h, i % sh.h, kv, kv + hs.k_codes, vt.data());
+      }
+    });
+    next.store(0);
+    const int64_t groups = (blocks + kAmxQueryBlocks - 1) / kAmxQueryBlocks;      // a task: up to 8 query blocks
+    on_threads(std::min(threads, heads * groups), [&] {
+      vamx::Tiles tiles;
+      AmxScratch w(hs);
+      for (int64_t i = next.fetch_add(1); i < heads * groups; i = next.fetch_add(1)) {
+        const uint16_t* kv = packed.data() + i / groups * codes;
+        const int64_t first = i % groups * kAmxQueryBlocks;
+        attend_blocks_amx(qkv, bias, kv, kv + hs.k_codes, sh, hs, i / groups / sh.h, i / groups % sh.h,
+                          first * kQueries, std::min(kAmxQueryBlocks, blocks - first), scale, &w, out);
+      }
+    });
+    return 0;
+  }
+#endif
   const int64_t head_floats = 2 * sh.tp * sh.hd;
   std::vector<float> packed(static_cast<size_t>(heads * head_floats));
   for_each_task(threads, heads, 1, [&](int64_t i) {
@@ -1059,6 +1439,12 @@ extern "C" int VisionLinear(int nparam, void** params, int* ndims, int64_t** sha
   const int64_t tasks = round_up((rows + kBlockRows - 1) / kBlockRows, threads);
   const int64_t block = round_up((rows + tasks - 1) / tasks, kTileRows), blocks = (rows + block - 1) / block;
   auto run = [&](auto* w) {
+#if defined(LLM_SERVING_AMX)
+    if (vision_amx_enabled()) {
+      linear_amx(x, rows, k, w, bias, n, gelu, threads, out);
+      return;
+    }
+#endif
     std::atomic<int64_t> next{0};
     on_threads(std::min(threads, blocks), [&] {
       std::vector<float> scratch;
@@ -1184,6 +1570,22 @@ extern "C" int VisionGated(int nparam, void** params, int* ndims, int64_t** shap
     activation_span(cfg[1], gu + r * 2 * inner, gu + r * 2 * inner + inner, inner, out + r * inner);
   });
   return 0;
+}
+
+// Turns the AMX paths off (0) or back on (1; where the CPU and Linux allow it), or only asks (-1): returns whether
+// the next VisionLinear call on float panels and VisionAttention call on its float path run on AMX tiles (the
+// runner's vision_int16 'auto' keeps the float paths there; tests and benchmarks compare the paths in one process).
+extern "C" int VisionAmx(int enable) {
+#if defined(LLM_SERVING_AMX)
+  if (enable >= 0) {
+    vision_amx_enabled();                            // the environment read first, then overridden
+    amx_vision_setting.store(enable > 0 ? 1 : 0);
+  }
+  return vision_amx_enabled() ? 1 : 0;
+#else
+  (void)enable;
+  return 0;
+#endif
 }
 
 extern "C" int VisionLinearInt16Native() {

@@ -117,13 +117,15 @@ def vision_int16(kernels: Optional[str], setting: str) -> bool:
     """Whether the vision tower's products run in int16 (vision_layer_cpu.cc's int16 panels) on the kernel library
     `kernels`: 'on' wherever the library runs (plain C++ elsewhere: slower than its float panels), 'off' never,
     'auto' where its int16 loop is native (VisionLinearInt16Native: AVX2's vpmaddwd assembly where there is no
-    AVX-512, vpdpwssd where AVX-512 has VNNI)."""
+    AVX-512, vpdpwssd where AVX-512 has VNNI) and its float panels do not run on AMX tiles (VisionAmx: there
+    the float panels are faster and far more precise)."""
     if kernels is None or setting == "off":
         return False
     if setting == "on":
         return True
     import ctypes
-    return bool(ctypes.CDLL(kernels).VisionLinearInt16Native())
+    library = ctypes.CDLL(kernels)
+    return bool(library.VisionLinearInt16Native()) and not library.VisionAmx(-1)
 
 
 def _build_layer_kernel(device_target: str, layer_kernel: str, tp: TensorParallel,
