@@ -139,7 +139,9 @@ class ModelConfig:
                                               # columns times 14-bit x per 64 (about 3e-4 of a product's size),
                                               # 1.4x the float32 products' rate on AVX2, 2x on Zen 4's VNNI, and
                                               # its attention's values times probabilities; 'auto' = on where that
-                                              # loop is native (AVX2 assembly, or AVX-512 VNNI), 'on', 'off'
+                                              # loop is native (AVX2 assembly, or AVX-512 VNNI) and the CPU has no
+                                              # AMX tiles (there the float paths run on them: faster, and within
+                                              # ~4e-6), 'on', 'off'
     vision_int16_scores: bool = False         # with vision_int16, the attention's scores too (q k in 13 bits each:
                                               # an error of ~3e-4 of a score's typical size, which the softmax
                                               # turns into 1e-3 of the output at moderate scores, 4e-2 at scores in

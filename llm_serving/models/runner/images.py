@@ -61,9 +61,10 @@ class ImageEncoder:
         """The encoder of a tower as stored (`vision_checkpoint_of`'s), its weights read now; `kernels`: the CPU
         kernel library its layers run on `threads` threads (runner/kernels.py's build_vision_kernels), their
         products and attention values in int16 when `int16` (runner/kernels.py's vision_int16), the attention's
-        scores too with `int16_scores`. A Qwen2.5-VL, Qwen3-VL or Mistral 3 (Pixtral) tower (models/vision_qwen.py): its products and
-        attention (full and windowed) on those kernels, its norms and activations on MindSpore's ops; Qwen3-VL's
-        rows are row_width wide (the merger's, then the DeepStack mergers')."""
+        scores too with `int16_scores` (otherwise float, on AMX tiles where the library runs them: VisionAmx). A
+        Qwen2.5-VL, Qwen3-VL or Mistral 3 (Pixtral) tower (models/vision_qwen.py): its products and attention (full
+        and windowed) on those kernels, its norms and activations on MindSpore's ops; Qwen3-VL's rows are row_width
+        wide (the merger's, then the DeepStack mergers')."""
         from ..vision_qwen import QwenVisionTower
         from ..vision_tower import VisionTower
         from ..weights.vision import QwenVisionConfig
@@ -75,10 +76,14 @@ class ImageEncoder:
             tower = VisionTower(*checkpoint, kernels=kernels, threads=threads, int16=int16, int16_scores=int16_scores)
         encoder = cls(tower, cache_mb << 20)
         tokens = encoder.tokens_per_image
+        kind = "int16" if tower.int16 else "float32"
+        if kernels is not None and not tower.int16:
+            import ctypes
+            kind = "AMX bfloat16-piece" if ctypes.CDLL(kernels).VisionAmx(-1) else kind
         logger.info("vision tower: %d layers of %d, %s, %.2f GB of weights (%s products), read in %.1f s",
                     tower.cfg.num_layers, tower.cfg.hidden_size,
                     f"{tokens} tokens an image" if tokens > 0 else "an image's tokens by its size",
-                    tower.nbytes / 1e9, "int16" if tower.int16 else "float32", time.perf_counter() - t0)
+                    tower.nbytes / 1e9, kind, time.perf_counter() - t0)
         return encoder
 
     @property
