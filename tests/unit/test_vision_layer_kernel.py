@@ -326,12 +326,14 @@ def test_a_rows_product_does_not_depend_on_the_threads_or_the_other_rows(library
 
 def test_amx_runs_where_the_cpu_has_its_bfloat16_tiles(library):
     """VisionAmx says whether the float panels and the float attention run on AMX tiles: where the CPU has AMX's
-    tiles and their bfloat16 products (and Linux grants the tile state, which it does on the machines these tests meet); it can be
-    turned off and on, and the runner's vision_int16 'auto' then keeps the float panels (runner/kernels.py)."""
-    flags = cpu_flags()
-    has = {"amx_tile", "amx_bf16", "avx512_bf16"} <= flags
+    tiles and their bfloat16 products (and Linux grants the tile state, which it does on the machines these tests
+    meet); it can be turned off and on (whatever LLM_SERVING_KERNEL_AMX said), and the runner's vision_int16 'auto'
+    then keeps the float panels (runner/kernels.py)."""
+    has = {"amx_tile", "amx_bf16", "avx512_bf16"} <= cpu_flags()
+    assert library.VisionAmx(1) == int(has)
     assert library.VisionAmx(-1) == int(has)
     assert library.VisionAmx(0) == 0
+    assert library.VisionAmx(-1) == 0
     assert library.VisionAmx(1) == int(has)
 
 
