@@ -33,7 +33,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 namespace llm_serving {
@@ -57,6 +59,26 @@ inline int64_t group_floats(int64_t g, int64_t k) { return rows16(g) * kblocks(k
 // instruction kills the process. The permission is the process's (all its threads); true when granted.
 inline bool request_permission() {
   return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+}
+
+// Whether a library's AMX path runs: its `setting` (-1: not read yet, then LLM_SERVING_KERNEL_AMX=0 in the
+// environment turns it off; 0 off; 1 on, as a library's switch sets it) and Linux's tile permission, asked once per
+// process (a forked child asks again).
+inline bool enabled(std::atomic<int>& setting) {
+  static std::atomic<pid_t> asked_by{-1};
+  static std::atomic<bool> granted{false};
+  if (setting.load(std::memory_order_relaxed) < 0) {
+    const char* env = std::getenv("LLM_SERVING_KERNEL_AMX");
+    int expected = -1;
+    setting.compare_exchange_strong(expected, env != nullptr && std::strcmp(env, "0") == 0 ? 0 : 1);
+  }
+  if (setting.load(std::memory_order_relaxed) == 0) return false;
+  const pid_t pid = getpid();
+  if (asked_by.load(std::memory_order_acquire) != pid) {
+    granted.store(request_permission(), std::memory_order_relaxed);
+    asked_by.store(pid, std::memory_order_release);
+  }
+  return granted.load(std::memory_order_relaxed);
 }
 
 // Palette 1, all 8 tiles 16 rows x 64 bytes (the C tiles 16 x 16 float32, A and B tiles 16 x 32 bfloat16).

@@ -72,23 +72,10 @@ inline int64_t gemm_rows(bool amx, bool float32) {
 // float32 FMA path of gemm_cpu.h, as on CPUs without AMX) and granted by Linux (the tile data permission, asked once
 // per process: a forked child asks again). Asked once per kernel call by the calling thread.
 std::atomic<int> amx_setting{-1};        // -1: not read yet; 0 off; 1 on
-std::atomic<pid_t> amx_asked_by{-1};     // the process that asked for the permission, and its answer
-std::atomic<bool> amx_granted{false};
 
 bool amx_enabled() {
 #if defined(LLM_SERVING_AMX)
-  if (amx_setting.load(std::memory_order_relaxed) < 0) {
-    const char* env = std::getenv("LLM_SERVING_KERNEL_AMX");
-    int expected = -1;
-    amx_setting.compare_exchange_strong(expected, env != nullptr && std::strcmp(env, "0") == 0 ? 0 : 1);
-  }
-  if (amx_setting.load(std::memory_order_relaxed) == 0) return false;
-  const pid_t pid = getpid();
-  if (amx_asked_by.load(std::memory_order_acquire) != pid) {
-    amx_granted.store(llm_serving::amx::request_permission(), std::memory_order_relaxed);
-    amx_asked_by.store(pid, std::memory_order_release);
-  }
-  return amx_granted.load(std::memory_order_relaxed);
+  return llm_serving::amx::enabled(amx_setting);
 #else
   return false;
 #endif

@@ -979,26 +979,11 @@ constexpr int64_t kAmxBlock = kAmxPieces * vamx::kTile;     // uint16 of a k blo
 
 // Whether VisionLinear's float panels and VisionAttention's float path run on AMX tiles: compiled for a CPU that
 // has them, allowed (LLM_SERVING_KERNEL_AMX=0 in the environment, read once, or VisionAmx(0) turns it off) and
-// granted by Linux (the tile data permission, asked once per process), as the decoder layer's products decide
-// (product_routes_cpu.h).
-std::atomic<int> amx_vision_setting{-1};
-std::atomic<pid_t> amx_vision_asked_by{-1};
-std::atomic<bool> amx_vision_granted{false};
+// granted by Linux (the tile data permission, asked once per process): gemm_amx.h's enabled, as for the decoder
+// layer's products (product_routes_cpu.h).
+std::atomic<int> amx_vision_setting{-1};          // -1: not read yet; 0 off; 1 on
 
-bool vision_amx_enabled() {
-  if (amx_vision_setting.load(std::memory_order_relaxed) < 0) {
-    const char* env = std::getenv("LLM_SERVING_KERNEL_AMX");
-    int expected = -1;
-    amx_vision_setting.compare_exchange_strong(expected, env != nullptr && std::strcmp(env, "0") == 0 ? 0 : 1);
-  }
-  if (amx_vision_setting.load(std::memory_order_relaxed) == 0) return false;
-  const pid_t pid = getpid();
-  if (amx_vision_asked_by.load(std::memory_order_acquire) != pid) {
-    amx_vision_granted.store(vamx::request_permission(), std::memory_order_relaxed);
-    amx_vision_asked_by.store(pid, std::memory_order_release);
-  }
-  return amx_vision_granted.load(std::memory_order_relaxed);
-}
+bool vision_amx_enabled() { return vamx::enabled(amx_vision_setting); }
 
 // An A operand's row: 32 consecutive k (the first `valid` of v, the rest zeros) as its P bfloat16 pieces, piece p's
 // tile row at dst + p kTile
