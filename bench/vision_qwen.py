@@ -1,11 +1,13 @@
 #!/usr/bin/env python
-"""Qwen2.5-VL's and Qwen3-VL's towers served (issue 67): this server against llama.cpp's `llama-server --mmproj` on
+"""The Qwen-VL towers (and Mistral 3's) served (issue 67): this server against llama.cpp's `llama-server --mmproj` on
 the same files, a real-shaped vision tower with random weights as llama.cpp's mmproj GGUF (F16 matrices, as its
 converter writes them with --outtype f16), beside a tiny text model of its family (tests/families.py's tiny models,
 their GGUF twins: 2 or 3 layers of 64, so that an image question's time is the tower's):
 - `--family qwen2.5` (the default): Qwen2.5-VL-3B's tower (32 blocks of 1,280, windows of 112 pixels, full attention
   in every 8th block, the merger; qwen2.5vl_merger), a `qwen2vl` text model; a 1,024 x 768 photo is 999 tokens
   (3,996 patches of 14 pixels);
+- `--family qwen2`: Qwen2-VL-2B's and -7B's tower (32 blocks of 1,280, full attention in every block, LayerNorms,
+  a quick-GELU MLP of 5,120; qwen2vl_merger), a `qwen2vl` text model; the photo is 999 tokens (3,996 patches);
 - `--family qwen3`: Qwen3-VL-4B's and -8B's tower (24 blocks of 1,024, full attention, learned position rows,
   DeepStack mergers after blocks 5, 11 and 17; qwen3vl_merger), a `qwen3vl` text model; the photo is 768 tokens
   (3,072 patches of 16 pixels);
@@ -18,6 +20,7 @@ bounds leave it), for --rounds new pictures of that size; this server with its d
 (--variant, repeatable).
 
     python bench/vision_qwen.py
+    python bench/vision_qwen.py --family qwen2
     python bench/vision_qwen.py --family qwen3
     python bench/vision_qwen.py --rounds 3 --variant model_config.vision_int16=off
 
@@ -46,6 +49,7 @@ from bench.vision_serving import finish_gguf, image, mmproj_writer, random_weigh
 # tiny text model's width
 TOWERS = {"qwen2.5": dict(hidden=1280, intermediate=3420, layers=32, heads=16, patch=14, window=112, every=8,
                           text_hidden=64),
+          "qwen2": dict(hidden=1280, intermediate=5120, layers=32, heads=16, patch=14, text_hidden=64),
           "qwen3": dict(hidden=1024, intermediate=4096, layers=24, heads=16, patch=16, positions=2304,
                         deepstack=(5, 11, 17), text_hidden=64),
           "mistral3": dict(hidden=1024, intermediate=4096, layers=24, heads=16, patch=14, image=1540, text_hidden=64,
@@ -59,11 +63,13 @@ def text_model(out: Path, family: str = "qwen2.5") -> Path:
     template, its context 4,096 tokens (made once)."""
     if out.is_file():
         return out
-    from tests.families import make_mistral3, make_qwen3_vl, make_qwen25_vl, write_gguf
+    from tests.families import make_mistral3, make_qwen2_vl, make_qwen3_vl, make_qwen25_vl, write_gguf
 
     with tempfile.TemporaryDirectory() as tmp:
         if family == "mistral3":
             make_mistral3(Path(tmp), seed=0)
+        elif family == "qwen2":
+            make_qwen2_vl(Path(tmp), seed=0)
         elif family == "qwen3":           # (the real tower's three DeepStack layers; four text layers: llama.cpp
             make_qwen3_vl(Path(tmp), seed=0, text_layers=4, deepstack=(1, 2, 3))    # needs more than DeepStack's)
         else:
@@ -104,6 +110,40 @@ def mmproj(out: Path, seed: int = 0) -> Path:
         writer.add_tensor(at + "ffn_down.weight", matrix((d, m), m))
         writer.add_tensor(at + "ffn_down.bias", vector(d))
     writer.add_tensor("v.post_ln.weight", vector(d, 1.0))
+    writer.add_tensor("mm.0.weight", matrix((c, c), c))
+    writer.add_tensor("mm.0.bias", vector(c))
+    writer.add_tensor("mm.2.weight", matrix((t["text_hidden"], c), c))
+    writer.add_tensor("mm.2.bias", vector(t["text_hidden"]))
+    return finish_gguf(writer, out)
+
+
+def mmproj_qwen2(out: Path, seed: int = 0) -> Path:
+    """A random Qwen2-VL-2B tower and merger as llama.cpp's qwen2vl_merger mmproj GGUF (the converter's names and
+    keys: q, k, v apart, LayerNorms with biases, the patch kernel as two 2-D kernels, neither use_gelu nor use_silu:
+    quick GELU; its feed_forward_length the text model's width, as the converter writes it; F16 matrices, F32 norms
+    and biases), made once."""
+    if out.is_file():
+        return out
+    t = TOWERS["qwen2"]
+    d, m, p, c = t["hidden"], t["intermediate"], t["patch"], 4 * t["hidden"]
+    writer = mmproj_writer(out, "qwen2vl_merger", {
+        "projection_dim": t["text_hidden"], "image_size": 560, "patch_size": p, "embedding_length": d,
+        "feed_forward_length": t["text_hidden"], "block_count": t["layers"], "attention.head_count": t["heads"]},
+        ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)))
+    matrix, vector = random_weights(seed)
+    for k in ("", ".1"):
+        writer.add_tensor("v.patch_embd.weight" + k, matrix((d, 3, p, p), 6 * p * p))
+    for i in range(t["layers"]):
+        at = f"v.blk.{i}."
+        for norm in ("ln1", "ln2"):
+            writer.add_tensor(at + norm + ".weight", vector(d, 1.0))
+            writer.add_tensor(at + norm + ".bias", vector(d))
+        for proj, rows, cols in (("attn_q", d, d), ("attn_k", d, d), ("attn_v", d, d), ("attn_out", d, d),
+                                 ("ffn_up", m, d), ("ffn_down", d, m)):
+            writer.add_tensor(at + proj + ".weight", matrix((rows, cols), cols))
+            writer.add_tensor(at + proj + ".bias", vector(rows))
+    writer.add_tensor("v.post_ln.weight", vector(d, 1.0))
+    writer.add_tensor("v.post_ln.bias", vector(d))
     writer.add_tensor("mm.0.weight", matrix((c, c), c))
     writer.add_tensor("mm.0.bias", vector(c))
     writer.add_tensor("mm.2.weight", matrix((t["text_hidden"], c), c))
@@ -208,8 +248,8 @@ def main(argv=None) -> int:
     ap.add_argument("--variant", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="this server again with this setting (repeatable: one run each)")
     ap.add_argument("--only", choices=("ours", "llama"), default=None)
-    ap.add_argument("--out", default=None, help="default bench_results/vision_qwen.json (vision_qwen3.json, "
-                                                "vision_mistral3.json)")
+    ap.add_argument("--out", default=None, help="default bench_results/vision_qwen.json (vision_qwen2.json, "
+                                                "vision_qwen3.json, vision_mistral3.json)")
     args = ap.parse_args(argv)
 
     models = peers_dir() / "models"
@@ -218,6 +258,9 @@ def main(argv=None) -> int:
     if args.family == "mistral3":
         text = text_model(models / "bench-mistral3-tiny-text.gguf", "mistral3")
         proj = mmproj_mistral3(models / "bench-mistral-small-3.1-mmproj-f16.gguf")
+    elif args.family == "qwen2":
+        text = text_model(models / "bench-qwen2vl-tiny-text.gguf", "qwen2")
+        proj = mmproj_qwen2(models / "bench-qwen2vl-2b-mmproj-f16.gguf")
     elif args.family == "qwen3":
         text = text_model(models / "bench-qwen3vl-tiny-text.gguf", "qwen3")
         proj = mmproj_qwen3(models / "bench-qwen3vl-4b-mmproj-f16.gguf")
@@ -256,7 +299,7 @@ def main(argv=None) -> int:
         theirs = best(result["llama"]["runs"])
         result["ratios"] = {k: best(v["runs"]) / theirs for k, v in result["ours"].items()}
         print("image question, ours / llama-server (best after the first):", json.dumps(result["ratios"]))
-    names = {"qwen2.5": "vision_qwen", "qwen3": "vision_qwen3", "mistral3": "vision_mistral3"}
+    names = {"qwen2.5": "vision_qwen", "qwen2": "vision_qwen2", "qwen3": "vision_qwen3", "mistral3": "vision_mistral3"}
     write_json(args.out or f"bench_results/{names[args.family]}.json", result)
     return 0
 

@@ -26,6 +26,9 @@ unit's patches as one row, Linear, erf GELU, Linear), and after each block of de
 merger (a unit's patches as one row, LayerNorm over it, Linear, erf GELU, Linear): a token's row the merger's, then the
 DeepStack mergers', side by side.
 
+Qwen2-VL's (`family` "qwen2_vl") is Qwen3-VL's without the patch embedding's bias, the position rows and DeepStack:
+its MLP fc1, quick GELU (x sigmoid(1.702 x)), fc2; its merger's LayerNorm ln_q, its products mlp.0 and mlp.2.
+
 Pixtral's (Mistral 3's, `family` "pixtral") keeps the patches in their order too: the patch embedding without bias,
 ln_pre (RMS norm); blocks of RMS norms, attention over every patch with separate q, k, v, o without biases and its own
 2-D rotary positions (the head's head_dim / 2 frequencies, the even ones times the patch's row and the odd ones times
@@ -79,8 +82,8 @@ class ReferenceVision:
         and Qwen3-VL, (gh2 gw2, row_width) rows of one image's patches (gh2, gw2, m m, C T P P), the merge units row
         by row."""
         if isinstance(self.config, QwenVisionConfig):
-            encode = {"qwen3_vl": self._qwen3_encode, "pixtral": self._pixtral_encode}.get(self.config.family,
-                                                                                           self._qwen_encode)
+            encode = {"qwen3_vl": self._qwen3_encode, "qwen2_vl": self._qwen3_encode,
+                      "pixtral": self._pixtral_encode}.get(self.config.family, self._qwen_encode)
             return encode(pixels)
         c, w = self.config, self.w
         g, p, d = c.patches_per_side, c.patch_size, c.hidden_size
@@ -267,7 +270,7 @@ class ReferenceVision:
 
     def _qwen3_encode(self, patches: np.ndarray) -> np.ndarray:
         """The tower on the patches in their order (the module docstring): the merger's rows, then the DeepStack
-        mergers', side by side."""
+        mergers', side by side (Qwen2-VL's too: no position rows, no DeepStack)."""
         c, w = self.config, self.w
         gh2, gw2, units = patches.shape[:3]
         m, d = c.spatial_merge_size, c.hidden_size
@@ -275,8 +278,9 @@ class ReferenceVision:
             raise ValueError(f"reference: Qwen3-VL patches are (gh2, gw2, {m * m}, {c.patch_features}), not "
                              f"{patches.shape}")
         x = np.asarray(patches, np.float64).reshape(-1, c.patch_features)
-        x = x @ w["visual.patch_embed.proj.weight"].reshape(d, -1).T + w["visual.patch_embed.proj.bias"]
-        x = x + self._qwen3_positions(gh2, gw2)
+        x = x @ w["visual.patch_embed.proj.weight"].reshape(d, -1).T
+        if c.family == "qwen3_vl":
+            x = x + w["visual.patch_embed.proj.bias"] + self._qwen3_positions(gh2, gw2)
         cos, sin = self._qwen_rotary(gh2, gw2)
         deepstack = []
         for i in range(c.num_layers):
@@ -284,8 +288,12 @@ class ReferenceVision:
             if i in c.deepstack_visual_indexes:
                 at = f"visual.deepstack_merger_list.{c.deepstack_visual_indexes.index(i)}."
                 deepstack.append(self._qwen3_merged(self._layer_norm(x.reshape(-1, m * m * d), at + "norm"), at))
-        merged = self._qwen3_merged(self._layer_norm(x, "visual.merger.norm").reshape(-1, m * m * d),
-                                    "visual.merger.")
+        if c.family == "qwen2_vl":
+            h = self._layer_norm(x, "visual.merger.ln_q").reshape(-1, m * m * d)
+            merged = self._qwen3_merged(h, "visual.merger.", ("mlp.0", "mlp.2"))
+        else:
+            merged = self._qwen3_merged(self._layer_norm(x, "visual.merger.norm").reshape(-1, m * m * d),
+                                        "visual.merger.")
         return np.concatenate([merged, *deepstack], axis=1)
 
     def _qwen3_positions(self, gh2: int, gw2: int) -> np.ndarray:
@@ -314,11 +322,15 @@ class ReferenceVision:
         scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
         attended = (scores / scores.sum(axis=-1, keepdims=True)) @ v
         x = x + self._linear(attended.transpose(1, 0, 2).reshape(t, heads * hd), at + "attn.proj")
+        if c.family == "qwen2_vl":
+            h = self._linear(self._layer_norm(x, at + "norm2"), at + "mlp.fc1")
+            return x + self._linear(h / (1.0 + np.exp(-1.702 * h)), at + "mlp.fc2")             # quick GELU
         h = self._linear(self._layer_norm(x, at + "norm2"), at + "mlp.linear_fc1")
         h = 0.5 * h * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (h + 0.044715 * h ** 3)))
         return x + self._linear(h, at + "mlp.linear_fc2")
 
-    def _qwen3_merged(self, h: np.ndarray, at: str) -> np.ndarray:
-        """A merger's Linear, exact GELU, Linear on its normed rows (units, m m D)."""
-        h = self._linear(h, at + "linear_fc1")
-        return self._linear(0.5 * h * (1.0 + np.vectorize(math.erf)(h / math.sqrt(2.0))), at + "linear_fc2")
+    def _qwen3_merged(self, h: np.ndarray, at: str, names=("linear_fc1", "linear_fc2")) -> np.ndarray:
+        """A merger's Linear, exact GELU, Linear on its normed rows (units, m m D), the products `names` under
+        `at`."""
+        h = self._linear(h, at + names[0])
+        return self._linear(0.5 * h * (1.0 + np.vectorize(math.erf)(h / math.sqrt(2.0))), at + names[1])

@@ -513,6 +513,49 @@ def make_qwen25_vl(path, seed: int = 1, tokenizer: bool = True):
     return model
 
 
+def make_qwen2_vl(path, seed: int = 1, tokenizer: bool = True):
+    """A tiny Qwen2VLForConditionalGeneration that transformers makes, random (every weight drawn afresh, as
+    make_qwen25_vl's; the LayerNorms' gains about 1): a 4-block tower of width 32 (embed_dim; its MLP 32 x mlp_ratio 2
+    = 64 wide, quick GELU) in 14-pixel patches, full attention in every block, merged 2 x 2 (the merger's LayerNorm
+    ln_q) into tokens of the text model's width 64; a 2-layer text model of 300 tokens with M-RoPE (sections 2, 3, 3
+    of its 8 frequencies). Its image processor beside it (Qwen2VLImageProcessor, areas 56 x 56 to 28 x 28 x 16: at
+    most 16 tokens an image), and (`tokenizer`) a tokenizer holding QWEN_VL_TOKENS with QWEN_VL_CHATML. Returns the
+    model (eval mode)."""
+    torch, transformers = needs_transformers()
+    path = Path(path)
+    start, end, image, video = (len(SPECIAL_TOKENS) + k for k in range(4))
+    cfg = transformers.Qwen2VLConfig(
+        text_config=dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]},
+                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0),
+        vision_config=dict(depth=4, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2),
+        image_token_id=image, vision_start_token_id=start, vision_end_token_id=end, video_token_id=video,
+        tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = transformers.Qwen2VLForConditionalGeneration(cfg).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "visual" in name:                                        # the tower and the merger
+                if name.endswith(("norm1.weight", "norm2.weight", "ln_q.weight")):
+                    p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=generator))
+                else:
+                    p.copy_(torch.randn(p.shape, generator=generator) * (0.5 if p.ndim == 1 else 0.2))
+            elif p.ndim >= 2:
+                p.copy_(torch.randn(p.shape, generator=generator) * (0.5 if "embed_tokens" in name else 0.1))
+            elif name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=generator))
+            else:                                                       # the q/k/v biases
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.5)
+    model.save_pretrained(path)
+    qwen2vl_pil_processor(min_pixels=56 * 56, max_pixels=28 * 28 * 16).save_pretrained(path)
+    if tokenizer:
+        write_tokenizer(path, 300, extra=QWEN_VL_TOKENS, template=QWEN_VL_CHATML)
+    return model
+
+
 def make_qwen3_vl(path, seed: int = 1, tokenizer: bool = True, text_layers: int = 3, deepstack=(1, 2),
                   moe: bool = False):
     """A tiny Qwen3VLForConditionalGeneration that transformers makes, random (every weight drawn afresh, as
@@ -796,7 +839,8 @@ _GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2
               "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3", "Gemma3ForConditionalGeneration": "gemma3",
               "Phi3ForCausalLM": "phi3", "SmolLM3ForCausalLM": "smollm3", "Qwen3MoeForCausalLM": "qwen3moe",
               "MixtralForCausalLM": "llama", "GptOssForCausalLM": "gpt-oss",
-              "Qwen2_5_VLForConditionalGeneration": "qwen2vl", "Qwen3VLForConditionalGeneration": "qwen3vl",
+              "Qwen2VLForConditionalGeneration": "qwen2vl", "Qwen2_5_VLForConditionalGeneration": "qwen2vl",
+              "Qwen3VLForConditionalGeneration": "qwen3vl",
               "Qwen3VLMoeForConditionalGeneration": "qwen3vlmoe", "Mistral3ForConditionalGeneration": "llama"}
 # one expert's matrix (model.layers.N.<prefix>E.<part>.weight) -> the name the converter gives their stack (E, rows,
 # cols) before mapping it (Qwen3MoeModel / the Mixtral path of LlamaModel: experts merged)

@@ -159,13 +159,20 @@ def _layer_normalize(x, eps: float):
 
 
 def _gelu_tanh(x):
-    # GELU with the tanh approximation (Gemma's gelu_pytorch_tanh), written out: the same formula as the kernel's
-    return 0.5 * x * (1.0 + ops.tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
+    # GELU with the tanh approximation (Gemma's gelu_pytorch_tanh) as the kernel writes it (layer_parts_cpu.h's
+    # gelu_times): 0.5 (1 + tanh(u)) = sigmoid(2 u), no cancellation for negative x. MindSpore's CPU tanh is off by up
+    # to 1e-4 (its sigmoid by 1e-6): the tanh form put a GELU of 1 about 5e-5 from the float64 one
+    return x * ops.sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x))
 
 
 def _gelu_erf(x):
     # GELU's exact form (BERT's gelu), written out: the kernel's formula
     return 0.5 * x * (1.0 + ops.erf(x * 0.7071067811865476))
+
+
+def _quick_gelu(x):
+    # transformers' quick_gelu (Qwen2-VL's vision MLP), as the kernel writes it (layer_parts_cpu.h's quick_gelu_times)
+    return x * ops.sigmoid(1.702 * x)
 
 
 class LlamaDecoderLayer(nn.Cell):

@@ -1,5 +1,5 @@
-"""Qwen2.5-VL's, Qwen3-VL's and Mistral 3's (Pixtral's) vision towers and mergers: an image's patches to the text
-model's embeddings of it, in MindSpore graphs.
+"""Qwen2-VL's, Qwen2.5-VL's, Qwen3-VL's and Mistral 3's (Pixtral's) vision towers and mergers: an image's patches to
+the text model's embeddings of it, in MindSpore graphs.
 
 What it computes (transformers' Qwen2_5_VisionTransformerPretrainedModel):
 - the patches (vision/images.py's `qwen_patches`: merge units row by row, each unit's m x m patches, each patch's
@@ -21,6 +21,10 @@ over each patch (D) before a unit's m x m patches become one row; and DeepStack:
 `deepstack_visual_indexes`, a merger of its own (each unit's m m D values one row first, its LayerNorm over all of
 them, Linear, exact GELU, Linear) gives each token a row. An image token's row (row_width values) is the merger's,
 then each DeepStack merger's in deepstack_visual_indexes order, side by side.
+
+Qwen2-VL's (transformers' Qwen2VisionTransformerPretrainedModel; `cfg.family` "qwen2_vl") is Qwen3-VL's without the
+patch embedding's bias, the position rows and DeepStack, its MLP fc1, quick GELU (x sigmoid(1.702 x)), fc2, and its
+merger's LayerNorm named ln_q (and its products mlp.0, mlp.2).
 
 Mistral 3's (transformers' PixtralVisionModel and Mistral3MultiModalProjector; `cfg.family` "pixtral") differs from
 Qwen2.5-VL's in: patches of C x P x P (one frame), embedded without a bias and then RMS-normed (ln_pre,
@@ -64,7 +68,7 @@ import numpy as np
 from mindspore import Tensor, nn, ops
 
 from llm_serving.models.kernels.vision_panels import int16_panels
-from llm_serving.models.llama import _gelu_erf, _layer_normalize, _rms_normalize
+from llm_serving.models.llama import _gelu_erf, _gelu_tanh, _layer_normalize, _quick_gelu, _rms_normalize
 from llm_serving.models.vision_tower import _panels, _reader
 from llm_serving.models.weights.vision import QwenVisionConfig, qwen_vision_shapes
 
@@ -79,13 +83,6 @@ _MASKED = -1e30
 
 def _tensor(array: np.ndarray):
     return Tensor(np.ascontiguousarray(array, np.float32))
-
-
-def _gelu_tanh(x):
-    # the tanh GELU as the kernel writes it (layer_parts_cpu.h's gelu_times): 0.5 (1 + tanh(u)) = sigmoid(2 u).
-    # MindSpore's CPU tanh is off by up to 1e-4 (its sigmoid by 1e-6): llama.py's tanh form put Qwen3-VL's rows 5e-6
-    # from transformers', this one 1e-6
-    return x * ops.sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x))
 
 
 def _position_taps(cfg: QwenVisionConfig, gh2: int, gw2: int) -> tuple:
@@ -243,6 +240,7 @@ _MATRICES = {"qwen2_5_vl": {"qkv": ("attn.qkv",), "proj": ("attn.proj",), "up": 
                             "down": ("mlp.down_proj",)},
              "qwen3_vl": {"qkv": ("attn.qkv",), "proj": ("attn.proj",), "up": ("mlp.linear_fc1",),
                           "down": ("mlp.linear_fc2",)},
+             "qwen2_vl": {"qkv": ("attn.qkv",), "proj": ("attn.proj",), "up": ("mlp.fc1",), "down": ("mlp.fc2",)},
              "pixtral": {"qkv": ("attn.q_proj", "attn.k_proj", "attn.v_proj"), "proj": ("attn.o_proj",),
                          "up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}}
 
@@ -288,7 +286,7 @@ def _block_weights(read, cfg: QwenVisionConfig, index: int, stored_type=None, in
     steps."""
     at = f"visual.blocks.{index}."
     biased = cfg.family != "pixtral"
-    if cfg.family == "qwen3_vl":
+    if cfg.layer_norms:
         w = {norm: np.stack([read(at + norm + ".weight"), read(at + norm + ".bias")]) for norm in ("norm1", "norm2")}
     else:
         w = {norm: read(at + norm + ".weight") for norm in ("norm1", "norm2")}
@@ -306,7 +304,8 @@ class _Block(nn.Cell):
         super().__init__()
         self.full, self.eps = full, cfg.eps
         self.heads, self.head_dim, self.inner = cfg.num_heads, cfg.head_dim, cfg.intermediate_size
-        self.qwen3 = cfg.family == "qwen3_vl"
+        self.layer_norms = cfg.layer_norms
+        self.gated, self.tanh = cfg.mlp_activation == "silu", cfg.mlp_activation == "gelu_tanh"
         self.scale = cfg.head_dim ** -0.5
         self.chunk_windows = max(1, QUERY_ROWS // (cfg.window_units ** 2 * cfg.spatial_merge_size ** 2))
         self.matmul = ops.MatMul(transpose_b=True)             # (the weights as stored: (out, in))
@@ -318,15 +317,17 @@ class _Block(nn.Cell):
         return self.matmul(x, w) + bias
 
     def _norm(self, x, norm):
-        # Qwen3-VL's LayerNorm (norm: gain and bias, (2, D)), else Qwen2.5-VL's RMS norm (norm: its gain)
-        if self.qwen3:
+        # Qwen2-VL's and Qwen3-VL's LayerNorm (norm: gain and bias, (2, D)), else Qwen2.5-VL's RMS norm (its gain)
+        if self.layer_norms:
             return _layer_normalize(x, self.eps) * norm[0] + norm[1]
         return _rms_normalize(x, self.eps) * norm
 
     def _mlp(self, h, up, up_bias, down, down_bias):
-        # h (R, D) -> (R, D): Qwen3-VL's fc1, tanh GELU, fc2; Qwen2.5-VL's gate|up, silu(gate) up, down
-        if self.qwen3:
-            return self._product(_gelu_tanh(self._product(h, up, up_bias)), down, down_bias)
+        # h (R, D) -> (R, D): Qwen3-VL's fc1, tanh GELU, fc2 (Qwen2-VL's quick GELU); Qwen2.5-VL's gate|up,
+        # silu(gate) up, down
+        if not self.gated:
+            fc1 = self._product(h, up, up_bias)
+            return self._product(_gelu_tanh(fc1) if self.tanh else _quick_gelu(fc1), down, down_bias)
         gate_up = self._product(h, up, up_bias)                                              # (R, 2 I)
         return self._product(ops.silu(gate_up[:, :self.inner]) * gate_up[:, self.inner:], down, down_bias)
 
@@ -386,7 +387,7 @@ class _FullBlock(nn.Cell):
     def __init__(self, cfg: QwenVisionConfig, kernels: str, threads: int, level: int):
         super().__init__()
         self.eps, self.heads, self.head_dim, self.inner = cfg.eps, cfg.num_heads, cfg.head_dim, cfg.intermediate_size
-        self.qwen3 = cfg.family == "qwen3_vl"
+        self.layer_norms, self.gated = cfg.layer_norms, cfg.mlp_activation == "silu"
         self.linear = ops.Custom(f"{kernels}:VisionLinear", out_shape=lambda x, w, bias, *_: (x[0], bias[-1]),
                                  out_dtype=lambda x, *_: x, func_type="aot")
         # (N T, 3 D) q|k|v rows and a bias, [T, heads, threads, level], rotary tables (N T, 2 hd), each image's keys
@@ -399,26 +400,27 @@ class _FullBlock(nn.Cell):
         # x (R, D), gain, [eps], [threads] -> (R, D); gate|up (R, 2 I), [threads, activation] -> (R, I)
         self.rms_norm = ops.Custom(f"{kernels}:VisionRmsNorm", out_shape=lambda x, *_: x,
                                    out_dtype=lambda x, *_: x, func_type="aot")
-        self.gated = ops.Custom(f"{kernels}:VisionGated", out_shape=lambda gu, *_: (gu[0], gu[1] // 2),
+        self.gated_product = ops.Custom(f"{kernels}:VisionGated", out_shape=lambda gu, *_: (gu[0], gu[1] // 2),
                                 out_dtype=lambda gu, *_: gu, func_type="aot")
         self.silu = Tensor(np.array([threads, 0], np.int32))
         self.eps_tensor = Tensor(np.array([cfg.eps], np.float32))
         self.plain = Tensor(np.array([threads, 0], np.int32))
-        self.gelu = Tensor(np.array([threads, 1], np.int32))
+        # fc1's activation (VisionLinear's code: layer_parts_cpu.h's kGeluTanh 1, kQuickGelu 3)
+        self.fc1_activation = Tensor(np.array([threads, 3 if cfg.mlp_activation == "quick_gelu" else 1], np.int32))
         self.threads_tensor = Tensor(np.array([threads], np.int32))
         self.no_bias = Tensor(np.zeros(3 * cfg.hidden_size, np.float32))
         self.threads, self.level = threads, level
 
     def _norm(self, x, norm):
-        if self.qwen3:
+        if self.layer_norms:
             return self.layer_norm(x, norm[0], norm[1], self.eps_tensor, self.threads_tensor)
         return self.rms_norm(x, norm, self.eps_tensor, self.threads_tensor)
 
     def _mlp(self, h, up, up_bias, down, down_bias):
-        if self.qwen3:
-            return self.linear(self.linear(h, up, up_bias, self.gelu), down, down_bias, self.plain)
+        if not self.gated:
+            return self.linear(self.linear(h, up, up_bias, self.fc1_activation), down, down_bias, self.plain)
         gate_up = self.linear(h, up, up_bias, self.plain)                                    # (R, 2 I)
-        return self.linear(self.gated(gate_up, self.silu), down, down_bias, self.plain)
+        return self.linear(self.gated_product(gate_up, self.silu), down, down_bias, self.plain)
 
     def construct(self, x, rope, config, keys, norm1, qkv_w, qkv_bias, proj_w, proj_bias, norm2, up, up_bias, down,
                   down_bias):
@@ -465,7 +467,7 @@ class _Merger(nn.Cell):
 
 
 class _LayerNormMerger(nn.Cell):
-    """Qwen3-VL's merger (Qwen3VLVisionPatchMerger): a block's output (gh2, gw2, m m, D) -> (gh2 gw2, out_hidden).
+    """Qwen3-VL's merger (Qwen3VLVisionPatchMerger; Qwen2-VL's PatchMerger is the same): a block's output (gh2, gw2, m m, D) -> (gh2 gw2, out_hidden).
     LayerNorm over each patch, each unit's patches as one row of m m D; or (`postshuffle`, the DeepStack mergers')
     the row first, then its LayerNorm over all m m D; then Linear, GELU (erf), Linear (the products
     _MergerProducts')."""
@@ -526,7 +528,8 @@ def _numpy(x) -> np.ndarray:
 
 
 class QwenVisionTower:
-    """Qwen2.5-VL's or Qwen3-VL's tower and mergers (the module docstring; `cfg.family`). `weights`: {name:
+    """A Qwen-VL-like tower and its mergers: Qwen2-VL's, Qwen2.5-VL's, Qwen3-VL's or Pixtral's (the module
+    docstring; `cfg.family`). `weights`: {name:
     StoredTensor} as weights/vision.py's `vision_checkpoint` gives them (or arrays under the same names). The
     interface the runner uses is the SigLIP tower's (`embed`, `run_layers`, `project`, `kept`, `encode`, `warm`,
     `nbytes`), on one image at a time whose grid its state carries: (gh2, gw2, m m, D), in a `QwenState` with the
@@ -539,7 +542,7 @@ class QwenVisionTower:
     def __init__(self, cfg: QwenVisionConfig, weights: dict, kernels=None, threads: int = 1, int16: bool = False):
         read = _reader(weights, qwen_vision_shapes(cfg))
         self.cfg = cfg
-        self.qwen3 = cfg.family == "qwen3_vl"
+        self.positioned = cfg.family == "qwen3_vl"           # (a biased patch embedding plus position rows)
         self.int16 = int16 and kernels is not None
         stored_type = None if kernels is None else (lambda name: getattr(weights[name], "stored_type", None))
         kernel = _tensor(read("visual.patch_embed.proj.weight").reshape(cfg.hidden_size, cfg.patch_features))
@@ -553,7 +556,14 @@ class QwenVisionTower:
                 read, tuple(f"visual.merger.{n}" for n in merger), stored_type, self.int16, products=3,
                 biases=(False, cfg.projector_bias, cfg.projector_bias), columns=pixtral_merger_columns(cfg))
             self.merger = _PixtralMerger(cfg, kernels, threads)
-        elif self.qwen3:
+        elif cfg.family == "qwen2_vl":
+            self.embed_weights = (kernel,)
+            self.embedding = _Embed()
+            merger = ("ln_q.weight", "ln_q.bias", "mlp.0", "mlp.2")
+            self.merger_weights = _merger_weights(read, tuple(f"visual.merger.{n}" for n in merger), stored_type,
+                                                  self.int16)
+            self.merger = _LayerNormMerger(cfg, False, kernels, threads)
+        elif self.positioned:
             self.embed_weights = (kernel, _tensor(read("visual.patch_embed.proj.bias")),
                                   _tensor(read("visual.pos_embed.weight")))
             self.embedding = _PositionedEmbed()
@@ -642,7 +652,7 @@ class QwenVisionTower:
     def embed(self, patches: np.ndarray):
         """The patches' embeddings (gh2, gw2, m m, D) (a MindSpore tensor: the first layer's input; in a QwenState
         with DeepStack mergers)."""
-        if self.qwen3:
+        if self.positioned:
             layout = self._layout(*patches.shape[:2])
             x = self.embedding(_tensor(patches), *self.embed_weights, layout.taps, layout.tap_weights)
         else:
@@ -705,7 +715,7 @@ class QwenVisionTower:
             raise ValueError(f"project: the state holds {len(deepstack)} DeepStack rows, not "
                              f"{self.cfg.deepstack_layers}: its blocks have not all run")
         x = _tensor(x) if isinstance(x, np.ndarray) else x
-        if not self.qwen3:
-            return self.merger(x, *self.merger_weights).asnumpy()
-        rows = self.merger(x, *self.merger_weights).asnumpy()                                # (units, out_hidden)
-        return np.concatenate([rows, *deepstack], axis=1)[None]
+        rows = self.merger(x, *self.merger_weights).asnumpy()
+        if not isinstance(self.merger, _LayerNormMerger):
+            return rows                                                                 # (1, units, out_hidden)
+        return np.concatenate([rows, *deepstack], axis=1)[None]                           # (units, ...) side by side

@@ -18,8 +18,8 @@ tile: that last part alone). Each frame's run of placeholders is an image to the
 tower rows and cache key); the expansion needs each image's size (`expand(text, sizes)`), which the file's header
 gives.
 
-Qwen2.5-VL and Qwen3-VL (`family` "qwen2_5_vl", from a HF directory or a qwen2.5vl_merger / qwen3vl_merger mmproj
-GGUF): the template puts `<|vision_start|><|image_pad|>
+Qwen2-VL, Qwen2.5-VL and Qwen3-VL (`family` "qwen2_5_vl", from a HF directory or a qwen2vl_merger /
+qwen2.5vl_merger / qwen3vl_merger mmproj GGUF): the template puts `<|vision_start|><|image_pad|>
 <|vision_end|>` where an image goes; the image is resized to whole merged patches within the processor's pixel bounds
 (vision/images.py's `qwen_grid`, `qwen_patches`), and its one `<|image_pad|>` becomes one per token of its grid of
 merged patches, rows x cols of them (`tokens_per_image` -1: as many as its size makes). Its text model's multimodal
@@ -48,13 +48,13 @@ _QWEN_VL = {"start": "<|vision_start|>", "end": "<|vision_end|>", "image": "<|im
 _PIXTRAL = {"image": "[IMG]", "break": "[IMG_BREAK]", "end": "[IMG_END]"}
 _ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
 _SMOLVLM_ARCHITECTURES = ("SmolVLMForConditionalGeneration", "Idefics3ForConditionalGeneration")
-_QWEN_VL_ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
+_QWEN_VL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
                           "Qwen3VLMoeForConditionalGeneration")
 _PIXTRAL_ARCHITECTURES = ("Mistral3ForConditionalGeneration",)
 # llama.cpp's projector types of the Qwen-VL mmprojs, and each one's mean and std where the file gives none
 _CLIP_MEAN, _CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
 _QWEN_MMPROJ_NORMALIZE = {
-    "qwen2.5vl_merger": (_CLIP_MEAN, _CLIP_STD),
+    "qwen2vl_merger": (_CLIP_MEAN, _CLIP_STD), "qwen2.5vl_merger": (_CLIP_MEAN, _CLIP_STD),
     "qwen3vl_merger": ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))}
 
 

@@ -5,7 +5,8 @@ changes them. Qwen2.5-VL's tower and merger on a tiny random model, images of se
 transformers' to 2e-6, and to 1e-10 once transformers' float32 steps are float64, whether its weights are read from
 the HF directory or from llama.cpp's mmproj. Qwen3-VL's tower, mergers and DeepStack mergers likewise: its rows
 transformers' to 2e-6, and to 1e-10 with transformers' float32 rotary steps in float64 where the position rows'
-weights are exact in float32. No MindSpore: these are the precision gate's yardsticks, not the served model."""
+weights are exact in float32. Qwen2-VL's (LayerNorms, quick GELU, full attention) from the directory and the mmproj:
+transformers' to 2e-6, and to 1e-10 with its rotary steps in float64. No MindSpore: these are the precision gate's yardsticks, not the served model."""
 from __future__ import annotations
 
 import copy
@@ -13,7 +14,8 @@ import copy
 import numpy as np
 import pytest
 
-from tests.families import make_gemma3_vl, make_qwen3_vl, make_qwen25_vl, make_smolvlm, needs_transformers
+from tests.families import (make_gemma3_vl, make_qwen2_vl, make_qwen3_vl, make_qwen25_vl, make_smolvlm,
+                            needs_transformers)
 
 
 def _float64_model(tmp_path_factory, make, name: str) -> tuple:
@@ -36,6 +38,11 @@ def smolvlm(tmp_path_factory):
 @pytest.fixture(scope="module")
 def qwen25_vl(tmp_path_factory):
     return _float64_model(tmp_path_factory, make_qwen25_vl, "qwen25_vl_reference")
+
+
+@pytest.fixture(scope="module")
+def qwen2_vl(tmp_path_factory):
+    return _float64_model(tmp_path_factory, make_qwen2_vl, "qwen2_vl_reference")
 
 
 @pytest.fixture(scope="module")
@@ -235,3 +242,52 @@ def test_qwen3_vl_s_tower_and_deepstack_rows_are_transformers(qwen3_vl, monkeypa
             assert _relative(rows[:, 64 * part:64 * (part + 1)], theirs[:, 64 * part:64 * (part + 1)]) < TOLERANCE
         if max(gh2, gw2) <= 2:
             assert _relative(rows, exact) < 1e-10, (gh2, gw2)
+
+
+def test_qwen2_vl_s_tower_is_transformers_from_the_directory_and_the_mmproj(qwen2_vl, tmp_path, monkeypatch):
+    """Qwen2-VL's tower and merger (random patches of merge-unit grids square, wide, tall and one unit) from the HF
+    directory: transformers' rows to 2e-6 as it runs, to 1e-10 with its float32 rotary steps in float64; from the
+    mmproj llama.cpp's converter writes, the same rows."""
+    torch, _ = needs_transformers()
+    from transformers.models.qwen2_vl import modeling_qwen2_vl as qwen2
+
+    from llm_serving.reference_vision import ReferenceVision
+    from tests.integration.test_images_qwen2 import write_qwen2_mmproj
+
+    directory, model = qwen2_vl
+    vision = ReferenceVision(str(directory))
+    write_qwen2_mmproj(directory, tmp_path / "mmproj.gguf")
+    from_mmproj = ReferenceVision(None, mmproj=str(tmp_path / "mmproj.gguf"))
+    cfg = vision.config
+    assert not vision.bidirectional and (cfg.family, cfg.row_width) == ("qwen2_vl", 64)
+    rng = np.random.default_rng(8)
+    units = [(1, 1), (2, 2), (1, 4), (3, 2)]
+    patches = [rng.standard_normal((gh2, gw2, 4, cfg.patch_features)) for gh2, gw2 in units]
+
+    def transformers_rows(p):
+        gh2, gw2, _, features = p.shape
+        with torch.no_grad():
+            out = model.model.visual(torch.from_numpy(p.reshape(-1, features)), torch.tensor([[1, 2 * gh2, 2 * gw2]]))
+        return out.pooler_output.numpy()
+
+    ours = [vision.encode(p) for p in patches]
+    as_they_run = [transformers_rows(p) for p in patches]
+
+    def rotary(self, x, position_ids):          # compute_axial_rope_parameters' frequencies, in float64
+        base, half = self.config.rope_parameters["rope_theta"], self.config.embed_dim // self.config.num_heads // 2
+        inv_freq = 1.0 / base ** (torch.arange(0, half, 2, dtype=torch.float64) / half)
+        angles = position_ids[..., None].double() * inv_freq
+        return self.recomposition_frequencies(angles.cos()), self.recomposition_frequencies(angles.sin())
+
+    def rotate(q, k, cos, sin):
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+        return q * cos + qwen2.rotate_half(q) * sin, k * cos + qwen2.rotate_half(k) * sin
+
+    monkeypatch.setattr(qwen2.Qwen2VLVisionRotaryEmbedding, "forward", rotary)
+    monkeypatch.setattr(qwen2, "apply_rotary_pos_emb_vision", rotate)
+    in_float64 = [transformers_rows(p) for p in patches]
+    for (gh2, gw2), p, rows, theirs, exact in zip(units, patches, ours, as_they_run, in_float64):
+        assert rows.dtype == np.float64 and rows.shape == theirs.shape == (gh2 * gw2, 64)
+        assert _relative(rows, theirs) < TOLERANCE
+        assert _relative(rows, exact) < 1e-10, (gh2, gw2)
+        assert _relative(from_mmproj.encode(p), rows) < 1e-12

@@ -210,8 +210,9 @@ def test_the_checkpoint_s_faults_are_named(qwen_vl, tmp_path):
         (tmp_path / "config.json").write_text(json.dumps({**config, "vision_config": {**vision, **change}}))
         with pytest.raises(WeightLoadError, match=why):
             vision_checkpoint(str(tmp_path))
-    (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen2VLForConditionalGeneration"]}))
-    with pytest.raises(WeightLoadError, match="vision tower of Qwen2VLForConditionalGeneration is not read here"):
+    (tmp_path / "config.json").write_text(json.dumps({**config,
+                                                      "architectures": ["Qwen2_5OmniForConditionalGeneration"]}))
+    with pytest.raises(WeightLoadError, match="vision tower of Qwen2_5OmniForConditionalGeneration is not read here"):
         vision_checkpoint(str(tmp_path))
     _, tower = _tower(directory)
     with pytest.raises(ValueError, match=r"patches of shape \(gh2, gw2, 4, 1176\)"):

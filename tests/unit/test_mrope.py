@@ -52,7 +52,8 @@ def test_the_config_says_mrope_in_transformers_4_and_5_forms(tmp_path):
     five = {"architectures": four["architectures"], "model_type": "qwen2_5_vl", "vision_config": {"depth": 1},
             "text_config": {**text, "rope_parameters": {"mrope_section": [2, 3, 3], "rope_theta": 1e6,
                                                         "rope_type": "default", "type": "mrope"}}}
-    for raw in (four, five):
+    qwen2 = {**four, "architectures": ["Qwen2VLForConditionalGeneration"], "model_type": "qwen2_vl"}   # (Qwen2-VL's)
+    for raw in (four, five, qwen2):
         (tmp_path / "config.json").write_text(json.dumps(raw))
         cfg = load_config(str(tmp_path))
         assert (cfg.architecture, cfg.mrope_section, cfg.attention_bias, cfg.rope_theta) == ("qwen2vl", (2, 3, 3),

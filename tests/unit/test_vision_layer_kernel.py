@@ -243,26 +243,33 @@ def as_bfloat16(a: np.ndarray) -> np.ndarray:
     return bits
 
 
-def within_path(got, x, w, bias, path, gelu=False):
-    """Asserts `got` is x w^T + bias (gelu: its tanh GELU) in float64 within the path's bound: float32 FMAs' 2e-6
+# VisionLinear's activation codes (layer_parts_cpu.h's kGeluTanh, kQuickGelu) -> the activation in float64
+ACTIVATIONS = {1: lambda y: 0.5 * y * (1 + np.tanh(np.sqrt(2 / np.pi) * (y + 0.044715 * y ** 3))),
+               3: lambda y: y / (1 + np.exp(-1.702 * y))}
+
+
+def within_path(got, x, w, bias, path, gelu=0):
+    """Asserts `got` is x w^T + bias (gelu: that activation of it, an ACTIVATIONS code) in float64 within the path's
+    bound: float32 FMAs' 2e-6
     sqrt(k) of the largest value; AMX's pieces (x to 16 bits, w0 + w1 exact for a 16-bit type and within 2^-18 for
     float32, x1 w1 dropped: each product within 2^-16 of |x| |w|, plus float32 sums' k 2^-24) of sum |x| |w|, per
     value."""
     y = x.astype(np.float64) @ w.astype(np.float64).T + bias
     if gelu:
-        y = 0.5 * y * (1 + np.tanh(np.sqrt(2 / np.pi) * (y + 0.044715 * y ** 3)))
+        y = ACTIVATIONS[gelu](y)
     k = x.shape[1]
     if path == "fma":
         assert np.abs(got - y).max() <= 2e-6 * np.sqrt(k) * np.abs(y).max()
     else:
         scale = np.abs(x.astype(np.float64)) @ np.abs(w.astype(np.float64)).T
         bound = (2.0 ** -16 + k * 2.0 ** -24) * scale + 2e-7 * np.abs(y) + 1e-30
-        if gelu:                    # (GELU's slope is at most ~1.13; its own float32 error as the FMA test allows)
+        if gelu:                    # (a GELU's slope is at most ~1.13; its own float32 error as the FMA test allows)
             bound = 1.2 * bound + 1e-5 * np.abs(y) + 1e-4
         assert np.all(np.abs(got - y) <= bound), np.max(np.abs(got - y) / bound)
 
 
-def linear(library, x, w_panels, bias, gelu=False, threads=2):
+def linear(library, x, w_panels, bias, gelu=0, threads=2):
+    """VisionLinear's x w^T + bias, then (gelu) the activation of that code (1 the tanh GELU, 3 quick GELU)."""
     out = np.full((x.shape[0], bias.shape[-1]), np.nan, np.float32)
     rc = invoke(library.VisionLinear, [x, w_panels, bias, np.array([threads, int(gelu)], np.int32), out])
     return rc, out
@@ -295,20 +302,29 @@ def test_linear_is_x_times_w_transposed_plus_bias(library, float_path, rows, k, 
     within_path(got, x, w, bias, float_path)
 
 
-def test_linear_with_gelu_is_the_tanh_gelu_of_the_product(library, float_path):
+@pytest.mark.parametrize("activation", [1, 3], ids=["tanh GELU", "quick GELU"])
+def test_linear_with_an_activation_is_that_activation_of_the_product(library, float_path, activation):
     rng = np.random.default_rng(3)
     x = (rng.standard_normal((37, 64)) * 2).astype(np.float32)
-    w = rng.standard_normal((301, 64)).astype(np.float32)     # products far out on both sides: tanh's -1 and 1
+    w = rng.standard_normal((301, 64)).astype(np.float32)     # products far out on both sides: the sigmoid's 0 and 1
     bias = rng.standard_normal(301).astype(np.float32)
     bias[:3] = [0.0, -300.0, 300.0]
-    rc, got = linear(library, x, panels(w), bias, gelu=True, threads=3)
+    rc, got = linear(library, x, panels(w), bias, gelu=activation, threads=3)
     assert rc == 0
     if float_path == "fma":
-        y = x.astype(np.float64) @ w.astype(np.float64).T + bias
-        want = 0.5 * y * (1 + np.tanh(np.sqrt(2 / np.pi) * (y + 0.044715 * y ** 3)))
+        want = ACTIVATIONS[activation](x.astype(np.float64) @ w.astype(np.float64).T + bias)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
     else:
-        within_path(got, x, w, bias, float_path, gelu=True)
+        within_path(got, x, w, bias, float_path, gelu=activation)
+    rc, plain = linear(library, x, panels(w), bias, threads=3)
+    assert rc == 0 and np.abs(got - plain).max() > 1.0        # (the activation was applied)
+
+
+@pytest.mark.parametrize("activation", [-1, 4])
+def test_linear_refuses_an_unknown_activation(library, activation):
+    x = np.ones((2, 8), np.float32)
+    rc, _ = linear(library, x, panels(np.ones((16, 8), np.float32)), np.zeros(16, np.float32), gelu=activation)
+    assert rc != 0
 
 
 @pytest.mark.parametrize("kind", ["float32", "float16"])
@@ -416,19 +432,19 @@ def test_int16_x_is_stepped_per_chunk_so_an_outlier_channel_costs_only_its_chunk
     assert np.abs(got - exact).max() <= 0.5 * np.abs(per_row - exact).max()
 
 
-def test_int16_linear_with_gelu_and_its_rows_alone_or_together(library):
+@pytest.mark.parametrize("activation", [1, 3], ids=["tanh GELU", "quick GELU"])
+def test_int16_linear_with_an_activation_and_its_rows_alone_or_together(library, activation):
     rng = np.random.default_rng(9)
     x = (rng.standard_normal((700, 200)) * 2).astype(np.float32)
     w = rng.standard_normal((45, 200)).astype(np.float32)
     bias = rng.standard_normal(45).astype(np.float32)
     packed, steps, codes = int16_panels(w)
     both = np.stack([bias, steps])
-    rc, together = linear(library, x, packed, both, gelu=True, threads=3)
+    rc, together = linear(library, x, packed, both, gelu=activation, threads=3)
     assert rc == 0
-    y = int16_reference(x, codes, steps, bias)
-    want = 0.5 * y * (1 + np.tanh(np.sqrt(2 / np.pi) * (y + 0.044715 * y ** 3)))
+    want = ACTIVATIONS[activation](int16_reference(x, codes, steps, bias))
     np.testing.assert_allclose(together, want, rtol=1e-5, atol=1e-4)
-    _, alone = linear(library, x[:5], packed, both, gelu=True, threads=1)
+    _, alone = linear(library, x[:5], packed, both, gelu=activation, threads=1)
     np.testing.assert_array_equal(together[:5], alone)       # a row's bits whatever the threads and other rows
 
 

@@ -115,8 +115,9 @@ struct LoraProduct {
 
 };
 
-// The MLP's activation (iconfig[12]): act = f(gate) * up (an ungated MLP: f(up), up = 1 here)
-enum Activation : int32_t { kSiLU = 0, kGeluTanh = 1, kGeluErf = 2 };
+// The MLP's activation (iconfig[12]): act = f(gate) * up (an ungated MLP: f(up), up = 1 here). kQuickGelu is a
+// vision tower's alone (Qwen2-VL's fc1, vision_layer_cpu.cc's VisionLinear); the decoder layer refuses it.
+enum Activation : int32_t { kSiLU = 0, kGeluTanh = 1, kGeluErf = 2, kQuickGelu = 3 };
 
 // g * sigmoid(z) * u, with the exponential of a non-positive argument only
 inline float sigmoid_times(float g, float z, float u) {
@@ -137,6 +138,19 @@ inline float gelu_times(float g, float u) {
 // gelu(g) * u with GELU's exact form, 0.5 g (1 + erf(g / sqrt(2))) (BERT's "gelu")
 inline float gelu_erf_times(float g, float u) { return 0.5f * g * (1.f + std::erf(g * 0.7071067811865476f)) * u; }
 
+// quick_gelu(g) * u = g sigmoid(1.702 g) u (transformers' "quick_gelu": CLIP's and Qwen2-VL's towers)
+inline float quick_gelu_times(float g, float u) { return sigmoid_times(g, 1.702f * g, u); }
+
+// f(g) * u for the activation f
+inline float activation_times(int32_t activation, float g, float u) {
+  switch (activation) {
+    case kGeluTanh: return gelu_times(g, u);
+    case kGeluErf: return gelu_erf_times(g, u);
+    case kQuickGelu: return quick_gelu_times(g, u);
+    default: return silu_times(g, u);
+  }
+}
+
 // silu_times, gelu_times and gelu_erf_times of 8 values (not inlined: one compiled copy each)
 __attribute__((noinline)) void silu8(const float* g, const float* u, float* out) {
   for (int i = 0; i < 8; ++i) out[i] = silu_times(g[i], u[i]);
@@ -147,14 +161,19 @@ __attribute__((noinline)) void gelu8(const float* g, const float* u, float* out)
 __attribute__((noinline)) void gelu_erf8(const float* g, const float* u, float* out) {
   for (int i = 0; i < 8; ++i) out[i] = gelu_erf_times(g[i], u[i]);
 }
+__attribute__((noinline)) void quick_gelu8(const float* g, const float* u, float* out) {
+  for (int i = 0; i < 8; ++i) out[i] = quick_gelu_times(g[i], u[i]);
+}
 
 // out[i] = f(g[i]) * u[i] for the activation f, i < n, 8 at a time through silu8 or gelu8 (the last ones
 // padded): the same float for a value wherever it sits. Every MLP but the few-row fast path's takes it:
 // silu_times inlined into a loop is vectorized there and its remainder not, and the two need not agree to the bit
 // (batch-invariant steps would then differ between their few-row and many-row routes).
 void activation_span(int32_t activation, const float* g, const float* u, int64_t n, float* out) {
-  void (*const act8)(const float*, const float*, float*) = activation == kGeluTanh ? gelu8
-                                                            : activation == kGeluErf ? gelu_erf8 : silu8;
+  void (*const act8)(const float*, const float*, float*) = activation == kGeluTanh    ? gelu8
+                                                            : activation == kGeluErf   ? gelu_erf8
+                                                            : activation == kQuickGelu ? quick_gelu8
+                                                                                       : silu8;
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) act8(g + i, u + i, out + i);
   if (i < n) {

@@ -769,9 +769,13 @@ inline const float* widened_panel(const llm_serving::BFloat16* src, int64_t n, f
   return llm_serving::widened(src, n, buf);
 }
 
-// Rows [r0, r1) of out = x W^T + bias (gelu: then the tanh GELU of each value).
+// VisionLinear's activation code for none: layer_parts_cpu.h's 0 is SiLU, which a product alone never applies
+constexpr int32_t kNoActivation = 0;
+
+// Rows [r0, r1) of out = x W^T + bias (act: then that activation of each value, VisionLinear's kNoActivation or one
+// of layer_parts_cpu.h's).
 template <typename W>
-void linear_rows(const float* x, int64_t k, const W* w, const float* bias, int64_t n, bool gelu, int64_t r0,
+void linear_rows(const float* x, int64_t k, const W* w, const float* bias, int64_t n, int32_t act, int64_t r0,
                  int64_t r1, float* out, std::vector<float>* scratch) {
   const int64_t rows = r1 - r0, tiles = (rows + kTileRows - 1) / kTileRows, panels = (n + kPanelCols - 1) / kPanelCols;
   scratch->resize(tiles * kTileRows * kGemmDepth + kGemmDepth * kPanelCols + 2 * kTileRows * kPanelCols);
@@ -821,9 +825,9 @@ void linear_rows(const float* x, int64_t k, const W* w, const float* bias, int64
       }
     }
   }
-  if (gelu) {
+  if (act != kNoActivation) {
     for (int64_t r = r0; r < r1; ++r) {
-      for (int64_t c = 0; c < n; ++c) out[r * n + c] = gelu_times(out[r * n + c], 1.f);
+      for (int64_t c = 0; c < n; ++c) out[r * n + c] = activation_times(act, out[r * n + c], 1.f);
     }
   }
 }
@@ -886,10 +890,10 @@ struct LinearScratch16 {
   std::vector<float> steps, edge;
 };
 
-// Rows [r0, r1) of out = (x W^T) + bias (gelu: then the tanh GELU), W int16 panels of depth kp, each column's step
+// Rows [r0, r1) of out = (x W^T) + bias (act: then that activation), W int16 panels of depth kp, each column's step
 // in w_step.
 void linear_rows_int16(const float* x, int64_t k, const int16_t* w, int64_t kp, const float* w_step,
-                       const float* bias, int64_t n, bool gelu, int64_t r0, int64_t r1, float* out,
+                       const float* bias, int64_t n, int32_t act, int64_t r0, int64_t r1, float* out,
                        LinearScratch16* s) {
   const int64_t rows = r1 - r0, tiles = (rows + kMaddRows - 1) / kMaddRows, panels = (n + kPanelCols - 1) / kPanelCols;
   const int64_t pairs = kp / 2, chunks = pairs / kChunkPairs;
@@ -941,7 +945,7 @@ void linear_rows_int16(const float* x, int64_t k, const int16_t* w, int64_t kp, 
           for (int64_t i = 0; i < valid; ++i) {
             float* y = c + i * ldc;
             for (int64_t e = 0; e < cols; ++e) y[e] = y[e] * w_step[c0 + e] + bias[c0 + e];
-            if (gelu) activation_span(kGeluTanh, y, kOnes16, cols, y);
+            if (act != kNoActivation) activation_span(act, y, kOnes16, cols, y);
           }
         }
         if (!whole) {
@@ -1091,10 +1095,10 @@ void amx_block(const uint16_t* xa, int64_t row_step, const uint16_t* wb, int64_t
 #undef LLM_SERVING_V_C
 }
 
-// out (rows, n) = x W^T + bias (gelu: then the tanh GELU), W float panels (P, k, 16) in the stored type, on
+// out (rows, n) = x W^T + bias (act: then that activation), W float panels (P, k, 16) in the stored type, on
 // `threads` threads (the calling one included)
 template <typename W>
-void linear_amx(const float* x, int64_t rows, int64_t k, const W* w, const float* bias, int64_t n, bool gelu,
+void linear_amx(const float* x, int64_t rows, int64_t k, const W* w, const float* bias, int64_t n, int32_t act,
                 int64_t threads, float* out) {
   const int64_t panels = (n + kPanelCols - 1) / kPanelCols, kb = (k + 31) / 32;
   thread_local std::vector<uint16_t> converted;          // (the calling thread's, kept: no page faults per call)
@@ -1136,8 +1140,8 @@ void linear_amx(const float* x, int64_t rows, int64_t k, const W* w, const float
               for (int64_t i = 0; i < valid; ++i) {
                 float* y = c + i * ldc;
                 for (int64_t e = 0; e < cols; ++e) y[e] += bias[c0 + e];
-                for (int64_t e = 0; gelu && e < cols; e += 16) {     // (kOnes16: 16 columns a call)
-                  activation_span(kGeluTanh, y + e, kOnes16, std::min<int64_t>(16, cols - e), y + e);
+                for (int64_t e = 0; act != kNoActivation && e < cols; e += 16) {     // (kOnes16: 16 columns a call)
+                  activation_span(act, y + e, kOnes16, std::min<int64_t>(16, cols - e), y + e);
                 }
               }
             }
@@ -1386,15 +1390,16 @@ extern "C" int VisionAttention(int nparam, void** params, int* ndims, int64_t** 
   return 0;
 }
 
-// VisionLinear: out = x W^T + bias, or gelu_tanh of it (fc1's), W as the runner packed it (linear_rows, or
-// linear_rows_int16 for int16 panels).
+// VisionLinear: out = x W^T + bias, or an activation of it (fc1's: the tanh GELU, Qwen2-VL's quick GELU), W as the
+// runner packed it (linear_rows, or linear_rows_int16 for int16 panels).
 //   x       (R, K)      float32
 //   w       (P, K, 16)  float16, bfloat16 or float32   the (N, K) matrix in panels of 16 output columns
 //           (P, Kp, 16) int16                           or quantized, depth pairs side by side (Kp: K rounded up
 //                                                       to 32)
 //   bias    (N,)        float32
 //           (2, N)      float32   with int16 panels: the bias, then each column's step
-//   config  (2,)        int32     [threads, gelu (0 or 1)]
+//   config  (2,)        int32     [threads, activation: kNoActivation (0), or layer_parts_cpu.h's kGeluTanh (1),
+//                                  kGeluErf (2) or kQuickGelu (3)]
 //   out     (R, N)      float32
 // Tasks of at most kBlockRows rows spread over the threads (the calling one included).
 extern "C" int VisionLinear(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
@@ -1418,7 +1423,8 @@ extern "C" int VisionLinear(int nparam, void** params, int* ndims, int64_t** sha
   const auto* cfg = static_cast<const int32_t*>(params[3]);
   auto* out = static_cast<float*>(params[4]);
   const int64_t threads = std::max<int32_t>(1, cfg[0]);
-  const bool gelu = cfg[1] != 0;
+  const int32_t act = cfg[1];
+  if (act < kNoActivation || act > kQuickGelu) return 3;
   // blocks of at most kBlockRows rows, as many as a multiple of the threads (15 blocks of 288 rows on two threads
   // left one idle for a block's time: 16 of 258)
   const int64_t tasks = round_up((rows + kBlockRows - 1) / kBlockRows, threads);
@@ -1426,7 +1432,7 @@ extern "C" int VisionLinear(int nparam, void** params, int* ndims, int64_t** sha
   auto run = [&](auto* w) {
 #if defined(LLM_SERVING_AMX)
     if (vision_amx_enabled()) {
-      linear_amx(x, rows, k, w, bias, n, gelu, threads, out);
+      linear_amx(x, rows, k, w, bias, n, act, threads, out);
       return;
     }
 #endif
@@ -1434,7 +1440,7 @@ extern "C" int VisionLinear(int nparam, void** params, int* ndims, int64_t** sha
     on_threads(std::min(threads, blocks), [&] {
       std::vector<float> scratch;
       for (int64_t b = next.fetch_add(1); b < blocks; b = next.fetch_add(1)) {
-        linear_rows(x, k, w, bias, n, gelu, b * block, std::min(rows, (b + 1) * block), out, &scratch);
+        linear_rows(x, k, w, bias, n, act, b * block, std::min(rows, (b + 1) * block), out, &scratch);
       }
     });
   };
@@ -1444,7 +1450,7 @@ extern "C" int VisionLinear(int nparam, void** params, int* ndims, int64_t** sha
     on_threads(std::min(threads, blocks), [&] {
       LinearScratch16 scratch;
       for (int64_t b = next.fetch_add(1); b < blocks; b = next.fetch_add(1)) {
-        linear_rows_int16(x, k, w, depth, bias + n, bias, n, gelu, b * block, std::min(rows, (b + 1) * block), out,
+        linear_rows_int16(x, k, w, depth, bias + n, bias, n, act, b * block, std::min(rows, (b + 1) * block), out,
                           &scratch);
       }
     });

@@ -15,7 +15,12 @@ hidden state. Two families are read here, both SigLIP towers:
   `scale_factor` (each s x s block of patches one token of s^2 x the width) and projected without a bias
   (`projector` "shuffle"; `model.vision_model.*` and `model.connector.modality_projection.proj.weight` read as
   `vision_tower.*` and `multi_modal_projector.proj.weight`); its image tokens are causal, as text.
-Two more families' towers are another kind (`QwenVisionConfig`, models/vision_qwen.py):
+Four more families' towers are another kind (`QwenVisionConfig`, models/vision_qwen.py):
+- Qwen2-VL (`Qwen2VLForConditionalGeneration`): Qwen2.5-VL's patches and rotary positions, with LayerNorms (gain
+  and bias), full attention in every block, an MLP of fc1, quick GELU (x sigmoid(1.702 x)) and fc2 with biases, and
+  the merger with a LayerNorm for ln_q; the tower's width `embed_dim` and its MLP's embed_dim x mlp_ratio (its
+  vision_config's hidden_size is the text model's width); its tensors `visual.<...>` (the Hub's) or
+  `model.visual.<...>` (5.x's), read as `visual.<...>`; from llama.cpp's `qwen2vl_merger` mmproj too;
 - Qwen2.5-VL (`Qwen2_5_VLForConditionalGeneration`): an image at its own size in patches of temporal x patch x patch
   values, RMS norms, 2-D rotary positions, windowed attention but in the `fullatt_block_indexes` layers, a SwiGLU
   MLP with biases, and the merger (each merge x merge patches one token of the text model's width); its tensors
@@ -53,14 +58,15 @@ _ARCHITECTURES = ("Gemma3ForConditionalGeneration", "SmolVLMForConditionalGenera
 _SHUFFLED = ("SmolVLMForConditionalGeneration", "Idefics3ForConditionalGeneration")
 # the Qwen families' architectures (and model types, for a config.json without architectures) -> QwenVisionConfig's
 # family
-_QWEN_ARCHITECTURES = {"Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+_QWEN_ARCHITECTURES = {"Qwen2VLForConditionalGeneration": "qwen2_vl", "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
                        "Qwen3VLForConditionalGeneration": "qwen3_vl", "Qwen3VLMoeForConditionalGeneration": "qwen3_vl",
                        "Mistral3ForConditionalGeneration": "pixtral"}
-_QWEN_MODEL_TYPES = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
+_QWEN_MODEL_TYPES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
                      "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration", "mistral3": "Mistral3ForConditionalGeneration"}
 # llama.cpp's mmproj projector types read here -> the architecture whose tower and projector they hold (qwen3vl_merger
 # is also Qwen3-VL-MoE's: the same tower)
 MMPROJ_PROJECTORS = {"gemma3": "Gemma3ForConditionalGeneration", "idefics3": "Idefics3ForConditionalGeneration",
+                     "qwen2vl_merger": "Qwen2VLForConditionalGeneration",
                      "qwen2.5vl_merger": "Qwen2_5_VLForConditionalGeneration",
                      "qwen3vl_merger": "Qwen3VLForConditionalGeneration",
                      "pixtral": "Mistral3ForConditionalGeneration"}
@@ -182,7 +188,8 @@ def _our_name(name: str) -> Optional[str]:
 
 def vision_checkpoint(model_dir: str) -> Optional[tuple]:
     """(config, {name: StoredTensor}) of a HF model directory's vision tower and projector, every shape checked,
-    nothing read yet: a `VisionConfig` (SigLIP's towers) or, for a Qwen2.5-VL, Qwen3-VL or Mistral 3, a `QwenVisionConfig`;
+    nothing read yet: a `VisionConfig` (SigLIP's towers) or, for a Qwen2-VL, Qwen2.5-VL, Qwen3-VL or Mistral 3, a
+    `QwenVisionConfig`;
     None when its config.json has no vision_config. WeightLoadError for a family whose tower is not read here, a
     config the tower cannot run, a missing tensor or a wrong shape."""
     path = os.path.join(model_dir, "config.json")
@@ -235,7 +242,8 @@ def _safetensors_types(files: dict[str, str], names: set) -> dict:
 
 @dataclass(frozen=True)
 class QwenVisionConfig:
-    """Qwen2.5-VL's or Qwen3-VL's tower and merger (the module docstring; `family` "qwen2_5_vl" or "qwen3_vl"):
+    """A Qwen-VL-like tower and merger (the module docstring; `family` "qwen2_vl", "qwen2_5_vl", "qwen3_vl" or
+    "pixtral"):
     patches of num_channels x temporal_patch_size x patch_size x patch_size values embedded to hidden_size,
     num_layers blocks of num_heads heads (full attention in `fullatt_block_indexes`, else within windows of
     `window_size` pixels a side), spatial_merge_size squared patches merged into one token of out_hidden_size (the
@@ -271,6 +279,18 @@ class QwenVisionConfig:
         return self.hidden_size // self.num_heads
 
     @property
+    def layer_norms(self) -> bool:
+        """Whether the blocks' norms and the merger's are LayerNorms with a bias (Qwen2-VL's, Qwen3-VL's), not RMS
+        norms."""
+        return self.family in ("qwen2_vl", "qwen3_vl")
+
+    @property
+    def mlp_activation(self) -> str:
+        """The blocks' MLP: "silu" (SwiGLU: gate and up), else fc1, this activation, fc2: "gelu_tanh" (Qwen3-VL's)
+        or "quick_gelu" (Qwen2-VL's, x sigmoid(1.702 x))."""
+        return {"qwen2_vl": "quick_gelu", "qwen3_vl": "gelu_tanh"}.get(self.family, "silu")
+
+    @property
     def deepstack_layers(self) -> int:
         """The DeepStack mergers (Qwen3-VL's; none for Qwen2.5-VL): each gives every image token a row more."""
         return len(self.deepstack_visual_indexes)
@@ -293,7 +313,7 @@ class QwenVisionConfig:
 
     @property
     def bidirectional(self) -> bool:
-        """Qwen2.5-VL's and Qwen3-VL's image tokens attend causally in the text model, as its text does."""
+        """The Qwen-VL families' (and Pixtral's) image tokens attend causally in the text model, as its text does."""
         return False
 
     @property
@@ -347,7 +367,7 @@ def _pixtral_config(raw: dict, path: str) -> QwenVisionConfig:
 
 
 # each Qwen family's vision MLP activation (the only one its tower runs) and what that MLP is
-_QWEN_ACTIVATIONS = {"qwen2_5_vl": ("silu", "SwiGLU (silu)"), "qwen3_vl": ("gelu_pytorch_tanh", "the tanh GELU"),
+_QWEN_ACTIVATIONS = {"qwen2_vl": ("quick_gelu", "quick GELU"), "qwen2_5_vl": ("silu", "SwiGLU (silu)"), "qwen3_vl": ("gelu_pytorch_tanh", "the tanh GELU"),
                      "pixtral": ("silu", "SwiGLU (silu)")}
 
 
@@ -355,8 +375,17 @@ def _qwen_config(raw: dict, path: str, family: str = "qwen2_5_vl") -> QwenVision
     """The QwenVisionConfig of a Qwen2.5-VL config.json: 5.x's (text_config nested, the vision rotary base in
     vision_config.rope_parameters) or the Hub's 4.x (the text model's keys at the top, `in_chans`); or (`family`
     "qwen3_vl") of a Qwen3-VL one: 5.x's or the Hub's (text_config nested in both, the Hub's without a vision
-    rotary base: 10,000 as its code fixes), every block full, its position grid and DeepStack layers checked."""
+    rotary base: 10,000 as its code fixes), every block full, its position grid and DeepStack layers checked; or
+    (`family` "qwen2_vl") of a Qwen2-VL one, 4.x's or 5.x's: the tower's width `embed_dim`, its MLP's embed_dim x
+    `mlp_ratio`, the text model's width its `hidden_size`, every block full."""
     vision = raw["vision_config"]
+    if family == "qwen2_vl":                    # (its keys as Qwen2.5-VL's name them)
+        try:
+            width = int(vision["embed_dim"])
+            vision = {**vision, "hidden_size": width, "out_hidden_size": vision["hidden_size"],
+                      "intermediate_size": vision.get("intermediate_size") or int(width * float(vision["mlp_ratio"]))}
+        except (KeyError, TypeError, ValueError) as e:
+            raise WeightLoadError(f"{path}: vision_config lacks or mistypes {e}") from None
     text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
     want, mlp = _QWEN_ACTIVATIONS[family]
     act = vision.get("hidden_act", want)
@@ -364,11 +393,12 @@ def _qwen_config(raw: dict, path: str, family: str = "qwen2_5_vl") -> QwenVision
         raise WeightLoadError(f"{path}: vision_config.hidden_act {act!r}: the tower's MLP runs {mlp} only")
     rope = vision.get("rope_parameters") or {}
     try:
-        if family == "qwen3_vl":
+        if family in ("qwen2_vl", "qwen3_vl"):
             unit, depth = int(vision["spatial_merge_size"]) * int(vision["patch_size"]), int(vision["depth"])
-            own = dict(window_size=unit, fullatt_block_indexes=tuple(range(depth)),
-                       num_position_embeddings=int(vision["num_position_embeddings"]),
-                       deepstack_visual_indexes=tuple(int(i) for i in vision["deepstack_visual_indexes"]))
+            own = dict(window_size=unit, fullatt_block_indexes=tuple(range(depth)))
+            if family == "qwen3_vl":
+                own.update(num_position_embeddings=int(vision["num_position_embeddings"]),
+                           deepstack_visual_indexes=tuple(int(i) for i in vision["deepstack_visual_indexes"]))
         else:
             own = dict(window_size=int(vision["window_size"]),
                        fullatt_block_indexes=tuple(int(i) for i in vision["fullatt_block_indexes"]))
@@ -415,7 +445,7 @@ def _qwen_config(raw: dict, path: str, family: str = "qwen2_5_vl") -> QwenVision
 
 
 def qwen_vision_shapes(cfg: QwenVisionConfig) -> dict:
-    """{name: shape} of every tensor Qwen2.5-VL's or Qwen3-VL's tower and mergers read (`visual.<...>`)."""
+    """{name: shape} of every tensor a Qwen-VL-like tower and its mergers read (`visual.<...>`)."""
     d, m, c = cfg.hidden_size, cfg.intermediate_size, cfg.spatial_merge_size ** 2 * cfg.hidden_size
     out = cfg.out_hidden_size
     if cfg.family == "pixtral":
@@ -447,15 +477,18 @@ def qwen_vision_shapes(cfg: QwenVisionConfig) -> dict:
         shapes.update({"visual.merger.ln_q.weight": (d,),
                        "visual.merger.mlp.0.weight": (c, c), "visual.merger.mlp.0.bias": (c,),
                        "visual.merger.mlp.2.weight": (out, c), "visual.merger.mlp.2.bias": (out,)})
+        if cfg.family == "qwen2_vl":
+            shapes["visual.merger.ln_q.bias"] = (d,)
     for i in range(cfg.num_layers):
         at = f"visual.blocks.{i}."
         shapes.update({at + "norm1.weight": (d,), at + "norm2.weight": (d,),
                        at + "attn.qkv.weight": (3 * d, d), at + "attn.qkv.bias": (3 * d,),
                        at + "attn.proj.weight": (d, d), at + "attn.proj.bias": (d,)})
-        if cfg.family == "qwen3_vl":
+        if cfg.layer_norms:                     # (Qwen3-VL's MLP linear_fc1 / 2, Qwen2-VL's fc1 / 2)
+            fc = "linear_fc" if cfg.family == "qwen3_vl" else "fc"
             shapes.update({at + "norm1.bias": (d,), at + "norm2.bias": (d,),
-                           at + "mlp.linear_fc1.weight": (m, d), at + "mlp.linear_fc1.bias": (m,),
-                           at + "mlp.linear_fc2.weight": (d, m), at + "mlp.linear_fc2.bias": (d,)})
+                           at + f"mlp.{fc}1.weight": (m, d), at + f"mlp.{fc}1.bias": (m,),
+                           at + f"mlp.{fc}2.weight": (d, m), at + f"mlp.{fc}2.bias": (d,)})
         else:
             shapes.update({at + "mlp.gate_proj.weight": (m, d), at + "mlp.gate_proj.bias": (m,),
                            at + "mlp.up_proj.weight": (m, d), at + "mlp.up_proj.bias": (m,),
@@ -464,7 +497,7 @@ def qwen_vision_shapes(cfg: QwenVisionConfig) -> dict:
 
 
 def _qwen_name(name: str) -> Optional[str]:
-    """A Qwen2.5-VL or Qwen3-VL checkpoint name as the tower knows it (`visual.<...>`: Qwen2.5-VL's on the Hub;
+    """A Qwen2-VL, Qwen2.5-VL or Qwen3-VL checkpoint name as the tower knows it (`visual.<...>`: Qwen2.5-VL's on the Hub;
     `model.visual.<...>`, 5.x's and Qwen3-VL's on the Hub, too), or None for the text model's."""
     if name.startswith("model.visual."):
         name = name[len("model."):]
@@ -520,8 +553,8 @@ def _mmproj_name(name: str) -> Optional[str]:
 
 
 def _mmproj_fields(path: str, contents=None):
-    """An mmproj GGUF's read contents (gguf_file.read_gguf's), checked to be a Gemma 3, SmolVLM (Idefics3) or
-    Qwen2.5-VL mmproj."""
+    """An mmproj GGUF's read contents (gguf_file.read_gguf's), checked to be an mmproj of a projector type read
+    here (MMPROJ_PROJECTORS)."""
     from llm_serving.gguf_file import read_gguf
 
     if contents is None:
@@ -532,7 +565,7 @@ def _mmproj_fields(path: str, contents=None):
     fields = contents.fields
     kind = (fields.get("general.architecture"), fields.get("clip.projector_type"))
     if kind[0] != "clip" or kind[1] not in MMPROJ_PROJECTORS:
-        raise WeightLoadError(f"{path}: not a Gemma 3, SmolVLM, Qwen2.5-VL, Qwen3-VL or Mistral 3 mmproj GGUF "
+        raise WeightLoadError(f"{path}: not a Gemma 3, SmolVLM, Qwen2-VL, Qwen2.5-VL, Qwen3-VL or Mistral 3 mmproj GGUF "
                               f"(general.architecture {kind[0]!r}, clip.projector_type {kind[1]!r}; served: clip with "
                               f"{', '.join(MMPROJ_PROJECTORS)})")
     return contents
@@ -542,12 +575,15 @@ def mmproj_config(path: str, contents=None):
     """The VisionConfig of llama.cpp's mmproj GGUF of a Gemma 3 (`clip.projector_type` gemma3) or a SmolVLM
     (idefics3). The image tokens' pooling or pixel shuffle: `clip.vision.projector.scale_factor` patches a side, 4
     (every Gemma 3's) when the file does not say. The placeholder token ids are the text model's (its vocabulary),
-    not known here. A Qwen2.5-VL's (qwen2.5vl_merger) or Qwen3-VL's (qwen3vl_merger): its QwenVisionConfig
+    not known here. A Qwen2-VL's (qwen2vl_merger), Qwen2.5-VL's (qwen2.5vl_merger) or Qwen3-VL's (qwen3vl_merger): its
+    QwenVisionConfig
     (`_qwen_mmproj_config`, `_qwen3_mmproj_config`). WeightLoadError for a file that is not such an mmproj."""
     contents = _mmproj_fields(path, contents)
     fields = contents.fields
     if fields["clip.projector_type"] == "qwen2.5vl_merger":
         return _qwen_mmproj_config(path, fields)
+    if fields["clip.projector_type"] == "qwen2vl_merger":
+        return _qwen2_mmproj_config(path, fields, contents.tensors)
     if fields["clip.projector_type"] == "qwen3vl_merger":
         return _qwen3_mmproj_config(path, fields, contents.tensors)
     if fields["clip.projector_type"] == "pixtral":
@@ -586,6 +622,27 @@ def _qwen_mmproj_config(path: str, fields: dict) -> QwenVisionConfig:
             "window_size": fields.get("clip.vision.window_size", 112),
             "fullatt_block_indexes": [i for i in range(layers) if pattern > 0 and (i + 1) % pattern == 0],
             "out_hidden_size": fields["clip.vision.projection_dim"]}}, path)
+    except KeyError as e:
+        raise WeightLoadError(f"{path}: GGUF metadata {e} is missing") from None
+
+
+def _qwen2_mmproj_config(path: str, fields: dict, tensors) -> QwenVisionConfig:
+    """A Qwen2-VL mmproj's tower (projector qwen2vl_merger), from llama.cpp's converter's keys: its MLP's width from
+    `v.blk.0.ffn_up.weight` (the converter writes the text model's width as the feed-forward length), every block's
+    attention full, the merge `spatial_merge_size` (2). Its MLP's activation is Qwen2-VL's quick GELU, as llama.cpp
+    runs it for a file that sets neither clip.use_gelu nor clip.use_silu (the converter's)."""
+    up = next((t for t in tensors if t.name == "v.blk.0.ffn_up.weight"), None)
+    if up is None:
+        raise WeightLoadError(f"{path}: a qwen2vl_merger mmproj without v.blk.0.ffn_up.weight")
+    if fields.get("clip.use_silu"):
+        raise WeightLoadError(f"{path}: a qwen2vl_merger mmproj with clip.use_silu: Qwen2-VL's tower runs quick GELU")
+    try:
+        return _qwen_config({"vision_config": {
+            "embed_dim": fields["clip.vision.embedding_length"], "intermediate_size": int(up.shape[-1]),
+            "depth": fields["clip.vision.block_count"], "num_heads": fields["clip.vision.attention.head_count"],
+            "patch_size": fields["clip.vision.patch_size"], "temporal_patch_size": 2,
+            "spatial_merge_size": fields.get("clip.vision.spatial_merge_size", 2),
+            "hidden_size": fields["clip.vision.projection_dim"]}}, path, "qwen2_vl")
     except KeyError as e:
         raise WeightLoadError(f"{path}: GGUF metadata {e} is missing") from None
 
@@ -678,6 +735,7 @@ def _pixtral_mmproj_tensors(contents, path: str, cfg: QwenVisionConfig) -> dict:
 _QWEN_MMPROJ_LAYER = {"ln1.": "norm1.", "ln2.": "norm2.", "attn_out.": "attn.proj.", "attn_qkv.": "attn.qkv.",
                       "ffn_gate.": "mlp.gate_proj.", "ffn_up.": "mlp.up_proj.", "ffn_down.": "mlp.down_proj."}
 _QWEN3_MMPROJ_LAYER = {**_QWEN_MMPROJ_LAYER, "ffn_up.": "mlp.linear_fc1.", "ffn_down.": "mlp.linear_fc2."}
+_QWEN2_MMPROJ_LAYER = {**_QWEN_MMPROJ_LAYER, "ffn_up.": "mlp.fc1.", "ffn_down.": "mlp.fc2."}
 _QWEN_MMPROJ_NAMES = {"v.post_ln.": "visual.merger.ln_q.", "mm.0.": "visual.merger.mlp.0.",
                       "mm.2.": "visual.merger.mlp.2."}
 _QWEN3_MMPROJ_NAMES = {"v.post_ln.": "visual.merger.norm.", "mm.0.": "visual.merger.linear_fc1.",
@@ -703,12 +761,13 @@ def _joined(parts: list, axis: int, stored: Optional[str]) -> StoredTensor:
 def _qwen_mmproj_tensors(contents, path: str, cfg: QwenVisionConfig) -> dict:
     """Our `visual.*` tensors of a Qwen-VL mmproj (its GGUF tensors, memory-mapped), each read as float32 only when
     the tower reads it (the file's F16 matrices stay in the file until then: no float32 copy of the whole tower):
-    Qwen2.5-VL's q, k and v joined into qkv (the converter splits them), the two temporal slices of the patch kernel
-    stacked back into its 3-D kernel; each matrix's `stored_type` its file's ("F16", ...; q|k|v's where all three
+    Qwen2-VL's and Qwen2.5-VL's q, k and v joined into qkv (the converter splits them), the two temporal slices of
+    the patch kernel stacked back into its 3-D kernel; each matrix's `stored_type` its file's ("F16", ...; q|k|v's where all three
     agree), so that the tower's CPU kernels keep the halves as stored."""
     qwen3 = cfg.family == "qwen3_vl"
-    layer_names, names = (_QWEN3_MMPROJ_LAYER, _QWEN3_MMPROJ_NAMES) if qwen3 else (_QWEN_MMPROJ_LAYER,
-                                                                                   _QWEN_MMPROJ_NAMES)
+    layer_names, names = {"qwen3_vl": (_QWEN3_MMPROJ_LAYER, _QWEN3_MMPROJ_NAMES),
+                          "qwen2_vl": (_QWEN2_MMPROJ_LAYER, _QWEN_MMPROJ_NAMES)}.get(
+        cfg.family, (_QWEN_MMPROJ_LAYER, _QWEN_MMPROJ_NAMES))
     deep = {layer: k for k, layer in enumerate(cfg.deepstack_visual_indexes)}
     tensors = {t.name: t for t in contents.tensors}
     stored = {name: _mmproj_stored(t, path) for name, t in tensors.items()}
