@@ -118,6 +118,10 @@ class ModelConfig:
     model_name: Optional[str] = None          # served name; default: the model directory's name
     mmproj: Optional[str] = None              # a GGUF model's vision tower and projector: llama.cpp's mmproj GGUF
                                               # (llama-server's --mmproj); a HF directory's are read from it
+    pan_and_scan: str = "auto"                # Gemma 3's pan-and-scan: a wide or tall image also given as 2 to 4
+                                              # crops, each its own 256 tokens (transformers' do_pan_and_scan);
+                                              # auto = as the model's processor config says (off on the Hub's),
+                                              # 'on', 'off'
     max_generate_length: Union[int, str] = "auto"   # prompt + generated tokens, per request; auto = the model's
                                               # trained context (decided at start, startup/kv_memory.py: lowered,
                                               # with a logged reason, when the KV memory cannot hold one request)
@@ -218,6 +222,9 @@ class ModelConfig:
         self.attention_kernel = _yaml_switch(self.attention_kernel)
         _check(self.attention_kernel in ATTENTION_KERNELS, "model_config.attention_kernel",
                self.attention_kernel, f"must be one of {', '.join(ATTENTION_KERNELS)}")
+        self.pan_and_scan = _yaml_switch(self.pan_and_scan)
+        _check(self.pan_and_scan in ATTENTION_KERNELS, "model_config.pan_and_scan", self.pan_and_scan,
+               f"must be one of {', '.join(ATTENTION_KERNELS)}")
         self.vision_int16 = _yaml_switch(self.vision_int16)
         _check(self.vision_int16 in ATTENTION_KERNELS, "model_config.vision_int16", self.vision_int16,
                f"must be one of {', '.join(ATTENTION_KERNELS)}")

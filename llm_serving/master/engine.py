@@ -103,7 +103,8 @@ class Engine:
         # so it scores by similarity (a yes/no judgement is generated)
         self.generates = mc.task != "embed"
         self.score_method = score_method(mc.score_method, model_dir, model_name) if self.generates else "similarity"
-        self.image_facts = self._image_facts(model_dir, mc.mmproj)   # (vision/model.py; None: it takes no images)
+        self.image_facts = self._image_facts(model_dir, mc.mmproj, mc.pan_and_scan)   # (vision/model.py; None: no
+        # images)
         self.image_table = ImageTable()
         self.requests: dict = {}
         self._wakeup = asyncio.Event()
@@ -297,16 +298,26 @@ class Engine:
         self._wakeup.set()
         return req
 
-    def _image_facts(self, model_dir: str, mmproj: Optional[str]):
-        """What the served model's images are (vision/model.py's ImageFacts), or None: a text model, or a vision
-        model whose files disagree (said in the log)."""
+    def _image_facts(self, model_dir: str, mmproj: Optional[str], pan_and_scan: str = "auto"):
+        """What the served model's images are (vision/model.py's ImageFacts, with Gemma 3's pan-and-scan as the
+        setting says), or None: a text model, or a vision model whose files disagree (said in the log)."""
         if not self.generates:
             return None
         try:
-            return image_facts(model_dir, mmproj, self.tokenizer)
+            facts = image_facts(model_dir, mmproj, self.tokenizer)
         except ValueError as e:
             logger.warning("images off: %s", e)
             return None
+        if facts is None:
+            return None
+        if pan_and_scan == "on" and facts.family != "gemma3":
+            logger.warning("model_config.pan_and_scan on: pan-and-scan is Gemma 3's; this model's images are taken "
+                           "as its own processor takes them")
+        facts = facts.with_pan_and_scan(pan_and_scan)
+        if facts.spec.pan_and_scan:
+            logger.info("images: pan-and-scan on (crops of at least %d pixels, at most %d, from an aspect of %g)",
+                        *facts.spec.scan)
+        return facts
 
     def check_generates(self) -> None:
         """UnsupportedRequestError (400, naming the model) when the served model is an embedding model."""

@@ -8,6 +8,11 @@
   factor, the per-channel mean and standard deviation.
 - `pixels`: the image as the tower reads it, float32 (3, height, width): converted to RGB, resized to the spec's
   fixed size (Gemma 3's SigLIP: 896 x 896), rescaled, normalized.
+- Gemma 3's pan-and-scan (`ImageSpec.pan_and_scan`, transformers' do_pan_and_scan): a wide (or tall) image, its
+  aspect at least `min_ratio` (1.2), also cut into 2 to `max_crops` (4) side-by-side (or stacked) crops of equal
+  width (height), their number its aspect rounded half up, none narrower than `min_crop` (256) pixels (`crop_boxes`,
+  from the size alone: the prompt's expansion needs the count); `frames` gives the whole image, then each crop, each
+  resized to the tower's size as `pixels` resizes the image.
 - `frames`: SmolVLM's (Idefics3's) image splitting, as transformers' PIL image processor does it: the image resized
   so that its longest edge is `size.longest_edge`, then to whole tiles of `max_image_size.longest_edge` (the aspect
   kept, each edge rounded up), cut into its rows x cols tiles, and the whole image resized to one tile after them
@@ -38,8 +43,8 @@ from typing import Optional
 
 import numpy as np
 
-__all__ = ["DEFAULT_MAX_PIXELS", "ImageError", "ImageSpec", "decode", "decode_data_url", "frames", "grid",
-           "image_size", "pixels", "qwen_grid", "qwen_patches"]
+__all__ = ["DEFAULT_MAX_PIXELS", "PAN_AND_SCAN", "ImageError", "ImageSpec", "crop_boxes", "decode", "decode_data_url",
+           "frames", "grid", "image_size", "pixels", "qwen_grid", "qwen_patches"]
 
 # an image's pixels at most (width x height) unless the operator sets otherwise: a 32-megapixel photo decodes to
 # 96 MB of RGB before it is resized, and Pillow's own guard (89 M pixels) is far above what a request should cost
@@ -47,6 +52,11 @@ DEFAULT_MAX_PIXELS = 32 * 1024 * 1024
 
 _DATA_URL = re.compile(r"data:(?P<type>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+=[\w.+-]+)*)(?P<b64>;base64)?,",
                        re.ASCII)
+
+
+# Gemma 3's pan-and-scan where its processor config leaves them unset (transformers' defaults): the least crop side
+# in pixels, the most crops, the least aspect ratio (long edge over short) that crops an image
+PAN_AND_SCAN = (256, 4, 1.2)
 
 
 class ImageError(ValueError):
@@ -120,6 +130,8 @@ class ImageSpec:
     temporal: int = 2                     # the frames a patch spans (temporal_patch_size), and the bounds of the
     min_pixels: int = 56 * 56             # resized image's area
     max_pixels: int = 28 * 28 * 1280
+    pan_and_scan: bool = False            # Gemma 3's crops of a wide or tall image (do_pan_and_scan), by `scan`:
+    scan: tuple = PAN_AND_SCAN            # (min crop side, max crops, min aspect ratio), as PAN_AND_SCAN
 
     @classmethod
     def from_dir(cls, model_dir: str) -> Optional["ImageSpec"]:
@@ -168,8 +180,17 @@ class ImageSpec:
             height, width = int(size["height"]), int(size["width"])
         except (KeyError, TypeError, ValueError):
             raise ValueError(f"{where}: size must give height and width, not {size!r}") from None
-        if raw.get("do_pan_and_scan"):
-            raise ValueError(f"{where}: do_pan_and_scan (Gemma 3's crops of a wide image) is not supported yet")
+        if not tiling:                                                  # (Gemma 3's pan-and-scan)
+            try:
+                scan = (int(raw.get("pan_and_scan_min_crop_size") or PAN_AND_SCAN[0]),
+                        int(raw.get("pan_and_scan_max_num_crops") or PAN_AND_SCAN[1]),
+                        float(raw.get("pan_and_scan_min_ratio_to_activate") or PAN_AND_SCAN[2]))
+            except (TypeError, ValueError):
+                raise ValueError(f"{where}: the pan_and_scan_* settings must be numbers") from None
+            if scan[0] < 1 or scan[1] < 2 or scan[2] < 1.0:
+                raise ValueError(f"{where}: pan-and-scan needs a least crop side of 1 pixel or more, 2 crops or "
+                                 f"more, and an aspect ratio of 1 or more to activate (not {scan})")
+            tiling = {"pan_and_scan": bool(raw.get("do_pan_and_scan")), "scan": scan}
         mean = tuple(float(v) for v in raw.get("image_mean", (0.5, 0.5, 0.5))) if raw.get("do_normalize", True) \
             else (0.0, 0.0, 0.0)
         std = tuple(float(v) for v in raw.get("image_std", (0.5, 0.5, 0.5))) if raw.get("do_normalize", True) \
@@ -320,14 +341,39 @@ def grid(width: int, height: int, spec: ImageSpec) -> tuple:
     return (h2 // spec.tile, w2 // spec.tile) if w2 > spec.tile or h2 > spec.tile else (0, 0)
 
 
+def crop_boxes(width: int, height: int, spec: ImageSpec) -> list:
+    """Gemma 3's pan-and-scan crops of an image of this size (transformers' Gemma 3 image processor's `pan_and_scan`),
+    as (left, top, right, bottom) boxes, left to right or top to bottom: none where the spec does not pan and scan or
+    the image is not long enough (its aspect below the least ratio), or where the crops would be narrower than the
+    least side; else 2 to the most crops, their number the aspect rounded half up and at most the long edge over the
+    least side, each the long edge over their number rounded up (the last one what is left)."""
+    if not spec.pan_and_scan:
+        return []
+    least, most, ratio = spec.scan
+    long, short = max(width, height), min(width, height)
+    if long / short < ratio:
+        return []
+    count = min(most, max(2, min(int(math.floor(long / least)), int(math.floor(long / short + 0.5)))))
+    side = int(math.ceil(long / count))
+    if min(side, short) < least:
+        return []
+    starts = [side * i for i in range(count) if side * i < long]
+    if width >= height:
+        return [(x, 0, min(x + side, width), height) for x in starts]
+    return [(0, y, width, min(y + side, height)) for y in starts]
+
+
 def frames(image, spec: ImageSpec) -> list:
     """The float32 (3, tile, tile) frames of `image` the tower reads, in the prompt's order: its tiles row by row,
-    then the whole image (see the module docstring); one frame for a spec without tiles (`pixels`); for Qwen2-VL's,
-    one frame of the whole image's merge units (`qwen_patches`)."""
+    then the whole image (see the module docstring); one frame for a spec without tiles (`pixels`), and then, with
+    pan-and-scan, each crop's (`crop_boxes`); for Qwen2-VL's, one frame of the whole image's merge units
+    (`qwen_patches`)."""
     if spec.patch is not None:
         return [qwen_patches(image, spec)]
     if spec.tile is None:
-        return [pixels(image, spec)]
+        boxes = crop_boxes(*image.size, spec)
+        rgb = _rgb(image) if boxes else image
+        return [pixels(rgb, spec)] + [pixels(rgb.crop(box), spec) for box in boxes]
     rgb = _rgb(image)
     tile = spec.tile
     if not spec.split:

@@ -9,6 +9,12 @@ tower's output for that image. Read from a HF directory (config.json's `vision_c
 config beside it) or from llama.cpp's mmproj GGUF beside a GGUF model (its `clip.vision.*` keys; the token ids from
 the vocabulary).
 
+With pan-and-scan (`ImageSpec.pan_and_scan`: the processor config's do_pan_and_scan, or the operator's
+`model_config.pan_and_scan`, `ImageFacts.with_pan_and_scan`), a wide or tall Gemma 3 image's mark becomes, as
+transformers' Gemma3Processor writes it, "Here is the original image " + the sequence above + " and here are some crops
+to help you see better " + the sequence once per crop, joined by spaces (vision/images.py's `crop_boxes`: the count
+from the image's size); each crop is a frame of its own, as SmolVLM's tiles are below.
+
 SmolVLM and Idefics3 (`family` "smolvlm", from a HF directory or an idefics3 mmproj GGUF): the template puts `<image>`
 where an image goes; the image is cut into frames (vision/images.py's `frames`: rows x cols tiles and the whole
 image), and the mark becomes, as transformers' SmolVLMProcessor writes it, each tile's
@@ -37,7 +43,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from .images import ImageSpec, frames, grid, qwen_grid
+from .images import ImageSpec, crop_boxes, frames, grid, qwen_grid
 
 __all__ = ["ImageFacts", "image_facts"]
 
@@ -75,19 +81,24 @@ class ImageFacts:
 
     @property
     def needs_sizes(self) -> bool:
-        """Whether `expand` needs the images' sizes (SmolVLM's: its grid of tiles; Qwen2.5-VL's: its tokens)."""
-        return self.family in ("smolvlm", "qwen2_5_vl", "pixtral")
+        """Whether `expand` needs the images' sizes (SmolVLM's: its grid of tiles; Qwen2.5-VL's: its tokens; Gemma 3's
+        with pan-and-scan: its crops)."""
+        return self.family in ("smolvlm", "qwen2_5_vl", "pixtral") or self.spec.pan_and_scan
 
     def expand(self, text: str, sizes=()) -> str:
         """`text` with every image mark made the image's full placeholder sequence; sizes: the images' (width,
         height) in order (SmolVLM's, Qwen2.5-VL's; a mark past them is left as it is)."""
-        if self.family == "gemma3":
-            full = f"\n\n{self.boi}{self.image_token * self.tokens_per_image}{self.eoi}\n\n"
-            return text.replace(self.boi, full)
+        if self.family == "gemma3" and not self.spec.pan_and_scan:
+            return text.replace(self.boi, self._gemma3_sequence())
         parts = text.split(self.boi)
         out = [parts[0]]
         for k, part in enumerate(parts[1:]):
-            if k >= len(sizes):
+            if self.family == "gemma3":
+                crops = len(crop_boxes(*sizes[k], self.spec)) if k < len(sizes) else 0
+                full = self._gemma3_sequence()
+                out.append(f"Here is the original image {full} and here are some crops to help you see better "
+                           + " ".join([full] * crops) if crops else full)
+            elif k >= len(sizes):
                 out.append(self.boi)
             elif self.family == "smolvlm":
                 out.append(self._smolvlm_prompt(*grid(*sizes[k], self.spec)))
@@ -99,6 +110,17 @@ class ImageFacts:
                 out.append(self.image_token * self.tokens_of_size(*sizes[k]))
             out.append(part)
         return "".join(out)
+
+    def _gemma3_sequence(self) -> str:
+        # a Gemma 3 frame's: its mark, its placeholders and its end, between blank lines
+        return f"\n\n{self.boi}{self.image_token * self.tokens_per_image}{self.eoi}\n\n"
+
+    def with_pan_and_scan(self, setting: str) -> "ImageFacts":
+        """These facts with Gemma 3's pan-and-scan as `setting` (model_config.pan_and_scan) says: 'auto' as the
+        processor config says, 'on' or 'off'; a family without it as it is (its processor has no such crops)."""
+        if setting == "auto" or self.family != "gemma3":
+            return self
+        return dataclasses.replace(self, spec=dataclasses.replace(self.spec, pan_and_scan=setting == "on"))
 
     def tokens_of_size(self, width: int, height: int) -> int:
         """The tokens an image of this size becomes (a frame's, for SmolVLM)."""

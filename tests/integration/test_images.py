@@ -366,3 +366,60 @@ def test_image_urls_are_fetched_only_from_the_allowed_hosts(vl_model, tmp_path):
         assert status == 400 and "images are not fetched" in json.dumps(reply), reply
     finally:
         images.shutdown()
+
+
+def test_pan_and_scan_gives_a_wide_images_crops_transformers_tokens(vl_model, tmp_path):
+    """The model's processor config with do_pan_and_scan (crops of at least 16 pixels): a wide image's mark becomes
+    Gemma3Processor's "Here is the original image ... and here are some crops ..." with three crops, a near-square
+    image's stays one frame; each reply is transformers' greedy tokens and log-probabilities with its processor's
+    pixels (the crops among them) and its prompt; every frame is encoded once. With `model_config.pan_and_scan=off`
+    the wide image is one frame again."""
+    import shutil
+
+    _, transformers = needs_transformers()
+    from types import SimpleNamespace
+
+    from tokenizers import Tokenizer
+
+    from llm_serving.tokenization import load_tokenizer
+    from tests.families import GEMMA3_IMAGE_TOKENS
+
+    model = tmp_path / "model"
+    shutil.copytree(vl_model, model)
+    config = json.loads((model / "preprocessor_config.json").read_text())
+    config.update(do_pan_and_scan=True, pan_and_scan_min_crop_size=16, pan_and_scan_max_num_crops=4,
+                  pan_and_scan_min_ratio_to_activate=1.2)
+    (model / "preprocessor_config.json").write_text(json.dumps(config))
+    wide, square = _png(3, (40, 130, 3)), _png(4, (55, 60, 3))
+    boi, eoi, image = GEMMA3_IMAGE_TOKENS
+    full = SimpleNamespace(full_image_sequence=f"\n\n{boi}{image * 4}{eoi}\n\n")
+
+    def prompt_ids(text: str, crops: list) -> list:
+        # the template rendered by hand, each mark made what Gemma3Processor makes of it for its image's crops
+        parts = f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n".split(boi)
+        out = parts[0]
+        for n, part in zip(crops, parts[1:]):
+            out += transformers.Gemma3Processor.replace_image_token(full, {"num_crops": [n]}, 0) + part
+        return Tokenizer.from_file(str(model / "tokenizer.json")).encode(out).ids
+
+    chats = [("What is it?", [wide], [3]), ("Compare:", [square, wide], [0, 3])]
+    args = ["--model", str(model), "--set", f"model_config.model_name={MODEL}",
+            "--set", "model_config.max_generate_length=384", "--set", "pa_config.kv_cache_dtype=float32"]
+    with serving(args, tmp_path / "server.log") as server:
+        replies = [http("POST", server.url + "/v1/chat/completions", _body([_user(text, *images)]))
+                   for text, images, _ in chats]          # (in turn: the second reuses the wide image's frames)
+        log = (tmp_path / "server.log").read_text()
+    with serving(args + ["--set", "model_config.pan_and_scan=off"], tmp_path / "off.log") as server:
+        off = http("POST", server.url + "/v1/chat/completions", _body([_user("What is it?", wide)]))
+    tok = load_tokenizer(str(model / "tokenizer.json"))
+    for (text, images, crops), (status, body) in zip(chats, replies):
+        assert status == 200, body
+        ids = prompt_ids(text + boi * len(images), crops)
+        assert ids.count(IMAGE) == 4 * (len(images) + sum(crops))
+        assert body["usage"]["prompt_tokens"] == len(ids), text
+        want, want_lps = _reference(model, ids, images)
+        assert body["choices"][0]["message"]["content"] == tok.decode(want), text
+        np.testing.assert_allclose([e["logprob"] for e in body["choices"][0]["logprobs"]["content"]], want_lps,
+                                   atol=2e-3, err_msg=text)
+    assert "pan-and-scan on" in log and log.count(" encoded in ") == 5, log     # (the wide one's 4 frames, once)
+    assert off[0] == 200 and off[1]["usage"]["prompt_tokens"] == len(prompt_ids("What is it?" + boi, [0])), off

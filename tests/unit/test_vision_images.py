@@ -64,7 +64,7 @@ def test_the_spec_is_read_from_either_processor_file(tmp_path):
     assert ImageSpec.from_config({"size": 7, "do_normalize": False, "do_rescale": False}) == \
         ImageSpec(7, 7, 2, 1.0, (0.0, 0.0, 0.0), (1.0, 1.0, 1.0))
     for bad, why in (({"size": {"height": 5}}, "height and width"),
-                     ({"size": 5, "do_pan_and_scan": True}, "pan_and_scan"),
+                     ({"size": 5, "do_pan_and_scan": True, "pan_and_scan_max_num_crops": 1}, "2 crops or more"),
                      ({"size": 5, "image_std": [1, 0, 1]}, "positive")):
         with pytest.raises(ValueError, match=why):
             ImageSpec.from_config(bad)
