@@ -11,6 +11,7 @@ from llm_serving.server import access_log, streaming
 from llm_serving.server.api import base as api
 from llm_serving.server.api.tgi import GenerateRequest
 from llm_serving.server.errors import ModelNotFoundError, ValidationError
+from llm_serving.server.image_urls import fetch_images
 from llm_serving.server.served import engine_for, fleet_of
 from llm_serving.server.translate import prepare, request_id
 
@@ -32,8 +33,9 @@ class _Generate:
 
 
 async def _read_request(request: web.Request, stream_default: bool):
-    """(engine, the request, its prompt ids, its request id, its LoRA adapter or None): the path's model (the base
-    model or an adapter's name) or TGI's parameters.adapter_id picks the adapter."""
+    """(engine, the request, what `prepare` made of it (its prompt ids, images, LoRA adapter or None), its request
+    id): the path's model (the base model or an adapter's name) or TGI's parameters.adapter_id picks the
+    adapter."""
     model = request.match_info.get("model")
     engine = await engine_for(request, model)       # (the path's model, or the default: TGI's /generate names none)
     if model is not None and model not in engine.served_models():
@@ -48,19 +50,21 @@ async def _read_request(request: web.Request, stream_default: bool):
         if model is not None and model != engine.model_name and model != adapter_id:
             raise ValidationError(f"parameters.adapter_id {adapter_id!r} differs from the path's model {model!r}")
         model = adapter_id
-    api_request = r.to_request(stream_default, model)
+    api_request = r.to_request(stream_default, model, takes_images=engine.image_facts is not None)
+    await fetch_images(api_request, engine.config)
     prepared = prepare(api_request, engine)
     req_id = request_id(request.headers.get(REQUEST_ID_HEADER))
     gen = _Generate(r.inputs, prepared.sampling, api_request.stream, r.parameters.return_full_text,
                     r.parameters.details)
     if gen.sampling.grammar is not None:        # compiled off the event loop, then copied into the request
         gen.compiled = await engine.compile_grammar(gen.sampling.grammar)
-    return engine, gen, prepared.prompt_ids, req_id, prepared.adapter
+    return engine, gen, prepared, req_id
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
-    engine, gen, prompt_ids, req_id, adapter = await _read_request(request, stream_default=False)
-    req = engine.submit(prompt_ids, gen.sampling, req_id=req_id, adapter=adapter, grammar=gen.compiled)
+    engine, gen, prepared, req_id = await _read_request(request, stream_default=False)
+    req = engine.submit(prepared.prompt_ids, gen.sampling, req_id=req_id, adapter=prepared.adapter,
+                        grammar=gen.compiled, images=prepared.images)
     access_log.track([req])
     try:
         if gen.stream:
@@ -95,9 +99,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
 
 async def generate_stream(request: web.Request) -> web.StreamResponse:
-    engine, gen, prompt_ids, req_id, adapter = await _read_request(request, stream_default=True)
+    engine, gen, prepared, req_id = await _read_request(request, stream_default=True)
     gen.stream = True
-    req = engine.submit(prompt_ids, gen.sampling, req_id=req_id, adapter=adapter, grammar=gen.compiled)
+    req = engine.submit(prepared.prompt_ids, gen.sampling, req_id=req_id, adapter=prepared.adapter,
+                        grammar=gen.compiled, images=prepared.images)
     access_log.track([req])
     try:
         return await _stream(request, engine, req, gen)

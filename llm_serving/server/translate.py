@@ -26,6 +26,9 @@ class ApiRequest:
     """What an API's request asks for, its shape checked, in the engine's terms; `prepare` applies the model."""
     sampling: SamplingParams          # every field but those the vocabulary decides (checked or made by prepare)
     prompt: Union[str, list, None] = None     # a completion's text (the BOS added) or its token ids
+    prompt_parts: Optional[list] = None       # or a raw prompt with images (TGI's markdown images): its text pieces
+                                              # and {"type": "image", "image": bytes} ({"url"} until fetched) parts,
+                                              # in order; each image where the model's template would mark it
     messages: Optional[list] = None           # or a chat: [{role, content, tool_calls?, tool_call_id?}] (developer:
                                               # system), rendered by the chat template; a user turn's content may
                                               # be parts, {"type": "text", "text"} and {"type": "image", "image": its
@@ -83,6 +86,11 @@ def prepare(req: ApiRequest, engine) -> Prepared:
         harmony = template.harmony
         if files:
             images = place_images(engine, prompt_ids, files, decoded)
+    elif req.prompt_parts is not None:
+        files = tuple(p.get("image") for p in req.prompt_parts if isinstance(p, dict))
+        decoded = decode_images(engine, files, "inputs")
+        prompt_ids = raw_image_ids(engine, req.prompt_parts, files)
+        images = place_images(engine, prompt_ids, files, decoded, "inputs")
     else:
         prompt_ids = prompt_ids_of(engine, req.prompt)
     check_context(len(prompt_ids), engine.max_model_len, "messages" if req.messages is not None else "prompt")
@@ -107,43 +115,43 @@ def message_images(messages: list) -> tuple:
                  for p in m["content"] if isinstance(p, dict) and p.get("type") == "image")
 
 
-def served_image_facts(engine):
+def served_image_facts(engine, param: str = "messages"):
     """The served model's ImageFacts (vision/model.py), or a ValidationError: it takes no images."""
     facts = engine.image_facts
     if facts is None:
         raise ValidationError(f"model {engine.model_name!r} does not take images (a text model, or one whose vision "
-                              "tower is not served)", param="messages")
+                              "tower is not served)", param=param)
     return facts
 
 
-def decode_images(engine, images: tuple) -> list:
+def decode_images(engine, images: tuple, param: str = "messages") -> list:
     """The chat's images decoded (Pillow images), each checked: a ValidationError for a model that takes none,
     more than serving_config.max_images, or an image larger than serving_config.max_image_bytes, that is not one,
     is cut short, or has more pixels than serving_config.max_image_pixels."""
     if not images:
         return []
-    served_image_facts(engine)
+    served_image_facts(engine, param)
     limits = engine.config.serving_config
     if len(images) > limits.max_images:
         raise ValidationError(f"the request has {len(images)} images; at most {limits.max_images} are taken "
-                              "(serving_config.max_images)", param="messages")
+                              "(serving_config.max_images)", param=param)
     out = []
     for k, data in enumerate(images):
         if data is None:
             raise ValidationError(f"image {k + 1} of {len(images)} is a URL this route does not fetch; send it as a "
-                                  "base64 data: URL", param="messages")
+                                  "base64 data: URL", param=param)
         if len(data) > limits.max_image_bytes:
             raise ValidationError(f"image {k + 1} of {len(images)} has {len(data)} bytes; at most "
                                   f"{limits.max_image_bytes} are taken (serving_config.max_image_bytes)",
-                                  param="messages")
+                                  param=param)
         try:
             out.append(decode(data, max_pixels=limits.max_image_pixels))
         except ImageError as e:
-            raise ValidationError(f"image {k + 1} of {len(images)}: {e}", param="messages") from None
+            raise ValidationError(f"image {k + 1} of {len(images)}: {e}", param=param) from None
     return out
 
 
-def place_images(engine, prompt_ids: list, images: tuple, decoded: list) -> list:
+def place_images(engine, prompt_ids: list, images: tuple, decoded: list, param: str = "messages") -> list:
     """The images' placeholders found in the prompt (in order, one run per frame: a Gemma 3 image is one frame, a
     SmolVLM image its tiles and the whole; a template that leaves an image out, or a prompt that spells placeholder
     tokens itself, is a ValidationError), and each frame's pixels, keyed by its image's content and its place."""
@@ -151,39 +159,39 @@ def place_images(engine, prompt_ids: list, images: tuple, decoded: list) -> list
     try:
         spans = facts.spans(prompt_ids)
     except ValueError as e:
-        raise ValidationError(str(e), param="messages") from None
+        raise ValidationError(str(e), param=param) from None
     try:
         frames = [(hashlib.sha256(data).hexdigest(), k, pixels)
                   for data, image in zip(images, decoded) for k, pixels in enumerate(facts.frames(image))]
     except ImageError as e:
-        raise ValidationError(f"an image cannot be made the model's pixels: {e}", param="messages") from None
+        raise ValidationError(f"an image cannot be made the model's pixels: {e}", param=param) from None
     if len(spans) != len(frames):
         raise ValidationError(f"the chat template placed {len(spans)} of the request's {len(frames)} image frames "
                               f"({len(images)} images; its messages' image parts must be in user turns)",
-                              param="messages")
+                              param=param)
     for (start, length), (_, _, pixels) in zip(spans, frames):
         if length != facts.tokens_of(pixels):
             raise ValidationError(f"the prompt holds {length} image placeholder tokens in a row at {start}; its "
-                                  f"image is {facts.tokens_of(pixels)}", param="messages")
+                                  f"image is {facts.tokens_of(pixels)}", param=param)
         if prompt_ids[start:start + length] != facts.placeholder_ids(pixels):
             raise ValidationError(f"the image placeholder tokens at {start} are not laid out as the image's "
-                                  f"{pixels.shape[0]} x {pixels.shape[1]} grid of tokens", param="messages")
+                                  f"{pixels.shape[0]} x {pixels.shape[1]} grid of tokens", param=param)
     return [PromptImageInput(start, length, digest if k == 0 else f"{digest}/{k}", pixels, facts.rope_advance(pixels))
             for (start, length), (digest, k, pixels) in zip(spans, frames)]
 
 
-def image_sizes(images: tuple) -> list:
+def image_sizes(images: tuple, param: str = "messages") -> list:
     """(width, height) of each image's file from its header (SmolVLM's prompt needs its grid before the pixels are
     made); a ValidationError naming the image that is not one, or a URL not fetched."""
     out = []
     for k, data in enumerate(images):
         if data is None:
             raise ValidationError(f"image {k + 1} of {len(images)} is a URL this route does not fetch; send it as a "
-                                  "base64 data: URL", param="messages")
+                                  "base64 data: URL", param=param)
         try:
             out.append(image_size(data))
         except ImageError as e:
-            raise ValidationError(f"image {k + 1} of {len(images)}: {e}", param="messages") from None
+            raise ValidationError(f"image {k + 1} of {len(images)}: {e}", param=param) from None
     return out
 
 
@@ -203,6 +211,20 @@ def _vocabulary_fields(req: ApiRequest, tokenizer, vocab: int) -> dict:
             if ids:
                 sequences[ids] = None
     return {"bad_words": tuple(sequences)} if req.bad_words else {}
+
+
+def raw_image_ids(engine, parts: list, files: tuple) -> list:
+    """A raw prompt's ids with its images (`ApiRequest.prompt_parts`): each image's part the model's template mark
+    (ImageFacts.mark), made its placeholders as a chat's are (the BOS added, as a completion's text)."""
+    facts = served_image_facts(engine, "inputs")
+    sizes = image_sizes(files, "inputs") if facts.needs_sizes else ()
+    for k, size in enumerate(sizes):
+        try:
+            facts.tokens_of_size(*size)
+        except ImageError as e:
+            raise ValidationError(f"image {k + 1} of {len(files)}: {e}", param="inputs") from None
+    text = "".join(p if isinstance(p, str) else facts.mark for p in parts)
+    return engine.tokenizer.encode(facts.expand(text, sizes), add_bos=True)
 
 
 def prompt_ids_of(engine, prompt) -> list:

@@ -111,6 +111,14 @@ class ImageFacts:
             out.append(part)
         return "".join(out)
 
+    @property
+    def mark(self) -> str:
+        """The text a chat template writes where an image goes (what `expand` makes the image's placeholders): a
+        raw prompt (TGI's markdown images) gets it in the image's place."""
+        if self.family == "qwen2_5_vl":
+            return f"{_QWEN_VL['start']}{self.boi}{_QWEN_VL['end']}"
+        return self.boi
+
     def _gemma3_sequence(self) -> str:
         # a Gemma 3 frame's: its mark, its placeholders and its end, between blank lines
         return f"\n\n{self.boi}{self.image_token * self.tokens_per_image}{self.eoi}\n\n"

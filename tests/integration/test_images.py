@@ -226,7 +226,8 @@ def test_the_precision_gate_covers_image_prompts(vl_model, tmp_path):
 def test_bad_images_are_refused_by_name_and_every_api_carries_an_image(vl_model, tmp_path):
     """Each bad image is a 400 that says what is wrong with it; a good request after them is answered, and the same
     image question through OpenAI's chat and Responses, Anthropic's Messages and Ollama's chat and generate gets the
-    same reply; /v1/models and /api/show say the model takes images."""
+    same reply, and so does TGI's generate with a markdown image in its raw prompt; /v1/models and /api/show say the
+    model takes images."""
     good = _png(0)
     truncated = good[:len(good) // 2]
     cases = [
@@ -240,12 +241,14 @@ def test_bad_images_are_refused_by_name_and_every_api_carries_an_image(vl_model,
         (_body([{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
             {"type": "image_url", "image_url": {"url": _url(good)}}]}]), "user messages"),
         (_body([_user("x", _png(4, (700, 700, 3)))]), "max_image_bytes"),
+        ({"inputs": "x ![](data:text/plain;base64,aGk=)", "route": "/generate"}, "not an image"),
+        ({"inputs": "x ![](https://example.com/a.png)", "route": "/generate"}, "data: URL"),
     ]
     args = ["--model", str(vl_model), "--set", f"model_config.model_name={MODEL}",
             "--set", "model_config.max_generate_length=128", "--set", "serving_config.max_images=2", "--set", "serving_config.max_image_bytes=1000000"]
     with serving(args, tmp_path / "server.log") as server:
         for body, says in cases:
-            status, reply = http("POST", server.url + "/v1/chat/completions", body)
+            status, reply = http("POST", server.url + body.pop("route", "/v1/chat/completions"), body)
             assert status == 400, (says, reply)
             assert says in json.dumps(reply), (says, reply)
         status, reply = http("POST", server.url + "/v1/chat/completions", _body([_user("x", good)]))
@@ -275,6 +278,9 @@ def test_bad_images_are_refused_by_name_and_every_api_carries_an_image(vl_model,
                                                   "images": [b64], "options": {"temperature": 0,
                                                                                "num_predict": NEW_TOKENS}},
              lambda r: r["response"]),
+            ("tgi generate", f"/models/{MODEL}/generate", {  # (TGI's markdown image, in the template's text by hand)
+                "inputs": f"<|im_start|>user\nWhat is it?![]({_url(good)})<|im_end|>\n<|im_start|>assistant\n",
+                "parameters": {"max_new_tokens": NEW_TOKENS}}, lambda r: r["generated_text"]),
         ]:
             status, reply = http("POST", server.url + path, body)
             assert status == 200, (name, reply)
@@ -288,7 +294,7 @@ def test_bad_images_are_refused_by_name_and_every_api_carries_an_image(vl_model,
         counted = http("POST", server.url + "/v1/messages/count_tokens", {"model": MODEL, "messages": [
             {"role": "user", "content": [{"type": "text", "text": "What is it?"}, {"type": "image", "source": {
                 "type": "base64", "media_type": "image/png", "data": b64}}]}]})[1]["input_tokens"]
-    assert replies["openai"] == replies["anthropic"] == replies["responses"], replies
+    assert replies["openai"] == replies["anthropic"] == replies["responses"] == replies["tgi generate"], replies
     assert replies["openai first"] == replies["ollama chat"] == replies["ollama generate"], replies
     assert asked == tokenized == counted, (asked, tokenized, counted)
     assert models[0]["input_modalities"] == ["text", "image"]
@@ -297,7 +303,8 @@ def test_bad_images_are_refused_by_name_and_every_api_carries_an_image(vl_model,
 
 def test_image_urls_are_fetched_only_from_the_allowed_hosts(vl_model, tmp_path):
     """serving_config.image_url_hosts: an image URL on a listed host (a loopback HTTP server here) is fetched and
-    answers as its data: URL does, through OpenAI's chat, Anthropic's url source and the Responses API; a host not
+    answers as its data: URL does, through OpenAI's chat, Anthropic's url source, the Responses API and TGI's
+    markdown image (its 404 a 400 too); a host not
     listed, a 404, a redirect, an image over max_image_bytes and a server slower than image_fetch_timeout_s are each a
     400 naming the URL; a server without the setting refuses every URL."""
     import threading
@@ -352,7 +359,13 @@ def test_image_urls_are_fetched_only_from_the_allowed_hosts(vl_model, tmp_path):
                               ("too large", base + "/big.png"), ("slow", base + "/slow.png")]:
                 refusals[name] = http("POST", server.url + "/v1/chat/completions", chat(url))
             after = http("POST", server.url + "/v1/chat/completions", chat(base + "/a.png"))
+            prompt = "<|im_start|>user\nWhat is it?![]({})<|im_end|>\n<|im_start|>assistant\n"
+            tgi = http("POST", server.url + "/generate", {"inputs": prompt.format(base + "/a.png"),
+                                                          "parameters": {"max_new_tokens": NEW_TOKENS}})
+            tgi_404 = http("POST", server.url + "/generate", {"inputs": prompt.format(base + "/none.png")})
         text = want["choices"][0]["message"]["content"]
+        assert tgi[0] == 200 and tgi[1]["generated_text"] == text, tgi
+        assert tgi_404[0] == 400 and "answered 404" in tgi_404[1]["error"], tgi_404        # (TGI's error body)
         assert got["choices"][0]["message"]["content"] == text
         assert anthropic["content"][0]["text"] == text and responses["output"][-1]["content"][0]["text"] == text
         for name, says in [("other host", "image_url_hosts"), ("404", "answered 404"), ("redirect", "answered 302"),

@@ -126,6 +126,28 @@ def test_generate_translates_tgis_sampling_rule_and_the_routes_stream_default():
     assert validate(GenerateRequest, {"inputs": "x", "parameters": None}).to_request(False, None).sampling.greedy
 
 
+def test_generate_takes_tgis_markdown_images_for_a_model_that_takes_images():
+    """TGI's `![](url)` in inputs: for a model that takes images, the raw prompt's parts (a data: URL's bytes, an
+    http(s) URL kept to be fetched, the text between them in order); for a text model, the text as it is; a data:
+    URL that is not a base64 image is a 400 naming inputs."""
+    import base64
+
+    png = b"\x89PNG fake bytes"
+    url = "data:image/png;base64," + base64.b64encode(png).decode()
+    inputs = f"Look ![a photo]({url}) and ![](https://example.com/b.png)?"
+    r = validate(GenerateRequest, {"inputs": inputs})
+    req = r.to_request(False, None, takes_images=True)
+    assert req.prompt is None and req.prompt_parts == [
+        "Look ", {"type": "image", "image": png}, " and ", {"type": "image", "url": "https://example.com/b.png"}, "?"]
+    text = r.to_request(False, None)
+    assert text.prompt == inputs and text.prompt_parts is None
+    plain = validate(GenerateRequest, {"inputs": "no ![image] (here) [x](y)"}).to_request(False, None, takes_images=True)
+    assert plain.prompt == "no ![image] (here) [x](y)" and plain.prompt_parts is None
+    with pytest.raises(ValidationError) as info:
+        validate(GenerateRequest, {"inputs": "![](data:text/plain;base64,aGk=)"}).to_request(False, None, True)
+    assert info.value.param == "inputs" and "not an image" in str(info.value)
+
+
 def test_bodies_that_are_not_json_objects_are_refused_saying_what_they_are():
     for raw, words in ((b"\xff", "UTF-8"), (b" ", "empty"), (b"{", "not valid JSON"), (b"[1]", "JSON object")):
         with pytest.raises(ValidationError, match=words):

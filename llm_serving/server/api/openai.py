@@ -333,15 +333,17 @@ class ImagePart(Open):
         return self._part
 
 
-def image_part(url: str, where: str) -> dict:
+def image_part(url: str, where: str, param: Optional[str] = None) -> dict:
     """An image URL as a chat message's part: a data: URL's bytes, an http(s) URL as it is (fetched before the
-    request is prepared, from the allowed hosts only); a ValidationError for another one."""
+    request is prepared, from the allowed hosts only); a ValidationError for another one, naming `param` (default:
+    the chat's messages for an image_url, the Responses API's input otherwise)."""
     if isinstance(url, str) and url.startswith(("http://", "https://")):
         return {"type": "image", "url": url}
     try:
         return {"type": "image", "image": decode_data_url(url)}
     except ImageError as e:
-        raise ValidationError(f"{where}: {e}", param="messages" if where == "image_url" else "input") from None
+        raise ValidationError(f"{where}: {e}", param=param or ("messages" if where == "image_url" else "input")) \
+            from None
 
 
 class _OtherPart(Open):

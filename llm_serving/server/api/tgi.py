@@ -1,7 +1,10 @@
 """llm-serving's / TGI's generate body ({"inputs", "parameters", "stream"}): every rule about its shape, and
-`to_request()`, its translation into the internal request (server/translate.py)."""
+`to_request()`, its translation into the internal request (server/translate.py). For a model that takes images,
+`inputs` carries them as TGI's do: markdown images, `![](data:image/png;base64,...)` or `![](https://...)` (fetched
+from the allowed hosts only), each one where the model's chat template would mark an image (`markdown_images`)."""
 from __future__ import annotations
 
+import re
 from typing import Any, List, Literal, Optional, Union
 
 from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
@@ -15,6 +18,27 @@ from llm_serving.server.translate import ApiRequest
 from llm_serving.shm.layout import TOP_LOGPROBS
 
 DEFAULT_MAX_NEW_TOKENS = 64
+
+# a markdown image whose target is a data: URL or an http(s) one (TGI's image syntax): ![alt](target)
+_MARKDOWN_IMAGE = re.compile(r"!\[[^\]\n]*\]\(\s*((?:data:|https?://)[^)\s]*)\s*\)")
+
+
+def markdown_images(text: str) -> Optional[list]:
+    """`text` as a raw prompt's parts (translate.py's ApiRequest.prompt_parts): its text pieces and, for each markdown
+    image, its part ({"type": "image", "image": bytes} for a data: URL, {"type": "image", "url"} for an http(s) one,
+    fetched later), in order; None when it holds none. A data: URL that is not a base64 image is a ValidationError
+    naming `inputs`."""
+    from llm_serving.server.api.openai import image_part
+
+    parts, at = [], 0
+    for match in _MARKDOWN_IMAGE.finditer(text):
+        parts.append(text[at:match.start()])
+        parts.append(image_part(match.group(1), f"the markdown image at {match.start()} of inputs", "inputs"))
+        at = match.end()
+    if not parts:
+        return None
+    parts.append(text[at:])
+    return [p for p in parts if p != ""]
 
 
 class TGIGrammar(Body):
@@ -117,16 +141,19 @@ class GenerateRequest(Body):
     def _defaults(cls, value):       # "parameters": null is every default
         return value if value is not None else TGIParameters()
 
-    def to_request(self, stream_default: bool, model: Optional[str]) -> ApiRequest:
+    def to_request(self, stream_default: bool, model: Optional[str], takes_images: bool = False) -> ApiRequest:
         """The internal request on `model` (the path's model or adapter, or parameters.adapter_id: the route
-        decides); `stream_default` the route's."""
+        decides); `stream_default` the route's. `takes_images`: the served model takes images, so that `inputs`'
+        markdown images are its images (a text model's prompt keeps them as text)."""
         stream = stream_default if self.stream is None else self.stream
         p = self.parameters
         if p.decoder_input_details and stream:
             raise ValidationError("parameters.decoder_input_details is not supported when streaming (as TGI)",
                                   param="decoder_input_details")
-        return ApiRequest(p.sampling(), prompt=self.inputs, model=model, max_tokens_field="max_new_tokens",
-                          max_tokens_given=p.max_new_tokens is not None, stream=stream)
+        parts = markdown_images(self.inputs) if takes_images else None
+        return ApiRequest(p.sampling(), prompt=self.inputs if parts is None else None, prompt_parts=parts, model=model,
+                          max_tokens_field="max_new_tokens", max_tokens_given=p.max_new_tokens is not None,
+                          stream=stream)
 
 
 ROUTES = [("/generate", GenerateRequest, "llm-serving / TGI generate"),
