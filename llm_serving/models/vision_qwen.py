@@ -467,10 +467,10 @@ class _Merger(nn.Cell):
 
 
 class _LayerNormMerger(nn.Cell):
-    """Qwen3-VL's merger (Qwen3VLVisionPatchMerger; Qwen2-VL's PatchMerger is the same): a block's output (gh2, gw2, m m, D) -> (gh2 gw2, out_hidden).
-    LayerNorm over each patch, each unit's patches as one row of m m D; or (`postshuffle`, the DeepStack mergers')
-    the row first, then its LayerNorm over all m m D; then Linear, GELU (erf), Linear (the products
-    _MergerProducts')."""
+    """Qwen3-VL's merger (Qwen3VLVisionPatchMerger; Qwen2-VL's PatchMerger is the same): a block's output
+    (gh2, gw2, m m, D) -> (gh2 gw2, out_hidden). LayerNorm over each patch, each unit's patches as one row of m m D;
+    or (`postshuffle`, the DeepStack mergers') the row first, then its LayerNorm over all m m D; then Linear, GELU
+    (erf), Linear (the products _MergerProducts')."""
 
     def __init__(self, cfg: QwenVisionConfig, postshuffle: bool, kernels=None, threads: int = 1):
         super().__init__()

@@ -54,8 +54,8 @@ _QWEN_VL = {"start": "<|vision_start|>", "end": "<|vision_end|>", "image": "<|im
 _PIXTRAL = {"image": "[IMG]", "break": "[IMG_BREAK]", "end": "[IMG_END]"}
 _ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
 _SMOLVLM_ARCHITECTURES = ("SmolVLMForConditionalGeneration", "Idefics3ForConditionalGeneration")
-_QWEN_VL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
-                          "Qwen3VLMoeForConditionalGeneration")
+_QWEN_VL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
+                          "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
 _PIXTRAL_ARCHITECTURES = ("Mistral3ForConditionalGeneration",)
 # llama.cpp's projector types of the Qwen-VL mmprojs, and each one's mean and std where the file gives none
 _CLIP_MEAN, _CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)

@@ -6,7 +6,8 @@ transformers' to 2e-6, and to 1e-10 once transformers' float32 steps are float64
 the HF directory or from llama.cpp's mmproj. Qwen3-VL's tower, mergers and DeepStack mergers likewise: its rows
 transformers' to 2e-6, and to 1e-10 with transformers' float32 rotary steps in float64 where the position rows'
 weights are exact in float32. Qwen2-VL's (LayerNorms, quick GELU, full attention) from the directory and the mmproj:
-transformers' to 2e-6, and to 1e-10 with its rotary steps in float64. No MindSpore: these are the precision gate's yardsticks, not the served model."""
+transformers' to 2e-6, and to 1e-10 with its rotary steps in float64. No MindSpore: these are the precision gate's
+yardsticks, not the served model."""
 from __future__ import annotations
 
 import copy

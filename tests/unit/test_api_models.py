@@ -141,7 +141,7 @@ def test_generate_takes_tgis_markdown_images_for_a_model_that_takes_images():
         "Look ", {"type": "image", "image": png}, " and ", {"type": "image", "url": "https://example.com/b.png"}, "?"]
     text = r.to_request(False, None)
     assert text.prompt == inputs and text.prompt_parts is None
-    plain = validate(GenerateRequest, {"inputs": "no ![image] (here) [x](y)"}).to_request(False, None, takes_images=True)
+    plain = validate(GenerateRequest, {"inputs": "no ![image] (here) [x](y)"}).to_request(False, None, True)
     assert plain.prompt == "no ![image] (here) [x](y)" and plain.prompt_parts is None
     with pytest.raises(ValidationError) as info:
         validate(GenerateRequest, {"inputs": "![](data:text/plain;base64,aGk=)"}).to_request(False, None, True)

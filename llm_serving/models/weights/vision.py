@@ -58,11 +58,12 @@ _ARCHITECTURES = ("Gemma3ForConditionalGeneration", "SmolVLMForConditionalGenera
 _SHUFFLED = ("SmolVLMForConditionalGeneration", "Idefics3ForConditionalGeneration")
 # the Qwen families' architectures (and model types, for a config.json without architectures) -> QwenVisionConfig's
 # family
-_QWEN_ARCHITECTURES = {"Qwen2VLForConditionalGeneration": "qwen2_vl", "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
-                       "Qwen3VLForConditionalGeneration": "qwen3_vl", "Qwen3VLMoeForConditionalGeneration": "qwen3_vl",
-                       "Mistral3ForConditionalGeneration": "pixtral"}
-_QWEN_MODEL_TYPES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
-                     "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration", "mistral3": "Mistral3ForConditionalGeneration"}
+_QWEN_ARCHITECTURES = {"Qwen2VLForConditionalGeneration": "qwen2_vl",
+                       "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl", "Qwen3VLForConditionalGeneration": "qwen3_vl",
+                       "Qwen3VLMoeForConditionalGeneration": "qwen3_vl", "Mistral3ForConditionalGeneration": "pixtral"}
+_QWEN_MODEL_TYPES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+                     "qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
+                     "mistral3": "Mistral3ForConditionalGeneration"}
 # llama.cpp's mmproj projector types read here -> the architecture whose tower and projector they hold (qwen3vl_merger
 # is also Qwen3-VL-MoE's: the same tower)
 MMPROJ_PROJECTORS = {"gemma3": "Gemma3ForConditionalGeneration", "idefics3": "Idefics3ForConditionalGeneration",
@@ -367,8 +368,8 @@ def _pixtral_config(raw: dict, path: str) -> QwenVisionConfig:
 
 
 # each Qwen family's vision MLP activation (the only one its tower runs) and what that MLP is
-_QWEN_ACTIVATIONS = {"qwen2_vl": ("quick_gelu", "quick GELU"), "qwen2_5_vl": ("silu", "SwiGLU (silu)"), "qwen3_vl": ("gelu_pytorch_tanh", "the tanh GELU"),
-                     "pixtral": ("silu", "SwiGLU (silu)")}
+_QWEN_ACTIVATIONS = {"qwen2_vl": ("quick_gelu", "quick GELU"), "qwen2_5_vl": ("silu", "SwiGLU (silu)"),
+                     "qwen3_vl": ("gelu_pytorch_tanh", "the tanh GELU"), "pixtral": ("silu", "SwiGLU (silu)")}
 
 
 def _qwen_config(raw: dict, path: str, family: str = "qwen2_5_vl") -> QwenVisionConfig:
@@ -497,8 +498,9 @@ def qwen_vision_shapes(cfg: QwenVisionConfig) -> dict:
 
 
 def _qwen_name(name: str) -> Optional[str]:
-    """A Qwen2-VL, Qwen2.5-VL or Qwen3-VL checkpoint name as the tower knows it (`visual.<...>`: Qwen2.5-VL's on the Hub;
-    `model.visual.<...>`, 5.x's and Qwen3-VL's on the Hub, too), or None for the text model's."""
+    """A Qwen2-VL, Qwen2.5-VL or Qwen3-VL checkpoint name as the tower knows it (`visual.<...>`: Qwen2-VL's and
+    Qwen2.5-VL's on the Hub; `model.visual.<...>`, 5.x's and Qwen3-VL's on the Hub, too), or None for the text
+    model's."""
     if name.startswith("model.visual."):
         name = name[len("model."):]
     return name if name.startswith("visual.") else None
@@ -565,9 +567,9 @@ def _mmproj_fields(path: str, contents=None):
     fields = contents.fields
     kind = (fields.get("general.architecture"), fields.get("clip.projector_type"))
     if kind[0] != "clip" or kind[1] not in MMPROJ_PROJECTORS:
-        raise WeightLoadError(f"{path}: not a Gemma 3, SmolVLM, Qwen2-VL, Qwen2.5-VL, Qwen3-VL or Mistral 3 mmproj GGUF "
-                              f"(general.architecture {kind[0]!r}, clip.projector_type {kind[1]!r}; served: clip with "
-                              f"{', '.join(MMPROJ_PROJECTORS)})")
+        raise WeightLoadError(f"{path}: not a Gemma 3, SmolVLM, Qwen2-VL, Qwen2.5-VL, Qwen3-VL or Mistral 3 mmproj "
+                              f"GGUF (general.architecture {kind[0]!r}, clip.projector_type {kind[1]!r}; served: clip "
+                              f"with {', '.join(MMPROJ_PROJECTORS)})")
     return contents
 
 
@@ -762,8 +764,8 @@ def _qwen_mmproj_tensors(contents, path: str, cfg: QwenVisionConfig) -> dict:
     """Our `visual.*` tensors of a Qwen-VL mmproj (its GGUF tensors, memory-mapped), each read as float32 only when
     the tower reads it (the file's F16 matrices stay in the file until then: no float32 copy of the whole tower):
     Qwen2-VL's and Qwen2.5-VL's q, k and v joined into qkv (the converter splits them), the two temporal slices of
-    the patch kernel stacked back into its 3-D kernel; each matrix's `stored_type` its file's ("F16", ...; q|k|v's where all three
-    agree), so that the tower's CPU kernels keep the halves as stored."""
+    the patch kernel stacked back into its 3-D kernel; each matrix's `stored_type` its file's ("F16", ...; q|k|v's
+    where all three agree), so that the tower's CPU kernels keep the halves as stored."""
     qwen3 = cfg.family == "qwen3_vl"
     layer_names, names = {"qwen3_vl": (_QWEN3_MMPROJ_LAYER, _QWEN3_MMPROJ_NAMES),
                           "qwen2_vl": (_QWEN2_MMPROJ_LAYER, _QWEN_MMPROJ_NAMES)}.get(
