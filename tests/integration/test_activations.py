@@ -1,7 +1,7 @@
 """The activations the model's MindSpore graphs compute (models/llama.py's: the tanh GELU of Gemma's MLP and the
 SigLIP towers, the exact GELU of BERT and the mergers, the quick GELU of Qwen2-VL's tower) against their float64
 formulas, over the range a layer's products take: within float32's own error (a few units in the last place), where
-the tanh GELU as 0.5 x (1 + tanh(u)) on MindSpore's CPU tanh was up to 5e-5 off."""
+the tanh GELU as 0.5 x (1 + tanh(u)) on MindSpore's CPU tanh was up to 1.9e-4 off."""
 from __future__ import annotations
 
 import math
@@ -31,5 +31,6 @@ def test_each_activation_is_its_float64_formula(name):
         want = FORMULAS[name](XS.astype(np.float64))
     got = getattr(llama, name)(Tensor(XS)).asnumpy().astype(np.float64)
     assert np.all(np.isfinite(got)), name
-    # float32's rounding of a few steps, relative to the value, and an absolute floor where it is near zero
-    np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-7, err_msg=name)
+    # float32's rounding of a few steps (here: within 3e-6 of the value, 8e-7 absolute), with room for another
+    # CPU's vector exp; the tanh form was 1.9e-4 off (at a GELU of about 0.007, 3% of it)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6, err_msg=name)
