@@ -93,6 +93,8 @@ def prepare(req: ApiRequest, engine) -> Prepared:
         images = place_images(engine, prompt_ids, files, decoded, "inputs")
     else:
         prompt_ids = prompt_ids_of(engine, req.prompt)
+    if images is None:
+        check_no_placeholders(engine, prompt_ids, "messages" if req.messages is not None else "prompt")
     check_context(len(prompt_ids), engine.max_model_len, "messages" if req.messages is not None else "prompt")
     sp = replace(req.sampling, **_vocabulary_fields(req, engine.tokenizer, engine.vocab_size))
     if harmony:                 # gpt-oss: its channels are special tokens; <|return|>, <|call|> end the reply
@@ -211,6 +213,17 @@ def _vocabulary_fields(req: ApiRequest, tokenizer, vocab: int) -> dict:
             if ids:
                 sequences[ids] = None
     return {"bad_words": tuple(sequences)} if req.bad_words else {}
+
+
+def check_no_placeholders(engine, prompt_ids: list, param: str) -> None:
+    """A ValidationError for a prompt without images that holds the served model's image placeholder tokens (a text
+    that spells them, or ids): they would reach the model as its embeddings of those tokens, not as an image."""
+    facts = engine.image_facts
+    if facts is None or facts.image_token_id not in prompt_ids:
+        return
+    raise ValidationError(f"the prompt holds {prompt_ids.count(facts.image_token_id)} image placeholder tokens "
+                          f"({facts.image_token!r}) but no image; send an image as its API carries one (a chat's image "
+                          "part, a generate prompt's markdown image), and its placeholders are made for it", param=param)
 
 
 def raw_image_ids(engine, parts: list, files: tuple) -> list:

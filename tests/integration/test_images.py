@@ -243,6 +243,8 @@ def test_bad_images_are_refused_by_name_and_every_api_carries_an_image(vl_model,
         (_body([_user("x", _png(4, (700, 700, 3)))]), "max_image_bytes"),
         ({"inputs": "x ![](data:text/plain;base64,aGk=)", "route": "/generate"}, "not an image"),
         ({"inputs": "x ![](https://example.com/a.png)", "route": "/generate"}, "data: URL"),
+        ({"inputs": "spelled <image_soft_token><image_soft_token>", "route": "/generate"}, "but no image"),
+        (_body([{"role": "user", "content": "spelled <image_soft_token>"}]), "1 image placeholder tokens"),
     ]
     args = ["--model", str(vl_model), "--set", f"model_config.model_name={MODEL}",
             "--set", "model_config.max_generate_length=128", "--set", "serving_config.max_images=2", "--set", "serving_config.max_image_bytes=1000000"]

@@ -169,6 +169,7 @@ class _Engine:
     """Embeds a text as its letter counts (normalized); judges a prompt relevant (P(yes) 0.9) when its document says
     "relevant", else 0.2. `fail`: the engine fails the request of that input (by its text)."""
     model_name, lora_paths, start_time, generates = "m", {"ad": "/adapters/ad"}, 0.0, True
+    image_facts = None                  # (a text model)
 
     def __init__(self, score_method="similarity", embedding=EmbeddingSpec("last", "1_Pooling/config.json", DIMS),
                  words=("yes", "no"), fail=None, max_model_len=64):

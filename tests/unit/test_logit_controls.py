@@ -174,6 +174,7 @@ class _Tok:
 class _Engine:
     """What translate.prepare reads of the engine for a completion."""
     model_name, vocab_size, max_model_len, tokenizer, default_max_tokens = "m", 100, 64, _Tok(), None
+    image_facts = None                  # (a text model)
 
     def served_models(self):
         return ["m"]

@@ -244,6 +244,7 @@ class _Engine:
     model_name, vocab_size, max_model_len, lora_paths, generates = "m", 1 << 17, 4096, {}, True
     default_max_tokens = None
     embedding = None                        # (models/pooling.py's EmbeddingSpec: how it embeds, when it does)
+    image_facts = None                      # (a text model)
 
     def __init__(self, texts=("Hi", " there"), reason="stop", error=None, template=None):
         self.texts, self.reason, self.error = list(texts), reason, error

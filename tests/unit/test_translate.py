@@ -26,6 +26,7 @@ class _Template:
 
 class _Engine:
     model_name, vocab_size, max_model_len, tokenizer, chat_template = "m", 100, 64, _Tok(), _Template()
+    image_facts = None                  # (a text model)
 
     def __init__(self, default_max_tokens=None):
         self.default_max_tokens = default_max_tokens
