@@ -82,18 +82,24 @@ def text_model(out: Path, family: str = "qwen2.5") -> Path:
     return out
 
 
-def mmproj(out: Path, seed: int = 0) -> Path:
-    """A random Qwen2.5-VL-3B tower and merger as llama.cpp's mmproj GGUF (the converter's names and keys: q, k, v
-    apart, the patch kernel as two 2-D kernels; F16 matrices, F32 norms and biases), made once."""
+def mmproj(out: Path, seed: int = 0, family: str = "qwen2.5") -> Path:
+    """A random Qwen2.5-VL-3B (or, `family` "qwen2", Qwen2-VL-2B) tower and merger as llama.cpp's mmproj GGUF (the
+    converter's names and keys: q, k, v apart, the patch kernel as two 2-D kernels; F16 matrices, F32 norms and
+    biases), made once. Qwen2.5-VL's: qwen2.5vl_merger, RMS norms, a SwiGLU MLP (use_silu), windows (n_wa_pattern);
+    Qwen2-VL's: qwen2vl_merger, LayerNorms with biases, fc1 and fc2 (neither use_gelu nor use_silu: quick GELU), its
+    feed_forward_length the text model's width, as the converter writes it."""
     if out.is_file():
         return out
-    t = TOWERS["qwen2.5"]
+    qwen2 = family == "qwen2"
+    t = TOWERS[family]
     d, m, p, c = t["hidden"], t["intermediate"], t["patch"], 4 * t["hidden"]
-    writer = mmproj_writer(out, "qwen2.5vl_merger", {
-        "projection_dim": t["text_hidden"], "image_size": 560, "patch_size": p, "embedding_length": d,
-        "feed_forward_length": m, "block_count": t["layers"], "attention.head_count": t["heads"],
-        "n_wa_pattern": t["every"]}, ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)))
-    writer.add_bool("clip.use_silu", True)
+    keys = {"projection_dim": t["text_hidden"], "image_size": 560, "patch_size": p, "embedding_length": d,
+            "feed_forward_length": t["text_hidden"] if qwen2 else m, "block_count": t["layers"],
+            "attention.head_count": t["heads"], **({} if qwen2 else {"n_wa_pattern": t["every"]})}
+    writer = mmproj_writer(out, "qwen2vl_merger" if qwen2 else "qwen2.5vl_merger", keys,
+                           ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)))
+    if not qwen2:
+        writer.add_bool("clip.use_silu", True)
     matrix, vector = random_weights(seed)
     for k in ("", ".1"):
         writer.add_tensor("v.patch_embd.weight" + k, matrix((d, 3, p, p), 6 * p * p))
@@ -101,49 +107,19 @@ def mmproj(out: Path, seed: int = 0) -> Path:
         at = f"v.blk.{i}."
         for norm in ("ln1", "ln2"):
             writer.add_tensor(at + norm + ".weight", vector(d, 1.0))
+            if qwen2:
+                writer.add_tensor(at + norm + ".bias", vector(d))
         for proj in ("attn_q", "attn_k", "attn_v", "attn_out"):
             writer.add_tensor(at + proj + ".weight", matrix((d, d), d))
             writer.add_tensor(at + proj + ".bias", vector(d))
-        for proj in ("ffn_gate", "ffn_up"):
+        for proj in ("ffn_up",) if qwen2 else ("ffn_gate", "ffn_up"):
             writer.add_tensor(at + proj + ".weight", matrix((m, d), d))
             writer.add_tensor(at + proj + ".bias", vector(m))
         writer.add_tensor(at + "ffn_down.weight", matrix((d, m), m))
         writer.add_tensor(at + "ffn_down.bias", vector(d))
     writer.add_tensor("v.post_ln.weight", vector(d, 1.0))
-    writer.add_tensor("mm.0.weight", matrix((c, c), c))
-    writer.add_tensor("mm.0.bias", vector(c))
-    writer.add_tensor("mm.2.weight", matrix((t["text_hidden"], c), c))
-    writer.add_tensor("mm.2.bias", vector(t["text_hidden"]))
-    return finish_gguf(writer, out)
-
-
-def mmproj_qwen2(out: Path, seed: int = 0) -> Path:
-    """A random Qwen2-VL-2B tower and merger as llama.cpp's qwen2vl_merger mmproj GGUF (the converter's names and
-    keys: q, k, v apart, LayerNorms with biases, the patch kernel as two 2-D kernels, neither use_gelu nor use_silu:
-    quick GELU; its feed_forward_length the text model's width, as the converter writes it; F16 matrices, F32 norms
-    and biases), made once."""
-    if out.is_file():
-        return out
-    t = TOWERS["qwen2"]
-    d, m, p, c = t["hidden"], t["intermediate"], t["patch"], 4 * t["hidden"]
-    writer = mmproj_writer(out, "qwen2vl_merger", {
-        "projection_dim": t["text_hidden"], "image_size": 560, "patch_size": p, "embedding_length": d,
-        "feed_forward_length": t["text_hidden"], "block_count": t["layers"], "attention.head_count": t["heads"]},
-        ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)))
-    matrix, vector = random_weights(seed)
-    for k in ("", ".1"):
-        writer.add_tensor("v.patch_embd.weight" + k, matrix((d, 3, p, p), 6 * p * p))
-    for i in range(t["layers"]):
-        at = f"v.blk.{i}."
-        for norm in ("ln1", "ln2"):
-            writer.add_tensor(at + norm + ".weight", vector(d, 1.0))
-            writer.add_tensor(at + norm + ".bias", vector(d))
-        for proj, rows, cols in (("attn_q", d, d), ("attn_k", d, d), ("attn_v", d, d), ("attn_out", d, d),
-                                 ("ffn_up", m, d), ("ffn_down", d, m)):
-            writer.add_tensor(at + proj + ".weight", matrix((rows, cols), cols))
-            writer.add_tensor(at + proj + ".bias", vector(rows))
-    writer.add_tensor("v.post_ln.weight", vector(d, 1.0))
-    writer.add_tensor("v.post_ln.bias", vector(d))
+    if qwen2:
+        writer.add_tensor("v.post_ln.bias", vector(d))
     writer.add_tensor("mm.0.weight", matrix((c, c), c))
     writer.add_tensor("mm.0.bias", vector(c))
     writer.add_tensor("mm.2.weight", matrix((t["text_hidden"], c), c))
@@ -260,7 +236,7 @@ def main(argv=None) -> int:
         proj = mmproj_mistral3(models / "bench-mistral-small-3.1-mmproj-f16.gguf")
     elif args.family == "qwen2":
         text = text_model(models / "bench-qwen2vl-tiny-text.gguf", "qwen2")
-        proj = mmproj_qwen2(models / "bench-qwen2vl-2b-mmproj-f16.gguf")
+        proj = mmproj(models / "bench-qwen2vl-2b-mmproj-f16.gguf", family="qwen2")
     elif args.family == "qwen3":
         text = text_model(models / "bench-qwen3vl-tiny-text.gguf", "qwen3")
         proj = mmproj_qwen3(models / "bench-qwen3vl-4b-mmproj-f16.gguf")

@@ -472,6 +472,24 @@ def qwen2vl_pil_processor(**kwargs):
     return getattr(transformers, "Qwen2VLImageProcessorPil", transformers.Qwen2VLImageProcessor)(**kwargs)
 
 
+def _randomize_qwen_vl(model, seed: int, tower_gains: tuple = ()) -> None:
+    """Every weight of a tiny Qwen-VL model drawn afresh from `seed`, in order: the tower's and mergers' matrices
+    N(0, 0.2) and vectors N(0, 0.5), but the norms' gains it names by suffix (`tower_gains`), 1 + N(0, 0.1); the text
+    model's matrices N(0, 0.1) (its embeddings N(0, 0.5)), its norms' gains 1 + N(0, 0.1), its biases N(0, 0.5)."""
+    torch, _ = needs_transformers()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "visual" in name and not name.endswith(tower_gains):             # the tower and the mergers
+                p.copy_(torch.randn(p.shape, generator=generator) * (0.5 if p.ndim == 1 else 0.2))
+            elif p.ndim >= 2:
+                p.copy_(torch.randn(p.shape, generator=generator) * (0.5 if "embed_tokens" in name else 0.1))
+            elif name.endswith("norm.weight") or "visual" in name:                # the norms' gains
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=generator))
+            else:                                                                  # the q/k/v biases
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.5)
+
+
 def make_qwen25_vl(path, seed: int = 1, tokenizer: bool = True):
     """A tiny Qwen2_5_VLForConditionalGeneration that transformers makes, random (every weight drawn afresh: the
     tower's as make_smolvlm's, the text model's too, its q/k/v biases as make_hf_model's Qwen2's): a 4-block tower of
@@ -495,17 +513,7 @@ def make_qwen25_vl(path, seed: int = 1, tokenizer: bool = True):
         tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = transformers.Qwen2_5_VLForConditionalGeneration(cfg).eval()
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "visual" in name:                                        # the tower and the merger
-                p.copy_(torch.randn(p.shape, generator=generator) * (0.5 if p.ndim == 1 else 0.2))
-            elif p.ndim >= 2:
-                p.copy_(torch.randn(p.shape, generator=generator) * (0.5 if "embed_tokens" in name else 0.1))
-            elif name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=generator))
-            else:                                                       # the q/k/v biases
-                p.copy_(torch.randn(p.shape, generator=generator) * 0.5)
+    _randomize_qwen_vl(model, seed)
     model.save_pretrained(path)
     qwen2vl_pil_processor(min_pixels=56 * 56, max_pixels=28 * 28 * 16).save_pretrained(path)
     if tokenizer:
@@ -535,20 +543,7 @@ def make_qwen2_vl(path, seed: int = 1, tokenizer: bool = True):
         tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = transformers.Qwen2VLForConditionalGeneration(cfg).eval()
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "visual" in name:                                        # the tower and the merger
-                if name.endswith(("norm1.weight", "norm2.weight", "ln_q.weight")):
-                    p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=generator))
-                else:
-                    p.copy_(torch.randn(p.shape, generator=generator) * (0.5 if p.ndim == 1 else 0.2))
-            elif p.ndim >= 2:
-                p.copy_(torch.randn(p.shape, generator=generator) * (0.5 if "embed_tokens" in name else 0.1))
-            elif name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=generator))
-            else:                                                       # the q/k/v biases
-                p.copy_(torch.randn(p.shape, generator=generator) * 0.5)
+    _randomize_qwen_vl(model, seed, tower_gains=("norm1.weight", "norm2.weight", "ln_q.weight"))
     model.save_pretrained(path)
     qwen2vl_pil_processor(min_pixels=56 * 56, max_pixels=28 * 28 * 16).save_pretrained(path)
     if tokenizer:
@@ -590,18 +585,7 @@ def make_qwen3_vl(path, seed: int = 1, tokenizer: bool = True, text_layers: int 
     torch.manual_seed(seed)
     model = (transformers.Qwen3VLMoeForConditionalGeneration if moe else
              transformers.Qwen3VLForConditionalGeneration)(cfg).eval()
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "visual" in name:                                        # the tower and the mergers
-                if name.endswith("norm1.weight") or name.endswith("norm2.weight") or name.endswith("norm.weight"):
-                    p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=generator))
-                else:
-                    p.copy_(torch.randn(p.shape, generator=generator) * (0.5 if p.ndim == 1 else 0.2))
-            elif p.ndim >= 2:
-                p.copy_(torch.randn(p.shape, generator=generator) * (0.5 if "embed_tokens" in name else 0.1))
-            else:                                                       # the RMS norms' gains
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=generator))
+    _randomize_qwen_vl(model, seed, tower_gains=("norm1.weight", "norm2.weight", "norm.weight"))
     model.save_pretrained(path)
     qwen2vl_pil_processor(patch_size=16, min_pixels=64 * 64, max_pixels=32 * 32 * 16, image_mean=[0.5] * 3,
                           image_std=[0.5] * 3).save_pretrained(path)

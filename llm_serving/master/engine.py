@@ -103,8 +103,8 @@ class Engine:
         # so it scores by similarity (a yes/no judgement is generated)
         self.generates = mc.task != "embed"
         self.score_method = score_method(mc.score_method, model_dir, model_name) if self.generates else "similarity"
-        self.image_facts = self._image_facts(model_dir, mc.mmproj, mc.pan_and_scan)   # (vision/model.py; None: no
-        # images)
+        # what its images are (vision/model.py; None: it takes none)
+        self.image_facts = self._image_facts(model_dir, mc.mmproj, mc.pan_and_scan)
         self.image_table = ImageTable()
         self.requests: dict = {}
         self._wakeup = asyncio.Event()

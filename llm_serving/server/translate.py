@@ -226,16 +226,23 @@ def check_no_placeholders(engine, prompt_ids: list, param: str) -> None:
                           "part, a generate prompt's markdown image), and its placeholders are made for it", param=param)
 
 
-def raw_image_ids(engine, parts: list, files: tuple) -> list:
-    """A raw prompt's ids with its images (`ApiRequest.prompt_parts`): each image's part the model's template mark
-    (ImageFacts.mark), made its placeholders as a chat's are (the BOS added, as a completion's text)."""
-    facts = served_image_facts(engine, "inputs")
-    sizes = image_sizes(files, "inputs") if facts.needs_sizes else ()
+def expansion_sizes(facts, images: tuple, param: str) -> tuple:
+    """The images' sizes `facts.expand` needs (none where it needs none), each checked to make its tokens (Qwen-VL's
+    grid: an image too narrow for one is a ValidationError naming it)."""
+    sizes = image_sizes(images, param) if facts.needs_sizes else ()
     for k, size in enumerate(sizes):
         try:
             facts.tokens_of_size(*size)
         except ImageError as e:
-            raise ValidationError(f"image {k + 1} of {len(files)}: {e}", param="inputs") from None
+            raise ValidationError(f"image {k + 1} of {len(images)}: {e}", param=param) from None
+    return sizes
+
+
+def raw_image_ids(engine, parts: list, files: tuple) -> list:
+    """A raw prompt's ids with its images (`ApiRequest.prompt_parts`): each image's part the model's template mark
+    (ImageFacts.mark), made its placeholders as a chat's are (the BOS added, as a completion's text)."""
+    facts = served_image_facts(engine, "inputs")
+    sizes = expansion_sizes(facts, files, "inputs")
     text = "".join(p if isinstance(p, str) else facts.mark for p in parts)
     return engine.tokenizer.encode(facts.expand(text, sizes), add_bos=True)
 
@@ -260,12 +267,7 @@ def chat_ids(engine, messages: list, tools: Optional[ToolRequest], variables: Op
     expand, images = None, message_images(messages)
     if images:
         facts = served_image_facts(engine)
-        sizes = image_sizes(images) if facts.needs_sizes else ()
-        for k, size in enumerate(sizes):
-            try:
-                facts.tokens_of_size(*size)
-            except ImageError as e:         # (Qwen2.5-VL's grid: an image too narrow for it)
-                raise ValidationError(f"image {k + 1} of {len(images)}: {e}", param="messages") from None
+        sizes = expansion_sizes(facts, images, "messages")
         expand = lambda text: facts.expand(text, sizes)                   # noqa: E731
     rendered = None
     if tools is not None:

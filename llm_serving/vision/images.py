@@ -167,11 +167,11 @@ class ImageSpec:
         size = raw.get("size") or {}
         if isinstance(size, int):
             size = {"height": size, "width": size}
-        tiling = {}
+        own = {}
         if isinstance(size, dict) and "longest_edge" in size:          # SmolVLM's, Idefics3's
             try:
                 tile = int((raw.get("max_image_size") or {})["longest_edge"])
-                tiling = {"tile": tile, "longest_edge": int(size["longest_edge"]),
+                own = {"tile": tile, "longest_edge": int(size["longest_edge"]),
                           "split": bool(raw.get("do_image_splitting", True))}
                 size = {"height": tile, "width": tile}
             except (KeyError, TypeError, ValueError):
@@ -180,7 +180,7 @@ class ImageSpec:
             height, width = int(size["height"]), int(size["width"])
         except (KeyError, TypeError, ValueError):
             raise ValueError(f"{where}: size must give height and width, not {size!r}") from None
-        if not tiling:                                                  # (Gemma 3's pan-and-scan)
+        if not own:                                                     # (Gemma 3's pan-and-scan)
             try:
                 scan = (int(raw.get("pan_and_scan_min_crop_size") or PAN_AND_SCAN[0]),
                         int(raw.get("pan_and_scan_max_num_crops") or PAN_AND_SCAN[1]),
@@ -190,7 +190,7 @@ class ImageSpec:
             if scan[0] < 1 or scan[1] < 2 or scan[2] < 1.0:
                 raise ValueError(f"{where}: pan-and-scan needs a least crop side of 1 pixel or more, 2 crops or "
                                  f"more, and an aspect ratio of 1 or more to activate (not {scan})")
-            tiling = {"pan_and_scan": bool(raw.get("do_pan_and_scan")), "scan": scan}
+            own = {"pan_and_scan": bool(raw.get("do_pan_and_scan")), "scan": scan}
         mean = tuple(float(v) for v in raw.get("image_mean", (0.5, 0.5, 0.5))) if raw.get("do_normalize", True) \
             else (0.0, 0.0, 0.0)
         std = tuple(float(v) for v in raw.get("image_std", (0.5, 0.5, 0.5))) if raw.get("do_normalize", True) \
@@ -198,7 +198,7 @@ class ImageSpec:
         rescale = float(raw.get("rescale_factor", 1 / 255)) if raw.get("do_rescale", True) else 1.0
         if len(mean) != 3 or len(std) != 3 or min(std) <= 0:
             raise ValueError(f"{where}: image_mean and image_std must be three values each, the std positive")
-        return cls(height, width, int(raw.get("resample", 2)), rescale, mean, std, **tiling)
+        return cls(height, width, int(raw.get("resample", 2)), rescale, mean, std, **own)
 
     @classmethod
     def _qwen(cls, raw: dict, where: str) -> "ImageSpec":

@@ -243,7 +243,6 @@ def write_qwen_mmproj(hf_dir, path):
     import json
 
     import gguf
-    from safetensors.numpy import load_file
 
     config = json.loads((hf_dir / "config.json").read_text())
     vision = config["vision_config"]
@@ -262,9 +261,19 @@ def write_qwen_mmproj(hf_dir, path):
     writer.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
     writer.add_array("clip.vision.image_mean", [0.48145466, 0.4578275, 0.40821073])
     writer.add_array("clip.vision.image_std", [0.26862954, 0.26130258, 0.27577711])
-    layer = {"norm1": "ln1", "norm2": "ln2", "attn.proj": "attn_out", "mlp.gate_proj": "ffn_gate",
-             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    add_qwen_vl_tensors(writer, hf_dir, {"norm1": "ln1", "norm2": "ln2", "attn.proj": "attn_out",
+                                         "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                                         "mlp.down_proj": "ffn_down"})
+
+
+def add_qwen_vl_tensors(writer, hf_dir, layer: dict) -> None:
+    """The tower's tensors of a Qwen2-VL or Qwen2.5-VL directory as the converter's Qwen2VLVisionModel writes them
+    (q, k and v apart, the 3-D patch kernel as two 2-D ones, the merger's `ln_q` as `v.post_ln`, its MLP `mm.0` and
+    `mm.2`; a block's other parts by `layer`: our name -> the converter's), then the file written and closed."""
+    from safetensors.numpy import load_file
+
     for name, array in load_file(str(hf_dir / "model.safetensors")).items():
+        name = name.removeprefix("model.")
         if name.startswith("visual.blocks."):
             index, _, rest = name[len("visual.blocks."):].partition(".")
             part, _, kind = rest.rpartition(".")
@@ -277,8 +286,8 @@ def write_qwen_mmproj(hf_dir, path):
             writer.add_tensor("v.patch_embd.weight", np.ascontiguousarray(array[:, :, 0]))
             writer.add_tensor("v.patch_embd.weight.1", np.ascontiguousarray(array[:, :, 1]))
         elif name.startswith("visual.merger."):
-            ours = name.replace("visual.merger.ln_q.", "v.post_ln.").replace("visual.merger.mlp.", "mm.")
-            writer.add_tensor(ours, array)
+            writer.add_tensor(name.replace("visual.merger.ln_q.", "v.post_ln.").replace("visual.merger.mlp.", "mm."),
+                              array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from tests.families import make_qwen2_vl, needs_transformers
-from tests.integration.test_images_qwen import _png, served_gguf_chats, served_image_chats
+from tests.integration.test_images_qwen import _png, add_qwen_vl_tensors, served_gguf_chats, served_image_chats
 
 pytest.importorskip("mindspore")
 pytest.importorskip("PIL", reason="Pillow reads the images (pip install -e .)")
@@ -115,7 +115,6 @@ def write_qwen2_mmproj(hf_dir, path, use_silu: bool = False):
     own file of make_qwen2_vl's model has them, key by key and name by name (checked against it, 2026-12-02).
     `use_silu`: clip.use_silu set too (no converter writes it for this projector)."""
     import gguf
-    from safetensors.numpy import load_file
 
     config = json.loads((hf_dir / "config.json").read_text())
     vision = config["vision_config"]
@@ -133,27 +132,8 @@ def write_qwen2_mmproj(hf_dir, path, use_silu: bool = False):
     writer.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
     if use_silu:
         writer.add_bool("clip.use_silu", True)
-    layer = {"norm1": "ln1", "norm2": "ln2", "attn.proj": "attn_out", "mlp.fc1": "ffn_up", "mlp.fc2": "ffn_down"}
-    for name, array in load_file(str(hf_dir / "model.safetensors")).items():
-        name = name.removeprefix("model.")
-        if name.startswith("visual.blocks."):
-            index, _, rest = name[len("visual.blocks."):].partition(".")
-            part, _, kind = rest.rpartition(".")
-            if part == "attn.qkv":
-                for k, piece in enumerate(np.split(array, 3, 0)):
-                    writer.add_tensor(f"v.blk.{index}.attn_{'qkv'[k]}.{kind}", np.ascontiguousarray(piece))
-                continue
-            writer.add_tensor(f"v.blk.{index}.{layer[part]}.{kind}", array)
-        elif name == "visual.patch_embed.proj.weight":
-            writer.add_tensor("v.patch_embd.weight", np.ascontiguousarray(array[:, :, 0]))
-            writer.add_tensor("v.patch_embd.weight.1", np.ascontiguousarray(array[:, :, 1]))
-        elif name.startswith("visual.merger."):
-            writer.add_tensor(name.replace("visual.merger.ln_q.", "v.post_ln.").replace("visual.merger.mlp.", "mm."),
-                              array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    add_qwen_vl_tensors(writer, hf_dir, {"norm1": "ln1", "norm2": "ln2", "attn.proj": "attn_out", "mlp.fc1": "ffn_up",
+                                         "mlp.fc2": "ffn_down"})
 
 
 def test_a_qwen2vl_gguf_and_its_mmproj_serve_the_same_image_questions(qwen2_vl, tmp_path):

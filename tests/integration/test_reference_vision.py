@@ -125,29 +125,38 @@ def test_smolvlm_s_tower_and_image_prompt_logits_are_transformers(smolvlm):
     assert _relative(got, want) < TOLERANCE
 
 
-def _float64_qwen_tower(monkeypatch) -> None:
-    """transformers' Qwen2.5-VL tower with its float32 steps in float64: the RMS norms (cast to float32 and back), the
-    rotary angles (float32 frequencies times float32 positions) and their application (q and k cast to float32).
-    The rest of its code runs as it is."""
+def _float64_rotary(monkeypatch, module, embedding) -> None:
+    """A Qwen-VL tower's float32 rotary steps in float64 (transformers' module `module`, its rotary class
+    `embedding`): the angles (float32 frequencies times float32 positions) and their application (q and k cast to
+    float32)."""
     torch, _ = needs_transformers()
-    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as qwen
-
-    def rms_norm(self, x):
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
 
     def rotary(self, x, position_ids):          # compute_axial_rope_parameters' frequencies, in float64
-        base, half = self.config.rope_parameters["rope_theta"], self.config.hidden_size // self.config.num_heads // 2
+        width = getattr(self.config, "embed_dim", None) or self.config.hidden_size      # (Qwen2-VL's: embed_dim)
+        base, half = self.config.rope_parameters["rope_theta"], width // self.config.num_heads // 2
         inv_freq = 1.0 / base ** (torch.arange(0, half, 2, dtype=torch.float64) / half)
         angles = position_ids[..., None].double() * inv_freq
         return self.recomposition_frequencies(angles.cos()), self.recomposition_frequencies(angles.sin())
 
     def rotate(q, k, cos, sin):
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-        return q * cos + qwen.rotate_half(q) * sin, k * cos + qwen.rotate_half(k) * sin
+        return q * cos + module.rotate_half(q) * sin, k * cos + module.rotate_half(k) * sin
+
+    monkeypatch.setattr(embedding, "forward", rotary)
+    monkeypatch.setattr(module, "apply_rotary_pos_emb_vision", rotate)
+
+
+def _float64_qwen_tower(monkeypatch) -> None:
+    """transformers' Qwen2.5-VL tower with its float32 steps in float64: the RMS norms (cast to float32 and back) and
+    the rotary steps (`_float64_rotary`). The rest of its code runs as it is."""
+    torch, _ = needs_transformers()
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as qwen
+
+    def rms_norm(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
 
     monkeypatch.setattr(qwen.Qwen2_5_VLRMSNorm, "forward", rms_norm)
-    monkeypatch.setattr(qwen.Qwen2_5_VLVisionRotaryEmbedding, "forward", rotary)
-    monkeypatch.setattr(qwen, "apply_rotary_pos_emb_vision", rotate)
+    _float64_rotary(monkeypatch, qwen, qwen.Qwen2_5_VLVisionRotaryEmbedding)
 
 
 def test_qwen25_vl_s_tower_is_transformers_from_the_directory_and_the_mmproj(qwen25_vl, tmp_path, monkeypatch):
@@ -196,21 +205,10 @@ def _float64_qwen3_tower(monkeypatch) -> None:
     float32 positions) and their application (q and k cast to float32). The position rows' interpolation weights
     stay float32 (vision_utils computes them so): exact where an axis of n patches samples the 4-row grid at
     i 3 / (n - 1) for n of 2 or 4."""
-    torch, _ = needs_transformers()
+    needs_transformers()
     from transformers.models.qwen3_vl import modeling_qwen3_vl as qwen3
 
-    def rotary(self, x, position_ids):          # compute_axial_rope_parameters' frequencies, in float64
-        base, half = self.config.rope_parameters["rope_theta"], self.config.hidden_size // self.config.num_heads // 2
-        inv_freq = 1.0 / base ** (torch.arange(0, half, 2, dtype=torch.float64) / half)
-        angles = position_ids[..., None].double() * inv_freq
-        return self.recomposition_frequencies(angles.cos()), self.recomposition_frequencies(angles.sin())
-
-    def rotate(q, k, cos, sin):
-        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-        return q * cos + qwen3.rotate_half(q) * sin, k * cos + qwen3.rotate_half(k) * sin
-
-    monkeypatch.setattr(qwen3.Qwen3VLVisionRotaryEmbedding, "forward", rotary)
-    monkeypatch.setattr(qwen3, "apply_rotary_pos_emb_vision", rotate)
+    _float64_rotary(monkeypatch, qwen3, qwen3.Qwen3VLVisionRotaryEmbedding)
 
 
 def test_qwen3_vl_s_tower_and_deepstack_rows_are_transformers(qwen3_vl, monkeypatch):
@@ -273,19 +271,7 @@ def test_qwen2_vl_s_tower_is_transformers_from_the_directory_and_the_mmproj(qwen
 
     ours = [vision.encode(p) for p in patches]
     as_they_run = [transformers_rows(p) for p in patches]
-
-    def rotary(self, x, position_ids):          # compute_axial_rope_parameters' frequencies, in float64
-        base, half = self.config.rope_parameters["rope_theta"], self.config.embed_dim // self.config.num_heads // 2
-        inv_freq = 1.0 / base ** (torch.arange(0, half, 2, dtype=torch.float64) / half)
-        angles = position_ids[..., None].double() * inv_freq
-        return self.recomposition_frequencies(angles.cos()), self.recomposition_frequencies(angles.sin())
-
-    def rotate(q, k, cos, sin):
-        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-        return q * cos + qwen2.rotate_half(q) * sin, k * cos + qwen2.rotate_half(k) * sin
-
-    monkeypatch.setattr(qwen2.Qwen2VLVisionRotaryEmbedding, "forward", rotary)
-    monkeypatch.setattr(qwen2, "apply_rotary_pos_emb_vision", rotate)
+    _float64_rotary(monkeypatch, qwen2, qwen2.Qwen2VLVisionRotaryEmbedding)
     in_float64 = [transformers_rows(p) for p in patches]
     for (gh2, gw2), p, rows, theirs, exact in zip(units, patches, ours, as_they_run, in_float64):
         assert rows.dtype == np.float64 and rows.shape == theirs.shape == (gh2 * gw2, 64)
