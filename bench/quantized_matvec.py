@@ -123,14 +123,15 @@ def repacked_layers(lib, layers: list, code: int, shapes) -> tuple:
     """The layers' matrices repacked by the library (RepackRows: the row-interleaved layout its integer products
     read), and the repacked type's code; None where this build keeps the type as stored."""
     lib.RepackRows.restype = ctypes.c_int32
-    lib.RepackRows.argtypes = [ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    lib.RepackRows.argtypes = [ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                               ctypes.c_int32]
     out, to = [], 0
     for layer in layers:
         packed = {}
         for n, rows, k in shapes:
             w = layer[n]
             dst = np.empty_like(w)
-            to = lib.RepackRows(code, w.ctypes.data, rows, w.shape[1], dst.ctypes.data)
+            to = lib.RepackRows(code, w.ctypes.data, rows, w.shape[1], dst.ctypes.data, 1)
             if to == 0:
                 return None, 0
             packed[n] = dst

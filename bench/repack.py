@@ -57,7 +57,8 @@ def main() -> None:
     lib = ctypes.CDLL(build_kernel("decoder_layer_cpu", "DecoderLayer").rsplit(":", 1)[0])
     u8, f32 = np.ctypeslib.ndpointer(np.uint8, flags="C"), np.ctypeslib.ndpointer(np.float32, flags="C")
     lib.RepackRows.restype = ctypes.c_int32
-    lib.RepackRows.argtypes = [ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    lib.RepackRows.argtypes = [ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                               ctypes.c_int32]
     lib.IntegerProduct.argtypes = [ctypes.c_int32, u8, ctypes.c_int64, ctypes.c_int64, f32, ctypes.c_int64, f32]
     rng = np.random.default_rng(0)
     n, k = args.rows, args.k
@@ -69,7 +70,7 @@ def main() -> None:
         for rows in stored:
             out = np.empty_like(rows)
             t = time.perf_counter()
-            to = lib.RepackRows(code, rows.ctypes.data, n, rows.shape[1], out.ctypes.data)
+            to = lib.RepackRows(code, rows.ctypes.data, n, rows.shape[1], out.ctypes.data, 1)
             repack_s.append(time.perf_counter() - t)
             if to == 0:
                 sys.exit(f"{name}: this build keeps the stored rows (RepackRows: 0): AMX's integer tiles, the integer "

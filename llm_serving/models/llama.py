@@ -184,7 +184,7 @@ class LlamaDecoderLayer(nn.Cell):
         super().__init__()
         world = tp.world
         if repacker is None and layer_kernel is not None:
-            repacker = Repacker(layer_kernel)
+            repacker = Repacker(layer_kernel, invariant=batch_invariant)
         # the layer's RoPE (rope.ROPE_KINDS) and window (None: every key); the model gives it the index of its
         # table and of its attention metadata (rope_index, window_index). A sliding layer keeps its K/V in the
         # window pool when there is one (window_pool_slots > 0: its cache's slots, scratch block included), read
@@ -473,7 +473,8 @@ class LlamaForCausalLM(nn.Cell):
                  window_pool_slots: int = 0, panels=None, later=None, image_rows: int = 0):
         super().__init__()
         tp.check(cfg)
-        repacker = Repacker(layer_kernel, panels, later) if layer_kernel is not None else None
+        repacker = (Repacker(layer_kernel, panels, later, invariant=batch_invariant) if layer_kernel is not None
+                    else None)
         if batch_invariant and (layer_kernel is None or layer_kernel_rows is not None):
             raise ValueError("LlamaForCausalLM: batch-invariant steps need the layer kernel on every step")
         if layer_kernel is not None and (tp.world > 1 or device_target != "CPU"):

@@ -32,7 +32,7 @@ def stored_rows(qtype: int, n: int, k: int, rng) -> np.ndarray:
 def with_product_calls(lib: ctypes.CDLL) -> ctypes.CDLL:
     """`lib` with the argument types of the calls these tests make (RepackRows, IntegerProduct, KernelInt)."""
     u8, f32 = np.ctypeslib.ndpointer(np.uint8, flags="C"), np.ctypeslib.ndpointer(np.float32, flags="C")
-    lib.RepackRows.argtypes = [ctypes.c_int32, u8, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    lib.RepackRows.argtypes = [ctypes.c_int32, u8, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int32]
     lib.RepackRows.restype = ctypes.c_int32
     lib.IntegerProduct.argtypes = [ctypes.c_int32, u8, ctypes.c_int64, ctypes.c_int64, f32, ctypes.c_int64, f32]
     lib.KernelInt.argtypes = [ctypes.c_int]
@@ -48,13 +48,13 @@ def library():
 def repacks(library):
     """Skips where this build keeps Q4_K as stored (no AVX2 integer products, or AMX's integer tiles read it)."""
     probe = np.zeros((8, 144), np.uint8)
-    if library.RepackRows(Q4_K, probe, 8, 144, None) == 0:
+    if library.RepackRows(Q4_K, probe, 8, 144, None, 1) == 0:
         pytest.skip("this CPU's build reads Q4_K as stored (no AVX2 integer path, or AMX's integer tiles)")
 
 
 def repack(library, rows: np.ndarray, qtype: int = Q4_K) -> tuple:
     out = np.empty_like(rows)
-    code = library.RepackRows(qtype, rows, rows.shape[0], rows.shape[1], out.ctypes.data)
+    code = library.RepackRows(qtype, rows, rows.shape[0], rows.shape[1], out.ctypes.data, 1)
     return code, out
 
 
@@ -123,19 +123,18 @@ def test_repacking_keeps_every_byte(library, repacks):
 def test_what_is_not_repacked(library, repacks):
     rng = np.random.default_rng(3)
     rows = random_k_blocks(12, 256, _gguf_type(Q4_K), rng)
-    assert library.RepackRows(Q4_K, rows, 12, 144, None) == 0          # rows not a multiple of 8
-    assert library.RepackRows(Q4_K, rows[:8], 8, 100, None) == 0       # not whole super-blocks
-    assert library.RepackRows(Q5_K, np.zeros((8, 176), np.uint8), 8, 176, None) == 0    # Q5_K: stored
-    assert library.RepackRows(Q6_K, np.zeros((8, 210), np.uint8), 8, 210, None) == Q6_K + 100
-    assert library.RepackRows(Q4_1, np.zeros((8, 180), np.uint8), 8, 180, None) == 0   # 9 blocks: a short group
-    assert library.RepackRows(Q4_1, np.zeros((8, 320), np.uint8), 8, 320, None) == Q4_1 + 100
+    assert library.RepackRows(Q4_K, rows, 12, 144, None, 1) == 0          # rows not a multiple of 8
+    assert library.RepackRows(Q4_K, rows[:8], 8, 100, None, 1) == 0       # not whole super-blocks
+    assert library.RepackRows(Q5_K, np.zeros((8, 176), np.uint8), 8, 176, None, 1) == 0    # Q5_K: stored
+    assert library.RepackRows(Q6_K, np.zeros((8, 210), np.uint8), 8, 210, None, 1) == Q6_K + 100
+    assert library.RepackRows(Q4_1, np.zeros((8, 180), np.uint8), 8, 180, None, 1) == 0   # 9 blocks: a short group
+    assert library.RepackRows(Q4_1, np.zeros((8, 320), np.uint8), 8, 320, None, 1) == Q4_1 + 100
     before = library.KernelInt(-1)
     try:
         library.KernelInt(0)                                              # the float paths would read it
-        assert library.RepackRows(Q4_K, rows[:8], 8, 144, None) == 0
+        assert library.RepackRows(Q4_K, rows[:8], 8, 144, None, 1) == 0
     finally:
         library.KernelInt(1 if before else 0)
-
 
 
 def test_the_weight_types_table_agrees_with_gguf_the_loader_and_the_repacker(library, repacks):
@@ -151,7 +150,23 @@ def test_the_weight_types_table_agrees_with_gguf_the_loader_and_the_repacker(lib
         assert t.code == gguf.GGMLQuantizationType[name].value, name
         assert (t.block, t.bytes) == gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]], name
         row_bytes = 256 // t.block * t.bytes                       # one group of the panels
-        assert library.RepackRows(t.code, np.zeros((8, row_bytes), np.uint8), 8, row_bytes, None) == t.repacked, name
+        probe = np.zeros((8, row_bytes), np.uint8)
+        assert library.RepackRows(t.code, probe, 8, row_bytes, None, 1) == t.repacked, name
+
+
+def test_a_model_whose_steps_are_not_invariant_keeps_its_rows_where_amx_integer_tiles_read_them(library, repacks):
+    """RepackRows' last argument, whether the model's steps are batch-invariant: AMX's integer tiles (where this
+    process has them: KernelInt's bit 1) read the stored rows of steps that are not, and take no invariant step,
+    so a build with them keeps the rows of a model whose steps are not invariant and repacks those of one whose
+    steps are; elsewhere the panels serve both."""
+    probe = np.zeros((8, 144), np.uint8)
+    amx_tiles = library.KernelInt(-1) & 1
+    assert library.RepackRows(Q4_K, probe, 8, 144, None, 1) == Q4_K + 100
+    assert library.RepackRows(Q4_K, probe, 8, 144, None, 0) == (0 if amx_tiles else Q4_K + 100)
+    from llm_serving.models.kernels.repack import repacked_types
+    assert "Q4_K" in repacked_types(library._name, invariant=True)
+    assert ("Q4_K" in repacked_types(library._name, invariant=False)) != bool(amx_tiles)
+
 
 def _gguf_type(code: int):
     import gguf

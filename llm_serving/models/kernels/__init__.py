@@ -26,7 +26,10 @@ agent imports MindSpore; the compilers run on daemon threads, killed at the proc
 
 $LLM_SERVING_KERNEL_MARCH (for example `x86-64-v3` or `znver3`: AVX2 without AVX-512) replaces `native` in
 `-march=`: a machine with AVX-512 then builds, runs and measures the AVX2 paths (16 vector registers, no EVEX
-encodings), as an AVX2-only CPU runs them. The value is part of the digest.
+encodings), as an AVX2-only CPU runs them. After the name it may add `-m` flags: `native -mamx-tile -mamx-int8
+-mamx-bf16` builds AMX's paths on an AVX-512 machine without AMX, where Linux grants no tile state, so the tiles stay
+off at run time and the rest of an AMX build runs as it does on an AMX machine whose tiles are off or not chosen
+(tests/unit/test_kernel_amx_build.py). The value is part of the digest.
 
 Flags: -O3 plus the floating-point relaxations that let the compiler vectorise the dot products
 (reassociation, no errno, no signed zeros, no traps), but not -ffast-math: linking a shared library
@@ -126,10 +129,18 @@ _GCC_ONLY = ("-fno-gnu-unique",)
 def flags(compiler_version: str = "") -> list:
     """The compiler's flags: FLAGS, with $LLM_SERVING_KERNEL_MARCH in place of -march=native when set, without the
     GCC-only ones for clang (its `--version` text)."""
-    march = os.environ.get("LLM_SERVING_KERNEL_MARCH", "").strip()
+    march = os.environ.get("LLM_SERVING_KERNEL_MARCH", "").split()
+    extra = [f for f in march[1:] if not f.startswith("-m")]
+    if march and (march[0].startswith("-") or extra):
+        raise KernelBuildError(f"LLM_SERVING_KERNEL_MARCH={' '.join(march)!r}: a -march name, then only -m flags")
     clang = "clang" in compiler_version.lower()
-    return [f"-march={march}" if f == "-march=native" and march else f for f in FLAGS
-            if not (clang and f in _GCC_ONLY)]
+    out = []
+    for f in FLAGS:
+        if f == "-march=native" and march:
+            out += [f"-march={march[0]}", *march[1:]]
+        elif not (clang and f in _GCC_ONLY):
+            out.append(f)
+    return out
 
 
 def _compiler() -> Optional[str]:

@@ -276,12 +276,24 @@ extern "C" int IntegerProduct(int32_t type, const uint8_t* w, int64_t rows, int6
 // `rows` stored rows of GGML type `type` (row_bytes bytes each) at src repacked for this library's products
 // (gemm_avx2_int.h's row-interleaved layout, the same bytes in another order) into dst (as many bytes; nullptr:
 // only ask): returns the repacked type that DecoderLayer's iconfig then names, or 0 where they stay as stored: a
-// type not repacked (Q4_K, Q6_K, Q8_0, Q4_0 and Q4_1 are; a row of blocks of 32 must be whole groups of 256), rows not a multiple of 8, products that would not read it (the integer
-// products off, or a build with AMX's integer tiles, which read the stored rows), or LLM_SERVING_KERNEL_REPACK=0 in
-// the environment (read once: the stored rows' products, for comparisons; the same floats either way).
-extern "C" int32_t RepackRows(int32_t type, const uint8_t* src, int64_t rows, int64_t row_bytes, uint8_t* dst) {
-#if defined(LLM_SERVING_AVX2_INT) && !defined(LLM_SERVING_AMX_INT)
+// type not repacked (Q4_K, Q6_K, Q8_0, Q4_0 and Q4_1 are; a row of blocks of 32 must be whole groups of 256), rows
+// not a multiple of 8, products that would not read it (the integer products off), or LLM_SERVING_KERNEL_REPACK=0
+// in the environment (read once: the stored rows' products, for comparisons; the same floats either way).
+// invariant: whether the steps that read these rows are batch-invariant (1) or not (0). It matters only in a build
+// with AMX's integer tiles, which read the stored rows and take only steps that are not batch-invariant: there the
+// rows stay as stored for a model whose steps are not (when this process has the tiles: the CPU has them, Linux
+// grants them and the integer products are on), and are repacked for one whose steps are, which would otherwise run
+// gemm_avx2_int.h's products on the stored rows (1.4-1.6x slower than the panels at 1 to 256 rows of x on a Zen 5,
+// bench/repack.py).
+extern "C" int32_t RepackRows(int32_t type, const uint8_t* src, int64_t rows, int64_t row_bytes, uint8_t* dst,
+                              int32_t invariant) {
+#if defined(LLM_SERVING_AVX2_INT)
   namespace ai = llm_serving::avx2_int;
+#if defined(LLM_SERVING_AMX_INT)
+  if (invariant == 0 && int_enabled(amx_enabled())) return 0;        // the integer tiles read the stored rows
+#else
+  (void)invariant;
+#endif
   static const bool allowed = [] {
     const char* env = std::getenv("LLM_SERVING_KERNEL_REPACK");
     return env == nullptr || std::strcmp(env, "0") != 0;
@@ -293,7 +305,7 @@ extern "C" int32_t RepackRows(int32_t type, const uint8_t* src, int64_t rows, in
   if (to != 0 && dst != nullptr) ai::repack_rows(type, src, rows, k, dst);
   return to;
 #else
-  (void)type, (void)src, (void)rows, (void)row_bytes, (void)dst;
+  (void)type, (void)src, (void)rows, (void)row_bytes, (void)dst, (void)invariant;
   return 0;
 #endif
 }

@@ -2,7 +2,8 @@
 repacks (Q4_K, Q6_K, Q8_0, Q4_0, Q4_1, into gemm_avx2_int.h's row-interleaved layout: 8 rows a panel, the same bytes
 in another order) are replaced by their repacked copy, and their type code by the library's own (the GGML type +
 100), which the kernel's iconfig then names. The library decides (`RepackRows`): where its products would not read
-the layout (the integer paths off, AMX's integer tiles, rows not a multiple of 8), the rows stay as stored.
+the layout (the integer paths off, AMX's integer tiles for a model whose steps are not batch-invariant, rows not a
+multiple of 8), the rows stay as stored.
 
 A model whose layers run as one stack call (kernels/layer_stack.py) repacks them after its load (`LaterRepacks`):
 it serves from the stored rows at once, since their products are the repacked rows' to the bit
@@ -55,16 +56,17 @@ def weight_types(library: str) -> dict:
 def _repack_function(library: str):
     fn = ctypes.CDLL(library).RepackRows
     fn.restype = ctypes.c_int32
-    fn.argtypes = [ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    fn.argtypes = [ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int32]
     return fn
 
 
-def repack_rows(library: str, rows: np.ndarray, qtype: int, store=None) -> tuple:
+def repack_rows(library: str, rows: np.ndarray, qtype: int, store=None, invariant: bool = True) -> tuple:
     """(rows, qtype) as the library's products read them best: a repacked copy and its type, or `rows` and `qtype`
-    themselves. `library`: the layer kernel's shared library (its path); rows: uint8 (n, bytes per row). With a
-    PanelStore (kernels/panel_store.py), rows that are the model file's own bytes come from the panels an earlier
-    start kept, or are kept by it once repacked."""
-    to, at, kept = _kept(library, rows, qtype, store)
+    themselves. `library`: the layer kernel's shared library (its path); rows: uint8 (n, bytes per row); invariant:
+    whether the model's steps are batch-invariant (model_config.batch_invariant: where AMX's integer tiles are, they
+    read the stored rows of steps that are not). With a PanelStore (kernels/panel_store.py), rows that are the model
+    file's own bytes come from the panels an earlier start kept, or are kept by it once repacked."""
+    to, at, kept = _kept(library, rows, qtype, store, invariant)
     if to == 0:
         return rows, qtype
     if kept is not None:
@@ -74,51 +76,54 @@ def repack_rows(library: str, rows: np.ndarray, qtype: int, store=None) -> tuple
     out = np.empty_like(src)
     spans = _spans(src.shape[0], src.shape[1])
     if len(spans) == 1:
-        fn(int(qtype), src.ctypes.data, src.shape[0], src.shape[1], out.ctypes.data)
+        fn(int(qtype), src.ctypes.data, src.shape[0], src.shape[1], out.ctypes.data, int(invariant))
     else:       # each panel is 8 rows' bytes in place: a span of whole panels repacks alone, on its own thread
         list(_pool().map(lambda span: fn(int(qtype), src[span[0]:span[1]].ctypes.data, span[1] - span[0],
-                                         src.shape[1], out[span[0]:span[1]].ctypes.data), spans))
+                                         src.shape[1], out[span[0]:span[1]].ctypes.data, int(invariant)), spans))
     if at is not None:
         store.keep(at, out)
     return out, to
 
 
-def _kept(library: str, rows: np.ndarray, qtype: int, store) -> tuple:
+def _kept(library: str, rows: np.ndarray, qtype: int, store, invariant: bool) -> tuple:
     """(the type the library repacks these rows into, 0 where it reads them as stored; where they start in the model
     file, if a store keeps their panels; the panels an earlier start kept, or None)."""
     if qtype == 0 or rows.dtype != np.uint8 or rows.ndim != 2:
         return 0, None, None
-    to = repacked_type(library, rows, qtype)
+    to = repacked_type(library, rows, qtype, invariant)
     at = store.offset(rows) if to and store is not None else None
     return to, at, store.panel(at, rows.shape) if at is not None else None
 
 
 @dataclasses.dataclass(frozen=True)
 class Repacker:
-    """A model's repacking at load: the layer kernel's library (its path), the model file's PanelStore, if any, and
-    the LaterRepacks that repack the layer stack's matrices after the load (None: everything at load)."""
+    """A model's repacking at load: the layer kernel's library (its path), the model file's PanelStore, if any, the
+    LaterRepacks that repack the layer stack's matrices after the load (None: everything at load), and whether the
+    model's steps are batch-invariant (repack_rows' `invariant`; a LaterRepacks holds its own, the same)."""
     library: str
     store: object = None
     later: Optional["LaterRepacks"] = None
+    invariant: bool = True
 
     def rows(self, rows: np.ndarray, qtype: int) -> tuple:
-        """repack_rows(library, rows, qtype, store)."""
-        return repack_rows(self.library, rows, qtype, self.store)
+        """repack_rows(library, rows, qtype, store, invariant)."""
+        return repack_rows(self.library, rows, qtype, self.store, self.invariant)
 
     def kept_or_stored(self, rows: np.ndarray, qtype: int) -> tuple:
         """(rows, qtype, to) for a matrix repacked after the load: the panels an earlier start kept and their type
         (to 0), or, where the library repacks these rows, the rows themselves and the type `later` repacks them
         into (to), or the rows as stored (to 0)."""
-        to, _, kept = _kept(self.library, rows, qtype, self.store)
+        to, _, kept = _kept(self.library, rows, qtype, self.store, self.invariant)
         if to == 0:
             return rows, qtype, 0
         return (kept, to, 0) if kept is not None else (rows, qtype, to)
 
 
-def repacked_type(library: str, rows: np.ndarray, qtype: int) -> int:
-    """The type code the library repacks these stored rows (uint8 (n, bytes per row)) of type `qtype` into, or 0:
-    it reads them as stored."""
-    return int(_repack_function(library)(int(qtype), rows.ctypes.data, rows.shape[0], rows.shape[1], None))
+def repacked_type(library: str, rows: np.ndarray, qtype: int, invariant: bool = True) -> int:
+    """The type code the library repacks these stored rows (uint8 (n, bytes per row)) of type `qtype` into, for a
+    model whose steps are batch-invariant or not, or 0: it reads them as stored."""
+    return int(_repack_function(library)(int(qtype), rows.ctypes.data, rows.shape[0], rows.shape[1], None,
+                                         int(invariant)))
 
 
 class LaterRepacks:
@@ -133,8 +138,8 @@ class LaterRepacks:
     the next start, and the last thread writes them (PanelStore.finish: the load's other kept panels too) once all
     are repacked."""
 
-    def __init__(self, library: str, store=None, nice: int = LATER_NICE):
-        self.library, self.store, self.nice = library, store, nice
+    def __init__(self, library: str, store=None, nice: int = LATER_NICE, invariant: bool = True):
+        self.library, self.store, self.nice, self.invariant = library, store, nice, invariant
         self._jobs: list = []               # (rows, qtype, to, offset in the file or None, use)
         self._next = 0                      # the next job a thread takes
         self._done: list = []               # (use, panels, to) repacked, not yet applied
@@ -191,7 +196,7 @@ class LaterRepacks:
                     self._next += 1
                 src = np.ascontiguousarray(rows)
                 out = np.empty_like(src)
-                got = fn(qtype, src.ctypes.data, src.shape[0], src.shape[1], out.ctypes.data)
+                got = fn(qtype, src.ctypes.data, src.shape[0], src.shape[1], out.ctypes.data, int(self.invariant))
                 if got != to:
                     raise RuntimeError(f"LaterRepacks: RepackRows gave type {got} for rows of type {qtype}; it said "
                                        f"{to}")
@@ -276,12 +281,13 @@ def _spans(rows: int, row_bytes: int) -> list:
     return [(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
-def repacked_types(library: str) -> tuple:
-    """The names of the GGML types this library repacks in this process (its build and the integer paths' setting
-    decide), for the log and the compile cache's key (a graph holds the kernel's iconfig, type codes included)."""
+def repacked_types(library: str, invariant: bool = True) -> tuple:
+    """The names of the GGML types this library repacks in this process for a model whose steps are batch-invariant
+    or not (its build, the integer paths' setting and AMX's integer tiles decide), for the log and the compile cache's
+    key (a graph holds the kernel's iconfig, type codes included)."""
     fn = _repack_function(library)
     # a probe of 8 rows of 256 weights (one group of the panels) of each type the table says may be repacked
     repackable = {name: (t.code, 256 // t.block * t.bytes) for name, t in weight_types(library).items() if t.repacked}
     probe = np.zeros((8, max(b for _, b in repackable.values())), np.uint8)
     return tuple(name for name, (code, row_bytes) in repackable.items()
-                 if fn(code, probe.ctypes.data, 8, row_bytes, None) != 0)
+                 if fn(code, probe.ctypes.data, 8, row_bytes, None, int(invariant)) != 0)

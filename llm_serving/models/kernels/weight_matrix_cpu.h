@@ -144,8 +144,11 @@ struct Matrix {
 #endif
 
 #if defined(LLM_SERVING_AMX_INT)
-  // Whether the integer products (gemm_amx_int.h) read this type: the blocks of 32 and the K-quants.
-  bool integer_codes() const { return type != kF32 && type != kF16 && type != kBF16 && type != kMXFP4; }
+  // Whether the integer products (gemm_amx_int.h) read this type: the blocks of 32 and the K-quants, as stored
+  // (rows repacked into gemm_avx2_int.h's panels are that library's alone).
+  bool integer_codes() const {
+    return type != kF32 && type != kF16 && type != kBF16 && type != kMXFP4 && !repacked(type);
+  }
 
   // A row's blocks as gemm_amx_int.h's A operand: row r (< 16) of the row block at dst (its first k block;
   // blocks kBlockBytes apart): per block of 32 its int8 codes, the second pieces (Q6_K; zeros for other types

@@ -61,7 +61,7 @@ class RunnerGraphs:
         self.collective_calls = 0
         panels = (PanelStore.open(model_dir, kernels.layer_kernel, default_cache_dir())
                   if kernels.layer_kernel is not None else None)
-        self.later = (LaterRepacks(kernels.layer_kernel, panels)
+        self.later = (LaterRepacks(kernels.layer_kernel, panels, invariant=kernels.batch_invariant)
                       if kernels.layer_kernel is not None and spec.repack_after_load else None)
         self.model = LlamaForCausalLM(cfg, weights, num_slots=layout.num_slots, block_size=layout.block_size,
                                       max_positions=max_context, device_target=spec.device_target,

@@ -153,7 +153,7 @@ def repacked_for(kernels: KernelChoice, quantized: dict, device_target: str) -> 
     if kernels.layer_kernel is None or device_target != "CPU":
         return ()
     stored = {GGML_TYPE_NAMES.get(t.qtype) for t in quantized.values()}
-    return tuple(t for t in repacked_types(kernels.layer_kernel) if t in stored)
+    return tuple(t for t in repacked_types(kernels.layer_kernel, kernels.batch_invariant) if t in stored)
 
 
 def describe_quantized(quantized: dict, float32_copy: bool) -> Optional[str]:
