@@ -65,7 +65,7 @@ def product(library, code: int, rows: np.ndarray, k: int, x: np.ndarray) -> np.n
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 17, 64])
-@pytest.mark.parametrize("n,k", [(16, 256), (40, 512), (8, 2048)])
+@pytest.mark.parametrize("n,k", [(16, 256), (40, 512), (56, 256), (8, 2048)])
 @pytest.mark.parametrize("qtype", list(TYPES.values()), ids=list(TYPES))
 def test_repacked_products_equal_the_stored_rows_products_to_the_bit(library, repacks, qtype, m, n, k):
     rng = np.random.default_rng(1000 * m + n)

@@ -42,6 +42,9 @@
 //     kRB weight rows x kBB rows of x in registers, a depth block of kDepthGroups groups at a time (the x rows'
 //     slice stays in L1 while the weight rows pass): codes and x in the "lanes" layout, lane j of every vector
 //     holding block j, so that each block's sum accumulates in one lane with no reduction across lanes.
+// Rows repacked at load (gemm_avx2_int.cc's row-interleaved layout: 8 rows a panel) take a third way, at every row
+// count: 8 rows' block sums a vector, or on AVX-512 VNNI builds two panels' 16 a 512-bit vector; the same T and
+// the same epilogue, lane by lane.
 //
 // Layouts (per group, 32-byte aligned when the buffer is). Natural: per block of 32, a vector of its 16 even
 // weights (0, 2, .., 30) then one of its 16 odd ones, as int16 (a 16-bit lane of the stored bytes holds weights 2i
