@@ -407,3 +407,23 @@ def test_a_process_that_exits_during_a_build_is_not_held_by_its_compilers(tmp_pa
             break
         time.sleep(0.1)
     assert not left, left
+
+
+def test_the_march_setting_names_a_march_then_only_m_flags(monkeypatch):
+    """$LLM_SERVING_KERNEL_MARCH replaces -march=native's name and may add -m flags (the AMX build tested on a
+    machine without AMX); anything else in it is refused by name rather than handed to the compiler."""
+    from llm_serving.models.kernels import flags
+
+    monkeypatch.delenv("LLM_SERVING_KERNEL_MARCH", raising=False)
+    native = flags("g++ (Debian 12.2.0) 12.2.0")
+    assert "-march=native" in native
+    monkeypatch.setenv("LLM_SERVING_KERNEL_MARCH", "x86-64-v3")
+    assert flags("g++") == [("-march=x86-64-v3" if f == "-march=native" else f) for f in native]
+    monkeypatch.setenv("LLM_SERVING_KERNEL_MARCH", " native  -mamx-tile -mamx-int8 ")
+    got = flags("g++")
+    at = got.index("-march=native")
+    assert got[at:at + 3] == ["-march=native", "-mamx-tile", "-mamx-int8"] and len(got) == len(native) + 2
+    for bad in ("native -O0", "-mavx2", "znver4 -fno-strict-aliasing"):
+        monkeypatch.setenv("LLM_SERVING_KERNEL_MARCH", bad)
+        with pytest.raises(KernelBuildError, match="LLM_SERVING_KERNEL_MARCH"):
+            flags("g++")
