@@ -257,10 +257,11 @@ extern "C" int IntegerProduct(int32_t type, const uint8_t* w, int64_t rows, int6
   std::vector<float> xbuf, wbuf, tile;
   float* xp = sized_aligned(xbuf, m * ai::x_bytes(k) / 4);
   float* wp = sized_aligned(wbuf, ai::buffer_bytes(k, m) / 4);
-  float* c = Scratch::sized(tile, ai::kTileRows * m);
+  const int64_t step = ai::tile_rows_of(type);
+  float* c = Scratch::sized(tile, step * m);
   ai::pack_rows(x, k, k, m, 0, m, reinterpret_cast<uint8_t*>(xp));
-  for (int64_t r = 0; r < rows; r += ai::kTileRows) {
-    const int64_t n = std::min(ai::kTileRows, rows - r);
+  for (int64_t r = 0; r < rows; r += step) {
+    const int64_t n = std::min(step, rows - r);
     ai::product(type, w + r * bytes, bytes, k, n, reinterpret_cast<const uint8_t*>(xp), m,
                 reinterpret_cast<uint8_t*>(wp), c, m);
     for (int64_t i = 0; i < n; ++i)

@@ -1219,13 +1219,12 @@ void panel_out512(const uint8_t* w, int64_t row_bytes, int64_t ng, const uint8_t
     }
 }
 
-// Rows of x a pass of panel_tile512 takes at most: 8 (two pairs of panels: 16 sums in registers of the 32), Q6_K 6
-// (its decoding wants registers). On a Zen 5 (bench/repack.py, ratios to the stored rows in one run), 8 rows against
-// 6: Q4_K 2.00x against 1.89x at 256 rows, Q8_0 1.98x against 1.94x, Q6_K 1.86x against 1.94x.
-template <int32_t T>
-constexpr int64_t panel_pass_rows512() { return T == kQ6_K ? 6 : 8; }
+// Rows of x a pass of panel_tile512 takes at most: 6, with two pairs of panels 12 sums in registers of the 32. On a
+// Zen 5 (bench/repack.py at k = 2,560, 128-row tiles, ratios to the stored rows), 8 rows ran the same within the
+// machine's noise (Q4_K at 275 rows 2.18x against 2.10x, at 64 rows 1.78x against 1.92x).
+constexpr int64_t kPassRows512 = 6;
 
-// 2 PZ panels from row-block w times bb (1..panel_pass_rows512) rows of x
+// 2 PZ panels from row-block w times bb (1..kPassRows512) rows of x
 template <int32_t T, int PZ>
 void panels_x512(bool lanes, int64_t bb, const uint8_t* w, int64_t row_bytes, int64_t ng, const uint8_t* x,
                  int64_t xstride, float* o, int64_t ldo) {
@@ -1239,9 +1238,7 @@ void panels_x512(bool lanes, int64_t bb, const uint8_t* w, int64_t row_bytes, in
       case 3: run(lanes_c, std::integral_constant<int, 3>{}); break;
       case 4: run(lanes_c, std::integral_constant<int, 4>{}); break;
       case 5: run(lanes_c, std::integral_constant<int, 5>{}); break;
-      case 6: run(lanes_c, std::integral_constant<int, 6>{}); break;
-      case 7: if constexpr (panel_pass_rows512<T>() >= 7) run(lanes_c, std::integral_constant<int, 7>{}); break;
-      default: if constexpr (panel_pass_rows512<T>() >= 8) run(lanes_c, std::integral_constant<int, 8>{}); break;
+      default: run(lanes_c, std::integral_constant<int, 6>{}); break;
     }
   };
   if (lanes) rows(std::true_type{});
@@ -1259,7 +1256,7 @@ void product_repacked(const uint8_t* rows, int64_t row_bytes, int64_t k, int64_t
   const bool lanes = lanes_layout(m);                 // (how pack_rows packed x for m rows)
 #if defined(LLM_SERVING_PANELS_512)
   {   // (at every row count: on a Zen 5, 1.2-1.6x the 8-row passes from 1 to 256 rows, bench/repack.py)
-    constexpr int64_t pass = panel_pass_rows512<T>();
+    constexpr int64_t pass = kPassRows512;
     for (int64_t b0 = 0; b0 < m; b0 += pass) {
       const int64_t bb = std::min<int64_t>(pass, m - b0);
       int64_t r = 0;

@@ -97,6 +97,11 @@ constexpr int64_t kWFloats = 512;
 constexpr float kRange = 32512.f;          // |n| at most this (as gemm_amx_int.h)
 constexpr int64_t kFusedRows = 2;          // up to this many rows of x, weights decoded in registers per use
 constexpr int64_t kTileRows = 16;          // weight rows per product() call (the claim_rows unit)
+// Repacked rows per product() call (panels read in place: no buffer): each pass of rows of x then serves this
+// many weight rows while it is in L1, where a tile of 16 re-read all of x (a prefill's 275 rows at k = 2560: 1.8
+// MB, beyond L2) for every 16 weight rows
+constexpr int64_t kPanelTileRows = 128;
+inline int64_t tile_rows_of(int32_t type) { return is_repacked(type) ? kPanelTileRows : kTileRows; }
 constexpr int kRB = 2, kBB = 4;            // unpacked path: weight rows x rows of x per register tile
 constexpr int64_t kDepthGroups = 4;        // unpacked path: groups per depth block (kBB rows of x: 10 KB)
 
@@ -141,7 +146,7 @@ bool enter_type(int32_t type, const TypeOps& ops);
 // then second 16: 8 + 8 int32]; past the row's last block, zeros.
 void pack_rows(const float* x, int64_t ldx, int64_t k, int64_t m, int64_t b0, int64_t b1, uint8_t* xp);
 
-// out[i * ldo + b] = weight row i . x row b for i < n (<= kTileRows) weight rows of `type` (reads(type)) at rows,
+// out[i * ldo + b] = weight row i . x row b for i < n (<= tile_rows_of(type)) weight rows of `type` (reads(type)) at rows,
 // row_bytes apart, k wide, and b < m rows of x packed by pack_rows. wbuf: buffer_bytes(k, m), the calling
 // thread's (32-byte aligned), for m > kFusedRows.
 void product(int32_t type, const uint8_t* rows, int64_t row_bytes, int64_t k, int64_t n, const uint8_t* xp,

@@ -256,8 +256,9 @@ inline void int_rows(const Matrix& w, const float* xp, int64_t m, int64_t r0, in
                      const Outputs& to) {
 #if defined(LLM_SERVING_AVX2_INT)
   namespace ai = llm_serving::avx2_int;
-  for (int64_t r = r0; r < r1; r += ai::kTileRows) {
-    const int64_t n = std::min(ai::kTileRows, r1 - r);
+  const int64_t tile = ai::tile_rows_of(w.type);
+  for (int64_t r = r0; r < r1; r += tile) {
+    const int64_t n = std::min(tile, r1 - r);
     ai::product(w.type, w.data + r * w.row_bytes, w.row_bytes, w.k, n, reinterpret_cast<const uint8_t*>(xp), m,
                 reinterpret_cast<uint8_t*>(wbuf), out, m);
     to(r, n, 0, m, out, m, 1);
@@ -429,7 +430,7 @@ inline RouteFloats route_floats(Route route, int64_t m, int64_t k, bool amx) {
 #if defined(LLM_SERVING_AVX2_INT)
     case Route::kInt: {              // the rows of x as int16 records, a tile's unpacked rows and its outputs
       namespace ai = llm_serving::avx2_int;
-      return {m * ai::x_bytes(k) / 4, ai::buffer_bytes(k, m) / 4, ai::kTileRows * ((m + 15) / 16 * 16)};
+      return {m * ai::x_bytes(k) / 4, ai::buffer_bytes(k, m) / 4, ai::kPanelTileRows * ((m + 15) / 16 * 16)};
     }
 #else
     case Route::kInt: break;
