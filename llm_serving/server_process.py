@@ -41,8 +41,16 @@ def http(method: str, url: str, body=None, timeout: float = 60.0, raw: bytes | N
         return status, text
 
 
+def sse_lines(text: str) -> list:
+    """An event stream's lines: SSE ends a line with CR LF, LF or CR only. (str.splitlines also splits at U+2028,
+    NEL and other characters that a generated text may hold inside a data line's JSON, unescaped.)"""
+    return text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+
+
 def parse_sse(text: str) -> list:
-    return [json.loads(line[len("data: "):]) for line in text.splitlines() if line.startswith("data: ")]
+    """The JSON of an event stream's data lines (OpenAI's closing "data: [DONE]" left out)."""
+    return [json.loads(line[len("data: "):]) for line in sse_lines(text)
+            if line.startswith("data: ") and line != "data: [DONE]"]
 
 
 class ServerProcess:

@@ -36,8 +36,7 @@ def test_default_model_is_smollm2_and_answers_a_chat_question(smollm2_server):
         "model": SMOLLM2_NAME, "temperature": 0, "max_tokens": 24, "stream": True,
         "messages": [{"role": "user", "content": "What is the capital of France?"}]})
     assert status == 200
-    chunks = [json.loads(line[len("data: "):]) for line in text.splitlines()
-              if line.startswith("data: ") and line != "data: [DONE]"]
+    chunks = parse_sse(text)
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == answer
 
 

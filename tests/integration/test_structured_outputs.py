@@ -12,7 +12,7 @@ import openai
 import pydantic
 import pytest
 
-from tests.integration.server_harness import http
+from tests.integration.server_harness import http, parse_sse
 
 MODEL = "SmolLM2-135M-Instruct"
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "languages"],
@@ -29,8 +29,7 @@ def client(smollm2_server):
 
 def chunks(text: str) -> list:
     """An OpenAI stream's chunks (its data lines, [DONE] left out)."""
-    return [json.loads(line[len("data: "):]) for line in text.splitlines()
-            if line.startswith("data: ") and line != "data: [DONE]"]
+    return parse_sse(text)
 
 
 def chat(url, content, **fields):

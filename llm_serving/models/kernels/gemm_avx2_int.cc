@@ -1092,7 +1092,8 @@ template <int32_t T>
 inline void chunk_vectors512(const uint8_t* c0, const uint8_t* c1, __m512i* q, __m512i* hv) {
   auto v32 = [](const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
   *q = pair512(v32(c0), v32(c1));
-  if constexpr (T == kQ6_K) *hv = _mm512_cvtepu8_epi16(_mm256_inserti128_si256(_mm256_castsi128_si256(load16(c0 + 32)), load16(c1 + 32), 1));
+  if constexpr (T == kQ6_K)
+    *hv = _mm512_cvtepu8_epi16(_mm256_inserti128_si256(_mm256_castsi128_si256(load16(c0 + 32)), load16(c1 + 32), 1));
   else if constexpr (T == kQ8_0) *hv = pair512(v32(c0 + 32), v32(c1 + 32));
   else *hv = _mm512_setzero_si512();
 }
@@ -1261,9 +1262,11 @@ void product_repacked(const uint8_t* rows, int64_t row_bytes, int64_t k, int64_t
       const int64_t bb = std::min<int64_t>(pass, m - b0);
       int64_t r = 0;
       for (; r + 4 * kPanelRows <= n; r += 4 * kPanelRows)
-        panels_x512<T, 2>(lanes, bb, rows + r * row_bytes, row_bytes, ng, xp + b0 * xstride, xstride, out + r * ldo + b0, ldo);
+        panels_x512<T, 2>(lanes, bb, rows + r * row_bytes, row_bytes, ng, xp + b0 * xstride, xstride,
+                          out + r * ldo + b0, ldo);
       for (; r + 2 * kPanelRows <= n; r += 2 * kPanelRows)
-        panels_x512<T, 1>(lanes, bb, rows + r * row_bytes, row_bytes, ng, xp + b0 * xstride, xstride, out + r * ldo + b0, ldo);
+        panels_x512<T, 1>(lanes, bb, rows + r * row_bytes, row_bytes, ng, xp + b0 * xstride, xstride,
+                          out + r * ldo + b0, ldo);
       for (; r < n; r += kPanelRows)                  // (a last panel alone: the 8-row passes)
         for (int64_t b1 = b0; b1 < b0 + bb; b1 += panel_pass_rows<T>())
           panels_x<T, 1>(lanes, std::min<int64_t>(panel_pass_rows<T>(), b0 + bb - b1), rows + r * row_bytes,

@@ -146,8 +146,8 @@ bool enter_type(int32_t type, const TypeOps& ops);
 // then second 16: 8 + 8 int32]; past the row's last block, zeros.
 void pack_rows(const float* x, int64_t ldx, int64_t k, int64_t m, int64_t b0, int64_t b1, uint8_t* xp);
 
-// out[i * ldo + b] = weight row i . x row b for i < n (<= tile_rows_of(type)) weight rows of `type` (reads(type)) at rows,
-// row_bytes apart, k wide, and b < m rows of x packed by pack_rows. wbuf: buffer_bytes(k, m), the calling
+// out[i * ldo + b] = weight row i . x row b for i < n (<= tile_rows_of(type)) weight rows of `type` (reads(type))
+// at rows, row_bytes apart, k wide, and b < m rows of x packed by pack_rows. wbuf: buffer_bytes(k, m), the calling
 // thread's (32-byte aligned), for m > kFusedRows.
 void product(int32_t type, const uint8_t* rows, int64_t row_bytes, int64_t k, int64_t n, const uint8_t* xp,
              int64_t m, uint8_t* wbuf, float* out, int64_t ldo);
