@@ -1247,9 +1247,10 @@ void panels_x512(bool lanes, int64_t bb, const uint8_t* w, int64_t row_bytes, in
 }
 #endif
 
-// out[i * ldo + b] for n (a multiple of 8, <= kTileRows) repacked rows of type T (+ kRepacked) from row-block
+// out[i * ldo + b] for n (a multiple of 8, <= kPanelTileRows) repacked rows of type T (+ kRepacked) from row-block
 // `rows` and m rows of x, two panels at a time (x's words broadcast once for their 16 rows), panel_pass_rows rows
-// of x at a time, the panels read in place at every row count (no buffer: the stored rows' products take wbuf)
+// of x at a time (AVX-512 VNNI builds: panel_tile512's passes, four panels and kPassRows512 rows of x at a time),
+// the panels read in place at every row count (no buffer: the stored rows' products take wbuf)
 template <int32_t T>
 void product_repacked(const uint8_t* rows, int64_t row_bytes, int64_t k, int64_t n, const uint8_t* xp, int64_t m,
                       uint8_t* /*wbuf*/, float* out, int64_t ldo) {
