@@ -849,88 +849,193 @@ inline void panel_scales(const uint8_t* panel, __m256* ab) {
   }
 }
 
-// Pair i's codes of a chunk of a panel (lanes: rows), from the chunk's vectors: q its first 32 bytes, hv Q8_0's
-// second 32 or Q6_K's B widened to 16 bits (chunk_vectors)
-template <int32_t T>
-inline __m256i panel_codes_of(__m256i q, __m256i hv, int i) {
+// ---- the panels' vectors: panel_tile is written once for two widths. Vec8: a 256-bit vector holds one panel's 8
+// rows (32-bit lane r: row r). Vec16 (AVX-512 VNNI builds): a 512-bit vector holds two panels' 16 rows (lanes 0-7
+// the first panel's, 8-15 the next one's), so a multiply-add of two panels' codes by a broadcast word of x adds to
+// 16 rows' block sums at once: a core whose VPDPWSSD runs as many 512-bit instructions a cycle as 256-bit ones
+// (Zen 5: 2 of either, a microbenchmark here) takes twice the products a cycle, and every decoding instruction
+// serves 16 rows. The integer sums are the same exact integers at either width, and the epilogue the same
+// instructions lane by lane (each lane's floats in the same order), so the outputs are the same bits.
+struct Vec8 {
+  using I = __m256i;
+  using F = __m256;
+  static constexpr int kPanels = 1;           // panels a vector holds
+  static constexpr int kSums = kChains;       // accumulators a pass keeps apart per sum
+  static I zero() { return _mm256_setzero_si256(); }
+  static I set16(int16_t v) { return _mm256_set1_epi16(v); }
+  static I set32(int32_t v) { return _mm256_set1_epi32(v); }
+  static I and_(I a, I b) { return _mm256_and_si256(a, b); }
+  static I or_(I a, I b) { return _mm256_or_si256(a, b); }
+  static I srli16(I a, int n) { return _mm256_srli_epi16(a, n); }
+  static I slli16(I a, int n) { return _mm256_slli_epi16(a, n); }
+  static I srai16(I a, int n) { return _mm256_srai_epi16(a, n); }
+  static I add32(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I sub32(I a, I b) { return _mm256_sub_epi32(a, b); }
+  static I srai32(I a, int n) { return _mm256_srai_epi32(a, n); }
+  static I dot(I s, I a, I b) { return dot_add(s, a, b); }
+  // (a sum kept in its register where it is made: else GCC re-associates a block's 16 adds into a tree whose 16
+  // products, all live at once, spill to the stack: 1.5x slower)
+  static void keep(I& s) { asm("" : "+x"(s)); }
+  static F fzero() { return _mm256_setzero_ps(); }
+  static F fset(float v) { return _mm256_set1_ps(v); }
+  static F cvt(I a) { return _mm256_cvtepi32_ps(a); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  // A chunk's code vectors (the chunk at byte `at` of each panel) as codes_of takes them: q its first 32 bytes; hv
+  // Q8_0's next 32, Q6_K's 16 bytes B widened to 16-bit halves (byte t to half t), else unused
+  template <int32_t T>
+  static void chunk(const uint8_t* const* panel, int64_t at, I* q, I* hv) {
+    const uint8_t* c = panel[0] + at;
+    *q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));
+    *hv = T == kQ6_K ? _mm256_cvtepu8_epi16(load16(c + 32))
+          : T == kQ8_0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32)) : _mm256_setzero_si256();
+  }
+  template <int32_t T>
+  static void scales(const uint8_t* const* panel, F* ab) { panel_scales<T>(panel[0], ab); }
+  // The rows' outputs (y[r]: lane r) from their 8 accumulators: sum8's tree, lane by lane
+  static void sums(const F* a, float* y) {
+    _mm256_store_ps(y, _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a[0], a[4]), _mm256_add_ps(a[2], a[6])),
+                                     _mm256_add_ps(_mm256_add_ps(a[1], a[5]), _mm256_add_ps(a[3], a[7]))));
+  }
+};
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define LLM_SERVING_PANELS_512 1
+inline __m512i pair512(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
+inline __m512 pair512(__m256 lo, __m256 hi) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
+}
+
+struct Vec16 {
+  using I = __m512i;
+  using F = __m512;
+  static constexpr int kPanels = 2;
+  static constexpr int kSums = 12;            // (VPDPWSSD's latency against its two a cycle)
+  static I zero() { return _mm512_setzero_si512(); }
+  static I set16(int16_t v) { return _mm512_set1_epi16(v); }
+  static I set32(int32_t v) { return _mm512_set1_epi32(v); }
+  static I and_(I a, I b) { return _mm512_and_si512(a, b); }
+  static I or_(I a, I b) { return _mm512_or_si512(a, b); }
+  static I srli16(I a, int n) { return _mm512_srli_epi16(a, n); }
+  static I slli16(I a, int n) { return _mm512_slli_epi16(a, n); }
+  static I srai16(I a, int n) { return _mm512_srai_epi16(a, n); }
+  static I add32(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I sub32(I a, I b) { return _mm512_sub_epi32(a, b); }
+  static I srai32(I a, int n) { return _mm512_srai_epi32(a, n); }
+  static I dot(I s, I a, I b) { return _mm512_dpwssd_epi32(s, a, b); }
+  static void keep(I& s) { asm("" : "+v"(s)); }
+  static F fzero() { return _mm512_setzero_ps(); }
+  static F fset(float v) { return _mm512_set1_ps(v); }
+  static F cvt(I a) { return _mm512_cvtepi32_ps(a); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  // Vec8::chunk of two panels (panel[0]'s chunk: lanes 0-7, panel[1]'s: 8-15), each half loaded as Vec8's
+  template <int32_t T>
+  static void chunk(const uint8_t* const* panel, int64_t at, I* q, I* hv) {
+    auto v32 = [](const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
+    const uint8_t *c0 = panel[0] + at, *c1 = panel[1] + at;
+    *q = pair512(v32(c0), v32(c1));
+    if constexpr (T == kQ6_K)
+      *hv = _mm512_cvtepu8_epi16(_mm256_inserti128_si256(_mm256_castsi128_si256(load16(c0 + 32)), load16(c1 + 32), 1));
+    else if constexpr (T == kQ8_0) *hv = pair512(v32(c0 + 32), v32(c1 + 32));
+    else *hv = _mm512_setzero_si512();
+  }
+  template <int32_t T>
+  static void scales(const uint8_t* const* panel, F* ab) {
+    __m256 lo[16], hi[16];
+    panel_scales<T>(panel[0], lo);
+    panel_scales<T>(panel[1], hi);
+    for (int q = 0; q < 16; ++q) ab[q] = pair512(lo[q], hi[q]);
+  }
+  static void sums(const F* a, float* y) {
+    _mm512_store_ps(y, _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[4]), _mm512_add_ps(a[2], a[6])),
+                                     _mm512_add_ps(_mm512_add_ps(a[1], a[5]), _mm512_add_ps(a[3], a[7]))));
+  }
+};
+#endif
+
+// Pair i's codes of a chunk (lanes: rows), from its vectors (V::chunk)
+template <class V, int32_t T>
+inline typename V::I codes_of(typename V::I q, typename V::I hv, int i) {
   if constexpr (T == kQ8_0) {                    // q: pairs 0, 1; hv: pairs 2, 3 (bytes sign-extended in place)
-    const __m256i v = i < 2 ? q : hv;
-    return i % 2 == 0 ? _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8) : _mm256_srai_epi16(v, 8);
+    const typename V::I v = i < 2 ? q : hv;
+    return i % 2 == 0 ? V::srai16(V::slli16(v, 8), 8) : V::srai16(v, 8);
   } else if constexpr (T == kQ6_K) {
-    const __m256i six = _mm256_set1_epi16(63);
-    if (i == 0) return _mm256_and_si256(q, six);
-    if (i == 1) return _mm256_and_si256(_mm256_srli_epi16(q, 6), six);
-    if (i == 2) return _mm256_and_si256(hv, six);
-    return _mm256_or_si256(_mm256_srli_epi16(q, 12), _mm256_and_si256(_mm256_srli_epi16(hv, 2), _mm256_set1_epi16(48)));
+    const typename V::I six = V::set16(63);
+    if (i == 0) return V::and_(q, six);
+    if (i == 1) return V::and_(V::srli16(q, 6), six);
+    if (i == 2) return V::and_(hv, six);
+    return V::or_(V::srli16(q, 12), V::and_(V::srli16(hv, 2), V::set16(48)));
   } else {
     (void)hv;
-    const __m256i nib = _mm256_set1_epi16(15);
-    return i == 3 ? _mm256_srli_epi16(q, 12) : _mm256_and_si256(i == 0 ? q : _mm256_srli_epi16(q, 4 * i), nib);
+    const typename V::I nib = V::set16(15);
+    return i == 3 ? V::srli16(q, 12) : V::and_(i == 0 ? q : V::srli16(q, 4 * i), nib);
   }
 }
 
 // Up to this many rows of x, a 4-bit type's panels take pair i's codes in place, times 16^i (an and each; pair 3 a
-// shift): 4 instructions a chunk where panel_codes_of takes 6. Each pair's sums are kept apart (pair 0 and 3's
+// shift): 4 instructions a chunk where codes_of takes 6. Each pair's sums are kept apart (pair 0 and 3's
 // together), exact in int32 (15 x 256 x 2^15 x 2 x 4 chunks < 2^31), and shifted back once a block (panel_tile's total).
 // One row of x on a Zen 4 built for AVX2, Q4_K in cache: 22.3 -> 20.5 cycles per 256 weights. With more rows the
 // decoding is shared by the rows and the extra sums cost more than it saves (2 rows: 34.3 -> 35.8-38.2 cycles).
 constexpr int kAndOnlyRows = 1;
 
-template <int32_t T>
-constexpr bool and_only(int bb) { return (T == kQ4_K || T == kQ4_0 || T == kQ4_1) && bb <= kAndOnlyRows; }
-
-inline __m256i nibbles_in_place(__m256i q, int i) {
-  if (i == 3) return _mm256_srli_epi16(q, 12);
-  return _mm256_and_si256(q, _mm256_set1_epi16(static_cast<int16_t>(15 << (4 * i))));
+template <class V, int32_t T>
+constexpr bool and_only(int bb) {
+  return V::kPanels == 1 && (T == kQ4_K || T == kQ4_0 || T == kQ4_1) && bb <= kAndOnlyRows;
 }
 
-// A chunk's code vectors as panel_codes_of takes them: q its first 32 bytes; hv Q8_0's next 32, Q6_K's 16 bytes B
-// widened to 16-bit halves (byte t to half t), else unused
-template <int32_t T>
-inline void chunk_vectors(const uint8_t* chunk, __m256i* q, __m256i* hv) {
-  *q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk));
-  *hv = T == kQ6_K ? _mm256_cvtepu8_epi16(load16(chunk + 32))
-        : T == kQ8_0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 32)) : _mm256_setzero_si256();
+template <class V>
+inline typename V::I nibbles_in_place(typename V::I q, int i) {
+  if (i == 3) return V::srli16(q, 12);
+  return V::and_(q, V::set16(static_cast<int16_t>(15 << (4 * i))));
 }
 
-// P panels (P x 8 weight rows; panel p's row-block at w + p * pstride) times BB rows of x (packed in the Lanes
-// layout or not, stride xstride) over the ng groups: acc[(p * BB + b) * 8 + j] (8 rows each) the epilogue's 8
-// accumulators, from zero. Per chunk of codes: one load, its 4 vectors decoded once for the BB rows of x.
-template <int32_t T, int P, int BB, bool Lanes>
-void panel_tile(const uint8_t* w, int64_t pstride, int64_t ng, const uint8_t* xp, int64_t xstride, __m256* acc) {
-  constexpr bool AO = and_only<T>(BB);      // sums: pairs 0 and 3, pair 1 (x 16), pair 2 (x 256)
-  constexpr int C = AO ? 3 : kChains / (P * BB) > 1 ? kChains / (P * BB) : 1;      // each sum's chains
+// P vectors of panels (P x V::kPanels panels of 8 weight rows; panel p's row-block at w + p * pstride) times BB
+// rows of x (packed in the Lanes layout or not, stride xstride) over the ng groups: acc[(z * BB + b) * 8 + j] (lane
+// r: row r of vector z's panels) the epilogue's 8 accumulators, from zero. Per chunk of codes: one load, its 4
+// vectors decoded once for the BB rows of x.
+template <class V, int32_t T, int P, int BB, bool Lanes>
+void panel_tile(const uint8_t* w, int64_t pstride, int64_t ng, const uint8_t* xp, int64_t xstride,
+                typename V::F* acc) {
+  using I = typename V::I;
+  using F = typename V::F;
+  constexpr int NP = P * V::kPanels;
+  constexpr bool AO = and_only<V, T>(BB);   // sums: pairs 0 and 3, pair 1 (x 16), pair 2 (x 256)
+  constexpr int C = AO ? 3 : V::kSums / (P * BB) > 1 ? V::kSums / (P * BB) : 1;      // each sum's chains
   constexpr int64_t PB = panel_bytes<T>();
-  for (int i = 0; i < P * BB * 8; ++i) acc[i] = _mm256_setzero_ps();
+  for (int i = 0; i < P * BB * 8; ++i) acc[i] = V::fzero();
   for (int64_t g = 0; g < ng; ++g) {
-    const uint8_t* panel[P];
-    __m256 ab[P][16];
-    for (int p = 0; p < P; ++p) {
-      panel[p] = w + p * pstride + g * PB;
-      // the same group of the row-blocks the next call takes (P row-blocks on; the rows of a thread's chunk are
-      // consecutive), asked for a call ahead as the stored rows' decoders do (kAhead rows): a row-block's own
-      // next panels, a few hundred bytes on, are the hardware prefetcher's. One row of x only: with more, the call
-      // makes a pass per few rows of x over the same panels, and asking each pass for the next call's bytes again
-      // gained nothing (bench/repack.py, 4-256 rows)
-      if constexpr (BB == 1)
-        for (int at = 0; at < PB; at += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(panel[p] + P * pstride + at), _MM_HINT_T1);
-      panel_scales<T>(panel[p], ab[p]);
+    const uint8_t* panel[NP];
+    F ab[P][16];
+    for (int z = 0; z < P; ++z) {
+      for (int h = 0; h < V::kPanels; ++h) {
+        const int p = z * V::kPanels + h;
+        panel[p] = w + p * pstride + g * PB;
+        // the same group of the row-blocks the next call takes (NP row-blocks on; the rows of a thread's chunk are
+        // consecutive), asked for a call ahead as the stored rows' decoders do (kAhead rows): a row-block's own
+        // next panels, a few hundred bytes on, are the hardware prefetcher's. One row of x only: with more, the
+        // call makes a pass per few rows of x over the same panels, and asking each pass for the next call's bytes
+        // again gained nothing (bench/repack.py, 4-256 rows)
+        if constexpr (BB == 1)
+          for (int at = 0; at < PB; at += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(panel[p] + NP * pstride + at), _MM_HINT_T1);
+      }
+      V::template scales<T>(panel + z * V::kPanels, ab[z]);
     }
     const uint8_t* xg = xp + g * kXRecord;
     for (int j = 0; j < 8; ++j) {
-      __m256i s[P][BB][C];
+      I s[P][BB][C];
       auto clear = [&] {
-        for (int p = 0; p < P; ++p)
+        for (int z = 0; z < P; ++z)
           for (int b = 0; b < BB; ++b)
-            for (int q = 0; q < C; ++q) s[p][b][q] = _mm256_setzero_si256();
+            for (int q = 0; q < C; ++q) s[z][b][q] = V::zero();
       };
-      auto total = [&](int p, int b) {
+      auto total = [&](int z, int b) {
         if constexpr (AO)
-          return _mm256_add_epi32(_mm256_add_epi32(s[p][b][0], _mm256_srai_epi32(s[p][b][1], 4)),
-                                  _mm256_srai_epi32(s[p][b][2], 8));
-        __m256i t = s[p][b][0];
-        for (int q = 1; q < C; ++q) t = _mm256_add_epi32(t, s[p][b][q]);
+          return V::add32(V::add32(s[z][b][0], V::srai32(s[z][b][1], 4)), V::srai32(s[z][b][2], 8));
+        I t = s[z][b][0];
+        for (int q = 1; q < C; ++q) t = V::add32(t, s[z][b][q]);
         return t;
       };
       clear();
@@ -938,24 +1043,22 @@ void panel_tile(const uint8_t* w, int64_t pstride, int64_t ng, const uint8_t* xp
       // Q6_K's rolled, its sums in memory: 3x slower)
 #pragma GCC unroll 4
       for (int l = 0; l < 4; ++l) {
-        const int c = 4 * j + l;
-        __m256i v[P], hv[P];
-        for (int p = 0; p < P; ++p) chunk_vectors<T>(panel[p] + panel_codes<T>() + c * chunk_bytes<T>(), &v[p], &hv[p]);
+        const int64_t at = panel_codes<T>() + (4 * j + l) * chunk_bytes<T>();
+        I v[P], hv[P];
+        for (int z = 0; z < P; ++z) V::template chunk<T>(panel + z * V::kPanels, at, &v[z], &hv[z]);
 #pragma GCC unroll 4
         for (int i = 0; i < 4; ++i) {
-          __m256i cv[P];
-          for (int p = 0; p < P; ++p) cv[p] = AO ? nibbles_in_place(v[p], i) : panel_codes_of<T>(v[p], hv[p], i);
+          I cv[P];
+          for (int z = 0; z < P; ++z) cv[z] = AO ? nibbles_in_place<V>(v[z], i) : codes_of<V, T>(v[z], hv[z], i);
           const int word = i < 2 ? 2 * l + i : 8 + 2 * l + i - 2;
           for (int b = 0; b < BB; ++b) {
             int32_t xw;
             std::memcpy(&xw, xg + b * xstride + x_word<Lanes>(j, word), 4);
-            const __m256i xb = _mm256_set1_epi32(xw);
-            for (int p = 0; p < P; ++p) {
-              __m256i& sum = s[p][b][AO ? i % 3 : i % C];
-              sum = dot_add(sum, cv[p], xb);
-              // (kept in its register here: else GCC re-associates the block's 16 adds into a tree whose 16
-              // products, all live at once, spill to the stack: 1.5x slower)
-              asm("" : "+x"(sum));
+            const I xb = V::set32(xw);
+            for (int z = 0; z < P; ++z) {
+              I& sum = s[z][b][AO ? i % 3 : i % C];
+              sum = V::dot(sum, cv[z], xb);
+              V::keep(sum);
             }
           }
         }
@@ -964,13 +1067,13 @@ void panel_tile(const uint8_t* w, int64_t pstride, int64_t ng, const uint8_t* xp
           // second 16's, the header's order, so that no second set of sums holds registers through the block
           for (int b = 0; b < BB; ++b) {
             const float* xf = reinterpret_cast<const float*>(xg + b * xstride + kXFloats);
-            const __m256 sx = _mm256_set1_ps(xf[j]);
+            const F sx = V::fset(xf[j]);
             int32_t na;
             std::memcpy(&na, xf + 16 + j, 4);
-            for (int p = 0; p < P; ++p) {
-              const __m256i lo = _mm256_sub_epi32(total(p, b), _mm256_set1_epi32(na << 5));  // q - 32: 32 sum(n) off
-              __m256& a = acc[(p * BB + b) * 8 + j];
-              a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(sx, ab[p][j]), a);
+            for (int z = 0; z < P; ++z) {
+              const I lo = V::sub32(total(z, b), V::set32(na << 5));   // q - 32: 32 sum(n) off
+              F& a = acc[(z * BB + b) * 8 + j];
+              a = V::fmadd(V::cvt(lo), V::mul(sx, ab[z][j]), a);
             }
           }
           clear();
@@ -978,26 +1081,26 @@ void panel_tile(const uint8_t* w, int64_t pstride, int64_t ng, const uint8_t* xp
       }
       for (int b = 0; b < BB; ++b) {
         const float* xf = reinterpret_cast<const float*>(xg + b * xstride + kXFloats);
-        const __m256 sx = _mm256_set1_ps(xf[j]);
-        for (int p = 0; p < P; ++p) {
-          __m256& a = acc[(p * BB + b) * 8 + j];
+        const F sx = V::fset(xf[j]);
+        for (int z = 0; z < P; ++z) {
+          F& a = acc[(z * BB + b) * 8 + j];
           if constexpr (T == kQ6_K) {          // the second 16 weights
             int32_t nb;
             std::memcpy(&nb, xf + 24 + j, 4);
-            const __m256i hi = _mm256_sub_epi32(total(p, b), _mm256_set1_epi32(nb << 5));
-            a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(sx, ab[p][8 + j]), a);
+            const I hi = V::sub32(total(z, b), V::set32(nb << 5));
+            a = V::fmadd(V::cvt(hi), V::mul(sx, ab[z][8 + j]), a);
           } else if constexpr (kind_of(T) == kOffset) {    // Q4_K, Q4_1: + b xs
-            a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total(p, b)), _mm256_mul_ps(sx, ab[p][j]), a);
-            a = _mm256_fmadd_ps(ab[p][8 + j], _mm256_set1_ps(xf[8 + j]), a);
+            a = V::fmadd(V::cvt(total(z, b)), V::mul(sx, ab[z][j]), a);
+            a = V::fmadd(ab[z][8 + j], V::fset(xf[8 + j]), a);
           } else {                                          // Q8_0; Q4_0: q - 8, 8 x (the block's sum of n) off
-            __m256i t = total(p, b);
+            I t = total(z, b);
             if constexpr (bias_of(T) != 0) {
               int32_t na, nb;
               std::memcpy(&na, xf + 16 + j, 4);
               std::memcpy(&nb, xf + 24 + j, 4);
-              t = _mm256_sub_epi32(t, _mm256_set1_epi32((na + nb) * bias_of(T)));
+              t = V::sub32(t, V::set32((na + nb) * bias_of(T)));
             }
-            a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(sx, ab[p][j]), a);
+            a = V::fmadd(V::cvt(t), V::mul(sx, ab[z][j]), a);
           }
         }
       }
@@ -1005,40 +1108,39 @@ void panel_tile(const uint8_t* w, int64_t pstride, int64_t ng, const uint8_t* xp
   }
 }
 
-// The 8 rows' outputs from their accumulators: sum8's tree, lane by lane
-inline __m256 panel_sums(const __m256* a) {
-  return _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a[0], a[4]), _mm256_add_ps(a[2], a[6])),
-                       _mm256_add_ps(_mm256_add_ps(a[1], a[5]), _mm256_add_ps(a[3], a[7])));
-}
-
-// out[i * ldo + b] for P panels from row-block w (row_bytes: a stored row's bytes, so a row-block is 8 x
-// row_bytes) and BB rows of x
-template <int32_t T, int P, int BB, bool Lanes>
+// out[i * ldo + b] for P vectors of panels from row-block w (row_bytes: a stored row's bytes, so a row-block is 8
+// x row_bytes) and BB rows of x
+template <class V, int32_t T, int P, int BB, bool Lanes>
 void panel_out(const uint8_t* w, int64_t row_bytes, int64_t ng, const uint8_t* xp, int64_t xstride, float* out,
                int64_t ldo) {
-  __m256 acc[P * BB * 8];
-  panel_tile<T, P, BB, Lanes>(w, kPanelRows * row_bytes, ng, xp, xstride, acc);
-  for (int p = 0; p < P; ++p)
+  constexpr int R = V::kPanels * kPanelRows;          // rows a vector holds
+  typename V::F acc[P * BB * 8];
+  panel_tile<V, T, P, BB, Lanes>(w, kPanelRows * row_bytes, ng, xp, xstride, acc);
+  for (int z = 0; z < P; ++z)
     for (int b = 0; b < BB; ++b) {
-      alignas(32) float y[8];
-      _mm256_store_ps(y, panel_sums(acc + (p * BB + b) * 8));
-      for (int r = 0; r < kPanelRows; ++r) out[(p * kPanelRows + r) * ldo + b] = y[r];
+      alignas(64) float y[R];
+      V::sums(acc + (z * BB + b) * 8, y);
+      for (int r = 0; r < R; ++r) out[(z * R + r) * ldo + b] = y[r];
     }
 }
 
-// Rows of x a pass of panel_tile takes at most: each chunk of codes is decoded once for them. Six, not four, where
-// the registers allow (two panels' 12 sums): 3-5% faster for Q4_K, Q8_0, Q4_0, Q4_1 on a Zen 4, AVX2 or VNNI
-// (bench/repack.py); Q6_K's decoding wants the registers (6 rows: 0.94x with VNNI; no faster than 4 on a Zen 3
-// built for AVX2, where 4 ran 1.18-1.23x the stored rows' tiles at 256 rows and 6 1.09-1.12x).
-template <int32_t T>
-constexpr int64_t panel_pass_rows() { return T == kQ6_K ? 4 : 6; }
+// Rows of x a pass of panel_tile takes at most: each chunk of codes is decoded once for them.
+// - Vec8: six, not four, where the registers allow (two panels' 12 sums): 3-5% faster for Q4_K, Q8_0, Q4_0, Q4_1
+//   on a Zen 4, AVX2 or VNNI (bench/repack.py); Q6_K's decoding wants the registers (6 rows: 0.94x with VNNI; no
+//   faster than 4 on a Zen 3 built for AVX2, where 4 ran 1.18-1.23x the stored rows' tiles at 256 rows and 6
+//   1.09-1.12x).
+// - Vec16: six for every type, two pairs of panels' 12 sums in registers of the 32. On a Zen 5 (bench/repack.py at
+//   k = 2,560, 128-row tiles, ratios to the stored rows), 8 rows ran the same within the machine's noise (Q4_K at
+//   275 rows 2.18x against 2.10x, at 64 rows 1.78x against 1.92x).
+template <class V, int32_t T>
+constexpr int64_t pass_rows() { return V::kPanels == 1 && T == kQ6_K ? 4 : 6; }
 
-// P panels from row-block w times bb (1..panel_pass_rows) rows of x, x in the lanes layout or not
-template <int32_t T, int P>
+// P vectors of panels from row-block w times bb (1..pass_rows) rows of x, x in the lanes layout or not
+template <class V, int32_t T, int P>
 void panels_x(bool lanes, int64_t bb, const uint8_t* w, int64_t row_bytes, int64_t ng, const uint8_t* x,
               int64_t xstride, float* o, int64_t ldo) {
   auto run = [&](auto lanes_c, auto rows_c) {
-    panel_out<T, P, decltype(rows_c)::value, decltype(lanes_c)::value>(w, row_bytes, ng, x, xstride, o, ldo);
+    panel_out<V, T, P, decltype(rows_c)::value, decltype(lanes_c)::value>(w, row_bytes, ng, x, xstride, o, ldo);
   };
   auto rows = [&](auto lanes_c) {
     switch (bb) {
@@ -1046,244 +1148,46 @@ void panels_x(bool lanes, int64_t bb, const uint8_t* w, int64_t row_bytes, int64
       case 2: run(lanes_c, std::integral_constant<int, 2>{}); break;
       case 3: run(lanes_c, std::integral_constant<int, 3>{}); break;
       case 4: run(lanes_c, std::integral_constant<int, 4>{}); break;
-      case 5: if constexpr (panel_pass_rows<T>() >= 5) run(lanes_c, std::integral_constant<int, 5>{}); break;
-      default: if constexpr (panel_pass_rows<T>() >= 6) run(lanes_c, std::integral_constant<int, 6>{}); break;
+      case 5: if constexpr (pass_rows<V, T>() >= 5) run(lanes_c, std::integral_constant<int, 5>{}); break;
+      default: if constexpr (pass_rows<V, T>() >= 6) run(lanes_c, std::integral_constant<int, 6>{}); break;
     }
   };
   if (lanes) rows(std::true_type{});
   else rows(std::false_type{});
 }
-
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define LLM_SERVING_PANELS_512 1
-// ---- two panels a 512-bit vector (AVX-512 VNNI builds): 32-bit lane r of a vector is row r of the first panel
-// (r < 8) or row r - 8 of the second, so a multiply-add of two panels' codes by a broadcast word of x adds to 16
-// rows' block sums at once. A core whose VPDPWSSD runs as many 512-bit instructions a cycle as 256-bit ones (Zen 5:
-// 2 of either, a microbenchmark here) takes twice the products a cycle, and every decoding instruction serves 16
-// rows. The integer sums are the 8-row passes' (exact), and the epilogue is theirs lane by lane (the same
-// instructions on wider vectors: each lane's floats in the same order), so the outputs are the same bits.
-
-inline __m512i pair512(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
-inline __m512 pair512(__m256 lo, __m256 hi) {
-  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
-}
-
-// panel_codes_of on two panels' vectors
-template <int32_t T>
-inline __m512i panel_codes512(__m512i q, __m512i hv, int i) {
-  if constexpr (T == kQ8_0) {
-    const __m512i v = i < 2 ? q : hv;
-    return i % 2 == 0 ? _mm512_srai_epi16(_mm512_slli_epi16(v, 8), 8) : _mm512_srai_epi16(v, 8);
-  } else if constexpr (T == kQ6_K) {
-    const __m512i six = _mm512_set1_epi16(63);
-    if (i == 0) return _mm512_and_si512(q, six);
-    if (i == 1) return _mm512_and_si512(_mm512_srli_epi16(q, 6), six);
-    if (i == 2) return _mm512_and_si512(hv, six);
-    return _mm512_or_si512(_mm512_srli_epi16(q, 12), _mm512_and_si512(_mm512_srli_epi16(hv, 2), _mm512_set1_epi16(48)));
-  } else {
-    (void)hv;
-    const __m512i nib = _mm512_set1_epi16(15);
-    return i == 3 ? _mm512_srli_epi16(q, 12) : _mm512_and_si512(i == 0 ? q : _mm512_srli_epi16(q, 4 * i), nib);
-  }
-}
-
-// chunk_vectors of two panels' chunks (c0: lanes 0-7, c1: lanes 8-15)
-template <int32_t T>
-inline void chunk_vectors512(const uint8_t* c0, const uint8_t* c1, __m512i* q, __m512i* hv) {
-  auto v32 = [](const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
-  *q = pair512(v32(c0), v32(c1));
-  if constexpr (T == kQ6_K)
-    *hv = _mm512_cvtepu8_epi16(_mm256_inserti128_si256(_mm256_castsi128_si256(load16(c0 + 32)), load16(c1 + 32), 1));
-  else if constexpr (T == kQ8_0) *hv = pair512(v32(c0 + 32), v32(c1 + 32));
-  else *hv = _mm512_setzero_si512();
-}
-
-// Accumulators a panel_tile512 pass keeps apart per sum (VPDPWSSD's latency against its two a cycle)
-constexpr int kChains512 = 12;
-
-// panel_tile for 2 PZ panels (panel p's row-block at w + p * pstride; pair z: panels 2z and 2z + 1) times BB rows of
-// x: acc[(z * BB + b) * 8 + j], 16 rows each (lanes 0-7: panel 2z's, 8-15: panel 2z + 1's), from zero
-template <int32_t T, int PZ, int BB, bool Lanes>
-void panel_tile512(const uint8_t* w, int64_t pstride, int64_t ng, const uint8_t* xp, int64_t xstride, __m512* acc) {
-  constexpr int C = kChains512 / (PZ * BB) > 1 ? kChains512 / (PZ * BB) : 1;
-  constexpr int64_t PB = panel_bytes<T>();
-  for (int i = 0; i < PZ * BB * 8; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < ng; ++g) {
-    const uint8_t* panel[2 * PZ];
-    __m512 ab[PZ][16];
-    for (int z = 0; z < PZ; ++z) {
-      __m256 lo[16], hi[16];
-      for (int h = 0; h < 2; ++h) {
-        const int p = 2 * z + h;
-        panel[p] = w + p * pstride + g * PB;
-        if constexpr (BB == 1)
-          for (int at = 0; at < PB; at += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(panel[p] + 2 * PZ * pstride + at), _MM_HINT_T1);
-        panel_scales<T>(panel[p], h == 0 ? lo : hi);
-      }
-      for (int q = 0; q < 16; ++q) ab[z][q] = pair512(lo[q], hi[q]);
-    }
-    const uint8_t* xg = xp + g * kXRecord;
-    for (int j = 0; j < 8; ++j) {
-      __m512i s[PZ][BB][C];
-      auto clear = [&] {
-        for (int z = 0; z < PZ; ++z)
-          for (int b = 0; b < BB; ++b)
-            for (int q = 0; q < C; ++q) s[z][b][q] = _mm512_setzero_si512();
-      };
-      auto total = [&](int z, int b) {
-        __m512i t = s[z][b][0];
-        for (int q = 1; q < C; ++q) t = _mm512_add_epi32(t, s[z][b][q]);
-        return t;
-      };
-      clear();
-#pragma GCC unroll 4
-      for (int l = 0; l < 4; ++l) {
-        const int c = 4 * j + l;
-        __m512i v[PZ], hv[PZ];
-        for (int z = 0; z < PZ; ++z)
-          chunk_vectors512<T>(panel[2 * z] + panel_codes<T>() + c * chunk_bytes<T>(),
-                              panel[2 * z + 1] + panel_codes<T>() + c * chunk_bytes<T>(), &v[z], &hv[z]);
-#pragma GCC unroll 4
-        for (int i = 0; i < 4; ++i) {
-          __m512i cv[PZ];
-          for (int z = 0; z < PZ; ++z) cv[z] = panel_codes512<T>(v[z], hv[z], i);
-          const int word = i < 2 ? 2 * l + i : 8 + 2 * l + i - 2;
-          for (int b = 0; b < BB; ++b) {
-            int32_t xw;
-            std::memcpy(&xw, xg + b * xstride + x_word<Lanes>(j, word), 4);
-            const __m512i xb = _mm512_set1_epi32(xw);
-            for (int z = 0; z < PZ; ++z) {
-              __m512i& sum = s[z][b][i % C];
-              sum = _mm512_dpwssd_epi32(sum, cv[z], xb);
-              asm("" : "+v"(sum));            // (kept in its register: panel_tile says why)
-            }
-          }
-        }
-        if (T == kQ6_K && l == 1) {            // the block's first 16 weights, as panel_tile
-          for (int b = 0; b < BB; ++b) {
-            const float* xf = reinterpret_cast<const float*>(xg + b * xstride + kXFloats);
-            const __m512 sx = _mm512_set1_ps(xf[j]);
-            int32_t na;
-            std::memcpy(&na, xf + 16 + j, 4);
-            for (int z = 0; z < PZ; ++z) {
-              const __m512i lo = _mm512_sub_epi32(total(z, b), _mm512_set1_epi32(na << 5));
-              __m512& a = acc[(z * BB + b) * 8 + j];
-              a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(sx, ab[z][j]), a);
-            }
-          }
-          clear();
-        }
-      }
-      for (int b = 0; b < BB; ++b) {
-        const float* xf = reinterpret_cast<const float*>(xg + b * xstride + kXFloats);
-        const __m512 sx = _mm512_set1_ps(xf[j]);
-        for (int z = 0; z < PZ; ++z) {
-          __m512& a = acc[(z * BB + b) * 8 + j];
-          if constexpr (T == kQ6_K) {
-            int32_t nb;
-            std::memcpy(&nb, xf + 24 + j, 4);
-            const __m512i hi = _mm512_sub_epi32(total(z, b), _mm512_set1_epi32(nb << 5));
-            a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(sx, ab[z][8 + j]), a);
-          } else if constexpr (kind_of(T) == kOffset) {
-            a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total(z, b)), _mm512_mul_ps(sx, ab[z][j]), a);
-            a = _mm512_fmadd_ps(ab[z][8 + j], _mm512_set1_ps(xf[8 + j]), a);
-          } else {
-            __m512i t = total(z, b);
-            if constexpr (bias_of(T) != 0) {
-              int32_t na, nb;
-              std::memcpy(&na, xf + 16 + j, 4);
-              std::memcpy(&nb, xf + 24 + j, 4);
-              t = _mm512_sub_epi32(t, _mm512_set1_epi32((na + nb) * bias_of(T)));
-            }
-            a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(sx, ab[z][j]), a);
-          }
-        }
-      }
-    }
-  }
-}
-
-// panel_out for 2 PZ panels
-template <int32_t T, int PZ, int BB, bool Lanes>
-void panel_out512(const uint8_t* w, int64_t row_bytes, int64_t ng, const uint8_t* xp, int64_t xstride, float* out,
-                  int64_t ldo) {
-  __m512 acc[PZ * BB * 8];
-  panel_tile512<T, PZ, BB, Lanes>(w, kPanelRows * row_bytes, ng, xp, xstride, acc);
-  for (int z = 0; z < PZ; ++z)
-    for (int b = 0; b < BB; ++b) {
-      const __m512* a = acc + (z * BB + b) * 8;
-      alignas(64) float y[16];
-      _mm512_store_ps(y, _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[4]), _mm512_add_ps(a[2], a[6])),
-                                       _mm512_add_ps(_mm512_add_ps(a[1], a[5]), _mm512_add_ps(a[3], a[7]))));
-      for (int r = 0; r < 2 * kPanelRows; ++r) out[(2 * z * kPanelRows + r) * ldo + b] = y[r];
-    }
-}
-
-// Rows of x a pass of panel_tile512 takes at most: 6, with two pairs of panels 12 sums in registers of the 32. On a
-// Zen 5 (bench/repack.py at k = 2,560, 128-row tiles, ratios to the stored rows), 8 rows ran the same within the
-// machine's noise (Q4_K at 275 rows 2.18x against 2.10x, at 64 rows 1.78x against 1.92x).
-constexpr int64_t kPassRows512 = 6;
-
-// 2 PZ panels from row-block w times bb (1..kPassRows512) rows of x
-template <int32_t T, int PZ>
-void panels_x512(bool lanes, int64_t bb, const uint8_t* w, int64_t row_bytes, int64_t ng, const uint8_t* x,
-                 int64_t xstride, float* o, int64_t ldo) {
-  auto run = [&](auto lanes_c, auto rows_c) {
-    panel_out512<T, PZ, decltype(rows_c)::value, decltype(lanes_c)::value>(w, row_bytes, ng, x, xstride, o, ldo);
-  };
-  auto rows = [&](auto lanes_c) {
-    switch (bb) {
-      case 1: run(lanes_c, std::integral_constant<int, 1>{}); break;
-      case 2: run(lanes_c, std::integral_constant<int, 2>{}); break;
-      case 3: run(lanes_c, std::integral_constant<int, 3>{}); break;
-      case 4: run(lanes_c, std::integral_constant<int, 4>{}); break;
-      case 5: run(lanes_c, std::integral_constant<int, 5>{}); break;
-      default: run(lanes_c, std::integral_constant<int, 6>{}); break;
-    }
-  };
-  if (lanes) rows(std::true_type{});
-  else rows(std::false_type{});
-}
-#endif
 
 // out[i * ldo + b] for n (a multiple of 8, <= kPanelTileRows) repacked rows of type T (+ kRepacked) from row-block
-// `rows` and m rows of x, two panels at a time (x's words broadcast once for their 16 rows), panel_pass_rows rows
-// of x at a time (AVX-512 VNNI builds: panel_tile512's passes, four panels and kPassRows512 rows of x at a time),
-// the panels read in place at every row count (no buffer: the stored rows' products take wbuf)
+// `rows` and m rows of x, pass_rows rows of x at a time, two vectors of panels at a time (x's words broadcast once
+// for their rows), the panels read in place at every row count (no buffer: the stored rows' products take wbuf).
+// AVX-512 VNNI builds take Vec16's passes at every row count (on a Zen 5, 1.2-1.6x Vec8's from 1 to 256 rows,
+// bench/repack.py), a last panel alone (n not a multiple of 16) Vec8's.
 template <int32_t T>
 void product_repacked(const uint8_t* rows, int64_t row_bytes, int64_t k, int64_t n, const uint8_t* xp, int64_t m,
                       uint8_t* /*wbuf*/, float* out, int64_t ldo) {
+#if defined(LLM_SERVING_PANELS_512)
+  using V = Vec16;
+#else
+  using V = Vec8;
+#endif
+  constexpr int64_t pass = pass_rows<V, T>(), R = V::kPanels * kPanelRows;
   const int64_t ng = groups(k), xstride = x_bytes(k);
   const bool lanes = lanes_layout(m);                 // (how pack_rows packed x for m rows)
-#if defined(LLM_SERVING_PANELS_512)
-  {   // (at every row count: on a Zen 5, 1.2-1.6x the 8-row passes from 1 to 256 rows, bench/repack.py)
-    constexpr int64_t pass = kPassRows512;
-    for (int64_t b0 = 0; b0 < m; b0 += pass) {
-      const int64_t bb = std::min<int64_t>(pass, m - b0);
-      int64_t r = 0;
-      for (; r + 4 * kPanelRows <= n; r += 4 * kPanelRows)
-        panels_x512<T, 2>(lanes, bb, rows + r * row_bytes, row_bytes, ng, xp + b0 * xstride, xstride,
-                          out + r * ldo + b0, ldo);
-      for (; r + 2 * kPanelRows <= n; r += 2 * kPanelRows)
-        panels_x512<T, 1>(lanes, bb, rows + r * row_bytes, row_bytes, ng, xp + b0 * xstride, xstride,
-                          out + r * ldo + b0, ldo);
-      for (; r < n; r += kPanelRows)                  // (a last panel alone: the 8-row passes)
-        for (int64_t b1 = b0; b1 < b0 + bb; b1 += panel_pass_rows<T>())
-          panels_x<T, 1>(lanes, std::min<int64_t>(panel_pass_rows<T>(), b0 + bb - b1), rows + r * row_bytes,
-                         row_bytes, ng, xp + b1 * xstride, xstride, out + r * ldo + b1, ldo);
-    }
-    return;
-  }
-#endif
-  constexpr int64_t pass = panel_pass_rows<T>();
   for (int64_t b0 = 0; b0 < m; b0 += pass) {
     const int64_t bb = std::min<int64_t>(pass, m - b0);
+    const uint8_t* x = xp + b0 * xstride;
+    float* o = out + b0;
     int64_t r = 0;
-    for (; r + 2 * kPanelRows <= n; r += 2 * kPanelRows)
-      panels_x<T, 2>(lanes, bb, rows + r * row_bytes, row_bytes, ng, xp + b0 * xstride, xstride, out + r * ldo + b0, ldo);
-    for (; r < n; r += kPanelRows)
-      panels_x<T, 1>(lanes, bb, rows + r * row_bytes, row_bytes, ng, xp + b0 * xstride, xstride, out + r * ldo + b0, ldo);
+    for (; r + 2 * R <= n; r += 2 * R)
+      panels_x<V, T, 2>(lanes, bb, rows + r * row_bytes, row_bytes, ng, x, xstride, o + r * ldo, ldo);
+    for (; r + R <= n; r += R)
+      panels_x<V, T, 1>(lanes, bb, rows + r * row_bytes, row_bytes, ng, x, xstride, o + r * ldo, ldo);
+    if constexpr (V::kPanels > 1) {
+      constexpr int64_t pass8 = pass_rows<Vec8, T>();
+      for (; r < n; r += kPanelRows)
+        for (int64_t b1 = 0; b1 < bb; b1 += pass8)
+          panels_x<Vec8, T, 1>(lanes, std::min<int64_t>(pass8, bb - b1), rows + r * row_bytes, row_bytes, ng,
+                               x + b1 * xstride, xstride, o + r * ldo + b1, ldo);
+    }
   }
 }
 
