@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from tests.families import greedy_with_logprobs, make_gemma3_vl, needs_transformers, vision_prompt_ids
+from tests.integration.image_chats import chunked_image_args, data_url, png, send_chats, user_message
 from tests.integration.server_harness import http, serving
 
 pytest.importorskip("mindspore")
@@ -30,20 +31,6 @@ def vl_model(tmp_path_factory):
     directory = tmp_path_factory.mktemp("gemma3_vl")
     make_gemma3_vl(directory, seed=6)                  # (a seed whose replies differ by image)
     return directory
-
-
-def _png(seed: int, shape=(70, 91, 3)) -> bytes:
-    from PIL import Image
-
-    mode = "RGBA" if shape[-1] == 4 else "RGB"
-    image = Image.fromarray(np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8), mode)
-    buffer = io.BytesIO()
-    image.save(buffer, "PNG")
-    return buffer.getvalue()
-
-
-def _url(data: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(data).decode()
 
 
 def _reference(path, ids: list, images: list) -> tuple:
@@ -66,21 +53,9 @@ def _reference(path, ids: list, images: list) -> tuple:
     return greedy_with_logprobs(last_logits, ids, NEW_TOKENS)
 
 
-async def _chats(url: str, bodies: list) -> list:
-    """The chat requests sent together (so that they share steps)."""
-    return await asyncio.gather(*(asyncio.to_thread(http, "POST", url + "/v1/chat/completions", body)
-                                  for body in bodies))
-
-
 def _body(messages: list) -> dict:
     return {"model": MODEL, "messages": messages, "max_tokens": NEW_TOKENS, "temperature": 0,
             "logprobs": True}
-
-
-def _user(text: str, *images: bytes, image_first: bool = False) -> dict:
-    parts = [{"type": "image_url", "image_url": {"url": _url(d)}} for d in images]
-    text_part = [{"type": "text", "text": text}]
-    return {"role": "user", "content": parts + text_part if image_first else text_part + parts}
 
 
 def test_image_questions_get_transformers_tokens_and_logprobs(vl_model, tmp_path):
@@ -90,26 +65,22 @@ def test_image_questions_get_transformers_tokens_and_logprobs(vl_model, tmp_path
     not encoded again): each reply is transformers' greedy tokens, with their log-probabilities."""
     from llm_serving.tokenization import load_tokenizer
 
-    a, b, c = _png(0), _png(1), _png(2, (30, 20, 4))
+    a, b, c = png(0), png(1), png(2, (30, 20, 4))
     chats = [  # (messages, the turns as the template renders them, their images in order)
-        ([_user("What is in this picture?", a)], [("user", "What is in this picture?<start_of_image>")], [a]),
-        ([_user("What is in this picture?", b)], [("user", "What is in this picture?<start_of_image>")], [b]),
-        ([_user("Compare them:", a, c)], [("user", "Compare them:<start_of_image><start_of_image>")], [a, c]),
-        ([_user("Describe", c, image_first=True)], [("user", "<start_of_image>Describe")], [c]),
+        ([user_message("What is in this picture?", a)], [("user", "What is in this picture?<start_of_image>")], [a]),
+        ([user_message("What is in this picture?", b)], [("user", "What is in this picture?<start_of_image>")], [b]),
+        ([user_message("Compare them:", a, c)], [("user", "Compare them:<start_of_image><start_of_image>")], [a, c]),
+        ([user_message("Describe", c, image_first=True)], [("user", "<start_of_image>Describe")], [c]),
     ]
-    follow = [_user("What is in this picture?", a), {"role": "assistant", "content": "a cat"},
+    follow = [user_message("What is in this picture?", a), {"role": "assistant", "content": "a cat"},
               {"role": "user", "content": "Are you sure?"}]
     chats.append((follow, [("user", "What is in this picture?<start_of_image>"), ("assistant", "a cat"),
                            ("user", "Are you sure?")], [a]))
     tok = load_tokenizer(str(vl_model / "tokenizer.json"))
-    args = ["--model", str(vl_model), "--set", f"model_config.model_name={MODEL}",
-            "--set", "model_config.max_generate_length=128", "--set", "pa_config.block_size=8",
-            "--set", "scheduler_config.chunked_prefill=true", "--set", "scheduler_config.max_chunk_tokens=16",
-            "--set", "serving_config.max_num_batched_tokens=32", "--set", "serving_config.max_num_seqs=8",
-            "--set", "scheduler_config.enable_prefix_caching=true", "--set", "pa_config.kv_cache_dtype=float32"]
+    args = chunked_image_args(vl_model, MODEL, 128)
     with serving(args, tmp_path / "server.log") as server:
-        first = asyncio.run(_chats(server.url, [_body(m) for m, _, _ in chats[:4]]))
-        last = asyncio.run(_chats(server.url, [_body(chats[4][0])]))
+        first = asyncio.run(send_chats(server.url, [_body(m) for m, _, _ in chats[:4]]))
+        last = asyncio.run(send_chats(server.url, [_body(chats[4][0])]))
         stats = http("GET", server.url + "/stats")[1]
         log = (tmp_path / "server.log").read_text()
     for (messages, turns, images), (status, body) in zip(chats, first + last):
@@ -138,7 +109,7 @@ def test_an_image_beside_a_stream_is_encoded_ahead_in_the_stream_s_steps(vl_mode
 
     from llm_serving.tokenization import load_tokenizer
 
-    a = _png(3)
+    a = png(3)
     text = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 90,
             "temperature": 0, "ignore_eos": True}
     args = ["--model", str(vl_model), "--set", f"model_config.model_name={MODEL}",
@@ -165,7 +136,7 @@ def test_an_image_beside_a_stream_is_encoded_ahead_in_the_stream_s_steps(vl_mode
             async def ask() -> dict:
                 await started.wait()                 # (the stream is decoding)
                 async with session.post(url + "/v1/chat/completions",
-                                        json=_body([_user("What is in this picture?", a)])) as r:
+                                        json=_body([user_message("What is in this picture?", a)])) as r:
                     assert r.status == 200, await r.text()
                     return await r.json()
             started = asyncio.Event()
@@ -228,19 +199,19 @@ def test_bad_images_are_refused_by_name_and_every_api_carries_an_image(vl_model,
     image question through OpenAI's chat and Responses, Anthropic's Messages and Ollama's chat and generate gets the
     same reply, and so does TGI's generate with a markdown image in its raw prompt; /v1/models and /api/show say the
     model takes images."""
-    good = _png(0)
+    good = png(0)
     truncated = good[:len(good) // 2]
     cases = [
-        (_body([_user("x", b"not an image at all")]), "not an image"),
-        (_body([_user("x", truncated)]), "image 1 of 1"),
+        (_body([user_message("x", b"not an image at all")]), "not an image"),
+        (_body([user_message("x", truncated)]), "image 1 of 1"),
         (_body([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]),
          "data: URL"),
         (_body([{"role": "user", "content": [{"type": "image_url", "image_url": "data:text/plain;base64,aGk="}]}]),
          "not an image"),
-        (_body([_user("x", good, good, good)]), "at most 2"),
+        (_body([user_message("x", good, good, good)]), "at most 2"),
         (_body([{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
-            {"type": "image_url", "image_url": {"url": _url(good)}}]}]), "user messages"),
-        (_body([_user("x", _png(4, (700, 700, 3)))]), "max_image_bytes"),
+            {"type": "image_url", "image_url": {"url": data_url(good)}}]}]), "user messages"),
+        (_body([user_message("x", png(4, (700, 700, 3)))]), "max_image_bytes"),
         ({"inputs": "x ![](data:text/plain;base64,aGk=)", "route": "/generate"}, "not an image"),
         ({"inputs": "x ![](https://example.com/a.png)", "route": "/generate"}, "data: URL"),
         ({"inputs": "spelled <image_soft_token><image_soft_token>", "route": "/generate"}, "but no image"),
@@ -253,7 +224,7 @@ def test_bad_images_are_refused_by_name_and_every_api_carries_an_image(vl_model,
             status, reply = http("POST", server.url + body.pop("route", "/v1/chat/completions"), body)
             assert status == 400, (says, reply)
             assert says in json.dumps(reply), (says, reply)
-        status, reply = http("POST", server.url + "/v1/chat/completions", _body([_user("x", good)]))
+        status, reply = http("POST", server.url + "/v1/chat/completions", _body([user_message("x", good)]))
         assert status == 200, reply
         assert reply["usage"]["completion_tokens"] == NEW_TOKENS
         # every API that carries an image: the same question gets the same reply (Ollama's images come before the
@@ -261,9 +232,9 @@ def test_bad_images_are_refused_by_name_and_every_api_carries_an_image(vl_model,
         b64 = base64.b64encode(good).decode()
         replies = {}
         for name, path, body, pick in [
-            ("openai", "/v1/chat/completions", _body([_user("What is it?", good)]),
+            ("openai", "/v1/chat/completions", _body([user_message("What is it?", good)]),
              lambda r: r["choices"][0]["message"]["content"]),
-            ("openai first", "/v1/chat/completions", _body([_user("What is it?", good, image_first=True)]),
+            ("openai first", "/v1/chat/completions", _body([user_message("What is it?", good, image_first=True)]),
              lambda r: r["choices"][0]["message"]["content"]),
             ("anthropic", "/v1/messages", {"model": MODEL, "max_tokens": NEW_TOKENS, "temperature": 0, "messages": [
                 {"role": "user", "content": [{"type": "text", "text": "What is it?"}, {"type": "image", "source": {
@@ -271,7 +242,7 @@ def test_bad_images_are_refused_by_name_and_every_api_carries_an_image(vl_model,
             ("responses", "/v1/responses", {"model": MODEL, "max_output_tokens": NEW_TOKENS, "temperature": 0,
                                             "input": [{"role": "user", "content": [
                                                 {"type": "input_text", "text": "What is it?"},
-                                                {"type": "input_image", "image_url": _url(good)}]}]},
+                                                {"type": "input_image", "image_url": data_url(good)}]}]},
              lambda r: r["output"][-1]["content"][0]["text"]),
             ("ollama chat", "/api/chat", {"model": MODEL, "stream": False, "options": {
                 "temperature": 0, "num_predict": NEW_TOKENS}, "messages": [
@@ -281,7 +252,7 @@ def test_bad_images_are_refused_by_name_and_every_api_carries_an_image(vl_model,
                                                                                "num_predict": NEW_TOKENS}},
              lambda r: r["response"]),
             ("tgi generate", f"/models/{MODEL}/generate", {  # (TGI's markdown image, in the template's text by hand)
-                "inputs": f"<|im_start|>user\nWhat is it?![]({_url(good)})<|im_end|>\n<|im_start|>assistant\n",
+                "inputs": f"<|im_start|>user\nWhat is it?![]({data_url(good)})<|im_end|>\n<|im_start|>assistant\n",
                 "parameters": {"max_new_tokens": NEW_TOKENS}}, lambda r: r["generated_text"]),
         ]:
             status, reply = http("POST", server.url + path, body)
@@ -290,7 +261,7 @@ def test_bad_images_are_refused_by_name_and_every_api_carries_an_image(vl_model,
         models = http("GET", server.url + "/v1/models")[1]["data"]
         shown = http("POST", server.url + "/api/show", {"model": MODEL})[1]
         # what the image question's prompt is counted as, by every route that counts one: the same
-        question = [_user("What is it?", good)]
+        question = [user_message("What is it?", good)]
         asked = http("POST", server.url + "/v1/chat/completions", _body(question))[1]["usage"]["prompt_tokens"]
         tokenized = http("POST", server.url + "/tokenize", {"model": MODEL, "messages": question})[1]["count"]
         counted = http("POST", server.url + "/v1/messages/count_tokens", {"model": MODEL, "messages": [
@@ -313,7 +284,7 @@ def test_image_urls_are_fetched_only_from_the_allowed_hosts(vl_model, tmp_path):
     import time
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    good, big = _png(0), _png(4, (700, 700, 3))
+    good, big = png(0), png(4, (700, 700, 3))
 
     class Images(BaseHTTPRequestHandler):
         def do_GET(self):              # noqa: N802 - the standard library's name
@@ -346,7 +317,7 @@ def test_image_urls_are_fetched_only_from_the_allowed_hosts(vl_model, tmp_path):
             "--set", "serving_config.image_url_hosts=[127.0.0.1]", "--set", "serving_config.image_fetch_timeout_s=1"]
     try:
         with serving(args, tmp_path / "server.log") as server:
-            want = http("POST", server.url + "/v1/chat/completions", chat(_url(good)))[1]
+            want = http("POST", server.url + "/v1/chat/completions", chat(data_url(good)))[1]
             got = http("POST", server.url + "/v1/chat/completions", chat(base + "/a.png"))[1]
             anthropic = http("POST", server.url + "/v1/messages", {
                 "model": MODEL, "max_tokens": NEW_TOKENS, "temperature": 0, "messages": [{"role": "user", "content": [
@@ -405,7 +376,7 @@ def test_pan_and_scan_gives_a_wide_images_crops_transformers_tokens(vl_model, tm
     config.update(do_pan_and_scan=True, pan_and_scan_min_crop_size=16, pan_and_scan_max_num_crops=4,
                   pan_and_scan_min_ratio_to_activate=1.2)
     (model / "preprocessor_config.json").write_text(json.dumps(config))
-    wide, square = _png(3, (40, 130, 3)), _png(4, (55, 60, 3))
+    wide, square = png(3, (40, 130, 3)), png(4, (55, 60, 3))
     boi, eoi, image = GEMMA3_IMAGE_TOKENS
     full = SimpleNamespace(full_image_sequence=f"\n\n{boi}{image * 4}{eoi}\n\n")
 
@@ -421,11 +392,11 @@ def test_pan_and_scan_gives_a_wide_images_crops_transformers_tokens(vl_model, tm
     args = ["--model", str(model), "--set", f"model_config.model_name={MODEL}",
             "--set", "model_config.max_generate_length=384", "--set", "pa_config.kv_cache_dtype=float32"]
     with serving(args, tmp_path / "server.log") as server:
-        replies = [http("POST", server.url + "/v1/chat/completions", _body([_user(text, *images)]))
+        replies = [http("POST", server.url + "/v1/chat/completions", _body([user_message(text, *images)]))
                    for text, images, _ in chats]          # (in turn: the second reuses the wide image's frames)
         log = (tmp_path / "server.log").read_text()
     with serving(args + ["--set", "model_config.pan_and_scan=off"], tmp_path / "off.log") as server:
-        off = http("POST", server.url + "/v1/chat/completions", _body([_user("What is it?", wide)]))
+        off = http("POST", server.url + "/v1/chat/completions", _body([user_message("What is it?", wide)]))
     tok = load_tokenizer(str(model / "tokenizer.json"))
     for (text, images, crops), (status, body) in zip(chats, replies):
         assert status == 200, body

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from tests.families import MISTRAL3_IMAGE_TOKENS, greedy_with_logprobs, make_mistral3, needs_transformers
+from tests.integration.image_chats import png, user_message
 from tests.integration.server_harness import http, serving
-from tests.integration.test_images_qwen import (MODEL, NEW_TOKENS, Kit, _body, _png, _user, served_gguf_chats,
-                                                served_image_chats)
+from tests.integration.test_images_qwen import MODEL, NEW_TOKENS, Kit, _body, served_gguf_chats, served_image_chats
 from tests.integration.test_vision_qwen3 import float_kernels_bound
 
 pytest.importorskip("mindspore")
@@ -126,7 +126,7 @@ def test_the_tower_and_the_float64_reference_are_transformers(mistral3):
                     float_kernels_bound(kernels, 2e-6)),
                    ("int16", QwenVisionTower(cfg, tensors, kernels=kernels, threads=2, int16=True), 3e-3)]
     reference = ReferenceVision(str(mistral3))
-    for data in (_png(0, (40, 130, 3)), _png(1, (64, 30, 3))):
+    for data in (png(0, (40, 130, 3)), png(1, (64, 30, 3))):
         out = _processed(mistral3, [data])
         with torch.no_grad():
             want = model.model.get_image_features(
@@ -151,13 +151,13 @@ def test_a_prompt_spelling_image_tokens_is_a_400(mistral3, tmp_path):
     transformers' processor makes it (2 rows of 4 merge units: one row break, one end)."""
     from tokenizers import Tokenizer
 
-    wide = _png(0, (40, 130, 3))
-    spelled = _user(f"Look: {IMG}{BREAK}", wide)
+    wide = png(0, (40, 130, 3))
+    spelled = user_message(f"Look: {IMG}{BREAK}", wide)
     args = ["--model", str(mistral3), "--set", f"model_config.model_name={MODEL}",
             "--set", "model_config.max_generate_length=128", "--set", "pa_config.kv_cache_dtype=float32"]
     with serving(args, tmp_path / "server.log") as server:
         bad = http("POST", server.url + "/v1/chat/completions", _body([spelled]))
-        fine = http("POST", server.url + "/v1/chat/completions", _body([_user("What is it?", wide)]))
+        fine = http("POST", server.url + "/v1/chat/completions", _body([user_message("What is it?", wide)]))
     assert bad[0] == 400 and "image" in bad[1]["error"]["message"], bad
     assert fine[0] == 200, fine
     ids = _prompt_ids(mistral3, [("user", f"What is it?{IMG}")], [wide])

@@ -7,7 +7,6 @@ cache and the encoded-image cache in play, decode runs after an image, and a tex
 from __future__ import annotations
 
 import asyncio
-import base64
 import io
 from dataclasses import dataclass
 from typing import Callable
@@ -16,6 +15,7 @@ import numpy as np
 import pytest
 
 from tests.families import greedy_with_logprobs, make_qwen25_vl, needs_transformers
+from tests.integration.image_chats import chunked_image_args, png, send_chats, user_message
 from tests.integration.server_harness import http, precision_gate, serving
 
 pytest.importorskip("mindspore")
@@ -32,16 +32,6 @@ def qwen_vl(tmp_path_factory):
     directory = tmp_path_factory.mktemp("qwen25vl")
     make_qwen25_vl(directory, seed=3)
     return directory
-
-
-def _png(seed: int, shape) -> bytes:
-    from PIL import Image
-
-    mode = "RGBA" if shape[-1] == 4 else "RGB"
-    image = Image.fromarray(np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8), mode)
-    buffer = io.BytesIO()
-    image.save(buffer, "PNG")
-    return buffer.getvalue()
 
 
 def _processed(path, images: list, max_pixels=None) -> dict:
@@ -94,19 +84,8 @@ def _reference(path, ids: list, images: list, max_pixels=None) -> tuple:
     return greedy_with_logprobs(logits, ids, NEW_TOKENS)
 
 
-def _user(text: str, *images: bytes) -> dict:
-    return {"role": "user", "content": [{"type": "text", "text": text}] + [
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(d).decode()}}
-        for d in images]}
-
-
 def _body(messages: list) -> dict:
     return {"model": MODEL, "messages": messages, "max_tokens": NEW_TOKENS, "temperature": 0, "logprobs": True}
-
-
-async def _chats(url: str, bodies: list) -> list:
-    return await asyncio.gather(*(asyncio.to_thread(http, "POST", url + "/v1/chat/completions", body)
-                                  for body in bodies))
 
 
 IMAGE = f"<|vision_start|>{PAD}<|vision_end|>"
@@ -148,27 +127,23 @@ def served_image_chats(path, tmp_path, kit: Kit = QWEN) -> None:
     encoded-image cache. Each reply is transformers' (`check_replies`); the precision gate with two picture prompts
     passes (the reference's float64 tower on the captured patches, its text model placing them by their grids, every
     row within 0.5%); three images are encoded, each once (the follow-up's from the cache); /v1/models says images."""
-    wide, tall, small = _png(0, (40, 130, 3)), _png(1, (120, 50, 3)), _png(2, (30, 20, 4))
+    wide, tall, small = png(0, (40, 130, 3)), png(1, (120, 50, 3)), png(2, (30, 20, 4))
     image = kit.image
     chats = [  # (messages, the turns as the template renders them, their images in order)
-        ([_user("What is in this picture? Say it briefly.", wide)],
+        ([user_message("What is in this picture? Say it briefly.", wide)],
          [("user", f"What is in this picture? Say it briefly.{image}")], [wide]),
-        ([_user("Compare them:", tall, small)], [("user", f"Compare them:{image}{image}")], [tall, small]),
-        ([_user("What is it?", small)], [("user", f"What is it?{image}")], [small]),
+        ([user_message("Compare them:", tall, small)], [("user", f"Compare them:{image}{image}")], [tall, small]),
+        ([user_message("What is it?", small)], [("user", f"What is it?{image}")], [small]),
         ([{"role": "user", "content": "Name three colors."}], [("user", "Name three colors.")], []),
     ]
-    follow = [_user("What is in this picture? Say it briefly.", wide), {"role": "assistant", "content": "a cat"},
+    follow = [user_message("What is in this picture? Say it briefly.", wide), {"role": "assistant", "content": "a cat"},
               {"role": "user", "content": "Are you sure?"}]
     chats.append((follow, [("user", f"What is in this picture? Say it briefly.{image}"), ("assistant", "a cat"),
                            ("user", "Are you sure?")], [wide]))
-    args = ["--model", str(path), "--set", f"model_config.model_name={MODEL}",
-            "--set", "model_config.max_generate_length=256", "--set", "pa_config.block_size=8",
-            "--set", "scheduler_config.chunked_prefill=true", "--set", "scheduler_config.max_chunk_tokens=16",
-            "--set", "serving_config.max_num_batched_tokens=32", "--set", "serving_config.max_num_seqs=8",
-            "--set", "scheduler_config.enable_prefix_caching=true", "--set", "pa_config.kv_cache_dtype=float32"]
+    args = chunked_image_args(path, MODEL)
     with serving(args, tmp_path / "server.log") as server:
-        first = asyncio.run(_chats(server.url, [_body(m) for m, _, _ in chats[:4]]))
-        last = asyncio.run(_chats(server.url, [_body(chats[4][0])]))
+        first = asyncio.run(send_chats(server.url, [_body(m) for m, _, _ in chats[:4]]))
+        last = asyncio.run(send_chats(server.url, [_body(chats[4][0])]))
         models = http("GET", server.url + "/v1/models")[1]
         log = (tmp_path / "server.log").read_text()
         prompts = tmp_path / "prompts.txt"
@@ -187,13 +162,13 @@ def served_gguf_chats(path, text, mmproj, tmp_path, kit: Kit = QWEN) -> None:
     """Two image chats (one image; two in a turn) to the tiny Qwen-VL model at `path` served as the GGUF `text` with
     its `mmproj` beside it: each reply is transformers' (`check_replies`; images whose grids llama.cpp's bounds, 8
     to 4,096 tokens, leave as the tiny processor's)."""
-    wide, square = _png(1, (50, 120, 3)), _png(4, (100, 100, 3))
-    chats = [([_user("What is it?", wide)], [("user", f"What is it?{kit.image}")], [wide]),
-             ([_user("Compare:", square, wide)], [("user", f"Compare:{kit.image}{kit.image}")], [square, wide])]
+    wide, square = png(1, (50, 120, 3)), png(4, (100, 100, 3))
+    chats = [([user_message("What is it?", wide)], [("user", f"What is it?{kit.image}")], [wide]),
+             ([user_message("Compare:", square, wide)], [("user", f"Compare:{kit.image}{kit.image}")], [square, wide])]
     args = ["--model", str(text), "--set", f"model_config.mmproj={mmproj}", "--set", f"model_config.model_name={MODEL}",
             "--set", "model_config.max_generate_length=256", "--set", "pa_config.kv_cache_dtype=float32"]
     with serving(args, tmp_path / "server.log") as server:
-        replies = asyncio.run(_chats(server.url, [_body(m) for m, _, _ in chats]))
+        replies = asyncio.run(send_chats(server.url, [_body(m) for m, _, _ in chats]))
     check_replies(path, chats, replies, kit)
 
 
@@ -211,17 +186,17 @@ def test_an_image_past_the_agents_largest_call_is_made_smaller_and_a_bad_one_is_
     the grid (its long edge 300 times its short one) is a 400 naming it while the server goes on serving."""
     from llm_serving.tokenization import load_tokenizer
 
-    big = _png(4, (100, 100, 3))
+    big = png(4, (100, 100, 3))
     args = ["--model", str(qwen_vl), "--set", f"model_config.model_name={MODEL}",
             "--set", "model_config.max_generate_length=128", "--set", "model_config.seq_length=[8]",
             "--set", "serving_config.max_num_batched_tokens=8", "--set", "serving_config.max_num_seqs=4",
             "--set", "scheduler_config.chunked_prefill=true",
             "--set", "scheduler_config.max_chunk_tokens=8", "--set", "pa_config.kv_cache_dtype=float32"]
     with serving(args, tmp_path / "server.log") as server:
-        status, body = http("POST", server.url + "/v1/chat/completions", _body([_user("What is it?", big)]))
+        status, body = http("POST", server.url + "/v1/chat/completions", _body([user_message("What is it?", big)]))
         narrow_status, narrow = http("POST", server.url + "/v1/chat/completions",
-                                     _body([_user("And this?", _png(5, (1, 300, 3)))]))
-        again = http("POST", server.url + "/v1/chat/completions", _body([_user("What is it?", big)]))
+                                     _body([user_message("And this?", png(5, (1, 300, 3)))]))
+        again = http("POST", server.url + "/v1/chat/completions", _body([user_message("What is it?", big)]))
     assert status == 200, body
     turns = [("user", f"What is it?{IMAGE}")]
     assert len(_prompt_ids(qwen_vl, turns, [big])) == body["usage"]["prompt_tokens"] + 16 - 4   # 4 tokens, not 16
@@ -322,7 +297,7 @@ def test_the_float64_reference_places_images_as_transformers_does(qwen_vl):
     torch, transformers = needs_transformers()
     from llm_serving.reference_llama import ReferenceLlama
 
-    wide, square = _png(1, (50, 120, 3)), _png(4, (100, 100, 3))
+    wide, square = png(1, (50, 120, 3)), png(4, (100, 100, 3))
     ids = _prompt_ids(qwen_vl, [("user", f"Compare:{IMAGE} and{IMAGE} now")], [wide, square])
     out = _processed(qwen_vl, [wide, square])
     model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from tests.families import make_qwen2_vl, needs_transformers
-from tests.integration.test_images_qwen import _png, add_qwen_vl_tensors, served_gguf_chats, served_image_chats
+from tests.integration.image_chats import png
+from tests.integration.test_images_qwen import add_qwen_vl_tensors, served_gguf_chats, served_image_chats
 
 pytest.importorskip("mindspore")
 pytest.importorskip("PIL", reason="Pillow reads the images (pip install -e .)")
@@ -35,7 +36,7 @@ def qwen2_vl(tmp_path_factory):
     directory = tmp_path_factory.mktemp("qwen2vl")
     model = make_qwen2_vl(directory, seed=7)
     spec = ImageSpec.from_dir(str(directory))
-    patches = [qwen_patches(decode(_png(k, shape)), spec) for k, shape in enumerate(SHAPES)]
+    patches = [qwen_patches(decode(png(k, shape)), spec) for k, shape in enumerate(SHAPES)]
     assert [p.shape[:2] for p in patches] == list(SHAPES.values())
     rows = np.concatenate([p.reshape(-1, p.shape[-1]) for p in patches])
     with torch.no_grad():

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from tests.families import make_qwen3_vl, needs_transformers
-from tests.integration.test_images_qwen import (IMAGE, _png, _processed, _prompt_ids, served_gguf_chats,
-                                                served_image_chats)
+from tests.integration.image_chats import png
+from tests.integration.test_images_qwen import IMAGE, _processed, _prompt_ids, served_gguf_chats, served_image_chats
 
 pytest.importorskip("mindspore")
 pytest.importorskip("PIL", reason="Pillow reads the images (pip install -e .)")
@@ -130,7 +130,7 @@ def test_the_float64_reference_adds_deepstack_rows_as_transformers_does(qwen3_vl
     torch, transformers = needs_transformers()
     from llm_serving.reference_llama import ReferenceLlama
 
-    wide, square = _png(1, (50, 120, 3)), _png(4, (100, 100, 3))
+    wide, square = png(1, (50, 120, 3)), png(4, (100, 100, 3))
     ids = _prompt_ids(qwen3_vl, [("user", f"Compare:{IMAGE} and{IMAGE} now")], [wide, square])
     out = _processed(qwen3_vl, [wide, square])
     model = transformers.Qwen3VLForConditionalGeneration.from_pretrained(

@@ -8,13 +8,13 @@ tower on their own equal transformers'."""
 from __future__ import annotations
 
 import asyncio
-import base64
 import io
 
 import numpy as np
 import pytest
 
 from tests.families import SMOLVLM_IMAGE_TOKENS, greedy_with_logprobs, make_smolvlm, needs_transformers
+from tests.integration.image_chats import chunked_image_args, png, send_chats, user_message
 from tests.integration.server_harness import http, precision_gate, serving
 
 pytest.importorskip("mindspore")
@@ -32,16 +32,6 @@ def smolvlm(tmp_path_factory):
     directory = tmp_path_factory.mktemp("smolvlm")
     make_smolvlm(directory, seed=3)
     return directory
-
-
-def _png(seed: int, shape) -> bytes:
-    from PIL import Image
-
-    mode = "RGBA" if shape[-1] == 4 else "RGB"
-    image = Image.fromarray(np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8), mode)
-    buffer = io.BytesIO()
-    image.save(buffer, "PNG")
-    return buffer.getvalue()
 
 
 def _processor(path):
@@ -83,19 +73,8 @@ def _reference(path, ids: list, images: list) -> tuple:
                                 ids, NEW_TOKENS)
 
 
-def _user(text: str, *images: bytes) -> dict:
-    return {"role": "user", "content": [{"type": "text", "text": text}] + [
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(d).decode()}}
-        for d in images]}
-
-
 def _body(messages: list) -> dict:
     return {"model": MODEL, "messages": messages, "max_tokens": NEW_TOKENS, "temperature": 0, "logprobs": True}
-
-
-async def _chats(url: str, bodies: list) -> list:
-    return await asyncio.gather(*(asyncio.to_thread(http, "POST", url + "/v1/chat/completions", body)
-                                  for body in bodies))
 
 
 def test_frames_and_tower_are_transformers(smolvlm):
@@ -119,7 +98,7 @@ def test_frames_and_tower_are_transformers(smolvlm):
     model = transformers.SmolVLMForConditionalGeneration.from_pretrained(str(smolvlm)).eval()
     counts = []
     for seed, shape in enumerate([(50, 70, 3), (100, 10, 3), (20, 30, 4), (31, 65, 3)]):
-        data = _png(seed, shape)
+        data = png(seed, shape)
         ours = np.stack(frames(decode(data), spec))
         theirs = processor(images=[[Image.open(io.BytesIO(data))]], return_tensors="np")["pixel_values"][0]
         np.testing.assert_allclose(ours, theirs, atol=1e-6)
@@ -139,25 +118,21 @@ def test_smolvlm_image_questions_get_transformers_tokens_and_logprobs(smolvlm, t
     gate with picture prompts passes."""
     from llm_serving.tokenization import load_tokenizer
 
-    wide, tall, small = _png(0, (50, 70, 3)), _png(1, (100, 10, 3)), _png(2, (20, 30, 4))
+    wide, tall, small = png(0, (50, 70, 3)), png(1, (100, 10, 3)), png(2, (20, 30, 4))
     chats = [  # (messages, the turns as the template renders them, their images in order)
-        ([_user("What is in this picture?", wide)], [("user", "What is in this picture?<image>")], [wide]),
-        ([_user("Compare them:", tall, small)], [("user", "Compare them:<image><image>")], [tall, small]),
-        ([_user("What is in this picture?", small)], [("user", "What is in this picture?<image>")], [small]),
+        ([user_message("What is in this picture?", wide)], [("user", "What is in this picture?<image>")], [wide]),
+        ([user_message("Compare them:", tall, small)], [("user", "Compare them:<image><image>")], [tall, small]),
+        ([user_message("What is in this picture?", small)], [("user", "What is in this picture?<image>")], [small]),
     ]
-    follow = [_user("What is in this picture?", wide), {"role": "assistant", "content": "a cat"},
+    follow = [user_message("What is in this picture?", wide), {"role": "assistant", "content": "a cat"},
               {"role": "user", "content": "Are you sure?"}]
     chats.append((follow, [("user", "What is in this picture?<image>"), ("assistant", "a cat"),
                            ("user", "Are you sure?")], [wide]))
     tok = load_tokenizer(str(smolvlm / "tokenizer.json"))
-    args = ["--model", str(smolvlm), "--set", f"model_config.model_name={MODEL}",
-            "--set", "model_config.max_generate_length=256", "--set", "pa_config.block_size=8",
-            "--set", "scheduler_config.chunked_prefill=true", "--set", "scheduler_config.max_chunk_tokens=16",
-            "--set", "serving_config.max_num_batched_tokens=32", "--set", "serving_config.max_num_seqs=8",
-            "--set", "scheduler_config.enable_prefix_caching=true", "--set", "pa_config.kv_cache_dtype=float32"]
+    args = chunked_image_args(smolvlm, MODEL)
     with serving(args, tmp_path / "server.log") as server:
-        first = asyncio.run(_chats(server.url, [_body(m) for m, _, _ in chats[:3]]))
-        last = asyncio.run(_chats(server.url, [_body(chats[3][0])]))
+        first = asyncio.run(send_chats(server.url, [_body(m) for m, _, _ in chats[:3]]))
+        last = asyncio.run(send_chats(server.url, [_body(chats[3][0])]))
         models = http("GET", server.url + "/v1/models")[1]
         log = (tmp_path / "server.log").read_text()
         # the precision gate with two picture prompts (each 4 + 1 frames, causal): the reference's float64 tower on
