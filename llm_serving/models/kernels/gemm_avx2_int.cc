@@ -976,14 +976,14 @@ inline typename V::I codes_of(typename V::I q, typename V::I hv, int i) {
 // Up to this many rows of x, a 4-bit type's panels take pair i's codes in place, times 16^i (an and each; pair 3 a
 // shift): 4 instructions a chunk where codes_of takes 6. Each pair's sums are kept apart (pair 0 and 3's
 // together), exact in int32 (15 x 256 x 2^15 x 2 x 4 chunks < 2^31), and shifted back once a block (panel_tile's total).
-// One row of x on a Zen 4 built for AVX2, Q4_K in cache: 22.3 -> 20.5 cycles per 256 weights. With more rows the
-// decoding is shared by the rows and the extra sums cost more than it saves (2 rows: 34.3 -> 35.8-38.2 cycles).
+// One row of x on a Zen 4 built for AVX2, Q4_K in cache: 22.3 -> 20.5 cycles per 256 weights; on Vec16's passes
+// there (bench/repack.py --m 1, three rounds, ratios to the stored rows) Q4_K 1.58-1.64x -> 1.69-1.77x, Q4_0
+// 1.89-1.92x -> 1.96-2.11x. With more rows the decoding is shared by the rows and the extra sums cost more than it
+// saves (2 rows: 34.3 -> 35.8-38.2 cycles).
 constexpr int kAndOnlyRows = 1;
 
-template <class V, int32_t T>
-constexpr bool and_only(int bb) {
-  return V::kPanels == 1 && (T == kQ4_K || T == kQ4_0 || T == kQ4_1) && bb <= kAndOnlyRows;
-}
+template <int32_t T>
+constexpr bool and_only(int bb) { return (T == kQ4_K || T == kQ4_0 || T == kQ4_1) && bb <= kAndOnlyRows; }
 
 template <class V>
 inline typename V::I nibbles_in_place(typename V::I q, int i) {
@@ -1001,7 +1001,7 @@ void panel_tile(const uint8_t* w, int64_t pstride, int64_t ng, const uint8_t* xp
   using I = typename V::I;
   using F = typename V::F;
   constexpr int NP = P * V::kPanels;
-  constexpr bool AO = and_only<V, T>(BB);   // sums: pairs 0 and 3, pair 1 (x 16), pair 2 (x 256)
+  constexpr bool AO = and_only<T>(BB);   // sums: pairs 0 and 3, pair 1 (x 16), pair 2 (x 256)
   constexpr int C = AO ? 3 : V::kSums / (P * BB) > 1 ? V::kSums / (P * BB) : 1;      // each sum's chains
   constexpr int64_t PB = panel_bytes<T>();
   for (int i = 0; i < P * BB * 8; ++i) acc[i] = V::fzero();
