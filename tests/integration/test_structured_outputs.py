@@ -27,11 +27,6 @@ def client(smollm2_server):
     return openai.OpenAI(base_url=smollm2_server.url + "/v1", api_key="not-needed", max_retries=0, timeout=120)
 
 
-def chunks(text: str) -> list:
-    """An OpenAI stream's chunks (its data lines, [DONE] left out)."""
-    return parse_sse(text)
-
-
 def chat(url, content, **fields):
     return http("POST", url + "/v1/chat/completions", {"model": MODEL, "temperature": 0, "max_tokens": 80,
                                                         "messages": [{"role": "user", "content": content}], **fields})
@@ -52,7 +47,7 @@ def test_a_json_schema_reply_parses_and_validates_sampled_or_greedy_streamed_or_
     status, text = chat(url, prompt, response_format=fmt, temperature=1.0, seed=7, n=3, stream=True)
     assert status == 200
     parts = {}
-    for event in chunks(text):
+    for event in parse_sse(text):
         for c in event["choices"]:
             parts.setdefault(c["index"], []).append(c["delta"].get("content") or "")
             if c["finish_reason"] is not None:
@@ -269,7 +264,7 @@ def test_a_forced_call_with_parallel_calls_allowed_ends_with_its_call(smollm2_se
         ends.append((choice["finish_reason"], [c["function"]["arguments"] for c in message["tool_calls"]]))
     status, text = http("POST", url + "/v1/chat/completions", {**body, "stream": True, "logprobs": False})
     streamed = {}
-    for event in chunks(text):
+    for event in parse_sse(text):
         for c in event["choices"]:
             assert not c["delta"].get("content"), c
             got = streamed.setdefault(c["index"], [None, []])
