@@ -34,7 +34,8 @@ ln_pre (RMS norm); blocks of RMS norms, attention over every patch with separate
 2-D rotary positions (the head's head_dim / 2 frequencies, the even ones times the patch's row and the odd ones times
 its column, that half repeated), a SwiGLU MLP without biases; then Mistral 3's projector as transformers writes it:
 RMS norm (the text model's eps), each 2 x 2 block of patches unfolded value by value (a value's m m patches
-together), the merging Linear, linear_1, erf GELU, linear_2. Its rows are given at each of the image's tokens: the
+together), the merging Linear, linear_1, erf GELU, linear_2 (Pixtral 12B's, a LLaVA: each patch straight to linear_1,
+erf GELU, linear_2). Its rows are given at each of the image's tokens: the
 prompt ends each row of merge units with a break token (the last with the image's end), whose row is NaN (the token
 keeps its own embedding: reference_llama.py's forward leaves it).
 
@@ -236,10 +237,12 @@ class ReferenceVision:
         cos, sin = np.cos(angles), np.sin(angles)
         for i in range(c.num_layers):
             x = self._pixtral_block(x, f"visual.blocks.{i}.", cos, sin)
-        eps = c.merger_eps if c.merger_eps is not None else c.eps
-        h = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w["visual.merger.norm.weight"]
-        h = h.reshape(-1, m * m, d).transpose(0, 2, 1).reshape(-1, d * m * m)               # unfold's order
-        h = h @ w["visual.merger.merging_layer.weight"].T
+        h = x                                       # (Pixtral 12B's LLaVA projector: each patch a token)
+        if c.patch_merger:
+            eps = c.merger_eps if c.merger_eps is not None else c.eps
+            h = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w["visual.merger.norm.weight"]
+            h = h.reshape(-1, m * m, d).transpose(0, 2, 1).reshape(-1, d * m * m)           # unfold's order
+            h = h @ w["visual.merger.merging_layer.weight"].T
         h = self._maybe_biased(h, "visual.merger.linear_1")
         h = 0.5 * h * (1.0 + np.vectorize(math.erf)(h / math.sqrt(2.0)))
         merged = self._maybe_biased(h, "visual.merger.linear_2")                             # (units, out)

@@ -609,33 +609,41 @@ def pixtral_pil_processor(**kwargs):
     return getattr(transformers, "PixtralImageProcessorPil", transformers.PixtralImageProcessor)(**kwargs)
 
 
-def make_mistral3(path, seed: int = 1, tokenizer: bool = True):
+def make_mistral3(path, seed: int = 1, tokenizer: bool = True, llava: bool = False):
     """A tiny Mistral3ForConditionalGeneration that transformers makes, random (every weight drawn afresh, as
     make_qwen25_vl's): a 3-block Pixtral tower of width 32 in 8-pixel patches (RMS norms, 2-D rotary positions, full
     attention, SwiGLU), Mistral 3's projector (RMS norm, 2 x 2 patch merger, linear_1, GELU, linear_2) into tokens of
     the text model's width 64; a 2-layer Mistral text model of 300 tokens. Its image processor beside it
     (PixtralImageProcessor: the longest edge at most 64 pixels, so at most 4 x 4 tokens an image, each row of them
-    ended by a break), and (`tokenizer`) a tokenizer holding MISTRAL3_IMAGE_TOKENS with MISTRAL3_CHATML. Returns the
-    model (eval mode)."""
+    ended by a break), and (`tokenizer`) a tokenizer holding MISTRAL3_IMAGE_TOKENS with MISTRAL3_CHATML. With
+    `llava`, Pixtral 12B's kind instead (make_pixtral). Returns the model (eval mode)."""
     torch, transformers = needs_transformers()
     path = Path(path)
     image = len(SPECIAL_TOKENS)
-    cfg = transformers.Mistral3Config(
-        text_config=dict(model_type="mistral", vocab_size=300, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                         max_position_embeddings=512, rope_theta=1e6, sliding_window=None, rms_norm_eps=1e-5,
-                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0),
-        vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                           num_attention_heads=2, head_dim=16, patch_size=8, image_size=64, rope_theta=10000.0,
-                           hidden_act="silu"),
-        image_token_index=image, spatial_merge_size=2, multimodal_projector_bias=False, tie_word_embeddings=False)
+    text = dict(model_type="mistral", vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rope_theta=1e6,
+                sliding_window=None, rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                pad_token_id=0)
+    longest, merge = (48, 1) if llava else (64, 2)      # (the tower's image_size: its processor's longest edge)
+    vision = dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+                  head_dim=16, patch_size=8, image_size=longest, rope_theta=10000.0, hidden_act="silu")
+    if llava:
+        cfg = transformers.LlavaConfig(text_config=text, vision_config=vision, image_token_index=image,
+                                       projector_hidden_act="gelu", vision_feature_layer=-1,
+                                       vision_feature_select_strategy="full", multimodal_projector_bias=True,
+                                       tie_word_embeddings=False)
+    else:
+        cfg = transformers.Mistral3Config(text_config=text, vision_config=vision, image_token_index=image,
+                                          spatial_merge_size=2, multimodal_projector_bias=False,
+                                          tie_word_embeddings=False)
     torch.manual_seed(seed)
-    model = transformers.Mistral3ForConditionalGeneration(cfg).eval()
+    model = (transformers.LlavaForConditionalGeneration if llava else
+             transformers.Mistral3ForConditionalGeneration)(cfg).eval()
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "vision_tower" in name or "multi_modal_projector" in name:
-                if p.ndim == 1:                                         # the RMS norms' gains
+                if p.ndim == 1 and not name.endswith("bias"):          # the RMS norms' gains
                     p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=generator))
                 else:
                     p.copy_(torch.randn(p.shape, generator=generator) * 0.2)
@@ -644,13 +652,21 @@ def make_mistral3(path, seed: int = 1, tokenizer: bool = True):
             else:
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=generator))
     model.save_pretrained(path)
-    pixtral_pil_processor(patch_size={"height": 8, "width": 8}, size={"longest_edge": 64}).save_pretrained(path)
+    pixtral_pil_processor(patch_size={"height": 8, "width": 8}, size={"longest_edge": longest}).save_pretrained(path)
     (path / "processor_config.json").write_text(json.dumps(
-        {"processor_class": "PixtralProcessor", "patch_size": 8, "spatial_merge_size": 2, "image_token": "[IMG]",
+        {"processor_class": "PixtralProcessor", "patch_size": 8, "spatial_merge_size": merge, "image_token": "[IMG]",
          "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]"}), encoding="utf-8")
     if tokenizer:
         write_tokenizer(path, 300, extra=MISTRAL3_IMAGE_TOKENS, template=MISTRAL3_CHATML)
     return model
+
+
+def make_pixtral(path, seed: int = 1, tokenizer: bool = True):
+    """A tiny LlavaForConditionalGeneration of Pixtral 12B's kind that transformers makes (make_mistral3's tower and
+    text model, random): each 8-pixel patch a token (no merge), LLaVA's projector (linear_1 and linear_2 with biases,
+    GELU), the image's longest edge at most 48 pixels (at most 6 x 6 tokens, each row ended by a break), the same
+    tokens and template as make_mistral3's. Returns the model (eval mode)."""
+    return make_mistral3(path, seed, tokenizer, llava=True)
 
 
 def vision_prompt_ids(path, turns: list) -> list:
@@ -825,7 +841,8 @@ _GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2
               "MixtralForCausalLM": "llama", "GptOssForCausalLM": "gpt-oss",
               "Qwen2VLForConditionalGeneration": "qwen2vl", "Qwen2_5_VLForConditionalGeneration": "qwen2vl",
               "Qwen3VLForConditionalGeneration": "qwen3vl",
-              "Qwen3VLMoeForConditionalGeneration": "qwen3vlmoe", "Mistral3ForConditionalGeneration": "llama"}
+              "Qwen3VLMoeForConditionalGeneration": "qwen3vlmoe", "Mistral3ForConditionalGeneration": "llama",
+              "LlavaForConditionalGeneration": "llama"}
 # one expert's matrix (model.layers.N.<prefix>E.<part>.weight) -> the name the converter gives their stack (E, rows,
 # cols) before mapping it (Qwen3MoeModel / the Mixtral path of LlamaModel: experts merged)
 _EXPERT_STACKS = {"mlp.experts.": ("gate_proj", "up_proj", "down_proj"), "block_sparse_moe.experts.": ("w1", "w2", "w3")}

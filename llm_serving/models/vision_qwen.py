@@ -33,7 +33,8 @@ turned by the patch's row and the odd ones by its column, where Qwen's turn head
 separate q, k, v, o and a SwiGLU without biases (zero biases here); full attention in every block; and its projector
 (`_PixtralMerger`): RMS norm over each patch (the text model's eps), each unit's m m patches one row, the patch
 merger's product (its matrix's columns read in that row's order: transformers unfolds a unit value by value), then
-linear_1, exact GELU, linear_2.
+linear_1, exact GELU, linear_2. Pixtral 12B's (a LLaVA; `cfg.patch_merger` false) is the same tower, each patch a
+token (a merge unit of one patch), and LLaVA's projector: linear_1, exact GELU, linear_2 (`_LlavaMerger`).
 
 How: the state between calls is the patches in merge-unit order, (gh2, gw2, m m, D), so the grid travels with it
 (the agent keeps it as numpy between steps: `kept`); with DeepStack mergers, a `QwenState` of the patches and the
@@ -506,6 +507,21 @@ class _PixtralMerger(nn.Cell):
         return out.reshape(1, gh2 * gw2, out.shape[-1])
 
 
+class _LlavaMerger(nn.Cell):
+    """Pixtral 12B's projector (LlavaMultiModalProjector): the last block's output (gh, gw, 1, D), each patch a token,
+    -> (1, gh gw, out_hidden): linear_1, GELU (erf), linear_2 (the products _MergerProducts')."""
+
+    def __init__(self, kernels=None, threads: int = 1):
+        super().__init__()
+        self.products = _MergerProducts(kernels, threads)
+
+    def construct(self, x, fc1, fc1_bias, fc2, fc2_bias):
+        gh, gw, one, d = x.shape
+        h = _gelu_erf(self.products.product(x.reshape(gh * gw, one * d), fc1, fc1_bias))
+        out = self.products.product(h, fc2, fc2_bias)
+        return out.reshape(1, gh * gw, out.shape[-1])
+
+
 def pixtral_merger_columns(cfg: QwenVisionConfig) -> np.ndarray:
     """The columns of Pixtral's patch merger matrix (D, D m m) in the order of a unit's row here (its patches k, each
     patch's D values: k D + d), from transformers' order (each value d's m m patches: d m m + k)."""
@@ -551,11 +567,17 @@ class QwenVisionTower:
         if cfg.family == "pixtral":
             self.embed_weights = (kernel, _tensor(read("visual.ln_pre.weight")))
             self.embedding = _NormedEmbed(cfg.eps)
-            merger = ("norm.weight", "merging_layer", "linear_1", "linear_2")
-            self.merger_weights = _merger_weights(
-                read, tuple(f"visual.merger.{n}" for n in merger), stored_type, self.int16, products=3,
-                biases=(False, cfg.projector_bias, cfg.projector_bias), columns=pixtral_merger_columns(cfg))
-            self.merger = _PixtralMerger(cfg, kernels, threads)
+            if cfg.patch_merger:
+                merger = ("norm.weight", "merging_layer", "linear_1", "linear_2")
+                self.merger_weights = _merger_weights(
+                    read, tuple(f"visual.merger.{n}" for n in merger), stored_type, self.int16, products=3,
+                    biases=(False, cfg.projector_bias, cfg.projector_bias), columns=pixtral_merger_columns(cfg))
+            else:                           # (Pixtral 12B's: LLaVA's projector)
+                self.merger_weights = _merger_weights(
+                    read, ("visual.merger.linear_1", "visual.merger.linear_2"), stored_type, self.int16,
+                    biases=(cfg.projector_bias, cfg.projector_bias))
+            self.merger = (_PixtralMerger(cfg, kernels, threads) if cfg.patch_merger
+                           else _LlavaMerger(kernels, threads))
         elif cfg.family == "qwen2_vl":
             self.embed_weights = (kernel,)
             self.embedding = _Embed()

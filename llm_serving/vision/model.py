@@ -56,7 +56,7 @@ _ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
 _SMOLVLM_ARCHITECTURES = ("SmolVLMForConditionalGeneration", "Idefics3ForConditionalGeneration")
 _QWEN_VL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
                           "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
-_PIXTRAL_ARCHITECTURES = ("Mistral3ForConditionalGeneration",)
+_PIXTRAL_ARCHITECTURES = ("Mistral3ForConditionalGeneration", "LlavaForConditionalGeneration")     # (Pixtral 12B's)
 # llama.cpp's projector types of the Qwen-VL mmprojs, and each one's mean and std where the file gives none
 _CLIP_MEAN, _CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
 _QWEN_MMPROJ_NORMALIZE = {
@@ -338,7 +338,8 @@ def _qwen_vl_facts(model_path: str, raw: dict, tokenizer, config: str) -> ImageF
 def _pixtral_facts(model_path: str, raw: dict, tokenizer, config: str) -> ImageFacts:
     """Mistral 3's (Pixtral's tower): its tokens from the tokenizer (config.json's image_token_index must agree),
     its image processor's (PixtralImageProcessor: the longest edge, the patch) with config.json's
-    spatial_merge_size and the tower's patch, which must be the processor's."""
+    spatial_merge_size and the tower's patch, which must be the processor's. Pixtral 12B's (a LLaVA) the same with
+    no merge: each patch a token."""
     ids = {key: _one_token(tokenizer, text, config) for key, text in _PIXTRAL.items()}
     given = raw.get("image_token_index", raw.get("image_token_id"))
     if given is not None and given != ids["image"]:
@@ -352,7 +353,8 @@ def _pixtral_facts(model_path: str, raw: dict, tokenizer, config: str) -> ImageF
     if patch != spec.patch:
         raise ValueError(f"{model_path}: the image processor's patches ({spec.patch} pixels) are not the tower's "
                          f"({patch})")
-    spec = dataclasses.replace(spec, merge=int(raw.get("spatial_merge_size", 2)))
+    llava = (raw.get("architectures") or [None])[0] == "LlavaForConditionalGeneration"
+    spec = dataclasses.replace(spec, merge=1 if llava else int(raw.get("spatial_merge_size", 2)))
     return ImageFacts(-1, ids["image"], _PIXTRAL["image"], "", _PIXTRAL["image"], spec, family="pixtral",
                       row_break_id=ids["break"], image_end_id=ids["end"])
 
@@ -397,7 +399,8 @@ def _mmproj_facts(path: str, tokenizer) -> ImageFacts:
 def _pixtral_mmproj_facts(path: str, fields: dict, tokenizer) -> ImageFacts:
     """A Mistral 3 mmproj's: Pixtral's processor with the longest edge `clip.vision.image_size` (the config's
     image_size, which is its processor's longest edge: Mistral Small 3.1's 1,540), bicubic, the file's mean and std;
-    the merge `spatial_merge_size`; the tokens from the text model's vocabulary."""
+    the merge `spatial_merge_size` (none where the file sets none, as llama.cpp reads it: Pixtral 12B's); the
+    tokens from the text model's vocabulary."""
     try:
         longest, patch = int(fields["clip.vision.image_size"]), int(fields["clip.vision.patch_size"])
     except (KeyError, TypeError, ValueError):
@@ -406,7 +409,7 @@ def _pixtral_mmproj_facts(path: str, fields: dict, tokenizer) -> ImageFacts:
         "image_processor_type": "PixtralImageProcessor", "patch_size": patch, "size": {"longest_edge": longest},
         "resample": 3, "image_mean": [float(v) for v in fields.get("clip.vision.image_mean", _CLIP_MEAN)],
         "image_std": [float(v) for v in fields.get("clip.vision.image_std", _CLIP_STD)]}, path)
-    spec = dataclasses.replace(spec, merge=int(fields.get("clip.vision.spatial_merge_size", 2)))
+    spec = dataclasses.replace(spec, merge=int(fields.get("clip.vision.spatial_merge_size", 1)))
     ids = {key: _one_token(tokenizer, text, path) for key, text in _PIXTRAL.items()}
     return ImageFacts(-1, ids["image"], _PIXTRAL["image"], "", _PIXTRAL["image"], spec, family="pixtral",
                       row_break_id=ids["break"], image_end_id=ids["end"])

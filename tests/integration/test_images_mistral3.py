@@ -36,9 +36,21 @@ def mistral3(tmp_path_factory):
     return directory
 
 
+def _config(path) -> dict:
+    return json.loads((path / "config.json").read_text())
+
+
 def _unit(path) -> int:
-    config = json.loads((path / "config.json").read_text())
-    return config["vision_config"]["patch_size"] * config["spatial_merge_size"]
+    """A token's side in pixels: the patch times Mistral 3's merge (Pixtral 12B's, a LLaVA: none)."""
+    config = _config(path)
+    return config["vision_config"]["patch_size"] * config.get("spatial_merge_size", 1)
+
+
+def _model_class(path):
+    """transformers' class of the tiny model at `path`: Mistral3ForConditionalGeneration, or (Pixtral 12B's)
+    LlavaForConditionalGeneration."""
+    _, transformers = needs_transformers()
+    return getattr(transformers, _config(path)["architectures"][0])
 
 
 def _processed(path, images: list) -> dict:
@@ -74,9 +86,8 @@ def _prompt_ids(path, turns: list, images: list) -> list:
 def _reference(path, ids: list, images: list) -> tuple:
     """transformers' greedy tokens after `ids` with `images` (PNG bytes), and each one's log-probability: a whole
     forward per token."""
-    torch, transformers = needs_transformers()
-    model = transformers.Mistral3ForConditionalGeneration.from_pretrained(
-        str(path), dtype=torch.float32, attn_implementation="eager").eval()
+    torch, _ = needs_transformers()
+    model = _model_class(path).from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager").eval()
     extra = {}
     if images:
         out = _processed(path, images)
@@ -104,7 +115,13 @@ def test_the_tower_and_the_float64_reference_are_transformers(mistral3):
     reference on the processor's patches of a wide and a tall image: within float32's (int16's) reach of
     transformers' float64 image features (the reference within its float32 rotary angles' 1e-7), the reference's
     rows at the image's [IMG] tokens and NaN at its breaks and end."""
-    torch, transformers = needs_transformers()
+    tower_matches_transformers(mistral3)
+
+
+def tower_matches_transformers(path) -> None:
+    """test_the_tower_and_the_float64_reference_are_transformers's checks on the tiny Pixtral-tower model at
+    `path` (Mistral 3's or Pixtral 12B's)."""
+    torch, _ = needs_transformers()
     from PIL import Image
 
     from llm_serving.models.runner.kernels import build_vision_kernels
@@ -115,19 +132,18 @@ def test_the_tower_and_the_float64_reference_are_transformers(mistral3):
     from llm_serving.vision.model import image_facts
     from llm_serving.tokenization import load_tokenizer
 
-    model = transformers.Mistral3ForConditionalGeneration.from_pretrained(
-        str(mistral3), dtype=torch.float64, attn_implementation="eager").eval()
-    facts = image_facts(str(mistral3), None, load_tokenizer(str(mistral3 / "tokenizer.json")))
-    cfg, tensors = vision_checkpoint(str(mistral3))
+    model = _model_class(path).from_pretrained(str(path), dtype=torch.float64, attn_implementation="eager").eval()
+    facts = image_facts(str(path), None, load_tokenizer(str(path / "tokenizer.json")))
+    cfg, tensors = vision_checkpoint(str(path))
     kernels = build_vision_kernels("CPU", "auto")
     towers = [("mindspore", QwenVisionTower(cfg, tensors), 2e-6)]
     if kernels is not None:
         towers += [("kernels", QwenVisionTower(cfg, tensors, kernels=kernels, threads=2),
                     float_kernels_bound(kernels, 2e-6)),
                    ("int16", QwenVisionTower(cfg, tensors, kernels=kernels, threads=2, int16=True), 3e-3)]
-    reference = ReferenceVision(str(mistral3))
+    reference = ReferenceVision(str(path))
     for data in (png(0, (40, 130, 3)), png(1, (64, 30, 3))):
-        out = _processed(mistral3, [data])
+        out = _processed(path, [data])
         with torch.no_grad():
             want = model.model.get_image_features(
                 pixel_values=torch.from_numpy(out["pixel_values"]).double(),
@@ -197,7 +213,8 @@ def write_mistral3_mmproj(hf_dir, path):
     writer.add_string("clip.projector_type", "pixtral")
     writer.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-5)
     writer.add_bool("clip.use_silu", True)
-    writer.add_uint32("clip.vision.spatial_merge_size", config["spatial_merge_size"])
+    if "spatial_merge_size" in config:          # (Pixtral 12B's, a LLaVA, has none: the converter writes none)
+        writer.add_uint32("clip.vision.spatial_merge_size", config["spatial_merge_size"])
     layer = {"attention_norm": "ln1", "ffn_norm": "ln2", "attention.q_proj": "attn_q", "attention.k_proj": "attn_k",
              "attention.v_proj": "attn_v", "attention.o_proj": "attn_out", "feed_forward.gate_proj": "ffn_gate",
              "feed_forward.up_proj": "ffn_up", "feed_forward.down_proj": "ffn_down"}
@@ -228,10 +245,7 @@ def write_mistral3_mmproj(hf_dir, path):
 def test_a_llama_gguf_and_its_pixtral_mmproj_serve_the_same_image_questions(mistral3, tmp_path):
     """The text model as llama.cpp's converter writes Mistral 3's (a `llama` GGUF) and the tower as its pixtral
     mmproj: the tower's config and tensors are the HF directory's (q and k rows back in halves), and image questions
-    get transformers' greedy tokens; Pixtral 12B's projector (no patch merger) is refused naming what it lacks."""
-    import gguf
-
-    from llm_serving.models.weights.common import WeightLoadError
+    get transformers' greedy tokens (Pixtral 12B's projector, and mmprojs of neither kind: test_images_pixtral.py)."""
     from llm_serving.models.weights.vision import mmproj_checkpoint, vision_checkpoint
     from tests.families import write_gguf
 
@@ -245,27 +259,3 @@ def test_a_llama_gguf_and_its_pixtral_mmproj_serve_the_same_image_questions(mist
         index = (slice(None),) * len(tensor.shape)
         np.testing.assert_array_equal(tensor.read(index), hf_tensors[name].read(index), err_msg=name)
     served_gguf_chats(mistral3, text, mmproj, tmp_path, MISTRAL3)
-    reader = gguf.GGUFReader(str(mmproj))
-    old = gguf.GGUFWriter(str(tmp_path / "pixtral12b.gguf"), "clip")
-    for field in reader.fields.values():
-        if field.name.startswith(("clip.", "general.type")):
-            value = field.contents()
-            if isinstance(value, bool):
-                old.add_bool(field.name, value)
-            elif isinstance(value, str):
-                old.add_string(field.name, value)
-            elif isinstance(value, list):
-                old.add_array(field.name, value)
-            elif isinstance(value, float):
-                old.add_float32(field.name, value)
-            else:
-                old.add_uint32(field.name, value)
-    for tensor in reader.tensors:
-        if not tensor.name.startswith(("mm.input_norm", "mm.patch_merger")):
-            old.add_tensor(tensor.name, np.asarray(tensor.data).reshape(tuple(reversed(tensor.shape.tolist()))))
-    old.write_header_to_file()
-    old.write_kv_data_to_file()
-    old.write_tensors_to_file()
-    old.close()
-    with pytest.raises(WeightLoadError, match="mm.input_norm.weight and mm.patch_merger.weight"):
-        mmproj_checkpoint(str(tmp_path / "pixtral12b.gguf"))

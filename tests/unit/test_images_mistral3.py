@@ -134,3 +134,31 @@ def test_the_config_read_and_what_is_refused():
                          ({"tower_head_dim": 8}, "head_dim")):
         with pytest.raises(WeightLoadError, match=why):
             _pixtral_config(_config(**changes), "config.json")
+
+
+def test_pixtral_12b_s_llava_config_and_what_is_refused():
+    """Pixtral 12B's config.json (a LlavaForConditionalGeneration with a pixtral vision_config): each patch a token
+    (no merge), LLaVA's projector without the norm and patch merger, its biases on by LlavaConfig's default; a LLaVA
+    whose tower is CLIP's (LLaVA 1.5's) is refused naming it, and so are LlavaConfig's defaults where the file is
+    silent (the second-to-last layer's output, the first patch dropped), which Pixtral's tower does not compute."""
+    from llm_serving.models.weights.common import WeightLoadError
+    from llm_serving.models.weights.vision import _pixtral_config, qwen_vision_shapes
+
+    llava = _config(architectures=["LlavaForConditionalGeneration"], vision_feature_select_strategy="full",
+                    tower_model_type="pixtral")
+    del llava["spatial_merge_size"], llava["multimodal_projector_bias"]
+    cfg = _pixtral_config(llava, "config.json", llava=True)
+    assert (cfg.spatial_merge_size, cfg.patch_merger, cfg.projector_bias, cfg.row_width) == (1, False, True, 64)
+    assert sorted(n for n in qwen_vision_shapes(cfg) if "merger" in n) == [
+        "visual.merger.linear_1.bias", "visual.merger.linear_1.weight", "visual.merger.linear_2.bias",
+        "visual.merger.linear_2.weight"]
+    assert qwen_vision_shapes(cfg)["visual.merger.linear_1.weight"] == (64, 32)
+    assert not _pixtral_config({**llava, "multimodal_projector_bias": False}, "config.json", llava=True).projector_bias
+    clip = {**llava, "vision_config": {**llava["vision_config"], "model_type": "clip_vision_model"}}
+    with pytest.raises(WeightLoadError, match="'clip_vision_model' vision tower"):
+        _pixtral_config(clip, "config.json", llava=True)
+    for key, why in (("vision_feature_select_strategy", "vision_feature_select_strategy 'default'"),
+                     ("vision_feature_layer", "vision_feature_layer -2")):
+        silent = {k: v for k, v in llava.items() if k != key}
+        with pytest.raises(WeightLoadError, match=why):
+            _pixtral_config(silent, "config.json", llava=True)

@@ -33,7 +33,11 @@ Four more families' towers are another kind (`QwenVisionConfig`, models/vision_q
   patches of C x P x P, ln_pre, RMS norms, its own 2-D rotary positions, full attention, SwiGLU without biases) and
   Mistral 3's projector (RMS norm, the patch merger, linear_1, GELU, linear_2); its tensors `vision_tower.*` and
   `multi_modal_projector.*` (under `model.` in 5.x), read as `visual.<...>` with Qwen's block names (`_pixtral_name`);
-  from llama.cpp's `pixtral` mmproj too, its q and k rows put back from interleaved pairs.
+  from llama.cpp's `pixtral` mmproj too, its q and k rows put back from interleaved pairs;
+- Pixtral 12B (`LlavaForConditionalGeneration` whose vision_config is a `pixtral` one): the same tower, each patch one
+  token (no merge), and LLaVA's projector (linear_1, GELU, linear_2, with biases: no norm, no patch merger); its
+  tensors named as Mistral 3's; from llama.cpp's `pixtral` mmproj without `mm.input_norm` and `mm.patch_merger`.
+  A LLaVA with another tower (LLaVA 1.5's CLIP) is refused naming it.
 """
 from __future__ import annotations
 
@@ -60,12 +64,13 @@ _SHUFFLED = ("SmolVLMForConditionalGeneration", "Idefics3ForConditionalGeneratio
 # family
 _QWEN_ARCHITECTURES = {"Qwen2VLForConditionalGeneration": "qwen2_vl",
                        "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl", "Qwen3VLForConditionalGeneration": "qwen3_vl",
-                       "Qwen3VLMoeForConditionalGeneration": "qwen3_vl", "Mistral3ForConditionalGeneration": "pixtral"}
+                       "Qwen3VLMoeForConditionalGeneration": "qwen3_vl", "Mistral3ForConditionalGeneration": "pixtral",
+                       "LlavaForConditionalGeneration": "pixtral"}
 _QWEN_MODEL_TYPES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
                      "qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
-                     "mistral3": "Mistral3ForConditionalGeneration"}
+                     "mistral3": "Mistral3ForConditionalGeneration", "llava": "LlavaForConditionalGeneration"}
 # llama.cpp's mmproj projector types read here -> the architecture whose tower and projector they hold (qwen3vl_merger
-# is also Qwen3-VL-MoE's: the same tower)
+# is also Qwen3-VL-MoE's: the same tower; pixtral is also Pixtral 12B's, LlavaForConditionalGeneration)
 MMPROJ_PROJECTORS = {"gemma3": "Gemma3ForConditionalGeneration", "idefics3": "Idefics3ForConditionalGeneration",
                      "qwen2vl_merger": "Qwen2VLForConditionalGeneration",
                      "qwen2.5vl_merger": "Qwen2_5_VLForConditionalGeneration",
@@ -205,8 +210,8 @@ def vision_checkpoint(model_dir: str) -> Optional[tuple]:
     if arch not in _ARCHITECTURES + tuple(_QWEN_ARCHITECTURES):
         raise WeightLoadError(f"{path}: the vision tower of {arch} is not read here (served: "
                               f"{', '.join(_ARCHITECTURES + tuple(_QWEN_ARCHITECTURES))})")
-    if arch == "Mistral3ForConditionalGeneration":
-        cfg = _pixtral_config(raw, path)
+    if arch in ("Mistral3ForConditionalGeneration", "LlavaForConditionalGeneration"):
+        cfg = _pixtral_config(raw, path, llava=arch == "LlavaForConditionalGeneration")
         return cfg, _stored(model_dir, _pixtral_name, qwen_vision_shapes(cfg))
     if arch in _QWEN_ARCHITECTURES:
         cfg = _qwen_config(raw, path, _QWEN_ARCHITECTURES[arch])
@@ -274,6 +279,8 @@ class QwenVisionConfig:
     deepstack_visual_indexes: tuple = ()
     merger_eps: Optional[float] = None      # Pixtral's: the projector's RMS norm's (the text model's rms_norm_eps)
     projector_bias: bool = False            # Pixtral's: the projector's linear_1 and linear_2 with biases
+    patch_merger: bool = True               # Pixtral's: Mistral 3's projector (RMS norm, patch merger, linear_1,
+                                            # GELU, linear_2); False: LLaVA's (Pixtral 12B: linear_1, GELU, linear_2)
 
     @property
     def head_dim(self) -> int:
@@ -323,31 +330,43 @@ class QwenVisionConfig:
         return self.window_size // self.spatial_merge_size // self.patch_size
 
 
-def _pixtral_config(raw: dict, path: str) -> QwenVisionConfig:
+def _pixtral_config(raw: dict, path: str, llava: bool = False) -> QwenVisionConfig:
     """The QwenVisionConfig (family "pixtral") of a Mistral3ForConditionalGeneration's config.json (Mistral Small
     3.1's: the Hub's 4.x file or 5.x's, the vision rotary base in vision_config.rope_theta or rope_parameters): a
     Pixtral tower (patches of C x P x P, its RMS norm ln_pre, full attention in every block, 2-D rotary positions of
     its own, SwiGLU without biases) and Mistral 3's projector (RMS norm of the text model's eps, the patch merger of
     spatial_merge_size^2 patches, linear_1, GELU, linear_2). Only the last layer's output is read
-    (vision_feature_layer -1, every Mistral 3's); the projector's activation must be the exact GELU."""
+    (vision_feature_layer -1, every Mistral 3's); the projector's activation must be the exact GELU. With `llava`, a
+    LlavaForConditionalGeneration's (Pixtral 12B's): the same tower, each patch a token, LLaVA's projector (linear_1,
+    GELU, linear_2; its biases unless multimodal_projector_bias is false), LlavaConfig's defaults where the file is
+    silent (vision_feature_layer -2, vision_feature_select_strategy "default": refused, as is any tower but
+    Pixtral's)."""
     vision = raw["vision_config"]
     text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
     rope = vision.get("rope_parameters") or {}
     problems = []
+    if llava:
+        kind = vision.get("model_type", "clip_vision_model")
+        if kind != "pixtral":
+            raise WeightLoadError(f"{path}: a LlavaForConditionalGeneration with a {kind!r} vision tower (LLaVA 1.5's "
+                                  "CLIP, say) is not read here; Pixtral 12B's (vision_config.model_type 'pixtral') is")
+        if raw.get("vision_feature_select_strategy", "default") != "full":
+            problems.append(f"vision_feature_select_strategy {raw.get('vision_feature_select_strategy', 'default')!r}: "
+                            "a Pixtral tower's every patch is a token ('full')")
     if vision.get("hidden_act", "silu") != "silu":
         problems.append(f"vision_config.hidden_act {vision.get('hidden_act')!r}: the tower's MLP runs SwiGLU (silu) "
                         "only")
     if raw.get("projector_hidden_act", "gelu") != "gelu":
         problems.append(f"projector_hidden_act {raw.get('projector_hidden_act')!r}: the projector runs the exact GELU "
                         "only")
-    if raw.get("vision_feature_layer", -1) != -1:
-        problems.append(f"vision_feature_layer {raw.get('vision_feature_layer')!r}: only the last layer's output "
-                        "(-1) is read")
+    if raw.get("vision_feature_layer", -2 if llava else -1) != -1:
+        problems.append(f"vision_feature_layer {raw.get('vision_feature_layer', -2)!r}: only the last layer's "
+                        "output (-1) is read")
     if problems:
         raise WeightLoadError(f"{path}: {'; '.join(problems)}")
     try:
         hidden, heads = int(vision["hidden_size"]), int(vision["num_attention_heads"])
-        patch, merge = int(vision["patch_size"]), int(raw.get("spatial_merge_size", 2))
+        patch, merge = int(vision["patch_size"]), 1 if llava else int(raw.get("spatial_merge_size", 2))
         depth, head_dim = int(vision["num_hidden_layers"]), int(vision.get("head_dim") or 0)
         out = int(text.get("hidden_size", 0))
         raw_qwen = {"vision_config": {
@@ -358,7 +377,7 @@ def _pixtral_config(raw: dict, path: str) -> QwenVisionConfig:
             "rope_parameters": {"rope_theta": float(rope.get("rope_theta", vision.get("rope_theta", 10000.0)))}},
             "text_config": text, "image_token_id": raw.get("image_token_index", raw.get("image_token_id"))}
         own = dict(eps=1e-5, merger_eps=float(text.get("rms_norm_eps", 1e-5)),      # (ln_pre's and the blocks' fixed)
-                   projector_bias=bool(raw.get("multimodal_projector_bias", False)))
+                   projector_bias=bool(raw.get("multimodal_projector_bias", llava)), patch_merger=not llava)
     except (KeyError, TypeError, ValueError) as e:
         raise WeightLoadError(f"{path}: vision_config or text_config lacks or mistypes {e}") from None
     if head_dim and head_dim * heads != hidden:
@@ -451,9 +470,10 @@ def qwen_vision_shapes(cfg: QwenVisionConfig) -> dict:
     out = cfg.out_hidden_size
     if cfg.family == "pixtral":
         shapes = {"visual.patch_embed.proj.weight": (d, cfg.num_channels, cfg.patch_size, cfg.patch_size),
-                  "visual.ln_pre.weight": (d,), "visual.merger.norm.weight": (d,),
-                  "visual.merger.merging_layer.weight": (d, c), "visual.merger.linear_1.weight": (out, d),
+                  "visual.ln_pre.weight": (d,), "visual.merger.linear_1.weight": (out, d),
                   "visual.merger.linear_2.weight": (out, out)}
+        if cfg.patch_merger:
+            shapes.update({"visual.merger.norm.weight": (d,), "visual.merger.merging_layer.weight": (d, c)})
         if cfg.projector_bias:
             shapes.update({"visual.merger.linear_1.bias": (out,), "visual.merger.linear_2.bias": (out,)})
         for i in range(cfg.num_layers):
@@ -675,17 +695,23 @@ def _pixtral_mmproj_config(path: str, fields: dict, tensors) -> QwenVisionConfig
     """A Mistral 3 mmproj's tower (projector pixtral, as llama.cpp's converter writes Mistral Small 3.1's): the
     `clip.vision.*` keys as a Mistral3ForConditionalGeneration's config (the MLP SwiGLU with `clip.use_silu`, the
     merge `spatial_merge_size`, the projector's norm eps the tower's `layer_norm_epsilon` (every Mistral 3's 1e-5),
-    its biases where `mm.1.bias` is, llama.cpp's rotary base 10,000). Pixtral 12B's (no patch merger, no
-    projector norm) is refused naming what it lacks."""
+    its biases where `mm.1.bias` is, llama.cpp's rotary base 10,000). Pixtral 12B's, a LLaVA (neither the
+    projector's norm `mm.input_norm` nor its patch merger `mm.patch_merger`: each patch a token, as llama.cpp merges
+    nothing where the file sets no spatial_merge_size); one of the two without the other, or a merge without them,
+    is refused naming what is missing."""
     names = {t.name for t in tensors}
-    missing = [n for n in ("mm.input_norm.weight", "mm.patch_merger.weight") if n not in names]
-    if missing:
-        raise WeightLoadError(f"{path}: a pixtral mmproj without {' and '.join(missing)} (Pixtral 12B's projector); "
-                              "Mistral Small 3.1's (its RMS norm and patch merger) is the one served")
+    merger = [n for n in ("mm.input_norm.weight", "mm.patch_merger.weight") if n in names]
+    llava = not merger
+    merge = int(fields.get("clip.vision.spatial_merge_size", 1))
+    if len(merger) == 1 or (llava and merge != 1):
+        missing = [n for n in ("mm.input_norm.weight", "mm.patch_merger.weight") if n not in names]
+        raise WeightLoadError(f"{path}: a pixtral mmproj without {' and '.join(missing)}, with spatial_merge_size "
+                              f"{merge}: neither Mistral Small 3.1's projector (its RMS norm and patch merger) nor "
+                              "Pixtral 12B's (neither, and no merge)")
     try:
         eps = float(f"{float(fields.get('clip.vision.attention.layer_norm_epsilon', 1e-5)):.7g}")   # (float32's)
         return _pixtral_config({
-            "spatial_merge_size": int(fields.get("clip.vision.spatial_merge_size", 2)),
+            "spatial_merge_size": merge, "vision_feature_layer": -1, "vision_feature_select_strategy": "full",
             "multimodal_projector_bias": "mm.1.bias" in names,
             "vision_config": {
                 "hidden_size": fields["clip.vision.embedding_length"],
@@ -693,8 +719,9 @@ def _pixtral_mmproj_config(path: str, fields: dict, tensors) -> QwenVisionConfig
                 "num_hidden_layers": fields["clip.vision.block_count"],
                 "num_attention_heads": fields["clip.vision.attention.head_count"],
                 "patch_size": fields["clip.vision.patch_size"], "image_size": fields["clip.vision.image_size"],
-                "hidden_act": "silu" if fields.get("clip.use_silu", True) else "gelu", "rope_theta": 10000.0},
-            "text_config": {"hidden_size": fields["clip.vision.projection_dim"], "rms_norm_eps": eps}}, path)
+                "hidden_act": "silu" if fields.get("clip.use_silu", True) else "gelu", "rope_theta": 10000.0,
+                "model_type": "pixtral"},
+            "text_config": {"hidden_size": fields["clip.vision.projection_dim"], "rms_norm_eps": eps}}, path, llava)
     except KeyError as e:
         raise WeightLoadError(f"{path}: GGUF metadata {e} is missing") from None
 
