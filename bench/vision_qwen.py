@@ -14,7 +14,10 @@ their GGUF twins: 2 or 3 layers of 64, so that an image question's time is the t
 - `--family mistral3`: Mistral Small 3.1's Pixtral tower (24 blocks of 1,024, full attention, 2-D rotary positions,
   SwiGLU; the projector's RMS norm, patch merger and two products; pixtral), a `llama` text model (a tiny
   Mistral3ForConditionalGeneration's); the photo 896 x 672 (llama.cpp takes at most 1,024 tokens of this tower, and
-  both servers leave this size as it is): 768 tokens and 24 row breaks (3,072 patches of 14 pixels).
+  both servers leave this size as it is): 768 tokens and 24 row breaks (3,072 patches of 14 pixels);
+- `--family pixtral`: Pixtral 12B's tower (the same blocks in 16-pixel patches, each patch a token; LLaVA's
+  projector, two products with biases; pixtral without a patch merger), a `llama` text model (a tiny Pixtral 12B's);
+  the photo 512 x 384 (llama.cpp takes at most 1,024 tokens of this tower): 768 tokens and 24 row breaks.
 Measured, for each server in turn: the time to the first token of one image question (the photo, as both servers'
 bounds leave it), for --rounds new pictures of that size; this server with its defaults and with `--set` settings
 (--variant, repeatable).
@@ -53,7 +56,9 @@ TOWERS = {"qwen2.5": dict(hidden=1280, intermediate=3420, layers=32, heads=16, p
           "qwen3": dict(hidden=1024, intermediate=4096, layers=24, heads=16, patch=16, positions=2304,
                         deepstack=(5, 11, 17), text_hidden=64),
           "mistral3": dict(hidden=1024, intermediate=4096, layers=24, heads=16, patch=14, image=1540, text_hidden=64,
-                           picture=(896, 672))}
+                           picture=(896, 672)),
+          "pixtral": dict(hidden=1024, intermediate=4096, layers=24, heads=16, patch=16, image=1024, text_hidden=64,
+                          picture=(512, 384))}
 QUESTION = "Describe this picture in detail."
 NAME = "qwen25vl-bench"
 
@@ -63,11 +68,13 @@ def text_model(out: Path, family: str = "qwen2.5") -> Path:
     template, its context 4,096 tokens (made once)."""
     if out.is_file():
         return out
-    from tests.families import make_mistral3, make_qwen2_vl, make_qwen3_vl, make_qwen25_vl, write_gguf
+    from tests.families import make_mistral3, make_pixtral, make_qwen2_vl, make_qwen3_vl, make_qwen25_vl, write_gguf
 
     with tempfile.TemporaryDirectory() as tmp:
         if family == "mistral3":
             make_mistral3(Path(tmp), seed=0)
+        elif family == "pixtral":
+            make_pixtral(Path(tmp), seed=0)
         elif family == "qwen2":
             make_qwen2_vl(Path(tmp), seed=0)
         elif family == "qwen3":           # (the real tower's three DeepStack layers; four text layers: llama.cpp
@@ -166,17 +173,19 @@ def mmproj_qwen3(out: Path, seed: int = 0) -> Path:
     return finish_gguf(writer, out)
 
 
-def mmproj_mistral3(out: Path, seed: int = 0) -> Path:
+def mmproj_mistral3(out: Path, seed: int = 0, family: str = "mistral3") -> Path:
     """A random Mistral Small 3.1 tower and projector as llama.cpp's pixtral mmproj GGUF (the converter's names and
-    keys; F16 matrices, F32 norms; `v.token_embd.img_break`, the row break's embedding llama.cpp reads), made once."""
+    keys; F16 matrices, F32 norms; `v.token_embd.img_break`, the row break's embedding llama.cpp reads), made once;
+    (`family` "pixtral") Pixtral 12B's: no merge size, norm or patch merger, the two products with biases."""
     if out.is_file():
         return out
-    t = TOWERS["mistral3"]
+    t, llava = TOWERS[family], family == "pixtral"
     d, m, p, out_hidden = t["hidden"], t["intermediate"], t["patch"], t["text_hidden"]
     writer = mmproj_writer(out, "pixtral", {
         "projection_dim": out_hidden, "image_size": t["image"], "patch_size": p, "embedding_length": d,
         "feed_forward_length": m, "block_count": t["layers"], "attention.head_count": t["heads"],
-        "spatial_merge_size": 2}, ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)))
+        **({} if llava else {"spatial_merge_size": 2})},
+        ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)))
     writer.add_bool("clip.use_silu", True)
     matrix, vector = random_weights(seed)
     writer.add_tensor("v.patch_embd.weight", matrix((d, 3, p, p), 3 * p * p))
@@ -188,10 +197,14 @@ def mmproj_mistral3(out: Path, seed: int = 0) -> Path:
         for proj, rows, cols in (("attn_q", d, d), ("attn_k", d, d), ("attn_v", d, d), ("attn_out", d, d),
                                  ("ffn_gate", m, d), ("ffn_up", m, d), ("ffn_down", d, m)):
             writer.add_tensor(at + proj + ".weight", matrix((rows, cols), cols))
-    writer.add_tensor("mm.input_norm.weight", vector(d, 1.0))
-    writer.add_tensor("mm.patch_merger.weight", matrix((d, 4 * d), 4 * d))
+    if not llava:
+        writer.add_tensor("mm.input_norm.weight", vector(d, 1.0))
+        writer.add_tensor("mm.patch_merger.weight", matrix((d, 4 * d), 4 * d))
     writer.add_tensor("mm.1.weight", matrix((out_hidden, d), d))
     writer.add_tensor("mm.2.weight", matrix((out_hidden, out_hidden), out_hidden))
+    if llava:
+        writer.add_tensor("mm.1.bias", vector(out_hidden))
+        writer.add_tensor("mm.2.bias", vector(out_hidden))
     writer.add_tensor("v.token_embd.img_break", vector(out_hidden))
     return finish_gguf(writer, out)
 
@@ -225,7 +238,7 @@ def main(argv=None) -> int:
                     help="this server again with this setting (repeatable: one run each)")
     ap.add_argument("--only", choices=("ours", "llama"), default=None)
     ap.add_argument("--out", default=None, help="default bench_results/vision_qwen.json (vision_qwen2.json, "
-                                                "vision_qwen3.json, vision_mistral3.json)")
+                                                "vision_qwen3.json, vision_mistral3.json, vision_pixtral.json)")
     args = ap.parse_args(argv)
 
     models = peers_dir() / "models"
@@ -234,6 +247,9 @@ def main(argv=None) -> int:
     if args.family == "mistral3":
         text = text_model(models / "bench-mistral3-tiny-text.gguf", "mistral3")
         proj = mmproj_mistral3(models / "bench-mistral-small-3.1-mmproj-f16.gguf")
+    elif args.family == "pixtral":
+        text = text_model(models / "bench-pixtral-tiny-text.gguf", "pixtral")
+        proj = mmproj_mistral3(models / "bench-pixtral-12b-mmproj-f16.gguf", family="pixtral")
     elif args.family == "qwen2":
         text = text_model(models / "bench-qwen2vl-tiny-text.gguf", "qwen2")
         proj = mmproj(models / "bench-qwen2vl-2b-mmproj-f16.gguf", family="qwen2")
@@ -275,7 +291,8 @@ def main(argv=None) -> int:
         theirs = best(result["llama"]["runs"])
         result["ratios"] = {k: best(v["runs"]) / theirs for k, v in result["ours"].items()}
         print("image question, ours / llama-server (best after the first):", json.dumps(result["ratios"]))
-    names = {"qwen2.5": "vision_qwen", "qwen2": "vision_qwen2", "qwen3": "vision_qwen3", "mistral3": "vision_mistral3"}
+    names = {"qwen2.5": "vision_qwen", "qwen2": "vision_qwen2", "qwen3": "vision_qwen3", "mistral3": "vision_mistral3",
+             "pixtral": "vision_pixtral"}
     write_json(args.out or f"bench_results/{names[args.family]}.json", result)
     return 0
 
