@@ -265,7 +265,8 @@ def main(argv=None) -> int:
             "--set", "model_config.max_generate_length=2048", "--set", "model_config.seq_length=[32,128,512,1024]",
             "--set", "serving_config.max_num_batched_tokens=1024"]
     size = TOWERS[args.family].get("picture", (1024, 768))
-    if args.family == "mistral3":       # (a square image of the longest edge must fit one call: 33 x 34 tokens)
+    if args.family in ("mistral3", "pixtral"):  # (a square image of the longest edge must fit one call, else the
+        # processor's longest edge is lowered until one does: 33 x 34 tokens for Mistral 3, 44 x 45 for Pixtral 12B)
         base += ["--set", "model_config.seq_length=[32,128,512,1024,2048]",
                  "--set", "serving_config.max_num_batched_tokens=2048"]
     if args.only != "llama":
