@@ -6,6 +6,9 @@ transformers' own form: SigLIP's patch embedding (a stride-equal-kernel convolut
 encoder layers (LayerNorm, every patch attending to every patch with biased q/k/v/out, a residual; LayerNorm, fc1, the
 tanh GELU, fc2, a residual), the post LayerNorm; then Gemma 3's projector (the patch grid average-pooled, Gemma's RMS
 norm with gain 1 + w, the projection) or SmolVLM's / Idefics3's (the pixel shuffle, a projection without bias).
+LLaVA 1.5's CLIP tower the same layers with a class token first, no patch bias, the pre-LayerNorm, quick GELU, the
+layers up to the one LLaVA reads and no post LayerNorm; LLaVA's projector (linear_1, erf GELU, linear_2) on every
+patch's row, the class token's dropped.
 
 Qwen2.5-VL's tower (a `QwenVisionConfig`) is another: the image at its own size, its patches of C x T x P x P values
 embedded by the 3-D convolution (a product with the flattened kernel, no bias); the 2-D rotary positions (head_dim / 4
@@ -90,10 +93,20 @@ class ReferenceVision:
         g, p, d = c.patches_per_side, c.patch_size, c.hidden_size
         x = np.asarray(pixels, np.float64).reshape(c.num_channels, g, p, g, p).transpose(1, 3, 0, 2, 4)
         kernel = w["vision_tower.embeddings.patch_embedding.weight"].reshape(d, -1)       # (D, C p p)
-        x = x.reshape(g * g, -1) @ kernel.T + w["vision_tower.embeddings.patch_embedding.bias"]
-        x = x + w["vision_tower.embeddings.position_embedding.weight"]
+        x = x.reshape(g * g, -1) @ kernel.T
+        if c.projector == "llava":              # (CLIP's: the class token first, no patch bias, the pre-LayerNorm)
+            x = np.concatenate([w["vision_tower.embeddings.class_embedding"][None], x])
+            x = x + w["vision_tower.embeddings.position_embedding.weight"]
+            x = self._layer_norm(x, "vision_tower.pre_layrnorm")
+        else:
+            x = x + w["vision_tower.embeddings.patch_embedding.bias"] + w[
+                "vision_tower.embeddings.position_embedding.weight"]
         for i in range(c.num_layers):
             x = self._layer(x, f"vision_tower.encoder.layers.{i}.")
+        if c.projector == "llava":              # (the class token's row dropped; LLaVA's projector, exact GELU)
+            h = self._maybe_biased(x[1:], "multi_modal_projector.linear_1")
+            h = 0.5 * h * (1.0 + np.vectorize(math.erf)(h / math.sqrt(2.0)))
+            return self._maybe_biased(h, "multi_modal_projector.linear_2")
         x = self._layer_norm(x, "vision_tower.post_layernorm")
         return self._shuffle(x) if c.projector == "shuffle" else self._pool(x)
 
@@ -117,7 +130,10 @@ class ReferenceVision:
         attended = (scores / scores.sum(axis=-1, keepdims=True)) @ v                      # (heads, T, hd)
         x = x + self._linear(attended.transpose(1, 0, 2).reshape(t, heads * hd), at + "self_attn.out_proj")
         h = self._linear(self._layer_norm(x, at + "layer_norm2"), at + "mlp.fc1")
-        h = 0.5 * h * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (h + 0.044715 * h ** 3)))
+        if getattr(c, "activation", "gelu_tanh") == "quick_gelu":          # (CLIP's)
+            h = h / (1.0 + np.exp(-1.702 * h))
+        else:
+            h = 0.5 * h * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (h + 0.044715 * h ** 3)))
         return x + self._linear(h, at + "mlp.fc2")
 
     def _pool(self, x: np.ndarray) -> np.ndarray:

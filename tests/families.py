@@ -669,6 +669,53 @@ def make_pixtral(path, seed: int = 1, tokenizer: bool = True):
     return make_mistral3(path, seed, tokenizer, llava=True)
 
 
+# LLaVA 1.5's image placeholder (id 3 of the tiny model's tokenizer), and a ChatML template that puts it where a
+# message's image part is (the processor then makes it the image's tokens: one <image> a patch)
+LLAVA_IMAGE_TOKEN = "<image>"
+LLAVA_CHATML = VISION_CHATML.replace("<start_of_image>", LLAVA_IMAGE_TOKEN)
+
+
+def make_llava(path, seed: int = 1, tokenizer: bool = True):
+    """A tiny LlavaForConditionalGeneration of LLaVA 1.5's kind that transformers makes, random: a 3-layer CLIP tower
+    of width 32 on a 32-pixel image in 8-pixel patches (a class token, the pre-LayerNorm, quick GELU), its
+    second-to-last layer's output read with the class token's row dropped (16 tokens an image), LLaVA's projector
+    (linear_1, GELU, linear_2, with biases) into a 2-layer Llama text model of width 64 and 300 tokens. Its image
+    processor beside it (CLIPImageProcessor: the short edge to 32 pixels, the middle 32 x 32 cropped, CLIP's mean and
+    std), and (`tokenizer`) a tokenizer holding LLAVA_IMAGE_TOKEN with LLAVA_CHATML. Returns the model (eval mode)."""
+    torch, transformers = needs_transformers()
+    path = Path(path)
+    cfg = transformers.LlavaConfig(
+        text_config=dict(model_type="llama", vocab_size=300, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0),
+        vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                           num_attention_heads=2, image_size=32, patch_size=8, projection_dim=32,
+                           hidden_act="quick_gelu", layer_norm_eps=1e-5),
+        image_token_index=len(SPECIAL_TOKENS), projector_hidden_act="gelu", vision_feature_layer=-2,
+        vision_feature_select_strategy="default", multimodal_projector_bias=True, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = transformers.LlavaForConditionalGeneration(cfg).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            gain = p.ndim == 1 and ("norm" in name or "layrnorm" in name) and name.endswith("weight")
+            if gain:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=generator))
+            elif "vision_tower" in name or "multi_modal_projector" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.2)
+            else:
+                p.copy_(torch.randn(p.shape, generator=generator) * (0.5 if "embed_tokens" in name else 0.1))
+    model.save_pretrained(path)
+    clip = getattr(transformers, "CLIPImageProcessorPil", transformers.CLIPImageProcessor)
+    clip(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}, resample=3, do_center_crop=True,
+         image_mean=[0.48145466, 0.4578275, 0.40821073],
+         image_std=[0.26862954, 0.26130258, 0.27577711]).save_pretrained(path)
+    if tokenizer:
+        write_tokenizer(path, 300, extra=(LLAVA_IMAGE_TOKEN,), template=LLAVA_CHATML)
+    return model
+
+
 def vision_prompt_ids(path, turns: list) -> list:
     """The prompt transformers' processor makes of a chat (VISION_CHATML rendered by hand, each image mark made its
     placeholders as Gemma3Processor does), tokenized by the tokenizers library: nothing of the server's own."""

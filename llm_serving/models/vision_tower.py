@@ -9,6 +9,11 @@ Gemma 3's and SmolVLM's (`VisionTower`; SmolVLM's frames are its images here, vi
   1 + w), and the projection to the text model's width; or SmolVLM's pixel shuffle (each scale_factor-square block
   of patches one token) and a projection without a bias.
 
+LLaVA 1.5's CLIP tower (`cfg.projector` "llava") is the same layers with a class token's row before the patches (its
+own position row; `_ClipPatches`), a LayerNorm before the first layer (pre_layrnorm), quick GELU in the MLP, only the
+layers up to the one whose output LLaVA reads (cfg.num_layers), and no post LayerNorm; its projector
+(`_LlavaProjector`) drops the class token's row and runs linear_1, exact GELU, linear_2 on each patch's.
+
 Arithmetic in float32 throughout, but for the int16 products below. On MindSpore's ops the weights are widened to
 float32 once; on the CPU kernels the layers' matrices stay in the checkpoint's type (F16, BF16), widened a panel's
 slice at a time as they are multiplied (`_panels`), or (`int16`, the default where AVX2 has no AVX-512, 1.4x the
@@ -28,7 +33,7 @@ from mindspore import Tensor, nn, ops
 from mindspore.common import dtype as mstype
 
 from llm_serving.models.kernels.vision_panels import float_panels, int16_panels
-from llm_serving.models.llama import _gelu_tanh, _layer_normalize, _rms_normalize
+from llm_serving.models.llama import _gelu_erf, _gelu_tanh, _layer_normalize, _quick_gelu, _rms_normalize
 from llm_serving.models.weights.vision import VisionConfig, vision_shapes
 
 __all__ = ["VisionTower"]
@@ -113,6 +118,25 @@ class _Patches(nn.Cell):
         return (self.matmul(rows, patch) + patch_bias).reshape(n, g * g, d) + positions
 
 
+class _ClipPatches(nn.Cell):
+    """CLIP's (LLaVA 1.5's): pixels (N, C, S, S) to the first layer's input (N, 1 + G G, D): the class token's row,
+    then each patch a row of one matmul (no bias), plus each row's position row, then the pre-LayerNorm."""
+
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.matmul = ops.MatMul()
+
+    def construct(self, pixels, patch, class_row, positions, pre_gain, pre_bias):
+        cfg = self.cfg
+        n = pixels.shape[0]
+        g, p, c, d = cfg.patches_per_side, cfg.patch_size, cfg.num_channels, cfg.hidden_size
+        rows = pixels.reshape(n, c, g, p, g, p).transpose(0, 2, 4, 1, 3, 5).reshape(n * g * g, c * p * p)
+        x = ops.concat((ops.broadcast_to(class_row.reshape(1, 1, d), (n, 1, d)),
+                        self.matmul(rows, patch).reshape(n, g * g, d)), axis=1) + positions
+        return _layer_norm(x, pre_gain, pre_bias, cfg.layer_norm_eps)
+
+
 class _EncoderLayer(nn.Cell):
     """One SigLIP encoder layer (see the module docstring), its weights inputs (_LAYER_INPUTS): one graph that
     every layer runs. `kernels`: the path of the CPU kernel library (kernels/vision_layer_cpu.cc), run on `threads`
@@ -144,12 +168,13 @@ class _EncoderLayer(nn.Cell):
                                          out_dtype=lambda x, *_: x, func_type="aot")
             self.eps_tensor = Tensor(np.array([cfg.layer_norm_eps], np.float32))
             level = 2 if int16 and int16_scores else 1 if int16 else 0     # VisionAttention's int16 path
-            self.attention_config = Tensor(np.array([cfg.patches_per_side ** 2, cfg.num_heads, threads, level],
-                                                    np.int32))
+            self.attention_config = Tensor(np.array([cfg.sequence, cfg.num_heads, threads, level], np.int32))
             self.no_qkv_bias = Tensor(np.zeros(3 * cfg.hidden_size, np.float32))    # (VisionLinear added it)
             self.threads = Tensor(np.array([threads], np.int32))
             self.plain = Tensor(np.array([threads, 0], np.int32))
-            self.gelu = Tensor(np.array([threads, 1], np.int32))
+            # (fc1's activation: layer_parts_cpu.h's kGeluTanh 1, or kQuickGelu 3 for CLIP's)
+            self.gelu = Tensor(np.array([threads, 3 if cfg.activation == "quick_gelu" else 1], np.int32))
+        self.quick = cfg.activation == "quick_gelu"
 
     def construct(self, x, norm1_gain, norm1_bias, qkv_w, qkv_bias, out_w, out_bias, norm2_gain, norm2_bias,
                   fc1, fc1_bias, fc2, fc2_bias):
@@ -168,8 +193,8 @@ class _EncoderLayer(nn.Cell):
         probs = ops.softmax(self.scores(qkv[0], qkv[1]) * self.scale, axis=-1)
         attended = self.weighted(probs, qkv[2]).transpose(0, 2, 1, 3).reshape(n * t, d)
         x = x + (self.matmul(attended, out_w) + out_bias).reshape(n, t, d)
-        h = _gelu_tanh(self.matmul(_layer_norm(x, norm2_gain, norm2_bias, self.eps).reshape(n * t, d), fc1)
-                       + fc1_bias)
+        h = self.matmul(_layer_norm(x, norm2_gain, norm2_bias, self.eps).reshape(n * t, d), fc1) + fc1_bias
+        h = _quick_gelu(h) if self.quick else _gelu_tanh(h)
         return x + (self.matmul(h, fc2) + fc2_bias).reshape(n, t, d)
 
 
@@ -210,6 +235,22 @@ class _Projector(nn.Cell):
         return self.matmul(_rms_normalize(pooled, cfg.layer_norm_eps) * soft_gain, projection).reshape(n, s * s, cfg.text_hidden_size)
 
 
+class _LlavaProjector(nn.Cell):
+    """LLaVA's (LlavaMultiModalProjector) on CLIP's output (N, 1 + G G, D): the class token's row dropped, then each
+    patch's row through linear_1, GELU (erf), linear_2 (the matrices as stored, (out, in)) -> (N, G G, H)."""
+
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.matmul = ops.MatMul(transpose_b=True)
+
+    def construct(self, x, fc1, fc1_bias, fc2, fc2_bias):
+        cfg = self.cfg
+        n, g2 = x.shape[0], cfg.patches_per_side ** 2
+        h = _gelu_erf(self.matmul(x[:, 1:].reshape(n * g2, cfg.hidden_size), fc1) + fc1_bias)
+        return (self.matmul(h, fc2) + fc2_bias).reshape(n, g2, cfg.text_hidden_size)
+
+
 class VisionTower:
     """A SigLIP tower and its projector, Gemma 3's or SmolVLM's (the module docstring). `weights`: {name:
     StoredTensor} as weights/vision.py's `vision_checkpoint` gives them (or arrays under the same names).
@@ -228,20 +269,33 @@ class VisionTower:
         self.cfg = cfg
         d, p = cfg.hidden_size, cfg.patch_size
         patch = read("vision_tower.embeddings.patch_embedding.weight").reshape(d, cfg.num_channels * p * p)
-        self.embed_weights = (_tensor(patch.T), _tensor(read("vision_tower.embeddings.patch_embedding.bias")),
-                              _tensor(read("vision_tower.embeddings.position_embedding.weight")))   # (3PP, D) ...
+        positions = _tensor(read("vision_tower.embeddings.position_embedding.weight"))
         stored_type = None if kernels is None else (lambda name: getattr(weights[name], "stored_type", None))
         self.int16 = int16 and kernels is not None
         self.layer_weights = [_layer_weights(read, i, stored_type, self.int16) for i in range(cfg.num_layers)]
-        post = (_tensor(read("vision_tower.post_layernorm.weight")), _tensor(read("vision_tower.post_layernorm.bias")))
-        if cfg.projector == "shuffle":
-            self.head_weights = (*post, _tensor(read("multi_modal_projector.proj.weight").T))        # (s^2 D, H)
-            self.projector = _ShuffleProjector(cfg)
+        if cfg.projector == "llava":
+            self.embed_weights = (_tensor(patch.T), _tensor(read("vision_tower.embeddings.class_embedding")),
+                                  positions, _tensor(read("vision_tower.pre_layrnorm.weight")),
+                                  _tensor(read("vision_tower.pre_layrnorm.bias")))
+            self.patches = _ClipPatches(cfg)
+            linear = [(read(f"multi_modal_projector.linear_{k}.weight"),
+                       read(f"multi_modal_projector.linear_{k}.bias") if cfg.projector_bias else
+                       np.zeros(cfg.text_hidden_size, np.float32)) for k in (1, 2)]
+            self.head_weights = tuple(_tensor(t) for pair in linear for t in pair)
+            self.projector = _LlavaProjector(cfg)
         else:
-            self.head_weights = (*post, _tensor(1.0 + read("multi_modal_projector.mm_soft_emb_norm.weight")),
-                                 _tensor(read("multi_modal_projector.mm_input_projection_weight")))  # (D, H)
-            self.projector = _Projector(cfg)
-        self.patches = _Patches(cfg)
+            self.embed_weights = (_tensor(patch.T), _tensor(read("vision_tower.embeddings.patch_embedding.bias")),
+                                  positions)                                                     # (3PP, D) ...
+            self.patches = _Patches(cfg)
+            post = (_tensor(read("vision_tower.post_layernorm.weight")),
+                    _tensor(read("vision_tower.post_layernorm.bias")))
+            if cfg.projector == "shuffle":
+                self.head_weights = (*post, _tensor(read("multi_modal_projector.proj.weight").T))    # (s^2 D, H)
+                self.projector = _ShuffleProjector(cfg)
+            else:
+                self.head_weights = (*post, _tensor(1.0 + read("multi_modal_projector.mm_soft_emb_norm.weight")),
+                                     _tensor(read("multi_modal_projector.mm_input_projection_weight")))  # (D, H)
+                self.projector = _Projector(cfg)
         self.int16_scores = self.int16 and int16_scores
         self.layer = _EncoderLayer(cfg, kernels, threads, self.int16, self.int16_scores)
 
@@ -256,9 +310,8 @@ class VisionTower:
         arithmetic): the first image then pays its arithmetic only, not the graphs' compile (1-2 s) and their first
         run's allocations (another 3-5 s at Gemma-3-4B's shape on two Zen 3 cores)."""
         cfg = self.cfg
-        g = cfg.patches_per_side
         pixels = Tensor(np.zeros((1, cfg.num_channels, cfg.image_size, cfg.image_size), np.float32))
-        x = Tensor(np.zeros((1, g * g, cfg.hidden_size), np.float32))
+        x = Tensor(np.zeros((1, cfg.sequence, cfg.hidden_size), np.float32))
         self.patches(pixels, *self.embed_weights).asnumpy()
         self.layer(x, *self.layer_weights[0]).asnumpy()
         self.projector(x, *self.head_weights).asnumpy()

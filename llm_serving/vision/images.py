@@ -132,6 +132,8 @@ class ImageSpec:
     max_pixels: int = 28 * 28 * 1280
     pan_and_scan: bool = False            # Gemma 3's crops of a wide or tall image (do_pan_and_scan), by `scan`:
     scan: tuple = PAN_AND_SCAN            # (min crop side, max crops, min aspect ratio), as PAN_AND_SCAN
+    shortest_edge: Optional[int] = None   # CLIP's (LLaVA 1.5's): the short edge resized to this, then the middle
+                                          # height x width cropped (size.shortest_edge, crop_size)
 
     @classmethod
     def from_dir(cls, model_dir: str) -> Optional["ImageSpec"]:
@@ -168,6 +170,16 @@ class ImageSpec:
         if isinstance(size, int):
             size = {"height": size, "width": size}
         own = {}
+        if isinstance(size, dict) and "shortest_edge" in size:         # CLIP's (LLaVA 1.5's)
+            crop = raw.get("crop_size") if raw.get("do_center_crop", True) else None
+            crop = {"height": crop, "width": crop} if isinstance(crop, int) else crop
+            try:
+                own = {"shortest_edge": int(size["shortest_edge"])}
+                size = crop or {"height": own["shortest_edge"], "width": own["shortest_edge"]}
+            except (TypeError, ValueError):
+                raise ValueError(f"{where}: size.shortest_edge must be a number of pixels") from None
+            if own["shortest_edge"] < 1:
+                raise ValueError(f"{where}: size.shortest_edge must be positive")
         if isinstance(size, dict) and "longest_edge" in size:          # SmolVLM's, Idefics3's
             try:
                 tile = int((raw.get("max_image_size") or {})["longest_edge"])
@@ -295,8 +307,19 @@ def _normalized(rgb, spec: ImageSpec) -> np.ndarray:
 
 def pixels(image, spec: ImageSpec) -> np.ndarray:
     """`image` (a Pillow image) as the tower reads it: float32 (3, spec.height, spec.width), RGB (transparency over
-    white), resized with the spec's filter, times its rescale factor, less its mean, over its standard deviation."""
+    white), resized with the spec's filter (CLIP's: the short edge to `shortest_edge`, the long one in proportion,
+    rounded down, then the middle cropped, as transformers' CLIPImageProcessor), times its rescale factor, less its
+    mean, over its standard deviation."""
     rgb = _rgb(image)
+    if spec.shortest_edge is not None:
+        width, height = rgb.size
+        short, long = sorted((width, height))
+        edge = spec.shortest_edge
+        size = (edge, int(edge * long / short)) if width <= height else (int(edge * long / short), edge)
+        if rgb.size != size:
+            rgb = rgb.resize(size, resample=spec.resample)
+        left, top = (size[0] - spec.width) // 2, (size[1] - spec.height) // 2
+        rgb = rgb.crop((left, top, left + spec.width, top + spec.height))
     if rgb.size != (spec.width, spec.height):
         rgb = rgb.resize((spec.width, spec.height), resample=spec.resample)
     return _normalized(rgb, spec)

@@ -52,6 +52,7 @@ _GEMMA3 = {"boi": "<start_of_image>", "eoi": "<end_of_image>", "image": "<image_
 _SMOLVLM = {"fake": "<fake_token_around_image>", "image": "<image>", "global": "<global-img>"}
 _QWEN_VL = {"start": "<|vision_start|>", "end": "<|vision_end|>", "image": "<|image_pad|>"}
 _PIXTRAL = {"image": "[IMG]", "break": "[IMG_BREAK]", "end": "[IMG_END]"}
+_LLAVA = "<image>"          # LLaVA 1.5's placeholder: its template's mark, each image that many of it
 _ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
 _SMOLVLM_ARCHITECTURES = ("SmolVLMForConditionalGeneration", "Idefics3ForConditionalGeneration")
 _QWEN_VL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
@@ -73,7 +74,7 @@ class ImageFacts:
     eoi: str                     # its tokens, eoi the one after; SmolVLM: the placeholder itself)
     image_token: str
     spec: ImageSpec              # the model's image processor
-    family: str = "gemma3"       # or "smolvlm", "qwen2_5_vl", "pixtral"
+    family: str = "gemma3"       # or "smolvlm", "qwen2_5_vl", "pixtral", "llava"
     fake: str = ""               # SmolVLM's token around a frame's placeholders, and its global frame's tag
     global_tag: str = ""
     row_break_id: int = -1       # Pixtral's tokens that end a row of an image's placeholders, and the image
@@ -90,6 +91,8 @@ class ImageFacts:
         height) in order (SmolVLM's, Qwen2.5-VL's; a mark past them is left as it is)."""
         if self.family == "gemma3" and not self.spec.pan_and_scan:
             return text.replace(self.boi, self._gemma3_sequence())
+        if self.family == "llava":
+            return text.replace(self.boi, self.image_token * self.tokens_per_image)
         parts = text.split(self.boi)
         out = [parts[0]]
         for k, part in enumerate(parts[1:]):
@@ -213,10 +216,14 @@ class ImageFacts:
             start = k
             while k < n and ids[k] == self.image_token_id:
                 k += 1
-            if self.tokens_per_image > 0 and k - start != self.tokens_per_image:
-                raise ValueError(f"the prompt holds {k - start} image placeholder tokens in a row at {start}; an "
-                                 f"image is {self.tokens_per_image}")
-            out.append((start, k - start))
+            run, each = k - start, self.tokens_per_image
+            if self.family == "llava" and run % each == 0:      # (LLaVA's images side by side: one run of them)
+                out.extend((at, each) for at in range(start, k, each))
+                continue
+            if each > 0 and run != each:
+                raise ValueError(f"the prompt holds {run} image placeholder tokens in a row at {start}; an image is "
+                                 f"{each}")
+            out.append((start, run))
         return out
 
 
@@ -268,6 +275,8 @@ def image_facts(model_path: str, mmproj: Optional[str], tokenizer) -> Optional[I
         return _smolvlm_facts(model_path, raw, tokenizer, config)
     if arch in _QWEN_VL_ARCHITECTURES:
         return _qwen_vl_facts(model_path, raw, tokenizer, config)
+    if arch == "LlavaForConditionalGeneration" and raw["vision_config"].get("model_type") == "clip_vision_model":
+        return _llava_facts(model_path, raw, tokenizer, config)
     if arch in _PIXTRAL_ARCHITECTURES:
         return _pixtral_facts(model_path, raw, tokenizer, config)
     ids = {"boi": raw.get("boi_token_index"), "eoi": raw.get("eoi_token_index"),
@@ -357,6 +366,26 @@ def _pixtral_facts(model_path: str, raw: dict, tokenizer, config: str) -> ImageF
     spec = dataclasses.replace(spec, merge=1 if llava else int(raw.get("spatial_merge_size", 2)))
     return ImageFacts(-1, ids["image"], _PIXTRAL["image"], "", _PIXTRAL["image"], spec, family="pixtral",
                       row_break_id=ids["break"], image_end_id=ids["end"])
+
+
+def _llava_facts(model_path: str, raw: dict, tokenizer, config: str) -> ImageFacts:
+    """LLaVA 1.5's (a CLIP tower): its <image> token from the tokenizer (config.json's image_token_index must agree),
+    an image's tokens its patches (the class token's row dropped), its image processor's (CLIPImageProcessor: the
+    short edge resized, the middle cropped to the tower's image)."""
+    image = _one_token(tokenizer, _LLAVA, config)
+    given = raw.get("image_token_index", raw.get("image_token_id"))
+    if given is not None and given != image:
+        raise ValueError(f"{config}: its image_token_index is {given}, but the tokenizer's {_LLAVA!r} is {image}")
+    vision = raw["vision_config"]
+    size, patch = int(vision.get("image_size", 224)), int(vision.get("patch_size", 32))
+    spec = ImageSpec.from_dir(model_path)
+    if spec is None or spec.shortest_edge is None:
+        raise ValueError(f"{model_path}: a LLaVA 1.5 needs its image processor's config (preprocessor_config.json of "
+                         "a CLIPImageProcessor: size.shortest_edge, crop_size)")
+    if (spec.height, spec.width) != (size, size):
+        raise ValueError(f"{model_path}: the image processor's crop ({spec.width} x {spec.height}) is not the tower's "
+                         f"{size}-pixel image")
+    return ImageFacts((size // patch) ** 2, image, _LLAVA, "", _LLAVA, spec, family="llava")
 
 
 # a Qwen2.5-VL mmproj's image bounds, in tokens, where the file gives none: llama.cpp's (8 to 4,096), not the

@@ -139,7 +139,7 @@ def test_the_config_read_and_what_is_refused():
 def test_pixtral_12b_s_llava_config_and_what_is_refused():
     """Pixtral 12B's config.json (a LlavaForConditionalGeneration with a pixtral vision_config): each patch a token
     (no merge), LLaVA's projector without the norm and patch merger, its biases on by LlavaConfig's default; a LLaVA
-    whose tower is CLIP's (LLaVA 1.5's) is refused naming it, and so are LlavaConfig's defaults where the file is
+    whose tower is another (SigLIP's) is refused naming it, and so are LlavaConfig's defaults where the file is
     silent (the second-to-last layer's output, the first patch dropped), which Pixtral's tower does not compute."""
     from llm_serving.models.weights.common import WeightLoadError
     from llm_serving.models.weights.vision import _pixtral_config, qwen_vision_shapes
@@ -154,9 +154,9 @@ def test_pixtral_12b_s_llava_config_and_what_is_refused():
         "visual.merger.linear_2.weight"]
     assert qwen_vision_shapes(cfg)["visual.merger.linear_1.weight"] == (64, 32)
     assert not _pixtral_config({**llava, "multimodal_projector_bias": False}, "config.json", llava=True).projector_bias
-    clip = {**llava, "vision_config": {**llava["vision_config"], "model_type": "clip_vision_model"}}
-    with pytest.raises(WeightLoadError, match="'clip_vision_model' vision tower"):
-        _pixtral_config(clip, "config.json", llava=True)
+    siglip = {**llava, "vision_config": {**llava["vision_config"], "model_type": "siglip_vision_model"}}
+    with pytest.raises(WeightLoadError, match="'siglip_vision_model' vision tower"):
+        _pixtral_config(siglip, "config.json", llava=True)
     for key, why in (("vision_feature_select_strategy", "vision_feature_select_strategy 'default'"),
                      ("vision_feature_layer", "vision_feature_layer -2")):
         silent = {k: v for k, v in llava.items() if k != key}

@@ -926,6 +926,26 @@ def test_a_gemma3_config_that_names_only_what_differs_has_transformers_defaults(
     assert (cfg.qk_norm, cfg.sandwich_norms, cfg.layer_rope(5), cfg.layer_rope(4)) == (True, True, "global", "local")
 
 
+def test_a_llava_config_that_names_only_what_differs_has_llama_s_defaults(tmp_path):
+    """LLaVA 1.5 7B's config.json as the Hub's llava-hf file has it: its Llama text_config names the vocabulary, the
+    context and the norm's eps; the rest are LlamaConfig's defaults (32 layers of 4,096, 32 heads, MLP 11,008), read
+    as the Mistral family's (no window)."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlavaForConditionalGeneration"], "model_type": "llava", "image_token_index": 32000,
+        "pad_token_id": 32001, "projector_hidden_act": "gelu", "tie_word_embeddings": False,
+        "vision_config": {"hidden_size": 1024, "image_size": 336, "intermediate_size": 4096,
+                          "model_type": "clip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 24,
+                          "patch_size": 14, "projection_dim": 768, "vocab_size": 32000},
+        "text_config": {"architectures": ["LlamaForCausalLM"], "max_position_embeddings": 4096, "model_type": "llama",
+                        "rms_norm_eps": 1e-05, "vocab_size": 32064},
+        "vision_feature_layer": -2, "vision_feature_select_strategy": "default", "vocab_size": 32064}))
+    cfg = load_config(tmp_path)
+    assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size) == (
+        4096, 32, 32, 32, 11008)
+    assert (cfg.vocab_size, cfg.max_position_embeddings, cfg.rms_norm_eps, cfg.rope_theta) == (32064, 4096, 1e-5, 1e4)
+    assert (cfg.architecture, cfg.sliding_window, cfg.tie_word_embeddings) == ("mistral", None, False)
+
+
 def test_smollm3_nope_layers_from_the_flags_or_the_interval(families, tmp_path):
     hf, _ = families["smollm3"]
     assert load_config(_edited(hf, tmp_path, no_rope_layers=[1, 0, 1, 1])).nope_layers == (1,)

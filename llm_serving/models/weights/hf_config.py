@@ -206,13 +206,22 @@ def _experts(raw: dict, family: families.Family, num_layers: int, path: str) -> 
             **family.experts(raw, num_layers, path)}
 
 
+# transformers' LlamaConfig defaults, which a nested Llama text_config leaves to them (the Hub's llava-hf LLaVA 1.5
+# files name little more than the vocabulary and the context)
+_LLAMA_TEXT_DEFAULTS = {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+                        "num_attention_heads": 32, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+                        "rope_theta": 10000.0, "vocab_size": 32000}
+
+
 def _text_config(raw: dict, family: families.Family) -> dict:
-    """The config of the text model: a multimodal config's `text_config` (with the outer config's token ids), over
-    the family's defaults (transformers' for Gemma 3)."""
+    """The config of the text model: a multimodal config's `text_config` (with the outer config's token ids; a Llama
+    one's silent keys LlamaConfig's defaults), over the family's defaults (transformers' for Gemma 3)."""
     text = raw
     if isinstance(raw.get("text_config"), dict):
         outer = {k: raw[k] for k in ("bos_token_id", "eos_token_id", "tie_word_embeddings") if k in raw}
-        text = {**outer, **raw["text_config"], "architectures": raw.get("architectures")}
+        nested = raw["text_config"]
+        defaults = _LLAMA_TEXT_DEFAULTS if nested.get("model_type") == "llama" else {}
+        text = {**defaults, **outer, **nested, "architectures": raw.get("architectures")}
         vision = raw.get("vision_config")
         if isinstance(vision, dict) and vision.get("deepstack_visual_indexes"):     # (Qwen3-VL's DeepStack)
             text["deepstack_layers"] = len(vision["deepstack_visual_indexes"])

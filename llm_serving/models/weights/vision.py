@@ -37,7 +37,10 @@ Four more families' towers are another kind (`QwenVisionConfig`, models/vision_q
 - Pixtral 12B (`LlavaForConditionalGeneration` whose vision_config is a `pixtral` one): the same tower, each patch one
   token (no merge), and LLaVA's projector (linear_1, GELU, linear_2, with biases: no norm, no patch merger); its
   tensors named as Mistral 3's; from llama.cpp's `pixtral` mmproj without `mm.input_norm` and `mm.patch_merger`.
-  A LLaVA with another tower (LLaVA 1.5's CLIP) is refused naming it.
+A LLaVA 1.5 (`LlavaForConditionalGeneration` whose vision_config is `clip_vision_model`) is a SigLIP-like tower of
+CLIP's (a `VisionConfig` with `projector` "llava": its class token, pre-LayerNorm, quick GELU, the layers up to
+vision_feature_layer, LLaVA's projector), its tensors named as SigLIP's (`vision_tower.pre_layrnorm.*`,
+`vision_tower.embeddings.class_embedding`); any other LLaVA tower is refused naming it.
 """
 from __future__ import annotations
 
@@ -83,7 +86,11 @@ class VisionConfig:
     """A SigLIP tower and its projector: the image's (or frame's) patches, the tower's width and depth, and what the
     projector makes of its last hidden state (`tokens_per_image` tokens of the text model's width): Gemma 3's
     average pool ("pool") or SmolVLM's pixel shuffle ("shuffle", by `scale_factor`). `bidirectional`: the text
-    model's image tokens attend to every token of their image (Gemma 3's), else causally."""
+    model's image tokens attend to every token of their image (Gemma 3's), else causally. LLaVA 1.5's CLIP tower
+    (`projector` "llava"): a class token before the patches (its own position row), a LayerNorm before the layers
+    (`pre_norm`), quick GELU in the MLP (`activation`), `num_layers` the layers whose output is read (the checkpoint's
+    less those after vision_feature_layer), no post LayerNorm, the class token's row dropped, and LLaVA's projector
+    (linear_1, GELU, linear_2, with biases)."""
     hidden_size: int
     intermediate_size: int
     num_layers: int
@@ -100,6 +107,19 @@ class VisionConfig:
     projector: str = "pool"
     scale_factor: int = 1
     bidirectional: bool = True
+    activation: str = "gelu_tanh"               # the MLP's: SigLIP's tanh GELU, or CLIP's "quick_gelu"
+    projector_bias: bool = True                 # LLaVA's linear_1 and linear_2 with biases
+
+    @property
+    def class_token(self) -> bool:
+        """Whether the tower puts a class token before the patches (CLIP's: LLaVA 1.5's), whose row the projector
+        drops; its layers then run over patches + 1 rows."""
+        return self.projector == "llava"
+
+    @property
+    def sequence(self) -> int:
+        """The rows the tower's layers run over: the patches, and the class token's (CLIP's)."""
+        return self.patches_per_side ** 2 + self.class_token
 
     @property
     def patches_per_side(self) -> int:
@@ -148,6 +168,51 @@ def _config(raw: dict, path: str) -> VisionConfig:
     return cfg
 
 
+def _llava_clip_config(raw: dict, path: str) -> VisionConfig:
+    """The VisionConfig of a LlavaForConditionalGeneration whose tower is CLIP's (LLaVA 1.5's; vision_config
+    model_type clip_vision_model), CLIPVisionConfig's and LlavaConfig's defaults where the file is silent (the Hub's
+    llava-hf files are): quick GELU, eps 1e-5, the output of layer vision_feature_layer (-2: all but the last) with
+    the class token's row dropped (vision_feature_select_strategy "default"), the projector's GELU the exact one."""
+    vision, text = raw["vision_config"], raw.get("text_config") or {}
+    problems = []
+    if vision.get("hidden_act", "quick_gelu") != "quick_gelu":
+        problems.append(f"vision_config.hidden_act {vision.get('hidden_act')!r}: CLIP's tower runs quick GELU only")
+    if raw.get("projector_hidden_act", "gelu") != "gelu":
+        problems.append(f"projector_hidden_act {raw.get('projector_hidden_act')!r}: the projector runs the exact GELU "
+                        "only")
+    if raw.get("vision_feature_select_strategy", "default") != "default":
+        problems.append(f"vision_feature_select_strategy {raw.get('vision_feature_select_strategy')!r}: a CLIP "
+                        "tower's class token is dropped ('default') here")
+    layer = raw.get("vision_feature_layer", -2)
+    try:
+        depth = int(vision.get("num_hidden_layers", 24))
+        layers = depth + 1 + int(layer) if int(layer) < 0 else int(layer)
+    except (TypeError, ValueError):
+        layers = 0
+    if not 1 <= layers <= depth:
+        problems.append(f"vision_feature_layer {layer!r}: one layer's output is read, of the {depth} layers")
+    if problems:
+        raise WeightLoadError(f"{path}: {'; '.join(problems)}")
+    try:
+        image, patch = int(vision.get("image_size", 224)), int(vision.get("patch_size", 32))
+        side = image // patch
+        cfg = VisionConfig(
+            hidden_size=int(vision.get("hidden_size", 768)), intermediate_size=int(vision.get("intermediate_size", 3072)),
+            num_layers=layers, num_heads=int(vision.get("num_attention_heads", 12)), image_size=image,
+            patch_size=patch, num_channels=int(vision.get("num_channels", 3)),
+            layer_norm_eps=float(vision.get("layer_norm_eps", 1e-5)), tokens_per_image=side * side,
+            text_hidden_size=int(text.get("hidden_size", 4096)),
+            image_token_id=raw.get("image_token_index", raw.get("image_token_id")), projector="llava",
+            bidirectional=False, activation="quick_gelu",
+            projector_bias=bool(raw.get("multimodal_projector_bias", True)))
+    except (TypeError, ValueError, ZeroDivisionError) as e:
+        raise WeightLoadError(f"{path}: vision_config or text_config mistypes {e}") from None
+    if image % patch or cfg.hidden_size % cfg.num_heads or cfg.num_channels != 3:
+        raise WeightLoadError(f"{path}: a {image}-pixel image is not whole {patch}-pixel patches, or "
+                              f"{cfg.num_heads} heads do not divide {cfg.hidden_size}, or the images are not RGB")
+    return cfg
+
+
 def shuffled_tokens(vision: dict, raw: dict) -> int:
     """A pixel-shuffled frame's tokens: its patches over scale_factor squared (SmolVLM's image_seq_len)."""
     side = int(vision["image_size"]) // int(vision["patch_size"])
@@ -158,12 +223,20 @@ def vision_shapes(cfg: VisionConfig) -> dict:
     """{name: shape} of every tensor the tower and projector read."""
     d, m, p = cfg.hidden_size, cfg.intermediate_size, cfg.patch_size
     shapes = {"vision_tower.embeddings.patch_embedding.weight": (d, cfg.num_channels, p, p),
-              "vision_tower.embeddings.patch_embedding.bias": (d,),
-              "vision_tower.embeddings.position_embedding.weight": (cfg.patches_per_side ** 2, d),
-              "vision_tower.post_layernorm.weight": (d,), "vision_tower.post_layernorm.bias": (d,)}
+              "vision_tower.embeddings.position_embedding.weight": (cfg.sequence, d)}
+    if cfg.projector == "llava":                # (CLIP's: a class token, the pre-LayerNorm, no post one)
+        out = cfg.text_hidden_size
+        shapes.update({"vision_tower.embeddings.class_embedding": (d,), "vision_tower.pre_layrnorm.weight": (d,),
+                       "vision_tower.pre_layrnorm.bias": (d,), "multi_modal_projector.linear_1.weight": (out, d),
+                       "multi_modal_projector.linear_2.weight": (out, out)})
+        if cfg.projector_bias:
+            shapes.update({"multi_modal_projector.linear_1.bias": (out,), "multi_modal_projector.linear_2.bias": (out,)})
+    else:
+        shapes.update({"vision_tower.embeddings.patch_embedding.bias": (d,), "vision_tower.post_layernorm.weight": (d,),
+                       "vision_tower.post_layernorm.bias": (d,)})
     if cfg.projector == "shuffle":
         shapes["multi_modal_projector.proj.weight"] = (cfg.text_hidden_size, d * cfg.scale_factor ** 2)
-    else:
+    elif cfg.projector == "pool":
         shapes["multi_modal_projector.mm_soft_emb_norm.weight"] = (d,)
         shapes["multi_modal_projector.mm_input_projection_weight"] = (d, cfg.text_hidden_size)
     for i in range(cfg.num_layers):
@@ -210,6 +283,9 @@ def vision_checkpoint(model_dir: str) -> Optional[tuple]:
     if arch not in _ARCHITECTURES + tuple(_QWEN_ARCHITECTURES):
         raise WeightLoadError(f"{path}: the vision tower of {arch} is not read here (served: "
                               f"{', '.join(_ARCHITECTURES + tuple(_QWEN_ARCHITECTURES))})")
+    if arch == "LlavaForConditionalGeneration" and raw["vision_config"].get("model_type") == "clip_vision_model":
+        cfg = _llava_clip_config(raw, path)
+        return cfg, _stored(model_dir, _our_name, vision_shapes(cfg))
     if arch in ("Mistral3ForConditionalGeneration", "LlavaForConditionalGeneration"):
         cfg = _pixtral_config(raw, path, llava=arch == "LlavaForConditionalGeneration")
         return cfg, _stored(model_dir, _pixtral_name, qwen_vision_shapes(cfg))
@@ -348,8 +424,8 @@ def _pixtral_config(raw: dict, path: str, llava: bool = False) -> QwenVisionConf
     if llava:
         kind = vision.get("model_type", "clip_vision_model")
         if kind != "pixtral":
-            raise WeightLoadError(f"{path}: a LlavaForConditionalGeneration with a {kind!r} vision tower (LLaVA 1.5's "
-                                  "CLIP, say) is not read here; Pixtral 12B's (vision_config.model_type 'pixtral') is")
+            raise WeightLoadError(f"{path}: a LlavaForConditionalGeneration with a {kind!r} vision tower is not read "
+                                  "here; Pixtral 12B's ('pixtral') and LLaVA 1.5's ('clip_vision_model') are")
         if raw.get("vision_feature_select_strategy", "default") != "full":
             problems.append(f"vision_feature_select_strategy {raw.get('vision_feature_select_strategy', 'default')!r}: "
                             "a Pixtral tower's every patch is a token ('full')")

@@ -1,0 +1,133 @@
+"""Images in, LLaVA 1.5 (issue 67): the real server on a tiny random LlavaForConditionalGeneration with a CLIP tower
+that transformers makes (tests/families.py's `make_llava`: a 32-pixel image in 8-pixel patches and a class token,
+the second-to-last layer's output without the class token's row, 16 tokens an image, LLaVA's projector, a Llama text
+model). Its prompt puts each image as 16 <image> tokens, two images side by side as one run. Image questions through
+OpenAI's chat API get transformers' greedy tokens and log-probabilities (its forward with its PIL CLIP processor's
+pixels), with chunked prefill, the prefix cache and the encoded-image cache in play, and the precision gate's
+picture prompts; the tower (MindSpore's ops, the CPU kernels' float and int16 products) and the float64 reference are
+transformers'. The served checks are test_images_qwen.py's, given this family's prompt and reference (`Kit`)."""
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+
+from tests.families import LLAVA_IMAGE_TOKEN, greedy_with_logprobs, make_llava, needs_transformers
+from tests.integration.image_chats import png
+from tests.integration.test_images_qwen import NEW_TOKENS, Kit, served_image_chats
+from tests.integration.test_vision_qwen3 import float_kernels_bound
+
+pytest.importorskip("mindspore")
+pytest.importorskip("PIL", reason="Pillow reads the images (pip install -e .)")
+
+TOKENS = 16                 # an image's: (32 / 8)^2 patches, the class token's row dropped
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    needs_transformers()
+    directory = tmp_path_factory.mktemp("llava")
+    make_llava(directory, seed=5)
+    return directory
+
+
+def _pixel_values(path, images: list) -> np.ndarray:
+    """transformers' PIL CLIP image processor's pixel_values of the images (PNG bytes)."""
+    _, transformers = needs_transformers()
+    from PIL import Image
+
+    kind = getattr(transformers, "CLIPImageProcessorPil", transformers.CLIPImageProcessor)
+    return kind.from_pretrained(str(path))(images=[Image.open(io.BytesIO(d)) for d in images],
+                                           return_tensors="np")["pixel_values"]
+
+
+def _prompt_ids(path, turns: list, images: list) -> list:
+    """The prompt transformers' LlavaProcessor makes (the template rendered by hand, each <image> made 16 of it),
+    tokenized by the tokenizers library."""
+    from tokenizers import Tokenizer
+
+    text = "".join(f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in turns) + "<|im_start|>assistant\n"
+    assert text.count(LLAVA_IMAGE_TOKEN) == len(images)
+    return Tokenizer.from_file(str(path / "tokenizer.json")).encode(
+        text.replace(LLAVA_IMAGE_TOKEN, LLAVA_IMAGE_TOKEN * TOKENS)).ids
+
+
+def _reference(path, ids: list, images: list) -> tuple:
+    """transformers' greedy tokens after `ids` with `images` (PNG bytes), and each one's log-probability."""
+    torch, transformers = needs_transformers()
+    model = transformers.LlavaForConditionalGeneration.from_pretrained(
+        str(path), dtype=torch.float32, attn_implementation="eager").eval()
+    extra = {"pixel_values": torch.from_numpy(_pixel_values(path, images))} if images else {}
+
+    def logits(context: list):
+        return model(input_ids=torch.tensor([context]), use_cache=False, **extra).logits[0, -1]
+    return greedy_with_logprobs(logits, ids, NEW_TOKENS)
+
+
+LLAVA = Kit(LLAVA_IMAGE_TOKEN, _prompt_ids, _reference)
+
+
+def test_llava_image_questions_get_transformers_tokens_and_logprobs(llava, tmp_path):
+    """Image chats to a tiny LLaVA 1.5 (test_images_qwen.py's `served_image_chats`: two images side by side in one
+    turn among them): each reply is transformers' greedy tokens with their log-probabilities, with chunked prefill,
+    the prefix cache and the encoded-image cache in play; the precision gate with picture prompts passes."""
+    served_image_chats(llava, tmp_path, LLAVA)
+
+
+def test_the_tower_and_the_float64_reference_are_transformers(llava):
+    """The served tower (MindSpore's ops, the CPU kernels' float32 products and their int16 ones) and the float64
+    reference on the processor's pixels of a wide and a tall image: within float32's (int16's) reach of
+    transformers' float64 image features (the second-to-last layer's output, the class token's row dropped,
+    LLaVA's projector)."""
+    torch, transformers = needs_transformers()
+
+    from llm_serving.models.runner.kernels import build_vision_kernels
+    from llm_serving.models.vision_tower import VisionTower
+    from llm_serving.models.weights.vision import vision_checkpoint
+    from llm_serving.reference_vision import ReferenceVision
+
+    model = transformers.LlavaForConditionalGeneration.from_pretrained(
+        str(llava), dtype=torch.float64, attn_implementation="eager").eval()
+    cfg, tensors = vision_checkpoint(str(llava))
+    assert (cfg.num_layers, cfg.tokens_per_image, cfg.sequence) == (2, TOKENS, TOKENS + 1)
+    kernels = build_vision_kernels("CPU", "auto")
+    towers = [("mindspore", VisionTower(cfg, tensors), 2e-6)]
+    if kernels is not None:
+        towers += [("kernels", VisionTower(cfg, tensors, kernels=kernels, threads=2),
+                    float_kernels_bound(kernels, 2e-6)),
+                   ("int16", VisionTower(cfg, tensors, kernels=kernels, threads=2, int16=True), 3e-3)]
+    reference = ReferenceVision(str(llava))
+    for data in (png(0, (40, 130, 3)), png(1, (64, 30, 4))):
+        pixel_values = _pixel_values(llava, [data])
+        with torch.no_grad():
+            want = model.model.get_image_features(
+                pixel_values=torch.from_numpy(pixel_values).double()).pooler_output[0].numpy()
+        assert want.shape == (TOKENS, 64)
+        scale = np.abs(want).max()
+        for name, tower, bound in towers:
+            got = tower.encode(pixel_values.astype(np.float32))[0]
+            assert np.abs(got - want).max() / scale < bound, name
+        assert np.abs(reference.encode(pixel_values[0]) - want).max() / scale < 1e-6
+
+
+def test_a_llava_with_another_tower_or_feature_is_refused_naming_it(llava, tmp_path):
+    """A LLaVA whose config.json asks for what the tower does not compute (the class token's row kept, a layer past
+    the tower's, a SigLIP tower) is refused by the tower's reader naming the key or the tower."""
+    import json
+    import shutil
+
+    from llm_serving.models.weights.common import WeightLoadError
+    from llm_serving.models.weights.vision import vision_checkpoint
+
+    for changes, why in (({"vision_feature_select_strategy": "full"}, "vision_feature_select_strategy"),
+                         ({"vision_feature_layer": 7}, "vision_feature_layer 7"),
+                         ({"vision_config": {"model_type": "siglip_vision_model"}}, "'siglip_vision_model'")):
+        other = tmp_path / why.split()[0].strip("'")
+        shutil.copytree(llava, other)
+        config = json.loads((other / "config.json").read_text())
+        for key, value in changes.items():
+            config[key] = {**config[key], **value} if isinstance(value, dict) else value
+        (other / "config.json").write_text(json.dumps(config))
+        with pytest.raises(WeightLoadError, match=why):
+            vision_checkpoint(str(other))
