@@ -17,7 +17,10 @@ their GGUF twins: 2 or 3 layers of 64, so that an image question's time is the t
   both servers leave this size as it is): 768 tokens and 24 row breaks (3,072 patches of 14 pixels);
 - `--family pixtral`: Pixtral 12B's tower (the same blocks in 16-pixel patches, each patch a token; LLaVA's
   projector, two products with biases; pixtral without a patch merger), a `llama` text model (a tiny Pixtral 12B's);
-  the photo 512 x 384 (llama.cpp takes at most 1,024 tokens of this tower): 768 tokens and 24 row breaks.
+  the photo 512 x 384 (llama.cpp takes at most 1,024 tokens of this tower): 768 tokens and 24 row breaks;
+- `--family llava`: LLaVA 1.5's CLIP ViT-L/14-336 tower (24 layers of 1,024 of which LLaVA reads 23, a class token,
+  quick GELU; LLaVA's projector; mlp, as llama.cpp's LLaVA converter writes it), a `llama` text model (a tiny LLaVA
+  1.5's); any photo is 576 tokens (padded to a square, 336 pixels a side).
 Measured, for each server in turn: the time to the first token of one image question (the photo, as both servers'
 bounds leave it), for --rounds new pictures of that size; this server with its defaults and with `--set` settings
 (--variant, repeatable).
@@ -58,7 +61,8 @@ TOWERS = {"qwen2.5": dict(hidden=1280, intermediate=3420, layers=32, heads=16, p
           "mistral3": dict(hidden=1024, intermediate=4096, layers=24, heads=16, patch=14, image=1540, text_hidden=64,
                            picture=(896, 672)),
           "pixtral": dict(hidden=1024, intermediate=4096, layers=24, heads=16, patch=16, image=1024, text_hidden=64,
-                          picture=(512, 384))}
+                          picture=(512, 384)),
+          "llava": dict(hidden=1024, intermediate=4096, layers=23, heads=16, patch=14, image=336, text_hidden=64)}
 QUESTION = "Describe this picture in detail."
 NAME = "qwen25vl-bench"
 
@@ -68,13 +72,16 @@ def text_model(out: Path, family: str = "qwen2.5") -> Path:
     template, its context 4,096 tokens (made once)."""
     if out.is_file():
         return out
-    from tests.families import make_mistral3, make_pixtral, make_qwen2_vl, make_qwen3_vl, make_qwen25_vl, write_gguf
+    from tests.families import (make_llava, make_mistral3, make_pixtral, make_qwen2_vl, make_qwen3_vl, make_qwen25_vl,
+                                write_gguf)
 
     with tempfile.TemporaryDirectory() as tmp:
         if family == "mistral3":
             make_mistral3(Path(tmp), seed=0)
         elif family == "pixtral":
             make_pixtral(Path(tmp), seed=0)
+        elif family == "llava":
+            make_llava(Path(tmp), seed=0)
         elif family == "qwen2":
             make_qwen2_vl(Path(tmp), seed=0)
         elif family == "qwen3":           # (the real tower's three DeepStack layers; four text layers: llama.cpp
@@ -209,6 +216,41 @@ def mmproj_mistral3(out: Path, seed: int = 0, family: str = "mistral3") -> Path:
     return finish_gguf(writer, out)
 
 
+def mmproj_llava(out: Path, seed: int = 0) -> Path:
+    """A random LLaVA 1.5 CLIP tower (the layers LLaVA reads) and projector as llama.cpp's mlp mmproj GGUF (its
+    LLaVA converter's names and keys: fc1 as ffn_down, fc2 as ffn_up; F16 matrices, F32 vectors), made once."""
+    if out.is_file():
+        return out
+    t = TOWERS["llava"]
+    d, m, p, out_hidden, side = t["hidden"], t["intermediate"], t["patch"], t["text_hidden"], t["image"] // t["patch"]
+    writer = mmproj_writer(out, "mlp", {
+        "projection_dim": 768, "image_size": t["image"], "patch_size": p, "embedding_length": d,
+        "feed_forward_length": m, "block_count": t["layers"], "attention.head_count": t["heads"]},
+        ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)))
+    writer.add_bool("clip.has_llava_projector", True)
+    writer.add_bool("clip.use_gelu", False)
+    matrix, vector = random_weights(seed)
+    writer.add_tensor("v.class_embd", vector(d))
+    writer.add_tensor("v.patch_embd.weight", matrix((d, 3, p, p), 3 * p * p))
+    writer.add_tensor("v.position_embd.weight", matrix((side * side + 1, d), d))
+    writer.add_tensor("v.pre_ln.weight", vector(d, 1.0))
+    writer.add_tensor("v.pre_ln.bias", vector(d))
+    for i in range(t["layers"]):
+        at = f"v.blk.{i}."
+        for norm in ("ln1", "ln2"):
+            writer.add_tensor(at + norm + ".weight", vector(d, 1.0))
+            writer.add_tensor(at + norm + ".bias", vector(d))
+        for proj, rows, cols in (("attn_q", d, d), ("attn_k", d, d), ("attn_v", d, d), ("attn_out", d, d),
+                                 ("ffn_down", m, d), ("ffn_up", d, m)):
+            writer.add_tensor(at + proj + ".weight", matrix((rows, cols), cols))
+            writer.add_tensor(at + proj + ".bias", vector(rows))
+    writer.add_tensor("mm.0.weight", matrix((out_hidden, d), d))
+    writer.add_tensor("mm.0.bias", vector(out_hidden))
+    writer.add_tensor("mm.2.weight", matrix((out_hidden, out_hidden), out_hidden))
+    writer.add_tensor("mm.2.bias", vector(out_hidden))
+    return finish_gguf(writer, out)
+
+
 def ask(url: str, picture: str) -> dict:
     """One image question, 2 tokens: seconds to the reply (its first token is the second's step), its prompt's
     tokens."""
@@ -238,7 +280,8 @@ def main(argv=None) -> int:
                     help="this server again with this setting (repeatable: one run each)")
     ap.add_argument("--only", choices=("ours", "llama"), default=None)
     ap.add_argument("--out", default=None, help="default bench_results/vision_qwen.json (vision_qwen2.json, "
-                                                "vision_qwen3.json, vision_mistral3.json, vision_pixtral.json)")
+                                                "vision_qwen3.json, vision_mistral3.json, vision_pixtral.json, "
+                                                "vision_llava.json)")
     args = ap.parse_args(argv)
 
     models = peers_dir() / "models"
@@ -247,6 +290,9 @@ def main(argv=None) -> int:
     if args.family == "mistral3":
         text = text_model(models / "bench-mistral3-tiny-text.gguf", "mistral3")
         proj = mmproj_mistral3(models / "bench-mistral-small-3.1-mmproj-f16.gguf")
+    elif args.family == "llava":
+        text = text_model(models / "bench-llava-tiny-text.gguf", "llava")
+        proj = mmproj_llava(models / "bench-llava-1.5-mmproj-f16.gguf")
     elif args.family == "pixtral":
         text = text_model(models / "bench-pixtral-tiny-text.gguf", "pixtral")
         proj = mmproj_mistral3(models / "bench-pixtral-12b-mmproj-f16.gguf", family="pixtral")
@@ -293,7 +339,7 @@ def main(argv=None) -> int:
         result["ratios"] = {k: best(v["runs"]) / theirs for k, v in result["ours"].items()}
         print("image question, ours / llama-server (best after the first):", json.dumps(result["ratios"]))
     names = {"qwen2.5": "vision_qwen", "qwen2": "vision_qwen2", "qwen3": "vision_qwen3", "mistral3": "vision_mistral3",
-             "pixtral": "vision_pixtral"}
+             "pixtral": "vision_pixtral", "llava": "vision_llava"}
     write_json(args.out or f"bench_results/{names[args.family]}.json", result)
     return 0
 

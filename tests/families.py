@@ -680,8 +680,8 @@ def make_llava(path, seed: int = 1, tokenizer: bool = True):
     of width 32 on a 32-pixel image in 8-pixel patches (a class token, the pre-LayerNorm, quick GELU), its
     second-to-last layer's output read with the class token's row dropped (16 tokens an image), LLaVA's projector
     (linear_1, GELU, linear_2, with biases) into a 2-layer Llama text model of width 64 and 300 tokens. Its image
-    processor beside it (CLIPImageProcessor: the short edge to 32 pixels, the middle 32 x 32 cropped, CLIP's mean and
-    std), and (`tokenizer`) a tokenizer holding LLAVA_IMAGE_TOKEN with LLAVA_CHATML. Returns the model (eval mode)."""
+    processor beside it (LlavaImageProcessor: the image padded to a square in the mean's colour, its short edge to 32
+    pixels, the middle 32 x 32 cropped, CLIP's mean and std), and (`tokenizer`) a tokenizer holding LLAVA_IMAGE_TOKEN with LLAVA_CHATML. Returns the model (eval mode)."""
     torch, transformers = needs_transformers()
     path = Path(path)
     cfg = transformers.LlavaConfig(
@@ -707,10 +707,10 @@ def make_llava(path, seed: int = 1, tokenizer: bool = True):
             else:
                 p.copy_(torch.randn(p.shape, generator=generator) * (0.5 if "embed_tokens" in name else 0.1))
     model.save_pretrained(path)
-    clip = getattr(transformers, "CLIPImageProcessorPil", transformers.CLIPImageProcessor)
-    clip(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}, resample=3, do_center_crop=True,
-         image_mean=[0.48145466, 0.4578275, 0.40821073],
-         image_std=[0.26862954, 0.26130258, 0.27577711]).save_pretrained(path)
+    processor = getattr(transformers, "LlavaImageProcessorPil", transformers.LlavaImageProcessor)
+    processor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}, resample=3, do_center_crop=True,
+              do_pad=True, image_mean=[0.48145466, 0.4578275, 0.40821073],
+              image_std=[0.26862954, 0.26130258, 0.27577711]).save_pretrained(path)
     if tokenizer:
         write_tokenizer(path, 300, extra=(LLAVA_IMAGE_TOKEN,), template=LLAVA_CHATML)
     return model

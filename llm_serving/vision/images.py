@@ -133,7 +133,9 @@ class ImageSpec:
     pan_and_scan: bool = False            # Gemma 3's crops of a wide or tall image (do_pan_and_scan), by `scan`:
     scan: tuple = PAN_AND_SCAN            # (min crop side, max crops, min aspect ratio), as PAN_AND_SCAN
     shortest_edge: Optional[int] = None   # CLIP's (LLaVA 1.5's): the short edge resized to this, then the middle
-                                          # height x width cropped (size.shortest_edge, crop_size)
+                                          # height x width cropped (size.shortest_edge, crop_size); with
+    pad_square: bool = False              # LlavaImageProcessor's do_pad, the image first padded to a square of its
+                                          # long edge, centred, in the mean's colour (its values times 255, floored)
 
     @classmethod
     def from_dir(cls, model_dir: str) -> Optional["ImageSpec"]:
@@ -174,7 +176,8 @@ class ImageSpec:
             crop = raw.get("crop_size") if raw.get("do_center_crop", True) else None
             crop = {"height": crop, "width": crop} if isinstance(crop, int) else crop
             try:
-                own = {"shortest_edge": int(size["shortest_edge"])}
+                own = {"shortest_edge": int(size["shortest_edge"]),
+                       "pad_square": bool(raw.get("do_pad")) and "Llava" in str(raw.get("image_processor_type", ""))}
                 size = crop or {"height": own["shortest_edge"], "width": own["shortest_edge"]}
             except (TypeError, ValueError):
                 raise ValueError(f"{where}: size.shortest_edge must be a number of pixels") from None
@@ -308,9 +311,17 @@ def _normalized(rgb, spec: ImageSpec) -> np.ndarray:
 def pixels(image, spec: ImageSpec) -> np.ndarray:
     """`image` (a Pillow image) as the tower reads it: float32 (3, spec.height, spec.width), RGB (transparency over
     white), resized with the spec's filter (CLIP's: the short edge to `shortest_edge`, the long one in proportion,
-    rounded down, then the middle cropped, as transformers' CLIPImageProcessor), times its rescale factor, less its
-    mean, over its standard deviation."""
+    rounded down, then the middle cropped, as transformers' CLIPImageProcessor; LLaVA's with `pad_square` padded to a
+    square first, as its LlavaImageProcessor), times its rescale factor, less its mean, over its standard
+    deviation."""
     rgb = _rgb(image)
+    if spec.pad_square and rgb.size[0] != rgb.size[1]:
+        from PIL import Image
+
+        side = max(rgb.size)
+        square = Image.new("RGB", (side, side), tuple(int(m * 255) for m in spec.mean))
+        square.paste(rgb, ((side - rgb.size[0]) // 2, (side - rgb.size[1]) // 2))
+        rgb = square
     if spec.shortest_edge is not None:
         width, height = rgb.size
         short, long = sorted((width, height))

@@ -397,10 +397,14 @@ def _mmproj_facts(path: str, tokenizer) -> ImageFacts:
     """An mmproj GGUF's: Gemma 3's (projector type gemma3) or SmolVLM's (idefics3: its tiles of image_size, the
     longest edge `clip.vision.preproc_image_size`, LANCZOS as its processor; its tokens from the text model's
     vocabulary); Qwen2.5-VL's and Qwen3-VL's (qwen2.5vl_merger, qwen3vl_merger: bicubic, its pixel bounds
-    `clip.vision.image_min_pixels` / `image_max_pixels` or llama.cpp's 8 to 4,096 tokens)."""
+    `clip.vision.image_min_pixels` / `image_max_pixels` or llama.cpp's 8 to 4,096 tokens); LLaVA 1.5's (mlp: the
+    image padded to a square in the mean's colour, as llama.cpp does for it, then resized to image_size, bicubic;
+    a token a patch)."""
     from llm_serving.gguf_file import read_gguf
 
     fields = read_gguf(path).fields             # (a header scan: the tensors' data is not read)
+    if fields.get("clip.projector_type") == "mlp":
+        return _llava_mmproj_facts(path, fields, tokenizer)
     if fields.get("clip.projector_type") in _QWEN_MMPROJ_NORMALIZE:
         return _qwen_mmproj_facts(path, fields, tokenizer)
     if fields.get("clip.projector_type") == "pixtral":
@@ -442,6 +446,20 @@ def _pixtral_mmproj_facts(path: str, fields: dict, tokenizer) -> ImageFacts:
     ids = {key: _one_token(tokenizer, text, path) for key, text in _PIXTRAL.items()}
     return ImageFacts(-1, ids["image"], _PIXTRAL["image"], "", _PIXTRAL["image"], spec, family="pixtral",
                       row_break_id=ids["break"], image_end_id=ids["end"])
+
+
+def _llava_mmproj_facts(path: str, fields: dict, tokenizer) -> ImageFacts:
+    try:
+        size, patch = int(fields["clip.vision.image_size"]), int(fields["clip.vision.patch_size"])
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"{path}: an mmproj GGUF without clip.vision.image_size and patch_size") from None
+    spec = ImageSpec.from_config({
+        "image_processor_type": "LlavaImageProcessor", "do_pad": True, "size": {"shortest_edge": size},
+        "crop_size": {"height": size, "width": size}, "resample": 3,
+        "image_mean": [float(v) for v in fields.get("clip.vision.image_mean", _CLIP_MEAN)],
+        "image_std": [float(v) for v in fields.get("clip.vision.image_std", _CLIP_STD)]}, path)
+    return ImageFacts((size // patch) ** 2, _one_token(tokenizer, _LLAVA, path), _LLAVA, "", _LLAVA, spec,
+                      family="llava")
 
 
 def _qwen_mmproj_facts(path: str, fields: dict, tokenizer) -> ImageFacts:

@@ -1,11 +1,13 @@
 """Images in, LLaVA 1.5 (issue 67): the real server on a tiny random LlavaForConditionalGeneration with a CLIP tower
 that transformers makes (tests/families.py's `make_llava`: a 32-pixel image in 8-pixel patches and a class token,
 the second-to-last layer's output without the class token's row, 16 tokens an image, LLaVA's projector, a Llama text
-model). Its prompt puts each image as 16 <image> tokens, two images side by side as one run. Image questions through
-OpenAI's chat API get transformers' greedy tokens and log-probabilities (its forward with its PIL CLIP processor's
-pixels), with chunked prefill, the prefix cache and the encoded-image cache in play, and the precision gate's
-picture prompts; the tower (MindSpore's ops, the CPU kernels' float and int16 products) and the float64 reference are
-transformers'. The served checks are test_images_qwen.py's, given this family's prompt and reference (`Kit`)."""
+model), from its HF directory and as a `llama` GGUF with the mmproj llama.cpp's LLaVA converter writes. Its prompt
+puts each image as 16 <image> tokens, two images side by side as one run. Image questions through OpenAI's chat API
+get transformers' greedy tokens and log-probabilities (its forward with its PIL LLaVA processor's pixels: padded to
+a square, then CLIP's), with chunked prefill, the prefix cache and the encoded-image cache in play, and the precision
+gate's picture prompts; the tower (MindSpore's ops, the CPU kernels' float and int16 products) and the float64
+reference are transformers'. The served checks are test_images_qwen.py's, given this family's prompt and reference
+(`Kit`)."""
 from __future__ import annotations
 
 import io
@@ -33,11 +35,12 @@ def llava(tmp_path_factory):
 
 
 def _pixel_values(path, images: list) -> np.ndarray:
-    """transformers' PIL CLIP image processor's pixel_values of the images (PNG bytes)."""
+    """transformers' PIL LLaVA image processor's pixel_values of the images (PNG bytes): padded to a square, then
+    CLIP's."""
     _, transformers = needs_transformers()
     from PIL import Image
 
-    kind = getattr(transformers, "CLIPImageProcessorPil", transformers.CLIPImageProcessor)
+    kind = getattr(transformers, "LlavaImageProcessorPil", transformers.LlavaImageProcessor)
     return kind.from_pretrained(str(path))(images=[Image.open(io.BytesIO(d)) for d in images],
                                            return_tensors="np")["pixel_values"]
 
@@ -131,3 +134,111 @@ def test_a_llava_with_another_tower_or_feature_is_refused_naming_it(llava, tmp_p
         (other / "config.json").write_text(json.dumps(config))
         with pytest.raises(WeightLoadError, match=why):
             vision_checkpoint(str(other))
+
+
+def write_llava_mmproj(hf_dir, path):
+    """The mmproj GGUF llama.cpp's LLaVA converter (tools/mtmd/legacy-models' convert_image_encoder_to_gguf.py,
+    --llava-projector, --use-f32) writes of a LLaVA 1.5: projector type mlp; the CLIP tower's layers but the last
+    (`clip.vision.block_count` one fewer), its names as the converter makes them (`v.class_embd`, `v.patch_embd`,
+    `v.position_embd`, `v.pre_ln`, `v.blk.N.attn_q` ..., fc1 as `ffn_down` and fc2 as `ffn_up`), no post LayerNorm,
+    LLaVA's projector as `mm.0` and `mm.2`; the keys it writes, CLIP's own projection_dim among them. Checked against
+    the converter's own file of make_llava's tower and projector (llama-cpp-python 0.3's sources, run under
+    transformers 5 with its CLIPVisionModel given back a `vision_model`): the same keys, names and values, but that
+    it stores the patch kernel and the projector's two matrices in F16 even with --use-f32, which this writes in F32
+    so that the served tokens hold to transformers' float32 forward."""
+    import json
+
+    import gguf
+    from safetensors.numpy import load_file
+
+    config = json.loads((hf_dir / "config.json").read_text())
+    vision = config["vision_config"]
+    layers = vision["num_hidden_layers"] - 1
+    writer = gguf.GGUFWriter(str(path), "clip")
+    writer.add_bool("clip.has_text_encoder", False)
+    writer.add_bool("clip.has_vision_encoder", True)
+    writer.add_bool("clip.has_llava_projector", True)
+    writer.add_file_type(0)
+    writer.add_description("image encoder for LLaVA")
+    writer.add_string("clip.projector_type", "mlp")
+    for key, value in (("image_size", vision["image_size"]), ("patch_size", vision["patch_size"]),
+                       ("embedding_length", vision["hidden_size"]),
+                       ("feed_forward_length", vision["intermediate_size"]),
+                       ("projection_dim", vision["projection_dim"]),
+                       ("attention.head_count", vision["num_attention_heads"]), ("block_count", layers)):
+        writer.add_uint32(f"clip.vision.{key}", value)
+    writer.add_float32("clip.vision.attention.layer_norm_epsilon", vision["layer_norm_eps"])
+    writer.add_array("clip.vision.image_mean", [0.48145466, 0.4578275, 0.40821073])
+    writer.add_array("clip.vision.image_std", [0.26862954, 0.26130258, 0.27577711])
+    writer.add_bool("clip.use_gelu", False)
+    for name, array in load_file(str(hf_dir / "model.safetensors")).items():
+        name = name.removeprefix("model.")
+        if name.startswith("multi_modal_projector."):
+            writer.add_tensor(name.replace("multi_modal_projector", "mm").replace("linear_1", "0")
+                              .replace("linear_2", "2"), array)
+            continue
+        if not name.startswith("vision_tower.") or "post_layernorm" in name:
+            continue
+        name = "v." + name.removeprefix("vision_tower.").removeprefix("vision_model.")    # (5.x's, 4.x's)
+        if name.startswith("v.encoder.layers.") and int(name.split(".")[3]) >= layers:
+            continue                                # (the converter drops the layers past LLaVA's)
+        for theirs, ours in (("encoder.layers", "blk"), ("embeddings.", ""), ("_proj", ""), ("self_attn.", "attn_"),
+                             ("layer_norm", "ln"), ("mlp.fc1", "ffn_down"), ("mlp.fc2", "ffn_up"),
+                             ("embedding", "embd"), ("layrnorm", "ln")):
+            name = name.replace(theirs, ours)
+        writer.add_tensor(name, np.ascontiguousarray(array))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_llama_gguf_and_its_mlp_mmproj_serve_the_same_image_questions(llava, tmp_path):
+    """The text model as a `llama` GGUF and the tower as llama.cpp's LLaVA converter writes its mlp mmproj (the last
+    layer dropped, fc1 and fc2 under each other's names): the tower's config and tensors are the HF directory's, and
+    image questions get transformers' greedy tokens (the image padded to a square, as llama.cpp and the tiny model's
+    LlavaImageProcessor both do). An mmproj with a GELU MLP, a post LayerNorm or llava-1.6's image grid is refused
+    naming it."""
+    import dataclasses
+
+    import gguf
+
+    from llm_serving.models.weights.common import WeightLoadError
+    from llm_serving.models.weights.vision import mmproj_checkpoint, vision_checkpoint, vision_shapes
+    from tests.families import write_gguf
+    from tests.integration.test_images_qwen import served_gguf_chats
+
+    text, mmproj = write_gguf(None, llava, tmp_path / "llava.gguf"), tmp_path / "mmproj.gguf"
+    write_llava_mmproj(llava, mmproj)
+    cfg, tensors = mmproj_checkpoint(str(mmproj))
+    hf_cfg, hf_tensors = vision_checkpoint(str(llava))
+    assert cfg == dataclasses.replace(hf_cfg, image_token_id=None)       # (an mmproj has no token ids: the text's)
+    assert sorted(tensors) == sorted(vision_shapes(cfg))     # (the last layer and the post LayerNorm not written)
+    for name, tensor in tensors.items():
+        index = (slice(None),) * len(tensor.shape)
+        np.testing.assert_array_equal(tensor.read(index), hf_tensors[name].read(index), err_msg=name)
+    served_gguf_chats(llava, text, mmproj, tmp_path, LLAVA)
+
+    reader = gguf.GGUFReader(str(mmproj))
+    for bad, why in (("gelu", "clip.use_gelu"), ("post_ln", "v.post_ln.weight"),
+                     ("pinpoints", "image_grid_pinpoints")):
+        writer = gguf.GGUFWriter(str(tmp_path / f"{bad}.gguf"), "clip")
+        for field in reader.fields.values():
+            if field.name.startswith("clip.") and not (bad == "gelu" and field.name == "clip.use_gelu"):
+                value = field.contents()
+                {bool: writer.add_bool, str: writer.add_string, list: writer.add_array,
+                 float: writer.add_float32}.get(type(value), writer.add_uint32)(field.name, value)
+        if bad == "gelu":
+            writer.add_bool("clip.use_gelu", True)
+        if bad == "pinpoints":
+            writer.add_array("clip.vision.image_grid_pinpoints", [336, 672, 672, 336])
+        for tensor in reader.tensors:
+            writer.add_tensor(tensor.name, np.asarray(tensor.data).reshape(tuple(reversed(tensor.shape.tolist()))))
+        if bad == "post_ln":
+            writer.add_tensor("v.post_ln.weight", np.ones(32, np.float32))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        with pytest.raises(WeightLoadError, match=why):
+            mmproj_checkpoint(str(tmp_path / f"{bad}.gguf"))

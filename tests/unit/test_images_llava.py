@@ -42,6 +42,22 @@ def test_pixels_are_transformers_clip_processor_s(width, height, mode):
     np.testing.assert_allclose(ours, theirs["pixel_values"][0], rtol=0, atol=2e-6)
 
 
+@pytest.mark.parametrize("width,height,mode", [(640, 480, "RGB"), (300, 701, "RGB"), (21, 50, "RGBA"),
+                                               (336, 336, "RGB")])
+def test_padded_pixels_are_transformers_llava_processor_s(width, height, mode):
+    """LlavaImageProcessor with do_pad (LLaVA 1.5's own preprocessing, which llama.cpp's mmprojs keep too): the image
+    padded to a square of its long edge, centred, in the mean's colour, then as CLIP's: transformers' pixel_values
+    within float32's rounding."""
+    _, transformers = needs_transformers()
+    raw = {**CLIP, "image_processor_type": "LlavaImageProcessor", "do_pad": True}
+    spec = ImageSpec.from_config(raw)
+    assert spec.pad_square and not ImageSpec.from_config({**CLIP, "do_pad": True}).pad_square   # (CLIP's has none)
+    image = _image(width + height, width, height, mode)
+    kind = getattr(transformers, "LlavaImageProcessorPil", transformers.LlavaImageProcessor)
+    theirs = kind(**{k: v for k, v in raw.items() if k != "image_processor_type"})(images=[image], return_tensors="np")
+    np.testing.assert_allclose(pixels(image, spec), theirs["pixel_values"][0], rtol=0, atol=2e-6)
+
+
 def test_a_bad_shortest_edge_is_refused_naming_it():
     with pytest.raises(ValueError, match="shortest_edge"):
         ImageSpec.from_config({**CLIP, "size": {"shortest_edge": "big"}})

@@ -78,7 +78,7 @@ MMPROJ_PROJECTORS = {"gemma3": "Gemma3ForConditionalGeneration", "idefics3": "Id
                      "qwen2vl_merger": "Qwen2VLForConditionalGeneration",
                      "qwen2.5vl_merger": "Qwen2_5_VLForConditionalGeneration",
                      "qwen3vl_merger": "Qwen3VLForConditionalGeneration",
-                     "pixtral": "Mistral3ForConditionalGeneration"}
+                     "pixtral": "Mistral3ForConditionalGeneration", "mlp": "LlavaForConditionalGeneration"}
 
 
 @dataclass(frozen=True)
@@ -686,6 +686,8 @@ def mmproj_config(path: str, contents=None):
         return _qwen3_mmproj_config(path, fields, contents.tensors)
     if fields["clip.projector_type"] == "pixtral":
         return _pixtral_mmproj_config(path, fields, contents.tensors)
+    if fields["clip.projector_type"] == "mlp":
+        return _llava_mmproj_config(path, fields, contents.tensors)
     try:
         image, patch = int(fields["clip.vision.image_size"]), int(fields["clip.vision.patch_size"])
         pool = int(fields.get("clip.vision.projector.scale_factor", 4))
@@ -800,6 +802,74 @@ def _pixtral_mmproj_config(path: str, fields: dict, tensors) -> QwenVisionConfig
             "text_config": {"hidden_size": fields["clip.vision.projection_dim"], "rms_norm_eps": eps}}, path, llava)
     except KeyError as e:
         raise WeightLoadError(f"{path}: GGUF metadata {e} is missing") from None
+
+
+def _llava_mmproj_config(path: str, fields: dict, tensors) -> VisionConfig:
+    """A LLaVA 1.5 mmproj's tower (projector mlp, as llama.cpp's LLaVA converter writes it: the CLIP tower's layers
+    up to the one LLaVA reads, `clip.vision.block_count` of them, no post LayerNorm, the projector `mm.0` and `mm.2`):
+    its `clip.vision.*` keys as a LlavaForConditionalGeneration's config reading the last of those layers, the text
+    model's width `mm.2.weight`'s (the file's projection_dim is CLIP's own, unused by LLaVA). What the
+    tower here does not compute is refused naming it: a GELU MLP (`clip.use_gelu`), several feature layers, a post
+    LayerNorm, a patch bias, or llava-1.6's image grid (`clip.vision.image_grid_pinpoints`)."""
+    names = {t.name: t for t in tensors}
+    if "mm.2.weight" not in names:
+        raise WeightLoadError(f"{path}: an mlp mmproj without mm.2.weight (LLaVA's projector's second product)")
+    try:
+        layers = int(fields["clip.vision.block_count"])
+        feature = [int(v) for v in fields.get("clip.vision.feature_layer", [])]
+        problems = []
+        if fields.get("clip.use_gelu"):
+            problems.append("clip.use_gelu (CLIP's quick GELU is the MLP run here)")
+        if feature and feature != [layers]:
+            problems.append(f"clip.vision.feature_layer {feature} (one layer's output is read: the last of the "
+                            f"{layers})")
+        if fields.get("clip.vision.image_grid_pinpoints"):
+            problems.append("clip.vision.image_grid_pinpoints (llava-1.6's image grid)")
+        problems += [f"{n} (not in LLaVA 1.5's tower)" for n in ("v.post_ln.weight", "v.patch_embd.bias") if n in names]
+        if problems:
+            raise WeightLoadError(f"{path}: an mlp mmproj with {'; '.join(problems)}")
+        return _llava_clip_config({
+            "vision_feature_layer": layers, "multimodal_projector_bias": "mm.0.bias" in names,
+            "vision_config": {
+                "hidden_size": fields["clip.vision.embedding_length"],
+                "intermediate_size": fields["clip.vision.feed_forward_length"], "num_hidden_layers": layers,
+                "num_attention_heads": fields["clip.vision.attention.head_count"],
+                "image_size": fields["clip.vision.image_size"], "patch_size": fields["clip.vision.patch_size"],
+                "layer_norm_eps": float(f"{float(fields.get('clip.vision.attention.layer_norm_epsilon', 1e-5)):.7g}")},
+            "text_config": {"hidden_size": int(names["mm.2.weight"].shape[-1])}}, path)
+    except KeyError as e:
+        raise WeightLoadError(f"{path}: GGUF metadata {e} is missing") from None
+
+
+# a LLaVA 1.5 mmproj's names (llama.cpp's LLaVA converter's) -> ours: `v.blk.N.` parts (its MLP's two by their
+# shapes: the converter names fc1 ffn_down and fc2 ffn_up, as llama.cpp's loader knows), then the rest
+_LLAVA_MMPROJ_LAYER = {"ln1.": "layer_norm1.", "ln2.": "layer_norm2.", "attn_q.": "self_attn.q_proj.",
+                       "attn_k.": "self_attn.k_proj.", "attn_v.": "self_attn.v_proj.",
+                       "attn_out.": "self_attn.out_proj."}
+_LLAVA_MMPROJ_NAMES = {"v.class_embd": "vision_tower.embeddings.class_embedding",
+                       "v.patch_embd.weight": "vision_tower.embeddings.patch_embedding.weight",
+                       "v.position_embd.weight": "vision_tower.embeddings.position_embedding.weight",
+                       "v.pre_ln.": "vision_tower.pre_layrnorm.", "mm.0.": "multi_modal_projector.linear_1.",
+                       "mm.2.": "multi_modal_projector.linear_2."}
+
+
+def _llava_mmproj_name(name: str, shape: tuple, cfg: VisionConfig) -> Optional[str]:
+    """A LLaVA 1.5 mmproj tensor's name as the tower knows it (`vision_tower.*`, `multi_modal_projector.*`), or None;
+    `shape` its (numpy-order) shape, which tells the MLP's fc1 (intermediate x hidden) from fc2."""
+    if name.startswith("v.blk."):
+        index, _, rest = name[len("v.blk."):].partition(".")
+        at = f"vision_tower.encoder.layers.{index}."
+        if rest.startswith(("ffn_up.", "ffn_down.")):
+            part, _, kind = rest.partition(".")
+            if cfg.intermediate_size != cfg.hidden_size:        # (fc1's rows are the MLP's width)
+                first = shape[0] == cfg.intermediate_size
+            else:                                               # (square: the converter's own names)
+                first = part == "ffn_down"
+            return at + ("mlp.fc1." if first else "mlp.fc2.") + kind
+        return next((at + ours + rest[len(theirs):] for theirs, ours in _LLAVA_MMPROJ_LAYER.items()
+                     if rest.startswith(theirs)), None)
+    return next((ours + name[len(theirs):] for theirs, ours in _LLAVA_MMPROJ_NAMES.items()
+                 if name.startswith(theirs)), None)
 
 
 # a Mistral 3 mmproj's names (llama.cpp's converter's) -> ours: `v.blk.N.` parts, then the rest; its q and k rows are
@@ -934,10 +1004,10 @@ def mmproj_checkpoint(path: str) -> tuple:
         return cfg, tensors
     tensors = {}
     for tensor in contents.tensors:
-        name = _mmproj_name(tensor.name)
+        dims = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        name = _llava_mmproj_name(tensor.name, dims, cfg) if cfg.projector == "llava" else _mmproj_name(tensor.name)
         if name is None:
             continue
-        dims = tuple(int(d) for d in reversed(tensor.shape.tolist()))
         if tensor.tensor_type == GGMLQuantizationType.F16 and len(dims) >= 2:
             # a matrix's float16 values, memory-mapped: read as float32 where they are used, kept as float16 by the
             # tower's CPU kernels (stored_type)
