@@ -249,8 +249,8 @@ def test_an_mmproj_gguf_reads_the_same_tower(gemma3_vl, tmp_path):
     write_mmproj(directory, tmp_path / "default.gguf")
     assert mmproj_checkpoint(str(tmp_path / "default.gguf"))[0].tokens_per_image == 1
     (tmp_path / "text.gguf").write_bytes((tmp_path / "mmproj.gguf").read_bytes().replace(b"gemma3", b"llava_"))
-    with pytest.raises(WeightLoadError,
-                       match="not a Gemma 3, SmolVLM, Qwen2-VL, Qwen2.5-VL, Qwen3-VL or Mistral 3 mmproj"):
+    with pytest.raises(WeightLoadError, match="not a Gemma 3, SmolVLM, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Mistral 3, "
+                                              "Pixtral 12B or LLaVA 1.5 mmproj"):
         mmproj_checkpoint(str(tmp_path / "text.gguf"))
 
 

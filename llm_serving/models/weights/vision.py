@@ -663,8 +663,8 @@ def _mmproj_fields(path: str, contents=None):
     fields = contents.fields
     kind = (fields.get("general.architecture"), fields.get("clip.projector_type"))
     if kind[0] != "clip" or kind[1] not in MMPROJ_PROJECTORS:
-        raise WeightLoadError(f"{path}: not a Gemma 3, SmolVLM, Qwen2-VL, Qwen2.5-VL, Qwen3-VL or Mistral 3 mmproj "
-                              f"GGUF (general.architecture {kind[0]!r}, clip.projector_type {kind[1]!r}; served: clip "
+        raise WeightLoadError(f"{path}: not a Gemma 3, SmolVLM, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Mistral 3, Pixtral "
+                              f"12B or LLaVA 1.5 mmproj GGUF (general.architecture {kind[0]!r}, clip.projector_type {kind[1]!r}; served: clip "
                               f"with {', '.join(MMPROJ_PROJECTORS)})")
     return contents
 
