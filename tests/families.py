@@ -930,6 +930,39 @@ def _layer_kinds(cfg: dict) -> Optional[list]:
     return [t == "sliding_attention" for t in types] if "sliding_attention" in types else None
 
 
+def edited_gguf(src, dst, fields: Optional[dict] = None, tensors: Optional[dict] = None) -> Path:
+    """A copy of the GGUF `src` at `dst` with `fields` ({key: value}, None dropping one; a new key's type from its
+    value: bool, int as uint32, float as float32, str, list) and `tensors` ({name: array}, None dropping one) changed;
+    every other key keeps its type and every other tensor its values (an mmproj a test makes one fault in)."""
+    import gguf
+
+    fields, tensors = fields or {}, tensors or {}
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(dst), arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture" or name in fields:
+            continue
+        kind = field.types[0]
+        writer.add_key_value(name, field.contents(), kind,
+                             sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    for name, value in fields.items():
+        if value is not None:
+            {bool: writer.add_bool, int: writer.add_uint32, float: writer.add_float32, str: writer.add_string,
+             list: writer.add_array}[type(value)](name, value)
+    for tensor in reader.tensors:
+        if tensor.name not in tensors:
+            writer.add_tensor(tensor.name, np.asarray(tensor.data).reshape(tuple(reversed(tensor.shape.tolist()))))
+    for name, array in tensors.items():
+        if array is not None:
+            writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(dst)
+
+
 def write_gguf(family: str, hf_path, out_path, qtype=None, expert_qtype=None) -> Path:
     """`hf_path` (make_hf_model's directory of `family`) as a GGUF, written as llama.cpp's converter writes the
     architecture; matrices as `qtype` (a gguf.GGMLQuantizationType, default F32; 1-D tensors stay F32, as the

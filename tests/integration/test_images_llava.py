@@ -201,11 +201,9 @@ def test_a_llama_gguf_and_its_mlp_mmproj_serve_the_same_image_questions(llava, t
     naming it."""
     import dataclasses
 
-    import gguf
-
     from llm_serving.models.weights.common import WeightLoadError
     from llm_serving.models.weights.vision import mmproj_checkpoint, vision_checkpoint, vision_shapes
-    from tests.families import write_gguf
+    from tests.families import edited_gguf, write_gguf
     from tests.integration.test_images_qwen import served_gguf_chats
 
     text, mmproj = write_gguf(None, llava, tmp_path / "llava.gguf"), tmp_path / "mmproj.gguf"
@@ -219,26 +217,10 @@ def test_a_llama_gguf_and_its_mlp_mmproj_serve_the_same_image_questions(llava, t
         np.testing.assert_array_equal(tensor.read(index), hf_tensors[name].read(index), err_msg=name)
     served_gguf_chats(llava, text, mmproj, tmp_path, LLAVA)
 
-    reader = gguf.GGUFReader(str(mmproj))
-    for bad, why in (("gelu", "clip.use_gelu"), ("post_ln", "v.post_ln.weight"),
-                     ("pinpoints", "image_grid_pinpoints")):
-        writer = gguf.GGUFWriter(str(tmp_path / f"{bad}.gguf"), "clip")
-        for field in reader.fields.values():
-            if field.name.startswith("clip.") and not (bad == "gelu" and field.name == "clip.use_gelu"):
-                value = field.contents()
-                {bool: writer.add_bool, str: writer.add_string, list: writer.add_array,
-                 float: writer.add_float32}.get(type(value), writer.add_uint32)(field.name, value)
-        if bad == "gelu":
-            writer.add_bool("clip.use_gelu", True)
-        if bad == "pinpoints":
-            writer.add_array("clip.vision.image_grid_pinpoints", [336, 672, 672, 336])
-        for tensor in reader.tensors:
-            writer.add_tensor(tensor.name, np.asarray(tensor.data).reshape(tuple(reversed(tensor.shape.tolist()))))
-        if bad == "post_ln":
-            writer.add_tensor("v.post_ln.weight", np.ones(32, np.float32))
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
+    for bad, fields, tensors, why in (
+            ("gelu", {"clip.use_gelu": True}, None, "clip.use_gelu"),
+            ("post_ln", None, {"v.post_ln.weight": np.ones(32, np.float32)}, "v.post_ln.weight"),
+            ("pinpoints", {"clip.vision.image_grid_pinpoints": [336, 672, 672, 336]}, None, "image_grid_pinpoints")):
+        edited_gguf(mmproj, tmp_path / f"{bad}.gguf", fields, tensors)
         with pytest.raises(WeightLoadError, match=why):
             mmproj_checkpoint(str(tmp_path / f"{bad}.gguf"))

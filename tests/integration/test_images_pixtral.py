@@ -52,7 +52,7 @@ def test_a_llama_gguf_and_its_pixtral_mmproj_serve_the_same_image_questions(pixt
 
     from llm_serving.models.weights.common import WeightLoadError
     from llm_serving.models.weights.vision import mmproj_checkpoint, vision_checkpoint
-    from tests.families import write_gguf
+    from tests.families import edited_gguf, write_gguf
 
     text, mmproj = write_gguf(None, pixtral, tmp_path / "pixtral.gguf"), tmp_path / "mmproj.gguf"
     write_mistral3_mmproj(pixtral, mmproj)
@@ -68,25 +68,9 @@ def test_a_llama_gguf_and_its_pixtral_mmproj_serve_the_same_image_questions(pixt
         np.testing.assert_array_equal(tensor.read(index), hf_tensors[name].read(index), err_msg=name)
     served_gguf_chats(pixtral, text, mmproj, tmp_path, MISTRAL3)
 
-    reader = gguf.GGUFReader(str(mmproj))
-    for bad, extra_key, extra_tensor in (("merge.gguf", 2, None), ("norm.gguf", None, "mm.input_norm.weight")):
-        writer = gguf.GGUFWriter(str(tmp_path / bad), "clip")
-        for field in reader.fields.values():
-            if field.name.startswith("clip.") or field.name == "general.type":
-                value = field.contents()
-                {bool: writer.add_bool, str: writer.add_string, list: writer.add_array,
-                 float: writer.add_float32}.get(type(value), writer.add_uint32)(field.name, value)
-        if extra_key:
-            writer.add_uint32("clip.vision.spatial_merge_size", extra_key)
-        for tensor in reader.tensors:
-            writer.add_tensor(tensor.name, np.asarray(tensor.data).reshape(tuple(reversed(tensor.shape.tolist()))))
-        if extra_tensor:
-            width = json.loads((pixtral / "config.json").read_text())["vision_config"]["hidden_size"]
-            writer.add_tensor(extra_tensor, np.ones(width, np.float32))
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
+    width = json.loads((pixtral / "config.json").read_text())["vision_config"]["hidden_size"]
+    edited_gguf(mmproj, tmp_path / "merge.gguf", fields={"clip.vision.spatial_merge_size": 2})
+    edited_gguf(mmproj, tmp_path / "norm.gguf", tensors={"mm.input_norm.weight": np.ones(width, np.float32)})
     with pytest.raises(WeightLoadError, match="without mm.input_norm.weight and mm.patch_merger.weight, with "
                                               "spatial_merge_size 2"):
         mmproj_checkpoint(str(tmp_path / "merge.gguf"))
