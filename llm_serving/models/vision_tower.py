@@ -1,6 +1,6 @@
 """The vision tower: images' pixels to the text model's embeddings of them, in MindSpore graphs.
 
-Gemma 3's and SmolVLM's (`VisionTower`; SmolVLM's frames are its images here, vision/images.py):
+Gemma 3's, SmolVLM's and LLaVA 1.5's (`VisionTower`; SmolVLM's frames are its images here, vision/images.py):
 - SigLIP: the image cut into patch_size-square patches, each a row of the patch embedding's matrix (the
   checkpoint's stride-equal-kernel convolution, as a matmul), plus a learned position row;
 - num_layers pre-norm encoder layers: LayerNorm, bidirectional attention over every patch (biases on q, k, v and
@@ -252,7 +252,8 @@ class _LlavaProjector(nn.Cell):
 
 
 class VisionTower:
-    """A SigLIP tower and its projector, Gemma 3's or SmolVLM's (the module docstring). `weights`: {name:
+    """A SigLIP tower and its projector, Gemma 3's or SmolVLM's, or LLaVA 1.5's CLIP tower and projector (the module
+    docstring). `weights`: {name:
     StoredTensor} as weights/vision.py's `vision_checkpoint` gives them (or arrays under the same names).
     `kernels`, `threads`: the layers' CPU kernel library and its threads (_EncoderLayer; None: MindSpore's ops);
     `int16`: on the kernels, the layers' products and the attention's values in 16-bit integers
