@@ -159,8 +159,9 @@ def test_the_checkpoint_s_faults_are_named(gemma3_vl, tmp_path, stories_dir):
     (tmp_path / "config.json").write_text(json.dumps({**config, "mm_tokens_per_image": 9}))
     with pytest.raises(WeightLoadError, match="does not pool to 9 tokens"):
         vision_checkpoint(str(tmp_path))
-    (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["LlavaForConditionalGeneration"]}))
-    with pytest.raises(WeightLoadError, match="vision tower of LlavaForConditionalGeneration is not read here"):
+    next_config = {**config, "architectures": ["LlavaNextForConditionalGeneration"]}
+    (tmp_path / "config.json").write_text(json.dumps(next_config))
+    with pytest.raises(WeightLoadError, match="vision tower of LlavaNextForConditionalGeneration is not read here"):
         vision_checkpoint(str(tmp_path))
     with pytest.raises(ValueError, match=r"pixels of shape \(N, 3, 56, 56\)"):
         _tower(directory)[1].encode(np.zeros((1, 3, 28, 28), np.float32))

@@ -197,7 +197,8 @@ def _llava_clip_config(raw: dict, path: str) -> VisionConfig:
         image, patch = int(vision.get("image_size", 224)), int(vision.get("patch_size", 32))
         side = image // patch
         cfg = VisionConfig(
-            hidden_size=int(vision.get("hidden_size", 768)), intermediate_size=int(vision.get("intermediate_size", 3072)),
+            hidden_size=int(vision.get("hidden_size", 768)),
+            intermediate_size=int(vision.get("intermediate_size", 3072)),
             num_layers=layers, num_heads=int(vision.get("num_attention_heads", 12)), image_size=image,
             patch_size=patch, num_channels=int(vision.get("num_channels", 3)),
             layer_norm_eps=float(vision.get("layer_norm_eps", 1e-5)), tokens_per_image=side * side,
@@ -230,7 +231,7 @@ def vision_shapes(cfg: VisionConfig) -> dict:
                        "vision_tower.pre_layrnorm.bias": (d,), "multi_modal_projector.linear_1.weight": (out, d),
                        "multi_modal_projector.linear_2.weight": (out, out)})
         if cfg.projector_bias:
-            shapes.update({"multi_modal_projector.linear_1.bias": (out,), "multi_modal_projector.linear_2.bias": (out,)})
+            shapes.update({f"multi_modal_projector.linear_{k}.bias": (out,) for k in (1, 2)})
     else:
         shapes.update({"vision_tower.embeddings.patch_embedding.bias": (d,), "vision_tower.post_layernorm.weight": (d,),
                        "vision_tower.post_layernorm.bias": (d,)})
@@ -664,7 +665,8 @@ def _mmproj_fields(path: str, contents=None):
     kind = (fields.get("general.architecture"), fields.get("clip.projector_type"))
     if kind[0] != "clip" or kind[1] not in MMPROJ_PROJECTORS:
         raise WeightLoadError(f"{path}: not a Gemma 3, SmolVLM, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Mistral 3, Pixtral "
-                              f"12B or LLaVA 1.5 mmproj GGUF (general.architecture {kind[0]!r}, clip.projector_type {kind[1]!r}; served: clip "
+                              f"12B or LLaVA 1.5 mmproj GGUF (general.architecture {kind[0]!r}, clip.projector_type "
+                              f"{kind[1]!r}; served: clip "
                               f"with {', '.join(MMPROJ_PROJECTORS)})")
     return contents
 
