@@ -409,14 +409,9 @@ def _mmproj_facts(path: str, tokenizer) -> ImageFacts:
         return _qwen_mmproj_facts(path, fields, tokenizer)
     if fields.get("clip.projector_type") == "pixtral":
         return _pixtral_mmproj_facts(path, fields, tokenizer)
-    try:
-        size, patch = int(fields["clip.vision.image_size"]), int(fields["clip.vision.patch_size"])
-    except (KeyError, TypeError, ValueError):
-        raise ValueError(f"{path}: an mmproj GGUF without clip.vision.image_size and patch_size") from None
+    size, patch, normalize = _mmproj_image(path, fields, ((0.5,) * 3, (0.5,) * 3))
     pool = int(fields.get("clip.vision.projector.scale_factor", 4))
     side = size // patch // pool
-    normalize = {"image_mean": [float(v) for v in fields.get("clip.vision.image_mean", [0.5] * 3)],
-                 "image_std": [float(v) for v in fields.get("clip.vision.image_std", [0.5] * 3)]}
     if fields.get("clip.projector_type") == "idefics3":
         longest = int(fields.get("clip.vision.preproc_image_size", size))
         spec = ImageSpec.from_config({"size": {"longest_edge": longest}, "max_image_size": {"longest_edge": size},
@@ -434,30 +429,31 @@ def _pixtral_mmproj_facts(path: str, fields: dict, tokenizer) -> ImageFacts:
     image_size, which is its processor's longest edge: Mistral Small 3.1's 1,540), bicubic, the file's mean and std;
     the merge `spatial_merge_size` (none where the file sets none, as llama.cpp reads it: Pixtral 12B's); the
     tokens from the text model's vocabulary."""
-    try:
-        longest, patch = int(fields["clip.vision.image_size"]), int(fields["clip.vision.patch_size"])
-    except (KeyError, TypeError, ValueError):
-        raise ValueError(f"{path}: an mmproj GGUF without clip.vision.image_size and patch_size") from None
-    spec = ImageSpec.from_config({
-        "image_processor_type": "PixtralImageProcessor", "patch_size": patch, "size": {"longest_edge": longest},
-        "resample": 3, "image_mean": [float(v) for v in fields.get("clip.vision.image_mean", _CLIP_MEAN)],
-        "image_std": [float(v) for v in fields.get("clip.vision.image_std", _CLIP_STD)]}, path)
+    longest, patch, normalize = _mmproj_image(path, fields, (_CLIP_MEAN, _CLIP_STD))
+    spec = ImageSpec.from_config({"image_processor_type": "PixtralImageProcessor", "patch_size": patch,
+                                  "size": {"longest_edge": longest}, "resample": 3, **normalize}, path)
     spec = dataclasses.replace(spec, merge=int(fields.get("clip.vision.spatial_merge_size", 1)))
     ids = {key: _one_token(tokenizer, text, path) for key, text in _PIXTRAL.items()}
     return ImageFacts(-1, ids["image"], _PIXTRAL["image"], "", _PIXTRAL["image"], spec, family="pixtral",
                       row_break_id=ids["break"], image_end_id=ids["end"])
 
 
-def _llava_mmproj_facts(path: str, fields: dict, tokenizer) -> ImageFacts:
+def _mmproj_image(path: str, fields: dict, normalize: tuple) -> tuple:
+    """(image_size, patch_size, {image_mean, image_std}) of an mmproj's `clip.vision.*` keys, the mean and std
+    `normalize` where the file gives none; ValueError naming the file without the two sizes."""
     try:
         size, patch = int(fields["clip.vision.image_size"]), int(fields["clip.vision.patch_size"])
     except (KeyError, TypeError, ValueError):
         raise ValueError(f"{path}: an mmproj GGUF without clip.vision.image_size and patch_size") from None
+    return size, patch, {"image_mean": [float(v) for v in fields.get("clip.vision.image_mean", normalize[0])],
+                         "image_std": [float(v) for v in fields.get("clip.vision.image_std", normalize[1])]}
+
+
+def _llava_mmproj_facts(path: str, fields: dict, tokenizer) -> ImageFacts:
+    size, patch, normalize = _mmproj_image(path, fields, (_CLIP_MEAN, _CLIP_STD))
     spec = ImageSpec.from_config({
         "image_processor_type": "LlavaImageProcessor", "do_pad": True, "size": {"shortest_edge": size},
-        "crop_size": {"height": size, "width": size}, "resample": 3,
-        "image_mean": [float(v) for v in fields.get("clip.vision.image_mean", _CLIP_MEAN)],
-        "image_std": [float(v) for v in fields.get("clip.vision.image_std", _CLIP_STD)]}, path)
+        "crop_size": {"height": size, "width": size}, "resample": 3, **normalize}, path)
     return ImageFacts((size // patch) ** 2, _one_token(tokenizer, _LLAVA, path), _LLAVA, "", _LLAVA, spec,
                       family="llava")
 

@@ -18,7 +18,7 @@ import pytest
 from tests.families import LLAVA_IMAGE_TOKEN, greedy_with_logprobs, make_llava, needs_transformers
 from tests.integration.image_chats import png
 from tests.integration.test_images_qwen import NEW_TOKENS, Kit, served_image_chats
-from tests.integration.test_vision_qwen3 import float_kernels_bound
+from tests.integration.test_vision_qwen3 import served_towers
 
 pytest.importorskip("mindspore")
 pytest.importorskip("PIL", reason="Pillow reads the images (pip install -e .)")
@@ -85,7 +85,6 @@ def test_the_tower_and_the_float64_reference_are_transformers(llava):
     LLaVA's projector)."""
     torch, transformers = needs_transformers()
 
-    from llm_serving.models.runner.kernels import build_vision_kernels
     from llm_serving.models.vision_tower import VisionTower
     from llm_serving.models.weights.vision import vision_checkpoint
     from llm_serving.reference_vision import ReferenceVision
@@ -94,12 +93,7 @@ def test_the_tower_and_the_float64_reference_are_transformers(llava):
         str(llava), dtype=torch.float64, attn_implementation="eager").eval()
     cfg, tensors = vision_checkpoint(str(llava))
     assert (cfg.num_layers, cfg.tokens_per_image, cfg.sequence) == (2, TOKENS, TOKENS + 1)
-    kernels = build_vision_kernels("CPU", "auto")
-    towers = [("mindspore", VisionTower(cfg, tensors), 2e-6)]
-    if kernels is not None:
-        towers += [("kernels", VisionTower(cfg, tensors, kernels=kernels, threads=2),
-                    float_kernels_bound(kernels, 2e-6)),
-                   ("int16", VisionTower(cfg, tensors, kernels=kernels, threads=2, int16=True), 3e-3)]
+    towers = served_towers(VisionTower, cfg, tensors)
     reference = ReferenceVision(str(llava))
     for data in (png(0, (40, 130, 3)), png(1, (64, 30, 4))):
         pixel_values = _pixel_values(llava, [data])

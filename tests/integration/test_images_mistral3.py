@@ -20,7 +20,7 @@ from tests.families import MISTRAL3_IMAGE_TOKENS, greedy_with_logprobs, make_mis
 from tests.integration.image_chats import png, user_message
 from tests.integration.server_harness import http, serving
 from tests.integration.test_images_qwen import MODEL, NEW_TOKENS, Kit, _body, served_gguf_chats, served_image_chats
-from tests.integration.test_vision_qwen3 import float_kernels_bound
+from tests.integration.test_vision_qwen3 import served_towers
 
 pytest.importorskip("mindspore")
 pytest.importorskip("PIL", reason="Pillow reads the images (pip install -e .)")
@@ -124,7 +124,6 @@ def tower_matches_transformers(path) -> None:
     torch, _ = needs_transformers()
     from PIL import Image
 
-    from llm_serving.models.runner.kernels import build_vision_kernels
     from llm_serving.models.vision_qwen import QwenVisionTower
     from llm_serving.models.weights.vision import vision_checkpoint
     from llm_serving.reference_vision import ReferenceVision
@@ -135,12 +134,7 @@ def tower_matches_transformers(path) -> None:
     model = _model_class(path).from_pretrained(str(path), dtype=torch.float64, attn_implementation="eager").eval()
     facts = image_facts(str(path), None, load_tokenizer(str(path / "tokenizer.json")))
     cfg, tensors = vision_checkpoint(str(path))
-    kernels = build_vision_kernels("CPU", "auto")
-    towers = [("mindspore", QwenVisionTower(cfg, tensors), 2e-6)]
-    if kernels is not None:
-        towers += [("kernels", QwenVisionTower(cfg, tensors, kernels=kernels, threads=2),
-                    float_kernels_bound(kernels, 2e-6)),
-                   ("int16", QwenVisionTower(cfg, tensors, kernels=kernels, threads=2, int16=True), 3e-3)]
+    towers = served_towers(QwenVisionTower, cfg, tensors)
     reference = ReferenceVision(str(path))
     for data in (png(0, (40, 130, 3)), png(1, (64, 30, 3))):
         out = _processed(path, [data])

@@ -96,6 +96,21 @@ def float_kernels_bound(kernels: str, fma: float) -> float:
     return 1e-4 if ctypes.CDLL(kernels).VisionAmx(-1) else fma
 
 
+def served_towers(tower_class, cfg, tensors) -> list:
+    """(name, tower, bound of its largest value against transformers' float64 features) of each way the server
+    runs `tower_class` (VisionTower, QwenVisionTower): MindSpore's ops, and where the vision kernels build, their
+    float32 products (float_kernels_bound) and their int16 ones."""
+    from llm_serving.models.runner.kernels import build_vision_kernels
+
+    kernels = build_vision_kernels("CPU", "auto")
+    towers = [("mindspore", tower_class(cfg, tensors), 2e-6)]
+    if kernels is not None:
+        towers += [("kernels", tower_class(cfg, tensors, kernels=kernels, threads=2),
+                    float_kernels_bound(kernels, 2e-6)),
+                   ("int16", tower_class(cfg, tensors, kernels=kernels, threads=2, int16=True), 3e-3)]
+    return towers
+
+
 def test_the_processor_s_pixels_are_transformers(qwen3_vl):
     from llm_serving.vision import decode
 
